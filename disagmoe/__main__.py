@@ -1,0 +1,3 @@
+from disagmoe.cli.app import main
+
+main()

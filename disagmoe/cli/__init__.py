@@ -1,0 +1,1 @@
+"""The `disagmoe` command line (typer). Nothing else in the package imports this."""

@@ -1,0 +1,88 @@
+"""Map a Hugging Face `config.json` (Mixtral, Qwen3-MoE, DeepSeek-V3) to a `ModelConfig`.
+
+Local files only: nothing is downloaded. No torch import (the planner reads these too).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from disagmoe.config import ModelConfig, validate
+
+SUPPORTED = ("mixtral", "qwen3_moe", "deepseek_v3")
+
+
+def _need(data: dict[str, Any], key: str, source: str) -> Any:
+    if key not in data:
+        raise ValueError(f"{source}: Hugging Face config has no {key!r}; is it a complete config.json?")
+    return data[key]
+
+
+def model_config_from_hf(data: dict[str, Any], source: str = "config.json") -> ModelConfig:
+    """Build our config from a parsed HF config dict; reject architectures we do not implement."""
+    model_type = data.get("model_type")
+    if model_type not in SUPPORTED:
+        raise ValueError(
+            f"{source}: model_type {model_type!r} is not supported; supported Hugging Face "
+            f"architectures: {', '.join(SUPPORTED)}"
+        )
+    g = lambda key: _need(data, key, source)  # noqa: E731
+    hidden = g("hidden_size")
+    heads = g("num_attention_heads")
+    common: dict[str, Any] = dict(
+        name=data.get("_name_or_path") or model_type,
+        vocab_size=g("vocab_size"),
+        hidden_size=hidden,
+        num_layers=g("num_hidden_layers"),
+        num_heads=heads,
+        num_kv_heads=data.get("num_key_value_heads") or heads,
+        rope_theta=data.get("rope_theta", 10000.0),
+        norm_eps=data.get("rms_norm_eps", 1e-6),
+        tie_embeddings=bool(data.get("tie_word_embeddings", False)),
+        seq_len=min(int(data.get("max_position_embeddings", 4096)), 4096),
+    )
+    if model_type == "mixtral":
+        common.update(
+            head_dim=data.get("head_dim") or hidden // heads,
+            num_experts=g("num_local_experts"),
+            top_k=g("num_experts_per_tok"),
+            expert_ffn_size=g("intermediate_size"),
+            router=dict(score="softmax", normalize_topk=True,
+                        aux_loss_coef=data.get("router_aux_loss_coef", 0.0)),
+        )
+    elif model_type == "qwen3_moe":
+        if data.get("mlp_only_layers") or data.get("decoder_sparse_step", 1) != 1:
+            raise ValueError(
+                f"{source}: Qwen3-MoE configs with dense layers interleaved (mlp_only_layers / "
+                "decoder_sparse_step != 1) are not supported"
+            )
+        common.update(
+            head_dim=data.get("head_dim") or hidden // heads,
+            qk_norm=True,
+            num_experts=g("num_experts"),
+            top_k=g("num_experts_per_tok"),
+            expert_ffn_size=g("moe_intermediate_size"),
+            dense_ffn_size=data.get("intermediate_size", 0),
+            router=dict(score="softmax", normalize_topk=bool(data.get("norm_topk_prob", True)),
+                        aux_loss_coef=data.get("router_aux_loss_coef", 0.0)),
+        )
+    else:  # deepseek_v3
+        nope, rope = g("qk_nope_head_dim"), g("qk_rope_head_dim")
+        common.update(
+            head_dim=nope + rope,
+            num_kv_heads=heads,
+            attention="mla",
+            mla=dict(q_lora_rank=data.get("q_lora_rank"), kv_lora_rank=g("kv_lora_rank"),
+                     qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=g("v_head_dim")),
+            num_dense_layers=data.get("first_k_dense_replace", 0),
+            dense_ffn_size=g("intermediate_size"),
+            num_experts=g("n_routed_experts"),
+            top_k=g("num_experts_per_tok"),
+            expert_ffn_size=g("moe_intermediate_size"),
+            num_shared_experts=data.get("n_shared_experts") or 0,
+            router=dict(score="sigmoid", normalize_topk=bool(data.get("norm_topk_prob", True)),
+                        num_groups=data.get("n_group") or 1, topk_groups=data.get("topk_group") or 1,
+                        routed_scaling=data.get("routed_scaling_factor", 1.0),
+                        aux_loss_coef=data.get("aux_loss_alpha", 0.0), bias_balancing=True),
+        )
+    return validate(ModelConfig, common, source)

@@ -1,0 +1,1 @@
+"""Roofline model: FLOPs and bytes of every stage, and their times under each ceiling."""
