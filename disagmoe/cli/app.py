@@ -5,6 +5,7 @@ from __future__ import annotations
 import typer
 
 from disagmoe.cli.config_cmd import config_app, presets
+from disagmoe.cli.train_cmd import train
 
 HELP = """\
 Train Mixture-of-Experts models with attention and expert layers on disjoint GPU groups.
@@ -31,6 +32,7 @@ app = typer.Typer(
 )
 app.add_typer(config_app, name="config")
 app.command("presets")(presets)
+app.command("train")(train)
 
 
 def main() -> None:

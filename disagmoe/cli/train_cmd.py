@@ -1,0 +1,102 @@
+"""`disagmoe train`: run a training config in one of the layouts (single, disaggregated, colocated)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Annotated, Any
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from disagmoe.config import TrainConfig, load_train_config
+from disagmoe.cli.common import console, print_json, user_errors
+
+
+def run_single(cfg: TrainConfig, on_step: Callable[[dict[str, Any]], None] | None) -> dict[str, Any]:
+    """The whole model in this process: the correctness oracle."""
+    from disagmoe.runtime.trainer import train_single  # torch loads only when training
+
+    return train_single(cfg, on_step).to_dict()
+
+
+def run_disaggregated(cfg: TrainConfig, on_step: Callable[[dict[str, Any]], None] | None) -> dict[str, Any]:
+    raise ValueError(
+        "mode 'disaggregated' is not available in this build yet; use --mode single"
+    )
+
+
+def run_colocated(cfg: TrainConfig, on_step: Callable[[dict[str, Any]], None] | None) -> dict[str, Any]:
+    raise ValueError("mode 'colocated' is not available in this build yet; use --mode single")
+
+
+RUNNERS = {"single": run_single, "disaggregated": run_disaggregated, "colocated": run_colocated}
+
+
+@user_errors
+def train(
+    config: Annotated[str, typer.Option("--config", "-c", help="training config YAML")],
+    overrides: Annotated[
+        list[str] | None, typer.Argument(help="config overrides key=value, e.g. optim.lr=1e-3 data.kind=text")
+    ] = None,
+    mode: Annotated[str | None, typer.Option(help="single | disaggregated | colocated (default: the config's)")] = None,
+    steps: Annotated[int | None, typer.Option(help="optimizer steps (default: the config's)")] = None,
+    out_dir: Annotated[str | None, typer.Option("--out-dir", help="metrics and checkpoints go here")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print the final summary as JSON only")] = False,
+) -> None:
+    """Train a model. Writes <out-dir>/metrics.jsonl (one JSON object per step) and checkpoints."""
+    flags = [f"{k}={v}" for k, v in (("mode", mode), ("steps", steps), ("out_dir", out_dir)) if v is not None]
+    cfg = load_train_config(config, [*(overrides or []), *flags])
+    runner = RUNNERS[cfg.mode]
+    if as_json:
+        print_json(runner(cfg, None))
+        return
+    with TrainProgress(cfg.steps) as on_step:
+        summary = runner(cfg, on_step)
+    console.print(_summary_table(cfg, summary))
+
+
+class TrainProgress:
+    """A rich progress bar showing step, loss and tokens/s; `with` yields the per-step callback."""
+
+    def __init__(self, total_steps: int):
+        self.progress = Progress(
+            TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
+            TimeElapsedColumn(), console=console, transient=False,
+        )
+        self.task = self.progress.add_task("train", total=total_steps, loss="-", tps="-")
+
+    def __enter__(self) -> Callable[[dict[str, Any]], None]:
+        self.progress.start()
+        return self.on_step
+
+    def on_step(self, record: dict[str, Any]) -> None:
+        self.progress.update(
+            self.task, completed=record["step"], loss=f"{record['loss']:.4f}", tps=f"{record['tokens_per_s']:,.0f}"
+        )
+
+    def __exit__(self, *exc: object) -> None:
+        self.progress.stop()
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _summary_table(cfg: TrainConfig, summary: dict[str, Any]) -> Table:
+    table = Table(title=f"train ({cfg.mode})", show_header=False)
+    table.add_column("what")
+    table.add_column("value", justify="right")
+    rows = [
+        ("steps", str(summary["steps"])),
+        ("final loss", _fmt(summary["final_loss"], ".4f")),
+        ("final val loss", _fmt(summary["final_val_loss"], ".4f")),
+        ("tokens/s", _fmt(summary["tokens_per_s"], ",.0f")),
+        ("MFU", "- (set hardware: for a peak)" if summary["mfu"] is None else f"{summary['mfu']:.2%}"),
+        ("metrics", summary["metrics_path"]),
+        ("checkpoint", summary["checkpoint_path"] or "-"),
+    ]
+    for what, value in rows:
+        table.add_row(what, value)
+    return table

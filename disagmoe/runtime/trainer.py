@@ -1,0 +1,271 @@
+"""Single-process training: the correctness oracle every distributed mode must reproduce.
+
+The loss of a step, precisely. The step's batch [B, S + 1] (`disagmoe.data`) is cut into M
+micro-batches by `batching.batch_rows` (one data-parallel rank). For micro-batch m, one forward
+over its whole [B/M, S] inputs gives
+
+    loss_m = CE_m + aux_m + z_m
+
+CE_m: mean next-token cross-entropy over the micro-batch's B/M * S tokens (fp32 log-softmax);
+aux_m, z_m: the router's load-balancing loss and z-loss as the model returns them (summed over MoE
+layers, weighted by their coefficients), computed over all tokens of the micro-batch, so a
+runtime that spreads a micro-batch over data-parallel ranks must combine the routing statistics
+of those ranks before forming them. The step loss is the mean over micro-batches,
+
+    loss = (1 / M) * sum_m loss_m
+
+and the gradients are those of this loss: each micro-batch backpropagates loss_m / M and the
+gradients accumulate. Then: clip to the global norm `optim.grad_clip`, AdamW step at `lr_at(step)`,
+and the router bias update from the step's expert loads summed over its micro-batches.
+Validation loss: mean CE over `eval_batches` fixed held-out batches (no auxiliary terms).
+
+Legend: B sequences per step, S sequence length, V vocabulary, L MoE layers, E experts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from disagmoe.config import ModelConfig, TrainConfig, load_hardware, load_model
+from disagmoe.data import TokenDataset, load_splits
+from disagmoe.model import MoETransformer
+from disagmoe.roofline.flops import step_flops
+from disagmoe.runtime.batching import batch_rows, check_divisible, inputs_and_targets
+from disagmoe.runtime.checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint
+from disagmoe.runtime.metrics import MetricsLog, load_imbalance, mfu
+from disagmoe.runtime.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
+
+METRICS_FILE = "metrics.jsonl"
+CHECKPOINTS_DIR = "checkpoints"
+
+
+@dataclass(frozen=True)
+class StepResult:
+    loss: float
+    ce: float
+    aux_loss: float
+    z_loss: float
+    grad_norm: float
+    expert_load_LE: torch.Tensor  # int64, summed over micro-batches
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device=cuda but torch sees no CUDA GPU; set device=cpu or run on a GPU host")
+    return torch.device(device)
+
+
+def compute_context(device: torch.device) -> contextlib.AbstractContextManager:
+    """bf16 autocast on CUDA (compute in bf16 from the fp32 master weights); fp32 on CPU."""
+    if device.type == "cuda":
+        return torch.autocast(device_type="cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def cross_entropy(logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy, computed in fp32 whatever the logits' dtype."""
+    return F.cross_entropy(logits_BSV.float().flatten(0, 1), targets_BS.flatten())
+
+
+def train_step(
+    model: MoETransformer,
+    optimizer: torch.optim.Optimizer,
+    tokens_BS1: torch.Tensor,
+    micro_batches: int,
+    lr: float,
+    grad_clip: float,
+) -> StepResult:
+    """One optimizer step over a batch, as defined in the module docstring."""
+    device = next(model.parameters()).device
+    batch_size = tokens_BS1.shape[0]
+    check_divisible(batch_size, micro_batches, 1)
+    model.train()
+    optimizer.zero_grad(set_to_none=True)
+    totals = torch.zeros(4, dtype=torch.float64)  # loss, ce, aux, z summed over micro-batches
+    load_LE = None
+    for m in range(micro_batches):
+        rows = batch_rows(batch_size, micro_batches, 1, m, 0)
+        inputs_BS, targets_BS = inputs_and_targets(tokens_BS1[rows].to(device))
+        with compute_context(device):
+            out = model(inputs_BS)
+        ce = cross_entropy(out.logits_BSV, targets_BS)
+        loss = ce + out.aux_loss.float() + out.z_loss.float()
+        (loss / micro_batches).backward()
+        parts = torch.stack([loss, ce, out.aux_loss.float(), out.z_loss.float()]).detach()
+        totals += parts.double().cpu()
+        load = out.expert_load_LE.detach().cpu()
+        load_LE = load if load_LE is None else load_LE + load
+    grad_norm = clip_grad_norm(model.parameters(), grad_clip)
+    set_lr(optimizer, lr)
+    optimizer.step()
+    assert load_LE is not None
+    model.update_router_bias(load_LE.to(device))
+    loss, ce, aux, z = (totals / micro_batches).tolist()
+    return StepResult(loss=loss, ce=ce, aux_loss=aux, z_loss=z, grad_norm=grad_norm, expert_load_LE=load_LE)
+
+
+@torch.no_grad()
+def evaluate(model: MoETransformer, dataset: TokenDataset, batches: int, micro_batches: int) -> float:
+    """Mean next-token cross-entropy over the first `batches` batches of a (validation) dataset."""
+    device = next(model.parameters()).device
+    model.eval()
+    total = 0.0
+    for b in range(batches):
+        tokens_BS1 = dataset.batch(b)
+        for m in range(micro_batches):
+            rows = batch_rows(dataset.batch_size, micro_batches, 1, m, 0)
+            inputs_BS, targets_BS = inputs_and_targets(tokens_BS1[rows].to(device))
+            with compute_context(device):
+                out = model(inputs_BS)
+            total += float(cross_entropy(out.logits_BSV, targets_BS))
+    model.train()
+    return total / (batches * micro_batches)
+
+
+@dataclass(frozen=True)
+class TrainSummary:
+    steps: int  # optimizer steps taken in total (including those before a resume)
+    final_loss: float | None
+    final_val_loss: float | None
+    tokens_per_s: float | None
+    mfu: float | None
+    out_dir: str
+    metrics_path: str
+    checkpoint_path: str | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+StepCallback = Callable[[dict[str, Any]], None]
+
+
+class SingleProcessTrainer:
+    """Model, optimizer, data and outputs of a `mode: single` run."""
+
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+        self.model_cfg: ModelConfig = load_model(cfg.model)
+        self.device = resolve_device(cfg.device)
+        check_divisible(cfg.batch_size, cfg.micro_batches, 1)
+        splits = load_splits(cfg.data, self.model_cfg.vocab_size, cfg.seq_len)
+        self.train_data = TokenDataset(splits.train, cfg.seq_len, cfg.batch_size, cfg.seed, "train")
+        self.val_data = (
+            None if splits.val is None
+            else TokenDataset(splits.val, cfg.seq_len, cfg.batch_size, cfg.seed, "val")
+        )
+        torch.manual_seed(cfg.seed)
+        self.model = MoETransformer(self.model_cfg, experts_backend=cfg.experts_backend)
+        self.model.init_weights(cfg.seed)
+        self.model.to(self.device)
+        self.optimizer = build_optimizer(self.model.named_parameters(), cfg.optim)
+        self.out_dir = Path(cfg.out_dir)
+        self.checkpoint_root = self.out_dir / CHECKPOINTS_DIR
+        self.tokens_per_step = cfg.batch_size * cfg.seq_len
+        self.flops_per_step = step_flops(self.model_cfg, self.tokens_per_step, cfg.seq_len)
+        self.peak_flops = None if cfg.hardware is None else load_hardware(cfg.hardware).bf16_tflops * 1e12
+        self.step = 0
+        if cfg.resume:
+            self._resume()
+
+    def _resume(self) -> None:
+        directory = latest_checkpoint(self.checkpoint_root)
+        if directory is None:
+            raise ValueError(
+                f"resume=true but {self.checkpoint_root} holds no complete checkpoint; "
+                f"check out_dir or set resume=false to start fresh"
+            )
+        state = load_checkpoint(directory, self.model, self.optimizer, self.model_cfg)
+        state.restore_rng()
+        if state.step >= self.cfg.steps:
+            raise ValueError(
+                f"checkpoint {directory} is at step {state.step}, already at steps={self.cfg.steps}; "
+                f"raise steps to train further"
+            )
+        self.step = state.data_step
+
+    def save(self) -> Path:
+        return save_checkpoint(
+            self.checkpoint_root, self.model, self.optimizer, self.model_cfg, TrainerState.capture(self.step)
+        )
+
+    def run(self, on_step: StepCallback | None = None) -> TrainSummary:
+        """Train from the current step to `cfg.steps`, logging every step; returns the summary."""
+        cfg = self.cfg
+        metrics_path = self.out_dir / METRICS_FILE
+        last: dict[str, Any] = {}
+        last_val: float | None = None
+        checkpoint: Path | None = None
+        total_tokens, total_time = 0, 0.0
+        with MetricsLog(metrics_path, resume_after_step=self.step if cfg.resume else None) as log:
+            while self.step < cfg.steps:
+                record = self._train_one_step()
+                total_tokens += record["tokens"]
+                total_time += record["step_time_s"]
+                if self.val_data is not None and cfg.eval_every and (
+                    self.step % cfg.eval_every == 0 or self.step == cfg.steps
+                ):
+                    last_val = record["val_loss"] = evaluate(
+                        self.model, self.val_data, cfg.eval_batches, cfg.micro_batches
+                    )
+                if (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0) or self.step == cfg.steps:
+                    checkpoint = self.save()
+                log.write(record)
+                if on_step is not None:
+                    on_step(record)
+                last = record
+        tokens_per_s = total_tokens / total_time if total_time > 0 else None
+        return TrainSummary(
+            steps=self.step,
+            final_loss=last.get("loss"),
+            final_val_loss=last_val,
+            tokens_per_s=tokens_per_s,
+            mfu=mfu(self.flops_per_step * total_tokens / self.tokens_per_step, total_time, self.peak_flops),
+            out_dir=str(self.out_dir),
+            metrics_path=str(metrics_path),
+            checkpoint_path=None if checkpoint is None else str(checkpoint),
+        )
+
+    def _train_one_step(self) -> dict[str, Any]:
+        cfg = self.cfg
+        lr = lr_at(self.step, cfg.optim, cfg.steps)
+        tokens_BS1 = self.train_data.batch(self.step)
+        self._sync()
+        start = time.perf_counter()
+        result = train_step(self.model, self.optimizer, tokens_BS1, cfg.micro_batches, lr, cfg.optim.grad_clip)
+        self._sync()
+        seconds = time.perf_counter() - start
+        self.step += 1
+        return {
+            "step": self.step,
+            "loss": result.loss,
+            "ce": result.ce,
+            "aux_loss": result.aux_loss,
+            "z_loss": result.z_loss,
+            "lr": lr,
+            "grad_norm": result.grad_norm,
+            "tokens": self.tokens_per_step,
+            "step_time_s": seconds,
+            "tokens_per_s": self.tokens_per_step / seconds,
+            "flops": self.flops_per_step,
+            "mfu": mfu(self.flops_per_step, seconds, self.peak_flops),
+            "expert_load": result.expert_load_LE.tolist(),
+            "load_imbalance": load_imbalance(result.expert_load_LE),
+        }
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+def train_single(cfg: TrainConfig, on_step: StepCallback | None = None) -> TrainSummary:
+    """Run a whole `mode: single` training run (resuming if `cfg.resume`)."""
+    return SingleProcessTrainer(cfg).run(on_step)
