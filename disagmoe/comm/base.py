@@ -1,0 +1,115 @@
+"""The transport contract (DESIGN section 3b): point-to-point messages of tensors, named by key.
+
+    send(dst_rank, key, tensors) -> SendHandle      (non-blocking; keep going, wait later)
+    recv(src_rank, key, timeout_s) -> list[Tensor]  (blocking; counts travel before rows)
+
+A message is matched by (source rank, destination rank, key), with key = (step, micro_batch,
+layer, direction); the pipeline schedule guarantees that key is unique per ordered rank pair
+within a step. A receiver may ask for keys in any order: every implementation must deliver a
+message whose key is asked for while other messages from the same peer are still pending.
+
+A peer that does not deliver in time raises `TransportTimeout`; a peer whose connection breaks
+(it died) raises `PeerFailure`. Both name the peer rank and the key, so the driver can report
+which rank failed at which point of the schedule.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from enum import IntEnum
+from typing import NamedTuple
+
+import torch
+
+
+class Direction(IntEnum):
+    """Which pass a message belongs to: activations flow forward, gradients backward."""
+
+    FORWARD = 0
+    BACKWARD = 1
+
+
+class MessageKey(NamedTuple):
+    """Names one message between an ordered pair of ranks."""
+
+    step: int
+    micro_batch: int
+    layer: int
+    direction: Direction
+
+    def __str__(self) -> str:
+        return (
+            f"(step={self.step}, micro_batch={self.micro_batch}, layer={self.layer}, "
+            f"{self.direction.name.lower()})"
+        )
+
+
+class TransportError(RuntimeError):
+    """A message could not be exchanged with `peer` for `key`."""
+
+    def __init__(self, message: str, peer: int, key: MessageKey | None) -> None:
+        super().__init__(message)
+        self.peer = peer
+        self.key = key
+
+
+class TransportTimeout(TransportError):
+    """The peer did not deliver (or accept) the message within the timeout."""
+
+    def __init__(self, peer: int, key: MessageKey | None, timeout_s: float, what: str) -> None:
+        super().__init__(
+            f"timed out after {timeout_s:g} s waiting to {what} rank {peer} for key {key}; "
+            f"rank {peer} is hung, slow or never sends this key (raise recv_timeout_s if it is slow)",
+            peer,
+            key,
+        )
+        self.timeout_s = timeout_s
+
+
+class PeerFailure(TransportError):
+    """The connection to the peer broke (the peer process died or closed its transport)."""
+
+    def __init__(self, peer: int, key: MessageKey | None, cause: str) -> None:
+        super().__init__(f"rank {peer} failed while exchanging key {key}: {cause}", peer, key)
+
+
+class SendHandle(abc.ABC):
+    """An in-flight send. The tensors passed to `send` must not be modified until `wait` returns."""
+
+    @abc.abstractmethod
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Block until the receiver has the data; raises TransportTimeout / PeerFailure."""
+
+    @abc.abstractmethod
+    def is_completed(self) -> bool:
+        """True once the data has left this rank's hands (no further wait needed)."""
+
+
+class Transport(abc.ABC):
+    """Point-to-point tensor messages between the ranks of one job."""
+
+    def __init__(self, rank: int, world_size: int, default_timeout_s: float) -> None:
+        if default_timeout_s <= 0:
+            raise ValueError(f"default_timeout_s={default_timeout_s} must be > 0 seconds")
+        self.rank = rank
+        self.world_size = world_size
+        self.default_timeout_s = default_timeout_s
+
+    @abc.abstractmethod
+    def send(self, dst_rank: int, key: MessageKey, tensors: Sequence[torch.Tensor]) -> SendHandle:
+        """Start sending `tensors` (any shapes and dtypes, zero rows allowed) to `dst_rank`."""
+
+    @abc.abstractmethod
+    def recv(self, src_rank: int, key: MessageKey, timeout_s: float | None = None) -> list[torch.Tensor]:
+        """Receive the message `key` from `src_rank`; `timeout_s=None` uses the default."""
+
+    def close(self) -> None:
+        """Release transport resources (the process group itself belongs to the caller)."""
+
+    def _check_peer(self, peer: int) -> None:
+        if not 0 <= peer < self.world_size or peer == self.rank:
+            raise ValueError(
+                f"rank {self.rank}: peer rank {peer} is not another rank of this "
+                f"{self.world_size}-rank job"
+            )

@@ -1,0 +1,131 @@
+"""Who is who in a disaggregated job: global rank numbers, roles and layer ownership.
+
+Ranks are numbered attention first, then experts, each pool ordered by pipeline group:
+
+    attention rank (group g, data-parallel index d)  ->  g * attention_per_group + d
+    expert rank (group g, index j)                   ->  attention_ranks + first expert of g + j
+
+Group g owns layers g, g + p, g + 2p, ... (p = pipeline_groups). Forward: A_g -> E_g ->
+A_(g+1 mod p); the LM head and loss run on group `num_layers mod p` (after the last layer).
+Expert ranks may split unevenly over groups (earlier groups get one more); attention ranks may
+not, because a token keeps its data-parallel index from group to group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from functools import cached_property
+
+
+class RoleKind(str, Enum):
+    ATTENTION = "attention"
+    EXPERT = "expert"
+
+
+@dataclass(frozen=True)
+class Role:
+    """A rank's job: attention (index = data-parallel index) or expert (index within its group)."""
+
+    kind: RoleKind
+    group: int
+    index: int
+
+    def __str__(self) -> str:
+        letter = "A" if self.kind is RoleKind.ATTENTION else "E"
+        return f"{letter}{self.group}.{self.index}"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Ranks, pipeline groups and layers of a disaggregated job (totals over all groups)."""
+
+    attention_ranks: int
+    expert_ranks: int
+    pipeline_groups: int
+    num_layers: int
+    num_dense_layers: int = 0
+
+    def __post_init__(self) -> None:
+        p = self.pipeline_groups
+        for name in ("attention_ranks", "expert_ranks", "pipeline_groups", "num_layers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
+        if not 0 <= self.num_dense_layers <= self.num_layers:
+            raise ValueError(
+                f"num_dense_layers={self.num_dense_layers} must be between 0 and "
+                f"num_layers={self.num_layers}"
+            )
+        if self.attention_ranks % p:
+            raise ValueError(
+                f"attention_ranks={self.attention_ranks} must be a multiple of pipeline_groups={p}: "
+                "every group needs the same data-parallel width, because a token keeps its "
+                "data-parallel index from group to group"
+            )
+        if self.expert_ranks < p:
+            raise ValueError(
+                f"expert_ranks={self.expert_ranks} is fewer than pipeline_groups={p}; "
+                "every pipeline group needs at least one expert rank"
+            )
+        if self.num_layers < p:
+            raise ValueError(
+                f"num_layers={self.num_layers} is fewer than pipeline_groups={p}; "
+                "use at most one pipeline group per layer"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.attention_ranks + self.expert_ranks
+
+    @property
+    def data_parallel(self) -> int:
+        """Attention ranks per pipeline group (the data-parallel width)."""
+        return self.attention_ranks // self.pipeline_groups
+
+    @property
+    def head_group(self) -> int:
+        """The group whose attention ranks run the final norm, LM head and loss."""
+        return self.num_layers % self.pipeline_groups
+
+    def group_of_layer(self, layer: int) -> int:
+        return layer % self.pipeline_groups
+
+    def is_moe(self, layer: int) -> bool:
+        return layer >= self.num_dense_layers
+
+    def layers_of_group(self, group: int) -> range:
+        return range(group, self.num_layers, self.pipeline_groups)
+
+    def next_group(self, group: int) -> int:
+        return (group + 1) % self.pipeline_groups
+
+    def prev_group(self, group: int) -> int:
+        return (group - 1) % self.pipeline_groups
+
+    def attention_rank(self, group: int, dp_index: int) -> int:
+        return group * self.data_parallel + dp_index
+
+    def attention_group(self, group: int) -> tuple[int, ...]:
+        return tuple(self.attention_rank(group, d) for d in range(self.data_parallel))
+
+    @cached_property
+    def _expert_starts(self) -> tuple[int, ...]:
+        base, extra = divmod(self.expert_ranks, self.pipeline_groups)
+        starts = [self.attention_ranks]
+        for g in range(self.pipeline_groups):
+            starts.append(starts[-1] + base + (1 if g < extra else 0))
+        return tuple(starts)
+
+    def expert_group(self, group: int) -> tuple[int, ...]:
+        return tuple(range(self._expert_starts[group], self._expert_starts[group + 1]))
+
+    def role(self, rank: int) -> Role:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside this {self.world_size}-rank layout")
+        if rank < self.attention_ranks:
+            group, dp_index = divmod(rank, self.data_parallel)
+            return Role(RoleKind.ATTENTION, group, dp_index)
+        for group in range(self.pipeline_groups):
+            if rank < self._expert_starts[group + 1]:
+                return Role(RoleKind.EXPERT, group, rank - self._expert_starts[group])
+        raise AssertionError("unreachable: rank checked against world_size above")
