@@ -1,0 +1,251 @@
+"""Persistent grouped GEMMs over experts with ragged row counts (the MoE expert FFN's building blocks).
+
+Legend: N rows (token-expert pairs, grouped by expert), E experts, K reduction size, C output
+columns, H hidden size, F expert FFN size; `offsets_E` int32 cumulative row counts (expert e owns
+rows offsets[e-1]:offsets[e]).
+
+Two kernels, each launched with a fixed number of programs (about one per SM) that walk a work list:
+- `ragged_rows_gemm`: out[rows_e] = a[rows_e] @ b[e] for every expert; work items are
+  (expert, row tile, column tile). Epilogues: plain (optionally scattering each output row through
+  `dst_rows_N`), SwiGLU forward (two accumulators, gate and up columns of b, writes silu(g)*u and
+  optionally the pre-activations), SwiGLU backward (multiplies the incoming activation gradient by
+  the SwiGLU derivative from the saved pre-activations, writes d gate and d up).
+- `ragged_weight_grad`: out[e] = a[rows_e]^T @ b[rows_e]; work items are (expert, K tile, column
+  tile), each reducing over the expert's rows; experts with no rows get zeros.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from disagmoe.kernels.tile_configs import TileConfig
+
+EPILOGUE_PLAIN = 0
+EPILOGUE_SWIGLU = 1
+EPILOGUE_SWIGLU_GRAD = 2
+
+
+@triton.jit
+def _item_table(offsets_ptr, E, tiles_n, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr):
+    """Inclusive prefix sum of work items per expert (row tiles x column tiles), in registers."""
+    idx = tl.arange(0, E_POW2)
+    ends = tl.load(offsets_ptr + idx, mask=idx < E, other=0)
+    starts = tl.load(offsets_ptr + idx - 1, mask=(idx > 0) & (idx < E), other=0)
+    counts = tl.where(idx < E, ends - starts, 0)
+    items = tl.cdiv(counts, BLOCK_M) * tiles_n
+    return idx, tl.cumsum(items, axis=0)
+
+
+@triton.jit
+def _swizzle(local, tiles_m, tiles_n, GROUP_M: tl.constexpr):
+    """Tile coordinates of item `local` of one expert, GROUP_M row tiles sharing column tiles."""
+    per_group = GROUP_M * tiles_n
+    first_m = (local // per_group) * GROUP_M
+    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (local % per_group) % group_rows
+    pid_n = (local % per_group) // group_rows
+    return pid_m, pid_n
+
+
+@triton.jit
+def _ragged_rows_gemm_kernel(
+    a_ptr, b_ptr, out_ptr, h13_ptr, dst_rows_ptr, offsets_ptr,
+    E, K, C, F_UP, num_programs,
+    stride_am, stride_ak, stride_be, stride_bk, stride_bc,
+    stride_om, stride_oc, stride_hm, stride_hc,
+    EPILOGUE: tl.constexpr, SCATTER: tl.constexpr, SAVE_H13: tl.constexpr,
+    E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    # Contract: a [N, K] rows grouped by expert; b [E, K, C(+F_UP)] any strides; out [*, C] (or
+    # [N, 2C] for EPILOGUE_SWIGLU_GRAD: d gate in [:, :C], d up in [:, C:]); h13 [N, 2C] the saved
+    # pre-activations (gate | up), written when SAVE_H13, read by EPILOGUE_SWIGLU_GRAD.
+    pid = tl.program_id(0)
+    tiles_n = tl.cdiv(C, BLOCK_N)
+    idx, item_ends = _item_table(offsets_ptr, E, tiles_n, BLOCK_M, E_POW2)
+    total = tl.max(item_ends, axis=0)
+    for item in range(pid, total, num_programs):
+        expert = tl.sum((item_ends <= item).to(tl.int32), axis=0)
+        item_start = tl.max(tl.where(item_ends <= item, item_ends, 0), axis=0)
+        row_start = tl.load(offsets_ptr + expert - 1, mask=expert > 0, other=0)
+        row_end = tl.load(offsets_ptr + expert)
+        pid_m, pid_n = _swizzle(item - item_start, tl.cdiv(row_end - row_start, BLOCK_M), tiles_n,
+                                GROUP_M)
+        rows = row_start + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < row_end
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < C
+        ks = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_am + ks[None, :] * stride_ak
+        b_ptrs = (b_ptr + expert.to(tl.int64) * stride_be + ks[:, None] * stride_bk
+                  + cols[None, :] * stride_bc)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+                b = tl.load(b_ptrs, mask=col_ok[None, :], other=0.0)
+            else:
+                k_ok = (k0 + ks) < K
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            acc = tl.dot(a, b, acc)
+            if EPILOGUE == 1:
+                if EVEN_K:
+                    b_up = tl.load(b_ptrs + F_UP * stride_bc, mask=col_ok[None, :], other=0.0)
+                else:
+                    b_up = tl.load(b_ptrs + F_UP * stride_bc, mask=k_ok[:, None] & col_ok[None, :],
+                                   other=0.0)
+                acc_up = tl.dot(a, b_up, acc_up)
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
+
+        ok = row_ok[:, None] & col_ok[None, :]
+        rows64 = rows.to(tl.int64)
+        if EPILOGUE == 0:
+            if SCATTER:
+                out_rows = tl.load(dst_rows_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+            else:
+                out_rows = rows64
+            out_ptrs = out_ptr + out_rows[:, None] * stride_om + cols[None, :] * stride_oc
+            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+        elif EPILOGUE == 1:
+            out_ptrs = out_ptr + rows64[:, None] * stride_om + cols[None, :] * stride_oc
+            act = acc * tl.sigmoid(acc) * acc_up
+            tl.store(out_ptrs, act.to(out_ptr.dtype.element_ty), mask=ok)
+            if SAVE_H13:
+                h_ptrs = h13_ptr + rows64[:, None] * stride_hm + cols[None, :] * stride_hc
+                tl.store(h_ptrs, acc.to(h13_ptr.dtype.element_ty), mask=ok)
+                tl.store(h_ptrs + C * stride_hc, acc_up.to(h13_ptr.dtype.element_ty), mask=ok)
+        else:
+            h_ptrs = h13_ptr + rows64[:, None] * stride_hm + cols[None, :] * stride_hc
+            gate = tl.load(h_ptrs, mask=ok, other=0.0).to(tl.float32)
+            up = tl.load(h_ptrs + C * stride_hc, mask=ok, other=0.0).to(tl.float32)
+            sig = tl.sigmoid(gate)
+            d_gate = acc * up * sig * (1.0 + gate * (1.0 - sig))
+            d_up = acc * gate * sig
+            out_ptrs = out_ptr + rows64[:, None] * stride_om + cols[None, :] * stride_oc
+            tl.store(out_ptrs, d_gate.to(out_ptr.dtype.element_ty), mask=ok)
+            tl.store(out_ptrs + C * stride_oc, d_up.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _ragged_weight_grad_kernel(
+    a_ptr, b_ptr, out_ptr, offsets_ptr,
+    E, KA, C, num_programs,
+    stride_am, stride_ak, stride_bm, stride_bc, stride_oe, stride_ok, stride_oc,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    # Contract: a [N, KA], b [N, C] rows grouped by expert; out [E, KA, C] = per-expert a^T @ b.
+    # BLOCK_K tiles KA (the output's rows), BLOCK_N tiles C, BLOCK_M is the reduction step over rows.
+    pid = tl.program_id(0)
+    tiles_k = tl.cdiv(KA, BLOCK_K)
+    tiles_n = tl.cdiv(C, BLOCK_N)
+    per_expert = tiles_k * tiles_n
+    for item in range(pid, E * per_expert, num_programs):
+        expert = item // per_expert
+        pid_k, pid_n = _swizzle(item % per_expert, tiles_k, tiles_n, GROUP_M)
+        row_start = tl.load(offsets_ptr + expert - 1, mask=expert > 0, other=0)
+        row_end = tl.load(offsets_ptr + expert)
+        ks = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+        k_ok = ks < KA
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < C
+        acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+        for r0 in range(row_start, row_end, BLOCK_M):
+            rows = r0 + tl.arange(0, BLOCK_M)
+            row_ok = rows < row_end
+            rows64 = rows.to(tl.int64)
+            a_t = tl.load(a_ptr + ks[:, None] * stride_ak + rows64[None, :] * stride_am,
+                          mask=k_ok[:, None] & row_ok[None, :], other=0.0)
+            b = tl.load(b_ptr + rows64[:, None] * stride_bm + cols[None, :] * stride_bc,
+                        mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+            acc = tl.dot(a_t, b, acc)
+        out_ptrs = (out_ptr + expert.to(tl.int64) * stride_oe + ks[:, None] * stride_ok
+                    + cols[None, :] * stride_oc)
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=k_ok[:, None] & col_ok[None, :])
+
+
+def default_num_programs(device: torch.device) -> int:
+    """One persistent program per SM on a GPU; the interpreter (CPU) runs a handful."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def ragged_rows_gemm(
+    a_NK: torch.Tensor,
+    offsets_E: torch.Tensor,
+    b_EKC: torch.Tensor,
+    config: TileConfig,
+    *,
+    epilogue: int = EPILOGUE_PLAIN,
+    out: torch.Tensor | None = None,
+    h13_N2C: torch.Tensor | None = None,
+    dst_rows_N: torch.Tensor | None = None,
+    num_programs: int | None = None,
+) -> torch.Tensor:
+    """out[rows_e] = epilogue(a[rows_e] @ b[e]) for every expert e, in one persistent launch.
+
+    `b_EKC` may be any strided view (a transposed weight is passed as `.transpose(1, 2)`). With
+    EPILOGUE_SWIGLU, b holds gate columns [:C] and up columns [C:2C] and `h13_N2C` (if given)
+    receives the pre-activations; with EPILOGUE_SWIGLU_GRAD, `h13_N2C` is read and out is [N, 2C].
+    `dst_rows_N` (plain epilogue only) sends row r of the result to out[dst_rows_N[r]].
+    """
+    n_rows, k = a_NK.shape
+    experts, k_b, width = b_EKC.shape
+    assert k_b == k and offsets_E.shape == (experts,) and offsets_E.dtype == torch.int32
+    cols = width // 2 if epilogue == EPILOGUE_SWIGLU else width
+    if out is None:
+        out_cols = 2 * cols if epilogue == EPILOGUE_SWIGLU_GRAD else cols
+        out = a_NK.new_empty((n_rows, out_cols))
+    assert dst_rows_N is None or epilogue == EPILOGUE_PLAIN
+    assert epilogue != EPILOGUE_SWIGLU_GRAD or h13_N2C is not None
+    if n_rows == 0 or cols == 0:
+        return out
+    h13 = h13_N2C if h13_N2C is not None else out
+    dst = dst_rows_N if dst_rows_N is not None else offsets_E
+    programs = num_programs or default_num_programs(a_NK.device)
+    _ragged_rows_gemm_kernel[(programs,)](
+        a_NK, b_EKC, out, h13, dst, offsets_E,
+        experts, k, cols, cols, programs,
+        a_NK.stride(0), a_NK.stride(1), b_EKC.stride(0), b_EKC.stride(1), b_EKC.stride(2),
+        out.stride(0), out.stride(1), h13.stride(0), h13.stride(1),
+        EPILOGUE=epilogue, SCATTER=dst_rows_N is not None,
+        SAVE_H13=epilogue == EPILOGUE_SWIGLU and h13_N2C is not None,
+        E_POW2=triton.next_power_of_2(experts), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k, GROUP_M=config.group_m, EVEN_K=k % config.block_k == 0,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return out
+
+
+def ragged_weight_grad(
+    a_NK: torch.Tensor,
+    b_NC: torch.Tensor,
+    offsets_E: torch.Tensor,
+    config: TileConfig,
+    *,
+    out: torch.Tensor | None = None,
+    num_programs: int | None = None,
+) -> torch.Tensor:
+    """out[e] = a[rows_e]^T @ b[rows_e] for every expert e ([E, K, C]; zeros for empty experts)."""
+    n_rows, k = a_NK.shape
+    assert b_NC.shape[0] == n_rows and offsets_E.dtype == torch.int32
+    experts, cols = offsets_E.shape[0], b_NC.shape[1]
+    if out is None:
+        out = a_NK.new_empty((experts, k, cols))
+    if out.numel() == 0:
+        return out
+    programs = num_programs or default_num_programs(a_NK.device)
+    _ragged_weight_grad_kernel[(programs,)](
+        a_NK, b_NC, out, offsets_E,
+        experts, k, cols, programs,
+        a_NK.stride(0), a_NK.stride(1), b_NC.stride(0), b_NC.stride(1),
+        out.stride(0), out.stride(1), out.stride(2),
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return out

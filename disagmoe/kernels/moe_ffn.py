@@ -1,0 +1,167 @@
+"""The expert FFN (SwiGLU) over rows grouped by expert: persistent Triton launches and a torch reference.
+
+Legend: N rows (token-expert pairs grouped by expert), E experts, H hidden size, F expert FFN size;
+`offsets_E` int32 cumulative row counts (expert e owns rows offsets[e-1]:offsets[e]);
+`w13_EH2F` gate in [..., :F], up in [..., F:]; `w2_EFH` the down projection.
+
+Forward: gate/up GEMM with SwiGLU fused in its epilogue (also saving the pre-activations for the
+backward), then the down GEMM whose epilogue writes row r to out[dst_rows_N[r]].
+Backward: the down GEMM's dgrad with the SwiGLU derivative fused in its epilogue, the gate/up dgrad,
+and the two weight gradients, each one persistent launch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from disagmoe.kernels import grouped_gemm as gg
+from disagmoe.kernels.tile_configs import TileConfig, lookup
+
+
+@dataclasses.dataclass(frozen=True)
+class FFNTiles:
+    """One tile config per launch of the expert FFN (forward and backward)."""
+
+    gate_up: TileConfig
+    down: TileConfig
+    down_dgrad: TileConfig
+    gate_up_dgrad: TileConfig
+    wgrad_w2: TileConfig
+    wgrad_w13: TileConfig
+
+    @classmethod
+    def uniform(cls, config: TileConfig) -> FFNTiles:
+        return cls(*(config,) * len(dataclasses.fields(cls)))
+
+    @classmethod
+    def for_shape(cls, rows: int, experts: int, hidden: int, ffn: int,
+                  device: torch.device) -> FFNTiles:
+        """Tuned tiles for this shape class on this GPU (heuristic defaults when untuned)."""
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        shapes = {  # role -> (K, output columns) of that GEMM
+            "gate_up": (hidden, ffn), "down": (ffn, hidden), "down_dgrad": (hidden, ffn),
+            "gate_up_dgrad": (2 * ffn, hidden), "wgrad_w2": (ffn, hidden),
+            "wgrad_w13": (hidden, 2 * ffn),
+        }
+        return cls(**{role: lookup(role, k, c, rows, experts, name)
+                      for role, (k, c) in shapes.items()})
+
+
+def _check_shapes(x_NH: torch.Tensor, offsets_E: torch.Tensor, w13_EH2F: torch.Tensor,
+                  w2_EFH: torch.Tensor) -> None:
+    experts, hidden, two_ffn = w13_EH2F.shape
+    if x_NH.shape[1] != hidden or w2_EFH.shape != (experts, two_ffn // 2, hidden):
+        raise ValueError(
+            f"expert weights must be w13 [E, H, 2F] and w2 [E, F, H] matching x [N, H]; got "
+            f"x {tuple(x_NH.shape)}, w13 {tuple(w13_EH2F.shape)}, w2 {tuple(w2_EFH.shape)}")
+    if offsets_E.shape != (experts,) or offsets_E.dtype != torch.int32:
+        raise ValueError(f"offsets_E must be int32 of shape ({experts},) (cumulative rows per "
+                         f"expert); got {offsets_E.dtype} {tuple(offsets_E.shape)}")
+
+
+def moe_ffn_forward(
+    x_NH: torch.Tensor,
+    offsets_E: torch.Tensor,
+    w13_EH2F: torch.Tensor,
+    w2_EFH: torch.Tensor,
+    tiles: FFNTiles,
+    *,
+    out: torch.Tensor | None = None,
+    dst_rows_N: torch.Tensor | None = None,
+    save_for_backward: bool = False,
+    num_programs: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(y, act_NF, h13_N2F or None): y = out with row r written at dst_rows_N[r] (default r)."""
+    n_rows, ffn = x_NH.shape[0], w2_EFH.shape[1]
+    h13_N2F = x_NH.new_empty((n_rows, 2 * ffn)) if save_for_backward else None
+    act_NF = gg.ragged_rows_gemm(x_NH, offsets_E, w13_EH2F, tiles.gate_up,
+                                 epilogue=gg.EPILOGUE_SWIGLU, h13_N2C=h13_N2F,
+                                 num_programs=num_programs)
+    if out is None:
+        out = x_NH.new_empty((n_rows, w2_EFH.shape[2]))
+    y = gg.ragged_rows_gemm(act_NF, offsets_E, w2_EFH, tiles.down, out=out,
+                            dst_rows_N=dst_rows_N, num_programs=num_programs)
+    return y, act_NF, h13_N2F
+
+
+def moe_ffn_backward(
+    dy_NH: torch.Tensor,
+    x_NH: torch.Tensor,
+    offsets_E: torch.Tensor,
+    w13_EH2F: torch.Tensor,
+    w2_EFH: torch.Tensor,
+    act_NF: torch.Tensor,
+    h13_N2F: torch.Tensor,
+    tiles: FFNTiles,
+    *,
+    num_programs: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx_NH, dw13_EH2F, dw2_EFH) from the forward's saved activation and pre-activations."""
+    dh13_N2F = gg.ragged_rows_gemm(dy_NH, offsets_E, w2_EFH.transpose(1, 2), tiles.down_dgrad,
+                                   epilogue=gg.EPILOGUE_SWIGLU_GRAD, h13_N2C=h13_N2F,
+                                   num_programs=num_programs)
+    dw2_EFH = gg.ragged_weight_grad(act_NF, dy_NH, offsets_E, tiles.wgrad_w2,
+                                    num_programs=num_programs)
+    dx_NH = gg.ragged_rows_gemm(dh13_N2F, offsets_E, w13_EH2F.transpose(1, 2), tiles.gate_up_dgrad,
+                                num_programs=num_programs)
+    dw13_EH2F = gg.ragged_weight_grad(x_NH, dh13_N2F, offsets_E, tiles.wgrad_w13,
+                                      num_programs=num_programs)
+    return dx_NH, dw13_EH2F, dw2_EFH
+
+
+class ExpertFFNFunction(torch.autograd.Function):
+    """Autograd wrapper: forward and backward as persistent grouped launches."""
+
+    @staticmethod
+    def forward(ctx, x_NH, offsets_E, w13_EH2F, w2_EFH, tiles, num_programs):
+        y_NH, act_NF, h13_N2F = moe_ffn_forward(
+            x_NH, offsets_E, w13_EH2F, w2_EFH, tiles,
+            save_for_backward=any(ctx.needs_input_grad), num_programs=num_programs)
+        ctx.save_for_backward(x_NH, offsets_E, w13_EH2F, w2_EFH, act_NF, h13_N2F)
+        ctx.tiles, ctx.num_programs = tiles, num_programs
+        return y_NH
+
+    @staticmethod
+    def backward(ctx, dy_NH):
+        x_NH, offsets_E, w13_EH2F, w2_EFH, act_NF, h13_N2F = ctx.saved_tensors
+        dx, dw13, dw2 = moe_ffn_backward(dy_NH.contiguous(), x_NH, offsets_E, w13_EH2F, w2_EFH,
+                                         act_NF, h13_N2F, ctx.tiles,
+                                         num_programs=ctx.num_programs)
+        return dx, None, dw13, dw2, None, None
+
+
+def expert_ffn_triton(
+    x_NH: torch.Tensor,
+    offsets_E: torch.Tensor,
+    w13_EH2F: torch.Tensor,
+    w2_EFH: torch.Tensor,
+    *,
+    tiles: FFNTiles | None = None,
+    num_programs: int | None = None,
+) -> torch.Tensor:
+    """The experts backend `expert_ffn(x_NH, offsets_E, w13_EH2F, w2_EFH) -> y_NH` (differentiable)."""
+    _check_shapes(x_NH, offsets_E, w13_EH2F, w2_EFH)
+    if tiles is None:
+        experts, hidden, two_ffn = w13_EH2F.shape
+        tiles = FFNTiles.for_shape(x_NH.shape[0], experts, hidden, two_ffn // 2, x_NH.device)
+    return ExpertFFNFunction.apply(x_NH.contiguous(), offsets_E, w13_EH2F, w2_EFH, tiles,
+                                   num_programs)
+
+
+def expert_ffn_reference(
+    x_NH: torch.Tensor,
+    offsets_E: torch.Tensor,
+    w13_EH2F: torch.Tensor,
+    w2_EFH: torch.Tensor,
+) -> torch.Tensor:
+    """Plain torch, one expert at a time: y[rows_e] = (silu(x w_gate) * (x w_up)) @ w2[e]."""
+    ffn = w2_EFH.shape[1]
+    ends = offsets_E.tolist()
+    outputs = []
+    for expert, (start, end) in enumerate(zip([0, *ends[:-1]], ends)):
+        h13 = x_NH[start:end] @ w13_EH2F[expert]
+        outputs.append((F.silu(h13[:, :ffn]) * h13[:, ffn:]) @ w2_EFH[expert])
+    return torch.cat(outputs) if outputs else x_NH.new_empty((0, w2_EFH.shape[2]))

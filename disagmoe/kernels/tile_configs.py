@@ -1,0 +1,72 @@
+"""Tile configurations for the grouped GEMM kernels: tuned JSON data first, a heuristic otherwise.
+
+A *shape class* is (kernel role, reduction size K, output columns N, average rows per expert rounded
+up to a power of two). `disagmoe bench tune-experts` measures candidate tiles per class on a GPU and
+writes them to `disagmoe/kernels/tuned/<gpu-slug>.json`; launches look them up by the running GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import re
+from pathlib import Path
+
+TUNED_DIR = Path(__file__).parent / "tuned"
+
+# Kernel roles: which GEMM of the expert FFN a launch computes.
+ROLES = ("gate_up", "down", "down_dgrad", "gate_up_dgrad", "wgrad_w2", "wgrad_w13")
+
+
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+    """Compile-time tile shape of one grouped GEMM launch (see grouped_gemm.py for the axes)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 8
+    num_warps: int = 8
+    num_stages: int = 3
+
+    def to_json(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+
+def gpu_slug(device_name: str) -> str:
+    """'NVIDIA H200' -> 'nvidia-h200' (the tuned file's name)."""
+    return re.sub(r"[^a-z0-9]+", "-", device_name.lower()).strip("-")
+
+
+def shape_class(role: str, k: int, n: int, rows: int, experts: int) -> str:
+    """Key of the tuned table: role, K, N and the average rows per expert bucketed to a power of 2."""
+    if role not in ROLES:
+        raise ValueError(f"unknown kernel role {role!r}; choose one of {ROLES}")
+    avg = max(1, rows // max(1, experts))
+    bucket = 1 << (avg - 1).bit_length()
+    return f"{role}/k{k}/n{n}/m{bucket}"
+
+
+@functools.cache
+def _tuned_table(slug: str) -> dict[str, TileConfig]:
+    path = TUNED_DIR / f"{slug}.json"
+    if not path.exists():
+        return {}
+    entries = json.loads(path.read_text())["entries"]
+    return {key: TileConfig(**value) for key, value in entries.items()}
+
+
+def heuristic(role: str) -> TileConfig:
+    """Untuned default: large tiles for the row-ragged GEMMs, square ones for the weight gradients."""
+    if role.startswith("wgrad"):
+        return TileConfig(block_m=64, block_n=128, block_k=128, num_warps=8, num_stages=3)
+    if role == "gate_up":  # two accumulators (gate and up): keep the N tile at 128
+        return TileConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
+    return TileConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3)
+
+
+def lookup(role: str, k: int, n: int, rows: int, experts: int, device_name: str) -> TileConfig:
+    """The tuned config of this shape class on this GPU, or the heuristic when none was tuned."""
+    key = shape_class(role, k, n, rows, experts)
+    return _tuned_table(gpu_slug(device_name)).get(key) or heuristic(role)

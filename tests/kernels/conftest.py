@@ -1,0 +1,49 @@
+"""Fixtures for the kernel tests: Triton's CPU interpreter, switched on for one module at a time."""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+
+
+def _patch_interpreter_index() -> None:
+    """Triton 3.6's interpreter turns a tensor used as a loop bound into an int with
+    `int(array)`, which NumPy >= 2.4 refuses for the 1-element arrays the interpreter makes of
+    scalars (program ids, scalar loads, reductions). Convert through `.item()` instead."""
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "_disagmoe_patched", False):
+        return
+
+    def patch_lang_tensor(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patch_lang_tensor._disagmoe_patched = True
+    interpreter._patch_lang_tensor = patch_lang_tensor
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    """Reload the given kernel modules with TRITON_INTERPRET=1 (so @triton.jit builds interpreted
+    functions, whatever was imported before), and restore the compiled build afterwards."""
+    reloaded = []
+    previous = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    _patch_interpreter_index()
+
+    def load(*names: str):
+        modules = [importlib.reload(importlib.import_module(name)) for name in names]
+        reloaded.extend(modules)
+        return modules if len(modules) > 1 else modules[0]
+
+    yield load
+    if previous is None:
+        del os.environ["TRITON_INTERPRET"]
+    else:
+        os.environ["TRITON_INTERPRET"] = previous
+    for module in reloaded:
+        importlib.reload(module)
