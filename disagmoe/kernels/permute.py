@@ -1,0 +1,241 @@
+"""Token permutation around the experts: group (token, k) pairs by expert, and the weighted combine.
+
+Legend: T tokens, K experts per token (top-k), N = T*K rows grouped by expert, H hidden size,
+E experts; `topk_idx_TK` the router's expert ids, `weights_TK` its combine weights,
+`dest_TK[t, k]` the grouped row that holds pair (t, k), `offsets_E` int32 cumulative rows per expert.
+
+permute: rows_NH[dest_TK[t, k]] = x_TH[t]; pairs keep their (t, k) order inside an expert (the same
+order as a stable sort of the flattened expert ids), so the result is deterministic.
+combine: y_TH[t] = sum_k weights_TK[t, k] * rows_NH[dest_TK[t, k]] (fp32 accumulation).
+Two launches for permute (per-block expert histograms, then ranks + row copy with a few tiny torch
+prefix sums between), one for combine; the backward passes are a combine without weights
+(permute's) and one scatter + row-dot launch (combine's).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+PAIRS_PER_BLOCK = 64
+TOKENS_PER_BLOCK = 16
+
+
+@triton.jit
+def _block_histogram_kernel(ids_ptr, hist_ptr, n_pairs, E,
+                            BLOCK: tl.constexpr, E_POW2: tl.constexpr):
+    # hist[b, e] = number of pairs of block b routed to expert e.
+    pid = tl.program_id(0)
+    pairs = pid * BLOCK + tl.arange(0, BLOCK)
+    ids = tl.load(ids_ptr + pairs, mask=pairs < n_pairs, other=E_POW2)  # padding: a spare bin
+    counts = tl.histogram(ids, 2 * E_POW2)
+    bins = tl.arange(0, 2 * E_POW2)
+    tl.store(hist_ptr + pid * E + bins, counts, mask=bins < E)
+
+
+@triton.jit
+def _permute_rows_kernel(x_ptr, ids_ptr, block_base_ptr, rows_ptr, dest_ptr,
+                         n_pairs, E, H, K, stride_xt, stride_rn,
+                         BLOCK: tl.constexpr, E_POW2: tl.constexpr, BLOCK_H: tl.constexpr):
+    # dest[p] = block_base[b, e_p] + (rank of p among block b's pairs of expert e_p);
+    # rows[dest[p]] = x[p // K].
+    pid = tl.program_id(0)
+    pairs = pid * BLOCK + tl.arange(0, BLOCK)
+    pair_ok = pairs < n_pairs
+    ids = tl.load(ids_ptr + pairs, mask=pair_ok, other=0)
+    experts = tl.arange(0, E_POW2)
+    one_hot = ((ids[:, None] == experts[None, :]) & pair_ok[:, None]).to(tl.int32)
+    rank = tl.sum(tl.cumsum(one_hot, axis=0) * one_hot, axis=1) - 1
+    base = tl.load(block_base_ptr + pid * E + ids, mask=pair_ok, other=0)
+    dest = base + rank
+    tl.store(dest_ptr + pairs, dest, mask=pair_ok)
+    tokens = (pairs // K).to(tl.int64)
+    dest64 = dest.to(tl.int64)
+    for h0 in range(0, H, BLOCK_H):
+        hs = h0 + tl.arange(0, BLOCK_H)
+        ok = pair_ok[:, None] & (hs < H)[None, :]
+        vals = tl.load(x_ptr + tokens[:, None] * stride_xt + hs[None, :], mask=ok)
+        tl.store(rows_ptr + dest64[:, None] * stride_rn + hs[None, :], vals, mask=ok)
+
+
+@triton.jit
+def _combine_kernel(rows_ptr, dest_ptr, weights_ptr, y_ptr, n_tokens, H, K,
+                    stride_rn, stride_yt,
+                    HAS_WEIGHTS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+    # y[t, hs] = sum_k w[t, k] * rows[dest[t, k], hs] (w = 1 without weights), fp32 accumulation.
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    hs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    tok_ok = tokens < n_tokens
+    ok = tok_ok[:, None] & (hs < H)[None, :]
+    acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
+    for k in range(0, K):
+        dest = tl.load(dest_ptr + tokens * K + k, mask=tok_ok, other=0).to(tl.int64)
+        vals = tl.load(rows_ptr + dest[:, None] * stride_rn + hs[None, :], mask=ok, other=0.0)
+        if HAS_WEIGHTS:
+            w = tl.load(weights_ptr + tokens * K + k, mask=tok_ok, other=0.0).to(tl.float32)
+            acc += vals.to(tl.float32) * w[:, None]
+        else:
+            acc += vals.to(tl.float32)
+    tl.store(y_ptr + tokens.to(tl.int64)[:, None] * stride_yt + hs[None, :],
+             acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _combine_backward_kernel(dy_ptr, rows_ptr, dest_ptr, weights_ptr, d_rows_ptr, d_weights_ptr,
+                             n_tokens, H, K, stride_dyt, stride_rn, stride_drn,
+                             BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+    # d_rows[dest[t, k]] = w[t, k] * dy[t];  d_w[t, k] = <dy[t], rows[dest[t, k]]>.
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tok_ok = tokens < n_tokens
+    tokens64 = tokens.to(tl.int64)
+    for k in range(0, K):
+        dest = tl.load(dest_ptr + tokens * K + k, mask=tok_ok, other=0).to(tl.int64)
+        w = tl.load(weights_ptr + tokens * K + k, mask=tok_ok, other=0.0).to(tl.float32)
+        dot = tl.zeros((BLOCK_T,), dtype=tl.float32)
+        for h0 in range(0, H, BLOCK_H):
+            hs = h0 + tl.arange(0, BLOCK_H)
+            ok = tok_ok[:, None] & (hs < H)[None, :]
+            dy = tl.load(dy_ptr + tokens64[:, None] * stride_dyt + hs[None, :], mask=ok,
+                         other=0.0).to(tl.float32)
+            vals = tl.load(rows_ptr + dest[:, None] * stride_rn + hs[None, :], mask=ok, other=0.0)
+            tl.store(d_rows_ptr + dest[:, None] * stride_drn + hs[None, :],
+                     (dy * w[:, None]).to(d_rows_ptr.dtype.element_ty), mask=ok)
+            dot += tl.sum(dy * vals.to(tl.float32), axis=1)
+        tl.store(d_weights_ptr + tokens * K + k, dot.to(d_weights_ptr.dtype.element_ty),
+                 mask=tok_ok)
+
+
+def _row_block(hidden: int) -> int:
+    return min(triton.next_power_of_2(hidden), 256)
+
+
+def permute_forward(x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, num_experts: int,
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(rows_NH, offsets_E, dest_TK): the pairs grouped by expert, in stable (t, k) order."""
+    tokens, top_k = topk_idx_TK.shape
+    n_pairs, hidden = tokens * top_k, x_TH.shape[1]
+    ids_N = topk_idx_TK.reshape(-1).to(torch.int32)
+    blocks = triton.cdiv(n_pairs, PAIRS_PER_BLOCK)
+    e_pow2 = triton.next_power_of_2(num_experts)
+    hist_BE = torch.empty((blocks, num_experts), dtype=torch.int32, device=x_TH.device)
+    rows_NH = x_TH.new_empty((n_pairs, hidden))
+    dest_TK = torch.empty((tokens, top_k), dtype=torch.int32, device=x_TH.device)
+    if n_pairs == 0:
+        return rows_NH, torch.zeros(num_experts, dtype=torch.int32, device=x_TH.device), dest_TK
+    _block_histogram_kernel[(blocks,)](ids_N, hist_BE, n_pairs, num_experts,
+                                       BLOCK=PAIRS_PER_BLOCK, E_POW2=e_pow2)
+    counts_E = hist_BE.sum(0, dtype=torch.int32)
+    offsets_E = counts_E.cumsum(0, dtype=torch.int32)
+    # first grouped row of (block b, expert e): expert start + pairs of e in blocks before b
+    block_base_BE = (offsets_E - counts_E) + hist_BE.cumsum(0, dtype=torch.int32) - hist_BE
+    _permute_rows_kernel[(blocks,)](x_TH, ids_N, block_base_BE, rows_NH, dest_TK,
+                                    n_pairs, num_experts, hidden, top_k,
+                                    x_TH.stride(0), rows_NH.stride(0),
+                                    BLOCK=PAIRS_PER_BLOCK, E_POW2=e_pow2,
+                                    BLOCK_H=_row_block(hidden))
+    return rows_NH, offsets_E, dest_TK
+
+
+def combine_forward(rows_NH: torch.Tensor, dest_TK: torch.Tensor,
+                    weights_TK: torch.Tensor | None) -> torch.Tensor:
+    """y_TH[t] = sum_k weights_TK[t, k] * rows_NH[dest_TK[t, k]] (weights of 1 when None)."""
+    tokens, top_k = dest_TK.shape
+    hidden = rows_NH.shape[1]
+    y_TH = rows_NH.new_empty((tokens, hidden))
+    if tokens == 0 or hidden == 0:
+        return y_TH
+    block_h = _row_block(hidden)
+    grid = (triton.cdiv(tokens, TOKENS_PER_BLOCK), triton.cdiv(hidden, block_h))
+    _combine_kernel[grid](rows_NH, dest_TK, weights_TK if weights_TK is not None else dest_TK,
+                          y_TH, tokens, hidden, top_k, rows_NH.stride(0), y_TH.stride(0),
+                          HAS_WEIGHTS=weights_TK is not None, BLOCK_T=TOKENS_PER_BLOCK,
+                          BLOCK_H=block_h)
+    return y_TH
+
+
+def combine_backward(dy_TH: torch.Tensor, rows_NH: torch.Tensor, dest_TK: torch.Tensor,
+                     weights_TK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d_rows_NH, d_weights_TK) of combine_forward."""
+    tokens, top_k = dest_TK.shape
+    d_rows_NH = torch.empty_like(rows_NH)
+    d_weights_TK = torch.empty_like(weights_TK)
+    if tokens == 0:
+        return d_rows_NH, d_weights_TK
+    _combine_backward_kernel[(triton.cdiv(tokens, TOKENS_PER_BLOCK),)](
+        dy_TH, rows_NH, dest_TK, weights_TK, d_rows_NH, d_weights_TK,
+        tokens, rows_NH.shape[1], top_k, dy_TH.stride(0), rows_NH.stride(0),
+        d_rows_NH.stride(0), BLOCK_T=TOKENS_PER_BLOCK, BLOCK_H=_row_block(rows_NH.shape[1]))
+    return d_rows_NH, d_weights_TK
+
+
+class PermuteFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_TH, topk_idx_TK, num_experts):
+        rows_NH, offsets_E, dest_TK = permute_forward(x_TH, topk_idx_TK, num_experts)
+        ctx.save_for_backward(dest_TK)
+        ctx.mark_non_differentiable(offsets_E, dest_TK)
+        return rows_NH, offsets_E, dest_TK
+
+    @staticmethod
+    def backward(ctx, d_rows_NH, _d_offsets, _d_dest):
+        (dest_TK,) = ctx.saved_tensors
+        return combine_forward(d_rows_NH.contiguous(), dest_TK, None), None, None
+
+
+class CombineFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows_NH, weights_TK, dest_TK):
+        ctx.save_for_backward(rows_NH, weights_TK, dest_TK)
+        return combine_forward(rows_NH, dest_TK, weights_TK)
+
+    @staticmethod
+    def backward(ctx, dy_TH):
+        rows_NH, weights_TK, dest_TK = ctx.saved_tensors
+        d_rows, d_weights = combine_backward(dy_TH.contiguous(), rows_NH, dest_TK, weights_TK)
+        return d_rows, d_weights, None
+
+
+def _check_routing(x_TH: torch.Tensor, topk_idx_TK: torch.Tensor) -> None:
+    if topk_idx_TK.dim() != 2 or topk_idx_TK.shape[0] != x_TH.shape[0]:
+        raise ValueError(f"topk_idx must be [tokens, k] with tokens = x.shape[0] = {x_TH.shape[0]};"
+                         f" got {tuple(topk_idx_TK.shape)}")
+    if topk_idx_TK.dtype.is_floating_point:
+        raise ValueError("topk_idx must hold integer expert ids (the router's top-k indices)")
+
+
+def permute_tokens(x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, num_experts: int,
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group the (token, k) pairs by expert: (rows_NH, offsets_E, dest_TK), differentiable in x.
+
+    Expert ids must lie in [0, num_experts) (not checked: that would cost a host sync)."""
+    _check_routing(x_TH, topk_idx_TK)
+    return PermuteFunction.apply(x_TH.contiguous(), topk_idx_TK.contiguous(), num_experts)
+
+
+def combine_rows(rows_NH: torch.Tensor, dest_TK: torch.Tensor,
+                 weights_TK: torch.Tensor) -> torch.Tensor:
+    """y_TH = sum_k weights_TK[:, k] * rows_NH[dest_TK[:, k]], differentiable in rows and weights."""
+    if weights_TK.shape != dest_TK.shape:
+        raise ValueError(f"weights must match dest [tokens, k] {tuple(dest_TK.shape)}; "
+                         f"got {tuple(weights_TK.shape)}")
+    return CombineFunction.apply(rows_NH.contiguous(), weights_TK.contiguous(), dest_TK)
+
+
+def permute_reference(x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, num_experts: int,
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Plain torch: a stable argsort of the flattened expert ids."""
+    top_k = topk_idx_TK.shape[1]
+    flat_N = topk_idx_TK.reshape(-1)
+    order_N = torch.argsort(flat_N, stable=True)
+    offsets_E = torch.bincount(flat_N, minlength=num_experts).cumsum(0).to(torch.int32)
+    dest_N = torch.empty_like(order_N)
+    dest_N[order_N] = torch.arange(order_N.numel(), device=order_N.device)
+    return x_TH[order_N // top_k], offsets_E, dest_N.view_as(topk_idx_TK).to(torch.int32)
+
+
+def combine_reference(rows_NH: torch.Tensor, dest_TK: torch.Tensor,
+                      weights_TK: torch.Tensor) -> torch.Tensor:
+    """Plain torch: gather, weight in fp32, sum over k."""
+    gathered_TKH = rows_NH[dest_TK.long()].float()
+    return (gathered_TKH * weights_TK.float()[..., None]).sum(1).to(rows_NH.dtype)
