@@ -36,18 +36,20 @@ class FFNTiles:
     def uniform(cls, config: TileConfig) -> FFNTiles:
         return cls(*(config,) * len(dataclasses.fields(cls)))
 
+    @staticmethod
+    def gemm_dims(hidden: int, ffn: int) -> dict[str, tuple[int, int]]:
+        """Role -> (K, output columns) of that launch (for the weight gradients: the weight's dims)."""
+        return {"gate_up": (hidden, ffn), "down": (ffn, hidden), "down_dgrad": (hidden, ffn),
+                "gate_up_dgrad": (2 * ffn, hidden), "wgrad_w2": (ffn, hidden),
+                "wgrad_w13": (hidden, 2 * ffn)}
+
     @classmethod
     def for_shape(cls, rows: int, experts: int, hidden: int, ffn: int,
                   device: torch.device) -> FFNTiles:
         """Tuned tiles for this shape class on this GPU (heuristic defaults when untuned)."""
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-        shapes = {  # role -> (K, output columns) of that GEMM
-            "gate_up": (hidden, ffn), "down": (ffn, hidden), "down_dgrad": (hidden, ffn),
-            "gate_up_dgrad": (2 * ffn, hidden), "wgrad_w2": (ffn, hidden),
-            "wgrad_w13": (hidden, 2 * ffn),
-        }
         return cls(**{role: lookup(role, k, c, rows, experts, name)
-                      for role, (k, c) in shapes.items()})
+                      for role, (k, c) in cls.gemm_dims(hidden, ffn).items()})
 
 
 def _check_shapes(x_NH: torch.Tensor, offsets_E: torch.Tensor, w13_EH2F: torch.Tensor,

@@ -1,0 +1,1 @@
+"""Benchmark harnesses behind `disagmoe bench ...` (each measures its own baselines in the same run)."""

@@ -1,0 +1,217 @@
+"""`disagmoe bench experts`: the routed expert block, three ways, timed in one run.
+
+The block: permute the (token, k) pairs by expert -> SwiGLU expert FFN -> weighted combine.
+Backends: `triton` (our permute, persistent expert FFN and combine kernels), `grouped_mm` (what a
+good PyTorch user writes: torch permutation, torch._grouped_mm for both GEMMs, a separate SwiGLU,
+a gather + bmm combine) and `loop` (the same torch permutation, one matmul pair per expert).
+Legend: T tokens, K experts per token, N = T*K pairs, E local experts, H hidden, F expert FFN size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from disagmoe.bench.timing import copies_to_defeat_l2, environment, matmul_ceiling_tflops, median_ms
+from disagmoe.config import load_model
+from disagmoe.kernels.moe_ffn import FFNTiles, expert_ffn_reference, expert_ffn_triton
+from disagmoe.kernels.permute import combine_reference, combine_rows, permute_reference, permute_tokens
+
+ZIPF_EXPONENT = 1.2
+BACKENDS = ("triton", "grouped_mm", "loop")
+PASSES = ("fwd", "fwd+bwd")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertShape:
+    """One benchmark shape: a model preset's experts on one rank of an expert-parallel group."""
+
+    name: str
+    model: str
+    expert_parallel: int
+    pairs: int
+
+    @property
+    def dims(self) -> tuple[int, int, int, int]:
+        """(local experts, hidden, expert FFN size, top-k) from the model preset."""
+        m = load_model(self.model)
+        return m.num_experts // self.expert_parallel, m.hidden_size, m.expert_ffn_size, m.top_k
+
+    def flops(self, pass_name: str) -> float:
+        """GEMM FLOPs of the expert FFN: 3 GEMMs of 2NHF forward (gate, up, down), 3x with backward."""
+        _, hidden, ffn, _ = self.dims
+        forward = 6.0 * self.pairs * hidden * ffn
+        return forward if pass_name == "fwd" else 3 * forward
+
+
+SHAPES = {s.name: s for s in (
+    ExpertShape("mixtral-8x7b", "mixtral-8x7b", 1, 16 * 1024),
+    ExpertShape("qwen3-235b-ep8", "qwen3-235b-a22b", 8, 32 * 1024),
+    ExpertShape("deepseek-v3-ep8", "deepseek-v3", 8, 32 * 1024),
+    ExpertShape("deepseek-v3-ep8-4k", "deepseek-v3", 8, 4 * 1024),
+    ExpertShape("qwen3-30b-a3b", "qwen3-30b-a3b", 1, 32 * 1024),
+)}
+
+
+def zipf_routing(tokens: int, top_k: int, experts: int, seed: int) -> torch.Tensor:
+    """topk_idx_TK drawn i.i.d. from Zipf(1.2) over a seeded shuffle of the experts (skewed load)."""
+    gen = torch.Generator().manual_seed(seed)
+    ranks = torch.randperm(experts, generator=gen).double() + 1
+    probs_E = ranks.pow(-ZIPF_EXPONENT)
+    return torch.multinomial(probs_E, tokens * top_k, replacement=True,
+                             generator=gen).view(tokens, top_k)
+
+
+# --- the three backends: (x_TH, topk_idx_TK, weights_TK, w13_EH2F, w2_EFH) -> y_TH -------------
+
+def torch_permute(x_TH, topk_idx_TK, experts):
+    """Stable argsort of the expert ids; counts by scatter_add (no host sync)."""
+    top_k = topk_idx_TK.shape[1]
+    flat_N = topk_idx_TK.reshape(-1)
+    order_N = torch.argsort(flat_N, stable=True)
+    counts_E = torch.zeros(experts, dtype=torch.int64, device=flat_N.device)
+    counts_E.scatter_add_(0, flat_N, torch.ones_like(flat_N))
+    dest_N = torch.empty_like(order_N)
+    dest_N[order_N] = torch.arange(order_N.numel(), device=order_N.device)
+    return x_TH[order_N // top_k], counts_E.cumsum(0).to(torch.int32), dest_N.view_as(topk_idx_TK)
+
+
+def torch_combine(rows_NH, dest_TK, weights_TK):
+    """Gather the pairs back in token order and weight them with one batched matmul."""
+    tokens, top_k = dest_TK.shape
+    gathered_TKH = rows_NH[dest_TK.reshape(-1)].view(tokens, top_k, -1)
+    return torch.bmm(weights_TK.to(rows_NH.dtype).unsqueeze(1), gathered_TKH).squeeze(1)
+
+
+def grouped_mm_ffn(x_NH, offsets_E, w13_EH2F, w2_EFH):
+    ffn = w2_EFH.shape[1]
+    h13_N2F = torch._grouped_mm(x_NH, w13_EH2F, offs=offsets_E)
+    act_NF = F.silu(h13_N2F[:, :ffn]) * h13_N2F[:, ffn:]
+    return torch._grouped_mm(act_NF, w2_EFH, offs=offsets_E)
+
+
+def loop_ffn(x_NH, offsets_E, w13_EH2F, w2_EFH):
+    return expert_ffn_reference(x_NH, offsets_E, w13_EH2F, w2_EFH)
+
+
+def make_block(backend: str, tiles: FFNTiles | None = None) -> Callable[..., torch.Tensor]:
+    """The routed expert block of one backend."""
+    if backend == "triton":
+        def block(x_TH, topk_idx_TK, weights_TK, w13_EH2F, w2_EFH):
+            rows_NH, offsets_E, dest_TK = permute_tokens(x_TH, topk_idx_TK, w13_EH2F.shape[0])
+            out_NH = expert_ffn_triton(rows_NH, offsets_E, w13_EH2F, w2_EFH, tiles=tiles)
+            return combine_rows(out_NH, dest_TK, weights_TK)
+        return block
+    ffn = {"grouped_mm": grouped_mm_ffn, "loop": loop_ffn}[backend]
+
+    def torch_block(x_TH, topk_idx_TK, weights_TK, w13_EH2F, w2_EFH):
+        rows_NH, offsets_E, dest_TK = torch_permute(x_TH, topk_idx_TK, w13_EH2F.shape[0])
+        return torch_combine(ffn(rows_NH, offsets_E, w13_EH2F, w2_EFH), dest_TK, weights_TK)
+    return torch_block
+
+
+def reference_block(x_TH, topk_idx_TK, weights_TK, w13_EH2F, w2_EFH):
+    rows_NH, offsets_E, dest_TK = permute_reference(x_TH, topk_idx_TK, w13_EH2F.shape[0])
+    return combine_reference(expert_ffn_reference(rows_NH, offsets_E, w13_EH2F, w2_EFH),
+                             dest_TK, weights_TK)
+
+
+# --- inputs, checks, timing --------------------------------------------------------------------
+
+def make_inputs(shape: ExpertShape, device: torch.device, seed: int = 0):
+    """(x_TH, topk_idx_TK, weights_TK, w13_EH2F, w2_EFH) in bf16, random (never zeros)."""
+    experts, hidden, ffn, top_k = shape.dims
+    tokens = shape.pairs // top_k
+    gen = torch.Generator(device=device).manual_seed(seed)
+    bf16 = dict(device=device, dtype=torch.bfloat16, generator=gen)
+    x = torch.randn(tokens, hidden, **bf16)
+    w13 = torch.randn(experts, hidden, 2 * ffn, **bf16) / hidden**0.5
+    w2 = torch.randn(experts, ffn, hidden, **bf16) / ffn**0.5
+    weights = torch.rand(tokens, top_k, device=device, generator=gen)
+    return x, zipf_routing(tokens, top_k, experts, seed).to(device), weights, w13, w2
+
+
+def _grad_inputs(inputs):
+    """The differentiable inputs (x, routing weights, w13, w2) as fresh leaves."""
+    x, idx, weights, w13, w2 = inputs
+    return [x.detach().requires_grad_(), idx, weights.detach().requires_grad_(),
+            w13.detach().requires_grad_(), w2.detach().requires_grad_()]
+
+
+def _forward_backward(block, leaves, dy):
+    y = block(*leaves)
+    return y, torch.autograd.grad(y, [leaves[0], leaves[2], leaves[3], leaves[4]], dy)
+
+
+def relative_errors(block, inputs, dy) -> dict[str, float]:
+    """‖out − ref‖/‖ref‖ of y and of the grads of x, routing weights, w13, w2 vs fp32 torch."""
+    y, grads = _forward_backward(block, _grad_inputs(inputs), dy)
+    ref_inputs = [t.float() if t.is_floating_point() else t for t in inputs]
+    y_ref, grads_ref = _forward_backward(reference_block, _grad_inputs(ref_inputs), dy.float())
+    names = ("y", "dx", "d_weights", "dw13", "dw2")
+    return {name: ((got.double() - want.double()).norm() / want.double().norm()).item()
+            for name, got, want in zip(names, (y, *grads), (y_ref, *grads_ref))}
+
+
+def time_block(block, inputs, dy, pass_name: str, warmup: int, iters: int) -> float:
+    """Median milliseconds of one pass over the block, rotating input copies if they fit in L2."""
+    device = inputs[0].device
+    set_bytes = sum(t.numel() * t.element_size() for t in inputs)
+    copies = [inputs] + [[t.clone() for t in inputs]
+                         for _ in range(copies_to_defeat_l2(set_bytes, device) - 1)]
+    if pass_name == "fwd":
+        with torch.no_grad():
+            return median_ms(lambda i: block(*copies[i % len(copies)]), warmup, iters)
+    leaves = [_grad_inputs(c) for c in copies]
+    return median_ms(lambda i: _forward_backward(block, leaves[i % len(leaves)], dy), warmup,
+                     iters)
+
+
+def run(shape_names: list[str], backends: list[str], warmup: int, iters: int,
+        loop_iters: int, check: bool = True, log: Callable[[str], None] = print) -> dict:
+    """Time every backend on every shape (and the matmul ceiling) in one run; return the record."""
+    unknown = [n for n in shape_names if n not in SHAPES]
+    if unknown:
+        raise ValueError(f"unknown shape(s) {unknown}; choose from {', '.join(SHAPES)}")
+    bad = [b for b in backends if b not in BACKENDS]
+    if bad or "grouped_mm" not in backends:
+        raise ValueError(f"backends must include grouped_mm (the ratio's base) and come from "
+                         f"{', '.join(BACKENDS)}; got {backends}")
+    if not torch.cuda.is_available():
+        raise ValueError("`disagmoe bench experts` needs a CUDA GPU (none is visible)")
+    device = torch.device("cuda")
+    record = {"environment": environment(device), "zipf_exponent": ZIPF_EXPONENT,
+              "warmup": warmup, "iters": iters, "loop_iters": loop_iters}
+    record["ceiling_tflops"] = matmul_ceiling_tflops(device)
+    log(f"bf16 matmul 8192^3: {record['ceiling_tflops']:.0f} TFLOP/s")
+    record["shapes"] = []
+    for name in shape_names:
+        shape = SHAPES[name]
+        experts, hidden, ffn, top_k = shape.dims
+        inputs = make_inputs(shape, device)
+        dy = torch.randn(inputs[0].shape, device=device, dtype=torch.bfloat16,
+                         generator=torch.Generator(device=device).manual_seed(1))
+        loads = torch.bincount(inputs[1].reshape(-1), minlength=experts).float()
+        tiles = FFNTiles.for_shape(shape.pairs, experts, hidden, ffn, device)
+        entry = {"name": name, "experts": experts, "hidden": hidden, "ffn": ffn, "top_k": top_k,
+                 "pairs": shape.pairs, "load_max_over_mean": (loads.max() / loads.mean()).item(),
+                 "tiles": dataclasses.asdict(tiles),
+                 "ms": {}, "tflops": {}}
+        if check:
+            entry["rel_err"] = {b: relative_errors(make_block(b, tiles), inputs, dy)
+                                for b in ("triton", "grouped_mm") if b in backends}
+        for backend in backends:
+            block = make_block(backend, tiles)
+            n_iters = loop_iters if backend == "loop" else iters
+            for pass_name in PASSES:
+                ms = time_block(block, inputs, dy, pass_name, min(warmup, n_iters), n_iters)
+                entry["ms"].setdefault(backend, {})[pass_name] = ms
+                entry["tflops"].setdefault(backend, {})[pass_name] = shape.flops(pass_name) / ms / 1e9
+                log(f"{name} {backend} {pass_name}: {ms:.3f} ms")
+        record["shapes"].append(entry)
+        del inputs, dy
+        torch.cuda.empty_cache()
+    return record

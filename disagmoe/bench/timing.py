@@ -1,0 +1,73 @@
+"""Shared GPU timing for the benchmarks: event-timed medians, the matmul ceiling, the environment."""
+
+from __future__ import annotations
+
+import platform
+import shutil
+import statistics
+import subprocess
+from collections.abc import Callable, Sequence
+
+import torch
+
+
+def median_ms(fn: Callable[[int], object], warmup: int, iters: int) -> float:
+    """Median over `iters` event-timed calls of fn(i) after `warmup` untimed ones.
+
+    fn receives the call's index, so it can rotate among input copies (to keep data that would fit
+    in L2 from being served out of it)."""
+    if iters < 1 or warmup < 0:
+        raise ValueError(f"need iters >= 1 and warmup >= 0; got iters={iters}, warmup={warmup}")
+    for i in range(warmup):
+        fn(i)
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    for i in range(iters):
+        starts[i].record()
+        fn(warmup + i)
+        ends[i].record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+
+def copies_to_defeat_l2(bytes_per_set: int, device: torch.device) -> int:
+    """How many input copies to rotate among so that one pass over them exceeds twice the L2."""
+    l2_bytes = torch.cuda.get_device_properties(device).L2_cache_size
+    return max(1, -(-2 * l2_bytes // max(1, bytes_per_set)))
+
+
+def rotating(copies: Sequence[object]) -> Callable[[int], object]:
+    """Index -> one of the copies, round robin."""
+    return lambda i: copies[i % len(copies)]
+
+
+def matmul_ceiling_tflops(device: torch.device, size: int = 8192, warmup: int = 5,
+                          iters: int = 20) -> float:
+    """Dense bf16 torch.matmul rate on random size^3 operands (the practical ceiling)."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(size, size, device=device, dtype=torch.bfloat16, generator=gen)
+    b = torch.randn(size, size, device=device, dtype=torch.bfloat16, generator=gen)
+    ms = median_ms(lambda _: a @ b, warmup, iters)
+    return 2 * size**3 / ms / 1e9
+
+
+def _driver_version() -> str:
+    if shutil.which("nvidia-smi") is None:
+        return "unknown (no nvidia-smi)"
+    out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                         capture_output=True, text=True, check=False)
+    return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout else "unknown"
+
+
+def environment(device: torch.device) -> dict[str, str]:
+    """What produced the numbers: GPU, driver, CUDA, torch, triton, python."""
+    import triton
+
+    return {
+        "gpu": torch.cuda.get_device_name(device),
+        "driver": _driver_version(),
+        "cuda": str(torch.version.cuda),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+    }

@@ -1,0 +1,96 @@
+"""`disagmoe bench ...`: GPU benchmarks that measure their baselines in the same run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from disagmoe.cli.common import console, err_console, print_json, user_errors
+
+bench_app = typer.Typer(help="GPU benchmarks (each measures its own baselines in the same run).",
+                        no_args_is_help=True)
+
+ShapeOption = Annotated[list[str] | None, typer.Option(
+    "--shape", help="mixtral-8x7b, qwen3-235b-ep8, deepseek-v3-ep8, deepseek-v3-ep8-4k or "
+                    "qwen3-30b-a3b (repeatable; default: all)")]
+
+
+def _shape_names(shapes: list[str] | None) -> list[str]:
+    from disagmoe.bench.experts import SHAPES
+
+    return shapes or list(SHAPES)
+
+
+@bench_app.command("experts")
+@user_errors
+def experts(
+    shape: ShapeOption = None,
+    backend: Annotated[list[str] | None, typer.Option(
+        help="triton | grouped_mm | loop (repeatable; default: all three)")] = None,
+    warmup: Annotated[int, typer.Option(help="untimed calls before timing")] = 3,
+    iters: Annotated[int, typer.Option(help="timed calls (median reported)")] = 20,
+    loop_iters: Annotated[int, typer.Option(help="timed calls of the slow per-expert loop")] = 5,
+    check: Annotated[bool, typer.Option(help="relative error vs an fp32 torch reference")] = True,
+    as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
+    out: Annotated[Path | None, typer.Option(help="also write the JSON record here")] = None,
+) -> None:
+    """Time the routed expert block (permute -> SwiGLU expert FFN -> combine), forward and
+    forward+backward, for our Triton kernels, torch._grouped_mm and a per-expert loop, plus the
+    bf16 matmul ceiling, all in one run. Shapes: mixtral-8x7b, qwen3-235b-ep8, deepseek-v3-ep8,
+    deepseek-v3-ep8-4k, qwen3-30b-a3b (Zipf(1.2)-skewed routing)."""
+    from disagmoe.bench import experts as bench
+
+    log = (lambda m: err_console.print(m, highlight=False)) if as_json else console.print
+    record = bench.run(_shape_names(shape), backend or list(bench.BACKENDS), warmup, iters,
+                       loop_iters, check=check, log=log)
+    if out is not None:
+        out.write_text(json.dumps(record, indent=1) + "\n")
+    if as_json:
+        print_json(record)
+        return
+    console.print(_experts_table(record))
+
+
+def _experts_table(record: dict) -> Table:
+    env, ceiling = record["environment"], record["ceiling_tflops"]
+    table = Table(title=f"routed expert block, bf16, {env['gpu']} (driver {env['driver']}, torch "
+                        f"{env['torch']}, triton {env['triton']}); matmul ceiling "
+                        f"{ceiling:.0f} TFLOP/s")
+    backends = list(record["shapes"][0]["tflops"]) if record["shapes"] else []
+    for col in ["shape", "E", "H->F", "pairs", "max/mean load", "pass",
+                *[f"{b} TFLOP/s (% ceil)" for b in backends], "triton / grouped_mm", "rel err"]:
+        table.add_column(col, justify="left" if col in ("shape", "pass") else "right")
+    for s in record["shapes"]:
+        for pass_name in ("fwd", "fwd+bwd"):
+            rates = [s["tflops"][b][pass_name] for b in backends]
+            ratio = (s["tflops"]["triton"][pass_name] / s["tflops"]["grouped_mm"][pass_name]
+                     if "triton" in backends else float("nan"))
+            err = s.get("rel_err", {}).get("triton", {})
+            err_text = (f"{err['y']:.1e}" if pass_name == "fwd" else
+                        f"{max(err.values()):.1e}") if err else "-"
+            table.add_row(s["name"], str(s["experts"]), f"{s['hidden']}->{s['ffn']}",
+                          str(s["pairs"]), f"{s['load_max_over_mean']:.2f}", pass_name,
+                          *[f"{r:.0f} ({100 * r / ceiling:.0f}%)" for r in rates],
+                          f"{ratio:.2f}x", err_text)
+    return table
+
+
+@bench_app.command("tune-experts")
+@user_errors
+def tune_experts(
+    shape: ShapeOption = None,
+    warmup: Annotated[int, typer.Option(help="untimed launches per candidate")] = 2,
+    iters: Annotated[int, typer.Option(help="timed launches per candidate (median)")] = 10,
+    out: Annotated[Path | None, typer.Option(
+        help="tuned table to merge into (default: disagmoe/kernels/tuned/<gpu>.json)")] = None,
+) -> None:
+    """Autotune the expert FFN's grouped GEMM tiles per shape class on this GPU and save them."""
+    from disagmoe.bench import tune_experts as tuner
+
+    record = tuner.tune(_shape_names(shape), warmup, iters, log=console.print)
+    path = tuner.write_tuned(record, out)
+    console.print(f"wrote {len(record['results'])} tuned entries to {path}")
