@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import typer
 
+from disagmoe.cli.bench_cmd import bench_app
 from disagmoe.cli.config_cmd import config_app, presets
+from disagmoe.cli.plan_cmd import plan, roofline
 from disagmoe.cli.train_cmd import train
 
 HELP = """\
@@ -31,7 +33,10 @@ app = typer.Typer(
     add_completion=False,
 )
 app.add_typer(config_app, name="config")
+app.add_typer(bench_app, name="bench")
 app.command("presets")(presets)
+app.command("plan")(plan)
+app.command("roofline")(roofline)
 app.command("train")(train)
 
 
