@@ -1,0 +1,105 @@
+"""Causal self-attention: grouped-query (Mixtral, Qwen3 with qk-norm) and multi-head latent (DeepSeek-V3).
+
+Both take the normed hidden states [B, S, H] and return the attention output [B, S, H] (before
+the residual add). Attention itself is `F.scaled_dot_product_attention(is_causal=True)`.
+
+Shape legend: B batch, S sequence, H hidden, n heads, g kv heads, D head dim, R rotary dims,
+C compressed (latent) rank, V value head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from disagmoe.config import ModelConfig
+from disagmoe.model.layers import RMSNorm, apply_rope, rope_cos_sin
+
+
+class GroupedQueryAttention(nn.Module):
+    """Multi-head attention with `num_kv_heads` shared key/value heads and RoPE on the full head dim."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.rope_theta = cfg.rope_theta
+        h = cfg.hidden_size
+        self.wq = nn.Linear(h, self.num_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(self.num_heads * self.head_dim, h, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+
+    def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
+        B, S, _ = x_BSH.shape
+        q_BSnD = self.wq(x_BSH).view(B, S, self.num_heads, self.head_dim)
+        k_BSgD = self.wk(x_BSH).view(B, S, self.num_kv_heads, self.head_dim)
+        v_BSgD = self.wv(x_BSH).view(B, S, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q_BSnD, k_BSgD = self.q_norm(q_BSnD), self.k_norm(k_BSgD)
+        cos_SD, sin_SD = rope_cos_sin(S, self.head_dim, self.rope_theta, x_BSH.device, x_BSH.dtype)
+        q_BSnD, k_BSgD = apply_rope(q_BSnD, cos_SD, sin_SD), apply_rope(k_BSgD, cos_SD, sin_SD)
+        o_BnSD = F.scaled_dot_product_attention(
+            q_BSnD.transpose(1, 2), k_BSgD.transpose(1, 2), v_BSgD.transpose(1, 2),
+            is_causal=True, enable_gqa=self.num_kv_heads != self.num_heads,
+        )
+        return self.wo(o_BnSD.transpose(1, 2).reshape(B, S, -1))
+
+
+class MultiHeadLatentAttention(nn.Module):
+    """DeepSeek-V2/V3 MLA: q through an optional low-rank bottleneck (`wq_a`, `q_a_norm`, `wq_b`),
+    k/v from a normed compressed latent (`wkv_a`, `kv_a_norm`, `wkv_b`); RoPE only on R decoupled
+    dims per head, with one rotary key shared by all heads.
+
+    RoPE uses the "rotate half" pairing. DeepSeek's checkpoints pair adjacent dims instead
+    (`rope_interleave`); `disagmoe.model.hf` permutes those weight rows on import and export.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        assert cfg.mla is not None
+        m = cfg.mla
+        h = cfg.hidden_size
+        self.num_heads, self.rope_theta = cfg.num_heads, cfg.rope_theta
+        self.nope_dim, self.rope_dim, self.v_dim, self.kv_rank = (
+            m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank,
+        )
+        qk_dim = self.nope_dim + self.rope_dim
+        if m.q_lora_rank is None:
+            self.wq = nn.Linear(h, self.num_heads * qk_dim, bias=False)
+        else:
+            self.wq_a = nn.Linear(h, m.q_lora_rank, bias=False)
+            self.q_a_norm = RMSNorm(m.q_lora_rank, cfg.norm_eps)
+            self.wq_b = nn.Linear(m.q_lora_rank, self.num_heads * qk_dim, bias=False)
+        self.q_low_rank = m.q_lora_rank is not None
+        self.wkv_a = nn.Linear(h, self.kv_rank + self.rope_dim, bias=False)
+        self.kv_a_norm = RMSNorm(self.kv_rank, cfg.norm_eps)
+        self.wkv_b = nn.Linear(self.kv_rank, self.num_heads * (self.nope_dim + self.v_dim), bias=False)
+        self.wo = nn.Linear(self.num_heads * self.v_dim, h, bias=False)
+
+    def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
+        B, S, _ = x_BSH.shape
+        n = self.num_heads
+        q_flat = self.wq_b(self.q_a_norm(self.wq_a(x_BSH))) if self.q_low_rank else self.wq(x_BSH)
+        q_nope_BSnD, q_rope_BSnR = q_flat.view(B, S, n, -1).split([self.nope_dim, self.rope_dim], dim=-1)
+
+        c_BSC, k_rope_BSR = self.wkv_a(x_BSH).split([self.kv_rank, self.rope_dim], dim=-1)
+        kv_BSnX = self.wkv_b(self.kv_a_norm(c_BSC)).view(B, S, n, self.nope_dim + self.v_dim)
+        k_nope_BSnD, v_BSnV = kv_BSnX.split([self.nope_dim, self.v_dim], dim=-1)
+
+        cos_SR, sin_SR = rope_cos_sin(S, self.rope_dim, self.rope_theta, x_BSH.device, x_BSH.dtype)
+        q_rope_BSnR = apply_rope(q_rope_BSnR, cos_SR, sin_SR)
+        k_rope_BS1R = apply_rope(k_rope_BSR[:, :, None, :], cos_SR, sin_SR)
+
+        q_BSnQ = torch.cat([q_nope_BSnD, q_rope_BSnR], dim=-1)
+        k_BSnQ = torch.cat([k_nope_BSnD, k_rope_BS1R.expand(B, S, n, self.rope_dim)], dim=-1)
+        o_BnSV = F.scaled_dot_product_attention(
+            q_BSnQ.transpose(1, 2), k_BSnQ.transpose(1, 2), v_BSnV.transpose(1, 2), is_causal=True
+        )
+        return self.wo(o_BnSV.transpose(1, 2).reshape(B, S, n * self.v_dim))
+
+
+def build_attention(cfg: ModelConfig) -> nn.Module:
+    return MultiHeadLatentAttention(cfg) if cfg.attention == "mla" else GroupedQueryAttention(cfg)

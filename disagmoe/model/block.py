@@ -1,0 +1,112 @@
+"""Transformer blocks, split at the seams where the disaggregated runtime cuts a layer.
+
+A MoE layer runs as five steps; only `moe.experts` runs on an expert rank:
+
+    h_BSH            = block.attention_part(x_BSH)          # attention rank: norm, attention, residual
+    routing          = block.route(h_BSH)                   # attention rank: FFN norm, router
+    x_PH, grouping   = block.dispatch(routing)              # attention rank: rows grouped by expert
+    y_PH             = block.moe.experts(x_PH, grouping.offsets_E)   # expert rank(s)
+    shared_NH        = block.shared_ffn(routing)            # attention rank (overlaps the experts)
+    out_BSH          = block.combine(h_BSH, routing, y_PH, grouping, shared_NH)
+
+`forward` composes exactly these calls. Leading dense layers (`DenseBlock`) run whole on the
+attention rank.
+
+Shape legend: B batch, S sequence, H hidden, N tokens (B*S), P token-expert pairs (N*K).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from disagmoe.config import ModelConfig
+from disagmoe.model.attention import build_attention
+from disagmoe.model.dispatch import ExpertGrouping, combine, group_by_expert, permute
+from disagmoe.model.experts import RoutedExperts
+from disagmoe.model.layers import RMSNorm, SwiGLU
+from disagmoe.model.router import Router, Routing
+
+
+class Block(nn.Module):
+    """The attention half shared by dense and MoE blocks."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.attention = build_attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+
+    def attention_part(self, x_BSH: torch.Tensor) -> torch.Tensor:
+        """x + attention(norm(x))."""
+        return x_BSH + self.attention(self.attention_norm(x_BSH))
+
+
+class DenseBlock(Block):
+    """Attention and a dense SwiGLU FFN (DeepSeek-V3's first layers)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__(cfg)
+        self.ffn = SwiGLU(cfg.hidden_size, cfg.dense_ffn_size)
+
+    def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
+        h_BSH = self.attention_part(x_BSH)
+        return h_BSH + self.ffn(self.ffn_norm(h_BSH))
+
+
+class MoE(nn.Module):
+    """The FFN of a MoE layer: `router`, optional `shared_experts` (one SwiGLU), `experts`."""
+
+    def __init__(self, cfg: ModelConfig, experts_backend: str) -> None:
+        super().__init__()
+        self.router = Router(cfg)
+        self.shared_experts = SwiGLU(cfg.hidden_size, cfg.shared_ffn_size) if cfg.shared_ffn_size else None
+        self.experts = RoutedExperts(cfg.num_experts, cfg.hidden_size, cfg.expert_ffn_size, experts_backend)
+
+
+class MoEBlock(Block):
+    """Attention and a MoE FFN; see the module docstring for how the steps split across ranks."""
+
+    def __init__(self, cfg: ModelConfig, experts_backend: str = "loop") -> None:
+        super().__init__(cfg)
+        self.moe = MoE(cfg, experts_backend)
+
+    def route(self, h_BSH: torch.Tensor, fixed_topk_idx_NK: torch.Tensor | None = None) -> Routing:
+        """Normed token rows and the router's choice for them."""
+        xn_NH = self.ffn_norm(h_BSH).flatten(0, 1)
+        return self.moe.router(xn_NH, fixed_topk_idx_NK)
+
+    def dispatch(self, routing: Routing) -> tuple[torch.Tensor, ExpertGrouping]:
+        """Pair rows grouped by expert ([P, H]) and the grouping that `combine` undoes."""
+        grouping = group_by_expert(routing.topk_idx_NK, self.moe.router.num_experts)
+        return permute(routing.xn_NH, grouping), grouping
+
+    def shared_ffn(self, routing: Routing) -> torch.Tensor | None:
+        """The shared experts' output [N, H], or None without shared experts."""
+        if self.moe.shared_experts is None:
+            return None
+        return self.moe.shared_experts(routing.xn_NH)
+
+    def combine(
+        self,
+        h_BSH: torch.Tensor,
+        routing: Routing,
+        y_PH: torch.Tensor,
+        grouping: ExpertGrouping,
+        shared_NH: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """h + sum_k w_k * expert_k(xn) (+ shared(xn))."""
+        ffn_NH = combine(y_PH, grouping, routing.topk_w_NK)
+        if shared_NH is not None:
+            ffn_NH = ffn_NH + shared_NH
+        return h_BSH + ffn_NH.view_as(h_BSH)
+
+    def forward(
+        self, x_BSH: torch.Tensor, fixed_topk_idx_NK: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, Routing]:
+        h_BSH = self.attention_part(x_BSH)
+        routing = self.route(h_BSH, fixed_topk_idx_NK)
+        x_PH, grouping = self.dispatch(routing)
+        y_PH = self.moe.experts(x_PH, grouping.offsets_E)
+        out_BSH = self.combine(h_BSH, routing, y_PH, grouping, self.shared_ffn(routing))
+        return out_BSH, routing

@@ -1,0 +1,142 @@
+"""Routed experts: stacked SwiGLU weights and the interchangeable expert-FFN backends.
+
+Every backend implements the contract of DESIGN.md section 3b,
+`expert_ffn(x_NH, offsets_E, w13_EH2F, w2_EFH) -> y_NH`: rows of x grouped by expert, offsets_E
+the int32 cumulative row counts, y_e = (silu(x_e @ W13[e][:, :F]) * (x_e @ W13[e][:, F:])) @ W2[e].
+
+Backends: `loop` (one matmul pair per expert), `grouped_mm` (`torch._grouped_mm`, falling back to
+`loop` where the device or the shapes do not support it), `triton` (disagmoe.kernels.moe_ffn).
+
+Shape legend: N rows (token-expert pairs), H hidden, F expert FFN width, E experts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from disagmoe.model.init import seeded_normal_
+
+ExpertFFN = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+BACKENDS = ("loop", "grouped_mm", "triton")
+
+
+def swiglu_rows(h_N2F: torch.Tensor) -> torch.Tensor:
+    gate_NF, up_NF = h_N2F.chunk(2, dim=-1)
+    return F.silu(gate_NF) * up_NF
+
+
+def expert_ffn_loop(
+    x_NH: torch.Tensor, offsets_E: torch.Tensor, w13_EH2F: torch.Tensor, w2_EFH: torch.Tensor
+) -> torch.Tensor:
+    """Reference backend: a pair of matmuls per expert (empty ones too, so every expert's weights
+    get a gradient, zero when it received no rows)."""
+    starts = [0, *offsets_E.tolist()]
+    outputs = [
+        swiglu_rows(x_NH[starts[e] : starts[e + 1]] @ w13_EH2F[e]) @ w2_EFH[e]
+        for e in range(offsets_E.numel())
+    ]
+    return torch.cat(outputs)
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous (`_grouped_mm`'s backward
+    rejects stride-0 gradients such as the one `.sum()` produces)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+def grouped_mm_supported(x_NH: torch.Tensor, w13_EH2F: torch.Tensor, w2_EFH: torch.Tensor) -> bool:
+    """`torch._grouped_mm` takes fp32/bf16/fp16 with 16-byte aligned rows (CPU and CUDA sm80+)."""
+    if not hasattr(torch, "_grouped_mm") or x_NH.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False
+    if x_NH.is_cuda and torch.cuda.get_device_capability(x_NH.device) < (8, 0):
+        return False
+    row_bytes = [d * x_NH.element_size() for d in (x_NH.shape[1], w13_EH2F.shape[2], w2_EFH.shape[1])]
+    return all(b % 16 == 0 for b in row_bytes)
+
+
+def expert_ffn_grouped_mm(
+    x_NH: torch.Tensor, offsets_E: torch.Tensor, w13_EH2F: torch.Tensor, w2_EFH: torch.Tensor
+) -> torch.Tensor:
+    """Two `torch._grouped_mm` calls (gate/up, down); the loop where unsupported."""
+    if not grouped_mm_supported(x_NH, w13_EH2F, w2_EFH):
+        return expert_ffn_loop(x_NH, offsets_E, w13_EH2F, w2_EFH)
+    h_N2F = torch._grouped_mm(x_NH, w13_EH2F, offs=offsets_E)
+    y_NH = torch._grouped_mm(swiglu_rows(h_N2F), w2_EFH, offs=offsets_E)
+    return _ContiguousGrad.apply(y_NH)
+
+
+def get_expert_ffn(backend: str) -> ExpertFFN:
+    """The backend function by name; the Triton kernel is imported only when asked for."""
+    if backend == "loop":
+        return expert_ffn_loop
+    if backend == "grouped_mm":
+        return expert_ffn_grouped_mm
+    if backend == "triton":
+        try:
+            from disagmoe.kernels.moe_ffn import expert_ffn_triton
+        except ImportError as err:
+            raise ValueError(
+                f"experts backend 'triton' is unavailable ({err}); install the gpu extra "
+                "(pip install -e '.[gpu]') or choose experts_backend='loop' or 'grouped_mm'"
+            ) from None
+        return expert_ffn_triton
+    raise ValueError(f"unknown experts backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+
+
+class RoutedExperts(nn.Module):
+    """Experts `first_expert .. first_expert + E - 1` of one MoE layer, weights stacked.
+
+    `w13_EH2F` [E, H, 2F] (gate in [..., :F], up in [..., F:]) and `w2_EFH` [E, F, H]. An expert
+    rank builds one holding only its slice with `from_slice`.
+    """
+
+    def __init__(
+        self, num_experts: int, hidden: int, ffn: int, backend: str = "loop", first_expert: int = 0
+    ) -> None:
+        super().__init__()
+        self.first_expert, self.backend = first_expert, backend
+        self.expert_ffn = get_expert_ffn(backend)
+        self.w13_EH2F = nn.Parameter(torch.empty(num_experts, hidden, 2 * ffn))
+        self.w2_EFH = nn.Parameter(torch.empty(num_experts, ffn, hidden))
+
+    @property
+    def num_experts(self) -> int:
+        return self.w13_EH2F.shape[0]
+
+    @classmethod
+    def from_slice(cls, full: RoutedExperts, start: int, stop: int, backend: str | None = None) -> RoutedExperts:
+        """A module holding copies of `full`'s experts start..stop-1 (indices local to `full`)."""
+        if not 0 <= start < stop <= full.num_experts:
+            raise ValueError(f"expert slice {start}:{stop} is outside 0:{full.num_experts}")
+        _, hidden, two_f = full.w13_EH2F.shape
+        part = cls(stop - start, hidden, two_f // 2, backend or full.backend, full.first_expert + start)
+        part.w13_EH2F = nn.Parameter(full.w13_EH2F[start:stop].detach().clone())
+        part.w2_EFH = nn.Parameter(full.w2_EFH[start:stop].detach().clone())
+        return part
+
+    def forward(self, x_NH: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+        """Rows grouped by (local) expert -> output rows in the same order."""
+        assert offsets_E.numel() == self.num_experts, "one cumulative count per local expert"
+        return self.expert_ffn(x_NH, offsets_E, self.w13_EH2F, self.w2_EFH)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int, prefix: str, std: float = 0.02) -> None:
+        """Each expert from its own stream keyed by its global index: slices init identically."""
+        for e in range(self.num_experts):
+            g = self.first_expert + e
+            seeded_normal_(self.w13_EH2F[e], seed, f"{prefix}.w13_EH2F[{g}]", std)
+            seeded_normal_(self.w2_EFH[e], seed, f"{prefix}.w2_EFH[{g}]", std)
+
+    def extra_repr(self) -> str:
+        return f"experts={self.first_expert}..{self.first_expert + self.num_experts - 1}, backend={self.backend}"

@@ -1,0 +1,126 @@
+"""The router: scores, (group-limited) top-k, balancing losses and the aux-loss-free bias.
+
+Dropless: every token reaches exactly its k experts. Selection may add a non-trainable per-expert
+bias (DeepSeek-V3's auxiliary-loss-free balancing); the combine weights never include it.
+
+Shape legend: N tokens, H hidden, E experts, K experts per token, G expert groups.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from disagmoe.config import ModelConfig
+from disagmoe.model.layers import compute_dtype
+
+
+@dataclass
+class Routing:
+    """What the router decided for one MoE layer's tokens."""
+
+    xn_NH: torch.Tensor  # the FFN-normed token rows the experts consume
+    topk_idx_NK: torch.Tensor  # int64 expert ids per token
+    topk_w_NK: torch.Tensor  # combine weights (routed_scaling already applied), dtype of xn_NH
+    aux_loss: torch.Tensor  # scalar, already multiplied by router.aux_loss_coef
+    z_loss: torch.Tensor  # scalar, already multiplied by router.z_loss_coef
+    load_E: torch.Tensor  # int64 token-expert pairs per expert, detached
+
+
+def group_limited_mask(choice_NE: torch.Tensor, num_groups: int, topk_groups: int) -> torch.Tensor:
+    """Bool [N, E]: experts inside the `topk_groups` best groups of each token.
+
+    A group's score is the sum of its two best experts' scores (its best one if a group has
+    a single expert), as in DeepSeek-V3.
+    """
+    N, E = choice_NE.shape
+    choice_NGe = choice_NE.view(N, num_groups, E // num_groups)
+    best = min(2, E // num_groups)
+    group_score_NG = choice_NGe.topk(best, dim=-1).values.sum(dim=-1)
+    group_idx = group_score_NG.topk(topk_groups, dim=-1).indices
+    group_mask_NG = torch.zeros_like(group_score_NG, dtype=torch.bool).scatter_(1, group_idx, True)
+    return group_mask_NG[:, :, None].expand_as(choice_NGe).reshape(N, E)
+
+
+class Router(nn.Module):
+    """Gate `weight` [E, H]; with `router.bias_balancing` also the buffer `expert_bias` [E]."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg.router
+        self.num_experts, self.top_k = cfg.num_experts, cfg.top_k
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
+        if self.cfg.bias_balancing:
+            self.register_buffer("expert_bias", torch.zeros(cfg.num_experts))
+        else:
+            self.expert_bias = None
+
+    def forward(self, xn_NH: torch.Tensor, fixed_topk_idx_NK: torch.Tensor | None = None) -> Routing:
+        """Route the normed rows; `fixed_topk_idx_NK` replaces the selection (weights stay live)."""
+        rc = self.cfg
+        work = compute_dtype(xn_NH.dtype)
+        logits_NE = F.linear(xn_NH.to(work), self.weight.to(work))
+        scores_NE = logits_NE.softmax(-1) if rc.score == "softmax" else logits_NE.sigmoid()
+
+        if fixed_topk_idx_NK is None:
+            topk_idx_NK = self.select(scores_NE.detach())
+        else:
+            if fixed_topk_idx_NK.shape != (xn_NH.shape[0], self.top_k):
+                raise ValueError(
+                    f"fixed top-k indices have shape {tuple(fixed_topk_idx_NK.shape)}, expected "
+                    f"{(xn_NH.shape[0], self.top_k)}; pass the indices recorded for these tokens"
+                )
+            topk_idx_NK = fixed_topk_idx_NK
+
+        topk_w_NK = scores_NE.gather(1, topk_idx_NK)
+        if rc.normalize_topk:
+            topk_w_NK = topk_w_NK / (topk_w_NK.sum(-1, keepdim=True) + 1e-20)
+        topk_w_NK = topk_w_NK * rc.routed_scaling
+
+        load_E = torch.bincount(topk_idx_NK.flatten(), minlength=self.num_experts).detach()
+        return Routing(
+            xn_NH=xn_NH,
+            topk_idx_NK=topk_idx_NK,
+            topk_w_NK=topk_w_NK.to(xn_NH.dtype),
+            aux_loss=self.aux_loss(scores_NE, load_E),
+            z_loss=self.z_loss(logits_NE),
+            load_E=load_E,
+        )
+
+    def select(self, scores_NE: torch.Tensor) -> torch.Tensor:
+        """Top-k expert ids by score (+ balancing bias), within the token's best groups."""
+        choice_NE = scores_NE if self.expert_bias is None else scores_NE + self.expert_bias.to(scores_NE.dtype)
+        if self.cfg.num_groups > 1:
+            allowed_NE = group_limited_mask(choice_NE, self.cfg.num_groups, self.cfg.topk_groups)
+            choice_NE = choice_NE.masked_fill(~allowed_NE, float("-inf"))
+        return choice_NE.topk(self.top_k, dim=-1).indices
+
+    def aux_loss(self, scores_NE: torch.Tensor, load_E: torch.Tensor) -> torch.Tensor:
+        """Switch-style coef * E * sum_e f_e * P_e: f_e the fraction of token-expert pairs sent to e,
+        P_e the mean routing probability of e (sigmoid scores are normalised per token first).
+        Equals coef when the load and the probabilities are uniform."""
+        if self.cfg.aux_loss_coef == 0:
+            return scores_NE.new_zeros(())
+        probs_NE = scores_NE if self.cfg.score == "softmax" else scores_NE / scores_NE.sum(-1, keepdim=True)
+        f_E = load_E.to(scores_NE.dtype) / load_E.sum()
+        return self.cfg.aux_loss_coef * self.num_experts * (f_E * probs_NE.mean(0)).sum()
+
+    def z_loss(self, logits_NE: torch.Tensor) -> torch.Tensor:
+        """coef * mean over tokens of logsumexp(logits)^2 (keeps the gate logits small)."""
+        if self.cfg.z_loss_coef == 0:
+            return logits_NE.new_zeros(())
+        return self.cfg.z_loss_coef * torch.logsumexp(logits_NE, dim=-1).pow(2).mean()
+
+    @torch.no_grad()
+    def update_bias(self, load_E: torch.Tensor) -> None:
+        """bias += rate * sign(mean load - load_e): under-loaded experts become more attractive.
+
+        Call after the optimizer step with the step's summed loads; no-op without bias balancing."""
+        if self.expert_bias is None:
+            return
+        load = load_E.to(self.expert_bias.device, torch.float64)
+        step = torch.sign(load.mean() - load) * self.cfg.bias_update_rate
+        self.expert_bias += step.to(self.expert_bias.dtype)

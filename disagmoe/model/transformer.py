@@ -1,0 +1,116 @@
+"""The causal LM: embedding, dense then MoE blocks, final norm, LM head (optionally tied).
+
+Parameter names (stable, layout-independent; the checkpoint keys build on them):
+`embed.weight`, `layers.{i}.attention_norm.weight`, `layers.{i}.attention.*`,
+`layers.{i}.ffn_norm.weight`, dense layers `layers.{i}.ffn.{w1,w3,w2}.weight`, MoE layers
+`layers.{i}.moe.router.weight` (+ buffer `.expert_bias`), `layers.{i}.moe.shared_experts.{w1,w3,w2}.weight`,
+`layers.{i}.moe.experts.{w13_EH2F,w2_EFH}`, `norm.weight`, `lm_head.weight` (absent when tied).
+
+Shape legend: B batch, S sequence, H hidden, V vocabulary, L MoE layers, E experts, N tokens, K top-k.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from disagmoe.config import ModelConfig
+from disagmoe.model.block import DenseBlock, MoEBlock
+from disagmoe.model.experts import RoutedExperts
+from disagmoe.model.init import seeded_normal_
+from disagmoe.model.layers import RMSNorm
+
+
+@dataclass
+class ModelOutput:
+    logits_BSV: torch.Tensor
+    aux_loss: torch.Tensor  # scalar: sum over MoE layers, already weighted by its coefficient
+    z_loss: torch.Tensor  # scalar: sum over MoE layers, already weighted by its coefficient
+    expert_load_LE: torch.Tensor  # int64 token-expert pairs per expert per MoE layer, detached
+    topk_idx_LNK: torch.Tensor  # int64 chosen experts per MoE layer (pass back as fixed_topk_idx_LNK)
+
+
+class MoETransformer(nn.Module):
+    def __init__(self, cfg: ModelConfig, experts_backend: str = "loop") -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            DenseBlock(cfg) if i < cfg.num_dense_layers else MoEBlock(cfg, experts_backend)
+            for i in range(cfg.num_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if self.embed.weight.device.type != "meta":  # never hand out uninitialised memory
+            self.init_weights(seed=0)
+
+    @property
+    def moe_blocks(self) -> list[MoEBlock]:
+        return [b for b in self.layers if isinstance(b, MoEBlock)]
+
+    def forward(
+        self, tokens_BS: torch.Tensor, fixed_topk_idx_LNK: Sequence[torch.Tensor] | torch.Tensor | None = None
+    ) -> ModelOutput:
+        """Logits and router statistics; `fixed_topk_idx_LNK` (e.g. a previous output's
+        `topk_idx_LNK`) replaces every MoE layer's expert selection, the weights stay differentiable."""
+        if fixed_topk_idx_LNK is not None and len(fixed_topk_idx_LNK) != self.cfg.num_moe_layers:
+            raise ValueError(
+                f"fixed_topk_idx_LNK has {len(fixed_topk_idx_LNK)} layers, the model has "
+                f"{self.cfg.num_moe_layers} MoE layers"
+            )
+        x_BSH = self.embed(tokens_BS)
+        routings = []
+        for block in self.layers:
+            if isinstance(block, MoEBlock):
+                fixed = None if fixed_topk_idx_LNK is None else fixed_topk_idx_LNK[len(routings)]
+                x_BSH, routing = block(x_BSH, fixed)
+                routings.append(routing)
+            else:
+                x_BSH = block(x_BSH)
+        h_BSH = self.norm(x_BSH)
+        head = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        zero = x_BSH.new_zeros(())
+        return ModelOutput(
+            logits_BSV=F.linear(h_BSH, head),
+            aux_loss=sum((r.aux_loss for r in routings), zero),
+            z_loss=sum((r.z_loss for r in routings), zero),
+            expert_load_LE=self._stack([r.load_E for r in routings], (0, self.cfg.num_experts), tokens_BS),
+            topk_idx_LNK=self._stack([r.topk_idx_NK.detach() for r in routings],
+                                     (0, tokens_BS.numel(), self.cfg.top_k), tokens_BS),
+        )
+
+    @staticmethod
+    def _stack(rows: list[torch.Tensor], empty_shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        if rows:
+            return torch.stack(rows)
+        return torch.zeros(empty_shape, dtype=torch.int64, device=like.device)
+
+    @torch.no_grad()
+    def update_router_bias(self, load_LE: torch.Tensor) -> None:
+        """Aux-loss-free balancing step; call after optimizer.step() with the step's summed loads."""
+        if load_LE.shape != (self.cfg.num_moe_layers, self.cfg.num_experts):
+            raise ValueError(
+                f"load_LE has shape {tuple(load_LE.shape)}, expected "
+                f"{(self.cfg.num_moe_layers, self.cfg.num_experts)} (MoE layers x experts)"
+            )
+        for block, load_E in zip(self.moe_blocks, load_LE, strict=True):
+            block.moe.router.update_bias(load_E)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int, std: float = 0.02) -> None:
+        """Norm weights 1, router biases 0, every other weight N(0, std^2) from its own stream."""
+        for name, module in self.named_modules():
+            if isinstance(module, RMSNorm):
+                module.weight.fill_(1.0)
+            elif isinstance(module, RoutedExperts):
+                module.init_weights(seed, name, std)
+            else:
+                for pname, param in module.named_parameters(recurse=False):
+                    seeded_normal_(param, seed, f"{name}.{pname}", std)
+        for block in self.moe_blocks:
+            if block.moe.router.expert_bias is not None:
+                block.moe.router.expert_bias.zero_()

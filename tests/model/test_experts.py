@@ -1,0 +1,114 @@
+"""Expert-FFN backends against a per-row reference; slices; the grouped_mm path on CPU."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from disagmoe.model import experts as experts_mod
+from disagmoe.model.experts import (
+    RoutedExperts,
+    expert_ffn_grouped_mm,
+    expert_ffn_loop,
+    get_expert_ffn,
+    grouped_mm_supported,
+)
+
+
+def problem(counts, H=16, Fw=8, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    E = len(counts)
+    x = torch.randn(sum(counts), H, generator=gen).to(dtype)
+    w13 = (torch.randn(E, H, 2 * Fw, generator=gen) * 0.3).to(dtype)
+    w2 = (torch.randn(E, Fw, H, generator=gen) * 0.3).to(dtype)
+    offsets = torch.cumsum(torch.tensor(counts), 0).to(torch.int32)
+    return x, offsets, w13, w2
+
+
+def per_row_reference(x, offsets, w13, w2):
+    expert_of_row = torch.bucketize(torch.arange(x.shape[0]), offsets.long(), right=True)
+    Fw = w2.shape[1]
+    rows = []
+    for i, e in enumerate(expert_of_row.tolist()):
+        h = x[i] @ w13[e]
+        rows.append((F.silu(h[:Fw]) * h[Fw:]) @ w2[e])
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("counts", [[3, 0, 5, 1], [0, 0, 6, 0], [2, 2, 2, 2]])
+def test_loop_matches_per_row_reference(counts):
+    x, offsets, w13, w2 = problem(counts)
+    torch.testing.assert_close(expert_ffn_loop(x, offsets, w13, w2), per_row_reference(x, offsets, w13, w2))
+
+
+def test_loop_with_no_rows_returns_empty_and_zero_grads():
+    x, offsets, w13, w2 = problem([0, 0])
+    w13.requires_grad_()
+    y = expert_ffn_loop(x, offsets, w13, w2)
+    assert y.shape == (0, 16)
+    y.sum().backward()
+    assert torch.equal(w13.grad, torch.zeros_like(w13))
+
+
+@pytest.mark.parametrize("counts", [[3, 0, 5, 1], [0, 7, 0, 0]])
+def test_grouped_mm_matches_loop_forward_and_backward(counts, monkeypatch):
+    x, offsets, w13, w2 = problem(counts)
+    assert grouped_mm_supported(x, w13, w2), "torch 2.13 runs _grouped_mm on CPU for aligned fp32"
+    calls = []
+    real = torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    leaves = [t.clone().requires_grad_() for t in (x, w13, w2)]
+    ref_leaves = [t.clone().requires_grad_() for t in (x, w13, w2)]
+    y = expert_ffn_grouped_mm(leaves[0], offsets, leaves[1], leaves[2])
+    y_ref = expert_ffn_loop(ref_leaves[0], offsets, ref_leaves[1], ref_leaves[2])
+    assert len(calls) == 2
+    torch.testing.assert_close(y, y_ref)
+    y.sum().backward()
+    y_ref.sum().backward()
+    for got, want in zip(leaves, ref_leaves, strict=True):
+        torch.testing.assert_close(got.grad, want.grad)
+
+
+def test_grouped_mm_falls_back_to_loop_when_unsupported():
+    x, offsets, w13, w2 = problem([2, 3], H=6, Fw=3, dtype=torch.float64)
+    assert not grouped_mm_supported(x, w13, w2)
+    torch.testing.assert_close(expert_ffn_grouped_mm(x, offsets, w13, w2), expert_ffn_loop(x, offsets, w13, w2))
+
+
+def test_backend_lookup():
+    assert get_expert_ffn("loop") is expert_ffn_loop
+    with pytest.raises(ValueError, match="choose one of"):
+        get_expert_ffn("cutlass")
+
+
+def test_triton_backend_missing_kernel_is_a_clear_error(monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_kernels(name, *args, **kwargs):
+        if name.startswith("disagmoe.kernels"):
+            raise ImportError("no module named disagmoe.kernels.moe_ffn")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_kernels)
+    with pytest.raises(ValueError, match="'loop' or 'grouped_mm'"):
+        experts_mod.get_expert_ffn("triton")
+
+
+def test_slices_compute_and_initialise_like_the_full_module():
+    full = RoutedExperts(6, 16, 8)
+    full.init_weights(seed=3, prefix="layers.1.moe.experts")
+    counts = [2, 0, 3, 1, 4, 2]
+    x, offsets, _, _ = problem(counts)
+    y_full = full(x, offsets)
+    low, high = RoutedExperts.from_slice(full, 0, 2), RoutedExperts.from_slice(full, 2, 6)
+    assert high.first_expert == 2
+    y_low = low(x[:2], offsets[:2])
+    y_high = high(x[2:], offsets[2:] - 2)
+    torch.testing.assert_close(torch.cat([y_low, y_high]), y_full)
+
+    fresh = RoutedExperts(4, 16, 8, first_expert=2)
+    fresh.init_weights(seed=3, prefix="layers.1.moe.experts")
+    assert torch.equal(fresh.w13_EH2F, high.w13_EH2F) and torch.equal(fresh.w2_EFH, high.w2_EFH)
+    with pytest.raises(ValueError, match="outside"):
+        RoutedExperts.from_slice(full, 4, 8)

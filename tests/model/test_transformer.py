@@ -1,0 +1,148 @@
+"""The LM: outputs, initialisation, whole-model gradients (gradcheck, routing fixed), bias updates."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.func import functional_call
+
+from disagmoe.model.experts import RoutedExperts
+from disagmoe.model.transformer import MoETransformer
+
+
+def tokens(cfg, B=2, S=6, seed=0):
+    return torch.randint(0, cfg.vocab_size, (B, S), generator=torch.Generator().manual_seed(seed))
+
+
+def test_output_fields(make_mla_config):
+    cfg = make_mla_config()
+    model = MoETransformer(cfg)
+    tok = tokens(cfg)
+    out = model(tok)
+    assert out.logits_BSV.shape == (2, 6, cfg.vocab_size)
+    assert out.expert_load_LE.shape == (2, 8) and out.expert_load_LE.dtype == torch.int64
+    assert torch.equal(out.expert_load_LE.sum(1), torch.full((2,), 12 * cfg.top_k))
+    assert out.topk_idx_LNK.shape == (2, 12, cfg.top_k)
+    assert out.aux_loss.dim() == 0 and out.z_loss.dim() == 0
+    per_layer = []
+    x = model.embed(tok)
+    for block in model.layers:
+        if hasattr(block, "moe"):
+            x, r = block(x)
+            per_layer.append(r.aux_loss)
+        else:
+            x = block(x)
+    torch.testing.assert_close(out.aux_loss, sum(per_layer))
+
+
+def test_init_is_deterministic_and_sets_norms_to_one(make_config):
+    cfg = make_config()
+    a, b = MoETransformer(cfg), MoETransformer(cfg)
+    a.init_weights(seed=7)
+    b.init_weights(seed=7)
+    for (name, pa), pb in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
+        assert torch.equal(pa, pb), name
+    assert torch.equal(a.layers[0].attention_norm.weight, torch.ones(cfg.hidden_size))
+    std = a.layers[0].attention.wq.weight.std().item()
+    assert 0.015 < std < 0.025
+    b.init_weights(seed=8)
+    assert not torch.equal(a.embed.weight, b.embed.weight)
+
+
+def test_expert_init_does_not_depend_on_the_slice(make_config):
+    cfg = make_config(num_experts=4)
+    model = MoETransformer(cfg)
+    model.init_weights(seed=9)
+    part = RoutedExperts(2, cfg.hidden_size, cfg.expert_ffn_size, first_expert=2)
+    part.init_weights(seed=9, prefix="layers.1.moe.experts")
+    assert torch.equal(part.w2_EFH, model.layers[1].moe.experts.w2_EFH[2:])
+
+
+def test_tied_embeddings_share_the_embedding_matrix(make_config):
+    cfg = make_config(tie_embeddings=True)
+    model = MoETransformer(cfg)
+    assert model.lm_head is None and "lm_head.weight" not in model.state_dict()
+    tok = tokens(cfg)
+    h = model.norm(model.layers[1](model.layers[0](model.embed(tok))[0])[0])
+    torch.testing.assert_close(model(tok).logits_BSV, h @ model.embed.weight.T)
+
+
+def test_backends_give_the_same_logits_and_grads(make_config):
+    cfg = make_config(hidden_size=16, expert_ffn_size=8)  # 64/32-byte rows: grouped_mm runs for real
+    loop, grouped = MoETransformer(cfg, "loop"), MoETransformer(cfg, "grouped_mm")
+    loop.init_weights(seed=1)
+    grouped.load_state_dict(loop.state_dict())
+    tok = tokens(cfg)
+    for model in (loop, grouped):
+        out = model(tok)
+        (F.cross_entropy(out.logits_BSV.flatten(0, 1), tok.flatten()) + out.aux_loss).backward()
+    torch.testing.assert_close(grouped(tok).logits_BSV, loop(tok).logits_BSV)
+    for (name, p), q in zip(loop.named_parameters(), grouped.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad, msg=name)
+
+
+@pytest.mark.parametrize("which", ["gqa", "mla"])
+def test_whole_model_gradcheck_with_routing_fixed(which, make_config, make_mla_config):
+    cfg = make_config(qk_norm=True, num_shared_experts=1) if which == "gqa" else make_mla_config()
+    model = MoETransformer(cfg).double()
+    model.init_weights(seed=2)
+    model.double()
+    with torch.no_grad():  # larger weights so that every term's gradient is well above rounding
+        for p in model.parameters():
+            p.mul_(10.0) if p.dim() > 1 else p.add_(torch.randn_like(p) * 0.1)
+    tok = tokens(cfg, B=1, S=5)
+    fixed = model(tok).topk_idx_LNK
+    names, shapes = zip(*((n, p.shape) for n, p in model.named_parameters()), strict=True)
+    flat_params = torch.cat([p.detach().flatten() for p in model.parameters()]).requires_grad_()
+
+    def loss(flat):  # all parameters as one vector: fast-mode gradcheck probes one direction
+        chunks = flat.split([s.numel() for s in shapes])
+        params = {n: c.view(s) for n, c, s in zip(names, chunks, shapes, strict=True)}
+        out = functional_call(model, params, (tok,), {"fixed_topk_idx_LNK": fixed})
+        return F.cross_entropy(out.logits_BSV.flatten(0, 1), tok.flatten()) + out.aux_loss + out.z_loss
+
+    assert torch.autograd.gradcheck(loss, (flat_params,), fast_mode=True, eps=1e-6, atol=1e-5, rtol=1e-4)
+
+
+def test_fixed_routing_reproduces_the_free_forward(make_config):
+    cfg = make_config()
+    model = MoETransformer(cfg)
+    tok = tokens(cfg)
+    out = model(tok)
+    again = model(tok, fixed_topk_idx_LNK=out.topk_idx_LNK)
+    torch.testing.assert_close(again.logits_BSV, out.logits_BSV)
+    with pytest.raises(ValueError, match="MoE layers"):
+        model(tok, fixed_topk_idx_LNK=out.topk_idx_LNK[:1])
+
+
+def test_update_router_bias_direction_and_noop(make_config):
+    cfg = make_config(router=dict(bias_balancing=True, bias_update_rate=0.5))
+    model = MoETransformer(cfg)
+    load = torch.tensor([[8, 0, 4, 4], [1, 1, 1, 13]])
+    model.update_router_bias(load)
+    assert model.layers[0].moe.router.expert_bias.tolist() == [-0.5, 0.5, 0.0, 0.0]
+    assert model.layers[1].moe.router.expert_bias.tolist() == [0.5, 0.5, 0.5, -0.5]
+
+    plain = MoETransformer(make_config())
+    before = {k: v.clone() for k, v in plain.state_dict().items()}
+    plain.update_router_bias(load)
+    assert all(torch.equal(v, before[k]) for k, v in plain.state_dict().items())
+    with pytest.raises(ValueError, match="MoE layers x experts"):
+        plain.update_router_bias(load[:1])
+
+
+def test_bias_balancing_evens_out_a_skewed_router(make_config):
+    """Repeated updates from the measured loads undo a bias that overloads expert 0."""
+    cfg = make_config(num_experts=4, top_k=1, num_layers=1,
+                      router=dict(score="sigmoid", bias_balancing=True, bias_update_rate=0.01))
+    model = MoETransformer(cfg)
+    router = model.layers[0].moe.router
+    with torch.no_grad():
+        router.weight.mul_(20.0)
+        router.expert_bias[0] = 0.2
+    tok = tokens(cfg, B=4, S=16)
+    first = model(tok).expert_load_LE[0]
+    for _ in range(30):
+        model.update_router_bias(model(tok).expert_load_LE)
+    last = model(tok).expert_load_LE[0]
+    assert first.argmax() == 0 and first.max() > 2 * first.float().mean()
+    assert last.max() - last.min() <= 4 < first.max() - first.min()
