@@ -171,8 +171,12 @@ class HardwareConfig(StrictModel):
     nvlink_gbps: PositiveFloat = Field(description="NVLink bandwidth per GPU per direction, GB/s")
     nvlink_domain: PositiveInt = Field(description="GPUs sharing one NVLink domain (8 HGX, 72 NVL72)")
     scaleout_gbps: PositiveFloat = Field(description="scale-out (IB/RoCE) per GPU per direction, GB/s")
-    nvlink_latency_us: NonNegFloat = Field(3.0, description="one small NVLink transfer, us")
-    scaleout_latency_us: NonNegFloat = Field(8.0, description="one small scale-out transfer, us")
+    nvlink_latency_us: NonNegFloat = Field(
+        9.0, description="one-sided put over NVLink, fixed cost per message, us")
+    scaleout_latency_us: NonNegFloat = Field(
+        15.0, description="one-sided put over the scale-out network, fixed cost per message, us")
+    collective_latency_us: NonNegFloat = Field(
+        120.0, description="fixed cost of one NCCL collective call (all-to-all, all-reduce), us")
     efficiency: Efficiency = Field(default_factory=Efficiency)
 
 
@@ -217,7 +221,8 @@ class StageTime(StrictModel):
 
     name: str
     time_s: NonNegFloat
-    bound: str
+    group: str = Field(description="who runs it: attention, expert or link")
+    bound: str = Field(description="binding ceiling: compute, hbm, nvlink, scale-out or latency")
 
 
 class MemoryEstimate(StrictModel):
@@ -244,6 +249,10 @@ class Plan(StrictModel):
     expert_gpus: NonNegInt
     pipeline_groups: PositiveInt
     micro_batches: PositiveInt
+    expert_replica_sets: NonNegInt = Field(
+        description="per pipeline group: sets of expert GPUs each holding every expert once")
+    sequences_per_micro_batch: NonNegInt = Field(description="sequences per micro-batch, all DP ranks")
+    accumulation_rounds: NonNegInt = Field(description="rounds of m micro-batches per step")
     expert_map: list[list[list[int]]] = Field(
         description="per MoE layer, per expert: the expert ranks holding it (replica r serves "
         "data-parallel index mod len == r)"
@@ -255,10 +264,12 @@ class Plan(StrictModel):
     step_time_s: NonNegFloat
     colocated_step_time_s: NonNegFloat
     speedup_vs_colocated: NonNegFloat
+    expert_imbalance: NonNegFloat = Field(description="max/mean expected load over expert GPUs")
     mfu: NonNegFloat
     feasible: bool
     reason: str
     notes: list[str] = Field(default_factory=list)
+    min_gpus: PositiveInt | None = Field(None, description="when infeasible: fewest GPUs that fit")
 
 
 # ----------------------------------------------------------------------------------------------

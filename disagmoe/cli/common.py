@@ -11,8 +11,10 @@ from typing import Any, TypeVar
 import typer
 from rich.console import Console
 
-console = Console()
-err_console = Console(stderr=True)
+# Reports are wide tables: when the output is not a terminal (a pipe, a log file, CI), do not
+# squeeze them into rich's default 80 columns.
+console = Console(width=None if sys.stdout.isatty() else 160)
+err_console = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -1,0 +1,212 @@
+"""`disagmoe plan` and `disagmoe roofline`: where each layer runs, and why."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+import yaml
+from rich.panel import Panel
+from rich.table import Table
+
+from disagmoe.cli.common import console, print_json, user_errors
+from disagmoe.config import ClusterConfig, PlanConfig, load_hardware, load_model
+from disagmoe.placement.cost import Candidates
+from disagmoe.placement.experts import read_histogram
+from disagmoe.placement.solver import Choice, choose, price, stage_repeats
+from disagmoe.roofline import report
+
+ModelOpt = Annotated[str, typer.Option("--model", "-m", help="model preset (see `disagmoe presets`), "
+                                       "a model YAML, or a Hugging Face config.json")]
+HardwareOpt = Annotated[str, typer.Option("--hardware", "-hw", help="hardware preset or YAML file")]
+GpusOpt = Annotated[int, typer.Option("--gpus", "-n", help="GPUs in the job", min=1)]
+SeqOpt = Annotated[Optional[int], typer.Option("--seq-len", help="sequence length [default: the model's]", min=1)]
+BatchOpt = Annotated[int, typer.Option("--global-batch-tokens", help="tokens per optimizer step", min=1)]
+JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON only (for machines)")]
+HistOpt = Annotated[Optional[Path], typer.Option(
+    "--load-histogram", help="metrics.jsonl of a previous `disagmoe train`: place experts by their load")]
+
+
+def build_request(model: str, hardware: str, gpus: int, seq_len: int | None, global_batch_tokens: int,
+                  load_histogram: Path | None = None, max_pipeline_groups: int = 8,
+                  max_expert_replicas: int = 0) -> PlanConfig:
+    mcfg = load_model(model)
+    hist = read_histogram(load_histogram, mcfg.num_moe_layers, mcfg.num_experts) if load_histogram else None
+    return PlanConfig(model=mcfg, cluster=ClusterConfig(hardware=load_hardware(hardware), num_gpus=gpus),
+                      seq_len=seq_len or mcfg.seq_len, global_batch_tokens=global_batch_tokens,
+                      load_histogram=hist, max_pipeline_groups=max_pipeline_groups,
+                      max_expert_replicas=max_expert_replicas)
+
+
+@user_errors
+def plan(
+    model: ModelOpt,
+    hardware: HardwareOpt,
+    gpus: GpusOpt,
+    seq_len: SeqOpt = None,
+    global_batch_tokens: BatchOpt = 4 * 1024 * 1024,
+    load_histogram: HistOpt = None,
+    max_pipeline_groups: Annotated[int, typer.Option(help="largest p to consider", min=1)] = 8,
+    max_expert_replicas: Annotated[int, typer.Option(help="extra replicas per hot expert", min=0)] = 0,
+    as_json: JsonOpt = False,
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="write the plan (.yaml or .json)")] = None,
+) -> None:
+    """Choose a placement: attention GPUs vs expert GPUs, pipeline groups, micro-batches, expert map.
+
+    \b
+    The solver prices every split with the roofline model (compute, HBM, NVLink, scale-out),
+    a ring-pipeline model for micro-batches in flight, and a memory check (weights, grads, AdamW
+    state, activations), and compares against the colocated expert-parallel layout on the same GPUs.
+    Example: disagmoe plan --model deepseek-v3 --hardware gb200-nvl72 --gpus 1152
+    """
+    req = build_request(model, hardware, gpus, seq_len, global_batch_tokens, load_histogram,
+                        max_pipeline_groups, max_expert_replicas)
+    result = choose(req).plan
+    if out:
+        write_plan(result, out)
+    if as_json:
+        print_json(result.model_dump(mode="json"))
+    else:
+        show_plan(result, out)
+    if not result.feasible:
+        raise typer.Exit(1)
+
+
+def write_plan(result, out: Path) -> None:
+    data = result.model_dump(mode="json")
+    if out.suffix == ".json":
+        text = result.to_json()
+    elif out.suffix in (".yaml", ".yml"):
+        text = yaml.safe_dump(data, sort_keys=False)
+    else:
+        raise ValueError(f"--out {out}: use a .yaml or .json file name")
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(out)
+
+
+def show_plan(p, out: Path | None) -> None:
+    head = f"{p.model} on {p.gpus} x {p.hardware}, seq {p.seq_len}, {p.global_batch_tokens:,} tokens/step"
+    if not p.feasible and not p.memory_per_gpu:
+        console.print(Panel(p.reason, title=f"[red]no plan[/]: {head}", title_align="left"))
+        for n in p.notes:
+            console.print(f"  note: {n}")
+        return
+    if p.layout == "disaggregated":
+        layout = (f"[bold]disaggregated[/]: {p.attention_gpus} attention GPUs + {p.expert_gpus} expert GPUs "
+                  f"({p.expert_replica_sets} expert replica set(s) per group)")
+    else:
+        layout = f"[bold]colocated[/]: {p.expert_gpus} GPUs, each attention + experts"
+    lines = [
+        layout,
+        f"pipeline groups p={p.pipeline_groups}, micro-batches m={p.micro_batches} of "
+        f"{p.sequences_per_micro_batch} sequences, {p.accumulation_rounds} round(s) per step",
+        f"predicted step {p.step_time_s:.3f} s, MFU {p.mfu:.1%}; colocated baseline "
+        + (f"{p.colocated_step_time_s:.3f} s -> speedup {p.speedup_vs_colocated:.2f}x"
+           if p.colocated_step_time_s else "does not fit"),
+        f"params {p.total_params / 1e9:.1f}B total, {p.active_params / 1e9:.1f}B active; "
+        f"expert load imbalance {p.expert_imbalance:.2f}",
+        f"[italic]{p.reason}[/]",
+    ]
+    console.print(Panel("\n".join(lines), title=head, title_align="left"))
+    mem = Table(title="memory per GPU (GiB)", title_justify="left")
+    for col in ("GPU", "weights", "grads", "optimizer", "activations", "total", "capacity"):
+        mem.add_column(col, justify="left" if col == "GPU" else "right")
+    for kind, e in p.memory_per_gpu.items():
+        over = "[red]" if e.total_gib > e.capacity_gib else ""
+        mem.add_row(kind, f"{e.weights_gib:.1f}", f"{e.grads_gib:.1f}", f"{e.optimizer_gib:.1f}",
+                    f"{e.activations_gib:.1f}", f"{over}{e.total_gib:.1f}", f"{e.capacity_gib:.1f}")
+    console.print(mem)
+    st = Table(title="stage time per step, on the GPUs that run it", title_justify="left")
+    for col in ("stage", "group", "time", "bound"):
+        st.add_column(col, justify="right" if col == "time" else "left")
+    for s in sorted(p.stage_times, key=lambda s: -s.time_s):
+        st.add_row(s.name, s.group, f"{s.time_s * 1e3:.1f} ms", s.bound)
+    console.print(st)
+    for n in p.notes:
+        console.print(f"note: {n}", highlight=False)
+    if out:
+        console.print(f"plan written to {out}")
+
+
+@user_errors
+def roofline(
+    model: ModelOpt,
+    hardware: HardwareOpt,
+    gpus: GpusOpt,
+    seq_len: SeqOpt = None,
+    global_batch_tokens: BatchOpt = 4 * 1024 * 1024,
+    layout: Annotated[str, typer.Option(help="auto (the planner's choice), disaggregated or colocated")] = "auto",
+    attention_gpus: Annotated[Optional[int], typer.Option(help="fix the attention GPU count (disaggregated)", min=1)] = None,
+    pipeline_groups: Annotated[int, typer.Option("--pipeline-groups", "-p", help="with a fixed layout", min=1)] = 1,
+    micro_batches: Annotated[int, typer.Option("--micro-batches", help="with a fixed layout", min=1)] = 4,
+    sequences_per_gpu: Annotated[int, typer.Option(help="sequences per attention GPU per micro-batch", min=1)] = 1,
+    replica_sets: Annotated[int, typer.Option(help="expert replica sets per group (disaggregated)", min=1)] = 1,
+    as_json: JsonOpt = False,
+    plot_path: Annotated[Optional[Path], typer.Option("--plot", help="write a log-log roofline PNG")] = None,
+) -> None:
+    """Per-stage roofline of one layer and of a whole step: FLOPs, bytes per memory and link,
+    arithmetic intensity, time under each ceiling and the one that binds.
+
+    \b
+    By default it reports the layout `disagmoe plan` would choose; --layout with --attention-gpus,
+    -p, --micro-batches, --sequences-per-gpu and --replica-sets fixes one instead.
+    Example: disagmoe roofline --model qwen3-235b-a22b --hardware h200-sxm --gpus 8 --plot roof.png
+    """
+    req = build_request(model, hardware, gpus, seq_len, global_batch_tokens)
+    choice = _layout_choice(req, layout, attention_gpus, pipeline_groups, micro_batches,
+                            sequences_per_gpu, replica_sets)
+    if choice.cost is None:
+        raise ValueError(choice.plan.reason)
+    rows_layer, rows_step = roofline_rows(choice)
+    title = f"{req.model.name} on {gpus} x {req.cluster.hardware.name} ({choice.plan.layout})"
+    if plot_path:
+        if plot_path.suffix.lower() != ".png":
+            raise ValueError(f"--plot {plot_path}: give a .png file name")
+        report.plot(rows_layer, choice.problem.ceilings, plot_path, title + ": one MoE layer, one micro-batch")
+    if as_json:
+        print_json({"plan": choice.plan.model_dump(mode="json"), "layer": rows_layer, "step": rows_step})
+        return
+    console.print(report.table(rows_layer, f"{title}: one layer, one micro-batch, per GPU"))
+    console.print(report.table(rows_step, f"{title}: whole step, per GPU"))
+    c = choice.problem.ceilings
+    console.print(f"ceilings per GPU: {c.flops_per_s / 1e12:.0f} TFLOP/s, HBM {c.hbm_bytes_per_s / 1e9:.0f} GB/s "
+                  f"(ridge {c.ridge('hbm'):.0f} FLOP/B), NVLink {c.nvlink_bytes_per_s / 1e9:.0f} GB/s, "
+                  f"scale-out {c.scaleout_bytes_per_s / 1e9:.0f} GB/s", highlight=False)
+    if plot_path:
+        console.print(f"plot written to {plot_path}")
+
+
+def _layout_choice(req: PlanConfig, layout: str, attention_gpus, p, m, seqs, sets) -> Choice:
+    if layout == "auto":
+        return choose(req)
+    gpus = req.cluster.num_gpus
+    if layout == "colocated":
+        return price(req, Candidates.one(0, gpus // p * p, p, m, seqs, colocated=True))
+    if layout != "disaggregated":
+        raise ValueError(f"--layout {layout!r}: choose auto, disaggregated or colocated")
+    if attention_gpus is None:
+        raise ValueError("--layout disaggregated needs --attention-gpus (the rest become expert GPUs)")
+    expert = gpus - attention_gpus
+    if expert < 1 or attention_gpus % p or expert % (p * sets):
+        raise ValueError(f"--attention-gpus {attention_gpus} leaves {expert} expert GPUs; both counts must "
+                         f"divide into p={p} groups and the expert GPUs into {sets} replica set(s) per group")
+    return price(req, Candidates.one(attention_gpus, expert, p, m, seqs, sets))
+
+
+def roofline_rows(choice: Choice) -> tuple[list[dict], list[dict]]:
+    """Rows for one layer (one micro-batch) and for the whole step (every layer and round)."""
+    cost, ceil, plan = choice.cost, choice.problem.ceilings, choice.plan
+    per_step = plan.accumulation_rounds * plan.micro_batches
+    layer_rows, step_rows = [], []
+    for name, (group, fwd, bwd) in cost.stages.items():
+        repeat, label = stage_repeats(name, choice.problem.model, plan.pipeline_groups, per_step)
+        for tag, w in (("fwd", fwd), ("bwd", bwd)):
+            row = report.stage_row(name, group, label or tag, w, ceil)
+            if row["time_s"] == 0:
+                continue
+            if label is None:
+                layer_rows.append(row)
+            step_rows.append(report.stage_row(name, group, label or tag, w, ceil, repeat=repeat))
+    return layer_rows, step_rows

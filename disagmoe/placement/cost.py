@@ -1,0 +1,294 @@
+"""Predicted step time and memory of a layout: the solver's cost model.
+
+A layout is described by numpy arrays (one element per candidate), so the solver prices every
+candidate at once; the same code prices a single layout when given 1-element arrays.
+
+Disaggregated layout (DESIGN section 3): `attn` attention GPUs and `expert` expert GPUs, split
+into `p` pipeline groups (group g owns layers g, g+p, ...); a step is `rounds` rounds of `m`
+micro-batches, each micro-batch carrying `seqs` sequences per attention GPU. In one round every
+micro-batch travels the ring A_0 -> E_0 -> A_1 -> ... once per layer; the attention pool works on
+micro-batch i+1 while the expert pool works on micro-batch i, and transfers run on the copy
+engines beside the math. Colocated baseline: every GPU runs attention and its share of the
+experts, with an all-to-all dispatch and combine that the GPU waits for (no overlap).
+
+Pipeline time of one pass over a round (forward or backward):
+    R      = p * (a + d + e + c)        one ring cycle of one micro-batch (mean per layer)
+    s_max  = max(a, d, e, c)            the busiest resource's time per micro-batch per cycle
+    T      = (L / p) * max(R, m * s_max) + (R - s_max  if m * s_max >= R  else  (m - 1) * s_max)
+i.e. resource-bound when the busiest resource has more work per cycle than one micro-batch's
+trip around the ring, latency-bound otherwise; plus the fill and drain of the ring.
+
+Memory per GPU: bf16 weights (2 B/param), fp32 master weights (4), fp32 gradients (4) and the
+two fp32 AdamW moments (8): 18 bytes per parameter, plus the activations of the m micro-batches
+of one round (all kept until their backward).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from disagmoe.config import ModelConfig
+from disagmoe.roofline import stages as st
+from disagmoe.roofline.ceilings import Ceilings
+from disagmoe.roofline.params import attention_params, count_params, expert_params, swiglu_params
+from disagmoe.roofline.stages import BF16, FP32, Work
+
+BYTES_PER_PARAM = 2 + 4 + 4 + 8
+GIB = 2.0**30
+
+
+@dataclass
+class Candidates:
+    """Layouts to price; every field an integer array of the same length."""
+
+    attn: np.ndarray  # attention GPUs (all groups); 0 for colocated
+    expert: np.ndarray  # expert GPUs (all groups); for colocated, the GPU count
+    p: np.ndarray  # pipeline groups (1 for colocated)
+    m: np.ndarray  # micro-batches per round
+    seqs: np.ndarray  # sequences per attention GPU per micro-batch
+    sets: np.ndarray  # expert replica sets per pipeline group (each holds every expert once)
+    colocated: bool = False
+
+    def __len__(self) -> int:
+        return len(self.m)
+
+    def take(self, idx: np.ndarray | int) -> Candidates:
+        idx = np.atleast_1d(idx)
+        return Candidates(self.attn[idx], self.expert[idx], self.p[idx], self.m[idx],
+                          self.seqs[idx], self.sets[idx], self.colocated)
+
+    @classmethod
+    def one(cls, attn: int, expert: int, p: int, m: int, seqs: int, sets: int = 1,
+            colocated: bool = False) -> Candidates:
+        a = lambda v: np.array([v], dtype=np.int64)  # noqa: E731
+        return cls(a(attn), a(expert), a(p), a(m), a(seqs), a(sets), colocated)
+
+
+@dataclass
+class Cost:
+    """Predicted figures for each candidate (arrays aligned with the `Candidates`)."""
+
+    step_s: np.ndarray
+    fwd_round_s: np.ndarray
+    bwd_round_s: np.ndarray
+    rounds: np.ndarray
+    attn_mem_bytes: np.ndarray  # per attention GPU (colocated: per GPU)
+    expert_mem_bytes: np.ndarray  # per expert GPU (colocated: same as attn)
+    fits: np.ndarray
+    imbalance: np.ndarray
+    attn_params: np.ndarray  # parameters held per attention GPU (colocated: non-expert part)
+    expert_params: np.ndarray  # parameters held per expert GPU (colocated: expert part)
+    attn_act_bytes: np.ndarray
+    expert_act_bytes: np.ndarray
+    stages: dict[str, tuple[str, Work, Work]] = field(default_factory=dict)
+    """name -> (group, forward Work, backward Work) per GPU, for reports: per micro-batch and
+    layer, except `lm head` (per micro-batch) and the `grad` / `optimizer` stages (per step,
+    in the backward slot)."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    """The fixed inputs of a placement search."""
+
+    model: ModelConfig
+    ceilings: Ceilings
+    gpus: int
+    nvlink_domain: int
+    seq_len: int
+    global_batch_tokens: int
+    capacity_bytes: float
+    load_peak_ratio: float = 1.0  # hottest expert's load over the mean (1 = uniform routing)
+
+
+def expert_layout(model: ModelConfig, expert_per_group: np.ndarray, peak_ratio: float) -> tuple[np.ndarray, np.ndarray]:
+    """(local experts per expert GPU, load imbalance max/mean over expert GPUs).
+
+    With more expert GPUs per group than experts, each expert gets replicas (the count must be a
+    multiple of the expert count); otherwise experts are dealt round-robin, so some GPUs hold one
+    more. A hot expert (peak_ratio > 1) raises the imbalance unless it has replicas.
+    """
+    n = model.num_experts
+    g = np.maximum(expert_per_group, 1)
+    local = np.where(g >= n, 1, -(-n // g))
+    replicas = np.maximum(g // n, 1)
+    uniform_imbalance = np.where(g >= n, 1.0, local * g / n)
+    hot = peak_ratio * g / (n * replicas)  # the GPU holding the hot expert, relative to the mean
+    return local, np.maximum(uniform_imbalance, np.minimum(hot, np.maximum(peak_ratio, 1.0)))
+
+
+def _scaleout_fraction(span: np.ndarray, domain: int) -> np.ndarray:
+    """Fraction of traffic among `span` GPUs (spread evenly) that leaves an NVLink domain."""
+    return np.where(span <= domain, 0.0, 1.0 - domain / np.maximum(span, 1))
+
+
+def _layer_counts(model: ModelConfig, p: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(MoE layers, dense layers) owned by the busiest pipeline group."""
+    return -(-model.num_moe_layers // p), -(-model.num_dense_layers // p)
+
+
+def _pass_time(a, d, e, c, p, m, layers):
+    """Ring pipeline time of one pass (see the module docstring)."""
+    ring = p * (a + d + e + c)
+    s_max = np.maximum(np.maximum(a, e), np.maximum(d, c))
+    busy = m * s_max
+    edge = np.where(busy >= ring, ring - s_max, (m - 1) * s_max)
+    return layers / p * np.maximum(ring, busy) + edge
+
+
+def _act_bytes_attention_layer(m: ModelConfig, moe: bool) -> float:
+    """Activation bytes an attention GPU keeps per token per layer until the backward."""
+    q, k, v = st.attention_io_per_token(m)
+    o_in = m.num_heads * (m.mla.v_head_dim if m.mla else m.head_dim)
+    common = 3 * m.hidden_size + q + k + v + o_in
+    if moe:
+        tail = m.top_k * m.hidden_size + 3 * m.shared_ffn_size
+        return BF16 * (common + tail) + FP32 * (m.num_experts + m.num_heads)
+    return BF16 * (common + 3 * m.dense_ffn_size) + FP32 * m.num_heads
+
+
+def _act_bytes_expert_row(m: ModelConfig) -> float:
+    return BF16 * (m.hidden_size + 3 * m.expert_ffn_size)
+
+
+def evaluate(prob: Problem, c: Candidates) -> Cost:
+    """Price every candidate: step time, memory per GPU, fit."""
+    m, ceil = prob.model, prob.ceilings
+    S, H, k = prob.seq_len, m.hidden_size, m.top_k
+    p = c.p.astype(float)
+    mb = c.m.astype(float)
+    tokens = (c.seqs * S).astype(float)  # per attention GPU per micro-batch
+    if c.colocated:
+        dp = c.expert / p  # GPUs per pipeline group, each a data-parallel attention replica
+        ep = _colocated_ep(m.num_experts, c.expert // c.p)
+        local = (m.num_experts // ep).astype(float)
+        imbalance = np.full(len(c), max(prob.load_peak_ratio, 1.0))
+        rows = tokens * k * imbalance
+        a2a_bytes = BF16 * tokens * k * H * (1.0 - 1.0 / ep)
+        f_link = _scaleout_fraction(ep.astype(float), prob.nvlink_domain)
+        f_next = np.where(p > 1, np.where(prob.gpus > prob.nvlink_domain, 1.0, 0.0), f_link)
+        expert_replicas = dp / ep
+        f_replicas = _scaleout_fraction(dp, prob.nvlink_domain)
+    else:
+        # Each pipeline group: `sets` replica sets of e_pg / sets expert GPUs, each set holding
+        # every expert and serving dp / sets of the group's attention GPUs (DP index mod sets).
+        dp = c.attn / p
+        e_pg = c.expert / p
+        sets = c.sets.astype(float)
+        per_set = c.expert // (c.p * c.sets)
+        local, imbalance = expert_layout(m, per_set, prob.load_peak_ratio)
+        local = local.astype(float)
+        rows = dp * tokens * k / e_pg * imbalance
+        f_link = _scaleout_fraction((dp + e_pg) / sets, prob.nvlink_domain)
+        f_next = np.where(p > 1, np.where(prob.gpus > prob.nvlink_domain, 1.0, 0.0), f_link)
+        expert_replicas = sets * np.maximum(per_set / m.num_experts, 1.0)
+        f_replicas = _scaleout_fraction(e_pg, prob.nvlink_domain)
+
+    n_moe, n_dense = m.num_moe_layers, m.num_dense_layers
+    L = m.num_layers
+    # Per micro-batch, per layer, forward.
+    attn_common = st.attention_projections(m, tokens) + st.attention_core(m, tokens, S)
+    attn_moe = attn_common + st.router(m, tokens) + st.shared_experts(m, tokens) + st.permute(m, tokens * k)
+    attn_dense = attn_common + st.dense_ffn(m, tokens)
+    experts = st.routed_experts(m, rows, local)
+    if c.colocated:
+        dispatch = st.all_to_all(a2a_bytes * imbalance, f_link)
+        combine = dispatch
+    else:
+        send = BF16 * tokens * k * H + np.where(p > 1, BF16 * tokens * (H + 2 * k), 0.0)
+        dispatch = st.transfer(np.maximum(send, BF16 * rows * H), f_link)
+        combine = st.transfer(np.maximum(BF16 * tokens * k * H, BF16 * rows * H), f_next)
+    head = st.lm_head(m, tokens) + st.embedding(m, tokens)
+    handoff = st.transfer(BF16 * tokens * H, f_next)  # residual stream to the next pipeline group
+
+    def times(bwd: bool):
+        f = (lambda w, ff=st.GEMM_BWD: w.backward(ff)) if bwd else (lambda w, ff=None: w)
+        core_b = st.attention_core(m, tokens, S)
+        a_moe = ceil.time(f(attn_moe))
+        a_dense = ceil.time(f(attn_dense))
+        if bwd:  # the attention core's backward costs 2.5x, not 2x
+            extra = ceil.time(core_b.scale(st.ATTN_CORE_BWD - st.GEMM_BWD))
+            a_moe, a_dense = a_moe + extra, a_dense + extra
+        t_e, t_d, t_c = ceil.time(f(experts)), ceil.time(dispatch), ceil.time(combine)
+        t_head = ceil.time(f(head))
+        return a_moe, a_dense, t_e, t_d, t_c, t_head
+
+    result = []
+    for bwd in (False, True):
+        a_moe, a_dense, t_e, t_d, t_c, t_head = times(bwd)
+        if c.colocated:  # attention, dispatch, experts, combine back to back on each GPU
+            a = (n_moe * (a_moe + t_d + t_e + t_c) + n_dense * a_dense) / L
+            hop = np.where(p > 1, ceil.time(handoff), 0.0)
+            result.append(_pass_time(a, hop, 0.0, 0.0, p, mb, L) + mb * t_head)
+        else:
+            a = (n_moe * a_moe + n_dense * a_dense) / L
+            frac = n_moe / L
+            result.append(_pass_time(a, frac * t_d, frac * t_e, frac * t_c, p, mb, L) + mb * t_head)
+    fwd_round, bwd_round = result
+
+    tokens_per_round = mb * dp * tokens
+    rounds = np.ceil(prob.global_batch_tokens / tokens_per_round)
+
+    # Parameters held, gradient all-reduce and optimizer.
+    counts = count_params(m)
+    emb_params = np.where(p > 1, m.vocab_size * H, counts.embedding)
+    moe_l, dense_l = _layer_counts(m, c.p)
+    attn_layer = attention_params(m)
+    moe_side = H * m.num_experts + H + swiglu_params(H, m.shared_ffn_size)
+    dense_side = swiglu_params(H, m.dense_ffn_size) + H
+    attn_params = emb_params + moe_l * (attn_layer + moe_side) + dense_l * (attn_layer + dense_side)
+    exp_params = moe_l * local * expert_params(m)
+    f_dp = _scaleout_fraction(dp, prob.nvlink_domain)
+    ar_attn = ceil.time(st.ring_allreduce(FP32 * attn_params, dp, f_dp))
+    ar_exp = ceil.time(st.ring_allreduce(FP32 * exp_params, expert_replicas, f_replicas))
+    if c.colocated:
+        exposed = np.maximum(ar_attn + ar_exp - bwd_round, 0.0)
+        opt = ceil.time(st.optimizer_step(attn_params + exp_params))
+    else:
+        exposed = np.maximum(np.maximum(ar_attn, ar_exp) - bwd_round, 0.0)
+        opt = np.maximum(ceil.time(st.optimizer_step(attn_params)), ceil.time(st.optimizer_step(exp_params)))
+    step = rounds * (fwd_round + bwd_round) + exposed + opt
+
+    # Memory.
+    round_tokens = mb * tokens
+    act_attn = round_tokens * (moe_l * _act_bytes_attention_layer(m, True)
+                               + dense_l * _act_bytes_attention_layer(m, False)
+                               + FP32 * m.vocab_size)
+    act_exp = mb * rows * moe_l * _act_bytes_expert_row(m)
+    if c.colocated:
+        attn_mem = BYTES_PER_PARAM * (attn_params + exp_params) + act_attn + act_exp
+        exp_mem = attn_mem
+    else:
+        attn_mem = BYTES_PER_PARAM * attn_params + act_attn
+        exp_mem = BYTES_PER_PARAM * exp_params + act_exp
+    fits = (attn_mem <= prob.capacity_bytes) & (exp_mem <= prob.capacity_bytes)
+
+    stage_table = {
+        "attention projections": ("attention", st.attention_projections(m, tokens),
+                                  st.attention_projections(m, tokens).backward()),
+        "attention core": ("attention", st.attention_core(m, tokens, S),
+                           st.attention_core(m, tokens, S).backward(st.ATTN_CORE_BWD)),
+        "router": ("attention", st.router(m, tokens), st.router(m, tokens).backward()),
+        "shared experts": ("attention", st.shared_experts(m, tokens), st.shared_experts(m, tokens).backward()),
+        "permute / combine sum": ("attention", st.permute(m, tokens * k), st.permute(m, tokens * k)),
+        "dispatch": ("link", dispatch, combine),
+        "routed experts": ("expert", experts, experts.backward()),
+        "combine": ("link", combine, dispatch),
+        "lm head + embedding": ("attention", head, head.backward()),
+        "grad all-reduce (attention)": ("link", Work(), st.ring_allreduce(FP32 * attn_params, dp, f_dp)),
+        "grad all-reduce (experts)": ("link", Work(), st.ring_allreduce(FP32 * exp_params, expert_replicas, f_replicas)),
+        "optimizer (attention)": ("attention", Work(), st.optimizer_step(attn_params)),
+    }
+    if n_dense:
+        stage_table["dense ffn (dense layers)"] = ("attention", st.dense_ffn(m, tokens), st.dense_ffn(m, tokens).backward())
+    return Cost(step_s=step, fwd_round_s=fwd_round, bwd_round_s=bwd_round, rounds=rounds,
+                attn_mem_bytes=attn_mem, expert_mem_bytes=exp_mem, fits=fits,
+                imbalance=np.asarray(imbalance, dtype=float) * np.ones(len(c)),
+                attn_params=attn_params * np.ones(len(c)), expert_params=exp_params * np.ones(len(c)),
+                attn_act_bytes=act_attn, expert_act_bytes=act_exp, stages=stage_table)
+
+
+def _colocated_ep(num_experts: int, gpus: np.ndarray) -> np.ndarray:
+    """Expert-parallel degree of the colocated baseline: the largest divisor of both counts."""
+    return np.gcd(num_experts, gpus.astype(np.int64))

@@ -1,0 +1,72 @@
+"""Turn `Work` into time: each resource's achievable rate, and which one binds.
+
+A stage's time is the largest of its times under each ceiling (compute, HBM, NVLink, scale-out),
+plus the latency of the messages on its critical path: the roofline assumption that a well-built
+kernel overlaps its loads, math and stores.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from disagmoe.config import HardwareConfig
+from disagmoe.roofline.stages import Num, Work
+
+CEILINGS = ("compute", "hbm", "nvlink", "scale-out", "latency")
+
+
+@dataclass(frozen=True)
+class Ceilings:
+    """Achievable rates of one GPU: FLOP/s and B/s after the efficiency factors."""
+
+    flops_per_s: float
+    hbm_bytes_per_s: float
+    nvlink_bytes_per_s: float
+    scaleout_bytes_per_s: float
+    nvlink_latency_s: float
+    scaleout_latency_s: float
+    collective_latency_s: float
+
+    @classmethod
+    def of(cls, hw: HardwareConfig) -> Ceilings:
+        e = hw.efficiency
+        return cls(
+            flops_per_s=hw.bf16_tflops * 1e12 * e.matmul,
+            hbm_bytes_per_s=hw.hbm_gbps * 1e9 * e.hbm,
+            nvlink_bytes_per_s=hw.nvlink_gbps * 1e9 * e.nvlink,
+            scaleout_bytes_per_s=hw.scaleout_gbps * 1e9 * e.scaleout,
+            nvlink_latency_s=hw.nvlink_latency_us * 1e-6,
+            scaleout_latency_s=hw.scaleout_latency_us * 1e-6,
+            collective_latency_s=hw.collective_latency_us * 1e-6,
+        )
+
+    def times(self, w: Work) -> dict[str, Num]:
+        """Time of `w` under each ceiling alone (seconds)."""
+        latency = np.where(np.asarray(w.scaleout_bytes) > 0, self.scaleout_latency_s, self.nvlink_latency_s)
+        return {
+            "compute": w.flops / self.flops_per_s,
+            "hbm": w.hbm_bytes / self.hbm_bytes_per_s,
+            "nvlink": w.nvlink_bytes / self.nvlink_bytes_per_s,
+            "scale-out": w.scaleout_bytes / self.scaleout_bytes_per_s,
+            "latency": w.transfers * latency + w.collectives * self.collective_latency_s,
+        }
+
+    def time(self, w: Work) -> Num:
+        """Roofline time: the slowest ceiling, plus message latency."""
+        t = self.times(w)
+        return np.maximum(np.maximum(t["compute"], t["hbm"]), np.maximum(t["nvlink"], t["scale-out"])) + t["latency"]
+
+    def bound(self, w: Work) -> str:
+        """The ceiling that binds a scalar `Work` (latency binds when it exceeds every other term)."""
+        t = {k: float(v) for k, v in self.times(w).items()}
+        if not any(t.values()):
+            return "none"
+        return max(t, key=t.__getitem__)
+
+    def ridge(self, link: str) -> float:
+        """Arithmetic intensity (FLOP/byte) where the compute roof meets a memory or link roof."""
+        rate = {"hbm": self.hbm_bytes_per_s, "nvlink": self.nvlink_bytes_per_s,
+                "scale-out": self.scaleout_bytes_per_s}[link]
+        return self.flops_per_s / rate

@@ -1,0 +1,101 @@
+"""Roofline reports: rows per stage (JSON-able), a rich table, and a log-log roofline plot.
+
+A row is one stage in one pass on one GPU: its FLOPs, bytes per memory or link, arithmetic
+intensity against HBM, its time under each ceiling, the roofline time and the binding ceiling.
+matplotlib is imported only when a plot is asked for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from rich.table import Table
+
+from disagmoe.roofline.ceilings import Ceilings
+from disagmoe.roofline.stages import Work
+
+
+def scalar(w: Work) -> Work:
+    """The first candidate of a vectorised `Work`, as plain floats."""
+    return Work(*(float(np.asarray(getattr(w, f.name)).ravel()[0]) for f in fields(Work)))
+
+
+def stage_row(name: str, group: str, pass_: str, w: Work, ceil: Ceilings, repeat: float = 1.0) -> dict[str, Any]:
+    """One report row; `repeat` multiplies the work (e.g. layers x micro-batches for a step)."""
+    w = scalar(w).scale(repeat)
+    times = {k: float(v) for k, v in ceil.times(w).items()}
+    intensity = w.flops / w.hbm_bytes if w.hbm_bytes else None
+    return {
+        "stage": name, "group": group, "pass": pass_, "flops": w.flops, "hbm_bytes": w.hbm_bytes,
+        "nvlink_bytes": w.nvlink_bytes, "scaleout_bytes": w.scaleout_bytes,
+        "intensity_flop_per_byte": intensity, "times_s": times, "time_s": float(ceil.time(w)),
+        "bound": ceil.bound(w),
+    }
+
+
+def _si(x: float, unit: str) -> str:
+    if x == 0:
+        return "-"
+    for prefix, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(x) >= scale:
+            return f"{x / scale:.3g} {prefix}{unit}"
+    return f"{x:.3g} {unit}"
+
+
+def _seconds(t: float) -> str:
+    if t == 0:
+        return "-"
+    if t >= 1:
+        return f"{t:.3g} s"
+    if t >= 1e-3:
+        return f"{t * 1e3:.3g} ms"
+    return f"{t * 1e6:.3g} us"
+
+
+def table(rows: list[dict[str, Any]], title: str) -> Table:
+    t = Table(title=title, title_justify="left")
+    for col in ("stage", "pass", "FLOPs", "HBM", "NVLink", "scale-out", "FLOP/B", "time", "bound"):
+        t.add_column(col, justify="left" if col in ("stage", "pass", "bound") else "right", no_wrap=True)
+    for r in rows:
+        ai = r["intensity_flop_per_byte"]
+        t.add_row(r["stage"], r["pass"], _si(r["flops"], "F"), _si(r["hbm_bytes"], "B"),
+                  _si(r["nvlink_bytes"], "B"), _si(r["scaleout_bytes"], "B"),
+                  f"{ai:.0f}" if ai else "-", _seconds(r["time_s"]), r["bound"])
+    return t
+
+
+def plot(rows: list[dict[str, Any]], ceil: Ceilings, path: str | Path, title: str) -> None:
+    """Log-log roofline: attainable TFLOP/s against FLOP per HBM byte, one ridge per memory or
+    link (the link roofs use FLOP per byte moved on that link), each stage a labelled point."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    peak = ceil.flops_per_s / 1e12
+    fig, ax = plt.subplots(figsize=(9, 6))
+    xs = np.logspace(0, 5, 400)
+    for name, rate, style in (("HBM", ceil.hbm_bytes_per_s, "-"), ("NVLink", ceil.nvlink_bytes_per_s, "--"),
+                              ("scale-out", ceil.scaleout_bytes_per_s, ":")):
+        ax.plot(xs, np.minimum(peak, xs * rate / 1e12), style, label=f"{name} roof (ridge {peak * 1e12 / rate:.0f} FLOP/B)")
+    points = sorted((r for r in rows if r["flops"] > 0 and r["hbm_bytes"] > 0),
+                    key=lambda r: r["intensity_flop_per_byte"])
+    for i, r in enumerate(points):  # labels fan out downwards so neighbours stay readable
+        x = r["intensity_flop_per_byte"]
+        y = r["flops"] / r["time_s"] / 1e12 if r["time_s"] else peak
+        ax.scatter([x], [y], s=25, zorder=3)
+        ax.annotate(f"{r['stage']} ({r['pass']})", (x, y), fontsize=7, xytext=(6, -14 * (i + 1)),
+                    textcoords="offset points", arrowprops=dict(arrowstyle="-", lw=0.5, alpha=0.5))
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("arithmetic intensity (FLOP / byte)")
+    ax.set_ylabel("attainable TFLOP/s")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,147 @@
+"""The work of each stage of a MoE layer on one GPU: FLOPs and bytes per memory or link.
+
+Every function takes per-GPU quantities (tokens an attention GPU processes, rows an expert GPU
+receives, bytes a GPU sends) and returns a `Work`. Arithmetic is plain numpy-broadcastable
+expressions, so the placement solver can price thousands of candidate layouts in one call by
+passing arrays where these take numbers. bf16 activations and weights (2 bytes) throughout.
+
+Backward passes: GEMMs cost twice their forward FLOPs (data gradient + weight gradient); the
+attention core 2.5 times (FlashAttention's backward recomputes the score matrix).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+import numpy as np
+
+from disagmoe.config import ModelConfig
+from disagmoe.roofline.params import attention_params, router_params
+
+BF16 = 2
+FP32 = 4
+GEMM_BWD = 2.0
+ATTN_CORE_BWD = 2.5
+
+Num = Any  # a float or a numpy array of floats (broadcastable)
+
+
+@dataclass(frozen=True)
+class Work:
+    """What one stage asks of one GPU. Each field may be a number or an array of candidates."""
+
+    flops: Num = 0.0
+    hbm_bytes: Num = 0.0
+    nvlink_bytes: Num = 0.0
+    scaleout_bytes: Num = 0.0
+    transfers: Num = 0.0  # one-sided messages on the critical path (each pays a put latency)
+    collectives: Num = 0.0  # collective calls on the critical path (each pays their fixed cost)
+
+    def __add__(self, other: Work) -> Work:
+        return Work(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(Work)))
+
+    def scale(self, k: Num) -> Work:
+        return Work(*(getattr(self, f.name) * k for f in fields(Work)))
+
+    def backward(self, flop_factor: float = GEMM_BWD, byte_factor: float = 2.0) -> Work:
+        return Work(self.flops * flop_factor, self.hbm_bytes * byte_factor,
+                    self.nvlink_bytes, self.scaleout_bytes, self.transfers, self.collectives)
+
+
+def attention_io_per_token(m: ModelConfig) -> tuple[int, int, int]:
+    """(q width, k width, v width) per token after projection, in elements."""
+    if m.attention == "mla":
+        assert m.mla is not None
+        qk = m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim
+        return m.num_heads * qk, m.num_heads * qk, m.num_heads * m.mla.v_head_dim
+    return m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim, m.num_kv_heads * m.head_dim
+
+
+def attention_projections(m: ModelConfig, tokens: Num) -> Work:
+    """q/k/v (or MLA's low-rank chains) and output projections of one layer."""
+    weights = attention_params(m) - m.hidden_size  # minus the input norm
+    q, k, v = attention_io_per_token(m)
+    o_in = m.num_heads * (m.mla.v_head_dim if m.mla else m.head_dim)
+    io = 2 * m.hidden_size + q + k + v + o_in
+    return Work(flops=2.0 * tokens * weights, hbm_bytes=BF16 * (weights + tokens * io))
+
+
+def attention_core(m: ModelConfig, tokens: Num, seq_len: Num) -> Work:
+    """Causal softmax(QK^T)V: each query sees (S + 1) / 2 keys on average (flash, no S x S in HBM)."""
+    q, k, v = attention_io_per_token(m)
+    qk_dim = q // m.num_heads
+    v_dim = (m.mla.v_head_dim if m.mla else m.head_dim)
+    keys_seen = (seq_len + 1) / 2.0
+    flops = 2.0 * tokens * keys_seen * m.num_heads * (qk_dim + v_dim)
+    return Work(flops=flops, hbm_bytes=BF16 * tokens * (q + k + v + m.num_heads * v_dim))
+
+
+def router(m: ModelConfig, tokens: Num) -> Work:
+    """Gate GEMM, scores in fp32, top-k."""
+    w = router_params(m)
+    return Work(flops=2.0 * tokens * w,
+                hbm_bytes=BF16 * (w + tokens * m.hidden_size) + FP32 * tokens * m.num_experts)
+
+
+def swiglu_ffn(hidden: int, ffn: Num, rows: Num, weight_copies: Num = 1) -> Work:
+    """A SwiGLU FFN over `rows` rows; `weight_copies` distinct weight sets are read (experts)."""
+    weights = 3.0 * hidden * ffn
+    return Work(flops=2.0 * rows * weights,
+                hbm_bytes=BF16 * (weights * weight_copies + rows * (2 * hidden + 3 * ffn)))
+
+
+def routed_experts(m: ModelConfig, rows: Num, local_experts: Num) -> Work:
+    """The expert GPU's grouped GEMMs: `rows` token-expert pairs over `local_experts` experts."""
+    return swiglu_ffn(m.hidden_size, m.expert_ffn_size, rows, local_experts)
+
+
+def shared_experts(m: ModelConfig, tokens: Num) -> Work:
+    if m.shared_ffn_size == 0:
+        return Work()
+    return swiglu_ffn(m.hidden_size, m.shared_ffn_size, tokens)
+
+
+def dense_ffn(m: ModelConfig, tokens: Num) -> Work:
+    return swiglu_ffn(m.hidden_size, m.dense_ffn_size, tokens)
+
+
+def permute(m: ModelConfig, rows: Num) -> Work:
+    """Gather rows into expert order and the weighted scatter back: read + write each row twice."""
+    return Work(hbm_bytes=2.0 * 2 * BF16 * rows * m.hidden_size)
+
+
+def lm_head(m: ModelConfig, tokens: Num) -> Work:
+    """Final norm, vocabulary projection and cross-entropy (fp32 logits)."""
+    w = m.vocab_size * m.hidden_size
+    return Work(flops=2.0 * tokens * w,
+                hbm_bytes=BF16 * (w + tokens * m.hidden_size) + 2 * FP32 * tokens * m.vocab_size)
+
+
+def embedding(m: ModelConfig, tokens: Num) -> Work:
+    return Work(hbm_bytes=2.0 * BF16 * tokens * m.hidden_size)
+
+
+def transfer(nbytes: Num, scaleout_fraction: Num) -> Work:
+    """One-sided puts: bytes one GPU moves over its busier link direction, split by link."""
+    return Work(nvlink_bytes=nbytes * (1.0 - scaleout_fraction),
+                scaleout_bytes=nbytes * scaleout_fraction, transfers=1.0)
+
+
+def all_to_all(nbytes: Num, scaleout_fraction: Num) -> Work:
+    """One NCCL all-to-all: the same bytes as `transfer`, plus a collective's fixed cost."""
+    return Work(nvlink_bytes=nbytes * (1.0 - scaleout_fraction),
+                scaleout_bytes=nbytes * scaleout_fraction, collectives=1.0)
+
+
+def ring_allreduce(nbytes: Num, ranks: Num, scaleout_fraction: Num) -> Work:
+    """Ring all-reduce of `nbytes` over `ranks` GPUs: each sends 2 (n - 1) / n of the data."""
+    ranks = np.maximum(ranks, 1)
+    moved = 2.0 * (ranks - 1) / ranks * nbytes
+    return Work(nvlink_bytes=moved * (1.0 - scaleout_fraction), scaleout_bytes=moved * scaleout_fraction,
+                collectives=np.where(ranks > 1, 1.0, 0.0))
+
+
+def optimizer_step(params: Num) -> Work:
+    """AdamW on fp32 master weights: read master, grad, m, v; write master, m, v and the bf16 copy."""
+    return Work(hbm_bytes=params * (4 * FP32 + 3 * FP32 + BF16))
