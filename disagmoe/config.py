@@ -312,6 +312,9 @@ class TrainConfig(StrictModel):
     transport: Literal["local", "nccl", "nvshmem"] = "local"
     device: Literal["cpu", "cuda"] = "cpu"
     experts_backend: Literal["loop", "grouped_mm", "triton"] = "loop"
+    cpu_threads: PositiveInt | None = Field(
+        None, description="torch intra-op threads for CPU training; None keeps torch's default"
+    )
     seed: int = 0
     steps: PositiveInt = 100
     batch_size: PositiveInt = Field(8, description="sequences per step (global)")
