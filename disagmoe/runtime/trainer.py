@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -68,6 +68,21 @@ def compute_context(device: torch.device) -> contextlib.AbstractContextManager:
     if device.type == "cuda":
         return torch.autocast(device_type="cuda", dtype=torch.bfloat16)
     return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def torch_threads(threads: int | None) -> Iterator[None]:
+    """Use `threads` intra-op threads inside the block (None: leave torch's setting alone).
+
+    Tiny models gain nothing from several threads, and a busy host makes them much slower.
+    """
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def cross_entropy(logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
@@ -199,6 +214,10 @@ class SingleProcessTrainer:
 
     def run(self, on_step: StepCallback | None = None) -> TrainSummary:
         """Train from the current step to `cfg.steps`, logging every step; returns the summary."""
+        with torch_threads(self.cfg.cpu_threads if self.device.type == "cpu" else None):
+            return self._run(on_step)
+
+    def _run(self, on_step: StepCallback | None) -> TrainSummary:
         cfg = self.cfg
         metrics_path = self.out_dir / METRICS_FILE
         last: dict[str, Any] = {}
