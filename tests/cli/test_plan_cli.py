@@ -1,0 +1,123 @@
+"""`disagmoe plan`, `roofline`, `presets`, `config schema`: output, JSON, files, bad input."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from disagmoe.cli.app import app
+from disagmoe.config import Plan, preset_names
+
+runner = CliRunner()
+
+
+def run(*args):
+    result = runner.invoke(app, list(args))
+    return result
+
+
+def test_plan_json_is_a_plan():
+    r = run("plan", "--model", "qwen3-235b-a22b", "--hardware", "gb200-nvl72", "--gpus", "72", "--json")
+    assert r.exit_code == 0, r.output
+    plan = Plan.model_validate(json.loads(r.stdout))
+    assert plan.feasible and plan.gpus == 72
+    for key in ("layout", "attention_gpus", "expert_gpus", "pipeline_groups", "micro_batches", "expert_map",
+                "total_params", "active_params", "memory_per_gpu", "stage_times", "colocated_step_time_s", "reason"):
+        assert key in json.loads(r.stdout)
+
+
+def test_plan_table_and_out_files(tmp_path):
+    out = tmp_path / "plan.yaml"
+    r = run("plan", "-m", "mixtral-8x7b", "-hw", "h200-sxm", "-n", "16", "--out", str(out))
+    assert r.exit_code == 0, r.output
+    assert "memory per GPU" in r.stdout and "predicted step" in r.stdout
+    assert Plan.model_validate(yaml.safe_load(out.read_text())).gpus == 16
+    out_json = tmp_path / "plan.json"
+    assert run("plan", "-m", "tiny", "-hw", "h200-sxm", "-n", "2", "--out", str(out_json)).exit_code == 0
+    assert Plan.model_validate_json(out_json.read_text()).model == "tiny"
+
+
+def test_plan_that_cannot_fit_says_why_and_exits_1():
+    r = run("plan", "--model", "deepseek-v3", "--hardware", "h200-sxm", "--gpus", "8")
+    assert r.exit_code == 1
+    assert "no layout fits" in r.stdout and "fewest" in r.stdout
+    r = run("plan", "--model", "deepseek-v3", "--hardware", "h200-sxm", "--gpus", "8", "--json")
+    assert json.loads(r.stdout)["feasible"] is False
+
+
+def test_plan_reads_a_load_histogram(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    loads = [[100, 1, 1, 1, 1, 1, 1, 1], [1] * 8]  # tiny: 2 MoE layers x 8 experts
+    path.write_text(json.dumps({"step": 1, "expert_load": loads}) + "\n")
+    r = run("plan", "-m", "tiny", "-hw", "h200-sxm", "-n", "4", "--seq-len", "128",
+            "--global-batch-tokens", "65536", "--load-histogram", str(path), "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["expert_imbalance"] >= 1.0
+
+
+def test_roofline_json_table_and_plot(tmp_path):
+    png = tmp_path / "roof.png"
+    r = run("roofline", "-m", "deepseek-v3", "-hw", "gb200-nvl72", "-n", "1152", "--json", "--plot", str(png))
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    stages = {row["stage"] for row in data["layer"]}
+    assert {"attention projections", "attention core", "router", "routed experts", "dispatch", "combine"} <= stages
+    for row in data["layer"]:
+        assert row["bound"] in ("compute", "hbm", "nvlink", "scale-out", "latency")
+        assert row["time_s"] >= max(v for k, v in row["times_s"].items() if k != "latency")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    r = run("roofline", "-m", "qwen3-30b-a3b", "-hw", "h200-sxm", "-n", "8", "--layout", "disaggregated",
+            "--attention-gpus", "3", "--micro-batches", "2")
+    assert r.exit_code == 0, r.output
+    assert "one layer, one micro-batch" in r.stdout and "whole step" in r.stdout
+
+
+def test_presets_and_schema():
+    r = run("presets", "--json")
+    data = json.loads(r.stdout)
+    assert set(data["models"]) == set(preset_names("models"))
+    assert data["models"]["deepseek-v3"]["total_params"] > 6e11
+    assert "deepseek-v3" in run("presets").stdout
+    schema = json.loads(run("config", "schema", "train").stdout)
+    assert "properties" in schema and "model" in schema["properties"]
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["plan", "--model", "gpt-5", "--hardware", "h200-sxm", "--gpus", "8"], "valid names"),
+    (["plan", "--model", "tiny", "--hardware", "tpu-v9", "--gpus", "8"], "unknown hardware preset"),
+    (["plan", "--model", "tiny", "--hardware", "h200-sxm", "--gpus", "-3"], "--gpus"),
+    (["plan", "--model", "tiny", "--hardware", "h200-sxm", "--gpus", "eight"], "--gpus"),
+    (["roofline", "--model", "tiny", "--hardware", "h200-sxm", "--gpus", "4", "--layout", "diagonal"], "diagonal"),
+    (["roofline", "--model", "tiny", "--hardware", "h200-sxm", "--gpus", "4", "--layout", "disaggregated"],
+     "--attention-gpus"),
+    (["config", "schema", "nope"], "unknown schema"),
+])
+def test_bad_input_is_one_line_and_exit_2(args, needle):
+    r = run(*args)
+    assert r.exit_code == 2, r.output
+    assert needle in r.output
+    assert "Traceback" not in r.output
+
+
+@pytest.mark.parametrize("content, needle", [
+    ("hidden_size: 64\nvocab_size: 10\nbogus_key: 1\n", "unknown key"),
+    ('{"model_type": "gpt2", "n_embd": 64}', "not supported"),
+])
+def test_bad_model_files_exit_2_without_traceback(tmp_path, content, needle):
+    path = tmp_path / ("m.json" if content.startswith("{") else "m.yaml")
+    path.write_text(content)
+    proc = subprocess.run([sys.executable, "-m", "disagmoe", "plan", "--model", str(path), "--hardware", "h200-sxm",
+                           "--gpus", "8"], capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert needle in proc.stderr and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_plan_imports_no_torch_ray_or_matplotlib():
+    code = ("import sys; from disagmoe.cli import plan_cmd; "
+            "print(','.join(m for m in ('torch', 'ray', 'matplotlib') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert proc.stdout.strip() == ""

@@ -1,0 +1,78 @@
+"""`disagmoe train` (disagmoe/cli/train_cmd.py): summaries, outputs, and user errors as exit 2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from disagmoe.cli.app import app
+from disagmoe.config import load_model
+
+REPO = Path(__file__).resolve().parents[2]
+FAST = ["steps=3", "batch_size=4", "seq_len=32", "eval_every=0"]
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(app, ["train", *args])
+
+
+def test_json_summary_and_outputs(tmp_path):
+    out = tmp_path / "run"
+    result = invoke("--config", str(REPO / "configs/tiny-cpu.yaml"), "--out-dir", str(out), "--json", *FAST)
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["steps"] == 3
+    assert summary["final_loss"] > 0 and summary["tokens_per_s"] > 0 and summary["mfu"] is None
+    assert Path(summary["metrics_path"]) == out / "metrics.jsonl"
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 3
+    assert (Path(summary["checkpoint_path"]) / "manifest.json").is_file()
+
+
+def test_table_summary_names_where_outputs_went(tmp_path):
+    out = tmp_path / "run"
+    result = invoke("--config", str(REPO / "configs/tiny-cpu.yaml"), "--out-dir", str(out), "--steps", "2", *FAST[1:])
+    assert result.exit_code == 0, result.output
+    assert "final loss" in result.stdout and "metrics.jsonl" in result.stdout
+
+
+def _config(tmp_path: Path, **fields) -> str:
+    data = yaml.safe_load((REPO / "configs/tiny-cpu.yaml").read_text())
+    data.update(out_dir=str(tmp_path / "run"), **fields)
+    path = tmp_path / "train.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [(None, "does not exist"), (b"", "is empty"), (b"abc" * 10, "fewer than one sequence")],
+    ids=["missing", "empty", "short"],
+)
+def test_bad_data_file_exits_2_with_one_line(tmp_path, content, message):
+    path = tmp_path / "corpus.txt"
+    if content is not None:
+        path.write_bytes(content)
+    config = _config(tmp_path, data={"kind": "text", "path": str(path), "val_fraction": 0.0})
+    result = invoke("--config", config)
+    assert result.exit_code == 2
+    assert message in result.stderr and "Traceback" not in result.output
+
+
+def test_checkpoint_of_another_model_exits_2(tmp_path):
+    first = invoke("--config", _config(tmp_path), "--json", *FAST)
+    assert first.exit_code == 0, first.output
+    other = load_model("tiny").model_copy(update={"hidden_size": 32}).model_dump(mode="json")
+    result = invoke("--config", _config(tmp_path, model=other), "resume=true", "--json", "steps=6", *FAST[1:])
+    assert result.exit_code == 2
+    assert "different model config" in result.stderr and "hidden_size" in result.stderr
+    assert "Traceback" not in result.output
+
+
+def test_malformed_override_exits_2(tmp_path):
+    result = invoke("--config", _config(tmp_path), "optim.lr")
+    assert result.exit_code == 2
+    assert "key=value" in result.stderr

@@ -1,0 +1,112 @@
+"""Placement solver: exact optimum of its own cost model, memory, speed, and every preset."""
+
+import itertools
+import math
+import time
+
+import numpy as np
+import pytest
+
+from disagmoe.config import ClusterConfig, PlanConfig, load_hardware, load_model, preset_names
+from disagmoe.placement.cost import Candidates, evaluate
+from disagmoe.placement.solver import MAX_SEQS_PER_GPU, choose, problem_of, solve
+
+
+def request(model, hardware, gpus, seq_len=None, batch=4 * 1024 * 1024, **kw):
+    m = load_model(model)
+    return PlanConfig(model=m, cluster=ClusterConfig(hardware=load_hardware(hardware), num_gpus=gpus),
+                      seq_len=seq_len or m.seq_len, global_batch_tokens=batch, **kw)
+
+
+def brute_force_best(cfg):
+    """Price every layout of the solver's space one at a time (no vectorisation, no pruning)."""
+    prob = problem_of(cfg)
+    n_gpu, n_exp = cfg.cluster.num_gpus, cfg.model.num_experts
+    seqs_choices = [2**i for i in range(int(math.log2(MAX_SEQS_PER_GPU)) + 1)]
+    best = math.inf
+    for p in range(1, min(cfg.max_pipeline_groups, cfg.model.num_layers) + 1):
+        per_group = n_gpu // p
+        layouts = [(0, per_group * p, 1, True)]
+        for per_set, sets in itertools.product(range(1, n_exp + 1), range(1, per_group + 1)):
+            attn_pg = per_group - sets * per_set
+            if attn_pg >= sets:
+                layouts.append((attn_pg * p, sets * per_set * p, sets, False))
+        for (attn, exp, sets, colocated), m, seqs in itertools.product(layouts, cfg.micro_batch_choices, seqs_choices):
+            dp = (exp if colocated else attn) // p
+            if m * dp * seqs * cfg.seq_len > cfg.global_batch_tokens:
+                continue
+            cost = evaluate(prob, Candidates.one(attn, exp, p, m, seqs, sets, colocated=colocated))
+            if cost.fits[0]:
+                best = min(best, float(cost.step_s[0]))
+    return best
+
+
+@pytest.mark.parametrize("gpus, hardware", [(4, "h200-sxm"), (6, "h100-sxm"), (8, "b200")])
+def test_solver_finds_the_true_optimum_of_its_cost_model(gpus, hardware):
+    cfg = request("tiny", hardware, gpus, seq_len=128, batch=128 * 256, max_pipeline_groups=3)
+    plan = solve(cfg)
+    assert plan.feasible
+    assert plan.step_time_s == pytest.approx(brute_force_best(cfg), rel=1e-9)
+
+
+def test_memory_limit_binds_and_is_reported():
+    cfg = request("mixtral-8x7b", "h200-sxm", 16)
+    plan = solve(cfg)
+    assert plan.feasible
+    for est in plan.memory_per_gpu.values():
+        assert est.total_gib <= est.capacity_gib
+    small = solve(request("mixtral-8x7b", "h200-sxm", 4))
+    assert not small.feasible and small.min_gpus is not None and small.min_gpus > 4
+    assert "fewest" in small.reason
+    # the GPU count it names does fit, and one fewer does not
+    assert solve(request("mixtral-8x7b", "h200-sxm", small.min_gpus)).feasible
+    assert not solve(request("mixtral-8x7b", "h200-sxm", small.min_gpus - 1)).feasible
+
+
+def test_deepseek_on_1152_nvl72_is_fast():
+    cfg = request("deepseek-v3", "gb200-nvl72", 1152)
+    start = time.perf_counter()
+    plan = solve(cfg)
+    elapsed = time.perf_counter() - start
+    assert plan.feasible and plan.gpus == 1152
+    assert elapsed < 2.0
+
+
+@pytest.mark.parametrize("gpus", [8, 64, 72, 1152])
+@pytest.mark.parametrize("model", [n for n in preset_names("models") if n != "tiny"])
+def test_every_preset_gets_a_plan_or_a_reason(model, gpus):
+    hardware = "gb200-nvl72" if gpus in (72, 1152) else "h200-sxm"
+    plan = solve(request(model, hardware, gpus))
+    if plan.feasible:
+        assert plan.attention_gpus + plan.expert_gpus <= gpus
+        assert all(e.total_gib <= e.capacity_gib for e in plan.memory_per_gpu.values())
+        assert len(plan.expert_map) == load_model(model).num_moe_layers
+        assert plan.step_time_s > 0 and 0 < plan.mfu < 1
+    else:
+        assert "no layout fits" in plan.reason and plan.min_gpus and plan.min_gpus > gpus
+
+
+def test_expert_map_covers_every_expert_in_its_group():
+    cfg = request("qwen3-235b-a22b", "gb200-nvl72", 72)
+    plan = solve(cfg)
+    per_group = plan.expert_gpus // plan.pipeline_groups
+    m = cfg.model
+    for j, layer_map in enumerate(plan.expert_map):
+        group = (m.num_dense_layers + j) % plan.pipeline_groups
+        assert len(layer_map) == m.num_experts
+        ranks = {r for owners in layer_map for r in owners}
+        assert ranks <= set(range(group * per_group, (group + 1) * per_group))
+        assert all(len(owners) == plan.expert_replica_sets or plan.layout == "colocated" for owners in layer_map)
+
+
+def test_colocated_baseline_is_priced_on_the_same_cluster():
+    plan = solve(request("tiny", "h200-sxm", 2, seq_len=128, batch=128 * 512))
+    assert plan.colocated_step_time_s > 0
+    assert plan.speedup_vs_colocated == pytest.approx(plan.colocated_step_time_s / plan.step_time_s)
+    assert plan.reason
+
+
+def test_choice_carries_cost_for_reports():
+    choice = choose(request("qwen3-30b-a3b", "h200-sxm", 8))
+    assert choice.cost is not None and np.all(choice.cost.step_s > 0)
+    assert "routed experts" in choice.cost.stages

@@ -1,0 +1,80 @@
+"""Roofline stages: FLOPs agree with the 6ND rule, times move the right way with hardware."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from disagmoe.config import load_hardware, load_model
+from disagmoe.roofline import stages as st
+from disagmoe.roofline.ceilings import Ceilings
+from disagmoe.roofline.flops import step_flops
+
+
+def roofline_step_flops(m, tokens, seq_len):
+    """Sum of the stage FLOPs over a step: forward + backward of every layer and the head."""
+    fwd_moe = (st.attention_projections(m, tokens) + st.attention_core(m, tokens, seq_len)
+               + st.router(m, tokens) + st.shared_experts(m, tokens)
+               + st.routed_experts(m, tokens * m.top_k, m.num_experts))
+    fwd_dense = st.attention_projections(m, tokens) + st.attention_core(m, tokens, seq_len) + st.dense_ffn(m, tokens)
+    total = 0.0
+    for w, layers in ((fwd_moe, m.num_moe_layers), (fwd_dense, m.num_dense_layers)):
+        core = st.attention_core(m, tokens, seq_len).flops
+        # backward: 2x for GEMMs, 2.5x for the attention core (FlashAttention recompute)
+        total += layers * (3 * w.flops + (st.ATTN_CORE_BWD - st.GEMM_BWD) * core)
+    total += 3 * st.lm_head(m, tokens).flops
+    return total
+
+
+@pytest.mark.parametrize("name", ["mixtral-8x7b", "qwen3-235b-a22b", "deepseek-v3", "qwen3-30b-a3b"])
+def test_step_flops_match_six_n_d_plus_attention(name):
+    m = load_model(name)
+    tokens = 4096 * 8
+    ours = roofline_step_flops(m, tokens, 4096)
+    ref = step_flops(m, tokens, 4096)
+    assert abs(ours / ref - 1) < 0.05
+
+
+@pytest.mark.parametrize("field, stage", [
+    ("bf16_tflops", lambda m: st.routed_experts(m, 65536, 8)),
+    ("hbm_gbps", lambda m: st.permute(m, 65536)),
+    ("nvlink_gbps", lambda m: st.transfer(2**30, 0.0)),
+    ("scaleout_gbps", lambda m: st.transfer(2**30, 1.0)),
+])
+def test_times_fall_as_the_binding_resource_grows(field, stage):
+    hw = load_hardware("h200-sxm")
+    w = stage(load_model("mixtral-8x7b"))
+    times = []
+    for scale in (0.5, 1.0, 2.0, 4.0):
+        faster = hw.model_copy(update={field: getattr(hw, field) * scale})
+        times.append(float(Ceilings.of(faster).time(w)))
+    assert all(a > b for a, b in zip(times, times[1:]))
+
+
+def test_times_never_rise_with_any_resource():
+    rng = np.random.default_rng(0)
+    hw = load_hardware("h100-sxm")
+    m = load_model("qwen3-30b-a3b")
+    w = st.attention_core(m, 8192, 4096) + st.transfer(1e8, 0.3) + st.routed_experts(m, 3000, 16)
+    base = float(Ceilings.of(hw).time(w))
+    for field in ("bf16_tflops", "hbm_gbps", "nvlink_gbps", "scaleout_gbps"):
+        faster = hw.model_copy(update={field: getattr(hw, field) * float(rng.uniform(1.1, 3))})
+        assert float(Ceilings.of(faster).time(w)) <= base
+
+
+def test_bound_names_the_largest_term():
+    c = Ceilings.of(load_hardware("h200-sxm"))
+    assert c.bound(st.Work(flops=1e15)) == "compute"
+    assert c.bound(st.Work(hbm_bytes=1e12)) == "hbm"
+    assert c.bound(st.transfer(1e10, 1.0)) == "scale-out"
+    assert c.bound(st.Work()) == "none"
+
+
+def test_vectorised_matches_scalar():
+    m = load_model("deepseek-v3")
+    tokens = np.array([1024.0, 4096.0, 16384.0])
+    w = st.attention_projections(m, tokens)
+    for i, t in enumerate(tokens):
+        one = st.attention_projections(m, float(t))
+        assert all(np.isclose(getattr(w, f.name)[i] if np.ndim(getattr(w, f.name)) else getattr(w, f.name),
+                              getattr(one, f.name)) for f in dataclasses.fields(st.Work))
