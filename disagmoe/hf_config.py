@@ -18,6 +18,13 @@ def _need(data: dict[str, Any], key: str, source: str) -> Any:
     return data[key]
 
 
+def rope_theta(data: dict[str, Any]) -> float:
+    """RoPE base: top-level `rope_theta` (older configs) or `rope_parameters.rope_theta` (transformers 5)."""
+    if "rope_theta" in data:
+        return float(data["rope_theta"])
+    return float((data.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+
+
 def model_config_from_hf(data: dict[str, Any], source: str = "config.json") -> ModelConfig:
     """Build our config from a parsed HF config dict; reject architectures we do not implement."""
     model_type = data.get("model_type")
@@ -36,7 +43,7 @@ def model_config_from_hf(data: dict[str, Any], source: str = "config.json") -> M
         num_layers=g("num_hidden_layers"),
         num_heads=heads,
         num_kv_heads=data.get("num_key_value_heads") or heads,
-        rope_theta=data.get("rope_theta", 10000.0),
+        rope_theta=rope_theta(data),
         norm_eps=data.get("rms_norm_eps", 1e-6),
         tie_embeddings=bool(data.get("tie_word_embeddings", False)),
         seq_len=min(int(data.get("max_position_embeddings", 4096)), 4096),
@@ -59,11 +66,13 @@ def model_config_from_hf(data: dict[str, Any], source: str = "config.json") -> M
         common.update(
             head_dim=data.get("head_dim") or hidden // heads,
             qk_norm=True,
-            num_experts=g("num_experts"),
+            # transformers 5 writes `num_local_experts`; published configs say `num_experts`
+            num_experts=data.get("num_experts") or g("num_local_experts"),
             top_k=g("num_experts_per_tok"),
             expert_ffn_size=g("moe_intermediate_size"),
             dense_ffn_size=data.get("intermediate_size", 0),
-            router=dict(score="softmax", normalize_topk=bool(data.get("norm_topk_prob", True)),
+            # Qwen3MoeConfig's default is norm_topk_prob=False (published checkpoints set True)
+            router=dict(score="softmax", normalize_topk=bool(data.get("norm_topk_prob", False)),
                         aux_loss_coef=data.get("router_aux_loss_coef", 0.0)),
         )
     else:  # deepseek_v3

@@ -1,0 +1,147 @@
+"""Logit parity with transformers' own Mixtral / Qwen3-MoE / DeepSeek-V3 on tiny random models,
+and export round trips (ours -> HF files -> transformers and ours)."""
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from disagmoe.config import load_model  # noqa: E402
+from disagmoe.model.hf import export_hf, hf_config_from_model, load_hf  # noqa: E402
+from disagmoe.model.transformer import MoETransformer  # noqa: E402
+
+COMMON = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+              max_position_embeddings=64, rms_norm_eps=1e-6)
+
+
+def mixtral():
+    return transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        **COMMON, num_key_value_heads=2, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2))
+
+
+def qwen3_moe():
+    return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        **COMMON, num_key_value_heads=2, head_dim=16, intermediate_size=48, moe_intermediate_size=24,
+        num_experts=4, num_experts_per_tok=2, norm_topk_prob=True))
+
+
+def deepseek_v3(q_lora_rank=16, rope_interleave=True):
+    return transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+        **{**COMMON, "num_hidden_layers": 3}, num_key_value_heads=4, intermediate_size=48,
+        moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2,
+        first_k_dense_replace=1, n_shared_experts=2, q_lora_rank=q_lora_rank, kv_lora_rank=12,
+        qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, routed_scaling_factor=2.5,
+        rope_interleave=rope_interleave))
+
+
+BUILDERS = {
+    "mixtral": mixtral,
+    "qwen3_moe": qwen3_moe,
+    "deepseek_v3": deepseek_v3,
+    "deepseek_v3-no-q-lora-no-interleave": lambda: deepseek_v3(q_lora_rank=None, rope_interleave=False),
+}
+
+
+def randomized(hf_model):
+    """Every weight random (norm weights around 1, routers decisive), seeded."""
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, t in [*hf_model.named_parameters(), *hf_model.named_buffers()]:
+            if "rotary_emb" in name:
+                continue
+            noise = torch.randn(t.shape, generator=gen, dtype=torch.float32).to(t.dtype)
+            if "norm" in name:
+                t.copy_(1.0 + 0.2 * noise)
+            elif name.endswith((".gate.weight", "e_score_correction_bias")):
+                t.copy_(noise)
+            else:
+                t.copy_(0.1 * noise)
+    return hf_model.eval()
+
+
+def hf_logits(hf_model, tokens):
+    with torch.no_grad():
+        return hf_model(input_ids=tokens).logits
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    return torch.randint(0, 64, (2, 11), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("arch", list(BUILDERS))
+def test_logits_match_transformers(arch, tokens, tmp_path):
+    torch.manual_seed(0)
+    hf_model = randomized(BUILDERS[arch]())
+    hf_model.save_pretrained(tmp_path)
+    ours = load_hf(tmp_path)
+    with torch.no_grad():
+        diff = (ours(tokens).logits_BSV - hf_logits(hf_model, tokens)).abs().max().item()
+    assert diff < 1e-4, f"{arch}: max |logit diff| = {diff}"
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "deepseek_v3"])
+def test_export_round_trip(arch, tokens, tmp_path):
+    torch.manual_seed(0)
+    hf_model = randomized(BUILDERS[arch]())
+    hf_model.save_pretrained(tmp_path / "src")
+    ours = load_hf(tmp_path / "src")
+    export_hf(ours, tmp_path / "out", arch)
+
+    again = load_hf(tmp_path / "out")
+    for (name, a), b in zip(ours.state_dict().items(), again.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    diff = (hf_logits(reloaded, tokens) - hf_logits(hf_model, tokens)).abs().max().item()
+    assert diff < 1e-5, f"{arch}: exported checkpoint's logits differ by {diff}"
+
+
+def test_sharded_checkpoints_load(tokens, tmp_path):
+    hf_model = randomized(mixtral())
+    hf_model.save_pretrained(tmp_path / "hf", max_shard_size="40KB")
+    assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+    ours = load_hf(tmp_path / "hf")
+    export_hf(ours, tmp_path / "out", "mixtral", max_shard_bytes=30_000)
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    torch.testing.assert_close(load_hf(tmp_path / "out")(tokens).logits_BSV, ours(tokens).logits_BSV)
+
+
+def test_config_json_maps_through_load_model(tmp_path):
+    qwen3_moe().config.save_pretrained(tmp_path)
+    cfg = load_model(str(tmp_path / "config.json"))
+    assert (cfg.num_experts, cfg.top_k, cfg.qk_norm, cfg.router.normalize_topk) == (4, 2, True, True)
+    mixtral().config.save_pretrained(tmp_path)
+    assert load_model(str(tmp_path / "config.json")).rope_theta == 1e6  # transformers-5 rope_parameters
+
+
+def test_our_presets_export_to_their_architecture():
+    tiny_ds = load_model("deepseek-v3").model_copy(update=dict(num_layers=4, vocab_size=100))
+    hf = hf_config_from_model(tiny_ds, "deepseek_v3")
+    assert (hf["n_group"], hf["topk_group"], hf["n_shared_experts"]) == (8, 4, 1)
+    with pytest.raises(ValueError, match="cannot be written as a 'mixtral'"):
+        hf_config_from_model(tiny_ds, "mixtral")
+    with pytest.raises(ValueError, match="cannot be written as a 'mixtral'"):
+        hf_config_from_model(load_model("tiny"), "mixtral")  # shared expert, dense layer
+
+
+def test_unreproducible_settings_are_rejected(tmp_path):
+    hf_model = deepseek_v3()
+    hf_model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "yarn", "factor": 40.0, "rope_theta": 10000.0,
+                                 "original_max_position_embeddings": 4096}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="RoPE scaling 'yarn'"):
+        load_hf(tmp_path)
+
+
+def test_non_zero_bias_cannot_go_to_an_architecture_without_one(make_config, tmp_path):
+    cfg = make_config(num_heads=4, num_kv_heads=2, head_dim=4, router=dict(bias_balancing=True))
+    model = MoETransformer(cfg)
+    export_hf(model, tmp_path / "zero", "mixtral")  # a zero bias changes nothing
+    model.update_router_bias(torch.tensor([[3, 1, 2, 2], [2, 2, 2, 2]]))
+    with pytest.raises(ValueError, match="no routing bias"):
+        export_hf(model, tmp_path / "nonzero", "mixtral")
