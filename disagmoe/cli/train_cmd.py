@@ -93,7 +93,7 @@ def _summary_table(cfg: TrainConfig, summary: dict[str, Any]) -> Table:
         ("final loss", _fmt(summary["final_loss"], ".4f")),
         ("final val loss", _fmt(summary["final_val_loss"], ".4f")),
         ("tokens/s", _fmt(summary["tokens_per_s"], ",.0f")),
-        ("MFU", "- (set hardware: for a peak)" if summary["mfu"] is None else f"{summary['mfu']:.2%}"),
+        ("MFU", "n/a (set hardware: for a peak)" if summary["mfu"] is None else f"{summary['mfu']:.2%}"),
         ("metrics", summary["metrics_path"]),
         ("checkpoint", summary["checkpoint_path"] or "-"),
     ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from disagmoe.data import TokenDataset, synthetic_corpus
 from disagmoe.runtime.batching import batch_rows, inputs_and_targets
 
 
@@ -37,3 +38,10 @@ def test_targets_are_inputs_shifted_by_one():
     assert inputs_BS.shape == targets_BS.shape == (4, 8)
     assert torch.equal(inputs_BS[:, 1:], targets_BS[:, :-1])
     assert torch.equal(targets_BS[:, -1], tokens_BS1[:, -1])
+
+
+def test_each_rank_reads_exactly_its_piece_of_the_step_batch():
+    data = TokenDataset(synthetic_corpus(20_000), seq_len=16, batch_size=8, seed=0, split="train")
+    pieces = [data.rows(3, batch_rows(8, 2, 2, m, r)) for m in range(2) for r in range(2)]
+    assert torch.equal(torch.cat(pieces), data.batch(3))
+    assert torch.equal(data.rows(3, batch_rows(8, 2, 2, 1, 0)), pieces[2])
