@@ -12,6 +12,7 @@ from disagmoe.cli.train_cmd import train
 HELP = """\
 Train Mixture-of-Experts models with attention and expert layers on disjoint GPU groups.
 
+\b
 Concepts:
   attention group  GPUs running embeddings, attention, norms, routers and the LM head
                    (data-parallel replicas of the non-expert weights).
@@ -21,7 +22,8 @@ Concepts:
   pipeline group   with p > 1 groups, group g owns layers g, g+p, g+2p, ... of both pools:
                    tokens travel a ring A_0 -> E_0 -> A_1 -> E_1 -> ... forward, reversed backward.
 
-Start with `disagmoe presets`, then `disagmoe plan --model mixtral-8x7b --hardware h200-sxm --gpus 8`.
+\b
+Start with `disagmoe presets`, then `disagmoe plan --model mixtral-8x7b --hardware h200-sxm --gpus 16`.
 """
 
 app = typer.Typer(

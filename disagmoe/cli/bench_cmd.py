@@ -94,3 +94,32 @@ def tune_experts(
     record = tuner.tune(_shape_names(shape), warmup, iters, log=console.print)
     path = tuner.write_tuned(record, out)
     console.print(f"wrote {len(record['results'])} tuned entries to {path}")
+
+
+@bench_app.command("plan")
+@user_errors
+def plan(
+    repeats: Annotated[int, typer.Option(help="runs per case (median reported)", min=1)] = 5,
+    as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
+) -> None:
+    """Time `disagmoe plan` end to end (a fresh process per run, imports included) for the
+    presets on 8 to 1,152 GPUs. CPU only: the planner never touches a GPU."""
+    from disagmoe.bench import planner
+
+    log = (lambda m: err_console.print(m, highlight=False)) if as_json else console.print
+    record = planner.run(repeats, log)
+    if as_json:
+        print_json(record)
+        return
+    env = record["environment"]
+    table = Table(title=f"`disagmoe plan` wall time, {env['cores']} cores, {env['cpu']}, {env['date']}")
+    for col in ("model", "hardware", "GPUs", "median s", "max s", "layout", "A+E / p / m", "vs colocated"):
+        table.add_column(col, justify="left" if col in ("model", "hardware", "layout") else "right")
+    for r in record["cases"]:
+        split = (f"{r['attention_gpus']}+{r['expert_gpus']} / {r['pipeline_groups']} / {r['micro_batches']}"
+                 if r["feasible"] else "-")
+        table.add_row(r["model"], r["hardware"], str(r["gpus"]), f"{r['wall_s_median']:.2f}",
+                      f"{r['wall_s_max']:.2f}", r["layout"] if r["feasible"] else "no fit", split,
+                      f"{r['speedup_vs_colocated']:.2f}x" if r["speedup_vs_colocated"] else "-")
+    console.print(table)
+
