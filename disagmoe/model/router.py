@@ -58,6 +58,15 @@ class Router(nn.Module):
         else:
             self.expert_bias = None
 
+    def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202  (nn.Module's hook for .to() etc.)
+        """Keep `expert_bias` fp32 when the model is cast (bf16 cannot hold its ~1e-3 steps);
+        it still follows the model's device."""
+        bias = self.expert_bias
+        super()._apply(fn, recurse)
+        if bias is not None:
+            self.expert_bias = bias.to(self.weight.device)
+        return self
+
     def forward(self, xn_NH: torch.Tensor, fixed_topk_idx_NK: torch.Tensor | None = None) -> Routing:
         """Route the normed rows; `fixed_topk_idx_NK` replaces the selection (weights stay live)."""
         rc = self.cfg

@@ -74,20 +74,16 @@ class MoETransformer(nn.Module):
         h_BSH = self.norm(x_BSH)
         head = self.embed.weight if self.lm_head is None else self.lm_head.weight
         zero = x_BSH.new_zeros(())
+        E, NK = self.cfg.num_experts, (tokens_BS.numel(), self.cfg.top_k)
         return ModelOutput(
             logits_BSV=F.linear(h_BSH, head),
             aux_loss=sum((r.aux_loss for r in routings), zero),
             z_loss=sum((r.z_loss for r in routings), zero),
-            expert_load_LE=self._stack([r.load_E for r in routings], (0, self.cfg.num_experts), tokens_BS),
-            topk_idx_LNK=self._stack([r.topk_idx_NK.detach() for r in routings],
-                                     (0, tokens_BS.numel(), self.cfg.top_k), tokens_BS),
+            expert_load_LE=(torch.stack([r.load_E for r in routings]) if routings
+                            else tokens_BS.new_zeros((0, E), dtype=torch.int64)),
+            topk_idx_LNK=(torch.stack([r.topk_idx_NK.detach() for r in routings]) if routings
+                          else tokens_BS.new_zeros((0, *NK), dtype=torch.int64)),
         )
-
-    @staticmethod
-    def _stack(rows: list[torch.Tensor], empty_shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-        if rows:
-            return torch.stack(rows)
-        return torch.zeros(empty_shape, dtype=torch.int64, device=like.device)
 
     @torch.no_grad()
     def update_router_bias(self, load_LE: torch.Tensor) -> None:

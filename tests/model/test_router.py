@@ -143,3 +143,14 @@ def test_fixed_indices_replace_selection_and_keep_weights_differentiable(make_co
     assert router.weight.grad is not None and router.weight.grad.abs().sum() > 0
     with pytest.raises(ValueError, match="expected"):
         router(x, fixed[:3])
+
+
+def test_bias_stays_fp32_when_the_model_is_cast(make_config):
+    router = Router(make_config(router=dict(bias_balancing=True, bias_update_rate=1e-3)))
+    router.to(torch.bfloat16)
+    assert router.weight.dtype == torch.bfloat16 and router.expert_bias.dtype == torch.float32
+    router.expert_bias.fill_(0.5)
+    router.update_bias(torch.tensor([1, 0, 0, 3]))
+    assert router.expert_bias[1].item() == pytest.approx(0.501)  # bf16 would round this back to 0.5
+    r = router(torch.randn(5, router.weight.shape[1], dtype=torch.bfloat16))
+    assert r.topk_w_NK.dtype == torch.bfloat16
