@@ -150,8 +150,8 @@ class TrainSummary:
     steps: int  # optimizer steps taken in total (including those before a resume)
     final_loss: float | None
     final_val_loss: float | None
-    tokens_per_s: float | None
-    mfu: float | None
+    tokens_per_s: float | None  # over this process's training steps (validation, checkpoints excluded)
+    mfu: float | None  # likewise; None without `hardware`
     out_dir: str
     metrics_path: str
     checkpoint_path: str | None
@@ -205,7 +205,8 @@ class SingleProcessTrainer:
                 f"checkpoint {directory} is at step {state.step}, already at steps={self.cfg.steps}; "
                 f"raise steps to train further"
             )
-        self.step = state.data_step
+        assert state.data_step == state.step, "this trainer draws the batch of step t at step t"
+        self.step = state.step
 
     def save(self) -> Path:
         return save_checkpoint(
