@@ -215,3 +215,26 @@ def run(shape_names: list[str], backends: list[str], warmup: int, iters: int,
         del inputs, dy
         torch.cuda.empty_cache()
     return record
+
+
+def markdown_table(record: dict) -> str:
+    """The record as a GitHub table (what docs/benchmarks.md quotes), ratios vs grouped_mm."""
+    backends = list(record["shapes"][0]["tflops"]) if record["shapes"] else []
+    ceiling = record["ceiling_tflops"]
+    head = ["shape", "E", "H->F", "pairs", "max/mean load", "pass",
+            *[f"{b} TFLOP/s (% of ceiling)" for b in backends], "triton / grouped_mm",
+            "triton rel err"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for s in record["shapes"]:
+        for pass_name in PASSES:
+            rates = [s["tflops"][b][pass_name] for b in backends]
+            ratio = s["tflops"].get("triton", {}).get(pass_name, float("nan")) / \
+                s["tflops"]["grouped_mm"][pass_name]
+            errors = s.get("rel_err", {}).get("triton")
+            err = ("-" if not errors else f"{errors['y']:.1e}" if pass_name == "fwd"
+                   else f"{max(errors.values()):.1e}")
+            cells = [s["name"], str(s["experts"]), f"{s['hidden']}->{s['ffn']}", str(s["pairs"]),
+                     f"{s['load_max_over_mean']:.2f}", pass_name,
+                     *[f"{r:.0f} ({100 * r / ceiling:.0f}%)" for r in rates], f"{ratio:.2f}x", err]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)

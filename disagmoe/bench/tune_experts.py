@@ -19,23 +19,26 @@ from disagmoe.kernels import grouped_gemm as gg
 from disagmoe.kernels.moe_ffn import FFNTiles
 from disagmoe.kernels.tile_configs import TUNED_DIR, TileConfig, gpu_slug, heuristic, shape_class
 
-# (block_m, block_n, block_k, num_warps, num_stages); block_m tiles the rows (for the weight
-# gradients: the reduction over rows), block_n the output columns, block_k the reduction (for the
-# weight gradients: the output rows).
-ROW_GEMM_CANDIDATES = [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 128, 64, 8, 4),
-                       (128, 128, 64, 4, 4), (64, 128, 64, 4, 4), (256, 128, 64, 8, 3),
-                       (64, 256, 64, 8, 4)]
-GATE_UP_CANDIDATES = [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (64, 128, 64, 4, 4),
-                      (128, 64, 64, 4, 4), (64, 256, 64, 8, 3), (128, 128, 32, 8, 5)]
-WGRAD_CANDIDATES = [(64, 128, 128, 8, 3), (64, 256, 128, 8, 3), (64, 128, 128, 4, 4),
-                    (32, 128, 128, 4, 5), (64, 128, 256, 8, 3), (128, 128, 128, 8, 3)]
+# (block_m, block_n, block_k, num_warps, num_stages, programs_per_sm); block_m tiles the rows (for
+# the weight gradients: the reduction over rows), block_n the output columns, block_k the reduction
+# (for the weight gradients: the output rows). Two programs per SM hide one tile's pipeline start
+# and epilogue under the other's main loop, at the price of fewer stages.
+ROW_GEMM_CANDIDATES = [(128, 256, 64, 8, 3, 1), (128, 256, 64, 8, 4, 1), (128, 128, 64, 8, 4, 1),
+                       (128, 128, 64, 4, 4, 1), (64, 128, 64, 4, 4, 1), (256, 128, 64, 8, 3, 1),
+                       (64, 256, 64, 8, 4, 1), (64, 128, 64, 4, 3, 2), (128, 128, 64, 8, 2, 2)]
+GATE_UP_CANDIDATES = [(128, 128, 64, 8, 3, 1), (128, 128, 64, 8, 4, 1), (64, 128, 64, 4, 4, 1),
+                      (128, 64, 64, 4, 4, 1), (64, 256, 64, 8, 3, 1), (128, 128, 32, 8, 5, 1),
+                      (64, 128, 64, 4, 3, 2), (128, 128, 32, 8, 3, 2)]
+WGRAD_CANDIDATES = [(64, 128, 128, 8, 3, 1), (64, 256, 128, 8, 3, 1), (64, 128, 128, 4, 4, 1),
+                    (32, 128, 128, 4, 5, 1), (64, 128, 256, 8, 3, 1), (128, 128, 128, 8, 3, 1),
+                    (64, 128, 128, 4, 3, 2), (64, 256, 128, 8, 2, 2), (32, 128, 128, 4, 3, 2)]
 
 
 def candidates(role: str) -> list[TileConfig]:
     table = (GATE_UP_CANDIDATES if role == "gate_up" else
              WGRAD_CANDIDATES if role.startswith("wgrad") else ROW_GEMM_CANDIDATES)
-    return [TileConfig(block_m=m, block_n=n, block_k=k, num_warps=w, num_stages=s)
-            for m, n, k, w, s in table]
+    return [TileConfig(block_m=m, block_n=n, block_k=k, num_warps=w, num_stages=s,
+                       programs_per_sm=p) for m, n, k, w, s, p in table]
 
 
 def role_launches(shape_name: str, device: torch.device) -> dict[str, Callable[[TileConfig], object]]:

@@ -36,6 +36,7 @@ def experts(
     loop_iters: Annotated[int, typer.Option(help="timed calls of the slow per-expert loop")] = 5,
     check: Annotated[bool, typer.Option(help="relative error vs an fp32 torch reference")] = True,
     as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
+    markdown: Annotated[bool, typer.Option(help="also print the table as Markdown")] = False,
     out: Annotated[Path | None, typer.Option(help="also write the JSON record here")] = None,
 ) -> None:
     """Time the routed expert block (permute -> SwiGLU expert FFN -> combine), forward and
@@ -53,6 +54,11 @@ def experts(
         print_json(record)
         return
     console.print(_experts_table(record))
+    if markdown:
+        env = record["environment"]
+        console.print(", ".join(f"{k} {v}" for k, v in env.items()) +
+                      f"; bf16 matmul 8192^3 {record['ceiling_tflops']:.0f} TFLOP/s", soft_wrap=True)
+        console.print(bench.markdown_table(record), soft_wrap=True, highlight=False)
 
 
 def _experts_table(record: dict) -> Table:

@@ -81,6 +81,12 @@ def _ragged_rows_gemm_kernel(
         a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_am + ks[None, :] * stride_ak
         b_ptrs = (b_ptr + expert.to(tl.int64) * stride_be + ks[:, None] * stride_bk
                   + cols[None, :] * stride_bc)
+        ok = row_ok[:, None] & col_ok[None, :]
+        rows64 = rows.to(tl.int64)
+        if EPILOGUE == 2:  # issue the epilogue's loads now, so they complete under the main loop
+            h_ptrs = h13_ptr + rows64[:, None] * stride_hm + cols[None, :] * stride_hc
+            gate = tl.load(h_ptrs, mask=ok, other=0.0)
+            up = tl.load(h_ptrs + C * stride_hc, mask=ok, other=0.0)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -102,8 +108,6 @@ def _ragged_rows_gemm_kernel(
             a_ptrs += BLOCK_K * stride_ak
             b_ptrs += BLOCK_K * stride_bk
 
-        ok = row_ok[:, None] & col_ok[None, :]
-        rows64 = rows.to(tl.int64)
         if EPILOGUE == 0:
             if SCATTER:
                 out_rows = tl.load(dst_rows_ptr + rows, mask=row_ok, other=0).to(tl.int64)
@@ -120,9 +124,8 @@ def _ragged_rows_gemm_kernel(
                 tl.store(h_ptrs, acc.to(h13_ptr.dtype.element_ty), mask=ok)
                 tl.store(h_ptrs + C * stride_hc, acc_up.to(h13_ptr.dtype.element_ty), mask=ok)
         else:
-            h_ptrs = h13_ptr + rows64[:, None] * stride_hm + cols[None, :] * stride_hc
-            gate = tl.load(h_ptrs, mask=ok, other=0.0).to(tl.float32)
-            up = tl.load(h_ptrs + C * stride_hc, mask=ok, other=0.0).to(tl.float32)
+            gate = gate.to(tl.float32)
+            up = up.to(tl.float32)
             sig = tl.sigmoid(gate)
             d_gate = acc * up * sig * (1.0 + gate * (1.0 - sig))
             d_up = acc * gate * sig
@@ -169,7 +172,7 @@ def _ragged_weight_grad_kernel(
 
 
 def default_num_programs(device: torch.device) -> int:
-    """One persistent program per SM on a GPU; the interpreter (CPU) runs a handful."""
+    """Persistent programs at one per SM on a GPU; the interpreter (CPU) runs a handful."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4
@@ -207,7 +210,7 @@ def ragged_rows_gemm(
         return out
     h13 = h13_N2C if h13_N2C is not None else out
     dst = dst_rows_N if dst_rows_N is not None else offsets_E
-    programs = num_programs or default_num_programs(a_NK.device)
+    programs = num_programs or default_num_programs(a_NK.device) * config.programs_per_sm
     _ragged_rows_gemm_kernel[(programs,)](
         a_NK, b_EKC, out, h13, dst, offsets_E,
         experts, k, cols, cols, programs,
@@ -239,7 +242,7 @@ def ragged_weight_grad(
         out = a_NK.new_empty((experts, k, cols))
     if out.numel() == 0:
         return out
-    programs = num_programs or default_num_programs(a_NK.device)
+    programs = num_programs or default_num_programs(a_NK.device) * config.programs_per_sm
     _ragged_weight_grad_kernel[(programs,)](
         a_NK, b_NC, out, offsets_E,
         experts, k, cols, programs,
