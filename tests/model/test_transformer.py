@@ -156,19 +156,21 @@ def test_all_dense_model_reports_empty_router_statistics(make_config):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["grouped_mm", "triton"])
-def test_cuda_backends_train_like_the_cpu_reference(backend, make_mla_config):
-    """Same weights, fixed routing: CUDA fp32 with each backend vs CPU fp32 loop (TF32 tolerance)."""
+@pytest.mark.parametrize("backend", ["loop", "grouped_mm", "triton"])
+def test_cuda_bf16_backends_train_like_the_cpu_fp32_reference(backend, make_mla_config):
+    """Same weights, routing fixed to the reference's: logits and every parameter's gradient of a
+    bf16 CUDA model within bf16 error (relative norm) of the fp32 CPU model."""
     cfg = make_mla_config(hidden_size=64, expert_ffn_size=32, vocab_size=128)
     cpu = MoETransformer(cfg)
     cpu.init_weights(seed=4)
-    gpu = MoETransformer(cfg, backend).cuda()
+    gpu = MoETransformer(cfg, backend).cuda().to(torch.bfloat16)
     gpu.load_state_dict(cpu.state_dict())
     tok = tokens(cfg, B=2, S=32)
     ref = cpu(tok)
     out = gpu(tok.cuda(), fixed_topk_idx_LNK=ref.topk_idx_LNK.cuda())
     for o, t in ((ref, tok), (out, tok.cuda())):
-        F.cross_entropy(o.logits_BSV.flatten(0, 1), t.flatten()).backward()
-    torch.testing.assert_close(out.logits_BSV.cpu(), ref.logits_BSV, atol=2e-3, rtol=2e-3)
+        F.cross_entropy(o.logits_BSV.float().flatten(0, 1), t.flatten()).backward()
+    rel = lambda got, want: ((got.float().cpu() - want).norm() / want.norm()).item()  # noqa: E731
+    assert rel(out.logits_BSV, ref.logits_BSV) < 2e-2
     for (name, p), q in zip(cpu.named_parameters(), gpu.parameters(), strict=True):
-        torch.testing.assert_close(q.grad.cpu(), p.grad, atol=2e-3, rtol=5e-2, msg=name)
+        assert rel(q.grad, p.grad) < 5e-2, name
