@@ -1,0 +1,284 @@
+"""The control plane: a Ray cluster, one worker actor per GPU (or CPU slot), failure reporting.
+
+    group = WorkerGroup.start(world_size=3, device="cpu", env=cfg.env)   # embedded Ray cluster
+    group.init_process_group()                      # torch.distributed across the actors
+    group.call("set_role", roles)                   # one argument per rank
+    losses = group.call("train_step", step)         # raises WorkerFailure naming the rank
+    group.shutdown()
+
+`address=None` starts an embedded single-node cluster on 127.0.0.1 (no dashboard); "auto" or
+"HOST:PORT" joins a running one. Actors sit in placement groups: one STRICT_PACK group per node
+on GPUs (a bundle per GPU), a single group on the local node for CPU slots (fractional CPUs, so
+several actors share a core). Every actor gets `env` (TrainConfig.env) through its runtime_env
+and sees every GPU of its node (RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1, DESIGN section 5);
+it selects the one Ray assigned to it. Tensors never travel through here: only control calls.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any, Literal
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from disagmoe.runtime.roles import Role
+
+Device = Literal["cpu", "cuda"]
+LOOPBACK = "127.0.0.1"
+NOSET_CUDA = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
+
+
+class WorkerFailure(RuntimeError):
+    """A worker actor died, raised, or did not answer in time; `rank` says which."""
+
+    def __init__(self, rank: int, reason: str) -> None:
+        super().__init__(f"rank {rank}: {reason}")
+        self.rank = rank
+        self.reason = reason
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+class Worker:
+    """Base of every actor: knows its rank and device, joins torch.distributed, holds a role.
+
+    Role-specific training logic lives in subclasses; `WorkerGroup` wraps the class with
+    `ray.remote` itself, so subclasses stay plain Python classes.
+    """
+
+    def __init__(self, rank: int, world_size: int, device: Device) -> None:
+        import torch
+
+        self.rank = rank
+        self.world_size = world_size
+        self.role: Role | None = None
+        if device == "cuda":
+            self.device = torch.device("cuda", _assigned_gpu())
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+
+    def node_ip(self) -> str:
+        return ray.util.get_node_ip_address()
+
+    def free_port(self) -> int:
+        return free_port(host="")
+
+    def init_process_group(self, master_addr: str, master_port: int, timeout_s: float) -> None:
+        import torch.distributed as dist
+
+        dist.init_process_group(
+            backend="nccl" if self.device.type == "cuda" else "gloo",
+            init_method=f"tcp://{master_addr}:{master_port}",
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+
+    def set_role(self, role: Role) -> None:
+        self.role = role
+
+    def info(self) -> dict[str, Any]:
+        return dict(rank=self.rank, pid=os.getpid(), node_ip=self.node_ip(), device=str(self.device),
+                    role=self.role)
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run `fn(self, *args)` here: diagnostics and tests without a subclass per probe."""
+        return fn(self, *args)
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _assigned_gpu() -> int:
+    """The local CUDA index of the GPU Ray assigned to this actor (all GPUs stay visible)."""
+    ids = [str(i) for i in ray.get_gpu_ids()]
+    if len(ids) != 1:
+        raise RuntimeError(f"a GPU worker needs exactly one GPU from Ray, got {ids}")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return visible.split(",").index(ids[0]) if visible else int(ids[0])
+
+
+class WorkerGroup:
+    """The driver's handle on one actor per rank; every call reports failures by rank."""
+
+    def __init__(self, actors: list[ray.actor.ActorHandle], groups: list[PlacementGroup],
+                 owns_ray: bool, embedded: bool) -> None:
+        self.actors = actors
+        self._groups = groups
+        self._owns_ray = owns_ray
+        self._embedded = embedded
+
+    @property
+    def world_size(self) -> int:
+        return len(self.actors)
+
+    @classmethod
+    def start(
+        cls,
+        world_size: int,
+        device: Device = "cpu",
+        env: dict[str, str] | None = None,
+        address: str | None = None,
+        worker_cls: type[Worker] = Worker,
+        cpus_per_worker: float | None = None,
+        ready_timeout_s: float = 120.0,
+        log_to_driver: bool = True,
+    ) -> WorkerGroup:
+        """Connect to (or start) Ray and create `world_size` actors of `worker_cls`."""
+        if world_size < 1:
+            raise ValueError(f"world_size={world_size} must be at least 1")
+        owns_ray = _connect(address, device, log_to_driver)
+        try:
+            if cpus_per_worker is None:
+                total = ray.cluster_resources().get("CPU", 1.0)
+                cpus_per_worker = 1.0 if device == "cuda" else min(1.0, total / world_size)
+            groups, slots = _placement_groups(world_size, device, cpus_per_worker, ready_timeout_s)
+            remote_cls = ray.remote(worker_cls)
+            actors = []
+            for rank, (group, bundle) in enumerate(slots):
+                options = dict(
+                    num_cpus=cpus_per_worker,
+                    num_gpus=1 if device == "cuda" else 0,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle),
+                    runtime_env={"env_vars": {**(env or {}), **NOSET_CUDA}},
+                    max_restarts=0,
+                )
+                actors.append(remote_cls.options(**options).remote(rank, world_size, device))
+        except BaseException:
+            if owns_ray:
+                ray.shutdown()
+            raise
+        workers = cls(actors, groups, owns_ray, embedded=address is None)
+        workers.call("info", timeout_s=ready_timeout_s)  # every actor constructed, or a clear failure
+        return workers
+
+    def init_process_group(self, timeout_s: float = 120.0) -> tuple[str, int]:
+        """Join every actor into one torch.distributed group; returns the rendezvous address."""
+        if self._embedded:
+            addr, port = LOOPBACK, free_port()
+        else:
+            addr, port = self.call_rank(0, "node_ip", timeout_s=timeout_s), self.call_rank(0, "free_port")
+        self.call("init_process_group", addr, port, timeout_s, timeout_s=timeout_s)
+        return addr, port
+
+    def call(self, method: str, *args: Any, per_rank: Sequence[Any] | None = None,
+             timeout_s: float | None = None) -> list[Any]:
+        """Call `method(*args)` on every actor (`per_rank[r]` appended for rank r); results by rank.
+
+        Returns once all finish. The first failure raises `WorkerFailure` at once, naming the
+        rank, so a rank that died is reported even while its peers hang waiting for it.
+        """
+        if per_rank is not None and len(per_rank) != self.world_size:
+            raise ValueError(f"per_rank has {len(per_rank)} entries for {self.world_size} ranks")
+        futures = [
+            getattr(actor, method).remote(*args, *(() if per_rank is None else (per_rank[rank],)))
+            for rank, actor in enumerate(self.actors)
+        ]
+        return self._gather(futures, method, timeout_s)
+
+    def call_rank(self, rank: int, method: str, *args: Any, timeout_s: float | None = None) -> Any:
+        return self._gather([getattr(self.actors[rank], method).remote(*args)], method, timeout_s, [rank])[0]
+
+    def _gather(self, futures: list[ray.ObjectRef], method: str, timeout_s: float | None,
+                ranks: list[int] | None = None) -> list[Any]:
+        ranks = ranks if ranks is not None else list(range(len(futures)))
+        rank_of = {ref: rank for ref, rank in zip(futures, ranks)}
+        results: dict[int, Any] = {}
+        pending = list(futures)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while pending:
+            remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            ready, pending = ray.wait(pending, num_returns=1, timeout=remaining)
+            if not ready:
+                late = sorted(rank_of[ref] for ref in pending)
+                raise WorkerFailure(late[0], f"{method} did not finish within {timeout_s:g} s "
+                                             f"(ranks still running: {late})")
+            ref = ready[0]
+            try:
+                results[rank_of[ref]] = ray.get(ref)
+            except RayActorError as err:
+                raise WorkerFailure(rank_of[ref], f"actor died during {method}: {_first_line(err)}") from err
+            except RayTaskError as err:
+                cause = err.cause if err.cause is not None else err
+                raise WorkerFailure(rank_of[ref], f"{method} raised {type(cause).__name__}: {cause}") from err
+            except GetTimeoutError as err:  # pragma: no cover - ray.wait said it was ready
+                raise WorkerFailure(rank_of[ref], f"{method} result not retrievable") from err
+        return [results[rank] for rank in ranks]
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Close process groups, stop the actors, free the placement groups (and Ray if ours)."""
+        if not ray.is_initialized():
+            return
+        closing = [actor.close.remote() for actor in self.actors]
+        ray.wait(closing, num_returns=len(closing), timeout=timeout_s)
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+        for group in self._groups:
+            remove_placement_group(group)
+        self.actors, self._groups = [], []
+        if self._owns_ray:
+            ray.shutdown()
+
+
+def _first_line(err: BaseException) -> str:
+    return next((line for line in str(err).splitlines() if line.strip()), type(err).__name__)
+
+
+def _connect(address: str | None, device: Device, log_to_driver: bool) -> bool:
+    """Start an embedded cluster (address None) or join one; True if this call started Ray."""
+    if ray.is_initialized():
+        return False
+    if address is None:
+        ray.init(
+            address="local",
+            _node_ip_address=LOOPBACK,
+            include_dashboard=False,
+            log_to_driver=log_to_driver,
+            num_gpus=None if device == "cuda" else 0,
+        )
+    else:
+        ray.init(address=address, log_to_driver=log_to_driver)
+    return True
+
+
+def _placement_groups(world_size: int, device: Device, cpus_per_worker: float,
+                      timeout_s: float) -> tuple[list[PlacementGroup], list[tuple[PlacementGroup, int]]]:
+    """Placement groups and, per rank, its (group, bundle index) slot."""
+    if device == "cuda":
+        per_node = max((node["Resources"].get("GPU", 0) for node in ray.nodes() if node["Alive"]), default=0)
+        if per_node < 1:
+            raise ValueError("device='cuda' but the Ray cluster has no GPUs; use device='cpu' or add GPU nodes")
+        per_node = int(min(per_node, world_size))
+        sizes = [min(per_node, world_size - start) for start in range(0, world_size, per_node)]
+        bundle = {"GPU": 1, "CPU": cpus_per_worker}
+    else:
+        sizes = [world_size]
+        bundle = {"CPU": cpus_per_worker}
+    groups = [placement_group([bundle] * size, strategy="STRICT_PACK") for size in sizes]
+    try:
+        ray.get([group.ready() for group in groups], timeout=timeout_s)
+    except GetTimeoutError:
+        for group in groups:
+            remove_placement_group(group)
+        raise ValueError(
+            f"Ray could not place {world_size} workers ({bundle} each, STRICT_PACK per node) within "
+            f"{timeout_s:g} s; the cluster has {ray.available_resources()}: lower the rank counts, "
+            "set cpus_per_worker lower, or add nodes"
+        ) from None
+    slots = [(group, index) for group, size in zip(groups, sizes) for index in range(size)]
+    return groups, slots

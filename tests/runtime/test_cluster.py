@@ -1,0 +1,135 @@
+"""An embedded Ray cluster with three CPU actors: process group, all-reduce, transport, failures.
+
+Ray and three torch-importing actors take most of this module's time, so one cluster serves
+every test (module fixture); the failure tests run last because they break the group.
+"""
+
+import os
+import sys
+import time
+
+import pytest
+import ray
+import torch
+
+from disagmoe.comm.base import Direction, MessageKey
+from disagmoe.runtime.cluster import WorkerFailure, WorkerGroup
+from disagmoe.runtime.roles import Layout
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # actors cannot import tests/
+
+WORLD = 3
+ENV = {"DISAGMOE_TEST_SETTING": "propagated"}
+
+
+@pytest.fixture(scope="module")
+def workers():
+    group = WorkerGroup.start(world_size=WORLD, device="cpu", env=ENV, log_to_driver=False)
+    group.init_process_group(timeout_s=60)
+    yield group
+    group.shutdown()
+
+
+def _environment(worker, name):
+    return os.environ.get(name), os.environ.get("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES")
+
+
+def test_actors_have_ranks_env_and_roles(workers):
+    layout = Layout(attention_ranks=2, expert_ranks=1, pipeline_groups=1, num_layers=2)
+    workers.call("set_role", per_rank=[layout.role(r) for r in range(WORLD)], timeout_s=30)
+    infos = workers.call("info", timeout_s=30)
+    assert [i["rank"] for i in infos] == list(range(WORLD))
+    assert [i["role"] for i in infos] == [layout.role(r) for r in range(WORLD)]
+    assert len({i["pid"] for i in infos}) == WORLD
+    assert workers.call("run", _environment, "DISAGMOE_TEST_SETTING") == [("propagated", "1")] * WORLD
+
+
+def _seeded(rank):
+    return torch.randn(5, 4, generator=torch.Generator().manual_seed(rank))
+
+
+def _all_reduce(worker):
+    import torch.distributed as dist
+
+    x = _seeded(worker.rank)
+    dist.all_reduce(x)
+    return x
+
+
+def test_all_reduce_sums_every_rank(workers):
+    want = sum(_seeded(r) for r in range(WORLD))
+    for got in workers.call("run", _all_reduce, timeout_s=60):
+        torch.testing.assert_close(got, want)
+
+
+def _rows(src, dst):
+    return [torch.arange(src * 10 + dst, dtype=torch.float32).reshape(-1, 1), torch.empty(0, 3)]
+
+
+def _p2p(worker):
+    from disagmoe.comm.local import LocalTransport
+
+    transport = LocalTransport(default_timeout_s=30)
+    key = MessageKey(step=0, micro_batch=1, layer=0, direction=Direction.FORWARD)
+    peers = [p for p in range(worker.world_size) if p != worker.rank]
+    handles = [transport.send(dst, key, _rows(worker.rank, dst)) for dst in peers]
+    got = {src: transport.recv(src, key) for src in peers}
+    for handle in handles:
+        handle.wait()
+    return got
+
+
+def test_local_transport_between_actors(workers):
+    results = workers.call("run", _p2p, timeout_s=60)
+    for dst, got in enumerate(results):
+        for src, tensors in got.items():
+            want = _rows(src, dst)
+            assert [t.shape for t in tensors] == [t.shape for t in want]
+            torch.testing.assert_close(tensors[0], want[0])
+
+
+def _sleep_on(worker, rank, seconds):
+    if worker.rank == rank:
+        time.sleep(seconds)
+    return worker.rank
+
+
+def test_slow_rank_is_reported_by_the_step_timeout(workers):
+    with pytest.raises(WorkerFailure, match=r"rank 1: run did not finish within 0.5 s") as info:
+        workers.call("run", _sleep_on, 1, 2.0, timeout_s=0.5)
+    assert info.value.rank == 1
+    assert workers.call("run", _sleep_on, 1, 0.0, timeout_s=30) == list(range(WORLD))  # caught up
+
+
+def _raise_on(worker, rank):
+    if worker.rank == rank:
+        raise ValueError("bad shard")
+    return worker.rank
+
+
+def test_exception_in_an_actor_names_its_rank(workers):
+    with pytest.raises(WorkerFailure, match="rank 0: run raised ValueError: bad shard"):
+        workers.call("run", _raise_on, 0, timeout_s=30)
+
+
+def _die_or_wait(worker, dying_rank):
+    """The dying rank exits; the others wait for a message from it (as in a step)."""
+    from disagmoe.comm.local import LocalTransport
+
+    if worker.rank == dying_rank:
+        os._exit(7)
+    LocalTransport(default_timeout_s=30).recv(dying_rank, MessageKey(0, 0, 0, Direction.FORWARD))
+
+
+def test_dying_actor_is_reported_with_its_rank(workers):
+    start = time.monotonic()
+    with pytest.raises(WorkerFailure, match="rank 2: actor died during run") as info:
+        workers.call("run", _die_or_wait, 2, timeout_s=60)
+    assert info.value.rank == 2
+    assert time.monotonic() - start < 30
+
+
+def test_shutdown_stops_ray(workers):
+    workers.shutdown()
+    assert not ray.is_initialized()
+    workers.shutdown()  # idempotent
