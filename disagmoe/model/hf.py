@@ -87,6 +87,12 @@ def check_reproducible(hf: dict[str, Any], source: str) -> None:
     """Reject HF settings the reference model does not implement (its logits would differ)."""
     if hf.get("model_type") not in SUPPORTED:
         raise ValueError(f"{source}: model_type {hf.get('model_type')!r} is not one of {', '.join(SUPPORTED)}")
+    if hf.get("quantization_config"):
+        method = hf["quantization_config"].get("quant_method", "?")
+        raise ValueError(
+            f"{source}: quantized checkpoints ({method}) are not supported; dequantize the weights "
+            "to bf16/fp32 safetensors first"
+        )
     rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", None):

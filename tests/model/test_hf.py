@@ -136,6 +136,22 @@ def test_unreproducible_settings_are_rejected(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="RoPE scaling 'yarn'"):
         load_hf(tmp_path)
+    del config["rope_parameters"]
+    config["quantization_config"] = {"quant_method": "fp8"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"quantized checkpoints \(fp8\)"):
+        load_hf(tmp_path)
+
+
+def test_checkpoint_tensors_without_a_place_are_errors(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    mixtral().save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(32)
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match="q_proj.bias"):
+        load_hf(tmp_path)
 
 
 def test_non_zero_bias_cannot_go_to_an_architecture_without_one(make_config, tmp_path):
@@ -145,3 +161,21 @@ def test_non_zero_bias_cannot_go_to_an_architecture_without_one(make_config, tmp
     model.update_router_bias(torch.tensor([[3, 1, 2, 2], [2, 2, 2, 2]]))
     with pytest.raises(ValueError, match="no routing bias"):
         export_hf(model, tmp_path / "nonzero", "mixtral")
+
+
+def test_fused_expert_tensors_load_like_per_expert_ones(tokens, tmp_path):
+    """transformers-5 style `experts.gate_up_proj` [E, 2F, H] / `experts.down_proj` [E, H, F]."""
+    from safetensors.torch import load_file, save_file
+
+    hf_model = randomized(qwen3_moe())
+    hf_model.save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    for layer in range(2):
+        prefix = f"model.layers.{layer}.mlp.experts"
+        take = lambda proj: torch.stack([tensors.pop(f"{prefix}.{e}.{proj}.weight") for e in range(4)])  # noqa: E731
+        gate, up, down = take("gate_proj"), take("up_proj"), take("down_proj")
+        tensors[f"{prefix}.gate_up_proj"] = torch.cat([gate, up], dim=1)
+        tensors[f"{prefix}.down_proj"] = down
+    save_file(tensors, tmp_path / "model.safetensors")
+    diff = (load_hf(tmp_path)(tokens).logits_BSV - hf_logits(hf_model, tokens)).abs().max().item()
+    assert diff < 1e-4
