@@ -118,6 +118,13 @@ class Schedule:
     micro_batches: int
     programs: tuple[tuple[Op, ...], ...]  # programs[rank] = that rank's ops, in order
 
+    def rank_pairs(self) -> list[tuple[int, int]]:
+        """The (src, dst) rank pairs that exchange messages: what a transport must connect."""
+        return sorted(
+            {(rank, peer) for rank, program in enumerate(self.programs)
+             for op in program if isinstance(op, Send) for peer in op.peers}
+        )
+
 
 def build_schedule(layout: Layout, micro_batches: int) -> Schedule:
     """Every rank's ordered op list for one training step."""

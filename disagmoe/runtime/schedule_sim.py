@@ -22,7 +22,9 @@ Data dependencies (the model of what each op consumes, written independently of 
 Failures raise `ScheduleError`: deadlock (with what each stuck rank waits for), an op whose input
 is missing, a key sent twice, a payload arriving under another payload's key, a message never
 received, or a layer / micro-batch not computed exactly once by every rank that owns it.
-Ops have unit-ish costs so the replay also yields a timeline (`render_timeline`).
+Ops have unit-ish costs so the replay also yields a timeline (`render_timeline`). The replay also
+counts receives that overtake an older pending message from the same peer: zero means an
+in-order transport (NCCL: one FIFO per rank pair) never has to buffer a message.
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ class SimulationResult:
     events: list[Event]
     messages: int
     step_time: float
+    out_of_order_recvs: int  # recvs that took a message while an older one from that peer waited
 
     def busy_fraction(self, rank: int) -> float:
         busy = sum(e.end - e.start for e in self.events if e.rank == rank)
@@ -109,10 +112,11 @@ class _Replay:
             raise ScheduleError(
                 f"schedule has {len(self.ranks)} programs for a {self.layout.world_size}-rank layout"
             )
-        self.mailbox: dict[Channel, tuple[Payload, float]] = {}
+        self.mailbox: dict[Channel, tuple[Payload, float]] = {}  # insertion order = send order
         self.arrivals: dict[tuple[int, ...], dict[int, float]] = {}
         self.events: list[Event] = []
         self.messages = 0
+        self.out_of_order_recvs = 0
 
     def run(self) -> SimulationResult:
         progress = True
@@ -132,7 +136,7 @@ class _Replay:
             )
         self._check_coverage()
         step_time = max((e.end for e in self.events), default=0.0)
-        return SimulationResult(self.events, self.messages, step_time)
+        return SimulationResult(self.events, self.messages, step_time, self.out_of_order_recvs)
 
     # -- one op ----------------------------------------------------------------------------
 
@@ -145,6 +149,8 @@ class _Replay:
             if any(c not in self.mailbox for c in channels):
                 return False
             for channel in channels:
+                oldest = next(c for c in self.mailbox if c[:2] == channel[:2])
+                self.out_of_order_recvs += oldest != channel
                 payload, sent_at = self.mailbox.pop(channel)
                 if payload is not op.payload:
                     raise ScheduleError(

@@ -31,6 +31,7 @@ def test_schedule_replays_without_deadlock_and_matches_every_message(attention, 
     result = simulate(schedule)  # raises ScheduleError on any unsound schedule
     sends = [(r, op) for r, prog in enumerate(schedule.programs) for op in prog if isinstance(op, Send)]
     assert result.messages == sum(len(op.peers) for _, op in sends)
+    assert result.out_of_order_recvs == 0  # an in-order (FIFO per rank pair) transport suffices
 
 
 def _messages(schedule, kind):
@@ -95,3 +96,11 @@ def test_attention_computes_next_micro_batch_while_experts_compute_this_one():
 def test_micro_batches_must_be_positive():
     with pytest.raises(ValueError, match="micro_batches"):
         build_schedule(Layout(1, 1, 1, 1), 0)
+
+
+def test_rank_pairs_are_exactly_the_ring_edges():
+    layout = Layout(attention_ranks=2, expert_ranks=2, pipeline_groups=2, num_layers=2)
+    pairs = set(build_schedule(layout, micro_batches=1).rank_pairs())
+    a0, a1, e0, e1 = 0, 1, 2, 3  # one attention and one expert rank per group
+    forward = {(a0, e0), (e0, a1), (a0, a1), (a1, e1), (e1, a0), (a1, a0)}
+    assert pairs == forward | {(dst, src) for src, dst in forward}

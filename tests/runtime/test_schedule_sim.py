@@ -90,3 +90,15 @@ def test_timeline_has_a_row_per_rank_showing_its_ops():
     assert "a1:1" in rows[0] and "e1:1" in rows[2] and "e1:1" not in rows[0]
     for rank in range(schedule.layout.world_size):
         assert 0 < result.busy_fraction(rank) <= 1
+
+
+def test_receives_that_overtake_older_messages_are_counted():
+    schedule = _schedule(layers=1, m=2)
+    assert simulate(schedule).out_of_order_recvs == 0
+
+    def experts_take_micro_batch_1_first(ops):
+        return ops[3:6] + ops[0:3] + ops[6:]  # [recv, expert forward, send] blocks of mb 0 and 1
+
+    assert [type(op).__name__ for op in schedule.programs[1][:3]] == ["Recv", "ExpertForward", "Send"]
+    result = simulate(_edit(schedule, 1, experts_take_micro_batch_1_first))
+    assert result.out_of_order_recvs == 2  # expert takes dispatch 1 before 0, attention combine 0 before 1
