@@ -21,10 +21,10 @@ def mixtral():
         **COMMON, num_key_value_heads=2, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2))
 
 
-def qwen3_moe():
+def qwen3_moe(tie_word_embeddings=False):
     return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
         **COMMON, num_key_value_heads=2, head_dim=16, intermediate_size=48, moe_intermediate_size=24,
-        num_experts=4, num_experts_per_tok=2, norm_topk_prob=True))
+        num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=tie_word_embeddings))
 
 
 def deepseek_v3(q_lora_rank=16, rope_interleave=True):
@@ -39,6 +39,7 @@ def deepseek_v3(q_lora_rank=16, rope_interleave=True):
 BUILDERS = {
     "mixtral": mixtral,
     "qwen3_moe": qwen3_moe,
+    "qwen3_moe-tied": lambda: qwen3_moe(tie_word_embeddings=True),
     "deepseek_v3": deepseek_v3,
     "deepseek_v3-no-q-lora-no-interleave": lambda: deepseek_v3(q_lora_rank=None, rope_interleave=False),
 }
