@@ -13,24 +13,28 @@ from disagmoe.config import TrainConfig, load_train_config
 from disagmoe.cli.common import console, print_json, user_errors
 
 
-def run_single(cfg: TrainConfig, on_step: Callable[[dict[str, Any]], None] | None) -> dict[str, Any]:
+StepCallback = Callable[[dict[str, Any]], None]
+Run = Callable[[StepCallback | None], dict[str, Any]]  # runs the steps, returns the summary
+
+
+def prepare_single(cfg: TrainConfig) -> Run:
     """The whole model in this process: the correctness oracle."""
-    from disagmoe.runtime.trainer import train_single  # torch loads only when training
+    from disagmoe.runtime.trainer import SingleProcessTrainer  # torch loads only when training
 
-    return train_single(cfg, on_step).to_dict()
-
-
-def run_disaggregated(cfg: TrainConfig, on_step: Callable[[dict[str, Any]], None] | None) -> dict[str, Any]:
-    raise ValueError(
-        "mode 'disaggregated' is not available in this build yet; use --mode single"
-    )
+    trainer = SingleProcessTrainer(cfg)
+    return lambda on_step: trainer.run(on_step).to_dict()
 
 
-def run_colocated(cfg: TrainConfig, on_step: Callable[[dict[str, Any]], None] | None) -> dict[str, Any]:
+def prepare_disaggregated(cfg: TrainConfig) -> Run:
+    raise ValueError("mode 'disaggregated' is not available in this build yet; use --mode single")
+
+
+def prepare_colocated(cfg: TrainConfig) -> Run:
     raise ValueError("mode 'colocated' is not available in this build yet; use --mode single")
 
 
-RUNNERS = {"single": run_single, "disaggregated": run_disaggregated, "colocated": run_colocated}
+# Each mode sets everything up (and reports user errors) before the progress bar starts.
+PREPARE = {"single": prepare_single, "disaggregated": prepare_disaggregated, "colocated": prepare_colocated}
 
 
 @user_errors
@@ -47,12 +51,12 @@ def train(
     """Train a model. Writes <out-dir>/metrics.jsonl (one JSON object per step) and checkpoints."""
     flags = [f"{k}={v}" for k, v in (("mode", mode), ("steps", steps), ("out_dir", out_dir)) if v is not None]
     cfg = load_train_config(config, [*(overrides or []), *flags])
-    runner = RUNNERS[cfg.mode]
+    run = PREPARE[cfg.mode](cfg)
     if as_json:
-        print_json(runner(cfg, None))
+        print_json(run(None))
         return
     with TrainProgress(cfg.steps) as on_step:
-        summary = runner(cfg, on_step)
+        summary = run(on_step)
     console.print(_summary_table(cfg, summary))
 
 
@@ -67,7 +71,7 @@ class TrainProgress:
         )
         self.task = self.progress.add_task("train", total=total_steps, loss="-", tps="-")
 
-    def __enter__(self) -> Callable[[dict[str, Any]], None]:
+    def __enter__(self) -> StepCallback:
         self.progress.start()
         return self.on_step
 
