@@ -1,0 +1,157 @@
+"""The NCCL transport between two GPUs: random messages in any key order, large messages both
+ways without head-of-line deadlock, and a bounded timeout. Needs two CUDA GPUs."""
+
+import queue
+import random
+import socket
+import time
+import traceback
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from disagmoe.comm.base import Direction, MessageKey, TransportError
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs"),
+]
+
+WORLD = 2
+DTYPES = [torch.float32, torch.bfloat16, torch.int32, torch.int64, torch.bool]
+KEYS = [MessageKey(step, mb, layer, d) for step in range(2) for mb in range(3) for layer in range(2) for d in Direction]
+BIG_ROWS = 16384  # x 4096 fp32 = 256 MiB per message, far beyond NCCL's buffers
+TIMEOUT_S = 1.0
+
+
+def _message(src: int, dst: int, key: MessageKey) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 * src + 100 * dst + 10 * key.step + key.micro_batch
+                                        + 7919 * key.layer + 104729 * int(key.direction))
+    tensors = []
+    for _ in range(int(torch.randint(1, 5, (), generator=gen))):
+        dtype = DTYPES[int(torch.randint(len(DTYPES), (), generator=gen))]
+        rows = int(torch.randint(0, 3, (), generator=gen)) * int(torch.randint(0, 40, (), generator=gen))
+        trailing = torch.randint(1, 6, (int(torch.randint(0, 3, (), generator=gen)),), generator=gen)
+        tensors.append((torch.randn((rows, *trailing.tolist()), generator=gen) * 50).to(dtype))
+    return tensors
+
+
+def _exchange(rank, transport) -> list[str]:
+    peer = 1 - rank
+    device = transport.device
+    handles = [transport.send(peer, key, [t.to(device) for t in _message(rank, peer, key)]) for key in KEYS]
+    order = list(KEYS)
+    random.Random(rank).shuffle(order)  # the transport must stash messages that come early
+    wrong = []
+    for key in order:
+        got, want = [t.cpu() for t in transport.recv(peer, key)], _message(peer, rank, key)
+        if len(got) != len(want) or not all(g.dtype == w.dtype and torch.equal(g, w) for g, w in zip(got, want)):
+            wrong.append(str(key))
+    for handle in handles:
+        handle.wait()
+    return wrong
+
+
+def _ping_pong(rank, transport) -> float:
+    """Rank 0 sends two big messages before it receives the first reply: per-direction
+    communicators keep rank 1's reply from queueing behind rank 0's second message."""
+    device = transport.device
+    keys = [MessageKey(9, mb, 0, Direction.FORWARD) for mb in range(2)]
+    start = time.monotonic()
+    if rank == 0:
+        payloads = [torch.full((BIG_ROWS, 4096), float(mb), device=device) for mb in range(2)]
+        handles = [transport.send(1, key, [x]) for key, x in zip(keys, payloads)]
+        replies = [transport.recv(1, key, timeout_s=60)[0] for key in keys]
+        for handle in handles:
+            handle.wait(timeout_s=60)
+        assert [float(r[-1, -1]) for r in replies] == [2.0, 3.0]
+    else:
+        handles = []
+        for key in keys:
+            (x,) = transport.recv(0, key, timeout_s=60)
+            handles.append(transport.send(0, key, [x + 2]))
+        for handle in handles:
+            handle.wait(timeout_s=60)
+    return time.monotonic() - start
+
+
+def _timeout(rank, transport) -> dict:
+    if rank != 1:
+        return {}
+    start = time.monotonic()
+    try:
+        transport.recv(0, MessageKey(0, 5, 5, Direction.BACKWARD), timeout_s=TIMEOUT_S)
+    except TransportError as err:
+        return dict(type=type(err).__name__, peer=err.peer, elapsed=time.monotonic() - start)
+    return {}
+
+
+def _rank_main(rank: int, port: int, reports, done) -> None:
+    report: dict = {}
+    try:
+        from disagmoe.comm.nccl import NcclTransport
+
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
+                                timeout=timedelta(seconds=60))
+        transport = NcclTransport(default_timeout_s=30)
+        report["exchange"] = _exchange(rank, transport)
+        report["ping_pong_s"] = _ping_pong(rank, transport)
+        report["timeout"] = _timeout(rank, transport)
+    except BaseException:
+        report["error"] = traceback.format_exc()
+    reports.put((rank, report))
+    done.wait()
+    import os
+
+    os._exit(0)  # a timed-out NCCL receive stays posted; do not wait for teardown
+
+
+@pytest.fixture(scope="module")
+def reports():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    results, done = ctx.Queue(), ctx.Barrier(WORLD)
+    procs = [ctx.Process(target=_rank_main, args=(rank, port, results, done)) for rank in range(WORLD)]
+    for proc in procs:
+        proc.start()
+    got = {}
+    try:
+        while len(got) < WORLD:
+            rank, report = results.get(timeout=180)
+            got[rank] = report
+    except queue.Empty:
+        pass
+    finally:
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+    return got
+
+
+def test_both_ranks_finished(reports):
+    assert sorted(reports) == [0, 1]
+    for rank in range(WORLD):
+        assert "error" not in reports[rank], reports[rank]["error"]
+
+
+def test_random_messages_arrive_intact_in_any_key_order(reports):
+    for rank in range(WORLD):
+        assert reports[rank]["exchange"] == []
+
+
+def test_large_messages_both_ways_do_not_deadlock(reports):
+    for rank in range(WORLD):
+        assert reports[rank]["ping_pong_s"] < 60
+
+
+def test_missing_message_times_out_naming_the_peer(reports):
+    failure = reports[1]["timeout"]
+    assert failure["type"] == "TransportTimeout" and failure["peer"] == 0
+    assert TIMEOUT_S <= failure["elapsed"] < TIMEOUT_S + 2.0
