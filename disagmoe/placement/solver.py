@@ -99,11 +99,13 @@ def _as_candidates(arr: np.ndarray, colocated: bool) -> Candidates:
 
 
 def best_index(cost: Cost, c: Candidates) -> int | None:
-    """Fastest candidate that fits; ties go to fewer pipeline groups, then fewer micro-batches."""
+    """Fastest candidate that fits. Ties go to the higher MFU (more of the batch's tokens done in
+    the same time when rounds do not divide it evenly), then fewer pipeline groups, micro-batches."""
     if not cost.fits.any():
         return None
     step = np.where(cost.fits, cost.step_s, np.inf)
-    order = np.lexsort((c.seqs, c.m, c.p, np.round(step / step[np.isfinite(step)].min(), 9)))
+    tokens_done = cost.rounds * c.m * (c.expert if c.colocated else c.attn) // c.p * c.seqs
+    order = np.lexsort((c.seqs, c.m, c.p, -tokens_done, np.round(step / step[np.isfinite(step)].min(), 9)))
     return int(order[0])
 
 
@@ -304,8 +306,27 @@ def _reason(cost: Cost, prob: Problem, c: Candidates, disaggregated: bool, step:
             f"beats every disaggregated split here; heaviest stage {top.name}, {top.bound}-bound")
 
 
+def _blocker(cfg: PlanConfig, prob: Problem) -> str | None:
+    """A limit no GPU count can lift: one sequence too big for an attention GPU, or one expert
+    too big for an expert GPU (both need features we do not have yet)."""
+    p = min(cfg.max_pipeline_groups, cfg.model.num_layers)
+    n = cfg.model.num_experts
+    leanest = evaluate(prob, Candidates.one(p, p * n, p, 1, 1))  # one sequence, one expert per GPU
+    cap = prob.capacity_bytes / GIB
+    attn, exp = float(leanest.attn_mem_bytes[0]) / GIB, float(leanest.expert_mem_bytes[0]) / GIB
+    if attn > cap:
+        return (f"one attention GPU needs {attn:.0f} GiB (> {cap:.0f}) even for a single {cfg.seq_len}-token "
+                f"sequence with p={p} pipeline groups: this needs tensor or context parallelism, or optimizer "
+                "sharding, which disagmoe does not have yet; try a shorter --seq-len or a larger --max-pipeline-groups")
+    if exp > cap:
+        return (f"one expert GPU needs {exp:.0f} GiB (> {cap:.0f}) for a single expert of every MoE layer of its "
+                f"group with p={p}: this needs expert tensor parallelism, which disagmoe does not have yet")
+    return None
+
+
 def _infeasible(cfg: PlanConfig, prob: Problem) -> Plan:
-    need = fewest_gpus(cfg)
+    blocker = _blocker(cfg, prob)
+    need = None if blocker else fewest_gpus(cfg)
     counts = count_params(cfg.model)
     gpus = cfg.cluster.num_gpus
     costs = [evaluate(prob, c) for c in (disaggregated_candidates(cfg, gpus), colocated_candidates(cfg, gpus)) if len(c)]
@@ -315,6 +336,7 @@ def _infeasible(cfg: PlanConfig, prob: Problem) -> Plan:
            f"(the leanest needs {smallest / GIB:.0f} GiB on its fullest GPU; "
            f"{counts.total / 1e9:.1f}B parameters at {BYTES_PER_PARAM} bytes each with AdamW)")
     why += f"; the fewest {cfg.cluster.hardware.name} GPUs that fit: {need}" if need else ""
+    why += f"; {blocker}" if blocker else ""
     return Plan(
         model=cfg.model.name, hardware=cfg.cluster.hardware.name, gpus=cfg.cluster.num_gpus,
         seq_len=cfg.seq_len, global_batch_tokens=cfg.global_batch_tokens, layout="disaggregated",

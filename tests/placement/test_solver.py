@@ -110,3 +110,17 @@ def test_choice_carries_cost_for_reports():
     choice = choose(request("qwen3-30b-a3b", "h200-sxm", 8))
     assert choice.cost is not None and np.all(choice.cost.step_s > 0)
     assert "routed experts" in choice.cost.stages
+
+
+def test_a_sequence_too_long_for_one_gpu_is_named_not_scaled_out():
+    plan = solve(request("qwen3-235b-a22b", "h100-sxm", 64, seq_len=131072))
+    assert not plan.feasible and plan.min_gpus is None
+    assert "context parallelism" in plan.reason
+
+
+def test_ties_prefer_more_of_the_batch_done():
+    cfg = request("tiny", "h200-sxm", 3, seq_len=128, batch=128 * 100)
+    plan = solve(cfg)
+    assert plan.feasible
+    done = plan.accumulation_rounds * plan.micro_batches * plan.sequences_per_micro_batch * 128
+    assert done >= cfg.global_batch_tokens
