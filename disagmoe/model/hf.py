@@ -204,9 +204,8 @@ def state_dict_from_hf(model: MoETransformer, hf: dict[str, Any], tensors: Safet
     ours: dict[str, torch.Tensor] = {}
     used: set[str] = set()
     for name in model.state_dict():
-        layer_local = name.split(".", 2)
         if name.endswith(_EXPERTS[0]):
-            layer = int(layer_local[1])
+            layer = int(name.split(".")[1])
             ours[name], ours[name.replace(_EXPERTS[0], _EXPERTS[1])] = _read_experts(
                 tensors, cfg, model_type, layer, used)
         elif not name.endswith(_EXPERTS[1]):
@@ -226,9 +225,9 @@ def state_dict_from_hf(model: MoETransformer, hf: dict[str, Any], tensors: Safet
 def _ignorable(name: str, cfg: ModelConfig) -> bool:
     """Tensors HF checkpoints may carry that the model does not use: DeepSeek's multi-token-
     prediction layers (index >= num_layers), cached rotary tables, a tied LM head's copy."""
-    if name.startswith("model.layers."):
-        return int(name.split(".")[2]) >= cfg.num_layers
-    return name.endswith("rotary_emb.inv_freq") or (cfg.tie_embeddings and name == "lm_head.weight")
+    if name.endswith("rotary_emb.inv_freq") or (cfg.tie_embeddings and name == "lm_head.weight"):
+        return True
+    return name.startswith("model.layers.") and int(name.split(".")[2]) >= cfg.num_layers
 
 
 def load_hf(path: str | Path, experts_backend: str = "loop", dtype: torch.dtype = torch.float32) -> MoETransformer:
