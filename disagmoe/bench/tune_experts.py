@@ -1,6 +1,6 @@
 """`disagmoe bench tune-experts`: pick the grouped GEMM tiles per shape class on this GPU.
 
-Times each candidate TileConfig on each launch (role) of the expert FFN, forward and backward, for
+Checks each candidate TileConfig against the heuristic tiles' result, times it on each launch (role) of the expert FFN, forward and backward, for
 the benchmark shapes, and writes the fastest per shape class to disagmoe/kernels/tuned/<gpu>.json
 (data, looked up at launch by disagmoe.kernels.tile_configs). Legend as in grouped_gemm.py.
 """
@@ -19,26 +19,32 @@ from disagmoe.kernels import grouped_gemm as gg
 from disagmoe.kernels.moe_ffn import FFNTiles
 from disagmoe.kernels.tile_configs import TUNED_DIR, TileConfig, gpu_slug, heuristic, shape_class
 
-# (block_m, block_n, block_k, num_warps, num_stages, programs_per_sm); block_m tiles the rows (for
-# the weight gradients: the reduction over rows), block_n the output columns, block_k the reduction
-# (for the weight gradients: the output rows). Two programs per SM hide one tile's pipeline start
+# (block_m, block_n, block_k, num_warps, num_stages, programs_per_sm[, flatten]); block_m tiles
+# the rows (for the weight gradients: the reduction over rows), block_n the output columns, block_k
+# the reduction (for the weight gradients: the output rows). Two programs per SM hide one tile's pipeline start
 # and epilogue under the other's main loop, at the price of fewer stages.
 ROW_GEMM_CANDIDATES = [(128, 256, 64, 8, 3, 1), (128, 256, 64, 8, 4, 1), (128, 128, 64, 8, 4, 1),
                        (128, 128, 64, 4, 4, 1), (64, 128, 64, 4, 4, 1), (256, 128, 64, 8, 3, 1),
-                       (64, 256, 64, 8, 4, 1), (64, 128, 64, 4, 3, 2), (128, 128, 64, 8, 2, 2)]
+                       (64, 256, 64, 8, 4, 1), (64, 128, 64, 4, 3, 2), (128, 128, 64, 8, 2, 2),
+                       (128, 256, 64, 8, 4, 1, True), (128, 128, 64, 8, 4, 1, True),
+                       (64, 256, 64, 8, 4, 1, True)]
 GATE_UP_CANDIDATES = [(128, 128, 64, 8, 3, 1), (128, 128, 64, 8, 4, 1), (64, 128, 64, 4, 4, 1),
                       (128, 64, 64, 4, 4, 1), (64, 256, 64, 8, 3, 1), (128, 128, 32, 8, 5, 1),
-                      (64, 128, 64, 4, 3, 2), (128, 128, 32, 8, 3, 2)]
+                      (64, 128, 64, 4, 3, 2), (128, 128, 32, 8, 3, 2), (128, 128, 32, 8, 5, 1, True),
+                      (64, 128, 64, 4, 4, 1, True)]
 WGRAD_CANDIDATES = [(64, 128, 128, 8, 3, 1), (64, 256, 128, 8, 3, 1), (64, 128, 128, 4, 4, 1),
                     (32, 128, 128, 4, 5, 1), (64, 128, 256, 8, 3, 1), (128, 128, 128, 8, 3, 1),
-                    (64, 128, 128, 4, 3, 2), (64, 256, 128, 8, 2, 2), (32, 128, 128, 4, 3, 2)]
+                    (64, 128, 128, 4, 3, 2), (64, 256, 128, 8, 2, 2), (32, 128, 128, 4, 3, 2),
+                    (64, 256, 128, 8, 3, 1, True), (64, 128, 128, 4, 3, 2, True),
+                    (32, 128, 128, 4, 3, 2, True)]
 
 
 def candidates(role: str) -> list[TileConfig]:
     table = (GATE_UP_CANDIDATES if role == "gate_up" else
              WGRAD_CANDIDATES if role.startswith("wgrad") else ROW_GEMM_CANDIDATES)
     return [TileConfig(block_m=m, block_n=n, block_k=k, num_warps=w, num_stages=s,
-                       programs_per_sm=p) for m, n, k, w, s, p in table]
+                       programs_per_sm=p, flatten=bool(rest and rest[0]))
+            for m, n, k, w, s, p, *rest in table]
 
 
 def role_launches(shape_name: str, device: torch.device) -> dict[str, Callable[[TileConfig], object]]:
@@ -72,6 +78,10 @@ def role_launches(shape_name: str, device: torch.device) -> dict[str, Callable[[
     }
 
 
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
 def tune(shape_names: list[str], warmup: int, iters: int,
          log: Callable[[str], None] = print) -> dict:
     """Best tile per (role, shape class) with its time and the heuristic's, for every shape."""
@@ -86,9 +96,14 @@ def tune(shape_names: list[str], warmup: int, iters: int,
         for role, launch in role_launches(name, device).items():
             flops = gemm_flops * (2 if role in ("gate_up", "gate_up_dgrad", "wgrad_w13") else 1)
             k, c = FFNTiles.gemm_dims(hidden, ffn)[role]
+            reference = launch(heuristic(role)).clone()
             timed = []
             for config in [heuristic(role), *candidates(role)]:
                 try:
+                    error = _relative_error(launch(config), reference)
+                    if not error < 1e-2:  # a tiling must compute the same function
+                        log(f"  reject {role} {config}: relative error {error:.1e}")
+                        continue
                     timed.append((median_ms(lambda _: launch(config), warmup, iters), config))
                 except Exception as err:  # a tile that does not fit (shared memory, registers)
                     log(f"  skip {role} {config}: {type(err).__name__}")

@@ -4,7 +4,9 @@ Legend: N rows (token-expert pairs, grouped by expert), E experts, K reduction s
 columns, H hidden size, F expert FFN size; `offsets_E` int32 cumulative row counts (expert e owns
 rows offsets[e-1]:offsets[e]).
 
-Two kernels, each launched with a fixed number of programs (about one per SM) that walk a work list:
+Two kernels, each launched with a fixed number of programs (about one per SM) that walk a work list
+(with `flatten`, the compiler fuses the work-list loop with the reduction loop, so the next tile's
+loads are issued under the current tile's epilogue):
 - `ragged_rows_gemm`: out[rows_e] = a[rows_e] @ b[e] for every expert; work items are
   (expert, row tile, column tile). Epilogues: plain (optionally scattering each output row through
   `dst_rows_N`), SwiGLU forward (two accumulators, gate and up columns of b, writes silu(g)*u and
@@ -57,7 +59,7 @@ def _ragged_rows_gemm_kernel(
     stride_om, stride_oc, stride_hm, stride_hc,
     EPILOGUE: tl.constexpr, SCATTER: tl.constexpr, SAVE_H13: tl.constexpr,
     E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
+    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, FLATTEN: tl.constexpr,
 ):
     # Contract: a [N, K] rows grouped by expert; b [E, K, C(+F_UP)] any strides; out [*, C] (or
     # [N, 2C] for EPILOGUE_SWIGLU_GRAD: d gate in [:, :C], d up in [:, C:]); h13 [N, 2C] the saved
@@ -66,7 +68,7 @@ def _ragged_rows_gemm_kernel(
     tiles_n = tl.cdiv(C, BLOCK_N)
     idx, item_ends = _item_table(offsets_ptr, E, tiles_n, BLOCK_M, E_POW2)
     total = tl.max(item_ends, axis=0)
-    for item in range(pid, total, num_programs):
+    for item in tl.range(pid, total, num_programs, flatten=FLATTEN):
         expert = tl.sum((item_ends <= item).to(tl.int32), axis=0)
         item_start = tl.max(tl.where(item_ends <= item, item_ends, 0), axis=0)
         row_start = tl.load(offsets_ptr + expert - 1, mask=expert > 0, other=0)
@@ -140,6 +142,7 @@ def _ragged_weight_grad_kernel(
     E, KA, C, num_programs,
     stride_am, stride_ak, stride_bm, stride_bc, stride_oe, stride_ok, stride_oc,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    FLATTEN: tl.constexpr,
 ):
     # Contract: a [N, KA], b [N, C] rows grouped by expert; out [E, KA, C] = per-expert a^T @ b.
     # BLOCK_K tiles KA (the output's rows), BLOCK_N tiles C, BLOCK_M is the reduction step over rows.
@@ -147,7 +150,7 @@ def _ragged_weight_grad_kernel(
     tiles_k = tl.cdiv(KA, BLOCK_K)
     tiles_n = tl.cdiv(C, BLOCK_N)
     per_expert = tiles_k * tiles_n
-    for item in range(pid, E * per_expert, num_programs):
+    for item in tl.range(pid, E * per_expert, num_programs, flatten=FLATTEN):
         expert = item // per_expert
         pid_k, pid_n = _swizzle(item % per_expert, tiles_k, tiles_n, GROUP_M)
         row_start = tl.load(offsets_ptr + expert - 1, mask=expert > 0, other=0)
@@ -220,7 +223,7 @@ def ragged_rows_gemm(
         SAVE_H13=epilogue == EPILOGUE_SWIGLU and h13_N2C is not None,
         E_POW2=triton.next_power_of_2(experts), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, GROUP_M=config.group_m, EVEN_K=k % config.block_k == 0,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        FLATTEN=config.flatten, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
 
@@ -249,6 +252,7 @@ def ragged_weight_grad(
         a_NK.stride(0), a_NK.stride(1), b_NC.stride(0), b_NC.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages,
+        GROUP_M=config.group_m, FLATTEN=config.flatten, num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     return out

@@ -7,9 +7,10 @@ E experts; `topk_idx_TK` the router's expert ids, `weights_TK` its combine weigh
 permute: rows_NH[dest_TK[t, k]] = x_TH[t]; pairs keep their (t, k) order inside an expert (the same
 order as a stable sort of the flattened expert ids), so the result is deterministic.
 combine: y_TH[t] = sum_k weights_TK[t, k] * rows_NH[dest_TK[t, k]] (fp32 accumulation).
-Two launches for permute (per-block expert histograms, then ranks + row copy with a few tiny torch
-prefix sums between), one for combine; the backward passes are a combine without weights
-(permute's) and one scatter + row-dot launch (combine's).
+Two launches for permute (per-block expert histograms, then ranks + row copy over a (pair block,
+hidden block) grid, with a few tiny torch prefix sums between), one for combine; the backward
+passes are a combine without weights (permute's) and one scatter + partial row-dot launch plus a
+sum over hidden blocks (combine's).
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ def _block_histogram_kernel(ids_ptr, hist_ptr, n_pairs, E,
 def _permute_rows_kernel(x_ptr, ids_ptr, block_base_ptr, rows_ptr, dest_ptr,
                          n_pairs, E, H, K, stride_xt, stride_rn,
                          BLOCK: tl.constexpr, E_POW2: tl.constexpr, BLOCK_H: tl.constexpr):
-    # dest[p] = block_base[b, e_p] + (rank of p among block b's pairs of expert e_p);
-    # rows[dest[p]] = x[p // K].
+    # Program (b, h): dest[p] = block_base[b, e_p] + (rank of p among block b's pairs of expert
+    # e_p), stored by the h == 0 programs; rows[dest[p], h-block] = x[p // K, h-block].
     pid = tl.program_id(0)
     pairs = pid * BLOCK + tl.arange(0, BLOCK)
     pair_ok = pairs < n_pairs
@@ -49,14 +50,12 @@ def _permute_rows_kernel(x_ptr, ids_ptr, block_base_ptr, rows_ptr, dest_ptr,
     rank = tl.sum(tl.cumsum(one_hot, axis=0) * one_hot, axis=1) - 1
     base = tl.load(block_base_ptr + pid * E + ids, mask=pair_ok, other=0)
     dest = base + rank
-    tl.store(dest_ptr + pairs, dest, mask=pair_ok)
+    tl.store(dest_ptr + pairs, dest, mask=pair_ok & (tl.program_id(1) == 0))
     tokens = (pairs // K).to(tl.int64)
-    dest64 = dest.to(tl.int64)
-    for h0 in range(0, H, BLOCK_H):
-        hs = h0 + tl.arange(0, BLOCK_H)
-        ok = pair_ok[:, None] & (hs < H)[None, :]
-        vals = tl.load(x_ptr + tokens[:, None] * stride_xt + hs[None, :], mask=ok)
-        tl.store(rows_ptr + dest64[:, None] * stride_rn + hs[None, :], vals, mask=ok)
+    hs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    ok = pair_ok[:, None] & (hs < H)[None, :]
+    vals = tl.load(x_ptr + tokens[:, None] * stride_xt + hs[None, :], mask=ok)
+    tl.store(rows_ptr + dest.to(tl.int64)[:, None] * stride_rn + hs[None, :], vals, mask=ok)
 
 
 @triton.jit
@@ -82,27 +81,25 @@ def _combine_kernel(rows_ptr, dest_ptr, weights_ptr, y_ptr, n_tokens, H, K,
 
 
 @triton.jit
-def _combine_backward_kernel(dy_ptr, rows_ptr, dest_ptr, weights_ptr, d_rows_ptr, d_weights_ptr,
+def _combine_backward_kernel(dy_ptr, rows_ptr, dest_ptr, weights_ptr, d_rows_ptr, partial_ptr,
                              n_tokens, H, K, stride_dyt, stride_rn, stride_drn,
                              BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
-    # d_rows[dest[t, k]] = w[t, k] * dy[t];  d_w[t, k] = <dy[t], rows[dest[t, k]]>.
+    # Program (t-block, h-block): d_rows[dest[t, k], hs] = w[t, k] * dy[t, hs] and the partial
+    # dot partial[h-block, t, k] = <dy[t, hs], rows[dest[t, k], hs]> (summed over h-blocks after).
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    hs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     tok_ok = tokens < n_tokens
-    tokens64 = tokens.to(tl.int64)
+    ok = tok_ok[:, None] & (hs < H)[None, :]
+    dy = tl.load(dy_ptr + tokens.to(tl.int64)[:, None] * stride_dyt + hs[None, :], mask=ok,
+                 other=0.0).to(tl.float32)
+    partial_row = partial_ptr + tl.program_id(1).to(tl.int64) * n_tokens * K
     for k in range(0, K):
         dest = tl.load(dest_ptr + tokens * K + k, mask=tok_ok, other=0).to(tl.int64)
         w = tl.load(weights_ptr + tokens * K + k, mask=tok_ok, other=0.0).to(tl.float32)
-        dot = tl.zeros((BLOCK_T,), dtype=tl.float32)
-        for h0 in range(0, H, BLOCK_H):
-            hs = h0 + tl.arange(0, BLOCK_H)
-            ok = tok_ok[:, None] & (hs < H)[None, :]
-            dy = tl.load(dy_ptr + tokens64[:, None] * stride_dyt + hs[None, :], mask=ok,
-                         other=0.0).to(tl.float32)
-            vals = tl.load(rows_ptr + dest[:, None] * stride_rn + hs[None, :], mask=ok, other=0.0)
-            tl.store(d_rows_ptr + dest[:, None] * stride_drn + hs[None, :],
-                     (dy * w[:, None]).to(d_rows_ptr.dtype.element_ty), mask=ok)
-            dot += tl.sum(dy * vals.to(tl.float32), axis=1)
-        tl.store(d_weights_ptr + tokens * K + k, dot.to(d_weights_ptr.dtype.element_ty),
+        vals = tl.load(rows_ptr + dest[:, None] * stride_rn + hs[None, :], mask=ok, other=0.0)
+        tl.store(d_rows_ptr + dest[:, None] * stride_drn + hs[None, :],
+                 (dy * w[:, None]).to(d_rows_ptr.dtype.element_ty), mask=ok)
+        tl.store(partial_row + tokens * K + k, tl.sum(dy * vals.to(tl.float32), axis=1),
                  mask=tok_ok)
 
 
@@ -129,11 +126,11 @@ def permute_forward(x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, num_experts: 
     offsets_E = counts_E.cumsum(0, dtype=torch.int32)
     # first grouped row of (block b, expert e): expert start + pairs of e in blocks before b
     block_base_BE = (offsets_E - counts_E) + hist_BE.cumsum(0, dtype=torch.int32) - hist_BE
-    _permute_rows_kernel[(blocks,)](x_TH, ids_N, block_base_BE, rows_NH, dest_TK,
+    block_h = _row_block(hidden)
+    _permute_rows_kernel[(blocks, triton.cdiv(hidden, block_h))](x_TH, ids_N, block_base_BE, rows_NH, dest_TK,
                                     n_pairs, num_experts, hidden, top_k,
                                     x_TH.stride(0), rows_NH.stride(0),
-                                    BLOCK=PAIRS_PER_BLOCK, E_POW2=e_pow2,
-                                    BLOCK_H=_row_block(hidden))
+                                    BLOCK=PAIRS_PER_BLOCK, E_POW2=e_pow2, BLOCK_H=block_h)
     return rows_NH, offsets_E, dest_TK
 
 
@@ -159,14 +156,17 @@ def combine_backward(dy_TH: torch.Tensor, rows_NH: torch.Tensor, dest_TK: torch.
     """(d_rows_NH, d_weights_TK) of combine_forward."""
     tokens, top_k = dest_TK.shape
     d_rows_NH = torch.empty_like(rows_NH)
-    d_weights_TK = torch.empty_like(weights_TK)
     if tokens == 0:
-        return d_rows_NH, d_weights_TK
-    _combine_backward_kernel[(triton.cdiv(tokens, TOKENS_PER_BLOCK),)](
-        dy_TH, rows_NH, dest_TK, weights_TK, d_rows_NH, d_weights_TK,
-        tokens, rows_NH.shape[1], top_k, dy_TH.stride(0), rows_NH.stride(0),
-        d_rows_NH.stride(0), BLOCK_T=TOKENS_PER_BLOCK, BLOCK_H=_row_block(rows_NH.shape[1]))
-    return d_rows_NH, d_weights_TK
+        return d_rows_NH, torch.empty_like(weights_TK)
+    hidden = rows_NH.shape[1]
+    block_h = _row_block(hidden)
+    h_blocks = triton.cdiv(hidden, block_h)
+    partial_BTK = torch.empty((h_blocks, tokens, top_k), dtype=torch.float32, device=dy_TH.device)
+    _combine_backward_kernel[(triton.cdiv(tokens, TOKENS_PER_BLOCK), h_blocks)](
+        dy_TH, rows_NH, dest_TK, weights_TK, d_rows_NH, partial_BTK,
+        tokens, hidden, top_k, dy_TH.stride(0), rows_NH.stride(0), d_rows_NH.stride(0),
+        BLOCK_T=TOKENS_PER_BLOCK, BLOCK_H=block_h)
+    return d_rows_NH, partial_BTK.sum(0).to(weights_TK.dtype)
 
 
 class PermuteFunction(torch.autograd.Function):

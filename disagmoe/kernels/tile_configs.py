@@ -30,8 +30,9 @@ class TileConfig:
     num_warps: int = 8
     num_stages: int = 3
     programs_per_sm: int = 1  # persistent programs per SM when the launch does not fix the count
+    flatten: bool = False  # fuse the work-list loop with the reduction loop (software pipelining)
 
-    def to_json(self) -> dict[str, int]:
+    def to_json(self) -> dict[str, int | bool]:
         return dataclasses.asdict(self)
 
 

@@ -108,17 +108,25 @@ def test_rejects_mismatched_weights(kernels):
         moe_ffn.expert_ffn_triton(x, offsets.long(), w13, w2)
 
 
+# GPU tiles: the launch's own choice (tuned or heuristic), and the pipelining variants the tuner may
+# pick (two programs per SM; the work-list loop flattened into the reduction loop).
+GPU_TILES = [None, TileConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3,
+                              programs_per_sm=2, flatten=True)]
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("tile", GPU_TILES, ids=["default", "flattened"])
 @pytest.mark.parametrize("counts,hidden,ffn", [([300, 0, 1000, 7], 512, 384),
                                                 ([0, 2000, 0, 0], 384, 256),
                                                 ([129, 511, 64, 3, 900], 1024, 320)])
-def test_gpu_bf16_forward_backward(counts, hidden, ffn):
+def test_gpu_bf16_forward_backward(counts, hidden, ffn, tile):
     from disagmoe.kernels import moe_ffn
 
     x, offsets, w13, w2 = _inputs(counts, hidden, ffn, torch.bfloat16, "cuda", seed=3)
     dy = torch.randn_like(x)
     leaves = [t.clone().requires_grad_() for t in (x, w13, w2)]
-    y = moe_ffn.expert_ffn_triton(leaves[0], offsets, leaves[1], leaves[2])
+    tiles = moe_ffn.FFNTiles.uniform(tile) if tile else None
+    y = moe_ffn.expert_ffn_triton(leaves[0], offsets, leaves[1], leaves[2], tiles=tiles)
     y.backward(dy)
     ref_leaves = [t.float().clone().requires_grad_() for t in (x, w13, w2)]
     y_ref = moe_ffn.expert_ffn_reference(ref_leaves[0], offsets, ref_leaves[1], ref_leaves[2])
