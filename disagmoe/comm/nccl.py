@@ -3,8 +3,9 @@
 NCCL ignores tags: a rank pair's sends and receives match in the order they are issued. So:
 
 - Each ordered rank pair (src -> dst) gets its own process group, hence its own communicator and
-  stream. With one stream per pair in both directions, A: send d0, send d1, recv c0 against
-  E: recv d0, send c0, recv d1 deadlocks as soon as the messages outgrow NCCL's buffers.
+  stream. With one stream per pair for both directions, A: send d0, send d1, recv c0 against
+  E: recv d0, send c0, recv d1 can deadlock once messages outgrow NCCL's buffers (A's recv c0
+  queues behind send d1, which waits for E's recv d1, queued behind send c0).
 - Within a direction messages are FIFO. A `recv` for key B while key A is next from that peer
   receives A into a stash and returns it when asked. Schedules built by `build_schedule`
   receive in send order per pair, so this never buffers there.

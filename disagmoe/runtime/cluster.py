@@ -17,6 +17,7 @@ it selects the one Ray assigned to it. Tensors never travel through here: only c
 from __future__ import annotations
 
 import os
+import re
 import socket
 import time
 from collections.abc import Callable, Sequence
@@ -163,7 +164,7 @@ class WorkerGroup:
             if owns_ray:
                 ray.shutdown()
             raise
-        workers = cls(actors, groups, owns_ray, embedded=address is None)
+        workers = cls(actors, groups, owns_ray, embedded=owns_ray and address is None)
         workers.call("info", timeout_s=ready_timeout_s)  # every actor constructed, or a clear failure
         return workers
 
@@ -212,7 +213,7 @@ class WorkerGroup:
             try:
                 results[rank_of[ref]] = ray.get(ref)
             except RayActorError as err:
-                raise WorkerFailure(rank_of[ref], f"actor died during {method}: {_first_line(err)}") from err
+                raise WorkerFailure(rank_of[ref], f"actor died during {method}: {_actor_death(err)}") from err
             except RayTaskError as err:
                 cause = err.cause if err.cause is not None else err
                 raise WorkerFailure(rank_of[ref], f"{method} raised {type(cause).__name__}: {cause}") from err
@@ -235,8 +236,12 @@ class WorkerGroup:
             ray.shutdown()
 
 
-def _first_line(err: BaseException) -> str:
-    return next((line for line in str(err).splitlines() if line.strip()), type(err).__name__)
+def _actor_death(err: RayActorError) -> str:
+    """Ray's first line (what happened) plus the process and host, when Ray names them."""
+    text = str(err)
+    first = next((line.strip() for line in text.splitlines() if line.strip()), type(err).__name__)
+    fields = dict(re.findall(r"^\s*(pid|ip): (\S+)$", text, re.MULTILINE))
+    return f"{first} (pid {fields['pid']} on {fields['ip']})" if len(fields) == 2 else first
 
 
 def _connect(address: str | None, device: Device, log_to_driver: bool) -> bool:
