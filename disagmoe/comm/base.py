@@ -53,6 +53,18 @@ class TransportError(RuntimeError):
         self.peer = peer
         self.key = key
 
+    def __reduce__(self):
+        # Subclasses take other constructor arguments; rebuild from message and fields instead,
+        # so the error survives pickling (Ray ships a worker's exception to the driver).
+        return _restore_error, (type(self), self.args, self.__dict__)
+
+
+def _restore_error(cls: type[TransportError], args: tuple, state: dict) -> TransportError:
+    err = cls.__new__(cls)
+    err.args = args
+    err.__dict__.update(state)
+    return err
+
 
 class TransportTimeout(TransportError):
     """The peer did not deliver (or accept) the message within the timeout."""

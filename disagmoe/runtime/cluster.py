@@ -29,11 +29,13 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from disagmoe.comm.base import TransportError
 from disagmoe.runtime.roles import Role
 
 Device = Literal["cpu", "cuda"]
 LOOPBACK = "127.0.0.1"
 NOSET_CUDA = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
+FAILURE_GRACE_S = 5.0  # after a first failure, how long to wait for the other ranks' outcomes
 
 
 class WorkerFailure(RuntimeError):
@@ -181,8 +183,8 @@ class WorkerGroup:
              timeout_s: float | None = None) -> list[Any]:
         """Call `method(*args)` on every actor (`per_rank[r]` appended for rank r); results by rank.
 
-        Returns once all finish. The first failure raises `WorkerFailure` at once, naming the
-        rank, so a rank that died is reported even while its peers hang waiting for it.
+        Returns once all finish; raises `WorkerFailure` naming a rank on the first failure (after
+        a short grace period that finds the root cause: see `_root_cause`) or on the timeout.
         """
         if per_rank is not None and len(per_rank) != self.world_size:
             raise ValueError(f"per_rank has {len(per_rank)} entries for {self.world_size} ranks")
@@ -200,26 +202,38 @@ class WorkerGroup:
         ranks = ranks if ranks is not None else list(range(len(futures)))
         rank_of = {ref: rank for ref, rank in zip(futures, ranks)}
         results: dict[int, Any] = {}
+        failures: dict[int, tuple[int, str]] = {}  # rank -> (severity, reason)
         pending = list(futures)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while pending:
+        while pending and not failures:
             remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
             ready, pending = ray.wait(pending, num_returns=1, timeout=remaining)
             if not ready:
                 late = sorted(rank_of[ref] for ref in pending)
                 raise WorkerFailure(late[0], f"{method} did not finish within {timeout_s:g} s "
                                              f"(ranks still running: {late})")
-            ref = ready[0]
+            self._collect(ready, rank_of, method, results, failures)
+        if failures:
+            # Peers of a rank that died or raised fail soon after with transport errors; wait
+            # briefly for them so the report leads with the cause, not the symptoms.
+            ready, _ = ray.wait(pending, num_returns=len(pending), timeout=FAILURE_GRACE_S) if pending else ([], [])
+            self._collect(ready, rank_of, method, results, failures)
+            raise _root_cause(failures)
+        return [results[rank] for rank in ranks]
+
+    @staticmethod
+    def _collect(ready: list[ray.ObjectRef], rank_of: dict[ray.ObjectRef, int], method: str,
+                 results: dict[int, Any], failures: dict[int, tuple[int, str]]) -> None:
+        for ref in ready:
+            rank = rank_of[ref]
             try:
-                results[rank_of[ref]] = ray.get(ref)
+                results[rank] = ray.get(ref)
             except RayActorError as err:
-                raise WorkerFailure(rank_of[ref], f"actor died during {method}: {_actor_death(err)}") from err
+                failures[rank] = (0, f"actor died during {method}: {_actor_death(err)}")
             except RayTaskError as err:
                 cause = err.cause if err.cause is not None else err
-                raise WorkerFailure(rank_of[ref], f"{method} raised {type(cause).__name__}: {cause}") from err
-            except GetTimeoutError as err:  # pragma: no cover - ray.wait said it was ready
-                raise WorkerFailure(rank_of[ref], f"{method} result not retrievable") from err
-        return [results[rank] for rank in ranks]
+                severity = 2 if isinstance(cause, TransportError) else 1
+                failures[rank] = (severity, f"{method} raised {type(cause).__name__}: {cause}")
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Close process groups, stop the actors, free the placement groups (and Ray if ours)."""
@@ -234,6 +248,16 @@ class WorkerGroup:
         self.actors, self._groups = [], []
         if self._owns_ray:
             ray.shutdown()
+
+
+def _root_cause(failures: dict[int, tuple[int, str]]) -> WorkerFailure:
+    """The most telling failure (a death, then an exception, then a transport error), others listed."""
+    order = sorted(failures, key=lambda rank: (failures[rank][0], rank))
+    first = order[0]
+    reason = failures[first][1]
+    if len(order) > 1:
+        reason += "; then " + "; ".join(f"rank {rank}: {failures[rank][1]}" for rank in order[1:])
+    return WorkerFailure(first, reason)
 
 
 def _actor_death(err: RayActorError) -> str:
