@@ -26,6 +26,16 @@ def _patch_interpreter_index() -> None:
     interpreter._patch_lang_tensor = patch_lang_tensor
 
 
+# Modules of Triton itself whose @triton.jit helpers (tl.cdiv, tl.sum, tl.sigmoid, ...) must be
+# rebuilt when the interpreter is switched on after Triton was first imported (e.g. by another
+# test module): the interpreter only calls helpers that were decorated in interpreter mode.
+TRITON_JIT_MODULES = ("triton.language.standard", "triton.language")
+
+
+def _reload_all(names):
+    return [importlib.reload(importlib.import_module(name)) for name in names]
+
+
 @pytest.fixture(scope="module")
 def interpreted():
     """Reload the given kernel modules with TRITON_INTERPRET=1 (so @triton.jit builds interpreted
@@ -34,9 +44,10 @@ def interpreted():
     previous = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     _patch_interpreter_index()
+    _reload_all(TRITON_JIT_MODULES)
 
     def load(*names: str):
-        modules = [importlib.reload(importlib.import_module(name)) for name in names]
+        modules = _reload_all(names)
         reloaded.extend(modules)
         return modules if len(modules) > 1 else modules[0]
 
@@ -45,5 +56,6 @@ def interpreted():
         del os.environ["TRITON_INTERPRET"]
     else:
         os.environ["TRITON_INTERPRET"] = previous
+    _reload_all(TRITON_JIT_MODULES)
     for module in reloaded:
         importlib.reload(module)
