@@ -2,7 +2,7 @@
 
     group = WorkerGroup.start(world_size=3, device="cpu", env=cfg.env)   # embedded Ray cluster
     group.init_process_group()                      # torch.distributed across the actors
-    group.call("set_role", roles)                   # one argument per rank
+    group.call("set_role", per_rank=roles)          # one argument per rank
     losses = group.call("train_step", step)         # raises WorkerFailure naming the rank
     group.shutdown()
 
@@ -25,6 +25,8 @@ from datetime import timedelta
 from typing import Any, Literal
 
 import ray
+import torch
+import torch.distributed as dist
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -61,8 +63,6 @@ class Worker:
     """
 
     def __init__(self, rank: int, world_size: int, device: Device) -> None:
-        import torch
-
         self.rank = rank
         self.world_size = world_size
         self.role: Role | None = None
@@ -79,8 +79,6 @@ class Worker:
         return free_port(host="")
 
     def init_process_group(self, master_addr: str, master_port: int, timeout_s: float) -> None:
-        import torch.distributed as dist
-
         dist.init_process_group(
             backend="nccl" if self.device.type == "cuda" else "gloo",
             init_method=f"tcp://{master_addr}:{master_port}",
@@ -101,8 +99,6 @@ class Worker:
         return fn(self, *args)
 
     def close(self) -> None:
-        import torch.distributed as dist
-
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -167,7 +163,11 @@ class WorkerGroup:
                 ray.shutdown()
             raise
         workers = cls(actors, groups, owns_ray, embedded=owns_ray and address is None)
-        workers.call("info", timeout_s=ready_timeout_s)  # every actor constructed, or a clear failure
+        try:
+            workers.call("info", timeout_s=ready_timeout_s)  # every actor constructed, or a clear failure
+        except BaseException:
+            workers.shutdown()
+            raise
         return workers
 
     def init_process_group(self, timeout_s: float = 120.0) -> tuple[str, int]:
@@ -261,11 +261,14 @@ def _root_cause(failures: dict[int, tuple[int, str]]) -> WorkerFailure:
 
 
 def _actor_death(err: RayActorError) -> str:
-    """Ray's first line (what happened) plus the process and host, when Ray names them."""
-    text = str(err)
-    first = next((line.strip() for line in text.splitlines() if line.strip()), type(err).__name__)
-    fields = dict(re.findall(r"^\s*(pid|ip): (\S+)$", text, re.MULTILINE))
-    return f"{first} (pid {fields['pid']} on {fields['ip']})" if len(fields) == 2 else first
+    """What killed the actor, in one line, with its process and host when Ray names them."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(err))
+    lines = [line.strip() for line in text.splitlines() if line.strip()] or [type(err).__name__]
+    pid, ip = re.search(r"pid[=:] ?(\d+)", text), re.search(r"\bip[=:] ?([\w.:-]+)", text)
+    where = f" (pid {pid[1]} on {ip[1].rstrip(',')})" if pid and ip else ""
+    if "creation task" in lines[0]:  # the constructor raised: the last line is the exception
+        return f"its constructor raised {lines[-1]}{where}"
+    return f"{lines[0]}{where}"
 
 
 def _connect(address: str | None, device: Device, log_to_driver: bool) -> bool:

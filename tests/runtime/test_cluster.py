@@ -13,7 +13,7 @@ import ray
 import torch
 
 from disagmoe.comm.base import Direction, MessageKey
-from disagmoe.runtime.cluster import WorkerFailure, WorkerGroup
+from disagmoe.runtime.cluster import Worker, WorkerFailure, WorkerGroup
 from disagmoe.runtime.roles import Layout
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # actors cannot import tests/
@@ -24,7 +24,8 @@ ENV = {"DISAGMOE_TEST_SETTING": "propagated"}
 
 @pytest.fixture(scope="module")
 def workers():
-    group = WorkerGroup.start(world_size=WORLD, device="cpu", env=ENV, log_to_driver=False)
+    # 0.5 CPU each leaves room on a 2-core machine for the failed-start test's extra actor
+    group = WorkerGroup.start(world_size=WORLD, device="cpu", env=ENV, log_to_driver=False, cpus_per_worker=0.5)
     group.init_process_group(timeout_s=60)
     yield group
     group.shutdown()
@@ -110,6 +111,22 @@ def _raise_on(worker, rank):
 def test_exception_in_an_actor_names_its_rank(workers):
     with pytest.raises(WorkerFailure, match="rank 0: run raised ValueError: bad shard"):
         workers.call("run", _raise_on, 0, timeout_s=30)
+
+
+class _BrokenWorker(Worker):
+    def __init__(self, rank, world_size, device):
+        raise RuntimeError("no such device")
+
+
+def test_failed_start_is_reported_and_cleaned_up(workers):
+    before = ray.available_resources().get("CPU")
+    with pytest.raises(WorkerFailure, match=r"rank 0: actor died during info: its constructor raised RuntimeError: no such device \(pid \d+ on "):
+        WorkerGroup.start(world_size=1, worker_cls=_BrokenWorker, cpus_per_worker=0.25, log_to_driver=False)
+    assert ray.is_initialized(), "a cluster it did not start stays up"
+    deadline = time.monotonic() + 10
+    while ray.available_resources().get("CPU") != before and time.monotonic() < deadline:
+        time.sleep(0.2)  # placement group removal is asynchronous
+    assert ray.available_resources().get("CPU") == before
 
 
 def _die_or_wait(worker, dying_rank):
