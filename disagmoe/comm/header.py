@@ -7,6 +7,8 @@ A header is one int64 tensor of fixed length `HEADER_LEN`:
 Counts are shapes: a tensor with zero rows is announced here and then not sent at all.
 `message_tag` derives a deterministic 31-bit tag from (key, part) for tag-matching transports
 (part 0 = header, part i = tensor i-1).
+
+Shapes: L = HEADER_LEN (the fixed header length).
 """
 
 from __future__ import annotations

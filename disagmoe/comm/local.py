@@ -9,6 +9,8 @@ Failures: an operation that does not complete within its timeout raises `Transpo
 gloo then closes every connection of this rank (its process group is unusable), so the job must
 stop and the driver reports the rank. A peer whose process dies breaks its connection and raises
 `PeerFailure` as soon as gloo notices (seconds), long before the timeout.
+
+Shapes: L = HEADER_LEN (the fixed header length).
 """
 
 from __future__ import annotations

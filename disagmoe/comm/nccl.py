@@ -17,6 +17,8 @@ NCCL ignores tags: a rank pair's sends and receives match in the order they are 
 A timeout raises `TransportTimeout`. The NCCL operation cannot be cancelled: the communicator is
 then unusable and the job must stop. A dead peer shows up as a timeout here; the driver learns
 the cause from Ray.
+
+Shapes: L = HEADER_LEN (the fixed header length).
 """
 
 from __future__ import annotations

@@ -15,6 +15,8 @@ import torch
 from disagmoe.comm.base import Direction, MessageKey
 from disagmoe.runtime.cluster import Worker, WorkerFailure, WorkerGroup
 from disagmoe.runtime.roles import Layout
+from disagmoe.runtime.schedule import Recv, build_schedule
+from disagmoe.runtime.schedule_sim import simulate
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # actors cannot import tests/
 
@@ -87,6 +89,41 @@ def test_local_transport_between_actors(workers):
             want = _rows(src, dst)
             assert [t.shape for t in tensors] == [t.shape for t in want]
             torch.testing.assert_close(tensors[0], want[0])
+
+
+def _replay(worker, schedule, steps):
+    """Run this rank's ops with the local transport; every message names its sender and key."""
+    from disagmoe.comm.local import LocalTransport
+    from disagmoe.runtime.schedule import Recv, Send
+
+    transport = LocalTransport(default_timeout_s=30)
+    received = 0
+    for step in range(steps):
+        handles = []
+        for op in schedule.programs[worker.rank]:
+            if isinstance(op, Send):
+                for dst in op.peers:
+                    stamp = torch.tensor([worker.rank, dst, step, op.layer, op.micro_batch])
+                    handles.append(transport.send(dst, op.key(step), [stamp, torch.empty(0, 8)]))
+            elif isinstance(op, Recv):
+                for src in op.peers:
+                    stamp, rows = transport.recv(src, op.key(step))
+                    assert stamp.tolist() == [src, worker.rank, step, op.layer, op.micro_batch]
+                    assert rows.shape == (0, 8)
+                    received += 1
+        for handle in handles:
+            handle.wait()
+    return received
+
+
+def test_schedule_runs_over_the_local_transport(workers):
+    schedule = build_schedule(Layout(attention_ranks=2, expert_ranks=1, pipeline_groups=1, num_layers=3), 2)
+    steps = 2
+    got = workers.call("run", _replay, schedule, steps, timeout_s=60)
+    assert sum(got) == steps * simulate(schedule).messages
+    for rank, count in enumerate(got):
+        recvs = [op for op in schedule.programs[rank] if isinstance(op, Recv)]
+        assert count == steps * sum(len(op.peers) for op in recvs)
 
 
 def _sleep_on(worker, rank, seconds):
