@@ -11,7 +11,9 @@ from collections.abc import Iterable
 from disagmoe.comm.base import Transport
 
 
-def make_transport(kind: str, default_timeout_s: float, pairs: Iterable[tuple[int, int]] | None = None) -> Transport:
+def make_transport(
+    kind: str, default_timeout_s: float, pairs: Iterable[tuple[int, int]] | None = None
+) -> Transport:
     """The transport `kind` over the already-initialised default process group.
 
     `pairs`: the (src, dst) rank pairs that exchange messages (`Schedule.rank_pairs()`); the
@@ -26,5 +28,7 @@ def make_transport(kind: str, default_timeout_s: float, pairs: Iterable[tuple[in
 
         return NcclTransport(pairs=pairs, default_timeout_s=default_timeout_s)
     if kind == "nvshmem":
-        raise ValueError("transport 'nvshmem' is not available in this build; use transport: local (CPU) or nccl (GPU)")
+        raise ValueError(
+            "transport 'nvshmem' is not available in this build; use transport: local (CPU) or nccl (GPU)"
+        )
     raise ValueError(f"unknown transport {kind!r}; choose local (CPU, gloo) or nccl (GPU)")

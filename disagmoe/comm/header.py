@@ -63,7 +63,9 @@ def encode_header(key: MessageKey, tensors: Sequence[torch.Tensor]) -> torch.Ten
         if tensor.dtype not in _DTYPE_CODE:
             raise ValueError(f"dtype {tensor.dtype} cannot be sent; use one of {[str(d) for d in DTYPES]}")
         if tensor.dim() > MAX_NDIM:
-            raise ValueError(f"tensors of at most {MAX_NDIM} dims can be sent, got shape {tuple(tensor.shape)}")
+            raise ValueError(
+                f"tensors of at most {MAX_NDIM} dims can be sent, got shape {tuple(tensor.shape)}"
+            )
         base = _KEY_FIELDS + i * _SPEC_FIELDS
         spec = [_DTYPE_CODE[tensor.dtype], tensor.dim(), *tensor.shape]
         header_L[base : base + len(spec)] = torch.tensor(spec)

@@ -22,7 +22,14 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from disagmoe.comm.base import MessageKey, PeerFailure, SendHandle, Transport, TransportError, TransportTimeout
+from disagmoe.comm.base import (
+    MessageKey,
+    PeerFailure,
+    SendHandle,
+    Transport,
+    TransportError,
+    TransportTimeout,
+)
 from disagmoe.comm.header import HEADER_LEN, decode_header, encode_header, message_tag
 
 
@@ -64,7 +71,9 @@ class LocalTransport(Transport):
         if not dist.is_initialized():
             raise ValueError("the local transport needs torch.distributed initialised first (backend gloo)")
         if dist.get_backend() != "gloo":
-            raise ValueError(f"the local transport runs on gloo, but the process group uses {dist.get_backend()!r}")
+            raise ValueError(
+                f"the local transport runs on gloo, but the process group uses {dist.get_backend()!r}"
+            )
         super().__init__(dist.get_rank(), dist.get_world_size(), default_timeout_s)
 
     def send(self, dst_rank: int, key: MessageKey, tensors: Sequence[torch.Tensor]) -> SendHandle:

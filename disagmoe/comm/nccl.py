@@ -73,13 +73,16 @@ class NcclTransport(Transport):
     of a step never waits on a connection.
     """
 
-    def __init__(self, pairs: Iterable[tuple[int, int]] | None = None, default_timeout_s: float = 120.0) -> None:
+    def __init__(
+        self, pairs: Iterable[tuple[int, int]] | None = None, default_timeout_s: float = 120.0
+    ) -> None:
         if not dist.is_initialized() or "nccl" not in str(dist.get_backend()):
             raise ValueError("the nccl transport needs torch.distributed initialised with the nccl backend")
         super().__init__(dist.get_rank(), dist.get_world_size(), default_timeout_s)
         self.device = torch.device("cuda", torch.cuda.current_device())
         n = self.world_size
-        pairs = sorted(set(pairs) if pairs is not None else {(s, d) for s in range(n) for d in range(n) if s != d})
+        every_pair = {(s, d) for s in range(n) for d in range(n) if s != d}
+        pairs = sorted(set(pairs) if pairs is not None else every_pair)
         for src, dst in pairs:
             if src == dst or not (0 <= src < n and 0 <= dst < n):
                 raise ValueError(f"pair ({src}, {dst}) is not two distinct ranks of this {n}-rank job")
@@ -116,7 +119,9 @@ class NcclTransport(Transport):
         group = self._group(self._send_groups, dst_rank, "send to")
         for tensor in tensors:
             if tensor.device != self.device:
-                raise ValueError(f"the nccl transport sends tensors on {self.device}, got one on {tensor.device}")
+                raise ValueError(
+                    f"the nccl transport sends tensors on {self.device}, got one on {tensor.device}"
+                )
         header_L = encode_header(key, tensors).to(self.device)
         payload = [t.detach().contiguous() for t in tensors]
         works = [dist.isend(header_L, dst_rank, group=group)]

@@ -153,7 +153,9 @@ class WorkerGroup:
                 options = dict(
                     num_cpus=cpus_per_worker,
                     num_gpus=1 if device == "cuda" else 0,
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle),
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        group, placement_group_bundle_index=bundle
+                    ),
                     runtime_env={"env_vars": {**(env or {}), **NOSET_CUDA}},
                     max_restarts=0,
                 )
@@ -216,8 +218,9 @@ class WorkerGroup:
         if failures:
             # Peers of a rank that died or raised fail soon after with transport errors; wait
             # briefly for them so the report leads with the cause, not the symptoms.
-            ready, _ = ray.wait(pending, num_returns=len(pending), timeout=FAILURE_GRACE_S) if pending else ([], [])
-            self._collect(ready, rank_of, method, results, failures)
+            if pending:
+                ready, _ = ray.wait(pending, num_returns=len(pending), timeout=FAILURE_GRACE_S)
+                self._collect(ready, rank_of, method, results, failures)
             raise _root_cause(failures)
         return [results[rank] for rank in ranks]
 
@@ -294,7 +297,9 @@ def _placement_groups(world_size: int, device: Device, cpus_per_worker: float,
     if device == "cuda":
         per_node = max((node["Resources"].get("GPU", 0) for node in ray.nodes() if node["Alive"]), default=0)
         if per_node < 1:
-            raise ValueError("device='cuda' but the Ray cluster has no GPUs; use device='cpu' or add GPU nodes")
+            raise ValueError(
+                "device='cuda' but the Ray cluster has no GPUs; use device='cpu' or add GPU nodes"
+            )
         per_node = int(min(per_node, world_size))
         sizes = [min(per_node, world_size - start) for start in range(0, world_size, per_node)]
         bundle = {"GPU": 1, "CPU": cpus_per_worker}

@@ -33,7 +33,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from disagmoe.comm.base import Direction
-from disagmoe.runtime.roles import Layout, Role, RoleKind
+from disagmoe.runtime.roles import Role, RoleKind
 from disagmoe.runtime.schedule import (
     AttentionBackward,
     AttentionForward,
@@ -261,7 +261,9 @@ class _Replay:
         pairs = {AttentionForward: AttentionBackward, ExpertForward: ExpertBackward}
         for op, count in rank.done.items():
             if type(op) in pairs and rank.done[pairs[type(op)](op.layer, op.micro_batch)] != count:
-                raise ScheduleError(f"rank {rank_id} ({rank.role}) steps the optimizer before the backward of {op}")
+                raise ScheduleError(
+                    f"rank {rank_id} ({rank.role}) steps the optimizer before the backward of {op}"
+                )
 
     # -- bookkeeping -----------------------------------------------------------------------
 

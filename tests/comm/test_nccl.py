@@ -22,7 +22,10 @@ pytestmark = [
 
 WORLD = 2
 DTYPES = [torch.float32, torch.bfloat16, torch.int32, torch.int64, torch.bool]
-KEYS = [MessageKey(step, mb, layer, d) for step in range(2) for mb in range(3) for layer in range(2) for d in Direction]
+KEYS = [
+    MessageKey(step, mb, layer, d)
+    for step in range(2) for mb in range(3) for layer in range(2) for d in Direction
+]
 BIG_ROWS = 16384  # x 4096 fp32 = 256 MiB per message, far beyond NCCL's buffers
 TIMEOUT_S = 1.0
 
@@ -48,7 +51,8 @@ def _exchange(rank, transport) -> list[str]:
     wrong = []
     for key in order:
         got, want = [t.cpu() for t in transport.recv(peer, key)], _message(peer, rank, key)
-        if len(got) != len(want) or not all(g.dtype == w.dtype and torch.equal(g, w) for g, w in zip(got, want)):
+        same = all(g.dtype == w.dtype and torch.equal(g, w) for g, w in zip(got, want))
+        if len(got) != len(want) or not same:
             wrong.append(str(key))
     for handle in handles:
         handle.wait()

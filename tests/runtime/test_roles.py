@@ -32,18 +32,18 @@ def test_layers_interleave_over_groups_and_head_follows_last_layer():
 
 
 @pytest.mark.parametrize(
-    "kwargs, fragment",
+    "args, fragment",  # (attention, expert ranks, pipeline groups, layers[, dense layers])
     [
-        (dict(attention_ranks=3, expert_ranks=2, pipeline_groups=2, num_layers=4), "multiple of pipeline_groups"),
-        (dict(attention_ranks=2, expert_ranks=1, pipeline_groups=2, num_layers=4), "at least one expert rank"),
-        (dict(attention_ranks=2, expert_ranks=2, pipeline_groups=2, num_layers=1), "fewer than pipeline_groups"),
-        (dict(attention_ranks=1, expert_ranks=1, pipeline_groups=1, num_layers=2, num_dense_layers=3), "num_dense_layers"),
-        (dict(attention_ranks=0, expert_ranks=1, pipeline_groups=1, num_layers=2), "at least 1"),
+        ((3, 2, 2, 4), "multiple of pipeline_groups"),
+        ((2, 1, 2, 4), "at least one expert rank"),
+        ((2, 2, 2, 1), "fewer than pipeline_groups"),
+        ((1, 1, 1, 2, 3), "num_dense_layers"),
+        ((0, 1, 1, 2), "at least 1"),
     ],
 )
-def test_invalid_layouts_say_what_to_fix(kwargs, fragment):
+def test_invalid_layouts_say_what_to_fix(args, fragment):
     with pytest.raises(ValueError, match=fragment):
-        Layout(**kwargs)
+        Layout(*args)
 
 
 def test_rank_outside_layout_is_rejected():
