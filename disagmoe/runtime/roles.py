@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from enum import Enum
 from functools import cached_property
 
+from disagmoe.config import ModelConfig, TrainConfig
+
 
 class RoleKind(str, Enum):
     ATTENTION = "attention"
@@ -72,6 +74,12 @@ class Layout:
                 f"num_layers={self.num_layers} is fewer than pipeline_groups={p}; "
                 "use at most one pipeline group per layer"
             )
+
+    @classmethod
+    def from_config(cls, train: TrainConfig, model: ModelConfig) -> Layout:
+        """The layout of a disaggregated run (TrainConfig's rank counts are totals over groups)."""
+        return cls(train.attention_ranks, train.expert_ranks, train.pipeline_groups,
+                   model.num_layers, model.num_dense_layers)
 
     @property
     def world_size(self) -> int:

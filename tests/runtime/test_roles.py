@@ -2,6 +2,7 @@ import itertools
 
 import pytest
 
+from disagmoe.config import TrainConfig, load_model
 from disagmoe.runtime.roles import Layout, RoleKind
 
 
@@ -50,3 +51,12 @@ def test_rank_outside_layout_is_rejected():
     layout = Layout(attention_ranks=2, expert_ranks=2, pipeline_groups=1, num_layers=2)
     with pytest.raises(ValueError, match="outside"):
         layout.role(4)
+
+
+def test_layout_from_train_config_takes_totals_and_the_models_layers():
+    model = load_model("tiny")
+    train = TrainConfig(model="tiny", attention_ranks=4, expert_ranks=3, pipeline_groups=2)
+    layout = Layout.from_config(train, model)
+    assert layout.world_size == 7 and layout.data_parallel == 2
+    assert (layout.num_layers, layout.num_dense_layers) == (model.num_layers, model.num_dense_layers)
+    assert not layout.is_moe(0) and layout.is_moe(model.num_layers - 1)
