@@ -14,10 +14,12 @@ then runs attention, router and shared experts; for a leading dense layer it run
 `Loss` (on the head group, l = num_layers) combines the last layer, applies the final norm, LM
 head and loss, and computes their gradients, which start the backward pass.
 
-Order: forward ops in (layer, micro-batch) order, then the losses, then backward ops in
-(reversed layer, micro-batch) order. So while E_g works on micro-batch i, A_g computes i+1,
-and every rank's list is a sub-sequence of one global order (which is why nothing deadlocks;
-`disagmoe.runtime.schedule_sim` replays the lists and checks it).
+Order: forward ops in (layer, micro-batch) order, then the losses, then backward ops with the
+layers reversed and micro-batches ascending again (the loss of micro-batch 0 is ready first, so
+the backward ping-pong starts while the head still computes later losses). So while E_g works
+on micro-batch i, A_g computes i+1, and every rank's list is a sub-sequence of one global order,
+which is why nothing deadlocks and each rank pair's messages arrive in the order they are
+received (`disagmoe.runtime.schedule_sim` replays the lists and checks both).
 """
 
 from __future__ import annotations
