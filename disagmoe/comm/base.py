@@ -16,11 +16,13 @@ which rank failed at which point of the schedule.
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from enum import IntEnum
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 
 
 class Direction(IntEnum):
@@ -96,6 +98,33 @@ class SendHandle(abc.ABC):
     @abc.abstractmethod
     def is_completed(self) -> bool:
         """True once the data has left this rank's hands (no further wait needed)."""
+
+
+WaitFn = Callable[["dist.Work", int, "MessageKey | None", float, float, str], None]
+"""wait(work, peer, key, deadline, timeout_s, what): block until `work` completes or raise."""
+
+
+class WorkSendHandle(SendHandle):
+    """A send made of torch.distributed works, waited with the transport's own wait function."""
+
+    def __init__(self, works: list[dist.Work], tensors: list[torch.Tensor], peer: int, key: MessageKey,
+                 default_timeout_s: float, wait_fn: WaitFn) -> None:
+        self._works = works
+        self._tensors = tensors  # kept alive until the sends complete
+        self._peer = peer
+        self._key = key
+        self._default_timeout_s = default_timeout_s
+        self._wait_fn = wait_fn
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        timeout_s = self._default_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        for work in self._works:
+            self._wait_fn(work, self._peer, self._key, deadline, timeout_s, "deliver to")
+        self._tensors = []
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self._works)
 
 
 class Transport(abc.ABC):

@@ -26,6 +26,7 @@ from disagmoe.comm.base import (
     MessageKey,
     PeerFailure,
     SendHandle,
+    WorkSendHandle,
     Transport,
     TransportError,
     TransportTimeout,
@@ -42,26 +43,6 @@ def _wait(work: dist.Work, peer: int, key: MessageKey, deadline: float, timeout_
         if "Timed out" in text:  # gloo's wording for a per-operation timeout
             raise TransportTimeout(peer, key, timeout_s, what) from err
         raise PeerFailure(peer, key, text.splitlines()[0]) from err
-
-
-class GlooSendHandle(SendHandle):
-    def __init__(self, works: list[dist.Work], tensors: list[torch.Tensor], peer: int, key: MessageKey,
-                 default_timeout_s: float) -> None:
-        self._works = works
-        self._tensors = tensors  # kept alive until the sends complete
-        self._peer = peer
-        self._key = key
-        self._default_timeout_s = default_timeout_s
-
-    def wait(self, timeout_s: float | None = None) -> None:
-        timeout_s = self._default_timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + timeout_s
-        for work in self._works:
-            _wait(work, self._peer, self._key, deadline, timeout_s, "deliver to")
-        self._tensors = []
-
-    def is_completed(self) -> bool:
-        return all(work.is_completed() for work in self._works)
 
 
 class LocalTransport(Transport):
@@ -84,7 +65,7 @@ class LocalTransport(Transport):
         for i, tensor in enumerate(payload):
             if tensor.numel():
                 works.append(dist.isend(tensor, dst_rank, tag=message_tag(key, i + 1)))
-        return GlooSendHandle(works, [header_L, *payload], dst_rank, key, self.default_timeout_s)
+        return WorkSendHandle(works, [header_L, *payload], dst_rank, key, self.default_timeout_s, _wait)
 
     def recv(self, src_rank: int, key: MessageKey, timeout_s: float | None = None) -> list[torch.Tensor]:
         self._check_peer(src_rank)

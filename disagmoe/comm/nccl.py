@@ -29,7 +29,7 @@ from collections.abc import Iterable, Sequence
 import torch
 import torch.distributed as dist
 
-from disagmoe.comm.base import MessageKey, SendHandle, Transport, TransportTimeout
+from disagmoe.comm.base import MessageKey, SendHandle, Transport, TransportTimeout, WorkSendHandle
 from disagmoe.comm.header import HEADER_LEN, decode_header, encode_header
 
 _POLL_S = 20e-6
@@ -42,26 +42,6 @@ def _poll(work: dist.Work, peer: int, key: MessageKey | None, deadline: float, t
         if time.monotonic() > deadline:
             raise TransportTimeout(peer, key, timeout_s, what)
         time.sleep(_POLL_S)
-
-
-class NcclSendHandle(SendHandle):
-    def __init__(self, works: list[dist.Work], tensors: list[torch.Tensor], peer: int, key: MessageKey,
-                 default_timeout_s: float) -> None:
-        self._works = works
-        self._tensors = tensors  # kept alive until the sends complete
-        self._peer = peer
-        self._key = key
-        self._default_timeout_s = default_timeout_s
-
-    def wait(self, timeout_s: float | None = None) -> None:
-        timeout_s = self._default_timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + timeout_s
-        for work in self._works:
-            _poll(work, self._peer, self._key, deadline, timeout_s, "deliver to")
-        self._tensors = []
-
-    def is_completed(self) -> bool:
-        return all(work.is_completed() for work in self._works)
 
 
 class NcclTransport(Transport):
@@ -126,7 +106,7 @@ class NcclTransport(Transport):
         payload = [t.detach().contiguous() for t in tensors]
         works = [dist.isend(header_L, dst_rank, group=group)]
         works += [dist.isend(t, dst_rank, group=group) for t in payload if t.numel()]
-        return NcclSendHandle(works, [header_L, *payload], dst_rank, key, self.default_timeout_s)
+        return WorkSendHandle(works, [header_L, *payload], dst_rank, key, self.default_timeout_s, _poll)
 
     def recv(self, src_rank: int, key: MessageKey, timeout_s: float | None = None) -> list[torch.Tensor]:
         group = self._group(self._recv_groups, src_rank, "receive from")
