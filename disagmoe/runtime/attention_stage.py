@@ -1,0 +1,214 @@
+"""The attention side of one rank: embedding, its layers' non-expert parts, final norm, head, loss.
+
+Each compute op of the schedule is one *segment* of autograd graph. `AttentionForward(l)` first
+rebuilds layer l-1's output from what arrived (the residual stream and routing weights, the
+expert outputs), each received tensor a fresh leaf, then runs layer l's attention, router and
+shared experts and posts the dispatched rows and the residual stream for the next hop. The
+segment keeps its outputs; `AttentionBackward(l)` calls `torch.autograd.backward(outputs,
+grads)` with the gradients that came back, and posts its leaves' gradients to where they came from.
+
+The loss matches the oracle (`runtime.trainer`): micro-batch m of M is split over D
+data-parallel ranks; each rank backpropagates its share
+
+    CE_local / (D M)  +  (aux_share + z_local / D) / M        per MoE layer for the router terms
+
+where aux_share uses the micro-batch's load summed over the D ranks (one all-reduce per layer),
+so the shares of the D ranks add up to the oracle's loss_m / M exactly (up to rounding).
+
+Legend: B batch rows of this rank's piece, S sequence, H hidden, N tokens (B*S), K top-k,
+P token-expert pairs, E experts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from disagmoe.data import TokenDataset
+from disagmoe.model import MoEBlock, Routing, combine, group_by_expert
+from disagmoe.model.layers import compute_dtype
+from disagmoe.runtime.batching import batch_rows, inputs_and_targets
+from disagmoe.runtime.messages import Mailbox
+from disagmoe.runtime.rank_model import RankModel
+from disagmoe.runtime.schedule import Payload
+from disagmoe.runtime.topology import Topology
+from disagmoe.runtime.trainer import cross_entropy
+
+
+def combine_layer_output(
+    h_BSH: torch.Tensor, topk_w_NK: torch.Tensor, y_PH: torch.Tensor, topk_idx_NK: torch.Tensor,
+    shared_NH: torch.Tensor | None, num_experts: int,
+) -> torch.Tensor:
+    """A MoE layer's output from its parts: the arithmetic of `MoEBlock.combine`, in its order."""
+    ffn_NH = combine(y_PH, group_by_expert(topk_idx_NK, num_experts), topk_w_NK)
+    if shared_NH is not None:
+        ffn_NH = ffn_NH + shared_NH
+    return h_BSH + ffn_NH.view_as(h_BSH)
+
+
+def router_scores(block: MoEBlock, xn_NH: torch.Tensor) -> torch.Tensor:
+    """The router's scores [N, E] for rows `xn_NH` (as `Router.forward` computes them)."""
+    router = block.moe.router
+    work = compute_dtype(xn_NH.dtype)
+    logits_NE = F.linear(xn_NH.to(work), router.weight.to(work))
+    return logits_NE.softmax(-1) if router.cfg.score == "softmax" else logits_NE.sigmoid()
+
+
+@dataclass
+class LayerInput:
+    """The leaves a segment starts from (layer `prev`'s output parts), for sending gradients back."""
+
+    prev: int  # the layer whose output this is
+    carry: list[torch.Tensor] = field(default_factory=list)  # residual-stream parts (float leaves)
+    expert_rows: list[torch.Tensor] = field(default_factory=list)  # per expert rank of `prev`
+
+
+@dataclass
+class Segment:
+    """One AttentionForward's graph: its inputs and the outputs whose gradients come back later."""
+
+    inputs: LayerInput | None
+    dispatched: list[torch.Tensor]  # rows sent to each expert rank of the group
+    carry: list[torch.Tensor]  # float residual-stream parts sent to the next group
+    router_loss: torch.Tensor | None  # this rank's share of (aux + z) / M
+
+
+class AttentionStage:
+    """Forward, loss and backward of the attention ops of one rank for one step at a time."""
+
+    def __init__(self, model: RankModel, topology: Topology, rank: int, data: TokenDataset,
+                 micro_batches: int, dp_group: dist.ProcessGroup | None) -> None:
+        role = topology.attention_role(rank)
+        assert role is not None, f"rank {rank} runs no attention"
+        self.group, self.dp_index = role
+        self.model, self.topology, self.rank = model, topology, rank
+        self.data, self.micro_batches, self.dp_group = data, micro_batches, dp_group
+        self.dp = topology.data_parallel
+        self.num_experts = model.cfg.num_experts
+        self.layers = topology.attention_layers(rank)
+        self.begin_step(0)
+
+    def begin_step(self, step: int) -> None:
+        self.step = step
+        self.segments: dict[tuple[int, int], Segment] = {}
+        self.loss_parts = {"ce": 0.0, "aux_loss": 0.0, "z_loss": 0.0}  # this rank's shares
+        self.load_LE = {layer: torch.zeros(self.num_experts, dtype=torch.int64)
+                        for layer in self.layers if self.topology.is_moe(layer)}
+
+    # -- the data --------------------------------------------------------------------------------
+
+    def _tokens(self, micro_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = batch_rows(self.data.batch_size, self.micro_batches, self.dp, micro_batch, self.dp_index)
+        inputs_BS, targets_BS = inputs_and_targets(self.data.rows(self.step, rows))
+        device = self.model.head_weight().device if self.model.embed is None else self.model.embed.weight.device
+        return inputs_BS.to(device), targets_BS.to(device)
+
+    # -- receiving the previous layer ------------------------------------------------------------
+
+    def _previous_output(self, layer: int, mb: int, mail: Mailbox) -> tuple[torch.Tensor, LayerInput]:
+        """Layer `layer - 1`'s output rebuilt from received parts (each a leaf)."""
+        topo, prev = self.topology, layer - 1
+        source = topo.attention_rank(topo.group_of_layer(prev), self.dp_index)
+        parts = [t.detach().requires_grad_(t.is_floating_point()) for t in mail.take(Payload.RESIDUAL, prev, mb, source)]
+        inputs = LayerInput(prev, carry=[t for t in parts if t.is_floating_point()])
+        if not topo.is_moe(prev):
+            return parts[0], inputs
+        experts = topo.expert_groups[topo.group_of_layer(prev)]
+        inputs.expert_rows = [mail.take(Payload.COMBINE, prev, mb, r)[0].detach().requires_grad_() for r in experts]
+        h_BSH, topk_w_NK, topk_idx_NK, *shared = parts
+        y_PH = torch.cat(inputs.expert_rows)
+        x_BSH = combine_layer_output(h_BSH, topk_w_NK, y_PH, topk_idx_NK, shared[0] if shared else None,
+                                     self.num_experts)
+        return x_BSH, inputs
+
+    def _post_input_grads(self, inputs: LayerInput, mb: int, mail: Mailbox) -> None:
+        topo, prev = self.topology, inputs.prev
+        if topo.is_moe(prev):
+            for rank, leaf in zip(topo.expert_groups[topo.group_of_layer(prev)], inputs.expert_rows, strict=True):
+                mail.post(Payload.COMBINE_GRAD, prev, mb, rank, [_grad(leaf)])
+        source = topo.attention_rank(topo.group_of_layer(prev), self.dp_index)
+        mail.post(Payload.RESIDUAL_GRAD, prev, mb, source, [_grad(leaf) for leaf in inputs.carry])
+
+    # -- the ops ---------------------------------------------------------------------------------
+
+    def forward(self, layer: int, mb: int, mail: Mailbox) -> None:
+        """AttentionForward(layer, mb)."""
+        if layer == 0:
+            x_BSH, inputs = self.model.embed(self._tokens(mb)[0]), None
+        else:
+            x_BSH, inputs = self._previous_output(layer, mb, mail)
+        block = self.model.block(layer)
+        topo = self.topology
+        nxt = topo.attention_rank(topo.next_group(self.group), self.dp_index)
+        if not isinstance(block, MoEBlock):
+            out_BSH = block(x_BSH)
+            mail.post(Payload.RESIDUAL, layer, mb, nxt, [out_BSH])
+            self.segments[(layer, mb)] = Segment(inputs, [], [out_BSH], None)
+            return
+        h_BSH = block.attention_part(x_BSH)
+        routing = block.route(h_BSH)
+        x_PH, grouping = block.dispatch(routing)
+        shared_NH = block.shared_ffn(routing)
+        offsets = [0, *grouping.offsets_E.tolist()]
+        counts_E = torch.diff(torch.tensor(offsets, dtype=torch.int64))
+        dispatched = []
+        for rank, (start, stop) in zip(topo.expert_groups[self.group], topo.slices[self.group], strict=True):
+            rows_PH = x_PH[offsets[start]:offsets[stop]]
+            mail.post(Payload.DISPATCH, layer, mb, rank, [rows_PH, counts_E[start:stop]])
+            dispatched.append(rows_PH)
+        carry = [h_BSH, routing.topk_w_NK] + ([] if shared_NH is None else [shared_NH])
+        mail.post(Payload.RESIDUAL, layer, mb, nxt, [h_BSH, routing.topk_w_NK, routing.topk_idx_NK, *carry[2:]])
+        router_loss = self._router_loss(block, routing) / self.micro_batches
+        self.segments[(layer, mb)] = Segment(inputs, dispatched, carry, router_loss)
+        self.load_LE[layer] += routing.load_E.cpu()
+
+    def _router_loss(self, block: MoEBlock, routing: Routing) -> torch.Tensor:
+        """This rank's share of the micro-batch's aux + z loss of one layer (module docstring)."""
+        if self.dp == 1:
+            aux, z = routing.aux_loss, routing.z_loss
+        else:
+            z = routing.z_loss / self.dp
+            aux = routing.aux_loss
+            if block.moe.router.cfg.aux_loss_coef > 0:
+                load_E = routing.load_E.clone()
+                dist.all_reduce(load_E, group=self.dp_group)
+                aux = block.moe.router.aux_loss(router_scores(block, routing.xn_NH), load_E) / self.dp
+        self.loss_parts["aux_loss"] += float(aux.detach()) / self.micro_batches
+        self.loss_parts["z_loss"] += float(z.detach()) / self.micro_batches
+        return aux.float() + z.float()
+
+    def loss(self, mb: int, mail: Mailbox) -> None:
+        """Loss(mb): the last layer's output, final norm, LM head, CE; backward at once."""
+        last = self.topology.num_layers
+        x_BSH, inputs = self._previous_output(last, mb, mail)
+        logits_BSV = F.linear(self.model.norm(x_BSH), self.model.head_weight())
+        ce = cross_entropy(logits_BSV, self._tokens(mb)[1])
+        (ce / (self.dp * self.micro_batches)).backward()
+        self.loss_parts["ce"] += float(ce.detach()) / (self.dp * self.micro_batches)
+        self._post_input_grads(inputs, mb, mail)
+
+    def backward(self, layer: int, mb: int, mail: Mailbox) -> None:
+        """AttentionBackward(layer, mb)."""
+        segment = self.segments.pop((layer, mb))
+        topo = self.topology
+        outputs, grads = [], []
+        for rank, rows_PH in zip(topo.expert_groups[self.group], segment.dispatched):
+            outputs.append(rows_PH)
+            grads.append(mail.take(Payload.DISPATCH_GRAD, layer, mb, rank)[0])
+        nxt = topo.attention_rank(topo.next_group(self.group), self.dp_index)
+        outputs += segment.carry
+        grads += mail.take(Payload.RESIDUAL_GRAD, layer, mb, nxt)
+        if segment.router_loss is not None:
+            outputs.append(segment.router_loss)
+            grads.append(torch.ones_like(segment.router_loss))
+        live = [(o, g) for o, g in zip(outputs, grads, strict=True) if o.requires_grad]
+        torch.autograd.backward([o for o, _ in live], [g for _, g in live])
+        if segment.inputs is not None:
+            self._post_input_grads(segment.inputs, mb, mail)
+
+
+def _grad(leaf: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(leaf) if leaf.grad is None else leaf.grad

@@ -1,0 +1,228 @@
+"""The driver of a disaggregated or colocated run: actors, one call per rank per step, outputs.
+
+    trainer = DistributedTrainer(cfg)     # checks the configuration fits, then starts the actors
+    summary = trainer.run(on_step)        # metrics.jsonl, checkpoints, trace.json; shuts down
+
+Per step the driver makes one `train_step` call on every actor; the actors run the schedule and
+exchange tensors among themselves. What comes back is small: loss shares, expert loads, the
+gradient norm, compute time and trace spans. A failure is reported as `TrainingFailed` naming
+the rank at fault and what happened (it died, or it stopped delivering within recv_timeout_s),
+and the last checkpoint to resume from.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from disagmoe.config import ModelConfig, TrainConfig, load_hardware, load_model
+from disagmoe.data import load_splits
+from disagmoe.roofline.flops import step_flops
+from disagmoe.runtime.batching import check_divisible
+from disagmoe.runtime.checkpoint import TrainerState, latest_checkpoint
+from disagmoe.runtime.cluster import WorkerFailure, WorkerGroup
+from disagmoe.runtime.metrics import MetricsLog, load_imbalance, mfu
+from disagmoe.runtime.optim import lr_at
+from disagmoe.runtime.sharded_checkpoint import finish_checkpoint, read_trainer_state, staging_dir
+from disagmoe.runtime.topology import Topology
+from disagmoe.runtime.trace import busy_fractions, write_chrome_trace
+from disagmoe.runtime.trainer import CHECKPOINTS_DIR, METRICS_FILE, StepCallback, TrainSummary
+from disagmoe.runtime.worker import PeerProblem, TrainWorker
+
+TRACE_FILE = "trace.json"
+MIN_CPUS_PER_RANK = 0.1  # more CPU actors than this allows would thrash the host
+
+
+class TrainingFailed(RuntimeError):
+    """A rank failed mid-run; the message names it, says what happened and where to resume."""
+
+    def __init__(self, rank: int, message: str) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
+def step_timeout_s(cfg: TrainConfig) -> float:
+    """The driver's bound on one step: a hung peer is noticed by its peers after recv_timeout_s
+    (one receive), this backstop covers a rank stuck outside any receive."""
+    return 4 * cfg.recv_timeout_s + 60.0
+
+
+def check_fits(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topology) -> None:
+    """ValueError (with the numbers) for a configuration that cannot run, before any actor starts."""
+    world = topology.world_size
+    check_divisible(cfg.batch_size, cfg.micro_batches, topology.data_parallel)
+    if 2 * model_cfg.num_layers > 512:
+        raise ValueError(f"num_layers={model_cfg.num_layers}: the message tags hold at most 256 layers")
+    if model_cfg.tie_embeddings and topology.head_group != 0:
+        raise ValueError(
+            f"tie_embeddings needs the LM head on the embedding's pipeline group, but with "
+            f"{topology.pipeline_groups} groups and {model_cfg.num_layers} layers the head runs on group "
+            f"{topology.head_group}; choose pipeline_groups dividing num_layers"
+        )
+    if cfg.ray_address is not None:
+        return  # a joined cluster's capacity is checked by Ray's placement (with the numbers)
+    if cfg.device == "cuda":
+        gpus = torch.cuda.device_count()
+        if world > gpus:
+            raise ValueError(f"{cfg.mode} needs {world} GPUs (one per rank), this host has {gpus}; "
+                             "lower the rank counts or join a larger cluster with ray_address")
+        if cfg.transport == "local":
+            raise ValueError("transport=local runs on CPU (gloo); use transport=nccl with device=cuda")
+    else:
+        cpus = os.cpu_count() or 1
+        if world > cpus / MIN_CPUS_PER_RANK:
+            raise ValueError(f"{cfg.mode} needs {world} CPU ranks but this host has {cpus} cores "
+                             f"(at most {int(cpus / MIN_CPUS_PER_RANK)} ranks); lower the rank counts")
+        if cfg.transport != "local":
+            raise ValueError(f"transport={cfg.transport} needs GPUs; on CPU use transport=local")
+
+
+class DistributedTrainer:
+    """A `mode: disaggregated | colocated` run (module docstring)."""
+
+    def __init__(self, cfg: TrainConfig, log_to_driver: bool = True) -> None:
+        self.cfg = cfg
+        self.model_cfg = load_model(cfg.model)
+        self.topology = Topology.from_config(cfg, self.model_cfg)
+        check_fits(cfg, self.model_cfg, self.topology)
+        load_splits(cfg.data, self.model_cfg.vocab_size, cfg.seq_len)  # data errors surface here, not in actors
+        self.out_dir = Path(cfg.out_dir)
+        self.checkpoint_root = self.out_dir / CHECKPOINTS_DIR
+        self.step = 0
+        resume_from = None
+        if cfg.resume:
+            resume_from = latest_checkpoint(self.checkpoint_root)
+            if resume_from is None:
+                raise ValueError(f"resume=true but {self.checkpoint_root} holds no complete checkpoint; "
+                                 "check out_dir or set resume=false to start fresh")
+            self.step = read_trainer_state(resume_from).step
+            if self.step >= cfg.steps:
+                raise ValueError(f"checkpoint {resume_from} is at step {self.step}, already at "
+                                 f"steps={cfg.steps}; raise steps to train further")
+        self.tokens_per_step = cfg.batch_size * cfg.seq_len
+        self.flops_per_step = step_flops(self.model_cfg, self.tokens_per_step, cfg.seq_len)
+        self.peak_flops = None if cfg.hardware is None else load_hardware(cfg.hardware).bf16_tflops * 1e12
+        self.rank_names = {r: self.topology.describe(r) for r in range(self.topology.world_size)}
+        self.groups = [self.topology.group_name(r) for r in range(self.topology.world_size)]
+        self.workers = WorkerGroup.start(self.topology.world_size, cfg.device, cfg.env, cfg.ray_address,
+                                         worker_cls=TrainWorker, log_to_driver=log_to_driver)
+        try:
+            self.workers.init_process_group(timeout_s=cfg.recv_timeout_s)
+            self.workers.call("setup", cfg.model_dump(mode="json"), self.topology, timeout_s=step_timeout_s(cfg))
+            if resume_from is not None:
+                self.workers.call("load", str(resume_from), timeout_s=step_timeout_s(cfg))
+        except BaseException:
+            self.workers.shutdown()
+            raise
+        self.spans: dict[int, list[tuple[str, str, float, float]]] = {r: [] for r in self.rank_names}
+
+    # -- the run ---------------------------------------------------------------------------------
+
+    def run(self, on_step: StepCallback | None = None) -> TrainSummary:
+        """Train to `cfg.steps`, then write the trace and shut the actors down (also on failure)."""
+        try:
+            return self._run(on_step)
+        finally:
+            if self.cfg.trace:
+                write_chrome_trace(self.out_dir / TRACE_FILE, self.spans, self.rank_names)
+            self.workers.shutdown()
+
+    def _run(self, on_step: StepCallback | None) -> TrainSummary:
+        cfg = self.cfg
+        metrics_path = self.out_dir / METRICS_FILE
+        last: dict[str, Any] = {}
+        checkpoint: Path | None = None
+        total_tokens, total_time = 0, 0.0
+        with MetricsLog(metrics_path, resume_after_step=self.step if cfg.resume else None) as log:
+            while self.step < cfg.steps:
+                record = self._train_one_step()
+                total_tokens += record["tokens"]
+                total_time += record["step_time_s"]
+                if (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0) or self.step == cfg.steps:
+                    checkpoint = self.save()
+                log.write(record)
+                if on_step is not None:
+                    on_step(record)
+                last = record
+        return TrainSummary(
+            steps=self.step,
+            final_loss=last.get("loss"),
+            final_val_loss=None,
+            tokens_per_s=total_tokens / total_time if total_time > 0 else None,
+            mfu=mfu(self.flops_per_step * total_tokens / self.tokens_per_step, total_time, self.peak_flops),
+            out_dir=str(self.out_dir),
+            metrics_path=str(metrics_path),
+            checkpoint_path=None if checkpoint is None else str(checkpoint),
+        )
+
+    def _train_one_step(self) -> dict[str, Any]:
+        cfg = self.cfg
+        lr = lr_at(self.step, cfg.optim, cfg.steps)
+        start = time.perf_counter()
+        results = self._call("train_step", self.step, lr)
+        seconds = time.perf_counter() - start
+        self.step += 1
+        parts = {"ce": 0.0, "aux_loss": 0.0, "z_loss": 0.0}
+        load: dict[int, list[int]] = {}
+        for result in results:
+            for name, value in result.get("loss_parts", {}).items():
+                parts[name] += value
+            load.update(result["expert_load"])
+            self.spans[result["rank"]].extend(result["spans"])
+        load_LE = torch.tensor([load[layer] for layer in sorted(load)], dtype=torch.int64).reshape(
+            len(load), self.model_cfg.num_experts)
+        return {
+            "step": self.step,
+            "loss": parts["ce"] + parts["aux_loss"] + parts["z_loss"],
+            **parts,
+            "lr": lr,
+            "grad_norm": results[0]["grad_norm"],
+            "tokens": self.tokens_per_step,
+            "step_time_s": seconds,
+            "tokens_per_s": self.tokens_per_step / seconds,
+            "flops": self.flops_per_step,
+            "mfu": mfu(self.flops_per_step, seconds, self.peak_flops),
+            "expert_load": load_LE.tolist(),
+            "load_imbalance": load_imbalance(load_LE),
+            "busy": busy_fractions([r["compute_s"] for r in results], seconds, self.groups),
+        }
+
+    def save(self) -> Path:
+        """Every rank writes its shard into a staging directory; the driver seals it."""
+        staging = staging_dir(self.checkpoint_root, self.step)
+        listings = self._call("save_shard", str(staging))
+        return finish_checkpoint(self.checkpoint_root, self.step, [e for e in listings if e is not None],
+                                 self.model_cfg, TrainerState.capture(self.step))
+
+    def _call(self, method: str, *args: Any) -> list[Any]:
+        try:
+            return self.workers.call(method, *args, timeout_s=step_timeout_s(self.cfg))
+        except WorkerFailure as failure:
+            raise self._diagnose(failure, method) from failure
+
+    def _diagnose(self, failure: WorkerFailure, method: str) -> TrainingFailed:
+        """Name the rank at fault: a peer a rank could not exchange with, or the failing rank itself."""
+        cause = getattr(failure.__cause__, "cause", None)
+        rank, what = failure.rank, failure.reason
+        if isinstance(cause, PeerProblem):
+            rank = cause.peer
+            try:
+                self.workers.call_rank(rank, "info", timeout_s=5.0)
+                what = f"it is alive but stopped delivering messages ({cause.message})"
+            except WorkerFailure as probe:
+                state = probe.reason if "died" in probe.reason else "it is hung (does not answer Ray either)"
+                what = f"{state}; noticed by {cause.message}"
+        checkpoint = latest_checkpoint(self.checkpoint_root)
+        resume = (f"resume from {checkpoint} with resume=true" if checkpoint is not None
+                  else "no checkpoint yet (set checkpoint_every to keep progress)")
+        return TrainingFailed(rank, f"rank {rank} ({self.rank_names.get(rank, '?')}) failed during {method} "
+                                    f"of step {self.step + 1}: {what}; {resume}")
+
+
+def train_distributed(cfg: TrainConfig, on_step: StepCallback | None = None) -> TrainSummary:
+    """Run a whole `mode: disaggregated | colocated` run (resuming if `cfg.resume`)."""
+    return DistributedTrainer(cfg).run(on_step)

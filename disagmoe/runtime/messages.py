@@ -1,0 +1,63 @@
+"""A rank's mail for one training step: what compute ops leave for the next hop, and what arrived.
+
+Compute ops never talk to the transport: they `post` tensors for a destination rank and `take`
+what their `Recv` ops collected. The worker moves posted messages with the schedule's `Send`
+ops (or straight into its own inbox when the destination is itself: p = 1 hand-over of the
+residual stream, a colocated rank's own expert slice) and files received ones with `Recv`.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from disagmoe.comm.base import MessageKey
+from disagmoe.runtime.schedule import Payload
+
+Slot = tuple[Payload, int, int]  # (payload, layer, micro-batch)
+
+
+def message_key(step: int, payload: Payload, layer: int, micro_batch: int) -> MessageKey:
+    """The transport key of a message.
+
+    A colocated rank pair carries both DISPATCH and COMBINE for the same (micro-batch, layer)
+    in the same direction, so the key's layer field holds 2 * layer + (1 for COMBINE[_GRAD]).
+    """
+    slot = 1 if payload in (Payload.COMBINE, Payload.COMBINE_GRAD) else 0
+    return MessageKey(step, micro_batch, 2 * layer + slot, payload.direction)
+
+
+class Mailbox:
+    """Posted (outgoing) and received (incoming) messages of one rank, by slot and peer."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self._outgoing: dict[Slot, dict[int, list[torch.Tensor]]] = defaultdict(dict)
+        self._incoming: dict[Slot, dict[int, list[torch.Tensor]]] = defaultdict(dict)
+
+    def post(self, payload: Payload, layer: int, micro_batch: int, dst: int, tensors: list[torch.Tensor]) -> None:
+        """Leave `tensors` for `dst`; addressed to this rank, they arrive at once."""
+        box = self._incoming if dst == self.rank else self._outgoing
+        box[(payload, layer, micro_batch)][dst] = tensors
+
+    def outgoing(self, payload: Payload, layer: int, micro_batch: int, dst: int) -> list[torch.Tensor]:
+        """The tensors posted for `dst` (removed: each message leaves once)."""
+        box = self._outgoing[(payload, layer, micro_batch)]
+        assert dst in box, f"rank {self.rank}: nothing posted for rank {dst} in {payload.name} {layer}/{micro_batch}"
+        return box.pop(dst)
+
+    def deliver(self, payload: Payload, layer: int, micro_batch: int, src: int, tensors: list[torch.Tensor]) -> None:
+        self._incoming[(payload, layer, micro_batch)][src] = tensors
+
+    def has(self, payload: Payload, layer: int, micro_batch: int, src: int) -> bool:
+        return src in self._incoming.get((payload, layer, micro_batch), {})
+
+    def take(self, payload: Payload, layer: int, micro_batch: int, src: int) -> list[torch.Tensor]:
+        """The message from `src` (removed)."""
+        box = self._incoming[(payload, layer, micro_batch)]
+        assert src in box, f"rank {self.rank}: no {payload.name} {layer}/{micro_batch} from rank {src}"
+        return box.pop(src)
+
+    def empty(self) -> bool:
+        return not any(self._outgoing.values()) and not any(self._incoming.values())

@@ -1,0 +1,100 @@
+"""The part of the model one rank holds, under the full model's parameter names.
+
+An attention rank holds the blocks of its pipeline group's layers without their routed experts
+(plus the embedding on the group of layer 0, the final norm and LM head on the head group); an
+expert rank holds, per MoE layer of its group, a `RoutedExperts` slice at `layers.<i>.moe.experts`.
+A colocated rank holds both. The modules are built on the meta device, so no rank ever allocates
+the whole model, then initialised by the full model's own rules: every tensor draws from the
+stream of (seed, its name), so a rank's tensors equal the single-process model's bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from disagmoe.config import ModelConfig
+from disagmoe.model import MoEBlock, MoETransformer, RoutedExperts
+
+
+class RankModel(nn.Module):
+    """Embedding / layers / norm / head of one rank; absent parts are None or missing layers."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        experts_backend: str,
+        attention_layers: Iterable[int],
+        expert_slices: dict[int, tuple[int, int]],
+        holds_embedding: bool,
+        holds_head: bool,
+    ) -> None:
+        super().__init__()
+        self.cfg = cfg
+        attention_layers = set(attention_layers)
+        with torch.device("meta"):
+            full = MoETransformer(cfg, experts_backend)
+            self.embed = full.embed if holds_embedding or (holds_head and cfg.tie_embeddings) else None
+            self.layers = nn.ModuleDict()
+            for layer in sorted(attention_layers | set(expert_slices)):
+                block = full.layers[layer]
+                experts = None
+                if layer in expert_slices:
+                    experts = RoutedExperts.from_slice(block.moe.experts, *expert_slices[layer])
+                if layer in attention_layers:
+                    if isinstance(block, MoEBlock):
+                        block.moe.experts = experts  # None on a pure attention rank
+                    self.layers[str(layer)] = block
+                else:
+                    self.layers[str(layer)] = _ExpertsOnly(experts)
+            self.norm = full.norm if holds_head else None
+            self.lm_head = full.lm_head if holds_head else None
+
+    # The full model's initialisation, applied by name to the modules held here.
+    init_weights = MoETransformer.init_weights
+
+    @property
+    def moe_blocks(self) -> list[MoEBlock]:
+        return [b for b in self.layers.values() if isinstance(b, MoEBlock)]
+
+    def materialise(self, device: torch.device, seed: int) -> RankModel:
+        """Allocate the meta tensors on `device` and initialise them like the full model."""
+        for block in self.moe_blocks:  # the router keeps its fp32 bias through casts: give it one
+            router = block.moe.router
+            if router.expert_bias is not None:
+                router.expert_bias = torch.zeros(router.expert_bias.shape, device=device)
+        self.to_empty(device=device)
+        self.init_weights(seed)
+        return self
+
+    def block(self, layer: int) -> nn.Module:
+        return self.layers[str(layer)]
+
+    def experts(self, layer: int) -> RoutedExperts:
+        return self.layers[str(layer)].moe.experts
+
+    def head_weight(self) -> torch.Tensor:
+        return self.embed.weight if self.lm_head is None else self.lm_head.weight
+
+    def expert_parameters(self) -> Iterator[nn.Parameter]:
+        """Parameters of routed experts (sharded: no other rank holds them)."""
+        for name, param in self.named_parameters():
+            if ".moe.experts." in name:
+                yield param
+
+    def replicated_parameters(self) -> Iterator[nn.Parameter]:
+        """Every other parameter (attention side: replicated over the data-parallel group)."""
+        for name, param in self.named_parameters():
+            if ".moe.experts." not in name:
+                yield param
+
+
+class _ExpertsOnly(nn.Module):
+    """An expert rank's view of a MoE layer: just `moe.experts` (keeps the full model's names)."""
+
+    def __init__(self, experts: RoutedExperts) -> None:
+        super().__init__()
+        self.moe = nn.Module()
+        self.moe.experts = experts

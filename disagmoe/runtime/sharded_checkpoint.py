@@ -1,0 +1,140 @@
+"""Checkpoints written by many ranks, in the one layout-independent format of `runtime.checkpoint`.
+
+Each rank writes `rank-<r>.pt` = {"model": {key: tensor}, "optim": {key: state}} holding the
+keys it owns (replicated attention parameters only from data-parallel index 0; every expert
+under its global index); the driver adds `trainer.pt` and the manifest. Everything goes to a
+temporary directory first that is renamed to `step-<step>` at the end, so a checkpoint either
+exists complete or not at all. Since the keys are layout-independent, `load_checkpoint` (single
+mode) reads these checkpoints, and `load_rank_state` reads any checkpoint into one rank's part
+of the model, whatever layout wrote it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from disagmoe.config import ModelConfig
+from disagmoe.runtime.checkpoint import (
+    FORMAT,
+    MANIFEST,
+    TRAINER_SHARD,
+    TensorKey,
+    TrainerState,
+    _atomic_write,
+    _serialise,
+    check_compatible,
+    checkpoint_dir,
+    from_keyed,
+    is_expert_stacked,
+    keyed_optimizer_state,
+    load_optimizer_state,
+    model_fingerprint,
+    optimizer_state_by_name,
+    read_manifest,
+    read_shards,
+    to_keyed,
+)
+from disagmoe.runtime.rank_model import RankModel
+
+Listing = dict[str, Any]  # {"file", "sha256", "bytes"}: one manifest entry
+
+
+def staging_dir(root: Path, step: int) -> Path:
+    """Where the ranks write step `step`'s shards before the rename (ignored by `latest_checkpoint`)."""
+    return root / f".staging-{checkpoint_dir(root, step).name}"
+
+
+def _first_experts(model: RankModel) -> dict[str, int]:
+    """Stacked expert tensor name -> global index of its first expert."""
+    firsts = {}
+    for name, module in model.named_modules():
+        if name.endswith("moe.experts"):
+            for param in ("w13_EH2F", "w2_EFH"):
+                firsts[f"{name}.{param}"] = module.first_expert
+    return firsts
+
+
+def _global_key(key: TensorKey, firsts: dict[str, int]) -> TensorKey:
+    """A rank-local key (expert index within the rank's slice) -> the layout-independent key."""
+    if key.expert is None:
+        return key
+    return TensorKey(key.layer, key.module, key.expert + firsts[key.state_name], key.param)
+
+
+def _globalise(keyed: dict[TensorKey, Any], firsts: dict[str, int]) -> dict[TensorKey, Any]:
+    return {_global_key(k, firsts): v for k, v in keyed.items()}
+
+
+def rank_shard(model: RankModel, optimizer: torch.optim.Optimizer, include_replicated: bool) -> dict[str, Any]:
+    """This rank's keyed model tensors and optimizer state (replicated ones only if asked)."""
+    firsts = _first_experts(model)
+    keep = (lambda name: True) if include_replicated else is_expert_stacked
+    model_state = {n: t.detach().cpu().clone() for n, t in model.state_dict().items() if keep(n)}
+    optim_state = {n: {k: t.detach().cpu().clone() for k, t in s.items()}
+                   for n, s in optimizer_state_by_name(model, optimizer).items() if keep(n)}
+    return {
+        "model": {str(k): t for k, t in _globalise(to_keyed(model_state), firsts).items()},
+        "optim": {str(k): s for k, s in _globalise(keyed_optimizer_state(optim_state), firsts).items()},
+    }
+
+
+def write_shard(directory: Path, name: str, shard: Any) -> Listing:
+    directory.mkdir(parents=True, exist_ok=True)
+    data = _serialise(shard)
+    _atomic_write(directory / name, data)
+    return {"file": name, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+
+
+def finish_checkpoint(root: Path, step: int, listings: list[Listing], model_cfg: ModelConfig,
+                      state: TrainerState) -> Path:
+    """Add trainer.pt and the manifest to the staged shards, then rename into `step-<step>`."""
+    staging = staging_dir(root, step)
+    trainer = {"step": state.step, "data_step": state.data_step, "torch_rng": state.torch_rng,
+               "cuda_rng": list(state.cuda_rng)}
+    listings = sorted([*listings, write_shard(staging, TRAINER_SHARD, trainer)], key=lambda e: e["file"])
+    manifest = {
+        "format": FORMAT,
+        "step": step,
+        "model_fingerprint": model_fingerprint(model_cfg),
+        "model_config": model_cfg.model_dump(mode="json"),
+        "shards": listings,
+    }
+    _atomic_write(staging / MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode())
+    final = checkpoint_dir(root, step)
+    if final.exists():
+        shutil.rmtree(final)
+    staging.rename(final)
+    return final
+
+
+def read_trainer_state(directory: Path) -> TrainerState:
+    manifest = read_manifest(directory)
+    trainer = read_shards(directory, {"shards": [e for e in manifest["shards"] if e["file"] == TRAINER_SHARD]})
+    t = trainer[TRAINER_SHARD]
+    return TrainerState(step=t["step"], data_step=t["data_step"], torch_rng=t["torch_rng"], cuda_rng=t["cuda_rng"])
+
+
+def load_rank_state(directory: Path, model: RankModel, optimizer: torch.optim.Optimizer,
+                    model_cfg: ModelConfig) -> None:
+    """Load this rank's tensors and optimizer state from any checkpoint (every shard is checked)."""
+    manifest = read_manifest(directory)
+    check_compatible(manifest, model_cfg, directory)
+    model_keyed: dict[TensorKey, torch.Tensor] = {}
+    optim_keyed: dict[TensorKey, dict[str, torch.Tensor]] = {}
+    for name, shard in read_shards(directory, manifest).items():
+        if name != TRAINER_SHARD:
+            model_keyed.update({TensorKey.parse(k): t for k, t in shard["model"].items()})
+            optim_keyed.update({TensorKey.parse(k): s for k, s in shard["optim"].items()})
+    firsts = _first_experts(model)
+    local_of = {_global_key(k, firsts): k for k in to_keyed(dict(model.state_dict()))}
+    missing = [str(k) for k in local_of if k not in model_keyed]
+    if missing:
+        raise ValueError(f"checkpoint {directory} lacks {len(missing)} tensors this rank needs, e.g. {missing[:3]}")
+    model.load_state_dict(from_keyed({local_of[k]: model_keyed[k] for k in local_of}), strict=True)
+    load_optimizer_state(model, optimizer, {local_of[k]: optim_keyed[k] for k in local_of if k in optim_keyed})

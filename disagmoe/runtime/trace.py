@@ -1,0 +1,82 @@
+"""Spans of what every rank did, in Chrome trace format (open trace.json in Perfetto or chrome://tracing).
+
+A rank records one span per schedule op: `compute` (forward, backward, loss, optimizer), `send`
+(posting a message) or `wait` (a receive blocking, the end-of-step wait for sends). Timestamps are
+wall-clock microseconds (`time.time_ns`), comparable across processes of one host. In the file,
+pid = rank (named after its role) and each span's name is its op.
+
+A rank's busy fraction in a step is its compute time over the step's wall time; a group's is the
+mean over its ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import defaultdict
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+CATEGORIES = ("compute", "send", "wait")
+
+
+class SpanRecorder:
+    """Collects (name, category, start_us, duration_us) spans of one rank."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self.spans: list[tuple[str, str, float, float]] = []
+        self.compute_s = 0.0
+
+    @contextmanager
+    def span(self, name: str, category: str) -> Iterator[None]:
+        assert category in CATEGORIES, category
+        start = time.time_ns()
+        try:
+            yield
+        finally:
+            duration_ns = time.time_ns() - start
+            if category == "compute":
+                self.compute_s += duration_ns / 1e9
+            if self.enabled:
+                self.spans.append((name, category, start / 1e3, duration_ns / 1e3))
+
+    def drain(self) -> tuple[list[tuple[str, str, float, float]], float]:
+        """The spans and compute seconds since the last drain (then forgets them)."""
+        spans, compute_s = self.spans, self.compute_s
+        self.spans, self.compute_s = [], 0.0
+        return spans, compute_s
+
+
+def busy_fractions(compute_s: Sequence[float], step_s: float, group_of_rank: Sequence[str]) -> dict[str, float]:
+    """Per group: the mean over its ranks of compute time / step wall time."""
+    per_group: dict[str, list[float]] = defaultdict(list)
+    for rank, seconds in enumerate(compute_s):
+        per_group[group_of_rank[rank]].append(min(seconds / step_s, 1.0) if step_s > 0 else 0.0)
+    return {group: sum(values) / len(values) for group, values in sorted(per_group.items())}
+
+
+def chrome_trace(spans_by_rank: Mapping[int, Sequence[tuple[str, str, float, float]]],
+                 rank_names: Mapping[int, str]) -> dict[str, Any]:
+    """The Chrome trace-event JSON object: one complete ('X') event per span, pid = rank."""
+    events: list[dict[str, Any]] = []
+    for rank in sorted(rank_names):
+        events.append({"ph": "M", "name": "process_name", "pid": rank, "tid": 0,
+                       "args": {"name": f"rank {rank} ({rank_names[rank]})"}})
+        events.append({"ph": "M", "name": "process_sort_index", "pid": rank, "tid": 0, "args": {"sort_index": rank}})
+    for rank, spans in spans_by_rank.items():
+        for name, category, start_us, duration_us in spans:
+            events.append({"name": name, "cat": category, "ph": "X", "ts": start_us, "dur": duration_us,
+                           "pid": rank, "tid": 0})
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def write_chrome_trace(path: Path, spans_by_rank: Mapping[int, Sequence[tuple[str, str, float, float]]],
+                       rank_names: Mapping[int, str]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(chrome_trace(spans_by_rank, rank_names)))
+    tmp.replace(path)
+    return path

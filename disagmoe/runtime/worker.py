@@ -1,0 +1,262 @@
+"""The training actor: one per rank; runs its schedule program for a whole step per driver call.
+
+    setup(cfg, topology)       build the rank's model part, optimizer, data, transport, groups
+    train_step(step, lr)       run the program (compute ops, sends, receives), then the optimizer
+                               step; return this rank's metrics and trace spans
+    save_shard(dir) / load(dir)    checkpoint shards in the layout-independent format
+
+The optimizer step, as in the oracle: wait for every send, all-reduce (sum) the replicated
+parameters' gradients within the data-parallel group, clip every gradient by the global norm
+(sum of squares all-reduced once over all ranks, replicated parameters counted once), AdamW at the
+driver's learning rate, then the router-bias update from the step's expert loads summed over
+micro-batches and data-parallel ranks.
+
+Collectives run on their own process groups, never on the default group the `local` transport
+uses for point-to-point messages, so collective and message tags cannot collide.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from disagmoe.comm import make_transport
+from disagmoe.comm.base import SendHandle, TransportError
+from disagmoe.config import TrainConfig, load_model
+from disagmoe.data import TokenDataset, load_splits
+from disagmoe.runtime.attention_stage import AttentionStage
+from disagmoe.runtime.cluster import Worker
+from disagmoe.runtime.expert_stage import ExpertStage
+from disagmoe.runtime.messages import Mailbox, message_key
+from disagmoe.runtime.optim import build_optimizer, set_lr
+from disagmoe.runtime.rank_model import RankModel
+from disagmoe.runtime.schedule import (
+    AttentionBackward,
+    AttentionForward,
+    ExpertBackward,
+    ExpertForward,
+    Loss,
+    Op,
+    OptimizerStep,
+    Recv,
+    Send,
+)
+from disagmoe.runtime.sharded_checkpoint import Listing, load_rank_state, rank_shard, write_shard
+from disagmoe.runtime.topology import Topology
+from disagmoe.runtime.trace import SpanRecorder
+
+
+class PeerProblem(RuntimeError):
+    """A message exchange with `peer` failed (it hung, died or is slow): the driver blames `peer`."""
+
+    def __init__(self, peer: int, message: str) -> None:
+        super().__init__(peer, message)  # both in args: the exception survives pickling by Ray
+        self.peer = peer
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def _op_name(op: Op) -> str:
+    """A span name: e.g. 'AttentionForward L1 mb0', 'Recv dispatch L2 mb1'."""
+    if isinstance(op, (Send, Recv)):
+        return f"{type(op).__name__} {op.payload.value} L{op.layer} mb{op.micro_batch}"
+    if isinstance(op, Loss):
+        return f"Loss mb{op.micro_batch}"
+    if isinstance(op, OptimizerStep):
+        return "OptimizerStep"
+    return f"{type(op).__name__} L{op.layer} mb{op.micro_batch}"
+
+
+class TrainWorker(Worker):
+    """A rank of a disaggregated or colocated run (see the module docstring)."""
+
+    def setup(self, cfg_data: dict[str, Any], topology: Topology) -> None:
+        cfg = TrainConfig.model_validate(cfg_data)
+        self.cfg, self.topology = cfg, topology
+        self.model_cfg = load_model(cfg.model)
+        if cfg.cpu_threads is not None and self.device.type == "cpu":
+            torch.set_num_threads(cfg.cpu_threads)
+        self.program = topology.programs(cfg.micro_batches)[self.rank]
+        self.world_group, self.dp_group = self._collective_groups(topology, cfg.recv_timeout_s)
+        self.transport = make_transport(cfg.transport, cfg.recv_timeout_s, topology.rank_pairs(cfg.micro_batches))
+        attention = topology.attention_role(self.rank)
+        self.model = RankModel(
+            self.model_cfg, cfg.experts_backend,
+            attention_layers=topology.attention_layers(self.rank),
+            expert_slices=topology.expert_slices_of(self.rank),
+            holds_embedding=attention is not None and attention[0] == 0,
+            holds_head=attention is not None and attention[0] == topology.head_group,
+        ).materialise(self.device, cfg.seed)
+        self.optimizer = build_optimizer(self.model.named_parameters(), cfg.optim)
+        self.attention = None
+        if attention is not None:
+            splits = load_splits(cfg.data, self.model_cfg.vocab_size, cfg.seq_len)
+            data = TokenDataset(splits.train, cfg.seq_len, cfg.batch_size, cfg.seed, "train")
+            self.attention = AttentionStage(self.model, topology, self.rank, data, cfg.micro_batches, self.dp_group)
+        self.experts = ExpertStage(self.model, topology, self.rank) if topology.expert_role(self.rank) else None
+        self.recorder = SpanRecorder(enabled=cfg.trace)
+        self.stall_before_step: tuple[int, float] | None = None
+
+    def _collective_groups(self, topology: Topology, timeout_s: float) -> tuple[Any, Any]:
+        """The all-ranks group and this rank's data-parallel group (every rank creates every group)."""
+        from datetime import timedelta
+
+        timeout = timedelta(seconds=timeout_s)
+        world = dist.new_group(list(range(topology.world_size)), timeout=timeout)
+        mine = None
+        for ranks in topology.attention_groups:
+            group = dist.new_group(list(ranks), timeout=timeout)
+            if self.rank in ranks:
+                mine = group
+        return world, mine
+
+    # -- one step --------------------------------------------------------------------------------
+
+    def train_step(self, step: int, lr: float) -> dict[str, Any]:
+        """Run this rank's program for `step`; returns its metrics (see the driver)."""
+        import time
+
+        if self.stall_before_step is not None and self.stall_before_step[0] == step:
+            time.sleep(self.stall_before_step[1])  # fault injection for the failure tests
+        start = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.attention is not None:
+            self.attention.begin_step(step)
+        if self.experts is not None:
+            self.experts.begin_step()
+        mail = Mailbox(self.rank)
+        handles: list[SendHandle] = []
+        result: dict[str, Any] = {}
+        try:
+            for op in self.program:
+                if isinstance(op, OptimizerStep):
+                    with self.recorder.span("wait for sends", "wait"):
+                        for handle in handles:
+                            handle.wait()
+                    with self.recorder.span(_op_name(op), "compute"):
+                        result = self._optimizer_step(lr)
+                else:
+                    self._run(op, step, mail, handles)
+        except TransportError as err:
+            raise PeerProblem(err.peer, f"rank {self.rank} ({self.topology.describe(self.rank)}): {err}") from None
+        assert mail.empty(), f"rank {self.rank}: messages left over after step {step}"
+        spans, compute_s = self.recorder.drain()
+        result.update(rank=self.rank, compute_s=compute_s, step_s=time.perf_counter() - start, spans=spans)
+        if self.attention is not None:
+            result["loss_parts"] = self.attention.loss_parts
+        return result
+
+    def _run(self, op: Op, step: int, mail: Mailbox, handles: list[SendHandle]) -> None:
+        if isinstance(op, Send):
+            with self.recorder.span(_op_name(op), "send"):
+                for peer in op.peers:
+                    if peer != self.rank:  # to itself: already delivered by `Mailbox.post`
+                        key = message_key(step, op.payload, op.layer, op.micro_batch)
+                        handles.append(self.transport.send(peer, key, mail.outgoing(op.payload, op.layer, op.micro_batch, peer)))
+            return
+        if isinstance(op, Recv):
+            with self.recorder.span(_op_name(op), "wait"):
+                for peer in op.peers:
+                    if peer == self.rank:
+                        assert mail.has(op.payload, op.layer, op.micro_batch, peer)
+                        continue
+                    key = message_key(step, op.payload, op.layer, op.micro_batch)
+                    mail.deliver(op.payload, op.layer, op.micro_batch, peer, self.transport.recv(peer, key))
+            return
+        with self.recorder.span(_op_name(op), "compute"):
+            if isinstance(op, AttentionForward):
+                self.attention.forward(op.layer, op.micro_batch, mail)
+            elif isinstance(op, ExpertForward):
+                self.experts.forward(op.layer, op.micro_batch, mail)
+            elif isinstance(op, Loss):
+                self.attention.loss(op.micro_batch, mail)
+            elif isinstance(op, ExpertBackward):
+                self.experts.backward(op.layer, op.micro_batch, mail)
+            elif isinstance(op, AttentionBackward):
+                self.attention.backward(op.layer, op.micro_batch, mail)
+            else:
+                raise AssertionError(f"unknown op {op!r}")
+
+    def _optimizer_step(self, lr: float) -> dict[str, Any]:
+        replicated = [p for p in self.model.replicated_parameters() if p.requires_grad]
+        sharded = [p for p in self.model.expert_parameters() if p.requires_grad]
+        for p in replicated + sharded:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if replicated and self.topology.data_parallel > 1:
+            grads = [p.grad for p in replicated]
+            flat = _flatten_dense_tensors(grads)
+            dist.all_reduce(flat, group=self.dp_group)
+            for grad, summed in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
+                grad.copy_(summed)
+        load = self._step_load()
+        grad_norm = self._clip_to_global_norm(replicated, sharded)
+        set_lr(self.optimizer, lr)
+        self.optimizer.step()
+        for layer, load_E in load.items():
+            self.model.block(layer).moe.router.update_bias(load_E.to(self.device))
+        attention = self.topology.attention_role(self.rank)
+        reports_load = attention is not None and attention[1] == 0
+        return {"grad_norm": grad_norm, "expert_load": {l: v.tolist() for l, v in load.items()} if reports_load else {}}
+
+    def _step_load(self) -> dict[int, torch.Tensor]:
+        """Per MoE layer held here: the step's expert loads summed over micro-batches and DP ranks."""
+        if self.attention is None or not self.attention.load_LE:
+            return {}
+        layers = sorted(self.attention.load_LE)
+        load_LE = torch.stack([self.attention.load_LE[l] for l in layers])
+        if self.topology.data_parallel > 1:
+            dist.all_reduce(load_LE, group=self.dp_group)
+        return dict(zip(layers, load_LE, strict=True))
+
+    def _clip_to_global_norm(self, replicated: list[torch.Tensor], sharded: list[torch.Tensor]) -> float:
+        """Global L2 norm over all ranks (replicas counted once); scale every gradient like
+        `torch.nn.utils.clip_grad_norm_` would on the whole model. Returns the norm before clipping."""
+        attention = self.topology.attention_role(self.rank)
+        counted = sharded + (replicated if attention is None or attention[1] == 0 else [])
+        squares = torch.zeros((), dtype=torch.float64)
+        for p in counted:
+            squares += torch.linalg.vector_norm(p.grad).double().cpu() ** 2
+        dist.all_reduce(squares, group=self.world_group)
+        total = torch.tensor(math.sqrt(float(squares)), dtype=torch.float32)
+        max_norm = self.cfg.optim.grad_clip
+        if max_norm > 0:
+            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            for p in replicated + sharded:
+                p.grad.mul_(coef.to(p.grad.device))
+        return float(total)
+
+    # -- checkpoints and test hooks ---------------------------------------------------------------
+
+    def save_shard(self, directory: str) -> Listing | None:
+        """Write rank-<r>.pt under `directory`; None when this rank holds nothing unique."""
+        attention = self.topology.attention_role(self.rank)
+        include_replicated = attention is not None and attention[1] == 0
+        shard = rank_shard(self.model, self.optimizer, include_replicated)
+        if not shard["model"]:
+            return None
+        return write_shard(Path(directory), f"rank-{self.rank:05d}.pt", shard)
+
+    def load(self, directory: str) -> None:
+        load_rank_state(Path(directory), self.model, self.optimizer, self.model_cfg)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters and buffers under their full-model names (experts still sliced)."""
+        return {name: t.detach().cpu().clone() for name, t in self.model.state_dict().items()}
+
+    def stall(self, step: int, seconds: float) -> None:
+        """Fault injection: sleep `seconds` before running `step` (a hung rank, for tests)."""
+        self.stall_before_step = (step, seconds)
+
+    def close(self) -> None:
+        transport = getattr(self, "transport", None)
+        if transport is not None:
+            transport.close()
+        super().close()
