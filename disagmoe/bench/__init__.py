@@ -1,1 +1,1 @@
-"""Benchmark harnesses behind `disagmoe bench ...` (each measures its own baselines in the same run)."""
+"""Benchmark harnesses behind `disagmoe bench ...` (each measures its baselines in the same run)."""

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from disagmoe.bench.timing import copies_to_defeat_l2, environment, matmul_ceiling_tflops, median_ms
 from disagmoe.config import load_model
 from disagmoe.kernels.moe_ffn import FFNTiles, expert_ffn_reference, expert_ffn_triton
-from disagmoe.kernels.permute import combine_reference, combine_rows, permute_reference, permute_tokens
+from disagmoe.kernels.permute import (combine_reference, combine_rows, permute_reference,
+                                      permute_tokens)
 
 ZIPF_EXPONENT = 1.2
 BACKENDS = ("triton", "grouped_mm", "loop")
@@ -41,7 +42,7 @@ class ExpertShape:
         return m.num_experts // self.expert_parallel, m.hidden_size, m.expert_ffn_size, m.top_k
 
     def flops(self, pass_name: str) -> float:
-        """GEMM FLOPs of the expert FFN: 3 GEMMs of 2NHF forward (gate, up, down), 3x with backward."""
+        """GEMM FLOPs of the expert FFN: 3 GEMMs of 2NHF forward (gate, up, down), 3x fwd+bwd."""
         _, hidden, ffn, _ = self.dims
         forward = 6.0 * self.pairs * hidden * ffn
         return forward if pass_name == "fwd" else 3 * forward
@@ -57,7 +58,7 @@ SHAPES = {s.name: s for s in (
 
 
 def zipf_routing(tokens: int, top_k: int, experts: int, seed: int) -> torch.Tensor:
-    """topk_idx_TK drawn i.i.d. from Zipf(1.2) over a seeded shuffle of the experts (skewed load)."""
+    """topk_idx_TK drawn i.i.d. from Zipf(1.2) over a seeded shuffle of the experts (skewed)."""
     gen = torch.Generator().manual_seed(seed)
     ranks = torch.randperm(experts, generator=gen).double() + 1
     probs_E = ranks.pow(-ZIPF_EXPONENT)
@@ -209,7 +210,8 @@ def run(shape_names: list[str], backends: list[str], warmup: int, iters: int,
             for pass_name in PASSES:
                 ms = time_block(block, inputs, dy, pass_name, min(warmup, n_iters), n_iters)
                 entry["ms"].setdefault(backend, {})[pass_name] = ms
-                entry["tflops"].setdefault(backend, {})[pass_name] = shape.flops(pass_name) / ms / 1e9
+                rate = shape.flops(pass_name) / ms / 1e9
+                entry["tflops"].setdefault(backend, {})[pass_name] = rate
                 log(f"{name} {backend} {pass_name}: {ms:.3f} ms")
         record["shapes"].append(entry)
         del inputs, dy

@@ -1,4 +1,4 @@
-"""Shared GPU timing for the benchmarks: event-timed medians, the matmul ceiling, the environment."""
+"""Shared GPU timing for the benchmarks: event-timed medians, matmul ceiling, environment."""
 
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
 """`disagmoe bench tune-experts`: pick the grouped GEMM tiles per shape class on this GPU.
 
-Checks each candidate TileConfig against the heuristic tiles' result, times it on each launch (role) of the expert FFN, forward and backward, for
-the benchmark shapes, and writes the fastest per shape class to disagmoe/kernels/tuned/<gpu>.json
-(data, looked up at launch by disagmoe.kernels.tile_configs). Legend as in grouped_gemm.py.
+Checks each candidate TileConfig against the heuristic tiles' result, then times it on each launch
+(role) of the expert FFN, forward and backward, for the benchmark shapes, and writes the fastest
+per shape class to disagmoe/kernels/tuned/<gpu>.json (data, looked up at launch by
+disagmoe.kernels.tile_configs). Legend as in grouped_gemm.py.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from disagmoe.kernels.tile_configs import TUNED_DIR, TileConfig, gpu_slug, heuri
 
 # (block_m, block_n, block_k, num_warps, num_stages, programs_per_sm[, flatten]); block_m tiles
 # the rows (for the weight gradients: the reduction over rows), block_n the output columns, block_k
-# the reduction (for the weight gradients: the output rows). Two programs per SM hide one tile's pipeline start
-# and epilogue under the other's main loop, at the price of fewer stages.
+# the reduction (for the weight gradients: the output rows). Two programs per SM hide one tile's
+# pipeline start and epilogue under the other's main loop, at the price of fewer stages.
 ROW_GEMM_CANDIDATES = [(128, 256, 64, 8, 3, 1), (128, 256, 64, 8, 4, 1), (128, 128, 64, 8, 4, 1),
                        (128, 128, 64, 4, 4, 1), (64, 128, 64, 4, 4, 1), (256, 128, 64, 8, 3, 1),
                        (64, 256, 64, 8, 4, 1), (64, 128, 64, 4, 3, 2), (128, 128, 64, 8, 2, 2),
@@ -30,8 +31,8 @@ ROW_GEMM_CANDIDATES = [(128, 256, 64, 8, 3, 1), (128, 256, 64, 8, 4, 1), (128, 1
                        (64, 256, 64, 8, 4, 1, True)]
 GATE_UP_CANDIDATES = [(128, 128, 64, 8, 3, 1), (128, 128, 64, 8, 4, 1), (64, 128, 64, 4, 4, 1),
                       (128, 64, 64, 4, 4, 1), (64, 256, 64, 8, 3, 1), (128, 128, 32, 8, 5, 1),
-                      (64, 128, 64, 4, 3, 2), (128, 128, 32, 8, 3, 2), (128, 128, 32, 8, 5, 1, True),
-                      (64, 128, 64, 4, 4, 1, True)]
+                      (64, 128, 64, 4, 3, 2), (128, 128, 32, 8, 3, 2),
+                      (128, 128, 32, 8, 5, 1, True), (64, 128, 64, 4, 4, 1, True)]
 WGRAD_CANDIDATES = [(64, 128, 128, 8, 3, 1), (64, 256, 128, 8, 3, 1), (64, 128, 128, 4, 4, 1),
                     (32, 128, 128, 4, 5, 1), (64, 128, 256, 8, 3, 1), (128, 128, 128, 8, 3, 1),
                     (64, 128, 128, 4, 3, 2), (64, 256, 128, 8, 2, 2), (32, 128, 128, 4, 3, 2),
@@ -47,7 +48,8 @@ def candidates(role: str) -> list[TileConfig]:
             for m, n, k, w, s, p, *rest in table]
 
 
-def role_launches(shape_name: str, device: torch.device) -> dict[str, Callable[[TileConfig], object]]:
+def role_launches(shape_name: str,
+                  device: torch.device) -> dict[str, Callable[[TileConfig], torch.Tensor]]:
     """Per role, a function launching that GEMM of the expert FFN with a given tile config."""
     shape = SHAPES[shape_name]
     experts, hidden, ffn, top_k = shape.dims

@@ -56,8 +56,9 @@ def experts(
     console.print(_experts_table(record))
     if markdown:
         env = record["environment"]
-        console.print(", ".join(f"{k} {v}" for k, v in env.items()) +
-                      f"; bf16 matmul 8192^3 {record['ceiling_tflops']:.0f} TFLOP/s", soft_wrap=True)
+        ceiling = f"bf16 matmul 8192^3 {record['ceiling_tflops']:.0f} TFLOP/s"
+        console.print(", ".join(f"{k} {v}" for k, v in env.items()) + f"; {ceiling}",
+                      soft_wrap=True)
         console.print(bench.markdown_table(record), soft_wrap=True, highlight=False)
 
 

@@ -1,4 +1,4 @@
-"""Persistent grouped GEMMs over experts with ragged row counts (the MoE expert FFN's building blocks).
+"""Persistent grouped GEMMs over experts with ragged row counts (the expert FFN's building blocks).
 
 Legend: N rows (token-expert pairs, grouped by expert), E experts, K reduction size, C output
 columns, H hidden size, F expert FFN size; `offsets_E` int32 cumulative row counts (expert e owns
@@ -145,7 +145,7 @@ def _ragged_weight_grad_kernel(
     FLATTEN: tl.constexpr,
 ):
     # Contract: a [N, KA], b [N, C] rows grouped by expert; out [E, KA, C] = per-expert a^T @ b.
-    # BLOCK_K tiles KA (the output's rows), BLOCK_N tiles C, BLOCK_M is the reduction step over rows.
+    # BLOCK_K tiles KA (the output's rows), BLOCK_N tiles C, BLOCK_M steps the reduction over rows.
     pid = tl.program_id(0)
     tiles_k = tl.cdiv(KA, BLOCK_K)
     tiles_n = tl.cdiv(C, BLOCK_N)

@@ -1,4 +1,4 @@
-"""The expert FFN (SwiGLU) over rows grouped by expert: persistent Triton launches and a torch reference.
+"""The expert FFN (SwiGLU) over rows grouped by expert: persistent Triton launches, torch reference.
 
 Legend: N rows (token-expert pairs grouped by expert), E experts, H hidden size, F expert FFN size;
 `offsets_E` int32 cumulative row counts (expert e owns rows offsets[e-1]:offsets[e]);
@@ -38,7 +38,7 @@ class FFNTiles:
 
     @staticmethod
     def gemm_dims(hidden: int, ffn: int) -> dict[str, tuple[int, int]]:
-        """Role -> (K, output columns) of that launch (for the weight gradients: the weight's dims)."""
+        """Role -> (K, output columns) of that launch (weight gradients: the weight's dims)."""
         return {"gate_up": (hidden, ffn), "down": (ffn, hidden), "down_dgrad": (hidden, ffn),
                 "gate_up_dgrad": (2 * ffn, hidden), "wgrad_w2": (ffn, hidden),
                 "wgrad_w13": (hidden, 2 * ffn)}
@@ -144,7 +144,7 @@ def expert_ffn_triton(
     tiles: FFNTiles | None = None,
     num_programs: int | None = None,
 ) -> torch.Tensor:
-    """The experts backend `expert_ffn(x_NH, offsets_E, w13_EH2F, w2_EFH) -> y_NH` (differentiable)."""
+    """Experts backend `expert_ffn(x_NH, offsets_E, w13_EH2F, w2_EFH) -> y_NH`, differentiable."""
     _check_shapes(x_NH, offsets_E, w13_EH2F, w2_EFH)
     if tiles is None:
         experts, hidden, two_ffn = w13_EH2F.shape

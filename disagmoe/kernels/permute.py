@@ -2,7 +2,8 @@
 
 Legend: T tokens, K experts per token (top-k), N = T*K rows grouped by expert, H hidden size,
 E experts; `topk_idx_TK` the router's expert ids, `weights_TK` its combine weights,
-`dest_TK[t, k]` the grouped row that holds pair (t, k), `offsets_E` int32 cumulative rows per expert.
+`dest_TK[t, k]` the grouped row that holds pair (t, k), `offsets_E` int32 cumulative rows per
+expert.
 
 permute: rows_NH[dest_TK[t, k]] = x_TH[t]; pairs keep their (t, k) order inside an expert (the same
 order as a stable sort of the flattened expert ids), so the result is deterministic.
@@ -127,10 +128,9 @@ def permute_forward(x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, num_experts: 
     # first grouped row of (block b, expert e): expert start + pairs of e in blocks before b
     block_base_BE = (offsets_E - counts_E) + hist_BE.cumsum(0, dtype=torch.int32) - hist_BE
     block_h = _row_block(hidden)
-    _permute_rows_kernel[(blocks, triton.cdiv(hidden, block_h))](x_TH, ids_N, block_base_BE, rows_NH, dest_TK,
-                                    n_pairs, num_experts, hidden, top_k,
-                                    x_TH.stride(0), rows_NH.stride(0),
-                                    BLOCK=PAIRS_PER_BLOCK, E_POW2=e_pow2, BLOCK_H=block_h)
+    _permute_rows_kernel[(blocks, triton.cdiv(hidden, block_h))](
+        x_TH, ids_N, block_base_BE, rows_NH, dest_TK, n_pairs, num_experts, hidden, top_k,
+        x_TH.stride(0), rows_NH.stride(0), BLOCK=PAIRS_PER_BLOCK, E_POW2=e_pow2, BLOCK_H=block_h)
     return rows_NH, offsets_E, dest_TK
 
 
@@ -215,7 +215,7 @@ def permute_tokens(x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, num_experts: i
 
 def combine_rows(rows_NH: torch.Tensor, dest_TK: torch.Tensor,
                  weights_TK: torch.Tensor) -> torch.Tensor:
-    """y_TH = sum_k weights_TK[:, k] * rows_NH[dest_TK[:, k]], differentiable in rows and weights."""
+    """y_TH = sum_k weights_TK[:, k] * rows_NH[dest_TK[:, k]]; differentiable in rows, weights."""
     if weights_TK.shape != dest_TK.shape:
         raise ValueError(f"weights must match dest [tokens, k] {tuple(dest_TK.shape)}; "
                          f"got {tuple(weights_TK.shape)}")

@@ -42,7 +42,7 @@ def gpu_slug(device_name: str) -> str:
 
 
 def shape_class(role: str, k: int, n: int, rows: int, experts: int) -> str:
-    """Key of the tuned table: role, K, N and the average rows per expert bucketed to a power of 2."""
+    """Key of the tuned table: role, K, N, average rows per expert rounded up to a power of 2."""
     if role not in ROLES:
         raise ValueError(f"unknown kernel role {role!r}; choose one of {ROLES}")
     avg = max(1, rows // max(1, experts))
