@@ -61,6 +61,7 @@ def _ragged_rows_gemm_kernel(
     E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, FLATTEN: tl.constexpr,
 ):
+    # EPILOGUE: 0 plain, 1 SwiGLU, 2 SwiGLU gradient (the EPILOGUE_* constants below the imports).
     # Contract: a [N, K] rows grouped by expert; b [E, K, C(+F_UP)] any strides; out [*, C] (or
     # [N, 2C] for EPILOGUE_SWIGLU_GRAD: d gate in [:, :C], d up in [:, C:]); h13 [N, 2C] the saved
     # pre-activations (gate | up), written when SAVE_H13, read by EPILOGUE_SWIGLU_GRAD.

@@ -36,10 +36,11 @@ def _reload_all(names):
     return [importlib.reload(importlib.import_module(name)) for name in names]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def interpreted():
     """Reload the given kernel modules with TRITON_INTERPRET=1 (so @triton.jit builds interpreted
-    functions, whatever was imported before), and restore the compiled build afterwards."""
+    functions, whatever was imported before), and restore the compiled build after the test (so
+    GPU tests in the same run get compiled kernels)."""
     reloaded = []
     previous = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"

@@ -33,7 +33,7 @@ def _rel_err(got, want):
     return ((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30)).item()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def kernels(interpreted):
     gg, moe_ffn = interpreted("disagmoe.kernels.grouped_gemm", "disagmoe.kernels.moe_ffn")
     return gg, moe_ffn

@@ -21,7 +21,7 @@ def _routing(tokens, top_k, experts, hidden, seed, device="cpu", dtype=torch.flo
     return x.to(device, dtype), idx.to(device), weights.to(device)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def permute(interpreted):
     return interpreted("disagmoe.kernels.permute")
 
