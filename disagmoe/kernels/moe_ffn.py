@@ -45,10 +45,12 @@ class FFNTiles:
 
     @classmethod
     def for_shape(cls, rows: int, experts: int, hidden: int, ffn: int,
-                  device: torch.device) -> FFNTiles:
-        """Tuned tiles for this shape class on this GPU (heuristic defaults when untuned)."""
+                  device: torch.device, dtype: torch.dtype = torch.bfloat16) -> FFNTiles:
+        """Tuned tiles for this shape class on this GPU (heuristic defaults when untuned),
+        adjusted to the operands' element size."""
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-        return cls(**{role: lookup(role, k, c, rows, experts, name)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return cls(**{role: lookup(role, k, c, rows, experts, name, itemsize)
                       for role, (k, c) in cls.gemm_dims(hidden, ffn).items()})
 
 
@@ -62,6 +64,9 @@ def _check_shapes(x_NH: torch.Tensor, offsets_E: torch.Tensor, w13_EH2F: torch.T
     if offsets_E.shape != (experts,) or offsets_E.dtype != torch.int32:
         raise ValueError(f"offsets_E must be int32 of shape ({experts},) (cumulative rows per "
                          f"expert); got {offsets_E.dtype} {tuple(offsets_E.shape)}")
+    if not x_NH.dtype == w13_EH2F.dtype == w2_EFH.dtype:
+        raise ValueError(f"x, w13 and w2 must share one dtype (got {x_NH.dtype}, {w13_EH2F.dtype}, "
+                         f"{w2_EFH.dtype}); cast them, or run under torch.autocast")
 
 
 def moe_ffn_forward(
@@ -144,11 +149,19 @@ def expert_ffn_triton(
     tiles: FFNTiles | None = None,
     num_programs: int | None = None,
 ) -> torch.Tensor:
-    """Experts backend `expert_ffn(x_NH, offsets_E, w13_EH2F, w2_EFH) -> y_NH`, differentiable."""
+    """Experts backend `expert_ffn(x_NH, offsets_E, w13_EH2F, w2_EFH) -> y_NH`, differentiable.
+
+    Under CUDA autocast (fp32 master weights, bf16 compute) the operands are cast to the autocast
+    dtype first, as autocast does for a matmul; the casts' backward returns fp32 weight grads.
+    """
+    if x_NH.is_cuda and torch.is_autocast_enabled("cuda"):
+        dtype = torch.get_autocast_dtype("cuda")
+        x_NH, w13_EH2F, w2_EFH = (t.to(dtype) for t in (x_NH, w13_EH2F, w2_EFH))
     _check_shapes(x_NH, offsets_E, w13_EH2F, w2_EFH)
     if tiles is None:
         experts, hidden, two_ffn = w13_EH2F.shape
-        tiles = FFNTiles.for_shape(x_NH.shape[0], experts, hidden, two_ffn // 2, x_NH.device)
+        tiles = FFNTiles.for_shape(x_NH.shape[0], experts, hidden, two_ffn // 2, x_NH.device,
+                                   x_NH.dtype)
     return ExpertFFNFunction.apply(x_NH.contiguous(), offsets_E, w13_EH2F, w2_EFH, tiles,
                                    num_programs)
 

@@ -35,6 +35,13 @@ class TileConfig:
     def to_json(self) -> dict[str, int | bool]:
         return dataclasses.asdict(self)
 
+    def for_element_size(self, itemsize: int) -> TileConfig:
+        """The same tile for wider elements: shrink the K tile so the shared-memory stages stay
+        the size they were tuned at for 2-byte (bf16) operands (e.g. fp32 halves block_k)."""
+        if itemsize <= 2:
+            return self
+        return dataclasses.replace(self, block_k=max(16, self.block_k * 2 // itemsize))
+
 
 def gpu_slug(device_name: str) -> str:
     """'NVIDIA H200' -> 'nvidia-h200' (the tuned file's name)."""
@@ -70,7 +77,9 @@ def heuristic(role: str) -> TileConfig:
     return TileConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=4)
 
 
-def lookup(role: str, k: int, n: int, rows: int, experts: int, device_name: str) -> TileConfig:
-    """The tuned config of this shape class on this GPU, or the heuristic when none was tuned."""
+def lookup(role: str, k: int, n: int, rows: int, experts: int, device_name: str,
+           itemsize: int = 2) -> TileConfig:
+    """The tuned config of this shape class on this GPU (tuned for bf16 operands), or the
+    heuristic when none was tuned, adjusted to `itemsize`-byte operands."""
     key = shape_class(role, k, n, rows, experts)
-    return _tuned_table(gpu_slug(device_name)).get(key) or heuristic(role)
+    return (_tuned_table(gpu_slug(device_name)).get(key) or heuristic(role)).for_element_size(itemsize)

@@ -134,3 +134,33 @@ def test_gpu_bf16_forward_backward(counts, hidden, ffn, tile):
     assert _rel_err(y, y_ref) < 1e-2
     for got, want in zip(leaves, ref_leaves):
         assert _rel_err(got.grad, want.grad) < 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_fp32_and_autocast_with_fp32_master_weights():
+    """The two ways a trainer calls the backend on a GPU: plain fp32 (tiles sized for 4-byte
+    operands), and bf16 autocast over fp32 parameters (operands cast, fp32 weight grads)."""
+    from disagmoe.kernels import moe_ffn
+
+    x, offsets, w13, w2 = _inputs([64, 0, 200, 17], 64, 32, torch.float32, "cuda", seed=5)
+    y = moe_ffn.expert_ffn_triton(x, offsets, w13, w2)
+    assert _rel_err(y, moe_ffn.expert_ffn_reference(x, offsets, w13, w2)) < 1e-3
+
+    leaves = [t.clone().requires_grad_() for t in (x, w13, w2)]
+    with torch.autocast(device_type="cuda", dtype=torch.bfloat16):
+        y = moe_ffn.expert_ffn_triton(leaves[0], offsets, leaves[1], leaves[2])
+    assert y.dtype == torch.bfloat16
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    ref_leaves = [t.clone().requires_grad_() for t in (x, w13, w2)]
+    moe_ffn.expert_ffn_reference(ref_leaves[0], offsets, ref_leaves[1], ref_leaves[2]).backward(dy.float())
+    for got, want in zip(leaves, ref_leaves):
+        assert got.grad.dtype == torch.float32
+        assert _rel_err(got.grad, want.grad) < 2e-2
+
+
+def test_mixed_dtypes_outside_autocast_are_refused(kernels):
+    _, moe_ffn = kernels
+    x, offsets, w13, w2 = _inputs([3, 4], 16, 16, torch.float32, "cpu", seed=0)
+    with pytest.raises(ValueError, match="autocast"):
+        moe_ffn.expert_ffn_triton(x.double(), offsets, w13, w2)

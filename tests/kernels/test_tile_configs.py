@@ -37,3 +37,13 @@ def test_committed_tables_parse():
         assert table, f"{path.name} has no entries"
         for key, config in table.items():
             assert key.split("/")[0] in tc.ROLES and config.block_m >= 16
+
+
+def test_wider_elements_keep_the_shared_memory_footprint():
+    from disagmoe.kernels.tile_configs import TileConfig
+
+    tile = TileConfig(block_m=128, block_n=256, block_k=64)
+    assert tile.for_element_size(2) == tile
+    wide = tile.for_element_size(4)
+    assert wide.block_k * 4 == tile.block_k * 2
+    assert (wide.block_m, wide.block_n, wide.num_stages) == (tile.block_m, tile.block_n, tile.num_stages)
