@@ -130,3 +130,28 @@ def plan(
                       f"{r['speedup_vs_colocated']:.2f}x" if r["speedup_vs_colocated"] else "-")
     console.print(table)
 
+
+@bench_app.command("hardware")
+@user_errors
+def hardware(
+    preset: Annotated[str, typer.Option("--hardware", help="the preset whose peaks the fractions refer to")],
+    out: Annotated[Path | None, typer.Option(help="write the calibrated preset YAML here")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
+) -> None:
+    """Measure this machine's bf16 matmul rate, HBM copy bandwidth, GPU-to-GPU copy bandwidth and
+    latency, and write a calibrated hardware preset (datasheet peaks, measured fractions) that
+    `disagmoe plan --hardware FILE` uses."""
+    from dataclasses import asdict
+
+    from disagmoe.bench import hardware as bench
+    from disagmoe.config import load_hardware
+
+    command = f"disagmoe bench hardware --hardware {preset}" + (f" --out {out}" if out else "")
+    measured, hw, text = bench.run(load_hardware(preset), command)
+    if out is not None:
+        out.write_text(text)
+    if as_json:
+        print_json({"measured": asdict(measured), "hardware": hw.model_dump(mode="json")})
+        return
+    console.print(text, highlight=False)
+
