@@ -10,7 +10,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from disagmoe.config import TrainConfig, load_train_config
-from disagmoe.cli.common import console, print_json, user_errors
+from disagmoe.cli.common import console, err_console, print_json, user_errors
+from disagmoe.runtime.failures import TrainingFailed
 
 
 StepCallback = Callable[[dict[str, Any]], None]
@@ -25,16 +26,16 @@ def prepare_single(cfg: TrainConfig) -> Run:
     return lambda on_step: trainer.run(on_step).to_dict()
 
 
-def prepare_disaggregated(cfg: TrainConfig) -> Run:
-    raise ValueError("mode 'disaggregated' is not available in this build yet; use --mode single")
+def prepare_distributed(cfg: TrainConfig) -> Run:
+    """Ray actors (attention and expert ranks, or colocated ranks) talking over the transport."""
+    from disagmoe.runtime.driver import DistributedTrainer
 
-
-def prepare_colocated(cfg: TrainConfig) -> Run:
-    raise ValueError("mode 'colocated' is not available in this build yet; use --mode single")
+    trainer = DistributedTrainer(cfg)
+    return lambda on_step: trainer.run(on_step).to_dict()
 
 
 # Each mode sets everything up (and reports user errors) before the progress bar starts.
-PREPARE = {"single": prepare_single, "disaggregated": prepare_disaggregated, "colocated": prepare_colocated}
+PREPARE = {"single": prepare_single, "disaggregated": prepare_distributed, "colocated": prepare_distributed}
 
 
 @user_errors
@@ -52,12 +53,20 @@ def train(
     flags = [f"{k}={v}" for k, v in (("mode", mode), ("steps", steps), ("out_dir", out_dir)) if v is not None]
     cfg = load_train_config(config, [*(overrides or []), *flags])
     run = PREPARE[cfg.mode](cfg)
-    if as_json:
-        print_json(run(None))
-        return
-    with TrainProgress(cfg.steps) as on_step:
-        summary = run(on_step)
+    try:
+        if as_json:
+            print_json(run(None))
+            return
+        with TrainProgress(cfg.steps) as on_step:
+            summary = run(on_step)
+    except TrainingFailed as err:
+        err_console.print(f"[bold red]training failed:[/] {err}", highlight=False, soft_wrap=True)
+        raise typer.Exit(1) from None
     console.print(_summary_table(cfg, summary))
+    busy = summary.get("busy")
+    if busy:
+        console.print("busy fraction (compute time / step time, mean over the run): "
+                      + ", ".join(f"{group} {fraction:.0%}" for group, fraction in busy.items()))
 
 
 class TrainProgress:
@@ -67,17 +76,19 @@ class TrainProgress:
         self.progress = Progress(
             TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
             TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
-            TimeElapsedColumn(), console=console, transient=False,
+            TextColumn("{task.fields[busy]}"), TimeElapsedColumn(), console=console, transient=False,
         )
-        self.task = self.progress.add_task("train", total=total_steps, loss="-", tps="-")
+        self.task = self.progress.add_task("train", total=total_steps, loss="-", tps="-", busy="")
 
     def __enter__(self) -> StepCallback:
         self.progress.start()
         return self.on_step
 
     def on_step(self, record: dict[str, Any]) -> None:
+        busy = " ".join(f"{group} {fraction:.0%}" for group, fraction in record.get("busy", {}).items())
         self.progress.update(
-            self.task, completed=record["step"], loss=f"{record['loss']:.4f}", tps=f"{record['tokens_per_s']:,.0f}"
+            self.task, completed=record["step"], loss=f"{record['loss']:.4f}", tps=f"{record['tokens_per_s']:,.0f}",
+            busy=f"busy {busy}" if busy else "",
         )
 
     def __exit__(self, *exc: object) -> None:

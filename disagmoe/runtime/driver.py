@@ -17,32 +17,28 @@ import time
 from pathlib import Path
 from typing import Any
 
+import ray
 import torch
+from ray.exceptions import RayActorError
 
 from disagmoe.config import ModelConfig, TrainConfig, load_hardware, load_model
 from disagmoe.data import load_splits
 from disagmoe.roofline.flops import step_flops
 from disagmoe.runtime.batching import check_divisible
-from disagmoe.runtime.checkpoint import TrainerState, latest_checkpoint
+from disagmoe.runtime.checkpoint import TrainerState, check_compatible, latest_checkpoint, read_manifest
 from disagmoe.runtime.cluster import WorkerFailure, WorkerGroup
+from disagmoe.runtime.failures import TrainingFailed
 from disagmoe.runtime.metrics import MetricsLog, load_imbalance, mfu
 from disagmoe.runtime.optim import lr_at
 from disagmoe.runtime.sharded_checkpoint import finish_checkpoint, read_trainer_state, staging_dir
 from disagmoe.runtime.topology import Topology
 from disagmoe.runtime.trace import busy_fractions, write_chrome_trace
 from disagmoe.runtime.trainer import CHECKPOINTS_DIR, METRICS_FILE, StepCallback, TrainSummary
-from disagmoe.runtime.worker import PeerProblem, TrainWorker
+from disagmoe.runtime.worker import TrainWorker
 
 TRACE_FILE = "trace.json"
 MIN_CPUS_PER_RANK = 0.1  # more CPU actors than this allows would thrash the host
-
-
-class TrainingFailed(RuntimeError):
-    """A rank failed mid-run; the message names it, says what happened and where to resume."""
-
-    def __init__(self, rank: int, message: str) -> None:
-        super().__init__(message)
-        self.rank = rank
+PROBE_TIMEOUT_S = 2.0  # after a failure: an actor that does not answer `info` this fast is hung
 
 
 def step_timeout_s(cfg: TrainConfig) -> float:
@@ -84,7 +80,9 @@ def check_fits(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topology) -> 
 class DistributedTrainer:
     """A `mode: disaggregated | colocated` run (module docstring)."""
 
-    def __init__(self, cfg: TrainConfig, log_to_driver: bool = True) -> None:
+    def __init__(self, cfg: TrainConfig, log_to_driver: bool = True, workers: WorkerGroup | None = None) -> None:
+        """`workers`: already started `TrainWorker` actors (with their process group) to reuse for
+        this run instead of starting new ones; they stay up afterwards (the caller shuts them down)."""
         self.cfg = cfg
         self.model_cfg = load_model(cfg.model)
         self.topology = Topology.from_config(cfg, self.model_cfg)
@@ -99,6 +97,7 @@ class DistributedTrainer:
             if resume_from is None:
                 raise ValueError(f"resume=true but {self.checkpoint_root} holds no complete checkpoint; "
                                  "check out_dir or set resume=false to start fresh")
+            check_compatible(read_manifest(resume_from), self.model_cfg, resume_from)
             self.step = read_trainer_state(resume_from).step
             if self.step >= cfg.steps:
                 raise ValueError(f"checkpoint {resume_from} is at step {self.step}, already at "
@@ -108,15 +107,23 @@ class DistributedTrainer:
         self.peak_flops = None if cfg.hardware is None else load_hardware(cfg.hardware).bf16_tflops * 1e12
         self.rank_names = {r: self.topology.describe(r) for r in range(self.topology.world_size)}
         self.groups = [self.topology.group_name(r) for r in range(self.topology.world_size)]
-        self.workers = WorkerGroup.start(self.topology.world_size, cfg.device, cfg.env, cfg.ray_address,
-                                         worker_cls=TrainWorker, log_to_driver=log_to_driver)
+        self.owns_workers = workers is None
+        if workers is None:
+            workers = WorkerGroup.start(self.topology.world_size, cfg.device, cfg.env, cfg.ray_address,
+                                        worker_cls=TrainWorker, log_to_driver=log_to_driver)
+        elif workers.world_size != self.topology.world_size:
+            raise ValueError(f"{cfg.mode} needs {self.topology.world_size} ranks; the given workers are "
+                             f"{workers.world_size}")
+        self.workers = workers
         try:
-            self.workers.init_process_group(timeout_s=cfg.recv_timeout_s)
+            if self.owns_workers:
+                self.workers.init_process_group(timeout_s=cfg.recv_timeout_s)
             self.workers.call("setup", cfg.model_dump(mode="json"), self.topology, timeout_s=step_timeout_s(cfg))
             if resume_from is not None:
                 self.workers.call("load", str(resume_from), timeout_s=step_timeout_s(cfg))
         except BaseException:
-            self.workers.shutdown()
+            if self.owns_workers:
+                self.workers.shutdown()
             raise
         self.spans: dict[int, list[tuple[str, str, float, float]]] = {r: [] for r in self.rank_names}
 
@@ -129,7 +136,8 @@ class DistributedTrainer:
         finally:
             if self.cfg.trace:
                 write_chrome_trace(self.out_dir / TRACE_FILE, self.spans, self.rank_names)
-            self.workers.shutdown()
+            if self.owns_workers:
+                self.workers.shutdown()
 
     def _run(self, on_step: StepCallback | None) -> TrainSummary:
         cfg = self.cfg
@@ -137,11 +145,16 @@ class DistributedTrainer:
         last: dict[str, Any] = {}
         checkpoint: Path | None = None
         total_tokens, total_time = 0, 0.0
+        busy_sums: dict[str, float] = {}  # per group, summed over this process's steps
+        steps_run = 0
         with MetricsLog(metrics_path, resume_after_step=self.step if cfg.resume else None) as log:
             while self.step < cfg.steps:
                 record = self._train_one_step()
                 total_tokens += record["tokens"]
                 total_time += record["step_time_s"]
+                steps_run += 1
+                for group, fraction in record["busy"].items():
+                    busy_sums[group] = busy_sums.get(group, 0.0) + fraction
                 if (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0) or self.step == cfg.steps:
                     checkpoint = self.save()
                 log.write(record)
@@ -157,6 +170,7 @@ class DistributedTrainer:
             out_dir=str(self.out_dir),
             metrics_path=str(metrics_path),
             checkpoint_path=None if checkpoint is None else str(checkpoint),
+            busy={group: total / steps_run for group, total in busy_sums.items()} if steps_run else None,
         )
 
     def _train_one_step(self) -> dict[str, Any]:
@@ -205,22 +219,35 @@ class DistributedTrainer:
             raise self._diagnose(failure, method) from failure
 
     def _diagnose(self, failure: WorkerFailure, method: str) -> TrainingFailed:
-        """Name the rank at fault: a peer a rank could not exchange with, or the failing rank itself."""
-        cause = getattr(failure.__cause__, "cause", None)
+        """Name the rank at fault: a dead rank, else a hung one (its peers only time out), else the
+        rank that raised."""
         rank, what = failure.rank, failure.reason
-        if isinstance(cause, PeerProblem):
-            rank = cause.peer
-            try:
-                self.workers.call_rank(rank, "info", timeout_s=5.0)
-                what = f"it is alive but stopped delivering messages ({cause.message})"
-            except WorkerFailure as probe:
-                state = probe.reason if "died" in probe.reason else "it is hung (does not answer Ray either)"
-                what = f"{state}; noticed by {cause.message}"
+        dead, hung = probe_ranks(self.workers.actors, PROBE_TIMEOUT_S)
+        if dead:
+            rank = min(dead)
+            what = f"{dead[rank]}; then {failure}"
+        elif hung:
+            rank = min(hung)
+            what = (f"it is hung (busy past recv_timeout_s={self.cfg.recv_timeout_s:g} s and not answering "
+                    f"Ray); its peers report: {failure}")
         checkpoint = latest_checkpoint(self.checkpoint_root)
         resume = (f"resume from {checkpoint} with resume=true" if checkpoint is not None
                   else "no checkpoint yet (set checkpoint_every to keep progress)")
         return TrainingFailed(rank, f"rank {rank} ({self.rank_names.get(rank, '?')}) failed during {method} "
                                     f"of step {self.step + 1}: {what}; {resume}")
+
+
+def probe_ranks(actors: list[Any], timeout_s: float) -> tuple[dict[int, str], list[int]]:
+    """Ask every actor for `info`: ({rank: why it is dead}, [ranks that did not answer in time])."""
+    futures = {actor.info.remote(): rank for rank, actor in enumerate(actors)}
+    ready, pending = ray.wait(list(futures), num_returns=len(futures), timeout=timeout_s)
+    dead = {}
+    for ref in ready:
+        try:
+            ray.get(ref)
+        except RayActorError as err:
+            dead[futures[ref]] = f"its actor died ({str(err).strip().splitlines()[0]})"
+    return dead, sorted(futures[ref] for ref in pending)
 
 
 def train_distributed(cfg: TrainConfig, on_step: StepCallback | None = None) -> TrainSummary:

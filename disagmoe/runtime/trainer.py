@@ -155,6 +155,7 @@ class TrainSummary:
     out_dir: str
     metrics_path: str
     checkpoint_path: str | None
+    busy: dict[str, float] | None = None  # distributed modes: per group, mean compute / step time
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

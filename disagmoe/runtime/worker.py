@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from disagmoe.comm import make_transport
-from disagmoe.comm.base import SendHandle, TransportError
+from disagmoe.comm.base import SendHandle
 from disagmoe.config import TrainConfig, load_model
 from disagmoe.data import TokenDataset, load_splits
 from disagmoe.runtime.attention_stage import AttentionStage
@@ -51,18 +51,6 @@ from disagmoe.runtime.topology import Topology
 from disagmoe.runtime.trace import SpanRecorder
 
 
-class PeerProblem(RuntimeError):
-    """A message exchange with `peer` failed (it hung, died or is slow): the driver blames `peer`."""
-
-    def __init__(self, peer: int, message: str) -> None:
-        super().__init__(peer, message)  # both in args: the exception survives pickling by Ray
-        self.peer = peer
-        self.message = message
-
-    def __str__(self) -> str:
-        return self.message
-
-
 def _op_name(op: Op) -> str:
     """A span name: e.g. 'AttentionForward L1 mb0', 'Recv dispatch L2 mb1'."""
     if isinstance(op, (Send, Recv)):
@@ -78,6 +66,8 @@ class TrainWorker(Worker):
     """A rank of a disaggregated or colocated run (see the module docstring)."""
 
     def setup(self, cfg_data: dict[str, Any], topology: Topology) -> None:
+        """Build this rank's part of a run; a second call replaces the first (warm actors, new run)."""
+        self._release()
         cfg = TrainConfig.model_validate(cfg_data)
         self.cfg, self.topology = cfg, topology
         self.model_cfg = load_model(cfg.model)
@@ -110,11 +100,13 @@ class TrainWorker(Worker):
 
         timeout = timedelta(seconds=timeout_s)
         world = dist.new_group(list(range(topology.world_size)), timeout=timeout)
+        self._groups = [world]
         mine = None
         for ranks in topology.attention_groups:
             group = dist.new_group(list(ranks), timeout=timeout)
             if self.rank in ranks:
                 mine = group
+                self._groups.append(group)
         return world, mine
 
     # -- one step --------------------------------------------------------------------------------
@@ -134,18 +126,15 @@ class TrainWorker(Worker):
         mail = Mailbox(self.rank)
         handles: list[SendHandle] = []
         result: dict[str, Any] = {}
-        try:
-            for op in self.program:
-                if isinstance(op, OptimizerStep):
-                    with self.recorder.span("wait for sends", "wait"):
-                        for handle in handles:
-                            handle.wait()
-                    with self.recorder.span(_op_name(op), "compute"):
-                        result = self._optimizer_step(lr)
-                else:
-                    self._run(op, step, mail, handles)
-        except TransportError as err:
-            raise PeerProblem(err.peer, f"rank {self.rank} ({self.topology.describe(self.rank)}): {err}") from None
+        for op in self.program:
+            if isinstance(op, OptimizerStep):
+                with self.recorder.span("wait for sends", "wait"):
+                    for handle in handles:
+                        handle.wait()
+                with self.recorder.span(_op_name(op), "compute"):
+                    result = self._optimizer_step(lr)
+            else:
+                self._run(op, step, mail, handles)
         assert mail.empty(), f"rank {self.rank}: messages left over after step {step}"
         spans, compute_s = self.recorder.drain()
         result.update(rank=self.rank, compute_s=compute_s, step_s=time.perf_counter() - start, spans=spans)
@@ -255,8 +244,17 @@ class TrainWorker(Worker):
         """Fault injection: sleep `seconds` before running `step` (a hung rank, for tests)."""
         self.stall_before_step = (step, seconds)
 
-    def close(self) -> None:
+    def _release(self) -> None:
+        """Close the transport and collective groups of a previous `setup`, if any."""
         transport = getattr(self, "transport", None)
         if transport is not None:
             transport.close()
+            self.transport = None
+        for group in getattr(self, "_groups", []):
+            if group is not None:
+                dist.destroy_process_group(group)
+        self._groups = []
+
+    def close(self) -> None:
+        self._release()
         super().close()

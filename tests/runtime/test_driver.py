@@ -1,0 +1,211 @@
+"""Distributed training on Ray actors (disagmoe/runtime/driver.py) against the single-process oracle.
+
+One Ray cluster serves the module, and warm actors (one group per world size) serve every run
+that does not break them; the failure tests start their own. The oracle is `SingleProcessTrainer` on the same config: same loss at every step, same parameters
+after the run (read back from the distributed run's checkpoint, which also tests the sharded
+checkpoint format against the single-mode loader).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+
+from disagmoe.config import OptimConfig, TrainConfig, load_model
+from disagmoe.model import MoETransformer
+from disagmoe.runtime.checkpoint import checkpoint_dir, load_checkpoint, read_manifest
+from disagmoe.runtime.cluster import WorkerGroup
+from disagmoe.runtime.driver import DistributedTrainer
+from disagmoe.runtime.failures import TrainingFailed
+from disagmoe.runtime.metrics import read_metrics
+from disagmoe.runtime.optim import build_optimizer
+from disagmoe.runtime.topology import Topology
+from disagmoe.runtime.trainer import CHECKPOINTS_DIR, METRICS_FILE, SingleProcessTrainer
+from disagmoe.runtime.worker import TrainWorker
+
+STEPS = 5
+TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def warm():
+    """world size -> a started group of TrainWorker actors, reused run after run."""
+    # Logical CPUs for every actor of the module (warm and fresh ones) on the 2 physical cores.
+    ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, num_gpus=0, num_cpus=32,
+             log_to_driver=False)
+    groups: dict[int, WorkerGroup] = {}
+
+    def workers(world_size: int) -> WorkerGroup:
+        if world_size not in groups:
+            groups[world_size] = WorkerGroup.start(world_size, "cpu", worker_cls=TrainWorker, log_to_driver=False)
+            groups[world_size].init_process_group(timeout_s=60)
+        return groups[world_size]
+
+    yield workers
+    for group in groups.values():
+        group.shutdown()
+    ray.shutdown()
+
+
+def run_on(warm, cfg: TrainConfig):
+    world = Topology.from_config(cfg, cfg.model).world_size
+    return DistributedTrainer(cfg, workers=warm(world)).run()
+
+
+def tiny_model(bias_balancing: bool):
+    """The tiny preset: a leading dense layer, a shared expert, aux and z losses; optional bias."""
+    m = load_model("tiny")
+    return m.model_copy(update={"router": m.router.model_copy(
+        update={"bias_balancing": bias_balancing, "bias_update_rate": 1e-2})})
+
+
+def run_config(out: Path, mode: str, **fields) -> TrainConfig:
+    base = dict(model=tiny_model(fields.pop("bias_balancing", False)), mode=mode, steps=STEPS, batch_size=8,
+                seq_len=16, micro_batches=1, eval_every=0, cpu_threads=1, recv_timeout_s=60,
+                optim=OptimConfig(lr=3e-3, warmup_steps=2), out_dir=str(out), trace=False)
+    return TrainConfig(**{**base, **fields})
+
+
+def oracle(cfg: TrainConfig, out: Path) -> tuple[list[dict], MoETransformer]:
+    single = cfg.model_copy(update={"mode": "single", "out_dir": str(out), "resume": False})
+    trainer = SingleProcessTrainer(single)
+    trainer.run()
+    return read_metrics(out / METRICS_FILE), trainer.model
+
+
+def model_from_checkpoint(cfg: TrainConfig, directory: Path) -> MoETransformer:
+    model = MoETransformer(cfg.model)
+    load_checkpoint(directory, model, build_optimizer(model.named_parameters(), cfg.optim), cfg.model)
+    return model
+
+
+def assert_same_losses(records: list[dict], reference: list[dict]) -> None:
+    assert [r["step"] for r in records] == [r["step"] for r in reference]
+    for got, want in zip(records, reference, strict=True):
+        for name in ("loss", "ce", "aux_loss", "z_loss"):
+            assert abs(got[name] - want[name]) <= TOLERANCE * abs(want[name]) + 1e-12, (got["step"], name)
+        assert got["expert_load"] == want["expert_load"]
+
+
+def assert_same_parameters(model: MoETransformer, reference: MoETransformer) -> None:
+    want = reference.state_dict()
+    for name, tensor in model.state_dict().items():
+        ref = want[name]
+        assert torch.linalg.vector_norm(tensor - ref) <= TOLERANCE * torch.linalg.vector_norm(ref) + 1e-12, name
+
+
+CASES = {
+    # (attention ranks, expert ranks, pipeline groups, micro-batches) and what else the case covers
+    "A1-E1-p1-m1": dict(attention_ranks=1, expert_ranks=1, pipeline_groups=1, micro_batches=1),
+    "A1-E2-p1-m2-bias": dict(attention_ranks=1, expert_ranks=2, pipeline_groups=1, micro_batches=2,
+                             bias_balancing=True),
+    "A2-E1-p1-m4": dict(attention_ranks=2, expert_ranks=1, pipeline_groups=1, micro_batches=4),
+    "A2-E2-p2-m2-bias": dict(attention_ranks=2, expert_ranks=2, pipeline_groups=2, micro_batches=2,
+                             bias_balancing=True),
+    "colocated-2": dict(mode="colocated", colocated_ranks=2, micro_batches=2),
+    "colocated-3-bias": dict(mode="colocated", colocated_ranks=3, micro_batches=2, batch_size=6,
+                             bias_balancing=True),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_matches_the_single_process_oracle(warm, tmp_path, case):
+    fields = dict(CASES[case])
+    mode = fields.pop("mode", "disaggregated")
+    cfg = run_config(tmp_path / "dist", mode, **fields)
+    summary = run_on(warm, cfg)
+    reference, reference_model = oracle(cfg, tmp_path / "single")
+    assert summary.steps == STEPS and summary.checkpoint_path is not None
+    assert_same_losses(read_metrics(tmp_path / "dist" / METRICS_FILE), reference)
+    assert_same_parameters(model_from_checkpoint(cfg, Path(summary.checkpoint_path)), reference_model)
+
+
+def test_trace_has_every_rank_and_busy_fractions(warm, tmp_path):
+    cfg = run_config(tmp_path / "dist", "disaggregated", attention_ranks=2, expert_ranks=2, pipeline_groups=2,
+                     micro_batches=2, steps=2, trace=True)
+    run_on(warm, cfg)
+    events = json.loads((tmp_path / "dist" / "trace.json").read_text())["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    assert names == {0: "rank 0 (A0.0)", 1: "rank 1 (A1.0)", 2: "rank 2 (E0.0)", 3: "rank 3 (E1.0)"}
+    assert {e["pid"] for e in spans} == {0, 1, 2, 3}
+    assert {e["cat"] for e in spans} == {"compute", "send", "wait"}
+    assert all(e["dur"] >= 0 for e in spans)
+    by_rank = {rank: {e["name"] for e in spans if e["pid"] == rank} for rank in names}
+    assert "Loss mb1" in by_rank[1] and "AttentionForward L0 mb0" in by_rank[0]  # 3 layers: head on group 1
+    assert "ExpertForward L1 mb1" in by_rank[3] and "ExpertBackward L2 mb0" in by_rank[2]
+    for record in read_metrics(tmp_path / "dist" / METRICS_FILE):
+        assert set(record["busy"]) == {"A0", "A1", "E0", "E1"}
+        assert all(0 < f <= 1 for f in record["busy"].values())
+
+
+def test_single_checkpoint_resumes_disaggregated_like_an_uninterrupted_run(warm, tmp_path):
+    cfg = run_config(tmp_path / "single", "single", micro_batches=2, checkpoint_every=3, bias_balancing=True)
+    uninterrupted, uninterrupted_model = oracle(cfg, tmp_path / "single")
+    resumed_dir = tmp_path / "resumed"
+    shutil.copytree(checkpoint_dir(tmp_path / "single" / CHECKPOINTS_DIR, 3),
+                    checkpoint_dir(resumed_dir / CHECKPOINTS_DIR, 3))
+    resumed = run_config(resumed_dir, "disaggregated", attention_ranks=1, expert_ranks=2, micro_batches=2,
+                         bias_balancing=True, resume=True)
+    summary = run_on(warm, resumed)
+    assert summary.steps == STEPS
+    assert_same_losses(read_metrics(resumed_dir / METRICS_FILE), uninterrupted[3:])
+    final = Path(summary.checkpoint_path)
+    assert {e["file"] for e in read_manifest(final)["shards"]} == {"rank-00000.pt", "rank-00001.pt",
+                                                                   "rank-00002.pt", "trainer.pt"}
+    assert_same_parameters(model_from_checkpoint(resumed, final), uninterrupted_model)
+
+
+def test_a_hung_rank_is_named_and_the_run_resumes_in_another_layout(warm, tmp_path):
+    cfg = run_config(tmp_path / "run", "disaggregated", attention_ranks=1, expert_ranks=1, micro_batches=2,
+                     steps=4, checkpoint_every=2, recv_timeout_s=3)
+    trainer = DistributedTrainer(cfg, log_to_driver=False)
+    trainer.workers.call_rank(1, "stall", 2, 12.0)  # rank 1 (the expert) sleeps before step 3
+    with pytest.raises(TrainingFailed) as failure:
+        trainer.run()
+    assert failure.value.rank == 1
+    message = str(failure.value)
+    assert "rank 1 (E0.0)" in message and "step 3" in message and "hung" in message
+    assert "step-00000002" in message and "resume=true" in message
+    resumed = cfg.model_copy(update={"mode": "colocated", "colocated_ranks": 2, "resume": True})
+    run_on(warm, resumed)
+    reference, _ = oracle(cfg, tmp_path / "single")
+    assert_same_losses(read_metrics(tmp_path / "run" / METRICS_FILE), reference)
+
+
+def test_a_dead_rank_is_named(warm, tmp_path):
+    cfg = run_config(tmp_path / "run", "disaggregated", attention_ranks=1, expert_ranks=1, steps=3,
+                     recv_timeout_s=30)
+    trainer = DistributedTrainer(cfg, log_to_driver=False)
+
+    def kill_rank_0(record):
+        if record["step"] == 1:
+            ray.kill(trainer.workers.actors[0], no_restart=True)
+
+    with pytest.raises(TrainingFailed) as failure:
+        trainer.run(kill_rank_0)
+    assert failure.value.rank == 0
+    assert "rank 0 (A0.0)" in str(failure.value) and "died" in str(failure.value)
+    assert "no checkpoint yet" in str(failure.value)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        (dict(attention_ranks=2, batch_size=6, micro_batches=2), "multiple of micro_batches * data-parallel"),
+        (dict(expert_ranks=9), "only 8 experts"),
+        (dict(attention_ranks=64, expert_ranks=8, batch_size=64), "CPU ranks"),
+        (dict(transport="nccl"), "needs GPUs"),
+    ],
+    ids=["batch", "experts", "slots", "transport"],
+)
+def test_configurations_that_cannot_run_are_refused_before_any_actor(warm, tmp_path, fields, message):
+    cfg = run_config(tmp_path / "run", "disaggregated", **fields)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        DistributedTrainer(cfg)
