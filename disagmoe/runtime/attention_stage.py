@@ -91,8 +91,10 @@ class AttentionStage:
         self.layers = topology.attention_layers(rank)
         self.begin_step(0)
 
-    def begin_step(self, step: int) -> None:
+    def begin_step(self, step: int, data: TokenDataset | None = None) -> None:
+        """Start step `step` of `data` (default: the training data); forgets the previous step."""
         self.step = step
+        self.batch_data = self.data if data is None else data
         self.segments: dict[tuple[int, int], Segment] = {}
         self.loss_parts = {"ce": 0.0, "aux_loss": 0.0, "z_loss": 0.0}  # this rank's shares
         self.load_LE = {layer: torch.zeros(self.num_experts, dtype=torch.int64)
@@ -102,7 +104,7 @@ class AttentionStage:
 
     def _tokens(self, micro_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
         rows = batch_rows(self.data.batch_size, self.micro_batches, self.dp, micro_batch, self.dp_index)
-        inputs_BS, targets_BS = inputs_and_targets(self.data.rows(self.step, rows))
+        inputs_BS, targets_BS = inputs_and_targets(self.batch_data.rows(self.step, rows))
         device = self.model.head_weight().device if self.model.embed is None else self.model.embed.weight.device
         return inputs_BS.to(device), targets_BS.to(device)
 
@@ -180,15 +182,16 @@ class AttentionStage:
         self.loss_parts["z_loss"] += float(z.detach()) / self.micro_batches
         return aux.float() + z.float()
 
-    def loss(self, mb: int, mail: Mailbox) -> None:
-        """Loss(mb): the last layer's output, final norm, LM head, CE; backward at once."""
+    def loss(self, mb: int, mail: Mailbox, backward: bool = True) -> None:
+        """Loss(mb): the last layer's output, final norm, LM head, CE; backward at once (if asked)."""
         last = self.topology.num_layers
         x_BSH, inputs = self._previous_output(last, mb, mail)
         logits_BSV = F.linear(self.model.norm(x_BSH), self.model.head_weight())
         ce = cross_entropy(logits_BSV, self._tokens(mb)[1])
-        (ce / (self.dp * self.micro_batches)).backward()
         self.loss_parts["ce"] += float(ce.detach()) / (self.dp * self.micro_batches)
-        self._post_input_grads(inputs, mb, mail)
+        if backward:
+            (ce / (self.dp * self.micro_batches)).backward()
+            self._post_input_grads(inputs, mb, mail)
 
     def backward(self, layer: int, mb: int, mail: Mailbox) -> None:
         """AttentionBackward(layer, mb)."""

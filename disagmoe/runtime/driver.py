@@ -87,7 +87,8 @@ class DistributedTrainer:
         self.model_cfg = load_model(cfg.model)
         self.topology = Topology.from_config(cfg, self.model_cfg)
         check_fits(cfg, self.model_cfg, self.topology)
-        load_splits(cfg.data, self.model_cfg.vocab_size, cfg.seq_len)  # data errors surface here, not in actors
+        splits = load_splits(cfg.data, self.model_cfg.vocab_size, cfg.seq_len)  # data errors surface here
+        self.evaluates = splits.val is not None and cfg.eval_every > 0
         self.out_dir = Path(cfg.out_dir)
         self.checkpoint_root = self.out_dir / CHECKPOINTS_DIR
         self.step = 0
@@ -143,6 +144,7 @@ class DistributedTrainer:
         cfg = self.cfg
         metrics_path = self.out_dir / METRICS_FILE
         last: dict[str, Any] = {}
+        last_val: float | None = None
         checkpoint: Path | None = None
         total_tokens, total_time = 0, 0.0
         busy_sums: dict[str, float] = {}  # per group, summed over this process's steps
@@ -155,6 +157,8 @@ class DistributedTrainer:
                 steps_run += 1
                 for group, fraction in record["busy"].items():
                     busy_sums[group] = busy_sums.get(group, 0.0) + fraction
+                if self.evaluates and (self.step % cfg.eval_every == 0 or self.step == cfg.steps):
+                    last_val = record["val_loss"] = self.evaluate()
                 if (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0) or self.step == cfg.steps:
                     checkpoint = self.save()
                 log.write(record)
@@ -164,7 +168,7 @@ class DistributedTrainer:
         return TrainSummary(
             steps=self.step,
             final_loss=last.get("loss"),
-            final_val_loss=None,
+            final_val_loss=last_val,
             tokens_per_s=total_tokens / total_time if total_time > 0 else None,
             mfu=mfu(self.flops_per_step * total_tokens / self.tokens_per_step, total_time, self.peak_flops),
             out_dir=str(self.out_dir),
@@ -204,6 +208,11 @@ class DistributedTrainer:
             "load_imbalance": load_imbalance(load_LE),
             "busy": busy_fractions([r["compute_s"] for r in results], seconds, self.groups),
         }
+
+    def evaluate(self) -> float:
+        """Mean CE over `eval_batches` validation batches, as the oracle's `evaluate` defines it."""
+        results = self._call("evaluate", self.cfg.eval_batches)
+        return sum(r["ce"] for r in results) / self.cfg.eval_batches
 
     def save(self) -> Path:
         """Every rank writes its shard into a staging directory; the driver seals it."""

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from disagmoe.comm import make_transport
-from disagmoe.comm.base import SendHandle
+from disagmoe.comm.base import Direction, SendHandle
 from disagmoe.config import TrainConfig, load_model
 from disagmoe.data import TokenDataset, load_splits
 from disagmoe.runtime.attention_stage import AttentionStage
@@ -85,10 +85,12 @@ class TrainWorker(Worker):
             holds_head=attention is not None and attention[0] == topology.head_group,
         ).materialise(self.device, cfg.seed)
         self.optimizer = build_optimizer(self.model.named_parameters(), cfg.optim)
-        self.attention = None
+        self.attention, self.val_data = None, None
         if attention is not None:
             splits = load_splits(cfg.data, self.model_cfg.vocab_size, cfg.seq_len)
             data = TokenDataset(splits.train, cfg.seq_len, cfg.batch_size, cfg.seed, "train")
+            if splits.val is not None:
+                self.val_data = TokenDataset(splits.val, cfg.seq_len, cfg.batch_size, cfg.seed, "val")
             self.attention = AttentionStage(self.model, topology, self.rank, data, cfg.micro_batches, self.dp_group)
         self.experts = ExpertStage(self.model, topology, self.rank) if topology.expert_role(self.rank) else None
         self.recorder = SpanRecorder(enabled=cfg.trace)
@@ -141,6 +143,32 @@ class TrainWorker(Worker):
         if self.attention is not None:
             result["loss_parts"] = self.attention.loss_parts
         return result
+
+    @torch.no_grad()
+    def evaluate(self, batches: int) -> dict[str, Any]:
+        """The forward ops only (no gradients) over the first `batches` validation batches;
+        returns this rank's share of the summed per-batch mean CE (attention ranks)."""
+        forward = [op for op in self.program if isinstance(op, (AttentionForward, ExpertForward, Loss))
+                   or (isinstance(op, (Send, Recv)) and op.payload.direction is Direction.FORWARD)]
+        ce = 0.0
+        for batch in range(batches):
+            if self.attention is not None:
+                self.attention.begin_step(batch, self.val_data)
+            if self.experts is not None:
+                self.experts.begin_step()
+            mail, handles = Mailbox(self.rank), []
+            for op in forward:
+                if isinstance(op, Loss):
+                    with self.recorder.span(_op_name(op), "compute"):
+                        self.attention.loss(op.micro_batch, mail, backward=False)
+                else:
+                    self._run(op, batch, mail, handles)
+            for handle in handles:
+                handle.wait()
+            if self.attention is not None:
+                ce += self.attention.loss_parts["ce"]
+        self.recorder.drain()  # evaluation time is not part of any step's trace or busy fraction
+        return {"rank": self.rank, "ce": ce}
 
     def _run(self, op: Op, step: int, mail: Mailbox, handles: list[SendHandle]) -> None:
         if isinstance(op, Send):

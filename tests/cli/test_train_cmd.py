@@ -13,7 +13,7 @@ from disagmoe.cli.app import app
 from disagmoe.config import load_model
 
 REPO = Path(__file__).resolve().parents[2]
-FAST = ["steps=3", "batch_size=4", "seq_len=32", "eval_every=0"]
+FAST = ["steps=3", "batch_size=4", "seq_len=32", "eval_every=0", "mode=single"]
 
 
 def invoke(*args: str):
@@ -30,6 +30,23 @@ def test_json_summary_and_outputs(tmp_path):
     assert Path(summary["metrics_path"]) == out / "metrics.jsonl"
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 3
     assert (Path(summary["checkpoint_path"]) / "manifest.json").is_file()
+
+
+def test_the_default_config_trains_disaggregated_on_ray(tmp_path):
+    """The main command (configs/tiny-cpu.yaml, mode disaggregated), a few steps: metrics with the
+    planner's `expert_load`, a sharded checkpoint, the trace and each group's busy fraction."""
+    out = tmp_path / "run"
+    result = invoke("--config", str(REPO / "configs/tiny-cpu.yaml"), "--out-dir", str(out), "--steps", "3",
+                    "batch_size=4", "seq_len=32", "eval_every=3", "eval_batches=1")
+    assert result.exit_code == 0, result.output
+    assert "train (disaggregated)" in result.stdout and "busy fraction" in result.stdout
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3] and "val_loss" in records[-1]
+    assert len(records[-1]["expert_load"]) == 2 and set(records[-1]["busy"]) == {"A0", "E0"}
+    manifest = json.loads((out / "checkpoints" / "step-00000003" / "manifest.json").read_text())
+    assert {e["file"] for e in manifest["shards"]} == {"rank-00000.pt", "rank-00001.pt", "trainer.pt"}
+    pids = {e["pid"] for e in json.loads((out / "trace.json").read_text())["traceEvents"] if e["ph"] == "X"}
+    assert pids == {0, 1}
 
 
 def test_table_summary_names_where_outputs_went(tmp_path):

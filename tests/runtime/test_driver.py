@@ -67,7 +67,7 @@ def tiny_model(bias_balancing: bool):
 
 def run_config(out: Path, mode: str, **fields) -> TrainConfig:
     base = dict(model=tiny_model(fields.pop("bias_balancing", False)), mode=mode, steps=STEPS, batch_size=8,
-                seq_len=16, micro_batches=1, eval_every=0, cpu_threads=1, recv_timeout_s=60,
+                seq_len=16, micro_batches=1, eval_every=STEPS, eval_batches=1, cpu_threads=1, recv_timeout_s=60,
                 optim=OptimConfig(lr=3e-3, warmup_steps=2), out_dir=str(out), trace=False)
     return TrainConfig(**{**base, **fields})
 
@@ -88,7 +88,8 @@ def model_from_checkpoint(cfg: TrainConfig, directory: Path) -> MoETransformer:
 def assert_same_losses(records: list[dict], reference: list[dict]) -> None:
     assert [r["step"] for r in records] == [r["step"] for r in reference]
     for got, want in zip(records, reference, strict=True):
-        for name in ("loss", "ce", "aux_loss", "z_loss"):
+        assert ("val_loss" in got) == ("val_loss" in want)
+        for name in ("loss", "ce", "aux_loss", "z_loss", "val_loss")[:4 + ("val_loss" in want)]:
             assert abs(got[name] - want[name]) <= TOLERANCE * abs(want[name]) + 1e-12, (got["step"], name)
         assert got["expert_load"] == want["expert_load"]
 
