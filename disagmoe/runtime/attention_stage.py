@@ -35,7 +35,7 @@ from disagmoe.runtime.messages import Mailbox
 from disagmoe.runtime.rank_model import RankModel
 from disagmoe.runtime.schedule import Payload
 from disagmoe.runtime.topology import Topology
-from disagmoe.runtime.trainer import cross_entropy
+from disagmoe.runtime.trainer import compute_context, cross_entropy
 
 
 def combine_layer_output(
@@ -137,7 +137,12 @@ class AttentionStage:
     # -- the ops ---------------------------------------------------------------------------------
 
     def forward(self, layer: int, mb: int, mail: Mailbox) -> None:
-        """AttentionForward(layer, mb)."""
+        """AttentionForward(layer, mb), under the oracle's compute context (bf16 autocast on CUDA)."""
+        with compute_context(self.model.head_weight().device if self.model.embed is None
+                             else self.model.embed.weight.device):
+            self._forward(layer, mb, mail)
+
+    def _forward(self, layer: int, mb: int, mail: Mailbox) -> None:
         if layer == 0:
             x_BSH, inputs = self.model.embed(self._tokens(mb)[0]), None
         else:
@@ -155,7 +160,7 @@ class AttentionStage:
         x_PH, grouping = block.dispatch(routing)
         shared_NH = block.shared_ffn(routing)
         offsets = [0, *grouping.offsets_E.tolist()]
-        counts_E = torch.diff(torch.tensor(offsets, dtype=torch.int64))
+        counts_E = torch.diff(grouping.offsets_E.to(torch.int64), prepend=grouping.offsets_E.new_zeros(1, dtype=torch.int64))
         dispatched = []
         for rank, (start, stop) in zip(topo.expert_groups[self.group], topo.slices[self.group], strict=True):
             rows_PH = x_PH[offsets[start]:offsets[stop]]
@@ -185,8 +190,9 @@ class AttentionStage:
     def loss(self, mb: int, mail: Mailbox, backward: bool = True) -> None:
         """Loss(mb): the last layer's output, final norm, LM head, CE; backward at once (if asked)."""
         last = self.topology.num_layers
-        x_BSH, inputs = self._previous_output(last, mb, mail)
-        logits_BSV = F.linear(self.model.norm(x_BSH), self.model.head_weight())
+        with compute_context(self.model.norm.weight.device):
+            x_BSH, inputs = self._previous_output(last, mb, mail)
+            logits_BSV = F.linear(self.model.norm(x_BSH), self.model.head_weight())
         ce = cross_entropy(logits_BSV, self._tokens(mb)[1])
         self.loss_parts["ce"] += float(ce.detach()) / (self.dp * self.micro_batches)
         if backward:

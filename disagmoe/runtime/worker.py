@@ -18,6 +18,8 @@ uses for point-to-point messages, so collective and message tags cannot collide.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +51,14 @@ from disagmoe.runtime.schedule import (
 from disagmoe.runtime.sharded_checkpoint import Listing, load_rank_state, rank_shard, write_shard
 from disagmoe.runtime.topology import Topology
 from disagmoe.runtime.trace import SpanRecorder
+
+
+@contextmanager
+def sync_device(device: torch.device) -> Iterator[None]:
+    """On CUDA, wait for the block's kernels at its end, so a compute span times the GPU work."""
+    yield
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _op_name(op: Op) -> str:
@@ -187,7 +197,7 @@ class TrainWorker(Worker):
                     key = message_key(step, op.payload, op.layer, op.micro_batch)
                     mail.deliver(op.payload, op.layer, op.micro_batch, peer, self.transport.recv(peer, key))
             return
-        with self.recorder.span(_op_name(op), "compute"):
+        with self.recorder.span(_op_name(op), "compute"), sync_device(self.device):
             if isinstance(op, AttentionForward):
                 self.attention.forward(op.layer, op.micro_batch, mail)
             elif isinstance(op, ExpertForward):
@@ -228,19 +238,19 @@ class TrainWorker(Worker):
         if self.attention is None or not self.attention.load_LE:
             return {}
         layers = sorted(self.attention.load_LE)
-        load_LE = torch.stack([self.attention.load_LE[l] for l in layers])
+        load_LE = torch.stack([self.attention.load_LE[l] for l in layers]).to(self.device)
         if self.topology.data_parallel > 1:
             dist.all_reduce(load_LE, group=self.dp_group)
-        return dict(zip(layers, load_LE, strict=True))
+        return dict(zip(layers, load_LE.cpu(), strict=True))
 
     def _clip_to_global_norm(self, replicated: list[torch.Tensor], sharded: list[torch.Tensor]) -> float:
         """Global L2 norm over all ranks (replicas counted once); scale every gradient like
         `torch.nn.utils.clip_grad_norm_` would on the whole model. Returns the norm before clipping."""
         attention = self.topology.attention_role(self.rank)
         counted = sharded + (replicated if attention is None or attention[1] == 0 else [])
-        squares = torch.zeros((), dtype=torch.float64)
+        squares = torch.zeros((), dtype=torch.float64, device=self.device)
         for p in counted:
-            squares += torch.linalg.vector_norm(p.grad).double().cpu() ** 2
+            squares += torch.linalg.vector_norm(p.grad).double() ** 2
         dist.all_reduce(squares, group=self.world_group)
         total = torch.tensor(math.sqrt(float(squares)), dtype=torch.float32)
         max_norm = self.cfg.optim.grad_clip

@@ -34,11 +34,17 @@ TOLERANCE = 1e-5
 
 
 @pytest.fixture(scope="module")
-def warm():
-    """world size -> a started group of TrainWorker actors, reused run after run."""
+def ray_cluster():
     # Logical CPUs for every actor of the module (warm and fresh ones) on the 2 physical cores.
-    ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, num_gpus=0, num_cpus=32,
+    ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=32,
              log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def warm(ray_cluster):
+    """world size -> a started group of TrainWorker actors, reused run after run."""
     groups: dict[int, WorkerGroup] = {}
 
     def workers(world_size: int) -> WorkerGroup:
@@ -50,7 +56,6 @@ def warm():
     yield workers
     for group in groups.values():
         group.shutdown()
-    ray.shutdown()
 
 
 def run_on(warm, cfg: TrainConfig):
@@ -210,3 +215,20 @@ def test_configurations_that_cannot_run_are_refused_before_any_actor(warm, tmp_p
     cfg = run_config(tmp_path / "run", "disaggregated", **fields)
     with pytest.raises(ValueError, match=re.escape(message)):
         DistributedTrainer(cfg)
+
+
+@pytest.mark.gpu
+def test_nccl_transport_on_two_gpus_matches_the_oracle(ray_cluster, tmp_path, capsys):
+    """One attention and one expert rank on two GPUs (bf16 autocast, as the oracle on CUDA)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    cfg = run_config(tmp_path / "dist", "disaggregated", attention_ranks=1, expert_ranks=1, micro_batches=2,
+                     device="cuda", transport="nccl", cpu_threads=None, steps=20, batch_size=16, seq_len=128)
+    summary = DistributedTrainer(cfg, log_to_driver=False).run()
+    reference, _ = oracle(cfg, tmp_path / "single")
+    records = read_metrics(tmp_path / "dist" / METRICS_FILE)
+    for got, want in zip(records, reference, strict=True):
+        assert abs(got["loss"] - want["loss"]) <= 1e-2 * want["loss"], got["step"]
+    assert records[-1]["loss"] < 0.8 * records[0]["loss"]
+    with capsys.disabled():
+        print(f"\nnccl, 1 A + 1 E on 2 GPUs, tiny model, 16 x 128 tokens/step: {summary.tokens_per_s:,.0f} tokens/s")
