@@ -1,0 +1,57 @@
+"""Ranks and expert ownership of distributed runs (disagmoe/runtime/topology.py)."""
+
+import pytest
+
+from disagmoe.config import TrainConfig, load_model
+from disagmoe.runtime.roles import Layout, RoleKind
+from disagmoe.runtime.topology import Topology, expert_slices
+
+
+@pytest.mark.parametrize(("experts", "ranks"), [(8, 1), (8, 3), (7, 7), (64, 5)])
+def test_expert_slices_tile_the_experts_evenly(experts, ranks):
+    slices = expert_slices(experts, ranks)
+    assert len(slices) == ranks and slices[0][0] == 0 and slices[-1][1] == experts
+    assert all(stop == start for (_, stop), (start, _) in zip(slices, slices[1:]))
+    sizes = [stop - start for start, stop in slices]
+    assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
+
+
+def test_more_expert_ranks_than_experts_is_refused():
+    with pytest.raises(ValueError, match="only 8 experts"):
+        expert_slices(8, 9)
+
+
+def test_disaggregated_topology_follows_the_layout():
+    layout = Layout(attention_ranks=4, expert_ranks=3, pipeline_groups=2, num_layers=5, num_dense_layers=1)
+    topo = Topology.disaggregated(layout, num_experts=8)
+    assert topo.world_size == layout.world_size and topo.data_parallel == 2 and topo.head_group == 1
+    for rank in range(topo.world_size):
+        role = layout.role(rank)
+        if role.kind is RoleKind.ATTENTION:
+            assert topo.attention_role(rank) == (role.group, role.index) and topo.expert_role(rank) is None
+            assert topo.attention_layers(rank) == list(layout.layers_of_group(role.group))
+        else:
+            assert topo.expert_role(rank) == (role.group, role.index) and topo.attention_role(rank) is None
+    # group 0 has expert ranks 4, 5 (experts 0-3, 4-7), group 1 has rank 6 (all experts)
+    assert topo.expert_slices_of(4) == {2: (0, 4), 4: (0, 4)}  # layer 0 is dense
+    assert topo.expert_slices_of(6) == {1: (0, 8), 3: (0, 8)}
+    assert topo.describe(1) == "A0.1" and topo.describe(5) == "E0.1" and topo.group_name(6) == "E1"
+
+
+def test_colocated_ranks_run_attention_and_hold_an_expert_slice():
+    topo = Topology.colocated_ranks(3, num_layers=3, num_dense_layers=1, num_experts=8)
+    assert topo.world_size == 3 and topo.data_parallel == 3 and topo.pipeline_groups == 1
+    assert [topo.attention_role(r) for r in range(3)] == [(0, 0), (0, 1), (0, 2)]
+    assert [topo.expert_slices_of(r)[1] for r in range(3)] == [(0, 3), (3, 6), (6, 8)]
+    assert {topo.group_name(r) for r in range(3)} == {"colocated"}
+
+
+def test_from_config_picks_the_mode():
+    model = load_model("tiny")
+    base = dict(model="tiny", batch_size=8)
+    colocated = Topology.from_config(TrainConfig(**base, mode="colocated", colocated_ranks=2), model)
+    disaggregated = Topology.from_config(TrainConfig(**base, attention_ranks=2, expert_ranks=2), model)
+    assert colocated.colocated and colocated.world_size == 2
+    assert not disaggregated.colocated and disaggregated.world_size == 4
+    with pytest.raises(ValueError, match="no distributed topology"):
+        Topology.from_config(TrainConfig(**base, mode="single"), model)

@@ -1,0 +1,46 @@
+"""Trace spans, Chrome trace files and busy fractions (disagmoe/runtime/trace.py)."""
+
+import json
+import time
+
+import pytest
+
+from disagmoe.runtime.trace import SpanRecorder, busy_fractions, write_chrome_trace
+
+
+def test_recorder_times_spans_and_counts_compute():
+    recorder = SpanRecorder()
+    with recorder.span("AttentionForward L0 mb0", "compute"):
+        time.sleep(0.02)
+    with recorder.span("Recv dispatch L0 mb0", "wait"):
+        pass
+    spans, compute_s = recorder.drain()
+    assert [(name, cat) for name, cat, _, _ in spans] == [("AttentionForward L0 mb0", "compute"),
+                                                          ("Recv dispatch L0 mb0", "wait")]
+    assert compute_s == pytest.approx(spans[0][3] / 1e6) and compute_s >= 0.02
+    assert spans[1][2] >= spans[0][2] + spans[0][3]  # the second starts after the first ends
+    assert recorder.drain() == ([], 0.0)
+
+
+def test_disabled_recorder_still_counts_compute():
+    recorder = SpanRecorder(enabled=False)
+    with recorder.span("Loss mb0", "compute"):
+        time.sleep(0.01)
+    spans, compute_s = recorder.drain()
+    assert spans == [] and compute_s >= 0.01
+
+
+def test_busy_fractions_average_each_group():
+    busy = busy_fractions([0.5, 0.3, 0.2, 1.5], step_s=1.0, group_of_rank=["A0", "A0", "E0", "E0"])
+    assert busy == pytest.approx({"A0": 0.4, "E0": 0.6})  # a rank never counts above 1
+
+
+def test_chrome_trace_names_ranks_and_spans(tmp_path):
+    spans = {0: [("Loss mb0", "compute", 10.0, 5.0)], 1: [("Send combine L1 mb0", "send", 12.0, 1.0)]}
+    path = write_chrome_trace(tmp_path / "trace.json", spans, {0: "A0.0", 1: "E0.0"})
+    events = json.loads(path.read_text())["traceEvents"]
+    complete = [e for e in events if e["ph"] == "X"]
+    assert {(e["pid"], e["name"], e["cat"], e["ts"], e["dur"]) for e in complete} == {
+        (0, "Loss mb0", "compute", 10.0, 5.0), (1, "Send combine L1 mb0", "send", 12.0, 1.0)}
+    names = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert names == {0: "rank 0 (A0.0)", 1: "rank 1 (E0.0)"}
