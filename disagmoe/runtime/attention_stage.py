@@ -105,8 +105,7 @@ class AttentionStage:
     def _tokens(self, micro_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
         rows = batch_rows(self.data.batch_size, self.micro_batches, self.dp, micro_batch, self.dp_index)
         inputs_BS, targets_BS = inputs_and_targets(self.batch_data.rows(self.step, rows))
-        device = self.model.head_weight().device if self.model.embed is None else self.model.embed.weight.device
-        return inputs_BS.to(device), targets_BS.to(device)
+        return inputs_BS.to(self.model.device), targets_BS.to(self.model.device)
 
     # -- receiving the previous layer ------------------------------------------------------------
 
@@ -138,8 +137,7 @@ class AttentionStage:
 
     def forward(self, layer: int, mb: int, mail: Mailbox) -> None:
         """AttentionForward(layer, mb), under the oracle's compute context (bf16 autocast on CUDA)."""
-        with compute_context(self.model.head_weight().device if self.model.embed is None
-                             else self.model.embed.weight.device):
+        with compute_context(self.model.device):
             self._forward(layer, mb, mail)
 
     def _forward(self, layer: int, mb: int, mail: Mailbox) -> None:
@@ -190,7 +188,7 @@ class AttentionStage:
     def loss(self, mb: int, mail: Mailbox, backward: bool = True) -> None:
         """Loss(mb): the last layer's output, final norm, LM head, CE; backward at once (if asked)."""
         last = self.topology.num_layers
-        with compute_context(self.model.norm.weight.device):
+        with compute_context(self.model.device):
             x_BSH, inputs = self._previous_output(last, mb, mail)
             logits_BSV = F.linear(self.model.norm(x_BSH), self.model.head_weight())
         ce = cross_entropy(logits_BSV, self._tokens(mb)[1])

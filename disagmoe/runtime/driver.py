@@ -30,6 +30,7 @@ from disagmoe.runtime.cluster import WorkerFailure, WorkerGroup
 from disagmoe.runtime.failures import TrainingFailed
 from disagmoe.runtime.metrics import MetricsLog, load_imbalance, mfu
 from disagmoe.runtime.optim import lr_at
+from disagmoe.runtime.rank_model import rank_model
 from disagmoe.runtime.sharded_checkpoint import finish_checkpoint, read_trainer_state, staging_dir
 from disagmoe.runtime.topology import Topology
 from disagmoe.runtime.trace import busy_fractions, write_chrome_trace
@@ -38,6 +39,7 @@ from disagmoe.runtime.worker import TrainWorker
 
 TRACE_FILE = "trace.json"
 MIN_CPUS_PER_RANK = 0.1  # more CPU actors than this allows would thrash the host
+TRAINING_BYTES_PER_PARAM = 16  # fp32 weight, gradient, AdamW exp_avg and exp_avg_sq
 PROBE_TIMEOUT_S = 2.0  # after a failure: an actor that does not answer `info` this fast is hung
 
 
@@ -45,6 +47,21 @@ def step_timeout_s(cfg: TrainConfig) -> float:
     """The driver's bound on one step: a hung peer is noticed by its peers after recv_timeout_s
     (one receive), this backstop covers a rank stuck outside any receive."""
     return 4 * cfg.recv_timeout_s + 60.0
+
+
+def check_memory(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topology, capacity_bytes: float) -> None:
+    """ValueError naming the first rank whose parameters, gradients and AdamW moments (fp32:
+    16 bytes per parameter; activations not counted) exceed one device's memory."""
+    for rank in range(topology.world_size):
+        params = sum(p.numel() for p in rank_model(model_cfg, cfg.experts_backend, topology, rank).parameters())
+        need = params * TRAINING_BYTES_PER_PARAM
+        if need > capacity_bytes:
+            raise ValueError(
+                f"rank {rank} ({topology.describe(rank)}) holds {params:,} parameters: "
+                f"{need / 2**30:.1f} GiB of fp32 weights, gradients and AdamW moments (activations not "
+                f"counted) on a {capacity_bytes / 2**30:.1f} GiB device; add expert ranks or pipeline groups "
+                "(`disagmoe plan` finds a layout that fits)"
+            )
 
 
 def check_fits(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topology) -> None:
@@ -68,6 +85,7 @@ def check_fits(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topology) -> 
                              "lower the rank counts or join a larger cluster with ray_address")
         if cfg.transport == "local":
             raise ValueError("transport=local runs on CPU (gloo); use transport=nccl with device=cuda")
+        check_memory(cfg, model_cfg, topology, torch.cuda.get_device_properties(0).total_memory)
     else:
         cpus = os.cpu_count() or 1
         if world > cpus / MIN_CPUS_PER_RANK:

@@ -4,8 +4,9 @@ Every record has `step` (1-based: the number of optimizer steps taken) and, for 
 loss, ce, aux_loss, z_loss, lr, grad_norm, tokens, step_time_s, tokens_per_s, flops, mfu (null
 without a hardware peak), `expert_load` (per MoE layer, per expert: token-expert assignments in
 the step, summed over micro-batches) and `load_imbalance` (per MoE layer: max / mean of that
-layer's loads). Steps with a validation pass also carry `val_loss`. `disagmoe plan
---load-histogram metrics.jsonl` reads `expert_load`.
+layer's loads). Steps with a validation pass also carry `val_loss`. Distributed modes add
+`busy` (per group of ranks, e.g. A0 / E0 / colocated: compute time over the step's wall time).
+`disagmoe plan --load-histogram metrics.jsonl` reads `expert_load`.
 
 Legend: L MoE layers, E experts.
 """

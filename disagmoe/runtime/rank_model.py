@@ -17,6 +17,19 @@ from torch import nn
 
 from disagmoe.config import ModelConfig
 from disagmoe.model import MoEBlock, MoETransformer, RoutedExperts
+from disagmoe.runtime.topology import Topology
+
+
+def rank_model(cfg: ModelConfig, experts_backend: str, topology: Topology, rank: int) -> RankModel:
+    """The (meta-device) part of the model that `rank` of `topology` holds."""
+    attention = topology.attention_role(rank)
+    return RankModel(
+        cfg, experts_backend,
+        attention_layers=topology.attention_layers(rank),
+        expert_slices=topology.expert_slices_of(rank),
+        holds_embedding=attention is not None and attention[0] == 0,
+        holds_head=attention is not None and attention[0] == topology.head_group,
+    )
 
 
 class RankModel(nn.Module):
@@ -68,6 +81,10 @@ class RankModel(nn.Module):
         self.to_empty(device=device)
         self.init_weights(seed)
         return self
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
 
     def block(self, layer: int) -> nn.Module:
         return self.layers[str(layer)]

@@ -18,8 +18,10 @@ uses for point-to-point messages, so collective and message tags cannot collide.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +38,7 @@ from disagmoe.runtime.cluster import Worker
 from disagmoe.runtime.expert_stage import ExpertStage
 from disagmoe.runtime.messages import Mailbox, message_key
 from disagmoe.runtime.optim import build_optimizer, set_lr
-from disagmoe.runtime.rank_model import RankModel
+from disagmoe.runtime.rank_model import rank_model
 from disagmoe.runtime.schedule import (
     AttentionBackward,
     AttentionForward,
@@ -87,13 +89,8 @@ class TrainWorker(Worker):
         self.world_group, self.dp_group = self._collective_groups(topology, cfg.recv_timeout_s)
         self.transport = make_transport(cfg.transport, cfg.recv_timeout_s, topology.rank_pairs(cfg.micro_batches))
         attention = topology.attention_role(self.rank)
-        self.model = RankModel(
-            self.model_cfg, cfg.experts_backend,
-            attention_layers=topology.attention_layers(self.rank),
-            expert_slices=topology.expert_slices_of(self.rank),
-            holds_embedding=attention is not None and attention[0] == 0,
-            holds_head=attention is not None and attention[0] == topology.head_group,
-        ).materialise(self.device, cfg.seed)
+        self.model = rank_model(self.model_cfg, cfg.experts_backend, topology, self.rank).materialise(
+            self.device, cfg.seed)
         self.optimizer = build_optimizer(self.model.named_parameters(), cfg.optim)
         self.attention, self.val_data = None, None
         if attention is not None:
@@ -104,12 +101,9 @@ class TrainWorker(Worker):
             self.attention = AttentionStage(self.model, topology, self.rank, data, cfg.micro_batches, self.dp_group)
         self.experts = ExpertStage(self.model, topology, self.rank) if topology.expert_role(self.rank) else None
         self.recorder = SpanRecorder(enabled=cfg.trace)
-        self.stall_before_step: tuple[int, float] | None = None
 
     def _collective_groups(self, topology: Topology, timeout_s: float) -> tuple[Any, Any]:
         """The all-ranks group and this rank's data-parallel group (every rank creates every group)."""
-        from datetime import timedelta
-
         timeout = timedelta(seconds=timeout_s)
         world = dist.new_group(list(range(topology.world_size)), timeout=timeout)
         self._groups = [world]
@@ -125,10 +119,6 @@ class TrainWorker(Worker):
 
     def train_step(self, step: int, lr: float) -> dict[str, Any]:
         """Run this rank's program for `step`; returns its metrics (see the driver)."""
-        import time
-
-        if self.stall_before_step is not None and self.stall_before_step[0] == step:
-            time.sleep(self.stall_before_step[1])  # fault injection for the failure tests
         start = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         if self.attention is not None:
@@ -260,7 +250,7 @@ class TrainWorker(Worker):
                 p.grad.mul_(coef.to(p.grad.device))
         return float(total)
 
-    # -- checkpoints and test hooks ---------------------------------------------------------------
+    # -- checkpoints ---------------------------------------------------------------
 
     def save_shard(self, directory: str) -> Listing | None:
         """Write rank-<r>.pt under `directory`; None when this rank holds nothing unique."""
@@ -273,14 +263,6 @@ class TrainWorker(Worker):
 
     def load(self, directory: str) -> None:
         load_rank_state(Path(directory), self.model, self.optimizer, self.model_cfg)
-
-    def state(self) -> dict[str, torch.Tensor]:
-        """This rank's parameters and buffers under their full-model names (experts still sliced)."""
-        return {name: t.detach().cpu().clone() for name, t in self.model.state_dict().items()}
-
-    def stall(self, step: int, seconds: float) -> None:
-        """Fault injection: sleep `seconds` before running `step` (a hung rank, for tests)."""
-        self.stall_before_step = (step, seconds)
 
     def _release(self) -> None:
         """Close the transport and collective groups of a previous `setup`, if any."""

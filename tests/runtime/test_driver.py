@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -21,13 +23,15 @@ from disagmoe.config import OptimConfig, TrainConfig, load_model
 from disagmoe.model import MoETransformer
 from disagmoe.runtime.checkpoint import checkpoint_dir, load_checkpoint, read_manifest
 from disagmoe.runtime.cluster import WorkerGroup
-from disagmoe.runtime.driver import DistributedTrainer
+from disagmoe.runtime.driver import DistributedTrainer, check_memory
 from disagmoe.runtime.failures import TrainingFailed
 from disagmoe.runtime.metrics import read_metrics
 from disagmoe.runtime.optim import build_optimizer
 from disagmoe.runtime.topology import Topology
 from disagmoe.runtime.trainer import CHECKPOINTS_DIR, METRICS_FILE, SingleProcessTrainer
 from disagmoe.runtime.worker import TrainWorker
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # actors run `_sleep` from here
 
 STEPS = 5
 TOLERANCE = 1e-5
@@ -172,9 +176,13 @@ def test_a_hung_rank_is_named_and_the_run_resumes_in_another_layout(warm, tmp_pa
     cfg = run_config(tmp_path / "run", "disaggregated", attention_ranks=1, expert_ranks=1, micro_batches=2,
                      steps=4, checkpoint_every=2, recv_timeout_s=3)
     trainer = DistributedTrainer(cfg, log_to_driver=False)
-    trainer.workers.call_rank(1, "stall", 2, 12.0)  # rank 1 (the expert) sleeps before step 3
+
+    def hang_rank_1(record):  # after step 2 (and its checkpoint) rank 1 sleeps through step 3
+        if record["step"] == 2:
+            trainer.workers.actors[1].run.remote(_sleep, 12.0)
+
     with pytest.raises(TrainingFailed) as failure:
-        trainer.run()
+        trainer.run(hang_rank_1)
     assert failure.value.rank == 1
     message = str(failure.value)
     assert "rank 1 (E0.0)" in message and "step 3" in message and "hung" in message
@@ -183,6 +191,10 @@ def test_a_hung_rank_is_named_and_the_run_resumes_in_another_layout(warm, tmp_pa
     run_on(warm, resumed)
     reference, _ = oracle(cfg, tmp_path / "single")
     assert_same_losses(read_metrics(tmp_path / "run" / METRICS_FILE), reference)
+
+
+def _sleep(worker, seconds):
+    time.sleep(seconds)
 
 
 def test_a_dead_rank_is_named(warm, tmp_path):
@@ -232,3 +244,11 @@ def test_nccl_transport_on_two_gpus_matches_the_oracle(ray_cluster, tmp_path, ca
     assert records[-1]["loss"] < 0.8 * records[0]["loss"]
     with capsys.disabled():
         print(f"\nnccl, 1 A + 1 E on 2 GPUs, tiny model, 16 x 128 tokens/step: {summary.tokens_per_s:,.0f} tokens/s")
+
+
+def test_a_rank_whose_training_state_exceeds_the_device_is_refused(tmp_path):
+    cfg = run_config(tmp_path / "run", "disaggregated", attention_ranks=1, expert_ranks=2)
+    topology = Topology.from_config(cfg, cfg.model)
+    check_memory(cfg, cfg.model, topology, capacity_bytes=1e9)  # the tiny model fits anywhere
+    with pytest.raises(ValueError, match=r"rank 0 \(A0.0\) holds [\d,]+ parameters: .* on a 0.0 GiB device"):
+        check_memory(cfg, cfg.model, topology, capacity_bytes=1e6)
