@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -67,6 +68,8 @@ def train(
     if busy:
         console.print("busy fraction (compute time / step time, mean over the run): "
                       + ", ".join(f"{group} {fraction:.0%}" for group, fraction in busy.items()))
+    if cfg.mode != "single" and cfg.trace:
+        console.print(f"trace: {Path(cfg.out_dir) / 'trace.json'} (open in https://ui.perfetto.dev)")
 
 
 class TrainProgress:

@@ -1,7 +1,8 @@
 """The driver of a disaggregated or colocated run: actors, one call per rank per step, outputs.
 
     trainer = DistributedTrainer(cfg)     # checks the configuration fits, then starts the actors
-    summary = trainer.run(on_step)        # metrics.jsonl, checkpoints, trace.json; shuts down
+    summary = trainer.run(on_step)        # metrics.jsonl, checkpoints, trace.json (first
+                                          # TRACE_MAX_STEPS steps); shuts the actors down
 
 Per step the driver makes one `train_step` call on every actor; the actors run the schedule and
 exchange tensors among themselves. What comes back is small: loss shares, expert loads, the
@@ -38,6 +39,7 @@ from disagmoe.runtime.trainer import CHECKPOINTS_DIR, METRICS_FILE, StepCallback
 from disagmoe.runtime.worker import TrainWorker
 
 TRACE_FILE = "trace.json"
+TRACE_MAX_STEPS = 100  # spans of the first steps of a run only: a trace of every step grows unbounded
 MIN_CPUS_PER_RANK = 0.1  # more CPU actors than this allows would thrash the host
 TRAINING_BYTES_PER_PARAM = 16  # fp32 weight, gradient, AdamW exp_avg and exp_avg_sq
 PROBE_TIMEOUT_S = 2.0  # after a failure: an actor that does not answer `info` this fast is hung
@@ -145,6 +147,7 @@ class DistributedTrainer:
                 self.workers.shutdown()
             raise
         self.spans: dict[int, list[tuple[str, str, float, float]]] = {r: [] for r in self.rank_names}
+        self.traced_steps = 0
 
     # -- the run ---------------------------------------------------------------------------------
 
@@ -199,7 +202,9 @@ class DistributedTrainer:
         cfg = self.cfg
         lr = lr_at(self.step, cfg.optim, cfg.steps)
         start = time.perf_counter()
-        results = self._call("train_step", self.step, lr)
+        traced = self.cfg.trace and self.traced_steps < TRACE_MAX_STEPS
+        results = self._call("train_step", self.step, lr, traced)
+        self.traced_steps += traced
         seconds = time.perf_counter() - start
         self.step += 1
         parts = {"ce": 0.0, "aux_loss": 0.0, "z_loss": 0.0}

@@ -100,7 +100,7 @@ class TrainWorker(Worker):
                 self.val_data = TokenDataset(splits.val, cfg.seq_len, cfg.batch_size, cfg.seed, "val")
             self.attention = AttentionStage(self.model, topology, self.rank, data, cfg.micro_batches, self.dp_group)
         self.experts = ExpertStage(self.model, topology, self.rank) if topology.expert_role(self.rank) else None
-        self.recorder = SpanRecorder(enabled=cfg.trace)
+        self.recorder = SpanRecorder()
 
     def _collective_groups(self, topology: Topology, timeout_s: float) -> tuple[Any, Any]:
         """The all-ranks group and this rank's data-parallel group (every rank creates every group)."""
@@ -117,8 +117,9 @@ class TrainWorker(Worker):
 
     # -- one step --------------------------------------------------------------------------------
 
-    def train_step(self, step: int, lr: float) -> dict[str, Any]:
-        """Run this rank's program for `step`; returns its metrics (see the driver)."""
+    def train_step(self, step: int, lr: float, trace: bool) -> dict[str, Any]:
+        """Run this rank's program for `step`; returns its metrics and (if `trace`) its spans."""
+        self.recorder.enabled = trace
         start = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         if self.attention is not None:

@@ -40,6 +40,7 @@ def test_the_default_config_trains_disaggregated_on_ray(tmp_path):
                     "batch_size=4", "seq_len=32", "eval_every=3", "eval_batches=1")
     assert result.exit_code == 0, result.output
     assert "train (disaggregated)" in result.stdout and "busy fraction" in result.stdout
+    assert str(out / "trace.json") in result.stdout.replace("\n", "")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3] and "val_loss" in records[-1]
     assert len(records[-1]["expert_load"]) == 2 and set(records[-1]["busy"]) == {"A0", "E0"}
