@@ -186,10 +186,6 @@ class ClusterConfig(StrictModel):
     hardware: HardwareConfig
     num_gpus: PositiveInt
 
-    @property
-    def num_nvlink_domains(self) -> int:
-        return -(-self.num_gpus // self.hardware.nvlink_domain)
-
 
 # ----------------------------------------------------------------------------------------------
 # Placement request and result
@@ -226,7 +222,7 @@ class StageTime(StrictModel):
 
 
 class MemoryEstimate(StrictModel):
-    """Bytes per GPU, split by what they hold, in GiB."""
+    """Memory per GPU in GiB, split by what it holds."""
 
     weights_gib: NonNegFloat
     grads_gib: NonNegFloat

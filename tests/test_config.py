@@ -73,6 +73,8 @@ def test_train_config_overrides(tmp_path):
         cfg.load_train_config(path, ["stepz=3"])
 
 
-def test_schemas_are_json():
+def test_schemas_list_every_key_and_forbid_others():
     for model in (cfg.TrainConfig, cfg.ModelConfig, cfg.HardwareConfig, cfg.Plan):
-        json.dumps(model.model_json_schema())
+        schema = json.loads(json.dumps(model.model_json_schema()))
+        assert set(schema["properties"]) == set(model.model_fields)
+        assert schema["additionalProperties"] is False

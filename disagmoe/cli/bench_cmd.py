@@ -22,6 +22,9 @@ ShapeOption = Annotated[list[str] | None, typer.Option(
 def _shape_names(shapes: list[str] | None) -> list[str]:
     from disagmoe.bench.experts import SHAPES
 
+    unknown = [s for s in shapes or [] if s not in SHAPES]
+    if unknown:
+        raise ValueError(f"unknown shape(s) {', '.join(unknown)}; choose from {', '.join(SHAPES)}")
     return shapes or list(SHAPES)
 
 

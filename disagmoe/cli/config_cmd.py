@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from typing import Annotated
 
 import typer
@@ -83,4 +82,4 @@ def check(path: Annotated[str, typer.Argument(help="a train config YAML")]) -> N
     console.print(conf.to_yaml(), highlight=False)
 
 
-__all__ = ["config_app", "presets", "json"]
+__all__ = ["config_app", "presets"]

@@ -14,7 +14,7 @@ from disagmoe.cli.common import console, print_json, user_errors
 from disagmoe.config import ClusterConfig, PlanConfig, load_hardware, load_model
 from disagmoe.placement.cost import Candidates
 from disagmoe.placement.experts import read_histogram
-from disagmoe.placement.solver import Choice, choose, price, stage_repeats
+from disagmoe.placement.solver import Choice, choose, price, roofline_rows
 from disagmoe.roofline import report
 
 ModelOpt = Annotated[str, typer.Option("--model", "-m", help="model preset (see `disagmoe presets`), "
@@ -159,7 +159,7 @@ def roofline(
                             sequences_per_gpu, replica_sets)
     if choice.cost is None:
         raise ValueError(choice.plan.reason)
-    rows_layer, rows_step = roofline_rows(choice)
+    rows_layer, rows_step = roofline_rows(choice.cost, choice.problem, choice.candidate)
     title = f"{req.model.name} on {gpus} x {req.cluster.hardware.name} ({choice.plan.layout})"
     if plot_path:
         if plot_path.suffix.lower() != ".png":
@@ -182,6 +182,9 @@ def _layout_choice(req: PlanConfig, layout: str, attention_gpus, p, m, seqs, set
     if layout == "auto":
         return choose(req)
     gpus = req.cluster.num_gpus
+    if not 1 <= p <= min(gpus, req.model.num_layers):
+        raise ValueError(f"-p {p}: pipeline groups must be between 1 and min(GPUs, layers) = "
+                         f"{min(gpus, req.model.num_layers)}")
     if layout == "colocated":
         return price(req, Candidates.one(0, gpus // p * p, p, m, seqs, colocated=True))
     if layout != "disaggregated":
@@ -193,20 +196,3 @@ def _layout_choice(req: PlanConfig, layout: str, attention_gpus, p, m, seqs, set
         raise ValueError(f"--attention-gpus {attention_gpus} leaves {expert} expert GPUs; both counts must "
                          f"divide into p={p} groups and the expert GPUs into {sets} replica set(s) per group")
     return price(req, Candidates.one(attention_gpus, expert, p, m, seqs, sets))
-
-
-def roofline_rows(choice: Choice) -> tuple[list[dict], list[dict]]:
-    """Rows for one layer (one micro-batch) and for the whole step (every layer and round)."""
-    cost, ceil, plan = choice.cost, choice.problem.ceilings, choice.plan
-    per_step = plan.accumulation_rounds * plan.micro_batches
-    layer_rows, step_rows = [], []
-    for name, (group, fwd, bwd) in cost.stages.items():
-        repeat, label = stage_repeats(name, choice.problem.model, plan.pipeline_groups, per_step)
-        for tag, w in (("fwd", fwd), ("bwd", bwd)):
-            row = report.stage_row(name, group, label or tag, w, ceil)
-            if row["time_s"] == 0:
-                continue
-            if label is None:
-                layer_rows.append(row)
-            step_rows.append(report.stage_row(name, group, label or tag, w, ceil, repeat=repeat))
-    return layer_rows, step_rows

@@ -21,6 +21,12 @@ trip around the ring, latency-bound otherwise; plus the fill and drain of the ri
 Memory per GPU: bf16 weights (2 B/param), fp32 master weights (4), fp32 gradients (4) and the
 two fp32 AdamW moments (8): 18 bytes per parameter, plus the activations of the m micro-batches
 of one round (all kept until their backward).
+
+Links: traffic among GPUs spread evenly over a span wider than an NVLink domain leaves the
+domain in proportion (1 - domain / span). Pipeline groups are laid out so that a group (or one
+of its replica sets) stays inside a domain when it fits; with p > 1 on a cluster larger than one
+domain, the hop to the next group (combine and residual hand-off) is priced as scale-out
+traffic, the pessimistic case.
 """
 
 from __future__ import annotations
@@ -35,7 +41,8 @@ from disagmoe.roofline.ceilings import Ceilings
 from disagmoe.roofline.params import attention_params, count_params, expert_params, swiglu_params
 from disagmoe.roofline.stages import BF16, FP32, Work
 
-BYTES_PER_PARAM = 2 + 4 + 4 + 8
+WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = 2 + 4, 4, 8  # bf16 copy + fp32 master; fp32; AdamW m, v
+BYTES_PER_PARAM = WEIGHT_BYTES + GRAD_BYTES + OPTIMIZER_BYTES
 GIB = 2.0**30
 
 
@@ -66,6 +73,29 @@ class Candidates:
         return cls(a(attn), a(expert), a(p), a(m), a(seqs), a(sets), colocated)
 
 
+@dataclass(frozen=True)
+class Stage:
+    """One stage's work on one GPU of `group` (attention, expert or link), forward and backward.
+
+    `runs` says how often: per micro-batch of every `layer`, of `moe` or `dense` layers only,
+    once per `micro-batch` (the LM head), or once per `step` (gradient reduction, optimizer:
+    their work sits in `bwd`)."""
+
+    group: str
+    runs: str
+    fwd: Work
+    bwd: Work
+
+    def repeats(self, model: ModelConfig, p: int, micro_batches_per_step: float) -> float:
+        """How often this stage runs in a step on the busiest GPU of its group."""
+        if self.runs == "step":
+            return 1.0
+        if self.runs == "micro-batch":
+            return micro_batches_per_step
+        layers = {"layer": model.num_layers, "moe": model.num_moe_layers, "dense": model.num_dense_layers}[self.runs]
+        return -(-layers // p) * micro_batches_per_step
+
+
 @dataclass
 class Cost:
     """Predicted figures for each candidate (arrays aligned with the `Candidates`)."""
@@ -73,7 +103,9 @@ class Cost:
     step_s: np.ndarray
     fwd_round_s: np.ndarray
     bwd_round_s: np.ndarray
-    rounds: np.ndarray
+    rounds: np.ndarray  # rounds of m micro-batches per step
+    tokens_per_round: np.ndarray
+    dp: np.ndarray  # data-parallel attention replicas per pipeline group
     attn_mem_bytes: np.ndarray  # per attention GPU (colocated: per GPU)
     expert_mem_bytes: np.ndarray  # per expert GPU (colocated: same as attn)
     fits: np.ndarray
@@ -82,10 +114,8 @@ class Cost:
     expert_params: np.ndarray  # parameters held per expert GPU (colocated: expert part)
     attn_act_bytes: np.ndarray
     expert_act_bytes: np.ndarray
-    stages: dict[str, tuple[str, Work, Work]] = field(default_factory=dict)
-    """name -> (group, forward Work, backward Work) per GPU, for reports: per micro-batch and
-    layer, except `lm head` (per micro-batch) and the `grad` / `optimizer` stages (per step,
-    in the backward slot)."""
+    stages: dict[str, Stage] = field(default_factory=dict)
+    """Every stage's work on one GPU; the step time above is built from exactly these."""
 
 
 @dataclass(frozen=True)
@@ -100,22 +130,43 @@ class Problem:
     global_batch_tokens: int
     capacity_bytes: float
     load_peak_ratio: float = 1.0  # hottest expert's load over the mean (1 = uniform routing)
+    replica_slots: int = 0  # spare expert slots per expert GPU for hot-expert replicas
 
 
-def expert_layout(model: ModelConfig, expert_per_group: np.ndarray, peak_ratio: float) -> tuple[np.ndarray, np.ndarray]:
-    """(local experts per expert GPU, load imbalance max/mean over expert GPUs).
+def expert_layout(model: ModelConfig, per_set: np.ndarray, peak_ratio: float,
+                  replica_slots: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(expert slots per expert GPU, load imbalance max/mean over the GPUs of a replica set).
 
-    With more expert GPUs per group than experts, each expert gets replicas (the count must be a
-    multiple of the expert count); otherwise experts are dealt round-robin, so some GPUs hold one
-    more. A hot expert (peak_ratio > 1) raises the imbalance unless it has replicas.
+    Loads are in units of the mean expert load, the hottest expert `peak_ratio` (1 = uniform),
+    the others sharing the rest evenly. Fewer GPUs than experts: each GPU has ceil(n / g) slots
+    (plus `replica_slots` spare ones for hot-expert replicas, which only add memory here), and
+    the fullest GPU may hold the hot expert beside ceil(n / g) - 1 others. At least as many GPUs
+    as experts: every expert gets g // n replicas, the g mod n leftover GPUs replicate the
+    hottest experts, and each replica serves an equal share of its expert's tokens. This follows
+    `placement.experts.map_layer` (tests/placement/test_cost.py checks it against the mapping).
     """
     n = model.num_experts
-    g = np.maximum(expert_per_group, 1)
-    local = np.where(g >= n, 1, -(-n // g))
-    replicas = np.maximum(g // n, 1)
-    uniform_imbalance = np.where(g >= n, 1.0, local * g / n)
-    hot = peak_ratio * g / (n * replicas)  # the GPU holding the hot expert, relative to the mean
-    return local, np.maximum(uniform_imbalance, np.minimum(hot, np.maximum(peak_ratio, 1.0)))
+    g = np.maximum(per_set, 1).astype(np.int64)
+    peak = max(peak_ratio, 1.0)
+    others = (n - peak) / (n - 1) if n > 1 else 0.0  # load of each of the other experts
+    # Fewer GPUs than experts: the hot expert's GPU, plus any experts the other GPUs' slots
+    # cannot take, against the fullest of the other GPUs.
+    slots = -(-n // g)
+    overflow = np.maximum(0, n - 1 - (g - 1) * slots)
+    spread = np.minimum(slots, -(-(n - 1) // np.maximum(g - 1, 1)))
+    busiest_few = np.maximum(peak + overflow * others, spread * others)
+    # At least as many GPUs as experts: r replicas each; the leftover GPUs go one at a time to
+    # the expert with the most load per replica: the hot one until it is no hotter than the
+    # rest, then one to each of the others.
+    r = np.maximum(g // n, 1)
+    leftover = np.where(g >= n, g - n * r, 0)
+    hot_extra = np.minimum(leftover, np.maximum(0, np.ceil(peak * r / max(others, 1e-12) - r)))
+    others_extra = leftover - hot_extra
+    busiest_many = np.maximum(peak / (r + hot_extra), np.where(others_extra >= n - 1, others / (r + 1), others / r))
+    few = g < n
+    local = np.where(few, slots + replica_slots, 1)
+    busiest = np.where(few, busiest_few, busiest_many)
+    return local, np.maximum(busiest * g / n, 1.0)
 
 
 def _scaleout_fraction(span: np.ndarray, domain: int) -> np.ndarray:
@@ -161,7 +212,7 @@ def evaluate(prob: Problem, c: Candidates) -> Cost:
     tokens = (c.seqs * S).astype(float)  # per attention GPU per micro-batch
     if c.colocated:
         dp = c.expert / p  # GPUs per pipeline group, each a data-parallel attention replica
-        ep = _colocated_ep(m.num_experts, c.expert // c.p)
+        ep = colocated_ep(m.num_experts, c.expert // c.p)
         local = (m.num_experts // ep).astype(float)
         imbalance = np.full(len(c), max(prob.load_peak_ratio, 1.0))
         rows = tokens * k * imbalance
@@ -177,7 +228,7 @@ def evaluate(prob: Problem, c: Candidates) -> Cost:
         e_pg = c.expert / p
         sets = c.sets.astype(float)
         per_set = c.expert // (c.p * c.sets)
-        local, imbalance = expert_layout(m, per_set, prob.load_peak_ratio)
+        local, imbalance = expert_layout(m, per_set, prob.load_peak_ratio, prob.replica_slots)
         local = local.astype(float)
         rows = dp * tokens * k / e_pg * imbalance
         f_link = _scaleout_fraction((dp + e_pg) / sets, prob.nvlink_domain)
@@ -185,13 +236,7 @@ def evaluate(prob: Problem, c: Candidates) -> Cost:
         expert_replicas = sets * np.maximum(per_set / m.num_experts, 1.0)
         f_replicas = _scaleout_fraction(e_pg, prob.nvlink_domain)
 
-    n_moe, n_dense = m.num_moe_layers, m.num_dense_layers
-    L = m.num_layers
-    # Per micro-batch, per layer, forward.
-    attn_common = st.attention_projections(m, tokens) + st.attention_core(m, tokens, S)
-    attn_moe = attn_common + st.router(m, tokens) + st.shared_experts(m, tokens) + st.permute(m, tokens * k)
-    attn_dense = attn_common + st.dense_ffn(m, tokens)
-    experts = st.routed_experts(m, rows, local)
+    n_moe, n_dense, L = m.num_moe_layers, m.num_dense_layers, m.num_layers
     if c.colocated:
         dispatch = st.all_to_all(a2a_bytes * imbalance, f_link)
         combine = dispatch
@@ -199,38 +244,9 @@ def evaluate(prob: Problem, c: Candidates) -> Cost:
         send = BF16 * tokens * k * H + np.where(p > 1, BF16 * tokens * (H + 2 * k), 0.0)
         dispatch = st.transfer(np.maximum(send, BF16 * rows * H), f_link)
         combine = st.transfer(np.maximum(BF16 * tokens * k * H, BF16 * rows * H), f_next)
-    head = st.lm_head(m, tokens) + st.embedding(m, tokens)
     handoff = st.transfer(BF16 * tokens * H, f_next)  # residual stream to the next pipeline group
 
-    def times(bwd: bool):
-        f = (lambda w, ff=st.GEMM_BWD: w.backward(ff)) if bwd else (lambda w, ff=None: w)
-        core_b = st.attention_core(m, tokens, S)
-        a_moe = ceil.time(f(attn_moe))
-        a_dense = ceil.time(f(attn_dense))
-        if bwd:  # the attention core's backward costs 2.5x, not 2x
-            extra = ceil.time(core_b.scale(st.ATTN_CORE_BWD - st.GEMM_BWD))
-            a_moe, a_dense = a_moe + extra, a_dense + extra
-        t_e, t_d, t_c = ceil.time(f(experts)), ceil.time(dispatch), ceil.time(combine)
-        t_head = ceil.time(f(head))
-        return a_moe, a_dense, t_e, t_d, t_c, t_head
-
-    result = []
-    for bwd in (False, True):
-        a_moe, a_dense, t_e, t_d, t_c, t_head = times(bwd)
-        if c.colocated:  # attention, dispatch, experts, combine back to back on each GPU
-            a = (n_moe * (a_moe + t_d + t_e + t_c) + n_dense * a_dense) / L
-            hop = np.where(p > 1, ceil.time(handoff), 0.0)
-            result.append(_pass_time(a, hop, 0.0, 0.0, p, mb, L) + mb * t_head)
-        else:
-            a = (n_moe * a_moe + n_dense * a_dense) / L
-            frac = n_moe / L
-            result.append(_pass_time(a, frac * t_d, frac * t_e, frac * t_c, p, mb, L) + mb * t_head)
-    fwd_round, bwd_round = result
-
-    tokens_per_round = mb * dp * tokens
-    rounds = np.ceil(prob.global_batch_tokens / tokens_per_round)
-
-    # Parameters held, gradient all-reduce and optimizer.
+    # Parameters each GPU holds (the busiest pipeline group's share).
     counts = count_params(m)
     emb_params = np.where(p > 1, m.vocab_size * H, counts.embedding)
     moe_l, dense_l = _layer_counts(m, c.p)
@@ -240,21 +256,71 @@ def evaluate(prob: Problem, c: Candidates) -> Cost:
     attn_params = emb_params + moe_l * (attn_layer + moe_side) + dense_l * (attn_layer + dense_side)
     exp_params = moe_l * local * expert_params(m)
     f_dp = _scaleout_fraction(dp, prob.nvlink_domain)
-    ar_attn = ceil.time(st.ring_allreduce(FP32 * attn_params, dp, f_dp))
-    ar_exp = ceil.time(st.ring_allreduce(FP32 * exp_params, expert_replicas, f_replicas))
-    if c.colocated:
+
+    # Every stage once: per GPU, per micro-batch and layer (or per micro-batch / per step).
+    proj, core = st.attention_projections(m, tokens), st.attention_core(m, tokens, S)
+    head = st.lm_head(m, tokens) + st.embedding(m, tokens)
+    experts = st.routed_experts(m, rows, local)
+    stages = {
+        "attention projections": Stage("attention", "layer", proj, proj.backward()),
+        "attention core": Stage("attention", "layer", core, core.backward(st.ATTN_CORE_BWD)),
+        "router": Stage("attention", "moe", st.router(m, tokens), st.router(m, tokens).backward()),
+        "shared experts": Stage("attention", "moe", st.shared_experts(m, tokens),
+                                st.shared_experts(m, tokens).backward()),
+        "permute / combine sum": Stage("attention", "moe", st.permute(m, tokens * k), st.permute(m, tokens * k)),
+        "dense ffn": Stage("attention", "dense", st.dense_ffn(m, tokens), st.dense_ffn(m, tokens).backward()),
+        "dispatch": Stage("link", "moe", dispatch, combine),
+        "routed experts": Stage("expert", "moe", experts, experts.backward()),
+        "combine": Stage("link", "moe", combine, dispatch),
+        "lm head + embedding": Stage("attention", "micro-batch", head, head.backward()),
+        "grad all-reduce (attention)": Stage("link", "step", Work(), st.ring_allreduce(FP32 * attn_params, dp, f_dp)),
+        "grad all-reduce (experts)": Stage("link", "step", Work(),
+                                           st.ring_allreduce(FP32 * exp_params, expert_replicas, f_replicas)),
+        "optimizer (attention)": Stage("attention", "step", Work(), st.optimizer_step(attn_params)),
+        "optimizer (experts)": Stage("expert", "step", Work(), st.optimizer_step(exp_params)),
+    }
+    if n_dense == 0:
+        del stages["dense ffn"]
+
+    def time_of(name: str, bwd: bool):
+        stage = stages.get(name)
+        return 0.0 if stage is None else ceil.time(stage.bwd if bwd else stage.fwd)
+
+    def attention_time(bwd: bool, runs: tuple[str, ...]):
+        return sum(time_of(n, bwd) for n, s in stages.items() if s.group == "attention" and s.runs in runs)
+
+    rounds_time = []
+    for bwd in (False, True):
+        a_moe, a_dense = attention_time(bwd, ("layer", "moe")), attention_time(bwd, ("layer", "dense"))
+        t_d, t_e, t_c = time_of("dispatch", bwd), time_of("routed experts", bwd), time_of("combine", bwd)
+        t_head = time_of("lm head + embedding", bwd)
+        if c.colocated:  # attention, dispatch, experts, combine back to back on each GPU
+            a = (n_moe * (a_moe + t_d + t_e + t_c) + n_dense * a_dense) / L
+            hop = np.where(p > 1, ceil.time(handoff), 0.0)
+            rounds_time.append(_pass_time(a, hop, 0.0, 0.0, p, mb, L) + mb * t_head)
+        else:
+            a = (n_moe * a_moe + n_dense * a_dense) / L
+            frac = n_moe / L
+            rounds_time.append(_pass_time(a, frac * t_d, frac * t_e, frac * t_c, p, mb, L) + mb * t_head)
+    fwd_round, bwd_round = rounds_time
+
+    tokens_per_round = mb * dp * tokens
+    rounds = np.ceil(prob.global_batch_tokens / tokens_per_round)
+    ar_attn = time_of("grad all-reduce (attention)", True)
+    ar_exp = time_of("grad all-reduce (experts)", True)
+    opt_attn, opt_exp = time_of("optimizer (attention)", True), time_of("optimizer (experts)", True)
+    if c.colocated:  # one GPU does both halves' reductions and updates
         exposed = np.maximum(ar_attn + ar_exp - bwd_round, 0.0)
-        opt = ceil.time(st.optimizer_step(attn_params + exp_params))
+        opt = opt_attn + opt_exp
     else:
         exposed = np.maximum(np.maximum(ar_attn, ar_exp) - bwd_round, 0.0)
-        opt = np.maximum(ceil.time(st.optimizer_step(attn_params)), ceil.time(st.optimizer_step(exp_params)))
+        opt = np.maximum(opt_attn, opt_exp)
     step = rounds * (fwd_round + bwd_round) + exposed + opt
 
-    # Memory.
-    round_tokens = mb * tokens
-    act_attn = round_tokens * (moe_l * _act_bytes_attention_layer(m, True)
-                               + dense_l * _act_bytes_attention_layer(m, False)
-                               + FP32 * m.vocab_size)
+    # Memory: weights, grads, AdamW state, and the activations of one round's micro-batches.
+    act_attn = mb * tokens * (moe_l * _act_bytes_attention_layer(m, True)
+                              + dense_l * _act_bytes_attention_layer(m, False)
+                              + FP32 * m.vocab_size)
     act_exp = mb * rows * moe_l * _act_bytes_expert_row(m)
     if c.colocated:
         attn_mem = BYTES_PER_PARAM * (attn_params + exp_params) + act_attn + act_exp
@@ -263,32 +329,15 @@ def evaluate(prob: Problem, c: Candidates) -> Cost:
         attn_mem = BYTES_PER_PARAM * attn_params + act_attn
         exp_mem = BYTES_PER_PARAM * exp_params + act_exp
     fits = (attn_mem <= prob.capacity_bytes) & (exp_mem <= prob.capacity_bytes)
-
-    stage_table = {
-        "attention projections": ("attention", st.attention_projections(m, tokens),
-                                  st.attention_projections(m, tokens).backward()),
-        "attention core": ("attention", st.attention_core(m, tokens, S),
-                           st.attention_core(m, tokens, S).backward(st.ATTN_CORE_BWD)),
-        "router": ("attention", st.router(m, tokens), st.router(m, tokens).backward()),
-        "shared experts": ("attention", st.shared_experts(m, tokens), st.shared_experts(m, tokens).backward()),
-        "permute / combine sum": ("attention", st.permute(m, tokens * k), st.permute(m, tokens * k)),
-        "dispatch": ("link", dispatch, combine),
-        "routed experts": ("expert", experts, experts.backward()),
-        "combine": ("link", combine, dispatch),
-        "lm head + embedding": ("attention", head, head.backward()),
-        "grad all-reduce (attention)": ("link", Work(), st.ring_allreduce(FP32 * attn_params, dp, f_dp)),
-        "grad all-reduce (experts)": ("link", Work(), st.ring_allreduce(FP32 * exp_params, expert_replicas, f_replicas)),
-        "optimizer (attention)": ("attention", Work(), st.optimizer_step(attn_params)),
-    }
-    if n_dense:
-        stage_table["dense ffn (dense layers)"] = ("attention", st.dense_ffn(m, tokens), st.dense_ffn(m, tokens).backward())
+    ones = np.ones(len(c))
     return Cost(step_s=step, fwd_round_s=fwd_round, bwd_round_s=bwd_round, rounds=rounds,
+                tokens_per_round=tokens_per_round * ones, dp=dp * ones,
                 attn_mem_bytes=attn_mem, expert_mem_bytes=exp_mem, fits=fits,
-                imbalance=np.asarray(imbalance, dtype=float) * np.ones(len(c)),
-                attn_params=attn_params * np.ones(len(c)), expert_params=exp_params * np.ones(len(c)),
-                attn_act_bytes=act_attn, expert_act_bytes=act_exp, stages=stage_table)
+                imbalance=np.asarray(imbalance, dtype=float) * ones,
+                attn_params=attn_params * ones, expert_params=exp_params * ones,
+                attn_act_bytes=act_attn, expert_act_bytes=act_exp, stages=stages)
 
 
-def _colocated_ep(num_experts: int, gpus: np.ndarray) -> np.ndarray:
+def colocated_ep(num_experts: int, gpus: np.ndarray | int) -> np.ndarray:
     """Expert-parallel degree of the colocated baseline: the largest divisor of both counts."""
-    return np.gcd(num_experts, gpus.astype(np.int64))
+    return np.gcd(num_experts, np.asarray(gpus, dtype=np.int64))

@@ -16,8 +16,20 @@ from dataclasses import dataclass
 import numpy as np
 
 from disagmoe.config import MemoryEstimate, Plan, PlanConfig, StageTime
-from disagmoe.placement.cost import BYTES_PER_PARAM, GIB, Candidates, Cost, Problem, evaluate
+from disagmoe.placement.cost import (
+    BYTES_PER_PARAM,
+    GIB,
+    GRAD_BYTES,
+    OPTIMIZER_BYTES,
+    WEIGHT_BYTES,
+    Candidates,
+    Cost,
+    Problem,
+    colocated_ep,
+    evaluate,
+)
 from disagmoe.placement.experts import imbalance, map_layer
+from disagmoe.roofline import report
 from disagmoe.roofline.ceilings import Ceilings
 from disagmoe.roofline.flops import step_flops
 from disagmoe.roofline.params import count_params
@@ -29,12 +41,13 @@ def problem_of(cfg: PlanConfig, gpus: int | None = None) -> Problem:
     hw = cfg.cluster.hardware
     peak = 1.0
     if cfg.load_histogram:
-        peak = max(max(row) * len(row) / sum(row) for row in cfg.load_histogram if sum(row) > 0)
+        peak = max((max(row) * len(row) / sum(row) for row in cfg.load_histogram if sum(row) > 0), default=1.0)
     return Problem(
         model=cfg.model, ceilings=Ceilings.of(hw), gpus=gpus or cfg.cluster.num_gpus,
         nvlink_domain=hw.nvlink_domain, seq_len=cfg.seq_len,
         global_batch_tokens=cfg.global_batch_tokens,
         capacity_bytes=hw.hbm_gib * GIB * cfg.memory_headroom, load_peak_ratio=peak,
+        replica_slots=1 if cfg.max_expert_replicas > 0 else 0,
     )
 
 
@@ -104,7 +117,7 @@ def best_index(cost: Cost, c: Candidates) -> int | None:
     if not cost.fits.any():
         return None
     step = np.where(cost.fits, cost.step_s, np.inf)
-    tokens_done = cost.rounds * c.m * (c.expert if c.colocated else c.attn) // c.p * c.seqs
+    tokens_done = cost.rounds * cost.tokens_per_round
     order = np.lexsort((c.seqs, c.m, c.p, -tokens_done, np.round(step / step[np.isfinite(step)].min(), 9)))
     return int(order[0])
 
@@ -175,9 +188,9 @@ def price(cfg: PlanConfig, chosen: Candidates, colocated_step_s: float = math.in
     idle = gpus - attn - exp
     if idle:
         notes.append(f"{idle} GPU(s) left idle: the GPU count is not a multiple of p={p}")
-    dp = (attn if use_dis else exp) // p
-    tokens_per_round = m * dp * seqs * cfg.seq_len
-    rounds = math.ceil(cfg.global_batch_tokens / tokens_per_round)
+    dp = int(cost.dp[0])
+    tokens_per_round = int(cost.tokens_per_round[0])
+    rounds = int(cost.rounds[0])
     if rounds * tokens_per_round != cfg.global_batch_tokens:
         notes.append(f"the batch is {rounds} rounds of {tokens_per_round} tokens = "
                      f"{rounds * tokens_per_round} tokens (asked {cfg.global_batch_tokens})")
@@ -195,7 +208,7 @@ def price(cfg: PlanConfig, chosen: Candidates, colocated_step_s: float = math.in
         global_batch_tokens=cfg.global_batch_tokens,
         layout="disaggregated" if use_dis else "colocated",
         attention_gpus=attn, expert_gpus=exp, pipeline_groups=p, micro_batches=m,
-        expert_replica_sets=int(chosen.sets[0]) if use_dis else exp // p // _ep(model, exp // p),
+        expert_replica_sets=int(chosen.sets[0]) if use_dis else exp // p // int(colocated_ep(model.num_experts, exp // p)),
         sequences_per_micro_batch=seqs * dp, accumulation_rounds=rounds,
         expert_map=expert_map, total_params=counts.total, active_params=counts.active,
         memory_per_gpu=_memory(cost, prob, use_dis), stage_times=_stage_times(cost, prob, chosen),
@@ -207,16 +220,12 @@ def price(cfg: PlanConfig, chosen: Candidates, colocated_step_s: float = math.in
     return Choice(plan, chosen, cost, prob)
 
 
-def _ep(model, per_group: int) -> int:
-    return math.gcd(model.num_experts, per_group)
-
-
 def _colocated_map(cfg: PlanConfig, c: Candidates) -> tuple[list[list[list[int]]], float]:
     """Colocated: within group g, EP blocks of `ep` GPUs; expert e lives on GPU e // (E/ep) of each."""
     model = cfg.model
     p = int(c.p[0])
     per_group = int(c.expert[0]) // p
-    ep = _ep(model, per_group)
+    ep = int(colocated_ep(model.num_experts, per_group))
     per_gpu = model.num_experts // ep
     out = []
     for j in range(model.num_moe_layers):
@@ -249,7 +258,7 @@ def _expert_map(cfg: PlanConfig, c: Candidates) -> tuple[list[list[list[int]]], 
 
 def _memory(cost: Cost, prob: Problem, disaggregated: bool) -> dict[str, MemoryEstimate]:
     def estimate(params: float, act: float) -> MemoryEstimate:
-        w, g, o = params * 2 / GIB, params * 4 / GIB, params * 12 / GIB
+        w, g, o = (params * b / GIB for b in (WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_BYTES))
         return MemoryEstimate(weights_gib=w, grads_gib=g, optimizer_gib=o, activations_gib=act / GIB,
                               total_gib=params * BYTES_PER_PARAM / GIB + act / GIB,
                               capacity_gib=prob.capacity_bytes / GIB)
@@ -261,36 +270,29 @@ def _memory(cost: Cost, prob: Problem, disaggregated: bool) -> dict[str, MemoryE
     return {"attention": estimate(a_p, a_act), "expert": estimate(e_p, e_act)}
 
 
-def stage_repeats(name: str, model, p: int, micro_batches_per_step: float) -> tuple[float, str | None]:
-    """How often a `Cost.stages` entry runs per step on one GPU, and its pass label override."""
-    if name.startswith(("grad", "optimizer")):
-        return 1.0, "step"
-    if name.startswith("lm head"):
-        return micro_batches_per_step, None
-    layers = model.num_dense_layers if "dense" in name else model.num_moe_layers
-    return -(-layers // p) * micro_batches_per_step, None
+def roofline_rows(cost: Cost, prob: Problem, c: Candidates) -> tuple[list[dict], list[dict]]:
+    """Report rows (see `roofline.report.stage_row`) of one layout: per layer and micro-batch,
+    and per step (each stage times how often it runs on the busiest GPU of its group)."""
+    per_step = float(cost.rounds[0]) * int(c.m[0])
+    layer_rows, step_rows = [], []
+    for name, stage in cost.stages.items():
+        repeat = stage.repeats(prob.model, int(c.p[0]), per_step)
+        for tag, w in (("fwd", stage.fwd), ("bwd", stage.bwd)):
+            label = "step" if stage.runs == "step" else tag
+            row = report.stage_row(name, stage.group, label, w, prob.ceilings)
+            if row["time_s"] == 0:
+                continue
+            if stage.runs != "step":
+                layer_rows.append(row)
+            step_rows.append(report.stage_row(name, stage.group, label, w, prob.ceilings, repeat=repeat))
+    return layer_rows, step_rows
 
 
 def _stage_times(cost: Cost, prob: Problem, c: Candidates) -> list[StageTime]:
     """Each stage's time for one step on the GPUs that run it, and its binding ceiling."""
-    per_step = float(cost.rounds[0]) * int(c.m[0])
-    out = []
-    for name, (group, fwd, bwd) in cost.stages.items():
-        repeat, label = stage_repeats(name, prob.model, int(c.p[0]), per_step)
-        for tag, w in (("fwd", fwd), ("bwd", bwd)):
-            w1 = _first(w)
-            t = float(prob.ceilings.time(w1)) * repeat
-            if t > 0:
-                out.append(StageTime(name=f"{name} ({label or tag})", time_s=t, group=group,
-                                     bound=prob.ceilings.bound(w1)))
-    return out
-
-
-def _first(w):
-    from disagmoe.roofline.stages import Work
-
-    return Work(*(float(np.asarray(getattr(w, f)).ravel()[0]) for f in
-                  ("flops", "hbm_bytes", "nvlink_bytes", "scaleout_bytes", "transfers", "collectives")))
+    _, rows = roofline_rows(cost, prob, c)
+    return [StageTime(name=f"{r['stage']} ({r['pass']})", time_s=r["time_s"], group=r["group"], bound=r["bound"])
+            for r in rows]
 
 
 def _reason(cost: Cost, prob: Problem, c: Candidates, disaggregated: bool, step: float, col: float) -> str:

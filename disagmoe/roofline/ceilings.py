@@ -14,9 +14,6 @@ import numpy as np
 from disagmoe.config import HardwareConfig
 from disagmoe.roofline.stages import Num, Work
 
-CEILINGS = ("compute", "hbm", "nvlink", "scale-out", "latency")
-
-
 @dataclass(frozen=True)
 class Ceilings:
     """Achievable rates of one GPU: FLOP/s and B/s after the efficiency factors."""

@@ -1,0 +1,99 @@
+"""The cost model against independent references: a discrete-event pipeline simulation, the
+real expert mapping, and the memory an expert map implies."""
+
+import numpy as np
+import pytest
+
+from disagmoe.config import ClusterConfig, PlanConfig, load_hardware, load_model
+from disagmoe.placement.cost import Candidates, _pass_time, evaluate, expert_layout
+from disagmoe.placement.experts import imbalance, map_layer
+from disagmoe.placement.solver import problem_of, solve
+from disagmoe.roofline.params import expert_params
+
+
+def simulate_ring(a, d, e, c, p, m, layers):
+    """Event simulation of m micro-batches through `layers` hops of A -> d -> E -> c; group
+    g = layer mod p owns an A, an E and two one-way links, each busy with one item at a time."""
+    free = {}  # resource -> time it is next free
+    ready = [0.0] * m  # when each micro-batch may enter its next stage
+    finish = 0.0
+    for layer in range(layers):
+        g = layer % p
+        for kind, dur in (("A", a), ("d", d), ("E", e), ("c", c)):
+            order = sorted(range(m), key=lambda i: (ready[i], i))  # first come, first served
+            for i in order:
+                start = max(ready[i], free.get((kind, g), 0.0))
+                ready[i] = start + dur
+                free[(kind, g)] = ready[i]
+                finish = max(finish, ready[i])
+    return finish
+
+
+@pytest.mark.parametrize("p, m, layers", [(1, 1, 4), (1, 4, 4), (2, 2, 6), (2, 8, 6), (3, 4, 9), (1, 8, 3)])
+def test_pass_time_matches_an_event_simulation_for_equal_stages(p, m, layers):
+    s = 1.0
+    want = simulate_ring(s, s, s, s, p, m, layers)
+    got = float(_pass_time(s, s, s, s, p, m, layers))
+    assert got == pytest.approx(want, rel=1e-9)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_pass_time_bounds_an_event_simulation_for_unequal_stages(seed):
+    rng = np.random.default_rng(seed)
+    a, d, e, c = rng.uniform(0.2, 2.0, 4)
+    p, m = int(rng.integers(1, 4)), int(rng.integers(1, 9))
+    layers = p * int(rng.integers(1, 4))
+    want = simulate_ring(a, d, e, c, p, m, layers)
+    got = float(_pass_time(a, d, e, c, p, m, layers))
+    # A closed form: exact for equal stages, within 25% of the simulated makespan otherwise.
+    assert abs(got - want) <= 0.25 * want
+
+
+@pytest.mark.parametrize("name", ["mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3"])
+@pytest.mark.parametrize("peak", [1.0, 1.7, 4.0])
+def test_expert_layout_equals_the_real_mapping(name, peak):
+    model = load_model(name)
+    n = model.num_experts
+    loads = [peak] + [(n - peak) / (n - 1)] * (n - 1)
+    gpus = np.array(sorted({1, 2, 3, 5, n // 2, n - 1, n, n + 1, n + n // 2, 2 * n, 2 * n + 3} - {0}))
+    slots, modelled = expert_layout(model, gpus, peak)
+    for g, slot, imb in zip(gpus, slots, modelled):
+        owners = map_layer(loads, int(g))
+        assert imb == pytest.approx(imbalance(loads, owners, int(g)), rel=1e-9)
+        per_gpu = np.bincount([x for xs in owners for x in xs], minlength=int(g))
+        assert per_gpu.max() == slot
+
+
+def test_replica_slots_are_priced_as_memory():
+    def cfg(replicas):
+        m = load_model("qwen3-30b-a3b")
+        return PlanConfig(model=m, cluster=ClusterConfig(hardware=load_hardware("h200-sxm"), num_gpus=16),
+                          seq_len=4096, max_expert_replicas=replicas)
+
+    one = Candidates.one(8, 8, 1, 1, 1)
+    plain, spare = evaluate(problem_of(cfg(0)), one), evaluate(problem_of(cfg(2)), one)
+    m = load_model("qwen3-30b-a3b")
+    owners = map_layer([1.0] * m.num_experts, 8, max_replicas=2)
+    slots = np.bincount([g for gs in owners for g in gs], minlength=8)
+    assert slots.max() <= 128 // 8 + 1
+    extra = float(spare.expert_params[0] - plain.expert_params[0])
+    assert extra == m.num_moe_layers * expert_params(m)
+
+
+def test_stages_repeat_over_the_layers_they_run_in():
+    m = load_model("deepseek-v3")  # 61 layers, 3 dense
+    cfg = PlanConfig(model=m, cluster=ClusterConfig(hardware=load_hardware("gb200-nvl72"), num_gpus=144),
+                     seq_len=4096)
+    cost = evaluate(problem_of(cfg), Candidates.one(48, 96, 4, 2, 1))
+    assert cost.stages["attention core"].repeats(m, 4, 10) == 16 * 10  # ceil(61 / 4) layers
+    assert cost.stages["router"].repeats(m, 4, 10) == 15 * 10  # ceil(58 / 4) MoE layers
+    assert cost.stages["dense ffn"].repeats(m, 4, 10) == 1 * 10
+    assert cost.stages["lm head + embedding"].repeats(m, 4, 10) == 10
+    assert cost.stages["optimizer (attention)"].repeats(m, 4, 10) == 1
+
+
+def test_attention_stages_fit_inside_the_step():
+    plan = solve(PlanConfig(model=load_model("qwen3-235b-a22b"),
+                            cluster=ClusterConfig(hardware=load_hardware("gb200-nvl72"), num_gpus=72), seq_len=4096))
+    attention_busy = sum(s.time_s for s in plan.stage_times if s.group == "attention")
+    assert 0.5 * plan.step_time_s < attention_busy <= plan.step_time_s * 1.001
