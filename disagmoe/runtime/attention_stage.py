@@ -113,7 +113,8 @@ class AttentionStage:
         """Layer `layer - 1`'s output rebuilt from received parts (each a leaf)."""
         topo, prev = self.topology, layer - 1
         source = topo.attention_rank(topo.group_of_layer(prev), self.dp_index)
-        parts = [t.detach().requires_grad_(t.is_floating_point()) for t in mail.take(Payload.RESIDUAL, prev, mb, source)]
+        received = mail.take(Payload.RESIDUAL, prev, mb, source)
+        parts = [t.detach().requires_grad_(t.is_floating_point()) for t in received]
         inputs = LayerInput(prev, carry=[t for t in parts if t.is_floating_point()])
         if not topo.is_moe(prev):
             return parts[0], inputs
@@ -157,15 +158,16 @@ class AttentionStage:
         routing = block.route(h_BSH)
         x_PH, grouping = block.dispatch(routing)
         shared_NH = block.shared_ffn(routing)
-        offsets = [0, *grouping.offsets_E.tolist()]
-        counts_E = torch.diff(grouping.offsets_E.to(torch.int64), prepend=grouping.offsets_E.new_zeros(1, dtype=torch.int64))
+        counts_E = routing.load_E  # rows per expert, the order of x_PH
+        offsets = [0, *counts_E.cumsum(0).tolist()]
         dispatched = []
         for rank, (start, stop) in zip(topo.expert_groups[self.group], topo.slices[self.group], strict=True):
             rows_PH = x_PH[offsets[start]:offsets[stop]]
             mail.post(Payload.DISPATCH, layer, mb, rank, [rows_PH, counts_E[start:stop]])
             dispatched.append(rows_PH)
-        carry = [h_BSH, routing.topk_w_NK] + ([] if shared_NH is None else [shared_NH])
-        mail.post(Payload.RESIDUAL, layer, mb, nxt, [h_BSH, routing.topk_w_NK, routing.topk_idx_NK, *carry[2:]])
+        shared = [] if shared_NH is None else [shared_NH]
+        mail.post(Payload.RESIDUAL, layer, mb, nxt, [h_BSH, routing.topk_w_NK, routing.topk_idx_NK, *shared])
+        carry = [h_BSH, routing.topk_w_NK, *shared]
         router_loss = self._router_loss(block, routing) / self.micro_batches
         self.segments[(layer, mb)] = Segment(inputs, dispatched, carry, router_loss)
         self.load_LE[layer] += routing.load_E.cpu()

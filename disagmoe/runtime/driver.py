@@ -111,18 +111,8 @@ class DistributedTrainer:
         self.evaluates = splits.val is not None and cfg.eval_every > 0
         self.out_dir = Path(cfg.out_dir)
         self.checkpoint_root = self.out_dir / CHECKPOINTS_DIR
-        self.step = 0
-        resume_from = None
-        if cfg.resume:
-            resume_from = latest_checkpoint(self.checkpoint_root)
-            if resume_from is None:
-                raise ValueError(f"resume=true but {self.checkpoint_root} holds no complete checkpoint; "
-                                 "check out_dir or set resume=false to start fresh")
-            check_compatible(read_manifest(resume_from), self.model_cfg, resume_from)
-            self.step = read_trainer_state(resume_from).step
-            if self.step >= cfg.steps:
-                raise ValueError(f"checkpoint {resume_from} is at step {self.step}, already at "
-                                 f"steps={cfg.steps}; raise steps to train further")
+        resume_from = self._resume_point() if cfg.resume else None
+        self.step = 0 if resume_from is None else read_trainer_state(resume_from).step
         self.tokens_per_step = cfg.batch_size * cfg.seq_len
         self.flops_per_step = step_flops(self.model_cfg, self.tokens_per_step, cfg.seq_len)
         self.peak_flops = None if cfg.hardware is None else load_hardware(cfg.hardware).bf16_tflops * 1e12
@@ -139,15 +129,28 @@ class DistributedTrainer:
         try:
             if self.owns_workers:
                 self.workers.init_process_group(timeout_s=cfg.recv_timeout_s)
-            self.workers.call("setup", cfg.model_dump(mode="json"), self.topology, timeout_s=step_timeout_s(cfg))
+            self._call("setup", cfg.model_dump(mode="json"), self.topology)
             if resume_from is not None:
-                self.workers.call("load", str(resume_from), timeout_s=step_timeout_s(cfg))
+                self._call("load", str(resume_from))
         except BaseException:
             if self.owns_workers:
                 self.workers.shutdown()
             raise
         self.spans: dict[int, list[tuple[str, str, float, float]]] = {r: [] for r in self.rank_names}
         self.traced_steps = 0
+
+    def _resume_point(self) -> Path:
+        """The checkpoint to resume from, checked against the model and the step count."""
+        directory = latest_checkpoint(self.checkpoint_root)
+        if directory is None:
+            raise ValueError(f"resume=true but {self.checkpoint_root} holds no complete checkpoint; "
+                             "check out_dir or set resume=false to start fresh")
+        check_compatible(read_manifest(directory), self.model_cfg, directory)
+        step = read_trainer_state(directory).step
+        if step >= self.cfg.steps:
+            raise ValueError(f"checkpoint {directory} is at step {step}, already at steps={self.cfg.steps}; "
+                             "raise steps to train further")
+        return directory
 
     # -- the run ---------------------------------------------------------------------------------
 

@@ -76,4 +76,5 @@ class ExpertStage:
         grads = [mail.take(Payload.COMBINE_GRAD, layer, mb, dst)[0] for dst in self.destinations]
         torch.autograd.backward(segment.outputs, grads)
         for src, leaf in zip(self.sources, segment.inputs, strict=True):
-            mail.post(Payload.DISPATCH_GRAD, layer, mb, src, [torch.zeros_like(leaf) if leaf.grad is None else leaf.grad])
+            grad = torch.zeros_like(leaf) if leaf.grad is None else leaf.grad
+            mail.post(Payload.DISPATCH_GRAD, layer, mb, src, [grad])

@@ -1,8 +1,9 @@
 """The training actor: one per rank; runs its schedule program for a whole step per driver call.
 
     setup(cfg, topology)       build the rank's model part, optimizer, data, transport, groups
-    train_step(step, lr)       run the program (compute ops, sends, receives), then the optimizer
-                               step; return this rank's metrics and trace spans
+    train_step(step, lr, trace)    run the program (compute ops, sends, receives), then the
+                               optimizer step; return this rank's metrics and trace spans
+    evaluate(batches)          the program's forward ops on validation batches, no gradients
     save_shard(dir) / load(dir)    checkpoint shards in the layout-independent format
 
 The optimizer step, as in the oracle: wait for every send, all-reduce (sum) the replicated
@@ -177,7 +178,8 @@ class TrainWorker(Worker):
                 for peer in op.peers:
                     if peer != self.rank:  # to itself: already delivered by `Mailbox.post`
                         key = message_key(step, op.payload, op.layer, op.micro_batch)
-                        handles.append(self.transport.send(peer, key, mail.outgoing(op.payload, op.layer, op.micro_batch, peer)))
+                        tensors = mail.outgoing(op.payload, op.layer, op.micro_batch, peer)
+                        handles.append(self.transport.send(peer, key, tensors))
             return
         if isinstance(op, Recv):
             with self.recorder.span(_op_name(op), "wait"):
@@ -222,7 +224,8 @@ class TrainWorker(Worker):
             self.model.block(layer).moe.router.update_bias(load_E.to(self.device))
         attention = self.topology.attention_role(self.rank)
         reports_load = attention is not None and attention[1] == 0
-        return {"grad_norm": grad_norm, "expert_load": {l: v.tolist() for l, v in load.items()} if reports_load else {}}
+        return {"grad_norm": grad_norm,
+                "expert_load": {layer: v.tolist() for layer, v in load.items()} if reports_load else {}}
 
     def _step_load(self) -> dict[int, torch.Tensor]:
         """Per MoE layer held here: the step's expert loads summed over micro-batches and DP ranks."""

@@ -1,7 +1,8 @@
 """Distributed training on Ray actors (disagmoe/runtime/driver.py) against the single-process oracle.
 
 One Ray cluster serves the module, and warm actors (one group per world size) serve every run
-that does not break them; the failure tests start their own. The oracle is `SingleProcessTrainer` on the same config: same loss at every step, same parameters
+that does not break them; the failure tests start their own. The oracle is
+`SingleProcessTrainer` on the same config: same loss at every step, same parameters
 after the run (read back from the distributed run's checkpoint, which also tests the sharded
 checkpoint format against the single-mode loader).
 """
