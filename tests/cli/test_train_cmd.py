@@ -94,3 +94,16 @@ def test_malformed_override_exits_2(tmp_path):
     result = invoke("--config", _config(tmp_path), "optim.lr")
     assert result.exit_code == 2
     assert "key=value" in result.stderr
+
+
+def test_a_failed_rank_exits_1_with_the_report(tmp_path, monkeypatch):
+    from disagmoe.cli import train_cmd
+    from disagmoe.runtime.failures import TrainingFailed
+
+    def failing_run(on_step):
+        raise TrainingFailed(1, "rank 1 (E0.0) failed during train_step of step 3: it is hung")
+
+    monkeypatch.setitem(train_cmd.PREPARE, "disaggregated", lambda cfg: failing_run)
+    result = invoke("--config", _config(tmp_path), "--json")
+    assert result.exit_code == 1
+    assert "rank 1 (E0.0)" in result.stderr and "Traceback" not in result.output
