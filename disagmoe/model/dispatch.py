@@ -28,10 +28,16 @@ class ExpertGrouping:
         return self.pair_idx_P // self.top_k
 
 
+def expert_counts(topk_idx_NK: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """int64 [E]: token-expert pairs per expert. scatter_add, not bincount: on a GPU bincount
+    reads the largest index back to the host, a synchronisation per layer."""
+    flat = topk_idx_NK.flatten()
+    return torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
 def group_by_expert(topk_idx_NK: torch.Tensor, num_experts: int) -> ExpertGrouping:
-    pair_expert_P = topk_idx_NK.flatten()
-    pair_idx_P = torch.argsort(pair_expert_P, stable=True)
-    counts_E = torch.bincount(pair_expert_P, minlength=num_experts)
+    pair_idx_P = torch.argsort(topk_idx_NK.flatten(), stable=True)
+    counts_E = expert_counts(topk_idx_NK, num_experts)
     return ExpertGrouping(pair_idx_P, torch.cumsum(counts_E, 0).to(torch.int32), topk_idx_NK.shape[1])
 
 

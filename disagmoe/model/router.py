@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from disagmoe.config import ModelConfig
+from disagmoe.model.dispatch import expert_counts
 from disagmoe.model.layers import compute_dtype
 
 
@@ -89,7 +90,7 @@ class Router(nn.Module):
             topk_w_NK = topk_w_NK / (topk_w_NK.sum(-1, keepdim=True) + 1e-20)
         topk_w_NK = topk_w_NK * rc.routed_scaling
 
-        load_E = torch.bincount(topk_idx_NK.flatten(), minlength=self.num_experts).detach()
+        load_E = expert_counts(topk_idx_NK, self.num_experts).detach()
         return Routing(
             xn_NH=xn_NH,
             topk_idx_NK=topk_idx_NK,
