@@ -158,3 +158,36 @@ def hardware(
         return
     console.print(text, highlight=False)
 
+
+@bench_app.command("train")
+@user_errors
+def train(
+    config: Annotated[Path, typer.Option("--config", "-c", help="a train config YAML")],
+    overrides: Annotated[list[str] | None, typer.Argument(help="key=value overrides, e.g. device=cuda")] = None,
+    mode: Annotated[list[str] | None, typer.Option(
+        help="single | disaggregated | colocated (repeatable; default: disaggregated and colocated)")] = None,
+    steps: Annotated[int, typer.Option(help="steps per mode", min=2)] = 20,
+    warmup: Annotated[int, typer.Option(help="first steps left out of the median", min=0)] = 3,
+    as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
+) -> None:
+    """Time whole training steps of one config in several layouts in the same run, on the same
+    devices (colocated gets attention + expert ranks), and report each against colocated."""
+    from disagmoe.bench import train as bench
+    from disagmoe.config import load_train_config
+
+    cfg = load_train_config(config, overrides or [])
+    log = (lambda m: err_console.print(m, highlight=False)) if as_json else console.print
+    record = bench.run(cfg, mode or ["disaggregated", "colocated"], steps, warmup, log)
+    if as_json:
+        print_json(record)
+        return
+    env = record["environment"]
+    table = Table(title=f"training steps of {config} on {env['device']} ({env['transport']} transport), "
+                        f"median of steps {warmup + 1}-{steps}")
+    for col in ("mode", "ranks", "step", "tokens/s", "final loss", "vs " + record["modes"][0]["baseline"]):
+        table.add_column(col, justify="left" if col == "mode" else "right")
+    for r in record["modes"]:
+        table.add_row(r["mode"], str(r["ranks"]), f"{r['median_step_s'] * 1e3:.1f} ms", f"{r['tokens_per_s']:,.0f}",
+                      f"{r['final_loss']:.4f}", f"{r['speedup']:.2f}x")
+    console.print(table)
+

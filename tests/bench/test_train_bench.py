@@ -1,0 +1,37 @@
+"""`disagmoe bench train`: per-mode configs, the median and the same-run ratio, the CLI."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from disagmoe.bench.train import median_step, mode_config, summarise
+from disagmoe.cli.app import app
+from disagmoe.config import TrainConfig
+
+
+def test_mode_config_gives_colocated_the_same_devices(tmp_path):
+    cfg = TrainConfig(model="tiny", attention_ranks=2, expert_ranks=3, colocated_ranks=2)
+    col = mode_config(cfg, "colocated", 5, tmp_path)
+    assert col.colocated_ranks == 5 and col.steps == 5 and not col.trace and col.eval_every == 0
+    assert mode_config(cfg, "disaggregated", 5, tmp_path).out_dir != col.out_dir
+    with pytest.raises(ValueError, match="unknown mode"):
+        mode_config(cfg, "diagonal", 5, tmp_path)
+
+
+def test_median_skips_warmup_and_ratio_is_against_colocated():
+    records = [{"step": i, "step_time_s": t} for i, t in enumerate([9.0, 9.0, 1.0, 2.0, 3.0], start=1)]
+    assert median_step(records, warmup=2) == 2.0
+    with pytest.raises(ValueError, match="more --steps"):
+        median_step(records, warmup=5)
+    rows = summarise([{"mode": "disaggregated", "median_step_s": 1.0}, {"mode": "colocated", "median_step_s": 1.5}])
+    assert [r["speedup"] for r in rows] == [1.5, 1.0] and rows[0]["baseline"] == "colocated"
+
+
+def test_cli_times_the_single_mode():
+    r = CliRunner().invoke(app, ["bench", "train", "--config", "configs/tiny-cpu.yaml", "--mode", "single",
+                                 "--steps", "4", "--warmup", "1", "--json"])
+    assert r.exit_code == 0, r.output
+    record = json.loads(r.stdout)
+    (row,) = record["modes"]
+    assert row["mode"] == "single" and row["median_step_s"] > 0 and row["speedup"] == 1.0
