@@ -320,6 +320,10 @@ class TrainConfig(StrictModel):
     expert_ranks: PositiveInt = 1
     pipeline_groups: PositiveInt = 1
     colocated_ranks: PositiveInt = 2
+    plan: str | Plan | None = Field(
+        None, description="a `disagmoe plan --out` file (or an inline plan): its layout and expert map "
+        "replace mode, attention_ranks, expert_ranks, pipeline_groups, micro_batches, colocated_ranks"
+    )
     data: DataConfig = Field(default_factory=DataConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     eval_every: NonNegInt = Field(25, description="validation every N steps; 0 disables")

@@ -10,9 +10,10 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from disagmoe.config import TrainConfig, load_train_config
+from disagmoe.config import TrainConfig, load_model, load_train_config
 from disagmoe.cli.common import console, err_console, print_json, user_errors
 from disagmoe.runtime.failures import TrainingFailed
+from disagmoe.runtime.plan_layout import apply_plan, replaced_fields
 
 
 StepCallback = Callable[[dict[str, Any]], None]
@@ -45,14 +46,25 @@ def train(
     overrides: Annotated[
         list[str] | None, typer.Argument(help="config overrides key=value, e.g. optim.lr=1e-3 data.kind=text")
     ] = None,
-    mode: Annotated[str | None, typer.Option(help="single | disaggregated | colocated (default: the config's)")] = None,
+    mode: Annotated[str | None, typer.Option(
+        help="single | disaggregated | colocated (default: the config's; a --plan sets it)")] = None,
     steps: Annotated[int | None, typer.Option(help="optimizer steps (default: the config's)")] = None,
     out_dir: Annotated[str | None, typer.Option("--out-dir", help="metrics and checkpoints go here")] = None,
+    plan: Annotated[str | None, typer.Option(
+        "--plan", help="a `disagmoe plan --out` file: its layout and expert map replace the config's mode, "
+        "rank counts, pipeline groups and micro-batches")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print the final summary as JSON only")] = False,
 ) -> None:
     """Train a model. Writes <out-dir>/metrics.jsonl (one JSON object per step) and checkpoints."""
     flags = [f"{k}={v}" for k, v in (("mode", mode), ("steps", steps), ("out_dir", out_dir)) if v is not None]
     cfg = load_train_config(config, [*(overrides or []), *flags])
+    if plan is not None:
+        cfg.plan = plan
+    if cfg.plan is not None:
+        planned = apply_plan(cfg, load_model(cfg.model))
+        if not as_json:
+            console.print(_plan_note(cfg, planned), highlight=False)
+        cfg = planned
     run = PREPARE[cfg.mode](cfg)
     try:
         if as_json:
@@ -96,6 +108,17 @@ class TrainProgress:
 
     def __exit__(self, *exc: object) -> None:
         self.progress.stop()
+
+
+def _plan_note(cfg: TrainConfig, planned: TrainConfig) -> str:
+    """e.g. 'plan plan.yaml: attention_ranks=1, expert_ranks=2 (config: 1), ...'."""
+    changed = replaced_fields(cfg, planned)
+    fields = ("mode", "colocated_ranks", "micro_batches") if planned.mode == "colocated" else (
+        "mode", "attention_ranks", "expert_ranks", "pipeline_groups", "micro_batches")
+    shown = [f"{name}={getattr(planned, name)}" + (f" (config: {changed[name][0]})" if name in changed else "")
+             for name in fields]
+    source = cfg.plan if isinstance(cfg.plan, str) else "inline"
+    return f"plan {source}: {', '.join(shown)}; experts placed by its expert_map"
 
 
 def _fmt(value: float | None, spec: str) -> str:

@@ -16,9 +16,9 @@ Decomposition used by the disaggregated runtime (one MoE layer, `block = model.l
     shared_NH      = block.shared_ffn(routing)            # attention side (None without shared experts)
     out_BSH        = block.combine(h_BSH, routing, y_PH, grouping, shared_NH)
 
-An expert rank holds `RoutedExperts.from_slice(block.moe.experts, start, stop)` (or calls an
+An expert rank holds `RoutedExperts.from_indices(block.moe.experts, expert_ids)` (or calls an
 `expert_ffn(x_NH, offsets_E, w13_EH2F, w2_EFH)` backend on its own tensors); `init_weights` draws
-every expert from its own seeded stream, so a slice initialises exactly like the full model.
+every expert from its own seeded stream, so any subset initialises exactly like the full model.
 Dense layers (`DenseBlock`) run whole on the attention side. Routing can be held fixed for
 gradient checks and oracles: `model(tokens, fixed_topk_idx_LNK=out.topk_idx_LNK)`.
 

@@ -12,7 +12,7 @@ Shape legend: N rows (token-expert pairs), H hidden, F expert FFN width, E exper
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -95,17 +95,22 @@ def get_expert_ffn(backend: str) -> ExpertFFN:
 
 
 class RoutedExperts(nn.Module):
-    """Experts `first_expert .. first_expert + E - 1` of one MoE layer, weights stacked.
+    """Some experts of one MoE layer (by default all of them), weights stacked in `expert_ids` order.
 
-    `w13_EH2F` [E, H, 2F] (gate in [..., :F], up in [..., F:]) and `w2_EFH` [E, F, H]. An expert
-    rank builds one holding only its slice with `from_slice`.
+    `w13_EH2F` [E, H, 2F] (gate in [..., :F], up in [..., F:]) and `w2_EFH` [E, F, H]; local expert
+    e is the layer's expert `expert_ids[e]` (ascending, any subset). An expert rank builds one holding
+    only its experts with `from_indices` (or `from_slice` for a contiguous range).
     """
 
     def __init__(
-        self, num_experts: int, hidden: int, ffn: int, backend: str = "loop", first_expert: int = 0
+        self, num_experts: int, hidden: int, ffn: int, backend: str = "loop",
+        expert_ids: Sequence[int] | None = None,
     ) -> None:
         super().__init__()
-        self.first_expert, self.backend = first_expert, backend
+        self.expert_ids = tuple(range(num_experts)) if expert_ids is None else tuple(expert_ids)
+        if len(self.expert_ids) != num_experts or list(self.expert_ids) != sorted(set(self.expert_ids)):
+            raise ValueError(f"expert_ids {self.expert_ids} must be {num_experts} distinct ids in ascending order")
+        self.backend = backend
         self.expert_ffn = get_expert_ffn(backend)
         self.w13_EH2F = nn.Parameter(torch.empty(num_experts, hidden, 2 * ffn))
         self.w2_EFH = nn.Parameter(torch.empty(num_experts, ffn, hidden))
@@ -115,15 +120,28 @@ class RoutedExperts(nn.Module):
         return self.w13_EH2F.shape[0]
 
     @classmethod
+    def from_indices(
+        cls, full: RoutedExperts, expert_ids: Sequence[int], backend: str | None = None
+    ) -> RoutedExperts:
+        """A module holding copies of `full`'s experts `expert_ids` (layer-wide ids, held by `full`)."""
+        ids = sorted(expert_ids)
+        missing = [e for e in ids if e not in full.expert_ids]
+        if not ids or missing:
+            raise ValueError(f"experts {missing or ids} are not among the {full.num_experts} experts "
+                             f"{full.expert_ids[0]}..{full.expert_ids[-1]} of the module they are taken from")
+        local = torch.tensor([full.expert_ids.index(e) for e in ids], device=full.w13_EH2F.device)
+        _, hidden, two_f = full.w13_EH2F.shape
+        part = cls(len(ids), hidden, two_f // 2, backend or full.backend, ids)
+        part.w13_EH2F = nn.Parameter(full.w13_EH2F.detach()[local].clone())
+        part.w2_EFH = nn.Parameter(full.w2_EFH.detach()[local].clone())
+        return part
+
+    @classmethod
     def from_slice(cls, full: RoutedExperts, start: int, stop: int, backend: str | None = None) -> RoutedExperts:
         """A module holding copies of `full`'s experts start..stop-1 (indices local to `full`)."""
         if not 0 <= start < stop <= full.num_experts:
             raise ValueError(f"expert slice {start}:{stop} is outside 0:{full.num_experts}")
-        _, hidden, two_f = full.w13_EH2F.shape
-        part = cls(stop - start, hidden, two_f // 2, backend or full.backend, full.first_expert + start)
-        part.w13_EH2F = nn.Parameter(full.w13_EH2F[start:stop].detach().clone())
-        part.w2_EFH = nn.Parameter(full.w2_EFH[start:stop].detach().clone())
-        return part
+        return cls.from_indices(full, full.expert_ids[start:stop], backend)
 
     def forward(self, x_NH: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
         """Rows grouped by (local) expert -> output rows in the same order."""
@@ -132,11 +150,10 @@ class RoutedExperts(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int, prefix: str, std: float = 0.02) -> None:
-        """Each expert from its own stream keyed by its global index: slices init identically."""
-        for e in range(self.num_experts):
-            g = self.first_expert + e
+        """Each expert from its own stream keyed by its layer-wide id: any subset inits identically."""
+        for e, g in enumerate(self.expert_ids):
             seeded_normal_(self.w13_EH2F[e], seed, f"{prefix}.w13_EH2F[{g}]", std)
             seeded_normal_(self.w2_EFH[e], seed, f"{prefix}.w2_EFH[{g}]", std)
 
     def extra_repr(self) -> str:
-        return f"experts={self.first_expert}..{self.first_expert + self.num_experts - 1}, backend={self.backend}"
+        return f"experts={list(self.expert_ids)}, backend={self.backend}"

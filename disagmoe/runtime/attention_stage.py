@@ -33,17 +33,40 @@ from disagmoe.model.layers import compute_dtype
 from disagmoe.runtime.batching import batch_rows, inputs_and_targets
 from disagmoe.runtime.messages import Mailbox
 from disagmoe.runtime.rank_model import RankModel
+from disagmoe.runtime.plan_layout import ExpertIds
 from disagmoe.runtime.schedule import Payload
 from disagmoe.runtime.topology import Topology
 from disagmoe.runtime.trainer import compute_context, cross_entropy
 
 
+def split_by_rank(x_PH: torch.Tensor, counts_E: torch.Tensor,
+                  expert_ids: tuple[ExpertIds, ...]) -> list[torch.Tensor]:
+    """Rows grouped by expert (counts_E rows each) -> for each expert rank, the rows of its experts
+    in its id order (what it runs them in)."""
+    chunks = x_PH.split(counts_E.tolist())
+    return [torch.cat([chunks[e] for e in ids]) for ids in expert_ids]
+
+
+def merge_ranks(rows_per_rank: list[torch.Tensor], counts_E: torch.Tensor,
+                expert_ids: tuple[ExpertIds, ...]) -> torch.Tensor:
+    """The inverse of `split_by_rank`: every expert rank's rows back in expert order."""
+    counts = counts_E.tolist()
+    chunk_of = {}
+    for rows_PH, ids in zip(rows_per_rank, expert_ids, strict=True):
+        chunk_of.update(zip(ids, rows_PH.split([counts[e] for e in ids]), strict=True))
+    return torch.cat([chunk_of[e] for e in range(len(counts))])
+
+
 def combine_layer_output(
-    h_BSH: torch.Tensor, topk_w_NK: torch.Tensor, y_PH: torch.Tensor, topk_idx_NK: torch.Tensor,
-    shared_NH: torch.Tensor | None, num_experts: int,
+    h_BSH: torch.Tensor, topk_w_NK: torch.Tensor, rows_per_rank: list[torch.Tensor],
+    expert_ids: tuple[ExpertIds, ...], topk_idx_NK: torch.Tensor, shared_NH: torch.Tensor | None,
+    num_experts: int,
 ) -> torch.Tensor:
-    """A MoE layer's output from its parts: the arithmetic of `MoEBlock.combine`, in its order."""
-    ffn_NH = combine(y_PH, group_by_expert(topk_idx_NK, num_experts), topk_w_NK)
+    """A MoE layer's output from its parts (each expert rank's output rows, as `split_by_rank` sent
+    their inputs): the arithmetic of `MoEBlock.combine`, in its order."""
+    grouping = group_by_expert(topk_idx_NK, num_experts)
+    counts_E = torch.bincount(topk_idx_NK.flatten(), minlength=num_experts)
+    ffn_NH = combine(merge_ranks(rows_per_rank, counts_E, expert_ids), grouping, topk_w_NK)
     if shared_NH is not None:
         ffn_NH = ffn_NH + shared_NH
     return h_BSH + ffn_NH.view_as(h_BSH)
@@ -63,7 +86,7 @@ class LayerInput:
 
     prev: int  # the layer whose output this is
     carry: list[torch.Tensor] = field(default_factory=list)  # residual-stream parts (float leaves)
-    expert_rows: list[torch.Tensor] = field(default_factory=list)  # per expert rank of `prev`
+    expert_rows: list[torch.Tensor] = field(default_factory=list)  # per expert rank of `prev`, its id order
 
 
 @dataclass
@@ -71,7 +94,7 @@ class Segment:
     """One AttentionForward's graph: its inputs and the outputs whose gradients come back later."""
 
     inputs: LayerInput | None
-    dispatched: list[torch.Tensor]  # rows sent to each expert rank of the group
+    dispatched: list[torch.Tensor]  # rows sent to each expert rank of the group (`split_by_rank`)
     carry: list[torch.Tensor]  # float residual-stream parts sent to the next group
     router_loss: torch.Tensor | None  # this rank's share of (aux + z) / M
 
@@ -121,9 +144,8 @@ class AttentionStage:
         experts = topo.expert_groups[topo.group_of_layer(prev)]
         inputs.expert_rows = [mail.take(Payload.COMBINE, prev, mb, r)[0].detach().requires_grad_() for r in experts]
         h_BSH, topk_w_NK, topk_idx_NK, *shared = parts
-        y_PH = torch.cat(inputs.expert_rows)
-        x_BSH = combine_layer_output(h_BSH, topk_w_NK, y_PH, topk_idx_NK, shared[0] if shared else None,
-                                     self.num_experts)
+        x_BSH = combine_layer_output(h_BSH, topk_w_NK, inputs.expert_rows, topo.expert_ids[prev], topk_idx_NK,
+                                     shared[0] if shared else None, self.num_experts)
         return x_BSH, inputs
 
     def _post_input_grads(self, inputs: LayerInput, mb: int, mail: Mailbox) -> None:
@@ -159,12 +181,10 @@ class AttentionStage:
         x_PH, grouping = block.dispatch(routing)
         shared_NH = block.shared_ffn(routing)
         counts_E = routing.load_E  # rows per expert, the order of x_PH
-        offsets = [0, *counts_E.cumsum(0).tolist()]
-        dispatched = []
-        for rank, (start, stop) in zip(topo.expert_groups[self.group], topo.slices[self.group], strict=True):
-            rows_PH = x_PH[offsets[start]:offsets[stop]]
-            mail.post(Payload.DISPATCH, layer, mb, rank, [rows_PH, counts_E[start:stop]])
-            dispatched.append(rows_PH)
+        expert_ids = topo.expert_ids[layer]
+        dispatched = split_by_rank(x_PH, counts_E, expert_ids)
+        for rank, ids, rows_PH in zip(topo.expert_groups[self.group], expert_ids, dispatched, strict=True):
+            mail.post(Payload.DISPATCH, layer, mb, rank, [rows_PH, counts_E[list(ids)]])
         shared = [] if shared_NH is None else [shared_NH]
         mail.post(Payload.RESIDUAL, layer, mb, nxt, [h_BSH, routing.topk_w_NK, routing.topk_idx_NK, *shared])
         carry = [h_BSH, routing.topk_w_NK, *shared]

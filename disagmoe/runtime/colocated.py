@@ -1,4 +1,4 @@
-"""The colocated schedule: every rank runs attention (data-parallel) and holds a slice of the experts.
+"""The colocated schedule: every rank runs attention (data-parallel) and holds a share of the experts.
 
 The conventional expert-parallel layout, our baseline. For each layer and micro-batch every rank
 runs its attention, sends each rank (itself included) the rows routed to that rank's experts

@@ -31,6 +31,7 @@ from disagmoe.runtime.cluster import WorkerFailure, WorkerGroup
 from disagmoe.runtime.failures import TrainingFailed
 from disagmoe.runtime.metrics import MetricsLog, load_imbalance, mfu
 from disagmoe.runtime.optim import lr_at
+from disagmoe.runtime.plan_layout import apply_plan
 from disagmoe.runtime.rank_model import rank_model
 from disagmoe.runtime.sharded_checkpoint import finish_checkpoint, read_trainer_state, staging_dir
 from disagmoe.runtime.topology import Topology
@@ -103,8 +104,8 @@ class DistributedTrainer:
     def __init__(self, cfg: TrainConfig, log_to_driver: bool = True, workers: WorkerGroup | None = None) -> None:
         """`workers`: already started `TrainWorker` actors (with their process group) to reuse for
         this run instead of starting new ones; they stay up afterwards (the caller shuts them down)."""
-        self.cfg = cfg
         self.model_cfg = load_model(cfg.model)
+        self.cfg = cfg = apply_plan(cfg, self.model_cfg)  # a plan's layout, checked; inline for the workers
         self.topology = Topology.from_config(cfg, self.model_cfg)
         check_fits(cfg, self.model_cfg, self.topology)
         splits = load_splits(cfg.data, self.model_cfg.vocab_size, cfg.seq_len)  # data errors surface here

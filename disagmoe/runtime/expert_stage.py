@@ -1,7 +1,7 @@
-"""The expert side of one rank: its slice of the routed experts of every MoE layer of its group.
+"""The expert side of one rank: its routed experts of every MoE layer of its group.
 
 `ExpertForward(l)` takes, from each attention rank d of the group, the rows routed to this rank's
-experts (grouped by expert) and their per-expert counts, orders them by (expert, d) - which for
+experts (grouped by expert, in the order of its expert ids) and their per-expert counts, orders them by (expert, d) - which for
 every expert is the oracle's token order, because data-parallel rank d owns the d-th block of the
 micro-batch's rows - runs the experts once over all of them, and posts the output rows of
 data-parallel index d to the attention rank d of the next group (grouped by expert again).

@@ -2,7 +2,7 @@
 
 An attention rank holds the blocks of its pipeline group's layers without their routed experts
 (plus the embedding on the group of layer 0, the final norm and LM head on the head group); an
-expert rank holds, per MoE layer of its group, a `RoutedExperts` slice at `layers.<i>.moe.experts`.
+expert rank holds, per MoE layer of its group, a `RoutedExperts` of its experts at `layers.<i>.moe.experts`.
 A colocated rank holds both. The modules are built on the meta device, so no rank ever allocates
 the whole model, then initialised by the full model's own rules: every tensor draws from the
 stream of (seed, its name), so a rank's tensors equal the single-process model's bit for bit.
@@ -26,7 +26,7 @@ def rank_model(cfg: ModelConfig, experts_backend: str, topology: Topology, rank:
     return RankModel(
         cfg, experts_backend,
         attention_layers=topology.attention_layers(rank),
-        expert_slices=topology.expert_slices_of(rank),
+        expert_ids=topology.experts_of(rank),
         holds_embedding=attention is not None and attention[0] == 0,
         holds_head=attention is not None and attention[0] == topology.head_group,
     )
@@ -40,7 +40,7 @@ class RankModel(nn.Module):
         cfg: ModelConfig,
         experts_backend: str,
         attention_layers: Iterable[int],
-        expert_slices: dict[int, tuple[int, int]],
+        expert_ids: dict[int, tuple[int, ...]],
         holds_embedding: bool,
         holds_head: bool,
     ) -> None:
@@ -51,11 +51,11 @@ class RankModel(nn.Module):
             full = MoETransformer(cfg, experts_backend)
             self.embed = full.embed if holds_embedding or (holds_head and cfg.tie_embeddings) else None
             self.layers = nn.ModuleDict()
-            for layer in sorted(attention_layers | set(expert_slices)):
+            for layer in sorted(attention_layers | set(expert_ids)):
                 block = full.layers[layer]
                 experts = None
-                if layer in expert_slices:
-                    experts = RoutedExperts.from_slice(block.moe.experts, *expert_slices[layer])
+                if layer in expert_ids:
+                    experts = RoutedExperts.from_indices(block.moe.experts, expert_ids[layer])
                 if layer in attention_layers:
                     if isinstance(block, MoEBlock):
                         block.moe.experts = experts  # None on a pure attention rank

@@ -2,7 +2,7 @@
 
 Each rank writes `rank-<r>.pt` = {"model": {key: tensor}, "optim": {key: state}} holding the
 keys it owns (replicated attention parameters only from data-parallel index 0; every expert
-under its global index); the driver adds `trainer.pt` and the manifest. Everything goes to a
+under its layer-wide id); the driver adds `trainer.pt` and the manifest. Everything goes to a
 temporary directory first that is renamed to `step-<step>` at the end, so a checkpoint either
 exists complete or not at all. Since the keys are layout-independent, `load_checkpoint` (single
 mode) reads these checkpoints, and `load_rank_state` reads any checkpoint into one rank's part
@@ -50,37 +50,37 @@ def staging_dir(root: Path, step: int) -> Path:
     return root / f".staging-{checkpoint_dir(root, step).name}"
 
 
-def _first_experts(model: RankModel) -> dict[str, int]:
-    """Stacked expert tensor name -> global index of its first expert."""
-    firsts = {}
+def _expert_ids(model: RankModel) -> dict[str, tuple[int, ...]]:
+    """Stacked expert tensor name -> the layer-wide ids of its experts, in stacking order."""
+    ids = {}
     for name, module in model.named_modules():
         if name.endswith("moe.experts"):
             for param in ("w13_EH2F", "w2_EFH"):
-                firsts[f"{name}.{param}"] = module.first_expert
-    return firsts
+                ids[f"{name}.{param}"] = module.expert_ids
+    return ids
 
 
-def _global_key(key: TensorKey, firsts: dict[str, int]) -> TensorKey:
-    """A rank-local key (expert index within the rank's slice) -> the layout-independent key."""
+def _global_key(key: TensorKey, ids: dict[str, tuple[int, ...]]) -> TensorKey:
+    """A rank-local key (expert index within the rank's stack) -> the layout-independent key."""
     if key.expert is None:
         return key
-    return TensorKey(key.layer, key.module, key.expert + firsts[key.state_name], key.param)
+    return TensorKey(key.layer, key.module, ids[key.state_name][key.expert], key.param)
 
 
-def _globalise(keyed: dict[TensorKey, Any], firsts: dict[str, int]) -> dict[TensorKey, Any]:
-    return {_global_key(k, firsts): v for k, v in keyed.items()}
+def _globalise(keyed: dict[TensorKey, Any], ids: dict[str, tuple[int, ...]]) -> dict[TensorKey, Any]:
+    return {_global_key(k, ids): v for k, v in keyed.items()}
 
 
 def rank_shard(model: RankModel, optimizer: torch.optim.Optimizer, include_replicated: bool) -> dict[str, Any]:
     """This rank's keyed model tensors and optimizer state (replicated ones only if asked)."""
-    firsts = _first_experts(model)
+    ids = _expert_ids(model)
     keep = (lambda name: True) if include_replicated else is_expert_stacked
     model_state = {n: t.detach().cpu().clone() for n, t in model.state_dict().items() if keep(n)}
     optim_state = {n: {k: t.detach().cpu().clone() for k, t in s.items()}
                    for n, s in optimizer_state_by_name(model, optimizer).items() if keep(n)}
     return {
-        "model": {str(k): t for k, t in _globalise(to_keyed(model_state), firsts).items()},
-        "optim": {str(k): s for k, s in _globalise(keyed_optimizer_state(optim_state), firsts).items()},
+        "model": {str(k): t for k, t in _globalise(to_keyed(model_state), ids).items()},
+        "optim": {str(k): s for k, s in _globalise(keyed_optimizer_state(optim_state), ids).items()},
     }
 
 
@@ -131,8 +131,8 @@ def load_rank_state(directory: Path, model: RankModel, optimizer: torch.optim.Op
         if name != TRAINER_SHARD:
             model_keyed.update({TensorKey.parse(k): t for k, t in shard["model"].items()})
             optim_keyed.update({TensorKey.parse(k): s for k, s in shard["optim"].items()})
-    firsts = _first_experts(model)
-    local_of = {_global_key(k, firsts): k for k in to_keyed(dict(model.state_dict()))}
+    ids = _expert_ids(model)
+    local_of = {_global_key(k, ids): k for k in to_keyed(dict(model.state_dict()))}
     missing = [str(k) for k in local_of if k not in model_keyed]
     if missing:
         raise ValueError(f"checkpoint {directory} lacks {len(missing)} tensors this rank needs, e.g. {missing[:3]}")

@@ -1,14 +1,16 @@
-"""Who holds what in a distributed run: attention and expert ranks per pipeline group, expert slices.
+"""Who holds what in a distributed run: attention and expert ranks per pipeline group, expert ids.
 
 One description serves both distributed modes:
 
-- disaggregated: the `roles.Layout` numbering (attention ranks first, then expert ranks); each
-  expert rank of group g holds a contiguous slice of every MoE layer's experts of group g.
+- disaggregated: the `roles.Layout` numbering (attention ranks first, then expert ranks); the
+  expert ranks of group g share out the experts of every MoE layer of group g.
 - colocated: one group (p = 1) whose n ranks are all data-parallel attention ranks *and* the
-  expert ranks: rank r runs attention for data-parallel index r and holds expert slice r.
+  expert ranks: rank r runs attention for data-parallel index r and holds its share of experts.
 
-Expert slices are contiguous and as even as possible (earlier ranks get one more expert), so a
-token's expert-grouped rows split into one contiguous piece per expert rank, in rank order.
+The expert placement is, per MoE layer and per expert rank of the layer's group, the ascending
+tuple of expert ids that rank holds; together they hold every expert of the layer exactly once.
+Without a plan each rank gets a contiguous range, as even as possible (earlier ranks one more);
+a `disagmoe plan` result may assign any subsets, different per layer (`runtime.plan_layout`).
 """
 
 from __future__ import annotations
@@ -17,12 +19,13 @@ from dataclasses import dataclass
 
 from disagmoe.config import ModelConfig, TrainConfig
 from disagmoe.runtime.colocated import build_colocated_schedule, rank_pairs
+from disagmoe.runtime.plan_layout import ExpertIds, apply_plan, plan_placement
 from disagmoe.runtime.roles import Layout
 from disagmoe.runtime.schedule import Op, build_schedule
 
 
-def expert_slices(num_experts: int, ranks: int) -> tuple[tuple[int, int], ...]:
-    """Contiguous [start, stop) expert ranges for `ranks` expert ranks, earlier ranks one larger."""
+def contiguous_expert_ids(num_experts: int, ranks: int) -> tuple[ExpertIds, ...]:
+    """The default placement of one layer: contiguous id ranges, earlier ranks one larger."""
     if ranks > num_experts:
         raise ValueError(
             f"{ranks} expert ranks in one pipeline group but only {num_experts} experts per layer; "
@@ -32,7 +35,7 @@ def expert_slices(num_experts: int, ranks: int) -> tuple[tuple[int, int], ...]:
     bounds = [0]
     for j in range(ranks):
         bounds.append(bounds[-1] + base + (1 if j < extra else 0))
-    return tuple(zip(bounds[:-1], bounds[1:]))
+    return tuple(tuple(range(start, stop)) for start, stop in zip(bounds[:-1], bounds[1:]))
 
 
 @dataclass(frozen=True)
@@ -43,12 +46,20 @@ class Topology:
     num_layers: int
     num_dense_layers: int
     attention_groups: tuple[tuple[int, ...], ...]  # per pipeline group: ranks by data-parallel index
-    expert_groups: tuple[tuple[int, ...], ...]  # per pipeline group: expert ranks in slice order
-    slices: tuple[tuple[tuple[int, int], ...], ...]  # per pipeline group: each expert rank's slice
+    expert_groups: tuple[tuple[int, ...], ...]  # per pipeline group: its expert ranks
+    expert_ids: tuple[tuple[ExpertIds, ...], ...]  # per layer, per expert rank of its group (dense: ())
     layout: Layout | None  # the disaggregated layout; None when colocated
 
+    def __post_init__(self) -> None:
+        for layer, per_rank in enumerate(self.expert_ids):
+            if self.is_moe(layer):
+                ranks = self.expert_groups[self.group_of_layer(layer)]
+                assert len(per_rank) == len(ranks) and all(per_rank), f"layer {layer}: one non-empty set per rank"
+
     @classmethod
-    def disaggregated(cls, layout: Layout, num_experts: int) -> Topology:
+    def disaggregated(cls, layout: Layout, num_experts: int,
+                      placement: dict[int, tuple[ExpertIds, ...]] | None = None) -> Topology:
+        """`placement`: MoE layer -> each expert rank's ids (default: contiguous ranges)."""
         p = layout.pipeline_groups
         experts = tuple(layout.expert_group(g) for g in range(p))
         return cls(
@@ -57,12 +68,15 @@ class Topology:
             num_dense_layers=layout.num_dense_layers,
             attention_groups=tuple(layout.attention_group(g) for g in range(p)),
             expert_groups=experts,
-            slices=tuple(expert_slices(num_experts, len(ranks)) for ranks in experts),
+            expert_ids=_per_layer(layout.num_layers, layout.num_dense_layers, num_experts,
+                                  [len(experts[layout.group_of_layer(l)]) for l in range(layout.num_layers)],
+                                  placement),
             layout=layout,
         )
 
     @classmethod
-    def colocated_ranks(cls, ranks: int, num_layers: int, num_dense_layers: int, num_experts: int) -> Topology:
+    def colocated_ranks(cls, ranks: int, num_layers: int, num_dense_layers: int, num_experts: int,
+                        placement: dict[int, tuple[ExpertIds, ...]] | None = None) -> Topology:
         everyone = tuple(range(ranks))
         return cls(
             colocated=True,
@@ -70,18 +84,23 @@ class Topology:
             num_dense_layers=num_dense_layers,
             attention_groups=(everyone,),
             expert_groups=(everyone,),
-            slices=(expert_slices(num_experts, ranks),),
+            expert_ids=_per_layer(num_layers, num_dense_layers, num_experts, [ranks] * num_layers, placement),
             layout=None,
         )
 
     @classmethod
     def from_config(cls, cfg: TrainConfig, model_cfg: ModelConfig) -> Topology:
+        """The topology of `cfg`, or of its plan when it names one (see `plan_layout.apply_plan`)."""
+        placement = None
+        if cfg.plan is not None:
+            cfg = apply_plan(cfg, model_cfg)
+            placement = plan_placement(cfg.plan, model_cfg)
         if cfg.mode == "colocated":
             return cls.colocated_ranks(cfg.colocated_ranks, model_cfg.num_layers, model_cfg.num_dense_layers,
-                                       model_cfg.num_experts)
+                                       model_cfg.num_experts, placement)
         if cfg.mode != "disaggregated":
             raise ValueError(f"mode {cfg.mode!r} has no distributed topology; use disaggregated or colocated")
-        return cls.disaggregated(Layout.from_config(cfg, model_cfg), model_cfg.num_experts)
+        return cls.disaggregated(Layout.from_config(cfg, model_cfg), model_cfg.num_experts, placement)
 
     # -- sizes and groups ---------------------------------------------------------------------
 
@@ -136,13 +155,13 @@ class Topology:
         role = self.attention_role(rank)
         return [] if role is None else list(self.layers_of_group(role[0]))
 
-    def expert_slices_of(self, rank: int) -> dict[int, tuple[int, int]]:
-        """MoE layer -> this rank's [start, stop) experts of it."""
+    def experts_of(self, rank: int) -> dict[int, ExpertIds]:
+        """MoE layer -> the ids of this rank's experts of it."""
         role = self.expert_role(rank)
         if role is None:
             return {}
         group, index = role
-        return {layer: self.slices[group][index] for layer in self.layers_of_group(group) if self.is_moe(layer)}
+        return {layer: self.expert_ids[layer][index] for layer in self.layers_of_group(group) if self.is_moe(layer)}
 
     def attention_rank(self, group: int, dp_index: int) -> int:
         return self.attention_groups[group][dp_index]
@@ -172,3 +191,14 @@ class Topology:
     def group_name(self, rank: int) -> str:
         """The busy-fraction group of a rank: 'A<g>', 'E<g>' or 'colocated'."""
         return "colocated" if self.colocated else self.describe(rank).split(".")[0]
+
+
+def _per_layer(num_layers: int, num_dense_layers: int, num_experts: int, ranks_of_layer: list[int],
+               placement: dict[int, tuple[ExpertIds, ...]] | None) -> tuple[tuple[ExpertIds, ...], ...]:
+    """Every layer's placement: `placement`'s where given, else contiguous ranges (dense layers: ())."""
+    return tuple(
+        () if layer < num_dense_layers
+        else placement[layer] if placement is not None
+        else contiguous_expert_ids(num_experts, ranks_of_layer[layer])
+        for layer in range(num_layers)
+    )

@@ -50,6 +50,35 @@ def test_the_default_config_trains_disaggregated_on_ray(tmp_path):
     assert pids == {0, 1}
 
 
+def write_plan(tmp_path: Path, *flags: str) -> Path:
+    """`disagmoe plan` for the tiny model on H200s, written to plan.yaml."""
+    path = tmp_path / "plan.yaml"
+    result = CliRunner().invoke(app, ["plan", "--model", "tiny", "--hardware", "h200-sxm", "--seq-len", "64",
+                                      "--global-batch-tokens", "512", "--out", str(path), *flags])
+    assert result.exit_code == 0, result.output
+    return path
+
+
+def test_train_runs_the_layout_of_a_plan(tmp_path):
+    """plan -> train: the planner's 1 attention + 2 expert GPUs replace the config's 1 + 1."""
+    plan = write_plan(tmp_path, "--gpus", "3")
+    out = tmp_path / "run"
+    result = invoke("--config", str(REPO / "configs/tiny-cpu.yaml"), "--plan", str(plan), "--out-dir", str(out),
+                    "steps=3", "batch_size=4", "seq_len=32", "eval_every=0")
+    assert result.exit_code == 0, result.output
+    assert "expert_ranks=2 (config: 1)" in result.stdout and "train (disaggregated)" in result.stdout
+    manifest = json.loads((out / "checkpoints" / "step-00000003" / "manifest.json").read_text())
+    assert {e["file"] for e in manifest["shards"]} == {"rank-00000.pt", "rank-00001.pt", "rank-00002.pt",
+                                                       "trainer.pt"}
+
+
+def test_a_plan_with_replicated_experts_exits_2(tmp_path):
+    plan = write_plan(tmp_path, "--gpus", "5", "--max-expert-replicas", "1")
+    result = invoke("--config", _config(tmp_path), "--plan", str(plan))
+    assert result.exit_code == 2
+    assert "does not run replicated experts yet" in result.stderr and "Traceback" not in result.output
+
+
 def test_table_summary_names_where_outputs_went(tmp_path):
     out = tmp_path / "run"
     result = invoke("--config", str(REPO / "configs/tiny-cpu.yaml"), "--out-dir", str(out), "--steps", "2", *FAST[1:])

@@ -102,16 +102,39 @@ def test_slices_compute_and_initialise_like_the_full_module():
     x, offsets, _, _ = problem(counts)
     y_full = full(x, offsets)
     low, high = RoutedExperts.from_slice(full, 0, 2), RoutedExperts.from_slice(full, 2, 6)
-    assert high.first_expert == 2
+    assert high.expert_ids == (2, 3, 4, 5)
     y_low = low(x[:2], offsets[:2])
     y_high = high(x[2:], offsets[2:] - 2)
     torch.testing.assert_close(torch.cat([y_low, y_high]), y_full)
 
-    fresh = RoutedExperts(4, 16, 8, first_expert=2)
+    fresh = RoutedExperts(4, 16, 8, expert_ids=(2, 3, 4, 5))
     fresh.init_weights(seed=3, prefix="layers.1.moe.experts")
     assert torch.equal(fresh.w13_EH2F, high.w13_EH2F) and torch.equal(fresh.w2_EFH, high.w2_EFH)
     with pytest.raises(ValueError, match="outside"):
         RoutedExperts.from_slice(full, 4, 8)
+
+
+def test_any_subset_of_experts_computes_and_initialises_like_the_full_module():
+    full = RoutedExperts(6, 16, 8)
+    full.init_weights(seed=3, prefix="layers.1.moe.experts")
+    counts = [2, 0, 3, 1, 4, 2]
+    x, offsets, _, _ = problem(counts)
+    y_full = full(x, offsets)
+    ids = (4, 0, 3)  # any order in; held ascending
+    part = RoutedExperts.from_indices(full, ids)
+    assert part.expert_ids == (0, 3, 4)
+    starts = [0, *offsets.tolist()]
+    rows = [torch.arange(starts[e], starts[e + 1]) for e in part.expert_ids]
+    local_offsets = torch.cumsum(torch.tensor([counts[e] for e in part.expert_ids]), 0).to(torch.int32)
+    assert torch.equal(part(x[torch.cat(rows)], local_offsets), y_full[torch.cat(rows)])
+
+    fresh = RoutedExperts(3, 16, 8, expert_ids=(0, 3, 4))
+    fresh.init_weights(seed=3, prefix="layers.1.moe.experts")
+    assert torch.equal(fresh.w13_EH2F, part.w13_EH2F) and torch.equal(fresh.w2_EFH, part.w2_EFH)
+    with pytest.raises(ValueError, match="not among"):
+        RoutedExperts.from_indices(part, (1,))
+    with pytest.raises(ValueError, match="ascending"):
+        RoutedExperts(2, 16, 8, expert_ids=(3, 1))
 
 
 @pytest.mark.gpu

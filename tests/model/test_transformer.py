@@ -52,7 +52,7 @@ def test_expert_init_does_not_depend_on_the_slice(make_config):
     cfg = make_config(num_experts=4)
     model = MoETransformer(cfg)
     model.init_weights(seed=9)
-    part = RoutedExperts(2, cfg.hidden_size, cfg.expert_ffn_size, first_expert=2)
+    part = RoutedExperts(2, cfg.hidden_size, cfg.expert_ffn_size, expert_ids=(2, 3))
     part.init_weights(seed=9, prefix="layers.1.moe.experts")
     assert torch.equal(part.w2_EFH, model.layers[1].moe.experts.w2_EFH[2:])
 

@@ -4,7 +4,7 @@ import torch
 
 from disagmoe.config import load_model
 from disagmoe.model import MoETransformer
-from disagmoe.runtime.attention_stage import combine_layer_output, router_scores
+from disagmoe.runtime.attention_stage import combine_layer_output, merge_ranks, router_scores, split_by_rank
 
 
 def block_and_routing(seed: int = 0):
@@ -22,8 +22,22 @@ def test_combine_reproduces_the_block_bit_for_bit():
     y_PH = block.moe.experts(x_PH, grouping.offsets_E)
     shared_NH = block.shared_ffn(routing)
     want = block.combine(h_BSH, routing, y_PH, grouping, shared_NH)
-    got = combine_layer_output(h_BSH, routing.topk_w_NK, y_PH, routing.topk_idx_NK, shared_NH, cfg.num_experts)
+    expert_ids = ((1, 4, 6), (0, 2, 3, 5, 7))  # two expert ranks, non-contiguous
+    y_per_rank = split_by_rank(y_PH, routing.load_E, expert_ids)
+    got = combine_layer_output(h_BSH, routing.topk_w_NK, y_per_rank, expert_ids, routing.topk_idx_NK, shared_NH,
+                               cfg.num_experts)
     assert torch.equal(got, want)
+
+
+def test_rows_split_by_rank_hold_each_ranks_experts_and_merge_back():
+    counts_E = torch.tensor([2, 0, 3, 1, 4, 2])
+    offsets = [0, *counts_E.cumsum(0).tolist()]
+    x_PH = torch.randn(int(counts_E.sum()), 4, generator=torch.Generator().manual_seed(1))
+    expert_ids = ((2, 5), (0, 1, 4), (3,))
+    per_rank = split_by_rank(x_PH, counts_E, expert_ids)
+    for rows_PH, ids in zip(per_rank, expert_ids, strict=True):
+        assert torch.equal(rows_PH, torch.cat([x_PH[offsets[e]:offsets[e + 1]] for e in ids]))
+    assert torch.equal(merge_ranks(per_rank, counts_E, expert_ids), x_PH)
 
 
 def test_aux_shares_of_data_parallel_halves_add_up_to_the_whole():

@@ -20,7 +20,9 @@ import pytest
 import ray
 import torch
 
-from disagmoe.config import OptimConfig, TrainConfig, load_model
+from disagmoe.cli.plan_cmd import build_request
+from disagmoe.config import OptimConfig, Plan, TrainConfig, load_model
+from disagmoe.placement.solver import colocated_candidates, price, solve
 from disagmoe.model import MoETransformer
 from disagmoe.runtime.checkpoint import checkpoint_dir, load_checkpoint, read_manifest
 from disagmoe.runtime.cluster import WorkerGroup
@@ -28,6 +30,7 @@ from disagmoe.runtime.driver import DistributedTrainer, check_memory
 from disagmoe.runtime.failures import TrainingFailed
 from disagmoe.runtime.metrics import read_metrics
 from disagmoe.runtime.optim import build_optimizer
+from disagmoe.runtime.plan_layout import apply_plan
 from disagmoe.runtime.topology import Topology
 from disagmoe.runtime.trainer import CHECKPOINTS_DIR, METRICS_FILE, SingleProcessTrainer
 from disagmoe.runtime.worker import TrainWorker
@@ -133,6 +136,42 @@ def test_matches_the_single_process_oracle(warm, tmp_path, case):
     summary = run_on(warm, cfg)
     reference, reference_model = oracle(cfg, tmp_path / "single")
     assert summary.steps == STEPS and summary.checkpoint_path is not None
+    assert_same_losses(read_metrics(tmp_path / "dist" / METRICS_FILE), reference)
+    assert_same_parameters(model_from_checkpoint(cfg, Path(summary.checkpoint_path)), reference_model)
+
+
+def planned(gpus: int) -> Plan:
+    """The planner's plan for the tiny model on `gpus` H200s (64-token sequences, 8 per step)."""
+    return solve(build_request("tiny", "h200-sxm", gpus, 64, 512))
+
+
+def colocated_plan(gpus: int, micro_batches: int) -> Plan:
+    """The planner's colocated layout on `gpus` (p = 1, `micro_batches`), priced as a plan."""
+    request = build_request("tiny", "h200-sxm", gpus, 64, 512)
+    candidates = colocated_candidates(request, gpus)
+    index = next(i for i in range(len(candidates)) if candidates.p[i] == 1 and candidates.m[i] == micro_batches)
+    return price(request, candidates.take(index)).plan
+
+
+PLANS = {
+    # a plan's layout and expert map; the hand-made maps are non-contiguous and differ per MoE layer
+    "hand-A1-E2-m2": lambda: planned(3).model_copy(update={"micro_batches": 2, "expert_map": [
+        [[r] for r in (1, 0, 0, 1, 1, 0, 1, 1)], [[r] for r in (0, 1, 1, 1, 0, 0, 1, 0)]]}),
+    "hand-A2-E2-p2": lambda: planned(3).model_copy(update={  # layer 1 on group 1, layer 2 on group 0
+        "attention_gpus": 2, "expert_gpus": 2, "pipeline_groups": 2, "expert_map": [[[1]] * 8, [[0]] * 8]}),
+    "planner-A1-E2": lambda: planned(3),
+    "planner-colocated-2": lambda: colocated_plan(2, micro_batches=2),
+}
+
+
+@pytest.mark.parametrize("case", PLANS)
+def test_a_plan_trains_like_the_single_process_oracle(warm, tmp_path, case):
+    plan = PLANS[case]()
+    cfg = run_config(tmp_path / "dist", "disaggregated", plan=plan)
+    summary = run_on(warm, cfg)
+    planned_cfg = apply_plan(cfg, cfg.model)
+    assert (planned_cfg.mode, planned_cfg.micro_batches) == (plan.layout, plan.micro_batches)
+    reference, reference_model = oracle(planned_cfg, tmp_path / "single")
     assert_same_losses(read_metrics(tmp_path / "dist" / METRICS_FILE), reference)
     assert_same_parameters(model_from_checkpoint(cfg, Path(summary.checkpoint_path)), reference_model)
 

@@ -29,13 +29,17 @@ def trained_model(seed: int = 0):
     return cfg, model, optimizer
 
 
+FIRST_EXPERT_RANK = {1: (0, 2, 5, 7), 2: (1, 3)}  # non-contiguous, different per MoE layer
+SECOND_EXPERT_RANK = {1: (1, 3, 4, 6), 2: (0, 2, 4, 5, 6, 7)}
+
+
 def parts(cfg):
-    """A disaggregated layout: one attention rank, two expert ranks (experts 0-4 and 5-7)."""
-    specs = [([0, 1, 2], {}, True, True), ([], {1: (0, 5), 2: (0, 5)}, False, False),
-             ([], {1: (5, 8), 2: (5, 8)}, False, False)]
+    """A disaggregated layout: one attention rank, two expert ranks sharing each layer's experts."""
+    specs = [([0, 1, 2], {}, True, True), ([], FIRST_EXPERT_RANK, False, False),
+             ([], SECOND_EXPERT_RANK, False, False)]
     out = []
-    for layers, slices, embed, head in specs:
-        model = RankModel(cfg, "loop", layers, slices, embed, head).materialise(torch.device("cpu"), seed=99)
+    for layers, expert_ids, embed, head in specs:
+        model = RankModel(cfg, "loop", layers, expert_ids, embed, head).materialise(torch.device("cpu"), seed=99)
         out.append((model, build_optimizer(model.named_parameters(), OPTIM)))
     return out
 
@@ -47,13 +51,14 @@ def test_rank_parts_load_a_single_checkpoint_and_write_one_it_reads_back(tmp_pat
     ranks = parts(cfg)
     for part, part_optim in ranks:
         load_rank_state(single, part, part_optim, cfg)
-        first = {n: part.experts(int(n.split(".")[1])).first_expert for n in part.state_dict() if ".moe.experts." in n}
+        ids = {n: list(part.experts(int(n.split(".")[1])).expert_ids)
+               for n in part.state_dict() if ".moe.experts." in n}
         for name, tensor in part.state_dict().items():
-            ref = want[name] if name not in first else want[name][first[name]:first[name] + tensor.shape[0]]
+            ref = want[name] if name not in ids else want[name][ids[name]]
             assert torch.equal(tensor, ref), name
         for name, state in optimizer_state_by_name(part, part_optim).items():
             ref = want_optim[name]["exp_avg"]
-            ref = ref if name not in first else ref[first[name]:first[name] + state["exp_avg"].shape[0]]
+            ref = ref if name not in ids else ref[ids[name]]
             assert torch.equal(state["exp_avg"], ref), name
 
     root = tmp_path / "sharded"
@@ -81,4 +86,5 @@ def test_replicas_leave_out_what_data_parallel_index_0_writes():
     (attention, attention_optim), (experts, experts_optim), _ = parts(cfg)
     assert rank_shard(attention, attention_optim, include_replicated=False)["model"] == {}
     keys = set(rank_shard(experts, experts_optim, include_replicated=False)["model"])
-    assert keys == {f"{l}/moe.experts/{e}/{p}" for l in (1, 2) for e in range(5) for p in ("w13_EH2F", "w2_EFH")}
+    assert keys == {f"{l}/moe.experts/{e}/{p}"
+                    for l in (1, 2) for e in FIRST_EXPERT_RANK[l] for p in ("w13_EH2F", "w2_EFH")}

@@ -4,21 +4,20 @@ import pytest
 
 from disagmoe.config import TrainConfig, load_model
 from disagmoe.runtime.roles import Layout, RoleKind
-from disagmoe.runtime.topology import Topology, expert_slices
+from disagmoe.runtime.topology import Topology, contiguous_expert_ids
 
 
 @pytest.mark.parametrize(("experts", "ranks"), [(8, 1), (8, 3), (7, 7), (64, 5)])
-def test_expert_slices_tile_the_experts_evenly(experts, ranks):
-    slices = expert_slices(experts, ranks)
-    assert len(slices) == ranks and slices[0][0] == 0 and slices[-1][1] == experts
-    assert all(stop == start for (_, stop), (start, _) in zip(slices, slices[1:]))
-    sizes = [stop - start for start, stop in slices]
+def test_contiguous_ranges_tile_the_experts_evenly(experts, ranks):
+    per_rank = contiguous_expert_ids(experts, ranks)
+    assert len(per_rank) == ranks and [e for ids in per_rank for e in ids] == list(range(experts))
+    sizes = [len(ids) for ids in per_rank]
     assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
 
 
 def test_more_expert_ranks_than_experts_is_refused():
     with pytest.raises(ValueError, match="only 8 experts"):
-        expert_slices(8, 9)
+        contiguous_expert_ids(8, 9)
 
 
 def test_disaggregated_topology_follows_the_layout():
@@ -33,16 +32,25 @@ def test_disaggregated_topology_follows_the_layout():
         else:
             assert topo.expert_role(rank) == (role.group, role.index) and topo.attention_role(rank) is None
     # group 0 has expert ranks 4, 5 (experts 0-3, 4-7), group 1 has rank 6 (all experts)
-    assert topo.expert_slices_of(4) == {2: (0, 4), 4: (0, 4)}  # layer 0 is dense
-    assert topo.expert_slices_of(6) == {1: (0, 8), 3: (0, 8)}
+    assert topo.experts_of(4) == {2: (0, 1, 2, 3), 4: (0, 1, 2, 3)}  # layer 0 is dense
+    assert topo.experts_of(6) == {1: tuple(range(8)), 3: tuple(range(8))}
     assert topo.describe(1) == "A0.1" and topo.describe(5) == "E0.1" and topo.group_name(6) == "E1"
+
+
+def test_a_placement_gives_each_rank_its_experts_per_layer():
+    layout = Layout(attention_ranks=1, expert_ranks=2, pipeline_groups=1, num_layers=3, num_dense_layers=1)
+    placement = {1: ((0, 2, 5), (1, 3, 4, 6, 7)), 2: ((7,), tuple(range(7)))}
+    topo = Topology.disaggregated(layout, num_experts=8, placement=placement)
+    assert topo.experts_of(1) == {1: (0, 2, 5), 2: (7,)}
+    assert topo.experts_of(2) == {1: (1, 3, 4, 6, 7), 2: tuple(range(7))}
+    assert topo.expert_ids[0] == () and topo.experts_of(0) == {}
 
 
 def test_colocated_ranks_run_attention_and_hold_an_expert_slice():
     topo = Topology.colocated_ranks(3, num_layers=3, num_dense_layers=1, num_experts=8)
     assert topo.world_size == 3 and topo.data_parallel == 3 and topo.pipeline_groups == 1
     assert [topo.attention_role(r) for r in range(3)] == [(0, 0), (0, 1), (0, 2)]
-    assert [topo.expert_slices_of(r)[1] for r in range(3)] == [(0, 3), (3, 6), (6, 8)]
+    assert [topo.experts_of(r)[1] for r in range(3)] == [(0, 1, 2), (3, 4, 5), (6, 7)]
     assert {topo.group_name(r) for r in range(3)} == {"colocated"}
 
 

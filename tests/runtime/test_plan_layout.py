@@ -1,0 +1,129 @@
+"""A `disagmoe plan` result applied to a run (disagmoe/runtime/plan_layout.py): layout, placement, refusals.
+
+Plans come from the real planner (`disagmoe.placement.solver`) for the tiny model (8 experts,
+MoE layers 1 and 2); the refusal cases edit one field of such a plan. No Ray is needed: every
+refusal happens before an actor starts.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import ray
+
+from disagmoe.cli.plan_cmd import build_request, write_plan
+from disagmoe.config import Plan, TrainConfig, load_model
+from disagmoe.placement.solver import colocated_candidates, price, solve
+from disagmoe.runtime.driver import DistributedTrainer
+from disagmoe.runtime.plan_layout import apply_plan, load_plan, plan_placement, replaced_fields
+from disagmoe.runtime.topology import Topology, contiguous_expert_ids
+
+MODEL = load_model("tiny")
+
+
+def planned(gpus: int, **request) -> Plan:
+    """The planner's plan for the tiny model on `gpus` H200s (64-token sequences, 8 per step)."""
+    return solve(build_request("tiny", "h200-sxm", gpus, 64, 512, **request))
+
+
+def colocated_plan(gpus: int, micro_batches: int) -> Plan:
+    """The planner's colocated layout (p = 1, `micro_batches`) priced as a plan."""
+    request = build_request("tiny", "h200-sxm", gpus, 64, 512)
+    candidates = colocated_candidates(request, gpus)
+    index = next(i for i in range(len(candidates))
+                 if candidates.p[i] == 1 and candidates.m[i] == micro_batches and candidates.seqs[i] == 1)
+    return price(request, candidates.take(index)).plan
+
+
+def holds(plan: Plan, moe_layer: int, pool_rank: int) -> tuple[int, ...]:
+    """The experts of `moe_layer` that the plan puts on expert-pool rank `pool_rank`."""
+    return tuple(e for e, ranks in enumerate(plan.expert_map[moe_layer]) if ranks == [pool_rank])
+
+
+def config(plan: Plan | str, **fields) -> TrainConfig:
+    return TrainConfig(model=MODEL, plan=plan, batch_size=8, seq_len=16, **fields)
+
+
+def test_a_disaggregated_plan_sets_the_layout_and_its_expert_map_the_placement():
+    plan = planned(3)  # 1 attention + 2 expert GPUs; experts dealt round-robin (not contiguous)
+    assert (plan.layout, plan.attention_gpus, plan.expert_gpus) == ("disaggregated", 1, 2)
+    cfg = apply_plan(config(plan, micro_batches=2, attention_ranks=4), MODEL)
+    assert (cfg.mode, cfg.attention_ranks, cfg.expert_ranks, cfg.pipeline_groups, cfg.micro_batches) == (
+        "disaggregated", 1, 2, 1, plan.micro_batches)
+    placement = plan_placement(plan, MODEL)
+    assert placement[1] != contiguous_expert_ids(8, 2)
+    for layer in (1, 2):
+        assert placement[layer] == (holds(plan, layer - 1, 0), holds(plan, layer - 1, 1))
+    topology = Topology.from_config(config(plan), MODEL)
+    assert topology.world_size == 3
+    assert topology.experts_of(2) == {layer: holds(plan, layer - 1, 1) for layer in (1, 2)}  # expert rank 1
+
+
+def test_the_plan_wins_over_the_configs_layout_fields_and_says_what_it_replaced():
+    plan = planned(3)
+    before = config(plan, mode="colocated", colocated_ranks=3, attention_ranks=2, expert_ranks=4, micro_batches=2)
+    after = apply_plan(before, MODEL)
+    assert replaced_fields(before, after) == {"mode": ("colocated", "disaggregated"), "attention_ranks": (2, 1),
+                                              "expert_ranks": (4, 2), "micro_batches": (2, plan.micro_batches)}
+    assert apply_plan(after, MODEL) == after  # idempotent: the driver applies what the CLI applied
+
+
+def test_a_colocated_plan_sets_the_colocated_ranks():
+    plan = colocated_plan(2, micro_batches=2)
+    cfg = apply_plan(config(plan), MODEL)
+    assert (cfg.mode, cfg.colocated_ranks, cfg.micro_batches) == ("colocated", 2, 2)
+    topology = Topology.from_config(cfg, MODEL)
+    for rank in (0, 1):
+        assert topology.experts_of(rank) == {layer: holds(plan, layer - 1, rank) for layer in (1, 2)}
+
+
+def test_a_plan_file_written_by_the_planner_loads(tmp_path):
+    plan = planned(3)
+    for name in ("plan.yaml", "plan.json"):
+        write_plan(plan, tmp_path / name)
+        assert load_plan(str(tmp_path / name)) == plan
+    with pytest.raises(ValueError, match="cannot read"):
+        load_plan(str(tmp_path / "missing.yaml"))
+
+
+def _edit_map(plan: Plan, layer: int, expert: int, ranks: list[int]) -> Plan:
+    expert_map = [[list(r) for r in owners] for owners in plan.expert_map]
+    expert_map[layer][expert] = ranks
+    return plan.model_copy(update={"expert_map": expert_map})
+
+
+REFUSED = {
+    "another-model": (lambda: planned(3).model_copy(update={"model": "mixtral-8x7b"}),
+                      "places model 'mixtral-8x7b' but this run trains 'tiny'"),
+    "moe-layers": (lambda: planned(3).model_copy(update={"expert_map": planned(3).expert_map[:1]}),
+                   "has 2 MoE layers x 8 experts"),
+    "experts": (lambda: planned(3).model_copy(update={"expert_map": [o[:6] for o in planned(3).expert_map]}),
+                "expert_map is 2 MoE layers x [6, 6] experts"),
+    "infeasible": (lambda: planned(3).model_copy(update={"feasible": False, "reason": "too small"}),
+                   "is infeasible (too small)"),
+    "replicas": (lambda: planned(5, max_expert_replicas=1), "does not run replicated experts yet: plan without "
+                 "--max-expert-replicas"),
+    "outside-group": (lambda: _edit_map(planned(3).model_copy(update={"attention_gpus": 2, "pipeline_groups": 2}),
+                                        0, 0, [0]),
+                      "expert 0 of MoE layer 0 on [0], but that layer's experts must each go to one expert rank "
+                      "of its pipeline group 1: ranks 1..1"),
+    "no-rank": (lambda: _edit_map(planned(3), 1, 3, []), "expert 3 of MoE layer 1 on no rank"),
+    "idle-rank": (lambda: planned(3).model_copy(update={"expert_map": [[[0]] * 8, planned(3).expert_map[1]]}),
+                  "gives expert ranks [1] no expert of MoE layer 0"),
+    "colocated-pipeline": (lambda: colocated_plan(2, 2).model_copy(update={"pipeline_groups": 2}),
+                           "colocated runtime runs one pipeline group"),
+    "uneven-groups": (lambda: planned(3).model_copy(update={"pipeline_groups": 3}),
+                      "expert_gpus=2, not a multiple of pipeline_groups=3"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_plans_the_runtime_cannot_run_are_refused_before_any_actor(case):
+    make, message = REFUSED[case]
+    cfg = config(make())
+    with pytest.raises(ValueError, match=re.escape(message)):
+        apply_plan(cfg, MODEL)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        DistributedTrainer(cfg)
+    assert not ray.is_initialized()
