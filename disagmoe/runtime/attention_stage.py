@@ -32,8 +32,8 @@ from disagmoe.model import MoEBlock, Routing, combine, group_by_expert
 from disagmoe.model.layers import compute_dtype
 from disagmoe.runtime.batching import batch_rows, inputs_and_targets
 from disagmoe.runtime.messages import Mailbox
-from disagmoe.runtime.rank_model import RankModel
 from disagmoe.runtime.plan_layout import ExpertIds
+from disagmoe.runtime.rank_model import RankModel
 from disagmoe.runtime.schedule import Payload
 from disagmoe.runtime.topology import Topology
 from disagmoe.runtime.trainer import compute_context, cross_entropy
