@@ -83,6 +83,7 @@ def test_a_plan_file_written_by_the_planner_loads(tmp_path):
     for name in ("plan.yaml", "plan.json"):
         write_plan(plan, tmp_path / name)
         assert load_plan(str(tmp_path / name)) == plan
+        assert apply_plan(config(str(tmp_path / name)), MODEL).plan == plan  # carried inline from here on
     with pytest.raises(ValueError, match="cannot read"):
         load_plan(str(tmp_path / "missing.yaml"))
 
