@@ -58,10 +58,15 @@ from disagmoe.runtime.trace import SpanRecorder
 
 @contextmanager
 def sync_device(device: torch.device) -> Iterator[None]:
-    """On CUDA, wait for the block's kernels at its end, so a compute span times the GPU work."""
+    """On CUDA, wait for the block's kernels at its end, so a compute span times the GPU work.
+
+    Only the compute stream: a device-wide synchronize would also wait for this rank's NCCL
+    sends still in flight, and a send large enough for NCCL's rendezvous protocol completes only
+    once the peer posts its receive, which the peer may do only after a message this rank sends
+    later: a deadlock (seen on 2 x H200 with configs/h200x2-small.yaml, 33 MB dispatches)."""
     yield
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        torch.cuda.current_stream(device).synchronize()
 
 
 def _op_name(op: Op) -> str:
