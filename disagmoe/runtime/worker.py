@@ -63,7 +63,9 @@ def sync_device(device: torch.device) -> Iterator[None]:
     Only the compute stream: a device-wide synchronize would also wait for this rank's NCCL
     sends still in flight, and a send large enough for NCCL's rendezvous protocol completes only
     once the peer posts its receive, which the peer may do only after a message this rank sends
-    later: a deadlock (seen on 2 x H200 with configs/h200x2-small.yaml, 33 MB dispatches)."""
+    later: a deadlock. The likely cause of a hang seen on 2 x H200 with configs/h200x2-small.yaml
+    (33 MB dispatches; the tiny model's messages are small enough to be sent eagerly); this
+    version has not run on a GPU yet."""
     yield
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
