@@ -45,7 +45,6 @@ def measure(warmup: int = 5, iters: int = 20) -> Measured:
         nvlink = far.numel() * 4 / median_ms(lambda _: far.copy_(near, non_blocking=True), warmup, iters) / 1e6
         small_far, small_near = far[: 16 * 1024], near[: 16 * 1024]  # 64 KiB
         latency = median_ms(lambda _: small_far.copy_(small_near, non_blocking=True), warmup, iters * 5) * 1e3
-    del src, dst
     return Measured(matmul, hbm, nvlink, latency)
 
 

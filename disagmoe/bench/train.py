@@ -18,7 +18,8 @@ import torch
 
 from disagmoe.config import TrainConfig
 from disagmoe.runtime.metrics import read_metrics
-from disagmoe.runtime.trainer import METRICS_FILE, SingleProcessTrainer
+from disagmoe.runtime.loop import METRICS_FILE
+from disagmoe.runtime.trainer import SingleProcessTrainer
 
 MODES = ("single", "disaggregated", "colocated")
 

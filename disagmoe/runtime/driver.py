@@ -29,14 +29,15 @@ from disagmoe.runtime.batching import check_divisible
 from disagmoe.runtime.checkpoint import TrainerState, check_compatible, latest_checkpoint, read_manifest
 from disagmoe.runtime.cluster import WorkerFailure, WorkerGroup
 from disagmoe.runtime.failures import TrainingFailed
-from disagmoe.runtime.metrics import MetricsLog, load_imbalance, mfu
+from disagmoe.runtime.metrics import load_imbalance, mfu
 from disagmoe.runtime.optim import lr_at
 from disagmoe.runtime.plan_layout import apply_plan
 from disagmoe.runtime.rank_model import rank_model
 from disagmoe.runtime.sharded_checkpoint import finish_checkpoint, read_trainer_state, staging_dir
 from disagmoe.runtime.topology import Topology
 from disagmoe.runtime.trace import busy_fractions, write_chrome_trace
-from disagmoe.runtime.trainer import CHECKPOINTS_DIR, METRICS_FILE, StepCallback, TrainSummary
+from disagmoe.runtime.loop import StepCallback, TrainingLoop, TrainSummary
+from disagmoe.runtime.trainer import CHECKPOINTS_DIR
 from disagmoe.runtime.worker import TrainWorker
 
 TRACE_FILE = "trace.json"
@@ -98,7 +99,7 @@ def check_fits(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topology) -> 
             raise ValueError(f"transport={cfg.transport} needs GPUs; on CPU use transport=local")
 
 
-class DistributedTrainer:
+class DistributedTrainer(TrainingLoop):
     """A `mode: disaggregated | colocated` run (module docstring)."""
 
     def __init__(self, cfg: TrainConfig, log_to_driver: bool = True, workers: WorkerGroup | None = None) -> None:
@@ -165,43 +166,6 @@ class DistributedTrainer:
             if self.owns_workers:
                 self.workers.shutdown()
 
-    def _run(self, on_step: StepCallback | None) -> TrainSummary:
-        cfg = self.cfg
-        metrics_path = self.out_dir / METRICS_FILE
-        last: dict[str, Any] = {}
-        last_val: float | None = None
-        checkpoint: Path | None = None
-        total_tokens, total_time = 0, 0.0
-        busy_sums: dict[str, float] = {}  # per group, summed over this process's steps
-        steps_run = 0
-        with MetricsLog(metrics_path, resume_after_step=self.step if cfg.resume else None) as log:
-            while self.step < cfg.steps:
-                record = self._train_one_step()
-                total_tokens += record["tokens"]
-                total_time += record["step_time_s"]
-                steps_run += 1
-                for group, fraction in record["busy"].items():
-                    busy_sums[group] = busy_sums.get(group, 0.0) + fraction
-                if self.evaluates and (self.step % cfg.eval_every == 0 or self.step == cfg.steps):
-                    last_val = record["val_loss"] = self.evaluate()
-                if (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0) or self.step == cfg.steps:
-                    checkpoint = self.save()
-                log.write(record)
-                if on_step is not None:
-                    on_step(record)
-                last = record
-        return TrainSummary(
-            steps=self.step,
-            final_loss=last.get("loss"),
-            final_val_loss=last_val,
-            tokens_per_s=total_tokens / total_time if total_time > 0 else None,
-            mfu=mfu(self.flops_per_step * total_tokens / self.tokens_per_step, total_time, self.peak_flops),
-            out_dir=str(self.out_dir),
-            metrics_path=str(metrics_path),
-            checkpoint_path=None if checkpoint is None else str(checkpoint),
-            busy={group: total / steps_run for group, total in busy_sums.items()} if steps_run else None,
-        )
-
     def _train_one_step(self) -> dict[str, Any]:
         cfg = self.cfg
         lr = lr_at(self.step, cfg.optim, cfg.steps)
@@ -236,7 +200,7 @@ class DistributedTrainer:
             "busy": busy_fractions([r["compute_s"] for r in results], seconds, self.groups),
         }
 
-    def evaluate(self) -> float:
+    def validate(self) -> float:
         """Mean CE over `eval_batches` validation batches, as the oracle's `evaluate` defines it."""
         results = self._call("evaluate", self.cfg.eval_batches)
         return sum(r["ce"] for r in results) / self.cfg.eval_batches

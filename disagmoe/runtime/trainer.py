@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,10 +40,10 @@ from disagmoe.model import MoETransformer
 from disagmoe.roofline.flops import step_flops
 from disagmoe.runtime.batching import batch_rows, check_divisible, inputs_and_targets
 from disagmoe.runtime.checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint
-from disagmoe.runtime.metrics import MetricsLog, load_imbalance, mfu
+from disagmoe.runtime.loop import StepCallback, TrainingLoop, TrainSummary
+from disagmoe.runtime.metrics import load_imbalance, mfu
 from disagmoe.runtime.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 
-METRICS_FILE = "metrics.jsonl"
 CHECKPOINTS_DIR = "checkpoints"
 
 
@@ -145,26 +145,9 @@ def evaluate(model: MoETransformer, dataset: TokenDataset, batches: int, micro_b
     return total / (batches * micro_batches)
 
 
-@dataclass(frozen=True)
-class TrainSummary:
-    steps: int  # optimizer steps taken in total (including those before a resume)
-    final_loss: float | None
-    final_val_loss: float | None
-    tokens_per_s: float | None  # over this process's training steps (validation, checkpoints excluded)
-    mfu: float | None  # likewise; None without `hardware`
-    out_dir: str
-    metrics_path: str
-    checkpoint_path: str | None
-    busy: dict[str, float] | None = None  # distributed modes: per group, mean compute / step time
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
-StepCallback = Callable[[dict[str, Any]], None]
-
-
-class SingleProcessTrainer:
+class SingleProcessTrainer(TrainingLoop):
     """Model, optimizer, data and outputs of a `mode: single` run."""
 
     def __init__(self, cfg: TrainConfig):
@@ -178,6 +161,7 @@ class SingleProcessTrainer:
             None if splits.val is None
             else TokenDataset(splits.val, cfg.seq_len, cfg.batch_size, cfg.seed, "val")
         )
+        self.evaluates = self.val_data is not None and cfg.eval_every > 0
         torch.manual_seed(cfg.seed)
         self.model = MoETransformer(self.model_cfg, experts_backend=cfg.experts_backend)
         self.model.init_weights(cfg.seed)
@@ -219,41 +203,8 @@ class SingleProcessTrainer:
         with torch_threads(self.cfg.cpu_threads if self.device.type == "cpu" else None):
             return self._run(on_step)
 
-    def _run(self, on_step: StepCallback | None) -> TrainSummary:
-        cfg = self.cfg
-        metrics_path = self.out_dir / METRICS_FILE
-        last: dict[str, Any] = {}
-        last_val: float | None = None
-        checkpoint: Path | None = None
-        total_tokens, total_time = 0, 0.0
-        with MetricsLog(metrics_path, resume_after_step=self.step if cfg.resume else None) as log:
-            while self.step < cfg.steps:
-                record = self._train_one_step()
-                total_tokens += record["tokens"]
-                total_time += record["step_time_s"]
-                if self.val_data is not None and cfg.eval_every and (
-                    self.step % cfg.eval_every == 0 or self.step == cfg.steps
-                ):
-                    last_val = record["val_loss"] = evaluate(
-                        self.model, self.val_data, cfg.eval_batches, cfg.micro_batches
-                    )
-                if (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0) or self.step == cfg.steps:
-                    checkpoint = self.save()
-                log.write(record)
-                if on_step is not None:
-                    on_step(record)
-                last = record
-        tokens_per_s = total_tokens / total_time if total_time > 0 else None
-        return TrainSummary(
-            steps=self.step,
-            final_loss=last.get("loss"),
-            final_val_loss=last_val,
-            tokens_per_s=tokens_per_s,
-            mfu=mfu(self.flops_per_step * total_tokens / self.tokens_per_step, total_time, self.peak_flops),
-            out_dir=str(self.out_dir),
-            metrics_path=str(metrics_path),
-            checkpoint_path=None if checkpoint is None else str(checkpoint),
-        )
+    def validate(self) -> float:
+        return evaluate(self.model, self.val_data, self.cfg.eval_batches, self.cfg.micro_batches)
 
     def _train_one_step(self) -> dict[str, Any]:
         cfg = self.cfg

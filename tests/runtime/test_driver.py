@@ -32,7 +32,8 @@ from disagmoe.runtime.metrics import read_metrics
 from disagmoe.runtime.optim import build_optimizer
 from disagmoe.runtime.plan_layout import apply_plan
 from disagmoe.runtime.topology import Topology
-from disagmoe.runtime.trainer import CHECKPOINTS_DIR, METRICS_FILE, SingleProcessTrainer
+from disagmoe.runtime.loop import METRICS_FILE
+from disagmoe.runtime.trainer import CHECKPOINTS_DIR, SingleProcessTrainer
 from disagmoe.runtime.worker import TrainWorker
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # actors run `_sleep` from here

@@ -15,7 +15,8 @@ from disagmoe.runtime.batching import batch_rows, inputs_and_targets
 from disagmoe.runtime.checkpoint import checkpoint_dir, read_manifest, read_shards
 from disagmoe.runtime.metrics import load_imbalance, read_metrics
 from disagmoe.runtime.optim import build_optimizer, lr_at
-from disagmoe.runtime.trainer import CHECKPOINTS_DIR, METRICS_FILE, train_single, train_step
+from disagmoe.runtime.loop import METRICS_FILE
+from disagmoe.runtime.trainer import CHECKPOINTS_DIR, train_single, train_step
 
 
 def tiny_model(bias_balancing: bool = False) -> ModelConfig:

@@ -1,0 +1,95 @@
+"""The step loop every training mode shares: train, validate, checkpoint, log, summarise.
+
+A mode (`SingleProcessTrainer`, `DistributedTrainer`) subclasses `TrainingLoop` and supplies one
+optimizer step (`_train_one_step`, returning the step's metrics record), a validation pass
+(`validate`) and a checkpoint (`save`). The loop validates every `eval_every` steps and at the
+end, checkpoints every `checkpoint_every` steps and at the end, writes one JSONL record per step
+and averages any per-group `busy` fractions the records carry into the summary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from disagmoe.config import TrainConfig
+from disagmoe.runtime.metrics import MetricsLog, mfu
+
+METRICS_FILE = "metrics.jsonl"
+StepCallback = Callable[[dict[str, Any]], None]
+
+
+@dataclass(frozen=True)
+class TrainSummary:
+    steps: int  # optimizer steps taken in total (including those before a resume)
+    final_loss: float | None
+    final_val_loss: float | None
+    tokens_per_s: float | None  # over this process's training steps (validation, checkpoints excluded)
+    mfu: float | None  # likewise; None without `hardware`
+    out_dir: str
+    metrics_path: str
+    checkpoint_path: str | None
+    busy: dict[str, float] | None = None  # distributed modes: per group, mean compute / step time
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class TrainingLoop:
+    """Base of every mode; see the module docstring for what a subclass provides."""
+
+    cfg: TrainConfig
+    step: int
+    out_dir: Path
+    tokens_per_step: int
+    flops_per_step: float
+    peak_flops: float | None
+    evaluates: bool  # a validation split exists and eval_every > 0
+
+    def _train_one_step(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def validate(self) -> float:
+        raise NotImplementedError
+
+    def save(self) -> Path:
+        raise NotImplementedError
+
+    def _run(self, on_step: StepCallback | None) -> TrainSummary:
+        cfg = self.cfg
+        metrics_path = self.out_dir / METRICS_FILE
+        last: dict[str, Any] = {}
+        last_val: float | None = None
+        checkpoint: Path | None = None
+        total_tokens, total_time = 0, 0.0
+        busy_sums: dict[str, float] = {}
+        steps_run = 0
+        with MetricsLog(metrics_path, resume_after_step=self.step if cfg.resume else None) as log:
+            while self.step < cfg.steps:
+                record = self._train_one_step()
+                total_tokens += record["tokens"]
+                total_time += record["step_time_s"]
+                steps_run += 1
+                for group, fraction in record.get("busy", {}).items():
+                    busy_sums[group] = busy_sums.get(group, 0.0) + fraction
+                if self.evaluates and (self.step % cfg.eval_every == 0 or self.step == cfg.steps):
+                    last_val = record["val_loss"] = self.validate()
+                if (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0) or self.step == cfg.steps:
+                    checkpoint = self.save()
+                log.write(record)
+                if on_step is not None:
+                    on_step(record)
+                last = record
+        return TrainSummary(
+            steps=self.step,
+            final_loss=last.get("loss"),
+            final_val_loss=last_val,
+            tokens_per_s=total_tokens / total_time if total_time > 0 else None,
+            mfu=mfu(self.flops_per_step * total_tokens / self.tokens_per_step, total_time, self.peak_flops),
+            out_dir=str(self.out_dir),
+            metrics_path=str(metrics_path),
+            checkpoint_path=None if checkpoint is None else str(checkpoint),
+            busy={g: total / steps_run for g, total in busy_sums.items()} if busy_sums and steps_run else None,
+        )
