@@ -38,8 +38,37 @@ class Role:
         return f"{letter}{self.group}.{self.index}"
 
 
+class LayerRing:
+    """Which pipeline group owns which layer (group g owns layers g, g+p, ...), for any class
+    with `num_layers`, `num_dense_layers` and `pipeline_groups`."""
+
+    num_layers: int
+    num_dense_layers: int
+    pipeline_groups: int
+
+    @property
+    def head_group(self) -> int:
+        """The group whose attention ranks run the final norm, LM head and loss."""
+        return self.num_layers % self.pipeline_groups
+
+    def group_of_layer(self, layer: int) -> int:
+        return layer % self.pipeline_groups
+
+    def is_moe(self, layer: int) -> bool:
+        return layer >= self.num_dense_layers
+
+    def layers_of_group(self, group: int) -> range:
+        return range(group, self.num_layers, self.pipeline_groups)
+
+    def next_group(self, group: int) -> int:
+        return (group + 1) % self.pipeline_groups
+
+    def prev_group(self, group: int) -> int:
+        return (group - 1) % self.pipeline_groups
+
+
 @dataclass(frozen=True)
-class Layout:
+class Layout(LayerRing):
     """Ranks, pipeline groups and layers of a disaggregated job (totals over all groups)."""
 
     attention_ranks: int
@@ -90,25 +119,6 @@ class Layout:
         """Attention ranks per pipeline group (the data-parallel width)."""
         return self.attention_ranks // self.pipeline_groups
 
-    @property
-    def head_group(self) -> int:
-        """The group whose attention ranks run the final norm, LM head and loss."""
-        return self.num_layers % self.pipeline_groups
-
-    def group_of_layer(self, layer: int) -> int:
-        return layer % self.pipeline_groups
-
-    def is_moe(self, layer: int) -> bool:
-        return layer >= self.num_dense_layers
-
-    def layers_of_group(self, group: int) -> range:
-        return range(group, self.num_layers, self.pipeline_groups)
-
-    def next_group(self, group: int) -> int:
-        return (group + 1) % self.pipeline_groups
-
-    def prev_group(self, group: int) -> int:
-        return (group - 1) % self.pipeline_groups
 
     def attention_rank(self, group: int, dp_index: int) -> int:
         return group * self.data_parallel + dp_index

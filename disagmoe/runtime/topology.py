@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from disagmoe.config import ModelConfig, TrainConfig
 from disagmoe.runtime.colocated import build_colocated_schedule, rank_pairs
 from disagmoe.runtime.plan_layout import ExpertIds, apply_plan, plan_placement
-from disagmoe.runtime.roles import Layout
+from disagmoe.runtime.roles import LayerRing, Layout
 from disagmoe.runtime.schedule import Op, build_schedule
 
 
@@ -39,7 +39,7 @@ def contiguous_expert_ids(num_experts: int, ranks: int) -> tuple[ExpertIds, ...]
 
 
 @dataclass(frozen=True)
-class Topology:
+class Topology(LayerRing):
     """Ranks and ownership of a distributed run (see the module docstring)."""
 
     colocated: bool
@@ -117,20 +117,6 @@ class Topology:
     @property
     def data_parallel(self) -> int:
         return len(self.attention_groups[0])
-
-    @property
-    def head_group(self) -> int:
-        """The group whose attention ranks run the final norm, LM head and loss."""
-        return self.num_layers % self.pipeline_groups
-
-    def group_of_layer(self, layer: int) -> int:
-        return layer % self.pipeline_groups
-
-    def is_moe(self, layer: int) -> bool:
-        return layer >= self.num_dense_layers
-
-    def next_group(self, group: int) -> int:
-        return (group + 1) % self.pipeline_groups
 
     # -- one rank's jobs ----------------------------------------------------------------------
 
