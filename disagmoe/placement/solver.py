@@ -174,15 +174,19 @@ def choose(cfg: PlanConfig) -> Choice:
     return price(cfg, chosen, col_time)
 
 
-def price(cfg: PlanConfig, chosen: Candidates, colocated_step_s: float = math.inf) -> Choice:
-    """Build the `Plan` of one layout (feasible or not: `plan.feasible` says)."""
+def price(cfg: PlanConfig, chosen: Candidates, colocated_step_s: float | None = None) -> Choice:
+    """Build the `Plan` of one layout (feasible or not: `plan.feasible` says).
+
+    `colocated_step_s`: the best colocated layout's step time, inf when none fits, None when it
+    was not priced (a layout fixed by the caller)."""
     gpus, model, prob = cfg.cluster.num_gpus, cfg.model, problem_of(cfg)
     use_dis = not chosen.colocated
     cost = evaluate(prob, chosen)
     expert_map, real_imb = _expert_map(cfg, chosen) if use_dis else _colocated_map(cfg, chosen)
     notes: list[str] = []
-    if not math.isfinite(colocated_step_s) and use_dis:
+    if colocated_step_s == math.inf and use_dis:
         notes.append("the colocated baseline does not fit in memory on this cluster")
+    col = math.inf if colocated_step_s is None else colocated_step_s
     p, m, seqs = int(chosen.p[0]), int(chosen.m[0]), int(chosen.seqs[0])
     attn, exp = int(chosen.attn[0]), int(chosen.expert[0])
     idle = gpus - attn - exp
@@ -203,6 +207,7 @@ def price(cfg: PlanConfig, chosen: Candidates, colocated_step_s: float = math.in
     counts = count_params(model)
     mfu = step_flops(model, rounds * tokens_per_round, cfg.seq_len) / (
         step * gpus * cfg.cluster.hardware.bf16_tflops * 1e12)
+    stage_times = _stage_times(cost, prob, chosen)
     plan = Plan(
         model=model.name, hardware=cfg.cluster.hardware.name, gpus=gpus, seq_len=cfg.seq_len,
         global_batch_tokens=cfg.global_batch_tokens,
@@ -211,11 +216,11 @@ def price(cfg: PlanConfig, chosen: Candidates, colocated_step_s: float = math.in
         expert_replica_sets=int(chosen.sets[0]) if use_dis else exp // p // int(colocated_ep(model.num_experts, exp // p)),
         sequences_per_micro_batch=seqs * dp, accumulation_rounds=rounds,
         expert_map=expert_map, total_params=counts.total, active_params=counts.active,
-        memory_per_gpu=_memory(cost, prob, use_dis), stage_times=_stage_times(cost, prob, chosen),
-        step_time_s=step, colocated_step_time_s=colocated_step_s if math.isfinite(colocated_step_s) else 0.0,
-        speedup_vs_colocated=colocated_step_s / step if math.isfinite(colocated_step_s) else 0.0,
+        memory_per_gpu=_memory(cost, prob, use_dis), stage_times=stage_times,
+        step_time_s=step, colocated_step_time_s=col if math.isfinite(col) else 0.0,
+        speedup_vs_colocated=col / step if math.isfinite(col) else 0.0,
         expert_imbalance=real_imb, mfu=mfu, feasible=fits,
-        reason=_reason(cost, prob, chosen, use_dis, step, colocated_step_s), notes=notes,
+        reason=_reason(stage_times, chosen, use_dis, step, colocated_step_s), notes=notes,
     )
     return Choice(plan, chosen, cost, prob)
 
@@ -295,14 +300,19 @@ def _stage_times(cost: Cost, prob: Problem, c: Candidates) -> list[StageTime]:
             for r in rows]
 
 
-def _reason(cost: Cost, prob: Problem, c: Candidates, disaggregated: bool, step: float, col: float) -> str:
-    stages = [s for s in _stage_times(cost, prob, c) if not s.name.startswith(("grad", "optim"))]
+def _reason(stage_times: list[StageTime], c: Candidates, disaggregated: bool, step: float,
+            col: float | None) -> str:
+    stages = [s for s in stage_times if not s.name.startswith(("grad", "optim"))]
     top = max(stages, key=lambda s: s.time_s)
     if disaggregated:
         layout = (f"{int(c.attn[0])} attention + {int(c.expert[0])} expert GPUs, "
                   f"p={int(c.p[0])}, m={int(c.m[0])}, {int(c.sets[0])} expert replica set(s)")
-        vs = (f"{col / step:.2f}x the colocated baseline, whose dispatch and combine stall the GPUs"
-              if math.isfinite(col) else "the colocated baseline does not fit")
+        if col is None:
+            vs = "a fixed layout (the colocated baseline was not priced)"
+        elif math.isfinite(col):
+            vs = f"{col / step:.2f}x the colocated baseline ({col:.3g} s per step)"
+        else:
+            vs = "the colocated baseline does not fit"
         return f"{layout}: {vs}; heaviest stage {top.name}, {top.bound}-bound"
     return (f"colocated expert parallel on {int(c.expert[0])} GPUs (p={int(c.p[0])}, m={int(c.m[0])}) "
             f"beats every disaggregated split here; heaviest stage {top.name}, {top.bound}-bound")

@@ -121,3 +121,11 @@ def test_plan_imports_no_torch_ray_or_matplotlib():
             "print(','.join(m for m in ('torch', 'ray', 'matplotlib') if m in sys.modules))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert proc.stdout.strip() == ""
+
+
+def test_a_fixed_layout_does_not_claim_the_baseline_failed():
+    r = run("roofline", "-m", "qwen3-30b-a3b", "-hw", "h200-sxm", "-n", "8", "--layout", "disaggregated",
+            "--attention-gpus", "3", "--json")
+    plan = json.loads(r.stdout)["plan"]
+    assert "not priced" in plan["reason"]
+    assert not any("baseline does not fit" in n for n in plan["notes"])
