@@ -29,6 +29,7 @@ class Routing:
     aux_loss: torch.Tensor  # scalar, already multiplied by router.aux_loss_coef
     z_loss: torch.Tensor  # scalar, already multiplied by router.z_loss_coef
     load_E: torch.Tensor  # int64 token-expert pairs per expert, detached
+    scores_NE: torch.Tensor  # router scores (softmax or sigmoid), differentiable: the aux loss's input
 
 
 def group_limited_mask(choice_NE: torch.Tensor, num_groups: int, topk_groups: int) -> torch.Tensor:
@@ -98,6 +99,7 @@ class Router(nn.Module):
             aux_loss=self.aux_loss(scores_NE, load_E),
             z_loss=self.z_loss(logits_NE),
             load_E=load_E,
+            scores_NE=scores_NE,
         )
 
     def select(self, scores_NE: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from disagmoe.data import TokenDataset
 from disagmoe.model import MoEBlock, Routing, combine, group_by_expert
-from disagmoe.model.layers import compute_dtype
+from disagmoe.model.dispatch import expert_counts
 from disagmoe.runtime.batching import batch_rows, inputs_and_targets
 from disagmoe.runtime.messages import Mailbox
 from disagmoe.runtime.plan_layout import ExpertIds
@@ -65,19 +65,11 @@ def combine_layer_output(
     """A MoE layer's output from its parts (each expert rank's output rows, as `split_by_rank` sent
     their inputs): the arithmetic of `MoEBlock.combine`, in its order."""
     grouping = group_by_expert(topk_idx_NK, num_experts)
-    counts_E = torch.bincount(topk_idx_NK.flatten(), minlength=num_experts)
+    counts_E = expert_counts(topk_idx_NK, num_experts)
     ffn_NH = combine(merge_ranks(rows_per_rank, counts_E, expert_ids), grouping, topk_w_NK)
     if shared_NH is not None:
         ffn_NH = ffn_NH + shared_NH
     return h_BSH + ffn_NH.view_as(h_BSH)
-
-
-def router_scores(block: MoEBlock, xn_NH: torch.Tensor) -> torch.Tensor:
-    """The router's scores [N, E] for rows `xn_NH` (as `Router.forward` computes them)."""
-    router = block.moe.router
-    work = compute_dtype(xn_NH.dtype)
-    logits_NE = F.linear(xn_NH.to(work), router.weight.to(work))
-    return logits_NE.softmax(-1) if router.cfg.score == "softmax" else logits_NE.sigmoid()
 
 
 @dataclass
@@ -202,7 +194,7 @@ class AttentionStage:
             if block.moe.router.cfg.aux_loss_coef > 0:
                 load_E = routing.load_E.clone()
                 dist.all_reduce(load_E, group=self.dp_group)
-                aux = block.moe.router.aux_loss(router_scores(block, routing.xn_NH), load_E) / self.dp
+                aux = block.moe.router.aux_loss(routing.scores_NE, load_E) / self.dp
         self.loss_parts["aux_loss"] += float(aux.detach()) / self.micro_batches
         self.loss_parts["z_loss"] += float(z.detach()) / self.micro_batches
         return aux.float() + z.float()

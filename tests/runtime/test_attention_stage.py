@@ -4,7 +4,7 @@ import torch
 
 from disagmoe.config import load_model
 from disagmoe.model import MoETransformer
-from disagmoe.runtime.attention_stage import combine_layer_output, merge_ranks, router_scores, split_by_rank
+from disagmoe.runtime.attention_stage import combine_layer_output, merge_ranks, split_by_rank
 
 
 def block_and_routing(seed: int = 0):
@@ -47,6 +47,6 @@ def test_aux_shares_of_data_parallel_halves_add_up_to_the_whole():
     halves = [block.route(h_BSH[i:i + 1]) for i in range(2)]
     load_E = sum(r.load_E for r in halves)
     assert torch.equal(load_E, whole.load_E)
-    shares = [router.aux_loss(router_scores(block, r.xn_NH), load_E) / 2 for r in halves]
+    shares = [router.aux_loss(r.scores_NE, load_E) / 2 for r in halves]
     torch.testing.assert_close(sum(shares), whole.aux_loss, rtol=1e-6, atol=0)
     torch.testing.assert_close(sum(r.z_loss / 2 for r in halves), whole.z_loss, rtol=1e-6, atol=0)
