@@ -11,7 +11,9 @@
 on GPUs (a bundle per GPU), a single group on the local node for CPU slots (fractional CPUs, so
 several actors share a core). Every actor gets `env` (TrainConfig.env) through its runtime_env
 and sees every GPU of its node (RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1, DESIGN section 5);
-it selects the one Ray assigned to it. Tensors never travel through here: only control calls.
+it selects the one Ray assigned to it. GPU actors also load every CUDA kernel when their CUDA
+context starts (CUDA_MODULE_LOADING=EAGER, see `worker_env`) unless `env` says otherwise.
+Tensors never travel through here: only control calls.
 """
 
 from __future__ import annotations
@@ -37,7 +39,20 @@ from disagmoe.runtime.roles import Role
 Device = Literal["cpu", "cuda"]
 LOOPBACK = "127.0.0.1"
 NOSET_CUDA = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
+# Lazy kernel loading (CUDA's default) may synchronise the whole CUDA context the first time a
+# kernel runs. A rank whose NCCL send is still waiting for the peer to post the receive then
+# waits for that send, and the peer, doing the same, never posts it: both ranks hang inside an
+# ordinary kernel launch. Seen on 2 x H200 (configs/h200x2-small.yaml, 33 MB dispatches; the
+# watchdog showed one rank stuck in a combine einsum, the other in a grouped GEMM) and gone
+# with eager loading, which costs about 3 s of start-up per actor.
+GPU_DEFAULT_ENV = {"CUDA_MODULE_LOADING": "EAGER"}
 FAILURE_GRACE_S = 5.0  # after a first failure, how long to wait for the other ranks' outcomes
+
+
+def worker_env(device: Device, env: dict[str, str] | None) -> dict[str, str]:
+    """Every actor's environment variables: the GPU defaults (on cuda), then `env`, then NOSET_CUDA."""
+    defaults = GPU_DEFAULT_ENV if device == "cuda" else {}
+    return {**defaults, **(env or {}), **NOSET_CUDA}
 
 
 class WorkerFailure(RuntimeError):
@@ -156,7 +171,7 @@ class WorkerGroup:
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         group, placement_group_bundle_index=bundle
                     ),
-                    runtime_env={"env_vars": {**(env or {}), **NOSET_CUDA}},
+                    runtime_env={"env_vars": worker_env(device, env)},
                     max_restarts=0,
                 )
                 actors.append(remote_cls.options(**options).remote(rank, world_size, device))

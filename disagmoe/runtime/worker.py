@@ -54,6 +54,7 @@ from disagmoe.runtime.schedule import (
 from disagmoe.runtime.sharded_checkpoint import Listing, load_rank_state, rank_shard, write_shard
 from disagmoe.runtime.topology import Topology
 from disagmoe.runtime.trace import SpanRecorder
+from disagmoe.runtime.watchdog import OpWatchdog
 
 
 @contextmanager
@@ -63,9 +64,7 @@ def sync_device(device: torch.device) -> Iterator[None]:
     Only the compute stream: a device-wide synchronize would also wait for this rank's NCCL
     sends still in flight, and a send large enough for NCCL's rendezvous protocol completes only
     once the peer posts its receive, which the peer may do only after a message this rank sends
-    later: a deadlock. The likely cause of a hang seen on 2 x H200 with configs/h200x2-small.yaml
-    (33 MB dispatches; the tiny model's messages are small enough to be sent eagerly); this
-    version has not run on a GPU yet."""
+    later: a deadlock (seen on 2 x H200 with 33 MB dispatches; see also cluster.GPU_DEFAULT_ENV)."""
     yield
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
@@ -109,6 +108,7 @@ class TrainWorker(Worker):
             self.attention = AttentionStage(self.model, topology, self.rank, data, cfg.micro_batches, self.dp_group)
         self.experts = ExpertStage(self.model, topology, self.rank) if topology.expert_role(self.rank) else None
         self.recorder = SpanRecorder()
+        self.watchdog = OpWatchdog(f"rank {self.rank} ({topology.describe(self.rank)})", cfg.recv_timeout_s)
 
     def _collective_groups(self, topology: Topology, timeout_s: float) -> tuple[Any, Any]:
         """The all-ranks group and this rank's data-parallel group (every rank creates every group)."""
@@ -138,14 +138,15 @@ class TrainWorker(Worker):
         handles: list[SendHandle] = []
         result: dict[str, Any] = {}
         for op in self.program:
-            if isinstance(op, OptimizerStep):
-                with self.recorder.span("wait for sends", "wait"):
-                    for handle in handles:
-                        handle.wait()
-                with self.recorder.span(_op_name(op), "compute"):
-                    result = self._optimizer_step(lr)
-            else:
-                self._run(op, step, mail, handles)
+            with self.watchdog.op(f"step {step + 1}: {_op_name(op)}"):
+                if isinstance(op, OptimizerStep):
+                    with self.recorder.span("wait for sends", "wait"):
+                        for handle in handles:
+                            handle.wait()
+                    with self.recorder.span(_op_name(op), "compute"):
+                        result = self._optimizer_step(lr)
+                else:
+                    self._run(op, step, mail, handles)
         assert mail.empty(), f"rank {self.rank}: messages left over after step {step}"
         spans, compute_s = self.recorder.drain()
         result.update(rank=self.rank, compute_s=compute_s, step_s=time.perf_counter() - start, spans=spans)
@@ -276,7 +277,11 @@ class TrainWorker(Worker):
         load_rank_state(Path(directory), self.model, self.optimizer, self.model_cfg)
 
     def _release(self) -> None:
-        """Close the transport and collective groups of a previous `setup`, if any."""
+        """Close the watchdog, transport and collective groups of a previous `setup`, if any."""
+        watchdog = getattr(self, "watchdog", None)
+        if watchdog is not None:
+            watchdog.close()
+            self.watchdog = None
         transport = getattr(self, "transport", None)
         if transport is not None:
             transport.close()

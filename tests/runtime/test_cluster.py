@@ -13,7 +13,7 @@ import ray
 import torch
 
 from disagmoe.comm.base import Direction, MessageKey
-from disagmoe.runtime.cluster import Worker, WorkerFailure, WorkerGroup
+from disagmoe.runtime.cluster import Worker, WorkerFailure, WorkerGroup, worker_env
 from disagmoe.runtime.roles import Layout
 from disagmoe.runtime.schedule import Recv, build_schedule
 from disagmoe.runtime.schedule_sim import simulate
@@ -47,6 +47,14 @@ def test_actors_have_ranks_env_and_roles(workers):
     assert [i["role"] for i in infos] == [layout.role(r) for r in range(WORLD)]
     assert len({i["pid"] for i in infos}) == WORLD
     assert workers.call("run", _environment, "DISAGMOE_TEST_SETTING") == [("propagated", "1")] * WORLD
+
+
+def test_worker_env_loads_kernels_eagerly_on_gpus_unless_told_otherwise():
+    # lazy loading can synchronise the context mid-step and deadlock pending NCCL sends (cluster.py)
+    assert worker_env("cuda", None)["CUDA_MODULE_LOADING"] == "EAGER"
+    assert worker_env("cuda", {"CUDA_MODULE_LOADING": "LAZY"})["CUDA_MODULE_LOADING"] == "LAZY"
+    assert "CUDA_MODULE_LOADING" not in worker_env("cpu", ENV)
+    assert worker_env("cpu", ENV) == {**ENV, "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
 
 
 def _seeded(rank):
