@@ -229,7 +229,8 @@ class DistributedTrainer(TrainingLoop):
         elif hung:
             rank = min(hung)
             what = (f"it is hung (busy past recv_timeout_s={self.cfg.recv_timeout_s:g} s and not answering "
-                    f"Ray); its peers report: {failure}")
+                    f"Ray; its watchdog printed the op it is stuck in and its stacks to its stderr); "
+                    f"its peers report: {failure}")
         checkpoint = latest_checkpoint(self.checkpoint_root)
         resume = (f"resume from {checkpoint} with resume=true" if checkpoint is not None
                   else "no checkpoint yet (set checkpoint_every to keep progress)")
