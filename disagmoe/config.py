@@ -251,7 +251,8 @@ class Plan(StrictModel):
     accumulation_rounds: NonNegInt = Field(description="rounds of m micro-batches per step")
     expert_map: list[list[list[int]]] = Field(
         description="per MoE layer, per expert: the expert ranks holding it (replica r serves "
-        "data-parallel index mod len == r)"
+        "data-parallel index d with d mod n == r; with fewer data-parallel ranks D than replicas n, "
+        "d splits its rows over replicas d, d + D, ...)"
     )
     total_params: NonNegInt
     active_params: NonNegInt

@@ -3,7 +3,8 @@
 Loads come from a routing histogram (per MoE layer, per expert: tokens routed in a previous
 run, any scale) or are uniform. Each GPU holds the same number of expert slots (memory stays
 even); hot experts may take spare slots as replicas, each replica serving an equal share of
-that expert's tokens (replica r serves data-parallel index mod n_replicas == r).
+that expert's tokens (replica r serves data-parallel index mod n_replicas == r; with fewer
+data-parallel ranks than replicas, each splits its rows over several, see runtime.plan_layout).
 """
 
 from __future__ import annotations

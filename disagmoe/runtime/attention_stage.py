@@ -32,41 +32,64 @@ from disagmoe.model import MoEBlock, Routing, combine, group_by_expert
 from disagmoe.model.dispatch import expert_counts
 from disagmoe.runtime.batching import batch_rows, inputs_and_targets
 from disagmoe.runtime.messages import Mailbox
-from disagmoe.runtime.plan_layout import ExpertIds
+from disagmoe.runtime.plan_layout import ExpertOwners, replica_rows
 from disagmoe.runtime.rank_model import RankModel
 from disagmoe.runtime.schedule import Payload
 from disagmoe.runtime.topology import Topology
 from disagmoe.runtime.trainer import compute_context, cross_entropy
 
 
-def split_by_rank(x_PH: torch.Tensor, counts_E: torch.Tensor,
-                  expert_ids: tuple[ExpertIds, ...]) -> list[torch.Tensor]:
-    """Rows grouped by expert (counts_E rows each) -> for each expert rank, the rows of its experts
-    in its id order (what it runs them in)."""
-    chunks = x_PH.split(counts_E.tolist())
-    return [torch.cat([chunks[e] for e in ids]) for ids in expert_ids]
+def rank_shares(counts: list[int], owners: ExpertOwners, ranks: int, dp_index: int,
+                dp: int) -> list[list[tuple[int, int, int]]]:
+    """Per expert rank: (expert, replica, rows) for every expert it holds, ascending (its id
+    order): the rows of the sender of data-parallel index `dp_index` (of `dp`) it runs; a
+    replicated expert's rows go to its owners by `replica_rows` (some may get none)."""
+    shares: list[list[tuple[int, int, int]]] = [[] for _ in range(ranks)]
+    for e, who in enumerate(owners):
+        sizes = [counts[e]] if len(who) == 1 else replica_rows(counts[e], len(who), dp_index, dp)
+        for r, (i, rows) in enumerate(zip(who, sizes, strict=True)):
+            shares[i].append((e, r, rows))
+    return shares
 
 
-def merge_ranks(rows_per_rank: list[torch.Tensor], counts_E: torch.Tensor,
-                expert_ids: tuple[ExpertIds, ...]) -> torch.Tensor:
+def split_by_rank(x_PH: torch.Tensor, counts_E: torch.Tensor, owners: ExpertOwners, ranks: int,
+                  dp_index: int, dp: int) -> tuple[list[torch.Tensor], list[list[int]]]:
+    """Rows grouped by expert (counts_E rows each) from the sender of data-parallel index
+    `dp_index` -> per expert rank, the rows it runs in its id order, and one row count per expert
+    it holds (what it runs them in)."""
+    counts = counts_E.tolist()
+    shares = rank_shares(counts, owners, ranks, dp_index, dp)
+    sizes = {}
+    for mine in shares:
+        sizes.update(((e, r), n) for e, r, n in mine)
+    flat = [(e, r) for e, who in enumerate(owners) for r in range(len(who))]  # x_PH's order
+    pieces = dict(zip(flat, x_PH.split([sizes[key] for key in flat]), strict=True))
+    rows = [torch.cat([pieces[e, r] for e, r, _ in mine]) for mine in shares]
+    return rows, [[n for _, _, n in mine] for mine in shares]
+
+
+def merge_ranks(rows_per_rank: list[torch.Tensor], counts_E: torch.Tensor, owners: ExpertOwners,
+                dp_index: int, dp: int) -> torch.Tensor:
     """The inverse of `split_by_rank`: every expert rank's rows back in expert order."""
     counts = counts_E.tolist()
-    chunk_of = {}
-    for rows_PH, ids in zip(rows_per_rank, expert_ids, strict=True):
-        chunk_of.update(zip(ids, rows_PH.split([counts[e] for e in ids]), strict=True))
-    return torch.cat([chunk_of[e] for e in range(len(counts))])
+    shares = rank_shares(counts, owners, len(rows_per_rank), dp_index, dp)
+    pieces = {}
+    for rows_PH, mine in zip(rows_per_rank, shares, strict=True):
+        parts = rows_PH.split([n for _, _, n in mine])
+        pieces.update(((e, r), part) for (e, r, _), part in zip(mine, parts, strict=True))
+    return torch.cat([pieces[e, r] for e, who in enumerate(owners) for r in range(len(who))])
 
 
 def combine_layer_output(
     h_BSH: torch.Tensor, topk_w_NK: torch.Tensor, rows_per_rank: list[torch.Tensor],
-    expert_ids: tuple[ExpertIds, ...], topk_idx_NK: torch.Tensor, shared_NH: torch.Tensor | None,
-    num_experts: int,
+    owners: ExpertOwners, topk_idx_NK: torch.Tensor, shared_NH: torch.Tensor | None,
+    num_experts: int, dp_index: int, dp: int,
 ) -> torch.Tensor:
     """A MoE layer's output from its parts (each expert rank's output rows, as `split_by_rank` sent
     their inputs): the arithmetic of `MoEBlock.combine`, in its order."""
     grouping = group_by_expert(topk_idx_NK, num_experts)
     counts_E = expert_counts(topk_idx_NK, num_experts)
-    ffn_NH = combine(merge_ranks(rows_per_rank, counts_E, expert_ids), grouping, topk_w_NK)
+    ffn_NH = combine(merge_ranks(rows_per_rank, counts_E, owners, dp_index, dp), grouping, topk_w_NK)
     if shared_NH is not None:
         ffn_NH = ffn_NH + shared_NH
     return h_BSH + ffn_NH.view_as(h_BSH)
@@ -136,8 +159,8 @@ class AttentionStage:
         experts = topo.expert_groups[topo.group_of_layer(prev)]
         inputs.expert_rows = [mail.take(Payload.COMBINE, prev, mb, r)[0].detach().requires_grad_() for r in experts]
         h_BSH, topk_w_NK, topk_idx_NK, *shared = parts
-        x_BSH = combine_layer_output(h_BSH, topk_w_NK, inputs.expert_rows, topo.expert_ids[prev], topk_idx_NK,
-                                     shared[0] if shared else None, self.num_experts)
+        x_BSH = combine_layer_output(h_BSH, topk_w_NK, inputs.expert_rows, topo.expert_owners[prev], topk_idx_NK,
+                                     shared[0] if shared else None, self.num_experts, self.dp_index, self.dp)
         return x_BSH, inputs
 
     def _post_input_grads(self, inputs: LayerInput, mb: int, mail: Mailbox) -> None:
@@ -173,10 +196,12 @@ class AttentionStage:
         x_PH, grouping = block.dispatch(routing)
         shared_NH = block.shared_ffn(routing)
         counts_E = routing.load_E  # rows per expert, the order of x_PH
-        expert_ids = topo.expert_ids[layer]
-        dispatched = split_by_rank(x_PH, counts_E, expert_ids)
-        for rank, ids, rows_PH in zip(topo.expert_groups[self.group], expert_ids, dispatched, strict=True):
-            mail.post(Payload.DISPATCH, layer, mb, rank, [rows_PH, counts_E[list(ids)]])
+        ranks = topo.expert_groups[self.group]
+        dispatched, counts = split_by_rank(x_PH, counts_E, topo.expert_owners[layer], len(ranks), self.dp_index,
+                                           self.dp)
+        for rank, rows_PH, rank_counts in zip(ranks, dispatched, counts, strict=True):
+            counts_R = torch.tensor(rank_counts, dtype=counts_E.dtype).to(counts_E.device, non_blocking=True)
+            mail.post(Payload.DISPATCH, layer, mb, rank, [rows_PH, counts_R])
         shared = [] if shared_NH is None else [shared_NH]
         mail.post(Payload.RESIDUAL, layer, mb, nxt, [h_BSH, routing.topk_w_NK, routing.topk_idx_NK, *shared])
         carry = [h_BSH, routing.topk_w_NK, *shared]

@@ -7,22 +7,28 @@ file is the base a plan is applied to (`replaced_fields` says what changed, for 
 Everything else (batch_size, seq_len, data, optimizer, transport) stays the config's.
 
 `plan_placement(plan, model_cfg)` turns the plan's `expert_map` (per MoE layer j, per expert: the
-expert-pool ranks holding it; MoE layer j is layer num_dense_layers + j, of pipeline group
-layer mod p, whose expert GPUs are pool ranks g*n .. (g+1)*n - 1 with n = expert_gpus / p) into
-MoE layer -> for each expert rank of the layer's group, its ascending expert ids.
+expert-pool ranks holding it, in replica order; MoE layer j is layer num_dense_layers + j, of
+pipeline group layer mod p, whose expert GPUs are pool ranks g*n .. (g+1)*n - 1 with
+n = expert_gpus / p) into MoE layer -> per expert, its owners as indices into the layer's group
+(`ExpertOwners`). An expert with n owners is replicated; the attention rank of data-parallel
+index d (of D) sends its rows of it to owner d mod n when D >= n (DESIGN: replica r serves the
+data-parallel indices d mod n == r, so a replica set serves its share of the attention ranks), and
+splits them evenly over owners d, d + D, ... when D < n, so no replica idles (`replica_rows`).
 
 A plan the runtime cannot run is refused with a ValueError before any actor starts: a plan for
-another model, an infeasible plan, replicated experts (not supported yet), a colocated plan with
-pipeline groups, a map that is not a partition of each layer's experts over its group's ranks.
+another model, an infeasible plan, a colocated plan with pipeline groups, an expert held by no
+rank, twice by one rank or by a rank outside its layer's group, an expert rank with no expert.
 """
 
 from __future__ import annotations
 
+from functools import lru_cache
 from pathlib import Path
 
 from disagmoe.config import ModelConfig, Plan, TrainConfig, read_mapping, validate
 
 ExpertIds = tuple[int, ...]  # one rank's experts of one layer, ascending
+ExpertOwners = tuple[tuple[int, ...], ...]  # one layer: per expert, the group's ranks holding it (replica order)
 LAYOUT_FIELDS = ("mode", "attention_ranks", "expert_ranks", "pipeline_groups", "micro_batches", "colocated_ranks")
 REPLAN = "run `disagmoe plan` for this model again and pass its --out file"
 
@@ -73,31 +79,24 @@ def check_plan(plan: Plan, model_cfg: ModelConfig, source: str) -> None:
     if plan.expert_gpus % p:
         raise ValueError(f"{source} has expert_gpus={plan.expert_gpus}, not a multiple of pipeline_groups={p}: "
                          f"every group needs the same number of expert GPUs; {REPLAN}")
-    for j, owners in enumerate(plan.expert_map):
-        for e, ranks in enumerate(owners):
-            if len(ranks) > 1:
-                raise ValueError(
-                    f"{source} replicates expert {e} of MoE layer {j} on expert ranks {ranks}; the runtime "
-                    "does not run replicated experts yet: plan without --max-expert-replicas, or with fewer "
-                    f"GPUs (at most {experts} expert GPUs per pipeline group)")
     per_group = plan.expert_gpus // p
     for j, owners in enumerate(plan.expert_map):
         group = (model_cfg.num_dense_layers + j) % p
         first = group * per_group
         for e, ranks in enumerate(owners):
-            if not ranks or not first <= ranks[0] < first + per_group:
+            if not ranks or len(set(ranks)) != len(ranks) or not all(first <= r < first + per_group for r in ranks):
                 raise ValueError(
                     f"{source}'s expert_map puts expert {e} of MoE layer {j} on {ranks or 'no rank'}, but that "
-                    f"layer's experts must each go to one expert rank of its pipeline group {group}: "
-                    f"ranks {first}..{first + per_group - 1}")
-        idle = sorted(set(range(first, first + per_group)) - {ranks[0] for ranks in owners})
+                    f"layer's experts must each go to one or more distinct expert ranks of its pipeline group "
+                    f"{group}: ranks {first}..{first + per_group - 1}")
+        idle = sorted(set(range(first, first + per_group)) - {r for ranks in owners for r in ranks})
         if idle:
             raise ValueError(f"{source}'s expert_map gives expert ranks {idle} no expert of MoE layer {j}; every "
                              f"expert rank of pipeline group {group} needs at least one; {REPLAN}")
 
 
-def plan_placement(plan: Plan, model_cfg: ModelConfig) -> dict[int, tuple[ExpertIds, ...]]:
-    """MoE layer -> per expert rank of its group (in group order), the ascending ids it holds.
+def plan_placement(plan: Plan, model_cfg: ModelConfig) -> dict[int, ExpertOwners]:
+    """MoE layer -> per expert, its owners as indices into the layer's group of expert ranks.
     Expects a plan `check_plan` accepted."""
     p = plan.pipeline_groups
     per_group = plan.expert_gpus // p
@@ -105,6 +104,34 @@ def plan_placement(plan: Plan, model_cfg: ModelConfig) -> dict[int, tuple[Expert
     for j, owners in enumerate(plan.expert_map):
         layer = model_cfg.num_dense_layers + j
         first = (layer % p) * per_group
-        placement[layer] = tuple(tuple(e for e, ranks in enumerate(owners) if ranks[0] == first + i)
-                                 for i in range(per_group))
+        placement[layer] = tuple(tuple(r - first for r in ranks) for ranks in owners)
     return placement
+
+
+@lru_cache(maxsize=4096)
+def held_ids(owners: ExpertOwners, ranks: int) -> tuple[ExpertIds, ...]:
+    """Per expert rank of the group: the ids of every expert it holds (replicas included)."""
+    return tuple(tuple(e for e, who in enumerate(owners) if i in who) for i in range(ranks))
+
+
+def replica_shares(rows: int, replicas: int) -> list[int]:
+    """`rows` split as evenly as possible over `replicas` (earlier ones one more)."""
+    base, extra = divmod(rows, replicas)
+    return [base + (r < extra) for r in range(replicas)]
+
+
+def replica_rows(rows: int, replicas: int, dp_index: int, dp: int) -> list[int]:
+    """Per owner of an expert with `replicas` owners (owner order): how many of its `rows` the
+    attention rank of data-parallel index `dp_index` (of `dp`) sends there (module docstring)."""
+    k = min(replicas, dp)
+    mine = [r for r in range(replicas) if r % k == dp_index % k]
+    sizes = [0] * replicas
+    for r, n in zip(mine, replica_shares(rows, len(mine)), strict=True):
+        sizes[r] = n
+    return sizes
+
+
+def partition_owners(per_rank: tuple[ExpertIds, ...], num_experts: int) -> ExpertOwners:
+    """The owners of a placement without replicas, given as each rank's ids."""
+    owner = {e: i for i, ids in enumerate(per_rank) for e in ids}
+    return tuple((owner[e],) for e in range(num_experts))

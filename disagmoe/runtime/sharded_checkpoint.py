@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -71,17 +72,21 @@ def _globalise(keyed: dict[TensorKey, Any], ids: dict[str, tuple[int, ...]]) -> 
     return {_global_key(k, ids): v for k, v in keyed.items()}
 
 
-def rank_shard(model: RankModel, optimizer: torch.optim.Optimizer, include_replicated: bool) -> dict[str, Any]:
-    """This rank's keyed model tensors and optimizer state (replicated ones only if asked)."""
+def rank_shard(model: RankModel, optimizer: torch.optim.Optimizer, include_replicated: bool,
+               writes_expert: Callable[[int, int], bool] = lambda layer, expert: True) -> dict[str, Any]:
+    """This rank's keyed model tensors and optimizer state: attention-side (replicated) ones only
+    if `include_replicated`, an expert only if `writes_expert(layer, expert)` (its primary owner)."""
     ids = _expert_ids(model)
     keep = (lambda name: True) if include_replicated else is_expert_stacked
     model_state = {n: t.detach().cpu().clone() for n, t in model.state_dict().items() if keep(n)}
     optim_state = {n: {k: t.detach().cpu().clone() for k, t in s.items()}
                    for n, s in optimizer_state_by_name(model, optimizer).items() if keep(n)}
-    return {
-        "model": {str(k): t for k, t in _globalise(to_keyed(model_state), ids).items()},
-        "optim": {str(k): s for k, s in _globalise(keyed_optimizer_state(optim_state), ids).items()},
-    }
+
+    def mine(keyed: dict[TensorKey, Any]) -> dict[str, Any]:
+        return {str(k): v for k, v in _globalise(keyed, ids).items()
+                if k.expert is None or writes_expert(k.layer, k.expert)}
+
+    return {"model": mine(to_keyed(model_state)), "optim": mine(keyed_optimizer_state(optim_state))}
 
 
 def write_shard(directory: Path, name: str, shard: Any) -> Listing:

@@ -7,10 +7,13 @@ One description serves both distributed modes:
 - colocated: one group (p = 1) whose n ranks are all data-parallel attention ranks *and* the
   expert ranks: rank r runs attention for data-parallel index r and holds its share of experts.
 
-The expert placement is, per MoE layer and per expert rank of the layer's group, the ascending
-tuple of expert ids that rank holds; together they hold every expert of the layer exactly once.
-Without a plan each rank gets a contiguous range, as even as possible (earlier ranks one more);
-a `disagmoe plan` result may assign any subsets, different per layer (`runtime.plan_layout`).
+The expert placement is, per MoE layer and per expert, its owners: the expert ranks of the
+layer's group that hold it (`expert_owners`, indices into the group); `expert_ids` says the same
+per rank (the ascending ids it holds). Without a plan each expert has one owner and each rank a
+contiguous range, as even as possible (earlier ranks one more); a `disagmoe plan` result may
+assign any subsets, different per layer, and replicate experts: each attention rank sends its
+rows of a replicated expert to one or several of the owners (`plan_layout.replica_rows`), and the
+owners sum their gradients before the optimizer step (`replica_groups`).
 """
 
 from __future__ import annotations
@@ -19,7 +22,14 @@ from dataclasses import dataclass
 
 from disagmoe.config import ModelConfig, TrainConfig
 from disagmoe.runtime.colocated import build_colocated_schedule, rank_pairs
-from disagmoe.runtime.plan_layout import ExpertIds, apply_plan, plan_placement
+from disagmoe.runtime.plan_layout import (
+    ExpertIds,
+    ExpertOwners,
+    apply_plan,
+    held_ids,
+    partition_owners,
+    plan_placement,
+)
 from disagmoe.runtime.roles import LayerRing, Layout
 from disagmoe.runtime.schedule import Op, build_schedule
 
@@ -47,19 +57,20 @@ class Topology(LayerRing):
     num_dense_layers: int
     attention_groups: tuple[tuple[int, ...], ...]  # per pipeline group: ranks by data-parallel index
     expert_groups: tuple[tuple[int, ...], ...]  # per pipeline group: its expert ranks
-    expert_ids: tuple[tuple[ExpertIds, ...], ...]  # per layer, per expert rank of its group (dense: ())
+    expert_owners: tuple[ExpertOwners, ...]  # per layer, per expert: owner indices in its group (dense: ())
     layout: Layout | None  # the disaggregated layout; None when colocated
 
     def __post_init__(self) -> None:
-        for layer, per_rank in enumerate(self.expert_ids):
+        for layer, owners in enumerate(self.expert_owners):
             if self.is_moe(layer):
-                ranks = self.expert_groups[self.group_of_layer(layer)]
-                assert len(per_rank) == len(ranks) and all(per_rank), f"layer {layer}: one non-empty set per rank"
+                ranks = len(self.expert_groups[self.group_of_layer(layer)])
+                assert all(owners) and all(0 <= i < ranks for who in owners for i in who), f"layer {layer}"
+                assert all(held_ids(owners, ranks)), f"layer {layer}: every expert rank holds an expert"
 
     @classmethod
     def disaggregated(cls, layout: Layout, num_experts: int,
-                      placement: dict[int, tuple[ExpertIds, ...]] | None = None) -> Topology:
-        """`placement`: MoE layer -> each expert rank's ids (default: contiguous ranges)."""
+                      placement: dict[int, ExpertOwners] | None = None) -> Topology:
+        """`placement`: MoE layer -> each expert's owners (default: contiguous ranges, no replicas)."""
         p = layout.pipeline_groups
         experts = tuple(layout.expert_group(g) for g in range(p))
         return cls(
@@ -68,15 +79,15 @@ class Topology(LayerRing):
             num_dense_layers=layout.num_dense_layers,
             attention_groups=tuple(layout.attention_group(g) for g in range(p)),
             expert_groups=experts,
-            expert_ids=_per_layer(layout.num_layers, layout.num_dense_layers, num_experts,
-                                  [len(experts[layout.group_of_layer(l)]) for l in range(layout.num_layers)],
-                                  placement),
+            expert_owners=_per_layer(layout.num_layers, layout.num_dense_layers, num_experts,
+                                     [len(experts[layout.group_of_layer(l)]) for l in range(layout.num_layers)],
+                                     placement),
             layout=layout,
         )
 
     @classmethod
     def colocated_ranks(cls, ranks: int, num_layers: int, num_dense_layers: int, num_experts: int,
-                        placement: dict[int, tuple[ExpertIds, ...]] | None = None) -> Topology:
+                        placement: dict[int, ExpertOwners] | None = None) -> Topology:
         everyone = tuple(range(ranks))
         return cls(
             colocated=True,
@@ -84,7 +95,7 @@ class Topology(LayerRing):
             num_dense_layers=num_dense_layers,
             attention_groups=(everyone,),
             expert_groups=(everyone,),
-            expert_ids=_per_layer(num_layers, num_dense_layers, num_experts, [ranks] * num_layers, placement),
+            expert_owners=_per_layer(num_layers, num_dense_layers, num_experts, [ranks] * num_layers, placement),
             layout=None,
         )
 
@@ -142,12 +153,27 @@ class Topology(LayerRing):
         return [] if role is None else list(self.layers_of_group(role[0]))
 
     def experts_of(self, rank: int) -> dict[int, ExpertIds]:
-        """MoE layer -> the ids of this rank's experts of it."""
+        """MoE layer -> the ids of this rank's experts of it (replicas included)."""
         role = self.expert_role(rank)
         if role is None:
             return {}
         group, index = role
-        return {layer: self.expert_ids[layer][index] for layer in self.layers_of_group(group) if self.is_moe(layer)}
+        return {layer: self.expert_ids(layer)[index] for layer in self.layers_of_group(group) if self.is_moe(layer)}
+
+    def expert_ids(self, layer: int) -> tuple[ExpertIds, ...]:
+        """Per expert rank of the layer's group: the ids it holds (replicas included)."""
+        return held_ids(self.expert_owners[layer], len(self.expert_groups[self.group_of_layer(layer)]))
+
+    def owner_ranks(self, layer: int, expert: int) -> tuple[int, ...]:
+        """The global ranks holding `expert` of `layer`, in replica order (the first is its primary)."""
+        group = self.expert_groups[self.group_of_layer(layer)]
+        return tuple(group[i] for i in self.expert_owners[layer][expert])
+
+    def replica_groups(self) -> list[tuple[int, ...]]:
+        """Every set of global ranks that holds a replicated expert together (sorted): the groups
+        whose members sum that expert's gradients."""
+        return sorted({self.owner_ranks(layer, e) for layer, owners in enumerate(self.expert_owners)
+                       for e, who in enumerate(owners) if len(who) > 1})
 
     def attention_rank(self, group: int, dp_index: int) -> int:
         return self.attention_groups[group][dp_index]
@@ -180,11 +206,11 @@ class Topology(LayerRing):
 
 
 def _per_layer(num_layers: int, num_dense_layers: int, num_experts: int, ranks_of_layer: list[int],
-               placement: dict[int, tuple[ExpertIds, ...]] | None) -> tuple[tuple[ExpertIds, ...], ...]:
-    """Every layer's placement: `placement`'s where given, else contiguous ranges (dense layers: ())."""
+               placement: dict[int, ExpertOwners] | None) -> tuple[ExpertOwners, ...]:
+    """Every layer's owners: `placement`'s where given, else contiguous ranges (dense layers: ())."""
     return tuple(
         () if layer < num_dense_layers
         else placement[layer] if placement is not None
-        else contiguous_expert_ids(num_experts, ranks_of_layer[layer])
+        else partition_owners(contiguous_expert_ids(num_experts, ranks_of_layer[layer]), num_experts)
         for layer in range(num_layers)
     )

@@ -7,7 +7,8 @@
     save_shard(dir) / load(dir)    checkpoint shards in the layout-independent format
 
 The optimizer step, as in the oracle: wait for every send, all-reduce (sum) the replicated
-parameters' gradients within the data-parallel group, clip every gradient by the global norm
+parameters' gradients within the data-parallel group and replicated experts' gradients among their
+owners (`runtime.replicas`), clip every gradient by the global norm
 (sum of squares all-reduced once over all ranks, replicated parameters counted once), AdamW at the
 driver's learning rate, then the router-bias update from the step's expert loads summed over
 micro-batches and data-parallel ranks.
@@ -40,6 +41,7 @@ from disagmoe.runtime.expert_stage import ExpertStage
 from disagmoe.runtime.messages import Mailbox, message_key
 from disagmoe.runtime.optim import build_optimizer, set_lr
 from disagmoe.runtime.rank_model import rank_model
+from disagmoe.runtime.replicas import ExpertReplicas
 from disagmoe.runtime.schedule import (
     AttentionBackward,
     AttentionForward,
@@ -99,6 +101,7 @@ class TrainWorker(Worker):
         self.model = rank_model(self.model_cfg, cfg.experts_backend, topology, self.rank).materialise(
             self.device, cfg.seed)
         self.optimizer = build_optimizer(self.model.named_parameters(), cfg.optim)
+        self.replicas = ExpertReplicas(self.model, topology, self.rank)
         self.attention, self.val_data = None, None
         if attention is not None:
             splits = load_splits(cfg.data, self.model_cfg.vocab_size, cfg.seq_len)
@@ -111,7 +114,8 @@ class TrainWorker(Worker):
         self.watchdog = OpWatchdog(f"rank {self.rank} ({topology.describe(self.rank)})", cfg.recv_timeout_s)
 
     def _collective_groups(self, topology: Topology, timeout_s: float) -> tuple[Any, Any]:
-        """The all-ranks group and this rank's data-parallel group (every rank creates every group)."""
+        """The all-ranks group, this rank's data-parallel group and the groups of owners of
+        replicated experts it belongs to (every rank creates every group, in one order)."""
         timeout = timedelta(seconds=timeout_s)
         world = dist.new_group(list(range(topology.world_size)), timeout=timeout)
         self._groups = [world]
@@ -120,6 +124,12 @@ class TrainWorker(Worker):
             group = dist.new_group(list(ranks), timeout=timeout)
             if self.rank in ranks:
                 mine = group
+                self._groups.append(group)
+        self.replica_groups = {}
+        for ranks in topology.replica_groups():
+            group = dist.new_group(list(ranks), timeout=timeout)
+            if self.rank in ranks:
+                self.replica_groups[ranks] = group
                 self._groups.append(group)
         return world, mine
 
@@ -224,6 +234,7 @@ class TrainWorker(Worker):
             dist.all_reduce(flat, group=self.dp_group)
             for grad, summed in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
                 grad.copy_(summed)
+        self.replicas.sum_gradients(self.replica_groups)
         load = self._step_load()
         grad_norm = self._clip_to_global_norm(replicated, sharded)
         set_lr(self.optimizer, lr)
@@ -252,7 +263,7 @@ class TrainWorker(Worker):
         counted = sharded + (replicated if attention is None or attention[1] == 0 else [])
         squares = torch.zeros((), dtype=torch.float64, device=self.device)
         for p in counted:
-            squares += torch.linalg.vector_norm(p.grad).double() ** 2
+            squares += self.replicas.squares(p)
         dist.all_reduce(squares, group=self.world_group)
         total = torch.tensor(math.sqrt(float(squares)), dtype=torch.float32)
         max_norm = self.cfg.optim.grad_clip
@@ -268,7 +279,8 @@ class TrainWorker(Worker):
         """Write rank-<r>.pt under `directory`; None when this rank holds nothing unique."""
         attention = self.topology.attention_role(self.rank)
         include_replicated = attention is not None and attention[1] == 0
-        shard = rank_shard(self.model, self.optimizer, include_replicated)
+        shard = rank_shard(self.model, self.optimizer, include_replicated,
+                           lambda layer, expert: self.topology.owner_ranks(layer, expert)[0] == self.rank)
         if not shard["model"]:
             return None
         return write_shard(Path(directory), f"rank-{self.rank:05d}.pt", shard)

@@ -141,9 +141,9 @@ def test_matches_the_single_process_oracle(warm, tmp_path, case):
     assert_same_parameters(model_from_checkpoint(cfg, Path(summary.checkpoint_path)), reference_model)
 
 
-def planned(gpus: int) -> Plan:
+def planned(gpus: int, **request) -> Plan:
     """The planner's plan for the tiny model on `gpus` H200s (64-token sequences, 8 per step)."""
-    return solve(build_request("tiny", "h200-sxm", gpus, 64, 512))
+    return solve(build_request("tiny", "h200-sxm", gpus, 64, 512, **request))
 
 
 def colocated_plan(gpus: int, micro_batches: int) -> Plan:
@@ -162,6 +162,14 @@ PLANS = {
         "attention_gpus": 2, "expert_gpus": 2, "pipeline_groups": 2, "expert_map": [[[1]] * 8, [[0]] * 8]}),
     "planner-A1-E2": lambda: planned(3),
     "planner-colocated-2": lambda: colocated_plan(2, micro_batches=2),
+    # replicated experts: each sender splits a replicated expert's rows over its owners, and the
+    # owners sum its gradients; layer 2 has two whole replica sets, owners in both orders
+    "replicas-A2-E2-m2": lambda: planned(3).model_copy(update={
+        "attention_gpus": 2, "micro_batches": 2, "expert_map": [
+            [[0, 1], [1], [1, 0], [0], [1], [0, 1], [0], [1]], [[0, 1], [1, 0]] * 4]}),
+    "planner-replicas-A1-E4": lambda: planned(5, max_expert_replicas=1),
+    "replicas-colocated-2": lambda: colocated_plan(2, micro_batches=2).model_copy(update={"expert_map": [
+        [[0, 1], [0], [0], [0], [1], [1], [1], [1, 0]], [[1], [1], [0, 1], [0], [0], [1], [0], [1]]]}),
 }
 
 

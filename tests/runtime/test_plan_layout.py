@@ -16,7 +16,7 @@ from disagmoe.cli.plan_cmd import build_request, write_plan
 from disagmoe.config import Plan, TrainConfig, load_model
 from disagmoe.placement.solver import colocated_candidates, price, solve
 from disagmoe.runtime.driver import DistributedTrainer
-from disagmoe.runtime.plan_layout import apply_plan, load_plan, plan_placement, replaced_fields
+from disagmoe.runtime.plan_layout import apply_plan, load_plan, partition_owners, plan_placement, replaced_fields
 from disagmoe.runtime.topology import Topology, contiguous_expert_ids
 
 MODEL = load_model("tiny")
@@ -52,9 +52,9 @@ def test_a_disaggregated_plan_sets_the_layout_and_its_expert_map_the_placement()
     assert (cfg.mode, cfg.attention_ranks, cfg.expert_ranks, cfg.pipeline_groups, cfg.micro_batches) == (
         "disaggregated", 1, 2, 1, plan.micro_batches)
     placement = plan_placement(plan, MODEL)
-    assert placement[1] != contiguous_expert_ids(8, 2)
+    assert placement[1] != partition_owners(contiguous_expert_ids(8, 2), 8)
     for layer in (1, 2):
-        assert placement[layer] == (holds(plan, layer - 1, 0), holds(plan, layer - 1, 1))
+        assert placement[layer] == partition_owners((holds(plan, layer - 1, 0), holds(plan, layer - 1, 1)), 8)
     topology = Topology.from_config(config(plan), MODEL)
     assert topology.world_size == 3
     assert topology.experts_of(2) == {layer: holds(plan, layer - 1, 1) for layer in (1, 2)}  # expert rank 1
@@ -88,6 +88,20 @@ def test_a_plan_file_written_by_the_planner_loads(tmp_path):
         load_plan(str(tmp_path / "missing.yaml"))
 
 
+def test_a_plan_with_replicated_experts_places_every_replica():
+    plan = planned(5, max_expert_replicas=1)  # 1 attention + 4 expert GPUs, hot experts on two ranks
+    assert any(len(ranks) > 1 for owners in plan.expert_map for ranks in owners)
+    placement = plan_placement(plan, MODEL)
+    assert placement[1] == tuple(tuple(ranks) for ranks in plan.expert_map[0])  # pool rank = group index (p = 1)
+    topology = Topology.from_config(config(plan), MODEL)
+    for pool_rank in range(4):
+        held = {layer: tuple(e for e, ranks in enumerate(plan.expert_map[layer - 1]) if pool_rank in ranks)
+                for layer in (1, 2)}
+        assert topology.experts_of(1 + pool_rank) == held
+    assert topology.replica_groups() == sorted({tuple(1 + r for r in ranks) for owners in plan.expert_map
+                                                for ranks in owners if len(ranks) > 1})
+
+
 def _edit_map(plan: Plan, layer: int, expert: int, ranks: list[int]) -> Plan:
     expert_map = [[list(r) for r in owners] for owners in plan.expert_map]
     expert_map[layer][expert] = ranks
@@ -103,12 +117,11 @@ REFUSED = {
                 "expert_map is 2 MoE layers x [6, 6] experts"),
     "infeasible": (lambda: planned(3).model_copy(update={"feasible": False, "reason": "too small"}),
                    "is infeasible (too small)"),
-    "replicas": (lambda: planned(5, max_expert_replicas=1), "does not run replicated experts yet: plan without "
-                 "--max-expert-replicas"),
+    "same-rank-twice": (lambda: _edit_map(planned(3), 0, 2, [1, 1]), "expert 2 of MoE layer 0 on [1, 1]"),
     "outside-group": (lambda: _edit_map(planned(3).model_copy(update={"attention_gpus": 2, "pipeline_groups": 2}),
                                         0, 0, [0]),
-                      "expert 0 of MoE layer 0 on [0], but that layer's experts must each go to one expert rank "
-                      "of its pipeline group 1: ranks 1..1"),
+                      "expert 0 of MoE layer 0 on [0], but that layer's experts must each go to one or more "
+                      "distinct expert ranks of its pipeline group 1: ranks 1..1"),
     "no-rank": (lambda: _edit_map(planned(3), 1, 3, []), "expert 3 of MoE layer 1 on no rank"),
     "idle-rank": (lambda: planned(3).model_copy(update={"expert_map": [[[0]] * 8, planned(3).expert_map[1]]}),
                   "gives expert ranks [1] no expert of MoE layer 0"),

@@ -4,6 +4,7 @@ import pytest
 
 from disagmoe.config import TrainConfig, load_model
 from disagmoe.runtime.roles import Layout, RoleKind
+from disagmoe.runtime.plan_layout import partition_owners
 from disagmoe.runtime.topology import Topology, contiguous_expert_ids
 
 
@@ -39,11 +40,30 @@ def test_disaggregated_topology_follows_the_layout():
 
 def test_a_placement_gives_each_rank_its_experts_per_layer():
     layout = Layout(attention_ranks=1, expert_ranks=2, pipeline_groups=1, num_layers=3, num_dense_layers=1)
-    placement = {1: ((0, 2, 5), (1, 3, 4, 6, 7)), 2: ((7,), tuple(range(7)))}
+    placement = {1: partition_owners(((0, 2, 5), (1, 3, 4, 6, 7)), 8), 2: partition_owners(((7,), tuple(range(7))), 8)}
     topo = Topology.disaggregated(layout, num_experts=8, placement=placement)
     assert topo.experts_of(1) == {1: (0, 2, 5), 2: (7,)}
     assert topo.experts_of(2) == {1: (1, 3, 4, 6, 7), 2: tuple(range(7))}
-    assert topo.expert_ids[0] == () and topo.experts_of(0) == {}
+    assert topo.expert_ids(1) == ((0, 2, 5), (1, 3, 4, 6, 7)) and topo.experts_of(0) == {}
+    assert topo.replica_groups() == []
+
+
+def test_replicated_experts_are_held_by_every_owner_and_grouped_for_their_gradients():
+    layout = Layout(attention_ranks=2, expert_ranks=3, pipeline_groups=1, num_layers=3, num_dense_layers=1)
+    # layer 1: expert 0 on expert ranks 0 and 2, expert 3 on 1 and 2; layer 2: expert 7 on all three
+    owners_1 = ((0, 2), (0,), (1,), (1, 2), (2,), (0,), (1,), (2,))
+    owners_2 = ((0,), (0,), (1,), (1,), (2,), (2,), (0,), (2, 0, 1))
+    topo = Topology.disaggregated(layout, num_experts=8, placement={1: owners_1, 2: owners_2})
+    assert topo.experts_of(2) == {1: (0, 1, 5), 2: (0, 1, 6, 7)}  # global rank 2 = expert rank 0
+    assert topo.experts_of(4) == {1: (0, 3, 4, 7), 2: (4, 5, 7)}
+    assert topo.owner_ranks(2, 7) == (4, 2, 3)  # replica order kept: the first is the primary
+    assert topo.replica_groups() == [(2, 4), (3, 4), (4, 2, 3)]
+
+
+def test_a_placement_that_leaves_an_expert_rank_idle_is_rejected():
+    layout = Layout(attention_ranks=1, expert_ranks=2, pipeline_groups=1, num_layers=2, num_dense_layers=1)
+    with pytest.raises(AssertionError, match="every expert rank holds an expert"):
+        Topology.disaggregated(layout, num_experts=2, placement={1: ((0,), (0,))})
 
 
 def test_colocated_ranks_run_attention_and_hold_an_expert_slice():
