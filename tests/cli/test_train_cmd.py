@@ -72,11 +72,14 @@ def test_train_runs_the_layout_of_a_plan(tmp_path):
                                                        "trainer.pt"}
 
 
-def test_a_plan_with_replicated_experts_exits_2(tmp_path):
+def test_train_runs_a_plan_with_replicated_experts(tmp_path):
+    """plan --max-expert-replicas 1 -> train: 1 attention + 4 expert GPUs, hot experts on two."""
     plan = write_plan(tmp_path, "--gpus", "5", "--max-expert-replicas", "1")
-    result = invoke("--config", _config(tmp_path), "--plan", str(plan))
-    assert result.exit_code == 2
-    assert "does not run replicated experts yet" in result.stderr and "Traceback" not in result.output
+    assert any(len(ranks) > 1 for owners in yaml.safe_load(plan.read_text())["expert_map"] for ranks in owners)
+    result = invoke("--config", _config(tmp_path), "--plan", str(plan), "steps=2", "batch_size=4", "seq_len=32",
+                    "eval_every=0")
+    assert result.exit_code == 0, result.output
+    assert "expert_ranks=4 (config: 1)" in result.stdout and "train (disaggregated)" in result.stdout
 
 
 def test_table_summary_names_where_outputs_went(tmp_path):
