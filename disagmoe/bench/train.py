@@ -43,6 +43,13 @@ def median_step(records: list[dict], warmup: int) -> float:
     return statistics.median(times)
 
 
+def mean_busy(records: list[dict], warmup: int) -> dict[str, float]:
+    """Per group, the mean busy fraction (compute / step time) after the first `warmup` steps;
+    empty for a mode without groups (single)."""
+    timed = [r["busy"] for r in records if r["step"] > warmup and r.get("busy")]
+    return {group: statistics.fmean(b[group] for b in timed) for group in sorted(timed[0])} if timed else {}
+
+
 def summarise(rows: list[dict]) -> list[dict]:
     """Add each mode's speedup over the baseline (colocated if measured, else the first mode)."""
     base = next((r for r in rows if r["mode"] == "colocated"), rows[0])
@@ -67,7 +74,8 @@ def run(cfg: TrainConfig, modes: list[str], steps: int, warmup: int,
             ranks = {"single": 1, "colocated": mcfg.colocated_ranks,
                      "disaggregated": cfg.attention_ranks + cfg.expert_ranks}[mode]
             rows.append({"mode": mode, "ranks": ranks, "median_step_s": step_s,
-                         "tokens_per_s": records[-1]["tokens"] / step_s, "final_loss": records[-1]["loss"]})
+                         "tokens_per_s": records[-1]["tokens"] / step_s, "final_loss": records[-1]["loss"],
+                         "busy": mean_busy(records, warmup)})
     device = (torch.cuda.get_device_name(0) if cfg.device == "cuda" and torch.cuda.is_available()
               else platform.processor() or platform.machine())
     return {"environment": {"device": device, "torch": torch.__version__, "python": platform.python_version(),

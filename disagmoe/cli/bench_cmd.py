@@ -171,7 +171,8 @@ def train(
     as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
 ) -> None:
     """Time whole training steps of one config in several layouts in the same run, on the same
-    devices (colocated gets attention + expert ranks), and report each against colocated."""
+    devices (colocated gets attention + expert ranks), and report each against colocated, with
+    each group's busy fraction (compute time / step time; on GPUs the time the GPU ran its ops)."""
     from disagmoe.bench import train as bench
     from disagmoe.config import load_train_config
 
@@ -184,10 +185,11 @@ def train(
     env = record["environment"]
     table = Table(title=f"training steps of {config} on {env['device']} ({env['transport']} transport), "
                         f"median of steps {warmup + 1}-{steps}")
-    for col in ("mode", "ranks", "step", "tokens/s", "final loss", "vs " + record["modes"][0]["baseline"]):
-        table.add_column(col, justify="left" if col == "mode" else "right")
+    for col in ("mode", "ranks", "step", "tokens/s", "final loss", "busy", "vs " + record["modes"][0]["baseline"]):
+        table.add_column(col, justify="left" if col in ("mode", "busy") else "right")
     for r in record["modes"]:
+        busy = " ".join(f"{group} {fraction:.0%}" for group, fraction in r["busy"].items()) or "-"
         table.add_row(r["mode"], str(r["ranks"]), f"{r['median_step_s'] * 1e3:.1f} ms", f"{r['tokens_per_s']:,.0f}",
-                      f"{r['final_loss']:.4f}", f"{r['speedup']:.2f}x")
+                      f"{r['final_loss']:.4f}", busy, f"{r['speedup']:.2f}x")
     console.print(table)
 

@@ -2,7 +2,9 @@
 
 A rank records one span per schedule op: `compute` (forward, backward, loss, optimizer), `send`
 (posting a message) or `wait` (a receive blocking, the end-of-step wait for sends). Timestamps are
-wall-clock microseconds (`time.time_ns`), comparable across processes of one host. In the file,
+wall-clock microseconds (`time.time_ns`), comparable across processes of one host. On a GPU a
+compute span is the op's execution on the GPU, timed with CUDA events (`runtime.gpu_spans`); on a
+CPU it is the op's wall time. In the file,
 pid = rank (named after its role) and each span's name is its op.
 
 A rank's busy fraction in a step is its compute time over the step's wall time; a group's is the
@@ -42,6 +44,14 @@ class SpanRecorder:
                 self.compute_s += duration_ns / 1e9
             if self.enabled:
                 self.spans.append((name, category, start / 1e3, duration_ns / 1e3))
+
+    def add(self, name: str, category: str, start_us: float, duration_us: float) -> None:
+        """A span timed elsewhere (e.g. on the GPU, `runtime.gpu_spans`), counted like `span`'s."""
+        assert category in CATEGORIES, category
+        if category == "compute":
+            self.compute_s += duration_us / 1e6
+        if self.enabled:
+            self.spans.append((name, category, start_us, duration_us))
 
     def drain(self) -> tuple[list[tuple[str, str, float, float]], float]:
         """The spans and compute seconds since the last drain (then forgets them)."""

@@ -21,8 +21,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -55,21 +54,9 @@ from disagmoe.runtime.schedule import (
 )
 from disagmoe.runtime.sharded_checkpoint import Listing, load_rank_state, rank_shard, write_shard
 from disagmoe.runtime.topology import Topology
+from disagmoe.runtime.gpu_spans import GpuSpans
 from disagmoe.runtime.trace import SpanRecorder
 from disagmoe.runtime.watchdog import OpWatchdog
-
-
-@contextmanager
-def sync_device(device: torch.device) -> Iterator[None]:
-    """On CUDA, wait for the block's kernels at its end, so a compute span times the GPU work.
-
-    Only the compute stream: a device-wide synchronize would also wait for this rank's NCCL
-    sends still in flight, and a send large enough for NCCL's rendezvous protocol completes only
-    once the peer posts its receive, which the peer may do only after a message this rank sends
-    later: a deadlock (seen on 2 x H200 with 33 MB dispatches; see also cluster.GPU_DEFAULT_ENV)."""
-    yield
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
 
 
 def _op_name(op: Op) -> str:
@@ -111,6 +98,7 @@ class TrainWorker(Worker):
             self.attention = AttentionStage(self.model, topology, self.rank, data, cfg.micro_batches, self.dp_group)
         self.experts = ExpertStage(self.model, topology, self.rank) if topology.expert_role(self.rank) else None
         self.recorder = SpanRecorder()
+        self.gpu_spans = GpuSpans(self.device) if self.device.type == "cuda" else None
         self.watchdog = OpWatchdog(f"rank {self.rank} ({topology.describe(self.rank)})", cfg.recv_timeout_s)
 
     def _collective_groups(self, topology: Topology, timeout_s: float) -> tuple[Any, Any]:
@@ -138,6 +126,8 @@ class TrainWorker(Worker):
     def train_step(self, step: int, lr: float, trace: bool) -> dict[str, Any]:
         """Run this rank's program for `step`; returns its metrics and (if `trace`) its spans."""
         self.recorder.enabled = trace
+        if self.gpu_spans is not None:
+            self.gpu_spans.begin_step()
         start = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         if self.attention is not None:
@@ -153,12 +143,12 @@ class TrainWorker(Worker):
                     with self.recorder.span("wait for sends", "wait"):
                         for handle in handles:
                             handle.wait()
-                    with self.recorder.span(_op_name(op), "compute"):
+                    with self._compute_span(_op_name(op)):
                         result = self._optimizer_step(lr)
                 else:
                     self._run(op, step, mail, handles)
         assert mail.empty(), f"rank {self.rank}: messages left over after step {step}"
-        spans, compute_s = self.recorder.drain()
+        spans, compute_s = self._drain_spans()
         result.update(rank=self.rank, compute_s=compute_s, step_s=time.perf_counter() - start, spans=spans)
         if self.attention is not None:
             result["loss_parts"] = self.attention.loss_parts
@@ -176,10 +166,12 @@ class TrainWorker(Worker):
                 self.attention.begin_step(batch, self.val_data)
             if self.experts is not None:
                 self.experts.begin_step()
+            if self.gpu_spans is not None:
+                self.gpu_spans.begin_step()
             mail, handles = Mailbox(self.rank), []
             for op in forward:
                 if isinstance(op, Loss):
-                    with self.recorder.span(_op_name(op), "compute"):
+                    with self._compute_span(_op_name(op)):
                         self.attention.loss(op.micro_batch, mail, backward=False)
                 else:
                     self._run(op, batch, mail, handles)
@@ -187,7 +179,7 @@ class TrainWorker(Worker):
                 handle.wait()
             if self.attention is not None:
                 ce += self.attention.loss_parts["ce"]
-        self.recorder.drain()  # evaluation time is not part of any step's trace or busy fraction
+        self._drain_spans()  # evaluation time is not part of any step's trace or busy fraction
         return {"rank": self.rank, "ce": ce}
 
     def _run(self, op: Op, step: int, mail: Mailbox, handles: list[SendHandle]) -> None:
@@ -208,7 +200,7 @@ class TrainWorker(Worker):
                     key = message_key(step, op.payload, op.layer, op.micro_batch)
                     mail.deliver(op.payload, op.layer, op.micro_batch, peer, self.transport.recv(peer, key))
             return
-        with self.recorder.span(_op_name(op), "compute"), sync_device(self.device):
+        with self._compute_span(_op_name(op)):
             if isinstance(op, AttentionForward):
                 self.attention.forward(op.layer, op.micro_batch, mail)
             elif isinstance(op, ExpertForward):
@@ -221,6 +213,19 @@ class TrainWorker(Worker):
                 self.attention.backward(op.layer, op.micro_batch, mail)
             else:
                 raise AssertionError(f"unknown op {op!r}")
+
+    def _compute_span(self, name: str) -> AbstractContextManager[None]:
+        """A compute op's span: its GPU execution (CUDA events, no waiting) or, on CPU, its wall time."""
+        if self.gpu_spans is not None:
+            return self.gpu_spans.span(name)
+        return self.recorder.span(name, "compute")
+
+    def _drain_spans(self) -> tuple[list[tuple[str, str, float, float]], float]:
+        """The step's spans (GPU compute spans merged in) and its compute seconds."""
+        if self.gpu_spans is not None:
+            for name, start_us, duration_us in self.gpu_spans.collect():
+                self.recorder.add(name, "compute", start_us, duration_us)
+        return self.recorder.drain()
 
     def _optimizer_step(self, lr: float) -> dict[str, Any]:
         replicated = [p for p in self.model.replicated_parameters() if p.requires_grad]

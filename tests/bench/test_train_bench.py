@@ -5,7 +5,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from disagmoe.bench.train import median_step, mode_config, summarise
+from disagmoe.bench.train import mean_busy, median_step, mode_config, summarise
 from disagmoe.cli.app import app
 from disagmoe.config import TrainConfig
 
@@ -28,10 +28,17 @@ def test_median_skips_warmup_and_ratio_is_against_colocated():
     assert [r["speedup"] for r in rows] == [1.5, 1.0] and rows[0]["baseline"] == "colocated"
 
 
+def test_busy_fractions_are_averaged_per_group_after_the_warmup():
+    records = [{"step": 1, "busy": {"A0": 0.1, "E0": 0.1}}, {"step": 2, "busy": {"A0": 0.6, "E0": 0.4}},
+               {"step": 3, "busy": {"A0": 0.8, "E0": 0.5}}]
+    assert mean_busy(records, warmup=1) == pytest.approx({"A0": 0.7, "E0": 0.45})
+    assert mean_busy([{"step": 2}], warmup=1) == {}  # single mode: no groups
+
+
 def test_cli_times_the_single_mode():
     r = CliRunner().invoke(app, ["bench", "train", "--config", "configs/tiny-cpu.yaml", "--mode", "single",
                                  "--steps", "4", "--warmup", "1", "--json"])
     assert r.exit_code == 0, r.output
     record = json.loads(r.stdout)
     (row,) = record["modes"]
-    assert row["mode"] == "single" and row["median_step_s"] > 0 and row["speedup"] == 1.0
+    assert row["mode"] == "single" and row["median_step_s"] > 0 and row["speedup"] == 1.0 and row["busy"] == {}
