@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from disagmoe.kernels import grouped_gemm as gg
 from disagmoe.kernels.tile_configs import TileConfig, lookup
+from disagmoe.model.experts import autocast_operands
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,9 +155,8 @@ def expert_ffn_triton(
     Under CUDA autocast (fp32 master weights, bf16 compute) the operands are cast to the autocast
     dtype first, as autocast does for a matmul; the casts' backward returns fp32 weight grads.
     """
-    if x_NH.is_cuda and torch.is_autocast_enabled("cuda"):
-        dtype = torch.get_autocast_dtype("cuda")
-        x_NH, w13_EH2F, w2_EFH = (t.to(dtype) for t in (x_NH, w13_EH2F, w2_EFH))
+    if x_NH.is_cuda:
+        x_NH, w13_EH2F, w2_EFH = autocast_operands(x_NH, w13_EH2F, w2_EFH)
     _check_shapes(x_NH, offsets_E, w13_EH2F, w2_EFH)
     if tiles is None:
         experts, hidden, two_ffn = w13_EH2F.shape

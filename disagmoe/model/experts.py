@@ -29,6 +29,18 @@ def swiglu_rows(h_N2F: torch.Tensor) -> torch.Tensor:
     return F.silu(gate_NF) * up_NF
 
 
+def autocast_operands(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Under autocast on the tensors' device: the tensors cast to the autocast dtype, as autocast
+    casts a matmul's operands (the casts' backward hands fp32 weights fp32 gradients); otherwise
+    unchanged. For ops autocast does not cover: `torch._grouped_mm` is not on its lists (pytorch
+    issue 174763), so fp32 master weights would make it run in fp32, far below the bf16 peak."""
+    device_type = tensors[0].device.type
+    if not torch.is_autocast_enabled(device_type):
+        return tensors
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(t.to(dtype) for t in tensors)
+
+
 def expert_ffn_loop(
     x_NH: torch.Tensor, offsets_E: torch.Tensor, w13_EH2F: torch.Tensor, w2_EFH: torch.Tensor
 ) -> torch.Tensor:
@@ -68,7 +80,9 @@ def grouped_mm_supported(x_NH: torch.Tensor, w13_EH2F: torch.Tensor, w2_EFH: tor
 def expert_ffn_grouped_mm(
     x_NH: torch.Tensor, offsets_E: torch.Tensor, w13_EH2F: torch.Tensor, w2_EFH: torch.Tensor
 ) -> torch.Tensor:
-    """Two `torch._grouped_mm` calls (gate/up, down); the loop where unsupported."""
+    """Two `torch._grouped_mm` calls (gate/up, down), in the autocast dtype under autocast; the
+    loop where unsupported."""
+    x_NH, w13_EH2F, w2_EFH = autocast_operands(x_NH, w13_EH2F, w2_EFH)
     if not grouped_mm_supported(x_NH, w13_EH2F, w2_EFH):
         return expert_ffn_loop(x_NH, offsets_E, w13_EH2F, w2_EFH)
     h_N2F = torch._grouped_mm(x_NH, w13_EH2F, offs=offsets_E)

@@ -68,6 +68,25 @@ def test_grouped_mm_matches_loop_forward_and_backward(counts, monkeypatch):
         torch.testing.assert_close(got.grad, want.grad)
 
 
+def test_grouped_mm_under_autocast_computes_in_the_autocast_dtype_with_fp32_weight_grads(monkeypatch):
+    """fp32 master weights under autocast: the grouped GEMMs run in bf16 (autocast does not cast
+    `_grouped_mm` itself) and the weights still get fp32 gradients, close to the fp32 result."""
+    x, offsets, w13, w2 = problem([3, 0, 5, 8], H=32, Fw=16)
+    dtypes = []
+    real = torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda a, b, **k: dtypes.append((a.dtype, b.dtype)) or real(a, b, **k))
+    leaves = [t.clone().requires_grad_() for t in (x, w13, w2)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = expert_ffn_grouped_mm(leaves[0], offsets, leaves[1], leaves[2])
+    assert dtypes == [(torch.bfloat16, torch.bfloat16)] * 2 and y.dtype == torch.bfloat16
+    y.float().sum().backward()
+    ref_leaves = [t.clone().requires_grad_() for t in (x, w13, w2)]
+    expert_ffn_loop(ref_leaves[0], offsets, ref_leaves[1], ref_leaves[2]).sum().backward()
+    for got, want in zip(leaves, ref_leaves, strict=True):
+        assert got.grad.dtype == torch.float32
+        assert (got.grad - want.grad).abs().max() <= 3e-2 * want.grad.abs().max()
+
+
 def test_grouped_mm_falls_back_to_loop_when_unsupported():
     x, offsets, w13, w2 = problem([2, 3], H=6, Fw=3, dtype=torch.float64)
     assert not grouped_mm_supported(x, w13, w2)
