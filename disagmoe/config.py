@@ -42,6 +42,24 @@ class StrictModel(BaseModel):
 # ----------------------------------------------------------------------------------------------
 
 
+class RopeScalingConfig(StrictModel):
+    """YaRN RoPE scaling (arXiv 2309.00071), as DeepSeek-V3 and Qwen3 checkpoints configure it:
+    frequencies above beta_fast rotations over the original context are kept, those below
+    beta_slow are divided by `factor`, a linear ramp in between; cos/sin are multiplied by the
+    attention factor; MLA also scales its softmax by mscale(factor, mscale_all_dim)^2."""
+
+    type: Literal["yarn"] = "yarn"
+    factor: PositiveFloat = Field(description="context extension factor")
+    original_max_position_embeddings: PositiveInt = Field(description="the pre-training context length")
+    beta_fast: PositiveFloat = 32.0
+    beta_slow: PositiveFloat = 1.0
+    mscale: NonNegFloat | None = None
+    mscale_all_dim: NonNegFloat | None = None
+    attention_factor: PositiveFloat | None = Field(
+        None, description="cos/sin multiplier; by default from factor, mscale and mscale_all_dim")
+    truncate: bool = Field(True, description="round the ramp's bounds to whole dimensions")
+
+
 class MLAConfig(StrictModel):
     """Multi-head latent attention (DeepSeek-V2/V3): low-rank q and kv, decoupled RoPE dims."""
 
@@ -101,6 +119,7 @@ class ModelConfig(StrictModel):
     )
     seq_len: PositiveInt = Field(4096, description="training sequence length")
     rope_theta: PositiveFloat = 10000.0
+    rope_scaling: RopeScalingConfig | None = Field(None, description="YaRN context extension (None: plain RoPE)")
     norm_eps: PositiveFloat = 1e-6
     tie_embeddings: bool = False
     router: RouterConfig = Field(default_factory=RouterConfig)

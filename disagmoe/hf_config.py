@@ -25,6 +25,28 @@ def rope_theta(data: dict[str, Any]) -> float:
     return float((data.get("rope_parameters") or {}).get("rope_theta", 10000.0))
 
 
+def rope_scaling(data: dict[str, Any], source: str) -> dict[str, Any] | None:
+    """YaRN settings from `rope_scaling` (older configs) or `rope_parameters` (transformers 5);
+    None for plain RoPE; ValueError for a scaling the model does not implement."""
+    rope = data.get("rope_scaling") or data.get("rope_parameters") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind in ("default", None):
+        return None
+    if kind != "yarn":
+        raise ValueError(f"{source}: RoPE scaling {kind!r} is not implemented by disagmoe.model (yarn is); remove "
+                         "rope_scaling from config.json to load the weights with plain RoPE (logits will differ "
+                         "from the scaled model's)")
+    original = rope.get("original_max_position_embeddings") or data.get("max_position_embeddings")
+    if not original:
+        raise ValueError(f"{source}: yarn RoPE scaling needs original_max_position_embeddings")
+    factor = rope.get("factor") or data["max_position_embeddings"] / original
+    scaling = dict(factor=factor, original_max_position_embeddings=original,
+                   beta_fast=rope.get("beta_fast") or 32.0, beta_slow=rope.get("beta_slow") or 1.0,
+                   mscale=rope.get("mscale"), mscale_all_dim=rope.get("mscale_all_dim"),
+                   attention_factor=rope.get("attention_factor"), truncate=rope.get("truncate", True))
+    return scaling
+
+
 def model_config_from_hf(data: dict[str, Any], source: str = "config.json") -> ModelConfig:
     """Build our config from a parsed HF config dict; reject architectures we do not implement."""
     model_type = data.get("model_type")
@@ -44,6 +66,7 @@ def model_config_from_hf(data: dict[str, Any], source: str = "config.json") -> M
         num_heads=heads,
         num_kv_heads=data.get("num_key_value_heads") or heads,
         rope_theta=rope_theta(data),
+        rope_scaling=rope_scaling(data, source),
         norm_eps=data.get("rms_norm_eps", 1e-6),
         tie_embeddings=bool(data.get("tie_word_embeddings", False)),
         seq_len=min(int(data.get("max_position_embeddings", 4096)), 4096),

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from disagmoe.config import ModelConfig
-from disagmoe.model.layers import RMSNorm, apply_rope, rope_cos_sin
+from disagmoe.model.layers import RMSNorm, apply_rope, rope_cos_sin, yarn_mscale
 
 
 class GroupedQueryAttention(nn.Module):
@@ -23,7 +23,7 @@ class GroupedQueryAttention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.rope_theta = cfg.rope_theta
+        self.rope_theta, self.rope_scaling = cfg.rope_theta, cfg.rope_scaling
         h = cfg.hidden_size
         self.wq = nn.Linear(h, self.num_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=False)
@@ -39,7 +39,8 @@ class GroupedQueryAttention(nn.Module):
         v_BSgD = self.wv(x_BSH).view(B, S, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q_BSnD, k_BSgD = self.q_norm(q_BSnD), self.k_norm(k_BSgD)
-        cos_SD, sin_SD = rope_cos_sin(S, self.head_dim, self.rope_theta, x_BSH.device, x_BSH.dtype)
+        cos_SD, sin_SD = rope_cos_sin(S, self.head_dim, self.rope_theta, x_BSH.device, x_BSH.dtype,
+                                      self.rope_scaling)
         q_BSnD, k_BSgD = apply_rope(q_BSnD, cos_SD, sin_SD), apply_rope(k_BSgD, cos_SD, sin_SD)
         o_BnSD = F.scaled_dot_product_attention(
             q_BSnD.transpose(1, 2), k_BSgD.transpose(1, 2), v_BSgD.transpose(1, 2),
@@ -62,11 +63,14 @@ class MultiHeadLatentAttention(nn.Module):
         assert cfg.mla is not None
         m = cfg.mla
         h = cfg.hidden_size
-        self.num_heads, self.rope_theta = cfg.num_heads, cfg.rope_theta
+        self.num_heads, self.rope_theta, self.rope_scaling = cfg.num_heads, cfg.rope_theta, cfg.rope_scaling
         self.nope_dim, self.rope_dim, self.v_dim, self.kv_rank = (
             m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank,
         )
         qk_dim = self.nope_dim + self.rope_dim
+        self.softmax_scale = qk_dim ** -0.5  # YaRN (DeepSeek): times mscale(factor, mscale_all_dim)^2
+        if self.rope_scaling is not None and self.rope_scaling.mscale_all_dim:
+            self.softmax_scale *= yarn_mscale(self.rope_scaling.factor, self.rope_scaling.mscale_all_dim) ** 2
         if m.q_lora_rank is None:
             self.wq = nn.Linear(h, self.num_heads * qk_dim, bias=False)
         else:
@@ -89,14 +93,16 @@ class MultiHeadLatentAttention(nn.Module):
         kv_BSnX = self.wkv_b(self.kv_a_norm(c_BSC)).view(B, S, n, self.nope_dim + self.v_dim)
         k_nope_BSnD, v_BSnV = kv_BSnX.split([self.nope_dim, self.v_dim], dim=-1)
 
-        cos_SR, sin_SR = rope_cos_sin(S, self.rope_dim, self.rope_theta, x_BSH.device, x_BSH.dtype)
+        cos_SR, sin_SR = rope_cos_sin(S, self.rope_dim, self.rope_theta, x_BSH.device, x_BSH.dtype,
+                                      self.rope_scaling)
         q_rope_BSnR = apply_rope(q_rope_BSnR, cos_SR, sin_SR)
         k_rope_BS1R = apply_rope(k_rope_BSR[:, :, None, :], cos_SR, sin_SR)
 
         q_BSnQ = torch.cat([q_nope_BSnD, q_rope_BSnR], dim=-1)
         k_BSnQ = torch.cat([k_nope_BSnD, k_rope_BS1R.expand(B, S, n, self.rope_dim)], dim=-1)
         o_BnSV = F.scaled_dot_product_attention(
-            q_BSnQ.transpose(1, 2), k_BSnQ.transpose(1, 2), v_BSnV.transpose(1, 2), is_causal=True
+            q_BSnQ.transpose(1, 2), k_BSnQ.transpose(1, 2), v_BSnV.transpose(1, 2), is_causal=True,
+            scale=self.softmax_scale,
         )
         return self.wo(o_BnSV.transpose(1, 2).reshape(B, S, n * self.v_dim))
 

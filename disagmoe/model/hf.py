@@ -26,7 +26,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from disagmoe.config import ModelConfig, read_mapping
-from disagmoe.hf_config import SUPPORTED, model_config_from_hf
+from disagmoe.hf_config import SUPPORTED, model_config_from_hf, rope_scaling
 from disagmoe.model.transformer import MoETransformer
 
 # our name inside `layers.{i}.` -> HF name inside `model.layers.{i}.`; "{moe}" is the MoE module
@@ -93,14 +93,7 @@ def check_reproducible(hf: dict[str, Any], source: str) -> None:
             f"{source}: quantized checkpoints ({method}) are not supported; dequantize the weights "
             "to bf16/fp32 safetensors first"
         )
-    rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", None):
-        raise ValueError(
-            f"{source}: RoPE scaling {rope_type!r} is not implemented by disagmoe.model; remove "
-            "rope_scaling from config.json to load the weights with plain RoPE (logits will differ "
-            "from the scaled model's)"
-        )
+    rope_scaling(hf, source)  # raises for a scaling other than yarn
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{source}: hidden_act={hf['hidden_act']!r}; only SwiGLU with silu is implemented")
     if hf.get("attention_bias"):
@@ -261,7 +254,7 @@ def hf_config_from_model(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
         architectures=[_ARCHITECTURES[model_type]], model_type=model_type, vocab_size=cfg.vocab_size,
         hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
         num_key_value_heads=cfg.num_kv_heads, rms_norm_eps=cfg.norm_eps, hidden_act="silu",
-        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+        rope_parameters=_rope_parameters(cfg),
         tie_word_embeddings=cfg.tie_embeddings, max_position_embeddings=cfg.seq_len,
         num_experts_per_tok=cfg.top_k, attention_bias=False,
     )
@@ -287,6 +280,17 @@ def hf_config_from_model(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
                   aux_loss_alpha=r.aux_loss_coef, rope_interleave=True, num_nextn_predict_layers=0)
     _check_round_trip(cfg, hf, model_type)
     return hf
+
+
+def _rope_parameters(cfg: ModelConfig) -> dict[str, Any]:
+    """config.json's `rope_parameters` (transformers 5) for plain or YaRN-scaled RoPE."""
+    if cfg.rope_scaling is None:
+        return {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    y = cfg.rope_scaling
+    optional = {"mscale": y.mscale, "mscale_all_dim": y.mscale_all_dim, "attention_factor": y.attention_factor}
+    return {"rope_type": "yarn", "rope_theta": cfg.rope_theta, "factor": y.factor,
+            "original_max_position_embeddings": y.original_max_position_embeddings, "beta_fast": y.beta_fast,
+            "beta_slow": y.beta_slow, "truncate": y.truncate, **{k: v for k, v in optional.items() if v is not None}}
 
 
 def _check_round_trip(cfg: ModelConfig, hf: dict[str, Any], model_type: str) -> None:

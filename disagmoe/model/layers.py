@@ -5,9 +5,13 @@ Shape legend: B batch, S sequence, H hidden, N tokens (B*S), D head dim, R rotar
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from disagmoe.config import RopeScalingConfig
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -29,15 +33,55 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context extended `factor` times."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_attention_factor(scaling: RopeScalingConfig) -> float:
+    """The multiplier on cos/sin: given, or mscale(factor, mscale) / mscale(factor, mscale_all_dim)."""
+    if scaling.attention_factor is not None:
+        return scaling.attention_factor
+    if scaling.mscale and scaling.mscale_all_dim:
+        return yarn_mscale(scaling.factor, scaling.mscale) / yarn_mscale(scaling.factor, scaling.mscale_all_dim)
+    return yarn_mscale(scaling.factor)
+
+
+def yarn_inv_freq(rot_dim: int, theta: float, scaling: RopeScalingConfig, device: torch.device) -> torch.Tensor:
+    """[R/2] inverse frequencies: kept above beta_fast rotations over the original context,
+    divided by `factor` below beta_slow, linearly blended in between (fp32)."""
+    def dim_of(rotations: float) -> float:  # the dimension that turns `rotations` times over the context
+        context = scaling.original_max_position_embeddings
+        return rot_dim * math.log(context / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(scaling.beta_fast), dim_of(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rot_dim - 1)
+    if low == high:
+        high += 0.001  # a step instead of a ramp
+    ramp_R2 = ((torch.arange(rot_dim // 2, dtype=torch.float32, device=device) - low) / (high - low)).clamp(0, 1)
+    base_R2 = theta ** (torch.arange(0, rot_dim, 2, dtype=torch.float32, device=device) / rot_dim)
+    kept_R2 = 1.0 - ramp_R2  # 1 where the original frequency is kept
+    return (1.0 / (scaling.factor * base_R2)) * ramp_R2 + (1.0 / base_R2) * kept_R2
+
+
 def rope_cos_sin(
-    seq_len: int, rot_dim: int, theta: float, device: torch.device, dtype: torch.dtype
+    seq_len: int, rot_dim: int, theta: float, device: torch.device, dtype: torch.dtype,
+    scaling: RopeScalingConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables [S, R] for positions 0..S-1, frequencies repeated over the two halves."""
+    """cos/sin tables [S, R] for positions 0..S-1, frequencies repeated over the two halves
+    (YaRN-scaled frequencies and magnitudes when `scaling` is given)."""
     work = compute_dtype(dtype)
-    inv_freq_R2 = 1.0 / (theta ** (torch.arange(0, rot_dim, 2, device=device, dtype=work) / rot_dim))
+    if scaling is None:
+        inv_freq_R2 = 1.0 / (theta ** (torch.arange(0, rot_dim, 2, device=device, dtype=work) / rot_dim))
+        magnitude = 1.0
+    else:
+        inv_freq_R2 = yarn_inv_freq(rot_dim, theta, scaling, device).to(work)
+        magnitude = yarn_attention_factor(scaling)
     angles_SR2 = torch.arange(seq_len, device=device, dtype=work)[:, None] * inv_freq_R2[None, :]
     angles_SR = torch.cat([angles_SR2, angles_SR2], dim=-1)
-    return angles_SR.cos().to(dtype), angles_SR.sin().to(dtype)
+    return (angles_SR.cos() * magnitude).to(dtype), (angles_SR.sin() * magnitude).to(dtype)
 
 
 def apply_rope(x_BSnR: torch.Tensor, cos_SR: torch.Tensor, sin_SR: torch.Tensor) -> torch.Tensor:

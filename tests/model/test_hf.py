@@ -21,19 +21,29 @@ def mixtral():
         **COMMON, num_key_value_heads=2, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2))
 
 
-def qwen3_moe(tie_word_embeddings=False):
+# YaRN as published configs set it, with a short "original" context so that tokens 0..10 span
+# kept, blended and interpolated frequencies
+DEEPSEEK_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 16.0, "original_max_position_embeddings": 4,
+                 "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 1.0}
+QWEN_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 8}
+
+
+def qwen3_moe(tie_word_embeddings=False, rope_parameters=None):
+    extra = {} if rope_parameters is None else {"rope_parameters": rope_parameters}
     return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
         **COMMON, num_key_value_heads=2, head_dim=16, intermediate_size=48, moe_intermediate_size=24,
-        num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=tie_word_embeddings))
+        num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=tie_word_embeddings,
+        **extra))
 
 
-def deepseek_v3(q_lora_rank=16, rope_interleave=True):
+def deepseek_v3(q_lora_rank=16, rope_interleave=True, rope_parameters=None):
+    extra = {} if rope_parameters is None else {"rope_parameters": rope_parameters}
     return transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
         **{**COMMON, "num_hidden_layers": 3}, num_key_value_heads=4, intermediate_size=48,
         moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2,
         first_k_dense_replace=1, n_shared_experts=2, q_lora_rank=q_lora_rank, kv_lora_rank=12,
         qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, routed_scaling_factor=2.5,
-        rope_interleave=rope_interleave))
+        rope_interleave=rope_interleave, **extra))
 
 
 BUILDERS = {
@@ -42,6 +52,8 @@ BUILDERS = {
     "qwen3_moe-tied": lambda: qwen3_moe(tie_word_embeddings=True),
     "deepseek_v3": deepseek_v3,
     "deepseek_v3-no-q-lora-no-interleave": lambda: deepseek_v3(q_lora_rank=None, rope_interleave=False),
+    "deepseek_v3-yarn": lambda: deepseek_v3(rope_parameters=DEEPSEEK_YARN),
+    "qwen3_moe-yarn": lambda: qwen3_moe(rope_parameters=QWEN_YARN),
 }
 
 
@@ -83,13 +95,13 @@ def test_logits_match_transformers(arch, tokens, tmp_path):
     assert diff < 1e-4, f"{arch}: max |logit diff| = {diff}"
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "deepseek_v3", "deepseek_v3-yarn"])
 def test_export_round_trip(arch, tokens, tmp_path):
     torch.manual_seed(0)
     hf_model = randomized(BUILDERS[arch]())
     hf_model.save_pretrained(tmp_path / "src")
     ours = load_hf(tmp_path / "src")
-    export_hf(ours, tmp_path / "out", arch)
+    export_hf(ours, tmp_path / "out", arch.split("-")[0])
 
     again = load_hf(tmp_path / "out")
     for (name, a), b in zip(ours.state_dict().items(), again.state_dict().values(), strict=True):
@@ -97,6 +109,19 @@ def test_export_round_trip(arch, tokens, tmp_path):
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     diff = (hf_logits(reloaded, tokens) - hf_logits(hf_model, tokens)).abs().max().item()
     assert diff < 1e-5, f"{arch}: exported checkpoint's logits differ by {diff}"
+
+
+def test_the_published_deepseek_v3_rope_scaling_maps_to_yarn():
+    """deepseek-ai/DeepSeek-V3's config.json (the older `rope_scaling` key, `type`), as our preset has it."""
+    from disagmoe.hf_config import rope_scaling
+
+    published = {"max_position_embeddings": 163840, "rope_scaling": {
+        "beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096, "type": "yarn"}}
+    preset = load_model("deepseek-v3").rope_scaling
+    assert preset is not None and preset.model_dump() == {**rope_scaling(published, "config.json"), "type": "yarn"}
+    with pytest.raises(ValueError, match="RoPE scaling 'dynamic' is not implemented"):
+        rope_scaling({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "config.json")
 
 
 def test_sharded_checkpoints_load(tokens, tmp_path):
@@ -132,10 +157,10 @@ def test_unreproducible_settings_are_rejected(tmp_path):
     hf_model = deepseek_v3()
     hf_model.save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
-    config["rope_parameters"] = {"rope_type": "yarn", "factor": 40.0, "rope_theta": 10000.0,
-                                 "original_max_position_embeddings": 4096}
+    config["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 2,
+                                 "long_factor": [2.0] * 2, "original_max_position_embeddings": 16}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="RoPE scaling 'yarn'"):
+    with pytest.raises(ValueError, match="RoPE scaling 'longrope' is not implemented"):
         load_hf(tmp_path)
     del config["rope_parameters"]
     config["quantization_config"] = {"quant_method": "fp8"}
