@@ -38,7 +38,7 @@ def autocast_operands(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     if not torch.is_autocast_enabled(device_type):
         return tensors
     dtype = torch.get_autocast_dtype(device_type)
-    return tuple(t.to(dtype) for t in tensors)
+    return tuple(t.to(dtype) if t.dtype in (torch.float32, torch.float16, torch.bfloat16) else t for t in tensors)
 
 
 def expert_ffn_loop(

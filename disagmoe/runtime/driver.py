@@ -228,9 +228,10 @@ class DistributedTrainer(TrainingLoop):
             what = f"{dead[rank]}; then {failure}"
         elif hung:
             rank = min(hung)
+            watched = ("; its watchdog printed the op it is stuck in and its stacks to its stderr"
+                       if method in ("train_step", "evaluate") else "")
             what = (f"it is hung (busy past recv_timeout_s={self.cfg.recv_timeout_s:g} s and not answering "
-                    f"Ray; its watchdog printed the op it is stuck in and its stacks to its stderr); "
-                    f"its peers report: {failure}")
+                    f"Ray{watched}); its peers report: {failure}")
         checkpoint = latest_checkpoint(self.checkpoint_root)
         resume = (f"resume from {checkpoint} with resume=true" if checkpoint is not None
                   else "no checkpoint yet (set checkpoint_every to keep progress)")

@@ -1,10 +1,12 @@
 """The expert side of one rank: its routed experts of every MoE layer of its group.
 
 `ExpertForward(l)` takes, from each attention rank d of the group, the rows routed to this rank's
-experts (grouped by expert, in the order of its expert ids) and their per-expert counts, orders them by (expert, d) - which for
-every expert is the oracle's token order, because data-parallel rank d owns the d-th block of the
-micro-batch's rows - runs the experts once over all of them, and posts the output rows of
-data-parallel index d to the attention rank d of the next group (grouped by expert again).
+experts (grouped by expert, in the order of its expert ids) and their per-expert counts, orders
+them by (expert, d) - which for every expert is the oracle's token order, because data-parallel
+rank d owns the d-th block of the micro-batch's rows; of a replicated expert it gets only the
+share each sender gives this replica (`plan_layout.replica_rows`), possibly none - runs the
+experts once over all of them, and posts the output rows of data-parallel index d to the
+attention rank d of the next group (grouped by expert again).
 `ExpertBackward(l)` backpropagates the output gradients that came back and posts each source's
 row gradients to it.
 

@@ -3,7 +3,9 @@
 Synchronising after every op to time it keeps the host from queueing the next op while the GPU
 runs this one, and any device-wide wait can deadlock against NCCL sends still waiting for their
 peer. Instead each compute op records a start and an end event on the current stream; at the end
-of the step (when the GPU has caught up anyway) the events give every op's GPU execution interval.
+of the step (when the GPU has caught up anyway) the events give every op's interval on the GPU,
+from its first kernel starting to its last ending (so a wait queued inside the op, e.g. for an
+all-reduce on another stream, counts as part of it).
 One anchor per step, an event recorded right after a synchronisation at the step's start with
 the host's clock read at the same moment, places the intervals on the host's timeline, so they
 sit in the same Chrome trace as the host-side send and wait spans.

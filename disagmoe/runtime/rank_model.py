@@ -96,7 +96,8 @@ class RankModel(nn.Module):
         return self.embed.weight if self.lm_head is None else self.lm_head.weight
 
     def expert_parameters(self) -> Iterator[nn.Parameter]:
-        """Parameters of routed experts (sharded: no other rank holds them)."""
+        """Parameters of routed experts (sharded over the expert ranks; a replicated expert's slice
+        is also held by its other owners, `runtime.replicas`)."""
         for name, param in self.named_parameters():
             if ".moe.experts." in name:
                 yield param

@@ -29,8 +29,8 @@ class ExpertReplicas:
 
     def __init__(self, model: RankModel, topology: Topology, rank: int) -> None:
         self.rank = rank
-        # owner ranks -> (stacked parameter, local expert index) of every slice they share, in a
-        # fixed order (layer, expert id, tensor) that every owner builds identically
+        # owner ranks (sorted) -> (stacked parameter, local expert index) of every slice they
+        # share, in a fixed order (layer, expert id, tensor) that every owner builds identically
         self.shared: dict[tuple[int, ...], list[tuple[torch.nn.Parameter, int]]] = defaultdict(list)
         self.counted_E: dict[torch.nn.Parameter, torch.Tensor] = {}  # 1.0 where this rank is the primary
         for layer, ids in sorted(topology.experts_of(rank).items()):
@@ -41,7 +41,7 @@ class ExpertReplicas:
                 if not all(counted):
                     self.counted_E[param] = torch.tensor(counted, dtype=torch.float64, device=param.device)
             for k, e in enumerate(ids):
-                owners = topology.owner_ranks(layer, e)
+                owners = tuple(sorted(topology.owner_ranks(layer, e)))
                 if len(owners) > 1:
                     self.shared[owners] += [(getattr(experts, name), k) for name in STACKED]
 
@@ -59,5 +59,5 @@ class ExpertReplicas:
         counted_E = self.counted_E.get(param)
         if counted_E is None:
             return torch.linalg.vector_norm(param.grad).double() ** 2
-        per_expert_E = param.grad.double().pow(2).flatten(1).sum(dim=1)
-        return (per_expert_E * counted_E).sum()
+        norms_E = torch.linalg.vector_norm(param.grad.flatten(1), dim=1).double()
+        return (norms_E.pow(2) * counted_E).sum()

@@ -2,7 +2,7 @@
 
 Each rank writes `rank-<r>.pt` = {"model": {key: tensor}, "optim": {key: state}} holding the
 keys it owns (replicated attention parameters only from data-parallel index 0; every expert
-under its layer-wide id); the driver adds `trainer.pt` and the manifest. Everything goes to a
+under its layer-wide id, written by its primary owner only when the plan replicates it); the driver adds `trainer.pt` and the manifest. Everything goes to a
 temporary directory first that is renamed to `step-<step>` at the end, so a checkpoint either
 exists complete or not at all. Since the keys are layout-independent, `load_checkpoint` (single
 mode) reads these checkpoints, and `load_rank_state` reads any checkpoint into one rank's part

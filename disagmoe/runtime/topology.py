@@ -64,7 +64,8 @@ class Topology(LayerRing):
         for layer, owners in enumerate(self.expert_owners):
             if self.is_moe(layer):
                 ranks = len(self.expert_groups[self.group_of_layer(layer)])
-                assert all(owners) and all(0 <= i < ranks for who in owners for i in who), f"layer {layer}"
+                assert all(who and len(set(who)) == len(who) for who in owners), f"layer {layer}: distinct owners"
+                assert all(0 <= i < ranks for who in owners for i in who), f"layer {layer}: owners in the group"
                 assert all(held_ids(owners, ranks)), f"layer {layer}: every expert rank holds an expert"
 
     @classmethod
@@ -170,9 +171,9 @@ class Topology(LayerRing):
         return tuple(group[i] for i in self.expert_owners[layer][expert])
 
     def replica_groups(self) -> list[tuple[int, ...]]:
-        """Every set of global ranks that holds a replicated expert together (sorted): the groups
-        whose members sum that expert's gradients."""
-        return sorted({self.owner_ranks(layer, e) for layer, owners in enumerate(self.expert_owners)
+        """Every set of global ranks (ascending) that holds a replicated expert together, sorted:
+        the groups whose members sum that expert's gradients."""
+        return sorted({tuple(sorted(self.owner_ranks(layer, e))) for layer, owners in enumerate(self.expert_owners)
                        for e, who in enumerate(owners) if len(who) > 1})
 
     def attention_rank(self, group: int, dp_index: int) -> int:
@@ -210,7 +211,7 @@ def _per_layer(num_layers: int, num_dense_layers: int, num_experts: int, ranks_o
     """Every layer's owners: `placement`'s where given, else contiguous ranges (dense layers: ())."""
     return tuple(
         () if layer < num_dense_layers
-        else placement[layer] if placement is not None
+        else tuple(tuple(who) for who in placement[layer]) if placement is not None
         else partition_owners(contiguous_expert_ids(num_experts, ranks_of_layer[layer]), num_experts)
         for layer in range(num_layers)
     )

@@ -68,18 +68,26 @@ def busy_fractions(compute_s: Sequence[float], step_s: float, group_of_rank: Seq
     return {group: sum(values) / len(values) for group, values in sorted(per_group.items())}
 
 
+TRACK = {"send": 0, "wait": 0, "compute": 1}  # tid: the host's messages, then the compute ops
+TRACK_NAMES = {0: "messages (host)", 1: "compute"}
+
+
 def chrome_trace(spans_by_rank: Mapping[int, Sequence[tuple[str, str, float, float]]],
                  rank_names: Mapping[int, str]) -> dict[str, Any]:
-    """The Chrome trace-event JSON object: one complete ('X') event per span, pid = rank."""
+    """The Chrome trace-event JSON object: one complete ('X') event per span, pid = rank, two
+    tracks per rank (tid 0: sends and waits on the host; tid 1: compute, on a GPU its execution,
+    which lags the host and would overlap the host's spans on one track)."""
     events: list[dict[str, Any]] = []
     for rank in sorted(rank_names):
         events.append({"ph": "M", "name": "process_name", "pid": rank, "tid": 0,
                        "args": {"name": f"rank {rank} ({rank_names[rank]})"}})
         events.append({"ph": "M", "name": "process_sort_index", "pid": rank, "tid": 0, "args": {"sort_index": rank}})
+        for tid, track in TRACK_NAMES.items():
+            events.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": track}})
     for rank, spans in spans_by_rank.items():
         for name, category, start_us, duration_us in spans:
             events.append({"name": name, "cat": category, "ph": "X", "ts": start_us, "dur": duration_us,
-                           "pid": rank, "tid": 0})
+                           "pid": rank, "tid": TRACK[category]})
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 

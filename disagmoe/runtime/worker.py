@@ -37,6 +37,7 @@ from disagmoe.data import TokenDataset, load_splits
 from disagmoe.runtime.attention_stage import AttentionStage
 from disagmoe.runtime.cluster import Worker
 from disagmoe.runtime.expert_stage import ExpertStage
+from disagmoe.runtime.gpu_spans import GpuSpans
 from disagmoe.runtime.messages import Mailbox, message_key
 from disagmoe.runtime.optim import build_optimizer, set_lr
 from disagmoe.runtime.rank_model import rank_model
@@ -54,7 +55,6 @@ from disagmoe.runtime.schedule import (
 )
 from disagmoe.runtime.sharded_checkpoint import Listing, load_rank_state, rank_shard, write_shard
 from disagmoe.runtime.topology import Topology
-from disagmoe.runtime.gpu_spans import GpuSpans
 from disagmoe.runtime.trace import SpanRecorder
 from disagmoe.runtime.watchdog import OpWatchdog
 
@@ -170,13 +170,15 @@ class TrainWorker(Worker):
                 self.gpu_spans.begin_step()
             mail, handles = Mailbox(self.rank), []
             for op in forward:
-                if isinstance(op, Loss):
-                    with self._compute_span(_op_name(op)):
-                        self.attention.loss(op.micro_batch, mail, backward=False)
-                else:
-                    self._run(op, batch, mail, handles)
-            for handle in handles:
-                handle.wait()
+                with self.watchdog.op(f"evaluation batch {batch}: {_op_name(op)}"):
+                    if isinstance(op, Loss):
+                        with self._compute_span(_op_name(op)):
+                            self.attention.loss(op.micro_batch, mail, backward=False)
+                    else:
+                        self._run(op, batch, mail, handles)
+            with self.watchdog.op(f"evaluation batch {batch}: wait for sends"):
+                for handle in handles:
+                    handle.wait()
             if self.attention is not None:
                 ce += self.attention.loss_parts["ce"]
         self._drain_spans()  # evaluation time is not part of any step's trace or busy fraction

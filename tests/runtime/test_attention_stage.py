@@ -85,3 +85,15 @@ def test_replica_rows_follow_the_data_parallel_index_and_split_when_replicas_out
     # fewer senders than replicas: sender d splits over replicas d, d + D, ...
     assert replica_rows(7, 3, 0, 1) == [3, 2, 2]
     assert replica_rows(7, 4, 1, 2) == [0, 4, 0, 3]
+
+
+def test_aux_shares_of_data_parallel_halves_add_up_to_the_whole():
+    """Each half's aux share, formed with the summed load, adds up to the aux of all tokens."""
+    cfg, block, h_BSH, whole = block_and_routing(seed=3)
+    router = block.moe.router
+    halves = [block.route(h_BSH[i:i + 1]) for i in range(2)]
+    load_E = sum(r.load_E for r in halves)
+    assert torch.equal(load_E, whole.load_E)
+    shares = [router.aux_loss(r.scores_NE, load_E) / 2 for r in halves]
+    torch.testing.assert_close(sum(shares), whole.aux_loss, rtol=1e-6, atol=0)
+    torch.testing.assert_close(sum(r.z_loss / 2 for r in halves), whole.z_loss, rtol=1e-6, atol=0)

@@ -57,13 +57,15 @@ def test_replicated_experts_are_held_by_every_owner_and_grouped_for_their_gradie
     assert topo.experts_of(2) == {1: (0, 1, 5), 2: (0, 1, 6, 7)}  # global rank 2 = expert rank 0
     assert topo.experts_of(4) == {1: (0, 3, 4, 7), 2: (4, 5, 7)}
     assert topo.owner_ranks(2, 7) == (4, 2, 3)  # replica order kept: the first is the primary
-    assert topo.replica_groups() == [(2, 4), (3, 4), (4, 2, 3)]
+    assert topo.replica_groups() == [(2, 3, 4), (2, 4), (3, 4)]  # as sets: one group per set of owners
 
 
 def test_a_placement_that_leaves_an_expert_rank_idle_is_rejected():
     layout = Layout(attention_ranks=1, expert_ranks=2, pipeline_groups=1, num_layers=2, num_dense_layers=1)
     with pytest.raises(AssertionError, match="every expert rank holds an expert"):
         Topology.disaggregated(layout, num_experts=2, placement={1: ((0,), (0,))})
+    with pytest.raises(AssertionError, match="distinct owners"):
+        Topology.disaggregated(layout, num_experts=2, placement={1: ((0, 0), (1,))})
 
 
 def test_colocated_ranks_run_attention_and_hold_an_expert_slice():

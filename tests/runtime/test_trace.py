@@ -40,7 +40,9 @@ def test_chrome_trace_names_ranks_and_spans(tmp_path):
     path = write_chrome_trace(tmp_path / "trace.json", spans, {0: "A0.0", 1: "E0.0"})
     events = json.loads(path.read_text())["traceEvents"]
     complete = [e for e in events if e["ph"] == "X"]
-    assert {(e["pid"], e["name"], e["cat"], e["ts"], e["dur"]) for e in complete} == {
-        (0, "Loss mb0", "compute", 10.0, 5.0), (1, "Send combine L1 mb0", "send", 12.0, 1.0)}
+    assert {(e["pid"], e["tid"], e["name"], e["cat"], e["ts"], e["dur"]) for e in complete} == {
+        (0, 1, "Loss mb0", "compute", 10.0, 5.0), (1, 0, "Send combine L1 mb0", "send", 12.0, 1.0)}
     names = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
     assert names == {0: "rank 0 (A0.0)", 1: "rank 1 (E0.0)"}
+    tracks = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert tracks[(0, 0)] == tracks[(1, 0)] == "messages (host)" and tracks[(0, 1)] == "compute"
