@@ -172,7 +172,8 @@ def train(
 ) -> None:
     """Time whole training steps of one config in several layouts in the same run, on the same
     devices (colocated gets attention + expert ranks), and report each against colocated, with
-    each group's busy fraction (compute time / step time; on GPUs the time the GPU ran its ops)."""
+    each group's busy fraction (compute time / step time; on GPUs each op's span on the GPU, from
+    its first kernel to its last, waits inside the op included)."""
     from disagmoe.bench import train as bench
     from disagmoe.config import load_train_config
 
@@ -193,3 +194,63 @@ def train(
                       f"{r['final_loss']:.4f}", busy, f"{r['speedup']:.2f}x")
     console.print(table)
 
+
+
+@bench_app.command("placement")
+@user_errors
+def placement(
+    config: Annotated[Path, typer.Option("--config", "-c", help="a train config YAML (its model, hardware, batch)")],
+    overrides: Annotated[list[str] | None, typer.Argument(help="key=value overrides, e.g. batch_size=64")] = None,
+    gpus: Annotated[int | None, typer.Option(
+        help="devices to place on [default: this host's GPUs with device=cuda, else attention + expert ranks]",
+        min=2)] = None,
+    micro_batches: Annotated[list[int] | None, typer.Option(
+        "--micro-batches", "-m", help="micro-batch counts to try (repeatable; default: 2 and 4)", min=1)] = None,
+    steps: Annotated[int, typer.Option(help="steps per layout", min=2)] = 12,
+    warmup: Annotated[int, typer.Option(help="first steps left out of the median", min=0)] = 4,
+    as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="also write the JSON record here")] = None,
+) -> None:
+    """Check the planner against measured training: price every layout of one config on N devices
+    (each attention/expert split and colocated, for each micro-batch count), train each for a few
+    steps, and report predicted vs measured step times, both rankings and the planner's pick
+    against the best measured layout.
+
+    \b
+    Example: disagmoe bench placement --config configs/h200x2-small.yaml --gpus 2 -m 2 -m 4
+    """
+    import torch
+
+    from disagmoe.bench import placement as bench
+    from disagmoe.config import load_train_config
+
+    cfg = load_train_config(config, overrides or [])
+    if gpus is None:
+        gpus = (torch.cuda.device_count() if cfg.device == "cuda" else cfg.attention_ranks + cfg.expert_ranks)
+    log = (lambda m: err_console.print(m, highlight=False)) if as_json else console.print
+    record = bench.run(cfg, gpus, micro_batches or [2, 4], steps, warmup, log)
+    if out is not None:
+        out.write_text(json.dumps(record, indent=2) + "\n")
+    if as_json:
+        print_json(record)
+        return
+    c, s = record["config"], record["summary"]
+    table = Table(title=f"{c['model']} on {gpus} x {c['hardware']} ({c['device']}, {c['transport']}): planner vs "
+                        f"measured, median of steps {warmup + 1}-{steps}")
+    for col in ("layout", "predicted", "measured", "error", "rank pred/meas", "busy"):
+        table.add_column(col, justify="left" if col in ("layout", "busy") else "right")
+    for r in record["layouts"]:
+        predicted = f"{r['predicted_step_s'] * 1e3:.3g} ms" + ("" if r["fits"] else " (no fit)")
+        if "measured_step_s" not in r:
+            table.add_row(r["layout"], predicted, f"failed: {r['error']}", "", "", "")
+            continue
+        busy = " ".join(f"{g} {f:.0%}" for g, f in r["busy"].items()) or "-"
+        table.add_row(r["layout"], predicted, f"{r['measured_step_s'] * 1e3:.1f} ms", f"{r['prediction_error']:+.0%}",
+                      f"{r['predicted_rank']}/{r['measured_rank']}", busy)
+    console.print(table)
+    if s["layouts_run"]:
+        correlation = "-" if s["rank_correlation"] is None else f"{s['rank_correlation']:.2f}"
+        pick = ("none (no layout it prices fits)" if s["planner_pick"] is None else
+                f"{s['planner_pick']}, {s['pick_vs_best']:+.1%} against the best measured ({s['best_measured']})")
+        console.print(f"planner's pick: {pick}; rank correlation {correlation}; mean |prediction error| "
+                      f"{s['mean_abs_prediction_error']:.0%}")
