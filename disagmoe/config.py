@@ -349,7 +349,11 @@ class TrainConfig(StrictModel):
     eval_every: NonNegInt = Field(25, description="validation every N steps; 0 disables")
     eval_batches: PositiveInt = 2
     out_dir: str = "runs/default"
-    checkpoint_every: NonNegInt = Field(0, description="0: only at the end")
+    checkpoint_every: NonNegInt = Field(0, description="checkpoint every N steps (0: only by time and at the end)")
+    checkpoint_minutes: NonNegFloat = Field(
+        30.0, description="also checkpoint once this many minutes passed since the last one (0: never by time)")
+    keep_checkpoints: NonNegInt = Field(
+        3, description="complete checkpoints kept; older ones are deleted once a newer one is sealed (0: keep all)")
     resume: bool = Field(False, description="continue from out_dir's latest checkpoint")
     trace: bool = True
     recv_timeout_s: PositiveFloat = 120.0

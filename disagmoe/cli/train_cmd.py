@@ -12,7 +12,7 @@ from rich.table import Table
 
 from disagmoe.config import TrainConfig, load_model, load_train_config
 from disagmoe.cli.common import console, err_console, print_json, user_errors
-from disagmoe.runtime.failures import TrainingFailed
+from disagmoe.runtime.failures import TrainingFailed, TrainingInterrupted
 from disagmoe.runtime.plan_layout import apply_plan, replaced_fields
 
 
@@ -75,6 +75,9 @@ def train(
     except TrainingFailed as err:
         err_console.print(f"[bold red]training failed:[/] {err}", highlight=False, soft_wrap=True)
         raise typer.Exit(1) from None
+    except TrainingInterrupted as err:
+        err_console.print(f"[bold yellow]training stopped:[/] {err}", highlight=False, soft_wrap=True)
+        raise typer.Exit(130) from None
     console.print(_summary_table(cfg, summary))
     busy = summary.get("busy")
     if busy:

@@ -22,6 +22,7 @@ import io
 import json
 import os
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -195,6 +196,18 @@ def latest_checkpoint(root: Path) -> Path | None:
     """The complete checkpoint (one with a manifest) of the highest step under `root`."""
     done = sorted(p for p in root.glob("step-*") if (p / MANIFEST).is_file())
     return done[-1] if done else None
+
+
+def prune_checkpoints(root: Path, keep: int) -> list[Path]:
+    """Delete all but the `keep` newest complete checkpoints under `root` (keep = 0: none);
+    returns what was deleted. Incomplete ones (no manifest) are left to the writer that owns them."""
+    if keep <= 0:
+        return []
+    done = sorted(p for p in root.glob("step-*") if (p / MANIFEST).is_file())
+    old = done[:-keep]
+    for directory in old:
+        shutil.rmtree(directory)
+    return old
 
 
 def _atomic_write(path: Path, data: bytes) -> None:

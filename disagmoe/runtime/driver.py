@@ -234,7 +234,7 @@ class DistributedTrainer(TrainingLoop):
                     f"Ray{watched}); its peers report: {failure}")
         checkpoint = latest_checkpoint(self.checkpoint_root)
         resume = (f"resume from {checkpoint} with resume=true" if checkpoint is not None
-                  else "no checkpoint yet (set checkpoint_every to keep progress)")
+                  else "no checkpoint yet (checkpoint_every / checkpoint_minutes keep progress)")
         return TrainingFailed(rank, f"rank {rank} ({self.rank_names.get(rank, '?')}) failed during {method} "
                                     f"of step {self.step + 1}: {what}; {resume}")
 

@@ -1,4 +1,4 @@
-"""The error a distributed run raises when a rank fails (light: the CLI imports it without torch)."""
+"""Why a run ended early: a rank failed, or the user stopped it (light: the CLI imports it without torch)."""
 
 from __future__ import annotations
 
@@ -9,3 +9,12 @@ class TrainingFailed(RuntimeError):
     def __init__(self, rank: int, message: str) -> None:
         super().__init__(message)
         self.rank = rank
+
+
+class TrainingInterrupted(RuntimeError):
+    """SIGINT / SIGTERM stopped the run after a step; its checkpoint is where to resume from."""
+
+    def __init__(self, signal_name: str, step: int, checkpoint: object) -> None:
+        super().__init__(f"{signal_name} after step {step}: checkpoint {checkpoint}; continue with resume=true "
+                         "(same out_dir)")
+        self.signal_name, self.step, self.checkpoint = signal_name, step, checkpoint

@@ -3,21 +3,34 @@
 A mode (`SingleProcessTrainer`, `DistributedTrainer`) subclasses `TrainingLoop` and supplies one
 optimizer step (`_train_one_step`, returning the step's metrics record), a validation pass
 (`validate`) and a checkpoint (`save`). The loop validates every `eval_every` steps and at the
-end, checkpoints every `checkpoint_every` steps and at the end, writes one JSONL record per step
-and averages any per-group `busy` fractions the records carry into the summary.
+end, checkpoints every `checkpoint_every` steps, whenever `checkpoint_minutes` passed since the
+last checkpoint, and at the end (keeping the newest `keep_checkpoints`), writes one JSONL record
+per step and averages any per-group `busy` fractions the records carry into the summary.
+
+SIGINT (Ctrl-C) or SIGTERM (a scheduler's preemption) stops the run gracefully: the step in
+flight finishes, a checkpoint is written and `TrainingInterrupted` says where to resume from. A
+second signal aborts at once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from disagmoe.config import TrainConfig
+from disagmoe.runtime.checkpoint import checkpoint_dir, prune_checkpoints
+from disagmoe.runtime.failures import TrainingInterrupted
 from disagmoe.runtime.metrics import MetricsLog, mfu
 
 METRICS_FILE = "metrics.jsonl"
+_clock = time.monotonic  # for checkpoint_minutes (tests substitute a fake)
 StepCallback = Callable[[dict[str, Any]], None]
 
 
@@ -35,6 +48,37 @@ class TrainSummary:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+class StopRequest:
+    """Set by the first SIGINT / SIGTERM while installed; a second one raises KeyboardInterrupt."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.signal: str | None = None
+
+    @contextmanager
+    def installed(self) -> Iterator[StopRequest]:
+        """Handle the signals inside the block (only the main thread can; elsewhere a no-op)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield self
+            return
+        previous = {s: signal.getsignal(s) for s in self.SIGNALS}
+        for s in self.SIGNALS:
+            signal.signal(s, self._handle)
+        try:
+            yield self
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.signal is not None:
+            raise KeyboardInterrupt
+        self.signal = signal.Signals(signum).name
+        sys.stderr.write(f"\n{self.signal}: stopping after this step with a checkpoint (again to abort now)\n")
+        sys.stderr.flush()
 
 
 class TrainingLoop:
@@ -57,6 +101,12 @@ class TrainingLoop:
     def save(self) -> Path:
         raise NotImplementedError
 
+    def _checkpoint(self) -> Path:
+        """`save`, then delete all but the newest `keep_checkpoints`."""
+        checkpoint = self.save()
+        prune_checkpoints(checkpoint.parent, self.cfg.keep_checkpoints)
+        return checkpoint
+
     def _run(self, on_step: StepCallback | None) -> TrainSummary:
         cfg = self.cfg
         metrics_path = self.out_dir / METRICS_FILE
@@ -66,7 +116,9 @@ class TrainingLoop:
         total_tokens, total_time = 0, 0.0
         busy_sums: dict[str, float] = {}
         steps_run = 0
-        with MetricsLog(metrics_path, resume_after_step=self.step if cfg.resume else None) as log:
+        last_save = _clock()
+        stop = StopRequest()
+        with stop.installed(), MetricsLog(metrics_path, resume_after_step=self.step if cfg.resume else None) as log:
             while self.step < cfg.steps:
                 record = self._train_one_step()
                 total_tokens += record["tokens"]
@@ -76,12 +128,17 @@ class TrainingLoop:
                     busy_sums[group] = busy_sums.get(group, 0.0) + fraction
                 if self.evaluates and (self.step % cfg.eval_every == 0 or self.step == cfg.steps):
                     last_val = record["val_loss"] = self.validate()
-                if (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0) or self.step == cfg.steps:
-                    checkpoint = self.save()
+                due_by_time = cfg.checkpoint_minutes and _clock() - last_save >= 60 * cfg.checkpoint_minutes
+                if (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0) or due_by_time or self.step == cfg.steps:
+                    checkpoint, last_save = self._checkpoint(), _clock()
                 log.write(record)
                 if on_step is not None:
                     on_step(record)
                 last = record
+                if stop.signal is not None and self.step < cfg.steps:
+                    if checkpoint is None or checkpoint.name != checkpoint_dir(checkpoint.parent, self.step).name:
+                        checkpoint = self._checkpoint()
+                    raise TrainingInterrupted(stop.signal, self.step, checkpoint)
         return TrainSummary(
             steps=self.step,
             final_loss=last.get("loss"),

@@ -82,6 +82,22 @@ def test_train_runs_a_plan_with_replicated_experts(tmp_path):
     assert "expert_ranks=4 (config: 1)" in result.stdout and "train (disaggregated)" in result.stdout
 
 
+def test_a_stopped_run_exits_130_and_says_how_to_resume(tmp_path, monkeypatch):
+    from disagmoe.cli import train_cmd
+    from disagmoe.runtime.failures import TrainingInterrupted
+
+    def stopped(cfg):
+        def run(on_step):
+            raise TrainingInterrupted("SIGTERM", 7, tmp_path / "run" / "checkpoints" / "step-00000007")
+        return run
+
+    monkeypatch.setitem(train_cmd.PREPARE, "single", stopped)
+    result = invoke("--config", _config(tmp_path), "mode=single")
+    assert result.exit_code == 130
+    assert "SIGTERM after step 7" in result.stderr and "resume=true" in result.stderr
+    assert "Traceback" not in result.output
+
+
 def test_table_summary_names_where_outputs_went(tmp_path):
     out = tmp_path / "run"
     result = invoke("--config", str(REPO / "configs/tiny-cpu.yaml"), "--out-dir", str(out), "--steps", "2", *FAST[1:])

@@ -1,0 +1,81 @@
+"""The shared step loop (disagmoe/runtime/loop.py): checkpoints by step and time, retention, and a
+graceful stop on SIGINT / SIGTERM, with the single-process trainer."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import pytest
+
+from disagmoe.config import OptimConfig, TrainConfig, load_model
+from disagmoe.runtime import loop as loop_mod
+from disagmoe.runtime.checkpoint import checkpoint_dir, latest_checkpoint
+from disagmoe.runtime.failures import TrainingInterrupted
+from disagmoe.runtime.loop import METRICS_FILE
+from disagmoe.runtime.metrics import read_metrics
+from disagmoe.runtime.trainer import CHECKPOINTS_DIR, SingleProcessTrainer, train_single
+
+
+def run_config(tmp_path, **overrides) -> TrainConfig:
+    base = dict(model=load_model("tiny"), mode="single", steps=6, batch_size=4, seq_len=32, micro_batches=2,
+                eval_every=0, cpu_threads=1, out_dir=str(tmp_path / "run"), optim=OptimConfig(lr=3e-3, warmup_steps=2))
+    return TrainConfig(**{**base, **overrides})
+
+
+def tmp_root(cfg: TrainConfig) -> Path:
+    return Path(cfg.out_dir) / CHECKPOINTS_DIR
+
+
+def steps_saved(cfg: TrainConfig) -> list[int]:
+    return sorted(int(p.name.split("-")[1]) for p in tmp_root(cfg).glob("step-*"))
+
+
+def test_only_the_newest_checkpoints_are_kept(tmp_path):
+    cfg = run_config(tmp_path, checkpoint_every=1, keep_checkpoints=2)
+    train_single(cfg)
+    assert steps_saved(cfg) == [5, 6]
+    keep_all = run_config(tmp_path / "all", checkpoint_every=2, keep_checkpoints=0)
+    train_single(keep_all)
+    assert steps_saved(keep_all) == [2, 4, 6]
+
+
+def test_checkpoints_come_when_the_minutes_have_passed(tmp_path, monkeypatch):
+    clock = iter(float(60 * t) for t in (0, 1, 2, 4, 5, 7, 8, 9, 10, 11))  # minutes, read once per step
+    monkeypatch.setattr(loop_mod, "_clock", lambda: next(clock))
+    cfg = run_config(tmp_path, checkpoint_minutes=2.5, keep_checkpoints=0)
+    train_single(cfg)
+    # start 0; after steps 1..6 the clock reads 1, 2, 4 (>= 2.5: save, reads 5), 7 (2 since 5),
+    # 8 (3: save, reads 9), 10 (end: save)
+    assert steps_saved(cfg) == [3, 5, 6]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_stops_after_the_step_with_a_checkpoint_and_the_run_resumes(tmp_path, sig):
+    cfg = run_config(tmp_path, steps=5)
+    before = signal.getsignal(sig)
+
+    def interrupt_at_step_2(record):
+        if record["step"] == 2:
+            signal.raise_signal(sig)
+
+    trainer = SingleProcessTrainer(cfg)
+    with pytest.raises(TrainingInterrupted, match=f"{sig.name} after step 2") as stopped:
+        trainer.run(interrupt_at_step_2)
+    assert stopped.value.checkpoint == checkpoint_dir(tmp_root(cfg), 2) == latest_checkpoint(tmp_root(cfg))
+    assert signal.getsignal(sig) is before  # the loop's handler is gone again
+    assert [r["step"] for r in read_metrics(tmp_path / "run" / METRICS_FILE)] == [1, 2]
+    train_single(cfg.model_copy(update={"resume": True}))
+    assert [r["step"] for r in read_metrics(tmp_path / "run" / METRICS_FILE)] == [1, 2, 3, 4, 5]
+
+
+def test_a_second_signal_aborts_at_once(tmp_path):
+    cfg = run_config(tmp_path, steps=5)
+
+    def interrupt_twice(record):
+        signal.raise_signal(signal.SIGINT)
+        signal.raise_signal(signal.SIGINT)
+
+    with pytest.raises(KeyboardInterrupt):
+        SingleProcessTrainer(cfg).run(interrupt_twice)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
