@@ -229,6 +229,9 @@ class PlanConfig(StrictModel):
     memory_headroom: Fraction = Field(
         0.9, description="fraction of HBM the plan may fill (the rest is for allocator slack)"
     )
+    shard_optimizer_states: bool = Field(
+        False, description="price the attention side's AdamW moments split over each data-parallel group "
+        "(ZeRO-1, train with optim.shard_states=true)")
 
 
 class StageTime(StrictModel):
@@ -317,6 +320,9 @@ class OptimConfig(StrictModel):
     beta2: Fraction = 0.95
     eps: PositiveFloat = 1e-8
     grad_clip: NonNegFloat = Field(1.0, description="global grad-norm clip; 0 disables")
+    shard_states: bool = Field(
+        False, description="ZeRO-1: split AdamW's moments of the replicated (attention-side) parameters over "
+        "each data-parallel group (distributed modes; the result is the same step)")
 
 
 class TrainConfig(StrictModel):

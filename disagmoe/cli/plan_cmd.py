@@ -28,15 +28,20 @@ HistOpt = Annotated[Optional[Path], typer.Option(
     "--load-histogram", help="metrics.jsonl of a previous `disagmoe train`: place experts by their load")]
 
 
+ShardOpt = Annotated[bool, typer.Option(
+    "--shard-optimizer-states", help="the attention side's AdamW moments split over each data-parallel group "
+    "(ZeRO-1; train with optim.shard_states=true)")]
+
+
 def build_request(model: str, hardware: str, gpus: int, seq_len: int | None, global_batch_tokens: int,
                   load_histogram: Path | None = None, max_pipeline_groups: int = 8,
-                  max_expert_replicas: int = 0) -> PlanConfig:
+                  max_expert_replicas: int = 0, shard_optimizer_states: bool = False) -> PlanConfig:
     mcfg = load_model(model)
     hist = read_histogram(load_histogram, mcfg.num_moe_layers, mcfg.num_experts) if load_histogram else None
     return PlanConfig(model=mcfg, cluster=ClusterConfig(hardware=load_hardware(hardware), num_gpus=gpus),
                       seq_len=seq_len or mcfg.seq_len, global_batch_tokens=global_batch_tokens,
                       load_histogram=hist, max_pipeline_groups=max_pipeline_groups,
-                      max_expert_replicas=max_expert_replicas)
+                      max_expert_replicas=max_expert_replicas, shard_optimizer_states=shard_optimizer_states)
 
 
 @user_errors
@@ -49,6 +54,7 @@ def plan(
     load_histogram: HistOpt = None,
     max_pipeline_groups: Annotated[int, typer.Option(help="largest p to consider", min=1)] = 8,
     max_expert_replicas: Annotated[int, typer.Option(help="extra replicas per hot expert", min=0)] = 0,
+    shard_optimizer_states: ShardOpt = False,
     as_json: JsonOpt = False,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="write the plan (.yaml or .json)")] = None,
 ) -> None:
@@ -61,7 +67,7 @@ def plan(
     Example: disagmoe plan --model deepseek-v3 --hardware gb200-nvl72 --gpus 1152
     """
     req = build_request(model, hardware, gpus, seq_len, global_batch_tokens, load_histogram,
-                        max_pipeline_groups, max_expert_replicas)
+                        max_pipeline_groups, max_expert_replicas, shard_optimizer_states)
     result = choose(req).plan
     if out:
         write_plan(result, out)
@@ -143,6 +149,7 @@ def roofline(
     micro_batches: Annotated[int, typer.Option("--micro-batches", help="with a fixed layout", min=1)] = 4,
     sequences_per_gpu: Annotated[int, typer.Option(help="sequences per attention GPU per micro-batch", min=1)] = 1,
     replica_sets: Annotated[int, typer.Option(help="expert replica sets per group (disaggregated)", min=1)] = 1,
+    shard_optimizer_states: ShardOpt = False,
     as_json: JsonOpt = False,
     plot_path: Annotated[Optional[Path], typer.Option("--plot", help="write a log-log roofline PNG")] = None,
 ) -> None:
@@ -154,7 +161,8 @@ def roofline(
     -p, --micro-batches, --sequences-per-gpu and --replica-sets fixes one instead.
     Example: disagmoe roofline --model qwen3-235b-a22b --hardware h200-sxm --gpus 8 --plot roof.png
     """
-    req = build_request(model, hardware, gpus, seq_len, global_batch_tokens)
+    req = build_request(model, hardware, gpus, seq_len, global_batch_tokens,
+                        shard_optimizer_states=shard_optimizer_states)
     choice = _layout_choice(req, layout, attention_gpus, pipeline_groups, micro_batches,
                             sequences_per_gpu, replica_sets)
     if choice.cost is None:

@@ -43,6 +43,14 @@ from disagmoe.roofline.stages import BF16, FP32, Work
 
 WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = 2 + 4, 4, 8  # bf16 copy + fp32 master; fp32; AdamW m, v
 BYTES_PER_PARAM = WEIGHT_BYTES + GRAD_BYTES + OPTIMIZER_BYTES
+SHARDED_STATE_BYTES = OPTIMIZER_BYTES + 4  # ZeRO-1: moments + the slice's fp32 copy, split over dp
+
+
+def attention_bytes_per_param(dp: np.ndarray | float, shard_optimizer: bool) -> np.ndarray | float:
+    """Bytes per replicated (attention-side) parameter on one GPU of a data-parallel group of `dp`."""
+    if not shard_optimizer:
+        return BYTES_PER_PARAM + 0 * dp
+    return WEIGHT_BYTES + GRAD_BYTES + SHARDED_STATE_BYTES / dp
 GIB = 2.0**30
 
 
@@ -131,6 +139,7 @@ class Problem:
     capacity_bytes: float
     load_peak_ratio: float = 1.0  # hottest expert's load over the mean (1 = uniform routing)
     replica_slots: int = 0  # spare expert slots per expert GPU for hot-expert replicas
+    shard_optimizer: bool = False  # ZeRO-1 over each data-parallel group for the replicated parameters
 
 
 def expert_layout(model: ModelConfig, per_set: np.ndarray, peak_ratio: float,
@@ -322,11 +331,12 @@ def evaluate(prob: Problem, c: Candidates) -> Cost:
                               + dense_l * _act_bytes_attention_layer(m, False)
                               + FP32 * m.vocab_size)
     act_exp = mb * rows * moe_l * _act_bytes_expert_row(m)
+    attn_bytes = attention_bytes_per_param(dp, prob.shard_optimizer)
     if c.colocated:
-        attn_mem = BYTES_PER_PARAM * (attn_params + exp_params) + act_attn + act_exp
+        attn_mem = attn_bytes * attn_params + BYTES_PER_PARAM * exp_params + act_attn + act_exp
         exp_mem = attn_mem
     else:
-        attn_mem = BYTES_PER_PARAM * attn_params + act_attn
+        attn_mem = attn_bytes * attn_params + act_attn
         exp_mem = BYTES_PER_PARAM * exp_params + act_exp
     fits = (attn_mem <= prob.capacity_bytes) & (exp_mem <= prob.capacity_bytes)
     ones = np.ones(len(c))

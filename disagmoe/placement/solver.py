@@ -21,6 +21,7 @@ from disagmoe.placement.cost import (
     GIB,
     GRAD_BYTES,
     OPTIMIZER_BYTES,
+    SHARDED_STATE_BYTES,
     WEIGHT_BYTES,
     Candidates,
     Cost,
@@ -48,6 +49,7 @@ def problem_of(cfg: PlanConfig, gpus: int | None = None) -> Problem:
         global_batch_tokens=cfg.global_batch_tokens,
         capacity_bytes=hw.hbm_gib * GIB * cfg.memory_headroom, load_peak_ratio=peak,
         replica_slots=1 if cfg.max_expert_replicas > 0 else 0,
+        shard_optimizer=cfg.shard_optimizer_states,
     )
 
 
@@ -201,8 +203,10 @@ def price(cfg: PlanConfig, chosen: Candidates, colocated_step_s: float | None = 
     fits = bool(cost.fits[0])
     if not fits:
         notes.append("this layout does not fit in memory (see memory_per_gpu)")
-    notes.append("memory assumes AdamW with fp32 master weights and moments on every replica "
-                 "(no optimizer sharding) and no activation recomputation")
+    notes.append("memory assumes AdamW with fp32 master weights and moments, "
+                 + ("the attention side's moments split over each data-parallel group (ZeRO-1)"
+                    if cfg.shard_optimizer_states else "on every replica (no optimizer sharding)")
+                 + ", and no activation recomputation")
     step = float(cost.step_s[0])
     counts = count_params(model)
     mfu = step_flops(model, rounds * tokens_per_round, cfg.seq_len) / (
@@ -262,17 +266,21 @@ def _expert_map(cfg: PlanConfig, c: Candidates) -> tuple[list[list[list[int]]], 
 
 
 def _memory(cost: Cost, prob: Problem, disaggregated: bool) -> dict[str, MemoryEstimate]:
-    def estimate(params: float, act: float) -> MemoryEstimate:
-        w, g, o = (params * b / GIB for b in (WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_BYTES))
+    dp = float(cost.dp[0])
+    attn_state = SHARDED_STATE_BYTES / dp if prob.shard_optimizer else OPTIMIZER_BYTES
+
+    def estimate(attn_params: float, exp_params: float, act: float) -> MemoryEstimate:
+        params = attn_params + exp_params
+        w, g = (params * b / GIB for b in (WEIGHT_BYTES, GRAD_BYTES))
+        o = (attn_params * attn_state + exp_params * OPTIMIZER_BYTES) / GIB
         return MemoryEstimate(weights_gib=w, grads_gib=g, optimizer_gib=o, activations_gib=act / GIB,
-                              total_gib=params * BYTES_PER_PARAM / GIB + act / GIB,
-                              capacity_gib=prob.capacity_bytes / GIB)
+                              total_gib=w + g + o + act / GIB, capacity_gib=prob.capacity_bytes / GIB)
 
     a_p, e_p = float(cost.attn_params[0]), float(cost.expert_params[0])
     a_act, e_act = float(cost.attn_act_bytes[0]), float(cost.expert_act_bytes[0])
     if not disaggregated:
-        return {"colocated": estimate(a_p + e_p, a_act + e_act)}
-    return {"attention": estimate(a_p, a_act), "expert": estimate(e_p, e_act)}
+        return {"colocated": estimate(a_p, e_p, a_act + e_act)}
+    return {"attention": estimate(a_p, 0.0, a_act), "expert": estimate(0.0, e_p, e_act)}
 
 
 def roofline_rows(cost: Cost, prob: Problem, c: Candidates) -> tuple[list[dict], list[dict]]:

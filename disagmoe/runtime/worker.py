@@ -57,6 +57,7 @@ from disagmoe.runtime.sharded_checkpoint import Listing, load_rank_state, rank_s
 from disagmoe.runtime.topology import Topology
 from disagmoe.runtime.trace import SpanRecorder
 from disagmoe.runtime.watchdog import OpWatchdog
+from disagmoe.runtime.zero import ShardedAdamW
 
 
 def _op_name(op: Op) -> str:
@@ -87,7 +88,15 @@ class TrainWorker(Worker):
         attention = topology.attention_role(self.rank)
         self.model = rank_model(self.model_cfg, cfg.experts_backend, topology, self.rank).materialise(
             self.device, cfg.seed)
-        self.optimizer = build_optimizer(self.model.named_parameters(), cfg.optim)
+        self.zero = None
+        attention_role = topology.attention_role(self.rank)
+        if cfg.optim.shard_states and attention_role is not None and topology.data_parallel > 1:
+            replicated = [(n, p) for n, p in self.model.named_parameters() if ".moe.experts." not in n]
+            self.zero = ShardedAdamW(replicated, cfg.optim, self.dp_group, attention_role[1], topology.data_parallel)
+            self.optimizer = build_optimizer([(n, p) for n, p in self.model.named_parameters()
+                                              if ".moe.experts." in n], cfg.optim)
+        else:
+            self.optimizer = build_optimizer(self.model.named_parameters(), cfg.optim)
         self.replicas = ExpertReplicas(self.model, topology, self.rank)
         self.attention, self.val_data = None, None
         if attention is not None:
@@ -129,7 +138,7 @@ class TrainWorker(Worker):
         if self.gpu_spans is not None:
             self.gpu_spans.begin_step()
         start = time.perf_counter()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.model.zero_grad(set_to_none=True)  # every parameter, also those a sharded AdamW steps
         if self.attention is not None:
             self.attention.begin_step(step)
         if self.experts is not None:
@@ -235,7 +244,9 @@ class TrainWorker(Worker):
         for p in replicated + sharded:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        if replicated and self.topology.data_parallel > 1:
+        if self.zero is not None:
+            self.zero.reduce_gradients()
+        elif replicated and self.topology.data_parallel > 1:
             grads = [p.grad for p in replicated]
             flat = _flatten_dense_tensors(grads)
             dist.all_reduce(flat, group=self.dp_group)
@@ -246,6 +257,8 @@ class TrainWorker(Worker):
         grad_norm = self._clip_to_global_norm(replicated, sharded)
         set_lr(self.optimizer, lr)
         self.optimizer.step()
+        if self.zero is not None:
+            self.zero.step(lr)
         for layer, load_E in load.items():
             self.model.block(layer).moe.router.update_bias(load_E.to(self.device))
         attention = self.topology.attention_role(self.rank)
@@ -267,10 +280,15 @@ class TrainWorker(Worker):
         """Global L2 norm over all ranks (replicas counted once); scale every gradient like
         `torch.nn.utils.clip_grad_norm_` would on the whole model. Returns the norm before clipping."""
         attention = self.topology.attention_role(self.rank)
-        counted = sharded + (replicated if attention is None or attention[1] == 0 else [])
+        if self.zero is not None:  # each data-parallel rank counts its slice of the summed gradients
+            replicated, counted = [], sharded
+        else:
+            counted = sharded + (replicated if attention is None or attention[1] == 0 else [])
         squares = torch.zeros((), dtype=torch.float64, device=self.device)
         for p in counted:
             squares += self.replicas.squares(p)
+        if self.zero is not None:
+            squares += self.zero.squares()
         dist.all_reduce(squares, group=self.world_group)
         total = torch.tensor(math.sqrt(float(squares)), dtype=torch.float32)
         max_norm = self.cfg.optim.grad_clip
@@ -278,6 +296,8 @@ class TrainWorker(Worker):
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
             for p in replicated + sharded:
                 p.grad.mul_(coef.to(p.grad.device))
+            if self.zero is not None:
+                self.zero.scale_gradients(coef)
         return float(total)
 
     # -- checkpoints ---------------------------------------------------------------
@@ -286,14 +306,15 @@ class TrainWorker(Worker):
         """Write rank-<r>.pt under `directory`; None when this rank holds nothing unique."""
         attention = self.topology.attention_role(self.rank)
         include_replicated = attention is not None and attention[1] == 0
+        more = self.zero.state_by_name() if self.zero is not None else None  # collective over the DP group
         shard = rank_shard(self.model, self.optimizer, include_replicated,
-                           lambda layer, expert: self.topology.owner_ranks(layer, expert)[0] == self.rank)
+                           lambda layer, expert: self.topology.owner_ranks(layer, expert)[0] == self.rank, more)
         if not shard["model"]:
             return None
         return write_shard(Path(directory), f"rank-{self.rank:05d}.pt", shard)
 
     def load(self, directory: str) -> None:
-        load_rank_state(Path(directory), self.model, self.optimizer, self.model_cfg)
+        load_rank_state(Path(directory), self.model, self.optimizer, self.model_cfg, self.zero)
 
     def _release(self) -> None:
         """Close the watchdog, transport and collective groups of a previous `setup`, if any."""

@@ -29,6 +29,17 @@ def test_plan_json_is_a_plan():
         assert key in json.loads(r.stdout)
 
 
+def test_sharded_optimizer_states_let_deepseek_v3_take_a_faster_layout():
+    """128 H200s: with the attention side's AdamW moments split over data parallel (ZeRO-1) the
+    planner can afford fewer pipeline groups, and says what it assumed."""
+    args = ("plan", "--model", "deepseek-v3", "--hardware", "h200-sxm", "--gpus", "128", "--json")
+    plain = Plan.model_validate(json.loads(run(*args).stdout))
+    sharded = Plan.model_validate(json.loads(run(*args, "--shard-optimizer-states").stdout))
+    assert plain.feasible and sharded.feasible
+    assert sharded.step_time_s < plain.step_time_s and sharded.pipeline_groups < plain.pipeline_groups
+    assert any("ZeRO-1" in note for note in sharded.notes) and not any("ZeRO-1" in note for note in plain.notes)
+
+
 def test_plan_table_and_out_files(tmp_path):
     out = tmp_path / "plan.yaml"
     r = run("plan", "-m", "mixtral-8x7b", "-hw", "h200-sxm", "-n", "16", "--out", str(out))

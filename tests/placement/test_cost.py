@@ -7,7 +7,7 @@ import pytest
 from disagmoe.config import ClusterConfig, PlanConfig, load_hardware, load_model
 from disagmoe.placement.cost import Candidates, _pass_time, evaluate, expert_layout
 from disagmoe.placement.experts import imbalance, map_layer
-from disagmoe.placement.solver import problem_of, solve
+from disagmoe.placement.solver import price, problem_of, solve
 from disagmoe.roofline.params import expert_params
 
 
@@ -78,6 +78,31 @@ def test_replica_slots_are_priced_as_memory():
     assert slots.max() <= 128 // 8 + 1
     extra = float(spare.expert_params[0] - plain.expert_params[0])
     assert extra == m.num_moe_layers * expert_params(m)
+
+
+@pytest.mark.parametrize("colocated", [False, True])
+def test_sharded_optimizer_states_divide_the_attention_sides_state_over_data_parallel(colocated):
+    """ZeRO-1 replaces the 8 bytes of moments per replicated parameter with a 1/dp share of 12
+    (moments and the slice's fp32 copy); the expert side's memory does not change; the plan's
+    report says the same."""
+    m = load_model("qwen3-30b-a3b")
+
+    def cfg(shard):
+        return PlanConfig(model=m, cluster=ClusterConfig(hardware=load_hardware("h200-sxm"), num_gpus=16),
+                          seq_len=4096, shard_optimizer_states=shard)
+
+    one = Candidates.one(0, 16, 1, 2, 1, colocated=True) if colocated else Candidates.one(8, 8, 1, 2, 1)
+    plain, sharded = evaluate(problem_of(cfg(False)), one), evaluate(problem_of(cfg(True)), one)
+    dp = float(plain.dp[0])
+    saved = float(plain.attn_params[0]) * (8 - 12 / dp)
+    assert float(plain.attn_mem_bytes[0] - sharded.attn_mem_bytes[0]) == pytest.approx(saved, rel=1e-9)
+    if not colocated:
+        assert float(sharded.expert_mem_bytes[0]) == float(plain.expert_mem_bytes[0])
+    plan = price(cfg(True), one).plan
+    group = "colocated" if colocated else "attention"
+    report = plan.memory_per_gpu[group]
+    assert report.total_gib * 2**30 == pytest.approx(float(sharded.attn_mem_bytes[0]), rel=1e-9)
+    assert "ZeRO-1" in " ".join(plan.notes)
 
 
 def test_stages_repeat_over_the_layers_they_run_in():

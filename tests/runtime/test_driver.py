@@ -24,7 +24,7 @@ from disagmoe.cli.plan_cmd import build_request
 from disagmoe.config import OptimConfig, Plan, TrainConfig, load_model
 from disagmoe.placement.solver import colocated_candidates, price, solve
 from disagmoe.model import MoETransformer
-from disagmoe.runtime.checkpoint import checkpoint_dir, load_checkpoint, read_manifest
+from disagmoe.runtime.checkpoint import checkpoint_dir, load_checkpoint, read_manifest, read_shards
 from disagmoe.runtime.cluster import WorkerGroup
 from disagmoe.runtime.driver import DistributedTrainer, check_memory
 from disagmoe.runtime.failures import TrainingFailed
@@ -124,6 +124,11 @@ CASES = {
     "A2-E2-p2-m2-bias": dict(attention_ranks=2, expert_ranks=2, pipeline_groups=2, micro_batches=2,
                              bias_balancing=True),
     "colocated-2": dict(mode="colocated", colocated_ranks=2, micro_batches=2),
+    # ZeRO-1: AdamW's state of the replicated parameters split over the data-parallel group
+    "A2-E1-p1-m2-zero": dict(attention_ranks=2, expert_ranks=1, pipeline_groups=1, micro_batches=2,
+                             optim=OptimConfig(lr=3e-3, warmup_steps=2, weight_decay=0.1, shard_states=True)),
+    "colocated-3-zero": dict(mode="colocated", colocated_ranks=3, micro_batches=2, batch_size=6,
+                             optim=OptimConfig(lr=3e-3, warmup_steps=2, shard_states=True)),
     "colocated-3-bias": dict(mode="colocated", colocated_ranks=3, micro_batches=2, batch_size=6,
                              bias_balancing=True),
 }
@@ -219,6 +224,32 @@ def test_single_checkpoint_resumes_disaggregated_like_an_uninterrupted_run(warm,
     assert {e["file"] for e in read_manifest(final)["shards"]} == {"rank-00000.pt", "rank-00001.pt",
                                                                    "rank-00002.pt", "trainer.pt"}
     assert_same_parameters(model_from_checkpoint(resumed, final), uninterrupted_model)
+
+
+def test_sharded_optimizer_states_resume_from_and_save_to_the_common_format(warm, tmp_path):
+    """single (steps 1-3) -> ZeRO-1 disaggregated (4-5): the slices come from the single run's
+    checkpoint, and the final checkpoint gathers them back: the same moments as the oracle's."""
+    optim = OptimConfig(lr=3e-3, warmup_steps=2, weight_decay=0.1)
+    cfg = run_config(tmp_path / "single", "single", micro_batches=2, checkpoint_every=3, optim=optim)
+    uninterrupted, uninterrupted_model = oracle(cfg, tmp_path / "single")
+    resumed_dir = tmp_path / "resumed"
+    shutil.copytree(checkpoint_dir(tmp_path / "single" / CHECKPOINTS_DIR, 3),
+                    checkpoint_dir(resumed_dir / CHECKPOINTS_DIR, 3))
+    resumed = run_config(resumed_dir, "disaggregated", attention_ranks=2, expert_ranks=1, micro_batches=2,
+                         resume=True, optim=optim.model_copy(update={"shard_states": True}))
+    summary = run_on(warm, resumed)
+    assert_same_losses(read_metrics(resumed_dir / METRICS_FILE), uninterrupted[3:])
+    final = Path(summary.checkpoint_path)
+    assert_same_parameters(model_from_checkpoint(resumed, final), uninterrupted_model)
+    want = checkpoint_dir(tmp_path / "single" / CHECKPOINTS_DIR, STEPS)
+    got_optim, want_optim = ({k: s for f, shard in read_shards(d, read_manifest(d)).items() if f != "trainer.pt"
+                              for k, s in shard["optim"].items()} for d in (final, want))
+    assert got_optim.keys() == want_optim.keys()
+    for key, state in want_optim.items():
+        for name in ("exp_avg", "exp_avg_sq"):
+            ref = state[name]
+            assert torch.linalg.vector_norm(got_optim[key][name] - ref) <= TOLERANCE * torch.linalg.vector_norm(ref) + 1e-12
+        assert float(got_optim[key]["step"]) == float(state["step"]) == STEPS
 
 
 def test_a_hung_rank_is_named_and_the_run_resumes_in_another_layout(warm, tmp_path):

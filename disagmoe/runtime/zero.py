@@ -1,0 +1,139 @@
+"""AdamW state sharded over a data-parallel group (ZeRO stage 1), for the replicated parameters.
+
+Every attention rank of a data-parallel group holds the same non-expert parameters. Instead of
+each keeping AdamW's two fp32 moments for all of them, rank d of D keeps them for the d-th 1/D of
+the flattened parameters (one bucket for the decayed matrices, one for the undecayed gains): the
+gradients are reduce-scattered (summed) instead of all-reduced, the rank steps its slice, and the
+stepped slices are all-gathered back into every replica's parameters. AdamW is elementwise, so the
+step equals the unsharded one (up to the order of the gradient sum). Per replicated parameter a
+rank holds 4 (weights) + 4 (gradients) + 12/D (moments and the slice's fp32 copy) bytes, not 16.
+
+For checkpoints `state_by_name` gathers the moments back into the per-parameter form the
+layout-independent format stores (a collective: every rank of the group calls it), and
+`load_state_by_name` takes this rank's slice of such a state.
+
+Shapes: N a bucket's flattened length padded to a multiple of D, S = N / D (a rank's slice).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from disagmoe.config import OptimConfig
+
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class _Bucket:
+    """Parameters flattened in order into N elements; this rank's slice of them, as one parameter."""
+
+    def __init__(self, named: list[tuple[str, nn.Parameter]], weight_decay: float, rank: int, size: int) -> None:
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        self.weight_decay = weight_decay
+        self.numel = sum(p.numel() for p in self.params)
+        self.S = -(-self.numel // size)
+        self.rank, self.size = rank, size
+        self.shard = nn.Parameter(self._slice(self.flat([p.detach() for p in self.params])))
+
+    def flat(self, tensors: Iterable[torch.Tensor]) -> torch.Tensor:
+        """The tensors (one per parameter, in order) flattened and zero-padded to N = S * D."""
+        flat_N = torch.cat([t.reshape(-1).float() for t in tensors])
+        return torch.nn.functional.pad(flat_N, (0, self.S * self.size - self.numel))
+
+    def _slice(self, flat_N: torch.Tensor) -> torch.Tensor:
+        return flat_N[self.rank * self.S:(self.rank + 1) * self.S].clone()
+
+    def unflat(self, flat_N: torch.Tensor) -> list[torch.Tensor]:
+        """The inverse of `flat`: one tensor per parameter, shaped like it."""
+        parts = flat_N[:self.numel].split([p.numel() for p in self.params])
+        return [part.view_as(p) for part, p in zip(parts, self.params, strict=True)]
+
+    def gather(self, shard_S: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        flat_N = torch.empty(self.S * self.size, dtype=shard_S.dtype, device=shard_S.device)
+        _all_gather(flat_N, shard_S.contiguous(), group=group)
+        return flat_N
+
+
+class ShardedAdamW:
+    """AdamW over the replicated parameters with its state split over the data-parallel group."""
+
+    def __init__(self, named_params: Iterable[tuple[str, nn.Parameter]], optim: OptimConfig,
+                 group: dist.ProcessGroup, rank: int, size: int) -> None:
+        named = [(n, p) for n, p in named_params if p.requires_grad]
+        self.group, self.rank, self.size = group, rank, size
+        decay = [(n, p) for n, p in named if p.ndim >= 2]
+        no_decay = [(n, p) for n, p in named if p.ndim < 2]
+        self.buckets = [_Bucket(part, wd, rank, size)
+                        for part, wd in ((decay, optim.weight_decay), (no_decay, 0.0)) if part]
+        self.inner = torch.optim.AdamW(
+            [{"params": [b.shard], "weight_decay": b.weight_decay} for b in self.buckets],
+            lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps)
+
+    def reduce_gradients(self) -> None:
+        """Sum the replicas' gradients, each rank receiving its slice's sum (missing grads: 0)."""
+        for b in self.buckets:
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
+            b.shard.grad = torch.empty_like(b.shard)
+            _reduce_scatter(b.shard.grad, b.flat(grads), group=self.group)
+
+    def squares(self) -> torch.Tensor:
+        """float64 sum of squares of this rank's gradient slices (the group's add up to the whole)."""
+        total = torch.zeros((), dtype=torch.float64, device=self.buckets[0].shard.device)
+        for b in self.buckets:
+            total += torch.linalg.vector_norm(b.shard.grad).double() ** 2
+        return total
+
+    def scale_gradients(self, coef: torch.Tensor) -> None:
+        for b in self.buckets:
+            b.shard.grad.mul_(coef.to(b.shard.grad.device))
+
+    def step(self, lr: float) -> None:
+        """AdamW on this rank's slices, then every replica's parameters from all slices."""
+        for g in self.inner.param_groups:
+            g["lr"] = lr
+        self.inner.step()
+        with torch.no_grad():
+            for b in self.buckets:
+                for p, value in zip(b.params, b.unflat(b.gather(b.shard.detach(), self.group)), strict=True):
+                    p.copy_(value)
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def state_by_name(self) -> dict[str, dict[str, torch.Tensor]]:
+        """AdamW's per-parameter state (step, exp_avg, exp_avg_sq) of every replicated parameter,
+        gathered from the group's slices (collective). Empty before the first step."""
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        for b in self.buckets:
+            state = self.inner.state.get(b.shard)
+            if not state:
+                continue
+            moments = {k: b.unflat(b.gather(state[k], self.group)) for k in ("exp_avg", "exp_avg_sq")}
+            for i, name in enumerate(b.names):
+                out[name] = {"step": state["step"].clone(), "exp_avg": moments["exp_avg"][i].clone(),
+                             "exp_avg_sq": moments["exp_avg_sq"][i].clone()}
+        return out
+
+    def load_state_by_name(self, by_name: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Take this rank's slice of a per-parameter state (as `state_by_name` returns) and the
+        slice of the current parameters (load the model first)."""
+        with torch.no_grad():
+            for b in self.buckets:
+                b.shard.copy_(b._slice(b.flat([p.detach() for p in b.params])))
+                if not all(n in by_name for n in b.names):
+                    missing = [n for n in b.names if n not in by_name]
+                    if len(missing) == len(b.names):
+                        continue  # saved before any step: no moments yet
+                    raise ValueError(f"the checkpoint has optimizer state for some but not all replicated "
+                                     f"parameters (missing e.g. {missing[:3]})")
+                device = b.shard.device
+                state = {"step": by_name[b.names[0]]["step"].clone()}
+                for k in ("exp_avg", "exp_avg_sq"):
+                    full = b.flat([by_name[n][k].to(device) for n in b.names])
+                    state[k] = b._slice(full)
+                self.inner.state[b.shard] = state
