@@ -53,12 +53,23 @@ def step_timeout_s(cfg: TrainConfig) -> float:
     return 4 * cfg.recv_timeout_s + 60.0
 
 
+def training_state_bytes(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topology, rank: int) -> tuple[int, float]:
+    """(parameters, bytes of fp32 weights, gradients and AdamW moments) of one rank: 16 bytes per
+    parameter, or with `optim.shard_states` 8 + 12 / D per replicated one (ZeRO-1 over D ranks)."""
+    named = list(rank_model(model_cfg, cfg.experts_backend, topology, rank).named_parameters())
+    params = sum(p.numel() for _, p in named)
+    replicated = sum(p.numel() for n, p in named if ".moe.experts." not in n)
+    dp = topology.data_parallel
+    if not (cfg.optim.shard_states and topology.attention_role(rank) is not None and dp > 1):
+        return params, params * TRAINING_BYTES_PER_PARAM
+    return params, (params - replicated) * TRAINING_BYTES_PER_PARAM + replicated * (8 + 12 / dp)
+
+
 def check_memory(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topology, capacity_bytes: float) -> None:
-    """ValueError naming the first rank whose parameters, gradients and AdamW moments (fp32:
-    16 bytes per parameter; activations not counted) exceed one device's memory."""
+    """ValueError naming the first rank whose parameters, gradients and AdamW moments (fp32;
+    activations not counted; `training_state_bytes`) exceed one device's memory."""
     for rank in range(topology.world_size):
-        params = sum(p.numel() for p in rank_model(model_cfg, cfg.experts_backend, topology, rank).parameters())
-        need = params * TRAINING_BYTES_PER_PARAM
+        params, need = training_state_bytes(cfg, model_cfg, topology, rank)
         if need > capacity_bytes:
             raise ValueError(
                 f"rank {rank} ({topology.describe(rank)}) holds {params:,} parameters: "

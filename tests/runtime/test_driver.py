@@ -26,7 +26,7 @@ from disagmoe.placement.solver import colocated_candidates, price, solve
 from disagmoe.model import MoETransformer
 from disagmoe.runtime.checkpoint import checkpoint_dir, load_checkpoint, read_manifest, read_shards
 from disagmoe.runtime.cluster import WorkerGroup
-from disagmoe.runtime.driver import DistributedTrainer, check_memory
+from disagmoe.runtime.driver import DistributedTrainer, check_memory, training_state_bytes
 from disagmoe.runtime.failures import TrainingFailed
 from disagmoe.runtime.metrics import read_metrics
 from disagmoe.runtime.optim import build_optimizer
@@ -332,3 +332,17 @@ def test_a_rank_whose_training_state_exceeds_the_device_is_refused(tmp_path):
     check_memory(cfg, cfg.model, topology, capacity_bytes=1e9)  # the tiny model fits anywhere
     with pytest.raises(ValueError, match=r"rank 0 \(A0.0\) holds [\d,]+ parameters: .* on a 0.0 GiB device"):
         check_memory(cfg, cfg.model, topology, capacity_bytes=1e6)
+
+
+def test_sharded_optimizer_states_count_a_share_of_the_moments_per_attention_rank(tmp_path):
+    plain = run_config(tmp_path / "run", "disaggregated", attention_ranks=2, expert_ranks=1, micro_batches=2)
+    sharded = plain.model_copy(update={"optim": plain.optim.model_copy(update={"shard_states": True})})
+    topology = Topology.from_config(plain, plain.model)
+    for rank in range(topology.world_size):
+        params, plain_bytes = training_state_bytes(plain, plain.model, topology, rank)
+        _, sharded_bytes = training_state_bytes(sharded, sharded.model, topology, rank)
+        assert plain_bytes == 16 * params
+        if topology.attention_role(rank) is None:  # the expert rank keeps its whole state
+            assert sharded_bytes == plain_bytes
+        else:  # 16 -> 8 + 12 / 2 bytes per replicated parameter (the attention ranks hold no experts)
+            assert sharded_bytes == pytest.approx(14 * params)
