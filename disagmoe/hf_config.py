@@ -37,13 +37,14 @@ def rope_scaling(data: dict[str, Any], source: str) -> dict[str, Any] | None:
                          "rope_scaling from config.json to load the weights with plain RoPE (logits will differ "
                          "from the scaled model's)")
     original = rope.get("original_max_position_embeddings") or data.get("max_position_embeddings")
-    if not original:
-        raise ValueError(f"{source}: yarn RoPE scaling needs original_max_position_embeddings")
-    factor = rope.get("factor") or data["max_position_embeddings"] / original
+    factor = rope.get("factor") or (data.get("max_position_embeddings") or 0) / (original or 1)
+    if not original or not factor:
+        raise ValueError(f"{source}: yarn RoPE scaling needs original_max_position_embeddings and a factor "
+                         "(or max_position_embeddings to derive it from)")
     scaling = dict(factor=factor, original_max_position_embeddings=original,
                    beta_fast=rope.get("beta_fast") or 32.0, beta_slow=rope.get("beta_slow") or 1.0,
                    mscale=rope.get("mscale"), mscale_all_dim=rope.get("mscale_all_dim"),
-                   attention_factor=rope.get("attention_factor"), truncate=rope.get("truncate", True))
+                   attention_factor=rope.get("attention_factor"), truncate=rope.get("truncate") is not False)
     return scaling
 
 

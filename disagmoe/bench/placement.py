@@ -22,6 +22,7 @@ from disagmoe.bench.train import mean_busy, median_step
 from disagmoe.config import ClusterConfig, PlanConfig, TrainConfig, load_hardware, load_model
 from disagmoe.placement.cost import Candidates
 from disagmoe.placement.solver import price
+from disagmoe.runtime.failures import TrainingInterrupted
 from disagmoe.runtime.loop import METRICS_FILE
 from disagmoe.runtime.metrics import read_metrics
 
@@ -48,12 +49,13 @@ class Layout:
         return f"{self.attention}A+{self.experts}E m={self.micro_batches}"
 
     def config(self, cfg: TrainConfig, steps: int, out_dir: Path) -> TrainConfig:
-        """`cfg` with this layout, `steps` steps, no trace, eval or intermediate checkpoints."""
+        """`cfg` with this layout, `steps` steps, no trace or eval, only the final checkpoint."""
         layout = (dict(mode="colocated", colocated_ranks=self.experts) if self.colocated else
                   dict(mode="disaggregated", attention_ranks=self.attention, expert_ranks=self.experts))
         return cfg.model_copy(update=dict(**layout, micro_batches=self.micro_batches, pipeline_groups=1,
                                           plan=None, steps=steps, out_dir=str(out_dir / str(self).replace(" ", "-")),
-                                          trace=False, resume=False, checkpoint_every=0, eval_every=0))
+                                          trace=False, resume=False, checkpoint_every=0, checkpoint_minutes=0,
+                                          keep_checkpoints=1, eval_every=0))
 
 
 def layouts(cfg: TrainConfig, gpus: int, micro_batches: list[int]) -> list[Layout]:
@@ -104,6 +106,8 @@ def measure(cfg: TrainConfig, layout: Layout, steps: int, warmup: int, out_dir: 
     lcfg = layout.config(cfg, steps, out_dir)
     try:
         DistributedTrainer(lcfg).run()
+    except TrainingInterrupted:
+        raise  # the user stopped the sweep
     except Exception as err:  # a layout that cannot run is a finding, not the end of the sweep
         return {"error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"}
     records = read_metrics(Path(lcfg.out_dir) / METRICS_FILE)
@@ -140,12 +144,14 @@ def summarise(rows: list[dict]) -> dict:
         r.update(prediction_error=r["predicted_step_s"] / r["measured_step_s"] - 1,
                  predicted_rank=predicted_rank, measured_rank=measured_rank)
     best = min(ran, key=lambda r: r["measured_step_s"])
-    pick = min((r for r in ran if r["fits"]), key=lambda r: r["predicted_step_s"], default=None)
+    pick = min((r for r in rows if r["fits"]), key=lambda r: r["predicted_step_s"], default=None)
+    pick_ran = pick is not None and "measured_step_s" in pick
     return {
         "layouts_run": len(ran),
         "planner_pick": None if pick is None else pick["layout"],
+        "planner_pick_ran": pick_ran,
         "best_measured": best["layout"],
-        "pick_vs_best": None if pick is None else pick["measured_step_s"] / best["measured_step_s"] - 1,
+        "pick_vs_best": pick["measured_step_s"] / best["measured_step_s"] - 1 if pick_ran else None,
         "rank_correlation": spearman(predicted, measured),
         "mean_abs_prediction_error": statistics.fmean(abs(r["prediction_error"]) for r in ran),
     }
@@ -154,6 +160,8 @@ def summarise(rows: list[dict]) -> dict:
 def run(cfg: TrainConfig, gpus: int, micro_batches: list[int], steps: int, warmup: int,
         log: Callable[[str], None]) -> dict:
     """Price and train every layout (module docstring); the rows and the summary."""
+    if warmup >= steps:
+        raise ValueError(f"--warmup {warmup} leaves no timed step of --steps {steps}; time more steps than warm-up")
     request = plan_request(cfg, gpus)
     todo = layouts(cfg, gpus, micro_batches)
     rows = []

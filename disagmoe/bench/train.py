@@ -29,7 +29,7 @@ def mode_config(cfg: TrainConfig, mode: str, steps: int, out_dir: Path) -> Train
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
     update = dict(mode=mode, steps=steps, out_dir=str(out_dir / mode), trace=False, resume=False,
-                  checkpoint_every=0, eval_every=0)
+                  checkpoint_every=0, checkpoint_minutes=0, keep_checkpoints=1, eval_every=0)
     if mode == "colocated":
         update["colocated_ranks"] = cfg.attention_ranks + cfg.expert_ranks
     return cfg.model_copy(update=update)

@@ -250,7 +250,11 @@ def placement(
     console.print(table)
     if s["layouts_run"]:
         correlation = "-" if s["rank_correlation"] is None else f"{s['rank_correlation']:.2f}"
-        pick = ("none (no layout it prices fits)" if s["planner_pick"] is None else
-                f"{s['planner_pick']}, {s['pick_vs_best']:+.1%} against the best measured ({s['best_measured']})")
+        if s["planner_pick"] is None:
+            pick = "none (no layout it prices fits)"
+        elif not s["planner_pick_ran"]:
+            pick = f"{s['planner_pick']}, which failed to run (best measured: {s['best_measured']})"
+        else:
+            pick = f"{s['planner_pick']}, {s['pick_vs_best']:+.1%} against the best measured ({s['best_measured']})"
         console.print(f"planner's pick: {pick}; rank correlation {correlation}; mean |prediction error| "
                       f"{s['mean_abs_prediction_error']:.0%}")

@@ -43,14 +43,20 @@ from disagmoe.roofline.stages import BF16, FP32, Work
 
 WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = 2 + 4, 4, 8  # bf16 copy + fp32 master; fp32; AdamW m, v
 BYTES_PER_PARAM = WEIGHT_BYTES + GRAD_BYTES + OPTIMIZER_BYTES
-SHARDED_STATE_BYTES = OPTIMIZER_BYTES + 4  # ZeRO-1: moments + the slice's fp32 copy, split over dp
+SHARDED_STATE_BYTES = OPTIMIZER_BYTES + 4  # ZeRO-1: moments and the slice's summed grad, split over dp
+
+
+def sharded_state_bytes(dp: np.ndarray | float, shard_optimizer: bool) -> np.ndarray | float:
+    """AdamW state bytes per replicated (attention-side) parameter on one GPU of a data-parallel
+    group of `dp`: all of it, or with ZeRO-1 a 1/dp share (the runtime shards only when dp > 1)."""
+    if not shard_optimizer:
+        return OPTIMIZER_BYTES + 0 * dp
+    return np.where(np.asarray(dp) > 1, SHARDED_STATE_BYTES / np.maximum(dp, 1), OPTIMIZER_BYTES)
 
 
 def attention_bytes_per_param(dp: np.ndarray | float, shard_optimizer: bool) -> np.ndarray | float:
     """Bytes per replicated (attention-side) parameter on one GPU of a data-parallel group of `dp`."""
-    if not shard_optimizer:
-        return BYTES_PER_PARAM + 0 * dp
-    return WEIGHT_BYTES + GRAD_BYTES + SHARDED_STATE_BYTES / dp
+    return WEIGHT_BYTES + GRAD_BYTES + sharded_state_bytes(dp, shard_optimizer)
 GIB = 2.0**30
 
 

@@ -21,13 +21,13 @@ from disagmoe.placement.cost import (
     GIB,
     GRAD_BYTES,
     OPTIMIZER_BYTES,
-    SHARDED_STATE_BYTES,
     WEIGHT_BYTES,
     Candidates,
     Cost,
     Problem,
     colocated_ep,
     evaluate,
+    sharded_state_bytes,
 )
 from disagmoe.placement.experts import imbalance, map_layer
 from disagmoe.roofline import report
@@ -266,8 +266,7 @@ def _expert_map(cfg: PlanConfig, c: Candidates) -> tuple[list[list[list[int]]], 
 
 
 def _memory(cost: Cost, prob: Problem, disaggregated: bool) -> dict[str, MemoryEstimate]:
-    dp = float(cost.dp[0])
-    attn_state = SHARDED_STATE_BYTES / dp if prob.shard_optimizer else OPTIMIZER_BYTES
+    attn_state = float(sharded_state_bytes(float(cost.dp[0]), prob.shard_optimizer))
 
     def estimate(attn_params: float, exp_params: float, act: float) -> MemoryEstimate:
         params = attn_params + exp_params

@@ -108,9 +108,19 @@ def from_keyed(keyed: dict[TensorKey, torch.Tensor]) -> dict[str, torch.Tensor]:
     return plain
 
 
+# Model settings added after checkpoints were first written: left out of the fingerprint while
+# unset, so checkpoints written before they existed keep loading.
+LATER_FIELDS = ("rope_scaling",)
+
+
+def _fingerprinted(model_cfg: ModelConfig) -> dict[str, Any]:
+    dump = model_cfg.model_dump(mode="json")
+    return {k: v for k, v in dump.items() if not (k in LATER_FIELDS and v is None)}
+
+
 def model_fingerprint(model_cfg: ModelConfig) -> str:
     """sha256 of the model config: a checkpoint only loads into the model it was written from."""
-    canonical = json.dumps(model_cfg.model_dump(mode="json"), sort_keys=True)
+    canonical = json.dumps(_fingerprinted(model_cfg), sort_keys=True)
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
@@ -198,15 +208,19 @@ def latest_checkpoint(root: Path) -> Path | None:
     return done[-1] if done else None
 
 
-def prune_checkpoints(root: Path, keep: int) -> list[Path]:
-    """Delete all but the `keep` newest complete checkpoints under `root` (keep = 0: none);
-    returns what was deleted. Incomplete ones (no manifest) are left to the writer that owns them."""
+def prune_checkpoints(root: Path, keep: int, newest: Path) -> list[Path]:
+    """Delete complete checkpoints older than `newest` (the one just written) beyond the `keep`
+    newest up to it (keep = 0: none); returns what was deleted. Later steps (an earlier run's, in a
+    reused out_dir) and incomplete ones are left alone. Each goes out of sight (renamed) before it
+    is deleted, so an interrupted deletion never leaves a complete-looking partial checkpoint."""
     if keep <= 0:
         return []
-    done = sorted(p for p in root.glob("step-*") if (p / MANIFEST).is_file())
+    done = sorted(p for p in root.glob("step-*") if (p / MANIFEST).is_file() and p.name <= newest.name)
     old = done[:-keep]
     for directory in old:
-        shutil.rmtree(directory)
+        doomed = directory.with_name(f".{directory.name}.deleting")
+        directory.rename(doomed)
+        shutil.rmtree(doomed)
     return old
 
 

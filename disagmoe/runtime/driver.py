@@ -55,7 +55,8 @@ def step_timeout_s(cfg: TrainConfig) -> float:
 
 def training_state_bytes(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topology, rank: int) -> tuple[int, float]:
     """(parameters, bytes of fp32 weights, gradients and AdamW moments) of one rank: 16 bytes per
-    parameter, or with `optim.shard_states` 8 + 12 / D per replicated one (ZeRO-1 over D ranks)."""
+    parameter, or with `optim.shard_states` 8 + 12 / D per replicated one (ZeRO-1 over D ranks:
+    the moments and the slice's summed gradient)."""
     named = list(rank_model(model_cfg, cfg.experts_backend, topology, rank).named_parameters())
     params = sum(p.numel() for _, p in named)
     replicated = sum(p.numel() for n, p in named if ".moe.experts." not in n)

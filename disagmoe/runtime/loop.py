@@ -104,7 +104,7 @@ class TrainingLoop:
     def _checkpoint(self) -> Path:
         """`save`, then delete all but the newest `keep_checkpoints`."""
         checkpoint = self.save()
-        prune_checkpoints(checkpoint.parent, self.cfg.keep_checkpoints)
+        prune_checkpoints(checkpoint.parent, self.cfg.keep_checkpoints, checkpoint)
         return checkpoint
 
     def _run(self, on_step: StepCallback | None) -> TrainSummary:

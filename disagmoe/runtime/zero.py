@@ -5,12 +5,14 @@ each keeping AdamW's two fp32 moments for all of them, rank d of D keeps them fo
 the flattened parameters (one bucket for the decayed matrices, one for the undecayed gains): the
 gradients are reduce-scattered (summed) instead of all-reduced, the rank steps its slice, and the
 stepped slices are all-gathered back into every replica's parameters. AdamW is elementwise, so the
-step equals the unsharded one (up to the order of the gradient sum). Per replicated parameter a
-rank holds 4 (weights) + 4 (gradients) + 12/D (moments and the slice's fp32 copy) bytes, not 16.
+step equals the unsharded one (up to the order of the gradient sum). The parameters are re-seated
+as views of one flat buffer per bucket, so a rank's slice is stepped in place, without a copy.
+Per replicated parameter a rank holds 4 (weights) + 4 (gradients) + 12/D (moments and the slice's
+summed gradient) bytes, not 16; a flat gradient buffer (4 bytes) lives during the reduce-scatter.
 
-For checkpoints `state_by_name` gathers the moments back into the per-parameter form the
-layout-independent format stores (a collective: every rank of the group calls it), and
-`load_state_by_name` takes this rank's slice of such a state.
+For checkpoints `state_by_name` gathers the moments, in chunks, onto the CPU of data-parallel
+index 0 in the per-parameter form the layout-independent format stores (a collective: every rank
+of the group calls it), and `load_state_by_name` takes this rank's slice of such a state.
 
 Shapes: N a bucket's flattened length padded to a multiple of D, S = N / D (a rank's slice).
 """
@@ -27,10 +29,12 @@ from disagmoe.config import OptimConfig
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+GATHER_CHUNK = 1 << 24  # elements per rank per collective when gathering moments for a checkpoint
 
 
 class _Bucket:
-    """Parameters flattened in order into N elements; this rank's slice of them, as one parameter."""
+    """Parameters re-seated as consecutive views of one flat fp32 buffer of N elements; this
+    rank's slice of the buffer, as one parameter (a view: stepping it steps the parameters)."""
 
     def __init__(self, named: list[tuple[str, nn.Parameter]], weight_decay: float, rank: int, size: int) -> None:
         self.names = [n for n, _ in named]
@@ -39,25 +43,40 @@ class _Bucket:
         self.numel = sum(p.numel() for p in self.params)
         self.S = -(-self.numel // size)
         self.rank, self.size = rank, size
-        self.shard = nn.Parameter(self._slice(self.flat([p.detach() for p in self.params])))
+        first = self.params[0]
+        self.flat_N = torch.zeros(self.S * size, dtype=first.dtype, device=first.device)
+        offset = 0
+        with torch.no_grad():
+            for p in self.params:
+                view = self.flat_N[offset:offset + p.numel()].view_as(p)
+                view.copy_(p)
+                p.data = view
+                offset += p.numel()
+        self.shard = nn.Parameter(self.flat_N[rank * self.S:(rank + 1) * self.S])
 
     def flat(self, tensors: Iterable[torch.Tensor]) -> torch.Tensor:
         """The tensors (one per parameter, in order) flattened and zero-padded to N = S * D."""
         flat_N = torch.cat([t.reshape(-1).float() for t in tensors])
         return torch.nn.functional.pad(flat_N, (0, self.S * self.size - self.numel))
 
-    def _slice(self, flat_N: torch.Tensor) -> torch.Tensor:
-        return flat_N[self.rank * self.S:(self.rank + 1) * self.S].clone()
-
     def unflat(self, flat_N: torch.Tensor) -> list[torch.Tensor]:
         """The inverse of `flat`: one tensor per parameter, shaped like it."""
         parts = flat_N[:self.numel].split([p.numel() for p in self.params])
         return [part.view_as(p) for part, p in zip(parts, self.params, strict=True)]
 
-    def gather(self, shard_S: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        flat_N = torch.empty(self.S * self.size, dtype=shard_S.dtype, device=shard_S.device)
-        _all_gather(flat_N, shard_S.contiguous(), group=group)
-        return flat_N
+    def gather_to_cpu(self, shard_S: torch.Tensor, group: dist.ProcessGroup, keep: bool) -> torch.Tensor | None:
+        """Every rank's slice of a bucket-shaped tensor, assembled on the CPU of a rank that
+        `keep`s it (the others only take part), in chunks so the device holds little extra."""
+        full_N = torch.empty(self.S * self.size, dtype=shard_S.dtype) if keep else None
+        for start in range(0, self.S, GATHER_CHUNK):
+            n = min(GATHER_CHUNK, self.S - start)
+            chunks_Dn = torch.empty(self.size * n, dtype=shard_S.dtype, device=shard_S.device)
+            _all_gather(chunks_Dn, shard_S[start:start + n].contiguous(), group=group)
+            if full_N is not None:
+                chunks_Dn = chunks_Dn.view(self.size, n).cpu()
+                for r in range(self.size):
+                    full_N[r * self.S + start:r * self.S + start + n] = chunks_Dn[r]
+        return full_N
 
 
 class ShardedAdamW:
@@ -94,46 +113,47 @@ class ShardedAdamW:
             b.shard.grad.mul_(coef.to(b.shard.grad.device))
 
     def step(self, lr: float) -> None:
-        """AdamW on this rank's slices, then every replica's parameters from all slices."""
+        """AdamW on this rank's slices (views of the parameters), then every slice to every rank."""
         for g in self.inner.param_groups:
             g["lr"] = lr
         self.inner.step()
         with torch.no_grad():
             for b in self.buckets:
-                for p, value in zip(b.params, b.unflat(b.gather(b.shard.detach(), self.group)), strict=True):
-                    p.copy_(value)
+                _all_gather(b.flat_N, b.shard.detach().clone(), group=self.group)
 
     # -- checkpoints ---------------------------------------------------------------------------
 
     def state_by_name(self) -> dict[str, dict[str, torch.Tensor]]:
         """AdamW's per-parameter state (step, exp_avg, exp_avg_sq) of every replicated parameter,
-        gathered from the group's slices (collective). Empty before the first step."""
+        on the CPU of data-parallel index 0, which writes it; empty elsewhere and before the first
+        step. A collective: every rank of the group calls it."""
         out: dict[str, dict[str, torch.Tensor]] = {}
+        keep = self.rank == 0
         for b in self.buckets:
             state = self.inner.state.get(b.shard)
             if not state:
                 continue
-            moments = {k: b.unflat(b.gather(state[k], self.group)) for k in ("exp_avg", "exp_avg_sq")}
-            for i, name in enumerate(b.names):
-                out[name] = {"step": state["step"].clone(), "exp_avg": moments["exp_avg"][i].clone(),
-                             "exp_avg_sq": moments["exp_avg_sq"][i].clone()}
+            moments = {k: b.gather_to_cpu(state[k], self.group, keep) for k in ("exp_avg", "exp_avg_sq")}
+            if keep:
+                avg, avg_sq = b.unflat(moments["exp_avg"]), b.unflat(moments["exp_avg_sq"])
+                for name, m1, m2 in zip(b.names, avg, avg_sq, strict=True):
+                    out[name] = {"step": state["step"].detach().cpu().clone(), "exp_avg": m1.clone(),
+                                 "exp_avg_sq": m2.clone()}
         return out
 
     def load_state_by_name(self, by_name: dict[str, dict[str, torch.Tensor]]) -> None:
-        """Take this rank's slice of a per-parameter state (as `state_by_name` returns) and the
-        slice of the current parameters (load the model first)."""
+        """Take this rank's slice of a per-parameter state (as `state_by_name` returns; flattened
+        on the CPU, only the slice goes to the device)."""
         with torch.no_grad():
             for b in self.buckets:
-                b.shard.copy_(b._slice(b.flat([p.detach() for p in b.params])))
                 if not all(n in by_name for n in b.names):
                     missing = [n for n in b.names if n not in by_name]
                     if len(missing) == len(b.names):
                         continue  # saved before any step: no moments yet
                     raise ValueError(f"the checkpoint has optimizer state for some but not all replicated "
                                      f"parameters (missing e.g. {missing[:3]})")
-                device = b.shard.device
-                state = {"step": by_name[b.names[0]]["step"].clone()}
+                state = {"step": by_name[b.names[0]]["step"].detach().cpu().clone()}
                 for k in ("exp_avg", "exp_avg_sq"):
-                    full = b.flat([by_name[n][k].to(device) for n in b.names])
-                    state[k] = b._slice(full)
+                    full_N = b.flat([by_name[n][k].detach().cpu() for n in b.names])
+                    state[k] = full_N[b.rank * b.S:(b.rank + 1) * b.S].to(b.shard.device)
                 self.inner.state[b.shard] = state

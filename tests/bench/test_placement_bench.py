@@ -45,6 +45,14 @@ def test_predictions_come_from_the_planners_cost_model():
         plan_request(TrainConfig(model="tiny", batch_size=8, hardware=None), 3)
 
 
+def test_a_warmup_that_leaves_nothing_to_time_is_refused_before_any_run():
+    from disagmoe.bench.placement import run
+
+    cfg = TrainConfig(model="tiny", batch_size=8, hardware="h200-sxm")
+    with pytest.raises(ValueError, match="--warmup 4 leaves no timed step of --steps 4"):
+        run(cfg, 2, [2], steps=4, warmup=4, log=print)
+
+
 def test_ranks_and_rank_correlation():
     assert ranks_of([3.0, 1.0, 2.0]) == [3, 1, 2]
     assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == 1.0
@@ -59,11 +67,15 @@ def test_summary_compares_the_planners_pick_with_the_best_measured():
             {"layout": "colocated 4 m=2", "predicted_step_s": 3.0, "fits": True, "error": "RuntimeError: OOM"}]
     s = summarise(rows)
     assert s["layouts_run"] == 3 and s["planner_pick"] == "1A+3E m=2" and s["best_measured"] == "2A+2E m=2"
+    assert s["planner_pick_ran"]
     assert s["pick_vs_best"] == pytest.approx(0.1)
     assert rows[0]["prediction_error"] == pytest.approx(1.0 / 2.2 - 1)
     assert [r.get("predicted_rank") for r in rows] == [2, 3, 1, None]
     assert [r.get("measured_rank") for r in rows] == [2, 1, 3, None]
     assert summarise([rows[3]]) == {"layouts_run": 0}
+    failed_pick = [{**rows[1]}, {"layout": "3A+1E m=2", "predicted_step_s": 0.1, "fits": True, "error": "OOM"}]
+    s = summarise(failed_pick)
+    assert s["planner_pick"] == "3A+1E m=2" and not s["planner_pick_ran"] and s["pick_vs_best"] is None
 
 
 def test_cli_sweeps_the_layouts_of_two_cpu_ranks(tmp_path):

@@ -122,6 +122,10 @@ def test_the_published_deepseek_v3_rope_scaling_maps_to_yarn():
     assert preset is not None and preset.model_dump() == {**rope_scaling(published, "config.json"), "type": "yarn"}
     with pytest.raises(ValueError, match="RoPE scaling 'dynamic' is not implemented"):
         rope_scaling({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "config.json")
+    with pytest.raises(ValueError, match="needs original_max_position_embeddings and a factor"):
+        rope_scaling({"rope_scaling": {"type": "yarn"}}, "config.json")
+    assert rope_scaling({"max_position_embeddings": 64, "rope_scaling": {
+        "type": "yarn", "original_max_position_embeddings": 16, "truncate": None}}, "config.json")["truncate"]
 
 
 def test_sharded_checkpoints_load(tokens, tmp_path):

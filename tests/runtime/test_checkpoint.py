@@ -116,3 +116,17 @@ def test_latest_ignores_checkpoints_without_a_manifest(tmp_path):
     later = save_checkpoint(tmp_path, model, optimizer, cfg, TrainerState.capture(step=4))
     (later / MANIFEST).unlink()  # as if the writer died before the manifest
     assert latest_checkpoint(tmp_path) == done
+
+
+def test_fingerprints_of_checkpoints_written_before_rope_scaling_existed_still_match():
+    import hashlib
+    import json
+
+    from disagmoe.config import load_model
+    from disagmoe.runtime.checkpoint import model_fingerprint
+
+    cfg = load_model("tiny")
+    before = {k: v for k, v in cfg.model_dump(mode="json").items() if k != "rope_scaling"}
+    assert model_fingerprint(cfg) == hashlib.sha256(json.dumps(before, sort_keys=True).encode()).hexdigest()
+    assert model_fingerprint(load_model("deepseek-v3")) != model_fingerprint(
+        load_model("deepseek-v3").model_copy(update={"rope_scaling": None}))

@@ -40,6 +40,14 @@ def test_only_the_newest_checkpoints_are_kept(tmp_path):
     assert steps_saved(keep_all) == [2, 4, 6]
 
 
+def test_a_fresh_run_in_a_reused_out_dir_keeps_its_own_checkpoints(tmp_path):
+    old = run_config(tmp_path, steps=6, checkpoint_every=1, keep_checkpoints=0)
+    train_single(old)  # steps 1..6 saved
+    summary = train_single(run_config(tmp_path, steps=2, checkpoint_every=1, keep_checkpoints=1))
+    assert Path(summary.checkpoint_path).is_dir() and Path(summary.checkpoint_path).name == "step-00000002"
+    assert steps_saved(old) == [2, 3, 4, 5, 6]  # the old run's later steps are not this run's to delete
+
+
 def test_checkpoints_come_when_the_minutes_have_passed(tmp_path, monkeypatch):
     clock = iter(float(60 * t) for t in (0, 1, 2, 4, 5, 7, 8, 9, 10, 11))  # minutes, read once per step
     monkeypatch.setattr(loop_mod, "_clock", lambda: next(clock))
