@@ -90,9 +90,21 @@ class ShardedAdamW:
         no_decay = [(n, p) for n, p in named if p.ndim < 2]
         self.buckets = [_Bucket(part, wd, rank, size)
                         for part, wd in ((decay, optim.weight_decay), (no_decay, 0.0)) if part]
+        self._check_same_buckets(named[0][1].device)
         self.inner = torch.optim.AdamW(
             [{"params": [b.shard], "weight_decay": b.weight_decay} for b in self.buckets],
             lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps)
+
+    def _check_same_buckets(self, device: torch.device) -> None:
+        """Every rank of the group must flatten the same parameters, or the slices would not line
+        up (a hang or silently wrong sums); compare the bucket sizes once, up front."""
+        sizes = torch.tensor([b.numel for b in self.buckets] + [0] * (2 - len(self.buckets)), device=device)
+        every = torch.empty(self.size * 2, dtype=sizes.dtype, device=device)
+        _all_gather(every, sizes, group=self.group)
+        per_rank = every.view(self.size, 2).tolist()
+        if any(row != per_rank[0] for row in per_rank):
+            raise ValueError(f"the data-parallel group's ranks hold different replicated parameters (bucket "
+                             f"sizes per rank: {per_rank}); ZeRO-1 needs identical replicas")
 
     def reduce_gradients(self) -> None:
         """Sum the replicas' gradients, each rank receiving its slice's sum (missing grads: 0)."""
