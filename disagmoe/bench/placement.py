@@ -39,10 +39,6 @@ class Layout:
     def colocated(self) -> bool:
         return self.attention == 0
 
-    @property
-    def ranks(self) -> int:
-        return self.attention + self.experts
-
     def __str__(self) -> str:
         if self.colocated:
             return f"colocated {self.experts} m={self.micro_batches}"

@@ -209,12 +209,19 @@ def test_trace_has_every_rank_and_busy_fractions(warm, tmp_path):
         assert all(0 < f <= 1 for f in record["busy"].values())
 
 
-def test_single_checkpoint_resumes_disaggregated_like_an_uninterrupted_run(warm, tmp_path):
-    cfg = run_config(tmp_path / "single", "single", micro_batches=2, checkpoint_every=3, bias_balancing=True)
+def single_run_resumable_at_3(tmp_path: Path, **fields) -> tuple[list[dict], MoETransformer, Path]:
+    """The oracle's whole run (metrics, final model) and a fresh out_dir holding only its step-3
+    checkpoint, for another layout to resume from."""
+    cfg = run_config(tmp_path / "single", "single", micro_batches=2, checkpoint_every=3, **fields)
     uninterrupted, uninterrupted_model = oracle(cfg, tmp_path / "single")
     resumed_dir = tmp_path / "resumed"
     shutil.copytree(checkpoint_dir(tmp_path / "single" / CHECKPOINTS_DIR, 3),
                     checkpoint_dir(resumed_dir / CHECKPOINTS_DIR, 3))
+    return uninterrupted, uninterrupted_model, resumed_dir
+
+
+def test_single_checkpoint_resumes_disaggregated_like_an_uninterrupted_run(warm, tmp_path):
+    uninterrupted, uninterrupted_model, resumed_dir = single_run_resumable_at_3(tmp_path, bias_balancing=True)
     resumed = run_config(resumed_dir, "disaggregated", attention_ranks=1, expert_ranks=2, micro_batches=2,
                          bias_balancing=True, resume=True)
     summary = run_on(warm, resumed)
@@ -230,11 +237,7 @@ def test_sharded_optimizer_states_resume_from_and_save_to_the_common_format(warm
     """single (steps 1-3) -> ZeRO-1 disaggregated (4-5): the slices come from the single run's
     checkpoint, and the final checkpoint gathers them back: the same moments as the oracle's."""
     optim = OptimConfig(lr=3e-3, warmup_steps=2, weight_decay=0.1)
-    cfg = run_config(tmp_path / "single", "single", micro_batches=2, checkpoint_every=3, optim=optim)
-    uninterrupted, uninterrupted_model = oracle(cfg, tmp_path / "single")
-    resumed_dir = tmp_path / "resumed"
-    shutil.copytree(checkpoint_dir(tmp_path / "single" / CHECKPOINTS_DIR, 3),
-                    checkpoint_dir(resumed_dir / CHECKPOINTS_DIR, 3))
+    uninterrupted, uninterrupted_model, resumed_dir = single_run_resumable_at_3(tmp_path, optim=optim)
     resumed = run_config(resumed_dir, "disaggregated", attention_ranks=2, expert_ranks=1, micro_batches=2,
                          resume=True, optim=optim.model_copy(update={"shard_states": True}))
     summary = run_on(warm, resumed)
