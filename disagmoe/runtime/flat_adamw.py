@@ -1,0 +1,299 @@
+"""Mixed-precision AdamW over flat buffers: compute parameters, fp32 masters and main gradients.
+
+The fast path of every mode but the CPU oracle (DESIGN 3c). A module's parameters are re-seated
+as views of one flat buffer per *bucket* in the compute dtype (bf16 on GPUs), beside flat fp32
+buffers of the same layout for the master weights, the main gradients and AdamW's two moments.
+A bucket is a set of parameters reduced together (e.g. the attention side's replicated
+parameters, all-reduced over the data-parallel group, or this rank's experts) with one weight
+decay. With an fp32 compute dtype the parameters *are* the masters (no copy) and their `.grad` is
+the main gradient's view, so autograd accumulates in place; with bf16 each parameter's gradient
+is added into its fp32 view by a post-accumulate hook as soon as autograd has it, and freed.
+A kernel that finds `param.main_grad` may add its weight gradient into it directly and return
+none (the Triton experts backend does).
+
+One step, from the caller's side (nothing here waits on the host):
+
+    opt.zero_grad()                        one memset per bucket
+    ... micro-batches: forward, backward (gradients land in `bucket.grad_N`)
+    ... the caller reduces `bucket.grad_N` (all-reduce) or `opt.reduce_scatter(...)` (ZeRO-1)
+    squares = opt.grad_squares(...)        per bucket, on the device
+    opt.step(lr, clip_coef)                one fused AdamW per bucket, then masters -> parameters
+
+ZeRO-1 (`shard=(group, rank, size)` for a bucket): the bucket's length is padded to a multiple of
+the group size D and rank d keeps the masters and moments of the d-th slice only; `step` updates
+the slice and all-gathers the updated slices (in the compute dtype) into every rank's parameters.
+
+Checkpoints see per-parameter fp32 masters and AdamW state (`masters_by_name`, `state_by_name`,
+`load_state`): the same layout-independent format as the oracle's `torch.optim.AdamW` writes, so
+either loads the other's checkpoints.
+
+Shapes: N a bucket's flat length (padded to a multiple of D when sharded), S = N / D.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from disagmoe.config import OptimConfig
+
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+GATHER_CHUNK = 1 << 24  # elements per rank per collective when gathering slices for a checkpoint
+STATE_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+@dataclass(frozen=True)
+class Shard:
+    """ZeRO-1 split of a bucket over a process group: this rank is `rank` of `size`."""
+
+    group: dist.ProcessGroup | None
+    rank: int
+    size: int
+
+
+@dataclass
+class Bucket:
+    """Parameters reduced together, with one weight decay, as views of flat buffers."""
+
+    name: str
+    weight_decay: float
+    names: list[str]
+    params: list[nn.Parameter]
+    compute_N: torch.Tensor  # the parameters' storage, compute dtype
+    grad_N: torch.Tensor  # fp32 main gradients
+    master_S: torch.Tensor  # fp32 masters of this rank's slice (all of it unsharded; may alias compute_N)
+    shard: Shard | None = None
+    grad_S: torch.Tensor | None = None  # sharded: this slice's reduced gradient
+    inner: torch.optim.AdamW | None = field(default=None, repr=False)
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel() for p in self.params)
+
+    @property
+    def slice_start(self) -> int:
+        return 0 if self.shard is None else self.shard.rank * self.master_S.numel()
+
+    def views(self, flat_N: torch.Tensor) -> list[torch.Tensor]:
+        """One view per parameter, shaped like it, of a bucket-shaped flat tensor."""
+        parts = flat_N[:self.numel].split([p.numel() for p in self.params])
+        return [part.view_as(p) for part, p in zip(parts, self.params, strict=True)]
+
+    def step_grad(self) -> torch.Tensor:
+        """The gradient the optimizer steps: the slice's reduced one when sharded."""
+        return self.grad_N if self.shard is None else self.grad_S
+
+
+class FlatAdamW:
+    """AdamW over flat fp32 masters of a module's parameters (see the module docstring).
+
+    `bucket_of(name)` names the reduce bucket of a parameter (default: one bucket); each bucket is
+    further split by weight decay (matrices decay, gains and biases do not, as `build_optimizer`).
+    `shards`: bucket name -> ZeRO-1 split of that bucket's state.
+    """
+
+    def __init__(
+        self,
+        named_params: Iterable[tuple[str, nn.Parameter]],
+        optim: OptimConfig,
+        compute_dtype: torch.dtype,
+        bucket_of: Callable[[str], str] = lambda name: "params",
+        shards: dict[str, Shard] | None = None,
+    ) -> None:
+        self.optim = optim
+        self.compute_dtype = compute_dtype
+        shards = shards or {}
+        grouped: dict[tuple[str, bool], list[tuple[str, nn.Parameter]]] = {}
+        for name, p in named_params:
+            if p.requires_grad:
+                grouped.setdefault((bucket_of(name), p.ndim >= 2), []).append((name, p))
+        self.buckets = [self._bucket(f"{base}.{'decay' if decays else 'no_decay'}",
+                                     optim.weight_decay if decays else 0.0, named, shards.get(base))
+                        for (base, decays), named in sorted(grouped.items())]
+        self._hooks = [p.register_post_accumulate_grad_hook(_add_to_main_grad)
+                       for b in self.buckets for p in b.params]
+        self.steps_taken = 0
+
+    def _bucket(self, name: str, weight_decay: float, named: list[tuple[str, nn.Parameter]],
+                shard: Shard | None) -> Bucket:
+        params = [p for _, p in named]
+        device = params[0].device
+        numel = sum(p.numel() for p in params)
+        size, rank = (1, 0) if shard is None else (shard.size, shard.rank)
+        padded = -(-numel // size) * size
+        S = padded // size
+        with torch.no_grad():
+            masters_N = torch.nn.functional.pad(torch.cat([p.detach().reshape(-1).float() for p in params]),
+                                                (0, padded - numel))
+            compute_N = masters_N.to(self.compute_dtype, copy=True)
+            if self.compute_dtype == torch.float32:  # the parameters are the masters
+                master_S = compute_N if shard is None else compute_N[rank * S:(rank + 1) * S]
+            else:
+                master_S = masters_N[rank * S:(rank + 1) * S].clone()
+        bucket = Bucket(name, weight_decay, [n for n, _ in named], params, compute_N,
+                        torch.zeros(padded, dtype=torch.float32, device=device), master_S, shard,
+                        None if shard is None else torch.zeros_like(master_S))
+        for p, view, grad in zip(params, bucket.views(compute_N), bucket.views(bucket.grad_N), strict=True):
+            p.data = view
+            p.main_grad = grad
+        master = nn.Parameter(master_S, requires_grad=True)
+        bucket.inner = torch.optim.AdamW([master], lr=self.optim.lr, betas=(self.optim.beta1, self.optim.beta2),
+                                         eps=self.optim.eps, weight_decay=weight_decay,
+                                         fused=device.type == "cuda")
+        return bucket
+
+    # -- gradients -----------------------------------------------------------------------------
+
+    def zero_grad(self) -> None:
+        """Zero every main gradient; fp32 parameters get their views as `.grad` (autograd then
+        accumulates into the flat buffer in place), others none (their hook adds and frees)."""
+        for b in self.buckets:
+            b.grad_N.zero_()
+            for p in b.params:
+                p.grad = p.main_grad if p.dtype == torch.float32 else None
+
+    def reduce_scatter(self, bucket: Bucket) -> None:
+        """ZeRO-1: sum a sharded bucket's main gradients over its group into this rank's slice."""
+        assert bucket.shard is not None and bucket.grad_S is not None
+        _reduce_scatter(bucket.grad_S, bucket.grad_N, group=bucket.shard.group)
+
+    def grad_squares(self, weight: Callable[[Bucket], torch.Tensor | None] = lambda b: None) -> torch.Tensor:
+        """float64 sum of squares of the gradients this rank steps (a sharded bucket: its slice).
+        `weight(bucket)`: an optional [N] 0/1 mask of elements to count (replicas counted once)."""
+        total = torch.zeros((), dtype=torch.float64, device=self.buckets[0].grad_N.device)
+        for b in self.buckets:
+            grad = b.step_grad()
+            mask = weight(b)
+            squares = grad.double().square() if mask is not None else None
+            total += (squares * mask).sum() if mask is not None else torch.linalg.vector_norm(grad).double() ** 2
+        return total
+
+    # -- the step ------------------------------------------------------------------------------
+
+    def step(self, lr: float, clip_coef: torch.Tensor | None = None) -> None:
+        """AdamW on every bucket with gradients scaled by `clip_coef` (a device scalar, <= 1), then
+        the updated masters into the compute parameters (all-gathered where sharded)."""
+        for b in self.buckets:
+            inner = b.inner
+            master = inner.param_groups[0]["params"][0]
+            master.grad = b.step_grad()
+            inner.param_groups[0]["lr"] = lr
+            if clip_coef is not None:
+                if master.is_cuda:  # the fused kernel divides by grad_scale in registers
+                    inner.grad_scale = (1.0 / clip_coef).float()
+                else:
+                    master.grad.mul_(clip_coef.to(master.grad.dtype))
+            inner.step()
+            inner.grad_scale = None
+            master.grad = None
+            with torch.no_grad():
+                if b.shard is not None:
+                    _all_gather(b.compute_N, b.master_S.to(self.compute_dtype, copy=True), group=b.shard.group)
+                elif b.master_S is not b.compute_N:
+                    b.compute_N.copy_(b.master_S)
+        self.steps_taken += 1
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def _full(self, b: Bucket, slice_S: torch.Tensor, keep: bool) -> torch.Tensor | None:
+        """A bucket-shaped fp32 tensor on the CPU from this rank's slice (gathered over the shard
+        group, in chunks, onto the rank that `keep`s it; a collective when sharded)."""
+        if b.shard is None:
+            return slice_S.detach().float().cpu()
+        S, D = slice_S.numel(), b.shard.size
+        full_N = torch.empty(S * D, dtype=torch.float32) if keep else None
+        for start in range(0, S, GATHER_CHUNK):
+            n = min(GATHER_CHUNK, S - start)
+            chunks_Dn = torch.empty(D * n, dtype=slice_S.dtype, device=slice_S.device)
+            _all_gather(chunks_Dn, slice_S[start:start + n].contiguous(), group=b.shard.group)
+            if full_N is not None:
+                chunks_Dn = chunks_Dn.view(D, n).cpu()
+                for r in range(D):
+                    full_N[r * S + start:r * S + start + n] = chunks_Dn[r]
+        return full_N
+
+    def _keeps(self, b: Bucket) -> bool:
+        return b.shard is None or b.shard.rank == 0
+
+    def masters_by_name(self) -> dict[str, torch.Tensor]:
+        """fp32 master weights per parameter name, on the CPU (sharded buckets: on shard rank 0
+        only; a collective over the shard group)."""
+        out: dict[str, torch.Tensor] = {}
+        for b in self.buckets:
+            full_N = self._full(b, b.master_S, self._keeps(b))
+            if full_N is not None:
+                out.update(zip(b.names, (v.clone() for v in b.views(full_N)), strict=True))
+        return out
+
+    def state_by_name(self) -> dict[str, dict[str, torch.Tensor]]:
+        """AdamW's per-parameter state (step, exp_avg, exp_avg_sq) as `torch.optim.AdamW` keeps it,
+        on the CPU (sharded: shard rank 0 only; a collective); empty before the first step."""
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        for b in self.buckets:
+            state = b.inner.state.get(b.inner.param_groups[0]["params"][0])
+            if not state:
+                continue
+            fulls = {k: self._full(b, state[k], self._keeps(b)) for k in STATE_KEYS}
+            if fulls["exp_avg"] is None:
+                continue
+            step = state["step"].detach().float().cpu().reshape(())
+            views = {k: b.views(full) for k, full in fulls.items()}
+            for i, name in enumerate(b.names):
+                out[name] = {"step": step.clone(), **{k: views[k][i].clone() for k in STATE_KEYS}}
+        return out
+
+    def load_state(self, masters: dict[str, torch.Tensor], state: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Take masters (every parameter) and AdamW state (all parameters of a bucket or none of
+        them: saved before any step) in the per-parameter form above; only this rank's slices go
+        to the device."""
+        with torch.no_grad():
+            for b in self.buckets:
+                missing = [n for n in b.names if n not in masters]
+                if missing:
+                    raise ValueError(f"the checkpoint lacks master weights of {len(missing)} parameters, "
+                                     f"e.g. {missing[:3]}")
+                S, start = b.master_S.numel(), b.slice_start
+                full = self._flat([masters[n] for n in b.names], b.compute_N.numel())
+                b.compute_N.copy_(full.to(b.compute_N.device))
+                if self.compute_dtype != torch.float32:
+                    b.master_S.copy_(full[start:start + S].to(b.master_S.device))
+                have = [n for n in b.names if n in state]
+                if not have:
+                    continue
+                if len(have) != len(b.names):
+                    raise ValueError(f"the checkpoint has optimizer state for some but not all parameters of "
+                                     f"bucket {b.name} (missing e.g. {[n for n in b.names if n not in state][:3]})")
+                master = b.inner.param_groups[0]["params"][0]
+                device = master.device
+                entry = {"step": state[b.names[0]]["step"].detach().float().reshape(()).clone()
+                         .to(device if master.is_cuda else "cpu")}
+                for k in STATE_KEYS:
+                    full_k = self._flat([state[n][k] for n in b.names], b.compute_N.numel())
+                    entry[k] = full_k[start:start + S].to(device).clone()
+                b.inner.state[master] = entry
+
+    @staticmethod
+    def _flat(tensors: list[torch.Tensor], padded: int) -> torch.Tensor:
+        flat = torch.cat([t.detach().reshape(-1).float().cpu() for t in tensors])
+        return torch.nn.functional.pad(flat, (0, padded - flat.numel()))
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+
+def _add_to_main_grad(param: torch.Tensor) -> None:
+    """Post-accumulate hook: a gradient autograd did not accumulate into the main gradient in
+    place (bf16 parameters, or an fp32 one whose `.grad` was replaced) is added into it; a bf16
+    gradient is then freed, an fp32 parameter gets its view back."""
+    grad, main = param.grad, param.main_grad
+    if grad.data_ptr() == main.data_ptr():
+        return
+    main.add_(grad)
+    param.grad = main if param.dtype == main.dtype else None
