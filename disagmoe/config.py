@@ -334,6 +334,14 @@ class TrainConfig(StrictModel):
     transport: Literal["local", "nccl", "nvshmem"] = "local"
     device: Literal["cpu", "cuda"] = "cpu"
     experts_backend: Literal["loop", "grouped_mm", "triton"] = "loop"
+    precision: Literal["auto", "bf16", "fp32"] = Field(
+        "auto", description="parameters for compute: bf16 (fp32 master weights, gradients accumulated in fp32, "
+        "fused AdamW: the fast path), fp32 (everything fp32; `mode: single` then runs the reference oracle); "
+        "auto = bf16 on cuda, fp32 on cpu")
+    routing: Literal["learned", "balanced"] = Field(
+        "learned", description="balanced: every expert gets the same number of tokens whatever the router "
+        "scores (a benchmark setting, as other trainers' performance recipes use; labelled in every output); "
+        "the routing weights stay learned")
     cpu_threads: PositiveInt | None = Field(
         None, description="torch intra-op threads for CPU training; None keeps torch's default"
     )
@@ -367,6 +375,13 @@ class TrainConfig(StrictModel):
     env: dict[str, str] = Field(
         default_factory=dict, description="environment variables for every worker (per host)"
     )
+
+    @property
+    def compute_dtype_name(self) -> str:
+        """'bf16' or 'fp32': `precision` with auto resolved by the device."""
+        if self.precision == "auto":
+            return "bf16" if self.device == "cuda" else "fp32"
+        return self.precision
 
     @model_validator(mode="after")
     def _batch(self) -> TrainConfig:

@@ -3,7 +3,12 @@
 Each mode trains the same model on the same data for the same number of steps on the same
 devices (colocated gets as many ranks as attention + expert ranks together); the figure is the
 median step time after the first `warmup` steps, and every mode is set against the colocated
-layout measured in the same run (or the first mode, if colocated is not among them).
+layout measured in the same run (or the first mode, if colocated is not among them), and against
+the single GPU where `single` ran. Each row also carries MFU per GPU (model FLOPs / step time /
+(GPUs x bf16 dense peak)) and against the measured matmul ceiling, peak GPU memory, the routing
+(learned or forced-balanced) and the mean load imbalance of the timed steps. `baseline="hf"` adds
+Hugging Face transformers' Qwen3MoeForCausalLM on one GPU, same shape and batch
+(`bench.hf_baseline`).
 """
 
 from __future__ import annotations
@@ -51,13 +56,33 @@ def mean_busy(records: list[dict], warmup: int) -> dict[str, float]:
 
 
 def summarise(rows: list[dict]) -> list[dict]:
-    """Add each mode's speedup over the baseline (colocated if measured, else the first mode)."""
+    """Add each mode's speedup over the baseline (colocated if measured, else the first mode) and,
+    where `single` ran, its tokens/s over the single GPU's."""
     base = next((r for r in rows if r["mode"] == "colocated"), rows[0])
-    return [{**r, "baseline": base["mode"], "speedup": base["median_step_s"] / r["median_step_s"]} for r in rows]
+    single = next((r for r in rows if r["mode"] == "single"), None)
+    return [{**r, "baseline": base["mode"], "speedup": base["median_step_s"] / r["median_step_s"],
+             "vs_single": None if single is None else r["tokens_per_s"] / single["tokens_per_s"]} for r in rows]
+
+
+def mean_of(records: list[dict], key: str, warmup: int) -> float | None:
+    """Mean of a numeric record field over the timed steps (None where absent)."""
+    values = [r[key] for r in records if r["step"] > warmup and r.get(key) is not None]
+    return statistics.fmean(values) if values else None
+
+
+def free_device_memory() -> None:
+    """Release what an in-process mode left on the GPU before the next mode claims it."""
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def run(cfg: TrainConfig, modes: list[str], steps: int, warmup: int,
-        log: Callable[[str], None]) -> dict:
+        log: Callable[[str], None], baseline: str | None = None) -> dict:
+    if baseline not in (None, "hf"):
+        raise ValueError(f"unknown baseline {baseline!r}; the one outside baseline is 'hf' (transformers)")
     rows = []
     with tempfile.TemporaryDirectory(prefix="disagmoe-bench-train-") as tmp:
         for mode in modes:
@@ -65,6 +90,7 @@ def run(cfg: TrainConfig, modes: list[str], steps: int, warmup: int,
             log(f"{mode}: {steps} steps")
             if mode == "single":
                 SingleProcessTrainer(mcfg).run()
+                free_device_memory()
             else:
                 from disagmoe.runtime.driver import DistributedTrainer
 
@@ -73,11 +99,44 @@ def run(cfg: TrainConfig, modes: list[str], steps: int, warmup: int,
             step_s = median_step(records, warmup)
             ranks = {"single": 1, "colocated": mcfg.colocated_ranks,
                      "disaggregated": cfg.attention_ranks + cfg.expert_ranks}[mode]
+            flops = records[-1]["flops"]
+            imbalance = [statistics.fmean(r["load_imbalance"]) for r in records
+                         if r["step"] > warmup and r.get("load_imbalance")]
             rows.append({"mode": mode, "ranks": ranks, "median_step_s": step_s,
                          "tokens_per_s": records[-1]["tokens"] / step_s, "final_loss": records[-1]["loss"],
-                         "busy": mean_busy(records, warmup)})
+                         "mean_loss": mean_of(records, "loss", 0),
+                         "busy": mean_busy(records, warmup), "routing": records[-1].get("routing", "learned"),
+                         "mfu": _rate(flops, step_s, records[-1], "mfu"),
+                         "mfu_ceiling": _rate(flops, step_s, records[-1], "mfu_ceiling"),
+                         "peak_memory_gib": max((r["peak_memory_gib"] for r in records
+                                                 if r.get("peak_memory_gib") is not None), default=None),
+                         "load_imbalance": statistics.fmean(imbalance) if imbalance else None})
+        if baseline == "hf":
+            from disagmoe.bench import hf_baseline
+
+            row = hf_baseline.run(cfg, steps, warmup, log)
+            rows.append({**row, "mfu": None, "mfu_ceiling": None, "load_imbalance": None, "mean_loss": None})
+            single = next((r for r in rows if r["mode"] == "single"), None)
+            if single is not None and single["mfu"] is not None:  # the same model FLOPs on one GPU
+                row_mfu = single["mfu"] * single["median_step_s"] / row["median_step_s"]
+                rows[-1].update(mfu=row_mfu, mfu_ceiling=single["mfu_ceiling"] * single["median_step_s"]
+                                / row["median_step_s"])
+    environment = {}
+    if cfg.device == "cuda" and torch.cuda.is_available():
+        from disagmoe.bench.timing import environment as gpu_environment
+
+        environment = gpu_environment(torch.device("cuda", 0))
     device = (torch.cuda.get_device_name(0) if cfg.device == "cuda" and torch.cuda.is_available()
               else platform.processor() or platform.machine())
     return {"environment": {"device": device, "torch": torch.__version__, "python": platform.python_version(),
-                            "transport": cfg.transport, "experts_backend": cfg.experts_backend},
+                            "transport": cfg.transport, "experts_backend": cfg.experts_backend,
+                            "precision": cfg.compute_dtype_name, **environment},
             "steps": steps, "warmup": warmup, "modes": summarise(rows)}
+
+
+def _rate(flops: float, step_s: float, record: dict, key: str) -> float | None:
+    """MFU of the median step from a record's denominator (its `key` = flops / time / peak)."""
+    if record.get(key) is None:
+        return None
+    peak = record["flops"] / record["step_time_s"] / record[key]
+    return flops / step_s / peak

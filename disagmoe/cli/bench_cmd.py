@@ -168,32 +168,89 @@ def train(
         help="single | disaggregated | colocated (repeatable; default: disaggregated and colocated)")] = None,
     steps: Annotated[int, typer.Option(help="steps per mode", min=2)] = 20,
     warmup: Annotated[int, typer.Option(help="first steps left out of the median", min=0)] = 3,
+    baseline: Annotated[str | None, typer.Option(
+        help="also train an outside baseline on one GPU in the same run: 'hf' = Hugging Face transformers' "
+             "Qwen3MoeForCausalLM (bf16, sdpa, grouped_mm experts, fused AdamW), same shape and batch")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="also write the JSON record here")] = None,
 ) -> None:
     """Time whole training steps of one config in several layouts in the same run, on the same
-    devices (colocated gets attention + expert ranks), and report each against colocated, with
-    each group's busy fraction (compute time / step time; on GPUs each op's span on the GPU, from
-    its first kernel to its last, waits inside the op included)."""
+    devices (colocated gets attention + expert ranks), and report each against colocated and the
+    single GPU, with MFU per GPU (bf16 dense peak, and the measured matmul ceiling), each group's
+    busy fraction (compute time / step time; on GPUs each op's span on the GPU, from its first
+    kernel to its last, waits inside the op included), peak memory and the routing used.
+
+    \b
+    Example: disagmoe bench train -c configs/h200x2-qwen3-30b.yaml --mode single --mode disaggregated \\
+             --mode colocated --baseline hf routing=balanced
+    """
     from disagmoe.bench import train as bench
     from disagmoe.config import load_train_config
 
     cfg = load_train_config(config, overrides or [])
-    log = (lambda m: err_console.print(m, highlight=False)) if as_json else console.print
-    record = bench.run(cfg, mode or ["disaggregated", "colocated"], steps, warmup, log)
+    log = (lambda m: err_console.print(m, highlight=False, markup=False)) if as_json else (
+        lambda m: console.print(m, highlight=False, markup=False))
+    record = bench.run(cfg, mode or ["disaggregated", "colocated"], steps, warmup, log, baseline)
+    if out is not None:
+        out.write_text(json.dumps(record, indent=1) + "\n")
     if as_json:
         print_json(record)
         return
     env = record["environment"]
-    table = Table(title=f"training steps of {config} on {env['device']} ({env['transport']} transport), "
-                        f"median of steps {warmup + 1}-{steps}")
-    for col in ("mode", "ranks", "step", "tokens/s", "final loss", "busy", "vs " + record["modes"][0]["baseline"]):
+    routing = record["modes"][0].get("routing", "learned")
+    table = Table(title=f"training steps of {config} on {env['device']} ({env['transport']} transport, "
+                        f"{routing} routing), median of steps {warmup + 1}-{steps}")
+    columns = ("mode", "ranks", "step", "tokens/s", "MFU/GPU", "of ceiling", "peak GiB", "imbalance",
+               "final loss", "busy", "vs " + record["modes"][0]["baseline"], "vs single")
+    for col in columns:
         table.add_column(col, justify="left" if col in ("mode", "busy") else "right")
+
+    def pct(x: float | None) -> str:
+        return "-" if x is None else f"{x:.1%}"
+
+    def num(x: float | None, fmt: str) -> str:
+        return "-" if x is None else format(x, fmt)
+
     for r in record["modes"]:
         busy = " ".join(f"{group} {fraction:.0%}" for group, fraction in r["busy"].items()) or "-"
         table.add_row(r["mode"], str(r["ranks"]), f"{r['median_step_s'] * 1e3:.1f} ms", f"{r['tokens_per_s']:,.0f}",
-                      f"{r['final_loss']:.4f}", busy, f"{r['speedup']:.2f}x")
+                      pct(r.get("mfu")), pct(r.get("mfu_ceiling")), num(r.get("peak_memory_gib"), ".1f"),
+                      num(r.get("load_imbalance"), ".2f"), f"{r['final_loss']:.4f}", busy, f"{r['speedup']:.2f}x",
+                      "-" if r.get("vs_single") is None else f"{r['vs_single']:.2f}x")
     console.print(table)
 
+
+@bench_app.command("profile")
+@user_errors
+def profile(
+    config: Annotated[Path, typer.Option("--config", "-c", help="a train config YAML (trained as mode single)")],
+    overrides: Annotated[list[str] | None, typer.Argument(help="key=value overrides, e.g. routing=balanced")] = None,
+    steps: Annotated[int, typer.Option(help="profiled steps", min=1)] = 3,
+    warmup: Annotated[int, typer.Option(help="steps before profiling", min=0)] = 3,
+    top: Annotated[int, typer.Option(help="kernels listed", min=1)] = 25,
+    trace: Annotated[Path | None, typer.Option(help="also write the profiled steps as a Chrome trace")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
+) -> None:
+    """Profile single-GPU training steps: GPU kernels by total time, grouped into GEMM, attention,
+    optimizer, copy/cast, elementwise and NCCL, and how busy the GPU was (kernel time / wall time)."""
+    from disagmoe.bench import profile_step as bench
+    from disagmoe.config import load_train_config
+
+    cfg = load_train_config(config, overrides or [])
+    log = (lambda m: err_console.print(m, highlight=False, markup=False)) if as_json else (
+        lambda m: console.print(m, highlight=False, markup=False))
+    record = bench.run(cfg, steps, warmup, log, trace, top)
+    if as_json:
+        print_json(record)
+        return
+    console.print(f"{record['wall_s_per_step'] * 1e3:.1f} ms/step, GPU busy {record['gpu_busy']:.0%}; by category: "
+                  + ", ".join(f"{c} {share:.0%}" for c, share in record["categories"].items()), markup=False)
+    table = Table(title=f"top {top} kernels of {config}")
+    for col in ("kernel", "category", "ms/step", "share"):
+        table.add_column(col, justify="left" if col in ("kernel", "category") else "right")
+    for k in record["kernels"]:
+        table.add_row(k["name"][:80], k["category"], f"{k['ms_per_step']:.2f}", f"{k['share']:.1%}")
+    console.print(table)
 
 
 @bench_app.command("placement")

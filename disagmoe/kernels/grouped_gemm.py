@@ -143,9 +143,10 @@ def _ragged_weight_grad_kernel(
     E, KA, C, num_programs,
     stride_am, stride_ak, stride_bm, stride_bc, stride_oe, stride_ok, stride_oc,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    FLATTEN: tl.constexpr,
+    FLATTEN: tl.constexpr, ACCUMULATE: tl.constexpr,
 ):
-    # Contract: a [N, KA], b [N, C] rows grouped by expert; out [E, KA, C] = per-expert a^T @ b.
+    # Contract: a [N, KA], b [N, C] rows grouped by expert; out [E, KA, C] = per-expert a^T @ b
+    # (ACCUMULATE: out += it, e.g. into an fp32 main-gradient buffer).
     # BLOCK_K tiles KA (the output's rows), BLOCK_N tiles C, BLOCK_M steps the reduction over rows.
     pid = tl.program_id(0)
     tiles_k = tl.cdiv(KA, BLOCK_K)
@@ -172,6 +173,8 @@ def _ragged_weight_grad_kernel(
             acc = tl.dot(a_t, b, acc)
         out_ptrs = (out_ptr + expert.to(tl.int64) * stride_oe + ks[:, None] * stride_ok
                     + cols[None, :] * stride_oc)
+        if ACCUMULATE:
+            acc += tl.load(out_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=k_ok[:, None] & col_ok[None, :])
 
 
@@ -236,9 +239,12 @@ def ragged_weight_grad(
     config: TileConfig,
     *,
     out: torch.Tensor | None = None,
+    accumulate: bool = False,
     num_programs: int | None = None,
 ) -> torch.Tensor:
-    """out[e] = a[rows_e]^T @ b[rows_e] for every expert e ([E, K, C]; zeros for empty experts)."""
+    """out[e] = a[rows_e]^T @ b[rows_e] for every expert e ([E, K, C]; zeros for empty experts);
+    with `accumulate`, out[e] += it (`out` given, any float dtype: an fp32 main gradient)."""
+    assert out is not None or not accumulate
     n_rows, k = a_NK.shape
     assert b_NC.shape[0] == n_rows and offsets_E.dtype == torch.int32
     experts, cols = offsets_E.shape[0], b_NC.shape[1]
@@ -253,7 +259,7 @@ def ragged_weight_grad(
         a_NK.stride(0), a_NK.stride(1), b_NC.stride(0), b_NC.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        GROUP_M=config.group_m, FLATTEN=config.flatten, num_warps=config.num_warps,
+        GROUP_M=config.group_m, FLATTEN=config.flatten, ACCUMULATE=accumulate, num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
     return out

@@ -106,18 +106,22 @@ def moe_ffn_backward(
     tiles: FFNTiles,
     *,
     num_programs: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dx_NH, dw13_EH2F, dw2_EFH) from the forward's saved activation and pre-activations."""
+    main_grads: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(dx_NH, dw13_EH2F, dw2_EFH) from the forward's saved activation and pre-activations.
+    `main_grads` (w13's, w2's; e.g. FlatAdamW's fp32 buffers): a weight gradient is added into
+    its main gradient by the GEMM itself and None is returned for it."""
     dh13_N2F = gg.ragged_rows_gemm(dy_NH, offsets_E, w2_EFH.transpose(1, 2), tiles.down_dgrad,
                                    epilogue=gg.EPILOGUE_SWIGLU_GRAD, h13_N2C=h13_N2F,
                                    num_programs=num_programs)
-    dw2_EFH = gg.ragged_weight_grad(act_NF, dy_NH, offsets_E, tiles.wgrad_w2,
-                                    num_programs=num_programs)
     dx_NH = gg.ragged_rows_gemm(dh13_N2F, offsets_E, w13_EH2F.transpose(1, 2), tiles.gate_up_dgrad,
-                                num_programs=num_programs)
-    dw13_EH2F = gg.ragged_weight_grad(x_NH, dh13_N2F, offsets_E, tiles.wgrad_w13,
-                                      num_programs=num_programs)
-    return dx_NH, dw13_EH2F, dw2_EFH
+                                num_programs=num_programs)  # the input gradient first: the critical path
+    main13, main2 = main_grads
+    dw2_EFH = gg.ragged_weight_grad(act_NF, dy_NH, offsets_E, tiles.wgrad_w2, out=main2,
+                                    accumulate=main2 is not None, num_programs=num_programs)
+    dw13_EH2F = gg.ragged_weight_grad(x_NH, dh13_N2F, offsets_E, tiles.wgrad_w13, out=main13,
+                                      accumulate=main13 is not None, num_programs=num_programs)
+    return dx_NH, None if main13 is not None else dw13_EH2F, None if main2 is not None else dw2_EFH
 
 
 class ExpertFFNFunction(torch.autograd.Function):
@@ -130,6 +134,7 @@ class ExpertFFNFunction(torch.autograd.Function):
             save_for_backward=any(ctx.needs_input_grad), num_programs=num_programs)
         ctx.save_for_backward(x_NH, offsets_E, w13_EH2F, w2_EFH, act_NF, h13_N2F)
         ctx.tiles, ctx.num_programs = tiles, num_programs
+        ctx.main_grads = (_main_grad(w13_EH2F), _main_grad(w2_EFH))
         return y_NH
 
     @staticmethod
@@ -137,8 +142,15 @@ class ExpertFFNFunction(torch.autograd.Function):
         x_NH, offsets_E, w13_EH2F, w2_EFH, act_NF, h13_N2F = ctx.saved_tensors
         dx, dw13, dw2 = moe_ffn_backward(dy_NH.contiguous(), x_NH, offsets_E, w13_EH2F, w2_EFH,
                                          act_NF, h13_N2F, ctx.tiles,
-                                         num_programs=ctx.num_programs)
+                                         num_programs=ctx.num_programs, main_grads=ctx.main_grads)
         return dx, None, dw13, dw2, None, None
+
+
+def _main_grad(weight: torch.Tensor) -> torch.Tensor | None:
+    """The fp32 main gradient a mixed-precision optimizer attached to `weight` (FlatAdamW sets
+    `param.main_grad`), if the weight is such a parameter itself (not a cast copy)."""
+    main = getattr(weight, "main_grad", None)
+    return main if isinstance(weight, torch.nn.Parameter) and main is not None and weight.requires_grad else None
 
 
 def expert_ffn_triton(

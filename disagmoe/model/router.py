@@ -47,6 +47,13 @@ def group_limited_mask(choice_NE: torch.Tensor, num_groups: int, topk_groups: in
     return group_mask_NG[:, :, None].expand_as(choice_NGe).reshape(N, E)
 
 
+def balanced_topk(tokens: int, top_k: int, num_experts: int, device: torch.device) -> torch.Tensor:
+    """int64 [N, K]: token n takes experts (n*K + j) mod E, j < K: K distinct experts per token and,
+    whenever N*K is a multiple of E, exactly N*K/E pairs per expert (forced-balanced routing)."""
+    pairs_NK = torch.arange(tokens, device=device)[:, None] * top_k + torch.arange(top_k, device=device)[None, :]
+    return pairs_NK % num_experts
+
+
 class Router(nn.Module):
     """Gate `weight` [E, H]; with `router.bias_balancing` also the buffer `expert_bias` [E]."""
 
@@ -54,6 +61,7 @@ class Router(nn.Module):
         super().__init__()
         self.cfg = cfg.router
         self.num_experts, self.top_k = cfg.num_experts, cfg.top_k
+        self.balanced = False  # `balanced_topk` instead of the scores' choice (benchmarks; weights stay live)
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
         if self.cfg.bias_balancing:
             self.register_buffer("expert_bias", torch.zeros(cfg.num_experts))
@@ -103,7 +111,10 @@ class Router(nn.Module):
         )
 
     def select(self, scores_NE: torch.Tensor) -> torch.Tensor:
-        """Top-k expert ids by score (+ balancing bias), within the token's best groups."""
+        """Top-k expert ids by score (+ balancing bias), within the token's best groups; with
+        `balanced`, `balanced_topk` whatever the scores."""
+        if self.balanced:
+            return balanced_topk(scores_NE.shape[0], self.top_k, self.num_experts, scores_NE.device)
         choice_NE = scores_NE if self.expert_bias is None else scores_NE + self.expert_bias.to(scores_NE.dtype)
         if self.cfg.num_groups > 1:
             allowed_NE = group_limited_mask(choice_NE, self.cfg.num_groups, self.cfg.topk_groups)

@@ -27,7 +27,8 @@ from disagmoe.model.layers import RMSNorm
 
 @dataclass
 class ModelOutput:
-    logits_BSV: torch.Tensor
+    logits_BSV: torch.Tensor | None  # None when asked for the hidden states only
+    hidden_BSH: torch.Tensor  # final-normed hidden states (the LM head's input)
     aux_loss: torch.Tensor  # scalar: sum over MoE layers, already weighted by its coefficient
     z_loss: torch.Tensor  # scalar: sum over MoE layers, already weighted by its coefficient
     expert_load_LE: torch.Tensor  # int64 token-expert pairs per expert per MoE layer, detached
@@ -52,11 +53,16 @@ class MoETransformer(nn.Module):
     def moe_blocks(self) -> list[MoEBlock]:
         return [b for b in self.layers if isinstance(b, MoEBlock)]
 
+    def head_weight(self) -> torch.Tensor:
+        return self.embed.weight if self.lm_head is None else self.lm_head.weight
+
     def forward(
-        self, tokens_BS: torch.Tensor, fixed_topk_idx_LNK: Sequence[torch.Tensor] | torch.Tensor | None = None
+        self, tokens_BS: torch.Tensor, fixed_topk_idx_LNK: Sequence[torch.Tensor] | torch.Tensor | None = None,
+        logits: bool = True,
     ) -> ModelOutput:
-        """Logits and router statistics; `fixed_topk_idx_LNK` (e.g. a previous output's
-        `topk_idx_LNK`) replaces every MoE layer's expert selection, the weights stay differentiable."""
+        """Logits (unless `logits=False`: then only the final hidden states, for a chunked loss)
+        and router statistics; `fixed_topk_idx_LNK` (e.g. a previous output's `topk_idx_LNK`)
+        replaces every MoE layer's expert selection, the weights stay differentiable."""
         if fixed_topk_idx_LNK is not None and len(fixed_topk_idx_LNK) != self.cfg.num_moe_layers:
             raise ValueError(
                 f"fixed_topk_idx_LNK has {len(fixed_topk_idx_LNK)} layers, the model has "
@@ -72,11 +78,11 @@ class MoETransformer(nn.Module):
             else:
                 x_BSH = block(x_BSH)
         h_BSH = self.norm(x_BSH)
-        head = self.embed.weight if self.lm_head is None else self.lm_head.weight
         zero = x_BSH.new_zeros(())
         E, NK = self.cfg.num_experts, (tokens_BS.numel(), self.cfg.top_k)
         return ModelOutput(
-            logits_BSV=F.linear(h_BSH, head),
+            logits_BSV=F.linear(h_BSH, self.head_weight()) if logits else None,
+            hidden_BSH=h_BSH,
             aux_loss=sum((r.aux_loss for r in routings), zero),
             z_loss=sum((r.z_loss for r in routings), zero),
             expert_load_LE=(torch.stack([r.load_E for r in routings]) if routings
@@ -84,6 +90,13 @@ class MoETransformer(nn.Module):
             topk_idx_LNK=(torch.stack([r.topk_idx_NK.detach() for r in routings]) if routings
                           else tokens_BS.new_zeros((0, *NK), dtype=torch.int64)),
         )
+
+    def set_routing(self, routing: str) -> None:
+        """'learned' (the router's top-k) or 'balanced' (`router.balanced_topk`, for benchmarks)."""
+        if routing not in ("learned", "balanced"):
+            raise ValueError(f"routing {routing!r}: choose learned or balanced")
+        for block in self.moe_blocks:
+            block.moe.router.balanced = routing == "balanced"
 
     @torch.no_grad()
     def update_router_bias(self, load_LE: torch.Tensor) -> None:

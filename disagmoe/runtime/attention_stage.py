@@ -25,18 +25,17 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from disagmoe.data import TokenDataset
 from disagmoe.model import MoEBlock, Routing, combine, group_by_expert
 from disagmoe.model.dispatch import expert_counts
+from disagmoe.model.loss import linear_cross_entropy
 from disagmoe.runtime.batching import batch_rows, inputs_and_targets
 from disagmoe.runtime.messages import Mailbox
 from disagmoe.runtime.plan_layout import ExpertOwners, replica_rows
 from disagmoe.runtime.rank_model import RankModel
 from disagmoe.runtime.schedule import Payload
 from disagmoe.runtime.topology import Topology
-from disagmoe.runtime.trainer import compute_context, cross_entropy
 
 
 def rank_shares(counts: list[int], owners: ExpertOwners, ranks: int, dp_index: int,
@@ -134,8 +133,10 @@ class AttentionStage:
         self.step = step
         self.batch_data = self.data if data is None else data
         self.segments: dict[tuple[int, int], Segment] = {}
-        self.loss_parts = {"ce": 0.0, "aux_loss": 0.0, "z_loss": 0.0}  # this rank's shares
-        self.load_LE = {layer: torch.zeros(self.num_experts, dtype=torch.int64)
+        device = self.model.device
+        zero = torch.zeros((), dtype=torch.float32, device=device)
+        self.loss_parts = {"ce": zero, "aux_loss": zero, "z_loss": zero}  # this rank's shares, on the device
+        self.load_LE = {layer: torch.zeros(self.num_experts, dtype=torch.int64, device=device)
                         for layer in self.layers if self.topology.is_moe(layer)}
 
     # -- the data --------------------------------------------------------------------------------
@@ -174,11 +175,7 @@ class AttentionStage:
     # -- the ops ---------------------------------------------------------------------------------
 
     def forward(self, layer: int, mb: int, mail: Mailbox) -> None:
-        """AttentionForward(layer, mb), under the oracle's compute context (bf16 autocast on CUDA)."""
-        with compute_context(self.model.device):
-            self._forward(layer, mb, mail)
-
-    def _forward(self, layer: int, mb: int, mail: Mailbox) -> None:
+        """AttentionForward(layer, mb), in the parameters' dtype."""
         if layer == 0:
             x_BSH, inputs = self.model.embed(self._tokens(mb)[0]), None
         else:
@@ -207,7 +204,7 @@ class AttentionStage:
         carry = [h_BSH, routing.topk_w_NK, *shared]
         router_loss = self._router_loss(block, routing) / self.micro_batches
         self.segments[(layer, mb)] = Segment(inputs, dispatched, carry, router_loss)
-        self.load_LE[layer] += routing.load_E.cpu()
+        self.load_LE[layer] += routing.load_E
 
     def _router_loss(self, block: MoEBlock, routing: Routing) -> torch.Tensor:
         """This rank's share of the micro-batch's aux + z loss of one layer (module docstring)."""
@@ -220,18 +217,17 @@ class AttentionStage:
                 load_E = routing.load_E.clone()
                 dist.all_reduce(load_E, group=self.dp_group)
                 aux = block.moe.router.aux_loss(routing.scores_NE, load_E) / self.dp
-        self.loss_parts["aux_loss"] += float(aux.detach()) / self.micro_batches
-        self.loss_parts["z_loss"] += float(z.detach()) / self.micro_batches
+        self.loss_parts["aux_loss"] = self.loss_parts["aux_loss"] + aux.detach().float() / self.micro_batches
+        self.loss_parts["z_loss"] = self.loss_parts["z_loss"] + z.detach().float() / self.micro_batches
         return aux.float() + z.float()
 
     def loss(self, mb: int, mail: Mailbox, backward: bool = True) -> None:
         """Loss(mb): the last layer's output, final norm, LM head, CE; backward at once (if asked)."""
         last = self.topology.num_layers
-        with compute_context(self.model.device):
-            x_BSH, inputs = self._previous_output(last, mb, mail)
-            logits_BSV = F.linear(self.model.norm(x_BSH), self.model.head_weight())
-        ce = cross_entropy(logits_BSV, self._tokens(mb)[1])
-        self.loss_parts["ce"] += float(ce.detach()) / (self.dp * self.micro_batches)
+        x_BSH, inputs = self._previous_output(last, mb, mail)
+        ce = linear_cross_entropy(self.model.norm(x_BSH).flatten(0, 1), self.model.head_weight(),
+                                  self._tokens(mb)[1].flatten())
+        self.loss_parts["ce"] = self.loss_parts["ce"] + ce.detach() / (self.dp * self.micro_batches)
         if backward:
             (ce / (self.dp * self.micro_batches)).backward()
             self._post_input_grads(inputs, mb, mail)

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from disagmoe.config import ModelConfig
+from disagmoe.runtime.flat_adamw import FlatAdamW
 
 FORMAT = "disagmoe-checkpoint/1"
 MANIFEST = "manifest.json"
@@ -147,10 +148,36 @@ class TrainerState:
 # ----------------------------------------------------------------------------------------------
 
 
-def optimizer_state_by_name(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, dict[str, torch.Tensor]]:
+Optimizer = torch.optim.Optimizer | FlatAdamW
+
+
+def optimizer_state_by_name(model: torch.nn.Module, optimizer: Optimizer) -> dict[str, dict[str, torch.Tensor]]:
     """AdamW's per-parameter state (step, exp_avg, exp_avg_sq) under the parameters' names."""
+    if isinstance(optimizer, FlatAdamW):
+        return optimizer.state_by_name()
     names = {id(p): n for n, p in model.named_parameters()}
     return {names[id(p)]: dict(state) for p, state in optimizer.state.items()}
+
+
+def model_state_by_name(model: torch.nn.Module, optimizer: Optimizer) -> dict[str, torch.Tensor]:
+    """The model's tensors on the CPU with the fp32 master weights in place of parameters held in a
+    lower precision for compute: what a checkpoint stores whatever the precision."""
+    state = {n: t.detach().cpu() for n, t in model.state_dict().items()}
+    if isinstance(optimizer, FlatAdamW):
+        state.update(optimizer.masters_by_name())
+    return state
+
+
+def load_training_state(model: torch.nn.Module, optimizer: Optimizer, model_tensors: dict[str, torch.Tensor],
+                        keyed_optim: dict[TensorKey, dict[str, torch.Tensor]]) -> None:
+    """Load model tensors (fp32 masters; cast into the parameters' dtype) and optimizer state."""
+    model.load_state_dict(model_tensors, strict=True)
+    if isinstance(optimizer, FlatAdamW):
+        params = {n for n, _ in model.named_parameters()}
+        optimizer.load_state({n: t for n, t in model_tensors.items() if n in params},
+                             _state_by_name(keyed_optim))
+    else:
+        load_optimizer_state(model, optimizer, keyed_optim)
 
 
 def keyed_optimizer_state(by_name: dict[str, dict[str, torch.Tensor]]) -> dict[TensorKey, dict[str, torch.Tensor]]:
@@ -166,10 +193,8 @@ def keyed_optimizer_state(by_name: dict[str, dict[str, torch.Tensor]]) -> dict[T
     return keyed
 
 
-def load_optimizer_state(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, keyed: dict[TensorKey, dict[str, torch.Tensor]]
-) -> None:
-    """Rebuild the optimizer's state dict from keyed entries and load it."""
+def _state_by_name(keyed: dict[TensorKey, dict[str, torch.Tensor]]) -> dict[str, dict[str, torch.Tensor]]:
+    """Keyed optimizer entries back to per-parameter state, per-expert slices stacked."""
     per_name: dict[str, dict[str, torch.Tensor]] = {}
     stacked: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
     for key, state in keyed.items():
@@ -183,6 +208,14 @@ def load_optimizer_state(
             k: (torch.stack([s[e] for e in range(len(s))]) if s[0].ndim > 0 else s[0])
             for k, s in states.items()
         }
+    return per_name
+
+
+def load_optimizer_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, keyed: dict[TensorKey, dict[str, torch.Tensor]]
+) -> None:
+    """Rebuild a torch optimizer's state dict from keyed entries and load it."""
+    per_name = _state_by_name(keyed)
     names = {id(p): n for n, p in model.named_parameters()}
     sd = optimizer.state_dict()
     index_to_name = {}
@@ -242,7 +275,7 @@ def _serialise(obj: Any) -> bytes:
 def save_checkpoint(
     root: Path,
     model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: Optimizer,
     model_cfg: ModelConfig,
     state: TrainerState,
 ) -> Path:
@@ -250,7 +283,7 @@ def save_checkpoint(
     directory = checkpoint_dir(root, state.step)
     directory.mkdir(parents=True, exist_ok=True)
     shards: dict[str, dict[str, dict[str, Any]]] = {}
-    model_state = {n: t.detach().cpu() for n, t in model.state_dict().items()}
+    model_state = model_state_by_name(model, optimizer)
     for key, tensor in to_keyed(model_state).items():
         shards.setdefault(key.shard, {"model": {}, "optim": {}})["model"][str(key)] = tensor.clone()
     optim_state = keyed_optimizer_state(optimizer_state_by_name(model, optimizer))
@@ -316,7 +349,7 @@ def read_shards(directory: Path, manifest: dict[str, Any]) -> dict[str, Any]:
 
 
 def load_checkpoint(
-    directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_cfg: ModelConfig
+    directory: Path, model: torch.nn.Module, optimizer: Optimizer, model_cfg: ModelConfig
 ) -> TrainerState:
     """Load a checkpoint into `model` and `optimizer` (in place) and return the trainer state."""
     manifest = read_manifest(directory)
@@ -329,8 +362,7 @@ def load_checkpoint(
             continue
         model_keyed.update({TensorKey.parse(k): t for k, t in shard["model"].items()})
         optim_keyed.update({TensorKey.parse(k): s for k, s in shard["optim"].items()})
-    model.load_state_dict(from_keyed(model_keyed), strict=True)
-    load_optimizer_state(model, optimizer, optim_keyed)
+    load_training_state(model, optimizer, from_keyed(model_keyed), optim_keyed)
     trainer = shards[TRAINER_SHARD]
     return TrainerState(
         step=trainer["step"], data_step=trainer["data_step"],

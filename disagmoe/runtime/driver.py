@@ -22,14 +22,14 @@ import ray
 import torch
 from ray.exceptions import RayActorError
 
-from disagmoe.config import ModelConfig, TrainConfig, load_hardware, load_model
+from disagmoe.config import ModelConfig, TrainConfig, load_model
 from disagmoe.data import load_splits
 from disagmoe.roofline.flops import step_flops
 from disagmoe.runtime.batching import check_divisible
 from disagmoe.runtime.checkpoint import TrainerState, check_compatible, latest_checkpoint, read_manifest
 from disagmoe.runtime.cluster import WorkerFailure, WorkerGroup
 from disagmoe.runtime.failures import TrainingFailed
-from disagmoe.runtime.metrics import load_imbalance, mfu
+from disagmoe.runtime.metrics import load_imbalance, mfu, peak_and_ceiling
 from disagmoe.runtime.optim import lr_at
 from disagmoe.runtime.plan_layout import apply_plan
 from disagmoe.runtime.rank_model import rank_model
@@ -43,7 +43,6 @@ from disagmoe.runtime.worker import TrainWorker
 TRACE_FILE = "trace.json"
 TRACE_MAX_STEPS = 100  # spans of the first steps of a run only: a trace of every step grows unbounded
 MIN_CPUS_PER_RANK = 0.1  # more CPU actors than this allows would thrash the host
-TRAINING_BYTES_PER_PARAM = 16  # fp32 weight, gradient, AdamW exp_avg and exp_avg_sq
 PROBE_TIMEOUT_S = 2.0  # after a failure: an actor that does not answer `info` this fast is hung
 
 
@@ -54,16 +53,19 @@ def step_timeout_s(cfg: TrainConfig) -> float:
 
 
 def training_state_bytes(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topology, rank: int) -> tuple[int, float]:
-    """(parameters, bytes of fp32 weights, gradients and AdamW moments) of one rank: 16 bytes per
-    parameter, or with `optim.shard_states` 8 + 12 / D per replicated one (ZeRO-1 over D ranks:
-    the moments and the slice's summed gradient)."""
+    """(parameters, bytes of parameters, fp32 masters, fp32 main gradients and AdamW moments) of
+    one rank (`FlatAdamW`): 2 + 4 + 4 + 8 = 18 bytes per parameter in bf16 (fp32: the parameters
+    are the masters, 16); with `optim.shard_states` a replicated parameter keeps its masters and
+    moments only for its 1/D slice (ZeRO-1 over D ranks: 2 + 4 + 12 / D, fp32 4 + 4 + 8 / D)."""
     named = list(rank_model(model_cfg, cfg.experts_backend, topology, rank).named_parameters())
     params = sum(p.numel() for _, p in named)
     replicated = sum(p.numel() for n, p in named if ".moe.experts." not in n)
+    bf16 = cfg.compute_dtype_name == "bf16"
+    param_bytes, state_bytes = (2 + 4, 4 + 8) if bf16 else (4 + 4, 8)  # (kept whole, sharded by ZeRO-1)
     dp = topology.data_parallel
     if not (cfg.optim.shard_states and topology.attention_role(rank) is not None and dp > 1):
-        return params, params * TRAINING_BYTES_PER_PARAM
-    return params, (params - replicated) * TRAINING_BYTES_PER_PARAM + replicated * (8 + 12 / dp)
+        return params, params * (param_bytes + state_bytes)
+    return params, (params - replicated) * (param_bytes + state_bytes) + replicated * (param_bytes + state_bytes / dp)
 
 
 def check_memory(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topology, capacity_bytes: float) -> None:
@@ -74,7 +76,7 @@ def check_memory(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topology, c
         if need > capacity_bytes:
             raise ValueError(
                 f"rank {rank} ({topology.describe(rank)}) holds {params:,} parameters: "
-                f"{need / 2**30:.1f} GiB of fp32 weights, gradients and AdamW moments (activations not "
+                f"{need / 2**30:.1f} GiB of weights, fp32 masters, gradients and AdamW moments (activations not "
                 f"counted) on a {capacity_bytes / 2**30:.1f} GiB device; add expert ranks or pipeline groups "
                 "(`disagmoe plan` finds a layout that fits)"
             )
@@ -129,7 +131,7 @@ class DistributedTrainer(TrainingLoop):
         self.step = 0 if resume_from is None else read_trainer_state(resume_from).step
         self.tokens_per_step = cfg.batch_size * cfg.seq_len
         self.flops_per_step = step_flops(self.model_cfg, self.tokens_per_step, cfg.seq_len)
-        self.peak_flops = None if cfg.hardware is None else load_hardware(cfg.hardware).bf16_tflops * 1e12
+        self.peak_flops, self.ceiling_flops = peak_and_ceiling(cfg, gpus=self.topology.world_size)
         self.rank_names = {r: self.topology.describe(r) for r in range(self.topology.world_size)}
         self.groups = [self.topology.group_name(r) for r in range(self.topology.world_size)]
         self.owns_workers = workers is None
@@ -207,6 +209,12 @@ class DistributedTrainer(TrainingLoop):
             "tokens_per_s": self.tokens_per_step / seconds,
             "flops": self.flops_per_step,
             "mfu": mfu(self.flops_per_step, seconds, self.peak_flops),
+            "mfu_ceiling": mfu(self.flops_per_step, seconds, self.ceiling_flops),
+            "routing": cfg.routing,
+            "precision": cfg.compute_dtype_name,
+            "peak_memory_gib": max((r["peak_memory_gib"] for r in results if r["peak_memory_gib"] is not None),
+                                   default=None),
+            "peak_memory_gib_per_rank": [r["peak_memory_gib"] for r in results],
             "expert_load": load_LE.tolist(),
             "load_imbalance": load_imbalance(load_LE),
             "busy": busy_fractions([r["compute_s"] for r in results], seconds, self.groups),

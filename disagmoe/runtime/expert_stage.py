@@ -23,7 +23,6 @@ from disagmoe.runtime.messages import Mailbox
 from disagmoe.runtime.rank_model import RankModel
 from disagmoe.runtime.schedule import Payload
 from disagmoe.runtime.topology import Topology
-from disagmoe.runtime.trainer import compute_context
 
 
 @dataclass
@@ -61,8 +60,7 @@ class ExpertStage:
         counts_DE = torch.stack([counts_E for _, counts_E in messages])
         x_PH = torch.cat(expert_major(inputs, counts_DE))
         offsets_E = torch.cumsum(counts_DE.sum(dim=0), dim=0).to(torch.int32)
-        with compute_context(x_PH.device):
-            y_PH = self.model.experts(layer)(x_PH, offsets_E)
+        y_PH = self.model.experts(layer)(x_PH, offsets_E)
         chunks = y_PH.split(counts_DE.T.flatten().tolist())  # chunk e*D + d
         D, E = counts_DE.shape
         outputs = []

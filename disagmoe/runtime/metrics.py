@@ -1,8 +1,10 @@
 """Per-step training metrics and the JSONL file they go to (one JSON object per line).
 
 Every record has `step` (1-based: the number of optimizer steps taken) and, for training steps,
-loss, ce, aux_loss, z_loss, lr, grad_norm, tokens, step_time_s, tokens_per_s, flops, mfu (null
-without a hardware peak), `expert_load` (per MoE layer, per expert: token-expert assignments in
+loss, ce, aux_loss, z_loss, lr, grad_norm, tokens, step_time_s, tokens_per_s, flops, mfu (model
+FLOPs / step time / (GPUs x the hardware's bf16 dense peak); null without a hardware), mfu_ceiling
+(the same against GPUs x the measured matmul ceiling, peak x efficiency.matmul), routing (learned
+or balanced), precision, peak_memory_gib (the largest over ranks; null on CPU), `expert_load` (per MoE layer, per expert: token-expert assignments in
 the step, summed over micro-batches) and `load_imbalance` (per MoE layer: max / mean of that
 layer's loads). Steps with a validation pass also carry `val_loss`. Distributed modes add
 `busy` (per group of ranks, e.g. A0 / E0 / colocated: compute time over the step's wall time).
@@ -14,10 +16,14 @@ Legend: L MoE layers, E experts.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from disagmoe.config import TrainConfig, load_hardware
 
 
 def load_imbalance(load_LE: torch.Tensor) -> list[float]:
@@ -29,10 +35,46 @@ def load_imbalance(load_LE: torch.Tensor) -> list[float]:
 
 
 def mfu(flops: float, seconds: float, peak_flops: float | None) -> float | None:
-    """Model FLOPs utilisation: achieved FLOP/s over the hardware peak; None without a peak."""
+    """Model FLOPs utilisation: achieved FLOP/s over `peak_flops` (all the run's GPUs together);
+    None without a peak."""
     if peak_flops is None or seconds <= 0:
         return None
     return flops / seconds / peak_flops
+
+
+def peak_and_ceiling(cfg: TrainConfig, gpus: int) -> tuple[float | None, float | None]:
+    """(bf16 dense peak, measured matmul ceiling) FLOP/s of `gpus` GPUs of the config's hardware:
+    the denominators of `mfu` and `mfu_ceiling` (module docstring); (None, None) without one."""
+    if cfg.hardware is None:
+        return None, None
+    hw = load_hardware(cfg.hardware)
+    peak = hw.bf16_tflops * 1e12 * gpus
+    return peak, peak * hw.efficiency.matmul
+
+
+def peak_memory_gib(device: torch.device) -> float | None:
+    """The most GPU memory this process's tensors took so far (torch's allocator), GiB; None on CPU."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.max_memory_allocated(device) / 2**30
+
+
+class OutOfMemory(ValueError):
+    """A CUDA out-of-memory error, told as the knobs that shrink a step (one line)."""
+
+
+@contextmanager
+def out_of_memory_hint(cfg: TrainConfig, where: str = "this GPU") -> Iterator[None]:
+    """Turn torch's CUDA out-of-memory error into one line that names the knobs."""
+    try:
+        yield
+    except torch.OutOfMemoryError as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else "CUDA out of memory"
+        raise OutOfMemory(
+            f"{where} ran out of memory ({first[:160]}); a step of batch_size={cfg.batch_size} x seq_len="
+            f"{cfg.seq_len} in micro_batches={cfg.micro_batches} does not fit: raise micro_batches, lower "
+            f"batch_size or seq_len, or spread the layers over more ranks (expert_ranks, pipeline_groups)"
+        ) from None
 
 
 class MetricsLog:

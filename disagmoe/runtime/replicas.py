@@ -46,18 +46,18 @@ class ExpertReplicas:
                     self.shared[owners] += [(getattr(experts, name), k) for name in STACKED]
 
     def sum_gradients(self, groups: dict[tuple[int, ...], dist.ProcessGroup]) -> None:
-        """All-reduce (sum) every shared slice's gradient with its other owners."""
+        """All-reduce (sum) every shared slice's main gradient (`FlatAdamW`) with its other owners."""
         for owners in sorted(self.shared):
-            grads = [param.grad[k] for param, k in self.shared[owners]]
+            grads = [param.main_grad[k] for param, k in self.shared[owners]]
             flat = _flatten_dense_tensors(grads)
             dist.all_reduce(flat, group=groups[owners])
             for grad, summed in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
                 grad.copy_(summed)
 
     def squares(self, param: torch.nn.Parameter) -> torch.Tensor:
-        """The float64 sum of squares of `param`'s gradient that this rank counts in the global norm."""
+        """The float64 sum of squares of `param`'s main gradient that this rank counts in the global norm."""
         counted_E = self.counted_E.get(param)
         if counted_E is None:
-            return torch.linalg.vector_norm(param.grad).double() ** 2
-        norms_E = torch.linalg.vector_norm(param.grad.flatten(1), dim=1).double()
+            return torch.linalg.vector_norm(param.main_grad).double() ** 2
+        norms_E = torch.linalg.vector_norm(param.main_grad.flatten(1), dim=1).double()
         return (norms_E.pow(2) * counted_E).sum()

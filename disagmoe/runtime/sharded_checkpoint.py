@@ -33,16 +33,17 @@ from disagmoe.runtime.checkpoint import (
     checkpoint_dir,
     from_keyed,
     is_expert_stacked,
+    Optimizer,
     keyed_optimizer_state,
-    load_optimizer_state,
+    load_training_state,
     model_fingerprint,
+    model_state_by_name,
     optimizer_state_by_name,
     read_manifest,
     read_shards,
     to_keyed,
 )
 from disagmoe.runtime.rank_model import RankModel
-from disagmoe.runtime.zero import ShardedAdamW
 
 Listing = dict[str, Any]  # {"file", "sha256", "bytes"}: one manifest entry
 
@@ -73,16 +74,16 @@ def _globalise(keyed: dict[TensorKey, Any], ids: dict[str, tuple[int, ...]]) -> 
     return {_global_key(k, ids): v for k, v in keyed.items()}
 
 
-def rank_shard(model: RankModel, optimizer: torch.optim.Optimizer, include_replicated: bool,
-               writes_expert: Callable[[int, int], bool] = lambda layer, expert: True,
-               more_optim_state: dict[str, dict[str, torch.Tensor]] | None = None) -> dict[str, Any]:
-    """This rank's keyed model tensors and optimizer state: attention-side (replicated) ones only
-    if `include_replicated`, an expert only if `writes_expert(layer, expert)` (its primary owner).
-    `more_optim_state`: per-parameter state kept outside `optimizer` (the sharded AdamW's, gathered)."""
+def rank_shard(model: RankModel, optimizer: Optimizer, include_replicated: bool,
+               writes_expert: Callable[[int, int], bool] = lambda layer, expert: True) -> dict[str, Any]:
+    """This rank's keyed model tensors (fp32 masters) and optimizer state: attention-side
+    (replicated) ones only if `include_replicated`, an expert only if `writes_expert(layer, expert)`
+    (its primary owner). A collective over a ZeRO-1 group (its slices are gathered): every rank
+    calls it."""
     ids = _expert_ids(model)
     keep = (lambda name: True) if include_replicated else is_expert_stacked
-    model_state = {n: t.detach().cpu().clone() for n, t in model.state_dict().items() if keep(n)}
-    by_name = {**optimizer_state_by_name(model, optimizer), **(more_optim_state or {})}
+    model_state = {n: t.clone() for n, t in model_state_by_name(model, optimizer).items() if keep(n)}
+    by_name = optimizer_state_by_name(model, optimizer)
     optim_state = {n: {k: t.detach().cpu().clone() for k, t in s.items()} for n, s in by_name.items() if keep(n)}
 
     def mine(keyed: dict[TensorKey, Any]) -> dict[str, Any]:
@@ -128,10 +129,9 @@ def read_trainer_state(directory: Path) -> TrainerState:
     return TrainerState(step=t["step"], data_step=t["data_step"], torch_rng=t["torch_rng"], cuda_rng=t["cuda_rng"])
 
 
-def load_rank_state(directory: Path, model: RankModel, optimizer: torch.optim.Optimizer,
-                    model_cfg: ModelConfig, sharded: ShardedAdamW | None = None) -> None:
-    """Load this rank's tensors and optimizer state from any checkpoint (every shard is checked);
-    `sharded` takes its slice of the replicated parameters' state."""
+def load_rank_state(directory: Path, model: RankModel, optimizer: Optimizer, model_cfg: ModelConfig) -> None:
+    """Load this rank's tensors and optimizer state (a ZeRO-1 slice: only its slice) from any
+    checkpoint (every shard is checked)."""
     manifest = read_manifest(directory)
     check_compatible(manifest, model_cfg, directory)
     model_keyed: dict[TensorKey, torch.Tensor] = {}
@@ -145,8 +145,5 @@ def load_rank_state(directory: Path, model: RankModel, optimizer: torch.optim.Op
     missing = [str(k) for k in local_of if k not in model_keyed]
     if missing:
         raise ValueError(f"checkpoint {directory} lacks {len(missing)} tensors this rank needs, e.g. {missing[:3]}")
-    model.load_state_dict(from_keyed({local_of[k]: model_keyed[k] for k in local_of}), strict=True)
-    load_optimizer_state(model, optimizer, {local_of[k]: optim_keyed[k] for k in local_of if k in optim_keyed})
-    if sharded is not None:
-        sharded.load_state_by_name({local_of[k].state_name: optim_keyed[k] for k in local_of
-                                    if k in optim_keyed and k.expert is None})
+    load_training_state(model, optimizer, from_keyed({local_of[k]: model_keyed[k] for k in local_of}),
+                        {local_of[k]: optim_keyed[k] for k in local_of if k in optim_keyed})

@@ -34,14 +34,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from disagmoe.config import ModelConfig, TrainConfig, load_hardware, load_model
+from disagmoe.config import ModelConfig, TrainConfig, load_model
 from disagmoe.data import TokenDataset, load_splits
 from disagmoe.model import MoETransformer
+from disagmoe.model.loss import linear_cross_entropy
 from disagmoe.roofline.flops import step_flops
 from disagmoe.runtime.batching import batch_rows, check_divisible, inputs_and_targets
+from disagmoe.runtime.flat_adamw import FlatAdamW
 from disagmoe.runtime.checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint
 from disagmoe.runtime.loop import StepCallback, TrainingLoop, TrainSummary
-from disagmoe.runtime.metrics import load_imbalance, mfu
+from disagmoe.runtime.metrics import load_imbalance, mfu, out_of_memory_hint, peak_and_ceiling, peak_memory_gib
 from disagmoe.runtime.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 
 CHECKPOINTS_DIR = "checkpoints"
@@ -63,11 +65,9 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def compute_context(device: torch.device) -> contextlib.AbstractContextManager:
-    """bf16 autocast on CUDA (compute in bf16 from the fp32 master weights); fp32 on CPU."""
-    if device.type == "cuda":
-        return torch.autocast(device_type="cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+def compute_dtype(cfg: TrainConfig) -> torch.dtype:
+    """The parameters' dtype for compute: bf16 (fp32 masters in FlatAdamW) or fp32."""
+    return torch.bfloat16 if cfg.compute_dtype_name == "bf16" else torch.float32
 
 
 @contextlib.contextmanager
@@ -109,8 +109,7 @@ def train_step(
     for m in range(micro_batches):
         rows = batch_rows(batch_size, micro_batches, 1, m, 0)
         inputs_BS, targets_BS = inputs_and_targets(tokens_BS1[rows].to(device))
-        with compute_context(device):
-            out = model(inputs_BS)
+        out = model(inputs_BS)
         ce = cross_entropy(out.logits_BSV, targets_BS)
         loss = ce + out.aux_loss.float() + out.z_loss.float()
         (loss / micro_batches).backward()
@@ -127,22 +126,58 @@ def train_step(
     return StepResult(loss=loss, ce=ce, aux_loss=aux, z_loss=z, grad_norm=grad_norm, expert_load_LE=load_LE)
 
 
+def train_step_flat(
+    model: MoETransformer,
+    optimizer: FlatAdamW,
+    tokens_BS1: torch.Tensor,
+    micro_batches: int,
+    lr: float,
+    grad_clip: float,
+) -> StepResult:
+    """`train_step` on the fast path: the same loss and update (module docstring) with the
+    parameters in the compute dtype, fp32 masters and main gradients in `optimizer`, the LM head
+    and loss in token chunks, and nothing read back from the device until the step is done."""
+    device = next(model.parameters()).device
+    batch_size = tokens_BS1.shape[0]
+    check_divisible(batch_size, micro_batches, 1)
+    model.train()
+    optimizer.zero_grad()
+    totals = torch.zeros(4, dtype=torch.float32, device=device)  # loss, ce, aux, z summed over micro-batches
+    load_LE = torch.zeros((model.cfg.num_moe_layers, model.cfg.num_experts), dtype=torch.int64, device=device)
+    tokens_BS1 = tokens_BS1.to(device, non_blocking=True)
+    for m in range(micro_batches):
+        rows = batch_rows(batch_size, micro_batches, 1, m, 0)
+        inputs_BS, targets_BS = inputs_and_targets(tokens_BS1[rows])
+        out = model(inputs_BS, logits=False)
+        ce = linear_cross_entropy(out.hidden_BSH.flatten(0, 1), model.head_weight(), targets_BS.flatten())
+        loss = ce + out.aux_loss.float() + out.z_loss.float()
+        (loss / micro_batches).backward()
+        totals += torch.stack([loss, ce, out.aux_loss.float(), out.z_loss.float()]).detach()
+        load_LE += out.expert_load_LE
+    norm = optimizer.grad_squares().sqrt().float()
+    coef = torch.clamp(grad_clip / (norm + 1e-6), max=1.0) if grad_clip > 0 else None
+    optimizer.step(lr, coef)
+    model.update_router_bias(load_LE)
+    loss, ce, aux, z, grad_norm = torch.cat([totals / micro_batches, norm[None]]).tolist()  # the step's one read
+    return StepResult(loss=loss, ce=ce, aux_loss=aux, z_loss=z, grad_norm=grad_norm, expert_load_LE=load_LE.cpu())
+
+
 @torch.no_grad()
 def evaluate(model: MoETransformer, dataset: TokenDataset, batches: int, micro_batches: int) -> float:
     """Mean next-token cross-entropy over the first `batches` batches of a (validation) dataset."""
     device = next(model.parameters()).device
     model.eval()
-    total = 0.0
+    total = torch.zeros((), device=device)
     for b in range(batches):
         tokens_BS1 = dataset.batch(b)
         for m in range(micro_batches):
             rows = batch_rows(dataset.batch_size, micro_batches, 1, m, 0)
             inputs_BS, targets_BS = inputs_and_targets(tokens_BS1[rows].to(device))
-            with compute_context(device):
-                out = model(inputs_BS)
-            total += float(cross_entropy(out.logits_BSV, targets_BS))
+            out = model(inputs_BS, logits=False)
+            total = total + linear_cross_entropy(out.hidden_BSH.flatten(0, 1), model.head_weight(),
+                                                 targets_BS.flatten())
     model.train()
-    return total / (batches * micro_batches)
+    return float(total) / (batches * micro_batches)
 
 
 
@@ -166,12 +201,15 @@ class SingleProcessTrainer(TrainingLoop):
         self.model = MoETransformer(self.model_cfg, experts_backend=cfg.experts_backend)
         self.model.init_weights(cfg.seed)
         self.model.to(self.device)
-        self.optimizer = build_optimizer(self.model.named_parameters(), cfg.optim)
+        self.model.set_routing(cfg.routing)
+        self.oracle = cfg.compute_dtype_name == "fp32"  # plain AdamW on fp32 parameters: the reference
+        self.optimizer = (build_optimizer(self.model.named_parameters(), cfg.optim) if self.oracle
+                          else FlatAdamW(self.model.named_parameters(), cfg.optim, compute_dtype(cfg)))
         self.out_dir = Path(cfg.out_dir)
         self.checkpoint_root = self.out_dir / CHECKPOINTS_DIR
         self.tokens_per_step = cfg.batch_size * cfg.seq_len
         self.flops_per_step = step_flops(self.model_cfg, self.tokens_per_step, cfg.seq_len)
-        self.peak_flops = None if cfg.hardware is None else load_hardware(cfg.hardware).bf16_tflops * 1e12
+        self.peak_flops, self.ceiling_flops = peak_and_ceiling(cfg, gpus=1)
         self.step = 0
         if cfg.resume:
             self._resume()
@@ -212,7 +250,9 @@ class SingleProcessTrainer(TrainingLoop):
         tokens_BS1 = self.train_data.batch(self.step)
         self._sync()
         start = time.perf_counter()
-        result = train_step(self.model, self.optimizer, tokens_BS1, cfg.micro_batches, lr, cfg.optim.grad_clip)
+        step_fn = train_step if self.oracle else train_step_flat
+        with out_of_memory_hint(cfg):
+            result = step_fn(self.model, self.optimizer, tokens_BS1, cfg.micro_batches, lr, cfg.optim.grad_clip)
         self._sync()
         seconds = time.perf_counter() - start
         self.step += 1
@@ -229,6 +269,10 @@ class SingleProcessTrainer(TrainingLoop):
             "tokens_per_s": self.tokens_per_step / seconds,
             "flops": self.flops_per_step,
             "mfu": mfu(self.flops_per_step, seconds, self.peak_flops),
+            "mfu_ceiling": mfu(self.flops_per_step, seconds, self.ceiling_flops),
+            "routing": cfg.routing,
+            "precision": cfg.compute_dtype_name,
+            "peak_memory_gib": peak_memory_gib(self.device),
             "expert_load": result.expert_load_LE.tolist(),
             "load_imbalance": load_imbalance(result.expert_load_LE),
         }

@@ -19,7 +19,6 @@ uses for point-to-point messages, so collective and message tags cannot collide.
 
 from __future__ import annotations
 
-import math
 import time
 from contextlib import AbstractContextManager
 from datetime import timedelta
@@ -28,7 +27,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from disagmoe.comm import make_transport
 from disagmoe.comm.base import Direction, SendHandle
@@ -38,8 +36,10 @@ from disagmoe.runtime.attention_stage import AttentionStage
 from disagmoe.runtime.cluster import Worker
 from disagmoe.runtime.expert_stage import ExpertStage
 from disagmoe.runtime.gpu_spans import GpuSpans
+from disagmoe.runtime.metrics import peak_memory_gib
 from disagmoe.runtime.messages import Mailbox, message_key
-from disagmoe.runtime.optim import build_optimizer, set_lr
+from disagmoe.runtime.flat_adamw import FlatAdamW, Shard, flat_squares
+from disagmoe.runtime.trainer import compute_dtype
 from disagmoe.runtime.rank_model import rank_model
 from disagmoe.runtime.replicas import ExpertReplicas
 from disagmoe.runtime.schedule import (
@@ -57,7 +57,8 @@ from disagmoe.runtime.sharded_checkpoint import Listing, load_rank_state, rank_s
 from disagmoe.runtime.topology import Topology
 from disagmoe.runtime.trace import SpanRecorder
 from disagmoe.runtime.watchdog import OpWatchdog
-from disagmoe.runtime.zero import ShardedAdamW
+
+REPLICATED, EXPERTS = "replicated", "experts"  # FlatAdamW buckets: all-reduced over data parallel, or not
 
 
 def _op_name(op: Op) -> str:
@@ -88,15 +89,13 @@ class TrainWorker(Worker):
         attention = topology.attention_role(self.rank)
         self.model = rank_model(self.model_cfg, cfg.experts_backend, topology, self.rank).materialise(
             self.device, cfg.seed)
-        self.zero = None
-        attention_role = topology.attention_role(self.rank)
-        if cfg.optim.shard_states and attention_role is not None and topology.data_parallel > 1:
-            replicated = [(n, p) for n, p in self.model.named_parameters() if ".moe.experts." not in n]
-            self.zero = ShardedAdamW(replicated, cfg.optim, self.dp_group, attention_role[1], topology.data_parallel)
-            self.optimizer = build_optimizer([(n, p) for n, p in self.model.named_parameters()
-                                              if ".moe.experts." in n], cfg.optim)
-        else:
-            self.optimizer = build_optimizer(self.model.named_parameters(), cfg.optim)
+        self.model.set_routing(cfg.routing)
+        shards = {}
+        if cfg.optim.shard_states and attention is not None and topology.data_parallel > 1:
+            shards[REPLICATED] = Shard(self.dp_group, attention[1], topology.data_parallel)
+        self.optimizer = FlatAdamW(self.model.named_parameters(), cfg.optim, compute_dtype(cfg),
+                                   bucket_of=lambda name: EXPERTS if ".moe.experts." in name else REPLICATED,
+                                   shards=shards)
         self.replicas = ExpertReplicas(self.model, topology, self.rank)
         self.attention, self.val_data = None, None
         if attention is not None:
@@ -138,7 +137,7 @@ class TrainWorker(Worker):
         if self.gpu_spans is not None:
             self.gpu_spans.begin_step()
         start = time.perf_counter()
-        self.model.zero_grad(set_to_none=True)  # every parameter, also those a sharded AdamW steps
+        self.optimizer.zero_grad()
         if self.attention is not None:
             self.attention.begin_step(step)
         if self.experts is not None:
@@ -158,10 +157,22 @@ class TrainWorker(Worker):
                     self._run(op, step, mail, handles)
         assert mail.empty(), f"rank {self.rank}: messages left over after step {step}"
         spans, compute_s = self._drain_spans()
-        result.update(rank=self.rank, compute_s=compute_s, step_s=time.perf_counter() - start, spans=spans)
-        if self.attention is not None:
-            result["loss_parts"] = self.attention.loss_parts
+        result.update(self._read_step(result), rank=self.rank, compute_s=compute_s,
+                      step_s=time.perf_counter() - start, spans=spans,
+                      peak_memory_gib=peak_memory_gib(self.device))
         return result
+
+    def _read_step(self, result: dict[str, Any]) -> dict[str, Any]:
+        """The step's device-side figures to the host, once: grad norm, loss shares, expert loads."""
+        parts = self.attention.loss_parts if self.attention is not None else {}
+        values = torch.stack([result["grad_norm"], *(v.float() for v in parts.values())]).tolist()
+        read: dict[str, Any] = {"grad_norm": values[0]}
+        if parts:
+            read["loss_parts"] = dict(zip(parts, values[1:], strict=True))
+        load_LE = result["expert_load"]
+        read["expert_load"] = ({} if load_LE is None else
+                               dict(zip(sorted(self.attention.load_LE), load_LE.tolist(), strict=True)))
+        return read
 
     @torch.no_grad()
     def evaluate(self, batches: int) -> dict[str, Any]:
@@ -189,7 +200,7 @@ class TrainWorker(Worker):
                 for handle in handles:
                     handle.wait()
             if self.attention is not None:
-                ce += self.attention.loss_parts["ce"]
+                ce += float(self.attention.loss_parts["ce"])
         self._drain_spans()  # evaluation time is not part of any step's trace or busy fraction
         return {"rank": self.rank, "ce": ce}
 
@@ -239,66 +250,50 @@ class TrainWorker(Worker):
         return self.recorder.drain()
 
     def _optimizer_step(self, lr: float) -> dict[str, Any]:
-        replicated = [p for p in self.model.replicated_parameters() if p.requires_grad]
-        sharded = [p for p in self.model.expert_parameters() if p.requires_grad]
-        for p in replicated + sharded:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        if self.zero is not None:
-            self.zero.reduce_gradients()
-        elif replicated and self.topology.data_parallel > 1:
-            grads = [p.grad for p in replicated]
-            flat = _flatten_dense_tensors(grads)
-            dist.all_reduce(flat, group=self.dp_group)
-            for grad, summed in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
-                grad.copy_(summed)
+        """Reduce the main gradients, clip by the global norm, step; returns device tensors (the
+        step's one read happens in `train_step`)."""
+        for b in self.optimizer.buckets:
+            if b.name.startswith(REPLICATED) and self.topology.data_parallel > 1:
+                if b.shard is not None:
+                    self.optimizer.reduce_scatter(b)
+                else:
+                    dist.all_reduce(b.grad_N, group=self.dp_group)
         self.replicas.sum_gradients(self.replica_groups)
-        load = self._step_load()
-        grad_norm = self._clip_to_global_norm(replicated, sharded)
-        set_lr(self.optimizer, lr)
-        self.optimizer.step()
-        if self.zero is not None:
-            self.zero.step(lr)
-        for layer, load_E in load.items():
-            self.model.block(layer).moe.router.update_bias(load_E.to(self.device))
+        load_LE = self._step_load()
+        grad_norm = self._global_norm()
+        max_norm = self.cfg.optim.grad_clip
+        coef = torch.clamp(max_norm / (grad_norm + 1e-6), max=1.0) if max_norm > 0 else None
+        self.optimizer.step(lr, coef)
+        for layer, load_E in zip(sorted(self.attention.load_LE) if self.attention else [], load_LE):
+            self.model.block(layer).moe.router.update_bias(load_E)
         attention = self.topology.attention_role(self.rank)
-        reports_load = attention is not None and attention[1] == 0
-        return {"grad_norm": grad_norm,
-                "expert_load": {layer: v.tolist() for layer, v in load.items()} if reports_load else {}}
+        reports_load = attention is not None and attention[1] == 0 and len(load_LE)
+        return {"grad_norm": grad_norm, "expert_load": load_LE if reports_load else None}
 
-    def _step_load(self) -> dict[int, torch.Tensor]:
-        """Per MoE layer held here: the step's expert loads summed over micro-batches and DP ranks."""
+    def _step_load(self) -> torch.Tensor:
+        """[layers held here, E]: the step's expert loads summed over micro-batches and DP ranks
+        (layers in ascending order; empty without attention)."""
         if self.attention is None or not self.attention.load_LE:
-            return {}
-        layers = sorted(self.attention.load_LE)
-        load_LE = torch.stack([self.attention.load_LE[l] for l in layers]).to(self.device)
+            return torch.zeros((0, self.model_cfg.num_experts), dtype=torch.int64, device=self.device)
+        load_LE = torch.stack([self.attention.load_LE[l] for l in sorted(self.attention.load_LE)])
         if self.topology.data_parallel > 1:
             dist.all_reduce(load_LE, group=self.dp_group)
-        return dict(zip(layers, load_LE.cpu(), strict=True))
+        return load_LE
 
-    def _clip_to_global_norm(self, replicated: list[torch.Tensor], sharded: list[torch.Tensor]) -> float:
-        """Global L2 norm over all ranks (replicas counted once); scale every gradient like
-        `torch.nn.utils.clip_grad_norm_` would on the whole model. Returns the norm before clipping."""
+    def _global_norm(self) -> torch.Tensor:
+        """Global L2 norm (fp32 device scalar) of the gradients over all ranks, replicas counted
+        once: a replicated bucket by data-parallel index 0 (ZeRO-1: every index its slice of the
+        sum), experts by their primary owner."""
         attention = self.topology.attention_role(self.rank)
-        if self.zero is not None:  # each data-parallel rank counts its slice of the summed gradients
-            replicated, counted = [], sharded
-        else:
-            counted = sharded + (replicated if attention is None or attention[1] == 0 else [])
         squares = torch.zeros((), dtype=torch.float64, device=self.device)
-        for p in counted:
-            squares += self.replicas.squares(p)
-        if self.zero is not None:
-            squares += self.zero.squares()
+        for b in self.optimizer.buckets:
+            if b.name.startswith(EXPERTS):
+                for p in b.params:
+                    squares += self.replicas.squares(p)
+            elif b.shard is not None or attention is None or attention[1] == 0:
+                squares += flat_squares(b.step_grad())
         dist.all_reduce(squares, group=self.world_group)
-        total = torch.tensor(math.sqrt(float(squares)), dtype=torch.float32)
-        max_norm = self.cfg.optim.grad_clip
-        if max_norm > 0:
-            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-            for p in replicated + sharded:
-                p.grad.mul_(coef.to(p.grad.device))
-            if self.zero is not None:
-                self.zero.scale_gradients(coef)
-        return float(total)
+        return squares.sqrt().float()
 
     # -- checkpoints ---------------------------------------------------------------
 
@@ -306,15 +301,14 @@ class TrainWorker(Worker):
         """Write rank-<r>.pt under `directory`; None when this rank holds nothing unique."""
         attention = self.topology.attention_role(self.rank)
         include_replicated = attention is not None and attention[1] == 0
-        more = self.zero.state_by_name() if self.zero is not None else None  # collective over the DP group
-        shard = rank_shard(self.model, self.optimizer, include_replicated,
-                           lambda layer, expert: self.topology.owner_ranks(layer, expert)[0] == self.rank, more)
+        shard = rank_shard(self.model, self.optimizer, include_replicated,  # a collective under ZeRO-1
+                           lambda layer, expert: self.topology.owner_ranks(layer, expert)[0] == self.rank)
         if not shard["model"]:
             return None
         return write_shard(Path(directory), f"rank-{self.rank:05d}.pt", shard)
 
     def load(self, directory: str) -> None:
-        load_rank_state(Path(directory), self.model, self.optimizer, self.model_cfg, self.zero)
+        load_rank_state(Path(directory), self.model, self.optimizer, self.model_cfg)
 
     def _release(self) -> None:
         """Close the watchdog, transport and collective groups of a previous `setup`, if any."""

@@ -165,3 +165,25 @@ def test_mixed_dtypes_outside_autocast_are_refused(kernels):
     x, offsets, w13, w2 = _inputs([3, 4], 16, 16, torch.float32, "cpu", seed=0)
     with pytest.raises(ValueError, match="autocast"):
         moe_ffn.expert_ffn_triton(x.double(), offsets, w13, w2)
+
+
+@pytest.mark.parametrize("case", range(len(RAGGED_CASES)))
+def test_weight_gradients_add_into_main_gradients(kernels, case):
+    """With FlatAdamW's `main_grad` on the weight parameters, the weight-gradient GEMMs add into
+    those fp32 buffers (two micro-batches: twice) and autograd gets no weight gradient."""
+    gg, moe_ffn = kernels
+    counts, hidden, ffn = RAGGED_CASES[case]
+    x, offsets, w13, w2 = _inputs(counts, hidden, ffn, torch.float32, "cpu", seed=10 + case)
+    w13, w2 = torch.nn.Parameter(w13), torch.nn.Parameter(w2)
+    start13, start2 = torch.randn(w13.shape), torch.randn(w2.shape)
+    w13.main_grad, w2.main_grad = start13.clone(), start2.clone()
+    tiles = moe_ffn.FFNTiles.uniform(SMALL_TILES)
+    dy = torch.randn(x.shape[0], hidden, generator=torch.Generator().manual_seed(case))
+    for _ in range(2):
+        y = moe_ffn.ExpertFFNFunction.apply(x, offsets, w13, w2, tiles, 3)
+        y.backward(dy)
+    assert w13.grad is None and w2.grad is None
+    r13, r2 = w13.detach().clone().requires_grad_(), w2.detach().clone().requires_grad_()
+    moe_ffn.expert_ffn_reference(x, offsets, r13, r2).backward(dy)
+    assert _rel_err(w13.main_grad - start13, 2 * r13.grad) < 1e-5
+    assert _rel_err(w2.main_grad - start2, 2 * r2.grad) < 1e-5

@@ -153,3 +153,47 @@ def test_cuda_bf16_compute_tracks_the_fp32_cpu_run(tmp_path):
     directory = checkpoint_dir(tmp_path / "gpu" / "run" / CHECKPOINTS_DIR, 20)
     shards = read_shards(directory, read_manifest(directory))
     assert all(t.dtype == torch.float32 for s in shards.values() if "model" in s for t in s["model"].values())
+
+
+def test_fast_path_in_fp32_equals_the_oracle(tmp_path):
+    """`train_step_flat` (FlatAdamW, chunked loss, one read per step) on fp32 parameters takes the
+    oracle's steps: same losses, grad norms, router biases and parameters, to rounding."""
+    from disagmoe.runtime.flat_adamw import FlatAdamW
+    from disagmoe.runtime.trainer import train_step_flat
+
+    cfg = tiny_model(bias_balancing=True)
+    data = TokenDataset(synthetic_corpus(1 << 14), 32, 4, 0, "train")
+    optim = OptimConfig(lr=3e-3, warmup_steps=1, weight_decay=0.1, grad_clip=0.5)
+    oracle, fast = MoETransformer(cfg), MoETransformer(cfg)
+    reference = build_optimizer(oracle.named_parameters(), optim)
+    flat = FlatAdamW(fast.named_parameters(), optim, torch.float32)
+    for step in range(4):
+        a = train_step(oracle, reference, data.batch(step), 2, optim.lr, optim.grad_clip)
+        b = train_step_flat(fast, flat, data.batch(step), 2, optim.lr, optim.grad_clip)
+        for field in ("loss", "ce", "aux_loss", "z_loss", "grad_norm"):
+            assert getattr(b, field) == pytest.approx(getattr(a, field), rel=1e-5), field
+        assert torch.equal(a.expert_load_LE, b.expert_load_LE)
+    for (name, p), q in zip(oracle.state_dict().items(), fast.state_dict().values(), strict=True):
+        assert float((q - p).norm() / p.norm().clamp_min(1e-12)) < 1e-5, name  # AdamW amplifies ulps of tiny grads
+
+
+def test_bf16_single_mode_trains_and_checkpoints_fp32_masters(tmp_path):
+    cfg = tiny_run(tmp_path, precision="bf16", steps=8, checkpoint_every=4,
+                   optim=OptimConfig(lr=3e-3, warmup_steps=2))
+    summary = train_single(cfg)
+    records = read_metrics(tmp_path / "run" / METRICS_FILE)
+    assert records[-1]["loss"] < records[0]["loss"] and records[0]["precision"] == "bf16"
+    shards = read_shards(checkpoint_dir(tmp_path / "run" / CHECKPOINTS_DIR, 8),
+                         read_manifest(checkpoint_dir(tmp_path / "run" / CHECKPOINTS_DIR, 8)))
+    weights = [t for name, shard in shards.items() if name != "trainer.pt" for t in shard["model"].values()]
+    assert weights and all(t.dtype == torch.float32 for t in weights)
+    resumed = train_single(cfg.model_copy(update={"steps": 10, "resume": True}))
+    assert resumed.steps == 10 and summary.steps == 8
+
+
+def test_balanced_routing_gives_every_expert_the_same_load(tmp_path):
+    cfg = tiny_run(tmp_path, routing="balanced", steps=2)
+    train_single(cfg)
+    records = read_metrics(tmp_path / "run" / METRICS_FILE)
+    assert all(r["routing"] == "balanced" for r in records)
+    assert all(ratio == 1.0 for r in records for ratio in r["load_imbalance"])

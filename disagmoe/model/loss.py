@@ -1,0 +1,79 @@
+"""The LM head and next-token cross-entropy in chunks of tokens, never a whole micro-batch's logits.
+
+`linear_cross_entropy(h_NH, w_VH, targets_N)` = mean_n CE(h_n @ w^T, target_n), the log-softmax
+in fp32. A micro-batch of N tokens over a vocabulary V would materialise N x V fp32 logits (8k
+tokens x Qwen3's 151,936 = 5 GB, and as much again for their gradient); here at most
+`chunk_tokens` x V live at a time. With gradients enabled the forward computes each chunk's
+gradients right away (d logits = softmax - onehot) and keeps only dh [N, H] and an fp32 dW
+[V, H]; the backward scales them by the incoming gradient. Without gradients it is a plain
+chunked forward.
+
+Shape legend: N tokens, H hidden, V vocabulary, C tokens of one chunk.
+"""
+
+from __future__ import annotations
+
+import torch
+
+DEFAULT_CHUNK_TOKENS = 4096
+LOGIT_BYTES_PER_CHUNK = 1 << 30  # fp32 logits of one chunk: the chunk shrinks for big vocabularies
+
+
+def chunk_size(tokens: int, vocab: int, chunk_tokens: int | None = None) -> int:
+    """Tokens per chunk: `chunk_tokens`, else as many as keep one chunk's fp32 logits near 1 GiB."""
+    if chunk_tokens is None:
+        chunk_tokens = max(256, min(DEFAULT_CHUNK_TOKENS, LOGIT_BYTES_PER_CHUNK // (4 * vocab)))
+    return max(1, min(tokens, chunk_tokens))
+
+
+def _chunked(h_NH: torch.Tensor, w_VH: torch.Tensor, targets_N: torch.Tensor, chunk: int, needs_h: bool,
+             needs_w: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(mean loss, d loss / d h or None, fp32 d loss / d w or None), one chunk of tokens at a time."""
+    N = h_NH.shape[0]
+    total = torch.zeros((), dtype=torch.float32, device=h_NH.device)
+    dh_NH = torch.empty_like(h_NH) if needs_h else None
+    dw_VH = torch.zeros(w_VH.shape, dtype=torch.float32, device=w_VH.device) if needs_w else None
+    for start in range(0, N, chunk):
+        h_CH, t_C = h_NH[start:start + chunk], targets_N[start:start + chunk]
+        logits_CV = (h_CH @ w_VH.T).float()
+        lse_C = torch.logsumexp(logits_CV, dim=-1)
+        total += (lse_C - logits_CV.gather(1, t_C[:, None]).squeeze(1)).sum()
+        if needs_h or needs_w:
+            d_CV = logits_CV.sub_(lse_C[:, None]).exp_()  # softmax, in place
+            d_CV.scatter_add_(1, t_C[:, None], torch.full_like(lse_C[:, None], -1.0))
+            d_CV = d_CV.div_(N).to(h_NH.dtype)
+            if needs_h:
+                dh_NH[start:start + chunk] = d_CV @ w_VH
+            if needs_w:
+                dw_VH += (d_CV.T @ h_CH).float()
+    return total / N, dh_NH, dw_VH
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h_NH: torch.Tensor, w_VH: torch.Tensor, targets_N: torch.Tensor, chunk: int) -> torch.Tensor:
+        loss, dh_NH, dw_VH = _chunked(h_NH, w_VH, targets_N, chunk, *ctx.needs_input_grad[:2])
+        ctx.save_for_backward(dh_NH, dw_VH)
+        ctx.w_dtype = w_VH.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        dh_NH, dw_VH = ctx.saved_tensors
+        dh = None if dh_NH is None else dh_NH * grad_loss.to(dh_NH.dtype)
+        dw = None if dw_VH is None else (dw_VH * grad_loss).to(ctx.w_dtype)
+        return dh, dw, None, None
+
+
+def linear_cross_entropy(h_NH: torch.Tensor, w_VH: torch.Tensor, targets_N: torch.Tensor,
+                         chunk_tokens: int | None = None) -> torch.Tensor:
+    """Mean next-token cross-entropy of the logits h @ w^T (fp32 log-softmax), in token chunks
+    (module docstring). `h_NH` [N, H] final-normed hidden states, `w_VH` the LM head."""
+    if h_NH.dim() != 2 or w_VH.dim() != 2 or h_NH.shape[1] != w_VH.shape[1] or targets_N.shape != h_NH.shape[:1]:
+        raise ValueError(f"linear_cross_entropy wants h [N, H], w [V, H], targets [N]; got "
+                         f"{tuple(h_NH.shape)}, {tuple(w_VH.shape)}, {tuple(targets_N.shape)}")
+    chunk = chunk_size(h_NH.shape[0], w_VH.shape[0], chunk_tokens)
+    if not torch.is_grad_enabled() or not (h_NH.requires_grad or w_VH.requires_grad):
+        with torch.no_grad():
+            return _chunked(h_NH, w_VH, targets_N, chunk, False, False)[0]
+    return _LinearCrossEntropy.apply(h_NH, w_VH, targets_N, chunk)

@@ -1,0 +1,54 @@
+"""Chunked LM head + cross-entropy (disagmoe/model/loss.py) against logits materialised whole."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from disagmoe.model.loss import chunk_size, linear_cross_entropy
+
+
+@pytest.mark.parametrize("tokens,vocab,chunk", [(37, 11, 8), (64, 50, 64), (5, 3, 1), (100, 7, None)])
+def test_matches_full_logits_loss_and_gradients(tokens: int, vocab: int, chunk: int | None) -> None:
+    g = torch.Generator().manual_seed(tokens * vocab)
+    h = torch.randn(tokens, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(vocab, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    t = torch.randint(0, vocab, (tokens,), generator=g)
+    loss = linear_cross_entropy(h, w, t, chunk)
+    (2.5 * loss).backward()
+    h_ref, w_ref = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    ref = F.cross_entropy(h_ref @ w_ref.T, t)
+    (2.5 * ref).backward()
+    torch.testing.assert_close(loss.double(), ref, rtol=1e-6, atol=0)  # fp32 log-softmax
+    torch.testing.assert_close(h.grad, h_ref.grad, rtol=1e-5, atol=1e-6)  # fp32 softmax
+    torch.testing.assert_close(w.grad, w_ref.grad, rtol=1e-5, atol=1e-6)  # fp32 softmax
+
+
+def test_no_grad_forward_and_bad_shapes() -> None:
+    h, w, t = torch.randn(9, 4), torch.randn(6, 4), torch.randint(0, 6, (9,))
+    with torch.no_grad():
+        loss = linear_cross_entropy(h, w, t, 4)
+    torch.testing.assert_close(loss, F.cross_entropy(h @ w.T, t))
+    with pytest.raises(ValueError, match="wants h"):
+        linear_cross_entropy(h, w.T, t)
+
+
+def test_chunk_keeps_big_vocabularies_near_a_gib_of_logits() -> None:
+    assert chunk_size(8192, 151_936) * 151_936 * 4 <= 1 << 30
+    assert chunk_size(8192, 4096) == 4096 and chunk_size(100, 4096) == 100
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_peak_memory_of_a_qwen3_vocabulary_stays_bounded() -> None:
+    """8k tokens x 151,936 vocabulary: whole fp32 logits and their gradient would be ~10 GB."""
+    device = torch.device("cuda")
+    h = torch.randn(8192, 2048, device=device, dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(151_936, 2048, device=device, dtype=torch.bfloat16) * 0.02).requires_grad_()
+    t = torch.randint(0, 151_936, (8192,), device=device)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    linear_cross_entropy(h, w, t).backward()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    assert extra < 4 * 2**30, f"the loss took {extra / 2**30:.1f} GiB beyond its inputs"
