@@ -342,6 +342,10 @@ class TrainConfig(StrictModel):
         "learned", description="balanced: every expert gets the same number of tokens whatever the router "
         "scores (a benchmark setting, as other trainers' performance recipes use; labelled in every output); "
         "the routing weights stay learned")
+    forbid_host_syncs: bool = Field(
+        False, description="debug: run each step's compute under torch.cuda.set_sync_debug_mode('error'), so "
+        "any host wait on the GPU inside a step (a .item(), .tolist(), .cpu(), a transport's host poll) raises; "
+        "the step's one read of its losses and metrics at the end is outside it (CUDA only)")
     cpu_threads: PositiveInt | None = Field(
         None, description="torch intra-op threads for CPU training; None keeps torch's default"
     )

@@ -59,6 +59,21 @@ def peak_memory_gib(device: torch.device) -> float | None:
     return torch.cuda.max_memory_allocated(device) / 2**30
 
 
+@contextmanager
+def no_host_syncs(enabled: bool, device: torch.device) -> Iterator[None]:
+    """Inside the block any operation that makes the host wait for the GPU raises (`torch.cuda.
+    set_sync_debug_mode('error')`), when `enabled` on a CUDA device (`forbid_host_syncs`)."""
+    if not enabled or device.type != "cuda":
+        yield
+        return
+    before = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(before)
+
+
 class OutOfMemory(ValueError):
     """A CUDA out-of-memory error, told as the knobs that shrink a step (one line)."""
 

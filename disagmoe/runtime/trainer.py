@@ -43,7 +43,14 @@ from disagmoe.runtime.batching import batch_rows, check_divisible, inputs_and_ta
 from disagmoe.runtime.flat_adamw import FlatAdamW
 from disagmoe.runtime.checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint
 from disagmoe.runtime.loop import StepCallback, TrainingLoop, TrainSummary
-from disagmoe.runtime.metrics import load_imbalance, mfu, out_of_memory_hint, peak_and_ceiling, peak_memory_gib
+from disagmoe.runtime.metrics import (
+    load_imbalance,
+    mfu,
+    no_host_syncs,
+    out_of_memory_hint,
+    peak_and_ceiling,
+    peak_memory_gib,
+)
 from disagmoe.runtime.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 
 CHECKPOINTS_DIR = "checkpoints"
@@ -133,18 +140,30 @@ def train_step_flat(
     micro_batches: int,
     lr: float,
     grad_clip: float,
+    forbid_host_syncs: bool = False,
 ) -> StepResult:
     """`train_step` on the fast path: the same loss and update (module docstring) with the
     parameters in the compute dtype, fp32 masters and main gradients in `optimizer`, the LM head
-    and loss in token chunks, and nothing read back from the device until the step is done."""
+    and loss in token chunks, and nothing read back from the device until the step is done
+    (`forbid_host_syncs`: any host wait before that raises)."""
     device = next(model.parameters()).device
     batch_size = tokens_BS1.shape[0]
     check_divisible(batch_size, micro_batches, 1)
     model.train()
+    tokens_BS1 = tokens_BS1.to(device)
+    with no_host_syncs(forbid_host_syncs, device):
+        totals, norm, load_LE = _flat_step_on_device(model, optimizer, tokens_BS1, micro_batches, lr, grad_clip)
+    loss, ce, aux, z, grad_norm = torch.cat([totals / micro_batches, norm[None]]).tolist()  # the step's one read
+    return StepResult(loss=loss, ce=ce, aux_loss=aux, z_loss=z, grad_norm=grad_norm, expert_load_LE=load_LE.cpu())
+
+
+def _flat_step_on_device(model: MoETransformer, optimizer: FlatAdamW, tokens_BS1: torch.Tensor, micro_batches: int,
+                         lr: float, grad_clip: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The body of `train_step_flat`: (summed loss parts, grad norm, expert loads), on the device."""
+    device, batch_size = tokens_BS1.device, tokens_BS1.shape[0]
     optimizer.zero_grad()
     totals = torch.zeros(4, dtype=torch.float32, device=device)  # loss, ce, aux, z summed over micro-batches
     load_LE = torch.zeros((model.cfg.num_moe_layers, model.cfg.num_experts), dtype=torch.int64, device=device)
-    tokens_BS1 = tokens_BS1.to(device, non_blocking=True)
     for m in range(micro_batches):
         rows = batch_rows(batch_size, micro_batches, 1, m, 0)
         inputs_BS, targets_BS = inputs_and_targets(tokens_BS1[rows])
@@ -158,8 +177,7 @@ def train_step_flat(
     coef = torch.clamp(grad_clip / (norm + 1e-6), max=1.0) if grad_clip > 0 else None
     optimizer.step(lr, coef)
     model.update_router_bias(load_LE)
-    loss, ce, aux, z, grad_norm = torch.cat([totals / micro_batches, norm[None]]).tolist()  # the step's one read
-    return StepResult(loss=loss, ce=ce, aux_loss=aux, z_loss=z, grad_norm=grad_norm, expert_load_LE=load_LE.cpu())
+    return totals, norm, load_LE
 
 
 @torch.no_grad()
@@ -250,9 +268,12 @@ class SingleProcessTrainer(TrainingLoop):
         tokens_BS1 = self.train_data.batch(self.step)
         self._sync()
         start = time.perf_counter()
-        step_fn = train_step if self.oracle else train_step_flat
         with out_of_memory_hint(cfg):
-            result = step_fn(self.model, self.optimizer, tokens_BS1, cfg.micro_batches, lr, cfg.optim.grad_clip)
+            if self.oracle:
+                result = train_step(self.model, self.optimizer, tokens_BS1, cfg.micro_batches, lr, cfg.optim.grad_clip)
+            else:
+                result = train_step_flat(self.model, self.optimizer, tokens_BS1, cfg.micro_batches, lr,
+                                         cfg.optim.grad_clip, cfg.forbid_host_syncs)
         self._sync()
         seconds = time.perf_counter() - start
         self.step += 1

@@ -155,6 +155,17 @@ def test_cuda_bf16_compute_tracks_the_fp32_cpu_run(tmp_path):
     assert all(t.dtype == torch.float32 for s in shards.values() if "model" in s for t in s["model"].values())
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["grouped_mm", "triton"])
+def test_cuda_steps_make_no_host_waits(tmp_path, backend):
+    """Steady-state single-GPU steps under set_sync_debug_mode('error') (forbid_host_syncs): any
+    .item()/.tolist()/.cpu() or other host wait inside a step would raise."""
+    cfg = tiny_run(tmp_path, steps=3, device="cuda", experts_backend=backend, forbid_host_syncs=True,
+                   model=tiny_model(bias_balancing=True))
+    summary = train_single(cfg)
+    assert summary.steps == 3 and summary.final_loss is not None
+
+
 def test_fast_path_in_fp32_equals_the_oracle(tmp_path):
     """`train_step_flat` (FlatAdamW, chunked loss, one read per step) on fp32 parameters takes the
     oracle's steps: same losses, grad norms, router biases and parameters, to rounding."""
