@@ -16,11 +16,11 @@ from __future__ import annotations
 import torch
 
 DEFAULT_CHUNK_TOKENS = 4096
-LOGIT_BYTES_PER_CHUNK = 1 << 30  # fp32 logits of one chunk: the chunk shrinks for big vocabularies
+LOGIT_BYTES_PER_CHUNK = 1 << 28  # fp32 logits of one chunk: the chunk shrinks for big vocabularies
 
 
 def chunk_size(tokens: int, vocab: int, chunk_tokens: int | None = None) -> int:
-    """Tokens per chunk: `chunk_tokens`, else as many as keep one chunk's fp32 logits near 1 GiB."""
+    """Tokens per chunk: `chunk_tokens`, else as many as keep one chunk's fp32 logits near 256 MiB."""
     if chunk_tokens is None:
         chunk_tokens = max(256, min(DEFAULT_CHUNK_TOKENS, LOGIT_BYTES_PER_CHUNK // (4 * vocab)))
     return max(1, min(tokens, chunk_tokens))

@@ -299,7 +299,7 @@ def _add_to_main_grad(param: torch.Tensor) -> None:
     place (bf16 parameters, or an fp32 one whose `.grad` was replaced) is added into it; a bf16
     gradient is then freed, an fp32 parameter gets its view back."""
     grad, main = param.grad, param.main_grad
-    if grad.data_ptr() == main.data_ptr():
+    if grad is None or grad.data_ptr() == main.data_ptr():  # None: a kernel added into main_grad itself
         return
     main.add_(grad)
     param.grad = main if param.dtype == main.dtype else None

@@ -32,15 +32,16 @@ def test_no_grad_forward_and_bad_shapes() -> None:
         linear_cross_entropy(h, w.T, t)
 
 
-def test_chunk_keeps_big_vocabularies_near_a_gib_of_logits() -> None:
-    assert chunk_size(8192, 151_936) * 151_936 * 4 <= 1 << 30
+def test_chunk_keeps_big_vocabularies_near_256_mib_of_logits() -> None:
+    assert chunk_size(8192, 151_936) * 151_936 * 4 <= 1 << 28
     assert chunk_size(8192, 4096) == 4096 and chunk_size(100, 4096) == 100
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_peak_memory_of_a_qwen3_vocabulary_stays_bounded() -> None:
-    """8k tokens x 151,936 vocabulary: whole fp32 logits and their gradient would be ~10 GB."""
+    """8k tokens x 151,936 vocabulary: whole fp32 logits and their gradient would be ~10 GB; the
+    chunked loss keeps the head's fp32 gradient (1.2 GB), its bf16 copy and one chunk's logits."""
     device = torch.device("cuda")
     h = torch.randn(8192, 2048, device=device, dtype=torch.bfloat16, requires_grad=True)
     w = (torch.randn(151_936, 2048, device=device, dtype=torch.bfloat16) * 0.02).requires_grad_()

@@ -169,3 +169,31 @@ def test_zero1_split_takes_the_unsharded_step(dtype: torch.dtype) -> None:
         torch.testing.assert_close(params0[name], p.float(), **tol)
         torch.testing.assert_close(params1[name], params0[name], rtol=0, atol=0)  # replicas stay identical
         torch.testing.assert_close(masters0[name], flat.masters_by_name()[name], **tol)
+
+
+class _AddsIntoMainGrad(torch.autograd.Function):
+    """y = x @ w whose backward adds dw into `w.main_grad` itself and returns None for w (as the
+    Triton experts backend does)."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x @ w
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        w.main_grad.add_((x.T @ dy).float())
+        return dy @ w.T, None
+
+
+def test_kernels_may_add_into_main_gradients_themselves() -> None:
+    w = nn.Parameter(torch.randn(4, 3).to(torch.bfloat16))
+    flat = FlatAdamW([("w", w)], OPTIM, torch.bfloat16)
+    flat.zero_grad()
+    x = torch.randn(5, 4).to(torch.bfloat16)
+    for _ in range(2):
+        _AddsIntoMainGrad.apply(x, w).float().sum().backward()
+    expected = 2 * (x.T @ torch.ones(5, 3, dtype=torch.bfloat16)).float()
+    assert w.grad is None
+    torch.testing.assert_close(w.main_grad, expected)
