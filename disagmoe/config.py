@@ -342,6 +342,9 @@ class TrainConfig(StrictModel):
         "learned", description="balanced: every expert gets the same number of tokens whatever the router "
         "scores (a benchmark setting, as other trainers' performance recipes use; labelled in every output); "
         "the routing weights stay learned")
+    fuse_elementwise: bool = Field(
+        True, description="on CUDA, compile the norms, qk-norm and RoPE with torch.compile into fused kernels "
+        "(forward and backward; a few seconds of compiling at the first step); CPU runs are never compiled")
     forbid_host_syncs: bool = Field(
         False, description="debug: run each step's compute under torch.cuda.set_sync_debug_mode('error'), so "
         "any host wait on the GPU inside a step (a .item(), .tolist(), .cpu(), a transport's host poll) raises; "

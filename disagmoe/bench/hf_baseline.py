@@ -74,6 +74,7 @@ def run(cfg: TrainConfig, steps: int, warmup: int, log: Callable[[str], None]) -
         raise ValueError("--baseline hf times a GPU training step; run it with device=cuda on a GPU host")
     m = load_model(cfg.model)
     device = torch.device("cuda", 0)
+    torch.cuda.reset_peak_memory_stats(device)
     model, experts_impl = build_model(m, device)
     import transformers
 

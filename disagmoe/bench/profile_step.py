@@ -2,8 +2,8 @@
 
 Runs `warmup` steps of `mode: single`, then `steps` steps under `torch.profiler`, and reports the
 GPU kernels by total time, each also counted into a category (GEMM, attention, optimizer, copy /
-cast, other elementwise, NCCL) by its name, with the share of the profiled steps' wall time the
-GPU was busy. A Chrome trace of the profiled steps can be written for Perfetto.
+cast, other elementwise, NCCL) by its name, the torch ops by the GPU time of the kernels they
+launched themselves, and the share of the profiled steps' wall time the GPU was busy. A Chrome trace of the profiled steps can be written for Perfetto.
 """
 
 from __future__ import annotations
@@ -56,8 +56,11 @@ def run(cfg: TrainConfig, steps: int, warmup: int, log: Callable[[str], None],
         prof.export_chrome_trace(str(trace))
     kernels: dict[str, float] = {}
     for evt in prof.events():
-        if evt.device_type == torch.autograd.DeviceType.CUDA:
+        if evt.device_type == torch.autograd.DeviceType.CUDA and not _is_annotation(evt):
             kernels[evt.name] = kernels.get(evt.name, 0.0) + evt.device_time / 1e6
+    ops = sorted(((a.key, _self_device_s(a)) for a in prof.key_averages()
+                  if a.device_type == torch.autograd.DeviceType.CPU and _self_device_s(a) > 0),
+                 key=lambda kv: -kv[1])[:top]
     busy_s = sum(kernels.values())
     by_category: dict[str, float] = {}
     for name, seconds in kernels.items():
@@ -66,4 +69,19 @@ def run(cfg: TrainConfig, steps: int, warmup: int, log: Callable[[str], None],
     return {"steps": steps, "wall_s_per_step": wall_s / steps, "gpu_busy": busy_s / wall_s,
             "categories": {c: s / busy_s for c, s in sorted(by_category.items(), key=lambda kv: -kv[1])},
             "kernels": [{"name": n[:120], "ms_per_step": s * 1e3 / steps, "share": s / busy_s,
-                         "category": category(n)} for n, s in ranked]}
+                         "category": category(n)} for n, s in ranked],
+            "ops": [{"name": n[:120], "ms_per_step": s * 1e3 / steps, "share": s / busy_s} for n, s in ops]}
+
+
+def _is_annotation(evt: Any) -> bool:
+    """A user range shown on the GPU track (e.g. 'Optimizer.step#AdamW.step'), not a kernel: its
+    time is its kernels', already counted."""
+    return bool(getattr(evt, "is_user_annotation", False)) or "#" in evt.name or evt.name.startswith("ProfilerStep")
+
+
+def _self_device_s(avg: Any) -> float:
+    """GPU seconds of the kernels an op launched itself (not its children's)."""
+    value = getattr(avg, "self_device_time_total", None)
+    if value is None:
+        value = getattr(avg, "self_cuda_time_total", 0.0)
+    return value / 1e6

@@ -200,8 +200,10 @@ def train(
     routing = record["modes"][0].get("routing", "learned")
     table = Table(title=f"training steps of {config} on {env['device']} ({env['transport']} transport, "
                         f"{routing} routing), median of steps {warmup + 1}-{steps}")
+    base = record["modes"][0]["baseline"]
+    with_single = base != "single" and any(r.get("vs_single") is not None for r in record["modes"])
     columns = ("mode", "ranks", "step", "tokens/s", "MFU/GPU", "of ceiling", "peak GiB", "imbalance",
-               "final loss", "busy", "vs " + record["modes"][0]["baseline"], "vs single")
+               "final loss", "busy", "vs " + base, *(("vs single",) if with_single else ()))
     for col in columns:
         table.add_column(col, justify="left" if col in ("mode", "busy") else "right")
 
@@ -216,7 +218,7 @@ def train(
         table.add_row(r["mode"], str(r["ranks"]), f"{r['median_step_s'] * 1e3:.1f} ms", f"{r['tokens_per_s']:,.0f}",
                       pct(r.get("mfu")), pct(r.get("mfu_ceiling")), num(r.get("peak_memory_gib"), ".1f"),
                       num(r.get("load_imbalance"), ".2f"), f"{r['final_loss']:.4f}", busy, f"{r['speedup']:.2f}x",
-                      "-" if r.get("vs_single") is None else f"{r['vs_single']:.2f}x")
+                      *((num(r.get("vs_single"), ".2f") + "x",) if with_single else ()))
     console.print(table)
 
 
@@ -251,6 +253,12 @@ def profile(
     for k in record["kernels"]:
         table.add_row(k["name"][:80], k["category"], f"{k['ms_per_step']:.2f}", f"{k['share']:.1%}")
     console.print(table)
+    ops = Table(title=f"top {top} torch ops by the GPU time of their own kernels")
+    for col in ("op", "ms/step", "share"):
+        ops.add_column(col, justify="left" if col == "op" else "right")
+    for o in record["ops"]:
+        ops.add_row(o["name"][:80], f"{o['ms_per_step']:.2f}", f"{o['share']:.1%}")
+    console.print(ops)
 
 
 @bench_app.command("placement")

@@ -14,7 +14,25 @@ import torch.nn.functional as F
 from torch import nn
 
 from disagmoe.config import ModelConfig
-from disagmoe.model.layers import RMSNorm, apply_rope, rope_cos_sin, yarn_mscale
+from disagmoe.model.layers import RMSNorm, apply_rope, fused, rms_norm, rope_cos_sin, yarn_mscale
+
+
+@fused
+def rope_heads(q_BSnD: torch.Tensor, k_BSgD: torch.Tensor, v_BSgD: torch.Tensor, cos_SD: torch.Tensor,
+               sin_SD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """RoPE on q and k, and q, k, v laid out heads-first ([B, heads, S, D]) for attention."""
+    q_BSnD, k_BSgD = apply_rope(q_BSnD, cos_SD, sin_SD), apply_rope(k_BSgD, cos_SD, sin_SD)
+    return (q_BSnD.transpose(1, 2).contiguous(), k_BSgD.transpose(1, 2).contiguous(),
+            v_BSgD.transpose(1, 2).contiguous())
+
+
+@fused
+def qk_norm_rope_heads(q_BSnD: torch.Tensor, k_BSgD: torch.Tensor, v_BSgD: torch.Tensor, q_w: torch.Tensor,
+                       k_w: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-head RMSNorm of q and k (Qwen3's qk-norm), then `rope_heads`."""
+    return rope_heads.__wrapped__(rms_norm.__wrapped__(q_BSnD, q_w, eps), rms_norm.__wrapped__(k_BSgD, k_w, eps),
+                                  v_BSgD, cos_SD, sin_SD)
 
 
 class GroupedQueryAttention(nn.Module):
@@ -37,14 +55,15 @@ class GroupedQueryAttention(nn.Module):
         q_BSnD = self.wq(x_BSH).view(B, S, self.num_heads, self.head_dim)
         k_BSgD = self.wk(x_BSH).view(B, S, self.num_kv_heads, self.head_dim)
         v_BSgD = self.wv(x_BSH).view(B, S, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q_BSnD, k_BSgD = self.q_norm(q_BSnD), self.k_norm(k_BSgD)
         cos_SD, sin_SD = rope_cos_sin(S, self.head_dim, self.rope_theta, x_BSH.device, x_BSH.dtype,
                                       self.rope_scaling)
-        q_BSnD, k_BSgD = apply_rope(q_BSnD, cos_SD, sin_SD), apply_rope(k_BSgD, cos_SD, sin_SD)
+        if self.q_norm is not None:
+            q_BnSD, k_BgSD, v_BgSD = qk_norm_rope_heads(q_BSnD, k_BSgD, v_BSgD, self.q_norm.weight,
+                                                         self.k_norm.weight, cos_SD, sin_SD, self.q_norm.eps)
+        else:
+            q_BnSD, k_BgSD, v_BgSD = rope_heads(q_BSnD, k_BSgD, v_BSgD, cos_SD, sin_SD)
         o_BnSD = F.scaled_dot_product_attention(
-            q_BSnD.transpose(1, 2), k_BSgD.transpose(1, 2), v_BSgD.transpose(1, 2),
-            is_causal=True, enable_gqa=self.num_kv_heads != self.num_heads,
+            q_BnSD, k_BgSD, v_BgSD, is_causal=True, enable_gqa=self.num_kv_heads != self.num_heads,
         )
         return self.wo(o_BnSD.transpose(1, 2).reshape(B, S, -1))
 

@@ -106,7 +106,21 @@ class MoEBlock(Block):
     ) -> tuple[torch.Tensor, Routing]:
         h_BSH = self.attention_part(x_BSH)
         routing = self.route(h_BSH, fixed_topk_idx_NK)
+        if self.moe.experts.backend == "triton" and h_BSH.is_cuda:
+            return self._forward_fused(h_BSH, routing), routing
         x_PH, grouping = self.dispatch(routing)
         y_PH = self.moe.experts(x_PH, grouping.offsets_E)
         out_BSH = self.combine(h_BSH, routing, y_PH, grouping, self.shared_ffn(routing))
         return out_BSH, routing
+
+    def _forward_fused(self, h_BSH: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """dispatch, experts, combine with the Triton permute and weighted-combine kernels
+        (the same arithmetic; the combine sums each token's k rows in fp32)."""
+        from disagmoe.kernels.permute import combine_rows, permute_tokens
+
+        x_PH, offsets_E, dest_NK = permute_tokens(routing.xn_NH, routing.topk_idx_NK, self.moe.router.num_experts)
+        ffn_NH = combine_rows(self.moe.experts(x_PH, offsets_E), dest_NK, routing.topk_w_NK)
+        shared_NH = self.shared_ffn(routing)
+        if shared_NH is not None:
+            ffn_NH = ffn_NH + shared_NH
+        return h_BSH + ffn_NH.view_as(h_BSH)

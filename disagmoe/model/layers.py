@@ -5,13 +5,46 @@ Shape legend: B batch, S sequence, H hidden, N tokens (B*S), D head dim, R rotar
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from disagmoe.config import RopeScalingConfig
+
+
+class _Fusion:
+    """Whether `fused` functions run compiled on CUDA tensors (`set_fusion`; default on)."""
+
+    enabled = True
+
+
+def set_fusion(enabled: bool) -> None:
+    """Turn the torch.compile'd elementwise fusions of `fused` functions on or off (CUDA only)."""
+    _Fusion.enabled = enabled
+
+
+def fused(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` (a pure function of tensors: a chain of elementwise ops and reductions), compiled by
+    torch.compile into fused kernels, forward and backward, when its first argument is a CUDA
+    tensor and fusion is on; run as written otherwise (on the CPU the oracle stays exactly as
+    written). One compiled graph per distinct input shape (shapes are fixed during training)."""
+    compiled: Callable[..., Any] | None = None
+
+    @functools.wraps(fn)
+    def dispatch(*args: Any) -> Any:
+        nonlocal compiled
+        if not (_Fusion.enabled and args[0].is_cuda):
+            return fn(*args)
+        if compiled is None:
+            compiled = torch.compile(fn, dynamic=False, fullgraph=True)
+        return compiled(*args)
+
+    return dispatch
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -28,9 +61,15 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.to(compute_dtype(x.dtype))
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+@fused
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) * weight over the last dim, statistics in at least fp32 (`RMSNorm`)."""
+    x32 = x.to(compute_dtype(x.dtype))
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:

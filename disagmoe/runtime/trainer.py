@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from disagmoe.config import ModelConfig, TrainConfig, load_model
 from disagmoe.data import TokenDataset, load_splits
 from disagmoe.model import MoETransformer
+from disagmoe.model.layers import set_fusion
 from disagmoe.model.loss import linear_cross_entropy
 from disagmoe.roofline.flops import step_flops
 from disagmoe.runtime.batching import batch_rows, check_divisible, inputs_and_targets
@@ -216,6 +217,7 @@ class SingleProcessTrainer(TrainingLoop):
         )
         self.evaluates = self.val_data is not None and cfg.eval_every > 0
         torch.manual_seed(cfg.seed)
+        set_fusion(cfg.fuse_elementwise)
         self.model = MoETransformer(self.model_cfg, experts_backend=cfg.experts_backend)
         self.model.init_weights(cfg.seed)
         self.model.to(self.device)

@@ -38,6 +38,7 @@ from disagmoe.runtime.expert_stage import ExpertStage
 from disagmoe.runtime.gpu_spans import GpuSpans
 from disagmoe.runtime.metrics import peak_memory_gib
 from disagmoe.runtime.messages import Mailbox, message_key
+from disagmoe.model.layers import set_fusion
 from disagmoe.runtime.flat_adamw import FlatAdamW, Shard, flat_squares
 from disagmoe.runtime.trainer import compute_dtype
 from disagmoe.runtime.rank_model import rank_model
@@ -87,6 +88,7 @@ class TrainWorker(Worker):
         self.world_group, self.dp_group = self._collective_groups(topology, cfg.recv_timeout_s)
         self.transport = make_transport(cfg.transport, cfg.recv_timeout_s, topology.rank_pairs(cfg.micro_batches))
         attention = topology.attention_role(self.rank)
+        set_fusion(cfg.fuse_elementwise)
         self.model = rank_model(self.model_cfg, cfg.experts_backend, topology, self.rank).materialise(
             self.device, cfg.seed)
         self.model.set_routing(cfg.routing)
