@@ -1,4 +1,14 @@
-"""Shared CLI plumbing: one-line user errors, JSON output, the console."""
+"""Shared CLI plumbing: the one error path, JSON output, the consoles.
+
+Every user-facing failure is printed literally (never parsed as rich markup: a path, a YAML key or
+a worker's report may hold `[/...]`) on stderr and ends with a distinct exit code:
+
+    2    bad input: a config, a flag value, a file that cannot be read or written, a size out of range
+    1    the run failed: a rank died or hung, an I/O error mid-run
+    130  interrupted: Ctrl-C or SIGTERM (the run stops after a step with a checkpoint)
+
+A usage error (a bad flag value, an unknown option) is one line too, not click's usage block.
+"""
 
 from __future__ import annotations
 
@@ -10,28 +20,95 @@ from typing import Any, TypeVar
 
 import typer
 from rich.console import Console
+from rich.text import Text
+from typer.core import TyperGroup
+
+from disagmoe.runtime.failures import TrainingFailed, TrainingInterrupted
 
 # Reports are wide tables: when the output is not a terminal (a pipe, a log file, CI), do not
 # squeeze them into rich's default 80 columns.
 console = Console(width=None if sys.stdout.isatty() else 160)
 err_console = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
 
+# click's exceptions, from the click typer runs on (recent typer vendors it as typer._click).
+UsageError = typer.BadParameter.__mro__[1]
+_NoArgsIsHelp = getattr(sys.modules[UsageError.__module__], "NoArgsIsHelpError", ())
+
+EXIT_INPUT, EXIT_FAILED, EXIT_INTERRUPTED = 2, 1, 130
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+def literal(text: object, style: str | None = None) -> Text:
+    """`text` as rich renders it verbatim: no markup, no emoji codes."""
+    return Text(str(text), style=style or "")
+
+
+def print_error(message: object, prefix: str = "error:", style: str = "bold red") -> None:
+    """`prefix message` on stderr, printed literally, not wrapped."""
+    err_console.print(Text.assemble((prefix, style), " ", str(message)), highlight=False, soft_wrap=True)
+
+
 def user_errors(fn: F) -> F:
-    """Turn user mistakes (ValueError, missing files) into one red line and exit code 2."""
+    """The one error path of a command (module docstring): a message line, then the exit code."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
-        except (ValueError, FileNotFoundError, typer.BadParameter) as err:
-            message = err.format_message() if isinstance(err, typer.BadParameter) else str(err)
-            err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
-            raise typer.Exit(2) from None
+        except typer.BadParameter as err:
+            print_error(err.format_message())
+        except (ValueError, FileNotFoundError) as err:
+            print_error(err)
+        except TrainingFailed as err:
+            print_error(err, "training failed:")
+            raise typer.Exit(EXIT_FAILED) from None
+        except TrainingInterrupted as err:
+            print_error(err, "training stopped:", "bold yellow")
+            raise typer.Exit(EXIT_INTERRUPTED) from None
+        except KeyboardInterrupt:
+            print_error("interrupted (Ctrl-C)", "stopped:", "bold yellow")
+            raise typer.Exit(EXIT_INTERRUPTED) from None
+        except OSError as err:  # mid-run: a full disk, a vanished mount
+            where = f"{err.filename}: " if err.filename else ""
+            print_error(f"{where}{err.strerror or err}", "I/O error:")
+            raise typer.Exit(EXIT_FAILED) from None
+        raise typer.Exit(EXIT_INPUT)
 
     return wrapper  # type: ignore[return-value]
+
+
+class OneLineUsage(UsageError):  # type: ignore[misc, valid-type]
+    """A usage error shown as one line: `error: <what>, see '<command> --help'`."""
+
+    def __init__(self, err: Any) -> None:
+        super().__init__(err.format_message(), None)
+        self.command_path = err.ctx.command_path if err.ctx is not None else None
+
+    def show(self, file: Any = None) -> None:
+        hint = f" (see '{self.command_path} --help')" if self.command_path else ""
+        print_error(f"{self.format_message()}{hint}")
+
+
+class OneLineErrors(TyperGroup):
+    """The top-level group: click's usage errors (bad flag values, unknown options or commands,
+    in any subcommand) become one line; `--help` and a bare command still print the help."""
+
+    def make_context(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().make_context(*args, **kwargs)
+        except UsageError as err:
+            raise _one_line(err) from None
+
+    def invoke(self, ctx: Any) -> Any:
+        try:
+            return super().invoke(ctx)
+        except UsageError as err:
+            raise _one_line(err) from None
+
+
+def _one_line(err: Any) -> Any:
+    return err if isinstance(err, (OneLineUsage, _NoArgsIsHelp)) else OneLineUsage(err)
 
 
 def print_json(data: Any) -> None:

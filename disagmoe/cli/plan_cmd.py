@@ -133,7 +133,7 @@ def show_plan(p, out: Path | None) -> None:
     for n in p.notes:
         console.print(f"note: {n}", highlight=False)
     if out:
-        console.print(f"plan written to {out}")
+        console.print(f"plan written to {out}", markup=False, highlight=False)
 
 
 @user_errors

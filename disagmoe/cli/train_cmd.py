@@ -11,8 +11,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from disagmoe.config import TrainConfig, load_model, load_train_config
-from disagmoe.cli.common import console, err_console, print_json, user_errors
-from disagmoe.runtime.failures import TrainingFailed, TrainingInterrupted
+from disagmoe.cli.common import console, literal, print_json, user_errors
 from disagmoe.runtime.plan_layout import apply_plan, replaced_fields
 
 
@@ -63,28 +62,22 @@ def train(
     if cfg.plan is not None:
         planned = apply_plan(cfg, load_model(cfg.model))
         if not as_json:
-            console.print(_plan_note(cfg, planned), highlight=False)
+            console.print(literal(_plan_note(cfg, planned)), highlight=False)
         cfg = planned
     run = PREPARE[cfg.mode](cfg)
-    try:
-        if as_json:
-            print_json(run(None))
-            return
-        with TrainProgress(cfg.steps) as on_step:
-            summary = run(on_step)
-    except TrainingFailed as err:
-        err_console.print(f"[bold red]training failed:[/] {err}", highlight=False, soft_wrap=True)
-        raise typer.Exit(1) from None
-    except TrainingInterrupted as err:
-        err_console.print(f"[bold yellow]training stopped:[/] {err}", highlight=False, soft_wrap=True)
-        raise typer.Exit(130) from None
+    if as_json:
+        print_json(run(None))  # a failed or stopped run: one message and exit 1 / 130 (`user_errors`)
+        return
+    with TrainProgress(cfg.steps) as on_step:
+        summary = run(on_step)
     console.print(_summary_table(cfg, summary))
     busy = summary.get("busy")
     if busy:
         console.print("busy fraction (compute time / step time, mean over the run): "
                       + ", ".join(f"{group} {fraction:.0%}" for group, fraction in busy.items()))
     if cfg.mode != "single" and cfg.trace:
-        console.print(f"trace: {Path(cfg.out_dir) / 'trace.json'} (open in https://ui.perfetto.dev)")
+        console.print(literal(f"trace: {Path(cfg.out_dir) / 'trace.json'} (open in https://ui.perfetto.dev)"),
+                      highlight=False)
 
 
 class TrainProgress:
@@ -142,5 +135,5 @@ def _summary_table(cfg: TrainConfig, summary: dict[str, Any]) -> Table:
         ("checkpoint", summary["checkpoint_path"] or "-"),
     ]
     for what, value in rows:
-        table.add_row(what, value)
+        table.add_row(what, literal(value))  # paths may hold [brackets]
     return table

@@ -1,0 +1,112 @@
+"""The CLI's one error path (disagmoe/cli/common.py): literal messages, one line, exit 2 / 1 / 130."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from disagmoe.cli import train_cmd
+from disagmoe.cli.app import app
+from disagmoe.runtime.failures import TrainingFailed, TrainingInterrupted
+
+REPO = Path(__file__).resolve().parents[2]
+# What a SIGKILLed peer's gloo error looks like inside a failure report.
+GLOO = ("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:41234: "
+        "Connection reset by peer")
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(app, list(args))
+
+
+def config(tmp_path: Path, **fields) -> str:
+    data = yaml.safe_load((REPO / "configs/tiny-cpu.yaml").read_text())
+    data.update(out_dir=str(tmp_path / "run[/x]"), **fields)
+    path = tmp_path / "train.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def assert_one_clean_line(result, code: int, *needles: str) -> None:
+    assert result.exit_code == code, result.output
+    assert "Traceback" not in result.output and "MarkupError" not in result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+
+
+def fake_run(monkeypatch, error: BaseException, mode: str = "single") -> None:
+    def prepare(cfg):
+        def run(on_step):
+            raise error
+        return run
+    monkeypatch.setitem(train_cmd.PREPARE, mode, prepare)
+
+
+@pytest.mark.parametrize("as_json", [False, True], ids=["table", "json"])
+def test_a_dead_rank_report_with_gloo_brackets_is_printed_literally_exit_1(tmp_path, monkeypatch, as_json):
+    report = f"rank 1 (E0.0) failed during train_step of step 3: its actor died; then rank 0: {GLOO}"
+    fake_run(monkeypatch, TrainingFailed(1, report))
+    result = invoke("train", "--config", config(tmp_path), "mode=single", *(["--json"] if as_json else []))
+    assert_one_clean_line(result, 1, "training failed:", report)
+
+
+def test_ctrl_c_with_brackets_in_the_checkpoint_path_still_exits_130(tmp_path, monkeypatch):
+    checkpoint = tmp_path / "run[/x]" / "checkpoints" / "step-00000007"
+    fake_run(monkeypatch, TrainingInterrupted("SIGINT", 7, checkpoint))
+    result = invoke("train", "--config", config(tmp_path), "mode=single")
+    assert_one_clean_line(result, 130, "SIGINT after step 7", str(checkpoint), "resume=true")
+
+
+def test_a_second_ctrl_c_exits_130_with_a_line(tmp_path, monkeypatch):
+    fake_run(monkeypatch, KeyboardInterrupt())
+    assert_one_clean_line(invoke("train", "--config", config(tmp_path), "mode=single"), 130, "interrupted")
+
+
+def test_an_os_error_mid_run_is_a_run_failure_naming_the_file(tmp_path, monkeypatch):
+    fake_run(monkeypatch, OSError(28, "No space left on device", str(tmp_path / "run[/x]" / "metrics.jsonl")))
+    result = invoke("train", "--config", config(tmp_path), "mode=single")
+    assert_one_clean_line(result, 1, "No space left on device", "run[/x]/metrics.jsonl")
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["train", "--config", "no/such[/x]/train.yaml"], ["no/such[/x]/train.yaml"]),
+    (["plan", "--model", "m[/x].yaml", "--hardware", "h200-sxm", "--gpus", "2"], ["m[/x].yaml"]),
+    (["plan", "--model", "tiny", "--hardware", "[/bold]", "--gpus", "2"], ["'[/bold]'", "valid names"]),
+], ids=["config-path", "model-path", "hardware-name"])
+def test_brackets_in_input_errors_exit_2(args, needles):
+    assert_one_clean_line(invoke(*args), 2, "error:", *needles)
+
+
+def test_an_unknown_yaml_key_with_brackets_exits_2_naming_it(tmp_path):
+    result = invoke("train", "--config", config(tmp_path), "[/x]=1")
+    assert_one_clean_line(result, 2, "[/x]", "unknown key")
+
+
+def test_config_check_prints_bracketed_values_verbatim(tmp_path):
+    result = invoke("config", "check", config(tmp_path))
+    assert result.exit_code == 0, result.output
+    assert "run[/x]" in result.stdout
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["plan", "--model", "tiny", "--hardware", "h200-sxm", "--gpus", "x"], ["--gpus", "'disagmoe plan --help'"]),
+    (["plan", "--model", "tiny", "--hardware", "h200-sxm", "--gpus", "0"], ["--gpus", "greater than or equal to 1"]),
+    (["plan", "--bogus"], ["--bogus"]),
+    (["trian"], ["trian"]),
+    (["config", "schema", "a", "b"], ["unexpected extra argument", "'disagmoe config schema --help'"]),
+    (["train", "--config"], ["--config", "requires an argument"]),
+], ids=["not-an-int", "below-min", "unknown-option", "unknown-command", "extra-argument", "missing-value"])
+def test_a_usage_error_is_one_line_exit_2(args, needles):
+    result = invoke(*args)
+    assert_one_clean_line(result, 2, "error:", *needles)
+    assert "Usage:" not in result.output
+
+
+def test_help_and_a_bare_group_still_print_usage():
+    assert "Usage:" in invoke("plan", "--help").output
+    assert "Usage:" in invoke("config").output
