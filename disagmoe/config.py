@@ -18,11 +18,24 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 PRESETS_DIR = Path(__file__).parent / "presets"
 
-PositiveInt = Annotated[int, Field(gt=0)]
-NonNegInt = Annotated[int, Field(ge=0)]
-PositiveFloat = Annotated[float, Field(gt=0)]
-NonNegFloat = Annotated[float, Field(ge=0)]
+# Every size has an upper bound, checked when a config is read: a typo such as 10**30 ranks is
+# refused in one line before anything is allocated or any actor starts (ranges of ranks, float
+# arithmetic of the cost model). The bounds are far above any real job.
+MAX_GPUS = 1 << 17  # GPUs (ranks) in one job; the planner needs seconds at this size
+MAX_DIM = 1 << 24  # widths, vocabulary, experts, heads, layers, sequence length, sequences per step
+MAX_COUNT = 1 << 40  # steps, tokens per step, intervals
+
+PositiveInt = Annotated[int, Field(gt=0, le=MAX_COUNT)]
+NonNegInt = Annotated[int, Field(ge=0, le=MAX_COUNT)]
+Dim = Annotated[int, Field(gt=0, le=MAX_DIM)]
+NonNegDim = Annotated[int, Field(ge=0, le=MAX_DIM)]
+GpuCount = Annotated[int, Field(gt=0, le=MAX_GPUS)]
+NonNegGpuCount = Annotated[int, Field(ge=0, le=MAX_GPUS)]
+# Inputs are finite: an infinite bandwidth or a NaN rate would price every layout as free.
+PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+NonNegFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 Fraction = Annotated[float, Field(gt=0, le=1)]
+ResultFloat = Annotated[float, Field(ge=0)]  # a computed figure (a Plan's times may be inf)
 
 
 class StrictModel(BaseModel):
@@ -50,7 +63,7 @@ class RopeScalingConfig(StrictModel):
 
     type: Literal["yarn"] = "yarn"
     factor: PositiveFloat = Field(description="context extension factor")
-    original_max_position_embeddings: PositiveInt = Field(description="the pre-training context length")
+    original_max_position_embeddings: Dim = Field(description="the pre-training context length")
     beta_fast: PositiveFloat = 32.0
     beta_slow: PositiveFloat = 1.0
     mscale: NonNegFloat | None = None
@@ -63,13 +76,13 @@ class RopeScalingConfig(StrictModel):
 class MLAConfig(StrictModel):
     """Multi-head latent attention (DeepSeek-V2/V3): low-rank q and kv, decoupled RoPE dims."""
 
-    q_lora_rank: PositiveInt | None = Field(
+    q_lora_rank: Dim | None = Field(
         None, description="rank of the q down-projection; None projects q directly from hidden"
     )
-    kv_lora_rank: PositiveInt = Field(description="rank of the compressed kv latent")
-    qk_nope_head_dim: PositiveInt = Field(description="per-head q/k dims without RoPE")
-    qk_rope_head_dim: PositiveInt = Field(description="per-head q/k dims carrying RoPE (k shared)")
-    v_head_dim: PositiveInt = Field(description="per-head value dims")
+    kv_lora_rank: Dim = Field(description="rank of the compressed kv latent")
+    qk_nope_head_dim: Dim = Field(description="per-head q/k dims without RoPE")
+    qk_rope_head_dim: Dim = Field(description="per-head q/k dims carrying RoPE (k shared)")
+    v_head_dim: Dim = Field(description="per-head value dims")
 
 
 class RouterConfig(StrictModel):
@@ -77,8 +90,8 @@ class RouterConfig(StrictModel):
 
     score: Literal["softmax", "sigmoid"] = "softmax"
     normalize_topk: bool = Field(True, description="renormalise the k chosen weights to sum to 1")
-    num_groups: PositiveInt = Field(1, description="expert groups for group-limited top-k")
-    topk_groups: PositiveInt = Field(1, description="groups a token may route into")
+    num_groups: Dim = Field(1, description="expert groups for group-limited top-k")
+    topk_groups: Dim = Field(1, description="groups a token may route into")
     routed_scaling: PositiveFloat = Field(1.0, description="multiplier on the routed output")
     aux_loss_coef: NonNegFloat = Field(0.0, description="switch-style load-balancing loss weight")
     z_loss_coef: NonNegFloat = Field(0.0, description="router z-loss weight")
@@ -99,25 +112,25 @@ class ModelConfig(StrictModel):
     """A decoder-only MoE transformer. Sizes are in elements, not bytes."""
 
     name: str = "custom"
-    vocab_size: PositiveInt
-    hidden_size: PositiveInt
-    num_layers: PositiveInt
-    num_dense_layers: NonNegInt = Field(0, description="leading layers with a dense FFN")
-    num_heads: PositiveInt
-    num_kv_heads: PositiveInt
-    head_dim: PositiveInt
+    vocab_size: Dim
+    hidden_size: Dim
+    num_layers: Dim
+    num_dense_layers: NonNegDim = Field(0, description="leading layers with a dense FFN")
+    num_heads: Dim
+    num_kv_heads: Dim
+    head_dim: Dim
     attention: Literal["gqa", "mla"] = "gqa"
     mla: MLAConfig | None = None
     qk_norm: bool = Field(False, description="RMSNorm on q and k per head (Qwen3)")
-    dense_ffn_size: NonNegInt = Field(0, description="FFN width of the leading dense layers")
-    num_experts: PositiveInt
-    top_k: PositiveInt
-    expert_ffn_size: PositiveInt
-    num_shared_experts: NonNegInt = 0
-    shared_expert_ffn_size: NonNegInt | None = Field(
+    dense_ffn_size: NonNegDim = Field(0, description="FFN width of the leading dense layers")
+    num_experts: Dim
+    top_k: Dim
+    expert_ffn_size: Dim
+    num_shared_experts: NonNegDim = 0
+    shared_expert_ffn_size: NonNegDim | None = Field(
         None, description="width of each shared expert; defaults to expert_ffn_size"
     )
-    seq_len: PositiveInt = Field(4096, description="training sequence length")
+    seq_len: Dim = Field(4096, description="training sequence length")
     rope_theta: PositiveFloat = 10000.0
     rope_scaling: RopeScalingConfig | None = Field(None, description="YaRN context extension (None: plain RoPE)")
     norm_eps: PositiveFloat = 1e-6
@@ -188,7 +201,7 @@ class HardwareConfig(StrictModel):
     hbm_gbps: PositiveFloat = Field(description="HBM bandwidth, GB/s")
     hbm_gib: PositiveFloat = Field(description="usable HBM capacity, GiB")
     nvlink_gbps: PositiveFloat = Field(description="NVLink bandwidth per GPU per direction, GB/s")
-    nvlink_domain: PositiveInt = Field(description="GPUs sharing one NVLink domain (8 HGX, 72 NVL72)")
+    nvlink_domain: GpuCount = Field(description="GPUs sharing one NVLink domain (8 HGX, 72 NVL72)")
     scaleout_gbps: PositiveFloat = Field(description="scale-out (IB/RoCE) per GPU per direction, GB/s")
     nvlink_latency_us: NonNegFloat = Field(
         9.0, description="one-sided put over NVLink, fixed cost per message, us")
@@ -203,7 +216,7 @@ class ClusterConfig(StrictModel):
     """The GPUs a job gets: how many, of which kind."""
 
     hardware: HardwareConfig
-    num_gpus: PositiveInt
+    num_gpus: GpuCount
 
 
 # ----------------------------------------------------------------------------------------------
@@ -216,14 +229,14 @@ class PlanConfig(StrictModel):
 
     model: ModelConfig
     cluster: ClusterConfig
-    seq_len: PositiveInt
+    seq_len: Dim
     global_batch_tokens: PositiveInt = 4 * 1024 * 1024
-    max_pipeline_groups: PositiveInt = 8
-    micro_batch_choices: list[PositiveInt] = Field(default_factory=lambda: [1, 2, 4, 8, 16])
-    max_expert_replicas: NonNegInt = Field(
+    max_pipeline_groups: GpuCount = 8
+    micro_batch_choices: list[Dim] = Field(default_factory=lambda: [1, 2, 4, 8, 16])
+    max_expert_replicas: NonNegGpuCount = Field(
         0, description="extra replicas allowed for hot experts (0 = none)"
     )
-    load_histogram: list[list[float]] | None = Field(
+    load_histogram: list[list[NonNegFloat]] | None = Field(
         None, description="per MoE layer, per expert: observed load (any scale)"
     )
     memory_headroom: Fraction = Field(
@@ -238,7 +251,7 @@ class StageTime(StrictModel):
     """A stage's predicted time for one step on the GPUs that run it, and what binds it."""
 
     name: str
-    time_s: NonNegFloat
+    time_s: ResultFloat
     group: str = Field(description="who runs it: attention, expert or link")
     bound: str = Field(description="binding ceiling: compute, hbm, nvlink, scale-out or latency")
 
@@ -246,12 +259,12 @@ class StageTime(StrictModel):
 class MemoryEstimate(StrictModel):
     """Memory per GPU in GiB, split by what it holds."""
 
-    weights_gib: NonNegFloat
-    grads_gib: NonNegFloat
-    optimizer_gib: NonNegFloat
-    activations_gib: NonNegFloat
-    total_gib: NonNegFloat
-    capacity_gib: NonNegFloat
+    weights_gib: ResultFloat
+    grads_gib: ResultFloat
+    optimizer_gib: ResultFloat
+    activations_gib: ResultFloat
+    total_gib: ResultFloat
+    capacity_gib: ResultFloat
 
 
 class Plan(StrictModel):
@@ -259,15 +272,15 @@ class Plan(StrictModel):
 
     model: str
     hardware: str
-    gpus: PositiveInt
-    seq_len: PositiveInt
+    gpus: GpuCount
+    seq_len: Dim
     global_batch_tokens: PositiveInt
     layout: Literal["disaggregated", "colocated"]
-    attention_gpus: NonNegInt
-    expert_gpus: NonNegInt
-    pipeline_groups: PositiveInt
-    micro_batches: PositiveInt
-    expert_replica_sets: NonNegInt = Field(
+    attention_gpus: NonNegGpuCount
+    expert_gpus: NonNegGpuCount
+    pipeline_groups: GpuCount
+    micro_batches: Dim
+    expert_replica_sets: NonNegGpuCount = Field(
         description="per pipeline group: sets of expert GPUs each holding every expert once")
     sequences_per_micro_batch: NonNegInt = Field(description="sequences per micro-batch, all DP ranks")
     accumulation_rounds: NonNegInt = Field(description="rounds of m micro-batches per step")
@@ -276,15 +289,15 @@ class Plan(StrictModel):
         "data-parallel index d with d mod n == r; with fewer data-parallel ranks D than replicas n, "
         "d splits its rows over replicas d, d + D, ...)"
     )
-    total_params: NonNegInt
-    active_params: NonNegInt
+    total_params: Annotated[int, Field(ge=0)]
+    active_params: Annotated[int, Field(ge=0)]
     memory_per_gpu: dict[str, MemoryEstimate]
     stage_times: list[StageTime]
-    step_time_s: NonNegFloat
-    colocated_step_time_s: NonNegFloat
-    speedup_vs_colocated: NonNegFloat
-    expert_imbalance: NonNegFloat = Field(description="max/mean expected load over expert GPUs")
-    mfu: NonNegFloat
+    step_time_s: ResultFloat
+    colocated_step_time_s: ResultFloat
+    speedup_vs_colocated: ResultFloat
+    expert_imbalance: ResultFloat = Field(description="max/mean expected load over expert GPUs")
+    mfu: ResultFloat
     feasible: bool
     reason: str
     notes: list[str] = Field(default_factory=list)
@@ -334,18 +347,18 @@ class TrainConfig(StrictModel):
     transport: Literal["local", "nccl", "nvshmem"] = "local"
     device: Literal["cpu", "cuda"] = "cpu"
     experts_backend: Literal["loop", "grouped_mm", "triton"] = "loop"
-    cpu_threads: PositiveInt | None = Field(
+    cpu_threads: Dim | None = Field(
         None, description="torch intra-op threads for CPU training; None keeps torch's default"
     )
-    seed: int = 0
+    seed: Annotated[int, Field(ge=-(1 << 63), lt=1 << 64)] = 0  # torch's seed range
     steps: PositiveInt = 100
-    batch_size: PositiveInt = Field(8, description="sequences per step (global)")
-    seq_len: PositiveInt = 128
-    micro_batches: PositiveInt = 1
-    attention_ranks: PositiveInt = 1
-    expert_ranks: PositiveInt = 1
-    pipeline_groups: PositiveInt = 1
-    colocated_ranks: PositiveInt = 2
+    batch_size: Dim = Field(8, description="sequences per step (global)")
+    seq_len: Dim = 128
+    micro_batches: Dim = 1
+    attention_ranks: GpuCount = 1
+    expert_ranks: GpuCount = 1
+    pipeline_groups: GpuCount = 1
+    colocated_ranks: GpuCount = 2
     plan: str | Plan | None = Field(
         None, description="a `disagmoe plan --out` file (or an inline plan): its layout and expert map "
         "replace mode, attention_ranks, expert_ranks, pipeline_groups, micro_batches, colocated_ranks"
@@ -353,7 +366,7 @@ class TrainConfig(StrictModel):
     data: DataConfig = Field(default_factory=DataConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     eval_every: NonNegInt = Field(25, description="validation every N steps; 0 disables")
-    eval_batches: PositiveInt = 2
+    eval_batches: Dim = 2
     out_dir: str = "runs/default"
     checkpoint_every: NonNegInt = Field(0, description="checkpoint every N steps (0: only by time and at the end)")
     checkpoint_minutes: NonNegFloat = Field(
@@ -362,7 +375,7 @@ class TrainConfig(StrictModel):
         3, description="complete checkpoints kept; older ones are deleted once a newer one is sealed (0: keep all)")
     resume: bool = Field(False, description="continue from out_dir's latest checkpoint")
     trace: bool = True
-    recv_timeout_s: PositiveFloat = 120.0
+    recv_timeout_s: Annotated[float, Field(gt=0, le=7 * 86400)] = 120.0
     ray_address: str | None = Field(None, description="None starts an embedded local cluster")
     env: dict[str, str] = Field(
         default_factory=dict, description="environment variables for every worker (per host)"
@@ -392,6 +405,11 @@ def format_validation_error(err: ValidationError, source: str) -> str:
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
             msg = "unknown key (check the spelling; `disagmoe config schema` lists the valid keys)"
+        elif e["type"] in ("less_than_equal", "less_than"):
+            limit = e.get("ctx", {}).get("le", e.get("ctx", {}).get("lt"))
+            if isinstance(limit, (int, float)) and limit >= MAX_GPUS:  # a sanity bound (top of the file)
+                bound = f"{int(limit):,}" if float(limit).is_integer() else str(limit)
+                msg = f"{e['input']!r} is too large: at most {bound} (a bound far above any real job; check the value)"
         lines.append(f"{source}: {where}: {msg}")
     return "; ".join(lines)
 

@@ -19,10 +19,12 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import typer
+from pydantic import ValidationError
 from rich.console import Console
 from rich.text import Text
 from typer.core import TyperGroup
 
+from disagmoe.config import format_validation_error
 from disagmoe.runtime.failures import TrainingFailed, TrainingInterrupted
 
 # Reports are wide tables: when the output is not a terminal (a pipe, a log file, CI), do not
@@ -58,8 +60,12 @@ def user_errors(fn: F) -> F:
             return fn(*args, **kwargs)
         except typer.BadParameter as err:
             print_error(err.format_message())
+        except ValidationError as err:  # a config built in code, e.g. from flags: one line, not pydantic's block
+            print_error(format_validation_error(err, err.title))
         except (ValueError, FileNotFoundError) as err:
             print_error(err)
+        except OverflowError as err:  # a flag no config bound covers (configs bound every size)
+            print_error(f"a number given is too large to compute with ({err}); check the sizes")
         except TrainingFailed as err:
             print_error(err, "training failed:")
             raise typer.Exit(EXIT_FAILED) from None

@@ -110,3 +110,53 @@ def test_a_usage_error_is_one_line_exit_2(args, needles):
 def test_help_and_a_bare_group_still_print_usage():
     assert "Usage:" in invoke("plan", "--help").output
     assert "Usage:" in invoke("config").output
+
+
+HUGE = str(10**30)
+
+
+def huge_model(tmp_path: Path, **fields) -> str:
+    data = yaml.safe_load((REPO / "disagmoe/presets/models/tiny.yaml").read_text()) | fields
+    path = tmp_path / "model.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def huge_plan(tmp_path: Path) -> str:
+    path = tmp_path / "plan.yaml"
+    assert invoke("plan", "--model", "tiny", "--hardware", "h200-sxm", "--gpus", "2", "--seq-len", "64",
+                  "--global-batch-tokens", "512", "--out", str(path)).exit_code == 0
+    path.write_text(path.read_text().replace("attention_gpus: 1", f"attention_gpus: {HUGE}"))
+    return str(path)
+
+
+SIZES = {
+    "plan-gpus": lambda t: ["plan", "--model", "tiny", "--hardware", "h200-sxm", "--gpus", HUGE],
+    "plan-hidden": lambda t: ["plan", "--model", huge_model(t, hidden_size=10**30), "--hardware", "h200-sxm",
+                              "--gpus", "2"],
+    "plan-experts": lambda t: ["plan", "--model", huge_model(t, num_experts=10**30), "--hardware", "h200-sxm",
+                               "--gpus", "2"],
+    "train-attention-ranks": lambda t: ["train", "--config", config(t), f"attention_ranks={HUGE}"],
+    "train-colocated-ranks": lambda t: ["train", "--config", config(t), "mode=colocated", f"colocated_ranks={HUGE}"],
+    "train-plan-attention-gpus": lambda t: ["train", "--config", config(t), "--plan", huge_plan(t)],
+    "train-steps-flag": lambda t: ["train", "--config", config(t), "--steps", HUGE],
+    "roofline-micro-batches": lambda t: ["roofline", "--model", "tiny", "--hardware", "h200-sxm", "--gpus", "4",
+                                         "--layout", "disaggregated", "--attention-gpus", "2", "--micro-batches", HUGE],
+}
+
+
+@pytest.mark.parametrize("case", list(SIZES))
+def test_a_huge_size_exits_2_in_one_line_before_anything_starts(tmp_path, case):
+    import time
+
+    start = time.monotonic()
+    result = invoke(*SIZES[case](tmp_path))
+    assert_one_clean_line(result, 2, "error:", "too large")
+    assert time.monotonic() - start < 10
+    assert not (tmp_path / "run[/x]").exists()  # nothing written, no actor started
+
+
+def test_a_model_larger_than_this_host_is_refused_before_allocating(tmp_path):
+    model = huge_model(tmp_path, vocab_size=1 << 24, hidden_size=1 << 16)
+    result = invoke("train", "--config", config(tmp_path, model=model), "mode=single")
+    assert_one_clean_line(result, 2, "parameters", "GiB", "this host has")
