@@ -427,9 +427,11 @@ def validate(cls: type[T], data: Any, source: str) -> T:
 def read_mapping(path: Path) -> dict[str, Any]:
     """Read a YAML or JSON file into a dict, with a clear error if it cannot be read."""
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as err:
         raise ValueError(f"cannot read {path}: {err.strerror or err}") from None
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path} is not UTF-8 text (byte {err.start}: {err.reason})") from None
     try:
         data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
     except (json.JSONDecodeError, yaml.YAMLError) as err:

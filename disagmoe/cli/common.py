@@ -7,7 +7,8 @@ a worker's report may hold `[/...]`) on stderr and ends with a distinct exit cod
     1    the run failed: a rank died or hung, an I/O error mid-run
     130  interrupted: Ctrl-C or SIGTERM (the run stops after a step with a checkpoint)
 
-A usage error (a bad flag value, an unknown option) is one line too, not click's usage block.
+A usage error (a bad flag value, an unknown option) is one line too, not click's usage block, and
+a `RunWarning` (the run goes on) is one `warning:` line.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import functools
 import json
 import sys
+import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -25,7 +27,7 @@ from rich.text import Text
 from typer.core import TyperGroup
 
 from disagmoe.config import format_validation_error
-from disagmoe.runtime.failures import TrainingFailed, TrainingInterrupted
+from disagmoe.runtime.failures import RunWarning, TrainingFailed, TrainingInterrupted
 
 # Reports are wide tables: when the output is not a terminal (a pipe, a log file, CI), do not
 # squeeze them into rich's default 80 columns.
@@ -57,7 +59,9 @@ def user_errors(fn: F) -> F:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
-            return fn(*args, **kwargs)
+            with warnings.catch_warnings():
+                warnings.showwarning = _run_warnings_as_lines(warnings.showwarning)
+                return fn(*args, **kwargs)
         except typer.BadParameter as err:
             print_error(err.format_message())
         except ValidationError as err:  # a config built in code, e.g. from flags: one line, not pydantic's block
@@ -82,6 +86,18 @@ def user_errors(fn: F) -> F:
         raise typer.Exit(EXIT_INPUT)
 
     return wrapper  # type: ignore[return-value]
+
+
+def _run_warnings_as_lines(show_other: Callable[..., None]) -> Callable[..., None]:
+    """A `warnings.showwarning` printing a `RunWarning` as one literal `warning:` line."""
+
+    def show(message: Warning | str, category: type[Warning], *args: Any, **kwargs: Any) -> None:
+        if issubclass(category, RunWarning):
+            print_error(message, "warning:", "bold yellow")
+        else:
+            show_other(message, category, *args, **kwargs)
+
+    return show
 
 
 class OneLineUsage(UsageError):  # type: ignore[misc, valid-type]

@@ -155,3 +155,14 @@ def test_a_failed_rank_exits_1_with_the_report(tmp_path, monkeypatch):
     result = invoke("--config", _config(tmp_path), "--json")
     assert result.exit_code == 1
     assert "rank 1 (E0.0)" in result.stderr and "Traceback" not in result.output
+
+
+def test_resume_repairs_a_torn_metrics_line_with_a_one_line_warning(tmp_path):
+    first = invoke("--config", _config(tmp_path), "--json", *FAST)
+    assert first.exit_code == 0, first.output
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    metrics.write_bytes(metrics.read_bytes()[:-7])  # step 3's record torn, as a full disk leaves it
+    result = invoke("--config", _config(tmp_path), "resume=true", "steps=4", "--json", *FAST[1:])
+    assert result.exit_code == 0, result.output
+    assert result.stderr.count("warning:") == 1 and f"{metrics}:3: dropped a torn last line" in result.stderr
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [1, 2, 4]
