@@ -14,6 +14,7 @@ from rich.table import Table
 from disagmoe.config import ModelConfig, TrainConfig, load_model, load_train_config
 from disagmoe.cli.common import console, literal, print_json, user_errors
 from disagmoe.roofline.params import count_params
+from disagmoe.runtime.out_dir import check_out_dir
 from disagmoe.runtime.plan_layout import apply_plan, replaced_fields
 
 
@@ -68,6 +69,7 @@ def train(
             console.print(literal(_plan_note(cfg, planned)), highlight=False)
         cfg = planned
     check_host_memory(cfg, load_model(cfg.model))
+    check_out_dir(Path(cfg.out_dir))  # before Ray, the actors or the model start
     run = PREPARE[cfg.mode](cfg)
     if as_json:
         print_json(run(None))  # a failed or stopped run: one message and exit 1 / 130 (`user_errors`)

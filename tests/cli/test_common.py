@@ -160,3 +160,31 @@ def test_a_model_larger_than_this_host_is_refused_before_allocating(tmp_path):
     model = huge_model(tmp_path, vocab_size=1 << 24, hidden_size=1 << 16)
     result = invoke("train", "--config", config(tmp_path, model=model), "mode=single")
     assert_one_clean_line(result, 2, "parameters", "GiB", "this host has")
+
+
+def bad_out_dir(tmp_path: Path, case: str) -> str:
+    (tmp_path / "file").write_text("x")
+    return {"a-file": str(tmp_path / "file"), "under-a-file": str(tmp_path / "file" / "run"),
+            "read-only": "/proc/disagmoe-run"}[case]
+
+
+@pytest.mark.parametrize("mode", ["single", "disaggregated"])
+@pytest.mark.parametrize("case", ["a-file", "under-a-file", "read-only"])
+def test_an_unwritable_out_dir_exits_2_before_anything_starts(tmp_path, monkeypatch, case, mode):
+    def must_not_start(cfg):
+        raise AssertionError("the run was set up although out_dir is unwritable")
+
+    monkeypatch.setitem(train_cmd.PREPARE, mode, must_not_start)
+    result = invoke("train", "--config", config(tmp_path), f"mode={mode}", "--out-dir", bad_out_dir(tmp_path, case))
+    assert_one_clean_line(result, 2, "error: out_dir", "choose another out_dir")
+
+
+@pytest.mark.parametrize("case", ["directory", "missing-folder", "read-only"])
+def test_plan_out_that_cannot_be_written_exits_2_and_leaves_no_tmp(tmp_path, case):
+    out = {"directory": tmp_path / "plan.yaml", "missing-folder": tmp_path / "no" / "plan.yaml",
+           "read-only": Path("/proc/plan.yaml")}[case]
+    if case == "directory":
+        out.mkdir()
+    result = invoke("plan", "--model", "tiny", "--hardware", "h200-sxm", "--gpus", "2", "--out", str(out))
+    assert_one_clean_line(result, 2, f"error: --out {out}")
+    assert not list(tmp_path.rglob("*.tmp"))

@@ -349,3 +349,31 @@ def test_sharded_optimizer_states_count_a_share_of_the_moments_per_attention_ran
             assert sharded_bytes == plain_bytes
         else:  # 16 -> 8 + 12 / 2 bytes per replicated parameter (the attention ranks hold no experts)
             assert sharded_bytes == pytest.approx(14 * params)
+
+
+@pytest.mark.parametrize("outcome", ["completed", "failed"])
+def test_a_trace_that_cannot_be_written_is_a_warning_not_the_outcome(tmp_path, monkeypatch, outcome):
+    """The trace is written in `run`'s finally: its OSError must neither fail a completed run nor
+    replace the failure that ended one."""
+    from disagmoe.runtime import driver
+    from disagmoe.runtime.failures import RunWarning
+
+    def unwritable(path, *args):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    def run_steps(on_step):
+        if outcome == "failed":
+            raise TrainingFailed(1, "rank 1 (E0.0) died")
+        return "summary"
+
+    trainer = object.__new__(DistributedTrainer)
+    trainer.cfg = run_config(tmp_path, "disaggregated", trace=True)
+    trainer.out_dir, trainer.spans, trainer.rank_names, trainer.owns_workers = tmp_path, {}, {}, False
+    monkeypatch.setattr(driver, "write_chrome_trace", unwritable)
+    monkeypatch.setattr(trainer, "_run", run_steps)
+    with pytest.warns(RunWarning, match=rf"trace not written: {tmp_path / 'trace.json'}: Permission denied"):
+        if outcome == "failed":
+            with pytest.raises(TrainingFailed, match="rank 1"):
+                trainer.run()
+        else:
+            assert trainer.run() == "summary"
