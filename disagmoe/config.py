@@ -10,11 +10,13 @@ This module imports no torch, ray or matplotlib: `disagmoe plan` must answer fas
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Hashable
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 PRESETS_DIR = Path(__file__).parent / "presets"
 
@@ -236,7 +238,7 @@ class PlanConfig(StrictModel):
     max_expert_replicas: NonNegGpuCount = Field(
         0, description="extra replicas allowed for hot experts (0 = none)"
     )
-    load_histogram: list[list[NonNegFloat]] | None = Field(
+    load_histogram: list[list[float]] | None = Field(
         None, description="per MoE layer, per expert: observed load (any scale)"
     )
     memory_headroom: Fraction = Field(
@@ -245,6 +247,16 @@ class PlanConfig(StrictModel):
     shard_optimizer_states: bool = Field(
         False, description="price the attention side's AdamW moments split over each data-parallel group "
         "(ZeRO-1, train with optim.shard_states=true)")
+
+    @field_validator("load_histogram")
+    @classmethod
+    def _finite_loads(cls, histogram: list[list[float]] | None) -> list[list[float]] | None:
+        for j, row in enumerate(histogram or []):
+            for e, load in enumerate(row):
+                if not (math.isfinite(load) and load >= 0):
+                    raise ValueError(f"MoE layer {j}, expert {e} has load {load}: loads must be finite and "
+                                     "non-negative (from --load-histogram: is that metrics file damaged?)")
+        return histogram
 
 
 class StageTime(StrictModel):
@@ -424,8 +436,48 @@ def validate(cls: type[T], data: Any, source: str) -> T:
         raise ValueError(format_validation_error(err, source)) from None
 
 
+class DuplicateKey(Exception):
+    """A mapping that names one key twice (YAML and JSON parsers keep the last one silently)."""
+
+    def __init__(self, key: object, line: int | None, first_line: int | None = None) -> None:
+        where = "" if line is None else f" at line {line}" + ("" if first_line is None else f" (first at line {first_line})")
+        super().__init__(f"key {key!r} appears twice{where}; keep one")
+
+
+class StrictYamlLoader(yaml.SafeLoader):
+    """yaml.SafeLoader refusing duplicate keys."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if not isinstance(key, Hashable):
+                continue  # SafeLoader's own error follows
+            if key in seen:
+                raise DuplicateKey(key, line, seen[key])
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """json.loads' object_pairs_hook refusing duplicate keys."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise DuplicateKey(key, None)
+        out[key] = value
+    return out
+
+
+def load_yaml(text: str) -> Any:
+    """yaml.safe_load, refusing duplicate keys (`DuplicateKey`)."""
+    return yaml.load(text, Loader=StrictYamlLoader)  # noqa: S506 (a SafeLoader subclass)
+
+
 def read_mapping(path: Path) -> dict[str, Any]:
-    """Read a YAML or JSON file into a dict, with a clear error if it cannot be read."""
+    """Read a YAML or JSON file into a dict, with a clear error if it cannot be read (a duplicate
+    key is an error, naming the key and the file)."""
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as err:
@@ -433,7 +485,9 @@ def read_mapping(path: Path) -> dict[str, Any]:
     except UnicodeDecodeError as err:
         raise ValueError(f"{path} is not UTF-8 text (byte {err.start}: {err.reason})") from None
     try:
-        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+        data = json.loads(text, object_pairs_hook=_unique_pairs) if path.suffix == ".json" else load_yaml(text)
+    except DuplicateKey as err:
+        raise ValueError(f"{path}: {err}") from None
     except (json.JSONDecodeError, yaml.YAMLError) as err:
         raise ValueError(f"{path} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {err}") from None
     if not isinstance(data, dict):
@@ -493,5 +547,8 @@ def load_train_config(path: str | Path, overrides: list[str] | None = None) -> T
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ValueError(f"override {item!r}: {part!r} is not a section")
-        node[parts[-1]] = yaml.safe_load(raw)
+        try:
+            node[parts[-1]] = load_yaml(raw)
+        except (DuplicateKey, yaml.YAMLError) as err:
+            raise ValueError(f"override {item!r}: the value is not valid YAML ({err})") from None
     return validate(TrainConfig, data, str(path))

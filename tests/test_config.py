@@ -134,6 +134,31 @@ def test_a_load_histogram_must_be_finite_and_non_negative(load):
     model = cfg.load_model("tiny")
     histogram = [[1.0] * model.num_experts for _ in range(model.num_moe_layers)]
     histogram[1][3] = load
-    with pytest.raises(ValueError, match="load_histogram.1.3"):
+    with pytest.raises(ValueError, match=r"MoE layer 1, expert 3 has load"):
         cfg.PlanConfig(model=model, seq_len=64, load_histogram=histogram,
                        cluster=cfg.ClusterConfig(hardware=cfg.load_hardware("h200-sxm"), num_gpus=2))
+
+
+@pytest.mark.parametrize("text, key, lines", [
+    ("model: tiny\nsteps: 3\nseed: 1\nsteps: 5\n", "steps", "line 4 (first at line 2)"),
+    ("model: tiny\noptim:\n  lr: 0.1\n  lr: 0.2\n", "lr", "line 4 (first at line 3)"),
+], ids=["top-level", "nested"])
+def test_a_duplicate_yaml_key_is_refused_naming_key_and_file(tmp_path, text, key, lines):
+    path = tmp_path / "t.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=rf"{path}: key '{key}' appears twice at {lines.replace('(', '[(]').replace(')', '[)]')}"):
+        cfg.load_train_config(path)
+
+
+def test_a_duplicate_json_key_is_refused(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text('{"model_type": "mixtral", "hidden_size": 8, "hidden_size": 16}')
+    with pytest.raises(ValueError, match=rf"{path}: key 'hidden_size' appears twice"):
+        cfg.load_model(str(path))
+
+
+def test_a_config_that_is_not_utf8_is_named(tmp_path):
+    path = tmp_path / "t.yaml"
+    path.write_bytes(b"model: tiny\nname: \xff\n")
+    with pytest.raises(ValueError, match=rf"{path} is not UTF-8 text"):
+        cfg.load_train_config(path)

@@ -188,3 +188,18 @@ def test_plan_out_that_cannot_be_written_exits_2_and_leaves_no_tmp(tmp_path, cas
     result = invoke("plan", "--model", "tiny", "--hardware", "h200-sxm", "--gpus", "2", "--out", str(out))
     assert_one_clean_line(result, 2, f"error: --out {out}")
     assert not list(tmp_path.rglob("*.tmp"))
+
+
+@pytest.mark.parametrize("load", ["NaN", "Infinity", "-1"])
+def test_plan_refuses_a_histogram_with_non_finite_or_negative_loads(tmp_path, load):
+    histogram = tmp_path / "metrics.jsonl"
+    histogram.write_text(f'{{"step": 1, "expert_load": [[1, {load}, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1, 1]]}}\n')
+    result = invoke("plan", "--model", "tiny", "--hardware", "h200-sxm", "--gpus", "4", "--seq-len", "128",
+                    "--load-histogram", str(histogram))
+    assert_one_clean_line(result, 2, "MoE layer 0, expert 1 has load", "--load-histogram")
+
+
+def test_a_duplicate_key_in_a_train_config_exits_2_naming_it(tmp_path):
+    path = tmp_path / "train.yaml"
+    path.write_text(Path(config(tmp_path)).read_text() + "steps: 7\n")
+    assert_one_clean_line(invoke("train", "--config", str(path)), 2, str(path), "key 'steps' appears twice")

@@ -1,4 +1,4 @@
-"""The output folder (disagmoe/runtime/out_dir.py): refused up front if unwritable."""
+"""The output folder (disagmoe/runtime/out_dir.py): refused up front if unwritable, stale files swept."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from disagmoe.runtime.out_dir import check_out_dir
+from disagmoe.runtime.out_dir import check_out_dir, clean_stale_files
 
 
 def test_a_new_nested_out_dir_is_fine_and_nothing_is_created(tmp_path):
@@ -49,3 +49,18 @@ def test_a_place_without_write_permission_is_refused(tmp_path):
             check_out_dir(locked / "run")
     finally:
         (tmp_path / "locked").chmod(0o700)
+
+
+def test_stale_staging_deleting_and_trace_files_are_swept_complete_checkpoints_kept(tmp_path):
+    checkpoints = tmp_path / "checkpoints"
+    for name in (".staging-step-00000004", ".step-00000001.deleting", "step-00000002"):
+        (checkpoints / name).mkdir(parents=True)
+        (checkpoints / name / "rank-00000.pt").write_bytes(b"x")
+    (checkpoints / "step-00000002" / "manifest.json").write_text("{}")
+    (tmp_path / ".trace.json.tmp").write_text("{")
+    (tmp_path / "metrics.jsonl").write_text("")
+    gone = clean_stale_files(tmp_path)
+    assert {p.name for p in gone} == {".staging-step-00000004", ".step-00000001.deleting", ".trace.json.tmp"}
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-00000002"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", "metrics.jsonl"]
+    assert clean_stale_files(tmp_path / "never-run") == []
