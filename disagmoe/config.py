@@ -10,19 +10,34 @@ This module imports no torch, ray or matplotlib: `disagmoe plan` must answer fas
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Hashable
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 PRESETS_DIR = Path(__file__).parent / "presets"
 
-PositiveInt = Annotated[int, Field(gt=0)]
-NonNegInt = Annotated[int, Field(ge=0)]
-PositiveFloat = Annotated[float, Field(gt=0)]
-NonNegFloat = Annotated[float, Field(ge=0)]
+# Every size has an upper bound, checked when a config is read: a typo such as 10**30 ranks is
+# refused in one line before anything is allocated or any actor starts (ranges of ranks, float
+# arithmetic of the cost model). The bounds are far above any real job.
+MAX_GPUS = 1 << 17  # GPUs (ranks) in one job; the planner needs seconds at this size
+MAX_DIM = 1 << 24  # widths, vocabulary, experts, heads, layers, sequence length, sequences per step
+MAX_COUNT = 1 << 40  # steps, tokens per step, intervals
+
+PositiveInt = Annotated[int, Field(gt=0, le=MAX_COUNT)]
+NonNegInt = Annotated[int, Field(ge=0, le=MAX_COUNT)]
+Dim = Annotated[int, Field(gt=0, le=MAX_DIM)]
+NonNegDim = Annotated[int, Field(ge=0, le=MAX_DIM)]
+GpuCount = Annotated[int, Field(gt=0, le=MAX_GPUS)]
+NonNegGpuCount = Annotated[int, Field(ge=0, le=MAX_GPUS)]
+# Inputs are finite: an infinite bandwidth or a NaN rate would price every layout as free.
+PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+NonNegFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 Fraction = Annotated[float, Field(gt=0, le=1)]
+ResultFloat = Annotated[float, Field(ge=0)]  # a computed figure (a Plan's times may be inf)
 
 
 class StrictModel(BaseModel):
@@ -50,7 +65,7 @@ class RopeScalingConfig(StrictModel):
 
     type: Literal["yarn"] = "yarn"
     factor: PositiveFloat = Field(description="context extension factor")
-    original_max_position_embeddings: PositiveInt = Field(description="the pre-training context length")
+    original_max_position_embeddings: Dim = Field(description="the pre-training context length")
     beta_fast: PositiveFloat = 32.0
     beta_slow: PositiveFloat = 1.0
     mscale: NonNegFloat | None = None
@@ -63,13 +78,13 @@ class RopeScalingConfig(StrictModel):
 class MLAConfig(StrictModel):
     """Multi-head latent attention (DeepSeek-V2/V3): low-rank q and kv, decoupled RoPE dims."""
 
-    q_lora_rank: PositiveInt | None = Field(
+    q_lora_rank: Dim | None = Field(
         None, description="rank of the q down-projection; None projects q directly from hidden"
     )
-    kv_lora_rank: PositiveInt = Field(description="rank of the compressed kv latent")
-    qk_nope_head_dim: PositiveInt = Field(description="per-head q/k dims without RoPE")
-    qk_rope_head_dim: PositiveInt = Field(description="per-head q/k dims carrying RoPE (k shared)")
-    v_head_dim: PositiveInt = Field(description="per-head value dims")
+    kv_lora_rank: Dim = Field(description="rank of the compressed kv latent")
+    qk_nope_head_dim: Dim = Field(description="per-head q/k dims without RoPE")
+    qk_rope_head_dim: Dim = Field(description="per-head q/k dims carrying RoPE (k shared)")
+    v_head_dim: Dim = Field(description="per-head value dims")
 
 
 class RouterConfig(StrictModel):
@@ -77,8 +92,8 @@ class RouterConfig(StrictModel):
 
     score: Literal["softmax", "sigmoid"] = "softmax"
     normalize_topk: bool = Field(True, description="renormalise the k chosen weights to sum to 1")
-    num_groups: PositiveInt = Field(1, description="expert groups for group-limited top-k")
-    topk_groups: PositiveInt = Field(1, description="groups a token may route into")
+    num_groups: Dim = Field(1, description="expert groups for group-limited top-k")
+    topk_groups: Dim = Field(1, description="groups a token may route into")
     routed_scaling: PositiveFloat = Field(1.0, description="multiplier on the routed output")
     aux_loss_coef: NonNegFloat = Field(0.0, description="switch-style load-balancing loss weight")
     z_loss_coef: NonNegFloat = Field(0.0, description="router z-loss weight")
@@ -99,25 +114,25 @@ class ModelConfig(StrictModel):
     """A decoder-only MoE transformer. Sizes are in elements, not bytes."""
 
     name: str = "custom"
-    vocab_size: PositiveInt
-    hidden_size: PositiveInt
-    num_layers: PositiveInt
-    num_dense_layers: NonNegInt = Field(0, description="leading layers with a dense FFN")
-    num_heads: PositiveInt
-    num_kv_heads: PositiveInt
-    head_dim: PositiveInt
+    vocab_size: Dim
+    hidden_size: Dim
+    num_layers: Dim
+    num_dense_layers: NonNegDim = Field(0, description="leading layers with a dense FFN")
+    num_heads: Dim
+    num_kv_heads: Dim
+    head_dim: Dim
     attention: Literal["gqa", "mla"] = "gqa"
     mla: MLAConfig | None = None
     qk_norm: bool = Field(False, description="RMSNorm on q and k per head (Qwen3)")
-    dense_ffn_size: NonNegInt = Field(0, description="FFN width of the leading dense layers")
-    num_experts: PositiveInt
-    top_k: PositiveInt
-    expert_ffn_size: PositiveInt
-    num_shared_experts: NonNegInt = 0
-    shared_expert_ffn_size: NonNegInt | None = Field(
+    dense_ffn_size: NonNegDim = Field(0, description="FFN width of the leading dense layers")
+    num_experts: Dim
+    top_k: Dim
+    expert_ffn_size: Dim
+    num_shared_experts: NonNegDim = 0
+    shared_expert_ffn_size: NonNegDim | None = Field(
         None, description="width of each shared expert; defaults to expert_ffn_size"
     )
-    seq_len: PositiveInt = Field(4096, description="training sequence length")
+    seq_len: Dim = Field(4096, description="training sequence length")
     rope_theta: PositiveFloat = 10000.0
     rope_scaling: RopeScalingConfig | None = Field(None, description="YaRN context extension (None: plain RoPE)")
     norm_eps: PositiveFloat = 1e-6
@@ -188,7 +203,7 @@ class HardwareConfig(StrictModel):
     hbm_gbps: PositiveFloat = Field(description="HBM bandwidth, GB/s")
     hbm_gib: PositiveFloat = Field(description="usable HBM capacity, GiB")
     nvlink_gbps: PositiveFloat = Field(description="NVLink bandwidth per GPU per direction, GB/s")
-    nvlink_domain: PositiveInt = Field(description="GPUs sharing one NVLink domain (8 HGX, 72 NVL72)")
+    nvlink_domain: GpuCount = Field(description="GPUs sharing one NVLink domain (8 HGX, 72 NVL72)")
     scaleout_gbps: PositiveFloat = Field(description="scale-out (IB/RoCE) per GPU per direction, GB/s")
     nvlink_latency_us: NonNegFloat = Field(
         9.0, description="one-sided put over NVLink, fixed cost per message, us")
@@ -203,7 +218,7 @@ class ClusterConfig(StrictModel):
     """The GPUs a job gets: how many, of which kind."""
 
     hardware: HardwareConfig
-    num_gpus: PositiveInt
+    num_gpus: GpuCount
 
 
 # ----------------------------------------------------------------------------------------------
@@ -216,11 +231,11 @@ class PlanConfig(StrictModel):
 
     model: ModelConfig
     cluster: ClusterConfig
-    seq_len: PositiveInt
+    seq_len: Dim
     global_batch_tokens: PositiveInt = 4 * 1024 * 1024
-    max_pipeline_groups: PositiveInt = 8
-    micro_batch_choices: list[PositiveInt] = Field(default_factory=lambda: [1, 2, 4, 8, 16])
-    max_expert_replicas: NonNegInt = Field(
+    max_pipeline_groups: GpuCount = 8
+    micro_batch_choices: list[Dim] = Field(default_factory=lambda: [1, 2, 4, 8, 16])
+    max_expert_replicas: NonNegGpuCount = Field(
         0, description="extra replicas allowed for hot experts (0 = none)"
     )
     load_histogram: list[list[float]] | None = Field(
@@ -233,12 +248,22 @@ class PlanConfig(StrictModel):
         False, description="price the attention side's AdamW moments split over each data-parallel group "
         "(ZeRO-1, train with optim.shard_states=true)")
 
+    @field_validator("load_histogram")
+    @classmethod
+    def _finite_loads(cls, histogram: list[list[float]] | None) -> list[list[float]] | None:
+        for j, row in enumerate(histogram or []):
+            for e, load in enumerate(row):
+                if not (math.isfinite(load) and load >= 0):
+                    raise ValueError(f"MoE layer {j}, expert {e} has load {load}: loads must be finite and "
+                                     "non-negative (from --load-histogram: is that metrics file damaged?)")
+        return histogram
+
 
 class StageTime(StrictModel):
     """A stage's predicted time for one step on the GPUs that run it, and what binds it."""
 
     name: str
-    time_s: NonNegFloat
+    time_s: ResultFloat
     group: str = Field(description="who runs it: attention, expert or link")
     bound: str = Field(description="binding ceiling: compute, hbm, nvlink, scale-out or latency")
 
@@ -246,12 +271,12 @@ class StageTime(StrictModel):
 class MemoryEstimate(StrictModel):
     """Memory per GPU in GiB, split by what it holds."""
 
-    weights_gib: NonNegFloat
-    grads_gib: NonNegFloat
-    optimizer_gib: NonNegFloat
-    activations_gib: NonNegFloat
-    total_gib: NonNegFloat
-    capacity_gib: NonNegFloat
+    weights_gib: ResultFloat
+    grads_gib: ResultFloat
+    optimizer_gib: ResultFloat
+    activations_gib: ResultFloat
+    total_gib: ResultFloat
+    capacity_gib: ResultFloat
 
 
 class Plan(StrictModel):
@@ -259,15 +284,15 @@ class Plan(StrictModel):
 
     model: str
     hardware: str
-    gpus: PositiveInt
-    seq_len: PositiveInt
+    gpus: GpuCount
+    seq_len: Dim
     global_batch_tokens: PositiveInt
     layout: Literal["disaggregated", "colocated"]
-    attention_gpus: NonNegInt
-    expert_gpus: NonNegInt
-    pipeline_groups: PositiveInt
-    micro_batches: PositiveInt
-    expert_replica_sets: NonNegInt = Field(
+    attention_gpus: NonNegGpuCount
+    expert_gpus: NonNegGpuCount
+    pipeline_groups: GpuCount
+    micro_batches: Dim
+    expert_replica_sets: NonNegGpuCount = Field(
         description="per pipeline group: sets of expert GPUs each holding every expert once")
     sequences_per_micro_batch: NonNegInt = Field(description="sequences per micro-batch, all DP ranks")
     accumulation_rounds: NonNegInt = Field(description="rounds of m micro-batches per step")
@@ -276,15 +301,15 @@ class Plan(StrictModel):
         "data-parallel index d with d mod n == r; with fewer data-parallel ranks D than replicas n, "
         "d splits its rows over replicas d, d + D, ...)"
     )
-    total_params: NonNegInt
-    active_params: NonNegInt
+    total_params: Annotated[int, Field(ge=0)]
+    active_params: Annotated[int, Field(ge=0)]
     memory_per_gpu: dict[str, MemoryEstimate]
     stage_times: list[StageTime]
-    step_time_s: NonNegFloat
-    colocated_step_time_s: NonNegFloat
-    speedup_vs_colocated: NonNegFloat
-    expert_imbalance: NonNegFloat = Field(description="max/mean expected load over expert GPUs")
-    mfu: NonNegFloat
+    step_time_s: ResultFloat
+    colocated_step_time_s: ResultFloat
+    speedup_vs_colocated: ResultFloat
+    expert_imbalance: ResultFloat = Field(description="max/mean expected load over expert GPUs")
+    mfu: ResultFloat
     feasible: bool
     reason: str
     notes: list[str] = Field(default_factory=list)
@@ -349,18 +374,18 @@ class TrainConfig(StrictModel):
         False, description="debug: run each step's compute under torch.cuda.set_sync_debug_mode('error'), so "
         "any host wait on the GPU inside a step (a .item(), .tolist(), .cpu(), a transport's host poll) raises; "
         "the step's one read of its losses and metrics at the end is outside it (CUDA only)")
-    cpu_threads: PositiveInt | None = Field(
+    cpu_threads: Dim | None = Field(
         None, description="torch intra-op threads for CPU training; None keeps torch's default"
     )
-    seed: int = 0
+    seed: Annotated[int, Field(ge=-(1 << 63), lt=1 << 64)] = 0  # torch's seed range
     steps: PositiveInt = 100
-    batch_size: PositiveInt = Field(8, description="sequences per step (global)")
-    seq_len: PositiveInt = 128
-    micro_batches: PositiveInt = 1
-    attention_ranks: PositiveInt = 1
-    expert_ranks: PositiveInt = 1
-    pipeline_groups: PositiveInt = 1
-    colocated_ranks: PositiveInt = 2
+    batch_size: Dim = Field(8, description="sequences per step (global)")
+    seq_len: Dim = 128
+    micro_batches: Dim = 1
+    attention_ranks: GpuCount = 1
+    expert_ranks: GpuCount = 1
+    pipeline_groups: GpuCount = 1
+    colocated_ranks: GpuCount = 2
     plan: str | Plan | None = Field(
         None, description="a `disagmoe plan --out` file (or an inline plan): its layout and expert map "
         "replace mode, attention_ranks, expert_ranks, pipeline_groups, micro_batches, colocated_ranks"
@@ -368,7 +393,7 @@ class TrainConfig(StrictModel):
     data: DataConfig = Field(default_factory=DataConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     eval_every: NonNegInt = Field(25, description="validation every N steps; 0 disables")
-    eval_batches: PositiveInt = 2
+    eval_batches: Dim = 2
     out_dir: str = "runs/default"
     checkpoint_every: NonNegInt = Field(0, description="checkpoint every N steps (0: only by time and at the end)")
     checkpoint_minutes: NonNegFloat = Field(
@@ -377,7 +402,7 @@ class TrainConfig(StrictModel):
         3, description="complete checkpoints kept; older ones are deleted once a newer one is sealed (0: keep all)")
     resume: bool = Field(False, description="continue from out_dir's latest checkpoint")
     trace: bool = True
-    recv_timeout_s: PositiveFloat = 120.0
+    recv_timeout_s: Annotated[float, Field(gt=0, le=7 * 86400)] = 120.0
     ray_address: str | None = Field(None, description="None starts an embedded local cluster")
     env: dict[str, str] = Field(
         default_factory=dict, description="environment variables for every worker (per host)"
@@ -414,6 +439,11 @@ def format_validation_error(err: ValidationError, source: str) -> str:
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
             msg = "unknown key (check the spelling; `disagmoe config schema` lists the valid keys)"
+        elif e["type"] in ("less_than_equal", "less_than"):
+            limit = e.get("ctx", {}).get("le", e.get("ctx", {}).get("lt"))
+            if isinstance(limit, (int, float)) and limit >= MAX_GPUS:  # a sanity bound (top of the file)
+                bound = f"{int(limit):,}" if float(limit).is_integer() else str(limit)
+                msg = f"{e['input']!r} is too large: at most {bound} (a bound far above any real job; check the value)"
         lines.append(f"{source}: {where}: {msg}")
     return "; ".join(lines)
 
@@ -428,14 +458,58 @@ def validate(cls: type[T], data: Any, source: str) -> T:
         raise ValueError(format_validation_error(err, source)) from None
 
 
+class DuplicateKey(Exception):
+    """A mapping that names one key twice (YAML and JSON parsers keep the last one silently)."""
+
+    def __init__(self, key: object, line: int | None, first_line: int | None = None) -> None:
+        where = "" if line is None else f" at line {line}" + ("" if first_line is None else f" (first at line {first_line})")
+        super().__init__(f"key {key!r} appears twice{where}; keep one")
+
+
+class StrictYamlLoader(yaml.SafeLoader):
+    """yaml.SafeLoader refusing duplicate keys."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if not isinstance(key, Hashable):
+                continue  # SafeLoader's own error follows
+            if key in seen:
+                raise DuplicateKey(key, line, seen[key])
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """json.loads' object_pairs_hook refusing duplicate keys."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise DuplicateKey(key, None)
+        out[key] = value
+    return out
+
+
+def load_yaml(text: str) -> Any:
+    """yaml.safe_load, refusing duplicate keys (`DuplicateKey`)."""
+    return yaml.load(text, Loader=StrictYamlLoader)  # noqa: S506 (a SafeLoader subclass)
+
+
 def read_mapping(path: Path) -> dict[str, Any]:
-    """Read a YAML or JSON file into a dict, with a clear error if it cannot be read."""
+    """Read a YAML or JSON file into a dict, with a clear error if it cannot be read (a duplicate
+    key is an error, naming the key and the file)."""
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as err:
         raise ValueError(f"cannot read {path}: {err.strerror or err}") from None
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path} is not UTF-8 text (byte {err.start}: {err.reason})") from None
     try:
-        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+        data = json.loads(text, object_pairs_hook=_unique_pairs) if path.suffix == ".json" else load_yaml(text)
+    except DuplicateKey as err:
+        raise ValueError(f"{path}: {err}") from None
     except (json.JSONDecodeError, yaml.YAMLError) as err:
         raise ValueError(f"{path} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {err}") from None
     if not isinstance(data, dict):
@@ -495,5 +569,8 @@ def load_train_config(path: str | Path, overrides: list[str] | None = None) -> T
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ValueError(f"override {item!r}: {part!r} is not a section")
-        node[parts[-1]] = yaml.safe_load(raw)
+        try:
+            node[parts[-1]] = load_yaml(raw)
+        except (DuplicateKey, yaml.YAMLError) as err:
+            raise ValueError(f"override {item!r}: the value is not valid YAML ({err})") from None
     return validate(TrainConfig, data, str(path))

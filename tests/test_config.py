@@ -78,3 +78,87 @@ def test_schemas_list_every_key_and_forbid_others():
         schema = json.loads(json.dumps(model.model_json_schema()))
         assert set(schema["properties"]) == set(model.model_fields)
         assert schema["additionalProperties"] is False
+
+
+HUGE = 10**30
+
+
+@pytest.mark.parametrize("field", ["hidden_size", "num_experts", "vocab_size", "num_layers", "expert_ffn_size"])
+def test_a_huge_model_size_is_refused_in_one_line(tmp_path, field):
+    path = tmp_path / "m.yaml"
+    path.write_text(yaml.safe_dump(_tiny_dict() | {field: HUGE}))
+    with pytest.raises(ValueError) as err:
+        cfg.load_model(str(path))
+    message = str(err.value)
+    assert f"{path}: {field}: {HUGE} is too large" in message and f"{cfg.MAX_DIM:,}" in message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize("field", ["attention_ranks", "expert_ranks", "colocated_ranks", "pipeline_groups",
+                                   "batch_size", "micro_batches", "steps", "seed", "recv_timeout_s"])
+def test_a_huge_train_setting_is_refused_before_anything_runs(tmp_path, field):
+    path = tmp_path / "t.yaml"
+    path.write_text(yaml.safe_dump({"model": "tiny"}))
+    with pytest.raises(ValueError, match=f"{field}: .*too large"):
+        cfg.load_train_config(path, [f"{field}={HUGE}"])
+
+
+def test_the_bounds_admit_real_jobs():
+    cfg.ClusterConfig(hardware=cfg.load_hardware("gb200-nvl72"), num_gpus=100_000)
+    cfg.ModelConfig.model_validate(cfg.load_model("deepseek-v3").model_dump() | {"vocab_size": 1 << 20})
+
+
+@pytest.mark.parametrize("field", ["attention_gpus", "expert_gpus", "gpus", "pipeline_groups"])
+def test_a_plan_with_a_huge_gpu_count_is_refused(field):
+    from disagmoe.placement.solver import choose
+
+    request = cfg.PlanConfig(model=cfg.load_model("tiny"), seq_len=64, global_batch_tokens=512,
+                             cluster=cfg.ClusterConfig(hardware=cfg.load_hardware("h200-sxm"), num_gpus=2))
+    data = choose(request).plan.model_dump(mode="json") | {field: HUGE}
+    with pytest.raises(ValueError, match=f"plan.yaml: {field}: {HUGE} is too large"):
+        cfg.validate(cfg.Plan, data, "plan.yaml")
+
+
+@pytest.mark.parametrize("value", [".inf", ".nan", "-.inf"])
+@pytest.mark.parametrize("field", ["hbm_gbps", "nvlink_gbps", "bf16_tflops", "collective_latency_us"])
+def test_a_non_finite_hardware_figure_is_refused(tmp_path, field, value):
+    data = yaml.safe_load((cfg.PRESETS_DIR / "hardware" / "h200-sxm.yaml").read_text())
+    path = tmp_path / "hw.yaml"
+    path.write_text(yaml.safe_dump(data).replace(f"{field}: {data[field]}", f"{field}: {value}"))
+    with pytest.raises(ValueError, match=f"{field}: Input should be a finite number|{field}: Input should be greater"):
+        cfg.load_hardware(str(path))
+
+
+@pytest.mark.parametrize("load", [float("nan"), float("inf"), -1.0])
+def test_a_load_histogram_must_be_finite_and_non_negative(load):
+    model = cfg.load_model("tiny")
+    histogram = [[1.0] * model.num_experts for _ in range(model.num_moe_layers)]
+    histogram[1][3] = load
+    with pytest.raises(ValueError, match=r"MoE layer 1, expert 3 has load"):
+        cfg.PlanConfig(model=model, seq_len=64, load_histogram=histogram,
+                       cluster=cfg.ClusterConfig(hardware=cfg.load_hardware("h200-sxm"), num_gpus=2))
+
+
+@pytest.mark.parametrize("text, key, lines", [
+    ("model: tiny\nsteps: 3\nseed: 1\nsteps: 5\n", "steps", "line 4 (first at line 2)"),
+    ("model: tiny\noptim:\n  lr: 0.1\n  lr: 0.2\n", "lr", "line 4 (first at line 3)"),
+], ids=["top-level", "nested"])
+def test_a_duplicate_yaml_key_is_refused_naming_key_and_file(tmp_path, text, key, lines):
+    path = tmp_path / "t.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=rf"{path}: key '{key}' appears twice at {lines.replace('(', '[(]').replace(')', '[)]')}"):
+        cfg.load_train_config(path)
+
+
+def test_a_duplicate_json_key_is_refused(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text('{"model_type": "mixtral", "hidden_size": 8, "hidden_size": 16}')
+    with pytest.raises(ValueError, match=rf"{path}: key 'hidden_size' appears twice"):
+        cfg.load_model(str(path))
+
+
+def test_a_config_that_is_not_utf8_is_named(tmp_path):
+    path = tmp_path / "t.yaml"
+    path.write_bytes(b"model: tiny\nname: \xff\n")
+    with pytest.raises(ValueError, match=rf"{path} is not UTF-8 text"):
+        cfg.load_train_config(path)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import typer
 
 from disagmoe.cli.bench_cmd import bench_app
+from disagmoe.cli.common import OneLineErrors
 from disagmoe.cli.config_cmd import config_app, presets
 from disagmoe.cli.plan_cmd import plan, roofline
 from disagmoe.cli.train_cmd import train
@@ -28,6 +29,7 @@ Start with `disagmoe presets`, then `disagmoe plan --model mixtral-8x7b --hardwa
 
 app = typer.Typer(
     name="disagmoe",
+    cls=OneLineErrors,
     help=HELP,
     no_args_is_help=True,
     pretty_exceptions_enable=False,

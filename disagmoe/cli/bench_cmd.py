@@ -103,7 +103,7 @@ def tune_experts(
 
     record = tuner.tune(_shape_names(shape), warmup, iters, log=console.print)
     path = tuner.write_tuned(record, out)
-    console.print(f"wrote {len(record['results'])} tuned entries to {path}")
+    console.print(f"wrote {len(record['results'])} tuned entries to {path}", markup=False)
 
 
 @bench_app.command("plan")

@@ -1,37 +1,136 @@
-"""Shared CLI plumbing: one-line user errors, JSON output, the console."""
+"""Shared CLI plumbing: the one error path, JSON output, the consoles.
+
+Every user-facing failure is printed literally (never parsed as rich markup: a path, a YAML key or
+a worker's report may hold `[/...]`) on stderr and ends with a distinct exit code:
+
+    2    bad input: a config, a flag value, a file that cannot be read or written, a size out of range
+    1    the run failed: a rank died or hung, an I/O error mid-run
+    130  interrupted: Ctrl-C or SIGTERM (the run stops after a step with a checkpoint)
+
+A usage error (a bad flag value, an unknown option) is one line too, not click's usage block, and
+a `RunWarning` (the run goes on) is one `warning:` line.
+"""
 
 from __future__ import annotations
 
 import functools
 import json
 import sys
+import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import typer
+from pydantic import ValidationError
 from rich.console import Console
+from rich.text import Text
+from typer.core import TyperGroup
+
+from disagmoe.config import format_validation_error
+from disagmoe.runtime.failures import RunWarning, TrainingFailed, TrainingInterrupted
 
 # Reports are wide tables: when the output is not a terminal (a pipe, a log file, CI), do not
 # squeeze them into rich's default 80 columns.
 console = Console(width=None if sys.stdout.isatty() else 160)
 err_console = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
 
+# click's exceptions, from the click typer runs on (recent typer vendors it as typer._click).
+UsageError = typer.BadParameter.__mro__[1]
+_NoArgsIsHelp = getattr(sys.modules[UsageError.__module__], "NoArgsIsHelpError", ())
+
+EXIT_INPUT, EXIT_FAILED, EXIT_INTERRUPTED = 2, 1, 130
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+def literal(text: object, style: str | None = None) -> Text:
+    """`text` as rich renders it verbatim: no markup, no emoji codes."""
+    return Text(str(text), style=style or "")
+
+
+def print_error(message: object, prefix: str = "error:", style: str = "bold red") -> None:
+    """`prefix message` on stderr, printed literally, not wrapped."""
+    err_console.print(Text.assemble((prefix, style), " ", str(message)), highlight=False, soft_wrap=True)
+
+
 def user_errors(fn: F) -> F:
-    """Turn user mistakes (ValueError, missing files) into one red line and exit code 2."""
+    """The one error path of a command (module docstring): a message line, then the exit code."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
-            return fn(*args, **kwargs)
-        except (ValueError, FileNotFoundError, typer.BadParameter) as err:
-            message = err.format_message() if isinstance(err, typer.BadParameter) else str(err)
-            err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
-            raise typer.Exit(2) from None
+            with warnings.catch_warnings():
+                warnings.showwarning = _run_warnings_as_lines(warnings.showwarning)
+                return fn(*args, **kwargs)
+        except typer.BadParameter as err:
+            print_error(err.format_message())
+        except ValidationError as err:  # a config built in code, e.g. from flags: one line, not pydantic's block
+            print_error(format_validation_error(err, err.title))
+        except (ValueError, FileNotFoundError) as err:
+            print_error(err)
+        except OverflowError as err:  # a flag no config bound covers (configs bound every size)
+            print_error(f"a number given is too large to compute with ({err}); check the sizes")
+        except TrainingFailed as err:
+            print_error(err, "training failed:")
+            raise typer.Exit(EXIT_FAILED) from None
+        except TrainingInterrupted as err:
+            print_error(err, "training stopped:", "bold yellow")
+            raise typer.Exit(EXIT_INTERRUPTED) from None
+        except KeyboardInterrupt:
+            print_error("interrupted (Ctrl-C)", "stopped:", "bold yellow")
+            raise typer.Exit(EXIT_INTERRUPTED) from None
+        except OSError as err:  # mid-run: a full disk, a vanished mount
+            where = f"{err.filename}: " if err.filename else ""
+            print_error(f"{where}{err.strerror or err}", "I/O error:")
+            raise typer.Exit(EXIT_FAILED) from None
+        raise typer.Exit(EXIT_INPUT)
 
     return wrapper  # type: ignore[return-value]
+
+
+def _run_warnings_as_lines(show_other: Callable[..., None]) -> Callable[..., None]:
+    """A `warnings.showwarning` printing a `RunWarning` as one literal `warning:` line."""
+
+    def show(message: Warning | str, category: type[Warning], *args: Any, **kwargs: Any) -> None:
+        if issubclass(category, RunWarning):
+            print_error(message, "warning:", "bold yellow")
+        else:
+            show_other(message, category, *args, **kwargs)
+
+    return show
+
+
+class OneLineUsage(UsageError):  # type: ignore[misc, valid-type]
+    """A usage error shown as one line: `error: <what>, see '<command> --help'`."""
+
+    def __init__(self, err: Any) -> None:
+        super().__init__(err.format_message(), None)
+        self.command_path = err.ctx.command_path if err.ctx is not None else None
+
+    def show(self, file: Any = None) -> None:
+        hint = f" (see '{self.command_path} --help')" if self.command_path else ""
+        print_error(f"{self.format_message()}{hint}")
+
+
+class OneLineErrors(TyperGroup):
+    """The top-level group: click's usage errors (bad flag values, unknown options or commands,
+    in any subcommand) become one line; `--help` and a bare command still print the help."""
+
+    def make_context(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().make_context(*args, **kwargs)
+        except UsageError as err:
+            raise _one_line(err) from None
+
+    def invoke(self, ctx: Any) -> Any:
+        try:
+            return super().invoke(ctx)
+        except UsageError as err:
+            raise _one_line(err) from None
+
+
+def _one_line(err: Any) -> Any:
+    return err if isinstance(err, (OneLineUsage, _NoArgsIsHelp)) else OneLineUsage(err)
 
 
 def print_json(data: Any) -> None:

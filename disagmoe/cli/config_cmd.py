@@ -79,7 +79,7 @@ def _human(n: float) -> str:
 def check(path: Annotated[str, typer.Argument(help="a train config YAML")]) -> None:
     """Validate a training config file and print it with every default filled in."""
     conf = cfg.load_train_config(path)
-    console.print(conf.to_yaml(), highlight=False)
+    console.print(conf.to_yaml(), highlight=False, markup=False)  # values may hold [brackets]
 
 
 __all__ = ["config_app", "presets"]

@@ -87,9 +87,15 @@ def write_plan(result, out: Path) -> None:
         text = yaml.safe_dump(data, sort_keys=False)
     else:
         raise ValueError(f"--out {out}: use a .yaml or .json file name")
+    if out.is_dir():
+        raise ValueError(f"--out {out} is a directory; give a file name, e.g. {out / 'plan.yaml'}")
     tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(out)
+    try:
+        tmp.write_text(text)
+        tmp.replace(out)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise ValueError(f"--out {out}: cannot write it ({err.strerror or err}); choose another file") from None
 
 
 def show_plan(p, out: Path | None) -> None:
@@ -133,7 +139,7 @@ def show_plan(p, out: Path | None) -> None:
     for n in p.notes:
         console.print(f"note: {n}", highlight=False)
     if out:
-        console.print(f"plan written to {out}")
+        console.print(f"plan written to {out}", markup=False, highlight=False)
 
 
 @user_errors

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
@@ -10,14 +11,16 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from disagmoe.config import TrainConfig, load_model, load_train_config
-from disagmoe.cli.common import console, err_console, print_json, user_errors
-from disagmoe.runtime.failures import TrainingFailed, TrainingInterrupted
+from disagmoe.config import ModelConfig, TrainConfig, load_model, load_train_config
+from disagmoe.cli.common import console, literal, print_json, user_errors
+from disagmoe.roofline.params import count_params
+from disagmoe.runtime.out_dir import check_out_dir
 from disagmoe.runtime.plan_layout import apply_plan, replaced_fields
 
 
 StepCallback = Callable[[dict[str, Any]], None]
 Run = Callable[[StepCallback | None], dict[str, Any]]  # runs the steps, returns the summary
+BYTES_PER_PARAM = 16  # fp32 weight, gradient, AdamW exp_avg and exp_avg_sq
 
 
 def prepare_single(cfg: TrainConfig) -> Run:
@@ -63,28 +66,40 @@ def train(
     if cfg.plan is not None:
         planned = apply_plan(cfg, load_model(cfg.model))
         if not as_json:
-            console.print(_plan_note(cfg, planned), highlight=False)
+            console.print(literal(_plan_note(cfg, planned)), highlight=False)
         cfg = planned
+    check_host_memory(cfg, load_model(cfg.model))
+    check_out_dir(Path(cfg.out_dir))  # before Ray, the actors or the model start
     run = PREPARE[cfg.mode](cfg)
-    try:
-        if as_json:
-            print_json(run(None))
-            return
-        with TrainProgress(cfg.steps) as on_step:
-            summary = run(on_step)
-    except TrainingFailed as err:
-        err_console.print(f"[bold red]training failed:[/] {err}", highlight=False, soft_wrap=True)
-        raise typer.Exit(1) from None
-    except TrainingInterrupted as err:
-        err_console.print(f"[bold yellow]training stopped:[/] {err}", highlight=False, soft_wrap=True)
-        raise typer.Exit(130) from None
+    if as_json:
+        print_json(run(None))  # a failed or stopped run: one message and exit 1 / 130 (`user_errors`)
+        return
+    with TrainProgress(cfg.steps) as on_step:
+        summary = run(on_step)
     console.print(_summary_table(cfg, summary))
     busy = summary.get("busy")
     if busy:
         console.print("busy fraction (compute time / step time, mean over the run): "
                       + ", ".join(f"{group} {fraction:.0%}" for group, fraction in busy.items()))
     if cfg.mode != "single" and cfg.trace:
-        console.print(f"trace: {Path(cfg.out_dir) / 'trace.json'} (open in https://ui.perfetto.dev)")
+        console.print(literal(f"trace: {Path(cfg.out_dir) / 'trace.json'} (open in https://ui.perfetto.dev)"),
+                      highlight=False)
+
+
+def check_host_memory(cfg: TrainConfig, model_cfg: ModelConfig) -> None:
+    """ValueError, before anything is allocated, for a CPU run on this host whose parameters alone,
+    with their gradients and AdamW moments (16 bytes each in fp32, held at least once), exceed the
+    host's memory: a model too large for CPU training (or a typo in a size) fails in one line
+    instead of swapping or meeting the OOM killer."""
+    if cfg.device != "cpu" or cfg.ray_address is not None:
+        return  # GPU memory is checked per rank before the actors start (runtime/driver.py)
+    params = count_params(model_cfg).total
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if params * BYTES_PER_PARAM > host:
+        raise ValueError(
+            f"model {model_cfg.name!r} has {params:,} parameters: at least {params * BYTES_PER_PARAM / 2**30:,.1f} GiB "
+            f"of fp32 weights, gradients and AdamW moments, but this host has {host / 2**30:,.1f} GiB; "
+            "train a smaller model on CPU, or use device=cuda")
 
 
 class TrainProgress:
@@ -142,5 +157,5 @@ def _summary_table(cfg: TrainConfig, summary: dict[str, Any]) -> Table:
         ("checkpoint", summary["checkpoint_path"] or "-"),
     ]
     for what, value in rows:
-        table.add_row(what, value)
+        table.add_row(what, literal(value))  # paths may hold [brackets]
     return table

@@ -6,8 +6,10 @@
     losses = group.call("train_step", step)         # raises WorkerFailure naming the rank
     group.shutdown()
 
-`address=None` starts an embedded single-node cluster on 127.0.0.1 (no dashboard); "auto" or
-"HOST:PORT" joins a running one. Actors sit in placement groups: one STRICT_PACK group per node
+`address=None` starts an embedded single-node cluster with every listener on loopback (Ray's
+servers: see `_local_only_ray`; the rendezvous store: `rendezvous_store`; gloo: GLOO_SOCKET_IFNAME
+in `worker_env`), no dashboard, and Ray's token authentication on (its default for a new local
+cluster); "auto" or "HOST:PORT" joins a running one (README: what a joined cluster exposes). Actors sit in placement groups: one STRICT_PACK group per node
 on GPUs (a bundle per GPU), a single group on the local node for CPU slots (fractional CPUs, so
 several actors share a core). Every actor gets `env` (TrainConfig.env) through its runtime_env
 and sees every GPU of its node (RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1, DESIGN section 5);
@@ -22,7 +24,8 @@ import os
 import re
 import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -49,10 +52,41 @@ GPU_DEFAULT_ENV = {"CUDA_MODULE_LOADING": "EAGER"}
 FAILURE_GRACE_S = 5.0  # after a first failure, how long to wait for the other ranks' outcomes
 
 
-def worker_env(device: Device, env: dict[str, str] | None) -> dict[str, str]:
-    """Every actor's environment variables: the GPU defaults (on cuda), then `env`, then NOSET_CUDA."""
+def worker_env(device: Device, env: dict[str, str] | None, embedded: bool = False) -> dict[str, str]:
+    """Every actor's environment variables: the GPU defaults (on cuda), gloo on the loopback
+    interface (embedded cluster), then `env`, then NOSET_CUDA."""
     defaults = GPU_DEFAULT_ENV if device == "cuda" else {}
+    if embedded:
+        defaults = {**defaults, "GLOO_SOCKET_IFNAME": loopback_interface()}
     return {**defaults, **(env or {}), **NOSET_CUDA}
+
+
+def loopback_interface() -> str:
+    """The name of the network interface holding 127.0.0.1 ('lo' on Linux, 'lo0' on macOS)."""
+    import psutil  # a Ray dependency (importing ray puts its copy on the path)
+
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == LOOPBACK for a in addresses):
+            return name
+    return "lo"
+
+
+def rendezvous_store(host: str, port: int, is_master: bool, world_size: int,
+                     timeout: timedelta) -> dist.TCPStore:
+    """torch.distributed's key-value store for the rendezvous. Its server (rank 0) listens on
+    `host` only: torch's own binds every interface, and the store has no authentication."""
+    if not is_master:
+        return dist.TCPStore(host, port, world_size, False, timeout)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(max(world_size, 128))
+    except OSError:
+        sock.close()
+        raise
+    return dist.TCPStore(host, port, world_size, True, timeout, master_listen_fd=sock.detach())
 
 
 class WorkerFailure(RuntimeError):
@@ -91,15 +125,16 @@ class Worker:
         return ray.util.get_node_ip_address()
 
     def free_port(self) -> int:
-        return free_port(host="")
+        return free_port(host=self.node_ip())
 
     def init_process_group(self, master_addr: str, master_port: int, timeout_s: float) -> None:
+        timeout = timedelta(seconds=timeout_s)
         dist.init_process_group(
             backend="nccl" if self.device.type == "cuda" else "gloo",
-            init_method=f"tcp://{master_addr}:{master_port}",
+            store=rendezvous_store(master_addr, master_port, self.rank == 0, self.world_size, timeout),
             rank=self.rank,
             world_size=self.world_size,
-            timeout=timedelta(seconds=timeout_s),
+            timeout=timeout,
         )
 
     def set_role(self, role: Role) -> None:
@@ -157,6 +192,7 @@ class WorkerGroup:
         if world_size < 1:
             raise ValueError(f"world_size={world_size} must be at least 1")
         owns_ray = _connect(address, device, log_to_driver)
+        embedded = owns_ray and address is None
         try:
             if cpus_per_worker is None:
                 total = ray.cluster_resources().get("CPU", 1.0)
@@ -171,7 +207,7 @@ class WorkerGroup:
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         group, placement_group_bundle_index=bundle
                     ),
-                    runtime_env={"env_vars": worker_env(device, env)},
+                    runtime_env={"env_vars": worker_env(device, env, embedded)},
                     max_restarts=0,
                 )
                 actors.append(remote_cls.options(**options).remote(rank, world_size, device))
@@ -179,7 +215,7 @@ class WorkerGroup:
             if owns_ray:
                 ray.shutdown()
             raise
-        workers = cls(actors, groups, owns_ray, embedded=owns_ray and address is None)
+        workers = cls(actors, groups, owns_ray, embedded=embedded)
         try:
             workers.call("info", timeout_s=ready_timeout_s)  # every actor constructed, or a clear failure
         except BaseException:
@@ -294,16 +330,42 @@ def _connect(address: str | None, device: Device, log_to_driver: bool) -> bool:
     if ray.is_initialized():
         return False
     if address is None:
-        ray.init(
-            address="local",
-            _node_ip_address=LOOPBACK,
-            include_dashboard=False,
-            log_to_driver=log_to_driver,
-            num_gpus=None if device == "cuda" else 0,
-        )
+        with _local_only_ray():
+            ray.init(
+                address="local",
+                _node_ip_address=LOOPBACK,
+                include_dashboard=False,
+                log_to_driver=log_to_driver,
+                num_gpus=None if device == "cuda" else 0,
+            )
     else:
         ray.init(address=address, log_to_driver=log_to_driver)
     return True
+
+
+@contextmanager
+def _local_only_ray() -> Iterator[None]:
+    """Ray's switch for a local-only node, on for one `ray.init`, so every server of the embedded
+    cluster listens on 127.0.0.1. ray.init turns a loopback `_node_ip_address` into the host's
+    address unless Ray clusters are disabled (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, the default on
+    macOS and Windows); with that address its gRPC servers (GCS, raylet, every worker) listen on
+    all interfaces and its runtime-env agent on the host's address. The variable reaches the
+    processes Ray starts; `ray_constants` read it when ray was imported, so it is set there too.
+    tests/runtime/test_cluster.py checks the listening sockets."""
+    from ray._private import ray_constants
+
+    saved_env = os.environ.get(ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR)
+    saved_flag = ray_constants.ENABLE_RAY_CLUSTER
+    os.environ[ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved_flag
+        if saved_env is None:
+            os.environ.pop(ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR, None)
+        else:
+            os.environ[ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR] = saved_env
 
 
 def _placement_groups(world_size: int, device: Device, cpus_per_worker: float,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,7 @@ from disagmoe.roofline.flops import step_flops
 from disagmoe.runtime.batching import check_divisible
 from disagmoe.runtime.checkpoint import TrainerState, check_compatible, latest_checkpoint, read_manifest
 from disagmoe.runtime.cluster import WorkerFailure, WorkerGroup
-from disagmoe.runtime.failures import TrainingFailed
+from disagmoe.runtime.failures import RunWarning, TrainingFailed
 from disagmoe.runtime.metrics import load_imbalance, mfu, peak_and_ceiling
 from disagmoe.runtime.optim import lr_at
 from disagmoe.runtime.plan_layout import apply_plan
@@ -37,6 +38,7 @@ from disagmoe.runtime.sharded_checkpoint import finish_checkpoint, read_trainer_
 from disagmoe.runtime.topology import Topology
 from disagmoe.runtime.trace import busy_fractions, write_chrome_trace
 from disagmoe.runtime.loop import StepCallback, TrainingLoop, TrainSummary
+from disagmoe.runtime.out_dir import check_out_dir
 from disagmoe.runtime.trainer import CHECKPOINTS_DIR
 from disagmoe.runtime.worker import TrainWorker
 
@@ -123,6 +125,7 @@ class DistributedTrainer(TrainingLoop):
         self.cfg = cfg = apply_plan(cfg, self.model_cfg)  # a plan's layout, checked; inline for the workers
         self.topology = Topology.from_config(cfg, self.model_cfg)
         check_fits(cfg, self.model_cfg, self.topology)
+        check_out_dir(Path(cfg.out_dir))  # before any actor starts
         splits = load_splits(cfg.data, self.model_cfg.vocab_size, cfg.seq_len)  # data errors surface here
         self.evaluates = splits.val is not None and cfg.eval_every > 0
         self.out_dir = Path(cfg.out_dir)
@@ -176,7 +179,11 @@ class DistributedTrainer(TrainingLoop):
             return self._run(on_step)
         finally:
             if self.cfg.trace:
-                write_chrome_trace(self.out_dir / TRACE_FILE, self.spans, self.rank_names)
+                try:  # never in place of the run's outcome (its summary or its failure)
+                    write_chrome_trace(self.out_dir / TRACE_FILE, self.spans, self.rank_names)
+                except OSError as err:
+                    warnings.warn(f"trace not written: {self.out_dir / TRACE_FILE}: {err.strerror or err}",
+                                  RunWarning, stacklevel=2)
             if self.owns_workers:
                 self.workers.shutdown()
 

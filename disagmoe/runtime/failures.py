@@ -1,6 +1,17 @@
-"""Why a run ended early: a rank failed, or the user stopped it (light: the CLI imports it without torch)."""
+"""Why a run ended early (a rank failed, or the user stopped it) and what went wrong without
+ending it (`RunWarning`). Light: the CLI imports it without torch."""
 
 from __future__ import annotations
+
+import warnings
+
+
+class RunWarning(UserWarning):
+    """Something the user should know that does not stop the run (a torn metrics line repaired,
+    a trace that could not be written); the CLI prints it as one `warning:` line."""
+
+
+warnings.filterwarnings("always", category=RunWarning)  # every occurrence, not once per code line
 
 
 class TrainingFailed(RuntimeError):

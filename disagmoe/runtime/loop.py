@@ -28,6 +28,7 @@ from disagmoe.config import TrainConfig
 from disagmoe.runtime.checkpoint import checkpoint_dir, prune_checkpoints
 from disagmoe.runtime.failures import TrainingInterrupted
 from disagmoe.runtime.metrics import MetricsLog, mfu
+from disagmoe.runtime.out_dir import clean_stale_files
 
 METRICS_FILE = "metrics.jsonl"
 _clock = time.monotonic  # for checkpoint_minutes (tests substitute a fake)
@@ -118,6 +119,7 @@ class TrainingLoop:
         steps_run = 0
         last_save = _clock()
         stop = StopRequest()
+        clean_stale_files(self.out_dir)
         with stop.installed(), MetricsLog(metrics_path, resume_after_step=self.step if cfg.resume else None) as log:
             while self.step < cfg.steps:
                 record = self._train_one_step()

@@ -15,7 +15,10 @@ Legend: L MoE layers, E experts.
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,6 +27,7 @@ from typing import Any
 import torch
 
 from disagmoe.config import TrainConfig, load_hardware
+from disagmoe.runtime.failures import RunWarning
 
 
 def load_imbalance(load_LE: torch.Tensor) -> list[float]:
@@ -93,25 +97,38 @@ def out_of_memory_hint(cfg: TrainConfig, where: str = "this GPU") -> Iterator[No
 
 
 class MetricsLog:
-    """Appends one JSON object per line to `path`, flushing each so a crash loses nothing."""
+    """Appends one JSON object per line to `path`, each line in one write(2) of an O_APPEND file,
+    so a crash or a full disk never leaves half a record behind a complete one: a short write is
+    cut back off and raised as the OSError it is (ENOSPC)."""
 
     def __init__(self, path: Path, resume_after_step: int | None = None):
-        """Start a new file, or, when resuming, keep only the records up to `resume_after_step`."""
+        """Start a new file, or, when resuming, keep only the records up to `resume_after_step`
+        (cutting the file there; a torn last line, from a run killed mid-write before lines were
+        atomic or by a crash of the machine, is dropped with a `RunWarning`)."""
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
-        kept = []
-        if resume_after_step is not None and path.exists():
-            kept = [r for r in read_metrics(path) if r.get("step", 0) <= resume_after_step]
-        self._file = path.open("w")
-        for record in kept:
-            self.write(record)
+        keep = _resume_offset(path, resume_after_step) if resume_after_step is not None and path.exists() else 0
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+        os.ftruncate(self._fd, keep)
+        if keep and os.pread(self._fd, 1, keep - 1) != b"\n":
+            os.write(self._fd, b"\n")  # a whole last record that lost only its line end
 
     def write(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps(record, allow_nan=True) + "\n")
-        self._file.flush()
+        line = (json.dumps(record, allow_nan=True) + "\n").encode()
+        size = os.fstat(self._fd).st_size
+        try:
+            written = os.write(self._fd, line)
+        except OSError:
+            os.ftruncate(self._fd, size)
+            raise
+        if written != len(line):  # the disk filled mid-line: leave no torn record
+            os.ftruncate(self._fd, size)
+            raise OSError(errno.ENOSPC, f"wrote {written} of {len(line)} bytes of a metrics record", str(self.path))
 
     def close(self) -> None:
-        self._file.close()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
     def __enter__(self) -> MetricsLog:
         return self
@@ -120,7 +137,48 @@ class MetricsLog:
         self.close()
 
 
+def _records(path: Path) -> Iterator[tuple[int, int, dict[str, Any] | None]]:
+    """(line number, byte offset after the line, record or None if the line is torn) for every
+    non-empty line; a bad line that is not the last raises a ValueError naming the file."""
+    data = path.read_bytes()
+    lines = data.splitlines(keepends=True)
+    offset = 0
+    for number, raw in enumerate(lines, 1):
+        offset += len(raw)
+        if not raw.strip():
+            continue
+        last = number == len(lines)
+        try:
+            record = json.loads(raw.decode("utf-8"))
+            if not isinstance(record, dict):
+                raise ValueError("not a JSON object")
+        except (UnicodeDecodeError, ValueError) as err:
+            if last:
+                yield number, offset, None
+                return
+            raise ValueError(f"{path}:{number} is not a metrics record ({err}); the file is damaged before its "
+                             "last line: move it away (or delete that line) and try again") from None
+        yield number, offset, record
+
+
+def _resume_offset(path: Path, resume_after_step: int) -> int:
+    """Bytes of `path` to keep when resuming after `resume_after_step`."""
+    keep = 0
+    for number, offset, record in _records(path):
+        if record is None:
+            warnings.warn(f"{path}:{number}: dropped a torn last line (the run ended mid-write); the records "
+                          "before it are kept", RunWarning, stacklevel=3)
+            break
+        if record.get("step", 0) > resume_after_step:
+            break
+        keep = offset
+    return keep
+
+
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """All records of a metrics JSONL file, in order."""
-    with path.open() as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """All records of a metrics JSONL file, in order (a torn last line is skipped; any other bad
+    line is a ValueError naming the file and line)."""
+    try:
+        return [record for _, _, record in _records(path) if record is not None]
+    except OSError as err:
+        raise ValueError(f"cannot read metrics {path}: {err.strerror or err}") from None

@@ -95,6 +95,10 @@ def write_chrome_trace(path: Path, spans_by_rank: Mapping[int, Sequence[tuple[st
                        rank_names: Mapping[int, str]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(chrome_trace(spans_by_rank, rank_names)))
-    tmp.replace(path)
+    try:
+        tmp.write_text(json.dumps(chrome_trace(spans_by_rank, rank_names)))
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # no half-written trace left behind
+        raise
     return path

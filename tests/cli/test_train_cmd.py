@@ -155,3 +155,56 @@ def test_a_failed_rank_exits_1_with_the_report(tmp_path, monkeypatch):
     result = invoke("--config", _config(tmp_path), "--json")
     assert result.exit_code == 1
     assert "rank 1 (E0.0)" in result.stderr and "Traceback" not in result.output
+
+
+def test_resume_repairs_a_torn_metrics_line_with_a_one_line_warning(tmp_path):
+    first = invoke("--config", _config(tmp_path), "--json", *FAST)
+    assert first.exit_code == 0, first.output
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    metrics.write_bytes(metrics.read_bytes()[:-7])  # step 3's record torn, as a full disk leaves it
+    result = invoke("--config", _config(tmp_path), "resume=true", "steps=4", "--json", *FAST[1:])
+    assert result.exit_code == 0, result.output
+    assert result.stderr.count("warning:") == 1 and f"{metrics}:3: dropped a torn last line" in result.stderr
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [1, 2, 4]
+
+
+def test_while_the_demo_trains_nothing_listens_beyond_loopback_and_ctrl_c_exits_130(tmp_path):
+    """The main command in a real process: once it has trained a step, every listening socket of
+    it and its descendants (Ray's servers, the actors, the rendezvous store, gloo) is on loopback;
+    SIGINT then stops it after a step with a checkpoint and exit code 130."""
+    import ipaddress
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import ray  # noqa: F401  (puts Ray's psutil on the path)
+    import psutil
+
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "disagmoe", "train", "--config", str(REPO / "configs/tiny-cpu.yaml"),
+                             "--out-dir", str(out), "steps=100000", "batch_size=4", "seq_len=32", "eval_every=0",
+                             "checkpoint_minutes=0", "trace=false"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not ((out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text().strip()):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else "slow"
+            time.sleep(0.5)
+        root = psutil.Process(proc.pid)
+        tree = {root.pid, *(p.pid for p in root.children(recursive=True))}
+        listening = [(c.laddr.ip, c.laddr.port, c.pid) for c in psutil.net_connections("inet")
+                     if c.pid in tree and c.status == psutil.CONN_LISTEN]
+        assert len(listening) >= 5  # GCS, raylet, driver and actors, the store, gloo
+
+        def loopback(ip):
+            address = ipaddress.ip_address(ip)
+            return (address.ipv4_mapped or address).is_loopback if address.version == 6 else address.is_loopback
+
+        assert [entry for entry in listening if not loopback(entry[0])] == []
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=120) == 130
+        assert "training stopped: SIGINT after step" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()

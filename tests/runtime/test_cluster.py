@@ -4,7 +4,9 @@ Ray and three torch-importing actors take most of this module's time, so one clu
 every test (module fixture); the failure tests run last because they break the group.
 """
 
+import ipaddress
 import os
+import socket
 import sys
 import time
 
@@ -134,6 +136,50 @@ def test_schedule_runs_over_the_local_transport(workers):
     for rank, count in enumerate(got):
         recvs = [op for op in schedule.programs[rank] if isinstance(op, Recv)]
         assert count == steps * sum(len(op.peers) for op in recvs)
+
+
+def _listening(pids):
+    """(address, port, process name) of every listening TCP socket and bound UDP socket of `pids`."""
+    import psutil  # Ray's dependency (importing ray puts its copy on the path)
+
+    found = []
+    for conn in psutil.net_connections("inet"):
+        if conn.pid in pids and (conn.status == psutil.CONN_LISTEN or conn.type == socket.SOCK_DGRAM):
+            found.append((conn.laddr.ip, conn.laddr.port, psutil.Process(conn.pid).name()))
+    return found
+
+
+def _is_loopback(ip):
+    address = ipaddress.ip_address(ip)
+    if address.version == 6 and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return address.is_loopback
+
+
+def _process_tree():
+    import psutil
+
+    me = psutil.Process()
+    return {me.pid, *(child.pid for child in me.children(recursive=True))}
+
+
+def test_the_embedded_cluster_listens_on_loopback_only_with_token_auth(workers):
+    """Every server of the embedded cluster (GCS, raylet, workers, runtime-env agent), the
+    rendezvous store and gloo's pairs, after the process group and the local transport have run,
+    listens on loopback; Ray's token authentication is on (DESIGN: nothing open to the network)."""
+    from ray._raylet import AuthenticationMode, get_authentication_mode
+
+    workers.call("run", _all_reduce, timeout_s=60)
+    workers.call("run", _p2p, timeout_s=60)
+    pids = _process_tree()
+    actors = {info["pid"] for info in workers.call("info", timeout_s=30)}
+    assert actors <= pids  # the actors are this process's descendants: their sockets are seen
+    listening = _listening(pids)
+    assert listening
+    exposed = [entry for entry in listening if not _is_loopback(entry[0])]
+    assert not exposed, f"listening beyond loopback: {exposed}"
+    assert get_authentication_mode() == AuthenticationMode.TOKEN
+    assert workers.call("run", _environment, "GLOO_SOCKET_IFNAME")[0][0] in ("lo", "lo0")
 
 
 def _sleep_on(worker, rank, seconds):

@@ -347,10 +347,5 @@ def test_sharded_optimizer_states_count_a_share_of_the_moments_per_attention_ran
         assert plain_bytes == 16 * params  # fp32 on CPU: parameters are the masters, + gradient + moments
         if topology.attention_role(rank) is None:  # the expert rank keeps its whole state
             assert sharded_bytes == plain_bytes
-        else:  # 16 -> 4 + 4 + 8 / 2 bytes per replicated parameter (the attention ranks hold no experts)
-            assert sharded_bytes == pytest.approx(12 * params)
-    bf16 = plain.model_copy(update={"precision": "bf16"})
-    bf16_sharded = sharded.model_copy(update={"precision": "bf16"})
-    params, bf16_bytes = training_state_bytes(bf16, bf16.model, topology, 0)
-    assert bf16_bytes == 18 * params  # bf16 parameter, fp32 master and gradient, two fp32 moments
-    assert training_state_bytes(bf16_sharded, bf16.model, topology, 0)[1] == pytest.approx(12 * params)
+from disagmoe.runtime.failures import RunWarning, TrainingFailed
+from disagmoe.runtime.metrics import load_imbalance, mfu, peak_and_ceiling

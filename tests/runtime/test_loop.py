@@ -87,3 +87,18 @@ def test_a_second_signal_aborts_at_once(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         SingleProcessTrainer(cfg).run(interrupt_twice)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_run_starts_by_sweeping_what_a_killed_run_left(tmp_path):
+    """A staged checkpoint (killed before its rename), a half-deleted one and a half-written trace
+    go; the earlier complete checkpoint stays and the resume continues from it."""
+    cfg = run_config(tmp_path, steps=2, checkpoint_every=1, keep_checkpoints=0)
+    train_single(cfg)
+    root, out = tmp_root(cfg), Path(cfg.out_dir)
+    (root / ".staging-step-00000003").mkdir()
+    (root / ".staging-step-00000003" / "rank-00000.pt").write_bytes(b"torn")
+    (root / ".step-00000001.deleting").mkdir()
+    (out / ".trace.json.tmp").write_text("{")
+    train_single(cfg.model_copy(update={"steps": 3, "resume": True}))
+    assert sorted(p.name for p in root.iterdir()) == ["step-00000001", "step-00000002", "step-00000003"]
+    assert not (out / ".trace.json.tmp").exists()

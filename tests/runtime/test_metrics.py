@@ -36,3 +36,70 @@ def test_log_writes_one_object_per_line_and_resume_drops_later_steps(tmp_path):
     with MetricsLog(path) as log:  # not resuming: a fresh file
         pass
     assert read_metrics(path) == []
+
+
+RECORDS = [{"step": s, "loss": 1.0 / s, "expert_load": [[s, 0], [0, s]]} for s in range(1, 6)]
+
+
+def written(path):
+    with MetricsLog(path) as log:
+        for r in RECORDS:
+            log.write(r)
+    return path.read_bytes()
+
+
+@pytest.mark.parametrize("cut", [1, 10, -2], ids=["one-byte", "mid-record", "all-but-brace"])
+def test_resume_repairs_a_torn_last_line_with_a_warning(tmp_path, cut):
+    from disagmoe.runtime.failures import RunWarning
+
+    path = tmp_path / "metrics.jsonl"
+    data = written(path)
+    last_start = data.rstrip(b"\n").rfind(b"\n") + 1
+    path.write_bytes(data[:last_start + cut] if cut > 0 else data[:cut])  # step 5's line torn
+    with pytest.warns(RunWarning, match=rf"{path}:5: dropped a torn last line"):
+        log = MetricsLog(path, resume_after_step=5)
+    with log:
+        log.write({"step": 5, "loss": 7.0})
+    assert read_metrics(path) == [*RECORDS[:4], {"step": 5, "loss": 7.0}]
+
+
+def test_a_last_record_missing_only_its_line_end_is_kept(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(written(path).rstrip(b"\n"))
+    with MetricsLog(path, resume_after_step=5) as log:
+        log.write({"step": 6, "loss": 7.0})
+    assert read_metrics(path) == [*RECORDS, {"step": 6, "loss": 7.0}]
+
+
+@pytest.mark.parametrize("garbage", [b"{not json\n", b"\xff\xfe\n"], ids=["json", "utf-8"])
+def test_a_damaged_line_before_the_last_names_the_file_and_line(tmp_path, garbage):
+    path = tmp_path / "metrics.jsonl"
+    lines = written(path).splitlines(keepends=True)
+    path.write_bytes(b"".join([*lines[:2], garbage, *lines[2:]]))
+    with pytest.raises(ValueError, match=rf"{path}:3 is not a metrics record"):
+        MetricsLog(path, resume_after_step=5)
+    with pytest.raises(ValueError, match=rf"{path}:3"):
+        read_metrics(path)
+
+
+def test_each_record_is_one_write_and_a_short_write_leaves_no_torn_line(tmp_path, monkeypatch):
+    import os
+
+    from disagmoe.runtime import metrics
+
+    path = tmp_path / "metrics.jsonl"
+    calls = []
+    real_write = os.write
+
+    def disk_filling_write(fd, data):
+        calls.append(data)
+        return real_write(fd, data[: len(data) // 2]) if len(calls) == 3 else real_write(fd, data)
+
+    monkeypatch.setattr(metrics.os, "write", disk_filling_write)
+    with MetricsLog(path) as log:
+        log.write(RECORDS[0])
+        log.write(RECORDS[1])
+        with pytest.raises(OSError, match="metrics record"):
+            log.write(RECORDS[2])
+    assert all(c.endswith(b"\n") and c.count(b"\n") == 1 for c in calls)
+    assert read_metrics(path) == RECORDS[:2] and path.read_bytes().endswith(b"\n")

@@ -46,3 +46,13 @@ def test_chrome_trace_names_ranks_and_spans(tmp_path):
     assert names == {0: "rank 0 (A0.0)", 1: "rank 1 (E0.0)"}
     tracks = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e["name"] == "thread_name"}
     assert tracks[(0, 0)] == tracks[(1, 0)] == "messages (host)" and tracks[(0, 1)] == "compute"
+
+
+def test_a_failed_trace_write_leaves_no_temporary_file(tmp_path):
+    from disagmoe.runtime.trace import write_chrome_trace
+
+    (tmp_path / "trace.json").mkdir()
+    (tmp_path / "trace.json" / "keep").write_text("")  # the rename onto it fails
+    with pytest.raises(OSError):
+        write_chrome_trace(tmp_path / "trace.json", {0: []}, {0: "A0.0"})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["trace.json"]
