@@ -262,7 +262,8 @@ class Plan(StrictModel):
     gpus: PositiveInt
     seq_len: PositiveInt
     global_batch_tokens: PositiveInt
-    layout: Literal["disaggregated", "colocated"]
+    layout: Literal["disaggregated", "colocated"] | None = Field(
+        description="the chosen layout; None when no layout fits (feasible is false)")
     attention_gpus: NonNegInt
     expert_gpus: NonNegInt
     pipeline_groups: PositiveInt
@@ -280,11 +281,13 @@ class Plan(StrictModel):
     active_params: NonNegInt
     memory_per_gpu: dict[str, MemoryEstimate]
     stage_times: list[StageTime]
-    step_time_s: NonNegFloat
-    colocated_step_time_s: NonNegFloat
-    speedup_vs_colocated: NonNegFloat
+    step_time_s: NonNegFloat | None = Field(description="predicted; None when no layout was priced")
+    colocated_step_time_s: NonNegFloat | None = Field(
+        description="the best colocated layout's predicted step; None when it was not priced or does not fit")
+    speedup_vs_colocated: NonNegFloat | None = Field(
+        description="colocated_step_time_s / step_time_s; None without a colocated baseline")
     expert_imbalance: NonNegFloat = Field(description="max/mean expected load over expert GPUs")
-    mfu: NonNegFloat
+    mfu: NonNegFloat | None = Field(description="model FLOPs utilisation over all `gpus`; None without a step time")
     feasible: bool
     reason: str
     notes: list[str] = Field(default_factory=list)

@@ -11,11 +11,12 @@ from rich.panel import Panel
 from rich.table import Table
 
 from disagmoe.cli.common import console, print_json, user_errors
-from disagmoe.config import ClusterConfig, PlanConfig, load_hardware, load_model
+from disagmoe.config import ClusterConfig, Plan, PlanConfig, load_hardware, load_model
 from disagmoe.placement.cost import Candidates
 from disagmoe.placement.experts import read_histogram
 from disagmoe.placement.solver import Choice, choose, price, roofline_rows
 from disagmoe.roofline import report
+from disagmoe.roofline.params import params_text
 
 ModelOpt = Annotated[str, typer.Option("--model", "-m", help="model preset (see `disagmoe presets`), "
                                        "a model YAML, or a Hugging Face config.json")]
@@ -108,10 +109,8 @@ def show_plan(p, out: Path | None) -> None:
         layout,
         f"pipeline groups p={p.pipeline_groups}, micro-batches m={p.micro_batches} of "
         f"{p.sequences_per_micro_batch} sequences, {p.accumulation_rounds} round(s) per step",
-        f"predicted step {p.step_time_s:.3f} s, MFU {p.mfu:.1%}; colocated baseline "
-        + (f"{p.colocated_step_time_s:.3f} s -> speedup {p.speedup_vs_colocated:.2f}x"
-           if p.colocated_step_time_s else "does not fit"),
-        f"params {p.total_params / 1e9:.1f}B total, {p.active_params / 1e9:.1f}B active; "
+        f"predicted step {p.step_time_s:.3f} s, MFU {p.mfu:.1%}; colocated baseline {_baseline(p)}",
+        f"params {params_text(p.total_params)} total, {params_text(p.active_params)} active; "
         f"expert load imbalance {p.expert_imbalance:.2f}",
         f"[italic]{p.reason}[/]",
     ]
@@ -134,6 +133,17 @@ def show_plan(p, out: Path | None) -> None:
         console.print(f"note: {n}", highlight=False)
     if out:
         console.print(f"plan written to {out}")
+
+
+def _baseline(p: Plan) -> str:
+    """The colocated baseline as the plan knows it: its time, or why there is none."""
+    if p.colocated_step_time_s is not None:
+        return f"{p.colocated_step_time_s:.3f} s -> speedup {p.speedup_vs_colocated:.2f}x"
+    if p.layout == "colocated":
+        return "is this layout (a fixed one)"
+    if any("baseline does not fit" in n for n in p.notes):
+        return "does not fit"
+    return "not priced (a fixed layout)"
 
 
 @user_errors

@@ -11,7 +11,7 @@ the other's time is reported beside it.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -33,7 +33,7 @@ from disagmoe.placement.experts import imbalance, map_layer
 from disagmoe.roofline import report
 from disagmoe.roofline.ceilings import Ceilings
 from disagmoe.roofline.flops import step_flops
-from disagmoe.roofline.params import count_params
+from disagmoe.roofline.params import count_params, params_text
 
 MAX_SEQS_PER_GPU = 64
 
@@ -173,14 +173,17 @@ def choose(cfg: PlanConfig) -> Choice:
     if dis is None and col is None:
         return Choice(_infeasible(cfg, prob), None, None, prob)
     chosen = dis if dis_time <= col_time else col
-    return price(cfg, chosen, col_time)
+    return price(cfg, chosen, col_time, dis_time)
 
 
-def price(cfg: PlanConfig, chosen: Candidates, colocated_step_s: float | None = None) -> Choice:
+def price(cfg: PlanConfig, chosen: Candidates, colocated_step_s: float | None = None,
+          disaggregated_step_s: float | None = None) -> Choice:
     """Build the `Plan` of one layout (feasible or not: `plan.feasible` says).
 
-    `colocated_step_s`: the best colocated layout's step time, inf when none fits, None when it
-    was not priced (a layout fixed by the caller)."""
+    `colocated_step_s` / `disaggregated_step_s`: the best layout of that kind's step time, inf
+    when none fits, None when it was not priced (a layout fixed by the caller). The plan's
+    `colocated_step_time_s` and `speedup_vs_colocated` are None unless a colocated layout was
+    priced and fits."""
     gpus, model, prob = cfg.cluster.num_gpus, cfg.model, problem_of(cfg)
     use_dis = not chosen.colocated
     cost = evaluate(prob, chosen)
@@ -221,10 +224,11 @@ def price(cfg: PlanConfig, chosen: Candidates, colocated_step_s: float | None = 
         sequences_per_micro_batch=seqs * dp, accumulation_rounds=rounds,
         expert_map=expert_map, total_params=counts.total, active_params=counts.active,
         memory_per_gpu=_memory(cost, prob, use_dis), stage_times=stage_times,
-        step_time_s=step, colocated_step_time_s=col if math.isfinite(col) else 0.0,
-        speedup_vs_colocated=col / step if math.isfinite(col) else 0.0,
+        step_time_s=step, colocated_step_time_s=col if math.isfinite(col) else None,
+        speedup_vs_colocated=col / step if math.isfinite(col) else None,
         expert_imbalance=real_imb, mfu=mfu, feasible=fits,
-        reason=_reason(stage_times, chosen, use_dis, step, colocated_step_s), notes=notes,
+        reason=_reason(stage_times, chosen, use_dis, step, fits, colocated_step_s, disaggregated_step_s),
+        notes=notes,
     )
     return Choice(plan, chosen, cost, prob)
 
@@ -307,36 +311,64 @@ def _stage_times(cost: Cost, prob: Problem, c: Candidates) -> list[StageTime]:
             for r in rows]
 
 
-def _reason(stage_times: list[StageTime], c: Candidates, disaggregated: bool, step: float,
-            col: float | None) -> str:
-    stages = [s for s in stage_times if not s.name.startswith(("grad", "optim"))]
-    top = max(stages, key=lambda s: s.time_s)
+def _versus(kind: str, other: float | None, step: float) -> str:
+    """How this layout compares with the best layout of the other `kind` (step time or None/inf)."""
+    if other is None:
+        return f"a fixed layout (the {kind} was not priced)"
+    if not math.isfinite(other):
+        return f"the {kind} does not fit"
+    if other >= step:
+        return f"{other / step:.2f}x faster than the {kind} ({other:.3g} s per step)"
+    return f"{step / other:.2f}x slower than the {kind} ({other:.3g} s per step)"
+
+
+def _reason(stage_times: list[StageTime], c: Candidates, disaggregated: bool, step: float, fits: bool,
+            col: float | None, dis: float | None) -> str:
+    """One line: the layout, how it compares with the other kind, and the top stage of the table
+    (once-per-step stages included). Claims only what was priced."""
+    top = max(stage_times, key=lambda s: s.time_s)
     if disaggregated:
         layout = (f"{int(c.attn[0])} attention + {int(c.expert[0])} expert GPUs, "
                   f"p={int(c.p[0])}, m={int(c.m[0])}, {int(c.sets[0])} expert replica set(s)")
-        if col is None:
-            vs = "a fixed layout (the colocated baseline was not priced)"
-        elif math.isfinite(col):
-            vs = f"{col / step:.2f}x the colocated baseline ({col:.3g} s per step)"
-        else:
-            vs = "the colocated baseline does not fit"
-        return f"{layout}: {vs}; heaviest stage {top.name}, {top.bound}-bound"
-    return (f"colocated expert parallel on {int(c.expert[0])} GPUs (p={int(c.p[0])}, m={int(c.m[0])}) "
-            f"beats every disaggregated split here; heaviest stage {top.name}, {top.bound}-bound")
+        vs = _versus("colocated baseline", col, step)
+    else:
+        layout = f"colocated expert parallel on {int(c.expert[0])} GPUs (p={int(c.p[0])}, m={int(c.m[0])})"
+        vs = _versus("best disaggregated split", dis, step)
+    fit = "" if fits else "does not fit in memory: "
+    return f"{fit}{layout}: {vs}; heaviest stage {top.name}, {top.bound}-bound"
+
+
+LEANEST_DP = 4096  # data-parallel group size standing in for "as many attention GPUs as it takes" (ZeRO-1)
+
+
+def _leanest(prob: Problem, p: int) -> tuple[float, float]:
+    """GiB on the fullest attention and expert GPU of the leanest layout with `p` groups: one
+    sequence, one expert per GPU and, with ZeRO-1, a data-parallel group large enough that the
+    sharded moments all but vanish (a larger GPU count gets there)."""
+    n = prob.model.num_experts
+    dp = LEANEST_DP if prob.shard_optimizer else 1
+    leanest = evaluate(prob, Candidates.one(p * dp, p * n, p, 1, 1))
+    return float(leanest.attn_mem_bytes[0]) / GIB, float(leanest.expert_mem_bytes[0]) / GIB
 
 
 def _blocker(cfg: PlanConfig, prob: Problem) -> str | None:
     """A limit no GPU count can lift: one sequence too big for an attention GPU, or one expert
-    too big for an expert GPU (both need features we do not have yet)."""
+    too big for an expert GPU (both need features we do not have yet). The text names optimizer
+    sharding only as a remedy, and only when `--shard-optimizer-states` is off and would fit."""
     p = min(cfg.max_pipeline_groups, cfg.model.num_layers)
-    n = cfg.model.num_experts
-    leanest = evaluate(prob, Candidates.one(p, p * n, p, 1, 1))  # one sequence, one expert per GPU
     cap = prob.capacity_bytes / GIB
-    attn, exp = float(leanest.attn_mem_bytes[0]) / GIB, float(leanest.expert_mem_bytes[0]) / GIB
+    attn, exp = _leanest(prob, p)
     if attn > cap:
+        if prob.shard_optimizer:
+            also = "even with the attention side's AdamW moments sharded (ZeRO-1)"
+            fix = ""
+        else:
+            also = "with unsharded AdamW state"
+            sharded_attn, _ = _leanest(replace(prob, shard_optimizer=True), p)
+            fix = ", or --shard-optimizer-states (ZeRO-1)" if sharded_attn <= cap else ""
         return (f"one attention GPU needs {attn:.0f} GiB (> {cap:.0f}) even for a single {cfg.seq_len}-token "
-                f"sequence with p={p} pipeline groups: this needs tensor or context parallelism, or optimizer "
-                "sharding, which disagmoe does not have yet; try a shorter --seq-len or a larger --max-pipeline-groups")
+                f"sequence with p={p} pipeline groups, {also}: this needs tensor or context parallelism, "
+                f"which disagmoe does not have yet; try a shorter --seq-len or a larger --max-pipeline-groups{fix}")
     if exp > cap:
         return (f"one expert GPU needs {exp:.0f} GiB (> {cap:.0f}) for a single expert of every MoE layer of its "
                 f"group with p={p}: this needs expert tensor parallelism, which disagmoe does not have yet")
@@ -351,17 +383,19 @@ def _infeasible(cfg: PlanConfig, prob: Problem) -> Plan:
     costs = [evaluate(prob, c) for c in (disaggregated_candidates(cfg, gpus), colocated_candidates(cfg, gpus)) if len(c)]
     notes = [] if costs else [f"the global batch ({cfg.global_batch_tokens} tokens) is smaller than one sequence per GPU"]
     smallest = min((float(np.min(np.maximum(k.attn_mem_bytes, k.expert_mem_bytes))) for k in costs), default=0.0)
+    state = ("the attention side's AdamW moments sharded over data parallel (ZeRO-1)" if cfg.shard_optimizer_states
+             else "AdamW state unsharded (--shard-optimizer-states splits the attention side's moments)")
     why = (f"no layout fits in {prob.capacity_bytes / GIB:.0f} GiB per GPU on {cfg.cluster.num_gpus} GPUs "
-           f"(the leanest needs {smallest / GIB:.0f} GiB on its fullest GPU; "
-           f"{counts.total / 1e9:.1f}B parameters at {BYTES_PER_PARAM} bytes each with AdamW)")
+           f"(the leanest needs {smallest / GIB:.0f} GiB on its fullest GPU; {params_text(counts.total)} parameters "
+           f"at up to {BYTES_PER_PARAM} bytes each, {state})")
     why += f"; the fewest {cfg.cluster.hardware.name} GPUs that fit: {need}" if need else ""
     why += f"; {blocker}" if blocker else ""
     return Plan(
         model=cfg.model.name, hardware=cfg.cluster.hardware.name, gpus=cfg.cluster.num_gpus,
-        seq_len=cfg.seq_len, global_batch_tokens=cfg.global_batch_tokens, layout="disaggregated",
+        seq_len=cfg.seq_len, global_batch_tokens=cfg.global_batch_tokens, layout=None,
         attention_gpus=0, expert_gpus=0, pipeline_groups=1, micro_batches=1,
         expert_replica_sets=0, sequences_per_micro_batch=0, accumulation_rounds=0, expert_map=[],
         total_params=counts.total, active_params=counts.active, memory_per_gpu={}, stage_times=[],
-        step_time_s=0.0, colocated_step_time_s=0.0, speedup_vs_colocated=0.0, expert_imbalance=0.0,
-        mfu=0.0, feasible=False, reason=why, notes=notes, min_gpus=need,
+        step_time_s=None, colocated_step_time_s=None, speedup_vs_colocated=None, expert_imbalance=0.0,
+        mfu=None, feasible=False, reason=why, notes=notes, min_gpus=need,
     )

@@ -140,3 +140,18 @@ def test_a_fixed_layout_does_not_claim_the_baseline_failed():
     plan = json.loads(r.stdout)["plan"]
     assert "not priced" in plan["reason"]
     assert not any("baseline does not fit" in n for n in plan["notes"])
+
+
+def test_a_small_model_prints_its_parameters_with_a_unit():
+    r = run("plan", "-m", "tiny", "-hw", "h200-sxm", "-n", "2")
+    assert r.exit_code == 0, r.output
+    assert "0.0B" not in r.stdout and "K total" in r.stdout
+    r = run("plan", "-m", "tiny", "-hw", "h200-sxm", "-n", "2", "--json")
+    assert json.loads(r.stdout)["total_params"] > 0
+
+
+def test_a_fixed_layout_prints_no_baseline_it_did_not_price():
+    r = run("roofline", "-m", "qwen3-30b-a3b", "-hw", "h200-sxm", "-n", "8", "--layout", "disaggregated",
+            "--attention-gpus", "3", "--json")
+    plan = json.loads(r.stdout)["plan"]
+    assert plan["colocated_step_time_s"] is None and plan["speedup_vs_colocated"] is None

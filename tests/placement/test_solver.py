@@ -7,9 +7,9 @@ import time
 import numpy as np
 import pytest
 
-from disagmoe.config import ClusterConfig, PlanConfig, load_hardware, load_model, preset_names
+from disagmoe.config import ClusterConfig, Plan, PlanConfig, load_hardware, load_model, preset_names
 from disagmoe.placement.cost import Candidates, evaluate
-from disagmoe.placement.solver import MAX_SEQS_PER_GPU, choose, problem_of, solve
+from disagmoe.placement.solver import MAX_SEQS_PER_GPU, choose, price, problem_of, solve
 
 
 def request(model, hardware, gpus, seq_len=None, batch=4 * 1024 * 1024, **kw):
@@ -124,3 +124,45 @@ def test_ties_prefer_more_of_the_batch_done():
     assert plan.feasible
     done = plan.accumulation_rounds * plan.micro_batches * plan.sequences_per_micro_batch * 128
     assert done >= cfg.global_batch_tokens
+
+
+def test_the_reason_names_the_top_stage_of_the_table_once_per_step_ones_included():
+    """One sequence per step: the experts' optimizer step tops the table, and the reason says so."""
+    plan = solve(request("qwen3-30b-a3b", "h200-sxm", 8, seq_len=4096, batch=4096))
+    top = max(plan.stage_times, key=lambda s: s.time_s)
+    assert top.name.startswith("optimizer")
+    assert f"heaviest stage {top.name}" in plan.reason
+
+
+def test_a_fixed_layout_claims_nothing_it_did_not_price():
+    cfg = request("qwen3-30b-a3b", "h200-sxm", 8)
+    colocated = price(cfg, Candidates.one(0, 8, 1, 4, 1, colocated=True)).plan
+    assert "beats" not in colocated.reason and "not priced" in colocated.reason
+    assert not colocated.feasible and colocated.reason.startswith("does not fit")
+    disaggregated = price(cfg, Candidates.one(3, 5, 1, 2, 1)).plan
+    assert disaggregated.colocated_step_time_s is None and disaggregated.speedup_vs_colocated is None
+    searched = solve(cfg)
+    assert searched.layout == "colocated" and "faster than the best disaggregated split" in searched.reason
+
+
+def test_a_baseline_that_does_not_fit_is_null_not_zero():
+    plan = solve(request("qwen3-235b-a22b", "gb200-nvl72", 72))
+    assert plan.layout == "disaggregated" and any("baseline does not fit" in n for n in plan.notes)
+    assert plan.colocated_step_time_s is None and plan.speedup_vs_colocated is None
+
+
+def test_an_infeasible_plan_claims_no_layout_and_no_step_time():
+    plan = solve(request("deepseek-v3", "h200-sxm", 8))
+    assert not plan.feasible
+    assert plan.layout is None and plan.step_time_s is None and plan.mfu is None
+    assert plan.colocated_step_time_s is None and plan.speedup_vs_colocated is None
+    assert Plan.model_validate_json(plan.to_json()) == plan
+
+
+@pytest.mark.parametrize("shard", [False, True])
+def test_infeasibility_names_optimizer_sharding_only_as_a_remedy(shard):
+    plan = solve(request("qwen3-235b-a22b", "h100-sxm", 64, seq_len=131072, shard_optimizer_states=shard))
+    assert not plan.feasible and "context parallelism" in plan.reason
+    assert "optimizer sharding, which disagmoe does not have" not in plan.reason
+    assert ("even with the attention side's AdamW moments sharded" in plan.reason) == shard
+    assert ("AdamW state unsharded" in plan.reason) != shard
