@@ -262,8 +262,9 @@ class Plan(StrictModel):
     gpus: PositiveInt
     seq_len: PositiveInt
     global_batch_tokens: PositiveInt
-    layout: Literal["disaggregated", "colocated"] | None = Field(
-        description="the chosen layout; None when no layout fits (feasible is false)")
+    layout: Literal["disaggregated", "colocated", "single"] | None = Field(
+        description="the chosen layout (single: one GPU runs everything, no transfers); None when no layout "
+        "fits (feasible is false)")
     attention_gpus: NonNegInt
     expert_gpus: NonNegInt
     pipeline_groups: PositiveInt

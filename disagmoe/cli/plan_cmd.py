@@ -103,13 +103,15 @@ def show_plan(p, out: Path | None) -> None:
     if p.layout == "disaggregated":
         layout = (f"[bold]disaggregated[/]: {p.attention_gpus} attention GPUs + {p.expert_gpus} expert GPUs "
                   f"({p.expert_replica_sets} expert replica set(s) per group)")
+    elif p.layout == "single":
+        layout = "[bold]single[/]: one GPU runs attention and every expert, no transfers"
     else:
         layout = f"[bold]colocated[/]: {p.expert_gpus} GPUs, each attention + experts"
     lines = [
         layout,
         f"pipeline groups p={p.pipeline_groups}, micro-batches m={p.micro_batches} of "
         f"{p.sequences_per_micro_batch} sequences, {p.accumulation_rounds} round(s) per step",
-        f"predicted step {p.step_time_s:.3f} s, MFU {p.mfu:.1%}; colocated baseline {_baseline(p)}",
+        f"predicted step {report.seconds(p.step_time_s)}, MFU {p.mfu:.1%}; colocated baseline {_baseline(p)}",
         f"params {params_text(p.total_params)} total, {params_text(p.active_params)} active; "
         f"expert load imbalance {p.expert_imbalance:.2f}",
         f"[italic]{p.reason}[/]",
@@ -138,7 +140,9 @@ def show_plan(p, out: Path | None) -> None:
 def _baseline(p: Plan) -> str:
     """The colocated baseline as the plan knows it: its time, or why there is none."""
     if p.colocated_step_time_s is not None:
-        return f"{p.colocated_step_time_s:.3f} s -> speedup {p.speedup_vs_colocated:.2f}x"
+        return f"{report.seconds(p.colocated_step_time_s)} -> speedup {p.speedup_vs_colocated:.2f}x"
+    if p.layout == "single":
+        return "n/a (one GPU)"
     if p.layout == "colocated":
         return "is this layout (a fixed one)"
     if any("baseline does not fit" in n for n in p.notes):

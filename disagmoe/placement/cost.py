@@ -253,7 +253,7 @@ def evaluate(prob: Problem, c: Candidates) -> Cost:
 
     n_moe, n_dense, L = m.num_moe_layers, m.num_dense_layers, m.num_layers
     if c.colocated:
-        dispatch = st.all_to_all(a2a_bytes * imbalance, f_link)
+        dispatch = st.all_to_all(a2a_bytes * imbalance, f_link, ep)  # ep = 1: every GPU holds every expert
         combine = dispatch
     else:
         send = BF16 * tokens * k * H + np.where(p > 1, BF16 * tokens * (H + 2 * k), 0.0)

@@ -189,9 +189,10 @@ def price(cfg: PlanConfig, chosen: Candidates, colocated_step_s: float | None = 
     cost = evaluate(prob, chosen)
     expert_map, real_imb = _expert_map(cfg, chosen) if use_dis else _colocated_map(cfg, chosen)
     notes: list[str] = []
+    single = not use_dis and int(chosen.expert[0]) == 1
     if colocated_step_s == math.inf and use_dis:
         notes.append("the colocated baseline does not fit in memory on this cluster")
-    col = math.inf if colocated_step_s is None else colocated_step_s
+    col = math.inf if colocated_step_s is None or single else colocated_step_s
     p, m, seqs = int(chosen.p[0]), int(chosen.m[0]), int(chosen.seqs[0])
     attn, exp = int(chosen.attn[0]), int(chosen.expert[0])
     idle = gpus - attn - exp
@@ -218,16 +219,16 @@ def price(cfg: PlanConfig, chosen: Candidates, colocated_step_s: float | None = 
     plan = Plan(
         model=model.name, hardware=cfg.cluster.hardware.name, gpus=gpus, seq_len=cfg.seq_len,
         global_batch_tokens=cfg.global_batch_tokens,
-        layout="disaggregated" if use_dis else "colocated",
+        layout="disaggregated" if use_dis else "single" if single else "colocated",
         attention_gpus=attn, expert_gpus=exp, pipeline_groups=p, micro_batches=m,
         expert_replica_sets=int(chosen.sets[0]) if use_dis else exp // p // int(colocated_ep(model.num_experts, exp // p)),
         sequences_per_micro_batch=seqs * dp, accumulation_rounds=rounds,
         expert_map=expert_map, total_params=counts.total, active_params=counts.active,
-        memory_per_gpu=_memory(cost, prob, use_dis), stage_times=stage_times,
+        memory_per_gpu=_memory(cost, prob, use_dis, "single" if single else "colocated"), stage_times=stage_times,
         step_time_s=step, colocated_step_time_s=col if math.isfinite(col) else None,
         speedup_vs_colocated=col / step if math.isfinite(col) else None,
         expert_imbalance=real_imb, mfu=mfu, feasible=fits,
-        reason=_reason(stage_times, chosen, use_dis, step, fits, colocated_step_s, disaggregated_step_s),
+        reason=_reason(stage_times, chosen, use_dis, step, fits, colocated_step_s, disaggregated_step_s, single),
         notes=notes,
     )
     return Choice(plan, chosen, cost, prob)
@@ -269,7 +270,8 @@ def _expert_map(cfg: PlanConfig, c: Candidates) -> tuple[list[list[list[int]]], 
     return out, worst
 
 
-def _memory(cost: Cost, prob: Problem, disaggregated: bool) -> dict[str, MemoryEstimate]:
+def _memory(cost: Cost, prob: Problem, disaggregated: bool, kind: str = "colocated") -> dict[str, MemoryEstimate]:
+    """Per GPU kind (attention and expert, or `kind` for a layout where every GPU runs both)."""
     attn_state = float(sharded_state_bytes(float(cost.dp[0]), prob.shard_optimizer))
 
     def estimate(attn_params: float, exp_params: float, act: float) -> MemoryEstimate:
@@ -282,7 +284,7 @@ def _memory(cost: Cost, prob: Problem, disaggregated: bool) -> dict[str, MemoryE
     a_p, e_p = float(cost.attn_params[0]), float(cost.expert_params[0])
     a_act, e_act = float(cost.attn_act_bytes[0]), float(cost.expert_act_bytes[0])
     if not disaggregated:
-        return {"colocated": estimate(a_p, e_p, a_act + e_act)}
+        return {kind: estimate(a_p, e_p, a_act + e_act)}
     return {"attention": estimate(a_p, 0.0, a_act), "expert": estimate(0.0, e_p, e_act)}
 
 
@@ -323,11 +325,14 @@ def _versus(kind: str, other: float | None, step: float) -> str:
 
 
 def _reason(stage_times: list[StageTime], c: Candidates, disaggregated: bool, step: float, fits: bool,
-            col: float | None, dis: float | None) -> str:
+            col: float | None, dis: float | None, single: bool = False) -> str:
     """One line: the layout, how it compares with the other kind, and the top stage of the table
     (once-per-step stages included). Claims only what was priced."""
     top = max(stage_times, key=lambda s: s.time_s)
-    if disaggregated:
+    if single:
+        layout = f"one GPU runs attention and every expert (m={int(c.m[0])})"
+        vs = "no dispatch, combine or all-reduce"
+    elif disaggregated:
         layout = (f"{int(c.attn[0])} attention + {int(c.expert[0])} expert GPUs, "
                   f"p={int(c.p[0])}, m={int(c.m[0])}, {int(c.sets[0])} expert replica set(s)")
         vs = _versus("colocated baseline", col, step)

@@ -45,7 +45,7 @@ def _si(x: float, unit: str) -> str:
     return f"{x:.3g} {unit}"
 
 
-def _seconds(t: float) -> str:
+def seconds(t: float) -> str:
     if t == 0:
         return "-"
     if t >= 1:
@@ -63,7 +63,7 @@ def table(rows: list[dict[str, Any]], title: str) -> Table:
         ai = r["intensity_flop_per_byte"]
         t.add_row(r["stage"], r["pass"], _si(r["flops"], "F"), _si(r["hbm_bytes"], "B"),
                   _si(r["nvlink_bytes"], "B"), _si(r["scaleout_bytes"], "B"),
-                  f"{ai:.0f}" if ai else "-", _seconds(r["time_s"]), r["bound"])
+                  f"{ai:.0f}" if ai else "-", seconds(r["time_s"]), r["bound"])
     return t
 
 

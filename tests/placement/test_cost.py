@@ -122,3 +122,16 @@ def test_attention_stages_fit_inside_the_step():
                             cluster=ClusterConfig(hardware=load_hardware("gb200-nvl72"), num_gpus=72), seq_len=4096))
     attention_busy = sum(s.time_s for s in plan.stage_times if s.group == "attention")
     assert 0.5 * plan.step_time_s < attention_busy <= plan.step_time_s * 1.001
+
+
+@pytest.mark.parametrize("gpus", [1, 7])
+def test_colocated_without_expert_parallelism_prices_no_all_to_all(gpus):
+    """tiny has 8 experts: on 1 or 7 GPUs the colocated EP degree is 1, every GPU holds every
+    expert, and no dispatch or combine (not even a collective's fixed cost) is priced."""
+    cfg = PlanConfig(model=load_model("tiny"), cluster=ClusterConfig(hardware=load_hardware("h200-sxm"),
+                     num_gpus=gpus), seq_len=128)
+    cost = evaluate(problem_of(cfg), Candidates.one(0, gpus, 1, 2, 1, colocated=True))
+    ceil = problem_of(cfg).ceilings
+    for name in ("dispatch", "combine"):
+        stage = cost.stages[name]
+        assert np.all(ceil.time(stage.fwd) == 0) and np.all(ceil.time(stage.bwd) == 0)

@@ -166,3 +166,11 @@ def test_infeasibility_names_optimizer_sharding_only_as_a_remedy(shard):
     assert "optimizer sharding, which disagmoe does not have" not in plan.reason
     assert ("even with the attention side's AdamW moments sharded" in plan.reason) == shard
     assert ("AdamW state unsharded" in plan.reason) != shard
+
+
+def test_one_gpu_is_a_single_layout_with_no_transfer_stage():
+    plan = solve(request("tiny", "h200-sxm", 1))
+    assert plan.feasible and plan.layout == "single" and (plan.attention_gpus, plan.expert_gpus) == (0, 1)
+    assert not [s.name for s in plan.stage_times if s.group == "link" or s.bound == "latency"]
+    assert plan.colocated_step_time_s is None and list(plan.memory_per_gpu) == ["single"]
+    assert plan.step_time_s == pytest.approx(sum(s.time_s for s in plan.stage_times), rel=1e-6)
