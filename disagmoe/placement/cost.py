@@ -24,9 +24,10 @@ of one round (all kept until their backward).
 
 Links: traffic among GPUs spread evenly over a span wider than an NVLink domain leaves the
 domain in proportion (1 - domain / span). Pipeline groups are laid out so that a group (or one
-of its replica sets) stays inside a domain when it fits; with p > 1 on a cluster larger than one
-domain, the hop to the next group (combine and residual hand-off) is priced as scale-out
-traffic, the pessimistic case.
+of its replica sets) stays inside a domain when it fits; with p > 1, the hop to the next group
+(combine and residual hand-off) stays in a domain when one slice of the ring (a replica set of
+every group with its attention GPUs) fits in it, and is priced as scale-out traffic otherwise,
+the pessimistic case (`_ring_hop_fraction`). Idle GPUs of the cluster never enter a price.
 """
 
 from __future__ import annotations
@@ -189,6 +190,18 @@ def _scaleout_fraction(span: np.ndarray, domain: int) -> np.ndarray:
     return np.where(span <= domain, 0.0, 1.0 - domain / np.maximum(span, 1))
 
 
+def _ring_hop_fraction(slice_gpus: np.ndarray, p: np.ndarray, f_link: np.ndarray, domain: int) -> np.ndarray:
+    """Scale-out fraction of the hop to the next pipeline group (combine, residual hand-off).
+
+    The ring's traffic stays inside one slice: replica set r of every group with the attention
+    GPUs it serves (colocated: EP block b of every group), `slice_gpus` GPUs in all. A slice that
+    fits in an NVLink domain keeps the hop inside it; a wider one is priced all scale-out (the
+    pessimistic case). Only the GPUs the layout uses count, never idle ones of a larger cluster,
+    so a layout costs the same on any cluster that holds it. p = 1: the hop is the combine
+    within the group (`f_link`)."""
+    return np.where(p > 1, np.where(slice_gpus > domain, 1.0, 0.0), f_link)
+
+
 def _layer_counts(model: ModelConfig, p: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(MoE layers, dense layers) owned by the busiest pipeline group."""
     return -(-model.num_moe_layers // p), -(-model.num_dense_layers // p)
@@ -233,7 +246,7 @@ def evaluate(prob: Problem, c: Candidates) -> Cost:
         rows = tokens * k * imbalance
         a2a_bytes = BF16 * tokens * k * H * (1.0 - 1.0 / ep)
         f_link = _scaleout_fraction(ep.astype(float), prob.nvlink_domain)
-        f_next = np.where(p > 1, np.where(prob.gpus > prob.nvlink_domain, 1.0, 0.0), f_link)
+        f_next = _ring_hop_fraction(p * ep, p, f_link, prob.nvlink_domain)  # EP block b of every group
         expert_replicas = dp / ep
         f_replicas = _scaleout_fraction(dp, prob.nvlink_domain)
     else:
@@ -247,7 +260,7 @@ def evaluate(prob: Problem, c: Candidates) -> Cost:
         local = local.astype(float)
         rows = dp * tokens * k / e_pg * imbalance
         f_link = _scaleout_fraction((dp + e_pg) / sets, prob.nvlink_domain)
-        f_next = np.where(p > 1, np.where(prob.gpus > prob.nvlink_domain, 1.0, 0.0), f_link)
+        f_next = _ring_hop_fraction(p * (dp + e_pg) / sets, p, f_link, prob.nvlink_domain)  # set r of every group
         expert_replicas = sets * np.maximum(per_set / m.num_experts, 1.0)
         f_replicas = _scaleout_fraction(e_pg, prob.nvlink_domain)
 
