@@ -269,6 +269,8 @@ class Plan(StrictModel):
     expert_gpus: NonNegInt
     pipeline_groups: PositiveInt
     micro_batches: PositiveInt
+    idle_gpus: NonNegInt = Field(
+        0, description="GPUs the plan leaves idle: gpus mod p, or all but a smaller layout that is faster")
     expert_replica_sets: NonNegInt = Field(
         description="per pipeline group: sets of expert GPUs each holding every expert once")
     sequences_per_micro_batch: NonNegInt = Field(description="sequences per micro-batch, all DP ranks")

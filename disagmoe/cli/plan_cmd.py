@@ -107,6 +107,8 @@ def show_plan(p, out: Path | None) -> None:
         layout = "[bold]single[/]: one GPU runs attention and every expert, no transfers"
     else:
         layout = f"[bold]colocated[/]: {p.expert_gpus} GPUs, each attention + experts"
+    if p.idle_gpus:
+        layout += f"; {p.idle_gpus} of {p.gpus} GPUs idle"
     lines = [
         layout,
         f"pipeline groups p={p.pipeline_groups}, micro-batches m={p.micro_batches} of "

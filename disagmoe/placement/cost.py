@@ -70,7 +70,8 @@ class Candidates:
     p: np.ndarray  # pipeline groups (1 for colocated)
     m: np.ndarray  # micro-batches per round
     seqs: np.ndarray  # sequences per attention GPU per micro-batch
-    sets: np.ndarray  # expert replica sets per pipeline group (each holds every expert once)
+    sets: np.ndarray  # expert replica sets per pipeline group (each holds every expert once);
+    # colocated: EP blocks per group, EP degree gcd(experts, GPUs per group / sets)
     colocated: bool = False
 
     def __len__(self) -> int:
@@ -129,6 +130,9 @@ class Cost:
     expert_params: np.ndarray  # parameters held per expert GPU (colocated: expert part)
     attn_act_bytes: np.ndarray
     expert_act_bytes: np.ndarray
+    round_floor_s: np.ndarray
+    """A lower bound on fwd_round_s + bwd_round_s that depends only on (p, m, seqs), whatever
+    the layout: the attention work of one GPU (the solver prunes with it)."""
     stages: dict[str, Stage] = field(default_factory=dict)
     """Every stage's work on one GPU; the step time above is built from exactly these."""
 
@@ -240,7 +244,7 @@ def evaluate(prob: Problem, c: Candidates) -> Cost:
     tokens = (c.seqs * S).astype(float)  # per attention GPU per micro-batch
     if c.colocated:
         dp = c.expert / p  # GPUs per pipeline group, each a data-parallel attention replica
-        ep = colocated_ep(m.num_experts, c.expert // c.p)
+        ep = colocated_ep(m.num_experts, c.expert // (c.p * c.sets))
         local = (m.num_experts // ep).astype(float)
         imbalance = np.full(len(c), max(prob.load_peak_ratio, 1.0))
         rows = tokens * k * imbalance
@@ -318,10 +322,12 @@ def evaluate(prob: Problem, c: Candidates) -> Cost:
         return sum(time_of(n, bwd) for n, s in stages.items() if s.group == "attention" and s.runs in runs)
 
     rounds_time = []
+    floor = 0.0  # the attention GPU's own work per round: _pass_time never undercuts L/p * m * a
     for bwd in (False, True):
         a_moe, a_dense = attention_time(bwd, ("layer", "moe")), attention_time(bwd, ("layer", "dense"))
         t_d, t_e, t_c = time_of("dispatch", bwd), time_of("routed experts", bwd), time_of("combine", bwd)
         t_head = time_of("lm head + embedding", bwd)
+        floor = floor + L / p * mb * (n_moe * a_moe + n_dense * a_dense) / L + mb * t_head
         if c.colocated:  # attention, dispatch, experts, combine back to back on each GPU
             a = (n_moe * (a_moe + t_d + t_e + t_c) + n_dense * a_dense) / L
             hop = np.where(p > 1, ceil.time(handoff), 0.0)
@@ -364,9 +370,10 @@ def evaluate(prob: Problem, c: Candidates) -> Cost:
                 attn_mem_bytes=attn_mem, expert_mem_bytes=exp_mem, fits=fits,
                 imbalance=np.asarray(imbalance, dtype=float) * ones,
                 attn_params=attn_params * ones, expert_params=exp_params * ones,
-                attn_act_bytes=act_attn, expert_act_bytes=act_exp, stages=stages)
+                attn_act_bytes=act_attn, expert_act_bytes=act_exp, round_floor_s=floor * ones, stages=stages)
 
 
 def colocated_ep(num_experts: int, gpus: np.ndarray | int) -> np.ndarray:
-    """Expert-parallel degree of the colocated baseline: the largest divisor of both counts."""
+    """Expert-parallel degree of a colocated EP block of `gpus` GPUs: the largest divisor of both
+    counts (a group of GPUs split into `sets` blocks passes GPUs per group / sets)."""
     return np.gcd(num_experts, np.asarray(gpus, dtype=np.int64))

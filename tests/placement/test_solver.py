@@ -19,17 +19,18 @@ def request(model, hardware, gpus, seq_len=None, batch=4 * 1024 * 1024, **kw):
 
 
 def brute_force_best(cfg):
-    """Price every layout of the solver's space one at a time (no vectorisation, no pruning)."""
+    """Price every layout on at most the job's GPUs one at a time (no vectorisation, no pruning):
+    every attention count, every colocated EP degree and block count."""
     prob = problem_of(cfg)
     n_gpu, n_exp = cfg.cluster.num_gpus, cfg.model.num_experts
     seqs_choices = [2**i for i in range(int(math.log2(MAX_SEQS_PER_GPU)) + 1)]
     best = math.inf
     for p in range(1, min(cfg.max_pipeline_groups, cfg.model.num_layers) + 1):
         per_group = n_gpu // p
-        layouts = [(0, per_group * p, 1, True)]
+        layouts = [(0, ep * blocks * p, blocks, True) for ep in range(1, n_exp + 1) if n_exp % ep == 0
+                   for blocks in range(1, per_group // ep + 1)]
         for per_set, sets in itertools.product(range(1, n_exp + 1), range(1, per_group + 1)):
-            attn_pg = per_group - sets * per_set
-            if attn_pg >= sets:
+            for attn_pg in range(sets, per_group - sets * per_set + 1):
                 layouts.append((attn_pg * p, sets * per_set * p, sets, False))
         for (attn, exp, sets, colocated), m, seqs in itertools.product(layouts, cfg.micro_batch_choices, seqs_choices):
             dp = (exp if colocated else attn) // p
@@ -146,7 +147,7 @@ def test_a_fixed_layout_claims_nothing_it_did_not_price():
 
 
 def test_a_baseline_that_does_not_fit_is_null_not_zero():
-    plan = solve(request("qwen3-235b-a22b", "gb200-nvl72", 72))
+    plan = solve(request("deepseek-v3", "h200-sxm", 128))
     assert plan.layout == "disaggregated" and any("baseline does not fit" in n for n in plan.notes)
     assert plan.colocated_step_time_s is None and plan.speedup_vs_colocated is None
 
@@ -174,3 +175,36 @@ def test_one_gpu_is_a_single_layout_with_no_transfer_stage():
     assert not [s.name for s in plan.stage_times if s.group == "link" or s.bound == "latency"]
     assert plan.colocated_step_time_s is None and list(plan.memory_per_gpu) == ["single"]
     assert plan.step_time_s == pytest.approx(sum(s.time_s for s in plan.stage_times), rel=1e-6)
+
+
+MONOTONE = [  # (model, hardware, GPU counts): on and off powers of two and NVLink domains
+    ("tiny", "h200-sxm", list(range(1, 21))),
+    ("qwen3-30b-a3b", "h200-sxm", [2, 3, 4, 6, 7, 8, 12, 16, 24, 31, 32]),
+    ("mixtral-8x7b", "h800", [16, 20, 24, 64, 72, 76]),
+    ("qwen3-235b-a22b", "gb200-nvl72", [64, 72, 100, 128, 144, 256, 288]),
+    ("deepseek-v3", "gb200-nvl72", [256, 288, 512, 576, 1152]),
+]
+
+
+@pytest.mark.parametrize("model, hardware, counts", MONOTONE, ids=[m for m, _, _ in MONOTONE])
+def test_no_plan_gets_slower_with_more_gpus(model, hardware, counts):
+    """A job with more GPUs can always run the smaller job's plan and leave the rest idle."""
+    kw = {"seq_len": 128, "batch": 128 * 256} if model == "tiny" else {}
+    slowest, seen = math.inf, None
+    for gpus in counts:
+        plan = solve(request(model, hardware, gpus, **kw))
+        step = plan.step_time_s if plan.feasible else math.inf
+        assert step <= slowest * (1 + 1e-9), f"{gpus} GPUs: {step:.4g} s, slower than {seen} GPUs: {slowest:.4g} s"
+        if plan.feasible:
+            assert plan.idle_gpus == gpus - plan.attention_gpus - plan.expert_gpus
+        slowest, seen = step, gpus
+
+
+def test_a_plan_that_leaves_gpus_idle_says_so():
+    """DeepSeek-V3 on 576 GB200s: the colocated layout on 512 (EP over 256 experts) beats every
+    layout on all 576, so the plan leaves 64 idle and says why."""
+    plan = solve(request("deepseek-v3", "gb200-nvl72", 576))
+    assert plan.feasible and plan.idle_gpus == 64
+    assert plan.reason.startswith("uses 512 of 576 GPUs (64 idle)")
+    assert any("64 of 576 GPUs left idle" in n and "the best layout on all of them predicts" in n for n in plan.notes)
+    assert plan.step_time_s <= solve(request("deepseek-v3", "gb200-nvl72", 512)).step_time_s

@@ -35,11 +35,12 @@ def planned(gpus: int, **request) -> Plan:
 
 
 def colocated_plan(gpus: int, micro_batches: int) -> Plan:
-    """The planner's colocated layout (p = 1, `micro_batches`) priced as a plan."""
+    """The planner's colocated layout on all `gpus` (p = 1, one EP block, `micro_batches`) priced as a plan."""
     request = build_request("tiny", "h200-sxm", gpus, 64, 512)
     candidates = colocated_candidates(request, gpus)
     index = next(i for i in range(len(candidates))
-                 if candidates.p[i] == 1 and candidates.m[i] == micro_batches and candidates.seqs[i] == 1)
+                 if candidates.p[i] == 1 and candidates.m[i] == micro_batches and candidates.seqs[i] == 1
+                 and candidates.expert[i] == gpus and candidates.sets[i] == 1)
     return price(request, candidates.take(index)).plan
 
 
