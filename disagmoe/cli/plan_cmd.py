@@ -188,7 +188,8 @@ def roofline(
     if plot_path:
         if plot_path.suffix.lower() != ".png":
             raise ValueError(f"--plot {plot_path}: give a .png file name")
-        report.plot(rows_layer, choice.problem.ceilings, plot_path, title + ": one MoE layer, one micro-batch")
+        report.plot(rows_layer, choice.problem.ceilings, plot_path, title + ": one MoE layer, one micro-batch",
+                    step_rows=rows_step)
     if as_json:
         print_json({"plan": choice.plan.model_dump(mode="json"), "layer": rows_layer, "step": rows_step})
         return
