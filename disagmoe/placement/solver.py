@@ -312,6 +312,8 @@ def price(cfg: PlanConfig, chosen: Candidates, colocated_step_s: float | None = 
     fits = bool(cost.fits[0])
     if not fits:
         notes.append("this layout does not fit in memory (see memory_per_gpu)")
+    elif use_dis:
+        notes.extend(_memory_bound(cost, prob))
     notes.append("memory assumes AdamW with fp32 master weights and moments, "
                  + ("the attention side's moments split over each data-parallel group (ZeRO-1)"
                     if cfg.shard_optimizer_states else "on every replica (no optimizer sharding)")
@@ -340,6 +342,25 @@ def price(cfg: PlanConfig, chosen: Candidates, colocated_step_s: float | None = 
         notes=notes,
     )
     return Choice(plan, chosen, cost, prob)
+
+
+MEMORY_BOUND = 0.95  # a GPU this full of its capacity binds the split
+
+
+def _memory_bound(cost: Cost, prob: Problem) -> list[str]:
+    """A note when memory, not speed, sets the split: the expert GPUs (states plus the
+    activations of the round's tokens) cannot shrink in number, and the attention GPUs'
+    activations cap the tokens in flight, the same at any sequence length (m * seqs * seq_len)."""
+    cap = prob.capacity_bytes
+    attn, exp = float(cost.attn_mem_bytes[0]) / cap, float(cost.expert_mem_bytes[0]) / cap
+    if max(attn, exp) < MEMORY_BOUND:
+        return []
+    full = [f"{name} GPUs at {frac:.0%}" for name, frac in (("expert", exp), ("attention", attn))
+            if frac >= MEMORY_BOUND]
+    relax = "more GPUs relax it" + (", as may --shard-optimizer-states"
+                                    if attn >= MEMORY_BOUND and not prob.shard_optimizer else "")
+    return [f"the split is bound by memory ({', '.join(full)} of capacity): fewer expert GPUs or more tokens in "
+            f"flight per attention GPU would not fit, so a longer --seq-len trades micro-batches, not GPUs; {relax}"]
 
 
 def _colocated_map(cfg: PlanConfig, c: Candidates) -> tuple[list[list[list[int]]], float]:

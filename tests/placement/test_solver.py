@@ -208,3 +208,28 @@ def test_a_plan_that_leaves_gpus_idle_says_so():
     assert plan.reason.startswith("uses 512 of 576 GPUs (64 idle)")
     assert any("64 of 576 GPUs left idle" in n and "the best layout on all of them predicts" in n for n in plan.notes)
     assert plan.step_time_s <= solve(request("deepseek-v3", "gb200-nvl72", 512)).step_time_s
+
+
+def test_a_split_bound_by_memory_says_so_at_every_sequence_length():
+    """qwen3-235b-a22b on 72 GB200s: the expert GPUs' states and activations set the fewest
+    expert GPUs, and the attention GPUs' activations cap the tokens in flight (m * S), so 4K and
+    16K get the same split with 4x fewer micro-batches; the plan names the bound."""
+    short, long = (solve(request("qwen3-235b-a22b", "gb200-nvl72", 72, seq_len=s)) for s in (4096, 16384))
+    assert (short.attention_gpus, short.expert_gpus) == (long.attention_gpus, long.expert_gpus)
+    assert short.micro_batches == 4 * long.micro_batches
+    for plan in (short, long):
+        assert any(n.startswith("the split is bound by memory (expert GPUs at") for n in plan.notes)
+
+
+def test_with_memory_to_spare_attention_gets_more_gpus_at_longer_sequences():
+    """Attention's share of the work grows with S (the S^2 term of the core); where memory does
+    not bind, the split follows it."""
+    hw = load_hardware("gb200-nvl72").model_copy(update={"hbm_gib": 2000.0})
+    share = []
+    for seq_len in (4096, 8192, 16384):
+        m = load_model("qwen3-235b-a22b")
+        plan = solve(PlanConfig(model=m, cluster=ClusterConfig(hardware=hw, num_gpus=72), seq_len=seq_len))
+        assert plan.layout == "disaggregated"
+        share.append(plan.attention_gpus / (plan.attention_gpus + plan.expert_gpus))
+        assert not any("bound by memory" in n for n in plan.notes)
+    assert share[0] < share[1] < share[2]
