@@ -287,11 +287,15 @@ class Plan(StrictModel):
     gpus: GpuCount
     seq_len: Dim
     global_batch_tokens: PositiveInt
-    layout: Literal["disaggregated", "colocated"]
+    layout: Literal["disaggregated", "colocated", "single"] | None = Field(
+        description="the chosen layout (single: one GPU runs everything, no transfers); None when no layout "
+        "fits (feasible is false)")
     attention_gpus: NonNegGpuCount
     expert_gpus: NonNegGpuCount
     pipeline_groups: GpuCount
     micro_batches: Dim
+    idle_gpus: NonNegGpuCount = Field(
+        0, description="GPUs the plan leaves idle: gpus mod p, or all but a smaller layout that is faster")
     expert_replica_sets: NonNegGpuCount = Field(
         description="per pipeline group: sets of expert GPUs each holding every expert once")
     sequences_per_micro_batch: NonNegInt = Field(description="sequences per micro-batch, all DP ranks")
@@ -305,11 +309,13 @@ class Plan(StrictModel):
     active_params: Annotated[int, Field(ge=0)]
     memory_per_gpu: dict[str, MemoryEstimate]
     stage_times: list[StageTime]
-    step_time_s: ResultFloat
-    colocated_step_time_s: ResultFloat
-    speedup_vs_colocated: ResultFloat
-    expert_imbalance: ResultFloat = Field(description="max/mean expected load over expert GPUs")
-    mfu: ResultFloat
+    step_time_s: NonNegFloat | None = Field(description="predicted; None when no layout was priced")
+    colocated_step_time_s: NonNegFloat | None = Field(
+        description="the best colocated layout's predicted step; None when it was not priced or does not fit")
+    speedup_vs_colocated: NonNegFloat | None = Field(
+        description="colocated_step_time_s / step_time_s; None without a colocated baseline")
+    expert_imbalance: NonNegFloat = Field(description="max/mean expected load over expert GPUs")
+    mfu: NonNegFloat | None = Field(description="model FLOPs utilisation over all `gpus`; None without a step time")
     feasible: bool
     reason: str
     notes: list[str] = Field(default_factory=list)

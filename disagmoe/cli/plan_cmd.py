@@ -11,11 +11,12 @@ from rich.panel import Panel
 from rich.table import Table
 
 from disagmoe.cli.common import console, print_json, user_errors
-from disagmoe.config import ClusterConfig, PlanConfig, load_hardware, load_model
+from disagmoe.config import ClusterConfig, Plan, PlanConfig, load_hardware, load_model
 from disagmoe.placement.cost import Candidates
 from disagmoe.placement.experts import read_histogram
 from disagmoe.placement.solver import Choice, choose, price, roofline_rows
 from disagmoe.roofline import report
+from disagmoe.roofline.params import params_text
 
 ModelOpt = Annotated[str, typer.Option("--model", "-m", help="model preset (see `disagmoe presets`), "
                                        "a model YAML, or a Hugging Face config.json")]
@@ -108,16 +109,18 @@ def show_plan(p, out: Path | None) -> None:
     if p.layout == "disaggregated":
         layout = (f"[bold]disaggregated[/]: {p.attention_gpus} attention GPUs + {p.expert_gpus} expert GPUs "
                   f"({p.expert_replica_sets} expert replica set(s) per group)")
+    elif p.layout == "single":
+        layout = "[bold]single[/]: one GPU runs attention and every expert, no transfers"
     else:
         layout = f"[bold]colocated[/]: {p.expert_gpus} GPUs, each attention + experts"
+    if p.idle_gpus:
+        layout += f"; {p.idle_gpus} of {p.gpus} GPUs idle"
     lines = [
         layout,
         f"pipeline groups p={p.pipeline_groups}, micro-batches m={p.micro_batches} of "
         f"{p.sequences_per_micro_batch} sequences, {p.accumulation_rounds} round(s) per step",
-        f"predicted step {p.step_time_s:.3f} s, MFU {p.mfu:.1%}; colocated baseline "
-        + (f"{p.colocated_step_time_s:.3f} s -> speedup {p.speedup_vs_colocated:.2f}x"
-           if p.colocated_step_time_s else "does not fit"),
-        f"params {p.total_params / 1e9:.1f}B total, {p.active_params / 1e9:.1f}B active; "
+        f"predicted step {report.seconds(p.step_time_s)}, MFU {p.mfu:.1%}; colocated baseline {_baseline(p)}",
+        f"params {params_text(p.total_params)} total, {params_text(p.active_params)} active; "
         f"expert load imbalance {p.expert_imbalance:.2f}",
         f"[italic]{p.reason}[/]",
     ]
@@ -140,6 +143,19 @@ def show_plan(p, out: Path | None) -> None:
         console.print(f"note: {n}", highlight=False)
     if out:
         console.print(f"plan written to {out}", markup=False, highlight=False)
+
+
+def _baseline(p: Plan) -> str:
+    """The colocated baseline as the plan knows it: its time, or why there is none."""
+    if p.colocated_step_time_s is not None:
+        return f"{report.seconds(p.colocated_step_time_s)} -> speedup {p.speedup_vs_colocated:.2f}x"
+    if p.layout == "single":
+        return "n/a (one GPU)"
+    if p.layout == "colocated":
+        return "is this layout (a fixed one)"
+    if any("baseline does not fit" in n for n in p.notes):
+        return "does not fit"
+    return "not priced (a fixed layout)"
 
 
 @user_errors
@@ -178,7 +194,8 @@ def roofline(
     if plot_path:
         if plot_path.suffix.lower() != ".png":
             raise ValueError(f"--plot {plot_path}: give a .png file name")
-        report.plot(rows_layer, choice.problem.ceilings, plot_path, title + ": one MoE layer, one micro-batch")
+        report.plot(rows_layer, choice.problem.ceilings, plot_path, title + ": one MoE layer, one micro-batch",
+                    step_rows=rows_step)
     if as_json:
         print_json({"plan": choice.plan.model_dump(mode="json"), "layer": rows_layer, "step": rows_step})
         return

@@ -24,9 +24,10 @@ of one round (all kept until their backward).
 
 Links: traffic among GPUs spread evenly over a span wider than an NVLink domain leaves the
 domain in proportion (1 - domain / span). Pipeline groups are laid out so that a group (or one
-of its replica sets) stays inside a domain when it fits; with p > 1 on a cluster larger than one
-domain, the hop to the next group (combine and residual hand-off) is priced as scale-out
-traffic, the pessimistic case.
+of its replica sets) stays inside a domain when it fits; with p > 1, the hop to the next group
+(combine and residual hand-off) stays in a domain when one slice of the ring (a replica set of
+every group with its attention GPUs) fits in it, and is priced as scale-out traffic otherwise,
+the pessimistic case (`_ring_hop_fraction`). Idle GPUs of the cluster never enter a price.
 """
 
 from __future__ import annotations
@@ -69,7 +70,8 @@ class Candidates:
     p: np.ndarray  # pipeline groups (1 for colocated)
     m: np.ndarray  # micro-batches per round
     seqs: np.ndarray  # sequences per attention GPU per micro-batch
-    sets: np.ndarray  # expert replica sets per pipeline group (each holds every expert once)
+    sets: np.ndarray  # expert replica sets per pipeline group (each holds every expert once);
+    # colocated: EP blocks per group, EP degree gcd(experts, GPUs per group / sets)
     colocated: bool = False
 
     def __len__(self) -> int:
@@ -128,6 +130,9 @@ class Cost:
     expert_params: np.ndarray  # parameters held per expert GPU (colocated: expert part)
     attn_act_bytes: np.ndarray
     expert_act_bytes: np.ndarray
+    round_floor_s: np.ndarray
+    """A lower bound on fwd_round_s + bwd_round_s that depends only on (p, m, seqs), whatever
+    the layout: the attention work of one GPU (the solver prunes with it)."""
     stages: dict[str, Stage] = field(default_factory=dict)
     """Every stage's work on one GPU; the step time above is built from exactly these."""
 
@@ -189,6 +194,18 @@ def _scaleout_fraction(span: np.ndarray, domain: int) -> np.ndarray:
     return np.where(span <= domain, 0.0, 1.0 - domain / np.maximum(span, 1))
 
 
+def _ring_hop_fraction(slice_gpus: np.ndarray, p: np.ndarray, f_link: np.ndarray, domain: int) -> np.ndarray:
+    """Scale-out fraction of the hop to the next pipeline group (combine, residual hand-off).
+
+    The ring's traffic stays inside one slice: replica set r of every group with the attention
+    GPUs it serves (colocated: EP block b of every group), `slice_gpus` GPUs in all. A slice that
+    fits in an NVLink domain keeps the hop inside it; a wider one is priced all scale-out (the
+    pessimistic case). Only the GPUs the layout uses count, never idle ones of a larger cluster,
+    so a layout costs the same on any cluster that holds it. p = 1: the hop is the combine
+    within the group (`f_link`)."""
+    return np.where(p > 1, np.where(slice_gpus > domain, 1.0, 0.0), f_link)
+
+
 def _layer_counts(model: ModelConfig, p: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(MoE layers, dense layers) owned by the busiest pipeline group."""
     return -(-model.num_moe_layers // p), -(-model.num_dense_layers // p)
@@ -227,13 +244,13 @@ def evaluate(prob: Problem, c: Candidates) -> Cost:
     tokens = (c.seqs * S).astype(float)  # per attention GPU per micro-batch
     if c.colocated:
         dp = c.expert / p  # GPUs per pipeline group, each a data-parallel attention replica
-        ep = colocated_ep(m.num_experts, c.expert // c.p)
+        ep = colocated_ep(m.num_experts, c.expert // (c.p * c.sets))
         local = (m.num_experts // ep).astype(float)
         imbalance = np.full(len(c), max(prob.load_peak_ratio, 1.0))
         rows = tokens * k * imbalance
         a2a_bytes = BF16 * tokens * k * H * (1.0 - 1.0 / ep)
         f_link = _scaleout_fraction(ep.astype(float), prob.nvlink_domain)
-        f_next = np.where(p > 1, np.where(prob.gpus > prob.nvlink_domain, 1.0, 0.0), f_link)
+        f_next = _ring_hop_fraction(p * ep, p, f_link, prob.nvlink_domain)  # EP block b of every group
         expert_replicas = dp / ep
         f_replicas = _scaleout_fraction(dp, prob.nvlink_domain)
     else:
@@ -247,13 +264,13 @@ def evaluate(prob: Problem, c: Candidates) -> Cost:
         local = local.astype(float)
         rows = dp * tokens * k / e_pg * imbalance
         f_link = _scaleout_fraction((dp + e_pg) / sets, prob.nvlink_domain)
-        f_next = np.where(p > 1, np.where(prob.gpus > prob.nvlink_domain, 1.0, 0.0), f_link)
+        f_next = _ring_hop_fraction(p * (dp + e_pg) / sets, p, f_link, prob.nvlink_domain)  # set r of every group
         expert_replicas = sets * np.maximum(per_set / m.num_experts, 1.0)
         f_replicas = _scaleout_fraction(e_pg, prob.nvlink_domain)
 
     n_moe, n_dense, L = m.num_moe_layers, m.num_dense_layers, m.num_layers
     if c.colocated:
-        dispatch = st.all_to_all(a2a_bytes * imbalance, f_link)
+        dispatch = st.all_to_all(a2a_bytes * imbalance, f_link, ep)  # ep = 1: every GPU holds every expert
         combine = dispatch
     else:
         send = BF16 * tokens * k * H + np.where(p > 1, BF16 * tokens * (H + 2 * k), 0.0)
@@ -305,10 +322,12 @@ def evaluate(prob: Problem, c: Candidates) -> Cost:
         return sum(time_of(n, bwd) for n, s in stages.items() if s.group == "attention" and s.runs in runs)
 
     rounds_time = []
+    floor = 0.0  # the attention GPU's own work per round: _pass_time never undercuts L/p * m * a
     for bwd in (False, True):
         a_moe, a_dense = attention_time(bwd, ("layer", "moe")), attention_time(bwd, ("layer", "dense"))
         t_d, t_e, t_c = time_of("dispatch", bwd), time_of("routed experts", bwd), time_of("combine", bwd)
         t_head = time_of("lm head + embedding", bwd)
+        floor = floor + L / p * mb * (n_moe * a_moe + n_dense * a_dense) / L + mb * t_head
         if c.colocated:  # attention, dispatch, experts, combine back to back on each GPU
             a = (n_moe * (a_moe + t_d + t_e + t_c) + n_dense * a_dense) / L
             hop = np.where(p > 1, ceil.time(handoff), 0.0)
@@ -351,9 +370,10 @@ def evaluate(prob: Problem, c: Candidates) -> Cost:
                 attn_mem_bytes=attn_mem, expert_mem_bytes=exp_mem, fits=fits,
                 imbalance=np.asarray(imbalance, dtype=float) * ones,
                 attn_params=attn_params * ones, expert_params=exp_params * ones,
-                attn_act_bytes=act_attn, expert_act_bytes=act_exp, stages=stages)
+                attn_act_bytes=act_attn, expert_act_bytes=act_exp, round_floor_s=floor * ones, stages=stages)
 
 
 def colocated_ep(num_experts: int, gpus: np.ndarray | int) -> np.ndarray:
-    """Expert-parallel degree of the colocated baseline: the largest divisor of both counts."""
+    """Expert-parallel degree of a colocated EP block of `gpus` GPUs: the largest divisor of both
+    counts (a group of GPUs split into `sets` blocks passes GPUs per group / sets)."""
     return np.gcd(num_experts, np.asarray(gpus, dtype=np.int64))

@@ -1,17 +1,21 @@
 """Search the placement space and return the best `Plan`.
 
 The space: pipeline groups p; per group, R expert replica sets of s expert GPUs each (s up to
-the number of experts, R from 1, 2, 3, 4, 6, 8, ...), the rest of the group's GPUs attention
-GPUs; micro-batches m; sequences per attention GPU per micro-batch. Every candidate is priced at once by
-`cost.evaluate` (numpy arrays), so a 1,152-GPU search takes well under a second. The colocated
-expert-parallel layout is priced on the same cluster; whichever is faster becomes the plan, and
-the other's time is reported beside it.
+the number of experts, R from 1, 2, 3, 4, 6, 8, ...) and dp attention GPUs, the rest of the
+group's GPUs or fewer; micro-batches m; sequences per attention GPU per micro-batch. The
+colocated expert-parallel layout: per group, dp GPUs in blocks of an EP degree dividing the
+expert count. Both search every layout on at most the job's GPUs (`_data_parallel_degrees`
+says why pricing a few dp per layout is enough), so a plan never gets slower with more GPUs; one
+that leaves GPUs idle says so (`Plan.idle_gpus`). Candidates are priced at once by
+`cost.evaluate` (numpy arrays), in two passes (`_pruning`), so a 1,152-GPU search takes well
+under a second. Whichever layout is faster becomes the plan, the other's time is reported beside it.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -33,7 +37,7 @@ from disagmoe.placement.experts import imbalance, map_layer
 from disagmoe.roofline import report
 from disagmoe.roofline.ceilings import Ceilings
 from disagmoe.roofline.flops import step_flops
-from disagmoe.roofline.params import count_params
+from disagmoe.roofline.params import count_params, params_text
 
 MAX_SEQS_PER_GPU = 64
 
@@ -63,11 +67,25 @@ def _smooth_numbers(limit: int) -> list[int]:
     return out
 
 
-def disaggregated_candidates(cfg: PlanConfig, gpus: int) -> Candidates:
-    """Every (p, replica sets R, expert GPUs per set s, m, seqs) with the rest as attention GPUs.
+Least = Callable[[np.ndarray, int, int], np.ndarray]  # (layout code per row, m, seqs) -> smallest dp worth pricing
+CODE = 1 << 20  # layout codes: (p * CODE + sets) * CODE + expert GPUs per set (colocated: sets = 0, ep)
 
-    Per pipeline group of gpus // p GPUs: R sets of s expert GPUs (s up to the expert count),
-    and at least one attention GPU per set.
+
+def layout_code(c: Candidates, num_experts: int) -> np.ndarray:
+    """The layout row a candidate belongs to, whatever its dp: (p, sets, expert GPUs per set),
+    colocated (p, 0, EP degree)."""
+    if c.colocated:
+        ep = colocated_ep(num_experts, c.expert // (c.p * c.sets))
+        return c.p * CODE * CODE + ep
+    return (c.p * CODE + c.sets) * CODE + c.expert // (c.p * c.sets)
+
+
+def disaggregated_candidates(cfg: PlanConfig, gpus: int, least: Least | None = None) -> Candidates:
+    """Every (p, replica sets R, expert GPUs per set s, m, seqs, dp) on at most `gpus` GPUs.
+
+    Per pipeline group of at most gpus // p GPUs: R sets of s expert GPUs (s up to the expert
+    count) and dp attention GPUs, at least one per set: all the group's other GPUs, or fewer
+    (`_data_parallel_degrees`), so that every layout on fewer GPUs is searched too.
     """
     n = cfg.model.num_experts
     triples = []  # (p, sets, gpus per set)
@@ -80,32 +98,68 @@ def disaggregated_candidates(cfg: PlanConfig, gpus: int) -> Candidates:
         return _as_candidates(np.zeros((0, 6), dtype=np.int64), colocated=False)
     t = np.array(triples, dtype=np.int64)
     p, sets, per_set = t[:, 0], t[:, 1], t[:, 2]
-    per_group = gpus // p
-    attn_pg = per_group - sets * per_set
-    return _with_batching(cfg, np.stack([attn_pg * p, sets * per_set * p, p, sets], 1), attn_pg,
-                          colocated=False)
+    code = (p * CODE + sets) * CODE + per_set
+    row, m, seqs, dp = _data_parallel_degrees(cfg, code, sets, gpus // p - sets * per_set, np.ones_like(p), least)
+    p, sets, per_set = p[row], sets[row], per_set[row]
+    return _as_candidates(np.stack([dp * p, sets * per_set * p, p, m, seqs, sets], 1), colocated=False)
 
 
-def colocated_candidates(cfg: PlanConfig, gpus: int) -> Candidates:
-    """Expert parallel within each pipeline group of gpus // p GPUs (Megatron's EP x PP x DP)."""
-    p = np.arange(1, min(cfg.max_pipeline_groups, cfg.model.num_layers, gpus) + 1, dtype=np.int64)
-    per_group = gpus // p
-    return _with_batching(cfg, np.stack([0 * p, per_group * p, p, 0 * p + 1], 1), per_group,
-                          colocated=True)
+def colocated_candidates(cfg: PlanConfig, gpus: int, least: Least | None = None) -> Candidates:
+    """Expert parallel within each pipeline group (Megatron's EP x PP x DP): per group of at
+    most gpus // p GPUs, dp GPUs in blocks of ep (ep dividing the expert count, each block
+    holding every expert once), dp all the group's GPUs that whole blocks fill, or fewer."""
+    pairs = [(p, ep) for p in range(1, min(cfg.max_pipeline_groups, cfg.model.num_layers, gpus) + 1)
+             for ep in _divisors(cfg.model.num_experts) if ep <= gpus // p]
+    p, ep = (np.array(v, dtype=np.int64) for v in zip(*pairs, strict=True))
+    row, m, seqs, dp = _data_parallel_degrees(cfg, p * CODE * CODE + ep, ep, ep * (gpus // p // ep), ep, least)
+    p, ep = p[row], ep[row]
+    return _as_candidates(np.stack([0 * p, dp * p, p, m, seqs, dp // ep], 1), colocated=True)
 
 
-def _with_batching(cfg: PlanConfig, layout: np.ndarray, dp: np.ndarray, colocated: bool) -> Candidates:
-    """Cross each layout (attn, expert, p, sets) with every (m, seqs) whose round fits the batch."""
-    mb = np.array(cfg.micro_batch_choices, dtype=np.int64)
-    seqs = _seq_choices()
-    grid_m, grid_s = np.meshgrid(mb, seqs, indexing="ij")
-    grid_m, grid_s = grid_m.ravel(), grid_s.ravel()
-    rows = np.repeat(layout, len(grid_m), axis=0)
-    dp_r = np.repeat(dp, len(grid_m))
-    m_r, s_r = np.tile(grid_m, len(layout)), np.tile(grid_s, len(layout))
-    keep = m_r * dp_r * s_r * cfg.seq_len <= cfg.global_batch_tokens
-    full = np.concatenate([rows[:, :3], m_r[:, None], s_r[:, None], rows[:, 3:4]], 1)[keep]
-    return _as_candidates(full, colocated)
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _data_parallel_degrees(cfg: PlanConfig, code: np.ndarray, lo: np.ndarray, hi: np.ndarray, step: np.ndarray,
+                           least: Least | None):
+    """(row, m, seqs, dp): for each layout row (`code`, see `layout_code`) and each (m, seqs) whose
+    round fits the batch, the data-parallel degrees dp (multiples of `step`, lo <= dp <= hi)
+    worth pricing; `least` (None: only lo and hi) lifts the lower end where smaller dp cannot win.
+
+    Those are hi (the whole group) and, below it, the smallest dp of each round count
+    r = ceil(batch / (m * dp * seqs * seq_len)). Contract (why this loses nothing): with the
+    layout, m and seqs fixed, every stage time, the expert memory and hence the step time grow
+    with dp while r stays put, so any dp is matched or beaten by the smallest dp of its r.
+    Pricing those makes the search cover every layout on fewer GPUs, and a plan on more GPUs is
+    never slower than one on fewer. (ZeRO-1 attention memory shrinks with dp; there a smaller
+    dp of the same r may not fit where a larger one would.)"""
+    out = []
+    batch = cfg.global_batch_tokens
+    for m in cfg.micro_batch_choices:
+        for seqs in _seq_choices().tolist():
+            unit = m * seqs * cfg.seq_len  # tokens of one round per unit of dp
+            most = batch // unit  # the largest dp whose round fits the batch
+            top = np.minimum(hi, most)
+            ok = top >= lo
+            low = lo if least is None else np.maximum(lo, least(code, m, seqs))
+            whole, leanest = np.flatnonzero(ok & (hi <= most) & (hi >= low)), np.flatnonzero(ok & (lo >= low))
+            rows, dps = [whole, leanest], [hi[whole], lo[leanest]]
+            if least is not None:
+                rounds = np.arange(1, -(-batch // unit) + 1)
+                edges = np.unique(-(-batch // (rounds * unit)))  # the smallest dp of each round count
+                for s in np.unique(step).tolist():
+                    mine = np.flatnonzero(ok & (step == s))
+                    e = np.unique(s * -(-edges // s))
+                    first = np.searchsorted(e, low[mine], "left")
+                    counts = np.maximum(np.searchsorted(e, top[mine], "right") - first, 0)
+                    offsets = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+                    rows.append(np.repeat(mine, counts))
+                    dps.append(e[np.repeat(first, counts) + offsets])
+            row, dp = np.concatenate(rows), np.concatenate(dps)
+            key = np.unique(row * (int(hi.max()) + 1) + dp)
+            row, dp = key // (int(hi.max()) + 1), key % (int(hi.max()) + 1)
+            out.append((row, np.full(len(row), m), np.full(len(row), seqs), dp))
+    return tuple(np.concatenate(parts).astype(np.int64) for parts in zip(*out, strict=True))
 
 
 def _as_candidates(arr: np.ndarray, colocated: bool) -> Candidates:
@@ -115,12 +169,14 @@ def _as_candidates(arr: np.ndarray, colocated: bool) -> Candidates:
 
 def best_index(cost: Cost, c: Candidates) -> int | None:
     """Fastest candidate that fits. Ties go to the higher MFU (more of the batch's tokens done in
-    the same time when rounds do not divide it evenly), then fewer pipeline groups, micro-batches."""
+    the same time when rounds do not divide it evenly), then more GPUs used, then fewer pipeline
+    groups, micro-batches."""
     if not cost.fits.any():
         return None
     step = np.where(cost.fits, cost.step_s, np.inf)
     tokens_done = cost.rounds * cost.tokens_per_round
-    order = np.lexsort((c.seqs, c.m, c.p, -tokens_done, np.round(step / step[np.isfinite(step)].min(), 9)))
+    used = c.attn + c.expert
+    order = np.lexsort((c.seqs, c.m, c.p, -used, -tokens_done, np.round(step / step[np.isfinite(step)].min(), 9)))
     return int(order[0])
 
 
@@ -159,40 +215,93 @@ def solve(cfg: PlanConfig) -> Plan:
     return choose(cfg).plan
 
 
+def _pruning(cfg: PlanConfig, prob: Problem, cands: Candidates) -> Least:
+    """`least` for the full search of one kind. `cands`, every layout row of that kind priced at
+    its two ends (dp = its whole group and dp = its leanest): the leanest end's round time bounds
+    every dp's round time from below (it grows with dp), so a dp whose round count r times that
+    bound exceeds the best step of the kind found so far cannot win: skip it."""
+    if not len(cands):
+        return lambda code, m, seqs: np.ones_like(code)
+    cost = evaluate(prob, cands)
+    best = float(np.min(np.where(cost.fits, cost.step_s, np.inf)))
+    ms = np.unique(cfg.micro_batch_choices)
+    combos = len(ms) * len(_seq_choices())
+
+    def combo(m, seqs):  # (m, seqs) -> 0 .. combos - 1
+        return np.searchsorted(ms, m) * len(_seq_choices()) + np.round(np.log2(seqs)).astype(np.int64)
+
+    key = layout_code(cands, cfg.model.num_experts) * combos + combo(cands.m, cands.seqs)
+    floor = cost.fwd_round_s + cost.bwd_round_s
+    order = np.lexsort((floor, key))  # per key, the smallest round time first
+    key, floor = key[order], floor[order]
+    first = np.r_[True, key[1:] != key[:-1]]
+    key, floor = key[first], floor[first]
+
+    def least(code: np.ndarray, m: int, seqs: int) -> np.ndarray:
+        want = code * combos + combo(m, seqs)
+        at = np.minimum(np.searchsorted(key, want), len(key) - 1)
+        bound = np.where(key[at] == want, floor[at], 0.0)
+        rounds = np.floor(best * (1 + 1e-9) / np.maximum(bound, 1e-30))  # the most rounds that could still win
+        unit = m * seqs * cfg.seq_len
+        ok = np.isfinite(rounds) & (rounds >= 1)
+        dp = np.where(ok, -(-cfg.global_batch_tokens // (np.where(ok, rounds, 1) * unit)), 1)
+        return np.where(rounds < 1, CODE, dp).astype(np.int64)  # < 1 round: no dp of this row can win
+
+    return least
+
+
 def choose(cfg: PlanConfig) -> Choice:
-    """Search both layouts; return the faster one that fits (ties go to disaggregated)."""
+    """Search both layouts on up to the job's GPUs; return the faster one that fits (ties go to
+    disaggregated). A layout on fewer GPUs wins only when it is faster than every layout on all
+    of them; the plan then says so (`idle_gpus`, notes, reason)."""
     gpus = cfg.cluster.num_gpus
     prob = problem_of(cfg)
     best: dict[bool, tuple[float, Candidates | None]] = {}
+    whole = math.inf  # the best layout that leaves no GPU idle (but for gpus mod p)
     for colocated in (False, True):
-        cands = colocated_candidates(cfg, gpus) if colocated else disaggregated_candidates(cfg, gpus)
+        kind = colocated_candidates if colocated else disaggregated_candidates
+        cands = kind(cfg, gpus, _pruning(cfg, prob, kind(cfg, gpus)))
         cost = evaluate(prob, cands) if len(cands) else None
         i = best_index(cost, cands) if cost is not None else None
         best[colocated] = (float(cost.step_s[i]), cands.take(i)) if i is not None else (math.inf, None)
+        if cost is not None:
+            full = (cands.attn + cands.expert) == cands.p * (gpus // cands.p)
+            whole = min(whole, float(np.min(np.where(cost.fits & full, cost.step_s, np.inf))))
     (dis_time, dis), (col_time, col) = best[False], best[True]
     if dis is None and col is None:
         return Choice(_infeasible(cfg, prob), None, None, prob)
     chosen = dis if dis_time <= col_time else col
-    return price(cfg, chosen, col_time)
+    return price(cfg, chosen, col_time, dis_time, whole)
 
 
-def price(cfg: PlanConfig, chosen: Candidates, colocated_step_s: float | None = None) -> Choice:
+def price(cfg: PlanConfig, chosen: Candidates, colocated_step_s: float | None = None,
+          disaggregated_step_s: float | None = None, whole_step_s: float | None = None) -> Choice:
     """Build the `Plan` of one layout (feasible or not: `plan.feasible` says).
 
-    `colocated_step_s`: the best colocated layout's step time, inf when none fits, None when it
-    was not priced (a layout fixed by the caller)."""
+    `colocated_step_s` / `disaggregated_step_s`: the best layout of that kind's step time, inf
+    when none fits, None when it was not priced (a layout fixed by the caller). The plan's
+    `colocated_step_time_s` and `speedup_vs_colocated` are None unless a colocated layout was
+    priced and fits. `whole_step_s`: the best layout on all the GPUs (but for gpus mod p), inf
+    when none fits, for the note when `chosen` leaves more GPUs idle."""
     gpus, model, prob = cfg.cluster.num_gpus, cfg.model, problem_of(cfg)
     use_dis = not chosen.colocated
     cost = evaluate(prob, chosen)
     expert_map, real_imb = _expert_map(cfg, chosen) if use_dis else _colocated_map(cfg, chosen)
     notes: list[str] = []
+    single = not use_dis and int(chosen.expert[0]) == 1
     if colocated_step_s == math.inf and use_dis:
         notes.append("the colocated baseline does not fit in memory on this cluster")
-    col = math.inf if colocated_step_s is None else colocated_step_s
+    col = math.inf if colocated_step_s is None or single else colocated_step_s
     p, m, seqs = int(chosen.p[0]), int(chosen.m[0]), int(chosen.seqs[0])
     attn, exp = int(chosen.attn[0]), int(chosen.expert[0])
     idle = gpus - attn - exp
-    if idle:
+    fewer = attn + exp < p * (gpus // p)  # idle by choice, not only gpus mod p
+    if fewer:
+        than = ("no layout on all of them fits" if whole_step_s in (None, math.inf) else
+                f"the best layout on all of them predicts {whole_step_s:.3g} s per step")
+        notes.append(f"{idle} of {gpus} GPUs left idle: this layout on {attn + exp} is faster ({than}); "
+                     "give the rest another job, e.g. a second run")
+    elif idle:
         notes.append(f"{idle} GPU(s) left idle: the GPU count is not a multiple of p={p}")
     dp = int(cost.dp[0])
     tokens_per_round = int(cost.tokens_per_round[0])
@@ -203,6 +312,8 @@ def price(cfg: PlanConfig, chosen: Candidates, colocated_step_s: float | None = 
     fits = bool(cost.fits[0])
     if not fits:
         notes.append("this layout does not fit in memory (see memory_per_gpu)")
+    elif use_dis:
+        notes.extend(_memory_bound(cost, prob))
     notes.append("memory assumes AdamW with fp32 master weights and moments, "
                  + ("the attention side's moments split over each data-parallel group (ZeRO-1)"
                     if cfg.shard_optimizer_states else "on every replica (no optimizer sharding)")
@@ -215,18 +326,41 @@ def price(cfg: PlanConfig, chosen: Candidates, colocated_step_s: float | None = 
     plan = Plan(
         model=model.name, hardware=cfg.cluster.hardware.name, gpus=gpus, seq_len=cfg.seq_len,
         global_batch_tokens=cfg.global_batch_tokens,
-        layout="disaggregated" if use_dis else "colocated",
+        layout="disaggregated" if use_dis else "single" if single else "colocated",
         attention_gpus=attn, expert_gpus=exp, pipeline_groups=p, micro_batches=m,
-        expert_replica_sets=int(chosen.sets[0]) if use_dis else exp // p // int(colocated_ep(model.num_experts, exp // p)),
+        expert_replica_sets=int(chosen.sets[0]) if use_dis else exp // p // int(colocated_ep(
+            model.num_experts, exp // p // int(chosen.sets[0]))),
         sequences_per_micro_batch=seqs * dp, accumulation_rounds=rounds,
         expert_map=expert_map, total_params=counts.total, active_params=counts.active,
-        memory_per_gpu=_memory(cost, prob, use_dis), stage_times=stage_times,
-        step_time_s=step, colocated_step_time_s=col if math.isfinite(col) else 0.0,
-        speedup_vs_colocated=col / step if math.isfinite(col) else 0.0,
+        memory_per_gpu=_memory(cost, prob, use_dis, "single" if single else "colocated"), stage_times=stage_times,
+        step_time_s=step, colocated_step_time_s=col if math.isfinite(col) else None,
+        speedup_vs_colocated=col / step if math.isfinite(col) else None,
         expert_imbalance=real_imb, mfu=mfu, feasible=fits,
-        reason=_reason(stage_times, chosen, use_dis, step, colocated_step_s), notes=notes,
+        idle_gpus=idle,
+        reason=(f"uses {attn + exp} of {gpus} GPUs ({idle} idle): " if fewer else "")
+        + _reason(stage_times, chosen, use_dis, step, fits, colocated_step_s, disaggregated_step_s, single),
+        notes=notes,
     )
     return Choice(plan, chosen, cost, prob)
+
+
+MEMORY_BOUND = 0.95  # a GPU this full of its capacity binds the split
+
+
+def _memory_bound(cost: Cost, prob: Problem) -> list[str]:
+    """A note when memory, not speed, sets the split: the expert GPUs (states plus the
+    activations of the round's tokens) cannot shrink in number, and the attention GPUs'
+    activations cap the tokens in flight, the same at any sequence length (m * seqs * seq_len)."""
+    cap = prob.capacity_bytes
+    attn, exp = float(cost.attn_mem_bytes[0]) / cap, float(cost.expert_mem_bytes[0]) / cap
+    if max(attn, exp) < MEMORY_BOUND:
+        return []
+    full = [f"{name} GPUs at {frac:.0%}" for name, frac in (("expert", exp), ("attention", attn))
+            if frac >= MEMORY_BOUND]
+    relax = "more GPUs relax it" + (", as may --shard-optimizer-states"
+                                    if attn >= MEMORY_BOUND and not prob.shard_optimizer else "")
+    return [f"the split is bound by memory ({', '.join(full)} of capacity): fewer expert GPUs or more tokens in "
+            f"flight per attention GPU would not fit, so a longer --seq-len trades micro-batches, not GPUs; {relax}"]
 
 
 def _colocated_map(cfg: PlanConfig, c: Candidates) -> tuple[list[list[list[int]]], float]:
@@ -234,7 +368,7 @@ def _colocated_map(cfg: PlanConfig, c: Candidates) -> tuple[list[list[list[int]]
     model = cfg.model
     p = int(c.p[0])
     per_group = int(c.expert[0]) // p
-    ep = int(colocated_ep(model.num_experts, per_group))
+    ep = int(colocated_ep(model.num_experts, per_group // int(c.sets[0])))
     per_gpu = model.num_experts // ep
     out = []
     for j in range(model.num_moe_layers):
@@ -265,7 +399,8 @@ def _expert_map(cfg: PlanConfig, c: Candidates) -> tuple[list[list[list[int]]], 
     return out, worst
 
 
-def _memory(cost: Cost, prob: Problem, disaggregated: bool) -> dict[str, MemoryEstimate]:
+def _memory(cost: Cost, prob: Problem, disaggregated: bool, kind: str = "colocated") -> dict[str, MemoryEstimate]:
+    """Per GPU kind (attention and expert, or `kind` for a layout where every GPU runs both)."""
     attn_state = float(sharded_state_bytes(float(cost.dp[0]), prob.shard_optimizer))
 
     def estimate(attn_params: float, exp_params: float, act: float) -> MemoryEstimate:
@@ -278,7 +413,7 @@ def _memory(cost: Cost, prob: Problem, disaggregated: bool) -> dict[str, MemoryE
     a_p, e_p = float(cost.attn_params[0]), float(cost.expert_params[0])
     a_act, e_act = float(cost.attn_act_bytes[0]), float(cost.expert_act_bytes[0])
     if not disaggregated:
-        return {"colocated": estimate(a_p, e_p, a_act + e_act)}
+        return {kind: estimate(a_p, e_p, a_act + e_act)}
     return {"attention": estimate(a_p, 0.0, a_act), "expert": estimate(0.0, e_p, e_act)}
 
 
@@ -307,36 +442,67 @@ def _stage_times(cost: Cost, prob: Problem, c: Candidates) -> list[StageTime]:
             for r in rows]
 
 
-def _reason(stage_times: list[StageTime], c: Candidates, disaggregated: bool, step: float,
-            col: float | None) -> str:
-    stages = [s for s in stage_times if not s.name.startswith(("grad", "optim"))]
-    top = max(stages, key=lambda s: s.time_s)
-    if disaggregated:
+def _versus(kind: str, other: float | None, step: float) -> str:
+    """How this layout compares with the best layout of the other `kind` (step time or None/inf)."""
+    if other is None:
+        return f"a fixed layout (the {kind} was not priced)"
+    if not math.isfinite(other):
+        return f"the {kind} does not fit"
+    if other >= step:
+        return f"{other / step:.2f}x faster than the {kind} ({other:.3g} s per step)"
+    return f"{step / other:.2f}x slower than the {kind} ({other:.3g} s per step)"
+
+
+def _reason(stage_times: list[StageTime], c: Candidates, disaggregated: bool, step: float, fits: bool,
+            col: float | None, dis: float | None, single: bool = False) -> str:
+    """One line: the layout, how it compares with the other kind, and the top stage of the table
+    (once-per-step stages included). Claims only what was priced."""
+    top = max(stage_times, key=lambda s: s.time_s)
+    if single:
+        layout = f"one GPU runs attention and every expert (m={int(c.m[0])})"
+        vs = "no dispatch, combine or all-reduce"
+    elif disaggregated:
         layout = (f"{int(c.attn[0])} attention + {int(c.expert[0])} expert GPUs, "
                   f"p={int(c.p[0])}, m={int(c.m[0])}, {int(c.sets[0])} expert replica set(s)")
-        if col is None:
-            vs = "a fixed layout (the colocated baseline was not priced)"
-        elif math.isfinite(col):
-            vs = f"{col / step:.2f}x the colocated baseline ({col:.3g} s per step)"
-        else:
-            vs = "the colocated baseline does not fit"
-        return f"{layout}: {vs}; heaviest stage {top.name}, {top.bound}-bound"
-    return (f"colocated expert parallel on {int(c.expert[0])} GPUs (p={int(c.p[0])}, m={int(c.m[0])}) "
-            f"beats every disaggregated split here; heaviest stage {top.name}, {top.bound}-bound")
+        vs = _versus("colocated baseline", col, step)
+    else:
+        layout = f"colocated expert parallel on {int(c.expert[0])} GPUs (p={int(c.p[0])}, m={int(c.m[0])})"
+        vs = _versus("best disaggregated split", dis, step)
+    fit = "" if fits else "does not fit in memory: "
+    return f"{fit}{layout}: {vs}; heaviest stage {top.name}, {top.bound}-bound"
+
+
+LEANEST_DP = 4096  # data-parallel group size standing in for "as many attention GPUs as it takes" (ZeRO-1)
+
+
+def _leanest(prob: Problem, p: int) -> tuple[float, float]:
+    """GiB on the fullest attention and expert GPU of the leanest layout with `p` groups: one
+    sequence, one expert per GPU and, with ZeRO-1, a data-parallel group large enough that the
+    sharded moments all but vanish (a larger GPU count gets there)."""
+    n = prob.model.num_experts
+    dp = LEANEST_DP if prob.shard_optimizer else 1
+    leanest = evaluate(prob, Candidates.one(p * dp, p * n, p, 1, 1))
+    return float(leanest.attn_mem_bytes[0]) / GIB, float(leanest.expert_mem_bytes[0]) / GIB
 
 
 def _blocker(cfg: PlanConfig, prob: Problem) -> str | None:
     """A limit no GPU count can lift: one sequence too big for an attention GPU, or one expert
-    too big for an expert GPU (both need features we do not have yet)."""
+    too big for an expert GPU (both need features we do not have yet). The text names optimizer
+    sharding only as a remedy, and only when `--shard-optimizer-states` is off and would fit."""
     p = min(cfg.max_pipeline_groups, cfg.model.num_layers)
-    n = cfg.model.num_experts
-    leanest = evaluate(prob, Candidates.one(p, p * n, p, 1, 1))  # one sequence, one expert per GPU
     cap = prob.capacity_bytes / GIB
-    attn, exp = float(leanest.attn_mem_bytes[0]) / GIB, float(leanest.expert_mem_bytes[0]) / GIB
+    attn, exp = _leanest(prob, p)
     if attn > cap:
+        if prob.shard_optimizer:
+            also = "even with the attention side's AdamW moments sharded (ZeRO-1)"
+            fix = ""
+        else:
+            also = "with unsharded AdamW state"
+            sharded_attn, _ = _leanest(replace(prob, shard_optimizer=True), p)
+            fix = ", or --shard-optimizer-states (ZeRO-1)" if sharded_attn <= cap else ""
         return (f"one attention GPU needs {attn:.0f} GiB (> {cap:.0f}) even for a single {cfg.seq_len}-token "
-                f"sequence with p={p} pipeline groups: this needs tensor or context parallelism, or optimizer "
-                "sharding, which disagmoe does not have yet; try a shorter --seq-len or a larger --max-pipeline-groups")
+                f"sequence with p={p} pipeline groups, {also}: this needs tensor or context parallelism, "
+                f"which disagmoe does not have yet; try a shorter --seq-len or a larger --max-pipeline-groups{fix}")
     if exp > cap:
         return (f"one expert GPU needs {exp:.0f} GiB (> {cap:.0f}) for a single expert of every MoE layer of its "
                 f"group with p={p}: this needs expert tensor parallelism, which disagmoe does not have yet")
@@ -351,17 +517,19 @@ def _infeasible(cfg: PlanConfig, prob: Problem) -> Plan:
     costs = [evaluate(prob, c) for c in (disaggregated_candidates(cfg, gpus), colocated_candidates(cfg, gpus)) if len(c)]
     notes = [] if costs else [f"the global batch ({cfg.global_batch_tokens} tokens) is smaller than one sequence per GPU"]
     smallest = min((float(np.min(np.maximum(k.attn_mem_bytes, k.expert_mem_bytes))) for k in costs), default=0.0)
+    state = ("the attention side's AdamW moments sharded over data parallel (ZeRO-1)" if cfg.shard_optimizer_states
+             else "AdamW state unsharded (--shard-optimizer-states splits the attention side's moments)")
     why = (f"no layout fits in {prob.capacity_bytes / GIB:.0f} GiB per GPU on {cfg.cluster.num_gpus} GPUs "
-           f"(the leanest needs {smallest / GIB:.0f} GiB on its fullest GPU; "
-           f"{counts.total / 1e9:.1f}B parameters at {BYTES_PER_PARAM} bytes each with AdamW)")
+           f"(the leanest needs {smallest / GIB:.0f} GiB on its fullest GPU; {params_text(counts.total)} parameters "
+           f"at up to {BYTES_PER_PARAM} bytes each, {state})")
     why += f"; the fewest {cfg.cluster.hardware.name} GPUs that fit: {need}" if need else ""
     why += f"; {blocker}" if blocker else ""
     return Plan(
         model=cfg.model.name, hardware=cfg.cluster.hardware.name, gpus=cfg.cluster.num_gpus,
-        seq_len=cfg.seq_len, global_batch_tokens=cfg.global_batch_tokens, layout="disaggregated",
+        seq_len=cfg.seq_len, global_batch_tokens=cfg.global_batch_tokens, layout=None,
         attention_gpus=0, expert_gpus=0, pipeline_groups=1, micro_batches=1,
         expert_replica_sets=0, sequences_per_micro_batch=0, accumulation_rounds=0, expert_map=[],
         total_params=counts.total, active_params=counts.active, memory_per_gpu={}, stage_times=[],
-        step_time_s=0.0, colocated_step_time_s=0.0, speedup_vs_colocated=0.0, expert_imbalance=0.0,
-        mfu=0.0, feasible=False, reason=why, notes=notes, min_gpus=need,
+        step_time_s=None, colocated_step_time_s=None, speedup_vs_colocated=None, expert_imbalance=0.0,
+        mfu=None, feasible=False, reason=why, notes=notes, min_gpus=need,
     )

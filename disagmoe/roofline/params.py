@@ -73,6 +73,14 @@ class ParamCounts:
         return self.non_expert + self.active_routed
 
 
+def params_text(n: float) -> str:
+    """A parameter count for people: 671.0B, 1.2M, 950K, 12."""
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return f"{n:.0f}"
+
+
 def count_params(m: ModelConfig) -> ParamCounts:
     h = m.hidden_size
     embedding = m.vocab_size * h * (1 if m.tie_embeddings else 2) + h

@@ -1,4 +1,5 @@
-"""Roofline reports: rows per stage (JSON-able), a rich table, and a log-log roofline plot.
+"""Roofline reports: rows per stage (JSON-able), a rich table, and a PNG (a log-log roofline of
+the stages that do arithmetic beside a bar of every stage's time, communication included).
 
 A row is one stage in one pass on one GPU: its FLOPs, bytes per memory or link, arithmetic
 intensity against HBM, its time under each ceiling, the roofline time and the binding ceiling.
@@ -45,7 +46,7 @@ def _si(x: float, unit: str) -> str:
     return f"{x:.3g} {unit}"
 
 
-def _seconds(t: float) -> str:
+def seconds(t: float) -> str:
     if t == 0:
         return "-"
     if t >= 1:
@@ -63,20 +64,44 @@ def table(rows: list[dict[str, Any]], title: str) -> Table:
         ai = r["intensity_flop_per_byte"]
         t.add_row(r["stage"], r["pass"], _si(r["flops"], "F"), _si(r["hbm_bytes"], "B"),
                   _si(r["nvlink_bytes"], "B"), _si(r["scaleout_bytes"], "B"),
-                  f"{ai:.0f}" if ai else "-", _seconds(r["time_s"]), r["bound"])
+                  f"{ai:.0f}" if ai else "-", seconds(r["time_s"]), r["bound"])
     return t
 
 
-def plot(rows: list[dict[str, Any]], ceil: Ceilings, path: str | Path, title: str) -> None:
-    """Log-log roofline: attainable TFLOP/s against FLOP per HBM byte, one ridge per memory or
-    link (the link roofs use FLOP per byte moved on that link), each stage a labelled point."""
+COMM_COLOR = "tab:red"
+
+
+def plot(rows: list[dict[str, Any]], ceil: Ceilings, path: str | Path, title: str,
+         step_rows: list[dict[str, Any]] | None = None) -> None:
+    """Write `figure(...)` as a PNG (matplotlib imported here, Agg backend)."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(rows, ceil, title, step_rows)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def figure(rows: list[dict[str, Any]], ceil: Ceilings, title: str, step_rows: list[dict[str, Any]] | None = None):
+    """Two panels. Left, a log-log roofline: attainable TFLOP/s against FLOP per HBM byte, one
+    ridge per memory or link, each stage that does arithmetic a labelled point. Right, every
+    stage of `step_rows` (default `rows`) as a bar of its time, communication and once-per-step
+    stages included (they have no arithmetic intensity: dispatch, combine, all-reduce, the
+    optimizer), those bound by a link or latency drawn in red, so a step that waits on links
+    does not look compute-bound. Returns the matplotlib Figure."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    fig, (ax, bars) = plt.subplots(1, 2, figsize=(16, 7), gridspec_kw={"width_ratios": [1.2, 1]})
+    _roofline_panel(ax, rows, ceil, title)
+    _time_panel(bars, step_rows if step_rows is not None else rows)
+    fig.tight_layout()
+    return fig
+
+
+def _roofline_panel(ax, rows: list[dict[str, Any]], ceil: Ceilings, title: str) -> None:
     peak = ceil.flops_per_s / 1e12
-    fig, ax = plt.subplots(figsize=(9, 6))
     xs = np.logspace(0, 5, 400)
     for name, rate, style in (("HBM", ceil.hbm_bytes_per_s, "-"), ("NVLink", ceil.nvlink_bytes_per_s, "--"),
                               ("scale-out", ceil.scaleout_bytes_per_s, ":")):
@@ -93,9 +118,28 @@ def plot(rows: list[dict[str, Any]], ceil: Ceilings, path: str | Path, title: st
     ax.set_yscale("log")
     ax.set_xlabel("arithmetic intensity (FLOP / byte)")
     ax.set_ylabel("attainable TFLOP/s")
-    ax.set_title(title)
+    ax.set_title(title, fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8, loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+
+
+def is_communication(row: dict[str, Any]) -> bool:
+    """A stage that moves data between GPUs or waits on a message (no arithmetic to plot)."""
+    return row["group"] == "link" or row["bound"] in ("nvlink", "scale-out", "latency")
+
+
+def _time_panel(ax, rows: list[dict[str, Any]]) -> None:
+    shown = sorted((r for r in rows if r["time_s"] > 0), key=lambda r: r["time_s"])
+    labels = [f"{r['stage']} ({r['pass']})" for r in shown]
+    colors = [COMM_COLOR if is_communication(r) else "tab:blue" for r in shown]
+    bars = ax.barh(range(len(shown)), [r["time_s"] for r in shown], color=colors)
+    for bar, r in zip(bars, shown, strict=True):  # once per step (all-reduce, optimizer): hatched
+        bar.set_hatch("//" if r["pass"] == "step" else "")
+    ax.set_yticks(range(len(shown)), labels, fontsize=7)
+    for i, r in enumerate(shown):
+        ax.annotate(f"{seconds(r['time_s'])} {r['bound']}", (r["time_s"], i), fontsize=6,
+                    xytext=(3, -2), textcoords="offset points")
+    ax.set_xlabel("time on the GPUs that run it (s)")
+    ax.set_title("every stage's time per step; red: links and latency (dispatch, combine, all-reduce); "
+                 "hatched: once per step", fontsize=9)
+    ax.grid(True, axis="x", alpha=0.3)

@@ -128,10 +128,11 @@ def transfer(nbytes: Num, scaleout_fraction: Num) -> Work:
                 scaleout_bytes=nbytes * scaleout_fraction, transfers=1.0)
 
 
-def all_to_all(nbytes: Num, scaleout_fraction: Num) -> Work:
-    """One NCCL all-to-all: the same bytes as `transfer`, plus a collective's fixed cost."""
+def all_to_all(nbytes: Num, scaleout_fraction: Num, ranks: Num = 2) -> Work:
+    """One NCCL all-to-all among `ranks` GPUs: the same bytes as `transfer`, plus a collective's
+    fixed cost; nothing at all among one rank (no peer: no call)."""
     return Work(nvlink_bytes=nbytes * (1.0 - scaleout_fraction),
-                scaleout_bytes=nbytes * scaleout_fraction, collectives=1.0)
+                scaleout_bytes=nbytes * scaleout_fraction, collectives=np.where(np.asarray(ranks) > 1, 1.0, 0.0))
 
 
 def ring_allreduce(nbytes: Num, ranks: Num, scaleout_fraction: Num) -> Work:

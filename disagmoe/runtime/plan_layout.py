@@ -2,7 +2,7 @@
 
 `apply_plan(cfg, model_cfg)` returns the run's config with the plan's layout: `mode` = the plan's
 layout, `attention_ranks` / `expert_ranks` (colocated: `colocated_ranks`) = its GPU counts,
-`pipeline_groups` and `micro_batches`. The plan wins over these fields of the config: the config
+`pipeline_groups` and `micro_batches` (a `single` plan, one GPU: mode single and micro_batches). The plan wins over these fields of the config: the config
 file is the base a plan is applied to (`replaced_fields` says what changed, for the CLI to show).
 Everything else (batch_size, seq_len, data, optimizer, transport) stays the config's.
 
@@ -16,7 +16,8 @@ data-parallel indices d mod n == r, so a replica set serves its share of the att
 splits them evenly over owners d, d + D, ... when D < n, so no replica idles (`replica_rows`).
 
 A plan the runtime cannot run is refused with a ValueError before any actor starts: a plan for
-another model, an infeasible plan, a colocated plan with pipeline groups, an expert held by no
+another model, an infeasible plan, a colocated plan with pipeline groups, a single plan on more
+than one GPU or with pipeline groups, an expert held by no
 rank, twice by one rank or by a rank outside its layer's group, an expert rank with no expert.
 """
 
@@ -47,7 +48,9 @@ def apply_plan(cfg: TrainConfig, model_cfg: ModelConfig) -> TrainConfig:
         return cfg
     plan = load_plan(cfg.plan)
     check_plan(plan, model_cfg, cfg.plan if isinstance(cfg.plan, str) else "the plan")
-    if plan.layout == "colocated":
+    if plan.layout == "single":
+        layout = {"mode": "single", "micro_batches": plan.micro_batches}
+    elif plan.layout == "colocated":
         layout = {"mode": "colocated", "colocated_ranks": plan.expert_gpus, "micro_batches": plan.micro_batches}
     else:
         layout = {"mode": "disaggregated", "attention_ranks": plan.attention_gpus, "expert_ranks": plan.expert_gpus,
@@ -73,6 +76,10 @@ def check_plan(plan: Plan, model_cfg: ModelConfig, source: str) -> None:
         raise ValueError(f"{source}'s expert_map is {shape} but {model_cfg.name!r} has {moe_layers} MoE layers "
                          f"x {experts} experts; {REPLAN}")
     p = plan.pipeline_groups
+    if plan.layout == "single" and (p > 1 or plan.expert_gpus != 1 or plan.attention_gpus):
+        raise ValueError(f"{source} is a single-GPU plan with pipeline_groups={p}, attention_gpus="
+                         f"{plan.attention_gpus}, expert_gpus={plan.expert_gpus}; a single plan runs everything "
+                         f"on one GPU (p=1, expert_gpus=1, attention_gpus=0); {REPLAN}")
     if plan.layout == "colocated" and p > 1:
         raise ValueError(f"{source} is colocated with pipeline_groups={p}; the colocated runtime runs one "
                          "pipeline group: plan with --max-pipeline-groups 1")

@@ -140,3 +140,38 @@ def test_a_fixed_layout_does_not_claim_the_baseline_failed():
     plan = json.loads(r.stdout)["plan"]
     assert "not priced" in plan["reason"]
     assert not any("baseline does not fit" in n for n in plan["notes"])
+
+
+def test_a_small_model_prints_its_parameters_with_a_unit():
+    r = run("plan", "-m", "tiny", "-hw", "h200-sxm", "-n", "2")
+    assert r.exit_code == 0, r.output
+    assert "0.0B" not in r.stdout and "K total" in r.stdout
+    r = run("plan", "-m", "tiny", "-hw", "h200-sxm", "-n", "2", "--json")
+    assert json.loads(r.stdout)["total_params"] > 0
+
+
+def test_a_fixed_layout_prints_no_baseline_it_did_not_price():
+    r = run("roofline", "-m", "qwen3-30b-a3b", "-hw", "h200-sxm", "-n", "8", "--layout", "disaggregated",
+            "--attention-gpus", "3", "--json")
+    plan = json.loads(r.stdout)["plan"]
+    assert plan["colocated_step_time_s"] is None and plan["speedup_vs_colocated"] is None
+
+
+def test_the_roofline_png_draws_communication_and_once_per_step_stages():
+    """Dispatch, combine, the gradient all-reduce and the optimizer do no arithmetic, so the
+    roofline panel cannot show them; the time panel draws them, links in red."""
+    from matplotlib.colors import to_rgba
+
+    from disagmoe.cli.plan_cmd import build_request
+    from disagmoe.placement.solver import choose, roofline_rows
+    from disagmoe.roofline import report
+
+    choice = choose(build_request("qwen3-30b-a3b", "h200-sxm", 8, None, 4 * 1024 * 1024))
+    layer, step = roofline_rows(choice.cost, choice.problem, choice.candidate)
+    fig = report.figure(layer, choice.problem.ceilings, "t", step_rows=step)
+    bars = fig.axes[1]
+    labels = [t.get_text() for t in bars.get_yticklabels()]
+    for name in ("dispatch (fwd)", "combine (bwd)", "grad all-reduce (attention) (step)", "optimizer (experts) (step)"):
+        assert name in labels
+    red = {labels[i] for i, patch in enumerate(bars.patches) if patch.get_facecolor() == to_rgba(report.COMM_COLOR)}
+    assert {"dispatch (fwd)", "combine (fwd)"} <= red and "routed experts (bwd)" not in red

@@ -50,18 +50,26 @@ def test_the_default_config_trains_disaggregated_on_ray(tmp_path):
     assert pids == {0, 1}
 
 
-def write_plan(tmp_path: Path, *flags: str) -> Path:
-    """`disagmoe plan` for the tiny model on H200s, written to plan.yaml."""
+def write_plan(tmp_path: Path, gpus: int, **request) -> Path:
+    """The planner's best disaggregated plan for the tiny model on `gpus` H200s, written to
+    plan.yaml as `disagmoe plan --out` writes it. (The planner's overall pick for so small a
+    model is one GPU, `single`: latency dominates; this tests plan -> train, not that choice.)"""
+    from disagmoe.cli.plan_cmd import build_request
+    from disagmoe.cli.plan_cmd import write_plan as write
+    from disagmoe.placement.cost import evaluate
+    from disagmoe.placement.solver import best_index, disaggregated_candidates, price, problem_of
+
+    cfg = build_request("tiny", "h200-sxm", gpus, 64, 512, **request)
+    candidates = disaggregated_candidates(cfg, gpus)
+    plan = price(cfg, candidates.take(best_index(evaluate(problem_of(cfg), candidates), candidates))).plan
     path = tmp_path / "plan.yaml"
-    result = CliRunner().invoke(app, ["plan", "--model", "tiny", "--hardware", "h200-sxm", "--seq-len", "64",
-                                      "--global-batch-tokens", "512", "--out", str(path), *flags])
-    assert result.exit_code == 0, result.output
+    write(plan, path)
     return path
 
 
 def test_train_runs_the_layout_of_a_plan(tmp_path):
     """plan -> train: the planner's 1 attention + 2 expert GPUs replace the config's 1 + 1."""
-    plan = write_plan(tmp_path, "--gpus", "3")
+    plan = write_plan(tmp_path, 3)
     out = tmp_path / "run"
     result = invoke("--config", str(REPO / "configs/tiny-cpu.yaml"), "--plan", str(plan), "--out-dir", str(out),
                     "steps=3", "batch_size=4", "seq_len=32", "eval_every=0")
@@ -74,7 +82,7 @@ def test_train_runs_the_layout_of_a_plan(tmp_path):
 
 def test_train_runs_a_plan_with_replicated_experts(tmp_path):
     """plan --max-expert-replicas 1 -> train: 1 attention + 4 expert GPUs, hot experts on two."""
-    plan = write_plan(tmp_path, "--gpus", "5", "--max-expert-replicas", "1")
+    plan = write_plan(tmp_path, 5, max_expert_replicas=1)
     assert any(len(ranks) > 1 for owners in yaml.safe_load(plan.read_text())["expert_map"] for ranks in owners)
     result = invoke("--config", _config(tmp_path), "--plan", str(plan), "steps=2", "batch_size=4", "seq_len=32",
                     "eval_every=0")
@@ -208,3 +216,16 @@ def test_while_the_demo_trains_nothing_listens_beyond_loopback_and_ctrl_c_exits_
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_train_runs_a_single_gpu_plan_in_single_mode(tmp_path):
+    """`disagmoe plan` puts the tiny model on one of 3 GPUs (layout single); train runs it."""
+    path = tmp_path / "plan.yaml"
+    planned = CliRunner().invoke(app, ["plan", "--model", "tiny", "--hardware", "h200-sxm", "--gpus", "3",
+                                       "--seq-len", "64", "--global-batch-tokens", "512", "--out", str(path)])
+    assert planned.exit_code == 0, planned.output
+    assert yaml.safe_load(path.read_text())["layout"] == "single"
+    result = invoke("--config", str(REPO / "configs/tiny-cpu.yaml"), "--plan", str(path), "--out-dir",
+                    str(tmp_path / "run"), "steps=2", "batch_size=4", "seq_len=32", "eval_every=0", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["final_loss"] > 0

@@ -122,3 +122,39 @@ def test_attention_stages_fit_inside_the_step():
                             cluster=ClusterConfig(hardware=load_hardware("gb200-nvl72"), num_gpus=72), seq_len=4096))
     attention_busy = sum(s.time_s for s in plan.stage_times if s.group == "attention")
     assert 0.5 * plan.step_time_s < attention_busy <= plan.step_time_s * 1.001
+
+
+@pytest.mark.parametrize("gpus", [1, 7])
+def test_colocated_without_expert_parallelism_prices_no_all_to_all(gpus):
+    """tiny has 8 experts: on 1 or 7 GPUs the colocated EP degree is 1, every GPU holds every
+    expert, and no dispatch or combine (not even a collective's fixed cost) is priced."""
+    cfg = PlanConfig(model=load_model("tiny"), cluster=ClusterConfig(hardware=load_hardware("h200-sxm"),
+                     num_gpus=gpus), seq_len=128)
+    cost = evaluate(problem_of(cfg), Candidates.one(0, gpus, 1, 2, 1, colocated=True))
+    ceil = problem_of(cfg).ceilings
+    for name in ("dispatch", "combine"):
+        stage = cost.stages[name]
+        assert np.all(ceil.time(stage.fwd) == 0) and np.all(ceil.time(stage.bwd) == 0)
+
+
+@pytest.mark.parametrize("colocated", [False, True])
+def test_a_layout_costs_the_same_on_any_cluster_that_holds_it(colocated):
+    """Idle GPUs of a larger cluster never enter a price: 28 + 44 GPUs with p=4 fit in one NVL72
+    rack, so their ring hop stays on NVLink whether the job has 72 GPUs or 1,152."""
+    cfg = PlanConfig(model=load_model("qwen3-235b-a22b"), cluster=ClusterConfig(
+        hardware=load_hardware("gb200-nvl72"), num_gpus=72), seq_len=4096)
+    cand = Candidates.one(0, 64, 4, 8, 1, colocated=True) if colocated else Candidates.one(28, 44, 4, 8, 1)
+    alone, in_big = (evaluate(problem_of(cfg, g), cand) for g in (72, 1152))
+    assert float(in_big.step_s[0]) == pytest.approx(float(alone.step_s[0]), rel=1e-12)
+    assert float(np.ravel(in_big.stages["combine"].fwd.scaleout_bytes)[0]) == 0
+
+
+def test_replica_sets_keep_the_ring_in_a_domain_when_one_slice_fits():
+    """2 replica sets of 144 GPUs with p=4: each slice (a set of every group, 72 GPUs) fits a rack,
+    so the hop to the next group is NVLink; one set over all 144 GPUs is priced scale-out."""
+    cfg = PlanConfig(model=load_model("qwen3-235b-a22b"), cluster=ClusterConfig(
+        hardware=load_hardware("gb200-nvl72"), num_gpus=144), seq_len=4096)
+    two = evaluate(problem_of(cfg), Candidates.one(56, 88, 4, 8, 1, sets=2))
+    one = evaluate(problem_of(cfg), Candidates.one(56, 88, 4, 8, 1, sets=1))
+    assert float(np.ravel(two.stages["combine"].fwd.scaleout_bytes)[0]) == 0
+    assert float(np.ravel(one.stages["combine"].fwd.scaleout_bytes)[0]) > 0

@@ -7,9 +7,9 @@ import time
 import numpy as np
 import pytest
 
-from disagmoe.config import ClusterConfig, PlanConfig, load_hardware, load_model, preset_names
+from disagmoe.config import ClusterConfig, Plan, PlanConfig, load_hardware, load_model, preset_names
 from disagmoe.placement.cost import Candidates, evaluate
-from disagmoe.placement.solver import MAX_SEQS_PER_GPU, choose, problem_of, solve
+from disagmoe.placement.solver import MAX_SEQS_PER_GPU, choose, price, problem_of, solve
 
 
 def request(model, hardware, gpus, seq_len=None, batch=4 * 1024 * 1024, **kw):
@@ -19,17 +19,18 @@ def request(model, hardware, gpus, seq_len=None, batch=4 * 1024 * 1024, **kw):
 
 
 def brute_force_best(cfg):
-    """Price every layout of the solver's space one at a time (no vectorisation, no pruning)."""
+    """Price every layout on at most the job's GPUs one at a time (no vectorisation, no pruning):
+    every attention count, every colocated EP degree and block count."""
     prob = problem_of(cfg)
     n_gpu, n_exp = cfg.cluster.num_gpus, cfg.model.num_experts
     seqs_choices = [2**i for i in range(int(math.log2(MAX_SEQS_PER_GPU)) + 1)]
     best = math.inf
     for p in range(1, min(cfg.max_pipeline_groups, cfg.model.num_layers) + 1):
         per_group = n_gpu // p
-        layouts = [(0, per_group * p, 1, True)]
+        layouts = [(0, ep * blocks * p, blocks, True) for ep in range(1, n_exp + 1) if n_exp % ep == 0
+                   for blocks in range(1, per_group // ep + 1)]
         for per_set, sets in itertools.product(range(1, n_exp + 1), range(1, per_group + 1)):
-            attn_pg = per_group - sets * per_set
-            if attn_pg >= sets:
+            for attn_pg in range(sets, per_group - sets * per_set + 1):
                 layouts.append((attn_pg * p, sets * per_set * p, sets, False))
         for (attn, exp, sets, colocated), m, seqs in itertools.product(layouts, cfg.micro_batch_choices, seqs_choices):
             dp = (exp if colocated else attn) // p
@@ -124,3 +125,111 @@ def test_ties_prefer_more_of_the_batch_done():
     assert plan.feasible
     done = plan.accumulation_rounds * plan.micro_batches * plan.sequences_per_micro_batch * 128
     assert done >= cfg.global_batch_tokens
+
+
+def test_the_reason_names_the_top_stage_of_the_table_once_per_step_ones_included():
+    """One sequence per step: the experts' optimizer step tops the table, and the reason says so."""
+    plan = solve(request("qwen3-30b-a3b", "h200-sxm", 8, seq_len=4096, batch=4096))
+    top = max(plan.stage_times, key=lambda s: s.time_s)
+    assert top.name.startswith("optimizer")
+    assert f"heaviest stage {top.name}" in plan.reason
+
+
+def test_a_fixed_layout_claims_nothing_it_did_not_price():
+    cfg = request("qwen3-30b-a3b", "h200-sxm", 8)
+    colocated = price(cfg, Candidates.one(0, 8, 1, 4, 1, colocated=True)).plan
+    assert "beats" not in colocated.reason and "not priced" in colocated.reason
+    assert not colocated.feasible and colocated.reason.startswith("does not fit")
+    disaggregated = price(cfg, Candidates.one(3, 5, 1, 2, 1)).plan
+    assert disaggregated.colocated_step_time_s is None and disaggregated.speedup_vs_colocated is None
+    searched = solve(cfg)
+    assert searched.layout == "colocated" and "faster than the best disaggregated split" in searched.reason
+
+
+def test_a_baseline_that_does_not_fit_is_null_not_zero():
+    plan = solve(request("deepseek-v3", "h200-sxm", 128))
+    assert plan.layout == "disaggregated" and any("baseline does not fit" in n for n in plan.notes)
+    assert plan.colocated_step_time_s is None and plan.speedup_vs_colocated is None
+
+
+def test_an_infeasible_plan_claims_no_layout_and_no_step_time():
+    plan = solve(request("deepseek-v3", "h200-sxm", 8))
+    assert not plan.feasible
+    assert plan.layout is None and plan.step_time_s is None and plan.mfu is None
+    assert plan.colocated_step_time_s is None and plan.speedup_vs_colocated is None
+    assert Plan.model_validate_json(plan.to_json()) == plan
+
+
+@pytest.mark.parametrize("shard", [False, True])
+def test_infeasibility_names_optimizer_sharding_only_as_a_remedy(shard):
+    plan = solve(request("qwen3-235b-a22b", "h100-sxm", 64, seq_len=131072, shard_optimizer_states=shard))
+    assert not plan.feasible and "context parallelism" in plan.reason
+    assert "optimizer sharding, which disagmoe does not have" not in plan.reason
+    assert ("even with the attention side's AdamW moments sharded" in plan.reason) == shard
+    assert ("AdamW state unsharded" in plan.reason) != shard
+
+
+def test_one_gpu_is_a_single_layout_with_no_transfer_stage():
+    plan = solve(request("tiny", "h200-sxm", 1))
+    assert plan.feasible and plan.layout == "single" and (plan.attention_gpus, plan.expert_gpus) == (0, 1)
+    assert not [s.name for s in plan.stage_times if s.group == "link" or s.bound == "latency"]
+    assert plan.colocated_step_time_s is None and list(plan.memory_per_gpu) == ["single"]
+    assert plan.step_time_s == pytest.approx(sum(s.time_s for s in plan.stage_times), rel=1e-6)
+
+
+MONOTONE = [  # (model, hardware, GPU counts): on and off powers of two and NVLink domains
+    ("tiny", "h200-sxm", list(range(1, 21))),
+    ("qwen3-30b-a3b", "h200-sxm", [2, 3, 4, 6, 7, 8, 12, 16, 24, 31, 32]),
+    ("mixtral-8x7b", "h800", [16, 20, 24, 64, 72, 76]),
+    ("qwen3-235b-a22b", "gb200-nvl72", [64, 72, 100, 128, 144, 256, 288]),
+    ("deepseek-v3", "gb200-nvl72", [256, 288, 512, 576, 1152]),
+]
+
+
+@pytest.mark.parametrize("model, hardware, counts", MONOTONE, ids=[m for m, _, _ in MONOTONE])
+def test_no_plan_gets_slower_with_more_gpus(model, hardware, counts):
+    """A job with more GPUs can always run the smaller job's plan and leave the rest idle."""
+    kw = {"seq_len": 128, "batch": 128 * 256} if model == "tiny" else {}
+    slowest, seen = math.inf, None
+    for gpus in counts:
+        plan = solve(request(model, hardware, gpus, **kw))
+        step = plan.step_time_s if plan.feasible else math.inf
+        assert step <= slowest * (1 + 1e-9), f"{gpus} GPUs: {step:.4g} s, slower than {seen} GPUs: {slowest:.4g} s"
+        if plan.feasible:
+            assert plan.idle_gpus == gpus - plan.attention_gpus - plan.expert_gpus
+        slowest, seen = step, gpus
+
+
+def test_a_plan_that_leaves_gpus_idle_says_so():
+    """DeepSeek-V3 on 576 GB200s: the colocated layout on 512 (EP over 256 experts) beats every
+    layout on all 576, so the plan leaves 64 idle and says why."""
+    plan = solve(request("deepseek-v3", "gb200-nvl72", 576))
+    assert plan.feasible and plan.idle_gpus == 64
+    assert plan.reason.startswith("uses 512 of 576 GPUs (64 idle)")
+    assert any("64 of 576 GPUs left idle" in n and "the best layout on all of them predicts" in n for n in plan.notes)
+    assert plan.step_time_s <= solve(request("deepseek-v3", "gb200-nvl72", 512)).step_time_s
+
+
+def test_a_split_bound_by_memory_says_so_at_every_sequence_length():
+    """qwen3-235b-a22b on 72 GB200s: the expert GPUs' states and activations set the fewest
+    expert GPUs, and the attention GPUs' activations cap the tokens in flight (m * S), so 4K and
+    16K get the same split with 4x fewer micro-batches; the plan names the bound."""
+    short, long = (solve(request("qwen3-235b-a22b", "gb200-nvl72", 72, seq_len=s)) for s in (4096, 16384))
+    assert (short.attention_gpus, short.expert_gpus) == (long.attention_gpus, long.expert_gpus)
+    assert short.micro_batches == 4 * long.micro_batches
+    for plan in (short, long):
+        assert any(n.startswith("the split is bound by memory (expert GPUs at") for n in plan.notes)
+
+
+def test_with_memory_to_spare_attention_gets_more_gpus_at_longer_sequences():
+    """Attention's share of the work grows with S (the S^2 term of the core); where memory does
+    not bind, the split follows it."""
+    hw = load_hardware("gb200-nvl72").model_copy(update={"hbm_gib": 2000.0})
+    share = []
+    for seq_len in (4096, 8192, 16384):
+        m = load_model("qwen3-235b-a22b")
+        plan = solve(PlanConfig(model=m, cluster=ClusterConfig(hardware=hw, num_gpus=72), seq_len=seq_len))
+        assert plan.layout == "disaggregated"
+        share.append(plan.attention_gpus / (plan.attention_gpus + plan.expert_gpus))
+        assert not any("bound by memory" in n for n in plan.notes)
+    assert share[0] < share[1] < share[2]

@@ -14,7 +14,8 @@ import ray
 
 from disagmoe.cli.plan_cmd import build_request, write_plan
 from disagmoe.config import Plan, TrainConfig, load_model
-from disagmoe.placement.solver import colocated_candidates, price, solve
+from disagmoe.placement.cost import evaluate
+from disagmoe.placement.solver import best_index, colocated_candidates, disaggregated_candidates, price, problem_of, solve
 from disagmoe.runtime.driver import DistributedTrainer
 from disagmoe.runtime.plan_layout import apply_plan, load_plan, partition_owners, plan_placement, replaced_fields
 from disagmoe.runtime.topology import Topology, contiguous_expert_ids
@@ -23,16 +24,23 @@ MODEL = load_model("tiny")
 
 
 def planned(gpus: int, **request) -> Plan:
-    """The planner's plan for the tiny model on `gpus` H200s (64-token sequences, 8 per step)."""
-    return solve(build_request("tiny", "h200-sxm", gpus, 64, 512, **request))
+    """The planner's best disaggregated plan for the tiny model on `gpus` H200s (64-token
+    sequences, 8 per step); on one GPU, its plan (single). For so small a model the planner's
+    overall pick is often fewer GPUs (latency dominates), so the layout is fixed here."""
+    cfg = build_request("tiny", "h200-sxm", gpus, 64, 512, **request)
+    if gpus == 1:
+        return solve(cfg)
+    candidates = disaggregated_candidates(cfg, gpus)
+    return price(cfg, candidates.take(best_index(evaluate(problem_of(cfg), candidates), candidates))).plan
 
 
 def colocated_plan(gpus: int, micro_batches: int) -> Plan:
-    """The planner's colocated layout (p = 1, `micro_batches`) priced as a plan."""
+    """The planner's colocated layout on all `gpus` (p = 1, one EP block, `micro_batches`) priced as a plan."""
     request = build_request("tiny", "h200-sxm", gpus, 64, 512)
     candidates = colocated_candidates(request, gpus)
     index = next(i for i in range(len(candidates))
-                 if candidates.p[i] == 1 and candidates.m[i] == micro_batches and candidates.seqs[i] == 1)
+                 if candidates.p[i] == 1 and candidates.m[i] == micro_batches and candidates.seqs[i] == 1
+                 and candidates.expert[i] == gpus and candidates.sets[i] == 1)
     return price(request, candidates.take(index)).plan
 
 
@@ -76,6 +84,15 @@ def test_a_colocated_plan_sets_the_colocated_ranks():
     topology = Topology.from_config(cfg, MODEL)
     for rank in (0, 1):
         assert topology.experts_of(rank) == {layer: holds(plan, layer - 1, rank) for layer in (1, 2)}
+
+
+def test_a_single_gpu_plan_runs_in_single_mode():
+    plan = planned(1)
+    assert (plan.layout, plan.attention_gpus, plan.expert_gpus) == ("single", 0, 1)
+    before = config(plan, mode="disaggregated", micro_batches=2)
+    cfg = apply_plan(before, MODEL)
+    assert (cfg.mode, cfg.micro_batches) == ("single", plan.micro_batches)
+    assert replaced_fields(before, cfg)["mode"] == ("disaggregated", "single")
 
 
 def test_a_plan_file_written_by_the_planner_loads(tmp_path):
@@ -127,6 +144,8 @@ REFUSED = {
                   "gives expert ranks [1] no expert of MoE layer 0"),
     "colocated-pipeline": (lambda: colocated_plan(2, 2).model_copy(update={"pipeline_groups": 2}),
                            "colocated runtime runs one pipeline group"),
+    "single-on-two": (lambda: planned(1).model_copy(update={"expert_gpus": 2}),
+                      "a single plan runs everything on one GPU"),
     "uneven-groups": (lambda: planned(3).model_copy(update={"pipeline_groups": 3}),
                       "expert_gpus=2, not a multiple of pipeline_groups=3"),
 }
