@@ -137,6 +137,9 @@ class ModelConfig(StrictModel):
     rope_scaling: RopeScalingConfig | None = Field(None, description="YaRN context extension (None: plain RoPE)")
     norm_eps: PositiveFloat = 1e-6
     tie_embeddings: bool = False
+    embedding_init_std: PositiveFloat | None = Field(
+        None, description="std of an untied embedding's init (None: 0.02 like every weight); 1.0 keeps the token "
+        "visible in the residual stream, which a MoE with many experts needs for its routing not to collapse")
     router: RouterConfig = Field(default_factory=RouterConfig)
 
     @model_validator(mode="after")
@@ -334,6 +337,9 @@ class DataConfig(StrictModel):
     path: str | None = Field(None, description="text file (byte-level) or .bin token file")
     token_dtype: Literal["uint16", "uint32"] = "uint16"
     val_fraction: Annotated[float, Field(ge=0, lt=1)] = 0.05
+    synthetic_alphabet: Annotated[int, Field(ge=3)] = Field(
+        16, description="distinct tokens of the synthetic corpus: 16 gives the letters a-p (bytes), more "
+        "the ids 0..N-1 (at most vocab_size); a MoE needs many, or its routing collapses")
 
     @model_validator(mode="after")
     def _path(self) -> DataConfig:

@@ -22,33 +22,41 @@ from disagmoe.config import DataConfig
 SYNTHETIC_TOKENS = 1 << 20
 SYNTHETIC_SEED = 20261130
 SYNTHETIC_ALPHABET = b"abcdefghijklmnop"  # K = 16 byte values: the corpus reads as text
+SYNTHETIC_LETTERS = len(SYNTHETIC_ALPHABET)
 SYNTHETIC_SUCCESSOR_PROBS = (0.85, 0.1, 0.05)  # each 2-token context has 3 possible next tokens
 SYNTHETIC_CHAINS = 256  # independent chains generated side by side, then concatenated
 
 _SPLIT_IDS = {"train": 0, "val": 1}
 
 
-def synthetic_corpus(num_tokens: int = SYNTHETIC_TOKENS, seed: int = SYNTHETIC_SEED) -> np.ndarray:
-    """Bytes from a fixed random order-2 Markov chain over a 16-letter alphabet.
+def synthetic_corpus(
+    num_tokens: int = SYNTHETIC_TOKENS, seed: int = SYNTHETIC_SEED, alphabet_size: int = SYNTHETIC_LETTERS
+) -> np.ndarray:
+    """Tokens from a fixed random order-2 Markov chain over K = `alphabet_size` token ids.
 
-    Every context (previous two tokens) has three successors with probabilities 0.85 / 0.1 / 0.05,
-    so the next token is nearly determined by the last two: the entropy is about 0.5 nats per
-    token against ln(256) = 5.5 for an untrained byte-level model.
+    The context of a token is (class of the token two back, previous token), a class being an id
+    mod 16; each context has three successors with probabilities 0.85 / 0.1 / 0.05, so the next
+    token is nearly determined by the last two: about 0.5 nats per token. K = 16 gives the letters
+    a-p as bytes (the corpus reads as text; vocab 256); a larger K gives the ids 0..K-1, which a
+    MoE needs: with 16 distinct tokens its first lesson (only 16 ids occur) is one hidden vector
+    shared by every token, and the router sends every token to the same experts.
     """
     rng = np.random.default_rng(seed)
-    k = len(SYNTHETIC_ALPHABET)
-    successors_KKN = np.stack(
-        [rng.permutation(k)[: len(SYNTHETIC_SUCCESSOR_PROBS)] for _ in range(k * k)]
-    ).reshape(k, k, -1)
+    k, classes = alphabet_size, min(alphabet_size, SYNTHETIC_LETTERS)
+    successors_CKN = np.stack(
+        [rng.permutation(k)[: len(SYNTHETIC_SUCCESSOR_PROBS)] for _ in range(classes * k)]
+    ).reshape(classes, k, -1)
     cumulative = np.cumsum(SYNTHETIC_SUCCESSOR_PROBS)
     length = -(-num_tokens // SYNTHETIC_CHAINS)
     chains = np.empty((SYNTHETIC_CHAINS, length), dtype=np.int64)
     chains[:, :2] = rng.integers(0, k, size=(SYNTHETIC_CHAINS, 2))
     choice = np.searchsorted(cumulative, rng.random((SYNTHETIC_CHAINS, length)) * cumulative[-1])
     for t in range(2, length):
-        chains[:, t] = successors_KKN[chains[:, t - 2], chains[:, t - 1], choice[:, t]]
-    alphabet = np.frombuffer(SYNTHETIC_ALPHABET, dtype=np.uint8)
-    return alphabet[chains.reshape(-1)[:num_tokens]]
+        chains[:, t] = successors_CKN[chains[:, t - 2] % classes, chains[:, t - 1], choice[:, t]]
+    tokens = chains.reshape(-1)[:num_tokens]
+    if k == SYNTHETIC_LETTERS:
+        return np.frombuffer(SYNTHETIC_ALPHABET, dtype=np.uint8)[tokens]
+    return tokens.astype(np.uint16 if k <= 1 << 16 else np.uint32)
 
 
 def read_text_tokens(path: Path) -> np.ndarray:
@@ -83,7 +91,12 @@ def _check_file(path: Path) -> None:
 def load_token_stream(data: DataConfig, vocab_size: int) -> np.ndarray:
     """The whole token stream of a data source, checked against the model's vocabulary."""
     if data.kind == "synthetic":
-        tokens = synthetic_corpus()
+        if data.synthetic_alphabet > vocab_size:
+            raise ValueError(
+                f"data.synthetic_alphabet={data.synthetic_alphabet} exceeds the model's vocab_size "
+                f"{vocab_size}; set data.synthetic_alphabet to at most {vocab_size}"
+            )
+        tokens = synthetic_corpus(alphabet_size=data.synthetic_alphabet)
     elif data.kind == "text":
         tokens = read_text_tokens(Path(str(data.path)))
     else:

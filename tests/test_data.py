@@ -40,6 +40,25 @@ def test_synthetic_corpus_next_token_is_nearly_determined_by_two_before():
     assert empirical < math.log(256) / 5
 
 
+def test_a_larger_synthetic_alphabet_uses_its_ids_with_the_same_order_2_structure():
+    k = 256
+    corpus = synthetic_corpus(200_000, alphabet_size=k)
+    assert np.array_equal(corpus, synthetic_corpus(200_000, alphabet_size=k))
+    assert len(np.unique(corpus)) > 0.9 * k and int(corpus.max()) < k
+    ids = corpus.tolist()
+    contexts = Counter((a % 16, b) for a, b in zip(ids, ids[1:]))
+    triples = Counter((a % 16, b, c) for a, b, c in zip(ids, ids[1:], ids[2:]))
+    n = sum(triples.values())
+    empirical = -sum(c / n * math.log(c / contexts[t[:2]]) for t, c in triples.items())
+    designed = -sum(p * math.log(p) for p in SYNTHETIC_SUCCESSOR_PROBS)
+    assert empirical == pytest.approx(designed, abs=0.1)  # few samples per context bias it low
+
+
+def test_a_synthetic_alphabet_larger_than_the_vocabulary_is_rejected():
+    with pytest.raises(ValueError, match="synthetic_alphabet"):
+        load_token_stream(DataConfig(synthetic_alphabet=512), vocab_size=256)
+
+
 def test_text_file_bytes_are_tokens(tmp_path):
     text = "hello, MoE world\n" * 20
     path = tmp_path / "corpus.txt"

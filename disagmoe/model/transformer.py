@@ -111,15 +111,23 @@ class MoETransformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int, std: float = 0.02) -> None:
-        """Norm weights 1, router biases 0, every other weight N(0, std^2) from its own stream."""
+        """Norm weights 1, router biases 0, an untied embedding N(0, cfg.embedding_init_std^2)
+        (default `std`), every other weight N(0, std^2), each from its own stream.
+
+        A MoE with many experts wants a unit embedding (`embedding_init_std: 1.0`, as torchtitan's
+        Llama): at 0.02 the token is ~2% of the first attention output (gain ~1.2 on normed rows
+        at Qwen3-30B's shape), so every router input is nearly the same vector and all tokens pick
+        the same experts. A tied embedding is also the LM head and keeps `std`."""
+        embed_std = std if self.cfg.tie_embeddings or self.cfg.embedding_init_std is None else self.cfg.embedding_init_std
         for name, module in self.named_modules():
             if isinstance(module, RMSNorm):
                 module.weight.fill_(1.0)
             elif isinstance(module, RoutedExperts):
                 module.init_weights(seed, name, std)
             else:
+                tensor_std = embed_std if name == "embed" else std
                 for pname, param in module.named_parameters(recurse=False):
-                    seeded_normal_(param, seed, f"{name}.{pname}", std)
+                    seeded_normal_(param, seed, f"{name}.{pname}", tensor_std)
         for block in self.moe_blocks:
             if block.moe.router.expert_bias is not None:
                 block.moe.router.expert_bias.zero_()

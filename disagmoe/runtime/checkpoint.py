@@ -111,7 +111,7 @@ def from_keyed(keyed: dict[TensorKey, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 # Model settings added after checkpoints were first written: left out of the fingerprint while
 # unset, so checkpoints written before they existed keep loading.
-LATER_FIELDS = ("rope_scaling",)
+LATER_FIELDS = ("rope_scaling", "embedding_init_std")
 
 
 def _fingerprinted(model_cfg: ModelConfig) -> dict[str, Any]:

@@ -48,6 +48,15 @@ def test_init_is_deterministic_and_sets_norms_to_one(make_config):
     assert not torch.equal(a.embed.weight, b.embed.weight)
 
 
+def test_embedding_init_std_sets_an_untied_embedding_a_tied_one_keeps_std(make_config):
+    default = MoETransformer(make_config(vocab_size=512))
+    untied = MoETransformer(make_config(vocab_size=512, embedding_init_std=1.0))
+    tied = MoETransformer(make_config(vocab_size=512, tie_embeddings=True, embedding_init_std=1.0))
+    assert 0.015 < default.embed.weight.std().item() < 0.025
+    assert 0.95 < untied.embed.weight.std().item() < 1.05
+    assert 0.015 < tied.embed.weight.std().item() < 0.025
+
+
 def test_expert_init_does_not_depend_on_the_slice(make_config):
     cfg = make_config(num_experts=4)
     model = MoETransformer(cfg)
