@@ -410,6 +410,9 @@ class TrainConfig(StrictModel):
     checkpoint_every: NonNegInt = Field(0, description="checkpoint every N steps (0: only by time and at the end)")
     checkpoint_minutes: NonNegFloat = Field(
         30.0, description="also checkpoint once this many minutes passed since the last one (0: never by time)")
+    checkpoint_at_end: bool = Field(
+        True, description="checkpoint after the last step (benchmarks turn it off: a big model's checkpoint "
+        "takes tens of GB and minutes)")
     keep_checkpoints: NonNegInt = Field(
         3, description="complete checkpoints kept; older ones are deleted once a newer one is sealed (0: keep all)")
     resume: bool = Field(False, description="continue from out_dir's latest checkpoint")

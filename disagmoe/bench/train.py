@@ -30,11 +30,12 @@ MODES = ("single", "disaggregated", "colocated")
 
 
 def mode_config(cfg: TrainConfig, mode: str, steps: int, out_dir: Path) -> TrainConfig:
-    """`cfg` for one timed mode: no trace, no checkpoints beyond the final one, fresh output."""
+    """`cfg` for one timed mode: no trace, no checkpoints (a big model's takes minutes and tens of
+    GB), fresh output."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
     update = dict(mode=mode, steps=steps, out_dir=str(out_dir / mode), trace=False, resume=False,
-                  checkpoint_every=0, checkpoint_minutes=0, keep_checkpoints=1, eval_every=0)
+                  checkpoint_every=0, checkpoint_minutes=0, checkpoint_at_end=False, keep_checkpoints=1, eval_every=0)
     if mode == "colocated":
         update["colocated_ranks"] = cfg.attention_ranks + cfg.expert_ranks
     return cfg.model_copy(update=update)

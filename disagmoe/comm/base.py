@@ -1,12 +1,18 @@
 """The transport contract (DESIGN section 3b): point-to-point messages of tensors, named by key.
 
-    send(dst_rank, key, tensors) -> SendHandle      (non-blocking; keep going, wait later)
-    recv(src_rank, key, timeout_s) -> list[Tensor]  (blocking; counts travel before rows)
+    send(dst_rank, key, tensors) -> SendHandle              (non-blocking; keep going, wait later)
+    recv(src_rank, key, specs, timeout_s) -> list[Tensor]   (the shapes and dtypes: `specs`)
 
 A message is matched by (source rank, destination rank, key), with key = (step, micro_batch,
 layer, direction); the pipeline schedule guarantees that key is unique per ordered rank pair
-within a step. A receiver may ask for keys in any order: every implementation must deliver a
-message whose key is asked for while other messages from the same peer are still pending.
+within a step. Every message has a shape fixed by the plan (`runtime.messages`: tokens per
+micro-batch, hidden size, top-k): the receiver names the specs it expects, so no header travels
+and nothing waits on the host for one; the sender must send exactly those (a transport may check
+what it can). On a GPU a receive is stream-ordered: `recv` returns tensors that work queued on
+the current stream afterwards sees filled, without blocking the host. Where a transport matches
+by tag (`local`), keys may be asked for in any order; an in-order one (`nccl`) relies on the
+schedule receiving each rank pair's messages in the order they were sent (`schedule_sim` proves
+it for every layout).
 
 A peer that does not deliver in time raises `TransportTimeout`; a peer whose connection breaks
 (it died) raises `PeerFailure`. Both name the peer rank and the key, so the driver can report
@@ -18,11 +24,27 @@ from __future__ import annotations
 import abc
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from enum import IntEnum
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """The shape and dtype of one tensor of a message."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> TensorSpec:
+        return cls(tuple(tensor.shape), tensor.dtype)
+
+    def empty(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        return torch.empty(self.shape, dtype=self.dtype, device=device)
 
 
 class Direction(IntEnum):
@@ -139,11 +161,13 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def send(self, dst_rank: int, key: MessageKey, tensors: Sequence[torch.Tensor]) -> SendHandle:
-        """Start sending `tensors` (any shapes and dtypes, zero rows allowed) to `dst_rank`."""
+        """Start sending `tensors` (the specs the receiver expects; zero rows allowed) to `dst_rank`."""
 
     @abc.abstractmethod
-    def recv(self, src_rank: int, key: MessageKey, timeout_s: float | None = None) -> list[torch.Tensor]:
-        """Receive the message `key` from `src_rank`; `timeout_s=None` uses the default."""
+    def recv(self, src_rank: int, key: MessageKey, specs: Sequence[TensorSpec],
+             timeout_s: float | None = None) -> list[torch.Tensor]:
+        """Receive the message `key` from `src_rank`, tensors shaped as `specs`; `timeout_s=None`
+        uses the default."""
 
     def close(self) -> None:
         """Release transport resources (the process group itself belongs to the caller)."""
@@ -154,3 +178,13 @@ class Transport(abc.ABC):
                 f"rank {self.rank}: peer rank {peer} is not another rank of this "
                 f"{self.world_size}-rank job"
             )
+
+
+def check_specs(tensors: Sequence[torch.Tensor], specs: Sequence[TensorSpec] | None, what: str) -> None:
+    """ValueError unless `tensors` match `specs` (None: nothing to check)."""
+    if specs is None:
+        return
+    got = [TensorSpec.of(t) for t in tensors]
+    if got != list(specs):
+        raise ValueError(f"{what}: tensors {[(s.shape, str(s.dtype)) for s in got]} do not match the expected "
+                         f"{[(s.shape, str(s.dtype)) for s in specs]}")

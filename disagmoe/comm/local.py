@@ -1,16 +1,15 @@
 """`local` transport: gloo point-to-point messages between processes on CPU.
 
-Protocol per message: the fixed-size int64 header (key, shapes, dtypes) then one send per
-non-empty tensor, each on its own tag derived from (key, part). Gloo matches a receive to a send
-by (peer, tag), so a receiver can ask for key B while key A from the same peer is still pending:
-out-of-order keys need no buffering of ours.
+Protocol per message: one send per non-empty tensor, each on its own tag derived from (key,
+part); the receiver allocates from the specs it expects (`Transport.recv`). Gloo matches a
+receive to a send by (peer, tag), so a receiver can ask for key B while key A from the same peer
+is still pending: out-of-order keys need no buffering of ours; a size that differs from the spec
+fails the receive.
 
 Failures: an operation that does not complete within its timeout raises `TransportTimeout`;
 gloo then closes every connection of this rank (its process group is unusable), so the job must
 stop and the driver reports the rank. A peer whose process dies breaks its connection and raises
 `PeerFailure` as soon as gloo notices (seconds), long before the timeout.
-
-Shapes: L = HEADER_LEN (the fixed header length).
 """
 
 from __future__ import annotations
@@ -26,12 +25,34 @@ from disagmoe.comm.base import (
     MessageKey,
     PeerFailure,
     SendHandle,
-    WorkSendHandle,
+    TensorSpec,
     Transport,
-    TransportError,
     TransportTimeout,
+    WorkSendHandle,
 )
-from disagmoe.comm.header import HEADER_LEN, decode_header, encode_header, message_tag
+
+MAX_TENSORS = 16
+# Tag layout (low to high bits): part 5 | direction 1 | layer 9 | micro_batch 10 | step mod 64 6.
+_PART_BITS, _LAYER_BITS, _MB_BITS, _STEP_BITS = 5, 9, 10, 6
+
+
+def message_tag(key: MessageKey, part: int) -> int:
+    """A tag unique per (key, part) among the messages one rank pair has in flight.
+
+    Steps never overlap (all sends of a step complete before the next), so the step only needs
+    a few bits to separate consecutive steps.
+    """
+    if not 0 <= part < MAX_TENSORS:
+        raise ValueError(f"part {part} out of range 0..{MAX_TENSORS - 1}: a message holds at most {MAX_TENSORS} tensors")
+    if not 0 <= key.layer < 1 << _LAYER_BITS or not 0 <= key.micro_batch < 1 << _MB_BITS:
+        raise ValueError(
+            f"key {key}: tags fit layers < {1 << _LAYER_BITS} and micro-batches < {1 << _MB_BITS}"
+        )
+    tag = key.step % (1 << _STEP_BITS)
+    tag = (tag << _MB_BITS) | key.micro_batch
+    tag = (tag << _LAYER_BITS) | key.layer
+    tag = (tag << 1) | int(key.direction)
+    return (tag << _PART_BITS) | part
 
 
 def _wait(work: dist.Work, peer: int, key: MessageKey, deadline: float, timeout_s: float, what: str) -> None:
@@ -59,35 +80,17 @@ class LocalTransport(Transport):
 
     def send(self, dst_rank: int, key: MessageKey, tensors: Sequence[torch.Tensor]) -> SendHandle:
         self._check_peer(dst_rank)
-        header_L = encode_header(key, tensors)
         payload = [t.detach().contiguous() for t in tensors]
-        works = [dist.isend(header_L, dst_rank, tag=message_tag(key, 0))]
-        for i, tensor in enumerate(payload):
-            if tensor.numel():
-                works.append(dist.isend(tensor, dst_rank, tag=message_tag(key, i + 1)))
-        return WorkSendHandle(works, [header_L, *payload], dst_rank, key, self.default_timeout_s, _wait)
+        works = [dist.isend(t, dst_rank, tag=message_tag(key, i)) for i, t in enumerate(payload) if t.numel()]
+        return WorkSendHandle(works, payload, dst_rank, key, self.default_timeout_s, _wait)
 
-    def recv(self, src_rank: int, key: MessageKey, timeout_s: float | None = None) -> list[torch.Tensor]:
+    def recv(self, src_rank: int, key: MessageKey, specs: Sequence[TensorSpec],
+             timeout_s: float | None = None) -> list[torch.Tensor]:
         self._check_peer(src_rank)
         timeout_s = self.default_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
-        header_L = torch.empty(HEADER_LEN, dtype=torch.int64)
-        _wait(dist.irecv(header_L, src_rank, tag=message_tag(key, 0)), src_rank, key, deadline, timeout_s,
-              "receive from")
-        sent_key, specs = decode_header(header_L)
-        if sent_key != key:
-            raise TransportError(
-                f"rank {src_rank} sent key {sent_key} under the tag of key {key}: keys of steps "
-                "64 apart overlapped (wait every send handle before the next step)",
-                src_rank,
-                key,
-            )
         tensors = [spec.empty() for spec in specs]
-        works = [
-            dist.irecv(tensor, src_rank, tag=message_tag(key, i + 1))
-            for i, tensor in enumerate(tensors)
-            if tensor.numel()
-        ]
+        works = [dist.irecv(t, src_rank, tag=message_tag(key, i)) for i, t in enumerate(tensors) if t.numel()]
         for work in works:
             _wait(work, src_rank, key, deadline, timeout_s, "receive from")
         return tensors

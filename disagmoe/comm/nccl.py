@@ -1,4 +1,4 @@
-"""`nccl` transport: torch.distributed point-to-point over NCCL between GPUs (the GPU baseline).
+"""`nccl` transport: torch.distributed point-to-point over NCCL between GPUs.
 
 NCCL ignores tags: a rank pair's sends and receives match in the order they are issued. So:
 
@@ -6,19 +6,17 @@ NCCL ignores tags: a rank pair's sends and receives match in the order they are 
   stream. With one stream per pair for both directions, A: send d0, send d1, recv c0 against
   E: recv d0, send c0, recv d1 can deadlock once messages outgrow NCCL's buffers (A's recv c0
   queues behind send d1, which waits for E's recv d1, queued behind send c0).
-- Within a direction messages are FIFO. A `recv` for key B while key A is next from that peer
-  receives A into a stash and returns it when asked. Schedules built by `build_schedule`
-  receive in send order per pair, so this never buffers there.
-- The header (int64, on the GPU) goes first. The receiver waits for it on the CPU, polling,
-  bounded by the timeout, because it needs the shapes to allocate the rows. The rows' receives
-  are stream-ordered: `recv` returns without waiting for them on the CPU, and work queued on the
-  current stream afterwards sees the data.
+- Within a direction messages are FIFO, and schedules built by `build_schedule` receive in send
+  order per pair (`schedule_sim` checks it), so a receive is simply the next message of its pair.
+- No header: the receiver knows every message's specs from the plan (`Transport.recv`). The
+  receives are stream-ordered: `recv` returns without the host waiting, and work queued on the
+  current stream afterwards sees the data. Receive buffers are kept per (pair, micro-batch,
+  layer, direction) and reused step after step (a step's tensors are dead before the next
+  step's messages arrive), so the steady state allocates nothing.
 
-A timeout raises `TransportTimeout`. The NCCL operation cannot be cancelled: the communicator is
-then unusable and the job must stop. A dead peer shows up as a timeout here; the driver learns
-the cause from Ray.
-
-Shapes: L = HEADER_LEN (the fixed header length).
+A peer that never sends leaves the GPU waiting; the host finds out at the step's one read (or
+NCCL's watchdog after the process group's timeout) and the rank's own watchdog prints where it
+is. The communicator is then unusable and the job must stop; the driver learns the cause from Ray.
 """
 
 from __future__ import annotations
@@ -29,8 +27,7 @@ from collections.abc import Iterable, Sequence
 import torch
 import torch.distributed as dist
 
-from disagmoe.comm.base import MessageKey, SendHandle, Transport, TransportTimeout, WorkSendHandle
-from disagmoe.comm.header import HEADER_LEN, decode_header, encode_header
+from disagmoe.comm.base import MessageKey, SendHandle, TensorSpec, Transport, TransportTimeout, WorkSendHandle
 
 _POLL_S = 20e-6
 
@@ -42,6 +39,13 @@ def _poll(work: dist.Work, peer: int, key: MessageKey | None, deadline: float, t
         if time.monotonic() > deadline:
             raise TransportTimeout(peer, key, timeout_s, what)
         time.sleep(_POLL_S)
+
+
+def _stream_wait(work: dist.Work, peer: int, key: MessageKey | None, deadline: float, timeout_s: float,
+                 what: str) -> None:
+    """Order the current stream after `work` (the host does not wait; a hung peer shows at the
+    step's read or NCCL's watchdog)."""
+    work.wait()
 
 
 class NcclTransport(Transport):
@@ -74,7 +78,7 @@ class NcclTransport(Transport):
                 self._send_groups[dst] = group
             elif dst == self.rank:
                 self._recv_groups[src] = group
-        self._stash: dict[int, dict[MessageKey, list[torch.Tensor]]] = {src: {} for src in self._recv_groups}
+        self._buffers: dict[tuple[int, int, int, int], list[torch.Tensor]] = {}
         self._connect(pairs)
 
     def _connect(self, pairs: list[tuple[int, int]]) -> None:
@@ -102,26 +106,18 @@ class NcclTransport(Transport):
                 raise ValueError(
                     f"the nccl transport sends tensors on {self.device}, got one on {tensor.device}"
                 )
-        header_L = encode_header(key, tensors).to(self.device)
         payload = [t.detach().contiguous() for t in tensors]
-        works = [dist.isend(header_L, dst_rank, group=group)]
-        works += [dist.isend(t, dst_rank, group=group) for t in payload if t.numel()]
-        return WorkSendHandle(works, [header_L, *payload], dst_rank, key, self.default_timeout_s, _poll)
+        works = [dist.isend(t, dst_rank, group=group) for t in payload if t.numel()]
+        return WorkSendHandle(works, payload, dst_rank, key, self.default_timeout_s, _stream_wait)
 
-    def recv(self, src_rank: int, key: MessageKey, timeout_s: float | None = None) -> list[torch.Tensor]:
+    def recv(self, src_rank: int, key: MessageKey, specs: Sequence[TensorSpec],
+             timeout_s: float | None = None) -> list[torch.Tensor]:
         group = self._group(self._recv_groups, src_rank, "receive from")
-        timeout_s = self.default_timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + timeout_s
-        stash = self._stash[src_rank]
-        while key not in stash:
-            header_L = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
-            work = dist.irecv(header_L, src_rank, group=group)
-            _poll(work, src_rank, key, deadline, timeout_s, "receive from")
-            work.wait()  # the current stream now orders after the header
-            sent_key, specs = decode_header(header_L.cpu())
-            tensors = [spec.empty(self.device) for spec in specs]
-            for tensor in tensors:
-                if tensor.numel():
-                    dist.irecv(tensor, src_rank, group=group).wait()  # stream-ordered, no CPU wait
-            stash[sent_key] = tensors
-        return stash.pop(key)
+        slot = (src_rank, key.micro_batch, key.layer, key.direction)
+        buffers = self._buffers.get(slot)
+        if buffers is None or [TensorSpec.of(b) for b in buffers] != list(specs):
+            buffers = self._buffers[slot] = [spec.empty(self.device) for spec in specs]
+        for tensor in buffers:
+            if tensor.numel():
+                dist.irecv(tensor, src_rank, group=group).wait()  # stream-ordered: the host does not wait
+        return list(buffers)

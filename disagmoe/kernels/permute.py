@@ -60,18 +60,22 @@ def _permute_rows_kernel(x_ptr, ids_ptr, block_base_ptr, rows_ptr, dest_ptr,
 
 
 @triton.jit
-def _combine_kernel(rows_ptr, dest_ptr, weights_ptr, y_ptr, n_tokens, H, K,
+def _combine_kernel(rows_ptr, dest_ptr, weights_ptr, y_ptr, limit_ptr, n_tokens, H, K,
                     stride_rn, stride_yt,
-                    HAS_WEIGHTS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
-    # y[t, hs] = sum_k w[t, k] * rows[dest[t, k], hs] (w = 1 without weights), fp32 accumulation.
+                    HAS_WEIGHTS: tl.constexpr, HAS_LIMIT: tl.constexpr, BLOCK_T: tl.constexpr,
+                    BLOCK_H: tl.constexpr):
+    # y[t, hs] = sum_k w[t, k] * rows[dest[t, k], hs] (w = 1 without weights), fp32 accumulation;
+    # HAS_LIMIT: rows at or after *limit_ptr (a spare bucket nothing wrote) count as zero.
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     hs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     tok_ok = tokens < n_tokens
     ok = tok_ok[:, None] & (hs < H)[None, :]
+    limit = tl.load(limit_ptr) if HAS_LIMIT else 0
     acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
     for k in range(0, K):
         dest = tl.load(dest_ptr + tokens * K + k, mask=tok_ok, other=0).to(tl.int64)
-        vals = tl.load(rows_ptr + dest[:, None] * stride_rn + hs[None, :], mask=ok, other=0.0)
+        row_ok = ok & (dest < limit)[:, None] if HAS_LIMIT else ok
+        vals = tl.load(rows_ptr + dest[:, None] * stride_rn + hs[None, :], mask=row_ok, other=0.0)
         if HAS_WEIGHTS:
             w = tl.load(weights_ptr + tokens * K + k, mask=tok_ok, other=0.0).to(tl.float32)
             acc += vals.to(tl.float32) * w[:, None]
@@ -82,9 +86,9 @@ def _combine_kernel(rows_ptr, dest_ptr, weights_ptr, y_ptr, n_tokens, H, K,
 
 
 @triton.jit
-def _combine_backward_kernel(dy_ptr, rows_ptr, dest_ptr, weights_ptr, d_rows_ptr, partial_ptr,
+def _combine_backward_kernel(dy_ptr, rows_ptr, dest_ptr, weights_ptr, d_rows_ptr, partial_ptr, limit_ptr,
                              n_tokens, H, K, stride_dyt, stride_rn, stride_drn,
-                             BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+                             HAS_LIMIT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
     # Program (t-block, h-block): d_rows[dest[t, k], hs] = w[t, k] * dy[t, hs] and the partial
     # dot partial[h-block, t, k] = <dy[t, hs], rows[dest[t, k], hs]> (summed over h-blocks after).
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -94,10 +98,12 @@ def _combine_backward_kernel(dy_ptr, rows_ptr, dest_ptr, weights_ptr, d_rows_ptr
     dy = tl.load(dy_ptr + tokens.to(tl.int64)[:, None] * stride_dyt + hs[None, :], mask=ok,
                  other=0.0).to(tl.float32)
     partial_row = partial_ptr + tl.program_id(1).to(tl.int64) * n_tokens * K
+    limit = tl.load(limit_ptr) if HAS_LIMIT else 0
     for k in range(0, K):
         dest = tl.load(dest_ptr + tokens * K + k, mask=tok_ok, other=0).to(tl.int64)
         w = tl.load(weights_ptr + tokens * K + k, mask=tok_ok, other=0.0).to(tl.float32)
-        vals = tl.load(rows_ptr + dest[:, None] * stride_rn + hs[None, :], mask=ok, other=0.0)
+        row_ok = ok & (dest < limit)[:, None] if HAS_LIMIT else ok
+        vals = tl.load(rows_ptr + dest[:, None] * stride_rn + hs[None, :], mask=row_ok, other=0.0)
         tl.store(d_rows_ptr + dest[:, None] * stride_drn + hs[None, :],
                  (dy * w[:, None]).to(d_rows_ptr.dtype.element_ty), mask=ok)
         tl.store(partial_row + tokens * K + k, tl.sum(dy * vals.to(tl.float32), axis=1),
@@ -135,8 +141,9 @@ def permute_forward(x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, num_experts: 
 
 
 def combine_forward(rows_NH: torch.Tensor, dest_TK: torch.Tensor,
-                    weights_TK: torch.Tensor | None) -> torch.Tensor:
-    """y_TH[t] = sum_k weights_TK[t, k] * rows_NH[dest_TK[t, k]] (weights of 1 when None)."""
+                    weights_TK: torch.Tensor | None, limit: torch.Tensor | None = None) -> torch.Tensor:
+    """y_TH[t] = sum_k weights_TK[t, k] * rows_NH[dest_TK[t, k]] (weights of 1 when None); with
+    `limit` (a one-element int32 device tensor) rows at or after it count as zero."""
     tokens, top_k = dest_TK.shape
     hidden = rows_NH.shape[1]
     y_TH = rows_NH.new_empty((tokens, hidden))
@@ -145,15 +152,16 @@ def combine_forward(rows_NH: torch.Tensor, dest_TK: torch.Tensor,
     block_h = _row_block(hidden)
     grid = (triton.cdiv(tokens, TOKENS_PER_BLOCK), triton.cdiv(hidden, block_h))
     _combine_kernel[grid](rows_NH, dest_TK, weights_TK if weights_TK is not None else dest_TK,
-                          y_TH, tokens, hidden, top_k, rows_NH.stride(0), y_TH.stride(0),
-                          HAS_WEIGHTS=weights_TK is not None, BLOCK_T=TOKENS_PER_BLOCK,
-                          BLOCK_H=block_h)
+                          y_TH, limit if limit is not None else dest_TK, tokens, hidden, top_k,
+                          rows_NH.stride(0), y_TH.stride(0), HAS_WEIGHTS=weights_TK is not None,
+                          HAS_LIMIT=limit is not None, BLOCK_T=TOKENS_PER_BLOCK, BLOCK_H=block_h)
     return y_TH
 
 
 def combine_backward(dy_TH: torch.Tensor, rows_NH: torch.Tensor, dest_TK: torch.Tensor,
-                     weights_TK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(d_rows_NH, d_weights_TK) of combine_forward."""
+                     weights_TK: torch.Tensor, limit: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d_rows_NH, d_weights_TK) of combine_forward (pairs whose row is past `limit`: weight
+    gradient zero)."""
     tokens, top_k = dest_TK.shape
     d_rows_NH = torch.empty_like(rows_NH)
     if tokens == 0:
@@ -163,37 +171,39 @@ def combine_backward(dy_TH: torch.Tensor, rows_NH: torch.Tensor, dest_TK: torch.
     h_blocks = triton.cdiv(hidden, block_h)
     partial_BTK = torch.empty((h_blocks, tokens, top_k), dtype=torch.float32, device=dy_TH.device)
     _combine_backward_kernel[(triton.cdiv(tokens, TOKENS_PER_BLOCK), h_blocks)](
-        dy_TH, rows_NH, dest_TK, weights_TK, d_rows_NH, partial_BTK,
+        dy_TH, rows_NH, dest_TK, weights_TK, d_rows_NH, partial_BTK, limit if limit is not None else dest_TK,
         tokens, hidden, top_k, dy_TH.stride(0), rows_NH.stride(0), d_rows_NH.stride(0),
-        BLOCK_T=TOKENS_PER_BLOCK, BLOCK_H=block_h)
+        HAS_LIMIT=limit is not None, BLOCK_T=TOKENS_PER_BLOCK, BLOCK_H=block_h)
     return d_rows_NH, partial_BTK.sum(0).to(weights_TK.dtype)
 
 
 class PermuteFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_TH, topk_idx_TK, num_experts):
+    def forward(ctx, x_TH, topk_idx_TK, num_experts, spare_last):
         rows_NH, offsets_E, dest_TK = permute_forward(x_TH, topk_idx_TK, num_experts)
-        ctx.save_for_backward(dest_TK)
+        limit = offsets_E[num_experts - 2:num_experts - 1] if spare_last else None
+        ctx.save_for_backward(dest_TK, *(() if limit is None else (limit,)))
         ctx.mark_non_differentiable(offsets_E, dest_TK)
         return rows_NH, offsets_E, dest_TK
 
     @staticmethod
     def backward(ctx, d_rows_NH, _d_offsets, _d_dest):
-        (dest_TK,) = ctx.saved_tensors
-        return combine_forward(d_rows_NH.contiguous(), dest_TK, None), None, None
+        dest_TK, *limit = ctx.saved_tensors
+        return combine_forward(d_rows_NH.contiguous(), dest_TK, None, limit[0] if limit else None), None, None, None
 
 
 class CombineFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, rows_NH, weights_TK, dest_TK):
-        ctx.save_for_backward(rows_NH, weights_TK, dest_TK)
-        return combine_forward(rows_NH, dest_TK, weights_TK)
+    def forward(ctx, rows_NH, weights_TK, dest_TK, limit):
+        ctx.save_for_backward(rows_NH, weights_TK, dest_TK, *(() if limit is None else (limit,)))
+        return combine_forward(rows_NH, dest_TK, weights_TK, limit)
 
     @staticmethod
     def backward(ctx, dy_TH):
-        rows_NH, weights_TK, dest_TK = ctx.saved_tensors
-        d_rows, d_weights = combine_backward(dy_TH.contiguous(), rows_NH, dest_TK, weights_TK)
-        return d_rows, d_weights, None
+        rows_NH, weights_TK, dest_TK, *limit = ctx.saved_tensors
+        d_rows, d_weights = combine_backward(dy_TH.contiguous(), rows_NH, dest_TK, weights_TK,
+                                             limit[0] if limit else None)
+        return d_rows, d_weights, None, None
 
 
 def _check_routing(x_TH: torch.Tensor, topk_idx_TK: torch.Tensor) -> None:
@@ -205,21 +215,24 @@ def _check_routing(x_TH: torch.Tensor, topk_idx_TK: torch.Tensor) -> None:
 
 
 def permute_tokens(x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, num_experts: int,
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   spare_last: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Group the (token, k) pairs by expert: (rows_NH, offsets_E, dest_TK), differentiable in x.
 
-    Expert ids must lie in [0, num_experts) (not checked: that would cost a host sync)."""
+    Expert ids must lie in [0, num_experts) (not checked: that would cost a host sync).
+    `spare_last`: the last expert is a spare bucket (pairs routed elsewhere) whose rows' gradients
+    are dropped (nothing computes them)."""
     _check_routing(x_TH, topk_idx_TK)
-    return PermuteFunction.apply(x_TH.contiguous(), topk_idx_TK.contiguous(), num_experts)
+    return PermuteFunction.apply(x_TH.contiguous(), topk_idx_TK.contiguous(), num_experts, spare_last)
 
 
 def combine_rows(rows_NH: torch.Tensor, dest_TK: torch.Tensor,
-                 weights_TK: torch.Tensor) -> torch.Tensor:
-    """y_TH = sum_k weights_TK[:, k] * rows_NH[dest_TK[:, k]]; differentiable in rows, weights."""
+                 weights_TK: torch.Tensor, limit: torch.Tensor | None = None) -> torch.Tensor:
+    """y_TH = sum_k weights_TK[:, k] * rows_NH[dest_TK[:, k]]; differentiable in rows, weights.
+    `limit` (one-element int32 device tensor): rows at or after it count as zero (a spare bucket)."""
     if weights_TK.shape != dest_TK.shape:
         raise ValueError(f"weights must match dest [tokens, k] {tuple(dest_TK.shape)}; "
                          f"got {tuple(weights_TK.shape)}")
-    return CombineFunction.apply(rows_NH.contiguous(), weights_TK.contiguous(), dest_TK)
+    return CombineFunction.apply(rows_NH.contiguous(), weights_TK.contiguous(), dest_TK, limit)
 
 
 def permute_reference(x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, num_experts: int,

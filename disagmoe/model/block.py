@@ -28,6 +28,17 @@ from disagmoe.model.layers import RMSNorm, SwiGLU
 from disagmoe.model.router import Router, Routing
 
 
+FUSED_PERMUTE_MIN_HIDDEN = 256
+
+
+def fused_permute_applies(experts: RoutedExperts, x: torch.Tensor) -> bool:
+    """Whether a MoE layer runs the Triton permute / weighted-combine kernels: the triton experts
+    backend on CUDA, at hidden sizes of at least 256 (the kernels' full 256-wide row tiles, where
+    they are verified on an H200; at hidden 64 the permute wrote wrong rows on an H200, an open
+    bug, so smaller models take the torch path)."""
+    return experts.backend == "triton" and x.is_cuda and x.shape[-1] >= FUSED_PERMUTE_MIN_HIDDEN
+
+
 class Block(nn.Module):
     """The attention half shared by dense and MoE blocks."""
 
@@ -106,7 +117,7 @@ class MoEBlock(Block):
     ) -> tuple[torch.Tensor, Routing]:
         h_BSH = self.attention_part(x_BSH)
         routing = self.route(h_BSH, fixed_topk_idx_NK)
-        if self.moe.experts.backend == "triton" and h_BSH.is_cuda:
+        if fused_permute_applies(self.moe.experts, h_BSH):
             return self._forward_fused(h_BSH, routing), routing
         x_PH, grouping = self.dispatch(routing)
         y_PH = self.moe.experts(x_PH, grouping.offsets_E)

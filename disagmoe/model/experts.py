@@ -3,6 +3,8 @@
 Every backend implements the contract of DESIGN.md section 3b,
 `expert_ffn(x_NH, offsets_E, w13_EH2F, w2_EFH) -> y_NH`: rows of x grouped by expert, offsets_E
 the int32 cumulative row counts, y_e = (silu(x_e @ W13[e][:, :F]) * (x_e @ W13[e][:, F:])) @ W2[e].
+Rows after offsets[-1] (a spare bucket, e.g. pairs routed to another rank) are never read; their
+output rows are undefined (the loop backend returns zeros) and get no gradient.
 
 Backends: `loop` (one matmul pair per expert), `grouped_mm` (`torch._grouped_mm`, falling back to
 `loop` where the device or the shapes do not support it), `triton` (disagmoe.kernels.moe_ffn).
@@ -45,12 +47,15 @@ def expert_ffn_loop(
     x_NH: torch.Tensor, offsets_E: torch.Tensor, w13_EH2F: torch.Tensor, w2_EFH: torch.Tensor
 ) -> torch.Tensor:
     """Reference backend: a pair of matmuls per expert (empty ones too, so every expert's weights
-    get a gradient, zero when it received no rows)."""
+    get a gradient, zero when it received no rows); rows after offsets[-1] come back zero."""
     starts = [0, *offsets_E.tolist()]
     outputs = [
         swiglu_rows(x_NH[starts[e] : starts[e + 1]] @ w13_EH2F[e]) @ w2_EFH[e]
         for e in range(offsets_E.numel())
     ]
+    rest = x_NH.shape[0] - starts[-1]
+    if rest:
+        outputs.append(x_NH.new_zeros((rest, w2_EFH.shape[2])))
     return torch.cat(outputs)
 
 

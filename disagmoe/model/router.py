@@ -127,9 +127,16 @@ class Router(nn.Module):
         Equals coef when the load and the probabilities are uniform."""
         if self.cfg.aux_loss_coef == 0:
             return scores_NE.new_zeros(())
+        return (self.aux_weights(load_E, scores_NE.dtype) * self.mean_probs(scores_NE)).sum()
+
+    def mean_probs(self, scores_NE: torch.Tensor) -> torch.Tensor:
+        """P_E of `aux_loss`: the tokens' mean routing probability per expert (differentiable)."""
         probs_NE = scores_NE if self.cfg.score == "softmax" else scores_NE / scores_NE.sum(-1, keepdim=True)
-        f_E = load_E.to(scores_NE.dtype) / load_E.sum()
-        return self.cfg.aux_loss_coef * self.num_experts * (f_E * probs_NE.mean(0)).sum()
+        return probs_NE.mean(0)
+
+    def aux_weights(self, load_E: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """coef * E * f_E, so that aux_loss = sum_e aux_weights_e * P_e (f_E from `load_E`)."""
+        return self.cfg.aux_loss_coef * self.num_experts * load_E.to(dtype) / load_E.sum()
 
     def z_loss(self, logits_NE: torch.Tensor) -> torch.Tensor:
         """coef * mean over tokens of logsumexp(logits)^2 (keeps the gate logits small)."""

@@ -1,22 +1,27 @@
 """The attention side of one rank: embedding, its layers' non-expert parts, final norm, head, loss.
 
 Each compute op of the schedule is one *segment* of autograd graph. `AttentionForward(l)` first
-rebuilds layer l-1's output from what arrived (the residual stream and routing weights, the
-expert outputs), each received tensor a fresh leaf, then runs layer l's attention, router and
-shared experts and posts the dispatched rows and the residual stream for the next hop. The
-segment keeps its outputs; `AttentionBackward(l)` calls `torch.autograd.backward(outputs,
-grads)` with the gradients that came back, and posts its leaves' gradients to where they came from.
+rebuilds layer l-1's output from what arrived (the residual stream and, after a MoE layer, one
+weighted partial sum per expert rank: h + sum_j partial_j (+ shared experts)), each received
+tensor a fresh leaf, then runs layer l's attention, router and shared experts and posts the
+compact dispatch (DESIGN 3c: the normed token rows once per expert rank, with their top-k ids and
+routing weights; `runtime.messages`) and the residual stream for the next hop. The segment keeps
+its outputs; `AttentionBackward(l)` calls `torch.autograd.backward(outputs, grads)` with the
+gradients that came back (the expert ranks' d xn and d weights summed in rank order), and posts
+its leaves' gradients to where they came from. Nothing here reads the device from the host.
 
 The loss matches the oracle (`runtime.trainer`): micro-batch m of M is split over D
 data-parallel ranks; each rank backpropagates its share
 
     CE_local / (D M)  +  (aux_share + z_local / D) / M        per MoE layer for the router terms
 
-where aux_share uses the micro-batch's load summed over the D ranks (one all-reduce per layer),
-so the shares of the D ranks add up to the oracle's loss_m / M exactly (up to rounding).
+where aux_share = coef E sum_e f_e P_e^(d) / D: f_e the micro-batch's load fraction over all D
+ranks, P^(d) this rank's mean routing probabilities. f is not known here in the forward pass;
+every expert rank of the group sees all D ranks' choices and returns the load with the
+gradients (DISPATCH_GRAD), so the aux term enters at `AttentionBackward` as the gradient
+coef E f / (D M) of P^(d). No collective runs inside a forward op (DESIGN 3c's NCCL ordering).
 
-Legend: B batch rows of this rank's piece, S sequence, H hidden, N tokens (B*S), K top-k,
-P token-expert pairs, E experts.
+Legend: B batch rows of this rank's piece, S sequence, H hidden, N tokens (B*S), K top-k, E experts.
 """
 
 from __future__ import annotations
@@ -24,74 +29,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 from disagmoe.data import TokenDataset
-from disagmoe.model import MoEBlock, Routing, combine, group_by_expert
-from disagmoe.model.dispatch import expert_counts
+from disagmoe.model import MoEBlock
 from disagmoe.model.loss import linear_cross_entropy
 from disagmoe.runtime.batching import batch_rows, inputs_and_targets
 from disagmoe.runtime.messages import Mailbox
-from disagmoe.runtime.plan_layout import ExpertOwners, replica_rows
 from disagmoe.runtime.rank_model import RankModel
 from disagmoe.runtime.schedule import Payload
 from disagmoe.runtime.topology import Topology
-
-
-def rank_shares(counts: list[int], owners: ExpertOwners, ranks: int, dp_index: int,
-                dp: int) -> list[list[tuple[int, int, int]]]:
-    """Per expert rank: (expert, replica, rows) for every expert it holds, ascending (its id
-    order): the rows of the sender of data-parallel index `dp_index` (of `dp`) it runs; a
-    replicated expert's rows go to its owners by `replica_rows` (some may get none)."""
-    shares: list[list[tuple[int, int, int]]] = [[] for _ in range(ranks)]
-    for e, who in enumerate(owners):
-        sizes = [counts[e]] if len(who) == 1 else replica_rows(counts[e], len(who), dp_index, dp)
-        for r, (i, rows) in enumerate(zip(who, sizes, strict=True)):
-            shares[i].append((e, r, rows))
-    return shares
-
-
-def split_by_rank(x_PH: torch.Tensor, counts_E: torch.Tensor, owners: ExpertOwners, ranks: int,
-                  dp_index: int, dp: int) -> tuple[list[torch.Tensor], list[list[int]]]:
-    """Rows grouped by expert (counts_E rows each) from the sender of data-parallel index
-    `dp_index` -> per expert rank, the rows it runs in its id order, and one row count per expert
-    it holds (what it runs them in)."""
-    counts = counts_E.tolist()
-    shares = rank_shares(counts, owners, ranks, dp_index, dp)
-    sizes = {}
-    for mine in shares:
-        sizes.update(((e, r), n) for e, r, n in mine)
-    flat = [(e, r) for e, who in enumerate(owners) for r in range(len(who))]  # x_PH's order
-    pieces = dict(zip(flat, x_PH.split([sizes[key] for key in flat]), strict=True))
-    rows = [torch.cat([pieces[e, r] for e, r, _ in mine]) for mine in shares]
-    return rows, [[n for _, _, n in mine] for mine in shares]
-
-
-def merge_ranks(rows_per_rank: list[torch.Tensor], counts_E: torch.Tensor, owners: ExpertOwners,
-                dp_index: int, dp: int) -> torch.Tensor:
-    """The inverse of `split_by_rank`: every expert rank's rows back in expert order."""
-    counts = counts_E.tolist()
-    shares = rank_shares(counts, owners, len(rows_per_rank), dp_index, dp)
-    pieces = {}
-    for rows_PH, mine in zip(rows_per_rank, shares, strict=True):
-        parts = rows_PH.split([n for _, _, n in mine])
-        pieces.update(((e, r), part) for (e, r, _), part in zip(mine, parts, strict=True))
-    return torch.cat([pieces[e, r] for e, who in enumerate(owners) for r in range(len(who))])
-
-
-def combine_layer_output(
-    h_BSH: torch.Tensor, topk_w_NK: torch.Tensor, rows_per_rank: list[torch.Tensor],
-    owners: ExpertOwners, topk_idx_NK: torch.Tensor, shared_NH: torch.Tensor | None,
-    num_experts: int, dp_index: int, dp: int,
-) -> torch.Tensor:
-    """A MoE layer's output from its parts (each expert rank's output rows, as `split_by_rank` sent
-    their inputs): the arithmetic of `MoEBlock.combine`, in its order."""
-    grouping = group_by_expert(topk_idx_NK, num_experts)
-    counts_E = expert_counts(topk_idx_NK, num_experts)
-    ffn_NH = combine(merge_ranks(rows_per_rank, counts_E, owners, dp_index, dp), grouping, topk_w_NK)
-    if shared_NH is not None:
-        ffn_NH = ffn_NH + shared_NH
-    return h_BSH + ffn_NH.view_as(h_BSH)
 
 
 @dataclass
@@ -99,8 +45,8 @@ class LayerInput:
     """The leaves a segment starts from (layer `prev`'s output parts), for sending gradients back."""
 
     prev: int  # the layer whose output this is
-    carry: list[torch.Tensor] = field(default_factory=list)  # residual-stream parts (float leaves)
-    expert_rows: list[torch.Tensor] = field(default_factory=list)  # per expert rank of `prev`, its id order
+    carry: list[torch.Tensor] = field(default_factory=list)  # residual-stream parts (leaves)
+    partials: list[torch.Tensor] = field(default_factory=list)  # per expert rank of `prev`: its partial sum
 
 
 @dataclass
@@ -108,21 +54,23 @@ class Segment:
     """One AttentionForward's graph: its inputs and the outputs whose gradients come back later."""
 
     inputs: LayerInput | None
-    dispatched: list[torch.Tensor]  # rows sent to each expert rank of the group (`split_by_rank`)
-    carry: list[torch.Tensor]  # float residual-stream parts sent to the next group
-    router_loss: torch.Tensor | None  # this rank's share of (aux + z) / M
+    dispatched: list[torch.Tensor]  # [xn_NH, topk_w_NK] as sent to every expert rank (dense: [])
+    carry: list[torch.Tensor]  # residual-stream parts sent to the next group
+    z_share: torch.Tensor | None = None  # z_local / (D M)
+    probs_E: torch.Tensor | None = None  # P^(d) of the aux loss (None without one)
+    router: object | None = None  # the layer's Router (aux weights from the returned load)
 
 
 class AttentionStage:
     """Forward, loss and backward of the attention ops of one rank for one step at a time."""
 
     def __init__(self, model: RankModel, topology: Topology, rank: int, data: TokenDataset,
-                 micro_batches: int, dp_group: dist.ProcessGroup | None) -> None:
+                 micro_batches: int) -> None:
         role = topology.attention_role(rank)
         assert role is not None, f"rank {rank} runs no attention"
         self.group, self.dp_index = role
         self.model, self.topology, self.rank = model, topology, rank
-        self.data, self.micro_batches, self.dp_group = data, micro_batches, dp_group
+        self.data, self.micro_batches = data, micro_batches
         self.dp = topology.data_parallel
         self.num_experts = model.cfg.num_experts
         self.layers = topology.attention_layers(rank)
@@ -152,22 +100,24 @@ class AttentionStage:
         """Layer `layer - 1`'s output rebuilt from received parts (each a leaf)."""
         topo, prev = self.topology, layer - 1
         source = topo.attention_rank(topo.group_of_layer(prev), self.dp_index)
-        received = mail.take(Payload.RESIDUAL, prev, mb, source)
-        parts = [t.detach().requires_grad_(t.is_floating_point()) for t in received]
-        inputs = LayerInput(prev, carry=[t for t in parts if t.is_floating_point()])
+        parts = [t.detach().requires_grad_() for t in mail.take(Payload.RESIDUAL, prev, mb, source)]
+        inputs = LayerInput(prev, carry=parts)
         if not topo.is_moe(prev):
             return parts[0], inputs
         experts = topo.expert_groups[topo.group_of_layer(prev)]
-        inputs.expert_rows = [mail.take(Payload.COMBINE, prev, mb, r)[0].detach().requires_grad_() for r in experts]
-        h_BSH, topk_w_NK, topk_idx_NK, *shared = parts
-        x_BSH = combine_layer_output(h_BSH, topk_w_NK, inputs.expert_rows, topo.expert_owners[prev], topk_idx_NK,
-                                     shared[0] if shared else None, self.num_experts, self.dp_index, self.dp)
-        return x_BSH, inputs
+        inputs.partials = [mail.take(Payload.COMBINE, prev, mb, r)[0].detach().requires_grad_() for r in experts]
+        h_BSH, *shared = parts
+        ffn_NH = inputs.partials[0]
+        for partial_NH in inputs.partials[1:]:  # rank order: the same sum on every run
+            ffn_NH = ffn_NH + partial_NH
+        if shared:
+            ffn_NH = ffn_NH + shared[0]
+        return h_BSH + ffn_NH.view_as(h_BSH), inputs
 
     def _post_input_grads(self, inputs: LayerInput, mb: int, mail: Mailbox) -> None:
         topo, prev = self.topology, inputs.prev
         if topo.is_moe(prev):
-            for rank, leaf in zip(topo.expert_groups[topo.group_of_layer(prev)], inputs.expert_rows, strict=True):
+            for rank, leaf in zip(topo.expert_groups[topo.group_of_layer(prev)], inputs.partials, strict=True):
                 mail.post(Payload.COMBINE_GRAD, prev, mb, rank, [_grad(leaf)])
         source = topo.attention_rank(topo.group_of_layer(prev), self.dp_index)
         mail.post(Payload.RESIDUAL_GRAD, prev, mb, source, [_grad(leaf) for leaf in inputs.carry])
@@ -186,40 +136,25 @@ class AttentionStage:
         if not isinstance(block, MoEBlock):
             out_BSH = block(x_BSH)
             mail.post(Payload.RESIDUAL, layer, mb, nxt, [out_BSH])
-            self.segments[(layer, mb)] = Segment(inputs, [], [out_BSH], None)
+            self.segments[(layer, mb)] = Segment(inputs, [], [out_BSH])
             return
         h_BSH = block.attention_part(x_BSH)
         routing = block.route(h_BSH)
-        x_PH, grouping = block.dispatch(routing)
         shared_NH = block.shared_ffn(routing)
-        counts_E = routing.load_E  # rows per expert, the order of x_PH
-        ranks = topo.expert_groups[self.group]
-        dispatched, counts = split_by_rank(x_PH, counts_E, topo.expert_owners[layer], len(ranks), self.dp_index,
-                                           self.dp)
-        for rank, rows_PH, rank_counts in zip(ranks, dispatched, counts, strict=True):
-            counts_R = torch.tensor(rank_counts, dtype=counts_E.dtype).to(counts_E.device, non_blocking=True)
-            mail.post(Payload.DISPATCH, layer, mb, rank, [rows_PH, counts_R])
-        shared = [] if shared_NH is None else [shared_NH]
-        mail.post(Payload.RESIDUAL, layer, mb, nxt, [h_BSH, routing.topk_w_NK, routing.topk_idx_NK, *shared])
-        carry = [h_BSH, routing.topk_w_NK, *shared]
-        router_loss = self._router_loss(block, routing) / self.micro_batches
-        self.segments[(layer, mb)] = Segment(inputs, dispatched, carry, router_loss)
+        dispatch = [routing.xn_NH, routing.topk_idx_NK.to(torch.int32), routing.topk_w_NK]
+        for rank in topo.expert_groups[self.group]:
+            mail.post(Payload.DISPATCH, layer, mb, rank, dispatch)
+        carry = [h_BSH] + ([] if shared_NH is None else [shared_NH])
+        mail.post(Payload.RESIDUAL, layer, mb, nxt, carry)
+        router = block.moe.router
+        segment = Segment(inputs, [routing.xn_NH, routing.topk_w_NK], carry, router=router)
+        if router.cfg.z_loss_coef > 0:
+            segment.z_share = routing.z_loss.float() / (self.dp * self.micro_batches)
+            self.loss_parts["z_loss"] = self.loss_parts["z_loss"] + segment.z_share.detach()
+        if router.cfg.aux_loss_coef > 0:
+            segment.probs_E = router.mean_probs(routing.scores_NE).float()
+        self.segments[(layer, mb)] = segment
         self.load_LE[layer] += routing.load_E
-
-    def _router_loss(self, block: MoEBlock, routing: Routing) -> torch.Tensor:
-        """This rank's share of the micro-batch's aux + z loss of one layer (module docstring)."""
-        if self.dp == 1:
-            aux, z = routing.aux_loss, routing.z_loss
-        else:
-            z = routing.z_loss / self.dp
-            aux = routing.aux_loss
-            if block.moe.router.cfg.aux_loss_coef > 0:
-                load_E = routing.load_E.clone()
-                dist.all_reduce(load_E, group=self.dp_group)
-                aux = block.moe.router.aux_loss(routing.scores_NE, load_E) / self.dp
-        self.loss_parts["aux_loss"] = self.loss_parts["aux_loss"] + aux.detach().float() / self.micro_batches
-        self.loss_parts["z_loss"] = self.loss_parts["z_loss"] + z.detach().float() / self.micro_batches
-        return aux.float() + z.float()
 
     def loss(self, mb: int, mail: Mailbox, backward: bool = True) -> None:
         """Loss(mb): the last layer's output, final norm, LM head, CE; backward at once (if asked)."""
@@ -237,15 +172,25 @@ class AttentionStage:
         segment = self.segments.pop((layer, mb))
         topo = self.topology
         outputs, grads = [], []
-        for rank, rows_PH in zip(topo.expert_groups[self.group], segment.dispatched):
-            outputs.append(rows_PH)
-            grads.append(mail.take(Payload.DISPATCH_GRAD, layer, mb, rank)[0])
+        if segment.dispatched:
+            replies = [mail.take(Payload.DISPATCH_GRAD, layer, mb, rank) for rank in topo.expert_groups[self.group]]
+            for i, leaf in enumerate(segment.dispatched):  # d xn, d weights: summed over the expert ranks
+                total = replies[0][i]
+                for reply in replies[1:]:
+                    total = total + reply[i]
+                outputs.append(leaf)
+                grads.append(total)
+            if segment.probs_E is not None:  # the aux term, now that the micro-batch's load is known
+                weights_E = segment.router.aux_weights(replies[0][2]) / (self.dp * self.micro_batches)
+                outputs.append(segment.probs_E)
+                grads.append(weights_E)
+                self.loss_parts["aux_loss"] = self.loss_parts["aux_loss"] + (weights_E * segment.probs_E.detach()).sum()
+            if segment.z_share is not None:
+                outputs.append(segment.z_share)
+                grads.append(torch.ones_like(segment.z_share))
         nxt = topo.attention_rank(topo.next_group(self.group), self.dp_index)
         outputs += segment.carry
         grads += mail.take(Payload.RESIDUAL_GRAD, layer, mb, nxt)
-        if segment.router_loss is not None:
-            outputs.append(segment.router_loss)
-            grads.append(torch.ones_like(segment.router_loss))
         live = [(o, g) for o, g in zip(outputs, grads, strict=True) if o.requires_grad]
         torch.autograd.backward([o for o, _ in live], [g for _, g in live])
         if segment.inputs is not None:

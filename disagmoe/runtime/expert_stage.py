@@ -1,16 +1,20 @@
 """The expert side of one rank: its routed experts of every MoE layer of its group.
 
-`ExpertForward(l)` takes, from each attention rank d of the group, the rows routed to this rank's
-experts (grouped by expert, in the order of its expert ids) and their per-expert counts, orders
-them by (expert, d) - which for every expert is the oracle's token order, because data-parallel
-rank d owns the d-th block of the micro-batch's rows; of a replicated expert it gets only the
-share each sender gives this replica (`plan_layout.replica_rows`), possibly none - runs the
-experts once over all of them, and posts the output rows of data-parallel index d to the
-attention rank d of the next group (grouped by expert again).
-`ExpertBackward(l)` backpropagates the output gradients that came back and posts each source's
-row gradients to it.
+`ExpertForward(l)` takes, from each attention rank d of the group, the compact dispatch (the
+layer's normed token rows once, their top-k expert ids and routing weights; `runtime.messages`),
+maps every (token, k) pair to the local expert that serves it here or to "elsewhere"
+(`LocalRouting`), runs all its experts once over every source's tokens and posts to attention rank
+d of the next group one weighted partial sum per token (`model.local_experts`).
+`ExpertBackward(l)` backpropagates the partial sums' gradients that came back and posts each
+source its d xn and d routing weights, with the micro-batch's expert load over all sources (the
+attention ranks need it for the aux loss's gradient). Nothing reads the device from the host.
 
-Legend: D data-parallel ranks, E local experts, P rows (token-expert pairs), H hidden.
+Replicated experts (a plan's hot experts): the attention rank of data-parallel index d (of D)
+sends its pairs of an expert with n owners to owner d mod n when D >= n, and splits them in token
+order over owners d, d + D, ... when D < n (`plan_layout.replica_rows`); every owner receives the
+whole dispatch and keeps exactly its share, computed on the device from the counts.
+
+Legend: D data-parallel sources, N tokens per source, K top-k, E experts of the layer, L local.
 """
 
 from __future__ import annotations
@@ -19,23 +23,64 @@ from dataclasses import dataclass
 
 import torch
 
+from disagmoe.model.dispatch import expert_counts
+from disagmoe.model.local_experts import local_expert_block
 from disagmoe.runtime.messages import Mailbox
 from disagmoe.runtime.rank_model import RankModel
 from disagmoe.runtime.schedule import Payload
 from disagmoe.runtime.topology import Topology
 
 
+class LocalRouting:
+    """Which of one source's (token, k) pairs this rank serves, for one layer (module docstring).
+
+    Per expert e: `local_E[e]` its local index here (L = elsewhere); where this rank holds one of
+    several replicas that split the source's rows, `parts_E[e]` (how many owners share them) and
+    `part_E[e]` (which share is ours), else 1 and 0.
+    """
+
+    def __init__(self, topology: Topology, layer: int, index: int, dp_index: int, dp: int,
+                 device: torch.device) -> None:
+        owners = topology.expert_owners[layer]
+        held = [e for e, who in enumerate(owners) if index in who]
+        self.num_local = len(held)
+        local, parts, part = [self.num_local] * len(owners), [1] * len(owners), [0] * len(owners)
+        for i, e in enumerate(held):
+            who = owners[e]
+            r = who.index(index)
+            k = min(len(who), dp)
+            mine = [q for q in range(len(who)) if q % k == dp_index % k]  # the owners this source feeds
+            if r in mine:
+                local[e], parts[e], part[e] = i, len(mine), mine.index(r)
+        self.split = any(p > 1 for p in parts)
+        as_tensor = lambda v: torch.tensor(v, dtype=torch.int32, device=device)  # noqa: E731
+        self.local_E, self.parts_E, self.part_E = as_tensor(local), as_tensor(parts), as_tensor(part)
+
+    def __call__(self, topk_idx_NK: torch.Tensor) -> torch.Tensor:
+        """int32 [N, K]: the local expert serving each pair, or L."""
+        idx_NK = topk_idx_NK.long()
+        local_NK = self.local_E[idx_NK]
+        if not self.split:
+            return local_NK
+        flat_P = idx_NK.reshape(-1)
+        order_P = torch.argsort(flat_P, stable=True)  # the sender's row order within each expert
+        counts_E = expert_counts(idx_NK, self.local_E.numel())
+        starts_E = torch.cumsum(counts_E, 0) - counts_E
+        position_P = torch.empty_like(order_P).scatter_(
+            0, order_P, torch.arange(flat_P.numel(), device=flat_P.device) - starts_E[flat_P[order_P]])
+        parts_E, part_E = self.parts_E.long(), self.part_E.long()
+        base_E, extra_E = counts_E // parts_E, counts_E % parts_E  # `replica_shares`: earlier parts one more
+        lo_E = part_E * base_E + torch.minimum(part_E, extra_E)
+        hi_E = lo_E + base_E + (part_E < extra_E).long()
+        ours_P = (position_P >= lo_E[flat_P]) & (position_P < hi_E[flat_P])
+        return torch.where(ours_P.view_as(idx_NK), local_NK, self.num_local).to(torch.int32)
+
+
 @dataclass
 class ExpertSegment:
-    inputs: list[torch.Tensor]  # leaves: rows from each data-parallel source
-    outputs: list[torch.Tensor]  # output rows for each data-parallel index
-
-
-def expert_major(rows_DPH: list[torch.Tensor], counts_DE: torch.Tensor) -> list[torch.Tensor]:
-    """Per source d rows grouped by local expert -> chunks in (expert, source) order, chunk e*D + d."""
-    chunks_DE = [rows_PH.split(counts_E.tolist()) for rows_PH, counts_E in zip(rows_DPH, counts_DE, strict=True)]
-    D, E = counts_DE.shape
-    return [chunks_DE[d][e] for e in range(E) for d in range(D)]
+    inputs: list[torch.Tensor]  # leaves per source: xn rows, then routing weights
+    outputs: list[torch.Tensor]  # the partial sums per destination
+    load_E: torch.Tensor  # the micro-batch's expert load over all sources
 
 
 class ExpertStage:
@@ -44,10 +89,13 @@ class ExpertStage:
     def __init__(self, model: RankModel, topology: Topology, rank: int) -> None:
         role = topology.expert_role(rank)
         assert role is not None, f"rank {rank} holds no experts"
-        self.group = role[0]
+        self.group, index = role
         self.model, self.topology, self.rank = model, topology, rank
         self.sources = topology.attention_groups[self.group]
         self.destinations = topology.attention_groups[topology.next_group(self.group)]
+        dp = len(self.sources)
+        self.routing = {layer: [LocalRouting(topology, layer, index, d, dp, model.device) for d in range(dp)]
+                        for layer in topology.experts_of(rank)}
         self.segments: dict[tuple[int, int], ExpertSegment] = {}
 
     def begin_step(self) -> None:
@@ -56,25 +104,27 @@ class ExpertStage:
     def forward(self, layer: int, mb: int, mail: Mailbox) -> None:
         """ExpertForward(layer, mb)."""
         messages = [mail.take(Payload.DISPATCH, layer, mb, src) for src in self.sources]
-        inputs = [rows_PH.detach().requires_grad_() for rows_PH, _ in messages]
-        counts_DE = torch.stack([counts_E for _, counts_E in messages])
-        x_PH = torch.cat(expert_major(inputs, counts_DE))
-        offsets_E = torch.cumsum(counts_DE.sum(dim=0), dim=0).to(torch.int32)
-        y_PH = self.model.experts(layer)(x_PH, offsets_E)
-        chunks = y_PH.split(counts_DE.T.flatten().tolist())  # chunk e*D + d
-        D, E = counts_DE.shape
-        outputs = []
-        for d, dst in enumerate(self.destinations):
-            y_d_PH = torch.cat([chunks[e * D + d] for e in range(E)])
-            mail.post(Payload.COMBINE, layer, mb, dst, [y_d_PH])
-            outputs.append(y_d_PH)
-        self.segments[(layer, mb)] = ExpertSegment(inputs, outputs)
+        xs = [xn_NH.detach().requires_grad_() for xn_NH, _, _ in messages]
+        ws = [w_NK.detach().requires_grad_(w_NK.is_floating_point()) for _, _, w_NK in messages]
+        local_TK = torch.cat([route(idx_NK) for route, (_, idx_NK, _) in zip(self.routing[layer], messages,
+                                                                             strict=True)])
+        partial_TH = local_expert_block(torch.cat(xs), local_TK, torch.cat(ws), self.model.experts(layer))
+        outputs = list(partial_TH.split(xs[0].shape[0]))
+        for dst, partial_NH in zip(self.destinations, outputs, strict=True):
+            mail.post(Payload.COMBINE, layer, mb, dst, [partial_NH])
+        load_E = sum(expert_counts(idx_NK.long(), self.model.cfg.num_experts) for _, idx_NK, _ in messages)
+        self.segments[(layer, mb)] = ExpertSegment(xs + ws, outputs, load_E)
 
     def backward(self, layer: int, mb: int, mail: Mailbox) -> None:
         """ExpertBackward(layer, mb)."""
         segment = self.segments.pop((layer, mb))
         grads = [mail.take(Payload.COMBINE_GRAD, layer, mb, dst)[0] for dst in self.destinations]
         torch.autograd.backward(segment.outputs, grads)
-        for src, leaf in zip(self.sources, segment.inputs, strict=True):
-            grad = torch.zeros_like(leaf) if leaf.grad is None else leaf.grad
-            mail.post(Payload.DISPATCH_GRAD, layer, mb, src, [grad])
+        D = len(self.sources)
+        for d, src in enumerate(self.sources):
+            x_leaf, w_leaf = segment.inputs[d], segment.inputs[D + d]
+            mail.post(Payload.DISPATCH_GRAD, layer, mb, src, [_grad(x_leaf), _grad(w_leaf), segment.load_E])
+
+
+def _grad(leaf: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(leaf) if leaf.grad is None else leaf.grad

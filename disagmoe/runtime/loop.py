@@ -131,7 +131,8 @@ class TrainingLoop:
                 if self.evaluates and (self.step % cfg.eval_every == 0 or self.step == cfg.steps):
                     last_val = record["val_loss"] = self.validate()
                 due_by_time = cfg.checkpoint_minutes and _clock() - last_save >= 60 * cfg.checkpoint_minutes
-                if (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0) or due_by_time or self.step == cfg.steps:
+                at_end = self.step == cfg.steps and cfg.checkpoint_at_end
+                if (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0) or due_by_time or at_end:
                     checkpoint, last_save = self._checkpoint(), _clock()
                 log.write(record)
                 if on_step is not None:

@@ -4,15 +4,27 @@ Compute ops never talk to the transport: they `post` tensors for a destination r
 what their `Recv` ops collected. The worker moves posted messages with the schedule's `Send`
 ops (or straight into its own inbox when the destination is itself: p = 1 hand-over of the
 residual stream, a colocated rank's own expert slice) and files received ones with `Recv`.
+
+Every message's shapes are fixed by the run (`MessageShapes`), so receivers allocate (or reuse)
+their buffers without a header. With T tokens per data-parallel piece of a micro-batch (B/(M D)
+sequences of S), H hidden, K top-k, E experts, in the compute dtype (idx int32, load int64):
+
+    DISPATCH       A_g,d -> E_g,j    xn [T, H], top-k ids [T, K], routing weights [T, K]
+    COMBINE        E_g,j -> A_g+1,d  the weighted partial sum of E_g,j's experts [T, H]
+    RESIDUAL       A_g,d -> A_g+1,d  h [B, S, H] (+ shared experts' output [T, H])   (dense: out [B, S, H])
+    DISPATCH_GRAD  E_g,j -> A_g,d    d xn [T, H], d weights [T, K], the micro-batch's load over d [E]
+    COMBINE_GRAD   A_g+1,d -> E_g,j  d partial [T, H]
+    RESIDUAL_GRAD  as RESIDUAL, backwards
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 
 import torch
 
-from disagmoe.comm.base import MessageKey
+from disagmoe.comm.base import MessageKey, TensorSpec
 from disagmoe.runtime.schedule import Payload
 
 Slot = tuple[Payload, int, int]  # (payload, layer, micro-batch)
@@ -61,3 +73,32 @@ class Mailbox:
 
     def empty(self) -> bool:
         return not any(self._outgoing.values()) and not any(self._incoming.values())
+
+
+@dataclass(frozen=True)
+class MessageShapes:
+    """The fixed shapes of every message of a run (module docstring)."""
+
+    rows: int  # sequences per data-parallel piece of a micro-batch (B / (M D))
+    seq_len: int
+    hidden: int
+    top_k: int
+    num_experts: int
+    dtype: torch.dtype
+    shared_experts: bool
+
+    @property
+    def tokens(self) -> int:
+        return self.rows * self.seq_len
+
+    def specs(self, payload: Payload, layer_is_moe: bool) -> list[TensorSpec]:
+        T, H, K, dt = self.tokens, self.hidden, self.top_k, self.dtype
+        rows = TensorSpec((T, H), dt)
+        if payload in (Payload.DISPATCH,):
+            return [rows, TensorSpec((T, K), torch.int32), TensorSpec((T, K), dt)]
+        if payload in (Payload.COMBINE, Payload.COMBINE_GRAD):
+            return [rows]
+        if payload is Payload.DISPATCH_GRAD:
+            return [rows, TensorSpec((T, K), dt), TensorSpec((self.num_experts,), torch.int64)]
+        stream = TensorSpec((self.rows, self.seq_len, H), dt)  # RESIDUAL, RESIDUAL_GRAD
+        return [stream, rows] if layer_is_moe and self.shared_experts else [stream]

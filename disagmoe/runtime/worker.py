@@ -37,7 +37,7 @@ from disagmoe.runtime.cluster import Worker
 from disagmoe.runtime.expert_stage import ExpertStage
 from disagmoe.runtime.gpu_spans import GpuSpans
 from disagmoe.runtime.metrics import peak_memory_gib
-from disagmoe.runtime.messages import Mailbox, message_key
+from disagmoe.runtime.messages import Mailbox, MessageShapes, message_key
 from disagmoe.model.layers import set_fusion
 from disagmoe.runtime.flat_adamw import FlatAdamW, Shard, flat_squares
 from disagmoe.runtime.trainer import compute_dtype
@@ -105,8 +105,12 @@ class TrainWorker(Worker):
             data = TokenDataset(splits.train, cfg.seq_len, cfg.batch_size, cfg.seed, "train")
             if splits.val is not None:
                 self.val_data = TokenDataset(splits.val, cfg.seq_len, cfg.batch_size, cfg.seed, "val")
-            self.attention = AttentionStage(self.model, topology, self.rank, data, cfg.micro_batches, self.dp_group)
+            self.attention = AttentionStage(self.model, topology, self.rank, data, cfg.micro_batches)
         self.experts = ExpertStage(self.model, topology, self.rank) if topology.expert_role(self.rank) else None
+        self.shapes = MessageShapes(
+            rows=cfg.batch_size // (cfg.micro_batches * topology.data_parallel), seq_len=cfg.seq_len,
+            hidden=self.model_cfg.hidden_size, top_k=self.model_cfg.top_k, num_experts=self.model_cfg.num_experts,
+            dtype=compute_dtype(cfg), shared_experts=self.model_cfg.shared_ffn_size > 0)
         self.recorder = SpanRecorder()
         self.gpu_spans = GpuSpans(self.device) if self.device.type == "cuda" else None
         self.watchdog = OpWatchdog(f"rank {self.rank} ({topology.describe(self.rank)})", cfg.recv_timeout_s)
@@ -157,6 +161,7 @@ class TrainWorker(Worker):
                         result = self._optimizer_step(lr)
                 else:
                     self._run(op, step, mail, handles)
+                    handles[:] = [h for h in handles if not h.is_completed()]  # delivered: release the buffers
         assert mail.empty(), f"rank {self.rank}: messages left over after step {step}"
         spans, compute_s = self._drain_spans()
         result.update(self._read_step(result), rank=self.rank, compute_s=compute_s,
@@ -222,7 +227,8 @@ class TrainWorker(Worker):
                         assert mail.has(op.payload, op.layer, op.micro_batch, peer)
                         continue
                     key = message_key(step, op.payload, op.layer, op.micro_batch)
-                    mail.deliver(op.payload, op.layer, op.micro_batch, peer, self.transport.recv(peer, key))
+                    specs = self.shapes.specs(op.payload, self.topology.is_moe(op.layer))
+                    mail.deliver(op.payload, op.layer, op.micro_batch, peer, self.transport.recv(peer, key, specs))
             return
         with self._compute_span(_op_name(op)):
             if isinstance(op, AttentionForward):

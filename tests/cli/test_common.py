@@ -126,7 +126,9 @@ def huge_plan(tmp_path: Path) -> str:
     path = tmp_path / "plan.yaml"
     assert invoke("plan", "--model", "tiny", "--hardware", "h200-sxm", "--gpus", "2", "--seq-len", "64",
                   "--global-batch-tokens", "512", "--out", str(path)).exit_code == 0
-    path.write_text(path.read_text().replace("attention_gpus: 1", f"attention_gpus: {HUGE}"))
+    text = path.read_text().replace("layout: single", "layout: disaggregated")  # the tiny model plans one GPU
+    path.write_text(text.replace("attention_gpus: 0", f"attention_gpus: {HUGE}").replace(
+        "attention_gpus: 1", f"attention_gpus: {HUGE}"))
     return str(path)
 
 

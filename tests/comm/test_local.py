@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from disagmoe.comm.base import Direction, MessageKey, PeerFailure, TransportError
+from disagmoe.comm.base import Direction, MessageKey, PeerFailure, TensorSpec, TransportError
 from disagmoe.comm.local import LocalTransport
 
 WORLD = 3
@@ -28,6 +28,7 @@ KEYS = [
 ]
 TIMEOUT_S = 1.0
 DEATH_EXIT_CODE = 3
+TWO = TensorSpec((2,), torch.float32)
 
 
 def _message(src: int, dst: int, key: MessageKey) -> list[torch.Tensor]:
@@ -57,7 +58,8 @@ def _exchange(rank: int, transport: LocalTransport) -> list[str]:
     wrong = []
     for key in order:
         for src in peers:
-            got, want = transport.recv(src, key), _message(src, rank, key)
+            want = _message(src, rank, key)
+            got = transport.recv(src, key, [TensorSpec.of(t) for t in want])
             if len(got) != len(want) or not all(
                 g.dtype == w.dtype and g.shape == w.shape and torch.equal(g, w) for g, w in zip(got, want)
             ):
@@ -79,10 +81,10 @@ def _peer_death(rank: int, transport: LocalTransport, report: dict, reports) -> 
         reports.join_thread()  # our report is out before we die
         os._exit(DEATH_EXIT_CODE)
     if rank == 2:
-        transport.recv(0, first)
+        transport.recv(0, first, [TWO])
         start = time.monotonic()
         try:
-            transport.recv(0, second, timeout_s=20.0)
+            transport.recv(0, second, [TWO], timeout_s=20.0)
         except TransportError as err:
             return _failure(err, start)
     return {}
@@ -96,7 +98,7 @@ def _timeout(rank: int, transport: LocalTransport) -> dict:
     start = time.monotonic()
     try:
         if rank == 1:
-            transport.recv(2, MessageKey(0, 1, 2, Direction.FORWARD), timeout_s=TIMEOUT_S)
+            transport.recv(2, MessageKey(0, 1, 2, Direction.FORWARD), [TWO], timeout_s=TIMEOUT_S)
     except TransportError as err:
         return _failure(err, start)
     return {}

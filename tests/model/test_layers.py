@@ -49,8 +49,9 @@ def test_swiglu_matches_formula():
 
 
 @pytest.mark.gpu
-def test_cuda_fused_norm_and_rope_match_eager() -> None:
-    """The torch.compile'd `fused` functions equal their eager selves on CUDA (forward, backward)."""
+def test_cuda_fused_norm_and_rope_are_as_close_to_fp32_as_eager_bf16() -> None:
+    """The torch.compile'd `fused` functions on bf16 CUDA tensors, forward and backward, are within
+    bf16 error (relative norm) of the same functions in fp32, as the eager bf16 ones are."""
     import torch
 
     from disagmoe.model.attention import qk_norm_rope_heads
@@ -58,20 +59,21 @@ def test_cuda_fused_norm_and_rope_match_eager() -> None:
 
     device = torch.device("cuda")
     g = torch.Generator(device=device).manual_seed(0)
-    q = torch.randn(2, 64, 4, 32, device=device, generator=g, dtype=torch.bfloat16)
-    k = torch.randn(2, 64, 2, 32, device=device, generator=g, dtype=torch.bfloat16)
-    v = torch.randn(2, 64, 2, 32, device=device, generator=g, dtype=torch.bfloat16)
-    qw = (1 + 0.1 * torch.randn(32, device=device, generator=g)).to(torch.bfloat16)
-    kw = (1 + 0.1 * torch.randn(32, device=device, generator=g)).to(torch.bfloat16)
-    cos, sin = rope_cos_sin(64, 32, 10000.0, device, torch.bfloat16)
-    results = []
-    for enabled in (False, True):
-        set_fusion(enabled)
-        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, qw, kw)]
+    inputs = [torch.randn(2, 64, 4, 32, device=device, generator=g), torch.randn(2, 64, 2, 32, device=device, generator=g),
+              torch.randn(2, 64, 2, 32, device=device, generator=g),
+              1 + 0.1 * torch.randn(32, device=device, generator=g), 1 + 0.1 * torch.randn(32, device=device, generator=g)]
+
+    def run(dtype: torch.dtype, fusion: bool) -> list[torch.Tensor]:
+        set_fusion(fusion)
+        leaves = [t.to(dtype).detach().requires_grad_() for t in inputs]
+        cos, sin = rope_cos_sin(64, 32, 10000.0, device, dtype)
         outs = qk_norm_rope_heads(leaves[0], leaves[1], leaves[2], leaves[3], leaves[4], cos, sin, 1e-6)
         normed = rms_norm(leaves[0], leaves[3], 1e-6)
         sum(o.float().square().sum() for o in (*outs, normed)).backward()
-        results.append([*outs, normed, *(leaf.grad for leaf in leaves)])
+        return [t.float() for t in (*outs, normed, *(leaf.grad for leaf in leaves))]
+
+    reference = run(torch.float32, False)
+    compiled = run(torch.bfloat16, True)
     set_fusion(True)
-    for eager, compiled in zip(*results, strict=True):
-        torch.testing.assert_close(compiled.float(), eager.float(), rtol=2e-2, atol=2e-2)
+    for got, want in zip(compiled, reference, strict=True):
+        assert ((got - want).norm() / want.norm()).item() < 3e-2

@@ -14,7 +14,7 @@ import pytest
 import ray
 import torch
 
-from disagmoe.comm.base import Direction, MessageKey
+from disagmoe.comm.base import Direction, MessageKey, TensorSpec
 from disagmoe.runtime.cluster import Worker, WorkerFailure, WorkerGroup, worker_env
 from disagmoe.runtime.roles import Layout
 from disagmoe.runtime.schedule import Recv, build_schedule
@@ -88,7 +88,7 @@ def _p2p(worker):
     key = MessageKey(step=0, micro_batch=1, layer=0, direction=Direction.FORWARD)
     peers = [p for p in range(worker.world_size) if p != worker.rank]
     handles = [transport.send(dst, key, _rows(worker.rank, dst)) for dst in peers]
-    got = {src: transport.recv(src, key) for src in peers}
+    got = {src: transport.recv(src, key, [TensorSpec.of(t) for t in _rows(src, worker.rank)]) for src in peers}
     for handle in handles:
         handle.wait()
     return got
@@ -119,7 +119,8 @@ def _replay(worker, schedule, steps):
                     handles.append(transport.send(dst, op.key(step), [stamp, torch.empty(0, 8)]))
             elif isinstance(op, Recv):
                 for src in op.peers:
-                    stamp, rows = transport.recv(src, op.key(step))
+                    stamp, rows = transport.recv(src, op.key(step), [TensorSpec((5,), torch.int64),
+                                                                     TensorSpec((0, 8), torch.float32)])
                     assert stamp.tolist() == [src, worker.rank, step, op.layer, op.micro_batch]
                     assert rows.shape == (0, 8)
                     received += 1
@@ -229,7 +230,8 @@ def _die_or_wait(worker, dying_rank):
 
     if worker.rank == dying_rank:
         os._exit(7)
-    LocalTransport(default_timeout_s=30).recv(dying_rank, MessageKey(0, 0, 0, Direction.FORWARD))
+    LocalTransport(default_timeout_s=30).recv(dying_rank, MessageKey(0, 0, 0, Direction.FORWARD),
+                                              [TensorSpec((1,), torch.float32)])
 
 
 def test_dying_actor_is_reported_with_its_rank(workers):

@@ -22,7 +22,8 @@ import torch
 
 from disagmoe.cli.plan_cmd import build_request
 from disagmoe.config import OptimConfig, Plan, TrainConfig, load_model
-from disagmoe.placement.solver import colocated_candidates, price, solve
+from disagmoe.placement.cost import evaluate
+from disagmoe.placement.solver import best_index, colocated_candidates, disaggregated_candidates, price, problem_of
 from disagmoe.model import MoETransformer
 from disagmoe.runtime.checkpoint import checkpoint_dir, load_checkpoint, read_manifest, read_shards
 from disagmoe.runtime.cluster import WorkerGroup
@@ -147,15 +148,20 @@ def test_matches_the_single_process_oracle(warm, tmp_path, case):
 
 
 def planned(gpus: int, **request) -> Plan:
-    """The planner's plan for the tiny model on `gpus` H200s (64-token sequences, 8 per step)."""
-    return solve(build_request("tiny", "h200-sxm", gpus, 64, 512, **request))
+    """The planner's best disaggregated plan for the tiny model on all `gpus` H200s (64-token
+    sequences, 8 per step): for so small a model its overall pick is one GPU (latency dominates)."""
+    cfg = build_request("tiny", "h200-sxm", gpus, 64, 512, **request)
+    candidates = disaggregated_candidates(cfg, gpus)
+    candidates = candidates.take((candidates.attn + candidates.expert == gpus).nonzero()[0])
+    return price(cfg, candidates.take(best_index(evaluate(problem_of(cfg), candidates), candidates))).plan
 
 
 def colocated_plan(gpus: int, micro_batches: int) -> Plan:
     """The planner's colocated layout on `gpus` (p = 1, `micro_batches`), priced as a plan."""
     request = build_request("tiny", "h200-sxm", gpus, 64, 512)
     candidates = colocated_candidates(request, gpus)
-    index = next(i for i in range(len(candidates)) if candidates.p[i] == 1 and candidates.m[i] == micro_batches)
+    index = next(i for i in range(len(candidates))
+                 if candidates.p[i] == 1 and candidates.m[i] == micro_batches and candidates.expert[i] == gpus)
     return price(request, candidates.take(index)).plan
 
 
@@ -347,5 +353,38 @@ def test_sharded_optimizer_states_count_a_share_of_the_moments_per_attention_ran
         assert plain_bytes == 16 * params  # fp32 on CPU: parameters are the masters, + gradient + moments
         if topology.attention_role(rank) is None:  # the expert rank keeps its whole state
             assert sharded_bytes == plain_bytes
-from disagmoe.runtime.failures import RunWarning, TrainingFailed
-from disagmoe.runtime.metrics import load_imbalance, mfu, peak_and_ceiling
+        else:  # 16 -> 4 + 4 + 8 / 2 bytes per replicated parameter (the attention ranks hold no experts)
+            assert sharded_bytes == pytest.approx(12 * params)
+    bf16 = plain.model_copy(update={"precision": "bf16"})
+    bf16_sharded = sharded.model_copy(update={"precision": "bf16"})
+    params, bf16_bytes = training_state_bytes(bf16, bf16.model, topology, 0)
+    assert bf16_bytes == 18 * params  # bf16 parameter, fp32 master and gradient, two fp32 moments
+    assert training_state_bytes(bf16_sharded, bf16.model, topology, 0)[1] == pytest.approx(12 * params)
+
+
+@pytest.mark.parametrize("outcome", ["completed", "failed"])
+def test_a_trace_that_cannot_be_written_is_a_warning_not_the_outcome(tmp_path, monkeypatch, outcome):
+    """The trace is written in `run`'s finally: its OSError must neither fail a completed run nor
+    replace the failure that ended one."""
+    from disagmoe.runtime import driver
+    from disagmoe.runtime.failures import RunWarning
+
+    def unwritable(path, *args):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    def run_steps(on_step):
+        if outcome == "failed":
+            raise TrainingFailed(1, "rank 1 (E0.0) died")
+        return "summary"
+
+    trainer = object.__new__(DistributedTrainer)
+    trainer.cfg = run_config(tmp_path, "disaggregated", trace=True)
+    trainer.out_dir, trainer.spans, trainer.rank_names, trainer.owns_workers = tmp_path, {}, {}, False
+    monkeypatch.setattr(driver, "write_chrome_trace", unwritable)
+    monkeypatch.setattr(trainer, "_run", run_steps)
+    with pytest.warns(RunWarning, match=rf"trace not written: {tmp_path / 'trace.json'}: Permission denied"):
+        if outcome == "failed":
+            with pytest.raises(TrainingFailed, match="rank 1"):
+                trainer.run()
+        else:
+            assert trainer.run() == "summary"

@@ -1,16 +1,73 @@
-"""Ordering of an expert rank's rows (disagmoe/runtime/expert_stage.py)."""
+"""The expert stage's routing of compact dispatches (disagmoe/runtime/expert_stage.py): which pairs
+each expert rank serves, replicas included, and that the ranks' partial sums add up to the layer."""
 
+import pytest
 import torch
 
-from disagmoe.runtime.expert_stage import expert_major
+from disagmoe.config import load_model
+from disagmoe.model import MoETransformer, RoutedExperts
+from disagmoe.model.local_experts import local_expert_block
+from disagmoe.runtime.expert_stage import LocalRouting
+from disagmoe.runtime.plan_layout import partition_owners, replica_rows
+from disagmoe.runtime.roles import Layout
+from disagmoe.runtime.topology import Topology
 
 
-def test_rows_are_ordered_by_expert_then_source():
-    gen = torch.Generator().manual_seed(0)
-    counts_DE = torch.tensor([[2, 0, 1], [1, 3, 0]])
-    rows = [torch.randn(int(c.sum()), 4, generator=gen) for c in counts_DE]
-    chunks = expert_major(rows, counts_DE)
-    assert [c.shape[0] for c in chunks] == [2, 1, 0, 3, 1, 0]  # (e0,d0) (e0,d1) (e1,d0) (e1,d1) ...
-    assert torch.equal(chunks[0], rows[0][:2]) and torch.equal(chunks[1], rows[1][:1])
-    assert torch.equal(chunks[3], rows[1][1:4]) and torch.equal(chunks[4], rows[0][2:3])
-    torch.testing.assert_close(torch.cat(chunks).sum(0), torch.cat(rows).sum(0))  # every row exactly once
+def _topology(owners, ranks: int, dp: int) -> Topology:
+    layout = Layout(attention_ranks=dp, expert_ranks=ranks, pipeline_groups=1, num_layers=1, num_dense_layers=0)
+    return Topology.disaggregated(layout, len(owners), {0: owners})
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_each_pair_is_served_by_exactly_the_replica_the_senders_index_picks(seed):
+    g = torch.Generator().manual_seed(seed)
+    experts, ranks, top_k, tokens = 6, 3, 2, 23
+    dp = 1 + seed % 4  # fewer, as many and more data-parallel ranks than some experts have replicas
+    dp_index = int(torch.randint(0, dp, (1,), generator=g))
+
+    def some_ranks(how_many: int) -> tuple[int, ...]:  # distinct ranks in random (replica) order
+        return tuple(int(i) for i in torch.randperm(ranks, generator=g)[:how_many])
+
+    owners = tuple(some_ranks(int(torch.randint(1, ranks + 1, (1,), generator=g))) for _ in range(experts - 1))
+    owners += (some_ranks(ranks),)  # every rank holds one expert
+    topology = _topology(owners, ranks, dp)
+    idx_NK = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
+    idx_NK[idx_NK == 1] = 0 if seed % 2 else 1  # sometimes an expert nobody picks
+    flat = idx_NK.reshape(-1)
+    served = torch.zeros(flat.numel(), dtype=torch.int64)
+    for i in range(ranks):
+        local = LocalRouting(topology, 0, i, dp_index, dp, torch.device("cpu"))(idx_NK).reshape(-1)
+        held = topology.expert_ids(0)[i]
+        ours = local < len(held)
+        served += ours.long()
+        for e, who in enumerate(owners):
+            mine = ours & (flat == e)
+            if i not in who:
+                assert not mine.any()
+                continue
+            sizes = replica_rows(int((flat == e).sum()), len(who), dp_index, dp)
+            r = who.index(i)
+            positions = torch.nonzero(flat == e).flatten()  # the sender's order within the expert
+            want = positions[sum(sizes[:r]):sum(sizes[:r]) + sizes[r]]
+            assert torch.equal(torch.nonzero(mine).flatten(), want)
+            assert torch.all(local[mine] == held.index(e))
+    assert torch.equal(served, torch.ones_like(served))  # every pair exactly once
+
+
+def test_the_expert_ranks_partials_add_up_to_the_layer():
+    cfg = load_model("tiny")
+    model = MoETransformer(cfg)
+    model.init_weights(0)
+    block = model.layers[1]
+    h_BSH = torch.randn(2, 8, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    routing = block.route(h_BSH)
+    x_PH, grouping = block.dispatch(routing)
+    want = block.combine(h_BSH, routing, block.moe.experts(x_PH, grouping.offsets_E), grouping, None)
+    for owners in (partition_owners(((1, 4, 6), (0, 2, 3, 5, 7)), 8),
+                   ((0, 1), (1,), (1, 0), (0,), (1,), (0, 1), (0,), (1,))):  # experts 0, 2, 5 replicated
+        topology = _topology(owners, 2, 1)
+        partial = sum(
+            local_expert_block(routing.xn_NH, LocalRouting(topology, 0, i, 0, 1, torch.device("cpu"))(routing.topk_idx_NK),
+                               routing.topk_w_NK, RoutedExperts.from_indices(block.moe.experts, topology.expert_ids(0)[i]))
+            for i in range(2))
+        torch.testing.assert_close(h_BSH + partial.view_as(h_BSH), want, rtol=1e-6, atol=1e-6)

@@ -208,3 +208,8 @@ def test_balanced_routing_gives_every_expert_the_same_load(tmp_path):
     records = read_metrics(tmp_path / "run" / METRICS_FILE)
     assert all(r["routing"] == "balanced" for r in records)
     assert all(ratio == 1.0 for r in records for ratio in r["load_imbalance"])
+
+
+def test_no_checkpoint_at_the_end_when_asked(tmp_path):
+    summary = train_single(tiny_run(tmp_path, steps=2, checkpoint_at_end=False))
+    assert summary.checkpoint_path is None and not (tmp_path / "run" / CHECKPOINTS_DIR).exists()

@@ -1,0 +1,69 @@
+"""An expert rank's share of a MoE layer: its local experts over whole tokens, one weighted
+partial sum per token (the compact hop of DESIGN 3c).
+
+Each attention rank sends every expert rank of its group the layer's normed token rows once
+(x_TH), each token's top-k choice mapped to this rank's experts (`local_TK`: the local expert
+index, or `num_local` where the pair's expert is served elsewhere) and the routing weights. The
+expert rank computes
+
+    partial_TH[t] = sum over k with local_TK[t, k] < num_local of  w_TK[t, k] * expert_{local_TK[t, k]}(x_TH[t])
+
+and returns that one row per token; the attention rank sums its group's partials. Gradients flow
+to x (every token), to w (pairs served here; zero for the others, so summing over the expert ranks
+gives the whole gradient) and to the expert weights.
+
+The pairs served elsewhere are grouped into a spare last bucket that the experts never read and
+whose rows are masked out of the gathers, so nothing depends on a count read back to the host.
+On CUDA with the triton backend the permute and weighted-combine kernels do the grouping (one
+launch each way; `block.fused_permute_applies`); otherwise plain torch (argsort, gather,
+`torch.where`, the combine).
+
+Shape legend: T tokens (from every source, concatenated), K top-k, H hidden, P = T*K pairs,
+E local experts.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from disagmoe.model.dispatch import expert_counts
+from disagmoe.model.experts import RoutedExperts
+
+
+def local_expert_block(x_TH: torch.Tensor, local_TK: torch.Tensor, w_TK: torch.Tensor,
+                       experts: RoutedExperts) -> torch.Tensor:
+    """partial_TH of the module docstring; `local_TK` int (num_local = experts.num_experts marks
+    a pair served elsewhere)."""
+    if x_TH.shape[0] != local_TK.shape[0] or local_TK.shape != w_TK.shape:
+        raise ValueError(f"x [T, H], local [T, K] and w [T, K] must agree; got {tuple(x_TH.shape)}, "
+                         f"{tuple(local_TK.shape)}, {tuple(w_TK.shape)}")
+    from disagmoe.model.block import fused_permute_applies
+
+    if fused_permute_applies(experts, x_TH):
+        return _fused(x_TH, local_TK, w_TK, experts)
+    return _torch(x_TH, local_TK, w_TK, experts)
+
+
+def _fused(x_TH: torch.Tensor, local_TK: torch.Tensor, w_TK: torch.Tensor, experts: RoutedExperts) -> torch.Tensor:
+    from disagmoe.kernels.permute import combine_rows, permute_tokens
+
+    num_local = experts.num_experts
+    x_PH, offsets_E1, dest_TK = permute_tokens(x_TH, local_TK, num_local + 1, spare_last=True)
+    y_PH = experts(x_PH, offsets_E1[:num_local])
+    return combine_rows(y_PH, dest_TK, w_TK, limit=offsets_E1[num_local - 1:num_local])
+
+
+def _torch(x_TH: torch.Tensor, local_TK: torch.Tensor, w_TK: torch.Tensor, experts: RoutedExperts) -> torch.Tensor:
+    num_local = experts.num_experts
+    T, K = local_TK.shape
+    flat_P = local_TK.reshape(-1).long()
+    order_P = torch.argsort(flat_P, stable=True)  # pairs by local expert, the spare bucket last
+    offsets_E = torch.cumsum(expert_counts(local_TK.long(), num_local + 1)[:num_local], 0).to(torch.int32)
+    served_P1 = (torch.arange(T * K, device=x_TH.device) < offsets_E[-1])[:, None]
+    x_PH = torch.where(served_P1, x_TH[order_P // K], 0)
+    y_PH = torch.where(served_P1, experts(x_PH, offsets_E), 0)
+    y_TKH = torch.empty_like(y_PH).index_copy(0, order_P, y_PH).view(T, K, -1)
+    w_TK = torch.where(local_TK < num_local, w_TK, 0).to(y_PH.dtype)
+    if x_TH.is_cuda:  # einsum's batched GEMV is slow on a GPU; a multiply and a sum are memory-bound
+        return (y_TKH * w_TK[..., None]).sum(1)
+    return torch.einsum("tkh,tk->th", y_TKH, w_TK)
