@@ -58,11 +58,18 @@ def mean_busy(records: list[dict], warmup: int) -> dict[str, float]:
 
 def summarise(rows: list[dict]) -> list[dict]:
     """Add each mode's speedup over the baseline (colocated if measured, else the first mode) and,
-    where `single` ran, its tokens/s over the single GPU's."""
+    where `single` ran, its tokens/s over the single GPU's and its mean loss over all steps
+    relative to the single GPU's (the same data: a check that the layouts train alike)."""
     base = next((r for r in rows if r["mode"] == "colocated"), rows[0])
     single = next((r for r in rows if r["mode"] == "single"), None)
+    def loss_vs_single(r: dict) -> float | None:
+        if single is None or r.get("mean_loss") is None or not single.get("mean_loss"):
+            return None
+        return r["mean_loss"] / single["mean_loss"] - 1.0
+
     return [{**r, "baseline": base["mode"], "speedup": base["median_step_s"] / r["median_step_s"],
-             "vs_single": None if single is None else r["tokens_per_s"] / single["tokens_per_s"]} for r in rows]
+             "vs_single": None if single is None else r["tokens_per_s"] / single["tokens_per_s"],
+             "mean_loss_vs_single": loss_vs_single(r)} for r in rows]
 
 
 def mean_of(records: list[dict], key: str, warmup: int) -> float | None:

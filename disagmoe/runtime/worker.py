@@ -36,7 +36,7 @@ from disagmoe.runtime.attention_stage import AttentionStage
 from disagmoe.runtime.cluster import Worker
 from disagmoe.runtime.expert_stage import ExpertStage
 from disagmoe.runtime.gpu_spans import GpuSpans
-from disagmoe.runtime.metrics import peak_memory_gib
+from disagmoe.runtime.metrics import no_host_syncs, peak_memory_gib
 from disagmoe.runtime.messages import Mailbox, MessageShapes, message_key
 from disagmoe.model.layers import set_fusion
 from disagmoe.runtime.flat_adamw import FlatAdamW, Shard, flat_squares
@@ -133,7 +133,18 @@ class TrainWorker(Worker):
             if self.rank in ranks:
                 self.replica_groups[ranks] = group
                 self._groups.append(group)
+        self._connect_groups()
         return world, mine
+
+    def _connect_groups(self) -> None:
+        """One tiny all-reduce on each of this rank's groups, in the order every rank created them:
+        NCCL builds a communicator at its first collective, blocking the host until every member
+        arrives, which inside a step could wait on a peer whose GPU waits on this rank's sends."""
+        token = torch.zeros(1, device=self.device)
+        for group in self._groups:
+            dist.all_reduce(token, group=group)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     # -- one step --------------------------------------------------------------------------------
 
@@ -151,17 +162,18 @@ class TrainWorker(Worker):
         mail = Mailbox(self.rank)
         handles: list[SendHandle] = []
         result: dict[str, Any] = {}
-        for op in self.program:
-            with self.watchdog.op(f"step {step + 1}: {_op_name(op)}"):
-                if isinstance(op, OptimizerStep):
-                    with self.recorder.span("wait for sends", "wait"):
-                        for handle in handles:
-                            handle.wait()
-                    with self._compute_span(_op_name(op)):
-                        result = self._optimizer_step(lr)
-                else:
-                    self._run(op, step, mail, handles)
-                    handles[:] = [h for h in handles if not h.is_completed()]  # delivered: release the buffers
+        with no_host_syncs(self.cfg.forbid_host_syncs, self.device):
+            for op in self.program:
+                with self.watchdog.op(f"step {step + 1}: {_op_name(op)}"):
+                    if isinstance(op, OptimizerStep):
+                        with self.recorder.span("wait for sends", "wait"):
+                            for handle in handles:
+                                handle.wait()
+                        with self._compute_span(_op_name(op)):
+                            result = self._optimizer_step(lr)
+                    else:
+                        self._run(op, step, mail, handles)
+                        handles[:] = [h for h in handles if not h.is_completed()]  # delivered: release buffers
         assert mail.empty(), f"rank {self.rank}: messages left over after step {step}"
         spans, compute_s = self._drain_spans()
         result.update(self._read_step(result), rank=self.rank, compute_s=compute_s,

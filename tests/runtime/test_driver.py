@@ -320,7 +320,8 @@ def test_configurations_that_cannot_run_are_refused_before_any_actor(warm, tmp_p
 
 @pytest.mark.gpu
 def test_nccl_transport_on_two_gpus_matches_the_oracle(ray_cluster, tmp_path, capsys):
-    """One attention and one expert rank on two GPUs (bf16 autocast, as the oracle on CUDA)."""
+    """One attention and one expert rank on two GPUs, bf16 parameters, against the single-GPU fast
+    path (bf16; the fp32 oracle on CPU is what the CPU tests compare with exactly)."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     cfg = run_config(tmp_path / "dist", "disaggregated", attention_ranks=1, expert_ranks=1, micro_batches=2,
@@ -333,6 +334,21 @@ def test_nccl_transport_on_two_gpus_matches_the_oracle(ray_cluster, tmp_path, ca
     assert records[-1]["loss"] < 0.8 * records[0]["loss"]
     with capsys.disabled():
         print(f"\nnccl, 1 A + 1 E on 2 GPUs, tiny model, 16 x 128 tokens/step: {summary.tokens_per_s:,.0f} tokens/s")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
+def test_gpu_steps_make_no_host_waits_in_every_distributed_mode(ray_cluster, tmp_path, mode):
+    """Steps on two GPUs with forbid_host_syncs: every rank runs its whole program (compute, nccl
+    sends and receives, the optimizer step) under set_sync_debug_mode('error'), so any host wait
+    inside a step raises; only the step's one read at the end is outside it."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    cfg = run_config(tmp_path / "dist", mode, attention_ranks=1, expert_ranks=1, colocated_ranks=2, micro_batches=2,
+                     device="cuda", transport="nccl", cpu_threads=None, steps=3, batch_size=8, seq_len=64,
+                     forbid_host_syncs=True)
+    summary = DistributedTrainer(cfg, log_to_driver=False).run()
+    assert summary.steps == 3 and summary.final_loss is not None
 
 
 def test_a_rank_whose_training_state_exceeds_the_device_is_refused(tmp_path):
