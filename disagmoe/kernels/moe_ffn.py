@@ -12,7 +12,9 @@ and the two weight gradients, each one persistent launch.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -117,11 +119,38 @@ def moe_ffn_backward(
     dx_NH = gg.ragged_rows_gemm(dh13_N2F, offsets_E, w13_EH2F.transpose(1, 2), tiles.gate_up_dgrad,
                                 num_programs=num_programs)  # the input gradient first: the critical path
     main13, main2 = main_grads
-    dw2_EFH = gg.ragged_weight_grad(act_NF, dy_NH, offsets_E, tiles.wgrad_w2, out=main2,
-                                    accumulate=main2 is not None, num_programs=num_programs)
-    dw13_EH2F = gg.ragged_weight_grad(x_NH, dh13_N2F, offsets_E, tiles.wgrad_w13, out=main13,
-                                      accumulate=main13 is not None, num_programs=num_programs)
+
+    def weight_grads() -> tuple[torch.Tensor, torch.Tensor]:
+        dw2_EFH = gg.ragged_weight_grad(act_NF, dy_NH, offsets_E, tiles.wgrad_w2, out=main2,
+                                        accumulate=main2 is not None, num_programs=num_programs)
+        dw13_EH2F = gg.ragged_weight_grad(x_NH, dh13_N2F, offsets_E, tiles.wgrad_w13, out=main13,
+                                          accumulate=main13 is not None, num_programs=num_programs)
+        return dw13_EH2F, dw2_EFH
+
+    if _Deferred.pending is not None and main13 is not None and main2 is not None:
+        _Deferred.pending.append(weight_grads)  # into the main gradients later (`defer_weight_grads`)
+        return dx_NH, None, None
+    dw13_EH2F, dw2_EFH = weight_grads()
     return dx_NH, None if main13 is not None else dw13_EH2F, None if main2 is not None else dw2_EFH
+
+
+class _Deferred:
+    """The weight-gradient launches held back inside `defer_weight_grads` (None outside it)."""
+
+    pending: list | None = None
+
+
+@contextlib.contextmanager
+def defer_weight_grads() -> Iterator[list]:
+    """Inside the block, a backward whose weights carry fp32 main gradients (`FlatAdamW`) computes
+    only the input gradient and appends its weight-gradient launches to the yielded list; run
+    them (each adds into the main gradients) once the input gradient is on its way: the expert
+    rank sends d x before it computes d w (the backward's critical path)."""
+    previous, _Deferred.pending = _Deferred.pending, []
+    try:
+        yield _Deferred.pending
+    finally:
+        _Deferred.pending = previous
 
 
 class ExpertFFNFunction(torch.autograd.Function):

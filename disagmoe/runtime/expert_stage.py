@@ -7,7 +7,9 @@ maps every (token, k) pair to the local expert that serves it here or to "elsewh
 d of the next group one weighted partial sum per token (`model.local_experts`).
 `ExpertBackward(l)` backpropagates the partial sums' gradients that came back and posts each
 source its d xn and d routing weights, with the micro-batch's expert load over all sources (the
-attention ranks need it for the aux loss's gradient). Nothing reads the device from the host.
+attention ranks need it for the aux loss's gradient); with the triton backend the weight
+gradients are held back until the worker has sent those (`run_weight_grads`), so the input
+gradients leave before the weight gradients are computed. Nothing reads the device from the host.
 
 Replicated experts (a plan's hot experts): the attention rank of data-parallel index d (of D)
 sends its pairs of an expert with n owners to owner d mod n when D >= n, and splits them in token
@@ -19,6 +21,7 @@ Legend: D data-parallel sources, N tokens per source, K top-k, E experts of the 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -97,9 +100,18 @@ class ExpertStage:
         self.routing = {layer: [LocalRouting(topology, layer, index, d, dp, model.device) for d in range(dp)]
                         for layer in topology.experts_of(rank)}
         self.segments: dict[tuple[int, int], ExpertSegment] = {}
+        self.pending_weight_grads = []
 
     def begin_step(self) -> None:
         self.segments = {}  # an evaluation pass leaves its forward segments behind
+        self.pending_weight_grads: list = []
+
+    def run_weight_grads(self) -> bool:
+        """Run the weight-gradient launches held back by `backward`; whether there were any."""
+        pending, self.pending_weight_grads = self.pending_weight_grads, []
+        for launch in pending:
+            launch()
+        return bool(pending)
 
     def forward(self, layer: int, mb: int, mail: Mailbox) -> None:
         """ExpertForward(layer, mb)."""
@@ -116,14 +128,28 @@ class ExpertStage:
         self.segments[(layer, mb)] = ExpertSegment(xs + ws, outputs, load_E)
 
     def backward(self, layer: int, mb: int, mail: Mailbox) -> None:
-        """ExpertBackward(layer, mb)."""
+        """ExpertBackward(layer, mb): the input gradients now; with the triton backend and fp32
+        main gradients the weight gradients wait in `pending_weight_grads` until the worker has
+        sent these (`run_weight_grads`)."""
         segment = self.segments.pop((layer, mb))
         grads = [mail.take(Payload.COMBINE_GRAD, layer, mb, dst)[0] for dst in self.destinations]
-        torch.autograd.backward(segment.outputs, grads)
+        with _deferral(self.model.experts(layer)) as pending:
+            torch.autograd.backward(segment.outputs, grads)
+        self.pending_weight_grads += pending
         D = len(self.sources)
         for d, src in enumerate(self.sources):
             x_leaf, w_leaf = segment.inputs[d], segment.inputs[D + d]
             mail.post(Payload.DISPATCH_GRAD, layer, mb, src, [_grad(x_leaf), _grad(w_leaf), segment.load_E])
+
+
+def _deferral(experts: torch.nn.Module) -> contextlib.AbstractContextManager[list]:
+    """Hold back the weight gradients of a triton-backend expert block (its kernels know how);
+    other backends compute them inside autograd as usual (the yielded list stays empty)."""
+    if getattr(experts, "backend", None) == "triton":
+        from disagmoe.kernels.moe_ffn import defer_weight_grads
+
+        return defer_weight_grads()
+    return contextlib.nullcontext([])
 
 
 def _grad(leaf: torch.Tensor) -> torch.Tensor:

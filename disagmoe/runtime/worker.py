@@ -51,6 +51,7 @@ from disagmoe.runtime.schedule import (
     Loss,
     Op,
     OptimizerStep,
+    Payload,
     Recv,
     Send,
 )
@@ -166,6 +167,8 @@ class TrainWorker(Worker):
             for op in self.program:
                 with self.watchdog.op(f"step {step + 1}: {_op_name(op)}"):
                     if isinstance(op, OptimizerStep):
+                        if self.experts is not None:
+                            self.experts.run_weight_grads()  # none left in a schedule's order; a guard
                         with self.recorder.span("wait for sends", "wait"):
                             for handle in handles:
                                 handle.wait()
@@ -231,6 +234,9 @@ class TrainWorker(Worker):
                         key = message_key(step, op.payload, op.layer, op.micro_batch)
                         tensors = mail.outgoing(op.payload, op.layer, op.micro_batch, peer)
                         handles.append(self.transport.send(peer, key, tensors))
+            if op.payload is Payload.DISPATCH_GRAD and self.experts is not None and self.experts.pending_weight_grads:
+                with self._compute_span(f"ExpertWeightGrad L{op.layer} mb{op.micro_batch}"):
+                    self.experts.run_weight_grads()  # after the input gradients are on their way
             return
         if isinstance(op, Recv):
             with self.recorder.span(_op_name(op), "wait"):

@@ -187,3 +187,52 @@ def test_weight_gradients_add_into_main_gradients(kernels, case):
     moe_ffn.expert_ffn_reference(x, offsets, r13, r2).backward(dy)
     assert _rel_err(w13.main_grad - start13, 2 * r13.grad) < 1e-5
     assert _rel_err(w2.main_grad - start2, 2 * r2.grad) < 1e-5
+
+
+def test_deferred_weight_gradients_wait_for_their_launch(kernels):
+    """Inside defer_weight_grads the backward leaves the main gradients alone and returns the
+    weight-gradient launches; running them adds exactly what the undeferred backward adds."""
+    gg, moe_ffn = kernels
+    counts, hidden, ffn = RAGGED_CASES[0]
+    x, offsets, w13, w2 = _inputs(counts, hidden, ffn, torch.float32, "cpu", seed=7)
+    w13, w2 = torch.nn.Parameter(w13), torch.nn.Parameter(w2)
+    w13.main_grad, w2.main_grad = torch.zeros(w13.shape), torch.zeros(w2.shape)
+    tiles = moe_ffn.FFNTiles.uniform(SMALL_TILES)
+    xl = x.clone().requires_grad_()
+    with moe_ffn.defer_weight_grads() as pending:
+        moe_ffn.ExpertFFNFunction.apply(xl, offsets, w13, w2, tiles, 3).sum().backward()
+    assert len(pending) == 1 and xl.grad is not None
+    assert not w13.main_grad.any() and not w2.main_grad.any()
+    for launch in pending:
+        launch()
+    r13, r2 = w13.detach().clone().requires_grad_(), w2.detach().clone().requires_grad_()
+    moe_ffn.expert_ffn_reference(x, offsets, r13, r2).sum().backward()
+    assert _rel_err(w13.main_grad, r13.grad) < 1e-5 and _rel_err(w2.main_grad, r2.grad) < 1e-5
+
+
+def test_the_expert_stage_holds_back_a_triton_blocks_weight_gradients(kernels):
+    """`expert_stage._deferral` around a local expert block's backward (FlatAdamW's fp32 main
+    gradients, the triton backend): input gradients at once, weight gradients when run."""
+    from disagmoe.config import OptimConfig
+    from disagmoe.model.experts import RoutedExperts
+    from disagmoe.model.local_experts import local_expert_block
+    from disagmoe.runtime.expert_stage import _deferral
+    from disagmoe.runtime.flat_adamw import FlatAdamW
+
+    g = torch.Generator().manual_seed(3)
+    experts = RoutedExperts(3, 16, 24, backend="triton")
+    experts.init_weights(3, "e", std=0.3)
+    flat = FlatAdamW(experts.named_parameters(), OptimConfig(), torch.float32)
+    flat.zero_grad()
+    x = torch.randn(11, 16, generator=g).requires_grad_()
+    local = torch.randint(0, 4, (11, 2), generator=g, dtype=torch.int32)  # 3 = served elsewhere
+    w = torch.rand(11, 2, generator=g)
+    with _deferral(experts) as pending:
+        local_expert_block(x, local, w, experts).sum().backward()
+    assert len(pending) == 1 and x.grad is not None and not flat.buckets[0].grad_N.any()
+    pending[0]()
+    reference = RoutedExperts(3, 16, 24)
+    reference.load_state_dict({k: v.detach() for k, v in experts.state_dict().items()})
+    local_expert_block(x.detach(), local, w, reference).sum().backward()
+    assert _rel_err(experts.w13_EH2F.main_grad, reference.w13_EH2F.grad) < 1e-5
+    assert _rel_err(experts.w2_EFH.main_grad, reference.w2_EFH.grad) < 1e-5
