@@ -36,7 +36,7 @@ from disagmoe.runtime.attention_stage import AttentionStage
 from disagmoe.runtime.cluster import Worker
 from disagmoe.runtime.expert_stage import ExpertStage
 from disagmoe.runtime.gpu_spans import GpuSpans
-from disagmoe.runtime.metrics import no_host_syncs, peak_memory_gib
+from disagmoe.runtime.metrics import no_host_syncs, out_of_memory_hint, peak_memory_gib
 from disagmoe.runtime.messages import Mailbox, MessageShapes, message_key
 from disagmoe.model.layers import set_fusion
 from disagmoe.runtime.flat_adamw import FlatAdamW, Shard, flat_squares
@@ -150,7 +150,12 @@ class TrainWorker(Worker):
     # -- one step --------------------------------------------------------------------------------
 
     def train_step(self, step: int, lr: float, trace: bool) -> dict[str, Any]:
-        """Run this rank's program for `step`; returns its metrics and (if `trace`) its spans."""
+        """Run this rank's program for `step`; returns its metrics and (if `trace`) its spans. A CUDA
+        out-of-memory error comes back as one line naming the knobs (`metrics.OutOfMemory`)."""
+        with out_of_memory_hint(self.cfg, f"rank {self.rank} ({self.topology.describe(self.rank)})"):
+            return self._train_step(step, lr, trace)
+
+    def _train_step(self, step: int, lr: float, trace: bool) -> dict[str, Any]:
         self.recorder.enabled = trace
         if self.gpu_spans is not None:
             self.gpu_spans.begin_step()

@@ -103,3 +103,29 @@ def test_each_record_is_one_write_and_a_short_write_leaves_no_torn_line(tmp_path
             log.write(RECORDS[2])
     assert all(c.endswith(b"\n") and c.count(b"\n") == 1 for c in calls)
     assert read_metrics(path) == RECORDS[:2] and path.read_bytes().endswith(b"\n")
+
+
+def test_mfu_counts_every_gpu_of_the_run_and_the_measured_ceiling():
+    from disagmoe.config import TrainConfig, load_hardware
+    from disagmoe.runtime.metrics import mfu, peak_and_ceiling
+
+    cfg = TrainConfig(model="tiny", hardware="h200-sxm")
+    hw = load_hardware("h200-sxm")
+    peak1, ceiling1 = peak_and_ceiling(cfg, gpus=1)
+    peak2, _ = peak_and_ceiling(cfg, gpus=2)
+    assert peak2 == 2 * peak1 == 2 * hw.bf16_tflops * 1e12
+    assert ceiling1 == pytest.approx(peak1 * hw.efficiency.matmul)
+    assert mfu(1e15, 1.0, peak2) == pytest.approx(mfu(1e15, 1.0, peak1) / 2)
+    assert peak_and_ceiling(TrainConfig(model="tiny"), gpus=2) == (None, None)
+
+
+def test_a_cuda_out_of_memory_error_becomes_one_line_naming_the_knobs():
+    from disagmoe.config import TrainConfig
+    from disagmoe.runtime.metrics import OutOfMemory, out_of_memory_hint
+
+    cfg = TrainConfig(model="tiny", batch_size=16, micro_batches=8, seq_len=4096)
+    with pytest.raises(OutOfMemory) as err, out_of_memory_hint(cfg, "rank 1 (E0.0)"):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore detail")
+    text = str(err.value)
+    assert "\n" not in text and text.startswith("rank 1 (E0.0) ran out of memory (CUDA out of memory.")
+    assert all(k in text for k in ("micro_batches=8", "batch_size", "seq_len", "expert_ranks", "pipeline_groups"))
