@@ -53,7 +53,7 @@ def problem_of(cfg: PlanConfig, gpus: int | None = None) -> Problem:
         global_batch_tokens=cfg.global_batch_tokens,
         capacity_bytes=hw.hbm_gib * GIB * cfg.memory_headroom, load_peak_ratio=peak,
         replica_slots=1 if cfg.max_expert_replicas > 0 else 0,
-        shard_optimizer=cfg.shard_optimizer_states,
+        shard_optimizer=cfg.shard_optimizer_states, calibration=hw.calibration,
     )
 
 
@@ -426,12 +426,13 @@ def roofline_rows(cost: Cost, prob: Problem, c: Candidates) -> tuple[list[dict],
         repeat = stage.repeats(prob.model, int(c.p[0]), per_step)
         for tag, w in (("fwd", stage.fwd), ("bwd", stage.bwd)):
             label = "step" if stage.runs == "step" else tag
-            row = report.stage_row(name, stage.group, label, w, prob.ceilings)
+            ceil = stage.ceilings(tag == "bwd", prob.ceilings)
+            row = report.stage_row(name, stage.group, label, w, ceil)
             if row["time_s"] == 0:
                 continue
             if stage.runs != "step":
                 layer_rows.append(row)
-            step_rows.append(report.stage_row(name, stage.group, label, w, prob.ceilings, repeat=repeat))
+            step_rows.append(report.stage_row(name, stage.group, label, w, ceil, repeat=repeat))
     return layer_rows, step_rows
 
 

@@ -26,7 +26,7 @@ def scalar(w: Work) -> Work:
 
 def stage_row(name: str, group: str, pass_: str, w: Work, ceil: Ceilings, repeat: float = 1.0) -> dict[str, Any]:
     """One report row; `repeat` multiplies the work (e.g. layers x micro-batches for a step)."""
-    w = scalar(w).scale(repeat)
+    w, ceil = scalar(w).scale(repeat), ceil.first()
     times = {k: float(v) for k, v in ceil.times(w).items()}
     intensity = w.flops / w.hbm_bytes if w.hbm_bytes else None
     return {
