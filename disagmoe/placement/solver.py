@@ -9,6 +9,8 @@ says why pricing a few dp per layout is enough), so a plan never gets slower wit
 that leaves GPUs idle says so (`Plan.idle_gpus`). Candidates are priced at once by
 `cost.evaluate` (numpy arrays), in two passes (`_pruning`), so a 1,152-GPU search takes well
 under a second. Whichever layout is faster becomes the plan, the other's time is reported beside it.
+With a calibrated hardware profile the chosen disaggregated layout's step time is then priced by
+replaying its schedule (`placement.replay`), once, after the search.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from disagmoe.placement.cost import (
     sharded_state_bytes,
 )
 from disagmoe.placement.experts import imbalance, map_layer
+from disagmoe.placement.replay import replayed_step_s
 from disagmoe.roofline import report
 from disagmoe.roofline.ceilings import Ceilings
 from disagmoe.roofline.flops import step_flops
@@ -268,6 +271,8 @@ def choose(cfg: PlanConfig) -> Choice:
             full = (cands.attn + cands.expert) == cands.p * (gpus // cands.p)
             whole = min(whole, float(np.min(np.where(cost.fits & full, cost.step_s, np.inf))))
     (dis_time, dis), (col_time, col) = best[False], best[True]
+    if dis is not None and prob.calibration is not None:  # the pick compares what the plan will report
+        dis_time = replayed_step_s(evaluate(prob, dis), prob, dis)
     if dis is None and col is None:
         return Choice(_infeasible(cfg, prob), None, None, prob)
     chosen = dis if dis_time <= col_time else col
@@ -319,6 +324,11 @@ def price(cfg: PlanConfig, chosen: Candidates, colocated_step_s: float | None = 
                     if cfg.shard_optimizer_states else "on every replica (no optimizer sharding)")
                  + ", and no activation recomputation")
     step = float(cost.step_s[0])
+    if prob.calibration is not None and use_dis:
+        closed = step
+        step = replayed_step_s(cost, prob, chosen)
+        notes.append(f"step time from replaying the schedule with the calibrated op times ({report.seconds(step)}); "
+                     f"the search's closed-form pipeline gives {report.seconds(closed)}")
     counts = count_params(model)
     mfu = step_flops(model, rounds * tokens_per_round, cfg.seq_len) / (
         step * gpus * cfg.cluster.hardware.bf16_tflops * 1e12)
