@@ -197,6 +197,55 @@ class Efficiency(StrictModel):
     scaleout: Fraction = 0.8
 
 
+OP_KINDS = ("AttentionForward", "ExpertForward", "Loss", "ExpertBackward", "AttentionBackward", "OptimizerStep")
+OpKind = Literal["AttentionForward", "ExpertForward", "Loss", "ExpertBackward", "AttentionBackward", "OptimizerStep"]
+
+
+class RatePoint(StrictModel):
+    """One point of an efficiency curve: at `at` (rows per expert, or tokens per sequence) the
+    kernel ran at `fwd` / `bwd` of the bf16 dense peak (the hardware's `bf16_tflops`)."""
+
+    at: PositiveFloat = Field(description="rows per expert (expert GEMMs) or sequence length (attention)")
+    fwd: Fraction = Field(description="forward rate as a fraction of the bf16 peak")
+    bwd: Fraction = Field(description="backward rate (data + weight gradients) as a fraction of the bf16 peak")
+
+
+class LinkCost(StrictModel):
+    """A transport as a fixed cost per call plus a bandwidth: time = latency + bytes / bandwidth."""
+
+    latency_us: NonNegFloat = Field(description="fixed cost of one call (a message or a collective), us")
+    gbps: PositiveFloat = Field(description="achieved bandwidth per GPU per direction, GB/s")
+
+
+class Calibration(StrictModel):
+    """Measured terms that replace the roofline's flat efficiencies (written by `disagmoe bench
+    calibrate`). Every key is optional: an absent one leaves that part priced as without calibration.
+
+    - `expert_gemm`: the routed experts' GEMM rate against rows per expert (log-interpolated, clamped
+      at the ends); `attention`: the attention core's rate against sequence length (same rules).
+    - `op_fixed_us`: the fixed cost of one schedule op of that kind (its kernel launches and the
+      small kernels whose time does not scale with the work), added once per op.
+    - `p2p`: the point-to-point transport (NCCL send/recv) that carries dispatch and combine;
+      `all_reduce` / `all_to_all`: NCCL collectives (gradient reduction, colocated dispatch).
+    """
+
+    source: str = Field("", description="what produced these numbers (command, GPU, date)")
+    expert_gemm: list[RatePoint] = Field(default_factory=list)
+    attention: list[RatePoint] = Field(default_factory=list)
+    op_fixed_us: dict[OpKind, NonNegFloat] = Field(default_factory=dict)
+    p2p: LinkCost | None = None
+    all_reduce: LinkCost | None = None
+    all_to_all: LinkCost | None = None
+
+    @field_validator("expert_gemm", "attention")
+    @classmethod
+    def _distinct_points(cls, points: list[RatePoint]) -> list[RatePoint]:
+        ats = [p.at for p in points]
+        if len(set(ats)) != len(ats):
+            raise ValueError(f"curve points must have distinct `at` values; got {ats}: keep one point per size")
+        return sorted(points, key=lambda p: p.at)
+
+
 class HardwareConfig(StrictModel):
     """One GPU model and the fabric around it. Bandwidths are GB/s (1e9 B/s) per GPU."""
 
@@ -215,6 +264,9 @@ class HardwareConfig(StrictModel):
     collective_latency_us: NonNegFloat = Field(
         120.0, description="fixed cost of one NCCL collective call (all-to-all, all-reduce), us")
     efficiency: Efficiency = Field(default_factory=Efficiency)
+    calibration: Calibration | None = Field(
+        None, description="measured efficiency curves and fixed costs (`disagmoe bench calibrate`); "
+        "absent: the roofline with the flat `efficiency` fractions")
 
 
 class ClusterConfig(StrictModel):

@@ -159,6 +159,46 @@ def hardware(
     console.print(text, highlight=False)
 
 
+@bench_app.command("calibrate")
+@user_errors
+def calibrate(
+    preset: Annotated[str, typer.Option("--hardware", help="the preset (or hardware YAML) whose peaks the measured "
+                                        "fractions refer to; its calibration terms this machine cannot measure are kept")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="write the calibrated hardware YAML here")],
+    model: Annotated[str, typer.Option("--model", "-m", help="model preset whose expert and attention shapes "
+                                       "are measured (hidden, expert FFN, heads)")] = "qwen3-30b-a3b",
+    experts_backend: Annotated[str, typer.Option(help="the expert GEMMs to measure: grouped_mm (torch._grouped_mm) "
+                                                 "or triton (our kernels), as the run's experts_backend")] = "grouped_mm",
+    as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
+) -> None:
+    """Measure the cost model's terms on this machine and write a hardware YAML that `plan
+    --hardware FILE` and `roofline --hardware FILE` accept: bf16 matmul, HBM and GPU-to-GPU
+    ceilings (as `bench hardware`), the expert GEMM rate at several rows per expert, SDPA
+    attention forward+backward at several sequence lengths, each op's fixed cost, and NCCL
+    send/recv, all-reduce and all-to-all latency and bandwidth when 2+ GPUs are visible.
+
+    \b
+    Example (on the GPU machine): disagmoe bench calibrate --hardware h200-sxm --out h200-calibrated.yaml
+    then: disagmoe plan --model qwen3-30b-a3b --hardware h200-calibrated.yaml --gpus 2
+    """
+    from disagmoe.bench import calibrate as bench
+    from disagmoe.config import load_hardware, load_model
+
+    hw_preset = load_hardware(preset)
+    if out.exists():  # refreshing a calibrated file: its terms this machine cannot measure stay
+        kept = load_hardware(str(out)).calibration
+        hw_preset = hw_preset.model_copy(update={"calibration": bench.merge_calibration(hw_preset.calibration, kept)
+                                                 if kept else hw_preset.calibration})
+    command = f"disagmoe bench calibrate --hardware {preset} --out {out} --model {model} --experts-backend {experts_backend}"
+    measured, hw, text = bench.run(hw_preset, load_model(model), experts_backend, command)
+    bench.write_preset(text, out)
+    if as_json:
+        print_json({"hardware": hw.model_dump(mode="json")})
+        return
+    console.print(text, highlight=False, markup=False)
+    console.print(f"calibrated hardware written to {out}", highlight=False, markup=False)
+
+
 @bench_app.command("train")
 @user_errors
 def train(

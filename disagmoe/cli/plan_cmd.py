@@ -160,9 +160,11 @@ def _baseline(p: Plan) -> str:
 
 @user_errors
 def roofline(
-    model: ModelOpt,
-    hardware: HardwareOpt,
-    gpus: GpusOpt,
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help="model preset (see `disagmoe presets`), "
+                                                 "a model YAML, or a Hugging Face config.json")] = None,
+    hardware: Annotated[Optional[str], typer.Option("--hardware", "-hw", help="hardware preset or YAML file "
+                                                    "(with --compare: default the run config's)")] = None,
+    gpus: Annotated[Optional[int], typer.Option("--gpus", "-n", help="GPUs in the job", min=1)] = None,
     seq_len: SeqOpt = None,
     global_batch_tokens: BatchOpt = 4 * 1024 * 1024,
     layout: Annotated[str, typer.Option(help="auto (the planner's choice), disaggregated or colocated")] = "auto",
@@ -174,6 +176,11 @@ def roofline(
     shard_optimizer_states: ShardOpt = False,
     as_json: JsonOpt = False,
     plot_path: Annotated[Optional[Path], typer.Option("--plot", help="write a log-log roofline PNG")] = None,
+    compare_trace: Annotated[Optional[Path], typer.Option(
+        "--compare", help="a run's trace.json (`disagmoe train` with trace: true): predicted vs measured per "
+        "schedule-op kind; needs --config")] = None,
+    config: Annotated[Optional[Path], typer.Option(
+        "--config", "-c", help="with --compare: the train config the trace came from (its model, layout, batch)")] = None,
 ) -> None:
     """Per-stage roofline of one layer and of a whole step: FLOPs, bytes per memory and link,
     arithmetic intensity, time under each ceiling and the one that binds.
@@ -182,7 +189,16 @@ def roofline(
     By default it reports the layout `disagmoe plan` would choose; --layout with --attention-gpus,
     -p, --micro-batches, --sequences-per-gpu and --replica-sets fixes one instead.
     Example: disagmoe roofline --model qwen3-235b-a22b --hardware h200-sxm --gpus 8 --plot roof.png
+    With --compare TRACE --config CONFIG it prices the run's own layout and sets each op kind's
+    predicted time beside the trace's (compute spans; messages from post to receipt), with the error.
+    Example: disagmoe roofline --compare runs/tiny-cpu/trace.json -c configs/tiny-cpu.yaml -hw h200-sxm
     """
+    if compare_trace is not None:
+        _compare(compare_trace, config, hardware, as_json, plot_path)
+        return
+    missing = [flag for flag, v in (("--model", model), ("--hardware", hardware), ("--gpus", gpus)) if v is None]
+    if missing:
+        raise ValueError(f"roofline needs {', '.join(missing)} (or --compare TRACE --config CONFIG for a run's trace)")
     req = build_request(model, hardware, gpus, seq_len, global_batch_tokens,
                         shard_optimizer_states=shard_optimizer_states)
     choice = _layout_choice(req, layout, attention_gpus, pipeline_groups, micro_batches,
@@ -227,3 +243,29 @@ def _layout_choice(req: PlanConfig, layout: str, attention_gpus, p, m, seqs, set
         raise ValueError(f"--attention-gpus {attention_gpus} leaves {expert} expert GPUs; both counts must "
                          f"divide into p={p} groups and the expert GPUs into {sets} replica set(s) per group")
     return price(req, Candidates.one(attention_gpus, expert, p, m, seqs, sets))
+
+
+def _compare(trace: Path, config: Path | None, hardware: str | None, as_json: bool, plot_path: Path | None) -> None:
+    """`roofline --compare`: the table, JSON or PNG of `placement.trace_compare.compare`."""
+    from disagmoe.config import load_train_config
+    from disagmoe.placement.trace_compare import compare
+
+    if config is None:
+        raise ValueError("--compare needs --config: the train config the trace came from (model, layout, batch)")
+    cfg = load_train_config(config)
+    ref = hardware or cfg.hardware
+    if ref is None:
+        raise ValueError(f"{config} names no hardware; pass --hardware (a preset or a calibrated YAML) to price it on")
+    if plot_path and plot_path.suffix.lower() != ".png":
+        raise ValueError(f"--plot {plot_path}: give a .png file name")
+    hw = load_hardware(ref)
+    result = compare(trace, cfg, hw)
+    title = f"{trace}: {cfg.mode} run predicted on {hw.name}"
+    if plot_path:
+        report.compare_plot(result, plot_path, title)
+    if as_json:
+        print_json(result)
+        return
+    console.print(report.compare_table(result, title + " (per op; red: messages)"))
+    if plot_path:
+        console.print(f"plot written to {plot_path}", markup=False, highlight=False)

@@ -32,15 +32,16 @@ the pessimistic case (`_ring_hop_fraction`). Idle GPUs of the cluster never ente
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from disagmoe.config import ModelConfig
+from disagmoe.config import Calibration, ModelConfig
+from disagmoe.roofline import calibration as cal
 from disagmoe.roofline import stages as st
 from disagmoe.roofline.ceilings import Ceilings
 from disagmoe.roofline.params import attention_params, count_params, expert_params, swiglu_params
-from disagmoe.roofline.stages import BF16, FP32, Work
+from disagmoe.roofline.stages import BF16, FP32, Num, Work
 
 WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = 2 + 4, 4, 8  # bf16 copy + fp32 master; fp32; AdamW m, v
 BYTES_PER_PARAM = WEIGHT_BYTES + GRAD_BYTES + OPTIMIZER_BYTES
@@ -101,6 +102,19 @@ class Stage:
     runs: str
     fwd: Work
     bwd: Work
+    fwd_ceilings: Ceilings | None = None  # a calibrated stage's own rates (None: the problem's)
+    bwd_ceilings: Ceilings | None = None
+
+    def work(self, bwd: bool) -> Work:
+        return self.bwd if bwd else self.fwd
+
+    def ceilings(self, bwd: bool, default: Ceilings) -> Ceilings:
+        """The rates this stage's pass is priced at: its calibrated ones, else `default`."""
+        own = self.bwd_ceilings if bwd else self.fwd_ceilings
+        return default if own is None else own
+
+    def time(self, bwd: bool, default: Ceilings) -> Num:
+        return self.ceilings(bwd, default).time(self.work(bwd))
 
     def repeats(self, model: ModelConfig, p: int, micro_batches_per_step: float) -> float:
         """How often this stage runs in a step on the busiest GPU of its group."""
@@ -151,6 +165,7 @@ class Problem:
     load_peak_ratio: float = 1.0  # hottest expert's load over the mean (1 = uniform routing)
     replica_slots: int = 0  # spare expert slots per expert GPU for hot-expert replicas
     shard_optimizer: bool = False  # ZeRO-1 over each data-parallel group for the replicated parameters
+    calibration: Calibration | None = None  # measured curves and fixed costs (None: the plain roofline)
 
 
 def expert_layout(model: ModelConfig, per_set: np.ndarray, peak_ratio: float,
@@ -313,10 +328,12 @@ def evaluate(prob: Problem, c: Candidates) -> Cost:
     }
     if n_dense == 0:
         del stages["dense ffn"]
+    if prob.calibration is not None:
+        stages = calibrated_stages(stages, prob.calibration, ceil, rows / local, float(S), c.colocated)
 
     def time_of(name: str, bwd: bool):
         stage = stages.get(name)
-        return 0.0 if stage is None else ceil.time(stage.bwd if bwd else stage.fwd)
+        return 0.0 if stage is None else stage.time(bwd, ceil)
 
     def attention_time(bwd: bool, runs: tuple[str, ...]):
         return sum(time_of(n, bwd) for n, s in stages.items() if s.group == "attention" and s.runs in runs)
@@ -325,7 +342,8 @@ def evaluate(prob: Problem, c: Candidates) -> Cost:
     floor = 0.0  # the attention GPU's own work per round: _pass_time never undercuts L/p * m * a
     for bwd in (False, True):
         a_moe, a_dense = attention_time(bwd, ("layer", "moe")), attention_time(bwd, ("layer", "dense"))
-        t_d, t_e, t_c = time_of("dispatch", bwd), time_of("routed experts", bwd), time_of("combine", bwd)
+        t_d, t_c = time_of("dispatch", bwd), time_of("combine", bwd)
+        t_e = time_of("routed experts", bwd) + time_of(EXPERT_FIXED, bwd)
         t_head = time_of("lm head + embedding", bwd)
         floor = floor + L / p * mb * (n_moe * a_moe + n_dense * a_dense) / L + mb * t_head
         if c.colocated:  # attention, dispatch, experts, combine back to back on each GPU
@@ -371,6 +389,48 @@ def evaluate(prob: Problem, c: Candidates) -> Cost:
                 imbalance=np.asarray(imbalance, dtype=float) * ones,
                 attn_params=attn_params * ones, expert_params=exp_params * ones,
                 attn_act_bytes=act_attn, expert_act_bytes=act_exp, round_floor_s=floor * ones, stages=stages)
+
+
+ATTENTION_FIXED, EXPERT_FIXED = "fixed cost (attention ops)", "fixed cost (expert ops)"
+
+
+def calibrated_stages(stages: dict[str, Stage], calib: Calibration, ceil: Ceilings, rows_per_expert: Num,
+                      seq_len: float, colocated: bool) -> dict[str, Stage]:
+    """`stages` priced with measured terms (`roofline.calibration`): the routed experts at the GEMM
+    rate measured for their rows per expert, the attention core at the rate measured for the
+    sequence length, dispatch and combine at the measured P2P transport (colocated: all-to-all),
+    the gradient all-reduces at the measured all-reduce, and each schedule op's fixed cost as its
+    own stage (attention, expert ops) or inside the stage that is the op (loss, optimizer).
+    A term the calibration lacks leaves its stages as they were."""
+    out = dict(stages)
+
+    def rated(name: str, curve: list, at: Num) -> None:
+        if curve and name in out:
+            out[name] = replace(out[name], fwd_ceilings=cal.compute_ceilings(ceil, cal.curve_fraction(curve, at, False)),
+                                bwd_ceilings=cal.compute_ceilings(ceil, cal.curve_fraction(curve, at, True)))
+
+    def linked(names: tuple[str, ...], link, collective: bool) -> None:
+        if link is None:
+            return
+        link_ceil = cal.link_ceilings(ceil, link, collective)
+        for name in names:
+            if name in out:
+                out[name] = replace(out[name], fwd_ceilings=link_ceil, bwd_ceilings=link_ceil)
+
+    def fixed(kind: str) -> Work:
+        return Work(fixed_s=cal.op_fixed_s(calib, kind))
+
+    rated("routed experts", calib.expert_gemm, rows_per_expert)
+    rated("attention core", calib.attention, seq_len)
+    linked(("dispatch", "combine"), calib.all_to_all if colocated else calib.p2p, collective=colocated)
+    linked(("grad all-reduce (attention)", "grad all-reduce (experts)"), calib.all_reduce, collective=True)
+    out[ATTENTION_FIXED] = Stage("attention", "layer", fixed("AttentionForward"), fixed("AttentionBackward"))
+    out[EXPERT_FIXED] = Stage("expert", "moe", fixed("ExpertForward"), fixed("ExpertBackward"))
+    head = out["lm head + embedding"]
+    out["lm head + embedding"] = replace(head, fwd=head.fwd + fixed("Loss"))
+    for name in ("optimizer (attention)", "optimizer (experts)"):
+        out[name] = replace(out[name], bwd=out[name].bwd + fixed("OptimizerStep"))
+    return out
 
 
 def colocated_ep(num_experts: int, gpus: np.ndarray | int) -> np.ndarray:

@@ -9,6 +9,8 @@ says why pricing a few dp per layout is enough), so a plan never gets slower wit
 that leaves GPUs idle says so (`Plan.idle_gpus`). Candidates are priced at once by
 `cost.evaluate` (numpy arrays), in two passes (`_pruning`), so a 1,152-GPU search takes well
 under a second. Whichever layout is faster becomes the plan, the other's time is reported beside it.
+With a calibrated hardware profile the chosen disaggregated layout's step time is then priced by
+replaying its schedule (`placement.replay`), once, after the search.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from disagmoe.placement.cost import (
     sharded_state_bytes,
 )
 from disagmoe.placement.experts import imbalance, map_layer
+from disagmoe.placement.replay import replayed_step_s
 from disagmoe.roofline import report
 from disagmoe.roofline.ceilings import Ceilings
 from disagmoe.roofline.flops import step_flops
@@ -53,7 +56,7 @@ def problem_of(cfg: PlanConfig, gpus: int | None = None) -> Problem:
         global_batch_tokens=cfg.global_batch_tokens,
         capacity_bytes=hw.hbm_gib * GIB * cfg.memory_headroom, load_peak_ratio=peak,
         replica_slots=1 if cfg.max_expert_replicas > 0 else 0,
-        shard_optimizer=cfg.shard_optimizer_states,
+        shard_optimizer=cfg.shard_optimizer_states, calibration=hw.calibration,
     )
 
 
@@ -268,6 +271,8 @@ def choose(cfg: PlanConfig) -> Choice:
             full = (cands.attn + cands.expert) == cands.p * (gpus // cands.p)
             whole = min(whole, float(np.min(np.where(cost.fits & full, cost.step_s, np.inf))))
     (dis_time, dis), (col_time, col) = best[False], best[True]
+    if dis is not None and prob.calibration is not None:  # the pick compares what the plan will report
+        dis_time = replayed_step_s(evaluate(prob, dis), prob, dis)
     if dis is None and col is None:
         return Choice(_infeasible(cfg, prob), None, None, prob)
     chosen = dis if dis_time <= col_time else col
@@ -319,6 +324,11 @@ def price(cfg: PlanConfig, chosen: Candidates, colocated_step_s: float | None = 
                     if cfg.shard_optimizer_states else "on every replica (no optimizer sharding)")
                  + ", and no activation recomputation")
     step = float(cost.step_s[0])
+    if prob.calibration is not None and use_dis:
+        closed = step
+        step = replayed_step_s(cost, prob, chosen)
+        notes.append(f"step time from replaying the schedule with the calibrated op times ({report.seconds(step)}); "
+                     f"the search's closed-form pipeline gives {report.seconds(closed)}")
     counts = count_params(model)
     mfu = step_flops(model, rounds * tokens_per_round, cfg.seq_len) / (
         step * gpus * cfg.cluster.hardware.bf16_tflops * 1e12)
@@ -426,12 +436,13 @@ def roofline_rows(cost: Cost, prob: Problem, c: Candidates) -> tuple[list[dict],
         repeat = stage.repeats(prob.model, int(c.p[0]), per_step)
         for tag, w in (("fwd", stage.fwd), ("bwd", stage.bwd)):
             label = "step" if stage.runs == "step" else tag
-            row = report.stage_row(name, stage.group, label, w, prob.ceilings)
+            ceil = stage.ceilings(tag == "bwd", prob.ceilings)
+            row = report.stage_row(name, stage.group, label, w, ceil)
             if row["time_s"] == 0:
                 continue
             if stage.runs != "step":
                 layer_rows.append(row)
-            step_rows.append(report.stage_row(name, stage.group, label, w, prob.ceilings, repeat=repeat))
+            step_rows.append(report.stage_row(name, stage.group, label, w, ceil, repeat=repeat))
     return layer_rows, step_rows
 
 

@@ -1,13 +1,15 @@
 """Turn `Work` into time: each resource's achievable rate, and which one binds.
 
 A stage's time is the largest of its times under each ceiling (compute, HBM, NVLink, scale-out),
-plus the latency of the messages on its critical path: the roofline assumption that a well-built
-kernel overlaps its loads, math and stores.
+plus the latency of the messages on its critical path and any measured fixed cost (`Work.fixed_s`):
+the roofline assumption that a well-built kernel overlaps its loads, math and stores. A calibrated
+stage gets its own `Ceilings` (`roofline.calibration`): a rate from a measured curve, a transport's
+measured latency and bandwidth.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 
@@ -25,6 +27,7 @@ class Ceilings:
     nvlink_latency_s: float
     scaleout_latency_s: float
     collective_latency_s: float
+    peak_flops_per_s: float = 0.0  # the datasheet bf16 peak (calibrated rates are fractions of it)
 
     @classmethod
     def of(cls, hw: HardwareConfig) -> Ceilings:
@@ -37,7 +40,12 @@ class Ceilings:
             nvlink_latency_s=hw.nvlink_latency_us * 1e-6,
             scaleout_latency_s=hw.scaleout_latency_us * 1e-6,
             collective_latency_s=hw.collective_latency_us * 1e-6,
+            peak_flops_per_s=hw.bf16_tflops * 1e12,
         )
+
+    def first(self) -> Ceilings:
+        """The first candidate's ceilings as plain floats (a calibrated rate may be an array)."""
+        return Ceilings(*(float(np.asarray(getattr(self, f.name)).ravel()[0]) for f in fields(self)))
 
     def times(self, w: Work) -> dict[str, Num]:
         """Time of `w` under each ceiling alone (seconds)."""
@@ -47,7 +55,7 @@ class Ceilings:
             "hbm": w.hbm_bytes / self.hbm_bytes_per_s,
             "nvlink": w.nvlink_bytes / self.nvlink_bytes_per_s,
             "scale-out": w.scaleout_bytes / self.scaleout_bytes_per_s,
-            "latency": w.transfers * latency + w.collectives * self.collective_latency_s,
+            "latency": w.transfers * latency + w.collectives * self.collective_latency_s + w.fixed_s,
         }
 
     def time(self, w: Work) -> Num:

@@ -26,7 +26,7 @@ def scalar(w: Work) -> Work:
 
 def stage_row(name: str, group: str, pass_: str, w: Work, ceil: Ceilings, repeat: float = 1.0) -> dict[str, Any]:
     """One report row; `repeat` multiplies the work (e.g. layers x micro-batches for a step)."""
-    w = scalar(w).scale(repeat)
+    w, ceil = scalar(w).scale(repeat), ceil.first()
     times = {k: float(v) for k, v in ceil.times(w).items()}
     intensity = w.flops / w.hbm_bytes if w.hbm_bytes else None
     return {
@@ -143,3 +143,52 @@ def _time_panel(ax, rows: list[dict[str, Any]]) -> None:
     ax.set_title("every stage's time per step; red: links and latency (dispatch, combine, all-reduce); "
                  "hatched: once per step", fontsize=9)
     ax.grid(True, axis="x", alpha=0.3)
+
+
+def compare_table(result: dict[str, Any], title: str) -> Table:
+    """Predicted vs measured per schedule-op kind (`placement.trace_compare.compare`'s rows)."""
+    t = Table(title=title, title_justify="left")
+    for col in ("op kind", "ops/step", "predicted", "measured", "error", "share of step"):
+        t.add_column(col, justify="left" if col == "op kind" else "right", no_wrap=True)
+    for r in sorted(result["rows"], key=lambda r: -(r["measured_share"] or 0)):
+        name = f"[red]{r['kind']}[/]" if r["communication"] else r["kind"]
+        error = "-" if r["error"] is None else f"{r['error']:+.0%}"
+        pred = "-" if r["predicted_s"] is None else seconds(r["predicted_s"])
+        share = "-" if r["measured_share"] is None else f"{r['measured_share']:.0%}"
+        t.add_row(name, f"{r['ops_per_step']:g}", pred, seconds(r["measured_s"]), error, share)
+    s = result["step"]
+    t.add_row("[bold]step[/]", "1", seconds(s["predicted_s"]), seconds(s["measured_s"]),
+              "-" if s["error"] is None else f"{s['error']:+.0%}", "100%")
+    return t
+
+
+def compare_plot(result: dict[str, Any], path: str | Path, title: str) -> None:
+    """A PNG of `compare_table`: per op kind a bar of the measured time per op and a mark of the
+    predicted one (log scale), communication (message payloads) in red with its own marker."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = sorted(result["rows"], key=lambda r: r["measured_s"])
+    fig, ax = plt.subplots(figsize=(11, 0.45 * len(rows) + 2))
+    ys = range(len(rows))
+    colors = [COMM_COLOR if r["communication"] else "tab:blue" for r in rows]
+    ax.barh(ys, [max(r["measured_s"], 1e-9) for r in rows], color=colors, alpha=0.45, label="measured")
+    for y, r in zip(ys, rows, strict=True):
+        if r["predicted_s"]:
+            ax.scatter([r["predicted_s"]], [y], marker="s" if r["communication"] else "D", zorder=3,
+                       color=COMM_COLOR if r["communication"] else "tab:blue", edgecolor="black")
+        err = "" if r["error"] is None else f" {r['error']:+.0%}"
+        ax.annotate(f"{seconds(r['measured_s'])}{err}", (max(r["measured_s"], 1e-9), y), fontsize=7,
+                    xytext=(3, -3), textcoords="offset points")
+    ax.set_yticks(list(ys), [r["kind"] for r in rows], fontsize=8)
+    ax.set_xscale("log")
+    ax.set_xlabel("seconds per op (bar: measured, marker: predicted; red: communication)")
+    s = result["step"]
+    ax.set_title(f"{title}\nstep: predicted {seconds(s['predicted_s'])}, measured {seconds(s['measured_s'])}",
+                 fontsize=9)
+    ax.grid(True, axis="x", which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

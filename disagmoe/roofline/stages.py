@@ -37,6 +37,7 @@ class Work:
     scaleout_bytes: Num = 0.0
     transfers: Num = 0.0  # one-sided messages on the critical path (each pays a put latency)
     collectives: Num = 0.0  # collective calls on the critical path (each pays their fixed cost)
+    fixed_s: Num = 0.0  # measured fixed seconds (an op's launches, `HardwareConfig.calibration`)
 
     def __add__(self, other: Work) -> Work:
         return Work(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(Work)))
@@ -45,6 +46,8 @@ class Work:
         return Work(*(getattr(self, f.name) * k for f in fields(Work)))
 
     def backward(self, flop_factor: float = GEMM_BWD, byte_factor: float = 2.0) -> Work:
+        """The backward's work: more FLOPs and bytes, the same messages; no fixed cost (a
+        backward op's own fixed cost is added where it is known)."""
         return Work(self.flops * flop_factor, self.hbm_bytes * byte_factor,
                     self.nvlink_bytes, self.scaleout_bytes, self.transfers, self.collectives)
 

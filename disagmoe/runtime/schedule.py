@@ -26,9 +26,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from typing import TYPE_CHECKING
 
-from disagmoe.comm.base import Direction, MessageKey
 from disagmoe.runtime.roles import Layout, RoleKind
+
+if TYPE_CHECKING:  # the transport types import torch; the planner replays schedules without it
+    from disagmoe.comm.base import Direction, MessageKey
 
 
 class Payload(Enum):
@@ -42,8 +45,15 @@ class Payload(Enum):
     RESIDUAL_GRAD = "residual_grad"  # grads of residual stream + routing weights A_(g+1) -> A_g
 
     @property
+    def backward(self) -> bool:
+        """True for the gradients' payloads (torch-free; `direction` is the transport's enum)."""
+        return self.value.endswith("_grad")
+
+    @property
     def direction(self) -> Direction:
-        return Direction.BACKWARD if self.value.endswith("_grad") else Direction.FORWARD
+        from disagmoe.comm.base import Direction
+
+        return Direction.BACKWARD if self.backward else Direction.FORWARD
 
 
 @dataclass(frozen=True)
@@ -85,6 +95,8 @@ class Send:
     peers: tuple[int, ...]
 
     def key(self, step: int) -> MessageKey:
+        from disagmoe.comm.base import MessageKey
+
         return MessageKey(step, self.micro_batch, self.layer, self.payload.direction)
 
 
@@ -96,6 +108,8 @@ class Recv:
     peers: tuple[int, ...]
 
     def key(self, step: int) -> MessageKey:
+        from disagmoe.comm.base import MessageKey
+
         return MessageKey(step, self.micro_batch, self.layer, self.payload.direction)
 
 

@@ -22,17 +22,21 @@ Data dependencies (the model of what each op consumes, written independently of 
 Failures raise `ScheduleError`: deadlock (with what each stuck rank waits for), an op whose input
 is missing, a key sent twice, a payload arriving under another payload's key, a message never
 received, or a layer / micro-batch not computed exactly once by every rank that owns it.
-Ops have unit-ish costs so the replay also yields a timeline (`render_timeline`). The replay also
-counts receives that overtake an older pending message from the same peer: zero means an
-in-order transport (NCCL: one FIFO per rank pair) never has to buffer a message.
+Ops have unit-ish costs so the replay also yields a timeline (`render_timeline`); given real
+costs (a function of the rank's role and the op) and message transit times it is the step time
+of a layout, bubbles included (`disagmoe.placement.replay`). A message's transit occupies its
+sender's outgoing link (one FIFO per rank, beside the rank's compute): it leaves when the link is
+free and arrives `transit` seconds later. The replay also counts receives that overtake an older
+pending message from the same peer: zero means an in-order transport (NCCL: one FIFO per rank
+pair) never has to buffer a message. It imports no torch (the planner replays plans with it).
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from disagmoe.comm.base import Direction
 from disagmoe.runtime.roles import Role, RoleKind
 from disagmoe.runtime.schedule import (
     AttentionBackward,
@@ -60,7 +64,9 @@ DEFAULT_COSTS: dict[type, float] = {
 }
 
 Value = tuple[Payload, int, int]  # (payload, layer, micro_batch) held by a rank
-Channel = tuple[int, int, int, int, Direction]  # (src, dst, micro_batch, layer, direction)
+Channel = tuple[int, int, int, int, bool]  # (src, dst, micro_batch, layer, backward: the key's direction)
+CostFn = Callable[[Role, Op], float]  # seconds (or units) a rank of this role spends running the op
+TransitFn = Callable[[Role, Send], float]  # seconds a Send occupies its sender's link until it arrives
 
 
 class ScheduleError(RuntimeError):
@@ -81,6 +87,7 @@ class SimulationResult:
     messages: int
     step_time: float
     out_of_order_recvs: int  # recvs that took a message while an older one from that peer waited
+    transfers: list[Event] = field(default_factory=list)  # each Send's time on its sender's link
 
     def busy_fraction(self, rank: int) -> float:
         busy = sum(e.end - e.start for e in self.events if e.rank == rank)
@@ -101,10 +108,10 @@ class _Rank:
 
 
 class _Replay:
-    def __init__(self, schedule: Schedule, costs: dict[type, float]) -> None:
+    def __init__(self, schedule: Schedule, cost: CostFn, transit: TransitFn | None) -> None:
         self.layout = schedule.layout
         self.micro_batches = schedule.micro_batches
-        self.costs = costs
+        self.cost, self.transit = cost, transit
         self.ranks = [
             _Rank(self.layout.role(r), program) for r, program in enumerate(schedule.programs)
         ]
@@ -115,6 +122,8 @@ class _Replay:
         self.mailbox: dict[Channel, tuple[Payload, float]] = {}  # insertion order = send order
         self.arrivals: dict[tuple[int, ...], dict[int, float]] = {}
         self.events: list[Event] = []
+        self.transfers: list[Event] = []
+        self.link_free = [0.0] * len(self.ranks)  # when each rank's outgoing link is next free
         self.messages = 0
         self.out_of_order_recvs = 0
 
@@ -129,14 +138,14 @@ class _Replay:
         if stuck:
             raise ScheduleError("deadlock: " + "; ".join(self._waiting_for(r) for r in stuck))
         if self.mailbox:
-            (src, dst, mb, layer, direction), (payload, _) = next(iter(self.mailbox.items()))
+            (src, dst, mb, layer, backward), (payload, _) = next(iter(self.mailbox.items()))
             raise ScheduleError(
                 f"{len(self.mailbox)} message(s) never received, e.g. {payload.value} layer {layer} "
-                f"micro-batch {mb} ({direction.name.lower()}) from rank {src} to rank {dst}"
+                f"micro-batch {mb} ({'backward' if backward else 'forward'}) from rank {src} to rank {dst}"
             )
         self._check_coverage()
-        step_time = max((e.end for e in self.events), default=0.0)
-        return SimulationResult(self.events, self.messages, step_time, self.out_of_order_recvs)
+        step_time = max([e.end for e in self.events] + [r.clock for r in self.ranks], default=0.0)
+        return SimulationResult(self.events, self.messages, step_time, self.out_of_order_recvs, self.transfers)
 
     # -- one op ----------------------------------------------------------------------------
 
@@ -161,13 +170,15 @@ class _Replay:
             rank.values.add((op.payload, op.layer, op.micro_batch))
         elif isinstance(op, Send):
             self._require(rank_id, rank, op, (op.payload, op.layer, op.micro_batch))
+            arrival = self._transmit(rank_id, rank, op)
             for peer in op.peers:
                 channel = self._channel(rank_id, peer, op)
                 if channel in self.mailbox:
                     raise ScheduleError(
-                        f"rank {rank_id} sends key {op.key(0)} to rank {peer} twice ({op})"
+                        f"rank {rank_id} sends the key of {op.payload.value} layer {op.layer} micro-batch "
+                        f"{op.micro_batch} to rank {peer} twice ({op})"
                     )
-                self.mailbox[channel] = (op.payload, rank.clock)
+                self.mailbox[channel] = (op.payload, arrival)
                 self.messages += 1
         elif isinstance(op, OptimizerStep):
             arrived = self.arrivals.setdefault(op.peers, {})
@@ -180,13 +191,24 @@ class _Replay:
             start = max(arrived.values())
         else:
             self._compute(rank_id, rank, op)
-        end = start + self.costs[type(op)]
+        end = start + self.cost(rank.role, op)
         if end > start:
             self.events.append(Event(rank_id, op, start, end))
         rank.clock = end
         rank.done[op] += 1
         rank.pc += 1
         return True
+
+    def _transmit(self, rank_id: int, rank: _Rank, op: Send) -> float:
+        """When `op`'s messages arrive: after the sender's link carried it (FIFO per sender)."""
+        if self.transit is None:
+            return rank.clock
+        leave = max(rank.clock, self.link_free[rank_id])
+        arrival = leave + self.transit(rank.role, op)
+        self.link_free[rank_id] = arrival
+        if arrival > leave:
+            self.transfers.append(Event(rank_id, op, leave, arrival))
+        return arrival
 
     def _compute(self, rank_id: int, rank: _Rank, op: Op) -> None:
         layout = self.layout
@@ -269,7 +291,7 @@ class _Replay:
 
     @staticmethod
     def _channel(src: int, dst: int, op: Send | Recv) -> Channel:
-        return (src, dst, op.micro_batch, op.layer, op.payload.direction)
+        return (src, dst, op.micro_batch, op.layer, op.payload.backward)
 
     def _waiting_for(self, rank_id: int) -> str:
         rank = self.ranks[rank_id]
@@ -308,9 +330,15 @@ class _Replay:
             raise ScheduleError(f"rank {rank_id} ran {op} {count} times; it must run exactly once")
 
 
-def simulate(schedule: Schedule, costs: dict[type, float] | None = None) -> SimulationResult:
-    """Replay `schedule`; raises ScheduleError unless it is sound. Returns the timeline."""
-    return _Replay(schedule, costs or DEFAULT_COSTS).run()
+def simulate(schedule: Schedule, costs: dict[type, float] | CostFn | None = None,
+             transit: TransitFn | None = None) -> SimulationResult:
+    """Replay `schedule`; raises ScheduleError unless it is sound. Returns the timeline.
+
+    `costs`: per op type (default `DEFAULT_COSTS`), or a function of (role, op); `transit`: each
+    Send's time on its sender's link (None: messages arrive when sent)."""
+    table = DEFAULT_COSTS if costs is None else costs
+    cost = table if callable(table) else (lambda _role, op: table[type(op)])
+    return _Replay(schedule, cost, transit).run()
 
 
 _LETTERS = {

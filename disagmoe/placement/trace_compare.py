@@ -1,0 +1,160 @@
+"""Predicted against measured, per schedule-op kind, for a real run's trace (`roofline --compare`).
+
+The trace is the `trace.json` `disagmoe train` writes with `trace: true` (Chrome trace events,
+`runtime.trace`): per rank, one span per op, named as the op ('AttentionForward L1 mb0', 'Send
+dispatch L0 mb1', 'Recv combine L0 mb1', 'Loss mb0', 'OptimizerStep'). A rank's spans split into
+steps after each 'OptimizerStep'. Measured, per kind, over the steps after the first (the first
+warms up; a one-step trace uses it) and every rank that runs the kind:
+
+- a compute op: its span (on a GPU the op's kernels, CUDA events; on a CPU its wall time);
+- a message payload: for each receive, from when both the receiver waited and the latest sender
+  of that key (in that step) had posted it, to when the receive returned. On a GPU the NCCL
+  receive is stream-ordered and returns at once, so this reads near zero there: the message's
+  time then shows in the op that consumes it, not here.
+
+Predicted: the cost model's time of each op (`placement.replay.op_times`) for the run's layout
+on the given hardware, and its step time (replayed for a disaggregated layout). No torch.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from disagmoe.config import ClusterConfig, HardwareConfig, ModelConfig, PlanConfig, TrainConfig, load_model
+from disagmoe.placement.cost import Candidates, evaluate
+from disagmoe.placement.replay import op_times, replayed_step_s
+from disagmoe.placement.solver import problem_of
+
+Span = tuple[float, float]  # (start_us, end_us)
+
+
+@dataclass(frozen=True)
+class TraceSteps:
+    """steps[k][rank][name] = (start_us, end_us) of that op's span in step k."""
+
+    steps: list[dict[int, dict[str, Span]]]
+    categories: dict[str, str]  # span name -> compute | send | wait
+
+
+def read_trace(path: Path) -> TraceSteps:
+    """The trace's spans grouped by step (see the module docstring); ValueError if it is not one."""
+    try:
+        events = json.loads(Path(path).read_text())["traceEvents"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"--compare {path}: not a trace.json of `disagmoe train` (trace: true): {err}") from None
+    by_rank: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    categories: dict[str, str] = {}
+    for e in events:
+        if e.get("ph") == "X":
+            by_rank[int(e["pid"])].append(e)
+            categories[e["name"]] = e["cat"]
+    steps: list[dict[int, dict[str, Span]]] = []
+    for rank, spans in by_rank.items():
+        k = 0
+        for e in sorted(spans, key=lambda e: (e["ts"], e["name"] == "OptimizerStep")):
+            while len(steps) <= k:
+                steps.append({})
+            steps[k].setdefault(rank, {})[e["name"]] = (e["ts"], e["ts"] + e["dur"])
+            k += e["name"] == "OptimizerStep"
+    steps = [s for s in steps if any("OptimizerStep" in ops for ops in s.values())]
+    if not steps:
+        raise ValueError(f"--compare {path}: the trace has no complete step (no OptimizerStep span)")
+    return TraceSteps(steps, categories)
+
+
+def op_kind(name: str, num_dense_layers: int) -> str | None:
+    """'AttentionForward L1 mb0' -> 'AttentionForward' ('... (dense)' for a dense layer),
+    'Recv dispatch L0 mb1' -> 'Send dispatch' (a message is measured at its receive); None for
+    spans that are no op of their own (a send's posting, the end-of-step wait)."""
+    words = name.split()
+    if words[0] == "Recv":
+        return f"Send {words[1]}"
+    if words[0] in ("Send", "wait"):
+        return None
+    layer = next((int(w[1:]) for w in words[1:] if w.startswith("L")), None)
+    dense = layer is not None and layer < num_dense_layers and words[0].startswith("Attention")
+    return words[0] + (" (dense)" if dense else "")
+
+
+def measured_by_kind(trace: TraceSteps, num_dense_layers: int) -> dict[str, list[float]]:
+    """Seconds of every op of each kind in the measured steps (module docstring)."""
+    steps = trace.steps[1:] or trace.steps
+    out: dict[str, list[float]] = defaultdict(list)
+    for step in steps:
+        posted: dict[str, float] = {}  # send span name -> latest posting start of the step
+        for ops in step.values():
+            for name, (start, _) in ops.items():
+                if name.startswith("Send "):
+                    posted[name] = max(posted.get(name, start), start)
+        for ops in step.values():
+            for name, (start, end) in ops.items():
+                kind = op_kind(name, num_dense_layers)
+                if kind is None:
+                    continue
+                if name.startswith("Recv "):
+                    start = max(start, posted.get("Send " + name[len("Recv "):], start))
+                out[kind].append(max(end - start, 0.0) / 1e6)
+    return out
+
+
+def measured_step_s(trace: TraceSteps) -> float:
+    """Median over the measured steps of first span start to last OptimizerStep end."""
+    steps = trace.steps[1:] or trace.steps
+    walls = [max(e for ops in s.values() for _, e in ops.values()) - min(b for ops in s.values() for b, _ in ops.values())
+             for s in steps]
+    return statistics.median(walls) / 1e6
+
+
+def run_request(cfg: TrainConfig, model: ModelConfig, hw: HardwareConfig) -> tuple[PlanConfig, Candidates]:
+    """The planner's request and the candidate for the layout `cfg` trained."""
+    if cfg.mode == "disaggregated":
+        gpus, dp = cfg.attention_ranks + cfg.expert_ranks, cfg.attention_ranks // cfg.pipeline_groups
+        cand = lambda seqs: Candidates.one(cfg.attention_ranks, cfg.expert_ranks, cfg.pipeline_groups,  # noqa: E731
+                                           cfg.micro_batches, seqs)
+    else:
+        gpus = dp = 1 if cfg.mode == "single" else cfg.colocated_ranks
+        cand = lambda seqs: Candidates.one(0, gpus, 1, cfg.micro_batches, seqs, colocated=True)  # noqa: E731
+    seqs = cfg.batch_size // (cfg.micro_batches * dp)
+    if seqs < 1:
+        raise ValueError(f"batch_size={cfg.batch_size} gives no sequence per micro-batch per data-parallel rank")
+    req = PlanConfig(model=model, cluster=ClusterConfig(hardware=hw, num_gpus=gpus), seq_len=cfg.seq_len,
+                     global_batch_tokens=cfg.batch_size * cfg.seq_len, max_pipeline_groups=cfg.pipeline_groups,
+                     shard_optimizer_states=cfg.optim.shard_states)
+    return req, cand(seqs)
+
+
+COMMUNICATION = ("Send ",)
+
+
+def compare(trace_path: Path, cfg: TrainConfig, hw: HardwareConfig) -> dict[str, Any]:
+    """Rows of (kind, ops per step, predicted s, measured s, error, measured share of the step)
+    and the step itself, as JSON-able data."""
+    model = load_model(cfg.model)
+    req, cand = run_request(cfg, model, hw)
+    prob = problem_of(req)
+    cost = evaluate(prob, cand)
+    times = op_times(cost, prob)
+    predicted = times.by_kind()
+    predicted["AttentionForward (dense)"] = times.attention_forward[False]
+    predicted["AttentionBackward (dense)"] = times.attention_backward[False]
+    trace = read_trace(trace_path)
+    measured = measured_by_kind(trace, model.num_dense_layers)
+    steps = len(trace.steps[1:] or trace.steps)
+    step_meas = measured_step_s(trace)
+    rows = []
+    for kind, seconds in sorted(measured.items()):
+        mean = statistics.fmean(seconds)
+        pred = predicted.get(kind)
+        rows.append({"kind": kind, "communication": kind.startswith(COMMUNICATION),
+                     "ops_per_step": len(seconds) / steps, "predicted_s": pred, "measured_s": mean,
+                     "error": None if pred is None or mean == 0 else pred / mean - 1,
+                     "measured_share": sum(seconds) / steps / step_meas if step_meas else None})
+    step_pred = float(cost.step_s[0]) if cand.colocated else replayed_step_s(cost, prob, cand)
+    return {"trace": str(trace_path), "mode": cfg.mode, "hardware": hw.name, "steps_measured": steps,
+            "rows": rows, "step": {"predicted_s": step_pred, "measured_s": step_meas,
+                                   "error": step_pred / step_meas - 1 if step_meas else None}}

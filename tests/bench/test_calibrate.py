@@ -1,0 +1,113 @@
+"""`bench calibrate`: the fits and merges on a CPU, the command's file with injected measurements
+(read back by `plan` and `roofline`), and the real measurements on a GPU."""
+
+import json
+
+import pytest
+import torch
+import yaml
+from typer.testing import CliRunner
+
+from disagmoe.bench import calibrate as cal
+from disagmoe.bench.hardware import Measured
+from disagmoe.cli.app import app
+from disagmoe.config import Calibration, HardwareConfig, LinkCost, Plan, RatePoint, load_hardware, load_model
+
+runner = CliRunner()
+
+
+def test_fit_link_recovers_latency_and_bandwidth_of_a_line():
+    latency_s, bytes_per_s = 12e-6, 250e9
+    sizes = [2.0**k for k in range(14, 28, 3)]
+    link = cal.fit_link(sizes, [latency_s + b / bytes_per_s for b in sizes])
+    assert link.latency_us == pytest.approx(12.0, rel=1e-6) and link.gbps == pytest.approx(250.0, rel=1e-6)
+    with pytest.raises(ValueError, match="two sizes"):
+        cal.fit_link([1.0, 1.0], [1.0, 2.0])
+
+
+def test_rate_point_splits_forward_and_backward():
+    peak = 1e15
+    point = cal.rate_point(256, fwd_flops=1e12, fwd_s=1e12 / (0.5 * peak), fwd_bwd_s=1e12 / (0.5 * peak)
+                           + 2e12 / (0.25 * peak), peak_flops_per_s=peak, bwd_flop_factor=2.0)
+    assert (point.at, point.fwd, point.bwd) == (256, pytest.approx(0.5), pytest.approx(0.25))
+
+
+def test_merge_keeps_the_terms_a_run_could_not_measure():
+    old = Calibration(p2p=LinkCost(latency_us=10, gbps=300), op_fixed_us={"Loss": 5.0, "ExpertForward": 9.0},
+                      attention=[RatePoint(at=1024, fwd=0.4, bwd=0.3)])
+    new = Calibration(source="one GPU", expert_gemm=[RatePoint(at=64, fwd=0.3, bwd=0.2)],
+                      op_fixed_us={"ExpertForward": 20.0})
+    merged = cal.merge_calibration(old, new)
+    assert merged.p2p == old.p2p and merged.attention == old.attention and merged.expert_gemm == new.expert_gemm
+    assert merged.op_fixed_us == {"Loss": 5.0, "ExpertForward": 20.0} and merged.source == "one GPU"
+
+
+def _fake_measure(preset: HardwareConfig, model, backend: str) -> cal.Measurements:
+    """Measurements as a GPU run would return them, derived from the preset (none typed in)."""
+    peak = preset.bf16_tflops
+    curve = [RatePoint(at=r, fwd=min(1.0, 0.1 * (i + 1)), bwd=min(1.0, 0.08 * (i + 1)))
+             for i, r in enumerate(cal.ROWS_PER_EXPERT)]
+    sizes = list(cal.MESSAGE_BYTES)
+    line = lambda lat, gbps: [lat + b / (gbps * 1e9) for b in sizes]  # noqa: E731
+    links = {k: cal.fit_link(sizes, line(20e-6, 0.5 * preset.nvlink_gbps)) for k in ("p2p", "all_reduce", "all_to_all")}
+    calib = Calibration(source=f"fake {backend}", expert_gemm=curve, attention=curve,
+                        op_fixed_us={"AttentionForward": 100.0, "ExpertForward": 40.0}, **links)
+    hw = Measured(matmul_tflops=0.7 * peak, hbm_gbps=0.8 * preset.hbm_gbps, nvlink_gbps=0.8 * preset.nvlink_gbps,
+                  nvlink_latency_us=8.0)
+    return cal.Measurements(hw, calib)
+
+
+def test_the_command_writes_a_yaml_that_plan_and_roofline_accept(tmp_path, monkeypatch):
+    monkeypatch.setattr(cal, "measure_all", _fake_measure)
+    monkeypatch.setattr(cal.hardware, "environment", lambda device: {"gpu": "fake"})
+    out = tmp_path / "h200-calibrated.yaml"
+    r = runner.invoke(app, ["bench", "calibrate", "--hardware", "h200-sxm", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    text = out.read_text()
+    assert text.startswith("# Calibrated by `disagmoe bench calibrate --hardware h200-sxm")
+    hw = HardwareConfig.model_validate(yaml.safe_load(text))
+    assert hw.name == "h200-sxm-calibrated" and hw.calibration.source == "fake grouped_mm"
+    assert hw.efficiency.matmul == pytest.approx(0.7) and hw.bf16_tflops == load_hardware("h200-sxm").bf16_tflops
+
+    r = runner.invoke(app, ["plan", "--model", "qwen3-30b-a3b", "--hardware", str(out), "--gpus", "8",
+                            "--seq-len", "4096", "--global-batch-tokens", str(32 * 4096), "--json"])
+    assert r.exit_code == 0, r.output
+    plan = Plan.model_validate(json.loads(r.stdout))
+    plain = Plan.model_validate(json.loads(runner.invoke(app, [
+        "plan", "--model", "qwen3-30b-a3b", "--hardware", "h200-sxm", "--gpus", "8", "--seq-len", "4096",
+        "--global-batch-tokens", str(32 * 4096), "--json"]).stdout))
+    assert plan.feasible and plan.step_time_s != plain.step_time_s
+    assert any(s.name.startswith("fixed cost") for s in plan.stage_times)
+    r = runner.invoke(app, ["roofline", "--model", "qwen3-30b-a3b", "--hardware", str(out), "--gpus", "8", "--json"])
+    assert r.exit_code == 0, r.output
+
+
+def test_a_refresh_keeps_the_out_files_terms_this_machine_cannot_measure(tmp_path, monkeypatch):
+    out = tmp_path / "cal.yaml"
+    two_gpus = _fake_measure(load_hardware("h200-sxm"), None, "grouped_mm")
+    monkeypatch.setattr(cal.hardware, "environment", lambda device: {"gpu": "fake"})
+    monkeypatch.setattr(cal, "measure_all", lambda *a: two_gpus)
+    assert runner.invoke(app, ["bench", "calibrate", "--hardware", "h200-sxm", "--out", str(out)]).exit_code == 0
+    one_gpu = cal.Measurements(two_gpus.hardware, two_gpus.calibration.model_copy(update={"p2p": None}))
+    monkeypatch.setattr(cal, "measure_all", lambda *a: one_gpu)
+    assert runner.invoke(app, ["bench", "calibrate", "--hardware", "h200-sxm", "--out", str(out)]).exit_code == 0
+    assert load_hardware(str(out)).calibration.p2p == two_gpus.calibration.p2p
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+def test_no_gpu_is_a_clear_error():
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        cal.measure_all(load_hardware("h200-sxm"), load_model("qwen3-30b-a3b"), "grouped_mm")
+
+
+@pytest.mark.gpu
+def test_measure_on_a_gpu():
+    hw = load_hardware("h200-sxm")
+    m = cal.measure_all(hw, load_model("qwen3-30b-a3b"), "grouped_mm", warmup=2, iters=5)
+    gemm = m.calibration.expert_gemm
+    assert [p.at for p in gemm] == list(cal.ROWS_PER_EXPERT) and gemm[-1].fwd > gemm[0].fwd
+    assert all(0 < p.fwd <= 1 and 0 < p.bwd <= 1 for p in gemm + m.calibration.attention)
+    assert set(m.calibration.op_fixed_us) >= {"ExpertForward", "AttentionForward"}
+    if torch.cuda.device_count() > 1:
+        assert m.calibration.p2p is not None and m.calibration.p2p.gbps > 10
+    HardwareConfig.model_validate(yaml.safe_load(cal.preset_text(cal.calibrated_hardware(hw, m), m, {"gpu": "x"}, "t")))

@@ -1,0 +1,94 @@
+"""`roofline --compare`: a run's trace against the cost model, per schedule-op kind.
+
+data/tiny-cpu-trace.json is the trace of `disagmoe train --config configs/tiny-cpu.yaml --steps 3`
+(CPU, gloo, 1 attention + 1 expert rank; regenerate with that command, out_dir/trace.json)."""
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from disagmoe.cli.app import app
+from disagmoe.config import load_hardware, load_model, load_train_config
+from disagmoe.placement.cost import evaluate
+from disagmoe.placement.replay import op_times
+from disagmoe.placement.solver import problem_of
+from disagmoe.placement.trace_compare import compare, measured_by_kind, op_kind, read_trace, run_request
+from disagmoe.runtime.roles import Layout
+from disagmoe.runtime.schedule import Send, build_schedule
+from disagmoe.runtime.trace import chrome_trace
+
+TRACE = Path(__file__).parent / "data" / "tiny-cpu-trace.json"
+CONFIG = Path(__file__).parents[2] / "configs" / "tiny-cpu.yaml"
+runner = CliRunner()
+
+
+def _expected_ops_per_step(cfg, model) -> Counter:
+    """Op kinds per step as the schedule has them (a message counted at each receiving rank)."""
+    layout = Layout.from_config(cfg, model)
+    counts = Counter()
+    for program in build_schedule(layout, cfg.micro_batches).programs:
+        for op in program:
+            if isinstance(op, Send):
+                counts[f"Send {op.payload.value}"] += len(op.peers)
+            elif type(op).__name__ != "Recv":
+                name = type(op).__name__
+                dense = name.startswith("Attention") and not layout.is_moe(op.layer)
+                counts[name + (" (dense)" if dense else "")] += 1
+    return counts
+
+
+def test_every_op_of_the_schedule_is_measured_and_predicted():
+    cfg, hw = load_train_config(CONFIG), load_hardware("h200-sxm")
+    model = load_model(cfg.model)
+    result = compare(TRACE, cfg, hw)
+    got = {r["kind"]: r["ops_per_step"] for r in result["rows"]}
+    assert got == dict(_expected_ops_per_step(cfg, model))
+    req, cand = run_request(cfg, model, hw)
+    prob = problem_of(req)
+    want = op_times(evaluate(prob, cand), prob).by_kind()
+    for r in result["rows"]:
+        assert r["measured_s"] > 0
+        if r["kind"] in want:
+            assert r["predicted_s"] == pytest.approx(want[r["kind"]])
+            assert r["error"] == pytest.approx(r["predicted_s"] / r["measured_s"] - 1)
+        assert r["communication"] == r["kind"].startswith("Send ")
+    assert result["steps_measured"] == 2 and result["step"]["measured_s"] > 0
+
+
+def test_a_message_is_timed_from_its_latest_posting_to_its_receipt(tmp_path):
+    spans = {0: [("AttentionForward L0 mb0", "compute", 0.0, 10.0), ("Send dispatch L0 mb0", "send", 10.0, 1.0),
+                 ("OptimizerStep", "compute", 60.0, 5.0)],
+             1: [("Recv dispatch L0 mb0", "wait", 4.0, 26.0), ("ExpertForward L0 mb0", "compute", 30.0, 20.0),
+                 ("OptimizerStep", "compute", 55.0, 5.0)]}
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps(chrome_trace(spans, {0: "A0.0", 1: "E0.0"})))
+    trace = read_trace(path)
+    measured = measured_by_kind(trace, num_dense_layers=0)
+    assert measured["Send dispatch"] == [pytest.approx(20e-6)]  # posted at 10 us, received at 30 us
+    assert measured["ExpertForward"] == [pytest.approx(20e-6)] and "Send" not in measured
+    assert op_kind("wait for sends", 0) is None and op_kind("AttentionForward L0 mb0", 1) == "AttentionForward (dense)"
+
+
+def test_the_command_prints_a_table_json_and_a_png(tmp_path):
+    args = ["roofline", "--compare", str(TRACE), "--config", str(CONFIG), "--hardware", "h200-sxm"]
+    r = runner.invoke(app, args)
+    assert r.exit_code == 0, r.output
+    assert "ExpertForward" in r.stdout and "Send dispatch" in r.stdout and "step" in r.stdout
+    r = runner.invoke(app, [*args, "--json", "--plot", str(tmp_path / "cmp.png")])
+    assert r.exit_code == 0, r.output
+    assert {row["kind"] for row in json.loads(r.stdout)["rows"]} >= {"ExpertForward", "Send combine"}
+    assert (tmp_path / "cmp.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--compare", str(TRACE), "--hardware", "h200-sxm"], "needs --config"),
+    (["--compare", str(TRACE), "--config", str(CONFIG)], "names no hardware"),
+    (["--compare", str(CONFIG), "--config", str(CONFIG), "--hardware", "h200-sxm"], "not a trace.json"),
+    (["--model", "tiny"], "needs --hardware, --gpus"),
+])
+def test_user_errors_name_the_fix(args, message):
+    r = runner.invoke(app, ["roofline", *args])
+    assert r.exit_code == 2 and message in r.output

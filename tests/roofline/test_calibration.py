@@ -1,0 +1,102 @@
+"""Calibrated pricing: curves interpolate as documented, each measured term reaches the stages it
+names, and an empty calibration prices exactly like none."""
+
+import time
+
+import numpy as np
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from disagmoe.config import Calibration, ClusterConfig, HardwareConfig, LinkCost, PlanConfig, RatePoint, load_hardware, load_model
+from disagmoe.placement.cost import ATTENTION_FIXED, EXPERT_FIXED, Candidates, evaluate
+from disagmoe.placement.solver import choose, problem_of
+from disagmoe.roofline.calibration import curve_fraction
+
+CURVE = [RatePoint(at=16, fwd=0.2, bwd=0.1), RatePoint(at=1024, fwd=0.6, bwd=0.5)]
+
+
+def _hw(calibration: Calibration | None) -> HardwareConfig:
+    return load_hardware("h200-sxm").model_copy(update={"calibration": calibration})
+
+
+def _request(calibration: Calibration | None, gpus: int = 8, model: str = "qwen3-30b-a3b") -> PlanConfig:
+    return PlanConfig(model=load_model(model), cluster=ClusterConfig(hardware=_hw(calibration), num_gpus=gpus),
+                      seq_len=4096, global_batch_tokens=8 * 4096)
+
+
+def test_curve_interpolates_in_log_rows_and_clamps_at_the_ends():
+    at = np.array([1.0, 16.0, 128.0, 1024.0, 1e6])
+    got = curve_fraction(CURVE, at, bwd=False)
+    middle = 0.2 + 0.4 * np.log(128 / 16) / np.log(1024 / 16)
+    np.testing.assert_allclose(got, [0.2, 0.2, middle, 0.6, 0.6])
+    assert curve_fraction(CURVE, 16.0, bwd=True) == pytest.approx(0.1)
+
+
+def test_a_calibration_section_round_trips_and_refuses_unknown_keys_and_repeated_points():
+    hw = _hw(Calibration(source="test", expert_gemm=CURVE, p2p=LinkCost(latency_us=20, gbps=300),
+                         op_fixed_us={"ExpertForward": 30.0}))
+    assert HardwareConfig.model_validate(yaml.safe_load(hw.to_yaml())) == hw
+    data = yaml.safe_load(hw.to_yaml())
+    data["calibration"]["gemm"] = []
+    with pytest.raises(ValidationError, match="gemm"):
+        HardwareConfig.model_validate(data)
+    with pytest.raises(ValidationError, match="distinct"):
+        Calibration(expert_gemm=[CURVE[0], CURVE[0]])
+    with pytest.raises(ValidationError):
+        Calibration(op_fixed_us={"Send": 1.0})  # messages are priced by their transport, not here
+
+
+@pytest.mark.parametrize("colocated", [False, True])
+def test_an_empty_calibration_prices_like_none(colocated):
+    c = Candidates.one(0, 8, 1, 4, 1, colocated=True) if colocated else Candidates.one(4, 4, 1, 4, 1)
+    plain = evaluate(problem_of(_request(None)), c)
+    empty = evaluate(problem_of(_request(Calibration())), c)
+    assert float(empty.step_s[0]) == float(plain.step_s[0])
+
+
+def test_the_expert_gemm_runs_at_the_measured_rate_for_its_rows_per_expert():
+    c = Candidates.one(4, 4, 1, 4, 1)
+    prob = problem_of(_request(Calibration(expert_gemm=CURVE)))
+    cost = evaluate(prob, c)
+    m = prob.model
+    rows_per_expert = 4 * 4096 * m.top_k / 4 / (m.num_experts / 4)  # 4 attention GPUs' tokens over 4 expert GPUs
+    stage = cost.stages["routed experts"]
+    for bwd in (False, True):
+        rate = prob.ceilings.peak_flops_per_s * curve_fraction(CURVE, rows_per_expert, bwd)
+        want = (stage.work(bwd).flops / rate).item()
+        assert stage.time(bwd, prob.ceilings).item() == pytest.approx(want, rel=1e-9)
+
+
+def test_dispatch_pays_the_measured_p2p_latency_and_bandwidth():
+    link = LinkCost(latency_us=40.0, gbps=100.0)
+    prob = problem_of(_request(Calibration(p2p=link)))
+    stage = evaluate(prob, Candidates.one(4, 4, 1, 4, 1)).stages["dispatch"]
+    nbytes = np.asarray(stage.fwd.nvlink_bytes).item()
+    assert np.asarray(stage.time(False, prob.ceilings)).item() == pytest.approx(40e-6 + nbytes / 100e9, rel=1e-9)
+
+
+def test_fixed_costs_per_op_add_once_per_op():
+    fixed = {"AttentionForward": 100.0, "AttentionBackward": 200.0, "ExpertForward": 50.0, "ExpertBackward": 70.0}
+    prob = problem_of(_request(Calibration(op_fixed_us=fixed)))
+    cost = evaluate(prob, Candidates.one(4, 4, 1, 4, 1))
+    assert np.asarray(cost.stages[ATTENTION_FIXED].time(True, prob.ceilings)).item() == pytest.approx(200e-6)
+    assert np.asarray(cost.stages[EXPERT_FIXED].time(False, prob.ceilings)).item() == pytest.approx(50e-6)
+    plain = evaluate(problem_of(_request(None)), Candidates.one(4, 4, 1, 4, 1))
+    layers, m = prob.model.num_layers, 4
+    # Every attention op lies on the attention GPU's path: the step grows by at least their sum.
+    assert (cost.step_s[0] - plain.step_s[0]).item() >= layers * m * 300e-6 * (1 - 1e-9)
+
+
+def test_a_calibrated_plan_on_1152_gpus_answers_in_under_two_seconds():
+    calib = Calibration(expert_gemm=CURVE, attention=CURVE, p2p=LinkCost(latency_us=20, gbps=300),
+                        all_reduce=LinkCost(latency_us=100, gbps=200), all_to_all=LinkCost(latency_us=120, gbps=200),
+                        op_fixed_us={"AttentionForward": 100.0, "ExpertForward": 50.0})
+    cfg = PlanConfig(model=load_model("deepseek-v3"),
+                     cluster=ClusterConfig(hardware=load_hardware("gb200-nvl72").model_copy(
+                         update={"calibration": calib}), num_gpus=1152), seq_len=4096)
+    choose(cfg)  # warm caches (imports, presets)
+    start = time.perf_counter()
+    plan = choose(cfg).plan
+    assert time.perf_counter() - start < 2.0
+    assert plan.feasible
