@@ -1,8 +1,9 @@
-"""AdamW over fp32 master weights, the warmup + cosine learning-rate schedule, gradient clipping.
+"""The learning-rate schedule (warmup + cosine), and the oracle's AdamW and clipping.
 
-The parameters themselves are the fp32 master copy: on CUDA the forward runs under bf16 autocast
-(matmuls read bf16 copies of the weights, made on the fly), so gradients land in fp32 on the fp32
-parameters and AdamW's moments are fp32 as well. On CPU everything is fp32.
+`build_optimizer` / `clip_grad_norm` are the reference step of `mode: single` with `precision:
+fp32` (the CPU oracle): a plain `torch.optim.AdamW` over fp32 parameters. Every other run steps
+with `runtime.flat_adamw.FlatAdamW` (bf16 or fp32 compute parameters, fp32 masters and main
+gradients over flat buffers, one fused AdamW per bucket), which is tested against this one.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ handles are waited at the end of the step); a `Recv` blocks until every peer's m
 
 Data of layer l (owned by group g = l mod p), micro-batch mb, data-parallel index d:
 
-    forward   A_g,d --DISPATCH--> every E_g,j --COMBINE--> A_(g+1),d  (all-to-all, counts first)
-              A_g,d --RESIDUAL (residual stream + routing weights)--> A_(g+1),d    (only p > 1)
+    forward   A_g,d --DISPATCH--> every E_g,j --COMBINE--> A_(g+1),d  (compact: `runtime.messages`)
+              A_g,d --RESIDUAL (residual stream, shared experts' output)--> A_(g+1),d    (only p > 1)
     backward  the same edges reversed: COMBINE_GRAD, DISPATCH_GRAD, RESIDUAL_GRAD
 
 `AttentionForward(l)` starts by combining layer l-1's expert outputs with the residual stream,
@@ -37,12 +37,12 @@ if TYPE_CHECKING:  # the transport types import torch; the planner replays sched
 class Payload(Enum):
     """What a message carries; its direction is part of the transport key."""
 
-    DISPATCH = "dispatch"  # routed token rows A_g -> E_g (counts per expert first)
-    COMBINE = "combine"  # expert output rows E_g -> A_(g+1)
-    RESIDUAL = "residual"  # residual stream + routing weights A_g -> A_(g+1), p > 1
-    DISPATCH_GRAD = "dispatch_grad"  # grads of the dispatched rows E_g -> A_g
-    COMBINE_GRAD = "combine_grad"  # grads of the expert outputs A_(g+1) -> E_g
-    RESIDUAL_GRAD = "residual_grad"  # grads of residual stream + routing weights A_(g+1) -> A_g
+    DISPATCH = "dispatch"  # a layer's token rows once, with top-k ids and weights A_g -> E_g
+    COMBINE = "combine"  # one weighted partial sum per token E_g -> A_(g+1)
+    RESIDUAL = "residual"  # residual stream (+ shared experts' output) A_g -> A_(g+1), p > 1
+    DISPATCH_GRAD = "dispatch_grad"  # grads of the rows and weights, + the micro-batch's load E_g -> A_g
+    COMBINE_GRAD = "combine_grad"  # grads of the partial sums A_(g+1) -> E_g
+    RESIDUAL_GRAD = "residual_grad"  # grads of the residual stream A_(g+1) -> A_g
 
     @property
     def backward(self) -> bool:
