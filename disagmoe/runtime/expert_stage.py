@@ -118,9 +118,8 @@ class ExpertStage:
         messages = [mail.take(Payload.DISPATCH, layer, mb, src) for src in self.sources]
         xs = [xn_NH.detach().requires_grad_() for xn_NH, _, _ in messages]
         ws = [w_NK.detach().requires_grad_(w_NK.is_floating_point()) for _, _, w_NK in messages]
-        local_TK = torch.cat([route(idx_NK) for route, (_, idx_NK, _) in zip(self.routing[layer], messages,
-                                                                             strict=True)])
-        partial_TH = local_expert_block(torch.cat(xs), local_TK, torch.cat(ws), self.model.experts(layer))
+        local_TK = _cat([route(idx_NK) for route, (_, idx_NK, _) in zip(self.routing[layer], messages, strict=True)])
+        partial_TH = local_expert_block(_cat(xs), local_TK, _cat(ws), self.model.experts(layer))
         outputs = list(partial_TH.split(xs[0].shape[0]))
         for dst, partial_NH in zip(self.destinations, outputs, strict=True):
             mail.post(Payload.COMBINE, layer, mb, dst, [partial_NH])
@@ -140,6 +139,11 @@ class ExpertStage:
         for d, src in enumerate(self.sources):
             x_leaf, w_leaf = segment.inputs[d], segment.inputs[D + d]
             mail.post(Payload.DISPATCH_GRAD, layer, mb, src, [_grad(x_leaf), _grad(w_leaf), segment.load_E])
+
+
+def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The sources' rows in source order (one source: itself, no copy)."""
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
 
 
 def _deferral(experts: torch.nn.Module) -> contextlib.AbstractContextManager[list]:
