@@ -8,7 +8,10 @@ runs its attention, sends each rank (itself included) the rows routed to that ra
 
 Order per rank: forward in (layer, micro-batch) order, the losses, backward in (reversed layer,
 micro-batch) order. Every rank runs the same list, and each receive follows the matching send of
-every peer in that list, so nothing deadlocks.
+every peer in that list, so nothing deadlocks. The data-parallel gradient sum stays in the
+`OptimizerStep`: every point of the backward has a send in flight to a peer that receives it only
+later, so a collective there could wait on a peer's GPU held by that very transfer
+(`runtime.nccl_order` finds the deadlock; the disaggregated schedule overlaps it instead).
 """
 
 from __future__ import annotations

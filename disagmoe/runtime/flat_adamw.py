@@ -157,10 +157,11 @@ class FlatAdamW:
             for p in b.params:
                 p.grad = p.main_grad if p.dtype == torch.float32 else None
 
-    def reduce_scatter(self, bucket: Bucket) -> None:
-        """ZeRO-1: sum a sharded bucket's main gradients over its group into this rank's slice."""
+    def reduce_scatter(self, bucket: Bucket, async_op: bool = False) -> dist.Work | None:
+        """ZeRO-1: sum a sharded bucket's main gradients over its group into this rank's slice
+        (`async_op`: return the work to wait later)."""
         assert bucket.shard is not None and bucket.grad_S is not None
-        _reduce_scatter(bucket.grad_S, bucket.grad_N, group=bucket.shard.group)
+        return _reduce_scatter(bucket.grad_S, bucket.grad_N, group=bucket.shard.group, async_op=async_op)
 
     def grad_squares(self, weight: Callable[[Bucket], torch.Tensor | None] = lambda b: None) -> torch.Tensor:
         """float64 sum of squares of the gradients this rank steps (a sharded bucket: its slice).

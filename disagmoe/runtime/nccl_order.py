@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from disagmoe.runtime.schedule import Op, OptimizerStep, Recv, Send
+from disagmoe.runtime.schedule import Op, OptimizerStep, Recv, ReduceGradients, Send
 from disagmoe.runtime.schedule_sim import ScheduleError
 from disagmoe.runtime.topology import Topology
 
@@ -43,17 +43,20 @@ class _NcclOp:
 
 
 def step_collectives(topology: Topology) -> Collectives:
-    """The collectives of the runtime: only `OptimizerStep` issues any (data-parallel gradient
-    sums, replicated experts' gradient sums, the expert-load sum, the global-norm sum)."""
+    """The collectives of the runtime: `ReduceGradients(l)` issues a layer's data-parallel
+    gradient sum (all-reduce or ZeRO reduce-scatter) in the backward, and `OptimizerStep` the
+    replicated experts' gradient sums, the expert-load sum and the global-norm sum."""
 
     def collectives(rank: int, op: Op) -> list[tuple[int, ...]]:
+        if isinstance(op, ReduceGradients):
+            return [op.peers]
         if not isinstance(op, OptimizerStep):
             return []
         groups: list[tuple[int, ...]] = []
         attention = topology.attention_role(rank)
         dp_group = topology.attention_groups[attention[0]] if attention is not None else ()
-        if attention is not None and topology.data_parallel > 1:
-            groups.append(tuple(dp_group))  # gradients (all-reduce or ZeRO reduce-scatter)
+        if attention is not None and topology.data_parallel > 1 and topology.colocated:
+            groups.append(tuple(dp_group))  # colocated: the gradients here (no ReduceGradients)
         groups += [ranks for ranks in topology.replica_groups() if rank in ranks]
         if attention is not None and topology.data_parallel > 1:
             groups.append(tuple(dp_group))  # the step's expert loads

@@ -15,7 +15,9 @@ then runs attention, router and shared experts; for a leading dense layer it run
 head and loss, and computes their gradients, which start the backward pass.
 
 Order: forward ops in (layer, micro-batch) order, then the losses, then backward ops with the
-layers reversed and micro-batches ascending again (the loss of micro-batch 0 is ready first, so
+layers reversed and micro-batches ascending again (after each layer's last backward, and after
+the last loss for the head, a data-parallel group starts that layer's gradient sum:
+`ReduceGradients`) (the loss of micro-batch 0 is ready first, so
 the backward ping-pong starts while the head still computes later losses). So while E_g works
 on micro-batch i, A_g computes i+1, and every rank's list is a sub-sequence of one global order,
 which is why nothing deadlocks and each rank pair's messages arrive in the order they are
@@ -114,6 +116,17 @@ class Recv:
 
 
 @dataclass(frozen=True)
+class ReduceGradients:
+    """Start summing the replicated parameters' gradients of `layer` (num_layers: the final norm
+    and LM head) over `peers`, the data-parallel attention group, once the layer's last backward
+    ran: the all-reduce overlaps the rest of the backward and `OptimizerStep` waits for it. Only
+    in groups of more than one data-parallel rank."""
+
+    layer: int
+    peers: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class OptimizerStep:
     """All-reduce gradients with `peers` (this rank included), then update the weights.
 
@@ -125,7 +138,7 @@ class OptimizerStep:
 
 
 Compute = AttentionForward | ExpertForward | Loss | ExpertBackward | AttentionBackward
-Op = Compute | Send | Recv | OptimizerStep
+Op = Compute | Send | Recv | ReduceGradients | OptimizerStep
 
 
 @dataclass(frozen=True)
@@ -154,16 +167,27 @@ def build_schedule(layout: Layout, micro_batches: int) -> Schedule:
                 _expert_forward(layout, programs, layer, mb)
     for mb in range(micro_batches):
         _loss(layout, programs, mb)
+    _reduce_gradients(layout, programs, layout.num_layers, layout.head_group)
     for layer in reversed(range(layout.num_layers)):
         for mb in range(micro_batches):
             if layout.is_moe(layer):
                 _expert_backward(layout, programs, layer, mb)
             _attention_backward(layout, programs, layer, mb)
+        _reduce_gradients(layout, programs, layer, layout.group_of_layer(layer))
     for rank in range(layout.world_size):
         role = layout.role(rank)
         peers = layout.attention_group(role.group) if role.kind is RoleKind.ATTENTION else (rank,)
         programs[rank].append(OptimizerStep(peers))
     return Schedule(layout, micro_batches, tuple(tuple(p) for p in programs))
+
+
+def _reduce_gradients(layout: Layout, programs: list[list[Op]], layer: int, group: int) -> None:
+    """After `layer`'s last backward on A_group (layer = num_layers: the head), its gradient sum
+    starts, where the group has data-parallel peers."""
+    ranks = layout.attention_group(group)
+    if len(ranks) > 1:
+        for rank in ranks:
+            programs[rank].append(ReduceGradients(layer, ranks))
 
 
 def _receive_layer_output(layout: Layout, programs: list[list[Op]], layer: int, mb: int, group: int) -> None:

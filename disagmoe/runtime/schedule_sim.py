@@ -6,7 +6,8 @@ The replay gives every rank a program counter and runs ops under these rules:
   named by the transport key (micro_batch, layer, direction) of the ordered rank pair.
 - `Recv` blocks until every peer's message is there; it then makes the payload available.
 - A compute op needs its inputs (below) and the right role; it produces its outputs.
-- `OptimizerStep` is a collective: it completes when all its peers reach it with the same peers.
+- `OptimizerStep` is a collective: it completes when all its peers reach it with the same peers;
+  so is `ReduceGradients(l)` (a data-parallel group's gradient sum of one layer).
 
 Data dependencies (the model of what each op consumes, written independently of the builder):
 
@@ -47,6 +48,7 @@ from disagmoe.runtime.schedule import (
     Op,
     OptimizerStep,
     Payload,
+    ReduceGradients,
     Recv,
     Schedule,
     Send,
@@ -59,6 +61,7 @@ DEFAULT_COSTS: dict[type, float] = {
     ExpertBackward: 2.0,
     AttentionBackward: 2.0,
     OptimizerStep: 1.0,
+    ReduceGradients: 0.0,
     Send: 0.0,
     Recv: 0.0,
 }
@@ -180,6 +183,14 @@ class _Replay:
                     )
                 self.mailbox[channel] = (op.payload, arrival)
                 self.messages += 1
+        elif isinstance(op, ReduceGradients):
+            arrived = self.arrivals.setdefault(op, {})
+            if rank_id not in op.peers or rank.role.kind is not RoleKind.ATTENTION:
+                raise ScheduleError(f"rank {rank_id} ({rank.role}): {op} belongs on the attention ranks it names")
+            arrived.setdefault(rank_id, rank.clock)
+            if len(arrived) < len(op.peers):
+                return False
+            start = max(arrived.values())
         elif isinstance(op, OptimizerStep):
             arrived = self.arrivals.setdefault(op.peers, {})
             if rank_id not in op.peers:
@@ -299,8 +310,9 @@ class _Replay:
         if isinstance(op, Recv):
             missing = [p for p in op.peers if self._channel(p, rank_id, op) not in self.mailbox]
             return f"rank {rank_id} ({rank.role}) blocks in {op} waiting for rank(s) {missing}"
-        if isinstance(op, OptimizerStep):
-            missing = [p for p in op.peers if p not in self.arrivals.get(op.peers, {})]
+        if isinstance(op, (OptimizerStep, ReduceGradients)):
+            key = op if isinstance(op, ReduceGradients) else op.peers
+            missing = [p for p in op.peers if p not in self.arrivals.get(key, {})]
             return f"rank {rank_id} ({rank.role}) blocks in {op} waiting for rank(s) {missing}"
         return f"rank {rank_id} ({rank.role}) blocks at {op}"
 
@@ -348,6 +360,7 @@ _LETTERS = {
     ExpertBackward: "E",
     AttentionBackward: "A",
     OptimizerStep: "O",
+    ReduceGradients: "R",
 }
 
 
@@ -361,6 +374,8 @@ def render_timeline(schedule: Schedule, result: SimulationResult) -> str:
             return f"{letter}:{op.micro_batch}"
         if isinstance(op, OptimizerStep):
             return letter
+        if isinstance(op, ReduceGradients):
+            return f"{letter}{op.layer}"
         return f"{letter}{op.layer}:{op.micro_batch}"
 
     width = max((len(label(e.op)) for e in result.events), default=1) + 1

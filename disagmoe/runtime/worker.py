@@ -19,6 +19,8 @@ uses for point-to-point messages, so collective and message tags cannot collide.
 
 from __future__ import annotations
 
+import functools
+import re
 import time
 from contextlib import AbstractContextManager
 from datetime import timedelta
@@ -53,6 +55,7 @@ from disagmoe.runtime.schedule import (
     OptimizerStep,
     Payload,
     Recv,
+    ReduceGradients,
     Send,
 )
 from disagmoe.runtime.sharded_checkpoint import Listing, load_rank_state, rank_shard, write_shard
@@ -63,6 +66,20 @@ from disagmoe.runtime.watchdog import OpWatchdog
 REPLICATED, EXPERTS = "replicated", "experts"  # FlatAdamW buckets: all-reduced over data parallel, or not
 
 
+_LAYER = re.compile(r"^layers\.(\d+)\.")
+
+
+def reduce_bucket(name: str, num_layers: int) -> str:
+    """A parameter's FlatAdamW bucket: its experts', or the replicated parameters of the layer whose
+    last backward completes its gradient (`ReduceGradients`): `layers.<l>.*` -> l, the embedding
+    -> 0 (its last use, tied or not), the final norm and LM head -> num_layers."""
+    if ".moe.experts." in name:
+        return EXPERTS
+    match = _LAYER.match(name)
+    key = int(match.group(1)) if match else 0 if name.startswith("embed.") else num_layers
+    return f"{REPLICATED}.{key}"
+
+
 def _op_name(op: Op) -> str:
     """A span name: e.g. 'AttentionForward L1 mb0', 'Recv dispatch L2 mb1'."""
     if isinstance(op, (Send, Recv)):
@@ -71,6 +88,8 @@ def _op_name(op: Op) -> str:
         return f"Loss mb{op.micro_batch}"
     if isinstance(op, OptimizerStep):
         return "OptimizerStep"
+    if isinstance(op, ReduceGradients):
+        return f"ReduceGradients L{op.layer}"
     return f"{type(op).__name__} L{op.layer} mb{op.micro_batch}"
 
 
@@ -93,12 +112,15 @@ class TrainWorker(Worker):
         self.model = rank_model(self.model_cfg, cfg.experts_backend, topology, self.rank).materialise(
             self.device, cfg.seed)
         self.model.set_routing(cfg.routing)
+        bucket_of = functools.partial(reduce_bucket, num_layers=topology.num_layers)
         shards = {}
         if cfg.optim.shard_states and attention is not None and topology.data_parallel > 1:
-            shards[REPLICATED] = Shard(self.dp_group, attention[1], topology.data_parallel)
+            shard = Shard(self.dp_group, attention[1], topology.data_parallel)
+            shards = {base: shard for base in {bucket_of(n) for n, _ in self.model.named_parameters()}
+                      if base != EXPERTS}
         self.optimizer = FlatAdamW(self.model.named_parameters(), cfg.optim, compute_dtype(cfg),
-                                   bucket_of=lambda name: EXPERTS if ".moe.experts." in name else REPLICATED,
-                                   shards=shards)
+                                   bucket_of=bucket_of, shards=shards)
+        self._reductions: list[tuple[str, Any]] = []  # (bucket name, work) of this step's started sums
         self.replicas = ExpertReplicas(self.model, topology, self.rank)
         self.attention, self.val_data = None, None
         if attention is not None:
@@ -243,6 +265,10 @@ class TrainWorker(Worker):
                 with self._compute_span(f"ExpertWeightGrad L{op.layer} mb{op.micro_batch}"):
                     self.experts.run_weight_grads()  # after the input gradients are on their way
             return
+        if isinstance(op, ReduceGradients):
+            with self.recorder.span(_op_name(op), "send"):
+                self._start_reduction(f"{REPLICATED}.{op.layer}")
+            return
         if isinstance(op, Recv):
             with self.recorder.span(_op_name(op), "wait"):
                 for peer in op.peers:
@@ -280,15 +306,25 @@ class TrainWorker(Worker):
                 self.recorder.add(name, "compute", start_us, duration_us)
         return self.recorder.drain()
 
-    def _optimizer_step(self, lr: float) -> dict[str, Any]:
-        """Reduce the main gradients, clip by the global norm, step; returns device tensors (the
-        step's one read happens in `train_step`)."""
+    def _start_reduction(self, base: str) -> None:
+        """Start the data-parallel sum of the buckets of `base` (async; waited in the optimizer step)."""
         for b in self.optimizer.buckets:
-            if b.name.startswith(REPLICATED) and self.topology.data_parallel > 1:
-                if b.shard is not None:
-                    self.optimizer.reduce_scatter(b)
-                else:
-                    dist.all_reduce(b.grad_N, group=self.dp_group)
+            if b.name.rsplit(".", 1)[0] == base and all(name != b.name for name, _ in self._reductions):
+                work = (self.optimizer.reduce_scatter(b, async_op=True) if b.shard is not None
+                        else dist.all_reduce(b.grad_N, group=self.dp_group, async_op=True))
+                self._reductions.append((b.name, work))
+
+    def _optimizer_step(self, lr: float) -> dict[str, Any]:
+        """Finish the main gradients' sums (those the schedule's `ReduceGradients` started in the
+        backward; the rest now), clip by the global norm, step; returns device tensors (the step's
+        one read happens in `train_step`)."""
+        if self.topology.data_parallel > 1 and self.topology.attention_role(self.rank) is not None:
+            for b in self.optimizer.buckets:
+                if b.name.startswith(REPLICATED):
+                    self._start_reduction(b.name.rsplit(".", 1)[0])
+        for _, work in self._reductions:
+            work.wait()  # on a GPU the stream waits, not the host
+        self._reductions = []
         self.replicas.sum_gradients(self.replica_groups)
         load_LE = self._step_load()
         grad_norm = self._global_norm()

@@ -8,7 +8,7 @@ import pytest
 
 from disagmoe.runtime.nccl_order import replay, step_collectives
 from disagmoe.runtime.roles import Layout
-from disagmoe.runtime.schedule import AttentionForward, Op, Recv, Send
+from disagmoe.runtime.schedule import AttentionForward, Op, Recv, ReduceGradients, Send
 from disagmoe.runtime.schedule_sim import ScheduleError
 from disagmoe.runtime.topology import Topology
 
@@ -35,6 +35,8 @@ def _old_collectives(topology: Topology):
         role = topology.attention_role(rank)
         if isinstance(op, AttentionForward) and role is not None and topology.data_parallel > 1 and topology.is_moe(op.layer):
             return [topology.attention_groups[role[0]]]
+        if isinstance(op, ReduceGradients):  # it summed the gradients in OptimizerStep instead
+            return []
         return new(rank, op)
 
     return collectives
@@ -53,3 +55,17 @@ def test_a_pair_issued_in_crossed_order_deadlocks():
     reversed_ = [(Recv(None, 0, 1, (1,)), Send(None, 0, 0, (1,))), (Recv(None, 0, 0, (0,)), Send(None, 0, 1, (0,)))]
     with pytest.raises(ScheduleError, match="rank 0 at its recv"):
         replay(reversed_, lambda rank, op: [])  # each waits to receive before it sends
+
+
+def test_a_gradient_sum_inside_the_colocated_backward_would_deadlock():
+    """Why the colocated schedule sums gradients only in OptimizerStep: after the losses every rank
+    has COMBINE_GRAD sends in flight that its peers receive only in the next backward op."""
+    from disagmoe.runtime.schedule import Loss
+
+    topology = Topology.colocated_ranks(2, 4, 0, 8)
+    programs = [list(p) for p in topology.programs(2)]
+    for program in programs:
+        last_loss = max(i for i, op in enumerate(program) if isinstance(op, Loss))
+        program.insert(last_loss + 2, ReduceGradients(4, (0, 1)))  # after the loss's send
+    with pytest.raises(ScheduleError, match="NCCL deadlock"):
+        replay(programs, step_collectives(topology))

@@ -104,3 +104,27 @@ def test_rank_pairs_are_exactly_the_ring_edges():
     a0, a1, e0, e1 = 0, 1, 2, 3  # one attention and one expert rank per group
     forward = {(a0, e0), (e0, a1), (a0, a1), (a1, e1), (e1, a0), (a1, a0)}
     assert pairs == forward | {(dst, src) for src, dst in forward}
+
+
+def test_data_parallel_groups_start_each_layers_gradient_sum_after_its_last_backward():
+    from disagmoe.runtime.schedule import AttentionBackward, Loss, ReduceGradients
+
+    layout = Layout(attention_ranks=4, expert_ranks=2, pipeline_groups=2, num_layers=4)
+    programs = build_schedule(layout, 3).programs
+    for rank in range(layout.world_size):
+        program = programs[rank]
+        reduces = [i for i, op in enumerate(program) if isinstance(op, ReduceGradients)]
+        role = layout.role(rank)
+        if role.kind.value != "attention":
+            assert not reduces
+            continue
+        layers = [program[i].layer for i in reduces]
+        own = sorted(range(role.group, 4, 2), reverse=True)
+        assert layers == ([4] if role.group == layout.head_group else []) + own
+        for i in reduces:
+            op = program[i]
+            last = max(j for j, o in enumerate(program)
+                       if (isinstance(o, AttentionBackward) and o.layer == op.layer) or (isinstance(o, Loss) and op.layer == 4))
+            assert last < i and op.peers == layout.attention_group(role.group)
+    single = build_schedule(Layout(attention_ranks=1, expert_ranks=1, pipeline_groups=1, num_layers=2), 2).programs
+    assert not any(isinstance(op, ReduceGradients) for program in single for op in program)
