@@ -169,6 +169,10 @@ class Transport(abc.ABC):
         """Receive the message `key` from `src_rank`, tensors shaped as `specs`; `timeout_s=None`
         uses the default."""
 
+    def reserve(self, src_rank: int, key: MessageKey, specs: Sequence[TensorSpec]) -> None:
+        """Allocate, before the first step, what receiving `key`'s slot (its step aside) from
+        `src_rank` needs (a transport that keeps receive buffers); by default nothing."""
+
     def close(self) -> None:
         """Release transport resources (the process group itself belongs to the caller)."""
 

@@ -11,8 +11,9 @@ NCCL ignores tags: a rank pair's sends and receives match in the order they are 
 - No header: the receiver knows every message's specs from the plan (`Transport.recv`). The
   receives are stream-ordered: `recv` returns without the host waiting, and work queued on the
   current stream afterwards sees the data. Receive buffers are kept per (pair, micro-batch,
-  layer, direction) and reused step after step (a step's tensors are dead before the next
-  step's messages arrive), so the steady state allocates nothing.
+  layer, direction), allocated at set-up (`reserve`, from the schedule's receives) and reused
+  step after step (a step's tensors are dead before the next step's messages arrive), so no
+  step allocates any.
 
 A peer that never sends leaves the GPU waiting; the host finds out at the step's one read (or
 NCCL's watchdog after the process group's timeout) and the rank's own watchdog prints where it
@@ -110,13 +111,20 @@ class NcclTransport(Transport):
         works = [dist.isend(t, dst_rank, group=group) for t in payload if t.numel()]
         return WorkSendHandle(works, payload, dst_rank, key, self.default_timeout_s, _stream_wait)
 
-    def recv(self, src_rank: int, key: MessageKey, specs: Sequence[TensorSpec],
-             timeout_s: float | None = None) -> list[torch.Tensor]:
-        group = self._group(self._recv_groups, src_rank, "receive from")
+    def reserve(self, src_rank: int, key: MessageKey, specs: Sequence[TensorSpec]) -> None:
+        self._buffers_for(src_rank, key, specs)
+
+    def _buffers_for(self, src_rank: int, key: MessageKey, specs: Sequence[TensorSpec]) -> list[torch.Tensor]:
         slot = (src_rank, key.micro_batch, key.layer, key.direction)
         buffers = self._buffers.get(slot)
         if buffers is None or [TensorSpec.of(b) for b in buffers] != list(specs):
             buffers = self._buffers[slot] = [spec.empty(self.device) for spec in specs]
+        return buffers
+
+    def recv(self, src_rank: int, key: MessageKey, specs: Sequence[TensorSpec],
+             timeout_s: float | None = None) -> list[torch.Tensor]:
+        group = self._group(self._recv_groups, src_rank, "receive from")
+        buffers = self._buffers_for(src_rank, key, specs)
         for tensor in buffers:
             if tensor.numel():
                 dist.irecv(tensor, src_rank, group=group).wait()  # stream-ordered: the host does not wait

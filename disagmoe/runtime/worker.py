@@ -134,6 +134,12 @@ class TrainWorker(Worker):
             rows=cfg.batch_size // (cfg.micro_batches * topology.data_parallel), seq_len=cfg.seq_len,
             hidden=self.model_cfg.hidden_size, top_k=self.model_cfg.top_k, num_experts=self.model_cfg.num_experts,
             dtype=compute_dtype(cfg), shared_experts=self.model_cfg.shared_ffn_size > 0)
+        for op in self.program:  # every receive buffer now, sized by the run's fixed message specs
+            if isinstance(op, Recv):
+                for peer in op.peers:
+                    if peer != self.rank:
+                        self.transport.reserve(peer, message_key(0, op.payload, op.layer, op.micro_batch),
+                                               self.shapes.specs(op.payload, topology.is_moe(op.layer)))
         self.recorder = SpanRecorder()
         self.gpu_spans = GpuSpans(self.device) if self.device.type == "cuda" else None
         self.watchdog = OpWatchdog(f"rank {self.rank} ({topology.describe(self.rank)})", cfg.recv_timeout_s)
