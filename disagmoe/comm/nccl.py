@@ -2,12 +2,16 @@
 
 NCCL ignores tags: a rank pair's sends and receives match in the order they are issued. So:
 
-- Each ordered rank pair (src -> dst) gets its own process group, hence its own communicator and
-  stream. With one stream per pair for both directions, A: send d0, send d1, recv c0 against
-  E: recv d0, send c0, recv d1 can deadlock once messages outgrow NCCL's buffers (A's recv c0
-  queues behind send d1, which waits for E's recv d1, queued behind send c0).
-- Within a direction messages are FIFO, and schedules built by `build_schedule` receive in send
-  order per pair (`schedule_sim` checks it), so a receive is simply the next message of its pair.
+- Each ordered rank pair (src -> dst) gets its own process groups, hence its own communicators
+  and streams: one per lane (`runtime.messages.lane_of`: the key's layer field mod 2, which keeps
+  COMBINE-kind messages apart from DISPATCH-kind ones). With one stream per pair for both
+  directions, A: send d0, send d1, recv c0 against E: recv d0, send c0, recv d1 can deadlock once
+  messages outgrow NCCL's buffers (A's recv c0 queues behind send d1, which waits for E's recv
+  d1, queued behind send c0); a colocated pair carries dispatch and combine messages
+  interleaved, received in another order than sent unless they travel on separate lanes.
+- Within a lane messages are FIFO, and every schedule receives each (pair, lane)'s messages in
+  send order (tests/runtime/test_schedule.py checks all layouts), so a receive is simply the next
+  message of its channel.
 - No header: the receiver knows every message's specs from the plan (`Transport.recv`). The
   receives are stream-ordered: `recv` returns without the host waiting, and work queued on the
   current stream afterwards sees the data. Receive buffers are kept per (pair, micro-batch,
@@ -29,6 +33,14 @@ import torch
 import torch.distributed as dist
 
 from disagmoe.comm.base import MessageKey, SendHandle, TensorSpec, Transport, TransportTimeout, WorkSendHandle
+
+LANES = 2  # channels per ordered rank pair
+
+
+def lane_of(key: MessageKey) -> int:
+    """The channel of a message: the key's layer field mod 2 (`runtime.messages.message_key` puts
+    COMBINE-kind messages on lane 1, DISPATCH- and RESIDUAL-kind ones on lane 0)."""
+    return key.layer % LANES
 
 _POLL_S = 20e-6
 
@@ -71,37 +83,41 @@ class NcclTransport(Transport):
         for src, dst in pairs:
             if src == dst or not (0 <= src < n and 0 <= dst < n):
                 raise ValueError(f"pair ({src}, {dst}) is not two distinct ranks of this {n}-rank job")
-        self._send_groups: dict[int, dist.ProcessGroup] = {}
-        self._recv_groups: dict[int, dist.ProcessGroup] = {}
+        self._send_groups: dict[tuple[int, int], dist.ProcessGroup] = {}  # (dst, lane) -> group
+        self._recv_groups: dict[tuple[int, int], dist.ProcessGroup] = {}  # (src, lane) -> group
         for src, dst in pairs:
-            group = dist.new_group([src, dst])
-            if src == self.rank:
-                self._send_groups[dst] = group
-            elif dst == self.rank:
-                self._recv_groups[src] = group
+            for lane in range(LANES):
+                group = dist.new_group([src, dst])
+                if src == self.rank:
+                    self._send_groups[(dst, lane)] = group
+                elif dst == self.rank:
+                    self._recv_groups[(src, lane)] = group
         self._buffers: dict[tuple[int, int, int, int], list[torch.Tensor]] = {}
         self._connect(pairs)
 
     def _connect(self, pairs: list[tuple[int, int]]) -> None:
-        """One tiny message per pair, in the same global order on every rank."""
+        """One tiny message per channel, in the same global order on every rank."""
         token = torch.zeros(1, device=self.device)
         deadline = time.monotonic() + self.default_timeout_s
         for src, dst in pairs:
-            if src == self.rank:
-                work = dist.isend(token, dst, group=self._send_groups[dst])
-                _poll(work, dst, None, deadline, self.default_timeout_s, "connect to")
-            elif dst == self.rank:
-                work = dist.irecv(token, src, group=self._recv_groups[src])
-                _poll(work, src, None, deadline, self.default_timeout_s, "connect to")
+            for lane in range(LANES):
+                if src == self.rank:
+                    work = dist.isend(token, dst, group=self._send_groups[(dst, lane)])
+                    _poll(work, dst, None, deadline, self.default_timeout_s, "connect to")
+                elif dst == self.rank:
+                    work = dist.irecv(token, src, group=self._recv_groups[(src, lane)])
+                    _poll(work, src, None, deadline, self.default_timeout_s, "connect to")
 
-    def _group(self, groups: dict[int, dist.ProcessGroup], peer: int, what: str) -> dist.ProcessGroup:
+    def _group(self, groups: dict[tuple[int, int], dist.ProcessGroup], peer: int, key: MessageKey,
+               what: str) -> dist.ProcessGroup:
         self._check_peer(peer)
-        if peer not in groups:
+        channel = (peer, lane_of(key))
+        if channel not in groups:
             raise ValueError(f"rank {self.rank} cannot {what} rank {peer}: that pair was not in `pairs`")
-        return groups[peer]
+        return groups[channel]
 
     def send(self, dst_rank: int, key: MessageKey, tensors: Sequence[torch.Tensor]) -> SendHandle:
-        group = self._group(self._send_groups, dst_rank, "send to")
+        group = self._group(self._send_groups, dst_rank, key, "send to")
         for tensor in tensors:
             if tensor.device != self.device:
                 raise ValueError(
@@ -123,7 +139,7 @@ class NcclTransport(Transport):
 
     def recv(self, src_rank: int, key: MessageKey, specs: Sequence[TensorSpec],
              timeout_s: float | None = None) -> list[torch.Tensor]:
-        group = self._group(self._recv_groups, src_rank, "receive from")
+        group = self._group(self._recv_groups, src_rank, key, "receive from")
         buffers = self._buffers_for(src_rank, key, specs)
         for tensor in buffers:
             if tensor.numel():

@@ -8,8 +8,8 @@ expert.
 permute: rows_NH[dest_TK[t, k]] = x_TH[t]; pairs keep their (t, k) order inside an expert (the same
 order as a stable sort of the flattened expert ids), so the result is deterministic.
 combine: y_TH[t] = sum_k weights_TK[t, k] * rows_NH[dest_TK[t, k]] (fp32 accumulation).
-Two launches for permute (per-block expert histograms, then ranks + row copy over a (pair block,
-hidden block) grid, with a few tiny torch prefix sums between), one for combine; the backward
+Three launches for permute (per-block expert histograms; each pair's destination row; the row
+copy over a (pair block, hidden block) grid; a few tiny torch prefix sums between), one for combine; the backward
 passes are a combine without weights (permute's) and one scatter + partial row-dot launch plus a
 sum over hidden blocks (combine's).
 """
@@ -37,11 +37,11 @@ def _block_histogram_kernel(ids_ptr, hist_ptr, n_pairs, E,
 
 
 @triton.jit
-def _permute_rows_kernel(x_ptr, ids_ptr, block_base_ptr, rows_ptr, dest_ptr,
-                         n_pairs, E, H, K, stride_xt, stride_rn,
-                         BLOCK: tl.constexpr, E_POW2: tl.constexpr, BLOCK_H: tl.constexpr):
-    # Program (b, h): dest[p] = block_base[b, e_p] + (rank of p among block b's pairs of expert
-    # e_p), stored by the h == 0 programs; rows[dest[p], h-block] = x[p // K, h-block].
+def _permute_dest_kernel(ids_ptr, block_base_ptr, dest_ptr, n_pairs, E,
+                         BLOCK: tl.constexpr, E_POW2: tl.constexpr):
+    # dest[p] = block_base[b, e_p] + (rank of p among block b's pairs of expert e_p), one program
+    # per pair block. (The rank scan once lived in the row-copy kernel, in the [pairs, hidden]
+    # tile's layout, where Triton 3.6 on sm_90 miscompiled it at 64-wide hidden tiles.)
     pid = tl.program_id(0)
     pairs = pid * BLOCK + tl.arange(0, BLOCK)
     pair_ok = pairs < n_pairs
@@ -50,13 +50,21 @@ def _permute_rows_kernel(x_ptr, ids_ptr, block_base_ptr, rows_ptr, dest_ptr,
     one_hot = ((ids[:, None] == experts[None, :]) & pair_ok[:, None]).to(tl.int32)
     rank = tl.sum(tl.cumsum(one_hot, axis=0) * one_hot, axis=1) - 1
     base = tl.load(block_base_ptr + pid * E + ids, mask=pair_ok, other=0)
-    dest = base + rank
-    tl.store(dest_ptr + pairs, dest, mask=pair_ok & (tl.program_id(1) == 0))
+    tl.store(dest_ptr + pairs, base + rank, mask=pair_ok)
+
+
+@triton.jit
+def _permute_copy_kernel(x_ptr, dest_ptr, rows_ptr, n_pairs, H, K, stride_xt, stride_rn,
+                         BLOCK: tl.constexpr, BLOCK_H: tl.constexpr):
+    # Program (b, h): rows[dest[p], h-block] = x[p // K, h-block] for block b's pairs: a scatter.
+    pairs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    pair_ok = pairs < n_pairs
+    dest = tl.load(dest_ptr + pairs, mask=pair_ok, other=0).to(tl.int64)
     tokens = (pairs // K).to(tl.int64)
     hs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     ok = pair_ok[:, None] & (hs < H)[None, :]
     vals = tl.load(x_ptr + tokens[:, None] * stride_xt + hs[None, :], mask=ok)
-    tl.store(rows_ptr + dest.to(tl.int64)[:, None] * stride_rn + hs[None, :], vals, mask=ok)
+    tl.store(rows_ptr + dest[:, None] * stride_rn + hs[None, :], vals, mask=ok)
 
 
 @triton.jit
@@ -133,10 +141,12 @@ def permute_forward(x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, num_experts: 
     offsets_E = counts_E.cumsum(0, dtype=torch.int32)
     # first grouped row of (block b, expert e): expert start + pairs of e in blocks before b
     block_base_BE = (offsets_E - counts_E) + hist_BE.cumsum(0, dtype=torch.int32) - hist_BE
+    _permute_dest_kernel[(blocks,)](ids_N, block_base_BE, dest_TK, n_pairs, num_experts,
+                                    BLOCK=PAIRS_PER_BLOCK, E_POW2=e_pow2)
     block_h = _row_block(hidden)
-    _permute_rows_kernel[(blocks, triton.cdiv(hidden, block_h))](
-        x_TH, ids_N, block_base_BE, rows_NH, dest_TK, n_pairs, num_experts, hidden, top_k,
-        x_TH.stride(0), rows_NH.stride(0), BLOCK=PAIRS_PER_BLOCK, E_POW2=e_pow2, BLOCK_H=block_h)
+    _permute_copy_kernel[(blocks, triton.cdiv(hidden, block_h))](
+        x_TH, dest_TK, rows_NH, n_pairs, hidden, top_k, x_TH.stride(0), rows_NH.stride(0),
+        BLOCK=PAIRS_PER_BLOCK, BLOCK_H=block_h)
     return rows_NH, offsets_E, dest_TK
 
 

@@ -33,9 +33,10 @@ FUSED_PERMUTE_MIN_HIDDEN = 256
 
 def fused_permute_applies(experts: RoutedExperts, x: torch.Tensor) -> bool:
     """Whether a MoE layer runs the Triton permute / weighted-combine kernels: the triton experts
-    backend on CUDA, at hidden sizes of at least 256 (the kernels' full 256-wide row tiles, where
-    they are verified on an H200; at hidden 64 the permute wrote wrong rows on an H200, an open
-    bug, so smaller models take the torch path)."""
+    backend on CUDA, at hidden sizes of at least 256 (256-wide row tiles, verified on an H200). At
+    hidden 64 an H200 wrote wrong rows: a review of the sm_90 PTX found Triton miscompiling the
+    rank scan inside the row-copy tile; the scan now has its own launch, and this bound can drop
+    once the GPU tests at hidden 16/40/64/300 pass on a GPU."""
     return experts.backend == "triton" and x.is_cuda and x.shape[-1] >= FUSED_PERMUTE_MIN_HIDDEN
 
 

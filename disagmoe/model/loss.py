@@ -5,7 +5,8 @@ in fp32. A micro-batch of N tokens over a vocabulary V would materialise N x V f
 tokens x Qwen3's 151,936 = 5 GB, and as much again for their gradient); here at most
 `chunk_tokens` x V live at a time. With gradients enabled the forward computes each chunk's
 gradients right away (d logits = softmax - onehot) and keeps only dh [N, H] and an fp32 dW
-[V, H]; the backward scales them by the incoming gradient. Without gradients it is a plain
+[V, H]; the backward scales them by the incoming gradient, and adds dW straight into the head's
+fp32 main gradient where a mixed-precision optimizer keeps one (`param.main_grad`, FlatAdamW). Without gradients it is a plain
 chunked forward.
 
 Shape legend: N tokens, H hidden, V vocabulary, C tokens of one chunk.
@@ -55,14 +56,20 @@ class _LinearCrossEntropy(torch.autograd.Function):
         loss, dh_NH, dw_VH = _chunked(h_NH, w_VH, targets_N, chunk, *ctx.needs_input_grad[:2])
         ctx.save_for_backward(dh_NH, dw_VH)
         ctx.w_dtype = w_VH.dtype
+        main = getattr(w_VH, "main_grad", None)  # FlatAdamW's fp32 buffer: add there, in fp32
+        ctx.main_grad = main if isinstance(w_VH, torch.nn.Parameter) else None
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
         dh_NH, dw_VH = ctx.saved_tensors
         dh = None if dh_NH is None else dh_NH * grad_loss.to(dh_NH.dtype)
-        dw = None if dw_VH is None else (dw_VH * grad_loss).to(ctx.w_dtype)
-        return dh, dw, None, None
+        if dw_VH is None:
+            return dh, None, None, None
+        if ctx.main_grad is not None:
+            ctx.main_grad.add_(dw_VH * grad_loss)
+            return dh, None, None, None
+        return dh, (dw_VH * grad_loss).to(ctx.w_dtype), None, None
 
 
 def linear_cross_entropy(h_NH: torch.Tensor, w_VH: torch.Tensor, targets_N: torch.Tensor,

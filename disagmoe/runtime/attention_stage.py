@@ -86,13 +86,29 @@ class AttentionStage:
         self.loss_parts = {"ce": zero, "aux_loss": zero, "z_loss": zero}  # this rank's shares, on the device
         self.load_LE = {layer: torch.zeros(self.num_experts, dtype=torch.int64, device=device)
                         for layer in self.layers if self.topology.is_moe(layer)}
+        self._step_tokens = self._load_tokens() if self._reads_tokens() else None
 
     # -- the data --------------------------------------------------------------------------------
 
+    def _reads_tokens(self) -> bool:
+        """The embedding's group (layer 0) and the head's (the loss) read the step's tokens."""
+        return self.group in (0, self.topology.head_group)
+
+    def _load_tokens(self) -> torch.Tensor:
+        """This rank's rows of every micro-batch of the step, int64 [M, b, S + 1], copied to the
+        device at the step's start, from pinned memory without the host waiting (a pageable copy
+        would wait for the GPU's queue inside the step)."""
+        pieces = [self.batch_data.rows(self.step, batch_rows(self.data.batch_size, self.micro_batches, self.dp,
+                                                              mb, self.dp_index))
+                  for mb in range(self.micro_batches)]
+        tokens_MBS1 = torch.stack(pieces)
+        device = self.model.device
+        if device.type == "cuda":
+            return tokens_MBS1.pin_memory().to(device, non_blocking=True)
+        return tokens_MBS1
+
     def _tokens(self, micro_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = batch_rows(self.data.batch_size, self.micro_batches, self.dp, micro_batch, self.dp_index)
-        inputs_BS, targets_BS = inputs_and_targets(self.batch_data.rows(self.step, rows))
-        return inputs_BS.to(self.model.device), targets_BS.to(self.model.device)
+        return inputs_and_targets(self._step_tokens[micro_batch])
 
     # -- receiving the previous layer ------------------------------------------------------------
 

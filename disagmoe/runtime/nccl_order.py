@@ -11,8 +11,11 @@ a collective of another communicator. `replay` models that conservatively:
 - a collective is a barrier on its rank's GPU: it starts once everything issued before it on that
   rank finished, and nothing issued after it starts before it finishes (work queued behind it on
   the compute stream consumes its result);
-- a send starts only after every receive issued before it finished (receives are waited on the
-  compute stream and the data sent is computed on it);
+- nothing starts before every receive issued before it finished (a receive is waited on the
+  compute stream, which every later NCCL operation follows);
+- point-to-point transfers travel on one channel per (ordered pair, lane) as the nccl transport
+  does (`comm.nccl.lane_of`), matched in order: a send and the receive it meets must name the
+  same message, or the replay fails (an in-order transport would deliver the wrong one);
 - a transfer finishes once both ends have started (large messages rendezvous), a collective once
   every member has started it.
 
@@ -26,6 +29,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from disagmoe.comm.nccl import lane_of
+from disagmoe.runtime.messages import message_key
 from disagmoe.runtime.schedule import Op, OptimizerStep, Recv, ReduceGradients, Send
 from disagmoe.runtime.schedule_sim import ScheduleError
 from disagmoe.runtime.topology import Topology
@@ -37,15 +42,17 @@ Collectives = Callable[[int, Op], Sequence[tuple[int, ...]]]
 @dataclass(frozen=True)
 class _NcclOp:
     kind: str  # "send" | "recv" | "collective"
-    comm: tuple  # ("p2p", src, dst) or ("collective", ranks)
+    comm: tuple  # ("p2p", src, dst, lane) or ("collective", ranks)
     seq: int  # index among this rank's operations on `comm`
     origin: Op
+    key: tuple | None = None  # a transfer's message (payload, layer, micro-batch): both ends must agree
 
 
-def step_collectives(topology: Topology) -> Collectives:
+def step_collectives(topology: Topology, zero: bool = False) -> Collectives:
     """The collectives of the runtime: `ReduceGradients(l)` issues a layer's data-parallel
     gradient sum (all-reduce or ZeRO reduce-scatter) in the backward, and `OptimizerStep` the
-    replicated experts' gradient sums, the expert-load sum and the global-norm sum."""
+    replicated experts' gradient sums, the expert-load sum, the global-norm sum and (`zero`) the
+    all-gather of the stepped slices (one per bucket; the model counts one)."""
 
     def collectives(rank: int, op: Op) -> list[tuple[int, ...]]:
         if isinstance(op, ReduceGradients):
@@ -61,6 +68,8 @@ def step_collectives(topology: Topology) -> Collectives:
         if attention is not None and topology.data_parallel > 1:
             groups.append(tuple(dp_group))  # the step's expert loads
         groups.append(tuple(range(topology.world_size)))  # the global gradient norm
+        if zero and attention is not None and topology.data_parallel > 1:
+            groups.append(tuple(dp_group))  # ZeRO-1: the stepped slices all-gathered (one per bucket)
         return groups
 
     return collectives
@@ -70,19 +79,18 @@ def _expand(rank: int, program: Sequence[Op], collectives: Collectives) -> list[
     ops: list[_NcclOp] = []
     seq: dict[tuple, int] = {}
 
-    def add(kind: str, comm: tuple, origin: Op) -> None:
-        ops.append(_NcclOp(kind, comm, seq.get(comm, 0), origin))
+    def add(kind: str, comm: tuple, origin: Op, key: tuple | None = None) -> None:
+        ops.append(_NcclOp(kind, comm, seq.get(comm, 0), origin, key))
         seq[comm] = seq.get(comm, 0) + 1
 
     for op in program:
-        if isinstance(op, Send):
+        if isinstance(op, (Send, Recv)):
+            key = (op.payload, op.layer, op.micro_batch)
+            lane = lane_of(message_key(0, op.payload, op.layer, op.micro_batch))
             for peer in op.peers:
                 if peer != rank:
-                    add("send", ("p2p", rank, peer), op)
-        elif isinstance(op, Recv):
-            for peer in op.peers:
-                if peer != rank:
-                    add("recv", ("p2p", peer, rank), op)
+                    src, dst = (rank, peer) if isinstance(op, Send) else (peer, rank)
+                    add("send" if isinstance(op, Send) else "recv", ("p2p", src, dst, lane), op, key)
         for ranks in collectives(rank, op):
             add("collective", ("collective", tuple(sorted(ranks))), op)
     return ops
@@ -103,7 +111,7 @@ def replay(programs: Sequence[Sequence[Op]], collectives: Collectives) -> int:
                 continue
             if op.kind == "collective" or before.kind == "collective" or before.comm == op.comm:
                 return False
-            if op.kind == "send" and before.kind == "recv":  # the compute stream: sent data follows received
+            if before.kind == "recv":  # waited on the compute stream, which every later NCCL op follows
                 return False
         return True
 
@@ -113,9 +121,13 @@ def replay(programs: Sequence[Sequence[Op]], collectives: Collectives) -> int:
             members = op.comm[1]
             others = [where.get((m, op.comm, op.seq, "collective")) for m in members]
             return all(k is not None and started[m][k] for m, k in zip(members, others, strict=True))
-        _, src, dst = op.comm
+        _, src, dst, _ = op.comm
         peer, kind = (dst, "recv") if op.kind == "send" else (src, "send")
         k = where.get((peer, op.comm, op.seq, kind))
+        if k is not None and ranks[peer][k].key != op.key:
+            raise ScheduleError(f"rank {src} sends {ranks[src][where[(src, op.comm, op.seq, 'send')]].key} "
+                                f"where rank {dst} receives {ranks[dst][where[(dst, op.comm, op.seq, 'recv')]].key} "
+                                f"on channel {op.comm}: an in-order transport would mix them up")
         return k is not None and started[peer][k]
 
     progress = True

@@ -154,8 +154,10 @@ def train_step_flat(
     tokens_BS1 = tokens_BS1.to(device)
     with no_host_syncs(forbid_host_syncs, device):
         totals, norm, load_LE = _flat_step_on_device(model, optimizer, tokens_BS1, micro_batches, lr, grad_clip)
-    loss, ce, aux, z, grad_norm = torch.cat([totals / micro_batches, norm[None]]).tolist()  # the step's one read
-    return StepResult(loss=loss, ce=ce, aux_loss=aux, z_loss=z, grad_norm=grad_norm, expert_load_LE=load_LE.cpu())
+    read = torch.cat([(totals / micro_batches).double(), norm[None].double(), load_LE.flatten().double()]).cpu()
+    loss, ce, aux, z, grad_norm = read[:5].tolist()  # the step's one read (loads exact below 2^53)
+    return StepResult(loss=loss, ce=ce, aux_loss=aux, z_loss=z, grad_norm=grad_norm,
+                      expert_load_LE=read[5:].to(torch.int64).view_as(load_LE))
 
 
 def _flat_step_on_device(model: MoETransformer, optimizer: FlatAdamW, tokens_BS1: torch.Tensor, micro_batches: int,

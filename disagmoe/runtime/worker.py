@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from disagmoe.comm import make_transport
-from disagmoe.comm.base import Direction, SendHandle
+from disagmoe.comm.base import Direction, SendHandle, check_specs
 from disagmoe.config import TrainConfig, load_model
 from disagmoe.data import TokenDataset, load_splits
 from disagmoe.runtime.attention_stage import AttentionStage
@@ -220,13 +220,19 @@ class TrainWorker(Worker):
     def _read_step(self, result: dict[str, Any]) -> dict[str, Any]:
         """The step's device-side figures to the host, once: grad norm, loss shares, expert loads."""
         parts = self.attention.loss_parts if self.attention is not None else {}
-        values = torch.stack([result["grad_norm"], *(v.float() for v in parts.values())]).tolist()
+        load_LE = result["expert_load"]
+        scalars = torch.stack([result["grad_norm"], *(v.float() for v in parts.values())]).double()
+        loads = load_LE.flatten().double() if load_LE is not None else scalars.new_zeros(0)  # exact below 2^53
+        values = torch.cat([scalars, loads]).tolist()  # the one read
         read: dict[str, Any] = {"grad_norm": values[0]}
         if parts:
-            read["loss_parts"] = dict(zip(parts, values[1:], strict=True))
-        load_LE = result["expert_load"]
-        read["expert_load"] = ({} if load_LE is None else
-                               dict(zip(sorted(self.attention.load_LE), load_LE.tolist(), strict=True)))
+            read["loss_parts"] = dict(zip(parts, values[1:1 + len(parts)], strict=True))
+        if load_LE is None:
+            read["expert_load"] = {}
+        else:
+            flat = [int(v) for v in values[1 + len(parts):]]
+            E = load_LE.shape[1]
+            read["expert_load"] = {layer: flat[i * E:(i + 1) * E] for i, layer in enumerate(sorted(self.attention.load_LE))}
         return read
 
     @torch.no_grad()
@@ -266,6 +272,8 @@ class TrainWorker(Worker):
                     if peer != self.rank:  # to itself: already delivered by `Mailbox.post`
                         key = message_key(step, op.payload, op.layer, op.micro_batch)
                         tensors = mail.outgoing(op.payload, op.layer, op.micro_batch, peer)
+                        check_specs(tensors, self.shapes.specs(op.payload, self.topology.is_moe(op.layer)),
+                                    f"rank {self.rank}: {_op_name(op)} to rank {peer}")  # metadata only
                         handles.append(self.transport.send(peer, key, tensors))
             if op.payload is Payload.DISPATCH_GRAD and self.experts is not None and self.experts.pending_weight_grads:
                 with self._compute_span(f"ExpertWeightGrad L{op.layer} mb{op.micro_batch}"):

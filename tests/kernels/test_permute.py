@@ -75,7 +75,8 @@ def test_rejects_bad_routing_shapes(permute):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens,top_k,experts,hidden", [(4096, 8, 128, 2048), (1000, 2, 8, 4096)])
+@pytest.mark.parametrize("tokens,top_k,experts,hidden", [(4096, 8, 128, 2048), (1000, 2, 8, 4096), (64, 2, 8, 64),
+                                                         (300, 3, 5, 16), (77, 2, 9, 40), (500, 4, 16, 300)])
 def test_gpu_bf16_permute_combine(tokens, top_k, experts, hidden):
     from disagmoe.kernels import permute
 

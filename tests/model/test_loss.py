@@ -53,3 +53,17 @@ def test_gpu_peak_memory_of_a_qwen3_vocabulary_stays_bounded() -> None:
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - base
     assert extra < 4 * 2**30, f"the loss took {extra / 2**30:.1f} GiB beyond its inputs"
+
+
+def test_the_head_gradient_goes_into_an_fp32_main_gradient_where_there_is_one() -> None:
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(20, 8, generator=g, requires_grad=True)
+    w = torch.nn.Parameter(torch.randn(11, 8, generator=g).to(torch.bfloat16))
+    w.main_grad = torch.zeros(11, 8)
+    t = torch.randint(0, 11, (20,), generator=g)
+    for _ in range(2):
+        linear_cross_entropy(h.to(torch.bfloat16), w, t, 7).backward()
+    assert w.grad is None
+    w_ref = w.detach().float().requires_grad_()
+    F.cross_entropy(h.detach().to(torch.bfloat16).float() @ w_ref.T, t).backward()
+    torch.testing.assert_close(w.main_grad, 2 * w_ref.grad, rtol=3e-2, atol=3e-3)  # bf16 operands

@@ -50,22 +50,26 @@ def test_the_old_all_reduce_inside_attention_forward_deadlocks_colocated(ranks, 
 
 
 def test_a_pair_issued_in_crossed_order_deadlocks():
-    crossed = [(Send(None, 0, 0, (1,)), Recv(None, 0, 1, (1,))), (Send(None, 0, 1, (0,)), Recv(None, 0, 0, (0,)))]
+    from disagmoe.runtime.schedule import Payload
+
+    d = Payload.DISPATCH
+    crossed = [(Send(d, 0, 0, (1,)), Recv(d, 0, 1, (1,))), (Send(d, 0, 1, (0,)), Recv(d, 0, 0, (0,)))]
     replay(crossed, lambda rank, op: [])  # sends on separate communicators: both rendezvous
-    reversed_ = [(Recv(None, 0, 1, (1,)), Send(None, 0, 0, (1,))), (Recv(None, 0, 0, (0,)), Send(None, 0, 1, (0,)))]
+    reversed_ = [(Recv(d, 0, 1, (1,)), Send(d, 0, 0, (1,))), (Recv(d, 0, 0, (0,)), Send(d, 0, 1, (0,)))]
     with pytest.raises(ScheduleError, match="rank 0 at its recv"):
         replay(reversed_, lambda rank, op: [])  # each waits to receive before it sends
 
 
-def test_a_gradient_sum_inside_the_colocated_backward_would_deadlock():
-    """Why the colocated schedule sums gradients only in OptimizerStep: after the losses every rank
-    has COMBINE_GRAD sends in flight that its peers receive only in the next backward op."""
-    from disagmoe.runtime.schedule import Loss
+@pytest.mark.parametrize("zero", [False, True])
+def test_zero1_all_gathers_and_the_stricter_receive_rule_keep_every_layout_sound(zero):
+    for name, topology, m in _layouts():
+        replay(topology.programs(m), step_collectives(topology, zero=zero))
 
-    topology = Topology.colocated_ranks(2, 4, 0, 8)
-    programs = [list(p) for p in topology.programs(2)]
-    for program in programs:
-        last_loss = max(i for i, op in enumerate(program) if isinstance(op, Loss))
-        program.insert(last_loss + 2, ReduceGradients(4, (0, 1)))  # after the loss's send
-    with pytest.raises(ScheduleError, match="NCCL deadlock"):
-        replay(programs, step_collectives(topology))
+
+def test_an_in_order_channel_that_would_mix_messages_up_is_caught():
+    from disagmoe.runtime.schedule import Payload
+
+    mixed = [(Send(Payload.DISPATCH, 0, 0, (1,)), Send(Payload.DISPATCH, 0, 1, (1,))),
+             (Recv(Payload.DISPATCH, 0, 1, (0,)), Recv(Payload.DISPATCH, 0, 0, (0,)))]
+    with pytest.raises(ScheduleError, match="would mix them up"):
+        replay(mixed, lambda rank, op: [])
