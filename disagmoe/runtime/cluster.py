@@ -233,11 +233,12 @@ class WorkerGroup:
         return addr, port
 
     def call(self, method: str, *args: Any, per_rank: Sequence[Any] | None = None,
-             timeout_s: float | None = None) -> list[Any]:
+             timeout_s: float | None = None, after_submit: Callable[[], None] | None = None) -> list[Any]:
         """Call `method(*args)` on every actor (`per_rank[r]` appended for rank r); results by rank.
 
         Returns once all finish; raises `WorkerFailure` naming a rank on the first failure (after
         a short grace period that finds the root cause: see `_root_cause`) or on the timeout.
+        `after_submit` runs once every call is on its way (fault injection kills a rank there).
         """
         if per_rank is not None and len(per_rank) != self.world_size:
             raise ValueError(f"per_rank has {len(per_rank)} entries for {self.world_size} ranks")
@@ -245,6 +246,8 @@ class WorkerGroup:
             getattr(actor, method).remote(*args, *(() if per_rank is None else (per_rank[rank],)))
             for rank, actor in enumerate(self.actors)
         ]
+        if after_submit is not None:
+            after_submit()
         return self._gather(futures, method, timeout_s)
 
     def call_rank(self, rank: int, method: str, *args: Any, timeout_s: float | None = None) -> Any:
@@ -294,7 +297,8 @@ class WorkerGroup:
         if not ray.is_initialized():
             return
         closing = [actor.close.remote() for actor in self.actors]
-        ray.wait(closing, num_returns=len(closing), timeout=timeout_s)
+        if closing:
+            ray.wait(closing, num_returns=len(closing), timeout=timeout_s)
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
         for group in self._groups:
