@@ -31,7 +31,16 @@ from disagmoe.config import ModelConfig, TrainConfig, load_model
 from disagmoe.data import load_splits
 from disagmoe.roofline.flops import step_flops
 from disagmoe.runtime.batching import check_divisible
-from disagmoe.runtime.checkpoint import TrainerState, check_compatible, latest_checkpoint, read_manifest
+from disagmoe.runtime.checkpoint import (
+    TrainerState,
+    check_compatible,
+    latest_checkpoint,
+    newest_loadable,
+    resume_checkpoint,
+    training_settings,
+    verify_checkpoint,
+    warn_changed_training,
+)
 from disagmoe.runtime.cluster import WorkerFailure, WorkerGroup
 from disagmoe.runtime.failures import RunWarning, TrainingFailed
 from disagmoe.runtime.metrics import load_imbalance, mfu, peak_and_ceiling
@@ -182,11 +191,9 @@ class DistributedTrainer(TrainingLoop):
 
     def _resume_point(self) -> Path:
         """The checkpoint to resume from, checked against the model and the step count."""
-        directory = latest_checkpoint(self.checkpoint_root)
-        if directory is None:
-            raise ValueError(f"resume=true but {self.checkpoint_root} holds no complete checkpoint; "
-                             "check out_dir or set resume=false to start fresh")
-        check_compatible(read_manifest(directory), self.model_cfg, directory)
+        directory, manifest = resume_checkpoint(self.checkpoint_root, verify_checkpoint)
+        check_compatible(manifest, self.model_cfg, directory)
+        warn_changed_training(manifest, self.cfg, directory)
         step = read_trainer_state(directory).step
         if step >= self.cfg.steps:
             raise ValueError(f"checkpoint {directory} is at step {step}, already at steps={self.cfg.steps}; "
@@ -234,7 +241,9 @@ class DistributedTrainer(TrainingLoop):
         self._start(None, resume_from)
 
     def _newest_checkpoint(self) -> Path | None:
-        return latest_checkpoint(self.checkpoint_root)
+        """The newest checkpoint whose shards all pass their sha256 (damaged ones: a warning each)."""
+        found = newest_loadable(self.checkpoint_root, verify_checkpoint)
+        return None if found is None else found[0]
 
     def _train_one_step(self) -> dict[str, Any]:
         cfg = self.cfg
@@ -288,7 +297,7 @@ class DistributedTrainer(TrainingLoop):
         staging = staging_dir(self.checkpoint_root, self.step)
         listings = self._call("save_shard", str(staging))
         return finish_checkpoint(self.checkpoint_root, self.step, [e for e in listings if e is not None],
-                                 self.model_cfg, TrainerState.capture(self.step))
+                                 self.model_cfg, TrainerState.capture(self.step), training_settings(self.cfg))
 
     def _call(self, method: str, *args: Any, after_submit: Callable[[], None] | None = None) -> list[Any]:
         try:

@@ -184,6 +184,21 @@ def test_a_killed_expert_actor_restarts_the_run_by_itself(tmp_path):
     assert abs(summary["final_loss"] - want) <= 1e-5 * want
 
 
+def test_resume_past_a_truncated_newest_shard_says_which_file_was_bad(tmp_path):
+    first = invoke("--config", _config(tmp_path), "--json", "checkpoint_every=2", "steps=4", *FAST[1:])
+    assert first.exit_code == 0, first.output
+    shard = tmp_path / "run" / "checkpoints" / "step-00000004" / "layer-001.pt"
+    shard.write_bytes(shard.read_bytes()[:-10])
+    result = invoke("--config", _config(tmp_path), "resume=true", "steps=5", "--json", *FAST[1:])
+    assert result.exit_code == 0, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"warning: skipped checkpoint step-00000004: checkpoint shard "
+                                                   f"{shard} fails its sha256 check"), result.stderr
+    assert lines[0].endswith("resuming from step-00000002 instead")
+    steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5]
+
+
 def test_resume_repairs_a_torn_metrics_line_with_a_one_line_warning(tmp_path):
     first = invoke("--config", _config(tmp_path), "--json", *FAST)
     assert first.exit_code == 0, first.output

@@ -453,3 +453,22 @@ def test_a_fault_for_a_rank_the_run_lacks_or_in_single_mode_is_refused(tmp_path)
         DistributedTrainer(run_config(tmp_path / "run", "disaggregated", fault_injection={"rank": 2, "step": 1}))
     with pytest.raises(ValueError, match="fault_injection kills a Ray actor: it needs mode disaggregated"):
         run_config(tmp_path / "run", "single", fault_injection={"rank": 0, "step": 1})
+
+
+def test_a_damaged_expert_shard_of_the_newest_checkpoint_is_skipped_for_the_previous_one(warm, tmp_path):
+    """Not rank 0 blamed for rank 2's bad shard: the driver checks every shard before any rank
+    loads, names the file in one warning and resumes from the step before, as the run went."""
+    cfg = run_config(tmp_path / "run", "disaggregated", attention_ranks=1, expert_ranks=2, micro_batches=2,
+                     steps=4, checkpoint_every=2)
+    run_on(warm, cfg)
+    straight = read_metrics(tmp_path / "run" / METRICS_FILE)
+    shard = checkpoint_dir(tmp_path / "run" / CHECKPOINTS_DIR, 4) / "rank-00002.pt"
+    shard.write_bytes(shard.read_bytes()[:-1])
+    with pytest.warns(RunWarning) as warned:
+        summary = run_on(warm, cfg.model_copy(update={"resume": True}))
+    assert len(warned) == 1 and str(warned[0].message).startswith(
+        f"skipped checkpoint step-00000004: checkpoint shard {shard} fails its sha256 check"), warned[0].message
+    assert str(warned[0].message).endswith("resuming from step-00000002 instead")
+    resumed = read_metrics(tmp_path / "run" / METRICS_FILE)
+    assert summary.steps == 4 and [r["step"] for r in resumed] == [1, 2, 3, 4]
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in straight]
