@@ -263,3 +263,44 @@ def test_train_runs_a_single_gpu_plan_in_single_mode(tmp_path):
                     str(tmp_path / "run"), "steps=2", "batch_size=4", "seq_len=32", "eval_every=0", "--json")
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["final_loss"] > 0
+
+
+def test_train_on_a_two_node_cluster_places_both_ranks_on_one_node_and_matches_the_embedded_run(tmp_path):
+    """`train` (1 attention + 1 expert rank) through `ray_address` on a simulated two-node
+    cluster (ray.cluster_utils, every node on 127.0.0.1): the head has 1 CPU, the worker node 2.
+    CPU ranks sit in one STRICT_PACK placement group (runtime/cluster.py), so both actors must run
+    on one node, the worker node (the only one with 2 CPUs), away from the driver's head node;
+    the losses equal the embedded cluster's."""
+    from ray.cluster_utils import Cluster
+
+    from disagmoe.runtime.cluster import _local_only_ray, loopback_interface
+
+    run = ["steps=3", "batch_size=4", "seq_len=32", "eval_every=0", "trace=false", "--json",
+           f"env.GLOO_SOCKET_IFNAME={loopback_interface()}"]
+    embedded = invoke("--config", _config(tmp_path), "--out-dir", str(tmp_path / "embedded"), *run)
+    assert embedded.exit_code == 0, embedded.output
+    with _local_only_ray():  # as `ray start --node-ip-address=127.0.0.1` on each node: loopback only
+        cluster = Cluster(initialize_head=True, head_node_args=dict(
+            node_ip_address="127.0.0.1", num_cpus=1, include_dashboard=False))
+        try:
+            worker_node = cluster.add_node(node_ip_address="127.0.0.1", num_cpus=2)
+            cluster.wait_for_nodes()
+        except BaseException:
+            cluster.shutdown()
+            raise
+    try:
+        assert cluster.address.startswith("127.0.0.1:")
+        joined = invoke("--config", _config(tmp_path), "--out-dir", str(tmp_path / "joined"), *run,
+                        f"ray_address={cluster.address}")
+        assert joined.exit_code == 0, joined.output
+        actors = [a for a in cluster.global_state.actor_table(None).values() if a["ActorClassName"] == "TrainWorker"]
+        nodes = [a["Address"]["NodeID"] for a in actors]
+        head, worker = cluster.head_node.node_id, worker_node.node_id
+    finally:
+        cluster.shutdown()
+    assert len(nodes) == 2 and set(nodes) == {worker} and head != worker
+    got, want = (json.loads(r.stdout) for r in (joined, embedded))
+    assert got["steps"] == want["steps"] == 3 and got["final_loss"] == want["final_loss"]
+    losses = [[json.loads(line)["loss"] for line in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
+              for d in ("joined", "embedded")]
+    assert losses[0] == losses[1]
