@@ -322,8 +322,9 @@ class DistributedTrainer(TrainingLoop):
         checkpoint = latest_checkpoint(self.checkpoint_root)
         resume = (f"resume from {checkpoint} with resume=true" if checkpoint is not None
                   else "no checkpoint yet (checkpoint_every / checkpoint_minutes keep progress)")
-        return TrainingFailed(rank, f"rank {rank} ({self.rank_names.get(rank, '?')}) failed during {method} "
-                                    f"of step {self.step + 1}: {what}; {resume}")
+        name = self.rank_names.get(rank, "?")
+        report = f"rank {rank} ({name}) failed during {method} of step {self.step + 1}: {what}"
+        return TrainingFailed(rank, f"{report}; {resume}", report)
 
 
 def probe_ranks(actors: list[Any], timeout_s: float) -> tuple[dict[int, str], list[int]]:

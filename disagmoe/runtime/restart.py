@@ -26,14 +26,15 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from disagmoe.config import FaultInjection
+from disagmoe.runtime.failures import TrainingFailed
 
 FAULT_RECORD = "fault_injection.json"
 
 
-def restart_line(attempt: int, limit: int, failure: Exception, checkpoint: Path | None) -> str:
-    """What a restart prints (one line): which attempt, what failed, where it resumes."""
+def restart_line(attempt: int, limit: int, failure: TrainingFailed, checkpoint: Path | None) -> str:
+    """What a restart prints (one line): which attempt, where it resumes, what failed."""
     where = f"from {checkpoint}" if checkpoint is not None else "from step 0 (no complete checkpoint yet)"
-    return f"restart {attempt} of {limit} (max_restarts={limit}) {where}, with new actors, after: {failure}"
+    return f"restart {attempt} of {limit} (max_restarts={limit}) {where}, with new actors, after: {failure.report}"
 
 
 class Fault:

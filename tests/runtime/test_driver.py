@@ -424,6 +424,7 @@ def test_a_killed_expert_actor_restarts_the_run_to_the_uninterrupted_result(warm
     resumed_from = "step-00000002" if checkpoint_every else "from step 0 (no complete checkpoint yet)"
     assert "restart 1 of 1" in lines[0] and resumed_from in lines[0], lines[0]
     assert "rank 1 (E0.0) failed during train_step of step 3" in lines[0] and "died" in lines[0], lines[0]
+    assert "resume=true" not in lines[0]  # the failure's advice to resume by hand is the restart's job here
     record = json.loads((tmp_path / "run" / FAULT_RECORD).read_text())
     assert (record["rank"], record["step"], record["pid"]) == (1, 3, first_pids[1])
     assert _gone(first_pids[1]) and _gone(first_pids[0])  # the whole group was torn down
