@@ -414,6 +414,14 @@ class OptimConfig(StrictModel):
         "each data-parallel group (distributed modes; the result is the same step)")
 
 
+class FaultInjection(StrictModel):
+    """Tests: SIGKILL one rank's actor process while step `step` runs, once per run (the driver
+    records in out_dir that it fired, so a restart or a resume does not fire it again)."""
+
+    rank: NonNegGpuCount = Field(description="the rank whose actor process is killed")
+    step: PositiveInt = Field(description="the step (1-based) during which it is killed")
+
+
 class TrainConfig(StrictModel):
     """A training run: model, data, optimisation, layout, and where outputs go."""
 
@@ -471,6 +479,12 @@ class TrainConfig(StrictModel):
     trace: bool = True
     recv_timeout_s: Annotated[float, Field(gt=0, le=7 * 86400)] = 120.0
     ray_address: str | None = Field(None, description="None starts an embedded local cluster")
+    max_restarts: Annotated[int, Field(ge=0, le=1000)] = Field(
+        0, description="distributed modes: when a rank dies or hangs, tear the actors down, start new ones and "
+        "resume from the newest complete checkpoint (from the start without one), at most this many times per "
+        "run (0: the first failure ends the run, like Ray Train's FailureConfig)")
+    fault_injection: FaultInjection | None = Field(
+        None, description="tests: kill a rank's actor process during a step, once per run (distributed modes)")
     env: dict[str, str] = Field(
         default_factory=dict, description="environment variables for every worker (per host)"
     )
@@ -488,6 +502,9 @@ class TrainConfig(StrictModel):
             raise ValueError(
                 f"batch_size={self.batch_size} must be a multiple of micro_batches={self.micro_batches}"
             )
+        if self.fault_injection is not None and self.mode == "single":
+            raise ValueError("fault_injection kills a Ray actor: it needs mode disaggregated or colocated "
+                             "(or remove fault_injection)")
         return self
 
 

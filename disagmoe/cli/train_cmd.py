@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
@@ -72,7 +74,11 @@ def train(
     check_out_dir(Path(cfg.out_dir))  # before Ray, the actors or the model start
     run = PREPARE[cfg.mode](cfg)
     if as_json:
-        print_json(run(None))  # a failed or stopped run: one message and exit 1 / 130 (`user_errors`)
+        # stdout holds the JSON only: Ray prints a dead actor's report (and actors' prints) to the
+        # driver's stdout, from a thread of its own, so while the run lasts stdout is stderr
+        with contextlib.redirect_stdout(sys.stderr):
+            summary = run(None)  # a failed or stopped run: one message and exit 1 / 130 (`user_errors`)
+        print_json(summary)
         return
     with TrainProgress(cfg.steps) as on_step:
         summary = run(on_step)
@@ -156,6 +162,8 @@ def _summary_table(cfg: TrainConfig, summary: dict[str, Any]) -> Table:
         ("metrics", summary["metrics_path"]),
         ("checkpoint", summary["checkpoint_path"] or "-"),
     ]
+    if summary.get("restarts"):
+        rows.append(("restarts", f"{summary['restarts']} (max_restarts={cfg.max_restarts})"))
     for what, value in rows:
         table.add_row(what, literal(value))  # paths may hold [brackets]
     return table

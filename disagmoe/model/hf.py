@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from contextlib import ExitStack
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import torch
@@ -141,8 +141,10 @@ class SafetensorsDir:
     def __init__(self, path: Path) -> None:
         index = path / "model.safetensors.index.json"
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            self.file_of = {name: path / file for name, file in weight_map.items()}
+            weight_map = read_mapping(index).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ValueError(f"{index} has no 'weight_map' mapping of tensor names to shard files")
+            self.file_of = {name: _shard_inside(path, file, index) for name, file in weight_map.items()}
         else:
             files = sorted(path.glob("*.safetensors"))
             if not files:
@@ -170,6 +172,18 @@ class SafetensorsDir:
 
     def close(self) -> None:
         self._stack.close()
+
+
+def _shard_inside(directory: Path, file: Any, index: Path) -> Path:
+    """`directory / file` for a weight_map entry, refusing one that is not a relative name
+    inside `directory` (absolute, `..`, or through a symlink leading out)."""
+    pure = PurePosixPath(file) if isinstance(file, str) else None
+    path = directory / file if pure is not None else None
+    if (pure is None or not file or pure.is_absolute() or "\\" in file or ".." in pure.parts
+            or not path.resolve().is_relative_to(directory.resolve())):
+        raise ValueError(f"{index}: weight_map entry {file!r} is not a file inside {directory}; "
+                         "shard names must be relative names in the checkpoint's folder")
+    return path
 
 
 def _read_experts(tensors: SafetensorsDir, cfg: ModelConfig, model_type: str, layer: int,

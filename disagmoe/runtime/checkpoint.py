@@ -10,7 +10,14 @@ Every tensor is keyed by `TensorKey(layer, module, expert, parameter)`, written 
 a subset (one layer's attention, a few experts) reads and writes just its keys. Shards hold only
 tensors, strings and numbers: they load with `torch.load(weights_only=True)`. Files are written
 to a temporary name and renamed into place, the manifest last: a checkpoint without a manifest
-is incomplete and ignored.
+is incomplete and ignored (and swept at the next start, `out_dir.clean_stale_files`).
+
+Resuming (`newest_loadable`) takes the newest checkpoint that loads: one that is damaged (an
+unreadable manifest or one missing a key, a shard path leaving the folder, a missing shard, a
+sha256 mismatch) raises `CorruptCheckpoint` naming the file, and is skipped for the previous
+one with a `RunWarning`. A checkpoint of another model is refused; one written with other
+training settings (seed, batch_size, seq_len, optim; the manifest's `training`, absent from
+older checkpoints) resumes with a warning naming them.
 
 Legend: E experts, H hidden size, F expert FFN width.
 """
@@ -23,13 +30,16 @@ import json
 import os
 import re
 import shutil
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from pathlib import Path, PurePosixPath
+from typing import Any, TypeVar
 
 import torch
 
-from disagmoe.config import ModelConfig
+from disagmoe.config import ModelConfig, TrainConfig
+from disagmoe.runtime.failures import RunWarning
 from disagmoe.runtime.flat_adamw import FlatAdamW
 
 FORMAT = "disagmoe-checkpoint/1"
@@ -235,10 +245,46 @@ def checkpoint_dir(root: Path, step: int) -> Path:
     return root / f"step-{step:08d}"
 
 
+def complete_checkpoints(root: Path) -> list[Path]:
+    """The complete checkpoints (those with a manifest) under `root`, oldest first."""
+    return sorted(p for p in root.glob("step-*") if (p / MANIFEST).is_file())
+
+
 def latest_checkpoint(root: Path) -> Path | None:
     """The complete checkpoint (one with a manifest) of the highest step under `root`."""
-    done = sorted(p for p in root.glob("step-*") if (p / MANIFEST).is_file())
+    done = complete_checkpoints(root)
     return done[-1] if done else None
+
+
+T = TypeVar("T")
+
+
+def newest_loadable(root: Path, load: Callable[[Path], T]) -> tuple[Path, T] | None:
+    """`(checkpoint, load(checkpoint))` for the newest complete checkpoint under `root` that
+    `load` takes without a `CorruptCheckpoint`; each newer one is skipped with a one-line
+    `RunWarning` naming the bad file. None when there is no complete checkpoint, or none loads."""
+    candidates = complete_checkpoints(root)[::-1]
+    for i, directory in enumerate(candidates):
+        try:
+            return directory, load(directory)
+        except CorruptCheckpoint as err:
+            then = (f"resuming from {candidates[i + 1].name} instead" if i + 1 < len(candidates)
+                    else "no earlier checkpoint is left")
+            warnings.warn(f"skipped checkpoint {directory.name}: {err}; {then}", RunWarning, stacklevel=2)
+    return None
+
+
+def resume_checkpoint(root: Path, load: Callable[[Path], T]) -> tuple[Path, T]:
+    """`newest_loadable`, or a ValueError for `resume=true` saying why nothing can be resumed."""
+    found = newest_loadable(root, load)
+    if found is not None:
+        return found
+    count = len(complete_checkpoints(root))
+    if not count:
+        raise ValueError(f"resume=true but {root} holds no complete checkpoint; "
+                         "check out_dir or set resume=false to start fresh")
+    raise ValueError(f"resume=true but none of the {count} complete checkpoints under {root} can be loaded "
+                     "(the warnings name the bad files); restore one, or set resume=false to start fresh")
 
 
 def prune_checkpoints(root: Path, keep: int, newest: Path) -> list[Path]:
@@ -278,8 +324,10 @@ def save_checkpoint(
     optimizer: Optimizer,
     model_cfg: ModelConfig,
     state: TrainerState,
+    training: dict[str, Any] | None = None,
 ) -> Path:
-    """Write the model, optimizer and trainer state as a checkpoint for `state.step`; returns its dir."""
+    """Write the model, optimizer and trainer state as a checkpoint for `state.step`; returns its
+    dir. `training`: the run's `training_settings`, recorded in the manifest."""
     directory = checkpoint_dir(root, state.step)
     directory.mkdir(parents=True, exist_ok=True)
     shards: dict[str, dict[str, dict[str, Any]]] = {}
@@ -305,20 +353,62 @@ def save_checkpoint(
         "step": state.step,
         "model_fingerprint": model_fingerprint(model_cfg),
         "model_config": model_cfg.model_dump(mode="json"),
+        **({} if training is None else {"training": training}),
         "shards": listing,
     }
     _atomic_write(directory / MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode())
     return directory
 
 
+class CorruptCheckpoint(ValueError):
+    """A complete-looking checkpoint that cannot be loaded as written; names the file and why."""
+
+
+# What every manifest holds (a `training` entry is optional: older checkpoints lack it).
+MANIFEST_KEYS = {"format": str, "step": int, "model_fingerprint": str, "model_config": dict, "shards": list}
+SHARD_KEYS = {"file": str, "sha256": str, "bytes": int}
+
+
 def read_manifest(directory: Path) -> dict[str, Any]:
+    """The checked manifest: ValueError without one or for another format, `CorruptCheckpoint`
+    (naming the file) when it is unreadable, lacks a key, or lists a shard outside `directory`."""
     path = directory / MANIFEST
     if not path.is_file():
         raise ValueError(f"{directory} is not a complete checkpoint (no {MANIFEST})")
-    manifest = json.loads(path.read_text())
-    if manifest.get("format") != FORMAT:
+    try:
+        manifest = json.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise CorruptCheckpoint(f"manifest {path} is unreadable ({getattr(err, 'strerror', None) or err})") from None
+    if not isinstance(manifest, dict):
+        raise CorruptCheckpoint(f"manifest {path} is not a JSON object")
+    if "format" in manifest and manifest["format"] != FORMAT:
         raise ValueError(f"{path}: unknown checkpoint format {manifest.get('format')!r}; expected {FORMAT}")
+    _check_keys(manifest, MANIFEST_KEYS, f"manifest {path}")
+    for i, entry in enumerate(manifest["shards"]):
+        _check_keys(entry, SHARD_KEYS, f"manifest {path}: shards[{i}]")
+        inside(directory, entry["file"], f"manifest {path}: shard")
     return manifest
+
+
+def _check_keys(data: Any, keys: dict[str, type], where: str) -> None:
+    if not isinstance(data, dict):
+        raise CorruptCheckpoint(f"{where} is not a JSON object")
+    for key, kind in keys.items():
+        if key not in data:
+            raise CorruptCheckpoint(f"{where} lacks the key {key!r}")
+        if not isinstance(data[key], kind) or (kind is int and isinstance(data[key], bool)):
+            raise CorruptCheckpoint(f"{where}: {key!r} is {type(data[key]).__name__}, not {kind.__name__}")
+
+
+def inside(directory: Path, name: str, what: str) -> Path:
+    """`directory / name`, refusing (CorruptCheckpoint) a name that is absolute, climbs out with
+    `..`, or leads outside `directory` through a symlink."""
+    pure = PurePosixPath(name)
+    path = directory / name
+    if (not name or pure.is_absolute() or "\\" in name or ".." in pure.parts
+            or not path.resolve().is_relative_to(directory.resolve())):
+        raise CorruptCheckpoint(f"{what} path {name!r} leaves {directory} (shard paths are relative names inside it)")
+    return path
 
 
 def check_compatible(manifest: dict[str, Any], model_cfg: ModelConfig, directory: Path) -> None:
@@ -334,18 +424,76 @@ def check_compatible(manifest: dict[str, Any], model_cfg: ModelConfig, directory
     )
 
 
+# Settings a resume may change, with a warning: the run goes on, but not as the checkpoint's run would
+# have (optim.shard_states is layout, not the step: it is left out).
+TRAINING_FIELDS = ("seed", "batch_size", "seq_len")
+
+
+def training_settings(cfg: TrainConfig) -> dict[str, Any]:
+    """What a checkpoint's manifest records of the run that wrote it (`training`)."""
+    optim = {f"optim.{k}": v for k, v in cfg.optim.model_dump(mode="json").items() if k != "shard_states"}
+    return {**{k: getattr(cfg, k) for k in TRAINING_FIELDS}, **optim}
+
+
+def warn_changed_training(manifest: dict[str, Any], cfg: TrainConfig, directory: Path) -> list[str]:
+    """One `RunWarning` naming the training settings that differ from the checkpoint's (none for
+    a checkpoint that predates the record); returns the names."""
+    saved = manifest.get("training")
+    if not isinstance(saved, dict):
+        return []
+    now = training_settings(cfg)
+    changed = [k for k in now if k in saved and saved[k] != now[k]]
+    if changed:
+        listed = ", ".join(f"{k}: {saved[k]!r} -> {now[k]!r}" for k in changed)
+        warnings.warn(f"resuming from {directory} with changed training settings ({listed}); the run continues "
+                      "with the new ones, not as an uninterrupted run would", RunWarning, stacklevel=2)
+    return changed
+
+
 def read_shards(directory: Path, manifest: dict[str, Any]) -> dict[str, Any]:
-    """Every shard, after checking its sha256 against the manifest."""
+    """Every shard, after checking its sha256 against the manifest (`CorruptCheckpoint` naming
+    the file when one is missing, unreadable or fails the check)."""
     shards = {}
     for entry in manifest["shards"]:
-        path = directory / entry["file"]
-        if not path.is_file():
-            raise ValueError(f"checkpoint shard {path} is missing; the checkpoint is incomplete")
-        data = path.read_bytes()
-        if hashlib.sha256(data).hexdigest() != entry["sha256"]:
-            raise ValueError(f"checkpoint shard {path} fails its sha256 check; the file is corrupt")
+        path = _shard_path(directory, entry)
+        try:
+            data = path.read_bytes()
+        except OSError as err:
+            raise CorruptCheckpoint(f"checkpoint shard {path} is unreadable ({err.strerror or err})") from None
+        _check_digest(path, entry, hashlib.sha256(data).hexdigest(), len(data))
         shards[entry["file"]] = torch.load(io.BytesIO(data), weights_only=True)
     return shards
+
+
+def verify_checkpoint(directory: Path) -> dict[str, Any]:
+    """The manifest, once every shard it lists is present and passes its sha256 (each is read
+    through, in pieces; `CorruptCheckpoint` naming the first bad file)."""
+    manifest = read_manifest(directory)
+    for entry in manifest["shards"]:
+        path = _shard_path(directory, entry)
+        digest, size = hashlib.sha256(), 0
+        try:
+            with path.open("rb") as f:
+                while chunk := f.read(1 << 24):
+                    digest.update(chunk)
+                    size += len(chunk)
+        except OSError as err:
+            raise CorruptCheckpoint(f"checkpoint shard {path} is unreadable ({err.strerror or err})") from None
+        _check_digest(path, entry, digest.hexdigest(), size)
+    return manifest
+
+
+def _shard_path(directory: Path, entry: dict[str, Any]) -> Path:
+    path = inside(directory, entry["file"], f"manifest {directory / MANIFEST}: shard")
+    if not path.is_file():
+        raise CorruptCheckpoint(f"checkpoint shard {path} is missing; the checkpoint is incomplete")
+    return path
+
+
+def _check_digest(path: Path, entry: dict[str, Any], sha256: str, size: int) -> None:
+    if sha256 != entry["sha256"]:
+        detail = f"{size:,} of {entry['bytes']:,} bytes" if size != entry["bytes"] else "same size"
+        raise CorruptCheckpoint(f"checkpoint shard {path} fails its sha256 check ({detail}); the file is corrupt")
 
 
 def load_checkpoint(

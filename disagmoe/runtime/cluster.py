@@ -9,7 +9,9 @@
 `address=None` starts an embedded single-node cluster with every listener on loopback (Ray's
 servers: see `_local_only_ray`; the rendezvous store: `rendezvous_store`; gloo: GLOO_SOCKET_IFNAME
 in `worker_env`), no dashboard, and Ray's token authentication on (its default for a new local
-cluster); "auto" or "HOST:PORT" joins a running one (README: what a joined cluster exposes). Actors sit in placement groups: one STRICT_PACK group per node
+cluster); "auto" or "HOST:PORT" joins a running one (README: what a joined cluster exposes; a
+loopback HOST, a cluster of nodes on this host started with `--node-ip-address=127.0.0.1`, is
+joined on loopback, see `_local_only_ray`). Actors sit in placement groups: one STRICT_PACK group per node
 on GPUs (a bundle per GPU), a single group on the local node for CPU slots (fractional CPUs, so
 several actors share a core). Every actor gets `env` (TrainConfig.env) through its runtime_env
 and sees every GPU of its node (RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1, DESIGN section 5);
@@ -20,12 +22,13 @@ Tensors never travel through here: only control calls.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import socket
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -233,11 +236,12 @@ class WorkerGroup:
         return addr, port
 
     def call(self, method: str, *args: Any, per_rank: Sequence[Any] | None = None,
-             timeout_s: float | None = None) -> list[Any]:
+             timeout_s: float | None = None, after_submit: Callable[[], None] | None = None) -> list[Any]:
         """Call `method(*args)` on every actor (`per_rank[r]` appended for rank r); results by rank.
 
         Returns once all finish; raises `WorkerFailure` naming a rank on the first failure (after
         a short grace period that finds the root cause: see `_root_cause`) or on the timeout.
+        `after_submit` runs once every call is on its way (fault injection kills a rank there).
         """
         if per_rank is not None and len(per_rank) != self.world_size:
             raise ValueError(f"per_rank has {len(per_rank)} entries for {self.world_size} ranks")
@@ -245,6 +249,8 @@ class WorkerGroup:
             getattr(actor, method).remote(*args, *(() if per_rank is None else (per_rank[rank],)))
             for rank, actor in enumerate(self.actors)
         ]
+        if after_submit is not None:
+            after_submit()
         return self._gather(futures, method, timeout_s)
 
     def call_rank(self, rank: int, method: str, *args: Any, timeout_s: float | None = None) -> Any:
@@ -294,7 +300,8 @@ class WorkerGroup:
         if not ray.is_initialized():
             return
         closing = [actor.close.remote() for actor in self.actors]
-        ray.wait(closing, num_returns=len(closing), timeout=timeout_s)
+        if closing:
+            ray.wait(closing, num_returns=len(closing), timeout=timeout_s)
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
         for group in self._groups:
@@ -338,9 +345,22 @@ def _connect(address: str | None, device: Device, log_to_driver: bool) -> bool:
                 log_to_driver=log_to_driver,
                 num_gpus=None if device == "cuda" else 0,
             )
-    else:
-        ray.init(address=address, log_to_driver=log_to_driver)
+    else:  # a cluster whose GCS is on loopback: its nodes are on this host and on loopback too
+        with _local_only_ray() if _is_loopback(address) else nullcontext():
+            ray.init(address=address, log_to_driver=log_to_driver)
     return True
+
+
+def _is_loopback(address: str) -> bool:
+    """Whether `HOST:PORT` names a loopback host (ray.init would replace it with the host's
+    address, and the driver would then not find its node among the cluster's loopback ones)."""
+    host = address.rpartition(":")[0].strip("[]") if ":" in address else address
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 @contextmanager

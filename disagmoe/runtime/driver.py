@@ -8,7 +8,10 @@ Per step the driver makes one `train_step` call on every actor; the actors run t
 exchange tensors among themselves. What comes back is small: loss shares, expert loads, the
 gradient norm, compute time and trace spans. A failure is reported as `TrainingFailed` naming
 the rank at fault and what happened (it died, or it stopped delivering within recv_timeout_s),
-and the last checkpoint to resume from.
+and the last checkpoint to resume from. With `max_restarts` = N > 0, `run` instead restarts
+itself up to N times (`runtime.restart`): one `RunWarning` line naming the failure, the actors
+killed, new ones started, the newest complete checkpoint loaded (the trace then covers the
+last start only).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import os
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,13 +31,23 @@ from disagmoe.config import ModelConfig, TrainConfig, load_model
 from disagmoe.data import load_splits
 from disagmoe.roofline.flops import step_flops
 from disagmoe.runtime.batching import check_divisible
-from disagmoe.runtime.checkpoint import TrainerState, check_compatible, latest_checkpoint, read_manifest
+from disagmoe.runtime.checkpoint import (
+    TrainerState,
+    check_compatible,
+    latest_checkpoint,
+    newest_loadable,
+    resume_checkpoint,
+    training_settings,
+    verify_checkpoint,
+    warn_changed_training,
+)
 from disagmoe.runtime.cluster import WorkerFailure, WorkerGroup
 from disagmoe.runtime.failures import RunWarning, TrainingFailed
 from disagmoe.runtime.metrics import load_imbalance, mfu, peak_and_ceiling
 from disagmoe.runtime.optim import lr_at
 from disagmoe.runtime.plan_layout import apply_plan
 from disagmoe.runtime.rank_model import rank_model
+from disagmoe.runtime.restart import Fault, restart_line
 from disagmoe.runtime.sharded_checkpoint import finish_checkpoint, read_trainer_state, staging_dir
 from disagmoe.runtime.topology import Topology
 from disagmoe.runtime.trace import busy_fractions, write_chrome_trace
@@ -115,6 +129,13 @@ def check_fits(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topology) -> 
             raise ValueError(f"transport={cfg.transport} needs GPUs; on CPU use transport=local")
 
 
+def check_fault_injection(cfg: TrainConfig, topology: Topology) -> None:
+    fault = cfg.fault_injection
+    if fault is not None and fault.rank >= topology.world_size:
+        raise ValueError(f"fault_injection.rank={fault.rank} but the run has {topology.world_size} ranks "
+                         f"(0-{topology.world_size - 1}); choose one of them")
+
+
 class DistributedTrainer(TrainingLoop):
     """A `mode: disaggregated | colocated` run (module docstring)."""
 
@@ -125,6 +146,7 @@ class DistributedTrainer(TrainingLoop):
         self.cfg = cfg = apply_plan(cfg, self.model_cfg)  # a plan's layout, checked; inline for the workers
         self.topology = Topology.from_config(cfg, self.model_cfg)
         check_fits(cfg, self.model_cfg, self.topology)
+        check_fault_injection(cfg, self.topology)
         check_out_dir(Path(cfg.out_dir))  # before any actor starts
         splits = load_splits(cfg.data, self.model_cfg.vocab_size, cfg.seq_len)  # data errors surface here
         self.evaluates = splits.val is not None and cfg.eval_every > 0
@@ -137,10 +159,19 @@ class DistributedTrainer(TrainingLoop):
         self.peak_flops, self.ceiling_flops = peak_and_ceiling(cfg, gpus=self.topology.world_size)
         self.rank_names = {r: self.topology.describe(r) for r in range(self.topology.world_size)}
         self.groups = [self.topology.group_name(r) for r in range(self.topology.world_size)]
+        self.log_to_driver = log_to_driver
+        self.fault = Fault(cfg.fault_injection, self.out_dir, fresh_run=not cfg.resume)
+        self.restarts = 0
         self.owns_workers = workers is None
+        self._start(workers, resume_from)
+
+    def _start(self, workers: WorkerGroup | None, resume_from: Path | None) -> None:
+        """Start the actors (or take `workers`), set every rank up, load `resume_from` if given;
+        the trace starts empty."""
+        cfg = self.cfg
         if workers is None:
             workers = WorkerGroup.start(self.topology.world_size, cfg.device, cfg.env, cfg.ray_address,
-                                        worker_cls=TrainWorker, log_to_driver=log_to_driver)
+                                        worker_cls=TrainWorker, log_to_driver=self.log_to_driver)
         elif workers.world_size != self.topology.world_size:
             raise ValueError(f"{cfg.mode} needs {self.topology.world_size} ranks; the given workers are "
                              f"{workers.world_size}")
@@ -160,11 +191,9 @@ class DistributedTrainer(TrainingLoop):
 
     def _resume_point(self) -> Path:
         """The checkpoint to resume from, checked against the model and the step count."""
-        directory = latest_checkpoint(self.checkpoint_root)
-        if directory is None:
-            raise ValueError(f"resume=true but {self.checkpoint_root} holds no complete checkpoint; "
-                             "check out_dir or set resume=false to start fresh")
-        check_compatible(read_manifest(directory), self.model_cfg, directory)
+        directory, manifest = resume_checkpoint(self.checkpoint_root, verify_checkpoint)
+        check_compatible(manifest, self.model_cfg, directory)
+        warn_changed_training(manifest, self.cfg, directory)
         step = read_trainer_state(directory).step
         if step >= self.cfg.steps:
             raise ValueError(f"checkpoint {directory} is at step {step}, already at steps={self.cfg.steps}; "
@@ -174,9 +203,19 @@ class DistributedTrainer(TrainingLoop):
     # -- the run ---------------------------------------------------------------------------------
 
     def run(self, on_step: StepCallback | None = None) -> TrainSummary:
-        """Train to `cfg.steps`, then write the trace and shut the actors down (also on failure)."""
+        """Train to `cfg.steps`, restarting after a failed rank up to `max_restarts` times, then
+        write the trace and shut the actors down (also on failure)."""
         try:
-            return self._run(on_step)
+            failure: TrainingFailed | None = None
+            while True:
+                try:
+                    if failure is not None:
+                        self._restart(failure)
+                    return self._run(on_step)
+                except TrainingFailed as err:
+                    if self.restarts >= self.cfg.max_restarts:
+                        raise
+                    failure = err
         finally:
             if self.cfg.trace:
                 try:  # never in place of the run's outcome (its summary or its failure)
@@ -187,12 +226,33 @@ class DistributedTrainer(TrainingLoop):
             if self.owns_workers:
                 self.workers.shutdown()
 
+    def _restart(self, failure: TrainingFailed) -> None:
+        """Tear the actor group down (a given group is left to its owner), print one line, start
+        new actors and load the newest complete checkpoint (none: start from step 0)."""
+        self.restarts += 1
+        resume_from = self._newest_checkpoint()
+        warnings.warn(restart_line(self.restarts, self.cfg.max_restarts, failure, resume_from), RunWarning,
+                      stacklevel=3)
+        if self.owns_workers:
+            self.workers.shutdown()
+        self.owns_workers = True
+        self.cfg = self.cfg.model_copy(update={"resume": True})  # metrics.jsonl is cut at the resumed step
+        self.step = 0 if resume_from is None else read_trainer_state(resume_from).step
+        self._start(None, resume_from)
+
+    def _newest_checkpoint(self) -> Path | None:
+        """The newest checkpoint whose shards all pass their sha256 (damaged ones: a warning each)."""
+        found = newest_loadable(self.checkpoint_root, verify_checkpoint)
+        return None if found is None else found[0]
+
     def _train_one_step(self) -> dict[str, Any]:
         cfg = self.cfg
         lr = lr_at(self.step, cfg.optim, cfg.steps)
+        fault = (self.fault.arm(self.workers.actors[self.fault.spec.rank]) if self.fault.due(self.step + 1)
+                 else None)
         start = time.perf_counter()
         traced = self.cfg.trace and self.traced_steps < TRACE_MAX_STEPS
-        results = self._call("train_step", self.step, lr, traced)
+        results = self._call("train_step", self.step, lr, traced, after_submit=fault)
         self.traced_steps += traced
         seconds = time.perf_counter() - start
         self.step += 1
@@ -237,11 +297,11 @@ class DistributedTrainer(TrainingLoop):
         staging = staging_dir(self.checkpoint_root, self.step)
         listings = self._call("save_shard", str(staging))
         return finish_checkpoint(self.checkpoint_root, self.step, [e for e in listings if e is not None],
-                                 self.model_cfg, TrainerState.capture(self.step))
+                                 self.model_cfg, TrainerState.capture(self.step), training_settings(self.cfg))
 
-    def _call(self, method: str, *args: Any) -> list[Any]:
+    def _call(self, method: str, *args: Any, after_submit: Callable[[], None] | None = None) -> list[Any]:
         try:
-            return self.workers.call(method, *args, timeout_s=step_timeout_s(self.cfg))
+            return self.workers.call(method, *args, timeout_s=step_timeout_s(self.cfg), after_submit=after_submit)
         except WorkerFailure as failure:
             raise self._diagnose(failure, method) from failure
 
@@ -262,8 +322,9 @@ class DistributedTrainer(TrainingLoop):
         checkpoint = latest_checkpoint(self.checkpoint_root)
         resume = (f"resume from {checkpoint} with resume=true" if checkpoint is not None
                   else "no checkpoint yet (checkpoint_every / checkpoint_minutes keep progress)")
-        return TrainingFailed(rank, f"rank {rank} ({self.rank_names.get(rank, '?')}) failed during {method} "
-                                    f"of step {self.step + 1}: {what}; {resume}")
+        name = self.rank_names.get(rank, "?")
+        report = f"rank {rank} ({name}) failed during {method} of step {self.step + 1}: {what}"
+        return TrainingFailed(rank, f"{report}; {resume}", report)
 
 
 def probe_ranks(actors: list[Any], timeout_s: float) -> tuple[dict[int, str], list[int]]:

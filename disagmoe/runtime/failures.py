@@ -15,11 +15,13 @@ warnings.filterwarnings("always", category=RunWarning)  # every occurrence, not 
 
 
 class TrainingFailed(RuntimeError):
-    """A rank failed mid-run; the message names it, says what happened and where to resume."""
+    """A rank failed mid-run; the message names it, says what happened and where to resume
+    (`report`: the message without where to resume, for an automatic restart's line)."""
 
-    def __init__(self, rank: int, message: str) -> None:
+    def __init__(self, rank: int, message: str, report: str | None = None) -> None:
         super().__init__(message)
         self.rank = rank
+        self.report = message if report is None else report
 
 
 class TrainingInterrupted(RuntimeError):

@@ -46,6 +46,7 @@ class TrainSummary:
     metrics_path: str
     checkpoint_path: str | None
     busy: dict[str, float] | None = None  # distributed modes: per group, mean compute / step time
+    restarts: int = 0  # distributed modes: times the run restarted itself after a failed rank (max_restarts)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -92,6 +93,7 @@ class TrainingLoop:
     flops_per_step: float
     peak_flops: float | None
     evaluates: bool  # a validation split exists and eval_every > 0
+    restarts: int = 0  # automatic restarts so far (distributed modes: DistributedTrainer.run)
 
     def _train_one_step(self) -> dict[str, Any]:
         raise NotImplementedError
@@ -152,4 +154,5 @@ class TrainingLoop:
             metrics_path=str(metrics_path),
             checkpoint_path=None if checkpoint is None else str(checkpoint),
             busy={g: total / steps_run for g, total in busy_sums.items()} if busy_sums and steps_run else None,
+            restarts=self.restarts,
         )

@@ -3,7 +3,8 @@
 `check_out_dir` runs before Ray, the actors or the model start, so a bad out_dir is one line and
 exit code 2, not a traceback after start-up. `clean_stale_files` runs as the step loop starts: it
 removes what an earlier run of the same out_dir left when it was killed mid-write (a checkpoint
-still being staged or deleted, a half-written trace); complete checkpoints are never touched.
+still being staged, written or deleted, a half-written trace); complete checkpoints (those with a
+manifest) are never touched.
 
 Light (no torch): the CLI imports it.
 """
@@ -15,6 +16,7 @@ import tempfile
 from pathlib import Path
 
 CHECKPOINTS_DIR = "checkpoints"  # = runtime.trainer.CHECKPOINTS_DIR
+MANIFEST = "manifest.json"  # = runtime.checkpoint.MANIFEST
 # What writers leave while they work (sharded_checkpoint.staging_dir, checkpoint.prune_checkpoints,
 # trace.write_chrome_trace); none of it is ever read back.
 STALE_IN_CHECKPOINTS = (".staging-step-*", ".step-*.deleting")
@@ -43,9 +45,15 @@ def check_out_dir(out_dir: Path) -> None:
 
 
 def clean_stale_files(out_dir: Path) -> list[Path]:
-    """Remove the temporary files and folders of an earlier, killed run; returns what went."""
+    """Remove the temporary files and folders of an earlier, killed run, and step folders without
+    a manifest (a single-mode checkpoint killed mid-write: the manifest is written last); returns
+    what went. A folder holding a manifest is a complete checkpoint (if damaged, resume skips it
+    with a warning) and stays."""
     out_dir = Path(out_dir)
-    stale = [p for pattern in STALE_IN_CHECKPOINTS for p in (out_dir / CHECKPOINTS_DIR).glob(pattern)]
+    checkpoints = out_dir / CHECKPOINTS_DIR
+    stale = [p for pattern in STALE_IN_CHECKPOINTS for p in checkpoints.glob(pattern)]
+    stale += [p for p in checkpoints.glob("step-*")
+              if p.is_dir() and not p.is_symlink() and not (p / MANIFEST).exists() and not (p / MANIFEST).is_symlink()]
     stale += [p for pattern in STALE_IN_OUT_DIR for p in out_dir.glob(pattern)]
     for path in stale:
         if path.is_dir() and not path.is_symlink():

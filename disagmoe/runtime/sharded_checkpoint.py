@@ -101,8 +101,9 @@ def write_shard(directory: Path, name: str, shard: Any) -> Listing:
 
 
 def finish_checkpoint(root: Path, step: int, listings: list[Listing], model_cfg: ModelConfig,
-                      state: TrainerState) -> Path:
-    """Add trainer.pt and the manifest to the staged shards, then rename into `step-<step>`."""
+                      state: TrainerState, training: dict[str, Any] | None = None) -> Path:
+    """Add trainer.pt and the manifest (with `training`, the run's `training_settings`) to the
+    staged shards, then rename into `step-<step>`."""
     staging = staging_dir(root, step)
     trainer = {"step": state.step, "data_step": state.data_step, "torch_rng": state.torch_rng,
                "cuda_rng": list(state.cuda_rng)}
@@ -112,6 +113,7 @@ def finish_checkpoint(root: Path, step: int, listings: list[Listing], model_cfg:
         "step": step,
         "model_fingerprint": model_fingerprint(model_cfg),
         "model_config": model_cfg.model_dump(mode="json"),
+        **({} if training is None else {"training": training}),
         "shards": listings,
     }
     _atomic_write(staging / MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode())

@@ -42,7 +42,15 @@ from disagmoe.model.loss import linear_cross_entropy
 from disagmoe.roofline.flops import step_flops
 from disagmoe.runtime.batching import batch_rows, check_divisible, inputs_and_targets
 from disagmoe.runtime.flat_adamw import FlatAdamW
-from disagmoe.runtime.checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint
+from disagmoe.runtime.checkpoint import (
+    TrainerState,
+    load_checkpoint,
+    read_manifest,
+    resume_checkpoint,
+    save_checkpoint,
+    training_settings,
+    warn_changed_training,
+)
 from disagmoe.runtime.loop import StepCallback, TrainingLoop, TrainSummary
 from disagmoe.runtime.metrics import (
     load_imbalance,
@@ -237,13 +245,11 @@ class SingleProcessTrainer(TrainingLoop):
             self._resume()
 
     def _resume(self) -> None:
-        directory = latest_checkpoint(self.checkpoint_root)
-        if directory is None:
-            raise ValueError(
-                f"resume=true but {self.checkpoint_root} holds no complete checkpoint; "
-                f"check out_dir or set resume=false to start fresh"
-            )
-        state = load_checkpoint(directory, self.model, self.optimizer, self.model_cfg)
+        """Load the newest checkpoint that loads (damaged newer ones skipped with a warning each),
+        warning about changed training settings."""
+        directory, state = resume_checkpoint(
+            self.checkpoint_root, lambda d: load_checkpoint(d, self.model, self.optimizer, self.model_cfg))
+        warn_changed_training(read_manifest(directory), self.cfg, directory)
         state.restore_rng()
         if state.step >= self.cfg.steps:
             raise ValueError(
@@ -254,9 +260,8 @@ class SingleProcessTrainer(TrainingLoop):
         self.step = state.step
 
     def save(self) -> Path:
-        return save_checkpoint(
-            self.checkpoint_root, self.model, self.optimizer, self.model_cfg, TrainerState.capture(self.step)
-        )
+        return save_checkpoint(self.checkpoint_root, self.model, self.optimizer, self.model_cfg,
+                               TrainerState.capture(self.step), training_settings(self.cfg))
 
     def run(self, on_step: StepCallback | None = None) -> TrainSummary:
         """Train from the current step to `cfg.steps`, logging every step; returns the summary."""

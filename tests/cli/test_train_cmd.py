@@ -165,6 +165,40 @@ def test_a_failed_rank_exits_1_with_the_report(tmp_path, monkeypatch):
     assert "rank 1 (E0.0)" in result.stderr and "Traceback" not in result.output
 
 
+def test_a_killed_expert_actor_restarts_the_run_by_itself(tmp_path):
+    """max_restarts=1 and the expert rank's process SIGKILLed during step 3 (fault_injection): one
+    `warning: restart` line, exit 0, and the final loss of the same run in single mode (the oracle;
+    tests/runtime/test_driver.py compares with an uninterrupted disaggregated run bit for bit)."""
+    run = ["steps=4", "batch_size=4", "seq_len=32", "eval_every=0", "checkpoint_every=2", "trace=false"]
+    result = invoke("--config", _config(tmp_path), "--json", *run, "max_restarts=1",
+                    "fault_injection.rank=1", "fault_injection.step=3")
+    assert result.exit_code == 0, result.output
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and warnings[0].startswith("warning: restart 1 of 1 (max_restarts=1) from "), warnings
+    assert "step-00000002" in warnings[0] and "rank 1 (E0.0) failed during train_step of step 3" in warnings[0]
+    summary = json.loads(result.stdout)
+    assert (summary["steps"], summary["restarts"]) == (4, 1)
+    single = invoke("--config", _config(tmp_path), "--out-dir", str(tmp_path / "single"), "--json", *run, "mode=single")
+    assert single.exit_code == 0, single.output
+    want = json.loads(single.stdout)["final_loss"]
+    assert abs(summary["final_loss"] - want) <= 1e-5 * want
+
+
+def test_resume_past_a_truncated_newest_shard_says_which_file_was_bad(tmp_path):
+    first = invoke("--config", _config(tmp_path), "--json", "checkpoint_every=2", "steps=4", *FAST[1:])
+    assert first.exit_code == 0, first.output
+    shard = tmp_path / "run" / "checkpoints" / "step-00000004" / "layer-001.pt"
+    shard.write_bytes(shard.read_bytes()[:-10])
+    result = invoke("--config", _config(tmp_path), "resume=true", "steps=5", "--json", *FAST[1:])
+    assert result.exit_code == 0, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"warning: skipped checkpoint step-00000004: checkpoint shard "
+                                                   f"{shard} fails its sha256 check"), result.stderr
+    assert lines[0].endswith("resuming from step-00000002 instead")
+    steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5]
+
+
 def test_resume_repairs_a_torn_metrics_line_with_a_one_line_warning(tmp_path):
     first = invoke("--config", _config(tmp_path), "--json", *FAST)
     assert first.exit_code == 0, first.output
@@ -229,3 +263,44 @@ def test_train_runs_a_single_gpu_plan_in_single_mode(tmp_path):
                     str(tmp_path / "run"), "steps=2", "batch_size=4", "seq_len=32", "eval_every=0", "--json")
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["final_loss"] > 0
+
+
+def test_train_on_a_two_node_cluster_places_both_ranks_on_one_node_and_matches_the_embedded_run(tmp_path):
+    """`train` (1 attention + 1 expert rank) through `ray_address` on a simulated two-node
+    cluster (ray.cluster_utils, every node on 127.0.0.1): the head has 1 CPU, the worker node 2.
+    CPU ranks sit in one STRICT_PACK placement group (runtime/cluster.py), so both actors must run
+    on one node, the worker node (the only one with 2 CPUs), away from the driver's head node;
+    the losses equal the embedded cluster's."""
+    from ray.cluster_utils import Cluster
+
+    from disagmoe.runtime.cluster import _local_only_ray, loopback_interface
+
+    run = ["steps=3", "batch_size=4", "seq_len=32", "eval_every=0", "trace=false", "--json",
+           f"env.GLOO_SOCKET_IFNAME={loopback_interface()}"]
+    embedded = invoke("--config", _config(tmp_path), "--out-dir", str(tmp_path / "embedded"), *run)
+    assert embedded.exit_code == 0, embedded.output
+    with _local_only_ray():  # as `ray start --node-ip-address=127.0.0.1` on each node: loopback only
+        cluster = Cluster(initialize_head=True, head_node_args=dict(
+            node_ip_address="127.0.0.1", num_cpus=1, include_dashboard=False))
+        try:
+            worker_node = cluster.add_node(node_ip_address="127.0.0.1", num_cpus=2)
+            cluster.wait_for_nodes()
+        except BaseException:
+            cluster.shutdown()
+            raise
+    try:
+        assert cluster.address.startswith("127.0.0.1:")
+        joined = invoke("--config", _config(tmp_path), "--out-dir", str(tmp_path / "joined"), *run,
+                        f"ray_address={cluster.address}")
+        assert joined.exit_code == 0, joined.output
+        actors = [a for a in cluster.global_state.actor_table(None).values() if a["ActorClassName"] == "TrainWorker"]
+        nodes = [a["Address"]["NodeID"] for a in actors]
+        head, worker = cluster.head_node.node_id, worker_node.node_id
+    finally:
+        cluster.shutdown()
+    assert len(nodes) == 2 and set(nodes) == {worker} and head != worker
+    got, want = (json.loads(r.stdout) for r in (joined, embedded))
+    assert got["steps"] == want["steps"] == 3 and got["final_loss"] == want["final_loss"]
+    losses = [[json.loads(line)["loss"] for line in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
+              for d in ("joined", "embedded")]
+    assert losses[0] == losses[1]

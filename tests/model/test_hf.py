@@ -2,6 +2,7 @@
 and export round trips (ours -> HF files -> transformers and ours)."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -137,6 +138,18 @@ def test_sharded_checkpoints_load(tokens, tmp_path):
     index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1
     torch.testing.assert_close(load_hf(tmp_path / "out")(tokens).logits_BSV, ours(tokens).logits_BSV)
+
+
+@pytest.mark.parametrize("entry", ["../outside.safetensors", "/etc/passwd", "sub/../../x.safetensors", "link"])
+def test_weight_map_entries_stay_inside_the_checkpoint_folder(tmp_path, entry):
+    randomized(mixtral()).save_pretrained(tmp_path / "hf", max_shard_size="40KB")
+    (tmp_path / "hf" / "link").symlink_to(tmp_path / "elsewhere.safetensors")
+    index_path = tmp_path / "hf" / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["weight_map"][next(iter(index["weight_map"]))] = entry
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=f"weight_map entry '{re.escape(entry)}' is not a file inside"):
+        load_hf(tmp_path / "hf")
 
 
 def test_config_json_maps_through_load_model(tmp_path):

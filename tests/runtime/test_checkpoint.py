@@ -8,19 +8,27 @@ import json
 import pytest
 import torch
 
-from disagmoe.config import OptimConfig, load_model
+from disagmoe.config import OptimConfig, TrainConfig, load_model
 from disagmoe.model import MoETransformer
 from disagmoe.runtime.checkpoint import (
     MANIFEST,
+    CorruptCheckpoint,
     TensorKey,
     TrainerState,
     from_keyed,
     key_of,
     latest_checkpoint,
     load_checkpoint,
+    newest_loadable,
+    read_manifest,
+    resume_checkpoint,
     save_checkpoint,
     to_keyed,
+    training_settings,
+    verify_checkpoint,
+    warn_changed_training,
 )
+from disagmoe.runtime.failures import RunWarning
 from disagmoe.runtime.optim import build_optimizer
 
 
@@ -130,3 +138,110 @@ def test_fingerprints_of_checkpoints_written_before_later_fields_existed_still_m
     assert model_fingerprint(cfg) == hashlib.sha256(json.dumps(before, sort_keys=True).encode()).hexdigest()
     assert model_fingerprint(load_model("deepseek-v3")) != model_fingerprint(
         load_model("deepseek-v3").model_copy(update={"rope_scaling": None}))
+
+
+def _flip_a_byte(directory):
+    shard = directory / "layer-001.pt"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    return f"{shard} fails its sha256 check (same size)"
+
+
+def _truncate(directory):
+    shard = directory / "layer-001.pt"
+    size = shard.stat().st_size
+    shard.write_bytes(shard.read_bytes()[: size // 2])
+    return f"{shard} fails its sha256 check ({size // 2:,} of {size:,} bytes)"
+
+
+def _remove_shard(directory):
+    (directory / "trainer.pt").unlink()
+    return f"{directory / 'trainer.pt'} is missing"
+
+
+def _garble_manifest(directory):
+    (directory / MANIFEST).write_bytes(b'{"format": "disagmoe-checkpoint/1", "st\xff')
+    return f"manifest {directory / MANIFEST} is unreadable"
+
+
+def _edit_manifest(edit, message=""):
+    """Damage: `edit(manifest)` in place; the expected message names {manifest} or {directory}."""
+    def damage(directory):
+        manifest = json.loads((directory / MANIFEST).read_text())
+        edit(manifest)
+        (directory / MANIFEST).write_text(json.dumps(manifest))
+        return message.format(manifest=directory / MANIFEST, directory=directory)
+    return damage
+
+
+DAMAGE = {
+    "flipped-byte": _flip_a_byte,
+    "truncated-shard": _truncate,
+    "missing-shard": _remove_shard,
+    "unreadable-manifest": _garble_manifest,
+    "no-shards-key": _edit_manifest(lambda m: m.pop("shards"), "manifest {manifest} lacks the key 'shards'"),
+    "no-fingerprint": _edit_manifest(lambda m: m.pop("model_fingerprint"),
+                                     "manifest {manifest} lacks the key 'model_fingerprint'"),
+    "shard-without-sha": _edit_manifest(lambda m: m["shards"][0].pop("sha256"),
+                                        "manifest {manifest}: shards[0] lacks the key 'sha256'"),
+    "parent-path": _edit_manifest(lambda m: m["shards"][0].update(file="../step-00000002/global.pt"),
+                                  "shard path '../step-00000002/global.pt' leaves {directory}"),
+    "absolute-path": _edit_manifest(lambda m: m["shards"][0].update(file="/etc/hostname"),
+                                    "shard path '/etc/hostname' leaves {directory}"),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_a_damaged_newest_checkpoint_is_skipped_for_the_previous_one_naming_the_file(tmp_path, damage):
+    cfg, model, optimizer = trained_model()
+    good = save_checkpoint(tmp_path, model, optimizer, cfg, TrainerState.capture(step=2))
+    newest = save_checkpoint(tmp_path, model, optimizer, cfg, TrainerState.capture(step=4))
+    expected = DAMAGE[damage](newest)
+    with pytest.warns(RunWarning) as warned:
+        found = newest_loadable(tmp_path, lambda d: load_checkpoint(d, model, optimizer, cfg))
+    assert found is not None and found[0] == good and found[1].step == 2
+    assert len(warned) == 1
+    message = str(warned[0].message)
+    assert message.startswith("skipped checkpoint step-00000004: ") and expected in message, message
+    assert message.endswith("; resuming from step-00000002 instead") and "\n" not in message
+    with pytest.warns(RunWarning):  # the driver checks a checkpoint without loading it: the same verdict
+        assert newest_loadable(tmp_path, verify_checkpoint)[0] == good
+
+
+def test_when_no_checkpoint_loads_resume_says_so(tmp_path):
+    cfg, model, optimizer = trained_model()
+    with pytest.raises(ValueError, match="holds no complete checkpoint"):
+        resume_checkpoint(tmp_path, verify_checkpoint)
+    _truncate(save_checkpoint(tmp_path, model, optimizer, cfg, TrainerState.capture(step=2)))
+    with pytest.warns(RunWarning, match="no earlier checkpoint is left"):
+        with pytest.raises(ValueError, match="none of the 1 complete checkpoints .* can be loaded"):
+            resume_checkpoint(tmp_path, verify_checkpoint)
+
+
+def test_another_format_is_refused_not_skipped(tmp_path):
+    cfg, model, optimizer = trained_model()
+    directory = save_checkpoint(tmp_path, model, optimizer, cfg, TrainerState.capture(step=2))
+    _edit_manifest(lambda m: m.update(format="disagmoe-checkpoint/9"))(directory)
+    with pytest.raises(ValueError, match="unknown checkpoint format 'disagmoe-checkpoint/9'") as refused:
+        newest_loadable(tmp_path, verify_checkpoint)
+    assert not isinstance(refused.value, CorruptCheckpoint)
+
+
+def test_changed_training_settings_resume_with_a_warning_naming_them(tmp_path):
+    cfg, model, optimizer = trained_model()
+    run = TrainConfig(model=cfg, seed=0, batch_size=8, seq_len=16, optim=OptimConfig(lr=1e-3))
+    directory = save_checkpoint(tmp_path, model, optimizer, cfg, TrainerState.capture(step=2), training_settings(run))
+    manifest = read_manifest(directory)
+    assert manifest["training"]["seed"] == 0 and manifest["training"]["optim.lr"] == 1e-3
+    assert warn_changed_training(manifest, run, directory) == []
+    same_step = run.model_copy(update={"optim": run.optim.model_copy(update={"shard_states": True}), "steps": 7})
+    assert warn_changed_training(manifest, same_step, directory) == []  # layout and length are not the step
+    changed = run.model_copy(update={"seed": 3, "seq_len": 32, "optim": OptimConfig(lr=2e-3, beta2=0.99)})
+    with pytest.warns(RunWarning) as warned:
+        names = warn_changed_training(manifest, changed, directory)
+    assert names == ["seed", "seq_len", "optim.lr", "optim.beta2"]
+    assert len(warned) == 1 and "seed: 0 -> 3, seq_len: 16 -> 32, optim.lr: 0.001 -> 0.002" in str(warned[0].message)
+    old = save_checkpoint(tmp_path / "old", model, optimizer, cfg, TrainerState.capture(step=2))  # no record
+    assert "training" not in read_manifest(old)
+    assert warn_changed_training(read_manifest(old), changed, old) == []

@@ -15,7 +15,7 @@ import ray
 import torch
 
 from disagmoe.comm.base import Direction, MessageKey, TensorSpec
-from disagmoe.runtime.cluster import Worker, WorkerFailure, WorkerGroup, worker_env
+from disagmoe.runtime.cluster import Worker, WorkerFailure, WorkerGroup, _is_loopback as loopback_address, worker_env
 from disagmoe.runtime.roles import Layout
 from disagmoe.runtime.schedule import Recv, build_schedule
 from disagmoe.runtime.schedule_sim import simulate
@@ -246,3 +246,11 @@ def test_shutdown_stops_ray(workers):
     workers.shutdown()
     assert not ray.is_initialized()
     workers.shutdown()  # idempotent
+
+
+@pytest.mark.parametrize(("address", "loopback"), [
+    ("127.0.0.1:6379", True), ("127.0.0.2:6379", True), ("localhost:6379", True), ("[::1]:6379", True),
+    ("10.0.0.5:6379", False), ("head.example:6379", False), ("auto", False),
+])
+def test_a_loopback_ray_address_is_joined_on_loopback(address, loopback):
+    assert loopback_address(address) is loopback

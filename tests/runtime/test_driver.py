@@ -10,6 +10,7 @@ checkpoint format against the single-mode loader).
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import sys
@@ -28,10 +29,11 @@ from disagmoe.model import MoETransformer
 from disagmoe.runtime.checkpoint import checkpoint_dir, load_checkpoint, read_manifest, read_shards
 from disagmoe.runtime.cluster import WorkerGroup
 from disagmoe.runtime.driver import DistributedTrainer, check_memory, training_state_bytes
-from disagmoe.runtime.failures import TrainingFailed
+from disagmoe.runtime.failures import RunWarning, TrainingFailed
 from disagmoe.runtime.metrics import read_metrics
 from disagmoe.runtime.optim import build_optimizer
 from disagmoe.runtime.plan_layout import apply_plan
+from disagmoe.runtime.restart import FAULT_RECORD, Fault
 from disagmoe.runtime.topology import Topology
 from disagmoe.runtime.loop import METRICS_FILE
 from disagmoe.runtime.trainer import CHECKPOINTS_DIR, SingleProcessTrainer
@@ -404,3 +406,86 @@ def test_a_trace_that_cannot_be_written_is_a_warning_not_the_outcome(tmp_path, m
                 trainer.run()
         else:
             assert trainer.run() == "summary"
+
+
+def _gone(pid: int, within_s: float = 10.0) -> bool:
+    """Whether process `pid` has exited (Ray kills actors asynchronously: allow it a moment)."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.parametrize("checkpoint_every", [2, 0], ids=["from-checkpoint", "from-step-0"])
+def test_a_killed_expert_actor_restarts_the_run_to_the_uninterrupted_result(warm, tmp_path, checkpoint_every):
+    """fault_injection SIGKILLs the expert rank's process during step 3; with max_restarts=1 the
+    run prints one restart line, starts new actors, resumes from step 2's checkpoint (or step 0
+    without one) and ends bit for bit where the same run without the fault ends."""
+    fields = dict(attention_ranks=1, expert_ranks=1, micro_batches=2, steps=4, checkpoint_every=checkpoint_every,
+                  bias_balancing=True)
+    clean = run_config(tmp_path / "clean", "disaggregated", **fields)
+    clean_summary = run_on(warm, clean)
+    faulted = run_config(tmp_path / "run", "disaggregated", **fields, max_restarts=1,
+                         fault_injection={"rank": 1, "step": 3})
+    trainer = DistributedTrainer(faulted, log_to_driver=False)
+    first_pids = [ray.get(actor.info.remote())["pid"] for actor in trainer.workers.actors]
+    with pytest.warns(RunWarning) as warned:
+        summary = trainer.run()
+    lines = [str(w.message) for w in warned if issubclass(w.category, RunWarning)]
+    assert len(lines) == 1, lines
+    resumed_from = "step-00000002" if checkpoint_every else "from step 0 (no complete checkpoint yet)"
+    assert "restart 1 of 1" in lines[0] and resumed_from in lines[0], lines[0]
+    assert "rank 1 (E0.0) failed during train_step of step 3" in lines[0] and "died" in lines[0], lines[0]
+    assert "resume=true" not in lines[0]  # the failure's advice to resume by hand is the restart's job here
+    record = json.loads((tmp_path / "run" / FAULT_RECORD).read_text())
+    assert (record["rank"], record["step"], record["pid"]) == (1, 3, first_pids[1])
+    assert _gone(first_pids[1]) and _gone(first_pids[0])  # the whole group was torn down
+    assert summary.steps == 4 and summary.restarts == 1
+    got, want = (read_metrics(d / METRICS_FILE) for d in (tmp_path / "run", tmp_path / "clean"))
+    assert [r["step"] for r in got] == [1, 2, 3, 4]
+    for name in ("loss", "ce", "aux_loss", "z_loss", "grad_norm", "expert_load"):
+        assert [r[name] for r in got] == [r[name] for r in want], name
+    final, reference = (model_from_checkpoint(clean, Path(s.checkpoint_path)) for s in (summary, clean_summary))
+    for name, tensor in final.state_dict().items():
+        assert torch.equal(tensor, reference.state_dict()[name]), name
+
+
+def test_without_restarts_left_the_injected_fault_ends_the_run_naming_the_rank(warm, tmp_path):
+    cfg = run_config(tmp_path / "run", "disaggregated", steps=3, fault_injection={"rank": 0, "step": 2})
+    with pytest.raises(TrainingFailed) as failure:
+        DistributedTrainer(cfg, log_to_driver=False).run()
+    assert failure.value.rank == 0 and "rank 0 (A0.0) failed during train_step of step 2" in str(failure.value)
+    assert "died" in str(failure.value)
+    # fired once per run: a resume of this out_dir does not fire it again, a fresh run (resume=false) does
+    assert Fault(cfg.fault_injection, tmp_path / "run", fresh_run=False).due(2) is False
+    assert Fault(cfg.fault_injection, tmp_path / "run", fresh_run=True).due(2) is True
+
+
+def test_a_fault_for_a_rank_the_run_lacks_or_in_single_mode_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=re.escape("fault_injection.rank=2 but the run has 2 ranks (0-1)")):
+        DistributedTrainer(run_config(tmp_path / "run", "disaggregated", fault_injection={"rank": 2, "step": 1}))
+    with pytest.raises(ValueError, match="fault_injection kills a Ray actor: it needs mode disaggregated"):
+        run_config(tmp_path / "run", "single", fault_injection={"rank": 0, "step": 1})
+
+
+def test_a_damaged_expert_shard_of_the_newest_checkpoint_is_skipped_for_the_previous_one(warm, tmp_path):
+    """Not rank 0 blamed for rank 2's bad shard: the driver checks every shard before any rank
+    loads, names the file in one warning and resumes from the step before, as the run went."""
+    cfg = run_config(tmp_path / "run", "disaggregated", attention_ranks=1, expert_ranks=2, micro_batches=2,
+                     steps=4, checkpoint_every=2)
+    run_on(warm, cfg)
+    straight = read_metrics(tmp_path / "run" / METRICS_FILE)
+    shard = checkpoint_dir(tmp_path / "run" / CHECKPOINTS_DIR, 4) / "rank-00002.pt"
+    shard.write_bytes(shard.read_bytes()[:-1])
+    with pytest.warns(RunWarning) as warned:
+        summary = run_on(warm, cfg.model_copy(update={"resume": True}))
+    assert len(warned) == 1 and str(warned[0].message).startswith(
+        f"skipped checkpoint step-00000004: checkpoint shard {shard} fails its sha256 check"), warned[0].message
+    assert str(warned[0].message).endswith("resuming from step-00000002 instead")
+    resumed = read_metrics(tmp_path / "run" / METRICS_FILE)
+    assert summary.steps == 4 and [r["step"] for r in resumed] == [1, 2, 3, 4]
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in straight]

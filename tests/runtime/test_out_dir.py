@@ -53,14 +53,25 @@ def test_a_place_without_write_permission_is_refused(tmp_path):
 
 def test_stale_staging_deleting_and_trace_files_are_swept_complete_checkpoints_kept(tmp_path):
     checkpoints = tmp_path / "checkpoints"
-    for name in (".staging-step-00000004", ".step-00000001.deleting", "step-00000002"):
+    for name in (".staging-step-00000004", ".step-00000001.deleting", "step-00000002", "step-00000003",
+                 "step-00000005"):
         (checkpoints / name).mkdir(parents=True)
         (checkpoints / name / "rank-00000.pt").write_bytes(b"x")
     (checkpoints / "step-00000002" / "manifest.json").write_text("{}")
+    (checkpoints / "step-00000005" / "manifest.json").write_bytes(b"\xff")  # damaged, yet complete: kept
+    (tmp_path / "elsewhere").mkdir()
+    (checkpoints / "step-00000006").symlink_to(tmp_path / "elsewhere")  # not ours to delete
     (tmp_path / ".trace.json.tmp").write_text("{")
     (tmp_path / "metrics.jsonl").write_text("")
     gone = clean_stale_files(tmp_path)
-    assert {p.name for p in gone} == {".staging-step-00000004", ".step-00000001.deleting", ".trace.json.tmp"}
-    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-00000002"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", "metrics.jsonl"]
+    assert {p.name for p in gone} == {".staging-step-00000004", ".step-00000001.deleting", ".trace.json.tmp",
+                                      "step-00000003"}  # step 3: written without its manifest (killed)
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-00000002", "step-00000005", "step-00000006"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", "elsewhere", "metrics.jsonl"]
     assert clean_stale_files(tmp_path / "never-run") == []
+
+
+def test_names_agree_with_the_checkpoint_module():
+    from disagmoe.runtime import checkpoint, out_dir, trainer
+
+    assert (out_dir.CHECKPOINTS_DIR, out_dir.MANIFEST) == (trainer.CHECKPOINTS_DIR, checkpoint.MANIFEST)

@@ -13,6 +13,7 @@ from disagmoe.model import MoETransformer
 from disagmoe.roofline.flops import step_flops
 from disagmoe.runtime.batching import batch_rows, inputs_and_targets
 from disagmoe.runtime.checkpoint import checkpoint_dir, read_manifest, read_shards
+from disagmoe.runtime.failures import RunWarning
 from disagmoe.runtime.metrics import load_imbalance, read_metrics
 from disagmoe.runtime.optim import build_optimizer, lr_at
 from disagmoe.runtime.loop import METRICS_FILE
@@ -213,3 +214,37 @@ def test_balanced_routing_gives_every_expert_the_same_load(tmp_path):
 def test_no_checkpoint_at_the_end_when_asked(tmp_path):
     summary = train_single(tiny_run(tmp_path, steps=2, checkpoint_at_end=False))
     assert summary.checkpoint_path is None and not (tmp_path / "run" / CHECKPOINTS_DIR).exists()
+
+
+def test_resume_skips_a_truncated_newest_shard_for_the_previous_checkpoint(tmp_path):
+    """Steps 1-6 with checkpoints at 3 and 6; step 6's layer shard cut short, and a step-7 folder
+    a killed writer left without its manifest: the resume warns naming the shard, continues from
+    step 3 exactly as the straight run did, and the manifest-less folder is gone."""
+    straight = tiny_run(tmp_path / "a", steps=6, checkpoint_every=3)
+    train_single(straight)
+    resumed_dir = tmp_path / "b" / "run"
+    shutil.copytree(tmp_path / "a" / "run" / CHECKPOINTS_DIR, resumed_dir / CHECKPOINTS_DIR)
+    shard = checkpoint_dir(resumed_dir / CHECKPOINTS_DIR, 6) / "layer-001.pt"
+    shard.write_bytes(shard.read_bytes()[:100])
+    partial = checkpoint_dir(resumed_dir / CHECKPOINTS_DIR, 7)
+    partial.mkdir()
+    (partial / "global.pt").write_bytes(b"half")
+    with pytest.warns(RunWarning) as warned:
+        train_single(straight.model_copy(update={"out_dir": str(resumed_dir), "resume": True}))
+    assert len(warned) == 1
+    assert str(warned[0].message).startswith(f"skipped checkpoint step-00000006: checkpoint shard {shard} fails "
+                                             "its sha256 check (100 of ")
+    assert str(warned[0].message).endswith("resuming from step-00000003 instead")
+    a, b = (read_metrics(d / METRICS_FILE) for d in (tmp_path / "a" / "run", resumed_dir))
+    assert [r["step"] for r in b] == [4, 5, 6]
+    assert [r["loss"] for r in b] == [r["loss"] for r in a[3:]]
+    assert not partial.exists()
+
+
+def test_resume_with_another_seed_or_learning_rate_warns_naming_them(tmp_path):
+    first = tiny_run(tmp_path, steps=2)
+    train_single(first)
+    changed = first.model_copy(update={"steps": 3, "resume": True, "seed": 5,
+                                       "optim": first.optim.model_copy(update={"lr": 1e-3})})
+    with pytest.warns(RunWarning, match=r"changed training settings \(seed: 0 -> 5, optim.lr: 0.003 -> 0.001\)"):
+        assert train_single(changed).steps == 3
