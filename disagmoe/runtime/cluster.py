@@ -25,11 +25,13 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
+import shutil
 import socket
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal
 
 import ray
@@ -308,7 +310,18 @@ class WorkerGroup:
             remove_placement_group(group)
         self.actors, self._groups = [], []
         if self._owns_ray:
+            session = _session_dir()
             ray.shutdown()
+            if session is not None:  # an embedded cluster's logs and sockets: gone with it
+                shutil.rmtree(session, ignore_errors=True)
+
+
+def _session_dir() -> Path | None:
+    """The running Ray node's session folder (under /tmp/ray), if Ray says where it is (a private
+    attribute of Ray 2.60; None if that moves)."""
+    node = getattr(getattr(ray._private.worker, "global_worker", None), "node", None)
+    path = getattr(node, "get_session_dir_path", lambda: None)()
+    return Path(path) if path else None
 
 
 def _root_cause(failures: dict[int, tuple[int, str]]) -> WorkerFailure:
