@@ -51,7 +51,7 @@ from disagmoe.runtime.restart import Fault, restart_line
 from disagmoe.runtime.sharded_checkpoint import finish_checkpoint, read_trainer_state, staging_dir
 from disagmoe.runtime.topology import Topology
 from disagmoe.runtime.trace import busy_fractions, write_chrome_trace
-from disagmoe.runtime.loop import StepCallback, TrainingLoop, TrainSummary
+from disagmoe.runtime.loop import StepCallback, TrainingLoop, TrainSummary, signals_held
 from disagmoe.runtime.out_dir import check_out_dir
 from disagmoe.runtime.trainer import CHECKPOINTS_DIR
 from disagmoe.runtime.worker import TrainWorker
@@ -224,7 +224,8 @@ class DistributedTrainer(TrainingLoop):
                     warnings.warn(f"trace not written: {self.out_dir / TRACE_FILE}: {err.strerror or err}",
                                   RunWarning, stacklevel=2)
             if self.owns_workers:
-                self.workers.shutdown()
+                with signals_held("shutting the cluster down; signals are ignored until it is down"):
+                    self.workers.shutdown()
 
     def _restart(self, failure: TrainingFailed) -> None:
         """Tear the actor group down (a given group is left to its owner), print one line, start

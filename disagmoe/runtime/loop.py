@@ -52,6 +52,32 @@ class TrainSummary:
         return asdict(self)
 
 
+@contextmanager
+def signals_held(note: str) -> Iterator[None]:
+    """Inside the block SIGINT and SIGTERM are ignored (main thread only; elsewhere a no-op): a
+    shutdown that a second Ctrl-C interrupts leaves Ray's agents and actors behind. A signal that
+    arrives prints `note` once."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    told = []
+
+    def hold(signum: int, frame: object) -> None:
+        if not told:
+            told.append(signum)
+            sys.stderr.write(f"\n{note}\n")
+            sys.stderr.flush()
+
+    previous = {s: signal.getsignal(s) for s in StopRequest.SIGNALS}
+    for s in StopRequest.SIGNALS:
+        signal.signal(s, hold)
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
 class StopRequest:
     """Set by the first SIGINT / SIGTERM while installed; a second one raises KeyboardInterrupt."""
 

@@ -102,3 +102,17 @@ def test_a_run_starts_by_sweeping_what_a_killed_run_left(tmp_path):
     train_single(cfg.model_copy(update={"steps": 3, "resume": True}))
     assert sorted(p.name for p in root.iterdir()) == ["step-00000001", "step-00000002", "step-00000003"]
     assert not (out / ".trace.json.tmp").exists()
+
+
+def test_signals_are_held_while_the_cluster_shuts_down(capsys):
+    import os
+    import signal
+
+    from disagmoe.runtime.loop import signals_held
+
+    before = signal.getsignal(signal.SIGINT)
+    with signals_held("shutting down"):
+        os.kill(os.getpid(), signal.SIGINT)  # would raise KeyboardInterrupt outside
+        os.kill(os.getpid(), signal.SIGTERM)
+    assert signal.getsignal(signal.SIGINT) is before
+    assert capsys.readouterr().err.count("shutting down") == 1
