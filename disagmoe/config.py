@@ -581,6 +581,22 @@ def load_yaml(text: str) -> Any:
     return yaml.load(text, Loader=StrictYamlLoader)  # noqa: S506 (a SafeLoader subclass)
 
 
+def write_text_file(out: Path, text: str, flag: str = "--out") -> None:
+    """Write `text` to `out` through a temporary file renamed into place (no half-written file
+    is ever seen, none is left behind); a directory or an unwritable place is a ValueError naming
+    `flag` and the fix."""
+    out = Path(out)
+    if out.is_dir():
+        raise ValueError(f"{flag} {out} is a directory; give a file name inside it")
+    tmp = out.with_name(f".{out.name}.tmp")
+    try:
+        tmp.write_text(text)
+        tmp.replace(out)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise ValueError(f"{flag} {out}: cannot write it ({err.strerror or err}); choose another file") from None
+
+
 def read_mapping(path: Path) -> dict[str, Any]:
     """Read a YAML or JSON file into a dict, with a clear error if it cannot be read (a duplicate
     key is an error, naming the key and the file)."""

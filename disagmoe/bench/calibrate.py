@@ -28,7 +28,7 @@ import torch
 import yaml
 
 from disagmoe.bench import hardware
-from disagmoe.config import Calibration, HardwareConfig, LinkCost, ModelConfig, RatePoint
+from disagmoe.config import Calibration, HardwareConfig, LinkCost, ModelConfig, RatePoint, write_text_file
 
 ROWS_PER_EXPERT = (16, 64, 256, 1024, 4096)
 SEQ_LENS = (512, 1024, 2048, 4096, 8192)
@@ -99,13 +99,7 @@ def run(preset: HardwareConfig, model: ModelConfig, experts_backend: str, comman
 def write_preset(text: str, out) -> None:
     """Write the YAML next to `out` first, then rename (no half-written preset)."""
     HardwareConfig.model_validate(yaml.safe_load(text))  # what we write, plan can read
-    tmp = out.with_name(f".{out.name}.tmp")
-    try:
-        tmp.write_text(text)
-        tmp.replace(out)
-    except OSError as err:
-        tmp.unlink(missing_ok=True)
-        raise ValueError(f"--out {out}: cannot write it ({err.strerror or err}); choose another file") from None
+    write_text_file(out, text)
 
 
 # --- GPU ------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from rich.panel import Panel
 from rich.table import Table
 
 from disagmoe.cli.common import console, print_json, user_errors
-from disagmoe.config import ClusterConfig, Plan, PlanConfig, load_hardware, load_model
+from disagmoe.config import ClusterConfig, Plan, PlanConfig, load_hardware, load_model, write_text_file
 from disagmoe.placement.cost import Candidates
 from disagmoe.placement.experts import read_histogram
 from disagmoe.placement.solver import Choice, choose, price, roofline_rows
@@ -90,13 +90,7 @@ def write_plan(result, out: Path) -> None:
         raise ValueError(f"--out {out}: use a .yaml or .json file name")
     if out.is_dir():
         raise ValueError(f"--out {out} is a directory; give a file name, e.g. {out / 'plan.yaml'}")
-    tmp = out.with_name(out.name + ".tmp")
-    try:
-        tmp.write_text(text)
-        tmp.replace(out)
-    except OSError as err:
-        tmp.unlink(missing_ok=True)
-        raise ValueError(f"--out {out}: cannot write it ({err.strerror or err}); choose another file") from None
+    write_text_file(out, text)
 
 
 def show_plan(p, out: Path | None) -> None:

@@ -69,6 +69,16 @@ class MessageKey(NamedTuple):
         )
 
 
+LANES = 2  # in-order channels per ordered rank pair
+
+
+def lane_of(key: MessageKey) -> int:
+    """The channel of a rank pair a message travels on in an in-order transport: the key's layer
+    field mod 2 (`runtime.messages.message_key` puts COMBINE-kind messages on lane 1, DISPATCH-
+    and RESIDUAL-kind ones on lane 0)."""
+    return key.layer % LANES
+
+
 class TransportError(RuntimeError):
     """A message could not be exchanged with `peer` for `key`."""
 

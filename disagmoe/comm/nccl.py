@@ -3,7 +3,7 @@
 NCCL ignores tags: a rank pair's sends and receives match in the order they are issued. So:
 
 - Each ordered rank pair (src -> dst) gets its own process groups, hence its own communicators
-  and streams: one per lane (`runtime.messages.lane_of`: the key's layer field mod 2, which keeps
+  and streams: one per lane (`comm.base.lane_of`: the key's layer field mod 2, which keeps
   COMBINE-kind messages apart from DISPATCH-kind ones). With one stream per pair for both
   directions, A: send d0, send d1, recv c0 against E: recv d0, send c0, recv d1 can deadlock once
   messages outgrow NCCL's buffers (A's recv c0 queues behind send d1, which waits for E's recv
@@ -32,15 +32,16 @@ from collections.abc import Iterable, Sequence
 import torch
 import torch.distributed as dist
 
-from disagmoe.comm.base import MessageKey, SendHandle, TensorSpec, Transport, TransportTimeout, WorkSendHandle
-
-LANES = 2  # channels per ordered rank pair
-
-
-def lane_of(key: MessageKey) -> int:
-    """The channel of a message: the key's layer field mod 2 (`runtime.messages.message_key` puts
-    COMBINE-kind messages on lane 1, DISPATCH- and RESIDUAL-kind ones on lane 0)."""
-    return key.layer % LANES
+from disagmoe.comm.base import (
+    LANES,
+    MessageKey,
+    SendHandle,
+    TensorSpec,
+    Transport,
+    TransportTimeout,
+    WorkSendHandle,
+    lane_of,
+)
 
 _POLL_S = 20e-6
 

@@ -28,18 +28,6 @@ from disagmoe.model.layers import RMSNorm, SwiGLU
 from disagmoe.model.router import Router, Routing
 
 
-FUSED_PERMUTE_MIN_HIDDEN = 256
-
-
-def fused_permute_applies(experts: RoutedExperts, x: torch.Tensor) -> bool:
-    """Whether a MoE layer runs the Triton permute / weighted-combine kernels: the triton experts
-    backend on CUDA, at hidden sizes of at least 256 (256-wide row tiles, verified on an H200). At
-    hidden 64 an H200 wrote wrong rows: a review of the sm_90 PTX found Triton miscompiling the
-    rank scan inside the row-copy tile; the scan now has its own launch, and this bound can drop
-    once the GPU tests at hidden 16/40/64/300 pass on a GPU."""
-    return experts.backend == "triton" and x.is_cuda and x.shape[-1] >= FUSED_PERMUTE_MIN_HIDDEN
-
-
 class Block(nn.Module):
     """The attention half shared by dense and MoE blocks."""
 
@@ -118,7 +106,7 @@ class MoEBlock(Block):
     ) -> tuple[torch.Tensor, Routing]:
         h_BSH = self.attention_part(x_BSH)
         routing = self.route(h_BSH, fixed_topk_idx_NK)
-        if fused_permute_applies(self.moe.experts, h_BSH):
+        if self.moe.experts.fuses_permute(h_BSH):
             return self._forward_fused(h_BSH, routing), routing
         x_PH, grouping = self.dispatch(routing)
         y_PH = self.moe.experts(x_PH, grouping.offsets_E)

@@ -14,6 +14,7 @@ Shape legend: N rows (token-expert pairs), H hidden, F expert FFN width, E exper
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 
 import torch
@@ -22,6 +23,7 @@ from torch import nn
 
 from disagmoe.model.init import seeded_normal_
 
+FUSED_PERMUTE_MIN_HIDDEN = 256
 ExpertFFN = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 BACKENDS = ("loop", "grouped_mm", "triton")
 
@@ -161,6 +163,26 @@ class RoutedExperts(nn.Module):
         if not 0 <= start < stop <= full.num_experts:
             raise ValueError(f"expert slice {start}:{stop} is outside 0:{full.num_experts}")
         return cls.from_indices(full, full.expert_ids[start:stop], backend)
+
+    def fuses_permute(self, x: torch.Tensor) -> bool:
+        """Whether a layer of these experts groups its rows with the Triton permute and weighted-
+        combine kernels: the triton backend on CUDA, at hidden sizes of at least 256 (256-wide
+        row tiles, verified on an H200). At hidden 64 an H200 wrote wrong rows: a review of the
+        sm_90 PTX found Triton miscompiling the rank scan inside the row-copy tile; the scan now
+        has its own launch, and this bound can drop once the GPU tests at hidden 16/40/64/300 pass
+        on a GPU."""
+        return self.backend == "triton" and x.is_cuda and x.shape[-1] >= FUSED_PERMUTE_MIN_HIDDEN
+
+    def deferred_weight_grads(self) -> contextlib.AbstractContextManager[list]:
+        """A block whose backward, inside it, computes only the input gradients and appends the
+        weight-gradient launches to the yielded list (the triton backend with fp32 main
+        gradients: `kernels.moe_ffn.defer_weight_grads`); other backends compute them inside
+        autograd as usual and the list stays empty."""
+        if self.backend == "triton":
+            from disagmoe.kernels.moe_ffn import defer_weight_grads
+
+            return defer_weight_grads()
+        return contextlib.nullcontext([])
 
     def forward(self, x_NH: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
         """Rows grouped by (local) expert -> output rows in the same order."""

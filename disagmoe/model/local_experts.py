@@ -15,7 +15,7 @@ gives the whole gradient) and to the expert weights.
 The pairs served elsewhere are grouped into a spare last bucket that the experts never read and
 whose rows are masked out of the gathers, so nothing depends on a count read back to the host.
 On CUDA with the triton backend the permute and weighted-combine kernels do the grouping (one
-launch each way; `block.fused_permute_applies`); otherwise plain torch (argsort, gather,
+launch each way; `RoutedExperts.fuses_permute`); otherwise plain torch (argsort, gather,
 `torch.where`, the combine).
 
 Shape legend: T tokens (from every source, concatenated), K top-k, H hidden, P = T*K pairs,
@@ -37,9 +37,7 @@ def local_expert_block(x_TH: torch.Tensor, local_TK: torch.Tensor, w_TK: torch.T
     if x_TH.shape[0] != local_TK.shape[0] or local_TK.shape != w_TK.shape:
         raise ValueError(f"x [T, H], local [T, K] and w [T, K] must agree; got {tuple(x_TH.shape)}, "
                          f"{tuple(local_TK.shape)}, {tuple(w_TK.shape)}")
-    from disagmoe.model.block import fused_permute_applies
-
-    if fused_permute_applies(experts, x_TH):
+    if experts.fuses_permute(x_TH):
         return _fused(x_TH, local_TK, w_TK, experts)
     return _torch(x_TH, local_TK, w_TK, experts)
 

@@ -21,7 +21,6 @@ Legend: D data-parallel sources, N tokens per source, K top-k, E experts of the 
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -132,7 +131,7 @@ class ExpertStage:
         sent these (`run_weight_grads`)."""
         segment = self.segments.pop((layer, mb))
         grads = [mail.take(Payload.COMBINE_GRAD, layer, mb, dst)[0] for dst in self.destinations]
-        with _deferral(self.model.experts(layer)) as pending:
+        with self.model.experts(layer).deferred_weight_grads() as pending:
             torch.autograd.backward(segment.outputs, grads)
         self.pending_weight_grads += pending
         D = len(self.sources)
@@ -144,16 +143,6 @@ class ExpertStage:
 def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
     """The sources' rows in source order (one source: itself, no copy)."""
     return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
-
-
-def _deferral(experts: torch.nn.Module) -> contextlib.AbstractContextManager[list]:
-    """Hold back the weight gradients of a triton-backend expert block (its kernels know how);
-    other backends compute them inside autograd as usual (the yielded list stays empty)."""
-    if getattr(experts, "backend", None) == "triton":
-        from disagmoe.kernels.moe_ffn import defer_weight_grads
-
-        return defer_weight_grads()
-    return contextlib.nullcontext([])
 
 
 def _grad(leaf: torch.Tensor) -> torch.Tensor:

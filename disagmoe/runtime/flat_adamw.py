@@ -163,13 +163,11 @@ class FlatAdamW:
         assert bucket.shard is not None and bucket.grad_S is not None
         return _reduce_scatter(bucket.grad_S, bucket.grad_N, group=bucket.shard.group, async_op=async_op)
 
-    def grad_squares(self, weight: Callable[[Bucket], torch.Tensor | None] = lambda b: None) -> torch.Tensor:
-        """float64 sum of squares of the gradients this rank steps (a sharded bucket: its slice).
-        `weight(bucket)`: an optional [N] 0/1 mask of elements to count (replicas counted once)."""
+    def grad_squares(self) -> torch.Tensor:
+        """float64 sum of squares of the gradients this rank steps (a sharded bucket: its slice)."""
         total = torch.zeros((), dtype=torch.float64, device=self.buckets[0].grad_N.device)
         for b in self.buckets:
-            grad, mask = b.step_grad(), weight(b)
-            total += (grad.double().square() * mask).sum() if mask is not None else flat_squares(grad)
+            total += flat_squares(b.step_grad())
         return total
 
     # -- the step ------------------------------------------------------------------------------
@@ -177,6 +175,7 @@ class FlatAdamW:
     def step(self, lr: float, clip_coef: torch.Tensor | None = None) -> None:
         """AdamW on every bucket with gradients scaled by `clip_coef` (a device scalar, <= 1), then
         the updated masters into the compute parameters (all-gathered where sharded)."""
+        inverse = None if clip_coef is None else (1.0 / clip_coef).float()  # the fused kernels' grad_scale
         for b in self.buckets:
             inner = b.inner
             master = inner.param_groups[0]["params"][0]
@@ -184,7 +183,7 @@ class FlatAdamW:
             inner.param_groups[0]["lr"] = lr
             if clip_coef is not None:
                 if master.is_cuda:  # the fused kernel divides by grad_scale in registers
-                    inner.grad_scale = (1.0 / clip_coef).float()
+                    inner.grad_scale = inverse
                 else:
                     master.grad.mul_(clip_coef.to(master.grad.dtype))
             inner.step()

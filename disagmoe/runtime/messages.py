@@ -35,20 +35,13 @@ def message_key(step: int, payload: Payload, layer: int, micro_batch: int) -> Me
 
     A colocated rank pair carries both DISPATCH and COMBINE for the same (micro-batch, layer)
     in the same direction, so the key's layer field holds 2 * layer + (1 for COMBINE[_GRAD]). That
-    low bit is also the message's lane (`lane_of`): an in-order transport keeps one channel per
+    low bit is also the message's lane (`comm.base.lane_of`): an in-order transport keeps one channel per
     (rank pair, lane), and every schedule receives each channel's messages in the order they were
     sent (tests/runtime/test_schedule.py checks every layout).
     """
     slot = 1 if payload in (Payload.COMBINE, Payload.COMBINE_GRAD) else 0
     return MessageKey(step, micro_batch, 2 * layer + slot, payload.direction)
 
-
-def lane_of(key: MessageKey) -> int:
-    """The channel of an ordered rank pair a message travels on (the nccl transport's lanes):
-    COMBINE-kind messages apart from DISPATCH- and RESIDUAL-kind ones (`message_key`)."""
-    from disagmoe.comm.nccl import lane_of as transport_lane
-
-    return transport_lane(key)
 
 
 class Mailbox:

@@ -14,7 +14,7 @@ a collective of another communicator. `replay` models that conservatively:
 - nothing starts before every receive issued before it finished (a receive is waited on the
   compute stream, which every later NCCL operation follows);
 - point-to-point transfers travel on one channel per (ordered pair, lane) as the nccl transport
-  does (`comm.nccl.lane_of`), matched in order: a send and the receive it meets must name the
+  does (`comm.base.lane_of`), matched in order: a send and the receive it meets must name the
   same message, or the replay fails (an in-order transport would deliver the wrong one);
 - a transfer finishes once both ends have started (large messages rendezvous), a collective once
   every member has started it.
@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from disagmoe.comm.nccl import lane_of
+from disagmoe.comm.base import lane_of
 from disagmoe.runtime.messages import message_key
 from disagmoe.runtime.schedule import Op, OptimizerStep, Recv, ReduceGradients, Send
 from disagmoe.runtime.schedule_sim import ScheduleError

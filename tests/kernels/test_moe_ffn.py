@@ -211,12 +211,11 @@ def test_deferred_weight_gradients_wait_for_their_launch(kernels):
 
 
 def test_the_expert_stage_holds_back_a_triton_blocks_weight_gradients(kernels):
-    """`expert_stage._deferral` around a local expert block's backward (FlatAdamW's fp32 main
+    """`RoutedExperts.deferred_weight_grads` around a local expert block's backward (FlatAdamW's fp32 main
     gradients, the triton backend): input gradients at once, weight gradients when run."""
     from disagmoe.config import OptimConfig
     from disagmoe.model.experts import RoutedExperts
     from disagmoe.model.local_experts import local_expert_block
-    from disagmoe.runtime.expert_stage import _deferral
     from disagmoe.runtime.flat_adamw import FlatAdamW
 
     g = torch.Generator().manual_seed(3)
@@ -227,7 +226,7 @@ def test_the_expert_stage_holds_back_a_triton_blocks_weight_gradients(kernels):
     x = torch.randn(11, 16, generator=g).requires_grad_()
     local = torch.randint(0, 4, (11, 2), generator=g, dtype=torch.int32)  # 3 = served elsewhere
     w = torch.rand(11, 2, generator=g)
-    with _deferral(experts) as pending:
+    with experts.deferred_weight_grads() as pending:
         local_expert_block(x, local, w, experts).sum().backward()
     assert len(pending) == 1 and x.grad is not None and not flat.buckets[0].grad_N.any()
     pending[0]()

@@ -132,7 +132,8 @@ def test_data_parallel_groups_start_each_layers_gradient_sum_after_its_last_back
 
 def _channel_orders(programs):
     """Per (src, dst, lane): the keys in the order the sender sends them and the receiver asks."""
-    from disagmoe.runtime.messages import lane_of, message_key
+    from disagmoe.comm.base import lane_of
+    from disagmoe.runtime.messages import message_key
 
     sent, asked = {}, {}
     for rank, program in enumerate(programs):
