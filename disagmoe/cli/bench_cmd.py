@@ -156,7 +156,7 @@ def hardware(
     if as_json:
         print_json({"measured": asdict(measured), "hardware": hw.model_dump(mode="json")})
         return
-    console.print(text, highlight=False)
+    console.print(text, highlight=False, markup=False, soft_wrap=True)  # YAML: never wrapped
 
 
 @bench_app.command("calibrate")
@@ -195,7 +195,7 @@ def calibrate(
     if as_json:
         print_json({"hardware": hw.model_dump(mode="json")})
         return
-    console.print(text, highlight=False, markup=False)
+    console.print(text, highlight=False, markup=False, soft_wrap=True)  # YAML: never wrapped
     console.print(f"calibrated hardware written to {out}", highlight=False, markup=False)
 
 

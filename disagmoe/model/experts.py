@@ -23,7 +23,6 @@ from torch import nn
 
 from disagmoe.model.init import seeded_normal_
 
-FUSED_PERMUTE_MIN_HIDDEN = 256
 ExpertFFN = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 BACKENDS = ("loop", "grouped_mm", "triton")
 
@@ -166,12 +165,10 @@ class RoutedExperts(nn.Module):
 
     def fuses_permute(self, x: torch.Tensor) -> bool:
         """Whether a layer of these experts groups its rows with the Triton permute and weighted-
-        combine kernels: the triton backend on CUDA, at hidden sizes of at least 256 (256-wide
-        row tiles, verified on an H200). At hidden 64 an H200 wrote wrong rows: a review of the
-        sm_90 PTX found Triton miscompiling the rank scan inside the row-copy tile; the scan now
-        has its own launch, and this bound can drop once the GPU tests at hidden 16/40/64/300 pass
-        on a GPU."""
-        return self.backend == "triton" and x.is_cuda and x.shape[-1] >= FUSED_PERMUTE_MIN_HIDDEN
+        combine kernels (`kernels.permute`): the triton backend on CUDA, at any hidden size. (The
+        rank scan runs in its own launch: inside the row-copy tile Triton's sm_90 code wrote wrong
+        rows at hidden 64; the GPU tests at hidden 16/40/64/300/2048/4096 pass on an H200.)"""
+        return self.backend == "triton" and x.is_cuda
 
     def deferred_weight_grads(self) -> contextlib.AbstractContextManager[list]:
         """A block whose backward, inside it, computes only the input gradients and appends the

@@ -67,6 +67,8 @@ def test_the_command_writes_a_yaml_that_plan_and_roofline_accept(tmp_path, monke
     assert text.startswith("# Calibrated by `disagmoe bench calibrate --hardware h200-sxm")
     hw = HardwareConfig.model_validate(yaml.safe_load(text))
     assert hw.name == "h200-sxm-calibrated" and hw.calibration.source == "fake grouped_mm"
+    printed = r.stdout[: r.stdout.rindex("calibrated hardware written to")]
+    assert yaml.safe_load(printed) == yaml.safe_load(text)  # what it prints is the file, never wrapped
     assert hw.efficiency.matmul == pytest.approx(0.7) and hw.bf16_tflops == load_hardware("h200-sxm").bf16_tflops
 
     r = runner.invoke(app, ["plan", "--model", "qwen3-30b-a3b", "--hardware", str(out), "--gpus", "8",
