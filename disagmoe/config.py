@@ -428,7 +428,12 @@ class TrainConfig(StrictModel):
     model: str | ModelConfig = Field(description="preset name, YAML / config.json path, or inline")
     hardware: str | HardwareConfig | None = None
     mode: Literal["single", "disaggregated", "colocated"] = "disaggregated"
-    transport: Literal["local", "nccl", "nvshmem"] = "local"
+    transport: Literal["local", "nccl", "nvshmem"] = Field(
+        "local", description="how messages between ranks travel: local (CPU, gloo), nccl (GPU send/recv) or "
+        "nvshmem (GPU, one-sided puts into NVSHMEM symmetric buffers, flags waited on the GPU; needs nvshmem4py)")
+    transport_capacity_factor: float | None = Field(
+        None, gt=0, description="nvshmem: receive buffers hold this fraction of each message's worst-case rows "
+        "(a message over it stops the run, naming this knob); unset = the plan's worst case exactly")
     device: Literal["cpu", "cuda"] = "cpu"
     experts_backend: Literal["loop", "grouped_mm", "triton"] = "loop"
     precision: Literal["auto", "bf16", "fp32"] = Field(

@@ -183,6 +183,14 @@ class Transport(abc.ABC):
         """Allocate, before the first step, what receiving `key`'s slot (its step aside) from
         `src_rank` needs (a transport that keeps receive buffers); by default nothing."""
 
+    def status_word(self) -> torch.Tensor | None:
+        """A device int32 word the step's one host read includes (nonzero: a message failed on the
+        GPU, e.g. did not fit its buffer), or None for a transport that fails on the host."""
+        return None
+
+    def check_status(self, status: int) -> None:
+        """Raise for a nonzero `status_word` value read at the step's end (its message names the fix)."""
+
     def close(self) -> None:
         """Release transport resources (the process group itself belongs to the caller)."""
 

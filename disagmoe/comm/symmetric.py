@@ -4,9 +4,16 @@ and how its arrival is signalled (issue 11, the part that needs no GPU to test).
 One arena per rank, the same size on every rank (NVSHMEM allocates symmetric memory collectively,
 so the size is the largest any rank needs): a flag region of int64 words, one per segment, then
 the payload region. A segment per incoming message slot of the rank's program, (source rank,
-payload, layer, micro-batch), read off the schedule's `Recv` ops; its tensors sit at 256-byte
-aligned offsets, sized from the run's fixed message specs (`runtime.messages.MessageShapes`),
-their rows scaled by `capacity_factor` if one is given (None: the plan's worst case, exactly).
+payload, layer, micro-batch), read off the schedule's `Recv` ops, in `copies` copies: step t
+uses copy t mod copies. Its tensors sit at 256-byte aligned offsets, sized from the run's fixed
+message specs (`runtime.messages.MessageShapes`), their rows scaled by `capacity_factor` if one is
+given (None: the plan's worst case, exactly).
+
+Why two copies: a one-sided write lands whenever the sender gets there, not when the receiver asks
+(as an NCCL receive does). A sender reaches step t + 2 of a slot only after it received the
+receiver's step t + 1 messages, which the receiver's stream issues after all its step t work (the
+deferred expert weight gradients that still read step t's rows included); so with two copies a
+write never overwrites rows still in use, whatever the schedule, without any handshake.
 
 Signals carry the step's sequence number (step + 1): the sender writes the payload into the
 peer's segment, then stores seq into the segment's flag with a release at system scope; the
@@ -38,9 +45,13 @@ class ArenaOverflow(RuntimeError):
     """A message did not fit its receive segment (a capacity factor below its rows)."""
 
 
+COPIES = 2  # segments per slot (module docstring)
+
+
 @dataclass(frozen=True)
 class Segment:
     slot: Slot
+    copy: int  # steps t with t mod copies == copy use it
     flag: int  # index of its flag word
     offsets: tuple[int, ...]  # byte offset of each tensor in the arena
     specs: tuple[TensorSpec, ...]  # the capacity of each tensor (rows scaled)
@@ -67,55 +78,71 @@ class ArenaLayout:
     segments: tuple[Segment, ...]
     flag_words: int  # W: the flag region's int64 words (the same on every rank)
     nbytes: int  # B: the whole arena, flags included
+    copies: int = COPIES  # segments per slot
 
     @classmethod
     def of_program(cls, program: Sequence[Op], specs_of, rank: int, capacity_factor: float | None = None,
-                   flag_words: int | None = None) -> ArenaLayout:
+                   flag_words: int | None = None, copies: int = COPIES) -> ArenaLayout:
         """The segments of `program`'s receives (peers other than `rank`); `specs_of(payload, layer)`
         gives a message's specs; `flag_words`: the flag region's size if set by the largest rank."""
         if capacity_factor is not None and capacity_factor <= 0:
             raise ValueError(f"capacity_factor={capacity_factor} must be > 0 (None sizes buffers for the worst case)")
+        if copies < 1:
+            raise ValueError(f"copies={copies} must be >= 1")
         slots = [(peer, op.payload, op.layer, op.micro_batch) for op in program if isinstance(op, Recv)
                  for peer in op.peers if peer != rank]
-        words = len(slots) if flag_words is None else flag_words
-        if words < len(slots):
-            raise ValueError(f"{len(slots)} segments need {len(slots)} flag words, the arena has {words}")
+        needed = copies * len(slots)
+        words = needed if flag_words is None else flag_words
+        if words < needed:
+            raise ValueError(f"{needed} segments need {needed} flag words, the arena has {words}")
         offset = _align(8 * words)
         segments = []
-        for i, slot in enumerate(slots):
+        for slot in slots:
             specs = tuple(_capacity(s, capacity_factor) for s in specs_of(slot[1], slot[2]))
-            offsets = []
-            for spec in specs:
-                offsets.append(offset)
-                offset = _align(offset + math.prod(spec.shape) * torch.empty((), dtype=spec.dtype).element_size())
-            segments.append(Segment(slot, i, tuple(offsets), specs))
-        return cls(tuple(segments), words, offset)
+            for copy in range(copies):
+                offsets = []
+                for spec in specs:
+                    offsets.append(offset)
+                    offset = _align(offset + math.prod(spec.shape) * torch.empty((), dtype=spec.dtype).element_size())
+                segments.append(Segment(slot, copy, len(segments), tuple(offsets), specs))
+        return cls(tuple(segments), words, offset, copies)
 
-    def segment(self, slot: Slot) -> Segment:
-        for seg in self.segments:
-            if seg.slot == slot:
-                return seg
-        raise KeyError(f"no receive segment for {slot}: not a message of this rank's program")
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_by_slot", {(seg.slot, seg.copy): seg for seg in self.segments})
+
+    def segment(self, slot: Slot, step: int = 0) -> Segment:
+        """The segment step `step`'s message of `slot` lands in."""
+        seg = self._by_slot.get((slot, step % self.copies))
+        if seg is None:
+            raise KeyError(f"no receive segment for {slot}: not a message of this rank's program")
+        return seg
 
     def flags(self, arena_B: torch.Tensor) -> torch.Tensor:
         """The int64 [W] flag words of an arena."""
         return arena_B[: 8 * self.flag_words].view(torch.int64)
 
-    def views(self, arena_B: torch.Tensor, slot: Slot, specs: Sequence[TensorSpec]) -> list[torch.Tensor]:
-        """Typed views of a segment holding a message of `specs` (at most its capacity); raises
-        `ArenaOverflow` if the message does not fit."""
-        seg = self.segment(slot)
-        if len(specs) != len(seg.specs):
-            raise ValueError(f"{slot}: a message of {len(specs)} tensors for a segment of {len(seg.specs)}")
+    def views(self, arena_B: torch.Tensor, slot: Slot, specs: Sequence[TensorSpec], step: int = 0) -> list[torch.Tensor]:
+        """Typed views of step `step`'s segment of `slot` holding a message of `specs` (at most its
+        capacity); raises `ArenaOverflow` if the message does not fit."""
+        seg = self.segment(slot, step)
+        check_fits(seg, specs)
         views = []
-        for spec, cap, offset in zip(specs, seg.specs, seg.offsets, strict=True):
-            if spec.dtype != cap.dtype or spec.shape[1:] != cap.shape[1:]:
-                raise ValueError(f"{slot}: tensor {spec} does not match the segment's {cap}")
-            if spec.shape and spec.shape[0] > cap.shape[0]:
-                raise ArenaOverflow(overflow_message(slot, spec.shape[0], cap.shape[0]))
+        for spec, offset in zip(specs, seg.offsets, strict=True):
             n = math.prod(spec.shape) * torch.empty((), dtype=spec.dtype).element_size()
             views.append(arena_B[offset:offset + n].view(spec.dtype).view(spec.shape))
         return views
+
+
+def check_fits(seg: Segment, specs: Sequence[TensorSpec]) -> None:
+    """ValueError unless `specs` are the segment's tensors (rows up to its capacity);
+    `ArenaOverflow`, naming the fix, for more rows than it holds."""
+    if len(specs) != len(seg.specs):
+        raise ValueError(f"{seg.slot}: a message of {len(specs)} tensors for a segment of {len(seg.specs)}")
+    for spec, cap in zip(specs, seg.specs, strict=True):
+        if spec.dtype != cap.dtype or spec.shape[1:] != cap.shape[1:]:
+            raise ValueError(f"{seg.slot}: tensor {spec} does not match the segment's {cap}")
+        if spec.shape and spec.shape[0] > cap.shape[0]:
+            raise ArenaOverflow(overflow_message(seg.slot, spec.shape[0], cap.shape[0]))
 
 
 def overflow_message(slot: Slot, rows: int, capacity: int) -> str:
@@ -125,11 +152,11 @@ def overflow_message(slot: Slot, rows: int, capacity: int) -> str:
             f"to size buffers for the plan's worst case)")
 
 
-def symmetric_layouts(programs: Sequence[Sequence[Op]], specs_of,
-                      capacity_factor: float | None = None) -> list[ArenaLayout]:
+def symmetric_layouts(programs: Sequence[Sequence[Op]], specs_of, capacity_factor: float | None = None,
+                      copies: int = COPIES) -> list[ArenaLayout]:
     """Every rank's layout with the flag region and the arena size of the largest (symmetric)."""
-    first = [ArenaLayout.of_program(p, specs_of, r, capacity_factor) for r, p in enumerate(programs)]
+    first = [ArenaLayout.of_program(p, specs_of, r, capacity_factor, copies=copies) for r, p in enumerate(programs)]
     words = max((layout.flag_words for layout in first), default=0)
-    layouts = [ArenaLayout.of_program(p, specs_of, r, capacity_factor, words) for r, p in enumerate(programs)]
+    layouts = [ArenaLayout.of_program(p, specs_of, r, capacity_factor, words, copies) for r, p in enumerate(programs)]
     size = max((layout.nbytes for layout in layouts), default=0)
-    return [ArenaLayout(layout.segments, words, size) for layout in layouts]
+    return [ArenaLayout(layout.segments, words, size, copies) for layout in layouts]

@@ -43,6 +43,7 @@ from disagmoe.runtime.checkpoint import (
 )
 from disagmoe.runtime.cluster import WorkerFailure, WorkerGroup
 from disagmoe.runtime.failures import RunWarning, TrainingFailed
+from disagmoe.runtime.messages import MessageShapes, receive_layouts
 from disagmoe.runtime.metrics import load_imbalance, mfu, peak_and_ceiling
 from disagmoe.runtime.optim import lr_at
 from disagmoe.runtime.plan_layout import apply_plan
@@ -86,15 +87,19 @@ def training_state_bytes(cfg: TrainConfig, model_cfg: ModelConfig, topology: Top
 
 def check_memory(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topology, capacity_bytes: float) -> None:
     """ValueError naming the first rank whose parameters, gradients and AdamW moments (fp32;
-    activations not counted; `training_state_bytes`) exceed one device's memory."""
+    `training_state_bytes`) and receive buffers (`messages.receive_layouts`: nccl's per slot,
+    nvshmem's symmetric arena) exceed one device's memory; activations are not counted."""
+    buffers = receive_layouts(cfg, MessageShapes.of_run(cfg, model_cfg, topology), topology)
     for rank in range(topology.world_size):
-        params, need = training_state_bytes(cfg, model_cfg, topology, rank)
-        if need > capacity_bytes:
+        params, state = training_state_bytes(cfg, model_cfg, topology, rank)
+        received = buffers[rank].nbytes
+        if state + received > capacity_bytes:
             raise ValueError(
                 f"rank {rank} ({topology.describe(rank)}) holds {params:,} parameters: "
-                f"{need / 2**30:.1f} GiB of weights, fp32 masters, gradients and AdamW moments (activations not "
-                f"counted) on a {capacity_bytes / 2**30:.1f} GiB device; add expert ranks or pipeline groups "
-                "(`disagmoe plan` finds a layout that fits)"
+                f"{state / 2**30:.1f} GiB of weights, fp32 masters, gradients and AdamW moments and "
+                f"{received / 2**30:.1f} GiB of receive buffers (activations not counted) on a "
+                f"{capacity_bytes / 2**30:.1f} GiB device; add expert ranks or pipeline groups "
+                "(`disagmoe plan` finds a layout that fits) or use more micro-batches"
             )
 
 

@@ -91,6 +91,14 @@ class MessageShapes:
     dtype: torch.dtype
     shared_experts: bool
 
+    @classmethod
+    def of_run(cls, cfg, model_cfg, topology) -> MessageShapes:
+        """The shapes of a run (`TrainConfig`, `ModelConfig`, `Topology`)."""
+        return cls(rows=cfg.batch_size // (cfg.micro_batches * topology.data_parallel), seq_len=cfg.seq_len,
+                   hidden=model_cfg.hidden_size, top_k=model_cfg.top_k, num_experts=model_cfg.num_experts,
+                   dtype=torch.bfloat16 if cfg.compute_dtype_name == "bf16" else torch.float32,
+                   shared_experts=model_cfg.shared_ffn_size > 0)
+
     @property
     def tokens(self) -> int:
         return self.rows * self.seq_len
@@ -106,3 +114,19 @@ class MessageShapes:
             return [rows, TensorSpec((T, K), dt), TensorSpec((self.num_experts,), torch.int64)]
         stream = TensorSpec((self.rows, self.seq_len, H), dt)  # RESIDUAL, RESIDUAL_GRAD
         return [stream, rows] if layer_is_moe and self.shared_experts else [stream]
+
+
+def receive_layouts(cfg, shapes: MessageShapes, topology) -> list:
+    """Every rank's receive buffers as `comm.symmetric` arenas, from every rank's program: for
+    `transport: nvshmem` the symmetric arenas it allocates (two copies of each slot, the largest
+    rank's size everywhere); otherwise each rank's own buffers, one copy (as nccl reserves them)."""
+    from disagmoe.comm.symmetric import ArenaLayout, symmetric_layouts
+
+    programs = topology.programs(cfg.micro_batches)
+
+    def specs_of(payload: Payload, layer: int) -> list[TensorSpec]:
+        return shapes.specs(payload, topology.is_moe(layer))
+
+    if cfg.transport == "nvshmem":
+        return symmetric_layouts(programs, specs_of, capacity_factor=cfg.transport_capacity_factor)
+    return [ArenaLayout.of_program(p, specs_of, rank, copies=1) for rank, p in enumerate(programs)]

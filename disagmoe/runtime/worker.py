@@ -39,7 +39,7 @@ from disagmoe.runtime.cluster import Worker
 from disagmoe.runtime.expert_stage import ExpertStage
 from disagmoe.runtime.gpu_spans import GpuSpans
 from disagmoe.runtime.metrics import no_host_syncs, out_of_memory_hint, peak_memory_gib
-from disagmoe.runtime.messages import Mailbox, MessageShapes, message_key
+from disagmoe.runtime.messages import Mailbox, MessageShapes, message_key, receive_layouts
 from disagmoe.model.layers import set_fusion
 from disagmoe.runtime.flat_adamw import FlatAdamW, Shard, flat_squares
 from disagmoe.runtime.trainer import compute_dtype
@@ -106,7 +106,10 @@ class TrainWorker(Worker):
             torch.set_num_threads(cfg.cpu_threads)
         self.program = topology.programs(cfg.micro_batches)[self.rank]
         self.world_group, self.dp_group = self._collective_groups(topology, cfg.recv_timeout_s)
-        self.transport = make_transport(cfg.transport, cfg.recv_timeout_s, topology.rank_pairs(cfg.micro_batches))
+        self.shapes = MessageShapes.of_run(cfg, self.model_cfg, topology)
+        self.transport = make_transport(cfg.transport, cfg.recv_timeout_s, topology.rank_pairs(cfg.micro_batches),
+                                        layouts=receive_layouts(cfg, self.shapes, topology)
+                                        if cfg.transport == "nvshmem" else None)
         attention = topology.attention_role(self.rank)
         set_fusion(cfg.fuse_elementwise)
         self.model = rank_model(self.model_cfg, cfg.experts_backend, topology, self.rank).materialise(
@@ -130,10 +133,6 @@ class TrainWorker(Worker):
                 self.val_data = TokenDataset(splits.val, cfg.seq_len, cfg.batch_size, cfg.seed, "val")
             self.attention = AttentionStage(self.model, topology, self.rank, data, cfg.micro_batches)
         self.experts = ExpertStage(self.model, topology, self.rank) if topology.expert_role(self.rank) else None
-        self.shapes = MessageShapes(
-            rows=cfg.batch_size // (cfg.micro_batches * topology.data_parallel), seq_len=cfg.seq_len,
-            hidden=self.model_cfg.hidden_size, top_k=self.model_cfg.top_k, num_experts=self.model_cfg.num_experts,
-            dtype=compute_dtype(cfg), shared_experts=self.model_cfg.shared_ffn_size > 0)
         for op in self.program:  # every receive buffer now, sized by the run's fixed message specs
             if isinstance(op, Recv):
                 for peer in op.peers:
@@ -221,9 +220,13 @@ class TrainWorker(Worker):
         """The step's device-side figures to the host, once: grad norm, loss shares, expert loads."""
         parts = self.attention.loss_parts if self.attention is not None else {}
         load_LE = result["expert_load"]
+        status = self.transport.status_word()
         scalars = torch.stack([result["grad_norm"], *(v.float() for v in parts.values())]).double()
         loads = load_LE.flatten().double() if load_LE is not None else scalars.new_zeros(0)  # exact below 2^53
-        values = torch.cat([scalars, loads]).tolist()  # the one read
+        tail = status.double() if status is not None else scalars.new_zeros(0)
+        values = torch.cat([scalars, loads, tail]).tolist()  # the one read
+        if status is not None:
+            self.transport.check_status(int(values.pop()))
         read: dict[str, Any] = {"grad_norm": values[0]}
         if parts:
             read["loss_parts"] = dict(zip(parts, values[1:1 + len(parts)], strict=True))

@@ -28,7 +28,9 @@ from disagmoe.placement.solver import best_index, colocated_candidates, disaggre
 from disagmoe.model import MoETransformer
 from disagmoe.runtime.checkpoint import checkpoint_dir, load_checkpoint, read_manifest, read_shards
 from disagmoe.runtime.cluster import WorkerGroup
+from disagmoe.comm.nvshmem import available as nvshmem_available
 from disagmoe.runtime.driver import DistributedTrainer, check_memory, training_state_bytes
+from disagmoe.runtime.messages import MessageShapes, receive_layouts
 from disagmoe.runtime.failures import RunWarning, TrainingFailed
 from disagmoe.runtime.metrics import read_metrics
 from disagmoe.runtime.optim import build_optimizer
@@ -321,13 +323,16 @@ def test_configurations_that_cannot_run_are_refused_before_any_actor(warm, tmp_p
 
 
 @pytest.mark.gpu
-def test_nccl_transport_on_two_gpus_matches_the_oracle(ray_cluster, tmp_path, capsys):
+@pytest.mark.parametrize("transport", ["nccl", "nvshmem"])
+def test_gpu_transports_on_two_gpus_match_the_oracle(ray_cluster, tmp_path, capsys, transport):
     """One attention and one expert rank on two GPUs, bf16 parameters, against the single-GPU fast
     path (bf16; the fp32 oracle on CPU is what the CPU tests compare with exactly)."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
+    if transport == "nvshmem" and not nvshmem_available():
+        pytest.skip("needs nvshmem4py")
     cfg = run_config(tmp_path / "dist", "disaggregated", attention_ranks=1, expert_ranks=1, micro_batches=2,
-                     device="cuda", transport="nccl", cpu_threads=None, steps=20, batch_size=16, seq_len=128)
+                     device="cuda", transport=transport, cpu_threads=None, steps=20, batch_size=16, seq_len=128)
     summary = DistributedTrainer(cfg, log_to_driver=False).run()
     reference, _ = oracle(cfg, tmp_path / "single")
     records = read_metrics(tmp_path / "dist" / METRICS_FILE)
@@ -335,19 +340,22 @@ def test_nccl_transport_on_two_gpus_matches_the_oracle(ray_cluster, tmp_path, ca
         assert abs(got["loss"] - want["loss"]) <= 1e-2 * want["loss"], got["step"]
     assert records[-1]["loss"] < 0.8 * records[0]["loss"]
     with capsys.disabled():
-        print(f"\nnccl, 1 A + 1 E on 2 GPUs, tiny model, 16 x 128 tokens/step: {summary.tokens_per_s:,.0f} tokens/s")
+        print(f"\n{transport}, 1 A + 1 E on 2 GPUs, tiny model, 16 x 128 tokens/step: {summary.tokens_per_s:,.0f} tokens/s")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
-def test_gpu_steps_make_no_host_waits_in_every_distributed_mode(ray_cluster, tmp_path, mode):
+@pytest.mark.parametrize("mode, transport", [("disaggregated", "nccl"), ("colocated", "nccl"),
+                                             ("disaggregated", "nvshmem")])
+def test_gpu_steps_make_no_host_waits_in_every_distributed_mode(ray_cluster, tmp_path, mode, transport):
     """Steps on two GPUs with forbid_host_syncs: every rank runs its whole program (compute, nccl
     sends and receives, the optimizer step) under set_sync_debug_mode('error'), so any host wait
     inside a step raises; only the step's one read at the end is outside it."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
+    if transport == "nvshmem" and not nvshmem_available():
+        pytest.skip("needs nvshmem4py")
     cfg = run_config(tmp_path / "dist", mode, attention_ranks=1, expert_ranks=1, colocated_ranks=2, micro_batches=2,
-                     device="cuda", transport="nccl", cpu_threads=None, steps=3, batch_size=8, seq_len=64,
+                     device="cuda", transport=transport, cpu_threads=None, steps=3, batch_size=8, seq_len=64,
                      forbid_host_syncs=True)
     summary = DistributedTrainer(cfg, log_to_driver=False).run()
     assert summary.steps == 3 and summary.final_loss is not None
@@ -357,8 +365,22 @@ def test_a_rank_whose_training_state_exceeds_the_device_is_refused(tmp_path):
     cfg = run_config(tmp_path / "run", "disaggregated", attention_ranks=1, expert_ranks=2)
     topology = Topology.from_config(cfg, cfg.model)
     check_memory(cfg, cfg.model, topology, capacity_bytes=1e9)  # the tiny model fits anywhere
-    with pytest.raises(ValueError, match=r"rank 0 \(A0.0\) holds [\d,]+ parameters: .* on a 0.0 GiB device"):
+    with pytest.raises(ValueError, match=r"rank 0 \(A0.0\) holds [\d,]+ parameters: .* GiB of receive buffers .* "
+                                         r"on a 0.0 GiB device"):
         check_memory(cfg, cfg.model, topology, capacity_bytes=1e6)
+
+
+def test_the_memory_check_counts_each_transports_receive_buffers(tmp_path):
+    """nccl keeps one buffer per received slot; nvshmem two copies, in an arena as large as the
+    largest rank's on every rank: the expert rank's arena fits the attention rank's receives too."""
+    cfg = run_config(tmp_path / "run", "disaggregated", attention_ranks=1, expert_ranks=1, micro_batches=2)
+    topology = Topology.from_config(cfg, cfg.model)
+    shapes = MessageShapes.of_run(cfg, cfg.model, topology)
+    nccl = receive_layouts(cfg.model_copy(update={"transport": "nccl"}), shapes, topology)
+    nvshmem = receive_layouts(cfg.model_copy(update={"transport": "nvshmem"}), shapes, topology)
+    assert nvshmem[0].nbytes == nvshmem[1].nbytes >= 2 * max(layout.nbytes for layout in nccl) - 4096
+    received = [sum(spec_bytes(s) for seg in layout.segments for s in seg.specs) for layout in nccl]
+    assert all(layout.nbytes >= r for layout, r in zip(nccl, received, strict=True))
 
 
 def test_sharded_optimizer_states_count_a_share_of_the_moments_per_attention_rank(tmp_path):
@@ -489,3 +511,7 @@ def test_a_damaged_expert_shard_of_the_newest_checkpoint_is_skipped_for_the_prev
     resumed = read_metrics(tmp_path / "run" / METRICS_FILE)
     assert summary.steps == 4 and [r["step"] for r in resumed] == [1, 2, 3, 4]
     assert [r["loss"] for r in resumed] == [r["loss"] for r in straight]
+
+
+def spec_bytes(spec) -> int:
+    return torch.empty(spec.shape, dtype=spec.dtype).nbytes

@@ -1,0 +1,231 @@
+"""`nvshmem` transport: one-sided puts into the receiver's symmetric arena, arrival flags waited
+on the GPU stream (DESIGN section 3b's contract; `comm.symmetric` for the arena, `kernels.signal`
+for the flags).
+
+- Set-up: NVSHMEM starts inside each rank's process (a Ray actor): rank 0 creates the unique id,
+  the job's process group relays its bytes to every rank (the driver made that rendezvous), and
+  every rank joins with its own GPU. Every rank then allocates the same arena, collectively: the
+  largest any rank needs (`comm.symmetric.symmetric_layouts`, from every rank's program), so any
+  rank can address any other's segments by offset. Nothing is allocated after set-up.
+- send(dst, key): the message's tensors go straight from the sender's memory into the segment
+  of (sender, payload, layer, micro-batch) in dst's arena, copy `step mod 2`: a put per tensor
+  on the current stream, a quiet (the earlier puts have landed), then put-with-signal of the
+  last tensor, which sets the segment's flag to the step's sequence number (step + 1) after its
+  data. The host does not wait. A message that does not fit its segment (a `capacity_factor`
+  below its rows) is not written: the flag is set to -seq, so the receiver does not hang, and
+  the sender raises `ArenaOverflow` naming the fix.
+- recv(src, key): a wait on the current stream (acquire loads at system scope until the flag
+  holds seq or -seq; -seq sets the rank's status word), then views of the segment: work queued
+  afterwards reads the data in place. Flags are never reset: step t's hold t + 1.
+- The status word joins the step's one host read (`Transport.status_word`); a message that did
+  not fit stops the run there, with the fix (never silent corruption).
+
+Only the messages use NVSHMEM; collectives stay on NCCL, in the schedule's order (DESIGN 3c): a
+GPU flag wait must never sit behind a peer's collective, and none does, because every
+collective is an op of the schedule the same on every rank.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from disagmoe.comm.base import MessageKey, SendHandle, TensorSpec, Transport
+from disagmoe.comm.symmetric import ArenaLayout, ArenaOverflow, Segment, Slot, check_fits
+from disagmoe.runtime.messages import message_key
+
+_U64 = (1 << 64) - 1
+
+
+def _nvshmem() -> Any:
+    """`nvshmem.core`, or a user error naming what to install."""
+    try:
+        import nvshmem.core as nv
+    except ImportError as err:
+        raise ValueError(
+            "transport 'nvshmem' needs nvshmem4py (pip install nvshmem4py-cu12 or nvshmem4py-cu13, matching "
+            f"your CUDA) and NVIDIA GPUs; use transport: nccl meanwhile ({err})"
+        ) from None
+    return nv
+
+
+class EventSendHandle(SendHandle):
+    """A send queued on a stream: complete when the stream passed the event recorded after it."""
+
+    def __init__(self, event: torch.cuda.Event, tensors: list[torch.Tensor]) -> None:
+        self._event = event
+        self._tensors = tensors  # alive until the puts have read them
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Order the current stream after the puts (the host does not wait)."""
+        torch.cuda.current_stream().wait_event(self._event)
+        self._tensors = []
+
+    def is_completed(self) -> bool:
+        return self._event.query()
+
+
+def _key_of(slot: Slot) -> tuple[int, int, int, int]:
+    """(source rank, micro-batch, key layer field, direction) of a slot's messages."""
+    src, payload, layer, mb = slot
+    key = message_key(0, payload, layer, mb)
+    return src, key.micro_batch, key.layer, int(key.direction)
+
+
+class SlotIndex:
+    """A rank's receive slots by the transport key of their messages."""
+
+    def __init__(self, layout: ArenaLayout) -> None:
+        self._slots = {_key_of(seg.slot): seg.slot for seg in layout.segments}
+
+    def slot(self, src: int, key: MessageKey, rank: int) -> Slot:
+        slot = self._slots.get((src, key.micro_batch, key.layer, int(key.direction)))
+        if slot is None:
+            raise ValueError(f"rank {rank} has no receive segment for key {key} from rank {src}: the message is "
+                             "not in its program (every rank must build the arenas from the same schedule)")
+        return slot
+
+
+class NvshmemTransport(Transport):
+    """One-sided messages over NVSHMEM symmetric memory (module docstring).
+
+    `layouts`: every rank's arena layout, from `comm.symmetric.symmetric_layouts` over the run's
+    programs (the same list on every rank: allocation is collective).
+    """
+
+    def __init__(self, layouts: Sequence[ArenaLayout], default_timeout_s: float = 120.0) -> None:
+        if not dist.is_initialized():
+            raise ValueError("the nvshmem transport needs torch.distributed initialised (it relays NVSHMEM's unique id)")
+        super().__init__(dist.get_rank(), dist.get_world_size(), default_timeout_s)
+        if len(layouts) != self.world_size:
+            raise ValueError(f"{len(layouts)} arena layouts for a {self.world_size}-rank job: pass one per rank")
+        if len({(layout.nbytes, layout.flag_words) for layout in layouts}) != 1:
+            raise ValueError("arena layouts differ in size across ranks: build them with symmetric_layouts")
+        self.nv = _nvshmem()
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        self.layouts = list(layouts)
+        self.layout = self.layouts[self.rank]
+        self._index = [SlotIndex(layout) for layout in self.layouts]
+        _join(self.nv, self.rank, self.world_size, self.device)
+        self.arena_B = self.nv.tensor((max(self.layout.nbytes, 8),), dtype=torch.uint8)  # collective
+        self.arena_B.zero_()  # NVSHMEM memory is not zeroed; flags start at 0 (no step yet)
+        self.status_1 = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self._flags_W = self.layout.flags(self.arena_B)
+        self._base = int(self.nv.tensor_get_buffer(self.arena_B)[0].handle)
+        stream = torch.cuda.current_stream()
+        self.nv.barrier_all(stream=stream)  # every arena is zeroed before any peer writes to it
+        stream.synchronize()
+        self._closed = False
+
+    # --- addresses ------------------------------------------------------------------------------
+
+    def _symmetric(self, offset: int, nbytes: int) -> Any:
+        """The symmetric address `offset` of the arena (a peer's copy when given a remote PE)."""
+        from cuda.core import Buffer
+
+        return Buffer.from_handle(self._base + offset, nbytes)
+
+    @staticmethod
+    def _local(tensor: torch.Tensor) -> Any:
+        from cuda.core import Buffer
+
+        return Buffer.from_handle(tensor.data_ptr(), tensor.numel() * tensor.element_size())
+
+    def _segment(self, rank: int, src: int, key: MessageKey) -> Segment:
+        return self.layouts[rank].segment(self._index[rank].slot(src, key, rank), key.step)
+
+    # --- the contract ---------------------------------------------------------------------------
+
+    def send(self, dst_rank: int, key: MessageKey, tensors: Sequence[torch.Tensor]) -> SendHandle:
+        self._check_peer(dst_rank)
+        seg = self._segment(dst_rank, self.rank, key)
+        for tensor in tensors:
+            if tensor.device != self.device:
+                raise ValueError(f"the nvshmem transport sends tensors on {self.device}, got one on {tensor.device}")
+        stream = torch.cuda.current_stream()
+        seq = key.step + 1
+        flag = self._symmetric(8 * seg.flag, 8)
+        try:
+            check_fits(seg, [TensorSpec.of(t) for t in tensors])
+        except ArenaOverflow:
+            self.nv.signal_op(flag, -seq & _U64, self.nv.SignalOp.SIGNAL_SET, remote_pe=dst_rank, stream=stream)
+            raise
+        payload = [t.detach().contiguous() for t in tensors]
+        parts = [(offset, t) for offset, t in zip(seg.offsets, payload, strict=True) if t.numel()]
+        for offset, tensor in parts[:-1]:
+            self.nv.put(self._symmetric(offset, tensor.nbytes), self._local(tensor), remote_pe=dst_rank, stream=stream)
+        if len(parts) > 1:
+            self.nv.quiet(stream=stream)  # the earlier puts land before the signal's
+        if parts:
+            offset, tensor = parts[-1]
+            self.nv.put_signal(self._symmetric(offset, tensor.nbytes), self._local(tensor), flag, seq,
+                               self.nv.SignalOp.SIGNAL_SET, remote_pe=dst_rank, stream=stream)
+        else:
+            self.nv.signal_op(flag, seq, self.nv.SignalOp.SIGNAL_SET, remote_pe=dst_rank, stream=stream)
+        event = torch.cuda.Event()
+        event.record(stream)
+        return EventSendHandle(event, payload)
+
+    def reserve(self, src_rank: int, key: MessageKey, specs: Sequence[TensorSpec]) -> None:
+        """Nothing to allocate (the arena holds every slot); checks that the slot fits its specs."""
+        check_fits(self._segment(self.rank, src_rank, key), specs)
+
+    def recv(self, src_rank: int, key: MessageKey, specs: Sequence[TensorSpec],
+             timeout_s: float | None = None) -> list[torch.Tensor]:
+        from disagmoe.kernels.signal import wait_flag
+
+        self._check_peer(src_rank)
+        seg = self._segment(self.rank, src_rank, key)
+        check_fits(seg, specs)
+        wait_flag(self._flags_W, seg.flag, key.step + 1, self.status_1)
+        return self.layout.views(self.arena_B, seg.slot, specs, key.step)
+
+    def status_word(self) -> torch.Tensor | None:
+        return self.status_1
+
+    def check_status(self, status: int) -> None:
+        if status:
+            raise ArenaOverflow(f"rank {self.rank}: a message did not fit its receive segment (its sender "
+                                "names it); raise transport_capacity_factor or leave it unset for the worst case")
+
+    def close(self) -> None:
+        """Free the arena and leave NVSHMEM (collective: every rank closes)."""
+        if self._closed:
+            return
+        self._closed = True
+        stream = torch.cuda.current_stream()
+        stream.synchronize()
+        self.nv.barrier_all(stream=stream)  # no peer still writes into this arena
+        stream.synchronize()
+        self.nv.free_tensor(self.arena_B)
+        self.nv.finalize()
+
+
+def _join(nv: Any, rank: int, world_size: int, device: torch.device) -> None:
+    """NVSHMEM init over a unique id that rank 0 creates and the process group relays."""
+    import numpy as np
+    from cuda.core import Device
+
+    torch.empty(1, device=device)  # the primary context exists before NVSHMEM starts
+    uid = nv.get_unique_id() if rank == 0 else nv.get_unique_id(empty=True)
+    relayed = [uid._data.tobytes() if rank == 0 else None]
+    dist.broadcast_object_list(relayed, src=0)
+    if rank != 0:
+        uid._data.view(np.int8)[:] = np.frombuffer(relayed[0], dtype=np.int8)
+    cuda_device = Device(device.index)
+    cuda_device.set_current()
+    nv.init(device=cuda_device, uid=uid, rank=rank, nranks=world_size, initializer_method="uid")
+
+
+@functools.cache
+def available() -> bool:
+    """Whether nvshmem4py imports here (tests skip without it)."""
+    try:
+        _nvshmem()
+    except ValueError:
+        return False
+    return True
