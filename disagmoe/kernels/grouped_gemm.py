@@ -18,6 +18,8 @@ loads are issued under the current tile's epilogue):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -52,12 +54,39 @@ def _swizzle(local, tiles_m, tiles_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _raise_empty_segments(expected_ptr, flags_ptr, seq, n_segments, BLOCK: tl.constexpr):
+    """Segments no row lands in are complete from the start: their flags get seq at once."""
+    for s0 in range(0, n_segments, BLOCK):
+        segs = s0 + tl.arange(0, BLOCK)
+        seg_ok = segs < n_segments
+        empty = seg_ok & (tl.load(expected_ptr + segs, mask=seg_ok, other=1) == 0)
+        tl.atomic_xchg(flags_ptr + segs, tl.zeros_like(segs).to(tl.int64) + seq, mask=empty,
+                       sem="release", scope="sys")
+
+
+@triton.jit
+def _signal_rows_landed(rows, row_ok, seg_ptr, expected_ptr, counters_ptr, flags_ptr, seq):
+    """After a tile's rows are stored (to a peer GPU's memory, say): count them per destination
+    segment; the program whose rows complete a segment (its count reaches the segment's expected
+    rows x column tiles) resets the count and publishes seq in the segment's flag, with a release
+    at system scope that covers every program's stores (they released into the same counter)."""
+    tl.debug_barrier()  # every thread's stores of this tile precede the counting
+    seg = tl.load(seg_ptr + rows, mask=row_ok, other=0)
+    old = tl.atomic_add(counters_ptr + seg, 1, mask=row_ok, sem="acq_rel", scope="sys")
+    expected = tl.load(expected_ptr + seg, mask=row_ok, other=-1)
+    last = row_ok & (old + 1 == expected)
+    tl.atomic_xchg(counters_ptr + seg, tl.zeros_like(old), mask=last, sem="relaxed", scope="gpu")
+    tl.atomic_xchg(flags_ptr + seg, tl.zeros_like(seg).to(tl.int64) + seq, mask=last, sem="release", scope="sys")
+
+
+@triton.jit
 def _ragged_rows_gemm_kernel(
     a_ptr, b_ptr, out_ptr, h13_ptr, dst_rows_ptr, offsets_ptr,
+    seg_ptr, expected_ptr, counters_ptr, flags_ptr, seq, n_segments,
     E, K, C, F_UP, num_programs,
     stride_am, stride_ak, stride_be, stride_bk, stride_bc,
     stride_om, stride_oc, stride_hm, stride_hc,
-    EPILOGUE: tl.constexpr, SCATTER: tl.constexpr, SAVE_H13: tl.constexpr,
+    EPILOGUE: tl.constexpr, SCATTER: tl.constexpr, SAVE_H13: tl.constexpr, SIGNAL: tl.constexpr,
     E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, FLATTEN: tl.constexpr,
 ):
@@ -65,10 +94,14 @@ def _ragged_rows_gemm_kernel(
     # Contract: a [N, K] rows grouped by expert; b [E, K, C(+F_UP)] any strides; out [*, C] (or
     # [N, 2C] for EPILOGUE_SWIGLU_GRAD: d gate in [:, :C], d up in [:, C:]); h13 [N, 2C] the saved
     # pre-activations (gate | up), written when SAVE_H13, read by EPILOGUE_SWIGLU_GRAD.
+    # SIGNAL (plain epilogue): row r belongs to segment seg[r] of `out`; `_signal_rows_landed`.
     pid = tl.program_id(0)
     tiles_n = tl.cdiv(C, BLOCK_N)
     idx, item_ends = _item_table(offsets_ptr, E, tiles_n, BLOCK_M, E_POW2)
     total = tl.max(item_ends, axis=0)
+    if SIGNAL:
+        if pid == 0:
+            _raise_empty_segments(expected_ptr, flags_ptr, seq, n_segments, 128)
     for item in tl.range(pid, total, num_programs, flatten=FLATTEN):
         expert = tl.sum((item_ends <= item).to(tl.int32), axis=0)
         item_start = tl.max(tl.where(item_ends <= item, item_ends, 0), axis=0)
@@ -118,6 +151,8 @@ def _ragged_rows_gemm_kernel(
                 out_rows = rows64
             out_ptrs = out_ptr + out_rows[:, None] * stride_om + cols[None, :] * stride_oc
             tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+            if SIGNAL:
+                _signal_rows_landed(rows, row_ok, seg_ptr, expected_ptr, counters_ptr, flags_ptr, seq)
         elif EPILOGUE == 1:
             out_ptrs = out_ptr + rows64[:, None] * stride_om + cols[None, :] * stride_oc
             act = acc * tl.sigmoid(acc) * acc_up
@@ -178,6 +213,21 @@ def _ragged_weight_grad_kernel(
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=k_ok[:, None] & col_ok[None, :])
 
 
+@dataclass(frozen=True)
+class SegmentSignal:
+    """Where a scattering launch reports its rows landing: row r is in segment `seg_N[r]`, which
+    expects `expected_S[s]` row stores (its rows x the launch's column tiles); `counters_S` int32
+    (zero, and zero again after each launch) counts them; `flags_S` int64 (a peer GPU's, say)
+    receives `seq` per segment once complete. A launch raises every segment's flag, empty ones
+    at its start, so no wait hangs on a segment no row of this launch goes to."""
+
+    seg_N: torch.Tensor
+    expected_S: torch.Tensor
+    counters_S: torch.Tensor
+    flags_S: torch.Tensor
+    seq: int
+
+
 def default_num_programs(device: torch.device) -> int:
     """Persistent programs at one per SM on a GPU; the interpreter (CPU) runs a handful."""
     if device.type == "cuda":
@@ -195,6 +245,7 @@ def ragged_rows_gemm(
     out: torch.Tensor | None = None,
     h13_N2C: torch.Tensor | None = None,
     dst_rows_N: torch.Tensor | None = None,
+    signal: SegmentSignal | None = None,
     num_programs: int | None = None,
 ) -> torch.Tensor:
     """out[rows_e] = epilogue(a[rows_e] @ b[e]) for every expert e, in one persistent launch.
@@ -202,7 +253,8 @@ def ragged_rows_gemm(
     `b_EKC` may be any strided view (a transposed weight is passed as `.transpose(1, 2)`). With
     EPILOGUE_SWIGLU, b holds gate columns [:C] and up columns [C:2C] and `h13_N2C` (if given)
     receives the pre-activations; with EPILOGUE_SWIGLU_GRAD, `h13_N2C` is read and out is [N, 2C].
-    `dst_rows_N` (plain epilogue only) sends row r of the result to out[dst_rows_N[r]].
+    `dst_rows_N` (plain epilogue only) sends row r of the result to out[dst_rows_N[r]]; `signal`
+    (with it) raises each segment's flag once its rows are stored (`SegmentSignal`).
     """
     n_rows, k = a_NK.shape
     experts, k_b, width = b_EKC.shape
@@ -212,19 +264,22 @@ def ragged_rows_gemm(
         out_cols = 2 * cols if epilogue == EPILOGUE_SWIGLU_GRAD else cols
         out = a_NK.new_empty((n_rows, out_cols))
     assert dst_rows_N is None or epilogue == EPILOGUE_PLAIN
+    assert signal is None or dst_rows_N is not None
     assert epilogue != EPILOGUE_SWIGLU_GRAD or h13_N2C is not None
-    if n_rows == 0 or cols == 0:
+    if signal is None and (n_rows == 0 or cols == 0):
         return out
     h13 = h13_N2C if h13_N2C is not None else out
     dst = dst_rows_N if dst_rows_N is not None else offsets_E
+    sig = signal or SegmentSignal(offsets_E, offsets_E, offsets_E, offsets_E, 0)
     programs = num_programs or default_num_programs(a_NK.device) * config.programs_per_sm
     _ragged_rows_gemm_kernel[(programs,)](
         a_NK, b_EKC, out, h13, dst, offsets_E,
+        sig.seg_N, sig.expected_S, sig.counters_S, sig.flags_S, sig.seq, sig.expected_S.numel(),
         experts, k, cols, cols, programs,
         a_NK.stride(0), a_NK.stride(1), b_EKC.stride(0), b_EKC.stride(1), b_EKC.stride(2),
         out.stride(0), out.stride(1), h13.stride(0), h13.stride(1),
         EPILOGUE=epilogue, SCATTER=dst_rows_N is not None,
-        SAVE_H13=epilogue == EPILOGUE_SWIGLU and h13_N2C is not None,
+        SAVE_H13=epilogue == EPILOGUE_SWIGLU and h13_N2C is not None, SIGNAL=signal is not None,
         E_POW2=triton.next_power_of_2(experts), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, GROUP_M=config.group_m, EVEN_K=k % config.block_k == 0,
         FLATTEN=config.flatten, num_warps=config.num_warps, num_stages=config.num_stages,

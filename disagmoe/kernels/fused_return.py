@@ -1,0 +1,134 @@
+"""The tile-level fused return (issue 11): the expert kernel's down-GEMM epilogue stores each
+finished row tile straight into the receiving GPU's buffer and counts it per segment; the
+receiving side waits per segment and combines as segments land.
+
+The receiver's buffer holds one row per (token, expert) pair, pair p = t * K + j at row p, the
+regime of large expert-parallel groups, where a token's experts sit on different GPUs and every
+pair crosses the link. Segment s covers tokens [s * ST, (s + 1) * ST), i.e. rows [s * ST * K,
+(s + 1) * ST * K), ST = `segment_tokens`. Each source (expert rank) has its own flag per segment
+in the receiver's flag block [P sources, S segments]; the source's launch raises its flag of
+segment s to seq once every row it sends into s is stored (`grouped_gemm.SegmentSignal`; a segment
+it sends nothing to is raised at the launch's start). The receiver's combine program for segment s
+waits for the P flags of s (acquire loads at system scope), then sums that segment's tokens'
+rows in pair order: the same bits run to run, whatever order the tiles landed in.
+
+Flags carry the step's sequence number (step + 1), so nothing is reset between steps; the
+per-segment counters return to zero at the end of each launch (the program completing a segment
+resets it). The segment plan (segment per row, expected stores per segment) is computed on the
+device from the destination rows, with no host sync.
+
+Shape legend: N rows (pairs this expert rank holds, grouped by expert), T tokens, K top-k,
+P = T * K pair rows, H hidden, F expert FFN, E experts, S segments, Q sources.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from disagmoe.kernels import grouped_gemm as gg
+from disagmoe.kernels.tile_configs import TileConfig
+
+
+def num_segments(tokens: int, segment_tokens: int) -> int:
+    return triton.cdiv(tokens, segment_tokens)
+
+
+def segment_plan(dst_rows_N: torch.Tensor, tokens: int, top_k: int, segment_tokens: int,
+                 column_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(seg_N int32, expected_S int32) for rows going to pair rows `dst_rows_N` of the receiver:
+    each row's segment, and each segment's expected stores (its rows x the launch's column tiles).
+    Device ops only (scatter_add, not bincount, which reads its maximum on the host)."""
+    if segment_tokens < 1:
+        raise ValueError(f"segment_tokens={segment_tokens} must be >= 1")
+    seg_N = torch.div(dst_rows_N, segment_tokens * top_k, rounding_mode="floor").to(torch.int32)
+    expected_S = torch.zeros(num_segments(tokens, segment_tokens), dtype=torch.int32, device=dst_rows_N.device)
+    expected_S.scatter_add_(0, seg_N.long(), torch.full_like(seg_N, column_tiles))
+    return seg_N, expected_S
+
+
+def down_to_destination(act_NF: torch.Tensor, offsets_E: torch.Tensor, w2_EFH: torch.Tensor, config: TileConfig,
+                        *, dst_PH: torch.Tensor, dst_rows_N: torch.Tensor, tokens: int, top_k: int,
+                        segment_tokens: int, counters_S: torch.Tensor, flags_QS: torch.Tensor, source: int,
+                        seq: int, num_programs: int | None = None) -> torch.Tensor:
+    """The expert FFN's down GEMM, row r stored at dst_PH[dst_rows_N[r]] (the receiver's pair rows,
+    on a peer GPU through NVLink, or local), raising this source's flags per segment; returns dst_PH.
+    `counters_S` int32 zeros of this rank (zero again after the launch); `flags_QS` int64 [Q, S]
+    the receiver's flag block, of which row `source` is this rank's."""
+    segments = num_segments(tokens, segment_tokens)
+    if dst_PH.shape != (tokens * top_k, w2_EFH.shape[2]):
+        raise ValueError(f"the destination must hold one row per pair, [{tokens * top_k}, {w2_EFH.shape[2]}]; "
+                         f"got {tuple(dst_PH.shape)}")
+    if counters_S.shape != (segments,) or counters_S.dtype != torch.int32:
+        raise ValueError(f"counters must be int32 [{segments}] (one per segment), got {counters_S.dtype} "
+                         f"{tuple(counters_S.shape)}")
+    if flags_QS.dim() != 2 or flags_QS.shape[1] != segments or flags_QS.dtype != torch.int64:
+        raise ValueError(f"flags must be int64 [sources, {segments}], got {flags_QS.dtype} {tuple(flags_QS.shape)}")
+    if not 0 <= source < flags_QS.shape[0]:
+        raise ValueError(f"source {source} is not a row of the {flags_QS.shape[0]}-source flag block")
+    if seq < 1:
+        raise ValueError(f"sequence number {seq} must be >= 1 (step + 1)")
+    seg_N, expected_S = segment_plan(dst_rows_N, tokens, top_k, segment_tokens,
+                                     triton.cdiv(w2_EFH.shape[2], config.block_n))
+    signal = gg.SegmentSignal(seg_N, expected_S, counters_S, flags_QS[source], seq)
+    return gg.ragged_rows_gemm(act_NF, offsets_E, w2_EFH, config, out=dst_PH, dst_rows_N=dst_rows_N,
+                               signal=signal, num_programs=num_programs)
+
+
+@triton.jit
+def _combine_landed_kernel(rows_ptr, weights_ptr, y_ptr, flags_ptr, seq, n_tokens, H, K, Q, S,
+                           stride_r, stride_y, SEG_TOKENS: tl.constexpr, BLOCK_T: tl.constexpr,
+                           BLOCK_H: tl.constexpr, WEIGHTED: tl.constexpr):
+    seg = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    col_ok = cols < H
+    for q in range(Q):  # every source's rows of this segment have landed
+        seen = tl.atomic_add(flags_ptr + q * S + seg, 0, sem="acquire", scope="sys")
+        while seen != seq:
+            seen = tl.atomic_add(flags_ptr + q * S + seg, 0, sem="acquire", scope="sys")
+    for t0 in range(seg * SEG_TOKENS, tl.minimum((seg + 1) * SEG_TOKENS, n_tokens), BLOCK_T):
+        tokens = t0 + tl.arange(0, BLOCK_T)
+        tok_ok = (tokens < n_tokens) & (tokens < (seg + 1) * SEG_TOKENS)
+        acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
+        for j in range(K):  # pair order: deterministic
+            pair = tokens.to(tl.int64) * K + j
+            row = tl.load(rows_ptr + pair[:, None] * stride_r + cols[None, :],
+                          mask=tok_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+            if WEIGHTED:
+                w = tl.load(weights_ptr + pair, mask=tok_ok, other=0.0).to(tl.float32)
+                row = row * w[:, None]
+            acc += row
+        tl.store(y_ptr + tokens.to(tl.int64)[:, None] * stride_y + cols[None, :],
+                 acc.to(y_ptr.dtype.element_ty), mask=tok_ok[:, None] & col_ok[None, :])
+
+
+def combine_landed(rows_PH: torch.Tensor, weights_TK: torch.Tensor | None, flags_QS: torch.Tensor, seq: int,
+                   segment_tokens: int, top_k: int) -> torch.Tensor:
+    """y[t] = sum_j w[t, j] * rows[t * K + j] (unweighted without weights: the backward's input
+    gradients), each segment's program starting once all Q sources raised its flags to seq."""
+    pairs, hidden = rows_PH.shape
+    tokens = pairs // top_k
+    segments = num_segments(tokens, segment_tokens)
+    if pairs != tokens * top_k or flags_QS.shape[1:] != (segments,) or flags_QS.dtype != torch.int64:
+        raise ValueError(f"rows [{pairs}, {hidden}] with top_k {top_k} and flags {tuple(flags_QS.shape)}: expected "
+                         f"rows [tokens * top_k, H] and int64 flags [sources, {segments}]")
+    y_TH = rows_PH.new_empty((tokens, hidden))
+    if tokens == 0:
+        return y_TH
+    block_h = min(256, triton.next_power_of_2(hidden))
+    block_t = min(32, triton.next_power_of_2(segment_tokens))
+    weights = weights_TK.contiguous() if weights_TK is not None else rows_PH
+    _combine_landed_kernel[(segments, triton.cdiv(hidden, block_h))](
+        rows_PH, weights, y_TH, flags_QS, seq, tokens, hidden, top_k, flags_QS.shape[0], segments,
+        rows_PH.stride(0), y_TH.stride(0), SEG_TOKENS=segment_tokens, BLOCK_T=block_t, BLOCK_H=block_h,
+        WEIGHTED=weights_TK is not None)
+    return y_TH
+
+
+def combine_reference(rows_PH: torch.Tensor, weights_TK: torch.Tensor | None, top_k: int) -> torch.Tensor:
+    """Plain torch: y[t] = sum_j w[t, j] * rows[t * K + j], in fp32."""
+    rows_TKH = rows_PH.float().view(-1, top_k, rows_PH.shape[1])
+    if weights_TK is not None:
+        rows_TKH = rows_TKH * weights_TK.float()[:, :, None]
+    return rows_TKH.sum(1).to(rows_PH.dtype)

@@ -1,0 +1,146 @@
+"""The tile-level fused return (disagmoe/kernels/fused_return.py) against torch: the down GEMM's
+epilogue stores every pair row at its place in the receiver's buffer and raises each source's
+segment flags; the combine waits for them and sums in pair order. Interpreter (fp32, CPU tensors
+standing for the peer's buffer; sources run before the combine) and GPU (bf16, the combine
+launched first on its own stream, so it really waits for the flags)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from disagmoe.kernels.tile_configs import TileConfig
+
+SMALL_TILES = TileConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=4, num_stages=1)
+
+# (tokens, top_k, experts, sources, hidden, ffn, segment_tokens): experts split evenly over sources
+CASES = [
+    (37, 2, 6, 1, 40, 24, 8),  # ragged everything, one source
+    (64, 4, 8, 2, 32, 16, 16),  # two sources share every segment
+    (21, 3, 9, 3, 24, 40, 64),  # one segment larger than the tokens
+    (40, 2, 8, 2, 16, 16, 4),  # skewed below: some experts and some sources get no rows
+]
+
+
+def _routing(tokens, top_k, experts, skew, gen):
+    if skew:  # every pair goes to the first two experts: empty experts and an empty source
+        return torch.stack([torch.randperm(2, generator=gen)[:top_k] for _ in range(tokens)])
+    return torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
+
+
+def _source_rows(topk_TK, experts, sources, source):
+    """This source's pairs grouped by its experts: (offsets over its experts, destination pair rows)."""
+    per = experts // sources
+    ids_P = topk_TK.flatten()
+    mine = torch.nonzero((ids_P // per) == source).flatten()
+    order = torch.argsort(ids_P[mine], stable=True)
+    pairs = mine[order]
+    local_ids = ids_P[pairs] - source * per
+    counts = torch.bincount(local_ids, minlength=per)
+    return counts.cumsum(0).to(torch.int32), pairs.to(torch.int32)
+
+
+def _run(fr, case, step_seqs, device, dtype, skew=False, seed=0):
+    tokens, top_k, experts, sources, hidden, ffn, seg_tokens = case
+    gen = torch.Generator().manual_seed(seed)
+    per = experts // sources
+    w2 = (torch.randn(experts, ffn, hidden, generator=gen) / ffn**0.5).to(device, dtype)
+    segments = fr.num_segments(tokens, seg_tokens)
+    counters = [torch.zeros(segments, dtype=torch.int32, device=device) for _ in range(sources)]
+    flags = torch.zeros(sources, segments, dtype=torch.int64, device=device)
+    results = []
+    for seq in step_seqs:
+        topk = _routing(tokens, top_k, experts, skew and seq == 1, gen)
+        weights = torch.rand(tokens, top_k, generator=gen).to(device, dtype)
+        act = torch.randn(tokens * top_k, ffn, generator=gen).to(device, dtype)  # per pair, in pair order
+        dst = torch.full((tokens * top_k, hidden), float("nan"), device=device, dtype=dtype)
+        for q in range(sources):
+            offsets, pairs = _source_rows(topk, experts, sources, q)
+            fr.down_to_destination(act[pairs.long()].contiguous(), offsets.to(device), w2[q * per:(q + 1) * per],
+                                   SMALL_TILES, dst_PH=dst, dst_rows_N=pairs.to(device), tokens=tokens, top_k=top_k,
+                                   segment_tokens=seg_tokens, counters_S=counters[q], flags_QS=flags, source=q,
+                                   seq=seq, num_programs=3)
+        y = fr.combine_landed(dst, weights, flags, seq, seg_tokens, top_k)
+        rows_want = torch.einsum("pf,pfh->ph", act.float(), w2.float()[topk.flatten().to(device)])
+        want = fr.combine_reference(rows_want, weights, top_k)
+        results.append((dst, rows_want, y, want, flags.clone(), [c.clone() for c in counters]))
+    return results
+
+
+@pytest.fixture
+def fused(interpreted):
+    _, fr = interpreted("disagmoe.kernels.grouped_gemm", "disagmoe.kernels.fused_return")
+    return fr
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_rows_land_in_place_and_the_combine_matches_torch(fused, case):
+    for dst, rows_want, y, want, flags, counters in _run(fused, CASES[case], (1, 2), "cpu", torch.float32,
+                                                         skew=case == 3, seed=case):
+        seq = int(flags.max())
+        assert torch.allclose(dst, rows_want, rtol=1e-4, atol=1e-5)  # every pair row written, no NaN left
+        assert torch.allclose(y, want, rtol=1e-4, atol=1e-5)
+        assert (flags == seq).all(), "every source's every segment is raised, empty ones included"
+        assert all((c == 0).all() for c in counters), "the counters are zero again after each launch"
+
+
+def test_segment_plan_counts_rows_per_segment_on_the_device(fused):
+    dst_rows = torch.tensor([0, 5, 6, 7, 15, 16], dtype=torch.int32)
+    seg, expected = fused.segment_plan(dst_rows, tokens=9, top_k=2, segment_tokens=4, column_tiles=3)
+    assert seg.tolist() == [0, 0, 0, 0, 1, 2] and expected.tolist() == [12, 3, 3]
+    with pytest.raises(ValueError, match="segment_tokens"):
+        fused.segment_plan(dst_rows, tokens=9, top_k=2, segment_tokens=0, column_tiles=3)
+
+
+def test_bad_buffers_are_refused_with_the_shape_expected(fused):
+    w2 = torch.zeros(2, 8, 16)
+    args = dict(dst_rows_N=torch.zeros(0, dtype=torch.int32), tokens=4, top_k=2, segment_tokens=2, source=0, seq=1)
+    with pytest.raises(ValueError, match=r"one row per pair, \[8, 16\]"):
+        fused.down_to_destination(torch.zeros(0, 8), torch.zeros(2, dtype=torch.int32), w2, SMALL_TILES,
+                                  dst_PH=torch.zeros(4, 16), counters_S=torch.zeros(2, dtype=torch.int32),
+                                  flags_QS=torch.zeros(1, 2, dtype=torch.int64), **args)
+    with pytest.raises(ValueError, match="sequence number 0"):
+        fused.down_to_destination(torch.zeros(0, 8), torch.zeros(2, dtype=torch.int32), w2, SMALL_TILES,
+                                  dst_PH=torch.zeros(8, 16), counters_S=torch.zeros(2, dtype=torch.int32),
+                                  flags_QS=torch.zeros(1, 2, dtype=torch.int64), **{**args, "seq": 0})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("skew", [False, True], ids=["spread", "one-expert-takes-all"])
+def test_gpu_the_combine_waits_for_rows_stored_by_a_concurrent_launch(skew):
+    """The combine is queued first on its own stream and spins on the flags; the expert launch on
+    another stream stores the rows and raises them. bf16, the Qwen3-30B expert shape, 4k tokens."""
+    from disagmoe.kernels import fused_return as fr
+    from disagmoe.kernels.moe_ffn import FFNTiles
+
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    tokens, top_k, experts, hidden, ffn, seg_tokens = 4096, 8, 128, 2048, 768, 256
+    gen = torch.Generator().manual_seed(7)
+    topk = (torch.zeros(tokens, 1, dtype=torch.int64) + torch.arange(top_k)[None, :] if skew
+            else torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)]))
+    offsets, pairs = _source_rows(topk, experts, 1, 0)
+    act = torch.randn(tokens * top_k, ffn, generator=gen).to(device, dtype)
+    w2 = (torch.randn(experts, ffn, hidden, generator=gen) / ffn**0.5).to(device, dtype)
+    weights = torch.rand(tokens, top_k, generator=gen).to(device, dtype)
+    segments = fr.num_segments(tokens, seg_tokens)
+    flags = torch.zeros(1, segments, dtype=torch.int64, device=device)
+    counters = torch.zeros(segments, dtype=torch.int32, device=device)
+    dst = torch.zeros(tokens * top_k, hidden, device=device, dtype=dtype)
+    act_grouped, pairs_d, offsets_d = act[pairs.long().to(device)].contiguous(), pairs.to(device), offsets.to(device)
+    tiles = FFNTiles.for_shape(tokens * top_k, experts, hidden, ffn, device)
+    torch.cuda.synchronize()
+    consumer, producer = torch.cuda.Stream(), torch.cuda.Stream()
+    for seq in (1, 2):  # the second step reuses the flags (seq 2) and the counters (back to zero)
+        with torch.cuda.stream(consumer):
+            y = fr.combine_landed(dst, weights, flags, seq, seg_tokens, top_k)
+        with torch.cuda.stream(producer):
+            fr.down_to_destination(act_grouped, offsets_d, w2, tiles.down, dst_PH=dst, dst_rows_N=pairs_d,
+                                   tokens=tokens, top_k=top_k, segment_tokens=seg_tokens, counters_S=counters,
+                                   flags_QS=flags, source=0, seq=seq, num_programs=100)
+        torch.cuda.synchronize()
+        rows_want = torch.einsum("pf,pfh->ph", act.float(), w2.float()[topk.flatten().to(device)])
+        want = fr.combine_reference(rows_want, weights.float(), top_k)
+        err = ((y.float() - want).norm() / want.norm()).item()
+        assert err < 1e-2, (seq, err)
+        assert (flags == seq).all() and (counters == 0).all()
