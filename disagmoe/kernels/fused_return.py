@@ -77,50 +77,58 @@ def down_to_destination(act_NF: torch.Tensor, offsets_E: torch.Tensor, w2_EFH: t
 
 
 @triton.jit
-def _combine_landed_kernel(rows_ptr, weights_ptr, y_ptr, flags_ptr, seq, n_tokens, H, K, Q, S,
+def _combine_landed_kernel(rows_ptr, weights_ptr, y_ptr, flags_ptr, seq, n_tokens, H, K, Q, S, num_programs,
                            stride_r, stride_y, SEG_TOKENS: tl.constexpr, BLOCK_T: tl.constexpr,
                            BLOCK_H: tl.constexpr, WEIGHTED: tl.constexpr):
-    seg = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    col_ok = cols < H
-    for q in range(Q):  # every source's rows of this segment have landed
-        seen = tl.atomic_add(flags_ptr + q * S + seg, 0, sem="acquire", scope="sys")
-        while seen != seq:
+    # Persistent: program i takes work items i, i + num_programs, ..., segment-major (the first
+    # segments first, as they land first), so a few programs wait without holding the GPU.
+    h_blocks = tl.cdiv(H, BLOCK_H)
+    for item in range(tl.program_id(0), S * h_blocks, num_programs):
+        seg = item // h_blocks
+        cols = (item % h_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
+        col_ok = cols < H
+        for q in range(Q):  # every source's rows of this segment have landed
             seen = tl.atomic_add(flags_ptr + q * S + seg, 0, sem="acquire", scope="sys")
-    for t0 in range(seg * SEG_TOKENS, tl.minimum((seg + 1) * SEG_TOKENS, n_tokens), BLOCK_T):
-        tokens = t0 + tl.arange(0, BLOCK_T)
-        tok_ok = (tokens < n_tokens) & (tokens < (seg + 1) * SEG_TOKENS)
-        acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
-        for j in range(K):  # pair order: deterministic
-            pair = tokens.to(tl.int64) * K + j
-            row = tl.load(rows_ptr + pair[:, None] * stride_r + cols[None, :],
-                          mask=tok_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
-            if WEIGHTED:
-                w = tl.load(weights_ptr + pair, mask=tok_ok, other=0.0).to(tl.float32)
-                row = row * w[:, None]
-            acc += row
-        tl.store(y_ptr + tokens.to(tl.int64)[:, None] * stride_y + cols[None, :],
-                 acc.to(y_ptr.dtype.element_ty), mask=tok_ok[:, None] & col_ok[None, :])
+            while seen != seq:
+                seen = tl.atomic_add(flags_ptr + q * S + seg, 0, sem="acquire", scope="sys")
+        for t0 in range(seg * SEG_TOKENS, tl.minimum((seg + 1) * SEG_TOKENS, n_tokens), BLOCK_T):
+            tokens = t0 + tl.arange(0, BLOCK_T)
+            tok_ok = (tokens < n_tokens) & (tokens < (seg + 1) * SEG_TOKENS)
+            acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
+            for j in range(K):  # pair order: deterministic
+                pair = tokens.to(tl.int64) * K + j
+                row = tl.load(rows_ptr + pair[:, None] * stride_r + cols[None, :],
+                              mask=tok_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+                if WEIGHTED:
+                    w = tl.load(weights_ptr + pair, mask=tok_ok, other=0.0).to(tl.float32)
+                    row = row * w[:, None]
+                acc += row
+            tl.store(y_ptr + tokens.to(tl.int64)[:, None] * stride_y + cols[None, :],
+                     acc.to(y_ptr.dtype.element_ty), mask=tok_ok[:, None] & col_ok[None, :])
 
 
 def combine_landed(rows_PH: torch.Tensor, weights_TK: torch.Tensor | None, flags_QS: torch.Tensor, seq: int,
-                   segment_tokens: int, top_k: int) -> torch.Tensor:
+                   segment_tokens: int, top_k: int, num_programs: int = 16) -> torch.Tensor:
     """y[t] = sum_j w[t, j] * rows[t * K + j] (unweighted without weights: the backward's input
-    gradients), each segment's program starting once all Q sources raised its flags to seq."""
+    gradients), each segment combined once all Q sources raised its flags to seq. `num_programs`:
+    the SMs the receiving side spends waiting and combining (a knob: the rest stay free)."""
     pairs, hidden = rows_PH.shape
     tokens = pairs // top_k
     segments = num_segments(tokens, segment_tokens)
     if pairs != tokens * top_k or flags_QS.shape[1:] != (segments,) or flags_QS.dtype != torch.int64:
         raise ValueError(f"rows [{pairs}, {hidden}] with top_k {top_k} and flags {tuple(flags_QS.shape)}: expected "
                          f"rows [tokens * top_k, H] and int64 flags [sources, {segments}]")
+    if num_programs < 1:
+        raise ValueError(f"num_programs={num_programs} must be >= 1")
     y_TH = rows_PH.new_empty((tokens, hidden))
     if tokens == 0:
         return y_TH
     block_h = min(256, triton.next_power_of_2(hidden))
     block_t = min(32, triton.next_power_of_2(segment_tokens))
     weights = weights_TK.contiguous() if weights_TK is not None else rows_PH
-    _combine_landed_kernel[(segments, triton.cdiv(hidden, block_h))](
-        rows_PH, weights, y_TH, flags_QS, seq, tokens, hidden, top_k, flags_QS.shape[0], segments,
+    programs = min(num_programs, segments * triton.cdiv(hidden, block_h))
+    _combine_landed_kernel[(programs,)](
+        rows_PH, weights, y_TH, flags_QS, seq, tokens, hidden, top_k, flags_QS.shape[0], segments, programs,
         rows_PH.stride(0), y_TH.stride(0), SEG_TOKENS=segment_tokens, BLOCK_T=block_t, BLOCK_H=block_h,
         WEIGHTED=weights_TK is not None)
     return y_TH

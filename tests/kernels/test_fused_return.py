@@ -60,7 +60,7 @@ def _run(fr, case, step_seqs, device, dtype, skew=False, seed=0):
                                    SMALL_TILES, dst_PH=dst, dst_rows_N=pairs.to(device), tokens=tokens, top_k=top_k,
                                    segment_tokens=seg_tokens, counters_S=counters[q], flags_QS=flags, source=q,
                                    seq=seq, num_programs=3)
-        y = fr.combine_landed(dst, weights, flags, seq, seg_tokens, top_k)
+        y = fr.combine_landed(dst, weights, flags, seq, seg_tokens, top_k, num_programs=2)
         rows_want = torch.einsum("pf,pfh->ph", act.float(), w2.float()[topk.flatten().to(device)])
         want = fr.combine_reference(rows_want, weights, top_k)
         results.append((dst, rows_want, y, want, flags.clone(), [c.clone() for c in counters]))
@@ -133,7 +133,7 @@ def test_gpu_the_combine_waits_for_rows_stored_by_a_concurrent_launch(skew):
     consumer, producer = torch.cuda.Stream(), torch.cuda.Stream()
     for seq in (1, 2):  # the second step reuses the flags (seq 2) and the counters (back to zero)
         with torch.cuda.stream(consumer):
-            y = fr.combine_landed(dst, weights, flags, seq, seg_tokens, top_k)
+            y = fr.combine_landed(dst, weights, flags, seq, seg_tokens, top_k, num_programs=8)
         with torch.cuda.stream(producer):
             fr.down_to_destination(act_grouped, offsets_d, w2, tiles.down, dst_PH=dst, dst_rows_N=pairs_d,
                                    tokens=tokens, top_k=top_k, segment_tokens=seg_tokens, counters_S=counters,
