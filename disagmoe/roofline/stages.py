@@ -6,7 +6,13 @@ expressions, so the placement solver can price thousands of candidate layouts in
 passing arrays where these take numbers. bf16 activations and weights (2 bytes) throughout.
 
 Backward passes: GEMMs cost twice their forward FLOPs (data gradient + weight gradient); the
-attention core 2.5 times (FlashAttention's backward recomputes the score matrix).
+attention core 2.5 times (FlashAttention's backward recomputes the score matrix). The routed
+experts' backward is two stages, because its two halves are separate launches bound by different
+roofs: the data gradients (compute) and the weight gradients, which add into the fp32 main
+gradients (8 bytes of HBM traffic per expert parameter per micro-batch: memory-bound at a few
+hundred rows per expert). Every other bf16 weight gradient is added into its fp32 main gradient
+by its own elementwise kernel (`main_grad_add`). The optimizer counts every pass FlatAdamW makes
+over the parameters in a step (`optimizer_step`).
 """
 
 from __future__ import annotations
@@ -99,6 +105,28 @@ def routed_experts(m: ModelConfig, rows: Num, local_experts: Num) -> Work:
     return swiglu_ffn(m.hidden_size, m.expert_ffn_size, rows, local_experts)
 
 
+def expert_data_grads(m: ModelConfig, rows: Num, local_experts: Num) -> Work:
+    """The routed experts' input gradient (down dgrad with the SwiGLU derivative, gate/up dgrad):
+    the forward's FLOPs, and like it a read of every local expert's bf16 weights and of the rows."""
+    return routed_experts(m, rows, local_experts)
+
+
+def expert_weight_grads(m: ModelConfig, rows: Num, local_experts: Num) -> Work:
+    """d w13 and d w2 of the local experts, added into their fp32 main gradients by the GEMMs
+    themselves (the Triton backend under FlatAdamW): the forward's FLOPs; reads the rows' x, d y,
+    activation and d gate/up, and reads and writes the fp32 main gradient of every local expert."""
+    H, F = m.hidden_size, m.expert_ffn_size
+    weights = 3.0 * H * F * local_experts
+    return Work(flops=2.0 * rows * 3.0 * H * F,
+                hbm_bytes=BF16 * rows * (2 * H + 3 * F) + 2 * FP32 * weights)
+
+
+def main_grad_add(params: Num) -> Work:
+    """bf16 weight gradients added into their fp32 main gradients (FlatAdamW's post-accumulate
+    hook, one elementwise kernel per parameter): read both, write the fp32 one."""
+    return Work(hbm_bytes=(BF16 + 2 * FP32) * params)
+
+
 def shared_experts(m: ModelConfig, tokens: Num) -> Work:
     if m.shared_ffn_size == 0:
         return Work()
@@ -147,5 +175,8 @@ def ring_allreduce(nbytes: Num, ranks: Num, scaleout_fraction: Num) -> Work:
 
 
 def optimizer_step(params: Num) -> Work:
-    """AdamW on fp32 master weights: read master, grad, m, v; write master, m, v and the bf16 copy."""
-    return Work(hbm_bytes=params * (4 * FP32 + 3 * FP32 + BF16))
+    """FlatAdamW's passes over the parameters in one step (runtime/flat_adamw.py): zero the fp32
+    main gradients (write 4 bytes), their norm for clipping (read 4), the fused AdamW (read master,
+    grad, m, v; write master, m, v: 28), the masters into the bf16 parameters (read 4, write 2)."""
+    zero, norm, adamw, to_params = FP32, FP32, 4 * FP32 + 3 * FP32, FP32 + BF16
+    return Work(hbm_bytes=params * (zero + norm + adamw + to_params))
