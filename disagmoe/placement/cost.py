@@ -311,6 +311,7 @@ def evaluate(prob: Problem, c: Candidates) -> Cost:
     stages = {
         "attention projections": Stage("attention", "layer", proj, proj.backward()),
         "attention core": Stage("attention", "layer", core, core.backward(st.ATTN_CORE_BWD)),
+        "norms, RoPE, residual adds": Stage("attention", "layer", *st.norms_and_residuals(m, tokens)),
         "router": Stage("attention", "moe", st.router(m, tokens), st.router(m, tokens).backward()),
         "shared experts": Stage("attention", "moe", st.shared_experts(m, tokens),
                                 st.shared_experts(m, tokens).backward()),

@@ -12,7 +12,8 @@ roofs: the data gradients (compute) and the weight gradients, which add into the
 gradients (8 bytes of HBM traffic per expert parameter per micro-batch: memory-bound at a few
 hundred rows per expert). Every other bf16 weight gradient is added into its fp32 main gradient
 by its own elementwise kernel (`main_grad_add`). The optimizer counts every pass FlatAdamW makes
-over the parameters in a step (`optimizer_step`).
+over the parameters in a step (`optimizer_step`). Norms, RoPE, layout copies and residual adds are
+priced by their HBM bytes (`norms_and_residuals`).
 """
 
 from __future__ import annotations
@@ -84,6 +85,21 @@ def attention_core(m: ModelConfig, tokens: Num, seq_len: Num) -> Work:
     keys_seen = (seq_len + 1) / 2.0
     flops = 2.0 * tokens * keys_seen * m.num_heads * (qk_dim + v_dim)
     return Work(flops=flops, hbm_bytes=BF16 * tokens * (q + k + v + m.num_heads * v_dim))
+
+
+def norms_and_residuals(m: ModelConfig, tokens: Num) -> tuple[Work, Work]:
+    """(forward, backward) of one layer's elementwise kernels around the GEMMs and attention, each
+    reading its inputs and writing its outputs once (bf16): the two RMSNorms (read and write H),
+    the q/k norm and RoPE with the heads-first layout of q, k, v (read and write them), the copy of
+    attention's output back to tokens-first, the two residual adds (read 2H, write H). Their
+    backwards: a norm reads x and d out and writes d x, RoPE and the layout copies read and write
+    the gradients and the saved q, k, and each residual sums two gradients."""
+    q, k, v = attention_io_per_token(m)
+    o = m.num_heads * (m.mla.v_head_dim if m.mla else m.head_dim)
+    H = m.hidden_size
+    fwd = 2 * 2 * H + 2 * (q + k + v) + 2 * o + 2 * 3 * H
+    bwd = 2 * 3 * H + 2 * (q + k + v) + (q + k) + 2 * o + 2 * 3 * H
+    return Work(hbm_bytes=BF16 * tokens * fwd), Work(hbm_bytes=BF16 * tokens * bwd)
 
 
 def router(m: ModelConfig, tokens: Num) -> Work:

@@ -209,3 +209,15 @@ def test_an_optimizer_steps_fixed_cost_is_paid_once_per_rank():
                              global_batch_tokens=16 * 4096)
             steps.append(float(evaluate(problem_of(req), c).step_s[0]))
         assert steps[1] - steps[0] == pytest.approx(1e-3, rel=1e-6)
+
+
+def test_the_elementwise_kernels_around_the_gemms_are_priced_per_layer_by_their_bytes():
+    m, prob, cost = _single_gpu()
+    stage = cost.stages["norms, RoPE, residual adds"]
+    assert stage.group == "attention" and stage.runs == "layer" and stage.fwd.flops == 0
+    from disagmoe.roofline.stages import norms_and_residuals
+
+    one, two = norms_and_residuals(m, 1.0), norms_and_residuals(m, 2.0)
+    assert two[0].hbm_bytes == 2 * one[0].hbm_bytes and two[1].hbm_bytes == 2 * one[1].hbm_bytes
+    assert one[0].hbm_bytes >= 2 * 2 * 2 * m.hidden_size  # at least the two norms read and write H in bf16
+    assert _first(stage.work(False).hbm_bytes) == pytest.approx(one[0].hbm_bytes * 2 * 4096)
