@@ -371,6 +371,9 @@ class Plan(StrictModel):
         description="colocated_step_time_s / step_time_s; None without a colocated baseline")
     expert_imbalance: NonNegFloat = Field(description="max/mean expected load over expert GPUs")
     mfu: NonNegFloat | None = Field(description="model FLOPs utilisation over all `gpus`; None without a step time")
+    tflops_per_gpu: NonNegFloat | None = Field(
+        None, description="achieved model TFLOP/s per GPU of `gpus` (the step's model FLOPs / step time / gpus, "
+        "as training reports quote it); None without a step time")
     feasible: bool
     reason: str
     notes: list[str] = Field(default_factory=list)

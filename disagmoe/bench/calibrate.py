@@ -3,13 +3,37 @@
 On top of `bench hardware`'s ceilings (bf16 matmul, HBM copy, GPU-to-GPU copy; `bench.hardware`
 measures them, this module reuses it) it measures what `HardwareConfig.calibration` holds:
 
+- `op_fixed_us`: each op's fixed cost, defined below;
 - `expert_gemm`: the SwiGLU expert FFN (the runtime's experts backend: torch._grouped_mm or our
   Triton kernels) at several rows per expert, forward and forward+backward, as fractions of peak;
 - `attention`: SDPA (causal, bf16) at several sequence lengths, forward and forward+backward;
-- `op_fixed_us`: the time of the smallest case of the expert FFN and of the model's attention
-  block (one 16-token sequence): the cost an op pays whatever its size (launches, tiny kernels);
 - `p2p`, `all_reduce`, `all_to_all`: NCCL send/recv, all-reduce and all-to-all between GPU 0 and 1
   at several sizes, fitted as latency + bytes / bandwidth (`fit_link`), when 2+ GPUs are visible.
+
+What a fixed cost per op is. The cost model prices GPU time: an op takes its fixed cost plus its
+stages' roofline times at the measured rates (`placement.cost.calibrated_stages`), and a step is
+those times replayed through the schedule. In a steady-state step the host runs ahead of the GPU
+(nothing in it waits on the host, DESIGN 3c), so the host's Python and launch overhead overlap the
+GPU work already queued; what a small launch adds to the step is what it keeps the GPU busy: its
+minimum duration on the device (launch latency, prologue, tail), which does not shrink with the
+rows. So `op_fixed_us` is the op's GPU kernel time at next to no work, the sum of its kernels' own
+durations as the profiler records them (`timing.kernel_ms`): the expert FFN on one expert with one
+row, the model's attention block on one 16-token sequence. Weight traffic is not in it (one
+expert's weights): the roofline's HBM term prices the weights an op reads. Every curve point is
+timed the same way and net of the fixed cost of its own launches (`rate_point`), so that
+fixed + work / rate reproduces each measured point and nothing is counted twice.
+
+Not chosen: CUDA events around each call (the earlier probe: for a 16-token block that is the
+host's time to launch it, 0.9 ms forward and 2.7 ms backward on an H200, which a step whose host
+runs ahead never sees); many calls queued back to back (the time per call is then the larger of
+the host's and the GPU's, still the host's for a tiny op); the intercept of a fit over sizes (the
+rate itself changes with size, so the intercept takes up the curve's shape and can go negative).
+Where the host does fall behind (kernels shorter than their launches: small models, the CPU
+demo) the step shows GPU idle time (`bench profile`), which this calibration does not price.
+
+The expert curve runs the model's own expert count, capped at ROWS_PER_OP rows in the op
+(`curve_experts`): an op of 8 experts at 256 rows per expert is 2,048 rows, too few to fill the
+GPU, and measured the launch size rather than the rows per expert.
 
 The measured terms replace the preset's; terms this machine cannot measure (one GPU: no links)
 keep what the preset (or the --out file being refreshed) already had (`merge_calibration`).
@@ -33,8 +57,9 @@ from disagmoe.config import Calibration, HardwareConfig, LinkCost, ModelConfig, 
 ROWS_PER_EXPERT = (16, 64, 256, 1024, 4096)
 SEQ_LENS = (512, 1024, 2048, 4096, 8192)
 ATTENTION_TOKENS = 16 * 1024  # tokens per attention measurement (batch = tokens / sequence length)
+ROWS_PER_OP = 32 * 1024  # the most rows in one expert-curve measurement (`curve_experts`)
+FIXED_TOKENS = 16  # the one sequence of the attention fixed-cost probes
 MESSAGE_BYTES = (64 * 2**10, 2**20, 16 * 2**20, 128 * 2**20)
-LOCAL_EXPERTS = 8  # experts in the GEMM measurement (rows per expert is what the curve is against)
 
 
 @dataclass(frozen=True)
@@ -43,6 +68,46 @@ class Measurements:
 
     hardware: hardware.Measured
     calibration: Calibration
+
+
+@dataclass(frozen=True)
+class PassTimes:
+    """GPU kernel seconds of one call: the forward alone, and the forward and backward."""
+
+    fwd_s: float
+    fwd_bwd_s: float
+
+    @property
+    def bwd_s(self) -> float:
+        return max(self.fwd_bwd_s - self.fwd_s, 0.0)
+
+
+@dataclass(frozen=True)
+class Timings:
+    """What the GPU half measures, GPU kernel seconds per call (`timing.kernel_ms`);
+    `calibration_from` turns them into the calibration's terms."""
+
+    expert_gemm: dict[int, PassTimes]  # rows per expert -> the FFN on curve_experts(model, rows) experts
+    expert_fixed: PassTimes  # the FFN on one expert with one row
+    attention: dict[int, PassTimes]  # sequence length -> causal SDPA over ATTENTION_TOKENS tokens
+    attention_fixed: PassTimes  # causal SDPA on one FIXED_TOKENS sequence
+    block_fixed: PassTimes  # the model's attention block (norm, attention, residual) on the same
+
+
+def curve_experts(model: ModelConfig, rows_per_expert: int) -> int:
+    """Experts in the expert-curve measurement at `rows_per_expert`: the model's, or fewer so that
+    the op holds at most ROWS_PER_OP rows (at least one expert)."""
+    return max(1, min(model.num_experts, ROWS_PER_OP // rows_per_expert))
+
+
+def attention_batch(seq_len: int) -> int:
+    """Sequences in the attention-curve measurement at `seq_len`: ATTENTION_TOKENS tokens in all."""
+    return max(1, ATTENTION_TOKENS // seq_len)
+
+
+def expert_ffn_flops(model: ModelConfig, rows: int) -> float:
+    """Forward FLOPs of the SwiGLU expert FFN over `rows` rows (gate/up and down GEMMs)."""
+    return 6.0 * rows * model.hidden_size * model.expert_ffn_size
 
 
 def fit_link(sizes_bytes: Sequence[float], seconds: Sequence[float]) -> LinkCost:
@@ -57,12 +122,40 @@ def fit_link(sizes_bytes: Sequence[float], seconds: Sequence[float]) -> LinkCost
     return LinkCost(latency_us=max(float(intercept), 0.0) * 1e6, gbps=1.0 / float(slope) / 1e9)
 
 
-def rate_point(at: float, fwd_flops: float, fwd_s: float, fwd_bwd_s: float, peak_flops_per_s: float,
-               bwd_flop_factor: float) -> RatePoint:
-    """A curve point from a forward and a forward+backward timing: the backward is their
-    difference and does `bwd_flop_factor` times the forward's FLOPs. Fractions are clipped to (0, 1]."""
-    frac = lambda flops, s: min(1.0, max(1e-6, flops / max(s, 1e-12) / peak_flops_per_s))  # noqa: E731
-    return RatePoint(at=at, fwd=frac(fwd_flops, fwd_s), bwd=frac(bwd_flop_factor * fwd_flops, fwd_bwd_s - fwd_s))
+def rate_point(at: float, fwd_flops: float, times: PassTimes, peak_flops_per_s: float, bwd_flop_factor: float,
+               fixed: PassTimes = PassTimes(0.0, 0.0)) -> RatePoint:
+    """A curve point from a forward and a forward+backward timing, net of the `fixed` time of
+    the same launches at no work (the op's fixed cost, priced on its own): the backward is their
+    difference and does `bwd_flop_factor` times the forward's FLOPs. Fractions are clipped to
+    (0, 1]; a time no larger than its fixed part reads as the peak."""
+    def frac(flops: float, seconds: float) -> float:
+        return min(1.0, max(1e-6, flops / max(seconds, 1e-12) / peak_flops_per_s))
+
+    return RatePoint(at=at, fwd=frac(fwd_flops, times.fwd_s - fixed.fwd_s),
+                     bwd=frac(bwd_flop_factor * fwd_flops, times.bwd_s - fixed.bwd_s))
+
+
+def op_fixed_us(t: Timings) -> dict[str, float]:
+    """Fixed GPU microseconds per op (module docstring): the expert FFN's launches at one row of
+    one expert, the attention block's at one FIXED_TOKENS sequence; forward, and the backward
+    (forward+backward minus forward)."""
+    return {"ExpertForward": t.expert_fixed.fwd_s * 1e6, "ExpertBackward": t.expert_fixed.bwd_s * 1e6,
+            "AttentionForward": t.block_fixed.fwd_s * 1e6, "AttentionBackward": t.block_fixed.bwd_s * 1e6}
+
+
+def calibration_from(t: Timings, model: ModelConfig, peak_flops_per_s: float, source: str,
+                     links: dict[str, LinkCost] | None = None) -> Calibration:
+    """The calibration's terms from the GPU kernel timings: curves net of the fixed costs."""
+    from disagmoe.roofline.stages import ATTN_CORE_BWD, GEMM_BWD, attention_core
+
+    gemm = [rate_point(rows, expert_ffn_flops(model, rows * curve_experts(model, rows)), times,
+                       peak_flops_per_s, GEMM_BWD, t.expert_fixed)
+            for rows, times in sorted(t.expert_gemm.items())]
+    attention = [rate_point(seq, float(attention_core(model, attention_batch(seq) * seq, seq).flops),
+                            times, peak_flops_per_s, ATTN_CORE_BWD, t.attention_fixed)
+                 for seq, times in sorted(t.attention.items())]
+    return Calibration(source=source, expert_gemm=gemm, attention=attention, op_fixed_us=op_fixed_us(t),
+                       **(links or {}))
 
 
 def merge_calibration(old: Calibration | None, new: Calibration) -> Calibration:
@@ -111,14 +204,23 @@ def measure_all(preset: HardwareConfig, model: ModelConfig, experts_backend: str
     if not torch.cuda.is_available():
         raise ValueError("`disagmoe bench calibrate` measures GPUs and needs a CUDA device; none is visible")
     dev = torch.device("cuda", 0)
-    peak = preset.bf16_tflops * 1e12
-    gemm = [expert_gemm_point(dev, model, experts_backend, rows, peak, warmup, iters) for rows in ROWS_PER_EXPERT]
-    attention = [attention_point(dev, model, s, peak, warmup, iters) for s in SEQ_LENS]
-    fixed = op_fixed_us(dev, model, experts_backend, warmup, iters)
+    timings = measure_timings(dev, model, experts_backend, warmup, iters)
     links = nccl_links() if torch.cuda.device_count() > 1 else {}
-    source = f"disagmoe bench calibrate, {torch.cuda.get_device_name(dev)}, {time.strftime('%Y-%m-%d')}"
-    cal = Calibration(source=source, expert_gemm=gemm, attention=attention, op_fixed_us=fixed, **links)
+    source = (f"disagmoe bench calibrate (GPU kernel time), {torch.cuda.get_device_name(dev)}, "
+              f"{time.strftime('%Y-%m-%d')}")
+    cal = calibration_from(timings, model, preset.bf16_tflops * 1e12, source, links)
     return Measurements(hardware.measure(warmup, iters), cal)
+
+
+def measure_timings(dev, model: ModelConfig, experts_backend: str, warmup: int, iters: int) -> Timings:
+    """GPU kernel time of every probe `Timings` holds."""
+    return Timings(
+        expert_gemm={r: _ffn_times(dev, model, experts_backend, r, curve_experts(model, r), warmup, iters)
+                     for r in ROWS_PER_EXPERT},
+        expert_fixed=_ffn_times(dev, model, experts_backend, 1, 1, warmup, iters),
+        attention={s: _sdpa_times(dev, model, s, attention_batch(s), warmup, iters) for s in SEQ_LENS},
+        attention_fixed=_sdpa_times(dev, model, FIXED_TOKENS, 1, warmup, iters),
+        block_fixed=_block_times(dev, model, warmup, iters))
 
 
 def _ffn(experts_backend: str) -> Callable:
@@ -131,12 +233,19 @@ def _ffn(experts_backend: str) -> Callable:
     raise ValueError(f"--experts-backend {experts_backend!r}: choose grouped_mm or triton (the GPU backends)")
 
 
-def _ffn_ms(dev, model: ModelConfig, experts_backend: str, rows_per_expert: int, warmup: int,
-            iters: int) -> tuple[float, float, float]:
-    """(forward ms, forward+backward ms, forward FLOPs) of the expert FFN, LOCAL_EXPERTS equal groups."""
-    from disagmoe.bench.timing import median_ms
+def _passes(forward: Callable[[], object], backward: Callable[[], object], warmup: int, iters: int) -> PassTimes:
+    """GPU kernel seconds of `forward` under no_grad, and of `backward` (a forward and its backward)."""
+    from disagmoe.bench.timing import kernel_ms
 
-    H, F, E = model.hidden_size, model.expert_ffn_size, LOCAL_EXPERTS
+    with torch.no_grad():
+        fwd = kernel_ms(lambda _: forward(), warmup, iters)
+    return PassTimes(fwd / 1e3, kernel_ms(lambda _: backward(), warmup, iters) / 1e3)
+
+
+def _ffn_times(dev, model: ModelConfig, experts_backend: str, rows_per_expert: int, experts: int,
+               warmup: int, iters: int) -> PassTimes:
+    """The expert FFN over `experts` equal groups of `rows_per_expert` rows."""
+    H, F, E = model.hidden_size, model.expert_ffn_size, experts
     gen = torch.Generator(device=dev).manual_seed(0)
     bf16 = dict(device=dev, dtype=torch.bfloat16, generator=gen)
     x_NH = torch.randn(E * rows_per_expert, H, **bf16)
@@ -146,59 +255,30 @@ def _ffn_ms(dev, model: ModelConfig, experts_backend: str, rows_per_expert: int,
     ffn = _ffn(experts_backend)
     x_leaf = x_NH.clone().requires_grad_()
     dy_NH = torch.randn(E * rows_per_expert, H, **bf16)
-    with torch.no_grad():
-        fwd = median_ms(lambda _: ffn(x_NH, offsets_E, w13_EH2F, w2_EFH), warmup, iters)
-    both = median_ms(lambda _: torch.autograd.grad(ffn(x_leaf, offsets_E, w13_EH2F, w2_EFH),
-                                                   [x_leaf, w13_EH2F, w2_EFH], dy_NH), warmup, iters)
-    return fwd, both, 6.0 * E * rows_per_expert * H * F
+    return _passes(lambda: ffn(x_NH, offsets_E, w13_EH2F, w2_EFH),
+                   lambda: torch.autograd.grad(ffn(x_leaf, offsets_E, w13_EH2F, w2_EFH),
+                                               [x_leaf, w13_EH2F, w2_EFH], dy_NH), warmup, iters)
 
 
-def expert_gemm_point(dev, model, experts_backend, rows_per_expert, peak, warmup, iters) -> RatePoint:
-    fwd, both, flops = _ffn_ms(dev, model, experts_backend, rows_per_expert, warmup, iters)
-    return rate_point(rows_per_expert, flops, fwd / 1e3, both / 1e3, peak, bwd_flop_factor=2.0)
-
-
-def _attention_ms(dev, model: ModelConfig, seq_len: int, batch: int, warmup: int, iters: int):
-    """(forward ms, forward+backward ms) of causal SDPA on [B, n, S, D] bf16 (GQA heads expanded)."""
+def _sdpa_times(dev, model: ModelConfig, seq_len: int, batch: int, warmup: int, iters: int) -> PassTimes:
+    """Causal SDPA on [B, n, S, D] bf16 (GQA heads expanded)."""
     import torch.nn.functional as F
-
-    from disagmoe.bench.timing import median_ms
 
     shape = (batch, model.num_heads, seq_len, model.head_dim)
     gen = torch.Generator(device=dev).manual_seed(0)
     q, k, v = (torch.randn(shape, device=dev, dtype=torch.bfloat16, generator=gen).requires_grad_() for _ in range(3))
     dy = torch.randn(shape, device=dev, dtype=torch.bfloat16, generator=gen)
     sdpa = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
-    with torch.no_grad():
-        fwd = median_ms(lambda _: sdpa(), warmup, iters)
-    both = median_ms(lambda _: torch.autograd.grad(sdpa(), [q, k, v], dy), warmup, iters)
-    return fwd, both
+    return _passes(sdpa, lambda: torch.autograd.grad(sdpa(), [q, k, v], dy), warmup, iters)
 
 
-def attention_point(dev, model: ModelConfig, seq_len: int, peak: float, warmup: int, iters: int) -> RatePoint:
-    """The attention core's rate at `seq_len`, FLOPs counted as `roofline.stages.attention_core`."""
-    from disagmoe.roofline.stages import ATTN_CORE_BWD, attention_core
-
-    batch = max(1, ATTENTION_TOKENS // seq_len)
-    fwd, both = _attention_ms(dev, model, seq_len, batch, warmup, iters)
-    flops = float(attention_core(model, batch * seq_len, seq_len).flops)
-    return rate_point(seq_len, flops, fwd / 1e3, both / 1e3, peak, bwd_flop_factor=ATTN_CORE_BWD)
-
-
-def op_fixed_us(dev, model: ModelConfig, experts_backend: str, warmup: int, iters: int) -> dict[str, float]:
-    """Fixed cost per op: the expert FFN with one row per expert, the model's attention block
-    (norm + attention) on one 16-token sequence; forward, and forward+backward minus forward."""
-    from disagmoe.bench.timing import median_ms
+def _block_times(dev, model: ModelConfig, warmup: int, iters: int) -> PassTimes:
+    """The model's attention block (norm + attention + residual) on one FIXED_TOKENS sequence."""
     from disagmoe.model.block import Block
 
-    fwd, both, _ = _ffn_ms(dev, model, experts_backend, 1, warmup, iters)
     block = Block(model).to(dev, torch.bfloat16)
-    x = torch.randn(1, 16, model.hidden_size, device=dev, dtype=torch.bfloat16, requires_grad=True)
-    with torch.no_grad():
-        a_fwd = median_ms(lambda _: block.attention_part(x), warmup, iters)
-    a_both = median_ms(lambda _: block.attention_part(x).sum().backward(), warmup, iters)
-    return {"ExpertForward": fwd * 1e3, "ExpertBackward": max(both - fwd, 0.0) * 1e3,
-            "AttentionForward": a_fwd * 1e3, "AttentionBackward": max(a_both - a_fwd, 0.0) * 1e3}
+    x = torch.randn(1, FIXED_TOKENS, model.hidden_size, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    return _passes(lambda: block.attention_part(x), lambda: block.attention_part(x).sum().backward(), warmup, iters)
 
 
 def nccl_links() -> dict[str, LinkCost]:

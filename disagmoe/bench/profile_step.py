@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from disagmoe.bench.timing import is_annotation
 from disagmoe.config import TrainConfig
 
 CATEGORIES = (  # first match wins; names are lower-cased kernel names
@@ -56,7 +57,7 @@ def run(cfg: TrainConfig, steps: int, warmup: int, log: Callable[[str], None],
         prof.export_chrome_trace(str(trace))
     kernels: dict[str, float] = {}
     for evt in prof.events():
-        if evt.device_type == torch.autograd.DeviceType.CUDA and not _is_annotation(evt):
+        if evt.device_type == torch.autograd.DeviceType.CUDA and not is_annotation(evt):
             kernels[evt.name] = kernels.get(evt.name, 0.0) + evt.device_time / 1e6
     ops = sorted(((a.key, _self_device_s(a)) for a in prof.key_averages()
                   if a.device_type == torch.autograd.DeviceType.CPU and _self_device_s(a) > 0),
@@ -71,12 +72,6 @@ def run(cfg: TrainConfig, steps: int, warmup: int, log: Callable[[str], None],
             "kernels": [{"name": n[:120], "ms_per_step": s * 1e3 / steps, "share": s / busy_s,
                          "category": category(n)} for n, s in ranked],
             "ops": [{"name": n[:120], "ms_per_step": s * 1e3 / steps, "share": s / busy_s} for n, s in ops]}
-
-
-def _is_annotation(evt: Any) -> bool:
-    """A user range shown on the GPU track (e.g. 'Optimizer.step#AdamW.step'), not a kernel: its
-    time is its kernels', already counted."""
-    return bool(getattr(evt, "is_user_annotation", False)) or "#" in evt.name or evt.name.startswith("ProfilerStep")
 
 
 def _self_device_s(avg: Any) -> float:

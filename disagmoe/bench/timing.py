@@ -7,6 +7,7 @@ import shutil
 import statistics
 import subprocess
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -28,6 +29,37 @@ def median_ms(fn: Callable[[int], object], warmup: int, iters: int) -> float:
         ends[i].record()
     torch.cuda.synchronize()
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+
+def kernel_ms(fn: Callable[[int], object], warmup: int, iters: int) -> float:
+    """Mean GPU kernel time per call of fn(i), ms, over `iters` calls after `warmup` untimed ones:
+    the durations of the CUDA kernels (and device copies / fills) the calls launched, as the
+    profiler (CUPTI) records them, summed and divided by `iters`.
+
+    The host's launch overhead and the gaps between kernels are not in it, only what the GPU
+    itself spends: the op's cost in a step where the host runs ahead of the GPU (`bench.calibrate`
+    says why that is the cost model's unit). `median_ms` times the wall between two events
+    instead, which for a tiny op is the host's time to launch it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if iters < 1 or warmup < 0:
+        raise ValueError(f"need iters >= 1 and warmup >= 0; got iters={iters}, warmup={warmup}")
+    for i in range(warmup):
+        fn(i)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for i in range(iters):
+            fn(warmup + i)
+        torch.cuda.synchronize()
+    device_us = sum(evt.device_time for evt in prof.events()
+                    if evt.device_type == torch.autograd.DeviceType.CUDA and not is_annotation(evt))
+    return device_us / 1e3 / iters
+
+
+def is_annotation(evt: Any) -> bool:
+    """A profiler event on the GPU track that is a user range (e.g. 'Optimizer.step#AdamW.step'),
+    not a kernel: its time is its kernels', already counted."""
+    return bool(getattr(evt, "is_user_annotation", False)) or "#" in evt.name or evt.name.startswith("ProfilerStep")
 
 
 def copies_to_defeat_l2(bytes_per_set: int, device: torch.device) -> int:

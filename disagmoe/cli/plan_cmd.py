@@ -113,7 +113,8 @@ def show_plan(p, out: Path | None) -> None:
         layout,
         f"pipeline groups p={p.pipeline_groups}, micro-batches m={p.micro_batches} of "
         f"{p.sequences_per_micro_batch} sequences, {p.accumulation_rounds} round(s) per step",
-        f"predicted step {report.seconds(p.step_time_s)}, MFU {p.mfu:.1%}; colocated baseline {_baseline(p)}",
+        f"predicted step {report.seconds(p.step_time_s)}, {p.tflops_per_gpu:.0f} TFLOP/s per GPU (MFU {p.mfu:.1%}); "
+        f"colocated baseline {_baseline(p)}",
         f"params {params_text(p.total_params)} total, {params_text(p.active_params)} active; "
         f"expert load imbalance {p.expert_imbalance:.2f}",
         f"[italic]{p.reason}[/]",
@@ -161,7 +162,9 @@ def roofline(
     gpus: Annotated[Optional[int], typer.Option("--gpus", "-n", help="GPUs in the job", min=1)] = None,
     seq_len: SeqOpt = None,
     global_batch_tokens: BatchOpt = 4 * 1024 * 1024,
-    layout: Annotated[str, typer.Option(help="auto (the planner's choice), disaggregated or colocated")] = "auto",
+    layout: Annotated[str, typer.Option(help="auto (the planner's choice), disaggregated or colocated; with "
+                                        "--config alone: single, disaggregated or colocated (default: the "
+                                        "config's mode)")] = "auto",
     attention_gpus: Annotated[Optional[int], typer.Option(help="fix the attention GPU count (disaggregated)", min=1)] = None,
     pipeline_groups: Annotated[int, typer.Option("--pipeline-groups", "-p", help="with a fixed layout", min=1)] = 1,
     micro_batches: Annotated[int, typer.Option("--micro-batches", help="with a fixed layout", min=1)] = 4,
@@ -174,7 +177,8 @@ def roofline(
         "--compare", help="a run's trace.json (`disagmoe train` with trace: true): predicted vs measured per "
         "schedule-op kind; needs --config")] = None,
     config: Annotated[Optional[Path], typer.Option(
-        "--config", "-c", help="with --compare: the train config the trace came from (its model, layout, batch)")] = None,
+        "--config", "-c", help="a train config: price its run's own layout (model, mode, ranks, micro-batches, "
+        "batch); with --compare, the config the trace came from")] = None,
 ) -> None:
     """Per-stage roofline of one layer and of a whole step: FLOPs, bytes per memory and link,
     arithmetic intensity, time under each ceiling and the one that binds.
@@ -186,21 +190,27 @@ def roofline(
     With --compare TRACE --config CONFIG it prices the run's own layout and sets each op kind's
     predicted time beside the trace's (compute spans; messages from post to receipt), with the error.
     Example: disagmoe roofline --compare runs/tiny-cpu/trace.json -c configs/tiny-cpu.yaml -hw h200-sxm
+    With --config CONFIG alone it prices that run's layout (--layout picks another mode for it).
+    Example: disagmoe roofline -c configs/h200x2-qwen3-30b.yaml --layout single -hw h200-sxm-calibrated
     """
     if compare_trace is not None:
         _compare(compare_trace, config, hardware, as_json, plot_path)
         return
-    missing = [flag for flag, v in (("--model", model), ("--hardware", hardware), ("--gpus", gpus)) if v is None]
-    if missing:
-        raise ValueError(f"roofline needs {', '.join(missing)} (or --compare TRACE --config CONFIG for a run's trace)")
-    req = build_request(model, hardware, gpus, seq_len, global_batch_tokens,
-                        shard_optimizer_states=shard_optimizer_states)
-    choice = _layout_choice(req, layout, attention_gpus, pipeline_groups, micro_batches,
-                            sequences_per_gpu, replica_sets)
+    if config is not None:
+        choice = _config_choice(config, hardware, layout)
+    else:
+        missing = [flag for flag, v in (("--model", model), ("--hardware", hardware), ("--gpus", gpus)) if v is None]
+        if missing:
+            raise ValueError(f"roofline needs {', '.join(missing)} (or --config CONFIG for a run's own layout, "
+                             "--compare TRACE --config CONFIG for a run's trace)")
+        req = build_request(model, hardware, gpus, seq_len, global_batch_tokens,
+                            shard_optimizer_states=shard_optimizer_states)
+        choice = _layout_choice(req, layout, attention_gpus, pipeline_groups, micro_batches,
+                                sequences_per_gpu, replica_sets)
     if choice.cost is None:
         raise ValueError(choice.plan.reason)
     rows_layer, rows_step = roofline_rows(choice.cost, choice.problem, choice.candidate)
-    title = f"{req.model.name} on {gpus} x {req.cluster.hardware.name} ({choice.plan.layout})"
+    title = f"{choice.plan.model} on {choice.plan.gpus} x {choice.plan.hardware} ({choice.plan.layout})"
     if plot_path:
         if plot_path.suffix.lower() != ".png":
             raise ValueError(f"--plot {plot_path}: give a .png file name")
@@ -211,6 +221,9 @@ def roofline(
         return
     console.print(report.table(rows_layer, f"{title}: one layer, one micro-batch, per GPU"))
     console.print(report.table(rows_step, f"{title}: whole step, per GPU"))
+    plan = choice.plan
+    console.print(f"predicted step {report.seconds(plan.step_time_s)}, {plan.tflops_per_gpu:.0f} TFLOP/s per GPU "
+                  f"(MFU {plan.mfu:.1%})", highlight=False)
     c = choice.problem.ceilings
     console.print(f"ceilings per GPU: {c.flops_per_s / 1e12:.0f} TFLOP/s, HBM {c.hbm_bytes_per_s / 1e9:.0f} GB/s "
                   f"(ridge {c.ridge('hbm'):.0f} FLOP/B), NVLink {c.nvlink_bytes_per_s / 1e9:.0f} GB/s, "
@@ -239,6 +252,30 @@ def _layout_choice(req: PlanConfig, layout: str, attention_gpus, p, m, seqs, set
     return price(req, Candidates.one(attention_gpus, expert, p, m, seqs, sets))
 
 
+RUN_MODES = ("single", "disaggregated", "colocated")
+
+
+def _config_choice(config: Path, hardware: str | None, layout: str) -> Choice:
+    """`roofline --config CONFIG`: the run's own layout priced, in `layout`'s mode unless auto."""
+    from disagmoe.config import load_train_config
+    from disagmoe.placement.trace_compare import run_request
+
+    if layout != "auto" and layout not in RUN_MODES:
+        raise ValueError(f"--layout {layout!r} with --config: choose {', '.join(RUN_MODES)} (or leave it out "
+                         "for the config's mode)")
+    cfg = load_train_config(config, [] if layout == "auto" else [f"mode={layout}"])
+    req, cand = run_request(cfg, load_model(cfg.model), _run_hardware(cfg, config, hardware))
+    return price(req, cand)
+
+
+def _run_hardware(cfg, config: Path, hardware: str | None):
+    """--hardware, else the train config's own hardware."""
+    ref = hardware or cfg.hardware
+    if ref is None:
+        raise ValueError(f"{config} names no hardware; pass --hardware (a preset or a calibrated YAML) to price it on")
+    return load_hardware(ref)
+
+
 def _compare(trace: Path, config: Path | None, hardware: str | None, as_json: bool, plot_path: Path | None) -> None:
     """`roofline --compare`: the table, JSON or PNG of `placement.trace_compare.compare`."""
     from disagmoe.config import load_train_config
@@ -247,12 +284,9 @@ def _compare(trace: Path, config: Path | None, hardware: str | None, as_json: bo
     if config is None:
         raise ValueError("--compare needs --config: the train config the trace came from (model, layout, batch)")
     cfg = load_train_config(config)
-    ref = hardware or cfg.hardware
-    if ref is None:
-        raise ValueError(f"{config} names no hardware; pass --hardware (a preset or a calibrated YAML) to price it on")
     if plot_path and plot_path.suffix.lower() != ".png":
         raise ValueError(f"--plot {plot_path}: give a .png file name")
-    hw = load_hardware(ref)
+    hw = _run_hardware(cfg, config, hardware)
     result = compare(trace, cfg, hw)
     title = f"{trace}: {cfg.mode} run predicted on {hw.name}"
     if plot_path:

@@ -311,15 +311,20 @@ def evaluate(prob: Problem, c: Candidates) -> Cost:
     stages = {
         "attention projections": Stage("attention", "layer", proj, proj.backward()),
         "attention core": Stage("attention", "layer", core, core.backward(st.ATTN_CORE_BWD)),
+        "norms, RoPE, residual adds": Stage("attention", "layer", *st.norms_and_residuals(m, tokens)),
         "router": Stage("attention", "moe", st.router(m, tokens), st.router(m, tokens).backward()),
         "shared experts": Stage("attention", "moe", st.shared_experts(m, tokens),
                                 st.shared_experts(m, tokens).backward()),
         "permute / combine sum": Stage("attention", "moe", st.permute(m, tokens * k), st.permute(m, tokens * k)),
         "dense ffn": Stage("attention", "dense", st.dense_ffn(m, tokens), st.dense_ffn(m, tokens).backward()),
         "dispatch": Stage("link", "moe", dispatch, combine),
-        "routed experts": Stage("expert", "moe", experts, experts.backward()),
+        "routed experts": Stage("expert", "moe", experts, st.expert_data_grads(m, rows, local)),
+        "expert weight grads": Stage("expert", "moe", Work(), st.expert_weight_grads(m, rows, local)),
         "combine": Stage("link", "moe", combine, dispatch),
+        "main-grad adds": Stage("attention", "moe", Work(), st.main_grad_add(attn_layer + moe_side)),
+        "main-grad adds (dense layers)": Stage("attention", "dense", Work(), st.main_grad_add(attn_layer + dense_side)),
         "lm head + embedding": Stage("attention", "micro-batch", head, head.backward()),
+        "main-grad adds (embedding, head)": Stage("attention", "micro-batch", Work(), st.main_grad_add(emb_params)),
         "grad all-reduce (attention)": Stage("link", "step", Work(), st.ring_allreduce(FP32 * attn_params, dp, f_dp)),
         "grad all-reduce (experts)": Stage("link", "step", Work(),
                                            st.ring_allreduce(FP32 * exp_params, expert_replicas, f_replicas)),
@@ -327,7 +332,7 @@ def evaluate(prob: Problem, c: Candidates) -> Cost:
         "optimizer (experts)": Stage("expert", "step", Work(), st.optimizer_step(exp_params)),
     }
     if n_dense == 0:
-        del stages["dense ffn"]
+        del stages["dense ffn"], stages["main-grad adds (dense layers)"]
     if prob.calibration is not None:
         stages = calibrated_stages(stages, prob.calibration, ceil, rows / local, float(S), c.colocated)
 
@@ -335,16 +340,13 @@ def evaluate(prob: Problem, c: Candidates) -> Cost:
         stage = stages.get(name)
         return 0.0 if stage is None else stage.time(bwd, ceil)
 
-    def attention_time(bwd: bool, runs: tuple[str, ...]):
-        return sum(time_of(n, bwd) for n, s in stages.items() if s.group == "attention" and s.runs in runs)
-
     rounds_time = []
     floor = 0.0  # the attention GPU's own work per round: _pass_time never undercuts L/p * m * a
     for bwd in (False, True):
-        a_moe, a_dense = attention_time(bwd, ("layer", "moe")), attention_time(bwd, ("layer", "dense"))
+        a_moe, a_dense = (group_time(stages, "attention", runs, bwd, ceil) for runs in (MOE_OP, DENSE_OP))
         t_d, t_c = time_of("dispatch", bwd), time_of("combine", bwd)
-        t_e = time_of("routed experts", bwd) + time_of(EXPERT_FIXED, bwd)
-        t_head = time_of("lm head + embedding", bwd)
+        t_e = group_time(stages, "expert", EXPERT_OP, bwd, ceil)
+        t_head = group_time(stages, "attention", HEAD_OP, bwd, ceil)
         floor = floor + L / p * mb * (n_moe * a_moe + n_dense * a_dense) / L + mb * t_head
         if c.colocated:  # attention, dispatch, experts, combine back to back on each GPU
             a = (n_moe * (a_moe + t_d + t_e + t_c) + n_dense * a_dense) / L
@@ -392,6 +394,16 @@ def evaluate(prob: Problem, c: Candidates) -> Cost:
 
 
 ATTENTION_FIXED, EXPERT_FIXED = "fixed cost (attention ops)", "fixed cost (expert ops)"
+# The stages one schedule op runs, by how often they run (`Stage.runs`) on its group: an attention
+# op of a MoE or a dense layer, an expert op, the head's work of one micro-batch.
+MOE_OP, DENSE_OP, EXPERT_OP, HEAD_OP = ("layer", "moe"), ("layer", "dense"), ("moe",), ("micro-batch",)
+
+
+def group_time(stages: dict[str, Stage], group: str, runs: tuple[str, ...], bwd: bool, default: Ceilings) -> Num:
+    """Seconds of one pass (`bwd`) of one schedule op of `group` whose stages run as `runs` says:
+    the sum of those stages (each a separate launch), fixed costs included. The closed form
+    (`evaluate`) and the replay (`placement.replay.op_times`) both price ops with this."""
+    return sum((s.time(bwd, default) for s in stages.values() if s.group == group and s.runs in runs), 0.0)
 
 
 def calibrated_stages(stages: dict[str, Stage], calib: Calibration, ceil: Ceilings, rows_per_expert: Num,
@@ -421,6 +433,7 @@ def calibrated_stages(stages: dict[str, Stage], calib: Calibration, ceil: Ceilin
         return Work(fixed_s=cal.op_fixed_s(calib, kind))
 
     rated("routed experts", calib.expert_gemm, rows_per_expert)
+    rated("expert weight grads", calib.expert_gemm, rows_per_expert)
     rated("attention core", calib.attention, seq_len)
     linked(("dispatch", "combine"), calib.all_to_all if colocated else calib.p2p, collective=colocated)
     linked(("grad all-reduce (attention)", "grad all-reduce (experts)"), calib.all_reduce, collective=True)
@@ -428,7 +441,8 @@ def calibrated_stages(stages: dict[str, Stage], calib: Calibration, ceil: Ceilin
     out[EXPERT_FIXED] = Stage("expert", "moe", fixed("ExpertForward"), fixed("ExpertBackward"))
     head = out["lm head + embedding"]
     out["lm head + embedding"] = replace(head, fwd=head.fwd + fixed("Loss"))
-    for name in ("optimizer (attention)", "optimizer (experts)"):
+    # One OptimizerStep op per rank: a colocated rank steps both halves in it, so it pays once.
+    for name in ("optimizer (attention)",) if colocated else ("optimizer (attention)", "optimizer (experts)"):
         out[name] = replace(out[name], bwd=out[name].bwd + fixed("OptimizerStep"))
     return out
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from disagmoe.placement.cost import Candidates, Cost, Problem
+from disagmoe.placement.cost import DENSE_OP, EXPERT_OP, HEAD_OP, MOE_OP, Candidates, Cost, Problem, group_time
 from disagmoe.runtime.roles import Layout, Role, RoleKind
 from disagmoe.runtime.schedule import (
     AttentionBackward,
@@ -83,9 +83,10 @@ def _scalar(x) -> float:
 
 
 def op_times(cost: Cost, prob: Problem) -> OpTimes:
-    """Each op kind's predicted seconds from the stages of `cost` (its first candidate): an
-    attention op is every attention-side stage of its layer kind, an expert op the routed experts
-    (and their fixed cost), the loss the head's forward and backward, the optimizer step the
+    """Each op kind's predicted seconds from the stages of `cost` (its first candidate), as the
+    closed form counts them (`cost.group_time`): an attention op is every attention-side stage of
+    its layer kind, an expert op every expert-side stage of a MoE layer (the GEMMs, the weight
+    gradients, the fixed cost), the loss the head's forward and backward, the optimizer step the
     gradient all-reduce and AdamW of its side; dispatch and combine their link stages, forward and
     backward (the residual hand-off's bytes ride in the dispatch stage, so it travels in no time)."""
     stages = cost.stages
@@ -94,18 +95,17 @@ def op_times(cost: Cost, prob: Problem) -> OpTimes:
         stage = stages.get(name)
         return 0.0 if stage is None else _scalar(stage.time(bwd, prob.ceilings))
 
-    def attention(bwd: bool, moe: bool) -> float:
-        runs = ("layer", "moe" if moe else "dense")
-        return sum(t(n, bwd) for n, s in stages.items() if s.group == "attention" and s.runs in runs)
+    def op(group: str, runs: tuple[str, ...], bwd: bool) -> float:
+        return _scalar(group_time(stages, group, runs, bwd, prob.ceilings))
 
-    def expert(bwd: bool) -> float:
-        return sum(t(n, bwd) for n, s in stages.items() if s.group == "expert" and s.runs == "moe")
+    def attention(bwd: bool, moe: bool) -> float:
+        return op("attention", MOE_OP if moe else DENSE_OP, bwd)
 
     return OpTimes(
         attention_forward={moe: attention(False, moe) for moe in (False, True)},
         attention_backward={moe: attention(True, moe) for moe in (False, True)},
-        expert_forward=expert(False), expert_backward=expert(True),
-        loss=t("lm head + embedding", False) + t("lm head + embedding", True),
+        expert_forward=op("expert", EXPERT_OP, False), expert_backward=op("expert", EXPERT_OP, True),
+        loss=op("attention", HEAD_OP, False) + op("attention", HEAD_OP, True),
         optimizer={RoleKind.ATTENTION: t("grad all-reduce (attention)", True) + t("optimizer (attention)", True),
                    RoleKind.EXPERT: t("grad all-reduce (experts)", True) + t("optimizer (experts)", True)},
         transit={Payload.DISPATCH: t("dispatch", False), Payload.COMBINE: t("combine", False),

@@ -330,8 +330,8 @@ def price(cfg: PlanConfig, chosen: Candidates, colocated_step_s: float | None = 
         notes.append(f"step time from replaying the schedule with the calibrated op times ({report.seconds(step)}); "
                      f"the search's closed-form pipeline gives {report.seconds(closed)}")
     counts = count_params(model)
-    mfu = step_flops(model, rounds * tokens_per_round, cfg.seq_len) / (
-        step * gpus * cfg.cluster.hardware.bf16_tflops * 1e12)
+    flops_per_gpu_s = step_flops(model, rounds * tokens_per_round, cfg.seq_len) / (step * gpus)
+    mfu = flops_per_gpu_s / (cfg.cluster.hardware.bf16_tflops * 1e12)
     stage_times = _stage_times(cost, prob, chosen)
     plan = Plan(
         model=model.name, hardware=cfg.cluster.hardware.name, gpus=gpus, seq_len=cfg.seq_len,
@@ -345,7 +345,7 @@ def price(cfg: PlanConfig, chosen: Candidates, colocated_step_s: float | None = 
         memory_per_gpu=_memory(cost, prob, use_dis, "single" if single else "colocated"), stage_times=stage_times,
         step_time_s=step, colocated_step_time_s=col if math.isfinite(col) else None,
         speedup_vs_colocated=col / step if math.isfinite(col) else None,
-        expert_imbalance=real_imb, mfu=mfu, feasible=fits,
+        expert_imbalance=real_imb, mfu=mfu, tflops_per_gpu=flops_per_gpu_s / 1e12, feasible=fits,
         idle_gpus=idle,
         reason=(f"uses {attn + exp} of {gpus} GPUs ({idle} idle): " if fewer else "")
         + _reason(stage_times, chosen, use_dis, step, fits, colocated_step_s, disaggregated_step_s, single),

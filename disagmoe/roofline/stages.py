@@ -6,7 +6,14 @@ expressions, so the placement solver can price thousands of candidate layouts in
 passing arrays where these take numbers. bf16 activations and weights (2 bytes) throughout.
 
 Backward passes: GEMMs cost twice their forward FLOPs (data gradient + weight gradient); the
-attention core 2.5 times (FlashAttention's backward recomputes the score matrix).
+attention core 2.5 times (FlashAttention's backward recomputes the score matrix). The routed
+experts' backward is two stages, because its two halves are separate launches bound by different
+roofs: the data gradients (compute) and the weight gradients, which add into the fp32 main
+gradients (8 bytes of HBM traffic per expert parameter per micro-batch: memory-bound at a few
+hundred rows per expert). Every other bf16 weight gradient is added into its fp32 main gradient
+by its own elementwise kernel (`main_grad_add`). The optimizer counts every pass FlatAdamW makes
+over the parameters in a step (`optimizer_step`). Norms, RoPE, layout copies and residual adds are
+priced by their HBM bytes (`norms_and_residuals`).
 """
 
 from __future__ import annotations
@@ -80,6 +87,21 @@ def attention_core(m: ModelConfig, tokens: Num, seq_len: Num) -> Work:
     return Work(flops=flops, hbm_bytes=BF16 * tokens * (q + k + v + m.num_heads * v_dim))
 
 
+def norms_and_residuals(m: ModelConfig, tokens: Num) -> tuple[Work, Work]:
+    """(forward, backward) of one layer's elementwise kernels around the GEMMs and attention, each
+    reading its inputs and writing its outputs once (bf16): the two RMSNorms (read and write H),
+    the q/k norm and RoPE with the heads-first layout of q, k, v (read and write them), the copy of
+    attention's output back to tokens-first, the two residual adds (read 2H, write H). Their
+    backwards: a norm reads x and d out and writes d x, RoPE and the layout copies read and write
+    the gradients and the saved q, k, and each residual sums two gradients."""
+    q, k, v = attention_io_per_token(m)
+    o = m.num_heads * (m.mla.v_head_dim if m.mla else m.head_dim)
+    H = m.hidden_size
+    fwd = 2 * 2 * H + 2 * (q + k + v) + 2 * o + 2 * 3 * H
+    bwd = 2 * 3 * H + 2 * (q + k + v) + (q + k) + 2 * o + 2 * 3 * H
+    return Work(hbm_bytes=BF16 * tokens * fwd), Work(hbm_bytes=BF16 * tokens * bwd)
+
+
 def router(m: ModelConfig, tokens: Num) -> Work:
     """Gate GEMM, scores in fp32, top-k."""
     w = router_params(m)
@@ -97,6 +119,28 @@ def swiglu_ffn(hidden: int, ffn: Num, rows: Num, weight_copies: Num = 1) -> Work
 def routed_experts(m: ModelConfig, rows: Num, local_experts: Num) -> Work:
     """The expert GPU's grouped GEMMs: `rows` token-expert pairs over `local_experts` experts."""
     return swiglu_ffn(m.hidden_size, m.expert_ffn_size, rows, local_experts)
+
+
+def expert_data_grads(m: ModelConfig, rows: Num, local_experts: Num) -> Work:
+    """The routed experts' input gradient (down dgrad with the SwiGLU derivative, gate/up dgrad):
+    the forward's FLOPs, and like it a read of every local expert's bf16 weights and of the rows."""
+    return routed_experts(m, rows, local_experts)
+
+
+def expert_weight_grads(m: ModelConfig, rows: Num, local_experts: Num) -> Work:
+    """d w13 and d w2 of the local experts, added into their fp32 main gradients by the GEMMs
+    themselves (the Triton backend under FlatAdamW): the forward's FLOPs; reads the rows' x, d y,
+    activation and d gate/up, and reads and writes the fp32 main gradient of every local expert."""
+    H, F = m.hidden_size, m.expert_ffn_size
+    weights = 3.0 * H * F * local_experts
+    return Work(flops=2.0 * rows * 3.0 * H * F,
+                hbm_bytes=BF16 * rows * (2 * H + 3 * F) + 2 * FP32 * weights)
+
+
+def main_grad_add(params: Num) -> Work:
+    """bf16 weight gradients added into their fp32 main gradients (FlatAdamW's post-accumulate
+    hook, one elementwise kernel per parameter): read both, write the fp32 one."""
+    return Work(hbm_bytes=(BF16 + 2 * FP32) * params)
 
 
 def shared_experts(m: ModelConfig, tokens: Num) -> Work:
@@ -147,5 +191,8 @@ def ring_allreduce(nbytes: Num, ranks: Num, scaleout_fraction: Num) -> Work:
 
 
 def optimizer_step(params: Num) -> Work:
-    """AdamW on fp32 master weights: read master, grad, m, v; write master, m, v and the bf16 copy."""
-    return Work(hbm_bytes=params * (4 * FP32 + 3 * FP32 + BF16))
+    """FlatAdamW's passes over the parameters in one step (runtime/flat_adamw.py): zero the fp32
+    main gradients (write 4 bytes), their norm for clipping (read 4), the fused AdamW (read master,
+    grad, m, v; write master, m, v: 28), the masters into the bf16 parameters (read 4, write 2)."""
+    zero, norm, adamw, to_params = FP32, FP32, 4 * FP32 + 3 * FP32, FP32 + BF16
+    return Work(hbm_bytes=params * (zero + norm + adamw + to_params))

@@ -27,9 +27,78 @@ def test_fit_link_recovers_latency_and_bandwidth_of_a_line():
 
 def test_rate_point_splits_forward_and_backward():
     peak = 1e15
-    point = cal.rate_point(256, fwd_flops=1e12, fwd_s=1e12 / (0.5 * peak), fwd_bwd_s=1e12 / (0.5 * peak)
-                           + 2e12 / (0.25 * peak), peak_flops_per_s=peak, bwd_flop_factor=2.0)
+    times = cal.PassTimes(fwd_s=1e12 / (0.5 * peak), fwd_bwd_s=1e12 / (0.5 * peak) + 2e12 / (0.25 * peak))
+    point = cal.rate_point(256, fwd_flops=1e12, times=times, peak_flops_per_s=peak, bwd_flop_factor=2.0)
     assert (point.at, point.fwd, point.bwd) == (256, pytest.approx(0.5), pytest.approx(0.25))
+
+
+def test_rate_point_is_net_of_the_fixed_cost_of_the_same_launches():
+    peak, flops = 1e15, 1e11
+    fixed = cal.PassTimes(fwd_s=30e-6, fwd_bwd_s=30e-6 + 80e-6)
+    fwd = fixed.fwd_s + flops / (0.4 * peak)
+    times = cal.PassTimes(fwd_s=fwd, fwd_bwd_s=fwd + fixed.bwd_s + 2 * flops / (0.3 * peak))
+    point = cal.rate_point(64, flops, times, peak, 2.0, fixed)
+    assert (point.fwd, point.bwd) == (pytest.approx(0.4), pytest.approx(0.3))
+    # a point no slower than its fixed part reads as the peak, never as a negative or infinite rate
+    assert cal.rate_point(64, flops, fixed, peak, 2.0, fixed).fwd == 1.0
+
+
+def test_the_expert_curve_runs_the_models_experts_up_to_one_ops_rows():
+    qwen, deepseek, tiny = load_model("qwen3-30b-a3b"), load_model("deepseek-v3"), load_model("tiny")
+    assert [cal.curve_experts(qwen, r) for r in cal.ROWS_PER_EXPERT] == [128, 128, 128, 32, 8]
+    assert cal.curve_experts(deepseek, 16) == 256 and cal.curve_experts(deepseek, cal.ROWS_PER_OP * 2) == 1
+    assert cal.curve_experts(tiny, 1) == tiny.num_experts
+
+
+FRACTIONS = {16: (0.05, 0.04), 64: (0.15, 0.12), 256: (0.3, 0.25), 1024: (0.55, 0.45), 4096: (0.7, 0.6)}
+EXPERT_FIXED, SDPA_FIXED = cal.PassTimes(25e-6, 25e-6 + 85e-6), cal.PassTimes(8e-6, 8e-6 + 30e-6)
+BLOCK_FIXED = cal.PassTimes(60e-6, 60e-6 + 210e-6)
+
+
+def _timings(model, peak: float) -> cal.Timings:
+    """GPU kernel times of a made-up GPU that runs each probe at FRACTIONS of `peak` on top of
+    the fixed times above (the shape a real GPU's timings have; no measured figure)."""
+    from disagmoe.roofline.stages import ATTN_CORE_BWD, attention_core
+
+    def passes(fixed: cal.PassTimes, flops: float, fracs: tuple[float, float], bwd_factor: float) -> cal.PassTimes:
+        fwd = fixed.fwd_s + flops / (fracs[0] * peak)
+        return cal.PassTimes(fwd, fwd + fixed.bwd_s + bwd_factor * flops / (fracs[1] * peak))
+
+    gemm = {r: passes(EXPERT_FIXED, cal.expert_ffn_flops(model, r * cal.curve_experts(model, r)), FRACTIONS[r], 2.0)
+            for r in cal.ROWS_PER_EXPERT}
+    attention = {s: passes(SDPA_FIXED, float(attention_core(model, cal.attention_batch(s) * s, s).flops), (0.5, 0.4),
+                           ATTN_CORE_BWD) for s in cal.SEQ_LENS}
+    return cal.Timings(gemm, EXPERT_FIXED, attention, SDPA_FIXED, BLOCK_FIXED)
+
+
+def test_the_terms_come_back_from_the_gpu_kernel_times():
+    model, peak = load_model("qwen3-30b-a3b"), 989e12
+    calib = cal.calibration_from(_timings(model, peak), model, peak, "made up")
+    assert [(p.at, p.fwd, p.bwd) for p in calib.expert_gemm] == [
+        (r, pytest.approx(f), pytest.approx(b)) for r, (f, b) in FRACTIONS.items()]
+    assert all((p.fwd, p.bwd) == (pytest.approx(0.5), pytest.approx(0.4)) for p in calib.attention)
+    assert calib.op_fixed_us == {"ExpertForward": pytest.approx(25.0), "ExpertBackward": pytest.approx(85.0),
+                                 "AttentionForward": pytest.approx(60.0), "AttentionBackward": pytest.approx(210.0)}
+
+
+def test_an_expert_op_of_the_probes_size_is_priced_at_the_probes_gpu_time():
+    """The fixed cost is counted once: one GPU, 1 x 4,096 tokens, top-8 of 128 experts is the
+    probe's own op (256 rows of each of 128 experts); its forward is priced at exactly the
+    probe's forward time, its backward at no less (the runtime also adds into fp32 main grads)."""
+    from disagmoe.placement.cost import Candidates, evaluate
+    from disagmoe.placement.replay import op_times
+    from disagmoe.placement.solver import problem_of
+    from disagmoe.config import ClusterConfig, PlanConfig
+
+    model, hw = load_model("qwen3-30b-a3b"), load_hardware("h200-sxm")
+    timings = _timings(model, hw.bf16_tflops * 1e12)
+    hw = hw.model_copy(update={"calibration": cal.calibration_from(timings, model, hw.bf16_tflops * 1e12, "made up")})
+    req = PlanConfig(model=model, cluster=ClusterConfig(hardware=hw, num_gpus=1), seq_len=4096,
+                     global_batch_tokens=4096)
+    prob = problem_of(req)
+    times = op_times(evaluate(prob, Candidates.one(0, 1, 1, 1, 1, colocated=True)), prob)
+    assert times.expert_forward == pytest.approx(timings.expert_gemm[256].fwd_s, rel=1e-9)
+    assert times.expert_backward >= timings.expert_gemm[256].bwd_s * (1 - 1e-9)
 
 
 def test_merge_keeps_the_terms_a_run_could_not_measure():
@@ -103,13 +172,18 @@ def test_no_gpu_is_a_clear_error():
 
 
 @pytest.mark.gpu
-def test_measure_on_a_gpu():
+@pytest.mark.parametrize("backend", ["grouped_mm", "triton"])
+def test_measure_on_a_gpu(backend):
     hw = load_hardware("h200-sxm")
-    m = cal.measure_all(hw, load_model("qwen3-30b-a3b"), "grouped_mm", warmup=2, iters=5)
+    m = cal.measure_all(hw, load_model("qwen3-30b-a3b"), backend, warmup=2, iters=5)
     gemm = m.calibration.expert_gemm
     assert [p.at for p in gemm] == list(cal.ROWS_PER_EXPERT) and gemm[-1].fwd > gemm[0].fwd
     assert all(0 < p.fwd <= 1 and 0 < p.bwd <= 1 for p in gemm + m.calibration.attention)
-    assert set(m.calibration.op_fixed_us) >= {"ExpertForward", "AttentionForward"}
+    fixed = m.calibration.op_fixed_us
+    assert set(fixed) == {"ExpertForward", "ExpertBackward", "AttentionForward", "AttentionBackward"}
+    # GPU kernel time at next to no work: a few launches' worth, far below the host's 0.9-2.7 ms
+    # that event timing read for the 16-token attention block (the probe before this one)
+    assert all(0 < us < 500 for us in fixed.values()), fixed
     if torch.cuda.device_count() > 1:
         assert m.calibration.p2p is not None and m.calibration.p2p.gbps > 10
     HardwareConfig.model_validate(yaml.safe_load(cal.preset_text(cal.calibrated_hardware(hw, m), m, {"gpu": "x"}, "t")))

@@ -29,6 +29,30 @@ def test_plan_json_is_a_plan():
         assert key in json.loads(r.stdout)
 
 
+def test_plan_reports_the_achieved_tflops_per_gpu_beside_the_mfu():
+    r = run("plan", "--model", "qwen3-235b-a22b", "--hardware", "gb200-nvl72", "--gpus", "72", "--json")
+    plan = Plan.model_validate(json.loads(r.stdout))
+    assert plan.tflops_per_gpu == pytest.approx(plan.mfu * 2500)  # the preset's bf16 peak, TFLOP/s
+    text = run("plan", "--model", "qwen3-235b-a22b", "--hardware", "gb200-nvl72", "--gpus", "72").stdout
+    assert f"{plan.tflops_per_gpu:.0f} TFLOP/s per GPU" in text
+
+
+def test_roofline_prices_a_train_configs_own_layout_in_any_mode():
+    """`roofline --config`: the run's model, ranks, micro-batches and batch; --layout picks the mode."""
+    config = "configs/h200x2-qwen3-30b.yaml"
+    r = run("roofline", "--config", config, "--layout", "single", "--json")
+    assert r.exit_code == 0, r.output
+    plan = json.loads(r.stdout)["plan"]
+    assert (plan["layout"], plan["gpus"], plan["micro_batches"], plan["global_batch_tokens"]) == (
+        "single", 1, 8, 16 * 4096)
+    assert plan["hardware"] == "h200-sxm"  # the config's own
+    dis = json.loads(run("roofline", "-c", config, "-hw", "h200-sxm-calibrated", "--json").stdout)["plan"]
+    assert (dis["layout"], dis["attention_gpus"], dis["expert_gpus"]) == ("disaggregated", 1, 1)
+    assert dis["hardware"] == "h200-sxm-calibrated"
+    r = run("roofline", "-c", config, "--layout", "diagonal")
+    assert r.exit_code == 2 and "single, disaggregated, colocated" in r.output
+
+
 def test_sharded_optimizer_states_let_deepseek_v3_take_a_faster_layout():
     """128 H200s: with the attention side's AdamW moments split over data parallel (ZeRO-1) the
     planner can afford fewer pipeline groups, and says what it assumed."""

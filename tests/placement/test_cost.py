@@ -158,3 +158,66 @@ def test_replica_sets_keep_the_ring_in_a_domain_when_one_slice_fits():
     one = evaluate(problem_of(cfg), Candidates.one(56, 88, 4, 8, 1, sets=1))
     assert float(np.ravel(two.stages["combine"].fwd.scaleout_bytes)[0]) == 0
     assert float(np.ravel(one.stages["combine"].fwd.scaleout_bytes)[0]) > 0
+
+
+def _first(x) -> float:
+    return float(np.asarray(x, dtype=float).ravel()[0])
+
+
+def _single_gpu(model: str = "qwen3-30b-a3b", hardware: str = "h200-sxm"):
+    """One GPU, 2 x 4,096 tokens per micro-batch, 8 micro-batches (configs/h200x2-qwen3-30b.yaml)."""
+    m = load_model(model)
+    req = PlanConfig(model=m, cluster=ClusterConfig(hardware=load_hardware(hardware), num_gpus=1), seq_len=4096,
+                     global_batch_tokens=16 * 4096)
+    prob = problem_of(req)
+    return m, prob, evaluate(prob, Candidates.one(0, 1, 1, 8, 2, colocated=True))
+
+
+def test_expert_weight_grads_are_their_own_launch_with_the_fp32_main_gradient_traffic():
+    m, prob, cost = _single_gpu()
+    local_params = m.num_experts * expert_params(m)
+    wgrad = cost.stages["expert weight grads"]
+    assert wgrad.group == "expert" and wgrad.runs == "moe" and wgrad.fwd.flops == 0
+    assert wgrad.bwd.flops == pytest.approx(cost.stages["routed experts"].fwd.flops)
+    assert _first(wgrad.bwd.hbm_bytes) >= 8 * local_params  # read + write the fp32 main gradient
+    # at 512 rows per expert that traffic binds (the profile's memory-bound weight gradients)
+    times = {k: _first(v) for k, v in prob.ceilings.times(wgrad.bwd).items()}
+    assert max(times, key=times.__getitem__) == "hbm"
+    data = cost.stages["routed experts"].time(True, prob.ceilings)
+    assert wgrad.time(True, prob.ceilings) + data > 2 * cost.stages["routed experts"].time(False, prob.ceilings)
+
+
+def test_the_optimizer_prices_every_pass_flat_adamw_makes_and_the_main_grad_adds():
+    m, prob, cost = _single_gpu()
+    held = float(cost.attn_params[0] + cost.expert_params[0])
+    opt = cost.stages["optimizer (attention)"].bwd.hbm_bytes + cost.stages["optimizer (experts)"].bwd.hbm_bytes
+    assert _first(opt) == pytest.approx(42 * held)  # zero 4, norm 4, AdamW 28, masters -> bf16 6
+    adds = cost.stages["main-grad adds"]
+    assert adds.group == "attention" and adds.runs == "moe" and _first(adds.bwd.hbm_bytes) > 0
+
+
+def test_an_optimizer_steps_fixed_cost_is_paid_once_per_rank():
+    from disagmoe.config import Calibration
+
+    fixed = Calibration(op_fixed_us={"OptimizerStep": 1000.0})
+    m = load_model("qwen3-30b-a3b")
+    for c in (Candidates.one(0, 1, 1, 8, 2, colocated=True), Candidates.one(1, 1, 1, 8, 2)):
+        steps = []
+        for calib in (None, fixed):
+            hw = load_hardware("h200-sxm").model_copy(update={"calibration": calib})
+            req = PlanConfig(model=m, cluster=ClusterConfig(hardware=hw, num_gpus=2), seq_len=4096,
+                             global_batch_tokens=16 * 4096)
+            steps.append(float(evaluate(problem_of(req), c).step_s[0]))
+        assert steps[1] - steps[0] == pytest.approx(1e-3, rel=1e-6)
+
+
+def test_the_elementwise_kernels_around_the_gemms_are_priced_per_layer_by_their_bytes():
+    m, prob, cost = _single_gpu()
+    stage = cost.stages["norms, RoPE, residual adds"]
+    assert stage.group == "attention" and stage.runs == "layer" and stage.fwd.flops == 0
+    from disagmoe.roofline.stages import norms_and_residuals
+
+    one, two = norms_and_residuals(m, 1.0), norms_and_residuals(m, 2.0)
+    assert two[0].hbm_bytes == 2 * one[0].hbm_bytes and two[1].hbm_bytes == 2 * one[1].hbm_bytes
+    assert one[0].hbm_bytes >= 2 * 2 * 2 * m.hidden_size  # at least the two norms read and write H in bf16
+    assert _first(stage.work(False).hbm_bytes) == pytest.approx(one[0].hbm_bytes * 2 * 4096)
