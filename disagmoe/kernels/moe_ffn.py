@@ -12,9 +12,7 @@ and the two weight gradients, each one persistent launch.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +20,7 @@ import torch.nn.functional as F
 from disagmoe.kernels import grouped_gemm as gg
 from disagmoe.kernels.tile_configs import TileConfig, lookup
 from disagmoe.model.experts import autocast_operands
+from disagmoe.model.layers import hold_back
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +111,8 @@ def moe_ffn_backward(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(dx_NH, dw13_EH2F, dw2_EFH) from the forward's saved activation and pre-activations.
     `main_grads` (w13's, w2's; e.g. FlatAdamW's fp32 buffers): a weight gradient is added into
-    its main gradient by the GEMM itself and None is returned for it."""
+    its main gradient by the GEMM itself and None is returned for it; inside
+    `model.layers.deferred_weight_grads` (both main gradients given) those GEMMs wait in its list."""
     dh13_N2F = gg.ragged_rows_gemm(dy_NH, offsets_E, w2_EFH.transpose(1, 2), tiles.down_dgrad,
                                    epilogue=gg.EPILOGUE_SWIGLU_GRAD, h13_N2C=h13_N2F,
                                    num_programs=num_programs)
@@ -127,30 +127,10 @@ def moe_ffn_backward(
                                           accumulate=main13 is not None, num_programs=num_programs)
         return dw13_EH2F, dw2_EFH
 
-    if _Deferred.pending is not None and main13 is not None and main2 is not None:
-        _Deferred.pending.append(weight_grads)  # into the main gradients later (`defer_weight_grads`)
-        return dx_NH, None, None
+    if main13 is not None and main2 is not None and hold_back(weight_grads):
+        return dx_NH, None, None  # into the main gradients later (`model.layers.deferred_weight_grads`)
     dw13_EH2F, dw2_EFH = weight_grads()
     return dx_NH, None if main13 is not None else dw13_EH2F, None if main2 is not None else dw2_EFH
-
-
-class _Deferred:
-    """The weight-gradient launches held back inside `defer_weight_grads` (None outside it)."""
-
-    pending: list | None = None
-
-
-@contextlib.contextmanager
-def defer_weight_grads() -> Iterator[list]:
-    """Inside the block, a backward whose weights carry fp32 main gradients (`FlatAdamW`) computes
-    only the input gradient and appends its weight-gradient launches to the yielded list; run
-    them (each adds into the main gradients) once the input gradient is on its way: the expert
-    rank sends d x before it computes d w (the backward's critical path)."""
-    previous, _Deferred.pending = _Deferred.pending, []
-    try:
-        yield _Deferred.pending
-    finally:
-        _Deferred.pending = previous
 
 
 class ExpertFFNFunction(torch.autograd.Function):

@@ -22,8 +22,8 @@ every expert from its own seeded stream, so any subset initialises exactly like 
 Dense layers (`DenseBlock`) run whole on the attention side. Routing can be held fixed for
 gradient checks and oracles: `model(tokens, fixed_topk_idx_LNK=out.topk_idx_LNK)`.
 
-Modules: layers (RMSNorm, RoPE, SwiGLU), attention (GQA, MLA), router, dispatch (permute /
-combine), experts (stacked weights, backends), block, transformer (the LM), hf (HF checkpoints).
+Modules: layers (RMSNorm, RoPE, SwiGLU, DeferrableLinear), attention (GQA, MLA), router, dispatch
+(permute / combine), experts (stacked weights, backends), block, transformer (the LM), hf (HF checkpoints).
 """
 
 from disagmoe.model.block import DenseBlock, MoEBlock

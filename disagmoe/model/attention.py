@@ -1,7 +1,9 @@
 """Causal self-attention: grouped-query (Mixtral, Qwen3 with qk-norm) and multi-head latent (DeepSeek-V3).
 
 Both take the normed hidden states [B, S, H] and return the attention output [B, S, H] (before
-the residual add). Attention itself is `F.scaled_dot_product_attention(is_causal=True)`.
+the residual add). Attention itself is `F.scaled_dot_product_attention(is_causal=True)`. The
+projections are `DeferrableLinear`: inside `layers.deferred_weight_grads` their weight gradients
+wait until the rank has sent the block's input gradient.
 
 Shape legend: B batch, S sequence, H hidden, n heads, g kv heads, D head dim, R rotary dims,
 C compressed (latent) rank, V value head dim.
@@ -14,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from disagmoe.config import ModelConfig
-from disagmoe.model.layers import RMSNorm, apply_rope, fused, rms_norm, rope_cos_sin, yarn_mscale
+from disagmoe.model.layers import DeferrableLinear, RMSNorm, apply_rope, fused, rms_norm, rope_cos_sin, yarn_mscale
 
 
 @fused
@@ -43,10 +45,10 @@ class GroupedQueryAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.rope_theta, self.rope_scaling = cfg.rope_theta, cfg.rope_scaling
         h = cfg.hidden_size
-        self.wq = nn.Linear(h, self.num_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=False)
-        self.wo = nn.Linear(self.num_heads * self.head_dim, h, bias=False)
+        self.wq = DeferrableLinear(h, self.num_heads * self.head_dim)
+        self.wk = DeferrableLinear(h, self.num_kv_heads * self.head_dim)
+        self.wv = DeferrableLinear(h, self.num_kv_heads * self.head_dim)
+        self.wo = DeferrableLinear(self.num_heads * self.head_dim, h)
         self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
 
@@ -91,16 +93,16 @@ class MultiHeadLatentAttention(nn.Module):
         if self.rope_scaling is not None and self.rope_scaling.mscale_all_dim:
             self.softmax_scale *= yarn_mscale(self.rope_scaling.factor, self.rope_scaling.mscale_all_dim) ** 2
         if m.q_lora_rank is None:
-            self.wq = nn.Linear(h, self.num_heads * qk_dim, bias=False)
+            self.wq = DeferrableLinear(h, self.num_heads * qk_dim)
         else:
-            self.wq_a = nn.Linear(h, m.q_lora_rank, bias=False)
+            self.wq_a = DeferrableLinear(h, m.q_lora_rank)
             self.q_a_norm = RMSNorm(m.q_lora_rank, cfg.norm_eps)
-            self.wq_b = nn.Linear(m.q_lora_rank, self.num_heads * qk_dim, bias=False)
+            self.wq_b = DeferrableLinear(m.q_lora_rank, self.num_heads * qk_dim)
         self.q_low_rank = m.q_lora_rank is not None
-        self.wkv_a = nn.Linear(h, self.kv_rank + self.rope_dim, bias=False)
+        self.wkv_a = DeferrableLinear(h, self.kv_rank + self.rope_dim)
         self.kv_a_norm = RMSNorm(self.kv_rank, cfg.norm_eps)
-        self.wkv_b = nn.Linear(self.kv_rank, self.num_heads * (self.nope_dim + self.v_dim), bias=False)
-        self.wo = nn.Linear(self.num_heads * self.v_dim, h, bias=False)
+        self.wkv_b = DeferrableLinear(self.kv_rank, self.num_heads * (self.nope_dim + self.v_dim))
+        self.wo = DeferrableLinear(self.num_heads * self.v_dim, h)
 
     def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
         B, S, _ = x_BSH.shape

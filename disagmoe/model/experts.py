@@ -7,14 +7,14 @@ Rows after offsets[-1] (a spare bucket, e.g. pairs routed to another rank) are n
 output rows are undefined (the loop backend returns zeros) and get no gradient.
 
 Backends: `loop` (one matmul pair per expert), `grouped_mm` (`torch._grouped_mm`, falling back to
-`loop` where the device or the shapes do not support it), `triton` (disagmoe.kernels.moe_ffn).
+`loop` where the device or the shapes do not support it), `triton` (disagmoe.kernels.moe_ffn; with
+FlatAdamW's fp32 main gradients its weight-gradient GEMMs wait inside `layers.deferred_weight_grads`).
 
 Shape legend: N rows (token-expert pairs), H hidden, F expert FFN width, E experts.
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Sequence
 
 import torch
@@ -169,17 +169,6 @@ class RoutedExperts(nn.Module):
         rank scan runs in its own launch: inside the row-copy tile Triton's sm_90 code wrote wrong
         rows at hidden 64; the GPU tests at hidden 16/40/64/300/2048/4096 pass on an H200.)"""
         return self.backend == "triton" and x.is_cuda
-
-    def deferred_weight_grads(self) -> contextlib.AbstractContextManager[list]:
-        """A block whose backward, inside it, computes only the input gradients and appends the
-        weight-gradient launches to the yielded list (the triton backend with fp32 main
-        gradients: `kernels.moe_ffn.defer_weight_grads`); other backends compute them inside
-        autograd as usual and the list stays empty."""
-        if self.backend == "triton":
-            from disagmoe.kernels.moe_ffn import defer_weight_grads
-
-            return defer_weight_grads()
-        return contextlib.nullcontext([])
 
     def forward(self, x_NH: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
         """Rows grouped by (local) expert -> output rows in the same order."""

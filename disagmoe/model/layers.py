@@ -1,13 +1,16 @@
-"""Small building blocks: RMSNorm, rotary position embedding, the SwiGLU feed-forward.
+"""Small building blocks: RMSNorm, rotary position embedding, the SwiGLU feed-forward, and the
+linear layer whose weight gradient can wait (`DeferrableLinear`, `deferred_weight_grads`).
 
-Shape legend: B batch, S sequence, H hidden, N tokens (B*S), D head dim, R rotary dims, F FFN width.
+Shape legend: B batch, S sequence, H hidden, N tokens (B*S), D head dim, R rotary dims, F FFN width,
+I / O a linear layer's input / output features.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -131,17 +134,97 @@ def apply_rope(x_BSnR: torch.Tensor, cos_SR: torch.Tensor, sin_SR: torch.Tensor)
     return x_BSnR * cos_SR[:, None, :] + rotated * sin_SR[:, None, :]
 
 
+class _HeldBack:
+    """The weight-gradient work held back inside `deferred_weight_grads` (None outside it). A
+    global, not a thread-local: on CUDA the autograd engine runs backward functions on its own
+    device thread."""
+
+    work: list[Callable[[], None]] | None = None
+
+
+@contextlib.contextmanager
+def deferred_weight_grads() -> Iterator[list[Callable[[], None]]]:
+    """Inside the block, a backward computes only the input gradients of the layers that can defer
+    (`DeferrableLinear`; the Triton experts with fp32 main gradients) and appends their weight-
+    gradient work to the yielded list; each item, run later, puts its gradient where the backward
+    would have. A rank sends d x first: the peer waits for it, while d w is needed only by the
+    optimizer step (DESIGN 3c's backward critical path)."""
+    previous, _HeldBack.work = _HeldBack.work, []
+    try:
+        yield _HeldBack.work
+    finally:
+        _HeldBack.work = previous
+
+
+def hold_back(work: Callable[[], None]) -> bool:
+    """Append `work` to the innermost `deferred_weight_grads` list; False outside one (run it now)."""
+    if _HeldBack.work is None:
+        return False
+    _HeldBack.work.append(work)
+    return True
+
+
+def _linear_weight_grad(dy_NO: torch.Tensor, x_NI: torch.Tensor) -> torch.Tensor:
+    """d W [O, I] of y = x W^T: the product autograd's linear computes (`mm` backward), bit for bit."""
+    return dy_NO.t().mm(x_NI)
+
+
+def _accumulate_weight_grad(w_OI: torch.Tensor, dy_NO: torch.Tensor, x_NI: torch.Tensor) -> None:
+    """A held-back weight gradient, computed now and accumulated by autograd itself, as the
+    backward would have done: into `.grad` (in place where it exists: FlatAdamW's fp32 view),
+    then the post-accumulate hooks (FlatAdamW adds a bf16 gradient into `main_grad`)."""
+    with torch.no_grad():
+        dw_OI = _linear_weight_grad(dy_NO, x_NI)
+    torch.autograd.backward(w_OI, dw_OI)
+
+
+class _LinearFunction(torch.autograd.Function):
+    """y = x W^T (`F.linear` without bias). The backward computes d x as autograd's linear does and
+    d W too, unless inside `deferred_weight_grads` (first-order backward, a leaf weight), where d W
+    waits in the list; both from the same saved x and the incoming d y, so nothing is recomputed."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w_OI: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w_OI)
+        return F.linear(x, w_OI)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        x, w_OI = ctx.saved_tensors
+        dy_NO = dy.reshape(-1, dy.shape[-1])
+        dx = dy_NO.mm(w_OI).view(x.shape) if ctx.needs_input_grad[0] else None
+        if not ctx.needs_input_grad[1]:
+            return dx, None
+        x_NI = x.reshape(-1, x.shape[-1])
+        deferrable = w_OI.is_leaf and not torch.is_grad_enabled()  # grad mode on: a double backward
+        if deferrable and hold_back(functools.partial(_accumulate_weight_grad, w_OI, dy_NO, x_NI)):
+            return dx, None
+        return dx, _linear_weight_grad(dy_NO, x_NI)
+
+
+class DeferrableLinear(nn.Linear):
+    """`nn.Linear` without bias whose weight gradient can wait (`deferred_weight_grads`). Outside
+    that context the same parameters, names and gradients, bit for bit, as `nn.Linear`."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__(in_features, out_features, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _LinearFunction.apply(x, self.weight)
+
+
 class SwiGLU(nn.Module):
     """down(silu(gate(x)) * up(x)); the leading dense layers' FFN and the shared experts.
 
     Names follow Llama: `w1` gate [F, H], `w3` up [F, H], `w2` down [H, F] (nn.Linear is [out, in]).
+    It runs on the attention side (shared experts, dense layers): its weight gradients can wait.
     """
 
     def __init__(self, hidden: int, ffn: int) -> None:
         super().__init__()
-        self.w1 = nn.Linear(hidden, ffn, bias=False)
-        self.w3 = nn.Linear(hidden, ffn, bias=False)
-        self.w2 = nn.Linear(ffn, hidden, bias=False)
+        self.w1 = DeferrableLinear(hidden, ffn)
+        self.w3 = DeferrableLinear(hidden, ffn)
+        self.w2 = DeferrableLinear(ffn, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))

@@ -8,7 +8,10 @@ compact dispatch (DESIGN 3c: the normed token rows once per expert rank, with th
 routing weights; `runtime.messages`) and the residual stream for the next hop. The segment keeps
 its outputs; `AttentionBackward(l)` calls `torch.autograd.backward(outputs, grads)` with the
 gradients that came back (the expert ranks' d xn and d weights summed in rank order), and posts
-its leaves' gradients to where they came from. Nothing here reads the device from the host.
+its leaves' gradients to where they came from; the weight gradients of the segment's projections
+(attention, shared experts, a dense layer's FFN: `model.layers.DeferrableLinear`) are held back
+and returned to the worker, which runs them once those gradients are sent (DESIGN 3c: the input
+gradient is the backward's critical path). Nothing here reads the device from the host.
 
 The loss matches the oracle (`runtime.trainer`): micro-batch m of M is split over D
 data-parallel ranks; each rank backpropagates its share
@@ -26,12 +29,14 @@ Legend: B batch rows of this rank's piece, S sequence, H hidden, N tokens (B*S),
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from disagmoe.data import TokenDataset
 from disagmoe.model import MoEBlock
+from disagmoe.model.layers import deferred_weight_grads
 from disagmoe.model.loss import linear_cross_entropy
 from disagmoe.runtime.batching import batch_rows, inputs_and_targets
 from disagmoe.runtime.messages import Mailbox
@@ -183,8 +188,9 @@ class AttentionStage:
             (ce / (self.dp * self.micro_batches)).backward()
             self._post_input_grads(inputs, mb, mail)
 
-    def backward(self, layer: int, mb: int, mail: Mailbox) -> None:
-        """AttentionBackward(layer, mb)."""
+    def backward(self, layer: int, mb: int, mail: Mailbox) -> list[Callable[[], None]]:
+        """AttentionBackward(layer, mb): posts the input gradients; returns the weight-gradient work
+        held back, for the worker to run once it has sent them."""
         segment = self.segments.pop((layer, mb))
         topo = self.topology
         outputs, grads = [], []
@@ -208,9 +214,11 @@ class AttentionStage:
         outputs += segment.carry
         grads += mail.take(Payload.RESIDUAL_GRAD, layer, mb, nxt)
         live = [(o, g) for o, g in zip(outputs, grads, strict=True) if o.requires_grad]
-        torch.autograd.backward([o for o, _ in live], [g for _, g in live])
+        with deferred_weight_grads() as held:
+            torch.autograd.backward([o for o, _ in live], [g for _, g in live])
         if segment.inputs is not None:
             self._post_input_grads(segment.inputs, mb, mail)
+        return held
 
 
 def _grad(leaf: torch.Tensor) -> torch.Tensor:

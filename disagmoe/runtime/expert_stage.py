@@ -8,8 +8,9 @@ d of the next group one weighted partial sum per token (`model.local_experts`).
 `ExpertBackward(l)` backpropagates the partial sums' gradients that came back and posts each
 source its d xn and d routing weights, with the micro-batch's expert load over all sources (the
 attention ranks need it for the aux loss's gradient); with the triton backend the weight
-gradients are held back until the worker has sent those (`run_weight_grads`), so the input
-gradients leave before the weight gradients are computed. Nothing reads the device from the host.
+gradients are held back (`model.layers.deferred_weight_grads`) and returned to the worker, which
+runs them once it has sent those, so the input gradients leave before the weight gradients are
+computed. Nothing reads the device from the host.
 
 Replicated experts (a plan's hot experts): the attention rank of data-parallel index d (of D)
 sends its pairs of an expert with n owners to owner d mod n when D >= n, and splits them in token
@@ -21,11 +22,13 @@ Legend: D data-parallel sources, N tokens per source, K top-k, E experts of the 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from disagmoe.model.dispatch import expert_counts
+from disagmoe.model.layers import deferred_weight_grads
 from disagmoe.model.local_experts import local_expert_block
 from disagmoe.runtime.messages import Mailbox
 from disagmoe.runtime.rank_model import RankModel
@@ -99,18 +102,9 @@ class ExpertStage:
         self.routing = {layer: [LocalRouting(topology, layer, index, d, dp, model.device) for d in range(dp)]
                         for layer in topology.experts_of(rank)}
         self.segments: dict[tuple[int, int], ExpertSegment] = {}
-        self.pending_weight_grads = []
 
     def begin_step(self) -> None:
         self.segments = {}  # an evaluation pass leaves its forward segments behind
-        self.pending_weight_grads: list = []
-
-    def run_weight_grads(self) -> bool:
-        """Run the weight-gradient launches held back by `backward`; whether there were any."""
-        pending, self.pending_weight_grads = self.pending_weight_grads, []
-        for launch in pending:
-            launch()
-        return bool(pending)
 
     def forward(self, layer: int, mb: int, mail: Mailbox) -> None:
         """ExpertForward(layer, mb)."""
@@ -125,19 +119,19 @@ class ExpertStage:
         load_E = sum(expert_counts(idx_NK.long(), self.model.cfg.num_experts) for _, idx_NK, _ in messages)
         self.segments[(layer, mb)] = ExpertSegment(xs + ws, outputs, load_E)
 
-    def backward(self, layer: int, mb: int, mail: Mailbox) -> None:
-        """ExpertBackward(layer, mb): the input gradients now; with the triton backend and fp32
-        main gradients the weight gradients wait in `pending_weight_grads` until the worker has
-        sent these (`run_weight_grads`)."""
+    def backward(self, layer: int, mb: int, mail: Mailbox) -> list[Callable[[], None]]:
+        """ExpertBackward(layer, mb): the input gradients now; returns the weight-gradient work
+        held back (the triton backend with fp32 main gradients; else none), for the worker to
+        run once it has sent these."""
         segment = self.segments.pop((layer, mb))
         grads = [mail.take(Payload.COMBINE_GRAD, layer, mb, dst)[0] for dst in self.destinations]
-        with self.model.experts(layer).deferred_weight_grads() as pending:
+        with deferred_weight_grads() as held:
             torch.autograd.backward(segment.outputs, grads)
-        self.pending_weight_grads += pending
         D = len(self.sources)
         for d, src in enumerate(self.sources):
             x_leaf, w_leaf = segment.inputs[d], segment.inputs[D + d]
             mail.post(Payload.DISPATCH_GRAD, layer, mb, src, [_grad(x_leaf), _grad(w_leaf), segment.load_E])
+        return held
 
 
 def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -13,6 +13,11 @@ owners (`runtime.replicas`), clip every gradient by the global norm
 driver's learning rate, then the router-bias update from the step's expert loads summed over
 micro-batches and data-parallel ranks.
 
+A backward op returns the weight-gradient work it held back (`model.layers.deferred_weight_grads`:
+the attention side's projections, the Triton experts); the worker issues the op's sends (its
+input gradients), then runs that work as an `AttentionWeightGrad` / `ExpertWeightGrad` span
+before the next op that is not a send.
+
 Collectives run on their own process groups, never on the default group the `local` transport
 uses for point-to-point messages, so collective and message tags cannot collide.
 """
@@ -53,7 +58,6 @@ from disagmoe.runtime.schedule import (
     Loss,
     Op,
     OptimizerStep,
-    Payload,
     Recv,
     ReduceGradients,
     Send,
@@ -195,12 +199,13 @@ class TrainWorker(Worker):
         mail = Mailbox(self.rank)
         handles: list[SendHandle] = []
         result: dict[str, Any] = {}
+        self._held_back = ("", [])
         with no_host_syncs(self.cfg.forbid_host_syncs, self.device):
             for op in self.program:
+                if not isinstance(op, Send):
+                    self._run_held_back(step)
                 with self.watchdog.op(f"step {step + 1}: {_op_name(op)}"):
                     if isinstance(op, OptimizerStep):
-                        if self.experts is not None:
-                            self.experts.run_weight_grads()  # none left in a schedule's order; a guard
                         with self.recorder.span("wait for sends", "wait"):
                             for handle in handles:
                                 handle.wait()
@@ -278,9 +283,6 @@ class TrainWorker(Worker):
                         check_specs(tensors, self.shapes.specs(op.payload, self.topology.is_moe(op.layer)),
                                     f"rank {self.rank}: {_op_name(op)} to rank {peer}")  # metadata only
                         handles.append(self.transport.send(peer, key, tensors))
-            if op.payload is Payload.DISPATCH_GRAD and self.experts is not None and self.experts.pending_weight_grads:
-                with self._compute_span(f"ExpertWeightGrad L{op.layer} mb{op.micro_batch}"):
-                    self.experts.run_weight_grads()  # after the input gradients are on their way
             return
         if isinstance(op, ReduceGradients):
             with self.recorder.span(_op_name(op), "send"):
@@ -304,11 +306,26 @@ class TrainWorker(Worker):
             elif isinstance(op, Loss):
                 self.attention.loss(op.micro_batch, mail)
             elif isinstance(op, ExpertBackward):
-                self.experts.backward(op.layer, op.micro_batch, mail)
+                self._held_back = (f"ExpertWeightGrad L{op.layer} mb{op.micro_batch}",
+                                   self.experts.backward(op.layer, op.micro_batch, mail))
             elif isinstance(op, AttentionBackward):
-                self.attention.backward(op.layer, op.micro_batch, mail)
+                self._held_back = (f"AttentionWeightGrad L{op.layer} mb{op.micro_batch}",
+                                   self.attention.backward(op.layer, op.micro_batch, mail))
             else:
                 raise AssertionError(f"unknown op {op!r}")
+
+    def _run_held_back(self, step: int) -> None:
+        """The weight-gradient work the last backward op held back (`deferred_weight_grads`), as
+        its own compute span, now that the sends after that op (its input gradients) are issued:
+        before the next op that is not a send, so before any `ReduceGradients` or `OptimizerStep`
+        reads those gradients, and before a receive waits for a peer."""
+        span, work = self._held_back
+        self._held_back = ("", [])
+        if not work:
+            return
+        with self.watchdog.op(f"step {step + 1}: {span}"), self._compute_span(span):
+            for item in work:
+                item()
 
     def _compute_span(self, name: str) -> AbstractContextManager[None]:
         """A compute op's span: its GPU execution (CUDA events, no waiting) or, on CPU, its wall time."""

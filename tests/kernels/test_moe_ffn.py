@@ -190,8 +190,10 @@ def test_weight_gradients_add_into_main_gradients(kernels, case):
 
 
 def test_deferred_weight_gradients_wait_for_their_launch(kernels):
-    """Inside defer_weight_grads the backward leaves the main gradients alone and returns the
+    """Inside deferred_weight_grads the backward leaves the main gradients alone and returns the
     weight-gradient launches; running them adds exactly what the undeferred backward adds."""
+    from disagmoe.model.layers import deferred_weight_grads
+
     gg, moe_ffn = kernels
     counts, hidden, ffn = RAGGED_CASES[0]
     x, offsets, w13, w2 = _inputs(counts, hidden, ffn, torch.float32, "cpu", seed=7)
@@ -199,7 +201,7 @@ def test_deferred_weight_gradients_wait_for_their_launch(kernels):
     w13.main_grad, w2.main_grad = torch.zeros(w13.shape), torch.zeros(w2.shape)
     tiles = moe_ffn.FFNTiles.uniform(SMALL_TILES)
     xl = x.clone().requires_grad_()
-    with moe_ffn.defer_weight_grads() as pending:
+    with deferred_weight_grads() as pending:
         moe_ffn.ExpertFFNFunction.apply(xl, offsets, w13, w2, tiles, 3).sum().backward()
     assert len(pending) == 1 and xl.grad is not None
     assert not w13.main_grad.any() and not w2.main_grad.any()
@@ -211,10 +213,11 @@ def test_deferred_weight_gradients_wait_for_their_launch(kernels):
 
 
 def test_the_expert_stage_holds_back_a_triton_blocks_weight_gradients(kernels):
-    """`RoutedExperts.deferred_weight_grads` around a local expert block's backward (FlatAdamW's fp32 main
+    """`deferred_weight_grads` around a local expert block's backward (FlatAdamW's fp32 main
     gradients, the triton backend): input gradients at once, weight gradients when run."""
     from disagmoe.config import OptimConfig
     from disagmoe.model.experts import RoutedExperts
+    from disagmoe.model.layers import deferred_weight_grads
     from disagmoe.model.local_experts import local_expert_block
     from disagmoe.runtime.flat_adamw import FlatAdamW
 
@@ -226,7 +229,7 @@ def test_the_expert_stage_holds_back_a_triton_blocks_weight_gradients(kernels):
     x = torch.randn(11, 16, generator=g).requires_grad_()
     local = torch.randint(0, 4, (11, 2), generator=g, dtype=torch.int32)  # 3 = served elsewhere
     w = torch.rand(11, 2, generator=g)
-    with experts.deferred_weight_grads() as pending:
+    with deferred_weight_grads() as pending:
         local_expert_block(x, local, w, experts).sum().backward()
     assert len(pending) == 1 and x.grad is not None and not flat.buckets[0].grad_N.any()
     pending[0]()

@@ -39,7 +39,8 @@ from disagmoe.runtime.restart import FAULT_RECORD, Fault
 from disagmoe.runtime.topology import Topology
 from disagmoe.runtime.loop import METRICS_FILE
 from disagmoe.runtime.trainer import CHECKPOINTS_DIR, SingleProcessTrainer
-from disagmoe.runtime.worker import TrainWorker
+from disagmoe.runtime.schedule import AttentionBackward, Send
+from disagmoe.runtime.worker import TrainWorker, _op_name
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # actors run `_sleep` from here
 
@@ -217,6 +218,63 @@ def test_trace_has_every_rank_and_busy_fractions(warm, tmp_path):
     for record in read_metrics(tmp_path / "dist" / METRICS_FILE):
         assert set(record["busy"]) == {"A0", "A1", "E0", "E1"}
         assert all(0 < f <= 1 for f in record["busy"].values())
+
+
+def rank_spans(trace_path: Path) -> dict[int, list[tuple[str, float, float]]]:
+    """Each rank's (name, start, end) spans from a trace file, in the order they started."""
+    spans: dict[int, list[tuple[str, float, float]]] = {}
+    for e in json.loads(trace_path.read_text())["traceEvents"]:
+        if e["ph"] == "X":
+            spans.setdefault(e["pid"], []).append((e["name"], e["ts"], e["ts"] + e["dur"]))
+    return {rank: sorted(s, key=lambda span: span[1]) for rank, s in spans.items()}
+
+
+def input_grad_sends(program, index: int) -> list[str]:
+    """The names of the sends right after op `index` of a rank's program (a backward's input gradients)."""
+    sends = []
+    for op in program[index + 1:]:
+        if not isinstance(op, Send):
+            break
+        sends.append(_op_name(op))
+    return sends
+
+
+@pytest.mark.parametrize("layout", [
+    dict(attention_ranks=2, expert_ranks=2, pipeline_groups=2, micro_batches=2),  # residual and combine grads
+    dict(attention_ranks=2, expert_ranks=1, pipeline_groups=1, micro_batches=2),  # data parallel: ReduceGradients
+])
+def test_attention_ranks_send_input_gradients_before_their_weight_gradients(warm, tmp_path, layout):
+    """Every AttentionBackward L<l> mb<m> is followed by the sends of its input gradients, then by
+    its `AttentionWeightGrad L<l> mb<m>` span (starting after the last send ended), then the next
+    op: so before any ReduceGradients or OptimizerStep; and the run is still the oracle's."""
+    cfg = run_config(tmp_path / "dist", "disaggregated", steps=3, trace=True, **layout)
+    summary = run_on(warm, cfg)
+    reference, reference_model = oracle(cfg, tmp_path / "single")
+    assert_same_losses(read_metrics(tmp_path / "dist" / METRICS_FILE), reference)
+    assert_same_parameters(model_from_checkpoint(cfg, Path(summary.checkpoint_path)), reference_model)
+    topology = Topology.from_config(cfg, cfg.model)
+    programs = topology.programs(cfg.micro_batches)
+    spans = rank_spans(tmp_path / "dist" / "trace.json")
+    sends_checked = 0
+    for rank in range(topology.world_size):
+        if topology.attention_role(rank) is None:
+            continue
+        program = programs[rank]
+        names = [name for name, _, _ in spans[rank]]
+        for backward_index, op in enumerate(program):
+            if not isinstance(op, AttentionBackward):
+                continue
+            sends = input_grad_sends(program, backward_index)
+            weight_grad = f"AttentionWeightGrad L{op.layer} mb{op.micro_batch}"
+            starts = [i for i, name in enumerate(names) if name == _op_name(op)]
+            assert len(starts) == cfg.steps
+            for i in starts:
+                after = i + 1 + len(sends)
+                assert names[i + 1:after + 1] == sends + [weight_grad], (rank, names[i:after + 2])
+                assert spans[rank][after][1] >= spans[rank][after - 1][2]
+                assert not names[after + 1].startswith("Send "), names[after + 1]
+            sends_checked += len(sends)
+    assert sends_checked > 0
 
 
 def single_run_resumable_at_3(tmp_path: Path, **fields) -> tuple[list[dict], MoETransformer, Path]:

@@ -1,0 +1,147 @@
+"""Weight gradients held back until the input gradient is out (disagmoe/model/layers.py:
+`DeferrableLinear`, `deferred_weight_grads`): a block's backward inside the context gives the
+plain backward's input and parameter gradients bit for bit once the held-back work has run, and
+the plain backward is `nn.Linear`'s."""
+
+from __future__ import annotations
+
+import copy
+import types
+
+import pytest
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from disagmoe.config import ModelConfig, OptimConfig
+from disagmoe.model.block import DenseBlock
+from disagmoe.model.layers import DeferrableLinear, deferred_weight_grads
+from disagmoe.runtime.flat_adamw import FlatAdamW
+
+CASES = {  # attention, dense FFN (the shared experts' SwiGLU) and the norms of one block
+    "gqa": ("gqa", dict(dense_ffn_size=12)),
+    "gqa-qk-norm": ("gqa", dict(dense_ffn_size=12, qk_norm=True)),
+    "mla": ("mla", {}),
+    "mla-without-q-lora": ("mla", dict(mla=dict(q_lora_rank=None, kv_lora_rank=6, qk_nope_head_dim=4,
+                                                qk_rope_head_dim=2, v_head_dim=4))),
+}
+
+
+@pytest.fixture(params=CASES)
+def cfg(request, make_config, make_mla_config) -> ModelConfig:
+    attention, overrides = CASES[request.param]
+    return (make_mla_config if attention == "mla" else make_config)(**overrides)
+
+
+def random_block(cfg: ModelConfig, dtype: torch.dtype) -> DenseBlock:
+    """A block of `cfg` whose parameters (norm gains too) are random, in `dtype`."""
+    block = DenseBlock(cfg).to(dtype)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3 + (1.0 if p.dim() == 1 else 0.0))
+    return block
+
+
+def inputs(block: DenseBlock, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [B, S, H] and the gradient d out that comes back for it."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = block.attention_norm.weight.shape[0]
+    return (torch.randn(2, 7, hidden, generator=g).to(dtype).requires_grad_(),
+            torch.randn(2, 7, hidden, generator=g).to(dtype))
+
+
+def projections(block: nn.Module) -> set[str]:
+    return {f"{name}.weight" for name, m in block.named_modules() if isinstance(m, DeferrableLinear)}
+
+
+def backward(block: DenseBlock, x_BSH: torch.Tensor, dy_BSH: torch.Tensor, defer: bool) -> list:
+    """Backpropagate d out; inside `deferred_weight_grads` when `defer` (returns the held work)."""
+    if not defer:
+        block(x_BSH).backward(dy_BSH)
+        return []
+    with deferred_weight_grads() as held:
+        block(x_BSH).backward(dy_BSH)
+    return held
+
+
+def grads(block: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.grad.clone() for name, p in block.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_held_back_weight_gradients_equal_the_plain_backward_bit_for_bit(cfg, dtype):
+    """Inside the context: the input gradient and the norms' gains at once, no projection weight
+    gradient, one held item per projection; once run, every gradient is the plain backward's."""
+    plain, deferred = random_block(cfg, dtype), random_block(cfg, dtype)
+    x_plain, dy_BSH = inputs(plain, dtype, seed=1)
+    x_deferred = x_plain.detach().clone().requires_grad_()
+    backward(plain, x_plain, dy_BSH, defer=False)
+    held = backward(deferred, x_deferred, dy_BSH, defer=True)
+    assert torch.equal(x_deferred.grad, x_plain.grad)
+    assert len(held) == len(projections(deferred))
+    assert set(grads(deferred)) == set(grads(plain)) - projections(deferred)
+    for item in held:
+        item()
+    want, got = grads(plain), grads(deferred)
+    assert got.keys() == want.keys()
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
+def test_outside_the_context_the_projections_are_nn_linear_bit_for_bit(cfg):
+    """The plain backward's gradients (fp64, the gradcheck dtype, and fp32) equal those of the
+    same block whose projections run `nn.Linear.forward`: nothing changes for the oracle."""
+    for dtype in (torch.float64, torch.float32):
+        ours = random_block(cfg, dtype)
+        linear = copy.deepcopy(ours)
+        for m in linear.modules():
+            if isinstance(m, DeferrableLinear):
+                m.forward = types.MethodType(nn.Linear.forward, m)
+        x_ours, dy_BSH = inputs(ours, dtype, seed=2)
+        x_linear = x_ours.detach().clone().requires_grad_()
+        out_ours, out_linear = ours(x_ours), linear(x_linear)
+        assert torch.equal(out_ours, out_linear)
+        out_ours.backward(dy_BSH)
+        out_linear.backward(dy_BSH)
+        assert torch.equal(x_ours.grad, x_linear.grad)
+        want = grads(linear)
+        for name, grad in grads(ours).items():
+            assert torch.equal(grad, want[name]), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_held_back_gradients_land_in_flat_adamws_main_gradients(make_config, dtype):
+    """With FlatAdamW (fp32: `.grad` is the main gradient's view; bf16: the post-accumulate hook
+    adds into `main_grad`) two micro-batches leave the same main gradients, bit for bit."""
+    main = {}
+    for defer in (False, True):
+        block = random_block(make_config(dense_ffn_size=12, qk_norm=True), torch.float32)
+        optimizer = FlatAdamW(block.named_parameters(), OptimConfig(), dtype)
+        optimizer.zero_grad()
+        for mb in range(2):
+            x_BSH, dy_BSH = inputs(block, dtype, seed=10 + mb)
+            for item in backward(block, x_BSH, dy_BSH, defer):
+                item()
+        main[defer] = [b.grad_N.clone() for b in optimizer.buckets]
+        assert all(p.grad is None or p.grad.dtype == torch.float32 for p in block.parameters())
+    assert all(torch.equal(got, want) for got, want in zip(main[True], main[False], strict=True))
+    assert all(g.any() for g in main[True])
+
+
+def test_non_leaf_weights_are_not_held_back(make_config):
+    """Weights that are not leaves (e.g. `functional_call` over a flat vector, as the gradcheck
+    does) get their gradients inside the backward even in the context: autograd must carry them
+    on to their leaf, which a later accumulation could not."""
+    block = random_block(make_config(dense_ffn_size=12), torch.float32)
+    names = [name for name, _ in block.named_parameters()]
+    flat = torch.cat([p.detach().reshape(-1) for p in block.parameters()]).requires_grad_()
+    views = dict(zip(names, (v.view_as(p) for v, p in zip(flat.split([p.numel() for p in block.parameters()]),
+                                                          block.parameters(), strict=True)), strict=True))
+    x_BSH, dy_BSH = inputs(block, torch.float32, seed=3)
+    with deferred_weight_grads() as held:
+        functional_call(block, views, (x_BSH,)).backward(dy_BSH)
+    assert held == []
+    backward(block, x_BSH.detach().requires_grad_(), dy_BSH, defer=False)
+    want = torch.cat([p.grad.reshape(-1) for p in block.parameters()])
+    assert torch.equal(flat.grad, want)
