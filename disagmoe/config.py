@@ -98,7 +98,10 @@ class RouterConfig(StrictModel):
     aux_loss_coef: NonNegFloat = Field(0.0, description="switch-style load-balancing loss weight")
     z_loss_coef: NonNegFloat = Field(0.0, description="router z-loss weight")
     bias_balancing: bool = Field(False, description="auxiliary-loss-free balancing via a bias")
-    bias_update_rate: NonNegFloat = Field(1e-3, description="bias step per optimizer step")
+    bias_update_rate: NonNegFloat = Field(
+        1e-3, description="bias step per optimizer step, in score units: 1e-3 suits sigmoid scores (about 0.5, "
+        "DeepSeek-V3); softmax scores average 1/num_experts, where 1e-3 moves whole groups of tokens at once "
+        "(docs/benchmarks.md: max/mean load 8 on the Qwen3-shaped config) and a far smaller step is needed")
 
     @model_validator(mode="after")
     def _groups(self) -> RouterConfig:
