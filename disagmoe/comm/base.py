@@ -184,12 +184,13 @@ class Transport(abc.ABC):
         `src_rank` needs (a transport that keeps receive buffers); by default nothing."""
 
     def status_word(self) -> torch.Tensor | None:
-        """A device int32 word the step's one host read includes (nonzero: a message failed on the
-        GPU, e.g. did not fit its buffer), or None for a transport that fails on the host."""
+        """Device int32 words the step's one host read includes (nonzero word 0: a message failed
+        on the GPU: did not fit its buffer, or never came), or None for a transport that fails
+        on the host."""
         return None
 
-    def check_status(self, status: int) -> None:
-        """Raise for a nonzero `status_word` value read at the step's end (its message names the fix)."""
+    def check_status(self, status: list[int]) -> None:
+        """Raise for the `status_word` values read at the step's end (the error names the fix)."""
 
     def close(self) -> None:
         """Release transport resources (the process group itself belongs to the caller)."""

@@ -7,18 +7,23 @@ for the flags).
   every rank joins with its own GPU. Every rank then allocates the same arena, collectively: the
   largest any rank needs (`comm.symmetric.symmetric_layouts`, from every rank's program), so any
   rank can address any other's segments by offset. Nothing is allocated after set-up.
-- send(dst, key): the message's tensors go straight from the sender's memory into the segment
-  of (sender, payload, layer, micro-batch) in dst's arena, copy `step mod 2`: a put per tensor
-  on the current stream, a quiet (the earlier puts have landed), then put-with-signal of the
-  last tensor, which sets the segment's flag to the step's sequence number (step + 1) after its
-  data. The host does not wait. A message that does not fit its segment (a `capacity_factor`
-  below its rows) is not written: the flag is set to -seq, so the receiver does not hang, and
-  the sender raises `ArenaOverflow` naming the fix.
+- Sequence numbers belong to the transport, not to the step: the n-th message of a slot
+  (source, payload, layer, micro-batch) carries seq = n and lands in copy (n - 1) mod 2 of the
+  slot's segment. Sender and receiver run the same sends and receives of every slot (training
+  steps and evaluation batches alike), so their counts agree without any exchange; a step
+  number would repeat across training and evaluation and let a wait pass on an old flag.
+- send(dst, key): the message's tensors go straight from the sender's memory into dst's segment:
+  a put per tensor on the current stream, a quiet (the earlier puts have landed), then
+  put-with-signal of the last tensor, which sets the segment's flag to seq after its data. The
+  host does not wait. A message that cannot be sent (it does not fit its segment, or is not on
+  this GPU) is not written: the flag is set to -seq, so the receiver does not hang, and the
+  sender raises with the fix.
 - recv(src, key): a wait on the current stream (acquire loads at system scope until the flag
-  holds seq or -seq; -seq sets the rank's status word), then views of the segment: work queued
-  afterwards reads the data in place. Flags are never reset: step t's hold t + 1.
-- The status word joins the step's one host read (`Transport.status_word`); a message that did
-  not fit stops the run there, with the fix (never silent corruption).
+  holds seq or -seq, giving up after the receive's timeout), then views of the segment: work
+  queued afterwards reads the data in place. Flags are never reset.
+- The status words (`kernels.signal`: overflow, time-out and the flag that timed out) join the
+  step's one host read (`Transport.status_word`); a message that did not fit, or never came,
+  stops the run there naming the peer and the fix (never silent corruption, never a silent hang).
 
 Only the messages use NVSHMEM; collectives stay on NCCL, in the schedule's order (DESIGN 3c): a
 GPU flag wait must never sit behind a peer's collective, and none does, because every
@@ -34,7 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from disagmoe.comm.base import MessageKey, SendHandle, TensorSpec, Transport
+from disagmoe.comm.base import MessageKey, SendHandle, TensorSpec, Transport, TransportTimeout
 from disagmoe.comm.symmetric import ArenaLayout, ArenaOverflow, Segment, Slot, check_fits
 from disagmoe.runtime.messages import message_key
 
@@ -110,10 +115,14 @@ class NvshmemTransport(Transport):
         self.layouts = list(layouts)
         self.layout = self.layouts[self.rank]
         self._index = [SlotIndex(layout) for layout in self.layouts]
-        _join(self.nv, self.rank, self.world_size, self.device)
+        self._sent: dict[tuple[int, Slot], int] = {}  # (dst, slot) -> messages sent so far
+        self._received: dict[tuple[int, Slot], int] = {}  # (src, slot) -> messages received so far
+        self._uid = _join(self.nv, self.rank, self.world_size, self.device)  # kept alive while NVSHMEM runs
         self.arena_B = self.nv.tensor((max(self.layout.nbytes, 8),), dtype=torch.uint8)  # collective
-        self.arena_B.zero_()  # NVSHMEM memory is not zeroed; flags start at 0 (no step yet)
-        self.status_1 = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self.arena_B.zero_()  # NVSHMEM memory is not zeroed; flags start at 0 (no message yet)
+        from disagmoe.kernels.signal import new_status
+
+        self.status_2 = new_status(self.device)
         self._flags_W = self.layout.flags(self.arena_B)
         self._base = int(self.nv.tensor_get_buffer(self.arena_B)[0].handle)
         stream = torch.cuda.current_stream()
@@ -135,25 +144,28 @@ class NvshmemTransport(Transport):
 
         return Buffer.from_handle(tensor.data_ptr(), tensor.numel() * tensor.element_size())
 
-    def _segment(self, rank: int, src: int, key: MessageKey) -> Segment:
-        return self.layouts[rank].segment(self._index[rank].slot(src, key, rank), key.step)
+    def _next(self, counts: dict[tuple[int, Slot], int], peer: int, slot: Slot) -> int:
+        """The sequence number of the next message of `slot` with `peer` (1, 2, ...)."""
+        n = counts[(peer, slot)] = counts.get((peer, slot), 0) + 1
+        return n
 
     # --- the contract ---------------------------------------------------------------------------
 
     def send(self, dst_rank: int, key: MessageKey, tensors: Sequence[torch.Tensor]) -> SendHandle:
         self._check_peer(dst_rank)
-        seg = self._segment(dst_rank, self.rank, key)
-        for tensor in tensors:
-            if tensor.device != self.device:
-                raise ValueError(f"the nvshmem transport sends tensors on {self.device}, got one on {tensor.device}")
+        slot = self._index[dst_rank].slot(self.rank, key, dst_rank)
+        seq = self._next(self._sent, dst_rank, slot)
+        seg = self.layouts[dst_rank].segment(slot, seq - 1)
         stream = torch.cuda.current_stream()
-        seq = key.step + 1
         flag = self._symmetric(8 * seg.flag, 8)
         try:
+            for tensor in tensors:
+                if tensor.device != self.device:
+                    raise ValueError(f"the nvshmem transport sends tensors on {self.device}, got one on {tensor.device}")
             check_fits(seg, [TensorSpec.of(t) for t in tensors])
-        except ArenaOverflow:
+        except (ArenaOverflow, ValueError):
             self.nv.signal_op(flag, -seq & _U64, self.nv.SignalOp.SIGNAL_SET, remote_pe=dst_rank, stream=stream)
-            raise
+            raise  # the receiver's wait ends on -seq and its status says so
         payload = [t.detach().contiguous() for t in tensors]
         parts = [(offset, t) for offset, t in zip(seg.offsets, payload, strict=True) if t.numel()]
         for offset, tensor in parts[:-1]:
@@ -172,25 +184,38 @@ class NvshmemTransport(Transport):
 
     def reserve(self, src_rank: int, key: MessageKey, specs: Sequence[TensorSpec]) -> None:
         """Nothing to allocate (the arena holds every slot); checks that the slot fits its specs."""
-        check_fits(self._segment(self.rank, src_rank, key), specs)
+        for copy in range(self.layout.copies):
+            check_fits(self.layout.segment(self._index[self.rank].slot(src_rank, key, self.rank), copy), specs)
 
     def recv(self, src_rank: int, key: MessageKey, specs: Sequence[TensorSpec],
              timeout_s: float | None = None) -> list[torch.Tensor]:
         from disagmoe.kernels.signal import wait_flag
 
         self._check_peer(src_rank)
-        seg = self._segment(self.rank, src_rank, key)
+        slot = self._index[self.rank].slot(src_rank, key, self.rank)
+        seq = self._next(self._received, src_rank, slot)
+        seg = self.layout.segment(slot, seq - 1)
         check_fits(seg, specs)
-        wait_flag(self._flags_W, seg.flag, key.step + 1, self.status_1)
-        return self.layout.views(self.arena_B, seg.slot, specs, key.step)
+        wait_flag(self._flags_W, seg.flag, seq, self.status_2,
+                  timeout_s=self.default_timeout_s if timeout_s is None else timeout_s)
+        return self.layout.views(self.arena_B, slot, specs, seq - 1)
 
     def status_word(self) -> torch.Tensor | None:
-        return self.status_1
+        return self.status_2
 
-    def check_status(self, status: int) -> None:
-        if status:
+    def check_status(self, status: list[int]) -> None:
+        """Raise for what the step's waits recorded: a message over its segment, or one that
+        never came (`TransportTimeout` naming the peer and the message)."""
+        from disagmoe.kernels.signal import OVERFLOW, TIMED_OUT
+
+        if status[0] & OVERFLOW:
             raise ArenaOverflow(f"rank {self.rank}: a message did not fit its receive segment (its sender "
                                 "names it); raise transport_capacity_factor or leave it unset for the worst case")
+        if status[0] & TIMED_OUT:
+            seg = next(seg for seg in self.layout.segments if seg.flag == status[1])
+            src, payload, layer, mb = seg.slot
+            raise TransportTimeout(src, None, self.default_timeout_s,
+                                   f"receive the {payload.value} message of layer {layer}, micro-batch {mb} from")
 
     def close(self) -> None:
         """Free the arena and leave NVSHMEM (collective: every rank closes)."""
@@ -205,13 +230,13 @@ class NvshmemTransport(Transport):
         self.nv.finalize()
 
 
-def _join(nv: Any, rank: int, world_size: int, device: torch.device) -> None:
+def _join(nv: Any, rank: int, world_size: int, device: torch.device) -> Any:
     """NVSHMEM init over a unique id that rank 0 creates and the process group relays."""
     import numpy as np
     from cuda.core import Device
 
     torch.empty(1, device=device)  # the primary context exists before NVSHMEM starts
-    uid = nv.get_unique_id() if rank == 0 else nv.get_unique_id(empty=True)
+    uid = nv.get_unique_id() if rank == 0 else nv.get_unique_id(empty=True)  # rank 0's starts the bootstrap
     relayed = [uid._data.tobytes() if rank == 0 else None]
     dist.broadcast_object_list(relayed, src=0)
     if rank != 0:
@@ -219,6 +244,7 @@ def _join(nv: Any, rank: int, world_size: int, device: torch.device) -> None:
     cuda_device = Device(device.index)
     cuda_device.set_current()
     nv.init(device=cuda_device, uid=uid, rank=rank, nranks=world_size, initializer_method="uid")
+    return uid
 
 
 @functools.cache

@@ -12,10 +12,16 @@ it sends nothing to is raised at the launch's start). The receiver's combine pro
 waits for the P flags of s (acquire loads at system scope), then sums that segment's tokens'
 rows in pair order: the same bits run to run, whatever order the tiles landed in.
 
-Flags carry the step's sequence number (step + 1), so nothing is reset between steps; the
-per-segment counters return to zero at the end of each launch (the program completing a segment
-resets it). The segment plan (segment per row, expected stores per segment) is computed on the
-device from the destination rows, with no host sync.
+Flags carry the message's sequence number, so nothing is reset between steps; the per-segment
+counters return to zero at the end of each launch (the program completing a segment resets it).
+The segment plan (segment per row, expected stores per segment) is computed on the device from
+the destination rows, with no host sync. A combine whose flags never come gives up after its
+timeout and records it in its status words (`kernels.signal`), read at the step's end.
+
+Not yet in the runtime. Wiring it needs, as the transport has: two copies of the destination and
+its flags (step n writes copy n mod 2, so a producer a step ahead cannot overwrite rows being
+combined), and for a source on the same GPU one launch split by program id rather than two
+kernels on two streams, which CUDA does not promise to run concurrently.
 
 Shape legend: N rows (pairs this expert rank holds, grouped by expert), T tokens, K top-k,
 P = T * K pair rows, H hidden, F expert FFN, E experts, S segments, Q sources.
@@ -28,6 +34,7 @@ import triton
 import triton.language as tl
 
 from disagmoe.kernels import grouped_gemm as gg
+from disagmoe.kernels.signal import DEFAULT_TIMEOUT_S, report, spin_until, timed
 from disagmoe.kernels.tile_configs import TileConfig
 
 
@@ -77,9 +84,9 @@ def down_to_destination(act_NF: torch.Tensor, offsets_E: torch.Tensor, w2_EFH: t
 
 
 @triton.jit
-def _combine_landed_kernel(rows_ptr, weights_ptr, y_ptr, flags_ptr, seq, n_tokens, H, K, Q, S, num_programs,
-                           stride_r, stride_y, SEG_TOKENS: tl.constexpr, BLOCK_T: tl.constexpr,
-                           BLOCK_H: tl.constexpr, WEIGHTED: tl.constexpr):
+def _combine_landed_kernel(rows_ptr, weights_ptr, y_ptr, flags_ptr, status_ptr, seq, timeout_ns, n_tokens, H, K,
+                           Q, S, num_programs, stride_r, stride_y, SEG_TOKENS: tl.constexpr, BLOCK_T: tl.constexpr,
+                           BLOCK_H: tl.constexpr, WEIGHTED: tl.constexpr, TIMED: tl.constexpr):
     # Persistent: program i takes work items i, i + num_programs, ..., segment-major (the first
     # segments first, as they land first), so a few programs wait without holding the GPU.
     h_blocks = tl.cdiv(H, BLOCK_H)
@@ -87,10 +94,9 @@ def _combine_landed_kernel(rows_ptr, weights_ptr, y_ptr, flags_ptr, seq, n_token
         seg = item // h_blocks
         cols = (item % h_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
         col_ok = cols < H
-        for q in range(Q):  # every source's rows of this segment have landed
-            seen = tl.atomic_add(flags_ptr + q * S + seg, 0, sem="acquire", scope="sys")
-            while seen != seq:
-                seen = tl.atomic_add(flags_ptr + q * S + seg, 0, sem="acquire", scope="sys")
+        for q in range(Q):  # every source's rows of this segment have landed (or the wait gave up)
+            seen = spin_until(flags_ptr + q * S + seg, seq, timeout_ns, False, TIMED)
+            report(status_ptr, seen, seq, q * S + seg)
         for t0 in range(seg * SEG_TOKENS, tl.minimum((seg + 1) * SEG_TOKENS, n_tokens), BLOCK_T):
             tokens = t0 + tl.arange(0, BLOCK_T)
             tok_ok = (tokens < n_tokens) & (tokens < (seg + 1) * SEG_TOKENS)
@@ -108,10 +114,13 @@ def _combine_landed_kernel(rows_ptr, weights_ptr, y_ptr, flags_ptr, seq, n_token
 
 
 def combine_landed(rows_PH: torch.Tensor, weights_TK: torch.Tensor | None, flags_QS: torch.Tensor, seq: int,
-                   segment_tokens: int, top_k: int, num_programs: int = 16) -> torch.Tensor:
+                   segment_tokens: int, top_k: int, status_2: torch.Tensor, num_programs: int = 16,
+                   timeout_s: float = DEFAULT_TIMEOUT_S) -> torch.Tensor:
     """y[t] = sum_j w[t, j] * rows[t * K + j] (unweighted without weights: the backward's input
     gradients), each segment combined once all Q sources raised its flags to seq. `num_programs`:
-    the SMs the receiving side spends waiting and combining (a knob: the rest stay free)."""
+    the SMs the receiving side spends waiting and combining (a knob: the rest stay free).
+    `status_2` (`kernels.signal.new_status`) records a flag that did not come in `timeout_s`
+    (its index q * S + s); read it once, at the step's end (`kernels.signal.check_status`)."""
     pairs, hidden = rows_PH.shape
     tokens = pairs // top_k
     segments = num_segments(tokens, segment_tokens)
@@ -120,6 +129,8 @@ def combine_landed(rows_PH: torch.Tensor, weights_TK: torch.Tensor | None, flags
                          f"rows [tokens * top_k, H] and int64 flags [sources, {segments}]")
     if num_programs < 1:
         raise ValueError(f"num_programs={num_programs} must be >= 1")
+    if status_2.dtype != torch.int32 or status_2.numel() != 2:
+        raise ValueError("status must be two int32 words (kernels.signal.new_status)")
     y_TH = rows_PH.new_empty((tokens, hidden))
     if tokens == 0:
         return y_TH
@@ -128,9 +139,9 @@ def combine_landed(rows_PH: torch.Tensor, weights_TK: torch.Tensor | None, flags
     weights = weights_TK.contiguous() if weights_TK is not None else rows_PH
     programs = min(num_programs, segments * triton.cdiv(hidden, block_h))
     _combine_landed_kernel[(programs,)](
-        rows_PH, weights, y_TH, flags_QS, seq, tokens, hidden, top_k, flags_QS.shape[0], segments, programs,
-        rows_PH.stride(0), y_TH.stride(0), SEG_TOKENS=segment_tokens, BLOCK_T=block_t, BLOCK_H=block_h,
-        WEIGHTED=weights_TK is not None)
+        rows_PH, weights, y_TH, flags_QS, status_2, seq, int(timeout_s * 1e9), tokens, hidden, top_k,
+        flags_QS.shape[0], segments, programs, rows_PH.stride(0), y_TH.stride(0), SEG_TOKENS=segment_tokens,
+        BLOCK_T=block_t, BLOCK_H=block_h, WEIGHTED=weights_TK is not None, TIMED=timed(rows_PH))
     return y_TH
 
 

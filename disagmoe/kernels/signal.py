@@ -3,10 +3,13 @@ beside their plain-torch reference.
 
 Contract: `raise_flag(flags_W, i, seq, overflow)` stores seq (or -seq for a message that did not fit)
 into flag word i with a release at system scope, after everything the stream did before (the
-payload's copy into the peer's segment); `wait_flag(flags_W, i, seq, status_1)` spins with
-acquire loads at system scope until flag i holds seq or -seq, and ORs 1 into `status_1` for -seq,
-so work queued after it on the stream sees the payload; the host reads the status once, at the
-step's end (`check_status`). Nothing is reset between steps: step t's flags hold t + 1.
+payload's copy into the peer's segment); `wait_flag(flags_W, i, seq, status_2, timeout_s)` spins
+with acquire loads at system scope until flag i holds seq or -seq, so work queued after it on the
+stream sees the payload. The status, two int32 words, records what went wrong: word 0 ORs
+OVERFLOW for -seq and TIMED_OUT for a flag still unset after `timeout_s` (a peer that died or
+never sends; the wait then gives up, so the stream and the step finish and the host learns it),
+word 1 holds the index of a flag that timed out. The host reads the status once, at the step's
+end (`check_status`). Nothing is reset between steps: the n-th message of a slot carries n.
 
 Flags live in another GPU's memory on the fast path (NVSHMEM peer tensors over NVLink); the
 interpreter (CPU tests) runs them on CPU tensors standing for peer buffers, where a wait whose
@@ -23,6 +26,9 @@ import triton.language as tl
 
 from disagmoe.comm.symmetric import ArenaOverflow
 
+OVERFLOW, TIMED_OUT = 1, 2  # bits of the status's word 0
+DEFAULT_TIMEOUT_S = 120.0
+
 
 @triton.jit
 def _raise_flag_kernel(flags_ptr, index, value):
@@ -30,40 +36,93 @@ def _raise_flag_kernel(flags_ptr, index, value):
 
 
 @triton.jit
-def _wait_flag_kernel(flags_ptr, status_ptr, index, seq):
-    seen = tl.atomic_add(flags_ptr + index, 0, sem="acquire", scope="sys")
-    while (seen != seq) & (seen != -seq):
-        seen = tl.atomic_add(flags_ptr + index, 0, sem="acquire", scope="sys")
-    tl.atomic_or(status_ptr, (seen == -seq).to(tl.int32))
+def _now_ns(TIMED: tl.constexpr):
+    if TIMED:
+        return tl.extra.cuda.globaltimer()
+    return 0
+
+
+@triton.jit
+def spin_until(flag_ptr, seq, timeout_ns, ACCEPT_NEGATIVE: tl.constexpr, TIMED: tl.constexpr):
+    """Acquire-load the flag until it holds seq (or -seq with ACCEPT_NEGATIVE) or, on a GPU
+    (TIMED), `timeout_ns` passed; returns the last value seen. The interpreter spins without a
+    bound (its tests raise every flag before waiting)."""
+    start = _now_ns(TIMED)
+    seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+    done = _arrived(seen, seq, ACCEPT_NEGATIVE)
+    while done == 0:
+        seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+        done = _arrived(seen, seq, ACCEPT_NEGATIVE) | (_now_ns(TIMED) - start > timeout_ns)
+    return seen
+
+
+@triton.jit
+def _arrived(seen, seq, ACCEPT_NEGATIVE: tl.constexpr):
+    if ACCEPT_NEGATIVE:
+        return (seen == seq) | (seen == -seq)
+    return seen == seq
+
+
+@triton.jit
+def report(status_ptr, seen, seq, index):
+    """Record in the status what a wait that returned `seen` found (module docstring)."""
+    late = (seen != seq) & (seen != -seq)
+    tl.atomic_or(status_ptr, (seen == -seq).to(tl.int32) * 1 + late.to(tl.int32) * 2)
+    if late:
+        tl.atomic_xchg(status_ptr + 1, index)
+
+
+@triton.jit
+def _wait_flag_kernel(flags_ptr, status_ptr, index, seq, timeout_ns, TIMED: tl.constexpr):
+    seen = spin_until(flags_ptr + index, seq, timeout_ns, True, TIMED)
+    report(status_ptr, seen, seq, index)
 
 
 def raise_flag(flags_W: torch.Tensor, index: int, seq: int, overflow: bool = False) -> None:
-    """Publish message `index` of step sequence number `seq` (module docstring)."""
+    """Publish message `index` of sequence number `seq` (module docstring)."""
     _check(flags_W, index, seq)
     _raise_flag_kernel[(1,)](flags_W, index, -seq if overflow else seq)
 
 
-def wait_flag(flags_W: torch.Tensor, index: int, seq: int, status_1: torch.Tensor) -> None:
+def new_status(device: torch.device | str) -> torch.Tensor:
+    """A zeroed status (two int32 words) for `wait_flag`."""
+    return torch.zeros(2, dtype=torch.int32, device=device)
+
+
+def wait_flag(flags_W: torch.Tensor, index: int, seq: int, status_2: torch.Tensor,
+              timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     """Queue a wait for message `index` of `seq` on the stream (module docstring)."""
     _check(flags_W, index, seq)
-    if status_1.dtype != torch.int32 or status_1.numel() != 1:
-        raise ValueError("status must be one int32 word (zero it at the start of a run)")
-    _wait_flag_kernel[(1,)](flags_W, status_1, index, seq)
+    if status_2.dtype != torch.int32 or status_2.numel() != 2:
+        raise ValueError("status must be two int32 words (`new_status`)")
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s={timeout_s} must be > 0")
+    _wait_flag_kernel[(1,)](flags_W, status_2, index, seq, int(timeout_s * 1e9), TIMED=timed(flags_W))
 
 
-def check_status(status_1: torch.Tensor, what: str) -> None:
-    """At the step's one read: `ArenaOverflow` if any wait saw a message that did not fit."""
-    if int(status_1.item()):
+def timed(t: torch.Tensor) -> bool:
+    """Whether waits on `t` can read the GPU's clock (compiled on CUDA, not the interpreter)."""
+    import os
+
+    return t.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
+
+
+def check_status(status: list[int], what: str) -> None:
+    """At the step's one read of the status words: `ArenaOverflow` if a wait saw a message that
+    did not fit, `TimeoutError` naming the flag if one never came."""
+    if status[0] & OVERFLOW:
         raise ArenaOverflow(f"{what}: a message did not fit its receive segment (its sender names it); "
-                            "raise the transport's capacity_factor or leave it unset for the worst case")
+                            "raise transport_capacity_factor or leave it unset for the worst case")
+    if status[0] & TIMED_OUT:
+        raise TimeoutError(f"{what}: the wait for flag {status[1]} timed out (its sender is hung, slow or died)")
 
 
-def wait_reference(flags_W: torch.Tensor, index: int, seq: int, status_1: torch.Tensor) -> None:
+def wait_reference(flags_W: torch.Tensor, index: int, seq: int, status_2: torch.Tensor) -> None:
     """Plain torch, for a flag already raised: the status a wait leaves."""
     value = int(flags_W[index])
     if value not in (seq, -seq):
         raise AssertionError(f"flag {index} holds {value}, not {seq}: the reference cannot wait")
-    status_1 |= int(value == -seq)
+    status_2[0] |= int(value == -seq)
 
 
 def _check(flags_W: torch.Tensor, index: int, seq: int) -> None:

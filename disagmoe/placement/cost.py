@@ -263,7 +263,6 @@ def evaluate(prob: Problem, c: Candidates) -> Cost:
         local = (m.num_experts // ep).astype(float)
         imbalance = np.full(len(c), max(prob.load_peak_ratio, 1.0))
         rows = tokens * k * imbalance
-        a2a_bytes = BF16 * tokens * k * H * (1.0 - 1.0 / ep)
         f_link = _scaleout_fraction(ep.astype(float), prob.nvlink_domain)
         f_next = _ring_hop_fraction(p * ep, p, f_link, prob.nvlink_domain)  # EP block b of every group
         expert_replicas = dp / ep
@@ -284,13 +283,19 @@ def evaluate(prob: Problem, c: Candidates) -> Cost:
         f_replicas = _scaleout_fraction(e_pg, prob.nvlink_domain)
 
     n_moe, n_dense, L = m.num_moe_layers, m.num_dense_layers, m.num_layers
+    token_row = BF16 * H + (4 + BF16) * k  # a dispatched token: its row, int32 top-k ids, bf16 weights
     if c.colocated:
-        dispatch = st.all_to_all(a2a_bytes * imbalance, f_link, ep)  # ep = 1: every GPU holds every expert
-        combine = dispatch
+        # The runtime's compact hop: each GPU sends its tokens once to every other GPU of its EP block.
+        dispatch = st.all_to_all(tokens * token_row * (ep - 1.0), f_link, ep)  # ep = 1: no peer, no call
+        combine = st.all_to_all(tokens * BF16 * H * (ep - 1.0), f_link, ep)
     else:
-        send = BF16 * tokens * k * H + np.where(p > 1, BF16 * tokens * (H + 2 * k), 0.0)
-        dispatch = st.transfer(np.maximum(send, BF16 * rows * H), f_link)
-        combine = st.transfer(np.maximum(BF16 * tokens * k * H, BF16 * rows * H), f_next)
+        # The runtime's compact hop (`runtime.messages`): every token once to each expert GPU of its
+        # replica set, one partial sum per token back, whatever k; the busier end of each hop.
+        sources = dp / sets  # attention GPUs an expert GPU serves
+        residual = np.where(p > 1, BF16 * tokens * (H + 2 * k), 0.0)  # the attention GPU's other send
+        dispatch = st.transfer(np.maximum(per_set * tokens * token_row + residual, sources * tokens * token_row),
+                               f_link)
+        combine = st.transfer(BF16 * tokens * H * np.maximum(sources, per_set), f_next)
     handoff = st.transfer(BF16 * tokens * H, f_next)  # residual stream to the next pipeline group
 
     # Parameters each GPU holds (the busiest pipeline group's share).

@@ -115,6 +115,12 @@ def check_fits(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topology) -> 
             f"{topology.pipeline_groups} groups and {model_cfg.num_layers} layers the head runs on group "
             f"{topology.head_group}; choose pipeline_groups dividing num_layers"
         )
+    factor = cfg.transport_capacity_factor
+    if factor is not None and (cfg.transport != "nvshmem" or factor < 1):
+        raise ValueError(
+            f"transport_capacity_factor={factor:g}: every message of this runtime has rows fixed by the run "
+            "(tokens per micro-batch), so its buffers are sized exactly and a factor below 1 cannot hold them; "
+            "it applies to transport: nvshmem only, at >= 1 (leave it unset)")
     if cfg.ray_address is not None:
         return  # a joined cluster's capacity is checked by Ray's placement (with the numbers)
     if cfg.device == "cuda":

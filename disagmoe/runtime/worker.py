@@ -231,7 +231,8 @@ class TrainWorker(Worker):
         tail = status.double() if status is not None else scalars.new_zeros(0)
         values = torch.cat([scalars, loads, tail]).tolist()  # the one read
         if status is not None:
-            self.transport.check_status(int(values.pop()))
+            self.transport.check_status([int(v) for v in values[len(values) - tail.numel():]])
+            del values[len(values) - tail.numel():]
         read: dict[str, Any] = {"grad_norm": values[0]}
         if parts:
             read["loss_parts"] = dict(zip(parts, values[1:1 + len(parts)], strict=True))

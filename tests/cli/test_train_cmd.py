@@ -50,17 +50,21 @@ def test_the_default_config_trains_disaggregated_on_ray(tmp_path):
     assert pids == {0, 1}
 
 
-def write_plan(tmp_path: Path, gpus: int, **request) -> Path:
-    """The planner's best disaggregated plan for the tiny model on `gpus` H200s, written to
-    plan.yaml as `disagmoe plan --out` writes it. (The planner's overall pick for so small a
-    model is one GPU, `single`: latency dominates; this tests plan -> train, not that choice.)"""
+def write_plan(tmp_path: Path, gpus: int, expert_gpus: int, **request) -> Path:
+    """The planner's best disaggregated plan for the tiny model on `gpus` H200s with 1 attention
+    and `expert_gpus` expert GPUs, written to plan.yaml as `disagmoe plan --out` writes it. (The
+    planner's own pick for so small a model is one GPU, `single`, or few GPUs: latency dominates;
+    this tests plan -> train, not that choice.)"""
+    import numpy as np
+
     from disagmoe.cli.plan_cmd import build_request
     from disagmoe.cli.plan_cmd import write_plan as write
     from disagmoe.placement.cost import evaluate
     from disagmoe.placement.solver import best_index, disaggregated_candidates, price, problem_of
 
     cfg = build_request("tiny", "h200-sxm", gpus, 64, 512, **request)
-    candidates = disaggregated_candidates(cfg, gpus)
+    every = disaggregated_candidates(cfg, gpus)
+    candidates = every.take(np.flatnonzero((every.attn == 1) & (every.expert == expert_gpus) & (every.p == 1)))
     plan = price(cfg, candidates.take(best_index(evaluate(problem_of(cfg), candidates), candidates))).plan
     path = tmp_path / "plan.yaml"
     write(plan, path)
@@ -69,7 +73,7 @@ def write_plan(tmp_path: Path, gpus: int, **request) -> Path:
 
 def test_train_runs_the_layout_of_a_plan(tmp_path):
     """plan -> train: the planner's 1 attention + 2 expert GPUs replace the config's 1 + 1."""
-    plan = write_plan(tmp_path, 3)
+    plan = write_plan(tmp_path, 3, expert_gpus=2)
     out = tmp_path / "run"
     result = invoke("--config", str(REPO / "configs/tiny-cpu.yaml"), "--plan", str(plan), "--out-dir", str(out),
                     "steps=3", "batch_size=4", "seq_len=32", "eval_every=0")
@@ -82,7 +86,7 @@ def test_train_runs_the_layout_of_a_plan(tmp_path):
 
 def test_train_runs_a_plan_with_replicated_experts(tmp_path):
     """plan --max-expert-replicas 1 -> train: 1 attention + 4 expert GPUs, hot experts on two."""
-    plan = write_plan(tmp_path, 5, max_expert_replicas=1)
+    plan = write_plan(tmp_path, 5, expert_gpus=4, max_expert_replicas=1)
     assert any(len(ranks) > 1 for owners in yaml.safe_load(plan.read_text())["expert_map"] for ranks in owners)
     result = invoke("--config", _config(tmp_path), "--plan", str(plan), "steps=2", "batch_size=4", "seq_len=32",
                     "eval_every=0")

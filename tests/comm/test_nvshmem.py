@@ -2,8 +2,8 @@
 
 On a CPU: every receive slot of every layout is found again from its messages' transport keys.
 On GPUs (`gpu`, with nvshmem4py): two processes run a disaggregated schedule's programs for
-three steps (both copies of every segment, then the first again), every message arriving intact
-and in place; a message over its segment's capacity makes the sender raise and the receiver's
+three steps (both copies of every segment, then the first again) and an evaluation pass numbered
+like step 0, every message arriving intact and in place; a message over its segment's capacity makes the sender raise and the receiver's
 status word report it. Two GPUs if there are two; on one, both PEs share it (NVSHMEM supports
 several processes per GPU), which tests the protocol but not NVLink.
 """
@@ -60,33 +60,40 @@ def _message(src: int, key, specs: list[TensorSpec]) -> list[torch.Tensor]:
 
 
 def _run_programs(rank: int, transport) -> list[str]:
-    """Each step: the rank's program in order (sends, then waits on the GPU), every message checked."""
+    """Three training steps of the rank's program in order (sends, then waits on the GPU), then an
+    evaluation pass (forward messages only) numbered step 0 again, as the worker numbers its
+    evaluation batches: the transport's own sequence numbers keep it from passing on step 0's
+    flags. Every message checked."""
     program = TOPOLOGY.programs(MICRO_BATCHES)[rank]
     wrong, pointers = [], {}
-    for step in range(STEPS):
+    passes = [(step, False) for step in range(STEPS)] + [(0, True)]
+    for round_, (step, forward_only) in enumerate(passes):
         handles = []
         for op in program:
+            if forward_only and isinstance(op, (Send, Recv)) and op.payload.backward:
+                continue
             for peer in getattr(op, "peers", ()):
                 if peer == rank:
                     continue
                 key = message_key(step, op.payload, op.layer, op.micro_batch)
                 specs = _specs(op.payload, op.layer)
+                salt = message_key(round_, op.payload, op.layer, op.micro_batch)  # new contents every pass
                 if isinstance(op, Send):
-                    handles.append(transport.send(peer, key, [t.to(transport.device) for t in _message(rank, key, specs)]))
+                    handles.append(transport.send(peer, key, [t.to(transport.device) for t in _message(rank, salt, specs)]))
                 elif isinstance(op, Recv):
                     got = transport.recv(peer, key, specs)
-                    want = _message(peer, key, specs)
+                    want = _message(peer, salt, specs)
                     if not all(torch.equal(g.cpu(), w) for g, w in zip(got, want, strict=True)):
-                        wrong.append(f"step {step} {op.payload.value} L{op.layer} mb{op.micro_batch}")
+                        wrong.append(f"pass {round_} {op.payload.value} L{op.layer} mb{op.micro_batch}")
                     pointers.setdefault((op.payload, op.layer, op.micro_batch), []).append(got[0].data_ptr())
         for handle in handles:
             handle.wait()
     torch.cuda.synchronize()
-    for slot, seen in pointers.items():  # in place: copies alternate, step 2 reuses step 0's
+    for slot, seen in pointers.items():  # in place: copies alternate, the third message reuses the first's
         if not (seen[0] == seen[2] != seen[1]):
             wrong.append(f"{slot}: received at {seen}")
-    if int(transport.status_word()):
-        wrong.append("status word set without an overflow")
+    if transport.status_word().tolist() != [0, 0]:
+        wrong.append(f"status set without a failure: {transport.status_word().tolist()}")
     return wrong
 
 
@@ -108,16 +115,20 @@ def _overflow(rank: int, transport) -> str:
         pass  # refused on the host; the GPU wait below still learns it from the flag
     from disagmoe.kernels.signal import wait_flag
 
-    seg = transport._segment(rank, peer, key)
-    wait_flag(transport._flags_W, seg.flag, key.step + 1, transport.status_1)  # the sender set it to -1
+    seg = transport.layout.segment((peer, op.payload, 0, 0), 0)
+    wait_flag(transport._flags_W, seg.flag, 1, transport.status_2)  # the sender set it to -1
     try:
-        transport.check_status(int(transport.status_word()))
+        transport.check_status(transport.status_word().tolist())
     except ArenaOverflow as err:
         return f"receiver: {err}"
     return "receiver's status is clear"
 
 
 def _rank_main(rank: int, port: int, capacity_factor: float | None, reports) -> None:
+    import os
+
+    os.environ.update({"NVSHMEM_REMOTE_TRANSPORT": "none", "NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME": "lo",
+                       "NVSHMEM_DISABLE_NVLS": "1"})  # one host, loopback bootstrap, no multicast
     report: dict = {}
     try:
         from disagmoe.comm.nvshmem import NvshmemTransport

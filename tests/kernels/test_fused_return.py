@@ -60,7 +60,9 @@ def _run(fr, case, step_seqs, device, dtype, skew=False, seed=0):
                                    SMALL_TILES, dst_PH=dst, dst_rows_N=pairs.to(device), tokens=tokens, top_k=top_k,
                                    segment_tokens=seg_tokens, counters_S=counters[q], flags_QS=flags, source=q,
                                    seq=seq, num_programs=3)
-        y = fr.combine_landed(dst, weights, flags, seq, seg_tokens, top_k, num_programs=2)
+        status = torch.zeros(2, dtype=torch.int32, device=device)
+        y = fr.combine_landed(dst, weights, flags, seq, seg_tokens, top_k, status, num_programs=2)
+        assert status.tolist() == [0, 0]
         rows_want = torch.einsum("pf,pfh->ph", act.float(), w2.float()[topk.flatten().to(device)])
         want = fr.combine_reference(rows_want, weights, top_k)
         results.append((dst, rows_want, y, want, flags.clone(), [c.clone() for c in counters]))
@@ -69,7 +71,7 @@ def _run(fr, case, step_seqs, device, dtype, skew=False, seed=0):
 
 @pytest.fixture
 def fused(interpreted):
-    _, fr = interpreted("disagmoe.kernels.grouped_gemm", "disagmoe.kernels.fused_return")
+    _, _, fr = interpreted("disagmoe.kernels.signal", "disagmoe.kernels.grouped_gemm", "disagmoe.kernels.fused_return")
     return fr
 
 
@@ -110,7 +112,9 @@ def test_bad_buffers_are_refused_with_the_shape_expected(fused):
 @pytest.mark.parametrize("skew", [False, True], ids=["spread", "one-expert-takes-all"])
 def test_gpu_the_combine_waits_for_rows_stored_by_a_concurrent_launch(skew):
     """The combine is queued first on its own stream and spins on the flags; the expert launch on
-    another stream stores the rows and raises them. bf16, the Qwen3-30B expert shape, 4k tokens."""
+    another stream stores the rows and raises them. bf16, the Qwen3-30B expert shape, 4k tokens.
+    (CUDA runs the two streams' kernels concurrently here but does not promise to: if it
+    serialised them, the combine would give up after its timeout and the test says so.)"""
     from disagmoe.kernels import fused_return as fr
     from disagmoe.kernels.moe_ffn import FFNTiles
 
@@ -127,13 +131,17 @@ def test_gpu_the_combine_waits_for_rows_stored_by_a_concurrent_launch(skew):
     flags = torch.zeros(1, segments, dtype=torch.int64, device=device)
     counters = torch.zeros(segments, dtype=torch.int32, device=device)
     dst = torch.zeros(tokens * top_k, hidden, device=device, dtype=dtype)
-    act_grouped, pairs_d, offsets_d = act[pairs.long().to(device)].contiguous(), pairs.to(device), offsets.to(device)
+    pairs_d, offsets_d = pairs.to(device), offsets.to(device)
     tiles = FFNTiles.for_shape(tokens * top_k, experts, hidden, ffn, device)
-    torch.cuda.synchronize()
+    status = torch.zeros(2, dtype=torch.int32, device=device)
     consumer, producer = torch.cuda.Stream(), torch.cuda.Stream()
     for seq in (1, 2):  # the second step reuses the flags (seq 2) and the counters (back to zero)
-        with torch.cuda.stream(consumer):
-            y = fr.combine_landed(dst, weights, flags, seq, seg_tokens, top_k, num_programs=8)
+        act = torch.randn(tokens * top_k, ffn, generator=gen).to(device, dtype)  # new rows each step
+        act_grouped = act[pairs.long().to(device)].contiguous()
+        dst.fill_(float("nan"))  # a combine that did not wait would read these
+        torch.cuda.synchronize()
+        with torch.cuda.stream(consumer):  # queued first: it waits on the flags, for at most 10 s
+            y = fr.combine_landed(dst, weights, flags, seq, seg_tokens, top_k, status, num_programs=8, timeout_s=10)
         with torch.cuda.stream(producer):
             fr.down_to_destination(act_grouped, offsets_d, w2, tiles.down, dst_PH=dst, dst_rows_N=pairs_d,
                                    tokens=tokens, top_k=top_k, segment_tokens=seg_tokens, counters_S=counters,
@@ -141,6 +149,7 @@ def test_gpu_the_combine_waits_for_rows_stored_by_a_concurrent_launch(skew):
         torch.cuda.synchronize()
         rows_want = torch.einsum("pf,pfh->ph", act.float(), w2.float()[topk.flatten().to(device)])
         want = fr.combine_reference(rows_want, weights.float(), top_k)
+        assert status.tolist() == [0, 0], "the combine gave up waiting (were the kernels serialised?)"
         err = ((y.float() - want).norm() / want.norm()).item()
         assert err < 1e-2, (seq, err)
         assert (flags == seq).all() and (counters == 0).all()

@@ -14,21 +14,28 @@ def signal(interpreted):
 
 def test_flags_carry_the_steps_sequence_number_and_overflow(signal):
     flags = torch.zeros(4, dtype=torch.int64)
-    status = torch.zeros(1, dtype=torch.int32)
+    status = signal.new_status("cpu")
     for seq in (1, 2, 3):  # nothing reset between steps
         signal.raise_flag(flags, 2, seq)
         signal.wait_flag(flags, 2, seq, status)
-        assert int(flags[2]) == seq and int(status) == 0
-    signal.check_status(status, "rank 1")
+        assert int(flags[2]) == seq and status.tolist() == [0, 0]
+    signal.check_status(status.tolist(), "rank 1")
     signal.raise_flag(flags, 0, 4, overflow=True)
     signal.wait_flag(flags, 0, 4, status)
-    reference = torch.zeros(1, dtype=torch.int32)
+    reference = signal.new_status("cpu")
     signal.wait_reference(flags, 0, 4, reference)
-    assert int(flags[0]) == -4 and int(status) == 1 == int(reference)
+    assert int(flags[0]) == -4 and status.tolist() == [signal.OVERFLOW, 0] == reference.tolist()
     with pytest.raises(ArenaOverflow, match="rank 1: a message did not fit"):
-        signal.check_status(status, "rank 1")
+        signal.check_status(status.tolist(), "rank 1")
     with pytest.raises(ValueError, match=">= 1"):
         signal.raise_flag(flags, 0, 0)
+    with pytest.raises(ValueError, match="two int32 words"):
+        signal.wait_flag(flags, 0, 4, torch.zeros(1, dtype=torch.int32))
+
+
+def test_a_timed_out_status_names_the_flag(signal):
+    with pytest.raises(TimeoutError, match="rank 0: the wait for flag 3 timed out"):
+        signal.check_status([signal.TIMED_OUT, 3], "rank 0")
 
 
 @pytest.mark.gpu
@@ -36,9 +43,12 @@ def test_gpu_flags_pass_in_stream_order():
     from disagmoe.kernels import signal
 
     flags = torch.zeros(3, dtype=torch.int64, device="cuda")
-    status = torch.zeros(1, dtype=torch.int32, device="cuda")
+    status = signal.new_status("cuda")
     for seq in (1, 2):
         signal.raise_flag(flags, 1, seq)
         signal.wait_flag(flags, 1, seq, status)  # queued behind the raise: passes
     torch.cuda.synchronize()
-    assert flags.tolist() == [0, 2, 0] and int(status) == 0
+    assert flags.tolist() == [0, 2, 0] and status.tolist() == [0, 0]
+    signal.wait_flag(flags, 2, 1, status, timeout_s=0.05)  # never raised: gives up and says which
+    torch.cuda.synchronize()
+    assert status.tolist() == [signal.TIMED_OUT, 2]

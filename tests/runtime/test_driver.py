@@ -428,6 +428,14 @@ def test_a_rank_whose_training_state_exceeds_the_device_is_refused(tmp_path):
         check_memory(cfg, cfg.model, topology, capacity_bytes=1e6)
 
 
+@pytest.mark.parametrize("transport, factor", [("nvshmem", 0.5), ("nccl", 2.0)])
+def test_a_capacity_factor_that_cannot_apply_is_refused_before_start(tmp_path, transport, factor):
+    cfg = run_config(tmp_path / "run", "disaggregated", attention_ranks=1, expert_ranks=1, transport=transport,
+                     transport_capacity_factor=factor)
+    with pytest.raises(ValueError, match=f"transport_capacity_factor={factor:g}: every message .* at >= 1"):
+        DistributedTrainer(cfg)
+
+
 def test_the_memory_check_counts_each_transports_receive_buffers(tmp_path):
     """nccl keeps one buffer per received slot; nvshmem two copies, in an arena as large as the
     largest rank's on every rank: the expert rank's arena fits the attention rank's receives too."""
