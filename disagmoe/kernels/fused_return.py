@@ -30,6 +30,8 @@ import triton.language as tl
 from disagmoe.kernels import grouped_gemm as gg
 from disagmoe.kernels.tile_configs import TileConfig
 
+COMBINE_PROGRAMS = 16  # the receiver's default: SMs spent waiting and combining, the rest stay free
+
 
 def num_segments(tokens: int, segment_tokens: int) -> int:
     return triton.cdiv(tokens, segment_tokens)
@@ -108,7 +110,7 @@ def _combine_landed_kernel(rows_ptr, weights_ptr, y_ptr, flags_ptr, seq, n_token
 
 
 def combine_landed(rows_PH: torch.Tensor, weights_TK: torch.Tensor | None, flags_QS: torch.Tensor, seq: int,
-                   segment_tokens: int, top_k: int, num_programs: int = 16) -> torch.Tensor:
+                   segment_tokens: int, top_k: int, num_programs: int = COMBINE_PROGRAMS) -> torch.Tensor:
     """y[t] = sum_j w[t, j] * rows[t * K + j] (unweighted without weights: the backward's input
     gradients), each segment combined once all Q sources raised its flags to seq. `num_programs`:
     the SMs the receiving side spends waiting and combining (a knob: the rest stay free)."""
