@@ -37,6 +37,8 @@ from disagmoe.kernels import grouped_gemm as gg
 from disagmoe.kernels.signal import DEFAULT_TIMEOUT_S, report, spin_until, timed
 from disagmoe.kernels.tile_configs import TileConfig
 
+COMBINE_PROGRAMS = 16  # the receiver's default: SMs spent waiting and combining, the rest stay free
+
 
 def num_segments(tokens: int, segment_tokens: int) -> int:
     return triton.cdiv(tokens, segment_tokens)
@@ -114,7 +116,7 @@ def _combine_landed_kernel(rows_ptr, weights_ptr, y_ptr, flags_ptr, status_ptr, 
 
 
 def combine_landed(rows_PH: torch.Tensor, weights_TK: torch.Tensor | None, flags_QS: torch.Tensor, seq: int,
-                   segment_tokens: int, top_k: int, status_2: torch.Tensor, num_programs: int = 16,
+                   segment_tokens: int, top_k: int, status_2: torch.Tensor, num_programs: int = COMBINE_PROGRAMS,
                    timeout_s: float = DEFAULT_TIMEOUT_S) -> torch.Tensor:
     """y[t] = sum_j w[t, j] * rows[t * K + j] (unweighted without weights: the backward's input
     gradients), each segment combined once all Q sources raised its flags to seq. `num_programs`:
