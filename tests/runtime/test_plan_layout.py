@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 import ray
 
@@ -23,14 +24,18 @@ from disagmoe.runtime.topology import Topology, contiguous_expert_ids
 MODEL = load_model("tiny")
 
 
-def planned(gpus: int, **request) -> Plan:
+def planned(gpus: int, expert_gpus: int | None = None, **request) -> Plan:
     """The planner's best disaggregated plan for the tiny model on `gpus` H200s (64-token
-    sequences, 8 per step); on one GPU, its plan (single). For so small a model the planner's
-    overall pick is often fewer GPUs (latency dominates), so the layout is fixed here."""
+    sequences, 8 per step), with 1 attention and `expert_gpus` expert GPUs if given; on one GPU,
+    its plan (single). For so small a model the planner's overall pick is often fewer GPUs
+    (latency dominates), so the layout is fixed here."""
     cfg = build_request("tiny", "h200-sxm", gpus, 64, 512, **request)
     if gpus == 1:
         return solve(cfg)
     candidates = disaggregated_candidates(cfg, gpus)
+    if expert_gpus is not None:
+        candidates = candidates.take(np.flatnonzero((candidates.attn == 1) & (candidates.expert == expert_gpus)
+                                                    & (candidates.p == 1)))
     return price(cfg, candidates.take(best_index(evaluate(problem_of(cfg), candidates), candidates))).plan
 
 
@@ -106,7 +111,7 @@ def test_a_plan_file_written_by_the_planner_loads(tmp_path):
 
 
 def test_a_plan_with_replicated_experts_places_every_replica():
-    plan = planned(5, max_expert_replicas=1)  # 1 attention + 4 expert GPUs, hot experts on two ranks
+    plan = planned(5, expert_gpus=4, max_expert_replicas=1)  # 1 attention + 4 expert GPUs, hot experts on two ranks
     assert any(len(ranks) > 1 for owners in plan.expert_map for ranks in owners)
     placement = plan_placement(plan, MODEL)
     assert placement[1] == tuple(tuple(ranks) for ranks in plan.expert_map[0])  # pool rank = group index (p = 1)
