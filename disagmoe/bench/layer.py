@@ -265,6 +265,13 @@ class ExpertSide:
                                segment_tokens=signal.segment_tokens, counters_S=signal.counters_S,
                                flags_QS=signal.flags_QS, source=0, seq=signal.seq, num_programs=self.num_programs)
 
+    def in_segment_order(self, segment_tokens: int, segments: int) -> ExpertSide:
+        """The same rows regrouped by (destination segment, expert) (`fused_return.segment_major_order`):
+        the GEMMs finish segment by segment, so the receiver combines the first while later ones compute."""
+        order_N, offsets_G = fr.segment_major_order(self.offsets_E, self.pairs_N, self.top_k, segment_tokens, segments)
+        return ExpertSide(self.x_NH[order_N], self.dy_NH[order_N], self.pairs_N[order_N], offsets_G,
+                          self.w13_EH2F, self.w2_EFH, self.top_k, self.tiles, self.num_programs)
+
     def weight_grads(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(dw13_EH2F, dw2_EFH) after a forward and a backward (as `moe_ffn_backward`)."""
         dw2 = gg.ragged_weight_grad(self.act_NF, self.dy_NH, self.offsets_E, self.tiles.wgrad_w2,
@@ -470,6 +477,7 @@ class Options:
     combine_programs: int
     fused: bool
     seed: int = 0
+    order: str = "segment"  # the fused path's row order: "segment" (segment-major groups) or "expert"
 
 
 def _expert_specs(shape: LayerShape) -> list[tuple[tuple[int, ...], torch.dtype]]:
@@ -507,6 +515,8 @@ def _run_shape(rank: int, shape: LayerShape, opts: Options, arena: ReturnArena |
         side = ExpertSide(x_NH, dy_NH, pairs_N, offsets_E, w13, w2, K, tiles)
         local_PH = x_NH.new_empty((shape.pairs, shape.hidden))
         counters_S = torch.zeros(fr.num_segments(shape.tokens, seg), dtype=torch.int32, device=dev)
+        fused_side = (side.in_segment_order(seg, fr.num_segments(shape.tokens, seg)) if opts.order == "segment"
+                      else side)  # (a) keeps one group per expert, the GEMMs' best
         report["tiles"] = dataclasses.asdict(tiles)
     # 2. each GPU on its own: GPU 1's launches with no transfer, GPU 0's combine with nothing to wait for
     if rank == 0:
@@ -545,7 +555,7 @@ def _run_shape(rank: int, shape: LayerShape, opts: Options, arena: ReturnArena |
                 return out
         else:
             def fused(mark, seq, p=p, rows_PH=rows_PH, flags_QS=flags_QS):
-                side.launch(p, rows_PH, Signal(flags_QS, counters_S, seg, seq))
+                fused_side.launch(p, rows_PH, Signal(flags_QS, counters_S, seg, seq))
                 mark("expert")
         report["fused"][p], out = _aligned(fused, opts.warmup, opts.iters, seqs, token)
         if rank == 0:
@@ -673,7 +683,13 @@ def fused_unavailable() -> str | None:
             "ran the baseline (a) only")
 
 
-def check_options(iters: int, warmup: int, segment_tokens: int, combine_programs: int) -> None:
+ORDERS = ("segment", "expert")
+
+
+def check_options(iters: int, warmup: int, segment_tokens: int, combine_programs: int, order: str = "segment") -> None:
+    if order not in ORDERS:
+        raise ValueError(f"--order {order!r}: choose segment (rows grouped by destination segment, then expert: "
+                         "the first segments land first) or expert (one group per expert)")
     if iters < 1 or warmup < 0:
         raise ValueError(f"need --iters >= 1 and --warmup >= 0; got {iters} and {warmup}")
     if segment_tokens < 1:
@@ -695,25 +711,25 @@ def check_gpus() -> None:
 
 def run(shapes: Sequence[LayerShape], iters: int = 20, warmup: int = 5,
         segment_tokens: int = DEFAULT_SEGMENT_TOKENS, combine_programs: int = fr.COMBINE_PROGRAMS,
-        log: Callable[[str], None] = print) -> dict:
+        log: Callable[[str], None] = print, order: str = "segment") -> dict:
     """Every shape on GPUs 0 and 1, (a) and (b) in the same run, then `bench hardware`'s probe."""
     from dataclasses import asdict
 
     from disagmoe.bench import hardware
 
-    check_options(iters, warmup, segment_tokens, combine_programs)
+    check_options(iters, warmup, segment_tokens, combine_programs, order)
     if not shapes:
         raise ValueError("no shapes to run")
     check_gpus()
     skipped = fused_unavailable()
     if skipped:
         log(f"fused path (b) not run: {skipped}")
-    opts = Options(iters, warmup, segment_tokens, combine_programs, fused=skipped is None)
+    opts = Options(iters, warmup, segment_tokens, combine_programs, fused=skipped is None, order=order)
     log(f"bench layer: {', '.join(s.name for s in shapes)} on GPUs 0 (attention) and 1 (experts), "
         f"{warmup} + {iters} iterations per variant")
     reports = _spawn_ranks(list(shapes), opts)
     log("bench hardware probe (NVLink one-way bandwidth, same run)")
     measured = asdict(hardware.measure())
     options = {"iters": iters, "warmup": warmup, "segment_tokens": segment_tokens,
-               "combine_programs": combine_programs, "seed": opts.seed}
+               "combine_programs": combine_programs, "seed": opts.seed, "order": order}
     return build_record(shapes, reports, measured, options, skipped)

@@ -100,6 +100,9 @@ def layer(
         help="tokens per flag segment of the fused return (the combine waits per segment)")] = 256,
     combine_programs: Annotated[int, typer.Option(
         help="persistent programs (SMs) of GPU 0's combine, in both variants")] = 16,
+    order: Annotated[str, typer.Option(
+        help="the fused path's rows: segment (grouped by destination segment, then expert: the first "
+             "segments land while later ones compute) or expert (one group per expert, as the baseline)")] = "segment",
     as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
     out: Annotated[Path | None, typer.Option(help="also write the JSON record here")] = None,
 ) -> None:
@@ -120,10 +123,10 @@ def layer(
     from disagmoe.bench import layer as bench
 
     shapes = bench.layer_shapes(shape)
-    bench.check_options(iters, warmup, segment_tokens, combine_programs)
+    bench.check_options(iters, warmup, segment_tokens, combine_programs, order)
     log = (lambda m: err_console.print(m, highlight=False, markup=False)) if as_json else (
         lambda m: console.print(m, highlight=False, markup=False))
-    record = bench.run(shapes, iters, warmup, segment_tokens, combine_programs, log=log)
+    record = bench.run(shapes, iters, warmup, segment_tokens, combine_programs, log=log, order=order)
     if out is not None:
         out.write_text(json.dumps(record, indent=1) + "\n")
     if as_json:

@@ -83,7 +83,7 @@ def _signal_rows_landed(rows, row_ok, seg_ptr, expected_ptr, counters_ptr, flags
 def _ragged_rows_gemm_kernel(
     a_ptr, b_ptr, out_ptr, h13_ptr, dst_rows_ptr, offsets_ptr,
     seg_ptr, expected_ptr, counters_ptr, flags_ptr, seq, n_segments,
-    E, K, C, F_UP, num_programs,
+    E, E_W, K, C, F_UP, num_programs,
     stride_am, stride_ak, stride_be, stride_bk, stride_bc,
     stride_om, stride_oc, stride_hm, stride_hc,
     EPILOGUE: tl.constexpr, SCATTER: tl.constexpr, SAVE_H13: tl.constexpr, SIGNAL: tl.constexpr,
@@ -95,6 +95,8 @@ def _ragged_rows_gemm_kernel(
     # [N, 2C] for EPILOGUE_SWIGLU_GRAD: d gate in [:, :C], d up in [:, C:]); h13 [N, 2C] the saved
     # pre-activations (gate | up), written when SAVE_H13, read by EPILOGUE_SWIGLU_GRAD.
     # SIGNAL (plain epilogue): row r belongs to segment seg[r] of `out`; `_signal_rows_landed`.
+    # E row groups over E_W weights: group g multiplies by b[g mod E_W] (E == E_W: one group per
+    # expert; segment-major order, `fused_return.segment_major_order`: E = segments x E_W).
     pid = tl.program_id(0)
     tiles_n = tl.cdiv(C, BLOCK_N)
     idx, item_ends = _item_table(offsets_ptr, E, tiles_n, BLOCK_M, E_POW2)
@@ -115,7 +117,7 @@ def _ragged_rows_gemm_kernel(
         col_ok = cols < C
         ks = tl.arange(0, BLOCK_K)
         a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_am + ks[None, :] * stride_ak
-        b_ptrs = (b_ptr + expert.to(tl.int64) * stride_be + ks[:, None] * stride_bk
+        b_ptrs = (b_ptr + (expert % E_W).to(tl.int64) * stride_be + ks[:, None] * stride_bk
                   + cols[None, :] * stride_bc)
         ok = row_ok[:, None] & col_ok[None, :]
         rows64 = rows.to(tl.int64)
@@ -249,6 +251,8 @@ def ragged_rows_gemm(
     num_programs: int | None = None,
 ) -> torch.Tensor:
     """out[rows_e] = epilogue(a[rows_e] @ b[e]) for every expert e, in one persistent launch.
+    `offsets_E` may hold a multiple G of the experts' count: G row groups, group g using b[g mod E]
+    (rows in segment-major order for the fused return, `fused_return.segment_major_order`).
 
     `b_EKC` may be any strided view (a transposed weight is passed as `.transpose(1, 2)`). With
     EPILOGUE_SWIGLU, b holds gate columns [:C] and up columns [C:2C] and `h13_N2C` (if given)
@@ -258,7 +262,8 @@ def ragged_rows_gemm(
     """
     n_rows, k = a_NK.shape
     experts, k_b, width = b_EKC.shape
-    assert k_b == k and offsets_E.shape == (experts,) and offsets_E.dtype == torch.int32
+    groups = offsets_E.shape[0]  # row groups: a multiple of the experts, group g uses b[g mod experts]
+    assert k_b == k and offsets_E.dim() == 1 and groups % experts == 0 and offsets_E.dtype == torch.int32
     cols = width // 2 if epilogue == EPILOGUE_SWIGLU else width
     if out is None:
         out_cols = 2 * cols if epilogue == EPILOGUE_SWIGLU_GRAD else cols
@@ -275,12 +280,12 @@ def ragged_rows_gemm(
     _ragged_rows_gemm_kernel[(programs,)](
         a_NK, b_EKC, out, h13, dst, offsets_E,
         sig.seg_N, sig.expected_S, sig.counters_S, sig.flags_S, sig.seq, sig.expected_S.numel(),
-        experts, k, cols, cols, programs,
+        groups, experts, k, cols, cols, programs,
         a_NK.stride(0), a_NK.stride(1), b_EKC.stride(0), b_EKC.stride(1), b_EKC.stride(2),
         out.stride(0), out.stride(1), h13.stride(0), h13.stride(1),
         EPILOGUE=epilogue, SCATTER=dst_rows_N is not None,
         SAVE_H13=epilogue == EPILOGUE_SWIGLU and h13_N2C is not None, SIGNAL=signal is not None,
-        E_POW2=triton.next_power_of_2(experts), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        E_POW2=triton.next_power_of_2(groups), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, GROUP_M=config.group_m, EVEN_K=k % config.block_k == 0,
         FLATTEN=config.flatten, num_warps=config.num_warps, num_stages=config.num_stages,
     )

@@ -190,6 +190,7 @@ def test_cli_without_two_gpus_is_one_clear_line():
     (["--shape", "mixtral"], "unknown shape(s) mixtral"),
     (["--segment-tokens", "0"], "--segment-tokens 0"),
     (["--combine-programs", "0"], "--combine-programs 0"),
+    (["--order", "random"], "--order 'random': choose segment"),
     (["--iters", "0"], "--iters >= 1"),
 ])
 def test_cli_bad_options_exit_2_with_the_fix(args, message):
@@ -200,7 +201,7 @@ def test_cli_bad_options_exit_2_with_the_fix(args, message):
 def test_cli_help_names_the_knobs_and_its_defaults_are_the_module_s():
     result = invoke("--help")
     assert result.exit_code == 0
-    for knob in ("--shape", "--iters", "--warmup", "--segment-tokens", "--combine-programs", "--json", "--out"):
+    for knob in ("--shape", "--iters", "--warmup", "--segment-tokens", "--combine-programs", "--order", "--json", "--out"):
         assert knob in result.output
     assert f"[default: {bench.DEFAULT_SEGMENT_TOKENS}]" in result.output
     assert f"[default: {fr.COMBINE_PROGRAMS}]" in result.output

@@ -86,6 +86,36 @@ def test_rows_land_in_place_and_the_combine_matches_torch(fused, case):
         assert all((c == 0).all() for c in counters), "the counters are zero again after each launch"
 
 
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_segment_major_rows_run_the_whole_ffn_and_land_in_place(fused, case):
+    """The gate/up and down GEMMs over (segment, expert) groups, weights cycling per group, store
+    the same pair rows as expert order does; the combine matches torch."""
+    from disagmoe.kernels import moe_ffn
+
+    tokens, top_k, experts, _, hidden, ffn, seg_tokens = CASES[case]
+    gen = torch.Generator().manual_seed(10 + case)
+    topk = _routing(tokens, top_k, experts, case == 3, gen)
+    offsets, pairs = _source_rows(topk, experts, 1, 0)
+    x = torch.randn(tokens * top_k, hidden, generator=gen)[pairs.long()]  # expert-grouped rows
+    w13 = torch.randn(experts, hidden, 2 * ffn, generator=gen) / hidden**0.5
+    w2 = torch.randn(experts, ffn, hidden, generator=gen) / ffn**0.5
+    segments = fused.num_segments(tokens, seg_tokens)
+    order, offsets_G = fused.segment_major_order(offsets, pairs, top_k, seg_tokens, segments)
+    assert sorted(order.tolist()) == list(range(len(pairs))) and offsets_G.shape == (segments * experts,)
+    act = fused.gg.ragged_rows_gemm(x[order], offsets_G, w13, SMALL_TILES, epilogue=fused.gg.EPILOGUE_SWIGLU,
+                                    num_programs=3)
+    dst = torch.full((tokens * top_k, hidden), float("nan"))
+    flags = torch.zeros(1, segments, dtype=torch.int64)
+    counters = torch.zeros(segments, dtype=torch.int32)
+    fused.down_to_destination(act, offsets_G, w2, SMALL_TILES, dst_PH=dst, dst_rows_N=pairs[order], tokens=tokens,
+                              top_k=top_k, segment_tokens=seg_tokens, counters_S=counters, flags_QS=flags, source=0,
+                              seq=1, num_programs=3)
+    want_rows = torch.empty_like(dst)
+    want_rows[pairs.long()] = moe_ffn.expert_ffn_reference(x, offsets, w13, w2)
+    assert torch.allclose(dst, want_rows, rtol=1e-4, atol=1e-5)
+    assert (flags == 1).all() and (counters == 0).all()
+
+
 def test_segment_plan_counts_rows_per_segment_on_the_device(fused):
     dst_rows = torch.tensor([0, 5, 6, 7, 15, 16], dtype=torch.int32)
     seg, expected = fused.segment_plan(dst_rows, tokens=9, top_k=2, segment_tokens=4, column_tiles=3)

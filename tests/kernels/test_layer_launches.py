@@ -15,7 +15,8 @@ SMALL_TILES = TileConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_warp
 
 @pytest.fixture
 def modules(interpreted):
-    *_, layer = interpreted("disagmoe.kernels.grouped_gemm", "disagmoe.kernels.fused_return", "disagmoe.bench.layer")
+    *_, layer = interpreted("disagmoe.kernels.signal", "disagmoe.kernels.grouped_gemm", "disagmoe.kernels.fused_return",
+                            "disagmoe.bench.layer")
     return layer
 
 
@@ -38,19 +39,26 @@ def test_both_variants_return_every_row_and_combine_to_the_reference(modules, se
     side = layer.ExpertSide(x_NH, dy_NH, pairs_N, offsets_E, inputs.w13_EH2F, inputs.w2_EFH, shape.top_k,
                             FFNTiles.uniform(SMALL_TILES), num_programs=3)
     segments = fr.num_segments(shape.tokens, segment_tokens)
+    by_segment = side.in_segment_order(segment_tokens, segments)
     flags_QS = torch.zeros(1, segments, dtype=torch.int64)
     counters_S = torch.zeros(segments, dtype=torch.int32)
     ready_QS = torch.ones(1, segments, dtype=torch.int64)
+    status = torch.zeros(2, dtype=torch.int32)
     close = dict(rtol=1e-4, atol=1e-4)
     for seq, (p, name) in enumerate((("fwd", "y"), ("bwd", "dx")), start=1):
         local_PH = torch.full((shape.pairs, shape.hidden), float("nan"))
         side.launch(p, local_PH)
-        baseline = layer.combine(local_PH, p, inputs.weights_TK, ready_QS, 1, segment_tokens, shape.top_k, 2)
+        baseline = layer.combine(local_PH, p, inputs.weights_TK, ready_QS, 1, segment_tokens, shape.top_k, 2, status)
         peer_PH = torch.full((shape.pairs, shape.hidden), float("nan"))  # GPU 0's buffer, in the test a CPU tensor
         side.launch(p, peer_PH, layer.Signal(flags_QS, counters_S, segment_tokens, seq))
         assert (flags_QS == seq).all() and (counters_S == 0).all()
-        fused = layer.combine(peer_PH, p, inputs.weights_TK, flags_QS, seq, segment_tokens, shape.top_k, 2)
+        fused = layer.combine(peer_PH, p, inputs.weights_TK, flags_QS, seq, segment_tokens, shape.top_k, 2, status)
+        assert status.tolist() == [0, 0]
         assert torch.equal(peer_PH, local_PH), "the same kernels store the same rows"
+        by_segment_PH = torch.full((shape.pairs, shape.hidden), float("nan"))  # `--order segment`'s rows
+        by_segment.launch(p, by_segment_PH, layer.Signal(flags_QS, counters_S, segment_tokens, seq + 2))
+        assert (flags_QS == seq + 2).all() and (counters_S == 0).all()
+        torch.testing.assert_close(by_segment_PH, local_PH, **close)
         torch.testing.assert_close(baseline, want[name], **close)
         torch.testing.assert_close(fused, want[name], **close)
         if p == "fwd":
