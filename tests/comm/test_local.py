@@ -5,9 +5,7 @@ scenario in the same three ranks (in phases) and the tests check what each rank 
 """
 
 import os
-import queue
 import random
-import socket
 import time
 import traceback
 from datetime import timedelta
@@ -15,7 +13,6 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from disagmoe.comm.base import Direction, MessageKey, PeerFailure, TensorSpec, TransportError
 from disagmoe.comm.local import LocalTransport
@@ -122,29 +119,10 @@ def _rank_main(rank: int, port: int, reports, survivors) -> None:
 
 
 @pytest.fixture(scope="module")
-def reports() -> dict[int, dict]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    survivors = ctx.Barrier(WORLD - 1)
-    procs = [ctx.Process(target=_rank_main, args=(rank, port, results, survivors)) for rank in range(WORLD)]
-    for proc in procs:
-        proc.start()
-    got: dict[int, dict] = {}
-    deadline = time.monotonic() + 90
-    try:
-        while len(got) < WORLD:
-            rank, report = results.get(timeout=max(deadline - time.monotonic(), 0.1))
-            got[rank] = report
-    except queue.Empty:
-        pass
-    finally:
-        for proc in procs:
-            proc.join(timeout=5)
-            if proc.is_alive():
-                proc.kill()
+def reports(ranks) -> dict[int, dict]:
+    port, survivors = ranks.free_port(), ranks.ctx.Barrier(WORLD - 1)
+    got, procs = ranks.run(_rank_main, lambda rank, results: (rank, port, results, survivors), WORLD,
+                           timeout_s=90, join_s=5)
     got["exit_codes"] = [proc.exitcode for proc in procs]
     return got
 

@@ -2,8 +2,6 @@
 large messages both ways without head-of-line deadlock, receive buffers reused across steps.
 Needs two CUDA GPUs."""
 
-import queue
-import socket
 import time
 import traceback
 from datetime import timedelta
@@ -11,7 +9,6 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from disagmoe.comm.base import Direction, MessageKey, TensorSpec
 
@@ -117,27 +114,9 @@ def _rank_main(rank: int, port: int, reports, done) -> None:
 
 
 @pytest.fixture(scope="module")
-def reports():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results, done = ctx.Queue(), ctx.Barrier(WORLD)
-    procs = [ctx.Process(target=_rank_main, args=(rank, port, results, done)) for rank in range(WORLD)]
-    for proc in procs:
-        proc.start()
-    got = {}
-    try:
-        while len(got) < WORLD:
-            rank, report = results.get(timeout=180)
-            got[rank] = report
-    except queue.Empty:
-        pass
-    finally:
-        for proc in procs:
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.kill()
+def reports(ranks):
+    port, done = ranks.free_port(), ranks.ctx.Barrier(WORLD)
+    got, _ = ranks.run(_rank_main, lambda rank, results: (rank, port, results, done), WORLD, timeout_s=180)
     return got
 
 

@@ -8,15 +8,12 @@ status word report it. Two GPUs if there are two; on one, both PEs share it (NVS
 several processes per GPU), which tests the protocol but not NVLink.
 """
 
-import queue
-import socket
 import traceback
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from disagmoe.comm.base import TensorSpec
 from disagmoe.comm.nvshmem import SlotIndex, available
@@ -145,27 +142,10 @@ def _rank_main(rank: int, port: int, capacity_factor: float | None, reports) -> 
     reports.put((rank, report))
 
 
-def _spawn(capacity_factor: float | None) -> dict[int, dict]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(rank, port, capacity_factor, results)) for rank in range(WORLD)]
-    for proc in procs:
-        proc.start()
-    got = {}
-    try:
-        while len(got) < WORLD:
-            rank, report = results.get(timeout=180)
-            got[rank] = report
-    except queue.Empty:
-        pass
-    finally:
-        for proc in procs:
-            proc.join(timeout=20)
-            if proc.is_alive():
-                proc.kill()
+def _spawn(ranks, capacity_factor: float | None) -> dict[int, dict]:
+    port = ranks.free_port()
+    got, _ = ranks.run(_rank_main, lambda rank, results: (rank, port, capacity_factor, results), WORLD,
+                       timeout_s=180, join_s=20)
     for rank in range(WORLD):
         assert rank in got, f"rank {rank} reported nothing (hung?): {got}"
         assert "error" not in got[rank], got[rank]["error"]
@@ -178,15 +158,15 @@ needs_nvshmem = pytest.mark.skipif(not torch.cuda.is_available() or not availabl
 
 @pytest.mark.gpu
 @needs_nvshmem
-def test_programs_exchange_every_message_intact_in_place():
-    reports = _spawn(None)
+def test_programs_exchange_every_message_intact_in_place(ranks):
+    reports = _spawn(ranks, None)
     assert [reports[rank]["said"] for rank in range(WORLD)] == [[], []]
 
 
 @pytest.mark.gpu
 @needs_nvshmem
-def test_a_message_over_its_capacity_is_reported_on_both_sides():
-    said = [r["said"] for r in _spawn(0.5).values()]
+def test_a_message_over_its_capacity_is_reported_on_both_sides(ranks):
+    said = [r["said"] for r in _spawn(ranks, 0.5).values()]
     receiver, sender = sorted(said)
     tokens = SHAPES.tokens
     assert sender.startswith("sender: ") and f"has {tokens} rows but its receive segment holds {tokens // 2}" in sender
