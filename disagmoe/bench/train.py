@@ -29,13 +29,15 @@ from disagmoe.runtime.trainer import SingleProcessTrainer
 MODES = ("single", "disaggregated", "colocated")
 
 
-def mode_config(cfg: TrainConfig, mode: str, steps: int, out_dir: Path) -> TrainConfig:
-    """`cfg` for one timed mode: no trace, no checkpoints (a big model's takes minutes and tens of
-    GB), fresh output."""
+def mode_config(cfg: TrainConfig, mode: str, steps: int, out_dir: Path, transport: str | None = None) -> TrainConfig:
+    """`cfg` for one timed mode (and transport, default the config's): no trace, no checkpoints
+    (a big model's takes minutes and tens of GB), fresh output."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
-    update = dict(mode=mode, steps=steps, out_dir=str(out_dir / mode), trace=False, resume=False,
-                  checkpoint_every=0, checkpoint_minutes=0, checkpoint_at_end=False, keep_checkpoints=1, eval_every=0)
+    transport = transport or cfg.transport
+    update = dict(mode=mode, steps=steps, out_dir=str(out_dir / f"{mode}-{transport}"), trace=False, resume=False,
+                  checkpoint_every=0, checkpoint_minutes=0, checkpoint_at_end=False, keep_checkpoints=1, eval_every=0,
+                  transport=transport)
     if mode == "colocated":
         update["colocated_ranks"] = cfg.attention_ranks + cfg.expert_ranks
     return cfg.model_copy(update=update)
@@ -54,6 +56,16 @@ def mean_busy(records: list[dict], warmup: int) -> dict[str, float]:
     empty for a mode without groups (single)."""
     timed = [r["busy"] for r in records if r["step"] > warmup and r.get("busy")]
     return {group: statistics.fmean(b[group] for b in timed) for group in sorted(timed[0])} if timed else {}
+
+
+def mean_waits(records: list[dict], warmup: int) -> dict[str, dict[str, float]]:
+    """Per group and received payload, the mean GPU wait fraction (`trace.wait_fractions`) over
+    the timed steps; empty where no step recorded any."""
+    timed = [r["gpu_wait"] for r in records if r["step"] > warmup and r.get("gpu_wait")]
+    groups = sorted({group for waits in timed for group in waits})
+    return {group: {payload: statistics.fmean(w.get(group, {}).get(payload, 0.0) for w in timed)
+                    for payload in sorted({p for w in timed for p in w.get(group, {})})}
+            for group in groups}
 
 
 def summarise(rows: list[dict]) -> list[dict]:
@@ -87,15 +99,26 @@ def free_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
+def runs_of(modes: list[str], transports: list[str] | None) -> list[tuple[str, str | None]]:
+    """(mode, transport) pairs to time: single once, each distributed mode per transport (None:
+    the config's)."""
+    if transports is not None:
+        for transport in transports:
+            if transport not in ("local", "nccl", "nvshmem"):
+                raise ValueError(f"unknown transport {transport!r}; choose local, nccl or nvshmem")
+    return [(mode, None) if mode == "single" or not transports else (mode, transport)
+            for mode in modes for transport in ([None] if mode == "single" or not transports else transports)]
+
+
 def run(cfg: TrainConfig, modes: list[str], steps: int, warmup: int,
-        log: Callable[[str], None], baseline: str | None = None) -> dict:
+        log: Callable[[str], None], baseline: str | None = None, transports: list[str] | None = None) -> dict:
     if baseline not in (None, "hf"):
         raise ValueError(f"unknown baseline {baseline!r}; the one outside baseline is 'hf' (transformers)")
     rows = []
     with tempfile.TemporaryDirectory(prefix="disagmoe-bench-train-") as tmp:
-        for mode in modes:
-            mcfg = mode_config(cfg, mode, steps, Path(tmp))
-            log(f"{mode}: {steps} steps")
+        for mode, transport in runs_of(modes, transports):
+            mcfg = mode_config(cfg, mode, steps, Path(tmp), transport)
+            log(f"{mode}{'' if mode == 'single' else f' ({mcfg.transport})'}: {steps} steps")
             if mode == "single":
                 SingleProcessTrainer(mcfg).run()
                 free_device_memory()
@@ -110,7 +133,8 @@ def run(cfg: TrainConfig, modes: list[str], steps: int, warmup: int,
             flops = records[-1]["flops"]
             imbalance = [statistics.fmean(r["load_imbalance"]) for r in records
                          if r["step"] > warmup and r.get("load_imbalance")]
-            rows.append({"mode": mode, "ranks": ranks, "median_step_s": step_s,
+            rows.append({"mode": mode, "transport": None if mode == "single" else mcfg.transport,
+                         "ranks": ranks, "median_step_s": step_s, "gpu_wait": mean_waits(records, warmup),
                          "tokens_per_s": records[-1]["tokens"] / step_s, "final_loss": records[-1]["loss"],
                          "mean_loss": mean_of(records, "loss", 0),
                          "busy": mean_busy(records, warmup), "routing": records[-1].get("routing", "learned"),

@@ -304,6 +304,9 @@ def train(
     baseline: Annotated[str | None, typer.Option(
         help="also train an outside baseline on one GPU in the same run: 'hf' = Hugging Face transformers' "
              "Qwen3MoeForCausalLM (bf16, sdpa, grouped_mm experts, fused AdamW), same shape and batch")] = None,
+    transport: Annotated[list[str] | None, typer.Option(
+        help="nccl | nvshmem (repeatable): time each distributed mode with each, in the same run "
+             "(default: the config's transport)")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
     out: Annotated[Path | None, typer.Option("--out", "-o", help="also write the JSON record here")] = None,
 ) -> None:
@@ -311,11 +314,16 @@ def train(
     devices (colocated gets attention + expert ranks), and report each against colocated and the
     single GPU, with MFU per GPU (bf16 dense peak, and the measured matmul ceiling), each group's
     busy fraction (compute time / step time; on GPUs each op's span on the GPU, from its first
-    kernel to its last, waits inside the op included), peak memory and the routing used.
+    kernel to its last, waits inside the op included), each group's GPU wait for returned rows
+    (the combine messages: how long its stream stood still for them / step time), peak memory and
+    the routing used.
 
     \b
     Example: disagmoe bench train -c configs/h200x2-qwen3-30b.yaml --mode single --mode disaggregated \\
              --mode colocated --baseline hf routing=balanced
+    \b
+    nvshmem against nccl: disagmoe bench train -c configs/h200x2-qwen3-30b.yaml --mode disaggregated \\
+             --transport nccl --transport nvshmem routing=balanced
     """
     from disagmoe.bench import train as bench
     from disagmoe.config import load_train_config
@@ -323,7 +331,7 @@ def train(
     cfg = load_train_config(config, overrides or [])
     log = (lambda m: err_console.print(m, highlight=False, markup=False)) if as_json else (
         lambda m: console.print(m, highlight=False, markup=False))
-    record = bench.run(cfg, mode or ["disaggregated", "colocated"], steps, warmup, log, baseline)
+    record = bench.run(cfg, mode or ["disaggregated", "colocated"], steps, warmup, log, baseline, transport)
     if out is not None:
         out.write_text(json.dumps(record, indent=1) + "\n")
     if as_json:
@@ -336,9 +344,9 @@ def train(
     base = record["modes"][0]["baseline"]
     with_single = base != "single" and any(r.get("vs_single") is not None for r in record["modes"])
     columns = ("mode", "ranks", "step", "tokens/s", "MFU/GPU", "of ceiling", "peak GiB", "imbalance",
-               "final loss", "busy", "vs " + base, *(("vs single",) if with_single else ()))
+               "final loss", "busy", "combine wait", "vs " + base, *(("vs single",) if with_single else ()))
     for col in columns:
-        table.add_column(col, justify="left" if col in ("mode", "busy") else "right")
+        table.add_column(col, justify="left" if col in ("mode", "busy", "combine wait") else "right")
 
     def pct(x: float | None) -> str:
         return "-" if x is None else f"{x:.1%}"
@@ -348,9 +356,12 @@ def train(
 
     for r in record["modes"]:
         busy = " ".join(f"{group} {fraction:.0%}" for group, fraction in r["busy"].items()) or "-"
-        table.add_row(r["mode"], str(r["ranks"]), f"{r['median_step_s'] * 1e3:.1f} ms", f"{r['tokens_per_s']:,.0f}",
+        waits = " ".join(f"{group} {w['combine']:.1%}" for group, w in r.get("gpu_wait", {}).items()
+                         if "combine" in w) or "-"
+        label = r["mode"] if not r.get("transport") else f"{r['mode']} ({r['transport']})"
+        table.add_row(label, str(r["ranks"]), f"{r['median_step_s'] * 1e3:.1f} ms", f"{r['tokens_per_s']:,.0f}",
                       pct(r.get("mfu")), pct(r.get("mfu_ceiling")), num(r.get("peak_memory_gib"), ".1f"),
-                      num(r.get("load_imbalance"), ".2f"), f"{r['final_loss']:.4f}", busy, f"{r['speedup']:.2f}x",
+                      num(r.get("load_imbalance"), ".2f"), f"{r['final_loss']:.4f}", busy, waits, f"{r['speedup']:.2f}x",
                       *((num(r.get("vs_single"), ".2f") + "x",) if with_single else ()))
     console.print(table)
 

@@ -51,7 +51,7 @@ from disagmoe.runtime.rank_model import rank_model
 from disagmoe.runtime.restart import Fault, restart_line
 from disagmoe.runtime.sharded_checkpoint import finish_checkpoint, read_trainer_state, staging_dir
 from disagmoe.runtime.topology import Topology
-from disagmoe.runtime.trace import busy_fractions, write_chrome_trace
+from disagmoe.runtime.trace import busy_fractions, wait_fractions, write_chrome_trace
 from disagmoe.runtime.loop import StepCallback, TrainingLoop, TrainSummary, signals_held
 from disagmoe.runtime.out_dir import check_out_dir
 from disagmoe.runtime.trainer import CHECKPOINTS_DIR
@@ -297,6 +297,7 @@ class DistributedTrainer(TrainingLoop):
             "expert_load": load_LE.tolist(),
             "load_imbalance": load_imbalance(load_LE),
             "busy": busy_fractions([r["compute_s"] for r in results], seconds, self.groups),
+            "gpu_wait": wait_fractions([r.get("gpu_wait_s", {}) for r in results], seconds, self.groups),
         }
 
     def validate(self) -> float:

@@ -14,7 +14,9 @@ sit in the same Chrome trace as the host-side send and wait spans.
     spans.begin_step()
     with spans.span("AttentionForward L1 mb0"):
         ...                                   # kernels queued, nothing waited for
-    for name, start_us, duration_us in spans.collect():
+    with spans.span("Recv combine L0 mb0", "gpu-wait"):
+        ...                                   # a stream-ordered receive: the GPU's wait for it
+    for name, category, start_us, duration_us in spans.collect():
         ...                                   # waits for the last op's end event
 """
 
@@ -36,7 +38,7 @@ class GpuSpans:
         self.device = device
         self._anchor: torch.cuda.Event | None = None
         self._anchor_us = 0.0
-        self._pending: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+        self._pending: list[tuple[str, str, torch.cuda.Event, torch.cuda.Event]] = []
 
     def begin_step(self) -> None:
         """Anchor the step: wait for the stream's queued work, then record an event and the time."""
@@ -48,7 +50,7 @@ class GpuSpans:
         self._pending = []
 
     @contextmanager
-    def span(self, name: str) -> Iterator[None]:
+    def span(self, name: str, category: str = "compute") -> Iterator[None]:
         if self._anchor is None:
             raise RuntimeError("GpuSpans.span before begin_step")
         stream = torch.cuda.current_stream(self.device)
@@ -59,15 +61,15 @@ class GpuSpans:
         finally:
             end = torch.cuda.Event(enable_timing=True)
             end.record(stream)
-            self._pending.append((name, start, end))
+            self._pending.append((name, category, start, end))
 
-    def collect(self) -> list[tuple[str, float, float]]:
-        """(name, start_us on the host clock, GPU duration_us) of every span since `begin_step`,
-        in order; waits for the last span's end event. Forgets them."""
+    def collect(self) -> list[tuple[str, str, float, float]]:
+        """(name, category, start_us on the host clock, GPU duration_us) of every span since
+        `begin_step`, in order; waits for the last span's end event. Forgets them."""
         pending, self._pending = self._pending, []
         if not pending:
             return []
-        pending[-1][2].synchronize()
+        pending[-1][3].synchronize()
         assert self._anchor is not None
-        return [(name, self._anchor_us + self._anchor.elapsed_time(start) * 1e3, start.elapsed_time(end) * 1e3)
-                for name, start, end in pending]
+        return [(name, category, self._anchor_us + self._anchor.elapsed_time(start) * 1e3,
+                 start.elapsed_time(end) * 1e3) for name, category, start, end in pending]

@@ -24,6 +24,7 @@ uses for point-to-point messages, so collective and message tags cannot collide.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 import time
@@ -217,6 +218,7 @@ class TrainWorker(Worker):
         assert mail.empty(), f"rank {self.rank}: messages left over after step {step}"
         spans, compute_s = self._drain_spans()
         result.update(self._read_step(result), rank=self.rank, compute_s=compute_s,
+                      gpu_wait_s=self.recorder.drain_waits(),
                       step_s=time.perf_counter() - start, spans=spans,
                       peak_memory_gib=peak_memory_gib(self.device))
         return result
@@ -271,7 +273,8 @@ class TrainWorker(Worker):
                     handle.wait()
             if self.attention is not None:
                 ce += float(self.attention.loss_parts["ce"])
-        self._drain_spans()  # evaluation time is not part of any step's trace or busy fraction
+        self._drain_spans()  # evaluation time is not part of any step's trace, busy or wait fraction
+        self.recorder.drain_waits()
         return {"rank": self.rank, "ce": ce}
 
     def _run(self, op: Op, step: int, mail: Mailbox, handles: list[SendHandle]) -> None:
@@ -297,7 +300,9 @@ class TrainWorker(Worker):
                         continue
                     key = message_key(step, op.payload, op.layer, op.micro_batch)
                     specs = self.shapes.specs(op.payload, self.topology.is_moe(op.layer))
-                    mail.deliver(op.payload, op.layer, op.micro_batch, peer, self.transport.recv(peer, key, specs))
+                    with self._gpu_wait_span(_op_name(op)):
+                        tensors = self.transport.recv(peer, key, specs)
+                    mail.deliver(op.payload, op.layer, op.micro_batch, peer, tensors)
             return
         with self._compute_span(_op_name(op)):
             if isinstance(op, AttentionForward):
@@ -334,11 +339,18 @@ class TrainWorker(Worker):
             return self.gpu_spans.span(name)
         return self.recorder.span(name, "compute")
 
-    def _drain_spans(self) -> tuple[list[tuple[str, str, float, float]], float]:
-        """The step's spans (GPU compute spans merged in) and its compute seconds."""
+    def _gpu_wait_span(self, name: str) -> AbstractContextManager[None]:
+        """On a GPU, how long the stream stands still for a receive (stream-ordered: the events
+        around it), a `gpu-wait` span; on a CPU nothing (the host span around it says it)."""
         if self.gpu_spans is not None:
-            for name, start_us, duration_us in self.gpu_spans.collect():
-                self.recorder.add(name, "compute", start_us, duration_us)
+            return self.gpu_spans.span(name, "gpu-wait")
+        return contextlib.nullcontext()
+
+    def _drain_spans(self) -> tuple[list[tuple[str, str, float, float]], float]:
+        """The step's spans (GPU spans merged in) and its compute seconds."""
+        if self.gpu_spans is not None:
+            for name, category, start_us, duration_us in self.gpu_spans.collect():
+                self.recorder.add(name, category, start_us, duration_us)
         return self.recorder.drain()
 
     def _start_reduction(self, base: str) -> None:

@@ -5,7 +5,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from disagmoe.bench.train import mean_busy, median_step, mode_config, summarise
+from disagmoe.bench.train import mean_busy, mean_waits, median_step, mode_config, runs_of, summarise
 from disagmoe.cli.app import app
 from disagmoe.config import TrainConfig
 
@@ -17,6 +17,27 @@ def test_mode_config_gives_colocated_the_same_devices(tmp_path):
     assert mode_config(cfg, "disaggregated", 5, tmp_path).out_dir != col.out_dir
     with pytest.raises(ValueError, match="unknown mode"):
         mode_config(cfg, "diagonal", 5, tmp_path)
+
+
+def test_each_distributed_mode_runs_once_per_transport_asked_for(tmp_path):
+    assert runs_of(["single", "disaggregated"], ["nccl", "nvshmem"]) == [
+        ("single", None), ("disaggregated", "nccl"), ("disaggregated", "nvshmem")]
+    assert runs_of(["colocated"], None) == [("colocated", None)]
+    with pytest.raises(ValueError, match="unknown transport 'ib'"):
+        runs_of(["disaggregated"], ["ib"])
+    cfg = TrainConfig(model="tiny", transport="nccl", device="cuda")
+    nv = mode_config(cfg, "disaggregated", 5, tmp_path, "nvshmem")
+    assert nv.transport == "nvshmem" and nv.out_dir != mode_config(cfg, "disaggregated", 5, tmp_path).out_dir
+
+
+def test_gpu_waits_are_averaged_per_group_and_payload_after_the_warmup():
+    records = [{"step": 1, "gpu_wait": {"A0": {"combine": 0.5}}},
+               {"step": 2, "gpu_wait": {"A0": {"combine": 0.04}, "E0": {"dispatch": 0.1}}},
+               {"step": 3, "gpu_wait": {"A0": {"combine": 0.02, "dispatch_grad": 0.01}, "E0": {"dispatch": 0.3}}}]
+    waits = mean_waits(records, warmup=1)
+    assert set(waits) == {"A0", "E0"} and waits["E0"] == pytest.approx({"dispatch": 0.2})
+    assert waits["A0"] == pytest.approx({"combine": 0.03, "dispatch_grad": 0.005})
+    assert mean_waits([{"step": 2, "gpu_wait": {}}], warmup=1) == {}
 
 
 def test_median_skips_warmup_and_ratio_is_against_colocated():

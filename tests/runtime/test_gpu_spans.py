@@ -37,7 +37,8 @@ def test_gpu_spans_time_the_kernels_without_waiting_for_them():
     with spans.span("nothing"):
         pass
     queued_us = time.time_ns() / 1e3 - host_start_us
-    (name, start_us, duration_us), (empty, empty_start_us, empty_us) = spans.collect()
+    (name, category, start_us, duration_us), (empty, _, empty_start_us, empty_us) = spans.collect()
+    assert category == "compute"
     assert (name, empty) == ("matmuls", "nothing")
     assert duration_us > queued_us  # the span is the GPU's time, longer than queueing the kernels took
     assert abs(start_us - host_start_us) < 5_000  # placed on the host's timeline

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from disagmoe.runtime.trace import SpanRecorder, busy_fractions, write_chrome_trace
+from disagmoe.runtime.trace import SpanRecorder, busy_fractions, wait_fractions, write_chrome_trace
 
 
 def test_recorder_times_spans_and_counts_compute():
@@ -33,6 +33,22 @@ def test_disabled_recorder_still_counts_compute():
 def test_busy_fractions_average_each_group():
     busy = busy_fractions([0.5, 0.3, 0.2, 1.5], step_s=1.0, group_of_rank=["A0", "A0", "E0", "E0"])
     assert busy == pytest.approx({"A0": 0.4, "E0": 0.6})  # a rank never counts above 1
+
+
+def test_gpu_waits_count_per_payload_apart_from_compute():
+    recorder = SpanRecorder()
+    recorder.add("Recv combine L0 mb0", "gpu-wait", 0.0, 3_000.0)
+    recorder.add("Recv combine L1 mb1", "gpu-wait", 5_000.0, 1_000.0)
+    recorder.add("Recv dispatch_grad L0 mb0", "gpu-wait", 9_000.0, 500.0)
+    recorder.add("AttentionForward L0 mb0", "compute", 3_000.0, 2_000.0)
+    spans, compute_s = recorder.drain()
+    assert compute_s == pytest.approx(0.002) and len(spans) == 4
+    assert recorder.drain_waits() == pytest.approx({"combine": 0.004, "dispatch_grad": 0.0005})
+    assert recorder.drain_waits() == {}
+    waits = wait_fractions([{"combine": 0.004}, {}, {"dispatch": 0.01}], step_s=0.1,
+                           group_of_rank=["A0", "A0", "E0"])
+    assert set(waits) == {"A0", "E0"}  # a rank without waits counts as 0 in its group's mean
+    assert waits["A0"] == pytest.approx({"combine": 0.02}) and waits["E0"] == pytest.approx({"dispatch": 0.1})
 
 
 def test_chrome_trace_names_ranks_and_spans(tmp_path):
