@@ -79,7 +79,10 @@ def summarise(rows: list[dict]) -> list[dict]:
             return None
         return r["mean_loss"] / single["mean_loss"] - 1.0
 
-    return [{**r, "baseline": base["mode"], "speedup": base["median_step_s"] / r["median_step_s"],
+    def label(r: dict) -> str:  # a mode timed with several transports has a row per transport
+        return f"{r['mode']} ({r['transport']})" if r.get("transport") else r["mode"]
+
+    return [{**r, "baseline": label(base), "speedup": base["median_step_s"] / r["median_step_s"],
              "vs_single": None if single is None else r["tokens_per_s"] / single["tokens_per_s"],
              "mean_loss_vs_single": loss_vs_single(r)} for r in rows]
 
@@ -161,7 +164,8 @@ def run(cfg: TrainConfig, modes: list[str], steps: int, warmup: int,
     device = (torch.cuda.get_device_name(0) if cfg.device == "cuda" and torch.cuda.is_available()
               else platform.processor() or platform.machine())
     return {"environment": {"device": device, "torch": torch.__version__, "python": platform.python_version(),
-                            "transport": cfg.transport, "experts_backend": cfg.experts_backend,
+                            "transport": ", ".join(dict.fromkeys(transports)) if transports else cfg.transport,
+                            "experts_backend": cfg.experts_backend,
                             "precision": cfg.compute_dtype_name, **environment},
             "steps": steps, "warmup": warmup, "modes": summarise(rows)}
 

@@ -49,6 +49,13 @@ def test_median_skips_warmup_and_ratio_is_against_colocated():
     assert [r["speedup"] for r in rows] == [1.5, 1.0] and rows[0]["baseline"] == "colocated"
 
 
+def test_two_transports_of_one_mode_name_the_baseline_row_with_its_transport():
+    rows = summarise([{"mode": "disaggregated", "transport": "nccl", "median_step_s": 2.0},
+                      {"mode": "disaggregated", "transport": "nvshmem", "median_step_s": 1.0}])
+    assert [r["speedup"] for r in rows] == [1.0, 2.0]
+    assert {r["baseline"] for r in rows} == {"disaggregated (nccl)"}
+
+
 def test_busy_fractions_are_averaged_per_group_after_the_warmup():
     records = [{"step": 1, "busy": {"A0": 0.1, "E0": 0.1}}, {"step": 2, "busy": {"A0": 0.6, "E0": 0.4}},
                {"step": 3, "busy": {"A0": 0.8, "E0": 0.5}}]
