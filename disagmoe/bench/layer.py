@@ -266,7 +266,7 @@ class ExpertSide:
                                flags_QS=signal.flags_QS, source=0, seq=signal.seq, num_programs=self.num_programs)
 
     def in_segment_order(self, segment_tokens: int, segments: int) -> ExpertSide:
-        """The same rows regrouped by (destination segment, expert) (`fused_return.segment_major_order`):
+        """The same rows regrouped by (band of destination segments, expert) (`fused_return.segment_major_order`):
         the GEMMs finish segment by segment, so the receiver combines the first while later ones compute."""
         order_N, offsets_G = fr.segment_major_order(self.offsets_E, self.pairs_N, self.top_k, segment_tokens, segments)
         return ExpertSide(self.x_NH[order_N], self.dy_NH[order_N], self.pairs_N[order_N], offsets_G,

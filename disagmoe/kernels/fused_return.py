@@ -57,21 +57,29 @@ def segment_plan(dst_rows_N: torch.Tensor, tokens: int, top_k: int, segment_toke
     return seg_N, expected_S
 
 
+ORDER_BANDS = 4  # the bands `segment_major_order` groups rows into (row groups = bands x experts)
+
+
 def segment_major_order(offsets_E: torch.Tensor, dst_rows_N: torch.Tensor, top_k: int, segment_tokens: int,
-                        segments: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(order_N, offsets_G) regrouping expert-grouped rows by (destination segment, expert):
-    rows[order_N] hold segment 0's rows of every expert, then segment 1's, ...; offsets_G int32
-    [segments x E] their cumulative counts, group g = s * E + e using expert e's weights
-    (`grouped_gemm.ragged_rows_gemm` takes them as they are). The GEMMs then finish segment by
-    segment, so the first segments' flags rise while later ones compute and the receiver combines
-    as they land ("the destination that needs them first goes first"); the price is smaller row
-    groups (rows per expert / segments). Device ops only, stable within a group."""
+                        segments: int, bands: int = ORDER_BANDS) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order_N, offsets_G) regrouping expert-grouped rows by (band of destination segments,
+    expert): rows[order_N] hold the first band's rows of every expert (segments [0, S / bands)),
+    then the second band's, ...; offsets_G int32 [bands x E] their cumulative counts, group
+    g = b * E + e using expert e's weights (`grouped_gemm.ragged_rows_gemm` takes them as they
+    are). The GEMMs then finish band by band, so the first segments' flags rise while later ones
+    compute and the receiver combines as they land ("the destination that needs them first goes
+    first"). Bands, not segments: the grouped GEMM keeps its group table in registers and each
+    group's rows shrink with their number (128 experts x 128 segments would be 16k groups of a
+    few rows). Device ops only, stable within a group."""
+    if bands < 1:
+        raise ValueError(f"bands={bands} must be >= 1")
+    bands = min(bands, segments)
     experts, rows = offsets_E.shape[0], dst_rows_N.shape[0]
     expert_N = torch.searchsorted(offsets_E.long(), torch.arange(rows, device=offsets_E.device), right=True)
     seg_N = torch.div(dst_rows_N.long(), segment_tokens * top_k, rounding_mode="floor")
-    group_N = seg_N * experts + expert_N
+    group_N = torch.div(seg_N * bands, segments, rounding_mode="floor") * experts + expert_N
     order_N = torch.sort(group_N, stable=True).indices
-    counts_G = torch.zeros(segments * experts, dtype=torch.int64, device=offsets_E.device)
+    counts_G = torch.zeros(bands * experts, dtype=torch.int64, device=offsets_E.device)
     counts_G.scatter_add_(0, group_N, torch.ones_like(group_N))
     return order_N, counts_G.cumsum(0).to(torch.int32)
 
