@@ -333,6 +333,7 @@ def price(cfg: PlanConfig, chosen: Candidates, colocated_step_s: float | None = 
     flops_per_gpu_s = step_flops(model, rounds * tokens_per_round, cfg.seq_len) / (step * gpus)
     mfu = flops_per_gpu_s / (cfg.cluster.hardware.bf16_tflops * 1e12)
     stage_times = _stage_times(cost, prob, chosen)
+    notes.extend(_hop_note(stage_times, step, model.top_k))
     plan = Plan(
         model=model.name, hardware=cfg.cluster.hardware.name, gpus=gpus, seq_len=cfg.seq_len,
         global_batch_tokens=cfg.global_batch_tokens,
@@ -444,6 +445,22 @@ def roofline_rows(cost: Cost, prob: Problem, c: Candidates) -> tuple[list[dict],
                 layer_rows.append(row)
             step_rows.append(report.stage_row(name, stage.group, label, w, ceil, repeat=repeat))
     return layer_rows, step_rows
+
+
+HOP_NOTE_SHARE = 0.2  # dispatch + combine above this share of the summed stage times: say why
+
+
+def _hop_note(stage_times: list[StageTime], step: float, top_k: int) -> list[str]:
+    """A note when the hops weigh: they price the runtime's compact hop, which sends every token
+    to each expert GPU it routes through whatever top-k (`runtime.messages`)."""
+    hops = sum(s.time_s for s in stage_times if s.name.split(" (")[0] in ("dispatch", "combine"))
+    total = sum(s.time_s for s in stage_times)
+    if total <= 0 or hops / total <= HOP_NOTE_SHARE:
+        return []
+    return [f"dispatch and combine are {hops / total:.0%} of the stage time: the runtime's hop sends every token "
+            "once to each GPU holding a slice of its experts (the expert GPUs of its set; colocated: its "
+            f"expert-parallel block) and returns one partial sum per token, whatever top-k = {top_k}; across more "
+            "GPUs than top-k, per-pair rows (the fused return, not yet in the training runtime) would move less"]
 
 
 def _stage_times(cost: Cost, prob: Problem, c: Candidates) -> list[StageTime]:

@@ -233,3 +233,13 @@ def test_with_memory_to_spare_attention_gets_more_gpus_at_longer_sequences():
         share.append(plan.attention_gpus / (plan.attention_gpus + plan.expert_gpus))
         assert not any("bound by memory" in n for n in plan.notes)
     assert share[0] < share[1] < share[2]
+
+
+def test_a_plan_whose_hops_weigh_says_what_the_runtime_sends():
+    """DeepSeek-V3 on 256 GB200s at 4k tokens: the hops (every token to each GPU of its expert
+    slice) are a large share, and the plan says why; one GPU has no hops and no such note."""
+    heavy = solve(request("deepseek-v3", "gb200-nvl72", 256, seq_len=4096, batch=8192 * 4096))
+    note = next(n for n in heavy.notes if n.startswith("dispatch and combine are"))
+    assert "whatever top-k = 8" in note and "per-pair rows" in note
+    single = solve(request("tiny", "h200-sxm", 1, seq_len=64, batch=512))
+    assert not any(n.startswith("dispatch and combine") for n in single.notes)
