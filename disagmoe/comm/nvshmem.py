@@ -6,7 +6,9 @@ for the flags).
   the job's process group relays its bytes to every rank (the driver made that rendezvous), and
   every rank joins with its own GPU. Every rank then allocates the same arena, collectively: the
   largest any rank needs (`comm.symmetric.symmetric_layouts`, from every rank's program), so any
-  rank can address any other's segments by offset. Nothing is allocated after set-up.
+  rank can address any other's segments by offset. Nothing is allocated after set-up. The
+  symmetric heap is sized for the arena (`NVSHMEM_SYMMETRIC_SIZE`, unless the config's `env`
+  sets it: NVSHMEM's default heap of 1 GiB holds no real model's arena).
 - Sequence numbers belong to the transport, not to the step: the n-th message of a slot
   (source, payload, layer, micro-batch) carries seq = n and lands in copy (n - 1) mod 2 of the
   slot's segment. Sender and receiver run the same sends and receives of every slot (training
@@ -33,6 +35,7 @@ collective is an op of the schedule the same on every rank.
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,6 +47,7 @@ from disagmoe.comm.symmetric import ArenaLayout, ArenaOverflow, Segment, Slot, c
 from disagmoe.runtime.messages import message_key
 
 _U64 = (1 << 64) - 1
+HEAP_MARGIN_BYTES = 256 * 2**20  # symmetric heap beyond the arena (NVSHMEM's own allocations, alignment)
 
 
 def _nvshmem() -> Any:
@@ -117,6 +121,8 @@ class NvshmemTransport(Transport):
         self._index = [SlotIndex(layout) for layout in self.layouts]
         self._sent: dict[tuple[int, Slot], int] = {}  # (dst, slot) -> messages sent so far
         self._received: dict[tuple[int, Slot], int] = {}  # (src, slot) -> messages received so far
+        # The symmetric heap must hold the arena (NVSHMEM reads this at init; a cluster's env wins).
+        os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(self.layout.nbytes + HEAP_MARGIN_BYTES))
         self._uid = _join(self.nv, self.rank, self.world_size, self.device)  # kept alive while NVSHMEM runs
         self.arena_B = self.nv.tensor((max(self.layout.nbytes, 8),), dtype=torch.uint8)  # collective
         self.arena_B.zero_()  # NVSHMEM memory is not zeroed; flags start at 0 (no message yet)
