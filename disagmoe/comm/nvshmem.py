@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from disagmoe.comm.base import MessageKey, SendHandle, TensorSpec, Transport, TransportTimeout
-from disagmoe.comm.symmetric import ArenaLayout, ArenaOverflow, Segment, Slot, check_fits
+from disagmoe.comm.symmetric import ArenaLayout, ArenaOverflow, Slot, check_fits
 from disagmoe.runtime.messages import message_key
 
 _U64 = (1 << 64) - 1

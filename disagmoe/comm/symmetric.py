@@ -4,21 +4,24 @@ and how its arrival is signalled (issue 11, the part that needs no GPU to test).
 One arena per rank, the same size on every rank (NVSHMEM allocates symmetric memory collectively,
 so the size is the largest any rank needs): a flag region of int64 words, one per segment, then
 the payload region. A segment per incoming message slot of the rank's program, (source rank,
-payload, layer, micro-batch), read off the schedule's `Recv` ops, in `copies` copies: step t
-uses copy t mod copies. Its tensors sit at 256-byte aligned offsets, sized from the run's fixed
-message specs (`runtime.messages.MessageShapes`), their rows scaled by `capacity_factor` if one is
-given (None: the plan's worst case, exactly).
+payload, layer, micro-batch), read off the schedule's `Recv` ops, in `copies` copies: the n-th
+message of a slot (n = 1, 2, ...) uses copy (n - 1) mod copies. Its tensors sit at 256-byte
+aligned offsets, sized from the run's fixed message specs (`runtime.messages.MessageShapes`),
+their rows scaled by `capacity_factor` if one is given (None: the plan's worst case, exactly).
 
 Why two copies: a one-sided write lands whenever the sender gets there, not when the receiver asks
-(as an NCCL receive does). A sender reaches step t + 2 of a slot only after it received the
-receiver's step t + 1 messages, which the receiver's stream issues after all its step t work (the
-deferred expert weight gradients that still read step t's rows included); so with two copies a
-write never overwrites rows still in use, whatever the schedule, without any handshake.
+(as an NCCL receive does). The sender writes message n + 2 of a slot only after a chain of
+messages and collectives that starts after the receiver's stream finished with message n (the
+deferred weight gradients that still read its rows included): in training every step ends in an
+all-ranks gradient-norm all-reduce, and in forward-only evaluation with several pipeline groups
+the chain runs through the later groups. A replay of the schedules of 28 layouts found every
+reuse ordered that way (no test in the repo pins it yet); with two copies no handshake is needed.
 
-Signals carry the step's sequence number (step + 1): the sender writes the payload into the
-peer's segment, then stores seq into the segment's flag with a release at system scope; the
-receiver's wait (acquire loads, on the stream: `kernels.signal`) passes once the flag holds seq,
-so nothing is reset between steps and a step stays capturable as a CUDA graph. A message whose
+Signals carry the message's sequence number n (the transport counts each slot's messages, on
+both ends alike): the sender writes the payload into the peer's segment, then stores n into the
+segment's flag with a release at system scope; the receiver's wait (acquire loads, on the
+stream: `kernels.signal`) passes once the flag holds n, so nothing is reset between steps and a
+step stays capturable as a CUDA graph. A message whose
 rows exceed its segment's capacity is not written: the sender raises the flag to -seq, the wait
 records an overflow in the rank's status word, and the step's one read of the status raises
 `ArenaOverflow` naming the segment and the fix (never silent corruption).
@@ -51,7 +54,7 @@ COPIES = 2  # segments per slot (module docstring)
 @dataclass(frozen=True)
 class Segment:
     slot: Slot
-    copy: int  # steps t with t mod copies == copy use it
+    copy: int  # the slot's messages n with (n - 1) mod copies == copy land in it
     flag: int  # index of its flag word
     offsets: tuple[int, ...]  # byte offset of each tensor in the arena
     specs: tuple[TensorSpec, ...]  # the capacity of each tensor (rows scaled)
@@ -110,9 +113,9 @@ class ArenaLayout:
     def __post_init__(self) -> None:
         object.__setattr__(self, "_by_slot", {(seg.slot, seg.copy): seg for seg in self.segments})
 
-    def segment(self, slot: Slot, step: int = 0) -> Segment:
-        """The segment step `step`'s message of `slot` lands in."""
-        seg = self._by_slot.get((slot, step % self.copies))
+    def segment(self, slot: Slot, index: int = 0) -> Segment:
+        """The segment message `index` (0, 1, ...) of `slot` lands in."""
+        seg = self._by_slot.get((slot, index % self.copies))
         if seg is None:
             raise KeyError(f"no receive segment for {slot}: not a message of this rank's program")
         return seg
@@ -121,10 +124,10 @@ class ArenaLayout:
         """The int64 [W] flag words of an arena."""
         return arena_B[: 8 * self.flag_words].view(torch.int64)
 
-    def views(self, arena_B: torch.Tensor, slot: Slot, specs: Sequence[TensorSpec], step: int = 0) -> list[torch.Tensor]:
-        """Typed views of step `step`'s segment of `slot` holding a message of `specs` (at most its
-        capacity); raises `ArenaOverflow` if the message does not fit."""
-        seg = self.segment(slot, step)
+    def views(self, arena_B: torch.Tensor, slot: Slot, specs: Sequence[TensorSpec], index: int = 0) -> list[torch.Tensor]:
+        """Typed views of the segment of message `index` of `slot` holding a message of `specs` (at
+        most its capacity); raises `ArenaOverflow` if the message does not fit."""
+        seg = self.segment(slot, index)
         check_fits(seg, specs)
         views = []
         for spec, offset in zip(specs, seg.offsets, strict=True):

@@ -104,7 +104,7 @@ def down_to_destination(act_NF: torch.Tensor, offsets_E: torch.Tensor, w2_EFH: t
     if not 0 <= source < flags_QS.shape[0]:
         raise ValueError(f"source {source} is not a row of the {flags_QS.shape[0]}-source flag block")
     if seq < 1:
-        raise ValueError(f"sequence number {seq} must be >= 1 (step + 1)")
+        raise ValueError(f"sequence number {seq} must be >= 1 (a message count)")
     seg_N, expected_S = segment_plan(dst_rows_N, tokens, top_k, segment_tokens,
                                      triton.cdiv(w2_EFH.shape[2], config.block_n))
     signal = gg.SegmentSignal(seg_N, expected_S, counters_S, flags_QS[source], seq)

@@ -131,4 +131,4 @@ def _check(flags_W: torch.Tensor, index: int, seq: int) -> None:
     if not 0 <= index < flags_W.numel():
         raise ValueError(f"flag {index} is outside the arena's {flags_W.numel()} flag words")
     if seq < 1:
-        raise ValueError(f"sequence number {seq} must be >= 1 (step + 1): 0 is an arena's initial state")
+        raise ValueError(f"sequence number {seq} must be >= 1 (the slot's message count): 0 is an arena's initial state")

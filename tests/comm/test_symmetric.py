@@ -33,11 +33,11 @@ def test_every_receive_has_an_aligned_segment_of_its_specs(topology):
         assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])) and spans[-1][1] <= layout.nbytes
         arena = torch.zeros(layout.nbytes, dtype=torch.uint8)
         for seg in layout.segments:
-            views = layout.views(arena, seg.slot, seg.specs, step=seg.copy)
+            views = layout.views(arena, seg.slot, seg.specs, index=seg.copy)
             assert [TensorSpec.of(v) for v in views] == list(seg.specs)
 
 
-def test_consecutive_steps_alternate_between_the_copies_of_a_slot():
+def test_consecutive_messages_alternate_between_the_copies_of_a_slot():
     topology = Topology.disaggregated(Layout(1, 1, 1, 2, 0), 8)
     layout = symmetric_layouts(topology.programs(2), lambda p, l: SHAPES.specs(p, True))[1]
     slot = layout.segments[0].slot
