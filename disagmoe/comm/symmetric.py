@@ -13,9 +13,12 @@ Why two copies: a one-sided write lands whenever the sender gets there, not when
 (as an NCCL receive does). The sender writes message n + 2 of a slot only after a chain of
 messages and collectives that starts after the receiver's stream finished with message n (the
 deferred weight gradients that still read its rows included): in training every step ends in an
-all-ranks gradient-norm all-reduce, and in forward-only evaluation with several pipeline groups
-the chain runs through the later groups. A replay of the schedules of 28 layouts found every
-reuse ordered that way (no test in the repo pins it yet); with two copies no handshake is needed.
+all-ranks gradient-norm all-reduce, and in forward-only evaluation (no collective) the chain runs
+through the pass in between. One copy would not do once evaluation runs: colocated, or with the
+loss off pipeline group 0, a pass's first sends start before the end of the pass before is known
+to them. `runtime.reuse_order` replays passes and tests/runtime/test_reuse_order.py pins both for
+every layout the schedule tests cover, training and evaluation interleaved; with two copies no
+handshake is needed.
 
 Signals carry the message's sequence number n (the transport counts each slot's messages, on
 both ends alike): the sender writes the payload into the peer's segment, then stores n into the
