@@ -690,8 +690,9 @@ def check_options(iters: int, warmup: int, segment_tokens: int, combine_programs
     if order not in ORDERS:
         raise ValueError(f"--order {order!r}: choose segment (rows grouped by destination segment, then expert: "
                          "the first segments land first) or expert (one group per expert)")
-    if iters < 1 or warmup < 0:
-        raise ValueError(f"need --iters >= 1 and --warmup >= 0; got {iters} and {warmup}")
+    if iters < 1 or warmup < 1:
+        raise ValueError(f"need --iters >= 1 and --warmup >= 1 (the first iteration of each variant compiles its "
+                         f"kernels, and the fused one does so while GPU 0 waits); got {iters} and {warmup}")
     if segment_tokens < 1:
         raise ValueError(f"--segment-tokens {segment_tokens}: a segment holds at least 1 token (default "
                          f"{DEFAULT_SEGMENT_TOKENS})")

@@ -192,6 +192,7 @@ def test_cli_without_two_gpus_is_one_clear_line():
     (["--combine-programs", "0"], "--combine-programs 0"),
     (["--order", "random"], "--order 'random': choose segment"),
     (["--iters", "0"], "--iters >= 1"),
+    (["--warmup", "0"], "--warmup >= 1 (the first iteration of each variant compiles"),
 ])
 def test_cli_bad_options_exit_2_with_the_fix(args, message):
     result = invoke(*args)
