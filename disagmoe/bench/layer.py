@@ -45,7 +45,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import queue
-import socket
 import statistics
 import time
 import traceback
@@ -56,6 +55,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from disagmoe.comm.symmetric import align
 from disagmoe.kernels import fused_return as fr
 from disagmoe.kernels import grouped_gemm as gg
 from disagmoe.kernels.moe_ffn import FFNTiles
@@ -68,7 +68,6 @@ SPEEDUP_TARGET = 1.2  # issue 11: (b) at least 1.2x (a) on the qwen3-30b-a3b sha
 BOUND_SLACK = 0.15  # issue 11: (b) within 15% of the bound on every shape
 DEFAULT_SEGMENT_TOKENS = 256
 SLEEP_CYCLES = 1_000_000  # about 0.5 ms at H200 clocks: the GPU waits while its host queues an iteration
-ALIGN = 256
 RESULT_TIMEOUT_S = 1800.0  # both ranks' reports, whole run
 FAILURE_GRACE_S = 10.0  # after one rank's failure, how long to wait for the other's report
 # In both ranks: NVLink multicast off, NVSHMEM on one host (DESIGN section 5), eager CUDA module
@@ -387,12 +386,8 @@ def arena_layout(shapes: Sequence[LayerShape], segment_tokens: int) -> tuple[int
     int64 flags [2 directions, S], then the forward's and the backward's pair rows, each sized for
     the largest shape of the run (every shape uses views of it)."""
     segments = max(fr.num_segments(s.tokens, segment_tokens) for s in shapes)
-    rows_bytes = _align(max(s.bytes_returned for s in shapes))
-    return segments, rows_bytes, _align(2 * segments * 8) + 2 * rows_bytes
-
-
-def _align(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
+    rows_bytes = align(max(s.bytes_returned for s in shapes))
+    return segments, rows_bytes, align(2 * segments * 8) + 2 * rows_bytes
 
 
 class ReturnArena:
@@ -630,12 +625,6 @@ def _worker(rank: int, port: int, shapes: list[LayerShape], opts: Options, arena
     results.put(report)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _spawn_ranks(shapes: list[LayerShape], opts: Options) -> dict[int, dict]:
     """Both ranks started together; their reports, or RuntimeError naming the rank that failed or hung."""
     import torch.multiprocessing as mp
@@ -643,7 +632,9 @@ def _spawn_ranks(shapes: list[LayerShape], opts: Options) -> dict[int, dict]:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     arena_bytes = arena_layout(shapes, opts.segment_tokens)[2]
-    port = _free_port()
+    from disagmoe.runtime.cluster import free_port
+
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(rank, port, shapes, opts, arena_bytes, results)) for rank in range(2)]
     for proc in procs:
         proc.start()

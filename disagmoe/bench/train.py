@@ -109,8 +109,10 @@ def runs_of(modes: list[str], transports: list[str] | None) -> list[tuple[str, s
         for transport in transports:
             if transport not in ("local", "nccl", "nvshmem"):
                 raise ValueError(f"unknown transport {transport!r}; choose local, nccl or nvshmem")
-    return [(mode, None) if mode == "single" or not transports else (mode, transport)
-            for mode in modes for transport in ([None] if mode == "single" or not transports else transports)]
+    runs: list[tuple[str, str | None]] = []
+    for mode in modes:
+        runs.extend([(mode, None)] if mode == "single" or not transports else [(mode, t) for t in transports])
+    return runs
 
 
 def run(cfg: TrainConfig, modes: list[str], steps: int, warmup: int,

@@ -212,11 +212,10 @@ class NvshmemTransport(Transport):
     def check_status(self, status: list[int]) -> None:
         """Raise for what the step's waits recorded: a message over its segment, or one that
         never came (`TransportTimeout` naming the peer and the message)."""
-        from disagmoe.kernels.signal import OVERFLOW, TIMED_OUT
+        from disagmoe.kernels.signal import OVERFLOW, TIMED_OUT, check_status
 
         if status[0] & OVERFLOW:
-            raise ArenaOverflow(f"rank {self.rank}: a message did not fit its receive segment (its sender "
-                                "names it); raise transport_capacity_factor or leave it unset for the worst case")
+            check_status(status, f"rank {self.rank}")  # ArenaOverflow, with the fix
         if status[0] & TIMED_OUT:
             seg = next(seg for seg in self.layout.segments if seg.flag == status[1])
             src, payload, layer, mb = seg.slot

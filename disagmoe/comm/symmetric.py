@@ -73,7 +73,8 @@ def _capacity(spec: TensorSpec, factor: float | None) -> TensorSpec:
     return TensorSpec((max(1, math.ceil(spec.shape[0] * factor)), *spec.shape[1:]), spec.dtype)
 
 
-def _align(n: int) -> int:
+def align(n: int) -> int:
+    """`n` bytes rounded up to the next ALIGN boundary."""
     return -(-n // ALIGN) * ALIGN
 
 
@@ -101,7 +102,7 @@ class ArenaLayout:
         words = needed if flag_words is None else flag_words
         if words < needed:
             raise ValueError(f"{needed} segments need {needed} flag words, the arena has {words}")
-        offset = _align(8 * words)
+        offset = align(8 * words)
         segments = []
         for slot in slots:
             specs = tuple(_capacity(s, capacity_factor) for s in specs_of(slot[1], slot[2]))
@@ -109,7 +110,7 @@ class ArenaLayout:
                 offsets = []
                 for spec in specs:
                     offsets.append(offset)
-                    offset = _align(offset + math.prod(spec.shape) * torch.empty((), dtype=spec.dtype).element_size())
+                    offset = align(offset + math.prod(spec.shape) * torch.empty((), dtype=spec.dtype).element_size())
                 segments.append(Segment(slot, copy, len(segments), tuple(offsets), specs))
         return cls(tuple(segments), words, offset, copies)
 

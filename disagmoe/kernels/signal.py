@@ -20,6 +20,8 @@ Shape legend: W flag words.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -102,8 +104,6 @@ def wait_flag(flags_W: torch.Tensor, index: int, seq: int, status_2: torch.Tenso
 
 def timed(t: torch.Tensor) -> bool:
     """Whether waits on `t` can read the GPU's clock (compiled on CUDA, not the interpreter)."""
-    import os
-
     return t.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
 
 

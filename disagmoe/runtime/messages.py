@@ -94,9 +94,11 @@ class MessageShapes:
     @classmethod
     def of_run(cls, cfg, model_cfg, topology) -> MessageShapes:
         """The shapes of a run (`TrainConfig`, `ModelConfig`, `Topology`)."""
+        from disagmoe.runtime.trainer import compute_dtype
+
         return cls(rows=cfg.batch_size // (cfg.micro_batches * topology.data_parallel), seq_len=cfg.seq_len,
                    hidden=model_cfg.hidden_size, top_k=model_cfg.top_k, num_experts=model_cfg.num_experts,
-                   dtype=torch.bfloat16 if cfg.compute_dtype_name == "bf16" else torch.float32,
+                   dtype=compute_dtype(cfg),
                    shared_experts=model_cfg.shared_ffn_size > 0)
 
     @property

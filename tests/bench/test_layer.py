@@ -9,10 +9,12 @@ import math
 
 import pytest
 import torch
+
 from typer.testing import CliRunner
 
 from disagmoe.bench import layer as bench
 from disagmoe.cli.app import app
+from disagmoe.comm.symmetric import ALIGN, align
 from disagmoe.config import load_model
 from disagmoe.kernels import fused_return as fr
 from disagmoe.kernels.moe_ffn import expert_ffn_reference
@@ -148,8 +150,8 @@ def test_arena_holds_both_directions_of_the_largest_shape():
     small = bench.LayerShape("s", 4, 16, 8, 2, 10)
     segments, rows_bytes, total = bench.arena_layout([TINY, small], segment_tokens=8)
     assert segments == fr.num_segments(TINY.tokens, 8)
-    assert rows_bytes >= TINY.bytes_returned and rows_bytes % bench.ALIGN == 0
-    assert total == bench._align(2 * segments * 8) + 2 * rows_bytes
+    assert rows_bytes >= TINY.bytes_returned and rows_bytes % ALIGN == 0
+    assert total == align(2 * segments * 8) + 2 * rows_bytes
 
 
 def test_options_and_gpus_are_checked_with_the_fix(monkeypatch):

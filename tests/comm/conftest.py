@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import queue
-import socket
 import time
 from collections.abc import Callable
 from types import SimpleNamespace
@@ -12,12 +11,7 @@ from typing import Any
 import pytest
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    """A free TCP port on loopback, for a rendezvous."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from disagmoe.runtime.cluster import free_port
 
 
 def run_ranks(ctx: Any, target: Callable, args_of: Callable[[int, Any], tuple], world: int, timeout_s: float,
