@@ -39,9 +39,11 @@ def _raise_flag_kernel(flags_ptr, index, value):
 
 @triton.jit
 def _now_ns(TIMED: tl.constexpr):
+    """The GPU's nanosecond clock (int64) when TIMED, else 0 (the interpreter has no clock)."""
+    now = tl.full((), 0, tl.int64)  # one return type for both branches (the compiler checks)
     if TIMED:
-        return tl.extra.cuda.globaltimer()
-    return 0
+        now = tl.extra.cuda.globaltimer()
+    return now
 
 
 @triton.jit

@@ -1,0 +1,100 @@
+"""Every Triton kernel compiles for the GPU it runs on (sm_90, Hopper), checked on the CPU.
+
+The interpreter tests run the kernels' Python, not Triton's compiler: a kernel can pass them and
+still be refused by the compiler (a helper whose branches return different types, say), which
+then surfaces only on the GPU machine. Here each wrapper is called on CPU tensors with
+`JITFunction.run` replaced by a compile-only step for an sm_90 target (Triton's front end, its
+passes and ptxas, down to a cubin); nothing is launched, so the outputs are ignored. The waits'
+clock (`kernels.signal.timed`) is switched on, as on a GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource, compile, make_backend  # noqa: E402
+from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
+
+HOPPER = GPUTarget("cuda", 90, 32)
+
+
+@pytest.fixture
+def compiled(monkeypatch):
+    """Kernels launched while this is active are compiled for HOPPER (their names returned)."""
+    from disagmoe.kernels import fused_return, signal
+
+    names: list[str] = []
+    backend = make_backend(HOPPER)
+
+    def compile_only(self, *args, grid, warmup, **kwargs):
+        kwargs.setdefault("debug", False)
+        binder = create_function_from_signature(self.signature, self.params, backend)
+        bound, specialization, options = binder(*args, **kwargs)
+        options, signature, constexprs, attrs = self._pack_args(backend, kwargs, bound, specialization, options)
+        kernel = compile(ASTSource(self, signature, constexprs, attrs), target=HOPPER, options=options.__dict__)
+        assert kernel.asm.get("cubin"), f"{self.fn.__name__}: no cubin"
+        names.append(self.fn.__name__)
+
+    monkeypatch.setattr(JITFunction, "run", compile_only)
+    for module in (signal, fused_return):
+        monkeypatch.setattr(module, "timed", lambda _t: True)
+    return names
+
+
+def _tiles():
+    from disagmoe.kernels.tile_configs import TileConfig
+
+    return TileConfig(block_m=64, block_n=64, block_k=32, group_m=4, num_warps=4, num_stages=3)
+
+
+def test_the_arrival_flags_compile(compiled):
+    from disagmoe.kernels import signal
+
+    flags, status = torch.zeros(4, dtype=torch.int64), signal.new_status("cpu")
+    signal.raise_flag(flags, 1, 3)
+    signal.wait_flag(flags, 1, 3, status, timeout_s=1.0)
+    assert compiled == ["_raise_flag_kernel", "_wait_flag_kernel"]
+
+
+def test_the_fused_return_compiles(compiled):
+    from disagmoe.kernels import fused_return as fr
+
+    tokens, top_k, experts, hidden, ffn, seg = 64, 2, 4, 64, 32, 16
+    dtype = torch.bfloat16
+    pairs = torch.arange(tokens * top_k, dtype=torch.int32)
+    offsets = torch.tensor([32, 64, 96, 128], dtype=torch.int32)
+    segments = fr.num_segments(tokens, seg)
+    flags = torch.zeros(1, segments, dtype=torch.int64)
+    dst = torch.zeros(tokens * top_k, hidden, dtype=dtype)
+    fr.down_to_destination(torch.zeros(tokens * top_k, ffn, dtype=dtype), offsets,
+                           torch.zeros(experts, ffn, hidden, dtype=dtype), _tiles(), dst_PH=dst, dst_rows_N=pairs,
+                           tokens=tokens, top_k=top_k, segment_tokens=seg,
+                           counters_S=torch.zeros(segments, dtype=torch.int32), flags_QS=flags, source=0, seq=1,
+                           num_programs=8)
+    status = torch.zeros(2, dtype=torch.int32)
+    for weights in (torch.ones(tokens, top_k, dtype=dtype), None):
+        fr.combine_landed(dst, weights, flags, 1, seg, top_k, status, num_programs=4)
+    assert compiled == ["_ragged_rows_gemm_kernel", "_combine_landed_kernel", "_combine_landed_kernel"]
+
+
+def test_the_expert_ffn_and_the_permute_compile(compiled):
+    from disagmoe.kernels import moe_ffn, permute
+
+    rows, experts, hidden, ffn = 128, 4, 64, 32
+    dtype = torch.bfloat16
+    tiles = moe_ffn.FFNTiles.uniform(_tiles())
+    x = torch.zeros(rows, hidden, dtype=dtype)
+    offsets = torch.tensor([32, 64, 96, 128], dtype=torch.int32)
+    w13, w2 = torch.zeros(experts, hidden, 2 * ffn, dtype=dtype), torch.zeros(experts, ffn, hidden, dtype=dtype)
+    y, act, h13 = moe_ffn.moe_ffn_forward(x, offsets, w13, w2, tiles, save_for_backward=True, num_programs=8)
+    main = (torch.zeros(experts, hidden, 2 * ffn), torch.zeros(experts, ffn, hidden))
+    moe_ffn.moe_ffn_backward(torch.zeros_like(y), x, offsets, w13, w2, act, h13, tiles, num_programs=8,
+                             main_grads=main)
+    idx = torch.zeros(64, 2, dtype=torch.int32)
+    permute.permute_forward(torch.zeros(64, hidden, dtype=dtype), idx, experts)
+    assert compiled.count("_ragged_rows_gemm_kernel") == 4 and compiled.count("_ragged_weight_grad_kernel") == 2
+    assert "_block_histogram_kernel" in compiled
