@@ -63,7 +63,10 @@ def _run(fr, case, step_seqs, device, dtype, skew=False, seed=0):
         status = torch.zeros(2, dtype=torch.int32, device=device)
         y = fr.combine_landed(dst, weights, flags, seq, seg_tokens, top_k, status, num_programs=2)
         assert status.tolist() == [0, 0]
-        rows_want = torch.einsum("pf,pfh->ph", act.float(), w2.float()[topk.flatten().to(device)])
+        rows_want = torch.empty(tokens * top_k, hidden, device=device)
+        for e in expert_P.unique().tolist():  # one expert at a time ([P, F, H] would not fit)
+            sel = (expert_P == e).nonzero().squeeze(1)
+            rows_want[sel] = act[sel].float() @ w2[e].float()
         want = fr.combine_reference(rows_want, weights, top_k)
         results.append((dst, rows_want, y, want, flags.clone(), [c.clone() for c in counters]))
     return results
@@ -147,7 +150,9 @@ def test_gpu_the_combine_waits_for_rows_stored_by_a_concurrent_launch(skew):
     """The combine is queued first on its own stream and spins on the flags; the expert launch on
     another stream stores the rows and raises them. bf16, the Qwen3-30B expert shape, 4k tokens.
     (CUDA runs the two streams' kernels concurrently here but does not promise to: if it
-    serialised them, the combine would give up after its timeout and the test says so.)"""
+    serialised them, the combine would give up after its timeout and the test says so. A kernel's
+    first launch loads its module, which waited for the spinning combine on the H200: each of its
+    waits timed out, so both kernels are loaded first.)"""
     from disagmoe.kernels import fused_return as fr
     from disagmoe.kernels.moe_ffn import FFNTiles
 
@@ -167,8 +172,15 @@ def test_gpu_the_combine_waits_for_rows_stored_by_a_concurrent_launch(skew):
     pairs_d, offsets_d = pairs.to(device), offsets.to(device)
     tiles = FFNTiles.for_shape(tokens * top_k, experts, hidden, ffn, device)
     status = torch.zeros(2, dtype=torch.int32, device=device)
+    # Load both kernels first, one after the other (seq 1).
+    act_grouped = torch.zeros(tokens * top_k, ffn, device=device, dtype=dtype)
+    fr.down_to_destination(act_grouped, offsets_d, w2, tiles.down, dst_PH=dst, dst_rows_N=pairs_d, tokens=tokens,
+                           top_k=top_k, segment_tokens=seg_tokens, counters_S=counters, flags_QS=flags, source=0,
+                           seq=1, num_programs=100)
+    fr.combine_landed(dst, weights, flags, 1, seg_tokens, top_k, status, num_programs=8, timeout_s=10)
     consumer, producer = torch.cuda.Stream(), torch.cuda.Stream()
-    for seq in (1, 2):  # the second step reuses the flags (seq 2) and the counters (back to zero)
+    expert_P = topk.flatten().to(device)
+    for seq in (2, 3):  # later steps reuse the flags (seq 2, 3) and the counters (back to zero)
         act = torch.randn(tokens * top_k, ffn, generator=gen).to(device, dtype)  # new rows each step
         act_grouped = act[pairs.long().to(device)].contiguous()
         dst.fill_(float("nan"))  # a combine that did not wait would read these
@@ -180,7 +192,10 @@ def test_gpu_the_combine_waits_for_rows_stored_by_a_concurrent_launch(skew):
                                    tokens=tokens, top_k=top_k, segment_tokens=seg_tokens, counters_S=counters,
                                    flags_QS=flags, source=0, seq=seq, num_programs=100)
         torch.cuda.synchronize()
-        rows_want = torch.einsum("pf,pfh->ph", act.float(), w2.float()[topk.flatten().to(device)])
+        rows_want = torch.empty(tokens * top_k, hidden, device=device)
+        for e in expert_P.unique().tolist():  # one expert at a time ([P, F, H] would not fit)
+            sel = (expert_P == e).nonzero().squeeze(1)
+            rows_want[sel] = act[sel].float() @ w2[e].float()
         want = fr.combine_reference(rows_want, weights.float(), top_k)
         assert status.tolist() == [0, 0], "the combine gave up waiting (were the kernels serialised?)"
         err = ((y.float() - want).norm() / want.norm()).item()
