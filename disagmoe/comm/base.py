@@ -159,6 +159,43 @@ class WorkSendHandle(SendHandle):
         return all(work.is_completed() for work in self._works)
 
 
+@dataclass(frozen=True)
+class PairSpec:
+    """A pair-row message (`hop: pair_rows`): one row per (token, expert) pair, [P = T K, H], that
+    every source of the set writes its own pairs of (each pair has exactly one source), landing
+    in one buffer on the receiver with a [Q sources, S segments] flag block beside it
+    (`kernels.fused_return`: segment s covers tokens [s ST, (s + 1) ST))."""
+
+    rows: TensorSpec  # [P, H]
+    segments: int  # S
+    sources: tuple[int, ...]  # the Q writing ranks, in the order of the flag block's rows
+
+
+@dataclass(frozen=True)
+class PairTarget:
+    """Where a source writes its rows of one pair-row message: the receiver's rows [P, H] and
+    flag block [Q, S] (peer views on a one-sided transport, else local staging), this source's
+    row of the flag block and the message's sequence number."""
+
+    rows_PH: torch.Tensor
+    flags_QS: torch.Tensor
+    source: int
+    seq: int
+
+
+@dataclass(frozen=True)
+class PairLanding:
+    """The receiver's side of one pair-row message: rows [P, H], flags [Q, S] (a segment's rows
+    are all there once its Q flags hold seq), the status words a combine's waits report into,
+    and the index of the block's first flag in them (0 where the flags are not an arena's)."""
+
+    rows_PH: torch.Tensor
+    flags_QS: torch.Tensor
+    seq: int
+    status_2: torch.Tensor | None
+    flag_base: int = 0
+
+
 class Transport(abc.ABC):
     """Point-to-point tensor messages between the ranks of one job."""
 
@@ -182,6 +219,47 @@ class Transport(abc.ABC):
     def reserve(self, src_rank: int, key: MessageKey, specs: Sequence[TensorSpec]) -> None:
         """Allocate, before the first step, what receiving `key`'s slot (its step aside) from
         `src_rank` needs (a transport that keeps receive buffers); by default nothing."""
+
+    # --- pair-row messages (`hop: pair_rows`) ----------------------------------------------------
+    # Every transport carries them; a one-sided one (nvshmem) overrides the three methods so that
+    # sources write straight into the receiver's buffer and nothing is sent afterwards. Here the
+    # emulation over `send`/`recv`: each source fills a zeroed staging buffer and sends it whole;
+    # the receiver sums the Q buffers in source order (every pair row has one source, so the sum
+    # is exact) and hands out flags already raised. Q x the bytes: for CPU runs and tests.
+
+    def pair_target(self, dst_rank: int, key: MessageKey, spec: PairSpec) -> PairTarget:
+        """Where this rank writes its rows of pair-row message `key` to `dst_rank` (itself too)."""
+        if self.rank not in spec.sources:
+            raise ValueError(f"rank {self.rank} is not a source of the pair-row message {key} ({spec.sources})")
+        device = getattr(self, "device", "cpu")
+        rows_PH = torch.zeros(spec.rows.shape, dtype=spec.rows.dtype, device=device)
+        flags_QS = torch.zeros((len(spec.sources), spec.segments), dtype=torch.int64, device=device)
+        target = PairTarget(rows_PH, flags_QS, spec.sources.index(self.rank), 1)
+        if dst_rank == self.rank:
+            self._own_pair_rows()[key] = target
+        return target
+
+    def pair_send(self, dst_rank: int, key: MessageKey, target: PairTarget) -> SendHandle | None:
+        """After the source's writes (a compute op): deliver them to `dst_rank` (None: nothing to
+        wait for, the writes were the delivery)."""
+        return self.send(dst_rank, key, [target.rows_PH])
+
+    def pair_landing(self, key: MessageKey, spec: PairSpec, timeout_s: float | None = None) -> PairLanding:
+        """The receiver's view of pair-row message `key` from every source of `spec`."""
+        rows_PH = None
+        for src in spec.sources:
+            if src == self.rank:
+                part = self._own_pair_rows().pop(key).rows_PH
+            else:
+                part = self.recv(src, key, [spec.rows], timeout_s)[0]
+            rows_PH = part if rows_PH is None else rows_PH + part
+        flags_QS = torch.ones((len(spec.sources), spec.segments), dtype=torch.int64, device=rows_PH.device)
+        return PairLanding(rows_PH, flags_QS, 1, None)
+
+    def _own_pair_rows(self) -> dict[MessageKey, PairTarget]:
+        if not hasattr(self, "_own_pairs"):
+            self._own_pairs: dict[MessageKey, PairTarget] = {}
+        return self._own_pairs
 
     def status_word(self) -> torch.Tensor | None:
         """Device int32 words the step's one host read includes (nonzero word 0: a message failed
