@@ -440,6 +440,16 @@ class TrainConfig(StrictModel):
     transport_capacity_factor: float | None = Field(
         None, gt=0, description="nvshmem: receive buffers hold this fraction of each message's worst-case rows "
         "(a message over it stops the run, naming this knob); unset = the plan's worst case exactly")
+    hop: Literal["auto", "partial_sums", "pair_rows"] = Field(
+        "auto", description="how expert outputs return to the attention ranks: partial_sums (each expert rank "
+        "sends one weighted partial sum per token) or pair_rows (every (token, expert) row lands in one buffer on "
+        "the attention rank, stored there by the expert kernel's last GEMM as tiles finish, combined as segments "
+        "land: fewer bytes once a token's experts span more expert ranks than top-k; transport nvshmem with the "
+        "triton experts, or local on CPU); auto = pair_rows where it moves fewer bytes and the transport is "
+        "nvshmem (printed at start)")
+    pair_segment_tokens: Dim = Field(
+        256, description="pair_rows: tokens per landing segment (each segment has its own arrival flag per "
+        "expert rank; the attention rank combines a segment once every flag is up)")
     device: Literal["cpu", "cuda"] = "cpu"
     experts_backend: Literal["loop", "grouped_mm", "triton"] = "loop"
     precision: Literal["auto", "bf16", "fp32"] = Field(
@@ -513,6 +523,12 @@ class TrainConfig(StrictModel):
             raise ValueError(
                 f"batch_size={self.batch_size} must be a multiple of micro_batches={self.micro_batches}"
             )
+        if self.hop == "pair_rows" and self.transport == "nccl":
+            raise ValueError("hop: pair_rows needs transport: nvshmem (the expert kernel stores rows straight into "
+                             "the attention GPU's memory); over nccl use hop: partial_sums (or auto)")
+        if self.hop == "pair_rows" and self.transport == "nvshmem" and self.experts_backend != "triton":
+            raise ValueError("hop: pair_rows over nvshmem needs experts_backend: triton (its down GEMM stores the "
+                             "rows); set experts_backend: triton or hop: partial_sums")
         if self.fault_injection is not None and self.mode == "single":
             raise ValueError("fault_injection kills a Ray actor: it needs mode disaggregated or colocated "
                              "(or remove fault_injection)")

@@ -73,6 +73,8 @@ def train(
     check_host_memory(cfg, load_model(cfg.model))
     check_out_dir(Path(cfg.out_dir))  # before Ray, the actors or the model start
     run = PREPARE[cfg.mode](cfg)
+    if cfg.mode != "single" and not as_json:
+        console.print(literal(_hop_note(cfg)), highlight=False)
     if as_json:
         # stdout holds the JSON only: Ray prints a dead actor's report (and actors' prints) to the
         # driver's stdout, from a thread of its own, so while the run lasts stdout is stderr
@@ -134,6 +136,16 @@ class TrainProgress:
         self.progress.stop()
 
 
+def _hop_note(cfg: TrainConfig) -> str:
+    """One line: how expert outputs return to the attention ranks in this run, and why."""
+    from disagmoe.runtime.messages import hop_mode
+    from disagmoe.runtime.topology import Topology
+
+    model_cfg = load_model(cfg.model)
+    hop, why = hop_mode(cfg, model_cfg, Topology.from_config(cfg, model_cfg))
+    return f"expert outputs return as {hop.replace('_', ' ')} ({why})"
+
+
 def _plan_note(cfg: TrainConfig, planned: TrainConfig) -> str:
     """e.g. 'plan plan.yaml: attention_ranks=1, expert_ranks=2 (config: 1), ...'."""
     changed = replaced_fields(cfg, planned)
@@ -162,6 +174,8 @@ def _summary_table(cfg: TrainConfig, summary: dict[str, Any]) -> Table:
         ("metrics", summary["metrics_path"]),
         ("checkpoint", summary["checkpoint_path"] or "-"),
     ]
+    if summary.get("hop"):
+        rows.append(("expert return", summary["hop"].replace("_", " ")))
     if summary.get("restarts"):
         rows.append(("restarts", f"{summary['restarts']} (max_restarts={cfg.max_restarts})"))
     for what, value in rows:

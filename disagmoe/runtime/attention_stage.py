@@ -40,6 +40,7 @@ from disagmoe.model.layers import deferred_weight_grads
 from disagmoe.model.loss import linear_cross_entropy
 from disagmoe.runtime.batching import batch_rows, inputs_and_targets
 from disagmoe.runtime.messages import Mailbox
+from disagmoe.runtime.pair_return import combine_pairs
 from disagmoe.runtime.rank_model import RankModel
 from disagmoe.runtime.schedule import Payload
 from disagmoe.runtime.topology import Topology
@@ -52,6 +53,7 @@ class LayerInput:
     prev: int  # the layer whose output this is
     carry: list[torch.Tensor] = field(default_factory=list)  # residual-stream parts (leaves)
     partials: list[torch.Tensor] = field(default_factory=list)  # per expert rank of `prev`: its partial sum
+    combined: torch.Tensor | None = None  # pair_rows: the combined expert output (its grad goes back)
 
 
 @dataclass
@@ -70,7 +72,8 @@ class AttentionStage:
     """Forward, loss and backward of the attention ops of one rank for one step at a time."""
 
     def __init__(self, model: RankModel, topology: Topology, rank: int, data: TokenDataset,
-                 micro_batches: int) -> None:
+                 micro_batches: int, pair_segment_tokens: int | None = None) -> None:
+        """`pair_segment_tokens`: `hop: pair_rows` with that landing segment (None: partial sums)."""
         role = topology.attention_role(rank)
         assert role is not None, f"rank {rank} runs no attention"
         self.group, self.dp_index = role
@@ -79,6 +82,7 @@ class AttentionStage:
         self.dp = topology.data_parallel
         self.num_experts = model.cfg.num_experts
         self.layers = topology.attention_layers(rank)
+        self.pair_segment_tokens = pair_segment_tokens
         self.begin_step(0)
 
     def begin_step(self, step: int, data: TokenDataset | None = None) -> None:
@@ -126,11 +130,18 @@ class AttentionStage:
         if not topo.is_moe(prev):
             return parts[0], inputs
         experts = topo.expert_groups[topo.group_of_layer(prev)]
-        inputs.partials = [mail.take(Payload.COMBINE, prev, mb, r)[0].detach().requires_grad_() for r in experts]
-        h_BSH, *shared = parts
-        ffn_NH = inputs.partials[0]
-        for partial_NH in inputs.partials[1:]:  # rank order: the same sum on every run
-            ffn_NH = ffn_NH + partial_NH
+        if self.pair_segment_tokens is not None:  # pair rows, weighted by the weights that came with h
+            h_BSH, *shared, w_NK = parts
+            ffn_NH = combine_pairs(mail.landing(prev, mb), w_NK, self.pair_segment_tokens)
+            if ffn_NH.requires_grad:
+                ffn_NH.retain_grad()
+            inputs.combined = ffn_NH
+        else:
+            inputs.partials = [mail.take(Payload.COMBINE, prev, mb, r)[0].detach().requires_grad_() for r in experts]
+            h_BSH, *shared = parts
+            ffn_NH = inputs.partials[0]
+            for partial_NH in inputs.partials[1:]:  # rank order: the same sum on every run
+                ffn_NH = ffn_NH + partial_NH
         if shared:
             ffn_NH = ffn_NH + shared[0]
         return h_BSH + ffn_NH.view_as(h_BSH), inputs
@@ -138,8 +149,13 @@ class AttentionStage:
     def _post_input_grads(self, inputs: LayerInput, mb: int, mail: Mailbox) -> None:
         topo, prev = self.topology, inputs.prev
         if topo.is_moe(prev):
-            for rank, leaf in zip(topo.expert_groups[topo.group_of_layer(prev)], inputs.partials, strict=True):
-                mail.post(Payload.COMBINE_GRAD, prev, mb, rank, [_grad(leaf)])
+            experts = topo.expert_groups[topo.group_of_layer(prev)]
+            if inputs.combined is not None:  # pair rows: every expert rank gets dy and forms its w dy
+                grads = [_grad(inputs.combined)] * len(experts)
+            else:
+                grads = [_grad(leaf) for leaf in inputs.partials]
+            for rank, grad in zip(experts, grads, strict=True):
+                mail.post(Payload.COMBINE_GRAD, prev, mb, rank, [grad])
         source = topo.attention_rank(topo.group_of_layer(prev), self.dp_index)
         mail.post(Payload.RESIDUAL_GRAD, prev, mb, source, [_grad(leaf) for leaf in inputs.carry])
 
@@ -166,9 +182,13 @@ class AttentionStage:
         for rank in topo.expert_groups[self.group]:
             mail.post(Payload.DISPATCH, layer, mb, rank, dispatch)
         carry = [h_BSH] + ([] if shared_NH is None else [shared_NH])
+        dispatched = [routing.xn_NH, routing.topk_w_NK]
+        if self.pair_segment_tokens is not None:  # the weights travel to where the pair rows are combined
+            carry.append(routing.topk_w_NK)
+            dispatched = [routing.xn_NH]
         mail.post(Payload.RESIDUAL, layer, mb, nxt, carry)
         router = block.moe.router
-        segment = Segment(inputs, [routing.xn_NH, routing.topk_w_NK], carry, router=router)
+        segment = Segment(inputs, dispatched, carry, router=router)
         if router.cfg.z_loss_coef > 0:
             segment.z_share = routing.z_loss.float() / (self.dp * self.micro_batches)
             self.loss_parts["z_loss"] = self.loss_parts["z_loss"] + segment.z_share.detach()

@@ -43,7 +43,7 @@ from disagmoe.runtime.checkpoint import (
 )
 from disagmoe.runtime.cluster import WorkerFailure, WorkerGroup
 from disagmoe.runtime.failures import RunWarning, TrainingFailed
-from disagmoe.runtime.messages import MessageShapes, receive_layouts
+from disagmoe.runtime.messages import MessageShapes, hop_mode, receive_layouts
 from disagmoe.runtime.metrics import load_imbalance, mfu, peak_and_ceiling
 from disagmoe.runtime.optim import lr_at
 from disagmoe.runtime.plan_layout import apply_plan
@@ -157,6 +157,7 @@ class DistributedTrainer(TrainingLoop):
         self.cfg = cfg = apply_plan(cfg, self.model_cfg)  # a plan's layout, checked; inline for the workers
         self.topology = Topology.from_config(cfg, self.model_cfg)
         check_fits(cfg, self.model_cfg, self.topology)
+        self.hop, self.hop_reason = hop_mode(cfg, self.model_cfg, self.topology)
         check_fault_injection(cfg, self.topology)
         check_out_dir(Path(cfg.out_dir))  # before any actor starts
         splits = load_splits(cfg.data, self.model_cfg.vocab_size, cfg.seq_len)  # data errors surface here

@@ -31,6 +31,7 @@ from disagmoe.model.dispatch import expert_counts
 from disagmoe.model.layers import deferred_weight_grads
 from disagmoe.model.local_experts import local_expert_block
 from disagmoe.runtime.messages import Mailbox
+from disagmoe.runtime.pair_return import PairRows, expert_pair_rows, expert_pair_rows_backward
 from disagmoe.runtime.rank_model import RankModel
 from disagmoe.runtime.schedule import Payload
 from disagmoe.runtime.topology import Topology
@@ -86,12 +87,16 @@ class ExpertSegment:
     inputs: list[torch.Tensor]  # leaves per source: xn rows, then routing weights
     outputs: list[torch.Tensor]  # the partial sums per destination
     load_E: torch.Tensor  # the micro-batch's expert load over all sources
+    pairs: list[PairRows] | None = None  # pair_rows: per source, what its backward needs
 
 
 class ExpertStage:
     """Forward and backward of the expert ops of one rank."""
 
-    def __init__(self, model: RankModel, topology: Topology, rank: int) -> None:
+    def __init__(self, model: RankModel, topology: Topology, rank: int,
+                 pair_segment_tokens: int | None = None, tokens: int = 0) -> None:
+        """`pair_segment_tokens`: `hop: pair_rows` with that landing segment, for sources of
+        `tokens` tokens (None: partial sums)."""
         role = topology.expert_role(rank)
         assert role is not None, f"rank {rank} holds no experts"
         self.group, index = role
@@ -102,6 +107,10 @@ class ExpertStage:
         self.routing = {layer: [LocalRouting(topology, layer, index, d, dp, model.device) for d in range(dp)]
                         for layer in topology.experts_of(rank)}
         self.segments: dict[tuple[int, int], ExpertSegment] = {}
+        self.pair_segment_tokens = pair_segment_tokens
+        if pair_segment_tokens is not None:  # the down GEMM's per-segment store counts (zero between launches)
+            self.pair_counters_S = torch.zeros(-(-tokens // pair_segment_tokens), dtype=torch.int32,
+                                               device=model.device)
 
     def begin_step(self) -> None:
         self.segments = {}  # an evaluation pass leaves its forward segments behind
@@ -109,6 +118,8 @@ class ExpertStage:
     def forward(self, layer: int, mb: int, mail: Mailbox) -> None:
         """ExpertForward(layer, mb)."""
         messages = [mail.take(Payload.DISPATCH, layer, mb, src) for src in self.sources]
+        if self.pair_segment_tokens is not None:
+            return self._forward_pairs(layer, mb, mail, messages)
         xs = [xn_NH.detach().requires_grad_() for xn_NH, _, _ in messages]
         ws = [w_NK.detach().requires_grad_(w_NK.is_floating_point()) for _, _, w_NK in messages]
         local_TK = _cat([route(idx_NK) for route, (_, idx_NK, _) in zip(self.routing[layer], messages, strict=True)])
@@ -126,12 +137,32 @@ class ExpertStage:
         segment = self.segments.pop((layer, mb))
         grads = [mail.take(Payload.COMBINE_GRAD, layer, mb, dst)[0] for dst in self.destinations]
         with deferred_weight_grads() as held:
-            torch.autograd.backward(segment.outputs, grads)
+            if segment.pairs is not None:
+                for saved, dy_NH in zip(segment.pairs, grads, strict=True):
+                    expert_pair_rows_backward(saved, dy_NH)
+            else:
+                torch.autograd.backward(segment.outputs, grads)
         D = len(self.sources)
         for d, src in enumerate(self.sources):
             x_leaf, w_leaf = segment.inputs[d], segment.inputs[D + d]
             mail.post(Payload.DISPATCH_GRAD, layer, mb, src, [_grad(x_leaf), _grad(w_leaf), segment.load_E])
         return held
+
+
+    def _forward_pairs(self, layer: int, mb: int, mail: Mailbox, messages) -> None:
+        """ExpertForward with `hop: pair_rows`: one launch pair per source, its rows stored into its
+        destination's pair-row buffer (`runtime.pair_return`); the weights' gradient is formed on
+        the attention side, so their leaves get none here (DISPATCH_GRAD carries zeros)."""
+        xs = [xn_NH.detach().requires_grad_() for xn_NH, _, _ in messages]
+        ws = [w_NK.detach() for _, _, w_NK in messages]
+        experts = self.model.experts(layer)
+        pairs = []
+        for route, dst, x_leaf, (_, idx_NK, _), w_NK in zip(self.routing[layer], self.destinations, xs, messages, ws,
+                                                            strict=True):
+            pairs.append(expert_pair_rows(x_leaf, route(idx_NK), w_NK, experts, mail.target(layer, mb, dst),
+                                          self.pair_counters_S, self.pair_segment_tokens))
+        load_E = sum(expert_counts(idx_NK.long(), self.model.cfg.num_experts) for _, idx_NK, _ in messages)
+        self.segments[(layer, mb)] = ExpertSegment(xs + ws, [], load_E, pairs)
 
 
 def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:

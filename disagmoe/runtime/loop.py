@@ -47,6 +47,7 @@ class TrainSummary:
     checkpoint_path: str | None
     busy: dict[str, float] | None = None  # distributed modes: per group, mean compute / step time
     restarts: int = 0  # distributed modes: times the run restarted itself after a failed rank (max_restarts)
+    hop: str | None = None  # distributed modes: how expert outputs returned (`runtime.messages.hop_mode`)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -181,4 +182,5 @@ class TrainingLoop:
             checkpoint_path=None if checkpoint is None else str(checkpoint),
             busy={g: total / steps_run for g, total in busy_sums.items()} if busy_sums and steps_run else None,
             restarts=self.restarts,
+            hop=getattr(self, "hop", None),
         )

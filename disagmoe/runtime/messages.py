@@ -15,6 +15,13 @@ sequences of S), H hidden, K top-k, E experts, in the compute dtype (idx int32, 
     DISPATCH_GRAD  E_g,j -> A_g,d    d xn [T, H], d weights [T, K], the micro-batch's load over d [E]
     COMBINE_GRAD   A_g+1,d -> E_g,j  d partial [T, H]
     RESIDUAL_GRAD  as RESIDUAL, backwards
+
+With `hop: pair_rows` (`hop_mode`) two change: COMBINE becomes one pair-row message per (layer,
+micro-batch) that every expert rank of the set writes its pairs' rows into (`comm.base.PairSpec`:
+[T K, H], unweighted, each pair row t K + j from the rank serving it; `runtime.pair_return`), and
+RESIDUAL of a MoE layer also carries the routing weights [T, K], which the receiving attention rank
+combines with, so their gradient returns with RESIDUAL_GRAD (DISPATCH_GRAD's d weights are then
+zeros). COMBINE_GRAD stays dy [T, H]: each expert rank forms its pairs' w dy itself.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from disagmoe.comm.base import MessageKey, TensorSpec
+from disagmoe.comm.base import MessageKey, PairLanding, PairSpec, PairTarget, TensorSpec
 from disagmoe.runtime.schedule import Payload
 
 Slot = tuple[Payload, int, int]  # (payload, layer, micro-batch)
@@ -51,6 +58,8 @@ class Mailbox:
         self.rank = rank
         self._outgoing: dict[Slot, dict[int, list[torch.Tensor]]] = defaultdict(dict)
         self._incoming: dict[Slot, dict[int, list[torch.Tensor]]] = defaultdict(dict)
+        self._targets: dict[tuple[int, int, int], PairTarget] = {}  # (layer, mb, dst): where pair rows go
+        self._landings: dict[tuple[int, int], PairLanding] = {}  # (layer, mb): pair rows that land here
 
     def post(self, payload: Payload, layer: int, micro_batch: int, dst: int, tensors: list[torch.Tensor]) -> None:
         """Leave `tensors` for `dst`; addressed to this rank, they arrive at once."""
@@ -75,8 +84,34 @@ class Mailbox:
         assert src in box, f"rank {self.rank}: no {payload.name} {layer}/{micro_batch} from rank {src}"
         return box.pop(src)
 
+    # pair-row messages (`hop: pair_rows`): the worker aims the expert op at the receivers' buffers
+    # before it runs, sends after it (`Transport.pair_send`), and files what lands for the combine.
+
+    def aim(self, layer: int, micro_batch: int, dst: int, target: PairTarget) -> None:
+        self._targets[(layer, micro_batch, dst)] = target
+
+    def target(self, layer: int, micro_batch: int, dst: int) -> PairTarget:
+        """Where this rank's pair rows of (layer, micro_batch) for `dst` go (kept for the send)."""
+        key = (layer, micro_batch, dst)
+        assert key in self._targets, f"rank {self.rank}: no pair-row target for rank {dst} in layer {layer}/{micro_batch}"
+        return self._targets[key]
+
+    def release_target(self, layer: int, micro_batch: int, dst: int) -> PairTarget:
+        """The target, removed (the send op's)."""
+        self.target(layer, micro_batch, dst)
+        return self._targets.pop((layer, micro_batch, dst))
+
+    def land(self, layer: int, micro_batch: int, landing: PairLanding) -> None:
+        self._landings[(layer, micro_batch)] = landing
+
+    def landing(self, layer: int, micro_batch: int) -> PairLanding:
+        """The pair rows of (layer, micro_batch) that land here (removed)."""
+        key = (layer, micro_batch)
+        assert key in self._landings, f"rank {self.rank}: no pair rows of layer {layer}/{micro_batch} received"
+        return self._landings.pop(key)
+
     def empty(self) -> bool:
-        return not any(self._outgoing.values()) and not any(self._incoming.values())
+        return not (any(self._outgoing.values()) or any(self._incoming.values()) or self._targets or self._landings)
 
 
 @dataclass(frozen=True)
@@ -90,6 +125,8 @@ class MessageShapes:
     num_experts: int
     dtype: torch.dtype
     shared_experts: bool
+    pair_rows: bool = False  # `hop: pair_rows` (module docstring)
+    segment_tokens: int = 256  # pair_rows: tokens per landing segment
 
     @classmethod
     def of_run(cls, cfg, model_cfg, topology) -> MessageShapes:
@@ -99,7 +136,22 @@ class MessageShapes:
         return cls(rows=cfg.batch_size // (cfg.micro_batches * topology.data_parallel), seq_len=cfg.seq_len,
                    hidden=model_cfg.hidden_size, top_k=model_cfg.top_k, num_experts=model_cfg.num_experts,
                    dtype=compute_dtype(cfg),
-                   shared_experts=model_cfg.shared_ffn_size > 0)
+                   shared_experts=model_cfg.shared_ffn_size > 0,
+                   pair_rows=hop_mode(cfg, model_cfg, topology)[0] == "pair_rows",
+                   segment_tokens=cfg.pair_segment_tokens)
+
+    @property
+    def segments(self) -> int:
+        """Landing segments of a pair-row message (the last one may be short)."""
+        return -(-self.tokens // self.segment_tokens)
+
+    def pair_spec(self, sources: tuple[int, ...]) -> PairSpec:
+        """The pair-row COMBINE message written by expert ranks `sources` (in flag-block order)."""
+        return PairSpec(TensorSpec((self.tokens * self.top_k, self.hidden), self.dtype), self.segments, tuple(sources))
+
+    def is_pair(self, payload: Payload, layer_is_moe: bool) -> bool:
+        """Whether this payload's message is a pair-row one in this run."""
+        return self.pair_rows and payload is Payload.COMBINE and layer_is_moe
 
     @property
     def tokens(self) -> int:
@@ -110,18 +162,40 @@ class MessageShapes:
         rows = TensorSpec((T, H), dt)
         if payload in (Payload.DISPATCH,):
             return [rows, TensorSpec((T, K), torch.int32), TensorSpec((T, K), dt)]
+        if payload is Payload.COMBINE and self.pair_rows:
+            return [TensorSpec((T * K, H), dt)]
         if payload in (Payload.COMBINE, Payload.COMBINE_GRAD):
             return [rows]
         if payload is Payload.DISPATCH_GRAD:
             return [rows, TensorSpec((T, K), dt), TensorSpec((self.num_experts,), torch.int64)]
         stream = TensorSpec((self.rows, self.seq_len, H), dt)  # RESIDUAL, RESIDUAL_GRAD
-        return [stream, rows] if layer_is_moe and self.shared_experts else [stream]
+        parts = [stream, rows] if layer_is_moe and self.shared_experts else [stream]
+        if layer_is_moe and self.pair_rows:
+            parts.append(TensorSpec((T, K), dt))  # the routing weights, combined on the receiving rank
+        return parts
+
+
+def hop_mode(cfg, model_cfg, topology) -> tuple[str, str]:
+    """(hop, why) of a run: `cfg.hop`, with auto resolved. Per-pair rows move T K H values to an
+    attention rank where partial sums move Q T H (Q expert ranks of the set), so they win once
+    Q > top-k; they need the one-sided transport (or `local`, on CPU) and, on it, the triton
+    experts, whose down GEMM stores them."""
+    ranks = max((len(group) for group in topology.expert_groups), default=0)
+    k = model_cfg.top_k
+    if cfg.hop != "auto":
+        return cfg.hop, "as configured"
+    if cfg.transport == "nvshmem" and cfg.experts_backend == "triton" and ranks > k:
+        return "pair_rows", f"{ranks} expert ranks per set > top-k {k}: per-pair rows move fewer bytes"
+    why = (f"{ranks} expert ranks per set <= top-k {k}: one partial sum per token per expert rank moves fewer bytes"
+           if ranks <= k else "pair rows need transport nvshmem with experts_backend triton")
+    return "partial_sums", why
 
 
 def receive_layouts(cfg, shapes: MessageShapes, topology) -> list:
     """Every rank's receive buffers as `comm.symmetric` arenas, from every rank's program: for
     `transport: nvshmem` the symmetric arenas it allocates (two copies of each slot, the largest
-    rank's size everywhere); otherwise each rank's own buffers, one copy (as nccl reserves them)."""
+    rank's size everywhere; a pair-row message one shared buffer with its flag block); otherwise
+    each rank's own buffers, one copy (as nccl reserves them; pair rows: one per source)."""
     from disagmoe.comm.symmetric import ArenaLayout, symmetric_layouts
 
     programs = topology.programs(cfg.micro_batches)
@@ -129,6 +203,12 @@ def receive_layouts(cfg, shapes: MessageShapes, topology) -> list:
     def specs_of(payload: Payload, layer: int) -> list[TensorSpec]:
         return shapes.specs(payload, topology.is_moe(layer))
 
+    def pair_of(payload: Payload, layer: int) -> tuple[TensorSpec, int] | None:
+        if not shapes.is_pair(payload, topology.is_moe(layer)):
+            return None
+        return shapes.specs(payload, True)[0], shapes.segments
+
     if cfg.transport == "nvshmem":
-        return symmetric_layouts(programs, specs_of, capacity_factor=cfg.transport_capacity_factor)
+        return symmetric_layouts(programs, specs_of, capacity_factor=cfg.transport_capacity_factor,
+                                 pair_of=pair_of if shapes.pair_rows else None)
     return [ArenaLayout.of_program(p, specs_of, rank, copies=1) for rank, p in enumerate(programs)]

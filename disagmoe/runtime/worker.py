@@ -59,6 +59,7 @@ from disagmoe.runtime.schedule import (
     Loss,
     Op,
     OptimizerStep,
+    Payload,
     Recv,
     ReduceGradients,
     Send,
@@ -116,6 +117,7 @@ class TrainWorker(Worker):
                                         layouts=receive_layouts(cfg, self.shapes, topology)
                                         if cfg.transport == "nvshmem" else None)
         attention = topology.attention_role(self.rank)
+        segment_tokens = self.shapes.segment_tokens if self.shapes.pair_rows else None
         set_fusion(cfg.fuse_elementwise)
         self.model = rank_model(self.model_cfg, cfg.experts_backend, topology, self.rank).materialise(
             self.device, cfg.seed)
@@ -136,10 +138,12 @@ class TrainWorker(Worker):
             data = TokenDataset(splits.train, cfg.seq_len, cfg.batch_size, cfg.seed, "train")
             if splits.val is not None:
                 self.val_data = TokenDataset(splits.val, cfg.seq_len, cfg.batch_size, cfg.seed, "val")
-            self.attention = AttentionStage(self.model, topology, self.rank, data, cfg.micro_batches)
-        self.experts = ExpertStage(self.model, topology, self.rank) if topology.expert_role(self.rank) else None
+            self.attention = AttentionStage(self.model, topology, self.rank, data, cfg.micro_batches,
+                                            pair_segment_tokens=segment_tokens)
+        self.experts = (ExpertStage(self.model, topology, self.rank, pair_segment_tokens=segment_tokens,
+                                    tokens=self.shapes.tokens) if topology.expert_role(self.rank) else None)
         for op in self.program:  # every receive buffer now, sized by the run's fixed message specs
-            if isinstance(op, Recv):
+            if isinstance(op, Recv) and not self._is_pair(op):  # pair rows land in the transport's own buffers
                 for peer in op.peers:
                     if peer != self.rank:
                         self.transport.reserve(peer, message_key(0, op.payload, op.layer, op.micro_batch),
@@ -277,7 +281,41 @@ class TrainWorker(Worker):
         self.recorder.drain_waits()
         return {"rank": self.rank, "ce": ce}
 
+    def _is_pair(self, op: Op) -> bool:
+        """A Send / Recv of a pair-row message (`hop: pair_rows`)."""
+        return self.shapes.is_pair(op.payload, self.topology.is_moe(op.layer))
+
+    def _pair_spec(self, layer: int):
+        return self.shapes.pair_spec(self.topology.expert_groups[self.topology.group_of_layer(layer)])
+
+    def _aim_pairs(self, op: ExpertForward, step: int, mail: Mailbox) -> None:
+        """Before an ExpertForward of pair rows: where each destination's rows go (`Transport.pair_target`)."""
+        key = message_key(step, Payload.COMBINE, op.layer, op.micro_batch)
+        spec = self._pair_spec(op.layer)
+        for dst in self.experts.destinations:
+            mail.aim(op.layer, op.micro_batch, dst, self.transport.pair_target(dst, key, spec))
+
+    def _run_pairs(self, op: Send | Recv, step: int, mail: Mailbox, handles: list[SendHandle]) -> None:
+        """The Send and Recv of a pair-row message: the rows were stored by the ExpertForward's
+        kernel (a one-sided transport's delivery; otherwise `pair_send` sends them), and the
+        receiver takes a view whose flags its combine waits on."""
+        key = message_key(step, op.payload, op.layer, op.micro_batch)
+        if isinstance(op, Send):
+            with self.recorder.span(_op_name(op), "send"):
+                for peer in op.peers:
+                    target = mail.release_target(op.layer, op.micro_batch, peer)
+                    if peer != self.rank:
+                        handle = self.transport.pair_send(peer, key, target)
+                        if handle is not None:
+                            handles.append(handle)
+            return
+        with self.recorder.span(_op_name(op), "wait"), self._gpu_wait_span(_op_name(op)):
+            mail.land(op.layer, op.micro_batch, self.transport.pair_landing(key, self._pair_spec(op.layer)))
+
     def _run(self, op: Op, step: int, mail: Mailbox, handles: list[SendHandle]) -> None:
+        if isinstance(op, (Send, Recv)) and self._is_pair(op):
+            self._run_pairs(op, step, mail, handles)
+            return
         if isinstance(op, Send):
             with self.recorder.span(_op_name(op), "send"):
                 for peer in op.peers:
@@ -308,6 +346,8 @@ class TrainWorker(Worker):
             if isinstance(op, AttentionForward):
                 self.attention.forward(op.layer, op.micro_batch, mail)
             elif isinstance(op, ExpertForward):
+                if self.shapes.pair_rows and self.topology.is_moe(op.layer):
+                    self._aim_pairs(op, step, mail)
                 self.experts.forward(op.layer, op.micro_batch, mail)
             elif isinstance(op, Loss):
                 self.attention.loss(op.micro_batch, mail)

@@ -63,10 +63,7 @@ def _run(fr, case, step_seqs, device, dtype, skew=False, seed=0):
         status = torch.zeros(2, dtype=torch.int32, device=device)
         y = fr.combine_landed(dst, weights, flags, seq, seg_tokens, top_k, status, num_programs=2)
         assert status.tolist() == [0, 0]
-        rows_want = torch.empty(tokens * top_k, hidden, device=device)
-        for e in expert_P.unique().tolist():  # one expert at a time ([P, F, H] would not fit)
-            sel = (expert_P == e).nonzero().squeeze(1)
-            rows_want[sel] = act[sel].float() @ w2[e].float()
+        rows_want = torch.einsum("pf,pfh->ph", act.float(), w2.float()[topk.flatten().to(device)])
         want = fr.combine_reference(rows_want, weights, top_k)
         results.append((dst, rows_want, y, want, flags.clone(), [c.clone() for c in counters]))
     return results

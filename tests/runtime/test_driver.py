@@ -137,6 +137,12 @@ CASES = {
                              optim=OptimConfig(lr=3e-3, warmup_steps=2, shard_states=True)),
     "colocated-3-bias": dict(mode="colocated", colocated_ranks=3, micro_batches=2, batch_size=6,
                              bias_balancing=True),
+    # hop: pair_rows (every (token, expert) row returned as its own row; the transport's emulation on CPU):
+    # several expert ranks writing one buffer, data parallel, the weights riding RESIDUAL to another
+    # pipeline group, colocated ranks writing their own buffer
+    "pairs-A1-E2-p1-m2": dict(attention_ranks=1, expert_ranks=2, pipeline_groups=1, micro_batches=2, hop="pair_rows"),
+    "pairs-A2-E2-p2-m2": dict(attention_ranks=2, expert_ranks=2, pipeline_groups=2, micro_batches=2, hop="pair_rows"),
+    "pairs-colocated-3": dict(mode="colocated", colocated_ranks=3, micro_batches=2, batch_size=6, hop="pair_rows"),
 }
 
 
@@ -148,6 +154,7 @@ def test_matches_the_single_process_oracle(warm, tmp_path, case):
     summary = run_on(warm, cfg)
     reference, reference_model = oracle(cfg, tmp_path / "single")
     assert summary.steps == STEPS and summary.checkpoint_path is not None
+    assert summary.hop == fields.get("hop", "partial_sums")
     assert_same_losses(read_metrics(tmp_path / "dist" / METRICS_FILE), reference)
     assert_same_parameters(model_from_checkpoint(cfg, Path(summary.checkpoint_path)), reference_model)
 
