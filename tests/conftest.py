@@ -1,5 +1,8 @@
-import pytest
+import importlib
 import importlib.util
+import os
+
+import pytest
 
 
 def _cuda() -> bool:
@@ -17,3 +20,60 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# --- Triton's CPU interpreter, switched on for one test at a time (kernel tests, runtime tests of fused paths)
+
+
+def _patch_interpreter_index() -> None:
+    """Triton 3.6's interpreter turns a tensor used as a loop bound into an int with
+    `int(array)`, which NumPy >= 2.4 refuses for the 1-element arrays the interpreter makes of
+    scalars (program ids, scalar loads, reductions). Convert through `.item()` instead."""
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "_disagmoe_patched", False):
+        return
+
+    def patch_lang_tensor(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patch_lang_tensor._disagmoe_patched = True
+    interpreter._patch_lang_tensor = patch_lang_tensor
+
+
+# Modules of Triton itself whose @triton.jit helpers (tl.cdiv, tl.sum, tl.sigmoid, ...) must be
+# rebuilt when the interpreter is switched on after Triton was first imported (e.g. by another
+# test module): the interpreter only calls helpers that were decorated in interpreter mode.
+TRITON_JIT_MODULES = ("triton.language.standard", "triton.language")
+
+
+def _reload_all(names):
+    return [importlib.reload(importlib.import_module(name)) for name in names]
+
+
+@pytest.fixture
+def interpreted():
+    """Reload the given kernel modules with TRITON_INTERPRET=1 (so @triton.jit builds interpreted
+    functions, whatever was imported before), and restore the compiled build after the test (so
+    GPU tests in the same run get compiled kernels)."""
+    reloaded = []
+    previous = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    _patch_interpreter_index()
+    _reload_all(TRITON_JIT_MODULES)
+
+    def load(*names: str):
+        modules = _reload_all(names)
+        reloaded.extend(modules)
+        return modules if len(modules) > 1 else modules[0]
+
+    yield load
+    if previous is None:
+        del os.environ["TRITON_INTERPRET"]
+    else:
+        os.environ["TRITON_INTERPRET"] = previous
+    _reload_all(TRITON_JIT_MODULES)
+    for module in reloaded:
+        importlib.reload(module)
