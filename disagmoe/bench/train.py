@@ -29,18 +29,23 @@ from disagmoe.runtime.trainer import SingleProcessTrainer
 MODES = ("single", "disaggregated", "colocated")
 
 
-def mode_config(cfg: TrainConfig, mode: str, steps: int, out_dir: Path, transport: str | None = None) -> TrainConfig:
-    """`cfg` for one timed mode (and transport, default the config's): no trace, no checkpoints
-    (a big model's takes minutes and tens of GB), fresh output."""
+HOPS = ("partial_sums", "pair_rows")
+
+
+def mode_config(cfg: TrainConfig, mode: str, steps: int, out_dir: Path, transport: str | None = None,
+                hop: str | None = None) -> TrainConfig:
+    """`cfg` for one timed mode (and transport and hop, default the config's): no trace, no
+    checkpoints (a big model's takes minutes and tens of GB), fresh output."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
     transport = transport or cfg.transport
-    update = dict(mode=mode, steps=steps, out_dir=str(out_dir / f"{mode}-{transport}"), trace=False, resume=False,
-                  checkpoint_every=0, checkpoint_minutes=0, checkpoint_at_end=False, keep_checkpoints=1, eval_every=0,
-                  transport=transport)
+    hop = hop or cfg.hop
+    update = dict(mode=mode, steps=steps, out_dir=str(out_dir / f"{mode}-{transport}-{hop}"), trace=False,
+                  resume=False, checkpoint_every=0, checkpoint_minutes=0, checkpoint_at_end=False, keep_checkpoints=1,
+                  eval_every=0, transport=transport, hop=hop)
     if mode == "colocated":
         update["colocated_ranks"] = cfg.attention_ranks + cfg.expert_ranks
-    return cfg.model_copy(update=update)
+    return TrainConfig.model_validate({**cfg.model_dump(), **update})  # a combination the config refuses, refused
 
 
 def median_step(records: list[dict], warmup: int) -> float:
@@ -79,12 +84,18 @@ def summarise(rows: list[dict]) -> list[dict]:
             return None
         return r["mean_loss"] / single["mean_loss"] - 1.0
 
-    def label(r: dict) -> str:  # a mode timed with several transports has a row per transport
-        return f"{r['mode']} ({r['transport']})" if r.get("transport") else r["mode"]
+    def label(r: dict) -> str:  # a mode timed with several transports or hops has a row per each
+        return row_label(r)
 
     return [{**r, "baseline": label(base), "speedup": base["median_step_s"] / r["median_step_s"],
              "vs_single": None if single is None else r["tokens_per_s"] / single["tokens_per_s"],
              "mean_loss_vs_single": loss_vs_single(r)} for r in rows]
+
+
+def row_label(r: dict) -> str:
+    """A row's name: its mode, with its transport and hop where it has them."""
+    parts = [p for p in (r.get("transport"), r.get("hop") and r["hop"].replace("_", " ")) if p]
+    return f"{r['mode']} ({', '.join(parts)})" if parts else r["mode"]
 
 
 def mean_of(records: list[dict], key: str, warmup: int) -> float | None:
@@ -102,35 +113,44 @@ def free_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def runs_of(modes: list[str], transports: list[str] | None) -> list[tuple[str, str | None]]:
-    """(mode, transport) pairs to time: single once, each distributed mode per transport (None:
-    the config's)."""
-    if transports is not None:
-        for transport in transports:
-            if transport not in ("local", "nccl", "nvshmem"):
-                raise ValueError(f"unknown transport {transport!r}; choose local, nccl or nvshmem")
-    runs: list[tuple[str, str | None]] = []
+def runs_of(modes: list[str], transports: list[str] | None,
+            hops: list[str] | None = None) -> list[tuple[str, str | None, str | None]]:
+    """(mode, transport, hop) to time: single once, each distributed mode per transport and hop
+    (None: the config's), leaving out pair rows over nccl (refused: no one-sided stores)."""
+    for transport in transports or []:
+        if transport not in ("local", "nccl", "nvshmem"):
+            raise ValueError(f"unknown transport {transport!r}; choose local, nccl or nvshmem")
+    for hop in hops or []:
+        if hop not in HOPS:
+            raise ValueError(f"unknown hop {hop!r}; choose {' or '.join(HOPS)}")
+    runs: list[tuple[str, str | None, str | None]] = []
     for mode in modes:
-        runs.extend([(mode, None)] if mode == "single" or not transports else [(mode, t) for t in transports])
+        if mode == "single":
+            runs.append((mode, None, None))
+            continue
+        runs.extend((mode, t, h) for t in transports or [None] for h in hops or [None]
+                    if not (t == "nccl" and h == "pair_rows"))
     return runs
 
 
 def run(cfg: TrainConfig, modes: list[str], steps: int, warmup: int,
-        log: Callable[[str], None], baseline: str | None = None, transports: list[str] | None = None) -> dict:
+        log: Callable[[str], None], baseline: str | None = None, transports: list[str] | None = None,
+        hops: list[str] | None = None) -> dict:
     if baseline not in (None, "hf"):
         raise ValueError(f"unknown baseline {baseline!r}; the one outside baseline is 'hf' (transformers)")
     rows = []
     with tempfile.TemporaryDirectory(prefix="disagmoe-bench-train-") as tmp:
-        for mode, transport in runs_of(modes, transports):
-            mcfg = mode_config(cfg, mode, steps, Path(tmp), transport)
-            log(f"{mode}{'' if mode == 'single' else f' ({mcfg.transport})'}: {steps} steps")
+        for mode, transport, hop in runs_of(modes, transports, hops):
+            mcfg = mode_config(cfg, mode, steps, Path(tmp), transport, hop)
+            log(f"{mode}{'' if mode == 'single' else f' ({mcfg.transport}, hop {mcfg.hop})'}: {steps} steps")
+            used_hop = None
             if mode == "single":
                 SingleProcessTrainer(mcfg).run()
                 free_device_memory()
             else:
                 from disagmoe.runtime.driver import DistributedTrainer
 
-                DistributedTrainer(mcfg).run()
+                used_hop = DistributedTrainer(mcfg).run().hop
             records = read_metrics(Path(mcfg.out_dir) / METRICS_FILE)
             step_s = median_step(records, warmup)
             ranks = {"single": 1, "colocated": mcfg.colocated_ranks,
@@ -138,7 +158,7 @@ def run(cfg: TrainConfig, modes: list[str], steps: int, warmup: int,
             flops = records[-1]["flops"]
             imbalance = [statistics.fmean(r["load_imbalance"]) for r in records
                          if r["step"] > warmup and r.get("load_imbalance")]
-            rows.append({"mode": mode, "transport": None if mode == "single" else mcfg.transport,
+            rows.append({"mode": mode, "transport": None if mode == "single" else mcfg.transport, "hop": used_hop,
                          "ranks": ranks, "median_step_s": step_s, "gpu_wait": mean_waits(records, warmup),
                          "tokens_per_s": records[-1]["tokens"] / step_s, "final_loss": records[-1]["loss"],
                          "mean_loss": mean_of(records, "loss", 0),

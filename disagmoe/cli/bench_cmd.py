@@ -307,6 +307,9 @@ def train(
     transport: Annotated[list[str] | None, typer.Option(
         help="nccl | nvshmem (repeatable): time each distributed mode with each, in the same run "
              "(default: the config's transport)")] = None,
+    hop: Annotated[list[str] | None, typer.Option(
+        help="partial_sums | pair_rows (repeatable): how expert outputs return, each timed in the same run "
+             "(default: the config's hop; pair_rows needs nvshmem, so nccl rows keep partial sums)")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
     out: Annotated[Path | None, typer.Option("--out", "-o", help="also write the JSON record here")] = None,
 ) -> None:
@@ -324,6 +327,8 @@ def train(
     \b
     nvshmem against nccl: disagmoe bench train -c configs/h200x2-qwen3-30b.yaml --mode disaggregated \\
              --transport nccl --transport nvshmem routing=balanced
+    \b
+    the pair-row return too: ... --transport nccl --transport nvshmem --hop partial_sums --hop pair_rows
     """
     from disagmoe.bench import train as bench
     from disagmoe.config import load_train_config
@@ -331,7 +336,7 @@ def train(
     cfg = load_train_config(config, overrides or [])
     log = (lambda m: err_console.print(m, highlight=False, markup=False)) if as_json else (
         lambda m: console.print(m, highlight=False, markup=False))
-    record = bench.run(cfg, mode or ["disaggregated", "colocated"], steps, warmup, log, baseline, transport)
+    record = bench.run(cfg, mode or ["disaggregated", "colocated"], steps, warmup, log, baseline, transport, hop)
     if out is not None:
         out.write_text(json.dumps(record, indent=1) + "\n")
     if as_json:
@@ -358,7 +363,7 @@ def train(
         busy = " ".join(f"{group} {fraction:.0%}" for group, fraction in r["busy"].items()) or "-"
         waits = " ".join(f"{group} {w['combine']:.1%}" for group, w in r.get("gpu_wait", {}).items()
                          if "combine" in w) or "-"
-        label = r["mode"] if not r.get("transport") else f"{r['mode']} ({r['transport']})"
+        label = bench.row_label(r)
         table.add_row(label, str(r["ranks"]), f"{r['median_step_s'] * 1e3:.1f} ms", f"{r['tokens_per_s']:,.0f}",
                       pct(r.get("mfu")), pct(r.get("mfu_ceiling")), num(r.get("peak_memory_gib"), ".1f"),
                       num(r.get("load_imbalance"), ".2f"), f"{r['final_loss']:.4f}", busy, waits, f"{r['speedup']:.2f}x",

@@ -21,13 +21,23 @@ def test_mode_config_gives_colocated_the_same_devices(tmp_path):
 
 def test_each_distributed_mode_runs_once_per_transport_asked_for(tmp_path):
     assert runs_of(["single", "disaggregated"], ["nccl", "nvshmem"]) == [
-        ("single", None), ("disaggregated", "nccl"), ("disaggregated", "nvshmem")]
-    assert runs_of(["colocated"], None) == [("colocated", None)]
+        ("single", None, None), ("disaggregated", "nccl", None), ("disaggregated", "nvshmem", None)]
+    assert runs_of(["colocated"], None) == [("colocated", None, None)]
+    assert runs_of(["disaggregated"], ["nccl", "nvshmem"], ["partial_sums", "pair_rows"]) == [
+        ("disaggregated", "nccl", "partial_sums"), ("disaggregated", "nvshmem", "partial_sums"),
+        ("disaggregated", "nvshmem", "pair_rows")]  # no pair rows over nccl
+    with pytest.raises(ValueError, match="unknown hop 'rows'"):
+        runs_of(["disaggregated"], None, ["rows"])
     with pytest.raises(ValueError, match="unknown transport 'ib'"):
         runs_of(["disaggregated"], ["ib"])
     cfg = TrainConfig(model="tiny", transport="nccl", device="cuda")
     nv = mode_config(cfg, "disaggregated", 5, tmp_path, "nvshmem")
     assert nv.transport == "nvshmem" and nv.out_dir != mode_config(cfg, "disaggregated", 5, tmp_path).out_dir
+    pairs = mode_config(cfg.model_copy(update={"experts_backend": "triton"}), "disaggregated", 5, tmp_path,
+                        "nvshmem", "pair_rows")
+    assert pairs.hop == "pair_rows" and pairs.out_dir != nv.out_dir
+    with pytest.raises(ValueError, match="needs transport: nvshmem"):  # the config's own refusal
+        mode_config(cfg, "disaggregated", 5, tmp_path, "nccl", "pair_rows")
 
 
 def test_gpu_waits_are_averaged_per_group_and_payload_after_the_warmup():
