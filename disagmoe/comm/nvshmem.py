@@ -26,6 +26,17 @@ for the flags).
 - The status words (`kernels.signal`: overflow, time-out and the flag that timed out) join the
   step's one host read (`Transport.status_word`); a message that did not fit, or never came,
   stops the run there naming the peer and the fix (never silent corruption, never a silent hang).
+- Pair-row messages (hop mode `pair_rows`, `comm.symmetric.PairRegion`): nothing is sent. A
+  source's `pair_target` gives views of the receiver's rows [P, H] and flag block [Q, S] in its
+  arena, through the peer tensor of that arena (`nvshmem.core.get_peer_tensor`, taken once at
+  set-up for every peer this rank writes pair rows to; never of this rank's own PE: a colocated
+  source writes its own arena), and the message's seq; the source's kernel stores its rows there
+  and raises its row of the flags per segment (`kernels.fused_return.down_to_destination`), and
+  `pair_send` has nothing left to do. The receiver's `pair_landing` gives the same region's local
+  views and seq, without waiting: its combine (`fused_return.combine_landed`) waits per segment
+  and reports a flag that never came into this transport's status words; `check_status` names it
+  from its index in the arena's flag region, flag_base + q S + s (the landing's flag_base: the
+  combine must add it to the block index q S + s). Counted per slot, as segments' messages are.
 
 Only the messages use NVSHMEM; collectives stay on NCCL, in the schedule's order (DESIGN 3c): a
 GPU flag wait must never sit behind a peer's collective, and none does, because every
@@ -42,8 +53,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from disagmoe.comm.base import MessageKey, SendHandle, TensorSpec, Transport, TransportTimeout
-from disagmoe.comm.symmetric import ArenaLayout, ArenaOverflow, Slot, check_fits
+from disagmoe.comm.base import (
+    MessageKey,
+    PairLanding,
+    PairSpec,
+    PairTarget,
+    SendHandle,
+    TensorSpec,
+    Transport,
+    TransportTimeout,
+)
+from disagmoe.comm.symmetric import ArenaLayout, ArenaOverflow, PairRegion, PairSlot, Slot, check_fits
 from disagmoe.runtime.messages import message_key
 
 _U64 = (1 << 64) - 1
@@ -85,18 +105,45 @@ def _key_of(slot: Slot) -> tuple[int, int, int, int]:
     return src, key.micro_batch, key.layer, int(key.direction)
 
 
+def _pair_key_of(slot: PairSlot) -> tuple[int, int, int]:
+    """(micro-batch, key layer field, direction) of a pair slot's messages (every source's)."""
+    payload, layer, mb = slot
+    key = message_key(0, payload, layer, mb)
+    return key.micro_batch, key.layer, int(key.direction)
+
+
 class SlotIndex:
-    """A rank's receive slots by the transport key of their messages."""
+    """A rank's receive slots (segments' and pair regions') by the transport key of their messages."""
 
     def __init__(self, layout: ArenaLayout) -> None:
         self._slots = {_key_of(seg.slot): seg.slot for seg in layout.segments}
+        self._pairs: dict[tuple[int, int, int], PairRegion] = {}
+        for region in layout.pairs:
+            other = self._pairs.setdefault(_pair_key_of(region.slot), region)
+            if other.slot != region.slot:
+                raise ValueError(f"pair slots {other.slot} and {region.slot} share a transport key: "
+                                 "at most one of them can travel as pair rows")
 
     def slot(self, src: int, key: MessageKey, rank: int) -> Slot:
         slot = self._slots.get((src, key.micro_batch, key.layer, int(key.direction)))
         if slot is None:
+            region = self._pairs.get((key.micro_batch, key.layer, int(key.direction)))
+            if region is not None and src in region.sources:
+                raise ValueError(f"key {key} from rank {src} to rank {rank} is a pair-row message (hop mode "
+                                 f"pair_rows): its sources write it through pair_target and pair_send, rank {rank} "
+                                 "reads it with pair_landing; send, recv and reserve do not carry it")
             raise ValueError(f"rank {rank} has no receive segment for key {key} from rank {src}: the message is "
                              "not in its program (every rank must build the arenas from the same schedule)")
         return slot
+
+    def pair_region(self, key: MessageKey, rank: int) -> PairRegion:
+        """The pair region (copy 0) of pair-row message `key` to `rank`."""
+        region = self._pairs.get((key.micro_batch, key.layer, int(key.direction)))
+        if region is None:
+            raise ValueError(f"rank {rank} has no pair-row region for key {key}: the message is not a pair-row "
+                             "receive of its program (every rank must build the arenas from the same schedule "
+                             "and the same pair_of, and send it with send/recv if it is not pair rows)")
+        return region
 
 
 class NvshmemTransport(Transport):
@@ -110,17 +157,9 @@ class NvshmemTransport(Transport):
         if not dist.is_initialized():
             raise ValueError("the nvshmem transport needs torch.distributed initialised (it relays NVSHMEM's unique id)")
         super().__init__(dist.get_rank(), dist.get_world_size(), default_timeout_s)
-        if len(layouts) != self.world_size:
-            raise ValueError(f"{len(layouts)} arena layouts for a {self.world_size}-rank job: pass one per rank")
-        if len({(layout.nbytes, layout.flag_words) for layout in layouts}) != 1:
-            raise ValueError("arena layouts differ in size across ranks: build them with symmetric_layouts")
+        self._plan(layouts)
         self.nv = _nvshmem()
         self.device = torch.device("cuda", torch.cuda.current_device())
-        self.layouts = list(layouts)
-        self.layout = self.layouts[self.rank]
-        self._index = [SlotIndex(layout) for layout in self.layouts]
-        self._sent: dict[tuple[int, Slot], int] = {}  # (dst, slot) -> messages sent so far
-        self._received: dict[tuple[int, Slot], int] = {}  # (src, slot) -> messages received so far
         # The symmetric heap must hold the arena (NVSHMEM reads this at init; a cluster's env wins).
         os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(self.layout.nbytes + HEAP_MARGIN_BYTES))
         self._uid = _join(self.nv, self.rank, self.world_size, self.device)  # kept alive while NVSHMEM runs
@@ -134,7 +173,34 @@ class NvshmemTransport(Transport):
         stream = torch.cuda.current_stream()
         self.nv.barrier_all(stream=stream)  # every arena is zeroed before any peer writes to it
         stream.synchronize()
+        self._peer_arenas = {dst: self._peer_arena(dst) for dst in pair_destinations(self.layouts, self.rank)}
         self._closed = False
+
+    def _plan(self, layouts: Sequence[ArenaLayout]) -> None:
+        """The bookkeeping of the arenas, nothing on the GPU: layouts, slot indexes, message counts."""
+        if len(layouts) != self.world_size:
+            raise ValueError(f"{len(layouts)} arena layouts for a {self.world_size}-rank job: pass one per rank")
+        if len({(layout.nbytes, layout.flag_words) for layout in layouts}) != 1:
+            raise ValueError("arena layouts differ in size across ranks: build them with symmetric_layouts")
+        self.layouts = list(layouts)
+        self.layout = self.layouts[self.rank]
+        self._index = [SlotIndex(layout) for layout in self.layouts]
+        self._sent: dict[tuple[int, Slot], int] = {}  # (dst, slot) -> messages sent so far
+        self._received: dict[tuple[int, Slot], int] = {}  # (src, slot) -> messages received so far
+        self._pair_sent: dict[tuple[int, PairSlot], int] = {}  # (dst, pair slot) -> targets handed out
+        self._pair_received: dict[tuple[int, PairSlot], int] = {}  # (this rank, pair slot) -> landings
+
+    def _peer_arena(self, dst: int) -> torch.Tensor:
+        """Rank `dst`'s arena as a tensor this GPU stores into (never this rank's own PE)."""
+        try:
+            view, cause = self.nv.get_peer_tensor(self.arena_B, dst), "it gave no address"
+        except Exception as err:  # nvshmem4py's errors name no fix
+            view, cause = None, str(err)
+        if view is None or view.data_ptr() == 0:
+            raise ValueError(f"rank {self.rank} cannot map rank {dst}'s arena (nvshmem get_peer_tensor: {cause}): "
+                             "pair-row messages need every source and its receiver on GPUs of one host that reach "
+                             "each other (NVLink or PCIe peer access); use hop mode partial_sums there")
+        return view
 
     # --- addresses ------------------------------------------------------------------------------
 
@@ -206,33 +272,98 @@ class NvshmemTransport(Transport):
                   timeout_s=self.default_timeout_s if timeout_s is None else timeout_s)
         return self.layout.views(self.arena_B, slot, specs, seq - 1)
 
+    # --- pair-row messages (module docstring) ---------------------------------------------------
+
+    def pair_target(self, dst_rank: int, key: MessageKey, spec: PairSpec) -> PairTarget:
+        """Views of `dst_rank`'s region for message `key` (this rank's own arena when it is the
+        receiver: a colocated source), this rank's flag row and the message's seq."""
+        if not 0 <= dst_rank < self.world_size:
+            raise ValueError(f"rank {self.rank}: rank {dst_rank} is not a rank of this {self.world_size}-rank job")
+        region = self._index[dst_rank].pair_region(key, dst_rank)
+        check_pair(region, spec, self.rank, key, dst_rank)
+        seq = self._next(self._pair_sent, dst_rank, region.slot)
+        region = self.layouts[dst_rank].pair_region(region.slot, seq - 1)
+        arena = self.arena_B if dst_rank == self.rank else self._peer_arenas[dst_rank]
+        return PairTarget(region.rows(arena), region.flags(arena), region.sources.index(self.rank), seq)
+
+    def pair_send(self, dst_rank: int, key: MessageKey, target: PairTarget) -> SendHandle | None:
+        """Nothing: the source's stores and flags into the receiver's arena were the delivery."""
+        return None
+
+    def pair_landing(self, key: MessageKey, spec: PairSpec, timeout_s: float | None = None) -> PairLanding:
+        """This rank's region for message `key`, its seq, the status words and the block's first
+        flag index; no wait here (the combine waits per segment, with its own timeout)."""
+        region = self._index[self.rank].pair_region(key, self.rank)
+        check_pair(region, spec, None, key, self.rank)
+        seq = self._next(self._pair_received, self.rank, region.slot)
+        region = self.layout.pair_region(region.slot, seq - 1)
+        return PairLanding(region.rows(self.arena_B), region.flags(self.arena_B), seq, self.status_2, region.flag)
+
     def status_word(self) -> torch.Tensor | None:
         return self.status_2
 
     def check_status(self, status: list[int]) -> None:
         """Raise for what the step's waits recorded: a message over its segment, or one that
-        never came (`TransportTimeout` naming the peer and the message)."""
-        from disagmoe.kernels.signal import OVERFLOW, TIMED_OUT, check_status
-
-        if status[0] & OVERFLOW:
-            check_status(status, f"rank {self.rank}")  # ArenaOverflow, with the fix
-        if status[0] & TIMED_OUT:
-            seg = next(seg for seg in self.layout.segments if seg.flag == status[1])
-            src, payload, layer, mb = seg.slot
-            raise TransportTimeout(src, None, self.default_timeout_s,
-                                   f"receive the {payload.value} message of layer {layer}, micro-batch {mb} from")
+        never came (`TransportTimeout` naming the peer and the message, a pair flag's segment too)."""
+        check_transport_status(self.layout, self.rank, status, self.default_timeout_s)
 
     def close(self) -> None:
-        """Free the arena and leave NVSHMEM (collective: every rank closes)."""
+        """Free the arena and leave NVSHMEM (collective: every rank closes). The views that
+        `pair_target` handed out must be dropped first: they map peers' arenas."""
         if self._closed:
             return
         self._closed = True
         stream = torch.cuda.current_stream()
         stream.synchronize()
+        self._peer_arenas = {}  # the peer views go before the allocation they map
         self.nv.barrier_all(stream=stream)  # no peer still writes into this arena
         stream.synchronize()
         self.nv.free_tensor(self.arena_B)
         self.nv.finalize()
+
+
+def pair_destinations(layouts: Sequence[ArenaLayout], rank: int) -> list[int]:
+    """The other ranks `rank` writes pair rows to (a source of one of their pair regions)."""
+    return [dst for dst, layout in enumerate(layouts)
+            if dst != rank and any(rank in region.sources for region in layout.pairs)]
+
+
+def check_pair(region: PairRegion, spec: PairSpec, source: int | None, key: MessageKey, receiver: int) -> None:
+    """ValueError, naming the fix, unless `spec` is the region's message and `source` (None: the
+    receiver's side) one of its sources."""
+    if source is not None and source not in region.sources:
+        raise ValueError(f"rank {source} is not a source of the pair-row message {key} to rank {receiver} (its "
+                         f"sources: {region.sources}, the receive's peers): only ranks serving that receiver's "
+                         "experts write its rows")
+    want = PairSpec(region.spec, region.segments, region.sources)
+    if (spec.rows, spec.segments, tuple(spec.sources)) != (want.rows, want.segments, want.sources):
+        raise ValueError(f"the pair-row message {key} to rank {receiver} was given rows {spec.rows.shape} "
+                         f"{spec.rows.dtype}, {spec.segments} segments and sources {spec.sources}; its region holds "
+                         f"rows {want.rows.shape} {want.rows.dtype}, {want.segments} segments, sources {want.sources}: "
+                         "build the layouts with the same pair_of (and segment tokens) as the messages' specs")
+
+
+def check_transport_status(layout: ArenaLayout, rank: int, status: Sequence[int], timeout_s: float) -> None:
+    """Raise for the status words of `rank` (whose arena is `layout`): `ArenaOverflow` with the fix
+    for a message over its segment; `TransportTimeout` naming the peer and the message for a flag
+    that never came, a segment's or a pair region's (word 1: its index in the flag region)."""
+    from disagmoe.kernels.signal import OVERFLOW, TIMED_OUT, check_status
+
+    if status[0] & OVERFLOW:
+        check_status(list(status), f"rank {rank}")  # ArenaOverflow, with the fix
+    if status[0] & TIMED_OUT:
+        owner = layout.flag_owner(status[1])
+        if owner is None:
+            check_status(list(status), f"rank {rank}")  # a flag no message uses: TimeoutError naming it
+        if isinstance(owner, tuple):
+            region, q, s = owner
+            payload, layer, mb = region.slot
+            raise TransportTimeout(region.sources[q], None, timeout_s,
+                                   f"receive segment {s} of {region.segments} of the {payload.value} pair rows of "
+                                   f"layer {layer}, micro-batch {mb} (copy {region.copy}, flag {status[1]}) from")
+        src, payload, layer, mb = owner.slot
+        raise TransportTimeout(src, None, timeout_s,
+                               f"receive the {payload.value} message of layer {layer}, micro-batch {mb} from")
 
 
 def _join(nv: Any, rank: int, world_size: int, device: torch.device) -> Any:

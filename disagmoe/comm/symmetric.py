@@ -29,13 +29,24 @@ rows exceed its segment's capacity is not written: the sender raises the flag to
 records an overflow in the rank's status word, and the step's one read of the status raises
 `ArenaOverflow` naming the segment and the fix (never silent corruption).
 
-Shape legend: W flag words (segments), B arena bytes.
+Pair-row messages (hop mode `pair_rows`, `comm.base.PairSpec`): a receive whose (payload, layer)
+`pair_of` names is not a segment per peer but one `PairRegion` per copy of its pair slot (payload,
+layer, micro-batch): a rows buffer [P, H] that every source of the receive writes its own pair rows
+into (the rank itself too, where it is one: a colocated rank writes its own buffer), and a
+contiguous flag block [Q, S] beside it, row q for source q (the receive's peers, in their order),
+word s its segment s, raised to seq once the source's rows of that segment are stored
+(`kernels.fused_return`). The flag region holds the segments' flags first, then every pair region's
+block. Rows sit at a pair's index t K + j, so no capacity factor scales them: a region holds the
+plan's P rows exactly. The message count n picks the copy as for segments.
+
+Shape legend: W flag words (segments' and pair blocks'), B arena bytes, P pair rows, H hidden,
+Q sources, S segments.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +56,8 @@ from disagmoe.runtime.schedule import Op, Payload, Recv
 
 ALIGN = 256
 Slot = tuple[int, Payload, int, int]  # (source rank, payload, layer, micro-batch)
+PairSlot = tuple[Payload, int, int]  # (payload, layer, micro-batch): one buffer for every source
+PairOf = Callable[[Payload, int], tuple[TensorSpec, int] | None]  # (payload, layer) -> (rows [P, H], S)
 
 
 class ArenaOverflow(RuntimeError):
@@ -67,6 +80,53 @@ class Segment:
         return sum(math.prod(s.shape) * torch.empty((), dtype=s.dtype).element_size() for s in self.specs)
 
 
+def _nbytes(spec: TensorSpec) -> int:
+    return math.prod(spec.shape) * torch.empty((), dtype=spec.dtype).element_size()
+
+
+@dataclass(frozen=True)
+class PairRegion:
+    """One copy of a pair slot's receive buffer: rows [P, H] at byte `offset`, flags [Q, S] at
+    flag words [flag, flag + Q S) (module docstring)."""
+
+    slot: PairSlot
+    copy: int  # the slot's messages n with (n - 1) mod copies == copy land in it
+    sources: tuple[int, ...]  # the Q writing ranks (the receive's peers, this rank included), flag rows' order
+    flag: int  # index of the block's first flag word (source q, segment s: flag + q S + s)
+    offset: int  # byte offset of the rows in the arena (ALIGN-aligned)
+    spec: TensorSpec  # the rows [P, H]
+    segments: int  # S
+
+    @property
+    def flag_words(self) -> int:
+        """Q S: the flag block's int64 words."""
+        return len(self.sources) * self.segments
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.spec)
+
+    def rows(self, arena_B: torch.Tensor) -> torch.Tensor:
+        """The rows [P, H] in an arena (this rank's or a peer view of it: the offsets are the same)."""
+        return arena_B[self.offset:self.offset + self.nbytes].view(self.spec.dtype).view(self.spec.shape)
+
+    def flags(self, arena_B: torch.Tensor) -> torch.Tensor:
+        """The int64 flag block [Q, S] in an arena (row q: source q's flags)."""
+        start = 8 * self.flag
+        return arena_B[start:start + 8 * self.flag_words].view(torch.int64).view(len(self.sources), self.segments)
+
+
+def _pair_spec(pair_of: PairOf | None, payload: Payload, layer: int) -> tuple[TensorSpec, int] | None:
+    got = None if pair_of is None else pair_of(payload, layer)
+    if got is None:
+        return None
+    spec, segments = got
+    if len(spec.shape) != 2 or segments < 1:
+        raise ValueError(f"pair_of({payload.value}, layer {layer}) gave rows {spec.shape} and {segments} segments: "
+                         "expected rows [P, H] and at least one segment")
+    return spec, segments
+
+
 def _capacity(spec: TensorSpec, factor: float | None) -> TensorSpec:
     if factor is None or not spec.shape:
         return spec
@@ -85,23 +145,37 @@ class ArenaLayout:
     segments: tuple[Segment, ...]
     flag_words: int  # W: the flag region's int64 words (the same on every rank)
     nbytes: int  # B: the whole arena, flags included
-    copies: int = COPIES  # segments per slot
+    copies: int = COPIES  # segments per slot (and pair regions per pair slot)
+    pairs: tuple[PairRegion, ...] = ()  # the pair-row receives' buffers (module docstring)
 
     @classmethod
     def of_program(cls, program: Sequence[Op], specs_of, rank: int, capacity_factor: float | None = None,
-                   flag_words: int | None = None, copies: int = COPIES) -> ArenaLayout:
+                   flag_words: int | None = None, copies: int = COPIES, pair_of: PairOf | None = None) -> ArenaLayout:
         """The segments of `program`'s receives (peers other than `rank`); `specs_of(payload, layer)`
-        gives a message's specs; `flag_words`: the flag region's size if set by the largest rank."""
+        gives a message's specs; `flag_words`: the flag region's size if set by the largest rank.
+        `pair_of(payload, layer)`: (rows [P, H], segments S) for a pair-row message, else None; such a
+        receive gets a `PairRegion` per copy (sources: all its peers, `rank` included) instead."""
         if capacity_factor is not None and capacity_factor <= 0:
             raise ValueError(f"capacity_factor={capacity_factor} must be > 0 (None sizes buffers for the worst case)")
         if copies < 1:
             raise ValueError(f"copies={copies} must be >= 1")
-        slots = [(peer, op.payload, op.layer, op.micro_batch) for op in program if isinstance(op, Recv)
-                 for peer in op.peers if peer != rank]
-        needed = copies * len(slots)
+        slots, pair_slots = [], []
+        for op in program:
+            if not isinstance(op, Recv):
+                continue
+            pair = _pair_spec(pair_of, op.payload, op.layer)
+            if pair is None:
+                slots.extend((peer, op.payload, op.layer, op.micro_batch) for peer in op.peers if peer != rank)
+            else:
+                pair_slots.append(((op.payload, op.layer, op.micro_batch), tuple(op.peers), *pair))
+        if len({slot for slot, *_ in pair_slots}) != len(pair_slots):
+            raise ValueError(f"rank {rank}'s program receives a pair-row slot more than once: "
+                             f"{[slot for slot, *_ in pair_slots]}")
+        needed = copies * (len(slots) + sum(len(sources) * segments for _, sources, _, segments in pair_slots))
         words = needed if flag_words is None else flag_words
         if words < needed:
-            raise ValueError(f"{needed} segments need {needed} flag words, the arena has {words}")
+            raise ValueError(f"{needed} flags (segments and pair-row blocks) need {needed} flag words, "
+                             f"the arena has {words}")
         offset = align(8 * words)
         segments = []
         for slot in slots:
@@ -110,12 +184,20 @@ class ArenaLayout:
                 offsets = []
                 for spec in specs:
                     offsets.append(offset)
-                    offset = align(offset + math.prod(spec.shape) * torch.empty((), dtype=spec.dtype).element_size())
+                    offset = align(offset + _nbytes(spec))
                 segments.append(Segment(slot, copy, len(segments), tuple(offsets), specs))
-        return cls(tuple(segments), words, offset, copies)
+        pairs, flag = [], len(segments)
+        for slot, sources, spec, n_segments in pair_slots:
+            for copy in range(copies):
+                region = PairRegion(slot, copy, sources, flag, offset, spec, n_segments)
+                pairs.append(region)
+                flag += region.flag_words
+                offset = align(offset + region.nbytes)
+        return cls(tuple(segments), words, offset, copies, tuple(pairs))
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_by_slot", {(seg.slot, seg.copy): seg for seg in self.segments})
+        object.__setattr__(self, "_by_pair", {(region.slot, region.copy): region for region in self.pairs})
 
     def segment(self, slot: Slot, index: int = 0) -> Segment:
         """The segment message `index` (0, 1, ...) of `slot` lands in."""
@@ -123,6 +205,35 @@ class ArenaLayout:
         if seg is None:
             raise KeyError(f"no receive segment for {slot}: not a message of this rank's program")
         return seg
+
+    def pair_region(self, slot: PairSlot, index: int = 0) -> PairRegion:
+        """The pair region message `index` (0, 1, ...) of pair slot `slot` (payload, layer,
+        micro-batch) lands in."""
+        region = self._by_pair.get((slot, index % self.copies))
+        if region is None:
+            payload, layer, mb = slot
+            raise KeyError(f"no pair-row region for the {getattr(payload, 'value', payload)} message of layer {layer}, "
+                           f"micro-batch {mb}: not a pair-row receive of this rank's program (is it received as "
+                           "segments, i.e. was the layout built without pair_of for it?)")
+        return region
+
+    def pair_views(self, arena_B: torch.Tensor, slot: PairSlot, index: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows [P, H], flags int64 [Q, S]) of message `index` of `slot` in an arena (this rank's, or
+        a peer's view of it: the offsets are the same)."""
+        region = self.pair_region(slot, index)
+        return region.rows(arena_B), region.flags(arena_B)
+
+    def flag_owner(self, index: int) -> Segment | tuple[PairRegion, int, int] | None:
+        """Who flag word `index` belongs to: its segment, or (pair region, source row q, segment s);
+        None for a word no message uses (beyond this rank's flags)."""
+        for seg in self.segments:
+            if seg.flag == index:
+                return seg
+        for region in self.pairs:
+            if region.flag <= index < region.flag + region.flag_words:
+                q, s = divmod(index - region.flag, region.segments)
+                return region, q, s
+        return None
 
     def flags(self, arena_B: torch.Tensor) -> torch.Tensor:
         """The int64 [W] flag words of an arena."""
@@ -160,10 +271,13 @@ def overflow_message(slot: Slot, rows: int, capacity: int) -> str:
 
 
 def symmetric_layouts(programs: Sequence[Sequence[Op]], specs_of, capacity_factor: float | None = None,
-                      copies: int = COPIES) -> list[ArenaLayout]:
-    """Every rank's layout with the flag region and the arena size of the largest (symmetric)."""
-    first = [ArenaLayout.of_program(p, specs_of, r, capacity_factor, copies=copies) for r, p in enumerate(programs)]
+                      copies: int = COPIES, pair_of: PairOf | None = None) -> list[ArenaLayout]:
+    """Every rank's layout with the flag region and the arena size of the largest (symmetric);
+    `pair_of` as in `ArenaLayout.of_program` (the same on every rank)."""
+    first = [ArenaLayout.of_program(p, specs_of, r, capacity_factor, copies=copies, pair_of=pair_of)
+             for r, p in enumerate(programs)]
     words = max((layout.flag_words for layout in first), default=0)
-    layouts = [ArenaLayout.of_program(p, specs_of, r, capacity_factor, words, copies) for r, p in enumerate(programs)]
+    layouts = [ArenaLayout.of_program(p, specs_of, r, capacity_factor, words, copies, pair_of)
+               for r, p in enumerate(programs)]
     size = max((layout.nbytes for layout in layouts), default=0)
-    return [ArenaLayout(layout.segments, words, size, copies) for layout in layouts]
+    return [ArenaLayout(layout.segments, words, size, copies, layout.pairs) for layout in layouts]

@@ -1,26 +1,36 @@
 """The nvshmem transport (disagmoe/comm/nvshmem.py).
 
-On a CPU: every receive slot of every layout is found again from its messages' transport keys.
+On a CPU: every receive slot of every layout is found again from its messages' transport keys;
+pair-row messages (hop mode pair_rows) through transports whose arenas and peer views are CPU
+tensors (the bookkeeping, views and sequence numbers are the real code's): every source's rows
+land in the receiver's region, copies alternate, a wrong source, spec or key is refused naming
+the fix, and a timed-out pair flag is named by layer, micro-batch, source and segment.
 On GPUs (`gpu`, with nvshmem4py): two processes run a disaggregated schedule's programs for
 three steps (both copies of every segment, then the first again) and an evaluation pass numbered
 like step 0, every message arriving intact and in place; a message over its segment's capacity makes the sender raise and the receiver's
-status word report it. Two GPUs if there are two; on one, both PEs share it (NVSHMEM supports
-several processes per GPU), which tests the protocol but not NVLink.
+status word report it; pair-row messages written through `pair_target`'s views (the expert
+rank's fused down GEMM into the peer's arena, or colocated plain stores into both arenas) are
+summed by the receiver's `combine_landed` over `pair_landing`. Two GPUs if there are two; on
+one, both PEs share it (NVSHMEM supports several processes per GPU), which tests the protocol
+but not NVLink.
 """
 
+import functools
 import traceback
 from datetime import timedelta
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from disagmoe.comm.base import TensorSpec
-from disagmoe.comm.nvshmem import SlotIndex, available
+from disagmoe.comm.base import PairSpec, TensorSpec, Transport, TransportTimeout
+from disagmoe.comm.nvshmem import NvshmemTransport, SlotIndex, available, pair_destinations
 from disagmoe.comm.symmetric import ArenaOverflow, symmetric_layouts
+from disagmoe.kernels.signal import OVERFLOW, TIMED_OUT
 from disagmoe.runtime.messages import MessageShapes, message_key
 from disagmoe.runtime.roles import Layout
-from disagmoe.runtime.schedule import Recv, Send
+from disagmoe.runtime.schedule import Payload, Recv, Send
 from disagmoe.runtime.topology import Topology
 
 WORLD, STEPS, MICRO_BATCHES = 2, 3, 2
@@ -121,7 +131,7 @@ def _overflow(rank: int, transport) -> str:
     return "receiver's status is clear"
 
 
-def _rank_main(rank: int, port: int, capacity_factor: float | None, reports) -> None:
+def _rank_main(rank: int, port: int, mode: str, reports) -> None:
     import os
 
     os.environ.update({"NVSHMEM_REMOTE_TRANSPORT": "none", "NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME": "lo",
@@ -132,20 +142,27 @@ def _rank_main(rank: int, port: int, capacity_factor: float | None, reports) -> 
 
         torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                                timeout=timedelta(seconds=60))
-        layouts = symmetric_layouts(TOPOLOGY.programs(MICRO_BATCHES), _specs, capacity_factor=capacity_factor)
-        transport = NvshmemTransport(layouts, default_timeout_s=30)
-        report["said"] = _run_programs(rank, transport) if capacity_factor is None else _overflow(rank, transport)
+                                timeout=timedelta(seconds=120))
+        if mode in PAIR_MODES:
+            topology, kernel = PAIR_MODES[mode]
+            layouts = symmetric_layouts(topology.programs(MICRO_BATCHES), _specs_of(topology), pair_of=_pair_of)
+            transport = NvshmemTransport(layouts, default_timeout_s=30)
+            report["said"] = _exchange_pairs(rank, transport, topology, kernel)
+        else:
+            capacity_factor = 0.5 if mode == "overflow" else None
+            layouts = symmetric_layouts(TOPOLOGY.programs(MICRO_BATCHES), _specs, capacity_factor=capacity_factor)
+            transport = NvshmemTransport(layouts, default_timeout_s=30)
+            report["said"] = _run_programs(rank, transport) if mode == "programs" else _overflow(rank, transport)
         transport.close()
     except BaseException:
         report["error"] = traceback.format_exc()
     reports.put((rank, report))
 
 
-def _spawn(ranks, capacity_factor: float | None) -> dict[int, dict]:
+def _spawn(ranks, mode: str, timeout_s: float = 180) -> dict[int, dict]:
     port = ranks.free_port()
-    got, _ = ranks.run(_rank_main, lambda rank, results: (rank, port, capacity_factor, results), WORLD,
-                       timeout_s=180, join_s=20)
+    got, _ = ranks.run(_rank_main, lambda rank, results: (rank, port, mode, results), WORLD,
+                       timeout_s=timeout_s, join_s=20)
     for rank in range(WORLD):
         assert rank in got, f"rank {rank} reported nothing (hung?): {got}"
         assert "error" not in got[rank], got[rank]["error"]
@@ -159,15 +176,358 @@ needs_nvshmem = pytest.mark.skipif(not torch.cuda.is_available() or not availabl
 @pytest.mark.gpu
 @needs_nvshmem
 def test_programs_exchange_every_message_intact_in_place(ranks):
-    reports = _spawn(ranks, None)
+    reports = _spawn(ranks, "programs")
     assert [reports[rank]["said"] for rank in range(WORLD)] == [[], []]
 
 
 @pytest.mark.gpu
 @needs_nvshmem
 def test_a_message_over_its_capacity_is_reported_on_both_sides(ranks):
-    said = [r["said"] for r in _spawn(ranks, 0.5).values()]
+    said = [r["said"] for r in _spawn(ranks, "overflow").values()]
     receiver, sender = sorted(said)
     tokens = SHAPES.tokens
     assert sender.startswith("sender: ") and f"has {tokens} rows but its receive segment holds {tokens // 2}" in sender
     assert receiver.startswith("receiver: ") and "transport_capacity_factor" in receiver, said
+
+
+# --- pair-row messages (hop mode pair_rows) ---------------------------------------------------------
+
+SEG_TOKENS = 32  # tokens per segment of a pair-row message
+SEGMENTS = -(-SHAPES.tokens // SEG_TOKENS)
+FFN = 64  # the experts' FFN size in the fused-kernel exchange
+WARM_ROUNDS, ROUNDS = 3, 5  # messages per slot written before any combine starts, and in all
+COLOCATED = Topology.colocated_ranks(2, 2, 0, 8)  # COMBINE from both ranks to both: Q = 2, self included
+
+
+def _specs_of(topology):
+    return lambda payload, layer: SHAPES.specs(payload, topology.is_moe(layer))
+
+
+def _pair_of(payload, layer):
+    """COMBINE travels as pair rows [T K, H] in SEGMENTS segments, everything else as segments."""
+    if payload is not Payload.COMBINE:
+        return None
+    return TensorSpec((SHAPES.tokens * SHAPES.top_k, SHAPES.hidden), SHAPES.dtype), SEGMENTS
+
+
+def _combine_ops(topology, rank: int, kind) -> list:
+    """The rank's COMBINE ops of `kind` (Send or Recv), in program order."""
+    return [op for op in topology.programs(MICRO_BATCHES)[rank] if isinstance(op, kind)
+            and op.payload is Payload.COMBINE]
+
+
+def _pair_spec(topology, dst: int, layer: int, mb: int) -> PairSpec:
+    """The message's spec as both ends name it: its sources are the receiver's Recv peers."""
+    recv = next(op for op in topology.programs(MICRO_BATCHES)[dst] if isinstance(op, Recv)
+                and (op.payload, op.layer, op.micro_batch) == (Payload.COMBINE, layer, mb))
+    rows, segments = _pair_of(Payload.COMBINE, layer)
+    return PairSpec(rows, segments, recv.peers)
+
+
+@functools.cache
+def _pair_data(round_: int, layer: int, mb: int, dst: int) -> SimpleNamespace:
+    """One message's contents, the same on every rank (fp32, CPU): each pair's expert [P], the
+    routing weights [T, K], plain rows [P, H] (stores), per-pair activations [P, F] and expert
+    weights [E, F, H] (the fused down GEMM), and the rows each way should land as (`plain`: the
+    stored rows in the message's dtype, `fused`: the down GEMM's in fp32)."""
+    tokens, top_k, hidden, experts = SHAPES.tokens, SHAPES.top_k, SHAPES.hidden, SHAPES.num_experts
+    gen = torch.Generator().manual_seed(((round_ * 31 + layer) * 31 + mb) * 31 + dst)
+    topk = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
+    data = SimpleNamespace(expert_P=topk.flatten(), weights=torch.rand(tokens, top_k, generator=gen),
+                           rows=torch.randn(tokens * top_k, hidden, generator=gen) * 3,
+                           act=torch.randn(tokens * top_k, FFN, generator=gen),
+                           w2=torch.randn(experts, FFN, hidden, generator=gen) / FFN**0.5)
+    act, w2 = data.act.to(SHAPES.dtype).float(), data.w2.to(SHAPES.dtype).float()
+    data.fused = torch.bmm(act[:, None, :], w2[data.expert_P]).squeeze(1)
+    data.plain = data.rows.to(SHAPES.dtype).float()
+    return data
+
+
+def _write_pairs(rank: int, transport, topology, round_: int, kernel: bool, raise_flag, tiles=None,
+                 counters_S=None) -> list[str]:
+    """Every COMBINE message of the rank's program, written through `pair_target`'s views: source q
+    writes the pairs whose expert is among its experts (e Q / E == q; each pair has one source),
+    with the fused down GEMM (`kernel`) or plain stores and a flag raise per segment."""
+    wrong = []
+    device, experts = transport.device, SHAPES.num_experts
+    for op in _combine_ops(topology, rank, Send):
+        for dst in op.peers:
+            key = message_key(round_, op.payload, op.layer, op.micro_batch)
+            spec = _pair_spec(topology, dst, op.layer, op.micro_batch)
+            data = _pair_data(round_, op.layer, op.micro_batch, dst)
+            target = transport.pair_target(dst, key, spec)
+            q, sources = target.source, len(spec.sources)
+            if (q, target.seq) != (spec.sources.index(rank), round_ + 1):
+                wrong.append(f"pass {round_} L{op.layer} mb{op.micro_batch} to {dst}: source {q}, seq {target.seq}")
+            mine = (data.expert_P * sources // experts == q).nonzero().squeeze(1)
+            if kernel:
+                from disagmoe.kernels import fused_return as fr
+
+                local = [e for e in range(experts) if e * sources // experts == q]
+                pairs = mine[torch.argsort(data.expert_P[mine], stable=True)]
+                counts = torch.bincount(data.expert_P[pairs] - local[0], minlength=len(local))
+                fr.down_to_destination(
+                    data.act[pairs].to(device, SHAPES.dtype), counts.cumsum(0).to(torch.int32).to(device),
+                    data.w2[local[0]:local[-1] + 1].to(device, SHAPES.dtype), tiles, dst_PH=target.rows_PH,
+                    dst_rows_N=pairs.to(torch.int32).to(device), tokens=SHAPES.tokens, top_k=SHAPES.top_k,
+                    segment_tokens=SEG_TOKENS, counters_S=counters_S, flags_QS=target.flags_QS, source=q,
+                    seq=target.seq)
+            else:
+                target.rows_PH[mine.to(device)] = data.rows[mine].to(device, SHAPES.dtype)
+                for s in range(SEGMENTS):
+                    raise_flag(target.flags_QS[q], s, target.seq)
+            if transport.pair_send(dst, key, target) is not None:
+                wrong.append("pair_send returned a handle: the writes are the delivery")
+    return wrong
+
+
+def _land_pairs(rank: int, transport, topology, round_: int, combine) -> list:
+    """(op, landing, y) for every COMBINE the rank receives: `pair_landing`, then `combine`. The
+    weights go to the device first: a copy from pageable memory queued behind a combine that
+    spins could hold the host until that combine ends, and with it the peer that writes its rows."""
+    ops = _combine_ops(topology, rank, Recv)
+    weights = [_pair_data(round_, op.layer, op.micro_batch, rank).weights.to(transport.device, SHAPES.dtype)
+               for op in ops]
+    landed = []
+    for op, weights_TK in zip(ops, weights, strict=True):
+        key = message_key(round_, op.payload, op.layer, op.micro_batch)
+        landing = transport.pair_landing(key, _pair_spec(topology, rank, op.layer, op.micro_batch))
+        landed.append((op, landing, combine(landing, weights_TK)))
+    return landed
+
+
+def _check_pairs(rank: int, landed: list, round_: int, kernel: bool, pointers: dict) -> list[str]:
+    """Every landed message: rows as written, flags at its seq, the combine's sums."""
+    from disagmoe.kernels.fused_return import combine_reference
+
+    wrong = []
+    for op, landing, y in landed:
+        what = f"pass {round_} L{op.layer} mb{op.micro_batch} on rank {rank}"
+        data = _pair_data(round_, op.layer, op.micro_batch, rank)
+        want = data.fused if kernel else data.plain
+        rows = landing.rows_PH.float().cpu()
+        if landing.seq != round_ + 1:
+            wrong.append(f"{what}: landing seq {landing.seq}")
+        if not (landing.flags_QS.cpu() == landing.seq).all():
+            wrong.append(f"{what}: flags {landing.flags_QS.tolist()}, not all {landing.seq}")
+        if kernel and ((rows - want).norm() / want.norm()).item() > 1e-2 or not kernel and not torch.equal(rows, want):
+            wrong.append(f"{what}: rows differ from what the sources wrote")
+        y_want = combine_reference(want, data.weights.to(SHAPES.dtype).float(), SHAPES.top_k)
+        if ((y.float().cpu() - y_want).norm() / y_want.norm()).item() > 1e-2:
+            wrong.append(f"{what}: the combine's sums differ")
+        pointers.setdefault((rank, op.layer, op.micro_batch), []).append(landing.rows_PH.data_ptr())
+    return wrong
+
+
+def _check_copies(pointers: dict) -> list[str]:
+    """In place, copies alternating: messages 1, 3, 5 of a slot in one buffer, 2 and 4 in the other."""
+    return [f"{slot}: landed at {seen}" for slot, seen in pointers.items()
+            if not (seen[0::2] == [seen[0]] * len(seen[0::2]) and seen[1::2] == [seen[1]] * len(seen[1::2])
+                    and seen[0] != seen[1])]
+
+
+def _exchange_pairs(rank: int, transport, topology, kernel: bool) -> list[str]:
+    """ROUNDS messages of every COMBINE slot as pair rows. The first WARM_ROUNDS rounds write every
+    row before any combine starts (every kernel variant compiles and loads with no wait running:
+    a first launch waits for a spinning kernel of its process); later, a rank that only receives
+    queues its combines first, so they wait on the GPU for rows the peer is still writing. Every
+    round starts once every receiver checked the last (nothing is overwritten while read)."""
+    from disagmoe.kernels import fused_return as fr
+    from disagmoe.kernels.moe_ffn import FFNTiles
+    from disagmoe.kernels.signal import raise_flag
+
+    device, top_k = transport.device, SHAPES.top_k
+    tiles = FFNTiles.for_shape(SHAPES.tokens * top_k, SHAPES.num_experts, SHAPES.hidden, FFN, device).down
+    counters_S = torch.zeros(SEGMENTS, dtype=torch.int32, device=device)
+
+    def combine(landing, weights):
+        return fr.combine_landed(landing.rows_PH, weights, landing.flags_QS, landing.seq, SEG_TOKENS, top_k,
+                                 landing.status_2, timeout_s=60)
+
+    def write(round_):
+        return _write_pairs(rank, transport, topology, round_, kernel, raise_flag, tiles, counters_S)
+
+    wrong, pointers = [], {}
+    receives_only = not _combine_ops(topology, rank, Send)
+    for round_ in range(ROUNDS):
+        warm = round_ < WARM_ROUNDS
+        dist.barrier()  # every receiver is done with the message before last of each slot
+        early = not warm and receives_only
+        landed = _land_pairs(rank, transport, topology, round_, combine) if early else None
+        if not warm:
+            dist.barrier()  # the early combines are queued before a row is written
+        wrong += write(round_)
+        if warm:
+            torch.cuda.synchronize()
+            dist.barrier()  # every row and flag is in place
+        if not early:
+            landed = _land_pairs(rank, transport, topology, round_, combine)
+        torch.cuda.synchronize()
+        wrong += _check_pairs(rank, landed, round_, kernel, pointers)
+        del landed
+    if kernel and not (counters_S == 0).all():
+        wrong.append(f"the fused launches left their counters at {counters_S.tolist()}")
+    wrong += _check_copies(pointers)
+    status = transport.status_word().tolist()
+    if status != [0, 0]:
+        try:
+            transport.check_status(status)
+            wrong.append(f"status {status} set, check_status raised nothing")
+        except Exception as err:  # what it names is the report
+            wrong.append(f"status {status}: {type(err).__name__}: {err}")
+    return wrong
+
+
+PAIR_MODES = {"pairs-fused": (TOPOLOGY, True), "pairs-colocated": (COLOCATED, False)}
+
+
+def _cpu_transports(topology, pair_of=_pair_of) -> list[NvshmemTransport]:
+    """One NvshmemTransport per rank of `topology`, with CPU tensors for the arenas and for the
+    peer views (each peer's own arena tensor): nothing of NVSHMEM runs, the rest is the real code."""
+    layouts = symmetric_layouts(topology.programs(MICRO_BATCHES), _specs_of(topology), pair_of=pair_of)
+    arenas = [torch.zeros(layouts[0].nbytes, dtype=torch.uint8) for _ in layouts]
+    transports = []
+    for rank in range(len(layouts)):
+        transport = object.__new__(NvshmemTransport)
+        Transport.__init__(transport, rank, len(layouts), 30.0)
+        transport._plan(layouts)
+        transport.device = torch.device("cpu")
+        transport.arena_B = arenas[rank]
+        transport.status_2 = torch.zeros(2, dtype=torch.int32)
+        transport._peer_arenas = {dst: arenas[dst] for dst in pair_destinations(layouts, rank)}
+        transports.append(transport)
+    return transports
+
+
+def _set_flag(flags_S, s, seq):
+    flags_S[s] = seq
+
+
+PAIR_TOPOLOGIES = [TOPOLOGY, Topology.disaggregated(Layout(2, 2, 2, 4, 0), 8), COLOCATED,
+                   Topology.colocated_ranks(3, 2, 0, 8)]
+PAIR_IDS = ["A1-E1", "A2-E2-p2", "colocated2", "colocated3"]
+
+
+@pytest.mark.parametrize("topology", PAIR_TOPOLOGIES, ids=PAIR_IDS)
+def test_pair_rows_from_every_source_land_in_the_receivers_region(topology):
+    """The GPU exchange's own writing and checking, ranks one after another on CPU tensors: rows
+    through the targets' views (a peer's arena or the rank's own), the landings see them all."""
+    from disagmoe.kernels.fused_return import combine_reference
+
+    transports = _cpu_transports(topology)
+    wrong, pointers = [], {}
+    for round_ in range(ROUNDS):
+        for transport in transports:
+            wrong += _write_pairs(transport.rank, transport, topology, round_, False, _set_flag)
+        for transport in transports:
+            landed = _land_pairs(transport.rank, transport, topology, round_,
+                                 lambda landing, w: combine_reference(landing.rows_PH, w, SHAPES.top_k))
+            for _, landing, _ in landed:
+                assert landing.status_2 is transport.status_2
+                assert landing.rows_PH.data_ptr() - transport.arena_B.data_ptr() in {
+                    r.offset for r in transport.layout.pairs}
+                assert landing.flag_base in {r.flag for r in transport.layout.pairs}
+            wrong += _check_pairs(transport.rank, landed, round_, False, pointers)
+    wrong += _check_copies(pointers)
+    assert pointers and wrong == []
+    assert all(transport._sent == transport._received == {} for transport in transports)  # no segment used
+
+
+def test_a_source_writes_into_the_receivers_arena_and_a_colocated_one_into_its_own():
+    transports = _cpu_transports(COLOCATED)
+    for rank, transport in enumerate(transports):
+        for dst in range(WORLD):
+            key = message_key(7, Payload.COMBINE, 1, 0)
+            target = transport.pair_target(dst, key, _pair_spec(COLOCATED, dst, 1, 0))
+            region = transports[dst].layout.pair_region((Payload.COMBINE, 1, 0), 0)
+            arena = transports[dst].arena_B  # the peer view's memory (its own for dst == rank)
+            assert target.rows_PH.data_ptr() == arena.data_ptr() + region.offset
+            assert target.flags_QS.data_ptr() == arena.data_ptr() + 8 * region.flag
+            assert (target.source, target.seq) == (rank, 1)
+        assert list(transport._peer_arenas) == [1 - rank]  # never this rank's own PE
+    disaggregated = _cpu_transports(TOPOLOGY)
+    assert [list(t._peer_arenas) for t in disaggregated] == [[], [0]]  # only the expert rank writes pair rows
+
+
+def test_pair_messages_are_refused_with_the_fix():
+    topology = Topology.disaggregated(Layout(2, 2, 2, 4, 0), 8)
+    transports = _cpu_transports(topology)
+    recv = _combine_ops(topology, 1, Recv)[0]  # rank 1's COMBINE, from rank 2 alone
+    key = message_key(0, recv.payload, recv.layer, recv.micro_batch)
+    spec = _pair_spec(topology, 1, recv.layer, recv.micro_batch)
+    assert spec.sources == (2,)
+    with pytest.raises(ValueError, match=r"rank 3 is not a source of the pair-row message .* \(its sources: \(2,\)"):
+        transports[3].pair_target(1, key, spec)
+    wrong = PairSpec(spec.rows, spec.segments + 1, spec.sources)
+    with pytest.raises(ValueError, match="build the layouts with the same pair_of"):
+        transports[2].pair_target(1, key, wrong)
+    with pytest.raises(ValueError, match="build the layouts with the same pair_of"):
+        transports[1].pair_landing(key, PairSpec(TensorSpec((4, 4), torch.float32), spec.segments, spec.sources))
+    dispatch = message_key(0, Payload.DISPATCH, recv.layer, recv.micro_batch)
+    with pytest.raises(ValueError, match="no pair-row region for key .* not a pair-row receive"):
+        transports[1].pair_target(3, dispatch, spec)
+    with pytest.raises(ValueError, match="not a rank of this 4-rank job"):
+        transports[2].pair_target(4, key, spec)
+    # the refusals counted nothing: both ends still agree on seq 1
+    assert transports[2].pair_target(1, key, spec).seq == transports[1].pair_landing(key, spec).seq == 1
+    # send, recv and reserve do not carry pair rows
+    rows = [torch.zeros(SHAPES.tokens, SHAPES.hidden, dtype=SHAPES.dtype)]
+    fix = "is a pair-row message .* pair_target and pair_send, rank 1 reads it with pair_landing"
+    with pytest.raises(ValueError, match=fix):
+        transports[1].reserve(2, key, [TensorSpec.of(rows[0])])
+    with pytest.raises(ValueError, match=fix):
+        transports[1].recv(2, key, [TensorSpec.of(rows[0])])
+    with pytest.raises(ValueError, match=fix):
+        transports[2].send(1, key, rows)
+
+
+@pytest.mark.parametrize("topology", PAIR_TOPOLOGIES, ids=PAIR_IDS)
+def test_every_pair_region_is_found_from_its_messages_keys(topology):
+    programs = topology.programs(MICRO_BATCHES)
+    layouts = symmetric_layouts(programs, _specs_of(topology), pair_of=_pair_of)
+    for rank, (program, layout) in enumerate(zip(programs, layouts, strict=True)):
+        index = SlotIndex(layout)
+        for op in program:
+            if isinstance(op, Recv):
+                key = message_key(5, op.payload, op.layer, op.micro_batch)
+                if op.payload is Payload.COMBINE:
+                    region = index.pair_region(key, rank)
+                    assert (region.slot, region.copy, region.sources) == (
+                        (op.payload, op.layer, op.micro_batch), 0, op.peers)
+                else:
+                    for peer in op.peers:
+                        if peer != rank:
+                            assert index.slot(peer, key, rank) == (peer, op.payload, op.layer, op.micro_batch)
+
+
+def test_check_status_names_a_timed_out_pair_flag():
+    transports = _cpu_transports(Topology.colocated_ranks(3, 2, 0, 8))
+    transport = transports[2]
+    region = transport.layout.pair_region((Payload.COMBINE, 1, 1), 1)  # the slot's second copy
+    assert region.sources == (0, 1, 2)
+    q, s = 1, SEGMENTS - 1
+    with pytest.raises(TransportTimeout) as err:
+        transport.check_status([TIMED_OUT, region.flag + q * SEGMENTS + s])  # flag_base + q S + s
+    assert err.value.peer == 1
+    assert (f"waiting to receive segment {s} of {SEGMENTS} of the combine pair rows of layer 1, micro-batch 1 "
+            f"(copy 1, flag {region.flag + q * SEGMENTS + s}) from rank 1") in str(err.value)
+    seg = transport.layout.segments[3]
+    with pytest.raises(TransportTimeout, match=f"receive the {seg.slot[1].value} message of layer {seg.slot[2]}, "
+                                               f"micro-batch {seg.slot[3]} from rank {seg.slot[0]}"):
+        transport.check_status([TIMED_OUT, seg.flag])
+    with pytest.raises(TimeoutError, match="the wait for flag 99999 timed out"):
+        transport.check_status([TIMED_OUT, 99999])
+    with pytest.raises(ArenaOverflow, match="transport_capacity_factor"):
+        transport.check_status([OVERFLOW, 0])
+    transport.check_status([0, 0])
+
+
+@pytest.mark.gpu
+@needs_nvshmem
+@pytest.mark.parametrize("mode", list(PAIR_MODES))
+def test_pair_rows_written_through_peer_views_are_combined_by_the_receiver(ranks, mode):
+    """pairs-fused: the expert rank's `down_to_destination` stores into the attention rank's arena
+    through its peer view; pairs-colocated: both ranks store plain rows into both arenas (their
+    own too) and raise their flags. The receivers' `combine_landed` over `pair_landing` sums them."""
+    reports = _spawn(ranks, mode, timeout_s=420)
+    assert [reports[rank]["said"] for rank in range(WORLD)] == [[], []]

@@ -60,3 +60,140 @@ def test_a_message_over_its_capacity_is_refused_naming_the_fix():
         expert.views(arena, seg.slot, SHAPES.specs(Payload.DISPATCH, True))
     with pytest.raises(ValueError, match="capacity_factor"):
         symmetric_layouts(programs, lambda p, l: SHAPES.specs(p, True), capacity_factor=0)
+
+
+# --- pair-row messages (hop mode pair_rows) ---------------------------------------------------------
+
+SEGMENTS = 3
+
+
+def _pair_of(payload, layer):
+    """COMBINE as pair rows [T K, H] in SEGMENTS segments; every other message as segments."""
+    if payload is not Payload.COMBINE:
+        return None
+    return TensorSpec((SHAPES.tokens * SHAPES.top_k, SHAPES.hidden), SHAPES.dtype), SEGMENTS
+
+
+def _spans(layout):
+    """(start, end) of every tensor in the arena: the segments' and the pair regions' rows."""
+    spans = [(o, o + torch.empty(spec.shape, dtype=spec.dtype).nbytes) for s in layout.segments
+             for o, spec in zip(s.offsets, s.specs, strict=True)]
+    return sorted(spans + [(r.offset, r.offset + r.nbytes) for r in layout.pairs])
+
+
+@pytest.mark.parametrize("topology", [Topology.disaggregated(Layout(2, 2, 2, 4, 0), 8),
+                                      Topology.colocated_ranks(3, 2, 0, 8)], ids=["A2-E2-p2", "colocated3"])
+def test_pair_row_receives_get_one_region_per_copy_beside_the_segments(topology):
+    programs = topology.programs(2)
+
+    def specs_of(payload, layer):
+        return SHAPES.specs(payload, topology.is_moe(layer))
+
+    plain = symmetric_layouts(programs, specs_of)
+    layouts = symmetric_layouts(programs, specs_of, pair_of=_pair_of)
+    assert all(layout.pairs == () for layout in plain)
+    assert len({(layout.nbytes, layout.flag_words) for layout in layouts}) == 1
+    needed = []
+    for rank, (program, layout) in enumerate(zip(programs, layouts, strict=True)):
+        combines = [op for op in program if isinstance(op, Recv) and op.payload is Payload.COMBINE]
+        slots = [(p, op.payload, op.layer, op.micro_batch) for op in program if isinstance(op, Recv)
+                 and op.payload is not Payload.COMBINE for p in op.peers if p != rank]
+        assert [(s.slot, s.copy) for s in layout.segments] == [(slot, c) for slot in slots for c in range(COPIES)]
+        assert [(r.slot, r.copy, r.sources) for r in layout.pairs] == [
+            ((op.payload, op.layer, op.micro_batch), c, op.peers) for op in combines for c in range(COPIES)]
+        # flags: the segments' first (as without pairs), then one contiguous [Q, S] block per region
+        assert [s.flag for s in layout.segments] == list(range(len(layout.segments)))
+        end = len(layout.segments)
+        for region in layout.pairs:
+            assert region.flag == end and region.flag_words == len(region.sources) * SEGMENTS
+            end += region.flag_words
+        assert end <= layout.flag_words
+        needed.append(end)
+        # bytes: aligned, after the flag region, no overlap, inside the arena
+        spans = _spans(layout)
+        assert spans[0][0] >= 8 * layout.flag_words and all(o % ALIGN == 0 for o, _ in spans)
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])) and spans[-1][1] <= layout.nbytes
+        assert all(r.spec == _pair_of(Payload.COMBINE, 0)[0] and r.segments == SEGMENTS for r in layout.pairs)
+    assert layouts[0].flag_words == max(needed)  # the largest rank's flags, on every rank
+    assert any(layout.pairs for layout in layouts)
+
+
+def test_colocated_pair_regions_count_the_rank_itself_as_a_source():
+    topology = Topology.colocated_ranks(3, 2, 0, 8)
+    layouts = symmetric_layouts(topology.programs(2), lambda p, l: SHAPES.specs(p, True), pair_of=_pair_of)
+    for rank, layout in enumerate(layouts):
+        assert layout.pairs and all(r.sources == (0, 1, 2) and rank in r.sources for r in layout.pairs)
+        # COMBINE has no segment at all, not even from the peers
+        assert not [s for s in layout.segments if s.slot[1] is Payload.COMBINE]
+
+
+def test_pair_regions_alternate_copies_and_view_rows_and_flags_in_any_arena():
+    topology = Topology.disaggregated(Layout(1, 1, 1, 2, 0), 8)
+    layouts = symmetric_layouts(topology.programs(2), lambda p, l: SHAPES.specs(p, True), pair_of=_pair_of)
+    attention, expert = layouts
+    assert expert.pairs == ()  # the expert rank receives no COMBINE
+    slot = attention.pairs[0].slot
+    assert slot == (Payload.COMBINE, 0, 0)
+    regions = [attention.pair_region(slot, n) for n in range(5)]
+    assert regions[0] == regions[2] == regions[4] and regions[1] == regions[3] and regions[0] != regions[1]
+    assert (regions[0].copy, regions[1].copy) == (0, 1)
+    assert regions[0].offset != regions[1].offset and regions[0].flag != regions[1].flag
+    local = torch.zeros(attention.nbytes, dtype=torch.uint8)
+    peer = torch.zeros(attention.nbytes, dtype=torch.uint8)  # stands for a peer's view of that arena
+    for arena in (local, peer):
+        for n, region in enumerate(regions[:2]):
+            rows, flags = attention.pair_views(arena, slot, n)
+            assert (rows.shape, rows.dtype) == ((SHAPES.tokens * SHAPES.top_k, SHAPES.hidden), SHAPES.dtype)
+            assert (flags.shape, flags.dtype) == ((1, SEGMENTS), torch.int64) and flags.is_contiguous()
+            assert rows.data_ptr() == arena.data_ptr() + region.offset
+            assert flags.data_ptr() == arena.data_ptr() + 8 * region.flag
+            rows.fill_(n + 1)
+            flags[0, SEGMENTS - 1] = 10 + n
+    assert torch.equal(local, peer)
+    flags_W = attention.flags(local)  # the block's words are the flag region's
+    assert flags_W[regions[0].flag + SEGMENTS - 1] == 10 and flags_W[regions[1].flag + SEGMENTS - 1] == 11
+    assert (flags_W[:len(attention.segments)] == 0).all()  # no segment flag was touched
+    assert (attention.pair_views(local, slot, 0)[0] == 1).all() and (attention.pair_views(local, slot, 1)[0] == 2).all()
+
+
+def test_a_slot_that_is_not_a_pair_region_is_a_clear_key_error():
+    topology = Topology.disaggregated(Layout(1, 1, 1, 2, 0), 8)
+    attention, expert = symmetric_layouts(topology.programs(2), lambda p, l: SHAPES.specs(p, True), pair_of=_pair_of)
+    with pytest.raises(KeyError, match="no pair-row region for the dispatch message of layer 0, micro-batch 0"):
+        attention.pair_region((Payload.DISPATCH, 0, 0))
+    with pytest.raises(KeyError, match="not a pair-row receive of this rank's program"):
+        expert.pair_region((Payload.COMBINE, 0, 0), 1)
+    with pytest.raises(KeyError, match="micro-batch 7"):
+        attention.pair_views(torch.zeros(attention.nbytes, dtype=torch.uint8), (Payload.COMBINE, 0, 7))
+
+
+def test_flag_owner_names_segments_and_pair_blocks():
+    topology = Topology.colocated_ranks(3, 2, 0, 8)
+    layout = symmetric_layouts(topology.programs(2), lambda p, l: SHAPES.specs(p, True), pair_of=_pair_of)[1]
+    for seg in layout.segments:
+        assert layout.flag_owner(seg.flag) is seg
+    for region in layout.pairs:
+        for q in range(len(region.sources)):
+            for s in range(SEGMENTS):
+                assert layout.flag_owner(region.flag + q * SEGMENTS + s) == (region, q, s)
+    used = layout.pairs[-1].flag + layout.pairs[-1].flag_words
+    assert layout.flag_owner(used) is None and layout.flag_owner(-1) is None
+
+
+def test_pair_of_must_give_rows_and_segments():
+    topology = Topology.disaggregated(Layout(1, 1, 1, 2, 0), 8)
+    programs = topology.programs(1)
+    bad_rows = lambda p, l: (TensorSpec((16,), torch.bfloat16), 2) if p is Payload.COMBINE else None  # noqa: E731
+    no_segments = lambda p, l: (TensorSpec((4, 16), torch.bfloat16), 0) if p is Payload.COMBINE else None  # noqa: E731
+    for pair_of in (bad_rows, no_segments):
+        with pytest.raises(ValueError, match=r"expected rows \[P, H\] and at least one segment"):
+            symmetric_layouts(programs, lambda p, l: SHAPES.specs(p, True), pair_of=pair_of)
+
+
+def test_a_capacity_factor_scales_segments_not_pair_rows():
+    topology = Topology.disaggregated(Layout(1, 1, 1, 2, 0), 8)
+    layouts = symmetric_layouts(topology.programs(1), lambda p, l: SHAPES.specs(p, True), capacity_factor=0.5,
+                                pair_of=_pair_of)
+    attention = layouts[0]
+    assert all(r.spec.shape == (SHAPES.tokens * SHAPES.top_k, SHAPES.hidden) for r in attention.pairs)
+    assert all(s.specs[0].shape[0] == SHAPES.tokens // 2 for s in layouts[1].segments if s.slot[1] is Payload.DISPATCH)
