@@ -133,6 +133,10 @@ def _capacity(spec: TensorSpec, factor: float | None) -> TensorSpec:
     return TensorSpec((max(1, math.ceil(spec.shape[0] * factor)), *spec.shape[1:]), spec.dtype)
 
 
+def _even(words: int) -> int:
+    return words + words % 2
+
+
 def align(n: int) -> int:
     """`n` bytes rounded up to the next ALIGN boundary."""
     return -(-n // ALIGN) * ALIGN
@@ -171,7 +175,10 @@ class ArenaLayout:
         if len({slot for slot, *_ in pair_slots}) != len(pair_slots):
             raise ValueError(f"rank {rank}'s program receives a pair-row slot more than once: "
                              f"{[slot for slot, *_ in pair_slots]}")
-        needed = copies * (len(slots) + sum(len(sources) * segments for _, sources, _, segments in pair_slots))
+        # every pair block starts at an even word (16-byte aligned, as Triton specialises pointers):
+        # one compiled variant of the kernels that take it, whose first launch loads its module
+        needed = _even(copies * len(slots)) + copies * sum(
+            _even(len(sources) * segments) for _, sources, _, segments in pair_slots)
         words = needed if flag_words is None else flag_words
         if words < needed:
             raise ValueError(f"{needed} flags (segments and pair-row blocks) need {needed} flag words, "
@@ -186,12 +193,12 @@ class ArenaLayout:
                     offsets.append(offset)
                     offset = align(offset + _nbytes(spec))
                 segments.append(Segment(slot, copy, len(segments), tuple(offsets), specs))
-        pairs, flag = [], len(segments)
+        pairs, flag = [], _even(len(segments))
         for slot, sources, spec, n_segments in pair_slots:
             for copy in range(copies):
                 region = PairRegion(slot, copy, sources, flag, offset, spec, n_segments)
                 pairs.append(region)
-                flag += region.flag_words
+                flag += _even(region.flag_words)
                 offset = align(offset + region.nbytes)
         return cls(tuple(segments), words, offset, copies, tuple(pairs))
 

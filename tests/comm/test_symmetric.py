@@ -101,12 +101,15 @@ def test_pair_row_receives_get_one_region_per_copy_beside_the_segments(topology)
         assert [(s.slot, s.copy) for s in layout.segments] == [(slot, c) for slot in slots for c in range(COPIES)]
         assert [(r.slot, r.copy, r.sources) for r in layout.pairs] == [
             ((op.payload, op.layer, op.micro_batch), c, op.peers) for op in combines for c in range(COPIES)]
-        # flags: the segments' first (as without pairs), then one contiguous [Q, S] block per region
+        # flags: the segments' first (as without pairs), then one contiguous [Q, S] block per region,
+        # each starting at an even word (16-byte aligned: one compiled variant of the kernels)
         assert [s.flag for s in layout.segments] == list(range(len(layout.segments)))
         end = len(layout.segments)
         for region in layout.pairs:
+            end += end % 2
             assert region.flag == end and region.flag_words == len(region.sources) * SEGMENTS
             end += region.flag_words
+        end += end % 2 if layout.pairs else 0  # the last block padded too
         assert end <= layout.flag_words
         needed.append(end)
         # bytes: aligned, after the flag region, no overlap, inside the arena
