@@ -13,7 +13,8 @@ loads are issued under the current tile's epilogue):
   optionally the pre-activations), SwiGLU backward (multiplies the incoming activation gradient by
   the SwiGLU derivative from the saved pre-activations, writes d gate and d up).
 - `ragged_weight_grad`: out[e] = a[rows_e]^T @ b[rows_e]; work items are (expert, K tile, column
-  tile), each reducing over the expert's rows; experts with no rows get zeros.
+  tile), each reducing over the expert's rows (over its row groups, in ascending order, when the
+  rows come in a multiple of the experts' count of groups); experts with no rows get zeros.
 """
 
 from __future__ import annotations
@@ -175,39 +176,60 @@ def _ragged_rows_gemm_kernel(
 
 
 @triton.jit
+def _rows_dot(a_ptr, b_ptr, row_start, row_end, ks, k_ok, cols, col_ok, acc,
+              stride_am, stride_ak, stride_bm, stride_bc, BLOCK_M: tl.constexpr):
+    """acc + a[rows]^T @ b[rows] over rows [row_start, row_end), BLOCK_M rows a step: the tile
+    (ks of a's columns, cols of b's) of one row group's contribution to a weight gradient."""
+    for r0 in range(row_start, row_end, BLOCK_M):
+        rows = r0 + tl.arange(0, BLOCK_M)
+        row_ok = rows < row_end
+        rows64 = rows.to(tl.int64)
+        a_t = tl.load(a_ptr + ks[:, None] * stride_ak + rows64[None, :] * stride_am,
+                      mask=k_ok[:, None] & row_ok[None, :], other=0.0)
+        b = tl.load(b_ptr + rows64[:, None] * stride_bm + cols[None, :] * stride_bc,
+                    mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+        acc = tl.dot(a_t, b, acc)
+    return acc
+
+
+@triton.jit
 def _ragged_weight_grad_kernel(
     a_ptr, b_ptr, out_ptr, offsets_ptr,
-    E, KA, C, num_programs,
+    E, E_W, KA, C, num_programs,
     stride_am, stride_ak, stride_bm, stride_bc, stride_oe, stride_ok, stride_oc,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    FLATTEN: tl.constexpr, ACCUMULATE: tl.constexpr,
+    FLATTEN: tl.constexpr, ACCUMULATE: tl.constexpr, BANDED: tl.constexpr,
 ):
-    # Contract: a [N, KA], b [N, C] rows grouped by expert; out [E, KA, C] = per-expert a^T @ b
-    # (ACCUMULATE: out += it, e.g. into an fp32 main-gradient buffer).
+    # Contract: a [N, KA], b [N, C] rows in E row groups over E_W weights; out [E_W, KA, C],
+    # out[e] = sum over groups g = e mod E_W of a[rows_g]^T @ b[rows_g] (ACCUMULATE: out += it,
+    # e.g. into an fp32 main-gradient buffer). BANDED is E != E_W (segment-major order,
+    # `fused_return.segment_major_order`): each work item reduces over its weight's groups in
+    # ascending g; otherwise E == E_W and one group is one weight's rows.
     # BLOCK_K tiles KA (the output's rows), BLOCK_N tiles C, BLOCK_M steps the reduction over rows.
     pid = tl.program_id(0)
     tiles_k = tl.cdiv(KA, BLOCK_K)
     tiles_n = tl.cdiv(C, BLOCK_N)
     per_expert = tiles_k * tiles_n
-    for item in tl.range(pid, E * per_expert, num_programs, flatten=FLATTEN):
+    for item in tl.range(pid, E_W * per_expert, num_programs, flatten=FLATTEN):
         expert = item // per_expert
         pid_k, pid_n = _swizzle(item % per_expert, tiles_k, tiles_n, GROUP_M)
-        row_start = tl.load(offsets_ptr + expert - 1, mask=expert > 0, other=0)
-        row_end = tl.load(offsets_ptr + expert)
+        if not BANDED:
+            row_start = tl.load(offsets_ptr + expert - 1, mask=expert > 0, other=0)
+            row_end = tl.load(offsets_ptr + expert)
         ks = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
         k_ok = ks < KA
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < C
         acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
-        for r0 in range(row_start, row_end, BLOCK_M):
-            rows = r0 + tl.arange(0, BLOCK_M)
-            row_ok = rows < row_end
-            rows64 = rows.to(tl.int64)
-            a_t = tl.load(a_ptr + ks[:, None] * stride_ak + rows64[None, :] * stride_am,
-                          mask=k_ok[:, None] & row_ok[None, :], other=0.0)
-            b = tl.load(b_ptr + rows64[:, None] * stride_bm + cols[None, :] * stride_bc,
-                        mask=row_ok[:, None] & col_ok[None, :], other=0.0)
-            acc = tl.dot(a_t, b, acc)
+        if BANDED:
+            for group in range(expert, E, E_W):  # ascending g: one summation order, run to run
+                group_start = tl.load(offsets_ptr + group - 1, mask=group > 0, other=0)
+                group_end = tl.load(offsets_ptr + group)
+                acc = _rows_dot(a_ptr, b_ptr, group_start, group_end, ks, k_ok, cols, col_ok, acc,
+                                stride_am, stride_ak, stride_bm, stride_bc, BLOCK_M)
+        else:
+            acc = _rows_dot(a_ptr, b_ptr, row_start, row_end, ks, k_ok, cols, col_ok, acc,
+                            stride_am, stride_ak, stride_bm, stride_bc, BLOCK_M)
         out_ptrs = (out_ptr + expert.to(tl.int64) * stride_oe + ks[:, None] * stride_ok
                     + cols[None, :] * stride_oc)
         if ACCUMULATE:
@@ -300,26 +322,37 @@ def ragged_weight_grad(
     *,
     out: torch.Tensor | None = None,
     accumulate: bool = False,
+    weights: int | None = None,
     num_programs: int | None = None,
 ) -> torch.Tensor:
     """out[e] = a[rows_e]^T @ b[rows_e] for every expert e ([E, K, C]; zeros for empty experts);
-    with `accumulate`, out[e] += it (`out` given, any float dtype: an fp32 main gradient)."""
+    with `accumulate`, out[e] += it (`out` given, any float dtype: an fp32 main gradient).
+
+    `weights` (E_W; default offsets_E.shape[0]): `offsets_E` then holds a multiple G of E_W row
+    groups, group g belonging to weight g mod E_W (segment-major order, as `ragged_rows_gemm`
+    takes them; `fused_return.segment_major_order`), and out is [E_W, K, C]: out[e] sums the
+    groups g = e mod E_W, in ascending g, each output tile written by one program. With G > E_W
+    the tile config's `flatten` is not applied (the compiler flattens only a loop nest of two)."""
     assert out is not None or not accumulate
     n_rows, k = a_NK.shape
-    assert b_NC.shape[0] == n_rows and offsets_E.dtype == torch.int32
-    experts, cols = offsets_E.shape[0], b_NC.shape[1]
+    assert b_NC.shape[0] == n_rows and offsets_E.dim() == 1 and offsets_E.dtype == torch.int32
+    groups, cols = offsets_E.shape[0], b_NC.shape[1]
+    experts = groups if weights is None else weights
+    assert experts >= 1 and groups % experts == 0, (groups, experts)
     if out is None:
         out = a_NK.new_empty((experts, k, cols))
+    assert out.shape == (experts, k, cols), (tuple(out.shape), (experts, k, cols))
     if out.numel() == 0:
         return out
+    banded = groups != experts
     programs = num_programs or default_num_programs(a_NK.device) * config.programs_per_sm
     _ragged_weight_grad_kernel[(programs,)](
         a_NK, b_NC, out, offsets_E,
-        experts, k, cols, programs,
+        groups, experts, k, cols, programs,
         a_NK.stride(0), a_NK.stride(1), b_NC.stride(0), b_NC.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        GROUP_M=config.group_m, FLATTEN=config.flatten, ACCUMULATE=accumulate, num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        GROUP_M=config.group_m, FLATTEN=config.flatten and not banded, ACCUMULATE=accumulate,
+        BANDED=banded, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out

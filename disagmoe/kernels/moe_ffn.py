@@ -1,7 +1,9 @@
 """The expert FFN (SwiGLU) over rows grouped by expert: persistent Triton launches, torch reference.
 
 Legend: N rows (token-expert pairs grouped by expert), E experts, H hidden size, F expert FFN size;
-`offsets_E` int32 cumulative row counts (expert e owns rows offsets[e-1]:offsets[e]);
+`offsets_E` int32 cumulative row counts (expert e owns rows offsets[e-1]:offsets[e]; or G = bands x E
+row groups in segment-major order, `fused_return.segment_major_order`, group g using expert
+g mod E's weights: `moe_ffn_forward` and `moe_ffn_backward` take either);
 `w13_EH2F` gate in [..., :F], up in [..., F:]; `w2_EFH` the down projection.
 
 Forward: gate/up GEMM with SwiGLU fused in its epilogue (also saving the pre-activations for the
@@ -83,7 +85,8 @@ def moe_ffn_forward(
     save_for_backward: bool = False,
     num_programs: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(y, act_NF, h13_N2F or None): y = out with row r written at dst_rows_N[r] (default r)."""
+    """(y, act_NF, h13_N2F or None): y = out with row r written at dst_rows_N[r] (default r).
+    `offsets_E` may hold G = bands x E row groups (module docstring)."""
     n_rows, ffn = x_NH.shape[0], w2_EFH.shape[1]
     h13_N2F = x_NH.new_empty((n_rows, 2 * ffn)) if save_for_backward else None
     act_NF = gg.ragged_rows_gemm(x_NH, offsets_E, w13_EH2F, tiles.gate_up,
@@ -110,6 +113,8 @@ def moe_ffn_backward(
     main_grads: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(dx_NH, dw13_EH2F, dw2_EFH) from the forward's saved activation and pre-activations.
+    `offsets_E` may hold G = bands x E row groups (module docstring): the weight gradients are
+    still [E, ...], each expert's summed over its groups in ascending order.
     `main_grads` (w13's, w2's; e.g. FlatAdamW's fp32 buffers): a weight gradient is added into
     its main gradient by the GEMM itself and None is returned for it; inside
     `model.layers.deferred_weight_grads` (both main gradients given) those GEMMs wait in its list."""
@@ -119,12 +124,15 @@ def moe_ffn_backward(
     dx_NH = gg.ragged_rows_gemm(dh13_N2F, offsets_E, w13_EH2F.transpose(1, 2), tiles.gate_up_dgrad,
                                 num_programs=num_programs)  # the input gradient first: the critical path
     main13, main2 = main_grads
+    experts = w13_EH2F.shape[0]
 
     def weight_grads() -> tuple[torch.Tensor, torch.Tensor]:
         dw2_EFH = gg.ragged_weight_grad(act_NF, dy_NH, offsets_E, tiles.wgrad_w2, out=main2,
-                                        accumulate=main2 is not None, num_programs=num_programs)
+                                        accumulate=main2 is not None, weights=experts,
+                                        num_programs=num_programs)
         dw13_EH2F = gg.ragged_weight_grad(x_NH, dh13_N2F, offsets_E, tiles.wgrad_w13, out=main13,
-                                          accumulate=main13 is not None, num_programs=num_programs)
+                                          accumulate=main13 is not None, weights=experts,
+                                          num_programs=num_programs)
         return dw13_EH2F, dw2_EFH
 
     if main13 is not None and main2 is not None and hold_back(weight_grads):

@@ -98,3 +98,26 @@ def test_the_expert_ffn_and_the_permute_compile(compiled):
     permute.permute_forward(torch.zeros(64, hidden, dtype=dtype), idx, experts)
     assert compiled.count("_ragged_rows_gemm_kernel") == 4 and compiled.count("_ragged_weight_grad_kernel") == 2
     assert "_block_histogram_kernel" in compiled
+
+
+def test_the_banded_weight_grads_compile(compiled):
+    """The weight gradients over G = 2 x E row groups (segment-major order): the backward's two
+    launches into fp32 main gradients, and a flattening tile config (not applied when banded)."""
+    import dataclasses
+
+    from disagmoe.kernels import grouped_gemm as gg
+    from disagmoe.kernels import moe_ffn
+
+    rows, experts, hidden, ffn = 128, 4, 64, 32
+    dtype = torch.bfloat16
+    tiles = moe_ffn.FFNTiles.uniform(_tiles())
+    x = torch.zeros(rows, hidden, dtype=dtype)
+    offsets_G = torch.tensor([16, 32, 48, 64, 80, 96, 112, 128], dtype=torch.int32)
+    w13, w2 = torch.zeros(experts, hidden, 2 * ffn, dtype=dtype), torch.zeros(experts, ffn, hidden, dtype=dtype)
+    act, h13 = torch.zeros(rows, ffn, dtype=dtype), torch.zeros(rows, 2 * ffn, dtype=dtype)
+    main = (torch.zeros(experts, hidden, 2 * ffn), torch.zeros(experts, ffn, hidden))
+    moe_ffn.moe_ffn_backward(torch.zeros(rows, hidden, dtype=dtype), x, offsets_G, w13, w2, act, h13, tiles,
+                             num_programs=8, main_grads=main)
+    flat = dataclasses.replace(_tiles(), flatten=True)
+    gg.ragged_weight_grad(x, h13, offsets_G, flat, weights=experts, num_programs=8)
+    assert compiled.count("_ragged_weight_grad_kernel") == 3

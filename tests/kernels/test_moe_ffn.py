@@ -99,6 +99,101 @@ def test_backward_kernels_write_every_element(kernels):
     assert _rel_err(dw, want) < 1e-5
 
 
+# Banded rows (segment-major order, `fused_return.segment_major_order`): G = BANDS x E row groups,
+# group g = b * E + e holding band b's rows of expert e. (rows per expert, hidden, ffn, seed)
+BANDS = 3
+BANDED_CASES = [
+    ([5, 0, 37, 1], 40, 24, 0),
+    ([19, 33, 0, 2, 16], 24, 40, 1),
+    ([0, 50, 0], 32, 16, 2),
+]
+
+
+def _banded(counts, bands, gen):
+    """(order_N, offsets_G): expert-grouped rows regrouped into (band, expert) groups, each row of
+    expert e in one of a random subset of the bands (so some (band, expert) groups are empty)."""
+    experts = len(counts)
+    expert_N = torch.repeat_interleave(torch.arange(experts), torch.tensor(counts))
+    allowed_EB = torch.rand(experts, bands, generator=gen) < 0.6
+    allowed_EB[torch.arange(experts), torch.randint(bands, (experts,), generator=gen)] = True
+    band_N = torch.empty_like(expert_N)
+    for e in range(experts):
+        rows, choices = (expert_N == e).nonzero().flatten(), allowed_EB[e].nonzero().flatten()
+        band_N[rows] = choices[torch.randint(len(choices), (len(rows),), generator=gen)]
+    group_N = band_N * experts + expert_N
+    order_N = torch.sort(group_N, stable=True).indices
+    counts_G = torch.bincount(group_N, minlength=bands * experts)
+    assert (counts_G == 0).any(), "the case has empty groups"
+    return order_N, counts_G.cumsum(0).to(torch.int32)
+
+
+def _weight_grad_reference(a_NK, b_NC, offsets_G, experts):
+    """Plain torch, group by group: out[e] = sum over g = e mod E of a[rows_g]^T @ b[rows_g]."""
+    out = a_NK.new_zeros((experts, a_NK.shape[1], b_NC.shape[1]))
+    ends = offsets_G.tolist()
+    for g, (start, end) in enumerate(zip([0, *ends[:-1]], ends)):
+        out[g % experts] += a_NK[start:end].T @ b_NC[start:end]
+    return out
+
+
+@pytest.mark.parametrize("case", range(len(BANDED_CASES)))
+def test_banded_weight_grad_sums_every_group_of_a_weight(kernels, case):
+    """G = 3 x E row groups, group g to weight g mod E: out [E, K, C], every element written
+    (NaN-filled first), zeros for the expert with no rows; with `accumulate`, added in place."""
+    gg, _ = kernels
+    counts, k, c, seed = BANDED_CASES[case]
+    gen = torch.Generator().manual_seed(20 + seed)
+    experts, rows = len(counts), sum(counts)
+    _, offsets_G = _banded(counts, BANDS, gen)
+    a, b = torch.randn(rows, k, generator=gen), torch.randn(rows, c, generator=gen)
+    want = _weight_grad_reference(a, b, offsets_G, experts)
+    out = torch.full((experts, k, c), float("nan"))
+    got = gg.ragged_weight_grad(a, b, offsets_G, SMALL_TILES, out=out, weights=experts, num_programs=3)
+    assert got is out and torch.isfinite(got).all()
+    assert _rel_err(got, want) < 1e-5
+    assert all((got[e] == 0).all() for e in range(experts) if counts[e] == 0)
+    start = torch.randn(experts, k, c, generator=gen)
+    main = start.clone()
+    gg.ragged_weight_grad(a, b, offsets_G, SMALL_TILES, out=main, accumulate=True, weights=experts, num_programs=4)
+    assert _rel_err(main - start, want) < 1e-5
+    with pytest.raises(AssertionError):
+        gg.ragged_weight_grad(a, b, offsets_G[:-1], SMALL_TILES, weights=experts)  # not a multiple of E
+
+
+@pytest.mark.parametrize("case", range(len(BANDED_CASES)))
+@pytest.mark.parametrize("main", [False, True], ids=["returned", "main-grads"])
+def test_ffn_over_banded_groups_matches_expert_order(kernels, case, main):
+    """moe_ffn_forward + moe_ffn_backward over G = 3 x E groups (each expert's rows split over 3
+    bands, some bands empty, one expert with no rows) give the same rows' y and dx as autograd
+    through the reference in expert order, and the same weight gradients (returned, or added
+    into fp32 main gradients)."""
+    _, moe_ffn = kernels
+    counts, hidden, ffn, seed = BANDED_CASES[case]
+    gen = torch.Generator().manual_seed(30 + seed)
+    x, offsets, w13, w2 = _inputs(counts, hidden, ffn, torch.float32, "cpu", seed=40 + seed)
+    dy = torch.randn(x.shape[0], hidden, generator=gen)
+    order, offsets_G = _banded(counts, BANDS, gen)
+    tiles = moe_ffn.FFNTiles.uniform(SMALL_TILES)
+    y, act, h13 = moe_ffn.moe_ffn_forward(x[order], offsets_G, w13, w2, tiles, save_for_backward=True,
+                                          num_programs=3)
+    start13, start2 = torch.randn(w13.shape, generator=gen), torch.randn(w2.shape, generator=gen)
+    main_grads = (start13.clone(), start2.clone()) if main else (None, None)
+    dx, dw13, dw2 = moe_ffn.moe_ffn_backward(dy[order], x[order], offsets_G, w13, w2, act, h13, tiles,
+                                            num_programs=3, main_grads=main_grads)
+    leaves = [t.clone().requires_grad_() for t in (x, w13, w2)]
+    y_ref = moe_ffn.expert_ffn_reference(leaves[0], offsets, leaves[1], leaves[2])
+    y_ref.backward(dy)
+    assert _rel_err(y, y_ref[order]) < 1e-5
+    assert _rel_err(dx, leaves[0].grad[order]) < 1e-5
+    if main:
+        assert dw13 is None and dw2 is None
+        dw13, dw2 = main_grads[0] - start13, main_grads[1] - start2
+    assert dw13.shape == w13.shape and dw2.shape == w2.shape
+    assert _rel_err(dw13, leaves[1].grad) < 1e-5 and _rel_err(dw2, leaves[2].grad) < 1e-5
+    empty = [e for e, n in enumerate(counts) if n == 0]
+    assert empty and all(not dw13[e].any() and not dw2[e].any() for e in empty)
+
+
 def test_rejects_mismatched_weights(kernels):
     _, moe_ffn = kernels
     x, offsets, w13, w2 = _inputs([3, 4], 16, 16, torch.float32, "cpu", seed=0)
