@@ -75,10 +75,16 @@ def test_the_fused_return_compiles(compiled):
                            tokens=tokens, top_k=top_k, segment_tokens=seg,
                            counters_S=torch.zeros(segments, dtype=torch.int32), flags_QS=flags, source=0, seq=1,
                            num_programs=8)
+    served, offsets_served = torch.tensor([96], dtype=torch.int32), torch.tensor([24, 48, 72, 96], dtype=torch.int32)
+    fr.down_to_destination(torch.zeros(tokens * top_k, ffn, dtype=dtype), offsets_served,  # rows 96+: spare
+                           torch.zeros(experts, ffn, hidden, dtype=dtype), _tiles(), dst_PH=dst, dst_rows_N=pairs,
+                           tokens=tokens, top_k=top_k, segment_tokens=seg,
+                           counters_S=torch.zeros(segments, dtype=torch.int32), flags_QS=flags, source=0, seq=1,
+                           served_N=served, num_programs=8)
     status = torch.zeros(2, dtype=torch.int32)
     for weights in (torch.ones(tokens, top_k, dtype=dtype), None):
         fr.combine_landed(dst, weights, flags, 1, seg, top_k, status, num_programs=4)
-    assert compiled == ["_ragged_rows_gemm_kernel", "_combine_landed_kernel", "_combine_landed_kernel"]
+    assert compiled == ["_ragged_rows_gemm_kernel"] * 2 + ["_combine_landed_kernel"] * 2
 
 
 def test_the_expert_ffn_and_the_permute_compile(compiled):

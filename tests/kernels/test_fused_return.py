@@ -127,6 +127,72 @@ def test_segment_plan_counts_rows_per_segment_on_the_device(fused):
         fused.segment_plan(dst_rows, tokens=9, top_k=2, segment_tokens=0, column_tiles=3)
 
 
+def test_segment_plan_leaves_the_spare_rows_out(fused):
+    """Rows at index >= served_N[0] (a spare bucket) keep their segment but count in no segment's stores."""
+    dst_rows = torch.tensor([0, 5, 6, 7, 15, 16], dtype=torch.int32)
+    served = torch.tensor([3], dtype=torch.int32)
+    seg, expected = fused.segment_plan(dst_rows, tokens=9, top_k=2, segment_tokens=4, column_tiles=3, served_N=served)
+    assert seg.tolist() == [0, 0, 0, 0, 1, 2] and expected.tolist() == [9, 0, 0]
+    everything = torch.tensor([6], dtype=torch.int32)
+    assert fused.segment_plan(dst_rows, 9, 2, 4, 3, served_N=everything)[1].tolist() == [12, 3, 3]
+    with pytest.raises(ValueError, match="served_N must be one int32 element"):
+        fused.segment_plan(dst_rows, 9, 2, 4, 3, served_N=served.long())
+
+
+# (tokens, top_k, segment_tokens, experts, hidden, ffn, real rows, spare rows)
+SPARE_CASES = [
+    (24, 2, 4, 3, 24, 16, 30, 7),
+    (19, 3, 5, 4, 40, 24, 25, 10),  # a short last segment, three column tiles
+]
+
+
+def _spare_tail_case(gen, pairs, last_pairs, experts, real, spare):
+    """(offsets_E, expert_R, dst_rows_N): `real` rows grouped by expert (expert 1 gets none) going
+    to random pairs below the last segment's first pair `last_pairs`, then a spare tail of `spare`
+    rows going to other pairs, half of them below it, the rest into the last segment (which no real
+    row goes to)."""
+    below = torch.randperm(last_pairs, generator=gen)
+    last = last_pairs + torch.randperm(pairs - last_pairs, generator=gen)
+    dst_rows = torch.cat([below[:real + spare // 2], last[:spare - spare // 2]])
+    expert_R = torch.sort(torch.randint(experts - 1, (real,), generator=gen)).values
+    expert_R += (expert_R >= 1).long()  # skip expert 1: an empty group
+    offsets = torch.bincount(expert_R, minlength=experts).cumsum(0).to(torch.int32)
+    return offsets, expert_R, dst_rows.to(torch.int32)
+
+
+@pytest.mark.parametrize("case", range(len(SPARE_CASES)))
+def test_spare_rows_are_neither_stored_nor_waited_for(fused, case):
+    """A launch whose rows end in a spare bucket (past offsets[-1], served_N[0] real rows): every real
+    row stored, the spare rows' destinations untouched (still NaN), every flag raised, the last
+    segment's (spare rows only) at the launch's start, and the counters back to zero. Without
+    served_N the spare rows' segments would wait for stores that never come."""
+    tokens, top_k, seg_tokens, experts, hidden, ffn, real, spare = SPARE_CASES[case]
+    gen = torch.Generator().manual_seed(5 + case)
+    segments = fused.num_segments(tokens, seg_tokens)
+    offsets, expert_R, dst_rows = _spare_tail_case(gen, tokens * top_k, (segments - 1) * seg_tokens * top_k, experts,
+                                                   real, spare)
+    act = torch.randn(real + spare, ffn, generator=gen)
+    w2 = torch.randn(experts, ffn, hidden, generator=gen) / ffn**0.5
+    served = torch.tensor([real], dtype=torch.int32)
+
+    def launch(served_N, seq):
+        dst = torch.full((tokens * top_k, hidden), float("nan"))
+        flags = torch.zeros(1, segments, dtype=torch.int64)
+        counters = torch.zeros(segments, dtype=torch.int32)
+        fused.down_to_destination(act, offsets, w2, SMALL_TILES, dst_PH=dst, dst_rows_N=dst_rows, tokens=tokens,
+                                  top_k=top_k, segment_tokens=seg_tokens, counters_S=counters, flags_QS=flags,
+                                  source=0, seq=seq, served_N=served_N, num_programs=3)
+        return dst, flags, counters
+
+    dst, flags, counters = launch(served, 3)
+    want = torch.stack([act[r] @ w2[expert_R[r]] for r in range(real)])
+    assert torch.allclose(dst[dst_rows[:real].long()], want, rtol=1e-4, atol=1e-5)
+    assert torch.isnan(dst[dst_rows[real:].long()]).all(), "no spare row stored"
+    assert (flags == 3).all() and (counters == 0).all()
+    _, flags, _ = launch(None, 3)  # the spare rows counted: their segments never complete
+    assert flags[0, -1] == 0 and (flags == 0).sum() >= 2
+
+
 def test_bad_buffers_are_refused_with_the_shape_expected(fused):
     w2 = torch.zeros(2, 8, 16)
     args = dict(dst_rows_N=torch.zeros(0, dtype=torch.int32), tokens=4, top_k=2, segment_tokens=2, source=0, seq=1)
