@@ -37,6 +37,7 @@ from disagmoe.kernels import grouped_gemm as gg
 from disagmoe.kernels.signal import DEFAULT_TIMEOUT_S, report, spin_until, timed
 from disagmoe.kernels.tile_configs import TileConfig
 
+INT32_MAX = 2**31 - 1  # the status words are int32 (`kernels.signal`)
 COMBINE_PROGRAMS = 16  # the receiver's default: SMs spent waiting and combining, the rest stay free
 
 
@@ -130,9 +131,10 @@ def down_to_destination(act_NF: torch.Tensor, offsets_E: torch.Tensor, w2_EFH: t
 
 
 @triton.jit
-def _combine_landed_kernel(rows_ptr, weights_ptr, y_ptr, flags_ptr, status_ptr, seq, timeout_ns, n_tokens, H, K,
-                           Q, S, num_programs, stride_r, stride_y, SEG_TOKENS: tl.constexpr, BLOCK_T: tl.constexpr,
-                           BLOCK_H: tl.constexpr, WEIGHTED: tl.constexpr, TIMED: tl.constexpr):
+def _combine_landed_kernel(rows_ptr, weights_ptr, y_ptr, flags_ptr, status_ptr, seq, timeout_ns, flag_base,
+                           n_tokens, H, K, Q, S, num_programs, stride_r, stride_y, SEG_TOKENS: tl.constexpr,
+                           BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, WEIGHTED: tl.constexpr,
+                           TIMED: tl.constexpr):
     # Persistent: program i takes work items i, i + num_programs, ..., segment-major (the first
     # segments first, as they land first), so a few programs wait without holding the GPU.
     h_blocks = tl.cdiv(H, BLOCK_H)
@@ -142,7 +144,7 @@ def _combine_landed_kernel(rows_ptr, weights_ptr, y_ptr, flags_ptr, status_ptr, 
         col_ok = cols < H
         for q in range(Q):  # every source's rows of this segment have landed (or the wait gave up)
             seen = spin_until(flags_ptr + q * S + seg, seq, timeout_ns, False, TIMED)
-            report(status_ptr, seen, seq, q * S + seg)
+            report(status_ptr, seen, seq, flag_base + q * S + seg)
         for t0 in range(seg * SEG_TOKENS, tl.minimum((seg + 1) * SEG_TOKENS, n_tokens), BLOCK_T):
             tokens = t0 + tl.arange(0, BLOCK_T)
             tok_ok = (tokens < n_tokens) & (tokens < (seg + 1) * SEG_TOKENS)
@@ -161,12 +163,13 @@ def _combine_landed_kernel(rows_ptr, weights_ptr, y_ptr, flags_ptr, status_ptr, 
 
 def combine_landed(rows_PH: torch.Tensor, weights_TK: torch.Tensor | None, flags_QS: torch.Tensor, seq: int,
                    segment_tokens: int, top_k: int, status_2: torch.Tensor, num_programs: int = COMBINE_PROGRAMS,
-                   timeout_s: float = DEFAULT_TIMEOUT_S) -> torch.Tensor:
+                   timeout_s: float = DEFAULT_TIMEOUT_S, flag_base: int = 0) -> torch.Tensor:
     """y[t] = sum_j w[t, j] * rows[t * K + j] (unweighted without weights: the backward's input
     gradients), each segment combined once all Q sources raised its flags to seq. `num_programs`:
     the SMs the receiving side spends waiting and combining (a knob: the rest stay free).
-    `status_2` (`kernels.signal.new_status`) records a flag that did not come in `timeout_s`
-    (its index q * S + s); read it once, at the step's end (`kernels.signal.check_status`)."""
+    `status_2` (`kernels.signal.new_status`) records a flag that did not come in `timeout_s`:
+    word 1 gets its index flag_base + q * S + s, `flag_base` the flag block's first word in its
+    arena (0: the block's own index); read it once, at the step's end (`kernels.signal.check_status`)."""
     pairs, hidden = rows_PH.shape
     tokens = pairs // top_k
     segments = num_segments(tokens, segment_tokens)
@@ -175,6 +178,9 @@ def combine_landed(rows_PH: torch.Tensor, weights_TK: torch.Tensor | None, flags
                          f"rows [tokens * top_k, H] and int64 flags [sources, {segments}]")
     if num_programs < 1:
         raise ValueError(f"num_programs={num_programs} must be >= 1")
+    if flag_base < 0 or flag_base + flags_QS.numel() - 1 > INT32_MAX:
+        raise ValueError(f"flag_base={flag_base}: the flag block's first word in its arena, >= 0 and leaving "
+                         f"its {flags_QS.numel()} indices in the int32 status word")
     if status_2.dtype != torch.int32 or status_2.numel() != 2:
         raise ValueError("status must be two int32 words (kernels.signal.new_status)")
     y_TH = rows_PH.new_empty((tokens, hidden))
@@ -185,7 +191,7 @@ def combine_landed(rows_PH: torch.Tensor, weights_TK: torch.Tensor | None, flags
     weights = weights_TK.contiguous() if weights_TK is not None else rows_PH
     programs = min(num_programs, segments * triton.cdiv(hidden, block_h))
     _combine_landed_kernel[(programs,)](
-        rows_PH, weights, y_TH, flags_QS, status_2, seq, int(timeout_s * 1e9), tokens, hidden, top_k,
+        rows_PH, weights, y_TH, flags_QS, status_2, seq, int(timeout_s * 1e9), flag_base, tokens, hidden, top_k,
         flags_QS.shape[0], segments, programs, rows_PH.stride(0), y_TH.stride(0), SEG_TOKENS=segment_tokens,
         BLOCK_T=block_t, BLOCK_H=block_h, WEIGHTED=weights_TK is not None, TIMED=timed(rows_PH))
     return y_TH

@@ -83,7 +83,7 @@ def test_the_fused_return_compiles(compiled):
                            served_N=served, num_programs=8)
     status = torch.zeros(2, dtype=torch.int32)
     for weights in (torch.ones(tokens, top_k, dtype=dtype), None):
-        fr.combine_landed(dst, weights, flags, 1, seg, top_k, status, num_programs=4)
+        fr.combine_landed(dst, weights, flags, 1, seg, top_k, status, num_programs=4, flag_base=64)
     assert compiled == ["_ragged_rows_gemm_kernel"] * 2 + ["_combine_landed_kernel"] * 2
 
 

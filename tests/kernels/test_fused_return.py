@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from disagmoe.kernels.tile_configs import TileConfig
 
@@ -191,6 +193,29 @@ def test_spare_rows_are_neither_stored_nor_waited_for(fused, case):
     assert (flags == 3).all() and (counters == 0).all()
     _, flags, _ = launch(None, 3)  # the spare rows counted: their segments never complete
     assert flags[0, -1] == 0 and (flags == 0).sum() >= 2
+
+
+def test_a_wait_that_gives_up_reports_the_flags_arena_index(fused, monkeypatch):
+    """Status word 1 names a flag that did not come as flag_base + q * S + s. The interpreter has
+    no clock, so its waits never time out: here a wait looks once and gives up."""
+    from disagmoe.kernels.signal import TIMED_OUT
+
+    @triton.jit  # here, with the interpreter on (the fixture): an interpreted function
+    def look_once(flag_ptr, seq, timeout_ns, ACCEPT_NEGATIVE: tl.constexpr, TIMED: tl.constexpr):
+        return tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+
+    monkeypatch.setattr(fused, "spin_until", look_once)
+    tokens, top_k, seg_tokens, hidden, seq = 12, 2, 4, 8, 5
+    rows = torch.randn(tokens * top_k, hidden)
+    flags = torch.full((2, 3), seq, dtype=torch.int64)
+    flags[1, 2] = seq - 1  # source 1's flag of segment 2 still holds the last step's number
+    for base, index in ((0, 5), (1000, 1005)):
+        status = torch.zeros(2, dtype=torch.int32)
+        y = fused.combine_landed(rows, None, flags, seq, seg_tokens, top_k, status, num_programs=2, flag_base=base)
+        assert status.tolist() == [TIMED_OUT, index]
+        assert torch.allclose(y, fused.combine_reference(rows, None, top_k))
+    with pytest.raises(ValueError, match="flag_base=-1"):
+        fused.combine_landed(rows, None, flags, seq, seg_tokens, top_k, status, flag_base=-1)
 
 
 def test_bad_buffers_are_refused_with_the_shape_expected(fused):
