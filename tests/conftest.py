@@ -43,6 +43,32 @@ def _patch_interpreter_index() -> None:
     interpreter._patch_lang_tensor = patch_lang_tensor
 
 
+def _patch_device_call_restore() -> None:
+    """Triton 3.6's interpreter patches triton.language for a device-function call (a @triton.jit
+    helper called from a kernel: tl.cdiv, a kernel module's own helpers) and, unlike a launch,
+    never restores it: interpreter builtins stay in triton.language.core, and a kernel compiled
+    later in the same process fails in the front end ("'block_argument' object has no attribute
+    'get_element_ty'": test_compile_for_hopper after an interpreter test, on a cold Triton cache).
+    The same call, restoring its patches when it returns (to the launch's own, still in place)."""
+    from triton.runtime import interpreter
+
+    original = interpreter.InterpretedFunction.__call__
+    if getattr(original, "_disagmoe_patched", False):
+        return
+
+    def call(self, *args, **kwargs):
+        scope = interpreter._patch_lang(self.fn)
+        try:
+            return self.rewrite()(*args, **kwargs)
+        except Exception as e:
+            raise interpreter.InterpreterError(repr(e)) from e
+        finally:
+            scope.restore()
+
+    call._disagmoe_patched = True
+    interpreter.InterpretedFunction.__call__ = call
+
+
 # Modules of Triton itself whose @triton.jit helpers (tl.cdiv, tl.sum, tl.sigmoid, ...) must be
 # rebuilt when the interpreter is switched on after Triton was first imported (e.g. by another
 # test module): the interpreter only calls helpers that were decorated in interpreter mode.
@@ -62,6 +88,7 @@ def interpreted():
     previous = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     _patch_interpreter_index()
+    _patch_device_call_restore()
     _reload_all(TRITON_JIT_MODULES)
 
     def load(*names: str):
