@@ -18,10 +18,10 @@ The segment plan (segment per row, expected stores per segment) is computed on t
 the destination rows, with no host sync. A combine whose flags never come gives up after its
 timeout and records it in its status words (`kernels.signal`), read at the step's end.
 
-Not yet in the runtime. Wiring it needs, as the transport has: two copies of the destination and
-its flags (step n writes copy n mod 2, so a producer a step ahead cannot overwrite rows being
-combined), and for a source on the same GPU one launch split by program id rather than two
-kernels on two streams, which CUDA does not promise to run concurrently.
+In the runtime with `hop: pair_rows` (`runtime.pair_return`): two copies of every destination and
+its flags (message n of a slot writes copy (n - 1) mod 2, so a producer a step ahead cannot
+overwrite rows being combined); a source on the receiver's own GPU (colocated) runs before the
+combine in stream order.
 
 Shape legend: N rows (pairs this expert rank holds, grouped by expert), T tokens, K top-k,
 P = T * K pair rows, H hidden, F expert FFN, E experts, S segments, Q sources.
@@ -46,30 +46,30 @@ def num_segments(tokens: int, segment_tokens: int) -> int:
 
 
 def segment_plan(dst_rows_N: torch.Tensor, tokens: int, top_k: int, segment_tokens: int,
-                 column_tiles: int, served_N: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 column_tiles: int, served_1: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(seg_N int32, expected_S int32) for rows going to pair rows `dst_rows_N` of the receiver:
     each row's segment, and each segment's expected stores (its real rows x the launch's column
-    tiles). `served_N` (one-element int32 on the rows' device; None: every row is real) holds how
-    many rows are real: rows at index >= served_N[0] (a spare bucket past offsets[-1], which the
+    tiles). `served_1` (one-element int32 on the rows' device; None: every row is real) holds how
+    many rows are real: rows at index >= served_1[0] (a spare bucket past offsets[-1], which the
     GEMM never computes; their dst_rows entries any valid pair rows) count in no segment.
     Device ops only (scatter_add, not bincount, which reads its maximum on the host)."""
     if segment_tokens < 1:
         raise ValueError(f"segment_tokens={segment_tokens} must be >= 1")
     seg_N = torch.div(dst_rows_N, segment_tokens * top_k, rounding_mode="floor").to(torch.int32)
     stores_N = torch.full_like(seg_N, column_tiles)
-    if served_N is not None:
-        _check_served(served_N, dst_rows_N)
-        stores_N *= torch.arange(seg_N.shape[0], device=seg_N.device) < served_N
+    if served_1 is not None:
+        _check_served(served_1, dst_rows_N)
+        stores_N *= torch.arange(seg_N.shape[0], device=seg_N.device) < served_1
     expected_S = torch.zeros(num_segments(tokens, segment_tokens), dtype=torch.int32, device=dst_rows_N.device)
     expected_S.scatter_add_(0, seg_N.long(), stores_N)
     return seg_N, expected_S
 
 
-def _check_served(served_N: torch.Tensor, dst_rows_N: torch.Tensor) -> None:
+def _check_served(served_1: torch.Tensor, dst_rows_N: torch.Tensor) -> None:
     """Metadata only (no read of the value: it lives on the device)."""
-    if served_N.numel() != 1 or served_N.dtype != torch.int32 or served_N.device != dst_rows_N.device:
-        raise ValueError(f"served_N must be one int32 element on {dst_rows_N.device} (how many rows are real); "
-                         f"got {served_N.dtype} {tuple(served_N.shape)} on {served_N.device}")
+    if served_1.numel() != 1 or served_1.dtype != torch.int32 or served_1.device != dst_rows_N.device:
+        raise ValueError(f"served_1 must be one int32 element on {dst_rows_N.device} (how many rows are real); "
+                         f"got {served_1.dtype} {tuple(served_1.shape)} on {served_1.device}")
 
 
 ORDER_BANDS = 4  # the bands `segment_major_order` groups rows into (row groups = bands x experts)
@@ -102,13 +102,13 @@ def segment_major_order(offsets_E: torch.Tensor, dst_rows_N: torch.Tensor, top_k
 def down_to_destination(act_NF: torch.Tensor, offsets_E: torch.Tensor, w2_EFH: torch.Tensor, config: TileConfig,
                         *, dst_PH: torch.Tensor, dst_rows_N: torch.Tensor, tokens: int, top_k: int,
                         segment_tokens: int, counters_S: torch.Tensor, flags_QS: torch.Tensor, source: int,
-                        seq: int, served_N: torch.Tensor | None = None,
+                        seq: int, served_1: torch.Tensor | None = None,
                         num_programs: int | None = None) -> torch.Tensor:
     """The expert FFN's down GEMM, row r stored at dst_PH[dst_rows_N[r]] (the receiver's pair rows,
     on a peer GPU through NVLink, or local), raising this source's flags per segment; returns dst_PH.
     `counters_S` int32 zeros of this rank (zero again after the launch); `flags_QS` int64 [Q, S]
-    the receiver's flag block, of which row `source` is this rank's. `served_N` (one-element int32
-    device tensor, `segment_plan`): rows from served_N[0] on are a spare bucket past offsets[-1],
+    the receiver's flag block, of which row `source` is this rank's. `served_1` (one-element int32
+    device tensor, `segment_plan`): rows from served_1[0] on are a spare bucket past offsets[-1],
     neither computed nor stored nor waited for; their destinations are left as they were."""
     segments = num_segments(tokens, segment_tokens)
     if dst_PH.shape != (tokens * top_k, w2_EFH.shape[2]):
@@ -124,7 +124,7 @@ def down_to_destination(act_NF: torch.Tensor, offsets_E: torch.Tensor, w2_EFH: t
     if seq < 1:
         raise ValueError(f"sequence number {seq} must be >= 1 (a message count)")
     seg_N, expected_S = segment_plan(dst_rows_N, tokens, top_k, segment_tokens,
-                                     triton.cdiv(w2_EFH.shape[2], config.block_n), served_N)
+                                     triton.cdiv(w2_EFH.shape[2], config.block_n), served_1)
     signal = gg.SegmentSignal(seg_N, expected_S, counters_S, flags_QS[source], seq)
     return gg.ragged_rows_gemm(act_NF, offsets_E, w2_EFH, config, out=dst_PH, dst_rows_N=dst_rows_N,
                                signal=signal, num_programs=num_programs)

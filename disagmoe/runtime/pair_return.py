@@ -141,7 +141,7 @@ def _fused_forward(x_leaf, local_TK, w_TK, experts, target, counters_S, segment_
                                dst_rows_N=row_pair_N.to(torch.int32), tokens=tokens, top_k=top_k,
                                segment_tokens=segment_tokens, counters_S=counters_S[:segments],
                                flags_QS=target.flags_QS, source=target.source, seq=target.seq,
-                               served_N=served_1, num_programs=num_programs)
+                               served_1=served_1, num_programs=num_programs)
     saved = (offsets_G, act_NF, h13_N2F, tiles, w13, w2, num_programs) if keep else None
     return PairRows(x_leaf, x_N, row_pair_N, served_N, w_TK.detach(), experts, fused=saved)
 

@@ -80,7 +80,7 @@ def test_the_fused_return_compiles(compiled):
                            torch.zeros(experts, ffn, hidden, dtype=dtype), _tiles(), dst_PH=dst, dst_rows_N=pairs,
                            tokens=tokens, top_k=top_k, segment_tokens=seg,
                            counters_S=torch.zeros(segments, dtype=torch.int32), flags_QS=flags, source=0, seq=1,
-                           served_N=served, num_programs=8)
+                           served_1=served, num_programs=8)
     status = torch.zeros(2, dtype=torch.int32)
     for weights in (torch.ones(tokens, top_k, dtype=dtype), None):
         fr.combine_landed(dst, weights, flags, 1, seg, top_k, status, num_programs=4, flag_base=64)

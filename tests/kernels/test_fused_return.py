@@ -130,15 +130,15 @@ def test_segment_plan_counts_rows_per_segment_on_the_device(fused):
 
 
 def test_segment_plan_leaves_the_spare_rows_out(fused):
-    """Rows at index >= served_N[0] (a spare bucket) keep their segment but count in no segment's stores."""
+    """Rows at index >= served_1[0] (a spare bucket) keep their segment but count in no segment's stores."""
     dst_rows = torch.tensor([0, 5, 6, 7, 15, 16], dtype=torch.int32)
     served = torch.tensor([3], dtype=torch.int32)
-    seg, expected = fused.segment_plan(dst_rows, tokens=9, top_k=2, segment_tokens=4, column_tiles=3, served_N=served)
+    seg, expected = fused.segment_plan(dst_rows, tokens=9, top_k=2, segment_tokens=4, column_tiles=3, served_1=served)
     assert seg.tolist() == [0, 0, 0, 0, 1, 2] and expected.tolist() == [9, 0, 0]
     everything = torch.tensor([6], dtype=torch.int32)
-    assert fused.segment_plan(dst_rows, 9, 2, 4, 3, served_N=everything)[1].tolist() == [12, 3, 3]
-    with pytest.raises(ValueError, match="served_N must be one int32 element"):
-        fused.segment_plan(dst_rows, 9, 2, 4, 3, served_N=served.long())
+    assert fused.segment_plan(dst_rows, 9, 2, 4, 3, served_1=everything)[1].tolist() == [12, 3, 3]
+    with pytest.raises(ValueError, match="served_1 must be one int32 element"):
+        fused.segment_plan(dst_rows, 9, 2, 4, 3, served_1=served.long())
 
 
 # (tokens, top_k, segment_tokens, experts, hidden, ffn, real rows, spare rows)
@@ -164,10 +164,10 @@ def _spare_tail_case(gen, pairs, last_pairs, experts, real, spare):
 
 @pytest.mark.parametrize("case", range(len(SPARE_CASES)))
 def test_spare_rows_are_neither_stored_nor_waited_for(fused, case):
-    """A launch whose rows end in a spare bucket (past offsets[-1], served_N[0] real rows): every real
+    """A launch whose rows end in a spare bucket (past offsets[-1], served_1[0] real rows): every real
     row stored, the spare rows' destinations untouched (still NaN), every flag raised, the last
     segment's (spare rows only) at the launch's start, and the counters back to zero. Without
-    served_N the spare rows' segments would wait for stores that never come."""
+    served_1 the spare rows' segments would wait for stores that never come."""
     tokens, top_k, seg_tokens, experts, hidden, ffn, real, spare = SPARE_CASES[case]
     gen = torch.Generator().manual_seed(5 + case)
     segments = fused.num_segments(tokens, seg_tokens)
@@ -177,13 +177,13 @@ def test_spare_rows_are_neither_stored_nor_waited_for(fused, case):
     w2 = torch.randn(experts, ffn, hidden, generator=gen) / ffn**0.5
     served = torch.tensor([real], dtype=torch.int32)
 
-    def launch(served_N, seq):
+    def launch(served_1, seq):
         dst = torch.full((tokens * top_k, hidden), float("nan"))
         flags = torch.zeros(1, segments, dtype=torch.int64)
         counters = torch.zeros(segments, dtype=torch.int32)
         fused.down_to_destination(act, offsets, w2, SMALL_TILES, dst_PH=dst, dst_rows_N=dst_rows, tokens=tokens,
                                   top_k=top_k, segment_tokens=seg_tokens, counters_S=counters, flags_QS=flags,
-                                  source=0, seq=seq, served_N=served_N, num_programs=3)
+                                  source=0, seq=seq, served_1=served_1, num_programs=3)
         return dst, flags, counters
 
     dst, flags, counters = launch(served, 3)
