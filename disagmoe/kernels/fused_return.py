@@ -130,7 +130,7 @@ def down_to_destination(act_NF: torch.Tensor, offsets_E: torch.Tensor, w2_EFH: t
                                signal=signal, num_programs=num_programs)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seq", "timeout_ns", "flag_base"])  # `signal.MESSAGE_VALUES`
 def _combine_landed_kernel(rows_ptr, weights_ptr, y_ptr, flags_ptr, status_ptr, seq, timeout_ns, flag_base,
                            n_tokens, H, K, Q, S, num_programs, stride_r, stride_y, SEG_TOKENS: tl.constexpr,
                            BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, WEIGHTED: tl.constexpr,

@@ -80,7 +80,7 @@ def _signal_rows_landed(rows, row_ok, seg_ptr, expected_ptr, counters_ptr, flags
     tl.atomic_xchg(flags_ptr + seg, tl.zeros_like(seg).to(tl.int64) + seq, mask=last, sem="release", scope="sys")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seq"])  # `signal.MESSAGE_VALUES`
 def _ragged_rows_gemm_kernel(
     a_ptr, b_ptr, out_ptr, h13_ptr, dst_rows_ptr, offsets_ptr,
     seg_ptr, expected_ptr, counters_ptr, flags_ptr, seq, n_segments,

@@ -29,10 +29,16 @@ import triton.language as tl
 from disagmoe.comm.symmetric import ArenaOverflow
 
 OVERFLOW, TIMED_OUT = 1, 2  # bits of the status's word 0
+# Kernel arguments that change from message to message (sequence numbers, flag indices, timeouts)
+# are not specialised on: Triton would compile a new variant for a value of 1 or a multiple of 16,
+# and a variant's first launch loads its module, which waits for the kernels running on the GPU,
+# so a new variant launched while a wait of this process spins would block the host until that
+# wait ends (on the H200 a combine then timed out: the expert launch stood queued behind the load).
+MESSAGE_VALUES = ("index", "value", "seq", "timeout_ns", "flag_base")
 DEFAULT_TIMEOUT_S = 120.0
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["index", "value"])  # MESSAGE_VALUES
 def _raise_flag_kernel(flags_ptr, index, value):
     tl.atomic_xchg(flags_ptr + index, value, sem="release", scope="sys")
 
@@ -76,7 +82,7 @@ def report(status_ptr, seen, seq, index):
         tl.atomic_xchg(status_ptr + 1, index)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["index", "seq", "timeout_ns"])
 def _wait_flag_kernel(flags_ptr, status_ptr, index, seq, timeout_ns, TIMED: tl.constexpr):
     seen = spin_until(flags_ptr + index, seq, timeout_ns, True, TIMED)
     report(status_ptr, seen, seq, index)

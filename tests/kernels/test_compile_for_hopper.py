@@ -127,3 +127,16 @@ def test_the_banded_weight_grads_compile(compiled):
     flat = dataclasses.replace(_tiles(), flatten=True)
     gg.ragged_weight_grad(x, h13, offsets_G, flat, weights=experts, num_programs=8)
     assert compiled.count("_ragged_weight_grad_kernel") == 3
+
+
+def test_message_values_are_not_specialised_on():
+    """A sequence number, flag index or timeout compiles no new variant (`kernels.signal.MESSAGE_VALUES`):
+    one that did would load a module while a wait of the same process spins (the H200 run of
+    the fused-return test: seq 1 in the warm-up, seq 2 after, the expert launch stuck behind)."""
+    from disagmoe.kernels import fused_return, grouped_gemm, signal
+
+    kernels = (signal._raise_flag_kernel, signal._wait_flag_kernel, fused_return._combine_landed_kernel,
+               grouped_gemm._ragged_rows_gemm_kernel)
+    for kernel in kernels:
+        values = [p.name for p in kernel.params if p.name in signal.MESSAGE_VALUES]
+        assert values and all(p.do_not_specialize for p in kernel.params if p.name in values), kernel.fn.__name__
