@@ -169,6 +169,7 @@ class PairSpec:
     rows: TensorSpec  # [P, H]
     segments: int  # S
     sources: tuple[int, ...]  # the Q writing ranks, in the order of the flag block's rows
+    extras: tuple[TensorSpec, ...] = ()  # small whole tensors the message also carries (the first source's)
 
 
 @dataclass(frozen=True)
@@ -181,6 +182,7 @@ class PairTarget:
     flags_QS: torch.Tensor
     source: int
     seq: int
+    extras: tuple[torch.Tensor, ...] = ()  # the spec's extras as given to `pair_target` (to send)
 
 
 @dataclass(frozen=True)
@@ -194,6 +196,7 @@ class PairLanding:
     seq: int
     status_2: torch.Tensor | None
     flag_base: int = 0
+    extras: tuple[torch.Tensor, ...] = ()  # the spec's extras, landed before the first source's flags
 
 
 class Transport(abc.ABC):
@@ -227,14 +230,18 @@ class Transport(abc.ABC):
     # the receiver sums the Q buffers in source order (every pair row has one source, so the sum
     # is exact) and hands out flags already raised. Q x the bytes: for CPU runs and tests.
 
-    def pair_target(self, dst_rank: int, key: MessageKey, spec: PairSpec) -> PairTarget:
-        """Where this rank writes its rows of pair-row message `key` to `dst_rank` (itself too)."""
+    def pair_target(self, dst_rank: int, key: MessageKey, spec: PairSpec,
+                    extras: Sequence[torch.Tensor] = ()) -> PairTarget:
+        """Where this rank writes its rows of pair-row message `key` to `dst_rank` (itself too).
+        `extras`: the spec's extras (every source passes them; the first source's are delivered,
+        before its flags rise: call this on the stream, before the writes)."""
         if self.rank not in spec.sources:
             raise ValueError(f"rank {self.rank} is not a source of the pair-row message {key} ({spec.sources})")
+        check_specs(extras, spec.extras, f"rank {self.rank}: the extras of pair-row message {key}")
         device = getattr(self, "device", "cpu")
         rows_PH = torch.zeros(spec.rows.shape, dtype=spec.rows.dtype, device=device)
         flags_QS = torch.zeros((len(spec.sources), spec.segments), dtype=torch.int64, device=device)
-        target = PairTarget(rows_PH, flags_QS, spec.sources.index(self.rank), 1)
+        target = PairTarget(rows_PH, flags_QS, spec.sources.index(self.rank), 1, tuple(extras))
         if dst_rank == self.rank:
             self._own_pair_rows()[key] = target
         return target
@@ -242,19 +249,23 @@ class Transport(abc.ABC):
     def pair_send(self, dst_rank: int, key: MessageKey, target: PairTarget) -> SendHandle | None:
         """After the source's writes (a compute op): deliver them to `dst_rank` (None: nothing to
         wait for, the writes were the delivery)."""
-        return self.send(dst_rank, key, [target.rows_PH])
+        return self.send(dst_rank, key, [target.rows_PH, *target.extras])
 
     def pair_landing(self, key: MessageKey, spec: PairSpec, timeout_s: float | None = None) -> PairLanding:
         """The receiver's view of pair-row message `key` from every source of `spec`."""
-        rows_PH = None
+        rows_PH, extras = None, ()
         for src in spec.sources:
             if src == self.rank:
-                part = self._own_pair_rows().pop(key).rows_PH
+                own = self._own_pair_rows().pop(key)
+                part, part_extras = own.rows_PH, own.extras
             else:
-                part = self.recv(src, key, [spec.rows], timeout_s)[0]
-            rows_PH = part if rows_PH is None else rows_PH + part
+                part, *part_extras = self.recv(src, key, [spec.rows, *spec.extras], timeout_s)
+            if rows_PH is None:
+                rows_PH, extras = part, tuple(part_extras)
+            else:
+                rows_PH = rows_PH + part
         flags_QS = torch.ones((len(spec.sources), spec.segments), dtype=torch.int64, device=rows_PH.device)
-        return PairLanding(rows_PH, flags_QS, 1, None)
+        return PairLanding(rows_PH, flags_QS, 1, None, extras=extras)
 
     def _own_pair_rows(self) -> dict[MessageKey, PairTarget]:
         if not hasattr(self, "_own_pairs"):
