@@ -15,6 +15,7 @@ and the two weight gradients, each one persistent launch.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -111,8 +112,12 @@ def moe_ffn_backward(
     *,
     num_programs: int | None = None,
     main_grads: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    input_grad: Callable[[torch.Tensor, torch.Tensor, TileConfig], torch.Tensor | None] | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """(dx_NH, dw13_EH2F, dw2_EFH) from the forward's saved activation and pre-activations.
+    `input_grad(dh13_N2F, w13_EH2F^T, tile config)`, if given, runs the gate/up dgrad instead of
+    the default GEMM into a new [N, H] (e.g. storing each row into a peer's pair rows,
+    `fused_return.down_to_destination`); its result is returned as dx.
     `offsets_E` may hold G = bands x E row groups (module docstring): the weight gradients are
     still [E, ...], each expert's summed over its groups in ascending order.
     `main_grads` (w13's, w2's; e.g. FlatAdamW's fp32 buffers): a weight gradient is added into
@@ -121,8 +126,11 @@ def moe_ffn_backward(
     dh13_N2F = gg.ragged_rows_gemm(dy_NH, offsets_E, w2_EFH.transpose(1, 2), tiles.down_dgrad,
                                    epilogue=gg.EPILOGUE_SWIGLU_GRAD, h13_N2C=h13_N2F,
                                    num_programs=num_programs)
-    dx_NH = gg.ragged_rows_gemm(dh13_N2F, offsets_E, w13_EH2F.transpose(1, 2), tiles.gate_up_dgrad,
-                                num_programs=num_programs)  # the input gradient first: the critical path
+    if input_grad is not None:  # the input gradient first: the critical path
+        dx_NH = input_grad(dh13_N2F, w13_EH2F.transpose(1, 2), tiles.gate_up_dgrad)
+    else:
+        dx_NH = gg.ragged_rows_gemm(dh13_N2F, offsets_E, w13_EH2F.transpose(1, 2), tiles.gate_up_dgrad,
+                                    num_programs=num_programs)
     main13, main2 = main_grads
     experts = w13_EH2F.shape[0]
 

@@ -40,7 +40,7 @@ from disagmoe.model.layers import deferred_weight_grads
 from disagmoe.model.loss import linear_cross_entropy
 from disagmoe.runtime.batching import batch_rows, inputs_and_targets
 from disagmoe.runtime.messages import Mailbox
-from disagmoe.runtime.pair_return import combine_pairs
+from disagmoe.runtime.pair_return import combine_pairs, sum_pairs
 from disagmoe.runtime.rank_model import RankModel
 from disagmoe.runtime.schedule import Payload
 from disagmoe.runtime.topology import Topology
@@ -132,7 +132,7 @@ class AttentionStage:
         experts = topo.expert_groups[topo.group_of_layer(prev)]
         if self.pair_segment_tokens is not None:  # pair rows, weighted by the weights that came with h
             h_BSH, *shared, w_NK = parts
-            ffn_NH = combine_pairs(mail.landing(prev, mb), w_NK, self.pair_segment_tokens)
+            ffn_NH = combine_pairs(mail.landing(Payload.COMBINE, prev, mb), w_NK, self.pair_segment_tokens)
             if ffn_NH.requires_grad:
                 ffn_NH.retain_grad()
             inputs.combined = ffn_NH
@@ -215,15 +215,22 @@ class AttentionStage:
         topo = self.topology
         outputs, grads = [], []
         if segment.dispatched:
-            replies = [mail.take(Payload.DISPATCH_GRAD, layer, mb, rank) for rank in topo.expert_groups[self.group]]
-            for i, leaf in enumerate(segment.dispatched):  # d xn, d weights: summed over the expert ranks
-                total = replies[0][i]
-                for reply in replies[1:]:
-                    total = total + reply[i]
-                outputs.append(leaf)
-                grads.append(total)
+            if self.pair_segment_tokens is not None:  # d xn: each token's pair rows summed; the load beside
+                landing = mail.landing(Payload.DISPATCH_GRAD, layer, mb)
+                outputs.append(segment.dispatched[0])
+                grads.append(sum_pairs(landing, self.model.cfg.top_k, self.pair_segment_tokens))
+                load_E = landing.extras[0]
+            else:
+                replies = [mail.take(Payload.DISPATCH_GRAD, layer, mb, rank) for rank in topo.expert_groups[self.group]]
+                for i, leaf in enumerate(segment.dispatched):  # d xn, d weights: summed over the expert ranks
+                    total = replies[0][i]
+                    for reply in replies[1:]:
+                        total = total + reply[i]
+                    outputs.append(leaf)
+                    grads.append(total)
+                load_E = replies[0][2]
             if segment.probs_E is not None:  # the aux term, now that the micro-batch's load is known
-                weights_E = segment.router.aux_weights(replies[0][2]) / (self.dp * self.micro_batches)
+                weights_E = segment.router.aux_weights(load_E) / (self.dp * self.micro_batches)
                 outputs.append(segment.probs_E)
                 grads.append(weights_E)
                 self.loss_parts["aux_loss"] = self.loss_parts["aux_loss"] + (weights_E * segment.probs_E.detach()).sum()

@@ -136,12 +136,14 @@ class ExpertStage:
         run once it has sent these."""
         segment = self.segments.pop((layer, mb))
         grads = [mail.take(Payload.COMBINE_GRAD, layer, mb, dst)[0] for dst in self.destinations]
+        if segment.pairs is not None:  # d x returns as pair rows, with the load (`runtime.pair_return`)
+            with deferred_weight_grads() as held:
+                for saved, dy_NH, src in zip(segment.pairs, grads, self.sources, strict=True):
+                    expert_pair_rows_backward(saved, dy_NH, mail.target(Payload.DISPATCH_GRAD, layer, mb, src),
+                                              self.pair_counters_S, self.pair_segment_tokens)
+            return held
         with deferred_weight_grads() as held:
-            if segment.pairs is not None:
-                for saved, dy_NH in zip(segment.pairs, grads, strict=True):
-                    expert_pair_rows_backward(saved, dy_NH)
-            else:
-                torch.autograd.backward(segment.outputs, grads)
+            torch.autograd.backward(segment.outputs, grads)
         D = len(self.sources)
         for d, src in enumerate(self.sources):
             x_leaf, w_leaf = segment.inputs[d], segment.inputs[D + d]
@@ -149,18 +151,23 @@ class ExpertStage:
         return held
 
 
+    def load_of(self, layer: int, mb: int) -> torch.Tensor:
+        """The micro-batch's expert load over all sources (int64 [E]) its forward counted."""
+        return self.segments[(layer, mb)].load_E
+
     def _forward_pairs(self, layer: int, mb: int, mail: Mailbox, messages) -> None:
         """ExpertForward with `hop: pair_rows`: one launch pair per source, its rows stored into its
         destination's pair-row buffer (`runtime.pair_return`); the weights' gradient is formed on
-        the attention side, so their leaves get none here (DISPATCH_GRAD carries zeros)."""
+        the attention side."""
         xs = [xn_NH.detach().requires_grad_() for xn_NH, _, _ in messages]
         ws = [w_NK.detach() for _, _, w_NK in messages]
         experts = self.model.experts(layer)
         pairs = []
         for route, dst, x_leaf, (_, idx_NK, _), w_NK in zip(self.routing[layer], self.destinations, xs, messages, ws,
                                                             strict=True):
-            pairs.append(expert_pair_rows(x_leaf, route(idx_NK), w_NK, experts, mail.target(layer, mb, dst),
-                                          self.pair_counters_S, self.pair_segment_tokens))
+            pairs.append(expert_pair_rows(x_leaf, route(idx_NK), w_NK, experts,
+                                          mail.target(Payload.COMBINE, layer, mb, dst), self.pair_counters_S,
+                                          self.pair_segment_tokens))
         load_E = sum(expert_counts(idx_NK.long(), self.model.cfg.num_experts) for _, idx_NK, _ in messages)
         self.segments[(layer, mb)] = ExpertSegment(xs + ws, [], load_E, pairs)
 

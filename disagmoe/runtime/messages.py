@@ -16,12 +16,14 @@ sequences of S), H hidden, K top-k, E experts, in the compute dtype (idx int32, 
     COMBINE_GRAD   A_g+1,d -> E_g,j  d partial [T, H]
     RESIDUAL_GRAD  as RESIDUAL, backwards
 
-With `hop: pair_rows` (`hop_mode`) two change: COMBINE becomes one pair-row message per (layer,
+With `hop: pair_rows` (`hop_mode`) three change. COMBINE becomes one pair-row message per (layer,
 micro-batch) that every expert rank of the set writes its pairs' rows into (`comm.base.PairSpec`:
-[T K, H], unweighted, each pair row t K + j from the rank serving it; `runtime.pair_return`), and
+[T K, H], unweighted, each pair row t K + j from the rank serving it; `runtime.pair_return`).
 RESIDUAL of a MoE layer also carries the routing weights [T, K], which the receiving attention rank
-combines with, so their gradient returns with RESIDUAL_GRAD (DISPATCH_GRAD's d weights are then
-zeros). COMBINE_GRAD stays dy [T, H]: each expert rank forms its pairs' w dy itself.
+combines with, so their gradient returns with RESIDUAL_GRAD. DISPATCH_GRAD becomes a pair-row
+message of each pair's d x [T K, H] (summed over a token's pairs on the receiver) carrying the
+load [E] as its extra; it has no d weights. COMBINE_GRAD stays dy [T, H]: each expert rank forms
+its pairs' w dy itself.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from disagmoe.comm.base import MessageKey, PairLanding, PairSpec, PairTarget, Te
 from disagmoe.runtime.schedule import Payload
 
 Slot = tuple[Payload, int, int]  # (payload, layer, micro-batch)
+PAIR_PAYLOADS = (Payload.COMBINE, Payload.DISPATCH_GRAD)  # pair-row messages with `hop: pair_rows`
 
 
 def message_key(step: int, payload: Payload, layer: int, micro_batch: int) -> MessageKey:
@@ -58,8 +61,8 @@ class Mailbox:
         self.rank = rank
         self._outgoing: dict[Slot, dict[int, list[torch.Tensor]]] = defaultdict(dict)
         self._incoming: dict[Slot, dict[int, list[torch.Tensor]]] = defaultdict(dict)
-        self._targets: dict[tuple[int, int, int], PairTarget] = {}  # (layer, mb, dst): where pair rows go
-        self._landings: dict[tuple[int, int], PairLanding] = {}  # (layer, mb): pair rows that land here
+        self._targets: dict[tuple[Payload, int, int, int], PairTarget] = {}  # (payload, layer, mb, dst)
+        self._landings: dict[Slot, PairLanding] = {}  # pair rows that land here
 
     def post(self, payload: Payload, layer: int, micro_batch: int, dst: int, tensors: list[torch.Tensor]) -> None:
         """Leave `tensors` for `dst`; addressed to this rank, they arrive at once."""
@@ -87,27 +90,29 @@ class Mailbox:
     # pair-row messages (`hop: pair_rows`): the worker aims the expert op at the receivers' buffers
     # before it runs, sends after it (`Transport.pair_send`), and files what lands for the combine.
 
-    def aim(self, layer: int, micro_batch: int, dst: int, target: PairTarget) -> None:
-        self._targets[(layer, micro_batch, dst)] = target
+    def aim(self, payload: Payload, layer: int, micro_batch: int, dst: int, target: PairTarget) -> None:
+        self._targets[(payload, layer, micro_batch, dst)] = target
 
-    def target(self, layer: int, micro_batch: int, dst: int) -> PairTarget:
-        """Where this rank's pair rows of (layer, micro_batch) for `dst` go (kept for the send)."""
-        key = (layer, micro_batch, dst)
-        assert key in self._targets, f"rank {self.rank}: no pair-row target for rank {dst} in layer {layer}/{micro_batch}"
+    def target(self, payload: Payload, layer: int, micro_batch: int, dst: int) -> PairTarget:
+        """Where this rank's pair rows of (payload, layer, micro_batch) for `dst` go (kept for the send)."""
+        key = (payload, layer, micro_batch, dst)
+        assert key in self._targets, (f"rank {self.rank}: no pair-row target for rank {dst} in {payload.name} "
+                                      f"{layer}/{micro_batch}")
         return self._targets[key]
 
-    def release_target(self, layer: int, micro_batch: int, dst: int) -> PairTarget:
+    def release_target(self, payload: Payload, layer: int, micro_batch: int, dst: int) -> PairTarget:
         """The target, removed (the send op's)."""
-        self.target(layer, micro_batch, dst)
-        return self._targets.pop((layer, micro_batch, dst))
+        self.target(payload, layer, micro_batch, dst)
+        return self._targets.pop((payload, layer, micro_batch, dst))
 
-    def land(self, layer: int, micro_batch: int, landing: PairLanding) -> None:
-        self._landings[(layer, micro_batch)] = landing
+    def land(self, payload: Payload, layer: int, micro_batch: int, landing: PairLanding) -> None:
+        self._landings[(payload, layer, micro_batch)] = landing
 
-    def landing(self, layer: int, micro_batch: int) -> PairLanding:
-        """The pair rows of (layer, micro_batch) that land here (removed)."""
-        key = (layer, micro_batch)
-        assert key in self._landings, f"rank {self.rank}: no pair rows of layer {layer}/{micro_batch} received"
+    def landing(self, payload: Payload, layer: int, micro_batch: int) -> PairLanding:
+        """The pair rows of (payload, layer, micro_batch) that land here (removed)."""
+        key = (payload, layer, micro_batch)
+        assert key in self._landings, (f"rank {self.rank}: no pair rows of {payload.name} {layer}/{micro_batch} "
+                                       "received")
         return self._landings.pop(key)
 
     def empty(self) -> bool:
@@ -145,13 +150,15 @@ class MessageShapes:
         """Landing segments of a pair-row message (the last one may be short)."""
         return -(-self.tokens // self.segment_tokens)
 
-    def pair_spec(self, sources: tuple[int, ...]) -> PairSpec:
-        """The pair-row COMBINE message written by expert ranks `sources` (in flag-block order)."""
-        return PairSpec(TensorSpec((self.tokens * self.top_k, self.hidden), self.dtype), self.segments, tuple(sources))
+    def pair_spec(self, payload: Payload, sources: tuple[int, ...]) -> PairSpec:
+        """A pair-row message (COMBINE, or DISPATCH_GRAD with the load as its extra) written by
+        expert ranks `sources` (in flag-block order)."""
+        rows, *extras = self.specs(payload, True)
+        return PairSpec(rows, self.segments, tuple(sources), tuple(extras))
 
     def is_pair(self, payload: Payload, layer_is_moe: bool) -> bool:
         """Whether this payload's message is a pair-row one in this run."""
-        return self.pair_rows and payload is Payload.COMBINE and layer_is_moe
+        return self.pair_rows and payload in PAIR_PAYLOADS and layer_is_moe
 
     @property
     def tokens(self) -> int:
@@ -164,6 +171,8 @@ class MessageShapes:
             return [rows, TensorSpec((T, K), torch.int32), TensorSpec((T, K), dt)]
         if payload is Payload.COMBINE and self.pair_rows:
             return [TensorSpec((T * K, H), dt)]
+        if payload is Payload.DISPATCH_GRAD and self.pair_rows:  # d x per pair, then the load (an extra)
+            return [TensorSpec((T * K, H), dt), TensorSpec((self.num_experts,), torch.int64)]
         if payload in (Payload.COMBINE, Payload.COMBINE_GRAD):
             return [rows]
         if payload is Payload.DISPATCH_GRAD:
@@ -203,10 +212,11 @@ def receive_layouts(cfg, shapes: MessageShapes, topology) -> list:
     def specs_of(payload: Payload, layer: int) -> list[TensorSpec]:
         return shapes.specs(payload, topology.is_moe(layer))
 
-    def pair_of(payload: Payload, layer: int) -> tuple[TensorSpec, int] | None:
+    def pair_of(payload: Payload, layer: int) -> tuple[TensorSpec, int, tuple[TensorSpec, ...]] | None:
         if not shapes.is_pair(payload, topology.is_moe(layer)):
             return None
-        return shapes.specs(payload, True)[0], shapes.segments
+        rows, *extras = shapes.specs(payload, True)
+        return rows, shapes.segments, tuple(extras)
 
     if cfg.transport == "nvshmem":
         return symmetric_layouts(programs, specs_of, capacity_factor=cfg.transport_capacity_factor,

@@ -10,8 +10,9 @@ receiver's buffer and raises this rank's flag of each segment once its rows are 
 (`kernels.fused_return.down_to_destination`; the first band's segments complete first, so the
 receiver combines them while later bands compute). `expert_pair_rows_backward` takes dy [T, H]
 from the receiver, forms each pair's output gradient w dy itself, runs the two dgrad GEMMs (the
-weight gradients held back inside `model.layers.deferred_weight_grads`) and leaves d xn on the
-source's leaf through the permute's backward.
+weight gradients held back inside `model.layers.deferred_weight_grads`) and returns each pair's
+d x the same way, the gate/up dgrad's epilogue storing it into the source's pair-row buffer,
+which the source sums per token as segments land (`sum_pairs`).
 
 Attention side: `combine_pairs` waits per segment for every expert rank's flag and sums each
 token's rows weighted by its routing weights, in pair order (deterministic;
@@ -79,31 +80,75 @@ def expert_pair_rows(x_leaf: torch.Tensor, local_TK: torch.Tensor, w_TK: torch.T
     return _torch_forward(x_leaf, local_TK, w_TK, experts, target)
 
 
-def expert_pair_rows_backward(saved: PairRows, dy_TH: torch.Tensor) -> None:
-    """d xn into `saved.x_leaf.grad`, the experts' weight gradients where the plain backward puts
-    them (their fp32 main gradients, held back inside `deferred_weight_grads`), from dy [T, H]."""
+def expert_pair_rows_backward(saved: PairRows, dy_TH: torch.Tensor, target: PairTarget | None = None,
+                              counters_S: torch.Tensor | None = None, segment_tokens: int | None = None) -> None:
+    """From dy [T, H]: the input gradient and the experts' weight gradients (where the plain
+    backward puts them: their fp32 main gradients, held back inside `deferred_weight_grads`).
+    The input gradient returns as pair rows into `target` (row t K + j: d x of pair (t, j), summed
+    over j on the receiver, `sum_pairs`; fused: the gate/up dgrad's epilogue stores them) with
+    `counters_S` and `segment_tokens` as in the forward, or without a target into
+    `saved.x_leaf.grad` (d xn, summed here)."""
     top_k = saved.w_TK.shape[1]
     pair_N = saved.row_pair_N
     scale_N = torch.where(saved.served_N, saved.w_TK.reshape(-1)[pair_N], 0)
     d_rows_NH = (dy_TH[pair_N // top_k] * scale_N[:, None].to(dy_TH.dtype)).contiguous()
     if saved.fused is None:
-        torch.autograd.backward([saved.y_N], [d_rows_NH.to(saved.y_N.dtype)])
+        _torch_backward(saved, d_rows_NH, target)
         return
+    from disagmoe.kernels import fused_return as fr
     from disagmoe.kernels.moe_ffn import _main_grad, moe_ffn_backward
 
-    offsets_G, act_NF, h13_N2F, tiles, w13, w2, num_programs = saved.fused
+    offsets_G, act_NF, h13_N2F, tiles, w13, w2, num_programs, served_1 = saved.fused
     params = (saved.experts.w13_EH2F, saved.experts.w2_EFH)
     main = tuple(_main_grad(p) if p is op else None for p, op in zip(params, (w13, w2), strict=True))
+    input_grad = None
+    if target is not None:
+        tokens = saved.w_TK.shape[0]
+        segments = fr.num_segments(tokens, segment_tokens)
+
+        def input_grad(dh13_N2F, w13_T, config):
+            return fr.down_to_destination(dh13_N2F, offsets_G, w13_T, config, dst_PH=target.rows_PH,
+                                          dst_rows_N=pair_N.to(torch.int32), tokens=tokens, top_k=top_k,
+                                          segment_tokens=segment_tokens, counters_S=counters_S[:segments],
+                                          flags_QS=target.flags_QS, source=target.source, seq=target.seq,
+                                          served_1=served_1, num_programs=num_programs)
+
     dx_NH, dw13, dw2 = moe_ffn_backward(d_rows_NH.to(act_NF.dtype), saved.x_N.detach(), offsets_G, w13, w2,
-                                        act_NF, h13_N2F, tiles, num_programs=num_programs, main_grads=main)
+                                        act_NF, h13_N2F, tiles, num_programs=num_programs, main_grads=main,
+                                        input_grad=input_grad)
     for param, grad in zip(params, (dw13, dw2), strict=True):
         if grad is not None:  # no main gradient (fp32 parameters, or cast operands): the autograd place
-            grad = grad.to(param.dtype)
-            if param.grad is None:
-                param.grad = grad
-            else:
-                param.grad.add_(grad)
-    torch.autograd.backward([saved.x_N], [dx_NH.to(saved.x_N.dtype)])
+            _accumulate(param, grad)
+    if target is None:
+        torch.autograd.backward([saved.x_N], [dx_NH.to(saved.x_N.dtype)])
+
+
+def _torch_backward(saved: PairRows, d_rows_NH: torch.Tensor, target: PairTarget | None) -> None:
+    if target is None:
+        torch.autograd.backward([saved.y_N], [d_rows_NH.to(saved.y_N.dtype)])
+        return
+    saved.x_N.retain_grad()  # the grouped rows' gradient is what returns (the weights' lands as usual)
+    torch.autograd.backward([saved.y_N], [d_rows_NH.to(saved.y_N.dtype)])
+    _store_rows(target, saved.row_pair_N, saved.served_N, saved.x_N.grad)
+
+
+def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
+    """grad into param.grad as autograd would (in place where one is there: FlatAdamW's views)."""
+    grad = grad.to(param.dtype)
+    if param.grad is None:
+        param.grad = grad
+    else:
+        param.grad.add_(grad)
+
+
+@torch.no_grad()
+def _store_rows(target: PairTarget, row_pair_N: torch.Tensor, served_N: torch.Tensor, rows_NH: torch.Tensor) -> None:
+    """The torch path's store: grouped row r at pair row_pair_N[r] where served (rows of pairs
+    served elsewhere keep what their rank wrote), then this source's flags raised."""
+    rows = target.rows_PH
+    kept = rows[row_pair_N]
+    rows.index_copy_(0, row_pair_N, torch.where(served_N[:, None], rows_NH.to(rows.dtype), kept))
+    target.flags_QS[target.source].fill_(target.seq)
 
 
 def _fused_forward(x_leaf, local_TK, w_TK, experts, target, counters_S, segment_tokens, bands,
@@ -142,7 +187,7 @@ def _fused_forward(x_leaf, local_TK, w_TK, experts, target, counters_S, segment_
                                segment_tokens=segment_tokens, counters_S=counters_S[:segments],
                                flags_QS=target.flags_QS, source=target.source, seq=target.seq,
                                served_1=served_1, num_programs=num_programs)
-    saved = (offsets_G, act_NF, h13_N2F, tiles, w13, w2, num_programs) if keep else None
+    saved = (offsets_G, act_NF, h13_N2F, tiles, w13, w2, num_programs, served_1) if keep else None
     return PairRows(x_leaf, x_N, row_pair_N, served_N, w_TK.detach(), experts, fused=saved)
 
 
@@ -155,11 +200,7 @@ def _torch_forward(x_leaf, local_TK, w_TK, experts, target) -> PairRows:
     served_N = torch.arange(flat_P.numel(), device=flat_P.device) < offsets_E[-1]
     x_N = torch.where(served_N[:, None], x_leaf[row_pair_N // top_k], 0)
     y_N = torch.where(served_N[:, None], experts(x_N, offsets_E), 0)
-    with torch.no_grad():
-        rows = target.rows_PH
-        kept = rows[row_pair_N]  # pairs served elsewhere keep what their rank wrote
-        rows.index_copy_(0, row_pair_N, torch.where(served_N[:, None], y_N.to(rows.dtype), kept))
-        target.flags_QS[target.source].fill_(target.seq)
+    _store_rows(target, row_pair_N, served_N, y_N)
     return PairRows(x_leaf, x_N, row_pair_N, served_N, w_TK.detach(), experts, y_N=y_N)
 
 
@@ -198,3 +239,16 @@ def combine_pairs(landing: PairLanding, w_TK: torch.Tensor, segment_tokens: int,
     if landing.rows_PH.shape[0] != tokens * top_k:
         raise ValueError(f"{landing.rows_PH.shape[0]} pair rows for weights [{tokens}, {top_k}]")
     return _PairCombine.apply(w_TK, landing, top_k, segment_tokens, num_programs)
+
+
+def sum_pairs(landing: PairLanding, top_k: int, segment_tokens: int,
+              num_programs: int = COMBINE_PROGRAMS) -> torch.Tensor:
+    """d x [T, H] of the source from its pair-row input gradients (`expert_pair_rows_backward` with
+    a target): each token's K rows summed in pair order once they landed."""
+    rows_PH = landing.rows_PH
+    if landing.status_2 is None:  # everything is here already (a transport's emulation)
+        return rows_PH.view(-1, top_k, rows_PH.shape[1]).sum(1)
+    from disagmoe.kernels import fused_return as fr
+
+    return fr.combine_landed(rows_PH, None, landing.flags_QS, landing.seq, segment_tokens, top_k, landing.status_2,
+                             num_programs=num_programs, flag_base=landing.flag_base)

@@ -285,15 +285,20 @@ class TrainWorker(Worker):
         """A Send / Recv of a pair-row message (`hop: pair_rows`)."""
         return self.shapes.is_pair(op.payload, self.topology.is_moe(op.layer))
 
-    def _pair_spec(self, layer: int):
-        return self.shapes.pair_spec(self.topology.expert_groups[self.topology.group_of_layer(layer)])
+    def _pair_spec(self, payload: Payload, layer: int):
+        return self.shapes.pair_spec(payload, self.topology.expert_groups[self.topology.group_of_layer(layer)])
 
-    def _aim_pairs(self, op: ExpertForward, step: int, mail: Mailbox) -> None:
-        """Before an ExpertForward of pair rows: where each destination's rows go (`Transport.pair_target`)."""
-        key = message_key(step, Payload.COMBINE, op.layer, op.micro_batch)
-        spec = self._pair_spec(op.layer)
-        for dst in self.experts.destinations:
-            mail.aim(op.layer, op.micro_batch, dst, self.transport.pair_target(dst, key, spec))
+    def _aim_pairs(self, op: ExpertForward | ExpertBackward, step: int, mail: Mailbox) -> None:
+        """Before an expert op of pair rows: where each receiver's rows go (`Transport.pair_target`):
+        the forward's to the next group's attention ranks, the backward's d x (with the load) to
+        the sources."""
+        forward = isinstance(op, ExpertForward)
+        payload = Payload.COMBINE if forward else Payload.DISPATCH_GRAD
+        key = message_key(step, payload, op.layer, op.micro_batch)
+        spec = self._pair_spec(payload, op.layer)
+        extras = () if forward else (self.experts.load_of(op.layer, op.micro_batch),)
+        for dst in self.experts.destinations if forward else self.experts.sources:
+            mail.aim(payload, op.layer, op.micro_batch, dst, self.transport.pair_target(dst, key, spec, extras))
 
     def _run_pairs(self, op: Send | Recv, step: int, mail: Mailbox, handles: list[SendHandle]) -> None:
         """The Send and Recv of a pair-row message: the rows were stored by the ExpertForward's
@@ -303,14 +308,15 @@ class TrainWorker(Worker):
         if isinstance(op, Send):
             with self.recorder.span(_op_name(op), "send"):
                 for peer in op.peers:
-                    target = mail.release_target(op.layer, op.micro_batch, peer)
+                    target = mail.release_target(op.payload, op.layer, op.micro_batch, peer)
                     if peer != self.rank:
                         handle = self.transport.pair_send(peer, key, target)
                         if handle is not None:
                             handles.append(handle)
             return
         with self.recorder.span(_op_name(op), "wait"), self._gpu_wait_span(_op_name(op)):
-            mail.land(op.layer, op.micro_batch, self.transport.pair_landing(key, self._pair_spec(op.layer)))
+            mail.land(op.payload, op.layer, op.micro_batch,
+                      self.transport.pair_landing(key, self._pair_spec(op.payload, op.layer)))
 
     def _run(self, op: Op, step: int, mail: Mailbox, handles: list[SendHandle]) -> None:
         if isinstance(op, (Send, Recv)) and self._is_pair(op):
@@ -346,12 +352,14 @@ class TrainWorker(Worker):
             if isinstance(op, AttentionForward):
                 self.attention.forward(op.layer, op.micro_batch, mail)
             elif isinstance(op, ExpertForward):
-                if self.shapes.pair_rows and self.topology.is_moe(op.layer):
+                if self.shapes.pair_rows:
                     self._aim_pairs(op, step, mail)
                 self.experts.forward(op.layer, op.micro_batch, mail)
             elif isinstance(op, Loss):
                 self.attention.loss(op.micro_batch, mail)
             elif isinstance(op, ExpertBackward):
+                if self.shapes.pair_rows:
+                    self._aim_pairs(op, step, mail)
                 self._held_back = (f"ExpertWeightGrad L{op.layer} mb{op.micro_batch}",
                                    self.experts.backward(op.layer, op.micro_batch, mail))
             elif isinstance(op, AttentionBackward):

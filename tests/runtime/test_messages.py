@@ -58,7 +58,7 @@ def test_the_hop_is_pair_rows_where_it_moves_fewer_bytes_and_can_run(fields, hop
     assert got == hop and why
 
 
-def test_pair_rows_change_combine_and_the_residual_only():
+def test_pair_rows_change_combine_the_residual_and_dispatch_grad():
     from disagmoe.comm.base import TensorSpec
     from disagmoe.runtime.messages import MessageShapes
 
@@ -69,12 +69,17 @@ def test_pair_rows_change_combine_and_the_residual_only():
     assert pairs.specs(Payload.COMBINE, True) == [TensorSpec((T * K, H), pairs.dtype)]
     assert pairs.specs(Payload.RESIDUAL, True)[-1] == TensorSpec((T, K), pairs.dtype)  # the weights ride along
     assert pairs.specs(Payload.RESIDUAL_GRAD, False) == plain.specs(Payload.RESIDUAL_GRAD, False)  # dense layers
-    for payload in (Payload.DISPATCH, Payload.DISPATCH_GRAD, Payload.COMBINE_GRAD):
+    for payload in (Payload.DISPATCH, Payload.COMBINE_GRAD):
         assert pairs.specs(payload, True) == plain.specs(payload, True)
-    spec = pairs.pair_spec((1, 2))
+    load = TensorSpec((model.num_experts,), torch.int64)
+    assert pairs.specs(Payload.DISPATCH_GRAD, True) == [TensorSpec((T * K, H), pairs.dtype), load]
+    spec = pairs.pair_spec(Payload.COMBINE, (1, 2))
     assert spec.segments == -(-T // 5) and spec.sources == (1, 2) and spec.rows.shape == (T * K, H)
-    assert pairs.is_pair(Payload.COMBINE, True) and not pairs.is_pair(Payload.COMBINE, False)
-    assert not plain.is_pair(Payload.COMBINE, True)
+    assert spec.extras == () and pairs.pair_spec(Payload.DISPATCH_GRAD, (1, 2)).extras == (load,)
+    for payload in (Payload.COMBINE, Payload.DISPATCH_GRAD):
+        assert pairs.is_pair(payload, True) and not pairs.is_pair(payload, False)
+        assert not plain.is_pair(payload, True)
+    assert not pairs.is_pair(Payload.DISPATCH, True)
 
 
 def test_pair_row_targets_and_landings_are_taken_once():
@@ -82,14 +87,16 @@ def test_pair_row_targets_and_landings_are_taken_once():
 
     mail = Mailbox(rank=0)
     target = PairTarget(torch.zeros(4, 2), torch.zeros(1, 1, dtype=torch.int64), 0, 1)
-    mail.aim(1, 0, 3, target)
-    assert mail.target(1, 0, 3) is target and not mail.empty()
-    assert mail.release_target(1, 0, 3) is target
-    mail.land(1, 0, PairLanding(torch.zeros(4, 2), torch.ones(1, 1, dtype=torch.int64), 1, None))
-    mail.landing(1, 0)
+    mail.aim(Payload.COMBINE, 1, 0, 3, target)
+    assert mail.target(Payload.COMBINE, 1, 0, 3) is target and not mail.empty()
+    with pytest.raises(AssertionError, match="no pair-row target for rank 3 in DISPATCH_GRAD"):
+        mail.target(Payload.DISPATCH_GRAD, 1, 0, 3)  # the payload is part of the key
+    assert mail.release_target(Payload.COMBINE, 1, 0, 3) is target
+    mail.land(Payload.COMBINE, 1, 0, PairLanding(torch.zeros(4, 2), torch.ones(1, 1, dtype=torch.int64), 1, None))
+    mail.landing(Payload.COMBINE, 1, 0)
     assert mail.empty()
     with pytest.raises(AssertionError, match="no pair rows"):
-        mail.landing(1, 0)
+        mail.landing(Payload.COMBINE, 1, 0)
 
 
 @pytest.mark.parametrize("fields, needle", [

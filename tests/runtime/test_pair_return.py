@@ -1,9 +1,10 @@
 """The pair-row return (disagmoe/runtime/pair_return.py) against a plain MoE layer with autograd.
 
 Q expert "ranks" (experts split between them, some empty) write their pairs' rows into one shared
-buffer with a [Q, S] flag block, as the nvshmem transport gives them; the attention side's combine
-and both sides' backward must give the layer's output, d x, d routing weights and every expert's
-weight gradients. Three ways: plain torch on CPU (fp32), the fused kernels under Triton's
+buffer with a [Q, S] flag block, as the nvshmem transport gives them, and in the backward their
+pairs' d x into a second one (or d x compactly); the attention side's combine and sum and both
+sides' backward must give the layer's output, d x, d routing weights and every expert's weight
+gradients. Three ways: plain torch on CPU (fp32), the fused kernels under Triton's
 interpreter (fp32, CPU tensors standing for the peer buffer; sources run before the combine) and
 on a GPU (bf16).
 """
@@ -57,7 +58,7 @@ def _reference(full, topk, x, w, dy):
     return y.detach(), x_leaf.grad, w_leaf.grad, ref.w13_EH2F.grad, ref.w2_EFH.grad
 
 
-def _pair_path(full, topk, x, w, dy, case, fused, backend):
+def _pair_path(full, topk, x, w, dy, case, fused, backend, grads_as_pairs=True):
     tokens, top_k, experts, sources, hidden, ffn, seg, _ = case
     per = experts // sources
     device = x.device
@@ -79,9 +80,17 @@ def _pair_path(full, topk, x, w, dy, case, fused, backend):
     w_leaf = w.detach().requires_grad_()
     y = pair_return.combine_pairs(PairLanding(rows, flags, 1, status), w_leaf, seg, num_programs=2)
     y.backward(dy)
-    for s in saved:
-        pair_return.expert_pair_rows_backward(s, dy)
-    dx = sum(leaf.grad.float() for leaf in leaves)
+    if grads_as_pairs:  # d x returns as pair rows into a second buffer, summed on the receiver
+        dx_rows = torch.full_like(rows, float("nan"))
+        dx_flags = torch.zeros_like(flags)
+        for q, s in enumerate(saved):
+            pair_return.expert_pair_rows_backward(s, dy, PairTarget(dx_rows, dx_flags, q, 1), counters, seg)
+        assert (dx_flags == 1).all() and (counters == 0).all()
+        dx = pair_return.sum_pairs(PairLanding(dx_rows, dx_flags, 1, status), top_k, seg, num_programs=2).float()
+    else:
+        for s in saved:
+            pair_return.expert_pair_rows_backward(s, dy)
+        dx = sum(leaf.grad.float() for leaf in leaves)
     dw13 = torch.cat([p.w13_EH2F.grad.float() for p in parts])
     dw2 = torch.cat([p.w2_EFH.grad.float() for p in parts])
     return y.float(), dx, w_leaf.grad.float(), dw13, dw2
@@ -93,10 +102,11 @@ def _assert_close(got, want, rtol):
         assert err <= rtol, (name, err)
 
 
+@pytest.mark.parametrize("grads_as_pairs", [True, False], ids=["dx-pair-rows", "dx-compact"])
 @pytest.mark.parametrize("case", CASES, ids=["two-sources", "one-segment", "skew"])
-def test_plain_torch_pair_rows_are_the_moe_layer(case):
+def test_plain_torch_pair_rows_are_the_moe_layer(case, grads_as_pairs):
     full, topk, x, w, dy = _layer(case, "cpu", torch.float32)
-    _assert_close(_pair_path(full, topk, x, w, dy, case, fused=False, backend="loop"),
+    _assert_close(_pair_path(full, topk, x, w, dy, case, fused=False, backend="loop", grads_as_pairs=grads_as_pairs),
                   _reference(full, topk, x, w, dy), 1e-5)
 
 
@@ -107,10 +117,11 @@ def kernels(interpreted):
                 "disagmoe.kernels.moe_ffn", "disagmoe.kernels.fused_return")
 
 
+@pytest.mark.parametrize("grads_as_pairs", [True, False], ids=["dx-pair-rows", "dx-compact"])
 @pytest.mark.parametrize("case", CASES, ids=["two-sources", "one-segment", "skew"])
-def test_fused_pair_rows_are_the_moe_layer_in_the_interpreter(kernels, case):
+def test_fused_pair_rows_are_the_moe_layer_in_the_interpreter(kernels, case, grads_as_pairs):
     full, topk, x, w, dy = _layer(case, "cpu", torch.float32, seed=1)
-    _assert_close(_pair_path(full, topk, x, w, dy, case, fused=True, backend="triton"),
+    _assert_close(_pair_path(full, topk, x, w, dy, case, fused=True, backend="triton", grads_as_pairs=grads_as_pairs),
                   _reference(full, topk, x, w, dy), 1e-4)
 
 
