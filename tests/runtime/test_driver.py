@@ -388,30 +388,39 @@ def test_configurations_that_cannot_run_are_refused_before_any_actor(warm, tmp_p
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("transport", ["nccl", "nvshmem"])
-def test_gpu_transports_on_two_gpus_match_the_oracle(ray_cluster, tmp_path, capsys, transport):
+@pytest.mark.parametrize("transport, hop", [("nccl", "partial_sums"), ("nvshmem", "partial_sums"),
+                                            ("nvshmem", "pair_rows")])
+def test_gpu_transports_on_two_gpus_match_the_oracle(ray_cluster, tmp_path, capsys, transport, hop):
     """One attention and one expert rank on two GPUs, bf16 parameters, against the single-GPU fast
-    path (bf16; the fp32 oracle on CPU is what the CPU tests compare with exactly)."""
+    path (bf16; the fp32 oracle on CPU is what the CPU tests compare with exactly); pair rows with
+    the triton experts, whose kernels store them into the attention GPU's memory."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     if transport == "nvshmem" and not nvshmem_available():
         pytest.skip("needs nvshmem4py")
+    backend = dict(experts_backend="triton") if hop == "pair_rows" else {}
     cfg = run_config(tmp_path / "dist", "disaggregated", attention_ranks=1, expert_ranks=1, micro_batches=2,
-                     device="cuda", transport=transport, cpu_threads=None, steps=20, batch_size=16, seq_len=128)
+                     device="cuda", transport=transport, cpu_threads=None, steps=20, batch_size=16, seq_len=128,
+                     hop=hop, **backend)
     summary = DistributedTrainer(cfg, log_to_driver=False).run()
     reference, _ = oracle(cfg, tmp_path / "single")
     records = read_metrics(tmp_path / "dist" / METRICS_FILE)
     for got, want in zip(records, reference, strict=True):
         assert abs(got["loss"] - want["loss"]) <= 1e-2 * want["loss"], got["step"]
     assert records[-1]["loss"] < 0.8 * records[0]["loss"]
+    assert summary.hop == hop
     with capsys.disabled():
-        print(f"\n{transport}, 1 A + 1 E on 2 GPUs, tiny model, 16 x 128 tokens/step: {summary.tokens_per_s:,.0f} tokens/s")
+        print(f"\n{transport} ({hop}), 1 A + 1 E on 2 GPUs, tiny model, 16 x 128 tokens/step: "
+              f"{summary.tokens_per_s:,.0f} tokens/s")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode, transport", [("disaggregated", "nccl"), ("colocated", "nccl"),
-                                             ("disaggregated", "nvshmem")])
-def test_gpu_steps_make_no_host_waits_in_every_distributed_mode(ray_cluster, tmp_path, mode, transport):
+@pytest.mark.parametrize("mode, transport, hop", [("disaggregated", "nccl", "partial_sums"),
+                                                  ("colocated", "nccl", "partial_sums"),
+                                                  ("disaggregated", "nvshmem", "partial_sums"),
+                                                  ("disaggregated", "nvshmem", "pair_rows"),
+                                                  ("colocated", "nvshmem", "pair_rows")])
+def test_gpu_steps_make_no_host_waits_in_every_distributed_mode(ray_cluster, tmp_path, mode, transport, hop):
     """Steps on two GPUs with forbid_host_syncs: every rank runs its whole program (compute, nccl
     sends and receives, the optimizer step) under set_sync_debug_mode('error'), so any host wait
     inside a step raises; only the step's one read at the end is outside it."""
@@ -421,9 +430,9 @@ def test_gpu_steps_make_no_host_waits_in_every_distributed_mode(ray_cluster, tmp
         pytest.skip("needs nvshmem4py")
     cfg = run_config(tmp_path / "dist", mode, attention_ranks=1, expert_ranks=1, colocated_ranks=2, micro_batches=2,
                      device="cuda", transport=transport, cpu_threads=None, steps=3, batch_size=8, seq_len=64,
-                     forbid_host_syncs=True)
+                     forbid_host_syncs=True, hop=hop, experts_backend="triton" if hop == "pair_rows" else "loop")
     summary = DistributedTrainer(cfg, log_to_driver=False).run()
-    assert summary.steps == 3 and summary.final_loss is not None
+    assert summary.steps == 3 and summary.final_loss is not None and summary.hop == hop
 
 
 def test_a_rank_whose_training_state_exceeds_the_device_is_refused(tmp_path):
