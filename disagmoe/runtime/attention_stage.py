@@ -13,6 +13,11 @@ its leaves' gradients to where they came from; the weight gradients of the segme
 and returned to the worker, which runs them once those gradients are sent (DESIGN 3c: the input
 gradient is the backward's critical path). Nothing here reads the device from the host.
 
+With `hop: pair_rows` (`runtime.pair_return`) a MoE layer's output is rebuilt from one pair-row
+buffer instead: each (token, expert) row weighted by the routing weights, which came with the
+residual stream (their gradient goes back with it), combined as segments land; its gradient dy
+goes to every expert rank, and the backward sums each token's returned pair rows of d xn.
+
 The loss matches the oracle (`runtime.trainer`): micro-batch m of M is split over D
 data-parallel ranks; each rank backpropagates its share
 

@@ -12,6 +12,11 @@ gradients are held back (`model.layers.deferred_weight_grads`) and returned to t
 runs them once it has sent those, so the input gradients leave before the weight gradients are
 computed. Nothing reads the device from the host.
 
+With `hop: pair_rows` (`runtime.pair_return`) the expert ops write their rows into the receivers'
+pair-row buffers instead of posting messages: ExpertForward stores each served (token, expert)
+row into the next group's attention rank's buffer, ExpertBackward each pair's d x into the
+source's (the load beside it), one launch pair per source; the worker aims them first.
+
 Replicated experts (a plan's hot experts): the attention rank of data-parallel index d (of D)
 sends its pairs of an expert with n owners to owner d mod n when D >= n, and splits them in token
 order over owners d, d + D, ... when D < n (`plan_layout.replica_rows`); every owner receives the
