@@ -34,7 +34,9 @@ Legend: B batch rows of this rank's piece, S sequence, H hidden, N tokens (B*S),
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 import torch
@@ -88,6 +90,8 @@ class AttentionStage:
         self.num_experts = model.cfg.num_experts
         self.layers = topology.attention_layers(rank)
         self.pair_segment_tokens = pair_segment_tokens
+        # pair rows: the combine waits on the GPU inside this op; the worker times it as the receive
+        self.wait_span: Callable[[str], AbstractContextManager[None]] = lambda name: contextlib.nullcontext()
         self.begin_step(0)
 
     def begin_step(self, step: int, data: TokenDataset | None = None) -> None:
@@ -137,7 +141,8 @@ class AttentionStage:
         experts = topo.expert_groups[topo.group_of_layer(prev)]
         if self.pair_segment_tokens is not None:  # pair rows, weighted by the weights that came with h
             h_BSH, *shared, w_NK = parts
-            ffn_NH = combine_pairs(mail.landing(Payload.COMBINE, prev, mb), w_NK, self.pair_segment_tokens)
+            with self.wait_span(f"Recv {Payload.COMBINE.value} L{prev} mb{mb}"):  # waits and combines
+                ffn_NH = combine_pairs(mail.landing(Payload.COMBINE, prev, mb), w_NK, self.pair_segment_tokens)
             if ffn_NH.requires_grad:
                 ffn_NH.retain_grad()
             inputs.combined = ffn_NH
@@ -223,7 +228,8 @@ class AttentionStage:
             if self.pair_segment_tokens is not None:  # d xn: each token's pair rows summed; the load beside
                 landing = mail.landing(Payload.DISPATCH_GRAD, layer, mb)
                 outputs.append(segment.dispatched[0])
-                grads.append(sum_pairs(landing, self.model.cfg.top_k, self.pair_segment_tokens))
+                with self.wait_span(f"Recv {Payload.DISPATCH_GRAD.value} L{layer} mb{mb}"):
+                    grads.append(sum_pairs(landing, self.model.cfg.top_k, self.pair_segment_tokens))
                 load_E = landing.extras[0]
             else:
                 replies = [mail.take(Payload.DISPATCH_GRAD, layer, mb, rank) for rank in topo.expert_groups[self.group]]

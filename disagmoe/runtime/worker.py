@@ -140,6 +140,7 @@ class TrainWorker(Worker):
                 self.val_data = TokenDataset(splits.val, cfg.seq_len, cfg.batch_size, cfg.seed, "val")
             self.attention = AttentionStage(self.model, topology, self.rank, data, cfg.micro_batches,
                                             pair_segment_tokens=segment_tokens)
+            self.attention.wait_span = self._gpu_wait_span
         self.experts = (ExpertStage(self.model, topology, self.rank, pair_segment_tokens=segment_tokens,
                                     tokens=self.shapes.tokens) if topology.expert_role(self.rank) else None)
         for op in self.program:  # every receive buffer now, sized by the run's fixed message specs
@@ -314,7 +315,7 @@ class TrainWorker(Worker):
                         if handle is not None:
                             handles.append(handle)
             return
-        with self.recorder.span(_op_name(op), "wait"), self._gpu_wait_span(_op_name(op)):
+        with self.recorder.span(_op_name(op), "wait"):  # a view; the GPU waits in the combine (`wait_span`)
             mail.land(op.payload, op.layer, op.micro_batch,
                       self.transport.pair_landing(key, self._pair_spec(op.payload, op.layer)))
 
