@@ -37,6 +37,12 @@ for the flags).
   and reports a flag that never came into this transport's status words; `check_status` names it
   from its index in the arena's flag region, flag_base + q S + s (the landing's flag_base: the
   combine must add it to the block index q S + s). Counted per slot, as segments' messages are.
+  A message's extras (`PairSpec.extras`, small whole tensors such as an expert load) sit after
+  its rows in the region; every source passes them to `pair_target`, and the first source's
+  (sources[0]) are written there and then, on the current stream: a put per extra into the
+  receiver's arena and one quiet (into its own arena, a colocated first source: a copy), so they
+  have landed before any kernel queued afterwards raises that source's flags. The caller calls
+  `pair_target` on the stream before the kernel that stores the rows, as it must anyway.
 
 Only the messages use NVSHMEM; collectives stay on NCCL, in the schedule's order (DESIGN 3c): a
 GPU flag wait must never sit behind a peer's collective, and none does, because every
@@ -62,6 +68,7 @@ from disagmoe.comm.base import (
     TensorSpec,
     Transport,
     TransportTimeout,
+    check_specs,
 )
 from disagmoe.comm.symmetric import ArenaLayout, ArenaOverflow, PairRegion, PairSlot, Slot, check_fits
 from disagmoe.runtime.messages import message_key
@@ -189,6 +196,7 @@ class NvshmemTransport(Transport):
         self._received: dict[tuple[int, Slot], int] = {}  # (src, slot) -> messages received so far
         self._pair_sent: dict[tuple[int, PairSlot], int] = {}  # (dst, pair slot) -> targets handed out
         self._pair_received: dict[tuple[int, PairSlot], int] = {}  # (this rank, pair slot) -> landings
+        self._extras_in_flight: list[tuple[Any, tuple[torch.Tensor, ...]]] = []  # (event, extras put before it)
 
     def _peer_arena(self, dst: int) -> torch.Tensor:
         """Rank `dst`'s arena as a tensor this GPU stores into (never this rank's own PE)."""
@@ -274,17 +282,54 @@ class NvshmemTransport(Transport):
 
     # --- pair-row messages (module docstring) ---------------------------------------------------
 
-    def pair_target(self, dst_rank: int, key: MessageKey, spec: PairSpec) -> PairTarget:
+    def pair_target(self, dst_rank: int, key: MessageKey, spec: PairSpec,
+                    extras: Sequence[torch.Tensor] = ()) -> PairTarget:
         """Views of `dst_rank`'s region for message `key` (this rank's own arena when it is the
-        receiver: a colocated source), this rank's flag row and the message's seq."""
+        receiver: a colocated source), this rank's flag row and the message's seq. `extras`: the
+        spec's extras; the first source's are written into the region now, on the current stream
+        (module docstring), and kept alive in the target's `extras` (and here, until the stream
+        passed their puts)."""
         if not 0 <= dst_rank < self.world_size:
             raise ValueError(f"rank {self.rank}: rank {dst_rank} is not a rank of this {self.world_size}-rank job")
         region = self._index[dst_rank].pair_region(key, dst_rank)
         check_pair(region, spec, self.rank, key, dst_rank)
+        what = f"rank {self.rank}: the extras of pair-row message {key} to rank {dst_rank}"
+        check_specs(extras, spec.extras, what)
+        for tensor in extras:
+            if tensor.device != self.device:
+                raise ValueError(f"{what}: the nvshmem transport sends tensors on {self.device}, got one on "
+                                 f"{tensor.device}")
         seq = self._next(self._pair_sent, dst_rank, region.slot)
         region = self.layouts[dst_rank].pair_region(region.slot, seq - 1)
         arena = self.arena_B if dst_rank == self.rank else self._peer_arenas[dst_rank]
-        return PairTarget(region.rows(arena), region.flags(arena), region.sources.index(self.rank), seq)
+        source = region.sources.index(self.rank)
+        kept = tuple(extras)
+        if source == 0 and extras:
+            kept = self._put_extras(dst_rank, region, extras)
+        return PairTarget(region.rows(arena), region.flags(arena), source, seq, kept)
+
+    def _put_extras(self, dst_rank: int, region: PairRegion,
+                    extras: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """Write the first source's extras into `dst_rank`'s region on the current stream: a copy
+        into this rank's own arena, else a put per extra and one quiet, so that they have landed
+        before work queued afterwards (the kernel raising the flags) runs. Returns what was sent."""
+        payload = tuple(t.detach().contiguous() for t in extras)
+        if dst_rank == self.rank:
+            for view, tensor in zip(region.extra_views(self.arena_B), payload, strict=True):
+                view.copy_(tensor)
+            return payload
+        parts = [(offset, t) for (offset, _), t in zip(region.extras, payload, strict=True) if t.numel()]
+        if not parts:
+            return payload
+        stream = torch.cuda.current_stream()
+        for offset, tensor in parts:
+            self.nv.put(self._symmetric(offset, tensor.nbytes), self._local(tensor), remote_pe=dst_rank, stream=stream)
+        self.nv.quiet(stream=stream)  # landed before any flag raised after this
+        self._extras_in_flight = [(e, ts) for e, ts in self._extras_in_flight if not e.query()]
+        event = torch.cuda.Event()
+        event.record(stream)
+        self._extras_in_flight.append((event, payload))  # alive until the stream passed the puts
+        return payload
 
     def pair_send(self, dst_rank: int, key: MessageKey, target: PairTarget) -> SendHandle | None:
         """Nothing: the source's stores and flags into the receiver's arena were the delivery."""
@@ -297,7 +342,8 @@ class NvshmemTransport(Transport):
         check_pair(region, spec, None, key, self.rank)
         seq = self._next(self._pair_received, self.rank, region.slot)
         region = self.layout.pair_region(region.slot, seq - 1)
-        return PairLanding(region.rows(self.arena_B), region.flags(self.arena_B), seq, self.status_2, region.flag)
+        return PairLanding(region.rows(self.arena_B), region.flags(self.arena_B), seq, self.status_2, region.flag,
+                           region.extra_views(self.arena_B))
 
     def status_word(self) -> torch.Tensor | None:
         return self.status_2
@@ -316,6 +362,7 @@ class NvshmemTransport(Transport):
         stream = torch.cuda.current_stream()
         stream.synchronize()
         self._peer_arenas = {}  # the peer views go before the allocation they map
+        self._extras_in_flight = []  # the stream passed every put
         self.nv.barrier_all(stream=stream)  # no peer still writes into this arena
         stream.synchronize()
         self.nv.free_tensor(self.arena_B)
@@ -335,12 +382,18 @@ def check_pair(region: PairRegion, spec: PairSpec, source: int | None, key: Mess
         raise ValueError(f"rank {source} is not a source of the pair-row message {key} to rank {receiver} (its "
                          f"sources: {region.sources}, the receive's peers): only ranks serving that receiver's "
                          "experts write its rows")
-    want = PairSpec(region.spec, region.segments, region.sources)
-    if (spec.rows, spec.segments, tuple(spec.sources)) != (want.rows, want.segments, want.sources):
+    want = PairSpec(region.spec, region.segments, region.sources, region.extra_specs)
+    if (spec.rows, spec.segments, tuple(spec.sources), tuple(spec.extras)) != (
+            want.rows, want.segments, want.sources, want.extras):
         raise ValueError(f"the pair-row message {key} to rank {receiver} was given rows {spec.rows.shape} "
-                         f"{spec.rows.dtype}, {spec.segments} segments and sources {spec.sources}; its region holds "
-                         f"rows {want.rows.shape} {want.rows.dtype}, {want.segments} segments, sources {want.sources}: "
+                         f"{spec.rows.dtype}, {spec.segments} segments, sources {spec.sources} and extras "
+                         f"{_described(spec.extras)}; its region holds rows {want.rows.shape} {want.rows.dtype}, "
+                         f"{want.segments} segments, sources {want.sources}, extras {_described(want.extras)}: "
                          "build the layouts with the same pair_of (and segment tokens) as the messages' specs")
+
+
+def _described(specs: Sequence[TensorSpec]) -> list[tuple[tuple[int, ...], str]]:
+    return [(s.shape, str(s.dtype)) for s in specs]
 
 
 def check_transport_status(layout: ArenaLayout, rank: int, status: Sequence[int], timeout_s: float) -> None:

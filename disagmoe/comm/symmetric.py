@@ -37,7 +37,10 @@ contiguous flag block [Q, S] beside it, row q for source q (the receive's peers,
 word s its segment s, raised to seq once the source's rows of that segment are stored
 (`kernels.fused_return`). The flag region holds the segments' flags first, then every pair region's
 block. Rows sit at a pair's index t K + j, so no capacity factor scales them: a region holds the
-plan's P rows exactly. The message count n picks the copy as for segments.
+plan's P rows exactly. A message may also carry extras (`PairSpec.extras`: small whole tensors, e.g.
+an int64 [E] expert load, written by its first source only): `pair_of` then gives them as a third
+item, and each copy of the region holds them after its rows, each at its own ALIGN-aligned offset.
+The message count n picks the copy as for segments.
 
 Shape legend: W flag words (segments' and pair blocks'), B arena bytes, P pair rows, H hidden,
 Q sources, S segments.
@@ -57,7 +60,8 @@ from disagmoe.runtime.schedule import Op, Payload, Recv
 ALIGN = 256
 Slot = tuple[int, Payload, int, int]  # (source rank, payload, layer, micro-batch)
 PairSlot = tuple[Payload, int, int]  # (payload, layer, micro-batch): one buffer for every source
-PairOf = Callable[[Payload, int], tuple[TensorSpec, int] | None]  # (payload, layer) -> (rows [P, H], S)
+# (payload, layer) -> (rows [P, H], S) or (rows [P, H], S, extras), None for a message sent as segments
+PairOf = Callable[[Payload, int], tuple[TensorSpec, int] | tuple[TensorSpec, int, Sequence[TensorSpec]] | None]
 
 
 class ArenaOverflow(RuntimeError):
@@ -87,7 +91,8 @@ def _nbytes(spec: TensorSpec) -> int:
 @dataclass(frozen=True)
 class PairRegion:
     """One copy of a pair slot's receive buffer: rows [P, H] at byte `offset`, flags [Q, S] at
-    flag words [flag, flag + Q S) (module docstring)."""
+    flag words [flag, flag + Q S), and the message's extras after the rows, each at its own
+    ALIGN-aligned byte offset (module docstring)."""
 
     slot: PairSlot
     copy: int  # the slot's messages n with (n - 1) mod copies == copy land in it
@@ -96,6 +101,7 @@ class PairRegion:
     offset: int  # byte offset of the rows in the arena (ALIGN-aligned)
     spec: TensorSpec  # the rows [P, H]
     segments: int  # S
+    extras: tuple[tuple[int, TensorSpec], ...] = ()  # (byte offset in the arena, spec) of each extra
 
     @property
     def flag_words(self) -> int:
@@ -103,12 +109,25 @@ class PairRegion:
         return len(self.sources) * self.segments
 
     @property
+    def extra_specs(self) -> tuple[TensorSpec, ...]:
+        """The message's extras (`PairSpec.extras`), in order."""
+        return tuple(spec for _, spec in self.extras)
+
+    @property
     def nbytes(self) -> int:
+        """The region's bytes from `offset`: the rows, then the extras (alignment gaps included)."""
+        if self.extras:
+            last, spec = self.extras[-1]
+            return last + _nbytes(spec) - self.offset
         return _nbytes(self.spec)
 
     def rows(self, arena_B: torch.Tensor) -> torch.Tensor:
         """The rows [P, H] in an arena (this rank's or a peer view of it: the offsets are the same)."""
-        return arena_B[self.offset:self.offset + self.nbytes].view(self.spec.dtype).view(self.spec.shape)
+        return _view(arena_B, self.offset, self.spec)
+
+    def extra_views(self, arena_B: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The extras in an arena (this rank's or a peer view of it: the offsets are the same)."""
+        return tuple(_view(arena_B, offset, spec) for offset, spec in self.extras)
 
     def flags(self, arena_B: torch.Tensor) -> torch.Tensor:
         """The int64 flag block [Q, S] in an arena (row q: source q's flags)."""
@@ -116,15 +135,28 @@ class PairRegion:
         return arena_B[start:start + 8 * self.flag_words].view(torch.int64).view(len(self.sources), self.segments)
 
 
-def _pair_spec(pair_of: PairOf | None, payload: Payload, layer: int) -> tuple[TensorSpec, int] | None:
+def _view(arena_B: torch.Tensor, offset: int, spec: TensorSpec) -> torch.Tensor:
+    return arena_B[offset:offset + _nbytes(spec)].view(spec.dtype).view(spec.shape)
+
+
+def _pair_spec(pair_of: PairOf | None, payload: Payload,
+               layer: int) -> tuple[TensorSpec, int, tuple[TensorSpec, ...]] | None:
+    """(rows, segments, extras) of a pair-row message (a 2-tuple from `pair_of`: no extras), else None."""
     got = None if pair_of is None else pair_of(payload, layer)
     if got is None:
         return None
-    spec, segments = got
+    if not isinstance(got, tuple) or len(got) not in (2, 3):
+        raise ValueError(f"pair_of({payload.value}, layer {layer}) gave {got!r}: expected (rows [P, H], segments) "
+                         "or (rows [P, H], segments, extras), or None for a message sent as segments")
+    spec, segments, *rest = got
+    extras = rest[0] if rest else ()
     if len(spec.shape) != 2 or segments < 1:
         raise ValueError(f"pair_of({payload.value}, layer {layer}) gave rows {spec.shape} and {segments} segments: "
                          "expected rows [P, H] and at least one segment")
-    return spec, segments
+    if not isinstance(extras, (tuple, list)) or not all(isinstance(extra, TensorSpec) for extra in extras):
+        raise ValueError(f"pair_of({payload.value}, layer {layer}) gave extras {extras!r}: expected a tuple of "
+                         "TensorSpecs")
+    return spec, segments, tuple(extras)
 
 
 def _capacity(spec: TensorSpec, factor: float | None) -> TensorSpec:
@@ -157,8 +189,9 @@ class ArenaLayout:
                    flag_words: int | None = None, copies: int = COPIES, pair_of: PairOf | None = None) -> ArenaLayout:
         """The segments of `program`'s receives (peers other than `rank`); `specs_of(payload, layer)`
         gives a message's specs; `flag_words`: the flag region's size if set by the largest rank.
-        `pair_of(payload, layer)`: (rows [P, H], segments S) for a pair-row message, else None; such a
-        receive gets a `PairRegion` per copy (sources: all its peers, `rank` included) instead."""
+        `pair_of(payload, layer)`: (rows [P, H], segments S) or (rows, S, extras) for a pair-row message,
+        else None; such a receive gets a `PairRegion` per copy (sources: all its peers, `rank`
+        included, its extras after its rows) instead."""
         if capacity_factor is not None and capacity_factor <= 0:
             raise ValueError(f"capacity_factor={capacity_factor} must be > 0 (None sizes buffers for the worst case)")
         if copies < 1:
@@ -178,7 +211,7 @@ class ArenaLayout:
         # every pair block starts at an even word (16-byte aligned, as Triton specialises pointers):
         # one compiled variant of the kernels that take it, whose first launch loads its module
         needed = _even(copies * len(slots)) + copies * sum(
-            _even(len(sources) * segments) for _, sources, _, segments in pair_slots)
+            _even(len(sources) * segments) for _, sources, _, segments, _ in pair_slots)
         words = needed if flag_words is None else flag_words
         if words < needed:
             raise ValueError(f"{needed} flags (segments and pair-row blocks) need {needed} flag words, "
@@ -194,9 +227,13 @@ class ArenaLayout:
                     offset = align(offset + _nbytes(spec))
                 segments.append(Segment(slot, copy, len(segments), tuple(offsets), specs))
         pairs, flag = [], _even(len(segments))
-        for slot, sources, spec, n_segments in pair_slots:
+        for slot, sources, spec, n_segments, extra_specs in pair_slots:
             for copy in range(copies):
-                region = PairRegion(slot, copy, sources, flag, offset, spec, n_segments)
+                extras, end = [], offset + _nbytes(spec)
+                for extra in extra_specs:
+                    extras.append((align(end), extra))
+                    end = align(end) + _nbytes(extra)
+                region = PairRegion(slot, copy, sources, flag, offset, spec, n_segments, tuple(extras))
                 pairs.append(region)
                 flag += _even(region.flag_words)
                 offset = align(offset + region.nbytes)

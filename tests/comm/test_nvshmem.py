@@ -2,23 +2,31 @@
 
 On a CPU: every receive slot of every layout is found again from its messages' transport keys;
 pair-row messages (hop mode pair_rows) through transports whose arenas and peer views are CPU
-tensors (the bookkeeping, views and sequence numbers are the real code's): every source's rows
-land in the receiver's region, copies alternate, a wrong source, spec or key is refused naming
-the fix, and a timed-out pair flag is named by layer, micro-batch, source and segment.
+tensors (the bookkeeping, views and sequence numbers are the real code's; a fake `nv` records
+its calls and copies a put's bytes between the CPU arenas): every source's rows land in the
+receiver's region, the first source's extras too (one put per extra into the receiver's arena,
+then one quiet, on the current stream; a copy into its own arena; nothing from the other
+sources), copies alternate, a wrong source, spec, extra or key is refused naming the fix, and a
+timed-out pair flag is named by layer, micro-batch, source and segment.
 On GPUs (`gpu`, with nvshmem4py): two processes run a disaggregated schedule's programs for
 three steps (both copies of every segment, then the first again) and an evaluation pass numbered
 like step 0, every message arriving intact and in place; a message over its segment's capacity makes the sender raise and the receiver's
 status word report it; pair-row messages written through `pair_target`'s views (the expert
 rank's fused down GEMM into the peer's arena, or colocated plain stores into both arenas) are
-summed by the receiver's `combine_landed` over `pair_landing`. Two GPUs if there are two; on
+summed by the receiver's `combine_landed` over `pair_landing`, which also gives the int64 extra
+the first source put (the other sources pass a decoy). Two GPUs if there are two; on
 one, both PEs share it (NVSHMEM supports several processes per GPU), which tests the protocol
 but not NVLink.
 """
 
+import ctypes
 import functools
+import re
+import sys
 import traceback
 from datetime import timedelta
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -203,11 +211,15 @@ def _specs_of(topology):
     return lambda payload, layer: SHAPES.specs(payload, topology.is_moe(layer))
 
 
+EXTRAS = (TensorSpec((SHAPES.num_experts,), torch.int64),)  # the first source's expert load [E]
+
+
 def _pair_of(payload, layer):
-    """COMBINE travels as pair rows [T K, H] in SEGMENTS segments, everything else as segments."""
+    """COMBINE travels as pair rows [T K, H] in SEGMENTS segments with EXTRAS, everything else as
+    segments."""
     if payload is not Payload.COMBINE:
         return None
-    return TensorSpec((SHAPES.tokens * SHAPES.top_k, SHAPES.hidden), SHAPES.dtype), SEGMENTS
+    return TensorSpec((SHAPES.tokens * SHAPES.top_k, SHAPES.hidden), SHAPES.dtype), SEGMENTS, EXTRAS
 
 
 def _combine_ops(topology, rank: int, kind) -> list:
@@ -216,20 +228,21 @@ def _combine_ops(topology, rank: int, kind) -> list:
             and op.payload is Payload.COMBINE]
 
 
-def _pair_spec(topology, dst: int, layer: int, mb: int) -> PairSpec:
+def _pair_spec(topology, dst: int, layer: int, mb: int, pair_of=_pair_of) -> PairSpec:
     """The message's spec as both ends name it: its sources are the receiver's Recv peers."""
     recv = next(op for op in topology.programs(MICRO_BATCHES)[dst] if isinstance(op, Recv)
                 and (op.payload, op.layer, op.micro_batch) == (Payload.COMBINE, layer, mb))
-    rows, segments = _pair_of(Payload.COMBINE, layer)
-    return PairSpec(rows, segments, recv.peers)
+    rows, segments, *extras = pair_of(Payload.COMBINE, layer)
+    return PairSpec(rows, segments, recv.peers, *extras)
 
 
 @functools.cache
 def _pair_data(round_: int, layer: int, mb: int, dst: int) -> SimpleNamespace:
     """One message's contents, the same on every rank (fp32, CPU): each pair's expert [P], the
     routing weights [T, K], plain rows [P, H] (stores), per-pair activations [P, F] and expert
-    weights [E, F, H] (the fused down GEMM), and the rows each way should land as (`plain`: the
-    stored rows in the message's dtype, `fused`: the down GEMM's in fp32)."""
+    weights [E, F, H] (the fused down GEMM), the rows each way should land as (`plain`: the
+    stored rows in the message's dtype, `fused`: the down GEMM's in fp32) and the extra, int64 [E]
+    (the expert load, its high bits set per round: every byte of the words counts)."""
     tokens, top_k, hidden, experts = SHAPES.tokens, SHAPES.top_k, SHAPES.hidden, SHAPES.num_experts
     gen = torch.Generator().manual_seed(((round_ * 31 + layer) * 31 + mb) * 31 + dst)
     topk = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
@@ -240,6 +253,7 @@ def _pair_data(round_: int, layer: int, mb: int, dst: int) -> SimpleNamespace:
     act, w2 = data.act.to(SHAPES.dtype).float(), data.w2.to(SHAPES.dtype).float()
     data.fused = torch.bmm(act[:, None, :], w2[data.expert_P]).squeeze(1)
     data.plain = data.rows.to(SHAPES.dtype).float()
+    data.load_E = torch.bincount(data.expert_P, minlength=experts) + ((round_ + 1) << 40)
     return data
 
 
@@ -255,10 +269,15 @@ def _write_pairs(rank: int, transport, topology, round_: int, kernel: bool, rais
             key = message_key(round_, op.payload, op.layer, op.micro_batch)
             spec = _pair_spec(topology, dst, op.layer, op.micro_batch)
             data = _pair_data(round_, op.layer, op.micro_batch, dst)
-            target = transport.pair_target(dst, key, spec)
+            # every source passes the extras; only the first's are delivered (the others: a decoy)
+            first = spec.sources.index(rank) == 0
+            load_E = (data.load_E if first else torch.full_like(data.load_E, -1)).to(device)
+            target = transport.pair_target(dst, key, spec, (load_E,))
             q, sources = target.source, len(spec.sources)
             if (q, target.seq) != (spec.sources.index(rank), round_ + 1):
                 wrong.append(f"pass {round_} L{op.layer} mb{op.micro_batch} to {dst}: source {q}, seq {target.seq}")
+            if len(target.extras) != 1 or target.extras[0].data_ptr() != load_E.data_ptr():  # kept, not copied
+                wrong.append(f"pass {round_} L{op.layer} mb{op.micro_batch} to {dst}: target extras {target.extras}")
             mine = (data.expert_P * sources // experts == q).nonzero().squeeze(1)
             if kernel:
                 from disagmoe.kernels import fused_return as fr
@@ -310,6 +329,9 @@ def _check_pairs(rank: int, landed: list, round_: int, kernel: bool, pointers: d
             wrong.append(f"{what}: landing seq {landing.seq}")
         if not (landing.flags_QS.cpu() == landing.seq).all():
             wrong.append(f"{what}: flags {landing.flags_QS.tolist()}, not all {landing.seq}")
+        extras = [extra.cpu() for extra in landing.extras]
+        if len(extras) != 1 or not torch.equal(extras[0], data.load_E):
+            wrong.append(f"{what}: extras {extras}, not the first source's {data.load_E}")
         if kernel and ((rows - want).norm() / want.norm()).item() > 1e-2 or not kernel and not torch.equal(rows, want):
             wrong.append(f"{what}: rows differ from what the sources wrote")
         y_want = combine_reference(want, data.weights.to(SHAPES.dtype).float(), SHAPES.top_k)
@@ -381,18 +403,83 @@ def _exchange_pairs(rank: int, transport, topology, kernel: bool) -> list[str]:
 PAIR_MODES = {"pairs-fused": (TOPOLOGY, True), "pairs-colocated": (COLOCATED, False)}
 
 
-def _cpu_transports(topology, pair_of=_pair_of) -> list[NvshmemTransport]:
+SYMMETRIC_BASE = 1 << 44  # the fake symmetric address of the arena, the same on every PE
+STREAM = "the current stream"  # what the fake torch.cuda.current_stream returns
+
+
+class _Buffer(NamedTuple):
+    """Stands for cuda.core's Buffer: an address and a size."""
+
+    ptr: int
+    size: int
+
+    @classmethod
+    def from_handle(cls, ptr: int, size: int) -> "_Buffer":
+        return cls(int(ptr), int(size))
+
+
+class _FakeNv:
+    """Stands for nvshmem.core in the CPU transports: records the calls it gets into `log`; a put
+    copies its bytes into the destination PE's arena (CPU memory), checking they fit it."""
+
+    def __init__(self, rank: int, arenas: list[torch.Tensor], log: list) -> None:
+        self.rank, self.arenas, self.log = rank, arenas, log
+
+    def put(self, dst: _Buffer, src: _Buffer, remote_pe: int, stream) -> None:
+        offset, arena = dst.ptr - SYMMETRIC_BASE, self.arenas[remote_pe]
+        self.log.append(("put", self.rank, remote_pe, offset, dst.size, src.ptr, stream))
+        assert remote_pe != self.rank and dst.size == src.size and 0 <= offset <= arena.numel() - dst.size
+        ctypes.memmove(arena.data_ptr() + offset, src.ptr, dst.size)
+
+    def quiet(self, stream) -> None:
+        self.log.append(("quiet", self.rank, stream))
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """cuda.core's Buffer, torch.cuda.current_stream and torch.cuda.Event stood in for on a CPU:
+    `log` gets the fake nv's calls and the events' records, in order; `events` every Event made
+    (`done` is what its query answers)."""
+    core = ModuleType("cuda.core")
+    core.Buffer = _Buffer
+    cuda = ModuleType("cuda")
+    cuda.core = core
+    monkeypatch.setitem(sys.modules, "cuda", cuda)
+    monkeypatch.setitem(sys.modules, "cuda.core", core)
+    fake = SimpleNamespace(log=[], events=[])
+
+    class Event:
+        def __init__(self) -> None:
+            self.done = False
+            fake.events.append(self)
+
+        def record(self, stream) -> None:
+            fake.log.append(("record", stream))
+
+        def query(self) -> bool:
+            return self.done
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: STREAM)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    return fake
+
+
+def _cpu_transports(topology, pair_of=_pair_of, log=None) -> list[NvshmemTransport]:
     """One NvshmemTransport per rank of `topology`, with CPU tensors for the arenas and for the
-    peer views (each peer's own arena tensor): nothing of NVSHMEM runs, the rest is the real code."""
+    peer views (each peer's own arena tensor) and a fake nv (`_FakeNv`, its calls into `log`):
+    nothing of NVSHMEM runs, the rest is the real code (the `fake_cuda` fixture for the puts)."""
     layouts = symmetric_layouts(topology.programs(MICRO_BATCHES), _specs_of(topology), pair_of=pair_of)
     arenas = [torch.zeros(layouts[0].nbytes, dtype=torch.uint8) for _ in layouts]
+    log = [] if log is None else log
     transports = []
     for rank in range(len(layouts)):
         transport = object.__new__(NvshmemTransport)
         Transport.__init__(transport, rank, len(layouts), 30.0)
         transport._plan(layouts)
+        transport.nv = _FakeNv(rank, arenas, log)
         transport.device = torch.device("cpu")
         transport.arena_B = arenas[rank]
+        transport._base = SYMMETRIC_BASE
         transport.status_2 = torch.zeros(2, dtype=torch.int32)
         transport._peer_arenas = {dst: arenas[dst] for dst in pair_destinations(layouts, rank)}
         transports.append(transport)
@@ -409,12 +496,13 @@ PAIR_IDS = ["A1-E1", "A2-E2-p2", "colocated2", "colocated3"]
 
 
 @pytest.mark.parametrize("topology", PAIR_TOPOLOGIES, ids=PAIR_IDS)
-def test_pair_rows_from_every_source_land_in_the_receivers_region(topology):
+def test_pair_rows_from_every_source_land_in_the_receivers_region(topology, fake_cuda):
     """The GPU exchange's own writing and checking, ranks one after another on CPU tensors: rows
-    through the targets' views (a peer's arena or the rank's own), the landings see them all."""
+    through the targets' views (a peer's arena or the rank's own), the first source's extras
+    through the fake nv's puts (or a copy into its own arena), the landings see them all."""
     from disagmoe.kernels.fused_return import combine_reference
 
-    transports = _cpu_transports(topology)
+    transports = _cpu_transports(topology, log=fake_cuda.log)
     wrong, pointers = [], {}
     for round_ in range(ROUNDS):
         for transport in transports:
@@ -431,14 +519,112 @@ def test_pair_rows_from_every_source_land_in_the_receivers_region(topology):
     wrong += _check_copies(pointers)
     assert pointers and wrong == []
     assert all(transport._sent == transport._received == {} for transport in transports)  # no segment used
+    # each remote first source's message: its one extra's put, then one quiet, then the event
+    calls = [call[0] for call in fake_cuda.log]
+    assert calls and calls == ["put", "quiet", "record"] * (len(calls) // 3)
 
 
-def test_a_source_writes_into_the_receivers_arena_and_a_colocated_one_into_its_own():
-    transports = _cpu_transports(COLOCATED)
+def _pair_of_extras(payload, layer):
+    """COMBINE with three extras: an int64 [E] load, a float32 [2, 3] and an empty int64 [0]."""
+    got = _pair_of(payload, layer)
+    return None if got is None else (*got[:2], (EXTRAS[0], TensorSpec((2, 3), torch.float32),
+                                                TensorSpec((0,), torch.int64)))
+
+
+def test_the_first_source_puts_its_extras_into_the_receivers_region_then_one_quiet(fake_cuda):
+    """The expert rank (the only source, so the first) to the attention rank: a put per non-empty
+    extra, at the symmetric address of the extra in the region of the message's copy, from the
+    tensor's own memory, on the current stream; then one quiet and an event that keeps them alive."""
+    attention, expert = _cpu_transports(TOPOLOGY, pair_of=_pair_of_extras, log=fake_cuda.log)
+    spec = _pair_spec(TOPOLOGY, 0, 0, 0, pair_of=_pair_of_extras)
+    assert spec.sources == (1,) and len(spec.extras) == 3
+    experts = SHAPES.num_experts
+    sent = []
+    for n in range(3):
+        fake_cuda.log.clear()
+        key = message_key(n, Payload.COMBINE, 0, 0)
+        # message 2's load is a strided view: what is put is a contiguous copy, kept alive
+        load = (torch.arange(2 * experts) + (n << 40))[::2] if n == 1 else torch.arange(experts) + (n << 40)
+        extras = (load, torch.full((2, 3), n + 0.5), torch.zeros(0, dtype=torch.int64))
+        target = expert.pair_target(0, key, spec, extras)
+        region = attention.layout.pair_region((Payload.COMBINE, 0, 0), n)
+        (load_at, _), (other_at, _), _ = region.extras
+        assert (target.source, target.seq) == (0, n + 1)
+        assert [TensorSpec.of(t) for t in target.extras] == list(spec.extras)
+        assert all(t.is_contiguous() for t in target.extras) and load.is_contiguous() == (n != 1)
+        assert (target.extras[0].data_ptr() == load.data_ptr()) == (n != 1)  # copied only when strided
+        assert [torch.equal(t, e) for t, e in zip(target.extras, extras, strict=True)] == [True] * 3
+        assert fake_cuda.log == [
+            ("put", 1, 0, load_at, 8 * experts, target.extras[0].data_ptr(), STREAM),
+            ("put", 1, 0, other_at, 4 * 6, target.extras[1].data_ptr(), STREAM),
+            ("quiet", 1, STREAM),
+            ("record", STREAM),
+        ]
+        sent.append(target.extras)
+        if n == 1:
+            # the events of messages 1 and 2 have not passed: both kept; once passed, dropped
+            assert [kept for _, kept in expert._extras_in_flight] == sent
+            for event in fake_cuda.events:
+                event.done = True
+    assert [kept for _, kept in expert._extras_in_flight] == sent[2:]
+    assert len(fake_cuda.events) == 3
+    # the receiver sees them at its region's offsets; copies alternate (message 3 over message 1's)
+    fake_cuda.log.clear()
+    for n in range(3):
+        landing = attention.pair_landing(message_key(n, Payload.COMBINE, 0, 0), spec)
+        region = attention.layout.pair_region((Payload.COMBINE, 0, 0), n)
+        assert [TensorSpec.of(t) for t in landing.extras] == list(spec.extras)
+        assert [t.data_ptr() - attention.arena_B.data_ptr() for t in landing.extras[:2]] == [
+            offset for offset, _ in region.extras[:2]]
+        want = sent[2] if n == 0 else sent[n]
+        assert torch.equal(landing.extras[0], want[0]) and torch.equal(landing.extras[1], want[1])
+    assert fake_cuda.log == []  # the landing puts and waits for nothing
+
+
+def test_only_the_first_source_writes_the_extras_a_colocated_one_by_a_copy(fake_cuda):
+    """Colocated, both ranks source every COMBINE: rank 0 (the first) copies its extras into its
+    own arena (no nv call) and puts them into rank 1's; rank 1 writes none, to either."""
+    transports = _cpu_transports(COLOCATED, log=fake_cuda.log)
+    key = message_key(3, Payload.COMBINE, 1, 1)
+    specs = [_pair_spec(COLOCATED, dst, 1, 1) for dst in range(WORLD)]
+    assert [spec.sources for spec in specs] == [(0, 1), (0, 1)]
+    first = [torch.arange(SHAPES.num_experts) + 10 * dst for dst in range(WORLD)]
+    decoy = torch.full((SHAPES.num_experts,), -1)
+    for dst in range(WORLD):  # rank 1 first: nothing it passes may land
+        target = transports[1].pair_target(dst, key, specs[dst], (decoy,))
+        assert target.source == 1 and torch.equal(target.extras[0], decoy)
+    assert fake_cuda.log == [] and transports[1]._extras_in_flight == []
+    own = transports[0].pair_target(0, key, specs[0], (first[0],))
+    assert fake_cuda.log == [] and transports[0]._extras_in_flight == []  # a copy, on the stream
+    assert own.source == 0 and torch.equal(own.extras[0], first[0])
+    transports[0].pair_target(1, key, specs[1], (first[1],))
+    region = transports[1].layout.pair_region((Payload.COMBINE, 1, 1), 0)
+    assert [call[:4] for call in fake_cuda.log] == [("put", 0, 1, region.extras[0][0]), ("quiet", 0, STREAM),
+                                                   ("record", STREAM)]
+    for dst, transport in enumerate(transports):
+        landing = transport.pair_landing(key, specs[dst])
+        assert torch.equal(landing.extras[0], first[dst])
+
+
+def test_a_layout_without_extras_lands_none_and_puts_nothing(fake_cuda):
+    rows_only = lambda p, l: None if _pair_of(p, l) is None else _pair_of(p, l)[:2]  # noqa: E731
+    attention, expert = _cpu_transports(TOPOLOGY, pair_of=rows_only, log=fake_cuda.log)
+    spec = _pair_spec(TOPOLOGY, 0, 0, 0, pair_of=rows_only)
+    key = message_key(0, Payload.COMBINE, 0, 0)
+    assert spec.extras == () and expert.pair_target(0, key, spec).extras == ()
+    assert attention.pair_landing(key, spec).extras == () and fake_cuda.log == []
+    with pytest.raises(ValueError, match=r"the extras of pair-row message .* tensors \[\(\(8,\), 'torch.int64'\)\] "
+                                         r"do not match the expected \[\]"):
+        expert.pair_target(0, message_key(1, Payload.COMBINE, 0, 0), spec, (torch.zeros(8, dtype=torch.int64),))
+
+
+def test_a_source_writes_into_the_receivers_arena_and_a_colocated_one_into_its_own(fake_cuda):
+    transports = _cpu_transports(COLOCATED, log=fake_cuda.log)
     for rank, transport in enumerate(transports):
         for dst in range(WORLD):
             key = message_key(7, Payload.COMBINE, 1, 0)
-            target = transport.pair_target(dst, key, _pair_spec(COLOCATED, dst, 1, 0))
+            extras = (torch.zeros(SHAPES.num_experts, dtype=torch.int64),)
+            target = transport.pair_target(dst, key, _pair_spec(COLOCATED, dst, 1, 0), extras)
             region = transports[dst].layout.pair_region((Payload.COMBINE, 1, 0), 0)
             arena = transports[dst].arena_B  # the peer view's memory (its own for dst == rank)
             assert target.rows_PH.data_ptr() == arena.data_ptr() + region.offset
@@ -449,18 +635,19 @@ def test_a_source_writes_into_the_receivers_arena_and_a_colocated_one_into_its_o
     assert [list(t._peer_arenas) for t in disaggregated] == [[], [0]]  # only the expert rank writes pair rows
 
 
-def test_pair_messages_are_refused_with_the_fix():
+def test_pair_messages_are_refused_with_the_fix(fake_cuda):
     topology = Topology.disaggregated(Layout(2, 2, 2, 4, 0), 8)
-    transports = _cpu_transports(topology)
+    transports = _cpu_transports(topology, log=fake_cuda.log)
     recv = _combine_ops(topology, 1, Recv)[0]  # rank 1's COMBINE, from rank 2 alone
     key = message_key(0, recv.payload, recv.layer, recv.micro_batch)
     spec = _pair_spec(topology, 1, recv.layer, recv.micro_batch)
     assert spec.sources == (2,)
     with pytest.raises(ValueError, match=r"rank 3 is not a source of the pair-row message .* \(its sources: \(2,\)"):
         transports[3].pair_target(1, key, spec)
-    wrong = PairSpec(spec.rows, spec.segments + 1, spec.sources)
+    load = torch.arange(SHAPES.num_experts, dtype=torch.int64)
+    wrong = PairSpec(spec.rows, spec.segments + 1, spec.sources, spec.extras)
     with pytest.raises(ValueError, match="build the layouts with the same pair_of"):
-        transports[2].pair_target(1, key, wrong)
+        transports[2].pair_target(1, key, wrong, (load,))
     with pytest.raises(ValueError, match="build the layouts with the same pair_of"):
         transports[1].pair_landing(key, PairSpec(TensorSpec((4, 4), torch.float32), spec.segments, spec.sources))
     dispatch = message_key(0, Payload.DISPATCH, recv.layer, recv.micro_batch)
@@ -468,8 +655,23 @@ def test_pair_messages_are_refused_with_the_fix():
         transports[1].pair_target(3, dispatch, spec)
     with pytest.raises(ValueError, match="not a rank of this 4-rank job"):
         transports[2].pair_target(4, key, spec)
+    # the extras: the spec's, as tensors of the spec's, on the transport's device
+    expected = r"do not match the expected \[\(\(8,\), 'torch.int64'\)\]"
+    for extras in [(), (load.int(),), (load[:4],), (load, load)]:
+        with pytest.raises(ValueError, match=rf"rank 2: the extras of pair-row message {re.escape(str(key))} to rank 1: "
+                                             rf"tensors .* {expected}"):
+            transports[2].pair_target(1, key, spec, extras)
+    with pytest.raises(ValueError, match="the nvshmem transport sends tensors on cpu, got one on meta"):
+        transports[2].pair_target(1, key, spec, (load.to("meta"),))
+    bare = PairSpec(spec.rows, spec.segments, spec.sources)  # a spec without the region's extras
+    fix = r"sources \(2,\) and extras \[\]; its region holds .* extras \[\(\(8,\), 'torch.int64'\)\]: build the layouts"
+    with pytest.raises(ValueError, match=fix):
+        transports[2].pair_target(1, key, bare)
+    with pytest.raises(ValueError, match=fix):
+        transports[1].pair_landing(key, bare)
+    assert fake_cuda.log == []  # a refused message put nothing
     # the refusals counted nothing: both ends still agree on seq 1
-    assert transports[2].pair_target(1, key, spec).seq == transports[1].pair_landing(key, spec).seq == 1
+    assert transports[2].pair_target(1, key, spec, (load,)).seq == transports[1].pair_landing(key, spec).seq == 1
     # send, recv and reserve do not carry pair rows
     rows = [torch.zeros(SHAPES.tokens, SHAPES.hidden, dtype=SHAPES.dtype)]
     fix = "is a pair-row message .* pair_target and pair_send, rank 1 reads it with pair_landing"

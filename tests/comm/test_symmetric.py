@@ -74,23 +74,40 @@ def _pair_of(payload, layer):
     return TensorSpec((SHAPES.tokens * SHAPES.top_k, SHAPES.hidden), SHAPES.dtype), SEGMENTS
 
 
+# odd sizes on purpose: an int64 [E] expert load, 6 bytes of bf16, an int32 scalar, an empty one
+EXTRAS = (TensorSpec((SHAPES.num_experts,), torch.int64), TensorSpec((3,), torch.bfloat16),
+          TensorSpec((), torch.int32), TensorSpec((0,), torch.int64))
+
+
+def _pair_of_with_extras(payload, layer):
+    """As `_pair_of`, with EXTRAS (the 3-tuple form)."""
+    got = _pair_of(payload, layer)
+    return None if got is None else (*got, EXTRAS)
+
+
+def _nbytes(spec):
+    return torch.empty(spec.shape, dtype=spec.dtype).nbytes
+
+
 def _spans(layout):
-    """(start, end) of every tensor in the arena: the segments' and the pair regions' rows."""
-    spans = [(o, o + torch.empty(spec.shape, dtype=spec.dtype).nbytes) for s in layout.segments
-             for o, spec in zip(s.offsets, s.specs, strict=True)]
-    return sorted(spans + [(r.offset, r.offset + r.nbytes) for r in layout.pairs])
+    """(start, end) of every tensor in the arena: the segments', the pair regions' rows and extras."""
+    spans = [(o, o + _nbytes(spec)) for s in layout.segments for o, spec in zip(s.offsets, s.specs, strict=True)]
+    spans += [(r.offset, r.offset + _nbytes(r.spec)) for r in layout.pairs]
+    spans += [(o, o + _nbytes(spec)) for r in layout.pairs for o, spec in r.extras]
+    return sorted(spans)
 
 
+@pytest.mark.parametrize("pair_of", [_pair_of, _pair_of_with_extras], ids=["rows", "rows+extras"])
 @pytest.mark.parametrize("topology", [Topology.disaggregated(Layout(2, 2, 2, 4, 0), 8),
                                       Topology.colocated_ranks(3, 2, 0, 8)], ids=["A2-E2-p2", "colocated3"])
-def test_pair_row_receives_get_one_region_per_copy_beside_the_segments(topology):
+def test_pair_row_receives_get_one_region_per_copy_beside_the_segments(topology, pair_of):
     programs = topology.programs(2)
 
     def specs_of(payload, layer):
         return SHAPES.specs(payload, topology.is_moe(layer))
 
     plain = symmetric_layouts(programs, specs_of)
-    layouts = symmetric_layouts(programs, specs_of, pair_of=_pair_of)
+    layouts = symmetric_layouts(programs, specs_of, pair_of=pair_of)
     assert all(layout.pairs == () for layout in plain)
     assert len({(layout.nbytes, layout.flag_words) for layout in layouts}) == 1
     needed = []
@@ -117,8 +134,66 @@ def test_pair_row_receives_get_one_region_per_copy_beside_the_segments(topology)
         assert spans[0][0] >= 8 * layout.flag_words and all(o % ALIGN == 0 for o, _ in spans)
         assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])) and spans[-1][1] <= layout.nbytes
         assert all(r.spec == _pair_of(Payload.COMBINE, 0)[0] and r.segments == SEGMENTS for r in layout.pairs)
+        want_extras = EXTRAS if pair_of is _pair_of_with_extras else ()
+        for region in layout.pairs:
+            assert region.extra_specs == want_extras
+            # the extras follow the region's own rows, and the region's bytes cover them
+            assert all(o >= region.offset + _nbytes(region.spec) for o, _ in region.extras)
+            assert [o for o, _ in region.extras] == sorted(o for o, _ in region.extras)
+            end = max([region.offset + _nbytes(region.spec)] + [o + _nbytes(spec) for o, spec in region.extras])
+            assert region.offset + region.nbytes == end
     assert layouts[0].flag_words == max(needed)  # the largest rank's flags, on every rank
     assert any(layout.pairs for layout in layouts)
+
+
+def test_extras_cost_arena_bytes_not_flags_and_a_two_tuple_carries_none():
+    topology = Topology.colocated_ranks(3, 2, 0, 8)
+    programs = topology.programs(2)
+
+    def specs_of(payload, layer):
+        return SHAPES.specs(payload, True)
+
+    rows = symmetric_layouts(programs, specs_of, pair_of=_pair_of)
+    extras = symmetric_layouts(programs, specs_of, pair_of=_pair_of_with_extras)
+    assert all(r.extras == () and r.nbytes == _nbytes(r.spec) for layout in rows for r in layout.pairs)
+    assert rows[0].flag_words == extras[0].flag_words
+    # every region grew by its extras, each padded to ALIGN after the rows (the empty one too)
+    per_region = sum(-(-_nbytes(spec) // ALIGN) * ALIGN for spec in EXTRAS)
+    assert extras[0].nbytes - rows[0].nbytes == max(len(layout.pairs) for layout in extras) * per_region
+    for plain, more in zip(rows, extras, strict=True):
+        assert [s.offsets for s in plain.segments] == [s.offsets for s in more.segments]  # segments first, untouched
+        assert [(r.slot, r.copy, r.flag) for r in plain.pairs] == [(r.slot, r.copy, r.flag) for r in more.pairs]
+    # an explicitly empty extras tuple is the 2-tuple's layout
+    empty = symmetric_layouts(programs, specs_of, pair_of=lambda p, l: None if _pair_of(p, l) is None
+                              else (*_pair_of(p, l), ()))
+    assert empty == rows
+
+
+def test_extras_are_viewed_in_any_arena_at_their_offsets():
+    topology = Topology.disaggregated(Layout(1, 1, 1, 2, 0), 8)
+    attention = symmetric_layouts(topology.programs(2), lambda p, l: SHAPES.specs(p, True),
+                                  pair_of=_pair_of_with_extras)[0]
+    regions = [attention.pair_region((Payload.COMBINE, 0, 0), n) for n in range(2)]
+    assert regions[0].extras != regions[1].extras  # each copy has its own
+    local = torch.zeros(attention.nbytes, dtype=torch.uint8)
+    peer = torch.zeros(attention.nbytes, dtype=torch.uint8)  # stands for a peer's view of that arena
+    for arena in (local, peer):
+        for n, region in enumerate(regions):
+            views = region.extra_views(arena)
+            assert [TensorSpec.of(v) for v in views] == list(EXTRAS)
+            assert [v.data_ptr() - arena.data_ptr() for v in views if v.numel()] == [
+                o for o, spec in region.extras if _nbytes(spec)]  # an empty view has no address
+            assert all(v.is_contiguous() for v in views)
+            load = views[0]
+            load.copy_(torch.arange(SHAPES.num_experts) + 100 * n)
+            views[2].fill_(-7 - n)
+    assert torch.equal(local, peer)
+    for n, region in enumerate(regions):
+        load, _, scalar, _ = region.extra_views(local)
+        assert torch.equal(load, torch.arange(SHAPES.num_experts) + 100 * n) and scalar.item() == -7 - n
+        rows, flags = region.rows(local), region.flags(local)
+        assert (rows == 0).all() and (flags == 0).all()  # writing the extras touched neither
+    assert (attention.flags(local) == 0).all()
 
 
 def test_colocated_pair_regions_count_the_rank_itself_as_a_source():
@@ -191,6 +266,17 @@ def test_pair_of_must_give_rows_and_segments():
     for pair_of in (bad_rows, no_segments):
         with pytest.raises(ValueError, match=r"expected rows \[P, H\] and at least one segment"):
             symmetric_layouts(programs, lambda p, l: SHAPES.specs(p, True), pair_of=pair_of)
+    rows = TensorSpec((4, 16), torch.bfloat16)
+    bad_extras = [(rows, 2, (torch.int64,)), (rows, 2, TensorSpec((8,), torch.int64)), (rows, 2, None)]
+    for got in bad_extras:
+        with pytest.raises(ValueError, match="expected a tuple of TensorSpecs"):
+            symmetric_layouts(programs, lambda p, l: SHAPES.specs(p, True),
+                              pair_of=lambda p, l, got=got: got if p is Payload.COMBINE else None)
+    for got in [(rows,), (rows, 2, (), ()), rows]:
+        with pytest.raises(ValueError, match=r"expected \(rows \[P, H\], segments\) or \(rows \[P, H\], segments, "
+                                             r"extras\)"):
+            symmetric_layouts(programs, lambda p, l: SHAPES.specs(p, True),
+                              pair_of=lambda p, l, got=got: got if p is Payload.COMBINE else None)
 
 
 def test_a_capacity_factor_scales_segments_not_pair_rows():
