@@ -60,6 +60,7 @@ from disagmoe.kernels import fused_return as fr
 from disagmoe.kernels import grouped_gemm as gg
 from disagmoe.kernels.moe_ffn import FFNTiles
 from disagmoe.kernels.signal import check_status, new_status
+from disagmoe.runtime.pair_return import combine_programs as combine_programs_of
 
 PASSES = ("fwd", "bwd")
 TOTAL = "fwd+bwd"
@@ -472,7 +473,7 @@ class Options:
     combine_programs: int
     fused: bool
     seed: int = 0
-    order: str = "segment"  # the fused path's row order: "segment" (segment-major groups) or "expert"
+    order: str = "expert"  # the fused path's row order: "expert" (as training) or "segment" (segment-major groups)
 
 
 def _expert_specs(shape: LayerShape) -> list[tuple[tuple[int, ...], torch.dtype]]:
@@ -489,7 +490,8 @@ def _run_shape(rank: int, shape: LayerShape, opts: Options, arena: ReturnArena |
     from disagmoe.bench.timing import median_ms
 
     dev = torch.device("cuda", rank)
-    K, seg, programs = shape.top_k, opts.segment_tokens, opts.combine_programs
+    K, seg = shape.top_k, opts.segment_tokens
+    programs = opts.combine_programs or combine_programs_of(dev)
     token = torch.zeros(1, device=dev)
     report: dict = {}
     # 1. inputs: made on GPU 0, sent to GPU 1 once (untimed)
@@ -677,7 +679,7 @@ def fused_unavailable() -> str | None:
 ORDERS = ("segment", "expert")
 
 
-def check_options(iters: int, warmup: int, segment_tokens: int, combine_programs: int, order: str = "segment") -> None:
+def check_options(iters: int, warmup: int, segment_tokens: int, combine_programs: int, order: str = "expert") -> None:
     if order not in ORDERS:
         raise ValueError(f"--order {order!r}: choose segment (rows grouped by destination segment, then expert: "
                          "the first segments land first) or expert (one group per expert)")
@@ -687,9 +689,9 @@ def check_options(iters: int, warmup: int, segment_tokens: int, combine_programs
     if segment_tokens < 1:
         raise ValueError(f"--segment-tokens {segment_tokens}: a segment holds at least 1 token (default "
                          f"{DEFAULT_SEGMENT_TOKENS})")
-    if combine_programs < 1:
-        raise ValueError(f"--combine-programs {combine_programs}: the combine needs at least 1 program "
-                         f"(default {fr.COMBINE_PROGRAMS})")
+    if combine_programs < 0:
+        raise ValueError(f"--combine-programs {combine_programs}: a count of programs, or 0 for 4 per SM "
+                         "(the default)")
 
 
 def check_gpus() -> None:
@@ -702,8 +704,8 @@ def check_gpus() -> None:
 
 
 def run(shapes: Sequence[LayerShape], iters: int = 20, warmup: int = 5,
-        segment_tokens: int = DEFAULT_SEGMENT_TOKENS, combine_programs: int = fr.COMBINE_PROGRAMS,
-        log: Callable[[str], None] = print, order: str = "segment") -> dict:
+        segment_tokens: int = DEFAULT_SEGMENT_TOKENS, combine_programs: int = 0,
+        log: Callable[[str], None] = print, order: str = "expert") -> dict:
     """Every shape on GPUs 0 and 1, (a) and (b) in the same run, then `bench hardware`'s probe."""
     from dataclasses import asdict
 

@@ -99,10 +99,12 @@ def layer(
     segment_tokens: Annotated[int, typer.Option(
         help="tokens per flag segment of the fused return (the combine waits per segment)")] = 256,
     combine_programs: Annotated[int, typer.Option(
-        help="persistent programs (SMs) of GPU 0's combine, in both variants")] = 16,
+        help="persistent programs of GPU 0's combine, in both variants (0: 4 per SM, training's default; "
+             "nothing else runs on GPU 0 meanwhile)")] = 0,
     order: Annotated[str, typer.Option(
-        help="the fused path's rows: segment (grouped by destination segment, then expert: the first "
-             "segments land while later ones compute) or expert (one group per expert, as the baseline)")] = "segment",
+        help="the fused path's rows: expert (one group per expert, as the baseline and training) or segment "
+             "(grouped by band of destination segments, then expert: the first segments land while later "
+             "ones compute, at the price of smaller row groups)")] = "expert",
     as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
     out: Annotated[Path | None, typer.Option(help="also write the JSON record here")] = None,
 ) -> None:
