@@ -197,6 +197,7 @@ class PairLanding:
     status_2: torch.Tensor | None
     flag_base: int = 0
     extras: tuple[torch.Tensor, ...] = ()  # the spec's extras, landed before the first source's flags
+    timeout_s: float = 120.0  # how long a wait on one of the flags may take (the receive's timeout)
 
 
 class Transport(abc.ABC):

@@ -314,8 +314,9 @@ class NvshmemTransport(Transport):
         into this rank's own arena, else a put per extra and one quiet, so that they have landed
         before work queued afterwards (the kernel raising the flags) runs. Returns what was sent."""
         payload = tuple(t.detach().contiguous() for t in extras)
-        if dst_rank == self.rank:
-            for view, tensor in zip(region.extra_views(self.arena_B), payload, strict=True):
+        if dst_rank == self.rank:  # through `.data`: an in-place write to an arena view would bump the
+            # version counter every view shares and fail the backward of any op that saved one (a combine)
+            for view, tensor in zip(region.extra_views(self.arena_B.data), payload, strict=True):
                 view.copy_(tensor)
             return payload
         parts = [(offset, t) for (offset, _), t in zip(region.extras, payload, strict=True) if t.numel()]
@@ -337,13 +338,15 @@ class NvshmemTransport(Transport):
 
     def pair_landing(self, key: MessageKey, spec: PairSpec, timeout_s: float | None = None) -> PairLanding:
         """This rank's region for message `key`, its seq, the status words and the block's first
-        flag index; no wait here (the combine waits per segment, with its own timeout)."""
+        flag index; no wait here (the combine waits per segment, each wait at most `timeout_s`,
+        the transport's receive timeout by default)."""
         region = self._index[self.rank].pair_region(key, self.rank)
         check_pair(region, spec, None, key, self.rank)
         seq = self._next(self._pair_received, self.rank, region.slot)
         region = self.layout.pair_region(region.slot, seq - 1)
         return PairLanding(region.rows(self.arena_B), region.flags(self.arena_B), seq, self.status_2, region.flag,
-                           region.extra_views(self.arena_B))
+                           region.extra_views(self.arena_B),
+                           timeout_s=self.default_timeout_s if timeout_s is None else timeout_s)
 
     def status_word(self) -> torch.Tensor | None:
         return self.status_2

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from disagmoe.kernels import grouped_gemm as gg
-from disagmoe.kernels.signal import DEFAULT_TIMEOUT_S, report, spin_until, timed
+from disagmoe.kernels.signal import DEFAULT_TIMEOUT_S, remaining_timeout, report, spin_until, timed
 from disagmoe.kernels.tile_configs import TileConfig
 
 INT32_MAX = 2**31 - 1  # the status words are int32 (`kernels.signal`)
@@ -143,7 +143,7 @@ def _combine_landed_kernel(rows_ptr, weights_ptr, y_ptr, flags_ptr, status_ptr, 
         cols = (item % h_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
         col_ok = cols < H
         for q in range(Q):  # every source's rows of this segment have landed (or the wait gave up)
-            seen = spin_until(flags_ptr + q * S + seg, seq, timeout_ns, False, TIMED)
+            seen = spin_until(flags_ptr + q * S + seg, seq, remaining_timeout(status_ptr, timeout_ns), False, TIMED)
             report(status_ptr, seen, seq, flag_base + q * S + seg)
         for t0 in range(seg * SEG_TOKENS, tl.minimum((seg + 1) * SEG_TOKENS, n_tokens), BLOCK_T):
             tokens = t0 + tl.arange(0, BLOCK_T)

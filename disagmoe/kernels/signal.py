@@ -74,6 +74,14 @@ def _arrived(seen, seq, ACCEPT_NEGATIVE: tl.constexpr):
 
 
 @triton.jit
+def remaining_timeout(status_ptr, timeout_ns):
+    """`timeout_ns`, or 0 once a wait recorded in this status timed out: one missing peer costs
+    the step one timeout, not one per wait queued after it."""
+    gave_up = (tl.load(status_ptr, volatile=True) & 2) != 0
+    return tl.where(gave_up, 0, timeout_ns)
+
+
+@triton.jit
 def report(status_ptr, seen, seq, index):
     """Record in the status what a wait that returned `seen` found (module docstring)."""
     late = (seen != seq) & (seen != -seq)
@@ -84,7 +92,7 @@ def report(status_ptr, seen, seq, index):
 
 @triton.jit(do_not_specialize=["index", "seq", "timeout_ns"])
 def _wait_flag_kernel(flags_ptr, status_ptr, index, seq, timeout_ns, TIMED: tl.constexpr):
-    seen = spin_until(flags_ptr + index, seq, timeout_ns, True, TIMED)
+    seen = spin_until(flags_ptr + index, seq, remaining_timeout(status_ptr, timeout_ns), True, TIMED)
     report(status_ptr, seen, seq, index)
 
 

@@ -105,7 +105,7 @@ def expert_pair_rows_backward(saved: PairRows, dy_TH: torch.Tensor, target: Pair
     from disagmoe.kernels import fused_return as fr
     from disagmoe.kernels.moe_ffn import _main_grad, moe_ffn_backward
 
-    offsets_G, act_NF, h13_N2F, tiles, w13, w2, num_programs, served_1 = saved.fused
+    offsets_G, act_NF, h13_N2F, tiles, w13, w2, num_programs, served_1, x_op = saved.fused
     params = (saved.experts.w13_EH2F, saved.experts.w2_EFH)
     main = tuple(_main_grad(p) if p is op else None for p, op in zip(params, (w13, w2), strict=True))
     input_grad = None
@@ -120,7 +120,7 @@ def expert_pair_rows_backward(saved: PairRows, dy_TH: torch.Tensor, target: Pair
                                           flags_QS=target.flags_QS, source=target.source, seq=target.seq,
                                           served_1=served_1, num_programs=num_programs)
 
-    dx_NH, dw13, dw2 = moe_ffn_backward(d_rows_NH.to(act_NF.dtype), saved.x_N.detach(), offsets_G, w13, w2,
+    dx_NH, dw13, dw2 = moe_ffn_backward(d_rows_NH.to(act_NF.dtype), x_op, offsets_G, w13, w2,
                                         act_NF, h13_N2F, tiles, num_programs=num_programs, main_grads=main,
                                         input_grad=input_grad)
     for param, grad in zip(params, (dw13, dw2), strict=True):
@@ -194,7 +194,7 @@ def _fused_forward(x_leaf, local_TK, w_TK, experts, target, counters_S, segment_
                                segment_tokens=segment_tokens, counters_S=counters_S[:segments],
                                flags_QS=target.flags_QS, source=target.source, seq=target.seq,
                                served_1=served_1, num_programs=num_programs)
-    saved = (offsets_G, act_NF, h13_N2F, tiles, w13, w2, num_programs, served_1) if keep else None
+    saved = (offsets_G, act_NF, h13_N2F, tiles, w13, w2, num_programs, served_1, x_op) if keep else None
     return PairRows(x_leaf, x_N, row_pair_N, served_N, w_TK.detach(), experts, fused=saved)
 
 
@@ -221,18 +221,21 @@ class _PairCombine(torch.autograd.Function):
             from disagmoe.kernels import fused_return as fr
 
             y_TH = fr.combine_landed(rows_PH, w_TK, landing.flags_QS, landing.seq, segment_tokens, top_k,
-                                     landing.status_2, num_programs=num_programs, flag_base=landing.flag_base)
+                                     landing.status_2, num_programs=num_programs, flag_base=landing.flag_base,
+                                     timeout_s=landing.timeout_s)
         else:  # everything is here already (a transport's emulation)
             tokens, hidden = rows_PH.shape[0] // top_k, rows_PH.shape[1]
             y_TH = torch.bmm(w_TK.to(rows_PH.dtype).view(tokens, 1, top_k),
                              rows_PH.view(tokens, top_k, hidden)).view(tokens, hidden)
-        ctx.save_for_backward(rows_PH)
-        ctx.top_k, ctx.w_dtype = top_k, w_TK.dtype
+        # kept as is, not saved: the rows are a view of the transport's buffers, valid until their copy
+        # is reused two messages of the slot later (after this backward), and any in-place write to
+        # another view of the arena would trip autograd's version check
+        ctx.rows_PH, ctx.top_k, ctx.w_dtype = rows_PH, top_k, w_TK.dtype
         return y_TH
 
     @staticmethod
     def backward(ctx, dy_TH):
-        (rows_PH,) = ctx.saved_tensors
+        rows_PH = ctx.rows_PH
         top_k, hidden = ctx.top_k, rows_PH.shape[1]
         tokens = rows_PH.shape[0] // top_k
         dw_TK = torch.bmm(rows_PH.view(tokens, top_k, hidden), dy_TH.to(rows_PH.dtype).reshape(tokens, hidden, 1))
@@ -267,4 +270,4 @@ def sum_pairs(landing: PairLanding, top_k: int, segment_tokens: int,
 
     return fr.combine_landed(rows_PH, None, landing.flags_QS, landing.seq, segment_tokens, top_k, landing.status_2,
                              num_programs=num_programs or combine_programs(rows_PH.device),
-                             flag_base=landing.flag_base)
+                             flag_base=landing.flag_base, timeout_s=landing.timeout_s)

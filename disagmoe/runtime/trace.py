@@ -50,15 +50,31 @@ class SpanRecorder:
             if self.enabled:
                 self.spans.append((name, category, start / 1e3, duration_ns / 1e3))
 
-    def add(self, name: str, category: str, start_us: float, duration_us: float) -> None:
-        """A span timed elsewhere (e.g. on the GPU, `runtime.gpu_spans`), counted like `span`'s."""
+    def add(self, name: str, category: str, start_us: float, duration_us: float,
+            busy_us: float | None = None) -> None:
+        """A span timed elsewhere (e.g. on the GPU, `runtime.gpu_spans`), counted like `span`'s;
+        `busy_us`: a compute span's time less the GPU waits inside it (default: all of it)."""
         assert category in CATEGORIES, category
         if category == "compute":
-            self.compute_s += duration_us / 1e6
+            self.compute_s += (duration_us if busy_us is None else busy_us) / 1e6
         elif category == "gpu-wait":  # named 'Recv <payload> L.. mb..'
             self.gpu_wait_s[name.split()[1]] += duration_us / 1e6
         if self.enabled:
             self.spans.append((name, category, start_us, duration_us))
+
+    def add_gpu_spans(self, spans: Sequence[tuple[str, str, float, float]]) -> None:
+        """A step's GPU spans in the order they ended (`GpuSpans.collect`). A gpu-wait span that
+        started inside the compute span ending next (pair rows' combine waits inside its op) is
+        that op's waiting, not its busy time, so it is taken off the op's compute."""
+        waits: list[tuple[float, float]] = []  # gpu-wait spans since the last compute span
+        for name, category, start_us, duration_us in spans:
+            busy_us = duration_us
+            if category == "gpu-wait":
+                waits.append((start_us, duration_us))
+            elif category == "compute":
+                busy_us -= sum(d for s, d in waits if s >= start_us)
+                waits = []
+            self.add(name, category, start_us, duration_us, busy_us=max(busy_us, 0.0))
 
     def drain(self) -> tuple[list[tuple[str, str, float, float]], float]:
         """The spans and compute seconds since the last drain (then forgets them; `drain_waits`

@@ -278,6 +278,9 @@ class TrainWorker(Worker):
                     handle.wait()
             if self.attention is not None:
                 ce += float(self.attention.loss_parts["ce"])
+            status = self.transport.status_word()
+            if status is not None:  # a message that did not fit or never came spoils this batch's loss
+                self.transport.check_status([int(v) for v in status.tolist()])
         self._drain_spans()  # evaluation time is not part of any step's trace, busy or wait fraction
         self.recorder.drain_waits()
         return {"rank": self.rank, "ce": ce}
@@ -398,8 +401,7 @@ class TrainWorker(Worker):
     def _drain_spans(self) -> tuple[list[tuple[str, str, float, float]], float]:
         """The step's spans (GPU spans merged in) and its compute seconds."""
         if self.gpu_spans is not None:
-            for name, category, start_us, duration_us in self.gpu_spans.collect():
-                self.recorder.add(name, category, start_us, duration_us)
+            self.recorder.add_gpu_spans(self.gpu_spans.collect())
         return self.recorder.drain()
 
     def _start_reduction(self, base: str) -> None:

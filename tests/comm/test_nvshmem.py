@@ -733,3 +733,23 @@ def test_pair_rows_written_through_peer_views_are_combined_by_the_receiver(ranks
     own too) and raise their flags. The receivers' `combine_landed` over `pair_landing` sums them."""
     reports = _spawn(ranks, mode, timeout_s=420)
     assert [reports[rank]["said"] for rank in range(WORLD)] == [[], []]
+
+
+def test_a_colocated_first_source_s_extras_do_not_break_a_saved_combine(fake_cuda):
+    """A colocated rank that is the first source writes its extras into its own arena while a
+    combine of another slot still holds a view of it for its backward: autograd's version check
+    (shared by every view of the arena) must not fire (the review found it did)."""
+    import dataclasses
+
+    from disagmoe.runtime.pair_return import combine_pairs
+
+    transports = _cpu_transports(COLOCATED, log=fake_cuda.log)
+    t0 = transports[0]
+    landing = t0.pair_landing(message_key(0, Payload.COMBINE, 1, 0), _pair_spec(COLOCATED, 0, 1, 0))
+    landing = dataclasses.replace(landing, status_2=None)  # the torch combine: a saved view of the arena
+    w = torch.rand(SHAPES.tokens, SHAPES.top_k, dtype=torch.bfloat16, requires_grad=True)
+    y = combine_pairs(landing, w, 8)
+    t0.pair_target(0, message_key(0, Payload.COMBINE, 1, 1), _pair_spec(COLOCATED, 0, 1, 1),
+                   (torch.arange(SHAPES.num_experts),))
+    y.float().sum().backward()
+    assert w.grad is not None and w.grad.shape == w.shape

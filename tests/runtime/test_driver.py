@@ -208,6 +208,19 @@ def test_a_plan_trains_like_the_single_process_oracle(warm, tmp_path, case):
     assert_same_parameters(model_from_checkpoint(cfg, Path(summary.checkpoint_path)), reference_model)
 
 
+@pytest.mark.parametrize("case", ["replicas-A2-E2-m2", "replicas-colocated-2"])
+def test_a_replicated_plan_with_pair_rows_and_evaluation_trains_like_the_oracle(warm, tmp_path, case):
+    """Pair rows where expert rows are split over replica owners, with evaluation passes between
+    steps (the pair slots' sequence numbers count them too)."""
+    cfg = run_config(tmp_path / "dist", "disaggregated", plan=PLANS[case](), hop="pair_rows", eval_every=2,
+                     eval_batches=2)
+    summary = run_on(warm, cfg)
+    assert summary.hop == "pair_rows"
+    reference, reference_model = oracle(apply_plan(cfg, cfg.model), tmp_path / "single")
+    assert_same_losses(read_metrics(tmp_path / "dist" / METRICS_FILE), reference)
+    assert_same_parameters(model_from_checkpoint(cfg, Path(summary.checkpoint_path)), reference_model)
+
+
 def test_trace_has_every_rank_and_busy_fractions(warm, tmp_path):
     cfg = run_config(tmp_path / "dist", "disaggregated", attention_ranks=2, expert_ranks=2, pipeline_groups=2,
                      micro_batches=2, steps=2, trace=True)

@@ -72,3 +72,17 @@ def test_a_failed_trace_write_leaves_no_temporary_file(tmp_path):
     with pytest.raises(OSError):
         write_chrome_trace(tmp_path / "trace.json", {0: []}, {0: "A0.0"})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["trace.json"]
+
+
+def test_a_gpu_wait_inside_an_op_is_not_its_busy_time():
+    """Pair rows: the combine waits inside AttentionForward; its wait span ends before the op's."""
+    recorder = SpanRecorder()
+    recorder.add_gpu_spans([
+        ("Recv combine L0 mb0", "gpu-wait", 0.0, 1_000.0),  # a receive before the op: not inside it
+        ("Recv combine L1 mb0", "gpu-wait", 2_500.0, 1_500.0),  # inside the op below
+        ("AttentionForward L2 mb0", "compute", 2_000.0, 4_000.0),
+        ("AttentionForward L3 mb0", "compute", 7_000.0, 1_000.0),
+    ])
+    spans, compute_s = recorder.drain()
+    assert len(spans) == 4 and compute_s == pytest.approx((4_000 - 1_500 + 1_000) / 1e6)
+    assert recorder.drain_waits() == pytest.approx({"combine": 0.0025})
