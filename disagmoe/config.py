@@ -450,6 +450,13 @@ class TrainConfig(StrictModel):
     pair_segment_tokens: Dim = Field(
         256, description="pair_rows: tokens per landing segment (each segment has its own arrival flag per "
         "expert rank; the attention rank combines a segment once every flag is up)")
+    pair_bands: Dim = Field(
+        1, description="pair_rows: the expert kernels compute rows in this many bands of landing segments, the "
+        "first band first, so the attention rank combines it while later bands compute (smaller row groups: on "
+        "an H200 at the Qwen3-30B shape 4 bands cost more than they overlapped)")
+    pair_combine_programs_per_sm: Dim = Field(
+        4, description="pair_rows: persistent programs per SM of the attention rank's combine (its stream waits "
+        "there; nothing else of the rank runs meanwhile)")
     device: Literal["cpu", "cuda"] = "cpu"
     experts_backend: Literal["loop", "grouped_mm", "triton"] = "loop"
     precision: Literal["auto", "bf16", "fp32"] = Field(

@@ -47,7 +47,7 @@ from disagmoe.model.layers import deferred_weight_grads
 from disagmoe.model.loss import linear_cross_entropy
 from disagmoe.runtime.batching import batch_rows, inputs_and_targets
 from disagmoe.runtime.messages import Mailbox
-from disagmoe.runtime.pair_return import combine_pairs, sum_pairs
+from disagmoe.runtime.pair_return import PairHop, combine_pairs, sum_pairs
 from disagmoe.runtime.rank_model import RankModel
 from disagmoe.runtime.schedule import Payload
 from disagmoe.runtime.topology import Topology
@@ -79,8 +79,8 @@ class AttentionStage:
     """Forward, loss and backward of the attention ops of one rank for one step at a time."""
 
     def __init__(self, model: RankModel, topology: Topology, rank: int, data: TokenDataset,
-                 micro_batches: int, pair_segment_tokens: int | None = None) -> None:
-        """`pair_segment_tokens`: `hop: pair_rows` with that landing segment (None: partial sums)."""
+                 micro_batches: int, pair: PairHop | None = None) -> None:
+        """`pair`: `hop: pair_rows` with these settings (None: partial sums)."""
         role = topology.attention_role(rank)
         assert role is not None, f"rank {rank} runs no attention"
         self.group, self.dp_index = role
@@ -89,7 +89,7 @@ class AttentionStage:
         self.dp = topology.data_parallel
         self.num_experts = model.cfg.num_experts
         self.layers = topology.attention_layers(rank)
-        self.pair_segment_tokens = pair_segment_tokens
+        self.pair = pair
         # pair rows: the combine waits on the GPU inside this op; the worker times it as the receive
         self.wait_span: Callable[[str], AbstractContextManager[None]] = lambda name: contextlib.nullcontext()
         self.begin_step(0)
@@ -139,10 +139,11 @@ class AttentionStage:
         if not topo.is_moe(prev):
             return parts[0], inputs
         experts = topo.expert_groups[topo.group_of_layer(prev)]
-        if self.pair_segment_tokens is not None:  # pair rows, weighted by the weights that came with h
+        if self.pair is not None:  # pair rows, weighted by the weights that came with h
             h_BSH, *shared, w_NK = parts
             with self.wait_span(f"Recv {Payload.COMBINE.value} L{prev} mb{mb}"):  # waits and combines
-                ffn_NH = combine_pairs(mail.landing(Payload.COMBINE, prev, mb), w_NK, self.pair_segment_tokens)
+                ffn_NH = combine_pairs(mail.landing(Payload.COMBINE, prev, mb), w_NK, self.pair.segment_tokens,
+                                       self.pair.combine_programs(self.model.device))
             if ffn_NH.requires_grad:
                 ffn_NH.retain_grad()
             inputs.combined = ffn_NH
@@ -193,7 +194,7 @@ class AttentionStage:
             mail.post(Payload.DISPATCH, layer, mb, rank, dispatch)
         carry = [h_BSH] + ([] if shared_NH is None else [shared_NH])
         dispatched = [routing.xn_NH, routing.topk_w_NK]
-        if self.pair_segment_tokens is not None:  # the weights travel to where the pair rows are combined
+        if self.pair is not None:  # the weights travel to where the pair rows are combined
             carry.append(routing.topk_w_NK)
             dispatched = [routing.xn_NH]
         mail.post(Payload.RESIDUAL, layer, mb, nxt, carry)
@@ -225,11 +226,12 @@ class AttentionStage:
         topo = self.topology
         outputs, grads = [], []
         if segment.dispatched:
-            if self.pair_segment_tokens is not None:  # d xn: each token's pair rows summed; the load beside
+            if self.pair is not None:  # d xn: each token's pair rows summed; the load beside
                 landing = mail.landing(Payload.DISPATCH_GRAD, layer, mb)
                 outputs.append(segment.dispatched[0])
                 with self.wait_span(f"Recv {Payload.DISPATCH_GRAD.value} L{layer} mb{mb}"):
-                    grads.append(sum_pairs(landing, self.model.cfg.top_k, self.pair_segment_tokens))
+                    grads.append(sum_pairs(landing, self.model.cfg.top_k, self.pair.segment_tokens,
+                                           self.pair.combine_programs(self.model.device)))
                 load_E = landing.extras[0]
             else:
                 replies = [mail.take(Payload.DISPATCH_GRAD, layer, mb, rank) for rank in topo.expert_groups[self.group]]

@@ -36,7 +36,7 @@ from disagmoe.model.dispatch import expert_counts
 from disagmoe.model.layers import deferred_weight_grads
 from disagmoe.model.local_experts import local_expert_block
 from disagmoe.runtime.messages import Mailbox
-from disagmoe.runtime.pair_return import PairRows, expert_pair_rows, expert_pair_rows_backward
+from disagmoe.runtime.pair_return import PairHop, PairRows, expert_pair_rows, expert_pair_rows_backward
 from disagmoe.runtime.rank_model import RankModel
 from disagmoe.runtime.schedule import Payload
 from disagmoe.runtime.topology import Topology
@@ -99,9 +99,9 @@ class ExpertStage:
     """Forward and backward of the expert ops of one rank."""
 
     def __init__(self, model: RankModel, topology: Topology, rank: int,
-                 pair_segment_tokens: int | None = None, tokens: int = 0) -> None:
-        """`pair_segment_tokens`: `hop: pair_rows` with that landing segment, for sources of
-        `tokens` tokens (None: partial sums)."""
+                 pair: PairHop | None = None, tokens: int = 0) -> None:
+        """`pair`: `hop: pair_rows` with these settings, for sources of `tokens` tokens (None:
+        partial sums)."""
         role = topology.expert_role(rank)
         assert role is not None, f"rank {rank} holds no experts"
         self.group, index = role
@@ -112,9 +112,9 @@ class ExpertStage:
         self.routing = {layer: [LocalRouting(topology, layer, index, d, dp, model.device) for d in range(dp)]
                         for layer in topology.experts_of(rank)}
         self.segments: dict[tuple[int, int], ExpertSegment] = {}
-        self.pair_segment_tokens = pair_segment_tokens
-        if pair_segment_tokens is not None:  # the down GEMM's per-segment store counts (zero between launches)
-            self.pair_counters_S = torch.zeros(-(-tokens // pair_segment_tokens), dtype=torch.int32,
+        self.pair = pair
+        if pair is not None:  # the down GEMM's per-segment store counts (zero between launches)
+            self.pair_counters_S = torch.zeros(-(-tokens // pair.segment_tokens), dtype=torch.int32,
                                                device=model.device)
 
     def begin_step(self) -> None:
@@ -123,7 +123,7 @@ class ExpertStage:
     def forward(self, layer: int, mb: int, mail: Mailbox) -> None:
         """ExpertForward(layer, mb)."""
         messages = [mail.take(Payload.DISPATCH, layer, mb, src) for src in self.sources]
-        if self.pair_segment_tokens is not None:
+        if self.pair is not None:
             return self._forward_pairs(layer, mb, mail, messages)
         xs = [xn_NH.detach().requires_grad_() for xn_NH, _, _ in messages]
         ws = [w_NK.detach().requires_grad_(w_NK.is_floating_point()) for _, _, w_NK in messages]
@@ -145,7 +145,7 @@ class ExpertStage:
             with deferred_weight_grads() as held:
                 for saved, dy_NH, src in zip(segment.pairs, grads, self.sources, strict=True):
                     expert_pair_rows_backward(saved, dy_NH, mail.target(Payload.DISPATCH_GRAD, layer, mb, src),
-                                              self.pair_counters_S, self.pair_segment_tokens)
+                                              self.pair_counters_S, self.pair.segment_tokens)
             return held
         with deferred_weight_grads() as held:
             torch.autograd.backward(segment.outputs, grads)
@@ -172,7 +172,7 @@ class ExpertStage:
                                                             strict=True):
             pairs.append(expert_pair_rows(x_leaf, route(idx_NK), w_NK, experts,
                                           mail.target(Payload.COMBINE, layer, mb, dst), self.pair_counters_S,
-                                          self.pair_segment_tokens))
+                                          self.pair.segment_tokens, bands=self.pair.bands))
         load_E = sum(expert_counts(idx_NK.long(), self.model.cfg.num_experts) for _, idx_NK, _ in messages)
         self.segments[(layer, mb)] = ExpertSegment(xs + ws, [], load_E, pairs)
 

@@ -48,6 +48,22 @@ BANDS = 1
 COMBINE_PROGRAMS_PER_SM = 4
 
 
+@dataclass(frozen=True)
+class PairHop:
+    """A run's pair-row settings (`TrainConfig.pair_*`)."""
+
+    segment_tokens: int
+    bands: int = BANDS
+    combine_programs_per_sm: int = COMBINE_PROGRAMS_PER_SM
+
+    @classmethod
+    def of(cls, cfg) -> PairHop:
+        return cls(cfg.pair_segment_tokens, cfg.pair_bands, cfg.pair_combine_programs_per_sm)
+
+    def combine_programs(self, device: torch.device) -> int:
+        return combine_programs(device, self.combine_programs_per_sm)
+
+
 @dataclass
 class PairRows:
     """What the backward of one source's pair rows needs."""
@@ -242,11 +258,11 @@ class _PairCombine(torch.autograd.Function):
         return dw_TK.view(tokens, top_k).to(ctx.w_dtype), None, None, None, None
 
 
-def combine_programs(device: torch.device) -> int:
-    """The combine's persistent programs on `device` (COMBINE_PROGRAMS_PER_SM; the interpreter: 2)."""
+def combine_programs(device: torch.device, per_sm: int = COMBINE_PROGRAMS_PER_SM) -> int:
+    """The combine's persistent programs on `device` (`per_sm` per SM; the interpreter: 2)."""
     if device.type != "cuda":
         return 2
-    return COMBINE_PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+    return per_sm * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def combine_pairs(landing: PairLanding, w_TK: torch.Tensor, segment_tokens: int,

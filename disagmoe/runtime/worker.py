@@ -46,6 +46,7 @@ from disagmoe.runtime.expert_stage import ExpertStage
 from disagmoe.runtime.gpu_spans import GpuSpans
 from disagmoe.runtime.metrics import no_host_syncs, out_of_memory_hint, peak_memory_gib
 from disagmoe.runtime.messages import Mailbox, MessageShapes, message_key, receive_layouts
+from disagmoe.runtime.pair_return import PairHop
 from disagmoe.model.layers import set_fusion
 from disagmoe.runtime.flat_adamw import FlatAdamW, Shard, flat_squares
 from disagmoe.runtime.trainer import compute_dtype
@@ -117,7 +118,7 @@ class TrainWorker(Worker):
                                         layouts=receive_layouts(cfg, self.shapes, topology)
                                         if cfg.transport == "nvshmem" else None)
         attention = topology.attention_role(self.rank)
-        segment_tokens = self.shapes.segment_tokens if self.shapes.pair_rows else None
+        pair = PairHop.of(cfg) if self.shapes.pair_rows else None
         set_fusion(cfg.fuse_elementwise)
         self.model = rank_model(self.model_cfg, cfg.experts_backend, topology, self.rank).materialise(
             self.device, cfg.seed)
@@ -139,9 +140,9 @@ class TrainWorker(Worker):
             if splits.val is not None:
                 self.val_data = TokenDataset(splits.val, cfg.seq_len, cfg.batch_size, cfg.seed, "val")
             self.attention = AttentionStage(self.model, topology, self.rank, data, cfg.micro_batches,
-                                            pair_segment_tokens=segment_tokens)
+                                            pair=pair)
             self.attention.wait_span = self._gpu_wait_span
-        self.experts = (ExpertStage(self.model, topology, self.rank, pair_segment_tokens=segment_tokens,
+        self.experts = (ExpertStage(self.model, topology, self.rank, pair=pair,
                                     tokens=self.shapes.tokens) if topology.expert_role(self.rank) else None)
         for op in self.program:  # every receive buffer now, sized by the run's fixed message specs
             if isinstance(op, Recv) and not self._is_pair(op):  # pair rows land in the transport's own buffers

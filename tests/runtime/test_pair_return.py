@@ -139,3 +139,15 @@ def test_gpu_fused_pair_rows_are_the_moe_layer_in_bf16(case):
     full, topk, x, w, dy = _layer(case, "cuda", torch.bfloat16, seed=2)
     _assert_close(_pair_path(full, topk, x, w, dy, case, fused=True, backend="triton"),
                   _reference(full, topk, x, w, dy), 3e-2)
+
+
+def test_a_run_s_pair_settings_come_from_its_config():
+    from disagmoe.config import TrainConfig
+
+    cfg = TrainConfig(model="tiny", hop="pair_rows", pair_segment_tokens=64, pair_bands=2,
+                      pair_combine_programs_per_sm=8)
+    hop = pair_return.PairHop.of(cfg)
+    assert (hop.segment_tokens, hop.bands, hop.combine_programs_per_sm) == (64, 2, 8)
+    assert hop.combine_programs(torch.device("cpu")) == 2  # the interpreter runs a couple
+    defaults = pair_return.PairHop.of(TrainConfig(model="tiny"))
+    assert (defaults.bands, defaults.combine_programs_per_sm) == (pair_return.BANDS, pair_return.COMBINE_PROGRAMS_PER_SM)
