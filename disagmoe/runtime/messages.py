@@ -193,9 +193,10 @@ def hop_mode(cfg, model_cfg, topology) -> tuple[str, str]:
     k = model_cfg.top_k
     if cfg.hop != "auto":
         return cfg.hop, "as configured"
+    per_set = f"{ranks} expert rank{'' if ranks == 1 else 's'} per set"
     if cfg.transport == "nvshmem" and cfg.experts_backend == "triton" and ranks > k:
-        return "pair_rows", f"{ranks} expert ranks per set > top-k {k}: per-pair rows move fewer bytes"
-    why = (f"{ranks} expert ranks per set <= top-k {k}: one partial sum per token per expert rank moves fewer bytes"
+        return "pair_rows", f"{per_set} > top-k {k}: per-pair rows move fewer bytes"
+    why = (f"{per_set} <= top-k {k}: one partial sum per token per expert rank moves fewer bytes"
            if ranks <= k else "pair rows need transport nvshmem with experts_backend triton")
     return "partial_sums", why
 
