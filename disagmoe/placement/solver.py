@@ -460,7 +460,8 @@ def _hop_note(stage_times: list[StageTime], step: float, top_k: int) -> list[str
     return [f"dispatch and combine are {hops / total:.0%} of the stage time: the runtime's hop sends every token "
             "once to each GPU holding a slice of its experts (the expert GPUs of its set; colocated: its "
             f"expert-parallel block) and returns one partial sum per token, whatever top-k = {top_k}; across more "
-            "GPUs than top-k, per-pair rows (the fused return, not yet in the training runtime) would move less"]
+            "GPUs than top-k, per-pair rows move less (train with transport: nvshmem and the triton experts, where "
+            "hop: auto picks them; the planner prices partial sums)"]
 
 
 def _stage_times(cost: Cost, prob: Problem, c: Candidates) -> list[StageTime]:
