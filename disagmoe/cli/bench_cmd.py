@@ -311,7 +311,7 @@ def train(
              "(default: the config's transport)")] = None,
     hop: Annotated[list[str] | None, typer.Option(
         help="partial_sums | pair_rows (repeatable): how expert outputs return, each timed in the same run "
-             "(default: the config's hop; pair_rows needs nvshmem, so nccl rows keep partial sums)")] = None,
+             "(default: the config's hop; pair rows over nccl are left out: they need nvshmem)")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
     out: Annotated[Path | None, typer.Option("--out", "-o", help="also write the JSON record here")] = None,
 ) -> None:
