@@ -209,6 +209,7 @@ class Transport(abc.ABC):
         self.rank = rank
         self.world_size = world_size
         self.default_timeout_s = default_timeout_s
+        self._own_pairs: dict[MessageKey, PairTarget] = {}  # pair-row emulation: this rank's own rows
 
     @abc.abstractmethod
     def send(self, dst_rank: int, key: MessageKey, tensors: Sequence[torch.Tensor]) -> SendHandle:
@@ -244,7 +245,7 @@ class Transport(abc.ABC):
         flags_QS = torch.zeros((len(spec.sources), spec.segments), dtype=torch.int64, device=device)
         target = PairTarget(rows_PH, flags_QS, spec.sources.index(self.rank), 1, tuple(extras))
         if dst_rank == self.rank:
-            self._own_pair_rows()[key] = target
+            self._own_pairs[key] = target
         return target
 
     def pair_send(self, dst_rank: int, key: MessageKey, target: PairTarget) -> SendHandle | None:
@@ -257,7 +258,7 @@ class Transport(abc.ABC):
         rows_PH, extras = None, ()
         for src in spec.sources:
             if src == self.rank:
-                own = self._own_pair_rows().pop(key)
+                own = self._own_pairs.pop(key)
                 part, part_extras = own.rows_PH, own.extras
             else:
                 part, *part_extras = self.recv(src, key, [spec.rows, *spec.extras], timeout_s)
@@ -267,11 +268,6 @@ class Transport(abc.ABC):
                 rows_PH = rows_PH + part
         flags_QS = torch.ones((len(spec.sources), spec.segments), dtype=torch.int64, device=rows_PH.device)
         return PairLanding(rows_PH, flags_QS, 1, None, extras=extras)
-
-    def _own_pair_rows(self) -> dict[MessageKey, PairTarget]:
-        if not hasattr(self, "_own_pairs"):
-            self._own_pairs: dict[MessageKey, PairTarget] = {}
-        return self._own_pairs
 
     def status_word(self) -> torch.Tensor | None:
         """Device int32 words the step's one host read includes (nonzero word 0: a message failed

@@ -132,7 +132,7 @@ class ExpertStage:
         outputs = list(partial_TH.split(xs[0].shape[0]))
         for dst, partial_NH in zip(self.destinations, outputs, strict=True):
             mail.post(Payload.COMBINE, layer, mb, dst, [partial_NH])
-        load_E = sum(expert_counts(idx_NK.long(), self.model.cfg.num_experts) for _, idx_NK, _ in messages)
+        load_E = self._load(messages)
         self.segments[(layer, mb)] = ExpertSegment(xs + ws, outputs, load_E)
 
     def backward(self, layer: int, mb: int, mail: Mailbox) -> list[Callable[[], None]]:
@@ -156,6 +156,10 @@ class ExpertStage:
         return held
 
 
+    def _load(self, messages) -> torch.Tensor:
+        """The micro-batch's expert load over all sources' dispatches (int64 [E])."""
+        return sum(expert_counts(idx_NK.long(), self.model.cfg.num_experts) for _, idx_NK, _ in messages)
+
     def load_of(self, layer: int, mb: int) -> torch.Tensor:
         """The micro-batch's expert load over all sources (int64 [E]) its forward counted."""
         return self.segments[(layer, mb)].load_E
@@ -173,7 +177,7 @@ class ExpertStage:
             pairs.append(expert_pair_rows(x_leaf, route(idx_NK), w_NK, experts,
                                           mail.target(Payload.COMBINE, layer, mb, dst), self.pair_counters_S,
                                           self.pair.segment_tokens, bands=self.pair.bands))
-        load_E = sum(expert_counts(idx_NK.long(), self.model.cfg.num_experts) for _, idx_NK, _ in messages)
+        load_E = self._load(messages)
         self.segments[(layer, mb)] = ExpertSegment(xs + ws, [], load_E, pairs)
 
 

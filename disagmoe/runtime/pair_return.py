@@ -30,6 +30,7 @@ last), H hidden, F expert FFN width, L local experts, G = bands x L row groups, 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -64,6 +65,21 @@ class PairHop:
         return combine_programs(device, self.combine_programs_per_sm)
 
 
+class KernelState(NamedTuple):
+    """The fused path's forward state its backward reads."""
+
+    offsets_G: torch.Tensor  # int32 cumulative rows per (band, local expert) group
+    served_1: torch.Tensor  # int32 [1]: rows before the spare bucket
+    row_pair_N: torch.Tensor  # int32: the pair each grouped row holds (the kernels' destination rows)
+    x_N: torch.Tensor  # the grouped rows as the GEMMs read them (cast under autocast)
+    act_NF: torch.Tensor
+    h13_N2F: torch.Tensor
+    w13: torch.Tensor
+    w2: torch.Tensor
+    tiles: object  # kernels.moe_ffn.FFNTiles
+    num_programs: int | None
+
+
 @dataclass
 class PairRows:
     """What the backward of one source's pair rows needs."""
@@ -74,20 +90,17 @@ class PairRows:
     served_N: torch.Tensor  # bool [N]: rows this rank computes (the rest: the spare bucket)
     w_TK: torch.Tensor  # routing weights (detached)
     experts: RoutedExperts
-    fused: tuple | None = None  # (offsets_G, act_NF, h13_N2F, tiles, w13, w2): the kernels' saved state
+    fused: KernelState | None = None  # the kernels' saved state (the fused path, with gradients)
     y_N: torch.Tensor | None = None  # the torch path's output rows (autograd)
-
-
-def uses_kernels(experts: RoutedExperts, x_TH: torch.Tensor) -> bool:
-    """The fused path: the triton experts on a GPU (the interpreter tests pass `fused=True`)."""
-    return experts.fuses_permute(x_TH)
 
 
 def expert_pair_rows(x_leaf: torch.Tensor, local_TK: torch.Tensor, w_TK: torch.Tensor, experts: RoutedExperts,
                      target: PairTarget, counters_S: torch.Tensor, segment_tokens: int, *,
                      fused: bool | None = None, bands: int = BANDS, num_programs: int | None = None) -> PairRows:
     """Compute the pairs of one source this rank serves (`local_TK` < L) and store their rows into
-    `target` (module docstring); `counters_S` int32 zeros of at least S (zero again after)."""
+    `target` (module docstring); `counters_S` int32 zeros of at least S (zero again after).
+    `fused`: the kernels (default: where the experts fuse their permute, the triton backend on a
+    GPU; the interpreter tests ask for them on CPU)."""
     tokens, top_k = local_TK.shape
     if x_leaf.shape[0] != tokens or w_TK.shape != local_TK.shape:
         raise ValueError(f"x [T, H], local [T, K] and w [T, K] must agree; got {tuple(x_leaf.shape)}, "
@@ -96,7 +109,7 @@ def expert_pair_rows(x_leaf: torch.Tensor, local_TK: torch.Tensor, w_TK: torch.T
         raise ValueError(f"the target must hold one row per pair, [{tokens * top_k}, {x_leaf.shape[1]}]; "
                          f"got {tuple(target.rows_PH.shape)}")
     if fused is None:
-        fused = uses_kernels(experts, x_leaf)
+        fused = experts.fuses_permute(x_leaf)
     if fused:
         return _fused_forward(x_leaf, local_TK, w_TK, experts, target, counters_S, segment_tokens, bands,
                               num_programs)
@@ -121,23 +134,23 @@ def expert_pair_rows_backward(saved: PairRows, dy_TH: torch.Tensor, target: Pair
     from disagmoe.kernels import fused_return as fr
     from disagmoe.kernels.moe_ffn import _main_grad, moe_ffn_backward
 
-    offsets_G, act_NF, h13_N2F, tiles, w13, w2, num_programs, served_1, x_op = saved.fused
+    k = saved.fused
     params = (saved.experts.w13_EH2F, saved.experts.w2_EFH)
-    main = tuple(_main_grad(p) if p is op else None for p, op in zip(params, (w13, w2), strict=True))
+    main = tuple(_main_grad(p) if p is op else None for p, op in zip(params, (k.w13, k.w2), strict=True))
     input_grad = None
     if target is not None:
         tokens = saved.w_TK.shape[0]
         segments = fr.num_segments(tokens, segment_tokens)
 
         def input_grad(dh13_N2F, w13_T, config):
-            return fr.down_to_destination(dh13_N2F, offsets_G, w13_T, config, dst_PH=target.rows_PH,
-                                          dst_rows_N=pair_N.to(torch.int32), tokens=tokens, top_k=top_k,
+            return fr.down_to_destination(dh13_N2F, k.offsets_G, w13_T, config, dst_PH=target.rows_PH,
+                                          dst_rows_N=k.row_pair_N, tokens=tokens, top_k=top_k,
                                           segment_tokens=segment_tokens, counters_S=counters_S[:segments],
                                           flags_QS=target.flags_QS, source=target.source, seq=target.seq,
-                                          served_1=served_1, num_programs=num_programs)
+                                          served_1=k.served_1, num_programs=k.num_programs)
 
-    dx_NH, dw13, dw2 = moe_ffn_backward(d_rows_NH.to(act_NF.dtype), x_op, offsets_G, w13, w2,
-                                        act_NF, h13_N2F, tiles, num_programs=num_programs, main_grads=main,
+    dx_NH, dw13, dw2 = moe_ffn_backward(d_rows_NH.to(k.act_NF.dtype), k.x_N, k.offsets_G, k.w13, k.w2, k.act_NF,
+                                        k.h13_N2F, k.tiles, num_programs=k.num_programs, main_grads=main,
                                         input_grad=input_grad)
     for param, grad in zip(params, (dw13, dw2), strict=True):
         if grad is not None:  # no main gradient (fp32 parameters, or cast operands): the autograd place
@@ -195,6 +208,7 @@ def _fused_forward(x_leaf, local_TK, w_TK, experts, target, counters_S, segment_
     pairs = tokens * top_k
     row_pair_N = torch.empty(pairs, dtype=torch.int64, device=device).scatter_(
         0, dest_TK.reshape(-1).long(), torch.arange(pairs, device=device))
+    row_pair_32 = row_pair_N.to(torch.int32)  # the kernels' destination rows (forward and backward)
     served_N = torch.arange(pairs, device=device) < served_1
     x_op, w13, w2 = autocast_operands(x_N.detach(), experts.w13_EH2F, experts.w2_EFH) if x_N.is_cuda else (
         x_N.detach(), experts.w13_EH2F, experts.w2_EFH)
@@ -206,11 +220,12 @@ def _fused_forward(x_leaf, local_TK, w_TK, experts, target, counters_S, segment_
         act_NF = gg.ragged_rows_gemm(x_op, offsets_G, w13, tiles.gate_up, epilogue=gg.EPILOGUE_SWIGLU,
                                      h13_N2C=h13_N2F, num_programs=num_programs)
         fr.down_to_destination(act_NF, offsets_G, w2, tiles.down, dst_PH=target.rows_PH,
-                               dst_rows_N=row_pair_N.to(torch.int32), tokens=tokens, top_k=top_k,
+                               dst_rows_N=row_pair_32, tokens=tokens, top_k=top_k,
                                segment_tokens=segment_tokens, counters_S=counters_S[:segments],
                                flags_QS=target.flags_QS, source=target.source, seq=target.seq,
                                served_1=served_1, num_programs=num_programs)
-    saved = (offsets_G, act_NF, h13_N2F, tiles, w13, w2, num_programs, served_1, x_op) if keep else None
+    saved = KernelState(offsets_G, served_1, row_pair_32, x_op, act_NF, h13_N2F, w13, w2, tiles,
+                        num_programs) if keep else None
     return PairRows(x_leaf, x_N, row_pair_N, served_N, w_TK.detach(), experts, fused=saved)
 
 
