@@ -55,11 +55,12 @@ def _now_ns(TIMED: tl.constexpr):
 @triton.jit
 def spin_until(flag_ptr, seq, timeout_ns, ACCEPT_NEGATIVE: tl.constexpr, TIMED: tl.constexpr):
     """Acquire-load the flag until it holds seq (or -seq with ACCEPT_NEGATIVE) or, on a GPU
-    (TIMED), `timeout_ns` passed; returns the last value seen. The interpreter spins without a
-    bound (its tests raise every flag before waiting)."""
+    (TIMED), `timeout_ns` passed; returns the last value seen. A timeout of 0 looks once. The
+    interpreter has no clock and otherwise spins without a bound (its tests raise every flag
+    before waiting)."""
     start = _now_ns(TIMED)
     seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
-    done = _arrived(seen, seq, ACCEPT_NEGATIVE)
+    done = _arrived(seen, seq, ACCEPT_NEGATIVE) | (timeout_ns <= 0)  # no time left: one look (`remaining_timeout`)
     while done == 0:
         seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
         done = _arrived(seen, seq, ACCEPT_NEGATIVE) | (_now_ns(TIMED) - start > timeout_ns)

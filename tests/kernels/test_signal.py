@@ -38,6 +38,15 @@ def test_a_timed_out_status_names_the_flag(signal):
         signal.check_status([signal.TIMED_OUT, 3], "rank 0")
 
 
+def test_after_one_wait_timed_out_later_waits_give_up_at_once(signal):
+    """One missing peer costs a step one timeout: a wait queued after a timed-out one looks once
+    and records its own flag, instead of spinning for its whole timeout (here: for ever)."""
+    flags = torch.zeros(4, dtype=torch.int64)
+    status = torch.tensor([signal.TIMED_OUT, 1], dtype=torch.int32)  # an earlier wait gave up on flag 1
+    signal.wait_flag(flags, 3, 5, status, timeout_s=60.0)  # flag 3 never rises
+    assert status.tolist() == [signal.TIMED_OUT, 3]
+
+
 @pytest.mark.gpu
 def test_gpu_flags_pass_in_stream_order():
     from disagmoe.kernels import signal
