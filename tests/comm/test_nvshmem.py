@@ -753,3 +753,12 @@ def test_a_colocated_first_source_s_extras_do_not_break_a_saved_combine(fake_cud
                    (torch.arange(SHAPES.num_experts),))
     y.float().sum().backward()
     assert w.grad is not None and w.grad.shape == w.shape
+
+
+def test_a_pair_landing_carries_the_receive_timeout(fake_cuda):
+    """The combine's waits give up after the transport's receive timeout (or the one asked for)."""
+    transports = _cpu_transports(COLOCATED, log=fake_cuda.log)
+    t0 = transports[0]
+    spec = _pair_spec(COLOCATED, 0, 1, 0)
+    assert t0.pair_landing(message_key(0, Payload.COMBINE, 1, 0), spec).timeout_s == t0.default_timeout_s
+    assert t0.pair_landing(message_key(1, Payload.COMBINE, 1, 0), spec, timeout_s=3.0).timeout_s == 3.0
