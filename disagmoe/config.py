@@ -1,8 +1,8 @@
 """Typed configuration: model, hardware, cluster, plan request, plan result and training run.
 
 Every model rejects unknown keys (`extra="forbid"`) so a typo in a YAML file is an error, not a
-silently ignored setting. Presets live as YAML data in `disagmoe/presets/`; `load_model` and
-`load_hardware` accept a preset name, a YAML file or (for models) a Hugging Face `config.json`.
+silently ignored setting. Presets live as YAML data in `disagmoe/presets/`; `load_hardware` accepts a preset name or a
+YAML file (`model_ref.load_model` also a Hugging Face `config.json`).
 
 This module imports no torch, ray or matplotlib: `disagmoe plan` must answer fast.
 """
@@ -655,7 +655,7 @@ def preset_names(kind: Literal["models", "hardware"]) -> list[str]:
     return sorted(p.stem for p in (PRESETS_DIR / kind).glob("*.yaml"))
 
 
-def _load_preset_or_file(ref: str, kind: Literal["models", "hardware"]) -> tuple[dict[str, Any], str]:
+def load_preset_or_file(ref: str, kind: Literal["models", "hardware"]) -> tuple[dict[str, Any], str]:
     preset = PRESETS_DIR / kind / f"{ref}.yaml"
     if preset.is_file():
         return read_mapping(preset), f"preset {ref!r}"
@@ -669,23 +669,11 @@ def _load_preset_or_file(ref: str, kind: Literal["models", "hardware"]) -> tuple
     )
 
 
-def load_model(ref: str | ModelConfig) -> ModelConfig:
-    """A preset name, a YAML file, or a Hugging Face `config.json` (Mixtral, Qwen3-MoE, DeepSeek-V3)."""
-    if isinstance(ref, ModelConfig):
-        return ref
-    data, source = _load_preset_or_file(ref, "models")
-    if "model_type" in data or "architectures" in data:
-        from disagmoe.hf_config import model_config_from_hf
-
-        return model_config_from_hf(data, source)
-    return validate(ModelConfig, data, source)
-
-
 def load_hardware(ref: str | HardwareConfig) -> HardwareConfig:
     """A preset name or a YAML file."""
     if isinstance(ref, HardwareConfig):
         return ref
-    data, source = _load_preset_or_file(ref, "hardware")
+    data, source = load_preset_or_file(ref, "hardware")
     return validate(HardwareConfig, data, source)
 
 

@@ -6,11 +6,12 @@ import pytest
 import yaml
 
 from disagmoe import config as cfg
+from disagmoe.model_ref import load_model
 
 
 @pytest.mark.parametrize("name", cfg.preset_names("models"))
 def test_model_presets_load_and_round_trip(name):
-    m = cfg.load_model(name)
+    m = load_model(name)
     again = cfg.ModelConfig.model_validate(yaml.safe_load(m.to_yaml()))
     assert again == m
 
@@ -23,7 +24,7 @@ def test_hardware_presets_load(name):
 
 def test_unknown_preset_lists_valid_names():
     with pytest.raises(ValueError) as err:
-        cfg.load_model("mixtral-8x8b")
+        load_model("mixtral-8x8b")
     for name in cfg.preset_names("models"):
         assert name in str(err.value)
 
@@ -48,18 +49,18 @@ def test_bad_model_config_is_one_clear_error(tmp_path, change, needle):
     path = tmp_path / "m.yaml"
     path.write_text(yaml.safe_dump(data))
     with pytest.raises(ValueError) as err:
-        cfg.load_model(str(path))
+        load_model(str(path))
     assert needle in str(err.value)
     assert "\n" not in str(err.value)
 
 
 def test_unreadable_and_malformed_files(tmp_path):
     with pytest.raises(ValueError, match="cannot read"):
-        cfg.load_model(str(tmp_path / "missing.yaml"))
+        load_model(str(tmp_path / "missing.yaml"))
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
     with pytest.raises(ValueError, match="not valid JSON"):
-        cfg.load_model(str(bad))
+        load_model(str(bad))
 
 
 def test_train_config_overrides(tmp_path):
@@ -88,7 +89,7 @@ def test_a_huge_model_size_is_refused_in_one_line(tmp_path, field):
     path = tmp_path / "m.yaml"
     path.write_text(yaml.safe_dump(_tiny_dict() | {field: HUGE}))
     with pytest.raises(ValueError) as err:
-        cfg.load_model(str(path))
+        load_model(str(path))
     message = str(err.value)
     assert f"{path}: {field}: {HUGE} is too large" in message and f"{cfg.MAX_DIM:,}" in message
     assert "\n" not in message
@@ -105,14 +106,14 @@ def test_a_huge_train_setting_is_refused_before_anything_runs(tmp_path, field):
 
 def test_the_bounds_admit_real_jobs():
     cfg.ClusterConfig(hardware=cfg.load_hardware("gb200-nvl72"), num_gpus=100_000)
-    cfg.ModelConfig.model_validate(cfg.load_model("deepseek-v3").model_dump() | {"vocab_size": 1 << 20})
+    cfg.ModelConfig.model_validate(load_model("deepseek-v3").model_dump() | {"vocab_size": 1 << 20})
 
 
 @pytest.mark.parametrize("field", ["attention_gpus", "expert_gpus", "gpus", "pipeline_groups"])
 def test_a_plan_with_a_huge_gpu_count_is_refused(field):
     from disagmoe.placement.solver import choose
 
-    request = cfg.PlanConfig(model=cfg.load_model("tiny"), seq_len=64, global_batch_tokens=512,
+    request = cfg.PlanConfig(model=load_model("tiny"), seq_len=64, global_batch_tokens=512,
                              cluster=cfg.ClusterConfig(hardware=cfg.load_hardware("h200-sxm"), num_gpus=2))
     data = choose(request).plan.model_dump(mode="json") | {field: HUGE}
     with pytest.raises(ValueError, match=f"plan.yaml: {field}: {HUGE} is too large"):
@@ -131,7 +132,7 @@ def test_a_non_finite_hardware_figure_is_refused(tmp_path, field, value):
 
 @pytest.mark.parametrize("load", [float("nan"), float("inf"), -1.0])
 def test_a_load_histogram_must_be_finite_and_non_negative(load):
-    model = cfg.load_model("tiny")
+    model = load_model("tiny")
     histogram = [[1.0] * model.num_experts for _ in range(model.num_moe_layers)]
     histogram[1][3] = load
     with pytest.raises(ValueError, match=r"MoE layer 1, expert 3 has load"):
@@ -154,7 +155,7 @@ def test_a_duplicate_json_key_is_refused(tmp_path):
     path = tmp_path / "config.json"
     path.write_text('{"model_type": "mixtral", "hidden_size": 8, "hidden_size": 16}')
     with pytest.raises(ValueError, match=rf"{path}: key 'hidden_size' appears twice"):
-        cfg.load_model(str(path))
+        load_model(str(path))
 
 
 def test_a_config_that_is_not_utf8_is_named(tmp_path):

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from disagmoe.config import load_model
+from disagmoe.model_ref import load_model
 from disagmoe.roofline.params import count_params
 
 transformers = pytest.importorskip("transformers")

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from disagmoe.bench.timing import copies_to_defeat_l2, environment, matmul_ceiling_tflops, median_ms
-from disagmoe.config import load_model
+from disagmoe.model_ref import load_model
 from disagmoe.kernels.moe_ffn import FFNTiles, expert_ffn_reference, expert_ffn_triton
 from disagmoe.kernels.permute import (combine_reference, combine_rows, permute_reference,
                                       permute_tokens)

@@ -22,10 +22,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from disagmoe.config import ModelConfig, TrainConfig, load_model
+from disagmoe.config import ModelConfig, TrainConfig
+from disagmoe.model_ref import load_model
 from disagmoe.data import TokenDataset, load_splits
 from disagmoe.runtime.batching import batch_rows, inputs_and_targets
-from disagmoe.runtime.optim import lr_at
+from disagmoe.runtime.state.optim import lr_at
 
 NAME = "hf-transformers"
 

@@ -56,11 +56,10 @@ import torch
 import torch.nn.functional as F
 
 from disagmoe.comm.symmetric import align
-from disagmoe.kernels import fused_return as fr
-from disagmoe.kernels import grouped_gemm as gg
+from disagmoe.kernels import fused_return as fr, grouped_gemm as gg
 from disagmoe.kernels.moe_ffn import FFNTiles
 from disagmoe.kernels.signal import check_status, new_status
-from disagmoe.runtime.pair_return import combine_programs as combine_programs_of
+from disagmoe.runtime.stages.pair_return import combine_programs as combine_programs_of
 
 PASSES = ("fwd", "bwd")
 TOTAL = "fwd+bwd"
@@ -72,7 +71,7 @@ SLEEP_CYCLES = 1_000_000  # about 0.5 ms at H200 clocks: the GPU waits while its
 RESULT_TIMEOUT_S = 1800.0  # both ranks' reports, whole run
 FAILURE_GRACE_S = 10.0  # after one rank's failure, how long to wait for the other's report
 # In both ranks: NVLink multicast off, NVSHMEM on one host (DESIGN section 5), eager CUDA module
-# loading (a lazily loaded kernel can stall a pending NCCL send: runtime.cluster).
+# loading (a lazily loaded kernel can stall a pending NCCL send: runtime.cluster.cluster).
 CHILD_ENV = {"NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
              "NVSHMEM_REMOTE_TRANSPORT": "none", "NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME": "lo"}
 CHILD_DEFAULT_ENV = {"CUDA_MODULE_LOADING": "EAGER"}
@@ -93,7 +92,7 @@ class LayerShape:
     def of_model(cls, name: str, model: str, expert_parallel: int, *, tokens: int | None = None,
                  pairs: int | None = None) -> LayerShape:
         """A model preset's experts on one rank of an `expert_parallel`-way group."""
-        from disagmoe.config import load_model
+        from disagmoe.model_ref import load_model
 
         m = load_model(model)
         return cls(name, m.num_experts // expert_parallel, m.hidden_size, m.expert_ffn_size, m.top_k,
@@ -634,7 +633,7 @@ def _spawn_ranks(shapes: list[LayerShape], opts: Options) -> dict[int, dict]:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     arena_bytes = arena_layout(shapes, opts.segment_tokens)[2]
-    from disagmoe.runtime.cluster import free_port
+    from disagmoe.runtime.cluster.cluster import free_port
 
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(rank, port, shapes, opts, arena_bytes, results)) for rank in range(2)]

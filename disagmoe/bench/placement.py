@@ -19,12 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from disagmoe.bench.train import mean_busy, median_step
-from disagmoe.config import ClusterConfig, PlanConfig, TrainConfig, load_hardware, load_model
+from disagmoe.config import ClusterConfig, PlanConfig, TrainConfig, load_hardware
+from disagmoe.model_ref import load_model
 from disagmoe.placement.cost import Candidates
 from disagmoe.placement.solver import price
 from disagmoe.runtime.failures import TrainingInterrupted
-from disagmoe.runtime.loop import METRICS_FILE
-from disagmoe.runtime.metrics import read_metrics
+from disagmoe.runtime.training.loop import METRICS_FILE
+from disagmoe.runtime.observe.metrics import read_metrics
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,7 @@ def predict(request: PlanConfig, layout: Layout, batch_size: int) -> tuple[float
 
 def measure(cfg: TrainConfig, layout: Layout, steps: int, warmup: int, out_dir: Path) -> dict:
     """Train `layout` for `steps` steps: its median step time and busy fractions, or its error."""
-    from disagmoe.runtime.driver import DistributedTrainer
+    from disagmoe.runtime.cluster.driver import DistributedTrainer
 
     lcfg = layout.config(cfg, steps, out_dir)
     try:

@@ -39,7 +39,7 @@ def run(cfg: TrainConfig, steps: int, warmup: int, log: Callable[[str], None],
         raise ValueError("bench profile times GPU kernels; run it with device=cuda on a GPU host")
     from torch.profiler import ProfilerActivity, profile
 
-    from disagmoe.runtime.trainer import SingleProcessTrainer
+    from disagmoe.runtime.training.trainer import SingleProcessTrainer
 
     trainer = SingleProcessTrainer(cfg.model_copy(update={"mode": "single", "steps": warmup + steps,
                                                           "trace": False, "checkpoint_minutes": 0}))

@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 
 from disagmoe.config import TrainConfig
-from disagmoe.runtime.metrics import read_metrics
-from disagmoe.runtime.loop import METRICS_FILE
-from disagmoe.runtime.trainer import SingleProcessTrainer
+from disagmoe.runtime.observe.metrics import read_metrics
+from disagmoe.runtime.training.loop import METRICS_FILE
+from disagmoe.runtime.training.trainer import SingleProcessTrainer
 
 MODES = ("single", "disaggregated", "colocated")
 
@@ -148,7 +148,7 @@ def run(cfg: TrainConfig, modes: list[str], steps: int, warmup: int,
                 SingleProcessTrainer(mcfg).run()
                 free_device_memory()
             else:
-                from disagmoe.runtime.driver import DistributedTrainer
+                from disagmoe.runtime.cluster.driver import DistributedTrainer
 
                 used_hop = DistributedTrainer(mcfg).run().hop
             records = read_metrics(Path(mcfg.out_dir) / METRICS_FILE)

@@ -277,7 +277,8 @@ def calibrate(
     then: disagmoe plan --model qwen3-30b-a3b --hardware h200-calibrated.yaml --gpus 2
     """
     from disagmoe.bench import calibrate as bench
-    from disagmoe.config import load_hardware, load_model
+    from disagmoe.config import load_hardware
+    from disagmoe.model_ref import load_model
 
     hw_preset = load_hardware(preset)
     if out.exists():  # refreshing a calibrated file: its terms this machine cannot measure stay

@@ -8,6 +8,7 @@ import typer
 from rich.table import Table
 
 from disagmoe import config as cfg
+from disagmoe.model_ref import load_model
 from disagmoe.cli.common import console, print_json, user_errors
 from disagmoe.roofline.params import count_params
 
@@ -37,7 +38,7 @@ def presets(
     as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
 ) -> None:
     """List the model and hardware presets (names usable with --model / --hardware)."""
-    models = {name: cfg.load_model(name) for name in cfg.preset_names("models")}
+    models = {name: load_model(name) for name in cfg.preset_names("models")}
     hardware = {name: cfg.load_hardware(name) for name in cfg.preset_names("hardware")}
     if as_json:
         print_json({

@@ -11,7 +11,8 @@ from rich.panel import Panel
 from rich.table import Table
 
 from disagmoe.cli.common import console, print_json, user_errors
-from disagmoe.config import ClusterConfig, Plan, PlanConfig, load_hardware, load_model, write_text_file
+from disagmoe.config import ClusterConfig, Plan, PlanConfig, load_hardware, write_text_file
+from disagmoe.model_ref import load_model
 from disagmoe.placement.cost import Candidates
 from disagmoe.placement.experts import read_histogram
 from disagmoe.placement.solver import Choice, choose, price, roofline_rows

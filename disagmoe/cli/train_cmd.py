@@ -13,7 +13,8 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from disagmoe.config import ModelConfig, TrainConfig, load_model, load_train_config
+from disagmoe.config import ModelConfig, TrainConfig, load_train_config
+from disagmoe.model_ref import load_model
 from disagmoe.cli.common import console, literal, print_json, user_errors
 from disagmoe.roofline.params import count_params
 from disagmoe.runtime.out_dir import check_out_dir
@@ -27,7 +28,7 @@ BYTES_PER_PARAM = 16  # fp32 weight, gradient, AdamW exp_avg and exp_avg_sq
 
 def prepare_single(cfg: TrainConfig) -> Run:
     """The whole model in this process: the correctness oracle."""
-    from disagmoe.runtime.trainer import SingleProcessTrainer  # torch loads only when training
+    from disagmoe.runtime.training.trainer import SingleProcessTrainer  # torch loads only when training
 
     trainer = SingleProcessTrainer(cfg)
     return lambda on_step: trainer.run(on_step).to_dict()
@@ -35,7 +36,7 @@ def prepare_single(cfg: TrainConfig) -> Run:
 
 def prepare_distributed(cfg: TrainConfig) -> Run:
     """Ray actors (attention and expert ranks, or colocated ranks) talking over the transport."""
-    from disagmoe.runtime.driver import DistributedTrainer
+    from disagmoe.runtime.cluster.driver import DistributedTrainer
 
     trainer = DistributedTrainer(cfg)
     return lambda on_step: trainer.run(on_step).to_dict()
@@ -100,7 +101,7 @@ def check_host_memory(cfg: TrainConfig, model_cfg: ModelConfig) -> None:
     host's memory: a model too large for CPU training (or a typo in a size) fails in one line
     instead of swapping or meeting the OOM killer."""
     if cfg.device != "cpu" or cfg.ray_address is not None:
-        return  # GPU memory is checked per rank before the actors start (runtime/driver.py)
+        return  # GPU memory is checked per rank before the actors start (runtime/cluster/driver.py)
     params = count_params(model_cfg).total
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if params * BYTES_PER_PARAM > host:
@@ -138,7 +139,7 @@ class TrainProgress:
 
 def _hop_note(cfg: TrainConfig) -> str:
     """One line: how expert outputs return to the attention ranks in this run, and why."""
-    from disagmoe.runtime.messages import hop_mode
+    from disagmoe.runtime.stages.messages import hop_mode
     from disagmoe.runtime.topology import Topology
 
     model_cfg = load_model(cfg.model)

@@ -5,7 +5,7 @@
 
 A message is matched by (source rank, destination rank, key), with key = (step, micro_batch,
 layer, direction); the pipeline schedule guarantees that key is unique per ordered rank pair
-within a step. Every message has a shape fixed by the plan (`runtime.messages`: tokens per
+within a step. Every message has a shape fixed by the plan (`runtime.stages.messages`: tokens per
 micro-batch, hidden size, top-k): the receiver names the specs it expects, so no header travels
 and nothing waits on the host for one; the sender must send exactly those (a transport may check
 what it can). On a GPU a receive is stream-ordered: `recv` returns tensors that work queued on
@@ -25,11 +25,11 @@ import abc
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from enum import IntEnum
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+
+from disagmoe.wire import MessageKey
 
 
 @dataclass(frozen=True)
@@ -45,38 +45,6 @@ class TensorSpec:
 
     def empty(self, device: torch.device | str = "cpu") -> torch.Tensor:
         return torch.empty(self.shape, dtype=self.dtype, device=device)
-
-
-class Direction(IntEnum):
-    """Which pass a message belongs to: activations flow forward, gradients backward."""
-
-    FORWARD = 0
-    BACKWARD = 1
-
-
-class MessageKey(NamedTuple):
-    """Names one message between an ordered pair of ranks."""
-
-    step: int
-    micro_batch: int
-    layer: int
-    direction: Direction
-
-    def __str__(self) -> str:
-        return (
-            f"(step={self.step}, micro_batch={self.micro_batch}, layer={self.layer}, "
-            f"{self.direction.name.lower()})"
-        )
-
-
-LANES = 2  # in-order channels per ordered rank pair
-
-
-def lane_of(key: MessageKey) -> int:
-    """The channel of a rank pair a message travels on in an in-order transport: the key's layer
-    field mod 2 (`runtime.messages.message_key` puts COMBINE-kind messages on lane 1, DISPATCH-
-    and RESIDUAL-kind ones on lane 0)."""
-    return key.layer % LANES
 
 
 class TransportError(RuntimeError):

@@ -22,7 +22,6 @@ import torch
 import torch.distributed as dist
 
 from disagmoe.comm.base import (
-    MessageKey,
     PeerFailure,
     SendHandle,
     TensorSpec,
@@ -30,6 +29,7 @@ from disagmoe.comm.base import (
     TransportTimeout,
     WorkSendHandle,
 )
+from disagmoe.wire import MessageKey
 
 MAX_TENSORS = 16
 # Tag layout (low to high bits): part 5 | direction 1 | layer 9 | micro_batch 10 | step mod 64 6.

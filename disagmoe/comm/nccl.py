@@ -3,14 +3,14 @@
 NCCL ignores tags: a rank pair's sends and receives match in the order they are issued. So:
 
 - Each ordered rank pair (src -> dst) gets its own process groups, hence its own communicators
-  and streams: one per lane (`comm.base.lane_of`: the key's layer field mod 2, which keeps
+  and streams: one per lane (`wire.lane_of`: the key's layer field mod 2, which keeps
   COMBINE-kind messages apart from DISPATCH-kind ones). With one stream per pair for both
   directions, A: send d0, send d1, recv c0 against E: recv d0, send c0, recv d1 can deadlock once
   messages outgrow NCCL's buffers (A's recv c0 queues behind send d1, which waits for E's recv
   d1, queued behind send c0); a colocated pair carries dispatch and combine messages
   interleaved, received in another order than sent unless they travel on separate lanes.
 - Within a lane messages are FIFO, and every schedule receives each (pair, lane)'s messages in
-  send order (tests/runtime/test_schedule.py checks all layouts), so a receive is simply the next
+  send order (tests/runtime/schedule/test_schedule.py checks all layouts), so a receive is simply the next
   message of its channel.
 - No header: the receiver knows every message's specs from the plan (`Transport.recv`). The
   receives are stream-ordered: `recv` returns without the host waiting, and work queued on the
@@ -32,16 +32,8 @@ from collections.abc import Iterable, Sequence
 import torch
 import torch.distributed as dist
 
-from disagmoe.comm.base import (
-    LANES,
-    MessageKey,
-    SendHandle,
-    TensorSpec,
-    Transport,
-    TransportTimeout,
-    WorkSendHandle,
-    lane_of,
-)
+from disagmoe.comm.base import SendHandle, TensorSpec, Transport, TransportTimeout, WorkSendHandle
+from disagmoe.wire import LANES, MessageKey, lane_of
 
 _POLL_S = 20e-6
 

@@ -60,7 +60,6 @@ import torch
 import torch.distributed as dist
 
 from disagmoe.comm.base import (
-    MessageKey,
     PairLanding,
     PairSpec,
     PairTarget,
@@ -70,8 +69,8 @@ from disagmoe.comm.base import (
     TransportTimeout,
     check_specs,
 )
-from disagmoe.comm.symmetric import ArenaLayout, ArenaOverflow, PairRegion, PairSlot, Slot, check_fits
-from disagmoe.runtime.messages import message_key
+from disagmoe.wire import MessageKey, ArenaOverflow, message_key
+from disagmoe.comm.symmetric import ArenaLayout, PairRegion, PairSlot, Slot, check_fits
 
 _U64 = (1 << 64) - 1
 HEAP_MARGIN_BYTES = 256 * 2**20  # symmetric heap beyond the arena (NVSHMEM's own allocations, alignment)

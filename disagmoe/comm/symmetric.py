@@ -6,7 +6,7 @@ so the size is the largest any rank needs): a flag region of int64 words, one pe
 the payload region. A segment per incoming message slot of the rank's program, (source rank,
 payload, layer, micro-batch), read off the schedule's `Recv` ops, in `copies` copies: the n-th
 message of a slot (n = 1, 2, ...) uses copy (n - 1) mod copies. Its tensors sit at 256-byte
-aligned offsets, sized from the run's fixed message specs (`runtime.messages.MessageShapes`),
+aligned offsets, sized from the run's fixed message specs (`runtime.stages.messages.MessageShapes`),
 their rows scaled by `capacity_factor` if one is given (None: the plan's worst case, exactly).
 
 Why two copies: a one-sided write lands whenever the sender gets there, not when the receiver asks
@@ -16,7 +16,7 @@ deferred weight gradients that still read its rows included): in training every 
 all-ranks gradient-norm all-reduce, and in forward-only evaluation (no collective) the chain runs
 through the pass in between. One copy would not do once evaluation runs: colocated, or with the
 loss off pipeline group 0, a pass's first sends start before the end of the pass before is known
-to them. `runtime.reuse_order` replays passes and tests/runtime/test_reuse_order.py pins both for
+to them. `runtime.schedule.reuse_order` replays passes and tests/runtime/schedule/test_reuse_order.py pins both for
 every layout the schedule tests cover, training and evaluation interleaved; with two copies no
 handshake is needed.
 
@@ -55,7 +55,7 @@ from dataclasses import dataclass
 import torch
 
 from disagmoe.comm.base import TensorSpec
-from disagmoe.runtime.schedule import Op, Payload, Recv
+from disagmoe.wire import ArenaOverflow, Payload, Recv
 
 ALIGN = 256
 Slot = tuple[int, Payload, int, int]  # (source rank, payload, layer, micro-batch)
@@ -64,8 +64,6 @@ PairSlot = tuple[Payload, int, int]  # (payload, layer, micro-batch): one buffer
 PairOf = Callable[[Payload, int], tuple[TensorSpec, int] | tuple[TensorSpec, int, Sequence[TensorSpec]] | None]
 
 
-class ArenaOverflow(RuntimeError):
-    """A message did not fit its receive segment (a capacity factor below its rows)."""
 
 
 COPIES = 2  # segments per slot (module docstring)
@@ -185,9 +183,10 @@ class ArenaLayout:
     pairs: tuple[PairRegion, ...] = ()  # the pair-row receives' buffers (module docstring)
 
     @classmethod
-    def of_program(cls, program: Sequence[Op], specs_of, rank: int, capacity_factor: float | None = None,
+    def of_program(cls, program: Sequence[object], specs_of, rank: int, capacity_factor: float | None = None,
                    flag_words: int | None = None, copies: int = COPIES, pair_of: PairOf | None = None) -> ArenaLayout:
-        """The segments of `program`'s receives (peers other than `rank`); `specs_of(payload, layer)`
+        """The segments of `program`'s receives (a rank's schedule ops, of which only the `wire.Recv`s
+        are read; peers other than `rank`); `specs_of(payload, layer)`
         gives a message's specs; `flag_words`: the flag region's size if set by the largest rank.
         `pair_of(payload, layer)`: (rows [P, H], segments S) or (rows, S, extras) for a pair-row message,
         else None; such a receive gets a `PairRegion` per copy (sources: all its peers, `rank`
@@ -314,7 +313,7 @@ def overflow_message(slot: Slot, rows: int, capacity: int) -> str:
             f"to size buffers for the plan's worst case)")
 
 
-def symmetric_layouts(programs: Sequence[Sequence[Op]], specs_of, capacity_factor: float | None = None,
+def symmetric_layouts(programs: Sequence[Sequence[object]], specs_of, capacity_factor: float | None = None,
                       copies: int = COPIES, pair_of: PairOf | None = None) -> list[ArenaLayout]:
     """Every rank's layout with the flag region and the arena size of the largest (symmetric);
     `pair_of` as in `ArenaLayout.of_program` (the same on every rank)."""

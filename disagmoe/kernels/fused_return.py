@@ -18,7 +18,7 @@ The segment plan (segment per row, expected stores per segment) is computed on t
 the destination rows, with no host sync. A combine whose flags never come gives up after its
 timeout and records it in its status words (`kernels.signal`), read at the step's end.
 
-In the runtime with `hop: pair_rows` (`runtime.pair_return`): two copies of every destination and
+In the runtime with `hop: pair_rows` (`runtime.stages.pair_return`): two copies of every destination and
 its flags (message n of a slot writes copy (n - 1) mod 2, so a producer a step ahead cannot
 overwrite rows being combined); a source on the receiver's own GPU (colocated) runs before the
 combine in stream order.

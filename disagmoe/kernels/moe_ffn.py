@@ -22,8 +22,8 @@ import torch.nn.functional as F
 
 from disagmoe.kernels import grouped_gemm as gg
 from disagmoe.kernels.tile_configs import TileConfig, lookup
-from disagmoe.model.experts import autocast_operands
-from disagmoe.model.layers import hold_back
+from disagmoe.kernels.autocast import autocast_operands
+from disagmoe.kernels.deferral import hold_back
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,7 +122,7 @@ def moe_ffn_backward(
     still [E, ...], each expert's summed over its groups in ascending order.
     `main_grads` (w13's, w2's; e.g. FlatAdamW's fp32 buffers): a weight gradient is added into
     its main gradient by the GEMM itself and None is returned for it; inside
-    `model.layers.deferred_weight_grads` (both main gradients given) those GEMMs wait in its list."""
+    `kernels.deferral.deferred_weight_grads` (both main gradients given) those GEMMs wait in its list."""
     dh13_N2F = gg.ragged_rows_gemm(dy_NH, offsets_E, w2_EFH.transpose(1, 2), tiles.down_dgrad,
                                    epilogue=gg.EPILOGUE_SWIGLU_GRAD, h13_N2C=h13_N2F,
                                    num_programs=num_programs)
@@ -144,7 +144,7 @@ def moe_ffn_backward(
         return dw13_EH2F, dw2_EFH
 
     if main13 is not None and main2 is not None and hold_back(weight_grads):
-        return dx_NH, None, None  # into the main gradients later (`model.layers.deferred_weight_grads`)
+        return dx_NH, None, None  # into the main gradients later (`kernels.deferral.deferred_weight_grads`)
     dw13_EH2F, dw2_EFH = weight_grads()
     return dx_NH, None if main13 is not None else dw13_EH2F, None if main2 is not None else dw2_EFH
 

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from disagmoe.comm.symmetric import ArenaOverflow
+from disagmoe.wire import ArenaOverflow
 
 OVERFLOW, TIMED_OUT = 1, 2  # bits of the status's word 0
 # Kernel arguments that change from message to message (sequence numbers, flag indices, timeouts)

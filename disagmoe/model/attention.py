@@ -2,7 +2,7 @@
 
 Both take the normed hidden states [B, S, H] and return the attention output [B, S, H] (before
 the residual add). Attention itself is `F.scaled_dot_product_attention(is_causal=True)`. The
-projections are `DeferrableLinear`: inside `layers.deferred_weight_grads` their weight gradients
+projections are `DeferrableLinear`: inside `kernels.deferral.deferred_weight_grads` their weight gradients
 wait until the rank has sent the block's input gradient.
 
 Shape legend: B batch, S sequence, H hidden, n heads, g kv heads, D head dim, R rotary dims,

@@ -8,7 +8,7 @@ output rows are undefined (the loop backend returns zeros) and get no gradient.
 
 Backends: `loop` (one matmul pair per expert), `grouped_mm` (`torch._grouped_mm`, falling back to
 `loop` where the device or the shapes do not support it), `triton` (disagmoe.kernels.moe_ffn; with
-FlatAdamW's fp32 main gradients its weight-gradient GEMMs wait inside `layers.deferred_weight_grads`).
+FlatAdamW's fp32 main gradients its weight-gradient GEMMs wait inside `kernels.deferral.deferred_weight_grads`).
 
 Shape legend: N rows (token-expert pairs), H hidden, F expert FFN width, E experts.
 """
@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from disagmoe.kernels.autocast import autocast_operands
 from disagmoe.model.init import seeded_normal_
 
 ExpertFFN = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -30,18 +31,6 @@ BACKENDS = ("loop", "grouped_mm", "triton")
 def swiglu_rows(h_N2F: torch.Tensor) -> torch.Tensor:
     gate_NF, up_NF = h_N2F.chunk(2, dim=-1)
     return F.silu(gate_NF) * up_NF
-
-
-def autocast_operands(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Under autocast on the tensors' device: the tensors cast to the autocast dtype, as autocast
-    casts a matmul's operands (the casts' backward hands fp32 weights fp32 gradients); otherwise
-    unchanged. For ops autocast does not cover: `torch._grouped_mm` is not on its lists (pytorch
-    issue 174763), so fp32 master weights would make it run in fp32, far below the bf16 peak."""
-    device_type = tensors[0].device.type
-    if not torch.is_autocast_enabled(device_type):
-        return tensors
-    dtype = torch.get_autocast_dtype(device_type)
-    return tuple(t.to(dtype) if t.dtype in (torch.float32, torch.float16, torch.bfloat16) else t for t in tensors)
 
 
 def expert_ffn_loop(

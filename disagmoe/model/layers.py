@@ -1,5 +1,5 @@
 """Small building blocks: RMSNorm, rotary position embedding, the SwiGLU feed-forward, and the
-linear layer whose weight gradient can wait (`DeferrableLinear`, `deferred_weight_grads`).
+linear layer whose weight gradient can wait (`DeferrableLinear`, inside `kernels.deferral.deferred_weight_grads`).
 
 Shape legend: B batch, S sequence, H hidden, N tokens (B*S), D head dim, R rotary dims, F FFN width,
 I / O a linear layer's input / output features.
@@ -7,10 +7,9 @@ I / O a linear layer's input / output features.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -18,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from disagmoe.config import RopeScalingConfig
+from disagmoe.kernels.deferral import hold_back
 
 
 class _Fusion:
@@ -132,36 +132,6 @@ def apply_rope(x_BSnR: torch.Tensor, cos_SR: torch.Tensor, sin_SR: torch.Tensor)
     x1, x2 = x_BSnR[..., :half], x_BSnR[..., half:]
     rotated = torch.cat([-x2, x1], dim=-1)
     return x_BSnR * cos_SR[:, None, :] + rotated * sin_SR[:, None, :]
-
-
-class _HeldBack:
-    """The weight-gradient work held back inside `deferred_weight_grads` (None outside it). A
-    global, not a thread-local: on CUDA the autograd engine runs backward functions on its own
-    device thread."""
-
-    work: list[Callable[[], None]] | None = None
-
-
-@contextlib.contextmanager
-def deferred_weight_grads() -> Iterator[list[Callable[[], None]]]:
-    """Inside the block, a backward computes only the input gradients of the layers that can defer
-    (`DeferrableLinear`; the Triton experts with fp32 main gradients) and appends their weight-
-    gradient work to the yielded list; each item, run later, puts its gradient where the backward
-    would have. A rank sends d x first: the peer waits for it, while d w is needed only by the
-    optimizer step (DESIGN 3c's backward critical path)."""
-    previous, _HeldBack.work = _HeldBack.work, []
-    try:
-        yield _HeldBack.work
-    finally:
-        _HeldBack.work = previous
-
-
-def hold_back(work: Callable[[], None]) -> bool:
-    """Append `work` to the innermost `deferred_weight_grads` list; False outside one (run it now)."""
-    if _HeldBack.work is None:
-        return False
-    _HeldBack.work.append(work)
-    return True
 
 
 def _linear_weight_grad(dy_NO: torch.Tensor, x_NI: torch.Tensor) -> torch.Tensor:

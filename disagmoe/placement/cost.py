@@ -37,8 +37,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from disagmoe.config import Calibration, ModelConfig
-from disagmoe.roofline import calibration as cal
-from disagmoe.roofline import stages as st
+from disagmoe.roofline import calibration as cal, stages as st
 from disagmoe.roofline.ceilings import Ceilings
 from disagmoe.roofline.params import attention_params, count_params, expert_params, swiglu_params
 from disagmoe.roofline.stages import BF16, FP32, Num, Work
@@ -289,7 +288,7 @@ def evaluate(prob: Problem, c: Candidates) -> Cost:
         dispatch = st.all_to_all(tokens * token_row * (ep - 1.0), f_link, ep)  # ep = 1: no peer, no call
         combine = st.all_to_all(tokens * BF16 * H * (ep - 1.0), f_link, ep)
     else:
-        # The runtime's compact hop (`runtime.messages`): every token once to each expert GPU of its
+        # The runtime's compact hop (`runtime.stages.messages`): every token once to each expert GPU of its
         # replica set, one partial sum per token back, whatever k; the busier end of each hop.
         sources = dp / sets  # attention GPUs an expert GPU serves
         residual = np.where(p > 1, BF16 * tokens * (H + 2 * k), 0.0)  # the attention GPU's other send

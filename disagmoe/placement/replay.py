@@ -1,8 +1,8 @@
 """A layout's step time by replaying its schedule with the cost model's time of every op.
 
 The solver's closed form (`cost._pass_time`) prices each pass of a round as a ring pipeline; the
-replay runs the runtime's own op lists (`runtime.schedule.build_schedule`) through the replay of
-`runtime.schedule_sim` with each op's predicted seconds (`op_times`) and each message's transit on
+replay runs the runtime's own op lists (`runtime.schedule.schedule.build_schedule`) through the replay of
+`runtime.schedule.schedule_sim` with each op's predicted seconds (`op_times`) and each message's transit on
 its sender's link, so the bubbles are the schedule's: the forward's drain overlapping the
 backward's fill, the losses between them, the optimizer after the last backward (the runtime
 all-reduces there, the closed form hides it under the backward).
@@ -12,7 +12,7 @@ times, and so does every expert rank (the cost model prices the busiest), so the
 attention and one expert rank per pipeline group, whatever the GPU count. A step of r rounds is
 r - 1 rounds up to the last backward op plus one whole round (the optimizer once). Disaggregated
 layouts only: a colocated rank runs its ops back to back, which the closed form already prices.
-Imports no torch (`runtime.schedule` and `runtime.schedule_sim` are pure).
+Imports no torch (`runtime.schedule.schedule` and `runtime.schedule.schedule_sim` are pure).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from disagmoe.placement.cost import DENSE_OP, EXPERT_OP, HEAD_OP, MOE_OP, Candidates, Cost, Problem, group_time
-from disagmoe.runtime.roles import Layout, Role, RoleKind
-from disagmoe.runtime.schedule import (
+from disagmoe.runtime.schedule.roles import Layout, Role, RoleKind
+from disagmoe.runtime.schedule.schedule import (
     AttentionBackward,
     AttentionForward,
     ExpertBackward,
@@ -31,11 +31,10 @@ from disagmoe.runtime.schedule import (
     Loss,
     Op,
     OptimizerStep,
-    Payload,
-    Send,
     build_schedule,
 )
-from disagmoe.runtime.schedule_sim import SimulationResult, simulate
+from disagmoe.wire import Payload
+from disagmoe.runtime.schedule.schedule_sim import SimulationResult, simulate
 
 
 

@@ -452,7 +452,7 @@ HOP_NOTE_SHARE = 0.2  # dispatch + combine above this share of the summed stage 
 
 def _hop_note(stage_times: list[StageTime], step: float, top_k: int) -> list[str]:
     """A note when the hops weigh: they price the runtime's compact hop, which sends every token
-    to each expert GPU it routes through whatever top-k (`runtime.messages`)."""
+    to each expert GPU it routes through whatever top-k (`runtime.stages.messages`)."""
     hops = sum(s.time_s for s in stage_times if s.name.split(" (")[0] in ("dispatch", "combine"))
     total = sum(s.time_s for s in stage_times)
     if total <= 0 or hops / total <= HOP_NOTE_SHARE:

@@ -1,7 +1,7 @@
 """Predicted against measured, per schedule-op kind, for a real run's trace (`roofline --compare`).
 
 The trace is the `trace.json` `disagmoe train` writes with `trace: true` (Chrome trace events,
-`runtime.trace`): per rank, one span per op, named as the op ('AttentionForward L1 mb0', 'Send
+`runtime.observe.trace`): per rank, one span per op, named as the op ('AttentionForward L1 mb0', 'Send
 dispatch L0 mb1', 'Recv combine L0 mb1', 'Loss mb0', 'OptimizerStep'). A rank's spans split into
 steps after each 'OptimizerStep'. Measured, per kind, over the steps after the first (the first
 warms up; a one-step trace uses it) and every rank that runs the kind:
@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from disagmoe.config import ClusterConfig, HardwareConfig, ModelConfig, PlanConfig, TrainConfig, load_model
+from disagmoe.config import ClusterConfig, HardwareConfig, ModelConfig, PlanConfig, TrainConfig
+from disagmoe.model_ref import load_model
 from disagmoe.placement.cost import Candidates, evaluate
 from disagmoe.placement.replay import op_times, replayed_step_s
 from disagmoe.placement.solver import problem_of

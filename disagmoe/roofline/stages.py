@@ -191,7 +191,7 @@ def ring_allreduce(nbytes: Num, ranks: Num, scaleout_fraction: Num) -> Work:
 
 
 def optimizer_step(params: Num) -> Work:
-    """FlatAdamW's passes over the parameters in one step (runtime/flat_adamw.py): zero the fp32
+    """FlatAdamW's passes over the parameters in one step (runtime/state/flat_adamw.py): zero the fp32
     main gradients (write 4 bytes), their norm for clipping (read 4), the fused AdamW (read master,
     grad, m, v; write master, m, v: 28), the masters into the bf16 parameters (read 4, write 2)."""
     zero, norm, adamw, to_params = FP32, FP32, 4 * FP32 + 3 * FP32, FP32 + BF16

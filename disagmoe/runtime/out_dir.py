@@ -15,8 +15,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-CHECKPOINTS_DIR = "checkpoints"  # = runtime.trainer.CHECKPOINTS_DIR
-MANIFEST = "manifest.json"  # = runtime.checkpoint.MANIFEST
+CHECKPOINTS_DIR = "checkpoints"  # = runtime.training.trainer.CHECKPOINTS_DIR
+MANIFEST = "manifest.json"  # = runtime.state.checkpoint.MANIFEST
 # What writers leave while they work (sharded_checkpoint.staging_dir, checkpoint.prune_checkpoints,
 # trace.write_chrome_trace); none of it is ever read back.
 STALE_IN_CHECKPOINTS = (".staging-step-*", ".step-*.deleting")

@@ -15,9 +15,14 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from disagmoe.config import ModelConfig
+from disagmoe.config import ModelConfig, TrainConfig
 from disagmoe.model import MoEBlock, MoETransformer, RoutedExperts
 from disagmoe.runtime.topology import Topology
+
+
+def compute_dtype(cfg: TrainConfig) -> torch.dtype:
+    """The parameters' dtype for compute: bf16 (fp32 masters in FlatAdamW) or fp32."""
+    return torch.bfloat16 if cfg.compute_dtype_name == "bf16" else torch.float32
 
 
 def rank_model(cfg: ModelConfig, experts_backend: str, topology: Topology, rank: int) -> RankModel:
@@ -98,7 +103,7 @@ class RankModel(nn.Module):
 
     def expert_parameters(self) -> Iterator[nn.Parameter]:
         """Parameters of routed experts (sharded over the expert ranks; a replicated expert's slice
-        is also held by its other owners, `runtime.replicas`)."""
+        is also held by its other owners, `runtime.stages.replicas`)."""
         for name, param in self.named_parameters():
             if ".moe.experts." in name:
                 yield param

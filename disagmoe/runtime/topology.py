@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from disagmoe.config import ModelConfig, TrainConfig
-from disagmoe.runtime.colocated import build_colocated_schedule, rank_pairs
+from disagmoe.runtime.schedule.colocated import build_colocated_schedule, rank_pairs
 from disagmoe.runtime.plan_layout import (
     ExpertIds,
     ExpertOwners,
@@ -30,8 +30,8 @@ from disagmoe.runtime.plan_layout import (
     partition_owners,
     plan_placement,
 )
-from disagmoe.runtime.roles import LayerRing, Layout
-from disagmoe.runtime.schedule import Op, build_schedule
+from disagmoe.runtime.schedule.roles import LayerRing, Layout
+from disagmoe.runtime.schedule.schedule import Op, build_schedule
 
 
 def contiguous_expert_ids(num_experts: int, ranks: int) -> tuple[ExpertIds, ...]:

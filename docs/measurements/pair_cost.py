@@ -9,7 +9,7 @@ import torch
 from disagmoe.comm.base import PairLanding, PairTarget
 from disagmoe.model.experts import RoutedExperts
 from disagmoe.model.local_experts import local_expert_block
-from disagmoe.runtime import pair_return
+from disagmoe.runtime.stages import pair_return
 
 T, K, E, H, F, ST = 8192, 8, 128, 2048, 768, 256
 dev, dt = torch.device("cuda"), torch.bfloat16

@@ -11,7 +11,8 @@ from typer.testing import CliRunner
 from disagmoe.bench import calibrate as cal
 from disagmoe.bench.hardware import Measured
 from disagmoe.cli.app import app
-from disagmoe.config import Calibration, HardwareConfig, LinkCost, Plan, RatePoint, load_hardware, load_model
+from disagmoe.config import Calibration, HardwareConfig, LinkCost, Plan, RatePoint, load_hardware
+from disagmoe.model_ref import load_model
 
 runner = CliRunner()
 

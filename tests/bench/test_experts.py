@@ -7,7 +7,7 @@ import json
 import torch
 
 from disagmoe.bench import experts as bench
-from disagmoe.config import load_model
+from disagmoe.model_ref import load_model
 from disagmoe.kernels.permute import combine_reference, permute_reference
 
 

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from disagmoe.bench import layer as bench
 from disagmoe.cli.app import app
 from disagmoe.comm.symmetric import ALIGN, align
-from disagmoe.config import load_model
+from disagmoe.model_ref import load_model
 from disagmoe.kernels import fused_return as fr
 from disagmoe.kernels.moe_ffn import expert_ffn_reference
 from disagmoe.kernels.permute import permute_reference

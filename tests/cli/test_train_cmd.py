@@ -10,7 +10,7 @@ import yaml
 from typer.testing import CliRunner
 
 from disagmoe.cli.app import app
-from disagmoe.config import load_model
+from disagmoe.model_ref import load_model
 
 REPO = Path(__file__).resolve().parents[2]
 FAST = ["steps=3", "batch_size=4", "seq_len=32", "eval_every=0", "mode=single"]
@@ -172,7 +172,7 @@ def test_a_failed_rank_exits_1_with_the_report(tmp_path, monkeypatch):
 def test_a_killed_expert_actor_restarts_the_run_by_itself(tmp_path):
     """max_restarts=1 and the expert rank's process SIGKILLed during step 3 (fault_injection): one
     `warning: restart` line, exit 0, and the final loss of the same run in single mode (the oracle;
-    tests/runtime/test_driver.py compares with an uninterrupted disaggregated run bit for bit)."""
+    tests/runtime/cluster/test_driver.py compares with an uninterrupted disaggregated run bit for bit)."""
     run = ["steps=4", "batch_size=4", "seq_len=32", "eval_every=0", "checkpoint_every=2", "trace=false"]
     result = invoke("--config", _config(tmp_path), "--json", *run, "max_restarts=1",
                     "fault_injection.rank=1", "fault_injection.step=3")
@@ -272,12 +272,12 @@ def test_train_runs_a_single_gpu_plan_in_single_mode(tmp_path):
 def test_train_on_a_two_node_cluster_places_both_ranks_on_one_node_and_matches_the_embedded_run(tmp_path):
     """`train` (1 attention + 1 expert rank) through `ray_address` on a simulated two-node
     cluster (ray.cluster_utils, every node on 127.0.0.1): the head has 1 CPU, the worker node 2.
-    CPU ranks sit in one STRICT_PACK placement group (runtime/cluster.py), so both actors must run
+    CPU ranks sit in one STRICT_PACK placement group (runtime/cluster/cluster.py), so both actors must run
     on one node, the worker node (the only one with 2 CPUs), away from the driver's head node;
     the losses equal the embedded cluster's."""
     from ray.cluster_utils import Cluster
 
-    from disagmoe.runtime.cluster import _local_only_ray, loopback_interface
+    from disagmoe.runtime.cluster.cluster import _local_only_ray, loopback_interface
 
     run = ["steps=3", "batch_size=4", "seq_len=32", "eval_every=0", "trace=false", "--json",
            f"env.GLOO_SOCKET_IFNAME={loopback_interface()}"]

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch.multiprocessing as mp
 
-from disagmoe.runtime.cluster import free_port
+from disagmoe.runtime.cluster.cluster import free_port
 
 
 def run_ranks(ctx: Any, target: Callable, args_of: Callable[[int, Any], tuple], world: int, timeout_s: float,

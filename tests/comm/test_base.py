@@ -2,7 +2,8 @@ import pickle
 
 import pytest
 
-from disagmoe.comm.base import Direction, MessageKey, PeerFailure, TransportError, TransportTimeout
+from disagmoe.comm.base import PeerFailure, TransportError, TransportTimeout
+from disagmoe.wire import Direction, MessageKey
 
 KEY = MessageKey(step=3, micro_batch=1, layer=7, direction=Direction.BACKWARD)
 

@@ -14,7 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from disagmoe.comm.base import Direction, MessageKey, PeerFailure, TensorSpec, TransportError
+from disagmoe.comm.base import PeerFailure, TensorSpec, TransportError
+from disagmoe.wire import Direction, MessageKey
 from disagmoe.comm.local import LocalTransport
 
 WORLD = 3

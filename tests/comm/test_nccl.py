@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from disagmoe.comm.base import Direction, MessageKey, TensorSpec
+from disagmoe.comm.base import TensorSpec
+from disagmoe.wire import Direction, MessageKey
 
 pytestmark = [
     pytest.mark.gpu,

@@ -34,11 +34,11 @@ import torch.distributed as dist
 
 from disagmoe.comm.base import PairSpec, TensorSpec, Transport, TransportTimeout
 from disagmoe.comm.nvshmem import NvshmemTransport, SlotIndex, available, pair_destinations
-from disagmoe.comm.symmetric import ArenaOverflow, symmetric_layouts
+from disagmoe.comm.symmetric import symmetric_layouts
+from disagmoe.wire import ArenaOverflow, message_key, Payload, Recv, Send
 from disagmoe.kernels.signal import OVERFLOW, TIMED_OUT
-from disagmoe.runtime.messages import MessageShapes, message_key
-from disagmoe.runtime.roles import Layout
-from disagmoe.runtime.schedule import Payload, Recv, Send
+from disagmoe.runtime.stages.messages import MessageShapes
+from disagmoe.runtime.schedule.roles import Layout
 from disagmoe.runtime.topology import Topology
 
 WORLD, STEPS, MICRO_BATCHES = 2, 3, 2
@@ -741,7 +741,7 @@ def test_a_colocated_first_source_s_extras_do_not_break_a_saved_combine(fake_cud
     (shared by every view of the arena) must not fire (the review found it did)."""
     import dataclasses
 
-    from disagmoe.runtime.pair_return import combine_pairs
+    from disagmoe.runtime.stages.pair_return import combine_pairs
 
     transports = _cpu_transports(COLOCATED, log=fake_cuda.log)
     t0 = transports[0]

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from disagmoe.comm.base import TensorSpec
-from disagmoe.comm.symmetric import ALIGN, COPIES, ArenaOverflow, symmetric_layouts
-from disagmoe.runtime.messages import MessageShapes
-from disagmoe.runtime.roles import Layout
-from disagmoe.runtime.schedule import Payload, Recv
+from disagmoe.comm.symmetric import ALIGN, COPIES, symmetric_layouts
+from disagmoe.wire import ArenaOverflow, Payload, Recv
+from disagmoe.runtime.stages.messages import MessageShapes
+from disagmoe.runtime.schedule.roles import Layout
 from disagmoe.runtime.topology import Topology
 
 SHAPES = MessageShapes(rows=2, seq_len=8, hidden=16, top_k=2, num_experts=8, dtype=torch.bfloat16,

@@ -5,7 +5,8 @@ import itertools
 import pytest
 import torch
 
-from disagmoe.comm.base import Direction, MessageKey, TensorSpec, check_specs
+from disagmoe.comm.base import TensorSpec, check_specs
+from disagmoe.wire import Direction, MessageKey
 from disagmoe.comm.local import MAX_TENSORS, message_tag
 
 

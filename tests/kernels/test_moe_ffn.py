@@ -287,7 +287,7 @@ def test_weight_gradients_add_into_main_gradients(kernels, case):
 def test_deferred_weight_gradients_wait_for_their_launch(kernels):
     """Inside deferred_weight_grads the backward leaves the main gradients alone and returns the
     weight-gradient launches; running them adds exactly what the undeferred backward adds."""
-    from disagmoe.model.layers import deferred_weight_grads
+    from disagmoe.kernels.deferral import deferred_weight_grads
 
     gg, moe_ffn = kernels
     counts, hidden, ffn = RAGGED_CASES[0]
@@ -312,9 +312,9 @@ def test_the_expert_stage_holds_back_a_triton_blocks_weight_gradients(kernels):
     gradients, the triton backend): input gradients at once, weight gradients when run."""
     from disagmoe.config import OptimConfig
     from disagmoe.model.experts import RoutedExperts
-    from disagmoe.model.layers import deferred_weight_grads
+    from disagmoe.kernels.deferral import deferred_weight_grads
     from disagmoe.model.local_experts import local_expert_block
-    from disagmoe.runtime.flat_adamw import FlatAdamW
+    from disagmoe.runtime.state.flat_adamw import FlatAdamW
 
     g = torch.Generator().manual_seed(3)
     experts = RoutedExperts(3, 16, 24, backend="triton")

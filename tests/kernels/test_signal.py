@@ -4,7 +4,7 @@ tensors standing for peer buffers (flags raised before the waits: see the module
 import pytest
 import torch
 
-from disagmoe.comm.symmetric import ArenaOverflow
+from disagmoe.wire import ArenaOverflow
 
 
 @pytest.fixture

@@ -15,8 +15,9 @@ from torch.func import functional_call
 
 from disagmoe.config import ModelConfig, OptimConfig
 from disagmoe.model.block import DenseBlock
-from disagmoe.model.layers import DeferrableLinear, deferred_weight_grads
-from disagmoe.runtime.flat_adamw import FlatAdamW
+from disagmoe.model.layers import DeferrableLinear
+from disagmoe.kernels.deferral import deferred_weight_grads
+from disagmoe.runtime.state.flat_adamw import FlatAdamW
 
 CASES = {  # attention, dense FFN (the shared experts' SwiGLU) and the norms of one block
     "gqa": ("gqa", dict(dense_ffn_size=12)),

@@ -9,7 +9,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from disagmoe.config import load_model  # noqa: E402
+from disagmoe.model_ref import load_model  # noqa: E402
 from disagmoe.model.hf import export_hf, hf_config_from_model, load_hf  # noqa: E402
 from disagmoe.model.transformer import MoETransformer  # noqa: E402
 

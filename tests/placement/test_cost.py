@@ -4,7 +4,8 @@ real expert mapping, and the memory an expert map implies."""
 import numpy as np
 import pytest
 
-from disagmoe.config import ClusterConfig, PlanConfig, load_hardware, load_model
+from disagmoe.config import ClusterConfig, PlanConfig, load_hardware
+from disagmoe.model_ref import load_model
 from disagmoe.placement.cost import Candidates, _pass_time, evaluate, expert_layout
 from disagmoe.placement.experts import imbalance, map_layer
 from disagmoe.placement.solver import price, problem_of, solve

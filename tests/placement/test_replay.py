@@ -5,12 +5,13 @@ import sys
 
 import pytest
 
-from disagmoe.config import Calibration, ClusterConfig, LinkCost, PlanConfig, RatePoint, load_hardware, load_model
+from disagmoe.config import Calibration, ClusterConfig, LinkCost, PlanConfig, RatePoint, load_hardware
+from disagmoe.model_ref import load_model
 from disagmoe.placement.cost import Candidates, _pass_time, evaluate
 from disagmoe.placement.replay import OpTimes, op_times, replay_round, replayed_step_s
 from disagmoe.placement.solver import choose, price, problem_of
-from disagmoe.runtime.roles import RoleKind
-from disagmoe.runtime.schedule import Payload
+from disagmoe.runtime.schedule.roles import RoleKind
+from disagmoe.wire import Payload
 
 CASES = [(1, 1, 4), (1, 4, 4), (2, 2, 6), (2, 8, 6), (3, 4, 9), (1, 8, 3)]
 

@@ -7,7 +7,8 @@ import time
 import numpy as np
 import pytest
 
-from disagmoe.config import ClusterConfig, Plan, PlanConfig, load_hardware, load_model, preset_names
+from disagmoe.config import ClusterConfig, Plan, PlanConfig, load_hardware, preset_names
+from disagmoe.model_ref import load_model
 from disagmoe.placement.cost import Candidates, evaluate
 from disagmoe.placement.solver import MAX_SEQS_PER_GPU, choose, price, problem_of, solve
 

@@ -11,14 +11,16 @@ import pytest
 from typer.testing import CliRunner
 
 from disagmoe.cli.app import app
-from disagmoe.config import load_hardware, load_model, load_train_config
+from disagmoe.config import load_hardware, load_train_config
+from disagmoe.model_ref import load_model
 from disagmoe.placement.cost import evaluate
 from disagmoe.placement.replay import op_times
 from disagmoe.placement.solver import problem_of
 from disagmoe.placement.trace_compare import compare, measured_by_kind, op_kind, read_trace, run_request
-from disagmoe.runtime.roles import Layout
-from disagmoe.runtime.schedule import Send, build_schedule
-from disagmoe.runtime.trace import chrome_trace
+from disagmoe.runtime.schedule.roles import Layout
+from disagmoe.runtime.schedule.schedule import build_schedule
+from disagmoe.wire import Send
+from disagmoe.runtime.observe.trace import chrome_trace
 
 TRACE = Path(__file__).parent / "data" / "tiny-cpu-trace.json"
 CONFIG = Path(__file__).parents[2] / "configs" / "tiny-cpu.yaml"

@@ -8,7 +8,16 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from disagmoe.config import Calibration, ClusterConfig, HardwareConfig, LinkCost, PlanConfig, RatePoint, load_hardware, load_model
+from disagmoe.config import (
+    Calibration,
+    ClusterConfig,
+    HardwareConfig,
+    LinkCost,
+    PlanConfig,
+    RatePoint,
+    load_hardware,
+)
+from disagmoe.model_ref import load_model
 from disagmoe.placement.cost import ATTENTION_FIXED, EXPERT_FIXED, Candidates, evaluate
 from disagmoe.placement.solver import choose, problem_of
 from disagmoe.roofline.calibration import curve_fraction

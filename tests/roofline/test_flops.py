@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from disagmoe.config import load_model, preset_names
+from disagmoe.config import preset_names
+from disagmoe.model_ref import load_model
 from disagmoe.roofline.flops import step_flops
 from disagmoe.roofline.params import count_params
 

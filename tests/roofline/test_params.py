@@ -2,7 +2,7 @@
 
 import pytest
 
-from disagmoe.config import load_model
+from disagmoe.model_ref import load_model
 from disagmoe.roofline.params import count_params
 
 PUBLISHED = {  # name: (total, active), from the model cards / technical reports

@@ -5,7 +5,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from disagmoe.config import load_hardware, load_model
+from disagmoe.config import load_hardware
+from disagmoe.model_ref import load_model
 from disagmoe.roofline import stages as st
 from disagmoe.roofline.ceilings import Ceilings
 from disagmoe.roofline.flops import step_flops

@@ -72,6 +72,8 @@ def test_stale_staging_deleting_and_trace_files_are_swept_complete_checkpoints_k
 
 
 def test_names_agree_with_the_checkpoint_module():
-    from disagmoe.runtime import checkpoint, out_dir, trainer
+    from disagmoe.runtime import out_dir
+    from disagmoe.runtime.state import checkpoint
+    from disagmoe.runtime.training import trainer
 
     assert (out_dir.CHECKPOINTS_DIR, out_dir.MANIFEST) == (trainer.CHECKPOINTS_DIR, checkpoint.MANIFEST)

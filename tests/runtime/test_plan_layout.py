@@ -14,10 +14,11 @@ import pytest
 import ray
 
 from disagmoe.cli.plan_cmd import build_request, write_plan
-from disagmoe.config import Plan, TrainConfig, load_model
+from disagmoe.config import Plan, TrainConfig
+from disagmoe.model_ref import load_model
 from disagmoe.placement.cost import evaluate
 from disagmoe.placement.solver import best_index, colocated_candidates, disaggregated_candidates, price, problem_of, solve
-from disagmoe.runtime.driver import DistributedTrainer
+from disagmoe.runtime.cluster.driver import DistributedTrainer
 from disagmoe.runtime.plan_layout import apply_plan, load_plan, partition_owners, plan_placement, replaced_fields
 from disagmoe.runtime.topology import Topology, contiguous_expert_ids
 

@@ -2,7 +2,7 @@
 
 import torch
 
-from disagmoe.config import load_model
+from disagmoe.model_ref import load_model
 from disagmoe.model import MoETransformer
 from disagmoe.runtime.rank_model import RankModel
 

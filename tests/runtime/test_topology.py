@@ -2,8 +2,9 @@
 
 import pytest
 
-from disagmoe.config import TrainConfig, load_model
-from disagmoe.runtime.roles import Layout, RoleKind
+from disagmoe.config import TrainConfig
+from disagmoe.model_ref import load_model
+from disagmoe.runtime.schedule.roles import Layout, RoleKind
 from disagmoe.runtime.plan_layout import partition_owners
 from disagmoe.runtime.topology import Topology, contiguous_expert_ids
 

@@ -1,0 +1,360 @@
+"""The driver of a disaggregated or colocated run: actors, one call per rank per step, outputs.
+
+    trainer = DistributedTrainer(cfg)     # checks the configuration fits, then starts the actors
+    summary = trainer.run(on_step)        # metrics.jsonl, checkpoints, trace.json (first
+                                          # TRACE_MAX_STEPS steps); shuts the actors down
+
+Per step the driver makes one `train_step` call on every actor; the actors run the schedule and
+exchange tensors among themselves. What comes back is small: loss shares, expert loads, the
+gradient norm, compute time and trace spans. A failure is reported as `TrainingFailed` naming
+the rank at fault and what happened (it died, or it stopped delivering within recv_timeout_s),
+and the last checkpoint to resume from. With `max_restarts` = N > 0, `run` instead restarts
+itself up to N times (`runtime.cluster.restart`): one `RunWarning` line naming the failure, the actors
+killed, new ones started, the newest complete checkpoint loaded (the trace then covers the
+last start only).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+from ray.exceptions import RayActorError
+
+from disagmoe.config import ModelConfig, TrainConfig
+from disagmoe.model_ref import load_model
+from disagmoe.data import load_splits
+from disagmoe.roofline.flops import step_flops
+from disagmoe.runtime.batching import check_divisible
+from disagmoe.runtime.state.checkpoint import (
+    TrainerState,
+    check_compatible,
+    latest_checkpoint,
+    newest_loadable,
+    resume_checkpoint,
+    training_settings,
+    verify_checkpoint,
+    warn_changed_training,
+)
+from disagmoe.runtime.cluster.cluster import WorkerFailure, WorkerGroup
+from disagmoe.runtime.failures import RunWarning, TrainingFailed
+from disagmoe.runtime.stages.messages import MessageShapes, hop_mode, receive_layouts
+from disagmoe.runtime.observe.metrics import load_imbalance, mfu, peak_and_ceiling
+from disagmoe.runtime.state.optim import lr_at
+from disagmoe.runtime.plan_layout import apply_plan
+from disagmoe.runtime.rank_model import rank_model
+from disagmoe.runtime.cluster.restart import Fault, restart_line
+from disagmoe.runtime.state.sharded_checkpoint import finish_checkpoint, read_trainer_state, staging_dir
+from disagmoe.runtime.topology import Topology
+from disagmoe.runtime.observe.trace import busy_fractions, wait_fractions, write_chrome_trace
+from disagmoe.runtime.training.loop import StepCallback, TrainingLoop, TrainSummary, signals_held
+from disagmoe.runtime.out_dir import check_out_dir
+from disagmoe.runtime.training.trainer import CHECKPOINTS_DIR
+from disagmoe.runtime.cluster.worker import TrainWorker
+
+TRACE_FILE = "trace.json"
+TRACE_MAX_STEPS = 100  # spans of the first steps of a run only: a trace of every step grows unbounded
+MIN_CPUS_PER_RANK = 0.1  # more CPU actors than this allows would thrash the host
+PROBE_TIMEOUT_S = 2.0  # after a failure: an actor that does not answer `info` this fast is hung
+
+
+def step_timeout_s(cfg: TrainConfig) -> float:
+    """The driver's bound on one step: a hung peer is noticed by its peers after recv_timeout_s
+    (one receive), this backstop covers a rank stuck outside any receive."""
+    return 4 * cfg.recv_timeout_s + 60.0
+
+
+def training_state_bytes(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topology, rank: int) -> tuple[int, float]:
+    """(parameters, bytes of parameters, fp32 masters, fp32 main gradients and AdamW moments) of
+    one rank (`FlatAdamW`): 2 + 4 + 4 + 8 = 18 bytes per parameter in bf16 (fp32: the parameters
+    are the masters, 16); with `optim.shard_states` a replicated parameter keeps its masters and
+    moments only for its 1/D slice (ZeRO-1 over D ranks: 2 + 4 + 12 / D, fp32 4 + 4 + 8 / D)."""
+    named = list(rank_model(model_cfg, cfg.experts_backend, topology, rank).named_parameters())
+    params = sum(p.numel() for _, p in named)
+    replicated = sum(p.numel() for n, p in named if ".moe.experts." not in n)
+    bf16 = cfg.compute_dtype_name == "bf16"
+    param_bytes, state_bytes = (2 + 4, 4 + 8) if bf16 else (4 + 4, 8)  # (kept whole, sharded by ZeRO-1)
+    dp = topology.data_parallel
+    if not (cfg.optim.shard_states and topology.attention_role(rank) is not None and dp > 1):
+        return params, params * (param_bytes + state_bytes)
+    return params, (params - replicated) * (param_bytes + state_bytes) + replicated * (param_bytes + state_bytes / dp)
+
+
+def check_memory(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topology, capacity_bytes: float) -> None:
+    """ValueError naming the first rank whose parameters, gradients and AdamW moments (fp32;
+    `training_state_bytes`) and receive buffers (`messages.receive_layouts`: nccl's per slot,
+    nvshmem's symmetric arena) exceed one device's memory; activations are not counted."""
+    buffers = receive_layouts(cfg, MessageShapes.of_run(cfg, model_cfg, topology), topology)
+    for rank in range(topology.world_size):
+        params, state = training_state_bytes(cfg, model_cfg, topology, rank)
+        received = buffers[rank].nbytes
+        if state + received > capacity_bytes:
+            raise ValueError(
+                f"rank {rank} ({topology.describe(rank)}) holds {params:,} parameters: "
+                f"{state / 2**30:.1f} GiB of weights, fp32 masters, gradients and AdamW moments and "
+                f"{received / 2**30:.1f} GiB of receive buffers (activations not counted) on a "
+                f"{capacity_bytes / 2**30:.1f} GiB device; add expert ranks or pipeline groups "
+                "(`disagmoe plan` finds a layout that fits) or use more micro-batches"
+            )
+
+
+def check_fits(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topology) -> None:
+    """ValueError (with the numbers) for a configuration that cannot run, before any actor starts."""
+    world = topology.world_size
+    check_divisible(cfg.batch_size, cfg.micro_batches, topology.data_parallel)
+    if 2 * model_cfg.num_layers > 512:
+        raise ValueError(f"num_layers={model_cfg.num_layers}: the message tags hold at most 256 layers")
+    if model_cfg.tie_embeddings and topology.head_group != 0:
+        raise ValueError(
+            f"tie_embeddings needs the LM head on the embedding's pipeline group, but with "
+            f"{topology.pipeline_groups} groups and {model_cfg.num_layers} layers the head runs on group "
+            f"{topology.head_group}; choose pipeline_groups dividing num_layers"
+        )
+    factor = cfg.transport_capacity_factor
+    if factor is not None and (cfg.transport != "nvshmem" or factor < 1):
+        raise ValueError(
+            f"transport_capacity_factor={factor:g}: every message of this runtime has rows fixed by the run "
+            "(tokens per micro-batch), so its buffers are sized exactly and a factor below 1 cannot hold them; "
+            "it applies to transport: nvshmem only, at >= 1 (leave it unset)")
+    if cfg.ray_address is not None:
+        return  # a joined cluster's capacity is checked by Ray's placement (with the numbers)
+    if cfg.device == "cuda":
+        gpus = torch.cuda.device_count()
+        if world > gpus:
+            raise ValueError(f"{cfg.mode} needs {world} GPUs (one per rank), this host has {gpus}; "
+                             "lower the rank counts or join a larger cluster with ray_address")
+        if cfg.transport == "local":
+            raise ValueError("transport=local runs on CPU (gloo); use transport=nccl with device=cuda")
+        check_memory(cfg, model_cfg, topology, torch.cuda.get_device_properties(0).total_memory)
+    else:
+        cpus = os.cpu_count() or 1
+        if world > cpus / MIN_CPUS_PER_RANK:
+            raise ValueError(f"{cfg.mode} needs {world} CPU ranks but this host has {cpus} cores "
+                             f"(at most {int(cpus / MIN_CPUS_PER_RANK)} ranks); lower the rank counts")
+        if cfg.transport != "local":
+            raise ValueError(f"transport={cfg.transport} needs GPUs; on CPU use transport=local")
+
+
+def check_fault_injection(cfg: TrainConfig, topology: Topology) -> None:
+    fault = cfg.fault_injection
+    if fault is not None and fault.rank >= topology.world_size:
+        raise ValueError(f"fault_injection.rank={fault.rank} but the run has {topology.world_size} ranks "
+                         f"(0-{topology.world_size - 1}); choose one of them")
+
+
+class DistributedTrainer(TrainingLoop):
+    """A `mode: disaggregated | colocated` run (module docstring)."""
+
+    def __init__(self, cfg: TrainConfig, log_to_driver: bool = True, workers: WorkerGroup | None = None) -> None:
+        """`workers`: already started `TrainWorker` actors (with their process group) to reuse for
+        this run instead of starting new ones; they stay up afterwards (the caller shuts them down)."""
+        self.model_cfg = load_model(cfg.model)
+        self.cfg = cfg = apply_plan(cfg, self.model_cfg)  # a plan's layout, checked; inline for the workers
+        self.topology = Topology.from_config(cfg, self.model_cfg)
+        check_fits(cfg, self.model_cfg, self.topology)
+        self.hop, self.hop_reason = hop_mode(cfg, self.model_cfg, self.topology)
+        check_fault_injection(cfg, self.topology)
+        check_out_dir(Path(cfg.out_dir))  # before any actor starts
+        splits = load_splits(cfg.data, self.model_cfg.vocab_size, cfg.seq_len)  # data errors surface here
+        self.evaluates = splits.val is not None and cfg.eval_every > 0
+        self.out_dir = Path(cfg.out_dir)
+        self.checkpoint_root = self.out_dir / CHECKPOINTS_DIR
+        resume_from = self._resume_point() if cfg.resume else None
+        self.step = 0 if resume_from is None else read_trainer_state(resume_from).step
+        self.tokens_per_step = cfg.batch_size * cfg.seq_len
+        self.flops_per_step = step_flops(self.model_cfg, self.tokens_per_step, cfg.seq_len)
+        self.peak_flops, self.ceiling_flops = peak_and_ceiling(cfg, gpus=self.topology.world_size)
+        self.rank_names = {r: self.topology.describe(r) for r in range(self.topology.world_size)}
+        self.groups = [self.topology.group_name(r) for r in range(self.topology.world_size)]
+        self.log_to_driver = log_to_driver
+        self.fault = Fault(cfg.fault_injection, self.out_dir, fresh_run=not cfg.resume)
+        self.restarts = 0
+        self.owns_workers = workers is None
+        self._start(workers, resume_from)
+
+    def _start(self, workers: WorkerGroup | None, resume_from: Path | None) -> None:
+        """Start the actors (or take `workers`), set every rank up, load `resume_from` if given;
+        the trace starts empty."""
+        cfg = self.cfg
+        if workers is None:
+            workers = WorkerGroup.start(self.topology.world_size, cfg.device, cfg.env, cfg.ray_address,
+                                        worker_cls=TrainWorker, log_to_driver=self.log_to_driver)
+        elif workers.world_size != self.topology.world_size:
+            raise ValueError(f"{cfg.mode} needs {self.topology.world_size} ranks; the given workers are "
+                             f"{workers.world_size}")
+        self.workers = workers
+        try:
+            if self.owns_workers:
+                self.workers.init_process_group(timeout_s=cfg.recv_timeout_s)
+            self._call("setup", cfg.model_dump(mode="json"), self.topology)
+            if resume_from is not None:
+                self._call("load", str(resume_from))
+        except BaseException:
+            if self.owns_workers:
+                self.workers.shutdown()
+            raise
+        self.spans: dict[int, list[tuple[str, str, float, float]]] = {r: [] for r in self.rank_names}
+        self.traced_steps = 0
+
+    def _resume_point(self) -> Path:
+        """The checkpoint to resume from, checked against the model and the step count."""
+        directory, manifest = resume_checkpoint(self.checkpoint_root, verify_checkpoint)
+        check_compatible(manifest, self.model_cfg, directory)
+        warn_changed_training(manifest, self.cfg, directory)
+        step = read_trainer_state(directory).step
+        if step >= self.cfg.steps:
+            raise ValueError(f"checkpoint {directory} is at step {step}, already at steps={self.cfg.steps}; "
+                             "raise steps to train further")
+        return directory
+
+    # -- the run ---------------------------------------------------------------------------------
+
+    def run(self, on_step: StepCallback | None = None) -> TrainSummary:
+        """Train to `cfg.steps`, restarting after a failed rank up to `max_restarts` times, then
+        write the trace and shut the actors down (also on failure)."""
+        try:
+            failure: TrainingFailed | None = None
+            while True:
+                try:
+                    if failure is not None:
+                        self._restart(failure)
+                    return self._run(on_step)
+                except TrainingFailed as err:
+                    if self.restarts >= self.cfg.max_restarts:
+                        raise
+                    failure = err
+        finally:
+            if self.cfg.trace:
+                try:  # never in place of the run's outcome (its summary or its failure)
+                    write_chrome_trace(self.out_dir / TRACE_FILE, self.spans, self.rank_names)
+                except OSError as err:
+                    warnings.warn(f"trace not written: {self.out_dir / TRACE_FILE}: {err.strerror or err}",
+                                  RunWarning, stacklevel=2)
+            if self.owns_workers:
+                with signals_held("shutting the cluster down; signals are ignored until it is down"):
+                    self.workers.shutdown()
+
+    def _restart(self, failure: TrainingFailed) -> None:
+        """Tear the actor group down (a given group is left to its owner), print one line, start
+        new actors and load the newest complete checkpoint (none: start from step 0)."""
+        self.restarts += 1
+        resume_from = self._newest_checkpoint()
+        warnings.warn(restart_line(self.restarts, self.cfg.max_restarts, failure, resume_from), RunWarning,
+                      stacklevel=3)
+        if self.owns_workers:
+            self.workers.shutdown()
+        self.owns_workers = True
+        self.cfg = self.cfg.model_copy(update={"resume": True})  # metrics.jsonl is cut at the resumed step
+        self.step = 0 if resume_from is None else read_trainer_state(resume_from).step
+        self._start(None, resume_from)
+
+    def _newest_checkpoint(self) -> Path | None:
+        """The newest checkpoint whose shards all pass their sha256 (damaged ones: a warning each)."""
+        found = newest_loadable(self.checkpoint_root, verify_checkpoint)
+        return None if found is None else found[0]
+
+    def _train_one_step(self) -> dict[str, Any]:
+        cfg = self.cfg
+        lr = lr_at(self.step, cfg.optim, cfg.steps)
+        fault = (self.fault.arm(self.workers.actors[self.fault.spec.rank]) if self.fault.due(self.step + 1)
+                 else None)
+        start = time.perf_counter()
+        traced = self.cfg.trace and self.traced_steps < TRACE_MAX_STEPS
+        results = self._call("train_step", self.step, lr, traced, after_submit=fault)
+        self.traced_steps += traced
+        seconds = time.perf_counter() - start
+        self.step += 1
+        parts = {"ce": 0.0, "aux_loss": 0.0, "z_loss": 0.0}
+        load: dict[int, list[int]] = {}
+        for result in results:
+            for name, value in result.get("loss_parts", {}).items():
+                parts[name] += value
+            load.update(result["expert_load"])
+            self.spans[result["rank"]].extend(result["spans"])
+        load_LE = torch.tensor([load[layer] for layer in sorted(load)], dtype=torch.int64).reshape(
+            len(load), self.model_cfg.num_experts)
+        return {
+            "step": self.step,
+            "loss": parts["ce"] + parts["aux_loss"] + parts["z_loss"],
+            **parts,
+            "lr": lr,
+            "grad_norm": results[0]["grad_norm"],
+            "tokens": self.tokens_per_step,
+            "step_time_s": seconds,
+            "tokens_per_s": self.tokens_per_step / seconds,
+            "flops": self.flops_per_step,
+            "mfu": mfu(self.flops_per_step, seconds, self.peak_flops),
+            "mfu_ceiling": mfu(self.flops_per_step, seconds, self.ceiling_flops),
+            "routing": cfg.routing,
+            "precision": cfg.compute_dtype_name,
+            "peak_memory_gib": max((r["peak_memory_gib"] for r in results if r["peak_memory_gib"] is not None),
+                                   default=None),
+            "peak_memory_gib_per_rank": [r["peak_memory_gib"] for r in results],
+            "expert_load": load_LE.tolist(),
+            "load_imbalance": load_imbalance(load_LE),
+            "busy": busy_fractions([r["compute_s"] for r in results], seconds, self.groups),
+            "gpu_wait": wait_fractions([r.get("gpu_wait_s", {}) for r in results], seconds, self.groups),
+        }
+
+    def validate(self) -> float:
+        """Mean CE over `eval_batches` validation batches, as the oracle's `evaluate` defines it."""
+        results = self._call("evaluate", self.cfg.eval_batches)
+        return sum(r["ce"] for r in results) / self.cfg.eval_batches
+
+    def save(self) -> Path:
+        """Every rank writes its shard into a staging directory; the driver seals it."""
+        staging = staging_dir(self.checkpoint_root, self.step)
+        listings = self._call("save_shard", str(staging))
+        return finish_checkpoint(self.checkpoint_root, self.step, [e for e in listings if e is not None],
+                                 self.model_cfg, TrainerState.capture(self.step), training_settings(self.cfg))
+
+    def _call(self, method: str, *args: Any, after_submit: Callable[[], None] | None = None) -> list[Any]:
+        try:
+            return self.workers.call(method, *args, timeout_s=step_timeout_s(self.cfg), after_submit=after_submit)
+        except WorkerFailure as failure:
+            raise self._diagnose(failure, method) from failure
+
+    def _diagnose(self, failure: WorkerFailure, method: str) -> TrainingFailed:
+        """Name the rank at fault: a dead rank, else a hung one (its peers only time out), else the
+        rank that raised."""
+        rank, what = failure.rank, failure.reason
+        dead, hung = probe_ranks(self.workers.actors, PROBE_TIMEOUT_S)
+        if dead:
+            rank = min(dead)
+            what = f"{dead[rank]}; then {failure}"
+        elif hung:
+            rank = min(hung)
+            watched = ("; its watchdog printed the op it is stuck in and its stacks to its stderr"
+                       if method in ("train_step", "evaluate") else "")
+            what = (f"it is hung (busy past recv_timeout_s={self.cfg.recv_timeout_s:g} s and not answering "
+                    f"Ray{watched}); its peers report: {failure}")
+        checkpoint = latest_checkpoint(self.checkpoint_root)
+        resume = (f"resume from {checkpoint} with resume=true" if checkpoint is not None
+                  else "no checkpoint yet (checkpoint_every / checkpoint_minutes keep progress)")
+        name = self.rank_names.get(rank, "?")
+        report = f"rank {rank} ({name}) failed during {method} of step {self.step + 1}: {what}"
+        return TrainingFailed(rank, f"{report}; {resume}", report)
+
+
+def probe_ranks(actors: list[Any], timeout_s: float) -> tuple[dict[int, str], list[int]]:
+    """Ask every actor for `info`: ({rank: why it is dead}, [ranks that did not answer in time])."""
+    futures = {actor.info.remote(): rank for rank, actor in enumerate(actors)}
+    ready, pending = ray.wait(list(futures), num_returns=len(futures), timeout=timeout_s)
+    dead = {}
+    for ref in ready:
+        try:
+            ray.get(ref)
+        except RayActorError as err:
+            dead[futures[ref]] = f"its actor died ({str(err).strip().splitlines()[0]})"
+    return dead, sorted(futures[ref] for ref in pending)
+
+
+def train_distributed(cfg: TrainConfig, on_step: StepCallback | None = None) -> TrainSummary:
+    """Run a whole `mode: disaggregated | colocated` run (resuming if `cfg.resume`)."""
+    return DistributedTrainer(cfg).run(on_step)

@@ -1,0 +1,494 @@
+"""The training actor: one per rank; runs its schedule program for a whole step per driver call.
+
+    setup(cfg, topology)       build the rank's model part, optimizer, data, transport, groups
+    train_step(step, lr, trace)    run the program (compute ops, sends, receives), then the
+                               optimizer step; return this rank's metrics and trace spans
+    evaluate(batches)          the program's forward ops on validation batches, no gradients
+    save_shard(dir) / load(dir)    checkpoint shards in the layout-independent format
+
+The optimizer step, as in the oracle: wait for every send, all-reduce (sum) the replicated
+parameters' gradients within the data-parallel group and replicated experts' gradients among their
+owners (`runtime.stages.replicas`), clip every gradient by the global norm
+(sum of squares all-reduced once over all ranks, replicated parameters counted once), AdamW at the
+driver's learning rate, then the router-bias update from the step's expert loads summed over
+micro-batches and data-parallel ranks.
+
+A backward op returns the weight-gradient work it held back (`kernels.deferral.deferred_weight_grads`:
+the attention side's projections, the Triton experts); the worker issues the op's sends (its
+input gradients), then runs that work as an `AttentionWeightGrad` / `ExpertWeightGrad` span
+before the next op that is not a send.
+
+Collectives run on their own process groups, never on the default group the `local` transport
+uses for point-to-point messages, so collective and message tags cannot collide.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import re
+import time
+from contextlib import AbstractContextManager
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from disagmoe.comm import make_transport
+from disagmoe.comm.base import SendHandle, check_specs
+from disagmoe.wire import Direction, message_key, Payload, Recv, Send
+from disagmoe.config import TrainConfig
+from disagmoe.model_ref import load_model
+from disagmoe.data import TokenDataset, load_splits
+from disagmoe.runtime.stages.attention_stage import AttentionStage
+from disagmoe.runtime.cluster.cluster import Worker
+from disagmoe.runtime.stages.expert_stage import ExpertStage
+from disagmoe.runtime.observe.gpu_spans import GpuSpans
+from disagmoe.runtime.observe.metrics import no_host_syncs, out_of_memory_hint, peak_memory_gib
+from disagmoe.runtime.stages.messages import Mailbox, MessageShapes, receive_layouts
+from disagmoe.runtime.stages.pair_return import PairHop
+from disagmoe.model.layers import set_fusion
+from disagmoe.runtime.state.flat_adamw import FlatAdamW, Shard, flat_squares
+from disagmoe.runtime.rank_model import compute_dtype, rank_model
+from disagmoe.runtime.stages.replicas import ExpertReplicas
+from disagmoe.runtime.schedule.schedule import (
+    AttentionBackward,
+    AttentionForward,
+    ExpertBackward,
+    ExpertForward,
+    Loss,
+    Op,
+    OptimizerStep,
+    ReduceGradients,
+)
+from disagmoe.runtime.state.sharded_checkpoint import Listing, load_rank_state, rank_shard, write_shard
+from disagmoe.runtime.topology import Topology
+from disagmoe.runtime.observe.trace import SpanRecorder
+from disagmoe.runtime.cluster.watchdog import OpWatchdog
+
+REPLICATED, EXPERTS = "replicated", "experts"  # FlatAdamW buckets: all-reduced over data parallel, or not
+
+
+_LAYER = re.compile(r"^layers\.(\d+)\.")
+
+
+def reduce_bucket(name: str, num_layers: int) -> str:
+    """A parameter's FlatAdamW bucket: its experts', or the replicated parameters of the layer whose
+    last backward completes its gradient (`ReduceGradients`): `layers.<l>.*` -> l, the embedding
+    -> 0 (its last use, tied or not), the final norm and LM head -> num_layers."""
+    if ".moe.experts." in name:
+        return EXPERTS
+    match = _LAYER.match(name)
+    key = int(match.group(1)) if match else 0 if name.startswith("embed.") else num_layers
+    return f"{REPLICATED}.{key}"
+
+
+def _op_name(op: Op) -> str:
+    """A span name: e.g. 'AttentionForward L1 mb0', 'Recv dispatch L2 mb1'."""
+    if isinstance(op, (Send, Recv)):
+        return f"{type(op).__name__} {op.payload.value} L{op.layer} mb{op.micro_batch}"
+    if isinstance(op, Loss):
+        return f"Loss mb{op.micro_batch}"
+    if isinstance(op, OptimizerStep):
+        return "OptimizerStep"
+    if isinstance(op, ReduceGradients):
+        return f"ReduceGradients L{op.layer}"
+    return f"{type(op).__name__} L{op.layer} mb{op.micro_batch}"
+
+
+class TrainWorker(Worker):
+    """A rank of a disaggregated or colocated run (see the module docstring)."""
+
+    def setup(self, cfg_data: dict[str, Any], topology: Topology) -> None:
+        """Build this rank's part of a run; a second call replaces the first (warm actors, new run)."""
+        self._release()
+        cfg = TrainConfig.model_validate(cfg_data)
+        self.cfg, self.topology = cfg, topology
+        self.model_cfg = load_model(cfg.model)
+        if cfg.cpu_threads is not None and self.device.type == "cpu":
+            torch.set_num_threads(cfg.cpu_threads)
+        self.program = topology.programs(cfg.micro_batches)[self.rank]
+        self.world_group, self.dp_group = self._collective_groups(topology, cfg.recv_timeout_s)
+        self.shapes = MessageShapes.of_run(cfg, self.model_cfg, topology)
+        self.transport = make_transport(cfg.transport, cfg.recv_timeout_s, topology.rank_pairs(cfg.micro_batches),
+                                        layouts=receive_layouts(cfg, self.shapes, topology)
+                                        if cfg.transport == "nvshmem" else None)
+        attention = topology.attention_role(self.rank)
+        pair = PairHop.of(cfg) if self.shapes.pair_rows else None
+        set_fusion(cfg.fuse_elementwise)
+        self.model = rank_model(self.model_cfg, cfg.experts_backend, topology, self.rank).materialise(
+            self.device, cfg.seed)
+        self.model.set_routing(cfg.routing)
+        bucket_of = functools.partial(reduce_bucket, num_layers=topology.num_layers)
+        shards = {}
+        if cfg.optim.shard_states and attention is not None and topology.data_parallel > 1:
+            shard = Shard(self.dp_group, attention[1], topology.data_parallel)
+            shards = {base: shard for base in {bucket_of(n) for n, _ in self.model.named_parameters()}
+                      if base != EXPERTS}
+        self.optimizer = FlatAdamW(self.model.named_parameters(), cfg.optim, compute_dtype(cfg),
+                                   bucket_of=bucket_of, shards=shards)
+        self._reductions: list[tuple[str, Any]] = []  # (bucket name, work) of this step's started sums
+        self.replicas = ExpertReplicas(self.model, topology, self.rank)
+        self.attention, self.val_data = None, None
+        if attention is not None:
+            splits = load_splits(cfg.data, self.model_cfg.vocab_size, cfg.seq_len)
+            data = TokenDataset(splits.train, cfg.seq_len, cfg.batch_size, cfg.seed, "train")
+            if splits.val is not None:
+                self.val_data = TokenDataset(splits.val, cfg.seq_len, cfg.batch_size, cfg.seed, "val")
+            self.attention = AttentionStage(self.model, topology, self.rank, data, cfg.micro_batches,
+                                            pair=pair)
+            self.attention.wait_span = self._gpu_wait_span
+        self.experts = (ExpertStage(self.model, topology, self.rank, pair=pair,
+                                    tokens=self.shapes.tokens) if topology.expert_role(self.rank) else None)
+        for op in self.program:  # every receive buffer now, sized by the run's fixed message specs
+            if isinstance(op, Recv) and not self._is_pair(op):  # pair rows land in the transport's own buffers
+                for peer in op.peers:
+                    if peer != self.rank:
+                        self.transport.reserve(peer, message_key(0, op.payload, op.layer, op.micro_batch),
+                                               self.shapes.specs(op.payload, topology.is_moe(op.layer)))
+        self.recorder = SpanRecorder()
+        self.gpu_spans = GpuSpans(self.device) if self.device.type == "cuda" else None
+        self.watchdog = OpWatchdog(f"rank {self.rank} ({topology.describe(self.rank)})", cfg.recv_timeout_s)
+
+    def _collective_groups(self, topology: Topology, timeout_s: float) -> tuple[Any, Any]:
+        """The all-ranks group, this rank's data-parallel group and the groups of owners of
+        replicated experts it belongs to (every rank creates every group, in one order)."""
+        timeout = timedelta(seconds=timeout_s)
+        world = dist.new_group(list(range(topology.world_size)), timeout=timeout)
+        self._groups = [world]
+        mine = None
+        for ranks in topology.attention_groups:
+            group = dist.new_group(list(ranks), timeout=timeout)
+            if self.rank in ranks:
+                mine = group
+                self._groups.append(group)
+        self.replica_groups = {}
+        for ranks in topology.replica_groups():
+            group = dist.new_group(list(ranks), timeout=timeout)
+            if self.rank in ranks:
+                self.replica_groups[ranks] = group
+                self._groups.append(group)
+        self._connect_groups()
+        return world, mine
+
+    def _connect_groups(self) -> None:
+        """One tiny all-reduce on each of this rank's groups, in the order every rank created them:
+        NCCL builds a communicator at its first collective, blocking the host until every member
+        arrives, which inside a step could wait on a peer whose GPU waits on this rank's sends."""
+        token = torch.zeros(1, device=self.device)
+        for group in self._groups:
+            dist.all_reduce(token, group=group)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    # -- one step --------------------------------------------------------------------------------
+
+    def train_step(self, step: int, lr: float, trace: bool) -> dict[str, Any]:
+        """Run this rank's program for `step`; returns its metrics and (if `trace`) its spans. A CUDA
+        out-of-memory error comes back as one line naming the knobs (`metrics.OutOfMemory`)."""
+        with out_of_memory_hint(self.cfg, f"rank {self.rank} ({self.topology.describe(self.rank)})"):
+            return self._train_step(step, lr, trace)
+
+    def _train_step(self, step: int, lr: float, trace: bool) -> dict[str, Any]:
+        self.recorder.enabled = trace
+        if self.gpu_spans is not None:
+            self.gpu_spans.begin_step()
+        start = time.perf_counter()
+        self.optimizer.zero_grad()
+        if self.attention is not None:
+            self.attention.begin_step(step)
+        if self.experts is not None:
+            self.experts.begin_step()
+        mail = Mailbox(self.rank)
+        handles: list[SendHandle] = []
+        result: dict[str, Any] = {}
+        self._held_back = ("", [])
+        with no_host_syncs(self.cfg.forbid_host_syncs, self.device):
+            for op in self.program:
+                if not isinstance(op, Send):
+                    self._run_held_back(step)
+                with self.watchdog.op(f"step {step + 1}: {_op_name(op)}"):
+                    if isinstance(op, OptimizerStep):
+                        with self.recorder.span("wait for sends", "wait"):
+                            for handle in handles:
+                                handle.wait()
+                        with self._compute_span(_op_name(op)):
+                            result = self._optimizer_step(lr)
+                    else:
+                        self._run(op, step, mail, handles)
+                        handles[:] = [h for h in handles if not h.is_completed()]  # delivered: release buffers
+        assert mail.empty(), f"rank {self.rank}: messages left over after step {step}"
+        spans, compute_s = self._drain_spans()
+        result.update(self._read_step(result), rank=self.rank, compute_s=compute_s,
+                      gpu_wait_s=self.recorder.drain_waits(),
+                      step_s=time.perf_counter() - start, spans=spans,
+                      peak_memory_gib=peak_memory_gib(self.device))
+        return result
+
+    def _read_step(self, result: dict[str, Any]) -> dict[str, Any]:
+        """The step's device-side figures to the host, once: grad norm, loss shares, expert loads."""
+        parts = self.attention.loss_parts if self.attention is not None else {}
+        load_LE = result["expert_load"]
+        status = self.transport.status_word()
+        scalars = torch.stack([result["grad_norm"], *(v.float() for v in parts.values())]).double()
+        loads = load_LE.flatten().double() if load_LE is not None else scalars.new_zeros(0)  # exact below 2^53
+        tail = status.double() if status is not None else scalars.new_zeros(0)
+        values = torch.cat([scalars, loads, tail]).tolist()  # the one read
+        if status is not None:
+            self.transport.check_status([int(v) for v in values[len(values) - tail.numel():]])
+            del values[len(values) - tail.numel():]
+        read: dict[str, Any] = {"grad_norm": values[0]}
+        if parts:
+            read["loss_parts"] = dict(zip(parts, values[1:1 + len(parts)], strict=True))
+        if load_LE is None:
+            read["expert_load"] = {}
+        else:
+            flat = [int(v) for v in values[1 + len(parts):]]
+            E = load_LE.shape[1]
+            read["expert_load"] = {layer: flat[i * E:(i + 1) * E] for i, layer in enumerate(sorted(self.attention.load_LE))}
+        return read
+
+    @torch.no_grad()
+    def evaluate(self, batches: int) -> dict[str, Any]:
+        """The forward ops only (no gradients) over the first `batches` validation batches;
+        returns this rank's share of the summed per-batch mean CE (attention ranks)."""
+        forward = [op for op in self.program if isinstance(op, (AttentionForward, ExpertForward, Loss))
+                   or (isinstance(op, (Send, Recv)) and op.payload.direction is Direction.FORWARD)]
+        ce = 0.0
+        for batch in range(batches):
+            if self.attention is not None:
+                self.attention.begin_step(batch, self.val_data)
+            if self.experts is not None:
+                self.experts.begin_step()
+            if self.gpu_spans is not None:
+                self.gpu_spans.begin_step()
+            mail, handles = Mailbox(self.rank), []
+            for op in forward:
+                with self.watchdog.op(f"evaluation batch {batch}: {_op_name(op)}"):
+                    if isinstance(op, Loss):
+                        with self._compute_span(_op_name(op)):
+                            self.attention.loss(op.micro_batch, mail, backward=False)
+                    else:
+                        self._run(op, batch, mail, handles)
+            with self.watchdog.op(f"evaluation batch {batch}: wait for sends"):
+                for handle in handles:
+                    handle.wait()
+            if self.attention is not None:
+                ce += float(self.attention.loss_parts["ce"])
+            status = self.transport.status_word()
+            if status is not None:  # a message that did not fit or never came spoils this batch's loss
+                self.transport.check_status([int(v) for v in status.tolist()])
+        self._drain_spans()  # evaluation time is not part of any step's trace, busy or wait fraction
+        self.recorder.drain_waits()
+        return {"rank": self.rank, "ce": ce}
+
+    def _is_pair(self, op: Op) -> bool:
+        """A Send / Recv of a pair-row message (`hop: pair_rows`)."""
+        return self.shapes.is_pair(op.payload, self.topology.is_moe(op.layer))
+
+    def _pair_spec(self, payload: Payload, layer: int):
+        return self.shapes.pair_spec(payload, self.topology.expert_groups[self.topology.group_of_layer(layer)])
+
+    def _aim_pairs(self, op: ExpertForward | ExpertBackward, step: int, mail: Mailbox) -> None:
+        """Before an expert op of pair rows: where each receiver's rows go (`Transport.pair_target`):
+        the forward's to the next group's attention ranks, the backward's d x (with the load) to
+        the sources."""
+        forward = isinstance(op, ExpertForward)
+        payload = Payload.COMBINE if forward else Payload.DISPATCH_GRAD
+        key = message_key(step, payload, op.layer, op.micro_batch)
+        spec = self._pair_spec(payload, op.layer)
+        extras = () if forward else (self.experts.load_of(op.layer, op.micro_batch),)
+        for dst in self.experts.destinations if forward else self.experts.sources:
+            mail.aim(payload, op.layer, op.micro_batch, dst, self.transport.pair_target(dst, key, spec, extras))
+
+    def _run_pairs(self, op: Send | Recv, step: int, mail: Mailbox, handles: list[SendHandle]) -> None:
+        """The Send and Recv of a pair-row message: the rows were stored by the ExpertForward's
+        kernel (a one-sided transport's delivery; otherwise `pair_send` sends them), and the
+        receiver takes a view whose flags its combine waits on."""
+        key = message_key(step, op.payload, op.layer, op.micro_batch)
+        if isinstance(op, Send):
+            with self.recorder.span(_op_name(op), "send"):
+                for peer in op.peers:
+                    target = mail.release_target(op.payload, op.layer, op.micro_batch, peer)
+                    if peer != self.rank:
+                        handle = self.transport.pair_send(peer, key, target)
+                        if handle is not None:
+                            handles.append(handle)
+            return
+        with self.recorder.span(_op_name(op), "wait"):  # a view; the GPU waits in the combine (`wait_span`)
+            mail.land(op.payload, op.layer, op.micro_batch,
+                      self.transport.pair_landing(key, self._pair_spec(op.payload, op.layer)))
+
+    def _run(self, op: Op, step: int, mail: Mailbox, handles: list[SendHandle]) -> None:
+        if isinstance(op, (Send, Recv)) and self._is_pair(op):
+            self._run_pairs(op, step, mail, handles)
+            return
+        if isinstance(op, Send):
+            with self.recorder.span(_op_name(op), "send"):
+                for peer in op.peers:
+                    if peer != self.rank:  # to itself: already delivered by `Mailbox.post`
+                        key = message_key(step, op.payload, op.layer, op.micro_batch)
+                        tensors = mail.outgoing(op.payload, op.layer, op.micro_batch, peer)
+                        check_specs(tensors, self.shapes.specs(op.payload, self.topology.is_moe(op.layer)),
+                                    f"rank {self.rank}: {_op_name(op)} to rank {peer}")  # metadata only
+                        handles.append(self.transport.send(peer, key, tensors))
+            return
+        if isinstance(op, ReduceGradients):
+            with self.recorder.span(_op_name(op), "send"):
+                self._start_reduction(f"{REPLICATED}.{op.layer}")
+            return
+        if isinstance(op, Recv):
+            with self.recorder.span(_op_name(op), "wait"):
+                for peer in op.peers:
+                    if peer == self.rank:
+                        assert mail.has(op.payload, op.layer, op.micro_batch, peer)
+                        continue
+                    key = message_key(step, op.payload, op.layer, op.micro_batch)
+                    specs = self.shapes.specs(op.payload, self.topology.is_moe(op.layer))
+                    with self._gpu_wait_span(_op_name(op)):
+                        tensors = self.transport.recv(peer, key, specs)
+                    mail.deliver(op.payload, op.layer, op.micro_batch, peer, tensors)
+            return
+        with self._compute_span(_op_name(op)):
+            if isinstance(op, AttentionForward):
+                self.attention.forward(op.layer, op.micro_batch, mail)
+            elif isinstance(op, ExpertForward):
+                if self.shapes.pair_rows:
+                    self._aim_pairs(op, step, mail)
+                self.experts.forward(op.layer, op.micro_batch, mail)
+            elif isinstance(op, Loss):
+                self.attention.loss(op.micro_batch, mail)
+            elif isinstance(op, ExpertBackward):
+                if self.shapes.pair_rows:
+                    self._aim_pairs(op, step, mail)
+                self._held_back = (f"ExpertWeightGrad L{op.layer} mb{op.micro_batch}",
+                                   self.experts.backward(op.layer, op.micro_batch, mail))
+            elif isinstance(op, AttentionBackward):
+                self._held_back = (f"AttentionWeightGrad L{op.layer} mb{op.micro_batch}",
+                                   self.attention.backward(op.layer, op.micro_batch, mail))
+            else:
+                raise AssertionError(f"unknown op {op!r}")
+
+    def _run_held_back(self, step: int) -> None:
+        """The weight-gradient work the last backward op held back (`deferred_weight_grads`), as
+        its own compute span, now that the sends after that op (its input gradients) are issued:
+        before the next op that is not a send, so before any `ReduceGradients` or `OptimizerStep`
+        reads those gradients, and before a receive waits for a peer."""
+        span, work = self._held_back
+        self._held_back = ("", [])
+        if not work:
+            return
+        with self.watchdog.op(f"step {step + 1}: {span}"), self._compute_span(span):
+            for item in work:
+                item()
+
+    def _compute_span(self, name: str) -> AbstractContextManager[None]:
+        """A compute op's span: its GPU execution (CUDA events, no waiting) or, on CPU, its wall time."""
+        if self.gpu_spans is not None:
+            return self.gpu_spans.span(name)
+        return self.recorder.span(name, "compute")
+
+    def _gpu_wait_span(self, name: str) -> AbstractContextManager[None]:
+        """On a GPU, how long the stream stands still for a receive (stream-ordered: the events
+        around it), a `gpu-wait` span; on a CPU nothing (the host span around it says it)."""
+        if self.gpu_spans is not None:
+            return self.gpu_spans.span(name, "gpu-wait")
+        return contextlib.nullcontext()
+
+    def _drain_spans(self) -> tuple[list[tuple[str, str, float, float]], float]:
+        """The step's spans (GPU spans merged in) and its compute seconds."""
+        if self.gpu_spans is not None:
+            self.recorder.add_gpu_spans(self.gpu_spans.collect())
+        return self.recorder.drain()
+
+    def _start_reduction(self, base: str) -> None:
+        """Start the data-parallel sum of the buckets of `base` (async; waited in the optimizer step)."""
+        for b in self.optimizer.buckets:
+            if b.name.rsplit(".", 1)[0] == base and all(name != b.name for name, _ in self._reductions):
+                work = (self.optimizer.reduce_scatter(b, async_op=True) if b.shard is not None
+                        else dist.all_reduce(b.grad_N, group=self.dp_group, async_op=True))
+                self._reductions.append((b.name, work))
+
+    def _optimizer_step(self, lr: float) -> dict[str, Any]:
+        """Finish the main gradients' sums (those the schedule's `ReduceGradients` started in the
+        backward; the rest now), clip by the global norm, step; returns device tensors (the step's
+        one read happens in `train_step`)."""
+        if self.topology.data_parallel > 1 and self.topology.attention_role(self.rank) is not None:
+            for b in self.optimizer.buckets:
+                if b.name.startswith(REPLICATED):
+                    self._start_reduction(b.name.rsplit(".", 1)[0])
+        for _, work in self._reductions:
+            work.wait()  # on a GPU the stream waits, not the host
+        self._reductions = []
+        self.replicas.sum_gradients(self.replica_groups)
+        load_LE = self._step_load()
+        grad_norm = self._global_norm()
+        max_norm = self.cfg.optim.grad_clip
+        coef = torch.clamp(max_norm / (grad_norm + 1e-6), max=1.0) if max_norm > 0 else None
+        self.optimizer.step(lr, coef)
+        for layer, load_E in zip(sorted(self.attention.load_LE) if self.attention else [], load_LE):
+            self.model.block(layer).moe.router.update_bias(load_E)
+        attention = self.topology.attention_role(self.rank)
+        reports_load = attention is not None and attention[1] == 0 and len(load_LE)
+        return {"grad_norm": grad_norm, "expert_load": load_LE if reports_load else None}
+
+    def _step_load(self) -> torch.Tensor:
+        """[layers held here, E]: the step's expert loads summed over micro-batches and DP ranks
+        (layers in ascending order; empty without attention)."""
+        if self.attention is None or not self.attention.load_LE:
+            return torch.zeros((0, self.model_cfg.num_experts), dtype=torch.int64, device=self.device)
+        load_LE = torch.stack([self.attention.load_LE[l] for l in sorted(self.attention.load_LE)])
+        if self.topology.data_parallel > 1:
+            dist.all_reduce(load_LE, group=self.dp_group)
+        return load_LE
+
+    def _global_norm(self) -> torch.Tensor:
+        """Global L2 norm (fp32 device scalar) of the gradients over all ranks, replicas counted
+        once: a replicated bucket by data-parallel index 0 (ZeRO-1: every index its slice of the
+        sum), experts by their primary owner."""
+        attention = self.topology.attention_role(self.rank)
+        squares = torch.zeros((), dtype=torch.float64, device=self.device)
+        for b in self.optimizer.buckets:
+            if b.name.startswith(EXPERTS):
+                for p in b.params:
+                    squares += self.replicas.squares(p)
+            elif b.shard is not None or attention is None or attention[1] == 0:
+                squares += flat_squares(b.step_grad())
+        dist.all_reduce(squares, group=self.world_group)
+        return squares.sqrt().float()
+
+    # -- checkpoints ---------------------------------------------------------------
+
+    def save_shard(self, directory: str) -> Listing | None:
+        """Write rank-<r>.pt under `directory`; None when this rank holds nothing unique."""
+        attention = self.topology.attention_role(self.rank)
+        include_replicated = attention is not None and attention[1] == 0
+        shard = rank_shard(self.model, self.optimizer, include_replicated,  # a collective under ZeRO-1
+                           lambda layer, expert: self.topology.owner_ranks(layer, expert)[0] == self.rank)
+        if not shard["model"]:
+            return None
+        return write_shard(Path(directory), f"rank-{self.rank:05d}.pt", shard)
+
+    def load(self, directory: str) -> None:
+        load_rank_state(Path(directory), self.model, self.optimizer, self.model_cfg)
+
+    def _release(self) -> None:
+        """Close the watchdog, transport and collective groups of a previous `setup`, if any."""
+        watchdog = getattr(self, "watchdog", None)
+        if watchdog is not None:
+            watchdog.close()
+            self.watchdog = None
+        transport = getattr(self, "transport", None)
+        if transport is not None:
+            transport.close()
+            self.transport = None
+        for group in getattr(self, "_groups", []):
+            if group is not None:
+                dist.destroy_process_group(group)
+        self._groups = []
+
+    def close(self) -> None:
+        self._release()
+        super().close()

@@ -1,0 +1,265 @@
+"""The attention side of one rank: embedding, its layers' non-expert parts, final norm, head, loss.
+
+Each compute op of the schedule is one *segment* of autograd graph. `AttentionForward(l)` first
+rebuilds layer l-1's output from what arrived (the residual stream and, after a MoE layer, one
+weighted partial sum per expert rank: h + sum_j partial_j (+ shared experts)), each received
+tensor a fresh leaf, then runs layer l's attention, router and shared experts and posts the
+compact dispatch (DESIGN 3c: the normed token rows once per expert rank, with their top-k ids and
+routing weights; `runtime.stages.messages`) and the residual stream for the next hop. The segment keeps
+its outputs; `AttentionBackward(l)` calls `torch.autograd.backward(outputs, grads)` with the
+gradients that came back (the expert ranks' d xn and d weights summed in rank order), and posts
+its leaves' gradients to where they came from; the weight gradients of the segment's projections
+(attention, shared experts, a dense layer's FFN: `model.layers.DeferrableLinear`) are held back
+and returned to the worker, which runs them once those gradients are sent (DESIGN 3c: the input
+gradient is the backward's critical path). Nothing here reads the device from the host.
+
+With `hop: pair_rows` (`runtime.stages.pair_return`) a MoE layer's output is rebuilt from one pair-row
+buffer instead: each (token, expert) row weighted by the routing weights, which came with the
+residual stream (their gradient goes back with it), combined as segments land; its gradient dy
+goes to every expert rank, and the backward sums each token's returned pair rows of d xn.
+
+The loss matches the oracle (`runtime.training.trainer`): micro-batch m of M is split over D
+data-parallel ranks; each rank backpropagates its share
+
+    CE_local / (D M)  +  (aux_share + z_local / D) / M        per MoE layer for the router terms
+
+where aux_share = coef E sum_e f_e P_e^(d) / D: f_e the micro-batch's load fraction over all D
+ranks, P^(d) this rank's mean routing probabilities. f is not known here in the forward pass;
+every expert rank of the group sees all D ranks' choices and returns the load with the
+gradients (DISPATCH_GRAD), so the aux term enters at `AttentionBackward` as the gradient
+coef E f / (D M) of P^(d). No collective runs inside a forward op (DESIGN 3c's NCCL ordering).
+
+Legend: B batch rows of this rank's piece, S sequence, H hidden, N tokens (B*S), K top-k, E experts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+
+import torch
+
+from disagmoe.data import TokenDataset
+from disagmoe.model import MoEBlock
+from disagmoe.kernels.deferral import deferred_weight_grads
+from disagmoe.model.loss import linear_cross_entropy
+from disagmoe.runtime.batching import batch_rows, inputs_and_targets
+from disagmoe.runtime.stages.messages import Mailbox
+from disagmoe.runtime.stages.pair_return import PairHop, combine_pairs, sum_pairs
+from disagmoe.runtime.rank_model import RankModel
+from disagmoe.wire import Payload
+from disagmoe.runtime.topology import Topology
+
+
+@dataclass
+class LayerInput:
+    """The leaves a segment starts from (layer `prev`'s output parts), for sending gradients back."""
+
+    prev: int  # the layer whose output this is
+    carry: list[torch.Tensor] = field(default_factory=list)  # residual-stream parts (leaves)
+    partials: list[torch.Tensor] = field(default_factory=list)  # per expert rank of `prev`: its partial sum
+    combined: torch.Tensor | None = None  # pair_rows: the combined expert output (its grad goes back)
+
+
+@dataclass
+class Segment:
+    """One AttentionForward's graph: its inputs and the outputs whose gradients come back later."""
+
+    inputs: LayerInput | None
+    dispatched: list[torch.Tensor]  # [xn_NH, topk_w_NK] as sent to every expert rank (dense: [])
+    carry: list[torch.Tensor]  # residual-stream parts sent to the next group
+    z_share: torch.Tensor | None = None  # z_local / (D M)
+    probs_E: torch.Tensor | None = None  # P^(d) of the aux loss (None without one)
+    router: object | None = None  # the layer's Router (aux weights from the returned load)
+
+
+class AttentionStage:
+    """Forward, loss and backward of the attention ops of one rank for one step at a time."""
+
+    def __init__(self, model: RankModel, topology: Topology, rank: int, data: TokenDataset,
+                 micro_batches: int, pair: PairHop | None = None) -> None:
+        """`pair`: `hop: pair_rows` with these settings (None: partial sums)."""
+        role = topology.attention_role(rank)
+        assert role is not None, f"rank {rank} runs no attention"
+        self.group, self.dp_index = role
+        self.model, self.topology, self.rank = model, topology, rank
+        self.data, self.micro_batches = data, micro_batches
+        self.dp = topology.data_parallel
+        self.num_experts = model.cfg.num_experts
+        self.layers = topology.attention_layers(rank)
+        self.pair = pair
+        # pair rows: the combine waits on the GPU inside this op; the worker times it as the receive
+        self.wait_span: Callable[[str], AbstractContextManager[None]] = lambda name: contextlib.nullcontext()
+        self.begin_step(0)
+
+    def begin_step(self, step: int, data: TokenDataset | None = None) -> None:
+        """Start step `step` of `data` (default: the training data); forgets the previous step."""
+        self.step = step
+        self.batch_data = self.data if data is None else data
+        self.segments: dict[tuple[int, int], Segment] = {}
+        device = self.model.device
+        zero = torch.zeros((), dtype=torch.float32, device=device)
+        self.loss_parts = {"ce": zero, "aux_loss": zero, "z_loss": zero}  # this rank's shares, on the device
+        self.load_LE = {layer: torch.zeros(self.num_experts, dtype=torch.int64, device=device)
+                        for layer in self.layers if self.topology.is_moe(layer)}
+        self._step_tokens = self._load_tokens() if self._reads_tokens() else None
+
+    # -- the data --------------------------------------------------------------------------------
+
+    def _reads_tokens(self) -> bool:
+        """The embedding's group (layer 0) and the head's (the loss) read the step's tokens."""
+        return self.group in (0, self.topology.head_group)
+
+    def _load_tokens(self) -> torch.Tensor:
+        """This rank's rows of every micro-batch of the step, int64 [M, b, S + 1], copied to the
+        device at the step's start, from pinned memory without the host waiting (a pageable copy
+        would wait for the GPU's queue inside the step)."""
+        pieces = [self.batch_data.rows(self.step, batch_rows(self.data.batch_size, self.micro_batches, self.dp,
+                                                              mb, self.dp_index))
+                  for mb in range(self.micro_batches)]
+        tokens_MBS1 = torch.stack(pieces)
+        device = self.model.device
+        if device.type == "cuda":
+            return tokens_MBS1.pin_memory().to(device, non_blocking=True)
+        return tokens_MBS1
+
+    def _tokens(self, micro_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return inputs_and_targets(self._step_tokens[micro_batch])
+
+    # -- receiving the previous layer ------------------------------------------------------------
+
+    def _previous_output(self, layer: int, mb: int, mail: Mailbox) -> tuple[torch.Tensor, LayerInput]:
+        """Layer `layer - 1`'s output rebuilt from received parts (each a leaf)."""
+        topo, prev = self.topology, layer - 1
+        source = topo.attention_rank(topo.group_of_layer(prev), self.dp_index)
+        parts = [t.detach().requires_grad_() for t in mail.take(Payload.RESIDUAL, prev, mb, source)]
+        inputs = LayerInput(prev, carry=parts)
+        if not topo.is_moe(prev):
+            return parts[0], inputs
+        experts = topo.expert_groups[topo.group_of_layer(prev)]
+        if self.pair is not None:  # pair rows, weighted by the weights that came with h
+            h_BSH, *shared, w_NK = parts
+            with self.wait_span(f"Recv {Payload.COMBINE.value} L{prev} mb{mb}"):  # waits and combines
+                ffn_NH = combine_pairs(mail.landing(Payload.COMBINE, prev, mb), w_NK, self.pair.segment_tokens,
+                                       self.pair.combine_programs(self.model.device))
+            if ffn_NH.requires_grad:
+                ffn_NH.retain_grad()
+            inputs.combined = ffn_NH
+        else:
+            inputs.partials = [mail.take(Payload.COMBINE, prev, mb, r)[0].detach().requires_grad_() for r in experts]
+            h_BSH, *shared = parts
+            ffn_NH = inputs.partials[0]
+            for partial_NH in inputs.partials[1:]:  # rank order: the same sum on every run
+                ffn_NH = ffn_NH + partial_NH
+        if shared:
+            ffn_NH = ffn_NH + shared[0]
+        return h_BSH + ffn_NH.view_as(h_BSH), inputs
+
+    def _post_input_grads(self, inputs: LayerInput, mb: int, mail: Mailbox) -> None:
+        topo, prev = self.topology, inputs.prev
+        if topo.is_moe(prev):
+            experts = topo.expert_groups[topo.group_of_layer(prev)]
+            if inputs.combined is not None:  # pair rows: every expert rank gets dy and forms its w dy
+                grads = [_grad(inputs.combined)] * len(experts)
+            else:
+                grads = [_grad(leaf) for leaf in inputs.partials]
+            for rank, grad in zip(experts, grads, strict=True):
+                mail.post(Payload.COMBINE_GRAD, prev, mb, rank, [grad])
+        source = topo.attention_rank(topo.group_of_layer(prev), self.dp_index)
+        mail.post(Payload.RESIDUAL_GRAD, prev, mb, source, [_grad(leaf) for leaf in inputs.carry])
+
+    # -- the ops ---------------------------------------------------------------------------------
+
+    def forward(self, layer: int, mb: int, mail: Mailbox) -> None:
+        """AttentionForward(layer, mb), in the parameters' dtype."""
+        if layer == 0:
+            x_BSH, inputs = self.model.embed(self._tokens(mb)[0]), None
+        else:
+            x_BSH, inputs = self._previous_output(layer, mb, mail)
+        block = self.model.block(layer)
+        topo = self.topology
+        nxt = topo.attention_rank(topo.next_group(self.group), self.dp_index)
+        if not isinstance(block, MoEBlock):
+            out_BSH = block(x_BSH)
+            mail.post(Payload.RESIDUAL, layer, mb, nxt, [out_BSH])
+            self.segments[(layer, mb)] = Segment(inputs, [], [out_BSH])
+            return
+        h_BSH = block.attention_part(x_BSH)
+        routing = block.route(h_BSH)
+        shared_NH = block.shared_ffn(routing)
+        dispatch = [routing.xn_NH, routing.topk_idx_NK.to(torch.int32), routing.topk_w_NK]
+        for rank in topo.expert_groups[self.group]:
+            mail.post(Payload.DISPATCH, layer, mb, rank, dispatch)
+        carry = [h_BSH] + ([] if shared_NH is None else [shared_NH])
+        dispatched = [routing.xn_NH, routing.topk_w_NK]
+        if self.pair is not None:  # the weights travel to where the pair rows are combined
+            carry.append(routing.topk_w_NK)
+            dispatched = [routing.xn_NH]
+        mail.post(Payload.RESIDUAL, layer, mb, nxt, carry)
+        router = block.moe.router
+        segment = Segment(inputs, dispatched, carry, router=router)
+        if router.cfg.z_loss_coef > 0:
+            segment.z_share = routing.z_loss.float() / (self.dp * self.micro_batches)
+            self.loss_parts["z_loss"] = self.loss_parts["z_loss"] + segment.z_share.detach()
+        if router.cfg.aux_loss_coef > 0:
+            segment.probs_E = router.mean_probs(routing.scores_NE).float()
+        self.segments[(layer, mb)] = segment
+        self.load_LE[layer] += routing.load_E
+
+    def loss(self, mb: int, mail: Mailbox, backward: bool = True) -> None:
+        """Loss(mb): the last layer's output, final norm, LM head, CE; backward at once (if asked)."""
+        last = self.topology.num_layers
+        x_BSH, inputs = self._previous_output(last, mb, mail)
+        ce = linear_cross_entropy(self.model.norm(x_BSH).flatten(0, 1), self.model.head_weight(),
+                                  self._tokens(mb)[1].flatten())
+        self.loss_parts["ce"] = self.loss_parts["ce"] + ce.detach() / (self.dp * self.micro_batches)
+        if backward:
+            (ce / (self.dp * self.micro_batches)).backward()
+            self._post_input_grads(inputs, mb, mail)
+
+    def backward(self, layer: int, mb: int, mail: Mailbox) -> list[Callable[[], None]]:
+        """AttentionBackward(layer, mb): posts the input gradients; returns the weight-gradient work
+        held back, for the worker to run once it has sent them."""
+        segment = self.segments.pop((layer, mb))
+        topo = self.topology
+        outputs, grads = [], []
+        if segment.dispatched:
+            if self.pair is not None:  # d xn: each token's pair rows summed; the load beside
+                landing = mail.landing(Payload.DISPATCH_GRAD, layer, mb)
+                outputs.append(segment.dispatched[0])
+                with self.wait_span(f"Recv {Payload.DISPATCH_GRAD.value} L{layer} mb{mb}"):
+                    grads.append(sum_pairs(landing, self.model.cfg.top_k, self.pair.segment_tokens,
+                                           self.pair.combine_programs(self.model.device)))
+                load_E = landing.extras[0]
+            else:
+                replies = [mail.take(Payload.DISPATCH_GRAD, layer, mb, rank) for rank in topo.expert_groups[self.group]]
+                for i, leaf in enumerate(segment.dispatched):  # d xn, d weights: summed over the expert ranks
+                    total = replies[0][i]
+                    for reply in replies[1:]:
+                        total = total + reply[i]
+                    outputs.append(leaf)
+                    grads.append(total)
+                load_E = replies[0][2]
+            if segment.probs_E is not None:  # the aux term, now that the micro-batch's load is known
+                weights_E = segment.router.aux_weights(load_E) / (self.dp * self.micro_batches)
+                outputs.append(segment.probs_E)
+                grads.append(weights_E)
+                self.loss_parts["aux_loss"] = self.loss_parts["aux_loss"] + (weights_E * segment.probs_E.detach()).sum()
+            if segment.z_share is not None:
+                outputs.append(segment.z_share)
+                grads.append(torch.ones_like(segment.z_share))
+        nxt = topo.attention_rank(topo.next_group(self.group), self.dp_index)
+        outputs += segment.carry
+        grads += mail.take(Payload.RESIDUAL_GRAD, layer, mb, nxt)
+        live = [(o, g) for o, g in zip(outputs, grads, strict=True) if o.requires_grad]
+        with deferred_weight_grads() as held:
+            torch.autograd.backward([o for o, _ in live], [g for _, g in live])
+        if segment.inputs is not None:
+            self._post_input_grads(segment.inputs, mb, mail)
+        return held
+
+
+def _grad(leaf: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(leaf) if leaf.grad is None else leaf.grad

@@ -1,0 +1,190 @@
+"""The expert side of one rank: its routed experts of every MoE layer of its group.
+
+`ExpertForward(l)` takes, from each attention rank d of the group, the compact dispatch (the
+layer's normed token rows once, their top-k expert ids and routing weights; `runtime.stages.messages`),
+maps every (token, k) pair to the local expert that serves it here or to "elsewhere"
+(`LocalRouting`), runs all its experts once over every source's tokens and posts to attention rank
+d of the next group one weighted partial sum per token (`model.local_experts`).
+`ExpertBackward(l)` backpropagates the partial sums' gradients that came back and posts each
+source its d xn and d routing weights, with the micro-batch's expert load over all sources (the
+attention ranks need it for the aux loss's gradient); with the triton backend the weight
+gradients are held back (`kernels.deferral.deferred_weight_grads`) and returned to the worker, which
+runs them once it has sent those, so the input gradients leave before the weight gradients are
+computed. Nothing reads the device from the host.
+
+With `hop: pair_rows` (`runtime.stages.pair_return`) the expert ops write their rows into the receivers'
+pair-row buffers instead of posting messages: ExpertForward stores each served (token, expert)
+row into the next group's attention rank's buffer, ExpertBackward each pair's d x into the
+source's (the load beside it), one launch pair per source; the worker aims them first.
+
+Replicated experts (a plan's hot experts): the attention rank of data-parallel index d (of D)
+sends its pairs of an expert with n owners to owner d mod n when D >= n, and splits them in token
+order over owners d, d + D, ... when D < n (`plan_layout.replica_rows`); every owner receives the
+whole dispatch and keeps exactly its share, computed on the device from the counts.
+
+Legend: D data-parallel sources, N tokens per source, K top-k, E experts of the layer, L local.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from disagmoe.model.dispatch import expert_counts
+from disagmoe.kernels.deferral import deferred_weight_grads
+from disagmoe.model.local_experts import local_expert_block
+from disagmoe.runtime.stages.messages import Mailbox
+from disagmoe.runtime.stages.pair_return import PairHop, PairRows, expert_pair_rows, expert_pair_rows_backward
+from disagmoe.runtime.rank_model import RankModel
+from disagmoe.wire import Payload
+from disagmoe.runtime.topology import Topology
+
+
+class LocalRouting:
+    """Which of one source's (token, k) pairs this rank serves, for one layer (module docstring).
+
+    Per expert e: `local_E[e]` its local index here (L = elsewhere); where this rank holds one of
+    several replicas that split the source's rows, `parts_E[e]` (how many owners share them) and
+    `part_E[e]` (which share is ours), else 1 and 0.
+    """
+
+    def __init__(self, topology: Topology, layer: int, index: int, dp_index: int, dp: int,
+                 device: torch.device) -> None:
+        owners = topology.expert_owners[layer]
+        held = [e for e, who in enumerate(owners) if index in who]
+        self.num_local = len(held)
+        local, parts, part = [self.num_local] * len(owners), [1] * len(owners), [0] * len(owners)
+        for i, e in enumerate(held):
+            who = owners[e]
+            r = who.index(index)
+            k = min(len(who), dp)
+            mine = [q for q in range(len(who)) if q % k == dp_index % k]  # the owners this source feeds
+            if r in mine:
+                local[e], parts[e], part[e] = i, len(mine), mine.index(r)
+        self.split = any(p > 1 for p in parts)
+        as_tensor = lambda v: torch.tensor(v, dtype=torch.int32, device=device)  # noqa: E731
+        self.local_E, self.parts_E, self.part_E = as_tensor(local), as_tensor(parts), as_tensor(part)
+
+    def __call__(self, topk_idx_NK: torch.Tensor) -> torch.Tensor:
+        """int32 [N, K]: the local expert serving each pair, or L."""
+        idx_NK = topk_idx_NK.long()
+        local_NK = self.local_E[idx_NK]
+        if not self.split:
+            return local_NK
+        flat_P = idx_NK.reshape(-1)
+        order_P = torch.argsort(flat_P, stable=True)  # the sender's row order within each expert
+        counts_E = expert_counts(idx_NK, self.local_E.numel())
+        starts_E = torch.cumsum(counts_E, 0) - counts_E
+        position_P = torch.empty_like(order_P).scatter_(
+            0, order_P, torch.arange(flat_P.numel(), device=flat_P.device) - starts_E[flat_P[order_P]])
+        parts_E, part_E = self.parts_E.long(), self.part_E.long()
+        base_E, extra_E = counts_E // parts_E, counts_E % parts_E  # `replica_shares`: earlier parts one more
+        lo_E = part_E * base_E + torch.minimum(part_E, extra_E)
+        hi_E = lo_E + base_E + (part_E < extra_E).long()
+        ours_P = (position_P >= lo_E[flat_P]) & (position_P < hi_E[flat_P])
+        return torch.where(ours_P.view_as(idx_NK), local_NK, self.num_local).to(torch.int32)
+
+
+@dataclass
+class ExpertSegment:
+    inputs: list[torch.Tensor]  # leaves per source: xn rows, then routing weights
+    outputs: list[torch.Tensor]  # the partial sums per destination
+    load_E: torch.Tensor  # the micro-batch's expert load over all sources
+    pairs: list[PairRows] | None = None  # pair_rows: per source, what its backward needs
+
+
+class ExpertStage:
+    """Forward and backward of the expert ops of one rank."""
+
+    def __init__(self, model: RankModel, topology: Topology, rank: int,
+                 pair: PairHop | None = None, tokens: int = 0) -> None:
+        """`pair`: `hop: pair_rows` with these settings, for sources of `tokens` tokens (None:
+        partial sums)."""
+        role = topology.expert_role(rank)
+        assert role is not None, f"rank {rank} holds no experts"
+        self.group, index = role
+        self.model, self.topology, self.rank = model, topology, rank
+        self.sources = topology.attention_groups[self.group]
+        self.destinations = topology.attention_groups[topology.next_group(self.group)]
+        dp = len(self.sources)
+        self.routing = {layer: [LocalRouting(topology, layer, index, d, dp, model.device) for d in range(dp)]
+                        for layer in topology.experts_of(rank)}
+        self.segments: dict[tuple[int, int], ExpertSegment] = {}
+        self.pair = pair
+        if pair is not None:  # the down GEMM's per-segment store counts (zero between launches)
+            self.pair_counters_S = torch.zeros(-(-tokens // pair.segment_tokens), dtype=torch.int32,
+                                               device=model.device)
+
+    def begin_step(self) -> None:
+        self.segments = {}  # an evaluation pass leaves its forward segments behind
+
+    def forward(self, layer: int, mb: int, mail: Mailbox) -> None:
+        """ExpertForward(layer, mb)."""
+        messages = [mail.take(Payload.DISPATCH, layer, mb, src) for src in self.sources]
+        if self.pair is not None:
+            return self._forward_pairs(layer, mb, mail, messages)
+        xs = [xn_NH.detach().requires_grad_() for xn_NH, _, _ in messages]
+        ws = [w_NK.detach().requires_grad_(w_NK.is_floating_point()) for _, _, w_NK in messages]
+        local_TK = _cat([route(idx_NK) for route, (_, idx_NK, _) in zip(self.routing[layer], messages, strict=True)])
+        partial_TH = local_expert_block(_cat(xs), local_TK, _cat(ws), self.model.experts(layer))
+        outputs = list(partial_TH.split(xs[0].shape[0]))
+        for dst, partial_NH in zip(self.destinations, outputs, strict=True):
+            mail.post(Payload.COMBINE, layer, mb, dst, [partial_NH])
+        load_E = self._load(messages)
+        self.segments[(layer, mb)] = ExpertSegment(xs + ws, outputs, load_E)
+
+    def backward(self, layer: int, mb: int, mail: Mailbox) -> list[Callable[[], None]]:
+        """ExpertBackward(layer, mb): the input gradients now; returns the weight-gradient work
+        held back (the triton backend with fp32 main gradients; else none), for the worker to
+        run once it has sent these."""
+        segment = self.segments.pop((layer, mb))
+        grads = [mail.take(Payload.COMBINE_GRAD, layer, mb, dst)[0] for dst in self.destinations]
+        if segment.pairs is not None:  # d x returns as pair rows, with the load (`runtime.stages.pair_return`)
+            with deferred_weight_grads() as held:
+                for saved, dy_NH, src in zip(segment.pairs, grads, self.sources, strict=True):
+                    expert_pair_rows_backward(saved, dy_NH, mail.target(Payload.DISPATCH_GRAD, layer, mb, src),
+                                              self.pair_counters_S, self.pair.segment_tokens)
+            return held
+        with deferred_weight_grads() as held:
+            torch.autograd.backward(segment.outputs, grads)
+        D = len(self.sources)
+        for d, src in enumerate(self.sources):
+            x_leaf, w_leaf = segment.inputs[d], segment.inputs[D + d]
+            mail.post(Payload.DISPATCH_GRAD, layer, mb, src, [_grad(x_leaf), _grad(w_leaf), segment.load_E])
+        return held
+
+
+    def _load(self, messages) -> torch.Tensor:
+        """The micro-batch's expert load over all sources' dispatches (int64 [E])."""
+        return sum(expert_counts(idx_NK.long(), self.model.cfg.num_experts) for _, idx_NK, _ in messages)
+
+    def load_of(self, layer: int, mb: int) -> torch.Tensor:
+        """The micro-batch's expert load over all sources (int64 [E]) its forward counted."""
+        return self.segments[(layer, mb)].load_E
+
+    def _forward_pairs(self, layer: int, mb: int, mail: Mailbox, messages) -> None:
+        """ExpertForward with `hop: pair_rows`: one launch pair per source, its rows stored into its
+        destination's pair-row buffer (`runtime.stages.pair_return`); the weights' gradient is formed on
+        the attention side."""
+        xs = [xn_NH.detach().requires_grad_() for xn_NH, _, _ in messages]
+        ws = [w_NK.detach() for _, _, w_NK in messages]
+        experts = self.model.experts(layer)
+        pairs = []
+        for route, dst, x_leaf, (_, idx_NK, _), w_NK in zip(self.routing[layer], self.destinations, xs, messages, ws,
+                                                            strict=True):
+            pairs.append(expert_pair_rows(x_leaf, route(idx_NK), w_NK, experts,
+                                          mail.target(Payload.COMBINE, layer, mb, dst), self.pair_counters_S,
+                                          self.pair.segment_tokens, bands=self.pair.bands))
+        load_E = self._load(messages)
+        self.segments[(layer, mb)] = ExpertSegment(xs + ws, [], load_E, pairs)
+
+
+def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The sources' rows in source order (one source: itself, no copy)."""
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+
+
+def _grad(leaf: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(leaf) if leaf.grad is None else leaf.grad

@@ -1,0 +1,211 @@
+"""A rank's mail for one training step: what compute ops leave for the next hop, and what arrived.
+
+Compute ops never talk to the transport: they `post` tensors for a destination rank and `take`
+what their `Recv` ops collected. The worker moves posted messages with the schedule's `Send`
+ops (or straight into its own inbox when the destination is itself: p = 1 hand-over of the
+residual stream, a colocated rank's own expert slice) and files received ones with `Recv`.
+
+Every message's shapes are fixed by the run (`MessageShapes`), so receivers allocate (or reuse)
+their buffers without a header. With T tokens per data-parallel piece of a micro-batch (B/(M D)
+sequences of S), H hidden, K top-k, E experts, in the compute dtype (idx int32, load int64):
+
+    DISPATCH       A_g,d -> E_g,j    xn [T, H], top-k ids [T, K], routing weights [T, K]
+    COMBINE        E_g,j -> A_g+1,d  the weighted partial sum of E_g,j's experts [T, H]
+    RESIDUAL       A_g,d -> A_g+1,d  h [B, S, H] (+ shared experts' output [T, H])   (dense: out [B, S, H])
+    DISPATCH_GRAD  E_g,j -> A_g,d    d xn [T, H], d weights [T, K], the micro-batch's load over d [E]
+    COMBINE_GRAD   A_g+1,d -> E_g,j  d partial [T, H]
+    RESIDUAL_GRAD  as RESIDUAL, backwards
+
+With `hop: pair_rows` (`hop_mode`) three change. COMBINE becomes one pair-row message per (layer,
+micro-batch) that every expert rank of the set writes its pairs' rows into (`comm.base.PairSpec`:
+[T K, H], unweighted, each pair row t K + j from the rank serving it; `runtime.stages.pair_return`).
+RESIDUAL of a MoE layer also carries the routing weights [T, K], which the receiving attention rank
+combines with, so their gradient returns with RESIDUAL_GRAD. DISPATCH_GRAD becomes a pair-row
+message of each pair's d x [T K, H] (summed over a token's pairs on the receiver) carrying the
+load [E] as its extra; it has no d weights. COMBINE_GRAD stays dy [T, H]: each expert rank forms
+its pairs' w dy itself.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+from disagmoe.comm.base import PairLanding, PairSpec, PairTarget, TensorSpec
+from disagmoe.wire import Payload
+
+Slot = tuple[Payload, int, int]  # (payload, layer, micro-batch)
+PAIR_PAYLOADS = (Payload.COMBINE, Payload.DISPATCH_GRAD)  # pair-row messages with `hop: pair_rows`
+
+
+class Mailbox:
+    """Posted (outgoing) and received (incoming) messages of one rank, by slot and peer."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self._outgoing: dict[Slot, dict[int, list[torch.Tensor]]] = defaultdict(dict)
+        self._incoming: dict[Slot, dict[int, list[torch.Tensor]]] = defaultdict(dict)
+        self._targets: dict[tuple[Payload, int, int, int], PairTarget] = {}  # (payload, layer, mb, dst)
+        self._landings: dict[Slot, PairLanding] = {}  # pair rows that land here
+
+    def post(self, payload: Payload, layer: int, micro_batch: int, dst: int, tensors: list[torch.Tensor]) -> None:
+        """Leave `tensors` for `dst`; addressed to this rank, they arrive at once."""
+        box = self._incoming if dst == self.rank else self._outgoing
+        box[(payload, layer, micro_batch)][dst] = tensors
+
+    def outgoing(self, payload: Payload, layer: int, micro_batch: int, dst: int) -> list[torch.Tensor]:
+        """The tensors posted for `dst` (removed: each message leaves once)."""
+        box = self._outgoing[(payload, layer, micro_batch)]
+        assert dst in box, f"rank {self.rank}: nothing posted for rank {dst} in {payload.name} {layer}/{micro_batch}"
+        return box.pop(dst)
+
+    def deliver(self, payload: Payload, layer: int, micro_batch: int, src: int, tensors: list[torch.Tensor]) -> None:
+        self._incoming[(payload, layer, micro_batch)][src] = tensors
+
+    def has(self, payload: Payload, layer: int, micro_batch: int, src: int) -> bool:
+        return src in self._incoming.get((payload, layer, micro_batch), {})
+
+    def take(self, payload: Payload, layer: int, micro_batch: int, src: int) -> list[torch.Tensor]:
+        """The message from `src` (removed)."""
+        box = self._incoming[(payload, layer, micro_batch)]
+        assert src in box, f"rank {self.rank}: no {payload.name} {layer}/{micro_batch} from rank {src}"
+        return box.pop(src)
+
+    # pair-row messages (`hop: pair_rows`): the worker aims the expert op at the receivers' buffers
+    # before it runs, sends after it (`Transport.pair_send`), and files what lands for the combine.
+
+    def aim(self, payload: Payload, layer: int, micro_batch: int, dst: int, target: PairTarget) -> None:
+        self._targets[(payload, layer, micro_batch, dst)] = target
+
+    def target(self, payload: Payload, layer: int, micro_batch: int, dst: int) -> PairTarget:
+        """Where this rank's pair rows of (payload, layer, micro_batch) for `dst` go (kept for the send)."""
+        key = (payload, layer, micro_batch, dst)
+        assert key in self._targets, (f"rank {self.rank}: no pair-row target for rank {dst} in {payload.name} "
+                                      f"{layer}/{micro_batch}")
+        return self._targets[key]
+
+    def release_target(self, payload: Payload, layer: int, micro_batch: int, dst: int) -> PairTarget:
+        """The target, removed (the send op's)."""
+        self.target(payload, layer, micro_batch, dst)
+        return self._targets.pop((payload, layer, micro_batch, dst))
+
+    def land(self, payload: Payload, layer: int, micro_batch: int, landing: PairLanding) -> None:
+        self._landings[(payload, layer, micro_batch)] = landing
+
+    def landing(self, payload: Payload, layer: int, micro_batch: int) -> PairLanding:
+        """The pair rows of (payload, layer, micro_batch) that land here (removed)."""
+        key = (payload, layer, micro_batch)
+        assert key in self._landings, (f"rank {self.rank}: no pair rows of {payload.name} {layer}/{micro_batch} "
+                                       "received")
+        return self._landings.pop(key)
+
+    def empty(self) -> bool:
+        return not (any(self._outgoing.values()) or any(self._incoming.values()) or self._targets or self._landings)
+
+
+@dataclass(frozen=True)
+class MessageShapes:
+    """The fixed shapes of every message of a run (module docstring)."""
+
+    rows: int  # sequences per data-parallel piece of a micro-batch (B / (M D))
+    seq_len: int
+    hidden: int
+    top_k: int
+    num_experts: int
+    dtype: torch.dtype
+    shared_experts: bool
+    pair_rows: bool = False  # `hop: pair_rows` (module docstring)
+    segment_tokens: int = 256  # pair_rows: tokens per landing segment
+
+    @classmethod
+    def of_run(cls, cfg, model_cfg, topology) -> MessageShapes:
+        """The shapes of a run (`TrainConfig`, `ModelConfig`, `Topology`)."""
+        from disagmoe.runtime.rank_model import compute_dtype
+
+        return cls(rows=cfg.batch_size // (cfg.micro_batches * topology.data_parallel), seq_len=cfg.seq_len,
+                   hidden=model_cfg.hidden_size, top_k=model_cfg.top_k, num_experts=model_cfg.num_experts,
+                   dtype=compute_dtype(cfg),
+                   shared_experts=model_cfg.shared_ffn_size > 0,
+                   pair_rows=hop_mode(cfg, model_cfg, topology)[0] == "pair_rows",
+                   segment_tokens=cfg.pair_segment_tokens)
+
+    @property
+    def segments(self) -> int:
+        """Landing segments of a pair-row message (the last one may be short)."""
+        return -(-self.tokens // self.segment_tokens)
+
+    def pair_spec(self, payload: Payload, sources: tuple[int, ...]) -> PairSpec:
+        """A pair-row message (COMBINE, or DISPATCH_GRAD with the load as its extra) written by
+        expert ranks `sources` (in flag-block order)."""
+        rows, *extras = self.specs(payload, True)
+        return PairSpec(rows, self.segments, tuple(sources), tuple(extras))
+
+    def is_pair(self, payload: Payload, layer_is_moe: bool) -> bool:
+        """Whether this payload's message is a pair-row one in this run."""
+        return self.pair_rows and payload in PAIR_PAYLOADS and layer_is_moe
+
+    @property
+    def tokens(self) -> int:
+        return self.rows * self.seq_len
+
+    def specs(self, payload: Payload, layer_is_moe: bool) -> list[TensorSpec]:
+        T, H, K, dt = self.tokens, self.hidden, self.top_k, self.dtype
+        rows = TensorSpec((T, H), dt)
+        if payload in (Payload.DISPATCH,):
+            return [rows, TensorSpec((T, K), torch.int32), TensorSpec((T, K), dt)]
+        if payload is Payload.COMBINE and self.pair_rows:
+            return [TensorSpec((T * K, H), dt)]
+        if payload is Payload.DISPATCH_GRAD and self.pair_rows:  # d x per pair, then the load (an extra)
+            return [TensorSpec((T * K, H), dt), TensorSpec((self.num_experts,), torch.int64)]
+        if payload in (Payload.COMBINE, Payload.COMBINE_GRAD):
+            return [rows]
+        if payload is Payload.DISPATCH_GRAD:
+            return [rows, TensorSpec((T, K), dt), TensorSpec((self.num_experts,), torch.int64)]
+        stream = TensorSpec((self.rows, self.seq_len, H), dt)  # RESIDUAL, RESIDUAL_GRAD
+        parts = [stream, rows] if layer_is_moe and self.shared_experts else [stream]
+        if layer_is_moe and self.pair_rows:
+            parts.append(TensorSpec((T, K), dt))  # the routing weights, combined on the receiving rank
+        return parts
+
+
+def hop_mode(cfg, model_cfg, topology) -> tuple[str, str]:
+    """(hop, why) of a run: `cfg.hop`, with auto resolved. Per-pair rows move T K H values to an
+    attention rank where partial sums move Q T H (Q expert ranks of the set), so they win once
+    Q > top-k; they need the one-sided transport (or `local`, on CPU) and, on it, the triton
+    experts, whose down GEMM stores them."""
+    ranks = max((len(group) for group in topology.expert_groups), default=0)
+    k = model_cfg.top_k
+    if cfg.hop != "auto":
+        return cfg.hop, "as configured"
+    per_set = f"{ranks} expert rank{'' if ranks == 1 else 's'} per set"
+    if cfg.transport == "nvshmem" and cfg.experts_backend == "triton" and ranks > k:
+        return "pair_rows", f"{per_set} > top-k {k}: per-pair rows move fewer bytes"
+    why = (f"{per_set} <= top-k {k}: one partial sum per token per expert rank moves fewer bytes"
+           if ranks <= k else "pair rows need transport nvshmem with experts_backend triton")
+    return "partial_sums", why
+
+
+def receive_layouts(cfg, shapes: MessageShapes, topology) -> list:
+    """Every rank's receive buffers as `comm.symmetric` arenas, from every rank's program: for
+    `transport: nvshmem` the symmetric arenas it allocates (two copies of each slot, the largest
+    rank's size everywhere; a pair-row message one shared buffer with its flag block); otherwise
+    each rank's own buffers, one copy (as nccl reserves them; pair rows: one per source)."""
+    from disagmoe.comm.symmetric import ArenaLayout, symmetric_layouts
+
+    programs = topology.programs(cfg.micro_batches)
+
+    def specs_of(payload: Payload, layer: int) -> list[TensorSpec]:
+        return shapes.specs(payload, topology.is_moe(layer))
+
+    def pair_of(payload: Payload, layer: int) -> tuple[TensorSpec, int, tuple[TensorSpec, ...]] | None:
+        if not shapes.is_pair(payload, topology.is_moe(layer)):
+            return None
+        rows, *extras = shapes.specs(payload, True)
+        return rows, shapes.segments, tuple(extras)
+
+    if cfg.transport == "nvshmem":
+        return symmetric_layouts(programs, specs_of, capacity_factor=cfg.transport_capacity_factor,
+                                 pair_of=pair_of if shapes.pair_rows else None)
+    return [ArenaLayout.of_program(p, specs_of, rank, copies=1) for rank, p in enumerate(programs)]

@@ -1,0 +1,186 @@
+"""The step loop every training mode shares: train, validate, checkpoint, log, summarise.
+
+A mode (`SingleProcessTrainer`, `DistributedTrainer`) subclasses `TrainingLoop` and supplies one
+optimizer step (`_train_one_step`, returning the step's metrics record), a validation pass
+(`validate`) and a checkpoint (`save`). The loop validates every `eval_every` steps and at the
+end, checkpoints every `checkpoint_every` steps, whenever `checkpoint_minutes` passed since the
+last checkpoint, and at the end (keeping the newest `keep_checkpoints`), writes one JSONL record
+per step and averages any per-group `busy` fractions the records carry into the summary.
+
+SIGINT (Ctrl-C) or SIGTERM (a scheduler's preemption) stops the run gracefully: the step in
+flight finishes, a checkpoint is written and `TrainingInterrupted` says where to resume from. A
+second signal aborts at once.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from disagmoe.config import TrainConfig
+from disagmoe.runtime.state.checkpoint import checkpoint_dir, prune_checkpoints
+from disagmoe.runtime.failures import TrainingInterrupted
+from disagmoe.runtime.observe.metrics import MetricsLog, mfu
+from disagmoe.runtime.out_dir import clean_stale_files
+
+METRICS_FILE = "metrics.jsonl"
+_clock = time.monotonic  # for checkpoint_minutes (tests substitute a fake)
+StepCallback = Callable[[dict[str, Any]], None]
+
+
+@dataclass(frozen=True)
+class TrainSummary:
+    steps: int  # optimizer steps taken in total (including those before a resume)
+    final_loss: float | None
+    final_val_loss: float | None
+    tokens_per_s: float | None  # over this process's training steps (validation, checkpoints excluded)
+    mfu: float | None  # likewise; None without `hardware`
+    out_dir: str
+    metrics_path: str
+    checkpoint_path: str | None
+    busy: dict[str, float] | None = None  # distributed modes: per group, mean compute / step time
+    restarts: int = 0  # distributed modes: times the run restarted itself after a failed rank (max_restarts)
+    hop: str | None = None  # distributed modes: how expert outputs returned (`runtime.stages.messages.hop_mode`)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@contextmanager
+def signals_held(note: str) -> Iterator[None]:
+    """Inside the block SIGINT and SIGTERM are ignored (main thread only; elsewhere a no-op): a
+    shutdown that a second Ctrl-C interrupts leaves Ray's agents and actors behind. A signal that
+    arrives prints `note` once."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    told = []
+
+    def hold(signum: int, frame: object) -> None:
+        if not told:
+            told.append(signum)
+            sys.stderr.write(f"\n{note}\n")
+            sys.stderr.flush()
+
+    previous = {s: signal.getsignal(s) for s in StopRequest.SIGNALS}
+    for s in StopRequest.SIGNALS:
+        signal.signal(s, hold)
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+class StopRequest:
+    """Set by the first SIGINT / SIGTERM while installed; a second one raises KeyboardInterrupt."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.signal: str | None = None
+
+    @contextmanager
+    def installed(self) -> Iterator[StopRequest]:
+        """Handle the signals inside the block (only the main thread can; elsewhere a no-op)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield self
+            return
+        previous = {s: signal.getsignal(s) for s in self.SIGNALS}
+        for s in self.SIGNALS:
+            signal.signal(s, self._handle)
+        try:
+            yield self
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.signal is not None:
+            raise KeyboardInterrupt
+        self.signal = signal.Signals(signum).name
+        sys.stderr.write(f"\n{self.signal}: stopping after this step with a checkpoint (again to abort now)\n")
+        sys.stderr.flush()
+
+
+class TrainingLoop:
+    """Base of every mode; see the module docstring for what a subclass provides."""
+
+    cfg: TrainConfig
+    step: int
+    out_dir: Path
+    tokens_per_step: int
+    flops_per_step: float
+    peak_flops: float | None
+    evaluates: bool  # a validation split exists and eval_every > 0
+    restarts: int = 0  # automatic restarts so far (distributed modes: DistributedTrainer.run)
+
+    def _train_one_step(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def validate(self) -> float:
+        raise NotImplementedError
+
+    def save(self) -> Path:
+        raise NotImplementedError
+
+    def _checkpoint(self) -> Path:
+        """`save`, then delete all but the newest `keep_checkpoints`."""
+        checkpoint = self.save()
+        prune_checkpoints(checkpoint.parent, self.cfg.keep_checkpoints, checkpoint)
+        return checkpoint
+
+    def _run(self, on_step: StepCallback | None) -> TrainSummary:
+        cfg = self.cfg
+        metrics_path = self.out_dir / METRICS_FILE
+        last: dict[str, Any] = {}
+        last_val: float | None = None
+        checkpoint: Path | None = None
+        total_tokens, total_time = 0, 0.0
+        busy_sums: dict[str, float] = {}
+        steps_run = 0
+        last_save = _clock()
+        stop = StopRequest()
+        clean_stale_files(self.out_dir)
+        with stop.installed(), MetricsLog(metrics_path, resume_after_step=self.step if cfg.resume else None) as log:
+            while self.step < cfg.steps:
+                record = self._train_one_step()
+                total_tokens += record["tokens"]
+                total_time += record["step_time_s"]
+                steps_run += 1
+                for group, fraction in record.get("busy", {}).items():
+                    busy_sums[group] = busy_sums.get(group, 0.0) + fraction
+                if self.evaluates and (self.step % cfg.eval_every == 0 or self.step == cfg.steps):
+                    last_val = record["val_loss"] = self.validate()
+                due_by_time = cfg.checkpoint_minutes and _clock() - last_save >= 60 * cfg.checkpoint_minutes
+                at_end = self.step == cfg.steps and cfg.checkpoint_at_end
+                if (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0) or due_by_time or at_end:
+                    checkpoint, last_save = self._checkpoint(), _clock()
+                log.write(record)
+                if on_step is not None:
+                    on_step(record)
+                last = record
+                if stop.signal is not None and self.step < cfg.steps:
+                    if checkpoint is None or checkpoint.name != checkpoint_dir(checkpoint.parent, self.step).name:
+                        checkpoint = self._checkpoint()
+                    raise TrainingInterrupted(stop.signal, self.step, checkpoint)
+        return TrainSummary(
+            steps=self.step,
+            final_loss=last.get("loss"),
+            final_val_loss=last_val,
+            tokens_per_s=total_tokens / total_time if total_time > 0 else None,
+            mfu=mfu(self.flops_per_step * total_tokens / self.tokens_per_step, total_time, self.peak_flops),
+            out_dir=str(self.out_dir),
+            metrics_path=str(metrics_path),
+            checkpoint_path=None if checkpoint is None else str(checkpoint),
+            busy={g: total / steps_run for g, total in busy_sums.items()} if busy_sums and steps_run else None,
+            restarts=self.restarts,
+            hop=getattr(self, "hop", None),
+        )

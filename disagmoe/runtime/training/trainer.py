@@ -1,0 +1,314 @@
+"""Single-process training: the correctness oracle every distributed mode must reproduce.
+
+The loss of a step, precisely. The step's batch [B, S + 1] (`disagmoe.data`) is cut into M
+micro-batches by `batching.batch_rows` (one data-parallel rank). For micro-batch m, one forward
+over its whole [B/M, S] inputs gives
+
+    loss_m = CE_m + aux_m + z_m
+
+CE_m: mean next-token cross-entropy over the micro-batch's B/M * S tokens (fp32 log-softmax);
+aux_m, z_m: the router's load-balancing loss and z-loss as the model returns them (summed over MoE
+layers, weighted by their coefficients), computed over all tokens of the micro-batch, so a
+runtime that spreads a micro-batch over data-parallel ranks must combine the routing statistics
+of those ranks before forming them. The step loss is the mean over micro-batches,
+
+    loss = (1 / M) * sum_m loss_m
+
+and the gradients are those of this loss: each micro-batch backpropagates loss_m / M and the
+gradients accumulate. Then: clip to the global norm `optim.grad_clip`, AdamW step at `lr_at(step)`,
+and the router bias update from the step's expert loads summed over its micro-batches.
+Validation loss: mean CE over `eval_batches` fixed held-out batches (no auxiliary terms).
+
+Legend: B sequences per step, S sequence length, V vocabulary, L MoE layers, E experts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from disagmoe.config import ModelConfig, TrainConfig
+from disagmoe.model_ref import load_model
+from disagmoe.data import TokenDataset, load_splits
+from disagmoe.model import MoETransformer
+from disagmoe.model.layers import set_fusion
+from disagmoe.model.loss import linear_cross_entropy
+from disagmoe.roofline.flops import step_flops
+from disagmoe.runtime.rank_model import compute_dtype
+from disagmoe.runtime.batching import batch_rows, check_divisible, inputs_and_targets
+from disagmoe.runtime.state.flat_adamw import FlatAdamW
+from disagmoe.runtime.state.checkpoint import (
+    TrainerState,
+    load_checkpoint,
+    read_manifest,
+    resume_checkpoint,
+    save_checkpoint,
+    training_settings,
+    warn_changed_training,
+)
+from disagmoe.runtime.training.loop import StepCallback, TrainingLoop, TrainSummary
+from disagmoe.runtime.observe.metrics import (
+    load_imbalance,
+    mfu,
+    no_host_syncs,
+    out_of_memory_hint,
+    peak_and_ceiling,
+    peak_memory_gib,
+)
+from disagmoe.runtime.state.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
+
+CHECKPOINTS_DIR = "checkpoints"
+
+
+@dataclass(frozen=True)
+class StepResult:
+    loss: float
+    ce: float
+    aux_loss: float
+    z_loss: float
+    grad_norm: float
+    expert_load_LE: torch.Tensor  # int64, summed over micro-batches
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device=cuda but torch sees no CUDA GPU; set device=cpu or run on a GPU host")
+    return torch.device(device)
+
+
+@contextlib.contextmanager
+def torch_threads(threads: int | None) -> Iterator[None]:
+    """Use `threads` intra-op threads inside the block (None: leave torch's setting alone).
+
+    Tiny models gain nothing from several threads, and a busy host makes them much slower.
+    """
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def cross_entropy(logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy, computed in fp32 whatever the logits' dtype."""
+    return F.cross_entropy(logits_BSV.float().flatten(0, 1), targets_BS.flatten())
+
+
+def train_step(
+    model: MoETransformer,
+    optimizer: torch.optim.Optimizer,
+    tokens_BS1: torch.Tensor,
+    micro_batches: int,
+    lr: float,
+    grad_clip: float,
+) -> StepResult:
+    """One optimizer step over a batch, as defined in the module docstring."""
+    device = next(model.parameters()).device
+    batch_size = tokens_BS1.shape[0]
+    check_divisible(batch_size, micro_batches, 1)
+    model.train()
+    optimizer.zero_grad(set_to_none=True)
+    totals = torch.zeros(4, dtype=torch.float64)  # loss, ce, aux, z summed over micro-batches
+    load_LE = None
+    for m in range(micro_batches):
+        rows = batch_rows(batch_size, micro_batches, 1, m, 0)
+        inputs_BS, targets_BS = inputs_and_targets(tokens_BS1[rows].to(device))
+        out = model(inputs_BS)
+        ce = cross_entropy(out.logits_BSV, targets_BS)
+        loss = ce + out.aux_loss.float() + out.z_loss.float()
+        (loss / micro_batches).backward()
+        parts = torch.stack([loss, ce, out.aux_loss.float(), out.z_loss.float()]).detach()
+        totals += parts.double().cpu()
+        load = out.expert_load_LE.detach().cpu()
+        load_LE = load if load_LE is None else load_LE + load
+    grad_norm = clip_grad_norm(model.parameters(), grad_clip)
+    set_lr(optimizer, lr)
+    optimizer.step()
+    assert load_LE is not None
+    model.update_router_bias(load_LE.to(device))
+    loss, ce, aux, z = (totals / micro_batches).tolist()
+    return StepResult(loss=loss, ce=ce, aux_loss=aux, z_loss=z, grad_norm=grad_norm, expert_load_LE=load_LE)
+
+
+def train_step_flat(
+    model: MoETransformer,
+    optimizer: FlatAdamW,
+    tokens_BS1: torch.Tensor,
+    micro_batches: int,
+    lr: float,
+    grad_clip: float,
+    forbid_host_syncs: bool = False,
+) -> StepResult:
+    """`train_step` on the fast path: the same loss and update (module docstring) with the
+    parameters in the compute dtype, fp32 masters and main gradients in `optimizer`, the LM head
+    and loss in token chunks, and nothing read back from the device until the step is done
+    (`forbid_host_syncs`: any host wait before that raises)."""
+    device = next(model.parameters()).device
+    batch_size = tokens_BS1.shape[0]
+    check_divisible(batch_size, micro_batches, 1)
+    model.train()
+    tokens_BS1 = tokens_BS1.to(device)
+    with no_host_syncs(forbid_host_syncs, device):
+        totals, norm, load_LE = _flat_step_on_device(model, optimizer, tokens_BS1, micro_batches, lr, grad_clip)
+    read = torch.cat([(totals / micro_batches).double(), norm[None].double(), load_LE.flatten().double()]).cpu()
+    loss, ce, aux, z, grad_norm = read[:5].tolist()  # the step's one read (loads exact below 2^53)
+    return StepResult(loss=loss, ce=ce, aux_loss=aux, z_loss=z, grad_norm=grad_norm,
+                      expert_load_LE=read[5:].to(torch.int64).view_as(load_LE))
+
+
+def _flat_step_on_device(model: MoETransformer, optimizer: FlatAdamW, tokens_BS1: torch.Tensor, micro_batches: int,
+                         lr: float, grad_clip: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The body of `train_step_flat`: (summed loss parts, grad norm, expert loads), on the device."""
+    device, batch_size = tokens_BS1.device, tokens_BS1.shape[0]
+    optimizer.zero_grad()
+    totals = torch.zeros(4, dtype=torch.float32, device=device)  # loss, ce, aux, z summed over micro-batches
+    load_LE = torch.zeros((model.cfg.num_moe_layers, model.cfg.num_experts), dtype=torch.int64, device=device)
+    for m in range(micro_batches):
+        rows = batch_rows(batch_size, micro_batches, 1, m, 0)
+        inputs_BS, targets_BS = inputs_and_targets(tokens_BS1[rows])
+        out = model(inputs_BS, logits=False)
+        ce = linear_cross_entropy(out.hidden_BSH.flatten(0, 1), model.head_weight(), targets_BS.flatten())
+        loss = ce + out.aux_loss.float() + out.z_loss.float()
+        (loss / micro_batches).backward()
+        totals += torch.stack([loss, ce, out.aux_loss.float(), out.z_loss.float()]).detach()
+        load_LE += out.expert_load_LE
+    norm = optimizer.grad_squares().sqrt().float()
+    coef = torch.clamp(grad_clip / (norm + 1e-6), max=1.0) if grad_clip > 0 else None
+    optimizer.step(lr, coef)
+    model.update_router_bias(load_LE)
+    return totals, norm, load_LE
+
+
+@torch.no_grad()
+def evaluate(model: MoETransformer, dataset: TokenDataset, batches: int, micro_batches: int) -> float:
+    """Mean next-token cross-entropy over the first `batches` batches of a (validation) dataset."""
+    device = next(model.parameters()).device
+    model.eval()
+    total = torch.zeros((), device=device)
+    for b in range(batches):
+        tokens_BS1 = dataset.batch(b)
+        for m in range(micro_batches):
+            rows = batch_rows(dataset.batch_size, micro_batches, 1, m, 0)
+            inputs_BS, targets_BS = inputs_and_targets(tokens_BS1[rows].to(device))
+            out = model(inputs_BS, logits=False)
+            total = total + linear_cross_entropy(out.hidden_BSH.flatten(0, 1), model.head_weight(),
+                                                 targets_BS.flatten())
+    model.train()
+    return float(total) / (batches * micro_batches)
+
+
+
+
+class SingleProcessTrainer(TrainingLoop):
+    """Model, optimizer, data and outputs of a `mode: single` run."""
+
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+        self.model_cfg: ModelConfig = load_model(cfg.model)
+        self.device = resolve_device(cfg.device)
+        check_divisible(cfg.batch_size, cfg.micro_batches, 1)
+        splits = load_splits(cfg.data, self.model_cfg.vocab_size, cfg.seq_len)
+        self.train_data = TokenDataset(splits.train, cfg.seq_len, cfg.batch_size, cfg.seed, "train")
+        self.val_data = (
+            None if splits.val is None
+            else TokenDataset(splits.val, cfg.seq_len, cfg.batch_size, cfg.seed, "val")
+        )
+        self.evaluates = self.val_data is not None and cfg.eval_every > 0
+        torch.manual_seed(cfg.seed)
+        set_fusion(cfg.fuse_elementwise)
+        self.model = MoETransformer(self.model_cfg, experts_backend=cfg.experts_backend)
+        self.model.init_weights(cfg.seed)
+        self.model.to(self.device)
+        self.model.set_routing(cfg.routing)
+        self.oracle = cfg.compute_dtype_name == "fp32"  # plain AdamW on fp32 parameters: the reference
+        self.optimizer = (build_optimizer(self.model.named_parameters(), cfg.optim) if self.oracle
+                          else FlatAdamW(self.model.named_parameters(), cfg.optim, compute_dtype(cfg)))
+        self.out_dir = Path(cfg.out_dir)
+        self.checkpoint_root = self.out_dir / CHECKPOINTS_DIR
+        self.tokens_per_step = cfg.batch_size * cfg.seq_len
+        self.flops_per_step = step_flops(self.model_cfg, self.tokens_per_step, cfg.seq_len)
+        self.peak_flops, self.ceiling_flops = peak_and_ceiling(cfg, gpus=1)
+        self.step = 0
+        if cfg.resume:
+            self._resume()
+
+    def _resume(self) -> None:
+        """Load the newest checkpoint that loads (damaged newer ones skipped with a warning each),
+        warning about changed training settings."""
+        directory, state = resume_checkpoint(
+            self.checkpoint_root, lambda d: load_checkpoint(d, self.model, self.optimizer, self.model_cfg))
+        warn_changed_training(read_manifest(directory), self.cfg, directory)
+        state.restore_rng()
+        if state.step >= self.cfg.steps:
+            raise ValueError(
+                f"checkpoint {directory} is at step {state.step}, already at steps={self.cfg.steps}; "
+                f"raise steps to train further"
+            )
+        assert state.data_step == state.step, "this trainer draws the batch of step t at step t"
+        self.step = state.step
+
+    def save(self) -> Path:
+        return save_checkpoint(self.checkpoint_root, self.model, self.optimizer, self.model_cfg,
+                               TrainerState.capture(self.step), training_settings(self.cfg))
+
+    def run(self, on_step: StepCallback | None = None) -> TrainSummary:
+        """Train from the current step to `cfg.steps`, logging every step; returns the summary."""
+        with torch_threads(self.cfg.cpu_threads if self.device.type == "cpu" else None):
+            return self._run(on_step)
+
+    def validate(self) -> float:
+        return evaluate(self.model, self.val_data, self.cfg.eval_batches, self.cfg.micro_batches)
+
+    def _train_one_step(self) -> dict[str, Any]:
+        cfg = self.cfg
+        lr = lr_at(self.step, cfg.optim, cfg.steps)
+        tokens_BS1 = self.train_data.batch(self.step)
+        self._sync()
+        start = time.perf_counter()
+        with out_of_memory_hint(cfg):
+            if self.oracle:
+                result = train_step(self.model, self.optimizer, tokens_BS1, cfg.micro_batches, lr, cfg.optim.grad_clip)
+            else:
+                result = train_step_flat(self.model, self.optimizer, tokens_BS1, cfg.micro_batches, lr,
+                                         cfg.optim.grad_clip, cfg.forbid_host_syncs)
+        self._sync()
+        seconds = time.perf_counter() - start
+        self.step += 1
+        return {
+            "step": self.step,
+            "loss": result.loss,
+            "ce": result.ce,
+            "aux_loss": result.aux_loss,
+            "z_loss": result.z_loss,
+            "lr": lr,
+            "grad_norm": result.grad_norm,
+            "tokens": self.tokens_per_step,
+            "step_time_s": seconds,
+            "tokens_per_s": self.tokens_per_step / seconds,
+            "flops": self.flops_per_step,
+            "mfu": mfu(self.flops_per_step, seconds, self.peak_flops),
+            "mfu_ceiling": mfu(self.flops_per_step, seconds, self.ceiling_flops),
+            "routing": cfg.routing,
+            "precision": cfg.compute_dtype_name,
+            "peak_memory_gib": peak_memory_gib(self.device),
+            "expert_load": result.expert_load_LE.tolist(),
+            "load_imbalance": load_imbalance(result.expert_load_LE),
+        }
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+def train_single(cfg: TrainConfig, on_step: StepCallback | None = None) -> TrainSummary:
+    """Run a whole `mode: single` training run (resuming if `cfg.resume`)."""
+    return SingleProcessTrainer(cfg).run(on_step)

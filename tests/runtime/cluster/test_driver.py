@@ -1,0 +1,614 @@
+"""Distributed training on Ray actors (disagmoe/runtime/cluster/driver.py) against the single-process oracle.
+
+One Ray cluster serves the module, and warm actors (one group per world size) serve every run
+that does not break them; the failure tests start their own. The oracle is
+`SingleProcessTrainer` on the same config: same loss at every step, same parameters
+after the run (read back from the distributed run's checkpoint, which also tests the sharded
+checkpoint format against the single-mode loader).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+
+from disagmoe.cli.plan_cmd import build_request
+from disagmoe.config import OptimConfig, Plan, TrainConfig
+from disagmoe.model_ref import load_model
+from disagmoe.placement.cost import evaluate
+from disagmoe.placement.solver import best_index, colocated_candidates, disaggregated_candidates, price, problem_of
+from disagmoe.model import MoETransformer
+from disagmoe.runtime.state.checkpoint import checkpoint_dir, load_checkpoint, read_manifest, read_shards
+from disagmoe.runtime.cluster.cluster import WorkerGroup
+from disagmoe.comm.nvshmem import available as nvshmem_available
+from disagmoe.runtime.cluster.driver import DistributedTrainer, check_memory, training_state_bytes
+from disagmoe.runtime.stages.messages import MessageShapes, receive_layouts
+from disagmoe.runtime.failures import RunWarning, TrainingFailed
+from disagmoe.runtime.observe.metrics import read_metrics
+from disagmoe.runtime.state.optim import build_optimizer
+from disagmoe.runtime.plan_layout import apply_plan
+from disagmoe.runtime.cluster.restart import FAULT_RECORD, Fault
+from disagmoe.runtime.topology import Topology
+from disagmoe.runtime.training.loop import METRICS_FILE
+from disagmoe.runtime.training.trainer import CHECKPOINTS_DIR, SingleProcessTrainer
+from disagmoe.runtime.schedule.schedule import AttentionBackward
+from disagmoe.wire import Send
+from disagmoe.runtime.cluster.worker import TrainWorker, _op_name
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # actors run `_sleep` from here
+
+STEPS = 5
+TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    # Logical CPUs for every actor of the module (warm and fresh ones) on the 2 physical cores.
+    ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=32,
+             log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def warm(ray_cluster):
+    """world size -> a started group of TrainWorker actors, reused run after run."""
+    groups: dict[int, WorkerGroup] = {}
+
+    def workers(world_size: int) -> WorkerGroup:
+        if world_size not in groups:
+            groups[world_size] = WorkerGroup.start(world_size, "cpu", worker_cls=TrainWorker, log_to_driver=False)
+            groups[world_size].init_process_group(timeout_s=60)
+        return groups[world_size]
+
+    yield workers
+    for group in groups.values():
+        group.shutdown()
+
+
+def run_on(warm, cfg: TrainConfig):
+    world = Topology.from_config(cfg, cfg.model).world_size
+    return DistributedTrainer(cfg, workers=warm(world)).run()
+
+
+def tiny_model(bias_balancing: bool):
+    """The tiny preset: a leading dense layer, a shared expert, aux and z losses; optional bias."""
+    m = load_model("tiny")
+    return m.model_copy(update={"router": m.router.model_copy(
+        update={"bias_balancing": bias_balancing, "bias_update_rate": 1e-2})})
+
+
+def run_config(out: Path, mode: str, **fields) -> TrainConfig:
+    base = dict(model=tiny_model(fields.pop("bias_balancing", False)), mode=mode, steps=STEPS, batch_size=8,
+                seq_len=16, micro_batches=1, eval_every=STEPS, eval_batches=1, cpu_threads=1, recv_timeout_s=60,
+                optim=OptimConfig(lr=3e-3, warmup_steps=2), out_dir=str(out), trace=False)
+    return TrainConfig(**{**base, **fields})
+
+
+def oracle(cfg: TrainConfig, out: Path) -> tuple[list[dict], MoETransformer]:
+    single = cfg.model_copy(update={"mode": "single", "out_dir": str(out), "resume": False})
+    trainer = SingleProcessTrainer(single)
+    trainer.run()
+    return read_metrics(out / METRICS_FILE), trainer.model
+
+
+def model_from_checkpoint(cfg: TrainConfig, directory: Path) -> MoETransformer:
+    model = MoETransformer(cfg.model)
+    load_checkpoint(directory, model, build_optimizer(model.named_parameters(), cfg.optim), cfg.model)
+    return model
+
+
+def assert_same_losses(records: list[dict], reference: list[dict]) -> None:
+    assert [r["step"] for r in records] == [r["step"] for r in reference]
+    for got, want in zip(records, reference, strict=True):
+        assert ("val_loss" in got) == ("val_loss" in want)
+        for name in ("loss", "ce", "aux_loss", "z_loss", "val_loss")[:4 + ("val_loss" in want)]:
+            assert abs(got[name] - want[name]) <= TOLERANCE * abs(want[name]) + 1e-12, (got["step"], name)
+        assert got["expert_load"] == want["expert_load"]
+
+
+def assert_same_parameters(model: MoETransformer, reference: MoETransformer) -> None:
+    want = reference.state_dict()
+    for name, tensor in model.state_dict().items():
+        ref = want[name]
+        assert torch.linalg.vector_norm(tensor - ref) <= TOLERANCE * torch.linalg.vector_norm(ref) + 1e-12, name
+
+
+CASES = {
+    # (attention ranks, expert ranks, pipeline groups, micro-batches) and what else the case covers
+    "A1-E1-p1-m1": dict(attention_ranks=1, expert_ranks=1, pipeline_groups=1, micro_batches=1),
+    "A1-E2-p1-m2-bias": dict(attention_ranks=1, expert_ranks=2, pipeline_groups=1, micro_batches=2,
+                             bias_balancing=True),
+    "A2-E1-p1-m4": dict(attention_ranks=2, expert_ranks=1, pipeline_groups=1, micro_batches=4),
+    "A2-E2-p2-m2-bias": dict(attention_ranks=2, expert_ranks=2, pipeline_groups=2, micro_batches=2,
+                             bias_balancing=True),
+    "colocated-2": dict(mode="colocated", colocated_ranks=2, micro_batches=2),
+    # ZeRO-1: AdamW's state of the replicated parameters split over the data-parallel group
+    "A2-E1-p1-m2-zero": dict(attention_ranks=2, expert_ranks=1, pipeline_groups=1, micro_batches=2,
+                             optim=OptimConfig(lr=3e-3, warmup_steps=2, weight_decay=0.1, shard_states=True)),
+    "colocated-3-zero": dict(mode="colocated", colocated_ranks=3, micro_batches=2, batch_size=6,
+                             optim=OptimConfig(lr=3e-3, warmup_steps=2, shard_states=True)),
+    "colocated-3-bias": dict(mode="colocated", colocated_ranks=3, micro_batches=2, batch_size=6,
+                             bias_balancing=True),
+    # hop: pair_rows (every (token, expert) row returned as its own row; the transport's emulation on CPU):
+    # several expert ranks writing one buffer, data parallel, the weights riding RESIDUAL to another
+    # pipeline group, colocated ranks writing their own buffer
+    "pairs-A1-E2-p1-m2": dict(attention_ranks=1, expert_ranks=2, pipeline_groups=1, micro_batches=2, hop="pair_rows"),
+    "pairs-A2-E2-p2-m2": dict(attention_ranks=2, expert_ranks=2, pipeline_groups=2, micro_batches=2, hop="pair_rows"),
+    "pairs-colocated-3": dict(mode="colocated", colocated_ranks=3, micro_batches=2, batch_size=6, hop="pair_rows"),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_matches_the_single_process_oracle(warm, tmp_path, case):
+    fields = dict(CASES[case])
+    mode = fields.pop("mode", "disaggregated")
+    cfg = run_config(tmp_path / "dist", mode, **fields)
+    summary = run_on(warm, cfg)
+    reference, reference_model = oracle(cfg, tmp_path / "single")
+    assert summary.steps == STEPS and summary.checkpoint_path is not None
+    assert summary.hop == fields.get("hop", "partial_sums")
+    assert_same_losses(read_metrics(tmp_path / "dist" / METRICS_FILE), reference)
+    assert_same_parameters(model_from_checkpoint(cfg, Path(summary.checkpoint_path)), reference_model)
+
+
+def planned(gpus: int, **request) -> Plan:
+    """The planner's best disaggregated plan for the tiny model on all `gpus` H200s (64-token
+    sequences, 8 per step): for so small a model its overall pick is one GPU (latency dominates)."""
+    cfg = build_request("tiny", "h200-sxm", gpus, 64, 512, **request)
+    candidates = disaggregated_candidates(cfg, gpus)
+    candidates = candidates.take((candidates.attn + candidates.expert == gpus).nonzero()[0])
+    return price(cfg, candidates.take(best_index(evaluate(problem_of(cfg), candidates), candidates))).plan
+
+
+def colocated_plan(gpus: int, micro_batches: int) -> Plan:
+    """The planner's colocated layout on `gpus` (p = 1, `micro_batches`), priced as a plan."""
+    request = build_request("tiny", "h200-sxm", gpus, 64, 512)
+    candidates = colocated_candidates(request, gpus)
+    index = next(i for i in range(len(candidates))
+                 if candidates.p[i] == 1 and candidates.m[i] == micro_batches and candidates.expert[i] == gpus)
+    return price(request, candidates.take(index)).plan
+
+
+PLANS = {
+    # a plan's layout and expert map; the hand-made maps are non-contiguous and differ per MoE layer
+    "hand-A1-E2-m2": lambda: planned(3).model_copy(update={"micro_batches": 2, "expert_map": [
+        [[r] for r in (1, 0, 0, 1, 1, 0, 1, 1)], [[r] for r in (0, 1, 1, 1, 0, 0, 1, 0)]]}),
+    "hand-A2-E2-p2": lambda: planned(3).model_copy(update={  # layer 1 on group 1, layer 2 on group 0
+        "attention_gpus": 2, "expert_gpus": 2, "pipeline_groups": 2, "expert_map": [[[1]] * 8, [[0]] * 8]}),
+    "planner-A1-E2": lambda: planned(3),
+    "planner-colocated-2": lambda: colocated_plan(2, micro_batches=2),
+    # replicated experts: each sender splits a replicated expert's rows over its owners, and the
+    # owners sum its gradients; layer 2 has two whole replica sets, owners in both orders
+    "replicas-A2-E2-m2": lambda: planned(3).model_copy(update={
+        "attention_gpus": 2, "micro_batches": 2, "expert_map": [
+            [[0, 1], [1], [1, 0], [0], [1], [0, 1], [0], [1]], [[0, 1], [1, 0]] * 4]}),
+    "planner-replicas-A1-E4": lambda: planned(5, max_expert_replicas=1),
+    "replicas-colocated-2": lambda: colocated_plan(2, micro_batches=2).model_copy(update={"expert_map": [
+        [[0, 1], [0], [0], [0], [1], [1], [1], [1, 0]], [[1], [1], [0, 1], [0], [0], [1], [0], [1]]]}),
+}
+
+
+@pytest.mark.parametrize("case", PLANS)
+def test_a_plan_trains_like_the_single_process_oracle(warm, tmp_path, case):
+    plan = PLANS[case]()
+    cfg = run_config(tmp_path / "dist", "disaggregated", plan=plan)
+    summary = run_on(warm, cfg)
+    planned_cfg = apply_plan(cfg, cfg.model)
+    assert (planned_cfg.mode, planned_cfg.micro_batches) == (plan.layout, plan.micro_batches)
+    reference, reference_model = oracle(planned_cfg, tmp_path / "single")
+    assert_same_losses(read_metrics(tmp_path / "dist" / METRICS_FILE), reference)
+    assert_same_parameters(model_from_checkpoint(cfg, Path(summary.checkpoint_path)), reference_model)
+
+
+@pytest.mark.parametrize("case", ["replicas-A2-E2-m2", "replicas-colocated-2"])
+def test_a_replicated_plan_with_pair_rows_and_evaluation_trains_like_the_oracle(warm, tmp_path, case):
+    """Pair rows where expert rows are split over replica owners, with evaluation passes between
+    steps (the pair slots' sequence numbers count them too)."""
+    cfg = run_config(tmp_path / "dist", "disaggregated", plan=PLANS[case](), hop="pair_rows", eval_every=2,
+                     eval_batches=2)
+    summary = run_on(warm, cfg)
+    assert summary.hop == "pair_rows"
+    reference, reference_model = oracle(apply_plan(cfg, cfg.model), tmp_path / "single")
+    assert_same_losses(read_metrics(tmp_path / "dist" / METRICS_FILE), reference)
+    assert_same_parameters(model_from_checkpoint(cfg, Path(summary.checkpoint_path)), reference_model)
+
+
+def test_trace_has_every_rank_and_busy_fractions(warm, tmp_path):
+    cfg = run_config(tmp_path / "dist", "disaggregated", attention_ranks=2, expert_ranks=2, pipeline_groups=2,
+                     micro_batches=2, steps=2, trace=True)
+    run_on(warm, cfg)
+    events = json.loads((tmp_path / "dist" / "trace.json").read_text())["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    assert names == {0: "rank 0 (A0.0)", 1: "rank 1 (A1.0)", 2: "rank 2 (E0.0)", 3: "rank 3 (E1.0)"}
+    assert {e["pid"] for e in spans} == {0, 1, 2, 3}
+    assert {e["cat"] for e in spans} == {"compute", "send", "wait"}
+    assert all(e["dur"] >= 0 for e in spans)
+    by_rank = {rank: {e["name"] for e in spans if e["pid"] == rank} for rank in names}
+    assert "Loss mb1" in by_rank[1] and "AttentionForward L0 mb0" in by_rank[0]  # 3 layers: head on group 1
+    assert "ExpertForward L1 mb1" in by_rank[3] and "ExpertBackward L2 mb0" in by_rank[2]
+    for record in read_metrics(tmp_path / "dist" / METRICS_FILE):
+        assert set(record["busy"]) == {"A0", "A1", "E0", "E1"}
+        assert all(0 < f <= 1 for f in record["busy"].values())
+
+
+def rank_spans(trace_path: Path) -> dict[int, list[tuple[str, float, float]]]:
+    """Each rank's (name, start, end) spans from a trace file, in the order they started."""
+    spans: dict[int, list[tuple[str, float, float]]] = {}
+    for e in json.loads(trace_path.read_text())["traceEvents"]:
+        if e["ph"] == "X":
+            spans.setdefault(e["pid"], []).append((e["name"], e["ts"], e["ts"] + e["dur"]))
+    return {rank: sorted(s, key=lambda span: span[1]) for rank, s in spans.items()}
+
+
+def input_grad_sends(program, index: int) -> list[str]:
+    """The names of the sends right after op `index` of a rank's program (a backward's input gradients)."""
+    sends = []
+    for op in program[index + 1:]:
+        if not isinstance(op, Send):
+            break
+        sends.append(_op_name(op))
+    return sends
+
+
+@pytest.mark.parametrize("layout", [
+    dict(attention_ranks=2, expert_ranks=2, pipeline_groups=2, micro_batches=2),  # residual and combine grads
+    dict(attention_ranks=2, expert_ranks=1, pipeline_groups=1, micro_batches=2),  # data parallel: ReduceGradients
+])
+def test_attention_ranks_send_input_gradients_before_their_weight_gradients(warm, tmp_path, layout):
+    """Every AttentionBackward L<l> mb<m> is followed by the sends of its input gradients, then by
+    its `AttentionWeightGrad L<l> mb<m>` span (starting after the last send ended), then the next
+    op: so before any ReduceGradients or OptimizerStep; and the run is still the oracle's."""
+    cfg = run_config(tmp_path / "dist", "disaggregated", steps=3, trace=True, **layout)
+    summary = run_on(warm, cfg)
+    reference, reference_model = oracle(cfg, tmp_path / "single")
+    assert_same_losses(read_metrics(tmp_path / "dist" / METRICS_FILE), reference)
+    assert_same_parameters(model_from_checkpoint(cfg, Path(summary.checkpoint_path)), reference_model)
+    topology = Topology.from_config(cfg, cfg.model)
+    programs = topology.programs(cfg.micro_batches)
+    spans = rank_spans(tmp_path / "dist" / "trace.json")
+    sends_checked = 0
+    for rank in range(topology.world_size):
+        if topology.attention_role(rank) is None:
+            continue
+        program = programs[rank]
+        names = [name for name, _, _ in spans[rank]]
+        for backward_index, op in enumerate(program):
+            if not isinstance(op, AttentionBackward):
+                continue
+            sends = input_grad_sends(program, backward_index)
+            weight_grad = f"AttentionWeightGrad L{op.layer} mb{op.micro_batch}"
+            starts = [i for i, name in enumerate(names) if name == _op_name(op)]
+            assert len(starts) == cfg.steps
+            for i in starts:
+                after = i + 1 + len(sends)
+                assert names[i + 1:after + 1] == sends + [weight_grad], (rank, names[i:after + 2])
+                assert spans[rank][after][1] >= spans[rank][after - 1][2]
+                assert not names[after + 1].startswith("Send "), names[after + 1]
+            sends_checked += len(sends)
+    assert sends_checked > 0
+
+
+def single_run_resumable_at_3(tmp_path: Path, **fields) -> tuple[list[dict], MoETransformer, Path]:
+    """The oracle's whole run (metrics, final model) and a fresh out_dir holding only its step-3
+    checkpoint, for another layout to resume from."""
+    cfg = run_config(tmp_path / "single", "single", micro_batches=2, checkpoint_every=3, **fields)
+    uninterrupted, uninterrupted_model = oracle(cfg, tmp_path / "single")
+    resumed_dir = tmp_path / "resumed"
+    shutil.copytree(checkpoint_dir(tmp_path / "single" / CHECKPOINTS_DIR, 3),
+                    checkpoint_dir(resumed_dir / CHECKPOINTS_DIR, 3))
+    return uninterrupted, uninterrupted_model, resumed_dir
+
+
+def test_single_checkpoint_resumes_disaggregated_like_an_uninterrupted_run(warm, tmp_path):
+    uninterrupted, uninterrupted_model, resumed_dir = single_run_resumable_at_3(tmp_path, bias_balancing=True)
+    resumed = run_config(resumed_dir, "disaggregated", attention_ranks=1, expert_ranks=2, micro_batches=2,
+                         bias_balancing=True, resume=True)
+    summary = run_on(warm, resumed)
+    assert summary.steps == STEPS
+    assert_same_losses(read_metrics(resumed_dir / METRICS_FILE), uninterrupted[3:])
+    final = Path(summary.checkpoint_path)
+    assert {e["file"] for e in read_manifest(final)["shards"]} == {"rank-00000.pt", "rank-00001.pt",
+                                                                   "rank-00002.pt", "trainer.pt"}
+    assert_same_parameters(model_from_checkpoint(resumed, final), uninterrupted_model)
+
+
+def test_sharded_optimizer_states_resume_from_and_save_to_the_common_format(warm, tmp_path):
+    """single (steps 1-3) -> ZeRO-1 disaggregated (4-5): the slices come from the single run's
+    checkpoint, and the final checkpoint gathers them back: the same moments as the oracle's."""
+    optim = OptimConfig(lr=3e-3, warmup_steps=2, weight_decay=0.1)
+    uninterrupted, uninterrupted_model, resumed_dir = single_run_resumable_at_3(tmp_path, optim=optim)
+    resumed = run_config(resumed_dir, "disaggregated", attention_ranks=2, expert_ranks=1, micro_batches=2,
+                         resume=True, optim=optim.model_copy(update={"shard_states": True}))
+    summary = run_on(warm, resumed)
+    assert_same_losses(read_metrics(resumed_dir / METRICS_FILE), uninterrupted[3:])
+    final = Path(summary.checkpoint_path)
+    assert_same_parameters(model_from_checkpoint(resumed, final), uninterrupted_model)
+    want = checkpoint_dir(tmp_path / "single" / CHECKPOINTS_DIR, STEPS)
+    got_optim, want_optim = ({k: s for f, shard in read_shards(d, read_manifest(d)).items() if f != "trainer.pt"
+                              for k, s in shard["optim"].items()} for d in (final, want))
+    assert got_optim.keys() == want_optim.keys()
+    for key, state in want_optim.items():
+        for name in ("exp_avg", "exp_avg_sq"):
+            ref = state[name]
+            assert torch.linalg.vector_norm(got_optim[key][name] - ref) <= TOLERANCE * torch.linalg.vector_norm(ref) + 1e-12
+        assert float(got_optim[key]["step"]) == float(state["step"]) == STEPS
+
+
+def test_a_hung_rank_is_named_and_the_run_resumes_in_another_layout(warm, tmp_path):
+    cfg = run_config(tmp_path / "run", "disaggregated", attention_ranks=1, expert_ranks=1, micro_batches=2,
+                     steps=4, checkpoint_every=2, recv_timeout_s=3)
+    trainer = DistributedTrainer(cfg, log_to_driver=False)
+
+    def hang_rank_1(record):  # after step 2 (and its checkpoint) rank 1 sleeps through step 3
+        if record["step"] == 2:
+            trainer.workers.actors[1].run.remote(_sleep, 12.0)
+
+    with pytest.raises(TrainingFailed) as failure:
+        trainer.run(hang_rank_1)
+    assert failure.value.rank == 1
+    message = str(failure.value)
+    assert "rank 1 (E0.0)" in message and "step 3" in message and "hung" in message
+    assert "step-00000002" in message and "resume=true" in message
+    resumed = cfg.model_copy(update={"mode": "colocated", "colocated_ranks": 2, "resume": True})
+    run_on(warm, resumed)
+    reference, _ = oracle(cfg, tmp_path / "single")
+    assert_same_losses(read_metrics(tmp_path / "run" / METRICS_FILE), reference)
+
+
+def _sleep(worker, seconds):
+    time.sleep(seconds)
+
+
+def test_a_dead_rank_is_named(warm, tmp_path):
+    cfg = run_config(tmp_path / "run", "disaggregated", attention_ranks=1, expert_ranks=1, steps=3,
+                     recv_timeout_s=30)
+    trainer = DistributedTrainer(cfg, log_to_driver=False)
+
+    def kill_rank_0(record):
+        if record["step"] == 1:
+            ray.kill(trainer.workers.actors[0], no_restart=True)
+
+    with pytest.raises(TrainingFailed) as failure:
+        trainer.run(kill_rank_0)
+    assert failure.value.rank == 0
+    assert "rank 0 (A0.0)" in str(failure.value) and "died" in str(failure.value)
+    assert "no checkpoint yet" in str(failure.value)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        (dict(attention_ranks=2, batch_size=6, micro_batches=2), "multiple of micro_batches * data-parallel"),
+        (dict(expert_ranks=9), "only 8 experts"),
+        (dict(attention_ranks=64, expert_ranks=8, batch_size=64), "CPU ranks"),
+        (dict(transport="nccl"), "needs GPUs"),
+    ],
+    ids=["batch", "experts", "slots", "transport"],
+)
+def test_configurations_that_cannot_run_are_refused_before_any_actor(warm, tmp_path, fields, message):
+    cfg = run_config(tmp_path / "run", "disaggregated", **fields)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        DistributedTrainer(cfg)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("transport, hop", [("nccl", "partial_sums"), ("nvshmem", "partial_sums"),
+                                            ("nvshmem", "pair_rows")])
+def test_gpu_transports_on_two_gpus_match_the_oracle(ray_cluster, tmp_path, capsys, transport, hop):
+    """One attention and one expert rank on two GPUs, bf16 parameters, against the single-GPU fast
+    path (bf16; the fp32 oracle on CPU is what the CPU tests compare with exactly); pair rows with
+    the triton experts, whose kernels store them into the attention GPU's memory."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    if transport == "nvshmem" and not nvshmem_available():
+        pytest.skip("needs nvshmem4py")
+    backend = dict(experts_backend="triton") if hop == "pair_rows" else {}
+    cfg = run_config(tmp_path / "dist", "disaggregated", attention_ranks=1, expert_ranks=1, micro_batches=2,
+                     device="cuda", transport=transport, cpu_threads=None, steps=20, batch_size=16, seq_len=128,
+                     hop=hop, **backend)
+    summary = DistributedTrainer(cfg, log_to_driver=False).run()
+    reference, _ = oracle(cfg, tmp_path / "single")
+    records = read_metrics(tmp_path / "dist" / METRICS_FILE)
+    for got, want in zip(records, reference, strict=True):
+        assert abs(got["loss"] - want["loss"]) <= 1e-2 * want["loss"], got["step"]
+    assert records[-1]["loss"] < 0.8 * records[0]["loss"]
+    assert summary.hop == hop
+    with capsys.disabled():
+        print(f"\n{transport} ({hop}), 1 A + 1 E on 2 GPUs, tiny model, 16 x 128 tokens/step: "
+              f"{summary.tokens_per_s:,.0f} tokens/s")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode, transport, hop", [("disaggregated", "nccl", "partial_sums"),
+                                                  ("colocated", "nccl", "partial_sums"),
+                                                  ("disaggregated", "nvshmem", "partial_sums"),
+                                                  ("disaggregated", "nvshmem", "pair_rows"),
+                                                  ("colocated", "nvshmem", "pair_rows")])
+def test_gpu_steps_make_no_host_waits_in_every_distributed_mode(ray_cluster, tmp_path, mode, transport, hop):
+    """Steps on two GPUs with forbid_host_syncs: every rank runs its whole program (compute, nccl
+    sends and receives, the optimizer step) under set_sync_debug_mode('error'), so any host wait
+    inside a step raises; only the step's one read at the end is outside it."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    if transport == "nvshmem" and not nvshmem_available():
+        pytest.skip("needs nvshmem4py")
+    cfg = run_config(tmp_path / "dist", mode, attention_ranks=1, expert_ranks=1, colocated_ranks=2, micro_batches=2,
+                     device="cuda", transport=transport, cpu_threads=None, steps=3, batch_size=8, seq_len=64,
+                     forbid_host_syncs=True, hop=hop, experts_backend="triton" if hop == "pair_rows" else "loop")
+    summary = DistributedTrainer(cfg, log_to_driver=False).run()
+    assert summary.steps == 3 and summary.final_loss is not None and summary.hop == hop
+
+
+def test_a_rank_whose_training_state_exceeds_the_device_is_refused(tmp_path):
+    cfg = run_config(tmp_path / "run", "disaggregated", attention_ranks=1, expert_ranks=2)
+    topology = Topology.from_config(cfg, cfg.model)
+    check_memory(cfg, cfg.model, topology, capacity_bytes=1e9)  # the tiny model fits anywhere
+    with pytest.raises(ValueError, match=r"rank 0 \(A0.0\) holds [\d,]+ parameters: .* GiB of receive buffers .* "
+                                         r"on a 0.0 GiB device"):
+        check_memory(cfg, cfg.model, topology, capacity_bytes=1e6)
+
+
+@pytest.mark.parametrize("transport, factor", [("nvshmem", 0.5), ("nccl", 2.0)])
+def test_a_capacity_factor_that_cannot_apply_is_refused_before_start(tmp_path, transport, factor):
+    cfg = run_config(tmp_path / "run", "disaggregated", attention_ranks=1, expert_ranks=1, transport=transport,
+                     transport_capacity_factor=factor)
+    with pytest.raises(ValueError, match=f"transport_capacity_factor={factor:g}: every message .* at >= 1"):
+        DistributedTrainer(cfg)
+
+
+def test_the_memory_check_counts_each_transports_receive_buffers(tmp_path):
+    """nccl keeps one buffer per received slot; nvshmem two copies, in an arena as large as the
+    largest rank's on every rank: the expert rank's arena fits the attention rank's receives too."""
+    cfg = run_config(tmp_path / "run", "disaggregated", attention_ranks=1, expert_ranks=1, micro_batches=2)
+    topology = Topology.from_config(cfg, cfg.model)
+    shapes = MessageShapes.of_run(cfg, cfg.model, topology)
+    nccl = receive_layouts(cfg.model_copy(update={"transport": "nccl"}), shapes, topology)
+    nvshmem = receive_layouts(cfg.model_copy(update={"transport": "nvshmem"}), shapes, topology)
+    assert nvshmem[0].nbytes == nvshmem[1].nbytes >= 2 * max(layout.nbytes for layout in nccl) - 4096
+    received = [sum(spec_bytes(s) for seg in layout.segments for s in seg.specs) for layout in nccl]
+    assert all(layout.nbytes >= r for layout, r in zip(nccl, received, strict=True))
+
+
+def test_sharded_optimizer_states_count_a_share_of_the_moments_per_attention_rank(tmp_path):
+    plain = run_config(tmp_path / "run", "disaggregated", attention_ranks=2, expert_ranks=1, micro_batches=2)
+    sharded = plain.model_copy(update={"optim": plain.optim.model_copy(update={"shard_states": True})})
+    topology = Topology.from_config(plain, plain.model)
+    for rank in range(topology.world_size):
+        params, plain_bytes = training_state_bytes(plain, plain.model, topology, rank)
+        _, sharded_bytes = training_state_bytes(sharded, sharded.model, topology, rank)
+        assert plain_bytes == 16 * params  # fp32 on CPU: parameters are the masters, + gradient + moments
+        if topology.attention_role(rank) is None:  # the expert rank keeps its whole state
+            assert sharded_bytes == plain_bytes
+        else:  # 16 -> 4 + 4 + 8 / 2 bytes per replicated parameter (the attention ranks hold no experts)
+            assert sharded_bytes == pytest.approx(12 * params)
+    bf16 = plain.model_copy(update={"precision": "bf16"})
+    bf16_sharded = sharded.model_copy(update={"precision": "bf16"})
+    params, bf16_bytes = training_state_bytes(bf16, bf16.model, topology, 0)
+    assert bf16_bytes == 18 * params  # bf16 parameter, fp32 master and gradient, two fp32 moments
+    assert training_state_bytes(bf16_sharded, bf16.model, topology, 0)[1] == pytest.approx(12 * params)
+
+
+@pytest.mark.parametrize("outcome", ["completed", "failed"])
+def test_a_trace_that_cannot_be_written_is_a_warning_not_the_outcome(tmp_path, monkeypatch, outcome):
+    """The trace is written in `run`'s finally: its OSError must neither fail a completed run nor
+    replace the failure that ended one."""
+    from disagmoe.runtime.cluster import driver
+    from disagmoe.runtime.failures import RunWarning
+
+    def unwritable(path, *args):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    def run_steps(on_step):
+        if outcome == "failed":
+            raise TrainingFailed(1, "rank 1 (E0.0) died")
+        return "summary"
+
+    trainer = object.__new__(DistributedTrainer)
+    trainer.cfg = run_config(tmp_path, "disaggregated", trace=True)
+    trainer.out_dir, trainer.spans, trainer.rank_names, trainer.owns_workers = tmp_path, {}, {}, False
+    monkeypatch.setattr(driver, "write_chrome_trace", unwritable)
+    monkeypatch.setattr(trainer, "_run", run_steps)
+    with pytest.warns(RunWarning, match=rf"trace not written: {tmp_path / 'trace.json'}: Permission denied"):
+        if outcome == "failed":
+            with pytest.raises(TrainingFailed, match="rank 1"):
+                trainer.run()
+        else:
+            assert trainer.run() == "summary"
+
+
+def _gone(pid: int, within_s: float = 10.0) -> bool:
+    """Whether process `pid` has exited (Ray kills actors asynchronously: allow it a moment)."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.parametrize("checkpoint_every", [2, 0], ids=["from-checkpoint", "from-step-0"])
+def test_a_killed_expert_actor_restarts_the_run_to_the_uninterrupted_result(warm, tmp_path, checkpoint_every):
+    """fault_injection SIGKILLs the expert rank's process during step 3; with max_restarts=1 the
+    run prints one restart line, starts new actors, resumes from step 2's checkpoint (or step 0
+    without one) and ends bit for bit where the same run without the fault ends."""
+    fields = dict(attention_ranks=1, expert_ranks=1, micro_batches=2, steps=4, checkpoint_every=checkpoint_every,
+                  bias_balancing=True)
+    clean = run_config(tmp_path / "clean", "disaggregated", **fields)
+    clean_summary = run_on(warm, clean)
+    faulted = run_config(tmp_path / "run", "disaggregated", **fields, max_restarts=1,
+                         fault_injection={"rank": 1, "step": 3})
+    trainer = DistributedTrainer(faulted, log_to_driver=False)
+    first_pids = [ray.get(actor.info.remote())["pid"] for actor in trainer.workers.actors]
+    with pytest.warns(RunWarning) as warned:
+        summary = trainer.run()
+    lines = [str(w.message) for w in warned if issubclass(w.category, RunWarning)]
+    assert len(lines) == 1, lines
+    resumed_from = "step-00000002" if checkpoint_every else "from step 0 (no complete checkpoint yet)"
+    assert "restart 1 of 1" in lines[0] and resumed_from in lines[0], lines[0]
+    assert "rank 1 (E0.0) failed during train_step of step 3" in lines[0] and "died" in lines[0], lines[0]
+    assert "resume=true" not in lines[0]  # the failure's advice to resume by hand is the restart's job here
+    record = json.loads((tmp_path / "run" / FAULT_RECORD).read_text())
+    assert (record["rank"], record["step"], record["pid"]) == (1, 3, first_pids[1])
+    assert _gone(first_pids[1]) and _gone(first_pids[0])  # the whole group was torn down
+    assert summary.steps == 4 and summary.restarts == 1
+    got, want = (read_metrics(d / METRICS_FILE) for d in (tmp_path / "run", tmp_path / "clean"))
+    assert [r["step"] for r in got] == [1, 2, 3, 4]
+    for name in ("loss", "ce", "aux_loss", "z_loss", "grad_norm", "expert_load"):
+        assert [r[name] for r in got] == [r[name] for r in want], name
+    final, reference = (model_from_checkpoint(clean, Path(s.checkpoint_path)) for s in (summary, clean_summary))
+    for name, tensor in final.state_dict().items():
+        assert torch.equal(tensor, reference.state_dict()[name]), name
+
+
+def test_without_restarts_left_the_injected_fault_ends_the_run_naming_the_rank(warm, tmp_path):
+    cfg = run_config(tmp_path / "run", "disaggregated", steps=3, fault_injection={"rank": 0, "step": 2})
+    with pytest.raises(TrainingFailed) as failure:
+        DistributedTrainer(cfg, log_to_driver=False).run()
+    assert failure.value.rank == 0 and "rank 0 (A0.0) failed during train_step of step 2" in str(failure.value)
+    assert "died" in str(failure.value)
+    # fired once per run: a resume of this out_dir does not fire it again, a fresh run (resume=false) does
+    assert Fault(cfg.fault_injection, tmp_path / "run", fresh_run=False).due(2) is False
+    assert Fault(cfg.fault_injection, tmp_path / "run", fresh_run=True).due(2) is True
+
+
+def test_a_fault_for_a_rank_the_run_lacks_or_in_single_mode_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=re.escape("fault_injection.rank=2 but the run has 2 ranks (0-1)")):
+        DistributedTrainer(run_config(tmp_path / "run", "disaggregated", fault_injection={"rank": 2, "step": 1}))
+    with pytest.raises(ValueError, match="fault_injection kills a Ray actor: it needs mode disaggregated"):
+        run_config(tmp_path / "run", "single", fault_injection={"rank": 0, "step": 1})
+
+
+def test_a_damaged_expert_shard_of_the_newest_checkpoint_is_skipped_for_the_previous_one(warm, tmp_path):
+    """Not rank 0 blamed for rank 2's bad shard: the driver checks every shard before any rank
+    loads, names the file in one warning and resumes from the step before, as the run went."""
+    cfg = run_config(tmp_path / "run", "disaggregated", attention_ranks=1, expert_ranks=2, micro_batches=2,
+                     steps=4, checkpoint_every=2)
+    run_on(warm, cfg)
+    straight = read_metrics(tmp_path / "run" / METRICS_FILE)
+    shard = checkpoint_dir(tmp_path / "run" / CHECKPOINTS_DIR, 4) / "rank-00002.pt"
+    shard.write_bytes(shard.read_bytes()[:-1])
+    with pytest.warns(RunWarning) as warned:
+        summary = run_on(warm, cfg.model_copy(update={"resume": True}))
+    assert len(warned) == 1 and str(warned[0].message).startswith(
+        f"skipped checkpoint step-00000004: checkpoint shard {shard} fails its sha256 check"), warned[0].message
+    assert str(warned[0].message).endswith("resuming from step-00000002 instead")
+    resumed = read_metrics(tmp_path / "run" / METRICS_FILE)
+    assert summary.steps == 4 and [r["step"] for r in resumed] == [1, 2, 3, 4]
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in straight]
+
+
+def spec_bytes(spec) -> int:
+    return torch.empty(spec.shape, dtype=spec.dtype).nbytes

@@ -1,0 +1,161 @@
+import itertools
+from collections import Counter
+
+import pytest
+
+from disagmoe.runtime.schedule.roles import Layout
+from disagmoe.runtime.schedule.schedule import (
+    AttentionBackward,
+    AttentionForward,
+    ExpertForward,
+    build_schedule,
+)
+from disagmoe.wire import Payload, Recv, Send
+from disagmoe.runtime.schedule.schedule_sim import simulate
+
+GRID = [
+    (a_per_group * p, e, p, layers, m, dense)
+    for a_per_group, p, m in itertools.product(range(1, 4), range(1, 4), range(1, 5))
+    for e in range(p, p + 3)  # includes uneven expert splits over groups
+    for layers in (p, 2 * p + 1)
+    for dense in (0, 1)
+]
+
+
+@pytest.mark.parametrize("attention, experts, p, layers, m, dense", GRID)
+def test_schedule_replays_without_deadlock_and_matches_every_message(attention, experts, p, layers, m, dense):
+    layout = Layout(attention, experts, p, layers, num_dense_layers=dense)
+    schedule = build_schedule(layout, m)
+    result = simulate(schedule)  # raises ScheduleError on any unsound schedule
+    sends = [(r, op) for r, prog in enumerate(schedule.programs) for op in prog if isinstance(op, Send)]
+    assert result.messages == sum(len(op.peers) for _, op in sends)
+    assert result.out_of_order_recvs == 0  # an in-order (FIFO per rank pair) transport suffices
+
+
+def _messages(schedule, kind):
+    """Counter of (src, dst, key) over all Send (or Recv) ops, seen from the sender."""
+    out = Counter()
+    for rank, program in enumerate(schedule.programs):
+        for op in program:
+            if isinstance(op, kind):
+                for peer in op.peers:
+                    src, dst = (rank, peer) if kind is Send else (peer, rank)
+                    out[(src, dst, op.key(step=7), op.payload)] += 1
+    return out
+
+
+@pytest.mark.parametrize("a, e, p, layers, m", [(2, 3, 1, 3, 2), (4, 3, 2, 5, 3), (3, 5, 3, 7, 2)])
+def test_keys_are_unique_per_rank_pair_and_each_send_has_one_recv(a, e, p, layers, m):
+    schedule = build_schedule(Layout(a, e, p, layers), m)
+    sends, recvs = _messages(schedule, Send), _messages(schedule, Recv)
+    assert sends == recvs
+    assert set(sends.values()) == {1}
+    transport_keys = Counter((src, dst, key) for src, dst, key, _ in sends)
+    assert set(transport_keys.values()) == {1}, "two payloads share one transport key"
+
+
+def test_dispatch_is_all_to_all_and_combine_keeps_the_data_parallel_index():
+    layout = Layout(attention_ranks=4, expert_ranks=3, pipeline_groups=2, num_layers=4)
+    schedule = build_schedule(layout, micro_batches=2)
+    for rank, program in enumerate(schedule.programs):
+        role = layout.role(rank)
+        for op in program:
+            if not isinstance(op, Send):
+                continue
+            nxt = layout.next_group(role.group)
+            if op.payload is Payload.DISPATCH:
+                assert op.peers == layout.expert_group(role.group)
+            elif op.payload is Payload.COMBINE:
+                assert op.peers == layout.attention_group(nxt)
+            elif op.payload is Payload.RESIDUAL:
+                assert op.peers == (layout.attention_rank(nxt, role.index),)
+            elif op.payload is Payload.RESIDUAL_GRAD:
+                assert op.peers == (layout.attention_rank(layout.prev_group(role.group), role.index),)
+
+
+def test_attention_order_is_layer_major_forward_and_reversed_backward():
+    layout = Layout(attention_ranks=1, expert_ranks=1, pipeline_groups=1, num_layers=3)
+    program = build_schedule(layout, micro_batches=3).programs[0]
+    forward = [(op.layer, op.micro_batch) for op in program if isinstance(op, AttentionForward)]
+    backward = [(op.layer, op.micro_batch) for op in program if isinstance(op, AttentionBackward)]
+    assert forward == sorted(forward)
+    assert backward == sorted(backward, key=lambda lm: (-lm[0], lm[1]))
+
+
+def test_attention_computes_next_micro_batch_while_experts_compute_this_one():
+    layout = Layout(attention_ranks=1, expert_ranks=1, pipeline_groups=1, num_layers=2)
+    m = 3
+    result = simulate(build_schedule(layout, m))
+    start = {(e.rank, e.op): e.start for e in result.events}
+    for layer, mb in itertools.product(range(2), range(m - 1)):
+        assert start[(1, ExpertForward(layer, mb))] == start[(0, AttentionForward(layer, mb + 1))]
+
+
+def test_micro_batches_must_be_positive():
+    with pytest.raises(ValueError, match="micro_batches"):
+        build_schedule(Layout(1, 1, 1, 1), 0)
+
+
+def test_rank_pairs_are_exactly_the_ring_edges():
+    layout = Layout(attention_ranks=2, expert_ranks=2, pipeline_groups=2, num_layers=2)
+    pairs = set(build_schedule(layout, micro_batches=1).rank_pairs())
+    a0, a1, e0, e1 = 0, 1, 2, 3  # one attention and one expert rank per group
+    forward = {(a0, e0), (e0, a1), (a0, a1), (a1, e1), (e1, a0), (a1, a0)}
+    assert pairs == forward | {(dst, src) for src, dst in forward}
+
+
+def test_data_parallel_groups_start_each_layers_gradient_sum_after_its_last_backward():
+    from disagmoe.runtime.schedule.schedule import AttentionBackward, Loss, ReduceGradients
+
+    layout = Layout(attention_ranks=4, expert_ranks=2, pipeline_groups=2, num_layers=4)
+    programs = build_schedule(layout, 3).programs
+    for rank in range(layout.world_size):
+        program = programs[rank]
+        reduces = [i for i, op in enumerate(program) if isinstance(op, ReduceGradients)]
+        role = layout.role(rank)
+        if role.kind.value != "attention":
+            assert not reduces
+            continue
+        layers = [program[i].layer for i in reduces]
+        own = sorted(range(role.group, 4, 2), reverse=True)
+        assert layers == ([4] if role.group == layout.head_group else []) + own
+        for i in reduces:
+            op = program[i]
+            last = max(j for j, o in enumerate(program)
+                       if (isinstance(o, AttentionBackward) and o.layer == op.layer) or (isinstance(o, Loss) and op.layer == 4))
+            assert last < i and op.peers == layout.attention_group(role.group)
+    single = build_schedule(Layout(attention_ranks=1, expert_ranks=1, pipeline_groups=1, num_layers=2), 2).programs
+    assert not any(isinstance(op, ReduceGradients) for program in single for op in program)
+
+
+def _channel_orders(programs):
+    """Per (src, dst, lane): the keys in the order the sender sends them and the receiver asks."""
+    from disagmoe.wire import lane_of
+    from disagmoe.wire import message_key
+
+    sent, asked = {}, {}
+    for rank, program in enumerate(programs):
+        for op in program:
+            if isinstance(op, (Send, Recv)):
+                key = message_key(7, op.payload, op.layer, op.micro_batch)
+                for peer in op.peers:
+                    if peer == rank:
+                        continue
+                    src, dst, box = (rank, peer, sent) if isinstance(op, Send) else (peer, rank, asked)
+                    box.setdefault((src, dst, lane_of(key)), []).append(key)
+    return sent, asked
+
+
+@pytest.mark.parametrize("colocated, ranks, m", [(c, n, m) for c in (False, True) for n in (2, 3, 4) for m in (1, 2, 4)])
+def test_every_channel_of_an_in_order_transport_receives_in_send_order(colocated, ranks, m):
+    """The nccl transport is FIFO per (rank pair, lane): every layout must receive each
+    channel's messages in the order they were sent (colocated too, whose pairs carry dispatch
+    and combine messages interleaved: they travel on separate lanes)."""
+    from disagmoe.runtime.schedule.colocated import build_colocated_schedule
+
+    if colocated:
+        programs = build_colocated_schedule(ranks, 4, 1, m)
+    else:
+        programs = build_schedule(Layout(ranks, ranks - 1 or 1, 1, 4, num_dense_layers=1), m).programs
+    sent, asked = _channel_orders(programs)
+    assert sent == asked

@@ -1,0 +1,110 @@
+"""A rank's mailbox and message keys (disagmoe/runtime/stages/messages.py)."""
+
+import pytest
+import torch
+
+from disagmoe.wire import Direction, message_key, Payload
+from disagmoe.runtime.stages.messages import Mailbox
+
+
+def test_posts_to_oneself_arrive_at_once_and_others_wait_for_a_send():
+    mail = Mailbox(rank=1)
+    mine, theirs = [torch.ones(2)], [torch.zeros(3)]
+    mail.post(Payload.RESIDUAL, 0, 0, 1, mine)
+    mail.post(Payload.DISPATCH, 0, 0, 2, theirs)
+    assert mail.has(Payload.RESIDUAL, 0, 0, 1) and not mail.has(Payload.DISPATCH, 0, 0, 2)
+    assert mail.take(Payload.RESIDUAL, 0, 0, 1) is mine
+    assert mail.outgoing(Payload.DISPATCH, 0, 0, 2) is theirs
+    assert mail.empty()
+
+
+def test_delivered_messages_are_taken_once():
+    mail = Mailbox(rank=0)
+    mail.deliver(Payload.COMBINE, 2, 1, 3, [torch.ones(1)])
+    assert not mail.empty()
+    mail.take(Payload.COMBINE, 2, 1, 3)
+    with pytest.raises(AssertionError, match="no COMBINE"):
+        mail.take(Payload.COMBINE, 2, 1, 3)
+
+
+def test_message_keys_separate_payloads_of_one_layer():
+    keys = {p: message_key(7, p, 3, 1) for p in Payload}
+    assert keys[Payload.DISPATCH] != keys[Payload.COMBINE]
+    assert keys[Payload.DISPATCH_GRAD] != keys[Payload.COMBINE_GRAD]
+    assert all(k.step == 7 and k.micro_batch == 1 for k in keys.values())
+    assert keys[Payload.COMBINE_GRAD].direction is Direction.BACKWARD
+
+
+def _run(**fields):
+    from disagmoe.config import TrainConfig
+    from disagmoe.model_ref import load_model
+    from disagmoe.runtime.topology import Topology
+
+    cfg = TrainConfig(model="tiny", **fields)
+    model = load_model("tiny")
+    return cfg, model, Topology.from_config(cfg, model)
+
+
+@pytest.mark.parametrize("fields, hop", [
+    (dict(hop="pair_rows"), "pair_rows"),  # as configured (local: the CPU emulation)
+    (dict(expert_ranks=4, transport="nvshmem", experts_backend="triton", device="cuda"), "pair_rows"),  # 4 > top-2
+    (dict(expert_ranks=2, transport="nvshmem", experts_backend="triton", device="cuda"), "partial_sums"),  # 2 <= 2
+    (dict(expert_ranks=4, transport="nccl", device="cuda"), "partial_sums"),  # needs the one-sided transport
+])
+def test_the_hop_is_pair_rows_where_it_moves_fewer_bytes_and_can_run(fields, hop):
+    from disagmoe.runtime.stages.messages import hop_mode
+
+    got, why = hop_mode(*_run(**fields))
+    assert got == hop and why
+
+
+def test_pair_rows_change_combine_the_residual_and_dispatch_grad():
+    from disagmoe.comm.base import TensorSpec
+    from disagmoe.runtime.stages.messages import MessageShapes
+
+    cfg, model, topology = _run(hop="pair_rows", expert_ranks=2, batch_size=4, seq_len=8, pair_segment_tokens=5)
+    pairs, plain = MessageShapes.of_run(cfg, model, topology), MessageShapes.of_run(
+        cfg.model_copy(update={"hop": "partial_sums"}), model, topology)
+    T, K, H = pairs.tokens, model.top_k, model.hidden_size
+    assert pairs.specs(Payload.COMBINE, True) == [TensorSpec((T * K, H), pairs.dtype)]
+    assert pairs.specs(Payload.RESIDUAL, True)[-1] == TensorSpec((T, K), pairs.dtype)  # the weights ride along
+    assert pairs.specs(Payload.RESIDUAL_GRAD, False) == plain.specs(Payload.RESIDUAL_GRAD, False)  # dense layers
+    for payload in (Payload.DISPATCH, Payload.COMBINE_GRAD):
+        assert pairs.specs(payload, True) == plain.specs(payload, True)
+    load = TensorSpec((model.num_experts,), torch.int64)
+    assert pairs.specs(Payload.DISPATCH_GRAD, True) == [TensorSpec((T * K, H), pairs.dtype), load]
+    spec = pairs.pair_spec(Payload.COMBINE, (1, 2))
+    assert spec.segments == -(-T // 5) and spec.sources == (1, 2) and spec.rows.shape == (T * K, H)
+    assert spec.extras == () and pairs.pair_spec(Payload.DISPATCH_GRAD, (1, 2)).extras == (load,)
+    for payload in (Payload.COMBINE, Payload.DISPATCH_GRAD):
+        assert pairs.is_pair(payload, True) and not pairs.is_pair(payload, False)
+        assert not plain.is_pair(payload, True)
+    assert not pairs.is_pair(Payload.DISPATCH, True)
+
+
+def test_pair_row_targets_and_landings_are_taken_once():
+    from disagmoe.comm.base import PairLanding, PairTarget
+
+    mail = Mailbox(rank=0)
+    target = PairTarget(torch.zeros(4, 2), torch.zeros(1, 1, dtype=torch.int64), 0, 1)
+    mail.aim(Payload.COMBINE, 1, 0, 3, target)
+    assert mail.target(Payload.COMBINE, 1, 0, 3) is target and not mail.empty()
+    with pytest.raises(AssertionError, match="no pair-row target for rank 3 in DISPATCH_GRAD"):
+        mail.target(Payload.DISPATCH_GRAD, 1, 0, 3)  # the payload is part of the key
+    assert mail.release_target(Payload.COMBINE, 1, 0, 3) is target
+    mail.land(Payload.COMBINE, 1, 0, PairLanding(torch.zeros(4, 2), torch.ones(1, 1, dtype=torch.int64), 1, None))
+    mail.landing(Payload.COMBINE, 1, 0)
+    assert mail.empty()
+    with pytest.raises(AssertionError, match="no pair rows"):
+        mail.landing(Payload.COMBINE, 1, 0)
+
+
+@pytest.mark.parametrize("fields, needle", [
+    (dict(hop="pair_rows", transport="nccl", device="cuda"), "needs transport: nvshmem"),
+    (dict(hop="pair_rows", transport="nvshmem", device="cuda", experts_backend="loop"), "experts_backend: triton"),
+])
+def test_pair_rows_that_cannot_run_are_refused_naming_the_fix(fields, needle):
+    from disagmoe.config import TrainConfig
+
+    with pytest.raises(ValueError, match=needle):
+        TrainConfig(model="tiny", **fields)

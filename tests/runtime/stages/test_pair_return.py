@@ -1,0 +1,153 @@
+"""The pair-row return (disagmoe/runtime/stages/pair_return.py) against a plain MoE layer with autograd.
+
+Q expert "ranks" (experts split between them, some empty) write their pairs' rows into one shared
+buffer with a [Q, S] flag block, as the nvshmem transport gives them, and in the backward their
+pairs' d x into a second one (or d x compactly); the attention side's combine and sum and both
+sides' backward must give the layer's output, d x, d routing weights and every expert's weight
+gradients. Three ways: plain torch on CPU (fp32), the fused kernels under Triton's
+interpreter (fp32, CPU tensors standing for the peer buffer; sources run before the combine) and
+on a GPU (bf16).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from disagmoe.comm.base import PairLanding, PairTarget
+from disagmoe.model.experts import RoutedExperts
+from disagmoe.runtime.stages import pair_return
+
+# (tokens, top_k, experts, sources, hidden, ffn, segment_tokens, skew)
+CASES = [
+    (37, 2, 6, 2, 40, 24, 8, False),  # ragged, two sources sharing every segment
+    (24, 3, 6, 3, 16, 16, 32, False),  # one segment larger than the tokens
+    (40, 2, 8, 2, 16, 16, 4, True),  # every pair on experts 0 and 1: empty experts, a source with no rows
+]
+
+
+def _layer(case, device, dtype, seed=0):
+    tokens, top_k, experts, sources, hidden, ffn, seg, skew = case
+    gen = torch.Generator().manual_seed(seed)
+    full = RoutedExperts(experts, hidden, ffn, backend="loop")
+    with torch.no_grad():
+        full.w13_EH2F.copy_(torch.randn(experts, hidden, 2 * ffn, generator=gen) / hidden**0.5)
+        full.w2_EFH.copy_(torch.randn(experts, ffn, hidden, generator=gen) / ffn**0.5)
+    pool = 2 if skew else experts
+    topk = torch.stack([torch.randperm(pool, generator=gen)[:top_k] for _ in range(tokens)])
+    x = torch.randn(tokens, hidden, generator=gen)
+    w = torch.rand(tokens, top_k, generator=gen)
+    dy = torch.randn(tokens, hidden, generator=gen)
+    return full.to(device, dtype), topk.to(device), x.to(device, dtype), w.to(device, dtype), dy.to(device, dtype)
+
+
+def _reference(full, topk, x, w, dy):
+    """y[t] = sum_j w[t, j] FFN_{topk[t, j]}(x[t]) in fp32 with autograd: (y, dx, dw, dw13, dw2)."""
+    ref = RoutedExperts(full.num_experts, x.shape[1], full.w2_EFH.shape[1], backend="loop").to(x.device)
+    with torch.no_grad():
+        ref.w13_EH2F.copy_(full.w13_EH2F.float())
+        ref.w2_EFH.copy_(full.w2_EFH.float())
+    x_leaf, w_leaf = x.float().requires_grad_(), w.float().requires_grad_()
+    flat = topk.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    offsets = torch.bincount(flat, minlength=full.num_experts).cumsum(0).to(torch.int32)
+    y_rows = torch.empty(flat.numel(), x.shape[1], device=x.device).index_copy(
+        0, order, ref(x_leaf[order // topk.shape[1]], offsets))
+    y = (y_rows.view(*topk.shape, -1) * w_leaf[..., None]).sum(1)
+    y.backward(dy.float())
+    return y.detach(), x_leaf.grad, w_leaf.grad, ref.w13_EH2F.grad, ref.w2_EFH.grad
+
+
+def _pair_path(full, topk, x, w, dy, case, fused, backend, grads_as_pairs=True):
+    tokens, top_k, experts, sources, hidden, ffn, seg, _ = case
+    per = experts // sources
+    device = x.device
+    segments = -(-tokens // seg)
+    rows = torch.full((tokens * top_k, hidden), float("nan"), device=device, dtype=x.dtype)
+    flags = torch.zeros(sources, segments, dtype=torch.int64, device=device)
+    counters = torch.zeros(segments, dtype=torch.int32, device=device)
+    parts, saved, leaves = [], [], []
+    for q in range(sources):
+        part = RoutedExperts.from_slice(full, q * per, (q + 1) * per, backend=backend)
+        local_TK = torch.where(topk // per == q, topk % per, per).to(torch.int32)
+        x_leaf = x.detach().requires_grad_()
+        saved.append(pair_return.expert_pair_rows(x_leaf, local_TK, w, part, PairTarget(rows, flags, q, 1),
+                                                  counters, seg, fused=fused, num_programs=3 if fused else None))
+        parts.append(part)
+        leaves.append(x_leaf)
+    assert (flags == 1).all() and (counters == 0).all(), "every source raised every segment"
+    status = torch.zeros(2, dtype=torch.int32, device=device) if fused else None
+    w_leaf = w.detach().requires_grad_()
+    y = pair_return.combine_pairs(PairLanding(rows, flags, 1, status), w_leaf, seg, num_programs=2)
+    y.backward(dy)
+    if grads_as_pairs:  # d x returns as pair rows into a second buffer, summed on the receiver
+        dx_rows = torch.full_like(rows, float("nan"))
+        dx_flags = torch.zeros_like(flags)
+        for q, s in enumerate(saved):
+            pair_return.expert_pair_rows_backward(s, dy, PairTarget(dx_rows, dx_flags, q, 1), counters, seg)
+        assert (dx_flags == 1).all() and (counters == 0).all()
+        dx = pair_return.sum_pairs(PairLanding(dx_rows, dx_flags, 1, status), top_k, seg, num_programs=2).float()
+    else:
+        for s in saved:
+            pair_return.expert_pair_rows_backward(s, dy)
+        dx = sum(leaf.grad.float() for leaf in leaves)
+    dw13 = torch.cat([p.w13_EH2F.grad.float() for p in parts])
+    dw2 = torch.cat([p.w2_EFH.grad.float() for p in parts])
+    return y.float(), dx, w_leaf.grad.float(), dw13, dw2
+
+
+def _assert_close(got, want, rtol):
+    for name, g, r in zip(("y", "dx", "dw", "dw13", "dw2"), got, want, strict=True):
+        err = ((g - r).norm() / r.norm().clamp_min(1e-12)).item()
+        assert err <= rtol, (name, err)
+
+
+@pytest.mark.parametrize("grads_as_pairs", [True, False], ids=["dx-pair-rows", "dx-compact"])
+@pytest.mark.parametrize("case", CASES, ids=["two-sources", "one-segment", "skew"])
+def test_plain_torch_pair_rows_are_the_moe_layer(case, grads_as_pairs):
+    full, topk, x, w, dy = _layer(case, "cpu", torch.float32)
+    _assert_close(_pair_path(full, topk, x, w, dy, case, fused=False, backend="loop", grads_as_pairs=grads_as_pairs),
+                  _reference(full, topk, x, w, dy), 1e-5)
+
+
+@pytest.fixture
+def kernels(interpreted):
+    """The kernel modules rebuilt for Triton's interpreter (see tests/kernels/conftest.py)."""
+    interpreted("disagmoe.kernels.signal", "disagmoe.kernels.grouped_gemm", "disagmoe.kernels.permute",
+                "disagmoe.kernels.moe_ffn", "disagmoe.kernels.fused_return")
+
+
+@pytest.mark.parametrize("grads_as_pairs", [True, False], ids=["dx-pair-rows", "dx-compact"])
+@pytest.mark.parametrize("case", CASES, ids=["two-sources", "one-segment", "skew"])
+def test_fused_pair_rows_are_the_moe_layer_in_the_interpreter(kernels, case, grads_as_pairs):
+    full, topk, x, w, dy = _layer(case, "cpu", torch.float32, seed=1)
+    _assert_close(_pair_path(full, topk, x, w, dy, case, fused=True, backend="triton", grads_as_pairs=grads_as_pairs),
+                  _reference(full, topk, x, w, dy), 1e-4)
+
+
+def test_a_target_of_the_wrong_shape_is_refused():
+    full, topk, x, w, _ = _layer(CASES[0], "cpu", torch.float32)
+    target = PairTarget(torch.zeros(3, x.shape[1]), torch.zeros(1, 5, dtype=torch.int64), 0, 1)
+    with pytest.raises(ValueError, match="one row per pair"):
+        pair_return.expert_pair_rows(x, topk.to(torch.int32), w, full, target, torch.zeros(5, dtype=torch.int32), 8)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("case", CASES, ids=["two-sources", "one-segment", "skew"])
+def test_gpu_fused_pair_rows_are_the_moe_layer_in_bf16(case):
+    full, topk, x, w, dy = _layer(case, "cuda", torch.bfloat16, seed=2)
+    _assert_close(_pair_path(full, topk, x, w, dy, case, fused=True, backend="triton"),
+                  _reference(full, topk, x, w, dy), 3e-2)
+
+
+def test_a_run_s_pair_settings_come_from_its_config():
+    from disagmoe.config import TrainConfig
+
+    cfg = TrainConfig(model="tiny", hop="pair_rows", pair_segment_tokens=64, pair_bands=2,
+                      pair_combine_programs_per_sm=8)
+    hop = pair_return.PairHop.of(cfg)
+    assert (hop.segment_tokens, hop.bands, hop.combine_programs_per_sm) == (64, 2, 8)
+    assert hop.combine_programs(torch.device("cpu")) == 2  # the interpreter runs a couple
+    defaults = pair_return.PairHop.of(TrainConfig(model="tiny"))
+    assert (defaults.bands, defaults.combine_programs_per_sm) == (pair_return.BANDS, pair_return.COMBINE_PROGRAMS_PER_SM)

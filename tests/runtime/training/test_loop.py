@@ -1,0 +1,119 @@
+"""The shared step loop (disagmoe/runtime/training/loop.py): checkpoints by step and time, retention, and a
+graceful stop on SIGINT / SIGTERM, with the single-process trainer."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import pytest
+
+from disagmoe.config import OptimConfig, TrainConfig
+from disagmoe.model_ref import load_model
+from disagmoe.runtime.training import loop as loop_mod
+from disagmoe.runtime.state.checkpoint import checkpoint_dir, latest_checkpoint
+from disagmoe.runtime.failures import TrainingInterrupted
+from disagmoe.runtime.training.loop import METRICS_FILE
+from disagmoe.runtime.observe.metrics import read_metrics
+from disagmoe.runtime.training.trainer import CHECKPOINTS_DIR, SingleProcessTrainer, train_single
+
+
+def run_config(tmp_path, **overrides) -> TrainConfig:
+    base = dict(model=load_model("tiny"), mode="single", steps=6, batch_size=4, seq_len=32, micro_batches=2,
+                eval_every=0, cpu_threads=1, out_dir=str(tmp_path / "run"), optim=OptimConfig(lr=3e-3, warmup_steps=2))
+    return TrainConfig(**{**base, **overrides})
+
+
+def tmp_root(cfg: TrainConfig) -> Path:
+    return Path(cfg.out_dir) / CHECKPOINTS_DIR
+
+
+def steps_saved(cfg: TrainConfig) -> list[int]:
+    return sorted(int(p.name.split("-")[1]) for p in tmp_root(cfg).glob("step-*"))
+
+
+def test_only_the_newest_checkpoints_are_kept(tmp_path):
+    cfg = run_config(tmp_path, checkpoint_every=1, keep_checkpoints=2)
+    train_single(cfg)
+    assert steps_saved(cfg) == [5, 6]
+    keep_all = run_config(tmp_path / "all", checkpoint_every=2, keep_checkpoints=0)
+    train_single(keep_all)
+    assert steps_saved(keep_all) == [2, 4, 6]
+
+
+def test_a_fresh_run_in_a_reused_out_dir_keeps_its_own_checkpoints(tmp_path):
+    old = run_config(tmp_path, steps=6, checkpoint_every=1, keep_checkpoints=0)
+    train_single(old)  # steps 1..6 saved
+    summary = train_single(run_config(tmp_path, steps=2, checkpoint_every=1, keep_checkpoints=1))
+    assert Path(summary.checkpoint_path).is_dir() and Path(summary.checkpoint_path).name == "step-00000002"
+    assert steps_saved(old) == [2, 3, 4, 5, 6]  # the old run's later steps are not this run's to delete
+
+
+def test_checkpoints_come_when_the_minutes_have_passed(tmp_path, monkeypatch):
+    clock = iter(float(60 * t) for t in (0, 1, 2, 4, 5, 7, 8, 9, 10, 11))  # minutes, read once per step
+    monkeypatch.setattr(loop_mod, "_clock", lambda: next(clock))
+    cfg = run_config(tmp_path, checkpoint_minutes=2.5, keep_checkpoints=0)
+    train_single(cfg)
+    # start 0; after steps 1..6 the clock reads 1, 2, 4 (>= 2.5: save, reads 5), 7 (2 since 5),
+    # 8 (3: save, reads 9), 10 (end: save)
+    assert steps_saved(cfg) == [3, 5, 6]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_stops_after_the_step_with_a_checkpoint_and_the_run_resumes(tmp_path, sig):
+    cfg = run_config(tmp_path, steps=5)
+    before = signal.getsignal(sig)
+
+    def interrupt_at_step_2(record):
+        if record["step"] == 2:
+            signal.raise_signal(sig)
+
+    trainer = SingleProcessTrainer(cfg)
+    with pytest.raises(TrainingInterrupted, match=f"{sig.name} after step 2") as stopped:
+        trainer.run(interrupt_at_step_2)
+    assert stopped.value.checkpoint == checkpoint_dir(tmp_root(cfg), 2) == latest_checkpoint(tmp_root(cfg))
+    assert signal.getsignal(sig) is before  # the loop's handler is gone again
+    assert [r["step"] for r in read_metrics(tmp_path / "run" / METRICS_FILE)] == [1, 2]
+    train_single(cfg.model_copy(update={"resume": True}))
+    assert [r["step"] for r in read_metrics(tmp_path / "run" / METRICS_FILE)] == [1, 2, 3, 4, 5]
+
+
+def test_a_second_signal_aborts_at_once(tmp_path):
+    cfg = run_config(tmp_path, steps=5)
+
+    def interrupt_twice(record):
+        signal.raise_signal(signal.SIGINT)
+        signal.raise_signal(signal.SIGINT)
+
+    with pytest.raises(KeyboardInterrupt):
+        SingleProcessTrainer(cfg).run(interrupt_twice)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_run_starts_by_sweeping_what_a_killed_run_left(tmp_path):
+    """A staged checkpoint (killed before its rename), a half-deleted one and a half-written trace
+    go; the earlier complete checkpoint stays and the resume continues from it."""
+    cfg = run_config(tmp_path, steps=2, checkpoint_every=1, keep_checkpoints=0)
+    train_single(cfg)
+    root, out = tmp_root(cfg), Path(cfg.out_dir)
+    (root / ".staging-step-00000003").mkdir()
+    (root / ".staging-step-00000003" / "rank-00000.pt").write_bytes(b"torn")
+    (root / ".step-00000001.deleting").mkdir()
+    (out / ".trace.json.tmp").write_text("{")
+    train_single(cfg.model_copy(update={"steps": 3, "resume": True}))
+    assert sorted(p.name for p in root.iterdir()) == ["step-00000001", "step-00000002", "step-00000003"]
+    assert not (out / ".trace.json.tmp").exists()
+
+
+def test_signals_are_held_while_the_cluster_shuts_down(capsys):
+    import os
+    import signal
+
+    from disagmoe.runtime.training.loop import signals_held
+
+    before = signal.getsignal(signal.SIGINT)
+    with signals_held("shutting down"):
+        os.kill(os.getpid(), signal.SIGINT)  # would raise KeyboardInterrupt outside
+        os.kill(os.getpid(), signal.SIGTERM)
+    assert signal.getsignal(signal.SIGINT) is before
+    assert capsys.readouterr().err.count("shutting down") == 1

@@ -1,0 +1,251 @@
+"""The single-process trainer, the correctness oracle (disagmoe/runtime/training/trainer.py)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from disagmoe.config import ModelConfig, OptimConfig, TrainConfig, load_hardware
+from disagmoe.model_ref import load_model
+from disagmoe.data import TokenDataset, synthetic_corpus
+from disagmoe.model import MoETransformer
+from disagmoe.roofline.flops import step_flops
+from disagmoe.runtime.batching import batch_rows, inputs_and_targets
+from disagmoe.runtime.state.checkpoint import checkpoint_dir, read_manifest, read_shards
+from disagmoe.runtime.failures import RunWarning
+from disagmoe.runtime.observe.metrics import load_imbalance, read_metrics
+from disagmoe.runtime.state.optim import build_optimizer, lr_at
+from disagmoe.runtime.training.loop import METRICS_FILE
+from disagmoe.runtime.training.trainer import CHECKPOINTS_DIR, train_single, train_step
+
+
+def tiny_model(bias_balancing: bool = False) -> ModelConfig:
+    m = load_model("tiny")
+    return m.model_copy(update={"router": m.router.model_copy(update={"bias_balancing": bias_balancing,
+                                                                       "bias_update_rate": 1e-2})})
+
+
+def tiny_run(tmp_path, **overrides) -> TrainConfig:
+    base = dict(model=load_model("tiny"), mode="single", steps=6, batch_size=4, seq_len=32, micro_batches=2,
+                eval_every=0, cpu_threads=1, out_dir=str(tmp_path / "run"), optim=OptimConfig(lr=3e-3, warmup_steps=2))
+    return TrainConfig(**{**base, **overrides})
+
+
+def test_loss_at_least_halves_on_the_synthetic_corpus(tmp_path):
+    cfg = tiny_run(tmp_path, steps=120, batch_size=8, seq_len=64, eval_every=60,
+                   optim=OptimConfig(lr=3e-3, warmup_steps=10))
+    summary = train_single(cfg)
+    losses = [r["loss"] for r in read_metrics(tmp_path / "run" / METRICS_FILE)]
+    assert len(losses) == 120
+    assert sum(losses[-10:]) / 10 <= 0.5 * losses[0]
+    assert summary.final_val_loss is not None and summary.final_val_loss <= 0.5 * losses[0]
+
+
+def test_resume_continues_bit_identically(tmp_path):
+    model = tiny_model(bias_balancing=True)
+    straight = tiny_run(tmp_path / "a", model=model, steps=6, checkpoint_every=3, eval_every=2)
+    train_single(straight)
+    resumed_dir = tmp_path / "b" / "run"
+    shutil.copytree(checkpoint_dir(tmp_path / "a" / "run" / CHECKPOINTS_DIR, 3),
+                    checkpoint_dir(resumed_dir / CHECKPOINTS_DIR, 3))
+    train_single(straight.model_copy(update={"out_dir": str(resumed_dir), "resume": True}))
+
+    def deterministic(record: dict) -> dict:
+        return {k: v for k, v in record.items() if k not in ("step_time_s", "tokens_per_s", "mfu")}
+
+    a = [deterministic(r) for r in read_metrics(tmp_path / "a" / "run" / METRICS_FILE)]
+    b = [deterministic(r) for r in read_metrics(resumed_dir / METRICS_FILE)]
+    assert [r["step"] for r in b] == [4, 5, 6]
+    assert b == a[3:]
+
+    def final_tensors(run_dir):
+        directory = checkpoint_dir(run_dir / CHECKPOINTS_DIR, 6)
+        shards = read_shards(directory, read_manifest(directory))
+        return {(f, part, k): t for f, s in shards.items() if f != "trainer.pt"
+                for part in ("model", "optim") for k, t in s[part].items()}
+
+    fa, fb = final_tensors(tmp_path / "a" / "run"), final_tensors(resumed_dir)
+    assert fa.keys() == fb.keys()
+    for key in fa:
+        if isinstance(fa[key], dict):
+            assert all(torch.equal(fa[key][s], fb[key][s]) for s in fa[key]), key
+        else:
+            assert torch.equal(fa[key], fb[key]), key
+    assert any(k[2].endswith("expert_bias") and fa[k].abs().sum() > 0 for k in fa)  # the bias moved
+
+
+def test_step_matches_one_backward_of_the_mean_micro_batch_loss():
+    cfg = tiny_model(bias_balancing=True)
+    optim = OptimConfig(lr=1e-2, grad_clip=0.5)
+    tokens_BS1 = TokenDataset(synthetic_corpus(10_000), seq_len=16, batch_size=4, seed=0, split="train").batch(0)
+    ours, ref = MoETransformer(cfg), MoETransformer(cfg)
+    ours.init_weights(1)
+    ref.load_state_dict(ours.state_dict())
+    ours_opt = build_optimizer(ours.named_parameters(), optim)
+    ref_opt = build_optimizer(ref.named_parameters(), optim)
+
+    result = train_step(ours, ours_opt, tokens_BS1, micro_batches=2, lr=optim.lr, grad_clip=optim.grad_clip)
+
+    losses, loads = [], []
+    for m in range(2):
+        inputs_BS, targets_BS = inputs_and_targets(tokens_BS1[batch_rows(4, 2, 1, m, 0)])
+        out = ref(inputs_BS)
+        ce = torch.nn.functional.cross_entropy(out.logits_BSV.flatten(0, 1), targets_BS.flatten())
+        losses.append(ce + out.aux_loss + out.z_loss)
+        loads.append(out.expert_load_LE)
+    loss = torch.stack(losses).mean()
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(list(ref.parameters()), optim.grad_clip)
+    ref_opt.step()
+    ref.update_router_bias(loads[0] + loads[1])
+
+    assert result.loss == pytest.approx(float(loss.detach()), rel=1e-6)
+    assert result.grad_norm == pytest.approx(float(norm), rel=1e-5)
+    assert torch.equal(result.expert_load_LE, loads[0] + loads[1])
+    for (name, a), b in zip(ours.state_dict().items(), ref.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_metrics_file_has_one_complete_record_per_step(tmp_path):
+    cfg = tiny_run(tmp_path, steps=4, eval_every=2, hardware="h200-sxm")
+    train_single(cfg)
+    records = read_metrics(tmp_path / "run" / METRICS_FILE)
+    model = load_model("tiny")
+    tokens = cfg.batch_size * cfg.seq_len
+    peak = load_hardware("h200-sxm").bf16_tflops * 1e12
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert ["val_loss" in r for r in records] == [False, True, False, True]
+    for r in records:
+        assert r["loss"] == pytest.approx(r["ce"] + r["aux_loss"] + r["z_loss"], rel=1e-6)  # fp32 sum
+        assert r["lr"] == pytest.approx(lr_at(r["step"] - 1, cfg.optim, cfg.steps))
+        assert r["tokens"] == tokens
+        assert r["flops"] == pytest.approx(step_flops(model, tokens, cfg.seq_len))
+        assert r["mfu"] == pytest.approx(r["flops"] / r["step_time_s"] / peak, rel=1e-9)
+        load = torch.tensor(r["expert_load"])
+        assert load.shape == (model.num_moe_layers, model.num_experts)
+        assert load.sum(dim=1).tolist() == [tokens * model.top_k] * model.num_moe_layers
+        assert r["load_imbalance"] == pytest.approx(load_imbalance(load))
+        assert r["grad_norm"] > 0 and r["tokens_per_s"] > 0
+
+
+def test_mfu_is_null_without_hardware(tmp_path):
+    summary = train_single(tiny_run(tmp_path, steps=1))
+    assert summary.mfu is None
+    assert read_metrics(tmp_path / "run" / METRICS_FILE)[0]["mfu"] is None
+
+
+def test_resume_without_a_checkpoint_or_past_the_end_is_a_user_error(tmp_path):
+    with pytest.raises(ValueError, match="no complete checkpoint"):
+        train_single(tiny_run(tmp_path, resume=True))
+    train_single(tiny_run(tmp_path, steps=2))
+    with pytest.raises(ValueError, match="raise steps"):
+        train_single(tiny_run(tmp_path, steps=2, resume=True))
+
+
+@pytest.mark.gpu
+def test_cuda_bf16_compute_tracks_the_fp32_cpu_run(tmp_path):
+    cpu = train_single(tiny_run(tmp_path / "cpu", steps=20))
+    gpu = train_single(tiny_run(tmp_path / "gpu", steps=20, device="cuda"))
+    cpu_losses = [r["loss"] for r in read_metrics(tmp_path / "cpu" / "run" / METRICS_FILE)]
+    gpu_losses = [r["loss"] for r in read_metrics(tmp_path / "gpu" / "run" / METRICS_FILE)]
+    assert gpu_losses[0] == pytest.approx(cpu_losses[0], rel=2e-2)
+    assert gpu.final_loss == pytest.approx(cpu.final_loss, rel=1e-1)
+    directory = checkpoint_dir(tmp_path / "gpu" / "run" / CHECKPOINTS_DIR, 20)
+    shards = read_shards(directory, read_manifest(directory))
+    assert all(t.dtype == torch.float32 for s in shards.values() if "model" in s for t in s["model"].values())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["grouped_mm", "triton"])
+def test_cuda_steps_make_no_host_waits(tmp_path, backend):
+    """Steady-state single-GPU steps under set_sync_debug_mode('error') (forbid_host_syncs): any
+    .item()/.tolist()/.cpu() or other host wait inside a step would raise."""
+    cfg = tiny_run(tmp_path, steps=3, device="cuda", experts_backend=backend, forbid_host_syncs=True,
+                   model=tiny_model(bias_balancing=True))
+    summary = train_single(cfg)
+    assert summary.steps == 3 and summary.final_loss is not None
+
+
+def test_fast_path_in_fp32_equals_the_oracle(tmp_path):
+    """`train_step_flat` (FlatAdamW, chunked loss, one read per step) on fp32 parameters takes the
+    oracle's steps: same losses, grad norms, router biases and parameters, to rounding."""
+    from disagmoe.runtime.state.flat_adamw import FlatAdamW
+    from disagmoe.runtime.training.trainer import train_step_flat
+
+    cfg = tiny_model(bias_balancing=True)
+    data = TokenDataset(synthetic_corpus(1 << 14), 32, 4, 0, "train")
+    optim = OptimConfig(lr=3e-3, warmup_steps=1, weight_decay=0.1, grad_clip=0.5)
+    oracle, fast = MoETransformer(cfg), MoETransformer(cfg)
+    reference = build_optimizer(oracle.named_parameters(), optim)
+    flat = FlatAdamW(fast.named_parameters(), optim, torch.float32)
+    for step in range(4):
+        a = train_step(oracle, reference, data.batch(step), 2, optim.lr, optim.grad_clip)
+        b = train_step_flat(fast, flat, data.batch(step), 2, optim.lr, optim.grad_clip)
+        for field in ("loss", "ce", "aux_loss", "z_loss", "grad_norm"):
+            assert getattr(b, field) == pytest.approx(getattr(a, field), rel=1e-5), field
+        assert torch.equal(a.expert_load_LE, b.expert_load_LE)
+    for (name, p), q in zip(oracle.state_dict().items(), fast.state_dict().values(), strict=True):
+        assert float((q - p).norm() / p.norm().clamp_min(1e-12)) < 1e-5, name  # AdamW amplifies ulps of tiny grads
+
+
+def test_bf16_single_mode_trains_and_checkpoints_fp32_masters(tmp_path):
+    cfg = tiny_run(tmp_path, precision="bf16", steps=8, checkpoint_every=4,
+                   optim=OptimConfig(lr=3e-3, warmup_steps=2))
+    summary = train_single(cfg)
+    records = read_metrics(tmp_path / "run" / METRICS_FILE)
+    assert records[-1]["loss"] < records[0]["loss"] and records[0]["precision"] == "bf16"
+    shards = read_shards(checkpoint_dir(tmp_path / "run" / CHECKPOINTS_DIR, 8),
+                         read_manifest(checkpoint_dir(tmp_path / "run" / CHECKPOINTS_DIR, 8)))
+    weights = [t for name, shard in shards.items() if name != "trainer.pt" for t in shard["model"].values()]
+    assert weights and all(t.dtype == torch.float32 for t in weights)
+    resumed = train_single(cfg.model_copy(update={"steps": 10, "resume": True}))
+    assert resumed.steps == 10 and summary.steps == 8
+
+
+def test_balanced_routing_gives_every_expert_the_same_load(tmp_path):
+    cfg = tiny_run(tmp_path, routing="balanced", steps=2)
+    train_single(cfg)
+    records = read_metrics(tmp_path / "run" / METRICS_FILE)
+    assert all(r["routing"] == "balanced" for r in records)
+    assert all(ratio == 1.0 for r in records for ratio in r["load_imbalance"])
+
+
+def test_no_checkpoint_at_the_end_when_asked(tmp_path):
+    summary = train_single(tiny_run(tmp_path, steps=2, checkpoint_at_end=False))
+    assert summary.checkpoint_path is None and not (tmp_path / "run" / CHECKPOINTS_DIR).exists()
+
+
+def test_resume_skips_a_truncated_newest_shard_for_the_previous_checkpoint(tmp_path):
+    """Steps 1-6 with checkpoints at 3 and 6; step 6's layer shard cut short, and a step-7 folder
+    a killed writer left without its manifest: the resume warns naming the shard, continues from
+    step 3 exactly as the straight run did, and the manifest-less folder is gone."""
+    straight = tiny_run(tmp_path / "a", steps=6, checkpoint_every=3)
+    train_single(straight)
+    resumed_dir = tmp_path / "b" / "run"
+    shutil.copytree(tmp_path / "a" / "run" / CHECKPOINTS_DIR, resumed_dir / CHECKPOINTS_DIR)
+    shard = checkpoint_dir(resumed_dir / CHECKPOINTS_DIR, 6) / "layer-001.pt"
+    shard.write_bytes(shard.read_bytes()[:100])
+    partial = checkpoint_dir(resumed_dir / CHECKPOINTS_DIR, 7)
+    partial.mkdir()
+    (partial / "global.pt").write_bytes(b"half")
+    with pytest.warns(RunWarning) as warned:
+        train_single(straight.model_copy(update={"out_dir": str(resumed_dir), "resume": True}))
+    assert len(warned) == 1
+    assert str(warned[0].message).startswith(f"skipped checkpoint step-00000006: checkpoint shard {shard} fails "
+                                             "its sha256 check (100 of ")
+    assert str(warned[0].message).endswith("resuming from step-00000003 instead")
+    a, b = (read_metrics(d / METRICS_FILE) for d in (tmp_path / "a" / "run", resumed_dir))
+    assert [r["step"] for r in b] == [4, 5, 6]
+    assert [r["loss"] for r in b] == [r["loss"] for r in a[3:]]
+    assert not partial.exists()
+
+
+def test_resume_with_another_seed_or_learning_rate_warns_naming_them(tmp_path):
+    first = tiny_run(tmp_path, steps=2)
+    train_single(first)
+    changed = first.model_copy(update={"steps": 3, "resume": True, "seed": 5,
+                                       "optim": first.optim.model_copy(update={"lr": 1e-3})})
+    with pytest.warns(RunWarning, match=r"changed training settings \(seed: 0 -> 5, optim.lr: 0.003 -> 0.001\)"):
+        assert train_single(changed).steps == 3
