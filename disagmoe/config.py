@@ -458,6 +458,12 @@ class TrainConfig(StrictModel):
         4, description="pair_rows: persistent programs per SM of the attention rank's combine (its stream waits "
         "there; nothing else of the rank runs meanwhile)")
     device: Literal["cpu", "cuda"] = "cpu"
+    ranks_per_gpu: Annotated[int, Field(ge=1, le=64)] = Field(
+        1, description="distributed modes on cuda: ranks sharing one GPU, each its own process (fractional Ray "
+        "GPUs), so a layout of N ranks runs on N / ranks_per_gpu GPUs with the real kernels and transport: a "
+        "test of the layout, not a speed measurement (the processes time-slice the GPU; waits get ranks_per_gpu "
+        "times recv_timeout_s). Needs transport: nvshmem (NCCL refuses two ranks on one GPU); the data-parallel "
+        "collectives then run over gloo, staged through the host. mode single: no effect")
     experts_backend: Literal["loop", "grouped_mm", "triton"] = "loop"
     precision: Literal["auto", "bf16", "fp32"] = Field(
         "auto", description="parameters for compute: bf16 (fp32 master weights, gradients accumulated in fp32, "
@@ -536,6 +542,18 @@ class TrainConfig(StrictModel):
         if self.hop == "pair_rows" and self.transport == "nvshmem" and self.experts_backend != "triton":
             raise ValueError("hop: pair_rows over nvshmem needs experts_backend: triton (its down GEMM stores the "
                              "rows); set experts_backend: triton or hop: partial_sums")
+        if self.ranks_per_gpu > 1 and self.mode != "single":
+            if self.device != "cuda":
+                raise ValueError(f"ranks_per_gpu={self.ranks_per_gpu} shares GPUs between ranks: it needs device: cuda "
+                                 "(CPU ranks share the host already; set ranks_per_gpu: 1)")
+            if self.transport != "nvshmem":
+                raise ValueError(f"ranks_per_gpu={self.ranks_per_gpu} with transport: {self.transport}: NCCL refuses two "
+                                 "ranks on one GPU ('Duplicate GPU detected'); use transport: nvshmem (several "
+                                 "processes per GPU), or ranks_per_gpu: 1 with one GPU per rank")
+            if self.forbid_host_syncs:
+                raise ValueError(f"forbid_host_syncs with ranks_per_gpu={self.ranks_per_gpu}: ranks sharing a GPU run "
+                                 "their data-parallel collectives (the gradient norm of every step among them) over "
+                                 "gloo, staged through the host, which the sync check refuses; set one of them off")
         if self.fault_injection is not None and self.mode == "single":
             raise ValueError("fault_injection kills a Ray actor: it needs mode disaggregated or colocated "
                              "(or remove fault_injection)")

@@ -87,14 +87,20 @@ def summarise(rows: list[dict]) -> list[dict]:
     def label(r: dict) -> str:  # a mode timed with several transports or hops has a row per each
         return row_label(r)
 
-    return [{**r, "baseline": label(base), "speedup": base["median_step_s"] / r["median_step_s"],
-             "vs_single": None if single is None else r["tokens_per_s"] / single["tokens_per_s"],
+    def speed(r: dict) -> bool:  # a time-sliced row (ranks sharing a GPU) is no speed figure, nor a base for one
+        return not (r.get("time_sliced") or base.get("time_sliced"))
+
+    return [{**r, "baseline": label(base), "speedup": base["median_step_s"] / r["median_step_s"] if speed(r) else None,
+             "vs_single": None if single is None or not (speed(r) and not single.get("time_sliced"))
+             else r["tokens_per_s"] / single["tokens_per_s"],
              "mean_loss_vs_single": loss_vs_single(r)} for r in rows]
 
 
 def row_label(r: dict) -> str:
-    """A row's name: its mode, with its transport and hop where it has them."""
-    parts = [p for p in (r.get("transport"), r.get("hop") and r["hop"].replace("_", " ")) if p]
+    """A row's name: its mode, with its transport and hop where it has them, and 'time-sliced'
+    where its ranks shared GPUs."""
+    parts = [p for p in (r.get("transport"), r.get("hop") and r["hop"].replace("_", " "),
+                         r.get("time_sliced") and "time-sliced") if p]
     return f"{r['mode']} ({', '.join(parts)})" if parts else r["mode"]
 
 
@@ -143,14 +149,15 @@ def run(cfg: TrainConfig, modes: list[str], steps: int, warmup: int,
         for mode, transport, hop in runs_of(modes, transports, hops):
             mcfg = mode_config(cfg, mode, steps, Path(tmp), transport, hop)
             log(f"{mode}{'' if mode == 'single' else f' ({mcfg.transport}, hop {mcfg.hop})'}: {steps} steps")
-            used_hop = None
+            used_hop, time_sliced = None, False
             if mode == "single":
                 SingleProcessTrainer(mcfg).run()
                 free_device_memory()
             else:
                 from disagmoe.runtime.cluster.driver import DistributedTrainer
 
-                used_hop = DistributedTrainer(mcfg).run().hop
+                summary = DistributedTrainer(mcfg).run()
+                used_hop, time_sliced = summary.hop, summary.time_sliced
             records = read_metrics(Path(mcfg.out_dir) / METRICS_FILE)
             step_s = median_step(records, warmup)
             ranks = {"single": 1, "colocated": mcfg.colocated_ranks,
@@ -159,12 +166,13 @@ def run(cfg: TrainConfig, modes: list[str], steps: int, warmup: int,
             imbalance = [statistics.fmean(r["load_imbalance"]) for r in records
                          if r["step"] > warmup and r.get("load_imbalance")]
             rows.append({"mode": mode, "transport": None if mode == "single" else mcfg.transport, "hop": used_hop,
-                         "ranks": ranks, "median_step_s": step_s, "gpu_wait": mean_waits(records, warmup),
+                         "ranks": ranks, "time_sliced": time_sliced,
+                         "median_step_s": step_s, "gpu_wait": mean_waits(records, warmup),
                          "tokens_per_s": records[-1]["tokens"] / step_s, "final_loss": records[-1]["loss"],
                          "mean_loss": mean_of(records, "loss", 0),
                          "busy": mean_busy(records, warmup), "routing": records[-1].get("routing", "learned"),
-                         "mfu": _rate(flops, step_s, records[-1], "mfu"),
-                         "mfu_ceiling": _rate(flops, step_s, records[-1], "mfu_ceiling"),
+                         "mfu": None if time_sliced else _rate(flops, step_s, records[-1], "mfu"),
+                         "mfu_ceiling": None if time_sliced else _rate(flops, step_s, records[-1], "mfu_ceiling"),
                          "peak_memory_gib": max((r["peak_memory_gib"] for r in records
                                                  if r.get("peak_memory_gib") is not None), default=None),
                          "load_imbalance": statistics.fmean(imbalance) if imbalance else None})

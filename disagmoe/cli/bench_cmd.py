@@ -362,6 +362,9 @@ def train(
     def num(x: float | None, fmt: str) -> str:
         return "-" if x is None else format(x, fmt)
 
+    def times(x: float | None) -> str:
+        return "-" if x is None else f"{x:.2f}x"
+
     for r in record["modes"]:
         busy = " ".join(f"{group} {fraction:.0%}" for group, fraction in r["busy"].items()) or "-"
         waits = " ".join(f"{group} {w['combine']:.1%}" for group, w in r.get("gpu_wait", {}).items()
@@ -369,9 +372,12 @@ def train(
         label = bench.row_label(r)
         table.add_row(label, str(r["ranks"]), f"{r['median_step_s'] * 1e3:.1f} ms", f"{r['tokens_per_s']:,.0f}",
                       pct(r.get("mfu")), pct(r.get("mfu_ceiling")), num(r.get("peak_memory_gib"), ".1f"),
-                      num(r.get("load_imbalance"), ".2f"), f"{r['final_loss']:.4f}", busy, waits, f"{r['speedup']:.2f}x",
-                      *((num(r.get("vs_single"), ".2f") + "x",) if with_single else ()))
+                      num(r.get("load_imbalance"), ".2f"), f"{r['final_loss']:.4f}", busy, waits, times(r.get("speedup")),
+                      *((times(r.get("vs_single")),) if with_single else ()))
     console.print(table)
+    if any(r.get("time_sliced") for r in record["modes"]):
+        console.print("time-sliced rows: their ranks shared GPUs (ranks_per_gpu), so their step times test the "
+                      "layout, not its speed; no speedup or MFU is quoted for them", highlight=False)
 
 
 @bench_app.command("profile")

@@ -177,6 +177,9 @@ def _summary_table(cfg: TrainConfig, summary: dict[str, Any]) -> Table:
     ]
     if summary.get("hop"):
         rows.append(("expert return", summary["hop"].replace("_", " ")))
+    if summary.get("time_sliced"):
+        ranks = len(summary.get("processes") or [])
+        rows.append(("GPUs", f"{ranks} ranks on {summary['gpus']}: time-sliced, not a speed measurement"))
     if summary.get("restarts"):
         rows.append(("restarts", f"{summary['restarts']} (max_restarts={cfg.max_restarts})"))
     for what, value in rows:

@@ -171,6 +171,8 @@ class PairLanding:
 class Transport(abc.ABC):
     """Point-to-point tensor messages between the ranks of one job."""
 
+    kind: str  # the `TrainConfig.transport` name of the implementation
+
     def __init__(self, rank: int, world_size: int, default_timeout_s: float) -> None:
         if default_timeout_s <= 0:
             raise ValueError(f"default_timeout_s={default_timeout_s} must be > 0 seconds")

@@ -69,6 +69,8 @@ def _wait(work: dist.Work, peer: int, key: MessageKey, deadline: float, timeout_
 class LocalTransport(Transport):
     """gloo P2P over the default process group; ranks are global ranks."""
 
+    kind = "local"
+
     def __init__(self, default_timeout_s: float = 120.0) -> None:
         if not dist.is_initialized():
             raise ValueError("the local transport needs torch.distributed initialised first (backend gloo)")

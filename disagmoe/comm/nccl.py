@@ -63,6 +63,8 @@ class NcclTransport(Transport):
     of a step never waits on a connection.
     """
 
+    kind = "nccl"
+
     def __init__(
         self, pairs: Iterable[tuple[int, int]] | None = None, default_timeout_s: float = 120.0
     ) -> None:

@@ -159,6 +159,8 @@ class NvshmemTransport(Transport):
     programs (the same list on every rank: allocation is collective).
     """
 
+    kind = "nvshmem"
+
     def __init__(self, layouts: Sequence[ArenaLayout], default_timeout_s: float = 120.0) -> None:
         if not dist.is_initialized():
             raise ValueError("the nvshmem transport needs torch.distributed initialised (it relays NVSHMEM's unique id)")

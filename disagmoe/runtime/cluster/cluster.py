@@ -12,8 +12,9 @@ in `worker_env`), no dashboard, and Ray's token authentication on (its default f
 cluster); "auto" or "HOST:PORT" joins a running one (README: what a joined cluster exposes; a
 loopback HOST, a cluster of nodes on this host started with `--node-ip-address=127.0.0.1`, is
 joined on loopback, see `_local_only_ray`). Actors sit in placement groups: one STRICT_PACK group per node
-on GPUs (a bundle per GPU), a single group on the local node for CPU slots (fractional CPUs, so
-several actors share a core). Every actor gets `env` (TrainConfig.env) through its runtime_env
+on GPUs (a bundle per GPU; with `ranks_per_gpu` = k, k actors share each bundle, rank r on GPU
+r // k, and the process group uses gloo: `runtime.cluster.sharing`), a single group on the local
+node for CPU slots (fractional CPUs, so several actors share a core). Every actor gets `env` (TrainConfig.env) through its runtime_env
 and sees every GPU of its node (RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1, DESIGN section 5);
 it selects the one Ray assigned to it. GPU actors also load every CUDA kernel when their CUDA
 context starts (CUDA_MODULE_LOADING=EAGER, see `worker_env`) unless `env` says otherwise.
@@ -42,6 +43,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from disagmoe.comm.base import TransportError
+from disagmoe.runtime.cluster.sharing import gpu_of, gpu_share, gpus_needed
 from disagmoe.runtime.schedule.roles import Role
 
 Device = Literal["cpu", "cuda"]
@@ -132,10 +134,13 @@ class Worker:
     def free_port(self) -> int:
         return free_port(host=self.node_ip())
 
-    def init_process_group(self, master_addr: str, master_port: int, timeout_s: float) -> None:
+    def init_process_group(self, master_addr: str, master_port: int, timeout_s: float,
+                           backend: str | None = None) -> None:
+        """Join the run's process group: `backend` nccl on a GPU, gloo on CPU by default (gloo on
+        GPUs too where ranks share them: NCCL refuses two ranks on one device)."""
         timeout = timedelta(seconds=timeout_s)
         dist.init_process_group(
-            backend="nccl" if self.device.type == "cuda" else "gloo",
+            backend=backend or ("nccl" if self.device.type == "cuda" else "gloo"),
             store=rendezvous_store(master_addr, master_port, self.rank == 0, self.world_size, timeout),
             rank=self.rank,
             world_size=self.world_size,
@@ -171,11 +176,12 @@ class WorkerGroup:
     """The driver's handle on one actor per rank; every call reports failures by rank."""
 
     def __init__(self, actors: list[ray.actor.ActorHandle], groups: list[PlacementGroup],
-                 owns_ray: bool, embedded: bool) -> None:
+                 owns_ray: bool, embedded: bool, ranks_per_gpu: int = 1) -> None:
         self.actors = actors
         self._groups = groups
         self._owns_ray = owns_ray
         self._embedded = embedded
+        self.ranks_per_gpu = ranks_per_gpu
 
     @property
     def world_size(self) -> int:
@@ -192,23 +198,27 @@ class WorkerGroup:
         cpus_per_worker: float | None = None,
         ready_timeout_s: float = 120.0,
         log_to_driver: bool = True,
+        ranks_per_gpu: int = 1,
     ) -> WorkerGroup:
-        """Connect to (or start) Ray and create `world_size` actors of `worker_cls`."""
+        """Connect to (or start) Ray and create `world_size` actors of `worker_cls`; on cuda,
+        `ranks_per_gpu` of them share each GPU (`runtime.cluster.sharing`)."""
         if world_size < 1:
             raise ValueError(f"world_size={world_size} must be at least 1")
+        if ranks_per_gpu < 1 or (ranks_per_gpu > 1 and device != "cuda"):
+            raise ValueError(f"ranks_per_gpu={ranks_per_gpu}: GPUs are shared by 1 or more ranks, on cuda only")
         owns_ray = _connect(address, device, log_to_driver)
         embedded = owns_ray and address is None
         try:
             if cpus_per_worker is None:
                 total = ray.cluster_resources().get("CPU", 1.0)
                 cpus_per_worker = 1.0 if device == "cuda" else min(1.0, total / world_size)
-            groups, slots = _placement_groups(world_size, device, cpus_per_worker, ready_timeout_s)
+            groups, slots = _placement_groups(world_size, device, cpus_per_worker, ready_timeout_s, ranks_per_gpu)
             remote_cls = ray.remote(worker_cls)
             actors = []
             for rank, (group, bundle) in enumerate(slots):
                 options = dict(
                     num_cpus=cpus_per_worker,
-                    num_gpus=1 if device == "cuda" else 0,
+                    num_gpus=gpu_share(ranks_per_gpu) if device == "cuda" else 0,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         group, placement_group_bundle_index=bundle
                     ),
@@ -220,7 +230,7 @@ class WorkerGroup:
             if owns_ray:
                 ray.shutdown()
             raise
-        workers = cls(actors, groups, owns_ray, embedded=embedded)
+        workers = cls(actors, groups, owns_ray, embedded=embedded, ranks_per_gpu=ranks_per_gpu)
         try:
             workers.call("info", timeout_s=ready_timeout_s)  # every actor constructed, or a clear failure
         except BaseException:
@@ -234,7 +244,8 @@ class WorkerGroup:
             addr, port = LOOPBACK, free_port()
         else:
             addr, port = self.call_rank(0, "node_ip", timeout_s=timeout_s), self.call_rank(0, "free_port")
-        self.call("init_process_group", addr, port, timeout_s, timeout_s=timeout_s)
+        backend = "gloo" if self.ranks_per_gpu > 1 else None  # NCCL refuses ranks sharing a GPU
+        self.call("init_process_group", addr, port, timeout_s, backend, timeout_s=timeout_s)
         return addr, port
 
     def call(self, method: str, *args: Any, per_rank: Sequence[Any] | None = None,
@@ -401,21 +412,26 @@ def _local_only_ray() -> Iterator[None]:
             os.environ[ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR] = saved_env
 
 
-def _placement_groups(world_size: int, device: Device, cpus_per_worker: float,
-                      timeout_s: float) -> tuple[list[PlacementGroup], list[tuple[PlacementGroup, int]]]:
-    """Placement groups and, per rank, its (group, bundle index) slot."""
+def _placement_groups(world_size: int, device: Device, cpus_per_worker: float, timeout_s: float,
+                      ranks_per_gpu: int = 1) -> tuple[list[PlacementGroup], list[tuple[PlacementGroup, int]]]:
+    """Placement groups and, per rank, its (group, bundle index) slot: on cuda a bundle per GPU,
+    shared by `ranks_per_gpu` consecutive ranks."""
     if device == "cuda":
         per_node = max((node["Resources"].get("GPU", 0) for node in ray.nodes() if node["Alive"]), default=0)
         if per_node < 1:
             raise ValueError(
                 "device='cuda' but the Ray cluster has no GPUs; use device='cpu' or add GPU nodes"
             )
-        per_node = int(min(per_node, world_size))
-        sizes = [min(per_node, world_size - start) for start in range(0, world_size, per_node)]
-        bundle = {"GPU": 1, "CPU": cpus_per_worker}
+        gpus = gpus_needed(world_size, ranks_per_gpu)
+        per_node = int(min(per_node, gpus))
+        sizes = [min(per_node, gpus - start) for start in range(0, gpus, per_node)]
+        bundle = {"GPU": 1, "CPU": cpus_per_worker * ranks_per_gpu}
+        bundles = [(group_index, index) for group_index, size in enumerate(sizes) for index in range(size)]
+        slot_of = [bundles[gpu_of(rank, ranks_per_gpu)] for rank in range(world_size)]
     else:
         sizes = [world_size]
         bundle = {"CPU": cpus_per_worker}
+        slot_of = [(0, rank) for rank in range(world_size)]
     groups = [placement_group([bundle] * size, strategy="STRICT_PACK") for size in sizes]
     try:
         ray.get([group.ready() for group in groups], timeout=timeout_s)
@@ -423,9 +439,8 @@ def _placement_groups(world_size: int, device: Device, cpus_per_worker: float,
         for group in groups:
             remove_placement_group(group)
         raise ValueError(
-            f"Ray could not place {world_size} workers ({bundle} each, STRICT_PACK per node) within "
+            f"Ray could not place {world_size} workers ({sum(sizes)} bundles of {bundle}, STRICT_PACK per node) within "
             f"{timeout_s:g} s; the cluster has {ray.available_resources()}: lower the rank counts, "
             "set cpus_per_worker lower, or add nodes"
         ) from None
-    slots = [(group, index) for group, size in zip(groups, sizes) for index in range(size)]
-    return groups, slots
+    return groups, [(groups[group_index], index) for group_index, index in slot_of]

@@ -42,7 +42,17 @@ from disagmoe.runtime.state.checkpoint import (
     verify_checkpoint,
     warn_changed_training,
 )
+from disagmoe.comm.nvshmem import HEAP_MARGIN_BYTES
 from disagmoe.runtime.cluster.cluster import WorkerFailure, WorkerGroup
+from disagmoe.runtime.cluster.sharing import (
+    PROCESS_BYTES,
+    check_sharing,
+    gpu_of,
+    gpus_needed,
+    ranks_per_gpu,
+    sharing_line,
+    wait_timeout_s,
+)
 from disagmoe.runtime.failures import RunWarning, TrainingFailed
 from disagmoe.runtime.stages.messages import MessageShapes, hop_mode, receive_layouts
 from disagmoe.runtime.observe.metrics import load_imbalance, mfu, peak_and_ceiling
@@ -66,8 +76,9 @@ PROBE_TIMEOUT_S = 2.0  # after a failure: an actor that does not answer `info` t
 
 def step_timeout_s(cfg: TrainConfig) -> float:
     """The driver's bound on one step: a hung peer is noticed by its peers after recv_timeout_s
-    (one receive), this backstop covers a rank stuck outside any receive."""
-    return 4 * cfg.recv_timeout_s + 60.0
+    (one receive; scaled where ranks share a GPU), this backstop covers a rank stuck outside any
+    receive."""
+    return 4 * wait_timeout_s(cfg) + 60.0
 
 
 def training_state_bytes(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topology, rank: int) -> tuple[int, float]:
@@ -86,14 +97,19 @@ def training_state_bytes(cfg: TrainConfig, model_cfg: ModelConfig, topology: Top
     return params, (params - replicated) * (param_bytes + state_bytes) + replicated * (param_bytes + state_bytes / dp)
 
 
-def check_memory(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topology, capacity_bytes: float) -> None:
+def check_memory(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topology, capacity_bytes: float,
+                 per_gpu: int = 1) -> None:
     """ValueError naming the first rank whose parameters, gradients and AdamW moments (fp32;
     `training_state_bytes`) and receive buffers (`messages.receive_layouts`: nccl's per slot,
-    nvshmem's symmetric arena) exceed one device's memory; activations are not counted."""
+    nvshmem's symmetric arena) exceed one device's memory; activations are not counted. With
+    `per_gpu` > 1 ranks sharing each GPU, also the first GPU whose ranks do not fit it together
+    (each rank's process adding its context and NVSHMEM heap margin: `sharing.PROCESS_BYTES`)."""
     buffers = receive_layouts(cfg, MessageShapes.of_run(cfg, model_cfg, topology), topology)
+    on_gpu: dict[int, list[tuple[int, float]]] = {}
     for rank in range(topology.world_size):
         params, state = training_state_bytes(cfg, model_cfg, topology, rank)
         received = buffers[rank].nbytes
+        on_gpu.setdefault(gpu_of(rank, per_gpu), []).append((rank, state + received))
         if state + received > capacity_bytes:
             raise ValueError(
                 f"rank {rank} ({topology.describe(rank)}) holds {params:,} parameters: "
@@ -102,6 +118,18 @@ def check_memory(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topology, c
                 f"{capacity_bytes / 2**30:.1f} GiB device; add expert ranks or pipeline groups "
                 "(`disagmoe plan` finds a layout that fits) or use more micro-batches"
             )
+    if per_gpu == 1:
+        return
+    for gpu, ranks in on_gpu.items():
+        total = sum(need + PROCESS_BYTES + HEAP_MARGIN_BYTES for _, need in ranks)
+        if total > capacity_bytes:
+            each = ", ".join(f"rank {rank} {need / 2**30:.1f}" for rank, need in ranks)
+            raise ValueError(
+                f"GPU {gpu} is shared by {len(ranks)} ranks (ranks_per_gpu={per_gpu}) needing "
+                f"{total / 2**30:.1f} GiB together ({each} GiB of training state and receive buffers, plus "
+                f"{(PROCESS_BYTES + HEAP_MARGIN_BYTES) / 2**30:.2f} GiB per process for its CUDA context and "
+                f"NVSHMEM heap; activations not counted) on a {capacity_bytes / 2**30:.1f} GiB device; lower "
+                "ranks_per_gpu (more GPUs), use a smaller model or fewer tokens per micro-batch")
 
 
 def check_fits(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topology) -> None:
@@ -125,13 +153,16 @@ def check_fits(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topology) -> 
     if cfg.ray_address is not None:
         return  # a joined cluster's capacity is checked by Ray's placement (with the numbers)
     if cfg.device == "cuda":
-        gpus = torch.cuda.device_count()
-        if world > gpus:
-            raise ValueError(f"{cfg.mode} needs {world} GPUs (one per rank), this host has {gpus}; "
-                             "lower the rank counts or join a larger cluster with ray_address")
+        gpus, per_gpu = torch.cuda.device_count(), ranks_per_gpu(cfg)
+        if per_gpu > 1:
+            check_sharing(world, per_gpu, gpus)
+        elif world > gpus:
+            raise ValueError(f"{cfg.mode} needs {world} GPUs (one per rank), this host has {gpus}; lower the rank "
+                             "counts, join a larger cluster with ray_address, or share GPUs (ranks_per_gpu with "
+                             "transport: nvshmem: a test of the layout, not of its speed)")
         if cfg.transport == "local":
             raise ValueError("transport=local runs on CPU (gloo); use transport=nccl with device=cuda")
-        check_memory(cfg, model_cfg, topology, torch.cuda.get_device_properties(0).total_memory)
+        check_memory(cfg, model_cfg, topology, torch.cuda.get_device_properties(0).total_memory, per_gpu)
     else:
         cpus = os.cpu_count() or 1
         if world > cpus / MIN_CPUS_PER_RANK:
@@ -169,7 +200,11 @@ class DistributedTrainer(TrainingLoop):
         self.step = 0 if resume_from is None else read_trainer_state(resume_from).step
         self.tokens_per_step = cfg.batch_size * cfg.seq_len
         self.flops_per_step = step_flops(self.model_cfg, self.tokens_per_step, cfg.seq_len)
-        self.peak_flops, self.ceiling_flops = peak_and_ceiling(cfg, gpus=self.topology.world_size)
+        self.ranks_per_gpu = ranks_per_gpu(cfg)
+        self.gpus = gpus_needed(self.topology.world_size, self.ranks_per_gpu) if cfg.device == "cuda" else 0
+        if self.ranks_per_gpu > 1:
+            warnings.warn(sharing_line(self.topology.world_size, self.ranks_per_gpu), RunWarning, stacklevel=2)
+        self.peak_flops, self.ceiling_flops = peak_and_ceiling(cfg, gpus=self.gpus or self.topology.world_size)
         self.rank_names = {r: self.topology.describe(r) for r in range(self.topology.world_size)}
         self.groups = [self.topology.group_name(r) for r in range(self.topology.world_size)]
         self.log_to_driver = log_to_driver
@@ -184,15 +219,17 @@ class DistributedTrainer(TrainingLoop):
         cfg = self.cfg
         if workers is None:
             workers = WorkerGroup.start(self.topology.world_size, cfg.device, cfg.env, cfg.ray_address,
-                                        worker_cls=TrainWorker, log_to_driver=self.log_to_driver)
+                                        worker_cls=TrainWorker, log_to_driver=self.log_to_driver,
+                                        ranks_per_gpu=self.ranks_per_gpu)
         elif workers.world_size != self.topology.world_size:
             raise ValueError(f"{cfg.mode} needs {self.topology.world_size} ranks; the given workers are "
                              f"{workers.world_size}")
         self.workers = workers
         try:
             if self.owns_workers:
-                self.workers.init_process_group(timeout_s=cfg.recv_timeout_s)
+                self.workers.init_process_group(timeout_s=wait_timeout_s(cfg))
             self._call("setup", cfg.model_dump(mode="json"), self.topology)
+            self.processes = [_process_facts(info, self.rank_names[info["rank"]]) for info in self._call("info")]
             if resume_from is not None:
                 self._call("load", str(resume_from))
         except BaseException:
@@ -300,7 +337,13 @@ class DistributedTrainer(TrainingLoop):
             "load_imbalance": load_imbalance(load_LE),
             "busy": busy_fractions([r["compute_s"] for r in results], seconds, self.groups),
             "gpu_wait": wait_fractions([r.get("gpu_wait_s", {}) for r in results], seconds, self.groups),
+            **({"time_sliced": True} if self.ranks_per_gpu > 1 else {}),  # step_time_s is not a speed figure
         }
+
+    def run_facts(self) -> dict[str, Any]:
+        return dict(hop=self.hop, transport=self.cfg.transport, gpus=self.gpus or None,
+                    ranks_per_gpu=self.ranks_per_gpu, time_sliced=self.ranks_per_gpu > 1,
+                    processes=self.processes)
 
     def validate(self) -> float:
         """Mean CE over `eval_batches` validation batches, as the oracle's `evaluate` defines it."""
@@ -340,6 +383,12 @@ class DistributedTrainer(TrainingLoop):
         name = self.rank_names.get(rank, "?")
         report = f"rank {rank} ({name}) failed during {method} of step {self.step + 1}: {what}"
         return TrainingFailed(rank, f"{report}; {resume}", report)
+
+
+def _process_facts(info: dict[str, Any], name: str) -> dict[str, Any]:
+    """A rank's process as the summary records it (`TrainWorker.info`), JSON-ready."""
+    return {"rank": info["rank"], "pid": info["pid"], "node": info["node_ip"], "device": info["device"],
+            "role": name, "transport": info.get("transport"), "hop": info.get("hop")}
 
 
 def probe_ranks(actors: list[Any], timeout_s: float) -> tuple[dict[int, str], list[int]]:

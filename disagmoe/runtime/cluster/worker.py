@@ -44,6 +44,7 @@ from disagmoe.model_ref import load_model
 from disagmoe.data import TokenDataset, load_splits
 from disagmoe.runtime.stages.attention_stage import AttentionStage
 from disagmoe.runtime.cluster.cluster import Worker
+from disagmoe.runtime.cluster.sharing import wait_timeout_s
 from disagmoe.runtime.stages.expert_stage import ExpertStage
 from disagmoe.runtime.observe.gpu_spans import GpuSpans
 from disagmoe.runtime.observe.metrics import no_host_syncs, out_of_memory_hint, peak_memory_gib
@@ -110,9 +111,10 @@ class TrainWorker(Worker):
         if cfg.cpu_threads is not None and self.device.type == "cpu":
             torch.set_num_threads(cfg.cpu_threads)
         self.program = topology.programs(cfg.micro_batches)[self.rank]
-        self.world_group, self.dp_group = self._collective_groups(topology, cfg.recv_timeout_s)
+        wait_s = wait_timeout_s(cfg)  # recv_timeout_s, scaled where ranks time-slice a GPU
+        self.world_group, self.dp_group = self._collective_groups(topology, wait_s)
         self.shapes = MessageShapes.of_run(cfg, self.model_cfg, topology)
-        self.transport = make_transport(cfg.transport, cfg.recv_timeout_s, topology.rank_pairs(cfg.micro_batches),
+        self.transport = make_transport(cfg.transport, wait_s, topology.rank_pairs(cfg.micro_batches),
                                         layouts=receive_layouts(cfg, self.shapes, topology)
                                         if cfg.transport == "nvshmem" else None)
         attention = topology.attention_role(self.rank)
@@ -150,7 +152,15 @@ class TrainWorker(Worker):
                                                self.shapes.specs(op.payload, topology.is_moe(op.layer)))
         self.recorder = SpanRecorder()
         self.gpu_spans = GpuSpans(self.device) if self.device.type == "cuda" else None
-        self.watchdog = OpWatchdog(f"rank {self.rank} ({topology.describe(self.rank)})", cfg.recv_timeout_s)
+        self.watchdog = OpWatchdog(f"rank {self.rank} ({topology.describe(self.rank)})", wait_s)
+
+    def info(self) -> dict[str, Any]:
+        """The base's facts, with the transport and hop this rank really runs once set up."""
+        facts = super().info()
+        if getattr(self, "transport", None) is not None:
+            facts.update(transport=self.transport.kind,
+                         hop="pair_rows" if self.shapes.pair_rows else "partial_sums")
+        return facts
 
     def _collective_groups(self, topology: Topology, timeout_s: float) -> tuple[Any, Any]:
         """The all-ranks group, this rank's data-parallel group and the groups of owners of

@@ -48,6 +48,11 @@ class TrainSummary:
     busy: dict[str, float] | None = None  # distributed modes: per group, mean compute / step time
     restarts: int = 0  # distributed modes: times the run restarted itself after a failed rank (max_restarts)
     hop: str | None = None  # distributed modes: how expert outputs returned (`runtime.stages.messages.hop_mode`)
+    transport: str | None = None  # distributed modes: the transport every rank ran
+    gpus: int | None = None  # distributed modes on cuda: GPUs the ranks ran on
+    ranks_per_gpu: int = 1  # > 1: ranks time-sliced each GPU (`runtime.cluster.sharing`): not a speed figure
+    time_sliced: bool = False
+    processes: list[dict[str, Any]] | None = None  # distributed modes: each rank's pid, node, device, role, hop
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -125,6 +130,11 @@ class TrainingLoop:
     def _train_one_step(self) -> dict[str, Any]:
         raise NotImplementedError
 
+    def run_facts(self) -> dict[str, Any]:
+        """What the summary records about how the run ran, beyond its figures (TrainSummary's
+        optional fields); none for one process."""
+        return {}
+
     def validate(self) -> float:
         raise NotImplementedError
 
@@ -182,5 +192,5 @@ class TrainingLoop:
             checkpoint_path=None if checkpoint is None else str(checkpoint),
             busy={g: total / steps_run for g, total in busy_sums.items()} if busy_sums and steps_run else None,
             restarts=self.restarts,
-            hop=getattr(self, "hop", None),
+            **self.run_facts(),
         )

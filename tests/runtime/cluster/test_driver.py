@@ -450,6 +450,125 @@ def test_gpu_steps_make_no_host_waits_in_every_distributed_mode(ray_cluster, tmp
     assert summary.steps == 3 and summary.final_loss is not None and summary.hop == hop
 
 
+SHARED_CASES = {
+    # one GPU shared by every rank over nvshmem (ranks_per_gpu = world size): every layout of the
+    # two-GPU tests and more, both hops, evaluation at the end
+    "A1-E1-sums": dict(attention_ranks=1, expert_ranks=1, hop="partial_sums"),
+    "A1-E1-pairs": dict(attention_ranks=1, expert_ranks=1, hop="pair_rows"),
+    "A1-E2-pairs": dict(attention_ranks=1, expert_ranks=2, hop="pair_rows"),
+    "A2-E1-sums": dict(attention_ranks=2, expert_ranks=1, hop="partial_sums"),
+    "A2-E2-p2-pairs": dict(attention_ranks=2, expert_ranks=2, pipeline_groups=2, hop="pair_rows"),
+    "colocated-2-pairs": dict(mode="colocated", colocated_ranks=2, hop="pair_rows"),
+    "colocated-3-sums": dict(mode="colocated", colocated_ranks=3, batch_size=12, hop="partial_sums"),
+    "replicas-A2-E2-pairs": dict(plan="replicas-A2-E2-m2", hop="pair_rows"),
+}
+
+
+def shared_gpu_config(out: Path, case: str, **extra) -> TrainConfig:
+    fields = dict(SHARED_CASES[case])
+    mode = fields.pop("mode", "disaggregated")
+    if "plan" in fields:
+        fields["plan"] = PLANS[fields["plan"]]()
+    world = Topology.from_config(apply_plan(run_config(out, mode, **fields), tiny_model(False)),
+                                 tiny_model(False)).world_size
+    backend = "triton" if fields["hop"] == "pair_rows" else "loop"
+    # fuse_elementwise off: each run's processes would compile their fused kernels anew (the
+    # single-GPU tests cover them); the distributed path is what these runs test
+    base = dict(micro_batches=2, device="cuda", transport="nvshmem", ranks_per_gpu=world, cpu_threads=None,
+                steps=8, batch_size=16, seq_len=128, experts_backend=backend, recv_timeout_s=120,
+                fuse_elementwise=False)
+    return run_config(out, mode, **{**base, **fields, **extra})
+
+
+def assert_ran_as_asked(summary, cfg: TrainConfig) -> None:
+    """N distinct processes on the one GPU, over nvshmem, with the hop asked for: no fallback to
+    one process or to another hop."""
+    world = Topology.from_config(apply_plan(cfg, cfg.model), cfg.model).world_size
+    assert summary.time_sliced and summary.gpus == 1 and summary.ranks_per_gpu == world
+    assert len({p["pid"] for p in summary.processes}) == world == len(summary.processes)
+    assert {(p["device"], p["transport"], p["hop"]) for p in summary.processes} == {("cuda:0", "nvshmem", cfg.hop)}
+
+
+def needs_shared_gpu() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    if not nvshmem_available():
+        pytest.skip("needs nvshmem4py")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", SHARED_CASES)
+def test_gpu_every_layout_on_one_shared_gpu_matches_the_oracle(ray_cluster, tmp_path, case):
+    """The two-GPU oracle test's tolerance (bf16 against the single-GPU fast path), with all ranks
+    of the layout time-slicing one GPU over the real NVSHMEM transport and kernels."""
+    needs_shared_gpu()
+    cfg = shared_gpu_config(tmp_path / "dist", case)
+    with pytest.warns(RunWarning, match="time-sliced, not a speed measurement"):
+        trainer = DistributedTrainer(cfg, log_to_driver=False)
+    summary = trainer.run()
+    assert_ran_as_asked(summary, cfg)
+    reference, _ = oracle(apply_plan(cfg, cfg.model), tmp_path / "single")
+    records = read_metrics(tmp_path / "dist" / METRICS_FILE)
+    assert [r["step"] for r in records] == [r["step"] for r in reference]
+    for got, want in zip(records, reference, strict=True):
+        assert abs(got["loss"] - want["loss"]) <= 1e-2 * want["loss"], (got["step"], got["loss"], want["loss"])
+        assert got["time_sliced"] is True
+    assert abs(summary.final_val_loss - reference[-1]["val_loss"]) <= 1e-2 * reference[-1]["val_loss"]
+
+
+@pytest.mark.gpu
+def test_gpu_a_shared_run_resumes_in_another_shared_layout(ray_cluster, tmp_path):
+    """Steps 1-4 disaggregated (1 A + 2 E, pair rows) on one GPU, steps 5-8 colocated on it from
+    that checkpoint: the losses of the single-GPU run of all 8 steps (a constant learning rate
+    after warm-up, so the 4-step run's schedule is the 8-step run's)."""
+    needs_shared_gpu()
+    constant = OptimConfig(lr=3e-3, warmup_steps=2, min_lr_ratio=1.0)
+    first = shared_gpu_config(tmp_path / "run", "A1-E2-pairs", steps=4, optim=constant)
+    DistributedTrainer(first, log_to_driver=False).run()
+    second = shared_gpu_config(tmp_path / "run", "colocated-2-pairs", resume=True, optim=constant)
+    summary = DistributedTrainer(second, log_to_driver=False).run()
+    assert summary.steps == 8 and summary.ranks_per_gpu == 2
+    reference, _ = oracle(second, tmp_path / "single")
+    for got, want in zip(read_metrics(tmp_path / "run" / METRICS_FILE), reference, strict=True):
+        assert got["step"] == want["step"]
+        assert abs(got["loss"] - want["loss"]) <= 1e-2 * want["loss"], (got["step"], got["loss"], want["loss"])
+
+
+@pytest.mark.gpu
+def test_gpu_a_killed_rank_on_a_shared_gpu_restarts_to_the_uninterrupted_result(ray_cluster, tmp_path):
+    needs_shared_gpu()
+    clean_cfg = shared_gpu_config(tmp_path / "clean", "A1-E2-pairs", steps=6, checkpoint_every=2)
+    clean = DistributedTrainer(clean_cfg, log_to_driver=False).run()
+    faulted_cfg = shared_gpu_config(tmp_path / "run", "A1-E2-pairs", steps=6, checkpoint_every=2, max_restarts=1,
+                                    fault_injection={"rank": 2, "step": 4})
+    trainer = DistributedTrainer(faulted_cfg, log_to_driver=False)
+    first_pids = {p["pid"] for p in trainer.processes}
+    with pytest.warns(RunWarning) as warned:
+        summary = trainer.run()
+    lines = [str(w.message) for w in warned if "restart 1 of 1" in str(w.message)]
+    assert len(lines) == 1 and "rank 2 (E0.1) failed during train_step of step 4" in lines[0], lines
+    assert summary.restarts == 1 and summary.steps == 6
+    assert first_pids.isdisjoint(p["pid"] for p in summary.processes)  # new processes after the restart
+    assert_ran_as_asked(summary, faulted_cfg)
+    got, want = (read_metrics(d / METRICS_FILE) for d in (tmp_path / "run", tmp_path / "clean"))
+    assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, 7))
+    for a, b in zip(got, want, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-3 * b["loss"], (a["step"], a["loss"], b["loss"])
+    assert abs(summary.final_loss - clean.final_loss) <= 1e-3 * clean.final_loss
+
+
+def test_the_summary_names_every_ranks_process_transport_and_hop(warm, tmp_path):
+    cfg = run_config(tmp_path / "dist", "disaggregated", attention_ranks=1, expert_ranks=2, micro_batches=2, steps=1,
+                     hop="pair_rows")
+    summary = run_on(warm, cfg)
+    assert [p["rank"] for p in summary.processes] == [0, 1, 2]
+    assert len({p["pid"] for p in summary.processes}) == 3 and {p["pid"] for p in summary.processes} != {os.getpid()}
+    assert [p["role"] for p in summary.processes] == ["A0.0", "E0.0", "E0.1"]
+    assert {(p["device"], p["transport"], p["hop"]) for p in summary.processes} == {("cpu", "local", "pair_rows")}
+    assert (summary.transport, summary.time_sliced, summary.ranks_per_gpu, summary.gpus) == ("local", False, 1, None)
+    assert json.loads(json.dumps(summary.to_dict()))["processes"][1]["role"] == "E0.0"
+
+
 def test_a_rank_whose_training_state_exceeds_the_device_is_refused(tmp_path):
     cfg = run_config(tmp_path / "run", "disaggregated", attention_ranks=1, expert_ranks=2)
     topology = Topology.from_config(cfg, cfg.model)

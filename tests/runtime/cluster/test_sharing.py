@@ -1,0 +1,134 @@
+"""Ranks sharing a GPU (disagmoe/runtime/cluster/sharing.py): the settings that are refused, where
+Ray places the actors (logical GPUs on this CPU host), the per-GPU memory check, the timeouts."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import ray
+
+from disagmoe.config import TrainConfig
+from disagmoe.model_ref import load_model
+from disagmoe.runtime.cluster.cluster import _placement_groups
+from disagmoe.runtime.cluster.driver import check_memory, step_timeout_s, training_state_bytes
+from disagmoe.runtime.cluster.sharing import (
+    PROCESS_BYTES,
+    check_sharing,
+    gpu_of,
+    gpu_share,
+    gpus_needed,
+    ranks_per_gpu,
+    sharing_line,
+    wait_timeout_s,
+)
+from disagmoe.runtime.stages.messages import MessageShapes, receive_layouts
+from disagmoe.runtime.topology import Topology
+from disagmoe.comm.nvshmem import HEAP_MARGIN_BYTES
+
+
+def shared(**fields) -> TrainConfig:
+    base = dict(model="tiny", mode="disaggregated", device="cuda", transport="nvshmem", ranks_per_gpu=2,
+                batch_size=8, seq_len=16)
+    return TrainConfig(**{**base, **fields})
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(transport="nccl"), "NCCL refuses two ranks on one GPU ('Duplicate GPU detected'); use transport: nvshmem"),
+    (dict(device="cpu", transport="local"), "it needs device: cuda"),
+    (dict(forbid_host_syncs=True), "over gloo, staged through the host, which the sync check refuses"),
+    (dict(ranks_per_gpu=0), "greater than or equal to 1"),
+    (dict(ranks_per_gpu=65), "less than or equal to 64"),
+])
+def test_settings_that_cannot_share_a_gpu_are_refused_with_the_fix(fields, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        shared(**fields)
+
+
+def test_one_process_runs_and_cpu_runs_ignore_sharing():
+    assert ranks_per_gpu(shared(mode="single", transport="nccl")) == 1
+    assert ranks_per_gpu(shared(ranks_per_gpu=1, transport="nccl")) == 1
+    assert ranks_per_gpu(shared(ranks_per_gpu=3)) == 3
+
+
+@pytest.mark.parametrize("per_gpu", range(1, 65))
+def test_k_shares_fit_one_gpu_at_rays_resolution(per_gpu):
+    share = gpu_share(per_gpu)
+    assert 0 < share <= 1 / per_gpu and per_gpu * round(share * 10_000) <= 10_000
+    assert 1 / per_gpu - share < 1e-4
+
+
+def test_ranks_fill_gpus_in_contiguous_blocks():
+    assert [gpu_of(r, 2) for r in range(6)] == [0, 0, 1, 1, 2, 2]
+    assert gpus_needed(5, 8) == 1 and gpus_needed(6, 2) == 3 and gpus_needed(7, 2) == 4
+    check_sharing(3, 3, gpus_here=1)
+    check_sharing(2, 4, gpus_here=1)  # fewer ranks than the share: still one GPU
+    with pytest.raises(ValueError, match=r"4 ranks at ranks_per_gpu=2 need 2 GPUs, this host has 1; raise "
+                                         r"ranks_per_gpu to 4"):
+        check_sharing(4, 2, gpus_here=1)
+    with pytest.raises(ValueError, match=r"leave GPU 1 with 1 ranks and the others with 2: NVSHMEM needs as many"):
+        check_sharing(3, 2, gpus_here=2)
+
+
+def test_waits_scale_with_the_ranks_time_slicing_a_gpu():
+    cfg = shared(ranks_per_gpu=3, recv_timeout_s=40)
+    assert wait_timeout_s(cfg) == 120 and step_timeout_s(cfg) == 4 * 120 + 60
+    assert wait_timeout_s(cfg.model_copy(update={"ranks_per_gpu": 1})) == 40
+    assert "3 ranks on 1 GPU: time-sliced, not a speed measurement" in sharing_line(3, 3)
+    assert sharing_line(4, 2).startswith("4 ranks on 2 GPUs: ")
+
+
+def test_the_memory_check_sums_the_ranks_sharing_a_gpu():
+    """Each rank fits the device alone; together with a process's context and heap margin they
+    do not, and the message names the GPU, its ranks and the fix."""
+    cfg = shared(model=load_model("tiny"), attention_ranks=1, expert_ranks=2)
+    topology = Topology.from_config(cfg, cfg.model)
+    buffers = receive_layouts(cfg, MessageShapes.of_run(cfg, cfg.model, topology), topology)
+    needs = [training_state_bytes(cfg, cfg.model, topology, r)[1] + buffers[r].nbytes for r in range(3)]
+    together = sum(needs) + 3 * (PROCESS_BYTES + HEAP_MARGIN_BYTES)
+    check_memory(cfg, cfg.model, topology, capacity_bytes=together, per_gpu=3)
+    check_memory(cfg, cfg.model, topology, capacity_bytes=together - 1, per_gpu=1)  # one rank per GPU: fits
+    with pytest.raises(ValueError, match=r"GPU 0 is shared by 3 ranks \(ranks_per_gpu=3\) needing [\d.]+ GiB "
+                                         r"together \(rank 0 .*, rank 2 .* lower ranks_per_gpu"):
+        check_memory(cfg, cfg.model, topology, capacity_bytes=together - 1, per_gpu=3)
+    # two GPUs of two ranks each: GPU 1 holds ranks 2 and 3
+    cfg4 = shared(model=load_model("tiny"), attention_ranks=2, expert_ranks=2)
+    with pytest.raises(ValueError, match=r"GPU 0 is shared by 2 ranks"):
+        check_memory(cfg4, cfg4.model, Topology.from_config(cfg4, cfg4.model), capacity_bytes=4 * 2**30, per_gpu=2)
+
+
+@pytest.fixture(scope="module")
+def logical_gpus():
+    """An embedded Ray node that declares 2 GPUs (logical: Ray places by resources, nothing here
+    touches CUDA)."""
+    ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=8, num_gpus=2,
+             log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@ray.remote
+class _Probe:
+    def gpus(self) -> list[int]:
+        return [int(i) for i in ray.get_gpu_ids()]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world, per_gpu, want", [(4, 2, [0, 0, 1, 1]), (3, 3, [0, 0, 0]), (2, 1, [0, 1])])
+def test_ray_gives_each_block_of_ranks_one_gpu(logical_gpus, world, per_gpu, want):
+    groups, slots = _placement_groups(world, "cuda", 0.5, timeout_s=30, ranks_per_gpu=per_gpu)
+    try:
+        assert len(groups) == 1 and len(slots) == world
+        assert [index for _, index in slots] == [gpu_of(r, per_gpu) for r in range(world)]
+        strategy = ray.util.scheduling_strategies.PlacementGroupSchedulingStrategy
+        probes = [_Probe.options(num_cpus=0.5, num_gpus=gpu_share(per_gpu),
+                                 scheduling_strategy=strategy(group, placement_group_bundle_index=index)).remote()
+                  for group, index in slots]
+        got = ray.get([probe.gpus.remote() for probe in probes], timeout=60)
+        assert [ids[0] for ids in got] == want and all(len(ids) == 1 for ids in got)
+        # GPU ids are Ray's: the two blocks sit on different GPUs, every rank of a block on the same one
+        for probe in probes:
+            ray.kill(probe)
+    finally:
+        for group in groups:
+            ray.util.remove_placement_group(group)
