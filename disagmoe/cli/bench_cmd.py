@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from disagmoe.cli.common import console, err_console, print_json, user_errors
+from disagmoe.cli.common import console, err_console, print_error, print_json, user_errors
 
 bench_app = typer.Typer(help="GPU benchmarks (each measures its own baselines in the same run).",
                         no_args_is_help=True)

@@ -181,6 +181,17 @@ def invoke(*args: str):
     return CliRunner().invoke(app, ["bench", "layer", *args])
 
 
+def test_cli_a_failed_check_is_one_error_line_and_exit_1(monkeypatch):
+    """The run's record names the checks that failed: the command prints it, then one error line
+    and no speedup (this path once raised NameError: print_error was not imported)."""
+    record = {"check_failed": ["qwen3-30b-a3b fused: outputs differ"], "tolerance": 2e-2}
+    monkeypatch.setattr(bench, "run", lambda *args, **kwargs: record)
+    result = invoke("--shape", "qwen3-30b-a3b", "--json")
+    assert result.exit_code == 1
+    assert "outputs or gradients differ from the single-GPU reference beyond bf16 tolerance (2e-02)" in result.output
+    assert "no speedup reported" in result.output and "Traceback" not in result.output
+
+
 @pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="checks the message without 2 GPUs")
 def test_cli_without_two_gpus_is_one_clear_line():
     result = invoke("--shape", "deepseek-v3-4k")
