@@ -204,7 +204,9 @@ class DistributedTrainer(TrainingLoop):
         self.gpus = gpus_needed(self.topology.world_size, self.ranks_per_gpu) if cfg.device == "cuda" else 0
         if self.ranks_per_gpu > 1:
             warnings.warn(sharing_line(self.topology.world_size, self.ranks_per_gpu), RunWarning, stacklevel=2)
-        self.peak_flops, self.ceiling_flops = peak_and_ceiling(cfg, gpus=self.gpus or self.topology.world_size)
+        # time-sliced ranks give no speed figure: no MFU in their records or summary
+        self.peak_flops, self.ceiling_flops = ((None, None) if self.ranks_per_gpu > 1 else
+                                               peak_and_ceiling(cfg, gpus=self.gpus or self.topology.world_size))
         self.rank_names = {r: self.topology.describe(r) for r in range(self.topology.world_size)}
         self.groups = [self.topology.group_name(r) for r in range(self.topology.world_size)]
         self.log_to_driver = log_to_driver
