@@ -305,8 +305,10 @@ def train(
     steps: Annotated[int, typer.Option(help="steps per mode", min=2)] = 20,
     warmup: Annotated[int, typer.Option(help="first steps left out of the median", min=0)] = 3,
     baseline: Annotated[str | None, typer.Option(
-        help="also train an outside baseline on one GPU in the same run: 'hf' = Hugging Face transformers' "
-             "Qwen3MoeForCausalLM (bf16, sdpa, grouped_mm experts, fused AdamW), same shape and batch")] = None,
+        help="also train an outside baseline on one GPU in the same run: 'hf' = Hugging Face transformers' own "
+             "model of the config's family (MixtralForCausalLM, Qwen3MoeForCausalLM or DeepseekV3ForCausalLM: the "
+             "first whose config.json expresses the model; bf16, sdpa, grouped_mm experts, fused AdamW), same shape "
+             "and batch")] = None,
     transport: Annotated[list[str] | None, typer.Option(
         help="nccl | nvshmem (repeatable): time each distributed mode with each, in the same run "
              "(default: the config's transport)")] = None,
