@@ -121,19 +121,19 @@ def show_plan(p, out: Path | None) -> None:
         f"[italic]{p.reason}[/]",
     ]
     console.print(Panel("\n".join(lines), title=head, title_align="left"))
-    mem = Table(title="memory per GPU (GiB)", title_justify="left")
+    mem = Table(title="memory per GPU", title_justify="left")
     for col in ("GPU", "weights", "grads", "optimizer", "activations", "total", "capacity"):
         mem.add_column(col, justify="left" if col == "GPU" else "right")
     for kind, e in p.memory_per_gpu.items():
         over = "[red]" if e.total_gib > e.capacity_gib else ""
-        mem.add_row(kind, f"{e.weights_gib:.1f}", f"{e.grads_gib:.1f}", f"{e.optimizer_gib:.1f}",
-                    f"{e.activations_gib:.1f}", f"{over}{e.total_gib:.1f}", f"{e.capacity_gib:.1f}")
+        mem.add_row(kind, *(report.memory(g) for g in (e.weights_gib, e.grads_gib, e.optimizer_gib, e.activations_gib)),
+                    f"{over}{report.memory(e.total_gib)}", report.memory(e.capacity_gib))
     console.print(mem)
     st = Table(title="stage time per step, on the GPUs that run it", title_justify="left")
     for col in ("stage", "group", "time", "bound"):
         st.add_column(col, justify="right" if col == "time" else "left")
     for s in sorted(p.stage_times, key=lambda s: -s.time_s):
-        st.add_row(s.name, s.group, f"{s.time_s * 1e3:.1f} ms", s.bound)
+        st.add_row(s.name, s.group, report.seconds(s.time_s), s.bound)
     console.print(st)
     for n in p.notes:
         console.print(f"note: {n}", highlight=False)

@@ -8,6 +8,7 @@ matplotlib is imported only when a plot is asked for.
 
 from __future__ import annotations
 
+import math
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -46,14 +47,28 @@ def _si(x: float, unit: str) -> str:
     return f"{x:.3g} {unit}"
 
 
-def seconds(t: float) -> str:
-    if t == 0:
-        return "-"
-    if t >= 1:
-        return f"{t:.3g} s"
-    if t >= 1e-3:
-        return f"{t * 1e3:.3g} ms"
-    return f"{t * 1e6:.3g} us"
+TIME_UNITS = (("s", 1.0), ("ms", 1e-3), ("us", 1e-6), ("ns", 1e-9))
+MEMORY_UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
+
+
+def _in_unit(x: float, units: tuple[tuple[str, float], ...]) -> str:
+    """`x` in the largest unit it reaches at least once (the smallest unit for anything below),
+    three significant digits without an exponent: a non-zero value never reads as 0."""
+    if not math.isfinite(x):
+        return f"{x} {units[0][0]}"
+    name, scale = next(((n, s) for n, s in units if abs(x) >= s), units[-1])
+    v = x / scale
+    return f"{v:.0f} {name}" if abs(v) >= 100 else f"{v:.3g} {name}"
+
+
+def seconds(t: float | None) -> str:
+    """A time in the unit that suits it (s, ms, us, ns), e.g. '10.3 us', '253 ms'; '-' for 0 or None."""
+    return "-" if not t else _in_unit(t, TIME_UNITS)
+
+
+def memory(gib: float | None) -> str:
+    """A size given in GiB, in the unit that suits it (GiB, MiB, KiB, B); '-' for 0 or None."""
+    return "-" if not gib else _in_unit(gib * 2**30, MEMORY_UNITS)
 
 
 def table(rows: list[dict[str, Any]], title: str) -> Table:

@@ -199,3 +199,19 @@ def test_the_roofline_png_draws_communication_and_once_per_step_stages():
         assert name in labels
     red = {labels[i] for i, patch in enumerate(bars.patches) if patch.get_facecolor() == to_rgba(report.COMM_COLOR)}
     assert {"dispatch (fwd)", "combine (fwd)"} <= red and "routed experts (bwd)" not in red
+
+
+def test_a_small_models_plan_prints_every_time_and_size_in_a_unit_that_shows_it():
+    """The tiny model's stages take nanoseconds and its states a few MiB: no row reads 0.0."""
+    r = run("plan", "-m", "tiny", "-hw", "h200-sxm", "-n", "3", "--seq-len", "64", "--global-batch-tokens", "512")
+    assert r.exit_code == 0, r.output
+    plan = Plan.model_validate(json.loads(run("plan", "-m", "tiny", "-hw", "h200-sxm", "-n", "3", "--seq-len", "64",
+                                              "--global-batch-tokens", "512", "--json").stdout))
+    assert " 0.0 " not in r.stdout and "e-0" not in r.stdout
+    from disagmoe.roofline.report import memory, seconds
+
+    for s in plan.stage_times:
+        assert seconds(s.time_s) in r.stdout
+    for e in plan.memory_per_gpu.values():
+        assert all(memory(g) in r.stdout for g in (e.weights_gib, e.total_gib, e.capacity_gib))
+    assert "MiB" in r.stdout and "ns" in r.stdout
