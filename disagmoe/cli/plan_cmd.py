@@ -6,10 +6,10 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-import yaml
 from rich.panel import Panel
 from rich.table import Table
 
+from disagmoe import compact
 from disagmoe.cli.common import console, print_json, user_errors
 from disagmoe.config import ClusterConfig, Plan, PlanConfig, load_hardware, write_text_file
 from disagmoe.model_ref import load_model
@@ -81,12 +81,14 @@ def plan(
         raise typer.Exit(1)
 
 
-def write_plan(result, out: Path) -> None:
+def write_plan(result: Plan, out: Path) -> None:
+    """The plan as `out`'s suffix says, compactly (`disagmoe.compact`: an expert_map row per MoE
+    layer, a stage per line); `load_plan` reads it as it reads the block style of older files."""
     data = result.model_dump(mode="json")
     if out.suffix == ".json":
-        text = result.to_json()
+        text = compact.to_json(data)
     elif out.suffix in (".yaml", ".yml"):
-        text = yaml.safe_dump(data, sort_keys=False)
+        text = compact.to_yaml(data)
     else:
         raise ValueError(f"--out {out}: use a .yaml or .json file name")
     if out.is_dir():

@@ -215,3 +215,27 @@ def test_a_small_models_plan_prints_every_time_and_size_in_a_unit_that_shows_it(
     for e in plan.memory_per_gpu.values():
         assert all(memory(g) in r.stdout for g in (e.weights_gib, e.total_gib, e.capacity_gib))
     assert "MiB" in r.stdout and "ns" in r.stdout
+
+
+def test_plans_are_written_compactly_and_read_back_with_older_block_style_files(tmp_path):
+    """Qwen3-235B on 72 GPUs: an expert_map row per MoE layer, a stage per line, in YAML and in
+    JSON; `load_plan` (what `train --plan` reads) takes these and the block style older files used."""
+    from disagmoe.runtime.plan_layout import load_plan
+
+    args = ("plan", "-m", "qwen3-235b-a22b", "-hw", "gb200-nvl72", "-n", "72")
+    printed = run(*args, "--json").stdout
+    plan = Plan.model_validate_json(printed)
+    layers = len(plan.expert_map)
+    assert len(printed.splitlines()) < layers + 100
+    for name in ("plan.yaml", "plan.json"):
+        out = tmp_path / name
+        assert run(*args, "--out", str(out)).exit_code == 0
+        lines = out.read_text().splitlines()
+        assert len(lines) < layers + 100, (name, len(lines))
+        assert sum(line.lstrip("- ").startswith("[[") for line in lines) == layers  # one line per MoE layer
+        assert load_plan(str(out)) == plan
+    old_yaml, old_json = tmp_path / "old.yaml", tmp_path / "old.json"
+    old_yaml.write_text(yaml.safe_dump(plan.model_dump(mode="json"), sort_keys=False))
+    old_json.write_text(plan.model_dump_json(indent=2))
+    assert len(old_yaml.read_text().splitlines()) > 10 * layers  # the block style, one integer per line
+    assert load_plan(str(old_yaml)) == plan and load_plan(str(old_json)) == plan
