@@ -66,6 +66,8 @@ def preset_yaml(hw: HardwareConfig, m: Measured, env: dict[str, str], command: s
     lines = [f"# Calibrated by `{command}` on {time.strftime('%Y-%m-%d')}:",
              "# " + ", ".join(f"{k} {v}" for k, v in env.items()),
              "# measured: " + ", ".join(f"{k} {v:.4g}" for k, v in asdict(m).items() if v is not None)]
+    hw = hw.model_copy(update={"source": f"`{command}` on {time.strftime('%Y-%m-%d')} (efficiencies measured), "
+                                         f"over {hw.source or 'the base preset'}"})
     return "\n".join(lines) + "\n" + yaml.safe_dump(hw.model_dump(mode="json"), sort_keys=False)
 
 

@@ -116,7 +116,7 @@ def test_presets_and_schema():
     assert set(data["models"]) == set(preset_names("models"))
     assert data["models"]["deepseek-v3"]["total_params"] > 6e11
     assert "deepseek-v3" in run("presets").stdout
-    schema = json.loads(run("config", "schema", "train").stdout)
+    schema = json.loads(run("config", "schema", "train", "--json").stdout)
     assert "properties" in schema and "model" in schema["properties"]
 
 
@@ -239,3 +239,45 @@ def test_plans_are_written_compactly_and_read_back_with_older_block_style_files(
     old_json.write_text(plan.model_dump_json(indent=2))
     assert len(old_yaml.read_text().splitlines()) > 10 * layers  # the block style, one integer per line
     assert load_plan(str(old_yaml)) == plan and load_plan(str(old_json)) == plan
+
+
+def test_config_schema_lists_every_key_with_type_default_and_meaning():
+    """The table a person reads: every key (sections dotted), its type, default and meaning;
+    --json keeps the JSON Schema for machines."""
+    from disagmoe.cli.schema_table import schema_rows
+    from disagmoe.config import OptimConfig, TrainConfig
+
+    text = run("config", "schema", "train").stdout
+    assert not text.lstrip().startswith("{") and "$defs" not in text
+    keys = [r["key"] for r in schema_rows(TrainConfig)]
+    assert set(TrainConfig.model_fields) <= set(keys)
+    assert {f"optim.{k}" for k in OptimConfig.model_fields} <= set(keys)
+    for key in ("steps", "optim.lr", "data.kind", "fault_injection.rank"):
+        assert any(line.startswith(f"│ {key} ") for line in text.splitlines()), key
+    rows = {r["key"]: r for r in schema_rows(TrainConfig)}
+    assert rows["mode"]["type"] == "'single' | 'disaggregated' | 'colocated'" and rows["mode"]["default"] == "'disaggregated'"
+    assert rows["batch_size"] == {"key": "batch_size", "type": "int > 0", "default": "8",
+                                  "meaning": "sequences per step (global)"}
+    assert rows["model"]["default"] == "required" and rows["optim.min_lr_ratio"]["type"] == "float >= 0, <= 1"
+    from disagmoe.config import ModelConfig
+
+    model_rows = {r["key"]: r for r in schema_rows(ModelConfig)}
+    assert model_rows["top_k"]["meaning"] != "-" and "router.score" in model_rows
+    schema = json.loads(run("config", "schema", "model", "--json").stdout)
+    assert "top_k" in schema["properties"]
+
+
+def test_presets_show_each_presets_source_from_its_source_field():
+    from disagmoe.config import load_hardware
+    from disagmoe.model_ref import load_model
+
+    text = run("presets").stdout.replace("│", " ")
+    flat = " ".join(text.split())
+    for name in preset_names("models"):
+        source = load_model(name).source
+        assert source and " ".join(source.split()[:4]) in flat, name
+    for name in preset_names("hardware"):
+        source = load_hardware(name).source
+        assert source and " ".join(source.split()[:4]) in flat, name
+    data = json.loads(run("presets", "--json").stdout)
+    assert data["hardware"]["h200-sxm"]["source"].startswith("NVIDIA H200 datasheet")
