@@ -10,7 +10,7 @@ from rich.panel import Panel
 from rich.table import Table
 
 from disagmoe import compact
-from disagmoe.cli.common import console, print_json, user_errors
+from disagmoe.cli.common import console, literal, print_json, user_errors
 from disagmoe.config import ClusterConfig, Plan, PlanConfig, load_hardware, write_text_file
 from disagmoe.model_ref import load_model
 from disagmoe.placement.cost import Candidates
@@ -282,7 +282,7 @@ def _run_hardware(cfg, config: Path, hardware: str | None):
 def _compare(trace: Path, config: Path | None, hardware: str | None, as_json: bool, plot_path: Path | None) -> None:
     """`roofline --compare`: the table, JSON or PNG of `placement.trace_compare.compare`."""
     from disagmoe.config import load_train_config
-    from disagmoe.placement.trace_compare import compare
+    from disagmoe.placement.trace_compare import check_device, compare, read_trace
 
     if config is None:
         raise ValueError("--compare needs --config: the train config the trace came from (model, layout, batch)")
@@ -290,6 +290,7 @@ def _compare(trace: Path, config: Path | None, hardware: str | None, as_json: bo
     if plot_path and plot_path.suffix.lower() != ".png":
         raise ValueError(f"--plot {plot_path}: give a .png file name")
     hw = _run_hardware(cfg, config, hardware)
+    check_device(read_trace(trace), trace, cfg, str(config), hw)
     result = compare(trace, cfg, hw)
     title = f"{trace}: {cfg.mode} run predicted on {hw.name}"
     if plot_path:
@@ -298,5 +299,8 @@ def _compare(trace: Path, config: Path | None, hardware: str | None, as_json: bo
         print_json(result)
         return
     console.print(report.compare_table(result, title + " (per op; red: messages)"))
+    unmatched = f" (no prediction for: {', '.join(result['unmatched_kinds'])})" if result["unmatched_kinds"] else ""
+    console.print(literal(f"matched {result['ops_matched_per_step']:g} of {result['ops_per_step']:g} ops per step to a "
+                          f"predicted op time, over {result['steps_measured']} measured step(s){unmatched}"))
     if plot_path:
         console.print(f"plot written to {plot_path}", markup=False, highlight=False)
