@@ -250,7 +250,11 @@ def test_while_the_demo_trains_nothing_listens_beyond_loopback_and_ctrl_c_exits_
         assert [entry for entry in listening if not loopback(entry[0])] == []
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=120) == 130
-        assert "training stopped: SIGINT after step" in proc.stderr.read()
+        stderr = proc.stderr.read()
+        assert "training stopped: SIGINT after step" in stderr
+        # Ray's start-up notices stay out of the output, in the run's log (cli/third_party.py)
+        assert "Token authentication" not in stderr and "Started a local Ray instance" not in stderr
+        assert "Token authentication is enabled" in (out / "ray-driver.log").read_text()
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -308,3 +312,25 @@ def test_train_on_a_two_node_cluster_places_both_ranks_on_one_node_and_matches_t
     losses = [[json.loads(line)["loss"] for line in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
               for d in ("joined", "embedded")]
     assert losses[0] == losses[1]
+
+
+def test_the_progress_bar_and_the_summary_report_one_tokens_per_s(tmp_path, monkeypatch):
+    """Both show `Throughput` (the run's tokens over its steps' time): the bar's last value is the
+    summary's, not the last step's own rate."""
+    from disagmoe.cli import train_cmd
+
+    shown, steps = [], []
+    on_step = train_cmd.TrainProgress.on_step
+
+    def spy(self, record):
+        on_step(self, record)
+        shown.append(self.progress.tasks[0].fields["tps"])
+        steps.append(record)
+
+    monkeypatch.setattr(train_cmd.TrainProgress, "on_step", spy)
+    result = invoke("--config", str(REPO / "configs/tiny-cpu.yaml"), "--out-dir", str(tmp_path / "run"), *FAST)
+    assert result.exit_code == 0, result.output
+    row = next(line for line in result.stdout.splitlines() if "tokens/s" in line)
+    assert row.split()[-2] == shown[-1]  # '│ tokens/s │ 12,345 │'
+    expected = sum(r["tokens"] for r in steps) / sum(r["step_time_s"] for r in steps)
+    assert shown[-1] == f"{expected:,.0f}"
