@@ -26,3 +26,39 @@ def test_no_nonzero_value_reads_as_zero():
         for text in (report.seconds(x), report.memory(x)):
             number = float(text.split()[0])
             assert number > 0, text
+
+
+@pytest.mark.parametrize("model, gpus, tokens", [("qwen3-30b-a3b", 8, 4 * 1024 * 1024), ("tiny", 3, 32768),
+                                                  ("deepseek-v3", 1152, 4 * 1024 * 1024)])
+def test_the_roofline_panel_draws_a_point_per_stage_and_pass_under_its_own_roof_with_labels_apart(model, gpus, tokens):
+    from disagmoe.cli.plan_cmd import build_request
+    from disagmoe.placement.solver import choose, roofline_rows
+
+    choice = choose(build_request(model, "h200-sxm" if model != "deepseek-v3" else "gb200-nvl72", gpus, None, tokens))
+    layer, step = roofline_rows(choice.cost, choice.problem, choice.candidate)
+    ceil = choice.problem.ceilings
+    points = report.roofline_points(layer, ceil, step)
+    with_flops = {(r["stage"], r["pass"]) for r in layer if r["flops"] > 0}
+    assert {(p["stage"], p["pass"]) for p in points} == with_flops and len(points) == len(with_flops)
+    rate = {"hbm": ceil.hbm_bytes_per_s, "nvlink": ceil.nvlink_bytes_per_s, "scaleout": ceil.scaleout_bytes_per_s}
+    for p in points:  # each against its own roof's intensity, never above that roof
+        assert p["tflops"] <= min(ceil.flops_per_s, p["intensity"] * rate[p["roof"]]) / 1e12 * (1 + 1e-9)
+    assert sum(p["share"] for p in points) <= 1
+    fig = report.figure(layer, ceil, "t", step_rows=step)
+    ax = fig.axes[0]
+    offsets = [tuple(c.get_offsets()[0]) for c in ax.collections]
+    assert sorted(offsets) == sorted((p["intensity"], p["tflops"]) for p in points)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    from matplotlib.text import Text
+
+    boxes = [Text.get_window_extent(t, renderer) for t in ax.texts]  # the label, not its leader line
+    assert len(boxes) == len(points)
+    inside = ax.get_window_extent(renderer)
+    for i, a in enumerate(boxes):
+        assert inside.x0 <= a.x0 and a.x1 <= inside.x1 + 1 and inside.y0 <= a.y0 and a.y1 <= inside.y1
+        for b in boxes[i + 1:]:
+            assert not a.overlaps(b), (a, b)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
