@@ -71,6 +71,8 @@ def plan(
     req = build_request(model, hardware, gpus, seq_len, global_batch_tokens, load_histogram,
                         max_pipeline_groups, max_expert_replicas, shard_optimizer_states)
     result = choose(req).plan
+    if load_histogram is not None:
+        result.notes.insert(0, histogram_note(load_histogram, req.load_histogram, result))
     if out:
         write_plan(result, out)
     if as_json:
@@ -79,6 +81,17 @@ def plan(
         show_plan(result, out)
     if not result.feasible:
         raise typer.Exit(1)
+
+
+def histogram_note(path: Path, loads: list[list[float]], p: Plan) -> str:
+    """One line saying the histogram was read, how skewed it is, and what it moved."""
+    peaks = [max(row) * len(row) / sum(row) if sum(row) else 1.0 for row in loads]
+    j = max(range(len(peaks)), key=peaks.__getitem__)
+    head = f"expert loads read from {path}: the hottest expert carries {peaks[j]:.2f}x the mean load (MoE layer {j})"
+    if p.layout != "disaggregated":
+        return head + f"; a {p.layout} layout holds experts in fixed blocks, so the loads only price its imbalance"
+    return head + (f"; experts placed by that load (expected imbalance over the expert GPUs of a set "
+                   f"{p.expert_imbalance:.3f})")
 
 
 def write_plan(result: Plan, out: Path) -> None:

@@ -162,7 +162,12 @@ def _plan_note(cfg: TrainConfig, planned: TrainConfig) -> str:
     shown = [f"{name}={getattr(planned, name)}" + (f" (config: {changed[name][0]})" if name in changed else "")
              for name in fields]
     source = cfg.plan if isinstance(cfg.plan, str) else "inline"
-    return f"plan {source}: {', '.join(shown)}; experts placed by its expert_map"
+    note = f"plan {source}: {', '.join(shown)}; experts placed by its expert_map"
+    plan, tokens = planned.plan, planned.batch_size * planned.seq_len
+    if (tokens, planned.seq_len) != (plan.global_batch_tokens, plan.seq_len):
+        note += (f"; it was made for {plan.global_batch_tokens:,} tokens per step at seq_len {plan.seq_len}, this run "
+                 f"trains {tokens:,} ({planned.batch_size} x {planned.seq_len}): set batch_size and seq_len to match")
+    return note
 
 
 def _fmt(value: float | None, spec: str) -> str:

@@ -311,7 +311,7 @@ def _check_round_trip(cfg: ModelConfig, hf: dict[str, Any], model_type: str) -> 
     """The HF config must map back to the same model, training-only knobs aside (the balancing
     bias itself is checked tensor by tensor in `state_dict_to_hf`)."""
     ignored: dict[str, Any] = {
-        "name": True, "seq_len": True, "num_shared_experts": True, "shared_expert_ffn_size": True,
+        "name": True, "source": True, "seq_len": True, "num_shared_experts": True, "shared_expert_ffn_size": True,
         "router": {"z_loss_coef", "bias_update_rate", "bias_balancing"},
     }
     if cfg.num_dense_layers == 0:
