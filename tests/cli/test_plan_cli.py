@@ -85,12 +85,16 @@ def test_plan_that_cannot_fit_says_why_and_exits_1():
 
 def test_plan_reads_a_load_histogram(tmp_path):
     path = tmp_path / "metrics.jsonl"
-    loads = [[100, 1, 1, 1, 1, 1, 1, 1], [1] * 8]  # tiny: 2 MoE layers x 8 experts
+    loads = [[12, 9, 10, 11, 8, 10, 9, 11], [10] * 8]  # tiny: 2 MoE layers x 8 experts, a mild skew as trained
     path.write_text(json.dumps({"step": 1, "expert_load": loads}) + "\n")
-    r = run("plan", "-m", "tiny", "-hw", "h200-sxm", "-n", "4", "--seq-len", "128",
-            "--global-batch-tokens", "65536", "--load-histogram", str(path), "--json")
+    args = ("plan", "-m", "tiny", "-hw", "h200-sxm", "-n", "56", "--seq-len", "64", "--global-batch-tokens", "131072")
+    r = run(*args, "--load-histogram", str(path), "--json")
     assert r.exit_code == 0, r.output
-    assert json.loads(r.stdout)["expert_imbalance"] >= 1.0
+    skewed, uniform = json.loads(r.stdout), json.loads(run(*args, "--json").stdout)
+    assert skewed["layout"] == uniform["layout"] == "disaggregated"  # 2 expert GPUs per replica set
+    assert skewed["expert_map"] != uniform["expert_map"]  # balanced by load: experts 5 and 6 trade GPUs
+    assert skewed["notes"][0].startswith(f"expert loads read from {path}: the hottest expert carries 1.20x")
+    assert f"expert loads read from {path}" in " ".join(run(*args, "--load-histogram", str(path)).stdout.split())
 
 
 def test_roofline_json_table_and_plot(tmp_path):
