@@ -259,7 +259,7 @@ def test_while_the_demo_trains_nothing_listens_beyond_loopback_and_ctrl_c_exits_
         assert "training stopped: SIGINT after step" in stderr
         # Ray's start-up notices stay out of the output, in the run's log (cli/third_party.py)
         assert "Token authentication" not in stderr and "Started a local Ray instance" not in stderr
-        assert "Token authentication is enabled" in (out / "ray-driver.log").read_text()
+        assert "Started a local Ray instance" in (out / "ray-driver.log").read_text()
     finally:
         if proc.poll() is None:
             proc.kill()
