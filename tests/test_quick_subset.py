@@ -41,3 +41,27 @@ def test_tests_that_start_processes_are_marked_slow():
             if any(s in body for s in STARTS) and not (module_slow or _marked_slow(node)) and where not in QUICK_ANYWAY:
                 unmarked.append("::".join(where))
     assert unmarked == [], "mark these @pytest.mark.slow (they start processes)"
+
+
+def _seconds(text: str) -> float:
+    number, unit = text.split()[:2]
+    return float(number) * (60 if unit.startswith("minute") else 1)
+
+
+def test_the_readme_states_the_times_docs_benchmarks_recorded_on_a_fresh_clone():
+    """README's install, main-job, suite and quick-subset times against the fresh-clone table of
+    docs/benchmarks.md (issue 24's section): each within 0.6x-1.5x of what was measured."""
+    import re
+
+    readme = README.read_text()
+    stated = {
+        "install": re.search(r"install about (\d+ s)", readme).group(1),
+        "main job": re.search(r"the run about (\d+ s)", readme).group(1),
+        "full suite": re.search(r"about ([\d.]+ minutes) on 2 cores\)", readme).group(1),
+        "quick subset": re.search(r"quick subset \(about ([\d.]+ minutes)", readme).group(1),
+    }
+    doc = (README.parent / "docs" / "benchmarks.md").read_text().split("## A new user's first hour on CPU", 1)[1]
+    for step, text in stated.items():
+        row = next(line for line in doc.splitlines() if line.startswith(f"| {step} |"))
+        measured = float(re.search(r"\| ([\d.]+) s\b", row).group(1))
+        assert 0.6 * measured <= _seconds(text) <= 1.5 * measured, (step, text, measured)
