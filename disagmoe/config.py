@@ -116,34 +116,35 @@ class RouterConfig(StrictModel):
 class ModelConfig(StrictModel):
     """A decoder-only MoE transformer. Sizes are in elements, not bytes."""
 
-    name: str = "custom"
-    vocab_size: Dim
-    hidden_size: Dim
-    num_layers: Dim
+    name: str = Field("custom", description="what plans, checkpoints and reports call the model")
+    source: str = Field("", description="where the figures come from (a config.json, a paper); documentation only")
+    vocab_size: Dim = Field(description="tokens in the vocabulary")
+    hidden_size: Dim = Field(description="width of the residual stream")
+    num_layers: Dim = Field(description="transformer blocks, dense ones included")
     num_dense_layers: NonNegDim = Field(0, description="leading layers with a dense FFN")
-    num_heads: Dim
-    num_kv_heads: Dim
-    head_dim: Dim
-    attention: Literal["gqa", "mla"] = "gqa"
-    mla: MLAConfig | None = None
+    num_heads: Dim = Field(description="attention (query) heads")
+    num_kv_heads: Dim = Field(description="key/value heads (GQA: divides num_heads)")
+    head_dim: Dim = Field(description="width of one attention head")
+    attention: Literal["gqa", "mla"] = Field("gqa", description="grouped-query or multi-head latent attention")
+    mla: MLAConfig | None = Field(None, description="the latent ranks, with attention: mla")
     qk_norm: bool = Field(False, description="RMSNorm on q and k per head (Qwen3)")
     dense_ffn_size: NonNegDim = Field(0, description="FFN width of the leading dense layers")
-    num_experts: Dim
-    top_k: Dim
-    expert_ffn_size: Dim
-    num_shared_experts: NonNegDim = 0
+    num_experts: Dim = Field(description="routed experts per MoE layer")
+    top_k: Dim = Field(description="routed experts each token picks")
+    expert_ffn_size: Dim = Field(description="FFN width of one routed expert")
+    num_shared_experts: NonNegDim = Field(0, description="experts every token passes through (on attention ranks)")
     shared_expert_ffn_size: NonNegDim | None = Field(
         None, description="width of each shared expert; defaults to expert_ffn_size"
     )
     seq_len: Dim = Field(4096, description="training sequence length")
-    rope_theta: PositiveFloat = 10000.0
+    rope_theta: PositiveFloat = Field(10000.0, description="RoPE base frequency")
     rope_scaling: RopeScalingConfig | None = Field(None, description="YaRN context extension (None: plain RoPE)")
-    norm_eps: PositiveFloat = 1e-6
-    tie_embeddings: bool = False
+    norm_eps: PositiveFloat = Field(1e-6, description="RMSNorm epsilon")
+    tie_embeddings: bool = Field(False, description="the LM head shares the embedding matrix")
     embedding_init_std: PositiveFloat | None = Field(
         None, description="std of an untied embedding's init (None: 0.02 like every weight); 1.0 keeps the token "
         "visible in the residual stream, which a MoE with many experts needs for its routing not to collapse")
-    router: RouterConfig = Field(default_factory=RouterConfig)
+    router: RouterConfig = Field(default_factory=RouterConfig, description="how tokens pick experts")
 
     @model_validator(mode="after")
     def _consistent(self) -> ModelConfig:
@@ -253,6 +254,7 @@ class HardwareConfig(StrictModel):
     """One GPU model and the fabric around it. Bandwidths are GB/s (1e9 B/s) per GPU."""
 
     name: str = "custom"
+    source: str = Field("", description="where the figures come from (a datasheet, a measurement); documentation only")
     bf16_tflops: PositiveFloat = Field(description="dense bf16 tensor-core peak, TFLOP/s")
     fp8_tflops: PositiveFloat = Field(description="dense fp8 tensor-core peak, TFLOP/s")
     hbm_gbps: PositiveFloat = Field(description="HBM bandwidth, GB/s")

@@ -104,3 +104,21 @@ def interpreted():
     _reload_all(TRITON_JIT_MODULES)
     for module in reloaded:
         importlib.reload(module)
+
+
+# --- the quick subset (`pytest -m "not slow"`, README): a test past QUICK_LIMIT_S without the
+# `slow` marker is named at the end of the run, so the subset stays under 3 minutes on 2 cores
+QUICK_LIMIT_S = 5.0
+_long_unmarked: list[tuple[str, float]] = []
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "call" and report.duration > QUICK_LIMIT_S and "slow" not in report.keywords:
+        _long_unmarked.append((report.nodeid, report.duration))
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _long_unmarked:
+        terminalreporter.section("tests over 5 s without @pytest.mark.slow (mark them: README, quick subset)")
+        for nodeid, seconds in sorted(_long_unmarked, key=lambda t: -t[1]):
+            terminalreporter.write_line(f"{seconds:6.1f}s {nodeid}")

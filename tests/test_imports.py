@@ -16,11 +16,12 @@ PACKAGE = Path(disagmoe.__file__).parent
 RUNTIME_SUBPACKAGES = ("schedule", "stages", "state", "observe", "training", "cluster")
 
 # The layers below everything: the schema, the model references, the shared message names, data.
-BASE = {"config", "hf_config", "model_ref", "wire", "data"}
+BASE = {"config", "hf_config", "model_ref", "wire", "data", "compact"}
 # What each node (a top-level module, or a package: runtime's sub-packages are nodes of their own,
 # runtime's top-level modules form the node "runtime") may import besides itself.
 MAY_IMPORT: dict[str, set[str]] = {
     "wire": set(),
+    "compact": set(),
     "config": set(),
     "hf_config": {"config"},
     "model_ref": {"config", "hf_config"},

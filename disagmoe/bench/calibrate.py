@@ -170,7 +170,8 @@ def merge_calibration(old: Calibration | None, new: Calibration) -> Calibration:
 def calibrated_hardware(preset: HardwareConfig, m: Measurements) -> HardwareConfig:
     """The preset with `bench hardware`'s measured fractions and the merged calibration section."""
     hw = hardware.calibrated(preset, m.hardware)
-    return hw.model_copy(update={"name": f"{preset.name}-calibrated",
+    source = f"`disagmoe bench calibrate` {time.strftime('%Y-%m-%d')} (measured terms) over {preset.source or preset.name}"
+    return hw.model_copy(update={"name": f"{preset.name}-calibrated", "source": source,
                                  "calibration": merge_calibration(preset.calibration, m.calibration)})
 
 

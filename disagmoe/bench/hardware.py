@@ -58,7 +58,8 @@ def calibrated(hw: HardwareConfig, m: Measured) -> HardwareConfig:
         eff = eff.model_copy(update={"nvlink": frac(m.nvlink_gbps, hw.nvlink_gbps)})
     if m.nvlink_latency_us is not None:
         update["nvlink_latency_us"] = m.nvlink_latency_us
-    return hw.model_copy(update={**update, "efficiency": eff, "name": f"{hw.name}-measured"})
+    source = f"`disagmoe bench hardware` {time.strftime('%Y-%m-%d')} (efficiencies measured) over {hw.source or hw.name}"
+    return hw.model_copy(update={**update, "efficiency": eff, "name": f"{hw.name}-measured", "source": source})
 
 
 def preset_yaml(hw: HardwareConfig, m: Measured, env: dict[str, str], command: str) -> str:

@@ -23,6 +23,7 @@ from disagmoe.config import ClusterConfig, PlanConfig, TrainConfig, load_hardwar
 from disagmoe.model_ref import load_model
 from disagmoe.placement.cost import Candidates
 from disagmoe.placement.solver import price
+from disagmoe.roofline.report import seconds
 from disagmoe.runtime.failures import TrainingInterrupted
 from disagmoe.runtime.training.loop import METRICS_FILE
 from disagmoe.runtime.observe.metrics import read_metrics
@@ -167,11 +168,11 @@ def run(cfg: TrainConfig, gpus: int, micro_batches: list[int], steps: int, warmu
             predicted, fits = predict(request, layout, cfg.batch_size)
             row = {"layout": str(layout), "attention": layout.attention, "experts": layout.experts,
                    "micro_batches": layout.micro_batches, "predicted_step_s": predicted, "fits": fits}
-            log(f"[{i}/{len(todo)}] {layout}: predicted {predicted * 1e3:.3g} ms"
+            log(f"[{i}/{len(todo)}] {layout}: predicted {seconds(predicted)}"
                 + ("" if fits else " (the planner says it does not fit; timing it anyway)"))
             row.update(measure(cfg, layout, steps, warmup, Path(tmp)))
             if "measured_step_s" in row:
-                log(f"    measured {row['measured_step_s'] * 1e3:.1f} ms")
+                log(f"    measured {seconds(row['measured_step_s'])}")
             else:
                 log(f"    failed: {row['error']}")
             rows.append(row)

@@ -10,6 +10,7 @@ import typer
 from rich.table import Table
 
 from disagmoe.cli.common import console, err_console, print_error, print_json, user_errors
+from disagmoe.roofline.report import memory, seconds
 
 bench_app = typer.Typer(help="GPU benchmarks (each measures its own baselines in the same run).",
                         no_args_is_help=True)
@@ -353,7 +354,7 @@ def train(
                         f"{routing} routing), median of steps {warmup + 1}-{steps}")
     base = record["modes"][0]["baseline"]
     with_single = base != "single" and any(r.get("vs_single") is not None for r in record["modes"])
-    columns = ("mode", "ranks", "step", "tokens/s", "MFU/GPU", "of ceiling", "peak GiB", "imbalance",
+    columns = ("mode", "ranks", "step", "tokens/s", "MFU/GPU", "of ceiling", "peak memory", "imbalance",
                "final loss", "busy", "combine wait", "vs " + base, *(("vs single",) if with_single else ()))
     for col in columns:
         table.add_column(col, justify="left" if col in ("mode", "busy", "combine wait") else "right")
@@ -372,8 +373,8 @@ def train(
         waits = " ".join(f"{group} {w['combine']:.1%}" for group, w in r.get("gpu_wait", {}).items()
                          if "combine" in w) or "-"
         label = bench.row_label(r)
-        table.add_row(label, str(r["ranks"]), f"{r['median_step_s'] * 1e3:.1f} ms", f"{r['tokens_per_s']:,.0f}",
-                      pct(r.get("mfu")), pct(r.get("mfu_ceiling")), num(r.get("peak_memory_gib"), ".1f"),
+        table.add_row(label, str(r["ranks"]), seconds(r['median_step_s']), f"{r['tokens_per_s']:,.0f}",
+                      pct(r.get("mfu")), pct(r.get("mfu_ceiling")), memory(r.get("peak_memory_gib")),
                       num(r.get("load_imbalance"), ".2f"), f"{r['final_loss']:.4f}", busy, waits, times(r.get("speedup")),
                       *((times(r.get("vs_single")),) if with_single else ()))
     console.print(table)
@@ -405,7 +406,7 @@ def profile(
     if as_json:
         print_json(record)
         return
-    console.print(f"{record['wall_s_per_step'] * 1e3:.1f} ms/step, GPU busy {record['gpu_busy']:.0%}; by category: "
+    console.print(f"{seconds(record['wall_s_per_step'])}/step, GPU busy {record['gpu_busy']:.0%}; by category: "
                   + ", ".join(f"{c} {share:.0%}" for c, share in record["categories"].items()), markup=False)
     table = Table(title=f"top {top} kernels of {config}")
     for col in ("kernel", "category", "ms/step", "share"):
@@ -465,12 +466,12 @@ def placement(
     for col in ("layout", "predicted", "measured", "error", "rank pred/meas", "busy"):
         table.add_column(col, justify="left" if col in ("layout", "busy") else "right")
     for r in record["layouts"]:
-        predicted = f"{r['predicted_step_s'] * 1e3:.3g} ms" + ("" if r["fits"] else " (no fit)")
+        predicted = seconds(r['predicted_step_s']) + ("" if r["fits"] else " (no fit)")
         if "measured_step_s" not in r:
             table.add_row(r["layout"], predicted, f"failed: {r['error']}", "", "", "")
             continue
         busy = " ".join(f"{g} {f:.0%}" for g, f in r["busy"].items()) or "-"
-        table.add_row(r["layout"], predicted, f"{r['measured_step_s'] * 1e3:.1f} ms", f"{r['prediction_error']:+.0%}",
+        table.add_row(r["layout"], predicted, seconds(r['measured_step_s']), f"{r['prediction_error']:+.0%}",
                       f"{r['predicted_rank']}/{r['measured_rank']}", busy)
     console.print(table)
     if s["layouts_run"]:

@@ -14,7 +14,6 @@ a `RunWarning` (the run goes on) is one `warning:` line.
 from __future__ import annotations
 
 import functools
-import json
 import sys
 import warnings
 from collections.abc import Callable
@@ -26,6 +25,7 @@ from rich.console import Console
 from rich.text import Text
 from typer.core import TyperGroup
 
+from disagmoe import compact
 from disagmoe.config import format_validation_error
 from disagmoe.runtime.failures import RunWarning, TrainingFailed, TrainingInterrupted
 
@@ -134,5 +134,5 @@ def _one_line(err: Any) -> Any:
 
 
 def print_json(data: Any) -> None:
-    """Machine output: plain JSON on stdout, nothing else."""
-    sys.stdout.write(json.dumps(data, indent=2) + "\n")
+    """Machine output: plain JSON on stdout, nothing else (lists of numbers on one line: `compact`)."""
+    sys.stdout.write(compact.to_json(data))

@@ -9,7 +9,8 @@ from rich.table import Table
 
 from disagmoe import config as cfg
 from disagmoe.model_ref import load_model
-from disagmoe.cli.common import console, print_json, user_errors
+from disagmoe.cli.common import console, literal, print_json, user_errors
+from disagmoe.cli.schema_table import schema_rows
 from disagmoe.roofline.params import count_params
 
 config_app = typer.Typer(help="Configuration schemas and validation.", no_args_is_help=True)
@@ -26,11 +27,25 @@ SCHEMAS = {
 @user_errors
 def schema(
     kind: Annotated[str, typer.Argument(help=f"which schema: {', '.join(SCHEMAS)}")] = "train",
+    as_json: Annotated[bool, typer.Option("--json", help="print the JSON Schema instead (for machines)")] = False,
 ) -> None:
-    """Print the JSON schema of a config file kind (every key, its type and its meaning)."""
+    """List the keys of a config file kind: name (sections dotted, e.g. optim.lr), type, default
+    and meaning; --json prints the JSON Schema."""
     if kind not in SCHEMAS:
         raise ValueError(f"unknown schema {kind!r}; choose one of: {', '.join(SCHEMAS)}")
-    print_json(SCHEMAS[kind].model_json_schema())
+    if as_json:
+        print_json(SCHEMAS[kind].model_json_schema())
+        return
+    t = Table(title=f"keys of a {kind} config (`disagmoe config schema {kind} --json`: the JSON Schema)",
+              title_justify="left")
+    rows = schema_rows(SCHEMAS[kind])
+    t.add_column("key", no_wrap=True, min_width=max(len(r["key"]) for r in rows))
+    t.add_column("type", max_width=36, overflow="fold")
+    t.add_column("default", max_width=18, overflow="fold")
+    t.add_column("meaning", ratio=1)
+    for row in rows:
+        t.add_row(*(literal(row[k]) for k in ("key", "type", "default", "meaning")))
+    console.print(t)
 
 
 @user_errors
@@ -51,20 +66,22 @@ def presets(
         })
         return
     t = Table(title="model presets")
-    for col in ("name", "layers", "hidden", "attention", "experts", "top-k", "total", "active"):
-        t.add_column(col, justify="left" if col in ("name", "attention") else "right")
+    for col in ("name", "layers", "hidden", "attention", "experts", "top-k", "total", "active", "source"):
+        t.add_column(col, justify="left" if col in ("name", "attention", "source") else "right",
+                     no_wrap=col != "source", ratio=1 if col == "source" else None)
     for n, m in models.items():
         c = count_params(m)
         t.add_row(n, str(m.num_layers), str(m.hidden_size), m.attention, str(m.num_experts),
-                  str(m.top_k), _human(c.total), _human(c.active))
+                  str(m.top_k), _human(c.total), _human(c.active), literal(m.source or "-"))
     console.print(t)
     t = Table(title="hardware presets")
     for col in ("name", "bf16 TF/s", "HBM GB/s", "HBM GiB", "NVLink GB/s", "NVLink domain",
-                "scale-out GB/s"):
-        t.add_column(col, justify="left" if col == "name" else "right")
+                "scale-out GB/s", "source"):
+        t.add_column(col, justify="left" if col in ("name", "source") else "right",
+                     no_wrap=col != "source", ratio=1 if col == "source" else None)
     for n, h in hardware.items():
         t.add_row(n, f"{h.bf16_tflops:g}", f"{h.hbm_gbps:g}", f"{h.hbm_gib:g}",
-                  f"{h.nvlink_gbps:g}", str(h.nvlink_domain), f"{h.scaleout_gbps:g}")
+                  f"{h.nvlink_gbps:g}", str(h.nvlink_domain), f"{h.scaleout_gbps:g}", literal(h.source or "-"))
     console.print(t)
 
 

@@ -6,11 +6,11 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-import yaml
 from rich.panel import Panel
 from rich.table import Table
 
-from disagmoe.cli.common import console, print_json, user_errors
+from disagmoe import compact
+from disagmoe.cli.common import console, literal, print_json, user_errors
 from disagmoe.config import ClusterConfig, Plan, PlanConfig, load_hardware, write_text_file
 from disagmoe.model_ref import load_model
 from disagmoe.placement.cost import Candidates
@@ -71,6 +71,8 @@ def plan(
     req = build_request(model, hardware, gpus, seq_len, global_batch_tokens, load_histogram,
                         max_pipeline_groups, max_expert_replicas, shard_optimizer_states)
     result = choose(req).plan
+    if load_histogram is not None:
+        result.notes.insert(0, histogram_note(load_histogram, req.load_histogram, result))
     if out:
         write_plan(result, out)
     if as_json:
@@ -81,12 +83,25 @@ def plan(
         raise typer.Exit(1)
 
 
-def write_plan(result, out: Path) -> None:
+def histogram_note(path: Path, loads: list[list[float]], p: Plan) -> str:
+    """One line saying the histogram was read, how skewed it is, and what it moved."""
+    peaks = [max(row) * len(row) / sum(row) if sum(row) else 1.0 for row in loads]
+    j = max(range(len(peaks)), key=peaks.__getitem__)
+    head = f"expert loads read from {path}: the hottest expert carries {peaks[j]:.2f}x the mean load (MoE layer {j})"
+    if p.layout != "disaggregated":
+        return head + f"; a {p.layout} layout holds experts in fixed blocks, so the loads only price its imbalance"
+    return head + (f"; experts placed by that load (expected imbalance over the expert GPUs of a set "
+                   f"{p.expert_imbalance:.3f})")
+
+
+def write_plan(result: Plan, out: Path) -> None:
+    """The plan as `out`'s suffix says, compactly (`disagmoe.compact`: an expert_map row per MoE
+    layer, a stage per line); `load_plan` reads it as it reads the block style of older files."""
     data = result.model_dump(mode="json")
     if out.suffix == ".json":
-        text = result.to_json()
+        text = compact.to_json(data)
     elif out.suffix in (".yaml", ".yml"):
-        text = yaml.safe_dump(data, sort_keys=False)
+        text = compact.to_yaml(data)
     else:
         raise ValueError(f"--out {out}: use a .yaml or .json file name")
     if out.is_dir():
@@ -121,19 +136,19 @@ def show_plan(p, out: Path | None) -> None:
         f"[italic]{p.reason}[/]",
     ]
     console.print(Panel("\n".join(lines), title=head, title_align="left"))
-    mem = Table(title="memory per GPU (GiB)", title_justify="left")
+    mem = Table(title="memory per GPU", title_justify="left")
     for col in ("GPU", "weights", "grads", "optimizer", "activations", "total", "capacity"):
         mem.add_column(col, justify="left" if col == "GPU" else "right")
     for kind, e in p.memory_per_gpu.items():
         over = "[red]" if e.total_gib > e.capacity_gib else ""
-        mem.add_row(kind, f"{e.weights_gib:.1f}", f"{e.grads_gib:.1f}", f"{e.optimizer_gib:.1f}",
-                    f"{e.activations_gib:.1f}", f"{over}{e.total_gib:.1f}", f"{e.capacity_gib:.1f}")
+        mem.add_row(kind, *(report.memory(g) for g in (e.weights_gib, e.grads_gib, e.optimizer_gib, e.activations_gib)),
+                    f"{over}{report.memory(e.total_gib)}", report.memory(e.capacity_gib))
     console.print(mem)
     st = Table(title="stage time per step, on the GPUs that run it", title_justify="left")
     for col in ("stage", "group", "time", "bound"):
         st.add_column(col, justify="right" if col == "time" else "left")
     for s in sorted(p.stage_times, key=lambda s: -s.time_s):
-        st.add_row(s.name, s.group, f"{s.time_s * 1e3:.1f} ms", s.bound)
+        st.add_row(s.name, s.group, report.seconds(s.time_s), s.bound)
     console.print(st)
     for n in p.notes:
         console.print(f"note: {n}", highlight=False)
@@ -280,7 +295,7 @@ def _run_hardware(cfg, config: Path, hardware: str | None):
 def _compare(trace: Path, config: Path | None, hardware: str | None, as_json: bool, plot_path: Path | None) -> None:
     """`roofline --compare`: the table, JSON or PNG of `placement.trace_compare.compare`."""
     from disagmoe.config import load_train_config
-    from disagmoe.placement.trace_compare import compare
+    from disagmoe.placement.trace_compare import check_device, compare, read_trace
 
     if config is None:
         raise ValueError("--compare needs --config: the train config the trace came from (model, layout, batch)")
@@ -288,6 +303,7 @@ def _compare(trace: Path, config: Path | None, hardware: str | None, as_json: bo
     if plot_path and plot_path.suffix.lower() != ".png":
         raise ValueError(f"--plot {plot_path}: give a .png file name")
     hw = _run_hardware(cfg, config, hardware)
+    check_device(read_trace(trace), trace, cfg, str(config), hw)
     result = compare(trace, cfg, hw)
     title = f"{trace}: {cfg.mode} run predicted on {hw.name}"
     if plot_path:
@@ -296,5 +312,8 @@ def _compare(trace: Path, config: Path | None, hardware: str | None, as_json: bo
         print_json(result)
         return
     console.print(report.compare_table(result, title + " (per op; red: messages)"))
+    unmatched = f" (no prediction for: {', '.join(result['unmatched_kinds'])})" if result["unmatched_kinds"] else ""
+    console.print(literal(f"matched {result['ops_matched_per_step']:g} of {result['ops_per_step']:g} ops per step to a "
+                          f"predicted op time, over {result['steps_measured']} measured step(s){unmatched}"))
     if plot_path:
         console.print(f"plot written to {plot_path}", markup=False, highlight=False)

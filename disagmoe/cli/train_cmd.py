@@ -16,7 +16,9 @@ from rich.table import Table
 from disagmoe.config import ModelConfig, TrainConfig, load_train_config
 from disagmoe.model_ref import load_model
 from disagmoe.cli.common import console, literal, print_json, user_errors
+from disagmoe.cli.third_party import quiet_ray
 from disagmoe.roofline.params import count_params
+from disagmoe.runtime.observe.throughput import Throughput
 from disagmoe.runtime.out_dir import check_out_dir
 from disagmoe.runtime.plan_layout import apply_plan, replaced_fields
 
@@ -73,6 +75,8 @@ def train(
         cfg = planned
     check_host_memory(cfg, load_model(cfg.model))
     check_out_dir(Path(cfg.out_dir))  # before Ray, the actors or the model start
+    if cfg.mode != "single":
+        quiet_ray(Path(cfg.out_dir))  # Ray's start-up notices go to <out_dir>/ray-driver.log
     run = PREPARE[cfg.mode](cfg)
     if cfg.mode != "single" and not as_json:
         console.print(literal(_hop_note(cfg)), highlight=False)
@@ -112,9 +116,11 @@ def check_host_memory(cfg: TrainConfig, model_cfg: ModelConfig) -> None:
 
 
 class TrainProgress:
-    """A rich progress bar showing step, loss and tokens/s; `with` yields the per-step callback."""
+    """A rich progress bar showing step, loss and tokens/s (the run's so far, as the summary
+    defines it: `Throughput`); `with` yields the per-step callback."""
 
     def __init__(self, total_steps: int):
+        self.throughput = Throughput()
         self.progress = Progress(
             TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
             TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
@@ -128,8 +134,9 @@ class TrainProgress:
 
     def on_step(self, record: dict[str, Any]) -> None:
         busy = " ".join(f"{group} {fraction:.0%}" for group, fraction in record.get("busy", {}).items())
+        self.throughput.add(record)
         self.progress.update(
-            self.task, completed=record["step"], loss=f"{record['loss']:.4f}", tps=f"{record['tokens_per_s']:,.0f}",
+            self.task, completed=record["step"], loss=f"{record['loss']:.4f}", tps=_fmt(self.throughput.tokens_per_s, ",.0f"),
             busy=f"busy {busy}" if busy else "",
         )
 
@@ -155,7 +162,12 @@ def _plan_note(cfg: TrainConfig, planned: TrainConfig) -> str:
     shown = [f"{name}={getattr(planned, name)}" + (f" (config: {changed[name][0]})" if name in changed else "")
              for name in fields]
     source = cfg.plan if isinstance(cfg.plan, str) else "inline"
-    return f"plan {source}: {', '.join(shown)}; experts placed by its expert_map"
+    note = f"plan {source}: {', '.join(shown)}; experts placed by its expert_map"
+    plan, tokens = planned.plan, planned.batch_size * planned.seq_len
+    if (tokens, planned.seq_len) != (plan.global_batch_tokens, plan.seq_len):
+        note += (f"; it was made for {plan.global_batch_tokens:,} tokens per step at seq_len {plan.seq_len}, this run "
+                 f"trains {tokens:,} ({planned.batch_size} x {planned.seq_len}): set batch_size and seq_len to match")
+    return note
 
 
 def _fmt(value: float | None, spec: str) -> str:

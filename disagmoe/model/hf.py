@@ -310,8 +310,8 @@ def _rope_parameters(cfg: ModelConfig) -> dict[str, Any]:
 def _check_round_trip(cfg: ModelConfig, hf: dict[str, Any], model_type: str) -> None:
     """The HF config must map back to the same model, training-only knobs aside (the balancing
     bias itself is checked tensor by tensor in `state_dict_to_hf`)."""
-    ignored: dict[str, Any] = {  # names, lengths and initialisation: not part of a checkpoint's architecture
-        "name": True, "seq_len": True, "embedding_init_std": True, "num_shared_experts": True,
+    ignored: dict[str, Any] = {  # names, sources, lengths and initialisation: not a checkpoint's architecture
+        "name": True, "source": True, "seq_len": True, "embedding_init_std": True, "num_shared_experts": True,
         "shared_expert_ffn_size": True,
         "router": {"z_loss_coef", "bias_update_rate", "bias_balancing"},
     }

@@ -303,7 +303,7 @@ def price(cfg: PlanConfig, chosen: Candidates, colocated_step_s: float | None = 
     fewer = attn + exp < p * (gpus // p)  # idle by choice, not only gpus mod p
     if fewer:
         than = ("no layout on all of them fits" if whole_step_s in (None, math.inf) else
-                f"the best layout on all of them predicts {whole_step_s:.3g} s per step")
+                f"the best layout on all of them predicts {report.seconds(whole_step_s)} per step")
         notes.append(f"{idle} of {gpus} GPUs left idle: this layout on {attn + exp} is faster ({than}); "
                      "give the rest another job, e.g. a second run")
     elif idle:
@@ -478,8 +478,8 @@ def _versus(kind: str, other: float | None, step: float) -> str:
     if not math.isfinite(other):
         return f"the {kind} does not fit"
     if other >= step:
-        return f"{other / step:.2f}x faster than the {kind} ({other:.3g} s per step)"
-    return f"{step / other:.2f}x slower than the {kind} ({other:.3g} s per step)"
+        return f"{other / step:.2f}x faster than the {kind} ({report.seconds(other)} per step)"
+    return f"{step / other:.2f}x slower than the {kind} ({report.seconds(other)} per step)"
 
 
 def _reason(stage_times: list[StageTime], c: Candidates, disaggregated: bool, step: float, fits: bool,

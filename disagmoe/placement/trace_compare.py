@@ -14,6 +14,10 @@ warms up; a one-step trace uses it) and every rank that runs the kind:
 
 Predicted: the cost model's time of each op (`placement.replay.op_times`) for the run's layout
 on the given hardware, and its step time (replayed for a disaggregated layout). No torch.
+
+Every hardware config describes a GPU, so `check_device` refuses a trace of a CPU run (the
+trace's own `otherData.device`, else its config's `device`): a CPU's spans against a GPU's
+prices would read -100% in every row. The result counts the ops per step that found a prediction.
 """
 
 from __future__ import annotations
@@ -40,13 +44,16 @@ class TraceSteps:
 
     steps: list[dict[int, dict[str, Span]]]
     categories: dict[str, str]  # span name -> compute | send | wait
+    device: str | None = None  # the run's (cpu, cuda) as the trace recorded it; None in older traces
 
 
 def read_trace(path: Path) -> TraceSteps:
     """The trace's spans grouped by step (see the module docstring); ValueError if it is not one."""
     try:
-        events = json.loads(Path(path).read_text())["traceEvents"]
-    except (OSError, ValueError, KeyError, TypeError) as err:
+        data = json.loads(Path(path).read_text())
+        events = data["traceEvents"]
+        device = (data.get("otherData") or {}).get("device")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
         raise ValueError(f"--compare {path}: not a trace.json of `disagmoe train` (trace: true): {err}") from None
     by_rank: dict[int, list[dict[str, Any]]] = defaultdict(list)
     categories: dict[str, str] = {}
@@ -65,7 +72,18 @@ def read_trace(path: Path) -> TraceSteps:
     steps = [s for s in steps if any("OptimizerStep" in ops for ops in s.values())]
     if not steps:
         raise ValueError(f"--compare {path}: the trace has no complete step (no OptimizerStep span)")
-    return TraceSteps(steps, categories)
+    return TraceSteps(steps, categories, device if isinstance(device, str) else None)
+
+
+def check_device(trace: TraceSteps, trace_path: Path, cfg: TrainConfig, config_path: str, hw: HardwareConfig) -> None:
+    """ValueError, in one line with the fix, for a trace of another device than `hw` (a GPU)."""
+    device = trace.device or cfg.device
+    if device == "cuda":
+        return
+    told = "as the trace records" if trace.device else f"the device of {config_path}"
+    raise ValueError(f"--compare {trace_path}: the trace ran on {device} ({told}) but --hardware {hw.name} prices a "
+                     "GPU, so every op would compare a CPU time with a GPU prediction; compare the trace of a "
+                     "device: cuda run (trace: true) with the hardware it ran on")
 
 
 def op_kind(name: str, num_dense_layers: int) -> str | None:
@@ -133,8 +151,9 @@ COMMUNICATION = ("Send ",)
 
 
 def compare(trace_path: Path, cfg: TrainConfig, hw: HardwareConfig) -> dict[str, Any]:
-    """Rows of (kind, ops per step, predicted s, measured s, error, measured share of the step)
-    and the step itself, as JSON-able data."""
+    """Rows of (kind, ops per step, predicted s, measured s, error, measured share of the step),
+    the ops per step and how many of them found a prediction, and the step itself, as JSON-able
+    data (whatever the trace's device: the CLI calls `check_device` first)."""
     model = load_model(cfg.model)
     req, cand = run_request(cfg, model, hw)
     prob = problem_of(req)
@@ -156,6 +175,10 @@ def compare(trace_path: Path, cfg: TrainConfig, hw: HardwareConfig) -> dict[str,
                      "error": None if pred is None or mean == 0 else pred / mean - 1,
                      "measured_share": sum(seconds) / steps / step_meas if step_meas else None})
     step_pred = float(cost.step_s[0]) if cand.colocated else replayed_step_s(cost, prob, cand)
-    return {"trace": str(trace_path), "mode": cfg.mode, "hardware": hw.name, "steps_measured": steps,
-            "rows": rows, "step": {"predicted_s": step_pred, "measured_s": step_meas,
-                                   "error": step_pred / step_meas - 1 if step_meas else None}}
+    return {"trace": str(trace_path), "mode": cfg.mode, "hardware": hw.name, "device": trace.device or cfg.device,
+            "steps_measured": steps, "rows": rows,
+            "ops_per_step": sum(r["ops_per_step"] for r in rows),
+            "ops_matched_per_step": sum(r["ops_per_step"] for r in rows if r["predicted_s"] is not None),
+            "unmatched_kinds": [r["kind"] for r in rows if r["predicted_s"] is None],
+            "step": {"predicted_s": step_pred, "measured_s": step_meas,
+                     "error": step_pred / step_meas - 1 if step_meas else None}}

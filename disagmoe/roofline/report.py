@@ -8,6 +8,7 @@ matplotlib is imported only when a plot is asked for.
 
 from __future__ import annotations
 
+import math
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -46,14 +47,28 @@ def _si(x: float, unit: str) -> str:
     return f"{x:.3g} {unit}"
 
 
-def seconds(t: float) -> str:
-    if t == 0:
-        return "-"
-    if t >= 1:
-        return f"{t:.3g} s"
-    if t >= 1e-3:
-        return f"{t * 1e3:.3g} ms"
-    return f"{t * 1e6:.3g} us"
+TIME_UNITS = (("s", 1.0), ("ms", 1e-3), ("us", 1e-6), ("ns", 1e-9))
+MEMORY_UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
+
+
+def _in_unit(x: float, units: tuple[tuple[str, float], ...]) -> str:
+    """`x` in the largest unit it reaches at least once (the smallest unit for anything below),
+    three significant digits without an exponent: a non-zero value never reads as 0."""
+    if not math.isfinite(x):
+        return f"{x} {units[0][0]}"
+    name, scale = next(((n, s) for n, s in units if abs(x) >= s), units[-1])
+    v = x / scale
+    return f"{v:.0f} {name}" if abs(v) >= 100 else f"{v:.3g} {name}"
+
+
+def seconds(t: float | None) -> str:
+    """A time in the unit that suits it (s, ms, us, ns), e.g. '10.3 us', '253 ms'; '-' for 0 or None."""
+    return "-" if not t else _in_unit(t, TIME_UNITS)
+
+
+def memory(gib: float | None) -> str:
+    """A size given in GiB, in the unit that suits it (GiB, MiB, KiB, B); '-' for 0 or None."""
+    return "-" if not gib else _in_unit(gib * 2**30, MEMORY_UNITS)
 
 
 def table(rows: list[dict[str, Any]], title: str) -> Table:
@@ -82,45 +97,107 @@ def plot(rows: list[dict[str, Any]], ceil: Ceilings, path: str | Path, title: st
 
 
 def figure(rows: list[dict[str, Any]], ceil: Ceilings, title: str, step_rows: list[dict[str, Any]] | None = None):
-    """Two panels. Left, a log-log roofline: attainable TFLOP/s against FLOP per HBM byte, one
-    ridge per memory or link, each stage that does arithmetic a labelled point. Right, every
-    stage of `step_rows` (default `rows`) as a bar of its time, communication and once-per-step
-    stages included (they have no arithmetic intensity: dispatch, combine, all-reduce, the
-    optimizer), those bound by a link or latency drawn in red, so a step that waits on links
-    does not look compute-bound. Returns the matplotlib Figure."""
+    """Two panels. Left, a log-log roofline (`roofline_points`): one point per stage and pass
+    that does arithmetic, each against the intensity of the memory or link that binds it and
+    drawn under that roof, forward and backward told apart by marker, the area by the stage's
+    share of the step, labels in a column beside the points (no two overlap). Right, every stage
+    of `step_rows` (default `rows`) as a bar of its time, communication and once-per-step stages
+    included (they have no arithmetic intensity: dispatch, combine, all-reduce, the optimizer),
+    those bound by a link or latency drawn in red, so a step that waits on links does not look
+    compute-bound. Returns the matplotlib Figure."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax, bars) = plt.subplots(1, 2, figsize=(16, 7), gridspec_kw={"width_ratios": [1.2, 1]})
-    _roofline_panel(ax, rows, ceil, title)
+    fig, (ax, bars) = plt.subplots(1, 2, figsize=(17, 8), gridspec_kw={"width_ratios": [1.25, 1]})
+    points = roofline_points(rows, ceil, step_rows if step_rows is not None else rows)
+    _roofline_panel(ax, points, ceil, title)
     _time_panel(bars, step_rows if step_rows is not None else rows)
     fig.tight_layout()
+    _label_column(ax, points)
     return fig
 
 
-def _roofline_panel(ax, rows: list[dict[str, Any]], ceil: Ceilings, title: str) -> None:
+ROOF_OF = {"nvlink": "nvlink", "scale-out": "scaleout"}  # a link-bound stage's roof; any other bound: HBM
+PASS_MARKER = {"fwd": "o", "bwd": "^", "step": "s"}
+GROUP_COLOR = {"attention": "tab:blue", "expert": "tab:green", "link": COMM_COLOR}
+
+
+def roofline_points(rows: list[dict[str, Any]], ceil: Ceilings,
+                    step_rows: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """The left panel's data: per stage and pass with FLOPs, its roof (the memory or link that
+    binds it, HBM unless a link does), its intensity against that roof's bytes, the TFLOP/s the
+    model attains (FLOPs over the stage's time: under its roof when latency binds), and its share
+    of the step's time (from `step_rows`, the same stage and pass; 0 when absent)."""
+    step_time = {(r["stage"], r["pass"]): r["time_s"] for r in step_rows or []}
+    total = sum(step_time.values()) or 1.0
+    out = []
+    for r in rows:
+        roof = ROOF_OF.get(r["bound"], "hbm")
+        moved = r[f"{roof}_bytes"]
+        if r["flops"] <= 0 or moved <= 0 or r["time_s"] <= 0:
+            continue
+        out.append({"stage": r["stage"], "pass": r["pass"], "group": r["group"], "bound": r["bound"], "roof": roof,
+                    "intensity": r["flops"] / moved, "tflops": r["flops"] / r["time_s"] / 1e12,
+                    "share": step_time.get((r["stage"], r["pass"]), 0.0) / total})
+    return out
+
+
+def _roofline_panel(ax, points: list[dict[str, Any]], ceil: Ceilings, title: str) -> None:
     peak = ceil.flops_per_s / 1e12
-    xs = np.logspace(0, 5, 400)
+    lo = min([p["intensity"] for p in points] + [1.0]) / 2
+    hi = max([p["intensity"] for p in points] + [ceil.ridge("hbm")]) * 2
+    span = np.log10(hi) - np.log10(lo)
+    x_max = 10 ** (np.log10(lo) + span / 0.62)  # the right 38% holds the label column
+    xs = np.logspace(np.log10(lo), np.log10(x_max), 400)
     for name, rate, style in (("HBM", ceil.hbm_bytes_per_s, "-"), ("NVLink", ceil.nvlink_bytes_per_s, "--"),
                               ("scale-out", ceil.scaleout_bytes_per_s, ":")):
-        ax.plot(xs, np.minimum(peak, xs * rate / 1e12), style, label=f"{name} roof (ridge {peak * 1e12 / rate:.0f} FLOP/B)")
-    points = sorted((r for r in rows if r["flops"] > 0 and r["hbm_bytes"] > 0),
-                    key=lambda r: r["intensity_flop_per_byte"])
-    for i, r in enumerate(points):  # labels fan out downwards so neighbours stay readable
-        x = r["intensity_flop_per_byte"]
-        y = r["flops"] / r["time_s"] / 1e12 if r["time_s"] else peak
-        ax.scatter([x], [y], s=25, zorder=3)
-        ax.annotate(f"{r['stage']} ({r['pass']})", (x, y), fontsize=7, xytext=(6, -14 * (i + 1)),
-                    textcoords="offset points", arrowprops=dict(arrowstyle="-", lw=0.5, alpha=0.5))
+        ax.plot(xs, np.minimum(peak, xs * rate / 1e12), style, color="0.35", lw=1,
+                label=f"{name} roof: FLOP per {name} byte (ridge {peak * 1e12 / rate:.0f})")
+    most = max([p["share"] for p in points] + [1e-12])
+    for p in points:
+        ax.scatter([p["intensity"]], [p["tflops"]], s=20 + 280 * p["share"] / most, marker=PASS_MARKER.get(p["pass"], "o"),
+                   color=GROUP_COLOR.get(p["group"], "tab:gray"), alpha=0.75, edgecolor="black", linewidth=0.5,
+                   zorder=3)
+    ys = [p["tflops"] for p in points] or [peak]
+    ax.set_xlim(lo, x_max)
+    ax.set_ylim(min(ys) / 3, peak * 2)
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_xlabel("arithmetic intensity (FLOP / byte)")
-    ax.set_ylabel("attainable TFLOP/s")
-    ax.set_title(title, fontsize=9)
+    ax.set_xlabel("arithmetic intensity: FLOP per byte of the memory or link that binds the stage")
+    ax.set_ylabel("attained TFLOP/s (the model's)")
+    ax.set_title(title + "\nmarker: o forward, ^ backward; area: the stage's time per step; blue attention, "
+                 "green experts", fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=7, loc="lower left")
+
+
+LABEL_POINTS = 7  # label font size
+
+
+def _label_column(ax, points: list[dict[str, Any]]) -> None:
+    """A label per point in a column at the panel's right, ordered as the points' heights and
+    spaced by at least a line (leader lines to the points), so no two labels overlap."""
+    if not points:
+        return
+    fig = ax.figure
+    height_pt = ax.get_position().height * fig.get_figheight() * 72
+    gap = 1.35 * LABEL_POINTS / height_pt  # one line, in axes fractions
+    y0, y1 = (np.log10(v) for v in ax.get_ylim())
+    order = sorted(range(len(points)), key=lambda i: (points[i]["tflops"], points[i]["stage"], points[i]["pass"]))
+    want = [(np.log10(points[i]["tflops"]) - y0) / (y1 - y0) for i in order]
+    placed: list[float] = []
+    for y in want:  # upwards, each at least a line above the one below
+        placed.append(max(y, placed[-1] + gap) if placed else max(y, gap / 2))
+    overflow = placed[-1] - (1 - gap / 2) if placed else 0.0
+    if overflow > 0:  # shift down, keeping the spacing, as far as the bottom allows
+        placed = [max(y - overflow, gap / 2 + k * gap) for k, y in enumerate(placed)]
+    for i, y in zip(order, placed, strict=True):
+        p = points[i]
+        ax.annotate(f"{p['stage']} ({p['pass']}, {p['bound']})", (p["intensity"], p["tflops"]),
+                    xytext=(0.64, y), textcoords="axes fraction", fontsize=LABEL_POINTS, va="center",
+                    arrowprops=dict(arrowstyle="-", lw=0.4, alpha=0.5, color="0.4"))
 
 
 def is_communication(row: dict[str, Any]) -> bool:
@@ -139,7 +216,10 @@ def _time_panel(ax, rows: list[dict[str, Any]]) -> None:
     for i, r in enumerate(shown):
         ax.annotate(f"{seconds(r['time_s'])} {r['bound']}", (r["time_s"], i), fontsize=6,
                     xytext=(3, -2), textcoords="offset points")
-    ax.set_xlabel("time on the GPUs that run it (s)")
+    from matplotlib.ticker import FuncFormatter
+
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: seconds(v) if v > 0 else "0"))
+    ax.set_xlabel("time on the GPUs that run it")
     ax.set_title("every stage's time per step; red: links and latency (dispatch, combine, all-reduce); "
                  "hatched: once per step", fontsize=9)
     ax.grid(True, axis="x", alpha=0.3)

@@ -78,6 +78,7 @@ def test_summary_compares_the_planners_pick_with_the_best_measured():
     assert s["planner_pick"] == "3A+1E m=2" and not s["planner_pick_ran"] and s["pick_vs_best"] is None
 
 
+@pytest.mark.slow  # more than a few seconds on 2 cores (`pytest -m 'not slow'` skips it)
 def test_cli_sweeps_the_layouts_of_two_cpu_ranks(tmp_path):
     out = tmp_path / "placement.json"
     r = CliRunner().invoke(app, ["bench", "placement", "--config", "configs/tiny-cpu.yaml", "--gpus", "2", "-m", "2",

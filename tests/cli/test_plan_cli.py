@@ -85,12 +85,16 @@ def test_plan_that_cannot_fit_says_why_and_exits_1():
 
 def test_plan_reads_a_load_histogram(tmp_path):
     path = tmp_path / "metrics.jsonl"
-    loads = [[100, 1, 1, 1, 1, 1, 1, 1], [1] * 8]  # tiny: 2 MoE layers x 8 experts
+    loads = [[12, 9, 10, 11, 8, 10, 9, 11], [10] * 8]  # tiny: 2 MoE layers x 8 experts, a mild skew as trained
     path.write_text(json.dumps({"step": 1, "expert_load": loads}) + "\n")
-    r = run("plan", "-m", "tiny", "-hw", "h200-sxm", "-n", "4", "--seq-len", "128",
-            "--global-batch-tokens", "65536", "--load-histogram", str(path), "--json")
+    args = ("plan", "-m", "tiny", "-hw", "h200-sxm", "-n", "56", "--seq-len", "64", "--global-batch-tokens", "131072")
+    r = run(*args, "--load-histogram", str(path), "--json")
     assert r.exit_code == 0, r.output
-    assert json.loads(r.stdout)["expert_imbalance"] >= 1.0
+    skewed, uniform = json.loads(r.stdout), json.loads(run(*args, "--json").stdout)
+    assert skewed["layout"] == uniform["layout"] == "disaggregated"  # 2 expert GPUs per replica set
+    assert skewed["expert_map"] != uniform["expert_map"]  # balanced by load: experts 5 and 6 trade GPUs
+    assert skewed["notes"][0].startswith(f"expert loads read from {path}: the hottest expert carries 1.20x")
+    assert f"expert loads read from {path}" in " ".join(run(*args, "--load-histogram", str(path)).stdout.split())
 
 
 def test_roofline_json_table_and_plot(tmp_path):
@@ -116,7 +120,7 @@ def test_presets_and_schema():
     assert set(data["models"]) == set(preset_names("models"))
     assert data["models"]["deepseek-v3"]["total_params"] > 6e11
     assert "deepseek-v3" in run("presets").stdout
-    schema = json.loads(run("config", "schema", "train").stdout)
+    schema = json.loads(run("config", "schema", "train", "--json").stdout)
     assert "properties" in schema and "model" in schema["properties"]
 
 
@@ -199,3 +203,85 @@ def test_the_roofline_png_draws_communication_and_once_per_step_stages():
         assert name in labels
     red = {labels[i] for i, patch in enumerate(bars.patches) if patch.get_facecolor() == to_rgba(report.COMM_COLOR)}
     assert {"dispatch (fwd)", "combine (fwd)"} <= red and "routed experts (bwd)" not in red
+
+
+def test_a_small_models_plan_prints_every_time_and_size_in_a_unit_that_shows_it():
+    """The tiny model's stages take nanoseconds and its states a few MiB: no row reads 0.0."""
+    r = run("plan", "-m", "tiny", "-hw", "h200-sxm", "-n", "3", "--seq-len", "64", "--global-batch-tokens", "512")
+    assert r.exit_code == 0, r.output
+    plan = Plan.model_validate(json.loads(run("plan", "-m", "tiny", "-hw", "h200-sxm", "-n", "3", "--seq-len", "64",
+                                              "--global-batch-tokens", "512", "--json").stdout))
+    assert " 0.0 " not in r.stdout and "e-0" not in r.stdout
+    from disagmoe.roofline.report import memory, seconds
+
+    for s in plan.stage_times:
+        assert seconds(s.time_s) in r.stdout
+    for e in plan.memory_per_gpu.values():
+        assert all(memory(g) in r.stdout for g in (e.weights_gib, e.total_gib, e.capacity_gib))
+    assert "MiB" in r.stdout and "ns" in r.stdout
+
+
+def test_plans_are_written_compactly_and_read_back_with_older_block_style_files(tmp_path):
+    """Qwen3-235B on 72 GPUs: an expert_map row per MoE layer, a stage per line, in YAML and in
+    JSON; `load_plan` (what `train --plan` reads) takes these and the block style older files used."""
+    from disagmoe.runtime.plan_layout import load_plan
+
+    args = ("plan", "-m", "qwen3-235b-a22b", "-hw", "gb200-nvl72", "-n", "72")
+    printed = run(*args, "--json").stdout
+    plan = Plan.model_validate_json(printed)
+    layers = len(plan.expert_map)
+    assert len(printed.splitlines()) < layers + 100
+    for name in ("plan.yaml", "plan.json"):
+        out = tmp_path / name
+        assert run(*args, "--out", str(out)).exit_code == 0
+        lines = out.read_text().splitlines()
+        assert len(lines) < layers + 100, (name, len(lines))
+        assert sum(line.lstrip("- ").startswith("[[") for line in lines) == layers  # one line per MoE layer
+        assert load_plan(str(out)) == plan
+    old_yaml, old_json = tmp_path / "old.yaml", tmp_path / "old.json"
+    old_yaml.write_text(yaml.safe_dump(plan.model_dump(mode="json"), sort_keys=False))
+    old_json.write_text(plan.model_dump_json(indent=2))
+    assert len(old_yaml.read_text().splitlines()) > 10 * layers  # the block style, one integer per line
+    assert load_plan(str(old_yaml)) == plan and load_plan(str(old_json)) == plan
+
+
+def test_config_schema_lists_every_key_with_type_default_and_meaning():
+    """The table a person reads: every key (sections dotted), its type, default and meaning;
+    --json keeps the JSON Schema for machines."""
+    from disagmoe.cli.schema_table import schema_rows
+    from disagmoe.config import OptimConfig, TrainConfig
+
+    text = run("config", "schema", "train").stdout
+    assert not text.lstrip().startswith("{") and "$defs" not in text
+    keys = [r["key"] for r in schema_rows(TrainConfig)]
+    assert set(TrainConfig.model_fields) <= set(keys)
+    assert {f"optim.{k}" for k in OptimConfig.model_fields} <= set(keys)
+    for key in ("steps", "optim.lr", "data.kind", "fault_injection.rank"):
+        assert any(line.startswith(f"│ {key} ") for line in text.splitlines()), key
+    rows = {r["key"]: r for r in schema_rows(TrainConfig)}
+    assert rows["mode"]["type"] == "'single' | 'disaggregated' | 'colocated'" and rows["mode"]["default"] == "'disaggregated'"
+    assert rows["batch_size"] == {"key": "batch_size", "type": "int > 0", "default": "8",
+                                  "meaning": "sequences per step (global)"}
+    assert rows["model"]["default"] == "required" and rows["optim.min_lr_ratio"]["type"] == "float >= 0, <= 1"
+    from disagmoe.config import ModelConfig
+
+    model_rows = {r["key"]: r for r in schema_rows(ModelConfig)}
+    assert model_rows["top_k"]["meaning"] != "-" and "router.score" in model_rows
+    schema = json.loads(run("config", "schema", "model", "--json").stdout)
+    assert "top_k" in schema["properties"]
+
+
+def test_presets_show_each_presets_source_from_its_source_field():
+    from disagmoe.config import load_hardware
+    from disagmoe.model_ref import load_model
+
+    text = run("presets").stdout.replace("│", " ")
+    flat = " ".join(text.split())
+    for name in preset_names("models"):
+        source = load_model(name).source
+        assert source and " ".join(source.split()[:4]) in flat, name
+    for name in preset_names("hardware"):
+        source = load_hardware(name).source
+        assert source and " ".join(source.split()[:4]) in flat, name
+    data = json.loads(run("presets", "--json").stdout)
+    assert data["hardware"]["h200-sxm"]["source"].startswith("NVIDIA H200 datasheet")

@@ -32,6 +32,7 @@ def test_json_summary_and_outputs(tmp_path):
     assert (Path(summary["checkpoint_path"]) / "manifest.json").is_file()
 
 
+@pytest.mark.slow  # more than a few seconds on 2 cores (`pytest -m 'not slow'` skips it)
 def test_the_default_config_trains_disaggregated_on_ray(tmp_path):
     """The main command (configs/tiny-cpu.yaml, mode disaggregated), a few steps: metrics with the
     planner's `expert_load`, a sharded checkpoint, the trace and each group's busy fraction."""
@@ -71,6 +72,7 @@ def write_plan(tmp_path: Path, gpus: int, expert_gpus: int, **request) -> Path:
     return path
 
 
+@pytest.mark.slow  # more than a few seconds on 2 cores (`pytest -m 'not slow'` skips it)
 def test_train_runs_the_layout_of_a_plan(tmp_path):
     """plan -> train: the planner's 1 attention + 2 expert GPUs replace the config's 1 + 1."""
     plan = write_plan(tmp_path, 3, expert_gpus=2)
@@ -84,6 +86,7 @@ def test_train_runs_the_layout_of_a_plan(tmp_path):
                                                        "trainer.pt"}
 
 
+@pytest.mark.slow  # more than a few seconds on 2 cores (`pytest -m 'not slow'` skips it)
 def test_train_runs_a_plan_with_replicated_experts(tmp_path):
     """plan --max-expert-replicas 1 -> train: 1 attention + 4 expert GPUs, hot experts on two."""
     plan = write_plan(tmp_path, 5, expert_gpus=4, max_expert_replicas=1)
@@ -169,6 +172,7 @@ def test_a_failed_rank_exits_1_with_the_report(tmp_path, monkeypatch):
     assert "rank 1 (E0.0)" in result.stderr and "Traceback" not in result.output
 
 
+@pytest.mark.slow  # more than a few seconds on 2 cores (`pytest -m 'not slow'` skips it)
 def test_a_killed_expert_actor_restarts_the_run_by_itself(tmp_path):
     """max_restarts=1 and the expert rank's process SIGKILLed during step 3 (fault_injection): one
     `warning: restart` line, exit 0, and the final loss of the same run in single mode (the oracle;
@@ -214,6 +218,7 @@ def test_resume_repairs_a_torn_metrics_line_with_a_one_line_warning(tmp_path):
     assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [1, 2, 4]
 
 
+@pytest.mark.slow  # more than a few seconds on 2 cores (`pytest -m 'not slow'` skips it)
 def test_while_the_demo_trains_nothing_listens_beyond_loopback_and_ctrl_c_exits_130(tmp_path):
     """The main command in a real process: once it has trained a step, every listening socket of
     it and its descendants (Ray's servers, the actors, the rendezvous store, gloo) is on loopback;
@@ -250,7 +255,11 @@ def test_while_the_demo_trains_nothing_listens_beyond_loopback_and_ctrl_c_exits_
         assert [entry for entry in listening if not loopback(entry[0])] == []
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=120) == 130
-        assert "training stopped: SIGINT after step" in proc.stderr.read()
+        stderr = proc.stderr.read()
+        assert "training stopped: SIGINT after step" in stderr
+        # Ray's start-up notices stay out of the output, in the run's log (cli/third_party.py)
+        assert "Token authentication" not in stderr and "Started a local Ray instance" not in stderr
+        assert "Started a local Ray instance" in (out / "ray-driver.log").read_text()
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -269,6 +278,7 @@ def test_train_runs_a_single_gpu_plan_in_single_mode(tmp_path):
     assert json.loads(result.stdout)["final_loss"] > 0
 
 
+@pytest.mark.slow  # more than a few seconds on 2 cores (`pytest -m 'not slow'` skips it)
 def test_train_on_a_two_node_cluster_places_both_ranks_on_one_node_and_matches_the_embedded_run(tmp_path):
     """`train` (1 attention + 1 expert rank) through `ray_address` on a simulated two-node
     cluster (ray.cluster_utils, every node on 127.0.0.1): the head has 1 CPU, the worker node 2.
@@ -308,3 +318,25 @@ def test_train_on_a_two_node_cluster_places_both_ranks_on_one_node_and_matches_t
     losses = [[json.loads(line)["loss"] for line in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
               for d in ("joined", "embedded")]
     assert losses[0] == losses[1]
+
+
+def test_the_progress_bar_and_the_summary_report_one_tokens_per_s(tmp_path, monkeypatch):
+    """Both show `Throughput` (the run's tokens over its steps' time): the bar's last value is the
+    summary's, not the last step's own rate."""
+    from disagmoe.cli import train_cmd
+
+    shown, steps = [], []
+    on_step = train_cmd.TrainProgress.on_step
+
+    def spy(self, record):
+        on_step(self, record)
+        shown.append(self.progress.tasks[0].fields["tps"])
+        steps.append(record)
+
+    monkeypatch.setattr(train_cmd.TrainProgress, "on_step", spy)
+    result = invoke("--config", str(REPO / "configs/tiny-cpu.yaml"), "--out-dir", str(tmp_path / "run"), *FAST)
+    assert result.exit_code == 0, result.output
+    row = next(line for line in result.stdout.splitlines() if "tokens/s" in line)
+    assert row.split()[-2] == shown[-1]  # '│ tokens/s │ 12,345 │'
+    expected = sum(r["tokens"] for r in steps) / sum(r["step_time_s"] for r in steps)
+    assert shown[-1] == f"{expected:,.0f}"

@@ -128,6 +128,7 @@ def reports(ranks) -> dict[int, dict]:
     return got
 
 
+@pytest.mark.slow  # more than a few seconds on 2 cores (`pytest -m 'not slow'` skips it)
 def test_all_ranks_ran_every_phase(reports):
     assert sorted(k for k in reports if isinstance(k, int)) == list(range(WORLD))
     for rank in range(WORLD):

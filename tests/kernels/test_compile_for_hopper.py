@@ -19,6 +19,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, compile, make_backend  # noqa: E402
 from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
 
+pytestmark = pytest.mark.slow  # starts processes (Ray, gloo) or compiles: the quick subset skips it
+
 HOPPER = GPUTarget("cuda", 90, 32)
 
 

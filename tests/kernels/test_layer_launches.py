@@ -10,6 +10,8 @@ import torch
 
 from disagmoe.kernels.tile_configs import TileConfig
 
+pytestmark = pytest.mark.slow  # starts processes (Ray, gloo) or compiles: the quick subset skips it
+
 SMALL_TILES = TileConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=4, num_stages=1)
 
 

@@ -160,6 +160,7 @@ def test_banded_weight_grad_sums_every_group_of_a_weight(kernels, case):
         gg.ragged_weight_grad(a, b, offsets_G[:-1], SMALL_TILES, weights=experts)  # not a multiple of E
 
 
+@pytest.mark.slow  # more than a few seconds on 2 cores (`pytest -m 'not slow'` skips it)
 @pytest.mark.parametrize("case", range(len(BANDED_CASES)))
 @pytest.mark.parametrize("main", [False, True], ids=["returned", "main-grads"])
 def test_ffn_over_banded_groups_matches_expert_order(kernels, case, main):
@@ -262,6 +263,7 @@ def test_mixed_dtypes_outside_autocast_are_refused(kernels):
         moe_ffn.expert_ffn_triton(x.double(), offsets, w13, w2)
 
 
+@pytest.mark.slow  # more than a few seconds on 2 cores (`pytest -m 'not slow'` skips it)
 @pytest.mark.parametrize("case", range(len(RAGGED_CASES)))
 def test_weight_gradients_add_into_main_gradients(kernels, case):
     """With FlatAdamW's `main_grad` on the weight parameters, the weight-gradient GEMMs add into

@@ -74,14 +74,26 @@ def test_a_message_is_timed_from_its_latest_posting_to_its_receipt(tmp_path):
     assert op_kind("wait for sends", 0) is None and op_kind("AttentionForward L0 mb0", 1) == "AttentionForward (dense)"
 
 
+def _labelled(tmp_path, device):
+    """The CPU trace's spans under another device label (what `train` records in otherData)."""
+    data = json.loads(TRACE.read_text())
+    path = tmp_path / f"trace-{device}.json"
+    path.write_text(json.dumps({**data, "otherData": {"device": device}}))
+    return path
+
+
 def test_the_command_prints_a_table_json_and_a_png(tmp_path):
-    args = ["roofline", "--compare", str(TRACE), "--config", str(CONFIG), "--hardware", "h200-sxm"]
+    args = ["roofline", "--compare", str(_labelled(tmp_path, "cuda")), "--config", str(CONFIG), "--hardware", "h200-sxm"]
     r = runner.invoke(app, args)
     assert r.exit_code == 0, r.output
     assert "ExpertForward" in r.stdout and "Send dispatch" in r.stdout and "step" in r.stdout
+    ops = sum(_expected_ops_per_step(load_train_config(CONFIG), load_model("tiny")).values())
+    assert f"matched {ops} of {ops} ops per step to a predicted op time, over 2 measured step(s)" in r.stdout
     r = runner.invoke(app, [*args, "--json", "--plot", str(tmp_path / "cmp.png")])
     assert r.exit_code == 0, r.output
-    assert {row["kind"] for row in json.loads(r.stdout)["rows"]} >= {"ExpertForward", "Send combine"}
+    data = json.loads(r.stdout)
+    assert {row["kind"] for row in data["rows"]} >= {"ExpertForward", "Send combine"}
+    assert data["ops_matched_per_step"] == data["ops_per_step"] == ops and data["unmatched_kinds"] == []
     assert (tmp_path / "cmp.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -94,3 +106,18 @@ def test_the_command_prints_a_table_json_and_a_png(tmp_path):
 def test_user_errors_name_the_fix(args, message):
     r = runner.invoke(app, ["roofline", *args])
     assert r.exit_code == 2 and message in r.output
+
+
+def test_a_cpu_trace_is_refused_in_one_line_against_gpu_hardware(tmp_path):
+    """The README's old example compared a CPU trace with H200 prices: -100% in every row. The
+    trace's own record says cpu (or, in a trace older than that record, its config's device)."""
+    for trace, told in ((_labelled(tmp_path, "cpu"), "as the trace records"), (TRACE, "the device of")):
+        r = runner.invoke(app, ["roofline", "--compare", str(trace), "--config", str(CONFIG), "--hardware", "h200-sxm"])
+        assert r.exit_code == 2, r.output
+        assert len(r.output.strip().splitlines()) == 1 and "Traceback" not in r.output
+        assert "the trace ran on cpu" in r.output and told in r.output and "device: cuda" in r.output
+    assert read_trace(_labelled(tmp_path, "cuda")).device == "cuda" and read_trace(TRACE).device is None
+
+
+def test_a_trace_records_its_device():
+    assert chrome_trace({}, {0: "A0.0"}, "cuda")["otherData"] == {"device": "cuda"}

@@ -271,7 +271,7 @@ class DistributedTrainer(TrainingLoop):
         finally:
             if self.cfg.trace:
                 try:  # never in place of the run's outcome (its summary or its failure)
-                    write_chrome_trace(self.out_dir / TRACE_FILE, self.spans, self.rank_names)
+                    write_chrome_trace(self.out_dir / TRACE_FILE, self.spans, self.rank_names, self.cfg.device)
                 except OSError as err:
                     warnings.warn(f"trace not written: {self.out_dir / TRACE_FILE}: {err.strerror or err}",
                                   RunWarning, stacklevel=2)

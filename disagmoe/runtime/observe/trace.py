@@ -117,11 +117,12 @@ TRACK_NAMES = {0: "messages (host)", 1: "compute", 2: "waits (GPU)"}
 
 
 def chrome_trace(spans_by_rank: Mapping[int, Sequence[tuple[str, str, float, float]]],
-                 rank_names: Mapping[int, str]) -> dict[str, Any]:
+                 rank_names: Mapping[int, str], device: str | None = None) -> dict[str, Any]:
     """The Chrome trace-event JSON object: one complete ('X') event per span, pid = rank, three
     tracks per rank (tid 0: sends and waits on the host; tid 1: compute, on a GPU its execution,
     which lags the host and would overlap the host's spans on one track; tid 2: the GPU's waits
-    for received messages)."""
+    for received messages). `device` (the run's: cpu or cuda) goes in `otherData`, for
+    `roofline --compare` to refuse pricing a CPU trace as a GPU."""
     events: list[dict[str, Any]] = []
     for rank in sorted(rank_names):
         events.append({"ph": "M", "name": "process_name", "pid": rank, "tid": 0,
@@ -133,15 +134,15 @@ def chrome_trace(spans_by_rank: Mapping[int, Sequence[tuple[str, str, float, flo
         for name, category, start_us, duration_us in spans:
             events.append({"name": name, "cat": category, "ph": "X", "ts": start_us, "dur": duration_us,
                            "pid": rank, "tid": TRACK[category]})
-    return {"traceEvents": events, "displayTimeUnit": "ms"}
+    return {"traceEvents": events, "displayTimeUnit": "ms", **({"otherData": {"device": device}} if device else {})}
 
 
 def write_chrome_trace(path: Path, spans_by_rank: Mapping[int, Sequence[tuple[str, str, float, float]]],
-                       rank_names: Mapping[int, str]) -> Path:
+                       rank_names: Mapping[int, str], device: str | None = None) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     try:
-        tmp.write_text(json.dumps(chrome_trace(spans_by_rank, rank_names)))
+        tmp.write_text(json.dumps(chrome_trace(spans_by_rank, rank_names, device)))
         tmp.replace(path)
     except BaseException:
         tmp.unlink(missing_ok=True)  # no half-written trace left behind

@@ -124,8 +124,12 @@ def from_keyed(keyed: dict[TensorKey, torch.Tensor]) -> dict[str, torch.Tensor]:
 LATER_FIELDS = ("rope_scaling", "embedding_init_std")
 
 
+# Documentation, not a model setting: never part of the fingerprint.
+UNFINGERPRINTED = ("source",)
+
+
 def _fingerprinted(model_cfg: ModelConfig) -> dict[str, Any]:
-    dump = model_cfg.model_dump(mode="json")
+    dump = model_cfg.model_dump(mode="json", exclude=set(UNFINGERPRINTED))
     return {k: v for k, v in dump.items() if not (k in LATER_FIELDS and v is None)}
 
 
@@ -415,9 +419,9 @@ def check_compatible(manifest: dict[str, Any], model_cfg: ModelConfig, directory
     """ValueError naming the differing model settings unless the fingerprints match."""
     if manifest["model_fingerprint"] == model_fingerprint(model_cfg):
         return
-    saved, current = manifest["model_config"], model_cfg.model_dump(mode="json")
+    saved, current = manifest["model_config"], model_cfg.model_dump(mode="json", exclude=set(UNFINGERPRINTED))
     differ = [f"{k}: {saved.get(k)!r} in the checkpoint, {current.get(k)!r} now"
-              for k in sorted(set(saved) | set(current)) if saved.get(k) != current.get(k)]
+              for k in sorted((set(saved) | set(current)) - set(UNFINGERPRINTED)) if saved.get(k) != current.get(k)]
     raise ValueError(
         f"checkpoint {directory} was written for a different model config ({'; '.join(differ)}); "
         f"resume with the model config it was trained with, or use a fresh out_dir / resume=false"

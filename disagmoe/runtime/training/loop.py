@@ -28,6 +28,7 @@ from disagmoe.config import TrainConfig
 from disagmoe.runtime.state.checkpoint import checkpoint_dir, prune_checkpoints
 from disagmoe.runtime.failures import TrainingInterrupted
 from disagmoe.runtime.observe.metrics import MetricsLog, mfu
+from disagmoe.runtime.observe.throughput import Throughput
 from disagmoe.runtime.out_dir import clean_stale_files
 
 METRICS_FILE = "metrics.jsonl"
@@ -40,7 +41,7 @@ class TrainSummary:
     steps: int  # optimizer steps taken in total (including those before a resume)
     final_loss: float | None
     final_val_loss: float | None
-    tokens_per_s: float | None  # over this process's training steps (validation, checkpoints excluded)
+    tokens_per_s: float | None  # `runtime.observe.throughput.Throughput` over this process's training steps
     mfu: float | None  # likewise; None without `hardware`
     out_dir: str
     metrics_path: str
@@ -153,7 +154,7 @@ class TrainingLoop:
         last: dict[str, Any] = {}
         last_val: float | None = None
         checkpoint: Path | None = None
-        total_tokens, total_time = 0, 0.0
+        throughput = Throughput()
         busy_sums: dict[str, float] = {}
         steps_run = 0
         last_save = _clock()
@@ -162,8 +163,7 @@ class TrainingLoop:
         with stop.installed(), MetricsLog(metrics_path, resume_after_step=self.step if cfg.resume else None) as log:
             while self.step < cfg.steps:
                 record = self._train_one_step()
-                total_tokens += record["tokens"]
-                total_time += record["step_time_s"]
+                throughput.add(record)
                 steps_run += 1
                 for group, fraction in record.get("busy", {}).items():
                     busy_sums[group] = busy_sums.get(group, 0.0) + fraction
@@ -185,8 +185,8 @@ class TrainingLoop:
             steps=self.step,
             final_loss=last.get("loss"),
             final_val_loss=last_val,
-            tokens_per_s=total_tokens / total_time if total_time > 0 else None,
-            mfu=mfu(self.flops_per_step * total_tokens / self.tokens_per_step, total_time, self.peak_flops),
+            tokens_per_s=throughput.tokens_per_s,
+            mfu=mfu(self.flops_per_step * throughput.tokens / self.tokens_per_step, throughput.seconds, self.peak_flops),
             out_dir=str(self.out_dir),
             metrics_path=str(metrics_path),
             checkpoint_path=None if checkpoint is None else str(checkpoint),

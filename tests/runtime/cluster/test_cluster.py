@@ -21,6 +21,8 @@ from disagmoe.runtime.schedule.roles import Layout
 from disagmoe.runtime.schedule.schedule import build_schedule
 from disagmoe.runtime.schedule.schedule_sim import simulate
 
+pytestmark = pytest.mark.slow  # starts processes (Ray, gloo) or compiles: the quick subset skips it
+
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # actors cannot import tests/
 
 WORLD = 3

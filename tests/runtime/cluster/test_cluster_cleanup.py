@@ -4,6 +4,10 @@
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow  # starts a Ray cluster in a process of its own: the quick subset skips it
+
 SCRIPT = """
 from pathlib import Path
 from disagmoe.runtime.cluster.cluster import WorkerGroup, _session_dir

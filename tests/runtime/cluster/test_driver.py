@@ -44,6 +44,8 @@ from disagmoe.runtime.schedule.schedule import AttentionBackward
 from disagmoe.wire import Send
 from disagmoe.runtime.cluster.worker import TrainWorker, _op_name
 
+pytestmark = pytest.mark.slow  # starts processes (Ray, gloo) or compiles: the quick subset skips it
+
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # actors run `_sleep` from here
 
 STEPS = 5

@@ -135,8 +135,10 @@ def test_fingerprints_of_checkpoints_written_before_later_fields_existed_still_m
     from disagmoe.runtime.state.checkpoint import model_fingerprint
 
     cfg = load_model("tiny")
-    before = {k: v for k, v in cfg.model_dump(mode="json").items() if k not in ("rope_scaling", "embedding_init_std")}
+    before = {k: v for k, v in cfg.model_dump(mode="json").items()
+              if k not in ("rope_scaling", "embedding_init_std", "source")}
     assert model_fingerprint(cfg) == hashlib.sha256(json.dumps(before, sort_keys=True).encode()).hexdigest()
+    assert model_fingerprint(cfg) == model_fingerprint(cfg.model_copy(update={"source": "elsewhere"}))  # documentation
     assert model_fingerprint(load_model("deepseek-v3")) != model_fingerprint(
         load_model("deepseek-v3").model_copy(update={"rope_scaling": None}))
 

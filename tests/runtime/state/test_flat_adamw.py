@@ -148,6 +148,7 @@ def _sharded_worker(rank: int, port: int, dtype: torch.dtype, results) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # more than a few seconds on 2 cores (`pytest -m 'not slow'` skips it)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_zero1_split_takes_the_unsharded_step(dtype: torch.dtype) -> None:
     results = mp.Manager().dict()

@@ -33,6 +33,7 @@ def tiny_run(tmp_path, **overrides) -> TrainConfig:
     return TrainConfig(**{**base, **overrides})
 
 
+@pytest.mark.slow  # more than a few seconds on 2 cores (`pytest -m 'not slow'` skips it)
 def test_loss_at_least_halves_on_the_synthetic_corpus(tmp_path):
     cfg = tiny_run(tmp_path, steps=120, batch_size=8, seq_len=64, eval_every=60,
                    optim=OptimConfig(lr=3e-3, warmup_steps=10))

@@ -1,0 +1,34 @@
+"""`cli.third_party.quiet_ray`: Ray's start-up notices leave stderr for the run's log."""
+
+import io
+import logging
+
+from disagmoe.cli.third_party import LOG_FILE, quiet_ray
+
+
+def test_ray_notices_go_to_the_log_and_other_ray_messages_still_reach_the_console(tmp_path):
+    logger = logging.getLogger("ray")
+    console = logging.StreamHandler(io.StringIO())
+    logger.addHandler(console)
+    before = list(logger.handlers)
+    try:
+        path = quiet_ray(tmp_path)
+        assert quiet_ray(tmp_path) == path == tmp_path / LOG_FILE  # idempotent: one file handler
+        child = logging.getLogger("ray._private.authentication.authentication_token_setup")
+        child.warning("Token authentication is enabled for this Ray cluster. Set RAY_AUTH_MODE=disabled ...")
+        logging.getLogger("ray._private.worker").info("Started a local Ray instance.")
+        child.warning("a Ray warning a user can act on")
+        shown = console.stream.getvalue()
+        assert "Token authentication" not in shown and "Started a local" not in shown
+        assert "a Ray warning a user can act on" in shown
+        kept = path.read_text()
+        assert "Token authentication is enabled" in kept and "Started a local Ray instance" in kept
+        assert sum(isinstance(h, logging.FileHandler) for h in logger.handlers) - sum(
+            isinstance(h, logging.FileHandler) for h in before) == 1
+    finally:
+        for handler in logger.handlers[:]:
+            if handler not in before or handler is console:
+                logger.removeHandler(handler)
+                handler.close()
+        for handler in logger.handlers:
+            handler.filters = [f for f in handler.filters if type(f).__name__ != "DropNotices"]
