@@ -89,9 +89,11 @@ def out_of_memory_hint(cfg: TrainConfig, where: str = "this GPU") -> Iterator[No
         yield
     except torch.OutOfMemoryError as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else "CUDA out of memory"
+        shared = (f"{cfg.ranks_per_gpu} ranks share each GPU (ranks_per_gpu): lower it over more GPUs, or "
+                  if cfg.ranks_per_gpu > 1 and cfg.mode != "single" else "")
         raise OutOfMemory(
             f"{where} ran out of memory ({first[:160]}); a step of batch_size={cfg.batch_size} x seq_len="
-            f"{cfg.seq_len} in micro_batches={cfg.micro_batches} does not fit: raise micro_batches, lower "
+            f"{cfg.seq_len} in micro_batches={cfg.micro_batches} does not fit: {shared}raise micro_batches, lower "
             f"batch_size or seq_len, or spread the layers over more ranks (expert_ranks, pipeline_groups)"
         ) from None
 

@@ -129,3 +129,9 @@ def test_a_cuda_out_of_memory_error_becomes_one_line_naming_the_knobs():
     text = str(err.value)
     assert "\n" not in text and text.startswith("rank 1 (E0.0) ran out of memory (CUDA out of memory.")
     assert all(k in text for k in ("micro_batches=8", "batch_size", "seq_len", "expert_ranks", "pipeline_groups"))
+    assert "ranks_per_gpu" not in text
+    shared = TrainConfig(model="tiny", batch_size=16, micro_batches=8, device="cuda", transport="nvshmem",
+                         ranks_per_gpu=2)
+    with pytest.raises(OutOfMemory) as err, out_of_memory_hint(shared, "rank 0 (A0.0)"):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 MiB")
+    assert "does not fit: 2 ranks share each GPU (ranks_per_gpu): lower it over more GPUs, or raise" in str(err.value)
