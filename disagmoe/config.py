@@ -407,14 +407,16 @@ class DataConfig(StrictModel):
 
 
 class OptimConfig(StrictModel):
-    lr: PositiveFloat = 3e-3
+    # Bounds far above any working value: beyond them the update overflows fp32 (a traceback mid-step)
+    # instead of diverging, which the run would stop with one line (runtime/training/loop.py).
+    lr: Annotated[float, Field(gt=0, le=10)] = 3e-3
     min_lr_ratio: Annotated[float, Field(ge=0, le=1)] = 0.1
     warmup_steps: NonNegInt = 10
-    weight_decay: NonNegFloat = 0.0
+    weight_decay: Annotated[float, Field(ge=0, le=1e3)] = 0.0
     beta1: Fraction = 0.9
     beta2: Fraction = 0.95
-    eps: PositiveFloat = 1e-8
-    grad_clip: NonNegFloat = Field(1.0, description="global grad-norm clip; 0 disables")
+    eps: Annotated[float, Field(gt=0, le=1)] = 1e-8
+    grad_clip: Annotated[float, Field(ge=0, le=1e9)] = Field(1.0, description="global grad-norm clip; 0 disables")
     shard_states: bool = Field(
         False, description="ZeRO-1: split AdamW's moments of the replicated (attention-side) parameters over "
         "each data-parallel group (distributed modes; the result is the same step)")

@@ -4,7 +4,7 @@ Every user-facing failure is printed literally (never parsed as rich markup: a p
 a worker's report may hold `[/...]`) on stderr and ends with a distinct exit code:
 
     2    bad input: a config, a flag value, a file that cannot be read or written, a size out of range
-    1    the run failed: a rank died or hung, an I/O error mid-run
+    1    the run failed: a rank died or hung, a loss or gradient norm was not finite, an I/O error mid-run
     130  interrupted: Ctrl-C or SIGTERM (the run stops after a step with a checkpoint)
 
 A usage error (a bad flag value, an unknown option) is one line too, not click's usage block, and
@@ -27,7 +27,8 @@ from rich.text import Text
 from typer.core import TyperGroup
 
 from disagmoe.config import format_validation_error
-from disagmoe.runtime.failures import RunWarning, TrainingFailed, TrainingInterrupted
+from disagmoe.runtime.failures import RunWarning, TrainingDiverged, TrainingFailed, TrainingInterrupted
+from disagmoe.safe_io import finite_or_none
 
 # Reports are wide tables: when the output is not a terminal (a pipe, a log file, CI), do not
 # squeeze them into rich's default 80 columns.
@@ -70,7 +71,7 @@ def user_errors(fn: F) -> F:
             print_error(err)
         except OverflowError as err:  # a flag no config bound covers (configs bound every size)
             print_error(f"a number given is too large to compute with ({err}); check the sizes")
-        except TrainingFailed as err:
+        except (TrainingFailed, TrainingDiverged) as err:
             print_error(err, "training failed:")
             raise typer.Exit(EXIT_FAILED) from None
         except TrainingInterrupted as err:
@@ -134,5 +135,5 @@ def _one_line(err: Any) -> Any:
 
 
 def print_json(data: Any) -> None:
-    """Machine output: plain JSON on stdout, nothing else."""
-    sys.stdout.write(json.dumps(data, indent=2) + "\n")
+    """Machine output: strict JSON on stdout (NaN and infinities as null), nothing else."""
+    sys.stdout.write(json.dumps(finite_or_none(data), indent=2, allow_nan=False) + "\n")

@@ -17,8 +17,9 @@ from disagmoe.config import ModelConfig, TrainConfig, load_train_config
 from disagmoe.model_ref import load_model
 from disagmoe.cli.common import console, literal, print_json, user_errors
 from disagmoe.roofline.params import count_params
-from disagmoe.runtime.out_dir import check_out_dir
+from disagmoe.runtime.out_dir import check_out_dir, set_aside_earlier_run
 from disagmoe.runtime.plan_layout import apply_plan, replaced_fields
+from disagmoe.runtime.run_lock import run_lock
 
 
 StepCallback = Callable[[dict[str, Any]], None]
@@ -73,18 +74,13 @@ def train(
         cfg = planned
     check_host_memory(cfg, load_model(cfg.model))
     check_out_dir(Path(cfg.out_dir))  # before Ray, the actors or the model start
-    run = PREPARE[cfg.mode](cfg)
-    if cfg.mode != "single" and not as_json:
-        console.print(literal(_hop_note(cfg)), highlight=False)
+    with run_lock(Path(cfg.out_dir)):  # one run per out_dir, from here to the end
+        if not cfg.resume:
+            set_aside_earlier_run(Path(cfg.out_dir))
+        summary = _run(cfg, as_json)
     if as_json:
-        # stdout holds the JSON only: Ray prints a dead actor's report (and actors' prints) to the
-        # driver's stdout, from a thread of its own, so while the run lasts stdout is stderr
-        with contextlib.redirect_stdout(sys.stderr):
-            summary = run(None)  # a failed or stopped run: one message and exit 1 / 130 (`user_errors`)
         print_json(summary)
         return
-    with TrainProgress(cfg.steps) as on_step:
-        summary = run(on_step)
     console.print(_summary_table(cfg, summary))
     busy = summary.get("busy")
     if busy:
@@ -93,6 +89,20 @@ def train(
     if cfg.mode != "single" and cfg.trace:
         console.print(literal(f"trace: {Path(cfg.out_dir) / 'trace.json'} (open in https://ui.perfetto.dev)"),
                       highlight=False)
+
+
+def _run(cfg: TrainConfig, as_json: bool) -> dict[str, Any]:
+    """Set the run up (user errors surface here), then train, with a progress bar unless `as_json`."""
+    run = PREPARE[cfg.mode](cfg)
+    if cfg.mode != "single" and not as_json:
+        console.print(literal(_hop_note(cfg)), highlight=False)
+    if as_json:
+        # stdout holds the JSON only: Ray prints a dead actor's report (and actors' prints) to the
+        # driver's stdout, from a thread of its own, so while the run lasts stdout is stderr
+        with contextlib.redirect_stdout(sys.stderr):
+            return run(None)  # a failed or stopped run: one message and exit 1 / 130 (`user_errors`)
+    with TrainProgress(cfg.steps) as on_step:
+        return run(on_step)
 
 
 def check_host_memory(cfg: TrainConfig, model_cfg: ModelConfig) -> None:

@@ -31,3 +31,12 @@ class TrainingInterrupted(RuntimeError):
         super().__init__(f"{signal_name} after step {step}: checkpoint {checkpoint}; continue with resume=true "
                          "(same out_dir)")
         self.signal_name, self.step, self.checkpoint = signal_name, step, checkpoint
+
+
+class TrainingDiverged(RuntimeError):
+    """A step's loss or gradient norm was not finite: the run stopped before checkpointing it
+    (the message names the step, the setting most likely at fault and the last good checkpoint)."""
+
+    def __init__(self, step: int, message: str) -> None:
+        super().__init__(message)
+        self.step = step

@@ -50,7 +50,7 @@ from disagmoe.runtime.state.optim import lr_at
 from disagmoe.runtime.plan_layout import apply_plan
 from disagmoe.runtime.rank_model import rank_model
 from disagmoe.runtime.cluster.restart import Fault, restart_line
-from disagmoe.runtime.state.sharded_checkpoint import finish_checkpoint, read_trainer_state, staging_dir
+from disagmoe.runtime.state.sharded_checkpoint import begin_checkpoint, finish_checkpoint, read_trainer_state
 from disagmoe.runtime.topology import Topology
 from disagmoe.runtime.observe.trace import busy_fractions, wait_fractions, write_chrome_trace
 from disagmoe.runtime.training.loop import StepCallback, TrainingLoop, TrainSummary, signals_held
@@ -309,7 +309,7 @@ class DistributedTrainer(TrainingLoop):
 
     def save(self) -> Path:
         """Every rank writes its shard into a staging directory; the driver seals it."""
-        staging = staging_dir(self.checkpoint_root, self.step)
+        staging = begin_checkpoint(self.checkpoint_root, self.step)
         listings = self._call("save_shard", str(staging))
         return finish_checkpoint(self.checkpoint_root, self.step, [e for e in listings if e is not None],
                                  self.model_cfg, TrainerState.capture(self.step), training_settings(self.cfg))

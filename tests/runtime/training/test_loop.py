@@ -12,7 +12,7 @@ from disagmoe.config import OptimConfig, TrainConfig
 from disagmoe.model_ref import load_model
 from disagmoe.runtime.training import loop as loop_mod
 from disagmoe.runtime.state.checkpoint import checkpoint_dir, latest_checkpoint
-from disagmoe.runtime.failures import TrainingInterrupted
+from disagmoe.runtime.failures import RunWarning, TrainingInterrupted
 from disagmoe.runtime.training.loop import METRICS_FILE
 from disagmoe.runtime.observe.metrics import read_metrics
 from disagmoe.runtime.training.trainer import CHECKPOINTS_DIR, SingleProcessTrainer, train_single
@@ -91,17 +91,24 @@ def test_a_second_signal_aborts_at_once(tmp_path):
 
 
 def test_a_run_starts_by_sweeping_what_a_killed_run_left(tmp_path):
-    """A staged checkpoint (killed before its rename), a half-deleted one and a half-written trace
-    go; the earlier complete checkpoint stays and the resume continues from it."""
+    """A staged checkpoint (killed before its rename), a half-deleted one (both marked as a run's)
+    and a half-written trace go; a step folder no run marked stays (with a warning); the earlier
+    complete checkpoint stays and the resume continues from it."""
+    from disagmoe.runtime.out_dir import mark_writing
+
     cfg = run_config(tmp_path, steps=2, checkpoint_every=1, keep_checkpoints=0)
     train_single(cfg)
     root, out = tmp_root(cfg), Path(cfg.out_dir)
-    (root / ".staging-step-00000003").mkdir()
+    mark_writing(root / ".staging-step-00000003")
     (root / ".staging-step-00000003" / "rank-00000.pt").write_bytes(b"torn")
-    (root / ".step-00000001.deleting").mkdir()
+    mark_writing(root / ".step-00000001.deleting")
+    (root / "step-00000009").mkdir()
+    (root / "step-00000009" / "rank-00000.pt").write_bytes(b"whose?")
     (out / ".trace.json.tmp").write_text("{")
-    train_single(cfg.model_copy(update={"steps": 3, "resume": True}))
-    assert sorted(p.name for p in root.iterdir()) == ["step-00000001", "step-00000002", "step-00000003"]
+    with pytest.warns(RunWarning, match="step-00000009 alone"):
+        train_single(cfg.model_copy(update={"steps": 3, "resume": True}))
+    assert sorted(p.name for p in root.iterdir()) == ["step-00000001", "step-00000002", "step-00000003",
+                                                      "step-00000009"]
     assert not (out / ".trace.json.tmp").exists()
 
 
