@@ -509,6 +509,8 @@ class TrainConfig(StrictModel):
     trace: bool = True
     recv_timeout_s: Annotated[float, Field(gt=0, le=7 * 86400)] = 120.0
     ray_address: str | None = Field(None, description="None starts an embedded local cluster")
+    ray_connect_timeout_s: Annotated[float, Field(gt=0, le=3600)] = Field(
+        10.0, description="joining a cluster (ray_address HOST:PORT): fail in one line if it does not answer this fast")
     max_restarts: Annotated[int, Field(ge=0, le=1000)] = Field(
         0, description="distributed modes: when a rank dies or hangs, tear the actors down, start new ones and "
         "resume from the newest complete checkpoint (from the start without one), at most this many times per "

@@ -13,11 +13,14 @@ a `RunWarning` (the run goes on) is one `warning:` line.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+import signal
 import sys
+import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import typer
@@ -60,7 +63,7 @@ def user_errors(fn: F) -> F:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
-            with warnings.catch_warnings():
+            with warnings.catch_warnings(), sigterm_as_interrupt():
                 warnings.showwarning = _run_warnings_as_lines(warnings.showwarning)
                 return fn(*args, **kwargs)
         except typer.BadParameter as err:
@@ -77,8 +80,9 @@ def user_errors(fn: F) -> F:
         except TrainingInterrupted as err:
             print_error(err, "training stopped:", "bold yellow")
             raise typer.Exit(EXIT_INTERRUPTED) from None
-        except KeyboardInterrupt:
-            print_error("interrupted (Ctrl-C)", "stopped:", "bold yellow")
+        except KeyboardInterrupt as err:
+            print_error(f"interrupted ({err or 'Ctrl-C'}); nothing of this run is left running", "stopped:",
+                        "bold yellow")
             raise typer.Exit(EXIT_INTERRUPTED) from None
         except OSError as err:  # mid-run: a full disk, a vanished mount
             where = f"{err.filename}: " if err.filename else ""
@@ -87,6 +91,26 @@ def user_errors(fn: F) -> F:
         raise typer.Exit(EXIT_INPUT)
 
     return wrapper  # type: ignore[return-value]
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """Inside the block SIGTERM raises KeyboardInterrupt('SIGTERM') as Ctrl-C does, so a
+    scheduler's stop in any phase (start-up included) unwinds through every cleanup and exits 130,
+    instead of the default action killing the process mid-start (main thread only; the step loop
+    installs its own graceful handler)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt("SIGTERM")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _run_warnings_as_lines(show_other: Callable[..., None]) -> Callable[..., None]:

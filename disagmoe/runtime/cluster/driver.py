@@ -43,6 +43,7 @@ from disagmoe.runtime.state.checkpoint import (
     warn_changed_training,
 )
 from disagmoe.runtime.cluster.cluster import WorkerFailure, WorkerGroup
+from disagmoe.runtime.cluster.connect import check_ray_address
 from disagmoe.runtime.failures import RunWarning, TrainingFailed
 from disagmoe.runtime.stages.messages import MessageShapes, hop_mode, receive_layouts
 from disagmoe.runtime.observe.metrics import load_imbalance, mfu, peak_and_ceiling
@@ -160,6 +161,7 @@ class DistributedTrainer(TrainingLoop):
         check_fits(cfg, self.model_cfg, self.topology)
         self.hop, self.hop_reason = hop_mode(cfg, self.model_cfg, self.topology)
         check_fault_injection(cfg, self.topology)
+        check_ray_address(cfg.ray_address, cfg.ray_connect_timeout_s)  # bounded, before Ray
         check_out_dir(Path(cfg.out_dir))  # before any actor starts
         splits = load_splits(cfg.data, self.model_cfg.vocab_size, cfg.seq_len)  # data errors surface here
         self.evaluates = splits.val is not None and cfg.eval_every > 0
