@@ -162,7 +162,7 @@ class DistributedTrainer(TrainingLoop):
         self.hop, self.hop_reason = hop_mode(cfg, self.model_cfg, self.topology)
         check_fault_injection(cfg, self.topology)
         check_ray_address(cfg.ray_address, cfg.ray_connect_timeout_s)  # bounded, before Ray
-        check_out_dir(Path(cfg.out_dir))  # before any actor starts
+        check_out_dir(cfg.out_dir)  # before any actor starts
         splits = load_splits(cfg.data, self.model_cfg.vocab_size, cfg.seq_len)  # data errors surface here
         self.evaluates = splits.val is not None and cfg.eval_every > 0
         self.out_dir = Path(cfg.out_dir)
