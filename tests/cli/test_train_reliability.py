@@ -95,3 +95,19 @@ def test_an_optimizer_setting_that_would_overflow_fp32_is_refused_before_start(t
     result = invoke("--config", CONFIG, "--out-dir", str(tmp_path), *FAST, "optim.lr=1e308")
     assert result.exit_code == 2, result.output
     assert result.stderr.strip() == "error: " + CONFIG + ": optim.lr: Input should be less than or equal to 10"
+
+
+def test_an_actor_that_never_starts_is_the_runs_one_line_report(tmp_path, monkeypatch):
+    from disagmoe.runtime.cluster import driver
+    from disagmoe.runtime.cluster.cluster import WorkerFailure
+
+    def never_starts(*args, **kwargs):
+        raise WorkerFailure(1, "info did not finish within 120 s (ranks still running: [1])")
+
+    monkeypatch.setattr(driver.WorkerGroup, "start", never_starts)
+    result = invoke("--config", CONFIG, "--out-dir", str(tmp_path), "steps=2")
+    assert result.exit_code == 1, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.output
+    assert lines[0].startswith("training failed: rank 1 (") and "failed while starting the actors: info did not" \
+        in lines[0] and lines[0].endswith("nothing was trained (fix the cause and run again)")

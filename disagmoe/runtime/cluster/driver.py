@@ -185,15 +185,21 @@ class DistributedTrainer(TrainingLoop):
         the trace starts empty."""
         cfg = self.cfg
         if workers is None:
-            workers = WorkerGroup.start(self.topology.world_size, cfg.device, cfg.env, cfg.ray_address,
-                                        worker_cls=TrainWorker, log_to_driver=self.log_to_driver)
+            try:
+                workers = WorkerGroup.start(self.topology.world_size, cfg.device, cfg.env, cfg.ray_address,
+                                            worker_cls=TrainWorker, log_to_driver=self.log_to_driver)
+            except WorkerFailure as failure:  # an actor that never came up: the run's report, not a traceback
+                raise self._start_failed(failure, "starting the actors") from None
         elif workers.world_size != self.topology.world_size:
             raise ValueError(f"{cfg.mode} needs {self.topology.world_size} ranks; the given workers are "
                              f"{workers.world_size}")
         self.workers = workers
         try:
             if self.owns_workers:
-                self.workers.init_process_group(timeout_s=cfg.recv_timeout_s)
+                try:
+                    self.workers.init_process_group(timeout_s=cfg.recv_timeout_s)
+                except WorkerFailure as failure:
+                    raise self._start_failed(failure, "joining the process group (init_process_group)") from None
             self._call("setup", cfg.model_dump(mode="json"), self.topology)
             if resume_from is not None:
                 self._call("load", str(resume_from))
@@ -203,6 +209,12 @@ class DistributedTrainer(TrainingLoop):
             raise
         self.spans: dict[int, list[tuple[str, str, float, float]]] = {r: [] for r in self.rank_names}
         self.traced_steps = 0
+
+    def _start_failed(self, failure: WorkerFailure, phase: str) -> TrainingFailed:
+        """A start-up `WorkerFailure` as the run's one-line report, naming the rank and the phase."""
+        name = self.rank_names.get(failure.rank, "?")
+        return TrainingFailed(failure.rank, f"rank {failure.rank} ({name}) failed while {phase}: {failure.reason}; "
+                                            "nothing was trained (fix the cause and run again)")
 
     def _resume_point(self) -> Path:
         """The checkpoint to resume from, checked against the model and the step count."""
