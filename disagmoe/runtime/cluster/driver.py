@@ -152,6 +152,8 @@ def check_fault_injection(cfg: TrainConfig, topology: Topology) -> None:
 class DistributedTrainer(TrainingLoop):
     """A `mode: disaggregated | colocated` run (module docstring)."""
 
+    checkpoints_after_stopped_evaluation = False  # the actors are still evaluating; shutdown stops them
+
     def __init__(self, cfg: TrainConfig, log_to_driver: bool = True, workers: WorkerGroup | None = None) -> None:
         """`workers`: already started `TrainWorker` actors (with their process group) to reuse for
         this run instead of starting new ones; they stay up afterwards (the caller shuts them down)."""

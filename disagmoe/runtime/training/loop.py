@@ -14,7 +14,9 @@ the non-finite numbers as null (the file is strict JSON). The whole loop holds o
 
 SIGINT (Ctrl-C) or SIGTERM (a scheduler's preemption) stops the run gracefully: the step in
 flight finishes, a checkpoint is written and `TrainingInterrupted` says where to resume from. A
-second signal aborts at once.
+signal during an evaluation abandons it at once (its result is not needed to stop); in the
+distributed modes, whose actors are still inside it, the run then stops with its last checkpoint.
+A second signal aborts at once.
 """
 
 from __future__ import annotations
@@ -93,6 +95,7 @@ class StopRequest:
 
     def __init__(self) -> None:
         self.signal: str | None = None
+        self.evaluating = False  # inside `validate`: the first signal abandons it (EvaluationStopped)
 
     @contextmanager
     def installed(self) -> Iterator[StopRequest]:
@@ -113,8 +116,15 @@ class StopRequest:
         if self.signal is not None:
             raise KeyboardInterrupt
         self.signal = signal.Signals(signum).name
-        sys.stderr.write(f"\n{self.signal}: stopping after this step with a checkpoint (again to abort now)\n")
+        what = "abandoning the evaluation in flight" if self.evaluating else "stopping after this step"
+        sys.stderr.write(f"\n{self.signal}: {what} with a checkpoint (again to abort now)\n")
         sys.stderr.flush()
+        if self.evaluating:
+            raise EvaluationStopped
+
+
+class EvaluationStopped(Exception):
+    """Raised by the first signal inside an evaluation: a long evaluation does not hold a stop up."""
 
 
 class TrainingLoop:
@@ -127,6 +137,9 @@ class TrainingLoop:
     flops_per_step: float
     peak_flops: float | None
     evaluates: bool  # a validation split exists and eval_every > 0
+    # After an evaluation abandoned mid-way, can the step still be checkpointed? (distributed: no,
+    # its actors are still inside the evaluation; the run stops with its last checkpoint)
+    checkpoints_after_stopped_evaluation = True
     restarts: int = 0  # automatic restarts so far (distributed modes: DistributedTrainer.run)
 
     def _train_one_step(self) -> dict[str, Any]:
@@ -169,7 +182,10 @@ class TrainingLoop:
                     for group, fraction in record.get("busy", {}).items():
                         busy_sums[group] = busy_sums.get(group, 0.0) + fraction
                     if self.evaluates and (self.step % cfg.eval_every == 0 or self.step == cfg.steps):
-                        last_val = record["val_loss"] = self.validate()
+                        last_val = record["val_loss"] = self._validate_unless_stopped(stop)
+                        if last_val is None and not self.checkpoints_after_stopped_evaluation:
+                            log.write(record)
+                            raise TrainingInterrupted(stop.signal or "signal", self.step, self._last_good(checkpoint))
                     due_by_time = cfg.checkpoint_minutes and _clock() - last_save >= 60 * cfg.checkpoint_minutes
                     at_end = self.step == cfg.steps and cfg.checkpoint_at_end
                     if (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0) or due_by_time or at_end:
@@ -195,6 +211,20 @@ class TrainingLoop:
             restarts=self.restarts,
             hop=getattr(self, "hop", None),
         )
+
+    def _validate_unless_stopped(self, stop: StopRequest) -> float | None:
+        """`validate()`, or None if a first signal abandoned it (the step's weights stay intact)."""
+        stop.evaluating = True
+        try:
+            return self.validate()
+        except EvaluationStopped:
+            self.evaluation_stopped()
+            return None
+        finally:
+            stop.evaluating = False
+
+    def evaluation_stopped(self) -> None:
+        """Called after an evaluation was abandoned mid-way (a subclass puts its model back in training mode)."""
 
     def _last_good(self, written: Path | None) -> Path | None:
         """The newest checkpoint: the one this run wrote last, else the one it resumed from."""

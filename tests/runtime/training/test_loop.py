@@ -124,3 +124,26 @@ def test_signals_are_held_while_the_cluster_shuts_down(capsys):
         os.kill(os.getpid(), signal.SIGTERM)
     assert signal.getsignal(signal.SIGINT) is before
     assert capsys.readouterr().err.count("shutting down") == 1
+
+
+def test_a_signal_during_a_long_evaluation_stops_it_at_once_with_the_steps_checkpoint(tmp_path, monkeypatch):
+    """SIGTERM while validation runs (here it would take a minute): the evaluation is abandoned,
+    the step is checkpointed and the run stops within seconds."""
+    import os
+    import time
+
+    cfg = run_config(tmp_path, steps=4, eval_every=2)
+
+    def long_evaluation(self):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(60)
+        return 0.0
+
+    monkeypatch.setattr(SingleProcessTrainer, "validate", long_evaluation)
+    start = time.monotonic()
+    with pytest.raises(TrainingInterrupted) as stopped:
+        SingleProcessTrainer(cfg).run()
+    assert time.monotonic() - start < 30
+    assert stopped.value.step == 2 and stopped.value.signal_name == "SIGTERM"
+    assert stopped.value.checkpoint == checkpoint_dir(tmp_root(cfg), 2)
+    assert [r["step"] for r in read_metrics(Path(cfg.out_dir) / METRICS_FILE)] == [1, 2]
