@@ -80,9 +80,10 @@ def user_errors(fn: F) -> F:
         except TrainingInterrupted as err:
             print_error(err, "training stopped:", "bold yellow")
             raise typer.Exit(EXIT_INTERRUPTED) from None
-        except KeyboardInterrupt as err:
-            print_error(f"interrupted ({err or 'Ctrl-C'}); nothing of this run is left running", "stopped:",
-                        "bold yellow")
+        except KeyboardInterrupt as err:  # Ray re-raises a signal inside its waits without the message
+            why = str(err) or (_received[-1] if _received else "Ctrl-C")
+            _received.clear()
+            print_error(f"interrupted ({why}); nothing of this run is left running", "stopped:", "bold yellow")
             raise typer.Exit(EXIT_INTERRUPTED) from None
         except OSError as err:  # mid-run: a full disk, a vanished mount
             where = f"{err.filename}: " if err.filename else ""
@@ -91,6 +92,9 @@ def user_errors(fn: F) -> F:
         raise typer.Exit(EXIT_INPUT)
 
     return wrapper  # type: ignore[return-value]
+
+
+_received: list[str] = []  # the SIGTERMs `sigterm_as_interrupt` turned into KeyboardInterrupt
 
 
 @contextlib.contextmanager
@@ -104,6 +108,7 @@ def sigterm_as_interrupt() -> Iterator[None]:
         return
 
     def interrupt(signum: int, frame: object) -> None:
+        _received.append("SIGTERM")
         raise KeyboardInterrupt("SIGTERM")
 
     previous = signal.signal(signal.SIGTERM, interrupt)
