@@ -88,3 +88,29 @@ def test_sigterm_during_start_up_exits_130_with_nothing_left_running(tmp_path):
         time.sleep(0.2)
     assert not {p: seen[p] for p in seen if running(p)}, "processes of the run outlived it"
     assert set(Path("/tmp").glob("disagmoe-ray-*")) <= before, "its Ray folder is left"
+
+
+@pytest.mark.slow
+def test_a_second_train_on_the_folder_of_a_running_one_is_refused(tmp_path):
+    """Two real `train` runs on one out_dir: while the first trains, the second exits 2 in one line
+    naming the first's pid; the first, stopped by SIGTERM afterwards, kept its folder to itself."""
+    first = subprocess.Popen([sys.executable, "-m", "disagmoe", "train", "--config", CONFIG, "--out-dir",
+                              str(tmp_path), "steps=100000", "mode=single", "eval_every=0"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "metrics.jsonl").exists():  # the first holds the lock and trains
+            assert first.poll() is None and time.monotonic() < deadline, first.stderr.read()
+            time.sleep(0.05)
+        second = subprocess.run([sys.executable, "-m", "disagmoe", "train", "--config", CONFIG, "--out-dir",
+                                 str(tmp_path), "steps=30", "mode=single", "eval_every=0", "seed=1"],
+                                capture_output=True, text=True, timeout=120)
+        first.send_signal(signal.SIGTERM)
+        _, err = first.communicate(timeout=120)
+    finally:
+        first.kill()
+    assert second.returncode == 2, second.stderr
+    assert len(second.stderr.strip().splitlines()) == 1
+    assert f"is in use by the run of pid {first.pid}" in second.stderr
+    assert first.returncode == 130, err
+    assert not (tmp_path / "earlier").exists() and not (tmp_path / "run.lock").exists()
