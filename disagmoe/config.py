@@ -18,6 +18,8 @@ from typing import Annotated, Any, Literal, TypeVar
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from disagmoe.safe_io import MAX_CONFIG_BYTES, check_depth, read_input_text
+
 PRESETS_DIR = Path(__file__).parent / "presets"
 
 # Every size has an upper bound, checked when a config is read: a typo such as 10**30 ranks is
@@ -409,14 +411,16 @@ class DataConfig(StrictModel):
 
 
 class OptimConfig(StrictModel):
-    lr: PositiveFloat = 3e-3
+    # Bounds far above any working value: beyond them the update overflows fp32 (a traceback mid-step)
+    # instead of diverging, which the run would stop with one line (runtime/training/loop.py).
+    lr: Annotated[float, Field(gt=0, le=10)] = 3e-3
     min_lr_ratio: Annotated[float, Field(ge=0, le=1)] = 0.1
     warmup_steps: NonNegInt = 10
-    weight_decay: NonNegFloat = 0.0
+    weight_decay: Annotated[float, Field(ge=0, le=1e3)] = 0.0
     beta1: Fraction = 0.9
     beta2: Fraction = 0.95
-    eps: PositiveFloat = 1e-8
-    grad_clip: NonNegFloat = Field(1.0, description="global grad-norm clip; 0 disables")
+    eps: Annotated[float, Field(gt=0, le=1)] = 1e-8
+    grad_clip: Annotated[float, Field(ge=0, le=1e9)] = Field(1.0, description="global grad-norm clip; 0 disables")
     shard_states: bool = Field(
         False, description="ZeRO-1: split AdamW's moments of the replicated (attention-side) parameters over "
         "each data-parallel group (distributed modes; the result is the same step)")
@@ -485,7 +489,7 @@ class TrainConfig(StrictModel):
     cpu_threads: Dim | None = Field(
         None, description="torch intra-op threads for CPU training; None keeps torch's default"
     )
-    seed: Annotated[int, Field(ge=-(1 << 63), lt=1 << 64)] = 0  # torch's seed range
+    seed: Annotated[int, Field(ge=0, lt=1 << 64)] = 0  # torch's range; numpy's SeedSequence (the data) takes no negative
     steps: PositiveInt = 100
     batch_size: Dim = Field(8, description="sequences per step (global)")
     seq_len: Dim = 128
@@ -515,6 +519,8 @@ class TrainConfig(StrictModel):
     trace: bool = True
     recv_timeout_s: Annotated[float, Field(gt=0, le=7 * 86400)] = 120.0
     ray_address: str | None = Field(None, description="None starts an embedded local cluster")
+    ray_connect_timeout_s: Annotated[float, Field(gt=0, le=3600)] = Field(
+        10.0, description="joining a cluster (ray_address HOST:PORT): fail in one line if it does not answer this fast")
     max_restarts: Annotated[int, Field(ge=0, le=1000)] = Field(
         0, description="distributed modes: when a rank dies or hangs, tear the actors down, start new ones and "
         "resume from the newest complete checkpoint (from the start without one), at most this many times per "
@@ -640,32 +646,37 @@ def write_text_file(out: Path, text: str, flag: str = "--out") -> None:
     is ever seen, none is left behind); a directory or an unwritable place is a ValueError naming
     `flag` and the fix."""
     out = Path(out)
-    if out.is_dir():
-        raise ValueError(f"{flag} {out} is a directory; give a file name inside it")
     tmp = out.with_name(f".{out.name}.tmp")
     try:
+        if out.is_dir():
+            raise ValueError(f"{flag} {out} is a directory; give a file name inside it")
         tmp.write_text(text)
         tmp.replace(out)
     except OSError as err:
-        tmp.unlink(missing_ok=True)
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass  # e.g. a name too long: nothing was written
         raise ValueError(f"{flag} {out}: cannot write it ({err.strerror or err}); choose another file") from None
 
 
-def read_mapping(path: Path) -> dict[str, Any]:
-    """Read a YAML or JSON file into a dict, with a clear error if it cannot be read (a duplicate
-    key is an error, naming the key and the file)."""
+def read_mapping(path: Path, setting: str = "input", max_bytes: int = MAX_CONFIG_BYTES) -> dict[str, Any]:
+    """Read a YAML or JSON file into a dict, or a ValueError naming `setting` and the file: not a
+    regular file, over `max_bytes`, not UTF-8, not valid, a key twice, nested past `MAX_DEPTH`
+    (`safe_io`), or not a mapping at the top."""
+    path = Path(path)
+    text = read_input_text(path, setting, max_bytes)
+    kind = "JSON" if path.suffix == ".json" else "YAML"
     try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as err:
-        raise ValueError(f"cannot read {path}: {err.strerror or err}") from None
-    except UnicodeDecodeError as err:
-        raise ValueError(f"{path} is not UTF-8 text (byte {err.start}: {err.reason})") from None
-    try:
-        data = json.loads(text, object_pairs_hook=_unique_pairs) if path.suffix == ".json" else load_yaml(text)
+        data = json.loads(text, object_pairs_hook=_unique_pairs) if kind == "JSON" else load_yaml(text)
     except DuplicateKey as err:
         raise ValueError(f"{path}: {err}") from None
     except (json.JSONDecodeError, yaml.YAMLError) as err:
-        raise ValueError(f"{path} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {err}") from None
+        raise ValueError(f"{path} is not valid {kind}: {err}") from None
+    except RecursionError:
+        raise ValueError(f"{setting} {path}: lists and mappings nested deeper than the {kind} parser can "
+                         f"follow; no input of disagmoe nests so deep") from None
+    check_depth(data, f"{setting} {path}")
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a mapping of keys at the top level")
     return data
@@ -677,11 +688,12 @@ def preset_names(kind: Literal["models", "hardware"]) -> list[str]:
 
 def load_preset_or_file(ref: str, kind: Literal["models", "hardware"]) -> tuple[dict[str, Any], str]:
     preset = PRESETS_DIR / kind / f"{ref}.yaml"
-    if preset.is_file():
+    if "/" not in ref and preset.is_file():
         return read_mapping(preset), f"preset {ref!r}"
     path = Path(ref)
+    setting = "model" if kind == "models" else "hardware"
     if path.suffix in {".yaml", ".yml", ".json"} or path.exists():
-        return read_mapping(path), str(path)
+        return read_mapping(path, setting), str(path)
     noun = "model" if kind == "models" else "hardware"
     raise ValueError(
         f"unknown {noun} preset {ref!r}; valid names: {', '.join(preset_names(kind))} "
@@ -700,7 +712,7 @@ def load_hardware(ref: str | HardwareConfig) -> HardwareConfig:
 def load_train_config(path: str | Path, overrides: list[str] | None = None) -> TrainConfig:
     """A training YAML, with `key.sub=value` overrides (values parsed as YAML scalars)."""
     path = Path(path)
-    data = read_mapping(path)
+    data = read_mapping(path, "--config")
     for item in overrides or []:
         key, sep, raw = item.partition("=")
         if not sep or not key:
@@ -713,6 +725,7 @@ def load_train_config(path: str | Path, overrides: list[str] | None = None) -> T
                 raise ValueError(f"override {item!r}: {part!r} is not a section")
         try:
             node[parts[-1]] = load_yaml(raw)
-        except (DuplicateKey, yaml.YAMLError) as err:
-            raise ValueError(f"override {item!r}: the value is not valid YAML ({err})") from None
+        except (DuplicateKey, yaml.YAMLError, RecursionError) as err:
+            raise ValueError(f"override {item!r}: the value is not valid YAML ({err or 'nested too deep'})") from None
+        check_depth(node[parts[-1]], f"override {key}")
     return validate(TrainConfig, data, str(path))

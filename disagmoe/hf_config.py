@@ -5,16 +5,60 @@ Local files only: nothing is downloaded. No torch import (the planner reads thes
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from disagmoe.config import ModelConfig, validate
 
 SUPPORTED = ("mixtral", "qwen3_moe", "deepseek_v3")
 
+# The type of every key the mapping reads (None is allowed where Hugging Face writes null for
+# "not set"; a required key must have a value, `_need`). Checked before any arithmetic on them.
+INT, NUMBER, BOOL, MAPPING, TEXT, LIST = "an integer", "a number", "true or false", "a mapping", "a string", "a list"
+KEY_TYPES: dict[str, str] = {
+    **dict.fromkeys((
+        "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+        "max_position_embeddings", "head_dim", "num_local_experts", "num_experts", "num_experts_per_tok",
+        "intermediate_size", "moe_intermediate_size", "decoder_sparse_step", "qk_nope_head_dim", "qk_rope_head_dim",
+        "q_lora_rank", "kv_lora_rank", "v_head_dim", "first_k_dense_replace", "n_routed_experts", "n_shared_experts",
+        "n_group", "topk_group", "original_max_position_embeddings"), INT),
+    **dict.fromkeys(("rope_theta", "rms_norm_eps", "router_aux_loss_coef", "routed_scaling_factor", "aux_loss_alpha",
+                     "factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor"), NUMBER),
+    **dict.fromkeys(("tie_word_embeddings", "norm_topk_prob", "truncate"), BOOL),
+    **dict.fromkeys(("rope_scaling", "rope_parameters"), MAPPING),
+    **dict.fromkeys(("_name_or_path", "model_type", "rope_type", "type"), TEXT),
+    "mlp_only_layers": LIST,
+}
+POSITIVE = ("num_attention_heads", "hidden_size")  # divided by before the schema checks the sizes
+
+
+def _is(value: Any, kind: str) -> bool:
+    if kind == INT:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == NUMBER:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return isinstance(value, {BOOL: bool, MAPPING: dict, TEXT: str, LIST: list}[kind])
+
+
+def check_types(data: dict[str, Any], source: str, where: str = "") -> None:
+    """ValueError naming the first key of `KEY_TYPES` (in `data`, or in its RoPE mapping) whose
+    value has another type, or a `POSITIVE` one that is not above zero."""
+    for key, value in data.items():
+        kind = KEY_TYPES.get(key)
+        if kind is None or value is None:
+            continue
+        if not _is(value, kind):
+            raise ValueError(f"{source}: {where}{key} is {value!r} ({type(value).__name__}); it must be {kind}")
+        if key in POSITIVE and value <= 0:
+            raise ValueError(f"{source}: {where}{key} is {value!r}; it must be above 0")
+        if kind == MAPPING:
+            check_types(value, source, f"{where}{key}.")
+
 
 def _need(data: dict[str, Any], key: str, source: str) -> Any:
-    if key not in data:
-        raise ValueError(f"{source}: Hugging Face config has no {key!r}; is it a complete config.json?")
+    if data.get(key) is None:
+        raise ValueError(f"{source}: Hugging Face config has no {key!r}{' value' if key in data else ''}; "
+                         "is it a complete config.json?")
     return data[key]
 
 
@@ -51,11 +95,12 @@ def rope_scaling(data: dict[str, Any], source: str) -> dict[str, Any] | None:
 def model_config_from_hf(data: dict[str, Any], source: str = "config.json") -> ModelConfig:
     """Build our config from a parsed HF config dict; reject architectures we do not implement."""
     model_type = data.get("model_type")
-    if model_type not in SUPPORTED:
+    if not isinstance(model_type, str) or model_type not in SUPPORTED:
         raise ValueError(
             f"{source}: model_type {model_type!r} is not supported; supported Hugging Face "
             f"architectures: {', '.join(SUPPORTED)}"
         )
+    check_types(data, source)
     g = lambda key: _need(data, key, source)  # noqa: E731
     hidden = g("hidden_size")
     heads = g("num_attention_heads")

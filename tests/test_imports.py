@@ -16,22 +16,23 @@ PACKAGE = Path(disagmoe.__file__).parent
 RUNTIME_SUBPACKAGES = ("schedule", "stages", "state", "observe", "training", "cluster")
 
 # The layers below everything: the schema, the model references, the shared message names, data.
-BASE = {"config", "hf_config", "model_ref", "wire", "data", "compact"}
+BASE = {"safe_io", "config", "hf_config", "model_ref", "wire", "data", "compact"}
 # What each node (a top-level module, or a package: runtime's sub-packages are nodes of their own,
 # runtime's top-level modules form the node "runtime") may import besides itself.
 MAY_IMPORT: dict[str, set[str]] = {
+    "safe_io": set(),
     "wire": set(),
     "compact": set(),
-    "config": set(),
-    "hf_config": {"config"},
+    "config": {"safe_io"},
+    "hf_config": {"config", "safe_io"},
     "model_ref": {"config", "hf_config"},
-    "data": {"config"},
-    "roofline": {"config"},
+    "data": {"config", "safe_io"},
+    "roofline": {"config", "safe_io"},
     "kernels": {"config", "wire"},  # a leaf: config, torch, triton
     "comm": {"config", "wire", "kernels"},
     "model": {"config", "hf_config", "model_ref", "kernels"},
     "runtime.schedule": {"config", "wire"},  # pure and torch-free: the planner replays it
-    "placement": {"config", "model_ref", "wire", "roofline", "runtime.schedule"},
+    "placement": {"config", "safe_io", "model_ref", "wire", "roofline", "runtime.schedule"},
     # runtime's shared pieces (topology, the rank's model, batching, ...), below its sub-packages
     "runtime": BASE | {"roofline", "kernels", "model", "runtime.schedule"},
     "runtime.state": BASE | {"roofline", "kernels", "model", "runtime", "runtime.schedule"},

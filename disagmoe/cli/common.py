@@ -4,7 +4,7 @@ Every user-facing failure is printed literally (never parsed as rich markup: a p
 a worker's report may hold `[/...]`) on stderr and ends with a distinct exit code:
 
     2    bad input: a config, a flag value, a file that cannot be read or written, a size out of range
-    1    the run failed: a rank died or hung, an I/O error mid-run
+    1    the run failed: a rank died or hung, a loss or gradient norm was not finite, an I/O error mid-run
     130  interrupted: Ctrl-C or SIGTERM (the run stops after a step with a checkpoint)
 
 A usage error (a bad flag value, an unknown option) is one line too, not click's usage block, and
@@ -13,10 +13,13 @@ a `RunWarning` (the run goes on) is one `warning:` line.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import signal
 import sys
+import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import typer
@@ -27,7 +30,8 @@ from typer.core import TyperGroup
 
 from disagmoe import compact
 from disagmoe.config import format_validation_error
-from disagmoe.runtime.failures import RunWarning, TrainingFailed, TrainingInterrupted
+from disagmoe.runtime.failures import RunWarning, TrainingDiverged, TrainingFailed, TrainingInterrupted
+from disagmoe.safe_io import finite_or_none
 
 # Reports are wide tables: when the output is not a terminal (a pipe, a log file, CI), do not
 # squeeze them into rich's default 80 columns.
@@ -59,7 +63,7 @@ def user_errors(fn: F) -> F:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
-            with warnings.catch_warnings():
+            with warnings.catch_warnings(), sigterm_as_interrupt():
                 warnings.showwarning = _run_warnings_as_lines(warnings.showwarning)
                 return fn(*args, **kwargs)
         except typer.BadParameter as err:
@@ -70,14 +74,16 @@ def user_errors(fn: F) -> F:
             print_error(err)
         except OverflowError as err:  # a flag no config bound covers (configs bound every size)
             print_error(f"a number given is too large to compute with ({err}); check the sizes")
-        except TrainingFailed as err:
+        except (TrainingFailed, TrainingDiverged) as err:
             print_error(err, "training failed:")
             raise typer.Exit(EXIT_FAILED) from None
         except TrainingInterrupted as err:
             print_error(err, "training stopped:", "bold yellow")
             raise typer.Exit(EXIT_INTERRUPTED) from None
-        except KeyboardInterrupt:
-            print_error("interrupted (Ctrl-C)", "stopped:", "bold yellow")
+        except KeyboardInterrupt as err:  # Ray re-raises a signal inside its waits without the message
+            why = str(err) or (_received[-1] if _received else "Ctrl-C")
+            _received.clear()
+            print_error(f"interrupted ({why}); nothing of this run is left running", "stopped:", "bold yellow")
             raise typer.Exit(EXIT_INTERRUPTED) from None
         except OSError as err:  # mid-run: a full disk, a vanished mount
             where = f"{err.filename}: " if err.filename else ""
@@ -86,6 +92,30 @@ def user_errors(fn: F) -> F:
         raise typer.Exit(EXIT_INPUT)
 
     return wrapper  # type: ignore[return-value]
+
+
+_received: list[str] = []  # the SIGTERMs `sigterm_as_interrupt` turned into KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """Inside the block SIGTERM raises KeyboardInterrupt('SIGTERM') as Ctrl-C does, so a
+    scheduler's stop in any phase (start-up included) unwinds through every cleanup and exits 130,
+    instead of the default action killing the process mid-start (main thread only; the step loop
+    installs its own graceful handler)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: object) -> None:
+        _received.append("SIGTERM")
+        raise KeyboardInterrupt("SIGTERM")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _run_warnings_as_lines(show_other: Callable[..., None]) -> Callable[..., None]:
@@ -134,5 +164,6 @@ def _one_line(err: Any) -> Any:
 
 
 def print_json(data: Any) -> None:
-    """Machine output: plain JSON on stdout, nothing else (lists of numbers on one line: `compact`)."""
-    sys.stdout.write(compact.to_json(data))
+    """Machine output: strict JSON on stdout (NaN and infinities as null; lists of numbers on one
+    line: `compact`), nothing else."""
+    sys.stdout.write(compact.to_json(finite_or_none(data)))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -104,8 +105,9 @@ def write_plan(result: Plan, out: Path) -> None:
         text = compact.to_yaml(data)
     else:
         raise ValueError(f"--out {out}: use a .yaml or .json file name")
-    if out.is_dir():
-        raise ValueError(f"--out {out} is a directory; give a file name, e.g. {out / 'plan.yaml'}")
+    with contextlib.suppress(OSError):  # a name the file system refuses: write_text_file says so
+        if out.is_dir():
+            raise ValueError(f"--out {out} is a directory; give a file name, e.g. {out / 'plan.yaml'}")
     write_text_file(out, text)
 
 

@@ -13,12 +13,14 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from disagmoe.runtime.out_dir import RAY_DRIVER_LOG
+
 NOTICES = (
     "Token authentication is enabled for this Ray cluster",
     "Started a local Ray instance",
     "Connected to Ray cluster",
 )
-LOG_FILE = "ray-driver.log"
+LOG_FILE = RAY_DRIVER_LOG  # in out_dir: a fresh run sets it aside with the earlier run's other outputs
 
 
 class DropNotices(logging.Filter):

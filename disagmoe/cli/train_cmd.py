@@ -17,15 +17,18 @@ from disagmoe.config import ModelConfig, TrainConfig, load_train_config
 from disagmoe.model_ref import load_model
 from disagmoe.cli.common import console, literal, print_json, user_errors
 from disagmoe.cli.third_party import quiet_ray
+from disagmoe.roofline.memory import activation_bytes
 from disagmoe.roofline.params import count_params
 from disagmoe.runtime.observe.throughput import Throughput
-from disagmoe.runtime.out_dir import check_out_dir
+from disagmoe.runtime.out_dir import check_out_dir, set_aside_earlier_run
 from disagmoe.runtime.plan_layout import apply_plan, replaced_fields
+from disagmoe.runtime.run_lock import run_lock
 
 
 StepCallback = Callable[[dict[str, Any]], None]
 Run = Callable[[StepCallback | None], dict[str, Any]]  # runs the steps, returns the summary
 BYTES_PER_PARAM = 16  # fp32 weight, gradient, AdamW exp_avg and exp_avg_sq
+MAX_THREADS_PER_CORE = 4  # more intra-op threads than this only thrash (and millions abort torch)
 
 
 def prepare_single(cfg: TrainConfig) -> Run:
@@ -74,21 +77,16 @@ def train(
             console.print(literal(_plan_note(cfg, planned)), highlight=False)
         cfg = planned
     check_host_memory(cfg, load_model(cfg.model))
-    check_out_dir(Path(cfg.out_dir))  # before Ray, the actors or the model start
-    if cfg.mode != "single":
-        quiet_ray(Path(cfg.out_dir))  # Ray's start-up notices go to <out_dir>/ray-driver.log
-    run = PREPARE[cfg.mode](cfg)
-    if cfg.mode != "single" and not as_json:
-        console.print(literal(_hop_note(cfg)), highlight=False)
+    check_out_dir(cfg.out_dir)  # before Ray, the actors or the model start
+    with run_lock(Path(cfg.out_dir)):  # one run per out_dir, from here to the end
+        if not cfg.resume:
+            set_aside_earlier_run(Path(cfg.out_dir))
+        if cfg.mode != "single":
+            quiet_ray(Path(cfg.out_dir))  # Ray's start-up notices go to <out_dir>/ray-driver.log
+        summary = _run(cfg, as_json)
     if as_json:
-        # stdout holds the JSON only: Ray prints a dead actor's report (and actors' prints) to the
-        # driver's stdout, from a thread of its own, so while the run lasts stdout is stderr
-        with contextlib.redirect_stdout(sys.stderr):
-            summary = run(None)  # a failed or stopped run: one message and exit 1 / 130 (`user_errors`)
         print_json(summary)
         return
-    with TrainProgress(cfg.steps) as on_step:
-        summary = run(on_step)
     console.print(_summary_table(cfg, summary))
     busy = summary.get("busy")
     if busy:
@@ -99,20 +97,43 @@ def train(
                       highlight=False)
 
 
+def _run(cfg: TrainConfig, as_json: bool) -> dict[str, Any]:
+    """Set the run up (user errors surface here), then train, with a progress bar unless `as_json`."""
+    run = PREPARE[cfg.mode](cfg)
+    if cfg.mode != "single" and not as_json:
+        console.print(literal(_hop_note(cfg)), highlight=False)
+    if as_json:
+        # stdout holds the JSON only: Ray prints a dead actor's report (and actors' prints) to the
+        # driver's stdout, from a thread of its own, so while the run lasts stdout is stderr
+        with contextlib.redirect_stdout(sys.stderr):
+            return run(None)  # a failed or stopped run: one message and exit 1 / 130 (`user_errors`)
+    with TrainProgress(cfg.steps) as on_step:
+        return run(on_step)
+
+
 def check_host_memory(cfg: TrainConfig, model_cfg: ModelConfig) -> None:
-    """ValueError, before anything is allocated, for a CPU run on this host whose parameters alone,
-    with their gradients and AdamW moments (16 bytes each in fp32, held at least once), exceed the
-    host's memory: a model too large for CPU training (or a typo in a size) fails in one line
-    instead of swapping or meeting the OOM killer."""
+    """ValueError, before anything is allocated, for a CPU run on this host whose parameters, with
+    their gradients and AdamW moments (16 bytes each in fp32), and the activations of one
+    micro-batch (`roofline.memory.activation_bytes`) exceed the host's memory, or whose cpu_threads
+    exceed its cores: a model too large for CPU training (or a typo in a size) fails in one line
+    instead of swapping, meeting the OOM killer or aborting in torch."""
     if cfg.device != "cpu" or cfg.ray_address is not None:
         return  # GPU memory is checked per rank before the actors start (runtime/cluster/driver.py)
+    cores = os.cpu_count() or 1
+    if cfg.cpu_threads is not None and cfg.cpu_threads > MAX_THREADS_PER_CORE * cores:
+        raise ValueError(f"cpu_threads={cfg.cpu_threads} but this host has {cores} cores; use at most {cores} "
+                         "(or leave cpu_threads unset for torch's default)")
     params = count_params(model_cfg).total
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if params * BYTES_PER_PARAM > host:
+    tokens = cfg.batch_size // cfg.micro_batches * cfg.seq_len
+    acts = activation_bytes(model_cfg, tokens, 2 if cfg.compute_dtype_name == "bf16" else 4)
+    if params * BYTES_PER_PARAM + acts > host:
         raise ValueError(
-            f"model {model_cfg.name!r} has {params:,} parameters: at least {params * BYTES_PER_PARAM / 2**30:,.1f} GiB "
-            f"of fp32 weights, gradients and AdamW moments, but this host has {host / 2**30:,.1f} GiB; "
-            "train a smaller model on CPU, or use device=cuda")
+            f"model {model_cfg.name!r} has {params:,} parameters: {params * BYTES_PER_PARAM / 2**30:,.1f} GiB "
+            f"of fp32 weights, gradients and AdamW moments, and a micro-batch of {tokens:,} tokens (batch_size="
+            f"{cfg.batch_size} / micro_batches={cfg.micro_batches} x seq_len={cfg.seq_len}) keeps about "
+            f"{acts / 2**30:,.1f} GiB of activations, but this host has {host / 2**30:,.1f} GiB; lower batch_size "
+            "or seq_len, raise micro_batches, train a smaller model on CPU, or use device=cuda")
 
 
 class TrainProgress:

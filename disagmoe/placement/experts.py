@@ -11,7 +11,11 @@ from __future__ import annotations
 
 import heapq
 import json
+import math
 from pathlib import Path
+from typing import Any
+
+from disagmoe.safe_io import MAX_HISTOGRAM_BYTES, read_input
 
 
 def map_layer(loads: list[float], gpus: int, max_replicas: int = 0) -> list[list[int]]:
@@ -79,34 +83,45 @@ def imbalance(loads: list[float], owners: list[list[int]], gpus: int) -> float:
 
 
 def read_histogram(path: str | Path, num_moe_layers: int, num_experts: int) -> list[list[float]]:
-    """Per-layer expert loads summed over the steps of a `train` metrics JSONL (key `expert_load`)."""
+    """Per-layer expert loads summed over the steps of a `train` metrics JSONL (key `expert_load`);
+    a ValueError naming the file and line for anything else (not a regular file, over
+    `MAX_HISTOGRAM_BYTES`, a line that is not JSON, an `expert_load` that is not layers x experts
+    of non-negative finite numbers)."""
     path = Path(path)
-    try:
-        lines = path.read_text().splitlines()
-    except OSError as err:
-        raise ValueError(f"cannot read load histogram {path}: {err.strerror or err}") from None
+    data = read_input(path, "--load-histogram", MAX_HISTOGRAM_BYTES)
     total: list[list[float]] | None = None
-    for i, line in enumerate(lines, 1):
-        if not line.strip():
+    for i, raw in enumerate(data.splitlines(), 1):
+        if not raw.strip():
             continue
         try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
+            record = json.loads(raw)
+        except (ValueError, RecursionError):  # not JSON, not UTF-8, or nested past the parser
             raise ValueError(f"{path}:{i} is not JSON; expected the metrics JSONL that `disagmoe train` writes") from None
         load = record.get("expert_load") if isinstance(record, dict) else None
         if load is None:
             continue
-        if len(load) != num_moe_layers or any(len(row) != num_experts for row in load):
-            raise ValueError(
-                f"{path}:{i}: expert_load is {len(load)} layers x {len(load[0]) if load else 0} experts, "
-                f"but the model has {num_moe_layers} MoE layers x {num_experts} experts; "
-                "was it written by a run of this model?"
-            )
+        rows = _load_rows(load, num_moe_layers, num_experts, f"--load-histogram {path}:{i}")
         if total is None:
             total = [[0.0] * num_experts for _ in range(num_moe_layers)]
-        for row_total, row in zip(total, load):
+        for row_total, row in zip(total, rows):
             for e, x in enumerate(row):
-                row_total[e] += float(x)
+                row_total[e] += x
     if total is None:
         raise ValueError(f"{path} holds no 'expert_load' records; pass the metrics.jsonl of a training run")
     return total
+
+
+def _load_rows(load: Any, num_moe_layers: int, num_experts: int, where: str) -> list[list[float]]:
+    """A record's `expert_load` as floats, or a ValueError naming `where` and what is wrong."""
+    shape = f"the model has {num_moe_layers} MoE layers x {num_experts} experts; was it written by a run of this model?"
+    if not isinstance(load, list) or not all(isinstance(row, list) for row in load):
+        raise ValueError(f"{where}: expert_load is {type(load).__name__ if not isinstance(load, list) else 'a list'} "
+                         f"but must be a list of per-layer lists of loads; {shape}")
+    if len(load) != num_moe_layers or any(len(row) != num_experts for row in load):
+        raise ValueError(f"{where}: expert_load is {len(load)} layers x {len(load[0]) if load else 0} experts, but {shape}")
+    for j, row in enumerate(load):
+        for e, x in enumerate(row):
+            if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x < 0:
+                raise ValueError(f"{where}: MoE layer {j}, expert {e} has load {x!r}: loads are non-negative "
+                                 "finite numbers (token counts)")
+    return [[float(x) for x in row] for row in load]

@@ -23,6 +23,7 @@ prices would read -100% in every row. The result counts the ops per step that fo
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from disagmoe.model_ref import load_model
 from disagmoe.placement.cost import Candidates, evaluate
 from disagmoe.placement.replay import op_times, replayed_step_s
 from disagmoe.placement.solver import problem_of
+from disagmoe.safe_io import MAX_TRACE_BYTES, read_input
 
 Span = tuple[float, float]  # (start_us, end_us)
 
@@ -48,18 +50,25 @@ class TraceSteps:
 
 
 def read_trace(path: Path) -> TraceSteps:
-    """The trace's spans grouped by step (see the module docstring); ValueError if it is not one."""
+    """The trace's spans grouped by step (see the module docstring); ValueError naming the file if
+    it is not one (not a regular file, over `MAX_TRACE_BYTES`, not JSON, or a span whose fields
+    have the wrong types)."""
+    what = f"--compare {path}: not a trace.json of `disagmoe train` (trace: true)"
+    data = read_input(path, "--compare", MAX_TRACE_BYTES)
     try:
-        data = json.loads(Path(path).read_text())
-        events = data["traceEvents"]
-        device = (data.get("otherData") or {}).get("device")
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
-        raise ValueError(f"--compare {path}: not a trace.json of `disagmoe train` (trace: true): {err}") from None
+        parsed = json.loads(data)
+        events = parsed["traceEvents"]
+        device = (parsed.get("otherData") or {}).get("device")
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as err:
+        raise ValueError(f"{what}: {type(err).__name__} {err}") from None
+    if not isinstance(events, list):
+        raise ValueError(f"{what}: traceEvents is {type(events).__name__}, not a list")
     by_rank: dict[int, list[dict[str, Any]]] = defaultdict(list)
     categories: dict[str, str] = {}
-    for e in events:
-        if e.get("ph") == "X":
-            by_rank[int(e["pid"])].append(e)
+    for n, e in enumerate(events):
+        if isinstance(e, dict) and e.get("ph") == "X":
+            _check_span(e, f"{what}: traceEvents[{n}]")
+            by_rank[e["pid"]].append(e)
             categories[e["name"]] = e["cat"]
     steps: list[dict[int, dict[str, Span]]] = []
     for rank, spans in by_rank.items():
@@ -84,6 +93,19 @@ def check_device(trace: TraceSteps, trace_path: Path, cfg: TrainConfig, config_p
     raise ValueError(f"--compare {trace_path}: the trace ran on {device} ({told}) but --hardware {hw.name} prices a "
                      "GPU, so every op would compare a CPU time with a GPU prediction; compare the trace of a "
                      "device: cuda run (trace: true) with the hardware it ran on")
+
+
+SPAN_FIELDS = {"pid": (int,), "name": (str,), "cat": (str,), "ts": (int, float), "dur": (int, float)}
+
+
+def _check_span(event: dict[str, Any], where: str) -> None:
+    """ValueError naming the field of a complete span ("ph": "X") that is missing or mistyped."""
+    for key, types in SPAN_FIELDS.items():
+        value = event.get(key)
+        if isinstance(value, bool) or not isinstance(value, types) or (
+                isinstance(value, float) and not math.isfinite(value)) or (key == "name" and not value.strip()):
+            raise ValueError(f"{where}: {key} is {value!r}, expected "
+                             f"{'a non-empty string' if key == 'name' else ' or '.join(t.__name__ for t in types)}")
 
 
 def op_kind(name: str, num_dense_layers: int) -> str | None:

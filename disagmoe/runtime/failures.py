@@ -28,6 +28,16 @@ class TrainingInterrupted(RuntimeError):
     """SIGINT / SIGTERM stopped the run after a step; its checkpoint is where to resume from."""
 
     def __init__(self, signal_name: str, step: int, checkpoint: object) -> None:
-        super().__init__(f"{signal_name} after step {step}: checkpoint {checkpoint}; continue with resume=true "
-                         "(same out_dir)")
+        resume = ("no checkpoint was written yet; start it again" if checkpoint is None
+                  else f"checkpoint {checkpoint}; continue with resume=true (same out_dir)")
+        super().__init__(f"{signal_name} after step {step}: {resume}")
         self.signal_name, self.step, self.checkpoint = signal_name, step, checkpoint
+
+
+class TrainingDiverged(RuntimeError):
+    """A step's loss or gradient norm was not finite: the run stopped before checkpointing it
+    (the message names the step, the setting most likely at fault and the last good checkpoint)."""
+
+    def __init__(self, step: int, message: str) -> None:
+        super().__init__(message)
+        self.step = step

@@ -27,6 +27,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from disagmoe.config import ModelConfig, Plan, TrainConfig, read_mapping, validate
+from disagmoe.safe_io import MAX_PLAN_BYTES
 
 ExpertIds = tuple[int, ...]  # one rank's experts of one layer, ascending
 ExpertOwners = tuple[tuple[int, ...], ...]  # one layer: per expert, the group's ranks holding it (replica order)
@@ -38,7 +39,7 @@ def load_plan(ref: str | Plan) -> Plan:
     """A plan file written by `disagmoe plan --out` (.yaml or .json), or a Plan as is."""
     if isinstance(ref, Plan):
         return ref
-    return validate(Plan, read_mapping(Path(ref)), ref)
+    return validate(Plan, read_mapping(Path(ref), "plan", MAX_PLAN_BYTES), ref)
 
 
 def apply_plan(cfg: TrainConfig, model_cfg: ModelConfig) -> TrainConfig:

@@ -43,6 +43,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from disagmoe.comm.base import TransportError
+from disagmoe.runtime.cluster.connect import embedded_temp_dir, remove_embedded_temp_dir, signals_deferred
 from disagmoe.runtime.cluster.sharing import gpu_of, gpu_share, gpus_needed
 from disagmoe.runtime.schedule.roles import Role
 
@@ -325,6 +326,7 @@ class WorkerGroup:
             ray.shutdown()
             if session is not None:  # an embedded cluster's logs and sockets: gone with it
                 shutil.rmtree(session, ignore_errors=True)
+            remove_embedded_temp_dir()
 
 
 def _session_dir() -> Path | None:
@@ -361,18 +363,24 @@ def _connect(address: str | None, device: Device, log_to_driver: bool) -> bool:
     if ray.is_initialized():
         return False
     if address is None:
-        with _local_only_ray():
+        with signals_deferred(_shutdown_embedded), _local_only_ray():  # a signal mid-start orphans nothing
             ray.init(
                 address="local",
                 _node_ip_address=LOOPBACK,
+                _temp_dir=embedded_temp_dir(),  # its own, removed at shutdown (runtime/cluster/connect.py)
                 include_dashboard=False,
                 log_to_driver=log_to_driver,
                 num_gpus=None if device == "cuda" else 0,
             )
     else:  # a cluster whose GCS is on loopback: its nodes are on this host and on loopback too
-        with _local_only_ray() if _is_loopback(address) else nullcontext():
+        with signals_deferred(ray.shutdown), _local_only_ray() if _is_loopback(address) else nullcontext():
             ray.init(address=address, log_to_driver=log_to_driver)
     return True
+
+
+def _shutdown_embedded() -> None:
+    ray.shutdown()
+    remove_embedded_temp_dir()
 
 
 def _is_loopback(address: str) -> bool:

@@ -44,6 +44,7 @@ from disagmoe.runtime.state.checkpoint import (
 )
 from disagmoe.comm.nvshmem import HEAP_MARGIN_BYTES
 from disagmoe.runtime.cluster.cluster import WorkerFailure, WorkerGroup
+from disagmoe.runtime.cluster.connect import check_ray_address
 from disagmoe.runtime.cluster.sharing import (
     PROCESS_BYTES,
     check_sharing,
@@ -60,7 +61,7 @@ from disagmoe.runtime.state.optim import lr_at
 from disagmoe.runtime.plan_layout import apply_plan
 from disagmoe.runtime.rank_model import rank_model
 from disagmoe.runtime.cluster.restart import Fault, restart_line
-from disagmoe.runtime.state.sharded_checkpoint import finish_checkpoint, read_trainer_state, staging_dir
+from disagmoe.runtime.state.sharded_checkpoint import begin_checkpoint, finish_checkpoint, read_trainer_state
 from disagmoe.runtime.topology import Topology
 from disagmoe.runtime.observe.trace import busy_fractions, wait_fractions, write_chrome_trace
 from disagmoe.runtime.training.loop import StepCallback, TrainingLoop, TrainSummary, signals_held
@@ -182,6 +183,8 @@ def check_fault_injection(cfg: TrainConfig, topology: Topology) -> None:
 class DistributedTrainer(TrainingLoop):
     """A `mode: disaggregated | colocated` run (module docstring)."""
 
+    checkpoints_after_stopped_evaluation = False  # the actors are still evaluating; shutdown stops them
+
     def __init__(self, cfg: TrainConfig, log_to_driver: bool = True, workers: WorkerGroup | None = None) -> None:
         """`workers`: already started `TrainWorker` actors (with their process group) to reuse for
         this run instead of starting new ones; they stay up afterwards (the caller shuts them down)."""
@@ -191,7 +194,8 @@ class DistributedTrainer(TrainingLoop):
         check_fits(cfg, self.model_cfg, self.topology)
         self.hop, self.hop_reason = hop_mode(cfg, self.model_cfg, self.topology)
         check_fault_injection(cfg, self.topology)
-        check_out_dir(Path(cfg.out_dir))  # before any actor starts
+        check_ray_address(cfg.ray_address, cfg.ray_connect_timeout_s)  # bounded, before Ray
+        check_out_dir(cfg.out_dir)  # before any actor starts
         splits = load_splits(cfg.data, self.model_cfg.vocab_size, cfg.seq_len)  # data errors surface here
         self.evaluates = splits.val is not None and cfg.eval_every > 0
         self.out_dir = Path(cfg.out_dir)
@@ -220,16 +224,22 @@ class DistributedTrainer(TrainingLoop):
         the trace starts empty."""
         cfg = self.cfg
         if workers is None:
-            workers = WorkerGroup.start(self.topology.world_size, cfg.device, cfg.env, cfg.ray_address,
-                                        worker_cls=TrainWorker, log_to_driver=self.log_to_driver,
-                                        ranks_per_gpu=self.ranks_per_gpu)
+            try:
+                workers = WorkerGroup.start(self.topology.world_size, cfg.device, cfg.env, cfg.ray_address,
+                                            worker_cls=TrainWorker, log_to_driver=self.log_to_driver,
+                                            ranks_per_gpu=self.ranks_per_gpu)
+            except WorkerFailure as failure:  # an actor that never came up: the run's report, not a traceback
+                raise self._start_failed(failure, "starting the actors") from None
         elif workers.world_size != self.topology.world_size:
             raise ValueError(f"{cfg.mode} needs {self.topology.world_size} ranks; the given workers are "
                              f"{workers.world_size}")
         self.workers = workers
         try:
             if self.owns_workers:
-                self.workers.init_process_group(timeout_s=wait_timeout_s(cfg))
+                try:
+                    self.workers.init_process_group(timeout_s=wait_timeout_s(cfg))
+                except WorkerFailure as failure:
+                    raise self._start_failed(failure, "joining the process group (init_process_group)") from None
             self._call("setup", cfg.model_dump(mode="json"), self.topology)
             self.processes = [_process_facts(info, self.rank_names[info["rank"]]) for info in self._call("info")]
             if resume_from is not None:
@@ -240,6 +250,12 @@ class DistributedTrainer(TrainingLoop):
             raise
         self.spans: dict[int, list[tuple[str, str, float, float]]] = {r: [] for r in self.rank_names}
         self.traced_steps = 0
+
+    def _start_failed(self, failure: WorkerFailure, phase: str) -> TrainingFailed:
+        """A start-up `WorkerFailure` as the run's one-line report, naming the rank and the phase."""
+        name = self.rank_names.get(failure.rank, "?")
+        return TrainingFailed(failure.rank, f"rank {failure.rank} ({name}) failed while {phase}: {failure.reason}; "
+                                            "nothing was trained (fix the cause and run again)")
 
     def _resume_point(self) -> Path:
         """The checkpoint to resume from, checked against the model and the step count."""
@@ -354,7 +370,7 @@ class DistributedTrainer(TrainingLoop):
 
     def save(self) -> Path:
         """Every rank writes its shard into a staging directory; the driver seals it."""
-        staging = staging_dir(self.checkpoint_root, self.step)
+        staging = begin_checkpoint(self.checkpoint_root, self.step)
         listings = self._call("save_shard", str(staging))
         return finish_checkpoint(self.checkpoint_root, self.step, [e for e in listings if e is not None],
                                  self.model_cfg, TrainerState.capture(self.step), training_settings(self.cfg))

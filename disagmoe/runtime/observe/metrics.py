@@ -28,6 +28,7 @@ import torch
 
 from disagmoe.config import TrainConfig, load_hardware
 from disagmoe.runtime.failures import RunWarning
+from disagmoe.safe_io import finite_or_none
 
 
 def load_imbalance(load_LE: torch.Tensor) -> list[float]:
@@ -116,7 +117,7 @@ class MetricsLog:
             os.write(self._fd, b"\n")  # a whole last record that lost only its line end
 
     def write(self, record: dict[str, Any]) -> None:
-        line = (json.dumps(record, allow_nan=True) + "\n").encode()
+        line = (json.dumps(finite_or_none(record), allow_nan=False) + "\n").encode()  # strict JSON: NaN as null
         size = os.fstat(self._fd).st_size
         try:
             written = os.write(self._fd, line)

@@ -9,8 +9,9 @@ Every tensor is keyed by `TensorKey(layer, module, expert, parameter)`, written 
 `<layer>/<module>/<expert>/<parameter>` ("-" where a field does not apply), so a rank that holds
 a subset (one layer's attention, a few experts) reads and writes just its keys. Shards hold only
 tensors, strings and numbers: they load with `torch.load(weights_only=True)`. Files are written
-to a temporary name and renamed into place, the manifest last: a checkpoint without a manifest
-is incomplete and ignored (and swept at the next start, `out_dir.clean_stale_files`).
+to a temporary name and renamed into place, the manifest last, inside a folder marked as being
+written (`out_dir.WRITING`, removed once sealed): a checkpoint without a manifest is incomplete and
+ignored (and, if marked, swept at the next start, `out_dir.clean_stale_files`).
 
 Resuming (`newest_loadable`) takes the newest checkpoint that loads: one that is damaged (an
 unreadable manifest or one missing a key, a shard path leaving the folder, a missing shard, a
@@ -29,7 +30,6 @@ import io
 import json
 import os
 import re
-import shutil
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,6 +40,7 @@ import torch
 
 from disagmoe.config import ModelConfig, TrainConfig
 from disagmoe.runtime.failures import RunWarning
+from disagmoe.runtime.out_dir import WRITING, is_run_folder, mark_writing, remove_run_files
 from disagmoe.runtime.state.flat_adamw import FlatAdamW
 
 FORMAT = "disagmoe-checkpoint/1"
@@ -294,17 +295,31 @@ def resume_checkpoint(root: Path, load: Callable[[Path], T]) -> tuple[Path, T]:
 def prune_checkpoints(root: Path, keep: int, newest: Path) -> list[Path]:
     """Delete complete checkpoints older than `newest` (the one just written) beyond the `keep`
     newest up to it (keep = 0: none); returns what was deleted. Later steps (an earlier run's, in a
-    reused out_dir) and incomplete ones are left alone. Each goes out of sight (renamed) before it
-    is deleted, so an interrupted deletion never leaves a complete-looking partial checkpoint."""
+    reused out_dir) and incomplete ones are left alone. Only the files a run writes go
+    (`out_dir.remove_run_files`: marker first, manifest before shards, so an interrupted deletion
+    never leaves a complete-looking partial checkpoint and the next start sweeps it)."""
     if keep <= 0:
         return []
     done = sorted(p for p in root.glob("step-*") if (p / MANIFEST).is_file() and p.name <= newest.name)
     old = done[:-keep]
     for directory in old:
-        doomed = directory.with_name(f".{directory.name}.deleting")
-        directory.rename(doomed)
-        shutil.rmtree(doomed)
+        remove_run_files(directory)
     return old
+
+
+def clear_for_checkpoint(directory: Path) -> None:
+    """Make room for a checkpoint at `directory`: an earlier one there (a run's folder) has its
+    files removed; whatever is left (files no run wrote) is moved aside to `<name>.kept-<n>`
+    with a RunWarning, never deleted."""
+    if not (directory.exists() or directory.is_symlink()):
+        return
+    if is_run_folder(directory) and not remove_run_files(directory):
+        return
+    n = 1
+    while (aside := directory.with_name(f"{directory.name}.kept-{n}")).exists():
+        n += 1
+    directory.rename(aside)
+    warnings.warn(f"moved {directory} to {aside}: a new checkpoint of that step goes there", RunWarning, stacklevel=3)
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
@@ -333,7 +348,8 @@ def save_checkpoint(
     """Write the model, optimizer and trainer state as a checkpoint for `state.step`; returns its
     dir. `training`: the run's `training_settings`, recorded in the manifest."""
     directory = checkpoint_dir(root, state.step)
-    directory.mkdir(parents=True, exist_ok=True)
+    clear_for_checkpoint(directory)
+    mark_writing(directory)
     shards: dict[str, dict[str, dict[str, Any]]] = {}
     model_state = model_state_by_name(model, optimizer)
     for key, tensor in to_keyed(model_state).items():
@@ -361,6 +377,7 @@ def save_checkpoint(
         "shards": listing,
     }
     _atomic_write(directory / MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode())
+    (directory / WRITING).unlink()
     return directory
 
 

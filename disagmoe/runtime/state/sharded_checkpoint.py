@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,9 @@ from typing import Any
 import torch
 
 from disagmoe.config import ModelConfig
+from disagmoe.runtime.out_dir import WRITING, mark_writing
 from disagmoe.runtime.state.checkpoint import (
+    clear_for_checkpoint,
     FORMAT,
     MANIFEST,
     TRAINER_SHARD,
@@ -51,6 +52,15 @@ Listing = dict[str, Any]  # {"file", "sha256", "bytes"}: one manifest entry
 def staging_dir(root: Path, step: int) -> Path:
     """Where the ranks write step `step`'s shards before the rename (ignored by `latest_checkpoint`)."""
     return root / f".staging-{checkpoint_dir(root, step).name}"
+
+
+def begin_checkpoint(root: Path, step: int) -> Path:
+    """The staging folder of step `step`, created empty and marked as a run's (`out_dir.WRITING`)
+    before any rank writes into it; an earlier run's half-written one there goes first."""
+    staging = staging_dir(root, step)
+    clear_for_checkpoint(staging)
+    mark_writing(staging)
+    return staging
 
 
 def _expert_ids(model: RankModel) -> dict[str, tuple[int, ...]]:
@@ -118,9 +128,9 @@ def finish_checkpoint(root: Path, step: int, listings: list[Listing], model_cfg:
     }
     _atomic_write(staging / MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode())
     final = checkpoint_dir(root, step)
-    if final.exists():
-        shutil.rmtree(final)
+    clear_for_checkpoint(final)
     staging.rename(final)
+    (final / WRITING).unlink(missing_ok=True)
     return final
 
 

@@ -7,13 +7,21 @@ end, checkpoints every `checkpoint_every` steps, whenever `checkpoint_minutes` p
 last checkpoint, and at the end (keeping the newest `keep_checkpoints`), writes one JSONL record
 per step and averages any per-group `busy` fractions the records carry into the summary.
 
+A step whose loss or gradient norm is not finite stops the run (`TrainingDiverged`) before it is
+checkpointed: the newest checkpoint stays the last good one. Its record goes into metrics.jsonl with
+the non-finite numbers as null (the file is strict JSON). The whole loop holds out_dir's lock
+(`run_lock`).
+
 SIGINT (Ctrl-C) or SIGTERM (a scheduler's preemption) stops the run gracefully: the step in
 flight finishes, a checkpoint is written and `TrainingInterrupted` says where to resume from. A
-second signal aborts at once.
+signal during an evaluation abandons it at once (its result is not needed to stop); in the
+distributed modes, whose actors are still inside it, the run then stops with its last checkpoint.
+A second signal aborts at once.
 """
 
 from __future__ import annotations
 
+import math
 import signal
 import sys
 import threading
@@ -25,11 +33,12 @@ from pathlib import Path
 from typing import Any
 
 from disagmoe.config import TrainConfig
-from disagmoe.runtime.state.checkpoint import checkpoint_dir, prune_checkpoints
-from disagmoe.runtime.failures import TrainingInterrupted
+from disagmoe.runtime.state.checkpoint import checkpoint_dir, latest_checkpoint, prune_checkpoints
+from disagmoe.runtime.failures import TrainingDiverged, TrainingInterrupted
 from disagmoe.runtime.observe.metrics import MetricsLog, mfu
 from disagmoe.runtime.observe.throughput import Throughput
-from disagmoe.runtime.out_dir import clean_stale_files
+from disagmoe.runtime.out_dir import CHECKPOINTS_DIR, clean_stale_files
+from disagmoe.runtime.run_lock import run_lock
 
 METRICS_FILE = "metrics.jsonl"
 _clock = time.monotonic  # for checkpoint_minutes (tests substitute a fake)
@@ -92,6 +101,7 @@ class StopRequest:
 
     def __init__(self) -> None:
         self.signal: str | None = None
+        self.evaluating = False  # inside `validate`: the first signal abandons it (EvaluationStopped)
 
     @contextmanager
     def installed(self) -> Iterator[StopRequest]:
@@ -112,8 +122,15 @@ class StopRequest:
         if self.signal is not None:
             raise KeyboardInterrupt
         self.signal = signal.Signals(signum).name
-        sys.stderr.write(f"\n{self.signal}: stopping after this step with a checkpoint (again to abort now)\n")
+        what = "abandoning the evaluation in flight" if self.evaluating else "stopping after this step"
+        sys.stderr.write(f"\n{self.signal}: {what} with a checkpoint (again to abort now)\n")
         sys.stderr.flush()
+        if self.evaluating:
+            raise EvaluationStopped
+
+
+class EvaluationStopped(Exception):
+    """Raised by the first signal inside an evaluation: a long evaluation does not hold a stop up."""
 
 
 class TrainingLoop:
@@ -126,6 +143,9 @@ class TrainingLoop:
     flops_per_step: float
     peak_flops: float | None
     evaluates: bool  # a validation split exists and eval_every > 0
+    # After an evaluation abandoned mid-way, can the step still be checkpointed? (distributed: no,
+    # its actors are still inside the evaluation; the run stops with its last checkpoint)
+    checkpoints_after_stopped_evaluation = True
     restarts: int = 0  # automatic restarts so far (distributed modes: DistributedTrainer.run)
 
     def _train_one_step(self) -> dict[str, Any]:
@@ -159,28 +179,35 @@ class TrainingLoop:
         steps_run = 0
         last_save = _clock()
         stop = StopRequest()
-        clean_stale_files(self.out_dir)
-        with stop.installed(), MetricsLog(metrics_path, resume_after_step=self.step if cfg.resume else None) as log:
-            while self.step < cfg.steps:
-                record = self._train_one_step()
-                throughput.add(record)
-                steps_run += 1
-                for group, fraction in record.get("busy", {}).items():
-                    busy_sums[group] = busy_sums.get(group, 0.0) + fraction
-                if self.evaluates and (self.step % cfg.eval_every == 0 or self.step == cfg.steps):
-                    last_val = record["val_loss"] = self.validate()
-                due_by_time = cfg.checkpoint_minutes and _clock() - last_save >= 60 * cfg.checkpoint_minutes
-                at_end = self.step == cfg.steps and cfg.checkpoint_at_end
-                if (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0) or due_by_time or at_end:
-                    checkpoint, last_save = self._checkpoint(), _clock()
-                log.write(record)
-                if on_step is not None:
-                    on_step(record)
-                last = record
-                if stop.signal is not None and self.step < cfg.steps:
-                    if checkpoint is None or checkpoint.name != checkpoint_dir(checkpoint.parent, self.step).name:
-                        checkpoint = self._checkpoint()
-                    raise TrainingInterrupted(stop.signal, self.step, checkpoint)
+        with run_lock(self.out_dir), stop.installed():
+            clean_stale_files(self.out_dir)
+            with MetricsLog(metrics_path, resume_after_step=self.step if cfg.resume else None) as log:
+                while self.step < cfg.steps:
+                    record = self._train_one_step()
+                    if not_finite(record):
+                        log.write(record)
+                        raise TrainingDiverged(self.step, diverged_report(cfg, record, self._last_good(checkpoint)))
+                    throughput.add(record)
+                    steps_run += 1
+                    for group, fraction in record.get("busy", {}).items():
+                        busy_sums[group] = busy_sums.get(group, 0.0) + fraction
+                    if self.evaluates and (self.step % cfg.eval_every == 0 or self.step == cfg.steps):
+                        last_val = record["val_loss"] = self._validate_unless_stopped(stop)
+                        if last_val is None and not self.checkpoints_after_stopped_evaluation:
+                            log.write(record)
+                            raise TrainingInterrupted(stop.signal or "signal", self.step, self._last_good(checkpoint))
+                    due_by_time = cfg.checkpoint_minutes and _clock() - last_save >= 60 * cfg.checkpoint_minutes
+                    at_end = self.step == cfg.steps and cfg.checkpoint_at_end
+                    if (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0) or due_by_time or at_end:
+                        checkpoint, last_save = self._checkpoint(), _clock()
+                    log.write(record)
+                    if on_step is not None:
+                        on_step(record)
+                    last = record
+                    if stop.signal is not None and self.step < cfg.steps:
+                        if checkpoint is None or checkpoint.name != checkpoint_dir(checkpoint.parent, self.step).name:
+                            checkpoint = self._checkpoint()
+                        raise TrainingInterrupted(stop.signal, self.step, checkpoint)
         return TrainSummary(
             steps=self.step,
             final_loss=last.get("loss"),
@@ -194,3 +221,54 @@ class TrainingLoop:
             restarts=self.restarts,
             **self.run_facts(),
         )
+
+    def _validate_unless_stopped(self, stop: StopRequest) -> float | None:
+        """`validate()`, or None if a first signal abandoned it (the step's weights stay intact)."""
+        stop.evaluating = True
+        try:
+            return self.validate()
+        except EvaluationStopped:
+            self.evaluation_stopped()
+            return None
+        finally:
+            stop.evaluating = False
+
+    def evaluation_stopped(self) -> None:
+        """Called after an evaluation was abandoned mid-way (a subclass puts its model back in training mode)."""
+
+    def _last_good(self, written: Path | None) -> Path | None:
+        """The newest checkpoint: the one this run wrote last, else the one it resumed from."""
+        if written is not None:
+            return written
+        return latest_checkpoint(self.out_dir / CHECKPOINTS_DIR)
+
+
+WATCHED = ("loss", "grad_norm")  # a step's numbers that must be finite
+
+
+def not_finite(record: dict[str, Any]) -> list[str]:
+    """The `WATCHED` numbers of a step record that are NaN or infinite."""
+    return [name for name in WATCHED if isinstance(record.get(name), float) and not math.isfinite(record[name])]
+
+
+def likely_setting(cfg: TrainConfig) -> str:
+    """The setting most likely to make a step's loss or gradients overflow, with the fix."""
+    o = cfg.optim
+    if o.lr > 1.0:
+        return f"optim.lr={o.lr:g} is far above any working learning rate (try 1e-4 to 1e-2)"
+    if o.lr * o.weight_decay >= 1.0:
+        return (f"optim.weight_decay={o.weight_decay:g} with optim.lr={o.lr:g} scales every weight by "
+                f"1 - lr * weight_decay = {1 - o.lr * o.weight_decay:g} per step (keep lr * weight_decay well below 1)")
+    if o.eps < 1e-12:
+        return f"optim.eps={o.eps:g} lets AdamW divide by almost zero (use 1e-8)"
+    if o.grad_clip == 0:
+        return "optim.grad_clip=0 leaves gradients unclipped (use 1.0) or lower optim.lr"
+    return f"no setting stands out: lower optim.lr (now {o.lr:g}), check the model's sizes and the data"
+
+
+def diverged_report(cfg: TrainConfig, record: dict[str, Any], checkpoint: Path | None) -> str:
+    """One line: which numbers of which step were not finite, the likely setting, where to resume."""
+    bad = ", ".join(f"{name} {record[name]}" for name in not_finite(record))
+    keep = (f"the last good checkpoint is {checkpoint} (resume=true continues from it)" if checkpoint is not None
+            else "no checkpoint was written")
+    return f"step {record['step']}: {bad} (not finite); {likely_setting(cfg)}; {keep}"

@@ -268,6 +268,9 @@ class SingleProcessTrainer(TrainingLoop):
     def validate(self) -> float:
         return evaluate(self.model, self.val_data, self.cfg.eval_batches, self.cfg.micro_batches)
 
+    def evaluation_stopped(self) -> None:
+        self.model.train()  # `evaluate` was left before it put the model back
+
     def _train_one_step(self) -> dict[str, Any]:
         cfg = self.cfg
         lr = lr_at(self.step, cfg.optim, cfg.steps)

@@ -733,3 +733,25 @@ def test_a_damaged_expert_shard_of_the_newest_checkpoint_is_skipped_for_the_prev
 
 def spec_bytes(spec) -> int:
     return torch.empty(spec.shape, dtype=spec.dtype).nbytes
+
+
+def test_a_signal_during_evaluation_stops_the_run_with_its_last_checkpoint(warm, tmp_path, monkeypatch):
+    """The actors would still be inside the evaluation, so the step after the last checkpoint is
+    not saved: the run stops at once naming the checkpoint it has (issue 23)."""
+    import signal
+
+    from disagmoe.runtime.failures import TrainingInterrupted
+
+    cfg = run_config(tmp_path / "run", "disaggregated", steps=4, eval_every=2, checkpoint_every=1)
+
+    def long_evaluation(self):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(60)
+        return 0.0
+
+    monkeypatch.setattr(DistributedTrainer, "validate", long_evaluation)
+    start = time.monotonic()
+    with pytest.raises(TrainingInterrupted) as stopped:
+        DistributedTrainer(cfg, log_to_driver=False, workers=warm(2)).run()
+    assert time.monotonic() - start < 30
+    assert stopped.value.step == 2 and stopped.value.checkpoint == checkpoint_dir(tmp_path / "run" / CHECKPOINTS_DIR, 1)

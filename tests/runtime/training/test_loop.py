@@ -12,7 +12,7 @@ from disagmoe.config import OptimConfig, TrainConfig
 from disagmoe.model_ref import load_model
 from disagmoe.runtime.training import loop as loop_mod
 from disagmoe.runtime.state.checkpoint import checkpoint_dir, latest_checkpoint
-from disagmoe.runtime.failures import TrainingInterrupted
+from disagmoe.runtime.failures import RunWarning, TrainingInterrupted
 from disagmoe.runtime.training.loop import METRICS_FILE
 from disagmoe.runtime.observe.metrics import read_metrics
 from disagmoe.runtime.training.trainer import CHECKPOINTS_DIR, SingleProcessTrainer, train_single
@@ -91,17 +91,24 @@ def test_a_second_signal_aborts_at_once(tmp_path):
 
 
 def test_a_run_starts_by_sweeping_what_a_killed_run_left(tmp_path):
-    """A staged checkpoint (killed before its rename), a half-deleted one and a half-written trace
-    go; the earlier complete checkpoint stays and the resume continues from it."""
+    """A staged checkpoint (killed before its rename), a half-deleted one (both marked as a run's)
+    and a half-written trace go; a step folder no run marked stays (with a warning); the earlier
+    complete checkpoint stays and the resume continues from it."""
+    from disagmoe.runtime.out_dir import mark_writing
+
     cfg = run_config(tmp_path, steps=2, checkpoint_every=1, keep_checkpoints=0)
     train_single(cfg)
     root, out = tmp_root(cfg), Path(cfg.out_dir)
-    (root / ".staging-step-00000003").mkdir()
+    mark_writing(root / ".staging-step-00000003")
     (root / ".staging-step-00000003" / "rank-00000.pt").write_bytes(b"torn")
-    (root / ".step-00000001.deleting").mkdir()
+    mark_writing(root / ".step-00000001.deleting")
+    (root / "step-00000009").mkdir()
+    (root / "step-00000009" / "rank-00000.pt").write_bytes(b"whose?")
     (out / ".trace.json.tmp").write_text("{")
-    train_single(cfg.model_copy(update={"steps": 3, "resume": True}))
-    assert sorted(p.name for p in root.iterdir()) == ["step-00000001", "step-00000002", "step-00000003"]
+    with pytest.warns(RunWarning, match="step-00000009 alone"):
+        train_single(cfg.model_copy(update={"steps": 3, "resume": True}))
+    assert sorted(p.name for p in root.iterdir()) == ["step-00000001", "step-00000002", "step-00000003",
+                                                      "step-00000009"]
     assert not (out / ".trace.json.tmp").exists()
 
 
@@ -117,3 +124,26 @@ def test_signals_are_held_while_the_cluster_shuts_down(capsys):
         os.kill(os.getpid(), signal.SIGTERM)
     assert signal.getsignal(signal.SIGINT) is before
     assert capsys.readouterr().err.count("shutting down") == 1
+
+
+def test_a_signal_during_a_long_evaluation_stops_it_at_once_with_the_steps_checkpoint(tmp_path, monkeypatch):
+    """SIGTERM while validation runs (here it would take a minute): the evaluation is abandoned,
+    the step is checkpointed and the run stops within seconds."""
+    import os
+    import time
+
+    cfg = run_config(tmp_path, steps=4, eval_every=2)
+
+    def long_evaluation(self):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(60)
+        return 0.0
+
+    monkeypatch.setattr(SingleProcessTrainer, "validate", long_evaluation)
+    start = time.monotonic()
+    with pytest.raises(TrainingInterrupted) as stopped:
+        SingleProcessTrainer(cfg).run()
+    assert time.monotonic() - start < 30
+    assert stopped.value.step == 2 and stopped.value.signal_name == "SIGTERM"
+    assert stopped.value.checkpoint == checkpoint_dir(tmp_root(cfg), 2)
+    assert [r["step"] for r in read_metrics(Path(cfg.out_dir) / METRICS_FILE)] == [1, 2]

@@ -18,6 +18,7 @@ from disagmoe.runtime.failures import RunWarning
 from disagmoe.runtime.observe.metrics import load_imbalance, read_metrics
 from disagmoe.runtime.state.optim import build_optimizer, lr_at
 from disagmoe.runtime.training.loop import METRICS_FILE
+from disagmoe.runtime.out_dir import mark_writing
 from disagmoe.runtime.training.trainer import CHECKPOINTS_DIR, train_single, train_step
 
 
@@ -220,7 +221,7 @@ def test_no_checkpoint_at_the_end_when_asked(tmp_path):
 
 def test_resume_skips_a_truncated_newest_shard_for_the_previous_checkpoint(tmp_path):
     """Steps 1-6 with checkpoints at 3 and 6; step 6's layer shard cut short, and a step-7 folder
-    a killed writer left without its manifest: the resume warns naming the shard, continues from
+    a killed writer left (marked) without its manifest: the resume warns naming the shard, continues from
     step 3 exactly as the straight run did, and the manifest-less folder is gone."""
     straight = tiny_run(tmp_path / "a", steps=6, checkpoint_every=3)
     train_single(straight)
@@ -229,7 +230,7 @@ def test_resume_skips_a_truncated_newest_shard_for_the_previous_checkpoint(tmp_p
     shard = checkpoint_dir(resumed_dir / CHECKPOINTS_DIR, 6) / "layer-001.pt"
     shard.write_bytes(shard.read_bytes()[:100])
     partial = checkpoint_dir(resumed_dir / CHECKPOINTS_DIR, 7)
-    partial.mkdir()
+    mark_writing(partial)  # as the writer does before its first shard
     (partial / "global.pt").write_bytes(b"half")
     with pytest.warns(RunWarning) as warned:
         train_single(straight.model_copy(update={"out_dir": str(resumed_dir), "resume": True}))
