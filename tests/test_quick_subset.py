@@ -11,8 +11,9 @@ from pathlib import Path
 TESTS = Path(__file__).resolve().parent
 README = TESTS.parent / "README.md"
 STARTS = ("DistributedTrainer(", "WorkerGroup.start(", "subprocess.Popen(", "Cluster(", "ray.init(")
-# refused before any actor starts: never reaches Ray
-QUICK_ANYWAY = {("runtime/test_plan_layout.py", "test_plans_the_runtime_cannot_run_are_refused_before_any_actor")}
+# refused before any actor starts: never reaches Ray; a lock held by a bare Python process, refused before Ray
+QUICK_ANYWAY = {("runtime/test_plan_layout.py", "test_plans_the_runtime_cannot_run_are_refused_before_any_actor"),
+                ("cli/test_train_reliability.py", "test_a_second_run_on_a_busy_out_dir_is_refused_in_one_line")}
 
 
 def test_the_readme_names_the_quick_subset_beside_the_full_command():

@@ -139,4 +139,7 @@ def test_names_agree_with_the_checkpoint_module():
     from disagmoe.runtime.training import loop
 
     assert (out_dir.CHECKPOINTS_DIR, out_dir.MANIFEST) == (trainer.CHECKPOINTS_DIR, checkpoint.MANIFEST)
-    assert out_dir.RUN_OUTPUTS == (loop.METRICS_FILE, driver.TRACE_FILE, restart.FAULT_RECORD, trainer.CHECKPOINTS_DIR)
+    from disagmoe.cli import third_party
+
+    assert out_dir.RUN_OUTPUTS == (loop.METRICS_FILE, driver.TRACE_FILE, restart.FAULT_RECORD, third_party.LOG_FILE,
+                                   trainer.CHECKPOINTS_DIR)
