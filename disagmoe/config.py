@@ -395,10 +395,13 @@ class Plan(StrictModel):
 class DataConfig(StrictModel):
     """Where training tokens come from."""
 
-    kind: Literal["synthetic", "text", "tokens"] = "synthetic"
+    kind: Literal["synthetic", "text", "tokens"] = Field(
+        "synthetic", description="synthetic (a seeded corpus), text (a byte-level text file) or tokens (a .bin file "
+        "of token ids)")
     path: str | None = Field(None, description="text file (byte-level) or .bin token file")
-    token_dtype: Literal["uint16", "uint32"] = "uint16"
-    val_fraction: Annotated[float, Field(ge=0, lt=1)] = 0.05
+    token_dtype: Literal["uint16", "uint32"] = Field("uint16", description="kind tokens: the .bin file's id width")
+    val_fraction: Annotated[float, Field(ge=0, lt=1)] = Field(
+        0.05, description="the corpus's tail held out for validation (0: none)")
     synthetic_alphabet: Annotated[int, Field(ge=3)] = Field(
         16, description="distinct tokens of the synthetic corpus: 16 gives the letters a-p (bytes), more "
         "the ids 0..N-1 (at most vocab_size); a MoE needs many, or its routing collapses")
@@ -413,13 +416,14 @@ class DataConfig(StrictModel):
 class OptimConfig(StrictModel):
     # Bounds far above any working value: beyond them the update overflows fp32 (a traceback mid-step)
     # instead of diverging, which the run would stop with one line (runtime/training/loop.py).
-    lr: Annotated[float, Field(gt=0, le=10)] = 3e-3
-    min_lr_ratio: Annotated[float, Field(ge=0, le=1)] = 0.1
-    warmup_steps: NonNegInt = 10
-    weight_decay: Annotated[float, Field(ge=0, le=1e3)] = 0.0
-    beta1: Fraction = 0.9
-    beta2: Fraction = 0.95
-    eps: Annotated[float, Field(gt=0, le=1)] = 1e-8
+    lr: Annotated[float, Field(gt=0, le=10)] = Field(3e-3, description="peak learning rate, reached after warm-up")
+    min_lr_ratio: Annotated[float, Field(ge=0, le=1)] = Field(
+        0.1, description="the cosine decay ends at lr x this on the last step (1: constant after warm-up)")
+    warmup_steps: NonNegInt = Field(10, description="steps of linear warm-up from lr / warmup_steps to lr")
+    weight_decay: Annotated[float, Field(ge=0, le=1e3)] = Field(0.0, description="AdamW's decoupled weight decay")
+    beta1: Fraction = Field(0.9, description="AdamW's first-moment decay")
+    beta2: Fraction = Field(0.95, description="AdamW's second-moment decay")
+    eps: Annotated[float, Field(gt=0, le=1)] = Field(1e-8, description="AdamW's epsilon")
     grad_clip: Annotated[float, Field(ge=0, le=1e9)] = Field(1.0, description="global grad-norm clip; 0 disables")
     shard_states: bool = Field(
         False, description="ZeRO-1: split AdamW's moments of the replicated (attention-side) parameters over "
@@ -438,8 +442,12 @@ class TrainConfig(StrictModel):
     """A training run: model, data, optimisation, layout, and where outputs go."""
 
     model: str | ModelConfig = Field(description="preset name, YAML / config.json path, or inline")
-    hardware: str | HardwareConfig | None = None
-    mode: Literal["single", "disaggregated", "colocated"] = "disaggregated"
+    hardware: str | HardwareConfig | None = Field(
+        None, description="hardware preset name, YAML path or inline: its bf16 peak is what MFU is quoted against "
+        "(unset: no MFU)")
+    mode: Literal["single", "disaggregated", "colocated"] = Field(
+        "disaggregated", description="single: the whole model in one process (the oracle); disaggregated: "
+        "attention and expert ranks on disjoint GPUs; colocated: every rank runs attention and its share of experts")
     transport: Literal["local", "nccl", "nvshmem"] = Field(
         "local", description="how messages between ranks travel: local (CPU, gloo), nccl (GPU send/recv) or "
         "nvshmem (GPU, one-sided puts into NVSHMEM symmetric buffers, flags waited on the GPU; needs nvshmem4py)")
@@ -463,14 +471,16 @@ class TrainConfig(StrictModel):
     pair_combine_programs_per_sm: Dim = Field(
         4, description="pair_rows: persistent programs per SM of the attention rank's combine (its stream waits "
         "there; nothing else of the rank runs meanwhile)")
-    device: Literal["cpu", "cuda"] = "cpu"
+    device: Literal["cpu", "cuda"] = Field("cpu", description="where ranks compute: cpu (gloo, tests and the demo) or cuda")
     ranks_per_gpu: Annotated[int, Field(ge=1, le=64)] = Field(
         1, description="distributed modes on cuda: ranks sharing one GPU, each its own process (fractional Ray "
         "GPUs), so a layout of N ranks runs on N / ranks_per_gpu GPUs with the real kernels and transport: a "
         "test of the layout, not a speed measurement (the processes time-slice the GPU; waits get ranks_per_gpu "
         "times recv_timeout_s). Needs transport: nvshmem (NCCL refuses two ranks on one GPU); the data-parallel "
         "collectives then run over gloo, staged through the host. mode single: no effect")
-    experts_backend: Literal["loop", "grouped_mm", "triton"] = "loop"
+    experts_backend: Literal["loop", "grouped_mm", "triton"] = Field(
+        "loop", description="the expert FFN: loop (a matmul pair per expert, the reference), grouped_mm "
+        "(torch._grouped_mm) or triton (our persistent kernels: the fast one on GPUs)")
     precision: Literal["auto", "bf16", "fp32"] = Field(
         "auto", description="parameters for compute: bf16 (fp32 master weights, gradients accumulated in fp32, "
         "fused AdamW: the fast path), fp32 (everything fp32; `mode: single` then runs the reference oracle); "
@@ -489,24 +499,31 @@ class TrainConfig(StrictModel):
     cpu_threads: Dim | None = Field(
         None, description="torch intra-op threads for CPU training; None keeps torch's default"
     )
-    seed: Annotated[int, Field(ge=0, lt=1 << 64)] = 0  # torch's range; numpy's SeedSequence (the data) takes no negative
-    steps: PositiveInt = 100
+    seed: Annotated[int, Field(ge=0, lt=1 << 64)] = Field(  # torch's range; numpy's SeedSequence takes no negative
+        0, description="seed of the parameters' initialisation and of the data order (the same in every layout)")
+    steps: PositiveInt = Field(100, description="optimizer steps of the run")
     batch_size: Dim = Field(8, description="sequences per step (global)")
-    seq_len: Dim = 128
-    micro_batches: Dim = 1
-    attention_ranks: GpuCount = 1
-    expert_ranks: GpuCount = 1
-    pipeline_groups: GpuCount = 1
-    colocated_ranks: GpuCount = 2
+    seq_len: Dim = Field(128, description="tokens per sequence")
+    micro_batches: Dim = Field(
+        1, description="slices of each step's batch, each through the whole model (pipelined over the ranks); "
+        "gradients accumulate over them")
+    attention_ranks: GpuCount = Field(
+        1, description="disaggregated: attention ranks in all, split evenly over the pipeline groups")
+    expert_ranks: GpuCount = Field(
+        1, description="disaggregated: expert ranks in all, split evenly over the pipeline groups")
+    pipeline_groups: GpuCount = Field(
+        1, description="disaggregated: pipeline groups p; group g owns layers g, g + p, g + 2p, ...")
+    colocated_ranks: GpuCount = Field(2, description="colocated: ranks, each with attention and its share of experts")
     plan: str | Plan | None = Field(
         None, description="a `disagmoe plan --out` file (or an inline plan): its layout and expert map "
         "replace mode, attention_ranks, expert_ranks, pipeline_groups, micro_batches, colocated_ranks"
     )
-    data: DataConfig = Field(default_factory=DataConfig)
-    optim: OptimConfig = Field(default_factory=OptimConfig)
+    data: DataConfig = Field(default_factory=DataConfig, description="where training tokens come from")
+    optim: OptimConfig = Field(default_factory=OptimConfig, description="AdamW and its learning-rate schedule")
     eval_every: NonNegInt = Field(25, description="validation every N steps; 0 disables")
-    eval_batches: Dim = 2
-    out_dir: str = "runs/default"
+    eval_batches: Dim = Field(2, description="validation batches per evaluation")
+    out_dir: str = Field(
+        "runs/default", description="metrics.jsonl, trace.json and checkpoints go here (one run at a time)")
     checkpoint_every: NonNegInt = Field(0, description="checkpoint every N steps (0: only by time and at the end)")
     checkpoint_minutes: NonNegFloat = Field(
         30.0, description="also checkpoint once this many minutes passed since the last one (0: never by time)")
@@ -516,8 +533,11 @@ class TrainConfig(StrictModel):
     keep_checkpoints: NonNegInt = Field(
         3, description="complete checkpoints kept; older ones are deleted once a newer one is sealed (0: keep all)")
     resume: bool = Field(False, description="continue from out_dir's latest checkpoint")
-    trace: bool = True
-    recv_timeout_s: Annotated[float, Field(gt=0, le=7 * 86400)] = 120.0
+    trace: bool = Field(
+        True, description="distributed modes: write trace.json, every rank's op spans of the first 100 steps "
+        "(open in Perfetto)")
+    recv_timeout_s: Annotated[float, Field(gt=0, le=7 * 86400)] = Field(
+        120.0, description="seconds a receive (or one op) may wait for a peer before that peer counts as hung")
     ray_address: str | None = Field(None, description="None starts an embedded local cluster")
     ray_connect_timeout_s: Annotated[float, Field(gt=0, le=3600)] = Field(
         10.0, description="joining a cluster (ray_address HOST:PORT): fail in one line if it does not answer this fast")
