@@ -87,13 +87,6 @@ def test_grouped_mm_under_autocast_computes_in_the_autocast_dtype_with_fp32_weig
         assert (got.grad - want.grad).abs().max() <= 3e-2 * want.grad.abs().max()
 
 
-def test_autocast_operands_cast_like_autocast_and_only_under_it():
-    x32, x64 = torch.ones(2, 2), torch.ones(2, 2, dtype=torch.float64)
-    assert [t.dtype for t in experts_mod.autocast_operands(x32, x64)] == [torch.float32, torch.float64]
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert [t.dtype for t in experts_mod.autocast_operands(x32, x64)] == [torch.bfloat16, torch.float64]
-
-
 def test_grouped_mm_falls_back_to_loop_when_unsupported():
     x, offsets, w13, w2 = problem([2, 3], H=6, Fw=3, dtype=torch.float64)
     assert not grouped_mm_supported(x, w13, w2)
