@@ -78,9 +78,7 @@ def message_key(step: int, payload: Payload, layer: int, micro_batch: int) -> Me
 
 
 @dataclass(frozen=True)
-class Send:
-    """A schedule op: send `payload` of (layer, micro-batch) to `peers`."""
-
+class _MessageOp:
     payload: Payload
     layer: int
     micro_batch: int
@@ -91,16 +89,13 @@ class Send:
 
 
 @dataclass(frozen=True)
-class Recv:
+class Send(_MessageOp):
+    """A schedule op: send `payload` of (layer, micro-batch) to `peers`."""
+
+
+@dataclass(frozen=True)
+class Recv(_MessageOp):
     """A schedule op: receive `payload` of (layer, micro-batch) from every one of `peers`."""
-
-    payload: Payload
-    layer: int
-    micro_batch: int
-    peers: tuple[int, ...]
-
-    def key(self, step: int) -> MessageKey:
-        return MessageKey(step, self.micro_batch, self.layer, self.payload.direction)
 
 
 class ArenaOverflow(RuntimeError):

@@ -56,7 +56,7 @@ from disagmoe.runtime.cluster.sharing import (
 )
 from disagmoe.runtime.failures import RunWarning, TrainingFailed
 from disagmoe.runtime.stages.messages import MessageShapes, hop_mode, receive_layouts
-from disagmoe.runtime.observe.metrics import load_imbalance, mfu, peak_and_ceiling
+from disagmoe.runtime.observe.metrics import load_imbalance, peak_and_ceiling
 from disagmoe.runtime.state.optim import lr_at
 from disagmoe.runtime.plan_layout import apply_plan
 from disagmoe.runtime.rank_model import rank_model
@@ -340,14 +340,7 @@ class DistributedTrainer(TrainingLoop):
             **parts,
             "lr": lr,
             "grad_norm": results[0]["grad_norm"],
-            "tokens": self.tokens_per_step,
-            "step_time_s": seconds,
-            "tokens_per_s": self.tokens_per_step / seconds,
-            "flops": self.flops_per_step,
-            "mfu": mfu(self.flops_per_step, seconds, self.peak_flops),
-            "mfu_ceiling": mfu(self.flops_per_step, seconds, self.ceiling_flops),
-            "routing": cfg.routing,
-            "precision": cfg.compute_dtype_name,
+            **self.step_speed(seconds),
             "peak_memory_gib": max((r["peak_memory_gib"] for r in results if r["peak_memory_gib"] is not None),
                                    default=None),
             "peak_memory_gib_per_rank": [r["peak_memory_gib"] for r in results],

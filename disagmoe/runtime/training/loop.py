@@ -142,6 +142,7 @@ class TrainingLoop:
     tokens_per_step: int
     flops_per_step: float
     peak_flops: float | None
+    ceiling_flops: float | None
     evaluates: bool  # a validation split exists and eval_every > 0
     # After an evaluation abandoned mid-way, can the step still be checkpointed? (distributed: no,
     # its actors are still inside the evaluation; the run stops with its last checkpoint)
@@ -150,6 +151,20 @@ class TrainingLoop:
 
     def _train_one_step(self) -> dict[str, Any]:
         raise NotImplementedError
+
+    def step_speed(self, seconds: float) -> dict[str, Any]:
+        """The speed fields of a step's metrics record, the same in every mode."""
+        cfg = self.cfg
+        return {
+            "tokens": self.tokens_per_step,
+            "step_time_s": seconds,
+            "tokens_per_s": self.tokens_per_step / seconds,
+            "flops": self.flops_per_step,
+            "mfu": mfu(self.flops_per_step, seconds, self.peak_flops),
+            "mfu_ceiling": mfu(self.flops_per_step, seconds, self.ceiling_flops),
+            "routing": cfg.routing,
+            "precision": cfg.compute_dtype_name,
+        }
 
     def run_facts(self) -> dict[str, Any]:
         """What the summary records about how the run ran, beyond its figures (TrainSummary's

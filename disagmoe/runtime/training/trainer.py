@@ -56,7 +56,6 @@ from disagmoe.runtime.state.checkpoint import (
 from disagmoe.runtime.training.loop import StepCallback, TrainingLoop, TrainSummary
 from disagmoe.runtime.observe.metrics import (
     load_imbalance,
-    mfu,
     no_host_syncs,
     out_of_memory_hint,
     peak_and_ceiling,
@@ -294,14 +293,7 @@ class SingleProcessTrainer(TrainingLoop):
             "z_loss": result.z_loss,
             "lr": lr,
             "grad_norm": result.grad_norm,
-            "tokens": self.tokens_per_step,
-            "step_time_s": seconds,
-            "tokens_per_s": self.tokens_per_step / seconds,
-            "flops": self.flops_per_step,
-            "mfu": mfu(self.flops_per_step, seconds, self.peak_flops),
-            "mfu_ceiling": mfu(self.flops_per_step, seconds, self.ceiling_flops),
-            "routing": cfg.routing,
-            "precision": cfg.compute_dtype_name,
+            **self.step_speed(seconds),
             "peak_memory_gib": peak_memory_gib(self.device),
             "expert_load": result.expert_load_LE.tolist(),
             "load_imbalance": load_imbalance(result.expert_load_LE),
