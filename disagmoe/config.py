@@ -476,8 +476,9 @@ class TrainConfig(StrictModel):
         1, description="distributed modes on cuda: ranks sharing one GPU, each its own process (fractional Ray "
         "GPUs), so a layout of N ranks runs on N / ranks_per_gpu GPUs with the real kernels and transport: a "
         "test of the layout, not a speed measurement (the processes time-slice the GPU; waits get ranks_per_gpu "
-        "times recv_timeout_s). Needs transport: nvshmem (NCCL refuses two ranks on one GPU); the data-parallel "
-        "collectives then run over gloo, staged through the host. mode single: no effect")
+        "times recv_timeout_s). Needs transport: nvshmem (NCCL refuses two ranks on one GPU); the gradient norm "
+        "then sums on the GPU stream over NVSHMEM, the data-parallel and replicated experts' sums over gloo, "
+        "staged through the host. mode single: no effect")
     experts_backend: Literal["loop", "grouped_mm", "triton"] = Field(
         "loop", description="the expert FFN: loop (a matmul pair per expert, the reference), grouped_mm "
         "(torch._grouped_mm) or triton (our persistent kernels: the fast one on GPUs)")
@@ -578,10 +579,10 @@ class TrainConfig(StrictModel):
                 raise ValueError(f"ranks_per_gpu={self.ranks_per_gpu} with transport: {self.transport}: NCCL refuses two "
                                  "ranks on one GPU ('Duplicate GPU detected'); use transport: nvshmem (several "
                                  "processes per GPU), or ranks_per_gpu: 1 with one GPU per rank")
-            if self.forbid_host_syncs:
-                raise ValueError(f"forbid_host_syncs with ranks_per_gpu={self.ranks_per_gpu}: ranks sharing a GPU run "
-                                 "their data-parallel collectives (the gradient norm of every step among them) over "
-                                 "gloo, staged through the host, which the sync check refuses; set one of them off")
+        if self.forbid_host_syncs and self.device == "cuda" and self.experts_backend == "loop":
+            raise ValueError("forbid_host_syncs with experts_backend: loop: the loop backend (the reference) reads "
+                             "each expert's row offsets on the host, a wait the sync check refuses in every step; "
+                             "set experts_backend: grouped_mm or triton")
         if self.fault_injection is not None and self.mode == "single":
             raise ValueError("fault_injection kills a Ray actor: it needs mode disaggregated or colocated "
                              "(or remove fault_injection)")

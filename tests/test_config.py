@@ -163,3 +163,14 @@ def test_a_config_that_is_not_utf8_is_named(tmp_path):
     path.write_bytes(b"model: tiny\nname: \xff\n")
     with pytest.raises(ValueError, match=rf"{path} is not UTF-8 text"):
         cfg.load_train_config(path)
+
+
+def test_the_sync_check_refuses_the_loop_experts_on_a_gpu():
+    """The loop backend (the reference) reads expert offsets on the host in every step: with
+    forbid_host_syncs on a GPU every step would raise, so the config says so before the run."""
+    with pytest.raises(ValueError, match="the loop backend .* reads each expert's row offsets on the host, .* set "
+                                         "experts_backend: grouped_mm or triton"):
+        cfg.TrainConfig(model="tiny", device="cuda", forbid_host_syncs=True, experts_backend="loop")
+    for backend in ("grouped_mm", "triton"):
+        cfg.TrainConfig(model="tiny", device="cuda", forbid_host_syncs=True, experts_backend=backend)
+    cfg.TrainConfig(model="tiny", device="cpu", forbid_host_syncs=True, experts_backend="loop")  # no check on CPU

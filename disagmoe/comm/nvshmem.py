@@ -44,9 +44,17 @@ for the flags).
   have landed before any kernel queued afterwards raises that source's flags. The caller calls
   `pair_target` on the stream before the kernel that stores the rows, as it must anyway.
 
-Only the messages use NVSHMEM; collectives stay on NCCL, in the schedule's order (DESIGN 3c): a
-GPU flag wait must never sit behind a peer's collective, and none does, because every
-collective is an op of the schedule the same on every rank.
+- all_sum(values): the all-ranks sum of a few float64 words on the current stream, without
+  the process group (the arena's `SumRegion`, when the layouts have one): the n-th sum puts
+  this rank's values into its share of copy (n - 1) mod 2 in every peer's arena, each put with
+  the share's flag raised to n (a copy into its own arena), waits for every peer's flag, and
+  sums the shares in rank order, the same bits on every rank. For ranks that share a GPU, whose
+  process group is gloo (NCCL refuses them): the step's gradient norm then makes no host wait.
+  A share that never came is named by `check_status` as a message is.
+
+The messages and `all_sum` use NVSHMEM; the other collectives stay on the process group, in the
+schedule's order (DESIGN 3c): a GPU flag wait must never sit behind a peer's collective, and
+none does, because every collective is an op of the schedule the same on every rank.
 """
 
 from __future__ import annotations
@@ -70,7 +78,7 @@ from disagmoe.comm.base import (
     check_specs,
 )
 from disagmoe.wire import MessageKey, ArenaOverflow, message_key
-from disagmoe.comm.symmetric import ArenaLayout, PairRegion, PairSlot, Slot, check_fits
+from disagmoe.comm.symmetric import ArenaLayout, PairRegion, PairSlot, Slot, SumRegion, check_fits
 
 _U64 = (1 << 64) - 1
 HEAP_MARGIN_BYTES = 256 * 2**20  # symmetric heap beyond the arena (NVSHMEM's own allocations, alignment)
@@ -197,7 +205,8 @@ class NvshmemTransport(Transport):
         self._received: dict[tuple[int, Slot], int] = {}  # (src, slot) -> messages received so far
         self._pair_sent: dict[tuple[int, PairSlot], int] = {}  # (dst, pair slot) -> targets handed out
         self._pair_received: dict[tuple[int, PairSlot], int] = {}  # (this rank, pair slot) -> landings
-        self._extras_in_flight: list[tuple[Any, tuple[torch.Tensor, ...]]] = []  # (event, extras put before it)
+        self._extras_in_flight: list[tuple[Any, tuple[torch.Tensor, ...]]] = []  # (event, tensors put before it)
+        self._sums = 0  # all-ranks sums so far
 
     def _peer_arena(self, dst: int) -> torch.Tensor:
         """Rank `dst`'s arena as a tensor this GPU stores into (never this rank's own PE)."""
@@ -349,6 +358,60 @@ class NvshmemTransport(Transport):
                            region.extra_views(self.arena_B),
                            timeout_s=self.default_timeout_s if timeout_s is None else timeout_s)
 
+    # --- the all-ranks sum (module docstring) ---------------------------------------------------
+
+    def all_sum(self, values_N: torch.Tensor, timeout_s: float | None = None) -> torch.Tensor:
+        """The sum over every rank of `values_N` (float64 [N], N at most the layouts' sum width),
+        a new float64 [N] tensor on the current stream; the host does not wait. Every rank calls
+        it in the same order (as any collective); each wait at most `timeout_s`, the transport's
+        receive timeout by default."""
+        copy, n, seq = self._put_share(values_N)
+        return self._summed(copy, n, seq, self.default_timeout_s if timeout_s is None else timeout_s)
+
+    def _put_share(self, values_N: torch.Tensor) -> tuple[int, int, int]:
+        """This rank's values into its share of the next sum's copy in every arena: a put with
+        the share's flag raised to the sum's seq into each peer's, a copy into its own. Returns
+        (copy, N, seq)."""
+        region = self._sum_region()
+        if values_N.dim() != 1 or values_N.dtype != torch.float64 or not 1 <= values_N.numel() <= region.width:
+            raise ValueError(f"all_sum takes float64 [N] with 1 <= N <= {region.width} (the arena's sum width), "
+                             f"got {values_N.dtype} {tuple(values_N.shape)}; sum wider tensors over the process group")
+        if values_N.device != self.device:
+            raise ValueError(f"the nvshmem transport sums tensors on {self.device}, got one on {values_N.device}")
+        self._sums += 1
+        seq, copy, n = self._sums, (self._sums - 1) % region.copies, values_N.numel()
+        share = values_N.detach().contiguous()
+        offset = region.share_offset(copy, self.rank)
+        self.arena_B.data[offset:offset + 8 * n].view(torch.float64).copy_(share)  # `.data`: see `_put_extras`
+        stream = torch.cuda.current_stream()
+        for dst in range(self.world_size):
+            if dst != self.rank:
+                self.nv.put_signal(self._symmetric(offset, 8 * n), self._local(share),
+                                   self._symmetric(8 * region.flag_of(copy, self.rank), 8), seq,
+                                   self.nv.SignalOp.SIGNAL_SET, remote_pe=dst, stream=stream)
+        self._extras_in_flight = [(e, ts) for e, ts in self._extras_in_flight if not e.query()]
+        event = torch.cuda.Event()
+        event.record(stream)
+        self._extras_in_flight.append((event, (share,)))  # alive until the stream passed the puts
+        return copy, n, seq
+
+    def _summed(self, copy: int, n: int, seq: int, timeout_s: float) -> torch.Tensor:
+        """Wait on the stream for every peer's share of sum `seq`, then their sum in rank order."""
+        from disagmoe.kernels.signal import wait_flag
+
+        region = self._sum_region()
+        for src in range(self.world_size):
+            if src != self.rank:
+                wait_flag(self._flags_W, region.flag_of(copy, src), seq, self.status_2, timeout_s=timeout_s)
+        return region.shares(self.arena_B, copy)[:, :n].sum(dim=0)
+
+    def _sum_region(self) -> SumRegion:
+        region = self.layout.sums
+        if region is None:
+            raise ValueError("this transport's arenas have no all-ranks sum region: build the layouts with "
+                             "symmetric_layouts(..., sum_width=N) to sum on the stream")
+        return region
+
     def status_word(self) -> torch.Tensor | None:
         return self.status_2
 
@@ -412,6 +475,11 @@ def check_transport_status(layout: ArenaLayout, rank: int, status: Sequence[int]
         owner = layout.flag_owner(status[1])
         if owner is None:
             check_status(list(status), f"rank {rank}")  # a flag no message uses: TimeoutError naming it
+        if isinstance(owner, tuple) and isinstance(owner[0], SumRegion):
+            _, copy, src = owner
+            raise TransportTimeout(src, None, timeout_s,
+                                   f"receive the share of the all-ranks sum (the step's gradient norm; copy {copy}, "
+                                   f"flag {status[1]}) from")
         if isinstance(owner, tuple):
             region, q, s = owner
             payload, layer, mb = region.slot

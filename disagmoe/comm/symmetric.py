@@ -42,8 +42,17 @@ an int64 [E] expert load, written by its first source only): `pair_of` then give
 item, and each copy of the region holds them after its rows, each at its own ALIGN-aligned offset.
 The message count n picks the copy as for segments.
 
+The all-ranks sum (`SumRegion`, when `symmetric_layouts` is given a `sum_width`): after every
+message's buffers, the same region in every rank's arena, R shares of `sum_width` float64 words
+per copy (share q: rank q's values) and a flag per share, after the messages' flags. The n-th sum
+uses copy (n - 1) mod copies: every rank stores its values into share `rank` of every arena (its
+own included) with the flag raised to n, waits for every other share's flag, and sums the R
+shares in rank order, so every rank computes the same bits. Two copies suffice for the same
+reason as for messages: a rank writes sum n + 2 only after its wait for sum n + 1 passed, which
+is after every peer finished reading sum n on its stream.
+
 Shape legend: W flag words (segments' and pair blocks'), B arena bytes, P pair rows, H hidden,
-Q sources, S segments.
+Q sources, S segments, R ranks, N a sum's width.
 """
 
 from __future__ import annotations
@@ -133,6 +142,39 @@ class PairRegion:
         return arena_B[start:start + 8 * self.flag_words].view(torch.int64).view(len(self.sources), self.segments)
 
 
+@dataclass(frozen=True)
+class SumRegion:
+    """The all-ranks sum's shares (module docstring): copy c, rank q's float64 [N] at byte
+    offset + 8 N (c R + q), its flag at word flag + c R + q. The same on every rank."""
+
+    ranks: int  # R
+    width: int  # N float64 words per share
+    offset: int  # byte offset of copy 0's shares (ALIGN-aligned)
+    flag: int  # index of copy 0, rank 0's flag word
+    copies: int = COPIES
+
+    @property
+    def flag_words(self) -> int:
+        return self.copies * self.ranks
+
+    @property
+    def nbytes(self) -> int:
+        return 8 * self.width * self.flag_words
+
+    def share_offset(self, copy: int, rank: int) -> int:
+        """The byte offset of rank `rank`'s share in copy `copy` (in every rank's arena)."""
+        return self.offset + 8 * self.width * (copy * self.ranks + rank)
+
+    def flag_of(self, copy: int, rank: int) -> int:
+        """The flag word raised once rank `rank`'s share of copy `copy` has landed."""
+        return self.flag + copy * self.ranks + rank
+
+    def shares(self, arena_B: torch.Tensor, copy: int) -> torch.Tensor:
+        """Copy `copy`'s shares, float64 [R, N], in an arena."""
+        start = self.share_offset(copy, 0)
+        return arena_B[start:start + 8 * self.width * self.ranks].view(torch.float64).view(self.ranks, self.width)
+
+
 def _view(arena_B: torch.Tensor, offset: int, spec: TensorSpec) -> torch.Tensor:
     return arena_B[offset:offset + _nbytes(spec)].view(spec.dtype).view(spec.shape)
 
@@ -181,6 +223,7 @@ class ArenaLayout:
     nbytes: int  # B: the whole arena, flags included
     copies: int = COPIES  # segments per slot (and pair regions per pair slot)
     pairs: tuple[PairRegion, ...] = ()  # the pair-row receives' buffers (module docstring)
+    sums: SumRegion | None = None  # the all-ranks sum's shares, if the run sums on the stream
 
     @classmethod
     def of_program(cls, program: Sequence[object], specs_of, rank: int, capacity_factor: float | None = None,
@@ -266,9 +309,12 @@ class ArenaLayout:
         region = self.pair_region(slot, index)
         return region.rows(arena_B), region.flags(arena_B)
 
-    def flag_owner(self, index: int) -> Segment | tuple[PairRegion, int, int] | None:
-        """Who flag word `index` belongs to: its segment, or (pair region, source row q, segment s);
-        None for a word no message uses (beyond this rank's flags)."""
+    def flag_owner(self, index: int) -> Segment | tuple[PairRegion, int, int] | tuple[SumRegion, int, int] | None:
+        """Who flag word `index` belongs to: its segment, (pair region, source row q, segment s) or
+        (sum region, copy, rank q whose share it flags); None for a word nothing uses."""
+        if self.sums is not None and self.sums.flag <= index < self.sums.flag + self.sums.flag_words:
+            copy, rank = divmod(index - self.sums.flag, self.sums.ranks)
+            return self.sums, copy, rank
         for seg in self.segments:
             if seg.flag == index:
                 return seg
@@ -314,13 +360,22 @@ def overflow_message(slot: Slot, rows: int, capacity: int) -> str:
 
 
 def symmetric_layouts(programs: Sequence[Sequence[object]], specs_of, capacity_factor: float | None = None,
-                      copies: int = COPIES, pair_of: PairOf | None = None) -> list[ArenaLayout]:
+                      copies: int = COPIES, pair_of: PairOf | None = None, sum_width: int = 0) -> list[ArenaLayout]:
     """Every rank's layout with the flag region and the arena size of the largest (symmetric);
-    `pair_of` as in `ArenaLayout.of_program` (the same on every rank)."""
+    `pair_of` as in `ArenaLayout.of_program` (the same on every rank); `sum_width` > 0: a
+    `SumRegion` of that many float64 words per share after everything else (module docstring)."""
+    if sum_width < 0:
+        raise ValueError(f"sum_width={sum_width} must be >= 0 (0: no all-ranks sum region)")
     first = [ArenaLayout.of_program(p, specs_of, r, capacity_factor, copies=copies, pair_of=pair_of)
              for r, p in enumerate(programs)]
-    words = max((layout.flag_words for layout in first), default=0)
+    message_words = max((layout.flag_words for layout in first), default=0)
+    sum_words = _even(copies * len(programs)) if sum_width else 0
+    words = message_words + sum_words
     layouts = [ArenaLayout.of_program(p, specs_of, r, capacity_factor, words, copies, pair_of)
                for r, p in enumerate(programs)]
     size = max((layout.nbytes for layout in layouts), default=0)
-    return [ArenaLayout(layout.segments, words, size, copies, layout.pairs) for layout in layouts]
+    sums = None
+    if sum_width:
+        sums = SumRegion(len(programs), sum_width, align(size), message_words, copies)
+        size = sums.offset + sums.nbytes
+    return [ArenaLayout(layout.segments, words, size, copies, layout.pairs, sums) for layout in layouts]

@@ -139,6 +139,28 @@ def _overflow(rank: int, transport) -> str:
     return "receiver's status is clear"
 
 
+def _sum_rounds(rank: int, transport) -> list[str]:
+    """Five all-ranks sums (both copies, then again) queued without a host wait (the sync check
+    raises on one), each read back afterwards: every rank gets the exact sum."""
+    wrong, sums = [], []
+    values = [torch.tensor([(r + 1) * 0.25 + i, 2.0 ** -(r + i)], dtype=torch.float64, device=transport.device)
+              for i in range(5) for r in range(WORLD)]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for i in range(5):
+            sums.append(transport.all_sum(values[i * WORLD + rank]))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    for i, got in enumerate(sums):
+        want = sum(values[i * WORLD + r].cpu() for r in range(WORLD))
+        if not torch.equal(got.cpu(), want):
+            wrong.append(f"sum {i}: {got.tolist()} != {want.tolist()}")
+    if transport.status_word().tolist() != [0, 0]:
+        wrong.append(f"status set without a failure: {transport.status_word().tolist()}")
+    return wrong
+
+
 def _rank_main(rank: int, port: int, mode: str, reports) -> None:
     import os
 
@@ -151,7 +173,11 @@ def _rank_main(rank: int, port: int, mode: str, reports) -> None:
         torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
                                 timeout=timedelta(seconds=120))
-        if mode in PAIR_MODES:
+        if mode == "sums":
+            layouts = symmetric_layouts(TOPOLOGY.programs(MICRO_BATCHES), _specs, sum_width=2)
+            transport = NvshmemTransport(layouts, default_timeout_s=30)
+            report["said"] = _sum_rounds(rank, transport)
+        elif mode in PAIR_MODES:
             topology, kernel = PAIR_MODES[mode]
             layouts = symmetric_layouts(topology.programs(MICRO_BATCHES), _specs_of(topology), pair_of=_pair_of)
             transport = NvshmemTransport(layouts, default_timeout_s=30)
@@ -185,6 +211,13 @@ needs_nvshmem = pytest.mark.skipif(not torch.cuda.is_available() or not availabl
 @needs_nvshmem
 def test_programs_exchange_every_message_intact_in_place(ranks):
     reports = _spawn(ranks, "programs")
+    assert [reports[rank]["said"] for rank in range(WORLD)] == [[], []]
+
+
+@pytest.mark.gpu
+@needs_nvshmem
+def test_all_ranks_sums_run_on_the_stream_and_agree(ranks):
+    reports = _spawn(ranks, "sums")
     assert [reports[rank]["said"] for rank in range(WORLD)] == [[], []]
 
 
@@ -434,6 +467,15 @@ class _FakeNv:
     def quiet(self, stream) -> None:
         self.log.append(("quiet", self.rank, stream))
 
+    SignalOp = SimpleNamespace(SIGNAL_SET="set")
+
+    def put_signal(self, dst: _Buffer, src: _Buffer, flag: _Buffer, value: int, op, remote_pe: int, stream) -> None:
+        """The put, then the flag word set to `value` in the destination PE's arena."""
+        self.put(dst, src, remote_pe, stream)
+        self.log[-1] = ("put_signal", *self.log[-1][1:], flag.ptr - SYMMETRIC_BASE, value, op)
+        flag_offset = flag.ptr - SYMMETRIC_BASE
+        self.arenas[remote_pe][flag_offset:flag_offset + 8].view(torch.int64).fill_(value)
+
 
 @pytest.fixture
 def fake_cuda(monkeypatch):
@@ -464,11 +506,12 @@ def fake_cuda(monkeypatch):
     return fake
 
 
-def _cpu_transports(topology, pair_of=_pair_of, log=None) -> list[NvshmemTransport]:
+def _cpu_transports(topology, pair_of=_pair_of, log=None, sum_width=0) -> list[NvshmemTransport]:
     """One NvshmemTransport per rank of `topology`, with CPU tensors for the arenas and for the
     peer views (each peer's own arena tensor) and a fake nv (`_FakeNv`, its calls into `log`):
     nothing of NVSHMEM runs, the rest is the real code (the `fake_cuda` fixture for the puts)."""
-    layouts = symmetric_layouts(topology.programs(MICRO_BATCHES), _specs_of(topology), pair_of=pair_of)
+    layouts = symmetric_layouts(topology.programs(MICRO_BATCHES), _specs_of(topology), pair_of=pair_of,
+                                sum_width=sum_width)
     arenas = [torch.zeros(layouts[0].nbytes, dtype=torch.uint8) for _ in layouts]
     log = [] if log is None else log
     transports = []
@@ -481,6 +524,7 @@ def _cpu_transports(topology, pair_of=_pair_of, log=None) -> list[NvshmemTranspo
         transport.arena_B = arenas[rank]
         transport._base = SYMMETRIC_BASE
         transport.status_2 = torch.zeros(2, dtype=torch.int32)
+        transport._flags_W = layouts[rank].flags(arenas[rank])
         transport._peer_arenas = {dst: arenas[dst] for dst in pair_destinations(layouts, rank)}
         transports.append(transport)
     return transports
@@ -700,6 +744,55 @@ def test_every_pair_region_is_found_from_its_messages_keys(topology):
                     for peer in op.peers:
                         if peer != rank:
                             assert index.slot(peer, key, rank) == (peer, op.payload, op.layer, op.micro_batch)
+
+
+@pytest.mark.parametrize("topology", [TOPOLOGY, Topology.colocated_ranks(3, 2, 0, 8),
+                                      Topology.disaggregated(Layout(2, 2, 2, 4, 0), 8)], ids=["A1-E1", "colocated3", "A2-E2-p2"])
+def test_every_rank_sums_the_same_bits_and_copies_alternate(topology, fake_cuda, interpreted):
+    """The all-ranks sum, ranks one after another on CPU arenas: every rank puts its share with its
+    flag into every peer's arena (a copy into its own), then waits for the peers' flags and sums
+    the shares in rank order: the same bits everywhere, sums that depend on the order included."""
+    interpreted("disagmoe.kernels.signal")
+    transports = _cpu_transports(topology, log=fake_cuda.log, sum_width=4)
+    world, region = len(transports), transports[0].layout.sums
+    for round_ in range(3):  # copies 0, 1, 0
+        values = [torch.tensor([1e16 if r == 0 else 1.0, r + round_, -(r % 2) * 1e16, 0.5], dtype=torch.float64)[:3 - round_ % 2]
+                  for r in range(world)]
+        fake_cuda.log.clear()
+        pending = [t._put_share(v) for t, v in zip(transports, values, strict=True)]
+        assert [p[0] for p in pending] == [round_ % 2] * world and {p[2] for p in pending} == {round_ + 1}
+        puts = [entry for entry in fake_cuda.log if entry[0] == "put_signal"]
+        assert sorted((e[1], e[2]) for e in puts) == [(r, d) for r in range(world) for d in range(world) if d != r]
+        for entry in puts:  # (op, rank, dst, offset, size, ptr, stream, flag byte, value, op)
+            rank = entry[1]
+            assert entry[3] == region.share_offset(round_ % 2, rank) and entry[4] == 8 * values[rank].numel()
+            assert entry[7] == 8 * region.flag_of(round_ % 2, rank) and entry[8] == round_ + 1
+            assert entry[6] == STREAM
+        sums = [t._summed(*p, timeout_s=30) for t, p in zip(transports, pending, strict=True)]
+        want = torch.stack(values).sum(dim=0)
+        assert all(torch.equal(got, want) for got in sums), (sums, want)
+        assert all(t.status_word().tolist() == [0, 0] for t in transports)
+    assert all(len(t._extras_in_flight) == 3 for t in transports)  # the shares kept until the stream passed them
+
+
+def test_a_sum_is_refused_where_it_cannot_run_and_a_missing_share_is_named(fake_cuda):
+    transports = _cpu_transports(TOPOLOGY, log=fake_cuda.log, sum_width=2)
+    with pytest.raises(ValueError, match=r"all_sum takes float64 \[N\] with 1 <= N <= 2 .* got torch.float32"):
+        transports[0].all_sum(torch.zeros(1))
+    with pytest.raises(ValueError, match=r"got torch.float64 \(3,\)"):
+        transports[0].all_sum(torch.zeros(3, dtype=torch.float64))
+    with pytest.raises(ValueError, match="sums tensors on cpu, got one on meta"):
+        transports[0].all_sum(torch.zeros(1, dtype=torch.float64, device="meta"))
+    with pytest.raises(ValueError, match=r"no all-ranks sum region: build the layouts with symmetric_layouts\(\.\.\., "
+                                         r"sum_width=N\)"):
+        _cpu_transports(TOPOLOGY, log=fake_cuda.log)[0].all_sum(torch.zeros(1, dtype=torch.float64))
+    assert fake_cuda.log == [] and transports[0]._sums == 0  # nothing put, nothing counted
+    region = transports[1].layout.sums
+    with pytest.raises(TransportTimeout) as err:
+        transports[1].check_status([TIMED_OUT, region.flag_of(1, 0)])
+    assert err.value.peer == 0
+    assert ("waiting to receive the share of the all-ranks sum (the step's gradient norm; copy 1, "
+            f"flag {region.flag_of(1, 0)}) from rank 0") in str(err.value)
 
 
 def test_check_status_names_a_timed_out_pair_flag():

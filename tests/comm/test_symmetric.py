@@ -258,6 +258,39 @@ def test_flag_owner_names_segments_and_pair_blocks():
     assert layout.flag_owner(used) is None and layout.flag_owner(-1) is None
 
 
+@pytest.mark.parametrize("world", [2, 3, 5])
+def test_the_sum_region_follows_everything_and_is_the_same_on_every_rank(world):
+    topology = Topology.colocated_ranks(world, 2, 0, 8)
+    specs_of, programs = (lambda p, l: SHAPES.specs(p, True)), topology.programs(2)
+    plain = symmetric_layouts(programs, specs_of, pair_of=_pair_of)
+    layouts = symmetric_layouts(programs, specs_of, pair_of=_pair_of, sum_width=3)
+    assert plain[0].sums is None
+    region = layouts[0].sums
+    assert all(layout.sums == region for layout in layouts) and (region.ranks, region.width) == (world, 3)
+    message_words = plain[0].flag_words
+    assert region.flag == message_words and region.flag % 2 == 0  # after every message's flags, 16-byte aligned
+    assert layouts[0].flag_words == message_words + region.flag_words + region.flag_words % 2
+    ends = [offset + torch.empty(spec.shape, dtype=spec.dtype).nbytes for layout in layouts
+            for seg in layout.segments for offset, spec in zip(seg.offsets, seg.specs)] + [
+        pair.offset + pair.nbytes for layout in layouts for pair in layout.pairs]
+    assert region.offset % ALIGN == 0 and region.offset >= max(ends)
+    assert layouts[0].nbytes == region.offset + 8 * 3 * 2 * world
+    arena_B = torch.zeros(layouts[0].nbytes, dtype=torch.uint8)
+    words = set()
+    for copy in range(2):
+        for rank in range(world):
+            shares = region.shares(arena_B, copy)
+            offset = region.share_offset(copy, rank)
+            arena_B[offset:offset + 24].view(torch.float64).fill_(10 * copy + rank)
+            assert shares.shape == (world, 3) and shares[rank].tolist() == [10 * copy + rank] * 3
+            flag = region.flag_of(copy, rank)
+            assert layouts[rank].flag_owner(flag) == (region, copy, rank)
+            words.add(flag)
+    assert len(words) == 2 * world and max(words) < layouts[0].flag_words
+    with pytest.raises(ValueError, match="sum_width=-1 must be >= 0"):
+        symmetric_layouts(programs, specs_of, sum_width=-1)
+
+
 def test_pair_of_must_give_rows_and_segments():
     topology = Topology.disaggregated(Layout(1, 1, 1, 2, 0), 8)
     programs = topology.programs(1)

@@ -47,11 +47,14 @@ from disagmoe.runtime.cluster.cluster import WorkerFailure, WorkerGroup
 from disagmoe.runtime.cluster.connect import check_ray_address
 from disagmoe.runtime.cluster.sharing import (
     PROCESS_BYTES,
+    check_host_syncs,
     check_sharing,
     gpu_of,
     gpus_needed,
+    host_collectives,
     ranks_per_gpu,
     sharing_line,
+    stream_sum_width,
     wait_timeout_s,
 )
 from disagmoe.runtime.failures import RunWarning, TrainingFailed
@@ -105,7 +108,7 @@ def check_memory(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topology, c
     nvshmem's symmetric arena) exceed one device's memory; activations are not counted. With
     `per_gpu` > 1 ranks sharing each GPU, also the first GPU whose ranks do not fit it together
     (each rank's process adding its context and NVSHMEM heap margin: `sharing.PROCESS_BYTES`)."""
-    buffers = receive_layouts(cfg, MessageShapes.of_run(cfg, model_cfg, topology), topology)
+    buffers = receive_layouts(cfg, MessageShapes.of_run(cfg, model_cfg, topology), topology, stream_sum_width(cfg))
     on_gpu: dict[int, list[tuple[int, float]]] = {}
     for rank in range(topology.world_size):
         params, state = training_state_bytes(cfg, model_cfg, topology, rank)
@@ -157,6 +160,7 @@ def check_fits(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topology) -> 
         gpus, per_gpu = torch.cuda.device_count(), ranks_per_gpu(cfg)
         if per_gpu > 1:
             check_sharing(world, per_gpu, gpus)
+            check_host_syncs(cfg, topology)
         elif world > gpus:
             raise ValueError(f"{cfg.mode} needs {world} GPUs (one per rank), this host has {gpus}; lower the rank "
                              "counts, join a larger cluster with ray_address, or share GPUs (ranks_per_gpu with "
@@ -207,7 +211,8 @@ class DistributedTrainer(TrainingLoop):
         self.ranks_per_gpu = ranks_per_gpu(cfg)
         self.gpus = gpus_needed(self.topology.world_size, self.ranks_per_gpu) if cfg.device == "cuda" else 0
         if self.ranks_per_gpu > 1:
-            warnings.warn(sharing_line(self.topology.world_size, self.ranks_per_gpu), RunWarning, stacklevel=2)
+            warnings.warn(sharing_line(self.topology.world_size, self.ranks_per_gpu, host_collectives(self.topology)),
+                          RunWarning, stacklevel=2)
         # time-sliced ranks give no speed figure: no MFU in their records or summary
         self.peak_flops, self.ceiling_flops = ((None, None) if self.ranks_per_gpu > 1 else
                                                peak_and_ceiling(cfg, gpus=self.gpus or self.topology.world_size))

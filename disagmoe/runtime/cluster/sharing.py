@@ -7,8 +7,12 @@ actors in it, each asking for a 1/k share (rounded down to Ray's 1e-4 resolution
 one GPU). Nothing isolates them: without MPS (the GPU's compute mode is not ours to change) their
 processes time-slice the GPU, so a step's time says nothing about speed, and a spinning wait
 progresses only while its producer gets slices: waits get k times `recv_timeout_s`. The process
-group of such a run uses gloo (NCCL refuses two ranks on one device), so its data-parallel
-collectives are staged through the host.
+group of such a run uses gloo (NCCL refuses two ranks on one device), staged through the host.
+So the one collective of every layout, the step's all-ranks gradient norm, runs on the GPU
+stream over the nvshmem transport's arena instead (`NvshmemTransport.all_sum`): a layout without
+data parallelism or replicated experts makes no host wait in its step (`forbid_host_syncs`
+holds). The other collectives (data-parallel gradient, expert-load and ZeRO-1 sums, replicated
+experts' gradient sums) stay on gloo (`host_collectives`), and the run says so at start.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import math
 
 from disagmoe.config import TrainConfig
+from disagmoe.runtime.topology import Topology
 
 # What one more process on a GPU costs beyond its tensors: the CUDA context (eager module
 # loading), gloo and NVSHMEM's own state. Measured on an H200 (nvshmem4py 0.4.1, a 256 MiB
@@ -49,6 +54,22 @@ def wait_timeout_s(cfg: TrainConfig) -> float:
     return cfg.recv_timeout_s * ranks_per_gpu(cfg)
 
 
+def stream_sum_width(cfg: TrainConfig) -> int:
+    """float64 words of the all-ranks sum that runs on the stream over the nvshmem arena (the
+    gradient norm's sum of squares): 1 for ranks sharing GPUs, else 0 (the process group sums)."""
+    return 1 if ranks_per_gpu(cfg) > 1 else 0
+
+
+def host_collectives(topology: Topology) -> list[str]:
+    """What ranks sharing GPUs still sum over gloo, through the host (module docstring)."""
+    staged = []
+    if topology.data_parallel > 1:
+        staged.append(f"the {topology.data_parallel} attention replicas' gradient and expert-load sums")
+    if topology.replica_groups():
+        staged.append("replicated experts' gradient sums")
+    return staged
+
+
 def check_sharing(world_size: int, per_gpu: int, gpus_here: int) -> None:
     """ValueError, with the fix, for ranks that cannot share this host's GPUs as asked."""
     need = gpus_needed(world_size, per_gpu)
@@ -61,8 +82,20 @@ def check_sharing(world_size: int, per_gpu: int, gpus_here: int) -> None:
                          "every GPU; choose ranks_per_gpu dividing the rank count (or equal to it: one GPU)")
 
 
-def sharing_line(world_size: int, per_gpu: int) -> str:
-    """The one line a shared run starts with (and its summary and bench rows repeat)."""
+def sharing_line(world_size: int, per_gpu: int, staged: list[str]) -> str:
+    """The one line a shared run starts with; `staged`: its `host_collectives`."""
     gpus = gpus_needed(world_size, per_gpu)
-    return (f"{world_size} ranks on {gpus} GPU{'s' if gpus > 1 else ''}: time-sliced, not a speed measurement "
-            "(data-parallel collectives over gloo, staged through the host)")
+    how = ("; ".join(staged) + " over gloo, staged through the host; the gradient norm on the GPU stream"
+           if staged else "its one collective, the gradient norm, on the GPU stream: no host wait in a step")
+    return f"{world_size} ranks on {gpus} GPU{'s' if gpus > 1 else ''}: time-sliced, not a speed measurement ({how})"
+
+
+def check_host_syncs(cfg: TrainConfig, topology: Topology) -> None:
+    """ValueError, with the fix, for `forbid_host_syncs` on shared GPUs in a layout whose step
+    sums over gloo (`host_collectives`)."""
+    staged = host_collectives(topology)
+    if cfg.forbid_host_syncs and ranks_per_gpu(cfg) > 1 and staged:
+        raise ValueError(f"forbid_host_syncs with ranks_per_gpu={cfg.ranks_per_gpu}: ranks sharing a GPU sum "
+                         f"{' and '.join(staged)} over gloo, staged through the host, which the sync check refuses; "
+                         "set one of them off, or use a layout with one attention rank per pipeline group and no "
+                         "replicated experts (its only collective, the gradient norm, runs on the GPU stream)")

@@ -44,7 +44,7 @@ from disagmoe.model_ref import load_model
 from disagmoe.data import TokenDataset, load_splits
 from disagmoe.runtime.stages.attention_stage import AttentionStage
 from disagmoe.runtime.cluster.cluster import Worker
-from disagmoe.runtime.cluster.sharing import wait_timeout_s
+from disagmoe.runtime.cluster.sharing import stream_sum_width, wait_timeout_s
 from disagmoe.runtime.stages.expert_stage import ExpertStage
 from disagmoe.runtime.observe.gpu_spans import GpuSpans
 from disagmoe.runtime.observe.metrics import no_host_syncs, out_of_memory_hint, peak_memory_gib
@@ -114,8 +114,9 @@ class TrainWorker(Worker):
         wait_s = wait_timeout_s(cfg)  # recv_timeout_s, scaled where ranks time-slice a GPU
         self.world_group, self.dp_group = self._collective_groups(topology, wait_s)
         self.shapes = MessageShapes.of_run(cfg, self.model_cfg, topology)
+        self.sums_on_stream = stream_sum_width(cfg) > 0  # the gradient norm over the arena, not gloo
         self.transport = make_transport(cfg.transport, wait_s, topology.rank_pairs(cfg.micro_batches),
-                                        layouts=receive_layouts(cfg, self.shapes, topology)
+                                        layouts=receive_layouts(cfg, self.shapes, topology, stream_sum_width(cfg))
                                         if cfg.transport == "nvshmem" else None)
         attention = topology.attention_role(self.rank)
         pair = PairHop.of(cfg) if self.shapes.pair_rows else None
@@ -457,7 +458,9 @@ class TrainWorker(Worker):
     def _global_norm(self) -> torch.Tensor:
         """Global L2 norm (fp32 device scalar) of the gradients over all ranks, replicas counted
         once: a replicated bucket by data-parallel index 0 (ZeRO-1: every index its slice of the
-        sum), experts by their primary owner."""
+        sum), experts by their primary owner. Summed over the world group, or on the stream over
+        the nvshmem arena where ranks share GPUs (`NvshmemTransport.all_sum`: gloo would wait on
+        the host)."""
         attention = self.topology.attention_role(self.rank)
         squares = torch.zeros((), dtype=torch.float64, device=self.device)
         for b in self.optimizer.buckets:
@@ -466,7 +469,10 @@ class TrainWorker(Worker):
                     squares += self.replicas.squares(p)
             elif b.shard is not None or attention is None or attention[1] == 0:
                 squares += flat_squares(b.step_grad())
-        dist.all_reduce(squares, group=self.world_group)
+        if self.sums_on_stream:
+            squares = self.transport.all_sum(squares.reshape(1))[0]
+        else:
+            dist.all_reduce(squares, group=self.world_group)
         return squares.sqrt().float()
 
     # -- checkpoints ---------------------------------------------------------------

@@ -187,11 +187,12 @@ def hop_mode(cfg, model_cfg, topology) -> tuple[str, str]:
     return "partial_sums", why
 
 
-def receive_layouts(cfg, shapes: MessageShapes, topology) -> list:
+def receive_layouts(cfg, shapes: MessageShapes, topology, sum_width: int = 0) -> list:
     """Every rank's receive buffers as `comm.symmetric` arenas, from every rank's program: for
     `transport: nvshmem` the symmetric arenas it allocates (two copies of each slot, the largest
-    rank's size everywhere; a pair-row message one shared buffer with its flag block); otherwise
-    each rank's own buffers, one copy (as nccl reserves them; pair rows: one per source)."""
+    rank's size everywhere; a pair-row message one shared buffer with its flag block; with
+    `sum_width` > 0 the all-ranks sum's shares); otherwise each rank's own buffers, one copy (as
+    nccl reserves them; pair rows: one per source)."""
     from disagmoe.comm.symmetric import ArenaLayout, symmetric_layouts
 
     programs = topology.programs(cfg.micro_batches)
@@ -207,5 +208,5 @@ def receive_layouts(cfg, shapes: MessageShapes, topology) -> list:
 
     if cfg.transport == "nvshmem":
         return symmetric_layouts(programs, specs_of, capacity_factor=cfg.transport_capacity_factor,
-                                 pair_of=pair_of if shapes.pair_rows else None)
+                                 pair_of=pair_of if shapes.pair_rows else None, sum_width=sum_width)
     return [ArenaLayout.of_program(p, specs_of, rank, copies=1) for rank, p in enumerate(programs)]

@@ -447,7 +447,7 @@ def test_gpu_steps_make_no_host_waits_in_every_distributed_mode(ray_cluster, tmp
         pytest.skip("needs nvshmem4py")
     cfg = run_config(tmp_path / "dist", mode, attention_ranks=1, expert_ranks=1, colocated_ranks=2, micro_batches=2,
                      device="cuda", transport=transport, cpu_threads=None, steps=3, batch_size=8, seq_len=64,
-                     forbid_host_syncs=True, hop=hop, experts_backend="triton" if hop == "pair_rows" else "loop")
+                     forbid_host_syncs=True, hop=hop, experts_backend="triton")  # loop reads offsets on the host
     summary = DistributedTrainer(cfg, log_to_driver=False).run()
     assert summary.steps == 3 and summary.final_loss is not None and summary.hop == hop
 
@@ -516,6 +516,22 @@ def test_gpu_every_layout_on_one_shared_gpu_matches_the_oracle(ray_cluster, tmp_
         assert abs(got["loss"] - want["loss"]) <= 1e-2 * want["loss"], (got["step"], got["loss"], want["loss"])
         assert got["time_sliced"] is True
     assert abs(summary.final_val_loss - reference[-1]["val_loss"]) <= 1e-2 * reference[-1]["val_loss"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["A1-E1-sums", "A1-E1-pairs", "A1-E2-pairs", "A2-E2-p2-pairs"])
+def test_gpu_shared_steps_make_no_host_waits_where_no_sum_goes_through_gloo(ray_cluster, tmp_path, case):
+    """The two-GPU zero-sync test in its one-GPU form: the layouts whose only collective is the
+    gradient norm (one attention rank per pipeline group, no replicated experts) sum it on the
+    stream over the arena, so every rank's whole step runs under set_sync_debug_mode('error')."""
+    needs_shared_gpu()
+    cfg = shared_gpu_config(tmp_path / "dist", case, steps=3, batch_size=8, seq_len=64, forbid_host_syncs=True,
+                            experts_backend="triton")  # the loop backend reads offsets on the host
+    with pytest.warns(RunWarning, match=r"the gradient norm, on the GPU stream: no host wait in a step"):
+        trainer = DistributedTrainer(cfg, log_to_driver=False)
+    summary = trainer.run()
+    assert summary.steps == 3 and summary.final_loss is not None
+    assert_ran_as_asked(summary, cfg)
 
 
 @pytest.mark.gpu

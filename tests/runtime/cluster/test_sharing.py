@@ -4,6 +4,7 @@ Ray places the actors (logical GPUs on this CPU host), the per-GPU memory check,
 from __future__ import annotations
 
 import re
+from typing import NamedTuple
 
 import pytest
 import ray
@@ -14,12 +15,15 @@ from disagmoe.runtime.cluster.cluster import _placement_groups
 from disagmoe.runtime.cluster.driver import check_memory, step_timeout_s, training_state_bytes
 from disagmoe.runtime.cluster.sharing import (
     PROCESS_BYTES,
+    check_host_syncs,
     check_sharing,
     gpu_of,
     gpu_share,
     gpus_needed,
+    host_collectives,
     ranks_per_gpu,
     sharing_line,
+    stream_sum_width,
     wait_timeout_s,
 )
 from disagmoe.runtime.stages.messages import MessageShapes, receive_layouts
@@ -36,7 +40,6 @@ def shared(**fields) -> TrainConfig:
 @pytest.mark.parametrize("fields, message", [
     (dict(transport="nccl"), "NCCL refuses two ranks on one GPU ('Duplicate GPU detected'); use transport: nvshmem"),
     (dict(device="cpu", transport="local"), "it needs device: cuda"),
-    (dict(forbid_host_syncs=True), "over gloo, staged through the host, which the sync check refuses"),
     (dict(ranks_per_gpu=0), "greater than or equal to 1"),
     (dict(ranks_per_gpu=65), "less than or equal to 64"),
 ])
@@ -74,8 +77,75 @@ def test_waits_scale_with_the_ranks_time_slicing_a_gpu():
     cfg = shared(ranks_per_gpu=3, recv_timeout_s=40)
     assert wait_timeout_s(cfg) == 120 and step_timeout_s(cfg) == 4 * 120 + 60
     assert wait_timeout_s(cfg.model_copy(update={"ranks_per_gpu": 1})) == 40
-    assert "3 ranks on 1 GPU: time-sliced, not a speed measurement" in sharing_line(3, 3)
-    assert sharing_line(4, 2).startswith("4 ranks on 2 GPUs: ")
+    assert "3 ranks on 1 GPU: time-sliced, not a speed measurement" in sharing_line(3, 3, [])
+    assert sharing_line(4, 2, []).startswith("4 ranks on 2 GPUs: ")
+
+
+def _topology(**fields) -> Topology:
+    cfg = shared(**fields)
+    return Topology.from_config(cfg, load_model(cfg.model))
+
+
+class _Replicated(NamedTuple):
+    """Stands for the topology of a plan with a replicated expert (ranks 1 and 2 hold it)."""
+
+    world_size: int = 3
+    data_parallel: int = 1
+
+    def replica_groups(self) -> list[tuple[int, ...]]:
+        return [(1, 2)]
+
+
+# (layout, what stays on gloo): one attention rank per pipeline group and no replicated experts
+# sum only the gradient norm, on the stream; data parallelism or replicas add gloo sums
+HOST_COLLECTIVES = {
+    "A1-E1": (lambda: _topology(attention_ranks=1, expert_ranks=1), []),
+    "A1-E2": (lambda: _topology(attention_ranks=1, expert_ranks=2), []),
+    "A2-E2-p2": (lambda: _topology(attention_ranks=2, expert_ranks=2, pipeline_groups=2), []),
+    "A2-E1": (lambda: _topology(attention_ranks=2, expert_ranks=1),
+              ["the 2 attention replicas' gradient and expert-load sums"]),
+    "colocated-3": (lambda: _topology(mode="colocated", colocated_ranks=3),
+                    ["the 3 attention replicas' gradient and expert-load sums"]),
+    "replicas": (_Replicated, ["replicated experts' gradient sums"]),
+}
+
+
+@pytest.mark.parametrize("case", HOST_COLLECTIVES)
+def test_what_a_shared_layout_sums_through_the_host_is_named_at_start(case):
+    make, staged = HOST_COLLECTIVES[case]
+    topology = make()
+    assert host_collectives(topology) == staged
+    line = sharing_line(topology.world_size, topology.world_size, staged)
+    if staged:
+        assert " over gloo, staged through the host; the gradient norm on the GPU stream" in line
+        assert staged[0] in line
+    else:
+        assert line.endswith("(its one collective, the gradient norm, on the GPU stream: no host wait in a step)")
+
+
+@pytest.mark.parametrize("case", HOST_COLLECTIVES)
+def test_forbid_host_syncs_on_shared_gpus_holds_where_no_sum_goes_through_the_host(case):
+    make, staged = HOST_COLLECTIVES[case]
+    cfg, topology = shared(forbid_host_syncs=True, experts_backend="triton"), make()
+    if staged:
+        with pytest.raises(ValueError, match=re.escape("over gloo, staged through the host, which the sync check "
+                                                       "refuses; set one of them off, or use a layout with one "
+                                                       "attention rank per pipeline group")):
+            check_host_syncs(cfg, topology)
+    else:
+        check_host_syncs(cfg, topology)
+    check_host_syncs(cfg.model_copy(update={"ranks_per_gpu": 1, "transport": "nccl"}), topology)  # own GPUs: NCCL
+
+
+def test_shared_runs_sum_the_gradient_norm_in_the_arena_and_others_over_the_group():
+    assert stream_sum_width(shared()) == 1
+    assert stream_sum_width(shared(ranks_per_gpu=1)) == 0
+    assert stream_sum_width(shared(mode="single")) == 0
+    cfg = shared()
+    topology = Topology.from_config(cfg, load_model(cfg.model))
+    layouts = receive_layouts(cfg, MessageShapes.of_run(cfg, load_model(cfg.model), topology), topology,
+                              stream_sum_width(cfg))
+    assert all(layout.sums is not None and layout.sums.ranks == topology.world_size for layout in layouts)
 
 
 def test_the_memory_check_sums_the_ranks_sharing_a_gpu():
@@ -83,7 +153,7 @@ def test_the_memory_check_sums_the_ranks_sharing_a_gpu():
     do not, and the message names the GPU, its ranks and the fix."""
     cfg = shared(model=load_model("tiny"), attention_ranks=1, expert_ranks=2)
     topology = Topology.from_config(cfg, cfg.model)
-    buffers = receive_layouts(cfg, MessageShapes.of_run(cfg, cfg.model, topology), topology)
+    buffers = receive_layouts(cfg, MessageShapes.of_run(cfg, cfg.model, topology), topology, stream_sum_width(cfg))
     needs = [training_state_bytes(cfg, cfg.model, topology, r)[1] + buffers[r].nbytes for r in range(3)]
     together = sum(needs) + 3 * (PROCESS_BYTES + HEAP_MARGIN_BYTES)
     check_memory(cfg, cfg.model, topology, capacity_bytes=together, per_gpu=3)
