@@ -490,6 +490,15 @@ class TrainConfig(StrictModel):
         "learned", description="balanced: every expert gets the same number of tokens whatever the router "
         "scores (a benchmark setting, as other trainers' performance recipes use; labelled in every output); "
         "the routing weights stay learned")
+    recompute: Literal["none", "selective"] = Field(
+        "none", description="activation memory: none keeps what the backward reads; selective drops "
+        "recompute_modules from the forward's saved state and recomputes them in the backward (experts_backend: "
+        "triton)")
+    recompute_modules: list[Literal["expert_input", "expert_swiglu"]] = Field(
+        ["expert_input", "expert_swiglu"], description="what recompute: selective drops: expert_input (the "
+        "experts' grouped input rows [tokens x top_k, hidden], gathered again from the tokens: the largest "
+        "activation), expert_swiglu (the SwiGLU output, recomputed from the kept gate/up values inside the "
+        "backward's first GEMM)")
     fuse_elementwise: bool = Field(
         True, description="on CUDA, compile the norms, qk-norm and RoPE with torch.compile into fused kernels "
         "(forward and backward; a few seconds of compiling at the first step); CPU runs are never compiled")
@@ -559,6 +568,11 @@ class TrainConfig(StrictModel):
             return "bf16" if self.device == "cuda" else "fp32"
         return self.precision
 
+    @property
+    def recompute_set(self) -> frozenset[str]:
+        """The modules the backward recomputes (empty under recompute: none)."""
+        return frozenset(self.recompute_modules) if self.recompute == "selective" else frozenset()
+
     @model_validator(mode="after")
     def _batch(self) -> TrainConfig:
         if self.batch_size % self.micro_batches:
@@ -579,6 +593,12 @@ class TrainConfig(StrictModel):
                 raise ValueError(f"ranks_per_gpu={self.ranks_per_gpu} with transport: {self.transport}: NCCL refuses two "
                                  "ranks on one GPU ('Duplicate GPU detected'); use transport: nvshmem (several "
                                  "processes per GPU), or ranks_per_gpu: 1 with one GPU per rank")
+        if self.recompute == "selective" and self.experts_backend != "triton":
+            raise ValueError(f"recompute: selective drops the triton experts' saved rows; the {self.experts_backend} "
+                             "backend keeps what torch autograd saves: set experts_backend: triton (or recompute: none)")
+        if self.recompute == "selective" and not self.recompute_modules:
+            raise ValueError("recompute: selective with recompute_modules: [] drops nothing; name what to drop "
+                             "(expert_input, expert_swiglu) or set recompute: none")
         if self.forbid_host_syncs and self.device == "cuda" and self.experts_backend == "loop":
             raise ValueError("forbid_host_syncs with experts_backend: loop: the loop backend (the reference) reads "
                              "each expert's row offsets on the host, a wait the sync check refuses in every step; "

@@ -82,19 +82,21 @@ def _signal_rows_landed(rows, row_ok, seg_ptr, expected_ptr, counters_ptr, flags
 
 @triton.jit(do_not_specialize=["seq"])  # `signal.MESSAGE_VALUES`
 def _ragged_rows_gemm_kernel(
-    a_ptr, b_ptr, out_ptr, h13_ptr, dst_rows_ptr, offsets_ptr,
+    a_ptr, b_ptr, out_ptr, h13_ptr, dst_rows_ptr, offsets_ptr, act_ptr,
     seg_ptr, expected_ptr, counters_ptr, flags_ptr, seq, n_segments,
     E, E_W, K, C, F_UP, num_programs,
     stride_am, stride_ak, stride_be, stride_bk, stride_bc,
-    stride_om, stride_oc, stride_hm, stride_hc,
+    stride_om, stride_oc, stride_hm, stride_hc, stride_xm, stride_xc,
     EPILOGUE: tl.constexpr, SCATTER: tl.constexpr, SAVE_H13: tl.constexpr, SIGNAL: tl.constexpr,
+    SAVE_ACT: tl.constexpr,
     E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, FLATTEN: tl.constexpr,
 ):
     # EPILOGUE: 0 plain, 1 SwiGLU, 2 SwiGLU gradient (the EPILOGUE_* constants below the imports).
     # Contract: a [N, K] rows grouped by expert; b [E, K, C(+F_UP)] any strides; out [*, C] (or
     # [N, 2C] for EPILOGUE_SWIGLU_GRAD: d gate in [:, :C], d up in [:, C:]); h13 [N, 2C] the saved
-    # pre-activations (gate | up), written when SAVE_H13, read by EPILOGUE_SWIGLU_GRAD.
+    # pre-activations (gate | up), written when SAVE_H13, read by EPILOGUE_SWIGLU_GRAD; act [N, C]
+    # receives silu(gate) * up recomputed from them when SAVE_ACT (EPILOGUE_SWIGLU_GRAD only).
     # SIGNAL (plain epilogue): row r belongs to segment seg[r] of `out`; `_signal_rows_landed`.
     # E row groups over E_W weights: group g multiplies by b[g mod E_W] (E == E_W: one group per
     # expert; segment-major order, `fused_return.segment_major_order`: E = segments x E_W).
@@ -173,6 +175,9 @@ def _ragged_rows_gemm_kernel(
             out_ptrs = out_ptr + rows64[:, None] * stride_om + cols[None, :] * stride_oc
             tl.store(out_ptrs, d_gate.to(out_ptr.dtype.element_ty), mask=ok)
             tl.store(out_ptrs + C * stride_oc, d_up.to(out_ptr.dtype.element_ty), mask=ok)
+            if SAVE_ACT:  # the forward's SwiGLU output, recomputed from the saved pre-activations
+                act_ptrs = act_ptr + rows64[:, None] * stride_xm + cols[None, :] * stride_xc
+                tl.store(act_ptrs, (gate * sig * up).to(act_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -271,6 +276,7 @@ def ragged_rows_gemm(
     dst_rows_N: torch.Tensor | None = None,
     signal: SegmentSignal | None = None,
     num_programs: int | None = None,
+    act_N_C: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """out[rows_e] = epilogue(a[rows_e] @ b[e]) for every expert e, in one persistent launch.
     `offsets_E` may hold a multiple G of the experts' count: G row groups, group g using b[g mod E]
@@ -278,7 +284,9 @@ def ragged_rows_gemm(
 
     `b_EKC` may be any strided view (a transposed weight is passed as `.transpose(1, 2)`). With
     EPILOGUE_SWIGLU, b holds gate columns [:C] and up columns [C:2C] and `h13_N2C` (if given)
-    receives the pre-activations; with EPILOGUE_SWIGLU_GRAD, `h13_N2C` is read and out is [N, 2C].
+    receives the pre-activations; with EPILOGUE_SWIGLU_GRAD, `h13_N2C` is read and out is [N, 2C],
+    and `act_N_C` (if given) receives silu(gate) * up recomputed from `h13_N2C` (the forward's
+    output, for the down weight's gradient, where the forward did not keep it: `recompute`).
     `dst_rows_N` (plain epilogue only) sends row r of the result to out[dst_rows_N[r]]; `signal`
     (with it) raises each segment's flag once its rows are stored (`SegmentSignal`).
     """
@@ -293,20 +301,23 @@ def ragged_rows_gemm(
     assert dst_rows_N is None or epilogue == EPILOGUE_PLAIN
     assert signal is None or dst_rows_N is not None
     assert epilogue != EPILOGUE_SWIGLU_GRAD or h13_N2C is not None
+    assert act_N_C is None or (epilogue == EPILOGUE_SWIGLU_GRAD and act_N_C.shape == (n_rows, cols))
     if signal is None and (n_rows == 0 or cols == 0):
         return out
     h13 = h13_N2C if h13_N2C is not None else out
     dst = dst_rows_N if dst_rows_N is not None else offsets_E
     sig = signal or SegmentSignal(offsets_E, offsets_E, offsets_E, offsets_E, 0)
     programs = num_programs or default_num_programs(a_NK.device) * config.programs_per_sm
+    act = act_N_C if act_N_C is not None else out
     _ragged_rows_gemm_kernel[(programs,)](
-        a_NK, b_EKC, out, h13, dst, offsets_E,
+        a_NK, b_EKC, out, h13, dst, offsets_E, act,
         sig.seg_N, sig.expected_S, sig.counters_S, sig.flags_S, sig.seq, sig.expected_S.numel(),
         groups, experts, k, cols, cols, programs,
         a_NK.stride(0), a_NK.stride(1), b_EKC.stride(0), b_EKC.stride(1), b_EKC.stride(2),
-        out.stride(0), out.stride(1), h13.stride(0), h13.stride(1),
+        out.stride(0), out.stride(1), h13.stride(0), h13.stride(1), act.stride(0), act.stride(1),
         EPILOGUE=epilogue, SCATTER=dst_rows_N is not None,
         SAVE_H13=epilogue == EPILOGUE_SWIGLU and h13_N2C is not None, SIGNAL=signal is not None,
+        SAVE_ACT=act_N_C is not None,
         E_POW2=triton.next_power_of_2(groups), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, GROUP_M=config.group_m, EVEN_K=k % config.block_k == 0,
         FLATTEN=config.flatten, num_warps=config.num_warps, num_stages=config.num_stages,

@@ -10,6 +10,15 @@ Forward: gate/up GEMM with SwiGLU fused in its epilogue (also saving the pre-act
 backward), then the down GEMM whose epilogue writes row r to out[dst_rows_N[r]].
 Backward: the down GEMM's dgrad with the SwiGLU derivative fused in its epilogue, the gate/up dgrad,
 and the two weight gradients, each one persistent launch.
+
+Selective recomputation (`TrainConfig.recompute`, `kernels.recompute`): `expert_swiglu` keeps only the
+pre-activations h13 [N, 2F]; the SwiGLU output act [N, F] (which the down weight's gradient reads)
+is recomputed from them in the dgrad's epilogue, which loads h13 anyway (no extra launch, 2 of
+the 3 F-wide values per row kept). `expert_input` keeps the tokens x [T, H] the rows were
+gathered from and each row's token, instead of the rows [N = T K, H] (K times smaller); the
+backward gathers them again for the gate/up weight's gradient. The recomputed act rounds from the
+bf16 h13, where the forward's rounds from the fp32 accumulators: the down weight's gradient moves
+by bf16 rounding, nothing else changes.
 """
 
 from __future__ import annotations
@@ -24,6 +33,8 @@ from disagmoe.kernels import grouped_gemm as gg
 from disagmoe.kernels.tile_configs import TileConfig, lookup
 from disagmoe.kernels.autocast import autocast_operands
 from disagmoe.kernels.deferral import hold_back
+from disagmoe.kernels.recompute import EXPERT_INPUT, EXPERT_SWIGLU, RECOMPUTABLE, RowSource
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +117,7 @@ def moe_ffn_backward(
     offsets_E: torch.Tensor,
     w13_EH2F: torch.Tensor,
     w2_EFH: torch.Tensor,
-    act_NF: torch.Tensor,
+    act_NF: torch.Tensor | None,
     h13_N2F: torch.Tensor,
     tiles: FFNTiles,
     *,
@@ -114,7 +125,8 @@ def moe_ffn_backward(
     main_grads: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
     input_grad: Callable[[torch.Tensor, torch.Tensor, TileConfig], torch.Tensor | None] | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """(dx_NH, dw13_EH2F, dw2_EFH) from the forward's saved activation and pre-activations.
+    """(dx_NH, dw13_EH2F, dw2_EFH) from the forward's saved activation and pre-activations
+    (`act_NF` None: recomputed from `h13_N2F` in the dgrad's epilogue, `expert_swiglu`).
     `input_grad(dh13_N2F, w13_EH2F^T, tile config)`, if given, runs the gate/up dgrad instead of
     the default GEMM into a new [N, H] (e.g. storing each row into a peer's pair rows,
     `fused_return.down_to_destination`); its result is returned as dx.
@@ -123,9 +135,14 @@ def moe_ffn_backward(
     `main_grads` (w13's, w2's; e.g. FlatAdamW's fp32 buffers): a weight gradient is added into
     its main gradient by the GEMM itself and None is returned for it; inside
     `kernels.deferral.deferred_weight_grads` (both main gradients given) those GEMMs wait in its list."""
+    if act_NF is None:
+        act_NF = h13_N2F.new_empty((h13_N2F.shape[0], h13_N2F.shape[1] // 2))
+        act_out = act_NF
+    else:
+        act_out = None
     dh13_N2F = gg.ragged_rows_gemm(dy_NH, offsets_E, w2_EFH.transpose(1, 2), tiles.down_dgrad,
                                    epilogue=gg.EPILOGUE_SWIGLU_GRAD, h13_N2C=h13_N2F,
-                                   num_programs=num_programs)
+                                   num_programs=num_programs, act_N_C=act_out)
     if input_grad is not None:  # the input gradient first: the critical path
         dx_NH = input_grad(dh13_N2F, w13_EH2F.transpose(1, 2), tiles.gate_up_dgrad)
     else:
@@ -153,11 +170,16 @@ class ExpertFFNFunction(torch.autograd.Function):
     """Autograd wrapper: forward and backward as persistent grouped launches."""
 
     @staticmethod
-    def forward(ctx, x_NH, offsets_E, w13_EH2F, w2_EFH, tiles, num_programs):
+    def forward(ctx, x_NH, offsets_E, w13_EH2F, w2_EFH, tiles, num_programs, recompute=frozenset(), source=None):
         y_NH, act_NF, h13_N2F = moe_ffn_forward(
             x_NH, offsets_E, w13_EH2F, w2_EFH, tiles,
             save_for_backward=any(ctx.needs_input_grad), num_programs=num_programs)
-        ctx.save_for_backward(x_NH, offsets_E, w13_EH2F, w2_EFH, act_NF, h13_N2F)
+        # what `recompute` drops is not saved (module docstring); the source's tokens are another
+        # node's input, kept as an attribute (autograd's saved-tensor checks apply to this node's own)
+        ctx.source = source if EXPERT_INPUT in recompute and source is not None else None
+        ctx.x_dtype = x_NH.dtype
+        ctx.save_for_backward(None if ctx.source is not None else x_NH, offsets_E, w13_EH2F, w2_EFH,
+                              None if EXPERT_SWIGLU in recompute else act_NF, h13_N2F)
         ctx.tiles, ctx.num_programs = tiles, num_programs
         ctx.main_grads = (_main_grad(w13_EH2F), _main_grad(w2_EFH))
         return y_NH
@@ -165,10 +187,13 @@ class ExpertFFNFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy_NH):
         x_NH, offsets_E, w13_EH2F, w2_EFH, act_NF, h13_N2F = ctx.saved_tensors
+        if x_NH is None:
+            x_NH = ctx.source.rows(ctx.x_dtype)
         dx, dw13, dw2 = moe_ffn_backward(dy_NH.contiguous(), x_NH, offsets_E, w13_EH2F, w2_EFH,
                                          act_NF, h13_N2F, ctx.tiles,
                                          num_programs=ctx.num_programs, main_grads=ctx.main_grads)
-        return dx, None, dw13, dw2, None, None
+        ctx.source = None
+        return dx, None, dw13, dw2, None, None, None, None
 
 
 def _main_grad(weight: torch.Tensor) -> torch.Tensor | None:
@@ -186,12 +211,19 @@ def expert_ffn_triton(
     *,
     tiles: FFNTiles | None = None,
     num_programs: int | None = None,
+    recompute: frozenset[str] = frozenset(),
+    source: RowSource | None = None,
 ) -> torch.Tensor:
     """Experts backend `expert_ffn(x_NH, offsets_E, w13_EH2F, w2_EFH) -> y_NH`, differentiable.
 
     Under CUDA autocast (fp32 master weights, bf16 compute) the operands are cast to the autocast
     dtype first, as autocast does for a matmul; the casts' backward returns fp32 weight grads.
+    `recompute` (a subset of `RECOMPUTABLE`) and `source` (where x's rows came from, for
+    `expert_input`): module docstring.
     """
+    unknown = set(recompute) - set(RECOMPUTABLE)
+    if unknown:
+        raise ValueError(f"the triton experts recompute {', '.join(RECOMPUTABLE)}; got {sorted(unknown)}")
     if x_NH.is_cuda:
         x_NH, w13_EH2F, w2_EFH = autocast_operands(x_NH, w13_EH2F, w2_EFH)
     _check_shapes(x_NH, offsets_E, w13_EH2F, w2_EFH)
@@ -200,7 +232,7 @@ def expert_ffn_triton(
         tiles = FFNTiles.for_shape(x_NH.shape[0], experts, hidden, two_ffn // 2, x_NH.device,
                                    x_NH.dtype)
     return ExpertFFNFunction.apply(x_NH.contiguous(), offsets_E, w13_EH2F, w2_EFH, tiles,
-                                   num_programs)
+                                   num_programs, frozenset(recompute), source)
 
 
 def expert_ffn_reference(

@@ -121,6 +121,7 @@ class RoutedExperts(nn.Module):
             raise ValueError(f"expert_ids {self.expert_ids} must be {num_experts} distinct ids in ascending order")
         self.backend = backend
         self.expert_ffn = get_expert_ffn(backend)
+        self.recompute: frozenset[str] = frozenset()  # what the backward recomputes (`set_recompute`)
         self.w13_EH2F = nn.Parameter(torch.empty(num_experts, hidden, 2 * ffn))
         self.w2_EFH = nn.Parameter(torch.empty(num_experts, ffn, hidden))
 
@@ -159,9 +160,22 @@ class RoutedExperts(nn.Module):
         rows at hidden 64; the GPU tests at hidden 16/40/64/300/2048/4096 pass on an H200.)"""
         return self.backend == "triton" and x.is_cuda
 
-    def forward(self, x_NH: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
-        """Rows grouped by (local) expert -> output rows in the same order."""
+    def set_recompute(self, modules: frozenset[str]) -> None:
+        """Drop `modules` (`kernels.recompute.RECOMPUTABLE`) from what the forward keeps, to be
+        recomputed in the backward: the triton backend only (the others keep autograd's tensors)."""
+        if modules and self.backend != "triton":
+            raise ValueError(f"recompute {sorted(modules)} needs experts_backend: triton (the {self.backend} "
+                             "backend keeps what torch autograd saves); set experts_backend: triton or recompute: none")
+        self.recompute = frozenset(modules)
+
+    def forward(self, x_NH: torch.Tensor, offsets_E: torch.Tensor, source=None) -> torch.Tensor:
+        """Rows grouped by (local) expert -> output rows in the same order. `source`
+        (`kernels.recompute.RowSource`): where the rows came from, kept instead of them when
+        `expert_input` is recomputed."""
         assert offsets_E.numel() == self.num_experts, "one cumulative count per local expert"
+        if self.recompute:
+            return self.expert_ffn(x_NH, offsets_E, self.w13_EH2F, self.w2_EFH, recompute=self.recompute,
+                                   source=source)
         return self.expert_ffn(x_NH, offsets_E, self.w13_EH2F, self.w2_EFH)
 
     @torch.no_grad()

@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from disagmoe.model.dispatch import expert_counts
+from disagmoe.kernels.recompute import EXPERT_INPUT, RowSource
 from disagmoe.model.experts import RoutedExperts
 
 
@@ -47,7 +48,8 @@ def _fused(x_TH: torch.Tensor, local_TK: torch.Tensor, w_TK: torch.Tensor, exper
 
     num_local = experts.num_experts
     x_PH, offsets_E1, dest_TK = permute_tokens(x_TH, local_TK, num_local + 1, spare_last=True)
-    y_PH = experts(x_PH, offsets_E1[:num_local])
+    source = RowSource.of_permute(x_TH, dest_TK) if EXPERT_INPUT in experts.recompute else None
+    y_PH = experts(x_PH, offsets_E1[:num_local], source=source)
     return combine_rows(y_PH, dest_TK, w_TK, limit=offsets_E1[num_local - 1:num_local])
 
 

@@ -98,6 +98,13 @@ class MoETransformer(nn.Module):
         for block in self.moe_blocks:
             block.moe.router.balanced = routing == "balanced"
 
+    def set_recompute(self, modules: frozenset[str]) -> None:
+        """What every routed-expert module held here recomputes in the backward instead of keeping
+        (`TrainConfig.recompute_set`; `RoutedExperts.set_recompute`)."""
+        for module in self.modules():
+            if isinstance(module, RoutedExperts):
+                module.set_recompute(modules)
+
     @torch.no_grad()
     def update_router_bias(self, load_LE: torch.Tensor) -> None:
         """Aux-loss-free balancing step; call after optimizer.step() with the step's summed loads."""

@@ -73,6 +73,7 @@ class RankModel(nn.Module):
     # The full model's initialisation, applied by name to the modules held here.
     init_weights = MoETransformer.init_weights
     set_routing = MoETransformer.set_routing
+    set_recompute = MoETransformer.set_recompute
 
     @property
     def moe_blocks(self) -> list[MoEBlock]:

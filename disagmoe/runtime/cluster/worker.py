@@ -124,6 +124,7 @@ class TrainWorker(Worker):
         self.model = rank_model(self.model_cfg, cfg.experts_backend, topology, self.rank).materialise(
             self.device, cfg.seed)
         self.model.set_routing(cfg.routing)
+        self.model.set_recompute(cfg.recompute_set)
         bucket_of = functools.partial(reduce_bucket, num_layers=topology.num_layers)
         shards = {}
         if cfg.optim.shard_states and attention is not None and topology.data_parallel > 1:

@@ -38,6 +38,7 @@ from disagmoe.comm.base import PairLanding, PairTarget
 from disagmoe.model.dispatch import expert_counts
 from disagmoe.model.experts import RoutedExperts
 from disagmoe.kernels.autocast import autocast_operands
+from disagmoe.kernels.recompute import EXPERT_INPUT, EXPERT_SWIGLU, RowSource
 
 # Bands of landing segments the fused path orders rows by (first band's segments complete first,
 # `fused_return.segment_major_order`). One band by default: on an H200 at the Qwen3-30B expert
@@ -72,13 +73,14 @@ class KernelState(NamedTuple):
     offsets_G: torch.Tensor  # int32 cumulative rows per (band, local expert) group
     served_1: torch.Tensor  # int32 [1]: rows before the spare bucket
     row_pair_N: torch.Tensor  # int32: the pair each grouped row holds (the kernels' destination rows)
-    x_N: torch.Tensor  # the grouped rows as the GEMMs read them (cast under autocast)
-    act_NF: torch.Tensor
+    x_N: torch.Tensor | RowSource  # the grouped rows as the GEMMs read them, or their source (`expert_input`)
+    act_NF: torch.Tensor | None  # None: recomputed in the backward (`expert_swiglu`)
     h13_N2F: torch.Tensor
     w13: torch.Tensor
     w2: torch.Tensor
     tiles: object  # kernels.moe_ffn.FFNTiles
     num_programs: int | None
+    dest_TK: torch.Tensor | None = None  # the permute's destinations, where x_N is a RowSource
 
 
 @dataclass
@@ -86,7 +88,7 @@ class PairRows:
     """What the backward of one source's pair rows needs."""
 
     x_leaf: torch.Tensor  # the source's xn [T, H] (a leaf: its grad is d xn)
-    x_N: torch.Tensor  # grouped rows, from x_leaf through the grouping (autograd)
+    x_N: torch.Tensor | None  # grouped rows, from x_leaf through the grouping (autograd; None: not kept)
     row_pair_N: torch.Tensor  # int64: the pair each grouped row holds
     served_N: torch.Tensor  # bool [N]: rows this rank computes (the rest: the spare bucket)
     w_TK: torch.Tensor  # routing weights (detached)
@@ -150,14 +152,20 @@ def expert_pair_rows_backward(saved: PairRows, dy_TH: torch.Tensor, target: Pair
                                           flags_QS=target.flags_QS, source=target.source, seq=target.seq,
                                           served_1=k.served_1, num_programs=k.num_programs)
 
-    dx_NH, dw13, dw2 = moe_ffn_backward(d_rows_NH.to(k.act_NF.dtype), k.x_N, k.offsets_G, k.w13, k.w2, k.act_NF,
+    x_N = k.x_N.rows(k.h13_N2F.dtype) if isinstance(k.x_N, RowSource) else k.x_N
+    dx_NH, dw13, dw2 = moe_ffn_backward(d_rows_NH.to(k.h13_N2F.dtype), x_N, k.offsets_G, k.w13, k.w2, k.act_NF,
                                         k.h13_N2F, k.tiles, num_programs=k.num_programs, main_grads=main,
                                         input_grad=input_grad)
     for param, grad in zip(params, (dw13, dw2), strict=True):
         if grad is not None:  # no main gradient (fp32 parameters, or cast operands): the autograd place
             _accumulate(param, grad)
-    if target is None:
+    if target is None and saved.x_N is not None:
         torch.autograd.backward([saved.x_N], [dx_NH.to(saved.x_N.dtype)])
+    elif target is None:  # the grouping's backward (`permute_tokens`'), the rows not kept: d xn directly
+        from disagmoe.kernels.permute import combine_forward
+
+        dx_TH = combine_forward(dx_NH.contiguous(), k.dest_TK, None, k.served_1)
+        torch.autograd.backward([saved.x_leaf], [dx_TH.to(saved.x_leaf.dtype)])
 
 
 def _torch_backward(saved: PairRows, d_rows_NH: torch.Tensor, target: PairTarget | None) -> None:
@@ -225,8 +233,15 @@ def _fused_forward(x_leaf, local_TK, w_TK, experts, target, counters_S, segment_
                                segment_tokens=segment_tokens, counters_S=counters_S[:segments],
                                flags_QS=target.flags_QS, source=target.source, seq=target.seq,
                                served_1=served_1, num_programs=num_programs)
-    saved = KernelState(offsets_G, served_1, row_pair_32, x_op, act_NF, h13_N2F, w13, w2, tiles,
-                        num_programs) if keep else None
+    saved = None
+    if keep:  # what `recompute` drops is not kept (`kernels.moe_ffn` docstring)
+        drop_input = EXPERT_INPUT in experts.recompute
+        rows = RowSource(x_leaf.detach(), row_pair_N // top_k) if drop_input else x_op
+        saved = KernelState(offsets_G, served_1, row_pair_32, rows,
+                            None if EXPERT_SWIGLU in experts.recompute else act_NF, h13_N2F, w13, w2, tiles,
+                            num_programs, dest_TK if drop_input else None)
+        if drop_input:
+            x_N = None
     return PairRows(x_leaf, x_N, row_pair_N, served_N, w_TK.detach(), experts, fused=saved)
 
 

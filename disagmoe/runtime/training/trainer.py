@@ -228,6 +228,7 @@ class SingleProcessTrainer(TrainingLoop):
         self.model.init_weights(cfg.seed)
         self.model.to(self.device)
         self.model.set_routing(cfg.routing)
+        self.model.set_recompute(cfg.recompute_set)
         self.oracle = cfg.compute_dtype_name == "fp32"  # plain AdamW on fp32 parameters: the reference
         self.optimizer = (build_optimizer(self.model.named_parameters(), cfg.optim) if self.oracle
                           else FlatAdamW(self.model.named_parameters(), cfg.optim, compute_dtype(cfg)))

@@ -58,7 +58,7 @@ def _reference(full, topk, x, w, dy):
     return y.detach(), x_leaf.grad, w_leaf.grad, ref.w13_EH2F.grad, ref.w2_EFH.grad
 
 
-def _pair_path(full, topk, x, w, dy, case, fused, backend, grads_as_pairs=True):
+def _pair_path(full, topk, x, w, dy, case, fused, backend, grads_as_pairs=True, recompute=frozenset()):
     tokens, top_k, experts, sources, hidden, ffn, seg, _ = case
     per = experts // sources
     device = x.device
@@ -69,6 +69,7 @@ def _pair_path(full, topk, x, w, dy, case, fused, backend, grads_as_pairs=True):
     parts, saved, leaves = [], [], []
     for q in range(sources):
         part = RoutedExperts.from_slice(full, q * per, (q + 1) * per, backend=backend)
+        part.set_recompute(recompute)
         local_TK = torch.where(topk // per == q, topk % per, per).to(torch.int32)
         x_leaf = x.detach().requires_grad_()
         saved.append(pair_return.expert_pair_rows(x_leaf, local_TK, w, part, PairTarget(rows, flags, q, 1),
@@ -125,6 +126,34 @@ def test_fused_pair_rows_are_the_moe_layer_in_the_interpreter(kernels, case, gra
                   _reference(full, topk, x, w, dy), 1e-4)
 
 
+@pytest.mark.parametrize("recompute", [{"expert_swiglu"}, {"expert_input"}, {"expert_input", "expert_swiglu"}],
+                         ids=["swiglu", "input", "both"])
+@pytest.mark.parametrize("grads_as_pairs", [True, False], ids=["dx-pair-rows", "dx-compact"])
+def test_recomputed_pair_rows_keep_less_and_give_the_same_bits_in_fp32(kernels, recompute, grads_as_pairs):
+    """`recompute: selective` on the fused pair path: the forward keeps no SwiGLU output / no
+    grouped rows (their source tokens instead), and in fp32 the backward recomputes them exactly,
+    so every gradient is the plain run's to the bit (bf16 on a GPU: the SwiGLU output rounds from
+    the kept bf16 pre-activations instead, the GPU test's tolerance)."""
+    case = CASES[0]
+    full, topk, x, w, dy = _layer(case, "cpu", torch.float32, seed=3)
+    plain = _pair_path(full, topk, x, w, dy, case, fused=True, backend="triton", grads_as_pairs=grads_as_pairs)
+    got = _pair_path(full, topk, x, w, dy, case, fused=True, backend="triton", grads_as_pairs=grads_as_pairs,
+                     recompute=frozenset(recompute))
+    for name, a, b in zip(("y", "dx", "dw", "dw13", "dw2"), got, plain, strict=True):
+        assert torch.equal(a, b), name
+    part = RoutedExperts.from_slice(full, 0, 3, backend="triton")
+    part.set_recompute(frozenset(recompute))
+    tokens, top_k, _, _, hidden, _, seg, _ = case
+    rows = torch.zeros(tokens * top_k, hidden)
+    flags = torch.zeros(1, -(-tokens // seg), dtype=torch.int64)
+    saved = pair_return.expert_pair_rows(x.requires_grad_(), torch.where(topk < 3, topk, 3).to(torch.int32), w, part,
+                                         PairTarget(rows, flags, 0, 1), torch.zeros(flags.shape[1], dtype=torch.int32),
+                                         seg, fused=True, num_programs=2)
+    assert (saved.fused.act_NF is None) == ("expert_swiglu" in recompute)
+    assert isinstance(saved.fused.x_N, pair_return.RowSource) == ("expert_input" in recompute)
+    assert (saved.x_N is None) == ("expert_input" in recompute)
+
+
 def test_a_target_of_the_wrong_shape_is_refused():
     full, topk, x, w, _ = _layer(CASES[0], "cpu", torch.float32)
     target = PairTarget(torch.zeros(3, x.shape[1]), torch.zeros(1, 5, dtype=torch.int64), 0, 1)
@@ -134,10 +163,12 @@ def test_a_target_of_the_wrong_shape_is_refused():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("recompute", [frozenset(), frozenset({"expert_input", "expert_swiglu"})],
+                         ids=["keep", "recompute"])
 @pytest.mark.parametrize("case", CASES, ids=["two-sources", "one-segment", "skew"])
-def test_gpu_fused_pair_rows_are_the_moe_layer_in_bf16(case):
+def test_gpu_fused_pair_rows_are_the_moe_layer_in_bf16(case, recompute):
     full, topk, x, w, dy = _layer(case, "cuda", torch.bfloat16, seed=2)
-    _assert_close(_pair_path(full, topk, x, w, dy, case, fused=True, backend="triton"),
+    _assert_close(_pair_path(full, topk, x, w, dy, case, fused=True, backend="triton", recompute=recompute),
                   _reference(full, topk, x, w, dy), 3e-2)
 
 

@@ -160,6 +160,22 @@ def test_cuda_bf16_compute_tracks_the_fp32_cpu_run(tmp_path):
 
 
 @pytest.mark.gpu
+def test_cuda_selective_recomputation_trains_like_the_plain_run(tmp_path):
+    """recompute: selective on one GPU (triton experts): the losses of the plain run within bf16
+    rounding (only the down weight's gradient moves, by the SwiGLU output's rounding) and no host
+    wait in a step (what it saves: tests/kernels/test_recompute.py; how much: `bench train`)."""
+    fields = dict(steps=8, device="cuda", experts_backend="triton", batch_size=8, seq_len=256,
+                  model=tiny_model(bias_balancing=True))
+    plain = train_single(tiny_run(tmp_path / "plain", **fields))
+    lean = train_single(tiny_run(tmp_path / "lean", recompute="selective", forbid_host_syncs=True, **fields))
+    plain_losses, lean_losses = ([r["loss"] for r in read_metrics(tmp_path / d / "run" / METRICS_FILE)]
+                                 for d in ("plain", "lean"))
+    for step, (a, b) in enumerate(zip(lean_losses, plain_losses, strict=True), 1):
+        assert a == pytest.approx(b, rel=1e-2), step
+    assert lean.steps == plain.steps == 8
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["grouped_mm", "triton"])
 def test_cuda_steps_make_no_host_waits(tmp_path, backend):
     """Steady-state single-GPU steps under set_sync_debug_mode('error') (forbid_host_syncs): any

@@ -1,0 +1,38 @@
+"""What selective recomputation (`TrainConfig.recompute: selective`) may drop from the expert
+FFN's saved state, and where dropped input rows come from again (torch only: the runtime's
+stages name these without importing Triton; `kernels.moe_ffn` says how each is recomputed).
+
+Shape legend: T tokens, K top-k, N = T K grouped rows, H hidden.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+EXPERT_SWIGLU, EXPERT_INPUT = "expert_swiglu", "expert_input"
+RECOMPUTABLE = (EXPERT_INPUT, EXPERT_SWIGLU)  # what `recompute: selective` may drop (how each returns: kernels.moe_ffn)
+
+
+@dataclasses.dataclass(frozen=True)
+class RowSource:
+    """Where the grouped rows came from: row r is x_TH[token_N[r]] (rows of pairs served elsewhere:
+    any token; no GEMM reads them). Kept instead of the rows under `expert_input` recomputation."""
+
+    x_TH: torch.Tensor
+    token_N: torch.Tensor  # int64 [N]
+
+    @classmethod
+    def of_permute(cls, x_TH: torch.Tensor, dest_TK: torch.Tensor) -> RowSource:
+        """From a permute's destinations (`kernels.permute.permute_tokens`: pair (t, k) at row
+        dest_TK[t, k]): every row's token, on the device (no host sync)."""
+        tokens, top_k = dest_TK.shape
+        pairs = tokens * top_k
+        token_N = torch.empty(pairs, dtype=torch.int64, device=dest_TK.device).scatter_(
+            0, dest_TK.reshape(-1).long(), torch.arange(pairs, device=dest_TK.device) // top_k)
+        return cls(x_TH.detach(), token_N)
+
+    def rows(self, dtype: torch.dtype) -> torch.Tensor:
+        """The rows [N, H] again, in `dtype` (the GEMMs' operand dtype)."""
+        return self.x_TH.index_select(0, self.token_N).to(dtype)
