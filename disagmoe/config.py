@@ -494,11 +494,12 @@ class TrainConfig(StrictModel):
         "none", description="activation memory: none keeps what the backward reads; selective drops "
         "recompute_modules from the forward's saved state and recomputes them in the backward (experts_backend: "
         "triton)")
-    recompute_modules: list[Literal["expert_input", "expert_swiglu"]] = Field(
-        ["expert_input", "expert_swiglu"], description="what recompute: selective drops: expert_input (the "
-        "experts' grouped input rows [tokens x top_k, hidden], gathered again from the tokens: the largest "
-        "activation), expert_swiglu (the SwiGLU output, recomputed from the kept gate/up values inside the "
-        "backward's first GEMM)")
+    recompute_modules: list[Literal["expert_input", "expert_output", "expert_swiglu"]] = Field(
+        ["expert_input", "expert_output", "expert_swiglu"], description="what recompute: selective drops: "
+        "expert_input (the experts' grouped input rows [tokens x top_k, hidden], gathered again from the "
+        "tokens: the largest activation), expert_output (their output rows, which the combine keeps for the "
+        "routing weights' gradient: that comes from the backward's first GEMM instead), expert_swiglu (the "
+        "SwiGLU output, recomputed from the kept gate/up values inside that GEMM)")
     fuse_elementwise: bool = Field(
         True, description="on CUDA, compile the norms, qk-norm and RoPE with torch.compile into fused kernels "
         "(forward and backward; a few seconds of compiling at the first step); CPU runs are never compiled")

@@ -83,12 +83,13 @@ def _signal_rows_landed(rows, row_ok, seg_ptr, expected_ptr, counters_ptr, flags
 @triton.jit(do_not_specialize=["seq"])  # `signal.MESSAGE_VALUES`
 def _ragged_rows_gemm_kernel(
     a_ptr, b_ptr, out_ptr, h13_ptr, dst_rows_ptr, offsets_ptr, act_ptr,
+    a_rows_ptr, scale_ptr, rowdot_ptr,
     seg_ptr, expected_ptr, counters_ptr, flags_ptr, seq, n_segments,
-    E, E_W, K, C, F_UP, num_programs,
+    E, E_W, K, C, F_UP, num_programs, n_rows,
     stride_am, stride_ak, stride_be, stride_bk, stride_bc,
     stride_om, stride_oc, stride_hm, stride_hc, stride_xm, stride_xc,
     EPILOGUE: tl.constexpr, SCATTER: tl.constexpr, SAVE_H13: tl.constexpr, SIGNAL: tl.constexpr,
-    SAVE_ACT: tl.constexpr,
+    SAVE_ACT: tl.constexpr, GATHER_A: tl.constexpr, ROW_SCALE: tl.constexpr,
     E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, FLATTEN: tl.constexpr,
 ):
@@ -98,6 +99,9 @@ def _ragged_rows_gemm_kernel(
     # pre-activations (gate | up), written when SAVE_H13, read by EPILOGUE_SWIGLU_GRAD; act [N, C]
     # receives silu(gate) * up recomputed from them when SAVE_ACT (EPILOGUE_SWIGLU_GRAD only).
     # SIGNAL (plain epilogue): row r belongs to segment seg[r] of `out`; `_signal_rows_landed`.
+    # GATHER_A: row r of a is a[a_rows[r]] (a [T, K] rows of tokens). ROW_SCALE (EPILOGUE_SWIGLU_GRAD):
+    # first rowdot[pid_n, r] = sum over this tile's columns of acc * silu(gate) * up, then acc is
+    # scaled by scale[r] (fp32) before the SwiGLU derivative.
     # E row groups over E_W weights: group g multiplies by b[g mod E_W] (E == E_W: one group per
     # expert; segment-major order, `fused_return.segment_major_order`: E = segments x E_W).
     pid = tl.program_id(0)
@@ -119,7 +123,11 @@ def _ragged_rows_gemm_kernel(
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < C
         ks = tl.arange(0, BLOCK_K)
-        a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_am + ks[None, :] * stride_ak
+        if GATHER_A:
+            a_rows = tl.load(a_rows_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+        else:
+            a_rows = rows.to(tl.int64)
+        a_ptrs = a_ptr + a_rows[:, None] * stride_am + ks[None, :] * stride_ak
         b_ptrs = (b_ptr + (expert % E_W).to(tl.int64) * stride_be + ks[:, None] * stride_bk
                   + cols[None, :] * stride_bc)
         ok = row_ok[:, None] & col_ok[None, :]
@@ -170,6 +178,10 @@ def _ragged_rows_gemm_kernel(
             gate = gate.to(tl.float32)
             up = up.to(tl.float32)
             sig = tl.sigmoid(gate)
+            if ROW_SCALE:  # d w of a row before its scale: (dy @ w2^T) . act = dy . (act @ w2) = dy . y
+                partial = tl.sum(tl.where(ok, acc * (gate * sig * up), 0.0), axis=1)
+                tl.store(rowdot_ptr + pid_n.to(tl.int64) * n_rows + rows64, partial, mask=row_ok)
+                acc = acc * tl.load(scale_ptr + rows, mask=row_ok, other=0.0)[:, None]
             d_gate = acc * up * sig * (1.0 + gate * (1.0 - sig))
             d_up = acc * gate * sig
             out_ptrs = out_ptr + rows64[:, None] * stride_om + cols[None, :] * stride_oc
@@ -277,6 +289,8 @@ def ragged_rows_gemm(
     signal: SegmentSignal | None = None,
     num_programs: int | None = None,
     act_N_C: torch.Tensor | None = None,
+    a_rows_N: torch.Tensor | None = None,
+    row_scale: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """out[rows_e] = epilogue(a[rows_e] @ b[e]) for every expert e, in one persistent launch.
     `offsets_E` may hold a multiple G of the experts' count: G row groups, group g using b[g mod E]
@@ -287,10 +301,15 @@ def ragged_rows_gemm(
     receives the pre-activations; with EPILOGUE_SWIGLU_GRAD, `h13_N2C` is read and out is [N, 2C],
     and `act_N_C` (if given) receives silu(gate) * up recomputed from `h13_N2C` (the forward's
     output, for the down weight's gradient, where the forward did not keep it: `recompute`).
+    `a_rows_N` (int32/64 [N]): row r of the product reads a_NK[a_rows_N[r]] (a holds tokens, not rows).
+    `row_scale` = (scale_N fp32 [N], rowdot_BN fp32 [column tiles, N]), EPILOGUE_SWIGLU_GRAD only: each
+    row's product is scaled by scale_N before the SwiGLU derivative, and rowdot_BN first receives,
+    per column tile, the unscaled product's row dot with silu(gate) * up (summed over tiles: the
+    routing weight's gradient dy . y without the rows y, `kernels.fused_moe`).
     `dst_rows_N` (plain epilogue only) sends row r of the result to out[dst_rows_N[r]]; `signal`
     (with it) raises each segment's flag once its rows are stored (`SegmentSignal`).
     """
-    n_rows, k = a_NK.shape
+    n_rows, k = a_NK.shape if a_rows_N is None else (a_rows_N.shape[0], a_NK.shape[1])
     experts, k_b, width = b_EKC.shape
     groups = offsets_E.shape[0]  # row groups: a multiple of the experts, group g uses b[g mod experts]
     assert k_b == k and offsets_E.dim() == 1 and groups % experts == 0 and offsets_E.dtype == torch.int32
@@ -298,10 +317,14 @@ def ragged_rows_gemm(
     if out is None:
         out_cols = 2 * cols if epilogue == EPILOGUE_SWIGLU_GRAD else cols
         out = a_NK.new_empty((n_rows, out_cols))
+    if row_scale is not None and (n_rows == 0 or cols == 0):
+        row_scale[1].zero_()
     assert dst_rows_N is None or epilogue == EPILOGUE_PLAIN
     assert signal is None or dst_rows_N is not None
     assert epilogue != EPILOGUE_SWIGLU_GRAD or h13_N2C is not None
     assert act_N_C is None or (epilogue == EPILOGUE_SWIGLU_GRAD and act_N_C.shape == (n_rows, cols))
+    assert row_scale is None or (epilogue == EPILOGUE_SWIGLU_GRAD and row_scale[1].shape[1] == n_rows
+                                 and row_scale[1].shape[0] == triton.cdiv(cols, config.block_n))
     if signal is None and (n_rows == 0 or cols == 0):
         return out
     h13 = h13_N2C if h13_N2C is not None else out
@@ -309,15 +332,17 @@ def ragged_rows_gemm(
     sig = signal or SegmentSignal(offsets_E, offsets_E, offsets_E, offsets_E, 0)
     programs = num_programs or default_num_programs(a_NK.device) * config.programs_per_sm
     act = act_N_C if act_N_C is not None else out
+    scale, rowdot = row_scale if row_scale is not None else (out, out)
     _ragged_rows_gemm_kernel[(programs,)](
         a_NK, b_EKC, out, h13, dst, offsets_E, act,
+        a_rows_N if a_rows_N is not None else offsets_E, scale, rowdot,
         sig.seg_N, sig.expected_S, sig.counters_S, sig.flags_S, sig.seq, sig.expected_S.numel(),
-        groups, experts, k, cols, cols, programs,
+        groups, experts, k, cols, cols, programs, n_rows,
         a_NK.stride(0), a_NK.stride(1), b_EKC.stride(0), b_EKC.stride(1), b_EKC.stride(2),
         out.stride(0), out.stride(1), h13.stride(0), h13.stride(1), act.stride(0), act.stride(1),
         EPILOGUE=epilogue, SCATTER=dst_rows_N is not None,
         SAVE_H13=epilogue == EPILOGUE_SWIGLU and h13_N2C is not None, SIGNAL=signal is not None,
-        SAVE_ACT=act_N_C is not None,
+        SAVE_ACT=act_N_C is not None, GATHER_A=a_rows_N is not None, ROW_SCALE=row_scale is not None,
         E_POW2=triton.next_power_of_2(groups), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, GROUP_M=config.group_m, EVEN_K=k % config.block_k == 0,
         FLATTEN=config.flatten, num_warps=config.num_warps, num_stages=config.num_stages,

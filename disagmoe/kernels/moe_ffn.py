@@ -124,6 +124,7 @@ def moe_ffn_backward(
     num_programs: int | None = None,
     main_grads: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
     input_grad: Callable[[torch.Tensor, torch.Tensor, TileConfig], torch.Tensor | None] | None = None,
+    weighted_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """(dx_NH, dw13_EH2F, dw2_EFH) from the forward's saved activation and pre-activations
     (`act_NF` None: recomputed from `h13_N2F` in the dgrad's epilogue, `expert_swiglu`).
@@ -132,6 +133,11 @@ def moe_ffn_backward(
     `fused_return.down_to_destination`); its result is returned as dx.
     `offsets_E` may hold G = bands x E row groups (module docstring): the weight gradients are
     still [E, ...], each expert's summed over its groups in ascending order.
+    `weighted_rows` = (dy_TH, token_N, scale_N, rowdot_BN): dy_NH is dy_TH[token_N] * scale_N (the
+    combine's output gradient, rows weighted by their routing weights); the down dgrad reads the
+    unscaled token rows and scales them itself, after writing into rowdot_BN each row's dot with
+    the SwiGLU output (`grouped_gemm.ragged_rows_gemm`'s `row_scale`: the routing weights'
+    gradient, `kernels.fused_moe`).
     `main_grads` (w13's, w2's; e.g. FlatAdamW's fp32 buffers): a weight gradient is added into
     its main gradient by the GEMM itself and None is returned for it; inside
     `kernels.deferral.deferred_weight_grads` (both main gradients given) those GEMMs wait in its list."""
@@ -140,9 +146,16 @@ def moe_ffn_backward(
         act_out = act_NF
     else:
         act_out = None
-    dh13_N2F = gg.ragged_rows_gemm(dy_NH, offsets_E, w2_EFH.transpose(1, 2), tiles.down_dgrad,
-                                   epilogue=gg.EPILOGUE_SWIGLU_GRAD, h13_N2C=h13_N2F,
-                                   num_programs=num_programs, act_N_C=act_out)
+    if weighted_rows is None:
+        dh13_N2F = gg.ragged_rows_gemm(dy_NH, offsets_E, w2_EFH.transpose(1, 2), tiles.down_dgrad,
+                                       epilogue=gg.EPILOGUE_SWIGLU_GRAD, h13_N2C=h13_N2F,
+                                       num_programs=num_programs, act_N_C=act_out)
+    else:
+        dy_TH, token_N, scale_N, rowdot_BN = weighted_rows
+        dh13_N2F = gg.ragged_rows_gemm(dy_TH, offsets_E, w2_EFH.transpose(1, 2), tiles.down_dgrad,
+                                       epilogue=gg.EPILOGUE_SWIGLU_GRAD, h13_N2C=h13_N2F,
+                                       num_programs=num_programs, act_N_C=act_out, a_rows_N=token_N,
+                                       row_scale=(scale_N, rowdot_BN))
     if input_grad is not None:  # the input gradient first: the critical path
         dx_NH = input_grad(dh13_N2F, w13_EH2F.transpose(1, 2), tiles.gate_up_dgrad)
     else:

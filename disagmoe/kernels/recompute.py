@@ -1,6 +1,7 @@
 """What selective recomputation (`TrainConfig.recompute: selective`) may drop from the expert
 FFN's saved state, and where dropped input rows come from again (torch only: the runtime's
-stages name these without importing Triton; `kernels.moe_ffn` says how each is recomputed).
+stages name these without importing Triton; `kernels.moe_ffn` says how expert_input and
+expert_swiglu come back, `kernels.fused_moe` how the combine does without expert_output).
 
 Shape legend: T tokens, K top-k, N = T K grouped rows, H hidden.
 """
@@ -11,8 +12,8 @@ import dataclasses
 
 import torch
 
-EXPERT_SWIGLU, EXPERT_INPUT = "expert_swiglu", "expert_input"
-RECOMPUTABLE = (EXPERT_INPUT, EXPERT_SWIGLU)  # what `recompute: selective` may drop (how each returns: kernels.moe_ffn)
+EXPERT_SWIGLU, EXPERT_INPUT, EXPERT_OUTPUT = "expert_swiglu", "expert_input", "expert_output"
+RECOMPUTABLE = (EXPERT_INPUT, EXPERT_OUTPUT, EXPERT_SWIGLU)  # what `recompute: selective` may drop (how each returns: kernels.moe_ffn)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from disagmoe.config import ModelConfig
-from disagmoe.kernels.recompute import EXPERT_INPUT, RowSource
+from disagmoe.kernels.recompute import EXPERT_INPUT, EXPERT_OUTPUT, RowSource
 from disagmoe.model.attention import build_attention
 from disagmoe.model.dispatch import ExpertGrouping, combine, group_by_expert, permute
 from disagmoe.model.experts import RoutedExperts
@@ -119,10 +119,13 @@ class MoEBlock(Block):
         (the same arithmetic; the combine sums each token's k rows in fp32)."""
         from disagmoe.kernels.permute import combine_rows, permute_tokens
 
-        x_PH, offsets_E, dest_NK = permute_tokens(routing.xn_NH, routing.topk_idx_NK, self.moe.router.num_experts)
         experts = self.moe.experts
-        source = RowSource.of_permute(routing.xn_NH, dest_NK) if EXPERT_INPUT in experts.recompute else None
-        ffn_NH = combine_rows(experts(x_PH, offsets_E, source=source), dest_NK, routing.topk_w_NK)
+        if EXPERT_OUTPUT in experts.recompute:  # one op that keeps no output rows (`kernels.fused_moe`)
+            ffn_NH = experts.fused_layer(routing.xn_NH, routing.topk_idx_NK, routing.topk_w_NK)
+        else:
+            x_PH, offsets_E, dest_NK = permute_tokens(routing.xn_NH, routing.topk_idx_NK, self.moe.router.num_experts)
+            source = RowSource.of_permute(routing.xn_NH, dest_NK) if EXPERT_INPUT in experts.recompute else None
+            ffn_NH = combine_rows(experts(x_PH, offsets_E, source=source), dest_NK, routing.topk_w_NK)
         shared_NH = self.shared_ffn(routing)
         if shared_NH is not None:
             ffn_NH = ffn_NH + shared_NH

@@ -168,6 +168,15 @@ class RoutedExperts(nn.Module):
                              "backend keeps what torch autograd saves); set experts_backend: triton or recompute: none")
         self.recompute = frozenset(modules)
 
+    def fused_layer(self, x_TH: torch.Tensor, topk_TK: torch.Tensor, w_TK: torch.Tensor,
+                    spare_last: bool = False) -> torch.Tensor:
+        """The layer's routed term, sum_k w[t, k] expert_{topk[t, k]}(x[t]), as one op that keeps no
+        output rows (`kernels.fused_moe`; `recompute` with expert_output, the triton backend)."""
+        from disagmoe.kernels.fused_moe import fused_moe
+
+        return fused_moe(x_TH, topk_TK, w_TK, self.w13_EH2F, self.w2_EFH, spare_last=spare_last,
+                         recompute=self.recompute)
+
     def forward(self, x_NH: torch.Tensor, offsets_E: torch.Tensor, source=None) -> torch.Tensor:
         """Rows grouped by (local) expert -> output rows in the same order. `source`
         (`kernels.recompute.RowSource`): where the rows came from, kept instead of them when

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from disagmoe.model.dispatch import expert_counts
-from disagmoe.kernels.recompute import EXPERT_INPUT, RowSource
+from disagmoe.kernels.recompute import EXPERT_INPUT, EXPERT_OUTPUT, RowSource
 from disagmoe.model.experts import RoutedExperts
 
 
@@ -47,6 +47,8 @@ def _fused(x_TH: torch.Tensor, local_TK: torch.Tensor, w_TK: torch.Tensor, exper
     from disagmoe.kernels.permute import combine_rows, permute_tokens
 
     num_local = experts.num_experts
+    if EXPERT_OUTPUT in experts.recompute:  # one op that keeps no output rows (`kernels.fused_moe`)
+        return experts.fused_layer(x_TH, local_TK, w_TK, spare_last=True)
     x_PH, offsets_E1, dest_TK = permute_tokens(x_TH, local_TK, num_local + 1, spare_last=True)
     source = RowSource.of_permute(x_TH, dest_TK) if EXPERT_INPUT in experts.recompute else None
     y_PH = experts(x_PH, offsets_E1[:num_local], source=source)

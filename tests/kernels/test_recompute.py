@@ -112,7 +112,7 @@ def test_what_cannot_be_recomputed_is_refused_with_the_fix(kernels):
 
     _, _, moe_ffn = kernels
     x, w13, w2 = torch.randn(4, 8), torch.randn(1, 8, 8), torch.randn(1, 4, 8)
-    with pytest.raises(ValueError, match=r"the triton experts recompute expert_input, expert_swiglu; got \['norms'\]"):
+    with pytest.raises(ValueError, match=r"the triton experts recompute expert_input, expert_output, expert_swiglu; got \['norms'\]"):
         moe_ffn.expert_ffn_triton(x, torch.tensor([4], dtype=torch.int32), w13, w2, recompute=frozenset({"norms"}))
     with pytest.raises(ValueError, match="needs experts_backend: triton .* set experts_backend: triton or recompute: none"):
         RoutedExperts(2, 8, 4, backend="grouped_mm").set_recompute(frozenset({EXPERT_INPUT}))
