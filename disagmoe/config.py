@@ -754,7 +754,13 @@ def load_hardware(ref: str | HardwareConfig) -> HardwareConfig:
 def load_train_config(path: str | Path, overrides: list[str] | None = None) -> TrainConfig:
     """A training YAML, with `key.sub=value` overrides (values parsed as YAML scalars)."""
     path = Path(path)
-    data = read_mapping(path, "--config")
+    data = apply_overrides(read_mapping(path, "--config"), overrides)
+    return validate(TrainConfig, data, str(path))
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str] | None) -> dict[str, Any]:
+    """`data` (a config's mapping) with `key.sub=value` overrides set in place (values parsed as
+    YAML scalars); ValueError naming an override that is not key=value or not valid YAML."""
     for item in overrides or []:
         key, sep, raw = item.partition("=")
         if not sep or not key:
@@ -770,4 +776,4 @@ def load_train_config(path: str | Path, overrides: list[str] | None = None) -> T
         except (DuplicateKey, yaml.YAMLError, RecursionError) as err:
             raise ValueError(f"override {item!r}: the value is not valid YAML ({err or 'nested too deep'})") from None
         check_depth(node[parts[-1]], f"override {key}")
-    return validate(TrainConfig, data, str(path))
+    return data

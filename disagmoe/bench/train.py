@@ -9,11 +9,16 @@ the single GPU where `single` ran. Each row also carries MFU per GPU (model FLOP
 (learned or forced-balanced) and the mean load imbalance of the timed steps. `baseline="hf"` adds
 Hugging Face transformers' Qwen3MoeForCausalLM on one GPU, same shape and batch
 (`bench.hf_baseline`).
+
+Variants (`variants`, e.g. ["recompute=none", "recompute=selective"]): every mode runs once per
+variant (each a set of config overrides), in the same run; each row then also gives its
+tokens/s and peak memory against the same mode's row of the first variant.
 """
 
 from __future__ import annotations
 
 import platform
+import shlex
 import statistics
 import tempfile
 from collections.abc import Callable
@@ -21,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from disagmoe.config import TrainConfig
+from disagmoe.config import TrainConfig, apply_overrides, validate
 from disagmoe.runtime.observe.metrics import read_metrics
 from disagmoe.runtime.training.loop import METRICS_FILE
 from disagmoe.runtime.training.trainer import SingleProcessTrainer
@@ -30,6 +35,17 @@ MODES = ("single", "disaggregated", "colocated")
 
 
 HOPS = ("partial_sums", "pair_rows")
+
+
+def variant_config(cfg: TrainConfig, variant: str | None) -> TrainConfig:
+    """`cfg` with a variant's overrides ("key=value key2=value2"; None: `cfg` itself), checked
+    as the config is (ValueError naming the variant)."""
+    if variant is None:
+        return cfg
+    overrides = shlex.split(variant)
+    if not overrides:
+        raise ValueError("--variant '': give key=value overrides, e.g. --variant recompute=selective")
+    return validate(TrainConfig, apply_overrides(cfg.model_dump(), overrides), f"--variant {variant!r}")
 
 
 def mode_config(cfg: TrainConfig, mode: str, steps: int, out_dir: Path, transport: str | None = None,
@@ -90,16 +106,34 @@ def summarise(rows: list[dict]) -> list[dict]:
     def speed(r: dict) -> bool:  # a time-sliced row (ranks sharing a GPU) is no speed figure, nor a base for one
         return not (r.get("time_sliced") or base.get("time_sliced"))
 
+    first_variant = rows[0].get("variant")
+
+    def same_run_of_first_variant(r: dict) -> dict | None:
+        if r.get("variant") is None:
+            return None
+        return next((o for o in rows if o.get("variant") == first_variant and
+                     (o["mode"], o.get("transport"), o.get("hop")) == (r["mode"], r.get("transport"), r.get("hop"))),
+                    None)
+
+    def vs_variant(r: dict) -> dict:
+        other = same_run_of_first_variant(r)
+        if other is None:
+            return {}
+        memory = (r["peak_memory_gib"] / other["peak_memory_gib"]
+                  if r.get("peak_memory_gib") and other.get("peak_memory_gib") else None)
+        return {"variant_baseline": first_variant, "memory_vs_variant": memory,
+                "vs_variant": r["tokens_per_s"] / other["tokens_per_s"] if speed(r) and speed(other) else None}
+
     return [{**r, "baseline": label(base), "speedup": base["median_step_s"] / r["median_step_s"] if speed(r) else None,
              "vs_single": None if single is None or not (speed(r) and not single.get("time_sliced"))
              else r["tokens_per_s"] / single["tokens_per_s"],
-             "mean_loss_vs_single": loss_vs_single(r)} for r in rows]
+             "mean_loss_vs_single": loss_vs_single(r), **vs_variant(r)} for r in rows]
 
 
 def row_label(r: dict) -> str:
-    """A row's name: its mode, with its transport and hop where it has them, and 'time-sliced'
-    where its ranks shared GPUs."""
-    parts = [p for p in (r.get("transport"), r.get("hop") and r["hop"].replace("_", " "),
+    """A row's name: its mode, with its transport and hop where it has them, its variant, and
+    'time-sliced' where its ranks shared GPUs."""
+    parts = [p for p in (r.get("transport"), r.get("hop") and r["hop"].replace("_", " "), r.get("variant"),
                          r.get("time_sliced") and "time-sliced") if p]
     return f"{r['mode']} ({', '.join(parts)})" if parts else r["mode"]
 
@@ -141,14 +175,18 @@ def runs_of(modes: list[str], transports: list[str] | None,
 
 def run(cfg: TrainConfig, modes: list[str], steps: int, warmup: int,
         log: Callable[[str], None], baseline: str | None = None, transports: list[str] | None = None,
-        hops: list[str] | None = None) -> dict:
+        hops: list[str] | None = None, variants: list[str] | None = None) -> dict:
     if baseline not in (None, "hf"):
         raise ValueError(f"unknown baseline {baseline!r}; the one outside baseline is 'hf' (transformers)")
+    configs = [(v, variant_config(cfg, v)) for v in variants or [None]]  # every variant checked before any run
     rows = []
     with tempfile.TemporaryDirectory(prefix="disagmoe-bench-train-") as tmp:
-        for mode, transport, hop in runs_of(modes, transports, hops):
-            mcfg = mode_config(cfg, mode, steps, Path(tmp), transport, hop)
-            log(f"{mode}{'' if mode == 'single' else f' ({mcfg.transport}, hop {mcfg.hop})'}: {steps} steps")
+        for (variant, vcfg), (mode, transport, hop) in ((c, r) for c in configs
+                                                          for r in runs_of(modes, transports, hops)):
+            out = Path(tmp) / f"variant-{[v for v, _ in configs].index(variant)}"
+            mcfg = mode_config(vcfg, mode, steps, out, transport, hop)
+            log(f"{mode}{'' if mode == 'single' else f' ({mcfg.transport}, hop {mcfg.hop})'}"
+                f"{f' [{variant}]' if variant else ''}: {steps} steps")
             used_hop, time_sliced = None, False
             if mode == "single":
                 SingleProcessTrainer(mcfg).run()
@@ -161,12 +199,12 @@ def run(cfg: TrainConfig, modes: list[str], steps: int, warmup: int,
             records = read_metrics(Path(mcfg.out_dir) / METRICS_FILE)
             step_s = median_step(records, warmup)
             ranks = {"single": 1, "colocated": mcfg.colocated_ranks,
-                     "disaggregated": cfg.attention_ranks + cfg.expert_ranks}[mode]
+                     "disaggregated": vcfg.attention_ranks + vcfg.expert_ranks}[mode]
             flops = records[-1]["flops"]
             imbalance = [statistics.fmean(r["load_imbalance"]) for r in records
                          if r["step"] > warmup and r.get("load_imbalance")]
             rows.append({"mode": mode, "transport": None if mode == "single" else mcfg.transport, "hop": used_hop,
-                         "ranks": ranks, "time_sliced": time_sliced,
+                         "variant": variant, "ranks": ranks, "time_sliced": time_sliced,
                          "median_step_s": step_s, "gpu_wait": mean_waits(records, warmup),
                          "tokens_per_s": records[-1]["tokens"] / step_s, "final_loss": records[-1]["loss"],
                          "mean_loss": mean_of(records, "loss", 0),

@@ -316,6 +316,10 @@ def train(
     hop: Annotated[list[str] | None, typer.Option(
         help="partial_sums | pair_rows (repeatable): how expert outputs return, each timed in the same run "
              "(default: the config's hop; pair rows over nccl are left out: they need nvshmem)")] = None,
+    variant: Annotated[list[str] | None, typer.Option(
+        help="config overrides for one more run of every mode, e.g. 'recompute=selective' or "
+             "'micro_batches=2 batch_size=8' (repeatable, quoted when several): each row then also gives its "
+             "tokens/s and peak memory against the same mode under the first variant")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
     out: Annotated[Path | None, typer.Option("--out", "-o", help="also write the JSON record here")] = None,
 ) -> None:
@@ -335,6 +339,9 @@ def train(
              --transport nccl --transport nvshmem routing=balanced
     \b
     the pair-row return too: ... --transport nccl --transport nvshmem --hop partial_sums --hop pair_rows
+    \b
+    recomputation against none: disagmoe bench train -c configs/h200x2-qwen3-30b.yaml --mode single \
+             --variant recompute=none --variant recompute=selective
     """
     from disagmoe.bench import train as bench
     from disagmoe.config import load_train_config
@@ -342,7 +349,8 @@ def train(
     cfg = load_train_config(config, overrides or [])
     log = (lambda m: err_console.print(m, highlight=False, markup=False)) if as_json else (
         lambda m: console.print(m, highlight=False, markup=False))
-    record = bench.run(cfg, mode or ["disaggregated", "colocated"], steps, warmup, log, baseline, transport, hop)
+    record = bench.run(cfg, mode or ["disaggregated", "colocated"], steps, warmup, log, baseline, transport, hop,
+                       variant)
     if out is not None:
         out.write_text(json.dumps(record, indent=1) + "\n")
     if as_json:
@@ -354,8 +362,11 @@ def train(
                         f"{routing} routing), median of steps {warmup + 1}-{steps}")
     base = record["modes"][0]["baseline"]
     with_single = base != "single" and any(r.get("vs_single") is not None for r in record["modes"])
+    first_variant = next((r["variant_baseline"] for r in record["modes"] if r.get("variant_baseline")), None)
+    variant_columns = (f"vs {first_variant}", f"memory vs {first_variant}") if first_variant else ()
     columns = ("mode", "ranks", "step", "tokens/s", "MFU/GPU", "of ceiling", "peak memory", "imbalance",
-               "final loss", "busy", "combine wait", "vs " + base, *(("vs single",) if with_single else ()))
+               "final loss", "busy", "combine wait", "vs " + base, *(("vs single",) if with_single else ()),
+               *variant_columns)
     for col in columns:
         table.add_column(col, justify="left" if col in ("mode", "busy", "combine wait") else "right")
 
@@ -376,7 +387,8 @@ def train(
         table.add_row(label, str(r["ranks"]), seconds(r['median_step_s']), f"{r['tokens_per_s']:,.0f}",
                       pct(r.get("mfu")), pct(r.get("mfu_ceiling")), memory(r.get("peak_memory_gib")),
                       num(r.get("load_imbalance"), ".2f"), f"{r['final_loss']:.4f}", busy, waits, times(r.get("speedup")),
-                      *((times(r.get("vs_single")),) if with_single else ()))
+                      *((times(r.get("vs_single")),) if with_single else ()),
+                      *((times(r.get("vs_variant")), times(r.get("memory_vs_variant"))) if first_variant else ()))
     console.print(table)
     if any(r.get("time_sliced") for r in record["modes"]):
         console.print("time-sliced rows: their ranks shared GPUs (ranks_per_gpu), so their step times test the "

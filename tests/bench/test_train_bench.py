@@ -5,7 +5,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from disagmoe.bench.train import mean_busy, mean_waits, median_step, mode_config, runs_of, summarise
+from disagmoe.bench.train import mean_busy, mean_waits, median_step, mode_config, row_label, runs_of, summarise
 from disagmoe.cli.app import app
 from disagmoe.config import TrainConfig
 
@@ -80,3 +80,30 @@ def test_cli_times_the_single_mode():
     record = json.loads(r.stdout)
     (row,) = record["modes"]
     assert row["mode"] == "single" and row["median_step_s"] > 0 and row["speedup"] == 1.0 and row["busy"] == {}
+
+
+def test_variants_run_every_mode_again_and_compare_with_the_first():
+    """Two variants of the tiny CPU config in one run (CPU: no memory figure, so no memory ratio):
+    a row per variant, labelled, each against the same mode under the first variant."""
+    r = CliRunner().invoke(app, ["bench", "train", "--config", "configs/tiny-cpu.yaml", "--mode", "single",
+                                 "--steps", "3", "--warmup", "1", "--variant", "micro_batches=1",
+                                 "--variant", "micro_batches=2 optim.lr=1e-3", "--json"])
+    assert r.exit_code == 0, r.output
+    first, second = json.loads(r.stdout)["modes"]
+    assert (first["variant"], second["variant"]) == ("micro_batches=1", "micro_batches=2 optim.lr=1e-3")
+    assert first["vs_variant"] == 1.0 and second["variant_baseline"] == "micro_batches=1"
+    assert second["vs_variant"] == pytest.approx(second["tokens_per_s"] / first["tokens_per_s"])
+    assert first["memory_vs_variant"] is None  # CPU runs record no peak memory
+    assert row_label(second) == "single (micro_batches=2 optim.lr=1e-3)"
+
+
+@pytest.mark.parametrize("variant, message", [
+    ("micro_batches", "override 'micro_batches' must look like key=value"),
+    ("recompute=sometimes", "--variant 'recompute=sometimes': recompute"),
+    ("", "give key=value overrides"),
+])
+def test_a_variant_that_cannot_run_is_refused_before_any_step(variant, message):
+    r = CliRunner().invoke(app, ["bench", "train", "--config", "configs/tiny-cpu.yaml", "--mode", "single",
+                                 "--steps", "3", "--variant", "micro_batches=1", "--variant", variant])
+    assert r.exit_code != 0 and message in r.output and "Traceback" not in r.output, r.output
+    assert ": 3 steps" not in r.output  # refused before the first variant's run started
