@@ -1,11 +1,15 @@
 """`bench.probe`: the recorded fingerprint is the probe's code, edits that cannot change a
-measurement leave it, and a file another probe version measured is named with the fix."""
+measurement leave it, and `plan` / `roofline` warn about a file another probe version measured."""
 
 import pytest
 import yaml
+from typer.testing import CliRunner
 
 from disagmoe.bench import probe
+from disagmoe.cli.app import app
 from disagmoe.config import PRESETS_DIR, Calibration, RatePoint, load_hardware, preset_names
+
+runner = CliRunner()
 
 
 def test_the_recorded_fingerprint_is_the_probes_code():
@@ -71,6 +75,30 @@ def _calibrated_file(tmp_path, version: int | None):
     path.write_text(yaml.safe_dump(hw.model_copy(update={"name": "h200-sxm-calibrated", "calibration": cal})
                                    .model_dump(mode="json"), sort_keys=False))
     return path
+
+
+PLAN = ["plan", "--model", "qwen3-30b-a3b", "--gpus", "8", "--seq-len", "4096", "--global-batch-tokens",
+        str(32 * 4096), "--json", "--hardware"]
+ROOFLINE = ["roofline", "--model", "qwen3-30b-a3b", "--gpus", "8", "--json", "--hardware"]
+
+
+@pytest.mark.parametrize("command", [PLAN, ROOFLINE], ids=["plan", "roofline"])
+def test_a_file_another_probe_measured_plans_with_one_warning_line(tmp_path, command):
+    stale = _calibrated_file(tmp_path, probe.PROBE_VERSION - 1)
+    r = runner.invoke(app, [*command, str(stale)])
+    assert r.exit_code == 0, r.output
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"warning: {stale}: its calibration was measured by probe "
+                                                   f"version {probe.PROBE_VERSION - 1} "), lines
+    assert f"now at version {probe.PROBE_VERSION}" in lines[0]
+    assert f"disagmoe bench calibrate --hardware h200-sxm --out {stale}" in lines[0]
+    assert r.stdout.lstrip().startswith("{")  # the JSON on stdout stays JSON
+
+
+def test_a_current_file_and_an_uncalibrated_preset_plan_without_a_warning(tmp_path):
+    for hardware in (str(_calibrated_file(tmp_path, probe.PROBE_VERSION)), "h200-sxm"):
+        r = runner.invoke(app, [*PLAN, hardware])
+        assert r.exit_code == 0 and r.stderr == "", r.output
 
 
 def test_a_file_older_than_versions_and_a_preset_are_named_with_their_file(tmp_path):
