@@ -236,6 +236,11 @@ class Calibration(StrictModel):
     """
 
     source: str = Field("", description="what produced these numbers (command, GPU, date)")
+    probe_version: PositiveInt | None = Field(None, description="the version of `bench calibrate`'s probe that "
+                                              "measured these terms (`bench.probe.PROBE_VERSION`); plan and roofline "
+                                              "warn when it is not the current one (absent: older than versions)")
+    probe_fingerprint: str = Field("", description="the hash of that probe's code (`bench.probe.PROBE_FINGERPRINT`); "
+                                   "documentation only")
     expert_gemm: list[RatePoint] = Field(default_factory=list)
     attention: list[RatePoint] = Field(default_factory=list)
     op_fixed_us: dict[OpKind, NonNegFloat] = Field(default_factory=dict)

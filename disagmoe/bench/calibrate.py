@@ -36,7 +36,10 @@ The expert curve runs the model's own expert count, capped at ROWS_PER_OP rows i
 GPU, and measured the launch size rather than the rows per expert.
 
 The measured terms replace the preset's; terms this machine cannot measure (one GPU: no links)
-keep what the preset (or the --out file being refreshed) already had (`merge_calibration`).
+keep what the preset (or the --out file being refreshed) already had (`merge_calibration`), if
+the same probe version measured them. The file records that version (`bench.probe`: PROBE_VERSION
+and a hash of the code here that measures and does the arithmetic): change what is measured or
+how and tests/bench/test_probe.py fails until the version is bumped.
 Everything above the `--- GPU ---` line is plain arithmetic and runs (and is tested) on a CPU.
 Legend: N rows, E experts, H hidden, F expert FFN size, B batch, S sequence, n heads, D head dim.
 """
@@ -52,6 +55,7 @@ import torch
 import yaml
 
 from disagmoe.bench import hardware
+from disagmoe.bench.probe import PROBE_FINGERPRINT, PROBE_VERSION
 from disagmoe.config import Calibration, HardwareConfig, LinkCost, ModelConfig, RatePoint, write_text_file
 
 ROWS_PER_EXPERT = (16, 64, 256, 1024, 4096)
@@ -168,11 +172,15 @@ def merge_calibration(old: Calibration | None, new: Calibration) -> Calibration:
 
 
 def calibrated_hardware(preset: HardwareConfig, m: Measurements) -> HardwareConfig:
-    """The preset with `bench hardware`'s measured fractions and the merged calibration section."""
+    """The preset with `bench hardware`'s measured fractions and the merged calibration section,
+    which records the current probe version: terms are kept only from a calibration that version
+    measured (another's would be written as if this probe had measured them)."""
     hw = hardware.calibrated(preset, m.hardware)
     source = f"`disagmoe bench calibrate` {time.strftime('%Y-%m-%d')} (measured terms) over {preset.source or preset.name}"
-    return hw.model_copy(update={"name": f"{preset.name}-calibrated", "source": source,
-                                 "calibration": merge_calibration(preset.calibration, m.calibration)})
+    old = preset.calibration if preset.calibration and preset.calibration.probe_version == PROBE_VERSION else None
+    calibration = merge_calibration(old, m.calibration).model_copy(
+        update={"probe_version": PROBE_VERSION, "probe_fingerprint": PROBE_FINGERPRINT})
+    return hw.model_copy(update={"name": f"{preset.name}-calibrated", "source": source, "calibration": calibration})
 
 
 def preset_text(hw: HardwareConfig, m: Measurements, env: dict[str, str], command: str) -> str:

@@ -259,7 +259,8 @@ def hardware(
 @user_errors
 def calibrate(
     preset: Annotated[str, typer.Option("--hardware", help="the preset (or hardware YAML) whose peaks the measured "
-                                        "fractions refer to; its calibration terms this machine cannot measure are kept")],
+                                        "fractions refer to; its calibration terms this machine cannot measure are kept "
+                                        "(when measured by the current probe version)")],
     out: Annotated[Path, typer.Option("--out", "-o", help="write the calibrated hardware YAML here")],
     model: Annotated[str, typer.Option("--model", "-m", help="model preset whose expert and attention shapes "
                                        "are measured (hidden, expert FFN, heads)")] = "qwen3-30b-a3b",

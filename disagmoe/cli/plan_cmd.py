@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import warnings
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -11,14 +12,16 @@ from rich.panel import Panel
 from rich.table import Table
 
 from disagmoe import compact
+from disagmoe.bench.probe import stale_note
 from disagmoe.cli.common import console, literal, print_json, user_errors
-from disagmoe.config import ClusterConfig, Plan, PlanConfig, load_hardware, write_text_file
+from disagmoe.config import ClusterConfig, HardwareConfig, Plan, PlanConfig, load_hardware, write_text_file
 from disagmoe.model_ref import load_model
 from disagmoe.placement.cost import Candidates
 from disagmoe.placement.experts import read_histogram
 from disagmoe.placement.solver import Choice, choose, price, roofline_rows
 from disagmoe.roofline import report
 from disagmoe.roofline.params import params_text
+from disagmoe.runtime.failures import RunWarning
 
 ModelOpt = Annotated[str, typer.Option("--model", "-m", help="model preset (see `disagmoe presets`), "
                                        "a model YAML, or a Hugging Face config.json")]
@@ -41,10 +44,20 @@ def build_request(model: str, hardware: str, gpus: int, seq_len: int | None, glo
                   max_expert_replicas: int = 0, shard_optimizer_states: bool = False) -> PlanConfig:
     mcfg = load_model(model)
     hist = read_histogram(load_histogram, mcfg.num_moe_layers, mcfg.num_experts) if load_histogram else None
-    return PlanConfig(model=mcfg, cluster=ClusterConfig(hardware=load_hardware(hardware), num_gpus=gpus),
+    return PlanConfig(model=mcfg, cluster=ClusterConfig(hardware=checked_hardware(hardware), num_gpus=gpus),
                       seq_len=seq_len or mcfg.seq_len, global_batch_tokens=global_batch_tokens,
                       load_histogram=hist, max_pipeline_groups=max_pipeline_groups,
                       max_expert_replicas=max_expert_replicas, shard_optimizer_states=shard_optimizer_states)
+
+
+def checked_hardware(ref: str) -> HardwareConfig:
+    """The hardware preset or YAML `ref`, with a warning line if its calibration was measured by
+    another version of `bench calibrate`'s probe (`bench.probe.stale_note`)."""
+    hw = load_hardware(ref)
+    note = stale_note(hw, ref)
+    if note:
+        warnings.warn(note, RunWarning, stacklevel=2)
+    return hw
 
 
 @user_errors
@@ -291,7 +304,7 @@ def _run_hardware(cfg, config: Path, hardware: str | None):
     ref = hardware or cfg.hardware
     if ref is None:
         raise ValueError(f"{config} names no hardware; pass --hardware (a preset or a calibrated YAML) to price it on")
-    return load_hardware(ref)
+    return checked_hardware(ref)
 
 
 def _compare(trace: Path, config: Path | None, hardware: str | None, as_json: bool, plot_path: Path | None) -> None:

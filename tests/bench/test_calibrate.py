@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 
 from disagmoe.bench import calibrate as cal
 from disagmoe.bench.hardware import Measured
+from disagmoe.bench.probe import PROBE_FINGERPRINT, PROBE_VERSION
 from disagmoe.cli.app import app
 from disagmoe.config import Calibration, HardwareConfig, LinkCost, Plan, RatePoint, load_hardware
 from disagmoe.model_ref import load_model
@@ -137,6 +138,7 @@ def test_the_command_writes_a_yaml_that_plan_and_roofline_accept(tmp_path, monke
     assert text.startswith("# Calibrated by `disagmoe bench calibrate --hardware h200-sxm")
     hw = HardwareConfig.model_validate(yaml.safe_load(text))
     assert hw.name == "h200-sxm-calibrated" and hw.calibration.source == "fake grouped_mm"
+    assert (hw.calibration.probe_version, hw.calibration.probe_fingerprint) == (PROBE_VERSION, PROBE_FINGERPRINT)
     printed = r.stdout[: r.stdout.rindex("calibrated hardware written to")]
     assert yaml.safe_load(printed) == yaml.safe_load(text)  # what it prints is the file, never wrapped
     assert hw.efficiency.matmul == pytest.approx(0.7) and hw.bf16_tflops == load_hardware("h200-sxm").bf16_tflops
@@ -164,6 +166,17 @@ def test_a_refresh_keeps_the_out_files_terms_this_machine_cannot_measure(tmp_pat
     monkeypatch.setattr(cal, "measure_all", lambda *a: one_gpu)
     assert runner.invoke(app, ["bench", "calibrate", "--hardware", "h200-sxm", "--out", str(out)]).exit_code == 0
     assert load_hardware(str(out)).calibration.p2p == two_gpus.calibration.p2p
+
+
+def test_a_refresh_keeps_no_term_another_probe_version_measured():
+    """Kept terms would be written as measured by this probe: only the same version's are kept."""
+    one_gpu = _fake_measure(load_hardware("h200-sxm"), None, "grouped_mm")
+    one_gpu = cal.Measurements(one_gpu.hardware, one_gpu.calibration.model_copy(update={"p2p": None}))
+    link = LinkCost(latency_us=10, gbps=300)
+    for version, kept in ((PROBE_VERSION, link), (PROBE_VERSION - 1, None), (None, None)):
+        preset = load_hardware("h200-sxm").model_copy(update={"calibration": Calibration(p2p=link, probe_version=version)})
+        written = cal.calibrated_hardware(preset, one_gpu).calibration
+        assert written.p2p == kept and written.probe_version == PROBE_VERSION, version
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")

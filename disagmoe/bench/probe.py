@@ -1,0 +1,158 @@
+"""The version of `bench calibrate`'s probe (what it measures, and how), and the check that a
+calibrated hardware file was measured by the current one. Torch-free: `plan` and `roofline` import it.
+
+`bench calibrate` records PROBE_VERSION and PROBE_FINGERPRINT in the YAML's `calibration` block;
+`plan` and `roofline` still read a file of another version but say so in one warning line
+(`stale_note`). PROBE_FINGERPRINT is a hash of the code PROBE_PARTS names (docstrings stripped,
+so formatting, comments and docstrings do not move it); tests/bench/test_probe.py fails when
+that code changes and the constants here do not.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+from collections.abc import Mapping
+from pathlib import Path
+
+from disagmoe.config import PRESETS_DIR, HardwareConfig, preset_names
+
+PROBE_VERSION = 2
+# 1: before 47ee5dd: CUDA events around each call (`timing.median_ms`: for a tiny op, the host's
+#    time to launch it), the expert curve on 8 experts, fixed costs the event time of the smallest probes.
+# 2: 47ee5dd: GPU kernel time (`timing.kernel_ms`), fixed cost at next to no work, curve points net
+#    of it, the expert curve on the model's own experts (up to ROWS_PER_OP rows per op).
+PROBE_FINGERPRINT = "a893532bff0722f3"  # `code_fingerprint()` of the code that measures version PROBE_VERSION
+
+# The code that decides what a calibration's numbers mean: file (under disagmoe/) -> top-level name
+# -> why it belongs. Left out on purpose: the experts backends and `model.Block` (the probe measures
+# the runtime's own code as it stands: a faster kernel asks for a new measurement, not a new probe),
+# how the file is assembled (`merge_calibration`, `calibrated_hardware`, `preset_text`), and
+# `bench hardware`'s ceilings (the `efficiency` fractions, outside the calibration block).
+PROBE_PARTS: dict[str, dict[str, str]] = {
+    "bench/calibrate.py": {
+        "ROWS_PER_EXPERT": "the expert curve's sizes",
+        "SEQ_LENS": "the attention curve's sizes",
+        "ATTENTION_TOKENS": "tokens per attention point (its batch)",
+        "ROWS_PER_OP": "the cap on rows per expert-curve op",
+        "FIXED_TOKENS": "the fixed-cost probes' sequence",
+        "MESSAGE_BYTES": "the link fits' message sizes",
+        "MOVED": "bytes per link call in the link fits",
+        "PassTimes": "the backward as forward+backward minus forward",
+        "curve_experts": "experts per expert-curve op",
+        "attention_batch": "sequences per attention point",
+        "expert_ffn_flops": "the FLOPs the expert rates divide by",
+        "fit_link": "latency and bandwidth from the link timings",
+        "rate_point": "the rate arithmetic: fractions of peak, net of the fixed cost",
+        "op_fixed_us": "which probe is each op's fixed cost",
+        "calibration_from": "which timings make which terms",
+        "measure_all": "the peak the fractions refer to; which parts run",
+        "measure_timings": "what each term's probe runs (sizes, experts)",
+        "_passes": "forward and backward timed with timing.kernel_ms",
+        "_ffn_times": "the expert FFN probe's inputs",
+        "_sdpa_times": "the attention probe's inputs",
+        "_block_times": "the attention block probe (the attention ops' fixed cost)",
+        "nccl_links": "the link probes",
+        "_nccl_worker": "how each collective is timed",
+    },
+    "bench/timing.py": {
+        "kernel_ms": "the timing method of every curve point and fixed cost",
+        "is_annotation": "which profiler events kernel_ms leaves out",
+        "median_ms": "the timing method of the link probes",
+    },
+    "roofline/stages.py": {
+        "GEMM_BWD": "the expert backward's FLOPs per forward FLOP, in its rate",
+        "ATTN_CORE_BWD": "the attention backward's, in its rate",
+        "attention_core": "the FLOPs the attention rates divide by",
+        "attention_io_per_token": "the head widths attention_core counts",
+    },
+}
+
+PACKAGE = Path(__file__).resolve().parents[1]
+
+
+def _without_docstrings(node: ast.AST) -> ast.AST:
+    """`node` with the docstring of every function and class in it removed (in place)."""
+    for inner in ast.walk(node):
+        if isinstance(inner, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            body = inner.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+                    and isinstance(body[0].value.value, str):
+                inner.body = body[1:] or [ast.Pass()]
+    return node
+
+
+def _canonical(value: object) -> str:
+    """The AST as text, the same on every Python version: node types and fields, no positions,
+    empty fields left out (ast.dump's own text changes between versions: 3.13 drops them, 3.12
+    added type_params)."""
+    if isinstance(value, ast.AST):
+        fields = [(name, getattr(value, name, None)) for name in value._fields]
+        inner = ",".join(f"{name}={_canonical(v)}" for name, v in fields if v is not None and v != [])
+        return f"{type(value).__name__}({inner})"
+    if isinstance(value, list):
+        return "[" + ",".join(_canonical(v) for v in value) + "]"
+    return repr(value)
+
+
+def _definitions(source: str, path: str) -> dict[str, ast.AST]:
+    """The top-level functions, classes and assignments of a module, by name."""
+    found: dict[str, ast.AST] = {}
+    for node in ast.parse(source, path).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            found[node.name] = node
+        elif isinstance(node, ast.Assign):
+            found.update((t.id, node) for t in node.targets if isinstance(t, ast.Name))
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            found[node.target.id] = node
+    return found
+
+
+def fingerprint(sources: Mapping[str, str]) -> str:
+    """A hash of the PROBE_PARTS definitions in `sources` (file under disagmoe/ -> its source text)."""
+    digest = hashlib.sha256()
+    for path, names in PROBE_PARTS.items():
+        defined = _definitions(sources[path], path)
+        for name in names:
+            if name not in defined:
+                raise ValueError(f"PROBE_PARTS names {name} in disagmoe/{path}, which defines no top-level "
+                                 f"{name}: update PROBE_PARTS in disagmoe/bench/probe.py")
+            digest.update(f"{path}:{name}:{_canonical(_without_docstrings(defined[name]))}\n".encode())
+    return digest.hexdigest()[:16]
+
+
+def probe_sources() -> dict[str, str]:
+    """The current source text of every file PROBE_PARTS names."""
+    return {path: (PACKAGE / path).read_text() for path in PROBE_PARTS}
+
+
+def code_fingerprint() -> str:
+    """The fingerprint of the probe's code as it is now (PROBE_FINGERPRINT records it)."""
+    return fingerprint(probe_sources())
+
+
+def stale_note(hw: HardwareConfig, ref: str) -> str | None:
+    """One line saying that `hw` (loaded from `ref`, a preset name or a file) was calibrated by
+    another probe version than the current one, and how to re-measure it; None if it was not."""
+    cal = hw.calibration
+    if cal is None or cal.probe_version == PROBE_VERSION:
+        return None
+    preset = PRESETS_DIR / "hardware" / f"{ref}.yaml"
+    path = preset if "/" not in ref and preset.is_file() else Path(ref)
+    shown = _shown(path)
+    measured = ("records no probe version (older than versions)" if cal.probe_version is None
+                else f"was measured by probe version {cal.probe_version}")
+    base = hw.name.removesuffix("-calibrated")
+    base = base if base in preset_names("hardware") else "PRESET"
+    return (f"{shown}: its calibration {measured} of `disagmoe bench calibrate`, which is now at version "
+            f"{PROBE_VERSION}: its terms were measured another way (planning with them anyway); re-measure on the "
+            f"GPU with `disagmoe bench calibrate --hardware {base} --out {shown}` (--model and --experts-backend "
+            "as in the command on the file's first line)")
+
+
+def _shown(path: Path) -> str:
+    """`path` relative to the working directory where it lies below it (a preset: from the repository root)."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
