@@ -309,6 +309,9 @@ class PlanConfig(StrictModel):
     shard_optimizer_states: bool = Field(
         False, description="price the attention side's AdamW moments split over each data-parallel group "
         "(ZeRO-1, train with optim.shard_states=true)")
+    optimizer_state_dtype: Literal["fp32", "bf16"] = Field(
+        "fp32", description="price AdamW's two moments in this dtype: 4 or 2 bytes each per parameter (train "
+        "with optim.state_dtype set the same)")
 
     @field_validator("load_histogram")
     @classmethod

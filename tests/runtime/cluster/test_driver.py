@@ -642,6 +642,8 @@ def test_the_memory_check_counts_each_transports_receive_buffers(tmp_path):
 
 
 def test_sharded_optimizer_states_count_a_share_of_the_moments_per_attention_rank(tmp_path):
+    """Bytes per parameter as FlatAdamW holds them (roofline.optimizer_state): ZeRO-1 over D = 2
+    splits the master, the moments and the reduced slice of the replicated parameters."""
     plain = run_config(tmp_path / "run", "disaggregated", attention_ranks=2, expert_ranks=1, micro_batches=2)
     sharded = plain.model_copy(update={"optim": plain.optim.model_copy(update={"shard_states": True})})
     topology = Topology.from_config(plain, plain.model)
@@ -651,13 +653,27 @@ def test_sharded_optimizer_states_count_a_share_of_the_moments_per_attention_ran
         assert plain_bytes == 16 * params  # fp32 on CPU: parameters are the masters, + gradient + moments
         if topology.attention_role(rank) is None:  # the expert rank keeps its whole state
             assert sharded_bytes == plain_bytes
-        else:  # 16 -> 4 + 4 + 8 / 2 bytes per replicated parameter (the attention ranks hold no experts)
-            assert sharded_bytes == pytest.approx(12 * params)
+        else:  # 16 -> 4 + 4 + (8 + 4) / 2 bytes per replicated parameter (the attention ranks hold no experts)
+            assert sharded_bytes == pytest.approx(14 * params)
     bf16 = plain.model_copy(update={"precision": "bf16"})
     bf16_sharded = sharded.model_copy(update={"precision": "bf16"})
     params, bf16_bytes = training_state_bytes(bf16, bf16.model, topology, 0)
     assert bf16_bytes == 18 * params  # bf16 parameter, fp32 master and gradient, two fp32 moments
-    assert training_state_bytes(bf16_sharded, bf16.model, topology, 0)[1] == pytest.approx(12 * params)
+    assert training_state_bytes(bf16_sharded, bf16.model, topology, 0)[1] == pytest.approx((6 + 16 / 2) * params)
+
+
+@pytest.mark.parametrize(("precision", "whole", "zero1"), [("fp32", 12, 4 + 4 + 8 / 2), ("bf16", 14, 6 + 12 / 2)])
+def test_bf16_moments_count_two_bytes_each(tmp_path, precision, whole, zero1):
+    cfg = run_config(tmp_path / "run", "disaggregated", attention_ranks=2, expert_ranks=1, micro_batches=2,
+                     precision=precision, optim=OptimConfig(state_dtype="bf16"))
+    sharded = cfg.model_copy(update={"optim": cfg.optim.model_copy(update={"shard_states": True})})
+    topology = Topology.from_config(cfg, cfg.model)
+    for rank in range(topology.world_size):
+        params, state = training_state_bytes(cfg, cfg.model, topology, rank)
+        assert state == whole * params
+        attention = topology.attention_role(rank) is not None
+        want = zero1 if attention else whole
+        assert training_state_bytes(sharded, cfg.model, topology, rank)[1] == pytest.approx(want * params)
 
 
 @pytest.mark.parametrize("outcome", ["completed", "failed"])
