@@ -314,6 +314,9 @@ class PlanConfig(StrictModel):
     shard_optimizer_states: bool = Field(
         False, description="price the attention side's AdamW moments split over each data-parallel group "
         "(ZeRO-1, train with optim.shard_states=true)")
+    optimizer_state_dtype: Literal["fp32", "bf16"] = Field(
+        "fp32", description="price AdamW's two moments in this dtype: 4 or 2 bytes each per parameter (train "
+        "with optim.state_dtype set the same)")
 
     @field_validator("load_histogram")
     @classmethod
@@ -433,6 +436,11 @@ class OptimConfig(StrictModel):
     shard_states: bool = Field(
         False, description="ZeRO-1: split AdamW's moments of the replicated (attention-side) parameters over "
         "each data-parallel group (distributed modes; the result is the same step)")
+    state_dtype: Literal["fp32", "bf16"] = Field(
+        "fp32", description="dtype AdamW keeps its two moments in: bf16 saves 4 bytes per parameter (the "
+        "update still runs in fp32 over fp32 masters and gradients; the moments are rounded to bf16 after it, as "
+        "Megatron-Core's precision-aware optimizer does); checkpoints hold fp32 moments either way; single mode "
+        "with precision fp32 then steps the flat optimizer instead of the plain torch AdamW oracle")
 
 
 class FaultInjection(StrictModel):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Literal, Optional
 
 import typer
 from rich.panel import Panel
@@ -37,17 +37,22 @@ HistOpt = Annotated[Optional[Path], typer.Option(
 ShardOpt = Annotated[bool, typer.Option(
     "--shard-optimizer-states", help="the attention side's AdamW moments split over each data-parallel group "
     "(ZeRO-1; train with optim.shard_states=true)")]
+StateDtypeOpt = Annotated[Literal["fp32", "bf16"], typer.Option(
+    "--optimizer-state-dtype", help="the dtype of AdamW's two moments: fp32 (8 bytes per parameter) or bf16 (4; "
+    "train with optim.state_dtype=bf16)")]
 
 
 def build_request(model: str, hardware: str, gpus: int, seq_len: int | None, global_batch_tokens: int,
                   load_histogram: Path | None = None, max_pipeline_groups: int = 8,
-                  max_expert_replicas: int = 0, shard_optimizer_states: bool = False) -> PlanConfig:
+                  max_expert_replicas: int = 0, shard_optimizer_states: bool = False,
+                  optimizer_state_dtype: str = "fp32") -> PlanConfig:
     mcfg = load_model(model)
     hist = read_histogram(load_histogram, mcfg.num_moe_layers, mcfg.num_experts) if load_histogram else None
     return PlanConfig(model=mcfg, cluster=ClusterConfig(hardware=checked_hardware(hardware), num_gpus=gpus),
                       seq_len=seq_len or mcfg.seq_len, global_batch_tokens=global_batch_tokens,
                       load_histogram=hist, max_pipeline_groups=max_pipeline_groups,
-                      max_expert_replicas=max_expert_replicas, shard_optimizer_states=shard_optimizer_states)
+                      max_expert_replicas=max_expert_replicas, shard_optimizer_states=shard_optimizer_states,
+                      optimizer_state_dtype=optimizer_state_dtype)
 
 
 def checked_hardware(ref: str) -> HardwareConfig:
@@ -71,6 +76,7 @@ def plan(
     max_pipeline_groups: Annotated[int, typer.Option(help="largest p to consider", min=1)] = 8,
     max_expert_replicas: Annotated[int, typer.Option(help="extra replicas per hot expert", min=0)] = 0,
     shard_optimizer_states: ShardOpt = False,
+    optimizer_state_dtype: StateDtypeOpt = "fp32",
     as_json: JsonOpt = False,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="write the plan (.yaml or .json)")] = None,
 ) -> None:
@@ -83,7 +89,7 @@ def plan(
     Example: disagmoe plan --model deepseek-v3 --hardware gb200-nvl72 --gpus 1152
     """
     req = build_request(model, hardware, gpus, seq_len, global_batch_tokens, load_histogram,
-                        max_pipeline_groups, max_expert_replicas, shard_optimizer_states)
+                        max_pipeline_groups, max_expert_replicas, shard_optimizer_states, optimizer_state_dtype)
     result = choose(req).plan
     if load_histogram is not None:
         result.notes.insert(0, histogram_note(load_histogram, req.load_histogram, result))
@@ -202,6 +208,7 @@ def roofline(
     sequences_per_gpu: Annotated[int, typer.Option(help="sequences per attention GPU per micro-batch", min=1)] = 1,
     replica_sets: Annotated[int, typer.Option(help="expert replica sets per group (disaggregated)", min=1)] = 1,
     shard_optimizer_states: ShardOpt = False,
+    optimizer_state_dtype: StateDtypeOpt = "fp32",
     as_json: JsonOpt = False,
     plot_path: Annotated[Optional[Path], typer.Option("--plot", help="write a log-log roofline PNG")] = None,
     compare_trace: Annotated[Optional[Path], typer.Option(
@@ -235,7 +242,8 @@ def roofline(
             raise ValueError(f"roofline needs {', '.join(missing)} (or --config CONFIG for a run's own layout, "
                              "--compare TRACE --config CONFIG for a run's trace)")
         req = build_request(model, hardware, gpus, seq_len, global_batch_tokens,
-                            shard_optimizer_states=shard_optimizer_states)
+                            shard_optimizer_states=shard_optimizer_states,
+                            optimizer_state_dtype=optimizer_state_dtype)
         choice = _layout_choice(req, layout, attention_gpus, pipeline_groups, micro_batches,
                                 sequences_per_gpu, replica_sets)
     if choice.cost is None:

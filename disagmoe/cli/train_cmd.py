@@ -18,6 +18,7 @@ from disagmoe.model_ref import load_model
 from disagmoe.cli.common import console, literal, print_json, user_errors
 from disagmoe.cli.third_party import quiet_ray
 from disagmoe.roofline.memory import activation_bytes
+from disagmoe.roofline.optimizer_state import state_bytes
 from disagmoe.roofline.params import count_params
 from disagmoe.runtime.observe.throughput import Throughput
 from disagmoe.runtime.out_dir import check_out_dir, set_aside_earlier_run
@@ -27,7 +28,6 @@ from disagmoe.runtime.run_lock import run_lock
 
 StepCallback = Callable[[dict[str, Any]], None]
 Run = Callable[[StepCallback | None], dict[str, Any]]  # runs the steps, returns the summary
-BYTES_PER_PARAM = 16  # fp32 weight, gradient, AdamW exp_avg and exp_avg_sq
 MAX_THREADS_PER_CORE = 4  # more intra-op threads than this only thrash (and millions abort torch)
 
 
@@ -113,7 +113,8 @@ def _run(cfg: TrainConfig, as_json: bool) -> dict[str, Any]:
 
 def check_host_memory(cfg: TrainConfig, model_cfg: ModelConfig) -> None:
     """ValueError, before anything is allocated, for a CPU run on this host whose parameters, with
-    their gradients and AdamW moments (16 bytes each in fp32), and the activations of one
+    their gradients and AdamW moments (`roofline.optimizer_state.state_bytes`: 16 bytes each in fp32,
+    12 with bf16 moments), and the activations of one
     micro-batch (`roofline.memory.activation_bytes`) exceed the host's memory, or whose cpu_threads
     exceed its cores: a model too large for CPU training (or a typo in a size) fails in one line
     instead of swapping, meeting the OOM killer or aborting in torch."""
@@ -127,10 +128,11 @@ def check_host_memory(cfg: TrainConfig, model_cfg: ModelConfig) -> None:
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     tokens = cfg.batch_size // cfg.micro_batches * cfg.seq_len
     acts = activation_bytes(model_cfg, tokens, 2 if cfg.compute_dtype_name == "bf16" else 4)
-    if params * BYTES_PER_PARAM + acts > host:
+    state = params * state_bytes(cfg.optim.state_dtype, cfg.compute_dtype_name).total
+    if state + acts > host:
         raise ValueError(
-            f"model {model_cfg.name!r} has {params:,} parameters: {params * BYTES_PER_PARAM / 2**30:,.1f} GiB "
-            f"of fp32 weights, gradients and AdamW moments, and a micro-batch of {tokens:,} tokens (batch_size="
+            f"model {model_cfg.name!r} has {params:,} parameters: {state / 2**30:,.1f} GiB "
+            f"of weights, gradients and AdamW moments, and a micro-batch of {tokens:,} tokens (batch_size="
             f"{cfg.batch_size} / micro_batches={cfg.micro_batches} x seq_len={cfg.seq_len}) keeps about "
             f"{acts / 2**30:,.1f} GiB of activations, but this host has {host / 2**30:,.1f} GiB; lower batch_size "
             "or seq_len, raise micro_batches, train a smaller model on CPU, or use device=cuda")

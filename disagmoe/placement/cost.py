@@ -18,8 +18,9 @@ Pipeline time of one pass over a round (forward or backward):
 i.e. resource-bound when the busiest resource has more work per cycle than one micro-batch's
 trip around the ring, latency-bound otherwise; plus the fill and drain of the ring.
 
-Memory per GPU: bf16 weights (2 B/param), fp32 master weights (4), fp32 gradients (4) and the
-two fp32 AdamW moments (8): 18 bytes per parameter, plus the activations of the m micro-batches
+Memory per GPU: each parameter's training state (`roofline.optimizer_state.state_bytes`: bf16
+weight 2 B, fp32 master 4, fp32 gradient 4, two AdamW moments 8 in fp32 or 4 in bf16; ZeRO-1
+splits the attention side's master and moments over dp and adds the reduced slice), plus the activations of the m micro-batches
 of one round (all kept until their backward).
 
 Links: traffic among GPUs spread evenly over a span wider than an NVLink domain leaves the
@@ -39,25 +40,28 @@ import numpy as np
 from disagmoe.config import Calibration, ModelConfig
 from disagmoe.roofline import calibration as cal, stages as st
 from disagmoe.roofline.ceilings import Ceilings
+from disagmoe.roofline.optimizer_state import StateBytes, state_bytes
 from disagmoe.roofline.params import attention_params, count_params, expert_params, swiglu_params
 from disagmoe.roofline.stages import BF16, FP32, Num, Work
 
-WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = 2 + 4, 4, 8  # bf16 copy + fp32 master; fp32; AdamW m, v
-BYTES_PER_PARAM = WEIGHT_BYTES + GRAD_BYTES + OPTIMIZER_BYTES
-SHARDED_STATE_BYTES = OPTIMIZER_BYTES + 4  # ZeRO-1: moments and the slice's summed grad, split over dp
+
+def zero1_ranks(dp: np.ndarray | float, shard_optimizer: bool) -> np.ndarray | float:
+    """The ZeRO-1 group splitting a replicated (attention-side) parameter's state on a GPU of a
+    data-parallel group of `dp`: dp with `shard_optimizer`, else 1 (unsharded)."""
+    return np.maximum(dp, 1) if shard_optimizer else 1 + 0 * dp
 
 
-def sharded_state_bytes(dp: np.ndarray | float, shard_optimizer: bool) -> np.ndarray | float:
-    """AdamW state bytes per replicated (attention-side) parameter on one GPU of a data-parallel
-    group of `dp`: all of it, or with ZeRO-1 a 1/dp share (the runtime shards only when dp > 1)."""
-    if not shard_optimizer:
-        return OPTIMIZER_BYTES + 0 * dp
-    return np.where(np.asarray(dp) > 1, SHARDED_STATE_BYTES / np.maximum(dp, 1), OPTIMIZER_BYTES)
+def attention_state_bytes(dp: np.ndarray | float, prob: Problem) -> StateBytes:
+    """Training-state bytes per replicated (attention-side) parameter on one GPU of a data-parallel
+    group of `dp` (bf16 compute: the runtime's precision on GPUs)."""
+    return state_bytes(prob.optimizer_state_dtype, "bf16", zero1_ranks(dp, prob.shard_optimizer))
 
 
-def attention_bytes_per_param(dp: np.ndarray | float, shard_optimizer: bool) -> np.ndarray | float:
-    """Bytes per replicated (attention-side) parameter on one GPU of a data-parallel group of `dp`."""
-    return WEIGHT_BYTES + GRAD_BYTES + sharded_state_bytes(dp, shard_optimizer)
+def expert_state_bytes(prob: Problem) -> StateBytes:
+    """Training-state bytes per expert parameter (never sharded)."""
+    return state_bytes(prob.optimizer_state_dtype, "bf16")
+
+
 GIB = 2.0**30
 
 
@@ -164,6 +168,7 @@ class Problem:
     load_peak_ratio: float = 1.0  # hottest expert's load over the mean (1 = uniform routing)
     replica_slots: int = 0  # spare expert slots per expert GPU for hot-expert replicas
     shard_optimizer: bool = False  # ZeRO-1 over each data-parallel group for the replicated parameters
+    optimizer_state_dtype: str = "fp32"  # AdamW's moments: fp32 or bf16
     calibration: Calibration | None = None  # measured curves and fixed costs (None: the plain roofline)
 
 
@@ -380,13 +385,13 @@ def evaluate(prob: Problem, c: Candidates) -> Cost:
                               + dense_l * _act_bytes_attention_layer(m, False)
                               + FP32 * m.vocab_size)
     act_exp = mb * rows * moe_l * _act_bytes_expert_row(m)
-    attn_bytes = attention_bytes_per_param(dp, prob.shard_optimizer)
+    attn_bytes, exp_bytes = attention_state_bytes(dp, prob).total, expert_state_bytes(prob).total
     if c.colocated:
-        attn_mem = attn_bytes * attn_params + BYTES_PER_PARAM * exp_params + act_attn + act_exp
+        attn_mem = attn_bytes * attn_params + exp_bytes * exp_params + act_attn + act_exp
         exp_mem = attn_mem
     else:
         attn_mem = attn_bytes * attn_params + act_attn
-        exp_mem = BYTES_PER_PARAM * exp_params + act_exp
+        exp_mem = exp_bytes * exp_params + act_exp
     fits = (attn_mem <= prob.capacity_bytes) & (exp_mem <= prob.capacity_bytes)
     ones = np.ones(len(c))
     return Cost(step_s=step, fwd_round_s=fwd_round, bwd_round_s=bwd_round, rounds=rounds,

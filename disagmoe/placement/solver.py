@@ -23,17 +23,14 @@ import numpy as np
 
 from disagmoe.config import MemoryEstimate, Plan, PlanConfig, StageTime
 from disagmoe.placement.cost import (
-    BYTES_PER_PARAM,
     GIB,
-    GRAD_BYTES,
-    OPTIMIZER_BYTES,
-    WEIGHT_BYTES,
     Candidates,
     Cost,
     Problem,
+    attention_state_bytes,
     colocated_ep,
     evaluate,
-    sharded_state_bytes,
+    expert_state_bytes,
 )
 from disagmoe.placement.experts import imbalance, map_layer
 from disagmoe.placement.replay import replayed_step_s
@@ -56,7 +53,8 @@ def problem_of(cfg: PlanConfig, gpus: int | None = None) -> Problem:
         global_batch_tokens=cfg.global_batch_tokens,
         capacity_bytes=hw.hbm_gib * GIB * cfg.memory_headroom, load_peak_ratio=peak,
         replica_slots=1 if cfg.max_expert_replicas > 0 else 0,
-        shard_optimizer=cfg.shard_optimizer_states, calibration=hw.calibration,
+        shard_optimizer=cfg.shard_optimizer_states, optimizer_state_dtype=cfg.optimizer_state_dtype,
+        calibration=hw.calibration,
     )
 
 
@@ -319,7 +317,7 @@ def price(cfg: PlanConfig, chosen: Candidates, colocated_step_s: float | None = 
         notes.append("this layout does not fit in memory (see memory_per_gpu)")
     elif use_dis:
         notes.extend(_memory_bound(cost, prob))
-    notes.append("memory assumes AdamW with fp32 master weights and moments, "
+    notes.append(f"memory assumes AdamW with fp32 master weights and {cfg.optimizer_state_dtype} moments, "
                  + ("the attention side's moments split over each data-parallel group (ZeRO-1)"
                     if cfg.shard_optimizer_states else "on every replica (no optimizer sharding)")
                  + ", and no activation recomputation")
@@ -412,12 +410,13 @@ def _expert_map(cfg: PlanConfig, c: Candidates) -> tuple[list[list[list[int]]], 
 
 def _memory(cost: Cost, prob: Problem, disaggregated: bool, kind: str = "colocated") -> dict[str, MemoryEstimate]:
     """Per GPU kind (attention and expert, or `kind` for a layout where every GPU runs both)."""
-    attn_state = float(sharded_state_bytes(float(cost.dp[0]), prob.shard_optimizer))
+    attn_state, exp_state = attention_state_bytes(float(cost.dp[0]), prob), expert_state_bytes(prob)
 
     def estimate(attn_params: float, exp_params: float, act: float) -> MemoryEstimate:
-        params = attn_params + exp_params
-        w, g = (params * b / GIB for b in (WEIGHT_BYTES, GRAD_BYTES))
-        o = (attn_params * attn_state + exp_params * OPTIMIZER_BYTES) / GIB
+        def gib(part: str) -> float:  # "weights", "grads" or "moments" of StateBytes over both sides' parameters
+            return (attn_params * float(getattr(attn_state, part)) + exp_params * float(getattr(exp_state, part))) / GIB
+
+        w, g, o = gib("weights"), gib("grads"), gib("moments")
         return MemoryEstimate(weights_gib=w, grads_gib=g, optimizer_gib=o, activations_gib=act / GIB,
                               total_gib=w + g + o + act / GIB, capacity_gib=prob.capacity_bytes / GIB)
 
@@ -550,7 +549,7 @@ def _infeasible(cfg: PlanConfig, prob: Problem) -> Plan:
              else "AdamW state unsharded (--shard-optimizer-states splits the attention side's moments)")
     why = (f"no layout fits in {prob.capacity_bytes / GIB:.0f} GiB per GPU on {cfg.cluster.num_gpus} GPUs "
            f"(the leanest needs {smallest / GIB:.0f} GiB on its fullest GPU; {params_text(counts.total)} parameters "
-           f"at up to {BYTES_PER_PARAM} bytes each, {state})")
+           f"at up to {expert_state_bytes(prob).total:g} bytes each, {state})")
     why += f"; the fewest {cfg.cluster.hardware.name} GPUs that fit: {need}" if need else ""
     why += f"; {blocker}" if blocker else ""
     return Plan(

@@ -245,6 +245,24 @@ def test_plans_are_written_compactly_and_read_back_with_older_block_style_files(
     assert load_plan(str(old_yaml)) == plan and load_plan(str(old_json)) == plan
 
 
+def test_bf16_optimizer_states_halve_the_moments_the_plan_prices():
+    """`--optimizer-state-dtype bf16` prices the moments at 2 bytes each (roofline.optimizer_state),
+    leaves weights and gradients alone, says so in the notes, and is refused for any other dtype."""
+    args = ("plan", "--model", "qwen3-30b-a3b", "--hardware", "h200-sxm", "--gpus", "8", "--json")
+    plain, bf16 = (Plan.model_validate(json.loads(run(*args, *extra).stdout))
+                   for extra in ((), ("--optimizer-state-dtype", "bf16")))
+    assert plain.feasible and bf16.feasible
+    assert any("fp32 master weights and bf16 moments" in n for n in bf16.notes)
+    assert any("fp32 master weights and fp32 moments" in n for n in plain.notes)
+    for group, memory in bf16.memory_per_gpu.items():
+        params_gib = memory.grads_gib / 4  # one fp32 main gradient per parameter (no ZeRO-1 here)
+        assert memory.optimizer_gib == pytest.approx(4 * params_gib, rel=1e-9), group
+        assert memory.weights_gib == pytest.approx(6 * params_gib, rel=1e-9), group
+    r = run(*args, "--optimizer-state-dtype", "fp16")
+    assert r.exit_code == 2 and "fp32" in r.output and "bf16" in r.output
+    assert "--optimizer-state-dtype" in run("plan", "--help").output
+
+
 def test_config_schema_lists_every_key_with_type_default_and_meaning():
     """The table a person reads: every key (sections dotted), its type, default and meaning;
     --json keeps the JSON Schema for machines."""
@@ -256,13 +274,15 @@ def test_config_schema_lists_every_key_with_type_default_and_meaning():
     keys = [r["key"] for r in schema_rows(TrainConfig)]
     assert set(TrainConfig.model_fields) <= set(keys)
     assert {f"optim.{k}" for k in OptimConfig.model_fields} <= set(keys)
-    for key in ("steps", "optim.lr", "data.kind", "fault_injection.rank"):
+    for key in ("steps", "optim.lr", "optim.state_dtype", "data.kind", "fault_injection.rank"):
         assert any(line.startswith(f"│ {key} ") for line in text.splitlines()), key
     rows = {r["key"]: r for r in schema_rows(TrainConfig)}
     assert rows["mode"]["type"] == "'single' | 'disaggregated' | 'colocated'" and rows["mode"]["default"] == "'disaggregated'"
     assert rows["batch_size"] == {"key": "batch_size", "type": "int > 0", "default": "8",
                                   "meaning": "sequences per step (global)"}
     assert rows["model"]["default"] == "required" and rows["optim.min_lr_ratio"]["type"] == "float >= 0, <= 1"
+    assert rows["optim.state_dtype"]["type"] == "'fp32' | 'bf16'" and rows["optim.state_dtype"]["default"] == "'fp32'"
+    assert "bf16 saves 4 bytes per parameter" in rows["optim.state_dtype"]["meaning"]
     from disagmoe.config import ModelConfig
 
     model_rows = {r["key"]: r for r in schema_rows(ModelConfig)}

@@ -82,20 +82,23 @@ def test_replica_slots_are_priced_as_memory():
 
 
 @pytest.mark.parametrize("colocated", [False, True])
-def test_sharded_optimizer_states_divide_the_attention_sides_state_over_data_parallel(colocated):
-    """ZeRO-1 replaces the 8 bytes of moments per replicated parameter with a 1/dp share of 12
-    (moments and the slice's fp32 copy); the expert side's memory does not change; the plan's
-    report says the same."""
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])
+def test_sharded_optimizer_states_divide_the_attention_sides_state_over_data_parallel(colocated, state_dtype):
+    """ZeRO-1 keeps a 1/dp share of each replicated parameter's fp32 master (4 bytes) and moments
+    (8, or 4 in bf16), plus the slice's reduced gradient (4 / dp), as FlatAdamW holds them: it
+    saves 12 - 16 / dp bytes (fp32 moments) or 8 - 12 / dp (bf16). The expert side's memory does
+    not change; the plan's report says the same."""
     m = load_model("qwen3-30b-a3b")
 
     def cfg(shard):
         return PlanConfig(model=m, cluster=ClusterConfig(hardware=load_hardware("h200-sxm"), num_gpus=16),
-                          seq_len=4096, shard_optimizer_states=shard)
+                          seq_len=4096, shard_optimizer_states=shard, optimizer_state_dtype=state_dtype)
 
     one = Candidates.one(0, 16, 1, 2, 1, colocated=True) if colocated else Candidates.one(8, 8, 1, 2, 1)
     plain, sharded = evaluate(problem_of(cfg(False)), one), evaluate(problem_of(cfg(True)), one)
     dp = float(plain.dp[0])
-    saved = float(plain.attn_params[0]) * (8 - 12 / dp)
+    master_and_moments = 12 if state_dtype == "fp32" else 8
+    saved = float(plain.attn_params[0]) * (master_and_moments - (master_and_moments + 4) / dp)
     assert float(plain.attn_mem_bytes[0] - sharded.attn_mem_bytes[0]) == pytest.approx(saved, rel=1e-9)
     if not colocated:
         assert float(sharded.expert_mem_bytes[0]) == float(plain.expert_mem_bytes[0])

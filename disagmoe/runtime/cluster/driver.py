@@ -31,6 +31,7 @@ from disagmoe.config import ModelConfig, TrainConfig
 from disagmoe.model_ref import load_model
 from disagmoe.data import load_splits
 from disagmoe.roofline.flops import step_flops
+from disagmoe.roofline.optimizer_state import state_bytes
 from disagmoe.runtime.batching import check_divisible
 from disagmoe.runtime.state.checkpoint import (
     TrainerState,
@@ -86,19 +87,18 @@ def step_timeout_s(cfg: TrainConfig) -> float:
 
 
 def training_state_bytes(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topology, rank: int) -> tuple[int, float]:
-    """(parameters, bytes of parameters, fp32 masters, fp32 main gradients and AdamW moments) of
-    one rank (`FlatAdamW`): 2 + 4 + 4 + 8 = 18 bytes per parameter in bf16 (fp32: the parameters
-    are the masters, 16); with `optim.shard_states` a replicated parameter keeps its masters and
-    moments only for its 1/D slice (ZeRO-1 over D ranks: 2 + 4 + 12 / D, fp32 4 + 4 + 8 / D)."""
+    """(parameters, bytes of their training state) of one rank's `FlatAdamW`: the compute copy, the
+    fp32 master and main gradient and AdamW's moments in `optim.state_dtype`, priced per parameter by
+    `roofline.optimizer_state.state_bytes` as the planner prices them. With `optim.shard_states`, an
+    attention rank's replicated parameters count their ZeRO-1 share over its data-parallel group."""
     named = list(rank_model(model_cfg, cfg.experts_backend, topology, rank).named_parameters())
     params = sum(p.numel() for _, p in named)
     replicated = sum(p.numel() for n, p in named if ".moe.experts." not in n)
-    bf16 = cfg.compute_dtype_name == "bf16"
-    param_bytes, state_bytes = (2 + 4, 4 + 8) if bf16 else (4 + 4, 8)  # (kept whole, sharded by ZeRO-1)
     dp = topology.data_parallel
-    if not (cfg.optim.shard_states and topology.attention_role(rank) is not None and dp > 1):
-        return params, params * (param_bytes + state_bytes)
-    return params, (params - replicated) * (param_bytes + state_bytes) + replicated * (param_bytes + state_bytes / dp)
+    sharded = cfg.optim.shard_states and topology.attention_role(rank) is not None and dp > 1
+    whole = state_bytes(cfg.optim.state_dtype, cfg.compute_dtype_name).total
+    shared = state_bytes(cfg.optim.state_dtype, cfg.compute_dtype_name, dp if sharded else 1).total
+    return params, (params - replicated) * whole + replicated * shared
 
 
 def check_memory(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topology, capacity_bytes: float,

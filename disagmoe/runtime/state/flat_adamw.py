@@ -11,6 +11,17 @@ is added into its fp32 view by a post-accumulate hook as soon as autograd has it
 A kernel that finds `param.main_grad` may add its weight gradient into it directly and return
 none (the Triton experts backend does).
 
+Moments in bf16 (`optim.state_dtype: bf16`, 4 bytes per parameter fewer): the masters and main
+gradients stay fp32 and so does the update. `_step_rounded_moments` upcasts a chunk of each moment
+to fp32, runs torch's AdamW on it (the same call as the fp32 path: fused on CUDA), and rounds the
+new moments back to bf16, round-to-nearest-even. That rounding is the only difference from the fp32
+path, and it reaches the parameters one step later: step t's update uses its unrounded fp32
+moments, step t + 1 starts from the rounded ones. Transformer Engine's FusedAdam
+(`exp_avg_dtype=torch.bfloat16`, what Megatron-Core's precision-aware optimizer uses) does the
+same, over whole fp32 copies and with no stochastic rounding. exp_avg_sq holds squares of
+gradients (1e-20 and below is common): bf16 keeps fp32's 8-bit exponent, so they neither underflow
+nor overflow; only the significand drops to 8 bits (relative error <= 2^-8 per rounding).
+
 One step, from the caller's side (nothing here waits on the host):
 
     opt.zero_grad()                        one memset per bucket
@@ -25,7 +36,8 @@ the slice and all-gathers the updated slices (in the compute dtype) into every r
 
 Checkpoints see per-parameter fp32 masters and AdamW state (`masters_by_name`, `state_by_name`,
 `load_state`): the same layout-independent format as the oracle's `torch.optim.AdamW` writes, so
-either loads the other's checkpoints.
+either loads the other's checkpoints. The moments are fp32 there whatever `state_dtype` is.
+Loading casts them to the run's dtype, so a run resumes with either dtype, in any layout.
 
 Shapes: N a bucket's flat length (padded to a multiple of D when sharded), S = N / D.
 """
@@ -38,13 +50,16 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim.adamw import adamw  # the functional step torch.optim.AdamW runs
 
 from disagmoe.config import OptimConfig
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 GATHER_CHUNK = 1 << 24  # elements per rank per collective when gathering slices for a checkpoint
+MOMENT_CHUNK = 1 << 24  # elements per fp32 copy of a bf16-moment step: at most 2 x 64 MiB held at a time
 STATE_KEYS = ("exp_avg", "exp_avg_sq")
+STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # optim.state_dtype -> the moments' dtype
 
 
 @dataclass(frozen=True)
@@ -69,7 +84,7 @@ class Bucket:
     master_S: torch.Tensor  # fp32 masters of this rank's slice (all of it unsharded; may alias compute_N)
     shard: Shard | None = None
     grad_S: torch.Tensor | None = None  # sharded: this slice's reduced gradient
-    inner: torch.optim.AdamW | None = field(default=None, repr=False)
+    inner: torch.optim.AdamW | None = field(default=None, repr=False)  # bf16 moments: holds the state only
 
     @property
     def numel(self) -> int:
@@ -107,6 +122,7 @@ class FlatAdamW:
     ) -> None:
         self.optim = optim
         self.compute_dtype = compute_dtype
+        self.state_dtype = STATE_DTYPES[optim.state_dtype]
         shards = shards or {}
         grouped: dict[tuple[str, bool], list[tuple[str, nn.Parameter]]] = {}
         for name, p in named_params:
@@ -186,7 +202,10 @@ class FlatAdamW:
                     inner.grad_scale = inverse
                 else:
                     master.grad.mul_(clip_coef.to(master.grad.dtype))
-            inner.step()
+            if self.state_dtype == torch.float32:
+                inner.step()
+            else:
+                self._step_rounded_moments(b, master, lr, inverse)
             inner.grad_scale = None
             master.grad = None
             with torch.no_grad():
@@ -195,6 +214,34 @@ class FlatAdamW:
                 elif b.master_S is not b.compute_N:
                     b.compute_N.copy_(b.master_S)
         self.steps_taken += 1
+
+    def _step_rounded_moments(self, b: Bucket, master: torch.Tensor, lr: float,
+                              grad_scale: torch.Tensor | None) -> None:
+        """AdamW on `master` with its moments held in `state_dtype` (module docstring): per
+        MOMENT_CHUNK elements, fp32 copies of both moments go through torch's AdamW (fused on CUDA,
+        dividing the gradient by `grad_scale` there; the CPU caller has scaled it already). Then
+        the new moments are rounded back to nearest-even. Deterministic: no random rounding."""
+        state = b.inner.state[master]
+        if not state:  # as torch's AdamW starts a parameter's state, in the moments' dtype
+            step_device = master.device if master.is_cuda else torch.device("cpu")
+            state.update(step=torch.zeros((), dtype=torch.float32, device=step_device),
+                         exp_avg=torch.zeros_like(master, dtype=self.state_dtype),
+                         exp_avg_sq=torch.zeros_like(master, dtype=self.state_dtype))
+        group = b.inner.param_groups[0]
+        beta1, beta2 = group["betas"]
+        grad = master.grad
+        with torch.no_grad():
+            for start in range(0, master.numel(), MOMENT_CHUNK):
+                part = slice(start, start + MOMENT_CHUNK)
+                exp_avg, exp_avg_sq = state["exp_avg"][part].float(), state["exp_avg_sq"][part].float()
+                step = state["step"].clone()  # the call counts its own step: each chunk starts from the same one
+                adamw([master[part]], [grad[part]], [exp_avg], [exp_avg_sq], [], [step], foreach=False,
+                      fused=master.is_cuda, grad_scale=grad_scale if master.is_cuda else None, amsgrad=False,
+                      beta1=beta1, beta2=beta2, lr=lr, weight_decay=group["weight_decay"], eps=group["eps"],
+                      maximize=False)
+                state["exp_avg"][part].copy_(exp_avg)  # fp32 -> bf16: round to nearest even
+                state["exp_avg_sq"][part].copy_(exp_avg_sq)
+            state["step"].add_(1)
 
     # -- checkpoints ---------------------------------------------------------------------------
 
@@ -270,9 +317,9 @@ class FlatAdamW:
                 device = master.device
                 entry = {"step": state[b.names[0]]["step"].detach().float().reshape(()).clone()
                          .to(device if master.is_cuda else "cpu")}
-                for k in STATE_KEYS:
+                for k in STATE_KEYS:  # fp32 in every checkpoint: cast to this run's moments
                     full_k = self._flat([state[n][k] for n in b.names], b.compute_N.numel())
-                    entry[k] = full_k[start:start + S].to(device).clone()
+                    entry[k] = full_k[start:start + S].to(device, self.state_dtype, copy=True)
                 b.inner.state[master] = entry
 
     @staticmethod

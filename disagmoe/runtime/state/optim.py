@@ -1,7 +1,7 @@
 """The learning-rate schedule (warmup + cosine), and the oracle's AdamW and clipping.
 
 `build_optimizer` / `clip_grad_norm` are the reference step of `mode: single` with `precision:
-fp32` (the CPU oracle): a plain `torch.optim.AdamW` over fp32 parameters. Every other run steps
+fp32` and fp32 moments (the CPU oracle): a plain `torch.optim.AdamW` over fp32 parameters. Every other run steps
 with `runtime.state.flat_adamw.FlatAdamW` (bf16 or fp32 compute parameters, fp32 masters and main
 gradients over flat buffers, one fused AdamW per bucket), which is tested against this one.
 """
@@ -33,8 +33,14 @@ def lr_at(step: int, optim: OptimConfig, total_steps: int) -> float:
 def build_optimizer(params: Iterable[tuple[str, torch.nn.Parameter]], optim: OptimConfig) -> torch.optim.AdamW:
     """AdamW with weight decay on matrices only (norm gains and biases are not decayed).
 
-    `params` are (name, parameter) pairs; their order fixes the optimizer's state indices.
+    `params` are (name, parameter) pairs; their order fixes the optimizer's state indices. Its
+    moments are fp32: torch's AdamW keeps them in the parameters' dtype, so `optim.state_dtype: bf16`
+    is refused here (FlatAdamW keeps bf16 moments beside fp32 parameters).
     """
+    if optim.state_dtype != "fp32":
+        raise ValueError(f"optim.state_dtype={optim.state_dtype}: the oracle's plain torch AdamW keeps fp32 moments; "
+                         "step runtime.state.flat_adamw.FlatAdamW for bf16 moments (the single trainer does), "
+                         "or set optim.state_dtype=fp32")
     decay, no_decay = [], []
     for _, p in params:
         if p.requires_grad:

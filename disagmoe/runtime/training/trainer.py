@@ -229,7 +229,9 @@ class SingleProcessTrainer(TrainingLoop):
         self.model.to(self.device)
         self.model.set_routing(cfg.routing)
         self.model.set_recompute(cfg.recompute_set)
-        self.oracle = cfg.compute_dtype_name == "fp32"  # plain AdamW on fp32 parameters: the reference
+        # plain torch AdamW on fp32 parameters, the reference; it keeps fp32 moments, so bf16 ones
+        # (optim.state_dtype) step the flat optimizer over the same fp32 parameters instead
+        self.oracle = cfg.compute_dtype_name == "fp32" and cfg.optim.state_dtype == "fp32"
         self.optimizer = (build_optimizer(self.model.named_parameters(), cfg.optim) if self.oracle
                           else FlatAdamW(self.model.named_parameters(), cfg.optim, compute_dtype(cfg)))
         self.out_dir = Path(cfg.out_dir)

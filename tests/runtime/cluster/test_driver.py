@@ -104,8 +104,10 @@ def oracle(cfg: TrainConfig, out: Path) -> tuple[list[dict], MoETransformer]:
 
 
 def model_from_checkpoint(cfg: TrainConfig, directory: Path) -> MoETransformer:
+    """The checkpoint loaded by the oracle's plain AdamW (fp32 moments, whatever the run kept)."""
     model = MoETransformer(cfg.model)
-    load_checkpoint(directory, model, build_optimizer(model.named_parameters(), cfg.optim), cfg.model)
+    fp32_moments = cfg.optim.model_copy(update={"state_dtype": "fp32"})
+    load_checkpoint(directory, model, build_optimizer(model.named_parameters(), fp32_moments), cfg.model)
     return model
 
 
@@ -118,11 +120,20 @@ def assert_same_losses(records: list[dict], reference: list[dict]) -> None:
         assert got["expert_load"] == want["expert_load"]
 
 
-def assert_same_parameters(model: MoETransformer, reference: MoETransformer) -> None:
+# bf16 moments: a gradient summed in another order (1e-7 relative) may round a moment to the neighbouring
+# bf16 value, which moves that element's step by up to 2^-7 of it (lr 3e-3: 2e-5 a step)
+BF16_MOMENTS_TOLERANCE = 1e-4
+
+
+def parameter_tolerance(cfg: TrainConfig) -> float:
+    return TOLERANCE if cfg.optim.state_dtype == "fp32" else BF16_MOMENTS_TOLERANCE
+
+
+def assert_same_parameters(model: MoETransformer, reference: MoETransformer, tolerance: float = TOLERANCE) -> None:
     want = reference.state_dict()
     for name, tensor in model.state_dict().items():
         ref = want[name]
-        assert torch.linalg.vector_norm(tensor - ref) <= TOLERANCE * torch.linalg.vector_norm(ref) + 1e-12, name
+        assert torch.linalg.vector_norm(tensor - ref) <= tolerance * torch.linalg.vector_norm(ref) + 1e-12, name
 
 
 CASES = {
@@ -139,6 +150,12 @@ CASES = {
                              optim=OptimConfig(lr=3e-3, warmup_steps=2, weight_decay=0.1, shard_states=True)),
     "colocated-3-zero": dict(mode="colocated", colocated_ranks=3, micro_batches=2, batch_size=6,
                              optim=OptimConfig(lr=3e-3, warmup_steps=2, shard_states=True)),
+    # bf16 moments (the oracle: the single trainer's FlatAdamW with bf16 moments), sharded and not
+    "A2-E1-p1-m2-zero-bf16-moments": dict(attention_ranks=2, expert_ranks=1, pipeline_groups=1, micro_batches=2,
+                                          optim=OptimConfig(lr=3e-3, warmup_steps=2, weight_decay=0.1,
+                                                            shard_states=True, state_dtype="bf16")),
+    "colocated-2-bf16-moments": dict(mode="colocated", colocated_ranks=2, micro_batches=2,
+                                     optim=OptimConfig(lr=3e-3, warmup_steps=2, state_dtype="bf16")),
     "colocated-3-bias": dict(mode="colocated", colocated_ranks=3, micro_batches=2, batch_size=6,
                              bias_balancing=True),
     # hop: pair_rows (every (token, expert) row returned as its own row; the transport's emulation on CPU):
@@ -160,7 +177,8 @@ def test_matches_the_single_process_oracle(warm, tmp_path, case):
     assert summary.steps == STEPS and summary.checkpoint_path is not None
     assert summary.hop == fields.get("hop", "partial_sums")
     assert_same_losses(read_metrics(tmp_path / "dist" / METRICS_FILE), reference)
-    assert_same_parameters(model_from_checkpoint(cfg, Path(summary.checkpoint_path)), reference_model)
+    assert_same_parameters(model_from_checkpoint(cfg, Path(summary.checkpoint_path)), reference_model,
+                           parameter_tolerance(cfg))
 
 
 def planned(gpus: int, **request) -> Plan:
@@ -325,17 +343,21 @@ def test_single_checkpoint_resumes_disaggregated_like_an_uninterrupted_run(warm,
     assert_same_parameters(model_from_checkpoint(resumed, final), uninterrupted_model)
 
 
-def test_sharded_optimizer_states_resume_from_and_save_to_the_common_format(warm, tmp_path):
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])
+def test_sharded_optimizer_states_resume_from_and_save_to_the_common_format(warm, tmp_path, state_dtype):
     """single (steps 1-3) -> ZeRO-1 disaggregated (4-5): the slices come from the single run's
-    checkpoint, and the final checkpoint gathers them back: the same moments as the oracle's."""
-    optim = OptimConfig(lr=3e-3, warmup_steps=2, weight_decay=0.1)
+    checkpoint, and the final checkpoint gathers them back: the same moments as the oracle's.
+    bf16 moments: the checkpoints hold them in fp32; a gradient summed in another order may round
+    a moment to the neighbouring bf16 value (2^-7 relative, on few elements), hence 2^-8 in norm."""
+    optim = OptimConfig(lr=3e-3, warmup_steps=2, weight_decay=0.1, state_dtype=state_dtype)
+    moment_tolerance = TOLERANCE if state_dtype == "fp32" else 2**-8
     uninterrupted, uninterrupted_model, resumed_dir = single_run_resumable_at_3(tmp_path, optim=optim)
     resumed = run_config(resumed_dir, "disaggregated", attention_ranks=2, expert_ranks=1, micro_batches=2,
                          resume=True, optim=optim.model_copy(update={"shard_states": True}))
     summary = run_on(warm, resumed)
     assert_same_losses(read_metrics(resumed_dir / METRICS_FILE), uninterrupted[3:])
     final = Path(summary.checkpoint_path)
-    assert_same_parameters(model_from_checkpoint(resumed, final), uninterrupted_model)
+    assert_same_parameters(model_from_checkpoint(resumed, final), uninterrupted_model, parameter_tolerance(resumed))
     want = checkpoint_dir(tmp_path / "single" / CHECKPOINTS_DIR, STEPS)
     got_optim, want_optim = ({k: s for f, shard in read_shards(d, read_manifest(d)).items() if f != "trainer.pt"
                               for k, s in shard["optim"].items()} for d in (final, want))
@@ -343,7 +365,9 @@ def test_sharded_optimizer_states_resume_from_and_save_to_the_common_format(warm
     for key, state in want_optim.items():
         for name in ("exp_avg", "exp_avg_sq"):
             ref = state[name]
-            assert torch.linalg.vector_norm(got_optim[key][name] - ref) <= TOLERANCE * torch.linalg.vector_norm(ref) + 1e-12
+            assert got_optim[key][name].dtype == torch.float32
+            assert (torch.linalg.vector_norm(got_optim[key][name] - ref)
+                    <= moment_tolerance * torch.linalg.vector_norm(ref) + 1e-12)
         assert float(got_optim[key]["step"]) == float(state["step"]) == STEPS
 
 
@@ -618,6 +642,8 @@ def test_the_memory_check_counts_each_transports_receive_buffers(tmp_path):
 
 
 def test_sharded_optimizer_states_count_a_share_of_the_moments_per_attention_rank(tmp_path):
+    """Bytes per parameter as FlatAdamW holds them (roofline.optimizer_state): ZeRO-1 over D = 2
+    splits the master, the moments and the reduced slice of the replicated parameters."""
     plain = run_config(tmp_path / "run", "disaggregated", attention_ranks=2, expert_ranks=1, micro_batches=2)
     sharded = plain.model_copy(update={"optim": plain.optim.model_copy(update={"shard_states": True})})
     topology = Topology.from_config(plain, plain.model)
@@ -627,13 +653,27 @@ def test_sharded_optimizer_states_count_a_share_of_the_moments_per_attention_ran
         assert plain_bytes == 16 * params  # fp32 on CPU: parameters are the masters, + gradient + moments
         if topology.attention_role(rank) is None:  # the expert rank keeps its whole state
             assert sharded_bytes == plain_bytes
-        else:  # 16 -> 4 + 4 + 8 / 2 bytes per replicated parameter (the attention ranks hold no experts)
-            assert sharded_bytes == pytest.approx(12 * params)
+        else:  # 16 -> 4 + 4 + (8 + 4) / 2 bytes per replicated parameter (the attention ranks hold no experts)
+            assert sharded_bytes == pytest.approx(14 * params)
     bf16 = plain.model_copy(update={"precision": "bf16"})
     bf16_sharded = sharded.model_copy(update={"precision": "bf16"})
     params, bf16_bytes = training_state_bytes(bf16, bf16.model, topology, 0)
     assert bf16_bytes == 18 * params  # bf16 parameter, fp32 master and gradient, two fp32 moments
-    assert training_state_bytes(bf16_sharded, bf16.model, topology, 0)[1] == pytest.approx(12 * params)
+    assert training_state_bytes(bf16_sharded, bf16.model, topology, 0)[1] == pytest.approx((6 + 16 / 2) * params)
+
+
+@pytest.mark.parametrize(("precision", "whole", "zero1"), [("fp32", 12, 4 + 4 + 8 / 2), ("bf16", 14, 6 + 12 / 2)])
+def test_bf16_moments_count_two_bytes_each(tmp_path, precision, whole, zero1):
+    cfg = run_config(tmp_path / "run", "disaggregated", attention_ranks=2, expert_ranks=1, micro_batches=2,
+                     precision=precision, optim=OptimConfig(state_dtype="bf16"))
+    sharded = cfg.model_copy(update={"optim": cfg.optim.model_copy(update={"shard_states": True})})
+    topology = Topology.from_config(cfg, cfg.model)
+    for rank in range(topology.world_size):
+        params, state = training_state_bytes(cfg, cfg.model, topology, rank)
+        assert state == whole * params
+        attention = topology.attention_role(rank) is not None
+        want = zero1 if attention else whole
+        assert training_state_bytes(sharded, cfg.model, topology, rank)[1] == pytest.approx(want * params)
 
 
 @pytest.mark.parametrize("outcome", ["completed", "failed"])

@@ -1,7 +1,9 @@
 """FlatAdamW (disagmoe/runtime/state/flat_adamw.py): the flat fp32 step equals torch's AdamW on the
 parameters themselves (CPU, fp32: to rounding), micro-batch gradients accumulate in fp32 main
 gradients for bf16 parameters, clipping scales like clip_grad_norm_, state round-trips, and the
-ZeRO-1 split over two gloo processes takes the same step."""
+ZeRO-1 split over two gloo processes takes the same step. bf16 moments: each step is the fp32
+update with the moments rounded after it, the trajectory stays near the fp32 one, and the
+checkpoint form (fp32 moments) resumes either dtype from either."""
 
 import os
 import socket
@@ -120,19 +122,153 @@ def test_partial_state_is_refused() -> None:
         FlatAdamW(_model().named_parameters(), OPTIM, torch.float32).load_state(flat.masters_by_name(), state)
 
 
+BF16 = OptimConfig(lr=1e-2, weight_decay=0.1, state_dtype="bf16")
+
+
+def _moments(flat: FlatAdamW) -> list[dict[str, torch.Tensor]]:
+    """Each bucket's live AdamW state (step, exp_avg, exp_avg_sq), in the optimizer's own dtypes."""
+    return [b.inner.state[b.inner.param_groups[0]["params"][0]] for b in flat.buckets]
+
+
+@pytest.mark.parametrize("chunk", [None, 7])  # None: one chunk per bucket; 7: many, with a ragged last one
+def test_bf16_moments_take_the_fp32_update_then_round_the_moments(monkeypatch, chunk) -> None:
+    """Every step of a bf16-moment run against a plain fp32 torch AdamW of the same update: from
+    the run's masters and its moments (bf16 values, upcast exactly), with the same (clipped)
+    gradient. Tolerance, per step: the masters are equal bit for bit, because the update runs in
+    fp32 on the same ops and values. The new moments are the reference's rounded to nearest bf16,
+    exactly, because that rounding is the only thing the bf16 path adds."""
+    from disagmoe.runtime.state import flat_adamw
+
+    if chunk is not None:
+        monkeypatch.setattr(flat_adamw, "MOMENT_CHUNK", chunk)
+    model = _model()
+    flat = FlatAdamW(model.named_parameters(), BF16, torch.float32)
+    for step in range(6):
+        flat.zero_grad()
+        _loss(model, step, 0).backward()
+        before = [(b.master_S.detach().clone(), b.grad_N.clone(), {k: v.clone() for k, v in s.items()}) for b, s in
+                  zip(flat.buckets, _moments(flat), strict=True)]
+        coef = torch.tensor(0.5)
+        flat.step(BF16.lr, coef)
+        for b, state, (master, grad, old) in zip(flat.buckets, _moments(flat), before, strict=True):
+            assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.bfloat16
+            ref = nn.Parameter(master)
+            ref.grad = grad * coef
+            reference = torch.optim.AdamW([ref], lr=BF16.lr, betas=(BF16.beta1, BF16.beta2), eps=BF16.eps,
+                                          weight_decay=b.weight_decay)
+            if old:
+                reference.state[ref] = {"step": old["step"].clone(), "exp_avg": old["exp_avg"].float(),
+                                        "exp_avg_sq": old["exp_avg_sq"].float()}
+            reference.step()
+            expected = reference.state[ref]
+            assert torch.equal(b.master_S, ref.detach()), b.name
+            assert torch.equal(state["exp_avg"], expected["exp_avg"].to(torch.bfloat16)), b.name
+            assert torch.equal(state["exp_avg_sq"], expected["exp_avg_sq"].to(torch.bfloat16)), b.name
+            assert float(state["step"]) == float(expected["step"]) == step + 1
+
+
+def test_bf16_moments_stay_near_the_fp32_moment_trajectory() -> None:
+    """Over 40 steps the parameters move by nearly the same amount as with fp32 moments. Each
+    rounding is off by at most 2^-8 relative. An error in m lives about 1 / (1 - beta1) = 10
+    steps, one in v 1 / (1 - beta2) = 20 steps (half of it reaching the step through the square
+    root). So in the worst case the update is off by (10 + 10) x 2^-8, about 8%; the rounding
+    errors' signs vary, and in norm the distance travelled differs by far less. Bound: 2%."""
+    runs = []
+    for optim in (OPTIM, BF16):
+        model = _model()
+        start = [p.detach().clone() for p in model.parameters()]
+        flat = FlatAdamW(model.named_parameters(), optim, torch.float32)
+        for step in range(40):
+            flat.zero_grad()
+            _loss(model, step, 0).backward()
+            flat.step(optim.lr)
+        runs.append(torch.cat([(p.detach() - s).flatten() for p, s in zip(model.parameters(), start, strict=True)]))
+    fp32, bf16 = runs
+    assert float((bf16 - fp32).norm() / fp32.norm()) < 2e-2
+
+
+@pytest.mark.parametrize(("saved", "loaded"), [("bf16", "bf16"), ("bf16", "fp32"), ("fp32", "bf16")])
+def test_moments_resume_across_state_dtypes(saved: str, loaded: str) -> None:
+    """The per-parameter (checkpoint) form holds fp32 moments whatever the run kept. Loading casts
+    them to the loading run's dtype: bf16 -> fp32 is exact, fp32 -> bf16 rounds to nearest. A
+    bf16 run resumed as bf16 continues bit for bit."""
+    dtype = {"fp32": OPTIM, "bf16": BF16}
+    model = _model()
+    flat = FlatAdamW(model.named_parameters(), dtype[saved], torch.float32)
+    for step in range(3):
+        flat.zero_grad()
+        _loss(model, step, 0).backward()
+        flat.step(OPTIM.lr)
+    masters, state = flat.masters_by_name(), flat.state_by_name()
+    assert all(s[k].dtype == torch.float32 for s in state.values() for k in ("exp_avg", "exp_avg_sq"))
+    other = _model(seed=1)
+    fresh = FlatAdamW(other.named_parameters(), dtype[loaded], torch.float32)
+    fresh.load_state(masters, state)
+    want = torch.bfloat16 if loaded == "bf16" else torch.float32
+    for b, live in zip(fresh.buckets, _moments(fresh), strict=True):
+        for k in ("exp_avg", "exp_avg_sq"):
+            flat_k = torch.cat([state[n][k].flatten() for n in b.names])
+            assert live[k].dtype == want and torch.equal(live[k][:flat_k.numel()], flat_k.to(want)), (b.name, k)
+    assert fresh.state_by_name().keys() == state.keys()
+    if saved == loaded:
+        for step in range(3, 5):
+            for f, m in ((flat, model), (fresh, other)):
+                f.zero_grad()
+                _loss(m, step, 0).backward()
+                f.step(OPTIM.lr)
+        for a, b in zip(model.parameters(), other.parameters(), strict=True):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+def test_cuda_bf16_moments_take_the_fused_fp32_update_then_round_the_moments() -> None:
+    """The CUDA path (bf16 compute, torch's fused AdamW over the fp32 copies, the clip as its
+    grad_scale) against torch's fused AdamW on the same fp32 master, moments and scaled gradient:
+    the same per-step tolerance as on the CPU (masters bit for bit, moments exactly rounded)."""
+    model = _model().to("cuda", torch.bfloat16)
+    flat = FlatAdamW(model.named_parameters(), BF16, torch.bfloat16)
+    for step in range(3):
+        flat.zero_grad()
+        _loss(model, step, 0).backward()
+        before = [(b.master_S.detach().clone(), b.grad_N.clone(), {k: v.clone() for k, v in s.items()})
+                  for b, s in zip(flat.buckets, _moments(flat), strict=True)]
+        coef = torch.tensor(0.5, device="cuda")
+        flat.step(BF16.lr, coef)
+        for b, state, (master, grad, old) in zip(flat.buckets, _moments(flat), before, strict=True):
+            ref = nn.Parameter(master)
+            ref.grad = grad
+            reference = torch.optim.AdamW([ref], lr=BF16.lr, betas=(BF16.beta1, BF16.beta2), eps=BF16.eps,
+                                          weight_decay=b.weight_decay, fused=True)
+            if old:
+                reference.state[ref] = {"step": old["step"].clone(), "exp_avg": old["exp_avg"].float(),
+                                        "exp_avg_sq": old["exp_avg_sq"].float()}
+            reference.grad_scale = (1.0 / coef).float()
+            reference.step()
+            expected = reference.state[ref]
+            assert torch.equal(b.master_S, ref.detach()), b.name
+            assert torch.equal(state["exp_avg"], expected["exp_avg"].to(torch.bfloat16)), b.name
+            assert torch.equal(state["exp_avg_sq"], expected["exp_avg_sq"].to(torch.bfloat16)), b.name
+            assert state["step"].is_cuda and float(state["step"]) == step + 1
+
+
+def test_the_oracle_optimizer_refuses_bf16_moments() -> None:
+    with pytest.raises(ValueError, match="optim.state_dtype=bf16: .*FlatAdamW .* or set optim.state_dtype=fp32"):
+        build_optimizer(_model().named_parameters(), BF16)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _sharded_worker(rank: int, port: int, dtype: torch.dtype, results) -> None:
+def _sharded_worker(rank: int, port: int, dtype: torch.dtype, optim: OptimConfig, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
         group = dist.new_group([0, 1])
         model = _model()
-        flat = FlatAdamW(model.named_parameters(), OPTIM, dtype, shards={"params": Shard(group, rank, 2)})
+        flat = FlatAdamW(model.named_parameters(), optim, dtype, shards={"params": Shard(group, rank, 2)})
         for step in range(3):
             flat.zero_grad()
             _loss(model, step, rank).backward()  # each rank its own micro-batch
@@ -150,11 +286,14 @@ def _sharded_worker(rank: int, port: int, dtype: torch.dtype, results) -> None:
 
 @pytest.mark.slow  # more than a few seconds on 2 cores (`pytest -m 'not slow'` skips it)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_zero1_split_takes_the_unsharded_step(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("optim", [OPTIM, BF16], ids=["fp32-moments", "bf16-moments"])
+def test_zero1_split_takes_the_unsharded_step(dtype: torch.dtype, optim: OptimConfig) -> None:
+    """Each rank steps its slice (with bf16 moments: its slice of them) and the gathered
+    checkpoint state is the whole bucket's, in fp32."""
     results = mp.Manager().dict()
-    mp.spawn(_sharded_worker, args=(_free_port(), dtype, results), nprocs=2)
+    mp.spawn(_sharded_worker, args=(_free_port(), dtype, optim, results), nprocs=2)
     model = _model().to(dtype)
-    flat = FlatAdamW(model.named_parameters(), OPTIM, dtype)
+    flat = FlatAdamW(model.named_parameters(), optim, dtype)
     for step in range(3):
         flat.zero_grad()
         for rank in range(2):
@@ -170,6 +309,13 @@ def test_zero1_split_takes_the_unsharded_step(dtype: torch.dtype) -> None:
         torch.testing.assert_close(params0[name], p.float(), **tol)
         torch.testing.assert_close(params1[name], params0[name], rtol=0, atol=0)  # replicas stay identical
         torch.testing.assert_close(masters0[name], flat.masters_by_name()[name], **tol)
+    unsharded = flat.state_by_name()
+    # bf16 moments: a gradient summed in another order may round a moment to the next bf16 value (2^-7 relative)
+    moment_tol = {**tol, "rtol": max(tol["rtol"], 2**-7 if optim.state_dtype == "bf16" else 0)}
+    for name, state in state0.items():
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert state[k].dtype == torch.float32
+            torch.testing.assert_close(state[k], unsharded[name][k], **moment_tol)
 
 
 class _AddsIntoMainGrad(torch.autograd.Function):

@@ -267,3 +267,41 @@ def test_resume_with_another_seed_or_learning_rate_warns_naming_them(tmp_path):
                                        "optim": first.optim.model_copy(update={"lr": 1e-3})})
     with pytest.warns(RunWarning, match=r"changed training settings \(seed: 0 -> 5, optim.lr: 0.003 -> 0.001\)"):
         assert train_single(changed).steps == 3
+
+
+@pytest.mark.slow  # two 50-step runs: more than a few seconds on 2 cores
+def test_bf16_moments_train_to_the_fp32_moment_loss(tmp_path):
+    """50 steps of the tiny model: bf16 moments (FlatAdamW over fp32 parameters) against the oracle's
+    fp32 ones. The step-50 loss agrees within 0.5% relative (measured: 2.5723 vs 2.5712, 0.04%)."""
+    losses = {}
+    for dtype in ("fp32", "bf16"):
+        cfg = tiny_run(tmp_path / dtype, steps=50, checkpoint_at_end=False,
+                       optim=OptimConfig(lr=3e-3, warmup_steps=5, state_dtype=dtype))
+        train_single(cfg)
+        losses[dtype] = [r["loss"] for r in read_metrics(tmp_path / dtype / "run" / METRICS_FILE)]
+    assert losses["bf16"][0] == losses["fp32"][0]  # the same first forward
+    assert losses["bf16"][-1] == pytest.approx(losses["fp32"][-1], rel=5e-3)
+    assert losses["bf16"][-1] < 0.6 * losses["bf16"][0]
+
+
+@pytest.mark.parametrize(("first", "then"), [("bf16", "fp32"), ("fp32", "bf16")])
+def test_a_run_resumes_with_the_other_moment_dtype(tmp_path, first, then):
+    """Checkpoints hold fp32 moments whatever the run kept, so a bf16-moment run resumes as an
+    fp32-moment one (the oracle) and back. The resume warns that the setting changed, and the
+    resumed steps' losses stay within 0.1% of the straight run's."""
+    straight = tiny_run(tmp_path / "a", steps=6, checkpoint_every=3,
+                        optim=OptimConfig(lr=3e-3, warmup_steps=2, state_dtype=first))
+    train_single(straight)
+    saved = checkpoint_dir(tmp_path / "a" / "run" / CHECKPOINTS_DIR, 3)
+    moments = [t for name, shard in read_shards(saved, read_manifest(saved)).items() if name != "trainer.pt"
+               for state in shard["optim"].values() for k, t in state.items() if k != "step"]
+    assert moments and all(t.dtype == torch.float32 for t in moments)
+    resumed_dir = tmp_path / "b" / "run"
+    shutil.copytree(saved, checkpoint_dir(resumed_dir / CHECKPOINTS_DIR, 3))
+    other = straight.model_copy(update={"out_dir": str(resumed_dir), "resume": True,
+                                        "optim": straight.optim.model_copy(update={"state_dtype": then})})
+    with pytest.warns(RunWarning, match=f"optim.state_dtype: '{first}' -> '{then}'"):
+        train_single(other)
+    a, b = (read_metrics(d / METRICS_FILE) for d in (tmp_path / "a" / "run", resumed_dir))
+    assert [r["step"] for r in b] == [4, 5, 6]
+    assert [r["loss"] for r in b] == pytest.approx([r["loss"] for r in a[3:]], rel=1e-3)
