@@ -17,9 +17,9 @@ from disagmoe.config import ModelConfig, TrainConfig, load_train_config
 from disagmoe.model_ref import load_model
 from disagmoe.cli.common import console, literal, print_json, user_errors
 from disagmoe.cli.third_party import quiet_ray
-from disagmoe.roofline.memory import activation_bytes
 from disagmoe.roofline.optimizer_state import state_bytes
 from disagmoe.roofline.params import count_params
+from disagmoe.runtime.activation_memory import single_activation_bytes
 from disagmoe.runtime.observe.throughput import Throughput
 from disagmoe.runtime.out_dir import check_out_dir, set_aside_earlier_run
 from disagmoe.runtime.plan_layout import apply_plan, replaced_fields
@@ -114,12 +114,12 @@ def _run(cfg: TrainConfig, as_json: bool) -> dict[str, Any]:
 def check_host_memory(cfg: TrainConfig, model_cfg: ModelConfig) -> None:
     """ValueError, before anything is allocated, for a CPU run on this host whose parameters, with
     their gradients and AdamW moments (`roofline.optimizer_state.state_bytes`: 16 bytes each in fp32,
-    12 with bf16 moments), and the activations of one
-    micro-batch (`roofline.memory.activation_bytes`) exceed the host's memory, or whose cpu_threads
+    12 with bf16 moments), and the activations of one micro-batch
+    (`runtime.activation_memory.single_activation_bytes`) exceed the host's memory, or whose cpu_threads
     exceed its cores: a model too large for CPU training (or a typo in a size) fails in one line
     instead of swapping, meeting the OOM killer or aborting in torch."""
     if cfg.device != "cpu" or cfg.ray_address is not None:
-        return  # GPU memory is checked per rank before the actors start (runtime/cluster/driver.py)
+        return  # GPU memory: per rank before the actors start (cluster/driver.py), single in its trainer
     cores = os.cpu_count() or 1
     if cfg.cpu_threads is not None and cfg.cpu_threads > MAX_THREADS_PER_CORE * cores:
         raise ValueError(f"cpu_threads={cfg.cpu_threads} but this host has {cores} cores; use at most {cores} "
@@ -127,7 +127,7 @@ def check_host_memory(cfg: TrainConfig, model_cfg: ModelConfig) -> None:
     params = count_params(model_cfg).total
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     tokens = cfg.batch_size // cfg.micro_batches * cfg.seq_len
-    acts = activation_bytes(model_cfg, tokens, 2 if cfg.compute_dtype_name == "bf16" else 4)
+    acts = single_activation_bytes(cfg, model_cfg)
     state = params * state_bytes(cfg.optim.state_dtype, cfg.compute_dtype_name).total
     if state + acts > host:
         raise ValueError(

@@ -1,42 +1,141 @@
 """Activation memory of a training step: what the forward keeps for the backward, per token.
 
-    activation_bytes(model, tokens, value_bytes) -> bytes held at the peak of one forward of
-    `tokens` tokens (a micro-batch), with activations of `value_bytes` each (2: bf16, 4: fp32)
+    attention_bytes(m, moe, value_bytes)      one token of one layer on the attention side
+    combine_bytes(m, value_bytes)             the K expert-output rows a token's weighted combine keeps
+    expert_row_bytes(m, value_bytes)          one (token, expert) row of the routed experts
+    attention_grad_bytes, expert_row_grad_bytes   the gradients one layer's backward holds
+    head_bytes(m, tokens, value_bytes, chunked)   final norm, LM head and loss at their peak
+    activation_bytes(m, tokens, value_bytes, chunked)   one process's peak over one micro-batch
 
-The same per-token terms as the planner's memory model (placement/cost.py prices them per GPU):
-per layer the attention block's inputs and projections (q, k, v, the attention output), the
-routed tokens' top-k expert rows (gate, up, SwiGLU output and input), shared or dense FFN
-activations and the router's fp32 scores; plus the fp32 logits of the LM head. It is an
-estimate, not a count of every buffer (no allocator slack, no attention score matrix: the
-attention is flash or chunked); the memory issue refines it here.
+`value_bytes` is the activations' dtype (2: bf16, 4: fp32); reductions keep fp32 where the model
+does (router scores, the attention's log-sum-exp). These are estimates of what autograd saves,
+read off the code (no allocator slack, no attention score matrix: the attention is flash). Where a
+rank holds how many micro-batches comes from its program: `runtime/activation_memory.py` replays
+it with these terms (roofline does not import the runtime); the planner prices the same terms.
+
+Calibration: `configs/h200x2-qwen3-30b.yaml` in mode single, 8 micro-batches of 8,192 tokens,
+peaked at 70.8 GiB on an H200 (docs/benchmarks.md, the a3ee5cb row; tests/roofline/test_memory.py).
 """
 
 from __future__ import annotations
 
+import numpy as np
+
 from disagmoe.config import ModelConfig
-from disagmoe.roofline.stages import FP32, attention_io_per_token
+from disagmoe.roofline.stages import FP32, Num, attention_io_per_token
+
+# `model/loss.py`'s chunk rule (roofline imports no torch; a test pins the two together)
+DEFAULT_CHUNK_TOKENS = 4096
+LOGIT_BYTES_PER_CHUNK = 1 << 28
 
 
-def attention_layer_values(m: ModelConfig, moe: bool) -> int:
-    """Activation values one token keeps in one layer on the attention side."""
+def loss_chunk_tokens(tokens: Num, vocab: int) -> Num:
+    """Tokens per chunk of the chunked LM-head loss (`model.loss.chunk_size` with its default);
+    `tokens` may be a numpy array (the planner's candidates)."""
+    chunk = max(256, min(DEFAULT_CHUNK_TOKENS, LOGIT_BYTES_PER_CHUNK // (FP32 * vocab)))
+    if isinstance(tokens, np.ndarray):
+        return np.maximum(1, np.minimum(tokens, chunk))
+    return max(1, min(tokens, chunk))
+
+
+def attention_values(m: ModelConfig, moe: bool) -> int:
+    """Values (in the compute dtype) one token keeps in one layer on the attention side: the two
+    norms' inputs, the projections' input, q/k before qk-norm, q, k, v and the attention output
+    as SDPA saves them, the FFN norm's output (router, dispatch and shared experts read it), the
+    shared experts' or dense FFN's SwiGLU. The routed combine's rows are `combine_bytes`."""
     q, k, v = attention_io_per_token(m)
     o_in = m.num_heads * (m.mla.v_head_dim if m.mla else m.head_dim)
-    common = 3 * m.hidden_size + q + k + v + o_in
-    if moe:
-        return common + m.top_k * m.hidden_size + 3 * m.shared_ffn_size
-    return common + 3 * m.dense_ffn_size
+    qk_norm = q + k if m.qk_norm and m.attention != "mla" else 0
+    common = 3 * m.hidden_size + q + k + v + o_in + qk_norm + m.hidden_size
+    return common + 4 * (m.shared_ffn_size if moe else m.dense_ffn_size)  # SwiGLU: gate, up, silu, product
+
+
+def attention_fp32_values(m: ModelConfig, moe: bool, value_bytes: int) -> int:
+    """fp32 values per token per layer on the attention side: SDPA's log-sum-exp per head; in a
+    MoE layer the router's scores (and logits, with a z-loss) and its fp32 copy of the input
+    rows, which the gate's weight gradient needs (none when the activations are fp32 already)."""
+    if not moe:
+        return m.num_heads
+    router = m.num_experts * (2 if m.router.z_loss_coef > 0 else 1)
+    return m.num_heads + router + (m.hidden_size if value_bytes < FP32 else 0)
+
+
+def attention_bytes(m: ModelConfig, moe: bool, value_bytes: int) -> int:
+    """Bytes one token keeps in one layer on the attention side until its backward."""
+    return value_bytes * attention_values(m, moe) + FP32 * attention_fp32_values(m, moe, value_bytes)
+
+
+def combine_bytes(m: ModelConfig, value_bytes: int) -> int:
+    """The weighted combine keeps the K expert-output rows of a token (`kernels.permute.combine_rows`):
+    on the attention side in one process, on the expert rank with the compact hop."""
+    return value_bytes * m.top_k * m.hidden_size
 
 
 def expert_row_values(m: ModelConfig) -> int:
-    """Activation values of one (token, expert) row in the routed experts."""
+    """Values of one (token, expert) row in the routed experts: the input row, the gate/up
+    pre-activations (2F) and the SwiGLU output (F), as the Triton experts save them."""
     return m.hidden_size + 3 * m.expert_ffn_size
 
 
-def activation_bytes(m: ModelConfig, tokens: int, value_bytes: int) -> int:
-    """Bytes the forward of `tokens` tokens keeps until its backward (module docstring)."""
+def expert_row_bytes(m: ModelConfig, value_bytes: int) -> int:
+    return value_bytes * expert_row_values(m)
+
+
+def attention_grad_bytes(m: ModelConfig, moe: bool, value_bytes: int) -> int:
+    """Gradient bytes per token one layer's attention-side backward holds: d y of each projection
+    (q, k, v, output; the SwiGLU's gate, up and down). Deferred weight gradients
+    (`kernels.deferral`) keep them, with their saved inputs, until the held-back work runs at the
+    op's end; without deferral they live through the layer's backward all the same."""
+    q, k, v = attention_io_per_token(m)
+    ffn = m.shared_ffn_size if moe else m.dense_ffn_size
+    return value_bytes * (q + k + v + m.hidden_size + (2 * ffn + m.hidden_size if ffn else 0))
+
+
+def expert_row_grad_bytes(m: ModelConfig, value_bytes: int) -> int:
+    """Gradient bytes per (token, expert) row an expert backward holds: d y and d h13 (the
+    weight-gradient GEMMs' operands, kept until they run)."""
+    return value_bytes * (m.hidden_size + 2 * m.expert_ffn_size)
+
+
+def head_bytes(m: ModelConfig, tokens: Num, value_bytes: int, chunked: bool = True) -> Num:
+    """Bytes the final norm, LM head and loss of `tokens` tokens hold at their peak.
+
+    Chunked (`model.loss.linear_cross_entropy`: every fast path) the logits never exist whole:
+    it keeps d h [N, H] and an fp32 d W [V, H] for the backward, and one chunk's fp32 logits (with
+    their compute-dtype copy) and one chunk's d W product (with its fp32 cast) are alive at once.
+    Unchunked (the fp32 oracle's `F.cross_entropy`): the logits and log-probabilities [N, V] are
+    kept, and their gradient joins them in the backward."""
+    H, V = m.hidden_size, m.vocab_size
+    norm_in = tokens * value_bytes * H
+    if not chunked:
+        return norm_in + tokens * 3 * FP32 * V
+    cast = value_bytes if value_bytes < FP32 else 0  # a .float() of an fp32 tensor is itself
+    chunk = loss_chunk_tokens(tokens, V)
+    return (norm_in + tokens * value_bytes * H + FP32 * V * H
+            + chunk * V * (FP32 + cast) + V * H * (FP32 + cast))
+
+
+def layer_bytes(m: ModelConfig, moe: bool, value_bytes: int) -> int:
+    """One token of one whole layer in one process: attention side, combine and its K expert rows."""
+    if not moe:
+        return attention_bytes(m, False, value_bytes)
+    return attention_bytes(m, True, value_bytes) + combine_bytes(m, value_bytes) + m.top_k * expert_row_bytes(
+        m, value_bytes)
+
+
+def layer_grad_bytes(m: ModelConfig, moe: bool, value_bytes: int) -> int:
+    """One token of one whole layer's backward in one process (`attention_grad_bytes` and the K rows')."""
+    rows = m.top_k * expert_row_grad_bytes(m, value_bytes) if moe else 0
+    return attention_grad_bytes(m, moe, value_bytes) + rows
+
+
+def activation_bytes(m: ModelConfig, tokens: int, value_bytes: int, chunked: bool = True) -> int:
+    """Peak bytes of one process's forward and backward of `tokens` tokens (one micro-batch:
+    gradient accumulation runs each micro-batch's backward before the next forward): every
+    layer's activations, plus the larger of the head's peak and one layer's backward."""
     moe_layers = m.num_moe_layers
     dense_layers = m.num_layers - moe_layers
-    per_token = value_bytes * (moe_layers * (attention_layer_values(m, True) + m.top_k * expert_row_values(m))
-                               + dense_layers * attention_layer_values(m, False))
-    per_token += FP32 * (moe_layers * m.num_experts + m.num_layers * m.num_heads + m.vocab_size)
-    return tokens * per_token
+    kept = tokens * (moe_layers * layer_bytes(m, True, value_bytes) + dense_layers * layer_bytes(m, False, value_bytes))
+    grads = tokens * max(layer_grad_bytes(m, moe, value_bytes) for moe in
+                         ([True] if moe_layers else []) + ([False] if dense_layers else []))
+    return kept + max(head_bytes(m, tokens, value_bytes, chunked), grads)

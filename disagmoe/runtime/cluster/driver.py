@@ -20,6 +20,7 @@ import os
 import time
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ from disagmoe.model_ref import load_model
 from disagmoe.data import load_splits
 from disagmoe.roofline.flops import step_flops
 from disagmoe.roofline.optimizer_state import state_bytes
+from disagmoe.runtime.activation_memory import RankActivations, rank_activations
 from disagmoe.runtime.batching import check_divisible
 from disagmoe.runtime.state.checkpoint import (
     TrainerState,
@@ -77,6 +79,8 @@ TRACE_FILE = "trace.json"
 TRACE_MAX_STEPS = 100  # spans of the first steps of a run only: a trace of every step grows unbounded
 MIN_CPUS_PER_RANK = 0.1  # more CPU actors than this allows would thrash the host
 PROBE_TIMEOUT_S = 2.0  # after a failure: an actor that does not answer `info` this fast is hung
+MEMORY_FIX = ("use more micro-batches or fewer tokens per step (batch_size, seq_len), or add ranks / pipeline groups "
+              "(`disagmoe plan` finds a layout that fits)")
 
 
 def step_timeout_s(cfg: TrainConfig) -> float:
@@ -101,39 +105,81 @@ def training_state_bytes(cfg: TrainConfig, model_cfg: ModelConfig, topology: Top
     return params, (params - replicated) * whole + replicated * shared
 
 
-def check_memory(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topology, capacity_bytes: float,
-                 per_gpu: int = 1) -> None:
-    """ValueError naming the first rank whose parameters, gradients and AdamW moments (fp32;
-    `training_state_bytes`) and receive buffers (`messages.receive_layouts`: nccl's per slot,
-    nvshmem's symmetric arena) exceed one device's memory; activations are not counted. With
-    `per_gpu` > 1 ranks sharing each GPU, also the first GPU whose ranks do not fit it together
-    (each rank's process adding its context and NVSHMEM heap margin: `sharing.PROCESS_BYTES`)."""
+def rank_needs(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topology) -> list[RankNeed]:
+    """Every rank's memory at its peak (`RankNeed`), from its training state, receive buffers and
+    its program's activation peak (`runtime.activation_memory`, for this run's hop)."""
     buffers = receive_layouts(cfg, MessageShapes.of_run(cfg, model_cfg, topology), topology, stream_sum_width(cfg))
-    on_gpu: dict[int, list[tuple[int, float]]] = {}
+    hop, _ = hop_mode(cfg, model_cfg, topology)
+    activations = rank_activations(cfg, model_cfg, topology, pair_rows=hop == "pair_rows")
+    needs = []
     for rank in range(topology.world_size):
         params, state = training_state_bytes(cfg, model_cfg, topology, rank)
-        received = buffers[rank].nbytes
-        on_gpu.setdefault(gpu_of(rank, per_gpu), []).append((rank, state + received))
-        if state + received > capacity_bytes:
+        needs.append(RankNeed(params, state, buffers[rank].nbytes, activations[rank],
+                              torch_buffers=cfg.transport != "nvshmem"))
+    return needs
+
+
+@dataclass(frozen=True)
+class RankNeed:
+    """What one rank holds at its peak: parameters (count), training state, receive buffers and
+    activation bytes; `torch_buffers`: its buffers come from torch's allocator (nccl, local), not
+    NVSHMEM's heap."""
+
+    params: int
+    state_bytes: int
+    received_bytes: int
+    activations: RankActivations
+    torch_buffers: bool
+
+    @property
+    def total_bytes(self) -> int:
+        return self.state_bytes + self.received_bytes + self.activations.peak_bytes
+
+    @property
+    def predicted_peak_gib(self) -> float:
+        """The counterpart of the measured `peak_memory_gib` (torch's allocator: an NVSHMEM
+        arena is not in it)."""
+        received = self.received_bytes if self.torch_buffers else 0
+        return (self.state_bytes + received + self.activations.peak_bytes) / 2**30
+
+    def describe(self) -> str:
+        acts = self.activations
+        return (f"{self.state_bytes / 2**30:.1f} GiB of weights, fp32 masters, gradients and AdamW moments, "
+                f"{self.received_bytes / 2**30:.1f} GiB of receive buffers and {acts.peak_bytes / 2**30:.1f} GiB "
+                f"of activations ({acts.micro_batches_in_flight} micro-batches in flight at {acts.at_op})")
+
+
+def check_memory(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topology, capacity_bytes: float,
+                 per_gpu: int = 1, needs: list[RankNeed] | None = None) -> None:
+    """ValueError naming the first rank whose parameters, gradients and AdamW moments (fp32;
+    `training_state_bytes`), receive buffers (`messages.receive_layouts`: nccl's per slot,
+    nvshmem's symmetric arena) and activations at its program's peak (`runtime.activation_memory`)
+    exceed one device's memory. With `per_gpu` > 1 ranks sharing each GPU, also the first GPU whose
+    ranks do not fit it together (each rank's process adding its context and NVSHMEM heap margin:
+    `sharing.PROCESS_BYTES`). `needs`: `rank_needs`, if already computed."""
+    needs = rank_needs(cfg, model_cfg, topology) if needs is None else needs
+    on_gpu: dict[int, list[tuple[int, RankNeed]]] = {}
+    for rank, need in enumerate(needs):
+        on_gpu.setdefault(gpu_of(rank, per_gpu), []).append((rank, need))
+        if need.total_bytes > capacity_bytes:
             raise ValueError(
-                f"rank {rank} ({topology.describe(rank)}) holds {params:,} parameters: "
-                f"{state / 2**30:.1f} GiB of weights, fp32 masters, gradients and AdamW moments and "
-                f"{received / 2**30:.1f} GiB of receive buffers (activations not counted) on a "
-                f"{capacity_bytes / 2**30:.1f} GiB device; add expert ranks or pipeline groups "
-                "(`disagmoe plan` finds a layout that fits) or use more micro-batches"
+                f"rank {rank} ({topology.describe(rank)}) holds {need.params:,} parameters and needs "
+                f"{need.total_bytes / 2**30:.1f} GiB: {need.describe()}, on a {capacity_bytes / 2**30:.1f} GiB "
+                f"device; {MEMORY_FIX}"
             )
     if per_gpu == 1:
         return
     for gpu, ranks in on_gpu.items():
-        total = sum(need + PROCESS_BYTES + HEAP_MARGIN_BYTES for _, need in ranks)
+        total = sum(need.total_bytes + PROCESS_BYTES + HEAP_MARGIN_BYTES for _, need in ranks)
         if total > capacity_bytes:
-            each = ", ".join(f"rank {rank} {need / 2**30:.1f}" for rank, need in ranks)
+            each = "; ".join(f"rank {rank} {need.total_bytes / 2**30:.1f} GiB ({need.describe()})"
+                             for rank, need in ranks)
             raise ValueError(
                 f"GPU {gpu} is shared by {len(ranks)} ranks (ranks_per_gpu={per_gpu}) needing "
-                f"{total / 2**30:.1f} GiB together ({each} GiB of training state and receive buffers, plus "
+                f"{total / 2**30:.1f} GiB together ({each}; plus "
                 f"{(PROCESS_BYTES + HEAP_MARGIN_BYTES) / 2**30:.2f} GiB per process for its CUDA context and "
-                f"NVSHMEM heap; activations not counted) on a {capacity_bytes / 2**30:.1f} GiB device; lower "
-                "ranks_per_gpu (more GPUs), use a smaller model or fewer tokens per micro-batch")
+                f"NVSHMEM heap) on a {capacity_bytes / 2**30:.1f} GiB device; lower ranks_per_gpu (more GPUs), "
+                f"or {MEMORY_FIX}")
 
 
 def check_fits(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topology) -> None:
@@ -196,6 +242,7 @@ class DistributedTrainer(TrainingLoop):
         self.cfg = cfg = apply_plan(cfg, self.model_cfg)  # a plan's layout, checked; inline for the workers
         self.topology = Topology.from_config(cfg, self.model_cfg)
         check_fits(cfg, self.model_cfg, self.topology)
+        self.predicted_peak_gib = [need.predicted_peak_gib for need in rank_needs(cfg, self.model_cfg, self.topology)]
         self.hop, self.hop_reason = hop_mode(cfg, self.model_cfg, self.topology)
         check_fault_injection(cfg, self.topology)
         check_ray_address(cfg.ray_address, cfg.ray_connect_timeout_s)  # bounded, before Ray
@@ -349,6 +396,8 @@ class DistributedTrainer(TrainingLoop):
             "peak_memory_gib": max((r["peak_memory_gib"] for r in results if r["peak_memory_gib"] is not None),
                                    default=None),
             "peak_memory_gib_per_rank": [r["peak_memory_gib"] for r in results],
+            "predicted_peak_gib": max(self.predicted_peak_gib),  # `rank_needs`: beside the measured peak
+            "predicted_peak_gib_per_rank": list(self.predicted_peak_gib),
             "expert_load": load_LE.tolist(),
             "load_imbalance": load_imbalance(load_LE),
             "busy": busy_fractions([r["compute_s"] for r in results], seconds, self.groups),
@@ -359,7 +408,8 @@ class DistributedTrainer(TrainingLoop):
     def run_facts(self) -> dict[str, Any]:
         return dict(hop=self.hop, transport=self.cfg.transport, gpus=self.gpus or None,
                     ranks_per_gpu=self.ranks_per_gpu, time_sliced=self.ranks_per_gpu > 1,
-                    processes=self.processes)
+                    processes=self.processes, predicted_peak_gib=max(self.predicted_peak_gib),
+                    predicted_peak_gib_per_rank=list(self.predicted_peak_gib))
 
     def validate(self) -> float:
         """Mean CE over `eval_batches` validation batches, as the oracle's `evaluate` defines it."""

@@ -63,6 +63,9 @@ class TrainSummary:
     ranks_per_gpu: int = 1  # > 1: ranks time-sliced each GPU (`runtime.cluster.sharing`): not a speed figure
     time_sliced: bool = False
     processes: list[dict[str, Any]] | None = None  # distributed modes: each rank's pid, node, device, role, hop
+    # the memory model's peak (GiB of torch's allocator: the step records' measured peak_memory_gib beside it)
+    predicted_peak_gib: float | None = None
+    predicted_peak_gib_per_rank: list[float] | None = None  # distributed modes
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -41,6 +41,9 @@ from disagmoe.model import MoETransformer
 from disagmoe.model.layers import set_fusion
 from disagmoe.model.loss import linear_cross_entropy
 from disagmoe.roofline.flops import step_flops
+from disagmoe.roofline.optimizer_state import state_bytes
+from disagmoe.roofline.params import count_params
+from disagmoe.runtime.activation_memory import single_activation_bytes
 from disagmoe.runtime.rank_model import compute_dtype
 from disagmoe.runtime.batching import batch_rows, check_divisible, inputs_and_targets
 from disagmoe.runtime.state.flat_adamw import FlatAdamW
@@ -207,6 +210,30 @@ def evaluate(model: MoETransformer, dataset: TokenDataset, batches: int, micro_b
 
 
 
+def single_peak_bytes(cfg: TrainConfig, model_cfg: ModelConfig) -> tuple[int, int]:
+    """(training state, activations) one process holds at its peak: every parameter's state
+    (`roofline.optimizer_state.state_bytes`) and one micro-batch's activations (`runtime.activation_memory`)."""
+    state = count_params(model_cfg).total * state_bytes(cfg.optim.state_dtype, cfg.compute_dtype_name).total
+    return state, single_activation_bytes(cfg, model_cfg)
+
+
+def check_single_memory(cfg: TrainConfig, model_cfg: ModelConfig, capacity_bytes: float) -> None:
+    """ValueError, before the model is allocated, for a one-GPU run whose training state and
+    activation peak (`single_peak_bytes`) exceed the device: one line with the numbers and the fix,
+    instead of an out-of-memory error in the first step."""
+    state, acts = single_peak_bytes(cfg, model_cfg)
+    if state + acts <= capacity_bytes:
+        return
+    tokens = cfg.batch_size // cfg.micro_batches * cfg.seq_len
+    raise ValueError(
+        f"mode single needs {(state + acts) / 2**30:.1f} GiB on a {capacity_bytes / 2**30:.1f} GiB device: "
+        f"{count_params(model_cfg).total:,} parameters hold {state / 2**30:.1f} GiB of weights, fp32 masters, "
+        f"gradients and AdamW moments, and a micro-batch of {tokens:,} tokens (batch_size={cfg.batch_size} / "
+        f"micro_batches={cfg.micro_batches} x seq_len={cfg.seq_len}) {acts / 2**30:.1f} GiB of activations; use "
+        "more micro-batches or fewer tokens per step, or a distributed mode over more GPUs (`disagmoe plan` "
+        "finds a layout that fits)")
+
+
 class SingleProcessTrainer(TrainingLoop):
     """Model, optimizer, data and outputs of a `mode: single` run."""
 
@@ -215,6 +242,9 @@ class SingleProcessTrainer(TrainingLoop):
         self.model_cfg: ModelConfig = load_model(cfg.model)
         self.device = resolve_device(cfg.device)
         check_divisible(cfg.batch_size, cfg.micro_batches, 1)
+        if self.device.type == "cuda":
+            check_single_memory(cfg, self.model_cfg, torch.cuda.get_device_properties(self.device).total_memory)
+        self.predicted_peak_gib = sum(single_peak_bytes(cfg, self.model_cfg)) / 2**30
         splits = load_splits(cfg.data, self.model_cfg.vocab_size, cfg.seq_len)
         self.train_data = TokenDataset(splits.train, cfg.seq_len, cfg.batch_size, cfg.seed, "train")
         self.val_data = (
@@ -242,6 +272,9 @@ class SingleProcessTrainer(TrainingLoop):
         self.step = 0
         if cfg.resume:
             self._resume()
+
+    def run_facts(self) -> dict[str, Any]:
+        return {"predicted_peak_gib": self.predicted_peak_gib}
 
     def _resume(self) -> None:
         """Load the newest checkpoint that loads (damaged newer ones skipped with a warning each),
@@ -298,6 +331,7 @@ class SingleProcessTrainer(TrainingLoop):
             "grad_norm": result.grad_norm,
             **self.step_speed(seconds),
             "peak_memory_gib": peak_memory_gib(self.device),
+            "predicted_peak_gib": self.predicted_peak_gib,  # `single_peak_bytes`: beside the measured peak
             "expert_load": result.expert_load_LE.tolist(),
             "load_imbalance": load_imbalance(result.expert_load_LE),
         }

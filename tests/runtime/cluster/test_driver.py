@@ -30,7 +30,7 @@ from disagmoe.model import MoETransformer
 from disagmoe.runtime.state.checkpoint import checkpoint_dir, load_checkpoint, read_manifest, read_shards
 from disagmoe.runtime.cluster.cluster import WorkerGroup
 from disagmoe.comm.nvshmem import available as nvshmem_available
-from disagmoe.runtime.cluster.driver import DistributedTrainer, check_memory, training_state_bytes
+from disagmoe.runtime.cluster.driver import DistributedTrainer, check_memory, rank_needs, training_state_bytes
 from disagmoe.runtime.stages.messages import MessageShapes, receive_layouts
 from disagmoe.runtime.failures import RunWarning, TrainingFailed
 from disagmoe.runtime.observe.metrics import read_metrics
@@ -609,14 +609,19 @@ def test_the_summary_names_every_ranks_process_transport_and_hop(warm, tmp_path)
     assert {(p["device"], p["transport"], p["hop"]) for p in summary.processes} == {("cpu", "local", "pair_rows")}
     assert (summary.transport, summary.time_sliced, summary.ranks_per_gpu, summary.gpus) == ("local", False, 1, None)
     assert json.loads(json.dumps(summary.to_dict()))["processes"][1]["role"] == "E0.0"
+    predicted = [need.predicted_peak_gib for need in rank_needs(cfg, cfg.model, Topology.from_config(cfg, cfg.model))]
+    assert summary.predicted_peak_gib_per_rank == predicted and summary.predicted_peak_gib == max(predicted) > 0
+    record = read_metrics(Path(cfg.out_dir) / METRICS_FILE)[0]
+    assert (record["predicted_peak_gib_per_rank"], record["peak_memory_gib_per_rank"]) == (predicted, [None] * 3)
 
 
 def test_a_rank_whose_training_state_exceeds_the_device_is_refused(tmp_path):
     cfg = run_config(tmp_path / "run", "disaggregated", attention_ranks=1, expert_ranks=2)
     topology = Topology.from_config(cfg, cfg.model)
     check_memory(cfg, cfg.model, topology, capacity_bytes=1e9)  # the tiny model fits anywhere
-    with pytest.raises(ValueError, match=r"rank 0 \(A0.0\) holds [\d,]+ parameters: .* GiB of receive buffers .* "
-                                         r"on a 0.0 GiB device"):
+    with pytest.raises(ValueError, match=r"rank 0 \(A0.0\) holds [\d,]+ parameters and needs [\d.]+ GiB: .* GiB of "
+                                         r"receive buffers and [\d.]+ GiB of activations \(\d+ micro-batches in flight "
+                                         r"at .*\), on a 0.0 GiB device; .*`disagmoe plan`"):
         check_memory(cfg, cfg.model, topology, capacity_bytes=1e6)
 
 

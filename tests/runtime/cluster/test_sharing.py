@@ -12,7 +12,8 @@ import ray
 from disagmoe.config import TrainConfig
 from disagmoe.model_ref import load_model
 from disagmoe.runtime.cluster.cluster import _placement_groups
-from disagmoe.runtime.cluster.driver import check_memory, step_timeout_s, training_state_bytes
+from disagmoe.runtime.activation_memory import rank_activations
+from disagmoe.runtime.cluster.driver import check_memory, rank_needs, step_timeout_s, training_state_bytes
 from disagmoe.runtime.cluster.sharing import (
     PROCESS_BYTES,
     check_host_syncs,
@@ -26,7 +27,7 @@ from disagmoe.runtime.cluster.sharing import (
     stream_sum_width,
     wait_timeout_s,
 )
-from disagmoe.runtime.stages.messages import MessageShapes, receive_layouts
+from disagmoe.runtime.stages.messages import MessageShapes, hop_mode, receive_layouts
 from disagmoe.runtime.topology import Topology
 from disagmoe.comm.nvshmem import HEAP_MARGIN_BYTES
 
@@ -154,12 +155,15 @@ def test_the_memory_check_sums_the_ranks_sharing_a_gpu():
     cfg = shared(model=load_model("tiny"), attention_ranks=1, expert_ranks=2)
     topology = Topology.from_config(cfg, cfg.model)
     buffers = receive_layouts(cfg, MessageShapes.of_run(cfg, cfg.model, topology), topology, stream_sum_width(cfg))
-    needs = [training_state_bytes(cfg, cfg.model, topology, r)[1] + buffers[r].nbytes for r in range(3)]
+    acts = rank_activations(cfg, cfg.model, topology, pair_rows=hop_mode(cfg, cfg.model, topology)[0] == "pair_rows")
+    needs = [training_state_bytes(cfg, cfg.model, topology, r)[1] + buffers[r].nbytes + acts[r].peak_bytes
+             for r in range(3)]
+    assert needs == [need.total_bytes for need in rank_needs(cfg, cfg.model, topology)]
     together = sum(needs) + 3 * (PROCESS_BYTES + HEAP_MARGIN_BYTES)
     check_memory(cfg, cfg.model, topology, capacity_bytes=together, per_gpu=3)
     check_memory(cfg, cfg.model, topology, capacity_bytes=together - 1, per_gpu=1)  # one rank per GPU: fits
     with pytest.raises(ValueError, match=r"GPU 0 is shared by 3 ranks \(ranks_per_gpu=3\) needing [\d.]+ GiB "
-                                         r"together \(rank 0 .*, rank 2 .* lower ranks_per_gpu"):
+                                         r"together \(rank 0 [\d.]+ GiB \(.* of activations .*\); rank 2 .* lower ranks_per_gpu"):
         check_memory(cfg, cfg.model, topology, capacity_bytes=together - 1, per_gpu=3)
     # two GPUs of two ranks each: GPU 1 holds ranks 2 and 3
     cfg4 = shared(model=load_model("tiny"), attention_ranks=2, expert_ranks=2)

@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from disagmoe.config import ModelConfig, OptimConfig, TrainConfig, load_hardware
+from disagmoe.config import ModelConfig, OptimConfig, TrainConfig, load_hardware, load_train_config
 from disagmoe.model_ref import load_model
 from disagmoe.data import TokenDataset, synthetic_corpus
 from disagmoe.model import MoETransformer
@@ -19,7 +19,13 @@ from disagmoe.runtime.observe.metrics import load_imbalance, read_metrics
 from disagmoe.runtime.state.optim import build_optimizer, lr_at
 from disagmoe.runtime.training.loop import METRICS_FILE
 from disagmoe.runtime.out_dir import mark_writing
-from disagmoe.runtime.training.trainer import CHECKPOINTS_DIR, train_single, train_step
+from disagmoe.runtime.training.trainer import (
+    CHECKPOINTS_DIR,
+    check_single_memory,
+    single_peak_bytes,
+    train_single,
+    train_step,
+)
 
 
 def tiny_model(bias_balancing: bool = False) -> ModelConfig:
@@ -305,3 +311,47 @@ def test_a_run_resumes_with_the_other_moment_dtype(tmp_path, first, then):
     a, b = (read_metrics(d / METRICS_FILE) for d in (tmp_path / "a" / "run", resumed_dir))
     assert [r["step"] for r in b] == [4, 5, 6]
     assert [r["loss"] for r in b] == pytest.approx([r["loss"] for r in a[3:]], rel=1e-3)
+def recorded_single_peak_gib() -> float:
+    """The measured peak of configs/h200x2-qwen3-30b.yaml in mode single, 8 micro-batches of
+    2 x 4,096 tokens, routing=balanced: docs/benchmarks.md's a3ee5cb row (peak GiB column)."""
+    from pathlib import Path
+
+    docs = Path(__file__).parents[3] / "docs" / "benchmarks.md"
+    header = "| build | mode | ms/step (median of steps 5-10) |"
+    lines = docs.read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(header))
+    columns = [c.strip() for c in lines[start].strip("|").split("|")]
+    row = next(line for line in lines[start:] if line.startswith("| a3ee5cb (this session's step) | single (ours)"))
+    return float(row.strip("|").split("|")[columns.index("peak GiB")])
+
+
+def test_the_predicted_single_gpu_peak_matches_the_recorded_qwen3_measurement():
+    """Within 3% of the measured peak (torch's max_memory_allocated) of the Qwen3-30B-shaped
+    config on an H200: the state of 3.76 B parameters and one micro-batch's activations."""
+    from pathlib import Path
+
+    cfg = load_train_config(str(Path(__file__).parents[3] / "configs" / "h200x2-qwen3-30b.yaml"), ["mode=single"])
+    state, acts = single_peak_bytes(cfg, load_model(cfg.model))
+    assert (state + acts) / 2**30 == pytest.approx(recorded_single_peak_gib(), rel=0.03)
+
+
+def test_a_single_gpu_run_that_cannot_fit_is_refused_with_the_numbers_and_the_fix(tmp_path):
+    cfg = tiny_run(tmp_path)
+    state, acts = single_peak_bytes(cfg, cfg.model)
+    check_single_memory(cfg, cfg.model, capacity_bytes=state + acts)
+    with pytest.raises(ValueError, match=r"mode single needs [\d.]+ GiB on a [\d.]+ GiB device: [\d,]+ parameters "
+                                         r"hold .* a micro-batch of 64 tokens \(batch_size=4 / micro_batches=2 x "
+                                         r"seq_len=32\) .* use more micro-batches .*`disagmoe plan`"):
+        check_single_memory(cfg, cfg.model, capacity_bytes=state + acts - 1)
+    # gradient accumulation: more micro-batches of the same step keep fewer activations
+    finer = cfg.model_copy(update={"micro_batches": 4})
+    assert single_peak_bytes(finer, cfg.model)[1] < acts
+
+
+def test_every_step_record_and_the_summary_carry_the_predicted_peak(tmp_path):
+    cfg = tiny_run(tmp_path, steps=2)
+    summary = train_single(cfg)
+    predicted = sum(single_peak_bytes(cfg, cfg.model)) / 2**30
+    assert summary.predicted_peak_gib == pytest.approx(predicted)
+    records = read_metrics(tmp_path / "run" / METRICS_FILE)
+    assert [(r["predicted_peak_gib"], r["peak_memory_gib"]) for r in records] == [(summary.predicted_peak_gib, None)] * 2

@@ -1,0 +1,122 @@
+"""Each rank's activation memory at its peak, from its own program: the schedule replayed op by op.
+
+    rank_activations(cfg, model_cfg, topology, pair_rows) -> [RankActivations] per rank
+    single_activation_bytes(cfg, model_cfg) -> bytes of one process (`mode: single`)
+
+A forward op adds what its autograd segment keeps until its backward (`roofline.memory`'s per-token
+terms times the rank's tokens or rows of one micro-batch); the matching backward holds its
+layer's gradients on top (deferred weight gradients keep them until the held-back work runs, at
+the op's end) and then releases the segment; a `Loss` op holds the head's peak for its span (its
+backward runs inside it). The peak is the largest sum on the way, so how many micro-batches are in
+flight there is the schedule's: in the disaggregated schedule every forward of a step runs before
+the first backward, so an attention rank holds all M micro-batches of all its layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from disagmoe.config import ModelConfig, TrainConfig
+from disagmoe.roofline import memory as mem
+from disagmoe.runtime.schedule.schedule import (
+    AttentionBackward,
+    AttentionForward,
+    ExpertBackward,
+    ExpertForward,
+    Loss,
+    Op,
+)
+from disagmoe.runtime.topology import Topology
+
+FORWARD_OF = {AttentionBackward: AttentionForward, ExpertBackward: ExpertForward}
+
+
+@dataclass(frozen=True)
+class RankActivations:
+    """One rank's activation peak: its bytes, the micro-batches whose activations it holds there
+    and the op it happens in."""
+
+    peak_bytes: int
+    micro_batches_in_flight: int
+    at_op: str
+
+
+def value_bytes(cfg: TrainConfig) -> int:
+    """Bytes of one activation value in this run's compute dtype."""
+    return 2 if cfg.compute_dtype_name == "bf16" else 4
+
+
+def replay_peak(program: tuple[Op, ...], kept: Callable[[Op], int], held: Callable[[Op], int]) -> RankActivations:
+    """Walk `program`: a forward op adds `kept(op)` until its backward; every compute op holds
+    `held(op)` on top for its own span (a backward's gradients, the loss's head); the peak of the
+    running sum."""
+    live: dict[tuple[type, int, int], int] = {}
+    total, best = 0, RankActivations(0, 0, "none")
+    for op in program:
+        if isinstance(op, (AttentionForward, ExpertForward)):
+            live[(type(op), op.layer, op.micro_batch)] = kept(op)
+            total += kept(op)
+        if isinstance(op, (AttentionForward, ExpertForward, Loss, AttentionBackward, ExpertBackward)):
+            here = total + held(op)
+            if here > best.peak_bytes:
+                in_flight = len({mb for _, _, mb in live})
+                best = RankActivations(here, in_flight, type(op).__name__ + _where(op))
+        if isinstance(op, (AttentionBackward, ExpertBackward)):
+            total -= live.pop((FORWARD_OF[type(op)], op.layer, op.micro_batch), 0)
+    return best
+
+
+def _where(op: Op) -> str:
+    layer = getattr(op, "layer", None)
+    return (f" L{layer}" if layer is not None else "") + f" mb{op.micro_batch}"
+
+
+def rank_activations(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topology,
+                     pair_rows: bool = False) -> list[RankActivations]:
+    """Every rank's activation peak over one training step (module docstring).
+
+    Per micro-batch an attention rank runs its tokens (batch_size / micro_batches / D x seq_len);
+    an expert rank (or a colocated rank's experts) keeps rows for every (token, k) pair of every
+    source it serves, whether or not its experts serve the pair: the permute groups all T K pairs,
+    those served elsewhere into a spare bucket the experts' buffers still span. With the compact hop
+    the expert rank also keeps the combine's rows (`roofline.memory.combine_bytes`); with pair rows
+    the combine runs on the attention rank over the receive arena (counted with the buffers), and
+    its output [T, H] stays with the next layer's segment (its gradient goes back to the experts)."""
+    m, vb = model_cfg, value_bytes(cfg)
+    tokens = cfg.batch_size // cfg.micro_batches // topology.data_parallel * cfg.seq_len
+    row = mem.expert_row_bytes(m, vb) + (0 if pair_rows else mem.combine_bytes(m, vb) // m.top_k)
+    row_grad = mem.expert_row_grad_bytes(m, vb)
+    programs = topology.programs(cfg.micro_batches)
+    out = []
+    for rank, program in enumerate(programs):
+        expert = topology.expert_role(rank)
+        sources = len(topology.attention_groups[expert[0]]) if expert is not None else 0
+        pairs = sources * tokens * m.top_k
+
+        def kept(op: Op) -> int:
+            if isinstance(op, ExpertForward):
+                return pairs * row
+            combined = vb * m.hidden_size if pair_rows and op.layer > 0 and topology.is_moe(op.layer - 1) else 0
+            return tokens * (mem.attention_bytes(m, topology.is_moe(op.layer), vb) + combined)
+
+        def held(op: Op) -> int:
+            if isinstance(op, Loss):
+                return mem.head_bytes(m, tokens, vb)
+            if isinstance(op, ExpertBackward):
+                return pairs * row_grad
+            if isinstance(op, AttentionBackward):
+                return tokens * mem.attention_grad_bytes(m, topology.is_moe(op.layer), vb)
+            return 0
+
+        out.append(replay_peak(program, kept, held))
+    return out
+
+
+def single_activation_bytes(cfg: TrainConfig, model_cfg: ModelConfig) -> int:
+    """One process's activation peak (`runtime.training.trainer`): gradient accumulation runs each
+    micro-batch's forward and backward before the next, so one micro-batch of batch_size /
+    micro_batches sequences is in flight; the fp32 oracle (`precision: fp32`) takes the whole
+    logits' cross-entropy, every other path the chunked loss."""
+    tokens = cfg.batch_size // cfg.micro_batches * cfg.seq_len
+    return mem.activation_bytes(model_cfg, tokens, value_bytes(cfg), chunked=cfg.compute_dtype_name != "fp32")

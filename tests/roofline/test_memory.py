@@ -1,0 +1,47 @@
+"""Activation memory per token (disagmoe/roofline/memory.py): the terms against what the code keeps."""
+
+from __future__ import annotations
+
+import pytest
+
+from disagmoe.model.loss import chunk_size
+from disagmoe.model_ref import load_model
+from disagmoe.roofline import memory as mem
+
+
+@pytest.mark.parametrize("tokens, vocab", [(8192, 4096), (8192, 151_936), (100, 151_936), (3, 32), (65_536, 129_280)])
+def test_the_head_chunk_rule_is_the_losss(tokens, vocab):
+    assert mem.loss_chunk_tokens(tokens, vocab) == chunk_size(tokens, vocab)
+
+
+def test_the_chunked_head_keeps_no_whole_logits():
+    """Qwen3-30B's 151,936-token head over 8k tokens: whole fp32 logits would be 4.6 GiB and the
+    oracle keeps three such; the chunked loss keeps d h, an fp32 d W and one chunk's logits."""
+    m = load_model("qwen3-30b-a3b")
+    tokens = 8192
+    logits = tokens * m.vocab_size * 4
+    chunked = mem.head_bytes(m, tokens, 2)
+    assert chunked < logits
+    assert chunked >= 4 * m.vocab_size * m.hidden_size + 2 * tokens * m.hidden_size  # d W fp32 and d h
+    assert mem.head_bytes(m, tokens, 4, chunked=False) >= 3 * logits
+    # more tokens add their rows, not their logits
+    assert mem.head_bytes(m, 2 * tokens, 2) - chunked == 2 * 2 * tokens * m.hidden_size
+
+
+def test_one_process_keeps_every_layer_and_one_layers_backward():
+    m = load_model("qwen3-30b-a3b")
+    tokens = 4096
+    kept = tokens * m.num_layers * mem.layer_bytes(m, True, 2)
+    extra = mem.activation_bytes(m, tokens, 2) - kept
+    assert extra == max(mem.head_bytes(m, tokens, 2), tokens * mem.layer_grad_bytes(m, True, 2))
+    assert mem.activation_bytes(m, 2 * tokens, 2) > 1.8 * mem.activation_bytes(m, tokens, 2)  # ~linear: the head's d W is fixed
+
+
+def test_a_moe_layer_splits_into_attention_combine_and_expert_rows():
+    m = load_model("qwen3-30b-a3b")
+    assert mem.layer_bytes(m, True, 2) == (mem.attention_bytes(m, True, 2) + mem.combine_bytes(m, 2)
+                                           + m.top_k * mem.expert_row_bytes(m, 2))
+    # bf16 activations: the router's fp32 copy of its input rows is kept; fp32 ones are that copy
+    assert mem.attention_fp32_values(m, True, 2) - mem.attention_fp32_values(m, True, 4) == m.hidden_size
+    dense = load_model("deepseek-v3")
+    assert mem.attention_bytes(dense, False, 2) > 2 * 4 * dense.dense_ffn_size  # the dense SwiGLU

@@ -1,0 +1,72 @@
+"""Per-rank activation peaks from the schedule (disagmoe/runtime/activation_memory.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from disagmoe.config import TrainConfig
+from disagmoe.model_ref import load_model
+from disagmoe.roofline import memory as mem
+from disagmoe.runtime.activation_memory import RankActivations, rank_activations, replay_peak
+from disagmoe.runtime.schedule.schedule import AttentionBackward, AttentionForward, Loss
+from disagmoe.runtime.topology import Topology
+
+
+def config(**fields) -> TrainConfig:
+    base = dict(model=load_model("tiny"), mode="disaggregated", batch_size=8, seq_len=16, micro_batches=4,
+                attention_ranks=1, expert_ranks=1, out_dir="unused")
+    return TrainConfig(**{**base, **fields})
+
+
+def test_a_forward_holds_until_its_backward_and_compute_ops_hold_their_own_span():
+    program = (AttentionForward(0, 0), AttentionForward(0, 1), Loss(0), AttentionBackward(0, 0),
+               AttentionBackward(0, 1), AttentionForward(1, 0))
+    kept = {AttentionForward(0, 0): 10, AttentionForward(0, 1): 20, AttentionForward(1, 0): 25}
+    held = {Loss(0): 5, AttentionBackward(0, 0): 7, AttentionBackward(0, 1): 1}
+    peak = replay_peak(program, lambda op: kept.get(op, 0), lambda op: held.get(op, 0))
+    assert peak == RankActivations(37, 2, "AttentionBackward L0 mb0")  # 10 + 20 + 7; the last forward: 25
+
+
+@pytest.mark.parametrize("fields", [dict(), dict(expert_ranks=2), dict(attention_ranks=2, expert_ranks=2),
+                                    dict(mode="colocated", colocated_ranks=2),
+                                    dict(attention_ranks=2, expert_ranks=2, pipeline_groups=2)])
+def test_every_forward_of_a_step_runs_before_the_first_backward_so_all_micro_batches_are_in_flight(fields):
+    cfg = config(**fields)
+    topology = Topology.from_config(cfg, cfg.model)
+    for peak in rank_activations(cfg, cfg.model, topology):
+        assert peak.micro_batches_in_flight == cfg.micro_batches
+        assert peak.peak_bytes > 0
+
+
+def test_an_attention_ranks_peak_is_all_its_layers_and_micro_batches_plus_the_larger_transient():
+    cfg = config()
+    m = cfg.model
+    topology = Topology.from_config(cfg, m)
+    attention, expert = rank_activations(cfg, m, topology)
+    tokens = cfg.batch_size // cfg.micro_batches * cfg.seq_len
+    kept = cfg.micro_batches * tokens * sum(mem.attention_bytes(m, topology.is_moe(l), 4) for l in range(m.num_layers))
+    grads = tokens * max(mem.attention_grad_bytes(m, topology.is_moe(l), 4) for l in range(m.num_layers))
+    assert attention.peak_bytes == kept + max(mem.head_bytes(m, tokens, 4), grads)
+    # the expert rank keeps every pair's row and the combine's (compact hop), whatever its share
+    rows = cfg.micro_batches * m.num_moe_layers * tokens * m.top_k * (mem.expert_row_bytes(m, 4)
+                                                                      + mem.combine_bytes(m, 4) // m.top_k)
+    assert expert.peak_bytes == rows + tokens * m.top_k * mem.expert_row_grad_bytes(m, 4)
+
+
+def test_more_micro_batches_of_the_same_step_keep_the_same_activations_in_flight():
+    """The disaggregated schedule keeps the whole step's activations: splitting it finer does
+    not lower the peak (one process's gradient accumulation does)."""
+    m = load_model("tiny")
+    peaks = [max(p.peak_bytes for p in rank_activations(config(micro_batches=mb), m,
+                                                        Topology.from_config(config(micro_batches=mb), m)))
+             for mb in (1, 2, 4)]
+    assert peaks[0] >= peaks[1] >= peaks[2] > 0.8 * peaks[0]
+
+
+def test_pair_rows_drop_the_expert_ranks_combine_and_keep_the_attention_ranks_combined_output():
+    cfg = config(micro_batches=1)
+    topology = Topology.from_config(cfg, cfg.model)
+    compact = rank_activations(cfg, cfg.model, topology)
+    pairs = rank_activations(cfg, cfg.model, topology, pair_rows=True)
+    assert pairs[1].peak_bytes < compact[1].peak_bytes
+    assert pairs[0].peak_bytes > compact[0].peak_bytes
