@@ -8,7 +8,10 @@
     activation_bytes(m, tokens, value_bytes, chunked)   one process's peak over one micro-batch
 
 `value_bytes` is the activations' dtype (2: bf16, 4: fp32); reductions keep fp32 where the model
-does (router scores, the attention's log-sum-exp). These are estimates of what autograd saves,
+does (router scores, the attention's log-sum-exp). `dropped` is what selective recomputation does
+not keep (`TrainConfig.recompute_set`: expert_input, expert_output, expert_swiglu,
+`kernels/recompute.py`): it leaves the forward's terms and adds to the backward's the transient
+it recomputes (the regathered input rows, the SwiGLU output). These are estimates of what autograd saves,
 read off the code (no allocator slack, no attention score matrix: the attention is flash). Where a
 rank holds how many micro-batches comes from its program: `runtime/activation_memory.py` replays
 it with these terms (roofline does not import the runtime); the planner prices the same terms.
@@ -65,20 +68,27 @@ def attention_bytes(m: ModelConfig, moe: bool, value_bytes: int) -> int:
     return value_bytes * attention_values(m, moe) + FP32 * attention_fp32_values(m, moe, value_bytes)
 
 
-def combine_bytes(m: ModelConfig, value_bytes: int) -> int:
+NOTHING_DROPPED: frozenset[str] = frozenset()
+
+
+def combine_bytes(m: ModelConfig, value_bytes: int, dropped: frozenset[str] = NOTHING_DROPPED) -> int:
     """The weighted combine keeps the K expert-output rows of a token (`kernels.permute.combine_rows`):
-    on the attention side in one process, on the expert rank with the compact hop."""
-    return value_bytes * m.top_k * m.hidden_size
+    on the attention side in one process, on the expert rank with the compact hop; none where
+    expert_output is dropped (`kernels.fused_moe`)."""
+    return 0 if "expert_output" in dropped else value_bytes * m.top_k * m.hidden_size
 
 
-def expert_row_values(m: ModelConfig) -> int:
-    """Values of one (token, expert) row in the routed experts: the input row, the gate/up
-    pre-activations (2F) and the SwiGLU output (F), as the Triton experts save them."""
-    return m.hidden_size + 3 * m.expert_ffn_size
+def expert_row_values(m: ModelConfig, dropped: frozenset[str] = NOTHING_DROPPED) -> int:
+    """Values of one (token, expert) row in the routed experts: the input row (unless
+    expert_input is dropped: the tokens are kept anyway), the gate/up pre-activations (2F) and the
+    SwiGLU output (F, unless expert_swiglu is dropped), as the Triton experts save them."""
+    row_in = 0 if "expert_input" in dropped else m.hidden_size
+    swiglu = 0 if "expert_swiglu" in dropped else m.expert_ffn_size
+    return row_in + 2 * m.expert_ffn_size + swiglu
 
 
-def expert_row_bytes(m: ModelConfig, value_bytes: int) -> int:
-    return value_bytes * expert_row_values(m)
+def expert_row_bytes(m: ModelConfig, value_bytes: int, dropped: frozenset[str] = NOTHING_DROPPED) -> int:
+    return value_bytes * expert_row_values(m, dropped)
 
 
 def attention_grad_bytes(m: ModelConfig, moe: bool, value_bytes: int) -> int:
@@ -91,10 +101,13 @@ def attention_grad_bytes(m: ModelConfig, moe: bool, value_bytes: int) -> int:
     return value_bytes * (q + k + v + m.hidden_size + (2 * ffn + m.hidden_size if ffn else 0))
 
 
-def expert_row_grad_bytes(m: ModelConfig, value_bytes: int) -> int:
+def expert_row_grad_bytes(m: ModelConfig, value_bytes: int, dropped: frozenset[str] = NOTHING_DROPPED) -> int:
     """Gradient bytes per (token, expert) row an expert backward holds: d y and d h13 (the
-    weight-gradient GEMMs' operands, kept until they run)."""
-    return value_bytes * (m.hidden_size + 2 * m.expert_ffn_size)
+    weight-gradient GEMMs' operands, kept until they run), and what it recomputes for them: the
+    regathered input row (expert_input), the SwiGLU output (expert_swiglu)."""
+    recomputed = ((m.hidden_size if "expert_input" in dropped else 0)
+                  + (m.expert_ffn_size if "expert_swiglu" in dropped else 0))
+    return value_bytes * (m.hidden_size + 2 * m.expert_ffn_size + recomputed)
 
 
 def head_bytes(m: ModelConfig, tokens: Num, value_bytes: int, chunked: bool = True) -> Num:
@@ -115,27 +128,29 @@ def head_bytes(m: ModelConfig, tokens: Num, value_bytes: int, chunked: bool = Tr
             + chunk * V * (FP32 + cast) + V * H * (FP32 + cast))
 
 
-def layer_bytes(m: ModelConfig, moe: bool, value_bytes: int) -> int:
+def layer_bytes(m: ModelConfig, moe: bool, value_bytes: int, dropped: frozenset[str] = NOTHING_DROPPED) -> int:
     """One token of one whole layer in one process: attention side, combine and its K expert rows."""
     if not moe:
         return attention_bytes(m, False, value_bytes)
-    return attention_bytes(m, True, value_bytes) + combine_bytes(m, value_bytes) + m.top_k * expert_row_bytes(
-        m, value_bytes)
+    return (attention_bytes(m, True, value_bytes) + combine_bytes(m, value_bytes, dropped)
+            + m.top_k * expert_row_bytes(m, value_bytes, dropped))
 
 
-def layer_grad_bytes(m: ModelConfig, moe: bool, value_bytes: int) -> int:
+def layer_grad_bytes(m: ModelConfig, moe: bool, value_bytes: int, dropped: frozenset[str] = NOTHING_DROPPED) -> int:
     """One token of one whole layer's backward in one process (`attention_grad_bytes` and the K rows')."""
-    rows = m.top_k * expert_row_grad_bytes(m, value_bytes) if moe else 0
+    rows = m.top_k * expert_row_grad_bytes(m, value_bytes, dropped) if moe else 0
     return attention_grad_bytes(m, moe, value_bytes) + rows
 
 
-def activation_bytes(m: ModelConfig, tokens: int, value_bytes: int, chunked: bool = True) -> int:
+def activation_bytes(m: ModelConfig, tokens: int, value_bytes: int, chunked: bool = True,
+                     dropped: frozenset[str] = NOTHING_DROPPED) -> int:
     """Peak bytes of one process's forward and backward of `tokens` tokens (one micro-batch:
     gradient accumulation runs each micro-batch's backward before the next forward): every
     layer's activations, plus the larger of the head's peak and one layer's backward."""
     moe_layers = m.num_moe_layers
     dense_layers = m.num_layers - moe_layers
-    kept = tokens * (moe_layers * layer_bytes(m, True, value_bytes) + dense_layers * layer_bytes(m, False, value_bytes))
-    grads = tokens * max(layer_grad_bytes(m, moe, value_bytes) for moe in
+    kept = tokens * (moe_layers * layer_bytes(m, True, value_bytes, dropped)
+                     + dense_layers * layer_bytes(m, False, value_bytes))
+    grads = tokens * max(layer_grad_bytes(m, moe, value_bytes, dropped) for moe in
                          ([True] if moe_layers else []) + ([False] if dense_layers else []))
     return kept + max(head_bytes(m, tokens, value_bytes, chunked), grads)

@@ -83,10 +83,10 @@ def rank_activations(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topolog
     the expert rank also keeps the combine's rows (`roofline.memory.combine_bytes`); with pair rows
     the combine runs on the attention rank over the receive arena (counted with the buffers), and
     its output [T, H] stays with the next layer's segment (its gradient goes back to the experts)."""
-    m, vb = model_cfg, value_bytes(cfg)
+    m, vb, dropped = model_cfg, value_bytes(cfg), cfg.recompute_set
     tokens = cfg.batch_size // cfg.micro_batches // topology.data_parallel * cfg.seq_len
-    row = mem.expert_row_bytes(m, vb) + (0 if pair_rows else mem.combine_bytes(m, vb) // m.top_k)
-    row_grad = mem.expert_row_grad_bytes(m, vb)
+    row = mem.expert_row_bytes(m, vb, dropped) + (0 if pair_rows else mem.combine_bytes(m, vb, dropped) // m.top_k)
+    row_grad = mem.expert_row_grad_bytes(m, vb, dropped)
     programs = topology.programs(cfg.micro_batches)
     out = []
     for rank, program in enumerate(programs):
@@ -119,4 +119,5 @@ def single_activation_bytes(cfg: TrainConfig, model_cfg: ModelConfig) -> int:
     micro_batches sequences is in flight; the fp32 oracle (`precision: fp32`) takes the whole
     logits' cross-entropy, every other path the chunked loss."""
     tokens = cfg.batch_size // cfg.micro_batches * cfg.seq_len
-    return mem.activation_bytes(model_cfg, tokens, value_bytes(cfg), chunked=cfg.compute_dtype_name != "fp32")
+    return mem.activation_bytes(model_cfg, tokens, value_bytes(cfg), chunked=cfg.compute_dtype_name != "fp32",
+                                dropped=cfg.recompute_set)

@@ -45,3 +45,22 @@ def test_a_moe_layer_splits_into_attention_combine_and_expert_rows():
     assert mem.attention_fp32_values(m, True, 2) - mem.attention_fp32_values(m, True, 4) == m.hidden_size
     dense = load_model("deepseek-v3")
     assert mem.attention_bytes(dense, False, 2) > 2 * 4 * dense.dense_ffn_size  # the dense SwiGLU
+
+
+@pytest.mark.parametrize("dropped", [frozenset({"expert_input"}), frozenset({"expert_output"}),
+                                     frozenset({"expert_swiglu"}),
+                                     frozenset({"expert_input", "expert_output", "expert_swiglu"})])
+def test_selective_recomputation_drops_exactly_its_terms_and_pays_its_transients(dropped):
+    """What `recompute: selective` leaves out of a MoE layer (per token: K input rows of H, the
+    combine's K output rows of H, K SwiGLU outputs of F) and what the backward recomputes instead
+    (the input rows and the SwiGLU output, while the layer's backward runs)."""
+    m = load_model("qwen3-30b-a3b")
+    H, F, K = m.hidden_size, m.expert_ffn_size, m.top_k
+    saved = 2 * K * ((H if "expert_input" in dropped else 0) + (H if "expert_output" in dropped else 0)
+                     + (F if "expert_swiglu" in dropped else 0))
+    assert mem.layer_bytes(m, True, 2) - mem.layer_bytes(m, True, 2, dropped) == saved
+    transient = 2 * K * ((H if "expert_input" in dropped else 0) + (F if "expert_swiglu" in dropped else 0))
+    assert mem.layer_grad_bytes(m, True, 2, dropped) - mem.layer_grad_bytes(m, True, 2) == transient
+    assert mem.layer_bytes(m, False, 2, dropped) == mem.layer_bytes(m, False, 2)  # nothing of a dense layer
+    tokens = 8192
+    assert mem.activation_bytes(m, tokens, 2, dropped=dropped) < mem.activation_bytes(m, tokens, 2)

@@ -70,3 +70,19 @@ def test_pair_rows_drop_the_expert_ranks_combine_and_keep_the_attention_ranks_co
     pairs = rank_activations(cfg, cfg.model, topology, pair_rows=True)
     assert pairs[1].peak_bytes < compact[1].peak_bytes
     assert pairs[0].peak_bytes > compact[0].peak_bytes
+
+
+def test_the_runs_recomputation_reaches_the_replay_and_the_single_process_count():
+    """`recompute: selective` (triton experts) lowers every rank's peak and one process's."""
+    from disagmoe.runtime.activation_memory import single_activation_bytes
+
+    model = load_model("tiny")
+    base = dict(model=model, experts_backend="triton", batch_size=8, seq_len=64, micro_batches=2)
+    plain, lean = TrainConfig(**base), TrainConfig(**base, recompute="selective")
+    topology = Topology.from_config(plain, model)
+    for a, b in zip(rank_activations(lean, model, topology), rank_activations(plain, model, topology), strict=True):
+        assert a.peak_bytes <= b.peak_bytes
+    assert sum(a.peak_bytes for a in rank_activations(lean, model, topology)) < sum(
+        b.peak_bytes for b in rank_activations(plain, model, topology))
+    assert single_activation_bytes(lean.model_copy(update={"mode": "single"}), model) < single_activation_bytes(
+        plain.model_copy(update={"mode": "single"}), model)
