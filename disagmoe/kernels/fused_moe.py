@@ -96,7 +96,7 @@ def fused_moe(x_TH: torch.Tensor, topk_TK: torch.Tensor, w_TK: torch.Tensor, w13
     `spare_last` (its term is zero). Operands are cast as `moe_ffn.expert_ffn_triton` casts them."""
     if x_TH.is_cuda:
         x_TH, w13_EH2F, w2_EFH = autocast_operands(x_TH, w13_EH2F, w2_EFH)
-    _check_shapes(x_TH, torch.zeros(w13_EH2F.shape[0], dtype=torch.int32), w13_EH2F, w2_EFH)  # offsets: shape only
+    _check_shapes(x_TH, None, w13_EH2F, w2_EFH)
     if topk_TK.shape != w_TK.shape or topk_TK.shape[0] != x_TH.shape[0]:
         raise ValueError(f"x [T, H], topk [T, K] and w [T, K] must agree; got {tuple(x_TH.shape)}, "
                          f"{tuple(topk_TK.shape)}, {tuple(w_TK.shape)}")
