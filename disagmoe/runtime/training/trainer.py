@@ -38,6 +38,7 @@ from disagmoe.config import ModelConfig, TrainConfig
 from disagmoe.model_ref import load_model
 from disagmoe.data import TokenDataset, load_splits
 from disagmoe.model import MoETransformer
+from disagmoe.model.experts import check_backend_device
 from disagmoe.model.layers import set_fusion
 from disagmoe.model.loss import linear_cross_entropy
 from disagmoe.roofline.flops import step_flops
@@ -244,6 +245,7 @@ class SingleProcessTrainer(TrainingLoop):
         self.model_cfg: ModelConfig = load_model(cfg.model)
         self.device = resolve_device(cfg.device)
         check_divisible(cfg.batch_size, cfg.micro_batches, 1)
+        check_backend_device(cfg.experts_backend, self.device.type)
         if self.device.type == "cuda":
             check_single_memory(cfg, self.model_cfg, torch.cuda.get_device_properties(self.device).total_memory)
         self.predicted_peak_gib = sum(single_peak_bytes(cfg, self.model_cfg)) / 2**30
