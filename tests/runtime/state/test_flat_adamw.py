@@ -26,6 +26,16 @@ def _model(seed: int = 0) -> nn.Module:
     return nn.Sequential(nn.Linear(6, 5), nn.LayerNorm(5), nn.Linear(5, 3, bias=False))
 
 
+def _step_alike(pairs, steps, lr_of) -> None:
+    """Step each (FlatAdamW, model) pair through `steps` on the same losses, at `lr_of(step)`."""
+    for step in steps:
+        for f, m in pairs:
+            f.zero_grad()
+            _loss(m, step, 0).backward()
+            f.set_lr(lr_of(step))
+            f.step()
+
+
 def _loss(model: nn.Module, step: int, mb: int) -> torch.Tensor:
     x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * step + mb))
     return model(x.to(next(model.parameters()).dtype)).float().square().mean()
@@ -105,12 +115,7 @@ def test_state_round_trips_through_the_per_parameter_form() -> None:
     fresh.load_state(masters, state)
     for (name, a), b in zip(model.named_parameters(), other.parameters(), strict=True):
         assert torch.equal(a, b), name
-    for step in range(2, 4):
-        for f, m in ((flat, model), (fresh, other)):
-            f.zero_grad()
-            _loss(m, step, 0).backward()
-            f.set_lr(OPTIM.lr)
-            f.step()
+    _step_alike(((flat, model), (fresh, other)), range(2, 4), lambda step: OPTIM.lr)
     for a, b in zip(model.parameters(), other.parameters(), strict=True):
         assert torch.equal(a, b)
 
@@ -220,12 +225,7 @@ def test_moments_resume_across_state_dtypes(saved: str, loaded: str) -> None:
             assert live[k].dtype == want and torch.equal(live[k][:flat_k.numel()], flat_k.to(want)), (b.name, k)
     assert fresh.state_by_name().keys() == state.keys()
     if saved == loaded:
-        for step in range(3, 5):
-            for f, m in ((flat, model), (fresh, other)):
-                f.zero_grad()
-                _loss(m, step, 0).backward()
-                f.set_lr(OPTIM.lr)
-                f.step()
+        _step_alike(((flat, model), (fresh, other)), range(3, 5), lambda step: OPTIM.lr)
         for a, b in zip(model.parameters(), other.parameters(), strict=True):
             assert torch.equal(a, b)
 
@@ -372,12 +372,7 @@ def test_the_lr_is_not_checkpoint_state() -> None:
     fresh.set_lr(0.5)
     fresh.load_state(flat.masters_by_name(), state)
     assert float(fresh.lr) == 0.5
-    for step in range(3, SCHEDULE_STEPS):
-        for f, m in ((flat, model), (fresh, other)):
-            f.zero_grad()
-            _loss(m, step, 0).backward()
-            f.set_lr(lr_at(step, optim, SCHEDULE_STEPS))
-            f.step()
+    _step_alike(((flat, model), (fresh, other)), range(3, SCHEDULE_STEPS), lambda step: lr_at(step, optim, SCHEDULE_STEPS))
     for a, b in zip(model.parameters(), other.parameters(), strict=True):
         assert torch.equal(a, b)
 
