@@ -38,7 +38,8 @@ def _step_alike(pairs, steps, lr_of) -> None:
 
 def _loss(model: nn.Module, step: int, mb: int) -> torch.Tensor:
     x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * step + mb))
-    return model(x.to(next(model.parameters()).dtype)).float().square().mean()
+    first = next(model.parameters())
+    return model(x.to(first.device, first.dtype)).float().square().mean()
 
 
 def test_flat_step_equals_adamw_on_the_parameters() -> None:
