@@ -245,7 +245,7 @@ def hardware(
     from disagmoe.bench import hardware as bench
     from disagmoe.config import load_hardware
 
-    command = f"disagmoe bench hardware --hardware {preset}" + (f" --out {out}" if out else "")
+    command = f"disagmoe bench hardware --hardware {preset}" + (f" --out {out.name}" if out else "")
     measured, hw, text = bench.run(load_hardware(preset), command)
     if out is not None:
         out.write_text(text)
@@ -287,7 +287,7 @@ def calibrate(
         kept = load_hardware(str(out)).calibration
         hw_preset = hw_preset.model_copy(update={"calibration": bench.merge_calibration(hw_preset.calibration, kept)
                                                  if kept else hw_preset.calibration})
-    command = f"disagmoe bench calibrate --hardware {preset} --out {out} --model {model} --experts-backend {experts_backend}"
+    command = f"disagmoe bench calibrate --hardware {preset} --out {out.name} --model {model} --experts-backend {experts_backend}"
     measured, hw, text = bench.run(hw_preset, load_model(model), experts_backend, command)
     bench.write_preset(text, out)
     if as_json:

@@ -57,6 +57,14 @@ def peak_and_ceiling(cfg: TrainConfig, gpus: int) -> tuple[float | None, float |
     return peak, peak * hw.efficiency.matmul
 
 
+def reset_peak_memory(device: torch.device) -> None:
+    """Start this run's `peak_memory_gib` from what is allocated now, so a run in a process that
+    ran others before it (`bench train`'s single-mode variants, tests) reports its own peak, not
+    the largest of them all."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
 def peak_memory_gib(device: torch.device) -> float | None:
     """The most GPU memory this process's tensors took so far (torch's allocator), GiB; None on CPU."""
     if device.type != "cuda":

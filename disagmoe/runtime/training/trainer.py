@@ -64,6 +64,7 @@ from disagmoe.runtime.observe.metrics import (
     out_of_memory_hint,
     peak_and_ceiling,
     peak_memory_gib,
+    reset_peak_memory,
 )
 from disagmoe.runtime.state.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 
@@ -244,6 +245,7 @@ class SingleProcessTrainer(TrainingLoop):
         self.cfg = cfg
         self.model_cfg: ModelConfig = load_model(cfg.model)
         self.device = resolve_device(cfg.device)
+        reset_peak_memory(self.device)
         check_divisible(cfg.batch_size, cfg.micro_batches, 1)
         check_backend_device(cfg.experts_backend, self.device.type)
         if self.device.type == "cuda":

@@ -166,6 +166,18 @@ def test_cuda_bf16_compute_tracks_the_fp32_cpu_run(tmp_path):
 
 
 @pytest.mark.gpu
+def test_cuda_peak_memory_is_the_runs_own_after_a_larger_run_in_the_process(tmp_path):
+    """`bench train` runs its single-mode variants one after another in one process: each run's
+    peak_memory_gib is its own (torch's peak reset when a trainer starts), not the largest so far."""
+    fields = dict(steps=2, device="cuda", experts_backend="triton", seq_len=256)
+    train_single(tiny_run(tmp_path / "large", batch_size=32, micro_batches=1, **fields))
+    train_single(tiny_run(tmp_path / "small", batch_size=2, micro_batches=1, **fields))
+    large, small = ([r["peak_memory_gib"] for r in read_metrics(tmp_path / d / "run" / METRICS_FILE)]
+                    for d in ("large", "small"))
+    assert max(small) < 0.5 * max(large), (small, large)
+
+
+@pytest.mark.gpu
 def test_cuda_selective_recomputation_trains_like_the_plain_run(tmp_path):
     """recompute: selective on one GPU (triton experts): the losses of the plain run within bf16
     rounding (only the down weight's gradient moves, by the SwiGLU output's rounding) and no host
