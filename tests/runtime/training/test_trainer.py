@@ -174,7 +174,10 @@ def test_cuda_peak_memory_is_the_runs_own_after_a_larger_run_in_the_process(tmp_
     train_single(tiny_run(tmp_path / "small", batch_size=2, micro_batches=1, **fields))
     large, small = ([r["peak_memory_gib"] for r in read_metrics(tmp_path / d / "run" / METRICS_FILE)]
                     for d in ("large", "small"))
-    assert max(small) < 0.5 * max(large), (small, large)
+    # without the reset the small run would report at least the large one's peak (the process's
+    # largest so far); with it, its own (on the H200: 0.128 against 0.172 GiB, the rest the
+    # large run's objects not yet collected)
+    assert max(small) < max(large), (small, large)
 
 
 @pytest.mark.gpu
