@@ -528,9 +528,11 @@ class TrainConfig(StrictModel):
     steps: PositiveInt = Field(100, description="optimizer steps of the run")
     batch_size: Dim = Field(8, description="sequences per step (global)")
     seq_len: Dim = Field(128, description="tokens per sequence")
-    micro_batches: Dim = Field(
+    micro_batches: Dim | Literal["auto"] = Field(
         1, description="slices of each step's batch, each through the whole model (pipelined over the ranks); "
-        "gradients accumulate over them")
+        "gradients accumulate over them. auto = the split the roofline prices fastest among those the memory "
+        "model fits in 85% of the device (fewer, larger micro-batches cut the expert weight gradients' fp32 "
+        "traffic), printed at start")
     attention_ranks: GpuCount = Field(
         1, description="disaggregated: attention ranks in all, split evenly over the pipeline groups")
     expert_ranks: GpuCount = Field(
@@ -589,7 +591,7 @@ class TrainConfig(StrictModel):
 
     @model_validator(mode="after")
     def _batch(self) -> TrainConfig:
-        if self.batch_size % self.micro_batches:
+        if self.micro_batches != "auto" and self.batch_size % self.micro_batches:
             raise ValueError(
                 f"batch_size={self.batch_size} must be a multiple of micro_batches={self.micro_batches}"
             )
@@ -633,8 +635,19 @@ T = TypeVar("T", bound=BaseModel)
 def format_validation_error(err: ValidationError, source: str) -> str:
     """One line per problem: `source: key.path: message`."""
     lines = []
-    for e in err.errors():
-        where = ".".join(str(p) for p in e["loc"]) or "(top level)"
+    errors = err.errors()
+    # a number-or-word field (`micro_batches: 4 | auto`): pydantic reports each member of the union;
+    # say the number's problem once, at the field, and that the word was the other choice
+    words = {e["loc"][:-1]: e["ctx"]["expected"] for e in errors
+             if e["loc"] and str(e["loc"][-1]).startswith("literal[") and e["type"] == "literal_error"}
+    for e in errors:
+        loc = e["loc"]
+        if loc and str(loc[-1]).startswith("literal[") and loc[:-1] in words:
+            continue
+        if loc and loc[:-1] in words and loc[-1] in ("constrained-int", "int"):
+            loc = loc[:-1]
+            e = {**e, "msg": f"{e['msg']} (or {words[loc]})"}
+        where = ".".join(str(p) for p in loc) or "(top level)"
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
             msg = "unknown key (check the spelling; `disagmoe config schema` lists the valid keys)"
@@ -643,6 +656,8 @@ def format_validation_error(err: ValidationError, source: str) -> str:
             if isinstance(limit, (int, float)) and limit >= MAX_GPUS:  # a sanity bound (top of the file)
                 bound = f"{int(limit):,}" if float(limit).is_integer() else str(limit)
                 msg = f"{e['input']!r} is too large: at most {bound} (a bound far above any real job; check the value)"
+                if loc != e["loc"]:
+                    msg += f" (or {words[loc]})"
         lines.append(f"{source}: {where}: {msg}")
     return "; ".join(lines)
 

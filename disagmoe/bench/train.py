@@ -29,7 +29,8 @@ import torch
 from disagmoe.config import TrainConfig, apply_overrides, validate
 from disagmoe.runtime.observe.metrics import read_metrics
 from disagmoe.runtime.training.loop import METRICS_FILE
-from disagmoe.runtime.training.trainer import SingleProcessTrainer
+from disagmoe.model_ref import load_model
+from disagmoe.runtime.training.trainer import SingleProcessTrainer, resolve_device, resolve_single_micro_batches
 
 MODES = ("single", "disaggregated", "colocated")
 
@@ -153,6 +154,18 @@ def free_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
+def baseline_split(cfg: TrainConfig, rows: list[dict]) -> TrainConfig:
+    """`cfg` with the micro-batches of this run's single-mode row for the outside baseline (like with
+    like), where the config says `micro_batches: auto`; with no single row, auto chosen for one GPU."""
+    if cfg.micro_batches != "auto":
+        return cfg
+    single = next((r for r in rows if r["mode"] == "single" and r["variant"] is None), None)
+    if single is not None:
+        return cfg.model_copy(update={"micro_batches": single["micro_batches"]})
+    one_gpu = cfg.model_copy(update={"mode": "single"})
+    return resolve_single_micro_batches(one_gpu, load_model(cfg.model), resolve_device(cfg.device))[0]
+
+
 def runs_of(modes: list[str], transports: list[str] | None,
             hops: list[str] | None = None) -> list[tuple[str, str | None, str | None]]:
     """(mode, transport, hop) to time: single once, each distributed mode per transport and hop
@@ -187,15 +200,16 @@ def run(cfg: TrainConfig, modes: list[str], steps: int, warmup: int,
             mcfg = mode_config(vcfg, mode, steps, out, transport, hop)
             log(f"{mode}{'' if mode == 'single' else f' ({mcfg.transport}, hop {mcfg.hop})'}"
                 f"{f' [{variant}]' if variant else ''}: {steps} steps")
-            used_hop, time_sliced = None, False
             if mode == "single":
-                SingleProcessTrainer(mcfg).run()
+                summary = SingleProcessTrainer(mcfg).run()
                 free_device_memory()
             else:
                 from disagmoe.runtime.cluster.driver import DistributedTrainer
 
                 summary = DistributedTrainer(mcfg).run()
-                used_hop, time_sliced = summary.hop, summary.time_sliced
+            used_hop, time_sliced = summary.hop, summary.time_sliced
+            if summary.micro_batches_note:
+                log(summary.micro_batches_note)
             records = read_metrics(Path(mcfg.out_dir) / METRICS_FILE)
             step_s = median_step(records, warmup)
             ranks = {"single": 1, "colocated": mcfg.colocated_ranks,
@@ -205,6 +219,7 @@ def run(cfg: TrainConfig, modes: list[str], steps: int, warmup: int,
                          if r["step"] > warmup and r.get("load_imbalance")]
             rows.append({"mode": mode, "transport": None if mode == "single" else mcfg.transport, "hop": used_hop,
                          "variant": variant, "ranks": ranks, "time_sliced": time_sliced,
+                         "micro_batches": summary.micro_batches,
                          "median_step_s": step_s, "gpu_wait": mean_waits(records, warmup),
                          "tokens_per_s": records[-1]["tokens"] / step_s, "final_loss": records[-1]["loss"],
                          "mean_loss": mean_of(records, "loss", 0), "losses": [r["loss"] for r in records],
@@ -217,7 +232,7 @@ def run(cfg: TrainConfig, modes: list[str], steps: int, warmup: int,
         if baseline == "hf":
             from disagmoe.bench import hf_baseline
 
-            row = hf_baseline.run(cfg, steps, warmup, log)
+            row = hf_baseline.run(baseline_split(cfg, rows), steps, warmup, log)
             rows.append({**row, "mfu": None, "mfu_ceiling": None, "load_imbalance": None, "mean_loss": None})
             single = next((r for r in rows if r["mode"] == "single"), None)
             if single is not None and single["mfu"] is not None:  # the same model FLOPs on one GPU

@@ -76,6 +76,9 @@ def train(
         if not as_json:
             console.print(literal(_plan_note(cfg, planned)), highlight=False)
         cfg = planned
+    cfg, split_note = _auto_split(cfg)
+    if split_note and not as_json:
+        console.print(literal(split_note), highlight=False)
     check_host_memory(cfg, load_model(cfg.model))
     check_out_dir(cfg.out_dir)  # before Ray, the actors or the model start
     with run_lock(Path(cfg.out_dir)):  # one run per out_dir, from here to the end
@@ -84,6 +87,8 @@ def train(
         if cfg.mode != "single":
             quiet_ray(Path(cfg.out_dir))  # Ray's start-up notices go to <out_dir>/ray-driver.log
         summary = _run(cfg, as_json)
+    if split_note:
+        summary["micro_batches_note"] = split_note
     if as_json:
         print_json(summary)
         return
@@ -165,6 +170,23 @@ class TrainProgress:
 
     def __exit__(self, *exc: object) -> None:
         self.progress.stop()
+
+
+def _auto_split(cfg: TrainConfig) -> tuple[TrainConfig, str | None]:
+    """`micro_batches: auto` chosen for this run's mode on this host's device, and the start line
+    saying what and why (`runtime.training.micro_batches`); a number given stays, with no line."""
+    if cfg.micro_batches != "auto":
+        return cfg, None
+    model_cfg = load_model(cfg.model)
+    if cfg.mode == "single":
+        from disagmoe.runtime.training.trainer import resolve_device, resolve_single_micro_batches
+
+        cfg, choice = resolve_single_micro_batches(cfg, model_cfg, resolve_device(cfg.device))
+    else:
+        from disagmoe.runtime.cluster.driver import resolve_distributed_micro_batches
+
+        cfg, choice = resolve_distributed_micro_batches(cfg, model_cfg)
+    return cfg, choice.note()
 
 
 def _hop_note(cfg: TrainConfig) -> str:

@@ -32,6 +32,14 @@ def test_json_summary_and_outputs(tmp_path):
     assert (Path(summary["checkpoint_path"]) / "manifest.json").is_file()
 
 
+def test_micro_batches_auto_is_chosen_and_said_in_the_summary(tmp_path):
+    result = invoke("--config", str(REPO / "configs/tiny-cpu.yaml"), *FAST, "micro_batches=auto",
+                    "--out-dir", str(tmp_path / "run"), "--json")
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["micro_batches"] == 1 and summary["micro_batches_note"].startswith("micro_batches: auto -> 1")
+
+
 @pytest.mark.slow  # more than a few seconds on 2 cores (`pytest -m 'not slow'` skips it)
 def test_the_default_config_trains_disaggregated_on_ray(tmp_path):
     """The main command (configs/tiny-cpu.yaml, mode disaggregated), a few steps: metrics with the

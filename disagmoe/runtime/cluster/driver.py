@@ -28,7 +28,7 @@ import ray
 import torch
 from ray.exceptions import RayActorError
 
-from disagmoe.config import ModelConfig, TrainConfig
+from disagmoe.config import ModelConfig, TrainConfig, load_hardware
 from disagmoe.model_ref import load_model
 from disagmoe.model.experts import check_backend_device
 from disagmoe.data import load_splits
@@ -73,6 +73,7 @@ from disagmoe.runtime.topology import Topology
 from disagmoe.runtime.observe.trace import busy_fractions, wait_fractions, write_chrome_trace
 from disagmoe.runtime.training.loop import StepCallback, TrainingLoop, TrainSummary, signals_held
 from disagmoe.runtime.out_dir import check_out_dir
+from disagmoe.runtime.training.micro_batches import MicroBatchChoice, device_capacity_bytes, resolved
 from disagmoe.runtime.training.trainer import CHECKPOINTS_DIR
 from disagmoe.runtime.cluster.worker import TrainWorker
 
@@ -106,18 +107,61 @@ def training_state_bytes(cfg: TrainConfig, model_cfg: ModelConfig, topology: Top
     return params, (params - replicated) * whole + replicated * shared
 
 
-def rank_needs(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topology) -> list[RankNeed]:
-    """Every rank's memory at its peak (`RankNeed`), from its training state, receive buffers and
-    its program's activation peak (`runtime.activation_memory`, for this run's hop)."""
+def rank_states(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topology) -> list[tuple[int, float]]:
+    """`training_state_bytes` of every rank (the same whatever the micro-batches)."""
+    return [training_state_bytes(cfg, model_cfg, topology, rank) for rank in range(topology.world_size)]
+
+
+def rank_needs(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topology,
+               states: list[tuple[int, float]] | None = None) -> list[RankNeed]:
+    """Every rank's memory at its peak (`RankNeed`), from its training state (`states`: `rank_states`,
+    if already computed), receive buffers and its program's activation peak
+    (`runtime.activation_memory`, for this run's hop)."""
+    states = rank_states(cfg, model_cfg, topology) if states is None else states
     buffers = receive_layouts(cfg, MessageShapes.of_run(cfg, model_cfg, topology), topology, stream_sum_width(cfg))
     hop, _ = hop_mode(cfg, model_cfg, topology)
     activations = rank_activations(cfg, model_cfg, topology, pair_rows=hop == "pair_rows")
     needs = []
-    for rank in range(topology.world_size):
-        params, state = training_state_bytes(cfg, model_cfg, topology, rank)
+    for rank, (params, state) in enumerate(states):
         needs.append(RankNeed(params, state, buffers[rank].nbytes, activations[rank],
                               torch_buffers=cfg.transport != "nvshmem"))
     return needs
+
+
+def largest_device_need(cfg: TrainConfig, model_cfg: ModelConfig,
+                        states: list[tuple[int, float]] | None = None) -> int:
+    """Bytes the fullest device of this run holds at its peak (`rank_needs`): the largest rank's
+    need on one GPU per rank; the fullest GPU's ranks together (each with its process's context and
+    heap margin) where ranks share GPUs; every rank together on CPU (one host holds them all)."""
+    needs = rank_needs(cfg, model_cfg, Topology.from_config(cfg, model_cfg), states)
+    if cfg.device != "cuda":
+        return sum(need.total_bytes for need in needs)
+    per_gpu = ranks_per_gpu(cfg)
+    if per_gpu == 1:
+        return max(need.total_bytes for need in needs)
+    on_gpu: dict[int, int] = {}
+    for rank, need in enumerate(needs):
+        gpu = gpu_of(rank, per_gpu)
+        on_gpu[gpu] = on_gpu.get(gpu, 0) + need.total_bytes + PROCESS_BYTES + HEAP_MARGIN_BYTES
+    return max(on_gpu.values())
+
+
+def resolve_distributed_micro_batches(cfg: TrainConfig, model_cfg: ModelConfig,
+                                      ) -> tuple[TrainConfig, MicroBatchChoice | None]:
+    """A distributed config with `micro_batches: auto` chosen (`runtime.training.micro_batches`)
+    from `largest_device_need` on this host's device (GPU 0, or the host's memory on CPU; on a
+    joined cluster without a local GPU, the hardware preset's memory); a number given stays."""
+    if cfg.micro_batches != "auto":
+        return cfg, None
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        if cfg.hardware is None:
+            raise ValueError("micro_batches: auto needs the GPUs' memory: this host has no GPU to ask, so set "
+                             "hardware (a preset with hbm_gib) or a number of micro-batches")
+        capacity = load_hardware(cfg.hardware).hbm_gib * 2**30
+    else:
+        capacity = device_capacity_bytes(torch.device("cuda", 0) if cfg.device == "cuda" else torch.device("cpu"))
+    states = rank_states(cfg, model_cfg, Topology.from_config(cfg, model_cfg))  # built once: rank models are slow
+    return resolved(cfg, model_cfg, lambda split: largest_device_need(split, model_cfg, states), capacity)
 
 
 @dataclass(frozen=True)
@@ -242,6 +286,7 @@ class DistributedTrainer(TrainingLoop):
         this run instead of starting new ones; they stay up afterwards (the caller shuts them down)."""
         self.model_cfg = load_model(cfg.model)
         self.cfg = cfg = apply_plan(cfg, self.model_cfg)  # a plan's layout, checked; inline for the workers
+        self.cfg = cfg = self._auto_split(resolve_distributed_micro_batches(cfg, self.model_cfg))
         self.topology = Topology.from_config(cfg, self.model_cfg)
         check_fits(cfg, self.model_cfg, self.topology)
         self.predicted_peak_gib = [need.predicted_peak_gib for need in rank_needs(cfg, self.model_cfg, self.topology)]
@@ -411,7 +456,7 @@ class DistributedTrainer(TrainingLoop):
         return dict(hop=self.hop, transport=self.cfg.transport, gpus=self.gpus or None,
                     ranks_per_gpu=self.ranks_per_gpu, time_sliced=self.ranks_per_gpu > 1,
                     processes=self.processes, predicted_peak_gib=max(self.predicted_peak_gib),
-                    predicted_peak_gib_per_rank=list(self.predicted_peak_gib))
+                    predicted_peak_gib_per_rank=list(self.predicted_peak_gib), **self.split_facts())
 
     def validate(self) -> float:
         """Mean CE over `eval_batches` validation batches, as the oracle's `evaluate` defines it."""

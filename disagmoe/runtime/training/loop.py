@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from disagmoe.config import TrainConfig
 from disagmoe.runtime.state.checkpoint import checkpoint_dir, latest_checkpoint, prune_checkpoints
@@ -39,6 +39,9 @@ from disagmoe.runtime.observe.metrics import MetricsLog, mfu
 from disagmoe.runtime.observe.throughput import Throughput
 from disagmoe.runtime.out_dir import CHECKPOINTS_DIR, clean_stale_files
 from disagmoe.runtime.run_lock import run_lock
+
+if TYPE_CHECKING:
+    from disagmoe.runtime.training.micro_batches import MicroBatchChoice
 
 METRICS_FILE = "metrics.jsonl"
 _clock = time.monotonic  # for checkpoint_minutes (tests substitute a fake)
@@ -66,6 +69,8 @@ class TrainSummary:
     # the memory model's peak (GiB of torch's allocator: the step records' measured peak_memory_gib beside it)
     predicted_peak_gib: float | None = None
     predicted_peak_gib_per_rank: list[float] | None = None  # distributed modes
+    micro_batches: int | None = None  # the split each step ran in
+    micro_batches_note: str | None = None  # micro_batches: auto: the choice and why (`runtime.training.micro_batches`)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -168,6 +173,18 @@ class TrainingLoop:
             "routing": cfg.routing,
             "precision": cfg.compute_dtype_name,
         }
+
+    micro_batch_choice: MicroBatchChoice | None = None  # micro_batches: auto (`_auto_split`)
+
+    def _auto_split(self, resolved: tuple[TrainConfig, MicroBatchChoice | None]) -> TrainConfig:
+        """Keep `micro_batches: auto`'s choice (for the summary) and return the config with its number."""
+        cfg, self.micro_batch_choice = resolved
+        return cfg
+
+    def split_facts(self) -> dict[str, Any]:
+        """The summary's micro_batches and, when auto chose it, why."""
+        choice = self.micro_batch_choice
+        return {"micro_batches": self.cfg.micro_batches, "micro_batches_note": choice.note() if choice else None}
 
     def run_facts(self) -> dict[str, Any]:
         """What the summary records about how the run ran, beyond its figures (TrainSummary's

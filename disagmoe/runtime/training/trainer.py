@@ -58,6 +58,7 @@ from disagmoe.runtime.state.checkpoint import (
     warn_changed_training,
 )
 from disagmoe.runtime.training.loop import StepCallback, TrainingLoop, TrainSummary
+from disagmoe.runtime.training.micro_batches import MicroBatchChoice, device_capacity_bytes, resolved
 from disagmoe.runtime.observe.metrics import (
     load_imbalance,
     no_host_syncs,
@@ -221,6 +222,14 @@ def single_peak_bytes(cfg: TrainConfig, model_cfg: ModelConfig) -> tuple[int, in
     return state, single_activation_bytes(cfg, model_cfg)
 
 
+def resolve_single_micro_batches(cfg: TrainConfig, model_cfg: ModelConfig, device: torch.device,
+                                 ) -> tuple[TrainConfig, MicroBatchChoice | None]:
+    """A `mode: single` config with `micro_batches: auto` chosen (`runtime.training.micro_batches`)
+    from `single_peak_bytes` on this device; a number given stays."""
+    return resolved(cfg, model_cfg, lambda split: sum(single_peak_bytes(split, model_cfg)),
+                    device_capacity_bytes(device))
+
+
 def check_single_memory(cfg: TrainConfig, model_cfg: ModelConfig, capacity_bytes: float) -> None:
     """ValueError, before the model is allocated, for a one-GPU run whose training state and
     activation peak (`single_peak_bytes`) exceed the device: one line with the numbers and the fix,
@@ -246,6 +255,7 @@ class SingleProcessTrainer(TrainingLoop):
         self.model_cfg: ModelConfig = load_model(cfg.model)
         self.device = resolve_device(cfg.device)
         reset_peak_memory(self.device)
+        self.cfg = cfg = self._auto_split(resolve_single_micro_batches(cfg, self.model_cfg, self.device))
         check_divisible(cfg.batch_size, cfg.micro_batches, 1)
         check_backend_device(cfg.experts_backend, self.device.type)
         if self.device.type == "cuda":
@@ -280,7 +290,7 @@ class SingleProcessTrainer(TrainingLoop):
             self._resume()
 
     def run_facts(self) -> dict[str, Any]:
-        return {"predicted_peak_gib": self.predicted_peak_gib}
+        return {"predicted_peak_gib": self.predicted_peak_gib, **self.split_facts()}
 
     def _resume(self) -> None:
         """Load the newest checkpoint that loads (damaged newer ones skipped with a warning each),
