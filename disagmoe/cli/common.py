@@ -28,6 +28,9 @@ from rich.console import Console
 from rich.text import Text
 from typer.core import TyperGroup
 
+from disagmoe.config import TrainConfig
+from disagmoe.model_ref import load_model
+
 from disagmoe import compact
 from disagmoe.config import format_validation_error
 from disagmoe.runtime.failures import RunWarning, TrainingDiverged, TrainingFailed, TrainingInterrupted
@@ -167,3 +170,22 @@ def print_json(data: Any) -> None:
     """Machine output: strict JSON on stdout (NaN and infinities as null; lists of numbers on one
     line: `compact`), nothing else."""
     sys.stdout.write(compact.to_json(finite_or_none(data)))
+
+
+def auto_split(cfg: TrainConfig, capacity_bytes: float | None = None) -> tuple[TrainConfig, str | None]:
+    """`micro_batches: auto` chosen for the config's mode on this host's device (or on
+    `capacity_bytes`, a device elsewhere), and the line saying what and why
+    (`runtime.training.micro_batches`); a number given stays, with no line."""
+    if cfg.micro_batches != "auto":
+        return cfg, None
+    model_cfg = load_model(cfg.model)
+    if cfg.mode == "single":
+        from disagmoe.runtime.training.trainer import resolve_device, resolve_single_micro_batches
+
+        device = resolve_device(cfg.device) if capacity_bytes is None else None
+        cfg, choice = resolve_single_micro_batches(cfg, model_cfg, device, capacity_bytes)
+    else:
+        from disagmoe.runtime.cluster.driver import resolve_distributed_micro_batches
+
+        cfg, choice = resolve_distributed_micro_batches(cfg, model_cfg, capacity_bytes)
+    return cfg, choice.note()

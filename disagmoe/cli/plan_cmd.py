@@ -13,7 +13,7 @@ from rich.table import Table
 
 from disagmoe import compact
 from disagmoe.bench.probe import stale_note
-from disagmoe.cli.common import console, literal, print_json, user_errors
+from disagmoe.cli.common import auto_split, console, literal, print_json, user_errors
 from disagmoe.config import ClusterConfig, HardwareConfig, Plan, PlanConfig, load_hardware, write_text_file
 from disagmoe.model_ref import load_model
 from disagmoe.placement.cost import Candidates
@@ -303,7 +303,9 @@ def _config_choice(config: Path, hardware: str | None, layout: str) -> Choice:
         raise ValueError(f"--layout {layout!r} with --config: choose {', '.join(RUN_MODES)} (or leave it out "
                          "for the config's mode)")
     cfg = load_train_config(config, [] if layout == "auto" else [f"mode={layout}"])
-    req, cand = run_request(cfg, load_model(cfg.model), _run_hardware(cfg, config, hardware))
+    hw = _run_hardware(cfg, config, hardware)
+    cfg, _ = auto_split(cfg, hw.hbm_gib * 2**30)  # micro_batches: auto as a run on that hardware picks it
+    req, cand = run_request(cfg, load_model(cfg.model), hw)
     return price(req, cand)
 
 
@@ -323,6 +325,9 @@ def _compare(trace: Path, config: Path | None, hardware: str | None, as_json: bo
     if config is None:
         raise ValueError("--compare needs --config: the train config the trace came from (model, layout, batch)")
     cfg = load_train_config(config)
+    if cfg.micro_batches == "auto":
+        raise ValueError(f"{config} says micro_batches: auto, which the run resolved on its own device; give the "
+                         "config the number it ran (its summary's micro_batches, or its start line) to compare")
     if plot_path and plot_path.suffix.lower() != ".png":
         raise ValueError(f"--plot {plot_path}: give a .png file name")
     hw = _run_hardware(cfg, config, hardware)

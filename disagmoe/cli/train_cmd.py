@@ -15,7 +15,7 @@ from rich.table import Table
 
 from disagmoe.config import ModelConfig, TrainConfig, load_train_config
 from disagmoe.model_ref import load_model
-from disagmoe.cli.common import console, literal, print_json, user_errors
+from disagmoe.cli.common import auto_split, console, literal, print_json, user_errors
 from disagmoe.cli.third_party import quiet_ray
 from disagmoe.roofline.optimizer_state import state_bytes
 from disagmoe.roofline.params import count_params
@@ -76,7 +76,7 @@ def train(
         if not as_json:
             console.print(literal(_plan_note(cfg, planned)), highlight=False)
         cfg = planned
-    cfg, split_note = _auto_split(cfg)
+    cfg, split_note = auto_split(cfg)
     if split_note and not as_json:
         console.print(literal(split_note), highlight=False)
     check_host_memory(cfg, load_model(cfg.model))
@@ -170,23 +170,6 @@ class TrainProgress:
 
     def __exit__(self, *exc: object) -> None:
         self.progress.stop()
-
-
-def _auto_split(cfg: TrainConfig) -> tuple[TrainConfig, str | None]:
-    """`micro_batches: auto` chosen for this run's mode on this host's device, and the start line
-    saying what and why (`runtime.training.micro_batches`); a number given stays, with no line."""
-    if cfg.micro_batches != "auto":
-        return cfg, None
-    model_cfg = load_model(cfg.model)
-    if cfg.mode == "single":
-        from disagmoe.runtime.training.trainer import resolve_device, resolve_single_micro_batches
-
-        cfg, choice = resolve_single_micro_batches(cfg, model_cfg, resolve_device(cfg.device))
-    else:
-        from disagmoe.runtime.cluster.driver import resolve_distributed_micro_batches
-
-        cfg, choice = resolve_distributed_micro_batches(cfg, model_cfg)
-    return cfg, choice.note()
 
 
 def _hop_note(cfg: TrainConfig) -> str:

@@ -146,14 +146,17 @@ def largest_device_need(cfg: TrainConfig, model_cfg: ModelConfig,
     return max(on_gpu.values())
 
 
-def resolve_distributed_micro_batches(cfg: TrainConfig, model_cfg: ModelConfig,
+def resolve_distributed_micro_batches(cfg: TrainConfig, model_cfg: ModelConfig, capacity_bytes: float | None = None,
                                       ) -> tuple[TrainConfig, MicroBatchChoice | None]:
     """A distributed config with `micro_batches: auto` chosen (`runtime.training.micro_batches`)
     from `largest_device_need` on this host's device (GPU 0, or the host's memory on CPU; on a
-    joined cluster without a local GPU, the hardware preset's memory); a number given stays."""
+    joined cluster without a local GPU, the hardware preset's memory) or on `capacity_bytes`; a
+    number given stays."""
     if cfg.micro_batches != "auto":
         return cfg, None
-    if cfg.device == "cuda" and not torch.cuda.is_available():
+    if capacity_bytes is not None:
+        capacity = capacity_bytes
+    elif cfg.device == "cuda" and not torch.cuda.is_available():
         if cfg.hardware is None:
             raise ValueError("micro_batches: auto needs the GPUs' memory: this host has no GPU to ask, so set "
                              "hardware (a preset with hbm_gib) or a number of micro-batches")

@@ -222,12 +222,15 @@ def single_peak_bytes(cfg: TrainConfig, model_cfg: ModelConfig) -> tuple[int, in
     return state, single_activation_bytes(cfg, model_cfg)
 
 
-def resolve_single_micro_batches(cfg: TrainConfig, model_cfg: ModelConfig, device: torch.device,
-                                 ) -> tuple[TrainConfig, MicroBatchChoice | None]:
+def resolve_single_micro_batches(cfg: TrainConfig, model_cfg: ModelConfig, device: torch.device | None,
+                                 capacity_bytes: float | None = None) -> tuple[TrainConfig, MicroBatchChoice | None]:
     """A `mode: single` config with `micro_batches: auto` chosen (`runtime.training.micro_batches`)
-    from `single_peak_bytes` on this device; a number given stays."""
+    from `single_peak_bytes` on this device (or on `capacity_bytes`: a device elsewhere, e.g. a
+    hardware preset's); a number given stays."""
+    if cfg.micro_batches != "auto":
+        return cfg, None
     return resolved(cfg, model_cfg, lambda split: sum(single_peak_bytes(split, model_cfg)),
-                    device_capacity_bytes(device))
+                    capacity_bytes if capacity_bytes is not None else device_capacity_bytes(device))
 
 
 def check_single_memory(cfg: TrainConfig, model_cfg: ModelConfig, capacity_bytes: float) -> None:
