@@ -166,19 +166,29 @@ class FlatAdamW:
         size, rank = (1, 0) if shard is None else (shard.size, shard.rank)
         padded = -(-numel // size) * size
         S = padded // size
+        # Built in place, in an order that keeps the construction's peak at the original parameters
+        # plus the masters plus the compute copy: no cat/pad temporaries, no clone of an unsharded
+        # master, the original parameters released (p.data rebound) before the main gradient exists.
+        # (A cat, a pad and a clone held five copies at once: 63 GiB for a 3.8 B-parameter model
+        # whose steady state with bf16 moments is 49, docs/benchmarks.md.)
         with torch.no_grad():
-            masters_N = torch.nn.functional.pad(torch.cat([p.detach().reshape(-1).float() for p in params]),
-                                                (0, padded - numel))
-            compute_N = masters_N.to(self.compute_dtype, copy=True)
+            masters_N = torch.zeros(padded, dtype=torch.float32, device=device)  # the padding stays zero
+            for part, p in zip(masters_N[:numel].split([p.numel() for p in params]), params, strict=True):
+                part.copy_(p.detach().reshape(-1))
             if self.compute_dtype == torch.float32:  # the parameters are the masters
+                compute_N = masters_N
                 master_S = compute_N if shard is None else compute_N[rank * S:(rank + 1) * S]
             else:
-                master_S = masters_N[rank * S:(rank + 1) * S].clone()
+                compute_N = masters_N.to(self.compute_dtype, copy=True)
+                master_S = masters_N if shard is None else masters_N[rank * S:(rank + 1) * S].clone()
+            del masters_N  # a sharded bucket keeps only its slice
         bucket = Bucket(name, weight_decay, [n for n, _ in named], params, compute_N,
-                        torch.zeros(padded, dtype=torch.float32, device=device), master_S, shard,
-                        None if shard is None else torch.zeros_like(master_S))
-        for p, view, grad in zip(params, bucket.views(compute_N), bucket.views(bucket.grad_N), strict=True):
-            p.data = view
+                        torch.empty(0, dtype=torch.float32, device=device), master_S, shard)
+        for p, view in zip(params, bucket.views(compute_N), strict=True):
+            p.data = view  # the original parameter's storage is released here
+        bucket.grad_N = torch.zeros(padded, dtype=torch.float32, device=device)
+        bucket.grad_S = None if shard is None else torch.zeros_like(master_S)
+        for p, grad in zip(params, bucket.views(bucket.grad_N), strict=True):
             p.main_grad = grad
         master = nn.Parameter(master_S, requires_grad=True)
         # capturable: torch's AdamW.step refuses CUDA-graph capture without it; the fused kernel ignores

@@ -485,3 +485,22 @@ def test_kernels_may_add_into_main_gradients_themselves() -> None:
     expected = 2 * (x.T @ torch.ones(5, 3, dtype=torch.bfloat16)).float()
     assert w.grad is None
     torch.testing.assert_close(w.main_grad, expected)
+
+
+@pytest.mark.gpu
+def test_cuda_construction_holds_at_most_the_parameters_masters_and_compute_copy() -> None:
+    """Building the flat buffers from fp32 parameters peaks at the parameters + the fp32 masters
+    + the bf16 compute copy (10 bytes per parameter), and the parameters' own storage is released
+    before the main gradient exists: with bf16 moments the construction was the run's peak (a cat,
+    a pad and a clone held five copies at once, 63 GiB on a 49 GiB model state)."""
+    model = nn.Sequential(*(nn.Linear(2048, 2048, bias=False) for _ in range(8))).to("cuda")
+    params = sum(p.numel() for p in model.parameters())
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    flat = FlatAdamW(model.named_parameters(), BF16, torch.bfloat16)
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - before <= 6 * params + (1 << 20)  # masters + compute copy
+    # the parameters' fp32 storage is gone: masters (4) + compute (2) + main gradient (4) per parameter
+    assert torch.cuda.memory_allocated() - before <= (10 - 4) * params + (1 << 20)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters()) and len(flat.buckets) == 1
