@@ -142,3 +142,21 @@ def test_message_values_are_not_specialised_on():
     for kernel in kernels:
         values = [p.name for p in kernel.params if p.name in signal.MESSAGE_VALUES]
         assert values and all(p.do_not_specialize for p in kernel.params if p.name in values), kernel.fn.__name__
+
+
+def test_the_fp8_quantisers_and_gemm_compile(compiled):
+    """The e4m3 quantisers (bf16 in) and the FP8 grouped GEMM (fp8 tl.dot with an explicit
+    max_num_imprecise_acc, bf16 out) compile for sm_90, with a full-depth and a half-depth K tile."""
+    from disagmoe.kernels import fp8
+    from disagmoe.kernels.tile_configs import TileConfig
+
+    rows, experts, k, n = 256, 4, 256, 256
+    x = torch.zeros(rows, k, dtype=torch.bfloat16)
+    qa, sa = fp8.quantize_rows(x)
+    qb, sb = fp8.quantize_blocks(torch.zeros(experts, k, n, dtype=torch.bfloat16))
+    offsets = torch.tensor([64, 128, 192, 256], dtype=torch.int32)
+    for tiles in (TileConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3),
+                  TileConfig(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=4)):
+        fp8.fp8_rows_gemm(qa, sa, offsets, qb, sb, tiles, num_programs=8)
+    fp8.fp8_rows_gemm(qa, sa, offsets, qb, sb, tiles, num_programs=8, imprecise_k=32)
+    assert compiled == ["_quantize_rows_kernel", "_quantize_blocks_kernel"] + ["_fp8_rows_gemm_kernel"] * 3

@@ -1,0 +1,341 @@
+"""FP8 (e4m3) building blocks of the expert GEMMs with DeepSeek-V3's fine-grained scaling: the
+quantisers and the ragged grouped GEMMs, each Triton kernel beside its plain-torch reference.
+
+Legend: M rows (token-expert pairs, grouped by expert), K contraction size, N output columns,
+E experts, G = cdiv(K, 128) scale groups along K, B = cdiv(N, 128) scale blocks along N, P padded
+rows (weight gradients: each expert's rows padded to a multiple of 128); `offsets_E` int32
+cumulative row counts (expert e owns rows offsets[e-1]:offsets[e], as in grouped_gemm.py).
+Every scale is fp32 and multiplies: value = fp8 value x scale, scale = max(amax, AMAX_FLOOR) / 448.
+Which GEMM takes which scales, and why: docs/architecture.md, "FP8 expert GEMMs".
+
+One code path for the GPU and the CPU interpreter: Triton 3.6's interpreter handles float8 tensors
+and fp8 `tl.dot` exactly, but its fp32 -> fp8 cast rounds wrongly, so the quantisers round to the
+e4m3 grid themselves (`_round_to_e4m3`) and cast values that are exactly representable.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from disagmoe.kernels import grouped_gemm as gg
+from disagmoe.kernels.tile_configs import TileConfig
+
+SCALE_BLOCK = 128  # the recipe's group and block edge
+E4M3_MAX = 448.0
+# Floor on a group's amax: an all-zero group gets a finite scale (and dequantises to 0); 1e-30
+# keeps the scale a normal fp32 (1e-30 / 448 > 2^-126) and the recipe scale-free above it.
+AMAX_FLOOR = 1e-30
+FP8 = torch.float8_e4m3fn
+
+_AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
+_E4M3_MAX = tl.constexpr(E4M3_MAX)
+_SCALE_BLOCK = tl.constexpr(SCALE_BLOCK)
+
+
+# --- rounding and quantising rows (1 x 128 groups along K) and weights (128 x 128 blocks)
+
+@triton.jit
+def _round_to_e4m3(v):
+    """v (fp32) rounded to the nearest e4m3 value (ties to even, saturating at +-448), as fp32.
+    Integer arithmetic on the fp32 bits: the value is n x 2^k with n = v's 24-bit significand
+    shifted right by `shift` (20 keeps e4m3's 3 mantissa bits; more below 2^-6, e4m3's subnormals,
+    whose quantum is 2^-9; 25 or more leaves nothing) and rounded on the bits shifted out."""
+    a = tl.minimum(tl.abs(v), 448.0)
+    bits = a.to(tl.int32, bitcast=True)
+    biased = bits >> 23  # a >= 0: no sign bit
+    sig = (bits & 0x7FFFFF) | 0x800000
+    shift = tl.minimum(tl.maximum(141 - biased, 20), 25)
+    n = sig >> shift
+    rem = sig & ((1 << shift) - 1)
+    half = 1 << (shift - 1)
+    n += ((rem > half) | ((rem == half) & ((n & 1) == 1))).to(tl.int32)
+    quantum = ((biased - 23 + shift) << 23).to(tl.float32, bitcast=True)  # 2^(biased - 150 + shift)
+    r = (n.to(tl.float32) * quantum).to(tl.int32, bitcast=True)  # n <= 16: exact
+    sign = (v.to(tl.int32, bitcast=True) >> 31) << 31  # v's sign bit (Triton's -r is 0 - r: no -0.0)
+    return (r | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _scale_of(amax):
+    """Group scale: max(amax, AMAX_FLOOR) / 448, correctly rounded (as torch divides)."""
+    return tl.math.div_rn(tl.maximum(amax, _AMAX_FLOOR), _E4M3_MAX)
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, K,
+                          stride_xm, stride_xk, stride_qm, stride_qk, stride_sm, stride_sg,
+                          BLOCK_M: tl.constexpr):
+    # Program (row block, group g): q[rows, g-th 128 columns] and s[rows, g]. Columns past K count
+    # as zeros in the amax and are not stored.
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    group = tl.program_id(1)
+    ks = group * _SCALE_BLOCK + tl.arange(0, _SCALE_BLOCK)
+    row_ok = rows < M
+    ok = row_ok[:, None] & (ks < K)[None, :]
+    rows64 = rows.to(tl.int64)
+    x = tl.load(x_ptr + rows64[:, None] * stride_xm + ks[None, :] * stride_xk, mask=ok, other=0.0)
+    x = x.to(tl.float32)
+    scale = _scale_of(tl.max(tl.abs(x), axis=1))
+    q = _round_to_e4m3(tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape)))
+    tl.store(q_ptr + rows64[:, None] * stride_qm + ks[None, :] * stride_qk,
+             q.to(q_ptr.dtype.element_ty), mask=ok)
+    tl.store(s_ptr + rows64 * stride_sm + group * stride_sg, scale, mask=row_ok)
+
+
+@triton.jit
+def _quantize_blocks_kernel(w_ptr, q_ptr, s_ptr, K, N, tiles_k, tiles_n,
+                            stride_we, stride_wk, stride_wn, stride_qe, stride_qk, stride_qn,
+                            stride_se, stride_sk, stride_sn):
+    # Program p: the 128 x 128 block (e, kb, nb) of w [E, K, N], its scale s[e, kb, nb].
+    pid = tl.program_id(0)
+    expert = pid // (tiles_k * tiles_n)
+    kb = (pid // tiles_n) % tiles_k
+    nb = pid % tiles_n
+    ks = kb * _SCALE_BLOCK + tl.arange(0, _SCALE_BLOCK)
+    ns = nb * _SCALE_BLOCK + tl.arange(0, _SCALE_BLOCK)
+    ok = (ks < K)[:, None] & (ns < N)[None, :]
+    e64 = expert.to(tl.int64)
+    w = tl.load(w_ptr + e64 * stride_we + ks[:, None] * stride_wk + ns[None, :] * stride_wn,
+                mask=ok, other=0.0).to(tl.float32)
+    scale = _scale_of(tl.max(tl.max(tl.abs(w), axis=1), axis=0))
+    q = _round_to_e4m3(tl.math.div_rn(w, tl.broadcast_to(scale, w.shape)))
+    tl.store(q_ptr + e64 * stride_qe + ks[:, None] * stride_qk + ns[None, :] * stride_qn,
+             q.to(q_ptr.dtype.element_ty), mask=ok)
+    tl.store(s_ptr + e64 * stride_se + kb * stride_sk + nb * stride_sn, scale)
+
+
+def quantize_rows(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q_MK float8_e4m3fn, s_MG fp32): one scale per row and 128 columns of K (the last group may
+    be shorter). x any float dtype and strides; the A operand of `fp8_rows_gemm`."""
+    rows, k = x_MK.shape
+    groups = triton.cdiv(k, SCALE_BLOCK)
+    q_MK = torch.empty((rows, k), dtype=FP8, device=x_MK.device)
+    s_MG = torch.empty((rows, groups), dtype=torch.float32, device=x_MK.device)
+    if rows == 0 or k == 0:
+        return q_MK, s_MG
+    block_m = 16 if x_MK.device.type == "cpu" else 32
+    _quantize_rows_kernel[(triton.cdiv(rows, block_m), groups)](
+        x_MK, q_MK, s_MG, rows, k, x_MK.stride(0), x_MK.stride(1), q_MK.stride(0), q_MK.stride(1),
+        s_MG.stride(0), s_MG.stride(1), BLOCK_M=block_m, num_warps=4)
+    return q_MK, s_MG
+
+
+def quantize_blocks(w_EKN: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q_EKN float8_e4m3fn, s_EGB fp32): one scale per 128 x 128 block of each expert's [K, N]
+    (edge blocks may be smaller). The expert weights' layout (`w13_EH2F`, `w2_EFH`: [E, K, N]);
+    made once per optimizer step from the masters. Its transpose is `transpose_blocks`."""
+    experts, k, n = w_EKN.shape
+    tiles_k, tiles_n = triton.cdiv(k, SCALE_BLOCK), triton.cdiv(n, SCALE_BLOCK)
+    q_EKN = torch.empty((experts, k, n), dtype=FP8, device=w_EKN.device)
+    s_EGB = torch.empty((experts, tiles_k, tiles_n), dtype=torch.float32, device=w_EKN.device)
+    if q_EKN.numel() == 0:
+        return q_EKN, s_EGB
+    _quantize_blocks_kernel[(experts * tiles_k * tiles_n,)](
+        w_EKN, q_EKN, s_EGB, k, n, tiles_k, tiles_n, *w_EKN.stride(), *q_EKN.stride(), *s_EGB.stride(),
+        num_warps=8)
+    return q_EKN, s_EGB
+
+
+def transpose_blocks(q_EKN: torch.Tensor, s_EGB: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q_ENK, s_EBG): the block-quantised transpose, for the data gradient dy @ W^T. A 128 x 128
+    block's scale is its transpose's, so nothing is requantised; the copy is contiguous because
+    Hopper's FP8 MMA reads its B operand K-major (made once per optimizer step, beside q_EKN)."""
+    return q_EKN.transpose(1, 2).contiguous(), s_EGB.transpose(1, 2).contiguous()
+
+
+# --- the ragged grouped GEMM on FP8 operands
+
+@triton.jit
+def _fp8_rows_gemm_kernel(
+    a_ptr, sa_ptr, b_ptr, sb_ptr, out_ptr, offsets_ptr,
+    E, E_W, K, C, num_programs,
+    stride_am, stride_ak, stride_sam, stride_sag,
+    stride_be, stride_bk, stride_bc, stride_sbe, stride_sbk, stride_sbc,
+    stride_om, stride_oc,
+    E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, IMPRECISE_K: tl.constexpr,
+):
+    # Contract: a [M, K] fp8 rows grouped by expert with sa [M, G] fp32 (1 x 128 groups); b [E_W, K, C]
+    # fp8 any strides with sb [E_W, G, cdiv(C, 128)] fp32 (128 x 128 blocks); out[rows_g] =
+    # sum over BLOCK_K-deep slices of K (BLOCK_K divides 128; j the slice's scale group) of
+    # (a[rows_g, slice] @ b[g mod E_W, slice]) * sa[rows_g, j] * sb[j, cols], each dot from zero.
+    # Work items (group, row tile, column tile), as grouped_gemm's `_ragged_rows_gemm_kernel`.
+    pid = tl.program_id(0)
+    tiles_n = tl.cdiv(C, BLOCK_N)
+    idx, item_ends = gg._item_table(offsets_ptr, E, tiles_n, BLOCK_M, E_POW2)
+    total = tl.max(item_ends, axis=0)
+    for item in tl.range(pid, total, num_programs):
+        group = tl.sum((item_ends <= item).to(tl.int32), axis=0)
+        item_start = tl.max(tl.where(item_ends <= item, item_ends, 0), axis=0)
+        row_start = tl.load(offsets_ptr + group - 1, mask=group > 0, other=0)
+        row_end = tl.load(offsets_ptr + group)
+        pid_m, pid_n = gg._swizzle(item - item_start, tl.cdiv(row_end - row_start, BLOCK_M), tiles_n,
+                                   GROUP_M)
+        rows = row_start + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < row_end
+        rows64 = rows.to(tl.int64)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < C
+        ks = tl.arange(0, BLOCK_K)
+        weight = (group % E_W).to(tl.int64)
+        a_ptrs = a_ptr + rows64[:, None] * stride_am + ks[None, :] * stride_ak
+        b_ptrs = b_ptr + weight * stride_be + ks[:, None] * stride_bk + cols[None, :] * stride_bc
+        sa_ptrs = sa_ptr + rows64 * stride_sam
+        sb_ptrs = sb_ptr + weight * stride_sbe + (cols // _SCALE_BLOCK) * stride_sbc
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = (k0 + ks) < K
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            # a fresh chain per slice; the scaled add below is the promotion to fp32 (CUDA cores)
+            part = tl.dot(a, b, out_dtype=tl.float32, max_num_imprecise_acc=IMPRECISE_K)
+            j = k0 // _SCALE_BLOCK
+            sa = tl.load(sa_ptrs + j * stride_sag, mask=row_ok, other=0.0)
+            sb = tl.load(sb_ptrs + j * stride_sbk, mask=col_ok, other=0.0)
+            acc += part * (sa[:, None] * sb[None, :])
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
+        tl.store(out_ptr + rows64[:, None] * stride_om + cols[None, :] * stride_oc,
+                 acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def _check_tile(config: TileConfig) -> None:
+    if SCALE_BLOCK % config.block_k:
+        raise ValueError(f"FP8 GEMM tiles need block_k dividing {SCALE_BLOCK} (one scale per "
+                         f"{SCALE_BLOCK} of K); got block_k={config.block_k}: use 128 (or 64, 32)")
+
+
+def _check_fp8(**tensors: torch.Tensor) -> None:
+    wrong = {name: t.dtype for name, t in tensors.items() if t.dtype != FP8}
+    if wrong:
+        raise ValueError(f"FP8 operands must be torch.float8_e4m3fn (quantise them with "
+                         f"kernels.fp8.quantize_rows / quantize_blocks); got {wrong}")
+
+
+def fp8_rows_gemm(
+    a_MK: torch.Tensor,
+    sa_MG: torch.Tensor,
+    offsets_E: torch.Tensor,
+    b_EKN: torch.Tensor,
+    sb_EGB: torch.Tensor,
+    config: TileConfig,
+    *,
+    out: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+    num_programs: int | None = None,
+    imprecise_k: int | None = None,
+) -> torch.Tensor:
+    """out[rows_e] = dequant(a[rows_e]) @ dequant(b[e]) for every expert e, one persistent launch:
+    a from `quantize_rows`, b from `quantize_blocks` (or `transpose_blocks`: the data gradient;
+    any strides). Accumulates in fp32: each block_k slice of K (128, or a divisor) is its own dot,
+    scaled by its row group's and weight block's scales, then added (`fp8_rows_gemm_reference`
+    does the same sums per 128: equal to fp32 rounding, to the bit in most elements at 128).
+    `offsets_E` may hold a multiple of the experts' count (group g uses b[g mod E], as
+    `grouped_gemm.ragged_rows_gemm`). K need not be a multiple of 128 (the last group is short).
+    `imprecise_k` (default block_k): Triton's `max_num_imprecise_acc`, how deep the tensor cores'
+    reduced-precision accumulator may run before fp32 promotion on sm_90 (its default there
+    never promotes); a smaller value promotes inside a slice too, at the cost of wgmma chaining.
+    `out` (given: any float dtype, [M, N]) or a new one of `out_dtype`."""
+    _check_tile(config)
+    _check_fp8(a=a_MK, b=b_EKN)
+    rows, k = a_MK.shape
+    experts, k_b, cols = b_EKN.shape
+    groups = offsets_E.shape[0]
+    if k_b != k or sa_MG.shape != (rows, triton.cdiv(k, SCALE_BLOCK)) or sb_EGB.shape != (
+            experts, triton.cdiv(k, SCALE_BLOCK), triton.cdiv(cols, SCALE_BLOCK)):
+        raise ValueError(f"FP8 GEMM operands do not fit: a {tuple(a_MK.shape)} with scales "
+                         f"{tuple(sa_MG.shape)}, b {tuple(b_EKN.shape)} with scales {tuple(sb_EGB.shape)} "
+                         f"(want a [M, K], sa [M, cdiv(K, 128)], b [E, K, N], sb [E, cdiv(K, 128), cdiv(N, 128)])")
+    if offsets_E.dim() != 1 or offsets_E.dtype != torch.int32 or groups % experts:
+        raise ValueError(f"offsets_E must be int32 cumulative rows of a multiple of {experts} groups; "
+                         f"got {offsets_E.dtype} {tuple(offsets_E.shape)}")
+    if out is None:
+        out = torch.empty((rows, cols), dtype=out_dtype, device=a_MK.device)
+    assert out.shape == (rows, cols), (tuple(out.shape), (rows, cols))
+    if rows == 0 or cols == 0:
+        return out
+    programs = num_programs or gg.default_num_programs(a_MK.device) * config.programs_per_sm
+    _fp8_rows_gemm_kernel[(programs,)](
+        a_MK, sa_MG, b_EKN, sb_EGB, out, offsets_E,
+        groups, experts, k, cols, programs,
+        a_MK.stride(0), a_MK.stride(1), sa_MG.stride(0), sa_MG.stride(1),
+        *b_EKN.stride(), *sb_EGB.stride(), out.stride(0), out.stride(1),
+        E_POW2=triton.next_power_of_2(groups), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k, GROUP_M=config.group_m, IMPRECISE_K=imprecise_k or config.block_k,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return out
+
+
+# --- plain-torch references (the same arithmetic, group by group)
+
+def _pad_to(t: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
+    pad = -t.shape[dim] % multiple
+    if pad == 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = pad
+    return torch.cat([t, t.new_zeros(shape)], dim=dim)
+
+
+def _quantize_reference(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fp8 values of x / scale (broadcast), saturated at +-448, rounded to nearest even by torch."""
+    return (x / scale).clamp(-E4M3_MAX, E4M3_MAX).to(FP8)
+
+
+def quantize_rows_reference(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain torch `quantize_rows`."""
+    rows, k = x_MK.shape
+    x_MGS = _pad_to(x_MK.float(), 1, SCALE_BLOCK).reshape(rows, triton.cdiv(k, SCALE_BLOCK), SCALE_BLOCK)
+    s_MG = x_MGS.abs().amax(dim=2).clamp_min(AMAX_FLOOR) / E4M3_MAX
+    q_MK = _quantize_reference(x_MGS, s_MG[:, :, None]).reshape(rows, x_MGS.shape[1] * SCALE_BLOCK)[:, :k]
+    return q_MK.contiguous(), s_MG
+
+
+def quantize_blocks_reference(w_EKN: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain torch `quantize_blocks`."""
+    experts, k, n = w_EKN.shape
+    padded = _pad_to(_pad_to(w_EKN.float(), 1, SCALE_BLOCK), 2, SCALE_BLOCK)
+    w_EGSBS = padded.reshape(experts, triton.cdiv(k, SCALE_BLOCK), SCALE_BLOCK, triton.cdiv(n, SCALE_BLOCK),
+                             SCALE_BLOCK)
+    s_EGB = w_EGSBS.abs().amax(dim=(2, 4)).clamp_min(AMAX_FLOOR) / E4M3_MAX
+    q = _quantize_reference(w_EGSBS, s_EGB[:, :, None, :, None]).reshape(padded.shape)
+    return q[:, :k, :n].contiguous(), s_EGB
+
+
+def dequantize_rows(q_MK: torch.Tensor, s_MG: torch.Tensor) -> torch.Tensor:
+    """fp32 values of `quantize_rows`'s output."""
+    return q_MK.float() * s_MG.repeat_interleave(SCALE_BLOCK, dim=1)[:, : q_MK.shape[1]]
+
+
+def dequantize_blocks(q_EKN: torch.Tensor, s_EGB: torch.Tensor) -> torch.Tensor:
+    """fp32 values of `quantize_blocks`'s output."""
+    _, k, n = q_EKN.shape
+    s = s_EGB.repeat_interleave(SCALE_BLOCK, dim=1).repeat_interleave(SCALE_BLOCK, dim=2)
+    return q_EKN.float() * s[:, :k, :n]
+
+
+def fp8_rows_gemm_reference(a_MK: torch.Tensor, sa_MG: torch.Tensor, offsets_E: torch.Tensor,
+                            b_EKN: torch.Tensor, sb_EGB: torch.Tensor) -> torch.Tensor:
+    """Plain torch `fp8_rows_gemm`, fp32 out: per expert, per 128-deep slice j of K, the slice's
+    fp32 product of the fp8 values, times sa[:, j] x sb[j, column's block], summed over j in order."""
+    experts, k, n = b_EKN.shape
+    ends = offsets_E.tolist()
+    out = torch.zeros((a_MK.shape[0], n), dtype=torch.float32, device=a_MK.device)
+    sb_EGN = sb_EGB.repeat_interleave(SCALE_BLOCK, dim=2)[:, :, :n]
+    for group, (start, end) in enumerate(zip([0, *ends[:-1]], ends)):
+        weight = group % experts
+        for j in range(triton.cdiv(k, SCALE_BLOCK)):
+            ks = slice(j * SCALE_BLOCK, min(k, (j + 1) * SCALE_BLOCK))
+            part = a_MK[start:end, ks].float() @ b_EKN[weight, ks].float()
+            out[start:end] += part * (sa_MG[start:end, j, None] * sb_EGN[weight, j][None, :])
+    return out
+
+
+def quantize_tensor_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-tensor scaling (one scale for all of x): the recipe the fine-grained one replaces,
+    kept for the tests that show where it fails (outlier rows)."""
+    scale = x.float().abs().amax().clamp_min(AMAX_FLOOR) / E4M3_MAX
+    return _quantize_reference(x.float(), scale), scale
