@@ -8,6 +8,10 @@ cumulative row counts (expert e owns rows offsets[e-1]:offsets[e], as in grouped
 Every scale is fp32 and multiplies: value = fp8 value x scale, scale = max(amax, AMAX_FLOOR) / 448.
 Which GEMM takes which scales, and why: docs/architecture.md, "FP8 expert GEMMs".
 
+Forward and data gradient: `fp8_rows_gemm` (rows from `quantize_rows`, weights from
+`quantize_blocks` or, for dy @ W^T, `transpose_blocks`). Weight gradient: `fp8_weight_grad` over
+token-contiguous copies from `quantize_token_groups` (128 x 1 scales, groups padded to 128 rows).
+
 One code path for the GPU and the CPU interpreter: Triton 3.6's interpreter handles float8 tensors
 and fp8 `tl.dot` exactly, but its fp32 -> fp8 cast rounds wrongly, so the quantisers round to the
 e4m3 grid themselves (`_round_to_e4m3`) and cast values that are exactly representable.
@@ -269,6 +273,181 @@ def fp8_rows_gemm(
     return out
 
 
+# --- the weight gradient: contracted over tokens, so 128 x 1 scales along tokens, padded groups
+
+@triton.jit
+def _quantize_token_groups_kernel(x_ptr, q_ptr, s_ptr, offsets_ptr, padded_ptr, E, K,
+                                  stride_xm, stride_xk, stride_qk, stride_qp, stride_sk, stride_sc,
+                                  BLOCK_K: tl.constexpr, E_POW2: tl.constexpr):
+    # Program (chunk c, K tile): padded rows [128 c, 128 c + 128) belong to the group g whose padded
+    # range holds them (padded_ptr: int32 cumulative padded rows); they are x's rows offsets[g-1] +
+    # (128 c - padded[g-1]) + t, zeros past the group's end (and for chunks past the last group).
+    # q [K, P] (token-contiguous) = e4m3 of x^T, s[k, c] = scale of column k over the chunk.
+    chunk = tl.program_id(0)
+    first = chunk * _SCALE_BLOCK
+    idx = tl.arange(0, E_POW2)
+    padded_ends = tl.load(padded_ptr + idx, mask=idx < E, other=2147483647)
+    group = tl.sum((padded_ends <= first).to(tl.int32), axis=0)
+    in_group = group < E
+    padded_start = tl.load(padded_ptr + group - 1, mask=in_group & (group > 0), other=0)
+    row_start = tl.load(offsets_ptr + group - 1, mask=in_group & (group > 0), other=0)
+    row_end = tl.load(offsets_ptr + group, mask=in_group, other=0)
+    toks = tl.arange(0, _SCALE_BLOCK)
+    rows = row_start + (first - padded_start) + toks
+    row_ok = in_group & (rows < row_end)
+    ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    k_ok = ks < K
+    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + ks[None, :] * stride_xk,
+                mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+    scale = _scale_of(tl.max(tl.abs(x), axis=0))
+    q = _round_to_e4m3(tl.math.div_rn(x, tl.broadcast_to(scale[None, :], x.shape)))
+    padded_rows = (first + toks).to(tl.int64)
+    tl.store(q_ptr + ks[None, :] * stride_qk + padded_rows[:, None] * stride_qp,
+             q.to(q_ptr.dtype.element_ty), mask=k_ok[None, :])
+    tl.store(s_ptr + ks * stride_sk + chunk * stride_sc, scale, mask=k_ok)
+
+
+def padded_offsets(offsets_E: torch.Tensor) -> torch.Tensor:
+    """int32 cumulative rows with each group's count rounded up to a multiple of 128, on the
+    device (no host sync): where `quantize_token_groups` puts group g's first row."""
+    counts = torch.diff(offsets_E, prepend=offsets_E.new_zeros(1))
+    return (((counts + SCALE_BLOCK - 1) // SCALE_BLOCK) * SCALE_BLOCK).cumsum(0, dtype=torch.int32)
+
+
+def padded_capacity(rows: int, groups: int) -> int:
+    """Rows the padded layout needs at most (a multiple of 128): each group adds at most 127
+    padding rows. Sized from shapes on the host, so the buffer's size never waits on the GPU."""
+    return triton.cdiv(rows + (SCALE_BLOCK - 1) * groups, SCALE_BLOCK) * SCALE_BLOCK
+
+
+def quantize_token_groups(x_MK: torch.Tensor, offsets_E: torch.Tensor,
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q_KP float8_e4m3fn, s_KC fp32, padded_E int32): x's rows transposed into a token-contiguous
+    [K, P] copy (the weight gradient's K-major operand), each group's rows starting at a multiple
+    of 128 (`padded_offsets`; zero columns pad it), one scale per column and 128 padded rows
+    (C = P / 128 chunks; no chunk straddles two groups). P = `padded_capacity`: columns past the
+    last group are zeros too. For `fp8_weight_grad`."""
+    rows, k = x_MK.shape
+    groups = offsets_E.shape[0]
+    capacity = padded_capacity(rows, groups)
+    padded_E = padded_offsets(offsets_E)
+    q_KP = torch.empty((k, capacity), dtype=FP8, device=x_MK.device)
+    s_KC = torch.empty((k, capacity // SCALE_BLOCK), dtype=torch.float32, device=x_MK.device)
+    if k == 0 or capacity == 0:
+        return q_KP, s_KC, padded_E
+    block_k = 16 if x_MK.device.type == "cpu" else 32
+    _quantize_token_groups_kernel[(capacity // SCALE_BLOCK, triton.cdiv(k, block_k))](
+        x_MK, q_KP, s_KC, offsets_E, padded_E, groups, k, x_MK.stride(0), x_MK.stride(1),
+        q_KP.stride(0), q_KP.stride(1), s_KC.stride(0), s_KC.stride(1),
+        BLOCK_K=block_k, E_POW2=triton.next_power_of_2(groups), num_warps=4)
+    return q_KP, s_KC, padded_E
+
+
+@triton.jit
+def _fp8_weight_grad_kernel(
+    a_ptr, sa_ptr, b_ptr, sb_ptr, out_ptr, padded_ptr,
+    E, E_W, KA, C, num_programs,
+    stride_ak, stride_ap, stride_sak, stride_sac, stride_bc, stride_bp, stride_sbc, stride_sbp,
+    stride_oe, stride_ok, stride_oc,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    ACCUMULATE: tl.constexpr, IMPRECISE_K: tl.constexpr,
+):
+    # Contract: a [KA, P], b [C, P] fp8 token-contiguous (`quantize_token_groups`) with scales
+    # sa [KA, P/128], sb [C, P/128]; groups g padded to padded[g-1]:padded[g] (multiples of 128);
+    # out [E_W, KA, C]: out[e] = sum over groups g = e mod E_W (ascending), over BLOCK_M-token steps
+    # (BLOCK_M divides 128; chunk c = step // 128) of (a[:, step] @ b[:, step]^T) * sa[:, c] * sb[:, c]
+    # (ACCUMULATE: out += it, an fp32 main gradient). BLOCK_K tiles KA, BLOCK_N tiles C.
+    pid = tl.program_id(0)
+    tiles_k = tl.cdiv(KA, BLOCK_K)
+    tiles_n = tl.cdiv(C, BLOCK_N)
+    per_expert = tiles_k * tiles_n
+    for item in tl.range(pid, E_W * per_expert, num_programs):
+        expert = item // per_expert
+        pid_k, pid_n = gg._swizzle(item % per_expert, tiles_k, tiles_n, GROUP_M)
+        ks = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+        k_ok = ks < KA
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < C
+        toks = tl.arange(0, BLOCK_M)
+        acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+        for group in range(expert, E, E_W):
+            start = tl.load(padded_ptr + group - 1, mask=group > 0, other=0)
+            end = tl.load(padded_ptr + group)
+            for p0 in range(start, end, BLOCK_M):
+                p64 = (p0 + toks).to(tl.int64)
+                a = tl.load(a_ptr + ks[:, None] * stride_ak + p64[None, :] * stride_ap,
+                            mask=k_ok[:, None], other=0.0)
+                b = tl.load(b_ptr + p64[:, None] * stride_bp + cols[None, :] * stride_bc,
+                            mask=col_ok[None, :], other=0.0)
+                part = tl.dot(a, b, out_dtype=tl.float32, max_num_imprecise_acc=IMPRECISE_K)
+                c = p0 // _SCALE_BLOCK
+                sa = tl.load(sa_ptr + ks * stride_sak + c * stride_sac, mask=k_ok, other=0.0)
+                sb = tl.load(sb_ptr + cols * stride_sbc + c * stride_sbp, mask=col_ok, other=0.0)
+                acc += part * (sa[:, None] * sb[None, :])
+        out_ptrs = (out_ptr + expert.to(tl.int64) * stride_oe + ks[:, None] * stride_ok
+                    + cols[None, :] * stride_oc)
+        ok = k_ok[:, None] & col_ok[None, :]
+        if ACCUMULATE:
+            acc += tl.load(out_ptrs, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def fp8_weight_grad(
+    a: tuple[torch.Tensor, torch.Tensor],
+    b: tuple[torch.Tensor, torch.Tensor],
+    padded_E: torch.Tensor,
+    config: TileConfig,
+    *,
+    weights: int | None = None,
+    out: torch.Tensor | None = None,
+    accumulate: bool = False,
+    num_programs: int | None = None,
+    imprecise_k: int | None = None,
+) -> torch.Tensor:
+    """out[e] = dequant(a)[:, rows_e] @ dequant(b)[:, rows_e]^T, [E, KA, C] fp32 (zeros for empty
+    experts): the weight gradient x^T dy of rows grouped by expert, both operands from
+    `quantize_token_groups` of the same offsets ((q_KP, s_KC) pairs; `padded_E` its third
+    result). With `accumulate`, out[e] += it (`out` given: an fp32 main gradient).
+    `weights` (E_W; default the groups' count): `padded_E` may hold a multiple of E_W groups,
+    group g belonging to weight g mod E_W, summed in ascending g (as `grouped_gemm.ragged_weight_grad`).
+    config.block_m (the token step) must divide 128; block_k tiles KA, block_n tiles C."""
+    (qa_KP, sa_KC), (qb_CP, sb_CC) = a, b
+    _check_fp8(a=qa_KP, b=qb_CP)
+    if SCALE_BLOCK % config.block_m:
+        raise ValueError(f"the FP8 weight gradient steps over tokens by block_m, which must divide "
+                         f"{SCALE_BLOCK} (one scale per {SCALE_BLOCK} tokens); got block_m={config.block_m}")
+    ka, capacity = qa_KP.shape
+    cols = qb_CP.shape[0]
+    if (qb_CP.shape[1] != capacity or capacity % SCALE_BLOCK or sa_KC.shape != (ka, capacity // SCALE_BLOCK)
+            or sb_CC.shape != (cols, capacity // SCALE_BLOCK)):
+        raise ValueError(f"FP8 weight-gradient operands do not fit: a {tuple(qa_KP.shape)} with scales "
+                         f"{tuple(sa_KC.shape)}, b {tuple(qb_CP.shape)} with scales {tuple(sb_CC.shape)} "
+                         f"(both from quantize_token_groups of the same rows' offsets)")
+    groups = padded_E.shape[0]
+    experts = groups if weights is None else weights
+    if padded_E.dtype != torch.int32 or experts < 1 or groups % experts:
+        raise ValueError(f"padded_E must be int32 cumulative padded rows of a multiple of {experts} "
+                         f"groups (quantize_token_groups' third result); got {padded_E.dtype} "
+                         f"{tuple(padded_E.shape)}")
+    assert out is not None or not accumulate
+    if out is None:
+        out = torch.empty((experts, ka, cols), dtype=torch.float32, device=qa_KP.device)
+    assert out.shape == (experts, ka, cols), (tuple(out.shape), (experts, ka, cols))
+    if out.numel() == 0:
+        return out
+    programs = num_programs or gg.default_num_programs(qa_KP.device) * config.programs_per_sm
+    _fp8_weight_grad_kernel[(programs,)](
+        qa_KP, sa_KC, qb_CP, sb_CC, out, padded_E,
+        groups, experts, ka, cols, programs,
+        qa_KP.stride(0), qa_KP.stride(1), sa_KC.stride(0), sa_KC.stride(1),
+        qb_CP.stride(0), qb_CP.stride(1), sb_CC.stride(0), sb_CC.stride(1), *out.stride(),
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        GROUP_M=config.group_m, ACCUMULATE=accumulate, IMPRECISE_K=imprecise_k or config.block_m,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return out
+
+
 # --- plain-torch references (the same arithmetic, group by group)
 
 def _pad_to(t: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
@@ -339,3 +518,37 @@ def quantize_tensor_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     kept for the tests that show where it fails (outlier rows)."""
     scale = x.float().abs().amax().clamp_min(AMAX_FLOOR) / E4M3_MAX
     return _quantize_reference(x.float(), scale), scale
+
+
+def quantize_token_groups_reference(x_MK: torch.Tensor, offsets_E: torch.Tensor,
+                                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Plain torch `quantize_token_groups`: the padded rows built on the host, then 128 x 1 groups."""
+    rows, k = x_MK.shape
+    capacity = padded_capacity(rows, offsets_E.shape[0])
+    padded_E = padded_offsets(offsets_E)
+    x_PK = x_MK.new_zeros((capacity, k), dtype=torch.float32)
+    ends, padded_ends = offsets_E.tolist(), padded_E.tolist()
+    for start, end, padded_start in zip([0, *ends[:-1]], ends, [0, *padded_ends[:-1]]):
+        x_PK[padded_start:padded_start + end - start] = x_MK[start:end].float()
+    x_CSK = x_PK.reshape(capacity // SCALE_BLOCK, SCALE_BLOCK, k)
+    s_CK = x_CSK.abs().amax(dim=1).clamp_min(AMAX_FLOOR) / E4M3_MAX
+    q_PK = _quantize_reference(x_CSK, s_CK[:, None, :]).reshape(capacity, k)
+    return q_PK.t().contiguous(), s_CK.t().contiguous(), padded_E
+
+
+def fp8_weight_grad_reference(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor],
+                              padded_E: torch.Tensor, weights: int | None = None) -> torch.Tensor:
+    """Plain torch `fp8_weight_grad`: per group, per 128-row chunk c, the chunk's fp32 product of
+    the fp8 values times sa[:, c] x sb[:, c], summed over chunks and groups g = e mod E_W in order."""
+    (qa_KP, sa_KC), (qb_CP, sb_CC) = a, b
+    groups = padded_E.shape[0]
+    experts = groups if weights is None else weights
+    out = torch.zeros((experts, qa_KP.shape[0], qb_CP.shape[0]), dtype=torch.float32, device=qa_KP.device)
+    ends = padded_E.tolist()
+    for group, (start, end) in enumerate(zip([0, *ends[:-1]], ends)):
+        for p0 in range(start, end, SCALE_BLOCK):
+            chunk = slice(p0, p0 + SCALE_BLOCK)
+            part = qa_KP[:, chunk].float() @ qb_CP[:, chunk].float().t()
+            c = p0 // SCALE_BLOCK
+            out[group % experts] += part * (sa_KC[:, c, None] * sb_CC[None, :, c])
+    return out

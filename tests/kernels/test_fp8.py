@@ -203,6 +203,94 @@ def test_refusals_name_the_fix(fp8k):
     assert empty.shape == (0, 32)
 
 
+def test_data_gradient_reads_the_transposed_blocks(fp8k):
+    """dx = dy @ W^T: dy quantised per 1 x 128 along N, W^T from `transpose_blocks` (the forward's
+    block values and scales, laid out K-major); against the reference's sums and the fp32 GEMM."""
+    counts, k, n = [9, 0, 30, 4], 144, 80
+    dy, _, offsets = _ragged_inputs(counts, n, k, seed=5, outlier_rows=1)  # dy [M, N]
+    w = torch.randn(len(counts), k, n, generator=torch.Generator().manual_seed(6)) / k**0.5
+    q_dy, s_dy = fp8k.quantize_rows(dy)
+    q_wt, s_wt = fp8k.transpose_blocks(*fp8k.quantize_blocks(w))
+    got = fp8k.fp8_rows_gemm(q_dy, s_dy, offsets, q_wt, s_wt, SMALL_TILES, out_dtype=torch.float32,
+                             num_programs=3)
+    assert _rel_err(got, fp8k.fp8_rows_gemm_reference(q_dy, s_dy, offsets, q_wt, s_wt)) < SAME_SUMS_REL_ERR
+    exact = _per_expert(offsets, lambda e, s, t: dy[s:t].double() @ w[e].double().t())
+    assert _row_rel_err(got, exact).max() < FP8_ROW_REL_ERR
+
+
+def test_token_groups_are_padded_to_the_scale_block(fp8k):
+    """Each group's rows start at a multiple of 128 in the token-contiguous copy, the padding is
+    zeros, no 128-row chunk straddles two groups (its column scales are the reference's, from its
+    group's rows alone), empty groups take no room, and columns past the last group are zeros
+    with the floor's finite scale."""
+    counts = [130, 0, 5, 260]
+    offsets = _offsets(counts)
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(sum(counts), 40, generator=gen) * torch.exp2(torch.randn(sum(counts), 1, generator=gen) * 4)
+    q, s, padded = fp8k.quantize_token_groups(x, offsets)
+    q_ref, s_ref, padded_ref = fp8k.quantize_token_groups_reference(x, offsets)
+    assert padded.tolist() == [256, 256, 384, 768] and torch.equal(padded, padded_ref)
+    assert q.shape == (40, fp8k.padded_capacity(395, 4)) and s.shape == (40, q.shape[1] // 128)
+    assert torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    deq = q.float() * s.repeat_interleave(128, dim=1)
+    rows = torch.cat([torch.arange(0, 130), torch.arange(256, 261), torch.arange(384, 644)])
+    kept = torch.zeros(q.shape[1], dtype=torch.bool)
+    kept[rows] = True
+    assert (deq[:, ~kept] == 0).all() and torch.isfinite(s).all()
+    xf = x.t()
+    step = torch.maximum(xf.abs() * 2.0**-4, s.repeat_interleave(128, dim=1)[:, rows] * 2.0**-10)
+    assert ((deq[:, rows] - xf).abs() <= step * (1 + 1e-6)).all()
+
+
+WGRAD_TILES = TileConfig(block_m=128, block_n=16, block_k=16, group_m=2, num_warps=4, num_stages=1)
+
+
+@pytest.mark.parametrize("counts,k,n", [([130, 0, 5, 260], 40, 24), ([0, 17, 0], 24, 48)])
+def test_weight_gradient_matches_reference_sums(fp8k, counts, k, n):
+    """dW[e] = x[rows_e]^T dy[rows_e] from the token-group copies: the reference's sums to fp32
+    rounding, zeros for empty experts (every element written: NaN-filled first), each row of each
+    dW[e] within FP8_ROW_REL_ERR of the fp32 GEMM; added into an fp32 main gradient with
+    `accumulate` (block_m = 64: two steps per scale chunk)."""
+    x, _, offsets = _ragged_inputs(counts, k, n, seed=sum(counts))
+    dy = torch.randn(x.shape[0], n, generator=torch.Generator().manual_seed(1))
+    qx = fp8k.quantize_token_groups(x, offsets)
+    qd = fp8k.quantize_token_groups(dy, offsets)
+    out = torch.full((len(counts), k, n), float("nan"))
+    got = fp8k.fp8_weight_grad(qx[:2], qd[:2], qx[2], WGRAD_TILES, out=out, num_programs=3)
+    want = fp8k.fp8_weight_grad_reference(qx[:2], qd[:2], qx[2])
+    assert got is out and torch.isfinite(got).all()
+    assert _rel_err(got, want) < SAME_SUMS_REL_ERR
+    starts = [0, *offsets[:-1].tolist()]
+    for e, (start, end) in enumerate(zip(starts, offsets.tolist())):
+        if start == end:
+            assert (got[e] == 0).all()
+        else:
+            assert _row_rel_err(got[e], x[start:end].double().t() @ dy[start:end].double()).max() < FP8_ROW_REL_ERR
+    main = torch.randn(len(counts), k, n, generator=torch.Generator().manual_seed(2))
+    start_main = main.clone()
+    half = TileConfig(block_m=64, block_n=32, block_k=32, group_m=1, num_warps=4, num_stages=1)
+    fp8k.fp8_weight_grad(qx[:2], qd[:2], qx[2], half, out=main, accumulate=True, num_programs=2)
+    assert _rel_err(main - start_main, want) < 1e-5  # rounding of the additions to start_main
+
+
+def test_weight_gradient_over_banded_groups(fp8k):
+    """2 x E row groups, group g to weight g mod E (segment-major order): dW[e] sums both."""
+    counts, k, n = [7, 0, 20, 3, 11, 0], 24, 16
+    x, _, offsets = _ragged_inputs(counts, k, n, seed=9)
+    dy = torch.randn(x.shape[0], n, generator=torch.Generator().manual_seed(3))
+    qx = fp8k.quantize_token_groups(x, offsets)
+    qd = fp8k.quantize_token_groups(dy, offsets)
+    got = fp8k.fp8_weight_grad(qx[:2], qd[:2], qx[2], WGRAD_TILES, weights=3, num_programs=2)
+    assert got.shape == (3, k, n)
+    assert _rel_err(got, fp8k.fp8_weight_grad_reference(qx[:2], qd[:2], qx[2], weights=3)) < SAME_SUMS_REL_ERR
+    with pytest.raises(ValueError, match="block_m"):
+        fp8k.fp8_weight_grad(qx[:2], qd[:2], qx[2], TileConfig(block_m=48, block_n=16, block_k=16))
+    with pytest.raises(ValueError, match="multiple of 4"):
+        fp8k.fp8_weight_grad(qx[:2], qd[:2], qx[2], WGRAD_TILES, weights=4)
+    with pytest.raises(ValueError, match="quantize_token_groups"):
+        fp8k.fp8_weight_grad(qx[:2], (qd[0][:, :128], qd[1][:, :1]), qx[2], WGRAD_TILES)
+
+
 # --- on a GPU: real e4m3 tensor cores (sm_89+), bf16 activations, bf16 outputs
 
 def _fp8_gpu() -> bool:
@@ -259,3 +347,38 @@ def test_gpu_gemm_bf16_out(counts, k, n, tiles, imprecise_k):
     assert got.dtype == torch.bfloat16 and torch.isfinite(got).all()
     assert _rel_err(got, want) < 5e-3  # bf16 output rounding and the tensor cores' accumulator
     assert _row_rel_err(got, _exact(a.float(), b.float(), offsets)).max() < FP8_ROW_REL_ERR
+
+
+@pytest.mark.gpu
+@needs_fp8_gpu
+@pytest.mark.parametrize("counts,k,n", [([300, 0, 1000, 7], 512, 384), ([129, 511, 64, 3, 900], 1000, 320)])
+def test_gpu_backward_gemms(counts, k, n):
+    """The data gradient (dy against the transposed blocks, bf16 out) and the weight gradient
+    (token-group copies, added into an fp32 main gradient) on tensor cores, against the
+    references' sums and within FP8_ROW_REL_ERR of the fp32 GEMMs; the token-group quantiser's
+    bytes are the reference's."""
+    from disagmoe.kernels import fp8
+
+    x, w, offsets = _ragged_inputs(counts, k, n, seed=4, device="cuda")
+    x, w = x.bfloat16(), w.bfloat16()
+    dy = torch.randn(x.shape[0], n, generator=torch.Generator().manual_seed(5)).cuda().bfloat16()
+    q_dy, s_dy = fp8.quantize_rows(dy)
+    q_wt, s_wt = fp8.transpose_blocks(*fp8.quantize_blocks(w))
+    tiles = GPU_TILES[0]
+    dx = fp8.fp8_rows_gemm(q_dy, s_dy, offsets, q_wt, s_wt, tiles)
+    assert _rel_err(dx, fp8.fp8_rows_gemm_reference(q_dy, s_dy, offsets, q_wt, s_wt)) < 5e-3
+    exact_dx = _per_expert(offsets.cpu(), lambda e, s, t: dy[s:t].double() @ w[e].double().t())
+    assert _row_rel_err(dx, exact_dx).max() < FP8_ROW_REL_ERR
+
+    qx, qd = fp8.quantize_token_groups(x, offsets), fp8.quantize_token_groups(dy, offsets)
+    ref_x = fp8.quantize_token_groups_reference(x, offsets)
+    assert torch.equal(qx[1], ref_x[1]) and torch.equal(qx[0].view(torch.uint8), ref_x[0].view(torch.uint8))
+    main = torch.zeros(len(counts), k, n, device="cuda")
+    wgrad_tiles = TileConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3)
+    fp8.fp8_weight_grad(qx[:2], qd[:2], qx[2], wgrad_tiles, out=main, accumulate=True)
+    assert _rel_err(main, fp8.fp8_weight_grad_reference(qx[:2], qd[:2], qx[2])) < 1e-3
+    starts = [0, *offsets[:-1].tolist()]
+    for e, (start, end) in enumerate(zip(starts, offsets.tolist())):
+        if end > start:
+            exact = x[start:end].double().t() @ dy[start:end].double()
+            assert _row_rel_err(main[e], exact).max() < FP8_ROW_REL_ERR
