@@ -153,18 +153,22 @@ def transpose_blocks(q_EKN: torch.Tensor, s_EGB: torch.Tensor) -> tuple[torch.Te
 
 @triton.jit
 def _fp8_rows_gemm_kernel(
-    a_ptr, sa_ptr, b_ptr, sb_ptr, out_ptr, offsets_ptr,
-    E, E_W, K, C, num_programs,
+    a_ptr, sa_ptr, b_ptr, sb_ptr, out_ptr, offsets_ptr, s_out_ptr, h13_ptr,
+    E, E_W, K, C, F_UP, num_programs,
     stride_am, stride_ak, stride_sam, stride_sag,
     stride_be, stride_bk, stride_bc, stride_sbe, stride_sbk, stride_sbc,
-    stride_om, stride_oc,
+    stride_om, stride_oc, stride_som, stride_sog, stride_hm, stride_hc,
+    SWIGLU: tl.constexpr, SAVE_H13: tl.constexpr,
     E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, IMPRECISE_K: tl.constexpr,
 ):
-    # Contract: a [M, K] fp8 rows grouped by expert with sa [M, G] fp32 (1 x 128 groups); b [E_W, K, C]
-    # fp8 any strides with sb [E_W, G, cdiv(C, 128)] fp32 (128 x 128 blocks); out[rows_g] =
+    # Contract: a [M, K] fp8 rows grouped by expert with sa [M, G] fp32 (1 x 128 groups); b [E_W, K, *]
+    # fp8 any strides with sb [E_W, G, *] fp32 (128 x 128 blocks); h[rows_g, cols] =
     # sum over BLOCK_K-deep slices of K (BLOCK_K divides 128; j the slice's scale group) of
-    # (a[rows_g, slice] @ b[g mod E_W, slice]) * sa[rows_g, j] * sb[j, cols], each dot from zero.
+    # (a[rows_g, slice] @ b[g mod E_W, slice, cols]) * sa[rows_g, j] * sb[j, cols // 128], each dot
+    # from zero. Plain: out [M, C] = h. SWIGLU (BLOCK_N == 128): gate columns [0, C) and up columns
+    # [F_UP, F_UP + C) of b, out [M, C] fp8 = e4m3(silu(gate) * up / s) with s_out [M, cdiv(C, 128)]
+    # the 1 x 128 row scales (one column tile = one group); SAVE_H13: h13 [M, 2C] gets gate | up.
     # Work items (group, row tile, column tile), as grouped_gemm's `_ragged_rows_gemm_kernel`.
     pid = tl.program_id(0)
     tiles_n = tl.cdiv(C, BLOCK_N)
@@ -188,7 +192,9 @@ def _fp8_rows_gemm_kernel(
         b_ptrs = b_ptr + weight * stride_be + ks[:, None] * stride_bk + cols[None, :] * stride_bc
         sa_ptrs = sa_ptr + rows64 * stride_sam
         sb_ptrs = sb_ptr + weight * stride_sbe + (cols // _SCALE_BLOCK) * stride_sbc
+        sb_up_ptrs = sb_ptr + weight * stride_sbe + ((F_UP + cols) // _SCALE_BLOCK) * stride_sbc
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k_ok = (k0 + ks) < K
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
@@ -199,10 +205,28 @@ def _fp8_rows_gemm_kernel(
             sa = tl.load(sa_ptrs + j * stride_sag, mask=row_ok, other=0.0)
             sb = tl.load(sb_ptrs + j * stride_sbk, mask=col_ok, other=0.0)
             acc += part * (sa[:, None] * sb[None, :])
+            if SWIGLU:
+                b_up = tl.load(b_ptrs + F_UP * stride_bc, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+                part_up = tl.dot(a, b_up, out_dtype=tl.float32, max_num_imprecise_acc=IMPRECISE_K)
+                sb_up = tl.load(sb_up_ptrs + j * stride_sbk, mask=col_ok, other=0.0)
+                acc_up += part_up * (sa[:, None] * sb_up[None, :])
             a_ptrs += BLOCK_K * stride_ak
             b_ptrs += BLOCK_K * stride_bk
-        tl.store(out_ptr + rows64[:, None] * stride_om + cols[None, :] * stride_oc,
-                 acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+        ok = row_ok[:, None] & col_ok[None, :]
+        out_ptrs = out_ptr + rows64[:, None] * stride_om + cols[None, :] * stride_oc
+        if SWIGLU:
+            if SAVE_H13:
+                h_ptrs = h13_ptr + rows64[:, None] * stride_hm + cols[None, :] * stride_hc
+                tl.store(h_ptrs, acc.to(h13_ptr.dtype.element_ty), mask=ok)
+                tl.store(h_ptrs + C * stride_hc, acc_up.to(h13_ptr.dtype.element_ty), mask=ok)
+            # the down GEMM's A operand, quantised here: no bf16 round trip through HBM
+            act = tl.where(ok, acc * tl.sigmoid(acc) * acc_up, 0.0)
+            scale = _scale_of(tl.max(tl.abs(act), axis=1))
+            q = _round_to_e4m3(tl.math.div_rn(act, tl.broadcast_to(scale[:, None], act.shape)))
+            tl.store(out_ptrs, q.to(out_ptr.dtype.element_ty), mask=ok)
+            tl.store(s_out_ptr + rows64 * stride_som + pid_n * stride_sog, scale, mask=row_ok)
+        else:
+            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def _check_tile(config: TileConfig) -> None:
@@ -242,35 +266,85 @@ def fp8_rows_gemm(
     reduced-precision accumulator may run before fp32 promotion on sm_90 (its default there
     never promotes); a smaller value promotes inside a slice too, at the cost of wgmma chaining.
     `out` (given: any float dtype, [M, N]) or a new one of `out_dtype`."""
+    _check_operands(a_MK, sa_MG, offsets_E, b_EKN, sb_EGB, config)
+    rows, cols = a_MK.shape[0], b_EKN.shape[2]
+    if out is None:
+        out = torch.empty((rows, cols), dtype=out_dtype, device=a_MK.device)
+    assert out.shape == (rows, cols), (tuple(out.shape), (rows, cols))
+    _launch_rows_gemm(a_MK, sa_MG, offsets_E, b_EKN, sb_EGB, config, out, cols,
+                      num_programs=num_programs, imprecise_k=imprecise_k)
+    return out
+
+
+def _check_operands(a_MK, sa_MG, offsets_E, b_EKN, sb_EGB, config) -> None:
+    """ValueError naming the fix for operands of `fp8_rows_gemm` / `fp8_swiglu_gemm` that do not fit."""
     _check_tile(config)
     _check_fp8(a=a_MK, b=b_EKN)
     rows, k = a_MK.shape
     experts, k_b, cols = b_EKN.shape
-    groups = offsets_E.shape[0]
     if k_b != k or sa_MG.shape != (rows, triton.cdiv(k, SCALE_BLOCK)) or sb_EGB.shape != (
             experts, triton.cdiv(k, SCALE_BLOCK), triton.cdiv(cols, SCALE_BLOCK)):
         raise ValueError(f"FP8 GEMM operands do not fit: a {tuple(a_MK.shape)} with scales "
                          f"{tuple(sa_MG.shape)}, b {tuple(b_EKN.shape)} with scales {tuple(sb_EGB.shape)} "
                          f"(want a [M, K], sa [M, cdiv(K, 128)], b [E, K, N], sb [E, cdiv(K, 128), cdiv(N, 128)])")
-    if offsets_E.dim() != 1 or offsets_E.dtype != torch.int32 or groups % experts:
+    if offsets_E.dim() != 1 or offsets_E.dtype != torch.int32 or offsets_E.shape[0] % experts:
         raise ValueError(f"offsets_E must be int32 cumulative rows of a multiple of {experts} groups; "
                          f"got {offsets_E.dtype} {tuple(offsets_E.shape)}")
-    if out is None:
-        out = torch.empty((rows, cols), dtype=out_dtype, device=a_MK.device)
-    assert out.shape == (rows, cols), (tuple(out.shape), (rows, cols))
-    if rows == 0 or cols == 0:
-        return out
+
+
+def _launch_rows_gemm(a_MK, sa_MG, offsets_E, b_EKN, sb_EGB, config, out, cols, *, num_programs,
+                      imprecise_k, s_out=None, h13=None, f_up=0) -> None:
+    if a_MK.shape[0] == 0 or cols == 0:
+        return
+    groups, experts, k = offsets_E.shape[0], b_EKN.shape[0], a_MK.shape[1]
+    s_out_ = s_out if s_out is not None else sa_MG
+    h13_ = h13 if h13 is not None else out
     programs = num_programs or gg.default_num_programs(a_MK.device) * config.programs_per_sm
     _fp8_rows_gemm_kernel[(programs,)](
-        a_MK, sa_MG, b_EKN, sb_EGB, out, offsets_E,
-        groups, experts, k, cols, programs,
+        a_MK, sa_MG, b_EKN, sb_EGB, out, offsets_E, s_out_, h13_,
+        groups, experts, k, cols, f_up, programs,
         a_MK.stride(0), a_MK.stride(1), sa_MG.stride(0), sa_MG.stride(1),
         *b_EKN.stride(), *sb_EGB.stride(), out.stride(0), out.stride(1),
+        s_out_.stride(0), s_out_.stride(1), h13_.stride(0), h13_.stride(1),
+        SWIGLU=s_out is not None, SAVE_H13=h13 is not None,
         E_POW2=triton.next_power_of_2(groups), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, GROUP_M=config.group_m, IMPRECISE_K=imprecise_k or config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
-    return out
+
+
+def fp8_swiglu_gemm(
+    a_MK: torch.Tensor,
+    sa_MG: torch.Tensor,
+    offsets_E: torch.Tensor,
+    b_EK2F: torch.Tensor,
+    sb_EGB: torch.Tensor,
+    config: TileConfig,
+    *,
+    h13_M2F: torch.Tensor | None = None,
+    num_programs: int | None = None,
+    imprecise_k: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q_MF float8_e4m3fn, s_MG fp32): the gate/up GEMM (b = w13's block-quantised copy, gate in
+    [..., :F], up in [..., F:]) with SwiGLU and the down GEMM's 1 x 128 quantisation in its
+    epilogue, so silu(gate) * up goes out as e4m3 rows and scales, ready for `fp8_rows_gemm`
+    against w2's blocks; `h13_M2F` (given, any float dtype) receives the fp32 accumulators'
+    gate | up (the backward's pre-activations). config.block_n must be 128: one column tile is
+    one scale group of the output. Accumulation as `fp8_rows_gemm`."""
+    _check_operands(a_MK, sa_MG, offsets_E, b_EK2F, sb_EGB, config)
+    if config.block_n != SCALE_BLOCK:
+        raise ValueError(f"the FP8 SwiGLU epilogue quantises one {SCALE_BLOCK}-column group per tile: "
+                         f"use block_n={SCALE_BLOCK} (got {config.block_n})")
+    rows, width = a_MK.shape[0], b_EK2F.shape[2]
+    if width % 2:
+        raise ValueError(f"b must hold gate and up columns [E, K, 2F]; got width {width}")
+    ffn = width // 2
+    q_MF = torch.empty((rows, ffn), dtype=FP8, device=a_MK.device)
+    s_MG = torch.empty((rows, triton.cdiv(ffn, SCALE_BLOCK)), dtype=torch.float32, device=a_MK.device)
+    assert h13_M2F is None or h13_M2F.shape == (rows, width)
+    _launch_rows_gemm(a_MK, sa_MG, offsets_E, b_EK2F, sb_EGB, config, q_MF, ffn, num_programs=num_programs,
+                      imprecise_k=imprecise_k, s_out=s_MG, h13=h13_M2F, f_up=ffn)
+    return q_MF, s_MG
 
 
 # --- the weight gradient: contracted over tokens, so 128 x 1 scales along tokens, padded groups
@@ -511,6 +585,15 @@ def fp8_rows_gemm_reference(a_MK: torch.Tensor, sa_MG: torch.Tensor, offsets_E: 
             part = a_MK[start:end, ks].float() @ b_EKN[weight, ks].float()
             out[start:end] += part * (sa_MG[start:end, j, None] * sb_EGN[weight, j][None, :])
     return out
+
+
+def fp8_swiglu_reference(a_MK: torch.Tensor, sa_MG: torch.Tensor, offsets_E: torch.Tensor,
+                         b_EK2F: torch.Tensor, sb_EGB: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain torch `fp8_swiglu_gemm` before its quantisation: (act_MF fp32 = silu(gate) * up,
+    h13_M2F fp32) from `fp8_rows_gemm_reference`'s sums over all 2F columns."""
+    h13 = fp8_rows_gemm_reference(a_MK, sa_MG, offsets_E, b_EK2F, sb_EGB)
+    ffn = b_EK2F.shape[2] // 2
+    return torch.nn.functional.silu(h13[:, :ffn]) * h13[:, ffn:], h13
 
 
 def quantize_tensor_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
