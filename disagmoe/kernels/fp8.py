@@ -153,12 +153,12 @@ def transpose_blocks(q_EKN: torch.Tensor, s_EGB: torch.Tensor) -> tuple[torch.Te
 
 @triton.jit
 def _fp8_rows_gemm_kernel(
-    a_ptr, sa_ptr, b_ptr, sb_ptr, out_ptr, offsets_ptr, s_out_ptr, h13_ptr,
+    a_ptr, sa_ptr, b_ptr, sb_ptr, out_ptr, offsets_ptr, s_out_ptr, h13_ptr, act_ptr,
     E, E_W, K, C, F_UP, num_programs,
     stride_am, stride_ak, stride_sam, stride_sag,
     stride_be, stride_bk, stride_bc, stride_sbe, stride_sbk, stride_sbc,
-    stride_om, stride_oc, stride_som, stride_sog, stride_hm, stride_hc,
-    SWIGLU: tl.constexpr, SAVE_H13: tl.constexpr,
+    stride_om, stride_oc, stride_som, stride_sog, stride_hm, stride_hc, stride_xm, stride_xc,
+    EPILOGUE: tl.constexpr, SAVE_H13: tl.constexpr, SAVE_ACT: tl.constexpr,
     E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, IMPRECISE_K: tl.constexpr,
 ):
@@ -166,9 +166,11 @@ def _fp8_rows_gemm_kernel(
     # fp8 any strides with sb [E_W, G, *] fp32 (128 x 128 blocks); h[rows_g, cols] =
     # sum over BLOCK_K-deep slices of K (BLOCK_K divides 128; j the slice's scale group) of
     # (a[rows_g, slice] @ b[g mod E_W, slice, cols]) * sa[rows_g, j] * sb[j, cols // 128], each dot
-    # from zero. Plain: out [M, C] = h. SWIGLU (BLOCK_N == 128): gate columns [0, C) and up columns
-    # [F_UP, F_UP + C) of b, out [M, C] fp8 = e4m3(silu(gate) * up / s) with s_out [M, cdiv(C, 128)]
-    # the 1 x 128 row scales (one column tile = one group); SAVE_H13: h13 [M, 2C] gets gate | up.
+    # from zero. EPILOGUE 0 (plain): out [M, C] = h. 1 (SwiGLU and quantise, BLOCK_N == 128): gate
+    # columns [0, C) and up columns [F_UP, F_UP + C) of b, out [M, C] fp8 = e4m3(silu(gate) * up / s)
+    # with s_out [M, cdiv(C, 128)] the 1 x 128 row scales (one column tile = one group); SAVE_H13:
+    # h13 [M, 2C] gets gate | up. 2 (SwiGLU gradient): h = d act, h13 [M, 2C] read, out [M, 2C] =
+    # d gate | d up; SAVE_ACT: act [M, C] gets silu(gate) * up recomputed from h13.
     # Work items (group, row tile, column tile), as grouped_gemm's `_ragged_rows_gemm_kernel`.
     pid = tl.program_id(0)
     tiles_n = tl.cdiv(C, BLOCK_N)
@@ -195,6 +197,11 @@ def _fp8_rows_gemm_kernel(
         sb_up_ptrs = sb_ptr + weight * stride_sbe + ((F_UP + cols) // _SCALE_BLOCK) * stride_sbc
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        ok = row_ok[:, None] & col_ok[None, :]
+        if EPILOGUE == 2:  # the epilogue's loads, issued now to complete under the main loop
+            h_ptrs = h13_ptr + rows64[:, None] * stride_hm + cols[None, :] * stride_hc
+            gate = tl.load(h_ptrs, mask=ok, other=0.0)
+            up = tl.load(h_ptrs + C * stride_hc, mask=ok, other=0.0)
         for k0 in range(0, K, BLOCK_K):
             k_ok = (k0 + ks) < K
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
@@ -205,16 +212,15 @@ def _fp8_rows_gemm_kernel(
             sa = tl.load(sa_ptrs + j * stride_sag, mask=row_ok, other=0.0)
             sb = tl.load(sb_ptrs + j * stride_sbk, mask=col_ok, other=0.0)
             acc += part * (sa[:, None] * sb[None, :])
-            if SWIGLU:
+            if EPILOGUE == 1:
                 b_up = tl.load(b_ptrs + F_UP * stride_bc, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
                 part_up = tl.dot(a, b_up, out_dtype=tl.float32, max_num_imprecise_acc=IMPRECISE_K)
                 sb_up = tl.load(sb_up_ptrs + j * stride_sbk, mask=col_ok, other=0.0)
                 acc_up += part_up * (sa[:, None] * sb_up[None, :])
             a_ptrs += BLOCK_K * stride_ak
             b_ptrs += BLOCK_K * stride_bk
-        ok = row_ok[:, None] & col_ok[None, :]
         out_ptrs = out_ptr + rows64[:, None] * stride_om + cols[None, :] * stride_oc
-        if SWIGLU:
+        if EPILOGUE == 1:
             if SAVE_H13:
                 h_ptrs = h13_ptr + rows64[:, None] * stride_hm + cols[None, :] * stride_hc
                 tl.store(h_ptrs, acc.to(h13_ptr.dtype.element_ty), mask=ok)
@@ -225,6 +231,15 @@ def _fp8_rows_gemm_kernel(
             q = _round_to_e4m3(tl.math.div_rn(act, tl.broadcast_to(scale[:, None], act.shape)))
             tl.store(out_ptrs, q.to(out_ptr.dtype.element_ty), mask=ok)
             tl.store(s_out_ptr + rows64 * stride_som + pid_n * stride_sog, scale, mask=row_ok)
+        elif EPILOGUE == 2:
+            gate = gate.to(tl.float32)
+            up = up.to(tl.float32)
+            sig = tl.sigmoid(gate)
+            tl.store(out_ptrs, (acc * up * sig * (1.0 + gate * (1.0 - sig))).to(out_ptr.dtype.element_ty), mask=ok)
+            tl.store(out_ptrs + C * stride_oc, (acc * gate * sig).to(out_ptr.dtype.element_ty), mask=ok)
+            if SAVE_ACT:
+                act_ptrs = act_ptr + rows64[:, None] * stride_xm + cols[None, :] * stride_xc
+                tl.store(act_ptrs, (gate * sig * up).to(act_ptr.dtype.element_ty), mask=ok)
         else:
             tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
@@ -292,21 +307,25 @@ def _check_operands(a_MK, sa_MG, offsets_E, b_EKN, sb_EGB, config) -> None:
                          f"got {offsets_E.dtype} {tuple(offsets_E.shape)}")
 
 
+_PLAIN, _SWIGLU, _SWIGLU_GRAD = 0, 1, 2  # the kernel's EPILOGUE
+
+
 def _launch_rows_gemm(a_MK, sa_MG, offsets_E, b_EKN, sb_EGB, config, out, cols, *, num_programs,
-                      imprecise_k, s_out=None, h13=None, f_up=0) -> None:
+                      imprecise_k, epilogue=_PLAIN, s_out=None, h13=None, act=None, f_up=0) -> None:
     if a_MK.shape[0] == 0 or cols == 0:
         return
     groups, experts, k = offsets_E.shape[0], b_EKN.shape[0], a_MK.shape[1]
     s_out_ = s_out if s_out is not None else sa_MG
     h13_ = h13 if h13 is not None else out
+    act_ = act if act is not None else out
     programs = num_programs or gg.default_num_programs(a_MK.device) * config.programs_per_sm
     _fp8_rows_gemm_kernel[(programs,)](
-        a_MK, sa_MG, b_EKN, sb_EGB, out, offsets_E, s_out_, h13_,
+        a_MK, sa_MG, b_EKN, sb_EGB, out, offsets_E, s_out_, h13_, act_,
         groups, experts, k, cols, f_up, programs,
         a_MK.stride(0), a_MK.stride(1), sa_MG.stride(0), sa_MG.stride(1),
         *b_EKN.stride(), *sb_EGB.stride(), out.stride(0), out.stride(1),
-        s_out_.stride(0), s_out_.stride(1), h13_.stride(0), h13_.stride(1),
-        SWIGLU=s_out is not None, SAVE_H13=h13 is not None,
+        s_out_.stride(0), s_out_.stride(1), h13_.stride(0), h13_.stride(1), act_.stride(0), act_.stride(1),
+        EPILOGUE=epilogue, SAVE_H13=epilogue == _SWIGLU and h13 is not None, SAVE_ACT=act is not None,
         E_POW2=triton.next_power_of_2(groups), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, GROUP_M=config.group_m, IMPRECISE_K=imprecise_k or config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages,
@@ -343,8 +362,39 @@ def fp8_swiglu_gemm(
     s_MG = torch.empty((rows, triton.cdiv(ffn, SCALE_BLOCK)), dtype=torch.float32, device=a_MK.device)
     assert h13_M2F is None or h13_M2F.shape == (rows, width)
     _launch_rows_gemm(a_MK, sa_MG, offsets_E, b_EK2F, sb_EGB, config, q_MF, ffn, num_programs=num_programs,
-                      imprecise_k=imprecise_k, s_out=s_MG, h13=h13_M2F, f_up=ffn)
+                      imprecise_k=imprecise_k, epilogue=_SWIGLU, s_out=s_MG, h13=h13_M2F, f_up=ffn)
     return q_MF, s_MG
+
+
+def fp8_swiglu_grad_gemm(
+    dy_MH: torch.Tensor,
+    sdy_MG: torch.Tensor,
+    offsets_E: torch.Tensor,
+    w2t_EHF: torch.Tensor,
+    sw2t_EBG: torch.Tensor,
+    h13_M2F: torch.Tensor,
+    config: TileConfig,
+    *,
+    act_MF: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+    num_programs: int | None = None,
+    imprecise_k: int | None = None,
+) -> torch.Tensor:
+    """dh13_M2F (d gate | d up, `out_dtype`): the down GEMM's data gradient d act = dy @ w2^T (dy
+    from `quantize_rows`, w2^T from `transpose_blocks`) with the SwiGLU derivative in its epilogue,
+    from the forward's pre-activations `h13_M2F`; `act_MF` (given) receives silu(gate) * up
+    recomputed from them (the down weight's gradient needs it; the forward kept only e4m3 rows).
+    As `grouped_gemm.ragged_rows_gemm`'s EPILOGUE_SWIGLU_GRAD, on FP8 operands."""
+    _check_operands(dy_MH, sdy_MG, offsets_E, w2t_EHF, sw2t_EBG, config)
+    rows, ffn = dy_MH.shape[0], w2t_EHF.shape[2]
+    if h13_M2F.shape != (rows, 2 * ffn) or (act_MF is not None and act_MF.shape != (rows, ffn)):
+        raise ValueError(f"h13 must be [M, 2F] = {(rows, 2 * ffn)} (and act [M, F]); got h13 "
+                         f"{tuple(h13_M2F.shape)}" + (f", act {tuple(act_MF.shape)}" if act_MF is not None else ""))
+    dh13_M2F = torch.empty((rows, 2 * ffn), dtype=out_dtype, device=dy_MH.device)
+    _launch_rows_gemm(dy_MH, sdy_MG, offsets_E, w2t_EHF, sw2t_EBG, config, dh13_M2F, ffn,
+                      num_programs=num_programs, imprecise_k=imprecise_k, epilogue=_SWIGLU_GRAD,
+                      h13=h13_M2F, act=act_MF)
+    return dh13_M2F
 
 
 # --- the weight gradient: contracted over tokens, so 128 x 1 scales along tokens, padded groups

@@ -148,7 +148,8 @@ def test_the_fp8_quantisers_and_gemm_compile(compiled):
     """The e4m3 quantisers (bf16 and fp32 in) and the FP8 grouped GEMMs (fp8 tl.dot with an explicit
     max_num_imprecise_acc): forward with a full-depth and a half-depth K tile, the data gradient on
     the transposed blocks, the weight gradient into an fp32 main gradient, the gate/up GEMM with the
-    SwiGLU-and-quantise epilogue, the quantising permute, all for sm_90."""
+    SwiGLU-and-quantise epilogue, the down data gradient with the SwiGLU-gradient epilogue, the
+    quantising permute, all for sm_90."""
     from disagmoe.kernels import fp8
     from disagmoe.kernels.tile_configs import TileConfig
 
@@ -170,10 +171,13 @@ def test_the_fp8_quantisers_and_gemm_compile(compiled):
                   TileConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)):
         fp8.fp8_swiglu_gemm(qa, sa, offsets, qb, sb, tiles, h13_M2F=torch.zeros(rows, n, dtype=torch.bfloat16),
                             num_programs=8)
+    h13 = torch.zeros(rows, 2 * n, dtype=torch.bfloat16)
+    fp8.fp8_swiglu_grad_gemm(qa, sa, offsets, *fp8.transpose_blocks(qb, sb), h13, _tiles(),
+                             act_MF=torch.zeros(rows, n, dtype=torch.bfloat16), num_programs=8)
     from disagmoe.kernels import permute
 
     permute.permute_forward_fp8(torch.zeros(64, 300, dtype=torch.bfloat16), torch.zeros(64, 2, dtype=torch.int32), 4)
     assert compiled == (["_quantize_rows_kernel", "_quantize_blocks_kernel"] + ["_fp8_rows_gemm_kernel"] * 4
                         + ["_quantize_token_groups_kernel"] * 2 + ["_fp8_weight_grad_kernel"]
-                        + ["_fp8_rows_gemm_kernel"] * 2
+                        + ["_fp8_rows_gemm_kernel"] * 3
                         + ["_block_histogram_kernel", "_permute_dest_kernel", "_permute_quantize_kernel"])

@@ -241,6 +241,29 @@ def test_swiglu_epilogue_writes_the_down_gemms_fp8_operand(fp8k, counts, hidden,
         fp8k.fp8_swiglu_gemm(qx, sx, offsets, q13, s13, SMALL_TILES)
 
 
+def test_swiglu_gradient_epilogue(fp8k):
+    """The down GEMM's data gradient with the SwiGLU derivative in its epilogue: d gate | d up from
+    the reference's d act sums and the pre-activations (to fp32 rounding of the sigmoid), every
+    element written, and silu(gate) * up recomputed into act."""
+    counts, hidden, ffn = [6, 0, 25, 2], 136, 40
+    dy, _, offsets = _ragged_inputs(counts, hidden, 1, seed=12, outlier_rows=1)
+    gen = torch.Generator().manual_seed(13)
+    w2 = torch.randn(len(counts), ffn, hidden, generator=gen) / ffn**0.5
+    h13 = torch.randn(dy.shape[0], 2 * ffn, generator=gen) * 3
+    q_dy, s_dy = fp8k.quantize_rows(dy)
+    q_wt, s_wt = fp8k.transpose_blocks(*fp8k.quantize_blocks(w2))
+    act = torch.full((dy.shape[0], ffn), float("nan"))
+    dh13 = fp8k.fp8_swiglu_grad_gemm(q_dy, s_dy, offsets, q_wt, s_wt, h13, SMALL_TILES, act_MF=act,
+                                     out_dtype=torch.float32, num_programs=3)
+    gate, up = h13[:, :ffn].clone().requires_grad_(), h13[:, ffn:].clone().requires_grad_()
+    (torch.nn.functional.silu(gate) * up).backward(fp8k.fp8_rows_gemm_reference(q_dy, s_dy, offsets, q_wt, s_wt))
+    assert torch.isfinite(dh13).all() and torch.isfinite(act).all()
+    assert _rel_err(dh13, torch.cat([gate.grad, up.grad], dim=1)) < 1e-5
+    assert _rel_err(act, torch.nn.functional.silu(h13[:, :ffn]) * h13[:, ffn:]) < 1e-6
+    with pytest.raises(ValueError, match="h13"):
+        fp8k.fp8_swiglu_grad_gemm(q_dy, s_dy, offsets, q_wt, s_wt, h13[:, :ffn], SMALL_TILES)
+
+
 def test_data_gradient_reads_the_transposed_blocks(fp8k):
     """dx = dy @ W^T: dy quantised per 1 x 128 along N, W^T from `transpose_blocks` (the forward's
     block values and scales, laid out K-major); against the reference's sums and the fp32 GEMM."""
