@@ -3,7 +3,10 @@
 The block: permute the (token, k) pairs by expert -> SwiGLU expert FFN -> weighted combine.
 Backends: `triton` (our permute, persistent expert FFN and combine kernels), `grouped_mm` (what a
 good PyTorch user writes: torch permutation, torch._grouped_mm for both GEMMs, a separate SwiGLU,
-a gather + bmm combine) and `loop` (the same torch permutation, one matmul pair per expert).
+a gather + bmm combine) and `loop` (the same torch permutation, one matmul pair per expert);
+on request `triton-fp8` (our permute and combine, every expert GEMM in FP8 with 1 x 128 / 128 x 128
+scaling, `kernels.fp8_ffn`; its weights quantised once per weight tensor, as once per optimizer
+step in training, outside the timed calls).
 Legend: T tokens, K experts per token, N = T*K pairs, E local experts, H hidden, F expert FFN size.
 """
 
@@ -17,12 +20,15 @@ import torch.nn.functional as F
 
 from disagmoe.bench.timing import copies_to_defeat_l2, environment, matmul_ceiling_tflops, median_ms
 from disagmoe.model_ref import load_model
+from disagmoe.kernels.fp8_ffn import Fp8ExpertWeights, Fp8Tiles, expert_ffn_fp8
 from disagmoe.kernels.moe_ffn import FFNTiles, expert_ffn_reference, expert_ffn_triton
 from disagmoe.kernels.permute import (combine_reference, combine_rows, permute_reference,
                                       permute_tokens)
 
 ZIPF_EXPONENT = 1.2
-BACKENDS = ("triton", "grouped_mm", "loop")
+BACKENDS = ("triton", "grouped_mm", "loop")  # the default set
+FP8_BACKEND = "triton-fp8"  # asked for by name: needs FP8 tensor cores (sm_89+)
+ALL_BACKENDS = (*BACKENDS, FP8_BACKEND)
 PASSES = ("fwd", "fwd+bwd")
 
 
@@ -98,8 +104,20 @@ def loop_ffn(x_NH, offsets_E, w13_EH2F, w2_EFH):
     return expert_ffn_reference(x_NH, offsets_E, w13_EH2F, w2_EFH)
 
 
-def make_block(backend: str, tiles: FFNTiles | None = None) -> Callable[..., torch.Tensor]:
+def make_block(backend: str, tiles: FFNTiles | None = None,
+               fp8_tiles: Fp8Tiles | None = None) -> Callable[..., torch.Tensor]:
     """The routed expert block of one backend."""
+    if backend == FP8_BACKEND:
+        copies: dict[tuple[int, int], Fp8ExpertWeights] = {}  # per weight tensor: made in the warm-up
+
+        def fp8_block(x_TH, topk_idx_TK, weights_TK, w13_EH2F, w2_EFH):
+            key = (w13_EH2F.data_ptr(), w2_EFH.data_ptr())
+            if key not in copies:
+                copies[key] = Fp8ExpertWeights.quantize(w13_EH2F.detach(), w2_EFH.detach())
+            rows_NH, offsets_E, dest_TK = permute_tokens(x_TH, topk_idx_TK, w13_EH2F.shape[0])
+            out_NH = expert_ffn_fp8(rows_NH, offsets_E, w13_EH2F, w2_EFH, weights=copies[key], tiles=fp8_tiles)
+            return combine_rows(out_NH, dest_TK, weights_TK)
+        return fp8_block
     if backend == "triton":
         def block(x_TH, topk_idx_TK, weights_TK, w13_EH2F, w2_EFH):
             rows_NH, offsets_E, dest_TK = permute_tokens(x_TH, topk_idx_TK, w13_EH2F.shape[0])
@@ -177,12 +195,15 @@ def run(shape_names: list[str], backends: list[str], warmup: int, iters: int,
     unknown = [n for n in shape_names if n not in SHAPES]
     if unknown:
         raise ValueError(f"unknown shape(s) {unknown}; choose from {', '.join(SHAPES)}")
-    bad = [b for b in backends if b not in BACKENDS]
+    bad = [b for b in backends if b not in ALL_BACKENDS]
     if bad or "grouped_mm" not in backends:
         raise ValueError(f"backends must include grouped_mm (the ratio's base) and come from "
-                         f"{', '.join(BACKENDS)}; got {backends}")
+                         f"{', '.join(ALL_BACKENDS)}; got {backends}")
     if not torch.cuda.is_available():
         raise ValueError("`disagmoe bench experts` needs a CUDA GPU (none is visible)")
+    if FP8_BACKEND in backends and torch.cuda.get_device_capability() < (8, 9):
+        raise ValueError(f"{FP8_BACKEND} needs FP8 tensor cores (sm_89 or newer); this GPU is "
+                         f"sm_{''.join(map(str, torch.cuda.get_device_capability()))}: leave it out")
     device = torch.device("cuda")
     record = {"environment": environment(device), "zipf_exponent": ZIPF_EXPONENT,
               "warmup": warmup, "iters": iters, "loop_iters": loop_iters}
@@ -203,7 +224,7 @@ def run(shape_names: list[str], backends: list[str], warmup: int, iters: int,
                  "ms": {}, "tflops": {}}
         if check:
             entry["rel_err"] = {b: relative_errors(make_block(b, tiles), inputs, dy)
-                                for b in ("triton", "grouped_mm") if b in backends}
+                                for b in ("triton", "grouped_mm", FP8_BACKEND) if b in backends}
         for backend in backends:
             block = make_block(backend, tiles)
             n_iters = loop_iters if backend == "loop" else iters
@@ -219,24 +240,35 @@ def run(shape_names: list[str], backends: list[str], warmup: int, iters: int,
     return record
 
 
+def error_text(shape_entry: dict, backend: str, pass_name: str) -> str:
+    """A backend's relative error on one row: y's for the forward, the largest of y's and the
+    gradients' for forward+backward ('-' unchecked)."""
+    errors = shape_entry.get("rel_err", {}).get(backend)
+    if not errors:
+        return "-"
+    return f"{errors['y']:.1e}" if pass_name == "fwd" else f"{max(errors.values()):.1e}"
+
+
 def markdown_table(record: dict) -> str:
     """The record as a GitHub table (what docs/benchmarks.md quotes), ratios vs grouped_mm."""
     backends = list(record["shapes"][0]["tflops"]) if record["shapes"] else []
     ceiling = record["ceiling_tflops"]
+    fp8 = FP8_BACKEND in backends and "triton" in backends
     head = ["shape", "E", "H->F", "pairs", "max/mean load", "pass",
             *[f"{b} TFLOP/s (% of ceiling)" for b in backends], "triton / grouped_mm",
-            "triton rel err"]
+            "triton rel err", *([f"{FP8_BACKEND} / triton", f"{FP8_BACKEND} rel err"] if fp8 else [])]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for s in record["shapes"]:
         for pass_name in PASSES:
             rates = [s["tflops"][b][pass_name] for b in backends]
             ratio = s["tflops"].get("triton", {}).get(pass_name, float("nan")) / \
                 s["tflops"]["grouped_mm"][pass_name]
-            errors = s.get("rel_err", {}).get("triton")
-            err = ("-" if not errors else f"{errors['y']:.1e}" if pass_name == "fwd"
-                   else f"{max(errors.values()):.1e}")
             cells = [s["name"], str(s["experts"]), f"{s['hidden']}->{s['ffn']}", str(s["pairs"]),
                      f"{s['load_max_over_mean']:.2f}", pass_name,
-                     *[f"{r:.0f} ({100 * r / ceiling:.0f}%)" for r in rates], f"{ratio:.2f}x", err]
+                     *[f"{r:.0f} ({100 * r / ceiling:.0f}%)" for r in rates], f"{ratio:.2f}x",
+                     error_text(s, "triton", pass_name)]
+            if fp8:
+                fp8_ratio = s["tflops"][FP8_BACKEND][pass_name] / s["tflops"]["triton"][pass_name]
+                cells += [f"{fp8_ratio:.2f}x", error_text(s, FP8_BACKEND, pass_name)]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

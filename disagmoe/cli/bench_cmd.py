@@ -34,7 +34,8 @@ def _shape_names(shapes: list[str] | None) -> list[str]:
 def experts(
     shape: ShapeOption = None,
     backend: Annotated[list[str] | None, typer.Option(
-        help="triton | grouped_mm | loop (repeatable; default: all three)")] = None,
+        help="triton | grouped_mm | loop | triton-fp8 (repeatable; default: the first three; "
+             "triton-fp8: every expert GEMM in FP8, needs sm_89+)")] = None,
     warmup: Annotated[int, typer.Option(help="untimed calls before timing")] = 3,
     iters: Annotated[int, typer.Option(help="timed calls (median reported)")] = 20,
     loop_iters: Annotated[int, typer.Option(help="timed calls of the slow per-expert loop")] = 5,
@@ -67,26 +68,30 @@ def experts(
 
 
 def _experts_table(record: dict) -> Table:
+    from disagmoe.bench.experts import FP8_BACKEND, error_text
+
     env, ceiling = record["environment"], record["ceiling_tflops"]
-    table = Table(title=f"routed expert block, bf16, {env['gpu']} (driver {env['driver']}, torch "
-                        f"{env['torch']}, triton {env['triton']}); matmul ceiling "
-                        f"{ceiling:.0f} TFLOP/s")
     backends = list(record["shapes"][0]["tflops"]) if record["shapes"] else []
+    fp8 = FP8_BACKEND in backends and "triton" in backends
+    precision = "bf16" + (f" ({FP8_BACKEND}: e4m3 GEMMs, bf16 in and out)" if FP8_BACKEND in backends else "")
+    table = Table(title=f"routed expert block, {precision}, {env['gpu']} (driver {env['driver']}, torch "
+                        f"{env['torch']}, triton {env['triton']}); bf16 matmul ceiling "
+                        f"{ceiling:.0f} TFLOP/s")
     for col in ["shape", "E", "H->F", "pairs", "max/mean load", "pass",
-                *[f"{b} TFLOP/s (% ceil)" for b in backends], "triton / grouped_mm", "rel err"]:
+                *[f"{b} TFLOP/s (% ceil)" for b in backends], "triton / grouped_mm", "rel err",
+                *(["fp8 / triton", "fp8 rel err"] if fp8 else [])]:
         table.add_column(col, justify="left" if col in ("shape", "pass") else "right")
     for s in record["shapes"]:
         for pass_name in ("fwd", "fwd+bwd"):
             rates = [s["tflops"][b][pass_name] for b in backends]
             ratio = (s["tflops"]["triton"][pass_name] / s["tflops"]["grouped_mm"][pass_name]
                      if "triton" in backends else float("nan"))
-            err = s.get("rel_err", {}).get("triton", {})
-            err_text = (f"{err['y']:.1e}" if pass_name == "fwd" else
-                        f"{max(err.values()):.1e}") if err else "-"
+            extra = ([f"{s['tflops'][FP8_BACKEND][pass_name] / s['tflops']['triton'][pass_name]:.2f}x",
+                      error_text(s, FP8_BACKEND, pass_name)] if fp8 else [])
             table.add_row(s["name"], str(s["experts"]), f"{s['hidden']}->{s['ffn']}",
                           str(s["pairs"]), f"{s['load_max_over_mean']:.2f}", pass_name,
                           *[f"{r:.0f} ({100 * r / ceiling:.0f}%)" for r in rates],
-                          f"{ratio:.2f}x", err_text)
+                          f"{ratio:.2f}x", error_text(s, "triton", pass_name), *extra)
     return table
 
 

@@ -7,6 +7,7 @@ expert.
 
 permute: rows_NH[dest_TK[t, k]] = x_TH[t]; pairs keep their (t, k) order inside an expert (the same
 order as a stable sort of the flattened expert ids), so the result is deterministic.
+permute_forward_fp8: the same, its copy writing e4m3 rows and 1 x 128 scales (`kernels.fp8`).
 combine: y_TH[t] = sum_k weights_TK[t, k] * rows_NH[dest_TK[t, k]] (fp32 accumulation).
 Three launches for permute (per-block expert histograms; each pair's destination row; the row
 copy over a (pair block, hidden block) grid; a few tiny torch prefix sums between), one for combine; the backward
@@ -19,6 +20,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from disagmoe.kernels import fp8
 
 PAIRS_PER_BLOCK = 64
 TOKENS_PER_BLOCK = 16
@@ -118,23 +121,40 @@ def _combine_backward_kernel(dy_ptr, rows_ptr, dest_ptr, weights_ptr, d_rows_ptr
                  mask=tok_ok)
 
 
+@triton.jit
+def _permute_quantize_kernel(x_ptr, dest_ptr, q_ptr, s_ptr, n_pairs, H, K, stride_xt, stride_qn, stride_sn,
+                             BLOCK: tl.constexpr):
+    # Program (b, g): for block b's pairs, q[dest[p], g-th 128 columns] = e4m3 of x[p // K] there over
+    # its scale, s[dest[p], g] (`fp8.quantize_rows` of the grouped rows, done while they are copied).
+    pairs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    pair_ok = pairs < n_pairs
+    dest = tl.load(dest_ptr + pairs, mask=pair_ok, other=0).to(tl.int64)
+    tokens = (pairs // K).to(tl.int64)
+    group = tl.program_id(1)
+    hs = group * fp8._SCALE_BLOCK + tl.arange(0, fp8._SCALE_BLOCK)
+    ok = pair_ok[:, None] & (hs < H)[None, :]
+    vals = tl.load(x_ptr + tokens[:, None] * stride_xt + hs[None, :], mask=ok, other=0.0).to(tl.float32)
+    scale = fp8._scale_of(tl.max(tl.abs(vals), axis=1))
+    q = fp8._round_to_e4m3(tl.math.div_rn(vals, tl.broadcast_to(scale[:, None], vals.shape)))
+    tl.store(q_ptr + dest[:, None] * stride_qn + hs[None, :], q.to(q_ptr.dtype.element_ty), mask=ok)
+    tl.store(s_ptr + dest * stride_sn + group, scale, mask=pair_ok)
+
+
 def _row_block(hidden: int) -> int:
     return min(triton.next_power_of_2(hidden), 256)
 
 
-def permute_forward(x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, num_experts: int,
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(rows_NH, offsets_E, dest_TK): the pairs grouped by expert, in stable (t, k) order."""
+def _pair_destinations(topk_idx_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(offsets_E, dest_TK) of the pairs grouped by expert in stable (t, k) order (two launches)."""
     tokens, top_k = topk_idx_TK.shape
-    n_pairs, hidden = tokens * top_k, x_TH.shape[1]
+    n_pairs, device = tokens * top_k, topk_idx_TK.device
     ids_N = topk_idx_TK.reshape(-1).to(torch.int32)
     blocks = triton.cdiv(n_pairs, PAIRS_PER_BLOCK)
     e_pow2 = triton.next_power_of_2(num_experts)
-    hist_BE = torch.empty((blocks, num_experts), dtype=torch.int32, device=x_TH.device)
-    rows_NH = x_TH.new_empty((n_pairs, hidden))
-    dest_TK = torch.empty((tokens, top_k), dtype=torch.int32, device=x_TH.device)
+    hist_BE = torch.empty((blocks, num_experts), dtype=torch.int32, device=device)
+    dest_TK = torch.empty((tokens, top_k), dtype=torch.int32, device=device)
     if n_pairs == 0:
-        return rows_NH, torch.zeros(num_experts, dtype=torch.int32, device=x_TH.device), dest_TK
+        return torch.zeros(num_experts, dtype=torch.int32, device=device), dest_TK
     _block_histogram_kernel[(blocks,)](ids_N, hist_BE, n_pairs, num_experts,
                                        BLOCK=PAIRS_PER_BLOCK, E_POW2=e_pow2)
     counts_E = hist_BE.sum(0, dtype=torch.int32)
@@ -143,11 +163,44 @@ def permute_forward(x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, num_experts: 
     block_base_BE = (offsets_E - counts_E) + hist_BE.cumsum(0, dtype=torch.int32) - hist_BE
     _permute_dest_kernel[(blocks,)](ids_N, block_base_BE, dest_TK, n_pairs, num_experts,
                                     BLOCK=PAIRS_PER_BLOCK, E_POW2=e_pow2)
+    return offsets_E, dest_TK
+
+
+def permute_forward(x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, num_experts: int,
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(rows_NH, offsets_E, dest_TK): the pairs grouped by expert, in stable (t, k) order."""
+    tokens, top_k = topk_idx_TK.shape
+    n_pairs, hidden = tokens * top_k, x_TH.shape[1]
+    rows_NH = x_TH.new_empty((n_pairs, hidden))
+    offsets_E, dest_TK = _pair_destinations(topk_idx_TK, num_experts)
+    if n_pairs == 0:
+        return rows_NH, offsets_E, dest_TK
+    blocks = triton.cdiv(n_pairs, PAIRS_PER_BLOCK)
     block_h = _row_block(hidden)
     _permute_copy_kernel[(blocks, triton.cdiv(hidden, block_h))](
         x_TH, dest_TK, rows_NH, n_pairs, hidden, top_k, x_TH.stride(0), rows_NH.stride(0),
         BLOCK=PAIRS_PER_BLOCK, BLOCK_H=block_h)
     return rows_NH, offsets_E, dest_TK
+
+
+def permute_forward_fp8(x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, num_experts: int,
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q_NH float8_e4m3fn, s_NG fp32, offsets_E, dest_TK): `permute_forward` whose copy writes
+    the grouped rows as e4m3 with their 1 x 128 scales (`fp8.quantize_rows` of the rows, bit for
+    bit), the FP8 gate/up GEMM's A operand: no bf16 rows in HBM, no separate quantising pass."""
+    tokens, top_k = topk_idx_TK.shape
+    n_pairs, hidden = tokens * top_k, x_TH.shape[1]
+    groups = triton.cdiv(hidden, fp8.SCALE_BLOCK)
+    q_NH = torch.empty((n_pairs, hidden), dtype=fp8.FP8, device=x_TH.device)
+    s_NG = torch.empty((n_pairs, groups), dtype=torch.float32, device=x_TH.device)
+    offsets_E, dest_TK = _pair_destinations(topk_idx_TK, num_experts)
+    if n_pairs == 0 or hidden == 0:
+        return q_NH, s_NG, offsets_E, dest_TK
+    pairs_per_block = 16 if x_TH.device.type == "cpu" else 32
+    _permute_quantize_kernel[(triton.cdiv(n_pairs, pairs_per_block), groups)](
+        x_TH, dest_TK, q_NH, s_NG, n_pairs, hidden, top_k, x_TH.stride(0), q_NH.stride(0), s_NG.stride(0),
+        BLOCK=pairs_per_block, num_warps=4)
+    return q_NH, s_NG, offsets_E, dest_TK
 
 
 def combine_forward(rows_NH: torch.Tensor, dest_TK: torch.Tensor,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from disagmoe.bench import experts as bench
@@ -52,3 +53,52 @@ def test_markdown_table_has_a_row_per_shape_and_pass():
     assert len(lines) == 2 + len(bench.PASSES)
     assert "400 (50%)" in lines[2] and "1.00x" in lines[2]  # 400 / 401
     assert lines[3].endswith("2.0e-03 |")
+
+
+def test_markdown_table_adds_the_fp8_ratio_and_error_when_asked_for():
+    backends = (*bench.BACKENDS, bench.FP8_BACKEND)
+    record = {"ceiling_tflops": 800.0, "shapes": [{
+        "name": "s", "experts": 2, "hidden": 8, "ffn": 4, "pairs": 16, "load_max_over_mean": 1.5,
+        "tflops": {b: {p: 400.0 * (1.5 if b == bench.FP8_BACKEND else 1.0) for p in bench.PASSES} for b in backends},
+        "rel_err": {"triton": {"y": 1e-3, "dx": 2e-3}, bench.FP8_BACKEND: {"y": 4e-2, "dx": 6e-2}}}]}
+    lines = bench.markdown_table(record).splitlines()
+    assert f"{bench.FP8_BACKEND} / triton" in lines[0] and f"{bench.FP8_BACKEND} rel err" in lines[0]
+    assert lines[2].endswith("| 1.50x | 4.0e-02 |") and lines[3].endswith("| 1.50x | 6.0e-02 |")
+
+
+@pytest.mark.slow  # more than a few seconds on 2 cores (`pytest -m 'not slow'` skips it)
+def test_the_fp8_block_matches_the_reference_and_quantises_each_weight_once(interpreted):
+    """The triton-fp8 block (our permute and combine around the all-FP8 expert FFN) forward and
+    backward against the fp32 reference block, within the FP8 FFN's stated bounds (worst rows of
+    y and dx, kernels/fp8_ffn tests); the weights' FP8 copies are made at the first call only."""
+    *_, fp8_ffn, experts = interpreted("disagmoe.kernels.grouped_gemm", "disagmoe.kernels.fp8",
+                                       "disagmoe.kernels.permute", "disagmoe.kernels.fp8_ffn",
+                                       "disagmoe.bench.experts")
+    from disagmoe.kernels.tile_configs import TileConfig
+
+    small = TileConfig(block_m=16, block_n=32, block_k=128, group_m=2, num_warps=4, num_stages=1)
+    tiles = fp8_ffn.Fp8Tiles(rows=small, swiglu=TileConfig(block_m=16, block_n=128, block_k=128),
+                             wgrad=TileConfig(block_m=128, block_n=32, block_k=32))
+    gen = torch.Generator().manual_seed(0)
+    x, w13, w2 = torch.randn(9, 32, generator=gen), torch.randn(3, 32, 48, generator=gen) / 32**0.5, \
+        torch.randn(3, 24, 32, generator=gen) / 24**0.5
+    idx, weights = torch.randint(0, 2, (9, 2), generator=gen), torch.rand(9, 2, generator=gen)
+    calls = []
+    quantize = fp8_ffn.Fp8ExpertWeights.quantize
+    block = experts.make_block(experts.FP8_BACKEND, fp8_tiles=tiles)
+    leaves = [x.clone().requires_grad_(), w13.clone().requires_grad_(), w2.clone().requires_grad_()]
+    try:
+        fp8_ffn.Fp8ExpertWeights.quantize = classmethod(lambda cls, a, b: calls.append(1) or quantize(a, b))
+        y = block(leaves[0], idx, weights, leaves[1], leaves[2])
+        block(x, idx, weights, leaves[1], leaves[2])
+    finally:
+        fp8_ffn.Fp8ExpertWeights.quantize = quantize
+    assert len(calls) == 1
+    dy = torch.randn(y.shape, generator=gen)
+    y.backward(dy)
+    ref = [t.double().clone().requires_grad_() for t in (x, w13, w2)]
+    y_ref = experts.reference_block(ref[0], idx, weights.double(), ref[1], ref[2])
+    y_ref.backward(dy.double())
+    row = lambda a, b: ((a.double() - b).norm(dim=1) / b.norm(dim=1)).max().item()  # noqa: E731
+    assert row(y, y_ref) < 0.15 and row(leaves[0].grad, ref[0].grad) < 0.2
+    assert ((leaves[1].grad.double() - ref[1].grad).norm() / ref[1].grad.norm()).item() < 0.12

@@ -66,6 +66,23 @@ def test_combine_kernels_write_every_element(permute):
     torch.testing.assert_close(y, permute.combine_reference(rows, dest, weights))
 
 
+@pytest.mark.parametrize("case", [(37, 2, 8, 300), (20, 4, 3, 128), (9, 3, 70, 40), (0, 2, 4, 256)])
+def test_fp8_permute_writes_the_quantised_rows(interpreted, case):
+    """permute_forward_fp8 = quantize_rows of the stable-sorted rows, to the bit (bf16 tokens,
+    hidden sizes that are not multiples of 128, empty experts, no tokens), with permute's
+    offsets and destinations."""
+    _, fp8, permute = interpreted("disagmoe.kernels.grouped_gemm", "disagmoe.kernels.fp8",
+                                  "disagmoe.kernels.permute")
+    tokens, top_k, experts, hidden = case
+    x, idx, _ = _routing(tokens, top_k, experts, hidden, seed=hidden, dtype=torch.bfloat16)
+    x = x * torch.exp2(torch.randn(tokens, 1, generator=torch.Generator().manual_seed(1)) * 8).bfloat16()
+    q, s, offsets, dest = permute.permute_forward_fp8(x, idx, experts)
+    rows, want_offsets, want_dest = permute.permute_reference(x, idx, experts)
+    q_ref, s_ref = fp8.quantize_rows_reference(rows)
+    assert torch.equal(offsets, want_offsets) and torch.equal(dest, want_dest)
+    assert torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
 def test_rejects_bad_routing_shapes(permute):
     x, idx, weights = _routing(8, 2, 4, 16, seed=0)
     with pytest.raises(ValueError, match="tokens"):
@@ -89,6 +106,23 @@ def test_gpu_bf16_permute_combine(tokens, top_k, experts, hidden):
     y = permute.combine_rows(rows, dest, weights)
     torch.testing.assert_close(y, permute.combine_reference(rows, dest, weights),
                                rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="needs a GPU with FP8 (sm_89+)")
+@pytest.mark.parametrize("tokens,top_k,experts,hidden", [(4096, 8, 128, 2048), (1000, 2, 8, 4096), (500, 4, 16, 300)])
+def test_gpu_fp8_permute(tokens, top_k, experts, hidden):
+    """The quantising permute on the GPU: kernels.fp8's reference quantisation of the sorted rows,
+    to the bit."""
+    from disagmoe.kernels import fp8, permute
+
+    x, idx, _ = _routing(tokens, top_k, experts, hidden, seed=2, device="cuda", dtype=torch.bfloat16)
+    q, s, offsets, dest = permute.permute_forward_fp8(x, idx, experts)
+    rows, want_offsets, want_dest = permute.permute_reference(x, idx, experts)
+    q_ref, s_ref = fp8.quantize_rows_reference(rows)
+    assert torch.equal(offsets, want_offsets) and torch.equal(dest, want_dest)
+    assert torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
 
 
 @pytest.mark.parametrize("seed", range(3))

@@ -1,0 +1,696 @@
+"""FP8 (e4m3) building blocks of the expert GEMMs with DeepSeek-V3's fine-grained scaling: the
+quantisers and the ragged grouped GEMMs, each Triton kernel beside its plain-torch reference.
+
+Legend: M rows (token-expert pairs, grouped by expert), K contraction size, N output columns,
+E experts, G = cdiv(K, 128) scale groups along K, B = cdiv(N, 128) scale blocks along N, P padded
+rows (weight gradients: each expert's rows padded to a multiple of 128); `offsets_E` int32
+cumulative row counts (expert e owns rows offsets[e-1]:offsets[e], as in grouped_gemm.py).
+Every scale is fp32 and multiplies: value = fp8 value x scale, scale = max(amax, AMAX_FLOOR) / 448.
+Which GEMM takes which scales, and why: docs/architecture.md, "FP8 expert GEMMs".
+
+Forward and data gradient: `fp8_rows_gemm` (rows from `quantize_rows`, weights from
+`quantize_blocks` or, for dy @ W^T, `transpose_blocks`). Weight gradient: `fp8_weight_grad` over
+token-contiguous copies from `quantize_token_groups` (128 x 1 scales, groups padded to 128 rows).
+
+One code path for the GPU and the CPU interpreter: Triton 3.6's interpreter handles float8 tensors
+and fp8 `tl.dot` exactly, but its fp32 -> fp8 cast rounds wrongly, so the quantisers round to the
+e4m3 grid themselves (`_round_to_e4m3`) and cast values that are exactly representable.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from disagmoe.kernels import grouped_gemm as gg
+from disagmoe.kernels.tile_configs import TileConfig
+
+SCALE_BLOCK = 128  # the recipe's group and block edge
+E4M3_MAX = 448.0
+# Floor on a group's amax: an all-zero group gets a finite scale (and dequantises to 0); 1e-30
+# keeps the scale a normal fp32 (1e-30 / 448 > 2^-126) and the recipe scale-free above it.
+AMAX_FLOOR = 1e-30
+FP8 = torch.float8_e4m3fn
+
+_AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
+_E4M3_MAX = tl.constexpr(E4M3_MAX)
+_SCALE_BLOCK = tl.constexpr(SCALE_BLOCK)
+
+
+# --- rounding and quantising rows (1 x 128 groups along K) and weights (128 x 128 blocks)
+
+@triton.jit
+def _round_to_e4m3(v):
+    """v (fp32) rounded to the nearest e4m3 value (ties to even, saturating at +-448), as fp32.
+    Integer arithmetic on the fp32 bits: the value is n x 2^k with n = v's 24-bit significand
+    shifted right by `shift` (20 keeps e4m3's 3 mantissa bits; more below 2^-6, e4m3's subnormals,
+    whose quantum is 2^-9; 25 or more leaves nothing) and rounded on the bits shifted out."""
+    a = tl.minimum(tl.abs(v), 448.0)
+    bits = a.to(tl.int32, bitcast=True)
+    biased = bits >> 23  # a >= 0: no sign bit
+    sig = (bits & 0x7FFFFF) | 0x800000
+    shift = tl.minimum(tl.maximum(141 - biased, 20), 25)
+    n = sig >> shift
+    rem = sig & ((1 << shift) - 1)
+    half = 1 << (shift - 1)
+    n += ((rem > half) | ((rem == half) & ((n & 1) == 1))).to(tl.int32)
+    quantum = ((biased - 23 + shift) << 23).to(tl.float32, bitcast=True)  # 2^(biased - 150 + shift)
+    r = (n.to(tl.float32) * quantum).to(tl.int32, bitcast=True)  # n <= 16: exact
+    sign = (v.to(tl.int32, bitcast=True) >> 31) << 31  # v's sign bit (Triton's -r is 0 - r: no -0.0)
+    return (r | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _scale_of(amax):
+    """Group scale: max(amax, AMAX_FLOOR) / 448, correctly rounded (as torch divides)."""
+    return tl.math.div_rn(tl.maximum(amax, _AMAX_FLOOR), _E4M3_MAX)
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, K,
+                          stride_xm, stride_xk, stride_qm, stride_qk, stride_sm, stride_sg,
+                          BLOCK_M: tl.constexpr):
+    # Program (row block, group g): q[rows, g-th 128 columns] and s[rows, g]. Columns past K count
+    # as zeros in the amax and are not stored.
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    group = tl.program_id(1)
+    ks = group * _SCALE_BLOCK + tl.arange(0, _SCALE_BLOCK)
+    row_ok = rows < M
+    ok = row_ok[:, None] & (ks < K)[None, :]
+    rows64 = rows.to(tl.int64)
+    x = tl.load(x_ptr + rows64[:, None] * stride_xm + ks[None, :] * stride_xk, mask=ok, other=0.0)
+    x = x.to(tl.float32)
+    scale = _scale_of(tl.max(tl.abs(x), axis=1))
+    q = _round_to_e4m3(tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape)))
+    tl.store(q_ptr + rows64[:, None] * stride_qm + ks[None, :] * stride_qk,
+             q.to(q_ptr.dtype.element_ty), mask=ok)
+    tl.store(s_ptr + rows64 * stride_sm + group * stride_sg, scale, mask=row_ok)
+
+
+@triton.jit
+def _quantize_blocks_kernel(w_ptr, q_ptr, s_ptr, K, N, tiles_k, tiles_n,
+                            stride_we, stride_wk, stride_wn, stride_qe, stride_qk, stride_qn,
+                            stride_se, stride_sk, stride_sn, ROWS: tl.constexpr):
+    # Program p: the 128 x 128 block (e, kb, nb) of w [E, K, N], its scale s[e, kb, nb].
+    pid = tl.program_id(0)
+    expert = pid // (tiles_k * tiles_n)
+    kb = (pid // tiles_n) % tiles_k
+    nb = pid % tiles_n
+    # Two passes over ROWS-row chunks (the amax, then the values): a whole 128 x 128 fp32 block
+    # with its pointers and the rounding's integers spills at any warp count (ptxas, sm_90a).
+    ns = nb * _SCALE_BLOCK + tl.arange(0, _SCALE_BLOCK)
+    n_ok = ns < N
+    e64 = expert.to(tl.int64)
+    amax = 0.0
+    for r0 in range(0, _SCALE_BLOCK, ROWS):
+        ks = kb * _SCALE_BLOCK + r0 + tl.arange(0, ROWS)
+        w = tl.load(w_ptr + e64 * stride_we + ks[:, None] * stride_wk + ns[None, :] * stride_wn,
+                    mask=(ks < K)[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.max(tl.max(tl.abs(w), axis=1), axis=0))
+    scale = _scale_of(amax)
+    for r0 in range(0, _SCALE_BLOCK, ROWS):
+        ks = kb * _SCALE_BLOCK + r0 + tl.arange(0, ROWS)
+        ok = (ks < K)[:, None] & n_ok[None, :]
+        w = tl.load(w_ptr + e64 * stride_we + ks[:, None] * stride_wk + ns[None, :] * stride_wn,
+                    mask=ok, other=0.0).to(tl.float32)
+        q = _round_to_e4m3(tl.math.div_rn(w, tl.broadcast_to(scale, w.shape)))
+        tl.store(q_ptr + e64 * stride_qe + ks[:, None] * stride_qk + ns[None, :] * stride_qn,
+                 q.to(q_ptr.dtype.element_ty), mask=ok)
+    tl.store(s_ptr + e64 * stride_se + kb * stride_sk + nb * stride_sn, scale)
+
+
+def quantize_rows(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q_MK float8_e4m3fn, s_MG fp32): one scale per row and 128 columns of K (the last group may
+    be shorter). x any float dtype and strides; the A operand of `fp8_rows_gemm`."""
+    rows, k = x_MK.shape
+    groups = triton.cdiv(k, SCALE_BLOCK)
+    q_MK = torch.empty((rows, k), dtype=FP8, device=x_MK.device)
+    s_MG = torch.empty((rows, groups), dtype=torch.float32, device=x_MK.device)
+    if rows == 0 or k == 0:
+        return q_MK, s_MG
+    block_m = 16 if x_MK.device.type == "cpu" else 32
+    _quantize_rows_kernel[(triton.cdiv(rows, block_m), groups)](
+        x_MK, q_MK, s_MG, rows, k, x_MK.stride(0), x_MK.stride(1), q_MK.stride(0), q_MK.stride(1),
+        s_MG.stride(0), s_MG.stride(1), BLOCK_M=block_m, num_warps=4)
+    return q_MK, s_MG
+
+
+def quantize_blocks(w_EKN: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q_EKN float8_e4m3fn, s_EGB fp32): one scale per 128 x 128 block of each expert's [K, N]
+    (edge blocks may be smaller). The expert weights' layout (`w13_EH2F`, `w2_EFH`: [E, K, N]);
+    made once per optimizer step from the masters. Its transpose is `transpose_blocks`."""
+    experts, k, n = w_EKN.shape
+    tiles_k, tiles_n = triton.cdiv(k, SCALE_BLOCK), triton.cdiv(n, SCALE_BLOCK)
+    q_EKN = torch.empty((experts, k, n), dtype=FP8, device=w_EKN.device)
+    s_EGB = torch.empty((experts, tiles_k, tiles_n), dtype=torch.float32, device=w_EKN.device)
+    if q_EKN.numel() == 0:
+        return q_EKN, s_EGB
+    _quantize_blocks_kernel[(experts * tiles_k * tiles_n,)](
+        w_EKN, q_EKN, s_EGB, k, n, tiles_k, tiles_n, *w_EKN.stride(), *q_EKN.stride(), *s_EGB.stride(),
+        ROWS=32, num_warps=4)
+    return q_EKN, s_EGB
+
+
+def transpose_blocks(q_EKN: torch.Tensor, s_EGB: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q_ENK, s_EBG): the block-quantised transpose, for the data gradient dy @ W^T. A 128 x 128
+    block's scale is its transpose's, so nothing is requantised; the copy is contiguous because
+    Hopper's FP8 MMA reads its B operand K-major (made once per optimizer step, beside q_EKN)."""
+    return q_EKN.transpose(1, 2).contiguous(), s_EGB.transpose(1, 2).contiguous()
+
+
+# --- the ragged grouped GEMM on FP8 operands
+
+@triton.jit
+def _fp8_rows_gemm_kernel(
+    a_ptr, sa_ptr, b_ptr, sb_ptr, out_ptr, offsets_ptr, s_out_ptr, h13_ptr, act_ptr,
+    E, E_W, K, C, F_UP, num_programs,
+    stride_am, stride_ak, stride_sam, stride_sag,
+    stride_be, stride_bk, stride_bc, stride_sbe, stride_sbk, stride_sbc,
+    stride_om, stride_oc, stride_som, stride_sog, stride_hm, stride_hc, stride_xm, stride_xc,
+    EPILOGUE: tl.constexpr, SAVE_H13: tl.constexpr, SAVE_ACT: tl.constexpr,
+    E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, IMPRECISE_K: tl.constexpr,
+):
+    # Contract: a [M, K] fp8 rows grouped by expert with sa [M, G] fp32 (1 x 128 groups); b [E_W, K, *]
+    # fp8 any strides with sb [E_W, G, *] fp32 (128 x 128 blocks); h[rows_g, cols] =
+    # sum over BLOCK_K-deep slices of K (BLOCK_K divides 128; j the slice's scale group) of
+    # (a[rows_g, slice] @ b[g mod E_W, slice, cols]) * sa[rows_g, j] * sb[j, cols // 128], each dot
+    # from zero. EPILOGUE 0 (plain): out [M, C] = h. 1 (SwiGLU and quantise, BLOCK_N == 128): gate
+    # columns [0, C) and up columns [F_UP, F_UP + C) of b, out [M, C] fp8 = e4m3(silu(gate) * up / s)
+    # with s_out [M, cdiv(C, 128)] the 1 x 128 row scales (one column tile = one group); SAVE_H13:
+    # h13 [M, 2C] gets gate | up. 2 (SwiGLU gradient): h = d act, h13 [M, 2C] read, out [M, 2C] =
+    # d gate | d up; SAVE_ACT: act [M, C] gets silu(gate) * up recomputed from h13.
+    # Work items (group, row tile, column tile), as grouped_gemm's `_ragged_rows_gemm_kernel`.
+    pid = tl.program_id(0)
+    tiles_n = tl.cdiv(C, BLOCK_N)
+    idx, item_ends = gg._item_table(offsets_ptr, E, tiles_n, BLOCK_M, E_POW2)
+    total = tl.max(item_ends, axis=0)
+    for item in tl.range(pid, total, num_programs):
+        group = tl.sum((item_ends <= item).to(tl.int32), axis=0)
+        item_start = tl.max(tl.where(item_ends <= item, item_ends, 0), axis=0)
+        row_start = tl.load(offsets_ptr + group - 1, mask=group > 0, other=0)
+        row_end = tl.load(offsets_ptr + group)
+        pid_m, pid_n = gg._swizzle(item - item_start, tl.cdiv(row_end - row_start, BLOCK_M), tiles_n,
+                                   GROUP_M)
+        rows = row_start + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < row_end
+        rows64 = rows.to(tl.int64)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < C
+        ks = tl.arange(0, BLOCK_K)
+        weight = (group % E_W).to(tl.int64)
+        a_ptrs = a_ptr + rows64[:, None] * stride_am + ks[None, :] * stride_ak
+        b_ptrs = b_ptr + weight * stride_be + ks[:, None] * stride_bk + cols[None, :] * stride_bc
+        sa_ptrs = sa_ptr + rows64 * stride_sam
+        sb_ptrs = sb_ptr + weight * stride_sbe + (cols // _SCALE_BLOCK) * stride_sbc
+        sb_up_ptrs = sb_ptr + weight * stride_sbe + ((F_UP + cols) // _SCALE_BLOCK) * stride_sbc
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        ok = row_ok[:, None] & col_ok[None, :]
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = (k0 + ks) < K
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            # a fresh chain per slice; the scaled add below is the promotion to fp32 (CUDA cores)
+            part = tl.dot(a, b, out_dtype=tl.float32, max_num_imprecise_acc=IMPRECISE_K)
+            j = k0 // _SCALE_BLOCK
+            sa = tl.load(sa_ptrs + j * stride_sag, mask=row_ok, other=0.0)
+            sb = tl.load(sb_ptrs + j * stride_sbk, mask=col_ok, other=0.0)
+            acc += part * (sa[:, None] * sb[None, :])
+            if EPILOGUE == 1:
+                b_up = tl.load(b_ptrs + F_UP * stride_bc, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+                part_up = tl.dot(a, b_up, out_dtype=tl.float32, max_num_imprecise_acc=IMPRECISE_K)
+                sb_up = tl.load(sb_up_ptrs + j * stride_sbk, mask=col_ok, other=0.0)
+                acc_up += part_up * (sa[:, None] * sb_up[None, :])
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
+        out_ptrs = out_ptr + rows64[:, None] * stride_om + cols[None, :] * stride_oc
+        if EPILOGUE == 1:
+            if SAVE_H13:
+                h_ptrs = h13_ptr + rows64[:, None] * stride_hm + cols[None, :] * stride_hc
+                tl.store(h_ptrs, acc.to(h13_ptr.dtype.element_ty), mask=ok)
+                tl.store(h_ptrs + C * stride_hc, acc_up.to(h13_ptr.dtype.element_ty), mask=ok)
+            # the down GEMM's A operand, quantised here: no bf16 round trip through HBM
+            act = tl.where(ok, acc * tl.sigmoid(acc) * acc_up, 0.0)
+            scale = _scale_of(tl.max(tl.abs(act), axis=1))
+            q = _round_to_e4m3(tl.math.div_rn(act, tl.broadcast_to(scale[:, None], act.shape)))
+            tl.store(out_ptrs, q.to(out_ptr.dtype.element_ty), mask=ok)
+            tl.store(s_out_ptr + rows64 * stride_som + pid_n * stride_sog, scale, mask=row_ok)
+        elif EPILOGUE == 2:
+            # loaded after the loop, not before it as in grouped_gemm: two more tiles held across
+            # the loop spill at 64 x 128 (ptxas, sm_90a), where the FP8 loop holds its partial dot too
+            h_ptrs = h13_ptr + rows64[:, None] * stride_hm + cols[None, :] * stride_hc
+            gate = tl.load(h_ptrs, mask=ok, other=0.0).to(tl.float32)
+            up = tl.load(h_ptrs + C * stride_hc, mask=ok, other=0.0).to(tl.float32)
+            sig = tl.sigmoid(gate)
+            tl.store(out_ptrs, (acc * up * sig * (1.0 + gate * (1.0 - sig))).to(out_ptr.dtype.element_ty), mask=ok)
+            tl.store(out_ptrs + C * stride_oc, (acc * gate * sig).to(out_ptr.dtype.element_ty), mask=ok)
+            if SAVE_ACT:
+                act_ptrs = act_ptr + rows64[:, None] * stride_xm + cols[None, :] * stride_xc
+                tl.store(act_ptrs, (gate * sig * up).to(act_ptr.dtype.element_ty), mask=ok)
+        else:
+            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def _check_tile(config: TileConfig) -> None:
+    if SCALE_BLOCK % config.block_k:
+        raise ValueError(f"FP8 GEMM tiles need block_k dividing {SCALE_BLOCK} (one scale per "
+                         f"{SCALE_BLOCK} of K); got block_k={config.block_k}: use 128 (or 64, 32)")
+
+
+def _check_fp8(**tensors: torch.Tensor) -> None:
+    wrong = {name: t.dtype for name, t in tensors.items() if t.dtype != FP8}
+    if wrong:
+        raise ValueError(f"FP8 operands must be torch.float8_e4m3fn (quantise them with "
+                         f"kernels.fp8.quantize_rows / quantize_blocks); got {wrong}")
+
+
+def fp8_rows_gemm(
+    a_MK: torch.Tensor,
+    sa_MG: torch.Tensor,
+    offsets_E: torch.Tensor,
+    b_EKN: torch.Tensor,
+    sb_EGB: torch.Tensor,
+    config: TileConfig,
+    *,
+    out: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+    num_programs: int | None = None,
+    imprecise_k: int | None = None,
+) -> torch.Tensor:
+    """out[rows_e] = dequant(a[rows_e]) @ dequant(b[e]) for every expert e, one persistent launch:
+    a from `quantize_rows`, b from `quantize_blocks` (or `transpose_blocks`: the data gradient;
+    any strides). Accumulates in fp32: each block_k slice of K (128, or a divisor) is its own dot,
+    scaled by its row group's and weight block's scales, then added (`fp8_rows_gemm_reference`
+    does the same sums per 128: equal to fp32 rounding, to the bit in most elements at 128).
+    `offsets_E` may hold a multiple of the experts' count (group g uses b[g mod E], as
+    `grouped_gemm.ragged_rows_gemm`). K need not be a multiple of 128 (the last group is short).
+    `imprecise_k` (default block_k): Triton's `max_num_imprecise_acc`, how deep the tensor cores'
+    reduced-precision accumulator may run before fp32 promotion on sm_90 (its default there
+    never promotes); a smaller value promotes inside a slice too, at the cost of wgmma chaining.
+    `out` (given: any float dtype, [M, N]) or a new one of `out_dtype`."""
+    _check_operands(a_MK, sa_MG, offsets_E, b_EKN, sb_EGB, config)
+    rows, cols = a_MK.shape[0], b_EKN.shape[2]
+    if out is None:
+        out = torch.empty((rows, cols), dtype=out_dtype, device=a_MK.device)
+    assert out.shape == (rows, cols), (tuple(out.shape), (rows, cols))
+    _launch_rows_gemm(a_MK, sa_MG, offsets_E, b_EKN, sb_EGB, config, out, cols,
+                      num_programs=num_programs, imprecise_k=imprecise_k)
+    return out
+
+
+def _check_operands(a_MK, sa_MG, offsets_E, b_EKN, sb_EGB, config) -> None:
+    """ValueError naming the fix for operands of `fp8_rows_gemm` / `fp8_swiglu_gemm` that do not fit."""
+    _check_tile(config)
+    _check_fp8(a=a_MK, b=b_EKN)
+    rows, k = a_MK.shape
+    experts, k_b, cols = b_EKN.shape
+    if k_b != k or sa_MG.shape != (rows, triton.cdiv(k, SCALE_BLOCK)) or sb_EGB.shape != (
+            experts, triton.cdiv(k, SCALE_BLOCK), triton.cdiv(cols, SCALE_BLOCK)):
+        raise ValueError(f"FP8 GEMM operands do not fit: a {tuple(a_MK.shape)} with scales "
+                         f"{tuple(sa_MG.shape)}, b {tuple(b_EKN.shape)} with scales {tuple(sb_EGB.shape)} "
+                         f"(want a [M, K], sa [M, cdiv(K, 128)], b [E, K, N], sb [E, cdiv(K, 128), cdiv(N, 128)])")
+    if offsets_E.dim() != 1 or offsets_E.dtype != torch.int32 or offsets_E.shape[0] % experts:
+        raise ValueError(f"offsets_E must be int32 cumulative rows of a multiple of {experts} groups; "
+                         f"got {offsets_E.dtype} {tuple(offsets_E.shape)}")
+
+
+_PLAIN, _SWIGLU, _SWIGLU_GRAD = 0, 1, 2  # the kernel's EPILOGUE
+
+
+def _launch_rows_gemm(a_MK, sa_MG, offsets_E, b_EKN, sb_EGB, config, out, cols, *, num_programs,
+                      imprecise_k, epilogue=_PLAIN, s_out=None, h13=None, act=None, f_up=0) -> None:
+    if a_MK.shape[0] == 0 or cols == 0:
+        return
+    groups, experts, k = offsets_E.shape[0], b_EKN.shape[0], a_MK.shape[1]
+    s_out_ = s_out if s_out is not None else sa_MG
+    h13_ = h13 if h13 is not None else out
+    act_ = act if act is not None else out
+    programs = num_programs or gg.default_num_programs(a_MK.device) * config.programs_per_sm
+    _fp8_rows_gemm_kernel[(programs,)](
+        a_MK, sa_MG, b_EKN, sb_EGB, out, offsets_E, s_out_, h13_, act_,
+        groups, experts, k, cols, f_up, programs,
+        a_MK.stride(0), a_MK.stride(1), sa_MG.stride(0), sa_MG.stride(1),
+        *b_EKN.stride(), *sb_EGB.stride(), out.stride(0), out.stride(1),
+        s_out_.stride(0), s_out_.stride(1), h13_.stride(0), h13_.stride(1), act_.stride(0), act_.stride(1),
+        EPILOGUE=epilogue, SAVE_H13=epilogue == _SWIGLU and h13 is not None, SAVE_ACT=act is not None,
+        E_POW2=triton.next_power_of_2(groups), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k, GROUP_M=config.group_m, IMPRECISE_K=imprecise_k or config.block_k,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+
+
+def fp8_swiglu_gemm(
+    a_MK: torch.Tensor,
+    sa_MG: torch.Tensor,
+    offsets_E: torch.Tensor,
+    b_EK2F: torch.Tensor,
+    sb_EGB: torch.Tensor,
+    config: TileConfig,
+    *,
+    h13_M2F: torch.Tensor | None = None,
+    num_programs: int | None = None,
+    imprecise_k: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q_MF float8_e4m3fn, s_MG fp32): the gate/up GEMM (b = w13's block-quantised copy, gate in
+    [..., :F], up in [..., F:]) with SwiGLU and the down GEMM's 1 x 128 quantisation in its
+    epilogue, so silu(gate) * up goes out as e4m3 rows and scales, ready for `fp8_rows_gemm`
+    against w2's blocks; `h13_M2F` (given, any float dtype) receives the fp32 accumulators'
+    gate | up (the backward's pre-activations). config.block_n must be 128: one column tile is
+    one scale group of the output. Accumulation as `fp8_rows_gemm`."""
+    _check_operands(a_MK, sa_MG, offsets_E, b_EK2F, sb_EGB, config)
+    if config.block_n != SCALE_BLOCK:
+        raise ValueError(f"the FP8 SwiGLU epilogue quantises one {SCALE_BLOCK}-column group per tile: "
+                         f"use block_n={SCALE_BLOCK} (got {config.block_n})")
+    rows, width = a_MK.shape[0], b_EK2F.shape[2]
+    if width % 2:
+        raise ValueError(f"b must hold gate and up columns [E, K, 2F]; got width {width}")
+    ffn = width // 2
+    q_MF = torch.empty((rows, ffn), dtype=FP8, device=a_MK.device)
+    s_MG = torch.empty((rows, triton.cdiv(ffn, SCALE_BLOCK)), dtype=torch.float32, device=a_MK.device)
+    assert h13_M2F is None or h13_M2F.shape == (rows, width)
+    _launch_rows_gemm(a_MK, sa_MG, offsets_E, b_EK2F, sb_EGB, config, q_MF, ffn, num_programs=num_programs,
+                      imprecise_k=imprecise_k, epilogue=_SWIGLU, s_out=s_MG, h13=h13_M2F, f_up=ffn)
+    return q_MF, s_MG
+
+
+def fp8_swiglu_grad_gemm(
+    dy_MH: torch.Tensor,
+    sdy_MG: torch.Tensor,
+    offsets_E: torch.Tensor,
+    w2t_EHF: torch.Tensor,
+    sw2t_EBG: torch.Tensor,
+    h13_M2F: torch.Tensor,
+    config: TileConfig,
+    *,
+    act_MF: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+    num_programs: int | None = None,
+    imprecise_k: int | None = None,
+) -> torch.Tensor:
+    """dh13_M2F (d gate | d up, `out_dtype`): the down GEMM's data gradient d act = dy @ w2^T (dy
+    from `quantize_rows`, w2^T from `transpose_blocks`) with the SwiGLU derivative in its epilogue,
+    from the forward's pre-activations `h13_M2F`; `act_MF` (given) receives silu(gate) * up
+    recomputed from them (the down weight's gradient needs it; the forward kept only e4m3 rows).
+    As `grouped_gemm.ragged_rows_gemm`'s EPILOGUE_SWIGLU_GRAD, on FP8 operands."""
+    _check_operands(dy_MH, sdy_MG, offsets_E, w2t_EHF, sw2t_EBG, config)
+    rows, ffn = dy_MH.shape[0], w2t_EHF.shape[2]
+    if h13_M2F.shape != (rows, 2 * ffn) or (act_MF is not None and act_MF.shape != (rows, ffn)):
+        raise ValueError(f"h13 must be [M, 2F] = {(rows, 2 * ffn)} (and act [M, F]); got h13 "
+                         f"{tuple(h13_M2F.shape)}" + (f", act {tuple(act_MF.shape)}" if act_MF is not None else ""))
+    dh13_M2F = torch.empty((rows, 2 * ffn), dtype=out_dtype, device=dy_MH.device)
+    _launch_rows_gemm(dy_MH, sdy_MG, offsets_E, w2t_EHF, sw2t_EBG, config, dh13_M2F, ffn,
+                      num_programs=num_programs, imprecise_k=imprecise_k, epilogue=_SWIGLU_GRAD,
+                      h13=h13_M2F, act=act_MF)
+    return dh13_M2F
+
+
+# --- the weight gradient: contracted over tokens, so 128 x 1 scales along tokens, padded groups
+
+@triton.jit
+def _quantize_token_groups_kernel(x_ptr, q_ptr, s_ptr, offsets_ptr, padded_ptr, E, K,
+                                  stride_xm, stride_xk, stride_qk, stride_qp, stride_sk, stride_sc,
+                                  BLOCK_K: tl.constexpr, E_POW2: tl.constexpr):
+    # Program (chunk c, K tile): padded rows [128 c, 128 c + 128) belong to the group g whose padded
+    # range holds them (padded_ptr: int32 cumulative padded rows); they are x's rows offsets[g-1] +
+    # (128 c - padded[g-1]) + t, zeros past the group's end (and for chunks past the last group).
+    # q [K, P] (token-contiguous) = e4m3 of x^T, s[k, c] = scale of column k over the chunk.
+    chunk = tl.program_id(0)
+    first = chunk * _SCALE_BLOCK
+    idx = tl.arange(0, E_POW2)
+    padded_ends = tl.load(padded_ptr + idx, mask=idx < E, other=2147483647)
+    group = tl.sum((padded_ends <= first).to(tl.int32), axis=0)
+    in_group = group < E
+    padded_start = tl.load(padded_ptr + group - 1, mask=in_group & (group > 0), other=0)
+    row_start = tl.load(offsets_ptr + group - 1, mask=in_group & (group > 0), other=0)
+    row_end = tl.load(offsets_ptr + group, mask=in_group, other=0)
+    toks = tl.arange(0, _SCALE_BLOCK)
+    rows = row_start + (first - padded_start) + toks
+    row_ok = in_group & (rows < row_end)
+    ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    k_ok = ks < K
+    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + ks[None, :] * stride_xk,
+                mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+    scale = _scale_of(tl.max(tl.abs(x), axis=0))
+    q = _round_to_e4m3(tl.math.div_rn(x, tl.broadcast_to(scale[None, :], x.shape)))
+    padded_rows = (first + toks).to(tl.int64)
+    tl.store(q_ptr + ks[None, :] * stride_qk + padded_rows[:, None] * stride_qp,
+             q.to(q_ptr.dtype.element_ty), mask=k_ok[None, :])
+    tl.store(s_ptr + ks * stride_sk + chunk * stride_sc, scale, mask=k_ok)
+
+
+def padded_offsets(offsets_E: torch.Tensor) -> torch.Tensor:
+    """int32 cumulative rows with each group's count rounded up to a multiple of 128, on the
+    device (no host sync): where `quantize_token_groups` puts group g's first row."""
+    counts = torch.diff(offsets_E, prepend=offsets_E.new_zeros(1))
+    return (((counts + SCALE_BLOCK - 1) // SCALE_BLOCK) * SCALE_BLOCK).cumsum(0, dtype=torch.int32)
+
+
+def padded_capacity(rows: int, groups: int) -> int:
+    """Rows the padded layout needs at most (a multiple of 128): each group adds at most 127
+    padding rows. Sized from shapes on the host, so the buffer's size never waits on the GPU."""
+    return triton.cdiv(rows + (SCALE_BLOCK - 1) * groups, SCALE_BLOCK) * SCALE_BLOCK
+
+
+def quantize_token_groups(x_MK: torch.Tensor, offsets_E: torch.Tensor,
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q_KP float8_e4m3fn, s_KC fp32, padded_E int32): x's rows transposed into a token-contiguous
+    [K, P] copy (the weight gradient's K-major operand), each group's rows starting at a multiple
+    of 128 (`padded_offsets`; zero columns pad it), one scale per column and 128 padded rows
+    (C = P / 128 chunks; no chunk straddles two groups). P = `padded_capacity`: columns past the
+    last group are zeros too. For `fp8_weight_grad`."""
+    rows, k = x_MK.shape
+    groups = offsets_E.shape[0]
+    capacity = padded_capacity(rows, groups)
+    padded_E = padded_offsets(offsets_E)
+    q_KP = torch.empty((k, capacity), dtype=FP8, device=x_MK.device)
+    s_KC = torch.empty((k, capacity // SCALE_BLOCK), dtype=torch.float32, device=x_MK.device)
+    if k == 0 or capacity == 0:
+        return q_KP, s_KC, padded_E
+    block_k = 16 if x_MK.device.type == "cpu" else 32
+    _quantize_token_groups_kernel[(capacity // SCALE_BLOCK, triton.cdiv(k, block_k))](
+        x_MK, q_KP, s_KC, offsets_E, padded_E, groups, k, x_MK.stride(0), x_MK.stride(1),
+        q_KP.stride(0), q_KP.stride(1), s_KC.stride(0), s_KC.stride(1),
+        BLOCK_K=block_k, E_POW2=triton.next_power_of_2(groups), num_warps=4)
+    return q_KP, s_KC, padded_E
+
+
+@triton.jit
+def _fp8_weight_grad_kernel(
+    a_ptr, sa_ptr, b_ptr, sb_ptr, out_ptr, padded_ptr,
+    E, E_W, KA, C, num_programs,
+    stride_ak, stride_ap, stride_sak, stride_sac, stride_bc, stride_bp, stride_sbc, stride_sbp,
+    stride_oe, stride_ok, stride_oc,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    ACCUMULATE: tl.constexpr, IMPRECISE_K: tl.constexpr,
+):
+    # Contract: a [KA, P], b [C, P] fp8 token-contiguous (`quantize_token_groups`) with scales
+    # sa [KA, P/128], sb [C, P/128]; groups g padded to padded[g-1]:padded[g] (multiples of 128);
+    # out [E_W, KA, C]: out[e] = sum over groups g = e mod E_W (ascending), over BLOCK_M-token steps
+    # (BLOCK_M divides 128; chunk c = step // 128) of (a[:, step] @ b[:, step]^T) * sa[:, c] * sb[:, c]
+    # (ACCUMULATE: out += it, an fp32 main gradient). BLOCK_K tiles KA, BLOCK_N tiles C.
+    pid = tl.program_id(0)
+    tiles_k = tl.cdiv(KA, BLOCK_K)
+    tiles_n = tl.cdiv(C, BLOCK_N)
+    per_expert = tiles_k * tiles_n
+    for item in tl.range(pid, E_W * per_expert, num_programs):
+        expert = item // per_expert
+        pid_k, pid_n = gg._swizzle(item % per_expert, tiles_k, tiles_n, GROUP_M)
+        ks = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+        k_ok = ks < KA
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < C
+        toks = tl.arange(0, BLOCK_M)
+        acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+        for group in range(expert, E, E_W):
+            start = tl.load(padded_ptr + group - 1, mask=group > 0, other=0)
+            end = tl.load(padded_ptr + group)
+            for p0 in range(start, end, BLOCK_M):
+                p64 = (p0 + toks).to(tl.int64)
+                a = tl.load(a_ptr + ks[:, None] * stride_ak + p64[None, :] * stride_ap,
+                            mask=k_ok[:, None], other=0.0)
+                b = tl.load(b_ptr + p64[:, None] * stride_bp + cols[None, :] * stride_bc,
+                            mask=col_ok[None, :], other=0.0)
+                part = tl.dot(a, b, out_dtype=tl.float32, max_num_imprecise_acc=IMPRECISE_K)
+                c = p0 // _SCALE_BLOCK
+                sa = tl.load(sa_ptr + ks * stride_sak + c * stride_sac, mask=k_ok, other=0.0)
+                sb = tl.load(sb_ptr + cols * stride_sbc + c * stride_sbp, mask=col_ok, other=0.0)
+                acc += part * (sa[:, None] * sb[None, :])
+        out_ptrs = (out_ptr + expert.to(tl.int64) * stride_oe + ks[:, None] * stride_ok
+                    + cols[None, :] * stride_oc)
+        ok = k_ok[:, None] & col_ok[None, :]
+        if ACCUMULATE:
+            acc += tl.load(out_ptrs, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def fp8_weight_grad(
+    a: tuple[torch.Tensor, torch.Tensor],
+    b: tuple[torch.Tensor, torch.Tensor],
+    padded_E: torch.Tensor,
+    config: TileConfig,
+    *,
+    weights: int | None = None,
+    out: torch.Tensor | None = None,
+    accumulate: bool = False,
+    num_programs: int | None = None,
+    imprecise_k: int | None = None,
+) -> torch.Tensor:
+    """out[e] = dequant(a)[:, rows_e] @ dequant(b)[:, rows_e]^T, [E, KA, C] fp32 (zeros for empty
+    experts): the weight gradient x^T dy of rows grouped by expert, both operands from
+    `quantize_token_groups` of the same offsets ((q_KP, s_KC) pairs; `padded_E` its third
+    result). With `accumulate`, out[e] += it (`out` given: an fp32 main gradient).
+    `weights` (E_W; default the groups' count): `padded_E` may hold a multiple of E_W groups,
+    group g belonging to weight g mod E_W, summed in ascending g (as `grouped_gemm.ragged_weight_grad`).
+    config.block_m (the token step) must divide 128; block_k tiles KA, block_n tiles C."""
+    (qa_KP, sa_KC), (qb_CP, sb_CC) = a, b
+    _check_fp8(a=qa_KP, b=qb_CP)
+    if SCALE_BLOCK % config.block_m:
+        raise ValueError(f"the FP8 weight gradient steps over tokens by block_m, which must divide "
+                         f"{SCALE_BLOCK} (one scale per {SCALE_BLOCK} tokens); got block_m={config.block_m}")
+    ka, capacity = qa_KP.shape
+    cols = qb_CP.shape[0]
+    if (qb_CP.shape[1] != capacity or capacity % SCALE_BLOCK or sa_KC.shape != (ka, capacity // SCALE_BLOCK)
+            or sb_CC.shape != (cols, capacity // SCALE_BLOCK)):
+        raise ValueError(f"FP8 weight-gradient operands do not fit: a {tuple(qa_KP.shape)} with scales "
+                         f"{tuple(sa_KC.shape)}, b {tuple(qb_CP.shape)} with scales {tuple(sb_CC.shape)} "
+                         f"(both from quantize_token_groups of the same rows' offsets)")
+    groups = padded_E.shape[0]
+    experts = groups if weights is None else weights
+    if padded_E.dtype != torch.int32 or experts < 1 or groups % experts:
+        raise ValueError(f"padded_E must be int32 cumulative padded rows of a multiple of {experts} "
+                         f"groups (quantize_token_groups' third result); got {padded_E.dtype} "
+                         f"{tuple(padded_E.shape)}")
+    assert out is not None or not accumulate
+    if out is None:
+        out = torch.empty((experts, ka, cols), dtype=torch.float32, device=qa_KP.device)
+    assert out.shape == (experts, ka, cols), (tuple(out.shape), (experts, ka, cols))
+    if out.numel() == 0:
+        return out
+    programs = num_programs or gg.default_num_programs(qa_KP.device) * config.programs_per_sm
+    _fp8_weight_grad_kernel[(programs,)](
+        qa_KP, sa_KC, qb_CP, sb_CC, out, padded_E,
+        groups, experts, ka, cols, programs,
+        qa_KP.stride(0), qa_KP.stride(1), sa_KC.stride(0), sa_KC.stride(1),
+        qb_CP.stride(0), qb_CP.stride(1), sb_CC.stride(0), sb_CC.stride(1), *out.stride(),
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        GROUP_M=config.group_m, ACCUMULATE=accumulate, IMPRECISE_K=imprecise_k or config.block_m,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return out
+
+
+# --- plain-torch references (the same arithmetic, group by group)
+
+def _pad_to(t: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
+    pad = -t.shape[dim] % multiple
+    if pad == 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = pad
+    return torch.cat([t, t.new_zeros(shape)], dim=dim)
+
+
+def _quantize_reference(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fp8 values of x / scale (broadcast), saturated at +-448, rounded to nearest even by torch."""
+    return (x / scale).clamp(-E4M3_MAX, E4M3_MAX).to(FP8)
+
+
+def quantize_rows_reference(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain torch `quantize_rows`."""
+    rows, k = x_MK.shape
+    x_MGS = _pad_to(x_MK.float(), 1, SCALE_BLOCK).reshape(rows, triton.cdiv(k, SCALE_BLOCK), SCALE_BLOCK)
+    s_MG = x_MGS.abs().amax(dim=2).clamp_min(AMAX_FLOOR) / E4M3_MAX
+    q_MK = _quantize_reference(x_MGS, s_MG[:, :, None]).reshape(rows, x_MGS.shape[1] * SCALE_BLOCK)[:, :k]
+    return q_MK.contiguous(), s_MG
+
+
+def quantize_blocks_reference(w_EKN: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain torch `quantize_blocks`."""
+    experts, k, n = w_EKN.shape
+    padded = _pad_to(_pad_to(w_EKN.float(), 1, SCALE_BLOCK), 2, SCALE_BLOCK)
+    w_EGSBS = padded.reshape(experts, triton.cdiv(k, SCALE_BLOCK), SCALE_BLOCK, triton.cdiv(n, SCALE_BLOCK),
+                             SCALE_BLOCK)
+    s_EGB = w_EGSBS.abs().amax(dim=(2, 4)).clamp_min(AMAX_FLOOR) / E4M3_MAX
+    q = _quantize_reference(w_EGSBS, s_EGB[:, :, None, :, None]).reshape(padded.shape)
+    return q[:, :k, :n].contiguous(), s_EGB
+
+
+def dequantize_rows(q_MK: torch.Tensor, s_MG: torch.Tensor) -> torch.Tensor:
+    """fp32 values of `quantize_rows`'s output."""
+    return q_MK.float() * s_MG.repeat_interleave(SCALE_BLOCK, dim=1)[:, : q_MK.shape[1]]
+
+
+def dequantize_blocks(q_EKN: torch.Tensor, s_EGB: torch.Tensor) -> torch.Tensor:
+    """fp32 values of `quantize_blocks`'s output."""
+    _, k, n = q_EKN.shape
+    s = s_EGB.repeat_interleave(SCALE_BLOCK, dim=1).repeat_interleave(SCALE_BLOCK, dim=2)
+    return q_EKN.float() * s[:, :k, :n]
+
+
+def fp8_rows_gemm_reference(a_MK: torch.Tensor, sa_MG: torch.Tensor, offsets_E: torch.Tensor,
+                            b_EKN: torch.Tensor, sb_EGB: torch.Tensor) -> torch.Tensor:
+    """Plain torch `fp8_rows_gemm`, fp32 out: per expert, per 128-deep slice j of K, the slice's
+    fp32 product of the fp8 values, times sa[:, j] x sb[j, column's block], summed over j in order."""
+    experts, k, n = b_EKN.shape
+    ends = offsets_E.tolist()
+    out = torch.zeros((a_MK.shape[0], n), dtype=torch.float32, device=a_MK.device)
+    sb_EGN = sb_EGB.repeat_interleave(SCALE_BLOCK, dim=2)[:, :, :n]
+    for group, (start, end) in enumerate(zip([0, *ends[:-1]], ends)):
+        weight = group % experts
+        for j in range(triton.cdiv(k, SCALE_BLOCK)):
+            ks = slice(j * SCALE_BLOCK, min(k, (j + 1) * SCALE_BLOCK))
+            part = a_MK[start:end, ks].float() @ b_EKN[weight, ks].float()
+            out[start:end] += part * (sa_MG[start:end, j, None] * sb_EGN[weight, j][None, :])
+    return out
+
+
+def fp8_swiglu_reference(a_MK: torch.Tensor, sa_MG: torch.Tensor, offsets_E: torch.Tensor,
+                         b_EK2F: torch.Tensor, sb_EGB: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain torch `fp8_swiglu_gemm` before its quantisation: (act_MF fp32 = silu(gate) * up,
+    h13_M2F fp32) from `fp8_rows_gemm_reference`'s sums over all 2F columns."""
+    h13 = fp8_rows_gemm_reference(a_MK, sa_MG, offsets_E, b_EK2F, sb_EGB)
+    ffn = b_EK2F.shape[2] // 2
+    return torch.nn.functional.silu(h13[:, :ffn]) * h13[:, ffn:], h13
+
+
+def quantize_tensor_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-tensor scaling (one scale for all of x): the recipe the fine-grained one replaces,
+    kept for the tests that show where it fails (outlier rows)."""
+    scale = x.float().abs().amax().clamp_min(AMAX_FLOOR) / E4M3_MAX
+    return _quantize_reference(x.float(), scale), scale
+
+
+def quantize_token_groups_reference(x_MK: torch.Tensor, offsets_E: torch.Tensor,
+                                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Plain torch `quantize_token_groups`: the padded rows built on the host, then 128 x 1 groups."""
+    rows, k = x_MK.shape
+    capacity = padded_capacity(rows, offsets_E.shape[0])
+    padded_E = padded_offsets(offsets_E)
+    x_PK = x_MK.new_zeros((capacity, k), dtype=torch.float32)
+    ends, padded_ends = offsets_E.tolist(), padded_E.tolist()
+    for start, end, padded_start in zip([0, *ends[:-1]], ends, [0, *padded_ends[:-1]]):
+        x_PK[padded_start:padded_start + end - start] = x_MK[start:end].float()
+    x_CSK = x_PK.reshape(capacity // SCALE_BLOCK, SCALE_BLOCK, k)
+    s_CK = x_CSK.abs().amax(dim=1).clamp_min(AMAX_FLOOR) / E4M3_MAX
+    q_PK = _quantize_reference(x_CSK, s_CK[:, None, :]).reshape(capacity, k)
+    return q_PK.t().contiguous(), s_CK.t().contiguous(), padded_E
+
+
+def fp8_weight_grad_reference(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor],
+                              padded_E: torch.Tensor, weights: int | None = None) -> torch.Tensor:
+    """Plain torch `fp8_weight_grad`: per group, per 128-row chunk c, the chunk's fp32 product of
+    the fp8 values times sa[:, c] x sb[:, c], summed over chunks and groups g = e mod E_W in order."""
+    (qa_KP, sa_KC), (qb_CP, sb_CC) = a, b
+    groups = padded_E.shape[0]
+    experts = groups if weights is None else weights
+    out = torch.zeros((experts, qa_KP.shape[0], qb_CP.shape[0]), dtype=torch.float32, device=qa_KP.device)
+    ends = padded_E.tolist()
+    for group, (start, end) in enumerate(zip([0, *ends[:-1]], ends)):
+        for p0 in range(start, end, SCALE_BLOCK):
+            chunk = slice(p0, p0 + SCALE_BLOCK)
+            part = qa_KP[:, chunk].float() @ qb_CP[:, chunk].float().t()
+            c = p0 // SCALE_BLOCK
+            out[group % experts] += part * (sa_KC[:, c, None] * sb_CC[None, :, c])
+    return out

@@ -1,0 +1,153 @@
+"""The expert FFN (SwiGLU) with every GEMM in FP8 (`kernels.fp8`), forward and backward: the
+recipe end to end at one layer, before it moves into the megakernel (issue 21 item 2).
+
+Legend: N rows (token-expert pairs grouped by expert), E experts, H hidden size, F expert FFN size;
+`offsets_E` int32 cumulative row counts (or G = bands x E row groups, group g using expert g mod E);
+`w13_EH2F` gate in [..., :F], up in [..., F:]; `w2_EFH` the down projection (grouped_gemm's layout).
+
+Forward: x rows quantised 1 x 128 (or given so by `permute.permute_forward_fp8`); gate/up GEMM
+whose epilogue applies SwiGLU and quantises its output for the down GEMM; down GEMM, bf16 out.
+Backward: dy quantised 1 x 128; the down GEMM's data gradient against w2^T with the SwiGLU
+derivative in its epilogue (also recomputing silu(gate) * up); dh13 quantised 1 x 128 for the
+gate/up data gradient against w13^T; x, dh13, act and dy quantised 128 x 1 along tokens for the
+two weight gradients (fp32, or added into fp32 main gradients).
+Passes still separate from the kernel that produces their input (each reads a bf16 tensor once
+more): dy's two quantisations, dh13's two, act's and x's token-group copies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from disagmoe.kernels import fp8
+from disagmoe.kernels.tile_configs import TileConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8ExpertWeights:
+    """e4m3 copies of one layer's expert weights with their 128 x 128 block scales, (values, scales)
+    each: forward blocks and the K-major transposes the data gradients read. Made from the
+    weights once per optimizer step (`quantize`), never per micro-batch, never checkpointed."""
+
+    w13: tuple[torch.Tensor, torch.Tensor]
+    w13_t: tuple[torch.Tensor, torch.Tensor]
+    w2: tuple[torch.Tensor, torch.Tensor]
+    w2_t: tuple[torch.Tensor, torch.Tensor]
+
+    @classmethod
+    def quantize(cls, w13_EH2F: torch.Tensor, w2_EFH: torch.Tensor) -> Fp8ExpertWeights:
+        w13 = fp8.quantize_blocks(w13_EH2F)
+        w2 = fp8.quantize_blocks(w2_EFH)
+        return cls(w13, fp8.transpose_blocks(*w13), w2, fp8.transpose_blocks(*w2))
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Tiles:
+    """Tile configs of the FP8 launches: `rows` the plain row GEMMs (down, gate/up data gradient;
+    block_k dividing 128), `swiglu` the two with a SwiGLU epilogue (block_n = 128), `wgrad` the
+    weight gradients (block_m, the token step, dividing 128). Untuned defaults for a GPU, chosen
+    so ptxas (sm_90a) reports no spills (`rows`, `swiglu`) or 12 bytes (`wgrad`; 792 at 128^3)."""
+
+    rows: TileConfig = TileConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3)
+    swiglu: TileConfig = TileConfig(block_m=64, block_n=128, block_k=128, num_warps=8, num_stages=3)
+    wgrad: TileConfig = TileConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
+
+
+def fp8_ffn_forward(
+    x_NH: torch.Tensor,
+    offsets_E: torch.Tensor,
+    weights: Fp8ExpertWeights,
+    tiles: Fp8Tiles,
+    *,
+    x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
+    save_for_backward: bool = False,
+    num_programs: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(y_NH in x's dtype, h13_N2F or None): `x_fp8` (rows and scales, e.g. from the FP8 permute)
+    instead of quantising x here; h13 (the pre-activations, x's dtype) kept for the backward."""
+    rows, ffn = x_NH.shape[0], weights.w2[0].shape[1]
+    qx, sx = x_fp8 if x_fp8 is not None else fp8.quantize_rows(x_NH)
+    h13_N2F = x_NH.new_empty((rows, 2 * ffn)) if save_for_backward else None
+    q_act, s_act = fp8.fp8_swiglu_gemm(qx, sx, offsets_E, *weights.w13, tiles.swiglu, h13_M2F=h13_N2F,
+                                       num_programs=num_programs)
+    y_NH = fp8.fp8_rows_gemm(q_act, s_act, offsets_E, *weights.w2, tiles.rows, out_dtype=x_NH.dtype,
+                             num_programs=num_programs)
+    return y_NH, h13_N2F
+
+
+def fp8_ffn_backward(
+    dy_NH: torch.Tensor,
+    x_NH: torch.Tensor,
+    offsets_E: torch.Tensor,
+    weights: Fp8ExpertWeights,
+    h13_N2F: torch.Tensor,
+    tiles: Fp8Tiles,
+    *,
+    main_grads: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
+    num_programs: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(dx_NH in dy's dtype, dw13_EH2F fp32, dw2_EFH fp32); a weight gradient whose fp32 main
+    gradient is given (w13's, w2's) is added into it by its GEMM and None is returned for it."""
+    rows, ffn = x_NH.shape[0], weights.w2[0].shape[1]
+    experts = weights.w13[0].shape[0]
+    q_dy, s_dy = fp8.quantize_rows(dy_NH)
+    act_NF = h13_N2F.new_empty((rows, ffn))
+    dh13_N2F = fp8.fp8_swiglu_grad_gemm(q_dy, s_dy, offsets_E, *weights.w2_t, h13_N2F, tiles.swiglu,
+                                        act_MF=act_NF, out_dtype=dy_NH.dtype, num_programs=num_programs)
+    q_dh, s_dh = fp8.quantize_rows(dh13_N2F)
+    dx_NH = fp8.fp8_rows_gemm(q_dh, s_dh, offsets_E, *weights.w13_t, tiles.rows, out_dtype=dy_NH.dtype,
+                              num_programs=num_programs)
+    grads = []
+    for a_NK, b_NC, main in ((x_NH, dh13_N2F, main_grads[0]), (act_NF, dy_NH, main_grads[1])):
+        qa, sa, padded_E = fp8.quantize_token_groups(a_NK, offsets_E)
+        qb, sb, _ = fp8.quantize_token_groups(b_NC, offsets_E)
+        grad = fp8.fp8_weight_grad((qa, sa), (qb, sb), padded_E, tiles.wgrad, weights=experts, out=main,
+                                   accumulate=main is not None, num_programs=num_programs)
+        grads.append(None if main is not None else grad)
+    return dx_NH, grads[0], grads[1]
+
+
+class Fp8ExpertFFNFunction(torch.autograd.Function):
+    """Autograd wrapper: x, w13, w2 get gradients (the weights' in their own dtype)."""
+
+    @staticmethod
+    def forward(ctx, x_NH, offsets_E, w13_EH2F, w2_EFH, weights, tiles, num_programs):
+        if weights is None:  # a copy per call; a trainer makes one per optimizer step and passes it
+            weights = Fp8ExpertWeights.quantize(w13_EH2F, w2_EFH)
+        y_NH, h13_N2F = fp8_ffn_forward(x_NH, offsets_E, weights, tiles, save_for_backward=True,
+                                        num_programs=num_programs)
+        ctx.save_for_backward(x_NH, offsets_E, h13_N2F)
+        ctx.weights, ctx.tiles, ctx.num_programs = weights, tiles, num_programs
+        ctx.weight_dtypes = (w13_EH2F.dtype, w2_EFH.dtype)
+        return y_NH
+
+    @staticmethod
+    def backward(ctx, dy_NH):
+        x_NH, offsets_E, h13_N2F = ctx.saved_tensors
+        dx, dw13, dw2 = fp8_ffn_backward(dy_NH.contiguous(), x_NH, offsets_E, ctx.weights, h13_N2F, ctx.tiles,
+                                         num_programs=ctx.num_programs)
+        ctx.weights = None
+        return dx, None, dw13.to(ctx.weight_dtypes[0]), dw2.to(ctx.weight_dtypes[1]), None, None, None
+
+
+def expert_ffn_fp8(
+    x_NH: torch.Tensor,
+    offsets_E: torch.Tensor,
+    w13_EH2F: torch.Tensor,
+    w2_EFH: torch.Tensor,
+    *,
+    weights: Fp8ExpertWeights | None = None,
+    tiles: Fp8Tiles | None = None,
+    num_programs: int | None = None,
+) -> torch.Tensor:
+    """The experts backend contract `expert_ffn(x_NH, offsets_E, w13_EH2F, w2_EFH) -> y_NH` with
+    every GEMM in FP8, differentiable in x, w13 and w2. `weights`: the FP8 copies of exactly these
+    w13 and w2 (`Fp8ExpertWeights.quantize`, once per optimizer step); made here when None."""
+    experts, hidden, two_ffn = w13_EH2F.shape
+    if x_NH.shape[1] != hidden or w2_EFH.shape != (experts, two_ffn // 2, hidden):
+        raise ValueError(f"expert weights must be w13 [E, H, 2F] and w2 [E, F, H] matching x [N, H]; got "
+                         f"x {tuple(x_NH.shape)}, w13 {tuple(w13_EH2F.shape)}, w2 {tuple(w2_EFH.shape)}")
+    return Fp8ExpertFFNFunction.apply(x_NH.contiguous(), offsets_E, w13_EH2F, w2_EFH, weights,
+                                      tiles or Fp8Tiles(), num_programs)

@@ -1,0 +1,473 @@
+"""FP8 quantisers and grouped GEMMs (kernels/fp8.py) vs their torch references: interpreter
+(CPU, fp8 values exact, fp32 accumulation) and GPU (real e4m3 tensor cores, bf16 out)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from disagmoe.kernels.tile_configs import TileConfig
+
+FP8 = torch.float8_e4m3fn
+# Fine-grained FP8's error against the fp32 GEMM of the unquantised operands: for every row of
+# the output, |out_row - exact_row| / |exact_row| (2-norms) stays under this. Both operands round
+# to 3 mantissa bits (relative error up to 2^-4 each); on Gaussian data the row errors measure
+# 0.037 on average and 0.055 at most, with or without rows 2^16 larger than the rest.
+FP8_ROW_REL_ERR = 0.08
+# The expert FFN (four operands quantised: x, w13, the SwiGLU output, w2) against fp32, per row:
+# measured 0.064 on average and 0.106 at most over 9 ragged cases with an outlier row.
+FP8_FFN_ROW_REL_ERR = 0.15
+# The interpreter's kernel against the reference's same sums (fp32 rounding of equal terms).
+SAME_SUMS_REL_ERR = 1e-6
+
+SMALL_TILES = TileConfig(block_m=16, block_n=32, block_k=128, group_m=2, num_warps=4, num_stages=1)
+
+# (rows per expert, K, N): empty experts, an expert taking everything, K and N not multiples of
+# 128 (short last groups and blocks), K under 128.
+RAGGED_CASES = [
+    ([5, 0, 37, 1], 200, 72),
+    ([0, 0, 50, 0], 128, 40),
+    ([17, 16, 0, 33, 2], 72, 136),
+]
+
+
+@pytest.fixture
+def fp8k(interpreted):
+    _, fp8 = interpreted("disagmoe.kernels.grouped_gemm", "disagmoe.kernels.fp8")
+    return fp8
+
+
+def _offsets(counts):
+    return torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32)
+
+
+def _per_expert(offsets, fn):
+    ends = offsets.tolist()
+    return torch.cat([fn(e, s, t) for e, (s, t) in enumerate(zip([0, *ends[:-1]], ends))])
+
+
+def _ragged_inputs(counts, k, n, seed, outlier_rows=0, device="cpu"):
+    """a [M, K] rows with a spread of magnitudes (2^N(0,1) per row; `outlier_rows` of them 2^16
+    larger), b [E, K, N] at 1/sqrt(K), offsets_E."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = sum(counts)
+    row_scale = torch.exp2(torch.randn(rows, generator=gen))
+    row_scale[torch.randperm(rows, generator=gen)[:outlier_rows]] *= 2.0**16
+    a = torch.randn(rows, k, generator=gen) * row_scale[:, None]
+    b = torch.randn(len(counts), k, n, generator=gen) / k**0.5
+    return a.to(device), b.to(device), _offsets(counts).to(device)
+
+
+def _exact(a, b, offsets):
+    return _per_expert(offsets.cpu(), lambda e, s, t: a[s:t].double() @ b[e].double()).to(a.device)
+
+
+def _row_rel_err(got, want):
+    return ((got.double() - want.double()).norm(dim=1) / want.double().norm(dim=1).clamp_min(1e-300))
+
+
+def _rel_err(got, want):
+    return ((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-300)).item()
+
+
+def _e4m3_probe(seed):
+    """Values that exercise every rounding case at scale 1: each finite e4m3 value, the midpoints
+    between neighbours (ties) and their fp32 neighbours, random values over 2^-14..2^9, fp32
+    subnormals, +-0, both signs; each row of 128 leads with 448 (so its scale is exactly 1)."""
+    gen = torch.Generator().manual_seed(seed)
+    grid = torch.arange(256, dtype=torch.uint8).view(FP8).float()
+    grid = grid[grid.isfinite() & (grid >= 0)].sort().values
+    mids = (grid[1:] + grid[:-1]) / 2
+    spread = torch.rand(4096, generator=gen) * torch.exp2(torch.randint(-14, 9, (4096,), generator=gen).float())
+    v = torch.cat([grid, mids, mids.nextafter(torch.zeros(())), mids.nextafter(torch.full((), 1e9)), spread,
+                   torch.tensor([2.0**-130, 1e-40, 0.0])])
+    v = torch.cat([v, -v])
+    v = torch.cat([v, v.new_zeros(-v.numel() % 127)]).reshape(-1, 127)
+    return torch.cat([v.new_full((v.shape[0], 1), 448.0), v], 1)
+
+
+def test_the_quantiser_rounds_like_torch_to_the_bit(fp8k):
+    """Round to nearest even, subnormals, saturation, -0.0: the kernel's bytes are torch's cast's
+    (the interpreter's own fp32 -> fp8 cast would differ on about 11% of random values)."""
+    v = _e4m3_probe(seed=0)
+    q, s = fp8k.quantize_rows(v)
+    assert (s == 1.0).all()
+    assert torch.equal(q.view(torch.uint8), v.to(FP8).view(torch.uint8))
+
+
+@pytest.mark.parametrize("shape,dtype", [((37, 300), torch.float32), ((20, 128), torch.bfloat16),
+                                         ((9, 40), torch.float32), ((0, 256), torch.float32)])
+def test_quantize_rows_matches_reference_and_bounds_the_error(fp8k, shape, dtype):
+    """Bytes and scales equal the reference's; zero rows and zero groups get the floor's finite
+    scale and dequantise to 0; each element is within half an e4m3 step of x (2^-4 relative in
+    e4m3's normal range, 2^-10 x scale below it); a strided input reads the same."""
+    gen = torch.Generator().manual_seed(shape[0])
+    x = torch.randn(shape, generator=gen) * torch.exp2(torch.randint(-30, 30, (shape[0], 1), generator=gen).float())
+    if shape[0]:
+        x[min(3, shape[0] - 1)] = 0.0
+        x[0, : min(128, shape[1])] = 0.0
+    x = x.to(dtype)
+    q, s = fp8k.quantize_rows(x)
+    q_ref, s_ref = fp8k.quantize_rows_reference(x)
+    assert q.dtype == FP8 and s.shape == (shape[0], -(-shape[1] // 128))
+    assert torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    assert torch.isfinite(s).all() and (s > 0).all()
+    deq, xf = fp8k.dequantize_rows(q, s), x.float()
+    assert (deq[xf == 0] == 0).all()
+    step = torch.maximum(xf.abs() * 2.0**-4, s.repeat_interleave(128, 1)[:, : shape[1]] * 2.0**-10)
+    assert ((deq - xf).abs() <= step * (1 + 1e-6)).all()
+    q_t, s_t = fp8k.quantize_rows(x.t().contiguous().t())  # column-major view of the same values
+    assert torch.equal(q_t.view(torch.uint8), q.view(torch.uint8)) and torch.equal(s_t, s)
+
+
+def test_quantize_blocks_matches_reference(fp8k):
+    """[E, K, N] weights per 128 x 128 block, K and N not multiples of 128, one all-zero block;
+    the transposed copy dequantises to the transpose."""
+    gen = torch.Generator().manual_seed(4)
+    w = torch.randn(3, 200, 150, generator=gen) * torch.tensor([1.0, 1e-3, 1e3])[:, None, None]
+    w[1, :128, 128:] = 0.0
+    q, s = fp8k.quantize_blocks(w)
+    q_ref, s_ref = fp8k.quantize_blocks_reference(w)
+    assert s.shape == (3, 2, 2) and torch.isfinite(s).all()
+    assert torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    deq = fp8k.dequantize_blocks(q, s)
+    assert (deq[1, :128, 128:] == 0).all()
+    assert _rel_err(deq, w) < 2.0**-4
+    q_t, s_t = fp8k.transpose_blocks(q, s)
+    assert q_t.is_contiguous() and torch.equal(fp8k.dequantize_blocks(q_t, s_t), deq.transpose(1, 2))
+
+
+@pytest.mark.parametrize("case", range(len(RAGGED_CASES)))
+def test_gemm_matches_reference_sums(fp8k, case):
+    """The kernel (fp8 operands in the interpreter, fp32 accumulation) against the reference's
+    same per-128 sums, to fp32 rounding; every row written (NaN-filled first); and within the
+    fine-grained error bound of the fp32 GEMM."""
+    counts, k, n = RAGGED_CASES[case]
+    a, b, offsets = _ragged_inputs(counts, k, n, seed=case, outlier_rows=1)
+    qa, sa = fp8k.quantize_rows(a)
+    qb, sb = fp8k.quantize_blocks(b)
+    out = torch.full((a.shape[0], n), float("nan"))
+    got = fp8k.fp8_rows_gemm(qa, sa, offsets, qb, sb, SMALL_TILES, out=out, num_programs=2 + case)
+    want = fp8k.fp8_rows_gemm_reference(qa, sa, offsets, qb, sb)
+    assert got is out and torch.isfinite(got).all()
+    assert _rel_err(got, want) < SAME_SUMS_REL_ERR
+    assert _row_rel_err(got, _exact(a, b, offsets)).max() < FP8_ROW_REL_ERR
+
+
+def test_gemm_over_banded_groups_and_half_depth_tiles(fp8k):
+    """offsets holding 2 x E row groups (group g uses expert g mod E) and block_k = 64 (two dots
+    per scale group, each scaled: the same sums up to fp32 rounding); bf16 output."""
+    counts, k, n = [6, 0, 11, 3, 0, 9], 160, 32  # groups 3..5 use experts 0..2 again
+    a, b, offsets = _ragged_inputs(counts, k, n, seed=7)
+    b = b[:3]
+    qa, sa = fp8k.quantize_rows(a)
+    qb, sb = fp8k.quantize_blocks(b)
+    tiles = TileConfig(block_m=16, block_n=32, block_k=64, group_m=1, num_warps=4, num_stages=1)
+    got = fp8k.fp8_rows_gemm(qa, sa, offsets, qb, sb, tiles, num_programs=3)
+    want = fp8k.fp8_rows_gemm_reference(qa, sa, offsets, qb, sb)
+    assert got.dtype == torch.bfloat16
+    assert _rel_err(got, want) < 2.0**-8  # bf16 rounding of the output
+    exact = _per_expert(offsets, lambda e, s, t: a[s:t] @ b[e % 3])
+    assert _row_rel_err(got.float(), exact).max() < FP8_ROW_REL_ERR
+
+
+def test_per_tensor_scaling_fails_the_bound_the_fine_grained_recipe_passes(fp8k):
+    """On rows 2^16 larger than the rest (an attention-sink token, a large gradient row), one scale
+    for all of a pushes the other rows into e4m3's subnormals or to zero: their errors go far past
+    FP8_ROW_REL_ERR. The 1 x 128 / 128 x 128 recipe (kernel) stays under it; without the outlier
+    rows per-tensor scaling passes too, so the outliers are what breaks it."""
+    counts, k, n = [24, 0, 40, 9], 200, 64
+    for outliers, per_tensor_fails in ((4, True), (0, False)):
+        a, b, offsets = _ragged_inputs(counts, k, n, seed=11, outlier_rows=outliers)
+        exact = _exact(a, b, offsets)
+        qa, sa = fp8k.quantize_rows(a)
+        qb, sb = fp8k.quantize_blocks(b)
+        fine = fp8k.fp8_rows_gemm(qa, sa, offsets, qb, sb, SMALL_TILES, out_dtype=torch.float32, num_programs=4)
+        assert _row_rel_err(fine, exact).max() < FP8_ROW_REL_ERR
+        ta, ts_a = fp8k.quantize_tensor_reference(a)
+        tb, ts_b = fp8k.quantize_tensor_reference(b)
+        coarse = _per_expert(offsets, lambda e, s, t: (ta[s:t].float() @ tb[e].float()) * (ts_a * ts_b))
+        assert (_row_rel_err(coarse, exact).max() > FP8_ROW_REL_ERR) == per_tensor_fails
+
+
+def test_refusals_name_the_fix(fp8k):
+    a, b, offsets = _ragged_inputs([3, 4], 64, 32, seed=0)
+    qa, sa = fp8k.quantize_rows(a)
+    qb, sb = fp8k.quantize_blocks(b)
+    with pytest.raises(ValueError, match="block_k"):
+        fp8k.fp8_rows_gemm(qa, sa, offsets, qb, sb, TileConfig(block_m=16, block_n=16, block_k=48))
+    with pytest.raises(ValueError, match="quantize_rows"):
+        fp8k.fp8_rows_gemm(a, sa, offsets, qb, sb, SMALL_TILES)
+    with pytest.raises(ValueError, match="sb"):
+        fp8k.fp8_rows_gemm(qa, sa, offsets, qb, sb[:, :, :0], SMALL_TILES)
+    with pytest.raises(ValueError, match="int32"):
+        fp8k.fp8_rows_gemm(qa, sa, offsets.long(), qb, sb, SMALL_TILES)
+    empty = fp8k.fp8_rows_gemm(qa[:0], sa[:0], torch.zeros(2, dtype=torch.int32), qb, sb, SMALL_TILES)
+    assert empty.shape == (0, 32)
+
+
+SWIGLU_TILES = TileConfig(block_m=16, block_n=128, block_k=128, group_m=2, num_warps=4, num_stages=1)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # sigmoid of the outlier row's -2^16: 0
+@pytest.mark.parametrize("counts,hidden,ffn", [([5, 0, 37, 1], 200, 72), ([0, 19, 0, 6], 96, 136)])
+def test_swiglu_epilogue_writes_the_down_gemms_fp8_operand(fp8k, counts, hidden, ffn):
+    """Gate/up GEMM with SwiGLU and 1 x 128 quantisation in its epilogue: the pre-activations are
+    the reference's sums; the e4m3 rows and scales are the reference's quantisation of
+    silu(gate) * up (bytes equal but where Triton's sigmoid and torch's silu round an element
+    across an e4m3 tie, each within half a step); the down GEMM on them gives the expert FFN
+    within FP8_FFN_ROW_REL_ERR of fp32 (F = 136: two column tiles, the second 8 wide)."""
+    from disagmoe.kernels.moe_ffn import expert_ffn_reference
+
+    x, w13, offsets = _ragged_inputs(counts, hidden, 2 * ffn, seed=ffn, outlier_rows=1)
+    w2 = torch.randn(len(counts), ffn, hidden, generator=torch.Generator().manual_seed(ffn)) / ffn**0.5
+    qx, sx = fp8k.quantize_rows(x)
+    q13, s13 = fp8k.quantize_blocks(w13)
+    h13 = torch.full((x.shape[0], 2 * ffn), float("nan"))
+    q_act, s_act = fp8k.fp8_swiglu_gemm(qx, sx, offsets, q13, s13, SWIGLU_TILES, h13_M2F=h13, num_programs=3)
+    act_ref, h13_ref = fp8k.fp8_swiglu_reference(qx, sx, offsets, q13, s13)
+    assert _rel_err(h13, h13_ref) < SAME_SUMS_REL_ERR
+    q_ref, s_ref = fp8k.quantize_rows_reference(act_ref)
+    assert ((s_act - s_ref).abs() <= 1e-5 * s_ref).all()
+    assert (q_act.view(torch.uint8) == q_ref.view(torch.uint8)).float().mean() > 0.999
+    deq = fp8k.dequantize_rows(q_act, s_act)
+    step = torch.maximum(act_ref.abs() * 2.0**-4, s_ref.repeat_interleave(128, 1)[:, :ffn] * 2.0**-10)
+    assert ((deq - act_ref).abs() <= step * (1 + 1e-4)).all()
+    y = fp8k.fp8_rows_gemm(q_act, s_act, offsets, *fp8k.quantize_blocks(w2), SMALL_TILES,
+                           out_dtype=torch.float32, num_programs=2)
+    exact = expert_ffn_reference(x.double(), offsets, w13.double(), w2.double())
+    assert _row_rel_err(y, exact).max() < FP8_FFN_ROW_REL_ERR
+    with pytest.raises(ValueError, match="block_n=128"):
+        fp8k.fp8_swiglu_gemm(qx, sx, offsets, q13, s13, SMALL_TILES)
+
+
+def test_swiglu_gradient_epilogue(fp8k):
+    """The down GEMM's data gradient with the SwiGLU derivative in its epilogue: d gate | d up from
+    the reference's d act sums and the pre-activations (to fp32 rounding of the sigmoid), every
+    element written, and silu(gate) * up recomputed into act."""
+    counts, hidden, ffn = [6, 0, 25, 2], 136, 40
+    dy, _, offsets = _ragged_inputs(counts, hidden, 1, seed=12, outlier_rows=1)
+    gen = torch.Generator().manual_seed(13)
+    w2 = torch.randn(len(counts), ffn, hidden, generator=gen) / ffn**0.5
+    h13 = torch.randn(dy.shape[0], 2 * ffn, generator=gen) * 3
+    q_dy, s_dy = fp8k.quantize_rows(dy)
+    q_wt, s_wt = fp8k.transpose_blocks(*fp8k.quantize_blocks(w2))
+    act = torch.full((dy.shape[0], ffn), float("nan"))
+    dh13 = fp8k.fp8_swiglu_grad_gemm(q_dy, s_dy, offsets, q_wt, s_wt, h13, SMALL_TILES, act_MF=act,
+                                     out_dtype=torch.float32, num_programs=3)
+    gate, up = h13[:, :ffn].clone().requires_grad_(), h13[:, ffn:].clone().requires_grad_()
+    (torch.nn.functional.silu(gate) * up).backward(fp8k.fp8_rows_gemm_reference(q_dy, s_dy, offsets, q_wt, s_wt))
+    assert torch.isfinite(dh13).all() and torch.isfinite(act).all()
+    assert _rel_err(dh13, torch.cat([gate.grad, up.grad], dim=1)) < 1e-5
+    assert _rel_err(act, torch.nn.functional.silu(h13[:, :ffn]) * h13[:, ffn:]) < 1e-6
+    with pytest.raises(ValueError, match="h13"):
+        fp8k.fp8_swiglu_grad_gemm(q_dy, s_dy, offsets, q_wt, s_wt, h13[:, :ffn], SMALL_TILES)
+
+
+def test_data_gradient_reads_the_transposed_blocks(fp8k):
+    """dx = dy @ W^T: dy quantised per 1 x 128 along N, W^T from `transpose_blocks` (the forward's
+    block values and scales, laid out K-major); against the reference's sums and the fp32 GEMM."""
+    counts, k, n = [9, 0, 30, 4], 144, 80
+    dy, _, offsets = _ragged_inputs(counts, n, k, seed=5, outlier_rows=1)  # dy [M, N]
+    w = torch.randn(len(counts), k, n, generator=torch.Generator().manual_seed(6)) / k**0.5
+    q_dy, s_dy = fp8k.quantize_rows(dy)
+    q_wt, s_wt = fp8k.transpose_blocks(*fp8k.quantize_blocks(w))
+    got = fp8k.fp8_rows_gemm(q_dy, s_dy, offsets, q_wt, s_wt, SMALL_TILES, out_dtype=torch.float32,
+                             num_programs=3)
+    assert _rel_err(got, fp8k.fp8_rows_gemm_reference(q_dy, s_dy, offsets, q_wt, s_wt)) < SAME_SUMS_REL_ERR
+    exact = _per_expert(offsets, lambda e, s, t: dy[s:t].double() @ w[e].double().t())
+    assert _row_rel_err(got, exact).max() < FP8_ROW_REL_ERR
+
+
+def test_token_groups_are_padded_to_the_scale_block(fp8k):
+    """Each group's rows start at a multiple of 128 in the token-contiguous copy, the padding is
+    zeros, no 128-row chunk straddles two groups (its column scales are the reference's, from its
+    group's rows alone), empty groups take no room, and columns past the last group are zeros
+    with the floor's finite scale."""
+    counts = [130, 0, 5, 260]
+    offsets = _offsets(counts)
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(sum(counts), 40, generator=gen) * torch.exp2(torch.randn(sum(counts), 1, generator=gen) * 4)
+    q, s, padded = fp8k.quantize_token_groups(x, offsets)
+    q_ref, s_ref, padded_ref = fp8k.quantize_token_groups_reference(x, offsets)
+    assert padded.tolist() == [256, 256, 384, 768] and torch.equal(padded, padded_ref)
+    assert q.shape == (40, fp8k.padded_capacity(395, 4)) and s.shape == (40, q.shape[1] // 128)
+    assert torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    deq = q.float() * s.repeat_interleave(128, dim=1)
+    rows = torch.cat([torch.arange(0, 130), torch.arange(256, 261), torch.arange(384, 644)])
+    kept = torch.zeros(q.shape[1], dtype=torch.bool)
+    kept[rows] = True
+    assert (deq[:, ~kept] == 0).all() and torch.isfinite(s).all()
+    xf = x.t()
+    step = torch.maximum(xf.abs() * 2.0**-4, s.repeat_interleave(128, dim=1)[:, rows] * 2.0**-10)
+    assert ((deq[:, rows] - xf).abs() <= step * (1 + 1e-6)).all()
+
+
+WGRAD_TILES = TileConfig(block_m=128, block_n=16, block_k=16, group_m=2, num_warps=4, num_stages=1)
+
+
+@pytest.mark.parametrize("counts,k,n", [([130, 0, 5, 260], 40, 24), ([0, 17, 0], 24, 48)])
+def test_weight_gradient_matches_reference_sums(fp8k, counts, k, n):
+    """dW[e] = x[rows_e]^T dy[rows_e] from the token-group copies: the reference's sums to fp32
+    rounding, zeros for empty experts (every element written: NaN-filled first), each row of each
+    dW[e] within FP8_ROW_REL_ERR of the fp32 GEMM; added into an fp32 main gradient with
+    `accumulate` (block_m = 64: two steps per scale chunk)."""
+    x, _, offsets = _ragged_inputs(counts, k, n, seed=sum(counts))
+    dy = torch.randn(x.shape[0], n, generator=torch.Generator().manual_seed(1))
+    qx = fp8k.quantize_token_groups(x, offsets)
+    qd = fp8k.quantize_token_groups(dy, offsets)
+    out = torch.full((len(counts), k, n), float("nan"))
+    got = fp8k.fp8_weight_grad(qx[:2], qd[:2], qx[2], WGRAD_TILES, out=out, num_programs=3)
+    want = fp8k.fp8_weight_grad_reference(qx[:2], qd[:2], qx[2])
+    assert got is out and torch.isfinite(got).all()
+    assert _rel_err(got, want) < SAME_SUMS_REL_ERR
+    starts = [0, *offsets[:-1].tolist()]
+    for e, (start, end) in enumerate(zip(starts, offsets.tolist())):
+        if start == end:
+            assert (got[e] == 0).all()
+        else:
+            assert _row_rel_err(got[e], x[start:end].double().t() @ dy[start:end].double()).max() < FP8_ROW_REL_ERR
+    main = torch.randn(len(counts), k, n, generator=torch.Generator().manual_seed(2))
+    start_main = main.clone()
+    half = TileConfig(block_m=64, block_n=32, block_k=32, group_m=1, num_warps=4, num_stages=1)
+    fp8k.fp8_weight_grad(qx[:2], qd[:2], qx[2], half, out=main, accumulate=True, num_programs=2)
+    assert _rel_err(main - start_main, want) < 1e-5  # rounding of the additions to start_main
+
+
+def test_weight_gradient_over_banded_groups(fp8k):
+    """2 x E row groups, group g to weight g mod E (segment-major order): dW[e] sums both."""
+    counts, k, n = [7, 0, 20, 3, 11, 0], 24, 16
+    x, _, offsets = _ragged_inputs(counts, k, n, seed=9)
+    dy = torch.randn(x.shape[0], n, generator=torch.Generator().manual_seed(3))
+    qx = fp8k.quantize_token_groups(x, offsets)
+    qd = fp8k.quantize_token_groups(dy, offsets)
+    got = fp8k.fp8_weight_grad(qx[:2], qd[:2], qx[2], WGRAD_TILES, weights=3, num_programs=2)
+    assert got.shape == (3, k, n)
+    assert _rel_err(got, fp8k.fp8_weight_grad_reference(qx[:2], qd[:2], qx[2], weights=3)) < SAME_SUMS_REL_ERR
+    with pytest.raises(ValueError, match="block_m"):
+        fp8k.fp8_weight_grad(qx[:2], qd[:2], qx[2], TileConfig(block_m=48, block_n=16, block_k=16))
+    with pytest.raises(ValueError, match="multiple of 4"):
+        fp8k.fp8_weight_grad(qx[:2], qd[:2], qx[2], WGRAD_TILES, weights=4)
+    with pytest.raises(ValueError, match="quantize_token_groups"):
+        fp8k.fp8_weight_grad(qx[:2], (qd[0][:, :128], qd[1][:, :1]), qx[2], WGRAD_TILES)
+
+
+# --- on a GPU: real e4m3 tensor cores (sm_89+), bf16 activations, bf16 outputs
+
+def _fp8_gpu() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+needs_fp8_gpu = pytest.mark.skipif(not _fp8_gpu(), reason="needs a GPU with FP8 tensor cores (sm_89+)")
+
+
+@pytest.mark.gpu
+@needs_fp8_gpu
+def test_gpu_quantisers_match_reference_to_the_bit():
+    """div_rn and the integer rounding give torch's bytes and scales on the GPU as well."""
+    from disagmoe.kernels import fp8
+
+    v = _e4m3_probe(seed=1).cuda()
+    q, s = fp8.quantize_rows(v)
+    assert (s == 1.0).all() and torch.equal(q.view(torch.uint8), v.to(FP8).view(torch.uint8))
+    gen = torch.Generator().manual_seed(2)
+    x = (torch.randn(1000, 2112, generator=gen) * torch.exp2(torch.randn(1000, 1, generator=gen) * 8)).cuda()
+    for xd in (x, x.bfloat16()):
+        q, s = fp8.quantize_rows(xd)
+        q_ref, s_ref = fp8.quantize_rows_reference(xd)
+        assert torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    w = torch.randn(4, 1024, 640, generator=gen).cuda().bfloat16()
+    q, s = fp8.quantize_blocks(w)
+    q_ref, s_ref = fp8.quantize_blocks_reference(w)
+    assert torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+GPU_TILES = [TileConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3),
+             TileConfig(block_m=64, block_n=64, block_k=64, group_m=4, num_warps=4, num_stages=4)]
+
+
+@pytest.mark.gpu
+@needs_fp8_gpu
+@pytest.mark.parametrize("tiles", GPU_TILES, ids=["128x128x128", "64x64x64"])
+@pytest.mark.parametrize("imprecise_k", [None, 32], ids=["per-slice", "per-wgmma"])
+@pytest.mark.parametrize("counts,k,n", [([300, 0, 1000, 7], 512, 384),
+                                        ([0, 2000, 0, 0], 2048, 256),
+                                        ([129, 511, 64, 3, 900], 1000, 320)])
+def test_gpu_gemm_bf16_out(counts, k, n, tiles, imprecise_k):
+    """Tensor-core FP8 (bf16 activations quantised on the GPU, bf16 out) against the reference's
+    fp32 sums of the same fp8 values, and within FP8_ROW_REL_ERR of the fp32 GEMM, outlier rows
+    included."""
+    from disagmoe.kernels import fp8
+
+    a, b, offsets = _ragged_inputs(counts, k, n, seed=3, outlier_rows=8, device="cuda")
+    a, b = a.bfloat16(), b.bfloat16()
+    qa, sa = fp8.quantize_rows(a)
+    qb, sb = fp8.quantize_blocks(b)
+    got = fp8.fp8_rows_gemm(qa, sa, offsets, qb, sb, tiles, imprecise_k=imprecise_k)
+    want = fp8.fp8_rows_gemm_reference(qa, sa, offsets, qb, sb)
+    assert got.dtype == torch.bfloat16 and torch.isfinite(got).all()
+    assert _rel_err(got, want) < 5e-3  # bf16 output rounding and the tensor cores' accumulator
+    assert _row_rel_err(got, _exact(a.float(), b.float(), offsets)).max() < FP8_ROW_REL_ERR
+
+
+@pytest.mark.gpu
+@needs_fp8_gpu
+@pytest.mark.parametrize("counts,k,n", [([300, 0, 1000, 7], 512, 384), ([129, 511, 64, 3, 900], 1000, 320)])
+def test_gpu_backward_gemms(counts, k, n):
+    """The data gradient (dy against the transposed blocks, bf16 out) and the weight gradient
+    (token-group copies, added into an fp32 main gradient) on tensor cores, against the
+    references' sums and within FP8_ROW_REL_ERR of the fp32 GEMMs; the token-group quantiser's
+    bytes are the reference's."""
+    from disagmoe.kernels import fp8
+
+    x, w, offsets = _ragged_inputs(counts, k, n, seed=4, device="cuda")
+    x, w = x.bfloat16(), w.bfloat16()
+    dy = torch.randn(x.shape[0], n, generator=torch.Generator().manual_seed(5)).cuda().bfloat16()
+    q_dy, s_dy = fp8.quantize_rows(dy)
+    q_wt, s_wt = fp8.transpose_blocks(*fp8.quantize_blocks(w))
+    tiles = GPU_TILES[0]
+    dx = fp8.fp8_rows_gemm(q_dy, s_dy, offsets, q_wt, s_wt, tiles)
+    assert _rel_err(dx, fp8.fp8_rows_gemm_reference(q_dy, s_dy, offsets, q_wt, s_wt)) < 5e-3
+    exact_dx = _per_expert(offsets.cpu(), lambda e, s, t: dy[s:t].double() @ w[e].double().t())
+    assert _row_rel_err(dx, exact_dx).max() < FP8_ROW_REL_ERR
+
+    qx, qd = fp8.quantize_token_groups(x, offsets), fp8.quantize_token_groups(dy, offsets)
+    ref_x = fp8.quantize_token_groups_reference(x, offsets)
+    assert torch.equal(qx[1], ref_x[1]) and torch.equal(qx[0].view(torch.uint8), ref_x[0].view(torch.uint8))
+    main = torch.zeros(len(counts), k, n, device="cuda")
+    wgrad_tiles = TileConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
+    fp8.fp8_weight_grad(qx[:2], qd[:2], qx[2], wgrad_tiles, out=main, accumulate=True)
+    assert _rel_err(main, fp8.fp8_weight_grad_reference(qx[:2], qd[:2], qx[2])) < 5e-3  # the tensor cores' accumulator
+    starts = [0, *offsets[:-1].tolist()]
+    for e, (start, end) in enumerate(zip(starts, offsets.tolist())):
+        if end > start:  # per expert: an expert of 3 rows has rows of dW that are sums of 3 products
+            exact = x[start:end].double().t() @ dy[start:end].double()
+            assert _rel_err(main[e], exact) < FP8_ROW_REL_ERR
+
+
+@pytest.mark.gpu
+@needs_fp8_gpu
+@pytest.mark.parametrize("counts,hidden,ffn", [([300, 0, 1000, 7], 512, 384), ([129, 511, 64, 3, 900], 1024, 320)])
+def test_gpu_fp8_expert_ffn_forward(counts, hidden, ffn):
+    """x quantised, gate/up with the SwiGLU epilogue writing e4m3 rows and scales (and bf16
+    pre-activations), then the down GEMM on them: each step against its reference, the whole
+    FFN within FP8_FFN_ROW_REL_ERR of fp32."""
+    from disagmoe.kernels import fp8
+    from disagmoe.kernels.moe_ffn import expert_ffn_reference
+
+    x, w13, offsets = _ragged_inputs(counts, hidden, 2 * ffn, seed=6, outlier_rows=8, device="cuda")
+    w2 = (torch.randn(len(counts), ffn, hidden, generator=torch.Generator().manual_seed(7)) / ffn**0.5).cuda()
+    x, w13, w2 = x.bfloat16(), w13.bfloat16(), w2.bfloat16()
+    qx, sx = fp8.quantize_rows(x)
+    q13, s13 = fp8.quantize_blocks(w13)
+    h13 = torch.empty(x.shape[0], 2 * ffn, dtype=torch.bfloat16, device="cuda")
+    tiles = TileConfig(block_m=64, block_n=128, block_k=128, num_warps=8, num_stages=3)
+    q_act, s_act = fp8.fp8_swiglu_gemm(qx, sx, offsets, q13, s13, tiles, h13_M2F=h13)
+    act_ref, h13_ref = fp8.fp8_swiglu_reference(qx, sx, offsets, q13, s13)
+    assert _rel_err(h13, h13_ref) < 5e-3
+    s_ref = fp8.quantize_rows_reference(act_ref)[1]
+    assert ((s_act - s_ref).abs() <= 1e-2 * s_ref).all()
+    assert _rel_err(fp8.dequantize_rows(q_act, s_act), act_ref) < 2.0**-4
+    y = fp8.fp8_rows_gemm(q_act, s_act, offsets, *fp8.quantize_blocks(w2), GPU_TILES[0])
+    exact = expert_ffn_reference(x.double(), offsets, w13.double(), w2.double())
+    assert _row_rel_err(y, exact).max() < FP8_FFN_ROW_REL_ERR
