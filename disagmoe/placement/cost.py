@@ -21,7 +21,14 @@ trip around the ring, latency-bound otherwise; plus the fill and drain of the ri
 Memory per GPU: each parameter's training state (`roofline.optimizer_state.state_bytes`: bf16
 weight 2 B, fp32 master 4, fp32 gradient 4, two AdamW moments 8 in fp32 or 4 in bf16; ZeRO-1
 splits the attention side's master and moments over dp and adds the reduced slice), plus the activations of the m micro-batches
-of one round (all kept until their backward).
+of one round (all kept until their backward) and the larger of the head's and one layer's
+backward transient, in `roofline.memory`'s per-token terms (`activations`). The combine's
+rows sit on the expert GPU (the runtime's compact hop keeps them there).
+
+Recomputation (`Problem.recompute`): selective drops `roofline.memory.SELECTIVE` from what the
+expert side keeps, and its expert backward pays `stages.selective_recompute`'s bytes; auto takes,
+per candidate, no recomputation when it fits and selective when only that fits (for a fixed
+candidate selective is never faster, only leaner).
 
 Links: traffic among GPUs spread evenly over a span wider than an NVLink domain leaves the
 domain in proportion (1 - domain / span). Pipeline groups are laid out so that a group (or one
@@ -38,7 +45,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from disagmoe.config import Calibration, ModelConfig
-from disagmoe.roofline import calibration as cal, stages as st
+from disagmoe.roofline import calibration as cal, memory as mem, stages as st
 from disagmoe.roofline.ceilings import Ceilings
 from disagmoe.roofline.optimizer_state import StateBytes, state_bytes
 from disagmoe.roofline.params import attention_params, count_params, expert_params, swiglu_params
@@ -147,6 +154,7 @@ class Cost:
     expert_params: np.ndarray  # parameters held per expert GPU (colocated: expert part)
     attn_act_bytes: np.ndarray
     expert_act_bytes: np.ndarray
+    selective: np.ndarray  # bool per candidate: priced with selective recomputation (`Problem.recompute`)
     round_floor_s: np.ndarray
     """A lower bound on fwd_round_s + bwd_round_s that depends only on (p, m, seqs), whatever
     the layout: the attention work of one GPU (the solver prunes with it)."""
@@ -170,6 +178,7 @@ class Problem:
     shard_optimizer: bool = False  # ZeRO-1 over each data-parallel group for the replicated parameters
     optimizer_state_dtype: str = "fp32"  # AdamW's moments: fp32 or bf16
     calibration: Calibration | None = None  # measured curves and fixed costs (None: the plain roofline)
+    recompute: str = "none"  # none, selective or auto (per candidate: see the module docstring)
 
 
 def expert_layout(model: ModelConfig, per_set: np.ndarray, peak_ratio: float,
@@ -239,19 +248,29 @@ def _pass_time(a, d, e, c, p, m, layers):
     return layers / p * np.maximum(ring, busy) + edge
 
 
-def _act_bytes_attention_layer(m: ModelConfig, moe: bool) -> float:
-    """Activation bytes an attention GPU keeps per token per layer until the backward."""
-    q, k, v = st.attention_io_per_token(m)
-    o_in = m.num_heads * (m.mla.v_head_dim if m.mla else m.head_dim)
-    common = 3 * m.hidden_size + q + k + v + o_in
-    if moe:
-        tail = m.top_k * m.hidden_size + 3 * m.shared_ffn_size
-        return BF16 * (common + tail) + FP32 * (m.num_experts + m.num_heads)
-    return BF16 * (common + 3 * m.dense_ffn_size) + FP32 * m.num_heads
-
-
-def _act_bytes_expert_row(m: ModelConfig) -> float:
-    return BF16 * (m.hidden_size + 3 * m.expert_ffn_size)
+def activations(m: ModelConfig, tokens: Num, rows: Num, in_flight: Num, moe_l: Num, dense_l: Num, colocated: bool,
+                dropped: frozenset[str] = mem.NOTHING_DROPPED) -> tuple[Num, Num]:
+    """(attention GPU, expert GPU) activation bytes at the peak, in `roofline.memory`'s per-token
+    terms (as the runtime's memory check uses them; `dropped`: what recomputation does not keep):
+    the `in_flight` micro-batches of the busiest group's layers, all kept until their backward (the
+    distributed schedules run every forward of a round first, `runtime.activation_memory`; one
+    process, one), and what one op holds on top: the head's peak or one layer's backward on the
+    attention side, one layer's expert backward on the expert side. The combine's rows are the
+    expert GPU's (the runtime's compact hop). Colocated: one GPU holds both sides' kept bytes and
+    the larger of the head and one whole layer's backward (`memory.activation_bytes`), all in the
+    first element."""
+    layer_kinds = [moe for moe, n in ((True, m.num_moe_layers), (False, m.num_dense_layers)) if n]
+    attn_kept = in_flight * tokens * (moe_l * mem.attention_bytes(m, True, BF16)
+                                      + dense_l * mem.attention_bytes(m, False, BF16))
+    row = mem.expert_row_bytes(m, BF16, dropped) + mem.combine_bytes(m, BF16, dropped) // m.top_k
+    exp_kept, row_grad = in_flight * rows * moe_l * row, mem.expert_row_grad_bytes(m, BF16, dropped)
+    head = mem.head_bytes(m, tokens, BF16)
+    if colocated:
+        grads = [tokens * mem.attention_grad_bytes(m, moe, BF16) + (rows * row_grad if moe else 0)
+                 for moe in layer_kinds]
+        return attn_kept + exp_kept + np.maximum(head, np.maximum.reduce(grads)), 0.0 * exp_kept
+    grads = max(mem.attention_grad_bytes(m, moe, BF16) for moe in layer_kinds)
+    return attn_kept + np.maximum(head, tokens * grads), exp_kept + rows * row_grad
 
 
 def evaluate(prob: Problem, c: Candidates) -> Cost:
@@ -313,6 +332,31 @@ def evaluate(prob: Problem, c: Candidates) -> Cost:
     exp_params = moe_l * local * expert_params(m)
     f_dp = _scaleout_fraction(dp, prob.nvlink_domain)
 
+    # Memory: each parameter's state and the activations at their peak, without and with
+    # selective recomputation; `selective` says which one each candidate is priced with.
+    attn_bytes, exp_bytes = attention_state_bytes(dp, prob).total, expert_state_bytes(prob).total
+    if c.colocated:
+        attn_state, exp_state = attn_bytes * attn_params + exp_bytes * exp_params, 0.0
+    else:
+        attn_state, exp_state = attn_bytes * attn_params, exp_bytes * exp_params
+    in_flight = np.where(c.expert == 1, 1.0, mb) if c.colocated else mb  # one GPU: mode single accumulates
+    options = {}
+    for dropped in (mem.NOTHING_DROPPED, mem.SELECTIVE):
+        act_attn, act_exp = activations(m, tokens, rows, in_flight, moe_l, dense_l, c.colocated, dropped)
+        attn_mem, exp_mem = attn_state + act_attn, exp_state + act_exp
+        if c.colocated:
+            exp_mem = attn_mem
+        fits = (attn_mem <= prob.capacity_bytes) & (exp_mem <= prob.capacity_bytes)
+        options[dropped] = (act_attn, act_exp, attn_mem, exp_mem, fits)
+    if prob.recompute == "auto":
+        selective = ~options[mem.NOTHING_DROPPED][4] & options[mem.SELECTIVE][4]
+    else:
+        selective = np.full(len(c), prob.recompute == "selective")
+    act_attn, act_exp, attn_mem, exp_mem, fits = (np.where(selective, kept, none) for none, kept in
+                                                  zip(options[mem.NOTHING_DROPPED], options[mem.SELECTIVE],
+                                                      strict=True))
+    fits = fits.astype(bool)
+
     # Every stage once: per GPU, per micro-batch and layer (or per micro-batch / per step).
     proj, core = st.attention_projections(m, tokens), st.attention_core(m, tokens, S)
     head = st.lm_head(m, tokens) + st.embedding(m, tokens)
@@ -329,6 +373,7 @@ def evaluate(prob: Problem, c: Candidates) -> Cost:
         "dispatch": Stage("link", "moe", dispatch, combine),
         "routed experts": Stage("expert", "moe", experts, st.expert_data_grads(m, rows, local)),
         "expert weight grads": Stage("expert", "moe", Work(), st.expert_weight_grads(m, rows, local)),
+        "selective recompute": Stage("expert", "moe", Work(), st.selective_recompute(m, rows * selective)),
         "combine": Stage("link", "moe", combine, dispatch),
         "main-grad adds": Stage("attention", "moe", Work(), st.main_grad_add(attn_layer + moe_side)),
         "main-grad adds (dense layers)": Stage("attention", "dense", Work(), st.main_grad_add(attn_layer + dense_side)),
@@ -342,6 +387,8 @@ def evaluate(prob: Problem, c: Candidates) -> Cost:
     }
     if n_dense == 0:
         del stages["dense ffn"], stages["main-grad adds (dense layers)"]
+    if not selective.any():
+        del stages["selective recompute"]
     if prob.calibration is not None:
         stages = calibrated_stages(stages, prob.calibration, ceil, rows / local, float(S), c.colocated)
 
@@ -380,26 +427,13 @@ def evaluate(prob: Problem, c: Candidates) -> Cost:
         opt = np.maximum(opt_attn, opt_exp)
     step = rounds * (fwd_round + bwd_round) + exposed + opt
 
-    # Memory: weights, grads, AdamW state, and the activations of one round's micro-batches.
-    act_attn = mb * tokens * (moe_l * _act_bytes_attention_layer(m, True)
-                              + dense_l * _act_bytes_attention_layer(m, False)
-                              + FP32 * m.vocab_size)
-    act_exp = mb * rows * moe_l * _act_bytes_expert_row(m)
-    attn_bytes, exp_bytes = attention_state_bytes(dp, prob).total, expert_state_bytes(prob).total
-    if c.colocated:
-        attn_mem = attn_bytes * attn_params + exp_bytes * exp_params + act_attn + act_exp
-        exp_mem = attn_mem
-    else:
-        attn_mem = attn_bytes * attn_params + act_attn
-        exp_mem = exp_bytes * exp_params + act_exp
-    fits = (attn_mem <= prob.capacity_bytes) & (exp_mem <= prob.capacity_bytes)
     ones = np.ones(len(c))
     return Cost(step_s=step, fwd_round_s=fwd_round, bwd_round_s=bwd_round, rounds=rounds,
                 tokens_per_round=tokens_per_round * ones, dp=dp * ones,
                 attn_mem_bytes=attn_mem, expert_mem_bytes=exp_mem, fits=fits,
                 imbalance=np.asarray(imbalance, dtype=float) * ones,
                 attn_params=attn_params * ones, expert_params=exp_params * ones,
-                attn_act_bytes=act_attn, expert_act_bytes=act_exp, round_floor_s=floor * ones, stages=stages)
+                attn_act_bytes=act_attn * ones, expert_act_bytes=act_exp * ones, selective=selective, round_floor_s=floor * ones, stages=stages)
 
 
 ATTENTION_FIXED, EXPERT_FIXED = "fixed cost (attention ops)", "fixed cost (expert ops)"

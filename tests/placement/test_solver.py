@@ -212,14 +212,38 @@ def test_a_plan_that_leaves_gpus_idle_says_so():
 
 
 def test_a_split_bound_by_memory_says_so_at_every_sequence_length():
-    """qwen3-235b-a22b on 72 GB200s: the expert GPUs' states and activations set the fewest
-    expert GPUs, and the attention GPUs' activations cap the tokens in flight (m * S), so 4K and
-    16K get the same split with 4x fewer micro-batches; the plan names the bound."""
-    short, long = (solve(request("qwen3-235b-a22b", "gb200-nvl72", 72, seq_len=s)) for s in (4096, 16384))
+    """qwen3-235b-a22b on 72 GB200s without recomputation: the expert GPUs' states and activations
+    set the fewest expert GPUs, so 4K and 16K get the same split, and the attention GPUs'
+    activations cap the tokens in flight, so the longer sequence holds fewer micro-batches (not
+    exactly 4x fewer: the head's and one backward's transients do not scale with m * S); the plan
+    names the bound at both, and with auto recomputation too."""
+    short, long = (solve(request("qwen3-235b-a22b", "gb200-nvl72", 72, seq_len=s, recompute="none"))
+                   for s in (4096, 16384))
     assert (short.attention_gpus, short.expert_gpus) == (long.attention_gpus, long.expert_gpus)
-    assert short.micro_batches == 4 * long.micro_batches
-    for plan in (short, long):
-        assert any(n.startswith("the split is bound by memory (expert GPUs at") for n in plan.notes)
+    assert short.micro_batches > long.micro_batches
+    assert short.recompute == long.recompute == "none"
+    for plan in (short, long, *(solve(request("qwen3-235b-a22b", "gb200-nvl72", 72, seq_len=s)) for s in (4096, 16384))):
+        assert any(n.startswith("the split is bound by memory (") for n in plan.notes)
+
+
+def test_auto_recomputation_is_chosen_recorded_and_said_only_where_it_pays():
+    """qwen3-235b-a22b on 72 GB200s: auto recomputes (a faster layout fits only so), the plan
+    records it and says what it freed; with memory to spare it does not; for a run whose experts
+    are not triton it prices none and says what selective would have given."""
+    auto = solve(request("qwen3-235b-a22b", "gb200-nvl72", 72, seq_len=4096))
+    none = solve(request("qwen3-235b-a22b", "gb200-nvl72", 72, seq_len=4096, recompute="none"))
+    assert auto.recompute == "selective" and auto.step_time_s < none.step_time_s
+    assert any(n.startswith("selective recomputation: activations ") and " GiB per expert GPU lets m=" in n
+               for n in auto.notes)
+    roomy = solve(PlanConfig(model=load_model("qwen3-235b-a22b"), seq_len=4096, cluster=ClusterConfig(
+        hardware=load_hardware("gb200-nvl72").model_copy(update={"hbm_gib": 1e5}), num_gpus=72)))
+    assert roomy.recompute == "none" and not any("selective recomputation:" in n for n in roomy.notes)
+    grouped = solve(request("qwen3-235b-a22b", "gb200-nvl72", 72, seq_len=4096, experts_backend="grouped_mm"))
+    assert grouped.recompute == "none" and grouped.step_time_s == none.step_time_s
+    assert any(n.startswith("selective recomputation was not considered: it needs experts_backend: triton")
+               for n in grouped.notes)
+    with pytest.raises(ValueError, match="experts_backend: triton"):
+        request("qwen3-235b-a22b", "gb200-nvl72", 72, recompute="selective", experts_backend="loop")
 
 
 def test_with_memory_to_spare_attention_gets_more_gpus_at_longer_sequences():
