@@ -31,14 +31,7 @@ import triton
 from disagmoe.kernels import permute as pm
 from disagmoe.kernels.autocast import autocast_operands
 from disagmoe.kernels.moe_ffn import FFNTiles, _check_shapes, _main_grad, moe_ffn_backward, moe_ffn_forward
-from disagmoe.kernels.recompute import EXPERT_INPUT, EXPERT_SWIGLU, RowSource
-
-
-def _pair_of_rows(dest_TK: torch.Tensor) -> torch.Tensor:
-    """int64 [N]: the pair t K + k each grouped row holds."""
-    pairs = dest_TK.numel()
-    return torch.empty(pairs, dtype=torch.int64, device=dest_TK.device).scatter_(
-        0, dest_TK.reshape(-1).long(), torch.arange(pairs, device=dest_TK.device))
+from disagmoe.kernels.recompute import EXPERT_INPUT, EXPERT_SWIGLU, RowSource, pair_of_rows
 
 
 class FusedMoEFunction(torch.autograd.Function):
@@ -54,7 +47,7 @@ class FusedMoEFunction(torch.autograd.Function):
         y_NH, act_NF, h13_N2F = moe_ffn_forward(x_NH, offsets_E, w13_EH2F, w2_EFH, tiles, save_for_backward=True,
                                                 num_programs=num_programs)
         y_TH = pm.combine_forward(y_NH, dest_TK, w_TK, limit)
-        pair_N = _pair_of_rows(dest_TK)
+        pair_N = pair_of_rows(dest_TK)
         keep_x = x_TH if EXPERT_INPUT in recompute else x_NH
         ctx.save_for_backward(keep_x, offsets_E, dest_TK, pair_N, w_TK, w13_EH2F, w2_EFH,
                               None if EXPERT_SWIGLU in recompute else act_NF, h13_N2F,
@@ -96,7 +89,7 @@ def fused_moe(x_TH: torch.Tensor, topk_TK: torch.Tensor, w_TK: torch.Tensor, w13
     `spare_last` (its term is zero). Operands are cast as `moe_ffn.expert_ffn_triton` casts them."""
     if x_TH.is_cuda:
         x_TH, w13_EH2F, w2_EFH = autocast_operands(x_TH, w13_EH2F, w2_EFH)
-    _check_shapes(x_TH, torch.zeros(w13_EH2F.shape[0], dtype=torch.int32), w13_EH2F, w2_EFH)  # offsets: shape only
+    _check_shapes(x_TH, None, w13_EH2F, w2_EFH)
     if topk_TK.shape != w_TK.shape or topk_TK.shape[0] != x_TH.shape[0]:
         raise ValueError(f"x [T, H], topk [T, K] and w [T, K] must agree; got {tuple(x_TH.shape)}, "
                          f"{tuple(topk_TK.shape)}, {tuple(w_TK.shape)}")

@@ -70,14 +70,16 @@ class FFNTiles:
                       for role, (k, c) in cls.gemm_dims(hidden, ffn).items()})
 
 
-def _check_shapes(x_NH: torch.Tensor, offsets_E: torch.Tensor, w13_EH2F: torch.Tensor,
+def _check_shapes(x_NH: torch.Tensor, offsets_E: torch.Tensor | None, w13_EH2F: torch.Tensor,
                   w2_EFH: torch.Tensor) -> None:
+    """ValueError naming the fix for operands that do not fit together (`offsets_E` None: rows
+    grouped by the caller later, e.g. `kernels.fused_moe`'s permute)."""
     experts, hidden, two_ffn = w13_EH2F.shape
     if x_NH.shape[1] != hidden or w2_EFH.shape != (experts, two_ffn // 2, hidden):
         raise ValueError(
             f"expert weights must be w13 [E, H, 2F] and w2 [E, F, H] matching x [N, H]; got "
             f"x {tuple(x_NH.shape)}, w13 {tuple(w13_EH2F.shape)}, w2 {tuple(w2_EFH.shape)}")
-    if offsets_E.shape != (experts,) or offsets_E.dtype != torch.int32:
+    if offsets_E is not None and (offsets_E.shape != (experts,) or offsets_E.dtype != torch.int32):
         raise ValueError(f"offsets_E must be int32 of shape ({experts},) (cumulative rows per "
                          f"expert); got {offsets_E.dtype} {tuple(offsets_E.shape)}")
     if not x_NH.dtype == w13_EH2F.dtype == w2_EFH.dtype:

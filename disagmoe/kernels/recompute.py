@@ -16,6 +16,14 @@ EXPERT_SWIGLU, EXPERT_INPUT, EXPERT_OUTPUT = "expert_swiglu", "expert_input", "e
 RECOMPUTABLE = (EXPERT_INPUT, EXPERT_OUTPUT, EXPERT_SWIGLU)  # what `recompute: selective` may drop (how each returns: kernels.moe_ffn)
 
 
+def pair_of_rows(dest_TK: torch.Tensor) -> torch.Tensor:
+    """int64 [N]: the pair t K + k each grouped row holds, from a permute's destinations
+    (`kernels.permute.permute_tokens`: pair (t, k) at row dest_TK[t, k]), on the device."""
+    pairs = dest_TK.numel()
+    return torch.empty(pairs, dtype=torch.int64, device=dest_TK.device).scatter_(
+        0, dest_TK.reshape(-1).long(), torch.arange(pairs, device=dest_TK.device))
+
+
 @dataclasses.dataclass(frozen=True)
 class RowSource:
     """Where the grouped rows came from: row r is x_TH[token_N[r]] (rows of pairs served elsewhere:
@@ -26,13 +34,9 @@ class RowSource:
 
     @classmethod
     def of_permute(cls, x_TH: torch.Tensor, dest_TK: torch.Tensor) -> RowSource:
-        """From a permute's destinations (`kernels.permute.permute_tokens`: pair (t, k) at row
-        dest_TK[t, k]): every row's token, on the device (no host sync)."""
-        tokens, top_k = dest_TK.shape
-        pairs = tokens * top_k
-        token_N = torch.empty(pairs, dtype=torch.int64, device=dest_TK.device).scatter_(
-            0, dest_TK.reshape(-1).long(), torch.arange(pairs, device=dest_TK.device) // top_k)
-        return cls(x_TH.detach(), token_N)
+        """From a permute's destinations (`pair_of_rows`): every row's token, on the device (no
+        host sync)."""
+        return cls(x_TH.detach(), pair_of_rows(dest_TK) // dest_TK.shape[1])
 
     def rows(self, dtype: torch.dtype) -> torch.Tensor:
         """The rows [N, H] again, in `dtype` (the GEMMs' operand dtype)."""

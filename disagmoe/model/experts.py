@@ -15,6 +15,7 @@ Shape legend: N rows (token-expert pairs), H hidden, F expert FFN width, E exper
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 
 import torch
@@ -101,6 +102,16 @@ def get_expert_ffn(backend: str) -> ExpertFFN:
             ) from None
         return expert_ffn_triton
     raise ValueError(f"unknown experts backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+
+
+def check_backend_device(backend: str, device: str) -> None:
+    """ValueError, with the fix, for a backend that cannot run on `device` ('cpu' or 'cuda'): the
+    triton kernels need a CUDA GPU (or Triton's interpreter, TRITON_INTERPRET=1, which the kernel
+    tests use on CPU); without this a CPU run would fail at its first launch with Triton's
+    "0 active drivers"."""
+    if backend == "triton" and device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("experts_backend: triton runs its kernels on CUDA GPUs; on device: cpu use experts_backend: "
+                         "loop or grouped_mm (or device: cuda)")
 
 
 class RoutedExperts(nn.Module):

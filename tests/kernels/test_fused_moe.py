@@ -109,3 +109,15 @@ def test_gpu_bf16_one_op_is_the_three_ops_within_rounding(spare):
     got = _fused(fused_moe, case, tensors, frozenset(RECOMPUTABLE), None, None)
     for name, a, b in zip(("y", "dx", "dw", "dw13", "dw2"), got, want, strict=True):
         assert _rel(a, b) < 1e-2, (name, _rel(a, b))
+
+
+def test_operands_that_do_not_fit_together_are_refused_with_the_fix(kernels):
+    *_, fused_moe = kernels
+    x, w13, w2 = torch.randn(4, 8), torch.randn(2, 8, 6), torch.randn(2, 3, 8)
+    topk, w = torch.zeros(4, 2, dtype=torch.int32), torch.rand(4, 2)
+    with pytest.raises(ValueError, match=r"x \[T, H\], topk \[T, K\] and w \[T, K\] must agree"):
+        fused_moe.fused_moe(x, topk, w[:, :1], w13, w2)
+    with pytest.raises(ValueError, match=r"expert weights must be w13 \[E, H, 2F\] and w2 \[E, F, H\]"):
+        fused_moe.fused_moe(x, topk, w, w13, torch.randn(2, 4, 8))
+    with pytest.raises(ValueError, match="must share one dtype"):
+        fused_moe.fused_moe(x.double(), topk, w, w13, w2)

@@ -173,3 +173,26 @@ def test_backends_match_an_fp32_reference_on_cuda(backend):
     for got, want in [(y, y_ref), *((a.grad, b.grad) for a, b in zip(leaves, ref_leaves, strict=True))]:
         scale = want.abs().max().item()
         assert (got.float() - want).abs().max().item() <= 2e-2 * scale
+
+
+def test_the_triton_backend_on_a_cpu_is_refused_before_a_run_with_the_fix(tmp_path, monkeypatch):
+    """Without Triton's interpreter a CPU run of the triton experts would fail at its first
+    launch ("0 active drivers"); the run is refused first, in one line, single and distributed."""
+    from typer.testing import CliRunner
+
+    from disagmoe.cli.app import app
+    from disagmoe.model.experts import check_backend_device
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="experts_backend: triton runs its kernels on CUDA GPUs; on device: cpu use"):
+        check_backend_device("triton", "cpu")
+    check_backend_device("triton", "cuda")
+    check_backend_device("loop", "cpu")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    check_backend_device("triton", "cpu")  # the kernel tests' interpreter
+    monkeypatch.delenv("TRITON_INTERPRET")
+    for mode in ("single", "disaggregated"):
+        r = CliRunner().invoke(app, ["train", "-c", "configs/tiny-cpu.yaml", "--mode", mode, "--steps", "1",
+                                     "--out-dir", str(tmp_path / mode), "experts_backend=triton"])
+        assert r.exit_code != 0 and "experts_backend: triton runs its kernels on CUDA GPUs" in r.output, r.output
+        assert "Traceback" not in r.output

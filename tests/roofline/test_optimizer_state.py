@@ -44,7 +44,8 @@ def test_the_price_is_what_flat_adamw_allocates(state, compute):
     flat = FlatAdamW(model.named_parameters(), OptimConfig(state_dtype=state), compute)
     flat.zero_grad()
     model(torch.randn(3, 16, dtype=compute)).float().sum().backward()
-    flat.step(1e-3)
+    flat.set_lr(1e-3)
+    flat.step()
     held, params = 0, sum(p.numel() for p in model.parameters())
     for b in flat.buckets:
         moments = b.inner.state[b.inner.param_groups[0]["params"][0]]

@@ -30,6 +30,7 @@ from ray.exceptions import RayActorError
 
 from disagmoe.config import ModelConfig, TrainConfig
 from disagmoe.model_ref import load_model
+from disagmoe.model.experts import check_backend_device
 from disagmoe.data import load_splits
 from disagmoe.roofline.flops import step_flops
 from disagmoe.roofline.optimizer_state import state_bytes
@@ -186,6 +187,7 @@ def check_fits(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topology) -> 
     """ValueError (with the numbers) for a configuration that cannot run, before any actor starts."""
     world = topology.world_size
     check_divisible(cfg.batch_size, cfg.micro_batches, topology.data_parallel)
+    check_backend_device(cfg.experts_backend, cfg.device)
     if 2 * model_cfg.num_layers > 512:
         raise ValueError(f"num_layers={model_cfg.num_layers}: the message tags hold at most 256 layers")
     if model_cfg.tie_embeddings and topology.head_group != 0:

@@ -208,6 +208,7 @@ class TrainWorker(Worker):
         if self.gpu_spans is not None:
             self.gpu_spans.begin_step()
         start = time.perf_counter()
+        self.optimizer.set_lr(lr)  # the step's only host value of the lr, into the optimizer's device scalar
         self.optimizer.zero_grad()
         if self.attention is not None:
             self.attention.begin_step(step)
@@ -227,7 +228,7 @@ class TrainWorker(Worker):
                             for handle in handles:
                                 handle.wait()
                         with self._compute_span(_op_name(op)):
-                            result = self._optimizer_step(lr)
+                            result = self._optimizer_step()
                     else:
                         self._run(op, step, mail, handles)
                         handles[:] = [h for h in handles if not h.is_completed()]  # delivered: release buffers
@@ -423,7 +424,7 @@ class TrainWorker(Worker):
                         else dist.all_reduce(b.grad_N, group=self.dp_group, async_op=True))
                 self._reductions.append((b.name, work))
 
-    def _optimizer_step(self, lr: float) -> dict[str, Any]:
+    def _optimizer_step(self) -> dict[str, Any]:
         """Finish the main gradients' sums (those the schedule's `ReduceGradients` started in the
         backward; the rest now), clip by the global norm, step; returns device tensors (the step's
         one read happens in `train_step`)."""
@@ -439,7 +440,7 @@ class TrainWorker(Worker):
         grad_norm = self._global_norm()
         max_norm = self.cfg.optim.grad_clip
         coef = torch.clamp(max_norm / (grad_norm + 1e-6), max=1.0) if max_norm > 0 else None
-        self.optimizer.step(lr, coef)
+        self.optimizer.step(clip_coef=coef)  # at the lr `_train_step` set
         for layer, load_E in zip(sorted(self.attention.load_LE) if self.attention else [], load_LE):
             self.model.block(layer).moe.router.update_bias(load_E)
         attention = self.topology.attention_role(self.rank)

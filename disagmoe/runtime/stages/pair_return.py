@@ -38,7 +38,7 @@ from disagmoe.comm.base import PairLanding, PairTarget
 from disagmoe.model.dispatch import expert_counts
 from disagmoe.model.experts import RoutedExperts
 from disagmoe.kernels.autocast import autocast_operands
-from disagmoe.kernels.recompute import EXPERT_INPUT, EXPERT_SWIGLU, RowSource
+from disagmoe.kernels.recompute import EXPERT_INPUT, EXPERT_SWIGLU, RowSource, pair_of_rows
 
 # Bands of landing segments the fused path orders rows by (first band's segments complete first,
 # `fused_return.segment_major_order`). One band by default: on an H200 at the Qwen3-30B expert
@@ -215,8 +215,7 @@ def _fused_forward(x_leaf, local_TK, w_TK, experts, target, counters_S, segment_
     x_N, offsets_G1, dest_TK = permute_tokens(x_leaf, key_TK, groups + 1, spare_last=True)
     offsets_G, served_1 = offsets_G1[:groups], offsets_G1[groups - 1:groups]
     pairs = tokens * top_k
-    row_pair_N = torch.empty(pairs, dtype=torch.int64, device=device).scatter_(
-        0, dest_TK.reshape(-1).long(), torch.arange(pairs, device=device))
+    row_pair_N = pair_of_rows(dest_TK)
     row_pair_32 = row_pair_N.to(torch.int32)  # the kernels' destination rows (forward and backward)
     served_N = torch.arange(pairs, device=device) < served_1
     x_op, w13, w2 = autocast_operands(x_N.detach(), experts.w13_EH2F, experts.w2_EFH) if x_N.is_cuda else (

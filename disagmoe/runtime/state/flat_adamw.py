@@ -28,7 +28,12 @@ One step, from the caller's side (nothing here waits on the host):
     ... micro-batches: forward, backward (gradients land in `bucket.grad_N`)
     ... the caller reduces `bucket.grad_N` (all-reduce) or `opt.reduce_scatter(...)` (ZeRO-1)
     squares = opt.grad_squares(...)        per bucket, on the device
-    opt.step(lr, clip_coef)                one fused AdamW per bucket, then masters -> parameters
+    opt.set_lr(lr)                         the step's learning rate into the device scalar `opt.lr`
+    opt.step(clip_coef=...)                one fused AdamW per bucket, then masters -> parameters
+
+The learning rate is a device tensor (`opt.lr`), not a host float: every inner AdamW holds that one
+tensor as its `lr` and the kernels read it from device memory, so a CUDA graph of `step` replays with
+whatever `set_lr` last wrote (outside the graph). `step` itself takes no host value of the lr.
 
 ZeRO-1 (`shard=(group, rank, size)` for a bucket): the bucket's length is padded to a multiple of
 the group size D and rank d keeps the masters and moments of the d-th slice only; `step` updates
@@ -60,6 +65,14 @@ GATHER_CHUNK = 1 << 24  # elements per rank per collective when gathering slices
 MOMENT_CHUNK = 1 << 24  # elements per fp32 copy of a bf16-moment step: at most 2 x 64 MiB held at a time
 STATE_KEYS = ("exp_avg", "exp_avg_sq")
 STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # optim.state_dtype -> the moments' dtype
+
+
+def lr_dtype(device: torch.device) -> torch.dtype:
+    """The learning-rate tensor's dtype: fp32 on CUDA, what torch's fused AdamW reads (`const float*`;
+    the lr is then rounded to fp32, 2^-24 relative, where a Python float went in as a double);
+    float64 elsewhere, so the CPU for-loop AdamW computes `1 - lr * wd` and `lr / bias_correction`
+    in the same doubles as with a Python float: bit for bit the float-lr step."""
+    return torch.float32 if device.type == "cuda" else torch.float64
 
 
 @dataclass(frozen=True)
@@ -128,6 +141,8 @@ class FlatAdamW:
         for name, p in named_params:
             if p.requires_grad:
                 grouped.setdefault((bucket_of(name), p.ndim >= 2), []).append((name, p))
+        device = next((named[0][1].device for named in grouped.values()), torch.device("cpu"))
+        self.lr = torch.full((), optim.lr, dtype=lr_dtype(device), device=device)  # every bucket's AdamW reads it
         self.buckets = [self._bucket(f"{base}.{'decay' if decays else 'no_decay'}",
                                      optim.weight_decay if decays else 0.0, named, shards.get(base))
                         for (base, decays), named in sorted(grouped.items())]
@@ -135,10 +150,18 @@ class FlatAdamW:
                        for b in self.buckets for p in b.params]
         self.steps_taken = 0
 
+    def set_lr(self, lr: float) -> None:
+        """Write the next step's learning rate into `self.lr`, the device scalar every bucket's AdamW
+        reads: the one place it changes. Eager callers call it before `step`; a CUDA-graph replay loop
+        calls it before each replay, outside the graph (a fill captured in the graph would replay the
+        first value). On CUDA a fill kernel with the value as its argument: no copy, no host wait."""
+        self.lr.fill_(lr)
+
     def _bucket(self, name: str, weight_decay: float, named: list[tuple[str, nn.Parameter]],
                 shard: Shard | None) -> Bucket:
         params = [p for _, p in named]
         device = params[0].device
+        assert self.lr.device == device, f"bucket {name} is on {device}, the learning rate on {self.lr.device}"
         numel = sum(p.numel() for p in params)
         size, rank = (1, 0) if shard is None else (shard.size, shard.rank)
         padded = -(-numel // size) * size
@@ -158,9 +181,11 @@ class FlatAdamW:
             p.data = view
             p.main_grad = grad
         master = nn.Parameter(master_S, requires_grad=True)
-        bucket.inner = torch.optim.AdamW([master], lr=self.optim.lr, betas=(self.optim.beta1, self.optim.beta2),
-                                         eps=self.optim.eps, weight_decay=weight_decay,
-                                         fused=device.type == "cuda")
+        # capturable: torch's AdamW.step refuses CUDA-graph capture without it; the fused kernel ignores
+        # it (the same math). Off on the CPU, where it would pick another path (and other roundings).
+        cuda = device.type == "cuda"
+        bucket.inner = torch.optim.AdamW([master], lr=self.lr, betas=(self.optim.beta1, self.optim.beta2),
+                                         eps=self.optim.eps, weight_decay=weight_decay, fused=cuda, capturable=cuda)
         return bucket
 
     # -- gradients -----------------------------------------------------------------------------
@@ -188,15 +213,15 @@ class FlatAdamW:
 
     # -- the step ------------------------------------------------------------------------------
 
-    def step(self, lr: float, clip_coef: torch.Tensor | None = None) -> None:
-        """AdamW on every bucket with gradients scaled by `clip_coef` (a device scalar, <= 1), then
-        the updated masters into the compute parameters (all-gathered where sharded)."""
+    def step(self, *, clip_coef: torch.Tensor | None = None) -> None:
+        """AdamW at the learning rate `self.lr` (`set_lr`) on every bucket with gradients scaled by
+        `clip_coef` (a device scalar, <= 1), then the updated masters into the compute parameters
+        (all-gathered where sharded)."""
         inverse = None if clip_coef is None else (1.0 / clip_coef).float()  # the fused kernels' grad_scale
         for b in self.buckets:
             inner = b.inner
             master = inner.param_groups[0]["params"][0]
             master.grad = b.step_grad()
-            inner.param_groups[0]["lr"] = lr
             if clip_coef is not None:
                 if master.is_cuda:  # the fused kernel divides by grad_scale in registers
                     inner.grad_scale = inverse
@@ -205,7 +230,7 @@ class FlatAdamW:
             if self.state_dtype == torch.float32:
                 inner.step()
             else:
-                self._step_rounded_moments(b, master, lr, inverse)
+                self._step_rounded_moments(b, master, inverse)
             inner.grad_scale = None
             master.grad = None
             with torch.no_grad():
@@ -215,8 +240,7 @@ class FlatAdamW:
                     b.compute_N.copy_(b.master_S)
         self.steps_taken += 1
 
-    def _step_rounded_moments(self, b: Bucket, master: torch.Tensor, lr: float,
-                              grad_scale: torch.Tensor | None) -> None:
+    def _step_rounded_moments(self, b: Bucket, master: torch.Tensor, grad_scale: torch.Tensor | None) -> None:
         """AdamW on `master` with its moments held in `state_dtype` (module docstring): per
         MOMENT_CHUNK elements, fp32 copies of both moments go through torch's AdamW (fused on CUDA,
         dividing the gradient by `grad_scale` there; the CPU caller has scaled it already). Then
@@ -237,7 +261,7 @@ class FlatAdamW:
                 step = state["step"].clone()  # the call counts its own step: each chunk starts from the same one
                 adamw([master[part]], [grad[part]], [exp_avg], [exp_avg_sq], [], [step], foreach=False,
                       fused=master.is_cuda, grad_scale=grad_scale if master.is_cuda else None, amsgrad=False,
-                      beta1=beta1, beta2=beta2, lr=lr, weight_decay=group["weight_decay"], eps=group["eps"],
+                      beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
                       maximize=False)
                 state["exp_avg"][part].copy_(exp_avg)  # fp32 -> bf16: round to nearest even
                 state["exp_avg_sq"][part].copy_(exp_avg_sq)

@@ -38,6 +38,7 @@ from disagmoe.config import ModelConfig, TrainConfig
 from disagmoe.model_ref import load_model
 from disagmoe.data import TokenDataset, load_splits
 from disagmoe.model import MoETransformer
+from disagmoe.model.experts import check_backend_device
 from disagmoe.model.layers import set_fusion
 from disagmoe.model.loss import linear_cross_entropy
 from disagmoe.roofline.flops import step_flops
@@ -159,8 +160,9 @@ def train_step_flat(
     check_divisible(batch_size, micro_batches, 1)
     model.train()
     tokens_BS1 = tokens_BS1.to(device)
+    optimizer.set_lr(lr)  # the step's one host value of the lr, into a device scalar: the body below takes none
     with no_host_syncs(forbid_host_syncs, device):
-        totals, norm, load_LE = _flat_step_on_device(model, optimizer, tokens_BS1, micro_batches, lr, grad_clip)
+        totals, norm, load_LE = _flat_step_on_device(model, optimizer, tokens_BS1, micro_batches, grad_clip)
     read = torch.cat([(totals / micro_batches).double(), norm[None].double(), load_LE.flatten().double()]).cpu()
     loss, ce, aux, z, grad_norm = read[:5].tolist()  # the step's one read (loads exact below 2^53)
     return StepResult(loss=loss, ce=ce, aux_loss=aux, z_loss=z, grad_norm=grad_norm,
@@ -168,8 +170,9 @@ def train_step_flat(
 
 
 def _flat_step_on_device(model: MoETransformer, optimizer: FlatAdamW, tokens_BS1: torch.Tensor, micro_batches: int,
-                         lr: float, grad_clip: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The body of `train_step_flat`: (summed loss parts, grad norm, expert loads), on the device."""
+                         grad_clip: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The body of `train_step_flat`: (summed loss parts, grad norm, expert loads), on the device,
+    at the learning rate already in `optimizer.lr`."""
     device, batch_size = tokens_BS1.device, tokens_BS1.shape[0]
     optimizer.zero_grad()
     totals = torch.zeros(4, dtype=torch.float32, device=device)  # loss, ce, aux, z summed over micro-batches
@@ -185,7 +188,7 @@ def _flat_step_on_device(model: MoETransformer, optimizer: FlatAdamW, tokens_BS1
         load_LE += out.expert_load_LE
     norm = optimizer.grad_squares().sqrt().float()
     coef = torch.clamp(grad_clip / (norm + 1e-6), max=1.0) if grad_clip > 0 else None
-    optimizer.step(lr, coef)
+    optimizer.step(clip_coef=coef)
     model.update_router_bias(load_LE)
     return totals, norm, load_LE
 
@@ -242,6 +245,7 @@ class SingleProcessTrainer(TrainingLoop):
         self.model_cfg: ModelConfig = load_model(cfg.model)
         self.device = resolve_device(cfg.device)
         check_divisible(cfg.batch_size, cfg.micro_batches, 1)
+        check_backend_device(cfg.experts_backend, self.device.type)
         if self.device.type == "cuda":
             check_single_memory(cfg, self.model_cfg, torch.cuda.get_device_properties(self.device).total_memory)
         self.predicted_peak_gib = sum(single_peak_bytes(cfg, self.model_cfg)) / 2**30

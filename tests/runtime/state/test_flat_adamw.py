@@ -16,7 +16,7 @@ from torch import nn
 
 from disagmoe.config import OptimConfig
 from disagmoe.runtime.state.flat_adamw import FlatAdamW, Shard
-from disagmoe.runtime.state.optim import build_optimizer
+from disagmoe.runtime.state.optim import build_optimizer, lr_at
 
 OPTIM = OptimConfig(lr=1e-2, weight_decay=0.1)
 
@@ -26,9 +26,20 @@ def _model(seed: int = 0) -> nn.Module:
     return nn.Sequential(nn.Linear(6, 5), nn.LayerNorm(5), nn.Linear(5, 3, bias=False))
 
 
+def _step_alike(pairs, steps, lr_of) -> None:
+    """Step each (FlatAdamW, model) pair through `steps` on the same losses, at `lr_of(step)`."""
+    for step in steps:
+        for f, m in pairs:
+            f.zero_grad()
+            _loss(m, step, 0).backward()
+            f.set_lr(lr_of(step))
+            f.step()
+
+
 def _loss(model: nn.Module, step: int, mb: int) -> torch.Tensor:
     x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * step + mb))
-    return model(x.to(next(model.parameters()).dtype)).float().square().mean()
+    first = next(model.parameters())
+    return model(x.to(first.device, first.dtype)).float().square().mean()
 
 
 def test_flat_step_equals_adamw_on_the_parameters() -> None:
@@ -42,7 +53,8 @@ def test_flat_step_equals_adamw_on_the_parameters() -> None:
             (_loss(oracle, step, mb) / 3).backward()
             (_loss(fast, step, mb) / 3).backward()
         reference.step()
-        flat.step(OPTIM.lr)
+        flat.set_lr(OPTIM.lr)
+        flat.step()
     for (name, a), b in zip(oracle.named_parameters(), fast.parameters(), strict=True):
         torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7, msg=name)
 
@@ -61,7 +73,8 @@ def test_bf16_parameters_accumulate_fp32_main_gradients() -> None:
         assert p.main_grad.dtype == torch.float32
         torch.testing.assert_close(p.main_grad, e, rtol=1e-6, atol=1e-7)
     before = {n: p.detach().float().clone() for n, p in model.named_parameters()}
-    flat.step(OPTIM.lr)
+    flat.set_lr(OPTIM.lr)
+    flat.step()
     masters = flat.masters_by_name()
     for name, p in model.named_parameters():
         assert not torch.equal(p.float(), before[name]), name
@@ -80,7 +93,8 @@ def test_clip_coefficient_scales_like_clip_grad_norm() -> None:
     torch.testing.assert_close(squares.sqrt().float(), norm, rtol=1e-6, atol=0)
     coef = torch.clamp(0.01 / (squares.sqrt().float() + 1e-6), max=1.0)
     reference.step()
-    flat.step(OPTIM.lr, coef)
+    flat.set_lr(OPTIM.lr)
+    flat.step(clip_coef=coef)
     for a, b in zip(oracle.parameters(), fast.parameters(), strict=True):
         torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7)
 
@@ -92,7 +106,8 @@ def test_state_round_trips_through_the_per_parameter_form() -> None:
     for step in range(2):
         flat.zero_grad()
         _loss(model, step, 0).backward()
-        flat.step(OPTIM.lr)
+        flat.set_lr(OPTIM.lr)
+        flat.step()
     masters, state = flat.masters_by_name(), flat.state_by_name()
     assert set(masters) == set(state) == {n for n, _ in model.named_parameters()}
     assert all(float(s["step"]) == 2 for s in state.values())
@@ -101,11 +116,7 @@ def test_state_round_trips_through_the_per_parameter_form() -> None:
     fresh.load_state(masters, state)
     for (name, a), b in zip(model.named_parameters(), other.parameters(), strict=True):
         assert torch.equal(a, b), name
-    for step in range(2, 4):
-        for f, m in ((flat, model), (fresh, other)):
-            f.zero_grad()
-            _loss(m, step, 0).backward()
-            f.step(OPTIM.lr)
+    _step_alike(((flat, model), (fresh, other)), range(2, 4), lambda step: OPTIM.lr)
     for a, b in zip(model.parameters(), other.parameters(), strict=True):
         assert torch.equal(a, b)
 
@@ -115,7 +126,8 @@ def test_partial_state_is_refused() -> None:
     flat = FlatAdamW(model.named_parameters(), OPTIM, torch.float32)
     flat.zero_grad()
     _loss(model, 0, 0).backward()
-    flat.step(OPTIM.lr)
+    flat.set_lr(OPTIM.lr)
+    flat.step()
     state = flat.state_by_name()
     state.pop(next(iter(state)))
     with pytest.raises(ValueError, match="some but not all"):
@@ -149,7 +161,8 @@ def test_bf16_moments_take_the_fp32_update_then_round_the_moments(monkeypatch, c
         before = [(b.master_S.detach().clone(), b.grad_N.clone(), {k: v.clone() for k, v in s.items()}) for b, s in
                   zip(flat.buckets, _moments(flat), strict=True)]
         coef = torch.tensor(0.5)
-        flat.step(BF16.lr, coef)
+        flat.set_lr(BF16.lr)
+        flat.step(clip_coef=coef)
         for b, state, (master, grad, old) in zip(flat.buckets, _moments(flat), before, strict=True):
             assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.bfloat16
             ref = nn.Parameter(master)
@@ -181,7 +194,8 @@ def test_bf16_moments_stay_near_the_fp32_moment_trajectory() -> None:
         for step in range(40):
             flat.zero_grad()
             _loss(model, step, 0).backward()
-            flat.step(optim.lr)
+            flat.set_lr(optim.lr)
+            flat.step()
         runs.append(torch.cat([(p.detach() - s).flatten() for p, s in zip(model.parameters(), start, strict=True)]))
     fp32, bf16 = runs
     assert float((bf16 - fp32).norm() / fp32.norm()) < 2e-2
@@ -198,7 +212,8 @@ def test_moments_resume_across_state_dtypes(saved: str, loaded: str) -> None:
     for step in range(3):
         flat.zero_grad()
         _loss(model, step, 0).backward()
-        flat.step(OPTIM.lr)
+        flat.set_lr(OPTIM.lr)
+        flat.step()
     masters, state = flat.masters_by_name(), flat.state_by_name()
     assert all(s[k].dtype == torch.float32 for s in state.values() for k in ("exp_avg", "exp_avg_sq"))
     other = _model(seed=1)
@@ -211,11 +226,7 @@ def test_moments_resume_across_state_dtypes(saved: str, loaded: str) -> None:
             assert live[k].dtype == want and torch.equal(live[k][:flat_k.numel()], flat_k.to(want)), (b.name, k)
     assert fresh.state_by_name().keys() == state.keys()
     if saved == loaded:
-        for step in range(3, 5):
-            for f, m in ((flat, model), (fresh, other)):
-                f.zero_grad()
-                _loss(m, step, 0).backward()
-                f.step(OPTIM.lr)
+        _step_alike(((flat, model), (fresh, other)), range(3, 5), lambda step: OPTIM.lr)
         for a, b in zip(model.parameters(), other.parameters(), strict=True):
             assert torch.equal(a, b)
 
@@ -233,12 +244,13 @@ def test_cuda_bf16_moments_take_the_fused_fp32_update_then_round_the_moments() -
         before = [(b.master_S.detach().clone(), b.grad_N.clone(), {k: v.clone() for k, v in s.items()})
                   for b, s in zip(flat.buckets, _moments(flat), strict=True)]
         coef = torch.tensor(0.5, device="cuda")
-        flat.step(BF16.lr, coef)
+        flat.set_lr(BF16.lr)
+        flat.step(clip_coef=coef)
         for b, state, (master, grad, old) in zip(flat.buckets, _moments(flat), before, strict=True):
             ref = nn.Parameter(master)
             ref.grad = grad
-            reference = torch.optim.AdamW([ref], lr=BF16.lr, betas=(BF16.beta1, BF16.beta2), eps=BF16.eps,
-                                          weight_decay=b.weight_decay, fused=True)
+            reference = torch.optim.AdamW([ref], lr=flat.lr.clone(), betas=(BF16.beta1, BF16.beta2), eps=BF16.eps,
+                                          weight_decay=b.weight_decay, fused=True)  # the fp32 lr the kernel reads
             if old:
                 reference.state[ref] = {"step": old["step"].clone(), "exp_avg": old["exp_avg"].float(),
                                         "exp_avg_sq": old["exp_avg_sq"].float()}
@@ -254,6 +266,116 @@ def test_cuda_bf16_moments_take_the_fused_fp32_update_then_round_the_moments() -
 def test_the_oracle_optimizer_refuses_bf16_moments() -> None:
     with pytest.raises(ValueError, match="optim.state_dtype=bf16: .*FlatAdamW .* or set optim.state_dtype=fp32"):
         build_optimizer(_model().named_parameters(), BF16)
+
+
+# -- the learning rate as a device scalar -----------------------------------------------------------
+
+SCHEDULE = {"fp32": OptimConfig(lr=1e-2, weight_decay=0.1, warmup_steps=3, min_lr_ratio=0.1),
+            "bf16": OptimConfig(lr=1e-2, weight_decay=0.1, warmup_steps=3, min_lr_ratio=0.1, state_dtype="bf16")}
+SCHEDULE_STEPS = 8
+
+
+def _float_lr_step(flat: FlatAdamW, lr: float, clip_coef: torch.Tensor | None = None) -> None:
+    """The step as it was before the lr became a tensor: a Python float in every inner AdamW's group."""
+    for b in flat.buckets:
+        b.inner.param_groups[0]["lr"] = lr
+    flat.step(clip_coef=clip_coef)
+
+
+def _scheduled_pair(state_dtype: str, dtype: torch.dtype, shards=None, rank: int = 0):
+    """(device-lr run, float-lr run) of the same model over SCHEDULE_STEPS steps of the schedule
+    with a clip coefficient below 1, checking their masters and moments are equal after each step."""
+    optim = SCHEDULE[state_dtype]
+    runs = []
+    for _ in range(2):
+        model = _model().to(dtype)
+        runs.append((model, FlatAdamW(model.named_parameters(), optim, dtype, shards=shards)))
+    for step in range(SCHEDULE_STEPS):
+        lr = lr_at(step, optim, SCHEDULE_STEPS)
+        for i, (model, flat) in enumerate(runs):
+            flat.zero_grad()
+            _loss(model, step, rank).backward()
+            for b in flat.buckets:
+                if b.shard is not None:
+                    flat.reduce_scatter(b)
+            coef = torch.tensor(0.75)
+            if i == 0:
+                flat.set_lr(lr)
+                flat.step(clip_coef=coef)
+            else:
+                _float_lr_step(flat, lr, coef)
+        (_, tensor_lr), (_, float_lr) = runs
+        for a, b, sa, sb in zip(tensor_lr.buckets, float_lr.buckets, _moments(tensor_lr), _moments(float_lr),
+                                strict=True):
+            assert torch.equal(a.master_S, b.master_S), (step, a.name)
+            assert torch.equal(a.compute_N, b.compute_N), (step, a.name)
+            for k in ("exp_avg", "exp_avg_sq", "step"):
+                assert torch.equal(sa[k], sb[k]), (step, a.name, k)
+    return runs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])
+def test_the_device_lr_takes_the_float_lr_step_bit_for_bit(state_dtype: str, dtype: torch.dtype) -> None:
+    """Over a warmup + cosine schedule with clipping: masters, parameters and moments equal those of
+    the float-lr step after every step (CPU: the lr tensor is float64, the doubles a float gives)."""
+    (_, flat), _ = _scheduled_pair(state_dtype, dtype)
+    assert flat.lr.dtype == torch.float64 and flat.lr.device.type == "cpu"
+    assert all(b.inner.param_groups[0]["lr"] is flat.lr for b in flat.buckets)  # one tensor for every bucket
+    assert float(flat.lr) == lr_at(SCHEDULE_STEPS - 1, SCHEDULE[state_dtype], SCHEDULE_STEPS)
+
+
+def test_set_lr_changes_the_next_step_and_nothing_else() -> None:
+    """set_lr touches no master, moment or step count; the step after it runs at the new lr (as the
+    float-lr step at that lr), and the lr stays until the next set_lr."""
+    runs = []
+    for _ in range(3):
+        model = _model()
+        runs.append((model, FlatAdamW(model.named_parameters(), OPTIM, torch.float32)))
+    lrs = {0: [1e-2, 1e-2, 1e-2], 1: [1e-2, 3e-3, 3e-3], 2: [1e-2, 3e-3, 3e-3]}
+    for step in range(3):
+        for i, (model, flat) in enumerate(runs):
+            flat.zero_grad()
+            _loss(model, step, 0).backward()
+            if i == 2:
+                _float_lr_step(flat, lrs[i][step])
+                continue
+            if step == 1 and i == 1:
+                before = [(b.master_S.clone(), {k: v.clone() for k, v in s.items()})
+                          for b, s in zip(flat.buckets, _moments(flat), strict=True)]
+                flat.set_lr(3e-3)
+                for b, s, (master, state) in zip(flat.buckets, _moments(flat), before, strict=True):
+                    assert torch.equal(b.master_S, master) and all(torch.equal(s[k], state[k]) for k in state)
+            elif step == 0:
+                flat.set_lr(1e-2)
+            flat.step()  # run 1 at step 2: still 3e-3, no set_lr since
+        (_, same), (_, changed), (_, reference) = runs
+        for a, b, c in zip(same.buckets, changed.buckets, reference.buckets, strict=True):
+            assert torch.equal(b.master_S, c.master_S), (step, b.name)
+            assert torch.equal(a.master_S, b.master_S) == (step == 0), (step, a.name)
+
+
+def test_the_lr_is_not_checkpoint_state() -> None:
+    """A run resumed from the per-parameter form (which holds no lr) and fed the same schedule
+    through set_lr continues bit for bit; loading leaves the lr tensor as it was."""
+    optim = SCHEDULE["fp32"]
+    model = _model()
+    flat = FlatAdamW(model.named_parameters(), optim, torch.float32)
+    for step in range(3):
+        flat.zero_grad()
+        _loss(model, step, 0).backward()
+        flat.set_lr(lr_at(step, optim, SCHEDULE_STEPS))
+        flat.step()
+    state = flat.state_by_name()
+    assert all(set(s) == {"step", "exp_avg", "exp_avg_sq"} for s in state.values())
+    other = _model(seed=1)
+    fresh = FlatAdamW(other.named_parameters(), optim, torch.float32)
+    fresh.set_lr(0.5)
+    fresh.load_state(flat.masters_by_name(), state)
+    assert float(fresh.lr) == 0.5
+    _step_alike(((flat, model), (fresh, other)), range(3, SCHEDULE_STEPS), lambda step: lr_at(step, optim, SCHEDULE_STEPS))
+    for a, b in zip(model.parameters(), other.parameters(), strict=True):
+        assert torch.equal(a, b)
 
 
 def _free_port() -> int:
@@ -276,7 +398,8 @@ def _sharded_worker(rank: int, port: int, dtype: torch.dtype, optim: OptimConfig
                 flat.reduce_scatter(b)
             squares = flat.grad_squares()
             dist.all_reduce(squares, group=group)
-            flat.step(OPTIM.lr)
+            flat.set_lr(OPTIM.lr)
+            flat.step()
         masters, state = flat.masters_by_name(), flat.state_by_name()
         results[rank] = ({n: p.detach().float().clone() for n, p in model.named_parameters()},
                          masters, state, float(squares))
@@ -299,7 +422,8 @@ def test_zero1_split_takes_the_unsharded_step(dtype: torch.dtype, optim: OptimCo
         for rank in range(2):
             _loss(model, step, rank).backward()
         squares = flat.grad_squares()
-        flat.step(OPTIM.lr)
+        flat.set_lr(OPTIM.lr)
+        flat.step()
     params0, masters0, state0, squares0 = results[0]
     params1, _, state1, _ = results[1]
     assert state1 == {} and set(state0) == {n for n, _ in model.named_parameters()}
@@ -316,6 +440,23 @@ def test_zero1_split_takes_the_unsharded_step(dtype: torch.dtype, optim: OptimCo
         for k in ("exp_avg", "exp_avg_sq"):
             assert state[k].dtype == torch.float32
             torch.testing.assert_close(state[k], unsharded[name][k], **moment_tol)
+
+
+def _sharded_lr_worker(rank: int, port: int, state_dtype: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        _scheduled_pair(state_dtype, torch.bfloat16, shards={"params": Shard(dist.new_group([0, 1]), rank, 2)},
+                        rank=rank)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # two gloo processes
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])
+def test_zero1_slices_take_the_float_lr_step_bit_for_bit(state_dtype: str) -> None:
+    """Each rank's slice, stepped at the device lr over the schedule, equals its float-lr step."""
+    mp.spawn(_sharded_lr_worker, args=(_free_port(), state_dtype), nprocs=2)
 
 
 class _AddsIntoMainGrad(torch.autograd.Function):
