@@ -23,7 +23,10 @@ weight 2 B, fp32 master 4, fp32 gradient 4, two AdamW moments 8 in fp32 or 4 in 
 splits the attention side's master and moments over dp and adds the reduced slice), plus the activations of the m micro-batches
 of one round (all kept until their backward) and the larger of the head's and one layer's
 backward transient, in `roofline.memory`'s per-token terms (`activations`). The combine's
-rows sit on the expert GPU (the runtime's compact hop keeps them there).
+rows sit on the expert GPU (the runtime's compact hop keeps them there). An expert GPU's rows
+are every (token, k) pair of every attention GPU that dispatches to it, not its share of them:
+the runtime's buffers span them all (`activations` says why), so its memory is priced on
+`pairs`, its time on the rows it computes (`rows`, the busiest GPU's share).
 
 Recomputation (`Problem.recompute`): selective drops `roofline.memory.SELECTIVE` from what the
 expert side keeps, and its expert backward pays `stages.selective_recompute`'s bytes; auto takes,
@@ -248,29 +251,71 @@ def _pass_time(a, d, e, c, p, m, layers):
     return layers / p * np.maximum(ring, busy) + edge
 
 
-def activations(m: ModelConfig, tokens: Num, rows: Num, in_flight: Num, moe_l: Num, dense_l: Num, colocated: bool,
+def _group_layers(model: ModelConfig, p: np.ndarray, g: int) -> tuple[np.ndarray, np.ndarray]:
+    """(MoE layers, dense layers) of pipeline group g (layer l belongs to group l mod p; zero
+    where g >= p)."""
+    def below(n: int) -> np.ndarray:  # layers l < n with l mod p == g
+        return np.where(g < p, np.maximum(0, -(-(n - g) // p)), 0)
+
+    dense = below(model.num_dense_layers)
+    return below(model.num_layers) - dense, dense
+
+
+def activations(m: ModelConfig, tokens: Num, pairs: Num, in_flight: Num, p: np.ndarray, colocated: bool,
                 dropped: frozenset[str] = mem.NOTHING_DROPPED) -> tuple[Num, Num]:
     """(attention GPU, expert GPU) activation bytes at the peak, in `roofline.memory`'s per-token
-    terms (as the runtime's memory check uses them; `dropped`: what recomputation does not keep):
-    the `in_flight` micro-batches of the busiest group's layers, all kept until their backward (the
-    distributed schedules run every forward of a round first, `runtime.activation_memory`; one
-    process, one), and what one op holds on top: the head's peak or one layer's backward on the
-    attention side, one layer's expert backward on the expert side. The combine's rows are the
+    terms, as the runtime's memory check counts them (`runtime.activation_memory.rank_activations`,
+    pinned by tests/runtime/test_activation_memory.py; `dropped`: what recomputation does not keep).
+    The distributed schedules run every forward of a round before the first backward, so a GPU
+    keeps the `in_flight` micro-batches of all its group's layers and holds on top what one op
+    does: the head's peak (on the head group, the one after the last layer's, `Layout.head_group`)
+    or one layer's backward on the attention side (`attention_activations`), one layer's expert
+    backward on the expert side; the busiest group's sum is the answer. The combine's rows are the
     expert GPU's (the runtime's compact hop). Colocated: one GPU holds both sides' kept bytes and
-    the larger of the head and one whole layer's backward (`memory.activation_bytes`), all in the
-    first element."""
-    layer_kinds = [moe for moe, n in ((True, m.num_moe_layers), (False, m.num_dense_layers)) if n]
+    the larger of the head and one whole layer's backward (`memory.activation_bytes`; one process
+    keeps one micro-batch), all in the first element.
+
+    `pairs`: the (token, k) rows one expert GPU's activations span per micro-batch and layer: every
+    pair of every source that dispatches to it (`tokens * k` times the sources), not the share its
+    experts serve. The runtime has no host read of the routing counts (DESIGN 3c), so the permute
+    groups all of a source's pairs, those served elsewhere into a spare bucket, and the experts'
+    saved rows (input rows, gate/up pre-activations, SwiGLU output, the combine's rows) and the
+    backward's gradients are allocated for all of them: any routing may send every pair here."""
+    row = mem.expert_row_bytes(m, BF16, dropped) + mem.combine_bytes(m, BF16, dropped) // m.top_k
+    row_grad = mem.expert_row_grad_bytes(m, BF16, dropped)
+    moe_l, dense_l = _layer_counts(m, np.asarray(p))
+    exp_kept = in_flight * pairs * moe_l * row
+    if not colocated:
+        return attention_activations(m, tokens, in_flight, p), exp_kept + pairs * row_grad
     attn_kept = in_flight * tokens * (moe_l * mem.attention_bytes(m, True, BF16)
                                       + dense_l * mem.attention_bytes(m, False, BF16))
-    row = mem.expert_row_bytes(m, BF16, dropped) + mem.combine_bytes(m, BF16, dropped) // m.top_k
-    exp_kept, row_grad = in_flight * rows * moe_l * row, mem.expert_row_grad_bytes(m, BF16, dropped)
+    kinds = [moe for moe, n in ((True, m.num_moe_layers), (False, m.num_dense_layers)) if n]
+    grads = [tokens * mem.attention_grad_bytes(m, moe, BF16) + (pairs * row_grad if moe else 0) for moe in kinds]
+    return attn_kept + exp_kept + np.maximum(mem.head_bytes(m, tokens, BF16), np.maximum.reduce(grads)), 0.0 * exp_kept
+
+
+def attention_activations(m: ModelConfig, tokens: Num, in_flight: Num, p: np.ndarray) -> Num:
+    """A disaggregated attention GPU's activation peak (`activations`): the largest over the
+    pipeline groups of what the group's layers keep plus what one of its ops holds. Recomputation
+    changes none of it. Per p, each group's bytes are a sum of terms fixed by p times `in_flight *
+    tokens` (kept), `tokens` (a backward's gradients) or the head's peak."""
+    p = np.asarray(p)
+    ps = np.unique(p)
+    top = int(ps.max())
+    kept, grads, heads = (np.zeros((top + 1, top)) for _ in range(3))  # [p, group]: per-token bytes, head flag
+    for q in ps.tolist():
+        for g in range(q):
+            moe_g, dense_g = (int(n) for n in _group_layers(m, np.array(q), g))
+            kept[q, g] = moe_g * mem.attention_bytes(m, True, BF16) + dense_g * mem.attention_bytes(m, False, BF16)
+            grads[q, g] = max(mem.attention_grad_bytes(m, True, BF16) if moe_g else 0,
+                              mem.attention_grad_bytes(m, False, BF16) if dense_g else 0)
+            heads[q, g] = m.num_layers % q == g
     head = mem.head_bytes(m, tokens, BF16)
-    if colocated:
-        grads = [tokens * mem.attention_grad_bytes(m, moe, BF16) + (rows * row_grad if moe else 0)
-                 for moe in layer_kinds]
-        return attn_kept + exp_kept + np.maximum(head, np.maximum.reduce(grads)), 0.0 * exp_kept
-    grads = max(mem.attention_grad_bytes(m, moe, BF16) for moe in layer_kinds)
-    return attn_kept + np.maximum(head, tokens * grads), exp_kept + rows * row_grad
+    out = 0.0
+    for g in range(top):  # groups beyond a candidate's p have no layers and no head: zero
+        here = in_flight * tokens * kept[p, g] + np.maximum(tokens * grads[p, g], heads[p, g] * head)
+        out = np.maximum(out, here)
+    return out
 
 
 def evaluate(prob: Problem, c: Candidates) -> Cost:
@@ -286,6 +331,7 @@ def evaluate(prob: Problem, c: Candidates) -> Cost:
         local = (m.num_experts // ep).astype(float)
         imbalance = np.full(len(c), max(prob.load_peak_ratio, 1.0))
         rows = tokens * k * imbalance
+        pairs = ep * tokens * k  # every GPU of the EP block dispatches its tokens to every other (`activations`)
         f_link = _scaleout_fraction(ep.astype(float), prob.nvlink_domain)
         f_next = _ring_hop_fraction(p * ep, p, f_link, prob.nvlink_domain)  # EP block b of every group
         expert_replicas = dp / ep
@@ -299,7 +345,8 @@ def evaluate(prob: Problem, c: Candidates) -> Cost:
         per_set = c.expert // (c.p * c.sets)
         local, imbalance = expert_layout(m, per_set, prob.load_peak_ratio, prob.replica_slots)
         local = local.astype(float)
-        rows = dp * tokens * k / e_pg * imbalance
+        rows = dp * tokens * k / e_pg * imbalance  # computed by the busiest expert GPU
+        pairs = dp * tokens * k  # held by each: every attention GPU of the group dispatches to all (`activations`)
         f_link = _scaleout_fraction((dp + e_pg) / sets, prob.nvlink_domain)
         f_next = _ring_hop_fraction(p * (dp + e_pg) / sets, p, f_link, prob.nvlink_domain)  # set r of every group
         expert_replicas = sets * np.maximum(per_set / m.num_experts, 1.0)
@@ -342,7 +389,7 @@ def evaluate(prob: Problem, c: Candidates) -> Cost:
     in_flight = np.where(c.expert == 1, 1.0, mb) if c.colocated else mb  # one GPU: mode single accumulates
     options = {}
     for dropped in (mem.NOTHING_DROPPED, mem.SELECTIVE):
-        act_attn, act_exp = activations(m, tokens, rows, in_flight, moe_l, dense_l, c.colocated, dropped)
+        act_attn, act_exp = activations(m, tokens, pairs, in_flight, c.p, c.colocated, dropped)
         attn_mem, exp_mem = attn_state + act_attn, exp_state + act_exp
         if c.colocated:
             exp_mem = attn_mem

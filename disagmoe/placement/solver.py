@@ -227,6 +227,15 @@ def _pruning(cfg: PlanConfig, prob: Problem, cands: Candidates) -> Least:
         return lambda code, m, seqs: np.ones_like(code)
     cost = evaluate(prob, cands)
     best = float(np.min(np.where(cost.fits, cost.step_s, np.inf)))
+    # Memory: a disaggregated expert GPU's bytes grow with dp (its activations span every pair of
+    # the group's dp attention GPUs, `cost.activations`), a colocated GPU's do not change with it
+    # (ZeRO-1 aside); so a key whose leanest end does not fit with the leanest recomputation
+    # allowed fits at no dp.
+    lean = evaluate(replace(prob, recompute="selective" if prob.recompute != "none" else "none"), cands)
+    if cands.colocated:
+        short = ~lean.fits if not prob.shard_optimizer else lean.expert_mem_bytes > prob.capacity_bytes
+    else:
+        short = lean.expert_mem_bytes > prob.capacity_bytes
     ms = np.unique(cfg.micro_batch_choices)
     combos = len(ms) * len(_seq_choices())
 
@@ -236,8 +245,9 @@ def _pruning(cfg: PlanConfig, prob: Problem, cands: Candidates) -> Least:
     key = layout_code(cands, cfg.model.num_experts) * combos + combo(cands.m, cands.seqs)
     floor = cost.fwd_round_s + cost.bwd_round_s
     order = np.lexsort((floor, key))  # per key, the smallest round time first
-    key, floor = key[order], floor[order]
+    key, floor, short = key[order], floor[order], short[order]
     first = np.r_[True, key[1:] != key[:-1]]
+    dead = np.logical_and.reduceat(short, np.flatnonzero(first)) if len(key) else short  # no end of the key fits
     key, floor = key[first], floor[first]
 
     def least(code: np.ndarray, m: int, seqs: int) -> np.ndarray:
@@ -248,7 +258,8 @@ def _pruning(cfg: PlanConfig, prob: Problem, cands: Candidates) -> Least:
         unit = m * seqs * cfg.seq_len
         ok = np.isfinite(rounds) & (rounds >= 1)
         dp = np.where(ok, -(-cfg.global_batch_tokens // (np.where(ok, rounds, 1) * unit)), 1)
-        return np.where(rounds < 1, CODE, dp).astype(np.int64)  # < 1 round: no dp of this row can win
+        gone = (rounds < 1) | ((key[at] == want) & dead[at])  # < 1 round, or no dp fits: no dp of this row can win
+        return np.where(gone, CODE, dp).astype(np.int64)
 
     return least
 
@@ -395,8 +406,9 @@ MEMORY_BOUND = 0.95  # a GPU this full of its capacity binds the split
 
 def _memory_bound(cost: Cost, prob: Problem) -> list[str]:
     """A note when memory, not speed, sets the split: the expert GPUs (states plus the
-    activations of the round's tokens) cannot shrink in number, and the attention GPUs'
-    activations cap the tokens in flight (m * seqs * seq_len, less the head's and one backward's
+    activations of every pair of their group's tokens in flight, dp * m * seqs * seq_len tokens)
+    cannot shrink in number nor take more tokens, and the attention GPUs' activations cap the
+    tokens in flight per attention GPU (m * seqs * seq_len, less the head's and one backward's
     transients, which do not scale with the micro-batches)."""
     cap = prob.capacity_bytes
     attn, exp = float(cost.attn_mem_bytes[0]) / cap, float(cost.expert_mem_bytes[0]) / cap
@@ -406,8 +418,12 @@ def _memory_bound(cost: Cost, prob: Problem) -> list[str]:
             if frac >= MEMORY_BOUND]
     relax = "more GPUs relax it" + (", as may --shard-optimizer-states"
                                     if attn >= MEMORY_BOUND and not prob.shard_optimizer else "")
-    return [f"the split is bound by memory ({', '.join(full)} of capacity): fewer expert GPUs or more tokens in "
-            f"flight per attention GPU would not fit, so a longer --seq-len holds fewer micro-batches in flight; {relax}"]
+    why = ("more tokens in flight per pipeline group would not fit (an expert GPU keeps every (token, k) pair its "
+           "group's attention GPUs dispatch, not only its experts' share: the runtime's buffers span them all), so a "
+           "longer --seq-len holds fewer micro-batches or attention GPUs per group" if exp >= MEMORY_BOUND else
+           "more tokens in flight per attention GPU would not fit, so a longer --seq-len holds fewer micro-batches in "
+           "flight")
+    return [f"the split is bound by memory ({', '.join(full)} of capacity): fewer expert GPUs or {why}; {relax}"]
 
 
 def _colocated_map(cfg: PlanConfig, c: Candidates) -> tuple[list[list[list[int]]], float]:

@@ -234,7 +234,8 @@ def test_the_elementwise_kernels_around_the_gemms_are_priced_per_layer_by_their_
 def test_the_planners_activations_are_roofline_memorys(name, recompute):
     """One GPU (mode single: one micro-batch in flight) prices exactly `roofline.memory.activation_bytes`,
     with selective recomputation's dropped terms when asked; in a split the expert GPU keeps the
-    combine's rows beside its own (the compact hop)."""
+    combine's rows beside its own (the compact hop), for every pair its sources dispatch (the
+    runtime's buffers span them all, not its experts' share)."""
     from disagmoe.roofline import memory as mem
 
     model = load_model(name)
@@ -244,17 +245,19 @@ def test_the_planners_activations_are_roofline_memorys(name, recompute):
     dropped = mem.SELECTIVE if recompute == "selective" else mem.NOTHING_DROPPED
     one = evaluate(prob, Candidates.one(0, 1, 1, 4, 2, colocated=True))
     assert one.attn_act_bytes[0] + one.expert_act_bytes[0] == mem.activation_bytes(model, 2 * 512, 2, dropped=dropped)
-    split = evaluate(prob, Candidates.one(2, 1, 1, 4, 2))
-    rows = 2 * 2 * 512 * model.top_k  # every pair of both attention GPUs on the one expert GPU
+    rows = 2 * 2 * 512 * model.top_k  # every pair of both attention GPUs, on each expert GPU however many
     row = mem.expert_row_bytes(model, 2, dropped) + mem.combine_bytes(model, 2, dropped) // model.top_k
-    assert split.expert_act_bytes[0] == (4 * rows * model.num_moe_layers * row
-                                         + rows * mem.expert_row_grad_bytes(model, 2, dropped))
+    for expert_gpus in (1, 2):
+        split = evaluate(prob, Candidates.one(2, expert_gpus, 1, 4, 2))
+        assert split.expert_act_bytes[0] == (4 * rows * model.num_moe_layers * row
+                                             + rows * mem.expert_row_grad_bytes(model, 2, dropped))
 
 
 @pytest.mark.parametrize("colocated", [False, True])
 def test_selective_recomputation_frees_exactly_the_dropped_terms_and_pays_their_bytes(colocated):
-    """Selective lowers the predicted memory by the dropped rows (input, SwiGLU, combine) less the
-    backward's recomputed transient, and adds the regather and SwiGLU write to the expert backward."""
+    """Selective lowers the predicted memory by the dropped rows (input, SwiGLU, combine) of every
+    pair the GPU's buffers span less the backward's recomputed transient, and adds the regather and
+    SwiGLU write to the expert backward of the rows it computes."""
     from disagmoe.roofline import memory as mem
 
     model = load_model("qwen3-30b-a3b")
@@ -262,14 +265,15 @@ def test_selective_recomputation_frees_exactly_the_dropped_terms_and_pays_their_
                      seq_len=1024, global_batch_tokens=1024 * 64)
     cand = Candidates.one(0, 8, 1, 4, 2, colocated=True) if colocated else Candidates.one(4, 4, 1, 4, 2)
     none, sel = (evaluate(replace(problem_of(req), recompute=r), cand) for r in ("none", "selective"))
-    rows = 2 * 1024 * model.top_k if colocated else 4 * 2 * 1024 * model.top_k / 4
+    rows = 2 * 1024 * model.top_k if colocated else 4 * 2 * 1024 * model.top_k / 4  # computed per GPU
+    pairs = 8 * 2 * 1024 * model.top_k if colocated else 4 * 2 * 1024 * model.top_k  # spanned: every source's
     H, F = model.hidden_size, model.expert_ffn_size
-    kept = 4 * rows * model.num_moe_layers * 2 * (H + F + H)  # input row, SwiGLU output, combine row
+    kept = 4 * pairs * model.num_moe_layers * 2 * (H + F + H)  # input row, SwiGLU output, combine row
     freed = (none.attn_mem_bytes - sel.attn_mem_bytes) if colocated else (none.expert_mem_bytes - sel.expert_mem_bytes)
-    recomputed = rows * 2 * (H + F)  # the backward's regathered row and SwiGLU output
+    recomputed = pairs * 2 * (H + F)  # the backward's regathered row and SwiGLU output
     if colocated:  # the layer backward is the held transient here only if it beats the head
         held_none, held_sel = (max(mem.head_bytes(model, 2048, 2), 2048 * mem.attention_grad_bytes(model, True, 2)
-                                   + rows * mem.expert_row_grad_bytes(model, 2, d))
+                                   + pairs * mem.expert_row_grad_bytes(model, 2, d))
                                for d in (mem.NOTHING_DROPPED, mem.SELECTIVE))
         recomputed = held_sel - held_none
     assert freed[0] == pytest.approx(kept - recomputed, rel=1e-12)
