@@ -355,6 +355,8 @@ def price(cfg: PlanConfig, chosen: Candidates, colocated_step_s: float | None = 
                     else ", and no activation recomputation"))
     if selective:
         notes.append(_recompute_note(cfg, prob, chosen, cost))
+    elif prob.recompute == "auto" and fits:
+        notes.append(_no_recompute_note(prob, chosen, cost))
     step = float(cost.step_s[0])
     if prob.calibration is not None and use_dis:
         closed = step
@@ -399,6 +401,18 @@ def _recompute_note(cfg: PlanConfig, prob: Problem, chosen: Candidates, cost: Co
            "as asked (--recompute selective)")
     return (f"selective recomputation: activations {before:.1f} -> {after:.1f} GiB per {side} GPU {why}; "
             f"its recompute adds {report.seconds(extra)} per step")
+
+
+def _no_recompute_note(prob: Problem, chosen: Candidates, cost: Cost) -> str:
+    """One line: why auto left recomputation out (the plan fits without it and no faster layout
+    needed it), with what it would free and cost here."""
+    lean = evaluate(replace(prob, recompute="selective"), chosen)
+    side = "expert" if not chosen.colocated else "colocated"
+    before, after = (report.memory(float((c.expert_act_bytes if side == "expert" else c.attn_act_bytes)[0]) / GIB)
+                     for c in (cost, lean))
+    extra = float(lean.step_s[0] - cost.step_s[0])
+    return (f"recompute auto chose none: this layout fits without it and no faster layout needs it; selective would "
+            f"take activations {before} -> {after} per {side} GPU for {report.seconds(extra)} more per step")
 
 
 MEMORY_BOUND = 0.95  # a GPU this full of its capacity binds the split

@@ -241,6 +241,8 @@ def test_auto_recomputation_is_chosen_recorded_and_said_only_where_it_pays():
     roomy = solve(PlanConfig(model=load_model("qwen3-235b-a22b"), seq_len=4096, cluster=ClusterConfig(
         hardware=load_hardware("gb200-nvl72").model_copy(update={"hbm_gib": 1e5}), num_gpus=72)))
     assert roomy.recompute == "none" and not any("selective recomputation:" in n for n in roomy.notes)
+    assert any(n.startswith("recompute auto chose none: this layout fits without it") for n in roomy.notes)
+    assert not any(n.startswith("recompute auto chose none") for n in (auto.notes + none.notes))
     grouped = solve(request("qwen3-235b-a22b", "gb200-nvl72", 72, seq_len=4096, experts_backend="grouped_mm"))
     assert grouped.recompute == "none" and grouped.step_time_s == none.step_time_s
     assert any(n.startswith("selective recomputation was not considered: it needs experts_backend: triton")
