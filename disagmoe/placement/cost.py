@@ -158,6 +158,8 @@ class Cost:
     attn_act_bytes: np.ndarray
     expert_act_bytes: np.ndarray
     selective: np.ndarray  # bool per candidate: priced with selective recomputation (`Problem.recompute`)
+    lean_expert_mem_bytes: np.ndarray  # expert_mem_bytes with the leanest recomputation the problem allows
+    lean_fits: np.ndarray  # fits with the leanest recomputation the problem allows
     round_floor_s: np.ndarray
     """A lower bound on fwd_round_s + bwd_round_s that depends only on (p, m, seqs), whatever
     the layout: the attention work of one GPU (the solver prunes with it)."""
@@ -262,7 +264,7 @@ def _group_layers(model: ModelConfig, p: np.ndarray, g: int) -> tuple[np.ndarray
 
 
 def activations(m: ModelConfig, tokens: Num, pairs: Num, in_flight: Num, p: np.ndarray, colocated: bool,
-                dropped: frozenset[str] = mem.NOTHING_DROPPED) -> tuple[Num, Num]:
+                dropped: frozenset[str] = mem.NOTHING_DROPPED, attention: Num | None = None) -> tuple[Num, Num]:
     """(attention GPU, expert GPU) activation bytes at the peak, in `roofline.memory`'s per-token
     terms, as the runtime's memory check counts them (`runtime.activation_memory.rank_activations`,
     pinned by tests/runtime/test_activation_memory.py; `dropped`: what recomputation does not keep).
@@ -280,13 +282,15 @@ def activations(m: ModelConfig, tokens: Num, pairs: Num, in_flight: Num, p: np.n
     experts serve. The runtime has no host read of the routing counts (DESIGN 3c), so the permute
     groups all of a source's pairs, those served elsewhere into a spare bucket, and the experts'
     saved rows (input rows, gate/up pre-activations, SwiGLU output, the combine's rows) and the
-    backward's gradients are allocated for all of them: any routing may send every pair here."""
+    backward's gradients are allocated for all of them: any routing may send every pair here.
+    `attention`: `attention_activations` of these arguments, if already computed."""
     row = mem.expert_row_bytes(m, BF16, dropped) + mem.combine_bytes(m, BF16, dropped) // m.top_k
     row_grad = mem.expert_row_grad_bytes(m, BF16, dropped)
     moe_l, dense_l = _layer_counts(m, np.asarray(p))
     exp_kept = in_flight * pairs * moe_l * row
     if not colocated:
-        return attention_activations(m, tokens, in_flight, p), exp_kept + pairs * row_grad
+        attention = attention_activations(m, tokens, in_flight, p) if attention is None else attention
+        return attention, exp_kept + pairs * row_grad
     attn_kept = in_flight * tokens * (moe_l * mem.attention_bytes(m, True, BF16)
                                       + dense_l * mem.attention_bytes(m, False, BF16))
     kinds = [moe for moe, n in ((True, m.num_moe_layers), (False, m.num_dense_layers)) if n]
@@ -388,8 +392,9 @@ def evaluate(prob: Problem, c: Candidates) -> Cost:
         attn_state, exp_state = attn_bytes * attn_params, exp_bytes * exp_params
     in_flight = np.where(c.expert == 1, 1.0, mb) if c.colocated else mb  # one GPU: mode single accumulates
     options = {}
+    attention = None if c.colocated else attention_activations(m, tokens, in_flight, c.p)  # recomputation-free
     for dropped in (mem.NOTHING_DROPPED, mem.SELECTIVE):
-        act_attn, act_exp = activations(m, tokens, pairs, in_flight, c.p, c.colocated, dropped)
+        act_attn, act_exp = activations(m, tokens, pairs, in_flight, c.p, c.colocated, dropped, attention)
         attn_mem, exp_mem = attn_state + act_attn, exp_state + act_exp
         if c.colocated:
             exp_mem = attn_mem
@@ -399,6 +404,7 @@ def evaluate(prob: Problem, c: Candidates) -> Cost:
         selective = ~options[mem.NOTHING_DROPPED][4] & options[mem.SELECTIVE][4]
     else:
         selective = np.full(len(c), prob.recompute == "selective")
+    leanest = mem.NOTHING_DROPPED if prob.recompute == "none" else mem.SELECTIVE
     act_attn, act_exp, attn_mem, exp_mem, fits = (np.where(selective, kept, none) for none, kept in
                                                   zip(options[mem.NOTHING_DROPPED], options[mem.SELECTIVE],
                                                       strict=True))
@@ -480,7 +486,9 @@ def evaluate(prob: Problem, c: Candidates) -> Cost:
                 attn_mem_bytes=attn_mem, expert_mem_bytes=exp_mem, fits=fits,
                 imbalance=np.asarray(imbalance, dtype=float) * ones,
                 attn_params=attn_params * ones, expert_params=exp_params * ones,
-                attn_act_bytes=act_attn * ones, expert_act_bytes=act_exp * ones, selective=selective, round_floor_s=floor * ones, stages=stages)
+                attn_act_bytes=act_attn * ones, expert_act_bytes=act_exp * ones, selective=selective,
+                lean_expert_mem_bytes=options[leanest][3] * ones, lean_fits=options[leanest][4].astype(bool),
+                round_floor_s=floor * ones, stages=stages)
 
 
 ATTENTION_FIXED, EXPERT_FIXED = "fixed cost (attention ops)", "fixed cost (expert ops)"

@@ -229,13 +229,13 @@ def _pruning(cfg: PlanConfig, prob: Problem, cands: Candidates) -> Least:
     best = float(np.min(np.where(cost.fits, cost.step_s, np.inf)))
     # Memory: a disaggregated expert GPU's bytes grow with dp (its activations span every pair of
     # the group's dp attention GPUs, `cost.activations`), a colocated GPU's do not change with it
-    # (ZeRO-1 aside); so a key whose leanest end does not fit with the leanest recomputation
-    # allowed fits at no dp.
-    lean = evaluate(replace(prob, recompute="selective" if prob.recompute != "none" else "none"), cands)
+    # (one GPU, which keeps one micro-batch, is the leanest end); so a key whose leanest end does
+    # not fit there with the leanest recomputation allowed fits at no dp. Colocated under ZeRO-1
+    # the state shrinks with dp, and nothing is pruned for memory.
     if cands.colocated:
-        short = ~lean.fits if not prob.shard_optimizer else lean.expert_mem_bytes > prob.capacity_bytes
+        short = ~cost.lean_fits if not prob.shard_optimizer else np.zeros(len(cands), dtype=bool)
     else:
-        short = lean.expert_mem_bytes > prob.capacity_bytes
+        short = cost.lean_expert_mem_bytes > prob.capacity_bytes
     ms = np.unique(cfg.micro_batch_choices)
     combos = len(ms) * len(_seq_choices())
 
