@@ -317,6 +317,22 @@ class PlanConfig(StrictModel):
     optimizer_state_dtype: Literal["fp32", "bf16"] = Field(
         "fp32", description="price AdamW's two moments in this dtype: 4 or 2 bytes each per parameter (train "
         "with optim.state_dtype set the same)")
+    recompute: Literal["none", "selective", "auto"] = Field(
+        "auto", description="activation recomputation to price: none, selective (the expert FFN's input, "
+        "output and SwiGLU rows dropped and recomputed in the backward: leaner expert GPUs, a few more HBM "
+        "bytes) or auto (per layout, selective only where nothing else fits); the plan's `recompute` says "
+        "which, and `train --plan` sets it")
+    experts_backend: Literal["loop", "grouped_mm", "triton"] = Field(
+        "triton", description="the run's expert FFN (TrainConfig.experts_backend): selective recomputation "
+        "needs triton, so for another the planner prices none")
+
+    @model_validator(mode="after")
+    def _recompute_backend(self) -> PlanConfig:
+        if self.recompute == "selective" and self.experts_backend != "triton":
+            raise ValueError(f"recompute: selective needs experts_backend: triton (the {self.experts_backend} "
+                             "backend keeps what torch autograd saves); plan with recompute none or auto, or for "
+                             "experts_backend: triton")
+        return self
 
     @field_validator("load_histogram")
     @classmethod
@@ -391,6 +407,9 @@ class Plan(StrictModel):
         "as training reports quote it); None without a step time")
     feasible: bool
     reason: str
+    recompute: Literal["none", "selective"] = Field(
+        "none", description="the activation recomputation the plan's memory and step time assume (`train --plan` "
+        "sets TrainConfig.recompute to it; selective needs experts_backend: triton)")
     notes: list[str] = Field(default_factory=list)
     min_gpus: PositiveInt | None = Field(None, description="when infeasible: fewest GPUs that fit")
 

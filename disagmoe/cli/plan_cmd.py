@@ -40,19 +40,24 @@ ShardOpt = Annotated[bool, typer.Option(
 StateDtypeOpt = Annotated[Literal["fp32", "bf16"], typer.Option(
     "--optimizer-state-dtype", help="the dtype of AdamW's two moments: fp32 (8 bytes per parameter) or bf16 (4; "
     "train with optim.state_dtype=bf16)")]
+RecomputeOpt = Annotated[Literal["none", "selective", "auto"], typer.Option(
+    "--recompute", help="activation recomputation to price: none, selective (the expert FFN's input, output and "
+    "SwiGLU rows recomputed in the backward: leaner expert GPUs, a little more HBM traffic; train with "
+    "experts_backend: triton) or auto (selective only for a layout that fits no other way); the plan records "
+    "it and train --plan sets it")]
 
 
 def build_request(model: str, hardware: str, gpus: int, seq_len: int | None, global_batch_tokens: int,
                   load_histogram: Path | None = None, max_pipeline_groups: int = 8,
                   max_expert_replicas: int = 0, shard_optimizer_states: bool = False,
-                  optimizer_state_dtype: str = "fp32") -> PlanConfig:
+                  optimizer_state_dtype: str = "fp32", recompute: str = "auto") -> PlanConfig:
     mcfg = load_model(model)
     hist = read_histogram(load_histogram, mcfg.num_moe_layers, mcfg.num_experts) if load_histogram else None
     return PlanConfig(model=mcfg, cluster=ClusterConfig(hardware=checked_hardware(hardware), num_gpus=gpus),
                       seq_len=seq_len or mcfg.seq_len, global_batch_tokens=global_batch_tokens,
                       load_histogram=hist, max_pipeline_groups=max_pipeline_groups,
                       max_expert_replicas=max_expert_replicas, shard_optimizer_states=shard_optimizer_states,
-                      optimizer_state_dtype=optimizer_state_dtype)
+                      optimizer_state_dtype=optimizer_state_dtype, recompute=recompute)
 
 
 def checked_hardware(ref: str) -> HardwareConfig:
@@ -77,6 +82,7 @@ def plan(
     max_expert_replicas: Annotated[int, typer.Option(help="extra replicas per hot expert", min=0)] = 0,
     shard_optimizer_states: ShardOpt = False,
     optimizer_state_dtype: StateDtypeOpt = "fp32",
+    recompute: RecomputeOpt = "auto",
     as_json: JsonOpt = False,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="write the plan (.yaml or .json)")] = None,
 ) -> None:
@@ -89,7 +95,8 @@ def plan(
     Example: disagmoe plan --model deepseek-v3 --hardware gb200-nvl72 --gpus 1152
     """
     req = build_request(model, hardware, gpus, seq_len, global_batch_tokens, load_histogram,
-                        max_pipeline_groups, max_expert_replicas, shard_optimizer_states, optimizer_state_dtype)
+                        max_pipeline_groups, max_expert_replicas, shard_optimizer_states, optimizer_state_dtype,
+                        recompute)
     result = choose(req).plan
     if load_histogram is not None:
         result.notes.insert(0, histogram_note(load_histogram, req.load_histogram, result))

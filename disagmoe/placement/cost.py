@@ -21,7 +21,17 @@ trip around the ring, latency-bound otherwise; plus the fill and drain of the ri
 Memory per GPU: each parameter's training state (`roofline.optimizer_state.state_bytes`: bf16
 weight 2 B, fp32 master 4, fp32 gradient 4, two AdamW moments 8 in fp32 or 4 in bf16; ZeRO-1
 splits the attention side's master and moments over dp and adds the reduced slice), plus the activations of the m micro-batches
-of one round (all kept until their backward).
+of one round (all kept until their backward) and the larger of the head's and one layer's
+backward transient, in `roofline.memory`'s per-token terms (`activations`). The combine's
+rows sit on the expert GPU (the runtime's compact hop keeps them there). An expert GPU's rows
+are every (token, k) pair of every attention GPU that dispatches to it, not its share of them:
+the runtime's buffers span them all (`activations` says why), so its memory is priced on
+`pairs`, its time on the rows it computes (`rows`, the busiest GPU's share).
+
+Recomputation (`Problem.recompute`): selective drops `roofline.memory.SELECTIVE` from what the
+expert side keeps, and its expert backward pays `stages.selective_recompute`'s bytes; auto takes,
+per candidate, no recomputation when it fits and selective when only that fits (for a fixed
+candidate selective is never faster, only leaner).
 
 Links: traffic among GPUs spread evenly over a span wider than an NVLink domain leaves the
 domain in proportion (1 - domain / span). Pipeline groups are laid out so that a group (or one
@@ -38,7 +48,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from disagmoe.config import Calibration, ModelConfig
-from disagmoe.roofline import calibration as cal, stages as st
+from disagmoe.roofline import calibration as cal, memory as mem, stages as st
 from disagmoe.roofline.ceilings import Ceilings
 from disagmoe.roofline.optimizer_state import StateBytes, state_bytes
 from disagmoe.roofline.params import attention_params, count_params, expert_params, swiglu_params
@@ -147,6 +157,9 @@ class Cost:
     expert_params: np.ndarray  # parameters held per expert GPU (colocated: expert part)
     attn_act_bytes: np.ndarray
     expert_act_bytes: np.ndarray
+    selective: np.ndarray  # bool per candidate: priced with selective recomputation (`Problem.recompute`)
+    lean_expert_mem_bytes: np.ndarray  # expert_mem_bytes with the leanest recomputation the problem allows
+    lean_fits: np.ndarray  # fits with the leanest recomputation the problem allows
     round_floor_s: np.ndarray
     """A lower bound on fwd_round_s + bwd_round_s that depends only on (p, m, seqs), whatever
     the layout: the attention work of one GPU (the solver prunes with it)."""
@@ -170,6 +183,7 @@ class Problem:
     shard_optimizer: bool = False  # ZeRO-1 over each data-parallel group for the replicated parameters
     optimizer_state_dtype: str = "fp32"  # AdamW's moments: fp32 or bf16
     calibration: Calibration | None = None  # measured curves and fixed costs (None: the plain roofline)
+    recompute: str = "none"  # none, selective or auto (per candidate: see the module docstring)
 
 
 def expert_layout(model: ModelConfig, per_set: np.ndarray, peak_ratio: float,
@@ -239,19 +253,73 @@ def _pass_time(a, d, e, c, p, m, layers):
     return layers / p * np.maximum(ring, busy) + edge
 
 
-def _act_bytes_attention_layer(m: ModelConfig, moe: bool) -> float:
-    """Activation bytes an attention GPU keeps per token per layer until the backward."""
-    q, k, v = st.attention_io_per_token(m)
-    o_in = m.num_heads * (m.mla.v_head_dim if m.mla else m.head_dim)
-    common = 3 * m.hidden_size + q + k + v + o_in
-    if moe:
-        tail = m.top_k * m.hidden_size + 3 * m.shared_ffn_size
-        return BF16 * (common + tail) + FP32 * (m.num_experts + m.num_heads)
-    return BF16 * (common + 3 * m.dense_ffn_size) + FP32 * m.num_heads
+def _group_layers(model: ModelConfig, p: np.ndarray, g: int) -> tuple[np.ndarray, np.ndarray]:
+    """(MoE layers, dense layers) of pipeline group g (layer l belongs to group l mod p; zero
+    where g >= p)."""
+    def below(n: int) -> np.ndarray:  # layers l < n with l mod p == g
+        return np.where(g < p, np.maximum(0, -(-(n - g) // p)), 0)
+
+    dense = below(model.num_dense_layers)
+    return below(model.num_layers) - dense, dense
 
 
-def _act_bytes_expert_row(m: ModelConfig) -> float:
-    return BF16 * (m.hidden_size + 3 * m.expert_ffn_size)
+def activations(m: ModelConfig, tokens: Num, pairs: Num, in_flight: Num, p: np.ndarray, colocated: bool,
+                dropped: frozenset[str] = mem.NOTHING_DROPPED, attention: Num | None = None) -> tuple[Num, Num]:
+    """(attention GPU, expert GPU) activation bytes at the peak, in `roofline.memory`'s per-token
+    terms, as the runtime's memory check counts them (`runtime.activation_memory.rank_activations`,
+    pinned by tests/runtime/test_activation_memory.py; `dropped`: what recomputation does not keep).
+    The distributed schedules run every forward of a round before the first backward, so a GPU
+    keeps the `in_flight` micro-batches of all its group's layers and holds on top what one op
+    does: the head's peak (on the head group, the one after the last layer's, `Layout.head_group`)
+    or one layer's backward on the attention side (`attention_activations`), one layer's expert
+    backward on the expert side; the busiest group's sum is the answer. The combine's rows are the
+    expert GPU's (the runtime's compact hop). Colocated: one GPU holds both sides' kept bytes and
+    the larger of the head and one whole layer's backward (`memory.activation_bytes`; one process
+    keeps one micro-batch), all in the first element.
+
+    `pairs`: the (token, k) rows one expert GPU's activations span per micro-batch and layer: every
+    pair of every source that dispatches to it (`tokens * k` times the sources), not the share its
+    experts serve. The runtime has no host read of the routing counts (DESIGN 3c), so the permute
+    groups all of a source's pairs, those served elsewhere into a spare bucket, and the experts'
+    saved rows (input rows, gate/up pre-activations, SwiGLU output, the combine's rows) and the
+    backward's gradients are allocated for all of them: any routing may send every pair here.
+    `attention`: `attention_activations` of these arguments, if already computed."""
+    row = mem.expert_row_bytes(m, BF16, dropped) + mem.combine_bytes(m, BF16, dropped) // m.top_k
+    row_grad = mem.expert_row_grad_bytes(m, BF16, dropped)
+    moe_l, dense_l = _layer_counts(m, np.asarray(p))
+    exp_kept = in_flight * pairs * moe_l * row
+    if not colocated:
+        attention = attention_activations(m, tokens, in_flight, p) if attention is None else attention
+        return attention, exp_kept + pairs * row_grad
+    attn_kept = in_flight * tokens * (moe_l * mem.attention_bytes(m, True, BF16)
+                                      + dense_l * mem.attention_bytes(m, False, BF16))
+    kinds = [moe for moe, n in ((True, m.num_moe_layers), (False, m.num_dense_layers)) if n]
+    grads = [tokens * mem.attention_grad_bytes(m, moe, BF16) + (pairs * row_grad if moe else 0) for moe in kinds]
+    return attn_kept + exp_kept + np.maximum(mem.head_bytes(m, tokens, BF16), np.maximum.reduce(grads)), 0.0 * exp_kept
+
+
+def attention_activations(m: ModelConfig, tokens: Num, in_flight: Num, p: np.ndarray) -> Num:
+    """A disaggregated attention GPU's activation peak (`activations`): the largest over the
+    pipeline groups of what the group's layers keep plus what one of its ops holds. Recomputation
+    changes none of it. Per p, each group's bytes are a sum of terms fixed by p times `in_flight *
+    tokens` (kept), `tokens` (a backward's gradients) or the head's peak."""
+    p = np.asarray(p)
+    ps = np.unique(p)
+    top = int(ps.max())
+    kept, grads, heads = (np.zeros((top + 1, top)) for _ in range(3))  # [p, group]: per-token bytes, head flag
+    for q in ps.tolist():
+        for g in range(q):
+            moe_g, dense_g = (int(n) for n in _group_layers(m, np.array(q), g))
+            kept[q, g] = moe_g * mem.attention_bytes(m, True, BF16) + dense_g * mem.attention_bytes(m, False, BF16)
+            grads[q, g] = max(mem.attention_grad_bytes(m, True, BF16) if moe_g else 0,
+                              mem.attention_grad_bytes(m, False, BF16) if dense_g else 0)
+            heads[q, g] = m.num_layers % q == g
+    head = mem.head_bytes(m, tokens, BF16)
+    out = 0.0
+    for g in range(top):  # groups beyond a candidate's p have no layers and no head: zero
+        here = in_flight * tokens * kept[p, g] + np.maximum(tokens * grads[p, g], heads[p, g] * head)
+        out = np.maximum(out, here)
+    return out
 
 
 def evaluate(prob: Problem, c: Candidates) -> Cost:
@@ -267,6 +335,7 @@ def evaluate(prob: Problem, c: Candidates) -> Cost:
         local = (m.num_experts // ep).astype(float)
         imbalance = np.full(len(c), max(prob.load_peak_ratio, 1.0))
         rows = tokens * k * imbalance
+        pairs = ep * tokens * k  # every GPU of the EP block dispatches its tokens to every other (`activations`)
         f_link = _scaleout_fraction(ep.astype(float), prob.nvlink_domain)
         f_next = _ring_hop_fraction(p * ep, p, f_link, prob.nvlink_domain)  # EP block b of every group
         expert_replicas = dp / ep
@@ -280,7 +349,8 @@ def evaluate(prob: Problem, c: Candidates) -> Cost:
         per_set = c.expert // (c.p * c.sets)
         local, imbalance = expert_layout(m, per_set, prob.load_peak_ratio, prob.replica_slots)
         local = local.astype(float)
-        rows = dp * tokens * k / e_pg * imbalance
+        rows = dp * tokens * k / e_pg * imbalance  # computed by the busiest expert GPU
+        pairs = dp * tokens * k  # held by each: every attention GPU of the group dispatches to all (`activations`)
         f_link = _scaleout_fraction((dp + e_pg) / sets, prob.nvlink_domain)
         f_next = _ring_hop_fraction(p * (dp + e_pg) / sets, p, f_link, prob.nvlink_domain)  # set r of every group
         expert_replicas = sets * np.maximum(per_set / m.num_experts, 1.0)
@@ -313,6 +383,33 @@ def evaluate(prob: Problem, c: Candidates) -> Cost:
     exp_params = moe_l * local * expert_params(m)
     f_dp = _scaleout_fraction(dp, prob.nvlink_domain)
 
+    # Memory: each parameter's state and the activations at their peak, without and with
+    # selective recomputation; `selective` says which one each candidate is priced with.
+    attn_bytes, exp_bytes = attention_state_bytes(dp, prob).total, expert_state_bytes(prob).total
+    if c.colocated:
+        attn_state, exp_state = attn_bytes * attn_params + exp_bytes * exp_params, 0.0
+    else:
+        attn_state, exp_state = attn_bytes * attn_params, exp_bytes * exp_params
+    in_flight = np.where(c.expert == 1, 1.0, mb) if c.colocated else mb  # one GPU: mode single accumulates
+    options = {}
+    attention = None if c.colocated else attention_activations(m, tokens, in_flight, c.p)  # recomputation-free
+    for dropped in (mem.NOTHING_DROPPED, mem.SELECTIVE):
+        act_attn, act_exp = activations(m, tokens, pairs, in_flight, c.p, c.colocated, dropped, attention)
+        attn_mem, exp_mem = attn_state + act_attn, exp_state + act_exp
+        if c.colocated:
+            exp_mem = attn_mem
+        fits = (attn_mem <= prob.capacity_bytes) & (exp_mem <= prob.capacity_bytes)
+        options[dropped] = (act_attn, act_exp, attn_mem, exp_mem, fits)
+    if prob.recompute == "auto":
+        selective = ~options[mem.NOTHING_DROPPED][4] & options[mem.SELECTIVE][4]
+    else:
+        selective = np.full(len(c), prob.recompute == "selective")
+    leanest = mem.NOTHING_DROPPED if prob.recompute == "none" else mem.SELECTIVE
+    act_attn, act_exp, attn_mem, exp_mem, fits = (np.where(selective, kept, none) for none, kept in
+                                                  zip(options[mem.NOTHING_DROPPED], options[mem.SELECTIVE],
+                                                      strict=True))
+    fits = fits.astype(bool)
+
     # Every stage once: per GPU, per micro-batch and layer (or per micro-batch / per step).
     proj, core = st.attention_projections(m, tokens), st.attention_core(m, tokens, S)
     head = st.lm_head(m, tokens) + st.embedding(m, tokens)
@@ -329,6 +426,7 @@ def evaluate(prob: Problem, c: Candidates) -> Cost:
         "dispatch": Stage("link", "moe", dispatch, combine),
         "routed experts": Stage("expert", "moe", experts, st.expert_data_grads(m, rows, local)),
         "expert weight grads": Stage("expert", "moe", Work(), st.expert_weight_grads(m, rows, local)),
+        "selective recompute": Stage("expert", "moe", Work(), st.selective_recompute(m, rows * selective)),
         "combine": Stage("link", "moe", combine, dispatch),
         "main-grad adds": Stage("attention", "moe", Work(), st.main_grad_add(attn_layer + moe_side)),
         "main-grad adds (dense layers)": Stage("attention", "dense", Work(), st.main_grad_add(attn_layer + dense_side)),
@@ -342,6 +440,8 @@ def evaluate(prob: Problem, c: Candidates) -> Cost:
     }
     if n_dense == 0:
         del stages["dense ffn"], stages["main-grad adds (dense layers)"]
+    if not selective.any():
+        del stages["selective recompute"]
     if prob.calibration is not None:
         stages = calibrated_stages(stages, prob.calibration, ceil, rows / local, float(S), c.colocated)
 
@@ -380,26 +480,15 @@ def evaluate(prob: Problem, c: Candidates) -> Cost:
         opt = np.maximum(opt_attn, opt_exp)
     step = rounds * (fwd_round + bwd_round) + exposed + opt
 
-    # Memory: weights, grads, AdamW state, and the activations of one round's micro-batches.
-    act_attn = mb * tokens * (moe_l * _act_bytes_attention_layer(m, True)
-                              + dense_l * _act_bytes_attention_layer(m, False)
-                              + FP32 * m.vocab_size)
-    act_exp = mb * rows * moe_l * _act_bytes_expert_row(m)
-    attn_bytes, exp_bytes = attention_state_bytes(dp, prob).total, expert_state_bytes(prob).total
-    if c.colocated:
-        attn_mem = attn_bytes * attn_params + exp_bytes * exp_params + act_attn + act_exp
-        exp_mem = attn_mem
-    else:
-        attn_mem = attn_bytes * attn_params + act_attn
-        exp_mem = exp_bytes * exp_params + act_exp
-    fits = (attn_mem <= prob.capacity_bytes) & (exp_mem <= prob.capacity_bytes)
     ones = np.ones(len(c))
     return Cost(step_s=step, fwd_round_s=fwd_round, bwd_round_s=bwd_round, rounds=rounds,
                 tokens_per_round=tokens_per_round * ones, dp=dp * ones,
                 attn_mem_bytes=attn_mem, expert_mem_bytes=exp_mem, fits=fits,
                 imbalance=np.asarray(imbalance, dtype=float) * ones,
                 attn_params=attn_params * ones, expert_params=exp_params * ones,
-                attn_act_bytes=act_attn, expert_act_bytes=act_exp, round_floor_s=floor * ones, stages=stages)
+                attn_act_bytes=act_attn * ones, expert_act_bytes=act_exp * ones, selective=selective,
+                lean_expert_mem_bytes=options[leanest][3] * ones, lean_fits=options[leanest][4].astype(bool),
+                round_floor_s=floor * ones, stages=stages)
 
 
 ATTENTION_FIXED, EXPERT_FIXED = "fixed cost (attention ops)", "fixed cost (expert ops)"

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 import numpy as np
 
@@ -55,6 +56,7 @@ def problem_of(cfg: PlanConfig, gpus: int | None = None) -> Problem:
         replica_slots=1 if cfg.max_expert_replicas > 0 else 0,
         shard_optimizer=cfg.shard_optimizer_states, optimizer_state_dtype=cfg.optimizer_state_dtype,
         calibration=hw.calibration,
+        recompute=cfg.recompute if cfg.experts_backend == "triton" else "none",
     )
 
 
@@ -62,10 +64,10 @@ def _seq_choices() -> np.ndarray:
     return 2 ** np.arange(int(math.log2(MAX_SEQS_PER_GPU)) + 1)
 
 
-def _smooth_numbers(limit: int) -> list[int]:
+@lru_cache(maxsize=None)
+def _smooth_numbers(limit: int) -> tuple[int, ...]:
     """1, 2, 3, 4, 6, 8, 9, 12, ... (2^a 3^b) up to `limit`: the replica-set counts tried."""
-    out = sorted({2**a * 3**b for a in range(21) for b in range(14) if 2**a * 3**b <= limit})
-    return out
+    return tuple(sorted({2**a * 3**b for a in range(21) for b in range(14) if 2**a * 3**b <= limit}))
 
 
 Least = Callable[[np.ndarray, int, int], np.ndarray]  # (layout code per row, m, seqs) -> smallest dp worth pricing
@@ -225,6 +227,15 @@ def _pruning(cfg: PlanConfig, prob: Problem, cands: Candidates) -> Least:
         return lambda code, m, seqs: np.ones_like(code)
     cost = evaluate(prob, cands)
     best = float(np.min(np.where(cost.fits, cost.step_s, np.inf)))
+    # Memory: a disaggregated expert GPU's bytes grow with dp (its activations span every pair of
+    # the group's dp attention GPUs, `cost.activations`), a colocated GPU's do not change with it
+    # (one GPU, which keeps one micro-batch, is the leanest end); so a key whose leanest end does
+    # not fit there with the leanest recomputation allowed fits at no dp. Colocated under ZeRO-1
+    # the state shrinks with dp, and nothing is pruned for memory.
+    if cands.colocated:
+        short = ~cost.lean_fits if not prob.shard_optimizer else np.zeros(len(cands), dtype=bool)
+    else:
+        short = cost.lean_expert_mem_bytes > prob.capacity_bytes
     ms = np.unique(cfg.micro_batch_choices)
     combos = len(ms) * len(_seq_choices())
 
@@ -234,8 +245,9 @@ def _pruning(cfg: PlanConfig, prob: Problem, cands: Candidates) -> Least:
     key = layout_code(cands, cfg.model.num_experts) * combos + combo(cands.m, cands.seqs)
     floor = cost.fwd_round_s + cost.bwd_round_s
     order = np.lexsort((floor, key))  # per key, the smallest round time first
-    key, floor = key[order], floor[order]
+    key, floor, short = key[order], floor[order], short[order]
     first = np.r_[True, key[1:] != key[:-1]]
+    dead = np.logical_and.reduceat(short, np.flatnonzero(first)) if len(key) else short  # no end of the key fits
     key, floor = key[first], floor[first]
 
     def least(code: np.ndarray, m: int, seqs: int) -> np.ndarray:
@@ -246,7 +258,8 @@ def _pruning(cfg: PlanConfig, prob: Problem, cands: Candidates) -> Least:
         unit = m * seqs * cfg.seq_len
         ok = np.isfinite(rounds) & (rounds >= 1)
         dp = np.where(ok, -(-cfg.global_batch_tokens // (np.where(ok, rounds, 1) * unit)), 1)
-        return np.where(rounds < 1, CODE, dp).astype(np.int64)  # < 1 round: no dp of this row can win
+        gone = (rounds < 1) | ((key[at] == want) & dead[at])  # < 1 round, or no dp fits: no dp of this row can win
+        return np.where(gone, CODE, dp).astype(np.int64)
 
     return least
 
@@ -274,7 +287,23 @@ def choose(cfg: PlanConfig) -> Choice:
     if dis is None and col is None:
         return Choice(_infeasible(cfg, prob), None, None, prob)
     chosen = dis if dis_time <= col_time else col
-    return price(cfg, chosen, col_time, dis_time, whole)
+    choice = price(cfg, chosen, col_time, dis_time, whole)
+    choice.plan.notes.extend(_untaken_recompute(cfg, choice.plan))
+    return choice
+
+
+def _untaken_recompute(cfg: PlanConfig, plan: Plan) -> list[str]:
+    """A note when auto would have chosen selective recomputation but the run's experts_backend
+    cannot use it (it needs triton): the plan prices none."""
+    if cfg.recompute != "auto" or cfg.experts_backend == "triton":
+        return []
+    other = choose(cfg.model_copy(update={"experts_backend": "triton"})).plan
+    if other.recompute != "selective" or not other.feasible:
+        return []
+    now = f"{report.seconds(plan.step_time_s)} per step" if plan.feasible else "no layout that fits"
+    return [f"selective recomputation was not considered: it needs experts_backend: triton (this run's is "
+            f"{cfg.experts_backend}); with it the plan would be {other.reason.split(':')[0]} at "
+            f"{report.seconds(other.step_time_s)} per step (now {now})"]
 
 
 def price(cfg: PlanConfig, chosen: Candidates, colocated_step_s: float | None = None,
@@ -317,10 +346,17 @@ def price(cfg: PlanConfig, chosen: Candidates, colocated_step_s: float | None = 
         notes.append("this layout does not fit in memory (see memory_per_gpu)")
     elif use_dis:
         notes.extend(_memory_bound(cost, prob))
+    selective = bool(cost.selective[0])
     notes.append(f"memory assumes AdamW with fp32 master weights and {cfg.optimizer_state_dtype} moments, "
                  + ("the attention side's moments split over each data-parallel group (ZeRO-1)"
                     if cfg.shard_optimizer_states else "on every replica (no optimizer sharding)")
-                 + ", and no activation recomputation")
+                 + (", and selective recomputation of the expert FFN's input, output and SwiGLU rows (train "
+                    "with experts_backend: triton; train --plan sets recompute: selective)" if selective
+                    else ", and no activation recomputation"))
+    if selective:
+        notes.append(_recompute_note(cfg, prob, chosen, cost))
+    elif prob.recompute == "auto" and fits:
+        notes.append(_no_recompute_note(prob, chosen, cost))
     step = float(cost.step_s[0])
     if prob.calibration is not None and use_dis:
         closed = step
@@ -342,6 +378,7 @@ def price(cfg: PlanConfig, chosen: Candidates, colocated_step_s: float | None = 
         sequences_per_micro_batch=seqs * dp, accumulation_rounds=rounds,
         expert_map=expert_map, total_params=counts.total, active_params=counts.active,
         memory_per_gpu=_memory(cost, prob, use_dis, "single" if single else "colocated"), stage_times=stage_times,
+        recompute="selective" if selective else "none",
         step_time_s=step, colocated_step_time_s=col if math.isfinite(col) else None,
         speedup_vs_colocated=col / step if math.isfinite(col) else None,
         expert_imbalance=real_imb, mfu=mfu, tflops_per_gpu=flops_per_gpu_s / 1e12, feasible=fits,
@@ -353,13 +390,40 @@ def price(cfg: PlanConfig, chosen: Candidates, colocated_step_s: float | None = 
     return Choice(plan, chosen, cost, prob)
 
 
+def _recompute_note(cfg: PlanConfig, prob: Problem, chosen: Candidates, cost: Cost) -> str:
+    """One line: what selective recomputation frees on the GPU it relieves, and what it costs."""
+    kept = evaluate(replace(prob, recompute="none"), chosen)
+    side = "expert" if not chosen.colocated else "colocated"
+    before = float((kept.expert_act_bytes if side == "expert" else kept.attn_act_bytes)[0]) / GIB
+    after = float((cost.expert_act_bytes if side == "expert" else cost.attn_act_bytes)[0]) / GIB
+    extra = float(cost.step_s[0] - kept.step_s[0])
+    why = (f"lets m={int(chosen.m[0])} with this layout fit" if not bool(kept.fits[0]) else
+           "as asked (--recompute selective)")
+    return (f"selective recomputation: activations {before:.1f} -> {after:.1f} GiB per {side} GPU {why}; "
+            f"its recompute adds {report.seconds(extra)} per step")
+
+
+def _no_recompute_note(prob: Problem, chosen: Candidates, cost: Cost) -> str:
+    """One line: why auto left recomputation out (the plan fits without it and no faster layout
+    needed it), with what it would free and cost here."""
+    lean = evaluate(replace(prob, recompute="selective"), chosen)
+    side = "expert" if not chosen.colocated else "colocated"
+    before, after = (report.memory(float((c.expert_act_bytes if side == "expert" else c.attn_act_bytes)[0]) / GIB)
+                     for c in (cost, lean))
+    extra = float(lean.step_s[0] - cost.step_s[0])
+    return (f"recompute auto chose none: this layout fits without it and no faster layout needs it; selective would "
+            f"take activations {before} -> {after} per {side} GPU for {report.seconds(extra)} more per step")
+
+
 MEMORY_BOUND = 0.95  # a GPU this full of its capacity binds the split
 
 
 def _memory_bound(cost: Cost, prob: Problem) -> list[str]:
     """A note when memory, not speed, sets the split: the expert GPUs (states plus the
-    activations of the round's tokens) cannot shrink in number, and the attention GPUs'
-    activations cap the tokens in flight, the same at any sequence length (m * seqs * seq_len)."""
+    activations of every pair of their group's tokens in flight, dp * m * seqs * seq_len tokens)
+    cannot shrink in number nor take more tokens, and the attention GPUs' activations cap the
+    tokens in flight per attention GPU (m * seqs * seq_len, less the head's and one backward's
+    transients, which do not scale with the micro-batches)."""
     cap = prob.capacity_bytes
     attn, exp = float(cost.attn_mem_bytes[0]) / cap, float(cost.expert_mem_bytes[0]) / cap
     if max(attn, exp) < MEMORY_BOUND:
@@ -368,8 +432,12 @@ def _memory_bound(cost: Cost, prob: Problem) -> list[str]:
             if frac >= MEMORY_BOUND]
     relax = "more GPUs relax it" + (", as may --shard-optimizer-states"
                                     if attn >= MEMORY_BOUND and not prob.shard_optimizer else "")
-    return [f"the split is bound by memory ({', '.join(full)} of capacity): fewer expert GPUs or more tokens in "
-            f"flight per attention GPU would not fit, so a longer --seq-len trades micro-batches, not GPUs; {relax}"]
+    why = ("more tokens in flight per pipeline group would not fit (an expert GPU keeps every (token, k) pair its "
+           "group's attention GPUs dispatch, not only its experts' share: the runtime's buffers span them all), so a "
+           "longer --seq-len holds fewer micro-batches or attention GPUs per group" if exp >= MEMORY_BOUND else
+           "more tokens in flight per attention GPU would not fit, so a longer --seq-len holds fewer micro-batches in "
+           "flight")
+    return [f"the split is bound by memory ({', '.join(full)} of capacity): fewer expert GPUs or {why}; {relax}"]
 
 
 def _colocated_map(cfg: PlanConfig, c: Candidates) -> tuple[list[list[list[int]]], float]:

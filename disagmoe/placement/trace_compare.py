@@ -165,7 +165,8 @@ def run_request(cfg: TrainConfig, model: ModelConfig, hw: HardwareConfig) -> tup
         raise ValueError(f"batch_size={cfg.batch_size} gives no sequence per micro-batch per data-parallel rank")
     req = PlanConfig(model=model, cluster=ClusterConfig(hardware=hw, num_gpus=gpus), seq_len=cfg.seq_len,
                      global_batch_tokens=cfg.batch_size * cfg.seq_len, max_pipeline_groups=cfg.pipeline_groups,
-                     shard_optimizer_states=cfg.optim.shard_states, optimizer_state_dtype=cfg.optim.state_dtype)
+                     shard_optimizer_states=cfg.optim.shard_states, optimizer_state_dtype=cfg.optim.state_dtype,
+                     recompute=cfg.recompute, experts_backend=cfg.experts_backend)
     return req, cand(seqs)
 
 

@@ -69,6 +69,7 @@ def attention_bytes(m: ModelConfig, moe: bool, value_bytes: int) -> int:
 
 
 NOTHING_DROPPED: frozenset[str] = frozenset()
+SELECTIVE: frozenset[str] = frozenset({"expert_input", "expert_output", "expert_swiglu"})  # recompute: selective's default
 
 
 def combine_bytes(m: ModelConfig, value_bytes: int, dropped: frozenset[str] = NOTHING_DROPPED) -> int:

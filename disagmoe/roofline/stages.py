@@ -153,6 +153,15 @@ def dense_ffn(m: ModelConfig, tokens: Num) -> Work:
     return swiglu_ffn(m.hidden_size, m.dense_ffn_size, tokens)
 
 
+def selective_recompute(m: ModelConfig, rows: Num) -> Work:
+    """What `recompute: selective` adds to the expert backward of `rows` rows (`kernels.moe_ffn`,
+    `kernels.fused_moe`): expert_input gathers the input rows again (read and write [rows, H]),
+    expert_swiglu writes the SwiGLU output once more (the down dgrad's epilogue computes it from
+    h13 while loading it: no extra FLOPs), expert_output costs nothing (the routing weights'
+    gradient comes from the backward's first GEMM). Memory-bound bytes, no FLOPs."""
+    return Work(hbm_bytes=BF16 * rows * (2 * m.hidden_size + m.expert_ffn_size))
+
+
 def permute(m: ModelConfig, rows: Num) -> Work:
     """Gather rows into expert order and the weighted scatter back: read + write each row twice."""
     return Work(hbm_bytes=2.0 * 2 * BF16 * rows * m.hidden_size)

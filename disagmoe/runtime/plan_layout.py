@@ -2,7 +2,9 @@
 
 `apply_plan(cfg, model_cfg)` returns the run's config with the plan's layout: `mode` = the plan's
 layout, `attention_ranks` / `expert_ranks` (colocated: `colocated_ranks`) = its GPU counts,
-`pipeline_groups` and `micro_batches` (a `single` plan, one GPU: mode single and micro_batches). The plan wins over these fields of the config: the config
+`pipeline_groups` and `micro_batches` (a `single` plan, one GPU: mode single and micro_batches),
+and, where experts_backend is triton, `recompute` (selective: `recompute_modules` all three, as the
+planner priced it). The plan wins over these fields of the config: the config
 file is the base a plan is applied to (`replaced_fields` says what changed, for the CLI to show).
 Everything else (batch_size, seq_len, data, optimizer, transport) stays the config's.
 
@@ -16,7 +18,8 @@ data-parallel indices d mod n == r, so a replica set serves its share of the att
 splits them evenly over owners d, d + D, ... when D < n, so no replica idles (`replica_rows`).
 
 A plan the runtime cannot run is refused with a ValueError before any actor starts: a plan for
-another model, an infeasible plan, a colocated plan with pipeline groups, a single plan on more
+another model, an infeasible plan, a selective-recomputation plan for a run whose experts_backend is
+not triton, a colocated plan with pipeline groups, a single plan on more
 than one GPU or with pipeline groups, an expert held by no
 rank, twice by one rank or by a rank outside its layer's group, an expert rank with no expert.
 """
@@ -31,7 +34,9 @@ from disagmoe.safe_io import MAX_PLAN_BYTES
 
 ExpertIds = tuple[int, ...]  # one rank's experts of one layer, ascending
 ExpertOwners = tuple[tuple[int, ...], ...]  # one layer: per expert, the group's ranks holding it (replica order)
-LAYOUT_FIELDS = ("mode", "attention_ranks", "expert_ranks", "pipeline_groups", "micro_batches", "colocated_ranks")
+LAYOUT_FIELDS = ("mode", "attention_ranks", "expert_ranks", "pipeline_groups", "micro_batches", "colocated_ranks",
+                 "recompute", "recompute_modules")
+SELECTIVE_MODULES = ("expert_input", "expert_output", "expert_swiglu")  # what the planner's selective prices
 REPLAN = "run `disagmoe plan` for this model again and pass its --out file"
 
 
@@ -48,7 +53,7 @@ def apply_plan(cfg: TrainConfig, model_cfg: ModelConfig) -> TrainConfig:
     if cfg.plan is None:
         return cfg
     plan = load_plan(cfg.plan)
-    check_plan(plan, model_cfg, cfg.plan if isinstance(cfg.plan, str) else "the plan")
+    check_plan(plan, model_cfg, cfg.plan if isinstance(cfg.plan, str) else "the plan", cfg.experts_backend)
     if plan.layout == "single":
         layout = {"mode": "single", "micro_batches": plan.micro_batches}
     elif plan.layout == "colocated":
@@ -56,6 +61,10 @@ def apply_plan(cfg: TrainConfig, model_cfg: ModelConfig) -> TrainConfig:
     else:
         layout = {"mode": "disaggregated", "attention_ranks": plan.attention_gpus, "expert_ranks": plan.expert_gpus,
                   "pipeline_groups": plan.pipeline_groups, "micro_batches": plan.micro_batches}
+    if cfg.experts_backend == "triton":
+        layout["recompute"] = plan.recompute
+        if plan.recompute == "selective":
+            layout["recompute_modules"] = list(SELECTIVE_MODULES)
     return cfg.model_copy(update={**layout, "plan": plan})
 
 
@@ -65,12 +74,15 @@ def replaced_fields(before: TrainConfig, after: TrainConfig) -> dict[str, tuple[
             for name in LAYOUT_FIELDS if getattr(before, name) != getattr(after, name)}
 
 
-def check_plan(plan: Plan, model_cfg: ModelConfig, source: str) -> None:
+def check_plan(plan: Plan, model_cfg: ModelConfig, source: str, experts_backend: str = "triton") -> None:
     """ValueError, with the fix, for a plan this run cannot use (module docstring)."""
     if plan.model != model_cfg.name:
         raise ValueError(f"{source} places model {plan.model!r} but this run trains {model_cfg.name!r}; {REPLAN}")
     if not plan.feasible:
         raise ValueError(f"{source} is infeasible ({plan.reason}); plan for more GPUs or a smaller batch")
+    if plan.recompute == "selective" and experts_backend != "triton":
+        raise ValueError(f"{source} fits only with recompute: selective, which needs experts_backend: triton (this "
+                         f"run's is {experts_backend}); set experts_backend: triton, or plan again with --recompute none")
     moe_layers, experts = model_cfg.num_moe_layers, model_cfg.num_experts
     if len(plan.expert_map) != moe_layers or any(len(owners) != experts for owners in plan.expert_map):
         shape = f"{len(plan.expert_map)} MoE layers x {[len(o) for o in plan.expert_map]} experts"

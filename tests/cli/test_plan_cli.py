@@ -54,14 +54,20 @@ def test_roofline_prices_a_train_configs_own_layout_in_any_mode():
 
 
 def test_sharded_optimizer_states_let_deepseek_v3_take_a_faster_layout():
-    """128 H200s: with the attention side's AdamW moments split over data parallel (ZeRO-1) the
-    planner can afford fewer pipeline groups, and says what it assumed."""
-    args = ("plan", "--model", "deepseek-v3", "--hardware", "h200-sxm", "--gpus", "128", "--json")
-    plain = Plan.model_validate(json.loads(run(*args).stdout))
-    sharded = Plan.model_validate(json.loads(run(*args, "--shard-optimizer-states").stdout))
-    assert plain.feasible and sharded.feasible
-    assert sharded.step_time_s < plain.step_time_s and sharded.pipeline_groups < plain.pipeline_groups
+    """256 H200s: with the attention side's AdamW moments split over data parallel (ZeRO-1) the
+    attention GPUs' freed memory buys a faster layout (how it is spent, fewer pipeline groups or
+    more micro-batches in flight, is the search's to choose), and the plan says what it assumed.
+    On 128 the expert GPUs bind (they keep every pair of their group's tokens) and ZeRO-1, which
+    splits only the attention side's state, leaves the plan as it was."""
+    args = ("plan", "--model", "deepseek-v3", "--hardware", "h200-sxm", "--json")
+    plain, sharded = (Plan.model_validate(json.loads(run(*args, "--gpus", "256", *extra).stdout))
+                      for extra in ((), ("--shard-optimizer-states",)))
+    assert plain.feasible and sharded.feasible and sharded.step_time_s < plain.step_time_s
     assert any("ZeRO-1" in note for note in sharded.notes) and not any("ZeRO-1" in note for note in plain.notes)
+    bound, still = (Plan.model_validate(json.loads(run(*args, "--gpus", "128", *extra).stdout))
+                    for extra in ((), ("--shard-optimizer-states",)))
+    assert any(n.startswith("the split is bound by memory (expert GPUs at") for n in bound.notes)
+    assert still.step_time_s == bound.step_time_s and still.pipeline_groups == bound.pipeline_groups
 
 
 def test_plan_table_and_out_files(tmp_path):
@@ -305,3 +311,15 @@ def test_presets_show_each_presets_source_from_its_source_field():
         assert source and " ".join(source.split()[:4]) in flat, name
     data = json.loads(run("presets", "--json").stdout)
     assert data["hardware"]["h200-sxm"]["source"].startswith("NVIDIA H200 datasheet")
+
+
+def test_recompute_is_a_plan_option_the_plan_records():
+    """`--recompute none|selective|auto` (default auto): the help names it, the JSON plan records
+    the choice, and another value is refused."""
+    assert "--recompute" in run("plan", "--help").output
+    args = ("plan", "--model", "qwen3-30b-a3b", "--hardware", "h200-sxm", "--gpus", "8", "--json")
+    for choice in ("none", "selective"):
+        plan = Plan.model_validate(json.loads(run(*args, "--recompute", choice).stdout))
+        assert plan.recompute == choice
+    r = run(*args, "--recompute", "full")
+    assert r.exit_code == 2 and "selective" in r.output

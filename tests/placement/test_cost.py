@@ -1,6 +1,8 @@
 """The cost model against independent references: a discrete-event pipeline simulation, the
 real expert mapping, and the memory an expert map implies."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -225,3 +227,81 @@ def test_the_elementwise_kernels_around_the_gemms_are_priced_per_layer_by_their_
     assert two[0].hbm_bytes == 2 * one[0].hbm_bytes and two[1].hbm_bytes == 2 * one[1].hbm_bytes
     assert one[0].hbm_bytes >= 2 * 2 * 2 * m.hidden_size  # at least the two norms read and write H in bf16
     assert _first(stage.work(False).hbm_bytes) == pytest.approx(one[0].hbm_bytes * 2 * 4096)
+
+
+@pytest.mark.parametrize("name", ["tiny", "qwen3-30b-a3b", "deepseek-v3"])
+@pytest.mark.parametrize("recompute", ["none", "selective"])
+def test_the_planners_activations_are_roofline_memorys(name, recompute):
+    """One GPU (mode single: one micro-batch in flight) prices exactly `roofline.memory.activation_bytes`,
+    with selective recomputation's dropped terms when asked; in a split the expert GPU keeps the
+    combine's rows beside its own (the compact hop), for every pair its sources dispatch (the
+    runtime's buffers span them all, not its experts' share)."""
+    from disagmoe.roofline import memory as mem
+
+    model = load_model(name)
+    req = PlanConfig(model=model, cluster=ClusterConfig(hardware=load_hardware("h200-sxm"), num_gpus=8),
+                     seq_len=512, global_batch_tokens=512 * 64, recompute=recompute)
+    prob = problem_of(req)
+    dropped = mem.SELECTIVE if recompute == "selective" else mem.NOTHING_DROPPED
+    one = evaluate(prob, Candidates.one(0, 1, 1, 4, 2, colocated=True))
+    assert one.attn_act_bytes[0] + one.expert_act_bytes[0] == mem.activation_bytes(model, 2 * 512, 2, dropped=dropped)
+    rows = 2 * 2 * 512 * model.top_k  # every pair of both attention GPUs, on each expert GPU however many
+    row = mem.expert_row_bytes(model, 2, dropped) + mem.combine_bytes(model, 2, dropped) // model.top_k
+    for expert_gpus in (1, 2):
+        split = evaluate(prob, Candidates.one(2, expert_gpus, 1, 4, 2))
+        assert split.expert_act_bytes[0] == (4 * rows * model.num_moe_layers * row
+                                             + rows * mem.expert_row_grad_bytes(model, 2, dropped))
+
+
+@pytest.mark.parametrize("colocated", [False, True])
+def test_selective_recomputation_frees_exactly_the_dropped_terms_and_pays_their_bytes(colocated):
+    """Selective lowers the predicted memory by the dropped rows (input, SwiGLU, combine) of every
+    pair the GPU's buffers span less the backward's recomputed transient, and adds the regather and
+    SwiGLU write to the expert backward of the rows it computes."""
+    from disagmoe.roofline import memory as mem
+
+    model = load_model("qwen3-30b-a3b")
+    req = PlanConfig(model=model, cluster=ClusterConfig(hardware=load_hardware("h200-sxm"), num_gpus=8),
+                     seq_len=1024, global_batch_tokens=1024 * 64)
+    cand = Candidates.one(0, 8, 1, 4, 2, colocated=True) if colocated else Candidates.one(4, 4, 1, 4, 2)
+    none, sel = (evaluate(replace(problem_of(req), recompute=r), cand) for r in ("none", "selective"))
+    rows = 2 * 1024 * model.top_k if colocated else 4 * 2 * 1024 * model.top_k / 4  # computed per GPU
+    pairs = 8 * 2 * 1024 * model.top_k if colocated else 4 * 2 * 1024 * model.top_k  # spanned: every source's
+    H, F = model.hidden_size, model.expert_ffn_size
+    kept = 4 * pairs * model.num_moe_layers * 2 * (H + F + H)  # input row, SwiGLU output, combine row
+    freed = (none.attn_mem_bytes - sel.attn_mem_bytes) if colocated else (none.expert_mem_bytes - sel.expert_mem_bytes)
+    recomputed = pairs * 2 * (H + F)  # the backward's regathered row and SwiGLU output
+    if colocated:  # the layer backward is the held transient here only if it beats the head
+        held_none, held_sel = (max(mem.head_bytes(model, 2048, 2), 2048 * mem.attention_grad_bytes(model, True, 2)
+                                   + pairs * mem.expert_row_grad_bytes(model, 2, d))
+                               for d in (mem.NOTHING_DROPPED, mem.SELECTIVE))
+        recomputed = held_sel - held_none
+    assert freed[0] == pytest.approx(kept - recomputed, rel=1e-12)
+    assert not none.selective[0] and sel.selective[0] and "selective recompute" not in none.stages
+    extra = sel.stages["selective recompute"].bwd
+    assert extra.flops == 0 and extra.hbm_bytes[0] == pytest.approx(2 * rows * (2 * H + F))
+    assert sel.step_s[0] > none.step_s[0]
+
+
+def test_auto_recomputes_only_where_nothing_else_fits():
+    """A candidate whose expert GPU overflows without recomputation but fits with it: auto picks
+    selective; with memory to spare it picks none; selective is never the faster of the two."""
+    model = load_model("qwen3-30b-a3b")
+    cand = Candidates.one(4, 4, 1, 8, 4)
+    hw = load_hardware("h200-sxm")
+
+    def cost(recompute, hbm):
+        req = PlanConfig(model=model, cluster=ClusterConfig(hardware=hw.model_copy(update={"hbm_gib": hbm}),
+                                                            num_gpus=8), seq_len=4096,
+                         global_batch_tokens=4096 * 128, recompute=recompute, memory_headroom=1.0)
+        return evaluate(problem_of(req), cand)
+
+    none, sel = cost("none", 1e6), cost("selective", 1e6)
+    need_none, need_sel = (float(max(c.attn_mem_bytes[0], c.expert_mem_bytes[0])) / 2**30 for c in (none, sel))
+    assert need_sel < need_none
+    tight = (need_sel + need_none) / 2
+    assert not cost("none", tight).fits[0] and cost("selective", tight).fits[0]
+    squeezed = cost("auto", tight)
+    assert squeezed.fits[0] and squeezed.selective[0] and squeezed.step_s[0] == sel.step_s[0]
+    plenty = cost("auto", 1e6)
+    assert not plenty.selective[0] and plenty.step_s[0] == none.step_s[0] < sel.step_s[0]

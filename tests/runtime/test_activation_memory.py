@@ -86,3 +86,44 @@ def test_the_runs_recomputation_reaches_the_replay_and_the_single_process_count(
         b.peak_bytes for b in rank_activations(plain, model, topology))
     assert single_activation_bytes(lean.model_copy(update={"mode": "single"}), model) < single_activation_bytes(
         plain.model_copy(update={"mode": "single"}), model)
+
+
+@pytest.mark.parametrize("name, seq_len, layout", [
+    ("qwen3-30b-a3b", 1024, dict(attn=4, expert=2, p=1, m=4, seqs=2)),
+    ("qwen3-30b-a3b", 1024, dict(attn=4, expert=4, p=1, m=2, seqs=1, sets=2)),  # a token goes to both sets' GPUs
+    ("qwen3-30b-a3b", 1024, dict(attn=4, expert=4, p=2, m=4, seqs=1)),
+    ("deepseek-v3", 1024, dict(attn=2, expert=8, p=1, m=2, seqs=1)),  # leading dense layers
+    ("qwen3-235b-a22b", 16384, dict(attn=48, expert=24, p=3, m=8, seqs=1)),  # test_solver's 16K split
+])
+@pytest.mark.parametrize("recompute", ["none", "selective"])
+def test_the_planner_prices_the_activations_the_runtimes_memory_check_counts(name, seq_len, layout, recompute):
+    """A disaggregated plan applied to a run: the planner's activation bytes per attention GPU and
+    per expert GPU equal the largest peak the runtime's check (`rank_activations`, as `check_fits`
+    counts it) finds among that side's ranks. The expert GPU holds every (token, k) pair of every
+    attention GPU of its group, not its experts' share (`placement.cost.activations` says why);
+    the 16K split shows the terabytes test_solver's memory-to-spare test steps around are the
+    runtime's own count."""
+    from disagmoe.config import ClusterConfig, PlanConfig, load_hardware
+    from disagmoe.placement.cost import Candidates
+    from disagmoe.placement.solver import price
+    from disagmoe.runtime.plan_layout import apply_plan
+
+    model = load_model(name)
+    roomy = load_hardware("h200-sxm").model_copy(update={"hbm_gib": 1e6})  # the count, not the fit, is tested
+    request = PlanConfig(model=model, cluster=ClusterConfig(hardware=roomy, num_gpus=72),
+                         seq_len=seq_len, global_batch_tokens=1 << 22, recompute=recompute)
+    choice = price(request, Candidates.one(**layout))
+    plan, cost = choice.plan, choice.cost
+    assert plan.layout == "disaggregated" and plan.recompute == recompute
+    dp = layout["attn"] // layout["p"]
+    cfg = TrainConfig(model=model, plan=plan, experts_backend="triton", precision="bf16", seq_len=seq_len,
+                      batch_size=layout["m"] * dp * layout["seqs"], out_dir="unused")
+    run = apply_plan(cfg, model)
+    assert run.recompute == recompute and run.micro_batches == layout["m"]
+    topology = Topology.from_config(cfg, model)
+    peaks = rank_activations(run, model, topology)
+    attention = [p.peak_bytes for r, p in enumerate(peaks) if topology.attention_role(r) is not None]
+    expert = [p.peak_bytes for r, p in enumerate(peaks) if topology.expert_role(r) is not None]
+    assert (len(attention), len(expert)) == (layout["attn"], layout["expert"])
+    assert cost.attn_act_bytes[0] == max(attention)
+    assert cost.expert_act_bytes[0] == max(expert)

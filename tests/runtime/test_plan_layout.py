@@ -166,3 +166,19 @@ def test_plans_the_runtime_cannot_run_are_refused_before_any_actor(case):
     with pytest.raises(ValueError, match=re.escape(message)):
         DistributedTrainer(cfg)
     assert not ray.is_initialized()
+
+
+def test_a_plans_recomputation_is_set_where_the_experts_can_run_it():
+    """A plan that chose selective recomputation sets it (all three modules) on a triton run and
+    says so among the replaced fields; a run with other experts is refused with the fix; a plan
+    without recomputation sets none."""
+    plan = planned(2, 1).model_copy(update={"recompute": "selective"})
+    cfg = config(plan, experts_backend="triton")
+    run = apply_plan(cfg, MODEL)
+    assert run.recompute == "selective" and run.recompute_set == {"expert_input", "expert_output", "expert_swiglu"}
+    assert replaced_fields(cfg, run)["recompute"] == ("none", "selective")
+    with pytest.raises(ValueError, match="needs experts_backend: triton.*--recompute none"):
+        apply_plan(config(plan, experts_backend="grouped_mm"), MODEL)
+    plain = planned(2, 1).model_copy(update={"recompute": "none"})
+    assert apply_plan(config(plain, experts_backend="triton", recompute="selective"), MODEL).recompute == "none"
+    assert apply_plan(config(plain), MODEL).recompute == "none"
