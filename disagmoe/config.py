@@ -535,6 +535,10 @@ class TrainConfig(StrictModel):
     fuse_elementwise: bool = Field(
         True, description="on CUDA, compile the norms, qk-norm and RoPE with torch.compile into fused kernels "
         "(forward and backward; a few seconds of compiling at the first step); CPU runs are never compiled")
+    cuda_graphs: Literal["off", "on"] = Field(
+        "off", description="on: mode single on CUDA captures the whole step (every micro-batch's forward and "
+        "backward, the clip and the optimizer) in one CUDA graph after 3 eager steps and replays it, with no "
+        "launch gaps between kernels; the distributed modes run eagerly for now (refused there)")
     forbid_host_syncs: bool = Field(
         False, description="debug: run each step's compute under torch.cuda.set_sync_debug_mode('error'), so "
         "any host wait on the GPU inside a step (a .item(), .tolist(), .cpu(), a transport's host poll) raises; "
@@ -638,6 +642,10 @@ class TrainConfig(StrictModel):
             raise ValueError("forbid_host_syncs with experts_backend: loop: the loop backend (the reference) reads "
                              "each expert's row offsets on the host, a wait the sync check refuses in every step; "
                              "set experts_backend: grouped_mm or triton")
+        if self.cuda_graphs == "on" and (self.mode != "single" or self.device != "cuda"):
+            raise ValueError(f"cuda_graphs: on captures mode single's step on a GPU; this run is mode {self.mode} on "
+                             f"{self.device}: the distributed ranks' steps are not captured yet (the nvshmem "
+                             "transport's sequence numbers are host counters a graph would freeze): set cuda_graphs: off")
         if self.fault_injection is not None and self.mode == "single":
             raise ValueError("fault_injection kills a Ray actor: it needs mode disaggregated or colocated "
                              "(or remove fault_injection)")

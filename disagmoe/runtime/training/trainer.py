@@ -58,6 +58,7 @@ from disagmoe.runtime.state.checkpoint import (
     warn_changed_training,
 )
 from disagmoe.runtime.training.loop import StepCallback, TrainingLoop, TrainSummary
+from disagmoe.runtime.training.graphed_step import GraphedStep
 from disagmoe.runtime.training.micro_batches import MicroBatchChoice, device_capacity_bytes, resolved
 from disagmoe.runtime.observe.metrics import (
     load_imbalance,
@@ -165,6 +166,11 @@ def train_step_flat(
     optimizer.set_lr(lr)  # the step's one host value of the lr, into a device scalar: the body below takes none
     with no_host_syncs(forbid_host_syncs, device):
         totals, norm, load_LE = _flat_step_on_device(model, optimizer, tokens_BS1, micro_batches, grad_clip)
+    return read_step(totals, norm, load_LE, micro_batches)
+
+
+def read_step(totals: torch.Tensor, norm: torch.Tensor, load_LE: torch.Tensor, micro_batches: int) -> StepResult:
+    """The step's one read of its device results (summed loss parts, grad norm, expert loads)."""
     read = torch.cat([(totals / micro_batches).double(), norm[None].double(), load_LE.flatten().double()]).cpu()
     loss, ce, aux, z, grad_norm = read[:5].tolist()  # the step's one read (loads exact below 2^53)
     return StepResult(loss=loss, ce=ce, aux_loss=aux, z_loss=z, grad_norm=grad_norm,
@@ -283,6 +289,13 @@ class SingleProcessTrainer(TrainingLoop):
         self.oracle = cfg.compute_dtype_name == "fp32" and cfg.optim.state_dtype == "fp32"
         self.optimizer = (build_optimizer(self.model.named_parameters(), cfg.optim) if self.oracle
                           else FlatAdamW(self.model.named_parameters(), cfg.optim, compute_dtype(cfg)))
+        if cfg.cuda_graphs == "on" and self.oracle:
+            raise ValueError("cuda_graphs: on captures the bf16 fast path's step; precision fp32 steps the reference "
+                             "torch AdamW, which is not captured: set precision: bf16 (or cuda_graphs: off)")
+        self.model.train()
+        self.graphed = (GraphedStep(self.model, self.optimizer, (cfg.batch_size, cfg.seq_len + 1), cfg.micro_batches,
+                                    cfg.optim.grad_clip, _flat_step_on_device, self.device)
+                        if cfg.cuda_graphs == "on" and not self.oracle else None)
         self.out_dir = Path(cfg.out_dir)
         self.checkpoint_root = self.out_dir / CHECKPOINTS_DIR
         self.tokens_per_step = cfg.batch_size * cfg.seq_len
@@ -334,6 +347,10 @@ class SingleProcessTrainer(TrainingLoop):
         with out_of_memory_hint(cfg):
             if self.oracle:
                 result = train_step(self.model, self.optimizer, tokens_BS1, cfg.micro_batches, lr, cfg.optim.grad_clip)
+            elif self.graphed is not None:
+                with no_host_syncs(cfg.forbid_host_syncs, self.device):
+                    out = self.graphed(tokens_BS1.to(self.device, non_blocking=True), lr)
+                result = read_step(*out, cfg.micro_batches)
             else:
                 result = train_step_flat(self.model, self.optimizer, tokens_BS1, cfg.micro_batches, lr,
                                          cfg.optim.grad_clip, cfg.forbid_host_syncs)

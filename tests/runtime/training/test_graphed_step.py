@@ -1,0 +1,117 @@
+"""The whole single-GPU step in one CUDA graph (disagmoe/runtime/training/graphed_step.py): the
+capture protocol on a CPU with a fake graph, the config's refusals, and on a GPU the captured step
+equal to the eager one bit for bit."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from disagmoe.config import OptimConfig, TrainConfig
+from disagmoe.model import MoETransformer
+from disagmoe.model_ref import load_model
+from disagmoe.runtime.observe.metrics import read_metrics
+from disagmoe.runtime.state.flat_adamw import FlatAdamW
+from disagmoe.runtime.training.graphed_step import WARMUP_STEPS, GraphedStep
+from disagmoe.runtime.training.loop import METRICS_FILE
+from disagmoe.runtime.training.trainer import _flat_step_on_device, train_single
+
+
+class FakeGraph:
+    """Records the body run under `capture`, and runs it again on each replay (as a graph would)."""
+
+    def __init__(self) -> None:
+        self.body = None
+        self.replays = 0
+
+    def replay(self) -> None:
+        self.replays += 1
+        self.body()
+
+
+def test_warm_up_eagerly_then_capture_once_then_replay_every_later_step():
+    calls = []
+    model = MoETransformer(load_model("tiny"))
+
+    class Opt:
+        steps_taken = 0
+        lr = None
+
+        def set_lr(self, lr):
+            self.lr = lr
+
+    optimizer = Opt()
+    outputs = (torch.zeros(4), torch.zeros(()), torch.zeros(2, 8, dtype=torch.int64))
+
+    def device_work(tokens_BS1, lr):
+        calls.append((int(tokens_BS1[0, 0]), lr))
+        outputs[0].fill_(float(tokens_BS1[0, 0]))
+
+    def body(m, opt, tokens_BS1, micro_batches, grad_clip):
+        device_work(tokens_BS1, opt.lr)
+        opt.steps_taken += 1  # Python: runs in eager steps and once during capture, never in a replay
+        return outputs
+
+    graph = FakeGraph()
+
+    @contextlib.contextmanager
+    def capture(g):
+        # capture records the body's launches but runs nothing: replay it as the graph would
+        captured_before = len(calls)
+        yield
+        g.body = lambda: device_work(step.tokens_BS1, optimizer.lr)
+        del calls[captured_before:]  # what ran inside capture did not happen on the device
+
+    step = GraphedStep(model, optimizer, (2, 9), 2, 1.0, body, torch.device("cpu"),
+                       graph_factory=lambda: graph, capture=capture)
+    for t in range(WARMUP_STEPS + 3):
+        out = step(torch.full((2, 9), t), lr=0.1 * t)
+        assert float(out[0][0]) == t  # each step's own batch
+    assert calls == [(t, 0.1 * t) for t in range(WARMUP_STEPS + 3)]  # every step once, at its lr
+    assert graph.replays == 3 and step.replays == 3 and step.eager_steps == WARMUP_STEPS
+    assert optimizer.steps_taken == WARMUP_STEPS + 3
+    with pytest.raises(ValueError, match="same batch shape"):
+        step(torch.zeros(3, 9, dtype=torch.int64), lr=0.1)
+
+
+@pytest.mark.parametrize("fields, needs", [({"mode": "colocated", "device": "cuda"}, "mode colocated"),
+                                           ({"mode": "single", "device": "cpu"}, "on cpu")])
+def test_cuda_graphs_are_refused_where_they_do_not_apply(fields, needs):
+    with pytest.raises(ValueError, match=f"cuda_graphs: on captures mode single's step on a GPU; this run is .*{needs}"):
+        TrainConfig(model="tiny", cuda_graphs="on", **fields)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["grouped_mm", "triton"])
+def test_cuda_captured_steps_equal_the_eager_steps_bit_for_bit(tmp_path, backend):
+    """Eight steps (three eager, then one capture and its replays) against eight eager steps of the
+    same run: the same losses, grad norms and final parameters, to the bit."""
+    fields = dict(model="tiny", mode="single", device="cuda", steps=8, batch_size=8, seq_len=128, micro_batches=2,
+                  eval_every=0, experts_backend=backend, checkpoint_at_end=False,
+                  optim=OptimConfig(lr=3e-3, warmup_steps=2, grad_clip=0.5))
+    for name, graphs in (("eager", "off"), ("again", "off"), ("graph", "on")):
+        train_single(TrainConfig(**fields, cuda_graphs=graphs, out_dir=str(tmp_path / name)))
+    eager, again, graph = (read_metrics(tmp_path / d / METRICS_FILE) for d in ("eager", "again", "graph"))
+    key = lambda r: (r["loss"], r["grad_norm"], r["expert_load"])  # noqa: E731
+    if [key(r) for r in eager] != [key(r) for r in again]:  # a kernel with atomics: eager runs differ too
+        pytest.fail(f"two eager runs differ ({[key(r) for r in eager]} vs {[key(r) for r in again]}): "
+                    "bit-for-bit equality of the captured step cannot be judged with this backend")
+    assert [key(r) for r in graph] == [key(r) for r in eager]
+
+
+@pytest.mark.gpu
+def test_cuda_a_captured_step_updates_the_parameters_the_model_reads():
+    """After the replays the module's parameters (views of the flat compute buffer) hold the
+    optimizer's latest masters: nothing in the graph writes into a copy the model does not see."""
+    model = MoETransformer(load_model("tiny"), experts_backend="triton").to("cuda", torch.bfloat16)
+    optimizer = FlatAdamW(model.named_parameters(), OptimConfig(lr=1e-2, warmup_steps=0), torch.bfloat16)
+    step = GraphedStep(model, optimizer, (4, 65), 2, 1.0, _flat_step_on_device, torch.device("cuda"))
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(WARMUP_STEPS + 2):
+        step(torch.randint(0, 256, (4, 65), generator=gen).cuda(), lr=1e-2)
+    torch.cuda.synchronize()
+    for b in optimizer.buckets:
+        assert torch.equal(b.compute_N, b.master_S.to(torch.bfloat16)), b.name
+    assert step.replays == 2
