@@ -219,7 +219,7 @@ def run(cfg: TrainConfig, modes: list[str], steps: int, warmup: int,
                          if r["step"] > warmup and r.get("load_imbalance")]
             rows.append({"mode": mode, "transport": None if mode == "single" else mcfg.transport, "hop": used_hop,
                          "variant": variant, "ranks": ranks, "time_sliced": time_sliced,
-                         "micro_batches": summary.micro_batches,
+                         "micro_batches": summary.micro_batches, "cuda_graph_replays": summary.cuda_graph_replays,
                          "median_step_s": step_s, "gpu_wait": mean_waits(records, warmup),
                          "tokens_per_s": records[-1]["tokens"] / step_s, "final_loss": records[-1]["loss"],
                          "mean_loss": mean_of(records, "loss", 0), "losses": [r["loss"] for r in records],

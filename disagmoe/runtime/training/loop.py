@@ -70,6 +70,7 @@ class TrainSummary:
     predicted_peak_gib: float | None = None
     predicted_peak_gib_per_rank: list[float] | None = None  # distributed modes
     micro_batches: int | None = None  # the split each step ran in
+    cuda_graph_replays: int | None = None  # cuda_graphs: on: steps replayed from the captured graph (the rest eager)
     micro_batches_note: str | None = None  # micro_batches: auto: the choice and why (`runtime.training.micro_batches`)
 
     def to_dict(self) -> dict[str, Any]:

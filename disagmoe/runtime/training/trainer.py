@@ -306,7 +306,8 @@ class SingleProcessTrainer(TrainingLoop):
             self._resume()
 
     def run_facts(self) -> dict[str, Any]:
-        return {"predicted_peak_gib": self.predicted_peak_gib, **self.split_facts()}
+        return {"predicted_peak_gib": self.predicted_peak_gib, **self.split_facts(),
+                "cuda_graph_replays": None if self.graphed is None else self.graphed.replays}
 
     def _resume(self) -> None:
         """Load the newest checkpoint that loads (damaged newer ones skipped with a warning each),
@@ -342,6 +343,7 @@ class SingleProcessTrainer(TrainingLoop):
         cfg = self.cfg
         lr = lr_at(self.step, cfg.optim, cfg.steps)
         tokens_BS1 = self.train_data.batch(self.step)
+        replays_before = 0 if self.graphed is None else self.graphed.replays
         self._sync()
         start = time.perf_counter()
         with out_of_memory_hint(cfg):
@@ -368,6 +370,7 @@ class SingleProcessTrainer(TrainingLoop):
             **self.step_speed(seconds),
             "peak_memory_gib": peak_memory_gib(self.device),
             "predicted_peak_gib": self.predicted_peak_gib,  # `single_peak_bytes`: beside the measured peak
+            "cuda_graph": self.graphed is not None and self.graphed.replays > replays_before,  # replayed, not eager
             "expert_load": result.expert_load_LE.tolist(),
             "load_imbalance": load_imbalance(result.expert_load_LE),
         }

@@ -99,6 +99,7 @@ def test_cuda_captured_steps_equal_the_eager_steps_bit_for_bit(tmp_path, backend
         pytest.fail(f"two eager runs differ ({[key(r) for r in eager]} vs {[key(r) for r in again]}): "
                     "bit-for-bit equality of the captured step cannot be judged with this backend")
     assert [key(r) for r in graph] == [key(r) for r in eager]
+    assert [r["cuda_graph"] for r in graph] == [False] * WARMUP_STEPS + [True] * (8 - WARMUP_STEPS)
 
 
 @pytest.mark.gpu
