@@ -514,10 +514,12 @@ class TrainConfig(StrictModel):
     experts_backend: Literal["loop", "grouped_mm", "triton"] = Field(
         "loop", description="the expert FFN: loop (a matmul pair per expert, the reference), grouped_mm "
         "(torch._grouped_mm) or triton (our persistent kernels: the fast one on GPUs)")
-    precision: Literal["auto", "bf16", "fp32"] = Field(
+    precision: Literal["auto", "bf16", "fp32", "fp8"] = Field(
         "auto", description="parameters for compute: bf16 (fp32 master weights, gradients accumulated in fp32, "
-        "fused AdamW: the fast path), fp32 (everything fp32; `mode: single` then runs the reference oracle); "
-        "auto = bf16 on cuda, fp32 on cpu")
+        "fused AdamW: the fast path), fp32 (everything fp32; `mode: single` then runs the reference oracle), "
+        "fp8 (bf16 as above, and the routed experts' GEMMs in e4m3 with 1x128 / 128x128 scaling, their FP8 "
+        "weight copies made once per optimizer step: docs/architecture.md; mode single, triton experts, "
+        "a GPU with FP8 tensor cores); auto = bf16 on cuda, fp32 on cpu")
     routing: Literal["learned", "balanced"] = Field(
         "learned", description="balanced: every expert gets the same number of tokens whatever the router "
         "scores (a benchmark setting, as other trainers' performance recipes use; labelled in every output); "
@@ -602,10 +604,16 @@ class TrainConfig(StrictModel):
 
     @property
     def compute_dtype_name(self) -> str:
-        """'bf16' or 'fp32': `precision` with auto resolved by the device."""
+        """'bf16' or 'fp32': the parameters' dtype, `precision` with auto resolved by the device (fp8
+        keeps bf16 parameters: only the routed experts' GEMMs run in FP8, `expert_precision`)."""
         if self.precision == "auto":
             return "bf16" if self.device == "cuda" else "fp32"
-        return self.precision
+        return "bf16" if self.precision == "fp8" else self.precision
+
+    @property
+    def expert_precision(self) -> str:
+        """'fp8' where the routed experts' GEMMs run in FP8, else the parameters' dtype name."""
+        return "fp8" if self.precision == "fp8" else self.compute_dtype_name
 
     @property
     def recompute_set(self) -> frozenset[str]:
@@ -642,6 +650,14 @@ class TrainConfig(StrictModel):
             raise ValueError("forbid_host_syncs with experts_backend: loop: the loop backend (the reference) reads "
                              "each expert's row offsets on the host, a wait the sync check refuses in every step; "
                              "set experts_backend: grouped_mm or triton")
+        if self.precision == "fp8":
+            needs = [why for bad, why in (
+                (self.device != "cuda", "device: cuda (FP8 tensor cores; the CPU runs the kernels only in their tests)"),
+                (self.experts_backend != "triton", "experts_backend: triton (the FP8 expert kernels)"),
+                (self.mode != "single", "mode: single (the distributed expert stages run the bf16 kernels for now)"),
+                (self.recompute != "none", "recompute: none (the FP8 experts keep their own rows)")) if bad]
+            if needs:
+                raise ValueError(f"precision: fp8 needs {'; '.join(needs)}; or set precision: bf16")
         if self.cuda_graphs == "on" and (self.mode != "single" or self.device != "cuda"):
             raise ValueError(f"cuda_graphs: on captures mode single's step on a GPU; this run is mode {self.mode} on "
                              f"{self.device}: the distributed ranks' steps are not captured yet (the nvshmem "

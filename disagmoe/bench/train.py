@@ -249,7 +249,7 @@ def run(cfg: TrainConfig, modes: list[str], steps: int, warmup: int,
     return {"environment": {"device": device, "torch": torch.__version__, "python": platform.python_version(),
                             "transport": ", ".join(dict.fromkeys(transports)) if transports else cfg.transport,
                             "experts_backend": cfg.experts_backend,
-                            "precision": cfg.compute_dtype_name, **environment},
+                            "precision": cfg.expert_precision, **environment},
             "steps": steps, "warmup": warmup, "modes": summarise(rows)}
 
 

@@ -133,6 +133,8 @@ class RoutedExperts(nn.Module):
         self.backend = backend
         self.expert_ffn = get_expert_ffn(backend)
         self.recompute: frozenset[str] = frozenset()  # what the backward recomputes (`set_recompute`)
+        self.precision = "bf16"  # "fp8": every GEMM in e4m3 (`set_precision`), from `fp8_weights`
+        self.fp8_weights = None  # kernels.fp8_ffn.Fp8ExpertWeights, refreshed in place by `prepare_fp8`
         self.w13_EH2F = nn.Parameter(torch.empty(num_experts, hidden, 2 * ffn))
         self.w2_EFH = nn.Parameter(torch.empty(num_experts, ffn, hidden))
 
@@ -169,7 +171,34 @@ class RoutedExperts(nn.Module):
         combine kernels (`kernels.permute`): the triton backend on CUDA, at any hidden size. (The
         rank scan runs in its own launch: inside the row-copy tile Triton's sm_90 code wrote wrong
         rows at hidden 64; the GPU tests at hidden 16/40/64/300/2048/4096 pass on an H200.)"""
-        return self.backend == "triton" and x.is_cuda
+        return self.backend == "triton" and x.is_cuda and self.precision != "fp8"
+
+    def set_precision(self, precision: str) -> None:
+        """"fp8": the expert FFN runs every GEMM in e4m3 (`kernels.fp8_ffn`), rows grouped by the
+        plain permute (the fused bf16 layer op is not FP8); the triton backend only."""
+        if precision not in ("bf16", "fp32", "fp8"):
+            raise ValueError(f"expert precision {precision!r}: choose bf16, fp32 or fp8")
+        if precision == "fp8" and (self.backend != "triton" or self.recompute):
+            raise ValueError("precision: fp8 runs the triton backend's FP8 kernels without recomputation; set "
+                             "experts_backend: triton and recompute: none (or precision: bf16)")
+        self.precision = precision
+        self.fp8_weights = None
+
+    @torch.no_grad()
+    def prepare_fp8(self) -> None:
+        """Quantise the weights into their FP8 copies, in place (the same tensors every time, so a
+        CUDA graph that captured a step reads the copies its own replay wrote): once per optimizer
+        step, before the step's first forward (the trainer), and before an evaluation."""
+        if self.precision != "fp8":
+            return
+        from disagmoe.kernels.fp8_ffn import Fp8ExpertWeights
+
+        fresh = Fp8ExpertWeights.quantize(self.w13_EH2F.detach(), self.w2_EFH.detach())
+        if self.fp8_weights is None:
+            self.fp8_weights = fresh
+            return
+        for kept, new in zip(_fp8_tensors(self.fp8_weights), _fp8_tensors(fresh), strict=True):
+            kept.copy_(new)
 
     def set_recompute(self, modules: frozenset[str]) -> None:
         """Drop `modules` (`kernels.recompute.RECOMPUTABLE`) from what the forward keeps, to be
@@ -193,6 +222,11 @@ class RoutedExperts(nn.Module):
         (`kernels.recompute.RowSource`): where the rows came from, kept instead of them when
         `expert_input` is recomputed."""
         assert offsets_E.numel() == self.num_experts, "one cumulative count per local expert"
+        if self.precision == "fp8":
+            from disagmoe.kernels.fp8_ffn import expert_ffn_fp8
+
+            # no prepared copies (a caller outside the trainer's step): quantised for this call
+            return expert_ffn_fp8(x_NH, offsets_E, self.w13_EH2F, self.w2_EFH, weights=self.fp8_weights)
         if self.recompute:
             return self.expert_ffn(x_NH, offsets_E, self.w13_EH2F, self.w2_EFH, recompute=self.recompute,
                                    source=source)
@@ -206,4 +240,10 @@ class RoutedExperts(nn.Module):
             seeded_normal_(self.w2_EFH[e], seed, f"{prefix}.w2_EFH[{g}]", std)
 
     def extra_repr(self) -> str:
-        return f"experts={list(self.expert_ids)}, backend={self.backend}"
+        return f"experts={list(self.expert_ids)}, backend={self.backend}" + (
+            ", fp8" if self.precision == "fp8" else "")
+
+
+def _fp8_tensors(weights) -> list[torch.Tensor]:
+    """Every tensor of a `kernels.fp8_ffn.Fp8ExpertWeights`, in a fixed order."""
+    return [t for pair in (weights.w13, weights.w13_t, weights.w2, weights.w2_t) for t in pair]

@@ -105,6 +105,19 @@ class MoETransformer(nn.Module):
             if isinstance(module, RoutedExperts):
                 module.set_recompute(modules)
 
+    def set_expert_precision(self, precision: str) -> None:
+        """The routed experts' GEMM precision (`TrainConfig.expert_precision`; `RoutedExperts.set_precision`)."""
+        for module in self.modules():
+            if isinstance(module, RoutedExperts):
+                module.set_precision(precision)
+
+    def prepare_fp8(self) -> None:
+        """Refresh every FP8 expert's weight copies from its weights (a no-op without FP8 experts):
+        once per optimizer step, before its first forward, and before an evaluation."""
+        for module in self.modules():
+            if isinstance(module, RoutedExperts):
+                module.prepare_fp8()
+
     @torch.no_grad()
     def update_router_bias(self, load_LE: torch.Tensor) -> None:
         """Aux-loss-free balancing step; call after optimizer.step() with the step's summed loads."""

@@ -172,7 +172,7 @@ class TrainingLoop:
             "mfu": mfu(self.flops_per_step, seconds, self.peak_flops),
             "mfu_ceiling": mfu(self.flops_per_step, seconds, self.ceiling_flops),
             "routing": cfg.routing,
-            "precision": cfg.compute_dtype_name,
+            "precision": cfg.expert_precision,
         }
 
     micro_batch_choice: MicroBatchChoice | None = None  # micro_batches: auto (`_auto_split`)

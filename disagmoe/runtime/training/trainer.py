@@ -183,6 +183,7 @@ def _flat_step_on_device(model: MoETransformer, optimizer: FlatAdamW, tokens_BS1
     at the learning rate already in `optimizer.lr`."""
     device, batch_size = tokens_BS1.device, tokens_BS1.shape[0]
     optimizer.zero_grad()
+    model.prepare_fp8()  # FP8 experts' weight copies from this step's weights (a no-op otherwise)
     totals = torch.zeros(4, dtype=torch.float32, device=device)  # loss, ce, aux, z summed over micro-batches
     load_LE = torch.zeros((model.cfg.num_moe_layers, model.cfg.num_experts), dtype=torch.int64, device=device)
     for m in range(micro_batches):
@@ -206,6 +207,7 @@ def evaluate(model: MoETransformer, dataset: TokenDataset, batches: int, micro_b
     """Mean next-token cross-entropy over the first `batches` batches of a (validation) dataset."""
     device = next(model.parameters()).device
     model.eval()
+    model.prepare_fp8()
     total = torch.zeros((), device=device)
     for b in range(batches):
         tokens_BS1 = dataset.batch(b)
@@ -237,6 +239,14 @@ def resolve_single_micro_batches(cfg: TrainConfig, model_cfg: ModelConfig, devic
         return cfg, None
     return resolved(cfg, model_cfg, lambda split: sum(single_peak_bytes(split, model_cfg)),
                     capacity_bytes if capacity_bytes is not None else device_capacity_bytes(device))
+
+
+def check_fp8_device(device: torch.device) -> None:
+    """ValueError for `precision: fp8` on a GPU without FP8 tensor cores (before sm_89: Ada, Hopper)."""
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        raise ValueError(f"precision: fp8 needs FP8 tensor cores (compute capability 8.9 or newer: Ada, Hopper, "
+                         f"Blackwell); {torch.cuda.get_device_name(device)} is {major}.{minor}: set precision: bf16")
 
 
 def check_single_memory(cfg: TrainConfig, model_cfg: ModelConfig, capacity_bytes: float) -> None:
@@ -284,6 +294,9 @@ class SingleProcessTrainer(TrainingLoop):
         self.model.to(self.device)
         self.model.set_routing(cfg.routing)
         self.model.set_recompute(cfg.recompute_set)
+        if cfg.expert_precision == "fp8":
+            check_fp8_device(self.device)
+            self.model.set_expert_precision("fp8")
         # plain torch AdamW on fp32 parameters, the reference; it keeps fp32 moments, so bf16 ones
         # (optim.state_dtype) step the flat optimizer over the same fp32 parameters instead
         self.oracle = cfg.compute_dtype_name == "fp32" and cfg.optim.state_dtype == "fp32"

@@ -1,0 +1,119 @@
+"""`precision: fp8` at the model (disagmoe/model/experts.py `RoutedExperts.set_precision`): the
+routed experts' GEMMs in e4m3 from weight copies refreshed in place once per step, and the
+config's and model's refusals. Kernels themselves: tests/kernels/test_fp8*.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from disagmoe.config import TrainConfig
+from disagmoe.model.experts import RoutedExperts, _fp8_tensors
+
+FWD_BOUND = 0.15  # per-row relative error of the FP8 FFN's output against fp64 (tests/kernels/test_fp8_ffn.py)
+
+
+@pytest.fixture
+def fp8_modules(interpreted):
+    return interpreted("disagmoe.kernels.grouped_gemm", "disagmoe.kernels.fp8", "disagmoe.kernels.fp8_ffn")
+
+
+def _experts(seed: int = 0) -> RoutedExperts:
+    experts = RoutedExperts(3, 128, 128, backend="triton")
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        experts.w13_EH2F.copy_(torch.randn(experts.w13_EH2F.shape, generator=gen) / 128**0.5)
+        experts.w2_EFH.copy_(torch.randn(experts.w2_EFH.shape, generator=gen) / 128**0.5)
+    return experts
+
+
+@pytest.mark.slow  # the FP8 kernels in Triton's interpreter: ~10 s on 2 cores
+def test_fp8_experts_track_the_fp64_ffn_and_train_their_weights(fp8_modules):
+    from disagmoe.kernels.moe_ffn import expert_ffn_reference
+
+    experts = _experts()
+    experts.set_precision("fp8")
+    experts.prepare_fp8()
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(40, 128, generator=gen)
+    offsets = torch.tensor([16, 16, 40], dtype=torch.int32)  # an empty expert in the middle
+    y = experts(x, offsets)
+    want = expert_ffn_reference(x.double(), offsets, experts.w13_EH2F.double(), experts.w2_EFH.double())
+    err = ((y.double() - want).norm(dim=1) / want.norm(dim=1)).max().item()
+    assert err < FWD_BOUND, err
+    y.square().sum().backward()
+    assert experts.w13_EH2F.grad is not None and experts.w13_EH2F.grad[1].abs().max() == 0  # the empty expert
+    assert experts.w2_EFH.grad.abs().sum() > 0
+
+
+@pytest.mark.slow  # interpreter
+def test_prepared_copies_are_refreshed_in_place(fp8_modules):
+    """A captured step reads the copies' addresses: a refresh writes the same tensors with the
+    new weights' quantisation, and an unprepared module quantises per call."""
+    from disagmoe.kernels.fp8_ffn import Fp8ExpertWeights
+
+    experts = _experts()
+    experts.set_precision("fp8")
+    experts.prepare_fp8()
+    kept = [t.data_ptr() for t in _fp8_tensors(experts.fp8_weights)]
+    with torch.no_grad():
+        experts.w13_EH2F.mul_(2.0).add_(0.01)
+    experts.prepare_fp8()
+    assert [t.data_ptr() for t in _fp8_tensors(experts.fp8_weights)] == kept
+    fresh = Fp8ExpertWeights.quantize(experts.w13_EH2F.detach(), experts.w2_EFH.detach())
+    for a, b in zip(_fp8_tensors(experts.fp8_weights), _fp8_tensors(fresh), strict=True):
+        assert torch.equal(a.float(), b.float())
+    unprepared = _experts()
+    unprepared.set_precision("fp8")
+    x, offsets = torch.randn(8, 128), torch.tensor([3, 5, 8], dtype=torch.int32)
+    prepared = _experts()
+    prepared.set_precision("fp8")
+    prepared.prepare_fp8()
+    assert torch.equal(unprepared(x, offsets), prepared(x, offsets))
+
+
+def test_fp8_experts_refuse_other_backends_and_recomputation():
+    with pytest.raises(ValueError, match="experts_backend: triton and recompute: none"):
+        RoutedExperts(2, 16, 16, backend="loop").set_precision("fp8")
+    experts = RoutedExperts(2, 16, 16, backend="triton")
+    experts.set_recompute(frozenset({"expert_swiglu"}))
+    with pytest.raises(ValueError, match="without recomputation"):
+        experts.set_precision("fp8")
+
+
+@pytest.mark.parametrize("fields, needs", [
+    ({"device": "cpu", "experts_backend": "triton"}, "device: cuda"),
+    ({"device": "cuda", "experts_backend": "grouped_mm"}, "experts_backend: triton"),
+    ({"device": "cuda", "experts_backend": "triton", "mode": "colocated"}, "mode: single"),
+    ({"device": "cuda", "experts_backend": "triton", "recompute": "selective"}, "recompute: none"),
+])
+def test_the_config_refuses_fp8_where_it_cannot_run(fields, needs):
+    with pytest.raises(ValueError, match=f"precision: fp8 needs .*{needs}"):
+        TrainConfig(model="tiny", precision="fp8", **({"mode": "single"} | fields))
+
+
+def test_fp8_keeps_bf16_parameters_and_labels_the_run_fp8():
+    cfg = TrainConfig(model="tiny", precision="fp8", mode="single", device="cuda", experts_backend="triton")
+    assert (cfg.compute_dtype_name, cfg.expert_precision) == ("bf16", "fp8")
+
+
+@pytest.mark.gpu
+def test_cuda_fp8_training_tracks_bf16(tmp_path):
+    """Twenty steps of the Qwen3-like tiny shape at hidden 256 (triton experts), precision fp8 against
+    bf16 from the same seed and data: the losses within 2% at every step."""
+    from disagmoe.model_ref import load_model
+    from disagmoe.runtime.observe.metrics import read_metrics
+    from disagmoe.runtime.training.loop import METRICS_FILE
+    from disagmoe.runtime.training.trainer import train_single
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("needs FP8 tensor cores")
+    model = load_model("tiny").model_copy(update={"hidden_size": 256, "expert_ffn_size": 256})
+    fields = dict(model=model, mode="single", device="cuda", experts_backend="triton", steps=20, batch_size=8,
+                  seq_len=128, micro_batches=2, eval_every=0, checkpoint_at_end=False)
+    for precision in ("bf16", "fp8"):
+        train_single(TrainConfig(**fields, precision=precision, out_dir=str(tmp_path / precision)))
+    bf16, fp8 = (read_metrics(tmp_path / p / METRICS_FILE) for p in ("bf16", "fp8"))
+    assert all(r["precision"] == "fp8" for r in fp8)
+    for a, b in zip(bf16, fp8, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=2e-2), a["step"]
