@@ -370,7 +370,7 @@ def train(
     with_single = base != "single" and any(r.get("vs_single") is not None for r in record["modes"])
     first_variant = next((r["variant_baseline"] for r in record["modes"] if r.get("variant_baseline")), None)
     variant_columns = (f"vs {first_variant}", f"memory vs {first_variant}") if first_variant else ()
-    columns = ("mode", "ranks", "step", "tokens/s", "MFU/GPU", "of ceiling", "peak memory", "imbalance",
+    columns = ("mode", "ranks", "m", "step", "tokens/s", "MFU/GPU", "of ceiling", "peak memory", "predicted", "imbalance",
                "final loss", "busy", "combine wait", "vs " + base, *(("vs single",) if with_single else ()),
                *variant_columns)
     for col in columns:
@@ -390,8 +390,11 @@ def train(
         waits = " ".join(f"{group} {w['combine']:.1%}" for group, w in r.get("gpu_wait", {}).items()
                          if "combine" in w) or "-"
         label = bench.row_label(r)
-        table.add_row(label, str(r["ranks"]), seconds(r['median_step_s']), f"{r['tokens_per_s']:,.0f}",
+        split = "-" if r.get("micro_batches") is None else str(r["micro_batches"]) + (
+            " (graph)" if r.get("cuda_graph_replays") else "")
+        table.add_row(label, str(r["ranks"]), split, seconds(r['median_step_s']), f"{r['tokens_per_s']:,.0f}",
                       pct(r.get("mfu")), pct(r.get("mfu_ceiling")), memory(r.get("peak_memory_gib")),
+                      memory(r.get("predicted_peak_gib")),
                       num(r.get("load_imbalance"), ".2f"), f"{r['final_loss']:.4f}", busy, waits, times(r.get("speedup")),
                       *((times(r.get("vs_single")),) if with_single else ()),
                       *((times(r.get("vs_variant")), times(r.get("memory_vs_variant"))) if first_variant else ()))
