@@ -62,7 +62,7 @@ from disagmoe.runtime.cluster.sharing import (
     wait_timeout_s,
 )
 from disagmoe.runtime.failures import RunWarning, TrainingFailed
-from disagmoe.runtime.stages.messages import MessageShapes, hop_mode, receive_layouts
+from disagmoe.runtime.stages.messages import MessageShapes, dispatch_mode, hop_mode, receive_layouts
 from disagmoe.runtime.observe.metrics import load_imbalance, peak_and_ceiling
 from disagmoe.runtime.state.optim import lr_at
 from disagmoe.runtime.plan_layout import apply_plan
@@ -246,6 +246,7 @@ class DistributedTrainer(TrainingLoop):
         check_fits(cfg, self.model_cfg, self.topology)
         self.predicted_peak_gib = [need.predicted_peak_gib for need in rank_needs(cfg, self.model_cfg, self.topology)]
         self.hop, self.hop_reason = hop_mode(cfg, self.model_cfg, self.topology)
+        self.dispatch, self.dispatch_reason = dispatch_mode(cfg, self.model_cfg, self.topology)  # refusals: now
         check_fault_injection(cfg, self.topology)
         check_ray_address(cfg.ray_address, cfg.ray_connect_timeout_s)  # bounded, before Ray
         check_out_dir(cfg.out_dir)  # before any actor starts
@@ -408,7 +409,7 @@ class DistributedTrainer(TrainingLoop):
         }
 
     def run_facts(self) -> dict[str, Any]:
-        return dict(hop=self.hop, transport=self.cfg.transport, gpus=self.gpus or None,
+        return dict(hop=self.hop, dispatch=self.dispatch, transport=self.cfg.transport, gpus=self.gpus or None,
                     ranks_per_gpu=self.ranks_per_gpu, time_sliced=self.ranks_per_gpu > 1,
                     processes=self.processes, predicted_peak_gib=max(self.predicted_peak_gib),
                     predicted_peak_gib_per_rank=list(self.predicted_peak_gib))
@@ -456,7 +457,8 @@ class DistributedTrainer(TrainingLoop):
 def _process_facts(info: dict[str, Any], name: str) -> dict[str, Any]:
     """A rank's process as the summary records it (`TrainWorker.info`), JSON-ready."""
     return {"rank": info["rank"], "pid": info["pid"], "node": info["node_ip"], "device": info["device"],
-            "role": name, "transport": info.get("transport"), "hop": info.get("hop")}
+            "role": name, "transport": info.get("transport"), "hop": info.get("hop"),
+            "dispatch": info.get("dispatch")}
 
 
 def probe_ranks(actors: list[Any], timeout_s: float) -> tuple[dict[int, str], list[int]]:

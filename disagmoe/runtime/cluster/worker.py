@@ -142,10 +142,10 @@ class TrainWorker(Worker):
             if splits.val is not None:
                 self.val_data = TokenDataset(splits.val, cfg.seq_len, cfg.batch_size, cfg.seed, "val")
             self.attention = AttentionStage(self.model, topology, self.rank, data, cfg.micro_batches,
-                                            pair=pair)
+                                            pair=pair, sparse=self.shapes.sparse)
             self.attention.wait_span = self._gpu_wait_span
-        self.experts = (ExpertStage(self.model, topology, self.rank, pair=pair,
-                                    tokens=self.shapes.tokens) if topology.expert_role(self.rank) else None)
+        self.experts = (ExpertStage(self.model, topology, self.rank, pair=pair, tokens=self.shapes.tokens,
+                                    sparse=self.shapes.sparse) if topology.expert_role(self.rank) else None)
         for op in self.program:  # every receive buffer now, sized by the run's fixed message specs
             if isinstance(op, Recv) and not self._is_pair(op):  # pair rows land in the transport's own buffers
                 for peer in op.peers:
@@ -157,11 +157,12 @@ class TrainWorker(Worker):
         self.watchdog = OpWatchdog(f"rank {self.rank} ({topology.describe(self.rank)})", wait_s)
 
     def info(self) -> dict[str, Any]:
-        """The base's facts, with the transport and hop this rank really runs once set up."""
+        """The base's facts, with the transport, hop and dispatch this rank really runs once set up."""
         facts = super().info()
         if getattr(self, "transport", None) is not None:
             facts.update(transport=self.transport.kind,
-                         hop="pair_rows" if self.shapes.pair_rows else "partial_sums")
+                         hop="pair_rows" if self.shapes.pair_rows else "partial_sums",
+                         dispatch="sparse" if self.shapes.sparse else "dense")
         return facts
 
     def _collective_groups(self, topology: Topology, timeout_s: float) -> tuple[Any, Any]:

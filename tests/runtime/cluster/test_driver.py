@@ -164,6 +164,18 @@ CASES = {
     "pairs-A1-E2-p1-m2": dict(attention_ranks=1, expert_ranks=2, pipeline_groups=1, micro_batches=2, hop="pair_rows"),
     "pairs-A2-E2-p2-m2": dict(attention_ranks=2, expert_ranks=2, pipeline_groups=2, micro_batches=2, hop="pair_rows"),
     "pairs-colocated-3": dict(mode="colocated", colocated_ranks=3, micro_batches=2, batch_size=6, hop="pair_rows"),
+    # dispatch: sparse (each token only to the expert ranks serving its pairs; the worst-case buffer over gloo)
+    "sparse-A1-E1-p1-m1": dict(attention_ranks=1, expert_ranks=1, pipeline_groups=1, micro_batches=1,
+                               dispatch="sparse"),
+    "sparse-A1-E2-p1-m2-bias": dict(attention_ranks=1, expert_ranks=2, pipeline_groups=1, micro_batches=2,
+                                    bias_balancing=True, dispatch="sparse"),
+    "sparse-A2-E1-p1-m4": dict(attention_ranks=2, expert_ranks=1, pipeline_groups=1, micro_batches=4,
+                               dispatch="sparse"),
+    "sparse-A2-E2-p2-m2-bias": dict(attention_ranks=2, expert_ranks=2, pipeline_groups=2, micro_batches=2,
+                                    bias_balancing=True, dispatch="sparse"),
+    "sparse-colocated-2": dict(mode="colocated", colocated_ranks=2, micro_batches=2, dispatch="sparse"),
+    "sparse-colocated-3-zero": dict(mode="colocated", colocated_ranks=3, micro_batches=2, batch_size=6,
+                                    dispatch="sparse", optim=OptimConfig(lr=3e-3, warmup_steps=2, shard_states=True)),
 }
 
 
@@ -176,6 +188,7 @@ def test_matches_the_single_process_oracle(warm, tmp_path, case):
     reference, reference_model = oracle(cfg, tmp_path / "single")
     assert summary.steps == STEPS and summary.checkpoint_path is not None
     assert summary.hop == fields.get("hop", "partial_sums")
+    assert summary.dispatch == fields.get("dispatch", "dense")  # auto on local: dense
     assert_same_losses(read_metrics(tmp_path / "dist" / METRICS_FILE), reference)
     assert_same_parameters(model_from_checkpoint(cfg, Path(summary.checkpoint_path)), reference_model,
                            parameter_tolerance(cfg))
@@ -238,6 +251,27 @@ def test_a_replicated_plan_with_pair_rows_and_evaluation_trains_like_the_oracle(
                      eval_batches=2)
     summary = run_on(warm, cfg)
     assert summary.hop == "pair_rows"
+    reference, reference_model = oracle(apply_plan(cfg, cfg.model), tmp_path / "single")
+    assert_same_losses(read_metrics(tmp_path / "dist" / METRICS_FILE), reference)
+    assert_same_parameters(model_from_checkpoint(cfg, Path(summary.checkpoint_path)), reference_model)
+
+
+SPARSE_PLANS = {
+    # skewed: one expert rank serves one expert of a layer, the other seven
+    "skewed-A1-E2-m2": lambda: planned(3).model_copy(update={"micro_batches": 2, "expert_map": [
+        [[0]] * 7 + [[1]], [[1]] * 7 + [[0]]]}),
+    # every expert on both ranks: source d feeds owner d mod 2 only, so each expert rank receives no
+    # token from one of the two sources (count-0 messages)
+    "empty-A2-E2-m2": lambda: planned(3).model_copy(update={"attention_gpus": 2, "micro_batches": 2, "expert_map": [
+        [[0, 1]] * 8, [[1, 0]] * 8]}),
+}
+
+
+@pytest.mark.parametrize("case", SPARSE_PLANS)
+def test_sparse_dispatch_with_skewed_routing_and_empty_messages_trains_like_the_oracle(warm, tmp_path, case):
+    cfg = run_config(tmp_path / "dist", "disaggregated", plan=SPARSE_PLANS[case](), dispatch="sparse", eval_every=2)
+    summary = run_on(warm, cfg)
+    assert summary.dispatch == "sparse"
     reference, reference_model = oracle(apply_plan(cfg, cfg.model), tmp_path / "single")
     assert_same_losses(read_metrics(tmp_path / "dist" / METRICS_FILE), reference)
     assert_same_parameters(model_from_checkpoint(cfg, Path(summary.checkpoint_path)), reference_model)
@@ -606,7 +640,9 @@ def test_the_summary_names_every_ranks_process_transport_and_hop(warm, tmp_path)
     assert [p["rank"] for p in summary.processes] == [0, 1, 2]
     assert len({p["pid"] for p in summary.processes}) == 3 and {p["pid"] for p in summary.processes} != {os.getpid()}
     assert [p["role"] for p in summary.processes] == ["A0.0", "E0.0", "E0.1"]
-    assert {(p["device"], p["transport"], p["hop"]) for p in summary.processes} == {("cpu", "local", "pair_rows")}
+    assert {(p["device"], p["transport"], p["hop"], p["dispatch"]) for p in summary.processes} == {
+        ("cpu", "local", "pair_rows", "dense")}
+    assert summary.dispatch == "dense"
     assert (summary.transport, summary.time_sliced, summary.ranks_per_gpu, summary.gpus) == ("local", False, 1, None)
     assert json.loads(json.dumps(summary.to_dict()))["processes"][1]["role"] == "E0.0"
     predicted = [need.predicted_peak_gib for need in rank_needs(cfg, cfg.model, Topology.from_config(cfg, cfg.model))]
