@@ -215,6 +215,9 @@ def _summary_table(cfg: TrainConfig, summary: dict[str, Any]) -> Table:
     ]
     if summary.get("dispatch"):
         rows.append(("dispatch", summary["dispatch"]))
+    traffic = summary.get("traffic") or {}
+    if "dispatch" in traffic:
+        rows.append(("dispatch bytes/step", f"{traffic['dispatch']:,.0f} (dense: {traffic['dispatch_dense']:,.0f})"))
     if summary.get("hop"):
         rows.append(("expert return", summary["hop"].replace("_", " ")))
     if summary.get("time_sliced"):

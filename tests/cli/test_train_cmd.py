@@ -121,14 +121,17 @@ def test_table_summary_names_where_outputs_went(tmp_path):
 
 
 @pytest.mark.slow  # starts Ray actors
-def test_the_dispatch_is_printed_at_start_and_in_the_summary(tmp_path):
+def test_the_dispatch_is_printed_at_start_and_its_bytes_in_the_summary(tmp_path):
     out = tmp_path / "run"
     result = invoke("--config", str(REPO / "configs/tiny-cpu.yaml"), "--out-dir", str(out), "--steps", "1",
                     "batch_size=4", "seq_len=32", "eval_every=0", "expert_ranks=2", "dispatch=sparse")
     assert result.exit_code == 0, result.output
     text = " ".join(result.stdout.replace("│", " ").split())  # the summary table's cells, one space apart
     assert "tokens dispatch sparse (as configured)" in text and "expert outputs return as partial sums" in text
-    assert "dispatch sparse expert return partial sums" in text
+    assert "dispatch sparse" in text and "expert return partial sums" in text
+    record = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    sent, dense = record["traffic"]["dispatch"], record["traffic"]["dispatch_dense"]
+    assert 0 < sent < dense and f"dispatch bytes/step {sent:,} (dense: {dense:,})" in text
 
 
 def _config(tmp_path: Path, **fields) -> str:

@@ -247,6 +247,8 @@ class DistributedTrainer(TrainingLoop):
         self.predicted_peak_gib = [need.predicted_peak_gib for need in rank_needs(cfg, self.model_cfg, self.topology)]
         self.hop, self.hop_reason = hop_mode(cfg, self.model_cfg, self.topology)
         self.dispatch, self.dispatch_reason = dispatch_mode(cfg, self.model_cfg, self.topology)  # refusals: now
+        self.traffic_sums: dict[str, int] = {}  # bytes of the rows sent, summed over ranks and steps run
+        self.traffic_steps = 0
         check_fault_injection(cfg, self.topology)
         check_ray_address(cfg.ray_address, cfg.ray_connect_timeout_s)  # bounded, before Ray
         check_out_dir(cfg.out_dir)  # before any actor starts
@@ -382,11 +384,17 @@ class DistributedTrainer(TrainingLoop):
         self.step += 1
         parts = {"ce": 0.0, "aux_loss": 0.0, "z_loss": 0.0}
         load: dict[int, list[int]] = {}
+        traffic: dict[str, int] = {}
         for result in results:
+            for name, sent in result["traffic"].items():
+                traffic[name] = traffic.get(name, 0) + sent
             for name, value in result.get("loss_parts", {}).items():
                 parts[name] += value
             load.update(result["expert_load"])
             self.spans[result["rank"]].extend(result["spans"])
+        for name, sent in traffic.items():
+            self.traffic_sums[name] = self.traffic_sums.get(name, 0) + sent
+        self.traffic_steps += 1
         load_LE = torch.tensor([load[layer] for layer in sorted(load)], dtype=torch.int64).reshape(
             len(load), self.model_cfg.num_experts)
         return {
@@ -403,13 +411,16 @@ class DistributedTrainer(TrainingLoop):
             "predicted_peak_gib_per_rank": list(self.predicted_peak_gib),
             "expert_load": load_LE.tolist(),
             "load_imbalance": load_imbalance(load_LE),
+            "traffic": traffic,  # bytes of the rows sent between ranks, per payload, with the dense figure
             "busy": busy_fractions([r["compute_s"] for r in results], seconds, self.groups),
             "gpu_wait": wait_fractions([r.get("gpu_wait_s", {}) for r in results], seconds, self.groups),
             **({"time_sliced": True} if self.ranks_per_gpu > 1 else {}),  # step_time_s is not a speed figure
         }
 
     def run_facts(self) -> dict[str, Any]:
-        return dict(hop=self.hop, dispatch=self.dispatch, transport=self.cfg.transport, gpus=self.gpus or None,
+        steps = max(self.traffic_steps, 1)
+        traffic = {name: total / steps for name, total in self.traffic_sums.items()}  # mean per step
+        return dict(hop=self.hop, dispatch=self.dispatch, traffic=traffic or None, transport=self.cfg.transport, gpus=self.gpus or None,
                     ranks_per_gpu=self.ranks_per_gpu, time_sliced=self.ranks_per_gpu > 1,
                     processes=self.processes, predicted_peak_gib=max(self.predicted_peak_gib),
                     predicted_peak_gib_per_rank=list(self.predicted_peak_gib))

@@ -162,6 +162,12 @@ class MessageShapes:
     def tokens(self) -> int:
         return self.rows * self.seq_len
 
+    def dispatch_row_bytes(self, sparse: bool) -> int:
+        """Bytes of one token's row of a DISPATCH message: xn, ids and weights (sparse: and its
+        token index), the per-token part that byte counts multiply (`comm.base.Traffic`)."""
+        size = torch.empty((), dtype=self.dtype).element_size()
+        return self.hidden * size + self.top_k * (4 + size) + (4 if sparse else 0)
+
     def specs(self, payload: Payload, layer_is_moe: bool) -> list[TensorSpec]:
         T, H, K, dt = self.tokens, self.hidden, self.top_k, self.dtype
         rows = TensorSpec((T, H), dt)

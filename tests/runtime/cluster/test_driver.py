@@ -277,6 +277,45 @@ def test_sparse_dispatch_with_skewed_routing_and_empty_messages_trains_like_the_
     assert_same_parameters(model_from_checkpoint(cfg, Path(summary.checkpoint_path)), reference_model)
 
 
+def _oracle_routing(cfg: TrainConfig, out: Path) -> list[tuple[int, torch.Tensor]]:
+    """(layer, top-k ids [N, K]) of every MoE layer and micro-batch the oracle routes in its run."""
+    trainer = SingleProcessTrainer(cfg.model_copy(update={"mode": "single", "out_dir": str(out)}))
+    seen = []
+    for layer, block in enumerate(trainer.model.layers):
+        if hasattr(block, "route"):
+            def route(h_BSH, fixed=None, _route=block.route, _layer=layer):
+                routing = _route(h_BSH, fixed)
+                seen.append((_layer, routing.topk_idx_NK.detach().clone()))
+                return routing
+            block.route = route
+    trainer.run()
+    return seen
+
+
+@pytest.mark.parametrize("dispatch", ["sparse", "dense"])
+def test_dispatch_bytes_are_the_routings_minimum_with_sparse_dispatch_and_the_dense_figure_beside(warm, tmp_path,
+                                                                                                   dispatch):
+    cfg = run_config(tmp_path / "dist", "disaggregated", attention_ranks=2, expert_ranks=3, micro_batches=2,
+                     steps=1, eval_every=0, dispatch=dispatch)
+    summary = run_on(warm, cfg)
+    topology = Topology.from_config(cfg, cfg.model)
+    shapes = MessageShapes.of_run(cfg, cfg.model, topology)
+    minimum = 0
+    routed = _oracle_routing(cfg, tmp_path / "single")
+    for layer, idx_NK in routed:
+        rank_of_E = torch.tensor([who[0] for who in topology.expert_owners[layer]])  # one owner each here
+        minimum += sum(len(set(ranks)) for ranks in rank_of_E[idx_NK].tolist())
+    moe_layers = sum(topology.is_moe(layer) for layer in range(topology.num_layers))
+    assert len(routed) == moe_layers * cfg.micro_batches
+    dense = cfg.batch_size * cfg.seq_len * moe_layers * 3 * shapes.dispatch_row_bytes(False)
+    record = read_metrics(tmp_path / "dist" / METRICS_FILE)[0]
+    want = minimum * shapes.dispatch_row_bytes(True) if dispatch == "sparse" else dense
+    assert record["traffic"]["dispatch"] == want and record["traffic"]["dispatch_dense"] == dense
+    assert summary.traffic["dispatch"] == want and summary.traffic["dispatch_dense"] == dense
+    if dispatch == "sparse":
+        assert want < dense  # 8 experts top-2 on 3 ranks: most tokens reach one or two of them
+
+
 def test_trace_has_every_rank_and_busy_fractions(warm, tmp_path):
     cfg = run_config(tmp_path / "dist", "disaggregated", attention_ranks=2, expert_ranks=2, pipeline_groups=2,
                      micro_batches=2, steps=2, trace=True)

@@ -159,3 +159,5 @@ def test_sparse_dispatch_changes_dispatch_and_combine_only():
     assert sparse.specs(Payload.COMBINE, True) == [*dense.specs(Payload.COMBINE, True), index, count]
     for payload in (Payload.DISPATCH_GRAD, Payload.COMBINE_GRAD, Payload.RESIDUAL, Payload.RESIDUAL_GRAD):
         assert sparse.specs(payload, True) == dense.specs(payload, True)
+    assert sparse.dispatch_row_bytes(True) == dense.dispatch_row_bytes(False) + 4 == (
+        model.hidden_size * 4 + K * 8 + 4)  # fp32 on CPU: the row, ids, weights, then the token index

@@ -85,3 +85,47 @@ def test_serving_only_the_rows_sent_gives_the_dense_partial_sums_and_gradients(c
     if case == "empty-rank":
         assert counts[2] == 0  # rank 2 holds no expert of the layer: it receives no token
     assert sum(counts) >= xn.shape[0]  # every token goes somewhere, some to several ranks
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", OWNERS)
+def test_gpu_sparse_dispatch_makes_no_host_wait_and_matches_the_cpu(case):
+    """Sender and receiver of every expert rank, forward and backward, on the GPU under the sync
+    check (`torch.cuda.set_sync_debug_mode('error')`: a host wait raises), against the same on CPU."""
+    cfg = load_model("tiny")
+    owners, ranks, dp = OWNERS[case], 3, 2
+    topology = _topology(owners, ranks, dp)
+    g = torch.Generator().manual_seed(1)
+    h_BSH = torch.randn(2, 8, cfg.hidden_size, generator=g)
+    dy_NH = torch.randn(16, cfg.hidden_size, generator=g)
+    results = {}
+    for device in ("cpu", "cuda"):
+        model = MoETransformer(cfg, experts_backend="grouped_mm" if device == "cuda" else "loop")
+        model.init_weights(0)
+        model.to(device)
+        block = model.layers[1]
+        routing = block.route(h_BSH.to(device))
+        routes = [LocalRouting(topology, 0, i, 1, dp, torch.device(device)) for i in range(ranks)]
+        experts = [RoutedExperts.from_indices(block.moe.experts, topology.expert_ids(0)[i]) for i in range(ranks)]
+        xn, w = routing.xn_NH.detach().requires_grad_(), routing.topk_w_NK.detach().requires_grad_()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error" if device == "cuda" else "default")
+        try:
+            out, dx, dw = 0, 0, 0
+            for route, served in zip(routes, experts, strict=True):
+                tensors, index, count = dispatch_message(xn, route(routing.topk_idx_NK), route.num_local, w,
+                                                         routing.load_E)
+                rows, local_sent, w_sent, index_sent, count_sent, _ = tensors
+                x_leaf, w_leaf = rows.detach().requires_grad_(), w_sent.detach().requires_grad_()
+                partial = local_expert_block(x_leaf, received_locals(local_sent, count_sent, route.num_local), w_leaf,
+                                             served)
+                placed = unpermute(partial, index_sent, count_sent)
+                placed.backward(dy_NH.to(device))
+                out = out + placed.detach()
+                dx = dx + unpermute(x_leaf.grad, index, count)
+                dw = dw + unpermute(w_leaf.grad, index, count)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        results[device] = [t.cpu() for t in (out, dx, dw)]
+    for got, want in zip(results["cuda"], results["cpu"], strict=True):
+        torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)  # TF32 / reduction order on the GPU
