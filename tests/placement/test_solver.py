@@ -2,6 +2,7 @@
 
 import itertools
 import math
+import re
 import time
 
 import numpy as np
@@ -237,10 +238,20 @@ def test_with_memory_to_spare_attention_gets_more_gpus_at_longer_sequences():
 
 
 def test_a_plan_whose_hops_weigh_says_what_the_runtime_sends():
-    """DeepSeek-V3 on 256 GB200s at 4k tokens: the hops (every token to each GPU of its expert
-    slice) are a large share, and the plan says why; one GPU has no hops and no such note."""
-    heavy = solve(request("deepseek-v3", "gb200-nvl72", 256, seq_len=4096, batch=8192 * 4096))
+    """Qwen3-30B on 72 GB200s at 4k tokens (disaggregated): the hops are a large share, and the
+    plan says why; one GPU has no hops and no such note."""
+    heavy = solve(request("qwen3-30b-a3b", "gb200-nvl72", 72, seq_len=4096, batch=2048 * 4096))
     note = next(n for n in heavy.notes if n.startswith("dispatch and combine are"))
-    assert "whatever top-k = 8" in note and "per-pair rows" in note
+    assert "whatever top-k = 8" in note and "sparse dispatch" in note and "per-pair rows" in note
     single = solve(request("tiny", "h200-sxm", 1, seq_len=64, batch=512))
-    assert not any(n.startswith("dispatch and combine") for n in single.notes)
+    assert not any(n.startswith("dispatch and combine") or n.startswith("dispatch priced") for n in single.notes)
+
+
+def test_a_plan_notes_the_sparse_dispatch_it_priced_and_its_hops_shrink():
+    """DeepSeek-V3 on 256 GB200s at 4k tokens (issue 25's figure): a token reaches fewer GPUs of its
+    expert-parallel block than top-k, so dispatch and combine no longer weigh (dense they were 44%)."""
+    plan = solve(request("deepseek-v3", "gb200-nvl72", 256, seq_len=4096, batch=8192 * 4096))
+    note = next(n for n in plan.notes if n.startswith("dispatch priced sparse"))
+    reached, ranks = re.search(r"reaches ([\d.]+) of the (\d+) GPUs", note).groups()
+    assert 1 < float(reached) < 8 < int(ranks) and f"dense dispatch would send it to all {ranks}" in note
+    assert not any(n.startswith("dispatch and combine are") for n in plan.notes)
