@@ -529,12 +529,15 @@ def test_gpu_transports_on_two_gpus_match_the_oracle(ray_cluster, tmp_path, caps
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode, transport, hop", [("disaggregated", "nccl", "partial_sums"),
-                                                  ("colocated", "nccl", "partial_sums"),
-                                                  ("disaggregated", "nvshmem", "partial_sums"),
-                                                  ("disaggregated", "nvshmem", "pair_rows"),
-                                                  ("colocated", "nvshmem", "pair_rows")])
-def test_gpu_steps_make_no_host_waits_in_every_distributed_mode(ray_cluster, tmp_path, mode, transport, hop):
+@pytest.mark.parametrize("mode, transport, hop, dispatch", [("disaggregated", "nccl", "partial_sums", "dense"),
+                                                            ("colocated", "nccl", "partial_sums", "dense"),
+                                                            ("colocated", "nccl", "partial_sums", "sparse"),
+                                                            ("disaggregated", "nvshmem", "partial_sums", "dense"),
+                                                            ("disaggregated", "nvshmem", "partial_sums", "sparse"),
+                                                            ("disaggregated", "nvshmem", "pair_rows", "dense"),
+                                                            ("colocated", "nvshmem", "pair_rows", "dense")])
+def test_gpu_steps_make_no_host_waits_in_every_distributed_mode(ray_cluster, tmp_path, mode, transport, hop,
+                                                                dispatch):
     """Steps on two GPUs with forbid_host_syncs: every rank runs its whole program (compute, nccl
     sends and receives, the optimizer step) under set_sync_debug_mode('error'), so any host wait
     inside a step raises; only the step's one read at the end is outside it."""
@@ -544,9 +547,11 @@ def test_gpu_steps_make_no_host_waits_in_every_distributed_mode(ray_cluster, tmp
         pytest.skip("needs nvshmem4py")
     cfg = run_config(tmp_path / "dist", mode, attention_ranks=1, expert_ranks=1, colocated_ranks=2, micro_batches=2,
                      device="cuda", transport=transport, cpu_threads=None, steps=3, batch_size=8, seq_len=64,
-                     forbid_host_syncs=True, hop=hop, experts_backend="triton")  # loop reads offsets on the host
+                     forbid_host_syncs=True, hop=hop, experts_backend="triton",  # loop reads offsets on the host
+                     dispatch=dispatch)
     summary = DistributedTrainer(cfg, log_to_driver=False).run()
     assert summary.steps == 3 and summary.final_loss is not None and summary.hop == hop
+    assert summary.dispatch == dispatch
 
 
 SHARED_CASES = {
@@ -560,6 +565,10 @@ SHARED_CASES = {
     "colocated-2-pairs": dict(mode="colocated", colocated_ranks=2, hop="pair_rows"),
     "colocated-3-sums": dict(mode="colocated", colocated_ranks=3, batch_size=12, hop="partial_sums"),
     "replicas-A2-E2-pairs": dict(plan="replicas-A2-E2-m2", hop="pair_rows"),
+    # sparse dispatch over nvshmem (auto picks it there with partial sums and several expert ranks)
+    "A1-E2-sparse": dict(attention_ranks=1, expert_ranks=2, hop="partial_sums", dispatch="sparse"),
+    "A1-E3-sparse": dict(attention_ranks=1, expert_ranks=3, hop="partial_sums", dispatch="sparse"),
+    "skewed-A1-E2-sparse": dict(plan="skewed-A1-E2-m2", hop="partial_sums", dispatch="sparse"),
 }
 
 
@@ -567,7 +576,7 @@ def shared_gpu_config(out: Path, case: str, **extra) -> TrainConfig:
     fields = dict(SHARED_CASES[case])
     mode = fields.pop("mode", "disaggregated")
     if "plan" in fields:
-        fields["plan"] = PLANS[fields["plan"]]()
+        fields["plan"] = {**PLANS, **SPARSE_PLANS}[fields["plan"]]()
     world = Topology.from_config(apply_plan(run_config(out, mode, **fields), tiny_model(False)),
                                  tiny_model(False)).world_size
     backend = "triton" if fields["hop"] == "pair_rows" else "loop"
@@ -586,6 +595,8 @@ def assert_ran_as_asked(summary, cfg: TrainConfig) -> None:
     assert summary.time_sliced and summary.gpus == 1 and summary.ranks_per_gpu == world
     assert len({p["pid"] for p in summary.processes}) == world == len(summary.processes)
     assert {(p["device"], p["transport"], p["hop"]) for p in summary.processes} == {("cuda:0", "nvshmem", cfg.hop)}
+    if cfg.dispatch != "auto":
+        assert summary.dispatch == cfg.dispatch
 
 
 def needs_shared_gpu() -> None:
@@ -616,7 +627,7 @@ def test_gpu_every_layout_on_one_shared_gpu_matches_the_oracle(ray_cluster, tmp_
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", ["A1-E1-sums", "A1-E1-pairs", "A1-E2-pairs", "A2-E2-p2-pairs"])
+@pytest.mark.parametrize("case", ["A1-E1-sums", "A1-E1-pairs", "A1-E2-pairs", "A2-E2-p2-pairs", "A1-E3-sparse"])
 def test_gpu_shared_steps_make_no_host_waits_where_no_sum_goes_through_gloo(ray_cluster, tmp_path, case):
     """The two-GPU zero-sync test in its one-GPU form: the layouts whose only collective is the
     gradient norm (one attention rank per pipeline group, no replicated experts) sum it on the

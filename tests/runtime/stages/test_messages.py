@@ -161,3 +161,22 @@ def test_sparse_dispatch_changes_dispatch_and_combine_only():
         assert sparse.specs(payload, True) == dense.specs(payload, True)
     assert sparse.dispatch_row_bytes(True) == dense.dispatch_row_bytes(False) + 4 == (
         model.hidden_size * 4 + K * 8 + 4)  # fp32 on CPU: the row, ids, weights, then the token index
+
+
+def test_the_arenas_hold_the_sparse_messages_whole():
+    """nvshmem's symmetric arena and nccl's buffers are sized from the specs, so a sparse DISPATCH
+    slot holds its worst case (T rows) with the index, count and load beside them."""
+    from disagmoe.comm.base import TensorSpec
+    from disagmoe.runtime.stages.messages import MessageShapes, receive_layouts
+
+    cfg, model, topology = _run(dispatch="sparse", expert_ranks=2, batch_size=4, seq_len=8, device="cuda",
+                                transport="nvshmem")
+    shapes = MessageShapes.of_run(cfg, model, topology)
+    assert shapes.sparse
+    T = shapes.tokens
+    for transport in ("nvshmem", "nccl"):
+        layouts = receive_layouts(cfg.model_copy(update={"transport": transport}), shapes, topology)
+        rank = topology.expert_groups[0][0]
+        dispatch = [seg for seg in layouts[rank].segments if seg.slot[1] is Payload.DISPATCH]  # (source, payload, ...)
+        assert dispatch and all(seg.specs == tuple(shapes.specs(Payload.DISPATCH, True)) for seg in dispatch)
+        assert dispatch[0].specs[3:5] == (TensorSpec((T,), torch.int32), TensorSpec((1,), torch.int32))
