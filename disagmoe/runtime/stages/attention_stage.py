@@ -53,7 +53,7 @@ from disagmoe.model.loss import linear_cross_entropy
 from disagmoe.runtime.batching import batch_rows, inputs_and_targets
 from disagmoe.runtime.stages.expert_stage import LocalRouting
 from disagmoe.runtime.stages.messages import Mailbox
-from disagmoe.runtime.stages.sparse_dispatch import dispatch_message, unpermute
+from disagmoe.runtime.stages.sparse_dispatch import SetRouting, dispatch_messages, unpermute
 from disagmoe.runtime.stages.pair_return import PairHop, combine_pairs, sum_pairs
 from disagmoe.runtime.rank_model import RankModel
 from disagmoe.wire import Payload
@@ -80,7 +80,7 @@ class Segment:
     z_share: torch.Tensor | None = None  # z_local / (D M)
     probs_E: torch.Tensor | None = None  # P^(d) of the aux loss (None without one)
     router: object | None = None  # the layer's Router (aux weights from the returned load)
-    sent: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # sparse: per expert rank (index, count)
+    sent: tuple[torch.Tensor, torch.Tensor] | None = None  # sparse: (index_QT, count_Q1) of the rows sent
 
 
 class AttentionStage:
@@ -101,8 +101,8 @@ class AttentionStage:
         self.pair = pair
         self.sparse = sparse
         # sparse dispatch: per MoE layer, each expert rank of the set's routing of this source's pairs
-        self.routes = {layer: [LocalRouting(topology, layer, j, self.dp_index, self.dp, model.device)
-                               for j in range(len(topology.expert_groups[self.group]))]
+        self.routes = {layer: SetRouting([LocalRouting(topology, layer, j, self.dp_index, self.dp, model.device)
+                                          for j in range(len(topology.expert_groups[self.group]))])
                        for layer in self.layers if sparse and topology.is_moe(layer)}
         # pair rows: the combine waits on the GPU inside this op; the worker times it as the receive
         self.wait_span: Callable[[str], AbstractContextManager[None]] = lambda name: contextlib.nullcontext()
@@ -167,7 +167,8 @@ class AttentionStage:
             h_BSH, *shared = parts
             placed = inputs.partials
             if self.sparse:  # each rank's partial sums of the tokens it received, back at their tokens
-                placed = [unpermute(p, index_N, count_1) for p, (_, index_N, count_1) in zip(placed, replies)]
+                placed = unpermute(torch.stack(placed), torch.stack([r[1] for r in replies]),
+                                   torch.stack([r[2] for r in replies])).unbind(0)
             ffn_NH = placed[0]
             for partial_NH in placed[1:]:  # rank order: the same sum on every run
                 ffn_NH = ffn_NH + partial_NH
@@ -207,15 +208,16 @@ class AttentionStage:
         h_BSH = block.attention_part(x_BSH)
         routing = block.route(h_BSH)
         shared_NH = block.shared_ffn(routing)
-        dispatch = [routing.xn_NH, routing.topk_idx_NK.to(torch.int32), routing.topk_w_NK]
-        sent = []
-        for j, rank in enumerate(topo.expert_groups[self.group]):
-            if self.sparse:  # only the tokens rank j serves (`runtime.stages.sparse_dispatch`)
-                route = self.routes[layer][j]
-                dispatch, index_N, count_1 = dispatch_message(routing.xn_NH, route(routing.topk_idx_NK),
-                                                              route.num_local, routing.topk_w_NK, routing.load_E)
-                sent.append((index_N, count_1))
-            mail.post(Payload.DISPATCH, layer, mb, rank, dispatch)
+        ranks = topo.expert_groups[self.group]
+        messages = [[routing.xn_NH, routing.topk_idx_NK.to(torch.int32), routing.topk_w_NK]] * len(ranks)
+        sent = None
+        if self.sparse:  # to each rank only the tokens it serves (`runtime.stages.sparse_dispatch`)
+            route = self.routes[layer]
+            messages, index_QN, count_Q1 = dispatch_messages(routing.xn_NH, route(routing.topk_idx_NK),
+                                                             route.num_local_Q, routing.topk_w_NK, routing.load_E)
+            sent = (index_QN, count_Q1)
+        for rank, message in zip(ranks, messages, strict=True):
+            mail.post(Payload.DISPATCH, layer, mb, rank, message)
         carry = [h_BSH] + ([] if shared_NH is None else [shared_NH])
         dispatched = [routing.xn_NH, routing.topk_w_NK]
         if self.pair is not None:  # the weights travel to where the pair rows are combined
@@ -262,8 +264,7 @@ class AttentionStage:
                 for i, leaf in enumerate(segment.dispatched):  # d xn, d weights: summed over the expert ranks
                     parts = [reply[i] for reply in replies]
                     if self.sparse:  # each rank's rows back at their tokens
-                        parts = [unpermute(part, index_N, count_1)
-                                 for part, (index_N, count_1) in zip(parts, segment.sent, strict=True)]
+                        parts = unpermute(torch.stack(parts), *segment.sent).unbind(0)
                     total = parts[0]
                     for part in parts[1:]:
                         total = total + part

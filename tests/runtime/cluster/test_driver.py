@@ -264,6 +264,9 @@ SPARSE_PLANS = {
     # token from one of the two sources (count-0 messages)
     "empty-A2-E2-m2": lambda: planned(3).model_copy(update={"attention_gpus": 2, "micro_batches": 2, "expert_map": [
         [[0, 1]] * 8, [[1, 0]] * 8]}),
+    # one source, experts with two owners: the source splits their rows over both (in its token order)
+    "split-A1-E2-m2": lambda: planned(3).model_copy(update={"micro_batches": 2, "expert_map": [
+        [[0, 1], [1], [1, 0], [0], [1], [0, 1], [0], [1]], [[1, 0], [0], [1], [0, 1], [0], [1], [1, 0], [0]]]}),
 }
 
 
