@@ -86,3 +86,17 @@ def test_the_runs_recomputation_reaches_the_replay_and_the_single_process_count(
         b.peak_bytes for b in rank_activations(plain, model, topology))
     assert single_activation_bytes(lean.model_copy(update={"mode": "single"}), model) < single_activation_bytes(
         plain.model_copy(update={"mode": "single"}), model)
+
+
+def test_sparse_dispatch_holds_a_copy_of_the_rows_per_expert_rank_for_the_forwards_span():
+    """8 expert ranks, a small vocabulary (the head's peak out of the way): the attention rank's
+    peak moves into a MoE layer's forward, by the staged messages' bytes on top of what it keeps."""
+    m = load_model("tiny").model_copy(update={"vocab_size": 32})
+    cfg = config(micro_batches=1, expert_ranks=8, model=m)
+    topology = Topology.from_config(cfg, m)
+    dense, sparse = rank_activations(cfg, m, topology)[0], rank_activations(cfg, m, topology, sparse=True)[0]
+    assert sparse.at_op == "AttentionForward L2 mb0" and dense.at_op != sparse.at_op
+    tokens, row = 8 * 16, 4 * m.hidden_size + m.top_k * 8 + 4  # fp32 on CPU: row, ids, weights, token index
+    assert dense.peak_bytes < sparse.peak_bytes <= dense.peak_bytes + 8 * tokens * row
+    expert_dense, expert_sparse = (rank_activations(cfg, m, topology, sparse=s)[1] for s in (False, True))
+    assert expert_dense == expert_sparse  # an expert rank keeps what it did

@@ -108,10 +108,11 @@ def training_state_bytes(cfg: TrainConfig, model_cfg: ModelConfig, topology: Top
 
 def rank_needs(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topology) -> list[RankNeed]:
     """Every rank's memory at its peak (`RankNeed`), from its training state, receive buffers and
-    its program's activation peak (`runtime.activation_memory`, for this run's hop)."""
+    its program's activation peak (`runtime.activation_memory`, for this run's hop and dispatch)."""
     buffers = receive_layouts(cfg, MessageShapes.of_run(cfg, model_cfg, topology), topology, stream_sum_width(cfg))
     hop, _ = hop_mode(cfg, model_cfg, topology)
-    activations = rank_activations(cfg, model_cfg, topology, pair_rows=hop == "pair_rows")
+    activations = rank_activations(cfg, model_cfg, topology, pair_rows=hop == "pair_rows",
+                                   sparse=dispatch_mode(cfg, model_cfg, topology)[0] == "sparse")
     needs = []
     for rank in range(topology.world_size):
         params, state = training_state_bytes(cfg, model_cfg, topology, rank)
