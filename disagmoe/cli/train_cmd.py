@@ -173,13 +173,16 @@ class TrainProgress:
 
 
 def _hop_note(cfg: TrainConfig) -> str:
-    """One line: how expert outputs return to the attention ranks in this run, and why."""
-    from disagmoe.runtime.stages.messages import hop_mode
+    """Two lines: how tokens go to the expert ranks and how expert outputs return in this run, and why."""
+    from disagmoe.runtime.stages.messages import dispatch_mode, hop_mode
     from disagmoe.runtime.topology import Topology
 
     model_cfg = load_model(cfg.model)
-    hop, why = hop_mode(cfg, model_cfg, Topology.from_config(cfg, model_cfg))
-    return f"expert outputs return as {hop.replace('_', ' ')} ({why})"
+    topology = Topology.from_config(cfg, model_cfg)
+    hop, why = hop_mode(cfg, model_cfg, topology)
+    dispatch, dispatch_why = dispatch_mode(cfg, model_cfg, topology)
+    return (f"tokens dispatch {dispatch} ({dispatch_why})\n"
+            f"expert outputs return as {hop.replace('_', ' ')} ({why})")
 
 
 def _plan_note(cfg: TrainConfig, planned: TrainConfig) -> str:
@@ -215,6 +218,11 @@ def _summary_table(cfg: TrainConfig, summary: dict[str, Any]) -> Table:
         ("metrics", summary["metrics_path"]),
         ("checkpoint", summary["checkpoint_path"] or "-"),
     ]
+    if summary.get("dispatch"):
+        rows.append(("dispatch", summary["dispatch"]))
+    traffic = summary.get("traffic") or {}
+    if "dispatch" in traffic:
+        rows.append(("dispatch bytes/step", f"{traffic['dispatch']:,.0f} (dense: {traffic['dispatch_dense']:,.0f})"))
     if summary.get("hop"):
         rows.append(("expert return", summary["hop"].replace("_", " ")))
     if summary.get("time_sliced"):

@@ -168,6 +168,41 @@ class PairLanding:
     timeout_s: float = 120.0  # how long a wait on one of the flags may take (the receive's timeout)
 
 
+class Traffic:
+    """Bytes this rank's messages carried to other ranks in one step, per payload, as device
+    counters (no host read: they join the step's one read through `words`; `reset` at a step's
+    start).
+
+    `add` takes a message's live bytes (a device tensor where only the rows before a device-side
+    count are live, `dispatch: sparse`) and beside it the bytes of the same message with every row
+    live (the dense figure). What is counted is a message's content: nccl, local and today's
+    nvshmem puts move the whole worst-case buffer either way.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self.names: list[str] = []  # each payload's name, then its `_dense` figure
+        self._bytes: dict[str, torch.Tensor] = {}
+
+    def add(self, name: str, live_bytes: torch.Tensor | int, dense_bytes: int) -> None:
+        if name not in self._bytes:
+            for counter in (name, f"{name}_dense"):
+                self.names.append(counter)
+                self._bytes[counter] = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self._bytes[name] += live_bytes
+        self._bytes[f"{name}_dense"] += dense_bytes
+
+    def words(self) -> torch.Tensor:
+        """int64 [len(names)]: the counters in `names` order."""
+        if not self.names:
+            return torch.zeros(0, dtype=torch.int64, device=self.device)
+        return torch.cat([self._bytes[name] for name in self.names])
+
+    def reset(self) -> None:
+        for counter in self._bytes.values():
+            counter.zero_()
+
+
 class Transport(abc.ABC):
     """Point-to-point tensor messages between the ranks of one job."""
 
@@ -180,6 +215,14 @@ class Transport(abc.ABC):
         self.world_size = world_size
         self.default_timeout_s = default_timeout_s
         self._own_pairs: dict[MessageKey, PairTarget] = {}  # pair-row emulation: this rank's own rows
+        self._traffic: Traffic | None = None
+
+    @property
+    def traffic(self) -> Traffic:
+        """The bytes of the rows this rank sent this step (`Traffic`), on the transport's device."""
+        if self._traffic is None:
+            self._traffic = Traffic(getattr(self, "device", "cpu"))
+        return self._traffic
 
     @abc.abstractmethod
     def send(self, dst_rank: int, key: MessageKey, tensors: Sequence[torch.Tensor]) -> SendHandle:

@@ -359,17 +359,22 @@ def evaluate(prob: Problem, c: Candidates) -> Cost:
     n_moe, n_dense, L = m.num_moe_layers, m.num_dense_layers, m.num_layers
     token_row = BF16 * H + (4 + BF16) * k  # a dispatched token: its row, int32 top-k ids, bf16 weights
     if c.colocated:
-        # The runtime's compact hop: each GPU sends its tokens once to every other GPU of its EP block.
-        dispatch = st.all_to_all(tokens * token_row * (ep - 1.0), f_link, ep)  # ep = 1: no peer, no call
-        combine = st.all_to_all(tokens * BF16 * H * (ep - 1.0), f_link, ep)
+        # The runtime's compact hop: each GPU sends its tokens once to every other GPU of its EP block that
+        # serves them (`st.dispatch_rows`: sparse dispatch), the busier of the sending and receiving ends.
+        sent, busiest, index = st.dispatch_rows(m, ep)
+        remote = np.maximum(sent * (ep - 1.0) / ep, busiest * (ep - 1.0))
+        dispatch = st.all_to_all(tokens * (token_row + index) * remote, f_link, ep)  # ep = 1: no peer, no call
+        combine = st.all_to_all(tokens * (BF16 * H + index) * remote, f_link, ep)
     else:
-        # The runtime's compact hop (`runtime.stages.messages`): every token once to each expert GPU of its
-        # replica set, one partial sum per token back, whatever k; the busier end of each hop.
+        # The runtime's compact hop (`runtime.stages.messages`): a token once to each expert GPU of its replica
+        # set that serves it (`st.dispatch_rows`: sparse dispatch), one partial sum per token received back,
+        # whatever k; the busier end of each hop.
         sources = dp / sets  # attention GPUs an expert GPU serves
+        sent, busiest, index = st.dispatch_rows(m, per_set, imbalance)
         residual = np.where(p > 1, BF16 * tokens * (H + 2 * k), 0.0)  # the attention GPU's other send
-        dispatch = st.transfer(np.maximum(per_set * tokens * token_row + residual, sources * tokens * token_row),
-                               f_link)
-        combine = st.transfer(BF16 * tokens * H * np.maximum(sources, per_set), f_next)
+        dispatch = st.transfer(np.maximum(sent * tokens * (token_row + index) + residual,
+                                          sources * busiest * tokens * (token_row + index)), f_link)
+        combine = st.transfer((BF16 * H + index) * tokens * np.maximum(sources * busiest, sent), f_next)
     handoff = st.transfer(BF16 * tokens * H, f_next)  # residual stream to the next pipeline group
 
     # Parameters each GPU holds (the busiest pipeline group's share).

@@ -36,6 +36,7 @@ from disagmoe.placement.cost import (
 from disagmoe.placement.experts import imbalance, map_layer
 from disagmoe.placement.replay import replayed_step_s
 from disagmoe.roofline import report
+from disagmoe.roofline import stages as st
 from disagmoe.roofline.ceilings import Ceilings
 from disagmoe.roofline.flops import step_flops
 from disagmoe.roofline.params import count_params, params_text
@@ -368,6 +369,10 @@ def price(cfg: PlanConfig, chosen: Candidates, colocated_step_s: float | None = 
     mfu = flops_per_gpu_s / (cfg.cluster.hardware.bf16_tflops * 1e12)
     stage_times = _stage_times(cost, prob, chosen)
     notes.extend(_hop_note(stage_times, step, model.top_k))
+    if not single:
+        ranks = (exp // (p * int(chosen.sets[0])) if use_dis else
+                 int(colocated_ep(model.num_experts, exp // p // int(chosen.sets[0]))))
+        notes.append(_dispatch_note(model, ranks, prob.load_peak_ratio if use_dis else 1.0, use_dis))
     plan = Plan(
         model=model.name, hardware=cfg.cluster.hardware.name, gpus=gpus, seq_len=cfg.seq_len,
         global_batch_tokens=cfg.global_batch_tokens,
@@ -524,11 +529,25 @@ def _hop_note(stage_times: list[StageTime], step: float, top_k: int) -> list[str
     total = sum(s.time_s for s in stage_times)
     if total <= 0 or hops / total <= HOP_NOTE_SHARE:
         return []
-    return [f"dispatch and combine are {hops / total:.0%} of the stage time: the runtime's hop sends every token "
-            "once to each GPU holding a slice of its experts (the expert GPUs of its set; colocated: its "
-            f"expert-parallel block) and returns one partial sum per token, whatever top-k = {top_k}; across more "
-            "GPUs than top-k, per-pair rows move less (train with transport: nvshmem and the triton experts, where "
-            "hop: auto picks them; the planner prices partial sums)"]
+    return [f"dispatch and combine are {hops / total:.0%} of the stage time: the runtime's hop sends a token once "
+            "to each GPU serving one of its experts (sparse dispatch; the expert GPUs of its set, colocated: its "
+            f"expert-parallel block) and returns one partial sum per token received, whatever top-k = {top_k}; "
+            "across more GPUs than top-k, per-pair rows move less (train with transport: nvshmem and the triton "
+            "experts, where hop: auto picks them; the planner prices partial sums)"]
+
+
+def _dispatch_note(model, ranks: int, load_peak_ratio: float, disaggregated: bool) -> str:
+    """Which dispatch the hops are priced with (`roofline.stages.dispatch_rows`, as the runtime's
+    `dispatch: auto` picks it on nvshmem)."""
+    where = "expert GPUs of its set" if disaggregated else "GPUs of its expert-parallel block"
+    if ranks <= 1:
+        return f"dispatch priced dense: one {where[:-1].replace('GPUs', 'GPU')} serves every token"
+    sent, _, _ = st.dispatch_rows(model, ranks)
+    busiest_text = ("; the busiest GPU's share of the tokens from the load histogram's peak, after replicas"
+                    if load_peak_ratio > 1 else "")
+    return (f"dispatch priced sparse (train with dispatch: auto on nvshmem, or sparse): a token reaches "
+            f"{float(sent):.2f} of the {ranks} {where} on average (top-{model.top_k} of {model.num_experts} "
+            f"experts, uniform routing){busiest_text}; dense dispatch would send it to all {ranks}")
 
 
 def _stage_times(cost: Cost, prob: Problem, c: Candidates) -> list[StageTime]:

@@ -184,6 +184,42 @@ def transfer(nbytes: Num, scaleout_fraction: Num) -> Work:
                 scaleout_bytes=nbytes * scaleout_fraction, transfers=1.0)
 
 
+SPARSE_INDEX = 4  # bytes a sparse dispatch or combine row adds: its int32 token index
+
+
+def rank_reach(num_experts: int, top_k: int, share: Num) -> Num:
+    """The probability that a token's top-k experts (k distinct of E, uniformly without replacement)
+    include at least one of the g = share x E experts one GPU holds:
+
+        1 - C(E - g, k) / C(E, k)  =  1 - prod_{i < k} (E - g - i) / (E - i)
+
+    The product form takes a continuous g (each factor floored at 0), so a GPU's share of the
+    routed pairs (from a load histogram) can stand in for g / E. Group-limited routing (DeepSeek's
+    top groups) is not modelled: it concentrates a token's experts, so this is an upper bound there."""
+    E, k = float(num_experts), min(int(top_k), int(num_experts))
+    g = np.clip(np.asarray(share, dtype=float) * E, 0.0, E)
+    miss = np.ones_like(g)
+    for i in range(k):
+        miss = miss * np.maximum(E - g - i, 0.0) / (E - i)
+    return 1.0 - miss
+
+
+def dispatch_rows(m: ModelConfig, ranks: Num, imbalance: Num = 1.0) -> tuple[Num, Num, Num]:
+    """A MoE layer's dispatch over a set of `ranks` GPUs each holding E / ranks of the experts, as
+    the runtime sends it (`runtime.stages.messages.dispatch_mode`: sparse where a set has more than
+    one GPU): (rows a source sends per token, the share of a source's tokens the busiest GPU of
+    the set receives, bytes a row adds). Sparse: a token goes to ranks x rank_reach(1 / ranks) GPUs
+    on average, the busiest GPU (`imbalance` times the mean share of pairs, a load histogram's
+    peak) gets rank_reach(imbalance / ranks) of the tokens, and each row carries its token index.
+    Dense (one GPU): every token to every GPU."""
+    ranks = np.asarray(ranks, dtype=float)
+    share = 1.0 / np.maximum(ranks, 1.0)
+    sparse = ranks > 1
+    sent = np.where(sparse, ranks * rank_reach(m.num_experts, m.top_k, share), ranks)
+    busiest = np.where(sparse, rank_reach(m.num_experts, m.top_k, np.minimum(share * imbalance, 1.0)), 1.0)
+    return sent, busiest, np.where(sparse, SPARSE_INDEX, 0)
+
+
 def all_to_all(nbytes: Num, scaleout_fraction: Num, ranks: Num = 2) -> Work:
     """One NCCL all-to-all among `ranks` GPUs: the same bytes as `transfer`, plus a collective's
     fixed cost; nothing at all among one rank (no peer: no call)."""

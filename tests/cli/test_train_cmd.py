@@ -128,6 +128,20 @@ def test_table_summary_names_where_outputs_went(tmp_path):
     assert "final loss" in result.stdout and "metrics.jsonl" in result.stdout
 
 
+@pytest.mark.slow  # starts Ray actors
+def test_the_dispatch_is_printed_at_start_and_its_bytes_in_the_summary(tmp_path):
+    out = tmp_path / "run"
+    result = invoke("--config", str(REPO / "configs/tiny-cpu.yaml"), "--out-dir", str(out), "--steps", "1",
+                    "batch_size=4", "seq_len=32", "eval_every=0", "expert_ranks=2", "dispatch=sparse")
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.stdout.replace("│", " ").split())  # the summary table's cells, one space apart
+    assert "tokens dispatch sparse (as configured)" in text and "expert outputs return as partial sums" in text
+    assert "dispatch sparse" in text and "expert return partial sums" in text
+    record = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    sent, dense = record["traffic"]["dispatch"], record["traffic"]["dispatch_dense"]
+    assert 0 < sent < dense and f"dispatch bytes/step {sent:,} (dense: {dense:,})" in text
+
+
 def _config(tmp_path: Path, **fields) -> str:
     data = yaml.safe_load((REPO / "configs/tiny-cpu.yaml").read_text())
     data.update(out_dir=str(tmp_path / "run"), **fields)

@@ -2,6 +2,7 @@
 
 import itertools
 import math
+import re
 import time
 
 import numpy as np
@@ -202,14 +203,15 @@ def test_no_plan_gets_slower_with_more_gpus(model, hardware, counts):
 
 
 def test_a_plan_that_leaves_gpus_idle_says_so():
-    """DeepSeek-V3 on 576 GB200s: the fastest layout leaves GPUs idle (an expert GPU keeps every
+    """DeepSeek-V3 on 600 GB200s: the fastest layout leaves GPUs idle (an expert GPU keeps every
     pair its group's attention GPUs dispatch, so wider groups cost memory), and the plan says so
-    and why; it is no slower than the plan on 512."""
-    plan = solve(request("deepseek-v3", "gb200-nvl72", 576))
+    and why; it is no slower than the plan on 512. (576 no longer leaves any idle since sparse
+    dispatch is priced: cheaper hops let wider groups pay.)"""
+    plan = solve(request("deepseek-v3", "gb200-nvl72", 600))
     used = plan.attention_gpus + plan.expert_gpus
-    assert plan.feasible and plan.idle_gpus == 576 - used > 0
-    assert plan.reason.startswith(f"uses {used} of 576 GPUs ({plan.idle_gpus} idle)")
-    assert any(n.startswith(f"{plan.idle_gpus} of 576 GPUs left idle: this layout on {used} is faster (")
+    assert plan.feasible and plan.idle_gpus == 600 - used > 0
+    assert plan.reason.startswith(f"uses {used} of 600 GPUs ({plan.idle_gpus} idle)")
+    assert any(n.startswith(f"{plan.idle_gpus} of 600 GPUs left idle: this layout on {used} is faster (")
                for n in plan.notes)
     assert plan.step_time_s <= solve(request("deepseek-v3", "gb200-nvl72", 512)).step_time_s
 
@@ -217,13 +219,14 @@ def test_a_plan_that_leaves_gpus_idle_says_so():
 def test_a_split_bound_by_memory_says_so_at_every_sequence_length():
     """qwen3-235b-a22b on 72 GB200s without recomputation: the expert GPUs' states and activations
     bind, and an expert GPU keeps every pair of its group's tokens in flight (dp * m * seqs * S
-    tokens), so 4K, 8K and 16K get the same expert GPUs and the same tokens in flight per group:
-    a longer sequence holds fewer micro-batches or fewer attention GPUs per group. The plan names
-    the bound at every length, and with auto recomputation too."""
+    tokens), so a longer sequence holds no more tokens in flight per group: fewer micro-batches,
+    sequences or attention GPUs per group (with sparse dispatch priced, 16K takes another split
+    than 4K and 8K). The plan names the bound at every length, and with auto recomputation too."""
     plans = [solve(request("qwen3-235b-a22b", "gb200-nvl72", 72, seq_len=s, recompute="none"))
              for s in (4096, 8192, 16384)]
-    assert len({p.expert_gpus for p in plans}) == 1
-    assert len({p.sequences_per_micro_batch * p.micro_batches * p.seq_len for p in plans}) == 1
+    in_flight = [p.attention_gpus // p.pipeline_groups * p.micro_batches * p.sequences_per_micro_batch * p.seq_len
+                 for p in plans]
+    assert in_flight == sorted(in_flight, reverse=True), in_flight
     assert all(p.recompute == "none" for p in plans)
     for plan in (*plans, *(solve(request("qwen3-235b-a22b", "gb200-nvl72", 72, seq_len=s)) for s in (8192, 16384))):
         assert any(n.startswith("the split is bound by memory (") for n in plan.notes)
@@ -269,10 +272,23 @@ def test_with_memory_to_spare_attention_gets_more_gpus_at_longer_sequences():
 
 
 def test_a_plan_whose_hops_weigh_says_what_the_runtime_sends():
-    """DeepSeek-V3 on 256 GB200s at 4k tokens: the hops (every token to each GPU of its expert
-    slice) are a large share, and the plan says why; one GPU has no hops and no such note."""
+    """DeepSeek-V3 on 256 GB200s at 4k tokens (disaggregated, memory-bound: few attention GPUs per
+    group, many expert GPUs): the hops are a large share, and the plan says why; one GPU has no
+    hops and no such note. (Qwen3-30B on 72 GB200s, this test's case before the planner counted an
+    expert GPU's every pair and priced sparse dispatch, now plans colocated with light hops.)"""
     heavy = solve(request("deepseek-v3", "gb200-nvl72", 256, seq_len=4096, batch=8192 * 4096))
     note = next(n for n in heavy.notes if n.startswith("dispatch and combine are"))
-    assert "whatever top-k = 8" in note and "per-pair rows" in note
+    assert "whatever top-k = 8" in note and "sparse dispatch" in note and "per-pair rows" in note
     single = solve(request("tiny", "h200-sxm", 1, seq_len=64, batch=512))
-    assert not any(n.startswith("dispatch and combine") for n in single.notes)
+    assert not any(n.startswith("dispatch and combine") or n.startswith("dispatch priced") for n in single.notes)
+
+
+def test_a_plan_notes_the_sparse_dispatch_it_priced_and_its_hops_shrink():
+    """DeepSeek-V3 on 256 GB200s at 4k tokens (issue 25's figure): a token reaches fewer of its
+    set's expert GPUs than top-k, and the hop note prices that (sparse), not every GPU of the set."""
+    plan = solve(request("deepseek-v3", "gb200-nvl72", 256, seq_len=4096, batch=8192 * 4096))
+    note = next(n for n in plan.notes if n.startswith("dispatch priced sparse"))
+    reached, ranks = re.search(r"reaches ([\d.]+) of the (\d+) (?:expert )?GPUs", note).groups()
+    assert 1 < float(reached) < 8 < int(ranks) and f"dense dispatch would send it to all {ranks}" in note
+    hops = next(n for n in plan.notes if n.startswith("dispatch and combine are"))
+    assert "to each GPU serving one of its experts (sparse dispatch" in hops

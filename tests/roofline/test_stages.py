@@ -79,3 +79,34 @@ def test_vectorised_matches_scalar():
         one = st.attention_projections(m, float(t))
         assert all(np.isclose(getattr(w, f.name)[i] if np.ndim(getattr(w, f.name)) else getattr(w, f.name),
                               getattr(one, f.name)) for f in dataclasses.fields(st.Work))
+
+
+@pytest.mark.parametrize("experts, top_k, ranks", [(8, 2, 2), (8, 2, 4), (12, 3, 3), (12, 1, 4), (8, 8, 2), (6, 2, 1)])
+def test_the_expected_ranks_a_token_reaches_is_the_mean_over_every_top_k_choice(experts, top_k, ranks):
+    """Every k-subset of E experts equally likely (uniform routing without replacement), experts
+    split evenly over the ranks: the mean number of distinct ranks a choice touches."""
+    import itertools
+
+    rank_of = [e * ranks // experts for e in range(experts)]
+    choices = list(itertools.combinations(range(experts), top_k))
+    mean = sum(len({rank_of[e] for e in choice}) for choice in choices) / len(choices)
+    assert ranks * st.rank_reach(experts, top_k, 1 / ranks) == pytest.approx(mean, rel=1e-12)
+
+
+def test_a_larger_share_of_the_pairs_is_reached_more_often_up_to_certainty():
+    shares = np.linspace(0, 1, 41)
+    reach = st.rank_reach(256, 8, shares)
+    rising = np.diff(reach) > 0
+    assert reach[0] == 0 and reach[-1] == 1 and np.all(rising | (reach[1:] == 1))
+    assert st.rank_reach(8, 2, 7 / 8) == 1  # only one expert elsewhere: every top-2 choice lands here
+
+
+def test_dispatch_rows_are_dense_on_one_gpu_and_sparse_across_several():
+    m = load_model("deepseek-v3")
+    sent, busiest, index = st.dispatch_rows(m, np.array([1, 8, 64]), 1.0)
+    assert sent[0] == 1 and busiest[0] == 1 and index[0] == 0  # one GPU: every token, no index
+    assert 1 < sent[1] < m.top_k and sent[2] < m.top_k and np.all(index[1:] == st.SPARSE_INDEX)
+    np.testing.assert_allclose(busiest[1:] * np.array([8, 64]), sent[1:])  # balanced: the busiest is the mean
+    _, hot, _ = st.dispatch_rows(m, 8, 2.0)  # a load histogram's peak twice the mean
+    assert float(hot) == pytest.approx(float(st.rank_reach(m.num_experts, m.top_k, 2 / 8)))
+    assert hot > busiest[1]

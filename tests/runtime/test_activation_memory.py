@@ -127,3 +127,17 @@ def test_the_planner_prices_the_activations_the_runtimes_memory_check_counts(nam
     assert (len(attention), len(expert)) == (layout["attn"], layout["expert"])
     assert cost.attn_act_bytes[0] == max(attention)
     assert cost.expert_act_bytes[0] == max(expert)
+
+
+def test_sparse_dispatch_holds_a_copy_of_the_rows_per_expert_rank_for_the_forwards_span():
+    """8 expert ranks, a small vocabulary (the head's peak out of the way): the attention rank's
+    peak moves into a MoE layer's forward, by the staged messages' bytes on top of what it keeps."""
+    m = load_model("tiny").model_copy(update={"vocab_size": 32})
+    cfg = config(micro_batches=1, expert_ranks=8, model=m)
+    topology = Topology.from_config(cfg, m)
+    dense, sparse = rank_activations(cfg, m, topology)[0], rank_activations(cfg, m, topology, sparse=True)[0]
+    assert sparse.at_op == "AttentionForward L2 mb0" and dense.at_op != sparse.at_op
+    tokens, row = 8 * 16, 4 * m.hidden_size + m.top_k * 8 + 4  # fp32 on CPU: row, ids, weights, token index
+    assert dense.peak_bytes < sparse.peak_bytes <= dense.peak_bytes + 8 * tokens * row
+    expert_dense, expert_sparse = (rank_activations(cfg, m, topology, sparse=s)[1] for s in (False, True))
+    assert expert_dense == expert_sparse  # an expert rank keeps what it did

@@ -62,7 +62,7 @@ from disagmoe.runtime.cluster.sharing import (
     wait_timeout_s,
 )
 from disagmoe.runtime.failures import RunWarning, TrainingFailed
-from disagmoe.runtime.stages.messages import MessageShapes, hop_mode, receive_layouts
+from disagmoe.runtime.stages.messages import MessageShapes, dispatch_mode, hop_mode, receive_layouts
 from disagmoe.runtime.observe.metrics import load_imbalance, peak_and_ceiling
 from disagmoe.runtime.state.optim import lr_at
 from disagmoe.runtime.plan_layout import apply_plan
@@ -116,11 +116,12 @@ def rank_needs(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topology,
                states: list[tuple[int, float]] | None = None) -> list[RankNeed]:
     """Every rank's memory at its peak (`RankNeed`), from its training state (`states`: `rank_states`,
     if already computed), receive buffers and its program's activation peak
-    (`runtime.activation_memory`, for this run's hop)."""
+    (`runtime.activation_memory`, for this run's hop and dispatch)."""
     states = rank_states(cfg, model_cfg, topology) if states is None else states
     buffers = receive_layouts(cfg, MessageShapes.of_run(cfg, model_cfg, topology), topology, stream_sum_width(cfg))
     hop, _ = hop_mode(cfg, model_cfg, topology)
-    activations = rank_activations(cfg, model_cfg, topology, pair_rows=hop == "pair_rows")
+    activations = rank_activations(cfg, model_cfg, topology, pair_rows=hop == "pair_rows",
+                                   sparse=dispatch_mode(cfg, model_cfg, topology)[0] == "sparse")
     needs = []
     for rank, (params, state) in enumerate(states):
         needs.append(RankNeed(params, state, buffers[rank].nbytes, activations[rank],
@@ -294,6 +295,9 @@ class DistributedTrainer(TrainingLoop):
         check_fits(cfg, self.model_cfg, self.topology)
         self.predicted_peak_gib = [need.predicted_peak_gib for need in rank_needs(cfg, self.model_cfg, self.topology)]
         self.hop, self.hop_reason = hop_mode(cfg, self.model_cfg, self.topology)
+        self.dispatch, self.dispatch_reason = dispatch_mode(cfg, self.model_cfg, self.topology)  # refusals: now
+        self.traffic_sums: dict[str, int] = {}  # bytes of the rows sent, summed over ranks and steps run
+        self.traffic_steps = 0
         check_fault_injection(cfg, self.topology)
         check_ray_address(cfg.ray_address, cfg.ray_connect_timeout_s)  # bounded, before Ray
         check_out_dir(cfg.out_dir)  # before any actor starts
@@ -429,11 +433,17 @@ class DistributedTrainer(TrainingLoop):
         self.step += 1
         parts = {"ce": 0.0, "aux_loss": 0.0, "z_loss": 0.0}
         load: dict[int, list[int]] = {}
+        traffic: dict[str, int] = {}
         for result in results:
+            for name, sent in result["traffic"].items():
+                traffic[name] = traffic.get(name, 0) + sent
             for name, value in result.get("loss_parts", {}).items():
                 parts[name] += value
             load.update(result["expert_load"])
             self.spans[result["rank"]].extend(result["spans"])
+        for name, sent in traffic.items():
+            self.traffic_sums[name] = self.traffic_sums.get(name, 0) + sent
+        self.traffic_steps += 1
         load_LE = torch.tensor([load[layer] for layer in sorted(load)], dtype=torch.int64).reshape(
             len(load), self.model_cfg.num_experts)
         return {
@@ -450,13 +460,16 @@ class DistributedTrainer(TrainingLoop):
             "predicted_peak_gib_per_rank": list(self.predicted_peak_gib),
             "expert_load": load_LE.tolist(),
             "load_imbalance": load_imbalance(load_LE),
+            "traffic": traffic,  # bytes of the rows sent between ranks, per payload, with the dense figure
             "busy": busy_fractions([r["compute_s"] for r in results], seconds, self.groups),
             "gpu_wait": wait_fractions([r.get("gpu_wait_s", {}) for r in results], seconds, self.groups),
             **({"time_sliced": True} if self.ranks_per_gpu > 1 else {}),  # step_time_s is not a speed figure
         }
 
     def run_facts(self) -> dict[str, Any]:
-        return dict(hop=self.hop, transport=self.cfg.transport, gpus=self.gpus or None,
+        steps = max(self.traffic_steps, 1)
+        traffic = {name: total / steps for name, total in self.traffic_sums.items()}  # mean per step
+        return dict(hop=self.hop, dispatch=self.dispatch, traffic=traffic or None, transport=self.cfg.transport, gpus=self.gpus or None,
                     ranks_per_gpu=self.ranks_per_gpu, time_sliced=self.ranks_per_gpu > 1,
                     processes=self.processes, predicted_peak_gib=max(self.predicted_peak_gib),
                     predicted_peak_gib_per_rank=list(self.predicted_peak_gib), **self.split_facts())
@@ -504,7 +517,8 @@ class DistributedTrainer(TrainingLoop):
 def _process_facts(info: dict[str, Any], name: str) -> dict[str, Any]:
     """A rank's process as the summary records it (`TrainWorker.info`), JSON-ready."""
     return {"rank": info["rank"], "pid": info["pid"], "node": info["node_ip"], "device": info["device"],
-            "role": name, "transport": info.get("transport"), "hop": info.get("hop")}
+            "role": name, "transport": info.get("transport"), "hop": info.get("hop"),
+            "dispatch": info.get("dispatch")}
 
 
 def probe_ranks(actors: list[Any], timeout_s: float) -> tuple[dict[int, str], list[int]]:

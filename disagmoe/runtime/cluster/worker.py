@@ -142,10 +142,10 @@ class TrainWorker(Worker):
             if splits.val is not None:
                 self.val_data = TokenDataset(splits.val, cfg.seq_len, cfg.batch_size, cfg.seed, "val")
             self.attention = AttentionStage(self.model, topology, self.rank, data, cfg.micro_batches,
-                                            pair=pair)
+                                            pair=pair, sparse=self.shapes.sparse)
             self.attention.wait_span = self._gpu_wait_span
-        self.experts = (ExpertStage(self.model, topology, self.rank, pair=pair,
-                                    tokens=self.shapes.tokens) if topology.expert_role(self.rank) else None)
+        self.experts = (ExpertStage(self.model, topology, self.rank, pair=pair, tokens=self.shapes.tokens,
+                                    sparse=self.shapes.sparse) if topology.expert_role(self.rank) else None)
         for op in self.program:  # every receive buffer now, sized by the run's fixed message specs
             if isinstance(op, Recv) and not self._is_pair(op):  # pair rows land in the transport's own buffers
                 for peer in op.peers:
@@ -157,11 +157,12 @@ class TrainWorker(Worker):
         self.watchdog = OpWatchdog(f"rank {self.rank} ({topology.describe(self.rank)})", wait_s)
 
     def info(self) -> dict[str, Any]:
-        """The base's facts, with the transport and hop this rank really runs once set up."""
+        """The base's facts, with the transport, hop and dispatch this rank really runs once set up."""
         facts = super().info()
         if getattr(self, "transport", None) is not None:
             facts.update(transport=self.transport.kind,
-                         hop="pair_rows" if self.shapes.pair_rows else "partial_sums")
+                         hop="pair_rows" if self.shapes.pair_rows else "partial_sums",
+                         dispatch="sparse" if self.shapes.sparse else "dense")
         return facts
 
     def _collective_groups(self, topology: Topology, timeout_s: float) -> tuple[Any, Any]:
@@ -210,6 +211,7 @@ class TrainWorker(Worker):
         start = time.perf_counter()
         self.optimizer.set_lr(lr)  # the step's only host value of the lr, into the optimizer's device scalar
         self.optimizer.zero_grad()
+        self.transport.traffic.reset()  # an evaluation's messages are no step's
         if self.attention is not None:
             self.attention.begin_step(step)
         if self.experts is not None:
@@ -245,14 +247,18 @@ class TrainWorker(Worker):
         parts = self.attention.loss_parts if self.attention is not None else {}
         load_LE = result["expert_load"]
         status = self.transport.status_word()
+        traffic = self.transport.traffic
         scalars = torch.stack([result["grad_norm"], *(v.float() for v in parts.values())]).double()
         loads = load_LE.flatten().double() if load_LE is not None else scalars.new_zeros(0)  # exact below 2^53
+        sent = traffic.words().double()  # bytes: exact below 2^53
         tail = status.double() if status is not None else scalars.new_zeros(0)
-        values = torch.cat([scalars, loads, tail]).tolist()  # the one read
+        values = torch.cat([scalars, loads, sent, tail]).tolist()  # the one read
         if status is not None:
             self.transport.check_status([int(v) for v in values[len(values) - tail.numel():]])
             del values[len(values) - tail.numel():]
-        read: dict[str, Any] = {"grad_norm": values[0]}
+        read: dict[str, Any] = {"traffic": dict(zip(traffic.names, map(int, values[len(values) - sent.numel():])))}
+        del values[len(values) - sent.numel():]
+        read["grad_norm"] = values[0]
         if parts:
             read["loss_parts"] = dict(zip(parts, values[1:1 + len(parts)], strict=True))
         if load_LE is None:
@@ -347,6 +353,8 @@ class TrainWorker(Worker):
                         check_specs(tensors, self.shapes.specs(op.payload, self.topology.is_moe(op.layer)),
                                     f"rank {self.rank}: {_op_name(op)} to rank {peer}")  # metadata only
                         handles.append(self.transport.send(peer, key, tensors))
+                        if op.payload is Payload.DISPATCH:
+                            self._count_dispatch(tensors)
             return
         if isinstance(op, ReduceGradients):
             with self.recorder.span(_op_name(op), "send"):
@@ -383,6 +391,14 @@ class TrainWorker(Worker):
                                    self.attention.backward(op.layer, op.micro_batch, mail))
             else:
                 raise AssertionError(f"unknown op {op!r}")
+
+    def _count_dispatch(self, tensors: list[torch.Tensor]) -> None:
+        """The rows one DISPATCH message carried (`comm.base.Traffic`): sparse, its count's rows
+        (a device tensor), beside the dense dispatch's T rows."""
+        T = self.shapes.tokens
+        live = (tensors[4].long() * self.shapes.dispatch_row_bytes(True) if self.shapes.sparse
+                else T * self.shapes.dispatch_row_bytes(False))
+        self.transport.traffic.add(Payload.DISPATCH.value, live, T * self.shapes.dispatch_row_bytes(False))
 
     def _run_held_back(self, step: int) -> None:
         """The weight-gradient work the last backward op held back (`deferred_weight_grads`), as

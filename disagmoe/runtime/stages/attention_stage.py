@@ -18,6 +18,11 @@ buffer instead: each (token, expert) row weighted by the routing weights, which 
 residual stream (their gradient goes back with it), combined as segments land; its gradient dy
 goes to every expert rank, and the backward sums each token's returned pair rows of d xn.
 
+With `dispatch: sparse` (`runtime.stages.sparse_dispatch`) each expert rank gets only the tokens
+it serves (their rows, its local expert ids, their weights, the token index and the count); its
+partial sums come back in that order and are scattered to their tokens, and so are the gradients
+of the rows sent.
+
 The loss matches the oracle (`runtime.training.trainer`): micro-batch m of M is split over D
 data-parallel ranks; each rank backpropagates its share
 
@@ -46,7 +51,9 @@ from disagmoe.model import MoEBlock
 from disagmoe.kernels.deferral import deferred_weight_grads
 from disagmoe.model.loss import linear_cross_entropy
 from disagmoe.runtime.batching import batch_rows, inputs_and_targets
+from disagmoe.runtime.stages.expert_stage import LocalRouting
 from disagmoe.runtime.stages.messages import Mailbox
+from disagmoe.runtime.stages.sparse_dispatch import SetRouting, dispatch_messages, unpermute
 from disagmoe.runtime.stages.pair_return import PairHop, combine_pairs, sum_pairs
 from disagmoe.runtime.rank_model import RankModel
 from disagmoe.wire import Payload
@@ -73,14 +80,16 @@ class Segment:
     z_share: torch.Tensor | None = None  # z_local / (D M)
     probs_E: torch.Tensor | None = None  # P^(d) of the aux loss (None without one)
     router: object | None = None  # the layer's Router (aux weights from the returned load)
+    sent: tuple[torch.Tensor, torch.Tensor] | None = None  # sparse: (index_QT, count_Q1) of the rows sent
 
 
 class AttentionStage:
     """Forward, loss and backward of the attention ops of one rank for one step at a time."""
 
     def __init__(self, model: RankModel, topology: Topology, rank: int, data: TokenDataset,
-                 micro_batches: int, pair: PairHop | None = None) -> None:
-        """`pair`: `hop: pair_rows` with these settings (None: partial sums)."""
+                 micro_batches: int, pair: PairHop | None = None, sparse: bool = False) -> None:
+        """`pair`: `hop: pair_rows` with these settings (None: partial sums); `sparse`: `dispatch:
+        sparse`."""
         role = topology.attention_role(rank)
         assert role is not None, f"rank {rank} runs no attention"
         self.group, self.dp_index = role
@@ -90,6 +99,11 @@ class AttentionStage:
         self.num_experts = model.cfg.num_experts
         self.layers = topology.attention_layers(rank)
         self.pair = pair
+        self.sparse = sparse
+        # sparse dispatch: per MoE layer, each expert rank of the set's routing of this source's pairs
+        self.routes = {layer: SetRouting([LocalRouting(topology, layer, j, self.dp_index, self.dp, model.device)
+                                          for j in range(len(topology.expert_groups[self.group]))])
+                       for layer in self.layers if sparse and topology.is_moe(layer)}
         # pair rows: the combine waits on the GPU inside this op; the worker times it as the receive
         self.wait_span: Callable[[str], AbstractContextManager[None]] = lambda name: contextlib.nullcontext()
         self.begin_step(0)
@@ -148,10 +162,15 @@ class AttentionStage:
                 ffn_NH.retain_grad()
             inputs.combined = ffn_NH
         else:
-            inputs.partials = [mail.take(Payload.COMBINE, prev, mb, r)[0].detach().requires_grad_() for r in experts]
+            replies = [mail.take(Payload.COMBINE, prev, mb, r) for r in experts]
+            inputs.partials = [reply[0].detach().requires_grad_() for reply in replies]
             h_BSH, *shared = parts
-            ffn_NH = inputs.partials[0]
-            for partial_NH in inputs.partials[1:]:  # rank order: the same sum on every run
+            placed = inputs.partials
+            if self.sparse:  # each rank's partial sums of the tokens it received, back at their tokens
+                placed = unpermute(torch.stack(placed), torch.stack([r[1] for r in replies]),
+                                   torch.stack([r[2] for r in replies])).unbind(0)
+            ffn_NH = placed[0]
+            for partial_NH in placed[1:]:  # rank order: the same sum on every run
                 ffn_NH = ffn_NH + partial_NH
         if shared:
             ffn_NH = ffn_NH + shared[0]
@@ -189,9 +208,16 @@ class AttentionStage:
         h_BSH = block.attention_part(x_BSH)
         routing = block.route(h_BSH)
         shared_NH = block.shared_ffn(routing)
-        dispatch = [routing.xn_NH, routing.topk_idx_NK.to(torch.int32), routing.topk_w_NK]
-        for rank in topo.expert_groups[self.group]:
-            mail.post(Payload.DISPATCH, layer, mb, rank, dispatch)
+        ranks = topo.expert_groups[self.group]
+        messages = [[routing.xn_NH, routing.topk_idx_NK.to(torch.int32), routing.topk_w_NK]] * len(ranks)
+        sent = None
+        if self.sparse:  # to each rank only the tokens it serves (`runtime.stages.sparse_dispatch`)
+            route = self.routes[layer]
+            messages, index_QN, count_Q1 = dispatch_messages(routing.xn_NH, route(routing.topk_idx_NK),
+                                                             route.num_local_Q, routing.topk_w_NK, routing.load_E)
+            sent = (index_QN, count_Q1)
+        for rank, message in zip(ranks, messages, strict=True):
+            mail.post(Payload.DISPATCH, layer, mb, rank, message)
         carry = [h_BSH] + ([] if shared_NH is None else [shared_NH])
         dispatched = [routing.xn_NH, routing.topk_w_NK]
         if self.pair is not None:  # the weights travel to where the pair rows are combined
@@ -199,7 +225,7 @@ class AttentionStage:
             dispatched = [routing.xn_NH]
         mail.post(Payload.RESIDUAL, layer, mb, nxt, carry)
         router = block.moe.router
-        segment = Segment(inputs, dispatched, carry, router=router)
+        segment = Segment(inputs, dispatched, carry, router=router, sent=sent)
         if router.cfg.z_loss_coef > 0:
             segment.z_share = routing.z_loss.float() / (self.dp * self.micro_batches)
             self.loss_parts["z_loss"] = self.loss_parts["z_loss"] + segment.z_share.detach()
@@ -236,9 +262,12 @@ class AttentionStage:
             else:
                 replies = [mail.take(Payload.DISPATCH_GRAD, layer, mb, rank) for rank in topo.expert_groups[self.group]]
                 for i, leaf in enumerate(segment.dispatched):  # d xn, d weights: summed over the expert ranks
-                    total = replies[0][i]
-                    for reply in replies[1:]:
-                        total = total + reply[i]
+                    parts = [reply[i] for reply in replies]
+                    if self.sparse:  # each rank's rows back at their tokens
+                        parts = unpermute(torch.stack(parts), *segment.sent).unbind(0)
+                    total = parts[0]
+                    for part in parts[1:]:
+                        total = total + part
                     outputs.append(leaf)
                     grads.append(total)
                 load_E = replies[0][2]

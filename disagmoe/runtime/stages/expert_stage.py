@@ -17,6 +17,12 @@ pair-row buffers instead of posting messages: ExpertForward stores each served (
 row into the next group's attention rank's buffer, ExpertBackward each pair's d x into the
 source's (the load beside it), one launch pair per source; the worker aims them first.
 
+With `dispatch: sparse` (`runtime.stages.sparse_dispatch`) a source sends only the tokens this rank
+serves, already mapped to its local experts (the sender ran this rank's `LocalRouting` over its
+whole token order), with their token index, the count and the source's expert load; the rows past
+the count are padding, never computed; the partial sums of the received rows go back in that
+order with the index and count, the gradients of the received rows likewise.
+
 Replicated experts (a plan's hot experts): the attention rank of data-parallel index d (of D)
 sends its pairs of an expert with n owners to owner d mod n when D >= n, and splits them in token
 order over owners d, d + D, ... when D < n (`plan_layout.replica_rows`); every owner receives the
@@ -37,6 +43,7 @@ from disagmoe.kernels.deferral import deferred_weight_grads
 from disagmoe.model.local_experts import local_expert_block
 from disagmoe.runtime.stages.messages import Mailbox
 from disagmoe.runtime.stages.pair_return import PairHop, PairRows, expert_pair_rows, expert_pair_rows_backward
+from disagmoe.runtime.stages.sparse_dispatch import received_locals
 from disagmoe.runtime.rank_model import RankModel
 from disagmoe.wire import Payload
 from disagmoe.runtime.topology import Topology
@@ -99,9 +106,10 @@ class ExpertStage:
     """Forward and backward of the expert ops of one rank."""
 
     def __init__(self, model: RankModel, topology: Topology, rank: int,
-                 pair: PairHop | None = None, tokens: int = 0) -> None:
+                 pair: PairHop | None = None, tokens: int = 0, sparse: bool = False) -> None:
         """`pair`: `hop: pair_rows` with these settings, for sources of `tokens` tokens (None:
-        partial sums)."""
+        partial sums); `sparse`: `dispatch: sparse` (not with pair rows)."""
+        assert not (sparse and pair is not None), "sparse dispatch returns partial sums"
         role = topology.expert_role(rank)
         assert role is not None, f"rank {rank} holds no experts"
         self.group, index = role
@@ -113,6 +121,7 @@ class ExpertStage:
                         for layer in topology.experts_of(rank)}
         self.segments: dict[tuple[int, int], ExpertSegment] = {}
         self.pair = pair
+        self.sparse = sparse
         if pair is not None:  # the down GEMM's per-segment store counts (zero between launches)
             self.pair_counters_S = torch.zeros(-(-tokens // pair.segment_tokens), dtype=torch.int32,
                                                device=model.device)
@@ -125,13 +134,19 @@ class ExpertStage:
         messages = [mail.take(Payload.DISPATCH, layer, mb, src) for src in self.sources]
         if self.pair is not None:
             return self._forward_pairs(layer, mb, mail, messages)
-        xs = [xn_NH.detach().requires_grad_() for xn_NH, _, _ in messages]
-        ws = [w_NK.detach().requires_grad_(w_NK.is_floating_point()) for _, _, w_NK in messages]
-        local_TK = _cat([route(idx_NK) for route, (_, idx_NK, _) in zip(self.routing[layer], messages, strict=True)])
+        xs = [xn_NH.detach().requires_grad_() for xn_NH, *_ in messages]
+        ws = [w_NK.detach().requires_grad_(w_NK.is_floating_point()) for _, _, w_NK, *_ in messages]
+        if self.sparse:  # the sender mapped the pairs to local experts; padding rows serve none
+            num_local = self.routing[layer][0].num_local
+            local_TK = _cat([received_locals(local_NK, count_1, num_local)
+                             for _, local_NK, _, _, count_1, _ in messages])
+        else:
+            local_TK = _cat([route(idx_NK) for route, (_, idx_NK, _) in zip(self.routing[layer], messages, strict=True)])
         partial_TH = local_expert_block(_cat(xs), local_TK, _cat(ws), self.model.experts(layer))
         outputs = list(partial_TH.split(xs[0].shape[0]))
-        for dst, partial_NH in zip(self.destinations, outputs, strict=True):
-            mail.post(Payload.COMBINE, layer, mb, dst, [partial_NH])
+        for dst, partial_NH, message in zip(self.destinations, outputs, messages, strict=True):
+            placement = message[3:5] if self.sparse else []  # the rows' token index and count
+            mail.post(Payload.COMBINE, layer, mb, dst, [partial_NH, *placement])
         load_E = self._load(messages)
         self.segments[(layer, mb)] = ExpertSegment(xs + ws, outputs, load_E)
 
@@ -158,6 +173,8 @@ class ExpertStage:
 
     def _load(self, messages) -> torch.Tensor:
         """The micro-batch's expert load over all sources' dispatches (int64 [E])."""
+        if self.sparse:  # each source's own load came with its rows
+            return sum(message[5] for message in messages)
         return sum(expert_counts(idx_NK.long(), self.model.cfg.num_experts) for _, idx_NK, _ in messages)
 
     def load_of(self, layer: int, mb: int) -> torch.Tensor:

@@ -24,6 +24,16 @@ combines with, so their gradient returns with RESIDUAL_GRAD. DISPATCH_GRAD becom
 message of each pair's d x [T K, H] (summed over a token's pairs on the receiver) carrying the
 load [E] as its extra; it has no d weights. COMBINE_GRAD stays dy [T, H]: each expert rank forms
 its pairs' w dy itself.
+
+With `dispatch: sparse` (`dispatch_mode`; `runtime.stages.sparse_dispatch`) a token goes only to
+the expert ranks serving one of its pairs, once per rank. Buffers keep the worst case (all T tokens
+to one rank); the first `count` rows are the tokens sent, in token order, the rest unread padding:
+
+    DISPATCH       rows [T, H], local expert ids [T, K] (L: served elsewhere), weights [T, K],
+                   token index [T], count [1], this source's expert load [E]
+    COMBINE        the partial sums of the received tokens [T, H], token index [T], count [1]
+    DISPATCH_GRAD  as dense, its rows in the dispatch's order
+    COMBINE_GRAD   as dense, its rows in the dispatch's order
 """
 
 from __future__ import annotations
@@ -117,6 +127,7 @@ class MessageShapes:
     dtype: torch.dtype
     shared_experts: bool
     pair_rows: bool = False  # `hop: pair_rows` (module docstring)
+    sparse: bool = False  # `dispatch: sparse` (module docstring)
     segment_tokens: int = 256  # pair_rows: tokens per landing segment
 
     @classmethod
@@ -129,6 +140,7 @@ class MessageShapes:
                    dtype=compute_dtype(cfg),
                    shared_experts=model_cfg.shared_ffn_size > 0,
                    pair_rows=hop_mode(cfg, model_cfg, topology)[0] == "pair_rows",
+                   sparse=dispatch_mode(cfg, model_cfg, topology)[0] == "sparse",
                    segment_tokens=cfg.pair_segment_tokens)
 
     @property
@@ -150,11 +162,23 @@ class MessageShapes:
     def tokens(self) -> int:
         return self.rows * self.seq_len
 
+    def dispatch_row_bytes(self, sparse: bool) -> int:
+        """Bytes of one token's row of a DISPATCH message: xn, ids and weights (sparse: and its
+        token index), the per-token part that byte counts multiply (`comm.base.Traffic`)."""
+        size = torch.empty((), dtype=self.dtype).element_size()
+        return self.hidden * size + self.top_k * (4 + size) + (4 if sparse else 0)
+
     def specs(self, payload: Payload, layer_is_moe: bool) -> list[TensorSpec]:
         T, H, K, dt = self.tokens, self.hidden, self.top_k, self.dtype
         rows = TensorSpec((T, H), dt)
-        if payload in (Payload.DISPATCH,):
+        index, count = TensorSpec((T,), torch.int32), TensorSpec((1,), torch.int32)
+        if payload is Payload.DISPATCH and self.sparse:
+            return [rows, TensorSpec((T, K), torch.int32), TensorSpec((T, K), dt), index, count,
+                    TensorSpec((self.num_experts,), torch.int64)]
+        if payload is Payload.DISPATCH:
             return [rows, TensorSpec((T, K), torch.int32), TensorSpec((T, K), dt)]
+        if payload is Payload.COMBINE and self.sparse and not self.pair_rows:
+            return [rows, index, count]
         if payload is Payload.COMBINE and self.pair_rows:
             return [TensorSpec((T * K, H), dt)]
         if payload is Payload.DISPATCH_GRAD and self.pair_rows:  # d x per pair, then the load (an extra)
@@ -185,6 +209,33 @@ def hop_mode(cfg, model_cfg, topology) -> tuple[str, str]:
     why = (f"{per_set} <= top-k {k}: one partial sum per token per expert rank moves fewer bytes"
            if ranks <= k else "pair rows need transport nvshmem with experts_backend triton")
     return "partial_sums", why
+
+
+def dispatch_mode(cfg, model_cfg, topology) -> tuple[str, str]:
+    """(dispatch, why) of a run: `cfg.dispatch`, with auto resolved. Sparse sends a token to the Q'
+    expert ranks serving its pairs instead of all Q of the set; the saving is the one-sided
+    transport's (nccl and local move the worst-case buffer with a device-side count), and the
+    pair-row return addresses rows by token position, so it needs hop partial sums. ValueError for
+    `dispatch: sparse` whose hop resolves to pair rows."""
+    ranks = max((len(group) for group in topology.expert_groups), default=0)
+    hop = hop_mode(cfg, model_cfg, topology)[0]
+    if cfg.dispatch == "sparse" and hop == "pair_rows":
+        raise ValueError("dispatch: sparse with hop auto resolving to pair_rows (transport nvshmem, experts_backend "
+                         "triton, more expert ranks per set than top-k): the pair-row return stores rows at the "
+                         "token's position in the dispatch, which sparse dispatch reorders; set hop: partial_sums "
+                         "or dispatch: dense (or auto)")
+    if cfg.dispatch != "auto":
+        return cfg.dispatch, "as configured"
+    per_set = f"{ranks} expert rank{'' if ranks == 1 else 's'} per set"
+    if hop == "pair_rows":
+        return "dense", "the pair-row return needs the dense dispatch's token order"
+    if ranks <= 1:
+        return "dense", f"{per_set}: every token goes to it either way"
+    if cfg.transport != "nvshmem":
+        return "dense", (f"{per_set}, but transport {cfg.transport} moves the worst-case buffer either way "
+                         "(sparse dispatch saves bytes on nvshmem)")
+    return "sparse", (f"{per_set}: a token goes only to the ranks serving its top-k experts (today's puts still "
+                      "move the worst-case buffer: the count-sized put is the Triton dispatch kernel's)")
 
 
 def receive_layouts(cfg, shapes: MessageShapes, topology, sum_width: int = 0) -> list:

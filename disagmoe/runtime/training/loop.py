@@ -61,6 +61,10 @@ class TrainSummary:
     busy: dict[str, float] | None = None  # distributed modes: per group, mean compute / step time
     restarts: int = 0  # distributed modes: times the run restarted itself after a failed rank (max_restarts)
     hop: str | None = None  # distributed modes: how expert outputs returned (`runtime.stages.messages.hop_mode`)
+    dispatch: str | None = None  # distributed modes: dense or sparse (`runtime.stages.messages.dispatch_mode`)
+    # distributed modes: bytes of the rows sent between ranks per step (mean over the steps run), per
+    # payload, each with its `_dense` figure (`comm.base.Traffic`)
+    traffic: dict[str, float] | None = None
     transport: str | None = None  # distributed modes: the transport every rank ran
     gpus: int | None = None  # distributed modes on cuda: GPUs the ranks ran on
     ranks_per_gpu: int = 1  # > 1: ranks time-sliced each GPU (`runtime.cluster.sharing`): not a speed figure

@@ -164,6 +164,18 @@ CASES = {
     "pairs-A1-E2-p1-m2": dict(attention_ranks=1, expert_ranks=2, pipeline_groups=1, micro_batches=2, hop="pair_rows"),
     "pairs-A2-E2-p2-m2": dict(attention_ranks=2, expert_ranks=2, pipeline_groups=2, micro_batches=2, hop="pair_rows"),
     "pairs-colocated-3": dict(mode="colocated", colocated_ranks=3, micro_batches=2, batch_size=6, hop="pair_rows"),
+    # dispatch: sparse (each token only to the expert ranks serving its pairs; the worst-case buffer over gloo)
+    "sparse-A1-E1-p1-m1": dict(attention_ranks=1, expert_ranks=1, pipeline_groups=1, micro_batches=1,
+                               dispatch="sparse"),
+    "sparse-A1-E2-p1-m2-bias": dict(attention_ranks=1, expert_ranks=2, pipeline_groups=1, micro_batches=2,
+                                    bias_balancing=True, dispatch="sparse"),
+    "sparse-A2-E1-p1-m4": dict(attention_ranks=2, expert_ranks=1, pipeline_groups=1, micro_batches=4,
+                               dispatch="sparse"),
+    "sparse-A2-E2-p2-m2-bias": dict(attention_ranks=2, expert_ranks=2, pipeline_groups=2, micro_batches=2,
+                                    bias_balancing=True, dispatch="sparse"),
+    "sparse-colocated-2": dict(mode="colocated", colocated_ranks=2, micro_batches=2, dispatch="sparse"),
+    "sparse-colocated-3-zero": dict(mode="colocated", colocated_ranks=3, micro_batches=2, batch_size=6,
+                                    dispatch="sparse", optim=OptimConfig(lr=3e-3, warmup_steps=2, shard_states=True)),
 }
 
 
@@ -176,6 +188,7 @@ def test_matches_the_single_process_oracle(warm, tmp_path, case):
     reference, reference_model = oracle(cfg, tmp_path / "single")
     assert summary.steps == STEPS and summary.checkpoint_path is not None
     assert summary.hop == fields.get("hop", "partial_sums")
+    assert summary.dispatch == fields.get("dispatch", "dense")  # auto on local: dense
     assert_same_losses(read_metrics(tmp_path / "dist" / METRICS_FILE), reference)
     assert_same_parameters(model_from_checkpoint(cfg, Path(summary.checkpoint_path)), reference_model,
                            parameter_tolerance(cfg))
@@ -241,6 +254,69 @@ def test_a_replicated_plan_with_pair_rows_and_evaluation_trains_like_the_oracle(
     reference, reference_model = oracle(apply_plan(cfg, cfg.model), tmp_path / "single")
     assert_same_losses(read_metrics(tmp_path / "dist" / METRICS_FILE), reference)
     assert_same_parameters(model_from_checkpoint(cfg, Path(summary.checkpoint_path)), reference_model)
+
+
+SPARSE_PLANS = {
+    # skewed: one expert rank serves one expert of a layer, the other seven
+    "skewed-A1-E2-m2": lambda: planned(3).model_copy(update={"micro_batches": 2, "expert_map": [
+        [[0]] * 7 + [[1]], [[1]] * 7 + [[0]]]}),
+    # every expert on both ranks: source d feeds owner d mod 2 only, so each expert rank receives no
+    # token from one of the two sources (count-0 messages)
+    "empty-A2-E2-m2": lambda: planned(3).model_copy(update={"attention_gpus": 2, "micro_batches": 2, "expert_map": [
+        [[0, 1]] * 8, [[1, 0]] * 8]}),
+    # one source, experts with two owners: the source splits their rows over both (in its token order)
+    "split-A1-E2-m2": lambda: planned(3).model_copy(update={"micro_batches": 2, "expert_map": [
+        [[0, 1], [1], [1, 0], [0], [1], [0, 1], [0], [1]], [[1, 0], [0], [1], [0, 1], [0], [1], [1, 0], [0]]]}),
+}
+
+
+@pytest.mark.parametrize("case", SPARSE_PLANS)
+def test_sparse_dispatch_with_skewed_routing_and_empty_messages_trains_like_the_oracle(warm, tmp_path, case):
+    cfg = run_config(tmp_path / "dist", "disaggregated", plan=SPARSE_PLANS[case](), dispatch="sparse", eval_every=2)
+    summary = run_on(warm, cfg)
+    assert summary.dispatch == "sparse"
+    reference, reference_model = oracle(apply_plan(cfg, cfg.model), tmp_path / "single")
+    assert_same_losses(read_metrics(tmp_path / "dist" / METRICS_FILE), reference)
+    assert_same_parameters(model_from_checkpoint(cfg, Path(summary.checkpoint_path)), reference_model)
+
+
+def _oracle_routing(cfg: TrainConfig, out: Path) -> list[tuple[int, torch.Tensor]]:
+    """(layer, top-k ids [N, K]) of every MoE layer and micro-batch the oracle routes in its run."""
+    trainer = SingleProcessTrainer(cfg.model_copy(update={"mode": "single", "out_dir": str(out)}))
+    seen = []
+    for layer, block in enumerate(trainer.model.layers):
+        if hasattr(block, "route"):
+            def route(h_BSH, fixed=None, _route=block.route, _layer=layer):
+                routing = _route(h_BSH, fixed)
+                seen.append((_layer, routing.topk_idx_NK.detach().clone()))
+                return routing
+            block.route = route
+    trainer.run()
+    return seen
+
+
+@pytest.mark.parametrize("dispatch", ["sparse", "dense"])
+def test_dispatch_bytes_are_the_routings_minimum_with_sparse_dispatch_and_the_dense_figure_beside(warm, tmp_path,
+                                                                                                   dispatch):
+    cfg = run_config(tmp_path / "dist", "disaggregated", attention_ranks=2, expert_ranks=3, micro_batches=2,
+                     steps=1, eval_every=0, dispatch=dispatch)
+    summary = run_on(warm, cfg)
+    topology = Topology.from_config(cfg, cfg.model)
+    shapes = MessageShapes.of_run(cfg, cfg.model, topology)
+    minimum = 0
+    routed = _oracle_routing(cfg, tmp_path / "single")
+    for layer, idx_NK in routed:
+        rank_of_E = torch.tensor([who[0] for who in topology.expert_owners[layer]])  # one owner each here
+        minimum += sum(len(set(ranks)) for ranks in rank_of_E[idx_NK].tolist())
+    moe_layers = sum(topology.is_moe(layer) for layer in range(topology.num_layers))
+    assert len(routed) == moe_layers * cfg.micro_batches
+    dense = cfg.batch_size * cfg.seq_len * moe_layers * 3 * shapes.dispatch_row_bytes(False)
+    record = read_metrics(tmp_path / "dist" / METRICS_FILE)[0]
+    want = minimum * shapes.dispatch_row_bytes(True) if dispatch == "sparse" else dense
+    assert record["traffic"]["dispatch"] == want and record["traffic"]["dispatch_dense"] == dense
+    assert summary.traffic["dispatch"] == want and summary.traffic["dispatch_dense"] == dense
+    if dispatch == "sparse":
+        assert want < dense  # 8 experts top-2 on 3 ranks: most tokens reach one or two of them
 
 
 def test_trace_has_every_rank_and_busy_fractions(warm, tmp_path):
@@ -456,12 +532,15 @@ def test_gpu_transports_on_two_gpus_match_the_oracle(ray_cluster, tmp_path, caps
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode, transport, hop", [("disaggregated", "nccl", "partial_sums"),
-                                                  ("colocated", "nccl", "partial_sums"),
-                                                  ("disaggregated", "nvshmem", "partial_sums"),
-                                                  ("disaggregated", "nvshmem", "pair_rows"),
-                                                  ("colocated", "nvshmem", "pair_rows")])
-def test_gpu_steps_make_no_host_waits_in_every_distributed_mode(ray_cluster, tmp_path, mode, transport, hop):
+@pytest.mark.parametrize("mode, transport, hop, dispatch", [("disaggregated", "nccl", "partial_sums", "dense"),
+                                                            ("colocated", "nccl", "partial_sums", "dense"),
+                                                            ("colocated", "nccl", "partial_sums", "sparse"),
+                                                            ("disaggregated", "nvshmem", "partial_sums", "dense"),
+                                                            ("disaggregated", "nvshmem", "partial_sums", "sparse"),
+                                                            ("disaggregated", "nvshmem", "pair_rows", "dense"),
+                                                            ("colocated", "nvshmem", "pair_rows", "dense")])
+def test_gpu_steps_make_no_host_waits_in_every_distributed_mode(ray_cluster, tmp_path, mode, transport, hop,
+                                                                dispatch):
     """Steps on two GPUs with forbid_host_syncs: every rank runs its whole program (compute, nccl
     sends and receives, the optimizer step) under set_sync_debug_mode('error'), so any host wait
     inside a step raises; only the step's one read at the end is outside it."""
@@ -471,9 +550,11 @@ def test_gpu_steps_make_no_host_waits_in_every_distributed_mode(ray_cluster, tmp
         pytest.skip("needs nvshmem4py")
     cfg = run_config(tmp_path / "dist", mode, attention_ranks=1, expert_ranks=1, colocated_ranks=2, micro_batches=2,
                      device="cuda", transport=transport, cpu_threads=None, steps=3, batch_size=8, seq_len=64,
-                     forbid_host_syncs=True, hop=hop, experts_backend="triton")  # loop reads offsets on the host
+                     forbid_host_syncs=True, hop=hop, experts_backend="triton",  # loop reads offsets on the host
+                     dispatch=dispatch)
     summary = DistributedTrainer(cfg, log_to_driver=False).run()
     assert summary.steps == 3 and summary.final_loss is not None and summary.hop == hop
+    assert summary.dispatch == dispatch
 
 
 SHARED_CASES = {
@@ -487,6 +568,10 @@ SHARED_CASES = {
     "colocated-2-pairs": dict(mode="colocated", colocated_ranks=2, hop="pair_rows"),
     "colocated-3-sums": dict(mode="colocated", colocated_ranks=3, batch_size=12, hop="partial_sums"),
     "replicas-A2-E2-pairs": dict(plan="replicas-A2-E2-m2", hop="pair_rows"),
+    # sparse dispatch over nvshmem (auto picks it there with partial sums and several expert ranks)
+    "A1-E2-sparse": dict(attention_ranks=1, expert_ranks=2, hop="partial_sums", dispatch="sparse"),
+    "A1-E3-sparse": dict(attention_ranks=1, expert_ranks=3, hop="partial_sums", dispatch="sparse"),
+    "skewed-A1-E2-sparse": dict(plan="skewed-A1-E2-m2", hop="partial_sums", dispatch="sparse"),
 }
 
 
@@ -494,7 +579,7 @@ def shared_gpu_config(out: Path, case: str, **extra) -> TrainConfig:
     fields = dict(SHARED_CASES[case])
     mode = fields.pop("mode", "disaggregated")
     if "plan" in fields:
-        fields["plan"] = PLANS[fields["plan"]]()
+        fields["plan"] = {**PLANS, **SPARSE_PLANS}[fields["plan"]]()
     world = Topology.from_config(apply_plan(run_config(out, mode, **fields), tiny_model(False)),
                                  tiny_model(False)).world_size
     backend = "triton" if fields["hop"] == "pair_rows" else "loop"
@@ -513,6 +598,8 @@ def assert_ran_as_asked(summary, cfg: TrainConfig) -> None:
     assert summary.time_sliced and summary.gpus == 1 and summary.ranks_per_gpu == world
     assert len({p["pid"] for p in summary.processes}) == world == len(summary.processes)
     assert {(p["device"], p["transport"], p["hop"]) for p in summary.processes} == {("cuda:0", "nvshmem", cfg.hop)}
+    if cfg.dispatch != "auto":
+        assert summary.dispatch == cfg.dispatch
 
 
 def needs_shared_gpu() -> None:
@@ -543,7 +630,7 @@ def test_gpu_every_layout_on_one_shared_gpu_matches_the_oracle(ray_cluster, tmp_
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", ["A1-E1-sums", "A1-E1-pairs", "A1-E2-pairs", "A2-E2-p2-pairs"])
+@pytest.mark.parametrize("case", ["A1-E1-sums", "A1-E1-pairs", "A1-E2-pairs", "A2-E2-p2-pairs", "A1-E3-sparse"])
 def test_gpu_shared_steps_make_no_host_waits_where_no_sum_goes_through_gloo(ray_cluster, tmp_path, case):
     """The two-GPU zero-sync test in its one-GPU form: the layouts whose only collective is the
     gradient norm (one attention rank per pipeline group, no replicated experts) sum it on the
@@ -606,7 +693,9 @@ def test_the_summary_names_every_ranks_process_transport_and_hop(warm, tmp_path)
     assert [p["rank"] for p in summary.processes] == [0, 1, 2]
     assert len({p["pid"] for p in summary.processes}) == 3 and {p["pid"] for p in summary.processes} != {os.getpid()}
     assert [p["role"] for p in summary.processes] == ["A0.0", "E0.0", "E0.1"]
-    assert {(p["device"], p["transport"], p["hop"]) for p in summary.processes} == {("cpu", "local", "pair_rows")}
+    assert {(p["device"], p["transport"], p["hop"], p["dispatch"]) for p in summary.processes} == {
+        ("cpu", "local", "pair_rows", "dense")}
+    assert summary.dispatch == "dense"
     assert (summary.transport, summary.time_sliced, summary.ranks_per_gpu, summary.gpus) == ("local", False, 1, None)
     assert json.loads(json.dumps(summary.to_dict()))["processes"][1]["role"] == "E0.0"
     predicted = [need.predicted_peak_gib for need in rank_needs(cfg, cfg.model, Topology.from_config(cfg, cfg.model))]

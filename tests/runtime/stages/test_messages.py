@@ -108,3 +108,75 @@ def test_pair_rows_that_cannot_run_are_refused_naming_the_fix(fields, needle):
 
     with pytest.raises(ValueError, match=needle):
         TrainConfig(model="tiny", **fields)
+
+
+@pytest.mark.parametrize("fields, dispatch", [
+    (dict(dispatch="sparse"), "sparse"),  # as configured (local: the worst-case buffer with a count)
+    (dict(dispatch="dense", expert_ranks=4, transport="nvshmem", device="cuda"), "dense"),
+    (dict(expert_ranks=2, transport="nvshmem", device="cuda"), "sparse"),  # auto: more than one expert rank
+    (dict(expert_ranks=1, transport="nvshmem", device="cuda"), "dense"),  # one expert rank: every token goes there
+    (dict(expert_ranks=4, transport="nccl", device="cuda"), "dense"),  # auto: sparse saves bytes on nvshmem only
+    (dict(expert_ranks=4, transport="nvshmem", experts_backend="triton", device="cuda"), "dense"),  # hop pair rows
+])
+def test_auto_dispatch_is_sparse_on_nvshmem_with_several_expert_ranks_and_partial_sums(fields, dispatch):
+    from disagmoe.runtime.stages.messages import dispatch_mode
+
+    got, why = dispatch_mode(*_run(**fields))
+    assert got == dispatch and why
+
+
+def test_unknown_dispatch_is_refused():
+    from pydantic import ValidationError
+
+    from disagmoe.config import TrainConfig
+
+    with pytest.raises(ValidationError, match="dispatch"):
+        TrainConfig(model="tiny", dispatch="sometimes")
+
+
+def test_sparse_dispatch_with_pair_rows_is_refused_naming_the_fix():
+    from disagmoe.config import TrainConfig
+    from disagmoe.runtime.stages.messages import dispatch_mode
+
+    with pytest.raises(ValueError, match="set hop: partial_sums"):
+        TrainConfig(model="tiny", dispatch="sparse", hop="pair_rows")
+    auto_pairs = dict(dispatch="sparse", expert_ranks=4, transport="nvshmem", experts_backend="triton", device="cuda")
+    with pytest.raises(ValueError, match="set hop: partial_sums or dispatch: dense"):  # hop auto: pair rows
+        dispatch_mode(*_run(**auto_pairs))
+
+
+def test_sparse_dispatch_changes_dispatch_and_combine_only():
+    from disagmoe.comm.base import TensorSpec
+    from disagmoe.runtime.stages.messages import MessageShapes
+
+    cfg, model, topology = _run(dispatch="sparse", expert_ranks=2, batch_size=4, seq_len=8)
+    sparse = MessageShapes.of_run(cfg, model, topology)
+    dense = MessageShapes.of_run(cfg.model_copy(update={"dispatch": "dense"}), model, topology)
+    T, K, E = sparse.tokens, model.top_k, model.num_experts
+    index, count = TensorSpec((T,), torch.int32), TensorSpec((1,), torch.int32)
+    assert sparse.specs(Payload.DISPATCH, True) == [*dense.specs(Payload.DISPATCH, True), index, count,
+                                                    TensorSpec((E,), torch.int64)]
+    assert sparse.specs(Payload.COMBINE, True) == [*dense.specs(Payload.COMBINE, True), index, count]
+    for payload in (Payload.DISPATCH_GRAD, Payload.COMBINE_GRAD, Payload.RESIDUAL, Payload.RESIDUAL_GRAD):
+        assert sparse.specs(payload, True) == dense.specs(payload, True)
+    assert sparse.dispatch_row_bytes(True) == dense.dispatch_row_bytes(False) + 4 == (
+        model.hidden_size * 4 + K * 8 + 4)  # fp32 on CPU: the row, ids, weights, then the token index
+
+
+def test_the_arenas_hold_the_sparse_messages_whole():
+    """nvshmem's symmetric arena and nccl's buffers are sized from the specs, so a sparse DISPATCH
+    slot holds its worst case (T rows) with the index, count and load beside them."""
+    from disagmoe.comm.base import TensorSpec
+    from disagmoe.runtime.stages.messages import MessageShapes, receive_layouts
+
+    cfg, model, topology = _run(dispatch="sparse", expert_ranks=2, batch_size=4, seq_len=8, device="cuda",
+                                transport="nvshmem")
+    shapes = MessageShapes.of_run(cfg, model, topology)
+    assert shapes.sparse
+    T = shapes.tokens
+    for transport in ("nvshmem", "nccl"):
+        layouts = receive_layouts(cfg.model_copy(update={"transport": transport}), shapes, topology)
+        rank = topology.expert_groups[0][0]
+        dispatch = [seg for seg in layouts[rank].segments if seg.slot[1] is Payload.DISPATCH]  # (source, payload, ...)
+        assert dispatch and all(seg.specs == tuple(shapes.specs(Payload.DISPATCH, True)) for seg in dispatch)
+        assert dispatch[0].specs[3:5] == (TensorSpec((T,), torch.int32), TensorSpec((1,), torch.int32))

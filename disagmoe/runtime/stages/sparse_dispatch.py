@@ -1,0 +1,93 @@
+"""Sparse dispatch (`dispatch: sparse`): a token travels to an expert rank only if that rank serves
+at least one of its top-k pairs, once per rank however many it serves; the messages'
+specs are in `runtime.stages.messages`.
+
+Sender (attention rank d): each expert rank q's `LocalRouting` for source d maps each pair to a
+local expert of q or to L (elsewhere; replica splits included, computed on the sender's whole
+token order), for all Q ranks in one gather where none splits (`SetRouting`); the tokens with a
+pair < L are q's. Their positions come from a prefix sum on the device (`pick_rows`, all ranks at
+once): the picked tokens first, in token order, then the others, so each message is a
+permutation of the dense one whose first `count` rows are the tokens sent. Nothing is read back
+to the host and nothing is allocated from a count: the buffers have the worst case's T rows.
+
+Receiver: rows at or past `count` are never read (`received_locals` marks their pairs L; the
+combine masks them), so a transport that moves only the first `count` rows (a one-sided put) is
+as correct as one moving the whole buffer. Expert ranks return the partial sums of the rows they
+received, in the dispatch's order, with its token index; the attention rank scatters them back
+(`unpermute`), and the gradients of rows sent (d x, d w) back the same way.
+
+Legend: Q expert ranks of the set, T tokens of the source, H hidden, K top-k, E experts of the layer,
+L local experts (of one rank), X a row's width.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class SetRouting:
+    """One source's pairs mapped to every expert rank of its set for one layer: each rank's
+    `LocalRouting` (expert_stage), in one gather where no rank splits a replicated expert's rows."""
+
+    def __init__(self, routes: list) -> None:
+        self.routes = list(routes)
+        device = self.routes[0].local_E.device
+        self.num_local_Q = torch.tensor([r.num_local for r in self.routes], dtype=torch.int32, device=device)
+        self.local_QE = None if any(r.split for r in self.routes) else torch.stack([r.local_E for r in self.routes])
+
+    def __call__(self, topk_idx_TK: torch.Tensor) -> torch.Tensor:
+        """int32 [Q, T, K]: each pair's local expert on rank q, or that rank's L."""
+        if self.local_QE is not None:
+            return self.local_QE[:, topk_idx_TK.long()]
+        return torch.stack([route(topk_idx_TK) for route in self.routes])
+
+
+def pick_rows(picked_QT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(index_QT int64, count_Q1 int64), along the last dimension: a permutation of the T tokens
+    with the `picked` ones first, in token order, then the rest in token order; count = how many
+    are picked. Prefix sums on the device, no host read."""
+    T = picked_QT.shape[-1]
+    position_T = torch.arange(T, device=picked_QT.device)
+    if T == 0:
+        return position_T.expand_as(picked_QT), torch.zeros((*picked_QT.shape[:-1], 1), dtype=torch.int64,
+                                                              device=picked_QT.device)
+    upto_QT = torch.cumsum(picked_QT.to(torch.int64), -1)  # picked tokens up to and including t
+    count_Q1 = upto_QT[..., -1:]
+    slot_QT = torch.where(picked_QT, upto_QT - 1, count_Q1 + position_T - upto_QT)
+    return torch.empty_like(slot_QT).scatter_(-1, slot_QT, position_T.expand_as(slot_QT)), count_Q1
+
+
+def dispatch_messages(xn_TH: torch.Tensor, local_QTK: torch.Tensor, num_local_Q: torch.Tensor, w_TK: torch.Tensor,
+                      load_E: torch.Tensor) -> tuple[list[list[torch.Tensor]], torch.Tensor, torch.Tensor]:
+    """The sparse DISPATCH tensors for each expert rank q of the set (`local_QTK`: their routing
+    of this source's pairs, `SetRouting`), and (index_QT, count_Q1) for the way back. Detached:
+    the gradients come back through `unpermute`."""
+    Q, T, K = local_QTK.shape
+    index_QT, count_Q1 = pick_rows((local_QTK < num_local_Q.view(Q, 1, 1)).any(2))
+    rows_QTH = xn_TH.detach()[index_QT]
+    sent_QTK = local_QTK.gather(1, index_QT[:, :, None].expand(Q, T, K)).to(torch.int32)
+    w_QTK = w_TK.detach()[index_QT]
+    index32_QT, count32_Q1 = index_QT.to(torch.int32), count_Q1.to(torch.int32)
+    messages = [[rows_QTH[q], sent_QTK[q], w_QTK[q], index32_QT[q], count32_Q1[q], load_E] for q in range(Q)]
+    return messages, index_QT, count_Q1
+
+
+def valid_rows(count_1: torch.Tensor, rows: int) -> torch.Tensor:
+    """bool [..., rows]: the rows before `count` (the message's sent rows)."""
+    return torch.arange(rows, device=count_1.device) < count_1
+
+
+def received_locals(local_TK: torch.Tensor, count_1: torch.Tensor, num_local: int) -> torch.Tensor:
+    """The received local ids with every pair of a padding row (at or past `count`) marked L."""
+    return torch.where(valid_rows(count_1, local_TK.shape[0])[:, None], local_TK, num_local)
+
+
+def unpermute(rows_QTX: torch.Tensor, index_QT: torch.Tensor, count_Q1: torch.Tensor) -> torch.Tensor:
+    """Each rank's rows, in its dispatch's order, back at their tokens' positions, padding rows
+    zero: [Q, T, X] (differentiable: the gradient of `rows_QTX` is the tokens' rows gathered in
+    dispatch order, zero for padding)."""
+    Q, T = index_QT.shape
+    valid_QT = valid_rows(count_Q1, T)
+    kept_QTX = torch.where(valid_QT.view(Q, T, *([1] * (rows_QTX.dim() - 2))), rows_QTX, 0)
+    index_QTX = index_QT.long().view(Q, T, *([1] * (rows_QTX.dim() - 2))).expand_as(kept_QTX)
+    return torch.zeros_like(kept_QTX).scatter(1, index_QTX, kept_QTX)
