@@ -32,6 +32,13 @@ DEFAULT_CHUNK_TOKENS = 4096
 LOGIT_BYTES_PER_CHUNK = 1 << 28
 
 
+def fp8_weight_copy_bytes(routed_expert_params: Num) -> Num:
+    """`precision: fp8`: the routed experts' e4m3 weight copies, forward blocks and the transposes
+    the data gradients read (1 byte each), with one fp32 scale per 128 x 128 block of each: held
+    beside the bf16 weights for the whole run (`kernels.fp8_ffn.Fp8ExpertWeights`)."""
+    return 2 * routed_expert_params * (1 + 4 / (128 * 128))
+
+
 def loss_chunk_tokens(tokens: Num, vocab: int) -> Num:
     """Tokens per chunk of the chunked LM-head loss (`model.loss.chunk_size` with its default);
     `tokens` may be a numpy array (the planner's candidates)."""

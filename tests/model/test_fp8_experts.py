@@ -117,3 +117,17 @@ def test_cuda_fp8_training_tracks_bf16(tmp_path):
     assert all(r["precision"] == "fp8" for r in fp8)
     for a, b in zip(bf16, fp8, strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=2e-2), a["step"]
+
+
+def test_the_memory_check_counts_the_fp8_weight_copies():
+    """Two bytes per routed-expert parameter (the forward blocks and their transposes) more than
+    bf16, with their block scales: what `micro_batches: auto` and the single check plan for."""
+    from disagmoe.model_ref import load_model
+    from disagmoe.roofline.params import count_params
+    from disagmoe.runtime.training.trainer import single_peak_bytes
+
+    fields = dict(model="tiny", mode="single", device="cuda", experts_backend="triton")
+    model = load_model("tiny")
+    bf16, fp8 = (single_peak_bytes(TrainConfig(**fields, precision=p), model)[0] for p in ("bf16", "fp8"))
+    routed = count_params(model).routed_experts
+    assert 2 * routed < fp8 - bf16 < 2.01 * routed

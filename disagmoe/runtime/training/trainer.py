@@ -42,6 +42,7 @@ from disagmoe.model.experts import check_backend_device
 from disagmoe.model.layers import set_fusion
 from disagmoe.model.loss import linear_cross_entropy
 from disagmoe.roofline.flops import step_flops
+from disagmoe.roofline.memory import fp8_weight_copy_bytes
 from disagmoe.roofline.optimizer_state import state_bytes
 from disagmoe.roofline.params import count_params
 from disagmoe.runtime.activation_memory import single_activation_bytes
@@ -225,8 +226,13 @@ def evaluate(model: MoETransformer, dataset: TokenDataset, batches: int, micro_b
 
 def single_peak_bytes(cfg: TrainConfig, model_cfg: ModelConfig) -> tuple[int, int]:
     """(training state, activations) one process holds at its peak: every parameter's state
-    (`roofline.optimizer_state.state_bytes`) and one micro-batch's activations (`runtime.activation_memory`)."""
-    state = count_params(model_cfg).total * state_bytes(cfg.optim.state_dtype, cfg.compute_dtype_name).total
+    (`roofline.optimizer_state.state_bytes`; with `precision: fp8` the experts' FP8 weight copies
+    too, `roofline.memory.fp8_weight_copy_bytes`) and one micro-batch's activations
+    (`runtime.activation_memory`)."""
+    params = count_params(model_cfg)
+    state = params.total * state_bytes(cfg.optim.state_dtype, cfg.compute_dtype_name).total
+    if cfg.expert_precision == "fp8":
+        state += int(fp8_weight_copy_bytes(params.routed_experts))
     return state, single_activation_bytes(cfg, model_cfg)
 
 
