@@ -317,6 +317,10 @@ class PlanConfig(StrictModel):
     optimizer_state_dtype: Literal["fp32", "bf16"] = Field(
         "fp32", description="price AdamW's two moments in this dtype: 4 or 2 bytes each per parameter (train "
         "with optim.state_dtype set the same)")
+    expert_precision: Literal["bf16", "fp8"] = Field(
+        "bf16", description="price the routed experts' GEMMs in this precision: fp8 at the hardware's fp8_tflops "
+        "(the bf16 rate, or a calibrated one, times fp8_tflops / bf16_tflops), plus the quantisation passes' HBM "
+        "traffic and the FP8 weight copies' memory (train with precision: fp8)")
     recompute: Literal["none", "selective", "auto"] = Field(
         "auto", description="activation recomputation to price: none, selective (the expert FFN's input, "
         "output and SwiGLU rows dropped and recomputed in the backward: leaner expert GPUs, a few more HBM "

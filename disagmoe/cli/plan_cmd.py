@@ -40,6 +40,9 @@ ShardOpt = Annotated[bool, typer.Option(
 StateDtypeOpt = Annotated[Literal["fp32", "bf16"], typer.Option(
     "--optimizer-state-dtype", help="the dtype of AdamW's two moments: fp32 (8 bytes per parameter) or bf16 (4; "
     "train with optim.state_dtype=bf16)")]
+PrecisionOpt = Annotated[Literal["bf16", "fp8"], typer.Option(
+    "--expert-precision", help="the routed experts' GEMMs: bf16, or fp8 priced at the hardware's fp8_tflops with "
+    "the quantisation passes' traffic and the FP8 weight copies' memory (train with precision: fp8)")]
 RecomputeOpt = Annotated[Literal["none", "selective", "auto"], typer.Option(
     "--recompute", help="activation recomputation to price: none, selective (the expert FFN's input, output and "
     "SwiGLU rows recomputed in the backward: leaner expert GPUs, a little more HBM traffic; train with "
@@ -50,14 +53,16 @@ RecomputeOpt = Annotated[Literal["none", "selective", "auto"], typer.Option(
 def build_request(model: str, hardware: str, gpus: int, seq_len: int | None, global_batch_tokens: int,
                   load_histogram: Path | None = None, max_pipeline_groups: int = 8,
                   max_expert_replicas: int = 0, shard_optimizer_states: bool = False,
-                  optimizer_state_dtype: str = "fp32", recompute: str = "auto") -> PlanConfig:
+                  optimizer_state_dtype: str = "fp32", recompute: str = "auto",
+                  expert_precision: str = "bf16") -> PlanConfig:
     mcfg = load_model(model)
     hist = read_histogram(load_histogram, mcfg.num_moe_layers, mcfg.num_experts) if load_histogram else None
     return PlanConfig(model=mcfg, cluster=ClusterConfig(hardware=checked_hardware(hardware), num_gpus=gpus),
                       seq_len=seq_len or mcfg.seq_len, global_batch_tokens=global_batch_tokens,
                       load_histogram=hist, max_pipeline_groups=max_pipeline_groups,
                       max_expert_replicas=max_expert_replicas, shard_optimizer_states=shard_optimizer_states,
-                      optimizer_state_dtype=optimizer_state_dtype, recompute=recompute)
+                      optimizer_state_dtype=optimizer_state_dtype, recompute=recompute,
+                      expert_precision=expert_precision)
 
 
 def checked_hardware(ref: str) -> HardwareConfig:
@@ -83,6 +88,7 @@ def plan(
     shard_optimizer_states: ShardOpt = False,
     optimizer_state_dtype: StateDtypeOpt = "fp32",
     recompute: RecomputeOpt = "auto",
+    expert_precision: PrecisionOpt = "bf16",
     as_json: JsonOpt = False,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="write the plan (.yaml or .json)")] = None,
 ) -> None:
@@ -96,7 +102,7 @@ def plan(
     """
     req = build_request(model, hardware, gpus, seq_len, global_batch_tokens, load_histogram,
                         max_pipeline_groups, max_expert_replicas, shard_optimizer_states, optimizer_state_dtype,
-                        recompute)
+                        recompute, expert_precision)
     result = choose(req).plan
     if load_histogram is not None:
         result.notes.insert(0, histogram_note(load_histogram, req.load_histogram, result))

@@ -184,6 +184,7 @@ class Problem:
     optimizer_state_dtype: str = "fp32"  # AdamW's moments: fp32 or bf16
     calibration: Calibration | None = None  # measured curves and fixed costs (None: the plain roofline)
     recompute: str = "none"  # none, selective or auto (per candidate: see the module docstring)
+    fp8_speedup: float = 1.0  # > 1: the routed experts' GEMMs in FP8, at fp8_tflops / bf16_tflops the rate
 
 
 def expert_layout(model: ModelConfig, per_set: np.ndarray, peak_ratio: float,
@@ -391,10 +392,11 @@ def evaluate(prob: Problem, c: Candidates) -> Cost:
     # Memory: each parameter's state and the activations at their peak, without and with
     # selective recomputation; `selective` says which one each candidate is priced with.
     attn_bytes, exp_bytes = attention_state_bytes(dp, prob).total, expert_state_bytes(prob).total
+    fp8_copies = mem.fp8_weight_copy_bytes(exp_params) if prob.fp8_speedup > 1 else 0.0
     if c.colocated:
-        attn_state, exp_state = attn_bytes * attn_params + exp_bytes * exp_params, 0.0
+        attn_state, exp_state = attn_bytes * attn_params + exp_bytes * exp_params + fp8_copies, 0.0
     else:
-        attn_state, exp_state = attn_bytes * attn_params, exp_bytes * exp_params
+        attn_state, exp_state = attn_bytes * attn_params, exp_bytes * exp_params + fp8_copies
     in_flight = np.where(c.expert == 1, 1.0, mb) if c.colocated else mb  # one GPU: mode single accumulates
     options = {}
     attention = None if c.colocated else attention_activations(m, tokens, in_flight, c.p)  # recomputation-free
@@ -449,6 +451,8 @@ def evaluate(prob: Problem, c: Candidates) -> Cost:
         del stages["selective recompute"]
     if prob.calibration is not None:
         stages = calibrated_stages(stages, prob.calibration, ceil, rows / local, float(S), c.colocated)
+    if prob.fp8_speedup > 1:
+        stages = fp8_stages(stages, ceil, prob.fp8_speedup, m, rows, exp_params)
 
     def time_of(name: str, bwd: bool):
         stage = stages.get(name)
@@ -507,6 +511,34 @@ def group_time(stages: dict[str, Stage], group: str, runs: tuple[str, ...], bwd:
     the sum of those stages (each a separate launch), fixed costs included. The closed form
     (`evaluate`) and the replay (`placement.replay.op_times`) both price ops with this."""
     return sum((s.time(bwd, default) for s in stages.values() if s.group == group and s.runs in runs), 0.0)
+
+
+def fp8_stages(stages: dict[str, Stage], ceil: Ceilings, speedup: float, m: ModelConfig, rows: Num,
+               exp_params: Num) -> dict[str, Stage]:
+    """`stages` with the routed experts' GEMMs in FP8 (`precision: fp8`): their compute rate (the
+    bf16 one, or the calibrated one: no FP8 curve is measured yet) times `speedup` = fp8_tflops /
+    bf16_tflops, and the passes FP8 adds (`kernels.fp8_ffn`), priced by their HBM bytes: forward,
+    the x rows quantised 1 x 128 (read bf16, write e4m3 and scales; the SwiGLU output is quantised
+    in its GEMM's epilogue); backward, dy quantised twice (1 x 128 and 128 x 1), dh13 twice, the
+    SwiGLU output and x once each along tokens; per step, the weights' two e4m3 copies (in the
+    experts' optimizer stage, the pass after which they are made)."""
+    out = dict(stages)
+    for name in ("routed experts", "expert weight grads"):
+        if name in out:
+            s = out[name]
+            faster = [replace(s.ceilings(bwd, ceil), flops_per_s=s.ceilings(bwd, ceil).flops_per_s * speedup)
+                      for bwd in (False, True)]
+            out[name] = replace(s, fwd_ceilings=faster[0], bwd_ceilings=faster[1])
+    H, F = m.hidden_size, m.expert_ffn_size
+    scales = FP32 / 128  # one fp32 scale per 128 values
+    fwd = Work(hbm_bytes=rows * H * (BF16 + 1 + scales))
+    bwd = Work(hbm_bytes=rows * (2 * H + 2 * 2 * F + F + H) * (BF16 + 1 + scales))
+    out["fp8 quantise"] = Stage("expert", "moe", fwd, bwd)
+    copies = Work(hbm_bytes=exp_params * (BF16 + 2 * (1 + scales)))  # read the bf16 weights, write both copies
+    if "optimizer (experts)" in out:
+        optimizer = out["optimizer (experts)"]
+        out["optimizer (experts)"] = replace(optimizer, bwd=optimizer.bwd + copies)
+    return out
 
 
 def calibrated_stages(stages: dict[str, Stage], calib: Calibration, ceil: Ceilings, rows_per_expert: Num,

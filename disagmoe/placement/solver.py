@@ -57,7 +57,9 @@ def problem_of(cfg: PlanConfig, gpus: int | None = None) -> Problem:
         replica_slots=1 if cfg.max_expert_replicas > 0 else 0,
         shard_optimizer=cfg.shard_optimizer_states, optimizer_state_dtype=cfg.optimizer_state_dtype,
         calibration=hw.calibration,
-        recompute=cfg.recompute if cfg.experts_backend == "triton" else "none",
+        # the FP8 experts keep their own rows (train refuses recompute with precision: fp8)
+        recompute=cfg.recompute if cfg.experts_backend == "triton" and cfg.expert_precision == "bf16" else "none",
+        fp8_speedup=hw.fp8_tflops / hw.bf16_tflops if cfg.expert_precision == "fp8" else 1.0,
     )
 
 
@@ -354,6 +356,10 @@ def price(cfg: PlanConfig, chosen: Candidates, colocated_step_s: float | None = 
                  + (", and selective recomputation of the expert FFN's input, output and SwiGLU rows (train "
                     "with experts_backend: triton; train --plan sets recompute: selective)" if selective
                     else ", and no activation recomputation"))
+    if prob.fp8_speedup > 1:
+        notes.append(f"routed experts priced in FP8 (train with precision: fp8): their GEMMs at {prob.fp8_speedup:.2f}x "
+                     "the bf16 rate (fp8_tflops / bf16_tflops, no FP8 rate measured yet), plus the quantisation "
+                     "passes' HBM traffic and two e4m3 weight copies per expert parameter; no recomputation")
     if selective:
         notes.append(_recompute_note(cfg, prob, chosen, cost))
     elif prob.recompute == "auto" and fits:

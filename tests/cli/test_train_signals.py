@@ -64,7 +64,6 @@ def test_an_address_that_refuses_fails_in_one_line_within_its_bound(tmp_path):
     assert result.stderr.count("\n") == 1 and "cannot reach it within ray_connect_timeout_s=3" in result.stderr
 
 
-@pytest.mark.slow
 def ray_folders(pids) -> set[str]:
     """The run's own Ray temp folders (`/tmp/disagmoe-ray-*`), named on its processes' command lines
     (other runs on the machine make theirs meanwhile: a glob of /tmp would count them)."""
@@ -78,6 +77,7 @@ def ray_folders(pids) -> set[str]:
     return folders
 
 
+@pytest.mark.slow
 def test_sigterm_during_start_up_exits_130_with_nothing_left_running(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "disagmoe", "train", "--config", CONFIG, "--out-dir",
                              str(tmp_path), "steps=50", "eval_every=0"], stdout=subprocess.PIPE,

@@ -292,3 +292,27 @@ def test_a_plan_notes_the_sparse_dispatch_it_priced_and_its_hops_shrink():
     assert 1 < float(reached) < 8 < int(ranks) and f"dense dispatch would send it to all {ranks}" in note
     hops = next(n for n in plan.notes if n.startswith("dispatch and combine are"))
     assert "to each GPU serving one of its experts (sparse dispatch" in hops
+
+
+def test_fp8_experts_are_priced_at_the_fp8_rate_with_their_passes_and_copies():
+    """`expert_precision: fp8` on one fixed disaggregated layout: the routed experts' GEMM stages at
+    fp8_tflops / bf16_tflops the rate, the quantisation passes as an HBM stage, two e4m3 copies per
+    expert parameter in the expert GPU's memory and the optimizer's pass, no recomputation, a note."""
+    layout = Candidates.one(4, 4, 1, 4, 2)
+    bf16, fp8 = (evaluate(problem_of(request("qwen3-30b-a3b", "h200-sxm", 8, recompute="none",
+                                             expert_precision=p)), layout) for p in ("bf16", "fp8"))
+    hw = load_hardware("h200-sxm")
+    speedup = hw.fp8_tflops / hw.bf16_tflops
+    ceil = problem_of(request("qwen3-30b-a3b", "h200-sxm", 8)).ceilings
+    for name in ("routed experts", "expert weight grads"):
+        for bwd in (False, True):
+            assert fp8.stages[name].ceilings(bwd, ceil).flops_per_s == pytest.approx(
+                bf16.stages[name].ceilings(bwd, ceil).flops_per_s * speedup)
+    assert "fp8 quantise" in fp8.stages and "fp8 quantise" not in bf16.stages
+    assert fp8.stages["fp8 quantise"].bwd.hbm_bytes[0] > fp8.stages["fp8 quantise"].fwd.hbm_bytes[0] > 0
+    copies = 2 * fp8.expert_params[0] * (1 + 4 / 128**2)
+    assert fp8.expert_mem_bytes[0] - bf16.expert_mem_bytes[0] == pytest.approx(copies)
+    assert fp8.stages["optimizer (experts)"].bwd.hbm_bytes > bf16.stages["optimizer (experts)"].bwd.hbm_bytes
+    plan = solve(request("qwen3-30b-a3b", "h200-sxm", 8, expert_precision="fp8"))
+    assert plan.recompute == "none"
+    assert any(n.startswith("routed experts priced in FP8 (train with precision: fp8)") for n in plan.notes)
