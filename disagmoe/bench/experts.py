@@ -29,6 +29,17 @@ ZIPF_EXPONENT = 1.2
 BACKENDS = ("triton", "grouped_mm", "loop")  # the default set
 FP8_BACKEND = "triton-fp8"  # asked for by name: needs FP8 tensor cores (sm_89+)
 ALL_BACKENDS = (*BACKENDS, FP8_BACKEND)
+
+
+def backends_for(backends: list[str] | None, precision: str) -> list[str]:
+    """The backends `bench experts` times: those named (default `BACKENDS`), and with `precision`
+    fp8 our FP8 experts beside our bf16 ones (the comparison the FP8 table's ratio needs)."""
+    if precision not in ("bf16", "fp8"):
+        raise ValueError(f"--precision {precision!r}: choose bf16 or fp8")
+    chosen = list(backends or BACKENDS)
+    if precision == "fp8":
+        chosen += [b for b in ("triton", FP8_BACKEND) if b not in chosen]
+    return chosen
 PASSES = ("fwd", "fwd+bwd")
 
 

@@ -36,6 +36,9 @@ def experts(
     backend: Annotated[list[str] | None, typer.Option(
         help="triton | grouped_mm | loop | triton-fp8 (repeatable; default: the first three; "
              "triton-fp8: every expert GEMM in FP8, needs sm_89+)")] = None,
+    precision: Annotated[str, typer.Option(
+        help="bf16, or fp8: our FP8 experts (triton-fp8) timed beside our bf16 ones (triton) of the same build "
+             "in the same run, with the ratio and the FP8 error")] = "bf16",
     warmup: Annotated[int, typer.Option(help="untimed calls before timing")] = 3,
     iters: Annotated[int, typer.Option(help="timed calls (median reported)")] = 20,
     loop_iters: Annotated[int, typer.Option(help="timed calls of the slow per-expert loop")] = 5,
@@ -51,7 +54,7 @@ def experts(
     from disagmoe.bench import experts as bench
 
     log = (lambda m: err_console.print(m, highlight=False)) if as_json else console.print
-    record = bench.run(_shape_names(shape), backend or list(bench.BACKENDS), warmup, iters,
+    record = bench.run(_shape_names(shape), bench.backends_for(backend, precision), warmup, iters,
                        loop_iters, check=check, log=log)
     if out is not None:
         out.write_text(json.dumps(record, indent=1) + "\n")

@@ -102,3 +102,13 @@ def test_the_fp8_block_matches_the_reference_and_quantises_each_weight_once(inte
     row = lambda a, b: ((a.double() - b).norm(dim=1) / b.norm(dim=1)).max().item()  # noqa: E731
     assert row(y, y_ref) < 0.15 and row(leaves[0].grad, ref[0].grad) < 0.2
     assert ((leaves[1].grad.double() - ref[1].grad).norm() / ref[1].grad.norm()).item() < 0.12
+
+
+def test_precision_fp8_times_our_fp8_experts_beside_our_bf16_ones():
+    from disagmoe.bench.experts import BACKENDS, FP8_BACKEND, backends_for
+
+    assert backends_for(None, "bf16") == list(BACKENDS)
+    assert backends_for(None, "fp8") == [*BACKENDS, FP8_BACKEND]
+    assert backends_for(["grouped_mm"], "fp8") == ["grouped_mm", "triton", FP8_BACKEND]
+    with pytest.raises(ValueError, match="choose bf16 or fp8"):
+        backends_for(None, "fp4")
