@@ -140,11 +140,21 @@ def largest_device_need(cfg: TrainConfig, model_cfg: ModelConfig,
     per_gpu = ranks_per_gpu(cfg)
     if per_gpu == 1:
         return max(need.total_bytes for need in needs)
-    on_gpu: dict[int, int] = {}
+    return max(shared_gpu_bytes(ranks) for ranks in ranks_on_gpus(needs, per_gpu).values())
+
+
+def ranks_on_gpus(needs: list[RankNeed], per_gpu: int) -> dict[int, list[tuple[int, RankNeed]]]:
+    """GPU -> the (rank, need) of the ranks sharing it (`sharing.gpu_of`)."""
+    on_gpu: dict[int, list[tuple[int, RankNeed]]] = {}
     for rank, need in enumerate(needs):
-        gpu = gpu_of(rank, per_gpu)
-        on_gpu[gpu] = on_gpu.get(gpu, 0) + need.total_bytes + PROCESS_BYTES + HEAP_MARGIN_BYTES
-    return max(on_gpu.values())
+        on_gpu.setdefault(gpu_of(rank, per_gpu), []).append((rank, need))
+    return on_gpu
+
+
+def shared_gpu_bytes(ranks: list[tuple[int, RankNeed]]) -> int:
+    """What ranks sharing one GPU need together: each its own peak plus its process's CUDA context
+    and NVSHMEM heap margin (`sharing.PROCESS_BYTES`, `nvshmem.HEAP_MARGIN_BYTES`)."""
+    return sum(need.total_bytes + PROCESS_BYTES + HEAP_MARGIN_BYTES for _, need in ranks)
 
 
 def resolve_distributed_micro_batches(cfg: TrainConfig, model_cfg: ModelConfig, capacity_bytes: float | None = None,
@@ -207,9 +217,7 @@ def check_memory(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topology, c
     ranks do not fit it together (each rank's process adding its context and NVSHMEM heap margin:
     `sharing.PROCESS_BYTES`). `needs`: `rank_needs`, if already computed."""
     needs = rank_needs(cfg, model_cfg, topology) if needs is None else needs
-    on_gpu: dict[int, list[tuple[int, RankNeed]]] = {}
     for rank, need in enumerate(needs):
-        on_gpu.setdefault(gpu_of(rank, per_gpu), []).append((rank, need))
         if need.total_bytes > capacity_bytes:
             raise ValueError(
                 f"rank {rank} ({topology.describe(rank)}) holds {need.params:,} parameters and needs "
@@ -218,8 +226,8 @@ def check_memory(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topology, c
             )
     if per_gpu == 1:
         return
-    for gpu, ranks in on_gpu.items():
-        total = sum(need.total_bytes + PROCESS_BYTES + HEAP_MARGIN_BYTES for _, need in ranks)
+    for gpu, ranks in ranks_on_gpus(needs, per_gpu).items():
+        total = shared_gpu_bytes(ranks)
         if total > capacity_bytes:
             each = "; ".join(f"rank {rank} {need.total_bytes / 2**30:.1f} GiB ({need.describe()})"
                              for rank, need in ranks)

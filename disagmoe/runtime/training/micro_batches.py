@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from disagmoe.config import ModelConfig, TrainConfig, load_hardware
+from disagmoe.config import HardwareConfig, ModelConfig, TrainConfig, load_hardware
 from disagmoe.placement.cost import evaluate
 from disagmoe.placement.solver import problem_of
 from disagmoe.placement.trace_compare import run_request
@@ -106,12 +106,12 @@ def with_micro_batches(cfg: TrainConfig, m: int) -> TrainConfig:
     return cfg.model_copy(update={"micro_batches": m})
 
 
-def predicted_step_s(cfg: TrainConfig, model_cfg: ModelConfig) -> float | None:
-    """The roofline's step of this config's own layout on its hardware (`roofline -c CFG`); None
-    without a hardware preset."""
-    if cfg.hardware is None:
+def predicted_step_s(cfg: TrainConfig, model_cfg: ModelConfig, hw: HardwareConfig | None = None) -> float | None:
+    """The roofline's step of this config's own layout on its hardware (`hw`, else the config's
+    preset: `roofline -c CFG`); None without a hardware preset."""
+    if hw is None and cfg.hardware is None:
         return None
-    req, cand = run_request(cfg, model_cfg, load_hardware(cfg.hardware))
+    req, cand = run_request(cfg, model_cfg, hw or load_hardware(cfg.hardware))
     return float(evaluate(problem_of(req), cand).step_s[0])
 
 
@@ -120,12 +120,14 @@ def choose(cfg: TrainConfig, model_cfg: ModelConfig, need_bytes: Callable[[Train
     """The split for `micro_batches: auto` (module docstring); ValueError when even the most
     micro-batches (one sequence per rank each) do not fit, with the numbers and the fix."""
     budget = capacity_bytes * MEMORY_HEADROOM
+    hw = None if cfg.hardware is None else load_hardware(cfg.hardware)  # read once, priced per candidate
     tried = []
     for m in candidates(cfg):
         split = with_micro_batches(cfg, m)
         need = need_bytes(split)
         fits = need <= budget
-        tried.append(Candidate(m, need, predicted_step_s(split, model_cfg) if fits else None, fits))
+        priced = fits and hw is not None
+        tried.append(Candidate(m, need, predicted_step_s(split, model_cfg, hw) if priced else None, fits))
     fitting = [c for c in tried if c.fits]
     if not fitting:
         most = tried[-1]

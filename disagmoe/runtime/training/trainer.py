@@ -369,8 +369,9 @@ class SingleProcessTrainer(TrainingLoop):
             if self.oracle:
                 result = train_step(self.model, self.optimizer, tokens_BS1, cfg.micro_batches, lr, cfg.optim.grad_clip)
             elif self.graphed is not None:
+                tokens_BS1 = tokens_BS1.to(self.device)  # the host copy outside the sync check, as train_step_flat
                 with no_host_syncs(cfg.forbid_host_syncs, self.device):
-                    out = self.graphed(tokens_BS1.to(self.device, non_blocking=True), lr)
+                    out = self.graphed(tokens_BS1, lr)
                 result = read_step(*out, cfg.micro_batches)
             else:
                 result = train_step_flat(self.model, self.optimizer, tokens_BS1, cfg.micro_batches, lr,
