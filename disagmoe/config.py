@@ -551,6 +551,12 @@ class TrainConfig(StrictModel):
         "off", description="on: mode single on CUDA captures the whole step (every micro-batch's forward and "
         "backward, the clip and the optimizer) in one CUDA graph after 3 eager steps and replays it, with no "
         "launch gaps between kernels; the distributed modes run eagerly for now (refused there)")
+    @field_validator("cuda_graphs", mode="before")
+    @classmethod
+    def _yaml_on_off(cls, value: object) -> object:
+        """YAML reads a bare `on`/`off` as a boolean: take it as the word it was."""
+        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+
     forbid_host_syncs: bool = Field(
         False, description="debug: run each step's compute under torch.cuda.set_sync_debug_mode('error'), so "
         "any host wait on the GPU inside a step (a .item(), .tolist(), .cpu(), a transport's host poll) raises; "

@@ -506,8 +506,11 @@ def _fp8_weight_grad_kernel(
         for group in range(expert, E, E_W):
             start = tl.load(padded_ptr + group - 1, mask=group > 0, other=0)
             end = tl.load(padded_ptr + group)
+            # groups start at multiples of 128 (padded): said so, the loads are 16-byte vectors the
+            # pipeline copies asynchronously; unsaid, FP8 tiles go through registers, unpipelined
+            start = tl.multiple_of(start, _SCALE_BLOCK)
             for p0 in range(start, end, BLOCK_M):
-                p64 = (p0 + toks).to(tl.int64)
+                p64 = tl.max_contiguous(tl.multiple_of(p0 + toks, BLOCK_M), BLOCK_M).to(tl.int64)
                 a = tl.load(a_ptr + ks[:, None] * stride_ak + p64[None, :] * stride_ap,
                             mask=k_ok[:, None], other=0.0)
                 b = tl.load(b_ptr + p64[:, None] * stride_bp + cols[None, :] * stride_bc,
@@ -592,6 +595,12 @@ def _pad_to(t: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(shape)], dim=dim)
 
 
+def _e4m3_max_like(x: torch.Tensor) -> torch.Tensor:
+    """448 as an fp32 tensor on x's device: CUDA torch divides by a host scalar as a multiply by its
+    reciprocal (not correctly rounded), by a device tensor exactly, as the kernels' div_rn does."""
+    return torch.full((), E4M3_MAX, dtype=torch.float32, device=x.device)
+
+
 def _quantize_reference(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """fp8 values of x / scale (broadcast), saturated at +-448, rounded to nearest even by torch."""
     return (x / scale).clamp(-E4M3_MAX, E4M3_MAX).to(FP8)
@@ -601,7 +610,7 @@ def quantize_rows_reference(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     """Plain torch `quantize_rows`."""
     rows, k = x_MK.shape
     x_MGS = _pad_to(x_MK.float(), 1, SCALE_BLOCK).reshape(rows, triton.cdiv(k, SCALE_BLOCK), SCALE_BLOCK)
-    s_MG = x_MGS.abs().amax(dim=2).clamp_min(AMAX_FLOOR) / E4M3_MAX
+    s_MG = x_MGS.abs().amax(dim=2).clamp_min(AMAX_FLOOR).div(_e4m3_max_like(x_MGS))
     q_MK = _quantize_reference(x_MGS, s_MG[:, :, None]).reshape(rows, x_MGS.shape[1] * SCALE_BLOCK)[:, :k]
     return q_MK.contiguous(), s_MG
 
@@ -612,7 +621,7 @@ def quantize_blocks_reference(w_EKN: torch.Tensor) -> tuple[torch.Tensor, torch.
     padded = _pad_to(_pad_to(w_EKN.float(), 1, SCALE_BLOCK), 2, SCALE_BLOCK)
     w_EGSBS = padded.reshape(experts, triton.cdiv(k, SCALE_BLOCK), SCALE_BLOCK, triton.cdiv(n, SCALE_BLOCK),
                              SCALE_BLOCK)
-    s_EGB = w_EGSBS.abs().amax(dim=(2, 4)).clamp_min(AMAX_FLOOR) / E4M3_MAX
+    s_EGB = w_EGSBS.abs().amax(dim=(2, 4)).clamp_min(AMAX_FLOOR).div(_e4m3_max_like(w_EGSBS))
     q = _quantize_reference(w_EGSBS, s_EGB[:, :, None, :, None]).reshape(padded.shape)
     return q[:, :k, :n].contiguous(), s_EGB
 
@@ -658,7 +667,7 @@ def fp8_swiglu_reference(a_MK: torch.Tensor, sa_MG: torch.Tensor, offsets_E: tor
 def quantize_tensor_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-tensor scaling (one scale for all of x): the recipe the fine-grained one replaces,
     kept for the tests that show where it fails (outlier rows)."""
-    scale = x.float().abs().amax().clamp_min(AMAX_FLOOR) / E4M3_MAX
+    scale = x.float().abs().amax().clamp_min(AMAX_FLOOR).div(_e4m3_max_like(x))
     return _quantize_reference(x.float(), scale), scale
 
 
@@ -673,7 +682,7 @@ def quantize_token_groups_reference(x_MK: torch.Tensor, offsets_E: torch.Tensor,
     for start, end, padded_start in zip([0, *ends[:-1]], ends, [0, *padded_ends[:-1]]):
         x_PK[padded_start:padded_start + end - start] = x_MK[start:end].float()
     x_CSK = x_PK.reshape(capacity // SCALE_BLOCK, SCALE_BLOCK, k)
-    s_CK = x_CSK.abs().amax(dim=1).clamp_min(AMAX_FLOOR) / E4M3_MAX
+    s_CK = x_CSK.abs().amax(dim=1).clamp_min(AMAX_FLOOR).div(_e4m3_max_like(x_CSK))
     q_PK = _quantize_reference(x_CSK, s_CK[:, None, :]).reshape(capacity, k)
     return q_PK.t().contiguous(), s_CK.t().contiguous(), padded_E
 

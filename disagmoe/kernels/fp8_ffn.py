@@ -28,8 +28,13 @@ from disagmoe.kernels.tile_configs import TileConfig
 @dataclasses.dataclass(frozen=True)
 class Fp8ExpertWeights:
     """e4m3 copies of one layer's expert weights with their 128 x 128 block scales, (values, scales)
-    each: forward blocks and the K-major transposes the data gradients read. Made from the
-    weights once per optimizer step (`quantize`), never per micro-batch, never checkpointed."""
+    each, as the B operands of the GEMMs that read them: `w13`/`w2` ([E, K, N], the forward's)
+    and `w13_t`/`w2_t` ([E, N, K], the data gradients'). Every one is K-major (stride 1 along its
+    K): Hopper's FP8 MMA reads B only so, and Triton loads an N-major FP8 B through registers
+    outside the pipeline (0.15x our bf16 kernels, measured). So each weight is held twice, once
+    per layout, and the forward's operand is a transposed view of the data gradient's storage and
+    the other way round. Made from the weights once per optimizer step (`quantize`), never per
+    micro-batch, never checkpointed."""
 
     w13: tuple[torch.Tensor, torch.Tensor]
     w13_t: tuple[torch.Tensor, torch.Tensor]
@@ -38,9 +43,16 @@ class Fp8ExpertWeights:
 
     @classmethod
     def quantize(cls, w13_EH2F: torch.Tensor, w2_EFH: torch.Tensor) -> Fp8ExpertWeights:
-        w13 = fp8.quantize_blocks(w13_EH2F)
-        w2 = fp8.quantize_blocks(w2_EFH)
-        return cls(w13, fp8.transpose_blocks(*w13), w2, fp8.transpose_blocks(*w2))
+        w13, w13_t = _both_k_major(*fp8.quantize_blocks(w13_EH2F))
+        w2, w2_t = _both_k_major(*fp8.quantize_blocks(w2_EFH))
+        return cls(w13, w13_t, w2, w2_t)
+
+
+def _both_k_major(q_EKN: torch.Tensor, s_EGB: torch.Tensor):
+    """((q_EKN, s_EGB), (q_ENK, s_EBG)) with both values K-major: the quantised [E, K, N] blocks
+    (N-major as made) serve the transpose as a view; a transposed contiguous copy serves [E, K, N]."""
+    forward = fp8.transpose_blocks(q_EKN, s_EGB)
+    return (forward[0].transpose(1, 2), forward[1].transpose(1, 2)), (q_EKN.transpose(1, 2), s_EGB.transpose(1, 2))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -83,6 +83,15 @@ def test_cuda_graphs_are_refused_where_they_do_not_apply(fields, needs):
         TrainConfig(model="tiny", cuda_graphs="on", **fields)
 
 
+def test_a_bare_yaml_on_or_off_is_read_as_the_word():
+    """`cuda_graphs=on` on the command line or `cuda_graphs: on` in a file: YAML reads a bool."""
+    from disagmoe.config import apply_overrides
+
+    fields = apply_overrides({"model": "tiny", "mode": "single", "device": "cuda"}, ["cuda_graphs=on"])
+    assert TrainConfig(**fields).cuda_graphs == "on"
+    assert TrainConfig(model="tiny", cuda_graphs=False).cuda_graphs == "off"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["grouped_mm", "triton"])
 def test_cuda_captured_steps_equal_the_eager_steps_bit_for_bit(tmp_path, backend):
