@@ -120,6 +120,7 @@ def test_gpu_sparse_dispatch_makes_no_host_wait_and_matches_the_cpu(case):
         setting = SetRouting([LocalRouting(topology, 0, i, 1, dp, torch.device(device)) for i in range(ranks)])
         experts = [RoutedExperts.from_indices(block.moe.experts, topology.expert_ids(0)[i]) for i in range(ranks)]
         xn, w = routing.xn_NH.detach().requires_grad_(), routing.topk_w_NK.detach().requires_grad_()
+        dy = dy_NH.to(device)  # a host-to-device copy waits on the host: outside the check
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error" if device == "cuda" else "default")
         try:
@@ -134,7 +135,7 @@ def test_gpu_sparse_dispatch_makes_no_host_wait_and_matches_the_cpu(case):
                 leaves.append((x_leaf, w_leaf))
             placed = unpermute(torch.stack(partials), torch.stack([m[3] for m in messages]),
                                torch.stack([m[4] for m in messages]))
-            placed.sum(0).backward(dy_NH.to(device))
+            placed.sum(0).backward(dy)
             out = placed.detach().sum(0)
             dx = unpermute(torch.stack([x.grad for x, _ in leaves]), index_QN, count_Q1).sum(0)
             dw = unpermute(torch.stack([w.grad for _, w in leaves]), index_QN, count_Q1).sum(0)
