@@ -111,6 +111,12 @@ class MoETransformer(nn.Module):
             if isinstance(module, RoutedExperts):
                 module.set_precision(precision)
 
+    def set_fp8_stats(self, stats) -> None:
+        """One `kernels.fp8_stats.Fp8Stats` for every FP8 expert module (`RoutedExperts.set_fp8_stats`)."""
+        for module in self.modules():
+            if isinstance(module, RoutedExperts):
+                module.set_fp8_stats(stats)
+
     def prepare_fp8(self) -> None:
         """Refresh every FP8 expert's weight copies from its weights (a no-op without FP8 experts):
         once per optimizer step, before its first forward, and before an evaluation."""
