@@ -77,11 +77,19 @@ def _record_stats(stats_ptr, x, scaled, q, ok):
     finite = ok & (tl.abs(x) <= 3.4028234663852886e38)  # False for inf and NaN
     mag = tl.where(finite & (tl.abs(scaled) <= 3.4028234663852886e38), tl.abs(scaled), 0.0)  # x / NaN-scale
     amax_bits = tl.max(tl.max(mag, axis=1), axis=0).to(tl.int32, bitcast=True).to(tl.int64)
+    # two counts per int32 (16 bits each: a tile holds fewer than 2^16 elements), two reductions
+    # instead of four (the SwiGLU epilogue's tile spilled with four)
+    tl.static_assert(x.numel < 65536)
+    low = ((mag > _SATURATION_BOUND).to(tl.int32)
+           | ((finite & (x != 0.0) & (q == 0.0)).to(tl.int32) << 16))  # saturated | underflow
+    high = ok.to(tl.int32) | ((ok & ~finite).to(tl.int32) << 16)  # total | nonfinite
+    low = tl.sum(tl.sum(low, axis=1), axis=0)
+    high = tl.sum(tl.sum(high, axis=1), axis=0)
     tl.atomic_max(stats_ptr, amax_bits)
-    tl.atomic_add(stats_ptr + 1, tl.sum(tl.sum((finite & (mag > _SATURATION_BOUND)).to(tl.int64), axis=1), axis=0))
-    tl.atomic_add(stats_ptr + 2, tl.sum(tl.sum((finite & (x != 0.0) & (q == 0.0)).to(tl.int64), axis=1), axis=0))
-    tl.atomic_add(stats_ptr + 3, tl.sum(tl.sum(ok.to(tl.int64), axis=1), axis=0))
-    tl.atomic_add(stats_ptr + 4, tl.sum(tl.sum((ok & ~finite).to(tl.int64), axis=1), axis=0))
+    tl.atomic_add(stats_ptr + 1, (low & 0xFFFF).to(tl.int64))
+    tl.atomic_add(stats_ptr + 2, ((low >> 16) & 0xFFFF).to(tl.int64))  # & undoes the sign of >>
+    tl.atomic_add(stats_ptr + 3, (high & 0xFFFF).to(tl.int64))
+    tl.atomic_add(stats_ptr + 4, ((high >> 16) & 0xFFFF).to(tl.int64))
 
 
 @triton.jit
