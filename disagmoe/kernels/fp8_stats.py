@@ -47,6 +47,11 @@ class Fp8Stats:
     def reset(self) -> None:
         self.buffer.zero_()
 
+    def nonfinite_flag(self) -> torch.Tensor:
+        """fp32 device scalar, 1.0 where any kind saw an inf or NaN so far, else 0.0 (no host wait):
+        the `skip` of the optimizer's step (`FlatAdamW.step`)."""
+        return (self.buffer[:, NONFINITE].sum() > 0).float()
+
     @staticmethod
     def fields(values) -> dict:
         """Step-record fields from a host copy of the buffer (`values`: its KINDS x FIELDS numbers

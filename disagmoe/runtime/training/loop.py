@@ -319,11 +319,14 @@ def diverged_report(cfg: TrainConfig, record: dict[str, Any], checkpoint: Path |
 
 def fp8_report(cfg: TrainConfig, record: dict[str, Any]) -> str:
     """The step, the tensor kinds whose FP8 scale went non-finite (an inf or NaN among the values a
-    quantiser scaled) and the fix. Read with the step's loss, after its optimizer update (a check
-    before it would wait on the GPU inside the step, which the step never does)."""
+    quantiser scaled), the fix, and what became of the step's update: on CUDA the optimizer skipped
+    it on the device (`fp8_update_skipped`); the host learns of it only when the step is read (a
+    check before the update would wait on the GPU inside the step, which the step never does)."""
     kinds = " and ".join(record["fp8_nonfinite"])
     also = [f"{name} {record[name]}" for name in not_finite(record)]
+    update = ("the optimizer skipped its update on the GPU (the weights are the previous step's)"
+              if record.get("fp8_update_skipped") else
+              "found when the step was read, after its optimizer update, which is not checkpointed")
     return (f"FP8 scale non-finite at step {record['step']} in {kinds}: the loss or gradients overflowed"
             + (f" ({', '.join(also)})" if also else "")
-            + f"; lower the learning rate (optim.lr={cfg.optim.lr:g}) or run precision: bf16; found when the step "
-            "was read, after its optimizer update, which is not checkpointed")
+            + f"; lower the learning rate (optim.lr={cfg.optim.lr:g}) or run precision: bf16; {update}")

@@ -212,7 +212,10 @@ def _flat_step_on_device(model: MoETransformer, optimizer: FlatAdamW, tokens_BS1
         load_LE += out.expert_load_LE
     norm = optimizer.grad_squares().sqrt().float()
     coef = torch.clamp(grad_clip / (norm + 1e-6), max=1.0) if grad_clip > 0 else None
-    optimizer.step(clip_coef=coef)
+    # precision fp8 on CUDA: an inf or NaN met by a quantiser this step skips the update on the device
+    # (the fused AdamW's found_inf); the run stops when the step is read (`fp8_fields`, the loop)
+    skip = model.fp8_stats.nonfinite_flag() if model.fp8_stats is not None and device.type == "cuda" else None
+    optimizer.step(clip_coef=coef, skip=skip)
     model.update_router_bias(load_LE)
     return totals, norm, load_LE
 
@@ -238,10 +241,17 @@ def evaluate(model: MoETransformer, dataset: TokenDataset, batches: int, micro_b
 
 
 
-def fp8_fields(result: StepResult) -> dict[str, Any]:
+def fp8_fields(result: StepResult, device: torch.device) -> dict[str, Any]:
     """A step record's FP8 numerics (`Fp8Stats.fields`: fp8_amax, fp8_saturated_share,
-    fp8_underflow_share, fp8_by_kind, fp8_nonfinite); none outside precision fp8."""
-    return {} if result.fp8 is None else Fp8Stats.fields(result.fp8)
+    fp8_underflow_share, fp8_by_kind, fp8_nonfinite); none outside precision fp8. With kinds in
+    fp8_nonfinite also fp8_update_skipped: whether the step's optimizer update was skipped on the
+    device (CUDA, `_flat_step_on_device`) or applied (the CPU interpreter tests)."""
+    if result.fp8 is None:
+        return {}
+    fields = Fp8Stats.fields(result.fp8)
+    if fields["fp8_nonfinite"]:
+        fields["fp8_update_skipped"] = device.type == "cuda"
+    return fields
 
 
 def single_peak_bytes(cfg: TrainConfig, model_cfg: ModelConfig) -> tuple[int, int]:
@@ -419,7 +429,7 @@ class SingleProcessTrainer(TrainingLoop):
             "cuda_graph": self.graphed is not None and self.graphed.replays > replays_before,  # replayed, not eager
             "expert_load": result.expert_load_LE.tolist(),
             "load_imbalance": load_imbalance(result.expert_load_LE),
-            **fp8_fields(result),
+            **fp8_fields(result, self.device),
         }
 
     def _sync(self) -> None:

@@ -175,3 +175,14 @@ def test_a_non_finite_fp8_scale_stops_the_run_naming_the_step_and_the_kind(tmp_p
     records = read_metrics(Path(cfg.out_dir) / METRICS_FILE)
     assert [r["step"] for r in records] == [1, 2, 3] and records[-1]["fp8_nonfinite"] == ["gradients"]
     assert steps_saved(cfg) == [1, 2]
+
+
+def test_a_skipped_fp8_update_is_said_so(tmp_path):
+    from disagmoe.runtime.training.loop import fp8_report
+
+    record = {"step": 7, "loss": float("nan"), "grad_norm": 1.0, "fp8_nonfinite": ["activations", "gradients"],
+              "fp8_update_skipped": True}
+    message = fp8_report(run_config(tmp_path), record)
+    assert message.startswith("FP8 scale non-finite at step 7 in activations and gradients: the loss or gradients "
+                              "overflowed (loss nan); lower the learning rate")
+    assert message.endswith("the optimizer skipped its update on the GPU (the weights are the previous step's)")

@@ -389,10 +389,15 @@ def test_the_step_read_carries_the_fp8_counters_and_resets_them():
     result = read_step(totals, norm, load, 2, stats)
     assert (result.loss, result.grad_norm) == (2.0, 2.0) and torch.equal(result.expert_load_LE, load)
     assert stats.buffer.eq(0).all()
-    fields = fp8_fields(result)
+    fields = fp8_fields(result, torch.device("cpu"))
     assert fields["fp8_amax"] == 448.0 and fields["fp8_underflow_share"] == 0.01
     assert fields["fp8_saturated_share"] == 0.0 and fields["fp8_nonfinite"] == []
-    assert fp8_fields(read_step(totals, norm, load, 2)) == {}
+    assert fp8_fields(read_step(totals, norm, load, 2), torch.device("cpu")) == {}
+    stats.buffer[GRADIENTS, 4] = 1  # NONFINITE: the fields say whether the device skipped the update
+    bad = read_step(totals, norm, load, 2, stats)
+    assert fp8_fields(bad, torch.device("cuda"))["fp8_update_skipped"] is True
+    assert fp8_fields(bad, torch.device("cpu"))["fp8_nonfinite"] == ["gradients"]
+    assert fp8_fields(bad, torch.device("cpu"))["fp8_update_skipped"] is False
 
 
 @pytest.mark.slow  # the FP8 expert kernels in Triton's interpreter
@@ -416,7 +421,8 @@ def test_an_fp8_step_on_the_interpreter_records_its_numerics_and_flags_an_inf(in
     stats = Fp8Stats("cpu")
     model.set_fp8_stats(stats)
     flat = FlatAdamW(model.named_parameters(), optim, torch.float32)
-    fields = fp8_fields(train_step_flat(model, flat, data.batch(0), 1, optim.lr, 0.0, fp8_stats=stats))
+    cpu = torch.device("cpu")
+    fields = fp8_fields(train_step_flat(model, flat, data.batch(0), 1, optim.lr, 0.0, fp8_stats=stats), cpu)
     by_kind = fields["fp8_by_kind"]
     assert all(by_kind[kind]["elements"] > 0 for kind in ("activations", "weights", "gradients"))
     assert fields["fp8_nonfinite"] == [] and fields["fp8_saturated_share"] == 0.0
@@ -425,8 +431,8 @@ def test_an_fp8_step_on_the_interpreter_records_its_numerics_and_flags_an_inf(in
     experts = next(m for m in model.modules() if hasattr(m, "w13_EH2F"))
     with torch.no_grad():
         experts.w13_EH2F[0, 0, 0] = float("inf")
-    fields = fp8_fields(train_step_flat(model, flat, data.batch(1), 1, optim.lr, 0.0, fp8_stats=stats))
-    assert "weights" in fields["fp8_nonfinite"]
+    fields = fp8_fields(train_step_flat(model, flat, data.batch(1), 1, optim.lr, 0.0, fp8_stats=stats), cpu)
+    assert "weights" in fields["fp8_nonfinite"] and fields["fp8_update_skipped"] is False  # CPU: applied
     assert fields["fp8_by_kind"]["weights"]["nonfinite"] == 1
 
 
@@ -452,3 +458,38 @@ def test_cuda_fp8_steps_record_their_numerics_without_a_host_sync(tmp_path):
                     for r in records}
         assert len(elements) == 1  # the same shapes every step: each record counts its own step (reset)
         assert any(r["cuda_graph"] for r in records) == (graphs == "on")
+
+
+@pytest.mark.gpu
+def test_cuda_a_non_finite_fp8_scale_skips_the_update_on_the_device():
+    """An inf planted in one expert's compute weight (bf16; its fp32 master stays finite): the step's
+    weight quantiser meets it, the optimizer skips its update on the GPU under the host-sync check,
+    so the masters are the previous step's and the compute copy is rewritten from them (finite)."""
+    from disagmoe.kernels.fp8_stats import Fp8Stats
+    from disagmoe.runtime.state.flat_adamw import FlatAdamW
+    from disagmoe.runtime.training.trainer import fp8_fields, train_step_flat
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("needs FP8 tensor cores")
+    cuda = torch.device("cuda")
+    data = TokenDataset(synthetic_corpus(1 << 14), 128, 8, 0, "train")
+    optim = OptimConfig(lr=1e-3, warmup_steps=0)
+    model_cfg = load_model("tiny").model_copy(update={"hidden_size": 256, "expert_ffn_size": 256})
+    model = MoETransformer(model_cfg, experts_backend="triton")
+    model.init_weights(0)
+    model.to(cuda)
+    model.set_expert_precision("fp8")
+    stats = Fp8Stats(cuda)
+    model.set_fp8_stats(stats)
+    flat = FlatAdamW(model.named_parameters(), optim, torch.bfloat16)
+    first = fp8_fields(train_step_flat(model, flat, data.batch(0), 2, optim.lr, 1.0, True, stats), cuda)
+    assert first["fp8_nonfinite"] == []
+    masters = [b.master_S.clone() for b in flat.buckets]
+    experts = next(m for m in model.modules() if hasattr(m, "w13_EH2F"))
+    with torch.no_grad():
+        experts.w13_EH2F[0, 0, 0] = float("inf")
+    fields = fp8_fields(train_step_flat(model, flat, data.batch(1), 2, optim.lr, 1.0, True, stats), cuda)
+    assert "weights" in fields["fp8_nonfinite"] and fields["fp8_update_skipped"] is True
+    for b, before in zip(flat.buckets, masters, strict=True):
+        assert torch.equal(b.master_S, before), b.name
+    assert torch.isfinite(experts.w13_EH2F).all()
