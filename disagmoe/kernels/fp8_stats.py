@@ -10,7 +10,8 @@ with atomics; without one they run exactly as before. A buffer is int64 [KINDS, 
           SATURATED  finite elements with |x| / scale > SATURATION_BOUND: clipped by the clamp
           UNDERFLOW  finite nonzero elements that quantise to zero
           TOTAL      elements quantised (padding rows and columns past the edges not counted)
-          NONFINITE  inf or NaN inputs: their group's scale is inf (or NaN), its values garbage
+          NONFINITE  inf or NaN inputs: an inf makes its group's scale inf; a NaN may be dropped by
+                     the GPU's max and quantise to 448, so the inputs are checked, not the scales
 
 By construction (scale = amax / 448) AMAX is 448 up to one fp32 rounding and SATURATED is zero;
 a nonzero SATURATED or NONFINITE means the recipe no longer holds. Pure torch (no triton import):
