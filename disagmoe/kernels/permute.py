@@ -188,7 +188,8 @@ def permute_forward(x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, num_experts: 
 
 
 def permute_forward_fp8(x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, num_experts: int,
-                        stats: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                        stats: torch.Tensor | None = None,
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q_NH float8_e4m3fn, s_NG fp32, offsets_E, dest_TK): `permute_forward` whose copy writes
     the grouped rows as e4m3 with their 1 x 128 scales (`fp8.quantize_rows` of the rows, bit for
     bit), the FP8 gate/up GEMM's A operand: no bf16 rows in HBM, no separate quantising pass.
