@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from disagmoe.kernels import grouped_gemm as gg
+from disagmoe.kernels.fp8_stats import FIELDS, SATURATION_BOUND
 from disagmoe.kernels.tile_configs import TileConfig
 
 SCALE_BLOCK = 128  # the recipe's group and block edge
@@ -36,6 +37,7 @@ FP8 = torch.float8_e4m3fn
 _AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
 _E4M3_MAX = tl.constexpr(E4M3_MAX)
 _SCALE_BLOCK = tl.constexpr(SCALE_BLOCK)
+_SATURATION_BOUND = tl.constexpr(SATURATION_BOUND)
 
 
 # --- rounding and quantising rows (1 x 128 groups along K) and weights (128 x 128 blocks)
@@ -68,11 +70,34 @@ def _scale_of(amax):
 
 
 @triton.jit
-def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, K,
+def _record_stats(stats_ptr, x, scaled, q, ok):
+    """Add one tile's counters into stats_ptr's row (`kernels.fp8_stats`: AMAX, SATURATED,
+    UNDERFLOW, TOTAL, NONFINITE): x the fp32 inputs, scaled = x / scale, q their e4m3 values (fp32),
+    ok the elements that count. Five atomics per call, after the tile's own reductions."""
+    finite = ok & (tl.abs(x) <= 3.4028234663852886e38)  # False for inf and NaN
+    mag = tl.where(finite & (tl.abs(scaled) <= 3.4028234663852886e38), tl.abs(scaled), 0.0)  # x / NaN-scale
+    amax_bits = tl.max(tl.max(mag, axis=1), axis=0).to(tl.int32, bitcast=True).to(tl.int64)
+    # two counts per int32 (16 bits each: a tile holds fewer than 2^16 elements), two reductions
+    # instead of four (the SwiGLU epilogue's tile spilled with four)
+    tl.static_assert(x.numel < 65536)
+    low = ((mag > _SATURATION_BOUND).to(tl.int32)
+           | ((finite & (x != 0.0) & (q == 0.0)).to(tl.int32) << 16))  # saturated | underflow
+    high = ok.to(tl.int32) | ((ok & ~finite).to(tl.int32) << 16)  # total | nonfinite
+    low = tl.sum(tl.sum(low, axis=1), axis=0)
+    high = tl.sum(tl.sum(high, axis=1), axis=0)
+    tl.atomic_max(stats_ptr, amax_bits)
+    tl.atomic_add(stats_ptr + 1, (low & 0xFFFF).to(tl.int64))
+    tl.atomic_add(stats_ptr + 2, ((low >> 16) & 0xFFFF).to(tl.int64))  # & undoes the sign of >>
+    tl.atomic_add(stats_ptr + 3, (high & 0xFFFF).to(tl.int64))
+    tl.atomic_add(stats_ptr + 4, ((high >> 16) & 0xFFFF).to(tl.int64))
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, stats_ptr, M, K,
                           stride_xm, stride_xk, stride_qm, stride_qk, stride_sm, stride_sg,
-                          BLOCK_M: tl.constexpr):
+                          BLOCK_M: tl.constexpr, STATS: tl.constexpr):
     # Program (row block, group g): q[rows, g-th 128 columns] and s[rows, g]. Columns past K count
-    # as zeros in the amax and are not stored.
+    # as zeros in the amax and are not stored. STATS: counters into stats_ptr's row (`_record_stats`).
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     group = tl.program_id(1)
     ks = group * _SCALE_BLOCK + tl.arange(0, _SCALE_BLOCK)
@@ -82,17 +107,21 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, K,
     x = tl.load(x_ptr + rows64[:, None] * stride_xm + ks[None, :] * stride_xk, mask=ok, other=0.0)
     x = x.to(tl.float32)
     scale = _scale_of(tl.max(tl.abs(x), axis=1))
-    q = _round_to_e4m3(tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape)))
+    scaled = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
+    q = _round_to_e4m3(scaled)
+    if STATS:
+        _record_stats(stats_ptr, x, scaled, q, ok)
     tl.store(q_ptr + rows64[:, None] * stride_qm + ks[None, :] * stride_qk,
              q.to(q_ptr.dtype.element_ty), mask=ok)
     tl.store(s_ptr + rows64 * stride_sm + group * stride_sg, scale, mask=row_ok)
 
 
 @triton.jit
-def _quantize_blocks_kernel(w_ptr, q_ptr, s_ptr, K, N, tiles_k, tiles_n,
+def _quantize_blocks_kernel(w_ptr, q_ptr, s_ptr, stats_ptr, K, N, tiles_k, tiles_n,
                             stride_we, stride_wk, stride_wn, stride_qe, stride_qk, stride_qn,
-                            stride_se, stride_sk, stride_sn, ROWS: tl.constexpr):
-    # Program p: the 128 x 128 block (e, kb, nb) of w [E, K, N], its scale s[e, kb, nb].
+                            stride_se, stride_sk, stride_sn, ROWS: tl.constexpr, STATS: tl.constexpr):
+    # Program p: the 128 x 128 block (e, kb, nb) of w [E, K, N], its scale s[e, kb, nb]; STATS as
+    # `_quantize_rows_kernel` (one `_record_stats` per ROWS-row chunk).
     pid = tl.program_id(0)
     expert = pid // (tiles_k * tiles_n)
     kb = (pid // tiles_n) % tiles_k
@@ -114,15 +143,29 @@ def _quantize_blocks_kernel(w_ptr, q_ptr, s_ptr, K, N, tiles_k, tiles_n,
         ok = (ks < K)[:, None] & n_ok[None, :]
         w = tl.load(w_ptr + e64 * stride_we + ks[:, None] * stride_wk + ns[None, :] * stride_wn,
                     mask=ok, other=0.0).to(tl.float32)
-        q = _round_to_e4m3(tl.math.div_rn(w, tl.broadcast_to(scale, w.shape)))
+        scaled = tl.math.div_rn(w, tl.broadcast_to(scale, w.shape))
+        q = _round_to_e4m3(scaled)
+        if STATS:
+            _record_stats(stats_ptr, w, scaled, q, ok)
         tl.store(q_ptr + e64 * stride_qe + ks[:, None] * stride_qk + ns[None, :] * stride_qn,
                  q.to(q_ptr.dtype.element_ty), mask=ok)
     tl.store(s_ptr + e64 * stride_se + kb * stride_sk + nb * stride_sn, scale)
 
 
-def quantize_rows(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _stats_ptr(stats: torch.Tensor | None, placeholder: torch.Tensor) -> torch.Tensor:
+    """The kernels' stats argument: the row given (checked), else any tensor (STATS=False never reads it)."""
+    if stats is None:
+        return placeholder
+    if stats.dtype != torch.int64 or stats.shape != (FIELDS,) or not stats.is_contiguous():
+        raise ValueError(f"stats must be one int64 row of {FIELDS} counters (`fp8_stats.Fp8Stats.row`); got "
+                         f"{stats.dtype} {tuple(stats.shape)}")
+    return stats
+
+
+def quantize_rows(x_MK: torch.Tensor, stats: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(q_MK float8_e4m3fn, s_MG fp32): one scale per row and 128 columns of K (the last group may
-    be shorter). x any float dtype and strides; the A operand of `fp8_rows_gemm`."""
+    be shorter). x any float dtype and strides; the A operand of `fp8_rows_gemm`. `stats`: an
+    int64 row of an `fp8_stats.Fp8Stats` buffer the kernel adds its counters into (None: none)."""
     rows, k = x_MK.shape
     groups = triton.cdiv(k, SCALE_BLOCK)
     q_MK = torch.empty((rows, k), dtype=FP8, device=x_MK.device)
@@ -131,15 +174,16 @@ def quantize_rows(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return q_MK, s_MG
     block_m = 16 if x_MK.device.type == "cpu" else 32
     _quantize_rows_kernel[(triton.cdiv(rows, block_m), groups)](
-        x_MK, q_MK, s_MG, rows, k, x_MK.stride(0), x_MK.stride(1), q_MK.stride(0), q_MK.stride(1),
-        s_MG.stride(0), s_MG.stride(1), BLOCK_M=block_m, num_warps=4)
+        x_MK, q_MK, s_MG, _stats_ptr(stats, s_MG), rows, k, x_MK.stride(0), x_MK.stride(1), q_MK.stride(0),
+        q_MK.stride(1), s_MG.stride(0), s_MG.stride(1), BLOCK_M=block_m, STATS=stats is not None, num_warps=4)
     return q_MK, s_MG
 
 
-def quantize_blocks(w_EKN: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_blocks(w_EKN: torch.Tensor, stats: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(q_EKN float8_e4m3fn, s_EGB fp32): one scale per 128 x 128 block of each expert's [K, N]
     (edge blocks may be smaller). The expert weights' layout (`w13_EH2F`, `w2_EFH`: [E, K, N]);
-    made once per optimizer step from the masters. Its transpose is `transpose_blocks`."""
+    made once per optimizer step from the masters. Its transpose is `transpose_blocks`. `stats`
+    as `quantize_rows`."""
     experts, k, n = w_EKN.shape
     tiles_k, tiles_n = triton.cdiv(k, SCALE_BLOCK), triton.cdiv(n, SCALE_BLOCK)
     q_EKN = torch.empty((experts, k, n), dtype=FP8, device=w_EKN.device)
@@ -147,8 +191,8 @@ def quantize_blocks(w_EKN: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if q_EKN.numel() == 0:
         return q_EKN, s_EGB
     _quantize_blocks_kernel[(experts * tiles_k * tiles_n,)](
-        w_EKN, q_EKN, s_EGB, k, n, tiles_k, tiles_n, *w_EKN.stride(), *q_EKN.stride(), *s_EGB.stride(),
-        ROWS=32, num_warps=4)
+        w_EKN, q_EKN, s_EGB, _stats_ptr(stats, s_EGB), k, n, tiles_k, tiles_n, *w_EKN.stride(), *q_EKN.stride(),
+        *s_EGB.stride(), ROWS=32, STATS=stats is not None, num_warps=4)
     return q_EKN, s_EGB
 
 
@@ -163,12 +207,12 @@ def transpose_blocks(q_EKN: torch.Tensor, s_EGB: torch.Tensor) -> tuple[torch.Te
 
 @triton.jit
 def _fp8_rows_gemm_kernel(
-    a_ptr, sa_ptr, b_ptr, sb_ptr, out_ptr, offsets_ptr, s_out_ptr, h13_ptr, act_ptr,
+    a_ptr, sa_ptr, b_ptr, sb_ptr, out_ptr, offsets_ptr, s_out_ptr, h13_ptr, act_ptr, stats_ptr,
     E, E_W, K, C, F_UP, num_programs,
     stride_am, stride_ak, stride_sam, stride_sag,
     stride_be, stride_bk, stride_bc, stride_sbe, stride_sbk, stride_sbc,
     stride_om, stride_oc, stride_som, stride_sog, stride_hm, stride_hc, stride_xm, stride_xc,
-    EPILOGUE: tl.constexpr, SAVE_H13: tl.constexpr, SAVE_ACT: tl.constexpr,
+    EPILOGUE: tl.constexpr, SAVE_H13: tl.constexpr, SAVE_ACT: tl.constexpr, STATS: tl.constexpr,
     E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, IMPRECISE_K: tl.constexpr,
 ):
@@ -178,7 +222,8 @@ def _fp8_rows_gemm_kernel(
     # (a[rows_g, slice] @ b[g mod E_W, slice, cols]) * sa[rows_g, j] * sb[j, cols // 128], each dot
     # from zero. EPILOGUE 0 (plain): out [M, C] = h. 1 (SwiGLU and quantise, BLOCK_N == 128): gate
     # columns [0, C) and up columns [F_UP, F_UP + C) of b, out [M, C] fp8 = e4m3(silu(gate) * up / s)
-    # with s_out [M, cdiv(C, 128)] the 1 x 128 row scales (one column tile = one group); SAVE_H13:
+    # with s_out [M, cdiv(C, 128)] the 1 x 128 row scales (one column tile = one group; STATS: its
+    # counters into stats_ptr's row, `_record_stats`); SAVE_H13:
     # h13 [M, 2C] gets gate | up. 2 (SwiGLU gradient): h = d act, h13 [M, 2C] read, out [M, 2C] =
     # d gate | d up; SAVE_ACT: act [M, C] gets silu(gate) * up recomputed from h13.
     # Work items (group, row tile, column tile), as grouped_gemm's `_ragged_rows_gemm_kernel`.
@@ -234,7 +279,10 @@ def _fp8_rows_gemm_kernel(
             # the down GEMM's A operand, quantised here: no bf16 round trip through HBM
             act = tl.where(ok, acc * tl.sigmoid(acc) * acc_up, 0.0)
             scale = _scale_of(tl.max(tl.abs(act), axis=1))
-            q = _round_to_e4m3(tl.math.div_rn(act, tl.broadcast_to(scale[:, None], act.shape)))
+            scaled = tl.math.div_rn(act, tl.broadcast_to(scale[:, None], act.shape))
+            q = _round_to_e4m3(scaled)
+            if STATS:
+                _record_stats(stats_ptr, act, scaled, q, ok)
             tl.store(out_ptrs, q.to(out_ptr.dtype.element_ty), mask=ok)
             tl.store(s_out_ptr + rows64 * stride_som + pid_n * stride_sog, scale, mask=row_ok)
         elif EPILOGUE == 2:
@@ -320,7 +368,7 @@ _PLAIN, _SWIGLU, _SWIGLU_GRAD = 0, 1, 2  # the kernel's EPILOGUE
 
 
 def _launch_rows_gemm(a_MK, sa_MG, offsets_E, b_EKN, sb_EGB, config, out, cols, *, num_programs,
-                      imprecise_k, epilogue=_PLAIN, s_out=None, h13=None, act=None, f_up=0) -> None:
+                      imprecise_k, epilogue=_PLAIN, s_out=None, h13=None, act=None, f_up=0, stats=None) -> None:
     if a_MK.shape[0] == 0 or cols == 0:
         return
     groups, experts, k = offsets_E.shape[0], b_EKN.shape[0], a_MK.shape[1]
@@ -329,12 +377,13 @@ def _launch_rows_gemm(a_MK, sa_MG, offsets_E, b_EKN, sb_EGB, config, out, cols, 
     act_ = act if act is not None else out
     programs = num_programs or gg.default_num_programs(a_MK.device) * config.programs_per_sm
     _fp8_rows_gemm_kernel[(programs,)](
-        a_MK, sa_MG, b_EKN, sb_EGB, out, offsets_E, s_out_, h13_, act_,
+        a_MK, sa_MG, b_EKN, sb_EGB, out, offsets_E, s_out_, h13_, act_, _stats_ptr(stats, sa_MG),
         groups, experts, k, cols, f_up, programs,
         a_MK.stride(0), a_MK.stride(1), sa_MG.stride(0), sa_MG.stride(1),
         *b_EKN.stride(), *sb_EGB.stride(), out.stride(0), out.stride(1),
         s_out_.stride(0), s_out_.stride(1), h13_.stride(0), h13_.stride(1), act_.stride(0), act_.stride(1),
         EPILOGUE=epilogue, SAVE_H13=epilogue == _SWIGLU and h13 is not None, SAVE_ACT=act is not None,
+        STATS=stats is not None,
         E_POW2=triton.next_power_of_2(groups), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, GROUP_M=config.group_m, IMPRECISE_K=imprecise_k or config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages,
@@ -352,13 +401,15 @@ def fp8_swiglu_gemm(
     h13_M2F: torch.Tensor | None = None,
     num_programs: int | None = None,
     imprecise_k: int | None = None,
+    stats: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(q_MF float8_e4m3fn, s_MG fp32): the gate/up GEMM (b = w13's block-quantised copy, gate in
     [..., :F], up in [..., F:]) with SwiGLU and the down GEMM's 1 x 128 quantisation in its
     epilogue, so silu(gate) * up goes out as e4m3 rows and scales, ready for `fp8_rows_gemm`
     against w2's blocks; `h13_M2F` (given, any float dtype) receives the fp32 accumulators'
     gate | up (the backward's pre-activations). config.block_n must be 128: one column tile is
-    one scale group of the output. Accumulation as `fp8_rows_gemm`."""
+    one scale group of the output. Accumulation as `fp8_rows_gemm`. `stats`: the output
+    quantisation's counters, as `quantize_rows`."""
     _check_operands(a_MK, sa_MG, offsets_E, b_EK2F, sb_EGB, config)
     if config.block_n != SCALE_BLOCK:
         raise ValueError(f"the FP8 SwiGLU epilogue quantises one {SCALE_BLOCK}-column group per tile: "
@@ -371,7 +422,7 @@ def fp8_swiglu_gemm(
     s_MG = torch.empty((rows, triton.cdiv(ffn, SCALE_BLOCK)), dtype=torch.float32, device=a_MK.device)
     assert h13_M2F is None or h13_M2F.shape == (rows, width)
     _launch_rows_gemm(a_MK, sa_MG, offsets_E, b_EK2F, sb_EGB, config, q_MF, ffn, num_programs=num_programs,
-                      imprecise_k=imprecise_k, epilogue=_SWIGLU, s_out=s_MG, h13=h13_M2F, f_up=ffn)
+                      imprecise_k=imprecise_k, epilogue=_SWIGLU, s_out=s_MG, h13=h13_M2F, f_up=ffn, stats=stats)
     return q_MF, s_MG
 
 
@@ -409,13 +460,14 @@ def fp8_swiglu_grad_gemm(
 # --- the weight gradient: contracted over tokens, so 128 x 1 scales along tokens, padded groups
 
 @triton.jit
-def _quantize_token_groups_kernel(x_ptr, q_ptr, s_ptr, offsets_ptr, padded_ptr, E, K,
+def _quantize_token_groups_kernel(x_ptr, q_ptr, s_ptr, offsets_ptr, padded_ptr, stats_ptr, E, K,
                                   stride_xm, stride_xk, stride_qk, stride_qp, stride_sk, stride_sc,
-                                  BLOCK_K: tl.constexpr, E_POW2: tl.constexpr):
+                                  BLOCK_K: tl.constexpr, E_POW2: tl.constexpr, STATS: tl.constexpr):
     # Program (chunk c, K tile): padded rows [128 c, 128 c + 128) belong to the group g whose padded
     # range holds them (padded_ptr: int32 cumulative padded rows); they are x's rows offsets[g-1] +
     # (128 c - padded[g-1]) + t, zeros past the group's end (and for chunks past the last group).
     # q [K, P] (token-contiguous) = e4m3 of x^T, s[k, c] = scale of column k over the chunk.
+    # STATS: counters of x's own rows (not the padding) into stats_ptr's row (`_record_stats`).
     chunk = tl.program_id(0)
     first = chunk * _SCALE_BLOCK
     idx = tl.arange(0, E_POW2)
@@ -433,7 +485,10 @@ def _quantize_token_groups_kernel(x_ptr, q_ptr, s_ptr, offsets_ptr, padded_ptr, 
     x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + ks[None, :] * stride_xk,
                 mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
     scale = _scale_of(tl.max(tl.abs(x), axis=0))
-    q = _round_to_e4m3(tl.math.div_rn(x, tl.broadcast_to(scale[None, :], x.shape)))
+    scaled = tl.math.div_rn(x, tl.broadcast_to(scale[None, :], x.shape))
+    q = _round_to_e4m3(scaled)
+    if STATS:
+        _record_stats(stats_ptr, x, scaled, q, row_ok[:, None] & k_ok[None, :])
     padded_rows = (first + toks).to(tl.int64)
     tl.store(q_ptr + ks[None, :] * stride_qk + padded_rows[:, None] * stride_qp,
              q.to(q_ptr.dtype.element_ty), mask=k_ok[None, :])
@@ -453,13 +508,13 @@ def padded_capacity(rows: int, groups: int) -> int:
     return triton.cdiv(rows + (SCALE_BLOCK - 1) * groups, SCALE_BLOCK) * SCALE_BLOCK
 
 
-def quantize_token_groups(x_MK: torch.Tensor, offsets_E: torch.Tensor,
+def quantize_token_groups(x_MK: torch.Tensor, offsets_E: torch.Tensor, stats: torch.Tensor | None = None,
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q_KP float8_e4m3fn, s_KC fp32, padded_E int32): x's rows transposed into a token-contiguous
     [K, P] copy (the weight gradient's K-major operand), each group's rows starting at a multiple
     of 128 (`padded_offsets`; zero columns pad it), one scale per column and 128 padded rows
     (C = P / 128 chunks; no chunk straddles two groups). P = `padded_capacity`: columns past the
-    last group are zeros too. For `fp8_weight_grad`."""
+    last group are zeros too. For `fp8_weight_grad`. `stats` as `quantize_rows` (x's rows only)."""
     rows, k = x_MK.shape
     groups = offsets_E.shape[0]
     capacity = padded_capacity(rows, groups)
@@ -470,9 +525,9 @@ def quantize_token_groups(x_MK: torch.Tensor, offsets_E: torch.Tensor,
         return q_KP, s_KC, padded_E
     block_k = 16 if x_MK.device.type == "cpu" else 32
     _quantize_token_groups_kernel[(capacity // SCALE_BLOCK, triton.cdiv(k, block_k))](
-        x_MK, q_KP, s_KC, offsets_E, padded_E, groups, k, x_MK.stride(0), x_MK.stride(1),
+        x_MK, q_KP, s_KC, offsets_E, padded_E, _stats_ptr(stats, s_KC), groups, k, x_MK.stride(0), x_MK.stride(1),
         q_KP.stride(0), q_KP.stride(1), s_KC.stride(0), s_KC.stride(1),
-        BLOCK_K=block_k, E_POW2=triton.next_power_of_2(groups), num_warps=4)
+        BLOCK_K=block_k, E_POW2=triton.next_power_of_2(groups), STATS=stats is not None, num_warps=4)
     return q_KP, s_KC, padded_E
 
 

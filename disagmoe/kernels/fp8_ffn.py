@@ -13,6 +13,8 @@ gate/up data gradient against w13^T; x, dh13, act and dy quantised 128 x 1 along
 two weight gradients (fp32, or added into fp32 main gradients).
 Passes still separate from the kernel that produces their input (each reads a bf16 tensor once
 more): dy's two quantisations, dh13's two, act's and x's token-group copies.
+`stats` (`fp8_stats.Fp8Stats`, optional everywhere): every quantisation adds its counters, by kind
+(x and act: activations; dy and dh13: gradients; the weight copies: weights).
 """
 
 from __future__ import annotations
@@ -22,7 +24,12 @@ import dataclasses
 import torch
 
 from disagmoe.kernels import fp8
+from disagmoe.kernels.fp8_stats import ACTIVATIONS, GRADIENTS, WEIGHTS, Fp8Stats
 from disagmoe.kernels.tile_configs import TileConfig
+
+
+def _row(stats: Fp8Stats | None, kind: int) -> torch.Tensor | None:
+    return None if stats is None else stats.row(kind)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,9 +49,10 @@ class Fp8ExpertWeights:
     w2_t: tuple[torch.Tensor, torch.Tensor]
 
     @classmethod
-    def quantize(cls, w13_EH2F: torch.Tensor, w2_EFH: torch.Tensor) -> Fp8ExpertWeights:
-        w13, w13_t = _both_k_major(*fp8.quantize_blocks(w13_EH2F))
-        w2, w2_t = _both_k_major(*fp8.quantize_blocks(w2_EFH))
+    def quantize(cls, w13_EH2F: torch.Tensor, w2_EFH: torch.Tensor, stats: Fp8Stats | None = None,
+                 ) -> Fp8ExpertWeights:
+        w13, w13_t = _both_k_major(*fp8.quantize_blocks(w13_EH2F, _row(stats, WEIGHTS)))
+        w2, w2_t = _both_k_major(*fp8.quantize_blocks(w2_EFH, _row(stats, WEIGHTS)))
         return cls(w13, w13_t, w2, w2_t)
 
 
@@ -76,14 +84,15 @@ def fp8_ffn_forward(
     x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
     save_for_backward: bool = False,
     num_programs: int | None = None,
+    stats: Fp8Stats | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(y_NH in x's dtype, h13_N2F or None): `x_fp8` (rows and scales, e.g. from the FP8 permute)
     instead of quantising x here; h13 (the pre-activations, x's dtype) kept for the backward."""
     rows, ffn = x_NH.shape[0], weights.w2[0].shape[1]
-    qx, sx = x_fp8 if x_fp8 is not None else fp8.quantize_rows(x_NH)
+    qx, sx = x_fp8 if x_fp8 is not None else fp8.quantize_rows(x_NH, _row(stats, ACTIVATIONS))
     h13_N2F = x_NH.new_empty((rows, 2 * ffn)) if save_for_backward else None
     q_act, s_act = fp8.fp8_swiglu_gemm(qx, sx, offsets_E, *weights.w13, tiles.swiglu, h13_M2F=h13_N2F,
-                                       num_programs=num_programs)
+                                       num_programs=num_programs, stats=_row(stats, ACTIVATIONS))
     y_NH = fp8.fp8_rows_gemm(q_act, s_act, offsets_E, *weights.w2, tiles.rows, out_dtype=x_NH.dtype,
                              num_programs=num_programs)
     return y_NH, h13_N2F
@@ -99,22 +108,24 @@ def fp8_ffn_backward(
     *,
     main_grads: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
     num_programs: int | None = None,
+    stats: Fp8Stats | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(dx_NH in dy's dtype, dw13_EH2F fp32, dw2_EFH fp32); a weight gradient whose fp32 main
     gradient is given (w13's, w2's) is added into it by its GEMM and None is returned for it."""
     rows, ffn = x_NH.shape[0], weights.w2[0].shape[1]
     experts = weights.w13[0].shape[0]
-    q_dy, s_dy = fp8.quantize_rows(dy_NH)
+    acts, grads_row = _row(stats, ACTIVATIONS), _row(stats, GRADIENTS)
+    q_dy, s_dy = fp8.quantize_rows(dy_NH, grads_row)
     act_NF = h13_N2F.new_empty((rows, ffn))
     dh13_N2F = fp8.fp8_swiglu_grad_gemm(q_dy, s_dy, offsets_E, *weights.w2_t, h13_N2F, tiles.swiglu,
                                         act_MF=act_NF, out_dtype=dy_NH.dtype, num_programs=num_programs)
-    q_dh, s_dh = fp8.quantize_rows(dh13_N2F)
+    q_dh, s_dh = fp8.quantize_rows(dh13_N2F, grads_row)
     dx_NH = fp8.fp8_rows_gemm(q_dh, s_dh, offsets_E, *weights.w13_t, tiles.rows, out_dtype=dy_NH.dtype,
                               num_programs=num_programs)
     grads = []
     for a_NK, b_NC, main in ((x_NH, dh13_N2F, main_grads[0]), (act_NF, dy_NH, main_grads[1])):
-        qa, sa, padded_E = fp8.quantize_token_groups(a_NK, offsets_E)
-        qb, sb, _ = fp8.quantize_token_groups(b_NC, offsets_E)
+        qa, sa, padded_E = fp8.quantize_token_groups(a_NK, offsets_E, acts)
+        qb, sb, _ = fp8.quantize_token_groups(b_NC, offsets_E, grads_row)
         grad = fp8.fp8_weight_grad((qa, sa), (qb, sb), padded_E, tiles.wgrad, weights=experts, out=main,
                                    accumulate=main is not None, num_programs=num_programs)
         grads.append(None if main is not None else grad)
@@ -125,13 +136,13 @@ class Fp8ExpertFFNFunction(torch.autograd.Function):
     """Autograd wrapper: x, w13, w2 get gradients (the weights' in their own dtype)."""
 
     @staticmethod
-    def forward(ctx, x_NH, offsets_E, w13_EH2F, w2_EFH, weights, tiles, num_programs):
+    def forward(ctx, x_NH, offsets_E, w13_EH2F, w2_EFH, weights, tiles, num_programs, stats):
         if weights is None:  # a copy per call; a trainer makes one per optimizer step and passes it
-            weights = Fp8ExpertWeights.quantize(w13_EH2F, w2_EFH)
+            weights = Fp8ExpertWeights.quantize(w13_EH2F, w2_EFH, stats)
         y_NH, h13_N2F = fp8_ffn_forward(x_NH, offsets_E, weights, tiles, save_for_backward=True,
-                                        num_programs=num_programs)
+                                        num_programs=num_programs, stats=stats)
         ctx.save_for_backward(x_NH, offsets_E, h13_N2F)
-        ctx.weights, ctx.tiles, ctx.num_programs = weights, tiles, num_programs
+        ctx.weights, ctx.tiles, ctx.num_programs, ctx.stats = weights, tiles, num_programs, stats
         ctx.weight_dtypes = (w13_EH2F.dtype, w2_EFH.dtype)
         return y_NH
 
@@ -139,9 +150,9 @@ class Fp8ExpertFFNFunction(torch.autograd.Function):
     def backward(ctx, dy_NH):
         x_NH, offsets_E, h13_N2F = ctx.saved_tensors
         dx, dw13, dw2 = fp8_ffn_backward(dy_NH.contiguous(), x_NH, offsets_E, ctx.weights, h13_N2F, ctx.tiles,
-                                         num_programs=ctx.num_programs)
-        ctx.weights = None
-        return dx, None, dw13.to(ctx.weight_dtypes[0]), dw2.to(ctx.weight_dtypes[1]), None, None, None
+                                         num_programs=ctx.num_programs, stats=ctx.stats)
+        ctx.weights = ctx.stats = None
+        return dx, None, dw13.to(ctx.weight_dtypes[0]), dw2.to(ctx.weight_dtypes[1]), None, None, None, None
 
 
 def expert_ffn_fp8(
@@ -153,13 +164,15 @@ def expert_ffn_fp8(
     weights: Fp8ExpertWeights | None = None,
     tiles: Fp8Tiles | None = None,
     num_programs: int | None = None,
+    stats: Fp8Stats | None = None,
 ) -> torch.Tensor:
     """The experts backend contract `expert_ffn(x_NH, offsets_E, w13_EH2F, w2_EFH) -> y_NH` with
     every GEMM in FP8, differentiable in x, w13 and w2. `weights`: the FP8 copies of exactly these
-    w13 and w2 (`Fp8ExpertWeights.quantize`, once per optimizer step); made here when None."""
+    w13 and w2 (`Fp8ExpertWeights.quantize`, once per optimizer step); made here when None.
+    `stats`: every quantisation's counters, forward and backward (module docstring)."""
     experts, hidden, two_ffn = w13_EH2F.shape
     if x_NH.shape[1] != hidden or w2_EFH.shape != (experts, two_ffn // 2, hidden):
         raise ValueError(f"expert weights must be w13 [E, H, 2F] and w2 [E, F, H] matching x [N, H]; got "
                          f"x {tuple(x_NH.shape)}, w13 {tuple(w13_EH2F.shape)}, w2 {tuple(w2_EFH.shape)}")
     return Fp8ExpertFFNFunction.apply(x_NH.contiguous(), offsets_E, w13_EH2F, w2_EFH, weights,
-                                      tiles or Fp8Tiles(), num_programs)
+                                      tiles or Fp8Tiles(), num_programs, stats)

@@ -122,10 +122,11 @@ def _combine_backward_kernel(dy_ptr, rows_ptr, dest_ptr, weights_ptr, d_rows_ptr
 
 
 @triton.jit
-def _permute_quantize_kernel(x_ptr, dest_ptr, q_ptr, s_ptr, n_pairs, H, K, stride_xt, stride_qn, stride_sn,
-                             BLOCK: tl.constexpr):
+def _permute_quantize_kernel(x_ptr, dest_ptr, q_ptr, s_ptr, stats_ptr, n_pairs, H, K, stride_xt, stride_qn,
+                             stride_sn, BLOCK: tl.constexpr, STATS: tl.constexpr):
     # Program (b, g): for block b's pairs, q[dest[p], g-th 128 columns] = e4m3 of x[p // K] there over
-    # its scale, s[dest[p], g] (`fp8.quantize_rows` of the grouped rows, done while they are copied).
+    # its scale, s[dest[p], g] (`fp8.quantize_rows` of the grouped rows, done while they are copied;
+    # STATS: its counters, `fp8._record_stats`).
     pairs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     pair_ok = pairs < n_pairs
     dest = tl.load(dest_ptr + pairs, mask=pair_ok, other=0).to(tl.int64)
@@ -135,7 +136,10 @@ def _permute_quantize_kernel(x_ptr, dest_ptr, q_ptr, s_ptr, n_pairs, H, K, strid
     ok = pair_ok[:, None] & (hs < H)[None, :]
     vals = tl.load(x_ptr + tokens[:, None] * stride_xt + hs[None, :], mask=ok, other=0.0).to(tl.float32)
     scale = fp8._scale_of(tl.max(tl.abs(vals), axis=1))
-    q = fp8._round_to_e4m3(tl.math.div_rn(vals, tl.broadcast_to(scale[:, None], vals.shape)))
+    scaled = tl.math.div_rn(vals, tl.broadcast_to(scale[:, None], vals.shape))
+    q = fp8._round_to_e4m3(scaled)
+    if STATS:
+        fp8._record_stats(stats_ptr, vals, scaled, q, ok)
     tl.store(q_ptr + dest[:, None] * stride_qn + hs[None, :], q.to(q_ptr.dtype.element_ty), mask=ok)
     tl.store(s_ptr + dest * stride_sn + group, scale, mask=pair_ok)
 
@@ -184,10 +188,12 @@ def permute_forward(x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, num_experts: 
 
 
 def permute_forward_fp8(x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, num_experts: int,
+                        stats: torch.Tensor | None = None,
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q_NH float8_e4m3fn, s_NG fp32, offsets_E, dest_TK): `permute_forward` whose copy writes
     the grouped rows as e4m3 with their 1 x 128 scales (`fp8.quantize_rows` of the rows, bit for
-    bit), the FP8 gate/up GEMM's A operand: no bf16 rows in HBM, no separate quantising pass."""
+    bit), the FP8 gate/up GEMM's A operand: no bf16 rows in HBM, no separate quantising pass.
+    `stats` as `fp8.quantize_rows`."""
     tokens, top_k = topk_idx_TK.shape
     n_pairs, hidden = tokens * top_k, x_TH.shape[1]
     groups = triton.cdiv(hidden, fp8.SCALE_BLOCK)
@@ -198,8 +204,8 @@ def permute_forward_fp8(x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, num_exper
         return q_NH, s_NG, offsets_E, dest_TK
     pairs_per_block = 16 if x_TH.device.type == "cpu" else 32
     _permute_quantize_kernel[(triton.cdiv(n_pairs, pairs_per_block), groups)](
-        x_TH, dest_TK, q_NH, s_NG, n_pairs, hidden, top_k, x_TH.stride(0), q_NH.stride(0), s_NG.stride(0),
-        BLOCK=pairs_per_block, num_warps=4)
+        x_TH, dest_TK, q_NH, s_NG, fp8._stats_ptr(stats, s_NG), n_pairs, hidden, top_k, x_TH.stride(0),
+        q_NH.stride(0), s_NG.stride(0), BLOCK=pairs_per_block, STATS=stats is not None, num_warps=4)
     return q_NH, s_NG, offsets_E, dest_TK
 
 

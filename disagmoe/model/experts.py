@@ -135,6 +135,7 @@ class RoutedExperts(nn.Module):
         self.recompute: frozenset[str] = frozenset()  # what the backward recomputes (`set_recompute`)
         self.precision = "bf16"  # "fp8": every GEMM in e4m3 (`set_precision`), from `fp8_weights`
         self.fp8_weights = None  # kernels.fp8_ffn.Fp8ExpertWeights, refreshed in place by `prepare_fp8`
+        self.fp8_stats = None  # kernels.fp8_stats.Fp8Stats every FP8 quantisation adds into (`set_fp8_stats`)
         self.w13_EH2F = nn.Parameter(torch.empty(num_experts, hidden, 2 * ffn))
         self.w2_EFH = nn.Parameter(torch.empty(num_experts, ffn, hidden))
 
@@ -193,12 +194,17 @@ class RoutedExperts(nn.Module):
             return
         from disagmoe.kernels.fp8_ffn import Fp8ExpertWeights
 
-        fresh = Fp8ExpertWeights.quantize(self.w13_EH2F.detach(), self.w2_EFH.detach())
+        fresh = Fp8ExpertWeights.quantize(self.w13_EH2F.detach(), self.w2_EFH.detach(), self.fp8_stats)
         if self.fp8_weights is None:
             self.fp8_weights = fresh
             return
         for kept, new in zip(_fp8_tensors(self.fp8_weights), _fp8_tensors(fresh), strict=True):
             kept.copy_(new)
+
+    def set_fp8_stats(self, stats) -> None:
+        """The `kernels.fp8_stats.Fp8Stats` whose buffer the FP8 quantisations (weights in
+        `prepare_fp8`, rows forward and backward) add their counters into; None: no counting."""
+        self.fp8_stats = stats
 
     def set_recompute(self, modules: frozenset[str]) -> None:
         """Drop `modules` (`kernels.recompute.RECOMPUTABLE`) from what the forward keeps, to be
@@ -226,7 +232,8 @@ class RoutedExperts(nn.Module):
             from disagmoe.kernels.fp8_ffn import expert_ffn_fp8
 
             # no prepared copies (a caller outside the trainer's step): quantised for this call
-            return expert_ffn_fp8(x_NH, offsets_E, self.w13_EH2F, self.w2_EFH, weights=self.fp8_weights)
+            return expert_ffn_fp8(x_NH, offsets_E, self.w13_EH2F, self.w2_EFH, weights=self.fp8_weights,
+                                  stats=self.fp8_stats)
         if self.recompute:
             return self.expert_ffn(x_NH, offsets_E, self.w13_EH2F, self.w2_EFH, recompute=self.recompute,
                                    source=source)

@@ -39,6 +39,7 @@ class MoETransformer(nn.Module):
     def __init__(self, cfg: ModelConfig, experts_backend: str = "loop") -> None:
         super().__init__()
         self.cfg = cfg
+        self.fp8_stats = None  # kernels.fp8_stats.Fp8Stats of the FP8 experts (`set_fp8_stats`)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
             DenseBlock(cfg) if i < cfg.num_dense_layers else MoEBlock(cfg, experts_backend)
@@ -110,6 +111,13 @@ class MoETransformer(nn.Module):
         for module in self.modules():
             if isinstance(module, RoutedExperts):
                 module.set_precision(precision)
+
+    def set_fp8_stats(self, stats) -> None:
+        """One `kernels.fp8_stats.Fp8Stats` for every FP8 expert module (`RoutedExperts.set_fp8_stats`)."""
+        self.fp8_stats = stats  # the step's body reads it: a non-finite scale skips the optimizer's update
+        for module in self.modules():
+            if isinstance(module, RoutedExperts):
+                module.set_fp8_stats(stats)
 
     def prepare_fp8(self) -> None:
         """Refresh every FP8 expert's weight copies from its weights (a no-op without FP8 experts):

@@ -244,6 +244,7 @@ def test_every_expert_gemm_feeds_hopper_mma_through_the_async_pipeline(monkeypat
     import re
 
     from disagmoe.kernels import fp8_ffn, moe_ffn
+    from disagmoe.kernels.fp8_stats import Fp8Stats
 
     backend = make_backend(HOPPER)
     gemms: list[tuple[str, str]] = []
@@ -263,19 +264,77 @@ def test_every_expert_gemm_feeds_hopper_mma_through_the_async_pipeline(monkeypat
     x = torch.zeros(rows, hidden, dtype=torch.bfloat16)
     w13 = torch.zeros(experts, hidden, 2 * ffn, dtype=torch.bfloat16)
     w2 = torch.zeros(experts, ffn, hidden, dtype=torch.bfloat16)
-    weights, fp8_tiles = fp8_ffn.Fp8ExpertWeights.quantize(w13, w2), fp8_ffn.Fp8Tiles()
-    _, h13 = fp8_ffn.fp8_ffn_forward(x, offsets, weights, fp8_tiles, save_for_backward=True, num_programs=8)
-    fp8_ffn.fp8_ffn_backward(x, x, offsets, weights, torch.zeros(rows, 2 * ffn, dtype=torch.bfloat16), fp8_tiles,
-                             num_programs=8)
+    fp8_tiles = fp8_ffn.Fp8Tiles()
+    for stats in (None, Fp8Stats("cpu")):  # a precision: fp8 run counts (issue 21's numerics) in the same kernels
+        weights = fp8_ffn.Fp8ExpertWeights.quantize(w13, w2, stats)
+        fp8_ffn.fp8_ffn_forward(x, offsets, weights, fp8_tiles, save_for_backward=True, num_programs=8, stats=stats)
+        fp8_ffn.fp8_ffn_backward(x, x, offsets, weights, torch.zeros(rows, 2 * ffn, dtype=torch.bfloat16),
+                                 fp8_tiles, num_programs=8, stats=stats)
     tiles = moe_ffn.FFNTiles.for_shape(rows, experts, hidden, ffn, torch.device("cpu"))
     _, act, h13 = moe_ffn.moe_ffn_forward(x, offsets, w13, w2, tiles, save_for_backward=True, num_programs=8)
     moe_ffn.moe_ffn_backward(x, x, offsets, w13, w2, act, h13, tiles, num_programs=8,
                              main_grads=(torch.zeros(w13.shape), torch.zeros(w2.shape)))
     names = [name for name, _ in gemms]
-    assert names.count("_fp8_rows_gemm_kernel") == 4 and names.count("_fp8_weight_grad_kernel") == 2, names
+    assert names.count("_fp8_rows_gemm_kernel") == 8 and names.count("_fp8_weight_grad_kernel") == 4, names
     assert names.count("_ragged_rows_gemm_kernel") == 4 and names.count("_ragged_weight_grad_kernel") == 2, names
     for name, ttgir in gemms:
         assert "versionMajor = 3" in ttgir and "warp_group_dot " in ttgir, f"{name}: not a Hopper wgmma"
         staged = re.findall(r"ttg\.local_alloc %\S+ : \(tensor<[^>]*>", ttgir)
         assert not staged, f"{name}: operands staged through registers, outside the pipeline: {staged}"
         assert "async_copy_global_to_local" in ttgir, f"{name}: no asynchronous operand copies"
+
+
+def test_the_fp8_counters_compile_with_their_atomics_and_no_spills(monkeypatch):
+    """The quantisers, the SwiGLU epilogue and the FP8 permute with a stats row (STATS: five atomics
+    per tile, `fp8._record_stats`) compile for sm_90a at `Fp8Tiles`' defaults with no spill stores,
+    and their PTX holds the int64 atomics (a max and adds); without a row, no atomics."""
+    import re
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    import triton
+
+    from disagmoe.kernels import fp8, fp8_ffn, permute
+    from disagmoe.kernels.fp8_stats import Fp8Stats
+
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    backend = make_backend(HOPPER)
+    found: list[tuple[str, int, bool]] = []
+
+    def compile_and_count(self, *args, grid, warmup, **kwargs):
+        kwargs.setdefault("debug", False)
+        binder = create_function_from_signature(self.signature, self.params, backend)
+        bound, specialization, options = binder(*args, **kwargs)
+        options, signature, constexprs, attrs = self._pack_args(backend, kwargs, bound, specialization, options)
+        kernel = compile(ASTSource(self, signature, constexprs, attrs), target=HOPPER, options=options.__dict__)
+        ptx = kernel.asm["ptx"]
+        with tempfile.TemporaryDirectory() as tmp:
+            source = Path(tmp) / "k.ptx"
+            source.write_text(ptx)
+            report = subprocess.run([str(ptxas), "-v", "--gpu-name", "sm_90a", str(source), "-o", str(Path(tmp) / "k.o")],
+                                    capture_output=True, text=True, check=True).stderr
+        atomics = "atom.global" in ptx and ".max.s64" in ptx and ".add.u64" in ptx
+        found.append((self.fn.__name__, int(re.search(r"(\d+) bytes spill stores", report).group(1)), atomics))
+
+    monkeypatch.setattr(JITFunction, "run", compile_and_count)
+    stats = Fp8Stats("cpu")
+    tiles = fp8_ffn.Fp8Tiles()
+    rows, experts, k, n = 512, 4, 512, 256
+    offsets = torch.tensor([128, 256, 384, 512], dtype=torch.int32)
+    x = torch.zeros(rows, k, dtype=torch.bfloat16)
+    qa, sa = fp8.quantize_rows(x, stats.row(0))
+    q13, s13 = fp8.quantize_blocks(torch.zeros(experts, k, 2 * n, dtype=torch.bfloat16), stats.row(1))
+    fp8.fp8_swiglu_gemm(qa, sa, offsets, q13, s13, tiles.swiglu, h13_M2F=torch.zeros(rows, 2 * n, dtype=torch.bfloat16),
+                        num_programs=8, stats=stats.row(0))
+    fp8.quantize_token_groups(x, offsets, stats.row(2))
+    permute.permute_forward_fp8(torch.zeros(64, 300, dtype=torch.bfloat16), torch.zeros(64, 2, dtype=torch.int32), 4,
+                                stats=stats.row(0))
+    counted = [f for f in found if f[0] not in ("_block_histogram_kernel", "_permute_dest_kernel")]
+    assert [name for name, _, _ in counted] == ["_quantize_rows_kernel", "_quantize_blocks_kernel",
+                                                "_fp8_rows_gemm_kernel", "_quantize_token_groups_kernel",
+                                                "_permute_quantize_kernel"], found
+    assert all(spill == 0 and atomics for _, spill, atomics in counted), found
+    found.clear()
+    fp8.quantize_rows(x)
+    assert found == [("_quantize_rows_kernel", 0, False)]

@@ -223,14 +223,18 @@ class FlatAdamW:
 
     # -- the step ------------------------------------------------------------------------------
 
-    def step(self, *, clip_coef: torch.Tensor | None = None) -> None:
+    def step(self, *, clip_coef: torch.Tensor | None = None, skip: torch.Tensor | None = None) -> None:
         """AdamW at the learning rate `self.lr` (`set_lr`) on every bucket with gradients scaled by
         `clip_coef` (a device scalar, <= 1), then the updated masters into the compute parameters
-        (all-gathered where sharded)."""
+        (all-gathered where sharded). `skip` (a CUDA fp32 scalar, 1.0 or 0.0): where 1, the fused
+        kernels leave masters, moments and step counts as they were (torch's `found_inf`, as
+        GradScaler uses it), decided on the device: no host wait. CUDA only (the fused kernels)."""
         inverse = None if clip_coef is None else (1.0 / clip_coef).float()  # the fused kernels' grad_scale
         for b in self.buckets:
             inner = b.inner
             master = inner.param_groups[0]["params"][0]
+            if skip is not None and not master.is_cuda:
+                raise ValueError("FlatAdamW.step(skip=...) runs in the fused CUDA kernels; on the CPU pass skip=None")
             master.grad = b.step_grad()
             if clip_coef is not None:
                 if master.is_cuda:  # the fused kernel divides by grad_scale in registers
@@ -238,10 +242,11 @@ class FlatAdamW:
                 else:
                     master.grad.mul_(clip_coef.to(master.grad.dtype))
             if self.state_dtype == torch.float32:
+                inner.found_inf = skip
                 inner.step()
             else:
-                self._step_rounded_moments(b, master, inverse)
-            inner.grad_scale = None
+                self._step_rounded_moments(b, master, inverse, skip)
+            inner.grad_scale = inner.found_inf = None
             master.grad = None
             with torch.no_grad():
                 if b.shard is not None:
@@ -250,11 +255,13 @@ class FlatAdamW:
                     b.compute_N.copy_(b.master_S)
         self.steps_taken += 1
 
-    def _step_rounded_moments(self, b: Bucket, master: torch.Tensor, grad_scale: torch.Tensor | None) -> None:
+    def _step_rounded_moments(self, b: Bucket, master: torch.Tensor, grad_scale: torch.Tensor | None,
+                              skip: torch.Tensor | None = None) -> None:
         """AdamW on `master` with its moments held in `state_dtype` (module docstring): per
         MOMENT_CHUNK elements, fp32 copies of both moments go through torch's AdamW (fused on CUDA,
         dividing the gradient by `grad_scale` there; the CPU caller has scaled it already). Then
-        the new moments are rounded back to nearest-even. Deterministic: no random rounding."""
+        the new moments are rounded back to nearest-even. Deterministic: no random rounding. `skip`
+        as `step`'s: the kernel leaves the chunk's moments (rounded back unchanged) and master."""
         state = b.inner.state[master]
         if not state:  # as torch's AdamW starts a parameter's state, in the moments' dtype
             step_device = master.device if master.is_cuda else torch.device("cpu")
@@ -270,12 +277,15 @@ class FlatAdamW:
                 exp_avg, exp_avg_sq = state["exp_avg"][part].float(), state["exp_avg_sq"][part].float()
                 step = state["step"].clone()  # the call counts its own step: each chunk starts from the same one
                 adamw([master[part]], [grad[part]], [exp_avg], [exp_avg_sq], [], [step], foreach=False,
-                      fused=master.is_cuda, grad_scale=grad_scale if master.is_cuda else None, amsgrad=False,
+                      fused=master.is_cuda, grad_scale=grad_scale if master.is_cuda else None, found_inf=skip,
+                      amsgrad=False,
                       beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
                       maximize=False)
                 state["exp_avg"][part].copy_(exp_avg)  # fp32 -> bf16: round to nearest even
                 state["exp_avg_sq"][part].copy_(exp_avg_sq)
             state["step"].add_(1)
+            if skip is not None:
+                state["step"].sub_(skip)
 
     # -- checkpoints ---------------------------------------------------------------------------
 

@@ -7,7 +7,8 @@ end, checkpoints every `checkpoint_every` steps, whenever `checkpoint_minutes` p
 last checkpoint, and at the end (keeping the newest `keep_checkpoints`), writes one JSONL record
 per step and averages any per-group `busy` fractions the records carry into the summary.
 
-A step whose loss or gradient norm is not finite stops the run (`TrainingDiverged`) before it is
+A step whose loss or gradient norm is not finite, or (precision fp8) whose FP8 quantisers met an inf
+or NaN (the record's `fp8_nonfinite` kinds), stops the run (`TrainingDiverged`) before it is
 checkpointed: the newest checkpoint stays the last good one. Its record goes into metrics.jsonl with
 the non-finite numbers as null (the file is strict JSON). The whole loop holds out_dir's lock
 (`run_lock`).
@@ -224,7 +225,7 @@ class TrainingLoop:
             with MetricsLog(metrics_path, resume_after_step=self.step if cfg.resume else None) as log:
                 while self.step < cfg.steps:
                     record = self._train_one_step()
-                    if not_finite(record):
+                    if not_finite(record) or record.get("fp8_nonfinite"):
                         log.write(record)
                         raise TrainingDiverged(self.step, diverged_report(cfg, record, self._last_good(checkpoint)))
                     throughput.add(record)
@@ -308,7 +309,24 @@ def likely_setting(cfg: TrainConfig) -> str:
 
 def diverged_report(cfg: TrainConfig, record: dict[str, Any], checkpoint: Path | None) -> str:
     """One line: which numbers of which step were not finite, the likely setting, where to resume."""
-    bad = ", ".join(f"{name} {record[name]}" for name in not_finite(record))
     keep = (f"the last good checkpoint is {checkpoint} (resume=true continues from it)" if checkpoint is not None
             else "no checkpoint was written")
+    if record.get("fp8_nonfinite"):
+        return f"{fp8_report(cfg, record)}; {keep}"
+    bad = ", ".join(f"{name} {record[name]}" for name in not_finite(record))
     return f"step {record['step']}: {bad} (not finite); {likely_setting(cfg)}; {keep}"
+
+
+def fp8_report(cfg: TrainConfig, record: dict[str, Any]) -> str:
+    """The step, the tensor kinds whose FP8 scale went non-finite (an inf or NaN among the values a
+    quantiser scaled), the fix, and what became of the step's update: on CUDA the optimizer skipped
+    it on the device (`fp8_update_skipped`); the host learns of it only when the step is read (a
+    check before the update would wait on the GPU inside the step, which the step never does)."""
+    kinds = " and ".join(record["fp8_nonfinite"])
+    also = [f"{name} {record[name]}" for name in not_finite(record)]
+    update = ("the optimizer skipped its update on the GPU (the weights are the previous step's)"
+              if record.get("fp8_update_skipped") else
+              "found when the step was read, after its optimizer update, which is not checkpointed")
+    return (f"FP8 scale non-finite at step {record['step']} in {kinds}: the loss or gradients overflowed"
+            + (f" ({', '.join(also)})" if also else "")
+            + f"; lower the learning rate (optim.lr={cfg.optim.lr:g}) or run precision: bf16; {update}")

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from disagmoe.config import ModelConfig, TrainConfig
 from disagmoe.model_ref import load_model
 from disagmoe.data import TokenDataset, load_splits
+from disagmoe.kernels.fp8_stats import Fp8Stats
 from disagmoe.model import MoETransformer
 from disagmoe.model.experts import check_backend_device
 from disagmoe.model.layers import set_fusion
@@ -82,6 +83,7 @@ class StepResult:
     z_loss: float
     grad_norm: float
     expert_load_LE: torch.Tensor  # int64, summed over micro-batches
+    fp8: list[int] | None = None  # precision fp8: the step's `Fp8Stats` buffer, flattened
 
 
 def resolve_device(device: str) -> torch.device:
@@ -154,11 +156,13 @@ def train_step_flat(
     lr: float,
     grad_clip: float,
     forbid_host_syncs: bool = False,
+    fp8_stats: Fp8Stats | None = None,
 ) -> StepResult:
     """`train_step` on the fast path: the same loss and update (module docstring) with the
     parameters in the compute dtype, fp32 masters and main gradients in `optimizer`, the LM head
     and loss in token chunks, and nothing read back from the device until the step is done
-    (`forbid_host_syncs`: any host wait before that raises)."""
+    (`forbid_host_syncs`: any host wait before that raises). `fp8_stats`: read with the loss, then
+    reset (`read_step`)."""
     device = next(model.parameters()).device
     batch_size = tokens_BS1.shape[0]
     check_divisible(batch_size, micro_batches, 1)
@@ -167,15 +171,25 @@ def train_step_flat(
     optimizer.set_lr(lr)  # the step's one host value of the lr, into a device scalar: the body below takes none
     with no_host_syncs(forbid_host_syncs, device):
         totals, norm, load_LE = _flat_step_on_device(model, optimizer, tokens_BS1, micro_batches, grad_clip)
-    return read_step(totals, norm, load_LE, micro_batches)
+    return read_step(totals, norm, load_LE, micro_batches, fp8_stats)
 
 
-def read_step(totals: torch.Tensor, norm: torch.Tensor, load_LE: torch.Tensor, micro_batches: int) -> StepResult:
-    """The step's one read of its device results (summed loss parts, grad norm, expert loads)."""
-    read = torch.cat([(totals / micro_batches).double(), norm[None].double(), load_LE.flatten().double()]).cpu()
+def read_step(totals: torch.Tensor, norm: torch.Tensor, load_LE: torch.Tensor, micro_batches: int,
+              fp8_stats: Fp8Stats | None = None) -> StepResult:
+    """The step's one read of its device results (summed loss parts, grad norm, expert loads and,
+    with `fp8_stats`, the FP8 counters, which are then reset in place for the next step)."""
+    parts = [(totals / micro_batches).double(), norm[None].double(), load_LE.flatten().double()]
+    if fp8_stats is not None:
+        parts.append(fp8_stats.buffer.flatten().double())  # counts and fp32 bits: exact below 2^53
+    read = torch.cat(parts).cpu()
     loss, ce, aux, z, grad_norm = read[:5].tolist()  # the step's one read (loads exact below 2^53)
+    loads = 5 + load_LE.numel()
+    fp8 = None
+    if fp8_stats is not None:
+        fp8 = read[loads:].to(torch.int64).tolist()
+        fp8_stats.reset()  # after the read: the next step's quantisers count from zero
     return StepResult(loss=loss, ce=ce, aux_loss=aux, z_loss=z, grad_norm=grad_norm,
-                      expert_load_LE=read[5:].to(torch.int64).view_as(load_LE))
+                      expert_load_LE=read[5:loads].to(torch.int64).view_as(load_LE), fp8=fp8)
 
 
 def _flat_step_on_device(model: MoETransformer, optimizer: FlatAdamW, tokens_BS1: torch.Tensor, micro_batches: int,
@@ -198,7 +212,10 @@ def _flat_step_on_device(model: MoETransformer, optimizer: FlatAdamW, tokens_BS1
         load_LE += out.expert_load_LE
     norm = optimizer.grad_squares().sqrt().float()
     coef = torch.clamp(grad_clip / (norm + 1e-6), max=1.0) if grad_clip > 0 else None
-    optimizer.step(clip_coef=coef)
+    # precision fp8 on CUDA: an inf or NaN met by a quantiser this step skips the update on the device
+    # (the fused AdamW's found_inf); the run stops when the step is read (`fp8_fields`, the loop)
+    skip = model.fp8_stats.nonfinite_flag() if model.fp8_stats is not None and device.type == "cuda" else None
+    optimizer.step(clip_coef=coef, skip=skip)
     model.update_router_bias(load_LE)
     return totals, norm, load_LE
 
@@ -222,6 +239,19 @@ def evaluate(model: MoETransformer, dataset: TokenDataset, batches: int, micro_b
     return float(total) / (batches * micro_batches)
 
 
+
+
+def fp8_fields(result: StepResult, device: torch.device) -> dict[str, Any]:
+    """A step record's FP8 numerics (`Fp8Stats.fields`: fp8_amax, fp8_saturated_share,
+    fp8_underflow_share, fp8_by_kind, fp8_nonfinite); none outside precision fp8. With kinds in
+    fp8_nonfinite also fp8_update_skipped: whether the step's optimizer update was skipped on the
+    device (CUDA, `_flat_step_on_device`) or applied (the CPU interpreter tests)."""
+    if result.fp8 is None:
+        return {}
+    fields = Fp8Stats.fields(result.fp8)
+    if fields["fp8_nonfinite"]:
+        fields["fp8_update_skipped"] = device.type == "cuda"
+    return fields
 
 
 def single_peak_bytes(cfg: TrainConfig, model_cfg: ModelConfig) -> tuple[int, int]:
@@ -300,9 +330,12 @@ class SingleProcessTrainer(TrainingLoop):
         self.model.to(self.device)
         self.model.set_routing(cfg.routing)
         self.model.set_recompute(cfg.recompute_set)
+        self.fp8_stats = None
         if cfg.expert_precision == "fp8":
             check_fp8_device(self.device)
             self.model.set_expert_precision("fp8")
+            self.fp8_stats = Fp8Stats(self.device)  # before the capture below: its kernels keep the address
+            self.model.set_fp8_stats(self.fp8_stats)
         # plain torch AdamW on fp32 parameters, the reference; it keeps fp32 moments, so bf16 ones
         # (optim.state_dtype) step the flat optimizer over the same fp32 parameters instead
         self.oracle = cfg.compute_dtype_name == "fp32" and cfg.optim.state_dtype == "fp32"
@@ -353,7 +386,10 @@ class SingleProcessTrainer(TrainingLoop):
             return self._run(on_step)
 
     def validate(self) -> float:
-        return evaluate(self.model, self.val_data, self.cfg.eval_batches, self.cfg.micro_batches)
+        loss = evaluate(self.model, self.val_data, self.cfg.eval_batches, self.cfg.micro_batches)
+        if self.fp8_stats is not None:
+            self.fp8_stats.reset()  # the evaluation's quantisations are no step's
+        return loss
 
     def evaluation_stopped(self) -> None:
         self.model.train()  # `evaluate` was left before it put the model back
@@ -372,10 +408,10 @@ class SingleProcessTrainer(TrainingLoop):
                 tokens_BS1 = tokens_BS1.to(self.device)  # the host copy outside the sync check, as train_step_flat
                 with no_host_syncs(cfg.forbid_host_syncs, self.device):
                     out = self.graphed(tokens_BS1, lr)
-                result = read_step(*out, cfg.micro_batches)
+                result = read_step(*out, cfg.micro_batches, self.fp8_stats)
             else:
                 result = train_step_flat(self.model, self.optimizer, tokens_BS1, cfg.micro_batches, lr,
-                                         cfg.optim.grad_clip, cfg.forbid_host_syncs)
+                                         cfg.optim.grad_clip, cfg.forbid_host_syncs, self.fp8_stats)
         self._sync()
         seconds = time.perf_counter() - start
         self.step += 1
@@ -393,6 +429,7 @@ class SingleProcessTrainer(TrainingLoop):
             "cuda_graph": self.graphed is not None and self.graphed.replays > replays_before,  # replayed, not eager
             "expert_load": result.expert_load_LE.tolist(),
             "load_imbalance": load_imbalance(result.expert_load_LE),
+            **fp8_fields(result, self.device),
         }
 
     def _sync(self) -> None:

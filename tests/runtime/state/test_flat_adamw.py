@@ -504,3 +504,42 @@ def test_cuda_construction_holds_at_most_the_parameters_masters_and_compute_copy
     # the parameters' fp32 storage is gone: masters (4) + compute (2) + main gradient (4) per parameter
     assert torch.cuda.memory_allocated() - before <= (10 - 4) * params + (1 << 20)
     assert all(p.dtype == torch.bfloat16 for p in model.parameters()) and len(flat.buckets) == 1
+
+
+def test_a_skip_flag_is_refused_on_the_cpu() -> None:
+    model = _model()
+    flat = FlatAdamW(model.named_parameters(), OPTIM, torch.float32)
+    _loss(model, 0, 0).backward()
+    with pytest.raises(ValueError, match="fused CUDA kernels; on the CPU pass skip=None"):
+        flat.step(skip=torch.tensor(1.0))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])
+def test_cuda_a_skip_flag_leaves_masters_moments_and_steps_and_a_clear_one_steps_alike(state_dtype: str) -> None:
+    """`step(skip=1.0)` (decided on the device, precision fp8's non-finite scale) leaves every master,
+    moment and step count as they were, with a NaN gradient in place; `skip=0.0` takes the plain step
+    bit for bit. Both moment dtypes (fused AdamW's found_inf, and the chunked bf16-moments call)."""
+    optim = OPTIM.model_copy(update={"state_dtype": state_dtype})
+    models = [_model().to("cuda", torch.bfloat16) for _ in range(2)]
+    flats = [FlatAdamW(m.named_parameters(), optim, torch.bfloat16) for m in models]
+    for step in range(2):  # a first plain step gives the moments something to keep
+        for f, m, skip in zip(flats, models, (None, 0.0), strict=True):
+            f.zero_grad()
+            _loss(m, step, 0).backward()
+            f.set_lr(optim.lr)
+            f.step(clip_coef=torch.tensor(0.5, device="cuda"),
+                   skip=None if skip is None else torch.tensor(skip, device="cuda"))
+    for a, b in zip(flats[0].buckets, flats[1].buckets, strict=True):
+        assert torch.equal(a.master_S, b.master_S), a.name
+    flat, model = flats[1], models[1]
+    before = [(b.master_S.clone(), {k: v.clone() for k, v in s.items()}) for b, s in
+              zip(flat.buckets, _moments(flat), strict=True)]
+    flat.zero_grad()
+    _loss(model, 5, 0).backward()
+    flat.buckets[0].grad_N[0] = float("nan")
+    flat.step(clip_coef=torch.tensor(0.5, device="cuda"), skip=torch.tensor(1.0, device="cuda"))
+    for b, state, (master, old) in zip(flat.buckets, _moments(flat), before, strict=True):
+        assert torch.equal(b.master_S, master), b.name
+        for key, value in old.items():
+            assert torch.equal(state[key], value), (b.name, key)

@@ -147,3 +147,42 @@ def test_a_signal_during_a_long_evaluation_stops_it_at_once_with_the_steps_check
     assert stopped.value.step == 2 and stopped.value.signal_name == "SIGTERM"
     assert stopped.value.checkpoint == checkpoint_dir(tmp_root(cfg), 2)
     assert [r["step"] for r in read_metrics(Path(cfg.out_dir) / METRICS_FILE)] == [1, 2]
+
+
+def test_a_non_finite_fp8_scale_stops_the_run_naming_the_step_and_the_kind(tmp_path):
+    """A step record whose FP8 counters saw an inf or NaN (`fp8_nonfinite`, written by the fp8
+    trainer) stops the run as a divergence does: its record is written, it is not checkpointed, and
+    the message names the step, the tensor kind and the fix."""
+    from disagmoe.runtime.failures import TrainingDiverged
+
+    cfg = run_config(tmp_path, steps=4, checkpoint_every=1)
+    trainer = SingleProcessTrainer(cfg)
+    step_once = trainer._train_one_step
+
+    def step_with_fp8_fields():
+        record = step_once()
+        bad = ["gradients"] if record["step"] == 3 else []
+        return record | {"fp8_amax": 448.0, "fp8_saturated_share": 0.0, "fp8_underflow_share": 0.0,
+                         "fp8_nonfinite": bad}
+
+    trainer._train_one_step = step_with_fp8_fields
+    with pytest.raises(TrainingDiverged, match=r"FP8 scale non-finite at step 3 in gradients: the loss or gradients "
+                                               r"overflowed; lower the learning rate \(optim.lr=0.003\) or run "
+                                               r"precision: bf16; found when the step was read, after its optimizer "
+                                               r"update, which is not checkpointed; the last good checkpoint is "
+                                               r".*step-00000002"):
+        trainer.run()
+    records = read_metrics(Path(cfg.out_dir) / METRICS_FILE)
+    assert [r["step"] for r in records] == [1, 2, 3] and records[-1]["fp8_nonfinite"] == ["gradients"]
+    assert steps_saved(cfg) == [1, 2]
+
+
+def test_a_skipped_fp8_update_is_said_so(tmp_path):
+    from disagmoe.runtime.training.loop import fp8_report
+
+    record = {"step": 7, "loss": float("nan"), "grad_norm": 1.0, "fp8_nonfinite": ["activations", "gradients"],
+              "fp8_update_skipped": True}
+    message = fp8_report(run_config(tmp_path), record)
+    assert message.startswith("FP8 scale non-finite at step 7 in activations and gradients: the loss or gradients "
+                              "overflowed (loss nan); lower the learning rate")
+    assert message.endswith("the optimizer skipped its update on the GPU (the weights are the previous step's)")

@@ -371,3 +371,125 @@ def test_every_step_record_and_the_summary_carry_the_predicted_peak(tmp_path):
     assert summary.predicted_peak_gib == pytest.approx(predicted)
     records = read_metrics(tmp_path / "run" / METRICS_FILE)
     assert [(r["predicted_peak_gib"], r["peak_memory_gib"]) for r in records] == [(summary.predicted_peak_gib, None)] * 2
+
+
+# --- precision fp8's numerics counters in the step record (kernels/fp8_stats.py)
+
+
+def test_the_step_read_carries_the_fp8_counters_and_resets_them():
+    """`read_step` takes the FP8 counters in its one read, hands them back flattened and zeroes the
+    buffer for the next step; `fp8_fields` makes the record's fields of them (none without fp8)."""
+    from disagmoe.kernels.fp8_stats import GRADIENTS, Fp8Stats
+    from disagmoe.runtime.training.trainer import fp8_fields, read_step
+
+    stats = Fp8Stats("cpu")
+    amax = torch.tensor([448.0], dtype=torch.float32).view(torch.int32).item()
+    stats.buffer[GRADIENTS] = torch.tensor([amax, 0, 7, 700, 0])
+    totals, norm, load = torch.tensor([4.0, 3.0, 0.5, 0.5]), torch.tensor(2.0), torch.arange(6).view(2, 3)
+    result = read_step(totals, norm, load, 2, stats)
+    assert (result.loss, result.grad_norm) == (2.0, 2.0) and torch.equal(result.expert_load_LE, load)
+    assert stats.buffer.eq(0).all()
+    fields = fp8_fields(result, torch.device("cpu"))
+    assert fields["fp8_amax"] == 448.0 and fields["fp8_underflow_share"] == 0.01
+    assert fields["fp8_saturated_share"] == 0.0 and fields["fp8_nonfinite"] == []
+    assert fp8_fields(read_step(totals, norm, load, 2), torch.device("cpu")) == {}
+    stats.buffer[GRADIENTS, 4] = 1  # NONFINITE: the fields say whether the device skipped the update
+    bad = read_step(totals, norm, load, 2, stats)
+    assert fp8_fields(bad, torch.device("cuda"))["fp8_update_skipped"] is True
+    assert fp8_fields(bad, torch.device("cpu"))["fp8_nonfinite"] == ["gradients"]
+    assert fp8_fields(bad, torch.device("cpu"))["fp8_update_skipped"] is False
+
+
+@pytest.mark.slow  # the FP8 expert kernels in Triton's interpreter
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NumPy on the planted inf's group
+def test_an_fp8_step_on_the_interpreter_records_its_numerics_and_flags_an_inf(interpreted):
+    """The fast path's step with FP8 experts on CPU (Triton's interpreter, fp32 parameters; the
+    config refuses precision fp8 off a GPU, so the model is set up by hand as the trainer does):
+    the step's counters reach its result by kind, and an inf planted in one expert's weight is
+    named as a non-finite weights scale."""
+    from disagmoe.kernels.fp8_stats import Fp8Stats
+    from disagmoe.runtime.state.flat_adamw import FlatAdamW
+    from disagmoe.runtime.training.trainer import fp8_fields, train_step_flat
+
+    interpreted("disagmoe.kernels.grouped_gemm", "disagmoe.kernels.fp8", "disagmoe.kernels.fp8_ffn",
+                "disagmoe.kernels.permute")
+    data = TokenDataset(synthetic_corpus(1 << 12), 16, 2, 0, "train")
+    optim = OptimConfig(lr=1e-3, warmup_steps=0)
+    model = MoETransformer(load_model("tiny"), experts_backend="triton")
+    model.init_weights(0)
+    model.set_expert_precision("fp8")
+    stats = Fp8Stats("cpu")
+    model.set_fp8_stats(stats)
+    flat = FlatAdamW(model.named_parameters(), optim, torch.float32)
+    cpu = torch.device("cpu")
+    fields = fp8_fields(train_step_flat(model, flat, data.batch(0), 1, optim.lr, 0.0, fp8_stats=stats), cpu)
+    by_kind = fields["fp8_by_kind"]
+    assert all(by_kind[kind]["elements"] > 0 for kind in ("activations", "weights", "gradients"))
+    assert fields["fp8_nonfinite"] == [] and fields["fp8_saturated_share"] == 0.0
+    assert fields["fp8_amax"] == pytest.approx(448.0, rel=1e-6) and 0.0 <= fields["fp8_underflow_share"] < 0.5
+    assert stats.buffer.eq(0).all()  # reset by the read
+    experts = next(m for m in model.modules() if hasattr(m, "w13_EH2F"))
+    with torch.no_grad():
+        experts.w13_EH2F[0, 0, 0] = float("inf")
+    fields = fp8_fields(train_step_flat(model, flat, data.batch(1), 1, optim.lr, 0.0, fp8_stats=stats), cpu)
+    assert "weights" in fields["fp8_nonfinite"] and fields["fp8_update_skipped"] is False  # CPU: applied
+    assert fields["fp8_by_kind"]["weights"]["nonfinite"] == 1
+
+
+@pytest.mark.gpu
+def test_cuda_fp8_steps_record_their_numerics_without_a_host_sync(tmp_path):
+    """precision fp8 under set_sync_debug_mode('error') (forbid_host_syncs), eager and captured:
+    every record has the FP8 fields, nothing saturated, the amax at 448 by construction."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("needs FP8 tensor cores")
+    model = load_model("tiny").model_copy(update={"hidden_size": 256, "expert_ffn_size": 256})
+    for graphs in ("off", "on"):
+        cfg = tiny_run(tmp_path / graphs, model=model, steps=6, device="cuda", experts_backend="triton",
+                       precision="fp8", forbid_host_syncs=True, cuda_graphs=graphs, batch_size=8, seq_len=128,
+                       checkpoint_at_end=False)
+        train_single(cfg)
+        records = read_metrics(tmp_path / graphs / "run" / METRICS_FILE)
+        assert len(records) == 6
+        for r in records:
+            assert r["fp8_nonfinite"] == [] and r["fp8_saturated_share"] == 0.0, r
+            assert r["fp8_amax"] == pytest.approx(448.0, rel=1e-6) and r["fp8_underflow_share"] < 0.1
+            assert all(r["fp8_by_kind"][k]["elements"] > 0 for k in ("activations", "weights", "gradients"))
+        elements = {tuple(r["fp8_by_kind"][k]["elements"] for k in ("activations", "weights", "gradients"))
+                    for r in records}
+        assert len(elements) == 1  # the same shapes every step: each record counts its own step (reset)
+        assert any(r["cuda_graph"] for r in records) == (graphs == "on")
+
+
+@pytest.mark.gpu
+def test_cuda_a_non_finite_fp8_scale_skips_the_update_on_the_device():
+    """An inf planted in one expert's compute weight (bf16; its fp32 master stays finite): the step's
+    weight quantiser meets it, the optimizer skips its update on the GPU under the host-sync check,
+    so the masters are the previous step's and the compute copy is rewritten from them (finite)."""
+    from disagmoe.kernels.fp8_stats import Fp8Stats
+    from disagmoe.runtime.state.flat_adamw import FlatAdamW
+    from disagmoe.runtime.training.trainer import fp8_fields, train_step_flat
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("needs FP8 tensor cores")
+    cuda = torch.device("cuda")
+    data = TokenDataset(synthetic_corpus(1 << 14), 128, 8, 0, "train")
+    optim = OptimConfig(lr=1e-3, warmup_steps=0)
+    model_cfg = load_model("tiny").model_copy(update={"hidden_size": 256, "expert_ffn_size": 256})
+    model = MoETransformer(model_cfg, experts_backend="triton")
+    model.init_weights(0)
+    model.to(cuda)
+    model.set_expert_precision("fp8")
+    stats = Fp8Stats(cuda)
+    model.set_fp8_stats(stats)
+    flat = FlatAdamW(model.named_parameters(), optim, torch.bfloat16)
+    first = fp8_fields(train_step_flat(model, flat, data.batch(0), 2, optim.lr, 1.0, True, stats), cuda)
+    assert first["fp8_nonfinite"] == []
+    masters = [b.master_S.clone() for b in flat.buckets]
+    experts = next(m for m in model.modules() if hasattr(m, "w13_EH2F"))
+    with torch.no_grad():
+        experts.w13_EH2F[0, 0, 0] = float("inf")
+    fields = fp8_fields(train_step_flat(model, flat, data.batch(1), 2, optim.lr, 1.0, True, stats), cuda)
+    assert "weights" in fields["fp8_nonfinite"] and fields["fp8_update_skipped"] is True
+    for b, before in zip(flat.buckets, masters, strict=True):
+        assert torch.equal(b.master_S, before), b.name
+    assert torch.isfinite(experts.w13_EH2F).all()

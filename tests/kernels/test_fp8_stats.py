@@ -1,0 +1,247 @@
+"""FP8 numerics counters (kernels/fp8_stats.py, the quantisers' STATS path in kernels/fp8.py and
+kernels/permute.py) against a plain-torch count of the same quantisation, in Triton's interpreter:
+random ragged inputs with planted inf / NaN, huge and tiny values, all-zero groups, empty experts;
+and with no buffer the kernels' outputs are bit for bit those with one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from disagmoe.kernels.fp8_stats import (
+    ACTIVATIONS,
+    AMAX,
+    FIELDS,
+    GRADIENTS,
+    KINDS,
+    NONFINITE,
+    SATURATED,
+    SATURATION_BOUND,
+    TOTAL,
+    UNDERFLOW,
+    WEIGHTS,
+    Fp8Stats,
+    stats_reference,
+)
+
+# the interpreter computes the planted inf / NaN groups in NumPy, which warns about them
+pytestmark = pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning", "ignore:overflow:RuntimeWarning")
+FP8 = torch.float8_e4m3fn
+_FP8 = None  # the interpreted kernels module, for the test-only kernel below
+
+
+@pytest.fixture
+def fp8k(interpreted):
+    _, fp8 = interpreted("disagmoe.kernels.grouped_gemm", "disagmoe.kernels.fp8")
+    return fp8
+
+
+def _planted(rows: int, k: int, seed: int) -> torch.Tensor:
+    """Rows of spread magnitudes with an inf, a NaN, a row of tiny values beside one huge one (they
+    underflow), a row of subnormal-fp32 values, an all-zero row."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=gen) * torch.exp2(4 * torch.randn(rows, 1, generator=gen))
+    x[1, k // 2] = float("inf")
+    x[2, 3] = float("nan")
+    x[3] = 1e-3 * torch.randn(k, generator=gen)
+    x[3, 0] = 1e30
+    x[4] = 1e-42
+    x[5] = 0.0
+    return x
+
+
+def _read(stats: Fp8Stats, kind: int) -> list:
+    row = stats.buffer[kind].tolist()
+    return [torch.tensor([row[AMAX]], dtype=torch.int32).view(torch.float32).item(), *row[1:]]
+
+
+def _assert_counts(got: list, want: list) -> None:
+    assert got[1:] == want[1:], (got, want)
+    assert got[AMAX] == pytest.approx(want[AMAX], rel=1e-7), (got, want)
+
+
+def _ungroup(s_MG: torch.Tensor, k: int) -> torch.Tensor:
+    return s_MG.repeat_interleave(128, dim=1)[:, :k]
+
+
+@pytest.mark.parametrize("rows,k", [(37, 200), (6, 128), (16, 72)])
+def test_row_counters_match_a_torch_count(fp8k, rows, k):
+    x = _planted(rows, k, seed=rows + k)
+    stats = Fp8Stats("cpu")
+    q, s = fp8k.quantize_rows(x, stats.row(ACTIVATIONS))
+    _assert_counts(_read(stats, ACTIVATIONS), stats_reference(x, _ungroup(s, k), q))
+    got = _read(stats, ACTIVATIONS)
+    assert got[TOTAL] == rows * k and got[NONFINITE] == 2 and got[UNDERFLOW] >= k - 1 + k  # rows 3 and 4
+    assert got[SATURATED] == 0 and got[AMAX] <= 448.0 * (1 + 2**-22)  # 448 by construction
+    assert stats.buffer[WEIGHTS].eq(0).all() and stats.buffer[GRADIENTS].eq(0).all()
+    # a second call adds to the same counters
+    fp8k.quantize_rows(x, stats.row(ACTIVATIONS))
+    assert _read(stats, ACTIVATIONS)[TOTAL] == 2 * rows * k
+
+
+def test_no_buffer_gives_the_same_bits(fp8k):
+    x = _planted(37, 200, seed=3)
+    plain = fp8k.quantize_rows(x)
+    counted = fp8k.quantize_rows(x, Fp8Stats("cpu").row(GRADIENTS))
+    assert torch.equal(plain[0].view(torch.uint8), counted[0].view(torch.uint8)) and torch.equal(plain[1], counted[1])
+    w = torch.randn(3, 200, 136)
+    plain = fp8k.quantize_blocks(w)
+    counted = fp8k.quantize_blocks(w, Fp8Stats("cpu").row(WEIGHTS))
+    assert torch.equal(plain[0].view(torch.uint8), counted[0].view(torch.uint8)) and torch.equal(plain[1], counted[1])
+    offsets = torch.tensor([5, 5, 30, 37], dtype=torch.int32)
+    plain = fp8k.quantize_token_groups(x[:, :72], offsets)
+    counted = fp8k.quantize_token_groups(x[:, :72], offsets, Fp8Stats("cpu").row(0))
+    assert torch.equal(plain[0].view(torch.uint8), counted[0].view(torch.uint8))
+    assert torch.equal(plain[1], counted[1]) and torch.equal(plain[2], counted[2])
+
+
+def test_block_counters_match_a_torch_count(fp8k):
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(3, 200, 136, generator=gen)
+    w[1, 150:, 130:] = 1e-20 * torch.randn(50, 6, generator=gen)  # an edge block underflowing beside w[1, 199, 135]
+    w[1, 199, 135] = 1.0
+    w[2, 7, 9] = float("-inf")
+    stats = Fp8Stats("cpu")
+    q, s = fp8k.quantize_blocks(w, stats.row(WEIGHTS))
+    scale = s.repeat_interleave(128, dim=1).repeat_interleave(128, dim=2)[:, :200, :136]
+    want = stats_reference(w, scale, q)
+    _assert_counts(_read(stats, WEIGHTS), want)
+    assert want[TOTAL] == w.numel() and want[NONFINITE] == 1 and want[UNDERFLOW] > 0
+
+
+@pytest.mark.parametrize("counts,k", [([5, 0, 37, 1], 72), ([0, 0, 130, 0], 40), ([0, 0, 0], 16)])
+def test_token_group_counters_count_rows_not_padding(fp8k, counts, k):
+    rows = sum(counts)
+    x = _planted(max(rows, 6), k, seed=k)[:rows]
+    offsets = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32)
+    stats = Fp8Stats("cpu")
+    q_KP, s_KC, padded = fp8k.quantize_token_groups(x, offsets, stats.row(GRADIENTS))
+    # the rows back from the padded, token-contiguous copy, with their chunk's scales
+    starts, ends = [0, *offsets.tolist()[:-1]], offsets.tolist()
+    pstarts = [0, *padded.tolist()[:-1]]
+    take = torch.cat([torch.arange(p, p + e - s) for s, e, p in zip(starts, ends, pstarts)]).long()
+    q = q_KP.t()[take] if rows else q_KP.t()[:0]
+    scale = s_KC.t().repeat_interleave(128, dim=0)[take] if rows else s_KC.t()[:0]
+    _assert_counts(_read(stats, GRADIENTS), stats_reference(x, scale, q))
+    assert _read(stats, GRADIENTS)[TOTAL] == rows * k
+
+
+def test_permute_counters_are_the_row_quantisers(interpreted):
+    _, fp8, permute = interpreted("disagmoe.kernels.grouped_gemm", "disagmoe.kernels.fp8", "disagmoe.kernels.permute")
+    gen = torch.Generator().manual_seed(7)
+    x = _planted(24, 200, seed=7)
+    topk = torch.stack([torch.randperm(5, generator=gen)[:2] for _ in range(24)])
+    topk[topk == 3] = 4  # expert 3 empty
+    by_permute, by_rows = Fp8Stats("cpu"), Fp8Stats("cpu")
+    q, s, offsets, dest = permute.permute_forward_fp8(x, topk, 5, stats=by_permute.row(ACTIVATIONS))
+    rows, _, _ = permute.permute_reference(x, topk, 5)
+    fp8.quantize_rows(rows, by_rows.row(ACTIVATIONS))
+    assert torch.equal(by_permute.buffer, by_rows.buffer)
+    assert _read(by_permute, ACTIVATIONS)[NONFINITE] == 4  # each planted token goes to two experts
+
+
+def test_swiglu_epilogue_counts_its_output(fp8k):
+    counts, k, ffn = [5, 0, 37, 1], 200, 136
+    gen = torch.Generator().manual_seed(9)
+    a = torch.randn(sum(counts), k, generator=gen)
+    b = torch.randn(len(counts), k, 2 * ffn, generator=gen) / k**0.5
+    offsets = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32)
+    qa, sa = fp8k.quantize_rows(a)
+    qb, sb = fp8k.quantize_blocks(b)
+    from disagmoe.kernels.tile_configs import TileConfig
+
+    tiles = TileConfig(block_m=16, block_n=128, block_k=128, group_m=2, num_warps=4, num_stages=1)
+    stats = Fp8Stats("cpu")
+    plain = fp8k.fp8_swiglu_gemm(qa, sa, offsets, qb, sb, tiles)
+    q, s = fp8k.fp8_swiglu_gemm(qa, sa, offsets, qb, sb, tiles, stats=stats.row(ACTIVATIONS))
+    assert torch.equal(plain[0].view(torch.uint8), q.view(torch.uint8)) and torch.equal(plain[1], s)
+    act, _ = fp8k.fp8_swiglu_reference(qa, sa, offsets, qb, sb)  # equal sums to fp32 rounding
+    got, want = _read(stats, ACTIVATIONS), stats_reference(act, _ungroup(s, ffn), q)
+    assert got[TOTAL] == want[TOTAL] == sum(counts) * ffn and got[NONFINITE] == got[SATURATED] == 0
+    assert abs(got[UNDERFLOW] - want[UNDERFLOW]) <= 2 and got[AMAX] == pytest.approx(448.0, rel=1e-6)
+
+
+def test_forced_scales_saturate_and_underflow(fp8k):
+    """The counting itself (`fp8._record_stats`) under scales the quantisers never choose: a scale
+    below the group's amax / 448 clips (saturates) what lies past SATURATION_BOUND, one far above
+    it flushes small values to zero."""
+    import triton
+    import triton.language as tl
+
+    global _FP8
+    _FP8 = fp8k  # the interpreter resolves a kernel's names in its module's globals, not in closures
+
+    @triton.jit
+    def forced(x_ptr, s_ptr, stats_ptr, M, BLOCK_M: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.arange(0, 128)
+        ok = (rows < M)[:, None] & (cols < 128)[None, :]
+        x = tl.load(x_ptr + rows[:, None] * 128 + cols[None, :], mask=ok, other=0.0)
+        scale = tl.load(s_ptr + rows, mask=rows < M, other=1.0)
+        scaled = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
+        _FP8._record_stats(stats_ptr, x, scaled, _FP8._round_to_e4m3(scaled), ok)
+
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(20, 128, generator=gen) * 100.0
+    x[0, :4] = torch.tensor([5000.0, -1e6, 464.0, 465.0])
+    x[1, 0] = float("nan")
+    scale = torch.exp2(torch.randint(-8, 12, (20,), generator=gen).float())
+    scale[0] = 1.0
+    stats = Fp8Stats("cpu")
+    forced[(triton.cdiv(20, 16),)](x, scale, stats.row(GRADIENTS), 20, BLOCK_M=16)
+    q = (x / scale[:, None]).clamp(-448, 448).to(FP8)
+    want = stats_reference(x, scale[:, None], q)
+    got = _read(stats, GRADIENTS)
+    _assert_counts(got, want)
+    assert got[SATURATED] > 3 and got[UNDERFLOW] > 0 and got[NONFINITE] == 1
+    assert got[AMAX] > SATURATION_BOUND  # the amax before the clamp, not 448
+
+
+def test_fields_of_a_step_record():
+    stats = Fp8Stats("cpu")
+    bits = torch.tensor([448.0, 3.5], dtype=torch.float32).view(torch.int32).tolist()
+    stats.buffer[ACTIVATIONS] = torch.tensor([bits[0], 0, 10, 1000, 0])
+    stats.buffer[GRADIENTS] = torch.tensor([bits[1], 2, 30, 3000, 1])
+    fields = Fp8Stats.fields(stats.buffer.flatten().tolist())
+    assert fields["fp8_amax"] == 448.0
+    assert fields["fp8_saturated_share"] == 2 / 4000 and fields["fp8_underflow_share"] == 40 / 4000
+    assert fields["fp8_nonfinite"] == ["gradients"]
+    assert fields["fp8_by_kind"]["weights"] == {"amax": 0.0, "saturated_share": 0.0, "underflow_share": 0.0,
+                                                "elements": 0, "nonfinite": 0}
+    assert fields["fp8_by_kind"]["gradients"]["saturated_share"] == 2 / 3000
+    stats.reset()
+    assert Fp8Stats.fields(stats.buffer.flatten().tolist())["fp8_nonfinite"] == []
+    assert stats.buffer.shape == (len(KINDS), FIELDS)
+
+
+def test_a_wrong_stats_buffer_is_refused(fp8k):
+    with pytest.raises(ValueError, match="one int64 row of 5 counters"):
+        fp8k.quantize_rows(torch.randn(4, 128), torch.zeros(5, dtype=torch.float32))
+
+
+@pytest.mark.slow  # the whole FP8 FFN in the interpreter: ~4 s
+def test_the_expert_ffn_counts_every_quantisation_by_kind(interpreted):
+    """One FP8 expert FFN forward and backward with an empty expert: the weight copies count as
+    weights, x and the SwiGLU output as activations (rows forward, token copies backward), dy and
+    dh13 as gradients (rows and token copies); nothing saturates, nothing is non-finite."""
+    _, _, fp8_ffn = interpreted("disagmoe.kernels.grouped_gemm", "disagmoe.kernels.fp8", "disagmoe.kernels.fp8_ffn")
+    counts, hidden, ffn = [9, 0, 20], 128, 128
+    rows = sum(counts)
+    gen = torch.Generator().manual_seed(13)
+    x = torch.randn(rows, hidden, generator=gen, requires_grad=True)
+    w13 = (torch.randn(3, hidden, 2 * ffn, generator=gen) / hidden**0.5).requires_grad_()
+    w2 = (torch.randn(3, ffn, hidden, generator=gen) / ffn**0.5).requires_grad_()
+    offsets = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32)
+    stats = Fp8Stats("cpu")
+    y = fp8_ffn.expert_ffn_fp8(x, offsets, w13, w2, stats=stats)
+    assert stats.buffer[GRADIENTS].eq(0).all()
+    y.square().sum().backward()
+    totals = stats.buffer[:, TOTAL].tolist()
+    assert totals[WEIGHTS] == w13.numel() + w2.numel()
+    assert totals[ACTIVATIONS] == 2 * (rows * hidden + rows * ffn)
+    assert totals[GRADIENTS] == 2 * (rows * hidden + rows * 2 * ffn)
+    assert stats.buffer[:, SATURATED].eq(0).all() and stats.buffer[:, NONFINITE].eq(0).all()
+    fields = Fp8Stats.fields(stats.buffer.flatten().tolist())
+    assert fields["fp8_amax"] == pytest.approx(448.0, rel=1e-6) and fields["fp8_nonfinite"] == []
+    plain = fp8_ffn.expert_ffn_fp8(x.detach(), offsets, w13.detach(), w2.detach())
+    assert torch.equal(plain, y.detach())  # counting changes no output
