@@ -213,7 +213,12 @@ class RatePoint(StrictModel):
 
     at: PositiveFloat = Field(description="rows per expert (expert GEMMs) or sequence length (attention)")
     fwd: Fraction = Field(description="forward rate as a fraction of the bf16 peak")
-    bwd: Fraction = Field(description="backward rate (data + weight gradients) as a fraction of the bf16 peak")
+    bwd: Fraction = Field(description="backward rate as a fraction of the bf16 peak: the attention core's backward; "
+                          "the expert GEMMs' data gradients (probe version 3 on; before it, data and weight gradients "
+                          "together, which then price both expert backward stages)")
+    wgrad: Fraction | None = Field(None, description="expert GEMMs only (probe version 3 on): the weight gradients' "
+                                   "rate with their fp32 main-gradient read and write, as the `expert weight grads` "
+                                   "stage counts their work (`roofline.stages.expert_passes`)")
 
 
 class LinkCost(StrictModel):
@@ -227,8 +232,12 @@ class Calibration(StrictModel):
     """Measured terms that replace the roofline's flat efficiencies (written by `disagmoe bench
     calibrate`). Every key is optional: an absent one leaves that part priced as without calibration.
 
-    - `expert_gemm`: the routed experts' GEMM rate against rows per expert (log-interpolated, clamped
-      at the ends); `attention`: the attention core's rate against sequence length (same rules).
+    - `expert_gemm`: the routed experts' GEMM rates against rows per expert (log-interpolated, clamped
+      at the ends): forward, data gradients and (`wgrad`) weight gradients into the fp32 main
+      gradients; `attention`: the attention core's rate against sequence length (same rules).
+      Each rate is the fraction of the bf16 peak at which the planner's stage work
+      (`roofline.stages.expert_passes`, `attention_core_passes`) takes the probe's measured time
+      (`roofline.calibration.fitted_fraction`).
     - `op_fixed_us`: the fixed cost of one schedule op of that kind (its kernel launches and the
       small kernels whose time does not scale with the work), added once per op.
     - `p2p`: the point-to-point transport (NCCL send/recv) that carries dispatch and combine;

@@ -5,7 +5,10 @@ measures them, this module reuses it) it measures what `HardwareConfig.calibrati
 
 - `op_fixed_us`: each op's fixed cost, defined below;
 - `expert_gemm`: the SwiGLU expert FFN (the runtime's experts backend: torch._grouped_mm or our
-  Triton kernels) at several rows per expert, forward and forward+backward, as fractions of peak;
+  Triton kernels) at several rows per expert, in the three passes the step runs (`ExpertTimes`):
+  the forward, the data gradients, and the weight gradients adding into fp32 main gradients (the
+  Triton kernels' `_ragged_weight_grad_kernel` reads and writes each expert weight's fp32 main
+  gradient once per call: 8 bytes per parameter per micro-batch in the step);
 - `attention`: SDPA (causal, bf16) at several sequence lengths, forward and forward+backward;
 - `p2p`, `all_reduce`, `all_to_all`: NCCL send/recv, all-reduce and all-to-all between GPU 0 and 1
   at several sizes, fitted as latency + bytes / bandwidth (`fit_link`), when 2+ GPUs are visible.
@@ -20,8 +23,14 @@ rows. So `op_fixed_us` is the op's GPU kernel time at next to no work, the sum o
 durations as the profiler records them (`timing.kernel_ms`): the expert FFN on one expert with one
 row, the model's attention block on one 16-token sequence. Weight traffic is not in it (one
 expert's weights): the roofline's HBM term prices the weights an op reads. Every curve point is
-timed the same way and net of the fixed cost of its own launches (`rate_point`), so that
-fixed + work / rate reproduces each measured point and nothing is counted twice.
+timed the same way and net of the fixed cost of its own launches, and its rate is the fraction
+of peak at which the planner's own stage work takes that net time (`expert_point`,
+`attention_point`: `roofline.calibration.fitted_fraction` of `roofline.stages.expert_passes` and
+`attention_core_passes`, the functions `placement.cost.evaluate` prices the stages with), so that
+fixed + the stage's roofline time reproduces each measured point and nothing is counted twice or
+left out (probe version 2 divided the FLOPs alone by a backward without the main-gradient
+traffic, which the planner's stage then priced as if the kernel overlapped it: 64 ms where the
+step's profile measured 137 ms, docs/benchmarks.md).
 
 Not chosen: CUDA events around each call (the earlier probe: for a 16-token block that is the
 host's time to launch it, 0.9 ms forward and 2.7 ms backward on an H200, which a step whose host
@@ -33,7 +42,10 @@ demo) the step shows GPU idle time (`bench profile`), which this calibration doe
 
 The expert curve runs the model's own expert count, capped at ROWS_PER_OP rows in the op
 (`curve_experts`): an op of 8 experts at 256 rows per expert is 2,048 rows, too few to fill the
-GPU, and measured the launch size rather than the rows per expert.
+GPU, and measured the launch size rather than the rows per expert. ROWS_PER_EXPERT holds the
+rows per expert of one micro-batch of the one-GPU configs at 8, 4 and 2 micro-batches (512,
+1,024, 2,048 for configs/h200x2-qwen3-30b.yaml), and the cap lets those ops hold all 128 of its
+experts, as the step's launches do.
 
 The measured terms replace the preset's; terms this machine cannot measure (one GPU: no links)
 keep what the preset (or the --out file being refreshed) already had (`merge_calibration`), if
@@ -57,11 +69,14 @@ import yaml
 from disagmoe.bench import hardware
 from disagmoe.bench.probe import PROBE_FINGERPRINT, PROBE_VERSION
 from disagmoe.config import Calibration, HardwareConfig, LinkCost, ModelConfig, RatePoint, write_text_file
+from disagmoe.roofline import stages
+from disagmoe.roofline.calibration import fitted_fraction
+from disagmoe.roofline.ceilings import Ceilings
 
-ROWS_PER_EXPERT = (16, 64, 256, 1024, 4096)
+ROWS_PER_EXPERT = (16, 64, 256, 512, 1024, 2048, 4096)
 SEQ_LENS = (512, 1024, 2048, 4096, 8192)
 ATTENTION_TOKENS = 16 * 1024  # tokens per attention measurement (batch = tokens / sequence length)
-ROWS_PER_OP = 32 * 1024  # the most rows in one expert-curve measurement (`curve_experts`)
+ROWS_PER_OP = 256 * 1024  # the most rows in one expert-curve measurement (`curve_experts`)
 FIXED_TOKENS = 16  # the one sequence of the attention fixed-cost probes
 MESSAGE_BYTES = (64 * 2**10, 2**20, 16 * 2**20, 128 * 2**20)
 
@@ -87,12 +102,23 @@ class PassTimes:
 
 
 @dataclass(frozen=True)
+class ExpertTimes:
+    """GPU kernel seconds of the expert FFN's passes as the step runs them (`_ffn_times`): the
+    forward, the data gradients (the backward with the weight gradients held back), and the
+    weight gradients added into the weights' fp32 main gradients."""
+
+    fwd_s: float
+    dgrad_s: float
+    wgrad_s: float
+
+
+@dataclass(frozen=True)
 class Timings:
     """What the GPU half measures, GPU kernel seconds per call (`timing.kernel_ms`);
     `calibration_from` turns them into the calibration's terms."""
 
-    expert_gemm: dict[int, PassTimes]  # rows per expert -> the FFN on curve_experts(model, rows) experts
-    expert_fixed: PassTimes  # the FFN on one expert with one row
+    expert_gemm: dict[int, ExpertTimes]  # rows per expert -> the FFN on curve_experts(model, rows) experts
+    expert_fixed: ExpertTimes  # the FFN on one expert with one row
     attention: dict[int, PassTimes]  # sequence length -> causal SDPA over ATTENTION_TOKENS tokens
     attention_fixed: PassTimes  # causal SDPA on one FIXED_TOKENS sequence
     block_fixed: PassTimes  # the model's attention block (norm, attention, residual) on the same
@@ -109,11 +135,6 @@ def attention_batch(seq_len: int) -> int:
     return max(1, ATTENTION_TOKENS // seq_len)
 
 
-def expert_ffn_flops(model: ModelConfig, rows: int) -> float:
-    """Forward FLOPs of the SwiGLU expert FFN over `rows` rows (gate/up and down GEMMs)."""
-    return 6.0 * rows * model.hidden_size * model.expert_ffn_size
-
-
 def fit_link(sizes_bytes: Sequence[float], seconds: Sequence[float]) -> LinkCost:
     """Least squares of time = latency + bytes / bandwidth over the measured sizes (at least two
     distinct). A negative intercept (noise at small sizes) is clipped to 0."""
@@ -126,38 +147,45 @@ def fit_link(sizes_bytes: Sequence[float], seconds: Sequence[float]) -> LinkCost
     return LinkCost(latency_us=max(float(intercept), 0.0) * 1e6, gbps=1.0 / float(slope) / 1e9)
 
 
-def rate_point(at: float, fwd_flops: float, times: PassTimes, peak_flops_per_s: float, bwd_flop_factor: float,
-               fixed: PassTimes = PassTimes(0.0, 0.0)) -> RatePoint:
-    """A curve point from a forward and a forward+backward timing, net of the `fixed` time of
-    the same launches at no work (the op's fixed cost, priced on its own): the backward is their
-    difference and does `bwd_flop_factor` times the forward's FLOPs. Fractions are clipped to
-    (0, 1]; a time no larger than its fixed part reads as the peak."""
-    def frac(flops: float, seconds: float) -> float:
-        return min(1.0, max(1e-6, flops / max(seconds, 1e-12) / peak_flops_per_s))
+def expert_point(model: ModelConfig, rows_per_expert: int, times: ExpertTimes, fixed: ExpertTimes,
+                 ceil: Ceilings) -> RatePoint:
+    """The expert curve's point at `rows_per_expert`: each pass's rate is the fraction of peak at
+    which the planner's stage work for the probe's shape (`stages.expert_passes` on
+    curve_experts(model, rows_per_expert) experts: the weight gradients with their fp32
+    main-gradient traffic) takes the pass's time net of its `fixed` part (`fitted_fraction`
+    under `ceil`, the ceilings the calibrated file will be priced with)."""
+    experts = curve_experts(model, rows_per_expert)
+    passes = stages.expert_passes(model, rows_per_expert * experts, experts)
+    fwd, dgrad = passes["routed experts"]
+    wgrad = passes["expert weight grads"][1]
+    return RatePoint(at=rows_per_expert, fwd=fitted_fraction(fwd, times.fwd_s - fixed.fwd_s, ceil),
+                     bwd=fitted_fraction(dgrad, times.dgrad_s - fixed.dgrad_s, ceil),
+                     wgrad=fitted_fraction(wgrad, times.wgrad_s - fixed.wgrad_s, ceil))
 
-    return RatePoint(at=at, fwd=frac(fwd_flops, times.fwd_s - fixed.fwd_s),
-                     bwd=frac(bwd_flop_factor * fwd_flops, times.bwd_s - fixed.bwd_s))
+
+def attention_point(model: ModelConfig, seq_len: int, times: PassTimes, fixed: PassTimes, ceil: Ceilings) -> RatePoint:
+    """The attention curve's point at `seq_len`: the same fit against `stages.attention_core_passes`
+    of the probe's attention_batch(seq_len) sequences."""
+    fwd, bwd = stages.attention_core_passes(model, attention_batch(seq_len) * seq_len, seq_len)
+    return RatePoint(at=seq_len, fwd=fitted_fraction(fwd, times.fwd_s - fixed.fwd_s, ceil),
+                     bwd=fitted_fraction(bwd, times.bwd_s - fixed.bwd_s, ceil))
 
 
 def op_fixed_us(t: Timings) -> dict[str, float]:
     """Fixed GPU microseconds per op (module docstring): the expert FFN's launches at one row of
     one expert, the attention block's at one FIXED_TOKENS sequence; forward, and the backward
-    (forward+backward minus forward)."""
-    return {"ExpertForward": t.expert_fixed.fwd_s * 1e6, "ExpertBackward": t.expert_fixed.bwd_s * 1e6,
+    (forward+backward minus forward; the experts' data and weight gradients together)."""
+    return {"ExpertForward": t.expert_fixed.fwd_s * 1e6,
+            "ExpertBackward": (t.expert_fixed.dgrad_s + t.expert_fixed.wgrad_s) * 1e6,
             "AttentionForward": t.block_fixed.fwd_s * 1e6, "AttentionBackward": t.block_fixed.bwd_s * 1e6}
 
 
-def calibration_from(t: Timings, model: ModelConfig, peak_flops_per_s: float, source: str,
+def calibration_from(t: Timings, model: ModelConfig, ceil: Ceilings, source: str,
                      links: dict[str, LinkCost] | None = None) -> Calibration:
-    """The calibration's terms from the GPU kernel timings: curves net of the fixed costs."""
-    from disagmoe.roofline.stages import ATTN_CORE_BWD, GEMM_BWD, attention_core
-
-    gemm = [rate_point(rows, expert_ffn_flops(model, rows * curve_experts(model, rows)), times,
-                       peak_flops_per_s, GEMM_BWD, t.expert_fixed)
-            for rows, times in sorted(t.expert_gemm.items())]
-    attention = [rate_point(seq, float(attention_core(model, attention_batch(seq) * seq, seq).flops),
-                            times, peak_flops_per_s, ATTN_CORE_BWD, t.attention_fixed)
-                 for seq, times in sorted(t.attention.items())]
+    """The calibration's terms from the GPU kernel timings: curves net of the fixed costs, fitted
+    under `ceil` (`Ceilings.of` the calibrated hardware: its measured matmul and HBM rates)."""
+    gemm = [expert_point(model, rows, times, t.expert_fixed, ceil) for rows, times in sorted(t.expert_gemm.items())]
+    attention = [attention_point(model, seq, times, t.attention_fixed, ceil) for seq, times in sorted(t.attention.items())]
     return Calibration(source=source, expert_gemm=gemm, attention=attention, op_fixed_us=op_fixed_us(t),
                        **(links or {}))
 
@@ -213,12 +241,14 @@ def measure_all(preset: HardwareConfig, model: ModelConfig, experts_backend: str
     if not torch.cuda.is_available():
         raise ValueError("`disagmoe bench calibrate` measures GPUs and needs a CUDA device; none is visible")
     dev = torch.device("cuda", 0)
+    ceilings = hardware.measure(warmup, iters)
     timings = measure_timings(dev, model, experts_backend, warmup, iters)
     links = nccl_links() if torch.cuda.device_count() > 1 else {}
     source = (f"disagmoe bench calibrate (GPU kernel time), {torch.cuda.get_device_name(dev)}, "
               f"{time.strftime('%Y-%m-%d')}")
-    cal = calibration_from(timings, model, preset.bf16_tflops * 1e12, source, links)
-    return Measurements(hardware.measure(warmup, iters), cal)
+    # fitted under the rates the written file is priced with (`calibrated_hardware`'s efficiencies)
+    cal = calibration_from(timings, model, Ceilings.of(hardware.calibrated(preset, ceilings)), source, links)
+    return Measurements(ceilings, cal)
 
 
 def measure_timings(dev, model: ModelConfig, experts_backend: str, warmup: int, iters: int) -> Timings:
@@ -251,22 +281,75 @@ def _passes(forward: Callable[[], object], backward: Callable[[], object], warmu
     return PassTimes(fwd / 1e3, kernel_ms(lambda _: backward(), warmup, iters) / 1e3)
 
 
+@dataclass(frozen=True)
+class FFNPasses:
+    """The expert FFN's passes as the step runs them, each a call to time (`ffn_passes`)."""
+
+    forward: Callable[[], object]  # the forward alone (call it under no_grad)
+    data_grads: Callable[[], object]  # the forward and the data gradients, the weight gradients held back
+    all_grads: Callable[[], object]  # the same, then the weight gradients added into `main_grads`
+    main_grads: tuple[torch.Tensor, torch.Tensor]  # the fp32 main gradients of w13 and w2
+
+
+def ffn_passes(ffn: Callable, x_NH: torch.Tensor, offsets_E: torch.Tensor, w13_EH2F: torch.nn.Parameter,
+               w2_EFH: torch.nn.Parameter, dy_NH: torch.Tensor, fused: bool) -> FFNPasses:
+    """The passes of the experts backend `ffn` on these inputs, the weights given fp32 main
+    gradients as FlatAdamW gives them. `fused` (the Triton backend): each weight gradient is added
+    into its main gradient by the GEMM itself (`_ragged_weight_grad_kernel`, accumulating: a read
+    and a write of the fp32 main gradient per call), and inside `kernels.deferral.deferred_weight_grads`
+    the backward holds those GEMMs back, so `data_grads` runs without them and `all_grads` runs
+    them as the step does. Otherwise (grouped_mm) autograd returns bf16 weight gradients, which
+    FlatAdamW's hook adds into the main gradients: `all_grads` is the backward for all three
+    inputs plus those adds, `data_grads` the backward for x alone."""
+    from disagmoe.kernels.deferral import deferred_weight_grads
+
+    main13, main2 = (torch.zeros_like(w, dtype=torch.float32) for w in (w13_EH2F, w2_EFH))
+    if fused:
+        w13_EH2F.main_grad, w2_EFH.main_grad = main13, main2
+    x_leaf = x_NH.detach().clone().requires_grad_()
+
+    def data_grads() -> list[Callable[[], object]]:
+        with deferred_weight_grads() as held:
+            torch.autograd.grad(ffn(x_leaf, offsets_E, w13_EH2F, w2_EFH), [x_leaf], dy_NH)
+        return held
+
+    def all_grads() -> None:
+        if fused:
+            held = data_grads()
+            if not held:
+                raise RuntimeError("the experts backend held back no weight-gradient GEMM: it did not find the "
+                                   "fp32 main gradients, so this probe would not time the step's accumulate path")
+            for work in held:
+                work()
+            return
+        _, dw13, dw2 = torch.autograd.grad(ffn(x_leaf, offsets_E, w13_EH2F, w2_EFH), [x_leaf, w13_EH2F, w2_EFH], dy_NH)
+        main13.add_(dw13)
+        main2.add_(dw2)
+
+    return FFNPasses(lambda: ffn(x_NH, offsets_E, w13_EH2F, w2_EFH), data_grads, all_grads, (main13, main2))
+
+
 def _ffn_times(dev, model: ModelConfig, experts_backend: str, rows_per_expert: int, experts: int,
-               warmup: int, iters: int) -> PassTimes:
-    """The expert FFN over `experts` equal groups of `rows_per_expert` rows."""
+               warmup: int, iters: int) -> ExpertTimes:
+    """The expert FFN over `experts` equal groups of `rows_per_expert` rows: the GPU kernel time
+    of each of its passes as the step runs them (`ffn_passes`), the later passes less the earlier."""
+    from disagmoe.bench.timing import kernel_ms
+
     H, F, E = model.hidden_size, model.expert_ffn_size, experts
     gen = torch.Generator(device=dev).manual_seed(0)
     bf16 = dict(device=dev, dtype=torch.bfloat16, generator=gen)
     x_NH = torch.randn(E * rows_per_expert, H, **bf16)
-    w13_EH2F = (torch.randn(E, H, 2 * F, **bf16) / H**0.5).requires_grad_()
-    w2_EFH = (torch.randn(E, F, H, **bf16) / F**0.5).requires_grad_()
+    w13_EH2F = torch.nn.Parameter(torch.randn(E, H, 2 * F, **bf16) / H**0.5)
+    w2_EFH = torch.nn.Parameter(torch.randn(E, F, H, **bf16) / F**0.5)
     offsets_E = torch.arange(1, E + 1, device=dev, dtype=torch.int32) * rows_per_expert
-    ffn = _ffn(experts_backend)
-    x_leaf = x_NH.clone().requires_grad_()
     dy_NH = torch.randn(E * rows_per_expert, H, **bf16)
-    return _passes(lambda: ffn(x_NH, offsets_E, w13_EH2F, w2_EFH),
-                   lambda: torch.autograd.grad(ffn(x_leaf, offsets_E, w13_EH2F, w2_EFH),
-                                               [x_leaf, w13_EH2F, w2_EFH], dy_NH), warmup, iters)
+    passes = ffn_passes(_ffn(experts_backend), x_NH, offsets_E, w13_EH2F, w2_EFH, dy_NH,
+                        fused=experts_backend == "triton")
+    with torch.no_grad():
+        fwd = kernel_ms(lambda _: passes.forward(), warmup, iters)
+    dgrad = kernel_ms(lambda _: passes.data_grads(), warmup, iters)
+    full = kernel_ms(lambda _: passes.all_grads(), warmup, iters)
+    return ExpertTimes(fwd / 1e3, max(dgrad - fwd, 0.0) / 1e3, max(full - dgrad, 0.0) / 1e3)
 
 
 def _sdpa_times(dev, model: ModelConfig, seq_len: int, batch: int, warmup: int, iters: int) -> PassTimes:
