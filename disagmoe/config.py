@@ -204,6 +204,7 @@ class Efficiency(StrictModel):
 
 
 OP_KINDS = ("AttentionForward", "ExpertForward", "Loss", "ExpertBackward", "AttentionBackward", "OptimizerStep")
+HbmStage = Literal["optimizer"]  # the memory-bound stages `bench calibrate` measures (`Calibration.hbm_fraction`)
 OpKind = Literal["AttentionForward", "ExpertForward", "Loss", "ExpertBackward", "AttentionBackward", "OptimizerStep"]
 
 
@@ -238,6 +239,7 @@ class Calibration(StrictModel):
       Each rate is the fraction of the bf16 peak at which the planner's stage work
       (`roofline.stages.expert_passes`, `attention_core_passes`) takes the probe's measured time
       (`roofline.calibration.fitted_fraction`).
+    - `hbm_fraction`: memory-bound stages' measured HBM rate, as a fraction of the hardware's.
     - `op_fixed_us`: the fixed cost of one schedule op of that kind (its kernel launches and the
       small kernels whose time does not scale with the work), added once per op.
     - `p2p`: the point-to-point transport (NCCL send/recv) that carries dispatch and combine;
@@ -253,6 +255,11 @@ class Calibration(StrictModel):
     expert_gemm: list[RatePoint] = Field(default_factory=list)
     attention: list[RatePoint] = Field(default_factory=list)
     op_fixed_us: dict[OpKind, NonNegFloat] = Field(default_factory=dict)
+    hbm_fraction: dict[HbmStage, Fraction] = Field(default_factory=dict, description=(
+        "memory-bound stages measured as the step runs them (probe version 3 on): the fraction of the "
+        "hardware's HBM rate (hbm_gbps x efficiency.hbm) at which the stage's own bytes take the measured "
+        "time (`roofline.calibration.fitted_hbm_fraction`); optimizer: FlatAdamW's zero, norm, fused AdamW "
+        "and masters-to-bf16 passes (`roofline.stages.optimizer_step`)"))
     p2p: LinkCost | None = None
     all_reduce: LinkCost | None = None
     all_to_all: LinkCost | None = None

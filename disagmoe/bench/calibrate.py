@@ -10,6 +10,11 @@ measures them, this module reuses it) it measures what `HardwareConfig.calibrati
   Triton kernels' `_ragged_weight_grad_kernel` reads and writes each expert weight's fp32 main
   gradient once per call: 8 bytes per parameter per micro-batch in the step);
 - `attention`: SDPA (causal, bf16) at several sequence lengths, forward and forward+backward;
+- `hbm_fraction["optimizer"]`: FlatAdamW's step as the trainer runs it (zero the main gradients,
+  their norm, the clipped fused AdamW, the masters into the bf16 parameters) over
+  OPTIMIZER_PARAMS parameters, as a fraction of the HBM rate at which the planner's optimizer
+  stage (`roofline.stages.optimizer_step`: 42 B per parameter) takes that time (the fused AdamW
+  runs below the copy rate `bench hardware` measures);
 - `p2p`, `all_reduce`, `all_to_all`: NCCL send/recv, all-reduce and all-to-all between GPU 0 and 1
   at several sizes, fitted as latency + bytes / bandwidth (`fit_link`), when 2+ GPUs are visible.
 
@@ -70,7 +75,7 @@ from disagmoe.bench import hardware
 from disagmoe.bench.probe import PROBE_FINGERPRINT, PROBE_VERSION
 from disagmoe.config import Calibration, HardwareConfig, LinkCost, ModelConfig, RatePoint, write_text_file
 from disagmoe.roofline import stages
-from disagmoe.roofline.calibration import fitted_fraction
+from disagmoe.roofline.calibration import fitted_fraction, fitted_hbm_fraction
 from disagmoe.roofline.ceilings import Ceilings
 
 ROWS_PER_EXPERT = (16, 64, 256, 512, 1024, 2048, 4096)
@@ -79,6 +84,7 @@ ATTENTION_TOKENS = 16 * 1024  # tokens per attention measurement (batch = tokens
 ROWS_PER_OP = 256 * 1024  # the most rows in one expert-curve measurement (`curve_experts`)
 FIXED_TOKENS = 16  # the one sequence of the attention fixed-cost probes
 MESSAGE_BYTES = (64 * 2**10, 2**20, 16 * 2**20, 128 * 2**20)
+OPTIMIZER_PARAMS = 256 * 2**20  # parameters of the optimizer probe (4.5 GiB of state: far past the L2)
 
 
 @dataclass(frozen=True)
@@ -122,6 +128,7 @@ class Timings:
     attention: dict[int, PassTimes]  # sequence length -> causal SDPA over ATTENTION_TOKENS tokens
     attention_fixed: PassTimes  # causal SDPA on one FIXED_TOKENS sequence
     block_fixed: PassTimes  # the model's attention block (norm, attention, residual) on the same
+    optimizer_s: float | None = None  # FlatAdamW's step over OPTIMIZER_PARAMS parameters (None: not measured)
 
 
 def curve_experts(model: ModelConfig, rows_per_expert: int) -> int:
@@ -186,8 +193,10 @@ def calibration_from(t: Timings, model: ModelConfig, ceil: Ceilings, source: str
     under `ceil` (`Ceilings.of` the calibrated hardware: its measured matmul and HBM rates)."""
     gemm = [expert_point(model, rows, times, t.expert_fixed, ceil) for rows, times in sorted(t.expert_gemm.items())]
     attention = [attention_point(model, seq, times, t.attention_fixed, ceil) for seq, times in sorted(t.attention.items())]
+    hbm = {} if t.optimizer_s is None else {
+        "optimizer": fitted_hbm_fraction(stages.optimizer_step(OPTIMIZER_PARAMS), t.optimizer_s, ceil)}
     return Calibration(source=source, expert_gemm=gemm, attention=attention, op_fixed_us=op_fixed_us(t),
-                       **(links or {}))
+                       hbm_fraction=hbm, **(links or {}))
 
 
 def merge_calibration(old: Calibration | None, new: Calibration) -> Calibration:
@@ -196,6 +205,7 @@ def merge_calibration(old: Calibration | None, new: Calibration) -> Calibration:
         return new
     merged = {name: getattr(new, name) or getattr(old, name) for name in Calibration.model_fields}
     merged["op_fixed_us"] = {**old.op_fixed_us, **new.op_fixed_us}
+    merged["hbm_fraction"] = {**old.hbm_fraction, **new.hbm_fraction}
     return Calibration.model_validate(merged)
 
 
@@ -259,7 +269,8 @@ def measure_timings(dev, model: ModelConfig, experts_backend: str, warmup: int, 
         expert_fixed=_ffn_times(dev, model, experts_backend, 1, 1, warmup, iters),
         attention={s: _sdpa_times(dev, model, s, attention_batch(s), warmup, iters) for s in SEQ_LENS},
         attention_fixed=_sdpa_times(dev, model, FIXED_TOKENS, 1, warmup, iters),
-        block_fixed=_block_times(dev, model, warmup, iters))
+        block_fixed=_block_times(dev, model, warmup, iters),
+        optimizer_s=_optimizer_times(dev, OPTIMIZER_PARAMS, warmup, iters))
 
 
 def _ffn(experts_backend: str) -> Callable:
@@ -371,6 +382,31 @@ def _block_times(dev, model: ModelConfig, warmup: int, iters: int) -> PassTimes:
     block = Block(model).to(dev, torch.bfloat16)
     x = torch.randn(1, FIXED_TOKENS, model.hidden_size, device=dev, dtype=torch.bfloat16, requires_grad=True)
     return _passes(lambda: block.attention_part(x), lambda: block.attention_part(x).sum().backward(), warmup, iters)
+
+
+def optimizer_pass(optimizer, grad_clip: float = 1.0) -> None:
+    """One optimizer step as the trainer's flat step makes it (`runtime.training.trainer`): zero
+    the main gradients, their norm, the clip coefficient, the fused AdamW and the masters into the
+    compute parameters (`FlatAdamW.step`). The gradients' own arrival is the backward's."""
+    optimizer.zero_grad()
+    norm = optimizer.grad_squares().sqrt().float()
+    optimizer.step(clip_coef=torch.clamp(grad_clip / (norm + 1e-6), max=1.0))
+
+
+def _optimizer_times(dev, params: int, warmup: int, iters: int) -> float:
+    """GPU kernel seconds of `optimizer_pass` over one bf16 matrix of `params` parameters (fp32
+    masters, main gradients and moments: FlatAdamW's default)."""
+    from disagmoe.bench.timing import kernel_ms
+    from disagmoe.config import OptimConfig
+    from disagmoe.runtime.state.flat_adamw import FlatAdamW
+
+    cols = 4096
+    weight = torch.nn.Parameter(torch.randn(params // cols, cols, device=dev, dtype=torch.bfloat16))
+    optimizer = FlatAdamW([("weight", weight)], OptimConfig(), torch.bfloat16)
+    try:
+        return kernel_ms(lambda _: optimizer_pass(optimizer), warmup, iters) / 1e3
+    finally:
+        optimizer.close()
 
 
 def nccl_links() -> dict[str, LinkCost]:

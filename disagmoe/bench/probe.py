@@ -27,8 +27,9 @@ PROBE_VERSION = 3
 #    adding into fp32 main gradients, the Triton kernels' accumulate path), each rate fitted against
 #    the planner's own stage work (`roofline.stages.expert_passes`, `attention_core_passes`, through
 #    `roofline.calibration.fitted_fraction` under the calibrated file's ceilings), a `wgrad` rate per
-#    expert point, rows per expert 512 and 2,048 added, up to 256k rows per op.
-PROBE_FINGERPRINT = "82cd79b858fdf43b"  # `code_fingerprint()` of the code that measures version PROBE_VERSION
+#    expert point, rows per expert 512 and 2,048 added, up to 256k rows per op; FlatAdamW's step
+#    timed as the trainer runs it, its HBM rate fitted against `roofline.stages.optimizer_step`.
+PROBE_FINGERPRINT = "d9f2a41a0d2afd69"  # `code_fingerprint()` of the code that measures version PROBE_VERSION
 
 # The code that decides what a calibration's numbers mean: file (under disagmoe/) -> top-level name
 # -> why it belongs. Left out on purpose: the experts backends and `model.Block` (the probe measures
@@ -44,6 +45,9 @@ PROBE_PARTS: dict[str, dict[str, str]] = {
         "FIXED_TOKENS": "the fixed-cost probes' sequence",
         "MESSAGE_BYTES": "the link fits' message sizes",
         "MOVED": "bytes per link call in the link fits",
+        "OPTIMIZER_PARAMS": "the optimizer probe's size",
+        "optimizer_pass": "the optimizer probe's calls (the trainer's step)",
+        "_optimizer_times": "the optimizer probe's inputs",
         "PassTimes": "the backward as forward+backward minus forward",
         "ExpertTimes": "the expert FFN's three passes",
         "curve_experts": "experts per expert-curve op",
@@ -80,11 +84,13 @@ PROBE_PARTS: dict[str, dict[str, str]] = {
         "swiglu_ffn": "what routed_experts counts",
         "expert_data_grads": "the data gradients' work",
         "expert_weight_grads": "the weight gradients' work, with the fp32 main-gradient traffic",
+        "optimizer_step": "the optimizer's bytes the optimizer rate is fitted against",
         "BF16": "bytes per bf16 value in that work",
         "FP32": "bytes per fp32 value in it",
     },
     "roofline/calibration.py": {
         "fitted_fraction": "the rate from a stage's work and its measured time",
+        "fitted_hbm_fraction": "the HBM rate from a memory-bound stage's work and its measured time",
     },
     "roofline/ceilings.py": {
         "Ceilings": "how a stage's work becomes time (fitted_fraction inverts it)",

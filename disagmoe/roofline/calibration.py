@@ -63,6 +63,20 @@ def fitted_fraction(work: Work, seconds: float, ceil: Ceilings) -> float:
     return float(min(1.0, max(1e-6, float(work.flops) / compute_s / ceil.peak_flops_per_s)))
 
 
+def hbm_ceilings(ceil: Ceilings, fraction: Num) -> Ceilings:
+    """`ceil` with its HBM rate times `fraction` (a memory-bound stage's measured share of it)."""
+    return replace(ceil, hbm_bytes_per_s=ceil.hbm_bytes_per_s * np.asarray(fraction, dtype=float))
+
+
+def fitted_hbm_fraction(work: Work, seconds: float, ceil: Ceilings) -> float:
+    """The fraction f at which `hbm_ceilings(ceil, f).time(work)` is `seconds` (a memory-bound
+    stage: its HBM bytes bind): the inverse of how `placement.cost.calibrated_stages` prices it, so
+    the stage priced at the probe's own size takes the probe's measured time. Clipped to [1e-6, 1]
+    (faster than the measured copy rate reads as that rate)."""
+    t = {k: float(np.asarray(v)) for k, v in ceil.times(work).items()}
+    return float(min(1.0, max(1e-6, t["hbm"] / max(seconds - t["latency"], 1e-12))))
+
+
 def link_ceilings(ceil: Ceilings, link: LinkCost, collective: bool) -> Ceilings:
     """`ceil` with the NVLink-domain bandwidth and fixed cost of a measured transport: per message
     (`collective` False: one-sided / P2P messages) or per collective call. Scale-out traffic keeps

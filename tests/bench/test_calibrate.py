@@ -66,6 +66,7 @@ def test_the_expert_curve_runs_the_models_experts_up_to_one_ops_rows():
 FRACTIONS = {16: (0.05, 0.04, 0.03), 64: (0.15, 0.12, 0.08), 256: (0.3, 0.25, 0.15), 512: (0.4, 0.35, 0.2),
              1024: (0.55, 0.45, 0.3), 2048: (0.6, 0.5, 0.35), 4096: (0.7, 0.6, 0.45)}
 WGRAD_HBM_SLOWDOWN = 1.8  # the made-up kernel's weight gradients take this times their HBM roof, at the least
+OPTIMIZER_HBM = 0.65  # the made-up optimizer's passes run at this fraction of the HBM rate
 EXPERT_FIXED = cal.ExpertTimes(25e-6, 55e-6, 30e-6)
 SDPA_FIXED = cal.PassTimes(8e-6, 8e-6 + 30e-6)
 BLOCK_FIXED = cal.PassTimes(60e-6, 60e-6 + 210e-6)
@@ -91,7 +92,8 @@ def _timings(model, ceil: Ceilings) -> cal.Timings:
         fwd, bwd = attention_core_passes(model, cal.attention_batch(s) * s, s)
         f_s = SDPA_FIXED.fwd_s + fwd.flops / (0.5 * peak)
         attention[s] = cal.PassTimes(f_s, f_s + SDPA_FIXED.bwd_s + bwd.flops / (0.4 * peak))
-    return cal.Timings(gemm, EXPERT_FIXED, attention, SDPA_FIXED, BLOCK_FIXED)
+    optimizer_s = 42 * cal.OPTIMIZER_PARAMS / (OPTIMIZER_HBM * ceil.hbm_bytes_per_s)  # FlatAdamW's 42 B per parameter
+    return cal.Timings(gemm, EXPERT_FIXED, attention, SDPA_FIXED, BLOCK_FIXED, optimizer_s)
 
 
 def test_the_terms_come_back_from_the_gpu_kernel_times():
@@ -101,6 +103,7 @@ def test_the_terms_come_back_from_the_gpu_kernel_times():
         (r, pytest.approx(f), pytest.approx(d)) for r, (f, d, _) in FRACTIONS.items()]
     assert all(p.wgrad is not None and p.wgrad <= FRACTIONS[p.at][2] * (1 + 1e-9) for p in calib.expert_gemm)
     assert all((p.fwd, p.bwd) == (pytest.approx(0.5), pytest.approx(0.4)) for p in calib.attention)
+    assert calib.hbm_fraction == {"optimizer": pytest.approx(OPTIMIZER_HBM)}
     assert calib.op_fixed_us == {"ExpertForward": pytest.approx(25.0), "ExpertBackward": pytest.approx(85.0),
                                  "AttentionForward": pytest.approx(60.0), "AttentionBackward": pytest.approx(210.0)}
 
@@ -149,6 +152,9 @@ def test_the_qwen3_configs_expert_stages_are_priced_at_the_probes_times_at_its_r
     assert at("routed experts", False) == pytest.approx(probe.fwd_s - fixed.fwd_s, rel=1e-9)
     assert at("routed experts", True) == pytest.approx(probe.dgrad_s - fixed.dgrad_s, rel=1e-9)
     assert at("expert weight grads", True) == pytest.approx(probe.wgrad_s - fixed.wgrad_s, rel=1e-9)
+    # the optimizer at the probe's rate per byte: its measured seconds per parameter, whatever the count
+    held = float(np.asarray(evaluate(prob, cand).expert_params).ravel()[0])
+    assert at("optimizer (experts)", True) == pytest.approx(timings.optimizer_s * held / cal.OPTIMIZER_PARAMS, rel=1e-9)
 
 
 def test_probe_and_planner_price_the_expert_stages_with_one_function(monkeypatch):
@@ -265,6 +271,7 @@ def test_measure_on_a_gpu(backend):
     assert [p.at for p in gemm] == list(cal.ROWS_PER_EXPERT) and gemm[-1].fwd > gemm[0].fwd
     assert all(0 < p.fwd <= 1 and 0 < p.bwd <= 1 for p in gemm + m.calibration.attention)
     assert all(p.wgrad is not None and 0 < p.wgrad <= 1 for p in gemm)
+    assert set(m.calibration.hbm_fraction) == {"optimizer"} and 0 < m.calibration.hbm_fraction["optimizer"] <= 1
     fixed = m.calibration.op_fixed_us
     assert set(fixed) == {"ExpertForward", "ExpertBackward", "AttentionForward", "AttentionBackward"}
     # GPU kernel time at next to no work: a few launches' worth, far below the host's 0.9-2.7 ms
@@ -312,3 +319,19 @@ def test_the_expert_probes_weight_pass_adds_into_fp32_main_gradients_as_the_step
     with torch.no_grad():
         torch.testing.assert_close(passes.forward(), moe_ffn.expert_ffn_reference(x, offsets, w13, w2),
                                    rtol=1e-4, atol=1e-5)
+
+
+def test_the_optimizer_probe_runs_the_trainers_step_on_flat_adamw():
+    """`optimizer_pass` on a CPU FlatAdamW (bf16 parameters, fp32 masters): the main gradients
+    zeroed, their norm, the clipped step, the masters back in the parameters."""
+    from disagmoe.config import OptimConfig
+    from disagmoe.runtime.state.flat_adamw import FlatAdamW
+
+    weight = torch.nn.Parameter(torch.randn(64, 32, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(0)))
+    optimizer = FlatAdamW([("weight", weight)], OptimConfig(lr=0.5, weight_decay=0.5), torch.bfloat16)
+    before = weight.detach().clone()
+    weight.main_grad.fill_(1.0)  # gradients a backward left: the step zeroes them first, as the trainer's does
+    cal.optimizer_pass(optimizer)
+    assert not weight.main_grad.any() and torch.isfinite(weight).all()
+    assert not torch.equal(weight.detach(), before)  # decayed by the step
+    optimizer.close()
