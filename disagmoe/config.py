@@ -204,7 +204,7 @@ class Efficiency(StrictModel):
 
 
 OP_KINDS = ("AttentionForward", "ExpertForward", "Loss", "ExpertBackward", "AttentionBackward", "OptimizerStep")
-HbmStage = Literal["optimizer"]  # the memory-bound stages `bench calibrate` measures (`Calibration.hbm_fraction`)
+HbmStage = Literal["optimizer", "permute"]  # the memory-bound stages `bench calibrate` measures (`Calibration.hbm_fraction`)
 OpKind = Literal["AttentionForward", "ExpertForward", "Loss", "ExpertBackward", "AttentionBackward", "OptimizerStep"]
 
 
@@ -259,7 +259,8 @@ class Calibration(StrictModel):
         "memory-bound stages measured as the step runs them (probe version 3 on): the fraction of the "
         "hardware's HBM rate (hbm_gbps x efficiency.hbm) at which the stage's own bytes take the measured "
         "time (`roofline.calibration.fitted_hbm_fraction`); optimizer: FlatAdamW's zero, norm, fused AdamW "
-        "and masters-to-bf16 passes (`roofline.stages.optimizer_step`)"))
+        "and masters-to-bf16 passes (`roofline.stages.optimizer_step`); permute: the Triton permute and "
+        "weighted-combine kernels, forward and backward (`roofline.stages.permute`)"))
     p2p: LinkCost | None = None
     all_reduce: LinkCost | None = None
     all_to_all: LinkCost | None = None

@@ -14,7 +14,9 @@ measures them, this module reuses it) it measures what `HardwareConfig.calibrati
   their norm, the clipped fused AdamW, the masters into the bf16 parameters) over
   OPTIMIZER_PARAMS parameters, as a fraction of the HBM rate at which the planner's optimizer
   stage (`roofline.stages.optimizer_step`: 42 B per parameter) takes that time (the fused AdamW
-  runs below the copy rate `bench hardware` measures);
+  runs below the copy rate `bench hardware` measures); `hbm_fraction["permute"]` the same for the
+  Triton permute and weighted-combine kernels (`kernels.permute`), forward and backward, over
+  PERMUTE_TOKENS tokens of the model's hidden size and top-k, against `roofline.stages.permute`;
 - `p2p`, `all_reduce`, `all_to_all`: NCCL send/recv, all-reduce and all-to-all between GPU 0 and 1
   at several sizes, fitted as latency + bytes / bandwidth (`fit_link`), when 2+ GPUs are visible.
 
@@ -85,6 +87,7 @@ ROWS_PER_OP = 256 * 1024  # the most rows in one expert-curve measurement (`curv
 FIXED_TOKENS = 16  # the one sequence of the attention fixed-cost probes
 MESSAGE_BYTES = (64 * 2**10, 2**20, 16 * 2**20, 128 * 2**20)
 OPTIMIZER_PARAMS = 256 * 2**20  # parameters of the optimizer probe (4.5 GiB of state: far past the L2)
+PERMUTE_TOKENS = 32 * 1024  # tokens of the permute probe (one micro-batch of 8 x 4,096)
 
 
 @dataclass(frozen=True)
@@ -129,6 +132,7 @@ class Timings:
     attention_fixed: PassTimes  # causal SDPA on one FIXED_TOKENS sequence
     block_fixed: PassTimes  # the model's attention block (norm, attention, residual) on the same
     optimizer_s: float | None = None  # FlatAdamW's step over OPTIMIZER_PARAMS parameters (None: not measured)
+    permute: PassTimes | None = None  # permute + combine over PERMUTE_TOKENS tokens (None: not measured)
 
 
 def curve_experts(model: ModelConfig, rows_per_expert: int) -> int:
@@ -193,8 +197,12 @@ def calibration_from(t: Timings, model: ModelConfig, ceil: Ceilings, source: str
     under `ceil` (`Ceilings.of` the calibrated hardware: its measured matmul and HBM rates)."""
     gemm = [expert_point(model, rows, times, t.expert_fixed, ceil) for rows, times in sorted(t.expert_gemm.items())]
     attention = [attention_point(model, seq, times, t.attention_fixed, ceil) for seq, times in sorted(t.attention.items())]
-    hbm = {} if t.optimizer_s is None else {
-        "optimizer": fitted_hbm_fraction(stages.optimizer_step(OPTIMIZER_PARAMS), t.optimizer_s, ceil)}
+    hbm = {}
+    if t.optimizer_s is not None:
+        hbm["optimizer"] = fitted_hbm_fraction(stages.optimizer_step(OPTIMIZER_PARAMS), t.optimizer_s, ceil)
+    if t.permute is not None:  # one rate for both passes (the stage prices each with the same bytes)
+        pairs = stages.permute(model, PERMUTE_TOKENS * model.top_k)
+        hbm["permute"] = fitted_hbm_fraction(pairs + pairs, t.permute.fwd_bwd_s, ceil)
     return Calibration(source=source, expert_gemm=gemm, attention=attention, op_fixed_us=op_fixed_us(t),
                        hbm_fraction=hbm, **(links or {}))
 
@@ -270,7 +278,8 @@ def measure_timings(dev, model: ModelConfig, experts_backend: str, warmup: int, 
         attention={s: _sdpa_times(dev, model, s, attention_batch(s), warmup, iters) for s in SEQ_LENS},
         attention_fixed=_sdpa_times(dev, model, FIXED_TOKENS, 1, warmup, iters),
         block_fixed=_block_times(dev, model, warmup, iters),
-        optimizer_s=_optimizer_times(dev, OPTIMIZER_PARAMS, warmup, iters))
+        optimizer_s=_optimizer_times(dev, OPTIMIZER_PARAMS, warmup, iters),
+        permute=_permute_times(dev, model, PERMUTE_TOKENS, warmup, iters))
 
 
 def _ffn(experts_backend: str) -> Callable:
@@ -407,6 +416,40 @@ def _optimizer_times(dev, params: int, warmup: int, iters: int) -> float:
         return kernel_ms(lambda _: optimizer_pass(optimizer), warmup, iters) / 1e3
     finally:
         optimizer.close()
+
+
+def permute_passes(x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, weights_TK: torch.Tensor, num_experts: int,
+                   dy_TH: torch.Tensor) -> tuple[Callable[[], object], Callable[[], object]]:
+    """(forward, forward and backward) of the step's permute and weighted combine around the
+    experts (`model.block`'s fused path: `permute_tokens`, then `combine_rows` of the rows), the
+    experts left out: the backward is the combine's (row and routing-weight gradients) and the
+    permute's (a combine without weights)."""
+    from disagmoe.kernels.permute import combine_rows, permute_tokens
+
+    x_leaf, w_leaf = x_TH.detach().clone().requires_grad_(), weights_TK.detach().clone().requires_grad_()
+
+    def forward() -> torch.Tensor:
+        rows_NH, _, dest_TK = permute_tokens(x_TH, topk_idx_TK, num_experts)
+        return combine_rows(rows_NH, dest_TK, weights_TK)
+
+    def forward_backward() -> object:
+        rows_NH, _, dest_TK = permute_tokens(x_leaf, topk_idx_TK, num_experts)
+        return torch.autograd.grad(combine_rows(rows_NH, dest_TK, w_leaf), [x_leaf, w_leaf], dy_TH)
+
+    return forward, forward_backward
+
+
+def _permute_times(dev, model: ModelConfig, tokens: int, warmup: int, iters: int) -> PassTimes:
+    """`permute_passes` over `tokens` tokens of the model's hidden size, each routed to top_k
+    distinct experts drawn uniformly (balanced loads)."""
+    gen = torch.Generator(device=dev).manual_seed(0)
+    x_TH = torch.randn(tokens, model.hidden_size, device=dev, dtype=torch.bfloat16, generator=gen)
+    scores = torch.rand(tokens, model.num_experts, device=dev, generator=gen)
+    topk_idx_TK = scores.topk(model.top_k, dim=-1).indices  # int64, as the router's
+    weights_TK = torch.softmax(scores.gather(1, topk_idx_TK), dim=-1).to(torch.bfloat16)
+    dy_TH = torch.randn_like(x_TH)
+    forward, forward_backward = permute_passes(x_TH, topk_idx_TK, weights_TK, model.num_experts, dy_TH)
+    return _passes(forward, forward_backward, warmup, iters)
 
 
 def nccl_links() -> dict[str, LinkCost]:

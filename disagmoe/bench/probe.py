@@ -28,8 +28,9 @@ PROBE_VERSION = 3
 #    the planner's own stage work (`roofline.stages.expert_passes`, `attention_core_passes`, through
 #    `roofline.calibration.fitted_fraction` under the calibrated file's ceilings), a `wgrad` rate per
 #    expert point, rows per expert 512 and 2,048 added, up to 256k rows per op; FlatAdamW's step
-#    timed as the trainer runs it, its HBM rate fitted against `roofline.stages.optimizer_step`.
-PROBE_FINGERPRINT = "d9f2a41a0d2afd69"  # `code_fingerprint()` of the code that measures version PROBE_VERSION
+#    timed as the trainer runs it, its HBM rate fitted against `roofline.stages.optimizer_step`;
+#    the Triton permute and combine, forward and backward, against `roofline.stages.permute`.
+PROBE_FINGERPRINT = "2c33cb6f1e6291ac"  # `code_fingerprint()` of the code that measures version PROBE_VERSION
 
 # The code that decides what a calibration's numbers mean: file (under disagmoe/) -> top-level name
 # -> why it belongs. Left out on purpose: the experts backends and `model.Block` (the probe measures
@@ -46,6 +47,9 @@ PROBE_PARTS: dict[str, dict[str, str]] = {
         "MESSAGE_BYTES": "the link fits' message sizes",
         "MOVED": "bytes per link call in the link fits",
         "OPTIMIZER_PARAMS": "the optimizer probe's size",
+        "PERMUTE_TOKENS": "the permute probe's size",
+        "permute_passes": "the permute probe's calls (the step's permute and combine)",
+        "_permute_times": "the permute probe's inputs",
         "optimizer_pass": "the optimizer probe's calls (the trainer's step)",
         "_optimizer_times": "the optimizer probe's inputs",
         "PassTimes": "the backward as forward+backward minus forward",
@@ -85,6 +89,7 @@ PROBE_PARTS: dict[str, dict[str, str]] = {
         "expert_data_grads": "the data gradients' work",
         "expert_weight_grads": "the weight gradients' work, with the fp32 main-gradient traffic",
         "optimizer_step": "the optimizer's bytes the optimizer rate is fitted against",
+        "permute": "the permute and combine bytes the permute rate is fitted against",
         "BF16": "bytes per bf16 value in that work",
         "FP32": "bytes per fp32 value in it",
     },

@@ -547,8 +547,8 @@ def calibrated_stages(stages: dict[str, Stage], calib: Calibration, ceil: Ceilin
     rates measured for their rows per expert (forward, data gradients, and the weight gradients
     into the fp32 main gradients at their own rate where the calibration holds it), the attention core at the rate measured for the
     sequence length, dispatch and combine at the measured P2P transport (colocated: all-to-all),
-    the gradient all-reduces at the measured all-reduce, the optimizer's passes at their measured
-    HBM rate (`Calibration.hbm_fraction`), and each schedule op's fixed cost as its
+    the gradient all-reduces at the measured all-reduce, the optimizer's passes and the permute /
+    combine kernels at their measured HBM rates (`Calibration.hbm_fraction`), and each schedule op's fixed cost as its
     own stage (attention, expert ops) or inside the stage that is the op (loss, optimizer).
     A term the calibration lacks leaves its stages as they were."""
     out = dict(stages)
@@ -575,11 +575,14 @@ def calibrated_stages(stages: dict[str, Stage], calib: Calibration, ceil: Ceilin
     wgrad_measured = bool(calib.expert_gemm) and all(p.wgrad is not None for p in calib.expert_gemm)
     rated("expert weight grads", calib.expert_gemm, rows_per_expert, "wgrad" if wgrad_measured else "bwd")
     rated("attention core", calib.attention, seq_len)
-    if "optimizer" in calib.hbm_fraction:  # FlatAdamW's passes at their measured HBM rate
-        opt_ceil = cal.hbm_ceilings(ceil, calib.hbm_fraction["optimizer"])
-        for name in ("optimizer (attention)", "optimizer (experts)"):
-            if name in out:
-                out[name] = replace(out[name], fwd_ceilings=opt_ceil, bwd_ceilings=opt_ceil)
+    # memory-bound stages at their measured HBM rate: FlatAdamW's passes, the permute and combine kernels
+    for kind, names in (("optimizer", ("optimizer (attention)", "optimizer (experts)")),
+                        ("permute", ("permute / combine sum",))):
+        if kind in calib.hbm_fraction:
+            hbm_ceil = cal.hbm_ceilings(ceil, calib.hbm_fraction[kind])
+            for name in names:
+                if name in out:
+                    out[name] = replace(out[name], fwd_ceilings=hbm_ceil, bwd_ceilings=hbm_ceil)
     linked(("dispatch", "combine"), calib.all_to_all if colocated else calib.p2p, collective=colocated)
     linked(("grad all-reduce (attention)", "grad all-reduce (experts)"), calib.all_reduce, collective=True)
     out[ATTENTION_FIXED] = Stage("attention", "layer", fixed("AttentionForward"), fixed("AttentionBackward"))

@@ -67,6 +67,7 @@ FRACTIONS = {16: (0.05, 0.04, 0.03), 64: (0.15, 0.12, 0.08), 256: (0.3, 0.25, 0.
              1024: (0.55, 0.45, 0.3), 2048: (0.6, 0.5, 0.35), 4096: (0.7, 0.6, 0.45)}
 WGRAD_HBM_SLOWDOWN = 1.8  # the made-up kernel's weight gradients take this times their HBM roof, at the least
 OPTIMIZER_HBM = 0.65  # the made-up optimizer's passes run at this fraction of the HBM rate
+PERMUTE_HBM = 0.55  # the made-up permute and combine kernels, the same
 EXPERT_FIXED = cal.ExpertTimes(25e-6, 55e-6, 30e-6)
 SDPA_FIXED = cal.PassTimes(8e-6, 8e-6 + 30e-6)
 BLOCK_FIXED = cal.PassTimes(60e-6, 60e-6 + 210e-6)
@@ -75,6 +76,7 @@ BLOCK_FIXED = cal.PassTimes(60e-6, 60e-6 + 210e-6)
 def _timings(model, ceil: Ceilings) -> cal.Timings:
     """GPU kernel times of a made-up GPU that runs each probe at FRACTIONS of the peak on top of
     the fixed times above (the shape a real GPU's timings have; no measured figure)."""
+    from disagmoe.roofline import stages
     from disagmoe.roofline.stages import attention_core_passes, expert_passes
 
     peak = ceil.peak_flops_per_s
@@ -93,7 +95,9 @@ def _timings(model, ceil: Ceilings) -> cal.Timings:
         f_s = SDPA_FIXED.fwd_s + fwd.flops / (0.5 * peak)
         attention[s] = cal.PassTimes(f_s, f_s + SDPA_FIXED.bwd_s + bwd.flops / (0.4 * peak))
     optimizer_s = 42 * cal.OPTIMIZER_PARAMS / (OPTIMIZER_HBM * ceil.hbm_bytes_per_s)  # FlatAdamW's 42 B per parameter
-    return cal.Timings(gemm, EXPERT_FIXED, attention, SDPA_FIXED, BLOCK_FIXED, optimizer_s)
+    pairs = stages.permute(model, cal.PERMUTE_TOKENS * model.top_k).hbm_bytes / (PERMUTE_HBM * ceil.hbm_bytes_per_s)
+    permute = cal.PassTimes(pairs, 2 * pairs)  # forward and backward move the same bytes (the stage's count)
+    return cal.Timings(gemm, EXPERT_FIXED, attention, SDPA_FIXED, BLOCK_FIXED, optimizer_s, permute)
 
 
 def test_the_terms_come_back_from_the_gpu_kernel_times():
@@ -103,7 +107,7 @@ def test_the_terms_come_back_from_the_gpu_kernel_times():
         (r, pytest.approx(f), pytest.approx(d)) for r, (f, d, _) in FRACTIONS.items()]
     assert all(p.wgrad is not None and p.wgrad <= FRACTIONS[p.at][2] * (1 + 1e-9) for p in calib.expert_gemm)
     assert all((p.fwd, p.bwd) == (pytest.approx(0.5), pytest.approx(0.4)) for p in calib.attention)
-    assert calib.hbm_fraction == {"optimizer": pytest.approx(OPTIMIZER_HBM)}
+    assert calib.hbm_fraction == {"optimizer": pytest.approx(OPTIMIZER_HBM), "permute": pytest.approx(PERMUTE_HBM)}
     assert calib.op_fixed_us == {"ExpertForward": pytest.approx(25.0), "ExpertBackward": pytest.approx(85.0),
                                  "AttentionForward": pytest.approx(60.0), "AttentionBackward": pytest.approx(210.0)}
 
@@ -155,6 +159,10 @@ def test_the_qwen3_configs_expert_stages_are_priced_at_the_probes_times_at_its_r
     # the optimizer at the probe's rate per byte: its measured seconds per parameter, whatever the count
     held = float(np.asarray(evaluate(prob, cand).expert_params).ravel()[0])
     assert at("optimizer (experts)", True) == pytest.approx(timings.optimizer_s * held / cal.OPTIMIZER_PARAMS, rel=1e-9)
+    # the permute and combine per token the probe's (8 x 4,096 tokens per micro-batch: the probe's own count)
+    assert cfg.batch_size // cfg.micro_batches * cfg.seq_len == cal.PERMUTE_TOKENS
+    assert at("permute / combine sum", False) + at("permute / combine sum", True) == pytest.approx(
+        timings.permute.fwd_bwd_s, rel=1e-9)
 
 
 def test_probe_and_planner_price_the_expert_stages_with_one_function(monkeypatch):
@@ -271,7 +279,8 @@ def test_measure_on_a_gpu(backend):
     assert [p.at for p in gemm] == list(cal.ROWS_PER_EXPERT) and gemm[-1].fwd > gemm[0].fwd
     assert all(0 < p.fwd <= 1 and 0 < p.bwd <= 1 for p in gemm + m.calibration.attention)
     assert all(p.wgrad is not None and 0 < p.wgrad <= 1 for p in gemm)
-    assert set(m.calibration.hbm_fraction) == {"optimizer"} and 0 < m.calibration.hbm_fraction["optimizer"] <= 1
+    assert set(m.calibration.hbm_fraction) == {"optimizer", "permute"}
+    assert all(0 < f <= 1 for f in m.calibration.hbm_fraction.values())
     fixed = m.calibration.op_fixed_us
     assert set(fixed) == {"ExpertForward", "ExpertBackward", "AttentionForward", "AttentionBackward"}
     # GPU kernel time at next to no work: a few launches' worth, far below the host's 0.9-2.7 ms
@@ -335,3 +344,21 @@ def test_the_optimizer_probe_runs_the_trainers_step_on_flat_adamw():
     assert not weight.main_grad.any() and torch.isfinite(weight).all()
     assert not torch.equal(weight.detach(), before)  # decayed by the step
     optimizer.close()
+
+
+def test_the_permute_probe_runs_the_steps_permute_and_combine(interpreted):
+    """`permute_passes` on the Triton kernels (interpreted, fp32 on a CPU): the forward is the
+    weighted combine of each token's k copies, the backward gives x and the routing weights
+    their gradients (the combine's and the permute's backward kernels)."""
+    interpreted("disagmoe.kernels.permute")
+    gen = torch.Generator().manual_seed(0)
+    T, H, E, K = 40, 24, 6, 2
+    x = torch.randn(T, H, generator=gen)
+    idx = torch.rand(T, E, generator=gen).topk(K, dim=-1).indices
+    w = torch.softmax(torch.randn(T, K, generator=gen), dim=-1)
+    dy = torch.randn(T, H, generator=gen)
+    forward, forward_backward = cal.permute_passes(x, idx, w, E, dy)
+    torch.testing.assert_close(forward(), x * w.sum(-1, keepdim=True), rtol=1e-5, atol=1e-5)
+    dx, dw = forward_backward()
+    torch.testing.assert_close(dx, dy * w.sum(-1, keepdim=True), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dw, (dy * x).sum(-1, keepdim=True).expand(T, K), rtol=1e-4, atol=1e-4)
