@@ -372,15 +372,39 @@ def _ffn_times(dev, model: ModelConfig, experts_backend: str, rows_per_expert: i
     return ExpertTimes(fwd / 1e3, max(dgrad - fwd, 0.0) / 1e3, max(full - dgrad, 0.0) / 1e3)
 
 
+def sdpa_shapes(model: ModelConfig, batch: int, seq_len: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """The [B, heads, S, head width] shapes of q, k and v as the model's attention hands them to
+    SDPA, from the widths `roofline.stages.attention_io_per_token` counts: GQA with its own KV
+    heads (`enable_gqa`, no expanded copies), MLA with q/k of the nope + rope width and v of its own."""
+    q, k, v = stages.attention_io_per_token(model)
+    qk_dim = q // model.num_heads
+    kv_heads = k // qk_dim
+    return ((batch, model.num_heads, seq_len, qk_dim), (batch, kv_heads, seq_len, qk_dim),
+            (batch, kv_heads, seq_len, v // kv_heads))
+
+
 def _sdpa_times(dev, model: ModelConfig, seq_len: int, batch: int, warmup: int, iters: int) -> PassTimes:
-    """Causal SDPA on [B, n, S, D] bf16 (GQA heads expanded)."""
+    """Causal SDPA (bf16) on `sdpa_shapes`, as `model.attention` calls it: GQA's KV heads shared
+    through `enable_gqa` (so the kernel the step gets, and its backward's reduction over the
+    group), MLA's q, k, v as tokens-first tensors viewed heads-first."""
     import torch.nn.functional as F
 
-    shape = (batch, model.num_heads, seq_len, model.head_dim)
     gen = torch.Generator(device=dev).manual_seed(0)
-    q, k, v = (torch.randn(shape, device=dev, dtype=torch.bfloat16, generator=gen).requires_grad_() for _ in range(3))
-    dy = torch.randn(shape, device=dev, dtype=torch.bfloat16, generator=gen)
-    sdpa = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+    mla = model.attention == "mla"
+
+    def leaf(shape: tuple[int, ...]) -> torch.Tensor:
+        if mla:  # [B, S, n, D] viewed as [B, n, S, D], as MultiHeadLatentAttention passes them
+            b, n, s_, d = shape
+            return torch.randn(b, s_, n, d, device=dev, dtype=torch.bfloat16, generator=gen).requires_grad_()
+        return torch.randn(shape, device=dev, dtype=torch.bfloat16, generator=gen).requires_grad_()
+
+    q_shape, k_shape, v_shape = sdpa_shapes(model, batch, seq_len)
+    q, k, v = leaf(q_shape), leaf(k_shape), leaf(v_shape)
+    heads = (lambda t: t.transpose(1, 2)) if mla else (lambda t: t)
+    gqa = k_shape[1] != q_shape[1]
+    dy = torch.randn(q_shape[:3] + v_shape[3:], device=dev, dtype=torch.bfloat16, generator=gen)
+    sdpa = lambda: F.scaled_dot_product_attention(heads(q), heads(k), heads(v), is_causal=True,  # noqa: E731
+                                                  enable_gqa=gqa)
     return _passes(sdpa, lambda: torch.autograd.grad(sdpa(), [q, k, v], dy), warmup, iters)
 
 

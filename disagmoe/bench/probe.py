@@ -29,8 +29,10 @@ PROBE_VERSION = 3
 #    `roofline.calibration.fitted_fraction` under the calibrated file's ceilings), a `wgrad` rate per
 #    expert point, rows per expert 512 and 2,048 added, up to 256k rows per op; FlatAdamW's step
 #    timed as the trainer runs it, its HBM rate fitted against `roofline.stages.optimizer_step`;
-#    the Triton permute and combine, forward and backward, against `roofline.stages.permute`.
-PROBE_FINGERPRINT = "2c33cb6f1e6291ac"  # `code_fingerprint()` of the code that measures version PROBE_VERSION
+#    the Triton permute and combine, forward and backward, against `roofline.stages.permute`;
+#    attention timed on the model's own KV heads (GQA through enable_gqa, as `model.attention`
+#    calls SDPA; version 2 expanded K and V to every query head).
+PROBE_FINGERPRINT = "4c6c47e028a5cba2"  # `code_fingerprint()` of the code that measures version PROBE_VERSION
 
 # The code that decides what a calibration's numbers mean: file (under disagmoe/) -> top-level name
 # -> why it belongs. Left out on purpose: the experts backends and `model.Block` (the probe measures
@@ -67,7 +69,8 @@ PROBE_PARTS: dict[str, dict[str, str]] = {
         "FFNPasses": "the expert FFN's passes",
         "ffn_passes": "how each expert pass runs (the main gradients, what is held back)",
         "_ffn_times": "the expert FFN probe's inputs and how its passes are timed",
-        "_sdpa_times": "the attention probe's inputs",
+        "sdpa_shapes": "the attention probe's q, k, v shapes (the model's own heads)",
+        "_sdpa_times": "the attention probe's inputs and call",
         "_block_times": "the attention block probe (the attention ops' fixed cost)",
         "nccl_links": "the link probes",
         "_nccl_worker": "how each collective is timed",

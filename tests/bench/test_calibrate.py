@@ -362,3 +362,25 @@ def test_the_permute_probe_runs_the_steps_permute_and_combine(interpreted):
     dx, dw = forward_backward()
     torch.testing.assert_close(dx, dy * w.sum(-1, keepdim=True), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(dw, (dy * x).sum(-1, keepdim=True).expand(T, K), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "deepseek-v3"])
+def test_the_attention_probe_runs_the_models_own_heads(name, monkeypatch):
+    """q, k, v of the probe have the widths the planner's attention core counts
+    (`attention_io_per_token`): Qwen3's 4 KV heads shared by 32 query heads (enable_gqa, not 32
+    expanded copies), DeepSeek's MLA q/k of nope + rope width and v of its own."""
+    from disagmoe.roofline.stages import attention_io_per_token
+
+    model = load_model(name)
+    q, k, v = cal.sdpa_shapes(model, 2, 512)
+    assert (q[1] * q[3], k[1] * k[3], v[1] * v[3]) == attention_io_per_token(model)
+    assert q[0] == k[0] == v[0] == 2 and q[2] == k[2] == v[2] == 512
+    if name == "qwen3-30b-a3b":
+        assert (q[1], k[1], v[1]) == (32, 4, 4)
+    # the probe's call itself, once each pass, on a CPU (kernel_ms stood in for: no CUDA here)
+    from disagmoe.bench import timing
+
+    ran = []
+    monkeypatch.setattr(timing, "kernel_ms", lambda fn, warmup, iters: ran.append(fn(0)) or 1.0)
+    assert cal._sdpa_times(torch.device("cpu"), model, 16, 2, 0, 1) == cal.PassTimes(1e-3, 1e-3)
+    assert ran[0].shape == (2, q[1], 16, v[3])  # the forward's output, heads-first
