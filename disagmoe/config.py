@@ -235,7 +235,8 @@ class Calibration(StrictModel):
 
     - `expert_gemm`: the routed experts' GEMM rates against rows per expert (log-interpolated, clamped
       at the ends): forward, data gradients and (`wgrad`) weight gradients into the fp32 main
-      gradients; `attention`: the attention core's rate against sequence length (same rules).
+      gradients; `attention`: the attention core's rate against sequence length (same rules);
+      `projections`: the attention projections' GEMM rate against tokens per micro-batch.
       Each rate is the fraction of the bf16 peak at which the planner's stage work
       (`roofline.stages.expert_passes`, `attention_core_passes`) takes the probe's measured time
       (`roofline.calibration.fitted_fraction`).
@@ -254,6 +255,10 @@ class Calibration(StrictModel):
                                    "documentation only")
     expert_gemm: list[RatePoint] = Field(default_factory=list)
     attention: list[RatePoint] = Field(default_factory=list)
+    projections: list[RatePoint] = Field(default_factory=list, description=(
+        "probe version 3 on: the attention block's projection GEMMs (the model's own nn.Linear shapes, forward; "
+        "data and weight gradients) against tokens per micro-batch, fitted against "
+        "`roofline.stages.attention_projections`"))
     op_fixed_us: dict[OpKind, NonNegFloat] = Field(default_factory=dict)
     hbm_fraction: dict[HbmStage, Fraction] = Field(default_factory=dict, description=(
         "memory-bound stages measured as the step runs them (probe version 3 on): the fraction of the "
@@ -265,7 +270,7 @@ class Calibration(StrictModel):
     all_reduce: LinkCost | None = None
     all_to_all: LinkCost | None = None
 
-    @field_validator("expert_gemm", "attention")
+    @field_validator("expert_gemm", "attention", "projections")
     @classmethod
     def _distinct_points(cls, points: list[RatePoint]) -> list[RatePoint]:
         ats = [p.at for p in points]

@@ -10,6 +10,9 @@ measures them, this module reuses it) it measures what `HardwareConfig.calibrati
   Triton kernels' `_ragged_weight_grad_kernel` reads and writes each expert weight's fp32 main
   gradient once per call: 8 bytes per parameter per micro-batch in the step);
 - `attention`: SDPA (causal, bf16) at several sequence lengths, forward and forward+backward;
+- `projections`: the attention block's projection GEMMs (every nn.Linear of the model's own
+  attention module, forward; data and weight gradients) at PROJECTION_TOKENS tokens, against
+  `roofline.stages.attention_projections` (v2 left them at `bench hardware`'s 8192^3 matmul rate);
 - `hbm_fraction["optimizer"]`: FlatAdamW's step as the trainer runs it (zero the main gradients,
   their norm, the clipped fused AdamW, the masters into the bf16 parameters) over
   OPTIMIZER_PARAMS parameters, as a fraction of the HBM rate at which the planner's optimizer
@@ -88,6 +91,7 @@ FIXED_TOKENS = 16  # the one sequence of the attention fixed-cost probes
 MESSAGE_BYTES = (64 * 2**10, 2**20, 16 * 2**20, 128 * 2**20)
 OPTIMIZER_PARAMS = 256 * 2**20  # parameters of the optimizer probe (4.5 GiB of state: far past the L2)
 PERMUTE_TOKENS = 32 * 1024  # tokens of the permute probe (one micro-batch of 8 x 4,096)
+PROJECTION_TOKENS = (4096, 8192, 32768)  # tokens per micro-batch of the projection curve
 
 
 @dataclass(frozen=True)
@@ -133,6 +137,7 @@ class Timings:
     block_fixed: PassTimes  # the model's attention block (norm, attention, residual) on the same
     optimizer_s: float | None = None  # FlatAdamW's step over OPTIMIZER_PARAMS parameters (None: not measured)
     permute: PassTimes | None = None  # permute + combine over PERMUTE_TOKENS tokens (None: not measured)
+    projections: dict[int, PassTimes] | None = None  # tokens -> the attention projections (None: not measured)
 
 
 def curve_experts(model: ModelConfig, rows_per_expert: int) -> int:
@@ -182,6 +187,14 @@ def attention_point(model: ModelConfig, seq_len: int, times: PassTimes, fixed: P
                      bwd=fitted_fraction(bwd, times.bwd_s - fixed.bwd_s, ceil))
 
 
+def projection_point(model: ModelConfig, tokens: int, times: PassTimes, ceil: Ceilings) -> RatePoint:
+    """The projection curve's point at `tokens`: the same fit against the planner's
+    `stages.attention_projection_passes` (no fixed part: its launches are in the
+    attention block's fixed cost, and at these sizes they are small against the GEMMs)."""
+    fwd, bwd = stages.attention_projection_passes(model, tokens)
+    return RatePoint(at=tokens, fwd=fitted_fraction(fwd, times.fwd_s, ceil), bwd=fitted_fraction(bwd, times.bwd_s, ceil))
+
+
 def op_fixed_us(t: Timings) -> dict[str, float]:
     """Fixed GPU microseconds per op (module docstring): the expert FFN's launches at one row of
     one expert, the attention block's at one FIXED_TOKENS sequence; forward, and the backward
@@ -197,6 +210,7 @@ def calibration_from(t: Timings, model: ModelConfig, ceil: Ceilings, source: str
     under `ceil` (`Ceilings.of` the calibrated hardware: its measured matmul and HBM rates)."""
     gemm = [expert_point(model, rows, times, t.expert_fixed, ceil) for rows, times in sorted(t.expert_gemm.items())]
     attention = [attention_point(model, seq, times, t.attention_fixed, ceil) for seq, times in sorted(t.attention.items())]
+    projections = [projection_point(model, tokens, times, ceil) for tokens, times in sorted((t.projections or {}).items())]
     hbm = {}
     if t.optimizer_s is not None:
         hbm["optimizer"] = fitted_hbm_fraction(stages.optimizer_step(OPTIMIZER_PARAMS), t.optimizer_s, ceil)
@@ -204,7 +218,7 @@ def calibration_from(t: Timings, model: ModelConfig, ceil: Ceilings, source: str
         pairs = stages.permute(model, PERMUTE_TOKENS * model.top_k)
         hbm["permute"] = fitted_hbm_fraction(pairs + pairs, t.permute.fwd_bwd_s, ceil)
     return Calibration(source=source, expert_gemm=gemm, attention=attention, op_fixed_us=op_fixed_us(t),
-                       hbm_fraction=hbm, **(links or {}))
+                       projections=projections, hbm_fraction=hbm, **(links or {}))
 
 
 def merge_calibration(old: Calibration | None, new: Calibration) -> Calibration:
@@ -279,7 +293,8 @@ def measure_timings(dev, model: ModelConfig, experts_backend: str, warmup: int, 
         attention_fixed=_sdpa_times(dev, model, FIXED_TOKENS, 1, warmup, iters),
         block_fixed=_block_times(dev, model, warmup, iters),
         optimizer_s=_optimizer_times(dev, OPTIMIZER_PARAMS, warmup, iters),
-        permute=_permute_times(dev, model, PERMUTE_TOKENS, warmup, iters))
+        permute=_permute_times(dev, model, PERMUTE_TOKENS, warmup, iters),
+        projections={n: _projection_times(dev, model, n, warmup, iters) for n in PROJECTION_TOKENS})
 
 
 def _ffn(experts_backend: str) -> Callable:
@@ -406,6 +421,41 @@ def _sdpa_times(dev, model: ModelConfig, seq_len: int, batch: int, warmup: int, 
     sdpa = lambda: F.scaled_dot_product_attention(heads(q), heads(k), heads(v), is_causal=True,  # noqa: E731
                                                   enable_gqa=gqa)
     return _passes(sdpa, lambda: torch.autograd.grad(sdpa(), [q, k, v], dy), warmup, iters)
+
+
+def projection_passes(layers: Sequence[torch.nn.Linear], tokens: int, dev, dtype=torch.bfloat16,
+                      ) -> tuple[Callable[[], object], Callable[[], object]]:
+    """(forward, forward and backward) of every projection GEMM in `layers` over `tokens` rows:
+    y = x W^T, then d x and d W (the weight's bf16 gradient, which FlatAdamW's hook adds into its
+    main gradient: the planner's separate `main-grad adds` stage)."""
+    gen = torch.Generator(device=dev).manual_seed(0)
+    xs = [torch.randn(tokens, layer.in_features, device=dev, dtype=dtype, generator=gen).requires_grad_()
+          for layer in layers]
+    dys = [torch.randn(tokens, layer.out_features, device=dev, dtype=dtype, generator=gen) for layer in layers]
+
+    def forward() -> list[torch.Tensor]:
+        return [layer(x) for layer, x in zip(layers, xs, strict=True)]
+
+    def forward_backward() -> list[object]:
+        return [torch.autograd.grad(layer(x), [x, layer.weight], dy) for layer, x, dy in zip(layers, xs, dys, strict=True)]
+
+    return forward, forward_backward
+
+
+def attention_linears(model: ModelConfig, dev, dtype=torch.bfloat16) -> list[torch.nn.Linear]:
+    """Every nn.Linear of the model's own attention module (`model.attention.build_attention`): the
+    projection GEMMs the step runs, with their shapes (GQA's q, k, v, o; MLA's low-rank chains)."""
+    from disagmoe.model.attention import build_attention
+
+    with torch.device(dev):  # built where it runs (no host copy of the weights)
+        attention = build_attention(model).to(dtype)
+    return [m for m in attention.modules() if isinstance(m, torch.nn.Linear)]
+
+
+def _projection_times(dev, model: ModelConfig, tokens: int, warmup: int, iters: int) -> PassTimes:
+    """`projection_passes` of the model's attention projections over `tokens` tokens."""
+    forward, forward_backward = projection_passes(attention_linears(model, dev), tokens, dev)
+    return _passes(forward, forward_backward, warmup, iters)
 
 
 def _block_times(dev, model: ModelConfig, warmup: int, iters: int) -> PassTimes:

@@ -31,8 +31,9 @@ PROBE_VERSION = 3
 #    timed as the trainer runs it, its HBM rate fitted against `roofline.stages.optimizer_step`;
 #    the Triton permute and combine, forward and backward, against `roofline.stages.permute`;
 #    attention timed on the model's own KV heads (GQA through enable_gqa, as `model.attention`
-#    calls SDPA; version 2 expanded K and V to every query head).
-PROBE_FINGERPRINT = "4c6c47e028a5cba2"  # `code_fingerprint()` of the code that measures version PROBE_VERSION
+#    calls SDPA; version 2 expanded K and V to every query head); the attention projections'
+#    GEMMs (the model's own nn.Linear shapes) as a curve over tokens per micro-batch.
+PROBE_FINGERPRINT = "5ddb97f0b596238a"  # `code_fingerprint()` of the code that measures version PROBE_VERSION
 
 # The code that decides what a calibration's numbers mean: file (under disagmoe/) -> top-level name
 # -> why it belongs. Left out on purpose: the experts backends and `model.Block` (the probe measures
@@ -50,6 +51,11 @@ PROBE_PARTS: dict[str, dict[str, str]] = {
         "MOVED": "bytes per link call in the link fits",
         "OPTIMIZER_PARAMS": "the optimizer probe's size",
         "PERMUTE_TOKENS": "the permute probe's size",
+        "PROJECTION_TOKENS": "the projection curve's sizes",
+        "projection_point": "the projection rates, fitted the same way",
+        "projection_passes": "the projection probe's calls",
+        "attention_linears": "which GEMMs the projection probe runs (the model's own)",
+        "_projection_times": "the projection probe's inputs",
         "permute_passes": "the permute probe's calls (the step's permute and combine)",
         "_permute_times": "the permute probe's inputs",
         "optimizer_pass": "the optimizer probe's calls (the trainer's step)",
@@ -84,6 +90,8 @@ PROBE_PARTS: dict[str, dict[str, str]] = {
         "Work": "the stage work the rates are fitted against (its backward)",
         "ATTN_CORE_BWD": "the attention backward's FLOPs per forward FLOP, in its rate",
         "attention_core": "the attention work the attention rates are fitted against",
+        "attention_projections": "the projection work the projection rates are fitted against",
+        "attention_projection_passes": "its forward and backward",
         "attention_core_passes": "its forward and backward",
         "attention_io_per_token": "the head widths attention_core counts",
         "expert_passes": "the expert stages the expert rates are fitted against",
@@ -95,6 +103,9 @@ PROBE_PARTS: dict[str, dict[str, str]] = {
         "permute": "the permute and combine bytes the permute rate is fitted against",
         "BF16": "bytes per bf16 value in that work",
         "FP32": "bytes per fp32 value in it",
+    },
+    "roofline/params.py": {
+        "attention_params": "the projection weights attention_projections counts",
     },
     "roofline/calibration.py": {
         "fitted_fraction": "the rate from a stage's work and its measured time",

@@ -418,11 +418,10 @@ def evaluate(prob: Problem, c: Candidates) -> Cost:
     fits = fits.astype(bool)
 
     # Every stage once: per GPU, per micro-batch and layer (or per micro-batch / per step).
-    proj = st.attention_projections(m, tokens)
     head = st.lm_head(m, tokens) + st.embedding(m, tokens)
     experts = st.expert_passes(m, rows, local)  # the passes `bench calibrate` fits its expert curve against
     stages = {
-        "attention projections": Stage("attention", "layer", proj, proj.backward()),
+        "attention projections": Stage("attention", "layer", *st.attention_projection_passes(m, tokens)),
         "attention core": Stage("attention", "layer", *st.attention_core_passes(m, tokens, S)),
         "norms, RoPE, residual adds": Stage("attention", "layer", *st.norms_and_residuals(m, tokens)),
         "router": Stage("attention", "moe", st.router(m, tokens), st.router(m, tokens).backward()),
@@ -450,7 +449,7 @@ def evaluate(prob: Problem, c: Candidates) -> Cost:
     if not selective.any():
         del stages["selective recompute"]
     if prob.calibration is not None:
-        stages = calibrated_stages(stages, prob.calibration, ceil, rows / local, float(S), c.colocated)
+        stages = calibrated_stages(stages, prob.calibration, ceil, rows / local, float(S), c.colocated, tokens)
     if prob.fp8_speedup > 1:
         stages = fp8_stages(stages, ceil, prob.fp8_speedup, m, rows, exp_params)
 
@@ -542,10 +541,11 @@ def fp8_stages(stages: dict[str, Stage], ceil: Ceilings, speedup: float, m: Mode
 
 
 def calibrated_stages(stages: dict[str, Stage], calib: Calibration, ceil: Ceilings, rows_per_expert: Num,
-                      seq_len: float, colocated: bool) -> dict[str, Stage]:
+                      seq_len: float, colocated: bool, tokens: Num = None) -> dict[str, Stage]:
     """`stages` priced with measured terms (`roofline.calibration`): the routed experts at the GEMM
     rates measured for their rows per expert (forward, data gradients, and the weight gradients
-    into the fp32 main gradients at their own rate where the calibration holds it), the attention core at the rate measured for the
+    into the fp32 main gradients at their own rate where the calibration holds it), the attention
+    projections at the GEMM rate measured for their `tokens` per micro-batch, the attention core at the rate measured for the
     sequence length, dispatch and combine at the measured P2P transport (colocated: all-to-all),
     the gradient all-reduces at the measured all-reduce, the optimizer's passes and the permute /
     combine kernels at their measured HBM rates (`Calibration.hbm_fraction`), and each schedule op's fixed cost as its
@@ -575,6 +575,8 @@ def calibrated_stages(stages: dict[str, Stage], calib: Calibration, ceil: Ceilin
     wgrad_measured = bool(calib.expert_gemm) and all(p.wgrad is not None for p in calib.expert_gemm)
     rated("expert weight grads", calib.expert_gemm, rows_per_expert, "wgrad" if wgrad_measured else "bwd")
     rated("attention core", calib.attention, seq_len)
+    if tokens is not None:  # tokens per attention GPU per micro-batch
+        rated("attention projections", calib.projections, tokens)
     # memory-bound stages at their measured HBM rate: FlatAdamW's passes, the permute and combine kernels
     for kind, names in (("optimizer", ("optimizer (attention)", "optimizer (experts)")),
                         ("permute", ("permute / combine sum",))):

@@ -149,6 +149,13 @@ def expert_passes(m: ModelConfig, rows: Num, local_experts: Num) -> dict[str, tu
             "expert weight grads": (Work(), expert_weight_grads(m, rows, local_experts))}
 
 
+def attention_projection_passes(m: ModelConfig, tokens: Num) -> tuple[Work, Work]:
+    """(forward, backward) of the attention projections (the backward: data and weight gradients,
+    twice the forward), as the planner prices them and `bench calibrate` fits its projection curve."""
+    proj = attention_projections(m, tokens)
+    return proj, proj.backward()
+
+
 def attention_core_passes(m: ModelConfig, tokens: Num, seq_len: Num) -> tuple[Work, Work]:
     """(forward, backward) of the attention core, as the planner prices it and `bench calibrate`
     fits its attention curve against (the backward ATTN_CORE_BWD times the forward's FLOPs)."""

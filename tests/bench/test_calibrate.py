@@ -68,6 +68,7 @@ FRACTIONS = {16: (0.05, 0.04, 0.03), 64: (0.15, 0.12, 0.08), 256: (0.3, 0.25, 0.
 WGRAD_HBM_SLOWDOWN = 1.8  # the made-up kernel's weight gradients take this times their HBM roof, at the least
 OPTIMIZER_HBM = 0.65  # the made-up optimizer's passes run at this fraction of the HBM rate
 PERMUTE_HBM = 0.55  # the made-up permute and combine kernels, the same
+PROJECTIONS = {4096: (0.55, 0.5), 8192: (0.62, 0.58), 32768: (0.7, 0.66)}  # tokens -> made-up GEMM rates
 EXPERT_FIXED = cal.ExpertTimes(25e-6, 55e-6, 30e-6)
 SDPA_FIXED = cal.PassTimes(8e-6, 8e-6 + 30e-6)
 BLOCK_FIXED = cal.PassTimes(60e-6, 60e-6 + 210e-6)
@@ -97,7 +98,11 @@ def _timings(model, ceil: Ceilings) -> cal.Timings:
     optimizer_s = 42 * cal.OPTIMIZER_PARAMS / (OPTIMIZER_HBM * ceil.hbm_bytes_per_s)  # FlatAdamW's 42 B per parameter
     pairs = stages.permute(model, cal.PERMUTE_TOKENS * model.top_k).hbm_bytes / (PERMUTE_HBM * ceil.hbm_bytes_per_s)
     permute = cal.PassTimes(pairs, 2 * pairs)  # forward and backward move the same bytes (the stage's count)
-    return cal.Timings(gemm, EXPERT_FIXED, attention, SDPA_FIXED, BLOCK_FIXED, optimizer_s, permute)
+    projections = {}
+    for n, (f, b) in PROJECTIONS.items():
+        fwd, bwd = stages.attention_projection_passes(model, n)
+        projections[n] = cal.PassTimes(fwd.flops / (f * peak), fwd.flops / (f * peak) + bwd.flops / (b * peak))
+    return cal.Timings(gemm, EXPERT_FIXED, attention, SDPA_FIXED, BLOCK_FIXED, optimizer_s, permute, projections)
 
 
 def test_the_terms_come_back_from_the_gpu_kernel_times():
@@ -107,6 +112,8 @@ def test_the_terms_come_back_from_the_gpu_kernel_times():
         (r, pytest.approx(f), pytest.approx(d)) for r, (f, d, _) in FRACTIONS.items()]
     assert all(p.wgrad is not None and p.wgrad <= FRACTIONS[p.at][2] * (1 + 1e-9) for p in calib.expert_gemm)
     assert all((p.fwd, p.bwd) == (pytest.approx(0.5), pytest.approx(0.4)) for p in calib.attention)
+    assert [(p.at, p.fwd, p.bwd) for p in calib.projections] == [
+        (n, pytest.approx(f), pytest.approx(b)) for n, (f, b) in PROJECTIONS.items()]
     assert calib.hbm_fraction == {"optimizer": pytest.approx(OPTIMIZER_HBM), "permute": pytest.approx(PERMUTE_HBM)}
     assert calib.op_fixed_us == {"ExpertForward": pytest.approx(25.0), "ExpertBackward": pytest.approx(85.0),
                                  "AttentionForward": pytest.approx(60.0), "AttentionBackward": pytest.approx(210.0)}
@@ -161,6 +168,10 @@ def test_the_qwen3_configs_expert_stages_are_priced_at_the_probes_times_at_its_r
     assert at("optimizer (experts)", True) == pytest.approx(timings.optimizer_s * held / cal.OPTIMIZER_PARAMS, rel=1e-9)
     # the permute and combine per token the probe's (8 x 4,096 tokens per micro-batch: the probe's own count)
     assert cfg.batch_size // cfg.micro_batches * cfg.seq_len == cal.PERMUTE_TOKENS
+    assert cal.PERMUTE_TOKENS in cal.PROJECTION_TOKENS  # and a point of the projection curve
+    projections = timings.projections[cal.PERMUTE_TOKENS]
+    assert at("attention projections", False) == pytest.approx(projections.fwd_s, rel=1e-9)
+    assert at("attention projections", True) == pytest.approx(projections.bwd_s, rel=1e-9)
     assert at("permute / combine sum", False) + at("permute / combine sum", True) == pytest.approx(
         timings.permute.fwd_bwd_s, rel=1e-9)
 
@@ -281,6 +292,8 @@ def test_measure_on_a_gpu(backend):
     assert all(p.wgrad is not None and 0 < p.wgrad <= 1 for p in gemm)
     assert set(m.calibration.hbm_fraction) == {"optimizer", "permute"}
     assert all(0 < f <= 1 for f in m.calibration.hbm_fraction.values())
+    assert [p.at for p in m.calibration.projections] == list(cal.PROJECTION_TOKENS)
+    assert all(0 < p.fwd <= 1 and 0 < p.bwd <= 1 for p in m.calibration.projections)
     fixed = m.calibration.op_fixed_us
     assert set(fixed) == {"ExpertForward", "ExpertBackward", "AttentionForward", "AttentionBackward"}
     # GPU kernel time at next to no work: a few launches' worth, far below the host's 0.9-2.7 ms
@@ -384,3 +397,25 @@ def test_the_attention_probe_runs_the_models_own_heads(name, monkeypatch):
     monkeypatch.setattr(timing, "kernel_ms", lambda fn, warmup, iters: ran.append(fn(0)) or 1.0)
     assert cal._sdpa_times(torch.device("cpu"), model, 16, 2, 0, 1) == cal.PassTimes(1e-3, 1e-3)
     assert ran[0].shape == (2, q[1], 16, v[3])  # the forward's output, heads-first
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "deepseek-v3"])
+def test_the_projection_probe_runs_the_models_own_gemms(name):
+    """The probe's GEMMs are the model's attention module's nn.Linear layers: their weights are
+    the ones the planner's projection stage counts (`attention_params` less the input norm, up
+    to the qk / latent norms' gains), and their FLOPs its forward's."""
+    from disagmoe.roofline.stages import attention_projection_passes
+
+    model = load_model(name)
+    layers = cal.attention_linears(model, torch.device("meta"))
+    weights = sum(layer.weight.numel() for layer in layers)
+    fwd, bwd = attention_projection_passes(model, 4096)
+    assert fwd.flops == pytest.approx(2 * 4096 * weights, rel=1e-3) and bwd.flops == 2 * fwd.flops
+    assert all(layer.bias is None for layer in layers)
+
+
+def test_the_projection_probes_calls_give_x_and_w_their_gradients():
+    layers = [torch.nn.Linear(16, 24, bias=False), torch.nn.Linear(24, 8, bias=False)]
+    forward, forward_backward = cal.projection_passes(layers, 5, torch.device("cpu"), torch.float32)
+    assert [tuple(y.shape) for y in forward()] == [(5, 24), (5, 8)]
+    assert [tuple(g.shape) for grads in forward_backward() for g in grads] == [(5, 16), (24, 16), (5, 24), (8, 24)]
