@@ -308,11 +308,13 @@ def _ffn(experts_backend: str) -> Callable:
 
 
 def _passes(forward: Callable[[], object], backward: Callable[[], object], warmup: int, iters: int) -> PassTimes:
-    """GPU kernel seconds of `forward` under no_grad, and of `backward` (a forward and its backward)."""
+    """GPU kernel seconds of `forward`, and of `backward` (a forward and its backward). The forward
+    runs with autograd on, its inputs requiring gradients, as in a training step: it saves what its
+    backward reads (the expert FFN's pre-activations, attention's logsumexp), which a no_grad
+    forward (probe version 2) skips."""
     from disagmoe.bench.timing import kernel_ms
 
-    with torch.no_grad():
-        fwd = kernel_ms(lambda _: forward(), warmup, iters)
+    fwd = kernel_ms(lambda _: forward(), warmup, iters)
     return PassTimes(fwd / 1e3, kernel_ms(lambda _: backward(), warmup, iters) / 1e3)
 
 
@@ -320,7 +322,7 @@ def _passes(forward: Callable[[], object], backward: Callable[[], object], warmu
 class FFNPasses:
     """The expert FFN's passes as the step runs them, each a call to time (`ffn_passes`)."""
 
-    forward: Callable[[], object]  # the forward alone (call it under no_grad)
+    forward: Callable[[], object]  # the forward alone, saving for the backward as the step's does
     data_grads: Callable[[], object]  # the forward and the data gradients, the weight gradients held back
     all_grads: Callable[[], object]  # the same, then the weight gradients added into `main_grads`
     main_grads: tuple[torch.Tensor, torch.Tensor]  # the fp32 main gradients of w13 and w2
@@ -361,7 +363,7 @@ def ffn_passes(ffn: Callable, x_NH: torch.Tensor, offsets_E: torch.Tensor, w13_E
         main13.add_(dw13)
         main2.add_(dw2)
 
-    return FFNPasses(lambda: ffn(x_NH, offsets_E, w13_EH2F, w2_EFH), data_grads, all_grads, (main13, main2))
+    return FFNPasses(lambda: ffn(x_leaf, offsets_E, w13_EH2F, w2_EFH), data_grads, all_grads, (main13, main2))
 
 
 def _ffn_times(dev, model: ModelConfig, experts_backend: str, rows_per_expert: int, experts: int,
@@ -380,8 +382,7 @@ def _ffn_times(dev, model: ModelConfig, experts_backend: str, rows_per_expert: i
     dy_NH = torch.randn(E * rows_per_expert, H, **bf16)
     passes = ffn_passes(_ffn(experts_backend), x_NH, offsets_E, w13_EH2F, w2_EFH, dy_NH,
                         fused=experts_backend == "triton")
-    with torch.no_grad():
-        fwd = kernel_ms(lambda _: passes.forward(), warmup, iters)
+    fwd = kernel_ms(lambda _: passes.forward(), warmup, iters)
     dgrad = kernel_ms(lambda _: passes.data_grads(), warmup, iters)
     full = kernel_ms(lambda _: passes.all_grads(), warmup, iters)
     return ExpertTimes(fwd / 1e3, max(dgrad - fwd, 0.0) / 1e3, max(full - dgrad, 0.0) / 1e3)
@@ -503,8 +504,8 @@ def permute_passes(x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, weights_TK: to
     x_leaf, w_leaf = x_TH.detach().clone().requires_grad_(), weights_TK.detach().clone().requires_grad_()
 
     def forward() -> torch.Tensor:
-        rows_NH, _, dest_TK = permute_tokens(x_TH, topk_idx_TK, num_experts)
-        return combine_rows(rows_NH, dest_TK, weights_TK)
+        rows_NH, _, dest_TK = permute_tokens(x_leaf, topk_idx_TK, num_experts)
+        return combine_rows(rows_NH, dest_TK, w_leaf)
 
     def forward_backward() -> object:
         rows_NH, _, dest_TK = permute_tokens(x_leaf, topk_idx_TK, num_experts)

@@ -32,8 +32,9 @@ PROBE_VERSION = 3
 #    the Triton permute and combine, forward and backward, against `roofline.stages.permute`;
 #    attention timed on the model's own KV heads (GQA through enable_gqa, as `model.attention`
 #    calls SDPA; version 2 expanded K and V to every query head); the attention projections'
-#    GEMMs (the model's own nn.Linear shapes) as a curve over tokens per micro-batch.
-PROBE_FINGERPRINT = "5ddb97f0b596238a"  # `code_fingerprint()` of the code that measures version PROBE_VERSION
+#    GEMMs (the model's own nn.Linear shapes) as a curve over tokens per micro-batch; every forward
+#    timed with autograd on (saving for its backward, as the step's; version 2 ran them under no_grad).
+PROBE_FINGERPRINT = "69950281edd8a8cd"  # `code_fingerprint()` of the code that measures version PROBE_VERSION
 
 # The code that decides what a calibration's numbers mean: file (under disagmoe/) -> top-level name
 # -> why it belongs. Left out on purpose: the experts backends and `model.Block` (the probe measures

@@ -338,9 +338,10 @@ def test_the_expert_probes_weight_pass_adds_into_fp32_main_gradients_as_the_step
         passes.all_grads()
         for got, grad in zip((main13, main2), want, strict=True):
             torch.testing.assert_close(got, calls * grad, rtol=1e-4, atol=1e-5)
-    with torch.no_grad():
-        torch.testing.assert_close(passes.forward(), moe_ffn.expert_ffn_reference(x, offsets, w13, w2),
-                                   rtol=1e-4, atol=1e-5)
+    y = passes.forward()
+    assert y.requires_grad  # built for a backward, as the step's forward is (it saves the pre-activations)
+    torch.testing.assert_close(y.detach(), moe_ffn.expert_ffn_reference(x, offsets, w13, w2).detach(),
+                               rtol=1e-4, atol=1e-5)
 
 
 def test_the_optimizer_probe_runs_the_trainers_step_on_flat_adamw():
@@ -371,7 +372,9 @@ def test_the_permute_probe_runs_the_steps_permute_and_combine(interpreted):
     w = torch.softmax(torch.randn(T, K, generator=gen), dim=-1)
     dy = torch.randn(T, H, generator=gen)
     forward, forward_backward = cal.permute_passes(x, idx, w, E, dy)
-    torch.testing.assert_close(forward(), x * w.sum(-1, keepdim=True), rtol=1e-5, atol=1e-5)
+    y = forward()
+    assert y.requires_grad
+    torch.testing.assert_close(y.detach(), x * w.sum(-1, keepdim=True), rtol=1e-5, atol=1e-5)
     dx, dw = forward_backward()
     torch.testing.assert_close(dx, dy * w.sum(-1, keepdim=True), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(dw, (dy * x).sum(-1, keepdim=True).expand(T, K), rtol=1e-4, atol=1e-4)
