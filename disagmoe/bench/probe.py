@@ -34,7 +34,7 @@ PROBE_VERSION = 3
 #    calls SDPA; version 2 expanded K and V to every query head); the attention projections'
 #    GEMMs (the model's own nn.Linear shapes) as a curve over tokens per micro-batch; every forward
 #    timed with autograd on (saving for its backward, as the step's; version 2 ran them under no_grad).
-PROBE_FINGERPRINT = "69950281edd8a8cd"  # `code_fingerprint()` of the code that measures version PROBE_VERSION
+PROBE_FINGERPRINT = "3284f648a39de289"  # `code_fingerprint()` of the code that measures version PROBE_VERSION
 
 # The code that decides what a calibration's numbers mean: file (under disagmoe/) -> top-level name
 # -> why it belongs. Left out on purpose: the experts backends and `model.Block` (the probe measures
@@ -89,6 +89,7 @@ PROBE_PARTS: dict[str, dict[str, str]] = {
     },
     "roofline/stages.py": {
         "Work": "the stage work the rates are fitted against (its backward)",
+        "GEMM_BWD": "the projections' backward FLOPs per forward FLOP (Work.backward's default)",
         "ATTN_CORE_BWD": "the attention backward's FLOPs per forward FLOP, in its rate",
         "attention_core": "the attention work the attention rates are fitted against",
         "attention_projections": "the projection work the projection rates are fitted against",
