@@ -217,7 +217,9 @@ def _fake_measure(preset: HardwareConfig, model, backend: str) -> cal.Measuremen
     line = lambda lat, gbps: [lat + b / (gbps * 1e9) for b in sizes]  # noqa: E731
     links = {k: cal.fit_link(sizes, line(20e-6, 0.5 * preset.nvlink_gbps)) for k in ("p2p", "all_reduce", "all_to_all")}
     attention = [p.model_copy(update={"wgrad": None}) for p in curve]
-    calib = Calibration(source=f"fake {backend}", expert_gemm=curve, attention=attention,
+    projections = [RatePoint(at=n, fwd=0.6, bwd=0.55) for n in cal.PROJECTION_TOKENS]
+    calib = Calibration(source=f"fake {backend}", expert_gemm=curve, attention=attention, projections=projections,
+                        hbm_fraction={"optimizer": 0.7, "permute": 0.5},
                         op_fixed_us={"AttentionForward": 100.0, "ExpertForward": 40.0}, **links)
     hw = Measured(matmul_tflops=0.7 * peak, hbm_gbps=0.8 * preset.hbm_gbps, nvlink_gbps=0.8 * preset.nvlink_gbps,
                   nvlink_latency_us=8.0)
@@ -234,6 +236,8 @@ def test_the_command_writes_a_yaml_that_plan_and_roofline_accept(tmp_path, monke
     assert text.startswith("# Calibrated by `disagmoe bench calibrate --hardware h200-sxm")
     hw = HardwareConfig.model_validate(yaml.safe_load(text))
     assert hw.name == "h200-sxm-calibrated" and hw.calibration.source == "fake grouped_mm"
+    assert hw.calibration.hbm_fraction == {"optimizer": 0.7, "permute": 0.5} and len(hw.calibration.projections) == 3
+    assert all(p.wgrad is not None for p in hw.calibration.expert_gemm)
     assert (hw.calibration.probe_version, hw.calibration.probe_fingerprint) == (PROBE_VERSION, PROBE_FINGERPRINT)
     printed = r.stdout[: r.stdout.rindex("calibrated hardware written to")]
     assert yaml.safe_load(printed) == yaml.safe_load(text)  # what it prints is the file, never wrapped
