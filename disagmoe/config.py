@@ -204,7 +204,7 @@ class Efficiency(StrictModel):
 
 
 OP_KINDS = ("AttentionForward", "ExpertForward", "Loss", "ExpertBackward", "AttentionBackward", "OptimizerStep")
-HbmStage = Literal["optimizer", "permute"]  # the memory-bound stages `bench calibrate` measures (`Calibration.hbm_fraction`)
+HbmStage = Literal["optimizer", "permute", "norms"]  # the memory-bound stages `bench calibrate` measures (`Calibration.hbm_fraction`)
 OpKind = Literal["AttentionForward", "ExpertForward", "Loss", "ExpertBackward", "AttentionBackward", "OptimizerStep"]
 
 
@@ -265,7 +265,9 @@ class Calibration(StrictModel):
         "hardware's HBM rate (hbm_gbps x efficiency.hbm) at which the stage's own bytes take the measured "
         "time (`roofline.calibration.fitted_hbm_fraction`); optimizer: FlatAdamW's zero, norm, fused AdamW "
         "and masters-to-bf16 passes (`roofline.stages.optimizer_step`); permute: the Triton permute and "
-        "weighted-combine kernels, forward and backward (`roofline.stages.permute`)"))
+        "weighted-combine kernels, forward and backward (`roofline.stages.permute`); norms: a layer's RMSNorms, "
+        "qk-norm / RoPE / heads-first layout, attention-output copy and residual adds, forward and backward "
+        "(`roofline.stages.norms_and_residuals`; GQA models)"))
     p2p: LinkCost | None = None
     all_reduce: LinkCost | None = None
     all_to_all: LinkCost | None = None

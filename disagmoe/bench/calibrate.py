@@ -20,6 +20,10 @@ measures them, this module reuses it) it measures what `HardwareConfig.calibrati
   runs below the copy rate `bench hardware` measures); `hbm_fraction["permute"]` the same for the
   Triton permute and weighted-combine kernels (`kernels.permute`), forward and backward, over
   PERMUTE_TOKENS tokens of the model's hidden size and top-k, against `roofline.stages.permute`;
+  `hbm_fraction["norms"]` the same for a layer's elementwise kernels as the model runs them (its
+  RMSNorms, qk-norm + RoPE + heads-first layout, the attention output's copy back, the residual
+  adds; the compiled fusions on a GPU), against `roofline.stages.norms_and_residuals` (GQA models:
+  MLA's RoPE path is another, left unmeasured);
 - `p2p`, `all_reduce`, `all_to_all`: NCCL send/recv, all-reduce and all-to-all between GPU 0 and 1
   at several sizes, fitted as latency + bytes / bandwidth (`fit_link`), when 2+ GPUs are visible.
 
@@ -138,6 +142,7 @@ class Timings:
     optimizer_s: float | None = None  # FlatAdamW's step over OPTIMIZER_PARAMS parameters (None: not measured)
     permute: PassTimes | None = None  # permute + combine over PERMUTE_TOKENS tokens (None: not measured)
     projections: dict[int, PassTimes] | None = None  # tokens -> the attention projections (None: not measured)
+    norms: PassTimes | None = None  # one layer's elementwise kernels over PERMUTE_TOKENS tokens (None: not measured)
 
 
 def curve_experts(model: ModelConfig, rows_per_expert: int) -> int:
@@ -214,6 +219,9 @@ def calibration_from(t: Timings, model: ModelConfig, ceil: Ceilings, source: str
     hbm = {}
     if t.optimizer_s is not None:
         hbm["optimizer"] = fitted_hbm_fraction(stages.optimizer_step(OPTIMIZER_PARAMS), t.optimizer_s, ceil)
+    if t.norms is not None:
+        fwd, bwd = stages.norms_and_residuals(model, PERMUTE_TOKENS)
+        hbm["norms"] = fitted_hbm_fraction(fwd + bwd, t.norms.fwd_bwd_s, ceil)
     if t.permute is not None:  # one rate for both passes (the stage prices each with the same bytes)
         pairs = stages.permute(model, PERMUTE_TOKENS * model.top_k)
         hbm["permute"] = fitted_hbm_fraction(pairs + pairs, t.permute.fwd_bwd_s, ceil)
@@ -294,7 +302,8 @@ def measure_timings(dev, model: ModelConfig, experts_backend: str, warmup: int, 
         block_fixed=_block_times(dev, model, warmup, iters),
         optimizer_s=_optimizer_times(dev, OPTIMIZER_PARAMS, warmup, iters),
         permute=_permute_times(dev, model, PERMUTE_TOKENS, warmup, iters),
-        projections={n: _projection_times(dev, model, n, warmup, iters) for n in PROJECTION_TOKENS})
+        projections={n: _projection_times(dev, model, n, warmup, iters) for n in PROJECTION_TOKENS},
+        norms=None if model.attention == "mla" else _norms_times(dev, model, PERMUTE_TOKENS, warmup, iters))
 
 
 def _ffn(experts_backend: str) -> Callable:
@@ -456,6 +465,56 @@ def attention_linears(model: ModelConfig, dev, dtype=torch.bfloat16) -> list[tor
 def _projection_times(dev, model: ModelConfig, tokens: int, warmup: int, iters: int) -> PassTimes:
     """`projection_passes` of the model's attention projections over `tokens` tokens."""
     forward, forward_backward = projection_passes(attention_linears(model, dev), tokens, dev)
+    return _passes(forward, forward_backward, warmup, iters)
+
+
+def norms_passes(model: ModelConfig, batch: int, seq_len: int, dev, dtype=torch.bfloat16,
+                 ) -> tuple[Callable[[], object], Callable[[], object]]:
+    """(forward, forward and backward) of one layer's elementwise kernels around its GEMMs and
+    attention, the model's own code for each (a GQA `model.block.Block`): the attention RMSNorm,
+    qk-norm (where the model has it) + RoPE + q, k, v heads-first (`qk_norm_rope_heads` /
+    `rope_heads`), attention's output copied back tokens-first, the residual add, the FFN
+    RMSNorm, the second residual add; the GEMMs' and attention's outputs stand in as inputs. What
+    `roofline.stages.norms_and_residuals` counts."""
+    from disagmoe.model.attention import qk_norm_rope_heads, rope_heads
+    from disagmoe.model.block import Block
+    from disagmoe.model.layers import rope_cos_sin
+
+    if model.attention == "mla":
+        raise ValueError("the elementwise probe runs the GQA attention's RoPE path; MLA's is another")
+    with torch.device(dev):
+        block = Block(model).to(dtype)
+    attn = block.attention
+    B, S, H, n, g, D = batch, seq_len, model.hidden_size, model.num_heads, model.num_kv_heads, model.head_dim
+    cos_SD, sin_SD = rope_cos_sin(S, D, attn.rope_theta, torch.device(dev), dtype, attn.rope_scaling)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    leaf = lambda *shape: torch.randn(*shape, device=dev, dtype=dtype, generator=gen).requires_grad_()  # noqa: E731
+    x, q, k, v = leaf(B, S, H), leaf(B, S, n, D), leaf(B, S, g, D), leaf(B, S, g, D)
+    o, attn_out, ffn_out = leaf(B, n, S, D), leaf(B, S, H), leaf(B, S, H)
+    leaves = [x, q, k, v, o, attn_out, ffn_out, *(p for p in block.parameters() if p.dim() == 1)]
+
+    def forward() -> list[torch.Tensor]:
+        xn = block.attention_norm(x)
+        if attn.q_norm is not None:
+            heads = qk_norm_rope_heads(q, k, v, attn.q_norm.weight, attn.k_norm.weight, cos_SD, sin_SD, attn.q_norm.eps)
+        else:
+            heads = rope_heads(q, k, v, cos_SD, sin_SD)
+        tokens_first = o.transpose(1, 2).reshape(B, S, n * D)
+        h = x + attn_out
+        return [xn, *heads, tokens_first, block.ffn_norm(h), h + ffn_out]
+
+    def forward_backward() -> object:
+        outs = forward()
+        grads = [torch.ones_like(t) for t in outs]
+        return torch.autograd.grad(outs, leaves, grads, allow_unused=True)
+
+    return forward, forward_backward
+
+
+def _norms_times(dev, model: ModelConfig, tokens: int, warmup: int, iters: int) -> PassTimes:
+    """`norms_passes` over `tokens` tokens in sequences of the model's length (one, if shorter)."""
+    seq_len = min(model.seq_len, tokens)
+    forward, forward_backward = norms_passes(model, max(1, tokens // seq_len), seq_len, dev)
     return _passes(forward, forward_backward, warmup, iters)
 
 

@@ -33,8 +33,9 @@ PROBE_VERSION = 3
 #    attention timed on the model's own KV heads (GQA through enable_gqa, as `model.attention`
 #    calls SDPA; version 2 expanded K and V to every query head); the attention projections'
 #    GEMMs (the model's own nn.Linear shapes) as a curve over tokens per micro-batch; every forward
-#    timed with autograd on (saving for its backward, as the step's; version 2 ran them under no_grad).
-PROBE_FINGERPRINT = "3284f648a39de289"  # `code_fingerprint()` of the code that measures version PROBE_VERSION
+#    timed with autograd on (saving for its backward, as the step's; version 2 ran them under no_grad);
+#    a layer's norms, RoPE, copies and residual adds (GQA), against `roofline.stages.norms_and_residuals`.
+PROBE_FINGERPRINT = "735d115a26d0d007"  # `code_fingerprint()` of the code that measures version PROBE_VERSION
 
 # The code that decides what a calibration's numbers mean: file (under disagmoe/) -> top-level name
 # -> why it belongs. Left out on purpose: the experts backends and `model.Block` (the probe measures
@@ -57,6 +58,8 @@ PROBE_PARTS: dict[str, dict[str, str]] = {
         "projection_passes": "the projection probe's calls",
         "attention_linears": "which GEMMs the projection probe runs (the model's own)",
         "_projection_times": "the projection probe's inputs",
+        "norms_passes": "the elementwise probe's calls (the model's own norms, RoPE, copies, adds)",
+        "_norms_times": "the elementwise probe's inputs",
         "permute_passes": "the permute probe's calls (the step's permute and combine)",
         "_permute_times": "the permute probe's inputs",
         "optimizer_pass": "the optimizer probe's calls (the trainer's step)",
@@ -103,6 +106,7 @@ PROBE_PARTS: dict[str, dict[str, str]] = {
         "expert_weight_grads": "the weight gradients' work, with the fp32 main-gradient traffic",
         "optimizer_step": "the optimizer's bytes the optimizer rate is fitted against",
         "permute": "the permute and combine bytes the permute rate is fitted against",
+        "norms_and_residuals": "the elementwise bytes the norms rate is fitted against",
         "BF16": "bytes per bf16 value in that work",
         "FP32": "bytes per fp32 value in it",
     },

@@ -579,7 +579,7 @@ def calibrated_stages(stages: dict[str, Stage], calib: Calibration, ceil: Ceilin
         rated("attention projections", calib.projections, tokens)
     # memory-bound stages at their measured HBM rate: FlatAdamW's passes, the permute and combine kernels
     for kind, names in (("optimizer", ("optimizer (attention)", "optimizer (experts)")),
-                        ("permute", ("permute / combine sum",))):
+                        ("permute", ("permute / combine sum",)), ("norms", ("norms, RoPE, residual adds",))):
         if kind in calib.hbm_fraction:
             hbm_ceil = cal.hbm_ceilings(ceil, calib.hbm_fraction[kind])
             for name in names:

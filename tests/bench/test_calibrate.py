@@ -68,6 +68,7 @@ FRACTIONS = {16: (0.05, 0.04, 0.03), 64: (0.15, 0.12, 0.08), 256: (0.3, 0.25, 0.
 WGRAD_HBM_SLOWDOWN = 1.8  # the made-up kernel's weight gradients take this times their HBM roof, at the least
 OPTIMIZER_HBM = 0.65  # the made-up optimizer's passes run at this fraction of the HBM rate
 PERMUTE_HBM = 0.55  # the made-up permute and combine kernels, the same
+NORMS_HBM = 0.45  # the made-up elementwise kernels, the same
 PROJECTIONS = {4096: (0.55, 0.5), 8192: (0.62, 0.58), 32768: (0.7, 0.66)}  # tokens -> made-up GEMM rates
 EXPERT_FIXED = cal.ExpertTimes(25e-6, 55e-6, 30e-6)
 SDPA_FIXED = cal.PassTimes(8e-6, 8e-6 + 30e-6)
@@ -102,7 +103,10 @@ def _timings(model, ceil: Ceilings) -> cal.Timings:
     for n, (f, b) in PROJECTIONS.items():
         fwd, bwd = stages.attention_projection_passes(model, n)
         projections[n] = cal.PassTimes(fwd.flops / (f * peak), fwd.flops / (f * peak) + bwd.flops / (b * peak))
-    return cal.Timings(gemm, EXPERT_FIXED, attention, SDPA_FIXED, BLOCK_FIXED, optimizer_s, permute, projections)
+    n_fwd, n_bwd = stages.norms_and_residuals(model, cal.PERMUTE_TOKENS)
+    norms = cal.PassTimes(n_fwd.hbm_bytes / (NORMS_HBM * ceil.hbm_bytes_per_s),
+                          (n_fwd.hbm_bytes + n_bwd.hbm_bytes) / (NORMS_HBM * ceil.hbm_bytes_per_s))
+    return cal.Timings(gemm, EXPERT_FIXED, attention, SDPA_FIXED, BLOCK_FIXED, optimizer_s, permute, projections, norms)
 
 
 def test_the_terms_come_back_from_the_gpu_kernel_times():
@@ -114,7 +118,8 @@ def test_the_terms_come_back_from_the_gpu_kernel_times():
     assert all((p.fwd, p.bwd) == (pytest.approx(0.5), pytest.approx(0.4)) for p in calib.attention)
     assert [(p.at, p.fwd, p.bwd) for p in calib.projections] == [
         (n, pytest.approx(f), pytest.approx(b)) for n, (f, b) in PROJECTIONS.items()]
-    assert calib.hbm_fraction == {"optimizer": pytest.approx(OPTIMIZER_HBM), "permute": pytest.approx(PERMUTE_HBM)}
+    assert calib.hbm_fraction == {"optimizer": pytest.approx(OPTIMIZER_HBM), "permute": pytest.approx(PERMUTE_HBM),
+                                  "norms": pytest.approx(NORMS_HBM)}
     assert calib.op_fixed_us == {"ExpertForward": pytest.approx(25.0), "ExpertBackward": pytest.approx(85.0),
                                  "AttentionForward": pytest.approx(60.0), "AttentionBackward": pytest.approx(210.0)}
 
@@ -169,6 +174,8 @@ def test_the_qwen3_configs_expert_stages_are_priced_at_the_probes_times_at_its_r
     # the permute and combine per token the probe's (8 x 4,096 tokens per micro-batch: the probe's own count)
     assert cfg.batch_size // cfg.micro_batches * cfg.seq_len == cal.PERMUTE_TOKENS
     assert cal.PERMUTE_TOKENS in cal.PROJECTION_TOKENS  # and a point of the projection curve
+    assert at("norms, RoPE, residual adds", False) + at("norms, RoPE, residual adds", True) == pytest.approx(
+        timings.norms.fwd_bwd_s, rel=1e-9)
     projections = timings.projections[cal.PERMUTE_TOKENS]
     assert at("attention projections", False) == pytest.approx(projections.fwd_s, rel=1e-9)
     assert at("attention projections", True) == pytest.approx(projections.bwd_s, rel=1e-9)
@@ -294,7 +301,7 @@ def test_measure_on_a_gpu(backend):
     assert [p.at for p in gemm] == list(cal.ROWS_PER_EXPERT) and gemm[-1].fwd > gemm[0].fwd
     assert all(0 < p.fwd <= 1 and 0 < p.bwd <= 1 for p in gemm + m.calibration.attention)
     assert all(p.wgrad is not None and 0 < p.wgrad <= 1 for p in gemm)
-    assert set(m.calibration.hbm_fraction) == {"optimizer", "permute"}
+    assert set(m.calibration.hbm_fraction) == {"optimizer", "permute", "norms"}
     assert all(0 < f <= 1 for f in m.calibration.hbm_fraction.values())
     assert [p.at for p in m.calibration.projections] == list(cal.PROJECTION_TOKENS)
     assert all(0 < p.fwd <= 1 and 0 < p.bwd <= 1 for p in m.calibration.projections)
@@ -322,10 +329,10 @@ def test_the_expert_probes_weight_pass_adds_into_fp32_main_gradients_as_the_step
     _, moe_ffn = interpreted("disagmoe.kernels.grouped_gemm", "disagmoe.kernels.moe_ffn")
     tiles = moe_ffn.FFNTiles.uniform(TileConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=4,
                                                 num_stages=1))
-    ffn = (functools.partial(moe_ffn.expert_ffn_triton, tiles=tiles, num_programs=3) if fused
+    ffn = (functools.partial(moe_ffn.expert_ffn_triton, tiles=tiles, num_programs=2) if fused
            else moe_ffn.expert_ffn_reference)
     gen = torch.Generator().manual_seed(0)
-    E, rows, H, F = 3, 8, 24, 16
+    E, rows, H, F = 2, 8, 16, 16
     x = torch.randn(E * rows, H, generator=gen)
     w13 = torch.nn.Parameter(torch.randn(E, H, 2 * F, generator=gen) / H**0.5)
     w2 = torch.nn.Parameter(torch.randn(E, F, H, generator=gen) / F**0.5)
@@ -426,3 +433,19 @@ def test_the_projection_probes_calls_give_x_and_w_their_gradients():
     forward, forward_backward = cal.projection_passes(layers, 5, torch.device("cpu"), torch.float32)
     assert [tuple(y.shape) for y in forward()] == [(5, 24), (5, 8)]
     assert [tuple(g.shape) for grads in forward_backward() for g in grads] == [(5, 16), (24, 16), (5, 24), (8, 24)]
+
+
+def test_the_elementwise_probe_runs_the_models_norms_rope_copies_and_adds():
+    """`norms_passes` on a CPU (the fusions run as written there): the outputs a layer's
+    elementwise kernels write (normed x, q / k / v heads-first, attention output tokens-first, the
+    FFN norm, the layer output), and gradients for the inputs and the norms' gains."""
+    model = load_model("qwen3-30b-a3b")
+    forward, forward_backward = cal.norms_passes(model, 2, 16, torch.device("cpu"), torch.float32)
+    H, n, g, D = model.hidden_size, model.num_heads, model.num_kv_heads, model.head_dim
+    assert [tuple(t.shape) for t in forward()] == [(2, 16, H), (2, n, 16, D), (2, g, 16, D), (2, g, 16, D),
+                                                   (2, 16, n * D), (2, 16, H), (2, 16, H)]
+    grads = forward_backward()
+    assert all(gr is not None and torch.isfinite(gr).all() for gr in grads[:7])
+    assert len(grads) == 7 + 4  # the attention and FFN norms' gains, q-norm's and k-norm's
+    with pytest.raises(ValueError, match="MLA"):
+        cal.norms_passes(load_model("deepseek-v3"), 1, 16, torch.device("cpu"))
