@@ -258,7 +258,7 @@ class Calibration(StrictModel):
     projections: list[RatePoint] = Field(default_factory=list, description=(
         "probe version 3 on: the attention block's projection GEMMs (the model's own nn.Linear shapes, forward; "
         "data and weight gradients) against tokens per micro-batch, fitted against "
-        "`roofline.stages.attention_projections`"))
+        "`roofline.stages.attention_projection_passes`"))
     op_fixed_us: dict[OpKind, NonNegFloat] = Field(default_factory=dict)
     hbm_fraction: dict[HbmStage, Fraction] = Field(default_factory=dict, description=(
         "memory-bound stages measured as the step runs them (probe version 3 on): the fraction of the "

@@ -12,7 +12,7 @@ measures them, this module reuses it) it measures what `HardwareConfig.calibrati
 - `attention`: SDPA (causal, bf16) at several sequence lengths, forward and forward+backward;
 - `projections`: the attention block's projection GEMMs (every nn.Linear of the model's own
   attention module, forward; data and weight gradients) at PROJECTION_TOKENS tokens, against
-  `roofline.stages.attention_projections` (v2 left them at `bench hardware`'s 8192^3 matmul rate);
+  `roofline.stages.attention_projection_passes` (v2 left them at `bench hardware`'s 8192^3 matmul rate);
 - `hbm_fraction["optimizer"]`: FlatAdamW's step as the trainer runs it (zero the main gradients,
   their norm, the clipped fused AdamW, the masters into the bf16 parameters) over
   OPTIMIZER_PARAMS parameters, as a fraction of the HBM rate at which the planner's optimizer
@@ -44,7 +44,9 @@ of peak at which the planner's own stage work takes that net time (`expert_point
 fixed + the stage's roofline time reproduces each measured point and nothing is counted twice or
 left out (probe version 2 divided the FLOPs alone by a backward without the main-gradient
 traffic, which the planner's stage then priced as if the kernel overlapped it: 64 ms where the
-step's profile measured 137 ms, docs/benchmarks.md).
+step's profile measured 137 ms, docs/benchmarks.md). The projection curve and the HBM fractions
+are fitted on whole times, no fixed part subtracted: their launches are also inside the attention
+block's fixed cost, so a few microseconds per op count twice, against milliseconds of work.
 
 Not chosen: CUDA events around each call (the earlier probe: for a 16-token block that is the
 host's time to launch it, 0.9 ms forward and 2.7 ms backward on an H200, which a step whose host
