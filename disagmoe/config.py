@@ -204,6 +204,7 @@ class Efficiency(StrictModel):
 
 
 OP_KINDS = ("AttentionForward", "ExpertForward", "Loss", "ExpertBackward", "AttentionBackward", "OptimizerStep")
+HbmStage = Literal["optimizer", "permute", "norms"]  # the memory-bound stages `bench calibrate` measures (`Calibration.hbm_fraction`)
 OpKind = Literal["AttentionForward", "ExpertForward", "Loss", "ExpertBackward", "AttentionBackward", "OptimizerStep"]
 
 
@@ -213,7 +214,12 @@ class RatePoint(StrictModel):
 
     at: PositiveFloat = Field(description="rows per expert (expert GEMMs) or sequence length (attention)")
     fwd: Fraction = Field(description="forward rate as a fraction of the bf16 peak")
-    bwd: Fraction = Field(description="backward rate (data + weight gradients) as a fraction of the bf16 peak")
+    bwd: Fraction = Field(description="backward rate as a fraction of the bf16 peak: the attention core's backward; "
+                          "the expert GEMMs' data gradients (probe version 3 on; before it, data and weight gradients "
+                          "together, which then price both expert backward stages)")
+    wgrad: Fraction | None = Field(None, description="expert GEMMs only (probe version 3 on): the weight gradients' "
+                                   "rate with their fp32 main-gradient read and write, as the `expert weight grads` "
+                                   "stage counts their work (`roofline.stages.expert_passes`)")
 
 
 class LinkCost(StrictModel):
@@ -227,8 +233,14 @@ class Calibration(StrictModel):
     """Measured terms that replace the roofline's flat efficiencies (written by `disagmoe bench
     calibrate`). Every key is optional: an absent one leaves that part priced as without calibration.
 
-    - `expert_gemm`: the routed experts' GEMM rate against rows per expert (log-interpolated, clamped
-      at the ends); `attention`: the attention core's rate against sequence length (same rules).
+    - `expert_gemm`: the routed experts' GEMM rates against rows per expert (log-interpolated, clamped
+      at the ends): forward, data gradients and (`wgrad`) weight gradients into the fp32 main
+      gradients; `attention`: the attention core's rate against sequence length (same rules);
+      `projections`: the attention projections' GEMM rate against tokens per micro-batch.
+      Each rate is the fraction of the bf16 peak at which the planner's stage work
+      (`roofline.stages.expert_passes`, `attention_core_passes`) takes the probe's measured time
+      (`roofline.calibration.fitted_fraction`).
+    - `hbm_fraction`: memory-bound stages' measured HBM rate, as a fraction of the hardware's.
     - `op_fixed_us`: the fixed cost of one schedule op of that kind (its kernel launches and the
       small kernels whose time does not scale with the work), added once per op.
     - `p2p`: the point-to-point transport (NCCL send/recv) that carries dispatch and combine;
@@ -243,12 +255,24 @@ class Calibration(StrictModel):
                                    "documentation only")
     expert_gemm: list[RatePoint] = Field(default_factory=list)
     attention: list[RatePoint] = Field(default_factory=list)
+    projections: list[RatePoint] = Field(default_factory=list, description=(
+        "probe version 3 on: the attention block's projection GEMMs (the model's own nn.Linear shapes, forward; "
+        "data and weight gradients) against tokens per micro-batch, fitted against "
+        "`roofline.stages.attention_projection_passes`"))
     op_fixed_us: dict[OpKind, NonNegFloat] = Field(default_factory=dict)
+    hbm_fraction: dict[HbmStage, Fraction] = Field(default_factory=dict, description=(
+        "memory-bound stages measured as the step runs them (probe version 3 on): the fraction of the "
+        "hardware's HBM rate (hbm_gbps x efficiency.hbm) at which the stage's own bytes take the measured "
+        "time (`roofline.calibration.fitted_hbm_fraction`); optimizer: FlatAdamW's zero, norm, fused AdamW "
+        "and masters-to-bf16 passes (`roofline.stages.optimizer_step`); permute: the Triton permute and "
+        "weighted-combine kernels, forward and backward (`roofline.stages.permute`); norms: a layer's RMSNorms, "
+        "qk-norm / RoPE / heads-first layout, attention-output copy and residual adds, forward and backward "
+        "(`roofline.stages.norms_and_residuals`; GQA models)"))
     p2p: LinkCost | None = None
     all_reduce: LinkCost | None = None
     all_to_all: LinkCost | None = None
 
-    @field_validator("expert_gemm", "attention")
+    @field_validator("expert_gemm", "attention", "projections")
     @classmethod
     def _distinct_points(cls, points: list[RatePoint]) -> list[RatePoint]:
         ats = [p.at for p in points]

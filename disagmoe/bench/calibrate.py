@@ -5,8 +5,25 @@ measures them, this module reuses it) it measures what `HardwareConfig.calibrati
 
 - `op_fixed_us`: each op's fixed cost, defined below;
 - `expert_gemm`: the SwiGLU expert FFN (the runtime's experts backend: torch._grouped_mm or our
-  Triton kernels) at several rows per expert, forward and forward+backward, as fractions of peak;
+  Triton kernels) at several rows per expert, in the three passes the step runs (`ExpertTimes`):
+  the forward, the data gradients, and the weight gradients adding into fp32 main gradients (the
+  Triton kernels' `_ragged_weight_grad_kernel` reads and writes each expert weight's fp32 main
+  gradient once per call: 8 bytes per parameter per micro-batch in the step);
 - `attention`: SDPA (causal, bf16) at several sequence lengths, forward and forward+backward;
+- `projections`: the attention block's projection GEMMs (every nn.Linear of the model's own
+  attention module, forward; data and weight gradients) at PROJECTION_TOKENS tokens, against
+  `roofline.stages.attention_projection_passes` (v2 left them at `bench hardware`'s 8192^3 matmul rate);
+- `hbm_fraction["optimizer"]`: FlatAdamW's step as the trainer runs it (zero the main gradients,
+  their norm, the clipped fused AdamW, the masters into the bf16 parameters) over
+  OPTIMIZER_PARAMS parameters, as a fraction of the HBM rate at which the planner's optimizer
+  stage (`roofline.stages.optimizer_step`: 42 B per parameter) takes that time (the fused AdamW
+  runs below the copy rate `bench hardware` measures); `hbm_fraction["permute"]` the same for the
+  Triton permute and weighted-combine kernels (`kernels.permute`), forward and backward, over
+  PERMUTE_TOKENS tokens of the model's hidden size and top-k, against `roofline.stages.permute`;
+  `hbm_fraction["norms"]` the same for a layer's elementwise kernels as the model runs them (its
+  RMSNorms, qk-norm + RoPE + heads-first layout, the attention output's copy back, the residual
+  adds; the compiled fusions on a GPU), against `roofline.stages.norms_and_residuals` (GQA models:
+  MLA's RoPE path is another, left unmeasured);
 - `p2p`, `all_reduce`, `all_to_all`: NCCL send/recv, all-reduce and all-to-all between GPU 0 and 1
   at several sizes, fitted as latency + bytes / bandwidth (`fit_link`), when 2+ GPUs are visible.
 
@@ -20,8 +37,16 @@ rows. So `op_fixed_us` is the op's GPU kernel time at next to no work, the sum o
 durations as the profiler records them (`timing.kernel_ms`): the expert FFN on one expert with one
 row, the model's attention block on one 16-token sequence. Weight traffic is not in it (one
 expert's weights): the roofline's HBM term prices the weights an op reads. Every curve point is
-timed the same way and net of the fixed cost of its own launches (`rate_point`), so that
-fixed + work / rate reproduces each measured point and nothing is counted twice.
+timed the same way and net of the fixed cost of its own launches, and its rate is the fraction
+of peak at which the planner's own stage work takes that net time (`expert_point`,
+`attention_point`: `roofline.calibration.fitted_fraction` of `roofline.stages.expert_passes` and
+`attention_core_passes`, the functions `placement.cost.evaluate` prices the stages with), so that
+fixed + the stage's roofline time reproduces each measured point and nothing is counted twice or
+left out (probe version 2 divided the FLOPs alone by a backward without the main-gradient
+traffic, which the planner's stage then priced as if the kernel overlapped it: 64 ms where the
+step's profile measured 137 ms, docs/benchmarks.md). The projection curve and the HBM fractions
+are fitted on whole times, no fixed part subtracted: their launches are also inside the attention
+block's fixed cost, so a few microseconds per op count twice, against milliseconds of work.
 
 Not chosen: CUDA events around each call (the earlier probe: for a 16-token block that is the
 host's time to launch it, 0.9 ms forward and 2.7 ms backward on an H200, which a step whose host
@@ -33,7 +58,10 @@ demo) the step shows GPU idle time (`bench profile`), which this calibration doe
 
 The expert curve runs the model's own expert count, capped at ROWS_PER_OP rows in the op
 (`curve_experts`): an op of 8 experts at 256 rows per expert is 2,048 rows, too few to fill the
-GPU, and measured the launch size rather than the rows per expert.
+GPU, and measured the launch size rather than the rows per expert. ROWS_PER_EXPERT holds the
+rows per expert of one micro-batch of the one-GPU configs at 8, 4 and 2 micro-batches (512,
+1,024, 2,048 for configs/h200x2-qwen3-30b.yaml), and the cap lets those ops hold all 128 of its
+experts, as the step's launches do.
 
 The measured terms replace the preset's; terms this machine cannot measure (one GPU: no links)
 keep what the preset (or the --out file being refreshed) already had (`merge_calibration`), if
@@ -57,13 +85,19 @@ import yaml
 from disagmoe.bench import hardware
 from disagmoe.bench.probe import PROBE_FINGERPRINT, PROBE_VERSION
 from disagmoe.config import Calibration, HardwareConfig, LinkCost, ModelConfig, RatePoint, write_text_file
+from disagmoe.roofline import stages
+from disagmoe.roofline.calibration import fitted_fraction, fitted_hbm_fraction
+from disagmoe.roofline.ceilings import Ceilings
 
-ROWS_PER_EXPERT = (16, 64, 256, 1024, 4096)
+ROWS_PER_EXPERT = (16, 64, 256, 512, 1024, 2048, 4096)
 SEQ_LENS = (512, 1024, 2048, 4096, 8192)
 ATTENTION_TOKENS = 16 * 1024  # tokens per attention measurement (batch = tokens / sequence length)
-ROWS_PER_OP = 32 * 1024  # the most rows in one expert-curve measurement (`curve_experts`)
+ROWS_PER_OP = 256 * 1024  # the most rows in one expert-curve measurement (`curve_experts`)
 FIXED_TOKENS = 16  # the one sequence of the attention fixed-cost probes
 MESSAGE_BYTES = (64 * 2**10, 2**20, 16 * 2**20, 128 * 2**20)
+OPTIMIZER_PARAMS = 256 * 2**20  # parameters of the optimizer probe (4.5 GiB of state: far past the L2)
+PERMUTE_TOKENS = 32 * 1024  # tokens of the permute probe (one micro-batch of 8 x 4,096)
+PROJECTION_TOKENS = (4096, 8192, 32768)  # tokens per micro-batch of the projection curve
 
 
 @dataclass(frozen=True)
@@ -87,15 +121,30 @@ class PassTimes:
 
 
 @dataclass(frozen=True)
+class ExpertTimes:
+    """GPU kernel seconds of the expert FFN's passes as the step runs them (`_ffn_times`): the
+    forward, the data gradients (the backward with the weight gradients held back), and the
+    weight gradients added into the weights' fp32 main gradients."""
+
+    fwd_s: float
+    dgrad_s: float
+    wgrad_s: float
+
+
+@dataclass(frozen=True)
 class Timings:
     """What the GPU half measures, GPU kernel seconds per call (`timing.kernel_ms`);
     `calibration_from` turns them into the calibration's terms."""
 
-    expert_gemm: dict[int, PassTimes]  # rows per expert -> the FFN on curve_experts(model, rows) experts
-    expert_fixed: PassTimes  # the FFN on one expert with one row
+    expert_gemm: dict[int, ExpertTimes]  # rows per expert -> the FFN on curve_experts(model, rows) experts
+    expert_fixed: ExpertTimes  # the FFN on one expert with one row
     attention: dict[int, PassTimes]  # sequence length -> causal SDPA over ATTENTION_TOKENS tokens
     attention_fixed: PassTimes  # causal SDPA on one FIXED_TOKENS sequence
     block_fixed: PassTimes  # the model's attention block (norm, attention, residual) on the same
+    optimizer_s: float | None = None  # FlatAdamW's step over OPTIMIZER_PARAMS parameters (None: not measured)
+    permute: PassTimes | None = None  # permute + combine over PERMUTE_TOKENS tokens (None: not measured)
+    projections: dict[int, PassTimes] | None = None  # tokens -> the attention projections (None: not measured)
+    norms: PassTimes | None = None  # one layer's elementwise kernels over PERMUTE_TOKENS tokens (None: not measured)
 
 
 def curve_experts(model: ModelConfig, rows_per_expert: int) -> int:
@@ -107,11 +156,6 @@ def curve_experts(model: ModelConfig, rows_per_expert: int) -> int:
 def attention_batch(seq_len: int) -> int:
     """Sequences in the attention-curve measurement at `seq_len`: ATTENTION_TOKENS tokens in all."""
     return max(1, ATTENTION_TOKENS // seq_len)
-
-
-def expert_ffn_flops(model: ModelConfig, rows: int) -> float:
-    """Forward FLOPs of the SwiGLU expert FFN over `rows` rows (gate/up and down GEMMs)."""
-    return 6.0 * rows * model.hidden_size * model.expert_ffn_size
 
 
 def fit_link(sizes_bytes: Sequence[float], seconds: Sequence[float]) -> LinkCost:
@@ -126,40 +170,65 @@ def fit_link(sizes_bytes: Sequence[float], seconds: Sequence[float]) -> LinkCost
     return LinkCost(latency_us=max(float(intercept), 0.0) * 1e6, gbps=1.0 / float(slope) / 1e9)
 
 
-def rate_point(at: float, fwd_flops: float, times: PassTimes, peak_flops_per_s: float, bwd_flop_factor: float,
-               fixed: PassTimes = PassTimes(0.0, 0.0)) -> RatePoint:
-    """A curve point from a forward and a forward+backward timing, net of the `fixed` time of
-    the same launches at no work (the op's fixed cost, priced on its own): the backward is their
-    difference and does `bwd_flop_factor` times the forward's FLOPs. Fractions are clipped to
-    (0, 1]; a time no larger than its fixed part reads as the peak."""
-    def frac(flops: float, seconds: float) -> float:
-        return min(1.0, max(1e-6, flops / max(seconds, 1e-12) / peak_flops_per_s))
+def expert_point(model: ModelConfig, rows_per_expert: int, times: ExpertTimes, fixed: ExpertTimes,
+                 ceil: Ceilings) -> RatePoint:
+    """The expert curve's point at `rows_per_expert`: each pass's rate is the fraction of peak at
+    which the planner's stage work for the probe's shape (`stages.expert_passes` on
+    curve_experts(model, rows_per_expert) experts: the weight gradients with their fp32
+    main-gradient traffic) takes the pass's time net of its `fixed` part (`fitted_fraction`
+    under `ceil`, the ceilings the calibrated file will be priced with)."""
+    experts = curve_experts(model, rows_per_expert)
+    passes = stages.expert_passes(model, rows_per_expert * experts, experts)
+    fwd, dgrad = passes["routed experts"]
+    wgrad = passes["expert weight grads"][1]
+    return RatePoint(at=rows_per_expert, fwd=fitted_fraction(fwd, times.fwd_s - fixed.fwd_s, ceil),
+                     bwd=fitted_fraction(dgrad, times.dgrad_s - fixed.dgrad_s, ceil),
+                     wgrad=fitted_fraction(wgrad, times.wgrad_s - fixed.wgrad_s, ceil))
 
-    return RatePoint(at=at, fwd=frac(fwd_flops, times.fwd_s - fixed.fwd_s),
-                     bwd=frac(bwd_flop_factor * fwd_flops, times.bwd_s - fixed.bwd_s))
+
+def attention_point(model: ModelConfig, seq_len: int, times: PassTimes, fixed: PassTimes, ceil: Ceilings) -> RatePoint:
+    """The attention curve's point at `seq_len`: the same fit against `stages.attention_core_passes`
+    of the probe's attention_batch(seq_len) sequences."""
+    fwd, bwd = stages.attention_core_passes(model, attention_batch(seq_len) * seq_len, seq_len)
+    return RatePoint(at=seq_len, fwd=fitted_fraction(fwd, times.fwd_s - fixed.fwd_s, ceil),
+                     bwd=fitted_fraction(bwd, times.bwd_s - fixed.bwd_s, ceil))
+
+
+def projection_point(model: ModelConfig, tokens: int, times: PassTimes, ceil: Ceilings) -> RatePoint:
+    """The projection curve's point at `tokens`: the same fit against the planner's
+    `stages.attention_projection_passes` (no fixed part: its launches are in the
+    attention block's fixed cost, and at these sizes they are small against the GEMMs)."""
+    fwd, bwd = stages.attention_projection_passes(model, tokens)
+    return RatePoint(at=tokens, fwd=fitted_fraction(fwd, times.fwd_s, ceil), bwd=fitted_fraction(bwd, times.bwd_s, ceil))
 
 
 def op_fixed_us(t: Timings) -> dict[str, float]:
     """Fixed GPU microseconds per op (module docstring): the expert FFN's launches at one row of
     one expert, the attention block's at one FIXED_TOKENS sequence; forward, and the backward
-    (forward+backward minus forward)."""
-    return {"ExpertForward": t.expert_fixed.fwd_s * 1e6, "ExpertBackward": t.expert_fixed.bwd_s * 1e6,
+    (forward+backward minus forward; the experts' data and weight gradients together)."""
+    return {"ExpertForward": t.expert_fixed.fwd_s * 1e6,
+            "ExpertBackward": (t.expert_fixed.dgrad_s + t.expert_fixed.wgrad_s) * 1e6,
             "AttentionForward": t.block_fixed.fwd_s * 1e6, "AttentionBackward": t.block_fixed.bwd_s * 1e6}
 
 
-def calibration_from(t: Timings, model: ModelConfig, peak_flops_per_s: float, source: str,
+def calibration_from(t: Timings, model: ModelConfig, ceil: Ceilings, source: str,
                      links: dict[str, LinkCost] | None = None) -> Calibration:
-    """The calibration's terms from the GPU kernel timings: curves net of the fixed costs."""
-    from disagmoe.roofline.stages import ATTN_CORE_BWD, GEMM_BWD, attention_core
-
-    gemm = [rate_point(rows, expert_ffn_flops(model, rows * curve_experts(model, rows)), times,
-                       peak_flops_per_s, GEMM_BWD, t.expert_fixed)
-            for rows, times in sorted(t.expert_gemm.items())]
-    attention = [rate_point(seq, float(attention_core(model, attention_batch(seq) * seq, seq).flops),
-                            times, peak_flops_per_s, ATTN_CORE_BWD, t.attention_fixed)
-                 for seq, times in sorted(t.attention.items())]
+    """The calibration's terms from the GPU kernel timings: curves net of the fixed costs, fitted
+    under `ceil` (`Ceilings.of` the calibrated hardware: its measured matmul and HBM rates)."""
+    gemm = [expert_point(model, rows, times, t.expert_fixed, ceil) for rows, times in sorted(t.expert_gemm.items())]
+    attention = [attention_point(model, seq, times, t.attention_fixed, ceil) for seq, times in sorted(t.attention.items())]
+    projections = [projection_point(model, tokens, times, ceil) for tokens, times in sorted((t.projections or {}).items())]
+    hbm = {}
+    if t.optimizer_s is not None:
+        hbm["optimizer"] = fitted_hbm_fraction(stages.optimizer_step(OPTIMIZER_PARAMS), t.optimizer_s, ceil)
+    if t.norms is not None:
+        fwd, bwd = stages.norms_and_residuals(model, PERMUTE_TOKENS)
+        hbm["norms"] = fitted_hbm_fraction(fwd + bwd, t.norms.fwd_bwd_s, ceil)
+    if t.permute is not None:  # one rate for both passes (the stage prices each with the same bytes)
+        pairs = stages.permute(model, PERMUTE_TOKENS * model.top_k)
+        hbm["permute"] = fitted_hbm_fraction(pairs + pairs, t.permute.fwd_bwd_s, ceil)
     return Calibration(source=source, expert_gemm=gemm, attention=attention, op_fixed_us=op_fixed_us(t),
-                       **(links or {}))
+                       projections=projections, hbm_fraction=hbm, **(links or {}))
 
 
 def merge_calibration(old: Calibration | None, new: Calibration) -> Calibration:
@@ -168,6 +237,7 @@ def merge_calibration(old: Calibration | None, new: Calibration) -> Calibration:
         return new
     merged = {name: getattr(new, name) or getattr(old, name) for name in Calibration.model_fields}
     merged["op_fixed_us"] = {**old.op_fixed_us, **new.op_fixed_us}
+    merged["hbm_fraction"] = {**old.hbm_fraction, **new.hbm_fraction}
     return Calibration.model_validate(merged)
 
 
@@ -213,12 +283,14 @@ def measure_all(preset: HardwareConfig, model: ModelConfig, experts_backend: str
     if not torch.cuda.is_available():
         raise ValueError("`disagmoe bench calibrate` measures GPUs and needs a CUDA device; none is visible")
     dev = torch.device("cuda", 0)
+    ceilings = hardware.measure(warmup, iters)
     timings = measure_timings(dev, model, experts_backend, warmup, iters)
     links = nccl_links() if torch.cuda.device_count() > 1 else {}
     source = (f"disagmoe bench calibrate (GPU kernel time), {torch.cuda.get_device_name(dev)}, "
               f"{time.strftime('%Y-%m-%d')}")
-    cal = calibration_from(timings, model, preset.bf16_tflops * 1e12, source, links)
-    return Measurements(hardware.measure(warmup, iters), cal)
+    # fitted under the rates the written file is priced with (`calibrated_hardware`'s efficiencies)
+    cal = calibration_from(timings, model, Ceilings.of(hardware.calibrated(preset, ceilings)), source, links)
+    return Measurements(ceilings, cal)
 
 
 def measure_timings(dev, model: ModelConfig, experts_backend: str, warmup: int, iters: int) -> Timings:
@@ -229,7 +301,11 @@ def measure_timings(dev, model: ModelConfig, experts_backend: str, warmup: int, 
         expert_fixed=_ffn_times(dev, model, experts_backend, 1, 1, warmup, iters),
         attention={s: _sdpa_times(dev, model, s, attention_batch(s), warmup, iters) for s in SEQ_LENS},
         attention_fixed=_sdpa_times(dev, model, FIXED_TOKENS, 1, warmup, iters),
-        block_fixed=_block_times(dev, model, warmup, iters))
+        block_fixed=_block_times(dev, model, warmup, iters),
+        optimizer_s=_optimizer_times(dev, OPTIMIZER_PARAMS, warmup, iters),
+        permute=_permute_times(dev, model, PERMUTE_TOKENS, warmup, iters),
+        projections={n: _projection_times(dev, model, n, warmup, iters) for n in PROJECTION_TOKENS},
+        norms=None if model.attention == "mla" else _norms_times(dev, model, PERMUTE_TOKENS, warmup, iters))
 
 
 def _ffn(experts_backend: str) -> Callable:
@@ -243,42 +319,205 @@ def _ffn(experts_backend: str) -> Callable:
 
 
 def _passes(forward: Callable[[], object], backward: Callable[[], object], warmup: int, iters: int) -> PassTimes:
-    """GPU kernel seconds of `forward` under no_grad, and of `backward` (a forward and its backward)."""
+    """GPU kernel seconds of `forward`, and of `backward` (a forward and its backward). The forward
+    runs with autograd on, its inputs requiring gradients, as in a training step: it saves what its
+    backward reads (the expert FFN's pre-activations, attention's logsumexp), which a no_grad
+    forward (probe version 2) skips."""
     from disagmoe.bench.timing import kernel_ms
 
-    with torch.no_grad():
-        fwd = kernel_ms(lambda _: forward(), warmup, iters)
+    fwd = kernel_ms(lambda _: forward(), warmup, iters)
     return PassTimes(fwd / 1e3, kernel_ms(lambda _: backward(), warmup, iters) / 1e3)
 
 
+@dataclass(frozen=True)
+class FFNPasses:
+    """The expert FFN's passes as the step runs them, each a call to time (`ffn_passes`)."""
+
+    forward: Callable[[], object]  # the forward alone, saving for the backward as the step's does
+    data_grads: Callable[[], object]  # the forward and the data gradients, the weight gradients held back
+    all_grads: Callable[[], object]  # the same, then the weight gradients added into `main_grads`
+    main_grads: tuple[torch.Tensor, torch.Tensor]  # the fp32 main gradients of w13 and w2
+
+
+def ffn_passes(ffn: Callable, x_NH: torch.Tensor, offsets_E: torch.Tensor, w13_EH2F: torch.nn.Parameter,
+               w2_EFH: torch.nn.Parameter, dy_NH: torch.Tensor, fused: bool) -> FFNPasses:
+    """The passes of the experts backend `ffn` on these inputs, the weights given fp32 main
+    gradients as FlatAdamW gives them. `fused` (the Triton backend): each weight gradient is added
+    into its main gradient by the GEMM itself (`_ragged_weight_grad_kernel`, accumulating: a read
+    and a write of the fp32 main gradient per call), and inside `kernels.deferral.deferred_weight_grads`
+    the backward holds those GEMMs back, so `data_grads` runs without them and `all_grads` runs
+    them as the step does. Otherwise (grouped_mm) autograd returns bf16 weight gradients, which
+    FlatAdamW's hook adds into the main gradients: `all_grads` is the backward for all three
+    inputs plus those adds, `data_grads` the backward for x alone."""
+    from disagmoe.kernels.deferral import deferred_weight_grads
+
+    main13, main2 = (torch.zeros_like(w, dtype=torch.float32) for w in (w13_EH2F, w2_EFH))
+    if fused:
+        w13_EH2F.main_grad, w2_EFH.main_grad = main13, main2
+    x_leaf = x_NH.detach().clone().requires_grad_()
+
+    def data_grads() -> list[Callable[[], object]]:
+        with deferred_weight_grads() as held:
+            torch.autograd.grad(ffn(x_leaf, offsets_E, w13_EH2F, w2_EFH), [x_leaf], dy_NH)
+        return held
+
+    def all_grads() -> None:
+        if fused:
+            held = data_grads()
+            if not held:
+                raise RuntimeError("the experts backend held back no weight-gradient GEMM: it did not find the "
+                                   "fp32 main gradients, so this probe would not time the step's accumulate path")
+            for work in held:
+                work()
+            return
+        _, dw13, dw2 = torch.autograd.grad(ffn(x_leaf, offsets_E, w13_EH2F, w2_EFH), [x_leaf, w13_EH2F, w2_EFH], dy_NH)
+        main13.add_(dw13)
+        main2.add_(dw2)
+
+    return FFNPasses(lambda: ffn(x_leaf, offsets_E, w13_EH2F, w2_EFH), data_grads, all_grads, (main13, main2))
+
+
 def _ffn_times(dev, model: ModelConfig, experts_backend: str, rows_per_expert: int, experts: int,
-               warmup: int, iters: int) -> PassTimes:
-    """The expert FFN over `experts` equal groups of `rows_per_expert` rows."""
+               warmup: int, iters: int) -> ExpertTimes:
+    """The expert FFN over `experts` equal groups of `rows_per_expert` rows: the GPU kernel time
+    of each of its passes as the step runs them (`ffn_passes`), the later passes less the earlier."""
+    from disagmoe.bench.timing import kernel_ms
+
     H, F, E = model.hidden_size, model.expert_ffn_size, experts
     gen = torch.Generator(device=dev).manual_seed(0)
     bf16 = dict(device=dev, dtype=torch.bfloat16, generator=gen)
     x_NH = torch.randn(E * rows_per_expert, H, **bf16)
-    w13_EH2F = (torch.randn(E, H, 2 * F, **bf16) / H**0.5).requires_grad_()
-    w2_EFH = (torch.randn(E, F, H, **bf16) / F**0.5).requires_grad_()
+    w13_EH2F = torch.nn.Parameter(torch.randn(E, H, 2 * F, **bf16) / H**0.5)
+    w2_EFH = torch.nn.Parameter(torch.randn(E, F, H, **bf16) / F**0.5)
     offsets_E = torch.arange(1, E + 1, device=dev, dtype=torch.int32) * rows_per_expert
-    ffn = _ffn(experts_backend)
-    x_leaf = x_NH.clone().requires_grad_()
     dy_NH = torch.randn(E * rows_per_expert, H, **bf16)
-    return _passes(lambda: ffn(x_NH, offsets_E, w13_EH2F, w2_EFH),
-                   lambda: torch.autograd.grad(ffn(x_leaf, offsets_E, w13_EH2F, w2_EFH),
-                                               [x_leaf, w13_EH2F, w2_EFH], dy_NH), warmup, iters)
+    passes = ffn_passes(_ffn(experts_backend), x_NH, offsets_E, w13_EH2F, w2_EFH, dy_NH,
+                        fused=experts_backend == "triton")
+    fwd = kernel_ms(lambda _: passes.forward(), warmup, iters)
+    dgrad = kernel_ms(lambda _: passes.data_grads(), warmup, iters)
+    full = kernel_ms(lambda _: passes.all_grads(), warmup, iters)
+    return ExpertTimes(fwd / 1e3, max(dgrad - fwd, 0.0) / 1e3, max(full - dgrad, 0.0) / 1e3)
+
+
+def sdpa_shapes(model: ModelConfig, batch: int, seq_len: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """The [B, heads, S, head width] shapes of q, k and v as the model's attention hands them to
+    SDPA, from the widths `roofline.stages.attention_io_per_token` counts: GQA with its own KV
+    heads (`enable_gqa`, no expanded copies), MLA with q/k of the nope + rope width and v of its own."""
+    q, k, v = stages.attention_io_per_token(model)
+    qk_dim = q // model.num_heads
+    kv_heads = k // qk_dim
+    return ((batch, model.num_heads, seq_len, qk_dim), (batch, kv_heads, seq_len, qk_dim),
+            (batch, kv_heads, seq_len, v // kv_heads))
 
 
 def _sdpa_times(dev, model: ModelConfig, seq_len: int, batch: int, warmup: int, iters: int) -> PassTimes:
-    """Causal SDPA on [B, n, S, D] bf16 (GQA heads expanded)."""
+    """Causal SDPA (bf16) on `sdpa_shapes`, as `model.attention` calls it: GQA's KV heads shared
+    through `enable_gqa` (so the kernel the step gets, and its backward's reduction over the
+    group), MLA's q, k, v as tokens-first tensors viewed heads-first."""
     import torch.nn.functional as F
 
-    shape = (batch, model.num_heads, seq_len, model.head_dim)
     gen = torch.Generator(device=dev).manual_seed(0)
-    q, k, v = (torch.randn(shape, device=dev, dtype=torch.bfloat16, generator=gen).requires_grad_() for _ in range(3))
-    dy = torch.randn(shape, device=dev, dtype=torch.bfloat16, generator=gen)
-    sdpa = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+    mla = model.attention == "mla"
+
+    def leaf(shape: tuple[int, ...]) -> torch.Tensor:
+        if mla:  # [B, S, n, D] viewed as [B, n, S, D], as MultiHeadLatentAttention passes them
+            b, n, s_, d = shape
+            return torch.randn(b, s_, n, d, device=dev, dtype=torch.bfloat16, generator=gen).requires_grad_()
+        return torch.randn(shape, device=dev, dtype=torch.bfloat16, generator=gen).requires_grad_()
+
+    q_shape, k_shape, v_shape = sdpa_shapes(model, batch, seq_len)
+    q, k, v = leaf(q_shape), leaf(k_shape), leaf(v_shape)
+    heads = (lambda t: t.transpose(1, 2)) if mla else (lambda t: t)
+    gqa = k_shape[1] != q_shape[1]
+    dy = torch.randn(q_shape[:3] + v_shape[3:], device=dev, dtype=torch.bfloat16, generator=gen)
+    sdpa = lambda: F.scaled_dot_product_attention(heads(q), heads(k), heads(v), is_causal=True,  # noqa: E731
+                                                  enable_gqa=gqa)
     return _passes(sdpa, lambda: torch.autograd.grad(sdpa(), [q, k, v], dy), warmup, iters)
+
+
+def projection_passes(layers: Sequence[torch.nn.Linear], tokens: int, dev, dtype=torch.bfloat16,
+                      ) -> tuple[Callable[[], object], Callable[[], object]]:
+    """(forward, forward and backward) of every projection GEMM in `layers` over `tokens` rows:
+    y = x W^T, then d x and d W (the weight's bf16 gradient, which FlatAdamW's hook adds into its
+    main gradient: the planner's separate `main-grad adds` stage)."""
+    gen = torch.Generator(device=dev).manual_seed(0)
+    xs = [torch.randn(tokens, layer.in_features, device=dev, dtype=dtype, generator=gen).requires_grad_()
+          for layer in layers]
+    dys = [torch.randn(tokens, layer.out_features, device=dev, dtype=dtype, generator=gen) for layer in layers]
+
+    def forward() -> list[torch.Tensor]:
+        return [layer(x) for layer, x in zip(layers, xs, strict=True)]
+
+    def forward_backward() -> list[object]:
+        return [torch.autograd.grad(layer(x), [x, layer.weight], dy) for layer, x, dy in zip(layers, xs, dys, strict=True)]
+
+    return forward, forward_backward
+
+
+def attention_linears(model: ModelConfig, dev, dtype=torch.bfloat16) -> list[torch.nn.Linear]:
+    """Every nn.Linear of the model's own attention module (`model.attention.build_attention`): the
+    projection GEMMs the step runs, with their shapes (GQA's q, k, v, o; MLA's low-rank chains)."""
+    from disagmoe.model.attention import build_attention
+
+    with torch.device(dev):  # built where it runs (no host copy of the weights)
+        attention = build_attention(model).to(dtype)
+    return [m for m in attention.modules() if isinstance(m, torch.nn.Linear)]
+
+
+def _projection_times(dev, model: ModelConfig, tokens: int, warmup: int, iters: int) -> PassTimes:
+    """`projection_passes` of the model's attention projections over `tokens` tokens."""
+    forward, forward_backward = projection_passes(attention_linears(model, dev), tokens, dev)
+    return _passes(forward, forward_backward, warmup, iters)
+
+
+def norms_passes(model: ModelConfig, batch: int, seq_len: int, dev, dtype=torch.bfloat16,
+                 ) -> tuple[Callable[[], object], Callable[[], object]]:
+    """(forward, forward and backward) of one layer's elementwise kernels around its GEMMs and
+    attention, the model's own code for each (a GQA `model.block.Block`): the attention RMSNorm,
+    qk-norm (where the model has it) + RoPE + q, k, v heads-first (`qk_norm_rope_heads` /
+    `rope_heads`), attention's output copied back tokens-first, the residual add, the FFN
+    RMSNorm, the second residual add; the GEMMs' and attention's outputs stand in as inputs. What
+    `roofline.stages.norms_and_residuals` counts."""
+    from disagmoe.model.attention import qk_norm_rope_heads, rope_heads
+    from disagmoe.model.block import Block
+    from disagmoe.model.layers import rope_cos_sin
+
+    if model.attention == "mla":
+        raise ValueError("the elementwise probe runs the GQA attention's RoPE path; MLA's is another")
+    with torch.device(dev):
+        block = Block(model).to(dtype)
+    attn = block.attention
+    B, S, H, n, g, D = batch, seq_len, model.hidden_size, model.num_heads, model.num_kv_heads, model.head_dim
+    cos_SD, sin_SD = rope_cos_sin(S, D, attn.rope_theta, torch.device(dev), dtype, attn.rope_scaling)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    leaf = lambda *shape: torch.randn(*shape, device=dev, dtype=dtype, generator=gen).requires_grad_()  # noqa: E731
+    x, q, k, v = leaf(B, S, H), leaf(B, S, n, D), leaf(B, S, g, D), leaf(B, S, g, D)
+    o, attn_out, ffn_out = leaf(B, n, S, D), leaf(B, S, H), leaf(B, S, H)
+    leaves = [x, q, k, v, o, attn_out, ffn_out, *(p for p in block.parameters() if p.dim() == 1)]
+
+    def forward() -> list[torch.Tensor]:
+        xn = block.attention_norm(x)
+        if attn.q_norm is not None:
+            heads = qk_norm_rope_heads(q, k, v, attn.q_norm.weight, attn.k_norm.weight, cos_SD, sin_SD, attn.q_norm.eps)
+        else:
+            heads = rope_heads(q, k, v, cos_SD, sin_SD)
+        tokens_first = o.transpose(1, 2).reshape(B, S, n * D)
+        h = x + attn_out
+        return [xn, *heads, tokens_first, block.ffn_norm(h), h + ffn_out]
+
+    def forward_backward() -> object:
+        outs = forward()
+        grads = [torch.ones_like(t) for t in outs]
+        return torch.autograd.grad(outs, leaves, grads, allow_unused=True)
+
+    return forward, forward_backward
+
+
+def _norms_times(dev, model: ModelConfig, tokens: int, warmup: int, iters: int) -> PassTimes:
+    """`norms_passes` over `tokens` tokens in sequences of the model's length (one, if shorter)."""
+    seq_len = min(model.seq_len, tokens)
+    forward, forward_backward = norms_passes(model, max(1, tokens // seq_len), seq_len, dev)
+    return _passes(forward, forward_backward, warmup, iters)
 
 
 def _block_times(dev, model: ModelConfig, warmup: int, iters: int) -> PassTimes:
@@ -288,6 +527,65 @@ def _block_times(dev, model: ModelConfig, warmup: int, iters: int) -> PassTimes:
     block = Block(model).to(dev, torch.bfloat16)
     x = torch.randn(1, FIXED_TOKENS, model.hidden_size, device=dev, dtype=torch.bfloat16, requires_grad=True)
     return _passes(lambda: block.attention_part(x), lambda: block.attention_part(x).sum().backward(), warmup, iters)
+
+
+def optimizer_pass(optimizer, grad_clip: float = 1.0) -> None:
+    """One optimizer step as the trainer's flat step makes it (`runtime.training.trainer`): zero
+    the main gradients, their norm, the clip coefficient, the fused AdamW and the masters into the
+    compute parameters (`FlatAdamW.step`). The gradients' own arrival is the backward's."""
+    optimizer.zero_grad()
+    norm = optimizer.grad_squares().sqrt().float()
+    optimizer.step(clip_coef=torch.clamp(grad_clip / (norm + 1e-6), max=1.0))
+
+
+def _optimizer_times(dev, params: int, warmup: int, iters: int) -> float:
+    """GPU kernel seconds of `optimizer_pass` over one bf16 matrix of `params` parameters (fp32
+    masters, main gradients and moments: FlatAdamW's default)."""
+    from disagmoe.bench.timing import kernel_ms
+    from disagmoe.config import OptimConfig
+    from disagmoe.runtime.state.flat_adamw import FlatAdamW
+
+    cols = 4096
+    weight = torch.nn.Parameter(torch.randn(params // cols, cols, device=dev, dtype=torch.bfloat16))
+    optimizer = FlatAdamW([("weight", weight)], OptimConfig(), torch.bfloat16)
+    try:
+        return kernel_ms(lambda _: optimizer_pass(optimizer), warmup, iters) / 1e3
+    finally:
+        optimizer.close()
+
+
+def permute_passes(x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, weights_TK: torch.Tensor, num_experts: int,
+                   dy_TH: torch.Tensor) -> tuple[Callable[[], object], Callable[[], object]]:
+    """(forward, forward and backward) of the step's permute and weighted combine around the
+    experts (`model.block`'s fused path: `permute_tokens`, then `combine_rows` of the rows), the
+    experts left out: the backward is the combine's (row and routing-weight gradients) and the
+    permute's (a combine without weights)."""
+    from disagmoe.kernels.permute import combine_rows, permute_tokens
+
+    x_leaf, w_leaf = x_TH.detach().clone().requires_grad_(), weights_TK.detach().clone().requires_grad_()
+
+    def forward() -> torch.Tensor:
+        rows_NH, _, dest_TK = permute_tokens(x_leaf, topk_idx_TK, num_experts)
+        return combine_rows(rows_NH, dest_TK, w_leaf)
+
+    def forward_backward() -> object:
+        rows_NH, _, dest_TK = permute_tokens(x_leaf, topk_idx_TK, num_experts)
+        return torch.autograd.grad(combine_rows(rows_NH, dest_TK, w_leaf), [x_leaf, w_leaf], dy_TH)
+
+    return forward, forward_backward
+
+
+def _permute_times(dev, model: ModelConfig, tokens: int, warmup: int, iters: int) -> PassTimes:
+    """`permute_passes` over `tokens` tokens of the model's hidden size, each routed to top_k
+    distinct experts drawn uniformly (balanced loads)."""
+    gen = torch.Generator(device=dev).manual_seed(0)
+    x_TH = torch.randn(tokens, model.hidden_size, device=dev, dtype=torch.bfloat16, generator=gen)
+    scores = torch.rand(tokens, model.num_experts, device=dev, generator=gen)
+    topk_idx_TK = scores.topk(model.top_k, dim=-1).indices  # int64, as the router's
+    weights_TK = torch.softmax(scores.gather(1, topk_idx_TK), dim=-1).to(torch.bfloat16)
+    dy_TH = torch.randn_like(x_TH)
+    forward, forward_backward = permute_passes(x_TH, topk_idx_TK, weights_TK, model.num_experts, dy_TH)
+    return _passes(forward, forward_backward, warmup, iters)
 
 
 def nccl_links() -> dict[str, LinkCost]:

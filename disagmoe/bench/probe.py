@@ -12,17 +12,30 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import re
 from collections.abc import Mapping
 from pathlib import Path
 
 from disagmoe.config import PRESETS_DIR, HardwareConfig, preset_names
 
-PROBE_VERSION = 2
+PROBE_VERSION = 3
 # 1: before 47ee5dd: CUDA events around each call (`timing.median_ms`: for a tiny op, the host's
 #    time to launch it), the expert curve on 8 experts, fixed costs the event time of the smallest probes.
 # 2: 47ee5dd: GPU kernel time (`timing.kernel_ms`), fixed cost at next to no work, curve points net
 #    of it, the expert curve on the model's own experts (up to ROWS_PER_OP rows per op).
-PROBE_FINGERPRINT = "a893532bff0722f3"  # `code_fingerprint()` of the code that measures version PROBE_VERSION
+# 3: the expert FFN timed in the step's three passes (forward; data gradients; weight gradients
+#    adding into fp32 main gradients, the Triton kernels' accumulate path), each rate fitted against
+#    the planner's own stage work (`roofline.stages.expert_passes`, `attention_core_passes`, through
+#    `roofline.calibration.fitted_fraction` under the calibrated file's ceilings), a `wgrad` rate per
+#    expert point, rows per expert 512 and 2,048 added, up to 256k rows per op; FlatAdamW's step
+#    timed as the trainer runs it, its HBM rate fitted against `roofline.stages.optimizer_step`;
+#    the Triton permute and combine, forward and backward, against `roofline.stages.permute`;
+#    attention timed on the model's own KV heads (GQA through enable_gqa, as `model.attention`
+#    calls SDPA; version 2 expanded K and V to every query head); the attention projections'
+#    GEMMs (the model's own nn.Linear shapes) as a curve over tokens per micro-batch; every forward
+#    timed with autograd on (saving for its backward, as the step's; version 2 ran them under no_grad);
+#    a layer's norms, RoPE, copies and residual adds (GQA), against `roofline.stages.norms_and_residuals`.
+PROBE_FINGERPRINT = "735d115a26d0d007"  # `code_fingerprint()` of the code that measures version PROBE_VERSION
 
 # The code that decides what a calibration's numbers mean: file (under disagmoe/) -> top-level name
 # -> why it belongs. Left out on purpose: the experts backends and `model.Block` (the probe measures
@@ -38,19 +51,36 @@ PROBE_PARTS: dict[str, dict[str, str]] = {
         "FIXED_TOKENS": "the fixed-cost probes' sequence",
         "MESSAGE_BYTES": "the link fits' message sizes",
         "MOVED": "bytes per link call in the link fits",
+        "OPTIMIZER_PARAMS": "the optimizer probe's size",
+        "PERMUTE_TOKENS": "the permute probe's size",
+        "PROJECTION_TOKENS": "the projection curve's sizes",
+        "projection_point": "the projection rates, fitted the same way",
+        "projection_passes": "the projection probe's calls",
+        "attention_linears": "which GEMMs the projection probe runs (the model's own)",
+        "_projection_times": "the projection probe's inputs",
+        "norms_passes": "the elementwise probe's calls (the model's own norms, RoPE, copies, adds)",
+        "_norms_times": "the elementwise probe's inputs",
+        "permute_passes": "the permute probe's calls (the step's permute and combine)",
+        "_permute_times": "the permute probe's inputs",
+        "optimizer_pass": "the optimizer probe's calls (the trainer's step)",
+        "_optimizer_times": "the optimizer probe's inputs",
         "PassTimes": "the backward as forward+backward minus forward",
+        "ExpertTimes": "the expert FFN's three passes",
         "curve_experts": "experts per expert-curve op",
         "attention_batch": "sequences per attention point",
-        "expert_ffn_flops": "the FLOPs the expert rates divide by",
         "fit_link": "latency and bandwidth from the link timings",
-        "rate_point": "the rate arithmetic: fractions of peak, net of the fixed cost",
+        "expert_point": "the expert rates: which stage work each pass is fitted against, net of the fixed cost",
+        "attention_point": "the attention rates, the same way",
         "op_fixed_us": "which probe is each op's fixed cost",
         "calibration_from": "which timings make which terms",
         "measure_all": "the peak the fractions refer to; which parts run",
         "measure_timings": "what each term's probe runs (sizes, experts)",
         "_passes": "forward and backward timed with timing.kernel_ms",
-        "_ffn_times": "the expert FFN probe's inputs",
-        "_sdpa_times": "the attention probe's inputs",
+        "FFNPasses": "the expert FFN's passes",
+        "ffn_passes": "how each expert pass runs (the main gradients, what is held back)",
+        "_ffn_times": "the expert FFN probe's inputs and how its passes are timed",
+        "sdpa_shapes": "the attention probe's q, k, v shapes (the model's own heads)",
+        "_sdpa_times": "the attention probe's inputs and call",
         "_block_times": "the attention block probe (the attention ops' fixed cost)",
         "nccl_links": "the link probes",
         "_nccl_worker": "how each collective is timed",
@@ -61,10 +91,34 @@ PROBE_PARTS: dict[str, dict[str, str]] = {
         "median_ms": "the timing method of the link probes",
     },
     "roofline/stages.py": {
-        "GEMM_BWD": "the expert backward's FLOPs per forward FLOP, in its rate",
-        "ATTN_CORE_BWD": "the attention backward's, in its rate",
-        "attention_core": "the FLOPs the attention rates divide by",
+        "Work": "the stage work the rates are fitted against (its backward)",
+        "GEMM_BWD": "the projections' backward FLOPs per forward FLOP (Work.backward's default)",
+        "ATTN_CORE_BWD": "the attention backward's FLOPs per forward FLOP, in its rate",
+        "attention_core": "the attention work the attention rates are fitted against",
+        "attention_projections": "the projection work the projection rates are fitted against",
+        "attention_projection_passes": "its forward and backward",
+        "attention_core_passes": "its forward and backward",
         "attention_io_per_token": "the head widths attention_core counts",
+        "expert_passes": "the expert stages the expert rates are fitted against",
+        "routed_experts": "the forward's work",
+        "swiglu_ffn": "what routed_experts counts",
+        "expert_data_grads": "the data gradients' work",
+        "expert_weight_grads": "the weight gradients' work, with the fp32 main-gradient traffic",
+        "optimizer_step": "the optimizer's bytes the optimizer rate is fitted against",
+        "permute": "the permute and combine bytes the permute rate is fitted against",
+        "norms_and_residuals": "the elementwise bytes the norms rate is fitted against",
+        "BF16": "bytes per bf16 value in that work",
+        "FP32": "bytes per fp32 value in it",
+    },
+    "roofline/params.py": {
+        "attention_params": "the projection weights attention_projections counts",
+    },
+    "roofline/calibration.py": {
+        "fitted_fraction": "the rate from a stage's work and its measured time",
+        "fitted_hbm_fraction": "the HBM rate from a memory-bound stage's work and its measured time",
+    },
+    "roofline/ceilings.py": {
+        "Ceilings": "how a stage's work becomes time (fitted_fraction inverts it)",
     },
 }
 
@@ -131,23 +185,39 @@ def code_fingerprint() -> str:
     return fingerprint(probe_sources())
 
 
+def regenerate_command(hw: HardwareConfig, ref: str) -> str:
+    """The command that re-measures `hw` (loaded from `ref`, a preset name or a file) with the
+    current probe into the same file: over its base preset, with the --model and
+    --experts-backend of the command recorded on the file's first line (`bench.hardware.preset_yaml`)."""
+    path = _path(ref)
+    base = hw.name.removesuffix("-calibrated")
+    base = base if base in preset_names("hardware") else "PRESET"
+    try:
+        first = path.read_text().splitlines()[0] if path.is_file() else ""
+    except (OSError, IndexError):
+        first = ""
+    recorded = "".join(f" {flag} {found.group(1)}" for flag in ("--model", "--experts-backend")
+                       if (found := re.search(rf"{flag} ([^\s`]+)", first)))
+    return f"disagmoe bench calibrate --hardware {base} --out {_shown(path)}{recorded}"
+
+
 def stale_note(hw: HardwareConfig, ref: str) -> str | None:
     """One line saying that `hw` (loaded from `ref`, a preset name or a file) was calibrated by
-    another probe version than the current one, and how to re-measure it; None if it was not."""
+    another probe version than the current one, and the command that re-measures it; None if it was not."""
     cal = hw.calibration
     if cal is None or cal.probe_version == PROBE_VERSION:
         return None
-    preset = PRESETS_DIR / "hardware" / f"{ref}.yaml"
-    path = preset if "/" not in ref and preset.is_file() else Path(ref)
-    shown = _shown(path)
     measured = ("records no probe version (older than versions)" if cal.probe_version is None
                 else f"was measured by probe version {cal.probe_version}")
-    base = hw.name.removesuffix("-calibrated")
-    base = base if base in preset_names("hardware") else "PRESET"
-    return (f"{shown}: its calibration {measured} of `disagmoe bench calibrate`, which is now at version "
+    return (f"{_shown(_path(ref))}: its calibration {measured} of `disagmoe bench calibrate`, which is now at version "
             f"{PROBE_VERSION}: its terms were measured another way (planning with them anyway); re-measure on the "
-            f"GPU with `disagmoe bench calibrate --hardware {base} --out {shown}` (--model and --experts-backend "
-            "as in the command on the file's first line)")
+            f"GPU with `{regenerate_command(hw, ref)}`")
+
+
+def _path(ref: str) -> Path:
+    """The file `ref` (a preset name or a path) names."""
+    preset = PRESETS_DIR / "hardware" / f"{ref}.yaml"
+    return preset if "/" not in ref and preset.is_file() else Path(ref)
 
 
 def _shown(path: Path) -> str:

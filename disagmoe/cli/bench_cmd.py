@@ -278,7 +278,8 @@ def calibrate(
 ) -> None:
     """Measure the cost model's terms on this machine and write a hardware YAML that `plan
     --hardware FILE` and `roofline --hardware FILE` accept: bf16 matmul, HBM and GPU-to-GPU
-    ceilings (as `bench hardware`), the expert GEMM rate at several rows per expert, SDPA
+    ceilings (as `bench hardware`), the expert GEMM rates at several rows per expert (forward,
+    data gradients, weight gradients adding into fp32 main gradients, as the step runs them), SDPA
     attention forward+backward at several sequence lengths, each op's fixed cost, and NCCL
     send/recv, all-reduce and all-to-all latency and bandwidth when 2+ GPUs are visible.
 

@@ -418,12 +418,11 @@ def evaluate(prob: Problem, c: Candidates) -> Cost:
     fits = fits.astype(bool)
 
     # Every stage once: per GPU, per micro-batch and layer (or per micro-batch / per step).
-    proj, core = st.attention_projections(m, tokens), st.attention_core(m, tokens, S)
     head = st.lm_head(m, tokens) + st.embedding(m, tokens)
-    experts = st.routed_experts(m, rows, local)
+    experts = st.expert_passes(m, rows, local)  # the passes `bench calibrate` fits its expert curve against
     stages = {
-        "attention projections": Stage("attention", "layer", proj, proj.backward()),
-        "attention core": Stage("attention", "layer", core, core.backward(st.ATTN_CORE_BWD)),
+        "attention projections": Stage("attention", "layer", *st.attention_projection_passes(m, tokens)),
+        "attention core": Stage("attention", "layer", *st.attention_core_passes(m, tokens, S)),
         "norms, RoPE, residual adds": Stage("attention", "layer", *st.norms_and_residuals(m, tokens)),
         "router": Stage("attention", "moe", st.router(m, tokens), st.router(m, tokens).backward()),
         "shared experts": Stage("attention", "moe", st.shared_experts(m, tokens),
@@ -431,8 +430,8 @@ def evaluate(prob: Problem, c: Candidates) -> Cost:
         "permute / combine sum": Stage("attention", "moe", st.permute(m, tokens * k), st.permute(m, tokens * k)),
         "dense ffn": Stage("attention", "dense", st.dense_ffn(m, tokens), st.dense_ffn(m, tokens).backward()),
         "dispatch": Stage("link", "moe", dispatch, combine),
-        "routed experts": Stage("expert", "moe", experts, st.expert_data_grads(m, rows, local)),
-        "expert weight grads": Stage("expert", "moe", Work(), st.expert_weight_grads(m, rows, local)),
+        "routed experts": Stage("expert", "moe", *experts["routed experts"]),
+        "expert weight grads": Stage("expert", "moe", *experts["expert weight grads"]),
         "selective recompute": Stage("expert", "moe", Work(), st.selective_recompute(m, rows * selective)),
         "combine": Stage("link", "moe", combine, dispatch),
         "main-grad adds": Stage("attention", "moe", Work(), st.main_grad_add(attn_layer + moe_side)),
@@ -450,7 +449,7 @@ def evaluate(prob: Problem, c: Candidates) -> Cost:
     if not selective.any():
         del stages["selective recompute"]
     if prob.calibration is not None:
-        stages = calibrated_stages(stages, prob.calibration, ceil, rows / local, float(S), c.colocated)
+        stages = calibrated_stages(stages, prob.calibration, ceil, rows / local, float(S), c.colocated, tokens)
     if prob.fp8_speedup > 1:
         stages = fp8_stages(stages, ceil, prob.fp8_speedup, m, rows, exp_params)
 
@@ -542,19 +541,22 @@ def fp8_stages(stages: dict[str, Stage], ceil: Ceilings, speedup: float, m: Mode
 
 
 def calibrated_stages(stages: dict[str, Stage], calib: Calibration, ceil: Ceilings, rows_per_expert: Num,
-                      seq_len: float, colocated: bool) -> dict[str, Stage]:
+                      seq_len: float, colocated: bool, tokens: Num = None) -> dict[str, Stage]:
     """`stages` priced with measured terms (`roofline.calibration`): the routed experts at the GEMM
-    rate measured for their rows per expert, the attention core at the rate measured for the
+    rates measured for their rows per expert (forward, data gradients, and the weight gradients
+    into the fp32 main gradients at their own rate where the calibration holds it), the attention
+    projections at the GEMM rate measured for their `tokens` per micro-batch, the attention core at the rate measured for the
     sequence length, dispatch and combine at the measured P2P transport (colocated: all-to-all),
-    the gradient all-reduces at the measured all-reduce, and each schedule op's fixed cost as its
+    the gradient all-reduces at the measured all-reduce, the optimizer's passes and the permute /
+    combine kernels at their measured HBM rates (`Calibration.hbm_fraction`), and each schedule op's fixed cost as its
     own stage (attention, expert ops) or inside the stage that is the op (loss, optimizer).
     A term the calibration lacks leaves its stages as they were."""
     out = dict(stages)
 
-    def rated(name: str, curve: list, at: Num) -> None:
+    def rated(name: str, curve: list, at: Num, bwd_field: str = "bwd") -> None:
         if curve and name in out:
             out[name] = replace(out[name], fwd_ceilings=cal.compute_ceilings(ceil, cal.curve_fraction(curve, at, False)),
-                                bwd_ceilings=cal.compute_ceilings(ceil, cal.curve_fraction(curve, at, True)))
+                                bwd_ceilings=cal.compute_ceilings(ceil, cal.curve_fraction(curve, at, True, bwd_field)))
 
     def linked(names: tuple[str, ...], link, collective: bool) -> None:
         if link is None:
@@ -568,8 +570,21 @@ def calibrated_stages(stages: dict[str, Stage], calib: Calibration, ceil: Ceilin
         return Work(fixed_s=cal.op_fixed_s(calib, kind))
 
     rated("routed experts", calib.expert_gemm, rows_per_expert)
-    rated("expert weight grads", calib.expert_gemm, rows_per_expert)
+    # probe version 3 on: the weight gradients' own rate, measured adding into fp32 main gradients;
+    # an older file's backward rate (data and weight gradients together, bf16) prices both stages
+    wgrad_measured = bool(calib.expert_gemm) and all(p.wgrad is not None for p in calib.expert_gemm)
+    rated("expert weight grads", calib.expert_gemm, rows_per_expert, "wgrad" if wgrad_measured else "bwd")
     rated("attention core", calib.attention, seq_len)
+    if tokens is not None:  # tokens per attention GPU per micro-batch
+        rated("attention projections", calib.projections, tokens)
+    # memory-bound stages at their measured HBM rate: FlatAdamW's passes, the permute and combine kernels
+    for kind, names in (("optimizer", ("optimizer (attention)", "optimizer (experts)")),
+                        ("permute", ("permute / combine sum",)), ("norms", ("norms, RoPE, residual adds",))):
+        if kind in calib.hbm_fraction:
+            hbm_ceil = cal.hbm_ceilings(ceil, calib.hbm_fraction[kind])
+            for name in names:
+                if name in out:
+                    out[name] = replace(out[name], fwd_ceilings=hbm_ceil, bwd_ceilings=hbm_ceil)
     linked(("dispatch", "combine"), calib.all_to_all if colocated else calib.p2p, collective=colocated)
     linked(("grad all-reduce (attention)", "grad all-reduce (experts)"), calib.all_reduce, collective=True)
     out[ATTENTION_FIXED] = Stage("attention", "layer", fixed("AttentionForward"), fixed("AttentionBackward"))

@@ -1,8 +1,12 @@
 """Measured terms on top of the roofline: efficiency curves and per-transport costs.
 
 A `HardwareConfig.calibration` (written by `disagmoe bench calibrate`) holds
-- curves of (size, fraction of the bf16 peak) points: the expert GEMMs against rows per expert,
-  the attention core against sequence length. `curve_fraction` interpolates linearly in log(size)
+- curves of (size, fraction of the bf16 peak) points: the expert GEMMs against rows per expert
+  (forward, data gradients, weight gradients into fp32 main gradients), the attention core
+  against sequence length. A point's fraction is the rate at which the stage's own work
+  (`roofline.stages.expert_passes`, `attention_core_passes`) takes the measured time
+  (`fitted_fraction`, the inverse of the pricing below), so the probe and the planner count one
+  stage's traffic the same way. `curve_fraction` interpolates linearly in log(size)
   and clamps at the end points (no extrapolation: outside the measured range the nearest
   measurement holds);
 - transports as latency + bytes / bandwidth (`LinkCost`): NCCL send/recv, all-reduce, all-to-all;
@@ -21,22 +25,56 @@ import numpy as np
 
 from disagmoe.config import Calibration, LinkCost, RatePoint
 from disagmoe.roofline.ceilings import Ceilings
-from disagmoe.roofline.stages import Num
+from disagmoe.roofline.stages import Num, Work
 
 
-def curve_fraction(points: list[RatePoint], at: Num, bwd: bool) -> np.ndarray:
+def curve_fraction(points: list[RatePoint], at: Num, bwd: bool, field: str | None = None) -> np.ndarray:
     """The fraction of peak at `at` (array-broadcastable): interpolated in log(at) between the
-    measured points, the end points' value outside them. `points` must be non-empty."""
+    measured points, the end points' value outside them. `points` must be non-empty. `field`
+    names the RatePoint field to read (e.g. "wgrad"); default "bwd" if `bwd` else "fwd"."""
     if not points:
         raise ValueError("an efficiency curve needs at least one measured point")
+    name = field or ("bwd" if bwd else "fwd")
+    values = [getattr(p, name) for p in points]
+    if any(v is None for v in values):
+        raise ValueError(f"the curve's points do not all hold `{name}` (measured by an older probe)")
     xs = np.log([p.at for p in points])
-    ys = np.array([p.bwd if bwd else p.fwd for p in points])
+    ys = np.array(values, dtype=float)
     return np.interp(np.log(np.maximum(np.asarray(at, dtype=float), 1e-30)), xs, ys)
 
 
 def compute_ceilings(ceil: Ceilings, fraction: Num) -> Ceilings:
     """`ceil` with its FLOP rate set to `fraction` of the bf16 peak (memory and links unchanged)."""
     return replace(ceil, flops_per_s=ceil.peak_flops_per_s * np.asarray(fraction, dtype=float))
+
+
+def fitted_fraction(work: Work, seconds: float, ceil: Ceilings) -> float:
+    """The fraction f of the bf16 peak at which `compute_ceilings(ceil, f).time(work)` is `seconds`:
+    the inverse of how a calibrated stage is priced, so that a stage priced at a curve point's own
+    size takes the time the probe measured, whatever else (HBM traffic: the fp32 main gradients of
+    the expert weight gradients) the stage's work counts. `bench calibrate` fits every curve point
+    with it, against the same stage functions the planner prices (`roofline.stages.expert_passes`,
+    `attention_core_passes`). Where the other roofs and the latency alone take longer than
+    `seconds`, no rate reproduces it: f is the lowest that keeps compute off the critical path
+    (the stage is then priced at those roofs). Clipped to [1e-6, 1]."""
+    t = {k: float(np.asarray(v)) for k, v in ceil.times(work).items()}
+    other = max(t["hbm"], t["nvlink"], t["scale-out"])
+    compute_s = max(seconds - t["latency"], other, 1e-12)
+    return float(min(1.0, max(1e-6, float(work.flops) / compute_s / ceil.peak_flops_per_s)))
+
+
+def hbm_ceilings(ceil: Ceilings, fraction: Num) -> Ceilings:
+    """`ceil` with its HBM rate times `fraction` (a memory-bound stage's measured share of it)."""
+    return replace(ceil, hbm_bytes_per_s=ceil.hbm_bytes_per_s * np.asarray(fraction, dtype=float))
+
+
+def fitted_hbm_fraction(work: Work, seconds: float, ceil: Ceilings) -> float:
+    """The fraction f at which `hbm_ceilings(ceil, f).time(work)` is `seconds` (a memory-bound
+    stage: its HBM bytes bind): the inverse of how `placement.cost.calibrated_stages` prices it, so
+    the stage priced at the probe's own size takes the probe's measured time. Clipped to [1e-6, 1]
+    (faster than the measured copy rate reads as that rate)."""
+    t = {k: float(np.asarray(v)) for k, v in ceil.times(work).items()}
+    return float(min(1.0, max(1e-6, t["hbm"] / max(seconds - t["latency"], 1e-12))))
 
 
 def link_ceilings(ceil: Ceilings, link: LinkCost, collective: bool) -> Ceilings:

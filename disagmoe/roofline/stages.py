@@ -137,6 +137,32 @@ def expert_weight_grads(m: ModelConfig, rows: Num, local_experts: Num) -> Work:
                 hbm_bytes=BF16 * rows * (2 * H + 3 * F) + 2 * FP32 * weights)
 
 
+def expert_passes(m: ModelConfig, rows: Num, local_experts: Num) -> dict[str, tuple[Work, Work]]:
+    """The routed experts' stages as the step runs them, (forward, backward) work of each: `routed
+    experts` (the forward; the data gradients) and `expert weight grads` (nothing; the weight
+    gradients with their fp32 main-gradient read and write, `expert_weight_grads`). The one
+    definition the planner prices (`placement.cost.evaluate`) and `bench calibrate` fits its
+    expert curve against (`bench.calibrate.calibration_from`, through
+    `roofline.calibration.fitted_fraction`): a curve point read back at the probe's own shape is
+    the probe's measured time, so the two cannot count the traffic differently."""
+    return {"routed experts": (routed_experts(m, rows, local_experts), expert_data_grads(m, rows, local_experts)),
+            "expert weight grads": (Work(), expert_weight_grads(m, rows, local_experts))}
+
+
+def attention_projection_passes(m: ModelConfig, tokens: Num) -> tuple[Work, Work]:
+    """(forward, backward) of the attention projections (the backward: data and weight gradients,
+    twice the forward), as the planner prices them and `bench calibrate` fits its projection curve."""
+    proj = attention_projections(m, tokens)
+    return proj, proj.backward()
+
+
+def attention_core_passes(m: ModelConfig, tokens: Num, seq_len: Num) -> tuple[Work, Work]:
+    """(forward, backward) of the attention core, as the planner prices it and `bench calibrate`
+    fits its attention curve against (the backward ATTN_CORE_BWD times the forward's FLOPs)."""
+    core = attention_core(m, tokens, seq_len)
+    return core, core.backward(ATTN_CORE_BWD)
+
+
 def main_grad_add(params: Num) -> Work:
     """bf16 weight gradients added into their fp32 main gradients (FlatAdamW's post-accumulate
     hook, one elementwise kernel per parameter): read both, write the fp32 one."""

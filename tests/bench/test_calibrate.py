@@ -2,7 +2,9 @@
 (read back by `plan` and `roofline`), and the real measurements on a GPU."""
 
 import json
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -14,8 +16,12 @@ from disagmoe.bench.probe import PROBE_FINGERPRINT, PROBE_VERSION
 from disagmoe.cli.app import app
 from disagmoe.config import Calibration, HardwareConfig, LinkCost, Plan, RatePoint, load_hardware
 from disagmoe.model_ref import load_model
+from disagmoe.roofline.calibration import compute_ceilings, fitted_fraction
+from disagmoe.roofline.ceilings import Ceilings
+from disagmoe.roofline.stages import Work
 
 runner = CliRunner()
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 def test_fit_link_recovers_latency_and_bandwidth_of_a_line():
@@ -27,80 +33,176 @@ def test_fit_link_recovers_latency_and_bandwidth_of_a_line():
         cal.fit_link([1.0, 1.0], [1.0, 2.0])
 
 
-def test_rate_point_splits_forward_and_backward():
-    peak = 1e15
-    times = cal.PassTimes(fwd_s=1e12 / (0.5 * peak), fwd_bwd_s=1e12 / (0.5 * peak) + 2e12 / (0.25 * peak))
-    point = cal.rate_point(256, fwd_flops=1e12, times=times, peak_flops_per_s=peak, bwd_flop_factor=2.0)
-    assert (point.at, point.fwd, point.bwd) == (256, pytest.approx(0.5), pytest.approx(0.25))
+def _ceil(hw: HardwareConfig | None = None) -> Ceilings:
+    return Ceilings.of(hw or load_hardware("h200-sxm"))
 
 
-def test_rate_point_is_net_of_the_fixed_cost_of_the_same_launches():
-    peak, flops = 1e15, 1e11
-    fixed = cal.PassTimes(fwd_s=30e-6, fwd_bwd_s=30e-6 + 80e-6)
-    fwd = fixed.fwd_s + flops / (0.4 * peak)
-    times = cal.PassTimes(fwd_s=fwd, fwd_bwd_s=fwd + fixed.bwd_s + 2 * flops / (0.3 * peak))
-    point = cal.rate_point(64, flops, times, peak, 2.0, fixed)
-    assert (point.fwd, point.bwd) == (pytest.approx(0.4), pytest.approx(0.3))
-    # a point no slower than its fixed part reads as the peak, never as a negative or infinite rate
-    assert cal.rate_point(64, flops, fixed, peak, 2.0, fixed).fwd == 1.0
+def test_a_fitted_fraction_prices_its_work_at_the_measured_time():
+    ceil = _ceil()
+    compute_bound = Work(flops=1e12, hbm_bytes=1e8)
+    seconds = 1e12 / (0.4 * ceil.peak_flops_per_s)
+    f = fitted_fraction(compute_bound, seconds, ceil)
+    assert f == pytest.approx(0.4) and compute_ceilings(ceil, f).time(compute_bound) == pytest.approx(seconds)
+    # memory-heavy work (the weight gradients' fp32 main gradients): still the measured time, where
+    # dividing the FLOPs alone by it would price the HBM traffic as overlapped
+    memory_heavy = Work(flops=1e11, hbm_bytes=2e10)
+    seconds = 3 * memory_heavy.hbm_bytes / ceil.hbm_bytes_per_s
+    assert compute_ceilings(ceil, fitted_fraction(memory_heavy, seconds, ceil)).time(memory_heavy) == pytest.approx(seconds)
+    # faster than its HBM roof: no rate reproduces it; compute stays off the critical path
+    fast = fitted_fraction(memory_heavy, 0.5 * memory_heavy.hbm_bytes / ceil.hbm_bytes_per_s, ceil)
+    assert compute_ceilings(ceil, fast).time(memory_heavy) == pytest.approx(memory_heavy.hbm_bytes / ceil.hbm_bytes_per_s)
+    assert fitted_fraction(compute_bound, 0.0, ceil) == 1.0  # no slower than its fixed part: the peak, never infinite
 
 
 def test_the_expert_curve_runs_the_models_experts_up_to_one_ops_rows():
     qwen, deepseek, tiny = load_model("qwen3-30b-a3b"), load_model("deepseek-v3"), load_model("tiny")
-    assert [cal.curve_experts(qwen, r) for r in cal.ROWS_PER_EXPERT] == [128, 128, 128, 32, 8]
+    assert [cal.curve_experts(qwen, r) for r in cal.ROWS_PER_EXPERT] == [128, 128, 128, 128, 128, 128, 64]
     assert cal.curve_experts(deepseek, 16) == 256 and cal.curve_experts(deepseek, cal.ROWS_PER_OP * 2) == 1
     assert cal.curve_experts(tiny, 1) == tiny.num_experts
 
 
-FRACTIONS = {16: (0.05, 0.04), 64: (0.15, 0.12), 256: (0.3, 0.25), 1024: (0.55, 0.45), 4096: (0.7, 0.6)}
-EXPERT_FIXED, SDPA_FIXED = cal.PassTimes(25e-6, 25e-6 + 85e-6), cal.PassTimes(8e-6, 8e-6 + 30e-6)
+# rows per expert -> (forward, data gradients, weight gradients) fractions of peak of a made-up GPU;
+# the weight gradients are timed at this fraction of their FLOPs or their HBM roof, whichever is slower
+FRACTIONS = {16: (0.05, 0.04, 0.03), 64: (0.15, 0.12, 0.08), 256: (0.3, 0.25, 0.15), 512: (0.4, 0.35, 0.2),
+             1024: (0.55, 0.45, 0.3), 2048: (0.6, 0.5, 0.35), 4096: (0.7, 0.6, 0.45)}
+WGRAD_HBM_SLOWDOWN = 1.8  # the made-up kernel's weight gradients take this times their HBM roof, at the least
+OPTIMIZER_HBM = 0.65  # the made-up optimizer's passes run at this fraction of the HBM rate
+PERMUTE_HBM = 0.55  # the made-up permute and combine kernels, the same
+NORMS_HBM = 0.45  # the made-up elementwise kernels, the same
+PROJECTIONS = {4096: (0.55, 0.5), 8192: (0.62, 0.58), 32768: (0.7, 0.66)}  # tokens -> made-up GEMM rates
+EXPERT_FIXED = cal.ExpertTimes(25e-6, 55e-6, 30e-6)
+SDPA_FIXED = cal.PassTimes(8e-6, 8e-6 + 30e-6)
 BLOCK_FIXED = cal.PassTimes(60e-6, 60e-6 + 210e-6)
 
 
-def _timings(model, peak: float) -> cal.Timings:
-    """GPU kernel times of a made-up GPU that runs each probe at FRACTIONS of `peak` on top of
+def _timings(model, ceil: Ceilings) -> cal.Timings:
+    """GPU kernel times of a made-up GPU that runs each probe at FRACTIONS of the peak on top of
     the fixed times above (the shape a real GPU's timings have; no measured figure)."""
-    from disagmoe.roofline.stages import ATTN_CORE_BWD, attention_core
+    from disagmoe.roofline import stages
+    from disagmoe.roofline.stages import attention_core_passes, expert_passes
 
-    def passes(fixed: cal.PassTimes, flops: float, fracs: tuple[float, float], bwd_factor: float) -> cal.PassTimes:
-        fwd = fixed.fwd_s + flops / (fracs[0] * peak)
-        return cal.PassTimes(fwd, fwd + fixed.bwd_s + bwd_factor * flops / (fracs[1] * peak))
-
-    gemm = {r: passes(EXPERT_FIXED, cal.expert_ffn_flops(model, r * cal.curve_experts(model, r)), FRACTIONS[r], 2.0)
-            for r in cal.ROWS_PER_EXPERT}
-    attention = {s: passes(SDPA_FIXED, float(attention_core(model, cal.attention_batch(s) * s, s).flops), (0.5, 0.4),
-                           ATTN_CORE_BWD) for s in cal.SEQ_LENS}
-    return cal.Timings(gemm, EXPERT_FIXED, attention, SDPA_FIXED, BLOCK_FIXED)
+    peak = ceil.peak_flops_per_s
+    gemm = {}
+    for r, (f, d, w) in FRACTIONS.items():
+        experts = cal.curve_experts(model, r)
+        passes = expert_passes(model, r * experts, experts)
+        fwd, dgrad = passes["routed experts"]
+        wgrad = passes["expert weight grads"][1]
+        wgrad_s = max(wgrad.flops / (w * peak), WGRAD_HBM_SLOWDOWN * wgrad.hbm_bytes / ceil.hbm_bytes_per_s)
+        gemm[r] = cal.ExpertTimes(EXPERT_FIXED.fwd_s + fwd.flops / (f * peak),
+                                  EXPERT_FIXED.dgrad_s + dgrad.flops / (d * peak), EXPERT_FIXED.wgrad_s + wgrad_s)
+    attention = {}
+    for s in cal.SEQ_LENS:
+        fwd, bwd = attention_core_passes(model, cal.attention_batch(s) * s, s)
+        f_s = SDPA_FIXED.fwd_s + fwd.flops / (0.5 * peak)
+        attention[s] = cal.PassTimes(f_s, f_s + SDPA_FIXED.bwd_s + bwd.flops / (0.4 * peak))
+    optimizer_s = 42 * cal.OPTIMIZER_PARAMS / (OPTIMIZER_HBM * ceil.hbm_bytes_per_s)  # FlatAdamW's 42 B per parameter
+    pairs = stages.permute(model, cal.PERMUTE_TOKENS * model.top_k).hbm_bytes / (PERMUTE_HBM * ceil.hbm_bytes_per_s)
+    permute = cal.PassTimes(pairs, 2 * pairs)  # forward and backward move the same bytes (the stage's count)
+    projections = {}
+    for n, (f, b) in PROJECTIONS.items():
+        fwd, bwd = stages.attention_projection_passes(model, n)
+        projections[n] = cal.PassTimes(fwd.flops / (f * peak), fwd.flops / (f * peak) + bwd.flops / (b * peak))
+    n_fwd, n_bwd = stages.norms_and_residuals(model, cal.PERMUTE_TOKENS)
+    norms = cal.PassTimes(n_fwd.hbm_bytes / (NORMS_HBM * ceil.hbm_bytes_per_s),
+                          (n_fwd.hbm_bytes + n_bwd.hbm_bytes) / (NORMS_HBM * ceil.hbm_bytes_per_s))
+    return cal.Timings(gemm, EXPERT_FIXED, attention, SDPA_FIXED, BLOCK_FIXED, optimizer_s, permute, projections, norms)
 
 
 def test_the_terms_come_back_from_the_gpu_kernel_times():
-    model, peak = load_model("qwen3-30b-a3b"), 989e12
-    calib = cal.calibration_from(_timings(model, peak), model, peak, "made up")
+    model, ceil = load_model("qwen3-30b-a3b"), _ceil()
+    calib = cal.calibration_from(_timings(model, ceil), model, ceil, "made up")
     assert [(p.at, p.fwd, p.bwd) for p in calib.expert_gemm] == [
-        (r, pytest.approx(f), pytest.approx(b)) for r, (f, b) in FRACTIONS.items()]
+        (r, pytest.approx(f), pytest.approx(d)) for r, (f, d, _) in FRACTIONS.items()]
+    assert all(p.wgrad is not None and p.wgrad <= FRACTIONS[p.at][2] * (1 + 1e-9) for p in calib.expert_gemm)
     assert all((p.fwd, p.bwd) == (pytest.approx(0.5), pytest.approx(0.4)) for p in calib.attention)
+    assert [(p.at, p.fwd, p.bwd) for p in calib.projections] == [
+        (n, pytest.approx(f), pytest.approx(b)) for n, (f, b) in PROJECTIONS.items()]
+    assert calib.hbm_fraction == {"optimizer": pytest.approx(OPTIMIZER_HBM), "permute": pytest.approx(PERMUTE_HBM),
+                                  "norms": pytest.approx(NORMS_HBM)}
     assert calib.op_fixed_us == {"ExpertForward": pytest.approx(25.0), "ExpertBackward": pytest.approx(85.0),
                                  "AttentionForward": pytest.approx(60.0), "AttentionBackward": pytest.approx(210.0)}
 
 
 def test_an_expert_op_of_the_probes_size_is_priced_at_the_probes_gpu_time():
-    """The fixed cost is counted once: one GPU, 1 x 4,096 tokens, top-8 of 128 experts is the
-    probe's own op (256 rows of each of 128 experts); its forward is priced at exactly the
-    probe's forward time, its backward at no less (the runtime also adds into fp32 main grads)."""
+    """The fixed cost is counted once and the fp32 main-gradient traffic once: one GPU, 1 x 4,096
+    tokens, top-8 of 128 experts is the probe's own op (256 rows of each of 128 experts); its
+    forward is priced at exactly the probe's forward time, its backward at exactly the probe's
+    data-gradient plus weight-gradient time."""
     from disagmoe.placement.cost import Candidates, evaluate
     from disagmoe.placement.replay import op_times
     from disagmoe.placement.solver import problem_of
     from disagmoe.config import ClusterConfig, PlanConfig
 
     model, hw = load_model("qwen3-30b-a3b"), load_hardware("h200-sxm")
-    timings = _timings(model, hw.bf16_tflops * 1e12)
-    hw = hw.model_copy(update={"calibration": cal.calibration_from(timings, model, hw.bf16_tflops * 1e12, "made up")})
+    timings = _timings(model, _ceil(hw))
+    hw = hw.model_copy(update={"calibration": cal.calibration_from(timings, model, _ceil(hw), "made up")})
     req = PlanConfig(model=model, cluster=ClusterConfig(hardware=hw, num_gpus=1), seq_len=4096,
                      global_batch_tokens=4096)
     prob = problem_of(req)
     times = op_times(evaluate(prob, Candidates.one(0, 1, 1, 1, 1, colocated=True)), prob)
-    assert times.expert_forward == pytest.approx(timings.expert_gemm[256].fwd_s, rel=1e-9)
-    assert times.expert_backward >= timings.expert_gemm[256].bwd_s * (1 - 1e-9)
+    probe = timings.expert_gemm[256]
+    assert times.expert_forward == pytest.approx(probe.fwd_s, rel=1e-9)
+    assert times.expert_backward == pytest.approx(probe.dgrad_s + probe.wgrad_s, rel=1e-9)
+
+
+def test_the_qwen3_configs_expert_stages_are_priced_at_the_probes_times_at_its_rows_per_expert():
+    """configs/h200x2-qwen3-30b.yaml on one GPU at 2 micro-batches: 8 x 4,096 tokens x top-8 over
+    128 experts is 2,048 rows per expert, a curve point the probe ran on all 128 experts: each
+    expert stage of the planner is priced at exactly the probe's time of that pass, the weight
+    gradients with their fp32 main-gradient traffic included once."""
+    from disagmoe.config import load_train_config
+    from disagmoe.placement.cost import evaluate
+    from disagmoe.placement.solver import problem_of
+    from disagmoe.placement.trace_compare import run_request
+
+    cfg = load_train_config(CONFIGS / "h200x2-qwen3-30b.yaml", ["mode=single", "micro_batches=2"])
+    model, hw = load_model(cfg.model), load_hardware("h200-sxm")
+    timings = _timings(model, _ceil(hw))
+    hw = hw.model_copy(update={"calibration": cal.calibration_from(timings, model, _ceil(hw), "made up")})
+    req, cand = run_request(cfg, model, hw)
+    prob = problem_of(req)
+    stages = evaluate(prob, cand).stages
+    probe, fixed = timings.expert_gemm[2048], timings.expert_fixed
+    at = lambda name, bwd: float(np.asarray(stages[name].time(bwd, prob.ceilings)).ravel()[0])  # noqa: E731
+    assert at("routed experts", False) == pytest.approx(probe.fwd_s - fixed.fwd_s, rel=1e-9)
+    assert at("routed experts", True) == pytest.approx(probe.dgrad_s - fixed.dgrad_s, rel=1e-9)
+    assert at("expert weight grads", True) == pytest.approx(probe.wgrad_s - fixed.wgrad_s, rel=1e-9)
+    # the optimizer at the probe's rate per byte: its measured seconds per parameter, whatever the count
+    held = float(np.asarray(evaluate(prob, cand).expert_params).ravel()[0])
+    assert at("optimizer (experts)", True) == pytest.approx(timings.optimizer_s * held / cal.OPTIMIZER_PARAMS, rel=1e-9)
+    # the permute and combine per token the probe's (8 x 4,096 tokens per micro-batch: the probe's own count)
+    assert cfg.batch_size // cfg.micro_batches * cfg.seq_len == cal.PERMUTE_TOKENS
+    assert cal.PERMUTE_TOKENS in cal.PROJECTION_TOKENS  # and a point of the projection curve
+    assert at("norms, RoPE, residual adds", False) + at("norms, RoPE, residual adds", True) == pytest.approx(
+        timings.norms.fwd_bwd_s, rel=1e-9)
+    projections = timings.projections[cal.PERMUTE_TOKENS]
+    assert at("attention projections", False) == pytest.approx(projections.fwd_s, rel=1e-9)
+    assert at("attention projections", True) == pytest.approx(projections.bwd_s, rel=1e-9)
+    assert at("permute / combine sum", False) + at("permute / combine sum", True) == pytest.approx(
+        timings.permute.fwd_bwd_s, rel=1e-9)
+
+
+def test_probe_and_planner_price_the_expert_stages_with_one_function(monkeypatch):
+    """`bench calibrate` fits against, and `placement.cost.evaluate` prices with, the same
+    `roofline.stages.expert_passes`: a change to it reaches both (here: a spy sees both call it)."""
+    from disagmoe.placement.cost import Candidates, evaluate
+    from disagmoe.placement.solver import problem_of
+    from disagmoe.config import ClusterConfig, PlanConfig
+    from disagmoe.roofline import stages
+
+    model = load_model("qwen3-30b-a3b")
+    timings = _timings(model, _ceil())
+    calls = []
+    real = stages.expert_passes
+    monkeypatch.setattr(stages, "expert_passes", lambda *a: calls.append(a) or real(*a))
+    cal.calibration_from(timings, model, _ceil(), "made up")
+    fitted = len(calls)
+    assert fitted == len(cal.ROWS_PER_EXPERT)
+    req = PlanConfig(model=model, cluster=ClusterConfig(hardware=load_hardware("h200-sxm"), num_gpus=1),
+                     seq_len=4096, global_batch_tokens=4096)
+    evaluate(problem_of(req), Candidates.one(0, 1, 1, 1, 1, colocated=True))
+    assert len(calls) > fitted
 
 
 def test_merge_keeps_the_terms_a_run_could_not_measure():
@@ -116,12 +218,15 @@ def test_merge_keeps_the_terms_a_run_could_not_measure():
 def _fake_measure(preset: HardwareConfig, model, backend: str) -> cal.Measurements:
     """Measurements as a GPU run would return them, derived from the preset (none typed in)."""
     peak = preset.bf16_tflops
-    curve = [RatePoint(at=r, fwd=min(1.0, 0.1 * (i + 1)), bwd=min(1.0, 0.08 * (i + 1)))
+    curve = [RatePoint(at=r, fwd=min(1.0, 0.1 * (i + 1)), bwd=min(1.0, 0.08 * (i + 1)), wgrad=min(1.0, 0.05 * (i + 1)))
              for i, r in enumerate(cal.ROWS_PER_EXPERT)]
     sizes = list(cal.MESSAGE_BYTES)
     line = lambda lat, gbps: [lat + b / (gbps * 1e9) for b in sizes]  # noqa: E731
     links = {k: cal.fit_link(sizes, line(20e-6, 0.5 * preset.nvlink_gbps)) for k in ("p2p", "all_reduce", "all_to_all")}
-    calib = Calibration(source=f"fake {backend}", expert_gemm=curve, attention=curve,
+    attention = [p.model_copy(update={"wgrad": None}) for p in curve]
+    projections = [RatePoint(at=n, fwd=0.6, bwd=0.55) for n in cal.PROJECTION_TOKENS]
+    calib = Calibration(source=f"fake {backend}", expert_gemm=curve, attention=attention, projections=projections,
+                        hbm_fraction={"optimizer": 0.7, "permute": 0.5},
                         op_fixed_us={"AttentionForward": 100.0, "ExpertForward": 40.0}, **links)
     hw = Measured(matmul_tflops=0.7 * peak, hbm_gbps=0.8 * preset.hbm_gbps, nvlink_gbps=0.8 * preset.nvlink_gbps,
                   nvlink_latency_us=8.0)
@@ -138,6 +243,8 @@ def test_the_command_writes_a_yaml_that_plan_and_roofline_accept(tmp_path, monke
     assert text.startswith("# Calibrated by `disagmoe bench calibrate --hardware h200-sxm")
     hw = HardwareConfig.model_validate(yaml.safe_load(text))
     assert hw.name == "h200-sxm-calibrated" and hw.calibration.source == "fake grouped_mm"
+    assert hw.calibration.hbm_fraction == {"optimizer": 0.7, "permute": 0.5} and len(hw.calibration.projections) == 3
+    assert all(p.wgrad is not None for p in hw.calibration.expert_gemm)
     assert (hw.calibration.probe_version, hw.calibration.probe_fingerprint) == (PROBE_VERSION, PROBE_FINGERPRINT)
     printed = r.stdout[: r.stdout.rindex("calibrated hardware written to")]
     assert yaml.safe_load(printed) == yaml.safe_load(text)  # what it prints is the file, never wrapped
@@ -193,6 +300,11 @@ def test_measure_on_a_gpu(backend):
     gemm = m.calibration.expert_gemm
     assert [p.at for p in gemm] == list(cal.ROWS_PER_EXPERT) and gemm[-1].fwd > gemm[0].fwd
     assert all(0 < p.fwd <= 1 and 0 < p.bwd <= 1 for p in gemm + m.calibration.attention)
+    assert all(p.wgrad is not None and 0 < p.wgrad <= 1 for p in gemm)
+    assert set(m.calibration.hbm_fraction) == {"optimizer", "permute", "norms"}
+    assert all(0 < f <= 1 for f in m.calibration.hbm_fraction.values())
+    assert [p.at for p in m.calibration.projections] == list(cal.PROJECTION_TOKENS)
+    assert all(0 < p.fwd <= 1 and 0 < p.bwd <= 1 for p in m.calibration.projections)
     fixed = m.calibration.op_fixed_us
     assert set(fixed) == {"ExpertForward", "ExpertBackward", "AttentionForward", "AttentionBackward"}
     # GPU kernel time at next to no work: a few launches' worth, far below the host's 0.9-2.7 ms
@@ -201,3 +313,139 @@ def test_measure_on_a_gpu(backend):
     if torch.cuda.device_count() > 1:
         assert m.calibration.p2p is not None and m.calibration.p2p.gbps > 10
     HardwareConfig.model_validate(yaml.safe_load(cal.preset_text(cal.calibrated_hardware(hw, m), m, {"gpu": "x"}, "t")))
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["triton", "autograd-weight-grads"])
+def test_the_expert_probes_weight_pass_adds_into_fp32_main_gradients_as_the_step_does(interpreted, fused):
+    """`ffn_passes` on the Triton kernels (interpreted, fp32 on a CPU) and on the torch reference
+    (a backend whose autograd returns the weight gradients, as grouped_mm's does): the data pass
+    leaves the main gradients alone (the Triton weight GEMMs held back, not run), the full pass
+    adds d w13 and d w2 into them once per call (read, add, write: the traffic the planner's
+    `expert weight grads` stage counts)."""
+    import functools
+
+    from disagmoe.kernels.tile_configs import TileConfig
+
+    _, moe_ffn = interpreted("disagmoe.kernels.grouped_gemm", "disagmoe.kernels.moe_ffn")
+    tiles = moe_ffn.FFNTiles.uniform(TileConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=4,
+                                                num_stages=1))
+    ffn = (functools.partial(moe_ffn.expert_ffn_triton, tiles=tiles, num_programs=2) if fused
+           else moe_ffn.expert_ffn_reference)
+    gen = torch.Generator().manual_seed(0)
+    E, rows, H, F = 2, 8, 16, 16
+    x = torch.randn(E * rows, H, generator=gen)
+    w13 = torch.nn.Parameter(torch.randn(E, H, 2 * F, generator=gen) / H**0.5)
+    w2 = torch.nn.Parameter(torch.randn(E, F, H, generator=gen) / F**0.5)
+    offsets = torch.arange(1, E + 1, dtype=torch.int32) * rows
+    dy = torch.randn(E * rows, H, generator=gen)
+    want = torch.autograd.grad(moe_ffn.expert_ffn_reference(x, offsets, w13, w2), [w13, w2], dy)
+
+    passes = cal.ffn_passes(ffn, x, offsets, w13, w2, dy, fused)
+    main13, main2 = passes.main_grads
+    assert main13.dtype == main2.dtype == torch.float32
+    passes.data_grads()
+    assert not main13.any() and not main2.any()
+    for calls in (1, 2):
+        passes.all_grads()
+        for got, grad in zip((main13, main2), want, strict=True):
+            torch.testing.assert_close(got, calls * grad, rtol=1e-4, atol=1e-5)
+    y = passes.forward()
+    assert y.requires_grad  # built for a backward, as the step's forward is (it saves the pre-activations)
+    torch.testing.assert_close(y.detach(), moe_ffn.expert_ffn_reference(x, offsets, w13, w2).detach(),
+                               rtol=1e-4, atol=1e-5)
+
+
+def test_the_optimizer_probe_runs_the_trainers_step_on_flat_adamw():
+    """`optimizer_pass` on a CPU FlatAdamW (bf16 parameters, fp32 masters): the main gradients
+    zeroed, their norm, the clipped step, the masters back in the parameters."""
+    from disagmoe.config import OptimConfig
+    from disagmoe.runtime.state.flat_adamw import FlatAdamW
+
+    weight = torch.nn.Parameter(torch.randn(64, 32, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(0)))
+    optimizer = FlatAdamW([("weight", weight)], OptimConfig(lr=0.5, weight_decay=0.5), torch.bfloat16)
+    before = weight.detach().clone()
+    weight.main_grad.fill_(1.0)  # gradients a backward left: the step zeroes them first, as the trainer's does
+    cal.optimizer_pass(optimizer)
+    assert not weight.main_grad.any() and torch.isfinite(weight).all()
+    assert not torch.equal(weight.detach(), before)  # decayed by the step
+    optimizer.close()
+
+
+def test_the_permute_probe_runs_the_steps_permute_and_combine(interpreted):
+    """`permute_passes` on the Triton kernels (interpreted, fp32 on a CPU): the forward is the
+    weighted combine of each token's k copies, the backward gives x and the routing weights
+    their gradients (the combine's and the permute's backward kernels)."""
+    interpreted("disagmoe.kernels.permute")
+    gen = torch.Generator().manual_seed(0)
+    T, H, E, K = 40, 24, 6, 2
+    x = torch.randn(T, H, generator=gen)
+    idx = torch.rand(T, E, generator=gen).topk(K, dim=-1).indices
+    w = torch.softmax(torch.randn(T, K, generator=gen), dim=-1)
+    dy = torch.randn(T, H, generator=gen)
+    forward, forward_backward = cal.permute_passes(x, idx, w, E, dy)
+    y = forward()
+    assert y.requires_grad
+    torch.testing.assert_close(y.detach(), x * w.sum(-1, keepdim=True), rtol=1e-5, atol=1e-5)
+    dx, dw = forward_backward()
+    torch.testing.assert_close(dx, dy * w.sum(-1, keepdim=True), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dw, (dy * x).sum(-1, keepdim=True).expand(T, K), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "deepseek-v3"])
+def test_the_attention_probe_runs_the_models_own_heads(name, monkeypatch):
+    """q, k, v of the probe have the widths the planner's attention core counts
+    (`attention_io_per_token`): Qwen3's 4 KV heads shared by 32 query heads (enable_gqa, not 32
+    expanded copies), DeepSeek's MLA q/k of nope + rope width and v of its own."""
+    from disagmoe.roofline.stages import attention_io_per_token
+
+    model = load_model(name)
+    q, k, v = cal.sdpa_shapes(model, 2, 512)
+    assert (q[1] * q[3], k[1] * k[3], v[1] * v[3]) == attention_io_per_token(model)
+    assert q[0] == k[0] == v[0] == 2 and q[2] == k[2] == v[2] == 512
+    if name == "qwen3-30b-a3b":
+        assert (q[1], k[1], v[1]) == (32, 4, 4)
+    # the probe's call itself, once each pass, on a CPU (kernel_ms stood in for: no CUDA here)
+    from disagmoe.bench import timing
+
+    ran = []
+    monkeypatch.setattr(timing, "kernel_ms", lambda fn, warmup, iters: ran.append(fn(0)) or 1.0)
+    assert cal._sdpa_times(torch.device("cpu"), model, 16, 2, 0, 1) == cal.PassTimes(1e-3, 1e-3)
+    assert ran[0].shape == (2, q[1], 16, v[3])  # the forward's output, heads-first
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "deepseek-v3"])
+def test_the_projection_probe_runs_the_models_own_gemms(name):
+    """The probe's GEMMs are the model's attention module's nn.Linear layers: their weights are
+    the ones the planner's projection stage counts (`attention_params` less the input norm, up
+    to the qk / latent norms' gains), and their FLOPs its forward's."""
+    from disagmoe.roofline.stages import attention_projection_passes
+
+    model = load_model(name)
+    layers = cal.attention_linears(model, torch.device("meta"))
+    weights = sum(layer.weight.numel() for layer in layers)
+    fwd, bwd = attention_projection_passes(model, 4096)
+    assert fwd.flops == pytest.approx(2 * 4096 * weights, rel=1e-3) and bwd.flops == 2 * fwd.flops
+    assert all(layer.bias is None for layer in layers)
+
+
+def test_the_projection_probes_calls_give_x_and_w_their_gradients():
+    layers = [torch.nn.Linear(16, 24, bias=False), torch.nn.Linear(24, 8, bias=False)]
+    forward, forward_backward = cal.projection_passes(layers, 5, torch.device("cpu"), torch.float32)
+    assert [tuple(y.shape) for y in forward()] == [(5, 24), (5, 8)]
+    assert [tuple(g.shape) for grads in forward_backward() for g in grads] == [(5, 16), (24, 16), (5, 24), (8, 24)]
+
+
+def test_the_elementwise_probe_runs_the_models_norms_rope_copies_and_adds():
+    """`norms_passes` on a CPU (the fusions run as written there): the outputs a layer's
+    elementwise kernels write (normed x, q / k / v heads-first, attention output tokens-first, the
+    FFN norm, the layer output), and gradients for the inputs and the norms' gains."""
+    model = load_model("qwen3-30b-a3b")
+    forward, forward_backward = cal.norms_passes(model, 2, 16, torch.device("cpu"), torch.float32)
+    H, n, g, D = model.hidden_size, model.num_heads, model.num_kv_heads, model.head_dim
+    assert [tuple(t.shape) for t in forward()] == [(2, 16, H), (2, n, 16, D), (2, g, 16, D), (2, g, 16, D),
+                                                   (2, 16, n * D), (2, 16, H), (2, 16, H)]
+    grads = forward_backward()
+    assert all(gr is not None and torch.isfinite(gr).all() for gr in grads[:7])
+    assert len(grads) == 7 + 4  # the attention and FFN norms' gains, q-norm's and k-norm's
+    with pytest.raises(ValueError, match="MLA"):
+        cal.norms_passes(load_model("deepseek-v3"), 1, 16, torch.device("cpu"))

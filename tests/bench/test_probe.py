@@ -12,24 +12,48 @@ from disagmoe.config import PRESETS_DIR, Calibration, RatePoint, load_hardware, 
 runner = CliRunner()
 
 
+def _regenerate_commands() -> str:
+    """The exact command that re-measures each committed calibrated preset (run from the repository root)."""
+    return "; ".join(f"`{probe.regenerate_command(load_hardware(name), name)}`" for name in preset_names("hardware")
+                     if load_hardware(name).calibration is not None)
+
+
 def test_the_recorded_fingerprint_is_the_probes_code():
     now = probe.code_fingerprint()
     assert now == probe.PROBE_FINGERPRINT, (
         f"the code that measures a calibration changed (bench.probe.PROBE_PARTS; fingerprint {now}, recorded "
         f"{probe.PROBE_FINGERPRINT}). If what is measured or how changed: bump PROBE_VERSION in "
         f"disagmoe/bench/probe.py (say what changed in the comment beside it), set PROBE_FINGERPRINT = {now!r}, "
-        "re-run `disagmoe bench calibrate --hardware PRESET --out FILE` on a GPU for every committed calibrated "
-        "preset (disagmoe/presets/hardware/*-calibrated.yaml) and commit the new YAML. Only if no measured number "
+        f"re-run on a GPU, from the repository root, {_regenerate_commands()} and commit the new YAML. Only if "
+        "no measured number "
         f"can move (a rename, a refactor): set PROBE_FINGERPRINT = {now!r} alone.")
 
 
 def test_every_committed_calibration_says_which_probe_measured_it():
-    """Whether it is the current one `plan` says (a warning line), not this test: the committed
-    h200-sxm-calibrated.yaml was measured by probe version 1 and waits for a GPU to re-measure it."""
+    """Whether it is the current one `plan` and `roofline` say (a warning line with the command that
+    re-measures it, `probe.stale_note`), not this test: a probe change is committed with its version
+    bump, and the file it makes stale waits for a GPU (the committed h200-sxm-calibrated.yaml was
+    measured by probe version 2; version 3 re-measures it)."""
     for name in preset_names("hardware"):
-        cal = load_hardware(name).calibration
-        if cal is not None:
-            assert cal.probe_version is not None and cal.probe_version <= probe.PROBE_VERSION, name
+        hw = load_hardware(name)
+        if hw.calibration is not None:
+            assert hw.calibration.probe_version is not None and hw.calibration.probe_version <= probe.PROBE_VERSION, (
+                f"{name}: probe version {hw.calibration.probe_version}, current {probe.PROBE_VERSION}; re-measure on "
+                f"a GPU from the repository root with `{probe.regenerate_command(hw, name)}`")
+
+
+def test_a_stale_preset_is_named_with_the_exact_command_that_re_measures_it(tmp_path):
+    """The command keeps the file's recorded --model and --experts-backend and writes the file itself."""
+    hw = load_hardware("h200-sxm").model_copy(update={"name": "h200-sxm-calibrated", "calibration": Calibration(
+        source="made up", probe_version=probe.PROBE_VERSION - 1)})
+    path = tmp_path / "cal.yaml"
+    path.write_text("# Calibrated by `disagmoe bench calibrate --hardware h200-sxm --out cal.yaml --model "
+                    "qwen3-30b-a3b --experts-backend triton` on 2026-12-02:\n"
+                    + yaml.safe_dump(hw.model_dump(mode="json"), sort_keys=False))
+    note = probe.stale_note(load_hardware(str(path)), str(path))
+    assert note.endswith(f"`disagmoe bench calibrate --hardware h200-sxm --out {path} --model qwen3-30b-a3b "
+                         "--experts-backend triton`"), note
+    assert f"probe version {probe.PROBE_VERSION - 1}" in note and f"now at version {probe.PROBE_VERSION}" in note
 
 
 def _edited(path: str, old: str, new: str) -> dict[str, str]:
@@ -41,23 +65,26 @@ def _edited(path: str, old: str, new: str) -> dict[str, str]:
 
 def test_docstrings_comments_and_formatting_do_not_move_the_fingerprint():
     now = probe.code_fingerprint()
-    docstring = _edited("bench/calibrate.py", '"""A curve point from a forward', '"""A RatePoint from a forward')
+    docstring = _edited("bench/calibrate.py", '"""The expert curve\'s point at', '"""The expert curve\'s RatePoint at')
     assert probe.fingerprint(docstring) == now
     timing_doc = _edited("bench/timing.py", '"""Mean GPU kernel time per call', '"""The mean GPU kernel time per call')
     assert probe.fingerprint(timing_doc) == now
-    layout = _edited("bench/calibrate.py", "ROWS_PER_EXPERT = (16, 64, 256, 1024, 4096)",
-                     "ROWS_PER_EXPERT = (  # rows per expert of the expert curve\n    16, 64, 256, 1024, 4096,\n)\n")
+    layout = _edited("bench/calibrate.py", "ROWS_PER_EXPERT = (16, 64, 256, 512, 1024, 2048, 4096)",
+                     "ROWS_PER_EXPERT = (  # rows per expert of the expert curve\n    16, 64, 256, 512, 1024, 2048, 4096,\n)\n")
     assert probe.fingerprint(layout) == now
 
 
 def test_a_change_to_what_is_measured_or_how_moves_the_fingerprint():
     now = probe.code_fingerprint()
-    sizes = _edited("bench/calibrate.py", "ROWS_PER_EXPERT = (16, 64, 256, 1024, 4096)",
+    sizes = _edited("bench/calibrate.py", "ROWS_PER_EXPERT = (16, 64, 256, 512, 1024, 2048, 4096)",
                     "ROWS_PER_EXPERT = (16, 64, 256, 1024)")
     timing = _edited("bench/calibrate.py", "kernel_ms(lambda _: forward(), warmup, iters)",
                      "median_ms(lambda _: forward(), warmup, iters)")
     arithmetic = _edited("roofline/stages.py", "ATTN_CORE_BWD = 2.5", "ATTN_CORE_BWD = 2.0")
-    assert len({now, *(probe.fingerprint(s) for s in (sizes, timing, arithmetic))}) == 4
+    # the fp32 main-gradient traffic the weight-gradient rate is fitted against (the planner's stage)
+    main_grads = _edited("roofline/stages.py", "+ 2 * FP32 * weights)", "+ 0 * FP32 * weights)")
+    fit = _edited("roofline/calibration.py", 'other = max(t["hbm"], t["nvlink"], t["scale-out"])', "other = 0.0")
+    assert len({now, *(probe.fingerprint(s) for s in (sizes, timing, arithmetic, main_grads, fit))}) == 6
 
 
 def test_a_part_that_is_gone_is_named():

@@ -305,3 +305,40 @@ def test_auto_recomputes_only_where_nothing_else_fits():
     assert squeezed.fits[0] and squeezed.selective[0] and squeezed.step_s[0] == sel.step_s[0]
     plenty = cost("auto", 1e6)
     assert not plenty.selective[0] and plenty.step_s[0] == none.step_s[0] < sel.step_s[0]
+
+
+@pytest.mark.parametrize("micro_batches", ["auto", "8"])
+def test_the_qwen3_configs_weight_gradient_stage_reads_and_writes_every_fp32_main_gradient_per_micro_batch(
+        micro_batches, tmp_path):
+    """`roofline -c configs/h200x2-qwen3-30b.yaml --layout single`, whole step: the expert weight
+    gradients' HBM bytes are their rows' bf16 reads plus micro_batches x 8 B x the expert
+    parameters (the Triton weight-gradient GEMM reads and writes each expert weight's fp32 main
+    gradient once per micro-batch), whatever hardware file prices them."""
+    import json
+    from pathlib import Path
+
+    import yaml
+    from typer.testing import CliRunner
+
+    from disagmoe.cli.app import app
+    from disagmoe.config import load_train_config
+    from disagmoe.roofline.params import count_params
+    from disagmoe.roofline.stages import BF16
+
+    source = Path(__file__).resolve().parents[2] / "configs" / "h200x2-qwen3-30b.yaml"
+    cfg = yaml.safe_load(source.read_text())
+    cfg["micro_batches"] = micro_batches if micro_batches == "auto" else int(micro_batches)
+    config = tmp_path / "qwen3.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    m = load_model(load_train_config(config).model)
+    for hardware in ("h200-sxm", "h200-sxm-calibrated"):
+        r = CliRunner().invoke(app, ["roofline", "-c", str(config), "--layout", "single", "--hardware", hardware, "--json"])
+        assert r.exit_code == 0, r.output
+        out = json.loads(r.stdout)
+        mb = out["plan"]["micro_batches"]
+        assert mb == (2 if micro_batches == "auto" else 8)  # auto: the memory model's choice on one H200
+        (row,) = [s for s in out["step"] if s["stage"] == "expert weight grads" and s["pass"] == "bwd"]
+        rows_per_step = cfg["batch_size"] * cfg["seq_len"] * m.top_k * m.num_moe_layers  # every pair once
+        row_bytes = BF16 * rows_per_step * (2 * m.hidden_size + 3 * m.expert_ffn_size)
+        main_grad_bytes = mb * 8 * count_params(m).routed_experts
+        assert row["hbm_bytes"] == pytest.approx(row_bytes + main_grad_bytes, rel=1e-12), hardware

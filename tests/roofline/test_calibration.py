@@ -77,6 +77,30 @@ def test_the_expert_gemm_runs_at_the_measured_rate_for_its_rows_per_expert():
         assert stage.time(bwd, prob.ceilings).item() == pytest.approx(want, rel=1e-9)
 
 
+def test_the_weight_gradients_run_at_their_own_rate_where_measured_and_an_older_files_backward_rate_otherwise():
+    """Probe version 3 measures `wgrad` (with the fp32 main-gradient traffic); a version 2 file has
+    only the joint backward rate, which then prices both expert backward stages as it did."""
+    c = Candidates.one(4, 4, 1, 4, 1)
+    with_wgrad = [p.model_copy(update={"wgrad": p.bwd / 4}) for p in CURVE]
+    for curve, field in ((CURVE, "bwd"), (with_wgrad, "wgrad")):
+        prob = problem_of(_request(Calibration(expert_gemm=curve)))
+        stage = evaluate(prob, c).stages["expert weight grads"]
+        m = prob.model
+        rows_per_expert = 4 * 4096 * m.top_k / 4 / (m.num_experts / 4)
+        rate = prob.ceilings.peak_flops_per_s * curve_fraction(curve, rows_per_expert, True, field)
+        assert np.asarray(stage.ceilings(True, prob.ceilings).flops_per_s).item() == pytest.approx(rate.item())
+
+
+def test_memory_bound_stages_run_at_their_measured_hbm_rate():
+    prob = problem_of(_request(Calibration(hbm_fraction={"optimizer": 0.5, "permute": 0.25})))
+    cost = evaluate(prob, Candidates.one(4, 4, 1, 4, 1))
+    for name, f in (("optimizer (attention)", 0.5), ("optimizer (experts)", 0.5), ("permute / combine sum", 0.25)):
+        stage = cost.stages[name]
+        nbytes = np.asarray(stage.bwd.hbm_bytes).item()
+        assert np.asarray(stage.time(True, prob.ceilings)).item() == pytest.approx(
+            nbytes / (f * prob.ceilings.hbm_bytes_per_s), rel=1e-9), name
+
+
 def test_dispatch_pays_the_measured_p2p_latency_and_bandwidth():
     link = LinkCost(latency_us=40.0, gbps=100.0)
     prob = problem_of(_request(Calibration(p2p=link)))
