@@ -544,6 +544,16 @@ class TrainConfig(StrictModel):
         "tokens: the largest activation), expert_output (their output rows, which the combine keeps for the "
         "routing weights' gradient: that comes from the backward's first GEMM instead), expert_swiglu (the "
         "SwiGLU output, recomputed from the kept gate/up values inside that GEMM)")
+    offload_optimizer: bool = Field(
+        False, description="keep the fp32 masters and AdamW moments in pinned host memory: each step streams "
+        "them through two GPU staging buckets of offload_bucket_mib (copy in bucket i+1 and copy out bucket i-1 "
+        "while bucket i updates, on side streams), the same fused AdamW as on the GPU, the bf16 parameters "
+        "refreshed on the GPU and the gradients kept there; GPU memory for that state is 2 buckets instead of "
+        "the whole state, paid for by host memory and the host link (PCIe / NVLink-C2C) each step. On cpu the "
+        "same bucketed update runs with nothing to move (a test path: it saves nothing)")
+    offload_bucket_mib: Annotated[int, Field(ge=1, le=65536)] = Field(
+        256, description="offload_optimizer: MiB of masters and moments per staging bucket (two are held on "
+        "the GPU; bf16 moments add one bucket's elements of fp32 scratch for the update)")
     fuse_elementwise: bool = Field(
         True, description="on CUDA, compile the norms, qk-norm and RoPE with torch.compile into fused kernels "
         "(forward and backward; a few seconds of compiling at the first step); CPU runs are never compiled")
@@ -676,6 +686,9 @@ class TrainConfig(StrictModel):
             raise ValueError(f"cuda_graphs: on captures mode single's step on a GPU; this run is mode {self.mode} on "
                              f"{self.device}: the distributed ranks' steps are not captured yet (the nvshmem "
                              "transport's sequence numbers are host counters a graph would freeze): set cuda_graphs: off")
+        if self.offload_optimizer and self.cuda_graphs == "on":
+            raise ValueError("offload_optimizer with cuda_graphs: on: the offloaded step's copy streams have not been "
+                             "captured in a graph yet; set cuda_graphs: off (or offload_optimizer: false)")
         if self.fault_injection is not None and self.mode == "single":
             raise ValueError("fault_injection kills a Ray actor: it needs mode disaggregated or colocated "
                              "(or remove fault_injection)")

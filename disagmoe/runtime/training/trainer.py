@@ -46,7 +46,7 @@ from disagmoe.roofline.memory import fp8_weight_copy_bytes
 from disagmoe.roofline.optimizer_state import state_bytes
 from disagmoe.roofline.params import count_params
 from disagmoe.runtime.activation_memory import single_activation_bytes
-from disagmoe.runtime.rank_model import compute_dtype
+from disagmoe.runtime.rank_model import compute_dtype, offload_bucket_bytes
 from disagmoe.runtime.batching import batch_rows, check_divisible, inputs_and_targets
 from disagmoe.runtime.state.flat_adamw import FlatAdamW
 from disagmoe.runtime.state.checkpoint import (
@@ -303,11 +303,13 @@ class SingleProcessTrainer(TrainingLoop):
         if cfg.expert_precision == "fp8":
             check_fp8_device(self.device)
             self.model.set_expert_precision("fp8")
-        # plain torch AdamW on fp32 parameters, the reference; it keeps fp32 moments, so bf16 ones
-        # (optim.state_dtype) step the flat optimizer over the same fp32 parameters instead
-        self.oracle = cfg.compute_dtype_name == "fp32" and cfg.optim.state_dtype == "fp32"
+        # plain torch AdamW on fp32 parameters, the reference; it keeps fp32 moments on the device, so bf16
+        # ones (optim.state_dtype) or offloaded ones step the flat optimizer over the same fp32 parameters
+        self.oracle = (cfg.compute_dtype_name == "fp32" and cfg.optim.state_dtype == "fp32"
+                       and not cfg.offload_optimizer)
         self.optimizer = (build_optimizer(self.model.named_parameters(), cfg.optim) if self.oracle
-                          else FlatAdamW(self.model.named_parameters(), cfg.optim, compute_dtype(cfg)))
+                          else FlatAdamW(self.model.named_parameters(), cfg.optim, compute_dtype(cfg),
+                                         offload_bucket_bytes=offload_bucket_bytes(cfg)))
         if cfg.cuda_graphs == "on" and self.oracle:
             raise ValueError("cuda_graphs: on captures the bf16 fast path's step; precision fp32 steps the reference "
                              "torch AdamW, which is not captured: set precision: bf16 (or cuda_graphs: off)")

@@ -371,3 +371,24 @@ def test_every_step_record_and_the_summary_carry_the_predicted_peak(tmp_path):
     assert summary.predicted_peak_gib == pytest.approx(predicted)
     records = read_metrics(tmp_path / "run" / METRICS_FILE)
     assert [(r["predicted_peak_gib"], r["peak_memory_gib"]) for r in records] == [(summary.predicted_peak_gib, None)] * 2
+
+
+@pytest.mark.slow  # four short runs: more than a few seconds on 2 cores
+def test_offloaded_optimizer_takes_the_same_steps_and_resumes_across_offload(tmp_path):
+    """offload_optimizer on the CPU runs the bucketed path (1 MiB slots, several per bucket of the tiny
+    model): the same losses bit for bit as the on-device FlatAdamW, and a checkpoint written with
+    offload resumes without it and the other way round, continuing bit for bit."""
+    runs = {}
+    for offload in (False, True):
+        cfg = tiny_run(tmp_path / str(offload), steps=6, checkpoint_every=3, precision="bf16",
+                       offload_optimizer=offload, offload_bucket_mib=1)
+        train_single(cfg)
+        runs[offload] = cfg
+    losses = {o: [r["loss"] for r in read_metrics(tmp_path / str(o) / "run" / METRICS_FILE)] for o in runs}
+    assert losses[True] == losses[False]
+    for saved in (False, True):
+        resumed_dir = tmp_path / f"resumed-{saved}" / "run"
+        shutil.copytree(checkpoint_dir(tmp_path / str(saved) / "run" / CHECKPOINTS_DIR, 3),
+                        checkpoint_dir(resumed_dir / CHECKPOINTS_DIR, 3))
+        train_single(runs[not saved].model_copy(update={"out_dir": str(resumed_dir), "resume": True}))
+        assert [r["loss"] for r in read_metrics(resumed_dir / METRICS_FILE)] == losses[saved][3:]

@@ -1,0 +1,165 @@
+"""Optimizer state in host memory (disagmoe/runtime/state/offload.py, FlatAdamW's offloaded step):
+the bucketed update equals the on-device one bit for bit (random shapes, slots that divide no
+bucket, fp32 and bf16 moments, fp32 and bf16 compute, clipping, a schedule), checkpoints cross
+offload on and off, the host-memory check refuses with the fix, and on a GPU (marked `gpu`) the
+offloaded step equals the on-device step with about two slots of device memory for the state and
+no host sync."""
+
+import pytest
+import torch
+from torch import nn
+
+from disagmoe.config import OptimConfig
+from disagmoe.runtime.state.flat_adamw import FlatAdamW
+from disagmoe.runtime.state.offload import check_host_memory, slot_elements
+from disagmoe.runtime.state.optim import lr_at
+
+SCHEDULE = {"fp32": OptimConfig(lr=1e-2, weight_decay=0.1, warmup_steps=2, min_lr_ratio=0.1),
+            "bf16": OptimConfig(lr=1e-2, weight_decay=0.1, warmup_steps=2, min_lr_ratio=0.1, state_dtype="bf16")}
+STEPS = 5
+
+
+def _model(seed: int, dtype: torch.dtype, device: str = "cpu") -> nn.Module:
+    """Random widths (the same for a seed), so buckets have lengths no slot size divides."""
+    g = torch.Generator().manual_seed(seed)
+    h, f, o = (int(torch.randint(3, 17, (1,), generator=g)) for _ in range(3))
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(h, f), nn.LayerNorm(f), nn.Linear(f, o, bias=False)).to(device, dtype)
+
+
+def _loss(model: nn.Module, step: int) -> torch.Tensor:
+    first = next(model.parameters())
+    x = torch.randn(4, first.shape[1], generator=torch.Generator().manual_seed(step))
+    return model(x.to(first.device, first.dtype)).float().square().mean()
+
+
+def _train(flat: FlatAdamW, model: nn.Module, optim: OptimConfig, steps: range, clip: float = 0.5) -> None:
+    for step in steps:
+        flat.zero_grad()
+        _loss(model, step).backward()
+        norm = flat.grad_squares().sqrt().float()
+        flat.set_lr(lr_at(step, optim, STEPS))
+        flat.step(clip_coef=torch.clamp(clip / (norm + 1e-6), max=1.0))
+
+
+def _pair(seed: int, state_dtype: str, dtype: torch.dtype, bucket_bytes: int, device: str = "cpu"):
+    optim = SCHEDULE[state_dtype]
+    plain_model, off_model = _model(seed, dtype, device), _model(seed, dtype, device)
+    plain = FlatAdamW(plain_model.named_parameters(), optim, dtype)
+    off = FlatAdamW(off_model.named_parameters(), optim, dtype, offload_bucket_bytes=bucket_bytes)
+    return optim, (plain, plain_model), (off, off_model)
+
+
+def _assert_same(a: FlatAdamW, b: FlatAdamW, model_a: nn.Module, model_b: nn.Module) -> None:
+    for (name, p), q in zip(model_a.named_parameters(), model_b.parameters(), strict=True):
+        assert torch.equal(p, q), name
+    masters_a, masters_b = a.masters_by_name(), b.masters_by_name()
+    for name in masters_a:
+        assert torch.equal(masters_a[name], masters_b[name]), name
+    state_a, state_b = a.state_by_name(), b.state_by_name()
+    assert state_a.keys() == state_b.keys()
+    for name in state_a:
+        for k in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(state_a[name][k], state_b[name][k]), (name, k)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_bucketed_offloaded_update_is_the_on_device_update_bit_for_bit(seed, state_dtype, dtype) -> None:
+    bucket_bytes = [13, 97, 1 << 20][seed]  # one element per slot, slots dividing no bucket, one slot for all
+    optim, (plain, plain_model), (off, off_model) = _pair(seed, state_dtype, dtype, bucket_bytes)
+    assert off.staging is not None and plain.staging is None
+    _train(plain, plain_model, optim, range(STEPS))
+    _train(off, off_model, optim, range(STEPS))
+    _assert_same(plain, off, plain_model, off_model)
+
+
+def test_the_slots_hold_at_most_a_bucket_of_masters_and_moments() -> None:
+    assert slot_elements(256 << 20, 4, True, 10**12) == (256 << 20) // 12
+    assert slot_elements(256 << 20, 2, True, 10**12) == (256 << 20) // 8
+    assert slot_elements(256 << 20, 4, False, 10**12) == (256 << 20) // 8  # fp32 compute: the masters stay put
+    assert slot_elements(256 << 20, 4, True, 1000) == 1000  # no larger than the largest bucket
+    model = _model(0, torch.bfloat16)
+    off = FlatAdamW(model.named_parameters(), SCHEDULE["bf16"], torch.bfloat16, offload_bucket_bytes=80)
+    assert off.staging.elements == 10
+    assert off.staging.nbytes == 2 * 10 * (4 + 2 + 2) + 2 * 10 * 4  # two slots and the fp32 scratch
+    assert all(not b.master_S.is_cuda for b in off.buckets)
+
+
+@pytest.mark.parametrize("saved_offloaded", [True, False])
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])
+def test_the_optimizer_state_crosses_offload_on_and_off(saved_offloaded, state_dtype) -> None:
+    optim, (plain, plain_model), (off, off_model) = _pair(3, state_dtype, torch.bfloat16, 97)
+    _train(plain, plain_model, optim, range(2))
+    _train(off, off_model, optim, range(2))
+    saved, saved_model = (off, off_model) if saved_offloaded else (plain, plain_model)
+    masters, state = saved.masters_by_name(), saved.state_by_name()
+    # the restored run with the other setting: offload flipped
+    fresh_model = _model(3, torch.bfloat16)
+    with torch.no_grad():
+        for p in fresh_model.parameters():
+            p.add_(1.0)  # not the saved weights until it loads them
+    fresh = FlatAdamW(fresh_model.named_parameters(), optim, torch.bfloat16,
+                      offload_bucket_bytes=None if saved_offloaded else 97)
+    fresh.load_state(masters, state)
+    _assert_same(saved, fresh, saved_model, fresh_model)
+    _train(saved, saved_model, optim, range(2, STEPS))
+    _train(fresh, fresh_model, optim, range(2, STEPS))
+    _assert_same(saved, fresh, saved_model, fresh_model)
+
+
+def test_the_host_memory_check_names_the_fixes() -> None:
+    check_host_memory(2**30, "the model", available=2**31)
+    with pytest.raises(ValueError, match=r"offload_optimizer keeps 4\.0 GiB .* 2\.0 GiB available .*"
+                                         r"offload_optimizer: false.*optim.state_dtype: bf16"):
+        check_host_memory(4 * 2**30, "the model", available=2**31)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])
+def test_on_a_gpu_the_offloaded_step_is_the_on_device_step_in_two_slots_without_host_syncs(state_dtype) -> None:
+    optim = SCHEDULE[state_dtype]
+    torch.manual_seed(0)
+    width = 1024
+    shapes = [(width, width)] * 12 + [(width,)] * 4
+
+    def build():
+        torch.manual_seed(0)
+        m = nn.ParameterList([nn.Parameter(torch.randn(s, device="cuda") * 0.02) for s in shapes]).to(torch.bfloat16)
+        return m
+
+    def run(flat, m):
+        for step in range(STEPS):
+            flat.zero_grad()
+            for i, p in enumerate(m):
+                g = torch.Generator(device="cuda").manual_seed(100 * step + i)
+                p.main_grad.add_(torch.randn(p.shape, device="cuda", generator=g))
+            flat.set_lr(lr_at(step, optim, STEPS))
+            with torch.cuda.device(0):
+                torch.cuda.set_sync_debug_mode("error")
+                try:
+                    norm = flat.grad_squares().sqrt().float()
+                    flat.step(clip_coef=torch.clamp(1.0 / (norm + 1e-6), max=1.0))
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+
+    plain_model = build()
+    plain = FlatAdamW([(str(i), p) for i, p in enumerate(plain_model)], optim, torch.bfloat16)
+    run(plain, plain_model)
+    bucket = 1 << 20  # bytes per slot: far below the state (12 M parameters)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
+    off_model = build()
+    off = FlatAdamW([(str(i), p) for i, p in enumerate(off_model)], optim, torch.bfloat16, offload_bucket_bytes=bucket)
+    torch.cuda.reset_peak_memory_stats()
+    run(off, off_model)
+    params = sum(p.numel() for p in off_model)
+    compute_and_grads = params * (2 + 4)  # bf16 parameters and fp32 main gradients stay on the GPU
+    state = torch.cuda.max_memory_allocated() - before - compute_and_grads
+    assert off.staging.nbytes <= 3 * bucket
+    assert state < off.staging.nbytes + 16 * 2**20, (state, off.staging.nbytes)  # not 8-12 bytes per parameter
+    _assert_same(plain, off, plain_model, off_model)
