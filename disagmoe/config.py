@@ -636,6 +636,16 @@ class TrainConfig(StrictModel):
         return "fp8" if self.precision == "fp8" else self.compute_dtype_name
 
     @property
+    def offloads_to_host(self) -> bool:
+        """offload_optimizer on a GPU: the masters and moments live in host memory (the memory model
+        counts them there). On cpu the bucketed update runs but nothing leaves the device's memory."""
+        return self.offload_optimizer and self.device == "cuda"
+
+    @property
+    def offload_bucket_bytes(self) -> int:
+        return self.offload_bucket_mib * 2**20
+
+    @property
     def recompute_set(self) -> frozenset[str]:
         """The modules the backward recomputes (empty under recompute: none)."""
         return frozenset(self.recompute_modules) if self.recompute == "selective" else frozenset()

@@ -162,7 +162,7 @@ class FlatAdamW:
         self.staging: StagingArea | None = None
         if self.offloaded and self.buckets:
             has_master = compute_dtype != torch.float32
-            elements = slot_elements(offload_bucket_bytes, self.state_dtype.itemsize, has_master,
+            elements = slot_elements(offload_bucket_bytes, optim.state_dtype, "bf16" if has_master else "fp32",
                                      max(b.master_S.numel() for b in self.buckets))
             self.staging = StagingArea(device, elements, self.state_dtype, has_master)
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-DEFAULT_BUCKET_MIB = 256
+from disagmoe.roofline.optimizer_state import slot_elements  # noqa: F401  (the runtime and the memory model share it)
 
 
 def host_empty(n: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
@@ -116,13 +116,6 @@ class StagingArea:
         if self.cuda:
             self.h2d.synchronize()
             self.d2h.synchronize()
-
-
-def slot_elements(bucket_bytes: int, moment_bytes: int, has_master: bool, largest: int) -> int:
-    """Elements per slot: as many of (master, two moments) as fit `bucket_bytes`, no more than the
-    largest bucket slice needs (a small model does not hold 2 x 256 MiB it never fills)."""
-    per_element = (4 if has_master else 0) + 2 * moment_bytes
-    return max(1, min(bucket_bytes // per_element, largest))
 
 
 def available_host_bytes() -> int:

@@ -11,6 +11,7 @@ from torch import nn
 
 from disagmoe.config import OptimConfig
 from disagmoe.runtime.state.flat_adamw import FlatAdamW
+from disagmoe.roofline.optimizer_state import staging_bytes
 from disagmoe.runtime.state.offload import check_host_memory, slot_elements
 from disagmoe.runtime.state.optim import lr_at
 
@@ -76,14 +77,15 @@ def test_the_bucketed_offloaded_update_is_the_on_device_update_bit_for_bit(seed,
 
 
 def test_the_slots_hold_at_most_a_bucket_of_masters_and_moments() -> None:
-    assert slot_elements(256 << 20, 4, True, 10**12) == (256 << 20) // 12
-    assert slot_elements(256 << 20, 2, True, 10**12) == (256 << 20) // 8
-    assert slot_elements(256 << 20, 4, False, 10**12) == (256 << 20) // 8  # fp32 compute: the masters stay put
-    assert slot_elements(256 << 20, 4, True, 1000) == 1000  # no larger than the largest bucket
+    assert slot_elements(256 << 20, "fp32", "bf16", 10**12) == (256 << 20) // 12
+    assert slot_elements(256 << 20, "bf16", "bf16", 10**12) == (256 << 20) // 8
+    assert slot_elements(256 << 20, "fp32", "fp32", 10**12) == (256 << 20) // 8  # fp32 compute: masters stay put
+    assert slot_elements(256 << 20, "fp32", "bf16", 1000) == 1000  # no larger than the largest bucket
     model = _model(0, torch.bfloat16)
     off = FlatAdamW(model.named_parameters(), SCHEDULE["bf16"], torch.bfloat16, offload_bucket_bytes=80)
     assert off.staging.elements == 10
     assert off.staging.nbytes == 2 * 10 * (4 + 2 + 2) + 2 * 10 * 4  # two slots and the fp32 scratch
+    assert off.staging.nbytes == staging_bytes(80, "bf16", "bf16", max(b.master_S.numel() for b in off.buckets))
     assert all(not b.master_S.is_cuda for b in off.buckets)
 
 
@@ -114,6 +116,58 @@ def test_the_host_memory_check_names_the_fixes() -> None:
     with pytest.raises(ValueError, match=r"offload_optimizer keeps 4\.0 GiB .* 2\.0 GiB available .*"
                                          r"offload_optimizer: false.*optim.state_dtype: bf16"):
         check_host_memory(4 * 2**30, "the model", available=2**31)
+
+
+def _qwen_cfg(**fields):
+    from disagmoe.config import TrainConfig
+    base = dict(model="qwen3-30b-a3b", mode="single", device="cuda", precision="bf16", batch_size=8, seq_len=4096,
+                micro_batches=8, steps=1)
+    return TrainConfig(**{**base, **fields})
+
+
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])
+def test_the_memory_model_counts_offloaded_state_as_host_bytes_and_two_slots_on_the_device(state_dtype) -> None:
+    from disagmoe.model_ref import load_model
+    from disagmoe.roofline.params import count_params
+    from disagmoe.runtime.training.trainer import check_single_memory, single_host_bytes, single_peak_bytes
+    optim = OptimConfig(state_dtype=state_dtype)
+    plain, off = _qwen_cfg(optim=optim), _qwen_cfg(optim=optim, offload_optimizer=True)
+    model = load_model(plain.model)
+    params = count_params(model).total
+    (plain_state, plain_acts), (off_state, off_acts) = single_peak_bytes(plain, model), single_peak_bytes(off, model)
+    moments = 8 if state_dtype == "fp32" else 4
+    assert plain_acts == off_acts
+    assert plain_state == params * (2 + 4 + 4 + moments)
+    slot_state = 2 * (4 + moments) + (8 if state_dtype == "bf16" else 0)  # two slots (+ the fp32 scratch)
+    assert off_state == params * (2 + 4) + (256 << 20) // (4 + moments) * slot_state
+    assert single_host_bytes(off, model) == params * (4 + moments) and single_host_bytes(plain, model) == 0
+    # the refusal names offload as a fix where it is off, and says where the state went where it is on
+    with pytest.raises(ValueError, match="offload_optimizer: true"):
+        check_single_memory(plain, model, capacity_bytes=plain_state)
+    with pytest.raises(ValueError, match="AdamW moments are in host memory"):
+        check_single_memory(off, model, capacity_bytes=off_state)
+    cpu = _qwen_cfg(optim=optim, offload_optimizer=True, device="cpu")  # nothing leaves the device's memory
+    assert single_host_bytes(cpu, model) == 0 and single_peak_bytes(cpu, model)[0] > plain_state
+
+
+def test_the_distributed_memory_model_counts_each_ranks_host_bytes() -> None:
+    from disagmoe.config import TrainConfig
+    from disagmoe.model_ref import load_model
+    from disagmoe.runtime.cluster.driver import host_state_bytes, training_state_bytes
+    from disagmoe.runtime.topology import Topology
+    base = dict(model=load_model("tiny"), mode="disaggregated", device="cuda", transport="nccl", precision="bf16",
+                attention_ranks=2, expert_ranks=2, batch_size=8, seq_len=16, micro_batches=1, steps=1)
+    plain, off = TrainConfig(**base), TrainConfig(**base, offload_optimizer=True, offload_bucket_mib=1)
+    topology = Topology.from_config(plain, plain.model)
+    total = 0
+    for rank in range(topology.world_size):
+        params, device = training_state_bytes(plain, plain.model, topology, rank)
+        _, off_device = training_state_bytes(off, off.model, topology, rank)
+        _, host = training_state_bytes(off, off.model, topology, rank, host=True)
+        assert device == params * 18 and host == params * 12
+        assert off_device == params * 6 + staging_bytes(1 << 20, "fp32", "bf16", params)
+        total += host
+    assert host_state_bytes(off, off.model, topology) == total and host_state_bytes(plain, plain.model, topology) == 0
 
 
 @pytest.mark.gpu
