@@ -269,6 +269,9 @@ class HardwareConfig(StrictModel):
     nvlink_gbps: PositiveFloat = Field(description="NVLink bandwidth per GPU per direction, GB/s")
     nvlink_domain: GpuCount = Field(description="GPUs sharing one NVLink domain (8 HGX, 72 NVL72)")
     scaleout_gbps: PositiveFloat = Field(description="scale-out (IB/RoCE) per GPU per direction, GB/s")
+    host_link_gbps: PositiveFloat | None = Field(
+        None, description="GPU <-> host memory per GPU per direction, GB/s (PCIe Gen5 x16: 64; NVLink-C2C: 450): "
+        "what an offloaded optimizer's copies run at (`plan --offload-optimizer`); unset: not priced")
     nvlink_latency_us: NonNegFloat = Field(
         9.0, description="one-sided put over NVLink, fixed cost per message, us")
     scaleout_latency_us: NonNegFloat = Field(
@@ -329,6 +332,18 @@ class PlanConfig(StrictModel):
     experts_backend: Literal["loop", "grouped_mm", "triton"] = Field(
         "triton", description="the run's expert FFN (TrainConfig.experts_backend): selective recomputation "
         "needs triton, so for another the planner prices none")
+    offload_optimizer: bool = Field(
+        False, description="price the fp32 masters and AdamW moments in host memory (train with "
+        "offload_optimizer: true): two staging buckets on each GPU instead of that state, and the optimizer "
+        "step at least as long as its copies over the hardware's host_link_gbps (in and out at once)")
+
+    @model_validator(mode="after")
+    def _offload_link(self) -> PlanConfig:
+        if self.offload_optimizer and self.cluster.hardware.host_link_gbps is None:
+            raise ValueError(f"offload_optimizer prices the optimizer's copies over the host link, and hardware "
+                             f"{self.cluster.hardware.name!r} has no host_link_gbps: add it (GB/s per direction, e.g. "
+                             "64 for PCIe Gen5 x16) or plan without offload_optimizer")
+        return self
 
     @model_validator(mode="after")
     def _recompute_backend(self) -> PlanConfig:
@@ -367,6 +382,9 @@ class MemoryEstimate(StrictModel):
     activations_gib: ResultFloat
     total_gib: ResultFloat
     capacity_gib: ResultFloat
+    host_gib: ResultFloat = Field(
+        0.0, description="offloaded optimizer state (fp32 masters and moments) in host memory, not in total_gib "
+        "(optimizer_gib then holds the two staging buckets)")
 
 
 class Plan(StrictModel):
