@@ -165,6 +165,9 @@ class FlatAdamW:
             elements = slot_elements(offload_bucket_bytes, optim.state_dtype, "bf16" if has_master else "fp32",
                                      max(b.master_S.numel() for b in self.buckets))
             self.staging = StagingArea(device, elements, self.state_dtype, has_master)
+            # the host moments now: pinning memory (cudaHostAlloc) inside the first step would be a host call there
+            self._host_moments = {b.name: {k: host_empty(b.master_S.numel(), self.state_dtype, device.type == "cuda")
+                                           for k in STATE_KEYS} for b in self.buckets}
 
     def set_lr(self, lr: float) -> None:
         """Write the next step's learning rate into `self.lr`, the device scalar every bucket's AdamW
@@ -284,11 +287,8 @@ class FlatAdamW:
         """An offloaded bucket's AdamW state: moments in (pinned) host memory, the step on the device."""
         master = b.inner.param_groups[0]["params"][0]
         state = b.inner.state[master]
-        if not state:
-            pin = self.lr.is_cuda
-            state.update(step=torch.zeros((), dtype=torch.float32, device=self.lr.device),
-                         exp_avg=host_empty(master.numel(), self.state_dtype, pin),
-                         exp_avg_sq=host_empty(master.numel(), self.state_dtype, pin))
+        if not state:  # the first step: the zeroed host moments made at construction
+            state.update(step=torch.zeros((), dtype=torch.float32, device=self.lr.device), **self._host_moments[b.name])
         return state
 
     def _step_offloaded(self, clip_coef: torch.Tensor | None, grad_scale: torch.Tensor | None) -> None:
@@ -460,8 +460,8 @@ class FlatAdamW:
                 entry = {"step": state[b.names[0]]["step"].detach().float().reshape(()).clone().to(self.lr.device)}
                 for k in STATE_KEYS:  # fp32 in every checkpoint: cast to this run's moments
                     full_k = self._flat([state[n][k] for n in b.names], b.compute_N.numel())
-                    if self.offloaded:  # pinned host copies, as the step streams them
-                        entry[k] = host_empty(S, self.state_dtype, self.lr.is_cuda).copy_(full_k[start:start + S])
+                    if self.staging is not None:  # into the pinned host copies the step streams
+                        entry[k] = self._host_moments[b.name][k].copy_(full_k[start:start + S])
                     else:
                         entry[k] = full_k[start:start + S].to(device, self.state_dtype, copy=True)
                 b.inner.state[master] = entry

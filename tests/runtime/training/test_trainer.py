@@ -197,14 +197,23 @@ def test_cuda_selective_recomputation_trains_like_the_plain_run(tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("offload", [False, True])
 @pytest.mark.parametrize("backend", ["grouped_mm", "triton"])
-def test_cuda_steps_make_no_host_waits(tmp_path, backend):
+def test_cuda_steps_make_no_host_waits(tmp_path, backend, offload):
     """Steady-state single-GPU steps under set_sync_debug_mode('error') (forbid_host_syncs): any
-    .item()/.tolist()/.cpu() or other host wait inside a step would raise."""
-    cfg = tiny_run(tmp_path, steps=3, device="cuda", experts_backend=backend, forbid_host_syncs=True,
-                   model=tiny_model(bias_balancing=True))
+    .item()/.tolist()/.cpu() or other host wait inside a step would raise; offload_optimizer's copy
+    streams too (event waits only). Offloaded, the losses follow the on-device optimizer's (to the
+    kernels' run-to-run rounding; the update itself is compared bit for bit in tests/runtime/state/test_offload.py)."""
+    fields = dict(steps=3, device="cuda", experts_backend=backend, forbid_host_syncs=True,
+                  model=tiny_model(bias_balancing=True))
+    cfg = tiny_run(tmp_path / "a", offload_optimizer=offload, offload_bucket_mib=1, **fields)
     summary = train_single(cfg)
     assert summary.steps == 3 and summary.final_loss is not None
+    if offload:
+        assert summary.offloaded_host_gib > 0
+        train_single(tiny_run(tmp_path / "b", **fields))
+        losses = [[r["loss"] for r in read_metrics(tmp_path / d / "run" / METRICS_FILE)] for d in ("a", "b")]
+        assert losses[0] == pytest.approx(losses[1], rel=1e-2)
 
 
 def test_fast_path_in_fp32_equals_the_oracle(tmp_path):
