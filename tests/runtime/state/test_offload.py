@@ -217,3 +217,11 @@ def test_on_a_gpu_the_offloaded_step_is_the_on_device_step_in_two_slots_without_
     assert off.staging.nbytes <= 3 * bucket
     assert state < off.staging.nbytes + 16 * 2**20, (state, off.staging.nbytes)  # not 8-12 bytes per parameter
     _assert_same(plain, off, plain_model, off_model)
+
+
+def test_train_says_at_start_where_the_offloaded_state_goes() -> None:
+    from disagmoe.cli.train_cmd import offload_note
+    gpu = offload_note(_qwen_cfg(offload_optimizer=True))
+    assert "GiB of fp32 masters and fp32 AdamW moments of the GPU in pinned host memory" in gpu
+    assert "two 256 MiB staging buckets" in gpu
+    assert "nothing moved" in offload_note(_qwen_cfg(offload_optimizer=True, device="cpu"))
