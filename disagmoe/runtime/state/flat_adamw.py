@@ -64,7 +64,8 @@ from torch import nn
 from torch.optim.adamw import adamw  # the functional step torch.optim.AdamW runs
 
 from disagmoe.config import OptimConfig
-from disagmoe.runtime.state.offload import StagingArea, host_empty, slot_elements
+from disagmoe.roofline.optimizer_state import slot_elements
+from disagmoe.runtime.state.offload import StagingArea, host_empty
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -7,6 +7,9 @@ host memory and streams them through a `StagingArea` of two GPU slots per step (
     compute stream:            update c0 | update c1 | update c2 | ...      (wait loaded[ci] each)
     d2h stream:                          store c0 | store c1 | ...          (wait updated[ci] each)
 
+A slot holds `roofline.optimizer_state.slot_elements` elements (the memory model's count too); the
+next step's loads wait for this step's last stores (`begin`).
+
 A chunk c is at most one slot's elements of one bucket's slice; its update is the same AdamW call
 as the on-device step (elementwise, so chunking changes no bit) and ends by writing the bf16
 parameters of its elements from the updated masters, on the GPU. The gradient never leaves the GPU.
@@ -24,8 +27,6 @@ import os
 from dataclasses import dataclass
 
 import torch
-
-from disagmoe.roofline.optimizer_state import slot_elements  # noqa: F401  (the runtime and the memory model share it)
 
 
 def host_empty(n: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:

@@ -11,8 +11,8 @@ from torch import nn
 
 from disagmoe.config import OptimConfig
 from disagmoe.runtime.state.flat_adamw import FlatAdamW
-from disagmoe.roofline.optimizer_state import staging_bytes
-from disagmoe.runtime.state.offload import check_host_memory, slot_elements
+from disagmoe.roofline.optimizer_state import slot_elements, staging_bytes
+from disagmoe.runtime.state.offload import check_host_memory
 from disagmoe.runtime.state.optim import lr_at
 
 SCHEDULE = {"fp32": OptimConfig(lr=1e-2, weight_decay=0.1, warmup_steps=2, min_lr_ratio=0.1),
