@@ -432,6 +432,9 @@ class Plan(StrictModel):
     recompute: Literal["none", "selective"] = Field(
         "none", description="the activation recomputation the plan's memory and step time assume (`train --plan` "
         "sets TrainConfig.recompute to it; selective needs experts_backend: triton)")
+    offload_optimizer: bool = Field(
+        False, description="the plan's memory and step time assume the optimizer state in host memory (`plan "
+        "--offload-optimizer`; `train --plan` then sets offload_optimizer: true)")
     notes: list[str] = Field(default_factory=list)
     min_gpus: PositiveInt | None = Field(None, description="when infeasible: fewest GPUs that fit")
 

@@ -409,7 +409,7 @@ def price(cfg: PlanConfig, chosen: Candidates, colocated_step_s: float | None = 
         sequences_per_micro_batch=seqs * dp, accumulation_rounds=rounds,
         expert_map=expert_map, total_params=counts.total, active_params=counts.active,
         memory_per_gpu=_memory(cost, prob, use_dis, "single" if single else "colocated"), stage_times=stage_times,
-        recompute="selective" if selective else "none",
+        recompute="selective" if selective else "none", offload_optimizer=prob.offload_optimizer,
         step_time_s=step, colocated_step_time_s=col if math.isfinite(col) else None,
         speedup_vs_colocated=col / step if math.isfinite(col) else None,
         expert_imbalance=real_imb, mfu=mfu, tflops_per_gpu=flops_per_gpu_s / 1e12, feasible=fits,
