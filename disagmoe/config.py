@@ -293,6 +293,9 @@ class HardwareConfig(StrictModel):
     nvlink_gbps: PositiveFloat = Field(description="NVLink bandwidth per GPU per direction, GB/s")
     nvlink_domain: GpuCount = Field(description="GPUs sharing one NVLink domain (8 HGX, 72 NVL72)")
     scaleout_gbps: PositiveFloat = Field(description="scale-out (IB/RoCE) per GPU per direction, GB/s")
+    host_link_gbps: PositiveFloat | None = Field(
+        None, description="GPU <-> host memory per GPU per direction, GB/s (PCIe Gen5 x16: 64; NVLink-C2C: 450): "
+        "what an offloaded optimizer's copies run at (`plan --offload-optimizer`); unset: not priced")
     nvlink_latency_us: NonNegFloat = Field(
         9.0, description="one-sided put over NVLink, fixed cost per message, us")
     scaleout_latency_us: NonNegFloat = Field(
@@ -353,6 +356,18 @@ class PlanConfig(StrictModel):
     experts_backend: Literal["loop", "grouped_mm", "triton"] = Field(
         "triton", description="the run's expert FFN (TrainConfig.experts_backend): selective recomputation "
         "needs triton, so for another the planner prices none")
+    offload_optimizer: bool = Field(
+        False, description="price the fp32 masters and AdamW moments in host memory (train with "
+        "offload_optimizer: true): two staging buckets on each GPU instead of that state, and the optimizer "
+        "step at least as long as its copies over the hardware's host_link_gbps (in and out at once)")
+
+    @model_validator(mode="after")
+    def _offload_link(self) -> PlanConfig:
+        if self.offload_optimizer and self.cluster.hardware.host_link_gbps is None:
+            raise ValueError(f"offload_optimizer prices the optimizer's copies over the host link, and hardware "
+                             f"{self.cluster.hardware.name!r} has no host_link_gbps: add it (GB/s per direction, e.g. "
+                             "64 for PCIe Gen5 x16) or plan without offload_optimizer")
+        return self
 
     @model_validator(mode="after")
     def _recompute_backend(self) -> PlanConfig:
@@ -391,6 +406,9 @@ class MemoryEstimate(StrictModel):
     activations_gib: ResultFloat
     total_gib: ResultFloat
     capacity_gib: ResultFloat
+    host_gib: ResultFloat = Field(
+        0.0, description="offloaded optimizer state (fp32 masters and moments) in host memory, not in total_gib "
+        "(optimizer_gib then holds the two staging buckets)")
 
 
 class Plan(StrictModel):
@@ -438,6 +456,9 @@ class Plan(StrictModel):
     recompute: Literal["none", "selective"] = Field(
         "none", description="the activation recomputation the plan's memory and step time assume (`train --plan` "
         "sets TrainConfig.recompute to it; selective needs experts_backend: triton)")
+    offload_optimizer: bool = Field(
+        False, description="the plan's memory and step time assume the optimizer state in host memory (`plan "
+        "--offload-optimizer`; `train --plan` then sets offload_optimizer: true)")
     notes: list[str] = Field(default_factory=list)
     min_gpus: PositiveInt | None = Field(None, description="when infeasible: fewest GPUs that fit")
 
@@ -568,6 +589,16 @@ class TrainConfig(StrictModel):
         "tokens: the largest activation), expert_output (their output rows, which the combine keeps for the "
         "routing weights' gradient: that comes from the backward's first GEMM instead), expert_swiglu (the "
         "SwiGLU output, recomputed from the kept gate/up values inside that GEMM)")
+    offload_optimizer: bool = Field(
+        False, description="keep the fp32 masters and AdamW moments in pinned host memory: each step streams "
+        "them through two GPU staging buckets of offload_bucket_mib (copy in bucket i+1 and copy out bucket i-1 "
+        "while bucket i updates, on side streams), the same fused AdamW as on the GPU, the bf16 parameters "
+        "refreshed on the GPU and the gradients kept there; GPU memory for that state is 2 buckets instead of "
+        "the whole state, paid for by host memory and the host link (PCIe / NVLink-C2C) each step. On cpu the "
+        "same bucketed update runs with nothing to move (a test path: it saves nothing)")
+    offload_bucket_mib: Annotated[int, Field(ge=1, le=65536)] = Field(
+        256, description="offload_optimizer: MiB of masters and moments per staging bucket (two are held on "
+        "the GPU; bf16 moments add one bucket's elements of fp32 scratch for the update)")
     fuse_elementwise: bool = Field(
         True, description="on CUDA, compile the norms, qk-norm and RoPE with torch.compile into fused kernels "
         "(forward and backward; a few seconds of compiling at the first step); CPU runs are never compiled")
@@ -656,6 +687,16 @@ class TrainConfig(StrictModel):
         return "fp8" if self.precision == "fp8" else self.compute_dtype_name
 
     @property
+    def offloads_to_host(self) -> bool:
+        """offload_optimizer on a GPU: the masters and moments live in host memory (the memory model
+        counts them there). On cpu the bucketed update runs but nothing leaves the device's memory."""
+        return self.offload_optimizer and self.device == "cuda"
+
+    @property
+    def offload_bucket_bytes(self) -> int:
+        return self.offload_bucket_mib * 2**20
+
+    @property
     def recompute_set(self) -> frozenset[str]:
         """The modules the backward recomputes (empty under recompute: none)."""
         return frozenset(self.recompute_modules) if self.recompute == "selective" else frozenset()
@@ -706,6 +747,9 @@ class TrainConfig(StrictModel):
             raise ValueError(f"cuda_graphs: on captures mode single's step on a GPU; this run is mode {self.mode} on "
                              f"{self.device}: the distributed ranks' steps are not captured yet (the nvshmem "
                              "transport's sequence numbers are host counters a graph would freeze): set cuda_graphs: off")
+        if self.offload_optimizer and self.cuda_graphs == "on":
+            raise ValueError("offload_optimizer with cuda_graphs: on: the offloaded step's copy streams have not been "
+                             "captured in a graph yet; set cuda_graphs: off (or offload_optimizer: false)")
         if self.fault_injection is not None and self.mode == "single":
             raise ValueError("fault_injection kills a Ray actor: it needs mode disaggregated or colocated "
                              "(or remove fault_injection)")

@@ -174,3 +174,18 @@ def test_the_sync_check_refuses_the_loop_experts_on_a_gpu():
     for backend in ("grouped_mm", "triton"):
         cfg.TrainConfig(model="tiny", device="cuda", forbid_host_syncs=True, experts_backend=backend)
     cfg.TrainConfig(model="tiny", device="cpu", forbid_host_syncs=True, experts_backend="loop")  # no check on CPU
+
+
+def test_offload_optimizer_is_off_by_default_and_refused_where_it_cannot_apply(tmp_path):
+    path = tmp_path / "t.yaml"
+    path.write_text(yaml.safe_dump({"model": "tiny"}))
+    default = cfg.load_train_config(path)
+    assert default.offload_optimizer is False and default.offload_bucket_mib == 256
+    on = cfg.load_train_config(path, ["offload_optimizer=true", "offload_bucket_mib=64"])
+    assert on.offload_optimizer and on.offload_bucket_mib == 64
+    with pytest.raises(ValueError, match="offload_optimizer with cuda_graphs: on: .*set cuda_graphs: off"):
+        cfg.TrainConfig(model="tiny", mode="single", device="cuda", offload_optimizer=True, cuda_graphs="on")
+    with pytest.raises(ValueError, match="offload_bucket_mib"):
+        cfg.load_train_config(path, ["offload_bucket_mib=0"])
+    with pytest.raises(ValueError, match="optim.offload_optimizer"):  # it is a run setting, not optim's
+        cfg.load_train_config(path, ["optim.offload_optimizer=true"])

@@ -43,6 +43,10 @@ StateDtypeOpt = Annotated[Literal["fp32", "bf16"], typer.Option(
 PrecisionOpt = Annotated[Literal["bf16", "fp8"], typer.Option(
     "--expert-precision", help="the routed experts' GEMMs: bf16, or fp8 priced at the hardware's fp8_tflops with "
     "the quantisation passes' traffic and the FP8 weight copies' memory (train with precision: fp8)")]
+OffloadOpt = Annotated[bool, typer.Option(
+    "--offload-optimizer", help="price the fp32 masters and AdamW moments in host memory: two staging buckets on "
+    "each GPU instead, and their copies in and out each step over the hardware's host_link_gbps (train with "
+    "offload_optimizer: true)")]
 RecomputeOpt = Annotated[Literal["none", "selective", "auto"], typer.Option(
     "--recompute", help="activation recomputation to price: none, selective (the expert FFN's input, output and "
     "SwiGLU rows recomputed in the backward: leaner expert GPUs, a little more HBM traffic; train with "
@@ -54,7 +58,7 @@ def build_request(model: str, hardware: str, gpus: int, seq_len: int | None, glo
                   load_histogram: Path | None = None, max_pipeline_groups: int = 8,
                   max_expert_replicas: int = 0, shard_optimizer_states: bool = False,
                   optimizer_state_dtype: str = "fp32", recompute: str = "auto",
-                  expert_precision: str = "bf16") -> PlanConfig:
+                  expert_precision: str = "bf16", offload_optimizer: bool = False) -> PlanConfig:
     mcfg = load_model(model)
     hist = read_histogram(load_histogram, mcfg.num_moe_layers, mcfg.num_experts) if load_histogram else None
     return PlanConfig(model=mcfg, cluster=ClusterConfig(hardware=checked_hardware(hardware), num_gpus=gpus),
@@ -62,7 +66,7 @@ def build_request(model: str, hardware: str, gpus: int, seq_len: int | None, glo
                       load_histogram=hist, max_pipeline_groups=max_pipeline_groups,
                       max_expert_replicas=max_expert_replicas, shard_optimizer_states=shard_optimizer_states,
                       optimizer_state_dtype=optimizer_state_dtype, recompute=recompute,
-                      expert_precision=expert_precision)
+                      expert_precision=expert_precision, offload_optimizer=offload_optimizer)
 
 
 def checked_hardware(ref: str) -> HardwareConfig:
@@ -89,6 +93,7 @@ def plan(
     optimizer_state_dtype: StateDtypeOpt = "fp32",
     recompute: RecomputeOpt = "auto",
     expert_precision: PrecisionOpt = "bf16",
+    offload_optimizer: OffloadOpt = False,
     as_json: JsonOpt = False,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="write the plan (.yaml or .json)")] = None,
 ) -> None:
@@ -102,7 +107,7 @@ def plan(
     """
     req = build_request(model, hardware, gpus, seq_len, global_batch_tokens, load_histogram,
                         max_pipeline_groups, max_expert_replicas, shard_optimizer_states, optimizer_state_dtype,
-                        recompute, expert_precision)
+                        recompute, expert_precision, offload_optimizer)
     result = choose(req).plan
     if load_histogram is not None:
         result.notes.insert(0, histogram_note(load_histogram, req.load_histogram, result))
@@ -222,6 +227,7 @@ def roofline(
     replica_sets: Annotated[int, typer.Option(help="expert replica sets per group (disaggregated)", min=1)] = 1,
     shard_optimizer_states: ShardOpt = False,
     optimizer_state_dtype: StateDtypeOpt = "fp32",
+    offload_optimizer: OffloadOpt = False,
     as_json: JsonOpt = False,
     plot_path: Annotated[Optional[Path], typer.Option("--plot", help="write a log-log roofline PNG")] = None,
     compare_trace: Annotated[Optional[Path], typer.Option(
@@ -256,7 +262,7 @@ def roofline(
                              "--compare TRACE --config CONFIG for a run's trace)")
         req = build_request(model, hardware, gpus, seq_len, global_batch_tokens,
                             shard_optimizer_states=shard_optimizer_states,
-                            optimizer_state_dtype=optimizer_state_dtype)
+                            optimizer_state_dtype=optimizer_state_dtype, offload_optimizer=offload_optimizer)
         choice = _layout_choice(req, layout, attention_gpus, pipeline_groups, micro_batches,
                                 sequences_per_gpu, replica_sets)
     if choice.cost is None:

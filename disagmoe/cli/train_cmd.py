@@ -80,6 +80,8 @@ def train(
     if split_note and not as_json:
         console.print(literal(split_note), highlight=False)
     check_host_memory(cfg, load_model(cfg.model))
+    if cfg.offload_optimizer and not as_json:
+        console.print(literal(offload_note(cfg)), highlight=False)
     check_out_dir(cfg.out_dir)  # before Ray, the actors or the model start
     with run_lock(Path(cfg.out_dir)):  # one run per out_dir, from here to the end
         if not cfg.resume:
@@ -170,6 +172,27 @@ class TrainProgress:
 
     def __exit__(self, *exc: object) -> None:
         self.progress.stop()
+
+
+def offload_note(cfg: TrainConfig) -> str:
+    """One line at start: where offload_optimizer puts the optimizer state and the host memory it needs."""
+    from disagmoe.runtime.state.offload import available_host_bytes
+
+    if not cfg.offloads_to_host:
+        return (f"offload_optimizer on {cfg.device}: the same bucketed update through two staging buckets of "
+                f"{cfg.offload_bucket_mib} MiB, with nothing moved (a test path; it saves no memory)")
+    model_cfg = load_model(cfg.model)
+    if cfg.mode == "single":
+        from disagmoe.runtime.training.trainer import single_host_bytes
+        host, whose = single_host_bytes(cfg, model_cfg), "the GPU"
+    else:
+        from disagmoe.runtime.cluster.driver import host_state_bytes
+        from disagmoe.runtime.topology import Topology
+        topology = Topology.from_config(cfg, model_cfg)
+        host, whose = host_state_bytes(cfg, model_cfg, topology), f"all {topology.world_size} ranks"
+    return (f"offload_optimizer: {host / 2**30:.1f} GiB of fp32 masters and {cfg.optim.state_dtype} AdamW moments of "
+            f"{whose} in pinned host memory (this host has {available_host_bytes() / 2**30:.1f} GiB available), "
+            f"streamed through two {cfg.offload_bucket_mib} MiB staging buckets per GPU each step")
 
 
 def _hop_note(cfg: TrainConfig) -> str:

@@ -50,7 +50,7 @@ import numpy as np
 from disagmoe.config import Calibration, ModelConfig
 from disagmoe.roofline import calibration as cal, memory as mem, stages as st
 from disagmoe.roofline.ceilings import Ceilings
-from disagmoe.roofline.optimizer_state import StateBytes, state_bytes
+from disagmoe.roofline.optimizer_state import StateBytes, host_link_bytes, slot_elements, staging_bytes, state_bytes
 from disagmoe.roofline.params import attention_params, count_params, expert_params, swiglu_params
 from disagmoe.roofline.stages import BF16, FP32, Num, Work
 
@@ -64,15 +64,28 @@ def zero1_ranks(dp: np.ndarray | float, shard_optimizer: bool) -> np.ndarray | f
 def attention_state_bytes(dp: np.ndarray | float, prob: Problem) -> StateBytes:
     """Training-state bytes per replicated (attention-side) parameter on one GPU of a data-parallel
     group of `dp` (bf16 compute: the runtime's precision on GPUs)."""
-    return state_bytes(prob.optimizer_state_dtype, "bf16", zero1_ranks(dp, prob.shard_optimizer))
+    return state_bytes(prob.optimizer_state_dtype, "bf16", zero1_ranks(dp, prob.shard_optimizer),
+                       offload=prob.offload_optimizer)
 
 
 def expert_state_bytes(prob: Problem) -> StateBytes:
     """Training-state bytes per expert parameter (never sharded)."""
-    return state_bytes(prob.optimizer_state_dtype, "bf16")
+    return state_bytes(prob.optimizer_state_dtype, "bf16", offload=prob.offload_optimizer)
+
+
+def offload_staging_bytes(prob: Problem, params: Num) -> Num:
+    """Device bytes of the offloaded optimizer's two staging slots on a GPU of `params` parameters
+    (the runtime's default bucket; 0 without offload)."""
+    if not prob.offload_optimizer:
+        return 0.0 * params
+    dtype, unbounded = prob.optimizer_state_dtype, 1 << 62
+    full = staging_bytes(OFFLOAD_BUCKET_BYTES, dtype, "bf16", unbounded)
+    per_element = full / slot_elements(OFFLOAD_BUCKET_BYTES, dtype, "bf16", unbounded)
+    return np.minimum(full, per_element * params)  # slots no larger than the GPU's parameters need
 
 
 GIB = 2.0**30
+OFFLOAD_BUCKET_BYTES = 256 * 2**20  # TrainConfig.offload_bucket_mib's default
 
 
 @dataclass
@@ -182,6 +195,7 @@ class Problem:
     replica_slots: int = 0  # spare expert slots per expert GPU for hot-expert replicas
     shard_optimizer: bool = False  # ZeRO-1 over each data-parallel group for the replicated parameters
     optimizer_state_dtype: str = "fp32"  # AdamW's moments: fp32 or bf16
+    offload_optimizer: bool = False  # masters and moments in host memory, copied over the host link each step
     calibration: Calibration | None = None  # measured curves and fixed costs (None: the plain roofline)
     recompute: str = "none"  # none, selective or auto (per candidate: see the module docstring)
     fp8_speedup: float = 1.0  # > 1: the routed experts' GEMMs in FP8, at fp8_tflops / bf16_tflops the rate
@@ -394,9 +408,12 @@ def evaluate(prob: Problem, c: Candidates) -> Cost:
     attn_bytes, exp_bytes = attention_state_bytes(dp, prob).total, expert_state_bytes(prob).total
     fp8_copies = mem.fp8_weight_copy_bytes(exp_params) if prob.fp8_speedup > 1 else 0.0
     if c.colocated:
-        attn_state, exp_state = attn_bytes * attn_params + exp_bytes * exp_params + fp8_copies, 0.0
+        attn_state = (attn_bytes * attn_params + exp_bytes * exp_params + fp8_copies
+                      + offload_staging_bytes(prob, attn_params + exp_params))
+        exp_state = 0.0
     else:
-        attn_state, exp_state = attn_bytes * attn_params, exp_bytes * exp_params + fp8_copies
+        attn_state = attn_bytes * attn_params + offload_staging_bytes(prob, attn_params)
+        exp_state = exp_bytes * exp_params + fp8_copies + offload_staging_bytes(prob, exp_params)
     in_flight = np.where(c.expert == 1, 1.0, mb) if c.colocated else mb  # one GPU: mode single accumulates
     options = {}
     attention = None if c.colocated else attention_activations(m, tokens, in_flight, c.p)  # recomputation-free
@@ -416,6 +433,11 @@ def evaluate(prob: Problem, c: Candidates) -> Cost:
                                                   zip(options[mem.NOTHING_DROPPED], options[mem.SELECTIVE],
                                                       strict=True))
     fits = fits.astype(bool)
+
+    # The optimizer's passes; offloaded, its copies over the host link too (per parameter, each way).
+    attention_link = host_link_bytes(prob.optimizer_state_dtype, "bf16", zero1_ranks(dp, prob.shard_optimizer))
+    expert_link = host_link_bytes(prob.optimizer_state_dtype, "bf16")
+    optimizer = st.offloaded_optimizer_step if prob.offload_optimizer else lambda params, _: st.optimizer_step(params)
 
     # Every stage once: per GPU, per micro-batch and layer (or per micro-batch / per step).
     head = st.lm_head(m, tokens) + st.embedding(m, tokens)
@@ -441,8 +463,8 @@ def evaluate(prob: Problem, c: Candidates) -> Cost:
         "grad all-reduce (attention)": Stage("link", "step", Work(), st.ring_allreduce(FP32 * attn_params, dp, f_dp)),
         "grad all-reduce (experts)": Stage("link", "step", Work(),
                                            st.ring_allreduce(FP32 * exp_params, expert_replicas, f_replicas)),
-        "optimizer (attention)": Stage("attention", "step", Work(), st.optimizer_step(attn_params)),
-        "optimizer (experts)": Stage("expert", "step", Work(), st.optimizer_step(exp_params)),
+        "optimizer (attention)": Stage("attention", "step", Work(), optimizer(attn_params, attention_link)),
+        "optimizer (experts)": Stage("expert", "step", Work(), optimizer(exp_params, expert_link)),
     }
     if n_dense == 0:
         del stages["dense ffn"], stages["main-grad adds (dense layers)"]

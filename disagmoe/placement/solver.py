@@ -32,16 +32,34 @@ from disagmoe.placement.cost import (
     colocated_ep,
     evaluate,
     expert_state_bytes,
+    offload_staging_bytes,
 )
 from disagmoe.placement.experts import imbalance, map_layer
 from disagmoe.placement.replay import replayed_step_s
 from disagmoe.roofline import report
 from disagmoe.roofline import stages as st
 from disagmoe.roofline.ceilings import Ceilings
+from disagmoe.roofline.optimizer_state import host_link_bytes
 from disagmoe.roofline.flops import step_flops
 from disagmoe.roofline.params import count_params, params_text
 
 MAX_SEQS_PER_GPU = 64
+
+
+def _offload_note(cfg: PlanConfig, cost: Cost, dp: int, disaggregated: bool) -> str:
+    """What the offloaded optimizer costs the chosen layout: host memory and host-link time per GPU."""
+    zero1 = dp if cfg.shard_optimizer_states and dp > 1 else 1
+    attn, exp = float(cost.attn_params[0]), float(cost.expert_params[0])
+    per_gpu = ([attn * host_link_bytes(cfg.optimizer_state_dtype, "bf16", zero1),
+                exp * host_link_bytes(cfg.optimizer_state_dtype, "bf16")] if disaggregated
+               else [attn * host_link_bytes(cfg.optimizer_state_dtype, "bf16", zero1)
+                     + exp * host_link_bytes(cfg.optimizer_state_dtype, "bf16")])
+    most = max(per_gpu)
+    gbps = cfg.cluster.hardware.host_link_gbps
+    return (f"optimizer state offloaded (train with offload_optimizer: true): up to {most / 2**30:.1f} GiB of fp32 "
+            f"masters and {cfg.optimizer_state_dtype} moments per GPU in host memory, copied in and out each step "
+            f"over the host link ({gbps:g} GB/s per direction): at least {most / (gbps * 1e9) * 1e3:.1f} ms of "
+            "optimizer step per GPU, overlapped with the update; two 256 MiB staging buckets on each GPU instead")
 
 
 def problem_of(cfg: PlanConfig, gpus: int | None = None) -> Problem:
@@ -56,7 +74,7 @@ def problem_of(cfg: PlanConfig, gpus: int | None = None) -> Problem:
         capacity_bytes=hw.hbm_gib * GIB * cfg.memory_headroom, load_peak_ratio=peak,
         replica_slots=1 if cfg.max_expert_replicas > 0 else 0,
         shard_optimizer=cfg.shard_optimizer_states, optimizer_state_dtype=cfg.optimizer_state_dtype,
-        calibration=hw.calibration,
+        offload_optimizer=cfg.offload_optimizer, calibration=hw.calibration,
         # the FP8 experts keep their own rows (train refuses recompute with precision: fp8)
         recompute=cfg.recompute if cfg.experts_backend == "triton" and cfg.expert_precision == "bf16" else "none",
         fp8_speedup=hw.fp8_tflops / hw.bf16_tflops if cfg.expert_precision == "fp8" else 1.0,
@@ -356,6 +374,8 @@ def price(cfg: PlanConfig, chosen: Candidates, colocated_step_s: float | None = 
                  + (", and selective recomputation of the expert FFN's input, output and SwiGLU rows (train "
                     "with experts_backend: triton; train --plan sets recompute: selective)" if selective
                     else ", and no activation recomputation"))
+    if prob.offload_optimizer:
+        notes.append(_offload_note(cfg, cost, dp, use_dis))
     if prob.fp8_speedup > 1:
         notes.append(f"routed experts priced in FP8 (train with precision: fp8): their GEMMs at {prob.fp8_speedup:.2f}x "
                      "the bf16 rate (fp8_tflops / bf16_tflops, no FP8 rate measured yet), plus the quantisation "
@@ -389,7 +409,7 @@ def price(cfg: PlanConfig, chosen: Candidates, colocated_step_s: float | None = 
         sequences_per_micro_batch=seqs * dp, accumulation_rounds=rounds,
         expert_map=expert_map, total_params=counts.total, active_params=counts.active,
         memory_per_gpu=_memory(cost, prob, use_dis, "single" if single else "colocated"), stage_times=stage_times,
-        recompute="selective" if selective else "none",
+        recompute="selective" if selective else "none", offload_optimizer=prob.offload_optimizer,
         step_time_s=step, colocated_step_time_s=col if math.isfinite(col) else None,
         speedup_vs_colocated=col / step if math.isfinite(col) else None,
         expert_imbalance=real_imb, mfu=mfu, tflops_per_gpu=flops_per_gpu_s / 1e12, feasible=fits,
@@ -495,9 +515,11 @@ def _memory(cost: Cost, prob: Problem, disaggregated: bool, kind: str = "colocat
         def gib(part: str) -> float:  # "weights", "grads" or "moments" of StateBytes over both sides' parameters
             return (attn_params * float(getattr(attn_state, part)) + exp_params * float(getattr(exp_state, part))) / GIB
 
-        w, g, o = gib("weights"), gib("grads"), gib("moments")
+        w, g = gib("weights"), gib("grads")
+        o = gib("moments") + float(offload_staging_bytes(prob, attn_params + exp_params)) / GIB
         return MemoryEstimate(weights_gib=w, grads_gib=g, optimizer_gib=o, activations_gib=act / GIB,
-                              total_gib=w + g + o + act / GIB, capacity_gib=prob.capacity_bytes / GIB)
+                              total_gib=w + g + o + act / GIB, capacity_gib=prob.capacity_bytes / GIB,
+                              host_gib=gib("host"))
 
     a_p, e_p = float(cost.attn_params[0]), float(cost.expert_params[0])
     a_act, e_act = float(cost.attn_act_bytes[0]), float(cost.expert_act_bytes[0])

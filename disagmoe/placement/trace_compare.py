@@ -167,7 +167,8 @@ def run_request(cfg: TrainConfig, model: ModelConfig, hw: HardwareConfig) -> tup
                      global_batch_tokens=cfg.batch_size * cfg.seq_len, max_pipeline_groups=cfg.pipeline_groups,
                      shard_optimizer_states=cfg.optim.shard_states, optimizer_state_dtype=cfg.optim.state_dtype,
                      expert_precision="fp8" if cfg.expert_precision == "fp8" else "bf16",
-                     recompute=cfg.recompute, experts_backend=cfg.experts_backend)
+                     recompute=cfg.recompute, experts_backend=cfg.experts_backend,
+                     offload_optimizer=cfg.offloads_to_host and hw.host_link_gbps is not None)
     return req, cand(seqs)
 
 

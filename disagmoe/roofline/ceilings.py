@@ -28,6 +28,7 @@ class Ceilings:
     scaleout_latency_s: float
     collective_latency_s: float
     peak_flops_per_s: float = 0.0  # the datasheet bf16 peak (calibrated rates are fractions of it)
+    host_link_bytes_per_s: float = 0.0  # GPU <-> host, per direction (datasheet; 0: none given)
 
     @classmethod
     def of(cls, hw: HardwareConfig) -> Ceilings:
@@ -41,6 +42,7 @@ class Ceilings:
             scaleout_latency_s=hw.scaleout_latency_us * 1e-6,
             collective_latency_s=hw.collective_latency_us * 1e-6,
             peak_flops_per_s=hw.bf16_tflops * 1e12,
+            host_link_bytes_per_s=(hw.host_link_gbps or 0.0) * 1e9,
         )
 
     def first(self) -> Ceilings:
@@ -55,13 +57,16 @@ class Ceilings:
             "hbm": w.hbm_bytes / self.hbm_bytes_per_s,
             "nvlink": w.nvlink_bytes / self.nvlink_bytes_per_s,
             "scale-out": w.scaleout_bytes / self.scaleout_bytes_per_s,
+            # no host link given: unpriced (PlanConfig refuses offload without one)
+            "host link": w.host_bytes / self.host_link_bytes_per_s if self.host_link_bytes_per_s else 0.0 * w.host_bytes,
             "latency": w.transfers * latency + w.collectives * self.collective_latency_s + w.fixed_s,
         }
 
     def time(self, w: Work) -> Num:
         """Roofline time: the slowest ceiling, plus message latency."""
         t = self.times(w)
-        return np.maximum(np.maximum(t["compute"], t["hbm"]), np.maximum(t["nvlink"], t["scale-out"])) + t["latency"]
+        slowest = np.maximum(np.maximum(t["compute"], t["hbm"]), np.maximum(t["nvlink"], t["scale-out"]))
+        return np.maximum(slowest, t["host link"]) + t["latency"]
 
     def bound(self, w: Work) -> str:
         """The ceiling that binds a scalar `Work` (latency binds when it exceeds every other term)."""

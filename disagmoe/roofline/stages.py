@@ -45,6 +45,7 @@ class Work:
     transfers: Num = 0.0  # one-sided messages on the critical path (each pays a put latency)
     collectives: Num = 0.0  # collective calls on the critical path (each pays their fixed cost)
     fixed_s: Num = 0.0  # measured fixed seconds (an op's launches, `HardwareConfig.calibration`)
+    host_bytes: Num = 0.0  # over the host link, per direction (both directions run at once)
 
     def __add__(self, other: Work) -> Work:
         return Work(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(Work)))
@@ -267,3 +268,11 @@ def optimizer_step(params: Num) -> Work:
     grad, m, v; write master, m, v: 28), the masters into the bf16 parameters (read 4, write 2)."""
     zero, norm, adamw, to_params = FP32, FP32, 4 * FP32 + 3 * FP32, FP32 + BF16
     return Work(hbm_bytes=params * (zero + norm + adamw + to_params))
+
+
+def offloaded_optimizer_step(params: Num, link_bytes: Num) -> Work:
+    """`optimizer_step` with the masters and moments in host memory (`offload_optimizer`,
+    runtime/state/offload.py): the same passes over HBM, plus the staging slots written by the copies
+    in and read by the copies out (`link_bytes` per parameter each way, `optimizer_state.host_link_bytes`),
+    which cross the host link in both directions at once, overlapped with the update."""
+    return optimizer_step(params) + Work(hbm_bytes=2 * params * link_bytes, host_bytes=params * link_bytes)

@@ -4,7 +4,8 @@
 layout, `attention_ranks` / `expert_ranks` (colocated: `colocated_ranks`) = its GPU counts,
 `pipeline_groups` and `micro_batches` (a `single` plan, one GPU: mode single and micro_batches),
 and, where experts_backend is triton, `recompute` (selective: `recompute_modules` all three, as the
-planner priced it). The plan wins over these fields of the config: the config
+planner priced it), and `offload_optimizer: true` where the plan priced it (a plan without it leaves the
+config's setting). The plan wins over these fields of the config: the config
 file is the base a plan is applied to (`replaced_fields` says what changed, for the CLI to show).
 Everything else (batch_size, seq_len, data, optimizer, transport) stays the config's.
 
@@ -35,7 +36,7 @@ from disagmoe.safe_io import MAX_PLAN_BYTES
 ExpertIds = tuple[int, ...]  # one rank's experts of one layer, ascending
 ExpertOwners = tuple[tuple[int, ...], ...]  # one layer: per expert, the group's ranks holding it (replica order)
 LAYOUT_FIELDS = ("mode", "attention_ranks", "expert_ranks", "pipeline_groups", "micro_batches", "colocated_ranks",
-                 "recompute", "recompute_modules")
+                 "recompute", "recompute_modules", "offload_optimizer")
 SELECTIVE_MODULES = ("expert_input", "expert_output", "expert_swiglu")  # what the planner's selective prices
 REPLAN = "run `disagmoe plan` for this model again and pass its --out file"
 
@@ -65,6 +66,8 @@ def apply_plan(cfg: TrainConfig, model_cfg: ModelConfig) -> TrainConfig:
         layout["recompute"] = plan.recompute
         if plan.recompute == "selective":
             layout["recompute_modules"] = list(SELECTIVE_MODULES)
+    if plan.offload_optimizer:  # the plan's memory holds the state in host memory
+        layout["offload_optimizer"] = True
     return cfg.model_copy(update={**layout, "plan": plan})
 
 

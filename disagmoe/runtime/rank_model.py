@@ -25,6 +25,11 @@ def compute_dtype(cfg: TrainConfig) -> torch.dtype:
     return torch.bfloat16 if cfg.compute_dtype_name == "bf16" else torch.float32
 
 
+def offload_bucket_bytes(cfg: TrainConfig) -> int | None:
+    """FlatAdamW's `offload_bucket_bytes`: bytes per staging slot with `offload_optimizer`, else None."""
+    return cfg.offload_bucket_mib * 2**20 if cfg.offload_optimizer else None
+
+
 def rank_model(cfg: ModelConfig, experts_backend: str, topology: Topology, rank: int) -> RankModel:
     """The (meta-device) part of the model that `rank` of `topology` holds."""
     attention = topology.attention_role(rank)

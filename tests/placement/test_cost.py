@@ -342,3 +342,46 @@ def test_the_qwen3_configs_weight_gradient_stage_reads_and_writes_every_fp32_mai
         row_bytes = BF16 * rows_per_step * (2 * m.hidden_size + 3 * m.expert_ffn_size)
         main_grad_bytes = mb * 8 * count_params(m).routed_experts
         assert row["hbm_bytes"] == pytest.approx(row_bytes + main_grad_bytes, rel=1e-12), hardware
+
+
+@pytest.mark.parametrize("colocated", [False, True])
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])
+def test_an_offloaded_optimizer_holds_two_buckets_on_the_gpu_and_pays_the_host_link(colocated, state_dtype):
+    """offload_optimizer: each GPU's fp32 masters and moments (12 bytes per parameter, 8 with bf16
+    moments) leave its memory for the host's, two 256 MiB staging buckets (plus one bucket's fp32
+    scratch with bf16 moments) come in, and the optimizer step takes at least those bytes over the
+    preset's host link, one way (both directions at once); the plan says where the state went."""
+    m = load_model("qwen3-30b-a3b")
+    hw = load_hardware("h200-sxm")
+
+    def cfg(offload):
+        return PlanConfig(model=m, cluster=ClusterConfig(hardware=hw, num_gpus=16), seq_len=4096,
+                          optimizer_state_dtype=state_dtype, offload_optimizer=offload)
+
+    one = Candidates.one(0, 16, 1, 2, 1, colocated=True) if colocated else Candidates.one(8, 8, 1, 2, 1)
+    plain, off = evaluate(problem_of(cfg(False)), one), evaluate(problem_of(cfg(True)), one)
+    moved = 12 if state_dtype == "fp32" else 8
+    staging = 2 * 2**28 + (2**28 if state_dtype == "bf16" else 0)  # two slots (+ the fp32 scratch)
+    params = float(plain.attn_params[0]) + (float(plain.expert_params[0]) if colocated else 0.0)
+    assert float(plain.attn_mem_bytes[0] - off.attn_mem_bytes[0]) == pytest.approx(params * moved - staging, rel=1e-6)
+    group = "colocated" if colocated else "attention"
+    optimizer = off.stages["optimizer (attention)"]
+    link_s = float(plain.attn_params[0]) * moved / (hw.host_link_gbps * 1e9)
+    assert float(np.ravel(optimizer.time(True, problem_of(cfg(True)).ceilings))[0]) >= link_s
+    assert float(off.step_s[0]) > float(plain.step_s[0])  # PCIe is slower than the HBM pass it replaces
+    plan = price(cfg(True), one).plan
+    report = plan.memory_per_gpu[group]
+    assert report.host_gib * 2**30 == pytest.approx(params * moved, rel=1e-9)
+    assert report.total_gib * 2**30 == pytest.approx(float(off.attn_mem_bytes[0]), rel=1e-9)
+    assert any("offloaded" in n and "64 GB/s per direction" in n for n in plan.notes)
+
+
+def test_offload_is_refused_on_hardware_without_a_host_link():
+    hw = load_hardware("h200-sxm").model_copy(update={"host_link_gbps": None})
+    with pytest.raises(ValueError, match="has no host_link_gbps: add it"):
+        PlanConfig(model=load_model("qwen3-30b-a3b"), cluster=ClusterConfig(hardware=hw, num_gpus=8), seq_len=4096,
+                   offload_optimizer=True)
+    for name in ("h100-sxm", "h200-sxm", "h200-sxm-calibrated", "h800", "b200"):  # PCIe Gen5 x16
+        assert load_hardware(name).host_link_gbps == 64
+    for name in ("gb200-nvl72", "gb300-nvl72"):  # NVLink-C2C to Grace
+        assert load_hardware(name).host_link_gbps == 450

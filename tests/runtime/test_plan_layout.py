@@ -182,3 +182,14 @@ def test_a_plans_recomputation_is_set_where_the_experts_can_run_it():
     plain = planned(2, 1).model_copy(update={"recompute": "none"})
     assert apply_plan(config(plain, experts_backend="triton", recompute="selective"), MODEL).recompute == "none"
     assert apply_plan(config(plain), MODEL).recompute == "none"
+
+
+def test_a_plan_priced_with_offload_sets_offload_optimizer():
+    """`plan --offload-optimizer` records it in the plan and `train --plan` sets offload_optimizer: true
+    (among the replaced fields); a plan without it leaves the config's setting."""
+    plan = planned(2, 1, offload_optimizer=True)
+    assert plan.offload_optimizer and not planned(2, 1).offload_optimizer
+    cfg = config(plan)
+    run = apply_plan(cfg, MODEL)
+    assert run.offload_optimizer and replaced_fields(cfg, run)["offload_optimizer"] == (False, True)
+    assert apply_plan(config(planned(2, 1), offload_optimizer=True), MODEL).offload_optimizer

@@ -33,7 +33,7 @@ from disagmoe.model_ref import load_model
 from disagmoe.model.experts import check_backend_device
 from disagmoe.data import load_splits
 from disagmoe.roofline.flops import step_flops
-from disagmoe.roofline.optimizer_state import state_bytes
+from disagmoe.roofline.optimizer_state import staging_bytes, state_bytes
 from disagmoe.runtime.activation_memory import RankActivations, rank_activations
 from disagmoe.runtime.batching import check_divisible
 from disagmoe.runtime.state.checkpoint import (
@@ -64,6 +64,7 @@ from disagmoe.runtime.cluster.sharing import (
 from disagmoe.runtime.failures import RunWarning, TrainingFailed
 from disagmoe.runtime.stages.messages import MessageShapes, dispatch_mode, hop_mode, receive_layouts
 from disagmoe.runtime.observe.metrics import load_imbalance, peak_and_ceiling
+from disagmoe.runtime.state.offload import check_host_memory
 from disagmoe.runtime.state.optim import lr_at
 from disagmoe.runtime.plan_layout import apply_plan
 from disagmoe.runtime.rank_model import rank_model
@@ -92,19 +93,36 @@ def step_timeout_s(cfg: TrainConfig) -> float:
     return 4 * wait_timeout_s(cfg) + 60.0
 
 
-def training_state_bytes(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topology, rank: int) -> tuple[int, float]:
-    """(parameters, bytes of their training state) of one rank's `FlatAdamW`: the compute copy, the
-    fp32 master and main gradient and AdamW's moments in `optim.state_dtype`, priced per parameter by
-    `roofline.optimizer_state.state_bytes` as the planner prices them. With `optim.shard_states`, an
-    attention rank's replicated parameters count their ZeRO-1 share over its data-parallel group."""
+def training_state_bytes(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topology, rank: int,
+                         host: bool = False) -> tuple[int, float]:
+    """(parameters, bytes of their training state on the device) of one rank's `FlatAdamW`: the compute
+    copy, the fp32 master and main gradient and AdamW's moments in `optim.state_dtype`, priced per
+    parameter by `roofline.optimizer_state.state_bytes` as the planner prices them. With
+    `optim.shard_states`, an attention rank's replicated parameters count their ZeRO-1 share over its
+    data-parallel group. With `offload_optimizer` the masters and moments are host bytes (`host`: return
+    those instead) and the device holds two staging slots (`staging_bytes`)."""
     named = list(rank_model(model_cfg, cfg.experts_backend, topology, rank).named_parameters())
     params = sum(p.numel() for _, p in named)
     replicated = sum(p.numel() for n, p in named if ".moe.experts." not in n)
     dp = topology.data_parallel
     sharded = cfg.optim.shard_states and topology.attention_role(rank) is not None and dp > 1
-    whole = state_bytes(cfg.optim.state_dtype, cfg.compute_dtype_name).total
-    shared = state_bytes(cfg.optim.state_dtype, cfg.compute_dtype_name, dp if sharded else 1).total
-    return params, (params - replicated) * whole + replicated * shared
+    offload = cfg.offloads_to_host
+    whole = state_bytes(cfg.optim.state_dtype, cfg.compute_dtype_name, offload=offload)
+    shared = state_bytes(cfg.optim.state_dtype, cfg.compute_dtype_name, dp if sharded else 1, offload=offload)
+    if host:
+        return params, (params - replicated) * whole.host + replicated * shared.host
+    device = (params - replicated) * whole.total + replicated * shared.total
+    if cfg.offload_optimizer:
+        device += staging_bytes(cfg.offload_bucket_bytes, cfg.optim.state_dtype, cfg.compute_dtype_name, params)
+    return params, device
+
+
+def host_state_bytes(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topology) -> float:
+    """Host bytes of every rank's offloaded masters and moments together (0 without offload to a host)."""
+    if not cfg.offloads_to_host:
+        return 0.0
+    return sum(training_state_bytes(cfg, model_cfg, topology, rank, host=True)[1]
+               for rank in range(topology.world_size))
 
 
 def rank_states(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topology) -> list[tuple[int, float]]:
@@ -272,6 +290,8 @@ def check_fits(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topology) -> 
         if cfg.transport == "local":
             raise ValueError("transport=local runs on CPU (gloo); use transport=nccl with device=cuda")
         check_memory(cfg, model_cfg, topology, torch.cuda.get_device_properties(0).total_memory, per_gpu)
+        if cfg.offloads_to_host:  # every rank on this host (no ray_address): their host copies together
+            check_host_memory(host_state_bytes(cfg, model_cfg, topology), f"{world} ranks on this host")
     else:
         cpus = os.cpu_count() or 1
         if world > cpus / MIN_CPUS_PER_RANK:
@@ -302,6 +322,7 @@ class DistributedTrainer(TrainingLoop):
         self.topology = Topology.from_config(cfg, self.model_cfg)
         check_fits(cfg, self.model_cfg, self.topology)
         self.predicted_peak_gib = [need.predicted_peak_gib for need in rank_needs(cfg, self.model_cfg, self.topology)]
+        self.offloaded_host_gib = host_state_bytes(cfg, self.model_cfg, self.topology) / 2**30
         self.hop, self.hop_reason = hop_mode(cfg, self.model_cfg, self.topology)
         self.dispatch, self.dispatch_reason = dispatch_mode(cfg, self.model_cfg, self.topology)  # refusals: now
         self.traffic_sums: dict[str, int] = {}  # bytes of the rows sent, summed over ranks and steps run
@@ -480,7 +501,8 @@ class DistributedTrainer(TrainingLoop):
         return dict(hop=self.hop, dispatch=self.dispatch, traffic=traffic or None, transport=self.cfg.transport, gpus=self.gpus or None,
                     ranks_per_gpu=self.ranks_per_gpu, time_sliced=self.ranks_per_gpu > 1,
                     processes=self.processes, predicted_peak_gib=max(self.predicted_peak_gib),
-                    predicted_peak_gib_per_rank=list(self.predicted_peak_gib), **self.split_facts())
+                    predicted_peak_gib_per_rank=list(self.predicted_peak_gib), offloaded_host_gib=self.offloaded_host_gib,
+                    **self.split_facts())
 
     def validate(self) -> float:
         """Mean CE over `eval_batches` validation batches, as the oracle's `evaluate` defines it."""

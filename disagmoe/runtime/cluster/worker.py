@@ -52,7 +52,7 @@ from disagmoe.runtime.stages.messages import Mailbox, MessageShapes, receive_lay
 from disagmoe.runtime.stages.pair_return import PairHop
 from disagmoe.model.layers import set_fusion
 from disagmoe.runtime.state.flat_adamw import FlatAdamW, Shard, flat_squares
-from disagmoe.runtime.rank_model import compute_dtype, rank_model
+from disagmoe.runtime.rank_model import compute_dtype, offload_bucket_bytes, rank_model
 from disagmoe.runtime.stages.replicas import ExpertReplicas
 from disagmoe.runtime.schedule.schedule import (
     AttentionBackward,
@@ -132,7 +132,7 @@ class TrainWorker(Worker):
             shards = {base: shard for base in {bucket_of(n) for n, _ in self.model.named_parameters()}
                       if base != EXPERTS}
         self.optimizer = FlatAdamW(self.model.named_parameters(), cfg.optim, compute_dtype(cfg),
-                                   bucket_of=bucket_of, shards=shards)
+                                   bucket_of=bucket_of, shards=shards, offload_bucket_bytes=offload_bucket_bytes(cfg))
         self._reductions: list[tuple[str, Any]] = []  # (bucket name, work) of this step's started sums
         self.replicas = ExpertReplicas(self.model, topology, self.rank)
         self.attention, self.val_data = None, None

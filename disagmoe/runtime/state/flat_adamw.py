@@ -44,6 +44,12 @@ Checkpoints see per-parameter fp32 masters and AdamW state (`masters_by_name`, `
 either loads the other's checkpoints. The moments are fp32 there whatever `state_dtype` is.
 Loading casts them to the run's dtype, so a run resumes with either dtype, in any layout.
 
+Offload (`offload_bucket_bytes`, the run's `offload_optimizer`): the masters (bf16 compute; with fp32
+compute the parameters are the masters and stay on the device) and the moments of every bucket live
+in pinned host memory, and `step` streams them through two device slots (`runtime.state.offload`),
+one chunk at a time, through the same AdamW call per chunk as the on-device step: the same update,
+bit for bit. The step counters stay on the device; checkpoints read and write the host copies.
+
 Shapes: N a bucket's flat length (padded to a multiple of D when sharded), S = N / D.
 """
 
@@ -58,6 +64,8 @@ from torch import nn
 from torch.optim.adamw import adamw  # the functional step torch.optim.AdamW runs
 
 from disagmoe.config import OptimConfig
+from disagmoe.roofline.optimizer_state import slot_elements
+from disagmoe.runtime.state.offload import StagingArea, host_empty
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -122,7 +130,8 @@ class FlatAdamW:
 
     `bucket_of(name)` names the reduce bucket of a parameter (default: one bucket); each bucket is
     further split by weight decay (matrices decay, gains and biases do not, as `build_optimizer`).
-    `shards`: bucket name -> ZeRO-1 split of that bucket's state.
+    `shards`: bucket name -> ZeRO-1 split of that bucket's state. `offload_bucket_bytes`: keep the
+    masters and moments in host memory, stepped through two device slots of about this many bytes.
     """
 
     def __init__(
@@ -132,8 +141,10 @@ class FlatAdamW:
         compute_dtype: torch.dtype,
         bucket_of: Callable[[str], str] = lambda name: "params",
         shards: dict[str, Shard] | None = None,
+        offload_bucket_bytes: int | None = None,
     ) -> None:
         self.optim = optim
+        self.offloaded = offload_bucket_bytes is not None
         self.compute_dtype = compute_dtype
         self.state_dtype = STATE_DTYPES[optim.state_dtype]
         shards = shards or {}
@@ -149,6 +160,15 @@ class FlatAdamW:
         self._hooks = [p.register_post_accumulate_grad_hook(_add_to_main_grad)
                        for b in self.buckets for p in b.params]
         self.steps_taken = 0
+        self.staging: StagingArea | None = None
+        if self.offloaded and self.buckets:
+            has_master = compute_dtype != torch.float32
+            elements = slot_elements(offload_bucket_bytes, optim.state_dtype, "bf16" if has_master else "fp32",
+                                     max(b.master_S.numel() for b in self.buckets))
+            self.staging = StagingArea(device, elements, self.state_dtype, has_master)
+            # the host moments now: pinning memory (cudaHostAlloc) inside the first step would be a host call there
+            self._host_moments = {b.name: {k: host_empty(b.master_S.numel(), self.state_dtype, device.type == "cuda")
+                                           for k in STATE_KEYS} for b in self.buckets}
 
     def set_lr(self, lr: float) -> None:
         """Write the next step's learning rate into `self.lr`, the device scalar every bucket's AdamW
@@ -171,13 +191,22 @@ class FlatAdamW:
         # master, the original parameters released (p.data rebound) before the main gradient exists.
         # (A cat, a pad and a clone held five copies at once: 63 GiB for a 3.8 B-parameter model
         # whose steady state with bf16 moments is 49, docs/benchmarks.md.)
+        # Offloaded (bf16 compute): the masters are built in pinned host memory and never exist whole on
+        # the device; with fp32 compute the parameters are the masters, on the device either way.
+        host = self.offloaded and self.compute_dtype != torch.float32
+        pin = host and device.type == "cuda"
         with torch.no_grad():
-            masters_N = torch.zeros(padded, dtype=torch.float32, device=device)  # the padding stays zero
+            masters_N = (host_empty(padded, torch.float32, pin) if host  # the padding stays zero
+                         else torch.zeros(padded, dtype=torch.float32, device=device))
             for part, p in zip(masters_N[:numel].split([p.numel() for p in params]), params, strict=True):
                 part.copy_(p.detach().reshape(-1))
             if self.compute_dtype == torch.float32:  # the parameters are the masters
                 compute_N = masters_N
                 master_S = compute_N if shard is None else compute_N[rank * S:(rank + 1) * S]
+            elif host:
+                compute_N = masters_N.to(self.compute_dtype).to(device)  # cast on the host: no fp32 copy on the device
+                master_S = (masters_N if shard is None
+                            else host_empty(S, torch.float32, pin).copy_(masters_N[rank * S:(rank + 1) * S]))
             else:
                 compute_N = masters_N.to(self.compute_dtype, copy=True)
                 master_S = masters_N if shard is None else masters_N[rank * S:(rank + 1) * S].clone()
@@ -193,7 +222,8 @@ class FlatAdamW:
         master = nn.Parameter(master_S, requires_grad=True)
         # capturable: torch's AdamW.step refuses CUDA-graph capture without it; the fused kernel ignores
         # it (the same math). Off on the CPU, where it would pick another path (and other roundings).
-        cuda = device.type == "cuda"
+        # Offloaded: the inner AdamW holds the hyperparameters and the (host) state only; `step` never calls it.
+        cuda = device.type == "cuda" and not host
         bucket.inner = torch.optim.AdamW([master], lr=self.lr, betas=(self.optim.beta1, self.optim.beta2),
                                          eps=self.optim.eps, weight_decay=weight_decay, fused=cuda, capturable=cuda)
         return bucket
@@ -230,6 +260,12 @@ class FlatAdamW:
         kernels leave masters, moments and step counts as they were (torch's `found_inf`, as
         GradScaler uses it), decided on the device: no host wait. CUDA only (the fused kernels)."""
         inverse = None if clip_coef is None else (1.0 / clip_coef).float()  # the fused kernels' grad_scale
+        if skip is not None and not self.lr.is_cuda:
+            raise ValueError("FlatAdamW.step(skip=...) runs in the fused CUDA kernels; on the CPU pass skip=None")
+        if self.staging is not None:
+            self._step_offloaded(clip_coef, inverse, skip)
+            self.steps_taken += 1
+            return
         for b in self.buckets:
             inner = b.inner
             master = inner.param_groups[0]["params"][0]
@@ -254,6 +290,80 @@ class FlatAdamW:
                 elif b.master_S is not b.compute_N:
                     b.compute_N.copy_(b.master_S)
         self.steps_taken += 1
+
+    def _offloaded_state(self, b: Bucket) -> dict[str, torch.Tensor]:
+        """An offloaded bucket's AdamW state: moments in (pinned) host memory, the step on the device."""
+        master = b.inner.param_groups[0]["params"][0]
+        state = b.inner.state[master]
+        if not state:  # the first step: the zeroed host moments made at construction
+            state.update(step=torch.zeros((), dtype=torch.float32, device=self.lr.device), **self._host_moments[b.name])
+        return state
+
+    def _step_offloaded(self, clip_coef: torch.Tensor | None, grad_scale: torch.Tensor | None,
+                        skip: torch.Tensor | None) -> None:
+        """`step` with the masters and moments in host memory (module docstring, `runtime.state.offload`):
+        chunks of at most one slot, over every bucket in order, loaded two ahead into the slots, updated
+        by the same AdamW call as `_step_rounded_moments`'s chunks (fp32 moments: the same elementwise
+        update `inner.step()` makes), the compute parameters written from the updated masters on the
+        device, stored back. The sharded buckets' all-gathers follow the last chunk."""
+        area = self.staging
+        assert area is not None
+        C, fp32_moments, cuda = area.elements, self.state_dtype == torch.float32, self.lr.is_cuda
+        chunks = [(b, start, min(C, b.master_S.numel() - start))
+                  for b in self.buckets for start in range(0, b.master_S.numel(), C)]
+        states = {b.name: self._offloaded_state(b) for b in self.buckets}
+
+        def pairs(i: int) -> list[tuple[torch.Tensor, torch.Tensor]]:  # (slot view, host view) of chunk i
+            b, start, n = chunks[i]
+            slot, state = area.slots[i % 2], states[b.name]
+            out = [(slot.exp_avg_C[:n], state["exp_avg"][start:start + n]),
+                   (slot.exp_avg_sq_C[:n], state["exp_avg_sq"][start:start + n])]
+            if slot.master_C is not None:
+                out.append((slot.master_C[:n], b.master_S[start:start + n]))
+            return out
+
+        with torch.no_grad():
+            if clip_coef is not None and not cuda:  # as `step`: the CPU path scales the gradient itself
+                for b in self.buckets:
+                    b.step_grad().mul_(clip_coef.to(b.step_grad().dtype))
+            area.begin()
+            for i in range(min(2, len(chunks))):
+                area.load(i, pairs(i))
+            for i, (b, start, n) in enumerate(chunks):
+                slot, state = area.slots[i % 2], states[b.name]
+                area.wait_loaded(i)
+                master = b.master_S[start:start + n] if slot.master_C is None else slot.master_C[:n]
+                group = b.inner.param_groups[0]
+                beta1, beta2 = group["betas"]
+                if fp32_moments:
+                    exp_avg, exp_avg_sq = slot.exp_avg_C[:n], slot.exp_avg_sq_C[:n]
+                else:
+                    exp_avg, exp_avg_sq = area.scratch_2C[0, :n], area.scratch_2C[1, :n]
+                    exp_avg.copy_(slot.exp_avg_C[:n])
+                    exp_avg_sq.copy_(slot.exp_avg_sq_C[:n])
+                step = state["step"].clone()  # each chunk starts from the bucket's step (counted once below)
+                adamw([master], [b.step_grad()[start:start + n]], [exp_avg], [exp_avg_sq], [], [step],
+                      foreach=False, fused=cuda, grad_scale=grad_scale if cuda else None, found_inf=skip,
+                      amsgrad=False,
+                      beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
+                      eps=group["eps"], maximize=False)
+                if not fp32_moments:  # fp32 -> bf16: round to nearest even, as `_step_rounded_moments`
+                    slot.exp_avg_C[:n].copy_(exp_avg)
+                    slot.exp_avg_sq_C[:n].copy_(exp_avg_sq)
+                if slot.master_C is not None:  # the compute copy from the updated masters, on the device
+                    at = b.slice_start + start
+                    b.compute_N[at:at + n].copy_(master)
+                area.store(i, [(host, dev) for dev, host in pairs(i)])
+                if i + 2 < len(chunks):
+                    area.load(i + 2, pairs(i + 2))
+                if start + n == b.master_S.numel():
+                    state["step"].add_(1)
+                    if skip is not None:  # as `step`'s: the fused kernel left this bucket as it was
+                        state["step"].sub_(skip)
+            for b in self.buckets:
+                if b.shard is not None:  # this rank's slice of compute_N is fresh: gather the others'
+                    at, S = b.slice_start, b.master_S.numel()
+                    _all_gather(b.compute_N, b.compute_N[at:at + S].clone(), group=b.shard.group)
 
     def _step_rounded_moments(self, b: Bucket, master: torch.Tensor, grad_scale: torch.Tensor | None,
                               skip: torch.Tensor | None = None) -> None:
@@ -298,8 +408,9 @@ class FlatAdamW:
         full_N = torch.empty(S * D, dtype=torch.float32) if keep else None
         for start in range(0, S, GATHER_CHUNK):
             n = min(GATHER_CHUNK, S - start)
-            chunks_Dn = torch.empty(D * n, dtype=slice_S.dtype, device=slice_S.device)
-            _all_gather(chunks_Dn, slice_S[start:start + n].contiguous(), group=b.shard.group)
+            device = self.lr.device  # an offloaded slice is on the host: gather through the device (nccl)
+            chunks_Dn = torch.empty(D * n, dtype=slice_S.dtype, device=device)
+            _all_gather(chunks_Dn, slice_S[start:start + n].to(device).contiguous(), group=b.shard.group)
             if full_N is not None:
                 chunks_Dn = chunks_Dn.view(D, n).cpu()
                 for r in range(D):
@@ -312,6 +423,7 @@ class FlatAdamW:
     def masters_by_name(self) -> dict[str, torch.Tensor]:
         """fp32 master weights per parameter name, on the CPU (sharded buckets: on shard rank 0
         only; a collective over the shard group)."""
+        self._drain()
         out: dict[str, torch.Tensor] = {}
         for b in self.buckets:
             full_N = self._full(b, b.master_S, self._keeps(b))
@@ -322,6 +434,7 @@ class FlatAdamW:
     def state_by_name(self) -> dict[str, dict[str, torch.Tensor]]:
         """AdamW's per-parameter state (step, exp_avg, exp_avg_sq) as `torch.optim.AdamW` keeps it,
         on the CPU (sharded: shard rank 0 only; a collective); empty before the first step."""
+        self._drain()
         out: dict[str, dict[str, torch.Tensor]] = {}
         for b in self.buckets:
             state = b.inner.state.get(b.inner.param_groups[0]["params"][0])
@@ -339,7 +452,8 @@ class FlatAdamW:
     def load_state(self, masters: dict[str, torch.Tensor], state: dict[str, dict[str, torch.Tensor]]) -> None:
         """Take masters (every parameter) and AdamW state (all parameters of a bucket or none of
         them: saved before any step) in the per-parameter form above; only this rank's slices go
-        to the device."""
+        to the device (offloaded: the masters and moments to their host copies)."""
+        self._drain()  # no store of a step may land after these writes
         with torch.no_grad():
             for b in self.buckets:
                 missing = [n for n in b.names if n not in masters]
@@ -359,12 +473,19 @@ class FlatAdamW:
                                      f"bucket {b.name} (missing e.g. {[n for n in b.names if n not in state][:3]})")
                 master = b.inner.param_groups[0]["params"][0]
                 device = master.device
-                entry = {"step": state[b.names[0]]["step"].detach().float().reshape(()).clone()
-                         .to(device if master.is_cuda else "cpu")}
+                # the step counter on the compute device (CUDA: the fused kernel reads it there; offloaded too)
+                entry = {"step": state[b.names[0]]["step"].detach().float().reshape(()).clone().to(self.lr.device)}
                 for k in STATE_KEYS:  # fp32 in every checkpoint: cast to this run's moments
                     full_k = self._flat([state[n][k] for n in b.names], b.compute_N.numel())
-                    entry[k] = full_k[start:start + S].to(device, self.state_dtype, copy=True)
+                    if self.staging is not None:  # into the pinned host copies the step streams
+                        entry[k] = self._host_moments[b.name][k].copy_(full_k[start:start + S])
+                    else:
+                        entry[k] = full_k[start:start + S].to(device, self.state_dtype, copy=True)
                 b.inner.state[master] = entry
+
+    def _drain(self) -> None:
+        if self.staging is not None:
+            self.staging.drain()
 
     @staticmethod
     def _flat(tensors: list[torch.Tensor], padded: int) -> torch.Tensor:

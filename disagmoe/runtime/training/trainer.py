@@ -44,12 +44,13 @@ from disagmoe.model.layers import set_fusion
 from disagmoe.model.loss import linear_cross_entropy
 from disagmoe.roofline.flops import step_flops
 from disagmoe.roofline.memory import fp8_weight_copy_bytes
-from disagmoe.roofline.optimizer_state import state_bytes
+from disagmoe.roofline.optimizer_state import staging_bytes, state_bytes
 from disagmoe.roofline.params import count_params
 from disagmoe.runtime.activation_memory import single_activation_bytes
-from disagmoe.runtime.rank_model import compute_dtype
+from disagmoe.runtime.rank_model import compute_dtype, offload_bucket_bytes
 from disagmoe.runtime.batching import batch_rows, check_divisible, inputs_and_targets
 from disagmoe.runtime.state.flat_adamw import FlatAdamW
+from disagmoe.runtime.state.offload import check_host_memory
 from disagmoe.runtime.state.checkpoint import (
     TrainerState,
     load_checkpoint,
@@ -255,15 +256,27 @@ def fp8_fields(result: StepResult, device: torch.device) -> dict[str, Any]:
 
 
 def single_peak_bytes(cfg: TrainConfig, model_cfg: ModelConfig) -> tuple[int, int]:
-    """(training state, activations) one process holds at its peak: every parameter's state
-    (`roofline.optimizer_state.state_bytes`; with `precision: fp8` the experts' FP8 weight copies
-    too, `roofline.memory.fp8_weight_copy_bytes`) and one micro-batch's activations
+    """(training state, activations) one process holds at its peak on its device: every parameter's
+    state (`roofline.optimizer_state.state_bytes`; offloaded, the masters and moments are host bytes,
+    `single_host_bytes`, and two staging slots are on the device; with `precision: fp8` the experts'
+    FP8 weight copies too, `roofline.memory.fp8_weight_copy_bytes`) and one micro-batch's activations
     (`runtime.activation_memory`)."""
     params = count_params(model_cfg)
-    state = params.total * state_bytes(cfg.optim.state_dtype, cfg.compute_dtype_name).total
+    state = params.total * state_bytes(cfg.optim.state_dtype, cfg.compute_dtype_name,
+                                       offload=cfg.offloads_to_host).total
+    if cfg.offload_optimizer:
+        state += staging_bytes(cfg.offload_bucket_bytes, cfg.optim.state_dtype, cfg.compute_dtype_name, params.total)
     if cfg.expert_precision == "fp8":
         state += int(fp8_weight_copy_bytes(params.routed_experts))
     return state, single_activation_bytes(cfg, model_cfg)
+
+
+def single_host_bytes(cfg: TrainConfig, model_cfg: ModelConfig) -> int:
+    """Host bytes of a one-GPU run's offloaded masters and moments (0 without offload to a host)."""
+    if not cfg.offloads_to_host:
+        return 0
+    return int(count_params(model_cfg).total * state_bytes(cfg.optim.state_dtype, cfg.compute_dtype_name,
+                                                           offload=True).host)
 
 
 def resolve_single_micro_batches(cfg: TrainConfig, model_cfg: ModelConfig, device: torch.device | None,
@@ -293,12 +306,14 @@ def check_single_memory(cfg: TrainConfig, model_cfg: ModelConfig, capacity_bytes
     if state + acts <= capacity_bytes:
         return
     tokens = cfg.batch_size // cfg.micro_batches * cfg.seq_len
+    held = ("weights, gradients and two offload staging buckets (the fp32 masters and AdamW moments are in host "
+            "memory)" if cfg.offloads_to_host else "weights, fp32 masters, gradients and AdamW moments")
+    fix = "" if cfg.offloads_to_host else "offload_optimizer: true (masters and moments in host memory), "
     raise ValueError(
         f"mode single needs {(state + acts) / 2**30:.1f} GiB on a {capacity_bytes / 2**30:.1f} GiB device: "
-        f"{count_params(model_cfg).total:,} parameters hold {state / 2**30:.1f} GiB of weights, fp32 masters, "
-        f"gradients and AdamW moments, and a micro-batch of {tokens:,} tokens (batch_size={cfg.batch_size} / "
+        f"{count_params(model_cfg).total:,} parameters hold {state / 2**30:.1f} GiB of {held}, and a micro-batch of {tokens:,} tokens (batch_size={cfg.batch_size} / "
         f"micro_batches={cfg.micro_batches} x seq_len={cfg.seq_len}) {acts / 2**30:.1f} GiB of activations; use "
-        "more micro-batches or fewer tokens per step, or a distributed mode over more GPUs (`disagmoe plan` "
+        f"more micro-batches or fewer tokens per step, {fix}or a distributed mode over more GPUs (`disagmoe plan` "
         "finds a layout that fits)")
 
 
@@ -315,6 +330,9 @@ class SingleProcessTrainer(TrainingLoop):
         check_backend_device(cfg.experts_backend, self.device.type)
         if self.device.type == "cuda":
             check_single_memory(cfg, self.model_cfg, torch.cuda.get_device_properties(self.device).total_memory)
+        self.host_state_bytes = single_host_bytes(cfg, self.model_cfg)
+        if self.host_state_bytes:
+            check_host_memory(self.host_state_bytes, f"{count_params(self.model_cfg).total:,} parameters, mode single")
         self.predicted_peak_gib = sum(single_peak_bytes(cfg, self.model_cfg)) / 2**30
         splits = load_splits(cfg.data, self.model_cfg.vocab_size, cfg.seq_len)
         self.train_data = TokenDataset(splits.train, cfg.seq_len, cfg.batch_size, cfg.seed, "train")
@@ -336,11 +354,13 @@ class SingleProcessTrainer(TrainingLoop):
             self.model.set_expert_precision("fp8")
             self.fp8_stats = Fp8Stats(self.device)  # before the capture below: its kernels keep the address
             self.model.set_fp8_stats(self.fp8_stats)
-        # plain torch AdamW on fp32 parameters, the reference; it keeps fp32 moments, so bf16 ones
-        # (optim.state_dtype) step the flat optimizer over the same fp32 parameters instead
-        self.oracle = cfg.compute_dtype_name == "fp32" and cfg.optim.state_dtype == "fp32"
+        # plain torch AdamW on fp32 parameters, the reference; it keeps fp32 moments on the device, so bf16
+        # ones (optim.state_dtype) or offloaded ones step the flat optimizer over the same fp32 parameters
+        self.oracle = (cfg.compute_dtype_name == "fp32" and cfg.optim.state_dtype == "fp32"
+                       and not cfg.offload_optimizer)
         self.optimizer = (build_optimizer(self.model.named_parameters(), cfg.optim) if self.oracle
-                          else FlatAdamW(self.model.named_parameters(), cfg.optim, compute_dtype(cfg)))
+                          else FlatAdamW(self.model.named_parameters(), cfg.optim, compute_dtype(cfg),
+                                         offload_bucket_bytes=offload_bucket_bytes(cfg)))
         if cfg.cuda_graphs == "on" and self.oracle:
             raise ValueError("cuda_graphs: on captures the bf16 fast path's step; precision fp32 steps the reference "
                              "torch AdamW, which is not captured: set precision: bf16 (or cuda_graphs: off)")
@@ -358,7 +378,8 @@ class SingleProcessTrainer(TrainingLoop):
             self._resume()
 
     def run_facts(self) -> dict[str, Any]:
-        return {"predicted_peak_gib": self.predicted_peak_gib, **self.split_facts(),
+        return {"predicted_peak_gib": self.predicted_peak_gib, "offloaded_host_gib": self.host_state_bytes / 2**30,
+                **self.split_facts(),
                 "cuda_graph_replays": None if self.graphed is None else self.graphed.replays}
 
     def _resume(self) -> None:

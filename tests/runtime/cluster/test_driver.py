@@ -158,6 +158,14 @@ CASES = {
                                      optim=OptimConfig(lr=3e-3, warmup_steps=2, state_dtype="bf16")),
     "colocated-3-bias": dict(mode="colocated", colocated_ranks=3, micro_batches=2, batch_size=6,
                              bias_balancing=True),
+    # offload_optimizer (on CPU: the bucketed update through the staging slots, nothing moved), with ZeRO-1's
+    # gather from the fresh compute slice, and with bf16 moments
+    "A2-E1-p1-m2-zero-offload": dict(attention_ranks=2, expert_ranks=1, pipeline_groups=1, micro_batches=2,
+                                     offload_optimizer=True, offload_bucket_mib=1,
+                                     optim=OptimConfig(lr=3e-3, warmup_steps=2, weight_decay=0.1, shard_states=True)),
+    "colocated-2-bf16-moments-offload": dict(mode="colocated", colocated_ranks=2, micro_batches=2,
+                                             offload_optimizer=True, offload_bucket_mib=1,
+                                             optim=OptimConfig(lr=3e-3, warmup_steps=2, state_dtype="bf16")),
     # hop: pair_rows (every (token, expert) row returned as its own row; the transport's emulation on CPU):
     # several expert ranks writing one buffer, data parallel, the weights riding RESIDUAL to another
     # pipeline group, colocated ranks writing their own buffer

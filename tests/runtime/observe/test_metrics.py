@@ -128,8 +128,13 @@ def test_a_cuda_out_of_memory_error_becomes_one_line_naming_the_knobs():
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore detail")
     text = str(err.value)
     assert "\n" not in text and text.startswith("rank 1 (E0.0) ran out of memory (CUDA out of memory.")
-    assert all(k in text for k in ("micro_batches=8", "batch_size", "seq_len", "expert_ranks", "pipeline_groups"))
+    assert all(k in text for k in ("micro_batches=8", "batch_size", "seq_len", "expert_ranks", "pipeline_groups",
+                                   "offload_optimizer: true"))
     assert "ranks_per_gpu" not in text
+    offloaded = cfg.model_copy(update={"offload_optimizer": True})
+    with pytest.raises(OutOfMemory) as err, out_of_memory_hint(offloaded):
+        raise torch.OutOfMemoryError("CUDA out of memory.")
+    assert "offload_optimizer" not in str(err.value)  # already on: not a fix
     shared = TrainConfig(model="tiny", batch_size=16, micro_batches=8, device="cuda", transport="nvshmem",
                          ranks_per_gpu=2)
     with pytest.raises(OutOfMemory) as err, out_of_memory_hint(shared, "rank 0 (A0.0)"):

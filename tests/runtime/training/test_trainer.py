@@ -197,14 +197,23 @@ def test_cuda_selective_recomputation_trains_like_the_plain_run(tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("offload", [False, True])
 @pytest.mark.parametrize("backend", ["grouped_mm", "triton"])
-def test_cuda_steps_make_no_host_waits(tmp_path, backend):
+def test_cuda_steps_make_no_host_waits(tmp_path, backend, offload):
     """Steady-state single-GPU steps under set_sync_debug_mode('error') (forbid_host_syncs): any
-    .item()/.tolist()/.cpu() or other host wait inside a step would raise."""
-    cfg = tiny_run(tmp_path, steps=3, device="cuda", experts_backend=backend, forbid_host_syncs=True,
-                   model=tiny_model(bias_balancing=True))
+    .item()/.tolist()/.cpu() or other host wait inside a step would raise; offload_optimizer's copy
+    streams too (event waits only). Offloaded, the losses follow the on-device optimizer's (to the
+    kernels' run-to-run rounding; the update itself is compared bit for bit in tests/runtime/state/test_offload.py)."""
+    fields = dict(steps=3, device="cuda", experts_backend=backend, forbid_host_syncs=True,
+                  model=tiny_model(bias_balancing=True))
+    cfg = tiny_run(tmp_path / "a", offload_optimizer=offload, offload_bucket_mib=1, **fields)
     summary = train_single(cfg)
     assert summary.steps == 3 and summary.final_loss is not None
+    if offload:
+        assert summary.offloaded_host_gib > 0
+        train_single(tiny_run(tmp_path / "b", **fields))
+        losses = [[r["loss"] for r in read_metrics(tmp_path / d / "run" / METRICS_FILE)] for d in ("a", "b")]
+        assert losses[0] == pytest.approx(losses[1], rel=1e-2)
 
 
 def test_fast_path_in_fp32_equals_the_oracle(tmp_path):
@@ -493,3 +502,24 @@ def test_cuda_a_non_finite_fp8_scale_skips_the_update_on_the_device():
     for b, before in zip(flat.buckets, masters, strict=True):
         assert torch.equal(b.master_S, before), b.name
     assert torch.isfinite(experts.w13_EH2F).all()
+
+
+@pytest.mark.slow  # four short runs: more than a few seconds on 2 cores
+def test_offloaded_optimizer_takes_the_same_steps_and_resumes_across_offload(tmp_path):
+    """offload_optimizer on the CPU runs the bucketed path (1 MiB slots, several per bucket of the tiny
+    model): the same losses bit for bit as the on-device FlatAdamW, and a checkpoint written with
+    offload resumes without it and the other way round, continuing bit for bit."""
+    runs = {}
+    for offload in (False, True):
+        cfg = tiny_run(tmp_path / str(offload), steps=6, checkpoint_every=3, precision="bf16",
+                       offload_optimizer=offload, offload_bucket_mib=1)
+        train_single(cfg)
+        runs[offload] = cfg
+    losses = {o: [r["loss"] for r in read_metrics(tmp_path / str(o) / "run" / METRICS_FILE)] for o in runs}
+    assert losses[True] == losses[False]
+    for saved in (False, True):
+        resumed_dir = tmp_path / f"resumed-{saved}" / "run"
+        shutil.copytree(checkpoint_dir(tmp_path / str(saved) / "run" / CHECKPOINTS_DIR, 3),
+                        checkpoint_dir(resumed_dir / CHECKPOINTS_DIR, 3))
+        train_single(runs[not saved].model_copy(update={"out_dir": str(resumed_dir), "resume": True}))
+        assert [r["loss"] for r in read_metrics(resumed_dir / METRICS_FILE)] == losses[saved][3:]
