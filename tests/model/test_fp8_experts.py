@@ -84,12 +84,50 @@ def test_fp8_experts_refuse_other_backends_and_recomputation():
 @pytest.mark.parametrize("fields, needs", [
     ({"device": "cpu", "experts_backend": "triton"}, "device: cuda"),
     ({"device": "cuda", "experts_backend": "grouped_mm"}, "experts_backend: triton"),
-    ({"device": "cuda", "experts_backend": "triton", "mode": "colocated"}, "mode: single"),
     ({"device": "cuda", "experts_backend": "triton", "recompute": "selective"}, "recompute: none"),
 ])
 def test_the_config_refuses_fp8_where_it_cannot_run(fields, needs):
     with pytest.raises(ValueError, match=f"precision: fp8 needs .*{needs}"):
         TrainConfig(model="tiny", precision="fp8", **({"mode": "single"} | fields))
+
+
+DISTRIBUTED_FP8 = dict(model="tiny", precision="fp8", device="cuda", experts_backend="triton", transport="nvshmem")
+
+
+@pytest.mark.parametrize("fields", [
+    dict(mode="disaggregated", hop="partial_sums"),
+    dict(mode="disaggregated", expert_ranks=2, hop="auto", dispatch="sparse"),
+    dict(mode="colocated", colocated_ranks=2, hop="auto"),
+    dict(mode="colocated", colocated_ranks=2, hop="partial_sums", transport="nccl"),
+    dict(mode="disaggregated", hop="partial_sums", ranks_per_gpu=2),
+], ids=["disaggregated", "sparse", "colocated-auto", "colocated-nccl", "shared-gpu"])
+def test_the_config_takes_fp8_in_the_distributed_modes_with_partial_sums(fields):
+    cfg = TrainConfig(**{**DISTRIBUTED_FP8, **fields})
+    assert (cfg.compute_dtype_name, cfg.expert_precision) == ("bf16", "fp8")
+
+
+def test_fp8_with_pair_rows_is_refused_with_the_fix():
+    with pytest.raises(ValueError, match=r"precision: fp8 with hop: pair_rows is not built.*use hop: partial_sums"):
+        TrainConfig(**DISTRIBUTED_FP8, mode="disaggregated", hop="pair_rows")
+    with pytest.raises(ValueError, match=r"precision: fp8 needs experts_backend: triton"):
+        TrainConfig(**{**DISTRIBUTED_FP8, "experts_backend": "loop"}, mode="colocated", hop="partial_sums")
+
+
+def test_hop_auto_takes_partial_sums_under_fp8_where_bf16_takes_pair_rows():
+    """3 expert ranks per set > top-k 2 over nvshmem with triton: bf16's auto is pair rows, fp8's
+    partial sums (the pair-row kernel's down GEMM is bf16), and its dispatch then auto-sparse."""
+    from disagmoe.model_ref import load_model
+    from disagmoe.runtime.stages.messages import dispatch_mode, hop_mode
+    from disagmoe.runtime.topology import Topology
+
+    fields = dict(DISTRIBUTED_FP8, mode="disaggregated", expert_ranks=3, hop="auto")
+    model = load_model("tiny")
+    bf16 = TrainConfig(**{**fields, "precision": "bf16"})
+    fp8 = TrainConfig(**fields)
+    assert hop_mode(bf16, model, Topology.from_config(bf16, model))[0] == "pair_rows"
+    hop, why = hop_mode(fp8, model, Topology.from_config(fp8, model))
+    assert hop == "partial_sums" and "fp8" in why
+    assert dispatch_mode(fp8, model, Topology.from_config(fp8, model))[0] == "sparse"
 
 
 def test_fp8_keeps_bf16_parameters_and_labels_the_run_fp8():

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 
 from disagmoe.config import TrainConfig
+from disagmoe.kernels.fp8_stats import sum_words as fp8_sum_words
 from disagmoe.runtime.topology import Topology
 
 # What one more process on a GPU costs beyond its tensors: the CUDA context (eager module
@@ -54,10 +55,14 @@ def wait_timeout_s(cfg: TrainConfig) -> float:
     return cfg.recv_timeout_s * ranks_per_gpu(cfg)
 
 
-def stream_sum_width(cfg: TrainConfig) -> int:
+def stream_sum_width(cfg: TrainConfig, world_size: int) -> int:
     """float64 words of the all-ranks sum that runs on the stream over the nvshmem arena (the
-    gradient norm's sum of squares): 1 for ranks sharing GPUs, else 0 (the process group sums)."""
-    return 1 if ranks_per_gpu(cfg) > 1 else 0
+    gradient norm's sum of squares; with precision fp8 also the step's FP8 counters,
+    `kernels.fp8_stats.sum_words`): that many for ranks sharing GPUs, else 0 (the process group
+    sums)."""
+    if ranks_per_gpu(cfg) == 1:
+        return 0
+    return 1 + (fp8_sum_words(world_size) if cfg.expert_precision == "fp8" else 0)
 
 
 def host_collectives(topology: Topology) -> list[str]:
