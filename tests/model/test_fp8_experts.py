@@ -169,3 +169,45 @@ def test_the_memory_check_counts_the_fp8_weight_copies():
     bf16, fp8 = (single_peak_bytes(TrainConfig(**fields, precision=p), model)[0] for p in ("bf16", "fp8"))
     routed = count_params(model).routed_experts
     assert 2 * routed < fp8 - bf16 < 2.01 * routed
+
+
+@pytest.mark.slow  # the FP8 kernels in Triton's interpreter
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_an_expert_ranks_block_in_fp8_with_pairs_served_elsewhere_tracks_the_reference(fp8_modules):
+    """An expert rank's share of a layer (`model.local_experts.local_expert_block`, what the
+    distributed expert stage runs) with FP8 experts: pairs of other ranks' experts go to the spare
+    bucket past the last offset (rows the FP8 kernels get but no expert owns); the partial sums
+    and d x track the fp32 loop experts, tokens served nowhere get zeros, and the counters see
+    nothing non-finite from the unowned rows."""
+    from disagmoe.kernels.fp8_stats import ACTIVATIONS, GRADIENTS, NONFINITE, TOTAL, Fp8Stats
+    from disagmoe.model.local_experts import local_expert_block
+
+    fp8 = _experts(1)
+    loop = RoutedExperts(3, 128, 128, backend="loop")
+    loop.load_state_dict(fp8.state_dict())
+    stats = Fp8Stats("cpu")
+    fp8.set_precision("fp8")
+    fp8.set_fp8_stats(stats)
+    fp8.prepare_fp8()
+    gen = torch.Generator().manual_seed(2)
+    T, K = 24, 2
+    local_TK = torch.randint(0, 4, (T, K), generator=gen, dtype=torch.int32)  # 3 = served elsewhere
+    local_TK[:3] = 3  # some tokens served by no local expert
+    w_TK = torch.rand(T, K, generator=gen)
+    x = torch.randn(T, 128, generator=gen)
+    dy = torch.randn(T, 128, generator=gen)
+    outs = []
+    for experts in (fp8, loop):
+        leaf = x.clone().requires_grad_()
+        y = local_expert_block(leaf, local_TK, w_TK, experts)
+        y.backward(dy)
+        outs.append((y.detach(), leaf.grad))
+    (y8, dx8), (y32, dx32) = outs
+    assert torch.equal(y8[:3], torch.zeros(3, 128)) and torch.equal(dx8[:3], torch.zeros(3, 128))
+    served = slice(3, None)
+    for got, want in ((y8, y32), (dx8, dx32)):
+        rel = ((got[served] - want[served]).norm(dim=1) / want[served].norm(dim=1).clamp_min(1e-12)).max()
+        assert rel < 2 * FWD_BOUND, rel
+    assert stats.buffer[:, NONFINITE].sum() == 0
+    pairs = int((local_TK < 3).sum())
+    assert stats.buffer[ACTIVATIONS, TOTAL] >= pairs * 128 and stats.buffer[GRADIENTS, TOTAL] > 0
