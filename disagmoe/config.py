@@ -564,7 +564,7 @@ class TrainConfig(StrictModel):
         "GPUs), so a layout of N ranks runs on N / ranks_per_gpu GPUs with the real kernels and transport: a "
         "test of the layout, not a speed measurement (the processes time-slice the GPU; waits get ranks_per_gpu "
         "times recv_timeout_s). Needs transport: nvshmem (NCCL refuses two ranks on one GPU); the gradient norm "
-        "then sums on the GPU stream over NVSHMEM, the data-parallel and replicated experts' sums over gloo, "
+        "(with precision fp8 also the ranks' FP8 counters) then sums on the GPU stream over NVSHMEM, the data-parallel and replicated experts' sums over gloo, "
         "staged through the host. mode single: no effect")
     experts_backend: Literal["loop", "grouped_mm", "triton"] = Field(
         "loop", description="the expert FFN: loop (a matmul pair per expert, the reference), grouped_mm "

@@ -106,6 +106,10 @@ def stats_reference(x: torch.Tensor, scale: torch.Tensor, q: torch.Tensor, valid
 # in: the skip flag derived from it (`reduced_nonfinite_flag`) agrees on every rank.
 
 COUNTS = (SATURATED, UNDERFLOW, TOTAL, NONFINITE)  # summed over ranks; AMAX is maxed
+# the counts are the fields after AMAX: a slice, not a list index (a list would be copied from the
+# host to the device on every use, which a step under `forbid_host_syncs` may not do)
+_COUNTS = slice(AMAX + 1, FIELDS)
+assert COUNTS == tuple(range(FIELDS))[_COUNTS]
 
 
 def sum_words(world_size: int) -> int:
@@ -121,7 +125,7 @@ def pack_for_sum(buffer: torch.Tensor | None, rank: int, world_size: int,
         raise ValueError(f"rank {rank} is not one of {world_size} ranks")
     if buffer is None:
         return torch.zeros(sum_words(world_size), dtype=torch.float64, device=device)
-    counts = buffer[:, list(COUNTS)].flatten().double()
+    counts = buffer[:, _COUNTS].flatten().double()
     slots = torch.zeros((world_size, len(KINDS)), dtype=torch.float64, device=buffer.device)
     slots[rank] = buffer[:, AMAX].double()
     return torch.cat([counts, slots.flatten()])
@@ -135,7 +139,7 @@ def unpack_sum(summed: torch.Tensor, world_size: int) -> torch.Tensor:
                          f"got {tuple(summed.shape)}")
     n = len(KINDS) * len(COUNTS)
     out = torch.zeros((len(KINDS), FIELDS), dtype=torch.int64, device=summed.device)
-    out[:, list(COUNTS)] = summed[:n].view(len(KINDS), len(COUNTS)).round().to(torch.int64)
+    out[:, _COUNTS] = summed[:n].view(len(KINDS), len(COUNTS)).round().to(torch.int64)
     out[:, AMAX] = summed[n:].view(world_size, len(KINDS)).amax(dim=0).round().to(torch.int64)
     return out
 

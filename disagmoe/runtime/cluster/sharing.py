@@ -8,7 +8,8 @@ one GPU). Nothing isolates them: without MPS (the GPU's compute mode is not ours
 processes time-slice the GPU, so a step's time says nothing about speed, and a spinning wait
 progresses only while its producer gets slices: waits get k times `recv_timeout_s`. The process
 group of such a run uses gloo (NCCL refuses two ranks on one device), staged through the host.
-So the one collective of every layout, the step's all-ranks gradient norm, runs on the GPU
+So the one collective of every layout, the step's all-ranks gradient norm (carrying, with
+precision fp8, every rank's FP8 counters: `kernels.fp8_stats.pack_for_sum`), runs on the GPU
 stream over the nvshmem transport's arena instead (`NvshmemTransport.all_sum`): a layout without
 data parallelism or replicated experts makes no host wait in its step (`forbid_host_syncs`
 holds). The other collectives (data-parallel gradient, expert-load and ZeRO-1 sums, replicated

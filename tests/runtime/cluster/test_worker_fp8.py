@@ -32,6 +32,7 @@ def experts_of(model) -> list[RoutedExperts]:
     return [m for m in model.modules() if isinstance(m, RoutedExperts)]
 
 
+@pytest.mark.slow  # the first import of the triton kernels (RoutedExperts' triton backend): 2-6 s on 2 busy cores
 @pytest.mark.parametrize("mode, fields", [("disaggregated", dict(attention_ranks=1, expert_ranks=2)),
                                           ("colocated", dict(colocated_ranks=2))])
 def test_fp8_is_set_on_the_expert_ranks_only_each_with_its_own_counters(mode, fields):
