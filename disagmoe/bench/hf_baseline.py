@@ -132,6 +132,6 @@ def run(cfg: TrainConfig, steps: int, warmup: int, log: Callable[[str], None]) -
     architecture = type(model).__name__
     del model
     torch.cuda.empty_cache()
-    return {"mode": NAME, "ranks": 1, "median_step_s": step_s, "tokens_per_s": cfg.batch_size * cfg.seq_len / step_s,
-            "final_loss": losses[-1], "busy": {}, "routing": "learned", "experts_implementation": experts_impl,
+    return {"mode": NAME, "ranks": 1, "micro_batches": cfg.micro_batches, "median_step_s": step_s, "tokens_per_s": cfg.batch_size * cfg.seq_len / step_s,
+            "final_loss": losses[-1], "losses": losses, "busy": {}, "routing": "learned", "experts_implementation": experts_impl,
             "architecture": architecture, "transformers": transformers.__version__, "peak_memory_gib": peak}

@@ -35,7 +35,7 @@ PROBE_VERSION = 3
 #    GEMMs (the model's own nn.Linear shapes) as a curve over tokens per micro-batch; every forward
 #    timed with autograd on (saving for its backward, as the step's; version 2 ran them under no_grad);
 #    a layer's norms, RoPE, copies and residual adds (GQA), against `roofline.stages.norms_and_residuals`.
-PROBE_FINGERPRINT = "735d115a26d0d007"  # `code_fingerprint()` of the code that measures version PROBE_VERSION
+PROBE_FINGERPRINT = "9489713c43582847"  # `code_fingerprint()` of the code that measures version PROBE_VERSION
 
 # The code that decides what a calibration's numbers mean: file (under disagmoe/) -> top-level name
 # -> why it belongs. Left out on purpose: the experts backends and `model.Block` (the probe measures
