@@ -541,7 +541,7 @@ class TrainConfig(StrictModel):
         "the attention rank, stored there by the expert kernel's last GEMM as tiles finish, combined as segments "
         "land: fewer bytes once a token's experts span more expert ranks than top-k; transport nvshmem with the "
         "triton experts, or local on CPU); auto = pair_rows where it moves fewer bytes and the transport is "
-        "nvshmem (printed at start)")
+        "nvshmem, partial sums under precision: fp8 (printed at start)")
     dispatch: Literal["auto", "dense", "sparse"] = Field(
         "auto", description="which tokens a MoE layer's attention rank sends to each expert rank of its set: dense "
         "(every token to every expert rank) or sparse (a token only to the expert ranks serving at least one of "
@@ -564,7 +564,7 @@ class TrainConfig(StrictModel):
         "GPUs), so a layout of N ranks runs on N / ranks_per_gpu GPUs with the real kernels and transport: a "
         "test of the layout, not a speed measurement (the processes time-slice the GPU; waits get ranks_per_gpu "
         "times recv_timeout_s). Needs transport: nvshmem (NCCL refuses two ranks on one GPU); the gradient norm "
-        "then sums on the GPU stream over NVSHMEM, the data-parallel and replicated experts' sums over gloo, "
+        "(with precision fp8 also the ranks' FP8 counters) then sums on the GPU stream over NVSHMEM, the data-parallel and replicated experts' sums over gloo, "
         "staged through the host. mode single: no effect")
     experts_backend: Literal["loop", "grouped_mm", "triton"] = Field(
         "loop", description="the expert FFN: loop (a matmul pair per expert, the reference), grouped_mm "
@@ -573,8 +573,9 @@ class TrainConfig(StrictModel):
         "auto", description="parameters for compute: bf16 (fp32 master weights, gradients accumulated in fp32, "
         "fused AdamW: the fast path), fp32 (everything fp32; `mode: single` then runs the reference oracle), "
         "fp8 (bf16 as above, and the routed experts' GEMMs in e4m3 with 1x128 / 128x128 scaling, their FP8 "
-        "weight copies made once per optimizer step: docs/architecture.md; mode single, triton experts, "
-        "a GPU with FP8 tensor cores); auto = bf16 on cuda, fp32 on cpu")
+        "weight copies made once per optimizer step: docs/architecture.md; every mode, each expert rank running "
+        "the same kernels; triton experts, a GPU with FP8 tensor cores, and in the distributed modes hop: "
+        "partial_sums, with dense or sparse dispatch); auto = bf16 on cuda, fp32 on cpu")
     routing: Literal["learned", "balanced"] = Field(
         "learned", description="balanced: every expert gets the same number of tokens whatever the router "
         "scores (a benchmark setting, as other trainers' performance recipes use; labelled in every output); "
@@ -739,10 +740,13 @@ class TrainConfig(StrictModel):
             needs = [why for bad, why in (
                 (self.device != "cuda", "device: cuda (FP8 tensor cores; the CPU runs the kernels only in their tests)"),
                 (self.experts_backend != "triton", "experts_backend: triton (the FP8 expert kernels)"),
-                (self.mode != "single", "mode: single (the distributed expert stages run the bf16 kernels for now)"),
                 (self.recompute != "none", "recompute: none (the FP8 experts keep their own rows)")) if bad]
             if needs:
                 raise ValueError(f"precision: fp8 needs {'; '.join(needs)}; or set precision: bf16")
+            if self.mode != "single" and self.hop == "pair_rows":
+                raise ValueError("precision: fp8 with hop: pair_rows is not built: the pair-row return's kernel fuses "
+                                 "the down GEMM with the peer stores in bf16 (kernels/fused_return.py); use hop: "
+                                 "partial_sums (or auto, which takes partial sums under fp8), or precision: bf16")
         if self.cuda_graphs == "on" and (self.mode != "single" or self.device != "cuda"):
             raise ValueError(f"cuda_graphs: on captures mode single's step on a GPU; this run is mode {self.mode} on "
                              f"{self.device}: the distributed ranks' steps are not captured yet (the nvshmem "

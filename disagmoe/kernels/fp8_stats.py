@@ -93,3 +93,58 @@ def stats_reference(x: torch.Tensor, scale: torch.Tensor, q: torch.Tensor, valid
     amax = torch.where(finite & scaled.isfinite(), scaled, 0.0).max().item() if x.numel() else 0.0
     return [amax, int((finite & (scaled > SATURATION_BOUND)).sum()),
             int((finite & (x != 0) & (q.float() == 0)).sum()), int(valid.sum()), int((valid & ~x.isfinite()).sum())]
+
+
+# --- the counters of several ranks (the distributed modes) -------------------------------------
+#
+# Every rank of a distributed run sums the same float64 words once per step, over the collective
+# its gradient norm already uses (`runtime.cluster.worker`: the world group, or the GPU stream over
+# the nvshmem arena on shared GPUs). A sum suits the counts, not the amax: so each rank puts its
+# per-kind amax into its own slot of a [ranks, KINDS] block, zeros elsewhere, the sum gathers them
+# all, and every rank takes the max of the same numbers. Integers (counts, amax bits < 2^31) are
+# exact in float64 below 2^53, so every rank ends with the same buffer, whatever order it summed
+# in: the skip flag derived from it (`reduced_nonfinite_flag`) agrees on every rank.
+
+COUNTS = (SATURATED, UNDERFLOW, TOTAL, NONFINITE)  # summed over ranks; AMAX is maxed
+# the counts are the fields after AMAX: a slice, not a list index (a list would be copied from the
+# host to the device on every use, which a step under `forbid_host_syncs` may not do)
+_COUNTS = slice(AMAX + 1, FIELDS)
+assert COUNTS == tuple(range(FIELDS))[_COUNTS]
+
+
+def sum_words(world_size: int) -> int:
+    """float64 words one rank adds into the step's all-ranks sum for its FP8 counters."""
+    return len(KINDS) * len(COUNTS) + world_size * len(KINDS)
+
+
+def pack_for_sum(buffer: torch.Tensor | None, rank: int, world_size: int,
+                 device: torch.device | str | None = None) -> torch.Tensor:
+    """float64 [sum_words(world_size)]: this rank's share of the all-ranks sum, from its
+    `Fp8Stats.buffer` (None: a rank without FP8 experts, e.g. an attention rank, adds zeros)."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not one of {world_size} ranks")
+    if buffer is None:
+        return torch.zeros(sum_words(world_size), dtype=torch.float64, device=device)
+    counts = buffer[:, _COUNTS].flatten().double()
+    slots = torch.zeros((world_size, len(KINDS)), dtype=torch.float64, device=buffer.device)
+    slots[rank] = buffer[:, AMAX].double()
+    return torch.cat([counts, slots.flatten()])
+
+
+def unpack_sum(summed: torch.Tensor, world_size: int) -> torch.Tensor:
+    """The int64 [KINDS, FIELDS] buffer of the whole step from the summed words (`pack_for_sum`
+    of every rank, added): each count summed over ranks, each kind's amax the max over ranks."""
+    if summed.shape != (sum_words(world_size),):
+        raise ValueError(f"expected {sum_words(world_size)} summed words for {world_size} ranks, "
+                         f"got {tuple(summed.shape)}")
+    n = len(KINDS) * len(COUNTS)
+    out = torch.zeros((len(KINDS), FIELDS), dtype=torch.int64, device=summed.device)
+    out[:, _COUNTS] = summed[:n].view(len(KINDS), len(COUNTS)).round().to(torch.int64)
+    out[:, AMAX] = summed[n:].view(world_size, len(KINDS)).amax(dim=0).round().to(torch.int64)
+    return out
+
+
+def reduced_nonfinite_flag(buffer: torch.Tensor) -> torch.Tensor:
+    """fp32 device scalar, 1.0 where any rank's quantisers saw an inf or NaN this step (`buffer`:
+    `unpack_sum`'s, the same on every rank): the `skip` every rank's optimizer step takes."""
+    return (buffer[:, NONFINITE].sum() > 0).float()

@@ -79,6 +79,12 @@ class RankModel(nn.Module):
     init_weights = MoETransformer.init_weights
     set_routing = MoETransformer.set_routing
     set_recompute = MoETransformer.set_recompute
+    # precision fp8 (`runtime.cluster.worker.setup_fp8`): on the routed experts held here, none on a
+    # pure attention rank
+    set_expert_precision = MoETransformer.set_expert_precision
+    set_fp8_stats = MoETransformer.set_fp8_stats
+    prepare_fp8 = MoETransformer.prepare_fp8
+    fp8_stats = None  # kernels.fp8_stats.Fp8Stats of the FP8 experts held here (`set_fp8_stats`)
 
     @property
     def moe_blocks(self) -> list[MoEBlock]:

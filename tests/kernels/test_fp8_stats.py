@@ -245,3 +245,69 @@ def test_the_expert_ffn_counts_every_quantisation_by_kind(interpreted):
     assert fields["fp8_amax"] == pytest.approx(448.0, rel=1e-6) and fields["fp8_nonfinite"] == []
     plain = fp8_ffn.expert_ffn_fp8(x.detach(), offsets, w13.detach(), w2.detach())
     assert torch.equal(plain, y.detach())  # counting changes no output
+
+
+# --- the counters of several ranks, reduced in the step's all-ranks sum (distributed modes) ------
+
+def _rank_buffer(gen: torch.Generator, nonfinite: bool = False) -> torch.Tensor:
+    """A rank's step buffer: amax bits of random positive floats, counts up to 2^40."""
+    buffer = torch.randint(0, 1 << 40, (len(KINDS), FIELDS), generator=gen, dtype=torch.int64)
+    amax = torch.rand(len(KINDS), generator=gen) * 500
+    buffer[:, AMAX] = amax.view(torch.int32).long()
+    buffer[:, NONFINITE] = 0
+    if nonfinite:
+        buffer[GRADIENTS, NONFINITE] = 1
+    return buffer
+
+
+@pytest.mark.parametrize("world", [2, 3, 5])
+def test_the_ranks_counters_reduce_to_summed_counts_and_the_largest_amax(world):
+    """Every rank packs its buffer (an attention rank without one packs zeros); the words summed in
+    any order unpack to each count summed over ranks and each kind's amax the max over ranks,
+    exactly (float64 holds the integers), so every rank reads the same buffer."""
+    from disagmoe.kernels.fp8_stats import pack_for_sum, sum_words, unpack_sum
+
+    gen = torch.Generator().manual_seed(world)
+    buffers = [None] + [_rank_buffer(gen) for _ in range(world - 1)]  # rank 0: attention only
+    shares = [pack_for_sum(b, rank, world, "cpu") for rank, b in enumerate(buffers)]
+    assert all(s.shape == (sum_words(world),) and s.dtype == torch.float64 for s in shares)
+    held = torch.stack([b for b in buffers if b is not None])
+    want = held.sum(0)
+    want[:, AMAX] = held[:, :, AMAX].amax(0)
+    in_order = unpack_sum(torch.stack(shares).sum(0), world)
+    assert torch.equal(in_order, want)
+    reversed_order = torch.zeros(sum_words(world), dtype=torch.float64)
+    for share in reversed(shares):
+        reversed_order += share
+    assert torch.equal(unpack_sum(reversed_order, world), want)
+    fields = Fp8Stats.fields(in_order.flatten().tolist())
+    bits = int(held[:, :, AMAX].max())
+    assert fields["fp8_amax"] == torch.tensor([bits], dtype=torch.int32).view(torch.float32).item()
+
+
+def test_one_ranks_non_finite_scale_skips_the_update_on_every_rank():
+    """The skip flag comes from the reduced buffer, which every rank holds alike: one rank's inf
+    gives every rank's flag 1.0; with none every flag is 0.0."""
+    from disagmoe.kernels.fp8_stats import pack_for_sum, reduced_nonfinite_flag, unpack_sum
+
+    world = 3
+    gen = torch.Generator().manual_seed(0)
+    for bad in (None, 0, 2):
+        buffers = [_rank_buffer(gen, nonfinite=rank == bad) for rank in range(world)]
+        own = [Fp8Stats("cpu") for _ in range(world)]
+        for stats, buffer in zip(own, buffers, strict=True):
+            stats.buffer.copy_(buffer)
+        summed = torch.stack([pack_for_sum(b, r, world) for r, b in enumerate(buffers)]).sum(0)
+        flags = [reduced_nonfinite_flag(unpack_sum(summed.clone(), world)).item() for _ in range(world)]
+        assert flags == [0.0 if bad is None else 1.0] * world
+        # a rank's own flag alone would disagree: only the bad rank would skip
+        assert [s.nonfinite_flag().item() for s in own] == [float(r == bad) for r in range(world)]
+
+
+def test_packing_refuses_a_rank_outside_the_world_and_a_wrong_width():
+    from disagmoe.kernels.fp8_stats import pack_for_sum, sum_words, unpack_sum
+
+    with pytest.raises(ValueError, match="rank 3 is not one of 3 ranks"):
+        pack_for_sum(None, 3, 3)
+    with pytest.raises(ValueError, match=f"expected {sum_words(2)} summed words for 2 ranks"):
+        unpack_sum(torch.zeros(sum_words(3), dtype=torch.float64), 2)

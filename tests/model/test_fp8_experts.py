@@ -84,12 +84,50 @@ def test_fp8_experts_refuse_other_backends_and_recomputation():
 @pytest.mark.parametrize("fields, needs", [
     ({"device": "cpu", "experts_backend": "triton"}, "device: cuda"),
     ({"device": "cuda", "experts_backend": "grouped_mm"}, "experts_backend: triton"),
-    ({"device": "cuda", "experts_backend": "triton", "mode": "colocated"}, "mode: single"),
     ({"device": "cuda", "experts_backend": "triton", "recompute": "selective"}, "recompute: none"),
 ])
 def test_the_config_refuses_fp8_where_it_cannot_run(fields, needs):
     with pytest.raises(ValueError, match=f"precision: fp8 needs .*{needs}"):
         TrainConfig(model="tiny", precision="fp8", **({"mode": "single"} | fields))
+
+
+DISTRIBUTED_FP8 = dict(model="tiny", precision="fp8", device="cuda", experts_backend="triton", transport="nvshmem")
+
+
+@pytest.mark.parametrize("fields", [
+    dict(mode="disaggregated", hop="partial_sums"),
+    dict(mode="disaggregated", expert_ranks=2, hop="auto", dispatch="sparse"),
+    dict(mode="colocated", colocated_ranks=2, hop="auto"),
+    dict(mode="colocated", colocated_ranks=2, hop="partial_sums", transport="nccl"),
+    dict(mode="disaggregated", hop="partial_sums", ranks_per_gpu=2),
+], ids=["disaggregated", "sparse", "colocated-auto", "colocated-nccl", "shared-gpu"])
+def test_the_config_takes_fp8_in_the_distributed_modes_with_partial_sums(fields):
+    cfg = TrainConfig(**{**DISTRIBUTED_FP8, **fields})
+    assert (cfg.compute_dtype_name, cfg.expert_precision) == ("bf16", "fp8")
+
+
+def test_fp8_with_pair_rows_is_refused_with_the_fix():
+    with pytest.raises(ValueError, match=r"precision: fp8 with hop: pair_rows is not built.*use hop: partial_sums"):
+        TrainConfig(**DISTRIBUTED_FP8, mode="disaggregated", hop="pair_rows")
+    with pytest.raises(ValueError, match=r"precision: fp8 needs experts_backend: triton"):
+        TrainConfig(**{**DISTRIBUTED_FP8, "experts_backend": "loop"}, mode="colocated", hop="partial_sums")
+
+
+def test_hop_auto_takes_partial_sums_under_fp8_where_bf16_takes_pair_rows():
+    """3 expert ranks per set > top-k 2 over nvshmem with triton: bf16's auto is pair rows, fp8's
+    partial sums (the pair-row kernel's down GEMM is bf16), and its dispatch then auto-sparse."""
+    from disagmoe.model_ref import load_model
+    from disagmoe.runtime.stages.messages import dispatch_mode, hop_mode
+    from disagmoe.runtime.topology import Topology
+
+    fields = dict(DISTRIBUTED_FP8, mode="disaggregated", expert_ranks=3, hop="auto")
+    model = load_model("tiny")
+    bf16 = TrainConfig(**{**fields, "precision": "bf16"})
+    fp8 = TrainConfig(**fields)
+    assert hop_mode(bf16, model, Topology.from_config(bf16, model))[0] == "pair_rows"
+    hop, why = hop_mode(fp8, model, Topology.from_config(fp8, model))
+    assert hop == "partial_sums" and "fp8" in why
+    assert dispatch_mode(fp8, model, Topology.from_config(fp8, model))[0] == "sparse"
 
 
 def test_fp8_keeps_bf16_parameters_and_labels_the_run_fp8():
@@ -131,3 +169,45 @@ def test_the_memory_check_counts_the_fp8_weight_copies():
     bf16, fp8 = (single_peak_bytes(TrainConfig(**fields, precision=p), model)[0] for p in ("bf16", "fp8"))
     routed = count_params(model).routed_experts
     assert 2 * routed < fp8 - bf16 < 2.01 * routed
+
+
+@pytest.mark.slow  # the FP8 kernels in Triton's interpreter
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_an_expert_ranks_block_in_fp8_with_pairs_served_elsewhere_tracks_the_reference(fp8_modules):
+    """An expert rank's share of a layer (`model.local_experts.local_expert_block`, what the
+    distributed expert stage runs) with FP8 experts: pairs of other ranks' experts go to the spare
+    bucket past the last offset (rows the FP8 kernels get but no expert owns); the partial sums
+    and d x track the fp32 loop experts, tokens served nowhere get zeros, and the counters see
+    nothing non-finite from the unowned rows."""
+    from disagmoe.kernels.fp8_stats import ACTIVATIONS, GRADIENTS, NONFINITE, TOTAL, Fp8Stats
+    from disagmoe.model.local_experts import local_expert_block
+
+    fp8 = _experts(1)
+    loop = RoutedExperts(3, 128, 128, backend="loop")
+    loop.load_state_dict(fp8.state_dict())
+    stats = Fp8Stats("cpu")
+    fp8.set_precision("fp8")
+    fp8.set_fp8_stats(stats)
+    fp8.prepare_fp8()
+    gen = torch.Generator().manual_seed(2)
+    T, K = 24, 2
+    local_TK = torch.randint(0, 4, (T, K), generator=gen, dtype=torch.int32)  # 3 = served elsewhere
+    local_TK[:3] = 3  # some tokens served by no local expert
+    w_TK = torch.rand(T, K, generator=gen)
+    x = torch.randn(T, 128, generator=gen)
+    dy = torch.randn(T, 128, generator=gen)
+    outs = []
+    for experts in (fp8, loop):
+        leaf = x.clone().requires_grad_()
+        y = local_expert_block(leaf, local_TK, w_TK, experts)
+        y.backward(dy)
+        outs.append((y.detach(), leaf.grad))
+    (y8, dx8), (y32, dx32) = outs
+    assert torch.equal(y8[:3], torch.zeros(3, 128)) and torch.equal(dx8[:3], torch.zeros(3, 128))
+    served = slice(3, None)
+    for got, want in ((y8, y32), (dx8, dx32)):
+        rel = ((got[served] - want[served]).norm(dim=1) / want[served].norm(dim=1).clamp_min(1e-12)).max()
+        assert rel < 2 * FWD_BOUND, rel
+    assert stats.buffer[:, NONFINITE].sum() == 0
+    pairs = int((local_TK < 3).sum())
+    assert stats.buffer[ACTIVATIONS, TOTAL] >= pairs * 128 and stats.buffer[GRADIENTS, TOTAL] > 0

@@ -33,6 +33,7 @@ from disagmoe.model_ref import load_model
 from disagmoe.model.experts import check_backend_device
 from disagmoe.data import load_splits
 from disagmoe.roofline.flops import step_flops
+from disagmoe.roofline.memory import fp8_weight_copy_bytes
 from disagmoe.roofline.optimizer_state import staging_bytes, state_bytes
 from disagmoe.runtime.activation_memory import RankActivations, rank_activations
 from disagmoe.runtime.batching import check_divisible
@@ -75,7 +76,7 @@ from disagmoe.runtime.observe.trace import busy_fractions, wait_fractions, write
 from disagmoe.runtime.training.loop import StepCallback, TrainingLoop, TrainSummary, signals_held
 from disagmoe.runtime.out_dir import check_out_dir
 from disagmoe.runtime.training.micro_batches import MicroBatchChoice, device_capacity_bytes, resolved
-from disagmoe.runtime.training.trainer import CHECKPOINTS_DIR
+from disagmoe.runtime.training.trainer import CHECKPOINTS_DIR, fp8_record_fields
 from disagmoe.runtime.cluster.worker import TrainWorker
 
 TRACE_FILE = "trace.json"
@@ -100,7 +101,9 @@ def training_state_bytes(cfg: TrainConfig, model_cfg: ModelConfig, topology: Top
     parameter by `roofline.optimizer_state.state_bytes` as the planner prices them. With
     `optim.shard_states`, an attention rank's replicated parameters count their ZeRO-1 share over its
     data-parallel group. With `offload_optimizer` the masters and moments are host bytes (`host`: return
-    those instead) and the device holds two staging slots (`staging_bytes`)."""
+    those instead) and the device holds two staging slots (`staging_bytes`). With precision fp8 the
+    rank's routed experts' FP8 weight copies are device bytes too (`roofline.memory.fp8_weight_copy_bytes`,
+    as mode single counts them)."""
     named = list(rank_model(model_cfg, cfg.experts_backend, topology, rank).named_parameters())
     params = sum(p.numel() for _, p in named)
     replicated = sum(p.numel() for n, p in named if ".moe.experts." not in n)
@@ -114,6 +117,8 @@ def training_state_bytes(cfg: TrainConfig, model_cfg: ModelConfig, topology: Top
     device = (params - replicated) * whole.total + replicated * shared.total
     if cfg.offload_optimizer:
         device += staging_bytes(cfg.offload_bucket_bytes, cfg.optim.state_dtype, cfg.compute_dtype_name, params)
+    if cfg.expert_precision == "fp8":
+        device += int(fp8_weight_copy_bytes(params - replicated))
     return params, device
 
 
@@ -136,7 +141,8 @@ def rank_needs(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topology,
     if already computed), receive buffers and its program's activation peak
     (`runtime.activation_memory`, for this run's hop and dispatch)."""
     states = rank_states(cfg, model_cfg, topology) if states is None else states
-    buffers = receive_layouts(cfg, MessageShapes.of_run(cfg, model_cfg, topology), topology, stream_sum_width(cfg))
+    buffers = receive_layouts(cfg, MessageShapes.of_run(cfg, model_cfg, topology), topology,
+                              stream_sum_width(cfg, topology.world_size))
     hop, _ = hop_mode(cfg, model_cfg, topology)
     activations = rank_activations(cfg, model_cfg, topology, pair_rows=hop == "pair_rows",
                                    sparse=dispatch_mode(cfg, model_cfg, topology)[0] == "sparse")
@@ -493,6 +499,7 @@ class DistributedTrainer(TrainingLoop):
             "busy": busy_fractions([r["compute_s"] for r in results], seconds, self.groups),
             "gpu_wait": wait_fractions([r.get("gpu_wait_s", {}) for r in results], seconds, self.groups),
             **({"time_sliced": True} if self.ranks_per_gpu > 1 else {}),  # step_time_s is not a speed figure
+            **fp8_step_fields(results, torch.device(cfg.device)),
         }
 
     def run_facts(self) -> dict[str, Any]:
@@ -542,6 +549,18 @@ class DistributedTrainer(TrainingLoop):
         name = self.rank_names.get(rank, "?")
         report = f"rank {rank} ({name}) failed during {method} of step {self.step + 1}: {what}"
         return TrainingFailed(rank, f"{report}; {resume}", report)
+
+
+def fp8_step_fields(results: list[dict[str, Any]], device: torch.device) -> dict[str, Any]:
+    """precision fp8: the step record's FP8 fields (`trainer.fp8_record_fields`, as mode single
+    writes them) from the ranks' counters, reduced over all ranks in the step (every rank reads the
+    same buffer; a rank disagreeing would mean the skip flag did too). Empty without fp8."""
+    buffers = [r["fp8"] for r in results if r.get("fp8") is not None]
+    if not buffers:
+        return {}
+    if any(b != buffers[0] for b in buffers) or len(buffers) != len(results):
+        raise AssertionError(f"the ranks' reduced FP8 counters differ: {buffers}")
+    return fp8_record_fields(buffers[0], device)
 
 
 def _process_facts(info: dict[str, Any], name: str) -> dict[str, Any]:

@@ -8,7 +8,8 @@ one GPU). Nothing isolates them: without MPS (the GPU's compute mode is not ours
 processes time-slice the GPU, so a step's time says nothing about speed, and a spinning wait
 progresses only while its producer gets slices: waits get k times `recv_timeout_s`. The process
 group of such a run uses gloo (NCCL refuses two ranks on one device), staged through the host.
-So the one collective of every layout, the step's all-ranks gradient norm, runs on the GPU
+So the one collective of every layout, the step's all-ranks gradient norm (carrying, with
+precision fp8, every rank's FP8 counters: `kernels.fp8_stats.pack_for_sum`), runs on the GPU
 stream over the nvshmem transport's arena instead (`NvshmemTransport.all_sum`): a layout without
 data parallelism or replicated experts makes no host wait in its step (`forbid_host_syncs`
 holds). The other collectives (data-parallel gradient, expert-load and ZeRO-1 sums, replicated
@@ -20,6 +21,7 @@ from __future__ import annotations
 import math
 
 from disagmoe.config import TrainConfig
+from disagmoe.kernels.fp8_stats import sum_words as fp8_sum_words
 from disagmoe.runtime.topology import Topology
 
 # What one more process on a GPU costs beyond its tensors: the CUDA context (eager module
@@ -54,10 +56,14 @@ def wait_timeout_s(cfg: TrainConfig) -> float:
     return cfg.recv_timeout_s * ranks_per_gpu(cfg)
 
 
-def stream_sum_width(cfg: TrainConfig) -> int:
+def stream_sum_width(cfg: TrainConfig, world_size: int) -> int:
     """float64 words of the all-ranks sum that runs on the stream over the nvshmem arena (the
-    gradient norm's sum of squares): 1 for ranks sharing GPUs, else 0 (the process group sums)."""
-    return 1 if ranks_per_gpu(cfg) > 1 else 0
+    gradient norm's sum of squares; with precision fp8 also the step's FP8 counters,
+    `kernels.fp8_stats.sum_words`): that many for ranks sharing GPUs, else 0 (the process group
+    sums)."""
+    if ranks_per_gpu(cfg) == 1:
+        return 0
+    return 1 + (fp8_sum_words(world_size) if cfg.expert_precision == "fp8" else 0)
 
 
 def host_collectives(topology: Topology) -> list[str]:

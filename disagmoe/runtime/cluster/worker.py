@@ -13,6 +13,14 @@ owners (`runtime.stages.replicas`), clip every gradient by the global norm
 driver's learning rate, then the router-bias update from the step's expert loads summed over
 micro-batches and data-parallel ranks.
 
+Precision fp8 (`setup_fp8`): every rank holding experts runs them in FP8 with its own `Fp8Stats`,
+refreshes their FP8 weight copies at the start of every step (after the last optimizer step) and
+before an evaluation, as `mode: single` does. The step's counters of every rank travel in the
+global norm's one all-ranks sum (`kernels.fp8_stats.pack_for_sum`: counts summed, each kind's amax
+the max over ranks), so every rank holds the same step counters and takes the same skip of its
+optimizer update where any rank's quantisers met an inf or NaN (a skip on some ranks only would
+make replicas diverge); they reach the driver with the step's one read.
+
 A backward op returns the weight-gradient work it held back (`kernels.deferral.deferred_weight_grads`:
 the attention side's projections, the Triton experts); the worker issues the op's sends (its
 input gradients), then runs that work as an `AttentionWeightGrad` / `ExpertWeightGrad` span
@@ -51,6 +59,7 @@ from disagmoe.runtime.observe.metrics import no_host_syncs, out_of_memory_hint, 
 from disagmoe.runtime.stages.messages import Mailbox, MessageShapes, receive_layouts
 from disagmoe.runtime.stages.pair_return import PairHop
 from disagmoe.model.layers import set_fusion
+from disagmoe.kernels.fp8_stats import Fp8Stats, pack_for_sum, reduced_nonfinite_flag, unpack_sum
 from disagmoe.runtime.state.flat_adamw import FlatAdamW, Shard, flat_squares
 from disagmoe.runtime.rank_model import compute_dtype, offload_bucket_bytes, rank_model
 from disagmoe.runtime.stages.replicas import ExpertReplicas
@@ -68,6 +77,7 @@ from disagmoe.runtime.state.sharded_checkpoint import Listing, load_rank_state, 
 from disagmoe.runtime.topology import Topology
 from disagmoe.runtime.observe.trace import SpanRecorder
 from disagmoe.runtime.cluster.watchdog import OpWatchdog
+from disagmoe.runtime.training.trainer import check_fp8_device
 
 REPLICATED, EXPERTS = "replicated", "experts"  # FlatAdamW buckets: all-reduced over data parallel, or not
 
@@ -84,6 +94,20 @@ def reduce_bucket(name: str, num_layers: int) -> str:
     match = _LAYER.match(name)
     key = int(match.group(1)) if match else 0 if name.startswith("embed.") else num_layers
     return f"{REPLICATED}.{key}"
+
+
+def setup_fp8(model: Any, topology: Topology, rank: int, precision: str, device: torch.device) -> Fp8Stats | None:
+    """precision fp8 on a rank holding experts: its routed experts run in FP8 (`set_expert_precision`,
+    refused on a GPU without FP8 tensor cores) and count into a new `Fp8Stats`, returned; None on a
+    pure attention rank or under another precision (nothing of its model changes)."""
+    if precision != "fp8" or topology.expert_role(rank) is None:
+        return None
+    if device.type == "cuda":
+        check_fp8_device(device)
+    model.set_expert_precision("fp8")
+    stats = Fp8Stats(device)
+    model.set_fp8_stats(stats)
+    return stats
 
 
 def _op_name(op: Op) -> str:
@@ -114,9 +138,10 @@ class TrainWorker(Worker):
         wait_s = wait_timeout_s(cfg)  # recv_timeout_s, scaled where ranks time-slice a GPU
         self.world_group, self.dp_group = self._collective_groups(topology, wait_s)
         self.shapes = MessageShapes.of_run(cfg, self.model_cfg, topology)
-        self.sums_on_stream = stream_sum_width(cfg) > 0  # the gradient norm over the arena, not gloo
+        sum_width = stream_sum_width(cfg, topology.world_size)
+        self.sums_on_stream = sum_width > 0  # the gradient norm (and FP8 counters) over the arena, not gloo
         self.transport = make_transport(cfg.transport, wait_s, topology.rank_pairs(cfg.micro_batches),
-                                        layouts=receive_layouts(cfg, self.shapes, topology, stream_sum_width(cfg))
+                                        layouts=receive_layouts(cfg, self.shapes, topology, sum_width)
                                         if cfg.transport == "nvshmem" else None)
         attention = topology.attention_role(self.rank)
         pair = PairHop.of(cfg) if self.shapes.pair_rows else None
@@ -125,6 +150,8 @@ class TrainWorker(Worker):
             self.device, cfg.seed)
         self.model.set_routing(cfg.routing)
         self.model.set_recompute(cfg.recompute_set)
+        self.fp8 = cfg.expert_precision == "fp8"  # every rank then sums the step's FP8 counters
+        self.fp8_stats = setup_fp8(self.model, topology, self.rank, cfg.expert_precision, self.device)
         bucket_of = functools.partial(reduce_bucket, num_layers=topology.num_layers)
         shards = {}
         if cfg.optim.shard_states and attention is not None and topology.data_parallel > 1:
@@ -221,6 +248,7 @@ class TrainWorker(Worker):
         result: dict[str, Any] = {}
         self._held_back = ("", [])
         with no_host_syncs(self.cfg.forbid_host_syncs, self.device):
+            self.model.prepare_fp8()  # FP8 experts' weight copies from the last update (a no-op otherwise)
             for op in self.program:
                 if not isinstance(op, Send):
                     self._run_held_back(step)
@@ -243,7 +271,9 @@ class TrainWorker(Worker):
         return result
 
     def _read_step(self, result: dict[str, Any]) -> dict[str, Any]:
-        """The step's device-side figures to the host, once: grad norm, loss shares, expert loads."""
+        """The step's device-side figures to the host, once: grad norm, loss shares, expert loads
+        (and, precision fp8, the step's FP8 counters of every rank, `_global_sums`; this rank's own
+        are reset after the read for the next step)."""
         parts = self.attention.loss_parts if self.attention is not None else {}
         load_LE = result["expert_load"]
         status = self.transport.status_word()
@@ -252,11 +282,19 @@ class TrainWorker(Worker):
         loads = load_LE.flatten().double() if load_LE is not None else scalars.new_zeros(0)  # exact below 2^53
         sent = traffic.words().double()  # bytes: exact below 2^53
         tail = status.double() if status is not None else scalars.new_zeros(0)
-        values = torch.cat([scalars, loads, sent, tail]).tolist()  # the one read
+        fp8_LF = result.get("fp8")
+        fp8 = fp8_LF.flatten().double() if fp8_LF is not None else scalars.new_zeros(0)  # counts, fp32 bits
+        values = torch.cat([scalars, loads, sent, fp8, tail]).tolist()  # the one read
+        if self.fp8_stats is not None:
+            self.fp8_stats.reset()  # after the read: the next step's quantisers count from zero
         if status is not None:
             self.transport.check_status([int(v) for v in values[len(values) - tail.numel():]])
             del values[len(values) - tail.numel():]
-        read: dict[str, Any] = {"traffic": dict(zip(traffic.names, map(int, values[len(values) - sent.numel():])))}
+        read: dict[str, Any] = {}
+        if fp8_LF is not None:
+            read["fp8"] = [int(v) for v in values[len(values) - fp8.numel():]]
+            del values[len(values) - fp8.numel():]
+        read["traffic"] = dict(zip(traffic.names, map(int, values[len(values) - sent.numel():])))
         del values[len(values) - sent.numel():]
         read["grad_norm"] = values[0]
         if parts:
@@ -276,6 +314,7 @@ class TrainWorker(Worker):
         forward = [op for op in self.program if isinstance(op, (AttentionForward, ExpertForward, Loss))
                    or (isinstance(op, (Send, Recv)) and op.payload.direction is Direction.FORWARD)]
         ce = 0.0
+        self.model.prepare_fp8()  # the copies of the weights as the last update left them
         for batch in range(batches):
             if self.attention is not None:
                 self.attention.begin_step(batch, self.val_data)
@@ -301,6 +340,8 @@ class TrainWorker(Worker):
                 self.transport.check_status([int(v) for v in status.tolist()])
         self._drain_spans()  # evaluation time is not part of any step's trace, busy or wait fraction
         self.recorder.drain_waits()
+        if self.fp8_stats is not None:
+            self.fp8_stats.reset()  # the evaluation's quantisations are no step's
         return {"rank": self.rank, "ce": ce}
 
     def _is_pair(self, op: Op) -> bool:
@@ -453,15 +494,19 @@ class TrainWorker(Worker):
         self._reductions = []
         self.replicas.sum_gradients(self.replica_groups)
         load_LE = self._step_load()
-        grad_norm = self._global_norm()
+        grad_norm, fp8_LF = self._global_sums()
         max_norm = self.cfg.optim.grad_clip
         coef = torch.clamp(max_norm / (grad_norm + 1e-6), max=1.0) if max_norm > 0 else None
-        self.optimizer.step(clip_coef=coef)  # at the lr `_train_step` set
+        # precision fp8 on CUDA: an inf or NaN met by any rank's quantisers skips every rank's update
+        # on the device (the flag from the summed counters: the same everywhere; the fused AdamW's
+        # found_inf); the run stops when the step is read (the loop's `fp8_nonfinite`)
+        skip = reduced_nonfinite_flag(fp8_LF) if fp8_LF is not None and self.device.type == "cuda" else None
+        self.optimizer.step(clip_coef=coef, skip=skip)  # at the lr `_train_step` set
         for layer, load_E in zip(sorted(self.attention.load_LE) if self.attention else [], load_LE):
             self.model.block(layer).moe.router.update_bias(load_E)
         attention = self.topology.attention_role(self.rank)
         reports_load = attention is not None and attention[1] == 0 and len(load_LE)
-        return {"grad_norm": grad_norm, "expert_load": load_LE if reports_load else None}
+        return {"grad_norm": grad_norm, "expert_load": load_LE if reports_load else None, "fp8": fp8_LF}
 
     def _step_load(self) -> torch.Tensor:
         """[layers held here, E]: the step's expert loads summed over micro-batches and DP ranks
@@ -473,12 +518,14 @@ class TrainWorker(Worker):
             dist.all_reduce(load_LE, group=self.dp_group)
         return load_LE
 
-    def _global_norm(self) -> torch.Tensor:
+    def _global_sums(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Global L2 norm (fp32 device scalar) of the gradients over all ranks, replicas counted
         once: a replicated bucket by data-parallel index 0 (ZeRO-1: every index its slice of the
         sum), experts by their primary owner. Summed over the world group, or on the stream over
         the nvshmem arena where ranks share GPUs (`NvshmemTransport.all_sum`: gloo would wait on
-        the host)."""
+        the host). With precision fp8 the same sum carries every rank's FP8 counters
+        (`kernels.fp8_stats.pack_for_sum`): returns them too, the step's int64 [KINDS, FIELDS]
+        buffer of all ranks (None without fp8)."""
         attention = self.topology.attention_role(self.rank)
         squares = torch.zeros((), dtype=torch.float64, device=self.device)
         for b in self.optimizer.buckets:
@@ -487,11 +534,17 @@ class TrainWorker(Worker):
                     squares += self.replicas.squares(p)
             elif b.shard is not None or attention is None or attention[1] == 0:
                 squares += flat_squares(b.step_grad())
+        world = self.topology.world_size
+        words = squares.reshape(1)
+        if self.fp8:
+            buffer = None if self.fp8_stats is None else self.fp8_stats.buffer
+            words = torch.cat([words, pack_for_sum(buffer, self.rank, world, self.device)])
         if self.sums_on_stream:
-            squares = self.transport.all_sum(squares.reshape(1))[0]
+            words = self.transport.all_sum(words)
         else:
-            dist.all_reduce(squares, group=self.world_group)
-        return squares.sqrt().float()
+            dist.all_reduce(words, group=self.world_group)
+        fp8_LF = unpack_sum(words[1:], world) if self.fp8 else None
+        return words[0].sqrt().float(), fp8_LF
 
     # -- checkpoints ---------------------------------------------------------------
 

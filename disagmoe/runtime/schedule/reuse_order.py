@@ -12,7 +12,7 @@ transitive closure of:
 - a `Send` before the `Recv` of the same message (the receiver's wait passes on the flag the
   sender's stream sets after the data; a message to oneself uses no segment and is skipped);
 - in a training pass the `OptimizerStep`'s all-ranks gradient-norm all-reduce
-  (`TrainWorker._global_norm`): every rank's `OptimizerStep` happens-after every rank's ops
+  (`TrainWorker._global_sums`): every rank's `OptimizerStep` happens-after every rank's ops
   before its own. Evaluation passes have no collective. Nothing else counts (not the driver's
   round trips, not the step's host read), so the model only ever misses orderings.
 

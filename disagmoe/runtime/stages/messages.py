@@ -198,12 +198,14 @@ def hop_mode(cfg, model_cfg, topology) -> tuple[str, str]:
     """(hop, why) of a run: `cfg.hop`, with auto resolved. Per-pair rows move T K H values to an
     attention rank where partial sums move Q T H (Q expert ranks of the set), so they win once
     Q > top-k; they need the one-sided transport (or `local`, on CPU) and, on it, the triton
-    experts, whose down GEMM stores them."""
+    experts, whose down GEMM stores them (in bf16: under precision fp8 auto is partial sums)."""
     ranks = max((len(group) for group in topology.expert_groups), default=0)
     k = model_cfg.top_k
     if cfg.hop != "auto":
         return cfg.hop, "as configured"
     per_set = f"{ranks} expert rank{'' if ranks == 1 else 's'} per set"
+    if cfg.expert_precision == "fp8":
+        return "partial_sums", "precision fp8: the pair-row return's fused kernel runs its down GEMM in bf16"
     if cfg.transport == "nvshmem" and cfg.experts_backend == "triton" and ranks > k:
         return "pair_rows", f"{per_set} > top-k {k}: per-pair rows move fewer bytes"
     why = (f"{per_set} <= top-k {k}: one partial sum per token per expert rank moves fewer bytes"

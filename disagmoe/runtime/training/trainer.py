@@ -247,9 +247,15 @@ def fp8_fields(result: StepResult, device: torch.device) -> dict[str, Any]:
     fp8_underflow_share, fp8_by_kind, fp8_nonfinite); none outside precision fp8. With kinds in
     fp8_nonfinite also fp8_update_skipped: whether the step's optimizer update was skipped on the
     device (CUDA, `_flat_step_on_device`) or applied (the CPU interpreter tests)."""
-    if result.fp8 is None:
+    return fp8_record_fields(result.fp8, device)
+
+
+def fp8_record_fields(values: list[int] | None, device: torch.device) -> dict[str, Any]:
+    """`fp8_fields` from a host copy of a step's `Fp8Stats` buffer (None: no fields); the
+    distributed driver's record takes the ranks' reduced buffer through it."""
+    if values is None:
         return {}
-    fields = Fp8Stats.fields(result.fp8)
+    fields = Fp8Stats.fields(values)
     if fields["fp8_nonfinite"]:
         fields["fp8_update_skipped"] = device.type == "cuda"
     return fields

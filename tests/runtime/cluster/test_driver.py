@@ -583,8 +583,18 @@ SHARED_CASES = {
 }
 
 
+SHARED_FP8_CASES = {
+    # precision fp8 on one shared GPU: the layouts the FP8 experts take (partial sums; pair rows are
+    # refused under fp8), dense and sparse dispatch, against the same layout in bf16
+    "fp8-A1-E1-sums": dict(attention_ranks=1, expert_ranks=1, hop="partial_sums"),
+    "fp8-A1-E2-sums": dict(attention_ranks=1, expert_ranks=2, hop="partial_sums", dispatch="dense"),
+    "fp8-A1-E2-sparse": dict(attention_ranks=1, expert_ranks=2, hop="partial_sums", dispatch="sparse"),
+    "fp8-colocated-2-sums": dict(mode="colocated", colocated_ranks=2, hop="partial_sums"),
+}
+
+
 def shared_gpu_config(out: Path, case: str, **extra) -> TrainConfig:
-    fields = dict(SHARED_CASES[case])
+    fields = dict({**SHARED_CASES, **SHARED_FP8_CASES}[case])
     mode = fields.pop("mode", "disaggregated")
     if "plan" in fields:
         fields["plan"] = {**PLANS, **SPARSE_PLANS}[fields["plan"]]()
@@ -651,6 +661,63 @@ def test_gpu_shared_steps_make_no_host_waits_where_no_sum_goes_through_gloo(ray_
     summary = trainer.run()
     assert summary.steps == 3 and summary.final_loss is not None
     assert_ran_as_asked(summary, cfg)
+
+
+def needs_fp8_gpu() -> None:
+    needs_shared_gpu()
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("needs FP8 tensor cores")
+
+
+def assert_fp8_fields(record: dict) -> None:
+    """A step record's FP8 numerics, reduced over the ranks: every kind counted, nothing non-finite,
+    nothing saturated (the scale is amax / 448 by construction)."""
+    assert record["fp8_nonfinite"] == [] and "fp8_update_skipped" not in record, record
+    assert record["fp8_saturated_share"] == 0.0 and record["fp8_underflow_share"] < 0.1, record
+    assert record["fp8_amax"] == pytest.approx(448.0, rel=1e-6), record
+    assert all(record["fp8_by_kind"][k]["elements"] > 0 for k in ("activations", "weights", "gradients")), record
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", SHARED_FP8_CASES)
+def test_gpu_fp8_on_one_shared_gpu_tracks_the_same_layout_in_bf16(ray_cluster, tmp_path, case):
+    """precision fp8 in the distributed modes (every expert rank runs the FP8 experts with its own
+    counters, reduced over the ranks in the step's one sum), all ranks time-slicing one GPU over
+    nvshmem, 8 steps: the loss within 3% of the same layout in bf16 (triton experts) at every
+    step and at the evaluation, and every record carrying the FP8 fields."""
+    needs_fp8_gpu()
+    records = {}
+    for precision in ("bf16", "fp8"):
+        cfg = shared_gpu_config(tmp_path / precision, case, precision=precision, experts_backend="triton")
+        with pytest.warns(RunWarning, match="time-sliced, not a speed measurement"):
+            trainer = DistributedTrainer(cfg, log_to_driver=False)
+        summary = trainer.run()
+        assert_ran_as_asked(summary, cfg)
+        records[precision] = (read_metrics(tmp_path / precision / METRICS_FILE), summary)
+    (fp8, fp8_summary), (bf16, bf16_summary) = records["fp8"], records["bf16"]
+    assert [r["step"] for r in fp8] == [r["step"] for r in bf16] == list(range(1, 9))
+    for got, want in zip(fp8, bf16, strict=True):
+        assert abs(got["loss"] - want["loss"]) <= 0.03 * want["loss"], (got["step"], got["loss"], want["loss"])
+        assert_fp8_fields(got)
+        assert "fp8_amax" not in want
+    assert abs(fp8_summary.final_val_loss - bf16_summary.final_val_loss) <= 0.03 * bf16_summary.final_val_loss
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["fp8-A1-E2-sums", "fp8-A1-E2-sparse"])
+def test_gpu_fp8_shared_steps_make_no_host_waits(ray_cluster, tmp_path, case):
+    """The zero-sync test under precision fp8: the FP8 weight copies, the counters and their
+    reduction (in the gradient norm's on-stream sum) and the skip flag make no host wait."""
+    needs_fp8_gpu()
+    cfg = shared_gpu_config(tmp_path / "dist", case, steps=3, batch_size=8, seq_len=64, forbid_host_syncs=True,
+                            experts_backend="triton", precision="fp8")
+    with pytest.warns(RunWarning, match=r"the gradient norm, on the GPU stream: no host wait in a step"):
+        trainer = DistributedTrainer(cfg, log_to_driver=False)
+    summary = trainer.run()
+    assert summary.steps == 3 and summary.final_loss is not None
+    assert_ran_as_asked(summary, cfg)
+    for record in read_metrics(tmp_path / "dist" / METRICS_FILE):
+        assert_fp8_fields(record)
 
 
 @pytest.mark.gpu

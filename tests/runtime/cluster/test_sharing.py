@@ -139,14 +139,23 @@ def test_forbid_host_syncs_on_shared_gpus_holds_where_no_sum_goes_through_the_ho
 
 
 def test_shared_runs_sum_the_gradient_norm_in_the_arena_and_others_over_the_group():
-    assert stream_sum_width(shared()) == 1
-    assert stream_sum_width(shared(ranks_per_gpu=1)) == 0
-    assert stream_sum_width(shared(mode="single")) == 0
+    assert stream_sum_width(shared(), 2) == 1
+    assert stream_sum_width(shared(ranks_per_gpu=1), 2) == 0
+    assert stream_sum_width(shared(mode="single"), 2) == 0
     cfg = shared()
     topology = Topology.from_config(cfg, load_model(cfg.model))
     layouts = receive_layouts(cfg, MessageShapes.of_run(cfg, load_model(cfg.model), topology), topology,
-                              stream_sum_width(cfg))
+                              stream_sum_width(cfg, topology.world_size))
     assert all(layout.sums is not None and layout.sums.ranks == topology.world_size for layout in layouts)
+
+
+def test_fp8_counters_widen_the_arena_sum_by_their_words():
+    """precision fp8: the norm's word, the 3 kinds' 4 counts and one amax slot per rank and kind."""
+    from disagmoe.kernels.fp8_stats import sum_words
+
+    fp8 = shared(precision="fp8", experts_backend="triton", hop="partial_sums")
+    assert stream_sum_width(fp8, 3) == 1 + sum_words(3) == 1 + 12 + 9
+    assert stream_sum_width(fp8.model_copy(update={"ranks_per_gpu": 1}), 3) == 0  # the process group sums
 
 
 def test_the_memory_check_sums_the_ranks_sharing_a_gpu():
@@ -154,7 +163,8 @@ def test_the_memory_check_sums_the_ranks_sharing_a_gpu():
     do not, and the message names the GPU, its ranks and the fix."""
     cfg = shared(model=load_model("tiny"), attention_ranks=1, expert_ranks=2)
     topology = Topology.from_config(cfg, cfg.model)
-    buffers = receive_layouts(cfg, MessageShapes.of_run(cfg, cfg.model, topology), topology, stream_sum_width(cfg))
+    buffers = receive_layouts(cfg, MessageShapes.of_run(cfg, cfg.model, topology), topology,
+                              stream_sum_width(cfg, topology.world_size))
     acts = rank_activations(cfg, cfg.model, topology, pair_rows=hop_mode(cfg, cfg.model, topology)[0] == "pair_rows")
     needs = [training_state_bytes(cfg, cfg.model, topology, r)[1] + buffers[r].nbytes + acts[r].peak_bytes
              for r in range(3)]

@@ -1,0 +1,193 @@
+"""precision fp8 on the ranks of a distributed run (disagmoe/runtime/cluster/worker.py), on CPU: which
+ranks set FP8 on their experts and own counters (`setup_fp8`), and the step's one all-ranks sum
+carrying every rank's counters beside the gradient norm (`TrainWorker._global_sums`), run by one
+thread per rank over a stand-in for the nvshmem arena's on-stream sum. The GPU runs of these
+paths are the `gpu` tests in test_driver.py (SHARED_FP8_CASES)."""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from disagmoe.config import TrainConfig
+from disagmoe.kernels.fp8_stats import AMAX, GRADIENTS, NONFINITE, TOTAL, WEIGHTS, Fp8Stats, reduced_nonfinite_flag
+from disagmoe.model.experts import RoutedExperts
+from disagmoe.model_ref import load_model
+from disagmoe.runtime.cluster.worker import REPLICATED, TrainWorker, setup_fp8
+from disagmoe.runtime.rank_model import rank_model
+from disagmoe.runtime.topology import Topology
+
+CPU = torch.device("cpu")
+
+
+def topology_of(mode: str, **fields) -> Topology:
+    cfg = TrainConfig(model="tiny", mode=mode, batch_size=8, seq_len=16, **fields)
+    return Topology.from_config(cfg, load_model("tiny"))
+
+
+def experts_of(model) -> list[RoutedExperts]:
+    return [m for m in model.modules() if isinstance(m, RoutedExperts)]
+
+
+@pytest.mark.slow  # the first import of the triton kernels (RoutedExperts' triton backend): 2-6 s on 2 busy cores
+@pytest.mark.parametrize("mode, fields", [("disaggregated", dict(attention_ranks=1, expert_ranks=2)),
+                                          ("colocated", dict(colocated_ranks=2))])
+def test_fp8_is_set_on_the_expert_ranks_only_each_with_its_own_counters(mode, fields):
+    """Attention ranks hold no experts and get no counters (their model is left as it was); every
+    rank holding experts runs all of them in FP8, counting into its own `Fp8Stats`."""
+    topology = topology_of(mode, **fields)
+    model_cfg = load_model("tiny")
+    owned = []
+    for rank in range(topology.world_size):
+        model = rank_model(model_cfg, "triton", topology, rank).materialise(CPU, 0)
+        stats = setup_fp8(model, topology, rank, "fp8", CPU)
+        if topology.expert_role(rank) is None:
+            assert stats is None and model.fp8_stats is None and not experts_of(model)
+            continue
+        assert isinstance(stats, Fp8Stats) and model.fp8_stats is stats
+        assert experts_of(model) and all(e.precision == "fp8" and e.fp8_stats is stats for e in experts_of(model))
+        owned.append(stats)
+        assert setup_fp8(rank_model(model_cfg, "triton", topology, rank).materialise(CPU, 0), topology, rank,
+                         "bf16", CPU) is None
+    assert len({id(s) for s in owned}) == len(owned) == sum(topology.expert_role(r) is not None
+                                                           for r in range(topology.world_size))
+
+
+def test_fp8_refuses_expert_ranks_of_another_backend():
+    topology = topology_of("disaggregated", attention_ranks=1, expert_ranks=1)
+    model = rank_model(load_model("tiny"), "loop", topology, 1).materialise(CPU, 0)
+    with pytest.raises(ValueError, match="experts_backend: triton"):
+        setup_fp8(model, topology, 1, "fp8", CPU)
+
+
+class StreamSum:
+    """The arena's all-ranks sum (`NvshmemTransport.all_sum`) for threads: every rank's share,
+    then their sum in rank order, as each rank computes it."""
+
+    def __init__(self, world: int) -> None:
+        self.shares: dict[int, torch.Tensor] = {}
+        self.barrier = threading.Barrier(world)
+
+    def for_rank(self, rank: int):
+        def all_sum(values: torch.Tensor) -> torch.Tensor:
+            assert values.dtype == torch.float64 and values.dim() == 1
+            self.shares[rank] = values.clone()
+            self.barrier.wait()
+            return torch.stack([self.shares[r] for r in sorted(self.shares)]).sum(0)
+        return SimpleNamespace(all_sum=all_sum)
+
+    def all_reduce(self, tensor: torch.Tensor, group=None) -> None:
+        """`dist.all_reduce` (sum, in place) over the world group, for threads named rank-<r>."""
+        rank = int(threading.current_thread().name.rsplit("-", 1)[1])
+        tensor.copy_(self.for_rank(rank).all_sum(tensor))
+
+
+def bare_worker(topology: Topology, rank: int, stats: Fp8Stats | None, squares: float, arena: StreamSum,
+                on_stream: bool = True):
+    """A TrainWorker with just what `_global_sums` reads: one replicated bucket whose gradient's
+    squares are `squares` (counted on data-parallel index 0), no experts' buckets."""
+    worker = object.__new__(TrainWorker)
+    grad = torch.tensor([squares ** 0.5])
+    bucket = SimpleNamespace(name=f"{REPLICATED}.0.decay", shard=None, params=[], step_grad=lambda: grad)
+    worker.topology, worker.rank, worker.device = topology, rank, CPU
+    worker.optimizer = SimpleNamespace(buckets=[bucket] if topology.attention_role(rank) is not None else [])
+    worker.replicas = SimpleNamespace(squares=lambda p: torch.zeros((), dtype=torch.float64))
+    worker.fp8, worker.fp8_stats = True, stats
+    worker.sums_on_stream, worker.transport = on_stream, arena.for_rank(rank)
+    worker.world_group = None
+    return worker
+
+
+def run_ranks(workers) -> list:
+    out: list = [None] * len(workers)
+
+    def run(i: int) -> None:
+        out[i] = workers[i]._global_sums()
+
+    threads = [threading.Thread(target=run, args=(i,), name=f"rank-{i}") for i in range(len(workers))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert all(o is not None for o in out), "a rank did not finish its sum"
+    return out
+
+
+def _bits(x: float) -> int:
+    return torch.tensor([x], dtype=torch.float32).view(torch.int32).item()
+
+
+@pytest.mark.parametrize("bad_rank", [None, 1, 2])
+@pytest.mark.parametrize("on_stream", [True, False], ids=["arena", "process-group"])
+def test_the_step_sum_gives_every_rank_the_norm_and_all_ranks_counters_and_one_skip(monkeypatch, bad_rank,
+                                                                                    on_stream):
+    """1 A + 2 E: the attention rank adds its gradient's squares and zero counters, each expert
+    rank its counters; every rank ends with the same norm, the counts summed, the largest amax,
+    and the same skip flag, set on all three where one expert rank saw an inf. The same through
+    the arena's on-stream sum (ranks sharing GPUs) and the world group's all-reduce."""
+    import disagmoe.runtime.cluster.worker as worker_module
+
+    topology = topology_of("disaggregated", attention_ranks=1, expert_ranks=2)
+    arena = StreamSum(topology.world_size)
+    monkeypatch.setattr(worker_module.dist, "all_reduce", arena.all_reduce)
+    stats = {1: Fp8Stats(CPU), 2: Fp8Stats(CPU)}
+    stats[1].buffer[WEIGHTS] = torch.tensor([_bits(448.0), 1, 2, 1000, 0])
+    stats[2].buffer[WEIGHTS] = torch.tensor([_bits(447.5), 3, 4, 3000, 0])
+    stats[2].buffer[GRADIENTS] = torch.tensor([_bits(470.0), 5, 6, 500, 0])
+    if bad_rank is not None:
+        stats[bad_rank].buffer[GRADIENTS, NONFINITE] = 1
+    workers = [bare_worker(topology, r, stats.get(r), 25.0, arena, on_stream) for r in range(topology.world_size)]
+    results = run_ranks(workers)
+    norms = [norm.item() for norm, _ in results]
+    assert norms == [5.0] * 3  # the attention rank's 25 counted once
+    buffers = [buffer for _, buffer in results]
+    assert all(torch.equal(b, buffers[0]) for b in buffers)
+    want = torch.zeros_like(buffers[0])
+    want[WEIGHTS] = torch.tensor([_bits(448.0), 4, 6, 4000, 0])
+    want[GRADIENTS] = torch.tensor([_bits(470.0), 5, 6, 500, int(bad_rank is not None)])
+    assert torch.equal(buffers[0], want)
+    assert buffers[0][:, AMAX].max() == _bits(470.0) and buffers[0][:, TOTAL].sum() == 4500
+    flags = [reduced_nonfinite_flag(b).item() for b in buffers]
+    assert flags == [float(bad_rank is not None)] * 3
+    fields = Fp8Stats.fields(buffers[0].flatten().tolist())
+    assert fields["fp8_amax"] == 470.0 and fields["fp8_saturated_share"] == 9 / 4500
+    assert fields["fp8_nonfinite"] == ([] if bad_rank is None else ["gradients"])
+
+
+def test_the_memory_check_counts_each_expert_ranks_fp8_weight_copies():
+    """Per rank, precision fp8 adds its routed experts' FP8 copies (`fp8_weight_copy_bytes`, as mode
+    single counts them) to the device state; an attention rank holds none."""
+    from disagmoe.roofline.memory import fp8_weight_copy_bytes
+    from disagmoe.runtime.cluster.driver import training_state_bytes
+
+    fields = dict(model="tiny", mode="disaggregated", attention_ranks=1, expert_ranks=2, device="cuda",
+                  transport="nvshmem", experts_backend="triton", hop="partial_sums", batch_size=8, seq_len=16)
+    bf16, fp8 = TrainConfig(**fields, precision="bf16"), TrainConfig(**fields, precision="fp8")
+    model_cfg = load_model("tiny")
+    topology = Topology.from_config(fp8, model_cfg)
+    for rank in range(topology.world_size):
+        experts = sum(p.numel() for n, p in rank_model(model_cfg, "triton", topology, rank).named_parameters()
+                      if ".moe.experts." in n)
+        (params, with_fp8), (_, without) = (training_state_bytes(c, model_cfg, topology, rank) for c in (fp8, bf16))
+        assert with_fp8 - without == int(fp8_weight_copy_bytes(experts))
+        assert (experts > 0) == (topology.expert_role(rank) is not None)
+
+
+def test_the_driver_writes_the_ranks_reduced_counters_as_mode_single_does():
+    from disagmoe.runtime.cluster.driver import fp8_step_fields
+    from disagmoe.runtime.training.trainer import fp8_record_fields
+
+    stats = Fp8Stats(CPU)
+    stats.buffer[GRADIENTS] = torch.tensor([_bits(448.0), 0, 10, 1000, 1])
+    values = stats.buffer.flatten().tolist()
+    results = [{"rank": r, "fp8": values} for r in range(3)]
+    fields = fp8_step_fields(results, torch.device("cuda"))
+    assert fields == fp8_record_fields(values, torch.device("cuda"))
+    assert fields["fp8_nonfinite"] == ["gradients"] and fields["fp8_update_skipped"] is True
+    assert fields["fp8_amax"] == 448.0 and fields["fp8_underflow_share"] == 0.01
+    assert fp8_step_fields([{"rank": 0}, {"rank": 1}], CPU) == {}  # bf16: no fields
+    with pytest.raises(AssertionError, match="reduced FP8 counters differ"):
+        fp8_step_fields([{"fp8": values}, {"fp8": [0] * len(values)}], CPU)
