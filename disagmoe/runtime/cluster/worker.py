@@ -314,7 +314,8 @@ class TrainWorker(Worker):
         forward = [op for op in self.program if isinstance(op, (AttentionForward, ExpertForward, Loss))
                    or (isinstance(op, (Send, Recv)) and op.payload.direction is Direction.FORWARD)]
         ce = 0.0
-        self.model.prepare_fp8()  # the copies of the weights as the last update left them
+        if self.fp8_stats is not None:  # FP8 experts: the weights' copies as the last update left them
+            self.model.prepare_fp8()
         for batch in range(batches):
             if self.attention is not None:
                 self.attention.begin_step(batch, self.val_data)

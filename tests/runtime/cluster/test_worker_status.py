@@ -26,6 +26,7 @@ class _FailedTransport:
 def test_an_evaluation_batch_whose_wait_timed_out_raises():
     worker = TrainWorker.__new__(TrainWorker)  # the state evaluate() reads, without Ray or a model
     worker.rank, worker.program, worker.attention, worker.experts, worker.gpu_spans = 0, [], None, None, None
+    worker.fp8_stats = None  # a bf16 rank
     worker.transport, worker.recorder = _FailedTransport(), SpanRecorder()
     worker.watchdog = OpWatchdog("rank 0", 60.0)
     try:
