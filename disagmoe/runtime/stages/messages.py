@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from disagmoe.comm.base import PairLanding, PairSpec, PairTarget, TensorSpec
+from disagmoe.roofline.transport_memory import HopShape, hop_tensors
 from disagmoe.wire import Payload
 
 Slot = tuple[Payload, int, int]  # (payload, layer, micro-batch)
@@ -169,29 +170,15 @@ class MessageShapes:
         return self.hidden * size + self.top_k * (4 + size) + (4 if sparse else 0)
 
     def specs(self, payload: Payload, layer_is_moe: bool) -> list[TensorSpec]:
-        T, H, K, dt = self.tokens, self.hidden, self.top_k, self.dtype
-        rows = TensorSpec((T, H), dt)
-        index, count = TensorSpec((T,), torch.int32), TensorSpec((1,), torch.int32)
-        if payload is Payload.DISPATCH and self.sparse:
-            return [rows, TensorSpec((T, K), torch.int32), TensorSpec((T, K), dt), index, count,
-                    TensorSpec((self.num_experts,), torch.int64)]
-        if payload is Payload.DISPATCH:
-            return [rows, TensorSpec((T, K), torch.int32), TensorSpec((T, K), dt)]
-        if payload is Payload.COMBINE and self.sparse and not self.pair_rows:
-            return [rows, index, count]
-        if payload is Payload.COMBINE and self.pair_rows:
-            return [TensorSpec((T * K, H), dt)]
-        if payload is Payload.DISPATCH_GRAD and self.pair_rows:  # d x per pair, then the load (an extra)
-            return [TensorSpec((T * K, H), dt), TensorSpec((self.num_experts,), torch.int64)]
-        if payload in (Payload.COMBINE, Payload.COMBINE_GRAD):
-            return [rows]
-        if payload is Payload.DISPATCH_GRAD:
-            return [rows, TensorSpec((T, K), dt), TensorSpec((self.num_experts,), torch.int64)]
-        stream = TensorSpec((self.rows, self.seq_len, H), dt)  # RESIDUAL, RESIDUAL_GRAD
-        parts = [stream, rows] if layer_is_moe and self.shared_experts else [stream]
-        if layer_is_moe and self.pair_rows:
-            parts.append(TensorSpec((T, K), dt))  # the routing weights, combined on the receiving rank
-        return parts
+        """The message's tensors, from `roofline.transport_memory.hop_tensors` (the one table the
+        planner and the memory check price)."""
+        value = "bf16" if self.dtype == torch.bfloat16 else "fp32"
+        shape = HopShape(self.rows, self.seq_len, self.hidden, self.top_k, self.num_experts, value,
+                         self.shared_experts, self.pair_rows, self.sparse)
+        return [TensorSpec(tuple(dims), DTYPES[name]) for dims, name in hop_tensors(payload.value, layer_is_moe, shape)]
+
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "int32": torch.int32, "int64": torch.int64}
 
 
 def hop_mode(cfg, model_cfg, topology) -> tuple[str, str]:
