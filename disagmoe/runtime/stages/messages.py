@@ -44,8 +44,8 @@ from dataclasses import dataclass
 import torch
 
 from disagmoe.comm.base import PairLanding, PairSpec, PairTarget, TensorSpec
-from disagmoe.roofline.transport_memory import HopShape, hop_tensors
-from disagmoe.wire import Payload
+from disagmoe.roofline.transport_memory import HopShape, hop_tensors, receive_bytes
+from disagmoe.wire import Payload, Recv
 
 Slot = tuple[Payload, int, int]  # (payload, layer, micro-batch)
 PAIR_PAYLOADS = (Payload.COMBINE, Payload.DISPATCH_GRAD)  # pair-row messages with `hop: pair_rows`
@@ -248,3 +248,31 @@ def receive_layouts(cfg, shapes: MessageShapes, topology, sum_width: int = 0) ->
         return symmetric_layouts(programs, specs_of, capacity_factor=cfg.transport_capacity_factor,
                                  pair_of=pair_of if shapes.pair_rows else None, sum_width=sum_width)
     return [ArenaLayout.of_program(p, specs_of, rank, copies=1) for rank, p in enumerate(programs)]
+
+
+def receive_counts(shapes: MessageShapes, topology, programs) -> list[dict[tuple[str, bool], int]]:
+    """Every rank's receive slots (peer other than itself, layer, micro-batch) by (payload, MoE
+    layer), read off its program: the counts `roofline.transport_memory` prices."""
+    out = []
+    for rank, program in enumerate(programs):
+        counts: dict[tuple[str, bool], int] = defaultdict(int)
+        for op in program:
+            if isinstance(op, Recv):
+                counts[(op.payload.value, topology.is_moe(op.layer))] += sum(peer != rank for peer in op.peers)
+        out.append(dict(counts))
+    return out
+
+
+def transport_buffer_bytes(cfg, shapes: MessageShapes, topology, sum_width: int = 0) -> list[int]:
+    """Bytes every rank's transport allocates for its messages: nvshmem, the symmetric arena it is
+    given (`receive_layouts`: pair regions, capacity factor and the all-ranks sum included; equal to
+    `roofline.transport_memory.arena_bytes` where those are absent, tests/roofline pin it); nccl,
+    the buffers `NcclTransport.reserve` keeps per receive slot (local allocates the same per
+    message), priced by `roofline.transport_memory.receive_bytes` from each rank's program."""
+    if cfg.transport == "nvshmem":
+        return [layout.nbytes for layout in receive_layouts(cfg, shapes, topology, sum_width)]
+    value = "bf16" if shapes.dtype == torch.bfloat16 else "fp32"
+    hop = HopShape(shapes.rows, shapes.seq_len, shapes.hidden, shapes.top_k, shapes.num_experts, value,
+                   shapes.shared_experts, shapes.pair_rows, shapes.sparse)
+    counts = receive_counts(shapes, topology, topology.programs(cfg.micro_batches))
+    return [int(receive_bytes(c, hop, cfg.transport)) for c in counts]
