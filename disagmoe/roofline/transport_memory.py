@@ -116,28 +116,38 @@ def message_bytes(payload: str, moe: bool, s: HopShape, aligned: bool = False) -
 Counts = dict[tuple[str, bool], Num]  # (payload, moe layer) -> receive slots (peer, layer, micro-batch)
 
 
-def group_layers(num_layers: int, num_dense: int, p: Num, g: int) -> tuple[Num, Num]:
-    """(MoE layers, dense layers) of pipeline group g (layer l in group l mod p; zero where g >= p)."""
-    p = np.asarray(p)
+def group_layers(num_layers: int, num_dense: int, p: int, g: int) -> tuple[int, int]:
+    """(MoE layers, dense layers) of pipeline group g of p (layer l in group l mod p; zero for g >= p)."""
+    if g >= p:
+        return 0, 0
+    dense = max(0, -(-(num_dense - g) // p))
+    return max(0, -(-(num_layers - g) // p)) - dense, dense
 
-    def below(n: int) -> Num:  # layers l < n with l mod p == g
-        return np.where(g < p, np.maximum(0, -(-(n - g) // np.maximum(p, 1))), 0)
 
-    dense = below(num_dense)
-    return below(num_layers) - dense, dense
+def layer_tables(num_layers: int, num_dense: int, p: Num) -> tuple[np.ndarray, np.ndarray]:
+    """int [max p + 1, max p] tables of `group_layers` (MoE, dense) for every p among `p` and group g."""
+    top = int(np.max(p))
+    moe, dense = np.zeros((top + 1, top), dtype=np.int64), np.zeros((top + 1, top), dtype=np.int64)
+    for q in np.unique(p).tolist():
+        for g in range(q):
+            moe[q, g], dense[q, g] = group_layers(num_layers, num_dense, q, g)
+    return moe, dense
 
 
 def attention_receives(num_layers: int, num_dense: int, p: Num, g: int, expert_ranks: Num,
-                       micro_batches: Num) -> Counts:
-    """Receive slots of an attention rank of group g (module docstring), `expert_ranks` Q in its set."""
+                       micro_batches: Num, tables: tuple[np.ndarray, np.ndarray] | None = None) -> Counts:
+    """Receive slots of an attention rank of group g (module docstring), `expert_ranks` Q in its set.
+    `tables`: `layer_tables` of `p`, if already computed."""
     p = np.asarray(p)
-    moe_g, dense_g = group_layers(num_layers, num_dense, p, g)
-    prev = np.where(p > 0, (g - 1) % np.maximum(p, 1), 0)
-    moe_prev, dense_prev = (np.choose(prev, [group_layers(num_layers, num_dense, p, h)[i]
-                                             for h in range(int(np.max(p)))]) for i in (0, 1))
-    ring = np.where(p > 1, 1, 0) * np.where(g < p, 1, 0)
+    moe_t, dense_t = layer_tables(num_layers, num_dense, p) if tables is None else tables
+    here = np.where(g < p, 1, 0)
+    at = min(g, moe_t.shape[1] - 1)
+    moe_g, dense_g = moe_t[p, at] * here, dense_t[p, at] * here
+    prev = (g - 1) % np.maximum(p, 1)  # the group before g on the ring
+    moe_prev, dense_prev = moe_t[p, prev] * here, dense_t[p, prev] * here
+    ring = np.where(p > 1, 1, 0)
     return {("dispatch_grad", True): micro_batches * expert_ranks * moe_g,
-            ("combine", True): micro_batches * expert_ranks * moe_prev * np.where(g < p, 1, 0),
+            ("combine", True): micro_batches * expert_ranks * moe_prev,
             ("residual", True): micro_batches * ring * moe_prev, ("residual", False): micro_batches * ring * dense_prev,
             ("residual_grad", True): micro_batches * ring * moe_g,
             ("residual_grad", False): micro_batches * ring * dense_g}
@@ -155,12 +165,22 @@ def colocated_receives(num_moe_layers: int, peers: Num, micro_batches: Num) -> C
     return {(payload, True): n for payload in ("dispatch", "combine", "dispatch_grad", "combine_grad")}
 
 
-def receive_bytes(counts: Counts, s: HopShape, transport: str) -> Num:
+def receive_bytes(counts: Counts, s: HopShape, transport: str, sizes: dict | None = None) -> Num:
     """A rank's message buffers from its slot counts (nvshmem: the payload region of its arena,
-    both copies; `arena_bytes` adds the flags and takes the largest rank)."""
+    both copies; `arena_bytes` adds the flags and takes the largest rank). `sizes`: `message_bytes`
+    by (payload, moe), if already computed."""
     aligned = transport == "nvshmem"
     copies = COPIES if aligned else 1
-    return sum(copies * n * message_bytes(payload, moe, s, aligned) for (payload, moe), n in counts.items())
+    sizes = {} if sizes is None else sizes
+    out = 0
+    for key, n in counts.items():
+        if key not in sizes:
+            sizes[key] = message_bytes(*key, s, aligned)
+        size = sizes[key]
+        if np.ndim(n) == 2 and np.ndim(size) == 1:  # [N, G] counts (`layout_receives`), [N] sizes
+            size = np.asarray(size)[:, None]
+        out = out + copies * n * size
+    return out
 
 
 def flag_words(counts: Counts) -> Num:
@@ -171,9 +191,53 @@ def flag_words(counts: Counts) -> Num:
 def arena_bytes(ranks: list[Counts], s: HopShape) -> Num:
     """The nvshmem arena every rank allocates: the largest flag region (8-byte words, aligned) and
     the largest payload region among `ranks` (`comm.symmetric.symmetric_layouts`, no sum region)."""
-    words = np.maximum.reduce([np.asarray(flag_words(c)) for c in ranks])
-    payload = np.maximum.reduce([np.asarray(receive_bytes(c, s, "nvshmem")) for c in ranks])
+    sizes: dict = {}
+    words = _groups_max(np.maximum.reduce([np.asarray(flag_words(c)) for c in ranks]))
+    payload = _groups_max(np.maximum.reduce([np.asarray(receive_bytes(c, s, "nvshmem", sizes)) for c in ranks]))
     return align(8 * words) + payload
+
+
+def layout_receives(num_layers: int, num_dense: int, p: Num, dp: Num, expert_ranks: Num, sets: Num,
+                    micro_batches: Num, colocated: bool) -> tuple[list[Counts], list[Counts]]:
+    """(attention ranks', expert ranks') slot counts of a layout (colocated: one rank's, and no
+    expert ranks). With array arguments (one element per candidate) each count is [N, G]: the rank
+    of pipeline group g in column g (groups past a candidate's p count nothing), so the busiest
+    group is one max over the last axis (`transport_bytes`). Arguments as `layout_transport_bytes`'."""
+    if colocated:
+        return [colocated_receives(num_layers - num_dense, np.asarray(expert_ranks) - 1, micro_batches)], []
+    p = np.atleast_1d(np.asarray(p))
+    moe_t, dense_t = layer_tables(num_layers, num_dense, p)
+    groups = np.arange(moe_t.shape[1])
+    col = lambda x: np.asarray(x)[..., None] if np.ndim(x) else x  # noqa: E731  a candidate's value, every group
+    moe_g, dense_g = moe_t[p], dense_t[p]  # [N, G]
+    prev = (groups - 1) % col(p)  # the group before g on the ring
+    here = groups < col(p)
+    moe_prev = np.take_along_axis(moe_g, prev, 1) * here
+    dense_prev = np.take_along_axis(dense_g, prev, 1) * here
+    mb, ring = col(micro_batches), col(np.where(p > 1, 1, 0))
+    q, sources = col(expert_ranks), col(np.asarray(dp) // np.asarray(sets))
+    attn = {("dispatch_grad", True): mb * q * moe_g, ("combine", True): mb * q * moe_prev,
+            ("residual", True): mb * ring * moe_prev, ("residual", False): mb * ring * dense_prev,
+            ("residual_grad", True): mb * ring * moe_g, ("residual_grad", False): mb * ring * dense_g}
+    exp = {("dispatch", True): mb * sources * moe_g, ("combine_grad", True): mb * sources * moe_g}
+    return [attn], [exp]
+
+
+def transport_bytes(attn: list[Counts], exp: list[Counts], s: HopShape, transport: str = "nvshmem") -> tuple[Num, Num]:
+    """(attention GPU, expert GPU) bytes of `layout_receives`' counts: nvshmem, the one arena every
+    GPU holds; otherwise the busiest rank of each role (colocated: `attn` only, both the same)."""
+    if transport == "nvshmem":
+        arena = arena_bytes(attn + exp, s)
+        return arena, arena
+    sizes: dict = {}
+    busiest = [_groups_max(np.maximum.reduce([np.asarray(receive_bytes(c, s, transport, sizes)) for c in counts]))
+               for counts in (attn, exp or attn)]
+    return busiest[0], busiest[1]
+
+
+def _groups_max(x: np.ndarray) -> np.ndarray:
+    """The busiest pipeline group's value of a [N, G] array (`layout_receives`); others as they are."""
+    return x.max(axis=-1) if x.ndim == 2 else x
 
 
 def layout_transport_bytes(num_layers: int, num_dense: int, s: HopShape, p: Num, dp: Num, expert_ranks: Num,
@@ -184,16 +248,5 @@ def layout_transport_bytes(num_layers: int, num_dense: int, s: HopShape, p: Num,
     replica set, `sets` replica sets per group (an expert rank serves dp / sets sources); colocated:
     `expert_ranks` is the expert-parallel group of each rank (its peers: Q - 1). nvshmem: every GPU
     holds the largest arena of any rank (symmetric memory)."""
-    if colocated:
-        counts = [colocated_receives(num_layers - num_dense, np.asarray(expert_ranks) - 1, micro_batches)]
-        both = arena_bytes(counts, s) if transport == "nvshmem" else receive_bytes(counts[0], s, transport)
-        return both, both
-    top = int(np.max(p))
-    attn = [attention_receives(num_layers, num_dense, p, g, expert_ranks, micro_batches) for g in range(top)]
-    exp = [expert_receives(num_layers, num_dense, p, g, np.asarray(dp) // np.asarray(sets), micro_batches)
-           for g in range(top)]
-    if transport == "nvshmem":
-        arena = arena_bytes(attn + exp, s)
-        return arena, arena
-    return (np.maximum.reduce([np.asarray(receive_bytes(c, s, transport)) for c in attn]),
-            np.maximum.reduce([np.asarray(receive_bytes(c, s, transport)) for c in exp]))
+    attn, exp = layout_receives(num_layers, num_dense, p, dp, expert_ranks, sets, micro_batches, colocated)
+    return transport_bytes(attn, exp, s, transport)
