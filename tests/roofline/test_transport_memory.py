@@ -105,3 +105,10 @@ def test_message_specs_are_the_roofline_table():
         specs = shapes.specs(Payload(spec_payload), True)
         assert sum(int(np.prod(sp.shape)) * sp.dtype.itemsize for sp in specs) == \
             tm.message_bytes(spec_payload, True, s)
+
+
+def test_the_arena_constants_are_the_transports():
+    from disagmoe.comm import symmetric
+
+    assert (tm.ALIGN, tm.COPIES) == (symmetric.ALIGN, symmetric.COPIES)
+    assert all(tm.align(n) == symmetric.align(n) for n in (0, 1, 255, 256, 257, 10**9 + 7))
