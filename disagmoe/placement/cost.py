@@ -26,7 +26,9 @@ backward transient, in `roofline.memory`'s per-token terms (`activations`). The 
 rows sit on the expert GPU (the runtime's compact hop keeps them there). An expert GPU's rows
 are every (token, k) pair of every attention GPU that dispatches to it, not its share of them:
 the runtime's buffers span them all (`activations` says why), so its memory is priced on
-`pairs`, its time on the rows it computes (`rows`, the busiest GPU's share).
+`pairs`, its time on the rows it computes (`rows`, the busiest GPU's share). Every GPU also holds
+the transport's message buffers (`transport_buffers`: nvshmem's symmetric arena, the largest
+rank's on every GPU, from `roofline.transport_memory`, which the runtime's memory check shares).
 
 Recomputation (`Problem.recompute`): selective drops `roofline.memory.SELECTIVE` from what the
 expert side keeps, and its expert backward pays `stages.selective_recompute`'s bytes; auto takes,
