@@ -156,7 +156,8 @@ def attention_receives(num_layers: int, num_dense: int, p: Num, g: int, expert_r
 def expert_receives(num_layers: int, num_dense: int, p: Num, g: int, sources: Num, micro_batches: Num) -> Counts:
     """Receive slots of an expert rank of group g serving `sources` attention ranks."""
     moe_g, _ = group_layers(num_layers, num_dense, p, g)
-    return {("dispatch", True): micro_batches * sources * moe_g, ("combine_grad", True): micro_batches * sources * moe_g}
+    n = micro_batches * sources * moe_g
+    return {("dispatch", True): n, ("combine_grad", True): n}
 
 
 def colocated_receives(num_moe_layers: int, peers: Num, micro_batches: Num) -> Counts:

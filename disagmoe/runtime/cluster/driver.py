@@ -201,8 +201,8 @@ def resolve_distributed_micro_batches(cfg: TrainConfig, model_cfg: ModelConfig, 
 @dataclass(frozen=True)
 class RankNeed:
     """What one rank holds at its peak: parameters (count), training state, its transport's message
-    buffers (`received_bytes`) and activation bytes; `torch_buffers`: its buffers come from torch's allocator (nccl, local), not
-    NVSHMEM's heap."""
+    buffers (`received_bytes`) and activation bytes; `torch_buffers`: its buffers come from torch's
+    allocator (nccl, local), not NVSHMEM's heap."""
 
     params: int
     state_bytes: int
@@ -229,7 +229,8 @@ class RankNeed:
         acts = self.activations
         return (f"{self.state_bytes / 2**30:.1f} GiB of weights, fp32 masters, gradients and AdamW moments, "
                 f"{self.received_bytes / 2**30:.1f} GiB of transport buffers ({self.buffers_kind}) and "
-                f"{acts.peak_bytes / 2**30:.1f} GiB of activations ({acts.micro_batches_in_flight} micro-batches in flight at {acts.at_op})")
+                f"{acts.peak_bytes / 2**30:.1f} GiB of activations ({acts.micro_batches_in_flight} micro-batches "
+                f"in flight at {acts.at_op})")
 
 
 def check_memory(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topology, capacity_bytes: float,
