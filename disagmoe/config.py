@@ -404,6 +404,9 @@ class MemoryEstimate(StrictModel):
     grads_gib: ResultFloat
     optimizer_gib: ResultFloat
     activations_gib: ResultFloat
+    transport_gib: ResultFloat = Field(
+        0.0, description="the transport's message buffers (nvshmem's symmetric arena: two copies of every receive "
+        "slot, the largest rank's on every GPU), in total_gib")
     total_gib: ResultFloat
     capacity_gib: ResultFloat
     host_gib: ResultFloat = Field(

@@ -37,7 +37,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "runtime": BASE | {"roofline", "kernels", "model", "runtime.schedule"},
     "runtime.state": BASE | {"roofline", "kernels", "model", "runtime", "runtime.schedule"},
     "runtime.observe": BASE | {"roofline", "runtime", "runtime.schedule"},
-    "runtime.stages": BASE | {"kernels", "comm", "model", "runtime", "runtime.schedule"},
+    "runtime.stages": BASE | {"roofline", "kernels", "comm", "model", "runtime", "runtime.schedule"},
     "runtime.training": BASE | {"roofline", "placement", "kernels", "model", "runtime", "runtime.schedule",
                                 "runtime.state", "runtime.observe"},
     "runtime.cluster": BASE | {"roofline", "placement", "kernels", "comm", "model", "runtime", "runtime.schedule",

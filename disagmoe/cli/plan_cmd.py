@@ -176,11 +176,12 @@ def show_plan(p, out: Path | None) -> None:
     ]
     console.print(Panel("\n".join(lines), title=head, title_align="left"))
     mem = Table(title="memory per GPU", title_justify="left")
-    for col in ("GPU", "weights", "grads", "optimizer", "activations", "total", "capacity"):
+    for col in ("GPU", "weights", "grads", "optimizer", "activations", "transport", "total", "capacity"):
         mem.add_column(col, justify="left" if col == "GPU" else "right")
     for kind, e in p.memory_per_gpu.items():
         over = "[red]" if e.total_gib > e.capacity_gib else ""
-        mem.add_row(kind, *(report.memory(g) for g in (e.weights_gib, e.grads_gib, e.optimizer_gib, e.activations_gib)),
+        mem.add_row(kind, *(report.memory(g) for g in (e.weights_gib, e.grads_gib, e.optimizer_gib, e.activations_gib,
+                                                       e.transport_gib)),
                     f"{over}{report.memory(e.total_gib)}", report.memory(e.capacity_gib))
     console.print(mem)
     st = Table(title="stage time per step, on the GPUs that run it", title_justify="left")

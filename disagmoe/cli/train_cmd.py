@@ -205,7 +205,20 @@ def _hop_note(cfg: TrainConfig) -> str:
     hop, why = hop_mode(cfg, model_cfg, topology)
     dispatch, dispatch_why = dispatch_mode(cfg, model_cfg, topology)
     return (f"tokens dispatch {dispatch} ({dispatch_why})\n"
-            f"expert outputs return as {hop.replace('_', ' ')} ({why})")
+            f"expert outputs return as {hop.replace('_', ' ')} ({why})\n"
+            f"{_transport_line(cfg, model_cfg, topology)}")
+
+
+def _transport_line(cfg: TrainConfig, model_cfg: ModelConfig, topology) -> str:
+    """e.g. 'transport buffers: 3.01 GiB per rank at most (nccl receive buffers, in the memory check)'."""
+    from disagmoe.runtime.cluster.sharing import stream_sum_width
+    from disagmoe.runtime.stages.messages import MessageShapes, transport_buffer_bytes
+
+    per_rank = transport_buffer_bytes(cfg, MessageShapes.of_run(cfg, model_cfg, topology), topology,
+                                      stream_sum_width(cfg, topology.world_size))
+    what = "the symmetric nvshmem arena, on every rank" if cfg.transport == "nvshmem" else (
+        f"{cfg.transport} receive buffers, the largest rank's")
+    return f"transport buffers: {max(per_rank, default=0) / 2**30:.2f} GiB per rank ({what}; in the memory check)"
 
 
 def _plan_note(cfg: TrainConfig, planned: TrainConfig) -> str:
@@ -248,6 +261,9 @@ def _summary_table(cfg: TrainConfig, summary: dict[str, Any]) -> Table:
         rows.append(("dispatch bytes/step", f"{traffic['dispatch']:,.0f} (dense: {traffic['dispatch_dense']:,.0f})"))
     if summary.get("hop"):
         rows.append(("expert return", summary["hop"].replace("_", " ")))
+    if summary.get("transport_gib_per_rank"):
+        rows.append(("transport buffers", f"{max(summary['transport_gib_per_rank']):.2f} GiB per rank at most "
+                                          f"({summary.get('transport')})"))
     if summary.get("time_sliced"):
         ranks = len(summary.get("processes") or [])
         rows.append(("GPUs", f"{ranks} ranks on {summary['gpus']}: time-sliced, not a speed measurement"))

@@ -26,7 +26,9 @@ backward transient, in `roofline.memory`'s per-token terms (`activations`). The 
 rows sit on the expert GPU (the runtime's compact hop keeps them there). An expert GPU's rows
 are every (token, k) pair of every attention GPU that dispatches to it, not its share of them:
 the runtime's buffers span them all (`activations` says why), so its memory is priced on
-`pairs`, its time on the rows it computes (`rows`, the busiest GPU's share).
+`pairs`, its time on the rows it computes (`rows`, the busiest GPU's share). Every GPU also holds
+the transport's message buffers (`transport_buffers`: nvshmem's symmetric arena, the largest
+rank's on every GPU, from `roofline.transport_memory`, which the runtime's memory check shares).
 
 Recomputation (`Problem.recompute`): selective drops `roofline.memory.SELECTIVE` from what the
 expert side keeps, and its expert backward pays `stages.selective_recompute`'s bytes; auto takes,
@@ -48,7 +50,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from disagmoe.config import Calibration, ModelConfig
-from disagmoe.roofline import calibration as cal, memory as mem, stages as st
+from disagmoe.roofline import calibration as cal, memory as mem, stages as st, transport_memory as tm
 from disagmoe.roofline.ceilings import Ceilings
 from disagmoe.roofline.optimizer_state import StateBytes, host_link_bytes, slot_elements, staging_bytes, state_bytes
 from disagmoe.roofline.params import attention_params, count_params, expert_params, swiglu_params
@@ -170,6 +172,8 @@ class Cost:
     expert_params: np.ndarray  # parameters held per expert GPU (colocated: expert part)
     attn_act_bytes: np.ndarray
     expert_act_bytes: np.ndarray
+    attn_transport_bytes: np.ndarray  # the transport's message buffers (`transport_buffers`), in attn_mem_bytes
+    expert_transport_bytes: np.ndarray  # in expert_mem_bytes (colocated: same as attn)
     selective: np.ndarray  # bool per candidate: priced with selective recomputation (`Problem.recompute`)
     lean_expert_mem_bytes: np.ndarray  # expert_mem_bytes with the leanest recomputation the problem allows
     lean_fits: np.ndarray  # fits with the leanest recomputation the problem allows
@@ -337,6 +341,25 @@ def attention_activations(m: ModelConfig, tokens: Num, in_flight: Num, p: np.nda
     return out
 
 
+def transport_buffers(prob: Problem, c: Candidates, dp: np.ndarray, ranks: np.ndarray) -> tuple[Num, Num]:
+    """(attention GPU, expert GPU) bytes of the transport's message buffers
+    (`roofline.transport_memory.layout_transport_bytes`), as the runtime allocates them on the fast
+    path the planner prices: nvshmem's symmetric arena (two copies of every receive slot, the largest
+    rank's on every GPU), partial sums, dispatch sparse where a set has more than one expert rank.
+    `ranks`: expert ranks per replica set (colocated: the EP block). None on one GPU."""
+    m = prob.model
+    ranks = np.asarray(ranks, dtype=np.int64)
+    dp_i = np.round(np.asarray(dp)).astype(np.int64)
+
+    attn, exp = tm.layout_receives(m.num_layers, m.num_dense_layers, c.p, dp_i, ranks, c.sets, c.m, c.colocated)
+    dense, sparse = (tm.transport_bytes(attn, exp, tm.HopShape(c.seqs.astype(np.int64), prob.seq_len, m.hidden_size,
+                                                               m.top_k, m.num_experts, "bf16", m.shared_ffn_size > 0,
+                                                               False, kind))
+                     for kind in (False, True))
+    pick = ranks > 1
+    return (np.where(pick, sparse[0], dense[0]).astype(float), np.where(pick, sparse[1], dense[1]).astype(float))
+
+
 def evaluate(prob: Problem, c: Candidates) -> Cost:
     """Price every candidate: step time, memory per GPU, fit."""
     m, ceil = prob.model, prob.ceilings
@@ -414,6 +437,9 @@ def evaluate(prob: Problem, c: Candidates) -> Cost:
     else:
         attn_state = attn_bytes * attn_params + offload_staging_bytes(prob, attn_params)
         exp_state = exp_bytes * exp_params + fp8_copies + offload_staging_bytes(prob, exp_params)
+    transport_attn, transport_exp = transport_buffers(prob, c, dp, per_set if not c.colocated else ep)
+    attn_state = attn_state + transport_attn
+    exp_state = exp_state + (0.0 if c.colocated else transport_exp)
     in_flight = np.where(c.expert == 1, 1.0, mb) if c.colocated else mb  # one GPU: mode single accumulates
     options = {}
     attention = None if c.colocated else attention_activations(m, tokens, in_flight, c.p)  # recomputation-free
@@ -517,6 +543,7 @@ def evaluate(prob: Problem, c: Candidates) -> Cost:
                 imbalance=np.asarray(imbalance, dtype=float) * ones,
                 attn_params=attn_params * ones, expert_params=exp_params * ones,
                 attn_act_bytes=act_attn * ones, expert_act_bytes=act_exp * ones, selective=selective,
+                attn_transport_bytes=transport_attn * ones, expert_transport_bytes=transport_exp * ones,
                 lean_expert_mem_bytes=options[leanest][3] * ones, lean_fits=options[leanest][4].astype(bool),
                 round_floor_s=floor * ones, stages=stages)
 

@@ -367,6 +367,12 @@ def price(cfg: PlanConfig, chosen: Candidates, colocated_step_s: float | None = 
         notes.append("this layout does not fit in memory (see memory_per_gpu)")
     elif use_dis:
         notes.extend(_memory_bound(cost, prob))
+    transport = float(cost.expert_transport_bytes[0] if use_dis else cost.attn_transport_bytes[0])
+    if transport > 0.05 * prob.capacity_bytes:
+        notes.append(f"the transport's buffers take {transport / GIB:.1f} GiB per GPU (train with transport: nvshmem: "
+                     "one symmetric arena, as large on every GPU as the largest rank's, with two copies of every "
+                     "receive of every layer and micro-batch, each sized for all its source's tokens; counted in "
+                     "memory_per_gpu and the fit)")
     selective = bool(cost.selective[0])
     notes.append(f"memory assumes AdamW with fp32 master weights and {cfg.optimizer_state_dtype} moments, "
                  + ("the attention side's moments split over each data-parallel group (ZeRO-1)"
@@ -511,21 +517,22 @@ def _memory(cost: Cost, prob: Problem, disaggregated: bool, kind: str = "colocat
     """Per GPU kind (attention and expert, or `kind` for a layout where every GPU runs both)."""
     attn_state, exp_state = attention_state_bytes(float(cost.dp[0]), prob), expert_state_bytes(prob)
 
-    def estimate(attn_params: float, exp_params: float, act: float) -> MemoryEstimate:
+    def estimate(attn_params: float, exp_params: float, act: float, transport: float) -> MemoryEstimate:
         def gib(part: str) -> float:  # "weights", "grads" or "moments" of StateBytes over both sides' parameters
             return (attn_params * float(getattr(attn_state, part)) + exp_params * float(getattr(exp_state, part))) / GIB
 
-        w, g = gib("weights"), gib("grads")
+        w, g, t = gib("weights"), gib("grads"), transport / GIB
         o = gib("moments") + float(offload_staging_bytes(prob, attn_params + exp_params)) / GIB
         return MemoryEstimate(weights_gib=w, grads_gib=g, optimizer_gib=o, activations_gib=act / GIB,
-                              total_gib=w + g + o + act / GIB, capacity_gib=prob.capacity_bytes / GIB,
-                              host_gib=gib("host"))
+                              transport_gib=t, total_gib=w + g + o + act / GIB + t,
+                              capacity_gib=prob.capacity_bytes / GIB, host_gib=gib("host"))
 
     a_p, e_p = float(cost.attn_params[0]), float(cost.expert_params[0])
     a_act, e_act = float(cost.attn_act_bytes[0]), float(cost.expert_act_bytes[0])
+    a_t, e_t = float(cost.attn_transport_bytes[0]), float(cost.expert_transport_bytes[0])
     if not disaggregated:
-        return {kind: estimate(a_p, e_p, a_act + e_act)}
-    return {"attention": estimate(a_p, 0.0, a_act), "expert": estimate(0.0, e_p, e_act)}
+        return {kind: estimate(a_p, e_p, a_act + e_act, a_t)}
+    return {"attention": estimate(a_p, 0.0, a_act, a_t), "expert": estimate(0.0, e_p, e_act, e_t)}
 
 
 def roofline_rows(cost: Cost, prob: Problem, c: Candidates) -> tuple[list[dict], list[dict]]:
@@ -618,14 +625,20 @@ def _reason(stage_times: list[StageTime], c: Candidates, disaggregated: bool, st
 LEANEST_DP = 4096  # data-parallel group size standing in for "as many attention GPUs as it takes" (ZeRO-1)
 
 
-def _leanest(prob: Problem, p: int) -> tuple[float, float]:
-    """GiB on the fullest attention and expert GPU of the leanest layout with `p` groups: one
-    sequence, one expert per GPU and, with ZeRO-1, a data-parallel group large enough that the
-    sharded moments all but vanish (a larger GPU count gets there)."""
+def _leanest(prob: Problem, p: int) -> tuple[float, float, float]:
+    """GiB on the fullest attention and expert GPU of the leanest layout with `p` groups, and of it
+    the transport's buffers: one sequence, one micro-batch, the expert GPUs per set (1 to the
+    experts) whose fullest GPU is the emptiest (more expert GPUs hold fewer experts each but
+    more receive buffers: `cost.transport_buffers`) and, with ZeRO-1, a data-parallel group large
+    enough that the sharded moments all but vanish (a larger GPU count gets there)."""
     n = prob.model.num_experts
     dp = LEANEST_DP if prob.shard_optimizer else 1
-    leanest = evaluate(prob, Candidates.one(p * dp, p * n, p, 1, 1))
-    return float(leanest.attn_mem_bytes[0]) / GIB, float(leanest.expert_mem_bytes[0]) / GIB
+    per_set = np.arange(1, n + 1, dtype=np.int64)
+    one = np.ones_like(per_set)
+    leanest = evaluate(prob, Candidates(p * dp * one, p * per_set, p * one, one, one, one))
+    i = int(np.argmin(np.maximum(leanest.attn_mem_bytes, leanest.expert_mem_bytes)))
+    return (float(leanest.attn_mem_bytes[i]) / GIB, float(leanest.expert_mem_bytes[i]) / GIB,
+            float(leanest.attn_transport_bytes[i]) / GIB)
 
 
 def _blocker(cfg: PlanConfig, prob: Problem) -> str | None:
@@ -634,21 +647,24 @@ def _blocker(cfg: PlanConfig, prob: Problem) -> str | None:
     sharding only as a remedy, and only when `--shard-optimizer-states` is off and would fit."""
     p = min(cfg.max_pipeline_groups, cfg.model.num_layers)
     cap = prob.capacity_bytes / GIB
-    attn, exp = _leanest(prob, p)
+    attn, exp, transport = _leanest(prob, p)
+    buffers = (f" ({transport:.0f} GiB of it the transport's receive buffers, sized for every token of every "
+               "micro-batch and layer reaching every expert rank)" if transport > 0.1 * cap else "")
     if attn > cap:
         if prob.shard_optimizer:
             also = "even with the attention side's AdamW moments sharded (ZeRO-1)"
             fix = ""
         else:
             also = "with unsharded AdamW state"
-            sharded_attn, _ = _leanest(replace(prob, shard_optimizer=True), p)
+            sharded_attn, _, _ = _leanest(replace(prob, shard_optimizer=True), p)
             fix = ", or --shard-optimizer-states (ZeRO-1)" if sharded_attn <= cap else ""
-        return (f"one attention GPU needs {attn:.0f} GiB (> {cap:.0f}) even for a single {cfg.seq_len}-token "
+        return (f"one attention GPU needs {attn:.0f} GiB (> {cap:.0f}){buffers} even for a single {cfg.seq_len}-token "
                 f"sequence with p={p} pipeline groups, {also}: this needs tensor or context parallelism, "
                 f"which disagmoe does not have yet; try a shorter --seq-len or a larger --max-pipeline-groups{fix}")
     if exp > cap:
-        return (f"one expert GPU needs {exp:.0f} GiB (> {cap:.0f}) for a single expert of every MoE layer of its "
-                f"group with p={p}: this needs expert tensor parallelism, which disagmoe does not have yet")
+        return (f"one expert GPU needs {exp:.0f} GiB (> {cap:.0f}){buffers} at its leanest with p={p} pipeline groups "
+                f"(experts spread over the expert GPUs per set that leave the fullest GPU emptiest): this needs expert "
+                f"tensor parallelism or smaller receive buffers, which disagmoe does not have yet")
     return None
 
 

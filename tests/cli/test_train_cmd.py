@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -137,6 +138,9 @@ def test_the_dispatch_is_printed_at_start_and_its_bytes_in_the_summary(tmp_path)
     text = " ".join(result.stdout.replace("│", " ").split())  # the summary table's cells, one space apart
     assert "tokens dispatch sparse (as configured)" in text and "expert outputs return as partial sums" in text
     assert "dispatch sparse" in text and "expert return partial sums" in text
+    assert re.search(r"transport buffers: [\d.]+ GiB per rank \(local receive buffers, the largest rank's; in the "
+                     r"memory check\)", text) and re.search(r"transport buffers [\d.]+ GiB per rank at most \(local\)",
+                                                            text)
     record = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
     sent, dense = record["traffic"]["dispatch"], record["traffic"]["dispatch_dense"]
     assert 0 < sent < dense and f"dispatch bytes/step {sent:,} (dense: {dense:,})" in text

@@ -63,7 +63,7 @@ from disagmoe.runtime.cluster.sharing import (
     wait_timeout_s,
 )
 from disagmoe.runtime.failures import RunWarning, TrainingFailed
-from disagmoe.runtime.stages.messages import MessageShapes, dispatch_mode, hop_mode, receive_layouts
+from disagmoe.runtime.stages.messages import MessageShapes, dispatch_mode, hop_mode, transport_buffer_bytes
 from disagmoe.runtime.observe.metrics import load_imbalance, peak_and_ceiling
 from disagmoe.runtime.state.offload import check_host_memory
 from disagmoe.runtime.state.optim import lr_at
@@ -138,17 +138,18 @@ def rank_states(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topology) ->
 def rank_needs(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topology,
                states: list[tuple[int, float]] | None = None) -> list[RankNeed]:
     """Every rank's memory at its peak (`RankNeed`), from its training state (`states`: `rank_states`,
-    if already computed), receive buffers and its program's activation peak
+    if already computed), its transport's message buffers (`messages.transport_buffer_bytes`: the
+    nvshmem arena, nccl's reserved buffers) and its program's activation peak
     (`runtime.activation_memory`, for this run's hop and dispatch)."""
     states = rank_states(cfg, model_cfg, topology) if states is None else states
-    buffers = receive_layouts(cfg, MessageShapes.of_run(cfg, model_cfg, topology), topology,
-                              stream_sum_width(cfg, topology.world_size))
+    buffers = transport_buffer_bytes(cfg, MessageShapes.of_run(cfg, model_cfg, topology), topology,
+                                     stream_sum_width(cfg, topology.world_size))
     hop, _ = hop_mode(cfg, model_cfg, topology)
     activations = rank_activations(cfg, model_cfg, topology, pair_rows=hop == "pair_rows",
                                    sparse=dispatch_mode(cfg, model_cfg, topology)[0] == "sparse")
     needs = []
     for rank, (params, state) in enumerate(states):
-        needs.append(RankNeed(params, state, buffers[rank].nbytes, activations[rank],
+        needs.append(RankNeed(params, state, buffers[rank], activations[rank],
                               torch_buffers=cfg.transport != "nvshmem"))
     return needs
 
@@ -204,9 +205,9 @@ def resolve_distributed_micro_batches(cfg: TrainConfig, model_cfg: ModelConfig, 
 
 @dataclass(frozen=True)
 class RankNeed:
-    """What one rank holds at its peak: parameters (count), training state, receive buffers and
-    activation bytes; `torch_buffers`: its buffers come from torch's allocator (nccl, local), not
-    NVSHMEM's heap."""
+    """What one rank holds at its peak: parameters (count), training state, its transport's message
+    buffers (`received_bytes`) and activation bytes; `torch_buffers`: its buffers come from torch's
+    allocator (nccl, local), not NVSHMEM's heap."""
 
     params: int
     state_bytes: int
@@ -225,18 +226,23 @@ class RankNeed:
         received = self.received_bytes if self.torch_buffers else 0
         return (self.state_bytes + received + self.activations.peak_bytes) / 2**30
 
+    @property
+    def buffers_kind(self) -> str:
+        return "receive buffers" if self.torch_buffers else "nvshmem arena"
+
     def describe(self) -> str:
         acts = self.activations
         return (f"{self.state_bytes / 2**30:.1f} GiB of weights, fp32 masters, gradients and AdamW moments, "
-                f"{self.received_bytes / 2**30:.1f} GiB of receive buffers and {acts.peak_bytes / 2**30:.1f} GiB "
-                f"of activations ({acts.micro_batches_in_flight} micro-batches in flight at {acts.at_op})")
+                f"{self.received_bytes / 2**30:.1f} GiB of transport buffers ({self.buffers_kind}) and "
+                f"{acts.peak_bytes / 2**30:.1f} GiB of activations ({acts.micro_batches_in_flight} micro-batches "
+                f"in flight at {acts.at_op})")
 
 
 def check_memory(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topology, capacity_bytes: float,
                  per_gpu: int = 1, needs: list[RankNeed] | None = None) -> None:
     """ValueError naming the first rank whose parameters, gradients and AdamW moments (fp32;
-    `training_state_bytes`), receive buffers (`messages.receive_layouts`: nccl's per slot,
-    nvshmem's symmetric arena) and activations at its program's peak (`runtime.activation_memory`)
+    `training_state_bytes`), transport buffers (`messages.transport_buffer_bytes`: nccl's per receive
+    slot, nvshmem's symmetric arena) and activations at its program's peak (`runtime.activation_memory`)
     exceed one device's memory. With `per_gpu` > 1 ranks sharing each GPU, also the first GPU whose
     ranks do not fit it together (each rank's process adding its context and NVSHMEM heap margin:
     `sharing.PROCESS_BYTES`). `needs`: `rank_needs`, if already computed."""
@@ -327,7 +333,9 @@ class DistributedTrainer(TrainingLoop):
         self.cfg = cfg = self._auto_split(resolve_distributed_micro_batches(cfg, self.model_cfg))
         self.topology = Topology.from_config(cfg, self.model_cfg)
         check_fits(cfg, self.model_cfg, self.topology)
-        self.predicted_peak_gib = [need.predicted_peak_gib for need in rank_needs(cfg, self.model_cfg, self.topology)]
+        needs = rank_needs(cfg, self.model_cfg, self.topology)
+        self.predicted_peak_gib = [need.predicted_peak_gib for need in needs]
+        self.transport_gib = [need.received_bytes / 2**30 for need in needs]  # in the check and the peak
         self.offloaded_host_gib = host_state_bytes(cfg, self.model_cfg, self.topology) / 2**30
         self.hop, self.hop_reason = hop_mode(cfg, self.model_cfg, self.topology)
         self.dispatch, self.dispatch_reason = dispatch_mode(cfg, self.model_cfg, self.topology)  # refusals: now
@@ -509,6 +517,7 @@ class DistributedTrainer(TrainingLoop):
                     ranks_per_gpu=self.ranks_per_gpu, time_sliced=self.ranks_per_gpu > 1,
                     processes=self.processes, predicted_peak_gib=max(self.predicted_peak_gib),
                     predicted_peak_gib_per_rank=list(self.predicted_peak_gib), offloaded_host_gib=self.offloaded_host_gib,
+                    transport_gib_per_rank=list(self.transport_gib),
                     **self.split_facts())
 
     def validate(self) -> float:

@@ -44,7 +44,8 @@ from dataclasses import dataclass
 import torch
 
 from disagmoe.comm.base import PairLanding, PairSpec, PairTarget, TensorSpec
-from disagmoe.wire import Payload
+from disagmoe.roofline.transport_memory import HopShape, hop_tensors, receive_bytes
+from disagmoe.wire import Payload, Recv
 
 Slot = tuple[Payload, int, int]  # (payload, layer, micro-batch)
 PAIR_PAYLOADS = (Payload.COMBINE, Payload.DISPATCH_GRAD)  # pair-row messages with `hop: pair_rows`
@@ -169,29 +170,15 @@ class MessageShapes:
         return self.hidden * size + self.top_k * (4 + size) + (4 if sparse else 0)
 
     def specs(self, payload: Payload, layer_is_moe: bool) -> list[TensorSpec]:
-        T, H, K, dt = self.tokens, self.hidden, self.top_k, self.dtype
-        rows = TensorSpec((T, H), dt)
-        index, count = TensorSpec((T,), torch.int32), TensorSpec((1,), torch.int32)
-        if payload is Payload.DISPATCH and self.sparse:
-            return [rows, TensorSpec((T, K), torch.int32), TensorSpec((T, K), dt), index, count,
-                    TensorSpec((self.num_experts,), torch.int64)]
-        if payload is Payload.DISPATCH:
-            return [rows, TensorSpec((T, K), torch.int32), TensorSpec((T, K), dt)]
-        if payload is Payload.COMBINE and self.sparse and not self.pair_rows:
-            return [rows, index, count]
-        if payload is Payload.COMBINE and self.pair_rows:
-            return [TensorSpec((T * K, H), dt)]
-        if payload is Payload.DISPATCH_GRAD and self.pair_rows:  # d x per pair, then the load (an extra)
-            return [TensorSpec((T * K, H), dt), TensorSpec((self.num_experts,), torch.int64)]
-        if payload in (Payload.COMBINE, Payload.COMBINE_GRAD):
-            return [rows]
-        if payload is Payload.DISPATCH_GRAD:
-            return [rows, TensorSpec((T, K), dt), TensorSpec((self.num_experts,), torch.int64)]
-        stream = TensorSpec((self.rows, self.seq_len, H), dt)  # RESIDUAL, RESIDUAL_GRAD
-        parts = [stream, rows] if layer_is_moe and self.shared_experts else [stream]
-        if layer_is_moe and self.pair_rows:
-            parts.append(TensorSpec((T, K), dt))  # the routing weights, combined on the receiving rank
-        return parts
+        """The message's tensors, from `roofline.transport_memory.hop_tensors` (the one table the
+        planner and the memory check price)."""
+        value = "bf16" if self.dtype == torch.bfloat16 else "fp32"
+        shape = HopShape(self.rows, self.seq_len, self.hidden, self.top_k, self.num_experts, value,
+                         self.shared_experts, self.pair_rows, self.sparse)
+        return [TensorSpec(tuple(dims), DTYPES[name]) for dims, name in hop_tensors(payload.value, layer_is_moe, shape)]
+
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "int32": torch.int32, "int64": torch.int64}
 
 
 def hop_mode(cfg, model_cfg, topology) -> tuple[str, str]:
@@ -263,3 +250,31 @@ def receive_layouts(cfg, shapes: MessageShapes, topology, sum_width: int = 0) ->
         return symmetric_layouts(programs, specs_of, capacity_factor=cfg.transport_capacity_factor,
                                  pair_of=pair_of if shapes.pair_rows else None, sum_width=sum_width)
     return [ArenaLayout.of_program(p, specs_of, rank, copies=1) for rank, p in enumerate(programs)]
+
+
+def receive_counts(shapes: MessageShapes, topology, programs) -> list[dict[tuple[str, bool], int]]:
+    """Every rank's receive slots (peer other than itself, layer, micro-batch) by (payload, MoE
+    layer), read off its program: the counts `roofline.transport_memory` prices."""
+    out = []
+    for rank, program in enumerate(programs):
+        counts: dict[tuple[str, bool], int] = defaultdict(int)
+        for op in program:
+            if isinstance(op, Recv):
+                counts[(op.payload.value, topology.is_moe(op.layer))] += sum(peer != rank for peer in op.peers)
+        out.append(dict(counts))
+    return out
+
+
+def transport_buffer_bytes(cfg, shapes: MessageShapes, topology, sum_width: int = 0) -> list[int]:
+    """Bytes every rank's transport allocates for its messages: nvshmem, the symmetric arena it is
+    given (`receive_layouts`: pair regions, capacity factor and the all-ranks sum included; equal to
+    `roofline.transport_memory.arena_bytes` where those are absent, tests/roofline pin it); nccl,
+    the buffers `NcclTransport.reserve` keeps per receive slot (local allocates the same per
+    message), priced by `roofline.transport_memory.receive_bytes` from each rank's program."""
+    if cfg.transport == "nvshmem":
+        return [layout.nbytes for layout in receive_layouts(cfg, shapes, topology, sum_width)]
+    value = "bf16" if shapes.dtype == torch.bfloat16 else "fp32"
+    hop = HopShape(shapes.rows, shapes.seq_len, shapes.hidden, shapes.top_k, shapes.num_experts, value,
+                   shapes.shared_experts, shapes.pair_rows, shapes.sparse)
+    counts = receive_counts(shapes, topology, topology.programs(cfg.micro_batches))
+    return [int(receive_bytes(c, hop, cfg.transport)) for c in counts]

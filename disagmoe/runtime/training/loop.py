@@ -74,6 +74,8 @@ class TrainSummary:
     # the memory model's peak (GiB of torch's allocator: the step records' measured peak_memory_gib beside it)
     predicted_peak_gib: float | None = None
     predicted_peak_gib_per_rank: list[float] | None = None  # distributed modes
+    # distributed modes: each rank's transport buffers (nvshmem arena / nccl receive buffers), in the peak above
+    transport_gib_per_rank: list[float] | None = None
     offloaded_host_gib: float | None = None  # offload_optimizer on GPUs: host memory of the masters and moments
     micro_batches: int | None = None  # the split each step ran in
     cuda_graph_replays: int | None = None  # cuda_graphs: on: steps replayed from the captured graph (the rest eager)

@@ -31,7 +31,7 @@ from disagmoe.runtime.state.checkpoint import checkpoint_dir, load_checkpoint, r
 from disagmoe.runtime.cluster.cluster import WorkerGroup
 from disagmoe.comm.nvshmem import available as nvshmem_available
 from disagmoe.runtime.cluster.driver import DistributedTrainer, check_memory, rank_needs, training_state_bytes
-from disagmoe.runtime.stages.messages import MessageShapes, receive_layouts
+from disagmoe.runtime.stages.messages import MessageShapes, receive_layouts, transport_buffer_bytes
 from disagmoe.runtime.failures import RunWarning, TrainingFailed
 from disagmoe.runtime.observe.metrics import read_metrics
 from disagmoe.runtime.state.optim import build_optimizer
@@ -775,6 +775,9 @@ def test_the_summary_names_every_ranks_process_transport_and_hop(warm, tmp_path)
     assert json.loads(json.dumps(summary.to_dict()))["processes"][1]["role"] == "E0.0"
     predicted = [need.predicted_peak_gib for need in rank_needs(cfg, cfg.model, Topology.from_config(cfg, cfg.model))]
     assert summary.predicted_peak_gib_per_rank == predicted and summary.predicted_peak_gib == max(predicted) > 0
+    needs = rank_needs(cfg, cfg.model, Topology.from_config(cfg, cfg.model))
+    assert summary.transport_gib_per_rank == [need.received_bytes / 2**30 for need in needs] and all(
+        gib > 0 for gib in summary.transport_gib_per_rank)
     record = read_metrics(Path(cfg.out_dir) / METRICS_FILE)[0]
     assert (record["predicted_peak_gib_per_rank"], record["peak_memory_gib_per_rank"]) == (predicted, [None] * 3)
 
@@ -784,7 +787,7 @@ def test_a_rank_whose_training_state_exceeds_the_device_is_refused(tmp_path):
     topology = Topology.from_config(cfg, cfg.model)
     check_memory(cfg, cfg.model, topology, capacity_bytes=1e9)  # the tiny model fits anywhere
     with pytest.raises(ValueError, match=r"rank 0 \(A0.0\) holds [\d,]+ parameters and needs [\d.]+ GiB: .* GiB of "
-                                         r"receive buffers and [\d.]+ GiB of activations \(\d+ micro-batches in flight "
+                                         r"transport buffers \(receive buffers\) and [\d.]+ GiB of activations \(\d+ micro-batches in flight "
                                          r"at .*\), on a 0.0 GiB device; .*`disagmoe plan`"):
         check_memory(cfg, cfg.model, topology, capacity_bytes=1e6)
 
@@ -798,16 +801,21 @@ def test_a_capacity_factor_that_cannot_apply_is_refused_before_start(tmp_path, t
 
 
 def test_the_memory_check_counts_each_transports_receive_buffers(tmp_path):
-    """nccl keeps one buffer per received slot; nvshmem two copies, in an arena as large as the
-    largest rank's on every rank: the expert rank's arena fits the attention rank's receives too."""
+    """nccl keeps one buffer per received slot (its specs' bytes exactly); nvshmem two copies, in an
+    arena as large as the largest rank's on every rank: the expert rank's arena fits the attention
+    rank's receives too. `rank_needs` counts these (`transport_buffer_bytes`)."""
     cfg = run_config(tmp_path / "run", "disaggregated", attention_ranks=1, expert_ranks=1, micro_batches=2)
     topology = Topology.from_config(cfg, cfg.model)
     shapes = MessageShapes.of_run(cfg, cfg.model, topology)
-    nccl = receive_layouts(cfg.model_copy(update={"transport": "nccl"}), shapes, topology)
-    nvshmem = receive_layouts(cfg.model_copy(update={"transport": "nvshmem"}), shapes, topology)
-    assert nvshmem[0].nbytes == nvshmem[1].nbytes >= 2 * max(layout.nbytes for layout in nccl) - 4096
-    received = [sum(spec_bytes(s) for seg in layout.segments for s in seg.specs) for layout in nccl]
-    assert all(layout.nbytes >= r for layout, r in zip(nccl, received, strict=True))
+    nccl_cfg = cfg.model_copy(update={"transport": "nccl"})
+    nccl = transport_buffer_bytes(nccl_cfg, shapes, topology)
+    nvshmem = transport_buffer_bytes(cfg.model_copy(update={"transport": "nvshmem"}), shapes, topology)
+    assert nvshmem[0] == nvshmem[1] >= 2 * max(nccl) - 4096
+    received = [sum(spec_bytes(s) for seg in layout.segments for s in seg.specs)
+                for layout in receive_layouts(nccl_cfg, shapes, topology)]
+    assert nccl == received
+    assert [need.received_bytes for need in rank_needs(cfg, cfg.model, topology)] == transport_buffer_bytes(
+        cfg, shapes, topology)
 
 
 def test_sharded_optimizer_states_count_a_share_of_the_moments_per_attention_rank(tmp_path):

@@ -1,0 +1,253 @@
+"""Bytes the distributed transports allocate for their messages, torch-free (the planner and the
+runtime's memory check share it).
+
+    hop_tensors(payload, moe, shape)           a message's tensors: (dims, dtype name) each
+    message_bytes(payload, moe, shape, aligned) one message's bytes (aligned: each tensor at ALIGN)
+    layout_receives(...)                        receive slots of one rank of a role, per kind
+    receive_bytes(counts, shape, transport)     one rank's buffers from its slot counts
+    layout_transport_bytes(...)                 (attention GPU, expert GPU) buffers of a layout
+
+`runtime.stages.messages.MessageShapes.specs` builds its `TensorSpec`s from `hop_tensors`, so the
+shapes the transports allocate and the bytes priced here are one table. What each transport keeps:
+
+- nccl: one buffer per receive slot (peer, payload, layer, micro-batch), the message's tensors
+  exactly (`NcclTransport.reserve`, at set-up; reused every step).
+- nvshmem: one symmetric arena per rank (`comm.symmetric.symmetric_layouts`): a flag word per
+  segment (even count, region aligned), then COPIES = 2 copies of every slot, each tensor at a
+  256-byte aligned offset; every rank allocates the largest rank's arena (symmetric memory).
+- local (gloo, CPU): allocates each message when it arrives; priced as nccl (the same bytes live
+  while a step's messages wait to be read).
+
+Slot counts per micro-batch (layout `runtime.schedule`; tests/roofline/test_transport_memory.py
+pins them against every rank's program): attention rank of group g receives DISPATCH_GRAD from
+each of its set's Q expert ranks per MoE layer of g, COMBINE from each of Q per MoE layer of group
+g - 1 (mod p), and with p > 1 RESIDUAL of every layer of g - 1 and RESIDUAL_GRAD of every layer
+of g from one peer each; an expert rank of group g receives DISPATCH and COMBINE_GRAD from each of
+its S sources per MoE layer of g; a colocated rank DISPATCH, COMBINE, DISPATCH_GRAD and
+COMBINE_GRAD from each of its R - 1 peers per MoE layer. Pair-row messages (`hop: pair_rows`) are
+not modelled here (the planner prices partial sums; the runtime counts them from its layouts).
+
+Legend: T tokens per data-parallel piece of a micro-batch, H hidden, K top-k, E experts,
+Q expert ranks of a set, S sources (attention ranks) of an expert rank, R colocated ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from disagmoe.roofline.stages import Num
+
+ALIGN = 256  # `comm.symmetric.ALIGN`: every tensor of an arena segment starts at a multiple of this
+COPIES = 2  # `comm.symmetric.COPIES`: an nvshmem slot's copies (its module docstring says why)
+DTYPE_BYTES = {"bf16": 2, "fp32": 4, "int32": 4, "int64": 8}
+FORWARD = ("dispatch", "combine", "residual")
+PAYLOADS = ("dispatch", "combine", "residual", "dispatch_grad", "combine_grad", "residual_grad")
+
+
+@dataclass(frozen=True)
+class HopShape:
+    """The fixed sizes every message of a run is built from (`MessageShapes`' torch-free part)."""
+
+    rows: Num  # sequences per data-parallel piece of a micro-batch
+    seq_len: int
+    hidden: int
+    top_k: int
+    num_experts: int
+    value: str = "bf16"  # the compute dtype: bf16 or fp32
+    shared_experts: bool = False
+    pair_rows: bool = False
+    sparse: bool = False
+
+    @property
+    def tokens(self) -> Num:
+        return self.rows * self.seq_len
+
+
+def hop_tensors(payload: str, moe: bool, s: HopShape) -> list[tuple[tuple, str]]:
+    """A message's tensors as (dims, dtype name), in order (`runtime.stages.messages`' docstring
+    lists what each carries)."""
+    T, H, K, E, v = s.tokens, s.hidden, s.top_k, s.num_experts, s.value
+    rows, index, count = ((T, H), v), ((T,), "int32"), ((1,), "int32")
+    if payload == "dispatch" and s.sparse:
+        return [rows, ((T, K), "int32"), ((T, K), v), index, count, ((E,), "int64")]
+    if payload == "dispatch":
+        return [rows, ((T, K), "int32"), ((T, K), v)]
+    if payload == "combine" and s.sparse and not s.pair_rows:
+        return [rows, index, count]
+    if payload == "combine" and s.pair_rows:
+        return [((T * K, H), v)]
+    if payload == "dispatch_grad" and s.pair_rows:  # d x per pair, then the load (an extra)
+        return [((T * K, H), v), ((E,), "int64")]
+    if payload in ("combine", "combine_grad"):
+        return [rows]
+    if payload == "dispatch_grad":
+        return [rows, ((T, K), v), ((E,), "int64")]
+    stream = ((s.rows, s.seq_len, H), v)  # residual, residual_grad
+    parts = [stream, rows] if moe and s.shared_experts else [stream]
+    if moe and s.pair_rows:
+        parts.append(((T, K), v))  # the routing weights, combined on the receiving rank
+    return parts
+
+
+def align(n: Num) -> Num:
+    """`n` bytes rounded up to the next ALIGN boundary (`comm.symmetric.align`)."""
+    return -(-n // ALIGN) * ALIGN
+
+
+def _even(n: Num) -> Num:
+    return n + n % 2
+
+
+def tensor_bytes(dims: tuple, dtype: str) -> Num:
+    out = DTYPE_BYTES[dtype]
+    for d in dims:
+        out = out * d
+    return out
+
+
+def message_bytes(payload: str, moe: bool, s: HopShape, aligned: bool = False) -> Num:
+    """One message's bytes; `aligned`: as an nvshmem segment lays it out (each tensor at ALIGN)."""
+    parts = [tensor_bytes(dims, dtype) for dims, dtype in hop_tensors(payload, moe, s)]
+    return sum(align(b) if aligned else b for b in parts)
+
+
+Counts = dict[tuple[str, bool], Num]  # (payload, moe layer) -> receive slots (peer, layer, micro-batch)
+
+
+def group_layers(num_layers: int, num_dense: int, p: int, g: int) -> tuple[int, int]:
+    """(MoE layers, dense layers) of pipeline group g of p (layer l in group l mod p; zero for g >= p)."""
+    if g >= p:
+        return 0, 0
+    dense = max(0, -(-(num_dense - g) // p))
+    return max(0, -(-(num_layers - g) // p)) - dense, dense
+
+
+def layer_tables(num_layers: int, num_dense: int, p: Num) -> tuple[np.ndarray, np.ndarray]:
+    """int [max p + 1, max p] tables of `group_layers` (MoE, dense) for every p among `p` and group g."""
+    top = int(np.max(p))
+    moe, dense = np.zeros((top + 1, top), dtype=np.int64), np.zeros((top + 1, top), dtype=np.int64)
+    for q in np.unique(p).tolist():
+        for g in range(q):
+            moe[q, g], dense[q, g] = group_layers(num_layers, num_dense, q, g)
+    return moe, dense
+
+
+def attention_receives(num_layers: int, num_dense: int, p: Num, g: int, expert_ranks: Num,
+                       micro_batches: Num, tables: tuple[np.ndarray, np.ndarray] | None = None) -> Counts:
+    """Receive slots of an attention rank of group g (module docstring), `expert_ranks` Q in its set.
+    `tables`: `layer_tables` of `p`, if already computed."""
+    p = np.asarray(p)
+    moe_t, dense_t = layer_tables(num_layers, num_dense, p) if tables is None else tables
+    here = np.where(g < p, 1, 0)
+    at = min(g, moe_t.shape[1] - 1)
+    moe_g, dense_g = moe_t[p, at] * here, dense_t[p, at] * here
+    prev = (g - 1) % np.maximum(p, 1)  # the group before g on the ring
+    moe_prev, dense_prev = moe_t[p, prev] * here, dense_t[p, prev] * here
+    ring = np.where(p > 1, 1, 0)
+    return {("dispatch_grad", True): micro_batches * expert_ranks * moe_g,
+            ("combine", True): micro_batches * expert_ranks * moe_prev,
+            ("residual", True): micro_batches * ring * moe_prev, ("residual", False): micro_batches * ring * dense_prev,
+            ("residual_grad", True): micro_batches * ring * moe_g,
+            ("residual_grad", False): micro_batches * ring * dense_g}
+
+
+def expert_receives(num_layers: int, num_dense: int, p: Num, g: int, sources: Num, micro_batches: Num) -> Counts:
+    """Receive slots of an expert rank of group g serving `sources` attention ranks."""
+    moe_g, _ = group_layers(num_layers, num_dense, p, g)
+    n = micro_batches * sources * moe_g
+    return {("dispatch", True): n, ("combine_grad", True): n}
+
+
+def colocated_receives(num_moe_layers: int, peers: Num, micro_batches: Num) -> Counts:
+    """Receive slots of a colocated rank with `peers` other ranks in its expert-parallel group."""
+    n = micro_batches * peers * num_moe_layers
+    return {(payload, True): n for payload in ("dispatch", "combine", "dispatch_grad", "combine_grad")}
+
+
+def receive_bytes(counts: Counts, s: HopShape, transport: str, sizes: dict | None = None) -> Num:
+    """A rank's message buffers from its slot counts (nvshmem: the payload region of its arena,
+    both copies; `arena_bytes` adds the flags and takes the largest rank). `sizes`: `message_bytes`
+    by (payload, moe), if already computed."""
+    aligned = transport == "nvshmem"
+    copies = COPIES if aligned else 1
+    sizes = {} if sizes is None else sizes
+    out = 0
+    for key, n in counts.items():
+        if key not in sizes:
+            sizes[key] = message_bytes(*key, s, aligned)
+        size = sizes[key]
+        if np.ndim(n) == 2 and np.ndim(size) == 1:  # [N, G] counts (`layout_receives`), [N] sizes
+            size = np.asarray(size)[:, None]
+        out = out + copies * n * size
+    return out
+
+
+def flag_words(counts: Counts) -> Num:
+    """nvshmem: the int64 flag words of a rank's segments (one per copy of each slot, even)."""
+    return _even(COPIES * sum(counts.values()))
+
+
+def arena_bytes(ranks: list[Counts], s: HopShape) -> Num:
+    """The nvshmem arena every rank allocates: the largest flag region (8-byte words, aligned) and
+    the largest payload region among `ranks` (`comm.symmetric.symmetric_layouts`, no sum region)."""
+    sizes: dict = {}
+    words = _groups_max(np.maximum.reduce([np.asarray(flag_words(c)) for c in ranks]))
+    payload = _groups_max(np.maximum.reduce([np.asarray(receive_bytes(c, s, "nvshmem", sizes)) for c in ranks]))
+    return align(8 * words) + payload
+
+
+def layout_receives(num_layers: int, num_dense: int, p: Num, dp: Num, expert_ranks: Num, sets: Num,
+                    micro_batches: Num, colocated: bool) -> tuple[list[Counts], list[Counts]]:
+    """(attention ranks', expert ranks') slot counts of a layout (colocated: one rank's, and no
+    expert ranks). With array arguments (one element per candidate) each count is [N, G]: the rank
+    of pipeline group g in column g (groups past a candidate's p count nothing), so the busiest
+    group is one max over the last axis (`transport_bytes`). Arguments as `layout_transport_bytes`'."""
+    if colocated:
+        return [colocated_receives(num_layers - num_dense, np.asarray(expert_ranks) - 1, micro_batches)], []
+    p = np.atleast_1d(np.asarray(p))
+    moe_t, dense_t = layer_tables(num_layers, num_dense, p)
+    groups = np.arange(moe_t.shape[1])
+    col = lambda x: np.asarray(x)[..., None] if np.ndim(x) else x  # noqa: E731  a candidate's value, every group
+    moe_g, dense_g = moe_t[p], dense_t[p]  # [N, G]
+    prev = (groups - 1) % col(p)  # the group before g on the ring
+    here = groups < col(p)
+    moe_prev = np.take_along_axis(moe_g, prev, 1) * here
+    dense_prev = np.take_along_axis(dense_g, prev, 1) * here
+    mb, ring = col(micro_batches), col(np.where(p > 1, 1, 0))
+    q, sources = col(expert_ranks), col(np.asarray(dp) // np.asarray(sets))
+    attn = {("dispatch_grad", True): mb * q * moe_g, ("combine", True): mb * q * moe_prev,
+            ("residual", True): mb * ring * moe_prev, ("residual", False): mb * ring * dense_prev,
+            ("residual_grad", True): mb * ring * moe_g, ("residual_grad", False): mb * ring * dense_g}
+    exp = {("dispatch", True): mb * sources * moe_g, ("combine_grad", True): mb * sources * moe_g}
+    return [attn], [exp]
+
+
+def transport_bytes(attn: list[Counts], exp: list[Counts], s: HopShape, transport: str = "nvshmem") -> tuple[Num, Num]:
+    """(attention GPU, expert GPU) bytes of `layout_receives`' counts: nvshmem, the one arena every
+    GPU holds; otherwise the busiest rank of each role (colocated: `attn` only, both the same)."""
+    if transport == "nvshmem":
+        arena = arena_bytes(attn + exp, s)
+        return arena, arena
+    sizes: dict = {}
+    busiest = [_groups_max(np.maximum.reduce([np.asarray(receive_bytes(c, s, transport, sizes)) for c in counts]))
+               for counts in (attn, exp or attn)]
+    return busiest[0], busiest[1]
+
+
+def _groups_max(x: np.ndarray) -> np.ndarray:
+    """The busiest pipeline group's value of a [N, G] array (`layout_receives`); others as they are."""
+    return x.max(axis=-1) if x.ndim == 2 else x
+
+
+def layout_transport_bytes(num_layers: int, num_dense: int, s: HopShape, p: Num, dp: Num, expert_ranks: Num,
+                           sets: Num, micro_batches: Num, colocated: bool,
+                           transport: str = "nvshmem") -> tuple[Num, Num]:
+    """(attention GPU, expert GPU) transport bytes of a layout, the busiest pipeline group's rank
+    of each role (colocated: both the same). `dp`: attention ranks per group, `expert_ranks`: Q per
+    replica set, `sets` replica sets per group (an expert rank serves dp / sets sources); colocated:
+    `expert_ranks` is the expert-parallel group of each rank (its peers: Q - 1). nvshmem: every GPU
+    holds the largest arena of any rank (symmetric memory)."""
+    attn, exp = layout_receives(num_layers, num_dense, p, dp, expert_ranks, sets, micro_batches, colocated)
+    return transport_bytes(attn, exp, s, transport)
