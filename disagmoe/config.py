@@ -296,6 +296,9 @@ class HardwareConfig(StrictModel):
     host_link_gbps: PositiveFloat | None = Field(
         None, description="GPU <-> host memory per GPU per direction, GB/s (PCIe Gen5 x16: 64; NVLink-C2C: 450): "
         "what an offloaded optimizer's copies run at (`plan --offload-optimizer`); unset: not priced")
+    host_memory_gib: PositiveFloat | None = Field(
+        None, description="host (CPU) memory per GPU, GiB: the most fp32 masters and AdamW moments an offloaded "
+        "optimizer may keep there (`plan --offload-optimizer` skips layouts that need more); unset: not limited")
     nvlink_latency_us: NonNegFloat = Field(
         9.0, description="one-sided put over NVLink, fixed cost per message, us")
     scaleout_latency_us: NonNegFloat = Field(
@@ -356,14 +359,21 @@ class PlanConfig(StrictModel):
     experts_backend: Literal["loop", "grouped_mm", "triton"] = Field(
         "triton", description="the run's expert FFN (TrainConfig.experts_backend): selective recomputation "
         "needs triton, so for another the planner prices none")
-    offload_optimizer: bool = Field(
-        False, description="price the fp32 masters and AdamW moments in host memory (train with "
+    offload_optimizer: Literal["auto", "on", "off"] = Field(
+        "off", description="price the fp32 masters and AdamW moments in host memory (train with "
         "offload_optimizer: true): two staging buckets on each GPU instead of that state, and the optimizer "
-        "step at least as long as its copies over the hardware's host_link_gbps (in and out at once)")
+        "step at least as long as its copies over the hardware's host_link_gbps (in and out at once), within "
+        "its host_memory_gib per GPU. on, off (the default), or auto: each layout priced both ways and the "
+        "faster plan that fits kept (a note says which and why); true / false read as on / off")
+
+    @field_validator("offload_optimizer", mode="before")
+    @classmethod
+    def _offload_bool(cls, v: object) -> object:
+        return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
 
     @model_validator(mode="after")
     def _offload_link(self) -> PlanConfig:
-        if self.offload_optimizer and self.cluster.hardware.host_link_gbps is None:
+        if self.offload_optimizer == "on" and self.cluster.hardware.host_link_gbps is None:
             raise ValueError(f"offload_optimizer prices the optimizer's copies over the host link, and hardware "
                              f"{self.cluster.hardware.name!r} has no host_link_gbps: add it (GB/s per direction, e.g. "
                              "64 for PCIe Gen5 x16) or plan without offload_optimizer")
@@ -461,7 +471,8 @@ class Plan(StrictModel):
         "sets TrainConfig.recompute to it; selective needs experts_backend: triton)")
     offload_optimizer: bool = Field(
         False, description="the plan's memory and step time assume the optimizer state in host memory (`plan "
-        "--offload-optimizer`; `train --plan` then sets offload_optimizer: true)")
+        "--offload-optimizer on`, or auto where it made the step faster; `train --plan` then sets "
+        "offload_optimizer: true)")
     notes: list[str] = Field(default_factory=list)
     min_gpus: PositiveInt | None = Field(None, description="when infeasible: fewest GPUs that fit")
 

@@ -149,9 +149,9 @@ class OneLineErrors(TyperGroup):
     """The top-level group: click's usage errors (bad flag values, unknown options or commands,
     in any subcommand) become one line; `--help` and a bare command still print the help."""
 
-    def make_context(self, *args: Any, **kwargs: Any) -> Any:
+    def make_context(self, info_name: Any, args: list[str], *rest: Any, **kwargs: Any) -> Any:
         try:
-            return super().make_context(*args, **kwargs)
+            return super().make_context(info_name, bare_flag_values(list(args)), *rest, **kwargs)
         except UsageError as err:
             raise _one_line(err) from None
 
@@ -160,6 +160,22 @@ class OneLineErrors(TyperGroup):
             return super().invoke(ctx)
         except UsageError as err:
             raise _one_line(err) from None
+
+
+# Options that were bare boolean flags and now take a value: the bare flag still means this value.
+BARE_FLAG_VALUES = {"--offload-optimizer": "on"}
+
+
+def bare_flag_values(args: list[str]) -> list[str]:
+    """`args` with each bare old-style flag of `BARE_FLAG_VALUES` (last, or another option next)
+    given its value: `plan --offload-optimizer --json` still means `--offload-optimizer on --json`."""
+    out = []
+    for i, arg in enumerate(args):
+        out.append(arg)
+        if arg in BARE_FLAG_VALUES:
+            if i + 1 == len(args) or args[i + 1].startswith("-"):  # another option next: none was given
+                out.append(BARE_FLAG_VALUES[arg])
+    return out
 
 
 def _one_line(err: Any) -> Any:

@@ -43,10 +43,12 @@ StateDtypeOpt = Annotated[Literal["fp32", "bf16"], typer.Option(
 PrecisionOpt = Annotated[Literal["bf16", "fp8"], typer.Option(
     "--expert-precision", help="the routed experts' GEMMs: bf16, or fp8 priced at the hardware's fp8_tflops with "
     "the quantisation passes' traffic and the FP8 weight copies' memory (train with precision: fp8)")]
-OffloadOpt = Annotated[bool, typer.Option(
-    "--offload-optimizer", help="price the fp32 masters and AdamW moments in host memory: two staging buckets on "
-    "each GPU instead, and their copies in and out each step over the hardware's host_link_gbps (train with "
-    "offload_optimizer: true)")]
+OffloadOpt = Annotated[Literal["auto", "on", "off"], typer.Option(
+    "--offload-optimizer", help="the fp32 masters and AdamW moments in host memory: on (two staging buckets on "
+    "each GPU instead, their copies in and out each step over the hardware's host_link_gbps, within its "
+    "host_memory_gib per GPU; train with offload_optimizer: true), off, or auto (every layout priced both ways, "
+    "the faster plan that fits kept, a note says why); the bare flag still means on; the plan records it and "
+    "train --plan sets it")]
 RecomputeOpt = Annotated[Literal["none", "selective", "auto"], typer.Option(
     "--recompute", help="activation recomputation to price: none, selective (the expert FFN's input, output and "
     "SwiGLU rows recomputed in the backward: leaner expert GPUs, a little more HBM traffic; train with "
@@ -58,7 +60,7 @@ def build_request(model: str, hardware: str, gpus: int, seq_len: int | None, glo
                   load_histogram: Path | None = None, max_pipeline_groups: int = 8,
                   max_expert_replicas: int = 0, shard_optimizer_states: bool = False,
                   optimizer_state_dtype: str = "fp32", recompute: str = "auto",
-                  expert_precision: str = "bf16", offload_optimizer: bool = False) -> PlanConfig:
+                  expert_precision: str = "bf16", offload_optimizer: str = "off") -> PlanConfig:
     mcfg = load_model(model)
     hist = read_histogram(load_histogram, mcfg.num_moe_layers, mcfg.num_experts) if load_histogram else None
     return PlanConfig(model=mcfg, cluster=ClusterConfig(hardware=checked_hardware(hardware), num_gpus=gpus),
@@ -93,7 +95,7 @@ def plan(
     optimizer_state_dtype: StateDtypeOpt = "fp32",
     recompute: RecomputeOpt = "auto",
     expert_precision: PrecisionOpt = "bf16",
-    offload_optimizer: OffloadOpt = False,
+    offload_optimizer: OffloadOpt = "off",
     as_json: JsonOpt = False,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="write the plan (.yaml or .json)")] = None,
 ) -> None:
@@ -228,7 +230,7 @@ def roofline(
     replica_sets: Annotated[int, typer.Option(help="expert replica sets per group (disaggregated)", min=1)] = 1,
     shard_optimizer_states: ShardOpt = False,
     optimizer_state_dtype: StateDtypeOpt = "fp32",
-    offload_optimizer: OffloadOpt = False,
+    offload_optimizer: OffloadOpt = "off",
     as_json: JsonOpt = False,
     plot_path: Annotated[Optional[Path], typer.Option("--plot", help="write a log-log roofline PNG")] = None,
     compare_trace: Annotated[Optional[Path], typer.Option(

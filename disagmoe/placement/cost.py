@@ -35,6 +35,11 @@ expert side keeps, and its expert backward pays `stages.selective_recompute`'s b
 per candidate, no recomputation when it fits and selective when only that fits (for a fixed
 candidate selective is never faster, only leaner).
 
+Offload (`Problem.offload_optimizer`): the masters and moments move to host memory (`host_state_bytes`,
+which must fit `host_capacity_bytes` per GPU) and the optimizer pays the host link; like
+selective recomputation it is never faster for a fixed candidate, only leaner, so the solver's
+auto prices every candidate both ways and keeps the faster plan that fits (`solver.choose`).
+
 Links: traffic among GPUs spread evenly over a span wider than an NVLink domain leaves the
 domain in proportion (1 - domain / span). Pipeline groups are laid out so that a group (or one
 of its replica sets) stays inside a domain when it fits; with p > 1, the hop to the next group
@@ -182,6 +187,9 @@ class Cost:
     the layout: the attention work of one GPU (the solver prunes with it)."""
     stages: dict[str, Stage] = field(default_factory=dict)
     """Every stage's work on one GPU; the step time above is built from exactly these."""
+    host_state_bytes: np.ndarray | None = None
+    """Offloaded: the fp32 masters and moments in host memory on the fuller GPU of the layout
+    (fits requires it within `Problem.host_capacity_bytes`); None without offload."""
 
 
 @dataclass(frozen=True)
@@ -203,6 +211,7 @@ class Problem:
     calibration: Calibration | None = None  # measured curves and fixed costs (None: the plain roofline)
     recompute: str = "none"  # none, selective or auto (per candidate: see the module docstring)
     fp8_speedup: float = 1.0  # > 1: the routed experts' GEMMs in FP8, at fp8_tflops / bf16_tflops the rate
+    host_capacity_bytes: float = float("inf")  # offloaded: host memory per GPU for masters and moments
 
 
 def expert_layout(model: ModelConfig, per_set: np.ndarray, peak_ratio: float,
@@ -459,6 +468,14 @@ def evaluate(prob: Problem, c: Candidates) -> Cost:
                                                   zip(options[mem.NOTHING_DROPPED], options[mem.SELECTIVE],
                                                       strict=True))
     fits = fits.astype(bool)
+    lean_fits = options[leanest][4].astype(bool)
+    host_state = None
+    if prob.offload_optimizer:  # the masters and moments must fit the host memory of each GPU
+        attn_host = attention_state_bytes(dp, prob).host * attn_params
+        exp_host = expert_state_bytes(prob).host * exp_params
+        host_state = (attn_host + exp_host if c.colocated else np.maximum(attn_host, exp_host)) * np.ones(len(c))
+        on_host = host_state <= prob.host_capacity_bytes
+        fits, lean_fits = fits & on_host, lean_fits & on_host
 
     # The optimizer's passes; offloaded, its copies over the host link too (per parameter, each way).
     attention_link = host_link_bytes(prob.optimizer_state_dtype, "bf16", zero1_ranks(dp, prob.shard_optimizer))
@@ -544,8 +561,8 @@ def evaluate(prob: Problem, c: Candidates) -> Cost:
                 attn_params=attn_params * ones, expert_params=exp_params * ones,
                 attn_act_bytes=act_attn * ones, expert_act_bytes=act_exp * ones, selective=selective,
                 attn_transport_bytes=transport_attn * ones, expert_transport_bytes=transport_exp * ones,
-                lean_expert_mem_bytes=options[leanest][3] * ones, lean_fits=options[leanest][4].astype(bool),
-                round_floor_s=floor * ones, stages=stages)
+                lean_expert_mem_bytes=options[leanest][3] * ones, lean_fits=lean_fits,
+                round_floor_s=floor * ones, stages=stages, host_state_bytes=host_state)
 
 
 ATTENTION_FIXED, EXPERT_FIXED = "fixed cost (attention ops)", "fixed cost (expert ops)"

@@ -74,7 +74,8 @@ def problem_of(cfg: PlanConfig, gpus: int | None = None) -> Problem:
         capacity_bytes=hw.hbm_gib * GIB * cfg.memory_headroom, load_peak_ratio=peak,
         replica_slots=1 if cfg.max_expert_replicas > 0 else 0,
         shard_optimizer=cfg.shard_optimizer_states, optimizer_state_dtype=cfg.optimizer_state_dtype,
-        offload_optimizer=cfg.offload_optimizer, calibration=hw.calibration,
+        offload_optimizer=cfg.offload_optimizer == "on", calibration=hw.calibration,
+        host_capacity_bytes=math.inf if hw.host_memory_gib is None else hw.host_memory_gib * GIB,
         # the FP8 experts keep their own rows (train refuses recompute with precision: fp8)
         recompute=cfg.recompute if cfg.experts_backend == "triton" and cfg.expert_precision == "bf16" else "none",
         fp8_speedup=hw.fp8_tflops / hw.bf16_tflops if cfg.expert_precision == "fp8" else 1.0,
@@ -288,7 +289,106 @@ def _pruning(cfg: PlanConfig, prob: Problem, cands: Candidates) -> Least:
 def choose(cfg: PlanConfig) -> Choice:
     """Search both layouts on up to the job's GPUs; return the faster one that fits (ties go to
     disaggregated). A layout on fewer GPUs wins only when it is faster than every layout on all
-    of them; the plan then says so (`idle_gpus`, notes, reason)."""
+    of them; the plan then says so (`idle_gpus`, notes, reason).
+
+    `offload_optimizer: auto` searches every layout both ways, without and with the optimizer
+    state in host memory, and keeps the faster plan that fits (ties go to no offload), as
+    `recompute: auto` does per candidate in `cost.evaluate`; a note says which it chose and why."""
+    if cfg.offload_optimizer != "auto":
+        choice = _choose(cfg)
+        if choice.problem.offload_optimizer:
+            choice.plan.notes.extend(_host_limit_note(cfg, choice))
+        return choice
+    off = _choose(_offload(cfg, "off"))
+    if cfg.cluster.hardware.host_link_gbps is None:
+        off.plan.notes.append(f"offload auto chose off: hardware {cfg.cluster.hardware.name!r} has no "
+                              "host_link_gbps to price the optimizer's copies over")
+        return off
+    on = _choose(_offload(cfg, "on"))
+    limit = _host_limit_note(_offload(cfg, "on"), on)
+    if on.plan.feasible and (not off.plan.feasible or on.plan.step_time_s < off.plan.step_time_s):
+        on.plan.notes.append(_offload_on_note(cfg, on, off))
+        on.plan.notes.extend(limit)
+        return on
+    if not off.plan.feasible:  # neither fits: the leaner search's plan (its min_gpus counts offload)
+        on.plan.notes.append("offload auto: no layout fits with or without the optimizer state in host memory")
+        on.plan.notes.extend(limit)
+        return on
+    off.plan.notes.append(_offload_off_note(off, on))
+    off.plan.notes.extend(limit)
+    return off
+
+
+def _offload(cfg: PlanConfig, mode: str) -> PlanConfig:
+    return cfg.model_copy(update={"offload_optimizer": mode})
+
+
+def _state_freed_gib(choice: Choice) -> tuple[float, float, bool]:
+    """(GiB of device memory offload frees on the fuller GPU of `choice`'s layout, seconds its host
+    link adds per step, whether the layout fits without it): the same candidate priced without
+    offload, against `choice`."""
+    cost = choice.cost  # the same recomputation as the plan's, so only the state moves
+    kept = evaluate(replace(choice.problem, offload_optimizer=False,
+                            recompute="selective" if bool(cost.selective[0]) else "none"), choice.candidate)
+    freed = max(float(kept.attn_mem_bytes[0] - cost.attn_mem_bytes[0]),
+                float(kept.expert_mem_bytes[0] - cost.expert_mem_bytes[0]))
+    return freed / GIB, float(cost.step_s[0] - kept.step_s[0]), bool(kept.fits[0])
+
+
+def _offload_on_note(cfg: PlanConfig, on: Choice, off: Choice, fixed: bool = False) -> str:
+    """One line: why auto chose offload (what it frees, what that buys, what the host link costs)."""
+    freed, extra, fits_without = _state_freed_gib(on)
+    p = on.plan
+    host = float(on.cost.host_state_bytes[0]) / GIB
+    cap = cfg.cluster.hardware.host_memory_gib
+    where = f"m={p.micro_batches} with this {p.layout} layout (p={p.pipeline_groups})"
+    if off.plan.feasible:
+        ratio = off.plan.step_time_s / p.step_time_s
+        gain = f"{(ratio - 1) * 100:.0f}% faster" + (f" ({ratio:.2f}x)" if ratio >= 2 else "")
+        what = (f"which lets {where} fit, {gain} than the fastest layout without it "
+                f"({report.seconds(off.plan.step_time_s)} per step)" if not fits_without else
+                f"and this layout is {gain} than the fastest without it "
+                f"({report.seconds(off.plan.step_time_s)} per step)")
+    elif fixed:
+        what = f"which lets {where} fit; it does not fit without it"
+    else:
+        what = f"which lets {where} fit; no layout fits without it"
+    of = f" of the hardware's host_memory_gib {cap:g}" if cap is not None else ""
+    return (f"offload auto chose on: the state leaves {freed:.1f} GiB per GPU, {what}; the host link costs "
+            f"{report.seconds(extra)} per step ({host:.1f} GiB of masters and moments in host memory per GPU{of})")
+
+
+def _offload_off_note(off: Choice, on: Choice) -> str:
+    """One line: why auto left the optimizer state on the GPU."""
+    if not on.plan.feasible:
+        tail = "no layout fits with it"
+    elif on.plan.step_time_s == off.plan.step_time_s:
+        tail = f"with it the fastest layout is no faster ({report.seconds(on.plan.step_time_s)} per step)"
+    else:
+        tail = (f"with it the fastest layout would take {report.seconds(on.plan.step_time_s)} per step "
+                f"({(on.plan.step_time_s / off.plan.step_time_s - 1) * 100:.0f}% slower: the host link)")
+    return f"offload auto chose off: the fastest layout fits without it; {tail}"
+
+
+def _host_limit_note(cfg: PlanConfig, choice: Choice) -> list[str]:
+    """A note when the hardware's host memory per GPU (`host_memory_gib`) skipped an offloaded
+    layout that would otherwise be faster (or fit where none does)."""
+    hw = cfg.cluster.hardware
+    if hw.host_memory_gib is None:
+        return []
+    free = _choose(cfg.model_copy(update={"cluster": cfg.cluster.model_copy(update={
+        "hardware": hw.model_copy(update={"host_memory_gib": None})})}))
+    if not free.plan.feasible or (choice.plan.feasible and free.plan.step_time_s >= choice.plan.step_time_s):
+        return []
+    host = float(free.cost.host_state_bytes[0]) / GIB
+    now = f"{report.seconds(choice.plan.step_time_s)} per step" if choice.plan.feasible else "no layout that fits"
+    return [f"offloaded layouts skipped by host memory: {hw.name}'s host_memory_gib is {hw.host_memory_gib:g} GiB "
+            f"per GPU; {free.plan.layout} with m={free.plan.micro_batches} would keep {host:.1f} GiB there for "
+            f"{report.seconds(free.plan.step_time_s)} per step (now {now})"]
+
+
+def _choose(cfg: PlanConfig) -> Choice:
+    """`choose` with the offload fixed (on or off)."""
     gpus = cfg.cluster.num_gpus
     prob = problem_of(cfg)
     best: dict[bool, tuple[float, Candidates | None]] = {}
@@ -335,7 +435,19 @@ def price(cfg: PlanConfig, chosen: Candidates, colocated_step_s: float | None = 
     when none fits, None when it was not priced (a layout fixed by the caller). The plan's
     `colocated_step_time_s` and `speedup_vs_colocated` are None unless a colocated layout was
     priced and fits. `whole_step_s`: the best layout on all the GPUs (but for gpus mod p), inf
-    when none fits, for the note when `chosen` leaves more GPUs idle."""
+    when none fits, for the note when `chosen` leaves more GPUs idle. `offload_optimizer: auto`
+    prices `chosen` both ways: with offload only when it fits only so."""
+    if cfg.offload_optimizer == "auto":
+        off = price(_offload(cfg, "off"), chosen, colocated_step_s, disaggregated_step_s, whole_step_s)
+        if off.plan.feasible or cfg.cluster.hardware.host_link_gbps is None:
+            off.plan.notes.append("offload auto chose off: " + ("this layout fits without it" if off.plan.feasible
+                                  else "the hardware has no host_link_gbps"))
+            return off
+        on = price(_offload(cfg, "on"), chosen, colocated_step_s, disaggregated_step_s, whole_step_s)
+        if not on.plan.feasible:
+            return off
+        on.plan.notes.append(_offload_on_note(cfg, on, off, fixed=True))
+        return on
     gpus, model, prob = cfg.cluster.num_gpus, cfg.model, problem_of(cfg)
     use_dis = not chosen.colocated
     cost = evaluate(prob, chosen)

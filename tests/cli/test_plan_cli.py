@@ -308,3 +308,29 @@ def test_recompute_is_a_plan_option_the_plan_records():
         assert plan.recompute == choice
     r = run(*args, "--recompute", "full")
     assert r.exit_code == 2 and "selective" in r.output
+
+
+def test_offload_optimizer_is_auto_on_or_off_and_the_bare_flag_still_means_on():
+    """`--offload-optimizer auto|on|off` (default off): the help names the values; the bare flag
+    of before still means on (anywhere on the line); auto's choice is recorded and said in a note;
+    another value is refused."""
+    help_text = " ".join(run("plan", "--help").output.split())
+    assert "--offload-optimizer" in help_text and "auto|on|off" in help_text.replace("<", "").replace(">", "")
+    assert "the bare flag still means on" in help_text.replace("│ ", "")
+    args = ("plan", "--model", "qwen3-30b-a3b", "--hardware", "h200-sxm", "--gpus", "8",
+            "--global-batch-tokens", "262144")
+
+    def plan_of(*extra):
+        r = run(*args, *extra)
+        assert r.exit_code == 0, r.output
+        return Plan.model_validate(json.loads(r.stdout))
+
+    assert not plan_of("--json").offload_optimizer
+    assert plan_of("--json", "--offload-optimizer", "on").offload_optimizer
+    assert plan_of("--offload-optimizer", "--json").offload_optimizer  # bare, before another option
+    assert plan_of("--json", "--offload-optimizer").offload_optimizer  # bare, last
+    assert not plan_of("--json", "--offload-optimizer=off").offload_optimizer
+    auto = plan_of("--json", "--offload-optimizer", "auto")
+    assert not auto.offload_optimizer and any(n.startswith("offload auto chose off: ") for n in auto.notes)
+    r = run(*args, "--offload-optimizer", "maybe")
+    assert r.exit_code == 2 and "auto" in r.output

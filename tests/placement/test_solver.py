@@ -318,3 +318,85 @@ def test_fp8_experts_are_priced_at_the_fp8_rate_with_their_passes_and_copies():
     plan = solve(request("qwen3-30b-a3b", "h200-sxm", 8, expert_precision="fp8"))
     assert plan.recompute == "none"
     assert any(n.startswith("routed experts priced in FP8 (train with precision: fp8)") for n in plan.notes)
+
+
+def offload_request(off="auto", hbm_gib=None, host_memory_gib=None, batch=1 << 20, **kw):
+    """qwen3-30b-a3b on 8 H200s, optionally with less HBM or host memory per GPU."""
+    update = {k: v for k, v in (("hbm_gib", hbm_gib), ("host_memory_gib", host_memory_gib)) if v is not None}
+    hw = load_hardware("h200-sxm").model_copy(update=update)
+    return PlanConfig(model=load_model("qwen3-30b-a3b"), cluster=ClusterConfig(hardware=hw, num_gpus=8),
+                      seq_len=4096, global_batch_tokens=batch, offload_optimizer=off, **kw)
+
+
+def test_auto_offload_is_chosen_recorded_and_said_where_only_offloaded_layouts_fit():
+    """On 60 GiB GPUs no layout of qwen3-30b-a3b on 8 GPUs fits with the fp32 masters and moments on
+    the GPU (about 11 bytes per parameter of 18): auto offloads, the plan records it, and the note
+    says what it freed, which m that lets fit and what the host link costs."""
+    off, on, auto = (solve(offload_request(mode, hbm_gib=60)) for mode in ("off", "on", "auto"))
+    assert not off.feasible and on.feasible and on.offload_optimizer
+    assert auto.feasible and auto.offload_optimizer and auto.step_time_s == on.step_time_s
+    note = next(n for n in auto.notes if n.startswith("offload auto chose on: "))
+    assert re.fullmatch(r"offload auto chose on: the state leaves \d+\.\d GiB per GPU, which lets m=\d+ with this "
+                        r"\w+ layout \(p=\d+\) fit; no layout fits without it; the host link costs \S+ m?s per step "
+                        r"\(\d+\.\d GiB of masters and moments in host memory per GPU of the hardware's "
+                        r"host_memory_gib 256\)", note), note
+    assert f"m={auto.micro_batches} " in note
+    assert not any("offload auto" in n for n in on.notes + off.notes)  # on and off say nothing of auto
+
+
+def test_auto_offload_stays_off_where_the_model_fits_and_offload_is_slower():
+    """qwen3-30b-a3b on 8 H200s with a 256k-token step: the plan fits without offload, and the
+    host link (the whole state in and out every step) would make it slower, so auto keeps it off."""
+    off, on, auto = (solve(offload_request(mode, batch=1 << 18)) for mode in ("off", "on", "auto"))
+    assert off.feasible and on.feasible and on.step_time_s > off.step_time_s
+    assert not auto.offload_optimizer and auto.step_time_s == off.step_time_s
+    note = next(n for n in auto.notes if n.startswith("offload auto chose off: "))
+    assert note.startswith("offload auto chose off: the fastest layout fits without it; with it the fastest layout "
+                           "would take ") and "slower: the host link)" in note, note
+
+
+def test_auto_offload_is_taken_where_it_pays_on_the_default_batch():
+    """qwen3-30b-a3b on 8 H200s at 4M tokens per step: without offload the fastest layout is p=4 with
+    m=4; offload frees room for fewer, larger micro-batches, which the model prices faster despite
+    the host link, so auto takes it and says by how much."""
+    off, auto = (solve(offload_request(mode, batch=4 << 20)) for mode in ("off", "auto"))
+    assert auto.offload_optimizer and auto.step_time_s < off.step_time_s
+    gain = round((off.step_time_s / auto.step_time_s - 1) * 100)
+    assert any(n.startswith("offload auto chose on: ") and f"{gain}% faster than the fastest layout without it" in n
+               for n in auto.notes)
+
+
+def test_offloaded_layouts_must_fit_the_host_memory_per_gpu():
+    """host_memory_gib bounds the masters and moments an offloaded GPU keeps on the host: a layout
+    above it does not fit (cost.evaluate), and the plan names the limit and what it skipped."""
+    prob = problem_of(offload_request("on", hbm_gib=60, host_memory_gib=10))
+    assert prob.offload_optimizer and prob.host_capacity_bytes == 10 * 2**30
+    cands = Candidates.one(0, 8, 8, 8, 1, colocated=True)
+    roomy = evaluate(problem_of(offload_request("on", hbm_gib=60)), cands)
+    tight = evaluate(prob, cands)
+    assert roomy.fits[0] and not tight.fits[0] and tight.host_state_bytes[0] > 10 * 2**30
+    assert evaluate(problem_of(offload_request("off")), cands).host_state_bytes is None
+    for mode in ("on", "auto"):
+        plan = solve(offload_request(mode, hbm_gib=60, host_memory_gib=10))
+        assert not plan.feasible
+        assert any(n.startswith("offloaded layouts skipped by host memory: h200-sxm's host_memory_gib is 10 GiB "
+                                "per GPU; ") for n in plan.notes), plan.notes
+    assert not any("host memory:" in n for n in solve(offload_request("auto", hbm_gib=60)).notes)
+
+
+def test_host_memory_is_in_the_presets_where_known():
+    """DGX H200: 2 TiB for 8 GPUs; GB200 NVL72: 480 GB LPDDR5X per Grace, one Grace per 2 GPUs."""
+    assert load_hardware("h200-sxm").host_memory_gib == 256
+    assert load_hardware("gb200-nvl72").host_memory_gib == 240
+
+
+def test_offload_reads_true_and_false_as_on_and_off():
+    assert offload_request(True).offload_optimizer == "on" and offload_request(False).offload_optimizer == "off"
+    assert solve(offload_request(True, hbm_gib=60)).offload_optimizer
+
+
+def test_a_fixed_layout_with_auto_offload_offloads_only_when_it_fits_only_so():
+    cands = Candidates.one(0, 8, 8, 8, 1, colocated=True)
+    assert price(offload_request("auto", hbm_gib=60), cands).plan.offload_optimizer
+    roomy = price(offload_request("auto"), cands).plan
+    assert not roomy.offload_optimizer and "offload auto chose off: this layout fits without it" in roomy.notes
