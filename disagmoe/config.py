@@ -42,6 +42,12 @@ Fraction = Annotated[float, Field(gt=0, le=1)]
 ResultFloat = Annotated[float, Field(ge=0)]  # a computed figure (a Plan's times may be inf)
 
 
+
+def on_off_word(value: object) -> object:
+    """A field's `on`/`off` from a boolean: YAML reads a bare `on`/`off` (and `true`/`false`) as one."""
+    return {True: "on", False: "off"}[value] if isinstance(value, bool) else value
+
+
 class StrictModel(BaseModel):
     """Base for every config: unknown keys are errors, assignments are validated."""
 
@@ -366,10 +372,7 @@ class PlanConfig(StrictModel):
         "its host_memory_gib per GPU. on, off (the default), or auto: each layout priced both ways and the "
         "faster plan that fits kept (a note says which and why); true / false read as on / off")
 
-    @field_validator("offload_optimizer", mode="before")
-    @classmethod
-    def _offload_bool(cls, v: object) -> object:
-        return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
+    _offload_bool = field_validator("offload_optimizer", mode="before")(on_off_word)
 
     @model_validator(mode="after")
     def _offload_link(self) -> PlanConfig:
@@ -621,11 +624,7 @@ class TrainConfig(StrictModel):
         "off", description="on: mode single on CUDA captures the whole step (every micro-batch's forward and "
         "backward, the clip and the optimizer) in one CUDA graph after 3 eager steps and replays it, with no "
         "launch gaps between kernels; the distributed modes run eagerly for now (refused there)")
-    @field_validator("cuda_graphs", mode="before")
-    @classmethod
-    def _yaml_on_off(cls, value: object) -> object:
-        """YAML reads a bare `on`/`off` as a boolean: take it as the word it was."""
-        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+    _yaml_on_off = field_validator("cuda_graphs", mode="before")(on_off_word)
 
     forbid_host_syncs: bool = Field(
         False, description="debug: run each step's compute under torch.cuda.set_sync_debug_mode('error'), so "

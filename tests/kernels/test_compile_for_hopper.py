@@ -24,6 +24,34 @@ pytestmark = pytest.mark.slow  # starts processes (Ray, gloo) or compiles: the q
 HOPPER = GPUTarget("cuda", 90, 32)
 
 
+def compile_for_hopper(fn: JITFunction, backend, args: tuple, kwargs: dict):
+    """`fn` bound to a launch's arguments and compiled for HOPPER (front end, passes, ptxas): the
+    compiled kernel, whose `asm` holds its TTGIR, PTX and cubin. Nothing is launched."""
+    kwargs.setdefault("debug", False)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
+    return compile(ASTSource(fn, signature, constexprs, attrs), target=HOPPER, options=options.__dict__)
+
+
+def spill_store_bytes(ptx: str) -> int:
+    """ptxas -v's spill stores (bytes) for `ptx` on sm_90a, with the ptxas Triton ships."""
+    import re
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    import triton
+
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    with tempfile.TemporaryDirectory() as tmp:
+        source = Path(tmp) / "k.ptx"
+        source.write_text(ptx)
+        report = subprocess.run([str(ptxas), "-v", "--gpu-name", "sm_90a", str(source), "-o", str(Path(tmp) / "k.o")],
+                                capture_output=True, text=True, check=True).stderr
+    return int(re.search(r"(\d+) bytes spill stores", report).group(1))
+
+
 @pytest.fixture
 def compiled(monkeypatch):
     """Kernels launched while this is active are compiled for HOPPER (their names returned)."""
@@ -33,11 +61,7 @@ def compiled(monkeypatch):
     backend = make_backend(HOPPER)
 
     def compile_only(self, *args, grid, warmup, **kwargs):
-        kwargs.setdefault("debug", False)
-        binder = create_function_from_signature(self.signature, self.params, backend)
-        bound, specialization, options = binder(*args, **kwargs)
-        options, signature, constexprs, attrs = self._pack_args(backend, kwargs, bound, specialization, options)
-        kernel = compile(ASTSource(self, signature, constexprs, attrs), target=HOPPER, options=options.__dict__)
+        kernel = compile_for_hopper(self, backend, args, kwargs)
         assert kernel.asm.get("cubin"), f"{self.fn.__name__}: no cubin"
         names.append(self.fn.__name__)
 
@@ -188,31 +212,14 @@ def test_the_default_fp8_tiles_do_not_spill(monkeypatch):
     quantisers and the row GEMMs with each epilogue (the two-accumulator SwiGLU tile spills at
     4 warps, the SwiGLU-gradient one did with its loads before the loop); the weight gradient's
     tile spills a few bytes (12 measured; 792 at 128 x 128 x 128), bounded here."""
-    import re
-    import subprocess
-    import tempfile
-    from pathlib import Path
-
-    import triton
-
     from disagmoe.kernels import fp8, fp8_ffn
 
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     backend = make_backend(HOPPER)
     spills: list[tuple[str, int]] = []
 
     def compile_and_count(self, *args, grid, warmup, **kwargs):
-        kwargs.setdefault("debug", False)
-        binder = create_function_from_signature(self.signature, self.params, backend)
-        bound, specialization, options = binder(*args, **kwargs)
-        options, signature, constexprs, attrs = self._pack_args(backend, kwargs, bound, specialization, options)
-        kernel = compile(ASTSource(self, signature, constexprs, attrs), target=HOPPER, options=options.__dict__)
-        with tempfile.TemporaryDirectory() as tmp:
-            source = Path(tmp) / "k.ptx"
-            source.write_text(kernel.asm["ptx"])
-            report = subprocess.run([str(ptxas), "-v", "--gpu-name", "sm_90a", str(source), "-o", str(Path(tmp) / "k.o")],
-                                    capture_output=True, text=True, check=True).stderr
-        spills.append((self.fn.__name__, int(re.search(r"(\d+) bytes spill stores", report).group(1))))
+        kernel = compile_for_hopper(self, backend, args, kwargs)
+        spills.append((self.fn.__name__, spill_store_bytes(kernel.asm["ptx"])))
 
     monkeypatch.setattr(JITFunction, "run", compile_and_count)
     tiles = fp8_ffn.Fp8Tiles()
@@ -250,11 +257,7 @@ def test_every_expert_gemm_feeds_hopper_mma_through_the_async_pipeline(monkeypat
     gemms: list[tuple[str, str]] = []
 
     def compile_and_keep(self, *args, grid, warmup, **kwargs):
-        kwargs.setdefault("debug", False)
-        binder = create_function_from_signature(self.signature, self.params, backend)
-        bound, specialization, options = binder(*args, **kwargs)
-        options, signature, constexprs, attrs = self._pack_args(backend, kwargs, bound, specialization, options)
-        kernel = compile(ASTSource(self, signature, constexprs, attrs), target=HOPPER, options=options.__dict__)
+        kernel = compile_for_hopper(self, backend, args, kwargs)
         if "warp_group_dot" in kernel.asm["ttgir"] or "tt.dot" in kernel.asm["ttgir"]:
             gemms.append((self.fn.__name__, kernel.asm["ttgir"]))
 
@@ -288,34 +291,17 @@ def test_the_fp8_counters_compile_with_their_atomics_and_no_spills(monkeypatch):
     """The quantisers, the SwiGLU epilogue and the FP8 permute with a stats row (STATS: five atomics
     per tile, `fp8._record_stats`) compile for sm_90a at `Fp8Tiles`' defaults with no spill stores,
     and their PTX holds the int64 atomics (a max and adds); without a row, no atomics."""
-    import re
-    import subprocess
-    import tempfile
-    from pathlib import Path
-
-    import triton
-
     from disagmoe.kernels import fp8, fp8_ffn, permute
     from disagmoe.kernels.fp8_stats import Fp8Stats
 
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     backend = make_backend(HOPPER)
     found: list[tuple[str, int, bool]] = []
 
     def compile_and_count(self, *args, grid, warmup, **kwargs):
-        kwargs.setdefault("debug", False)
-        binder = create_function_from_signature(self.signature, self.params, backend)
-        bound, specialization, options = binder(*args, **kwargs)
-        options, signature, constexprs, attrs = self._pack_args(backend, kwargs, bound, specialization, options)
-        kernel = compile(ASTSource(self, signature, constexprs, attrs), target=HOPPER, options=options.__dict__)
+        kernel = compile_for_hopper(self, backend, args, kwargs)
         ptx = kernel.asm["ptx"]
-        with tempfile.TemporaryDirectory() as tmp:
-            source = Path(tmp) / "k.ptx"
-            source.write_text(ptx)
-            report = subprocess.run([str(ptxas), "-v", "--gpu-name", "sm_90a", str(source), "-o", str(Path(tmp) / "k.o")],
-                                    capture_output=True, text=True, check=True).stderr
         atomics = "atom.global" in ptx and ".max.s64" in ptx and ".add.u64" in ptx
-        found.append((self.fn.__name__, int(re.search(r"(\d+) bytes spill stores", report).group(1)), atomics))
+        found.append((self.fn.__name__, spill_store_bytes(ptx), atomics))
 
     monkeypatch.setattr(JITFunction, "run", compile_and_count)
     stats = Fp8Stats("cpu")
