@@ -63,10 +63,12 @@ class FFNTiles:
     def for_shape(cls, rows: int, experts: int, hidden: int, ffn: int,
                   device: torch.device, dtype: torch.dtype = torch.bfloat16) -> FFNTiles:
         """Tuned tiles for this shape class on this GPU (heuristic defaults when untuned),
-        adjusted to the operands' element size."""
-        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        adjusted to the operands' element size and the GPU's shared memory per block."""
+        cuda = device.type == "cuda"
+        name = torch.cuda.get_device_name(device) if cuda else "cpu"
+        smem = torch.cuda.get_device_properties(device).shared_memory_per_block_optin if cuda else None
         itemsize = torch.empty((), dtype=dtype).element_size()
-        return cls(**{role: lookup(role, k, c, rows, experts, name, itemsize)
+        return cls(**{role: lookup(role, k, c, rows, experts, name, itemsize, smem)
                       for role, (k, c) in cls.gemm_dims(hidden, ffn).items()})
 
 

@@ -42,6 +42,28 @@ class TileConfig:
             return self
         return dataclasses.replace(self, block_k=max(16, self.block_k * 2 // itemsize))
 
+    def shared_memory_bytes(self, itemsize: int, b_tiles: int = 1) -> int:
+        """Bytes of the operand ring the software pipeline keeps in shared memory: each of
+        `num_stages` stages holds one A tile [block_m, block_k] and `b_tiles` B tiles [block_k,
+        block_n] (2 for the gate/up launch, which loads gate and up columns): what Triton allocates
+        when the MMA reads both operands from shared memory (`lookup` says when it does)."""
+        tile_elements = self.block_m * self.block_k + b_tiles * self.block_k * self.block_n
+        return tile_elements * itemsize * self.num_stages
+
+    def fit_shared_memory(self, itemsize: int, budget_bytes: int, b_tiles: int = 1) -> TileConfig:
+        """The same tile with fewer pipeline stages (down to 2), then a halved K tile (down to 16),
+        until its operand ring fits `budget_bytes` (the GPU's opt-in shared memory per block), so a
+        tile tuned for one dtype or GPU cannot fail at launch with Triton's OutOfResources."""
+        config = self
+        while config.shared_memory_bytes(itemsize, b_tiles) > budget_bytes:
+            if config.num_stages > 2:
+                config = dataclasses.replace(config, num_stages=config.num_stages - 1)
+            elif config.block_k > 16:
+                config = dataclasses.replace(config, block_k=config.block_k // 2)
+            else:
+                break  # the smallest ring this shape allows; let the launch say what it needs
+        return config
+
 
 def gpu_slug(device_name: str) -> str:
     """'NVIDIA H200' -> 'nvidia-h200' (the tuned file's name)."""
@@ -78,8 +100,18 @@ def heuristic(role: str) -> TileConfig:
 
 
 def lookup(role: str, k: int, n: int, rows: int, experts: int, device_name: str,
-           itemsize: int = 2) -> TileConfig:
+           itemsize: int = 2, shared_memory_bytes: int | None = None) -> TileConfig:
     """The tuned config of this shape class on this GPU (tuned for bf16 operands), or the
-    heuristic when none was tuned, adjusted to `itemsize`-byte operands."""
+    heuristic when none was tuned, adjusted to `itemsize`-byte operands and, for operands wider
+    than bf16 given the GPU's per-block `shared_memory_bytes`, shrunk until its operand ring fits.
+
+    Only wider operands are fitted: Hopper's tf32 MMA takes both operands from shared memory in
+    K-major order, so an fp32 launch allocates the whole ring (and the weight-gradient heuristic's
+    ring, 240 KiB, failed on an H200's 227 KiB), while a bf16 launch can feed A from registers and
+    allocate less than `shared_memory_bytes` estimates: bf16 tiles launch as tuned (each tuned
+    entry and the heuristics ran on the GPU)."""
     key = shape_class(role, k, n, rows, experts)
-    return (_tuned_table(gpu_slug(device_name)).get(key) or heuristic(role)).for_element_size(itemsize)
+    config = (_tuned_table(gpu_slug(device_name)).get(key) or heuristic(role)).for_element_size(itemsize)
+    if shared_memory_bytes is None or itemsize <= 2:
+        return config
+    return config.fit_shared_memory(itemsize, shared_memory_bytes, b_tiles=2 if role == "gate_up" else 1)

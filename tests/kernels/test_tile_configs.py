@@ -47,3 +47,51 @@ def test_wider_elements_keep_the_shared_memory_footprint():
     wide = tile.for_element_size(4)
     assert wide.block_k * 4 == tile.block_k * 2
     assert (wide.block_m, wide.block_n, wide.num_stages) == (tile.block_m, tile.block_n, tile.num_stages)
+
+
+H200_SHARED_MEMORY_PER_BLOCK = 232448  # the opt-in limit Triton's launch reported on an H200
+
+
+@pytest.mark.parametrize("role", ["gate_up", "down", "down_dgrad", "gate_up_dgrad", "wgrad_w2", "wgrad_w13"])
+def test_every_fp32_heuristic_tile_fits_the_gpus_shared_memory_after_lookup(role):
+    """The wgrad heuristic (64 x 256 x 128, 3 stages) in fp32 (K tile halved to 64) needs a 240 KiB
+    operand ring, over an H200's 227 KiB: it failed at launch on untuned shapes (the shared-GPU sparse
+    dispatch GPU test, fp32). lookup with the GPU's limit drops stages first, then halves the K tile,
+    keeping M and N."""
+    from disagmoe.kernels import tile_configs as tc
+
+    b_tiles = 2 if role == "gate_up" else 1
+    raw = tc.heuristic(role).for_element_size(4)
+    fitted = tc.lookup(role, 64, 64, 100, 4, "No tuned GPU", 4, H200_SHARED_MEMORY_PER_BLOCK)
+    assert fitted.shared_memory_bytes(4, b_tiles) <= H200_SHARED_MEMORY_PER_BLOCK
+    assert (fitted.block_m, fitted.block_n) == (raw.block_m, raw.block_n)
+    if raw.shared_memory_bytes(4, b_tiles) <= H200_SHARED_MEMORY_PER_BLOCK:
+        assert fitted == raw  # a tile that fits is left as it was
+    else:
+        assert fitted.num_stages < raw.num_stages or fitted.block_k < raw.block_k
+    assert tc.lookup("wgrad_w13", 64, 64, 100, 4, "No tuned GPU", 4, H200_SHARED_MEMORY_PER_BLOCK) != \
+        tc.heuristic("wgrad_w13").for_element_size(4)
+
+
+def test_the_fit_drops_stages_to_two_before_it_halves_the_k_tile():
+    from disagmoe.kernels.tile_configs import TileConfig
+
+    tile = TileConfig(block_m=128, block_n=256, block_k=128, num_stages=4)
+    per_stage = tile.shared_memory_bytes(2) // 4
+    assert tile.fit_shared_memory(2, 3 * per_stage).num_stages == 3
+    two = tile.fit_shared_memory(2, 2 * per_stage)
+    assert (two.num_stages, two.block_k) == (2, 128)
+    halved = tile.fit_shared_memory(2, 2 * per_stage - 1)
+    assert (halved.num_stages, halved.block_k) == (2, 64)
+    assert halved.shared_memory_bytes(2) <= 2 * per_stage - 1
+
+
+def test_bf16_tiles_launch_as_tuned_whatever_the_estimate():
+    """Three tuned H200 wgrad winners estimate 240 KiB in bf16 and launched (A fed from registers):
+    lookup leaves bf16 tiles alone."""
+    from disagmoe.kernels import tile_configs as tc
+
+    table = tc._tuned_table("nvidia-h200")
+    key = "wgrad_w13/k4096/n3072/m2048"
+    assert table[key].shared_memory_bytes(2) > H200_SHARED_MEMORY_PER_BLOCK
+    assert tc.lookup("wgrad_w13", 4096, 3072, 2048 * 8, 8, "NVIDIA H200", 2, H200_SHARED_MEMORY_PER_BLOCK) == table[key]

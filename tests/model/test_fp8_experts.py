@@ -137,8 +137,13 @@ def test_fp8_keeps_bf16_parameters_and_labels_the_run_fp8():
 
 @pytest.mark.gpu
 def test_cuda_fp8_training_tracks_bf16(tmp_path):
-    """Twenty steps of the Qwen3-like tiny shape at hidden 256 (triton experts), precision fp8 against
-    bf16 from the same seed and data: the losses within 2% at every step."""
+    """Twenty steps of the Qwen3-like tiny shape at hidden 256, precision fp8 against bf16 from the
+    same seed and data (triton experts), and bf16 with grouped_mm experts as the yardstick: the
+    same arithmetic in other kernels. This tiny run is chaotic from about step 8: on an H200
+    (2026-12-02) bf16 grouped_mm strayed from bf16 triton by up to 3.8% (step 11) and fp8 by up to
+    2.9% (step 12), both back within 0.3% on the mean of steps 16-20. So: every step of fp8 within
+    the larger of 2% and 1.5x the yardstick's own distance that step, the first five steps within
+    0.5%, and the mean of the last five within 1%."""
     from disagmoe.model_ref import load_model
     from disagmoe.runtime.observe.metrics import read_metrics
     from disagmoe.runtime.training.loop import METRICS_FILE
@@ -147,14 +152,19 @@ def test_cuda_fp8_training_tracks_bf16(tmp_path):
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("needs FP8 tensor cores")
     model = load_model("tiny").model_copy(update={"hidden_size": 256, "expert_ffn_size": 256})
-    fields = dict(model=model, mode="single", device="cuda", experts_backend="triton", steps=20, batch_size=8,
-                  seq_len=128, micro_batches=2, eval_every=0, checkpoint_at_end=False)
-    for precision in ("bf16", "fp8"):
-        train_single(TrainConfig(**fields, precision=precision, out_dir=str(tmp_path / precision)))
-    bf16, fp8 = (read_metrics(tmp_path / p / METRICS_FILE) for p in ("bf16", "fp8"))
-    assert all(r["precision"] == "fp8" for r in fp8)
-    for a, b in zip(bf16, fp8, strict=True):
-        assert b["loss"] == pytest.approx(a["loss"], rel=2e-2), a["step"]
+    fields = dict(model=model, mode="single", device="cuda", steps=20, batch_size=8, seq_len=128,
+                  micro_batches=2, eval_every=0, checkpoint_at_end=False)
+    runs = {"bf16": dict(precision="bf16", experts_backend="triton"),
+            "fp8": dict(precision="fp8", experts_backend="triton"),
+            "yardstick": dict(precision="bf16", experts_backend="grouped_mm")}
+    for name, extra in runs.items():
+        train_single(TrainConfig(**fields, **extra, out_dir=str(tmp_path / name)))
+    bf16, fp8, yardstick = ([r["loss"] for r in read_metrics(tmp_path / n / METRICS_FILE)] for n in runs)
+    assert all(r["precision"] == "fp8" for r in read_metrics(tmp_path / "fp8" / METRICS_FILE))
+    for step, (a, b, c) in enumerate(zip(bf16, fp8, yardstick, strict=True), 1):
+        bound = 5e-3 if step <= 5 else max(2e-2, 1.5 * abs(c - a) / a)
+        assert abs(b - a) / a <= bound, (step, a, b, c)
+    assert sum(fp8[-5:]) == pytest.approx(sum(bf16[-5:]), rel=1e-2)
 
 
 def test_the_memory_check_counts_the_fp8_weight_copies():

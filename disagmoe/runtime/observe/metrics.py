@@ -79,12 +79,42 @@ def no_host_syncs(enabled: bool, device: torch.device) -> Iterator[None]:
     if not enabled or device.type != "cuda":
         yield
         return
+    _pause_the_check_while_compiling()
     before = torch.cuda.get_sync_debug_mode()
     torch.cuda.set_sync_debug_mode("error")
+    _SyncCheck.active += 1
     try:
         yield
     finally:
+        _SyncCheck.active -= 1
         torch.cuda.set_sync_debug_mode(before)
+
+
+class _SyncCheck:
+    active = 0  # open no_host_syncs blocks
+    hooked = False
+
+
+def _pause_the_check_while_compiling() -> None:
+    """torch.compile's first call of a `fused` function (and its lazily compiled backward) runs
+    inductor on the host inside the step, and inductor's constant folding reads CUDA tensors: a
+    one-time compilation, not a wait the step makes. Dynamo's compile start/end callbacks lift the
+    check for the compilation only; the compiled kernels run under it as every other op."""
+    if _SyncCheck.hooked:
+        return
+    from torch._dynamo.callback import callback_handler
+
+    def pause(*_: object) -> None:
+        if _SyncCheck.active:
+            torch.cuda.set_sync_debug_mode("default")
+
+    def resume(*_: object) -> None:
+        if _SyncCheck.active:
+            torch.cuda.set_sync_debug_mode("error")
+
+    callback_handler.register_start_callback(pause)
+    callback_handler.register_end_callback(resume)
+    _SyncCheck.hooked = True
 
 
 class OutOfMemory(ValueError):

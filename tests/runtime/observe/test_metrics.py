@@ -140,3 +140,26 @@ def test_a_cuda_out_of_memory_error_becomes_one_line_naming_the_knobs():
     with pytest.raises(OutOfMemory) as err, out_of_memory_hint(shared, "rank 0 (A0.0)"):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 MiB")
     assert "does not fit: 2 ranks share each GPU (ranks_per_gpu): lower it over more GPUs, or raise" in str(err.value)
+
+
+@pytest.mark.slow  # dynamo's first compile in the process: about 20 s on 2 cores
+def test_the_host_sync_check_is_lifted_only_while_torch_compile_compiles(monkeypatch):
+    """A `fused` function's first call compiles inside the step (inductor reads CUDA tensors: the
+    fp8 zero-sync GPU tests failed on it). The check ('error') is lifted to 'default' for the
+    compilation and put back for the compiled code; a call that compiles nothing changes nothing."""
+    from disagmoe.runtime.observe.metrics import no_host_syncs
+
+    modes = ["default"]
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: modes[-1])
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+    double = torch.compile(lambda x: x * 2, backend="eager", dynamic=False)
+    with no_host_syncs(True, torch.device("cuda")):
+        assert modes[-1] == "error"
+        double(torch.ones(3))  # compiles
+        assert modes[-3:] == ["error", "default", "error"]
+        seen = len(modes)
+        double(torch.ones(3))  # cached: no compile, no change
+        assert len(modes) == seen
+    assert modes[-1] == "default"
+    double(torch.ones(4))  # compiles outside the check: left alone
+    assert modes[-1] == "default" and modes.count("error") == 2
