@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import abc
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -234,9 +234,46 @@ class Transport(abc.ABC):
         """Receive the message `key` from `src_rank`, tensors shaped as `specs`; `timeout_s=None`
         uses the default."""
 
-    def reserve(self, src_rank: int, key: MessageKey, specs: Sequence[TensorSpec]) -> None:
+    def reserve(self, src_rank: int, key: MessageKey, specs: Sequence[TensorSpec], slot: Hashable = None) -> None:
         """Allocate, before the first step, what receiving `key`'s slot (its step aside) from
-        `src_rank` needs (a transport that keeps receive buffers); by default nothing."""
+        `src_rank` needs (a transport that keeps receive buffers); by default nothing. `slot`: a
+        buffer that keys with no overlapping lifetimes share (`runtime.schedule.recv_slots`); None
+        gives the key a buffer of its own."""
+
+    # --- receive buffers kept by the transport (nccl; local once reserved) -----------------------
+
+    def _slot_buffers(self, src_rank: int, key: MessageKey, specs: Sequence[TensorSpec],
+                      slot: Hashable = None, create: bool = True) -> list[torch.Tensor] | None:
+        """The buffers `key` from `src_rank` lands in: those of its reserved slot (`reserve` with
+        `slot` maps the key to it), made on first use; None if not reserved and not `create`."""
+        if not hasattr(self, "_buffers"):
+            self._buffers: dict[Hashable, list[torch.Tensor]] = {}
+            self._slot_of: dict[tuple, Hashable] = {}
+            self._slot_storages: set[int] = set()
+        name = (src_rank, key.micro_batch, key.layer, int(key.direction))
+        if slot is not None:
+            self._slot_of[name] = (src_rank, slot)
+        at = self._slot_of.get(name, name)
+        buffers = self._buffers.get(at)
+        if buffers is None and not create:
+            return None
+        if buffers is None or [TensorSpec.of(b) for b in buffers] != list(specs):
+            device = getattr(self, "device", "cpu")
+            buffers = self._buffers[at] = [spec.empty(device) for spec in specs]
+            self._slot_storages.update(b.untyped_storage().data_ptr() for b in buffers if b.numel())
+        return buffers
+
+    def _detach_from_slots(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """`tensors` detached and contiguous, each that shares memory with a receive buffer copied:
+        a later message may land in that buffer while the send still reads it (`recv_slots`)."""
+        storages = getattr(self, "_slot_storages", ())
+        out = []
+        for t in tensors:
+            t = t.detach().contiguous()
+            if storages and t.numel() and t.untyped_storage().data_ptr() in storages:
+                t = t.clone()
+            out.append(t)
+        return out
 
     # --- pair-row messages (`hop: pair_rows`) ----------------------------------------------------
     # Every transport carries them; a one-sided one (nvshmem) overrides the three methods so that

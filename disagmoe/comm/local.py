@@ -1,7 +1,10 @@
 """`local` transport: gloo point-to-point messages between processes on CPU.
 
 Protocol per message: one send per non-empty tensor, each on its own tag derived from (key,
-part); the receiver allocates from the specs it expects (`Transport.recv`). Gloo matches a
+part); the receiver allocates from the specs it expects (`Transport.recv`), or receives into the
+buffers of the key's slot once reserved (`reserve`: keys whose lifetimes do not overlap share one,
+`runtime.schedule.recv_slots`; a receive completes before `recv` returns, so CPU program order is
+the only ordering needed). Gloo matches a
 receive to a send by (peer, tag), so a receiver can ask for key B while key A from the same peer
 is still pending: out-of-order keys need no buffering of ours; a size that differs from the spec
 fails the receive.
@@ -82,16 +85,21 @@ class LocalTransport(Transport):
 
     def send(self, dst_rank: int, key: MessageKey, tensors: Sequence[torch.Tensor]) -> SendHandle:
         self._check_peer(dst_rank)
-        payload = [t.detach().contiguous() for t in tensors]
+        payload = self._detach_from_slots(tensors)
         works = [dist.isend(t, dst_rank, tag=message_tag(key, i)) for i, t in enumerate(payload) if t.numel()]
         return WorkSendHandle(works, payload, dst_rank, key, self.default_timeout_s, _wait)
+
+    def reserve(self, src_rank: int, key: MessageKey, specs: Sequence[TensorSpec], slot=None) -> None:
+        """Receive `key` into a kept buffer (shared with the keys of `slot`) instead of a new one."""
+        self._slot_buffers(src_rank, key, specs, slot)
 
     def recv(self, src_rank: int, key: MessageKey, specs: Sequence[TensorSpec],
              timeout_s: float | None = None) -> list[torch.Tensor]:
         self._check_peer(src_rank)
         timeout_s = self.default_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
-        tensors = [spec.empty() for spec in specs]
+        tensors = self._slot_buffers(src_rank, key, specs, create=False)  # reserved: the slot's buffers
+        tensors = [spec.empty() for spec in specs] if tensors is None else list(tensors)
         works = [dist.irecv(t, src_rank, tag=message_tag(key, i)) for i, t in enumerate(tensors) if t.numel()]
         for work in works:
             _wait(work, src_rank, key, deadline, timeout_s, "receive from")

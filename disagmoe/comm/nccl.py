@@ -14,10 +14,12 @@ NCCL ignores tags: a rank pair's sends and receives match in the order they are 
   message of its channel.
 - No header: the receiver knows every message's specs from the plan (`Transport.recv`). The
   receives are stream-ordered: `recv` returns without the host waiting, and work queued on the
-  current stream afterwards sees the data. Receive buffers are kept per (pair, micro-batch,
-  layer, direction), allocated at set-up (`reserve`, from the schedule's receives) and reused
-  step after step (a step's tensors are dead before the next step's messages arrive), so no
-  step allocates any.
+  current stream afterwards sees the data. Receive buffers are kept per slot, allocated at set-up (`reserve`,
+  from the schedule's receives): keys whose lifetimes do not overlap share one
+  (`runtime.schedule.recv_slots`: a pool per (peer, payload) with as many slots as the program
+  keeps live), reused step after step, so no step allocates any. A receive into a reused slot is
+  issued after the ops that read its previous message were queued, and NCCL's stream waits for
+  them; a sent tensor that aliases a slot is copied first (`Transport._detach_from_slots`).
 
 A peer that never sends leaves the GPU waiting; the host finds out at the step's one read (or
 NCCL's watchdog after the process group's timeout) and the rank's own watchdog prints where it
@@ -87,7 +89,6 @@ class NcclTransport(Transport):
                     self._send_groups[(dst, lane)] = group
                 elif dst == self.rank:
                     self._recv_groups[(src, lane)] = group
-        self._buffers: dict[tuple[int, int, int, int], list[torch.Tensor]] = {}
         self._connect(pairs)
 
     def _connect(self, pairs: list[tuple[int, int]]) -> None:
@@ -118,24 +119,17 @@ class NcclTransport(Transport):
                 raise ValueError(
                     f"the nccl transport sends tensors on {self.device}, got one on {tensor.device}"
                 )
-        payload = [t.detach().contiguous() for t in tensors]
+        payload = self._detach_from_slots(tensors)
         works = [dist.isend(t, dst_rank, group=group) for t in payload if t.numel()]
         return WorkSendHandle(works, payload, dst_rank, key, self.default_timeout_s, _stream_wait)
 
-    def reserve(self, src_rank: int, key: MessageKey, specs: Sequence[TensorSpec]) -> None:
-        self._buffers_for(src_rank, key, specs)
-
-    def _buffers_for(self, src_rank: int, key: MessageKey, specs: Sequence[TensorSpec]) -> list[torch.Tensor]:
-        slot = (src_rank, key.micro_batch, key.layer, key.direction)
-        buffers = self._buffers.get(slot)
-        if buffers is None or [TensorSpec.of(b) for b in buffers] != list(specs):
-            buffers = self._buffers[slot] = [spec.empty(self.device) for spec in specs]
-        return buffers
+    def reserve(self, src_rank: int, key: MessageKey, specs: Sequence[TensorSpec], slot=None) -> None:
+        self._slot_buffers(src_rank, key, specs, slot)
 
     def recv(self, src_rank: int, key: MessageKey, specs: Sequence[TensorSpec],
              timeout_s: float | None = None) -> list[torch.Tensor]:
         group = self._group(self._recv_groups, src_rank, key, "receive from")
-        buffers = self._buffers_for(src_rank, key, specs)
+        buffers = self._slot_buffers(src_rank, key, specs)
         for tensor in buffers:
             if tensor.numel():
                 dist.irecv(tensor, src_rank, group=group).wait()  # stream-ordered: the host does not wait

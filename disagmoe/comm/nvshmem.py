@@ -272,8 +272,9 @@ class NvshmemTransport(Transport):
         event.record(stream)
         return EventSendHandle(event, payload)
 
-    def reserve(self, src_rank: int, key: MessageKey, specs: Sequence[TensorSpec]) -> None:
-        """Nothing to allocate (the arena holds every slot); checks that the slot fits its specs."""
+    def reserve(self, src_rank: int, key: MessageKey, specs: Sequence[TensorSpec], slot=None) -> None:
+        """Nothing to allocate (the arena holds a segment per key; `slot` is not used yet: the arena's
+        segments are not shared between keys); checks that the slot fits its specs."""
         for copy in range(self.layout.copies):
             check_fits(self.layout.segment(self._index[self.rank].slot(src_rank, key, self.rank), copy), specs)
 

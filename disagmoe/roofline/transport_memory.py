@@ -10,13 +10,17 @@ runtime's memory check share it).
 `runtime.stages.messages.MessageShapes.specs` builds its `TensorSpec`s from `hop_tensors`, so the
 shapes the transports allocate and the bytes priced here are one table. What each transport keeps:
 
-- nccl: one buffer per receive slot (peer, payload, layer, micro-batch), the message's tensors
-  exactly (`NcclTransport.reserve`, at set-up; reused every step).
+- nccl: one buffer per receive slot, the message's tensors exactly (`NcclTransport.reserve`, at
+  set-up; reused every step). Keys (peer, payload, layer, micro-batch) whose lifetimes do not
+  overlap share a slot (`runtime.schedule.recv_slots`; `reuse=True` below): a gradient payload
+  needs one slot per peer (each is read by the backward op right after it arrives), a forward
+  payload one per key (its autograd state lives until the layer's backward), except the last
+  layer's message to the head group when p > 1 (the loss reads and frees it: one slot).
 - nvshmem: one symmetric arena per rank (`comm.symmetric.symmetric_layouts`): a flag word per
   segment (even count, region aligned), then COPIES = 2 copies of every slot, each tensor at a
   256-byte aligned offset; every rank allocates the largest rank's arena (symmetric memory).
-- local (gloo, CPU): allocates each message when it arrives; priced as nccl (the same bytes live
-  while a step's messages wait to be read).
+- local (gloo, CPU): receives into the same shared slots as nccl once reserved (`TrainWorker`
+  reserves them), so it exercises the reuse on CPU; priced as nccl.
 
 Slot counts per micro-batch (layout `runtime.schedule`; tests/roofline/test_transport_memory.py
 pins them against every rank's program): attention rank of group g receives DISPATCH_GRAD from
@@ -134,10 +138,25 @@ def layer_tables(num_layers: int, num_dense: int, p: Num) -> tuple[np.ndarray, n
     return moe, dense
 
 
+def _shared(per_key: Num, present: Num, reuse: bool) -> Num:
+    """A gradient payload's slots: `per_key` without reuse, one per peer (`present`) with it."""
+    return np.minimum(per_key, present) if reuse else per_key
+
+
+def _loss_fed(num_layers: int, num_dense: int, p: Num, g: Num) -> tuple[Num, Num]:
+    """(MoE, dense) 1 where group g receives the last layer's output from another group (p > 1, g
+    the head: `num_layers` mod p), a message the loss reads and frees; else 0."""
+    head = np.where((np.asarray(p) > 1) & (np.asarray(g) == num_layers % np.maximum(np.asarray(p), 1)), 1, 0)
+    moe_last = 1 if num_layers - 1 >= num_dense else 0
+    return head * moe_last, head * (1 - moe_last)
+
+
 def attention_receives(num_layers: int, num_dense: int, p: Num, g: int, expert_ranks: Num,
-                       micro_batches: Num, tables: tuple[np.ndarray, np.ndarray] | None = None) -> Counts:
+                       micro_batches: Num, tables: tuple[np.ndarray, np.ndarray] | None = None,
+                       reuse: bool = False) -> Counts:
     """Receive slots of an attention rank of group g (module docstring), `expert_ranks` Q in its set.
-    `tables`: `layer_tables` of `p`, if already computed."""
+    `tables`: `layer_tables` of `p`, if already computed; `reuse`: slots shared by keys whose
+    lifetimes do not overlap (`runtime.schedule.recv_slots`, module docstring)."""
     p = np.asarray(p)
     moe_t, dense_t = layer_tables(num_layers, num_dense, p) if tables is None else tables
     here = np.where(g < p, 1, 0)
@@ -146,24 +165,41 @@ def attention_receives(num_layers: int, num_dense: int, p: Num, g: int, expert_r
     prev = (g - 1) % np.maximum(p, 1)  # the group before g on the ring
     moe_prev, dense_prev = moe_t[p, prev] * here, dense_t[p, prev] * here
     ring = np.where(p > 1, 1, 0)
-    return {("dispatch_grad", True): micro_batches * expert_ranks * moe_g,
-            ("combine", True): micro_batches * expert_ranks * moe_prev,
-            ("residual", True): micro_batches * ring * moe_prev, ("residual", False): micro_batches * ring * dense_prev,
-            ("residual_grad", True): micro_batches * ring * moe_g,
-            ("residual_grad", False): micro_batches * ring * dense_g}
+    return _attention_counts(num_layers, num_dense, p, g, expert_ranks, micro_batches, ring, moe_g, dense_g,
+                             moe_prev, dense_prev, reuse)
 
 
-def expert_receives(num_layers: int, num_dense: int, p: Num, g: int, sources: Num, micro_batches: Num) -> Counts:
-    """Receive slots of an expert rank of group g serving `sources` attention ranks."""
+def _attention_counts(num_layers, num_dense, p, g, q, mb, ring, moe_g, dense_g, moe_prev, dense_prev,
+                      reuse: bool) -> Counts:
+    """`attention_receives`' counts from its layer counts (scalars, or [N, G] with `layout_receives`).
+    With reuse: a gradient payload one slot per peer (consumed by the backward op right after it
+    arrives); a forward one a slot per key, as its autograd state lives until the backward, except
+    the last layer's message to the head group (p > 1), which the loss reads and frees: one."""
+    fed_moe, fed_dense = _loss_fed(num_layers, num_dense, p, g) if reuse else (0, 0)
+    fwd_moe = mb * moe_prev - (mb - 1) * fed_moe * (moe_prev > 0)
+    fwd_dense = mb * dense_prev - (mb - 1) * fed_dense * (dense_prev > 0)
+    return {("dispatch_grad", True): _shared(mb * q * moe_g, q * (moe_g > 0), reuse),
+            ("combine", True): q * fwd_moe,
+            ("residual", True): ring * fwd_moe, ("residual", False): ring * fwd_dense,
+            ("residual_grad", True): _shared(mb * ring * moe_g, ring * (moe_g > 0), reuse),
+            ("residual_grad", False): _shared(mb * ring * dense_g, ring * (dense_g > 0), reuse)}
+
+
+def expert_receives(num_layers: int, num_dense: int, p: Num, g: int, sources: Num, micro_batches: Num,
+                    reuse: bool = False) -> Counts:
+    """Receive slots of an expert rank of group g serving `sources` attention ranks (`reuse`: one
+    COMBINE_GRAD slot per source, `attention_receives`)."""
     moe_g, _ = group_layers(num_layers, num_dense, p, g)
     n = micro_batches * sources * moe_g
-    return {("dispatch", True): n, ("combine_grad", True): n}
+    return {("dispatch", True): n, ("combine_grad", True): _shared(n, sources * (moe_g > 0), reuse)}
 
 
-def colocated_receives(num_moe_layers: int, peers: Num, micro_batches: Num) -> Counts:
-    """Receive slots of a colocated rank with `peers` other ranks in its expert-parallel group."""
+def colocated_receives(num_moe_layers: int, peers: Num, micro_batches: Num, reuse: bool = False) -> Counts:
+    """Receive slots of a colocated rank with `peers` other ranks in its expert-parallel group
+    (`reuse`: one slot per peer of each gradient payload)."""
     n = micro_batches * peers * num_moe_layers
-    return {(payload, True): n for payload in ("dispatch", "combine", "dispatch_grad", "combine_grad")}
+    grad = _shared(n, peers * (num_moe_layers > 0), reuse)
+    return {("dispatch", True): n, ("combine", True): n, ("dispatch_grad", True): grad, ("combine_grad", True): grad}
 
 
 def receive_bytes(counts: Counts, s: HopShape, transport: str, sizes: dict | None = None) -> Num:
@@ -199,13 +235,13 @@ def arena_bytes(ranks: list[Counts], s: HopShape) -> Num:
 
 
 def layout_receives(num_layers: int, num_dense: int, p: Num, dp: Num, expert_ranks: Num, sets: Num,
-                    micro_batches: Num, colocated: bool) -> tuple[list[Counts], list[Counts]]:
+                    micro_batches: Num, colocated: bool, reuse: bool = False) -> tuple[list[Counts], list[Counts]]:
     """(attention ranks', expert ranks') slot counts of a layout (colocated: one rank's, and no
     expert ranks). With array arguments (one element per candidate) each count is [N, G]: the rank
     of pipeline group g in column g (groups past a candidate's p count nothing), so the busiest
     group is one max over the last axis (`transport_bytes`). Arguments as `layout_transport_bytes`'."""
     if colocated:
-        return [colocated_receives(num_layers - num_dense, np.asarray(expert_ranks) - 1, micro_batches)], []
+        return [colocated_receives(num_layers - num_dense, np.asarray(expert_ranks) - 1, micro_batches, reuse)], []
     p = np.atleast_1d(np.asarray(p))
     moe_t, dense_t = layer_tables(num_layers, num_dense, p)
     groups = np.arange(moe_t.shape[1])
@@ -217,10 +253,10 @@ def layout_receives(num_layers: int, num_dense: int, p: Num, dp: Num, expert_ran
     dense_prev = np.take_along_axis(dense_g, prev, 1) * here
     mb, ring = col(micro_batches), col(np.where(p > 1, 1, 0))
     q, sources = col(expert_ranks), col(np.asarray(dp) // np.asarray(sets))
-    attn = {("dispatch_grad", True): mb * q * moe_g, ("combine", True): mb * q * moe_prev,
-            ("residual", True): mb * ring * moe_prev, ("residual", False): mb * ring * dense_prev,
-            ("residual_grad", True): mb * ring * moe_g, ("residual_grad", False): mb * ring * dense_g}
-    exp = {("dispatch", True): mb * sources * moe_g, ("combine_grad", True): mb * sources * moe_g}
+    attn = _attention_counts(num_layers, num_dense, col(p), groups, q, mb, ring, moe_g, dense_g, moe_prev, dense_prev,
+                             reuse)
+    exp = {("dispatch", True): mb * sources * moe_g,
+           ("combine_grad", True): _shared(mb * sources * moe_g, sources * (moe_g > 0), reuse)}
     return [attn], [exp]
 
 
@@ -248,6 +284,8 @@ def layout_transport_bytes(num_layers: int, num_dense: int, s: HopShape, p: Num,
     of each role (colocated: both the same). `dp`: attention ranks per group, `expert_ranks`: Q per
     replica set, `sets` replica sets per group (an expert rank serves dp / sets sources); colocated:
     `expert_ranks` is the expert-parallel group of each rank (its peers: Q - 1). nvshmem: every GPU
-    holds the largest arena of any rank (symmetric memory)."""
-    attn, exp = layout_receives(num_layers, num_dense, p, dp, expert_ranks, sets, micro_batches, colocated)
+    holds the largest arena of any rank (symmetric memory); nccl and local share slots between keys
+    whose lifetimes do not overlap (`runtime.schedule.recv_slots`), nvshmem not yet."""
+    attn, exp = layout_receives(num_layers, num_dense, p, dp, expert_ranks, sets, micro_batches, colocated,
+                                reuse=transport != "nvshmem")
     return transport_bytes(attn, exp, s, transport)

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from disagmoe.comm.nccl import NcclTransport
 from disagmoe.config import TrainConfig, load_yaml
 from disagmoe.model_ref import load_model
 from disagmoe.roofline import transport_memory as tm
-from disagmoe.runtime.stages.messages import MessageShapes, dispatch_mode, receive_layouts
+from disagmoe.runtime.schedule.recv_slots import slot_plan
+from disagmoe.runtime.stages.messages import MessageShapes, dispatch_mode, receive_layouts, transport_buffer_bytes
 from disagmoe.runtime.topology import Topology
 from disagmoe.wire import Payload, Recv, message_key
 
@@ -25,6 +27,12 @@ LAYOUTS = [
     {"attention_ranks": 3, "expert_ranks": 3, "pipeline_groups": 3, "micro_batches": 2},
     {"mode": "colocated", "colocated_ranks": 4, "micro_batches": 2},
 ]
+EXTRA = [  # more micro-batches in flight; the head group fed by another (p > 1)
+    {"attention_ranks": 1, "expert_ranks": 1, "pipeline_groups": 1, "micro_batches": 6},
+    {"attention_ranks": 2, "expert_ranks": 2, "pipeline_groups": 2, "micro_batches": 4},
+    {"attention_ranks": 4, "expert_ranks": 2, "pipeline_groups": 2, "micro_batches": 3},
+    {"mode": "colocated", "colocated_ranks": 2, "micro_batches": 4},
+]
 
 
 def _run(layout: dict, transport: str, shared: bool) -> tuple[TrainConfig, object, Topology]:
@@ -37,23 +45,24 @@ def _run(layout: dict, transport: str, shared: bool) -> tuple[TrainConfig, objec
     return cfg, m, Topology.from_config(cfg, m)
 
 
-def _model_bytes(cfg: TrainConfig, m, top: Topology) -> tuple[list, tm.HopShape]:
-    """Every rank's slot counts from the model (its role's formula) and the run's HopShape."""
+def _model_bytes(cfg: TrainConfig, m, top: Topology, reuse: bool = False) -> tuple[list, tm.HopShape]:
+    """Every rank's slot counts from the model (its role's formula) and the run's HopShape
+    (`reuse`: slots shared as nccl and local keep them)."""
     sparse = dispatch_mode(cfg, m, top)[0] == "sparse"
     s = tm.HopShape(cfg.batch_size // (cfg.micro_batches * top.data_parallel), cfg.seq_len, m.hidden_size, m.top_k,
                     m.num_experts, "bf16", m.shared_ffn_size > 0, False, sparse)
     counts = []
     for rank in range(top.world_size):
         if top.colocated:
-            counts.append(tm.colocated_receives(m.num_moe_layers, top.world_size - 1, cfg.micro_batches))
+            counts.append(tm.colocated_receives(m.num_moe_layers, top.world_size - 1, cfg.micro_batches, reuse))
         elif top.attention_role(rank) is not None:
             g = top.attention_role(rank)[0]
             counts.append(tm.attention_receives(m.num_layers, m.num_dense_layers, top.pipeline_groups, g,
-                                                len(top.expert_groups[g]), cfg.micro_batches))
+                                                len(top.expert_groups[g]), cfg.micro_batches, reuse=reuse))
         else:
             g = top.expert_role(rank)[0]
             counts.append(tm.expert_receives(m.num_layers, m.num_dense_layers, top.pipeline_groups, g,
-                                             len(top.attention_groups[g]), cfg.micro_batches))
+                                             len(top.attention_groups[g]), cfg.micro_batches, reuse))
     return counts, s
 
 
@@ -74,25 +83,65 @@ def test_nvshmem_arena_matches_symmetric_layouts(layout, shared):
 
 
 def _nccl_reserved(cfg, m, top: Topology, rank: int) -> int:
-    """Bytes `NcclTransport.reserve` allocates for `rank`'s program, as the worker calls it (CPU)."""
-    transport = object.__new__(NcclTransport)  # its allocation only: no process group on CPU
-    transport.device, transport._buffers = "cpu", {}
+    """Bytes `NcclTransport.reserve` allocates for `rank`'s program, as `TrainWorker.setup` calls it
+    (the shared slots of `recv_slots.slot_plan`; CPU: its allocation only, no process group)."""
+    transport = object.__new__(NcclTransport)
+    transport.device = "cpu"
     shapes = MessageShapes.of_run(cfg, m, top)
-    for op in top.programs(cfg.micro_batches)[rank]:
-        if isinstance(op, Recv):
-            for peer in op.peers:
-                if peer != rank:
-                    transport.reserve(peer, message_key(0, op.payload, op.layer, op.micro_batch),
-                                      shapes.specs(op.payload, top.is_moe(op.layer)))
-    return sum(b.numel() * b.element_size() for buffers in transport._buffers.values() for b in buffers)
+    plan = slot_plan(top.programs(cfg.micro_batches)[rank], rank, top.is_moe, top.num_layers)
+    for (peer, payload, layer, mb), (pool, index) in plan.slot.items():
+        transport.reserve(peer, message_key(0, Payload(payload), layer, mb), shapes.specs(Payload(payload), pool[2]),
+                          slot=(pool, index))
+    buffers = getattr(transport, "_buffers", {})
+    return sum(b.numel() * b.element_size() for bs in buffers.values() for b in bs)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", LAYOUTS + EXTRA)
 def test_nccl_buffers_match_reserve(layout):
+    """The allocated bytes are the model's, slots shared (`reuse`), rank by rank, and the planner's
+    array form gives the busiest group's rank of each role."""
     cfg, m, top = _run(layout, "nccl", shared=True)
-    counts, s = _model_bytes(cfg, m, top)
+    counts, s = _model_bytes(cfg, m, top, reuse=True)
+    reserved = [_nccl_reserved(cfg, m, top, rank) for rank in range(top.world_size)]
     for rank in range(top.world_size):
-        assert int(tm.receive_bytes(counts[rank], s, "nccl")) == _nccl_reserved(cfg, m, top, rank)
+        assert int(tm.receive_bytes(counts[rank], s, "nccl")) == reserved[rank]
+    assert transport_buffer_bytes(cfg, MessageShapes.of_run(cfg, m, top), top) == reserved
+    if not top.colocated:
+        attn, exp = tm.layout_transport_bytes(m.num_layers, m.num_dense_layers, s, np.array([top.pipeline_groups]),
+                                              np.array([top.data_parallel]), np.array([len(top.expert_groups[0])]),
+                                              np.array([1]), cfg.micro_batches, colocated=False, transport="nccl")
+        roles = [top.attention_role(r) is not None for r in range(top.world_size)]
+        assert int(attn[0]) == max(b for b, a in zip(reserved, roles) if a)
+        assert int(exp[0]) == max(b for b, a in zip(reserved, roles) if not a)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS + EXTRA)
+def test_shared_slots_take_less_than_a_slot_per_key(layout):
+    """Reuse keeps every gradient payload at one slot per peer; without it the model is the old one."""
+    cfg, m, top = _run(layout, "nccl", shared=True)
+    shared, s = _model_bytes(cfg, m, top, reuse=True)
+    per_key, _ = _model_bytes(cfg, m, top, reuse=False)
+    for rank in range(top.world_size):
+        assert tm.receive_bytes(shared[rank], s, "nccl") <= tm.receive_bytes(per_key[rank], s, "nccl")
+        assert tm.receive_bytes(per_key[rank], s, "nccl") == _per_key_bytes(cfg, m, top, rank)
+        for (payload, moe), n in shared[rank].items():
+            if payload.endswith("_grad") and n:
+                peers = {peer for op in top.programs(cfg.micro_batches)[rank] if isinstance(op, Recv)
+                         and op.payload.value == payload and top.is_moe(op.layer) == moe for peer in op.peers
+                         if peer != rank}
+                assert n == len(peers)
+
+
+def _per_key_bytes(cfg, m, top: Topology, rank: int) -> int:
+    shapes = MessageShapes.of_run(cfg, m, top)
+    """Bytes of a buffer per receive key (peer, payload, layer, micro-batch): no slot shared."""
+    return sum(sum(spec_bytes(sp) for sp in shapes.specs(op.payload, top.is_moe(op.layer)))
+               * sum(p != rank for p in op.peers)
+               for op in top.programs(cfg.micro_batches)[rank] if isinstance(op, Recv))
+
+
+def spec_bytes(spec) -> int:
+    return int(np.prod(spec.shape, dtype=np.int64)) * torch.empty(0, dtype=spec.dtype).element_size()
 
 
 def test_message_specs_are_the_roofline_table():

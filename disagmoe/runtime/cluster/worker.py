@@ -63,6 +63,7 @@ from disagmoe.kernels.fp8_stats import Fp8Stats, pack_for_sum, reduced_nonfinite
 from disagmoe.runtime.state.flat_adamw import FlatAdamW, Shard, flat_squares
 from disagmoe.runtime.rank_model import compute_dtype, offload_bucket_bytes, rank_model
 from disagmoe.runtime.stages.replicas import ExpertReplicas
+from disagmoe.runtime.schedule.recv_slots import slot_plan
 from disagmoe.runtime.schedule.schedule import (
     AttentionBackward,
     AttentionForward,
@@ -173,12 +174,12 @@ class TrainWorker(Worker):
             self.attention.wait_span = self._gpu_wait_span
         self.experts = (ExpertStage(self.model, topology, self.rank, pair=pair, tokens=self.shapes.tokens,
                                     sparse=self.shapes.sparse) if topology.expert_role(self.rank) else None)
-        for op in self.program:  # every receive buffer now, sized by the run's fixed message specs
-            if isinstance(op, Recv) and not self._is_pair(op):  # pair rows land in the transport's own buffers
-                for peer in op.peers:
-                    if peer != self.rank:
-                        self.transport.reserve(peer, message_key(0, op.payload, op.layer, op.micro_batch),
-                                               self.shapes.specs(op.payload, topology.is_moe(op.layer)))
+        # every receive buffer now, sized by the run's fixed message specs; keys whose lifetimes do
+        # not overlap share a slot (`recv_slots`); pair rows land in the transport's own buffers
+        slots = slot_plan(self.program, self.rank, topology.is_moe, topology.num_layers, skip=self._is_pair)
+        for (peer, payload, layer, mb), (pool, index) in slots.slot.items():
+            key = message_key(0, Payload(payload), layer, mb)
+            self.transport.reserve(peer, key, self.shapes.specs(Payload(payload), pool[2]), slot=(pool, index))
         self.recorder = SpanRecorder()
         self.gpu_spans = GpuSpans(self.device) if self.device.type == "cuda" else None
         self.watchdog = OpWatchdog(f"rank {self.rank} ({topology.describe(self.rank)})", wait_s)

@@ -268,13 +268,26 @@ def receive_counts(shapes: MessageShapes, topology, programs) -> list[dict[tuple
 def transport_buffer_bytes(cfg, shapes: MessageShapes, topology, sum_width: int = 0) -> list[int]:
     """Bytes every rank's transport allocates for its messages: nvshmem, the symmetric arena it is
     given (`receive_layouts`: pair regions, capacity factor and the all-ranks sum included; equal to
-    `roofline.transport_memory.arena_bytes` where those are absent, tests/roofline pin it); nccl,
-    the buffers `NcclTransport.reserve` keeps per receive slot (local allocates the same per
-    message), priced by `roofline.transport_memory.receive_bytes` from each rank's program."""
+    `roofline.transport_memory.arena_bytes` where those are absent, tests/roofline pin it); nccl
+    and local, the buffers `reserve` keeps per shared receive slot (`slot_counts`), priced by
+    `roofline.transport_memory.receive_bytes`."""
     if cfg.transport == "nvshmem":
         return [layout.nbytes for layout in receive_layouts(cfg, shapes, topology, sum_width)]
     value = "bf16" if shapes.dtype == torch.bfloat16 else "fp32"
     hop = HopShape(shapes.rows, shapes.seq_len, shapes.hidden, shapes.top_k, shapes.num_experts, value,
                    shapes.shared_experts, shapes.pair_rows, shapes.sparse)
-    counts = receive_counts(shapes, topology, topology.programs(cfg.micro_batches))
+    counts = slot_counts(shapes, topology, topology.programs(cfg.micro_batches))
     return [int(receive_bytes(c, hop, cfg.transport)) for c in counts]
+
+
+def slot_counts(shapes: MessageShapes, topology, programs) -> list[dict[tuple[str, bool], int]]:
+    """Every rank's receive buffers by (payload, MoE layer) as the in-order and local transports
+    keep them: slots shared by keys whose lifetimes do not overlap (`schedule.recv_slots`, the
+    plan `TrainWorker.setup` reserves), pair-row messages aside."""
+    from disagmoe.runtime.schedule.recv_slots import slot_plan
+
+    def pair(op) -> bool:
+        return shapes.is_pair(op.payload, topology.is_moe(op.layer))
+
+    return [slot_plan(p, rank, topology.is_moe, topology.num_layers, skip=pair).counts()
+            for rank, p in enumerate(programs)]

@@ -801,7 +801,7 @@ def test_a_capacity_factor_that_cannot_apply_is_refused_before_start(tmp_path, t
 
 
 def test_the_memory_check_counts_each_transports_receive_buffers(tmp_path):
-    """nccl keeps one buffer per received slot (its specs' bytes exactly); nvshmem two copies, in an
+    """nccl keeps one buffer per shared receive slot (fewer than the keys); nvshmem two copies of each key's, in an
     arena as large as the largest rank's on every rank: the expert rank's arena fits the attention
     rank's receives too. `rank_needs` counts these (`transport_buffer_bytes`)."""
     cfg = run_config(tmp_path / "run", "disaggregated", attention_ranks=1, expert_ranks=1, micro_batches=2)
@@ -810,10 +810,10 @@ def test_the_memory_check_counts_each_transports_receive_buffers(tmp_path):
     nccl_cfg = cfg.model_copy(update={"transport": "nccl"})
     nccl = transport_buffer_bytes(nccl_cfg, shapes, topology)
     nvshmem = transport_buffer_bytes(cfg.model_copy(update={"transport": "nvshmem"}), shapes, topology)
-    assert nvshmem[0] == nvshmem[1] >= 2 * max(nccl) - 4096
     received = [sum(spec_bytes(s) for seg in layout.segments for s in seg.specs)
-                for layout in receive_layouts(nccl_cfg, shapes, topology)]
-    assert nccl == received
+                for layout in receive_layouts(nccl_cfg, shapes, topology)]  # a buffer per key
+    assert nvshmem[0] == nvshmem[1] >= 2 * max(received) - 4096  # nvshmem: a segment per key, two copies
+    assert all(n < r for n, r in zip(nccl, received))  # nccl: the gradients' slots shared (`recv_slots`)
     assert [need.received_bytes for need in rank_needs(cfg, cfg.model, topology)] == transport_buffer_bytes(
         cfg, shapes, topology)
 
