@@ -357,6 +357,10 @@ class PlanConfig(StrictModel):
         "bf16", description="price the routed experts' GEMMs in this precision: fp8 at the hardware's fp8_tflops "
         "(the bf16 rate, or a calibrated one, times fp8_tflops / bf16_tflops), plus the quantisation passes' HBM "
         "traffic and the FP8 weight copies' memory (train with precision: fp8)")
+    fp8_dense: bool = Field(
+        True, description="with expert_precision fp8: price the dense projections' GEMMs (attention, shared "
+        "experts, dense FFN layers) at fp8_tflops too, plus their rowwise quantisation passes (train with "
+        "precision: fp8, fp8_dense: true, its default); no effect under bf16")
     recompute: Literal["none", "selective", "auto"] = Field(
         "auto", description="activation recomputation to price: none, selective (the expert FFN's input, "
         "output and SwiGLU rows dropped and recomputed in the backward: leaner expert GPUs, a few more HBM "
@@ -593,6 +597,11 @@ class TrainConfig(StrictModel):
         "weight copies made once per optimizer step: docs/architecture.md; every mode, each expert rank running "
         "the same kernels; triton experts, a GPU with FP8 tensor cores, and in the distributed modes hop: "
         "partial_sums, with dense or sparse dispatch); auto = bf16 on cuda, fp32 on cpu")
+    fp8_dense: bool | None = Field(
+        None, description="precision fp8: also run the dense projections (attention q/k/v/o and MLA's, shared "
+        "experts, dense FFN layers) in e4m3 through torch._scaled_mm with rowwise scales (one per token / output "
+        "feature, a coarser recipe than the experts' 1x128 / 128x128: docs/architecture.md); None = true under "
+        "precision fp8; true is refused under another precision")
     routing: Literal["learned", "balanced"] = Field(
         "learned", description="balanced: every expert gets the same number of tokens whatever the router "
         "scores (a benchmark setting, as other trainers' performance recipes use; labelled in every output); "
@@ -701,6 +710,12 @@ class TrainConfig(StrictModel):
         return "fp8" if self.precision == "fp8" else self.compute_dtype_name
 
     @property
+    def dense_precision(self) -> str:
+        """'fp8' where the dense projections' GEMMs run in FP8 (`fp8_dense`, rowwise), else the
+        parameters' dtype name."""
+        return "fp8" if self.precision == "fp8" and self.fp8_dense is not False else self.compute_dtype_name
+
+    @property
     def offloads_to_host(self) -> bool:
         """offload_optimizer on a GPU: the masters and moments live in host memory (the memory model
         counts them there). On cpu the bucketed update runs but nothing leaves the device's memory."""
@@ -749,6 +764,9 @@ class TrainConfig(StrictModel):
             raise ValueError("forbid_host_syncs with experts_backend: loop: the loop backend (the reference) reads "
                              "each expert's row offsets on the host, a wait the sync check refuses in every step; "
                              "set experts_backend: grouped_mm or triton")
+        if self.fp8_dense and self.precision != "fp8":
+            raise ValueError(f"fp8_dense: true runs the dense projections in FP8 under precision: fp8; this run is "
+                             f"precision: {self.precision}: set precision: fp8 or remove fp8_dense")
         if self.precision == "fp8":
             needs = [why for bad, why in (
                 (self.device != "cuda", "device: cuda (FP8 tensor cores; the CPU runs the kernels only in their tests)"),
