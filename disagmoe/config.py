@@ -594,7 +594,8 @@ class TrainConfig(StrictModel):
         "auto", description="parameters for compute: bf16 (fp32 master weights, gradients accumulated in fp32, "
         "fused AdamW: the fast path), fp32 (everything fp32; `mode: single` then runs the reference oracle), "
         "fp8 (bf16 as above, and the routed experts' GEMMs in e4m3 with 1x128 / 128x128 scaling, their FP8 "
-        "weight copies made once per optimizer step: docs/architecture.md; every mode, each expert rank running "
+        "weight copies made once per optimizer step, and with fp8_dense the dense projections rowwise through "
+        "torch._scaled_mm: docs/architecture.md; every mode, each expert rank running "
         "the same kernels; triton experts, a GPU with FP8 tensor cores, and in the distributed modes hop: "
         "partial_sums, with dense or sparse dispatch); auto = bf16 on cuda, fp32 on cpu")
     fp8_dense: bool | None = Field(
@@ -699,7 +700,7 @@ class TrainConfig(StrictModel):
     @property
     def compute_dtype_name(self) -> str:
         """'bf16' or 'fp32': the parameters' dtype, `precision` with auto resolved by the device (fp8
-        keeps bf16 parameters: only the routed experts' GEMMs run in FP8, `expert_precision`)."""
+        keeps bf16 parameters: only GEMMs run in FP8, `expert_precision` and `dense_precision`)."""
         if self.precision == "auto":
             return "bf16" if self.device == "cuda" else "fp32"
         return "bf16" if self.precision == "fp8" else self.precision
