@@ -357,6 +357,10 @@ class PlanConfig(StrictModel):
         "bf16", description="price the routed experts' GEMMs in this precision: fp8 at the hardware's fp8_tflops "
         "(the bf16 rate, or a calibrated one, times fp8_tflops / bf16_tflops), plus the quantisation passes' HBM "
         "traffic and the FP8 weight copies' memory (train with precision: fp8)")
+    fp8_dense: bool = Field(
+        True, description="with expert_precision fp8: price the dense projections' GEMMs (attention, shared "
+        "experts, dense FFN layers) at fp8_tflops too, plus their rowwise quantisation passes (train with "
+        "precision: fp8, fp8_dense: true, its default); no effect under bf16")
     recompute: Literal["none", "selective", "auto"] = Field(
         "auto", description="activation recomputation to price: none, selective (the expert FFN's input, "
         "output and SwiGLU rows dropped and recomputed in the backward: leaner expert GPUs, a few more HBM "
@@ -590,9 +594,15 @@ class TrainConfig(StrictModel):
         "auto", description="parameters for compute: bf16 (fp32 master weights, gradients accumulated in fp32, "
         "fused AdamW: the fast path), fp32 (everything fp32; `mode: single` then runs the reference oracle), "
         "fp8 (bf16 as above, and the routed experts' GEMMs in e4m3 with 1x128 / 128x128 scaling, their FP8 "
-        "weight copies made once per optimizer step: docs/architecture.md; every mode, each expert rank running "
+        "weight copies made once per optimizer step, and with fp8_dense the dense projections rowwise through "
+        "torch._scaled_mm: docs/architecture.md; every mode, each expert rank running "
         "the same kernels; triton experts, a GPU with FP8 tensor cores, and in the distributed modes hop: "
         "partial_sums, with dense or sparse dispatch); auto = bf16 on cuda, fp32 on cpu")
+    fp8_dense: bool | None = Field(
+        None, description="precision fp8: also run the dense projections (attention q/k/v/o and MLA's, shared "
+        "experts, dense FFN layers) in e4m3 through torch._scaled_mm with rowwise scales (one per token / output "
+        "feature, a coarser recipe than the experts' 1x128 / 128x128: docs/architecture.md); None = true under "
+        "precision fp8; true is refused under another precision")
     routing: Literal["learned", "balanced"] = Field(
         "learned", description="balanced: every expert gets the same number of tokens whatever the router "
         "scores (a benchmark setting, as other trainers' performance recipes use; labelled in every output); "
@@ -690,7 +700,7 @@ class TrainConfig(StrictModel):
     @property
     def compute_dtype_name(self) -> str:
         """'bf16' or 'fp32': the parameters' dtype, `precision` with auto resolved by the device (fp8
-        keeps bf16 parameters: only the routed experts' GEMMs run in FP8, `expert_precision`)."""
+        keeps bf16 parameters: only GEMMs run in FP8, `expert_precision` and `dense_precision`)."""
         if self.precision == "auto":
             return "bf16" if self.device == "cuda" else "fp32"
         return "bf16" if self.precision == "fp8" else self.precision
@@ -699,6 +709,12 @@ class TrainConfig(StrictModel):
     def expert_precision(self) -> str:
         """'fp8' where the routed experts' GEMMs run in FP8, else the parameters' dtype name."""
         return "fp8" if self.precision == "fp8" else self.compute_dtype_name
+
+    @property
+    def dense_precision(self) -> str:
+        """'fp8' where the dense projections' GEMMs run in FP8 (`fp8_dense`, rowwise), else the
+        parameters' dtype name."""
+        return "fp8" if self.precision == "fp8" and self.fp8_dense is not False else self.compute_dtype_name
 
     @property
     def offloads_to_host(self) -> bool:
@@ -749,6 +765,9 @@ class TrainConfig(StrictModel):
             raise ValueError("forbid_host_syncs with experts_backend: loop: the loop backend (the reference) reads "
                              "each expert's row offsets on the host, a wait the sync check refuses in every step; "
                              "set experts_backend: grouped_mm or triton")
+        if self.fp8_dense and self.precision != "fp8":
+            raise ValueError(f"fp8_dense: true runs the dense projections in FP8 under precision: fp8; this run is "
+                             f"precision: {self.precision}: set precision: fp8 or remove fp8_dense")
         if self.precision == "fp8":
             needs = [why for bad, why in (
                 (self.device != "cuda", "device: cuda (FP8 tensor cores; the CPU runs the kernels only in their tests)"),

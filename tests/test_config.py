@@ -189,3 +189,13 @@ def test_offload_optimizer_is_off_by_default_and_refused_where_it_cannot_apply(t
         cfg.load_train_config(path, ["offload_bucket_mib=0"])
     with pytest.raises(ValueError, match="optim.offload_optimizer"):  # it is a run setting, not optim's
         cfg.load_train_config(path, ["optim.offload_optimizer=true"])
+
+
+def test_fp8_dense_follows_precision_fp8_and_is_refused_without_it():
+    base = dict(model="tiny", device="cuda", experts_backend="triton")
+    assert cfg.TrainConfig(precision="fp8", **base).dense_precision == "fp8"
+    assert cfg.TrainConfig(precision="fp8", fp8_dense=False, **base).dense_precision == "bf16"
+    assert cfg.TrainConfig(precision="bf16", **base).dense_precision == "bf16"
+    assert cfg.TrainConfig(precision="bf16", fp8_dense=False, **base).dense_precision == "bf16"
+    with pytest.raises(ValueError, match="fp8_dense: true runs the dense projections in FP8 under precision: fp8"):
+        cfg.TrainConfig(precision="bf16", fp8_dense=True, **base)

@@ -4,7 +4,9 @@ The quantisers of `kernels.fp8` (and the FP8 permute) take an optional `stats` r
 with atomics; without one they run exactly as before. A buffer is int64 [KINDS, FIELDS]:
 
   kinds   activations (x, the SwiGLU output; forward rows and the weight gradients' token copies),
-          weights (the 128 x 128 block copies), gradients (dy, dh13: rows and token copies)
+          weights (the 128 x 128 block copies), gradients (dy, dh13: rows and token copies),
+          dense (every operand of the FP8 dense projections, `kernels.fp8_dense`: rowwise recipe,
+          counted by torch ops)
   fields  AMAX       max |x| / scale over finite elements, as the bits of a non-negative fp32
                      (integer order = float order, so an integer atomic max keeps it)
           SATURATED  finite elements with |x| / scale > SATURATION_BOUND: clipped by the clamp
@@ -22,8 +24,8 @@ from __future__ import annotations
 
 import torch
 
-KINDS = ("activations", "weights", "gradients")
-ACTIVATIONS, WEIGHTS, GRADIENTS = range(3)
+KINDS = ("activations", "weights", "gradients", "dense")
+ACTIVATIONS, WEIGHTS, GRADIENTS, DENSE = range(4)
 AMAX, SATURATED, UNDERFLOW, TOTAL, NONFINITE = range(5)
 FIELDS = 5
 # Saturated: |x| / scale beyond where rounding to e4m3 would still give 448 (448 + half its top

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from disagmoe.config import RopeScalingConfig
+from disagmoe.kernels import fp8_dense
 from disagmoe.kernels.deferral import hold_back
 
 
@@ -139,12 +140,14 @@ def _linear_weight_grad(dy_NO: torch.Tensor, x_NI: torch.Tensor) -> torch.Tensor
     return dy_NO.t().mm(x_NI)
 
 
-def _accumulate_weight_grad(w_OI: torch.Tensor, dy_NO: torch.Tensor, x_NI: torch.Tensor) -> None:
-    """A held-back weight gradient, computed now and accumulated by autograd itself, as the
-    backward would have done: into `.grad` (in place where it exists: FlatAdamW's fp32 view),
-    then the post-accumulate hooks (FlatAdamW adds a bf16 gradient into `main_grad`)."""
+def _accumulate_weight_grad(w_OI: torch.Tensor, dy_NO: torch.Tensor, x_NI: torch.Tensor,
+                            weight_grad: Callable[..., torch.Tensor] = _linear_weight_grad) -> None:
+    """A held-back weight gradient, computed now (`weight_grad(dy_NO, x_NI)`: bf16, or the FP8
+    one) and accumulated by autograd itself, as the backward would have done: into `.grad` (in
+    place where it exists: FlatAdamW's fp32 view), then the post-accumulate hooks (FlatAdamW adds
+    a bf16 gradient into `main_grad`)."""
     with torch.no_grad():
-        dw_OI = _linear_weight_grad(dy_NO, x_NI)
+        dw_OI = weight_grad(dy_NO, x_NI)
     torch.autograd.backward(w_OI, dw_OI)
 
 
@@ -172,14 +175,60 @@ class _LinearFunction(torch.autograd.Function):
         return dx, _linear_weight_grad(dy_NO, x_NI)
 
 
+class _Fp8LinearFunction(torch.autograd.Function):
+    """`_LinearFunction` with its three GEMMs in FP8 (`kernels.fp8_dense`, recipe "rowwise"); the
+    weight gradient waits inside `deferred_weight_grads` the same way."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w_OI: torch.Tensor, stats_row: torch.Tensor | None,
+                emulate: bool) -> torch.Tensor:
+        ctx.save_for_backward(x, w_OI)
+        ctx.stats_row, ctx.emulate = stats_row, emulate
+        return fp8_dense.fprop(x, w_OI, stats_row, emulate)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x, w_OI = ctx.saved_tensors
+        dy_NO = dy.reshape(-1, dy.shape[-1])
+        dx = (fp8_dense.dgrad(dy_NO, w_OI, ctx.stats_row, ctx.emulate).view(x.shape)
+              if ctx.needs_input_grad[0] else None)
+        if not ctx.needs_input_grad[1]:
+            return dx, None, None, None
+        x_NI = x.reshape(-1, x.shape[-1])
+        weight_grad = functools.partial(_fp8_weight_grad, stats_row=ctx.stats_row, emulate=ctx.emulate)
+        deferrable = w_OI.is_leaf and not torch.is_grad_enabled()
+        if deferrable and hold_back(functools.partial(_accumulate_weight_grad, w_OI, dy_NO, x_NI, weight_grad)):
+            return dx, None, None, None
+        return dx, weight_grad(dy_NO, x_NI), None, None
+
+
+def _fp8_weight_grad(dy_NO: torch.Tensor, x_NI: torch.Tensor, stats_row: torch.Tensor | None,
+                     emulate: bool) -> torch.Tensor:
+    return fp8_dense.wgrad(dy_NO, x_NI, stats_row, emulate)
+
+
 class DeferrableLinear(nn.Linear):
     """`nn.Linear` without bias whose weight gradient can wait (`deferred_weight_grads`). Outside
-    that context the same parameters, names and gradients, bit for bit, as `nn.Linear`."""
+    that context the same parameters, names and gradients, bit for bit, as `nn.Linear`.
+
+    `set_fp8(True, stats_row)` (precision fp8, `fp8_dense`) runs its GEMMs in FP8 instead
+    (`kernels.fp8_dense`): the parameter stays bf16, no FP8 copy is kept. `emulate` is for tests
+    only (dequantise-then-matmul in fp64 instead of torch._scaled_mm)."""
 
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__(in_features, out_features, bias=False)
+        self.fp8 = False
+        self.fp8_stats_row: torch.Tensor | None = None
+        self.fp8_emulate = False
+
+    def set_fp8(self, enabled: bool, stats_row: torch.Tensor | None = None, emulate: bool = False) -> None:
+        if enabled and not emulate:
+            fp8_dense.check_shape(self.in_features, self.out_features)
+        self.fp8, self.fp8_stats_row, self.fp8_emulate = enabled, stats_row, emulate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp8:
+            return _Fp8LinearFunction.apply(x, self.weight, self.fp8_stats_row, self.fp8_emulate)
         return _LinearFunction.apply(x, self.weight)
 
 

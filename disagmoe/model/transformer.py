@@ -22,7 +22,7 @@ from disagmoe.config import ModelConfig
 from disagmoe.model.block import DenseBlock, MoEBlock
 from disagmoe.model.experts import RoutedExperts
 from disagmoe.model.init import seeded_normal_
-from disagmoe.model.layers import RMSNorm
+from disagmoe.model.layers import DeferrableLinear, RMSNorm
 
 
 @dataclass
@@ -111,6 +111,17 @@ class MoETransformer(nn.Module):
         for module in self.modules():
             if isinstance(module, RoutedExperts):
                 module.set_precision(precision)
+
+    def set_dense_fp8(self, enabled: bool, stats=None, _emulate: bool = False) -> None:
+        """The dense projections held here (attention, MLA's, shared experts, dense FFN layers: every
+        `DeferrableLinear`) in FP8, recipe rowwise (`kernels.fp8_dense`), counting into `stats`' dense
+        row (a `kernels.fp8_stats.Fp8Stats`, or None); `TrainConfig.dense_precision`. `_emulate`:
+        tests only (the fp64 dequantise-then-matmul reference instead of torch._scaled_mm)."""
+        from disagmoe.kernels.fp8_stats import DENSE
+        row = None if stats is None else stats.row(DENSE)
+        for module in self.modules():
+            if isinstance(module, DeferrableLinear):
+                module.set_fp8(enabled, row, _emulate)
 
     def set_fp8_stats(self, stats) -> None:
         """One `kernels.fp8_stats.Fp8Stats` for every FP8 expert module (`RoutedExperts.set_fp8_stats`)."""

@@ -211,6 +211,7 @@ class Problem:
     calibration: Calibration | None = None  # measured curves and fixed costs (None: the plain roofline)
     recompute: str = "none"  # none, selective or auto (per candidate: see the module docstring)
     fp8_speedup: float = 1.0  # > 1: the routed experts' GEMMs in FP8, at fp8_tflops / bf16_tflops the rate
+    fp8_dense: bool = False  # with fp8_speedup > 1: the dense projections' GEMMs in FP8 too (rowwise)
     host_capacity_bytes: float = float("inf")  # offloaded: host memory per GPU for masters and moments
 
 
@@ -517,6 +518,8 @@ def evaluate(prob: Problem, c: Candidates) -> Cost:
         stages = calibrated_stages(stages, prob.calibration, ceil, rows / local, float(S), c.colocated, tokens)
     if prob.fp8_speedup > 1:
         stages = fp8_stages(stages, ceil, prob.fp8_speedup, m, rows, exp_params)
+        if prob.fp8_dense:
+            stages = fp8_dense_stages(stages, ceil, prob.fp8_speedup, m, tokens)
 
     def time_of(name: str, bwd: bool):
         stage = stages.get(name)
@@ -603,6 +606,30 @@ def fp8_stages(stages: dict[str, Stage], ceil: Ceilings, speedup: float, m: Mode
     if "optimizer (experts)" in out:
         optimizer = out["optimizer (experts)"]
         out["optimizer (experts)"] = replace(optimizer, bwd=optimizer.bwd + copies)
+    return out
+
+
+# the dense stages FP8 dense projections speed up (`kernels.fp8_dense`), with how often they run
+FP8_DENSE_STAGES = {"attention projections": "layer", "shared experts": "moe", "dense ffn": "dense"}
+
+
+def fp8_dense_stages(stages: dict[str, Stage], ceil: Ceilings, speedup: float, m: ModelConfig,
+                     tokens: Num) -> dict[str, Stage]:
+    """`stages` with the dense projections in FP8 (`precision: fp8`, `fp8_dense`): the attention
+    projections', shared experts' and dense FFN layers' compute rate (bf16 or calibrated) times
+    `speedup` = fp8_tflops / bf16_tflops, and their quantisation passes (`roofline.stages.
+    dense_fp8_quantise_passes`: the rowwise quantisers are separate torch passes over HBM, the
+    weights' e4m3 copies made per call) as one stage beside each, run as often as it."""
+    out = dict(stages)
+    for name, runs in FP8_DENSE_STAGES.items():
+        if name not in out or (name == "shared experts" and not m.shared_ffn_size):
+            continue
+        s = out[name]
+        faster = [replace(s.ceilings(bwd, ceil), flops_per_s=s.ceilings(bwd, ceil).flops_per_s * speedup)
+                  for bwd in (False, True)]
+        out[name] = replace(s, fwd_ceilings=faster[0], bwd_ceilings=faster[1])
+        part = "attention" if name == "attention projections" else name
+        out[f"fp8 quantise ({part})"] = Stage("attention", runs, *st.dense_fp8_quantise_passes(m, tokens, part))
     return out
 
 

@@ -79,6 +79,7 @@ def problem_of(cfg: PlanConfig, gpus: int | None = None) -> Problem:
         # the FP8 experts keep their own rows (train refuses recompute with precision: fp8)
         recompute=cfg.recompute if cfg.experts_backend == "triton" and cfg.expert_precision == "bf16" else "none",
         fp8_speedup=hw.fp8_tflops / hw.bf16_tflops if cfg.expert_precision == "fp8" else 1.0,
+        fp8_dense=cfg.expert_precision == "fp8" and cfg.fp8_dense,
     )
 
 
@@ -497,7 +498,9 @@ def price(cfg: PlanConfig, chosen: Candidates, colocated_step_s: float | None = 
     if prob.fp8_speedup > 1:
         notes.append(f"routed experts priced in FP8 (train with precision: fp8): their GEMMs at {prob.fp8_speedup:.2f}x "
                      "the bf16 rate (fp8_tflops / bf16_tflops, no FP8 rate measured yet), plus the quantisation "
-                     "passes' HBM traffic and two e4m3 weight copies per expert parameter; no recomputation")
+                     "passes' HBM traffic and two e4m3 weight copies per expert parameter; no recomputation"
+                     + ("; the dense projections (attention, shared experts, dense FFN layers) in FP8 too, rowwise "
+                        "(torch._scaled_mm), with their quantisation passes" if prob.fp8_dense else ""))
     if selective:
         notes.append(_recompute_note(cfg, prob, chosen, cost))
     elif prob.recompute == "auto" and fits:

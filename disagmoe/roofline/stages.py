@@ -78,6 +78,30 @@ def attention_projections(m: ModelConfig, tokens: Num) -> Work:
     return Work(flops=2.0 * tokens * weights, hbm_bytes=BF16 * (weights + tokens * io))
 
 
+def dense_fp8_quantise(weights: Num, tokens: Num, inputs: Num, outputs: Num) -> tuple[Work, Work]:
+    """(forward, backward) HBM passes of FP8 dense linears (`kernels.fp8_dense`, rowwise: one fp32
+    scale per row, negligible) with `weights` parameters and `inputs` / `outputs` features per
+    token summed over the linears: forward, each weight and input row read in bf16 and written in
+    e4m3; backward, the weights once more (transposed copies), the inputs along the tokens and the
+    output gradients twice (per token, and along the tokens for the weight gradient)."""
+    per = BF16 + 1
+    return (Work(hbm_bytes=per * (weights + tokens * inputs)),
+            Work(hbm_bytes=per * (weights + tokens * (inputs + 2 * outputs))))
+
+
+def dense_fp8_quantise_passes(m: ModelConfig, tokens: Num, part: str) -> tuple[Work, Work]:
+    """`dense_fp8_quantise` of one layer's `part`: "attention" (q/k/v or MLA's chains, and o:
+    inputs counted as q, k, v each reading the hidden row, an estimate for MLA's chains),
+    "shared experts" or "dense ffn" (SwiGLU: gate and up read the hidden row, down the F row)."""
+    H = m.hidden_size
+    if part == "attention":
+        q, k, v = attention_io_per_token(m)
+        o_in = m.num_heads * (m.mla.v_head_dim if m.mla else m.head_dim)
+        return dense_fp8_quantise(attention_params(m) - H, tokens, 3 * H + o_in, q + k + v + H)
+    F = m.shared_ffn_size if part == "shared experts" else m.dense_ffn_size
+    return dense_fp8_quantise(3.0 * H * F, tokens, 2 * H + F, 2 * F + H)
+
+
 def attention_core(m: ModelConfig, tokens: Num, seq_len: Num) -> Work:
     """Causal softmax(QK^T)V: each query sees (S + 1) / 2 keys on average (flash, no S x S in HBM)."""
     q, k, v = attention_io_per_token(m)

@@ -82,6 +82,7 @@ class RankModel(nn.Module):
     # precision fp8 (`runtime.cluster.worker.setup_fp8`): on the routed experts held here, none on a
     # pure attention rank
     set_expert_precision = MoETransformer.set_expert_precision
+    set_dense_fp8 = MoETransformer.set_dense_fp8  # the dense projections held here (attention side)
     set_fp8_stats = MoETransformer.set_fp8_stats
     prepare_fp8 = MoETransformer.prepare_fp8
     fp8_stats = None  # kernels.fp8_stats.Fp8Stats of the FP8 experts held here (`set_fp8_stats`)

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from disagmoe.model.layers import RMSNorm, SwiGLU, apply_rope, rope_cos_sin
+from disagmoe.model.layers import DeferrableLinear, RMSNorm, SwiGLU, apply_rope, rope_cos_sin
 
 
 def test_rmsnorm_matches_formula():
@@ -77,3 +77,56 @@ def test_cuda_fused_norm_and_rope_are_as_close_to_fp32_as_eager_bf16() -> None:
     set_fusion(True)
     for got, want in zip(compiled, reference, strict=True):
         assert ((got - want).norm() / want.norm()).item() < 3e-2
+
+
+# --- FP8 dense projections (DeferrableLinear.set_fp8, kernels.fp8_dense, recipe rowwise) --------
+
+FP8_REL_BOUND = 7e-2  # e4m3 rowwise against fp64 (tests/kernels/test_fp8_dense.py)
+
+
+def _fp8_rel(got, want):
+    got, want = got.detach().double(), want.detach().double()
+    return float((got - want).norm() / want.norm())
+
+
+def _fp8_linear_inputs(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    lin = DeferrableLinear(64, 48)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(48, 64, generator=gen) / 8)
+    x = torch.randn(2, 24, 64, generator=gen)
+    dy = torch.randn(2, 24, 48, generator=gen)
+    return lin, x, dy
+
+
+def test_fp8_deferrable_linear_tracks_fp64_and_holds_its_weight_grad_back():
+    """Emulated FP8 (dequantise then matmul): output and both gradients within the e4m3 bound of
+    fp64; inside `deferred_weight_grads` d W waits and, once run, equals the plain FP8 backward's."""
+    from disagmoe.kernels.deferral import deferred_weight_grads
+
+    lin, x, dy = _fp8_linear_inputs()
+    lin.set_fp8(True, emulate=True)
+    x_plain = x.clone().requires_grad_()
+    y = lin(x_plain)
+    y.backward(dy)
+    w64, x64, dy64 = lin.weight.double(), x.double().reshape(-1, 64), dy.double().reshape(-1, 48)
+    assert _fp8_rel(y.reshape(-1, 48), x64 @ w64.T) < FP8_REL_BOUND
+    assert _fp8_rel(x_plain.grad.reshape(-1, 64), dy64 @ w64) < FP8_REL_BOUND
+    assert _fp8_rel(lin.weight.grad, dy64.T @ x64) < FP8_REL_BOUND
+    plain_dw = lin.weight.grad.clone()
+    lin.weight.grad = None
+    x_held = x.clone().requires_grad_()
+    with deferred_weight_grads() as held:
+        lin(x_held).backward(dy)
+    assert lin.weight.grad is None and len(held) == 1 and torch.equal(x_held.grad, x_plain.grad)
+    held[0]()
+    assert torch.equal(lin.weight.grad, plain_dw)
+
+
+def test_fp8_deferrable_linear_off_is_the_plain_linear_and_refuses_unaligned_shapes():
+    lin, x, _ = _fp8_linear_inputs()
+    lin.set_fp8(True, emulate=True)
+    lin.set_fp8(False)
+    assert torch.equal(lin(x), torch.nn.functional.linear(x, lin.weight))
+    with pytest.raises(ValueError, match="multiples of 16"):
+        DeferrableLinear(64, 40).set_fp8(True)

@@ -320,6 +320,35 @@ def test_fp8_experts_are_priced_at_the_fp8_rate_with_their_passes_and_copies():
     assert any(n.startswith("routed experts priced in FP8 (train with precision: fp8)") for n in plan.notes)
 
 
+def test_fp8_dense_projections_are_priced_at_the_fp8_rate_with_their_quantise_passes():
+    """`expert_precision: fp8` with `fp8_dense` (the default): the attention projections, shared
+    experts and dense FFN layers at fp8_tflops / bf16_tflops the rate, each with its rowwise
+    quantisation passes as an attention stage run as often; fp8_dense: false leaves them bf16."""
+    layout = Candidates.one(4, 4, 1, 4, 2)
+    hw = load_hardware("h200-sxm")
+    speedup = hw.fp8_tflops / hw.bf16_tflops
+    for model, names in (("qwen3-30b-a3b", ("attention projections",)),
+                         ("deepseek-v3", ("attention projections", "shared experts", "dense ffn"))):
+        bf16, dense, experts_only = (
+            evaluate(problem_of(request(model, "h200-sxm", 8, recompute="none", expert_precision=p, fp8_dense=d)),
+                     layout) for p, d in (("bf16", True), ("fp8", True), ("fp8", False)))
+        ceil = problem_of(request(model, "h200-sxm", 8)).ceilings
+        for name in names:
+            part = "attention" if name == "attention projections" else name
+            for bwd in (False, True):
+                rate = bf16.stages[name].ceilings(bwd, ceil).flops_per_s
+                assert dense.stages[name].ceilings(bwd, ceil).flops_per_s == pytest.approx(rate * speedup)
+                assert experts_only.stages[name].ceilings(bwd, ceil).flops_per_s == pytest.approx(rate)
+            quant = dense.stages[f"fp8 quantise ({part})"]
+            assert quant.group == "attention" and quant.runs == bf16.stages[name].runs
+            assert quant.bwd.hbm_bytes[0] > quant.fwd.hbm_bytes[0] > 0
+            assert f"fp8 quantise ({part})" not in experts_only.stages
+        assert "fp8 quantise (shared experts)" not in dense.stages or model == "deepseek-v3"
+        assert dense.fwd_round_s[0] < experts_only.fwd_round_s[0]
+    plan = solve(request("qwen3-30b-a3b", "h200-sxm", 8, expert_precision="fp8"))
+    assert any("dense projections (attention, shared experts, dense FFN layers) in FP8 too" in n for n in plan.notes)
+
+
 def offload_request(off="auto", hbm_gib=None, host_memory_gib=None, batch=1 << 20, **kw):
     """qwen3-30b-a3b on 8 H200s, optionally with less HBM or host memory per GPU."""
     update = {k: v for k, v in (("hbm_gib", hbm_gib), ("host_memory_gib", host_memory_gib)) if v is not None}

@@ -97,16 +97,23 @@ def reduce_bucket(name: str, num_layers: int) -> str:
     return f"{REPLICATED}.{key}"
 
 
-def setup_fp8(model: Any, topology: Topology, rank: int, precision: str, device: torch.device) -> Fp8Stats | None:
-    """precision fp8 on a rank holding experts: its routed experts run in FP8 (`set_expert_precision`,
-    refused on a GPU without FP8 tensor cores) and count into a new `Fp8Stats`, returned; None on a
-    pure attention rank or under another precision (nothing of its model changes)."""
-    if precision != "fp8" or topology.expert_role(rank) is None:
+def setup_fp8(model: Any, topology: Topology, rank: int, precision: str, device: torch.device,
+              dense_precision: str = "bf16") -> Fp8Stats | None:
+    """precision fp8: the routed experts held here run in FP8 (`set_expert_precision`, refused on a
+    GPU without FP8 tensor cores), and with `dense_precision` fp8 (`TrainConfig.fp8_dense`) an
+    attention rank's dense projections too (`set_dense_fp8`, rowwise); both count into one new
+    `Fp8Stats`, returned. None where nothing here runs in FP8 (nothing of its model changes)."""
+    experts = precision == "fp8" and topology.expert_role(rank) is not None
+    dense = dense_precision == "fp8" and topology.attention_role(rank) is not None
+    if not (experts or dense):
         return None
     if device.type == "cuda":
         check_fp8_device(device)
-    model.set_expert_precision("fp8")
     stats = Fp8Stats(device)
+    if experts:
+        model.set_expert_precision("fp8")
+    if dense:
+        model.set_dense_fp8(True, stats)
     model.set_fp8_stats(stats)
     return stats
 
@@ -152,7 +159,8 @@ class TrainWorker(Worker):
         self.model.set_routing(cfg.routing)
         self.model.set_recompute(cfg.recompute_set)
         self.fp8 = cfg.expert_precision == "fp8"  # every rank then sums the step's FP8 counters
-        self.fp8_stats = setup_fp8(self.model, topology, self.rank, cfg.expert_precision, self.device)
+        self.fp8_stats = setup_fp8(self.model, topology, self.rank, cfg.expert_precision, self.device,
+                                   cfg.dense_precision)
         bucket_of = functools.partial(reduce_bucket, num_layers=topology.num_layers)
         shards = {}
         if cfg.optim.shard_states and attention is not None and topology.data_parallel > 1:

@@ -360,6 +360,8 @@ class SingleProcessTrainer(TrainingLoop):
             self.model.set_expert_precision("fp8")
             self.fp8_stats = Fp8Stats(self.device)  # before the capture below: its kernels keep the address
             self.model.set_fp8_stats(self.fp8_stats)
+            if cfg.dense_precision == "fp8":  # the dense projections too, rowwise (kernels.fp8_dense)
+                self.model.set_dense_fp8(True, self.fp8_stats)
         # plain torch AdamW on fp32 parameters, the reference; it keeps fp32 moments on the device, so bf16
         # ones (optim.state_dtype) or offloaded ones step the flat optimizer over the same fp32 parameters
         self.oracle = (cfg.compute_dtype_name == "fp32" and cfg.optim.state_dtype == "fp32"

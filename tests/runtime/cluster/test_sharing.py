@@ -150,11 +150,11 @@ def test_shared_runs_sum_the_gradient_norm_in_the_arena_and_others_over_the_grou
 
 
 def test_fp8_counters_widen_the_arena_sum_by_their_words():
-    """precision fp8: the norm's word, the 3 kinds' 4 counts and one amax slot per rank and kind."""
+    """precision fp8: the norm's word, the 4 kinds' 4 counts and one amax slot per rank and kind."""
     from disagmoe.kernels.fp8_stats import sum_words
 
     fp8 = shared(precision="fp8", experts_backend="triton", hop="partial_sums")
-    assert stream_sum_width(fp8, 3) == 1 + sum_words(3) == 1 + 12 + 9
+    assert stream_sum_width(fp8, 3) == 1 + sum_words(3) == 1 + 16 + 12
     assert stream_sum_width(fp8.model_copy(update={"ranks_per_gpu": 1}), 3) == 0  # the process group sums
 
 

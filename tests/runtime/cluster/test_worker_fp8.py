@@ -191,3 +191,22 @@ def test_the_driver_writes_the_ranks_reduced_counters_as_mode_single_does():
     assert fp8_step_fields([{"rank": 0}, {"rank": 1}], CPU) == {}  # bf16: no fields
     with pytest.raises(AssertionError, match="reduced FP8 counters differ"):
         fp8_step_fields([{"fp8": values}, {"fp8": [0] * len(values)}], CPU)
+
+
+def test_fp8_dense_sets_the_attention_ranks_projections_with_their_own_counters():
+    """dense_precision fp8 (`TrainConfig.fp8_dense`): a rank holding attention runs every dense
+    projection in FP8 counting into its own `Fp8Stats` (row "dense"), even with bf16 experts; a
+    pure expert rank gets none."""
+    from disagmoe.kernels.fp8_stats import DENSE
+    from disagmoe.model.layers import DeferrableLinear
+
+    topology = topology_of("disaggregated", attention_ranks=1, expert_ranks=1)
+    for rank in range(topology.world_size):
+        model = rank_model(load_model("tiny"), "loop", topology, rank).materialise(CPU, 0)
+        stats = setup_fp8(model, topology, rank, "bf16", CPU, "fp8")
+        linears = [m for m in model.modules() if isinstance(m, DeferrableLinear)]
+        if topology.attention_role(rank) is None:
+            assert stats is None and all(not m.fp8 for m in linears)
+            continue
+        assert isinstance(stats, Fp8Stats) and model.fp8_stats is stats and linears
+        assert all(m.fp8 and m.fp8_stats_row.data_ptr() == stats.row(DENSE).data_ptr() for m in linears)

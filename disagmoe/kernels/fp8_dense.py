@@ -1,0 +1,137 @@
+"""FP8 dense linear y = x W^T (attention projections, shared experts, dense FFN layers) on torch's
+own kernel, `torch._scaled_mm`, under `precision: fp8` (`TrainConfig.fp8_dense`).
+
+Recipe "rowwise" (`RECIPE`), NOT the routed experts' DeepSeek-V3 fine-grained one (1 x 128
+activation tiles, 128 x 128 weight blocks, `kernels.fp8`): `torch._scaled_mm` takes one fp32 scale
+per row of A ([M, 1]) and one per column of B ([1, N]), so every operand gets one scale per row
+along the GEMM's contraction (scale = amax / 448 of that row, e4m3 values, fp32 accumulation
+inside the library kernel, bf16 out). An outlier then costs precision to its whole row, not to
+one 128-wide tile: a coarser recipe than the experts', with its own loss parity to show.
+
+  forward  y_NO  = x_NI W_OI^T   x per token (over I), W per output feature (over I)
+  dgrad    dx_NI = dy_NO W_OI    dy per token (over O), W per input feature (over O)
+  wgrad    dW_OI = dy_NO^T x_NI  the contraction is the tokens: dy^T per output feature and x^T per
+                                 input feature, both over the tokens (per-token scales would sit
+                                 inside the sum and not factor out)
+
+All operands e4m3 (as DeepSeek-V3, also for gradients). The bf16 weight stays the parameter; its
+e4m3 copies are made per call, never stored (checkpoints hold only the bf16/fp32 weights).
+`emulate=True` (tests only) replaces the library GEMM by dequantise-then-matmul in fp64 on the
+same quantised operands: the reference. torch 2.13 also has a CPU `torch._scaled_mm` (the CPU
+tests run it); training under precision fp8 is refused on CPU by `TrainConfig` all the same. Every quantisation can add into an `Fp8Stats` row (kind "dense").
+
+Shape legend: N tokens, I input features, O output features; M / K a GEMM's rows / contraction.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from disagmoe.kernels.fp8_stats import AMAX, NONFINITE, SATURATED, SATURATION_BOUND, TOTAL, UNDERFLOW
+
+RECIPE = "rowwise"
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+ALIGN = 16  # torch._scaled_mm: every GEMM dimension but M a multiple of 16 (wgrad contracts the tokens)
+
+
+def quantize_rowwise(x_MK: torch.Tensor, stats_row: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q_MK e4m3, scale_M1 fp32) with x ~= q * scale: one scale per row, amax / 448 (a zero row
+    gets scale 1 and quantises to zeros). `stats_row`: an `Fp8Stats` row to add the counters into
+    (device ops, no host sync)."""
+    x32 = x_MK.float().contiguous()  # row-major: B operands are this, transposed (column-major)
+    amax_M1 = x32.abs().amax(dim=-1, keepdim=True)
+    scale_M1 = torch.where(amax_M1 > 0, amax_M1 / E4M3_MAX, torch.ones_like(amax_M1))
+    scaled = x32 / scale_M1
+    q_MK = scaled.clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)  # clamp: NaN stays NaN, counted below
+    if stats_row is not None:
+        _count(stats_row, x32, scaled, q_MK)
+    return q_MK, scale_M1
+
+
+def _count(row: torch.Tensor, x32: torch.Tensor, scaled: torch.Tensor, q: torch.Tensor) -> None:
+    """Add one quantisation's counters into `row` (`kernels.fp8_stats` fields), on the device."""
+    finite = x32.isfinite()
+    mag = scaled.abs()
+    amax = torch.where(finite & mag.isfinite(), mag, 0.0).amax() if x32.numel() else x32.new_zeros(())
+    bits = amax.reshape(1).view(torch.int32).to(torch.int64)
+    row[AMAX:AMAX + 1] = torch.maximum(row[AMAX:AMAX + 1], bits)
+    row[SATURATED] += (finite & (mag > SATURATION_BOUND)).sum()
+    row[UNDERFLOW] += (finite & (x32 != 0) & (q.float() == 0)).sum()
+    row[TOTAL] += x32.numel()
+    row[NONFINITE] += (~finite).sum()
+
+
+def scaled_mm(a_MK: torch.Tensor, scale_a_M1: torch.Tensor, b_KN: torch.Tensor, scale_b_1N: torch.Tensor,
+              out_dtype: torch.dtype, emulate: bool = False) -> torch.Tensor:
+    """(a * scale_a) @ (b * scale_b), e4m3 operands, `b_KN` column-major (a transposed row-major
+    tensor). `emulate` (tests): dequantise in fp64 and matmul, instead of `torch._scaled_mm`."""
+    if emulate:
+        return ((a_MK.double() * scale_a_M1.double()) @ (b_KN.double() * scale_b_1N.double())).to(out_dtype)
+    return torch._scaled_mm(a_MK, b_KN, scale_a=scale_a_M1, scale_b=scale_b_1N, out_dtype=out_dtype)
+
+
+def check_shape(in_features: int, out_features: int) -> None:
+    """torch._scaled_mm wants the contraction and the output columns in multiples of 16."""
+    if in_features % ALIGN or out_features % ALIGN:
+        raise ValueError(f"an FP8 dense linear {in_features} -> {out_features}: torch._scaled_mm needs both "
+                         f"dimensions multiples of {ALIGN}; set fp8_dense: false")
+
+
+class Fp8Linear(torch.autograd.Function):
+    """y = x W^T with the three GEMMs in e4m3 (module docstring); d W is returned (the caller
+    defers it with `wgrad` where it holds weight gradients back). Saves the bf16 x and W: the
+    backward's operands are scaled along other dimensions than the forward's, so the forward's
+    e4m3 copies are of no use there."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w_OI: torch.Tensor, stats_row: torch.Tensor | None,
+                emulate: bool) -> torch.Tensor:
+        ctx.save_for_backward(x, w_OI)
+        ctx.stats_row, ctx.emulate = stats_row, emulate
+        return fprop(x, w_OI, stats_row, emulate)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x, w_OI = ctx.saved_tensors
+        dy_NO = dy.reshape(-1, dy.shape[-1])
+        dx = dgrad(dy_NO, w_OI, ctx.stats_row, ctx.emulate).view(x.shape) if ctx.needs_input_grad[0] else None
+        dw = (wgrad(dy_NO, x.reshape(-1, x.shape[-1]), ctx.stats_row, ctx.emulate)
+              if ctx.needs_input_grad[1] else None)
+        return dx, dw, None, None
+
+
+def fprop(x: torch.Tensor, w_OI: torch.Tensor, stats_row: torch.Tensor | None = None,
+          emulate: bool = False) -> torch.Tensor:
+    """y = x W^T, x [..., I]: x scaled per token, W per output feature (both over I)."""
+    x_NI = x.reshape(-1, x.shape[-1])
+    qx_NI, sx_N1 = quantize_rowwise(x_NI, stats_row)
+    qw_OI, sw_O1 = quantize_rowwise(w_OI, stats_row)
+    y_NO = scaled_mm(qx_NI, sx_N1, qw_OI.t(), sw_O1.t(), x.dtype, emulate)
+    return y_NO.view(*x.shape[:-1], w_OI.shape[0])
+
+
+def dgrad(dy_NO: torch.Tensor, w_OI: torch.Tensor, stats_row: torch.Tensor | None = None,
+          emulate: bool = False) -> torch.Tensor:
+    """dx_NI = dy_NO W_OI: dy scaled per token, W per input feature (both over O)."""
+    qdy_NO, sdy_N1 = quantize_rowwise(dy_NO, stats_row)
+    qw_IO, sw_I1 = quantize_rowwise(w_OI.t(), stats_row)
+    return scaled_mm(qdy_NO, sdy_N1, qw_IO.t(), sw_I1.t(), dy_NO.dtype, emulate)
+
+
+def wgrad(dy_NO: torch.Tensor, x_NI: torch.Tensor, stats_row: torch.Tensor | None = None,
+          emulate: bool = False) -> torch.Tensor:
+    """dW_OI = dy_NO^T x_NI, contracting the tokens: dy^T scaled per output feature, x^T per input
+    feature, both over the tokens (N a multiple of 16 on the library kernel)."""
+    if not emulate and dy_NO.shape[0] % ALIGN:
+        raise ValueError(f"the FP8 weight gradient contracts {dy_NO.shape[0]} tokens: torch._scaled_mm needs a "
+                         f"multiple of {ALIGN} (tokens per micro-batch); set fp8_dense: false")
+    qdy_ON, sdy_O1 = quantize_rowwise(dy_NO.t(), stats_row)
+    qx_IN, sx_I1 = quantize_rowwise(x_NI.t(), stats_row)
+    return scaled_mm(qdy_ON, sdy_O1, qx_IN.t(), sx_I1.t(), dy_NO.dtype, emulate)
+
+
+def fp8_linear(x: torch.Tensor, w_OI: torch.Tensor, stats_row: torch.Tensor | None = None,
+               emulate: bool = False) -> torch.Tensor:
+    """y = x W^T in FP8 (`Fp8Linear`), x [..., I], W [O, I]. `emulate`: tests only."""
+    return Fp8Linear.apply(x, w_OI, stats_row, emulate)
