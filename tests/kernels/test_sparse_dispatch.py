@@ -181,3 +181,8 @@ def test_gpu_rows_land_and_a_waiting_reader_sees_them(case):
     torch.cuda.synchronize()
     assert status.tolist() == [0, 0], "every wait saw its flag"
     _check(1, bufs, sd.dispatch_reference(x.cpu(), picked, ids, w.cpu()), counters)
+
+
+def test_warm_up_runs_both_variants_on_scratch(sd):
+    """The set-up launch (the worker's, before any step): both variants run on scratch buffers."""
+    sd.warm_up(40, 24, 2, torch.float32, torch.float32, torch.float32, torch.float32, "cpu")

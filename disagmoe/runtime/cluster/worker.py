@@ -181,6 +181,13 @@ class TrainWorker(Worker):
                     if peer != self.rank:
                         self.transport.reserve(peer, message_key(0, op.payload, op.layer, op.micro_batch),
                                                self.shapes.specs(op.payload, topology.is_moe(op.layer)))
+        if self._peer_stores() and self.device.type == "cuda":  # compile the dispatch kernel now, not mid-step
+            from disagmoe.kernels.sparse_dispatch import warm_up
+
+            rows, _, w, *_ = self.shapes.specs(Payload.DISPATCH, True)
+            drows, dw, _ = self.shapes.specs(Payload.DISPATCH_GRAD, True)
+            warm_up(self.shapes.tokens, self.shapes.hidden, self.shapes.top_k, rows.dtype, w.dtype, drows.dtype,
+                    dw.dtype, self.device)
         self.recorder = SpanRecorder()
         self.gpu_spans = GpuSpans(self.device) if self.device.type == "cuda" else None
         self.watchdog = OpWatchdog(f"rank {self.rank} ({topology.describe(self.rank)})", wait_s)
