@@ -44,6 +44,14 @@ for the flags).
   have landed before any kernel queued afterwards raises that source's flags. The caller calls
   `pair_target` on the stream before the kernel that stores the rows, as it must anyway.
 
+- Sparse dispatch (`dispatch: sparse`): `send_sparse` is the DISPATCH to every remote rank of the
+  set in one Triton launch (`kernels.sparse_dispatch`): each token's row, ids, weights and index
+  stored through the peer view of each serving rank's arena into its segment at the token's
+  prefix-sum offset, the count beside, the segment's flag raised to seq; the load put before
+  (a put and a quiet). `send_counted` is its backward (the first count rows of d x and d w back to
+  the source). Only routed rows cross the link; `recv` is the same as for `send`. The peer views
+  are taken at set-up (`map_peers`).
+
 - all_sum(values): the all-ranks sum of a few float64 words on the current stream, without
   the process group (the arena's `SumRegion`, when the layouts have one): the n-th sum puts
   this rank's values into its share of copy (n - 1) mod 2 in every peer's arena, each put with
@@ -404,6 +412,11 @@ class NvshmemTransport(Transport):
         if table is None:
             table = self._address_tables[key] = address_table(tensors, device)
         return table
+
+    def map_peers(self, ranks: Sequence[int]) -> None:
+        """Take the peer views of `ranks`' arenas now (set-up), for `send_sparse` and `send_counted`."""
+        for dst in ranks:
+            self._dispatch_arena(dst)
 
     def _dispatch_arena(self, dst: int) -> torch.Tensor:
         """`dst`'s arena as a tensor this GPU stores into (its own, or a peer view taken once)."""

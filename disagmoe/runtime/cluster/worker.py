@@ -188,6 +188,9 @@ class TrainWorker(Worker):
             drows, dw, _ = self.shapes.specs(Payload.DISPATCH_GRAD, True)
             warm_up(self.shapes.tokens, self.shapes.hidden, self.shapes.top_k, rows.dtype, w.dtype, drows.dtype,
                     dw.dtype, self.device)
+            peers = {peer for op in self.program if isinstance(op, Send) and op.payload in SPARSE_PAYLOADS
+                     and topology.is_moe(op.layer) for peer in op.peers if peer != self.rank}
+            self.transport.map_peers(sorted(peers))  # the peer views the launches store into, taken now
         self.recorder = SpanRecorder()
         self.gpu_spans = GpuSpans(self.device) if self.device.type == "cuda" else None
         self.watchdog = OpWatchdog(f"rank {self.rank} ({topology.describe(self.rank)})", wait_s)
