@@ -197,7 +197,8 @@ class TrainWorker(Worker):
 
     def _peer_stores(self) -> bool:
         """Whether sparse dispatches go by the transport's peer stores (nvshmem, `dispatch: sparse`)."""
-        return self.shapes.sparse and hasattr(self.transport, "send_sparse")
+        shapes = getattr(self, "shapes", None)  # a worker whose set-up stopped short (tests) has none
+        return bool(shapes is not None and shapes.sparse and hasattr(getattr(self, "transport", None), "send_sparse"))
 
     def info(self) -> dict[str, Any]:
         """The base's facts, with the transport, hop and dispatch this rank really runs once set up."""
