@@ -175,8 +175,9 @@ class Traffic:
 
     `add` takes a message's live bytes (a device tensor where only the rows before a device-side
     count are live, `dispatch: sparse`) and beside it the bytes of the same message with every row
-    live (the dense figure). What is counted is a message's content: nccl, local and today's
-    nvshmem puts move the whole worst-case buffer either way.
+    live (the dense figure). What is counted is a message's content: nccl and local move the whole
+    worst-case buffer either way; nvshmem's sparse dispatch stores only the live rows
+    (`NvshmemTransport.send_sparse`).
     """
 
     def __init__(self, device: torch.device | str = "cpu") -> None:

@@ -44,6 +44,14 @@ for the flags).
   have landed before any kernel queued afterwards raises that source's flags. The caller calls
   `pair_target` on the stream before the kernel that stores the rows, as it must anyway.
 
+- Sparse dispatch (`dispatch: sparse`): `send_sparse` is the DISPATCH to every remote rank of the
+  set in one Triton launch (`kernels.sparse_dispatch`): each token's row, ids, weights and index
+  stored through the peer view of each serving rank's arena into its segment at the token's
+  prefix-sum offset, the count beside, the segment's flag raised to seq; the load put before
+  (a put and a quiet). `send_counted` is its backward (the first count rows of d x and d w back to
+  the source). Only routed rows cross the link; `recv` is the same as for `send`. The peer views
+  are taken at set-up (`map_peers`).
+
 - all_sum(values): the all-ranks sum of a few float64 words on the current stream, without
   the process group (the arena's `SumRegion`, when the layouts have one): the n-th sum puts
   this rank's values into its share of copy (n - 1) mod 2 in every peer's arena, each put with
@@ -207,6 +215,8 @@ class NvshmemTransport(Transport):
         self._pair_received: dict[tuple[int, PairSlot], int] = {}  # (this rank, pair slot) -> landings
         self._extras_in_flight: list[tuple[Any, tuple[torch.Tensor, ...]]] = []  # (event, tensors put before it)
         self._sums = 0  # all-ranks sums so far
+        self._sparse_counters: dict[int, torch.Tensor] = {}  # destinations -> the dispatch kernel's counters
+        self._address_tables: dict[tuple, torch.Tensor] = {}  # (device, addresses) -> the kernel's table
 
     def _peer_arena(self, dst: int) -> torch.Tensor:
         """Rank `dst`'s arena as a tensor this GPU stores into (never this rank's own PE)."""
@@ -290,6 +300,132 @@ class NvshmemTransport(Transport):
         wait_flag(self._flags_W, seg.flag, seq, self.status_2,
                   timeout_s=self.default_timeout_s if timeout_s is None else timeout_s)
         return self.layout.views(self.arena_B, slot, specs, seq - 1)
+
+    # --- sparse dispatch by peer stores (`kernels.sparse_dispatch`) ------------------------------
+
+    def send_sparse(self, dst_ranks: Sequence[int], key: MessageKey, x_TH: torch.Tensor, picked_QT: torch.Tensor,
+                    ids_QTK: torch.Tensor, w_TK: torch.Tensor, extras: Sequence[torch.Tensor]) -> SendHandle:
+        """The sparse DISPATCH of `key` to every rank of `dst_ranks` in one launch: destination q's
+        picked tokens' rows, local ids, weights and token index stored straight into its segment
+        (a peer's arena through its peer view; this rank's own, colocated), the count beside them,
+        then its flag raised to the message's seq, so only routed rows cross the link; `extras`
+        (the message's whole tensors after the count: the source's load) put first, then a quiet.
+        The receiver's `recv` is unchanged: it sees the message `dispatch_messages` builds, with the
+        rows past the count left as they were (never read). The host does not wait."""
+        from disagmoe.kernels.sparse_dispatch import dispatch_rows
+
+        Q, T = picked_QT.shape
+        if len(dst_ranks) != Q:
+            raise ValueError(f"{len(dst_ranks)} destinations for a routing of {Q}: one row of picked per rank")
+        views, seqs, kept = [], [], []
+        stream = torch.cuda.current_stream()
+        for dst in dst_ranks:
+            self._check_peer(dst)
+            slot = self._index[dst].slot(self.rank, key, dst)
+            seq = self._next(self._sent, dst, slot)
+            arena = self._dispatch_arena(dst)
+            seg = self.layouts[dst].segment(slot, seq - 1)
+            specs = list(seg.specs)
+            message = self.layouts[dst].views(arena, slot, specs, seq - 1)
+            if len(message) != 5 + len(extras):
+                raise ValueError(f"the sparse dispatch {key} to rank {dst} has {len(message)} tensors; expected rows, "
+                                 f"ids, weights, index, count and {len(extras)} extras (dispatch: sparse specs)")
+            for i, tensor in enumerate(extras):
+                payload = tensor.detach().contiguous()
+                kept.append(payload)
+                if dst == self.rank:  # its own arena (`.data`, see `_put_extras`): a copy
+                    message[5 + i].copy_(payload)
+                elif payload.numel():
+                    self.nv.put(self._symmetric(seg.offsets[5 + i], payload.nbytes), self._local(payload),
+                                remote_pe=dst, stream=stream)
+            views.append((message, self.layouts[dst].flags(arena)[seg.flag:seg.flag + 1]))
+            seqs.append(seq)
+        if any(dst != self.rank for dst in dst_ranks) and extras:
+            self.nv.quiet(stream=stream)  # the extras land before any flag the kernel raises
+        if len(set(seqs)) != 1:
+            raise ValueError(f"the sparse dispatch {key}: its destinations count different messages {seqs}; every "
+                             "message of the slot must go through send_sparse (or every one through send)")
+
+        def table(i: int) -> torch.Tensor:
+            return self._table([message[i] for message, _ in views], x_TH.device)
+
+        counters = self._sparse_counters.get(Q)
+        if counters is None:
+            counters = self._sparse_counters[Q] = torch.zeros(Q, dtype=torch.int32, device=x_TH.device)
+        dispatch_rows(x_TH.detach(), picked_QT, seqs[0], rows=table(0), ids_QTK=ids_QTK.to(torch.int32),
+                      ids=table(1), w_TK=w_TK.detach(), w=table(2), index=table(3), counts=table(4),
+                      flags=self._table([flag for _, flag in views], x_TH.device), counters_Q=counters)
+        self._extras_in_flight = [(e, ts) for e, ts in self._extras_in_flight if not e.query()]
+        event = torch.cuda.Event()
+        event.record(stream)
+        self._extras_in_flight.append((event, tuple(kept)))  # alive until the stream passed the puts
+        return EventSendHandle(event, [x_TH, picked_QT, ids_QTK, w_TK, *kept])
+
+    def send_counted(self, dst_rank: int, key: MessageKey, dx_TH: torch.Tensor, dw_TK: torch.Tensor,
+                     count_1: torch.Tensor, extras: Sequence[torch.Tensor]) -> SendHandle:
+        """The sparse DISPATCH_GRAD of `key` to its source `dst_rank`: the first count_1[0] rows of
+        d x and d w (the rows it sent, in their received order; int32 [1] on the device, never read
+        here) stored into its segment, `extras` (the load) put first, then the flag: the backward
+        of `send_sparse`, the same launch with one destination. `recv` is unchanged."""
+        from disagmoe.kernels.sparse_dispatch import return_rows
+
+        self._check_peer(dst_rank)
+        slot = self._index[dst_rank].slot(self.rank, key, dst_rank)
+        seq = self._next(self._sent, dst_rank, slot)
+        arena = self._dispatch_arena(dst_rank)
+        seg = self.layouts[dst_rank].segment(slot, seq - 1)
+        message = self.layouts[dst_rank].views(arena, slot, list(seg.specs), seq - 1)
+        if len(message) != 2 + len(extras):
+            raise ValueError(f"the sparse dispatch gradient {key} to rank {dst_rank} has {len(message)} tensors; "
+                             f"expected d x, d w and {len(extras)} extras")
+        stream = torch.cuda.current_stream()
+        kept = []
+        for i, tensor in enumerate(extras):
+            payload = tensor.detach().contiguous()
+            kept.append(payload)
+            if dst_rank == self.rank:
+                message[2 + i].copy_(payload)
+            elif payload.numel():
+                self.nv.put(self._symmetric(seg.offsets[2 + i], payload.nbytes), self._local(payload),
+                            remote_pe=dst_rank, stream=stream)
+        if dst_rank != self.rank and extras:
+            self.nv.quiet(stream=stream)  # the extras land before the flag
+        scratch = self._sparse_counters.setdefault(-1, torch.zeros(2, dtype=torch.int32, device=dx_TH.device))
+        device = dx_TH.device
+        return_rows(dx_TH.detach(), count_1.to(torch.int32), seq, rows=self._table([message[0]], device),
+                    dw_TK=dw_TK.detach(), w=self._table([message[1]], device),
+                    counts=self._table([scratch[1:]], device),  # the message has no count word
+                    flags=self._table([self.layouts[dst_rank].flags(arena)[seg.flag:seg.flag + 1]], device),
+                    counters_1=scratch[:1])
+        self._extras_in_flight = [(e, ts) for e, ts in self._extras_in_flight if not e.query()]
+        event = torch.cuda.Event()
+        event.record(stream)
+        self._extras_in_flight.append((event, tuple(kept)))
+        return EventSendHandle(event, [dx_TH, dw_TK, count_1, *kept])
+
+    def _table(self, tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+        """The kernel's address table of `tensors` (arena views: the same few addresses every step),
+        made once per address set: a table made per message would copy from the host each time."""
+        from disagmoe.kernels.sparse_dispatch import address_table
+
+        key = (device, tuple(t.data_ptr() for t in tensors))
+        table = self._address_tables.get(key)
+        if table is None:
+            table = self._address_tables[key] = address_table(tensors, device)
+        return table
+
+    def map_peers(self, ranks: Sequence[int]) -> None:
+        """Take the peer views of `ranks`' arenas now (set-up), for `send_sparse` and `send_counted`."""
+        for dst in ranks:
+            self._dispatch_arena(dst)
+
+    def _dispatch_arena(self, dst: int) -> torch.Tensor:
+        """`dst`'s arena as a tensor this GPU stores into (its own, or a peer view taken once)."""
+        if dst == self.rank:
+            return self.arena_B.data
+        if dst not in self._peer_arenas:
+            self._peer_arenas[dst] = self._peer_arena(dst)
+        return self._peer_arenas[dst]
 
     # --- pair-row messages (module docstring) ---------------------------------------------------
 

@@ -697,7 +697,9 @@ def _dispatch_note(model, ranks: int, load_peak_ratio: float, disaggregated: boo
                     if load_peak_ratio > 1 else "")
     return (f"dispatch priced sparse (train with dispatch: auto on nvshmem, or sparse): a token reaches "
             f"{float(sent):.2f} of the {ranks} {where} on average (top-{model.top_k} of {model.num_experts} "
-            f"experts, uniform routing){busiest_text}; dense dispatch would send it to all {ranks}")
+            f"experts, uniform routing){busiest_text}; dense dispatch would send it to all {ranks}; only the routed "
+            "rows cross the link on nvshmem (one Triton launch of peer stores), nccl and local move the worst-case "
+            "buffer")
 
 
 def _stage_times(cost: Cost, prob: Problem, c: Candidates) -> list[StageTime]:

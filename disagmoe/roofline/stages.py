@@ -262,7 +262,9 @@ def dispatch_rows(m: ModelConfig, ranks: Num, imbalance: Num = 1.0) -> tuple[Num
     the set receives, bytes a row adds). Sparse: a token goes to ranks x rank_reach(1 / ranks) GPUs
     on average, the busiest GPU (`imbalance` times the mean share of pairs, a load histogram's
     peak) gets rank_reach(imbalance / ranks) of the tokens, and each row carries its token index.
-    Dense (one GPU): every token to every GPU."""
+    These are the bytes the nvshmem runtime moves (one Triton launch stores only the routed rows,
+    `kernels.sparse_dispatch`); nccl and local move the worst-case buffer. Dense (one GPU): every
+    token to every GPU."""
     ranks = np.asarray(ranks, dtype=float)
     share = 1.0 / np.maximum(ranks, 1.0)
     sparse = ranks > 1

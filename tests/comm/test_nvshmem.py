@@ -855,3 +855,81 @@ def test_a_pair_landing_carries_the_receive_timeout(fake_cuda):
     spec = _pair_spec(COLOCATED, 0, 1, 0)
     assert t0.pair_landing(message_key(0, Payload.COMBINE, 1, 0), spec).timeout_s == t0.default_timeout_s
     assert t0.pair_landing(message_key(1, Payload.COMBINE, 1, 0), spec, timeout_s=3.0).timeout_s == 3.0
+
+
+# --- sparse dispatch by peer stores (`NvshmemTransport.send_sparse` / `send_counted`) -----------
+
+SPARSE_SHAPES = MessageShapes(rows=1, seq_len=40, hidden=24, top_k=2, num_experts=8, dtype=torch.float32,
+                              shared_experts=False, sparse=True)
+
+
+def _sparse_transports(topology) -> list[NvshmemTransport]:
+    """`_cpu_transports` with sparse-dispatch fp32 specs (the interpreter runs the kernel)."""
+    specs_of = lambda payload, layer: SPARSE_SHAPES.specs(payload, topology.is_moe(layer))  # noqa: E731
+    layouts = symmetric_layouts(topology.programs(MICRO_BATCHES), specs_of)
+    arenas = [torch.zeros(layouts[0].nbytes, dtype=torch.uint8) for _ in layouts]
+    transports = []
+    for rank in range(len(layouts)):
+        transport = object.__new__(NvshmemTransport)
+        Transport.__init__(transport, rank, len(layouts), 30.0)
+        transport._plan(layouts)
+        transport.nv = _FakeNv(rank, arenas, [])
+        transport.device = torch.device("cpu")
+        transport.arena_B = arenas[rank]
+        transport._base = SYMMETRIC_BASE
+        transport.status_2 = torch.zeros(2, dtype=torch.int32)
+        transport._flags_W = layouts[rank].flags(arenas[rank])
+        transport._peer_arenas = {dst: arenas[dst] for dst in range(len(layouts)) if dst != rank}
+        transports.append(transport)
+    return transports
+
+
+@pytest.mark.parametrize("experts", [2, 3])
+@pytest.mark.parametrize("skew", [False, True], ids=["uniform", "skewed"])
+def test_sparse_dispatch_by_peer_stores_delivers_the_send_recv_message(interpreted, fake_cuda, experts, skew):
+    """1 attention rank and 2 or 3 expert ranks, CPU arenas: `send_sparse` (one launch for every
+    destination) lands at each expert rank, through its unchanged `recv`, what `dispatch_messages`
+    builds for it (the first `count` rows, the count, the load); rows past the count are never
+    written (only routed rows move); the backward `send_counted` returns d x and d w of the rows
+    received, and again only those. Two messages of the slot (both copies), skewed routing leaves
+    expert ranks empty."""
+    interpreted("disagmoe.kernels.signal", "disagmoe.kernels.sparse_dispatch")
+    from disagmoe.runtime.stages.sparse_dispatch import dispatch_messages
+
+    topology = Topology.disaggregated(Layout(1, experts, 1, 2, 0), SPARSE_SHAPES.num_experts)
+    transports = _sparse_transports(topology)
+    attention, ranks = transports[0], list(topology.expert_groups[0])
+    T, H, K, E = SPARSE_SHAPES.tokens, SPARSE_SHAPES.hidden, SPARSE_SHAPES.top_k, SPARSE_SHAPES.num_experts
+    gen = torch.Generator().manual_seed(experts + 10 * skew)
+    per = -(-E // len(ranks))
+    dispatch = SPARSE_SHAPES.specs(Payload.DISPATCH, True)
+    grad = SPARSE_SHAPES.specs(Payload.DISPATCH_GRAD, True)
+    for step in range(2):
+        topk = torch.stack([torch.randperm(2 if skew else E, generator=gen)[:K] for _ in range(T)])
+        owner = topk // per
+        local_QTK = torch.stack([torch.where(owner == q, topk % per, per) for q in range(len(ranks))]).to(torch.int32)
+        x, w = torch.randn(T, H, generator=gen), torch.rand(T, K, generator=gen)
+        load = torch.bincount(topk.flatten(), minlength=E)
+        messages, _, count_Q1 = dispatch_messages(x, local_QTK, torch.full((len(ranks),), per, dtype=torch.int32),
+                                                  w, load)
+        key = message_key(step, Payload.DISPATCH, 0, 0)
+        attention.send_sparse(ranks, key, x, (local_QTK < per).any(2), local_QTK, w, [load])
+        for q, rank in enumerate(ranks):
+            got = transports[rank].recv(0, key, dispatch)
+            n = int(count_Q1[q])
+            assert got[4].tolist() == [n] and torch.equal(got[5], load)
+            for mine, want in zip(got[:4], messages[q][:4], strict=True):
+                assert torch.equal(mine[:n], want[:n])
+            if step == 0:  # copy 0 of the segment, zero before: the rows past the count were not written
+                assert (got[0][n:] == 0).all() and (got[3][n:] == 0).all()
+            dx, dw = torch.randn(T, H, generator=gen), torch.randn(T, K, generator=gen)
+            grad_key = message_key(step, Payload.DISPATCH_GRAD, 0, 0)
+            transports[rank].send_counted(0, grad_key, dx, dw, got[4], [load])
+            back = attention.recv(rank, grad_key, grad)
+            assert torch.equal(back[0][:n], dx[:n]) and torch.equal(back[1][:n], dw[:n])
+            assert torch.equal(back[2], load)
+            if step == 0:
+                assert (back[0][n:] == 0).all()
+        if skew:
+            assert int(count_Q1[-1]) == 0, "skewed routing leaves the last expert rank empty"
+    assert all(t.status_2.tolist() == [0, 0] for t in transports)

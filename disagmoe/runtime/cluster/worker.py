@@ -80,6 +80,8 @@ from disagmoe.runtime.observe.trace import SpanRecorder
 from disagmoe.runtime.cluster.watchdog import OpWatchdog
 from disagmoe.runtime.training.trainer import check_fp8_device
 
+SPARSE_PAYLOADS = (Payload.DISPATCH, Payload.DISPATCH_GRAD)  # sent by peer stores on nvshmem (`_send_by_peer_stores`)
+
 REPLICATED, EXPERTS = "replicated", "experts"  # FlatAdamW buckets: all-reduced over data parallel, or not
 
 
@@ -188,9 +190,24 @@ class TrainWorker(Worker):
         for (peer, payload, layer, mb), (pool, index) in slots.slot.items():
             key = message_key(0, Payload(payload), layer, mb)
             self.transport.reserve(peer, key, self.shapes.specs(Payload(payload), pool[2]), slot=(pool, index))
+        if self._peer_stores() and self.device.type == "cuda":  # compile the dispatch kernel now, not mid-step
+            from disagmoe.kernels.sparse_dispatch import warm_up
+
+            rows, _, w, *_ = self.shapes.specs(Payload.DISPATCH, True)
+            drows, dw, _ = self.shapes.specs(Payload.DISPATCH_GRAD, True)
+            warm_up(self.shapes.tokens, self.shapes.hidden, self.shapes.top_k, rows.dtype, w.dtype, drows.dtype,
+                    dw.dtype, self.device)
+            peers = {peer for op in self.program if isinstance(op, Send) and op.payload in SPARSE_PAYLOADS
+                     and topology.is_moe(op.layer) for peer in op.peers if peer != self.rank}
+            self.transport.map_peers(sorted(peers))  # the peer views the launches store into, taken now
         self.recorder = SpanRecorder()
         self.gpu_spans = GpuSpans(self.device) if self.device.type == "cuda" else None
         self.watchdog = OpWatchdog(f"rank {self.rank} ({topology.describe(self.rank)})", wait_s)
+
+    def _peer_stores(self) -> bool:
+        """Whether sparse dispatches go by the transport's peer stores (nvshmem, `dispatch: sparse`)."""
+        shapes = getattr(self, "shapes", None)  # a worker whose set-up stopped short (tests) has none
+        return bool(shapes is not None and shapes.sparse and hasattr(getattr(self, "transport", None), "send_sparse"))
 
     def info(self) -> dict[str, Any]:
         """The base's facts, with the transport, hop and dispatch this rank really runs once set up."""
@@ -252,7 +269,7 @@ class TrainWorker(Worker):
             self.attention.begin_step(step)
         if self.experts is not None:
             self.experts.begin_step()
-        mail = Mailbox(self.rank)
+        mail = Mailbox(self.rank, self._peer_stores())
         handles: list[SendHandle] = []
         result: dict[str, Any] = {}
         self._held_back = ("", [])
@@ -332,7 +349,7 @@ class TrainWorker(Worker):
                 self.experts.begin_step()
             if self.gpu_spans is not None:
                 self.gpu_spans.begin_step()
-            mail, handles = Mailbox(self.rank), []
+            mail, handles = Mailbox(self.rank, self._peer_stores()), []
             for op in forward:
                 with self.watchdog.op(f"evaluation batch {batch}: {_op_name(op)}"):
                     if isinstance(op, Loss):
@@ -395,6 +412,11 @@ class TrainWorker(Worker):
         if isinstance(op, (Send, Recv)) and self._is_pair(op):
             self._run_pairs(op, step, mail, handles)
             return
+        if isinstance(op, Send) and mail.peer_stores and self.shapes.sparse and op.payload in SPARSE_PAYLOADS \
+                and self.topology.is_moe(op.layer):
+            with self.recorder.span(_op_name(op), "send"):
+                self._send_by_peer_stores(op, step, mail, handles)
+            return
         if isinstance(op, Send):
             with self.recorder.span(_op_name(op), "send"):
                 for peer in op.peers:
@@ -442,6 +464,28 @@ class TrainWorker(Worker):
                                    self.attention.backward(op.layer, op.micro_batch, mail))
             else:
                 raise AssertionError(f"unknown op {op!r}")
+
+    def _send_by_peer_stores(self, op: Send, step: int, mail: Mailbox, handles: list[SendHandle]) -> None:
+        """A sparse DISPATCH (or its gradient) on nvshmem: one launch stores only the routed rows
+        into the peers' segments (`NvshmemTransport.send_sparse`, `send_counted`); the posted
+        messages are dropped unsent (they are what the receivers' `recv` sees)."""
+        key = message_key(step, op.payload, op.layer, op.micro_batch)
+        remote = [peer for peer in op.peers if peer != self.rank]  # to itself: delivered by `Mailbox.post`
+        if op.payload is Payload.DISPATCH:
+            x_TH, picked_QT, local_QTK, w_TK, load_E, ranks = mail.unstash((op.payload, op.layer, op.micro_batch))
+            for peer in remote:
+                self._count_dispatch(mail.outgoing(op.payload, op.layer, op.micro_batch, peer))
+            if remote:
+                if remote != list(ranks):  # colocated: this rank's own row out, by slices (no index from the host)
+                    rows = [ranks.index(peer) for peer in remote]
+                    picked_QT = torch.cat([picked_QT[i:i + 1] for i in rows])
+                    local_QTK = torch.cat([local_QTK[i:i + 1] for i in rows])
+                handles.append(self.transport.send_sparse(remote, key, x_TH, picked_QT, local_QTK, w_TK, [load_E]))
+            return
+        for peer in remote:  # DISPATCH_GRAD: d x, d w of the rows `peer` sent, then its load
+            dx_TH, dw_TK, load_E = mail.outgoing(op.payload, op.layer, op.micro_batch, peer)
+            (count_1,) = mail.unstash((op.payload, op.layer, op.micro_batch, peer))
+            handles.append(self.transport.send_counted(peer, key, dx_TH, dw_TK, count_1, [load_E]))
 
     def _count_dispatch(self, tensors: list[torch.Tensor]) -> None:
         """The rows one DISPATCH message carried (`comm.base.Traffic`): sparse, its count's rows

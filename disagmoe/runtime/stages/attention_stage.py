@@ -213,9 +213,14 @@ class AttentionStage:
         sent = None
         if self.sparse:  # to each rank only the tokens it serves (`runtime.stages.sparse_dispatch`)
             route = self.routes[layer]
-            messages, index_QN, count_Q1 = dispatch_messages(routing.xn_NH, route(routing.topk_idx_NK),
-                                                             route.num_local_Q, routing.topk_w_NK, routing.load_E)
+            local_QNK = route(routing.topk_idx_NK)
+            messages, index_QN, count_Q1 = dispatch_messages(routing.xn_NH, local_QNK, route.num_local_Q,
+                                                             routing.topk_w_NK, routing.load_E)
             sent = (index_QN, count_Q1)
+            if mail.peer_stores:  # the send op's one launch stores the picked rows (`NvshmemTransport.send_sparse`)
+                picked_QN = (local_QNK < route.num_local_Q.view(-1, 1, 1)).any(2)
+                mail.stash((Payload.DISPATCH, layer, mb), (routing.xn_NH.detach(), picked_QN, local_QNK,
+                                                           routing.topk_w_NK.detach(), routing.load_E, tuple(ranks)))
         for rank, message in zip(ranks, messages, strict=True):
             mail.post(Payload.DISPATCH, layer, mb, rank, message)
         carry = [h_BSH] + ([] if shared_NH is None else [shared_NH])

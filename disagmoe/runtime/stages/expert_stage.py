@@ -100,6 +100,7 @@ class ExpertSegment:
     outputs: list[torch.Tensor]  # the partial sums per destination
     load_E: torch.Tensor  # the micro-batch's expert load over all sources
     pairs: list[PairRows] | None = None  # pair_rows: per source, what its backward needs
+    counts: list[torch.Tensor] | None = None  # sparse: per source, the count of rows it sent (int32 [1])
 
 
 class ExpertStage:
@@ -148,7 +149,8 @@ class ExpertStage:
             placement = message[3:5] if self.sparse else []  # the rows' token index and count
             mail.post(Payload.COMBINE, layer, mb, dst, [partial_NH, *placement])
         load_E = self._load(messages)
-        self.segments[(layer, mb)] = ExpertSegment(xs + ws, outputs, load_E)
+        counts = [message[4] for message in messages] if self.sparse else None
+        self.segments[(layer, mb)] = ExpertSegment(xs + ws, outputs, load_E, counts=counts)
 
     def backward(self, layer: int, mb: int, mail: Mailbox) -> list[Callable[[], None]]:
         """ExpertBackward(layer, mb): the input gradients now; returns the weight-gradient work
@@ -168,6 +170,8 @@ class ExpertStage:
         for d, src in enumerate(self.sources):
             x_leaf, w_leaf = segment.inputs[d], segment.inputs[D + d]
             mail.post(Payload.DISPATCH_GRAD, layer, mb, src, [_grad(x_leaf), _grad(w_leaf), segment.load_E])
+            if self.sparse and mail.peer_stores and src != mail.rank:  # only the rows received go back
+                mail.stash((Payload.DISPATCH_GRAD, layer, mb, src), (segment.counts[d],))
         return held
 
 

@@ -54,8 +54,12 @@ PAIR_PAYLOADS = (Payload.COMBINE, Payload.DISPATCH_GRAD)  # pair-row messages wi
 class Mailbox:
     """Posted (outgoing) and received (incoming) messages of one rank, by slot and peer."""
 
-    def __init__(self, rank: int) -> None:
+    def __init__(self, rank: int, peer_stores: bool = False) -> None:
+        """`peer_stores`: the transport stores sparse dispatches itself (`NvshmemTransport.send_sparse`),
+        so the stages also leave their routing (`stash`) for the send op."""
         self.rank = rank
+        self.peer_stores = peer_stores
+        self._stashed: dict[tuple, tuple] = {}  # (payload, layer, mb[, peer]) -> what the peer-store send needs
         self._outgoing: dict[Slot, dict[int, list[torch.Tensor]]] = defaultdict(dict)
         self._incoming: dict[Slot, dict[int, list[torch.Tensor]]] = defaultdict(dict)
         self._targets: dict[tuple[Payload, int, int, int], PairTarget] = {}  # (payload, layer, mb, dst)
@@ -112,8 +116,18 @@ class Mailbox:
                                        "received")
         return self._landings.pop(key)
 
+    # sparse dispatch by peer stores (`peer_stores`): what the send op's one launch needs, beside the messages
+
+    def stash(self, key: tuple, value: tuple) -> None:
+        self._stashed[key] = value
+
+    def unstash(self, key: tuple) -> tuple:
+        assert key in self._stashed, f"rank {self.rank}: nothing stashed for the peer-store send {key}"
+        return self._stashed.pop(key)
+
     def empty(self) -> bool:
-        return not (any(self._outgoing.values()) or any(self._incoming.values()) or self._targets or self._landings)
+        return not (any(self._outgoing.values()) or any(self._incoming.values()) or self._targets or self._landings
+                    or self._stashed)
 
 
 @dataclass(frozen=True)
@@ -223,8 +237,8 @@ def dispatch_mode(cfg, model_cfg, topology) -> tuple[str, str]:
     if cfg.transport != "nvshmem":
         return "dense", (f"{per_set}, but transport {cfg.transport} moves the worst-case buffer either way "
                          "(sparse dispatch saves bytes on nvshmem)")
-    return "sparse", (f"{per_set}: a token goes only to the ranks serving its top-k experts (today's puts still "
-                      "move the worst-case buffer: the count-sized put is the Triton dispatch kernel's)")
+    return "sparse", (f"{per_set}: a token goes only to the ranks serving its top-k experts ("
+                      "one Triton launch stores only the routed rows into the peers' segments)")
 
 
 def receive_layouts(cfg, shapes: MessageShapes, topology, sum_width: int = 0) -> list:

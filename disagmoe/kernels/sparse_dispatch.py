@@ -1,0 +1,201 @@
+"""The one-sided sparse dispatch (issue 25 item 2): one launch per (layer, micro-batch) stores each
+token's row straight into the receive buffer of every destination that serves it, at its offset
+there, then writes the destination's count and raises this source's flag to the message's seq.
+The backward is the same launch with one destination: d x of the received rows back to their
+source, in the received order, only the first `count` rows.
+
+Contract (`dispatch_rows`): destination q takes the tokens t with picked[q, t], in token order;
+its row slot is the number of picked tokens of q before t (a prefix sum on the device, inside the
+launch: no host read). Into q's buffers go rows[slot] = x[t], ids[slot] = ids_QTK[q, t] (its pairs'
+local expert ids on q), w[slot] = w[t], index[slot] = t; rows at or past the count are left as they
+were (never read: `runtime.stages.sparse_dispatch.valid_rows`). Then count[0] = the picked tokens,
+and flag = seq with a release at system scope: a receiver that acquire-waits for seq
+(`signal.wait_flag`) sees every row and the count. So only routed rows cross the link.
+
+Destinations are addressed by tables of int64 addresses, one per payload ([Q] each): on the GPU the
+peers' symmetric buffers (`nvshmem.core.get_peer_tensor`, the same offset in each peer's arena),
+in the interpreter (CPU tests) local tensors standing for them. Grid: (Q, chunks); a chunk's
+program counts the picked tokens before its chunk itself (Q T bytes read, no second launch), and
+the chunk finishing last for q (a counter per destination, zero again after the launch) writes the
+count and raises the flag.
+
+Shape legend: Q destinations, T tokens of the source, H row width, K top-k.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+
+DEFAULT_CHUNKS = 4  # programs per destination (the interpreter runs them one after another)
+
+
+@triton.jit(do_not_specialize=["seq"])  # `signal.MESSAGE_VALUES`
+def _dispatch_rows_kernel(x_ptr, ids_ptr, w_ptr, picked_ptr, rows_tab, ids_tab, w_tab, index_tab, count_tab,
+                          flag_tab, counters_ptr, seq, T, H, K, chunk_tokens, chunks, stride_x,
+                          HAS_IDS: tl.constexpr, HAS_W: tl.constexpr, HAS_INDEX: tl.constexpr,
+                          BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
+    q = tl.program_id(0)
+    c = tl.program_id(1)
+    start = c * chunk_tokens
+    end = tl.minimum(start + chunk_tokens, T)
+    rows_dst = tl.load(rows_tab + q).to(tl.pointer_type(x_ptr.dtype.element_ty))
+    slot0 = tl.zeros((), dtype=tl.int32)  # picked tokens of q before this chunk: the prefix
+    for t0 in range(0, start, BLOCK_T):
+        toks = t0 + tl.arange(0, BLOCK_T)
+        slot0 += tl.sum(tl.load(picked_ptr + q * T + toks, mask=toks < start, other=0).to(tl.int32))
+    ks = tl.arange(0, BLOCK_K)
+    k_ok = ks < K
+    for t0 in range(start, end, BLOCK_T):
+        toks = t0 + tl.arange(0, BLOCK_T)
+        tok_ok = toks < end
+        p_T = tl.load(picked_ptr + q * T + toks, mask=tok_ok, other=0).to(tl.int32)
+        slot_T = (slot0 + tl.cumsum(p_T, 0) - 1).to(tl.int64)
+        send_T = tok_ok & (p_T != 0)
+        for h0 in range(0, H, BLOCK_H):
+            cols = h0 + tl.arange(0, BLOCK_H)
+            m = send_T[:, None] & (cols < H)[None, :]
+            x_TH = tl.load(x_ptr + toks.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=m)
+            tl.store(rows_dst + slot_T[:, None] * H + cols[None, :], x_TH, mask=m)
+        mk = send_T[:, None] & k_ok[None, :]
+        if HAS_IDS:
+            ids_dst = tl.load(ids_tab + q).to(tl.pointer_type(tl.int32))
+            ids_TK = tl.load(ids_ptr + (q * T + toks.to(tl.int64))[:, None] * K + ks[None, :], mask=mk)
+            tl.store(ids_dst + slot_T[:, None] * K + ks[None, :], ids_TK, mask=mk)
+        if HAS_W:
+            w_dst = tl.load(w_tab + q).to(tl.pointer_type(w_ptr.dtype.element_ty))
+            w_TK = tl.load(w_ptr + toks.to(tl.int64)[:, None] * K + ks[None, :], mask=mk)
+            tl.store(w_dst + slot_T[:, None] * K + ks[None, :], w_TK, mask=mk)
+        if HAS_INDEX:
+            index_dst = tl.load(index_tab + q).to(tl.pointer_type(tl.int32))
+            tl.store(index_dst + slot_T, toks.to(tl.int32), mask=send_T)
+        slot0 += tl.sum(p_T)
+    tl.debug_barrier()  # every thread's stores of this chunk precede the counting
+    done = tl.atomic_add(counters_ptr + q, 1, sem="acq_rel", scope="sys")
+    if done == chunks - 1:  # the last chunk of q to finish: every row of q has been stored
+        total = tl.zeros((), dtype=tl.int32)
+        for t0 in range(0, T, BLOCK_T):
+            toks = t0 + tl.arange(0, BLOCK_T)
+            total += tl.sum(tl.load(picked_ptr + q * T + toks, mask=toks < T, other=0).to(tl.int32))
+        count_dst = tl.load(count_tab + q).to(tl.pointer_type(tl.int32))
+        tl.atomic_xchg(count_dst, total, sem="relaxed", scope="sys")
+        tl.atomic_xchg(counters_ptr + q, 0, sem="relaxed", scope="gpu")
+        flag_dst = tl.load(flag_tab + q).to(tl.pointer_type(tl.int64))
+        tl.atomic_xchg(flag_dst, seq.to(tl.int64), sem="release", scope="sys")
+
+
+def address_table(tensors: Sequence[torch.Tensor], device: torch.device | str) -> torch.Tensor:
+    """int64 [Q]: each tensor's address (a peer's symmetric buffer, or a local stand-in). Build it
+    once per buffer set (at set-up: the arena's peer views do not move), not per message."""
+    host = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64)
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)  # pinned: a copy on the stream, no host wait
+
+
+def warm_up(tokens: int, hidden: int, top_k: int, x_dtype: torch.dtype, w_dtype: torch.dtype,
+            dx_dtype: torch.dtype, dw_dtype: torch.dtype, device: torch.device | str) -> None:
+    """Compile and load both launch variants (dispatch, return) for a run's shapes at set-up, into
+    scratch buffers: a variant's first launch loads its module, which waits for the GPU's running
+    kernels, and mid-step one of them may be a flag wait of this process (`kernels.signal`)."""
+    def scratch(shape, dtype):
+        return torch.zeros(shape, dtype=dtype, device=device)
+
+    x, w = scratch((tokens, hidden), x_dtype), scratch((tokens, top_k), w_dtype)
+    rows, ids, ws, index = (scratch((tokens, hidden), x_dtype), scratch((tokens, top_k), torch.int32),
+                            scratch((tokens, top_k), w_dtype), scratch((tokens,), torch.int32))
+    count, flag = scratch((1,), torch.int32), scratch((1,), torch.int64)
+    tables = {name: address_table([t], device) for name, t in
+              dict(rows=rows, ids=ids, w=ws, index=index, counts=count, flags=flag).items()}
+    dispatch_rows(x, scratch((1, tokens), torch.bool), 1, ids_QTK=scratch((1, tokens, top_k), torch.int32), w_TK=w,
+                  counters_Q=scratch((1,), torch.int32), **tables)
+    dx, dw = scratch((tokens, hidden), dx_dtype), scratch((tokens, top_k), dw_dtype)
+    drows, dws = scratch((tokens, hidden), dx_dtype), scratch((tokens, top_k), dw_dtype)
+    return_rows(dx, scratch((1,), torch.int32), 1, rows=address_table([drows], device), dw_TK=dw,
+                w=address_table([dws], device), counts=tables["counts"], flags=tables["flags"],
+                counters_1=scratch((1,), torch.int32))
+    if torch.device(device).type == "cuda":
+        torch.cuda.current_stream(device).synchronize()  # set-up, not a step: the scratch outlives the launches
+
+
+def dispatch_rows(x_TH: torch.Tensor, picked_QT: torch.Tensor, seq: int, *, rows: torch.Tensor,
+                  counts: torch.Tensor, flags: torch.Tensor, counters_Q: torch.Tensor,
+                  ids_QTK: torch.Tensor | None = None, ids: torch.Tensor | None = None,
+                  w_TK: torch.Tensor | None = None, w: torch.Tensor | None = None,
+                  index: torch.Tensor | None = None, chunks: int = DEFAULT_CHUNKS) -> None:
+    """Store each picked token's row into its destinations' buffers and raise their flags (module
+    docstring). `rows`, `counts`, `flags` (and `ids`, `w`, `index` with their payloads) are int64
+    [Q] address tables (`address_table`) of destination q's buffers: rows [T, H] of x's dtype, ids
+    int32 [T, K], w [T, K] of w's dtype, index int32 [T], count int32 [1], flag int64 [1].
+    `picked_QT` bool or int8 [Q, T]; `counters_Q` int32 zeros on x's device (zero again after).
+    Queued on the current stream; the host does not wait."""
+    T, H = x_TH.shape
+    Q = picked_QT.shape[0]
+    if picked_QT.shape != (Q, T):
+        raise ValueError(f"picked must be [destinations, {T}], got {tuple(picked_QT.shape)}")
+    if seq < 1:
+        raise ValueError(f"sequence number {seq} must be >= 1 (a message count)")
+    if chunks < 1:
+        raise ValueError(f"chunks={chunks} must be >= 1")
+    if counters_Q.shape != (Q,) or counters_Q.dtype != torch.int32:
+        raise ValueError(f"counters must be int32 [{Q}], got {counters_Q.dtype} {tuple(counters_Q.shape)}")
+    tables = {"rows": rows, "counts": counts, "flags": flags, "ids": ids, "w": w, "index": index}
+    for name, table in tables.items():
+        if table is not None and (table.shape != (Q,) or table.dtype != torch.int64):
+            raise ValueError(f"the {name} address table must be int64 [{Q}], got {table.dtype} {tuple(table.shape)}")
+    if (ids_QTK is None) != (ids is None) or (w_TK is None) != (w is None):
+        raise ValueError("ids_QTK and w_TK come with their destination tables (ids, w), or neither does")
+    K = ids_QTK.shape[2] if ids_QTK is not None else (w_TK.shape[1] if w_TK is not None else 1)
+    if ids_QTK is not None and (ids_QTK.shape != (Q, T, K) or ids_QTK.dtype != torch.int32):
+        raise ValueError(f"ids must be int32 [{Q}, {T}, {K}], got {ids_QTK.dtype} {tuple(ids_QTK.shape)}")
+    if w_TK is not None and w_TK.shape != (T, K):
+        raise ValueError(f"weights must be [{T}, {K}], got {tuple(w_TK.shape)}")
+    if Q == 0:
+        return
+    x_TH = x_TH if x_TH.stride(1) == 1 else x_TH.contiguous()
+    picked = picked_QT.to(torch.int8).contiguous()
+    block_t = 32
+    chunk_tokens = max(block_t, triton.cdiv(triton.cdiv(max(T, 1), chunks), block_t) * block_t)
+    grid_chunks = max(1, triton.cdiv(T, chunk_tokens))
+    dummy = counters_Q  # an unused pointer argument (its constexpr branch is compiled out)
+    _dispatch_rows_kernel[(Q, grid_chunks)](
+        x_TH, ids_QTK.contiguous() if ids_QTK is not None else dummy, w_TK.contiguous() if w_TK is not None else x_TH,
+        picked, rows, ids if ids is not None else rows, w if w is not None else rows,
+        index if index is not None else rows, counts, flags, counters_Q, seq, T, H, K, chunk_tokens, grid_chunks,
+        x_TH.stride(0), HAS_IDS=ids_QTK is not None, HAS_W=w_TK is not None, HAS_INDEX=index is not None,
+        BLOCK_T=block_t, BLOCK_H=min(128, triton.next_power_of_2(max(H, 1))),
+        BLOCK_K=triton.next_power_of_2(max(K, 1)))
+
+
+def return_rows(dx_TH: torch.Tensor, count_1: torch.Tensor, seq: int, *, rows: torch.Tensor, counts: torch.Tensor,
+                flags: torch.Tensor, counters_1: torch.Tensor, dw_TK: torch.Tensor | None = None,
+                w: torch.Tensor | None = None, chunks: int = DEFAULT_CHUNKS) -> None:
+    """The backward: the first count_1[0] rows of d x (and d w) of the rows a source sent, in the
+    received order, into that source's buffers (one-entry address tables), count and flag after.
+    `count_1` int32 [1] on the device (the forward's count: never read on the host)."""
+    T = dx_TH.shape[0]
+    picked_1T = (torch.arange(T, device=dx_TH.device) < count_1.view(1, 1)).view(1, T)
+    dispatch_rows(dx_TH, picked_1T, seq, rows=rows, counts=counts, flags=flags, counters_Q=counters_1,
+                  w_TK=dw_TK, w=w, chunks=chunks)
+
+
+def dispatch_reference(x_TH: torch.Tensor, picked_QT: torch.Tensor, ids_QTK: torch.Tensor | None = None,
+                       w_TK: torch.Tensor | None = None) -> list[dict[str, torch.Tensor]]:
+    """Plain torch: per destination q, its picked tokens' rows, ids, weights and token index, in
+    token order, and their count (only the sent rows: the buffers' rows past the count are not
+    part of the message)."""
+    out = []
+    for q in range(picked_QT.shape[0]):
+        tok = torch.nonzero(picked_QT[q]).flatten()
+        msg = {"rows": x_TH[tok], "index": tok.to(torch.int32),
+               "count": torch.tensor([tok.numel()], dtype=torch.int32)}
+        if ids_QTK is not None:
+            msg["ids"] = ids_QTK[q, tok]
+        if w_TK is not None:
+            msg["w"] = w_TK[tok]
+        out.append(msg)
+    return out

@@ -1,0 +1,195 @@
+"""The one-sided sparse dispatch kernel (disagmoe/kernels/sparse_dispatch.py) against torch: each
+destination's buffers hold exactly its picked tokens' rows, ids, weights and token index, in token
+order, with the count and the flag raised; rows past the count untouched. Interpreter (fp32, CPU
+tensors standing for the peers' symmetric buffers) and GPU (the same, plus a flag wait launched
+on another stream before the dispatch, so it really waits)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+# (tokens, hidden, top_k, destinations, chunks, skew): ragged everything
+CASES = [
+    (37, 40, 2, 3, 2, False),
+    (64, 16, 4, 2, 4, False),
+    (5, 24, 3, 4, 3, False),  # fewer tokens than a block, more chunks than blocks
+    (100, 8, 2, 3, 4, True),  # skewed: every token to destination 0, destination 2 empty
+    (0, 16, 2, 2, 2, False),  # no tokens at all: counts 0, flags raised
+    (70, 33, 1, 1, 1, False),  # one destination, one chunk
+]
+
+
+def _routing(tokens, top_k, dests, skew, gen):
+    """(picked_QT bool, ids_QTK int32: each pair's local id on q or L = 4 (elsewhere))."""
+    if skew:
+        owner_TK = torch.zeros(tokens, top_k, dtype=torch.long)
+        owner_TK[: tokens // 2, 1:] = 1
+    else:
+        owner_TK = torch.randint(0, dests, (tokens, top_k), generator=gen)
+    local_TK = torch.randint(0, 4, (tokens, top_k), generator=gen)
+    ids_QTK = torch.stack([torch.where(owner_TK == q, local_TK, 4) for q in range(dests)]).to(torch.int32)
+    return (ids_QTK < 4).any(2), ids_QTK
+
+
+def _buffers(dests, tokens, hidden, top_k, device, dtype):
+    """Stand-ins for each destination's symmetric receive buffers, NaN / -1 filled (to see what is written)."""
+    make = lambda shape, d, fill: [torch.full(shape, fill, dtype=d, device=device) for _ in range(dests)]  # noqa: E731
+    return {"rows": make((tokens, hidden), dtype, float("nan")), "ids": make((tokens, top_k), torch.int32, -1),
+            "w": make((tokens, top_k), dtype, float("nan")), "index": make((tokens,), torch.int32, -1),
+            "counts": make((1,), torch.int32, -1), "flags": make((1,), torch.int64, 0)}
+
+
+def _dispatch(sd, case, seqs, device, dtype, seed):
+    tokens, hidden, top_k, dests, chunks, skew = case
+    gen = torch.Generator().manual_seed(seed)
+    bufs = _buffers(dests, tokens, hidden, top_k, device, dtype)
+    tables = {name: sd.address_table(ts, device) for name, ts in bufs.items()}
+    counters = torch.zeros(dests, dtype=torch.int32, device=device)
+    for seq in seqs:
+        picked, ids = _routing(tokens, top_k, dests, skew, gen)
+        x = torch.randn(tokens, hidden, generator=gen).to(device, dtype)
+        w = torch.rand(tokens, top_k, generator=gen).to(device, dtype)
+        sd.dispatch_rows(x, picked.to(device), seq, ids_QTK=ids.to(device), w_TK=w, counters_Q=counters,
+                         chunks=chunks, **tables)
+        yield seq, bufs, sd.dispatch_reference(x.cpu(), picked, ids, w.cpu()), counters
+
+
+@pytest.fixture
+def sd(interpreted):
+    return interpreted("disagmoe.kernels.sparse_dispatch")
+
+
+def _check(seq, bufs, want, counters):
+    for q, msg in enumerate(want):
+        n = int(msg["count"])
+        assert bufs["counts"][q].cpu().tolist() == [n]
+        assert bufs["flags"][q].cpu().tolist() == [seq]
+        assert torch.equal(bufs["rows"][q][:n].cpu(), msg["rows"])
+        assert torch.equal(bufs["ids"][q][:n].cpu(), msg["ids"])
+        assert torch.equal(bufs["w"][q][:n].cpu(), msg["w"])
+        assert torch.equal(bufs["index"][q][:n].cpu(), msg["index"])
+    assert (counters == 0).all(), "the counters are zero again after the launch"
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_each_destination_gets_exactly_its_tokens(sd, case):
+    for seq, bufs, want, counters in _dispatch(sd, CASES[case], (1,), "cpu", torch.float32, seed=case):
+        _check(seq, bufs, want, counters)
+        for q, msg in enumerate(want):  # rows past the count are never written: only routed rows move
+            n = int(msg["count"])
+            assert torch.isnan(bufs["rows"][q][n:]).all() and (bufs["index"][q][n:] == -1).all()
+
+
+def test_skewed_routing_leaves_a_destination_empty_but_raised(sd):
+    for seq, bufs, want, _ in _dispatch(sd, CASES[3], (1,), "cpu", torch.float32, seed=3):
+        assert [int(m["count"]) for m in want] == [100, 50, 0]
+        assert bufs["counts"][2].tolist() == [0] and bufs["flags"][2].tolist() == [seq]
+
+
+def test_a_second_message_overwrites_the_first_and_carries_its_seq(sd):
+    """Message 2 of the slot (fresh routing) lands over message 1: counts and flags are message 2's."""
+    results = list(_dispatch(sd, CASES[0], (1, 2), "cpu", torch.float32, seed=7))
+    seq, bufs, want, counters = results[-1]
+    assert seq == 2
+    _check(seq, bufs, want, counters)
+
+
+def test_the_backward_returns_the_first_count_rows(sd):
+    """d x and d w of the rows a source sent go back to it in received order, only count rows."""
+    gen = torch.Generator().manual_seed(11)
+    T, H, K = 45, 24, 3
+    dx, dw = torch.randn(T, H, generator=gen), torch.randn(T, K, generator=gen)
+    rows, weights = torch.full((T, H), float("nan")), torch.full((T, K), float("nan"))
+    count, flag = torch.full((1,), -1, dtype=torch.int32), torch.zeros(1, dtype=torch.int64)
+    for n, seq in ((17, 1), (0, 2), (T, 3)):
+        sd.return_rows(dx, torch.tensor([n], dtype=torch.int32), seq, rows=sd.address_table([rows], "cpu"),
+                       counts=sd.address_table([count], "cpu"), flags=sd.address_table([flag], "cpu"),
+                       counters_1=torch.zeros(1, dtype=torch.int32), dw_TK=dw,
+                       w=sd.address_table([weights], "cpu"), chunks=3)
+        assert count.tolist() == [n] and flag.tolist() == [seq]
+        assert torch.equal(rows[:n], dx[:n]) and torch.equal(weights[:n], dw[:n])
+    assert torch.equal(rows, dx)
+
+
+def test_user_errors_name_the_fix(sd):
+    x = torch.zeros(4, 8)
+    table = torch.zeros(2, dtype=torch.int64)
+    counters = torch.zeros(2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="picked must be"):
+        sd.dispatch_rows(x, torch.zeros(2, 5, dtype=torch.bool), 1, rows=table, counts=table, flags=table,
+                         counters_Q=counters)
+    with pytest.raises(ValueError, match="sequence number"):
+        sd.dispatch_rows(x, torch.zeros(2, 4, dtype=torch.bool), 0, rows=table, counts=table, flags=table,
+                         counters_Q=counters)
+    with pytest.raises(ValueError, match="address table"):
+        sd.dispatch_rows(x, torch.zeros(2, 4, dtype=torch.bool), 1, rows=table[:1], counts=table, flags=table,
+                         counters_Q=counters)
+    with pytest.raises(ValueError, match="come with their destination tables"):
+        sd.dispatch_rows(x, torch.zeros(2, 4, dtype=torch.bool), 1, rows=table, counts=table, flags=table,
+                         counters_Q=counters, w_TK=torch.zeros(4, 2))
+
+
+def test_the_kernel_message_matches_the_send_recv_message(sd):
+    """The kernel's destination q gets what `runtime.stages.sparse_dispatch.dispatch_messages` puts
+    in the first `count` rows of q's send/recv message (the nccl/local path): the same bytes."""
+    from disagmoe.runtime.stages.sparse_dispatch import dispatch_messages
+
+    gen = torch.Generator().manual_seed(5)
+    T, H, K, Q, L = 29, 12, 2, 3, 4
+    picked, ids = _routing(T, K, Q, False, gen)
+    x, w = torch.randn(T, H, generator=gen), torch.rand(T, K, generator=gen)
+    messages, _, _ = dispatch_messages(x, ids, torch.full((Q,), L, dtype=torch.int32), w, torch.zeros(8))
+    bufs = _buffers(Q, T, H, K, "cpu", torch.float32)
+    sd.dispatch_rows(x, picked, 1, ids_QTK=ids, w_TK=w, counters_Q=torch.zeros(Q, dtype=torch.int32),
+                     **{name: sd.address_table(ts, "cpu") for name, ts in bufs.items()})
+    for q, (rows, sent, w_q, index, count, _) in enumerate(messages):
+        n = int(count)
+        assert bufs["counts"][q].tolist() == [n]
+        assert torch.equal(bufs["rows"][q][:n], rows[:n]) and torch.equal(bufs["ids"][q][:n], sent[:n])
+        assert torch.equal(bufs["w"][q][:n], w_q[:n]) and torch.equal(bufs["index"][q][:n], index[:n])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_gpu_rows_land_and_a_waiting_reader_sees_them(case):
+    """Compiled, bf16: a flag wait queued first on another stream ends when the dispatch raises
+    the flag, and the buffers then hold the reference's rows."""
+    from disagmoe.kernels import signal
+    from disagmoe.kernels import sparse_dispatch as sd
+
+    tokens, hidden, top_k, dests, chunks, skew = CASES[case]
+    gen = torch.Generator().manual_seed(case)
+    device = torch.device("cuda")
+    bufs = _buffers(dests, tokens, hidden, top_k, device, torch.bfloat16)
+    flags_Q = torch.zeros(dests, dtype=torch.int64, device=device)  # one arena-like flag region
+    bufs["flags"] = [flags_Q[q:q + 1] for q in range(dests)]
+    tables = {name: sd.address_table(ts, device) for name, ts in bufs.items()}
+    counters = torch.zeros(dests, dtype=torch.int32, device=device)
+
+    def dispatch(seq):
+        picked, ids = _routing(tokens, top_k, dests, skew, gen)
+        x = torch.randn(tokens, hidden, generator=gen).to(device, torch.bfloat16)
+        w = torch.rand(tokens, top_k, generator=gen).to(device, torch.bfloat16)
+        sd.dispatch_rows(x, picked.to(device), seq, ids_QTK=ids.to(device), w_TK=w, counters_Q=counters,
+                         chunks=chunks, **tables)
+        return sd.dispatch_reference(x.cpu(), picked, ids, w.cpu())
+
+    dispatch(1)  # compiled and loaded before any wait spins (a first launch would queue behind it)
+    torch.cuda.synchronize()
+    status = signal.new_status(device)
+    waiter = torch.cuda.Stream()
+    with torch.cuda.stream(waiter):
+        for q in range(dests):
+            signal.wait_flag(flags_Q, q, 2, status, timeout_s=30.0)
+    want = dispatch(2)
+    waiter.synchronize()
+    torch.cuda.synchronize()
+    assert status.tolist() == [0, 0], "every wait saw its flag"
+    _check(2, bufs, want, counters)
+
+
+def test_warm_up_runs_both_variants_on_scratch(sd):
+    """The set-up launch (the worker's, before any step): both variants run on scratch buffers."""
+    sd.warm_up(40, 24, 2, torch.float32, torch.float32, torch.float32, torch.float32, "cpu")
