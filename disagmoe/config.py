@@ -609,14 +609,18 @@ class TrainConfig(StrictModel):
         "the routing weights stay learned")
     recompute: Literal["none", "selective"] = Field(
         "none", description="activation memory: none keeps what the backward reads; selective drops "
-        "recompute_modules from the forward's saved state and recomputes them in the backward (experts_backend: "
-        "triton)")
-    recompute_modules: list[Literal["expert_input", "expert_output", "expert_swiglu"]] = Field(
+        "recompute_modules from the forward's saved state and recomputes them in the backward (the expert_* "
+        "modules need experts_backend: triton; attention runs on any backend)")
+    recompute_modules: list[Literal["expert_input", "expert_output", "expert_swiglu", "attention"]] = Field(
         ["expert_input", "expert_output", "expert_swiglu"], description="what recompute: selective drops: "
         "expert_input (the experts' grouped input rows [tokens x top_k, hidden], gathered again from the "
         "tokens: the largest activation), expert_output (their output rows, which the combine keeps for the "
         "routing weights' gradient: that comes from the backward's first GEMM instead), expert_swiglu (the "
-        "SwiGLU output, recomputed from the kept gate/up values inside that GEMM)")
+        "SwiGLU output, recomputed from the kept gate/up values inside that GEMM), attention (the attention "
+        "block keeps only its input, the residual stream before the pre-attention norm, and the output "
+        "projection's input: the norm, the q/k/v projections (MLA's low-rank chains and norms), qk-norm, RoPE "
+        "and the attention core run again in the backward, about one more attention forward per layer; the "
+        "router and the FFN norm are not in it)")
     offload_optimizer: bool = Field(
         False, description="keep the fp32 masters and AdamW moments in pinned host memory: each step streams "
         "them through two GPU staging buckets of offload_bucket_mib (copy in bucket i+1 and copy out bucket i-1 "
@@ -755,9 +759,13 @@ class TrainConfig(StrictModel):
                 raise ValueError(f"ranks_per_gpu={self.ranks_per_gpu} with transport: {self.transport}: NCCL refuses two "
                                  "ranks on one GPU ('Duplicate GPU detected'); use transport: nvshmem (several "
                                  "processes per GPU), or ranks_per_gpu: 1 with one GPU per rank")
-        if self.recompute == "selective" and self.experts_backend != "triton":
-            raise ValueError(f"recompute: selective drops the triton experts' saved rows; the {self.experts_backend} "
-                             "backend keeps what torch autograd saves: set experts_backend: triton (or recompute: none)")
+        experts_dropped = sorted(set(self.recompute_modules) - {"attention"})
+        if self.recompute == "selective" and experts_dropped and self.experts_backend != "triton":
+            raise ValueError(f"recompute: selective with {', '.join(experts_dropped)} drops the triton experts' saved "
+                             f"rows; the {self.experts_backend} backend keeps what torch autograd saves: set "
+                             "experts_backend: triton, recompute_modules: [attention] (any backend), or recompute: none")
+        if len(set(self.recompute_modules)) != len(self.recompute_modules):
+            raise ValueError(f"recompute_modules {self.recompute_modules} names a module twice; name each once")
         if self.recompute == "selective" and not self.recompute_modules:
             raise ValueError("recompute: selective with recompute_modules: [] drops nothing; name what to drop "
                              "(expert_input, expert_swiglu) or set recompute: none")
@@ -772,7 +780,8 @@ class TrainConfig(StrictModel):
             needs = [why for bad, why in (
                 (self.device != "cuda", "device: cuda (FP8 tensor cores; the CPU runs the kernels only in their tests)"),
                 (self.experts_backend != "triton", "experts_backend: triton (the FP8 expert kernels)"),
-                (self.recompute != "none", "recompute: none (the FP8 experts keep their own rows)")) if bad]
+                (self.recompute != "none" and experts_dropped,
+                 "recompute: none or recompute_modules: [attention] (the FP8 experts keep their own rows)")) if bad]
             if needs:
                 raise ValueError(f"precision: fp8 needs {'; '.join(needs)}; or set precision: bf16")
             if self.mode != "single" and self.hop == "pair_rows":

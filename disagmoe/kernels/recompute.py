@@ -13,7 +13,18 @@ import dataclasses
 import torch
 
 EXPERT_SWIGLU, EXPERT_INPUT, EXPERT_OUTPUT = "expert_swiglu", "expert_input", "expert_output"
-RECOMPUTABLE = (EXPERT_INPUT, EXPERT_OUTPUT, EXPERT_SWIGLU)  # what `recompute: selective` may drop (how each returns: kernels.moe_ffn)
+RECOMPUTABLE = (EXPERT_INPUT, EXPERT_OUTPUT, EXPERT_SWIGLU)  # what the expert FFN may drop (how each returns: kernels.moe_ffn)
+# The attention side (`model.block.Block.attention_part`): keep only the block's input (the residual
+# stream before the pre-attention norm) and the output projection's input; the norm, q/k/v (and
+# MLA's low-rank chains and their norms), qk-norm, RoPE and the attention core run again in the
+# backward (torch.utils.checkpoint, non-reentrant). Any experts backend; the router is not in it.
+ATTENTION = "attention"
+MODULES = (*RECOMPUTABLE, ATTENTION)  # everything `recompute: selective`'s recompute_modules may name
+
+
+def expert_modules(modules: frozenset[str]) -> frozenset[str]:
+    """The part of a recompute set the routed experts act on."""
+    return frozenset(modules) & frozenset(RECOMPUTABLE)
 
 
 def pair_of_rows(dest_TK: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """Causal self-attention: grouped-query (Mixtral, Qwen3 with qk-norm) and multi-head latent (DeepSeek-V3).
 
 Both take the normed hidden states [B, S, H] and return the attention output [B, S, H] (before
-the residual add). Attention itself is `F.scaled_dot_product_attention(is_causal=True)`. The
+the residual add); `core` is everything before the output projection (what `recompute` with
+`attention` runs again in the backward: `model.block.Block.attention_part`). Attention itself is `F.scaled_dot_product_attention(is_causal=True)`. The
 projections are `DeferrableLinear`: inside `kernels.deferral.deferred_weight_grads` their weight gradients
 wait until the rank has sent the block's input gradient.
 
@@ -53,6 +54,10 @@ class GroupedQueryAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
 
     def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
+        return self.wo(self.core(x_BSH))
+
+    def core(self, x_BSH: torch.Tensor) -> torch.Tensor:
+        """Everything before the output projection: its input [B, S, n D] (the heads' outputs)."""
         B, S, _ = x_BSH.shape
         q_BSnD = self.wq(x_BSH).view(B, S, self.num_heads, self.head_dim)
         k_BSgD = self.wk(x_BSH).view(B, S, self.num_kv_heads, self.head_dim)
@@ -67,7 +72,7 @@ class GroupedQueryAttention(nn.Module):
         o_BnSD = F.scaled_dot_product_attention(
             q_BnSD, k_BgSD, v_BgSD, is_causal=True, enable_gqa=self.num_kv_heads != self.num_heads,
         )
-        return self.wo(o_BnSD.transpose(1, 2).reshape(B, S, -1))
+        return o_BnSD.transpose(1, 2).reshape(B, S, -1)
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -105,6 +110,10 @@ class MultiHeadLatentAttention(nn.Module):
         self.wo = DeferrableLinear(self.num_heads * self.v_dim, h)
 
     def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
+        return self.wo(self.core(x_BSH))
+
+    def core(self, x_BSH: torch.Tensor) -> torch.Tensor:
+        """Everything before the output projection: its input [B, S, n V] (the heads' outputs)."""
         B, S, _ = x_BSH.shape
         n = self.num_heads
         q_flat = self.wq_b(self.q_a_norm(self.wq_a(x_BSH))) if self.q_low_rank else self.wq(x_BSH)
@@ -125,7 +134,7 @@ class MultiHeadLatentAttention(nn.Module):
             q_BSnQ.transpose(1, 2), k_BSnQ.transpose(1, 2), v_BSnV.transpose(1, 2), is_causal=True,
             scale=self.softmax_scale,
         )
-        return self.wo(o_BnSV.transpose(1, 2).reshape(B, S, n * self.v_dim))
+        return o_BnSV.transpose(1, 2).reshape(B, S, n * self.v_dim)
 
 
 def build_attention(cfg: ModelConfig) -> nn.Module:

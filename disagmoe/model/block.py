@@ -21,7 +21,9 @@ import torch
 from torch import nn
 
 from disagmoe.config import ModelConfig
-from disagmoe.kernels.recompute import EXPERT_INPUT, EXPERT_OUTPUT, RowSource
+from torch.utils.checkpoint import checkpoint
+
+from disagmoe.kernels.recompute import ATTENTION, EXPERT_INPUT, EXPERT_OUTPUT, RowSource
 from disagmoe.model.attention import build_attention
 from disagmoe.model.dispatch import ExpertGrouping, combine, group_by_expert, permute
 from disagmoe.model.experts import RoutedExperts
@@ -37,9 +39,26 @@ class Block(nn.Module):
         self.attention_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.attention = build_attention(cfg)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.recompute_attention = False  # `recompute_modules: [attention, ...]` (`set_recompute`)
+
+    def set_recompute(self, modules: frozenset[str]) -> None:
+        """`attention` in `modules`: the forward keeps only x and the output projection's input."""
+        self.recompute_attention = ATTENTION in modules
+
+    def _attention_core(self, x_BSH: torch.Tensor) -> torch.Tensor:
+        return self.attention.core(self.attention_norm(x_BSH))
 
     def attention_part(self, x_BSH: torch.Tensor) -> torch.Tensor:
-        """x + attention(norm(x))."""
+        """x + attention(norm(x)). With `recompute_attention` (and grad mode on) the norm, the
+        projections before the core, RoPE and the core run under a non-reentrant checkpoint: the
+        forward keeps x (the checkpoint's input) and the core's output (the output projection's
+        input); the backward runs them again, the same ops on the same values (gradients bit-equal).
+        No RNG in there (no dropout), so no RNG state is stashed (a host read a CUDA graph would
+        freeze); the projections' weight gradients still wait under `deferred_weight_grads` (the
+        backward of the recomputed ops runs in the outer backward, grad mode off)."""
+        if self.recompute_attention and torch.is_grad_enabled():
+            o_in = checkpoint(self._attention_core, x_BSH, use_reentrant=False, preserve_rng_state=False)
+            return x_BSH + self.attention.wo(o_in)
         return x_BSH + self.attention(self.attention_norm(x_BSH))
 
 

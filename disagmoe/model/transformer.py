@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from disagmoe.config import ModelConfig
-from disagmoe.model.block import DenseBlock, MoEBlock
+from disagmoe.kernels.recompute import expert_modules
+from disagmoe.model.block import Block, DenseBlock, MoEBlock
 from disagmoe.model.experts import RoutedExperts
 from disagmoe.model.init import seeded_normal_
 from disagmoe.model.layers import DeferrableLinear, RMSNorm
@@ -100,10 +101,13 @@ class MoETransformer(nn.Module):
             block.moe.router.balanced = routing == "balanced"
 
     def set_recompute(self, modules: frozenset[str]) -> None:
-        """What every routed-expert module held here recomputes in the backward instead of keeping
-        (`TrainConfig.recompute_set`; `RoutedExperts.set_recompute`)."""
+        """What every block and routed-expert module held here recomputes in the backward instead
+        of keeping (`TrainConfig.recompute_set`: the attention side's `Block.set_recompute`, the
+        experts' `RoutedExperts.set_recompute`)."""
         for module in self.modules():
             if isinstance(module, RoutedExperts):
+                module.set_recompute(expert_modules(modules))
+            elif isinstance(module, Block):
                 module.set_recompute(modules)
 
     def set_expert_precision(self, precision: str) -> None:

@@ -9,9 +9,9 @@
 
 `value_bytes` is the activations' dtype (2: bf16, 4: fp32); reductions keep fp32 where the model
 does (router scores, the attention's log-sum-exp). `dropped` is what selective recomputation does
-not keep (`TrainConfig.recompute_set`: expert_input, expert_output, expert_swiglu,
+not keep (`TrainConfig.recompute_set`: expert_input, expert_output, expert_swiglu, attention,
 `kernels/recompute.py`): it leaves the forward's terms and adds to the backward's the transient
-it recomputes (the regathered input rows, the SwiGLU output). These are estimates of what autograd saves,
+it recomputes (the regathered input rows, the SwiGLU output, the attention block's internals). These are estimates of what autograd saves,
 read off the code (no allocator slack, no attention score matrix: the attention is flash). Where a
 rank holds how many micro-batches comes from its program: `runtime/activation_memory.py` replays
 it with these terms (roofline does not import the runtime); the planner prices the same terms.
@@ -60,6 +60,18 @@ def attention_values(m: ModelConfig, moe: bool) -> int:
     return common + 4 * (m.shared_ffn_size if moe else m.dense_ffn_size)  # SwiGLU: gate, up, silu, product
 
 
+def attention_recomputed_values(m: ModelConfig) -> tuple[int, int]:
+    """(compute-dtype values, fp32 values) per token per layer that `attention` recomputation
+    (`kernels.recompute.ATTENTION`) drops from `attention_values` / `attention_fp32_values`: the
+    pre-attention norm's output (the projections' input), q/k before qk-norm, q, k, v as SDPA
+    saves them, and SDPA's log-sum-exp. It keeps the block's input (the norm's input: the
+    checkpoint's) and the output projection's input (the core's output); the backward holds
+    them again for the layer's span (`attention_grad_bytes`)."""
+    q, k, v = attention_io_per_token(m)
+    qk_norm = q + k if m.qk_norm and m.attention != "mla" else 0
+    return m.hidden_size + q + k + v + qk_norm, m.num_heads
+
+
 def attention_fp32_values(m: ModelConfig, moe: bool, value_bytes: int) -> int:
     """fp32 values per token per layer on the attention side: SDPA's log-sum-exp per head; in a
     MoE layer the router's scores (and logits, with a z-loss) and its fp32 copy of the input
@@ -70,9 +82,17 @@ def attention_fp32_values(m: ModelConfig, moe: bool, value_bytes: int) -> int:
     return m.num_heads + router + (m.hidden_size if value_bytes < FP32 else 0)
 
 
-def attention_bytes(m: ModelConfig, moe: bool, value_bytes: int) -> int:
-    """Bytes one token keeps in one layer on the attention side until its backward."""
-    return value_bytes * attention_values(m, moe) + FP32 * attention_fp32_values(m, moe, value_bytes)
+def attention_recomputed_bytes(m: ModelConfig, value_bytes: int) -> int:
+    """Bytes per token per layer `attention` recomputation drops (`attention_recomputed_values`)."""
+    values, fp32 = attention_recomputed_values(m)
+    return value_bytes * values + FP32 * fp32
+
+
+def attention_bytes(m: ModelConfig, moe: bool, value_bytes: int, dropped: frozenset[str] = frozenset()) -> int:
+    """Bytes one token keeps in one layer on the attention side until its backward (less what
+    `attention` recomputation drops, where `dropped` names it)."""
+    kept = value_bytes * attention_values(m, moe) + FP32 * attention_fp32_values(m, moe, value_bytes)
+    return kept - (attention_recomputed_bytes(m, value_bytes) if "attention" in dropped else 0)
 
 
 NOTHING_DROPPED: frozenset[str] = frozenset()
@@ -99,14 +119,16 @@ def expert_row_bytes(m: ModelConfig, value_bytes: int, dropped: frozenset[str] =
     return value_bytes * expert_row_values(m, dropped)
 
 
-def attention_grad_bytes(m: ModelConfig, moe: bool, value_bytes: int) -> int:
+def attention_grad_bytes(m: ModelConfig, moe: bool, value_bytes: int, dropped: frozenset[str] = frozenset()) -> int:
     """Gradient bytes per token one layer's attention-side backward holds: d y of each projection
     (q, k, v, output; the SwiGLU's gate, up and down). Deferred weight gradients
     (`kernels.deferral`) keep them, with their saved inputs, until the held-back work runs at the
-    op's end; without deferral they live through the layer's backward all the same."""
+    op's end; without deferral they live through the layer's backward all the same. With `attention`
+    recomputed the backward also holds what it runs again (`attention_recomputed_bytes`)."""
     q, k, v = attention_io_per_token(m)
     ffn = m.shared_ffn_size if moe else m.dense_ffn_size
-    return value_bytes * (q + k + v + m.hidden_size + (2 * ffn + m.hidden_size if ffn else 0))
+    recomputed = attention_recomputed_bytes(m, value_bytes) if "attention" in dropped else 0
+    return value_bytes * (q + k + v + m.hidden_size + (2 * ffn + m.hidden_size if ffn else 0)) + recomputed
 
 
 def expert_row_grad_bytes(m: ModelConfig, value_bytes: int, dropped: frozenset[str] = NOTHING_DROPPED) -> int:
@@ -139,15 +161,15 @@ def head_bytes(m: ModelConfig, tokens: Num, value_bytes: int, chunked: bool = Tr
 def layer_bytes(m: ModelConfig, moe: bool, value_bytes: int, dropped: frozenset[str] = NOTHING_DROPPED) -> int:
     """One token of one whole layer in one process: attention side, combine and its K expert rows."""
     if not moe:
-        return attention_bytes(m, False, value_bytes)
-    return (attention_bytes(m, True, value_bytes) + combine_bytes(m, value_bytes, dropped)
+        return attention_bytes(m, False, value_bytes, dropped)
+    return (attention_bytes(m, True, value_bytes, dropped) + combine_bytes(m, value_bytes, dropped)
             + m.top_k * expert_row_bytes(m, value_bytes, dropped))
 
 
 def layer_grad_bytes(m: ModelConfig, moe: bool, value_bytes: int, dropped: frozenset[str] = NOTHING_DROPPED) -> int:
     """One token of one whole layer's backward in one process (`attention_grad_bytes` and the K rows')."""
     rows = m.top_k * expert_row_grad_bytes(m, value_bytes, dropped) if moe else 0
-    return attention_grad_bytes(m, moe, value_bytes) + rows
+    return attention_grad_bytes(m, moe, value_bytes, dropped) + rows
 
 
 def activation_bytes(m: ModelConfig, tokens: int, value_bytes: int, chunked: bool = True,
@@ -158,7 +180,7 @@ def activation_bytes(m: ModelConfig, tokens: int, value_bytes: int, chunked: boo
     moe_layers = m.num_moe_layers
     dense_layers = m.num_layers - moe_layers
     kept = tokens * (moe_layers * layer_bytes(m, True, value_bytes, dropped)
-                     + dense_layers * layer_bytes(m, False, value_bytes))
+                     + dense_layers * layer_bytes(m, False, value_bytes, dropped))
     grads = tokens * max(layer_grad_bytes(m, moe, value_bytes, dropped) for moe in
                          ([True] if moe_layers else []) + ([False] if dense_layers else []))
     return kept + max(head_bytes(m, tokens, value_bytes, chunked), grads)

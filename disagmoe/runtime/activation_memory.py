@@ -101,7 +101,7 @@ def rank_activations(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topolog
             if isinstance(op, ExpertForward):
                 return pairs * row
             combined = vb * m.hidden_size if pair_rows and op.layer > 0 and topology.is_moe(op.layer - 1) else 0
-            return tokens * (mem.attention_bytes(m, topology.is_moe(op.layer), vb) + combined)
+            return tokens * (mem.attention_bytes(m, topology.is_moe(op.layer), vb, dropped) + combined)
 
         def held(op: Op) -> int:
             if sparse and isinstance(op, AttentionForward) and topology.is_moe(op.layer):
@@ -112,7 +112,7 @@ def rank_activations(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topolog
             if isinstance(op, ExpertBackward):
                 return pairs * row_grad
             if isinstance(op, AttentionBackward):
-                return tokens * mem.attention_grad_bytes(m, topology.is_moe(op.layer), vb)
+                return tokens * mem.attention_grad_bytes(m, topology.is_moe(op.layer), vb, dropped)
             return 0
 
         out.append(replay_peak(program, kept, held))

@@ -7,6 +7,7 @@ import pytest
 from disagmoe.model.loss import chunk_size
 from disagmoe.model_ref import load_model
 from disagmoe.roofline import memory as mem
+from disagmoe.roofline.stages import attention_io_per_token
 
 
 @pytest.mark.parametrize("tokens, vocab", [(8192, 4096), (8192, 151_936), (100, 151_936), (3, 32), (65_536, 129_280)])
@@ -64,3 +65,24 @@ def test_selective_recomputation_drops_exactly_its_terms_and_pays_its_transients
     assert mem.layer_bytes(m, False, 2, dropped) == mem.layer_bytes(m, False, 2)  # nothing of a dense layer
     tokens = 8192
     assert mem.activation_bytes(m, tokens, 2, dropped=dropped) < mem.activation_bytes(m, tokens, 2)
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "deepseek-v3"])
+def test_attention_recomputation_drops_the_blocks_internals_in_every_layer(name):
+    """`attention` (kernels/recompute.py) leaves H + q + k + v (+ q + k before qk-norm) values and
+    the fp32 log-sum-exp per token out of every layer, dense ones too, and the layer's backward
+    holds them again; with the experts' three it cuts the Qwen3-30B config's activations >= 40%."""
+    m = load_model(name)
+    attention = frozenset({"attention"})
+    drop = mem.attention_recomputed_bytes(m, 2)
+    q, k, v = attention_io_per_token(m)
+    assert drop == 2 * (m.hidden_size + q + k + v + (q + k if m.qk_norm and m.attention != "mla" else 0)) + 4 * m.num_heads
+    for moe in (True, False):
+        assert mem.layer_bytes(m, moe, 2) - mem.layer_bytes(m, moe, 2, attention) == drop
+        assert mem.layer_grad_bytes(m, moe, 2, attention) - mem.layer_grad_bytes(m, moe, 2) == drop
+    tokens = 8192
+    both = attention | mem.SELECTIVE
+    plain, lean = mem.activation_bytes(m, tokens, 2), mem.activation_bytes(m, tokens, 2, dropped=both)
+    assert lean < mem.activation_bytes(m, tokens, 2, dropped=mem.SELECTIVE) < plain
+    if name == "qwen3-30b-a3b":
+        assert 1 - lean / plain >= 0.4

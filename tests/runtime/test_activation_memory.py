@@ -88,6 +88,25 @@ def test_the_runs_recomputation_reaches_the_replay_and_the_single_process_count(
         plain.model_copy(update={"mode": "single"}), model)
 
 
+def test_attention_recomputation_lowers_the_attention_ranks_peak_on_any_backend():
+    """`recompute_modules: [attention]` (loop experts) lowers every attention rank's peak and one
+    process's; the expert ranks keep what they kept."""
+    from disagmoe.runtime.activation_memory import single_activation_bytes
+
+    model = load_model("tiny")
+    base = dict(model=model, batch_size=8, seq_len=64, micro_batches=2)
+    plain, lean = TrainConfig(**base), TrainConfig(**base, recompute="selective", recompute_modules=["attention"])
+    topology = Topology.from_config(plain, model)
+    for rank, (a, b) in enumerate(zip(rank_activations(lean, model, topology),
+                                      rank_activations(plain, model, topology), strict=True)):
+        if topology.attention_role(rank) is not None:
+            assert a.peak_bytes < b.peak_bytes, rank
+        else:
+            assert a.peak_bytes == b.peak_bytes, rank
+    assert single_activation_bytes(lean.model_copy(update={"mode": "single"}), model) < single_activation_bytes(
+        plain.model_copy(update={"mode": "single"}), model)
+
+
 @pytest.mark.parametrize("name, seq_len, layout", [
     ("qwen3-30b-a3b", 1024, dict(attn=4, expert=2, p=1, m=4, seqs=2)),
     ("qwen3-30b-a3b", 1024, dict(attn=4, expert=4, p=1, m=2, seqs=1, sets=2)),  # a token goes to both sets' GPUs
