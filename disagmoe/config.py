@@ -776,6 +776,10 @@ class TrainConfig(StrictModel):
         if self.fp8_dense and self.precision != "fp8":
             raise ValueError(f"fp8_dense: true runs the dense projections in FP8 under precision: fp8; this run is "
                              f"precision: {self.precision}: set precision: fp8 or remove fp8_dense")
+        if self.precision == "fp8" and self.fp8_dense is not False and self.seq_len % 16:
+            raise ValueError(f"fp8_dense (on under precision: fp8) contracts each micro-batch's tokens in the dense "
+                             f"weight gradients, and torch._scaled_mm needs a multiple of 16; seq_len is "
+                             f"{self.seq_len}: set seq_len to a multiple of 16 or fp8_dense: false")
         if self.precision == "fp8":
             needs = [why for bad, why in (
                 (self.device != "cuda", "device: cuda (FP8 tensor cores; the CPU runs the kernels only in their tests)"),
