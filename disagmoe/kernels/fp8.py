@@ -24,11 +24,10 @@ import triton
 import triton.language as tl
 
 from disagmoe.kernels import grouped_gemm as gg
-from disagmoe.kernels.fp8_stats import FIELDS, SATURATION_BOUND
+from disagmoe.kernels.fp8_stats import E4M3_MAX, FIELDS, SATURATION_BOUND
 from disagmoe.kernels.tile_configs import TileConfig
 
 SCALE_BLOCK = 128  # the recipe's group and block edge
-E4M3_MAX = 448.0
 # Floor on a group's amax: an all-zero group gets a finite scale (and dequantises to 0); 1e-30
 # keeps the scale a normal fp32 (1e-30 / 448 > 2^-126) and the recipe scale-free above it.
 AMAX_FLOOR = 1e-30

@@ -27,11 +27,10 @@ from __future__ import annotations
 
 import torch
 
-from disagmoe.kernels.fp8_stats import AMAX, NONFINITE, SATURATED, SATURATION_BOUND, TOTAL, UNDERFLOW
+from disagmoe.kernels.fp8_stats import AMAX, E4M3_MAX, NONFINITE, SATURATED, SATURATION_BOUND, TOTAL, UNDERFLOW
 
 RECIPE = "rowwise"
 E4M3 = torch.float8_e4m3fn
-E4M3_MAX = 448.0
 ALIGN = 16  # torch._scaled_mm: every GEMM dimension but M a multiple of 16 (wgrad contracts the tokens)
 
 

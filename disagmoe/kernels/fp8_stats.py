@@ -31,6 +31,7 @@ FIELDS = 5
 # Saturated: |x| / scale beyond where rounding to e4m3 would still give 448 (448 + half its top
 # step of 32), so the clamp changed the value. Not 448 itself: the element at a group's amax lands
 # on 448 + 1 fp32 ulp in about 9% of groups (the scale's rounding), which is no loss at all.
+E4M3_MAX = 448.0  # the largest finite e4m3 value: every FP8 recipe's scale is amax / E4M3_MAX
 SATURATION_BOUND = 464.0
 
 
