@@ -107,12 +107,18 @@ def interpreted():
 
 
 # --- the quick subset (`pytest -m "not slow"`, README): a test past QUICK_LIMIT_S without the
-# `slow` marker is named at the end of the run, so the subset stays under 3 minutes on 2 cores
+# `slow` marker is named at the end of the run, so the subset stays under 3 minutes on 2 cores.
+# The files that take the most time (set-up, call and tear-down) are named too, so a CI run that
+# nears its budget (.ci/run: 20 minutes on 2 cores) says where to cut.
 QUICK_LIMIT_S = 5.0
+FILES_NAMED = 12
 _long_unmarked: list[tuple[str, float]] = []
+_file_seconds: dict[str, float] = {}
 
 
 def pytest_runtest_logreport(report):
+    path = report.nodeid.split("::", 1)[0]
+    _file_seconds[path] = _file_seconds.get(path, 0.0) + report.duration
     if report.when == "call" and report.duration > QUICK_LIMIT_S and "slow" not in report.keywords:
         _long_unmarked.append((report.nodeid, report.duration))
 
@@ -122,3 +128,8 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("tests over 5 s without @pytest.mark.slow (mark them: README, quick subset)")
         for nodeid, seconds in sorted(_long_unmarked, key=lambda t: -t[1]):
             terminalreporter.write_line(f"{seconds:6.1f}s {nodeid}")
+    if len(_file_seconds) > 1:
+        total = sum(_file_seconds.values())
+        terminalreporter.section(f"the {FILES_NAMED} slowest test files ({total:.0f} s in all tests)")
+        for path, seconds in sorted(_file_seconds.items(), key=lambda t: -t[1])[:FILES_NAMED]:
+            terminalreporter.write_line(f"{seconds:7.1f}s {100 * seconds / total:5.1f}% {path}")

@@ -31,13 +31,14 @@ def test_tests_that_start_processes_are_marked_slow():
     unmarked = []
     for path in sorted(TESTS.rglob("test_*.py")):
         source = path.read_text()
+        lines = source.splitlines()
         tree = ast.parse(source)
         module_slow = any(isinstance(n, ast.Assign) and any(getattr(t, "id", None) == "pytestmark" for t in n.targets)
                           and "slow" in ast.unparse(n.value) for n in tree.body)
         for node in tree.body:
             if not (isinstance(node, ast.FunctionDef) and node.name.startswith("test_")):
                 continue
-            body = ast.get_source_segment(source, node) or ""
+            body = "\n".join(lines[node.lineno - 1:node.end_lineno])  # get_source_segment rescans the file per call
             where = (str(path.relative_to(TESTS)), node.name)
             if any(s in body for s in STARTS) and not (module_slow or _marked_slow(node)) and where not in QUICK_ANYWAY:
                 unmarked.append("::".join(where))
