@@ -25,6 +25,8 @@ Shape legend: N tokens, I input features, O output features; M / K a GEMM's rows
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from disagmoe.kernels.fp8_stats import AMAX, E4M3_MAX, NONFINITE, SATURATED, SATURATION_BOUND, TOTAL, UNDERFLOW
@@ -34,13 +36,36 @@ E4M3 = torch.float8_e4m3fn
 ALIGN = 16  # torch._scaled_mm: every GEMM dimension but M a multiple of 16 (wgrad contracts the tokens)
 
 
-def quantize_rowwise(x_MK: torch.Tensor, stats_row: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q_MK e4m3, scale_M1 fp32) with x ~= q * scale: one scale per row, amax / 448 (a zero row
-    gets scale 1 and quantises to zeros). `stats_row`: an `Fp8Stats` row to add the counters into
-    (device ops, no host sync)."""
+def quantize_rowwise(x_MK: torch.Tensor, stats_row: torch.Tensor | None = None,
+                     out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q_MK e4m3 row-major, scale_M1 fp32) with x ~= q * scale: one scale per row, amax / 448 (a
+    zero row gets scale 1 and quantises to zeros). x any strides (a transposed view is read in
+    place on the kernel). `stats_row`: an `Fp8Stats` row to add the counters into (device ops, no
+    host sync). `out`: (q_MK, scale_M1) buffers to write into. On CUDA (and under Triton's
+    interpreter) one Triton launch (`kernels.fp8_rowwise`), else `quantize_rowwise_reference`:
+    the same bits."""
+    if x_MK.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+        from disagmoe.kernels import fp8_rowwise
+
+        return fp8_rowwise.quantize_rowwise(x_MK, stats_row, out)
+    q_MK, scale_M1 = quantize_rowwise_reference(x_MK, stats_row)
+    if out is None:
+        return q_MK, scale_M1
+    out[0].copy_(q_MK)
+    out[1].copy_(scale_M1)
+    return out
+
+
+def quantize_rowwise_reference(x_MK: torch.Tensor, stats_row: torch.Tensor | None = None,
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain torch `quantize_rowwise` (the CPU path): several passes over x (and six more for the
+    counters). A row holding a NaN gets scale 1 (amax propagates it; NaN > 0 is false)."""
     x32 = x_MK.float().contiguous()  # row-major: B operands are this, transposed (column-major)
     amax_M1 = x32.abs().amax(dim=-1, keepdim=True)
-    scale_M1 = torch.where(amax_M1 > 0, amax_M1 / E4M3_MAX, torch.ones_like(amax_M1))
+    # / a device 448: CUDA torch divides by a host scalar as a multiply by its reciprocal (not
+    # correctly rounded); by a tensor exactly, as the kernel's div_rn
+    e4m3_max = torch.full((), E4M3_MAX, dtype=torch.float32, device=x32.device)
+    scale_M1 = torch.where(amax_M1 > 0, amax_M1 / e4m3_max, torch.ones_like(amax_M1))
     scaled = x32 / scale_M1
     q_MK = scaled.clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)  # clamp: NaN stays NaN, counted below
     if stats_row is not None:
