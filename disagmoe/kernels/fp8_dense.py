@@ -25,6 +25,7 @@ Shape legend: N tokens, I input features, O output features; M / K a GEMM's rows
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -102,6 +103,40 @@ def check_shape(in_features: int, out_features: int) -> None:
                          f"dimensions multiples of {ALIGN}; set fp8_dense: false")
 
 
+class Fp8WeightCopies:
+    """The e4m3 copies of one weight W_OI that its GEMMs read, made once per optimizer step
+    (`refresh`) and reused by every micro-batch of it: `rows` = (q_OI, s_O1), W per output feature
+    over I (the forward's B operand), and `cols` = (q_IO, s_I1), W per input feature over O (the
+    data gradient's). The buffers are allocated here, once; `refresh` writes into them in place
+    (a captured CUDA graph replays into the same addresses) and counts W's two quantisations into
+    its stats row: once per refresh, not once per micro-batch as without copies."""
+
+    def __init__(self, w_OI: torch.Tensor) -> None:
+        o, i = w_OI.shape
+        empty = functools.partial(torch.empty, device=w_OI.device)
+        self.rows = (empty((o, i), dtype=E4M3), empty((o, 1), dtype=torch.float32))
+        self.cols = (empty((i, o), dtype=E4M3), empty((i, 1), dtype=torch.float32))
+        self._seen: tuple | None = None  # (W's version, storage, dtype) at the last refresh
+
+    @torch.no_grad()
+    def refresh(self, w_OI: torch.Tensor, stats_row: torch.Tensor | None = None) -> None:
+        """Quantise W into the copies (two launches on CUDA; W^T read in place)."""
+        quantize_rowwise(w_OI, stats_row, out=self.rows)
+        quantize_rowwise(w_OI.t(), stats_row, out=self.cols)
+        self._seen = _identity(w_OI)
+
+    def fits(self, w_OI: torch.Tensor) -> bool:
+        """Whether the copies were refreshed from W as it is: host metadata only (no sync). It sees
+        in-place writes through W itself (torch optimizers, `copy_`) and a re-seated W (`.data =`),
+        not writes into W's storage from elsewhere: FlatAdamW writes its flat buffer, so the trainer
+        refreshes after every optimizer step (`MoETransformer.prepare_fp8`)."""
+        return self._seen == _identity(w_OI)
+
+
+def _identity(w_OI: torch.Tensor) -> tuple:
+    return w_OI._version, w_OI.data_ptr(), w_OI.dtype, tuple(w_OI.shape), w_OI.device
+
+
 class Fp8Linear(torch.autograd.Function):
     """y = x W^T with the three GEMMs in e4m3 (module docstring); d W is returned (the caller
     defers it with `wgrad` where it holds weight gradients back). Saves the bf16 x and W: the
@@ -126,20 +161,22 @@ class Fp8Linear(torch.autograd.Function):
 
 
 def fprop(x: torch.Tensor, w_OI: torch.Tensor, stats_row: torch.Tensor | None = None,
-          emulate: bool = False) -> torch.Tensor:
-    """y = x W^T, x [..., I]: x scaled per token, W per output feature (both over I)."""
+          emulate: bool = False, copies: Fp8WeightCopies | None = None) -> torch.Tensor:
+    """y = x W^T, x [..., I]: x scaled per token, W per output feature (both over I; `copies.rows`
+    where given, else quantised here)."""
     x_NI = x.reshape(-1, x.shape[-1])
     qx_NI, sx_N1 = quantize_rowwise(x_NI, stats_row)
-    qw_OI, sw_O1 = quantize_rowwise(w_OI, stats_row)
+    qw_OI, sw_O1 = copies.rows if copies is not None else quantize_rowwise(w_OI, stats_row)
     y_NO = scaled_mm(qx_NI, sx_N1, qw_OI.t(), sw_O1.t(), x.dtype, emulate)
     return y_NO.view(*x.shape[:-1], w_OI.shape[0])
 
 
 def dgrad(dy_NO: torch.Tensor, w_OI: torch.Tensor, stats_row: torch.Tensor | None = None,
-          emulate: bool = False) -> torch.Tensor:
-    """dx_NI = dy_NO W_OI: dy scaled per token, W per input feature (both over O)."""
+          emulate: bool = False, copies: Fp8WeightCopies | None = None) -> torch.Tensor:
+    """dx_NI = dy_NO W_OI: dy scaled per token, W per input feature (both over O; `copies.cols`
+    where given, else quantised here from W^T, read in place)."""
     qdy_NO, sdy_N1 = quantize_rowwise(dy_NO, stats_row)
-    qw_IO, sw_I1 = quantize_rowwise(w_OI.t(), stats_row)
+    qw_IO, sw_I1 = copies.cols if copies is not None else quantize_rowwise(w_OI.t(), stats_row)
     return scaled_mm(qdy_NO, sdy_N1, qw_IO.t(), sw_I1.t(), dy_NO.dtype, emulate)
 
 
