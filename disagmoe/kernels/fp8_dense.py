@@ -1,24 +1,23 @@
 """FP8 dense linear y = x W^T (attention projections, shared experts, dense FFN layers) on torch's
 own kernel, `torch._scaled_mm`, under `precision: fp8` (`TrainConfig.fp8_dense`).
 
-Recipe "rowwise" (`RECIPE`), NOT the routed experts' DeepSeek-V3 fine-grained one (1 x 128
-activation tiles, 128 x 128 weight blocks, `kernels.fp8`): `torch._scaled_mm` takes one fp32 scale
-per row of A ([M, 1]) and one per column of B ([1, N]), so every operand gets one scale per row
-along the GEMM's contraction (scale = amax / 448 of that row, e4m3 values, fp32 accumulation
-inside the library kernel, bf16 out). An outlier then costs precision to its whole row, not to
-one 128-wide tile: a coarser recipe than the experts', with its own loss parity to show.
+Recipe "rowwise" (`RECIPE`), not the routed experts' fine-grained one (`kernels.fp8`):
+`torch._scaled_mm` takes one fp32 scale per row of A ([M, 1]) and per column of B ([1, N]), so
+every operand gets one scale (amax / 448) per row along the GEMM's contraction, e4m3 values, fp32
+accumulation, bf16 out. An outlier costs precision to its whole row: its own loss parity to show.
 
   forward  y_NO  = x_NI W_OI^T   x per token (over I), W per output feature (over I)
   dgrad    dx_NI = dy_NO W_OI    dy per token (over O), W per input feature (over O)
-  wgrad    dW_OI = dy_NO^T x_NI  the contraction is the tokens: dy^T per output feature and x^T per
-                                 input feature, both over the tokens (per-token scales would sit
-                                 inside the sum and not factor out)
+  wgrad    dW_OI = dy_NO^T x_NI  dy^T per output feature, x^T per input feature, both over the
+                                 tokens (per-token scales would sit inside the sum)
 
-All operands e4m3 (as DeepSeek-V3, also for gradients). The bf16 weight stays the parameter; its
-e4m3 copies are made per call, never stored (checkpoints hold only the bf16/fp32 weights).
-`emulate=True` (tests only) replaces the library GEMM by dequantise-then-matmul in fp64 on the
-same quantised operands: the reference. torch 2.13 also has a CPU `torch._scaled_mm` (the CPU
-tests run it); training under precision fp8 is refused on CPU by `TrainConfig` all the same. Every quantisation can add into an `Fp8Stats` row (kind "dense").
+All operands e4m3, gradients too (as DeepSeek-V3). The quantiser is one Triton launch on CUDA
+(`kernels.fp8_rowwise`; transposed operands read in place), plain torch on the CPU, the same bits.
+The bf16 weight stays the parameter; its two e4m3 copies (`Fp8WeightCopies`) are made once per
+optimizer step by `DeferrableLinear.prepare_fp8`, reused by every micro-batch, never checkpointed.
+`emulate=True` (tests only): dequantise-then-matmul in fp64 on the same quantised operands instead
+of the library GEMM. torch 2.13 also has a CPU `torch._scaled_mm` (the CPU tests run it). Every
+quantisation can add into an `Fp8Stats` row (kind "dense"; W's once per refresh).
 
 Shape legend: N tokens, I input features, O output features; M / K a GEMM's rows / contraction.
 """

@@ -5,7 +5,9 @@ counters (`fp8._record_stats`). Bit for bit `fp8_dense.quantize_rowwise_referenc
 amax / 448 (correctly rounded), 1 for a zero row and for a row holding a NaN (torch's amax
 propagates the NaN, and NaN > 0 is false); a NaN quantises to NaN (e4m3 0x7F), clamped values
 to +-448, the rest rounded to nearest even (`fp8._round_to_e4m3`: Triton 3.6's interpreter casts
-fp32 -> fp8 wrongly, so the value is rounded first and the cast is exact).
+fp32 -> fp8 wrongly, so the value is rounded first and the cast is exact). One difference in the
+counters: an fp32 row whose amax is below 448 x 2^-150 (unreachable from bf16) gets scale 0, and
+its x / 0 = inf values count as saturated in the reference, not here (`_record_stats`).
 
 Legend: M rows, K the row length (the contraction of the GEMM the rows feed). x is read through
 its strides: a transposed view (`w.t()`, `dy.t()`, `x.t()`: rows of x^T are columns of x) is read
@@ -19,6 +21,7 @@ import triton
 import triton.language as tl
 
 from disagmoe.kernels import fp8
+from disagmoe.kernels import grouped_gemm as gg
 from disagmoe.kernels.fp8_stats import E4M3_MAX
 
 E4M3 = torch.float8_e4m3fn
@@ -99,11 +102,14 @@ def tiles_for(x_MK: torch.Tensor) -> tuple[int, int]:
 
 
 def gpu_tiles(x_MK: torch.Tensor) -> tuple[int, int]:
-    """Rows held whole where they fit the tile (one read), else chunks along K; a column-major x
-    (a transposed view) reads 64 consecutive rows of each column, coalesced."""
+    """Rows held whole where they fit the tile (one read), else chunks along K. A column-major x
+    (a transposed view: few rows, long ones) reads 64, 32 or 16 consecutive rows of each column
+    (128, 64 or 32 bytes of bf16), the most that still leaves two programs per SM."""
     rows, k = x_MK.shape
     if x_MK.stride(1) != 1 and x_MK.stride(0) == 1:
-        return 64, TILE // 64
+        programs = 2 * gg.default_num_programs(x_MK.device)
+        block_m = next((b for b in (64, 32) if triton.cdiv(rows, b) >= programs), 16)
+        return block_m, TILE // block_m
     if k <= ONE_READ_K:
         block_k = triton.next_power_of_2(k)
         return max(1, TILE // block_k), block_k

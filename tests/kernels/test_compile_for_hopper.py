@@ -343,9 +343,11 @@ def test_the_rowwise_quantiser_compiles_without_spills_at_its_gpu_tiles(monkeypa
     monkeypatch.setattr(JITFunction, "run", compile_and_count)
     row = Fp8Stats("cpu").row(3)
     inputs = [torch.zeros(256, 2048, dtype=torch.bfloat16), torch.zeros(64, 1000),
-              torch.zeros(16, 8192, dtype=torch.bfloat16), torch.zeros(4096, 512, dtype=torch.bfloat16).t()]
+              torch.zeros(16, 8192, dtype=torch.bfloat16), torch.zeros(4096, 512, dtype=torch.bfloat16).t(),
+              torch.zeros(2048, 64, dtype=torch.bfloat16).t()]  # few columns: 16-row tiles
     for x in inputs:
         block_m, block_k = fp8_rowwise.gpu_tiles(x)
         for stats in (row, None):
             fp8_rowwise.quantize_rowwise(x, stats, block_m=block_m, block_k=block_k)
+    assert [fp8_rowwise.gpu_tiles(x)[0] for x in inputs[-2:]] == [64, 16]  # (the CPU counts 4 SMs)
     assert found == [(0, True), (0, False)] * len(inputs), found

@@ -155,8 +155,8 @@ def test_weight_copies_hold_the_per_call_quantisations_and_refresh_in_place():
                                      (copies.cols, fp8_dense.quantize_rowwise(w_OI.t(), per_call_row))):
         assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s, want_s)
     assert torch.equal(row, per_call_row)  # W and W^T counted once each
-    assert torch.equal(fp8_dense.fprop(x_NI, w_OI, emulate=True, copies=copies), fp8_dense.fprop(x_NI, w_OI, emulate=True))
-    assert torch.equal(fp8_dense.dgrad(dy_NO, w_OI, emulate=True, copies=copies), fp8_dense.dgrad(dy_NO, w_OI, emulate=True))
+    for fn, a in ((fp8_dense.fprop, x_NI), (fp8_dense.dgrad, dy_NO)):
+        assert torch.equal(fn(a, w_OI, emulate=True, copies=copies), fn(a, w_OI, emulate=True)), fn.__name__
     buffers = [t.data_ptr() for t in (*copies.rows, *copies.cols)]
     w_OI.mul_(2.0)
     assert not copies.fits(w_OI)
