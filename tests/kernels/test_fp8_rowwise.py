@@ -108,3 +108,21 @@ def test_the_dispatch_runs_the_kernel_under_the_interpreter_and_the_reference_on
     q_ref, _ = fp8_dense.quantize_rowwise(x)
     assert calls == [1]
     _assert_same_bits(q, q_ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("transposed", [False, True], ids=["rows", "transposed"])
+@pytest.mark.parametrize(("m", "k"), [(4096, 2048), (257, 6000), (64, 4096)])
+def test_cuda_kernel_gives_the_references_bits_without_a_host_sync(m, k, transposed):
+    """The compiled kernel at `gpu_tiles` against the torch reference on the same GPU (both divide
+    correctly rounded), with counters, inside `no_host_syncs`."""
+    from disagmoe.runtime.observe.metrics import no_host_syncs
+
+    x = _awkward(k, m, 4, torch.bfloat16).cuda().t() if transposed else _awkward(m, k, 4, torch.bfloat16).cuda()
+    row, want_row = _start_row().cuda(), _start_row().cuda()
+    with no_host_syncs(True, x.device):
+        q, scale = fp8_dense.quantize_rowwise(x, row)  # CUDA: the kernel
+    want_q, want_scale = fp8_dense.quantize_rowwise_reference(x, want_row)
+    _assert_same_bits(q.cpu(), want_q.cpu())
+    assert torch.equal(scale, want_scale) and torch.equal(row, want_row)

@@ -183,3 +183,36 @@ def test_fp8_deferrable_linear_reuses_its_weight_copies_until_refreshed(monkeypa
     got, want = step(lin), step(plain)
     assert weight_calls() == 0 and torch.equal(got[0][0], want[0][0]) and torch.equal(got[1][1], want[1][1])
     assert [t.data_ptr() for t in (*lin.fp8_copies.rows, *lin.fp8_copies.cols)] == buffers
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)),
+                    reason="needs a CUDA GPU with FP8 tensor cores (sm_89+)")
+def test_cuda_fp8_weight_copies_refresh_inside_a_captured_graph():
+    """`prepare_fp8` and a forward captured in one CUDA graph: a replay after the weight changed in
+    place refreshes the copies (the new weight's per-call quantisations, bit for bit) and the
+    output follows (the library GEMM's algorithm may differ between capture and eager: a bound)."""
+    from disagmoe.kernels import fp8_dense
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    lin = DeferrableLinear(256, 128).cuda().bfloat16()
+    lin.set_fp8(True)
+    x = torch.randn(64, 256, device="cuda", generator=gen).bfloat16()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad(), torch.cuda.stream(side):  # compile the kernels before the capture
+        lin.prepare_fp8()
+        lin(x)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        lin.prepare_fp8()
+        y = lin(x)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(128, 256, device="cuda", generator=gen).bfloat16())
+    graph.replay()
+    torch.cuda.synchronize()
+    for (q, s), (want_q, want_s) in ((lin.fp8_copies.rows, fp8_dense.quantize_rowwise(lin.weight)),
+                                     (lin.fp8_copies.cols, fp8_dense.quantize_rowwise(lin.weight.t()))):
+        assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s, want_s)
+    assert _fp8_rel(y, fp8_dense.fprop(x, lin.weight)) < 1e-2
