@@ -44,6 +44,7 @@ def quantize_rowwise(x_MK: torch.Tensor, stats_row: torch.Tensor | None = None,
     host sync). `out`: (q_MK, scale_M1) buffers to write into. On CUDA (and under Triton's
     interpreter) one Triton launch (`kernels.fp8_rowwise`), else `quantize_rowwise_reference`:
     the same bits."""
+    # the interpreter's CPU path wants fp8_rowwise built under it (the tests' `interpreted` fixture)
     if x_MK.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
         from disagmoe.kernels import fp8_rowwise
 
@@ -115,7 +116,7 @@ class Fp8WeightCopies:
         empty = functools.partial(torch.empty, device=w_OI.device)
         self.rows = (empty((o, i), dtype=E4M3), empty((o, 1), dtype=torch.float32))
         self.cols = (empty((i, o), dtype=E4M3), empty((i, 1), dtype=torch.float32))
-        self._seen: tuple | None = None  # (W's version, storage, dtype) at the last refresh
+        self._seen: tuple | None = None  # `_identity(W)` at the last refresh
 
     @torch.no_grad()
     def refresh(self, w_OI: torch.Tensor, stats_row: torch.Tensor | None = None) -> None:
@@ -133,6 +134,7 @@ class Fp8WeightCopies:
 
 
 def _identity(w_OI: torch.Tensor) -> tuple:
+    """W's version counter, storage address, dtype, shape and device: host metadata, no sync."""
     return w_OI._version, w_OI.data_ptr(), w_OI.dtype, tuple(w_OI.shape), w_OI.device
 
 
