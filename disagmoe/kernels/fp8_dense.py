@@ -1,29 +1,31 @@
 """FP8 dense linear y = x W^T (attention projections, shared experts, dense FFN layers) on torch's
 own kernel, `torch._scaled_mm`, under `precision: fp8` (`TrainConfig.fp8_dense`).
 
-Recipe "rowwise" (`RECIPE`), NOT the routed experts' DeepSeek-V3 fine-grained one (1 x 128
-activation tiles, 128 x 128 weight blocks, `kernels.fp8`): `torch._scaled_mm` takes one fp32 scale
-per row of A ([M, 1]) and one per column of B ([1, N]), so every operand gets one scale per row
-along the GEMM's contraction (scale = amax / 448 of that row, e4m3 values, fp32 accumulation
-inside the library kernel, bf16 out). An outlier then costs precision to its whole row, not to
-one 128-wide tile: a coarser recipe than the experts', with its own loss parity to show.
+Recipe "rowwise" (`RECIPE`), not the routed experts' fine-grained one (`kernels.fp8`):
+`torch._scaled_mm` takes one fp32 scale per row of A ([M, 1]) and per column of B ([1, N]), so
+every operand gets one scale (amax / 448) per row along the GEMM's contraction, e4m3 values, fp32
+accumulation, bf16 out. An outlier costs precision to its whole row: its own loss parity to show.
 
   forward  y_NO  = x_NI W_OI^T   x per token (over I), W per output feature (over I)
   dgrad    dx_NI = dy_NO W_OI    dy per token (over O), W per input feature (over O)
-  wgrad    dW_OI = dy_NO^T x_NI  the contraction is the tokens: dy^T per output feature and x^T per
-                                 input feature, both over the tokens (per-token scales would sit
-                                 inside the sum and not factor out)
+  wgrad    dW_OI = dy_NO^T x_NI  dy^T per output feature, x^T per input feature, both over the
+                                 tokens (per-token scales would sit inside the sum)
 
-All operands e4m3 (as DeepSeek-V3, also for gradients). The bf16 weight stays the parameter; its
-e4m3 copies are made per call, never stored (checkpoints hold only the bf16/fp32 weights).
-`emulate=True` (tests only) replaces the library GEMM by dequantise-then-matmul in fp64 on the
-same quantised operands: the reference. torch 2.13 also has a CPU `torch._scaled_mm` (the CPU
-tests run it); training under precision fp8 is refused on CPU by `TrainConfig` all the same. Every quantisation can add into an `Fp8Stats` row (kind "dense").
+All operands e4m3, gradients too (as DeepSeek-V3). The quantiser is one Triton launch on CUDA
+(`kernels.fp8_rowwise`; transposed operands read in place), plain torch on the CPU, the same bits.
+The bf16 weight stays the parameter; its two e4m3 copies (`Fp8WeightCopies`) are made once per
+optimizer step by `DeferrableLinear.prepare_fp8`, reused by every micro-batch, never checkpointed.
+`emulate=True` (tests only): dequantise-then-matmul in fp64 on the same quantised operands instead
+of the library GEMM. torch 2.13 also has a CPU `torch._scaled_mm` (the CPU tests run it). Every
+quantisation can add into an `Fp8Stats` row (kind "dense"; W's once per refresh).
 
 Shape legend: N tokens, I input features, O output features; M / K a GEMM's rows / contraction.
 """
 
 from __future__ import annotations
+
+import functools
+import os
 
 import torch
 
@@ -34,13 +36,37 @@ E4M3 = torch.float8_e4m3fn
 ALIGN = 16  # torch._scaled_mm: every GEMM dimension but M a multiple of 16 (wgrad contracts the tokens)
 
 
-def quantize_rowwise(x_MK: torch.Tensor, stats_row: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q_MK e4m3, scale_M1 fp32) with x ~= q * scale: one scale per row, amax / 448 (a zero row
-    gets scale 1 and quantises to zeros). `stats_row`: an `Fp8Stats` row to add the counters into
-    (device ops, no host sync)."""
+def quantize_rowwise(x_MK: torch.Tensor, stats_row: torch.Tensor | None = None,
+                     out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q_MK e4m3 row-major, scale_M1 fp32) with x ~= q * scale: one scale per row, amax / 448 (a
+    zero row gets scale 1 and quantises to zeros). x any strides (a transposed view is read in
+    place on the kernel). `stats_row`: an `Fp8Stats` row to add the counters into (device ops, no
+    host sync). `out`: (q_MK, scale_M1) buffers to write into. On CUDA (and under Triton's
+    interpreter) one Triton launch (`kernels.fp8_rowwise`), else `quantize_rowwise_reference`:
+    the same bits."""
+    # the interpreter's CPU path wants fp8_rowwise built under it (the tests' `interpreted` fixture)
+    if x_MK.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+        from disagmoe.kernels import fp8_rowwise
+
+        return fp8_rowwise.quantize_rowwise(x_MK, stats_row, out)
+    q_MK, scale_M1 = quantize_rowwise_reference(x_MK, stats_row)
+    if out is None:
+        return q_MK, scale_M1
+    out[0].copy_(q_MK)
+    out[1].copy_(scale_M1)
+    return out
+
+
+def quantize_rowwise_reference(x_MK: torch.Tensor, stats_row: torch.Tensor | None = None,
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain torch `quantize_rowwise` (the CPU path): several passes over x (and six more for the
+    counters). A row holding a NaN gets scale 1 (amax propagates it; NaN > 0 is false)."""
     x32 = x_MK.float().contiguous()  # row-major: B operands are this, transposed (column-major)
     amax_M1 = x32.abs().amax(dim=-1, keepdim=True)
-    scale_M1 = torch.where(amax_M1 > 0, amax_M1 / E4M3_MAX, torch.ones_like(amax_M1))
+    # / a device 448: CUDA torch divides by a host scalar as a multiply by its reciprocal (not
+    # correctly rounded); by a tensor exactly, as the kernel's div_rn
+    e4m3_max = torch.full((), E4M3_MAX, dtype=torch.float32, device=x32.device)
+    scale_M1 = torch.where(amax_M1 > 0, amax_M1 / e4m3_max, torch.ones_like(amax_M1))
     scaled = x32 / scale_M1
     q_MK = scaled.clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)  # clamp: NaN stays NaN, counted below
     if stats_row is not None:
@@ -77,6 +103,41 @@ def check_shape(in_features: int, out_features: int) -> None:
                          f"dimensions multiples of {ALIGN}; set fp8_dense: false")
 
 
+class Fp8WeightCopies:
+    """The e4m3 copies of one weight W_OI that its GEMMs read, made once per optimizer step
+    (`refresh`) and reused by every micro-batch of it: `rows` = (q_OI, s_O1), W per output feature
+    over I (the forward's B operand), and `cols` = (q_IO, s_I1), W per input feature over O (the
+    data gradient's). The buffers are allocated here, once; `refresh` writes into them in place
+    (a captured CUDA graph replays into the same addresses) and counts W's two quantisations into
+    its stats row: once per refresh, not once per micro-batch as without copies."""
+
+    def __init__(self, w_OI: torch.Tensor) -> None:
+        o, i = w_OI.shape
+        empty = functools.partial(torch.empty, device=w_OI.device)
+        self.rows = (empty((o, i), dtype=E4M3), empty((o, 1), dtype=torch.float32))
+        self.cols = (empty((i, o), dtype=E4M3), empty((i, 1), dtype=torch.float32))
+        self._seen: tuple | None = None  # `_identity(W)` at the last refresh
+
+    @torch.no_grad()
+    def refresh(self, w_OI: torch.Tensor, stats_row: torch.Tensor | None = None) -> None:
+        """Quantise W into the copies (two launches on CUDA; W^T read in place)."""
+        quantize_rowwise(w_OI, stats_row, out=self.rows)
+        quantize_rowwise(w_OI.t(), stats_row, out=self.cols)
+        self._seen = _identity(w_OI)
+
+    def fits(self, w_OI: torch.Tensor) -> bool:
+        """Whether the copies were refreshed from W as it is: host metadata only (no sync). It sees
+        in-place writes through W itself (torch optimizers, `copy_`) and a re-seated W (`.data =`),
+        not writes into W's storage from elsewhere: FlatAdamW writes its flat buffer, so the trainer
+        refreshes after every optimizer step (`MoETransformer.prepare_fp8`)."""
+        return self._seen == _identity(w_OI)
+
+
+def _identity(w_OI: torch.Tensor) -> tuple:
+    """W's version counter, storage address, dtype, shape and device: host metadata, no sync."""
+    return w_OI._version, w_OI.data_ptr(), w_OI.dtype, tuple(w_OI.shape), w_OI.device
+
+
 class Fp8Linear(torch.autograd.Function):
     """y = x W^T with the three GEMMs in e4m3 (module docstring); d W is returned (the caller
     defers it with `wgrad` where it holds weight gradients back). Saves the bf16 x and W: the
@@ -101,20 +162,22 @@ class Fp8Linear(torch.autograd.Function):
 
 
 def fprop(x: torch.Tensor, w_OI: torch.Tensor, stats_row: torch.Tensor | None = None,
-          emulate: bool = False) -> torch.Tensor:
-    """y = x W^T, x [..., I]: x scaled per token, W per output feature (both over I)."""
+          emulate: bool = False, copies: Fp8WeightCopies | None = None) -> torch.Tensor:
+    """y = x W^T, x [..., I]: x scaled per token, W per output feature (both over I; `copies.rows`
+    where given, else quantised here)."""
     x_NI = x.reshape(-1, x.shape[-1])
     qx_NI, sx_N1 = quantize_rowwise(x_NI, stats_row)
-    qw_OI, sw_O1 = quantize_rowwise(w_OI, stats_row)
+    qw_OI, sw_O1 = copies.rows if copies is not None else quantize_rowwise(w_OI, stats_row)
     y_NO = scaled_mm(qx_NI, sx_N1, qw_OI.t(), sw_O1.t(), x.dtype, emulate)
     return y_NO.view(*x.shape[:-1], w_OI.shape[0])
 
 
 def dgrad(dy_NO: torch.Tensor, w_OI: torch.Tensor, stats_row: torch.Tensor | None = None,
-          emulate: bool = False) -> torch.Tensor:
-    """dx_NI = dy_NO W_OI: dy scaled per token, W per input feature (both over O)."""
+          emulate: bool = False, copies: Fp8WeightCopies | None = None) -> torch.Tensor:
+    """dx_NI = dy_NO W_OI: dy scaled per token, W per input feature (both over O; `copies.cols`
+    where given, else quantised here from W^T, read in place)."""
     qdy_NO, sdy_N1 = quantize_rowwise(dy_NO, stats_row)
-    qw_IO, sw_I1 = quantize_rowwise(w_OI.t(), stats_row)
+    qw_IO, sw_I1 = copies.cols if copies is not None else quantize_rowwise(w_OI.t(), stats_row)
     return scaled_mm(qdy_NO, sdy_N1, qw_IO.t(), sw_I1.t(), dy_NO.dtype, emulate)
 
 

@@ -177,29 +177,30 @@ class _LinearFunction(torch.autograd.Function):
 
 class _Fp8LinearFunction(torch.autograd.Function):
     """`_LinearFunction` with its three GEMMs in FP8 (`kernels.fp8_dense`, recipe "rowwise"); the
-    weight gradient waits inside `deferred_weight_grads` the same way."""
+    weight gradient waits inside `deferred_weight_grads` the same way. `copies`: W's e4m3 copies
+    of this optimizer step (`fp8_dense.Fp8WeightCopies`, forward and data gradient), or None."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, w_OI: torch.Tensor, stats_row: torch.Tensor | None,
-                emulate: bool) -> torch.Tensor:
+                emulate: bool, copies: fp8_dense.Fp8WeightCopies | None) -> torch.Tensor:
         ctx.save_for_backward(x, w_OI)
-        ctx.stats_row, ctx.emulate = stats_row, emulate
-        return fp8_dense.fprop(x, w_OI, stats_row, emulate)
+        ctx.stats_row, ctx.emulate, ctx.copies = stats_row, emulate, copies
+        return fp8_dense.fprop(x, w_OI, stats_row, emulate, copies)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         x, w_OI = ctx.saved_tensors
         dy_NO = dy.reshape(-1, dy.shape[-1])
-        dx = (fp8_dense.dgrad(dy_NO, w_OI, ctx.stats_row, ctx.emulate).view(x.shape)
+        dx = (fp8_dense.dgrad(dy_NO, w_OI, ctx.stats_row, ctx.emulate, ctx.copies).view(x.shape)
               if ctx.needs_input_grad[0] else None)
         if not ctx.needs_input_grad[1]:
-            return dx, None, None, None
+            return dx, None, None, None, None
         x_NI = x.reshape(-1, x.shape[-1])
         weight_grad = functools.partial(_fp8_weight_grad, stats_row=ctx.stats_row, emulate=ctx.emulate)
         deferrable = w_OI.is_leaf and not torch.is_grad_enabled()
         if deferrable and hold_back(functools.partial(_accumulate_weight_grad, w_OI, dy_NO, x_NI, weight_grad)):
-            return dx, None, None, None
-        return dx, weight_grad(dy_NO, x_NI), None, None
+            return dx, None, None, None, None
+        return dx, weight_grad(dy_NO, x_NI), None, None, None
 
 
 def _fp8_weight_grad(dy_NO: torch.Tensor, x_NI: torch.Tensor, stats_row: torch.Tensor | None,
@@ -212,23 +213,40 @@ class DeferrableLinear(nn.Linear):
     that context the same parameters, names and gradients, bit for bit, as `nn.Linear`.
 
     `set_fp8(True, stats_row)` (precision fp8, `fp8_dense`) runs its GEMMs in FP8 instead
-    (`kernels.fp8_dense`): the parameter stays bf16, no FP8 copy is kept. `emulate` is for tests
-    only (dequantise-then-matmul in fp64 instead of torch._scaled_mm)."""
+    (`kernels.fp8_dense`): the parameter stays bf16; its e4m3 copies (`fp8_copies`) are made by
+    `prepare_fp8`, once per optimizer step, never checkpointed. `emulate` is for tests only
+    (dequantise-then-matmul in fp64 instead of torch._scaled_mm)."""
 
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__(in_features, out_features, bias=False)
         self.fp8 = False
         self.fp8_stats_row: torch.Tensor | None = None
         self.fp8_emulate = False
+        self.fp8_copies: fp8_dense.Fp8WeightCopies | None = None
 
     def set_fp8(self, enabled: bool, stats_row: torch.Tensor | None = None, emulate: bool = False) -> None:
         if enabled and not emulate:
             fp8_dense.check_shape(self.in_features, self.out_features)
         self.fp8, self.fp8_stats_row, self.fp8_emulate = enabled, stats_row, emulate
+        self.fp8_copies = None
+
+    @torch.no_grad()
+    def prepare_fp8(self) -> None:
+        """Under FP8, refresh W's e4m3 copies from W, in place (the same buffers every time, allocated
+        on the first call): once per optimizer step, before the step's first forward (the trainer,
+        `MoETransformer.prepare_fp8`), and before an evaluation. W's counters go into the stats row
+        here, once per refresh."""
+        if not self.fp8:
+            return
+        if self.fp8_copies is None or self.fp8_copies.rows[0].device != self.weight.device:
+            self.fp8_copies = fp8_dense.Fp8WeightCopies(self.weight)
+        self.fp8_copies.refresh(self.weight, self.fp8_stats_row)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp8:
-            return _Fp8LinearFunction.apply(x, self.weight, self.fp8_stats_row, self.fp8_emulate)
+            # no copies, or W written since (`Fp8WeightCopies.fits`, host metadata): W quantised per call
+            copies = self.fp8_copies if self.fp8_copies is not None and self.fp8_copies.fits(self.weight) else None
+            return _Fp8LinearFunction.apply(x, self.weight, self.fp8_stats_row, self.fp8_emulate, copies)
         return _LinearFunction.apply(x, self.weight)
 
 

@@ -135,10 +135,11 @@ class MoETransformer(nn.Module):
                 module.set_fp8_stats(stats)
 
     def prepare_fp8(self) -> None:
-        """Refresh every FP8 expert's weight copies from its weights (a no-op without FP8 experts):
-        once per optimizer step, before its first forward, and before an evaluation."""
+        """Refresh the FP8 weight copies of every FP8 expert module and FP8 dense projection from its
+        weights, in place (a no-op without FP8): once per optimizer step, before its first forward,
+        and before an evaluation."""
         for module in self.modules():
-            if isinstance(module, RoutedExperts):
+            if isinstance(module, (RoutedExperts, DeferrableLinear)):
                 module.prepare_fp8()
 
     @torch.no_grad()

@@ -324,3 +324,30 @@ def test_the_fp8_counters_compile_with_their_atomics_and_no_spills(monkeypatch):
     found.clear()
     fp8.quantize_rows(x)
     assert found == [("_quantize_rows_kernel", 0, False)]
+
+
+def test_the_rowwise_quantiser_compiles_without_spills_at_its_gpu_tiles(monkeypatch):
+    """The dense projections' rowwise quantiser (`kernels.fp8_rowwise`) at `gpu_tiles` for sm_90a:
+    row-major rows held whole (bf16 and fp32), long rows in chunks, a transposed view read
+    column-major, each with a stats row (the int64 atomics) and without; no spill stores."""
+    from disagmoe.kernels import fp8_rowwise
+    from disagmoe.kernels.fp8_stats import Fp8Stats
+
+    backend = make_backend(HOPPER)
+    found: list[tuple[int, bool]] = []
+
+    def compile_and_count(self, *args, grid, warmup, **kwargs):
+        ptx = compile_for_hopper(self, backend, args, kwargs).asm["ptx"]
+        found.append((spill_store_bytes(ptx), "atom.global" in ptx and ".max.s64" in ptx and ".add.u64" in ptx))
+
+    monkeypatch.setattr(JITFunction, "run", compile_and_count)
+    row = Fp8Stats("cpu").row(3)
+    inputs = [torch.zeros(256, 2048, dtype=torch.bfloat16), torch.zeros(64, 1000),
+              torch.zeros(16, 8192, dtype=torch.bfloat16), torch.zeros(4096, 512, dtype=torch.bfloat16).t(),
+              torch.zeros(2048, 64, dtype=torch.bfloat16).t()]  # few columns: 16-row tiles
+    for x in inputs:
+        block_m, block_k = fp8_rowwise.gpu_tiles(x)
+        for stats in (row, None):
+            fp8_rowwise.quantize_rowwise(x, stats, block_m=block_m, block_k=block_k)
+    assert [fp8_rowwise.gpu_tiles(x)[0] for x in inputs[-2:]] == [64, 16]  # (the CPU counts 4 SMs)
+    assert found == [(0, True), (0, False)] * len(inputs), found

@@ -139,3 +139,27 @@ def test_cuda_scaled_mm_tracks_fp64(shape):
     assert _rel(w.grad, dy64.T @ x64) < REL_BOUND
     # and the library kernel agrees with the emulation of the same quantisation
     assert _rel(y, fp8_dense.fp8_linear(x.detach(), w.detach(), emulate=True)) < LIB_BOUND
+
+
+def test_weight_copies_hold_the_per_call_quantisations_and_refresh_in_place():
+    """`Fp8WeightCopies`: after `refresh`, `rows` and `cols` are W's and W^T's per-call quantisations
+    bit for bit, the GEMMs give the same bits with or without them, a second refresh writes into
+    the same buffers, and `fits` turns false when W is written in place."""
+    x_NI, w_OI, dy_NO = _inputs(8, torch.bfloat16)
+    copies = fp8_dense.Fp8WeightCopies(w_OI)
+    assert not copies.fits(w_OI)
+    row, per_call_row = torch.zeros(FIELDS, dtype=torch.int64), torch.zeros(FIELDS, dtype=torch.int64)
+    copies.refresh(w_OI, row)
+    assert copies.fits(w_OI)
+    for (q, s), (want_q, want_s) in ((copies.rows, fp8_dense.quantize_rowwise(w_OI, per_call_row)),
+                                     (copies.cols, fp8_dense.quantize_rowwise(w_OI.t(), per_call_row))):
+        assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s, want_s)
+    assert torch.equal(row, per_call_row)  # W and W^T counted once each
+    for fn, a in ((fp8_dense.fprop, x_NI), (fp8_dense.dgrad, dy_NO)):
+        assert torch.equal(fn(a, w_OI, emulate=True, copies=copies), fn(a, w_OI, emulate=True)), fn.__name__
+    buffers = [t.data_ptr() for t in (*copies.rows, *copies.cols)]
+    w_OI.mul_(2.0)
+    assert not copies.fits(w_OI)
+    copies.refresh(w_OI)
+    assert copies.fits(w_OI) and [t.data_ptr() for t in (*copies.rows, *copies.cols)] == buffers
+    assert torch.equal(copies.rows[1], fp8_dense.quantize_rowwise(w_OI)[1])

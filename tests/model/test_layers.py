@@ -130,3 +130,89 @@ def test_fp8_deferrable_linear_off_is_the_plain_linear_and_refuses_unaligned_sha
     assert torch.equal(lin(x), torch.nn.functional.linear(x, lin.weight))
     with pytest.raises(ValueError, match="multiples of 16"):
         DeferrableLinear(64, 40).set_fp8(True)
+
+
+def test_fp8_deferrable_linear_reuses_its_weight_copies_until_refreshed(monkeypatch):
+    """`prepare_fp8` quantises W twice (forward and data-gradient copies) and two micro-batches'
+    forwards and backwards then quantise only activations and gradients, with the per-call path's
+    bits; a write through W (an optimizer's in-place step) sends calls back to per-call
+    quantisation, and a write into W's storage that W's version does not see (FlatAdamW's flat
+    buffer) is picked up by the next `prepare_fp8`, into the same buffers."""
+    from disagmoe.kernels import fp8_dense
+    from disagmoe.kernels.fp8_stats import FIELDS, TOTAL
+
+    lin, x, dy = _fp8_linear_inputs()
+    quantised = []  # the first dimension of every tensor quantised: 48 (W) or 64 (W^T) for the weight
+    original = fp8_dense.quantize_rowwise
+    monkeypatch.setattr(fp8_dense, "quantize_rowwise", lambda t, *a, **kw: quantised.append(t) or original(t, *a, **kw))
+    weight_calls = lambda: sum(t.data_ptr() == lin.weight.data_ptr() for t in quantised)  # noqa: E731
+
+    def step(module):
+        xs = [x.clone().requires_grad_() for _ in range(2)]
+        ys = [module(xi) for xi in xs]
+        for y in ys:
+            y.backward(dy)
+        return [y.detach() for y in ys], [xi.grad for xi in xs]
+
+    plain, per_call_row = _fp8_linear_inputs()[0], torch.zeros(FIELDS, dtype=torch.int64)
+    plain.set_fp8(True, per_call_row, emulate=True)
+    row = torch.zeros(FIELDS, dtype=torch.int64)
+    lin.set_fp8(True, row, emulate=True)
+    lin.prepare_fp8()
+    assert weight_calls() == 2 and lin.fp8_copies.fits(lin.weight)
+    buffers = [t.data_ptr() for t in (*lin.fp8_copies.rows, *lin.fp8_copies.cols)]
+    quantised.clear()
+    got, want = step(lin), step(plain)
+    assert weight_calls() == 0  # both micro-batches read the copies
+    assert all(torch.equal(a, b) for a, b in zip(got[0] + got[1], want[0] + want[1], strict=True))
+    assert torch.equal(lin.weight.grad, plain.weight.grad)
+    assert row[TOTAL] < per_call_row[TOTAL]  # W counted once (at the refresh), not per micro-batch
+    with torch.no_grad():
+        lin.weight.mul_(0.5)  # through W: its version moves
+        plain.weight.mul_(0.5)
+    quantised.clear()
+    got, want = step(lin), step(plain)
+    assert weight_calls() == 4 and torch.equal(got[0][0], want[0][0])  # per call: 2 forwards, 2 backwards
+    lin.prepare_fp8()
+    with torch.no_grad():
+        lin.weight.data.mul_(2.0)  # into its storage, W's version unchanged: stale until refreshed
+        plain.weight.data.mul_(2.0)
+    assert lin.fp8_copies.fits(lin.weight)  # not seen by the host check: hence the trainer's refresh
+    lin.prepare_fp8()
+    quantised.clear()
+    got, want = step(lin), step(plain)
+    assert weight_calls() == 0 and torch.equal(got[0][0], want[0][0]) and torch.equal(got[1][1], want[1][1])
+    assert [t.data_ptr() for t in (*lin.fp8_copies.rows, *lin.fp8_copies.cols)] == buffers
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)),
+                    reason="needs a CUDA GPU with FP8 tensor cores (sm_89+)")
+def test_cuda_fp8_weight_copies_refresh_inside_a_captured_graph():
+    """`prepare_fp8` and a forward captured in one CUDA graph: a replay after the weight changed in
+    place refreshes the copies (the new weight's per-call quantisations, bit for bit) and the
+    output follows (the library GEMM's algorithm may differ between capture and eager: a bound)."""
+    from disagmoe.kernels import fp8_dense
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    lin = DeferrableLinear(256, 128).cuda().bfloat16()
+    lin.set_fp8(True)
+    x = torch.randn(64, 256, device="cuda", generator=gen).bfloat16()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad(), torch.cuda.stream(side):  # compile the kernels before the capture
+        lin.prepare_fp8()
+        lin(x)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        lin.prepare_fp8()
+        y = lin(x)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(128, 256, device="cuda", generator=gen).bfloat16())
+    graph.replay()
+    torch.cuda.synchronize()
+    for (q, s), (want_q, want_s) in ((lin.fp8_copies.rows, fp8_dense.quantize_rowwise(lin.weight)),
+                                     (lin.fp8_copies.cols, fp8_dense.quantize_rowwise(lin.weight.t()))):
+        assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s, want_s)
+    assert _fp8_rel(y, fp8_dense.fprop(x, lin.weight)) < 1e-2

@@ -229,6 +229,28 @@ def test_dense_fp8_model_tracks_the_fp32_loss_counts_and_stores_no_fp8_copies():
         assert rel < 0.2, name  # gradients through several FP8 GEMMs: looser than one GEMM's 7e-2
 
 
+def test_dense_fp8_prepare_makes_every_projections_copies_with_the_per_call_bits():
+    """`prepare_fp8` (the trainer's, once per optimizer step) reaches every FP8 `DeferrableLinear`:
+    each then holds W's copies, the forward reads them and gives the per-call path's loss bit for
+    bit, and the state dict still holds no FP8 tensor (checkpoints keep only the weights)."""
+    from disagmoe.kernels.fp8_stats import Fp8Stats
+    from disagmoe.model.layers import DeferrableLinear
+
+    cfg = _tiny_aligned()
+    model = MoETransformer(cfg)
+    keys = {k: (v.dtype, v.shape) for k, v in model.state_dict().items()}
+    model.set_dense_fp8(True, Fp8Stats("cpu"))
+    tok = tokens(cfg, B=2, S=16)
+    out = model(tok)
+    per_call = F.cross_entropy(out.logits_BSV.flatten(0, 1), tok.flatten())
+    model.prepare_fp8()
+    linears = [m for m in model.modules() if isinstance(m, DeferrableLinear)]
+    assert linears and all(m.fp8_copies is not None and m.fp8_copies.fits(m.weight) for m in linears)
+    out = model(tok, out.topk_idx_LNK)
+    assert torch.equal(F.cross_entropy(out.logits_BSV.flatten(0, 1), tok.flatten()), per_call)
+    assert {k: (v.dtype, v.shape) for k, v in model.state_dict().items()} == keys
+
+
 def _cuda_fp8() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 

@@ -274,7 +274,7 @@ class TrainWorker(Worker):
         result: dict[str, Any] = {}
         self._held_back = ("", [])
         with no_host_syncs(self.cfg.forbid_host_syncs, self.device):
-            self.model.prepare_fp8()  # FP8 experts' weight copies from the last update (a no-op otherwise)
+            self.model.prepare_fp8()  # FP8 weight copies (experts, dense projections) from the last update
             for op in self.program:
                 if not isinstance(op, Send):
                     self._run_held_back(step)
@@ -340,7 +340,7 @@ class TrainWorker(Worker):
         forward = [op for op in self.program if isinstance(op, (AttentionForward, ExpertForward, Loss))
                    or (isinstance(op, (Send, Recv)) and op.payload.direction is Direction.FORWARD)]
         ce = 0.0
-        if self.fp8_stats is not None:  # FP8 experts: the weights' copies as the last update left them
+        if self.fp8_stats is not None:  # FP8 here: the weights' copies as the last update left them
             self.model.prepare_fp8()
         for batch in range(batches):
             if self.attention is not None:

@@ -199,7 +199,7 @@ def _flat_step_on_device(model: MoETransformer, optimizer: FlatAdamW, tokens_BS1
     at the learning rate already in `optimizer.lr`."""
     device, batch_size = tokens_BS1.device, tokens_BS1.shape[0]
     optimizer.zero_grad()
-    model.prepare_fp8()  # FP8 experts' weight copies from this step's weights (a no-op otherwise)
+    model.prepare_fp8()  # FP8 weight copies (experts, dense projections) from this step's weights
     totals = torch.zeros(4, dtype=torch.float32, device=device)  # loss, ce, aux, z summed over micro-batches
     load_LE = torch.zeros((model.cfg.num_moe_layers, model.cfg.num_experts), dtype=torch.int64, device=device)
     for m in range(micro_batches):

@@ -1,0 +1,144 @@
+"""The rowwise e4m3 quantiser of the FP8 dense projections (`kernels.fp8_dense`, recipe "rowwise")
+as one Triton launch: a program takes a block of rows, reads them, takes each row's amax, writes
+the rows' e4m3 values and fp32 scales and, with a stats row, adds the `kernels.fp8_stats`
+counters (`fp8._record_stats`). Bit for bit `fp8_dense.quantize_rowwise_reference`: scale =
+amax / 448 (correctly rounded), 1 for a zero row and for a row holding a NaN (torch's amax
+propagates the NaN, and NaN > 0 is false); a NaN quantises to NaN (e4m3 0x7F), clamped values
+to +-448, the rest rounded to nearest even (`fp8._round_to_e4m3`: Triton 3.6's interpreter casts
+fp32 -> fp8 wrongly, so the value is rounded first and the cast is exact). One difference in the
+counters: an fp32 row whose amax is below 448 x 2^-150 (unreachable from bf16) gets scale 0, and
+its x / 0 = inf values count as saturated in the reference, not here (`_record_stats`).
+
+Legend: M rows, K the row length (the contraction of the GEMM the rows feed). x is read through
+its strides: a transposed view (`w.t()`, `dy.t()`, `x.t()`: rows of x^T are columns of x) is read
+column by column in place, never copied. q is row-major [M, K], the scale [M, 1].
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from disagmoe.kernels import fp8
+from disagmoe.kernels import grouped_gemm as gg
+from disagmoe.kernels.fp8_stats import E4M3_MAX
+
+E4M3 = torch.float8_e4m3fn
+# A program's tile (BLOCK_M x BLOCK_K fp32 values, with the rounding's integers): 4096 elements at
+# 4 warps, the size of `fp8.quantize_rows`' 32 x 128 tiles. Rows up to ONE_READ_K long are held
+# whole (one read of x); longer rows are read twice by their program, the amax then the values,
+# the second read mostly from L2. Untuned: the lead measures on the GPU.
+TILE = 4096
+ONE_READ_K = 4096
+
+_E4M3_MAX = tl.constexpr(E4M3_MAX)
+_E4M3_NAN = tl.constexpr(0x7F)  # e4m3fn's NaN (sign bit clear: the sign of a NaN is not kept)
+
+
+@triton.jit
+def _load_chunk(x_ptr, rows64, row_ok, k0, K, stride_xm, stride_xk, BLOCK_K: tl.constexpr):
+    """x[rows, k0:k0 + BLOCK_K] as fp32 (zeros past K and past the rows) and its mask."""
+    ks = k0 + tl.arange(0, BLOCK_K)
+    ok = row_ok[:, None] & (ks < K)[None, :]
+    x = tl.load(x_ptr + rows64[:, None] * stride_xm + ks.to(tl.int64)[None, :] * stride_xk, mask=ok, other=0.0)
+    return x.to(tl.float32), ks, ok
+
+
+@triton.jit
+def _row_amax(x):
+    """(max |x| per row, whether the row holds a NaN): the GPU's max may drop a NaN, so it is looked for."""
+    return tl.max(tl.abs(x), axis=1), tl.max((x != x).to(tl.int32), axis=1) > 0
+
+
+@triton.jit
+def _quantize_chunk(x, ks, ok, scale, q_ptr, rows64, stats_ptr, stride_qm, STATS: tl.constexpr):
+    """Store one chunk's e4m3 bits into q (a uint8 view) and, STATS, count it (`fp8._record_stats`)."""
+    scaled = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
+    q = fp8._round_to_e4m3(scaled)  # saturates at +-448, as the reference's clamp
+    if STATS:
+        fp8._record_stats(stats_ptr, x, scaled, q, ok)  # q is read where x is finite only
+    bits = tl.where(scaled == scaled, q.to(tl.float8e4nv).to(tl.uint8, bitcast=True), _E4M3_NAN)
+    tl.store(q_ptr + rows64[:, None] * stride_qm + ks[None, :], bits, mask=ok)
+
+
+@triton.jit
+def _quantize_rowwise_kernel(x_ptr, q_ptr, s_ptr, stats_ptr, M, K, stride_xm, stride_xk, stride_qm,
+                             BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ONE_READ: tl.constexpr,
+                             STATS: tl.constexpr):
+    # Program: rows [pid * BLOCK_M, +BLOCK_M) of x [M, K] (any strides) -> q [M, K] (row-major,
+    # uint8 bits of e4m3, row stride stride_qm) and s [M] (fp32). ONE_READ (K <= BLOCK_K): the
+    # rows are loaded once and kept; else a loop over BLOCK_K chunks for the amax, then another
+    # for the values. STATS: counters into stats_ptr's row, one `_record_stats` per chunk.
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    rows64 = rows.to(tl.int64)
+    if ONE_READ:
+        x, ks, ok = _load_chunk(x_ptr, rows64, row_ok, 0, K, stride_xm, stride_xk, BLOCK_K)
+        amax, has_nan = _row_amax(x)
+    else:
+        amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        has_nan = tl.zeros((BLOCK_M,), dtype=tl.int1)
+        for k0 in range(0, K, BLOCK_K):
+            x, ks, ok = _load_chunk(x_ptr, rows64, row_ok, k0, K, stride_xm, stride_xk, BLOCK_K)
+            chunk_amax, chunk_nan = _row_amax(x)
+            amax = tl.maximum(amax, chunk_amax)
+            has_nan = has_nan | chunk_nan
+    # an inf row: scale inf, its finite values quantise to +-0 and the inf to NaN, as the reference
+    scale = tl.where((amax > 0.0) & ~has_nan, tl.math.div_rn(amax, _E4M3_MAX), 1.0)
+    tl.store(s_ptr + rows64, scale, mask=row_ok)
+    if ONE_READ:
+        _quantize_chunk(x, ks, ok, scale, q_ptr, rows64, stats_ptr, stride_qm, STATS)
+    else:
+        for k0 in range(0, K, BLOCK_K):
+            x, ks, ok = _load_chunk(x_ptr, rows64, row_ok, k0, K, stride_xm, stride_xk, BLOCK_K)
+            _quantize_chunk(x, ks, ok, scale, q_ptr, rows64, stats_ptr, stride_qm, STATS)
+
+
+def tiles_for(x_MK: torch.Tensor) -> tuple[int, int]:
+    """(block_m, block_k) of a launch on x: `gpu_tiles`, or small ones on the CPU (the interpreter),
+    so that small tests cover the chunked loop."""
+    return (8, 32) if x_MK.device.type == "cpu" else gpu_tiles(x_MK)
+
+
+def gpu_tiles(x_MK: torch.Tensor) -> tuple[int, int]:
+    """Rows held whole where they fit the tile (one read), else chunks along K. A column-major x
+    (a transposed view: few rows, long ones) reads 64, 32 or 16 consecutive rows of each column
+    (128, 64 or 32 bytes of bf16), the most that still leaves two programs per SM."""
+    rows, k = x_MK.shape
+    if x_MK.stride(1) != 1 and x_MK.stride(0) == 1:
+        programs = 2 * gg.default_num_programs(x_MK.device)
+        block_m = next((b for b in (64, 32) if triton.cdiv(rows, b) >= programs), 16)
+        return block_m, TILE // block_m
+    if k <= ONE_READ_K:
+        block_k = triton.next_power_of_2(k)
+        return max(1, TILE // block_k), block_k
+    return 2, TILE // 2
+
+
+def quantize_rowwise(x_MK: torch.Tensor, stats_row: torch.Tensor | None = None,
+                     out: tuple[torch.Tensor, torch.Tensor] | None = None, *, block_m: int | None = None,
+                     block_k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q_MK e4m3, scale_M1 fp32) of `fp8_dense.quantize_rowwise_reference`, bit for bit (NaNs as
+    0x7F). x bf16 or fp32, any strides. `stats_row`: an int64 `Fp8Stats` row the launch adds its
+    counters into. `out`: (q_MK, scale_M1) to write into (contiguous; the same buffers every call
+    for a CUDA graph). block_m / block_k: the tile (default `tiles_for`)."""
+    rows, k = x_MK.shape
+    if out is None:
+        out = (torch.empty((rows, k), dtype=E4M3, device=x_MK.device),
+               torch.empty((rows, 1), dtype=torch.float32, device=x_MK.device))
+    q_MK, scale_M1 = out
+    assert q_MK.shape == (rows, k) and q_MK.dtype == E4M3 and q_MK.stride(1) == 1, (q_MK.shape, q_MK.stride())
+    assert scale_M1.shape == (rows, 1) and scale_M1.dtype == torch.float32 and scale_M1.is_contiguous()
+    if rows == 0 or k == 0:
+        return q_MK, scale_M1
+    default_m, default_k = tiles_for(x_MK)
+    block_m, block_k = block_m or default_m, block_k or default_k
+    one_read = k <= block_k
+    q_bits = q_MK.view(torch.uint8)
+    grid = (triton.cdiv(rows, block_m),)
+    _quantize_rowwise_kernel[grid](
+        x_MK, q_bits, scale_M1, fp8._stats_ptr(stats_row, scale_M1), rows, k, x_MK.stride(0), x_MK.stride(1),
+        q_bits.stride(0), BLOCK_M=block_m, BLOCK_K=block_k, ONE_READ=one_read, STATS=stats_row is not None,
+        num_warps=4)
+    return q_MK, scale_M1
