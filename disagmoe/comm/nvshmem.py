@@ -138,7 +138,7 @@ class SlotIndex:
     """A rank's receive slots (segments' and pair regions') by the transport key of their messages."""
 
     def __init__(self, layout: ArenaLayout) -> None:
-        self._slots = {_key_of(seg.slot): seg.slot for seg in layout.segments}
+        self._slots = {_key_of(key): seg.slot for seg in layout.segments for key in seg.keys or (seg.slot,)}
         self._pairs: dict[tuple[int, int, int], PairRegion] = {}
         for region in layout.pairs:
             other = self._pairs.setdefault(_pair_key_of(region.slot), region)
@@ -245,9 +245,11 @@ class NvshmemTransport(Transport):
         return Buffer.from_handle(tensor.data_ptr(), tensor.numel() * tensor.element_size())
 
     def _next(self, counts: dict[tuple[int, Slot], int], peer: int, slot: Slot) -> int:
-        """The sequence number of the next message of `slot` with `peer` (1, 2, ...)."""
-        n = counts[(peer, slot)] = counts.get((peer, slot), 0) + 1
-        return n
+        """The sequence number of the next message of `slot` with `peer` (1, 2, ...): the flag
+        value every sender raises and every reader waits for (`kernels.signal.flag_value`)."""
+        from disagmoe.kernels.signal import flag_value
+
+        return flag_value(counts, peer, slot)
 
     # --- the contract ---------------------------------------------------------------------------
 
@@ -283,10 +285,11 @@ class NvshmemTransport(Transport):
         return EventSendHandle(event, payload)
 
     def reserve(self, src_rank: int, key: MessageKey, specs: Sequence[TensorSpec], slot=None) -> None:
-        """Nothing to allocate (the arena holds a segment per key; `slot` is not used yet: the arena's
-        segments are not shared between keys); checks that the slot fits its specs."""
-        for copy in range(self.layout.copies):
-            check_fits(self.layout.segment(self._index[self.rank].slot(src_rank, key, self.rank), copy), specs)
+        """Nothing to allocate (the arena holds every slot's ring; `slot` is not used: the layouts
+        share segments as `reuse_order.one_sided_slots` allows); checks that the slot fits its specs."""
+        held = self._index[self.rank].slot(src_rank, key, self.rank)
+        for copy in range(self.layout.ring(held)):
+            check_fits(self.layout.segment(held, copy), specs)
 
     def recv(self, src_rank: int, key: MessageKey, specs: Sequence[TensorSpec],
              timeout_s: float | None = None) -> list[torch.Tensor]:

@@ -18,7 +18,10 @@ shapes the transports allocate and the bytes priced here are one table. What eac
   layer's message to the head group when p > 1 (the loss reads and frees it: one slot).
 - nvshmem: one symmetric arena per rank (`comm.symmetric.symmetric_layouts`): a flag word per
   segment (even count, region aligned), then COPIES = 2 copies of every slot, each tensor at a
-  256-byte aligned offset; every rank allocates the largest rank's arena (symmetric memory).
+  256-byte aligned offset; every rank allocates the largest rank's arena (symmetric memory). Its
+  slots are shared as nccl's (`reuse=True`): `runtime.schedule.reuse_order.one_sided_slots` keeps
+  `recv_slots`' assignment wherever a replay of the programs orders every one-sided write after
+  the reader is done (tests/roofline pins the counts against it).
 - local (gloo, CPU): receives into the same shared slots as nccl once reserved (`TrainWorker`
   reserves them), so it exercises the reuse on CPU; priced as nccl.
 
@@ -138,8 +141,14 @@ def layer_tables(num_layers: int, num_dense: int, p: Num) -> tuple[np.ndarray, n
     return moe, dense
 
 
-def _shared(per_key: Num, present: Num, reuse: bool) -> Num:
-    """A gradient payload's slots: `per_key` without reuse, one per peer (`present`) with it."""
+RING = "ring"  # `reuse=RING`: nvshmem's rings (module docstring), counted in segments
+
+
+def _shared(per_key: Num, present: Num, reuse: bool | str, ring: Num = 1) -> Num:
+    """A gradient payload's slots: `per_key` without reuse, one per peer (`present`) with it, a
+    ring of `ring` segments per peer with RING."""
+    if reuse == RING:
+        return np.minimum(per_key, present * ring)
     return np.minimum(per_key, present) if reuse else per_key
 
 
@@ -153,7 +162,7 @@ def _loss_fed(num_layers: int, num_dense: int, p: Num, g: Num) -> tuple[Num, Num
 
 def attention_receives(num_layers: int, num_dense: int, p: Num, g: int, expert_ranks: Num,
                        micro_batches: Num, tables: tuple[np.ndarray, np.ndarray] | None = None,
-                       reuse: bool = False) -> Counts:
+                       reuse: bool | str = False) -> Counts:
     """Receive slots of an attention rank of group g (module docstring), `expert_ranks` Q in its set.
     `tables`: `layer_tables` of `p`, if already computed; `reuse`: slots shared by keys whose
     lifetimes do not overlap (`runtime.schedule.recv_slots`, module docstring)."""
@@ -170,35 +179,40 @@ def attention_receives(num_layers: int, num_dense: int, p: Num, g: int, expert_r
 
 
 def _attention_counts(num_layers, num_dense, p, g, q, mb, ring, moe_g, dense_g, moe_prev, dense_prev,
-                      reuse: bool) -> Counts:
+                      reuse: bool | str) -> Counts:
     """`attention_receives`' counts from its layer counts (scalars, or [N, G] with `layout_receives`).
     With reuse: a gradient payload one slot per peer (consumed by the backward op right after it
     arrives); a forward one a slot per key, as its autograd state lives until the backward, except
     the last layer's message to the head group (p > 1), which the loss reads and frees: one."""
-    fed_moe, fed_dense = _loss_fed(num_layers, num_dense, p, g) if reuse else (0, 0)
+    fed_moe, fed_dense = _loss_fed(num_layers, num_dense, p, g) if reuse and reuse != RING else (0, 0)
     fwd_moe = mb * moe_prev - (mb - 1) * fed_moe * (moe_prev > 0)
     fwd_dense = mb * dense_prev - (mb - 1) * fed_dense * (dense_prev > 0)
-    return {("dispatch_grad", True): _shared(mb * q * moe_g, q * (moe_g > 0), reuse),
+    return {("dispatch_grad", True): _shared(mb * q * moe_g, q * (moe_g > 0), reuse, mb),
             ("combine", True): q * fwd_moe,
             ("residual", True): ring * fwd_moe, ("residual", False): ring * fwd_dense,
-            ("residual_grad", True): _shared(mb * ring * moe_g, ring * (moe_g > 0), reuse),
-            ("residual_grad", False): _shared(mb * ring * dense_g, ring * (dense_g > 0), reuse)}
+            ("residual_grad", True): _shared(mb * ring * moe_g, ring * (moe_g > 0), reuse, mb),
+            ("residual_grad", False): _shared(mb * ring * dense_g, ring * (dense_g > 0), reuse, mb)}
 
 
 def expert_receives(num_layers: int, num_dense: int, p: Num, g: int, sources: Num, micro_batches: Num,
-                    reuse: bool = False) -> Counts:
+                    reuse: bool | str = False) -> Counts:
     """Receive slots of an expert rank of group g serving `sources` attention ranks (`reuse`: one
     COMBINE_GRAD slot per source, `attention_receives`)."""
     moe_g, _ = group_layers(num_layers, num_dense, p, g)
     n = micro_batches * sources * moe_g
-    return {("dispatch", True): n, ("combine_grad", True): _shared(n, sources * (moe_g > 0), reuse)}
+    return {("dispatch", True): n, ("combine_grad", True): _shared(n, sources * (moe_g > 0), reuse, micro_batches)}
 
 
-def colocated_receives(num_moe_layers: int, peers: Num, micro_batches: Num, reuse: bool = False) -> Counts:
+def colocated_receives(num_moe_layers: int, peers: Num, micro_batches: Num, reuse: bool | str = False) -> Counts:
     """Receive slots of a colocated rank with `peers` other ranks in its expert-parallel group
     (`reuse`: one slot per peer of each gradient payload)."""
     n = micro_batches * peers * num_moe_layers
-    grad = _shared(n, peers * (num_moe_layers > 0), reuse)
+    present = peers * (num_moe_layers > 0)
+    if reuse == RING:  # each rank also sends its own gradients: one more combine_grad in flight
+        return {("dispatch", True): n, ("combine", True): n,
+                ("dispatch_grad", True): _shared(n, present, RING, np.minimum(micro_batches, 2)),
+                ("combine_grad", True): _shared(n, present, RING, micro_batches + 1)}
+    grad = _shared(n, present, reuse)
     return {("dispatch", True): n, ("combine", True): n, ("dispatch_grad", True): grad, ("combine_grad", True): grad}
 
 
@@ -207,7 +221,7 @@ def receive_bytes(counts: Counts, s: HopShape, transport: str, sizes: dict | Non
     both copies; `arena_bytes` adds the flags and takes the largest rank). `sizes`: `message_bytes`
     by (payload, moe), if already computed."""
     aligned = transport == "nvshmem"
-    copies = COPIES if aligned else 1
+    copies = 1  # nvshmem counts segments (`reuse=RING`: a ring's copies are in its count)
     sizes = {} if sizes is None else sizes
     out = 0
     for key, n in counts.items():
@@ -221,8 +235,8 @@ def receive_bytes(counts: Counts, s: HopShape, transport: str, sizes: dict | Non
 
 
 def flag_words(counts: Counts) -> Num:
-    """nvshmem: the int64 flag words of a rank's segments (one per copy of each slot, even)."""
-    return _even(COPIES * sum(counts.values()))
+    """nvshmem: the int64 flag words of a rank's segments (one per segment, even)."""
+    return _even(sum(counts.values()))
 
 
 def arena_bytes(ranks: list[Counts], s: HopShape) -> Num:
@@ -235,7 +249,7 @@ def arena_bytes(ranks: list[Counts], s: HopShape) -> Num:
 
 
 def layout_receives(num_layers: int, num_dense: int, p: Num, dp: Num, expert_ranks: Num, sets: Num,
-                    micro_batches: Num, colocated: bool, reuse: bool = False) -> tuple[list[Counts], list[Counts]]:
+                    micro_batches: Num, colocated: bool, reuse: bool | str = False) -> tuple[list[Counts], list[Counts]]:
     """(attention ranks', expert ranks') slot counts of a layout (colocated: one rank's, and no
     expert ranks). With array arguments (one element per candidate) each count is [N, G]: the rank
     of pipeline group g in column g (groups past a candidate's p count nothing), so the busiest
@@ -256,7 +270,7 @@ def layout_receives(num_layers: int, num_dense: int, p: Num, dp: Num, expert_ran
     attn = _attention_counts(num_layers, num_dense, col(p), groups, q, mb, ring, moe_g, dense_g, moe_prev, dense_prev,
                              reuse)
     exp = {("dispatch", True): mb * sources * moe_g,
-           ("combine_grad", True): _shared(mb * sources * moe_g, sources * (moe_g > 0), reuse)}
+           ("combine_grad", True): _shared(mb * sources * moe_g, sources * (moe_g > 0), reuse, mb)}
     return [attn], [exp]
 
 
@@ -285,7 +299,8 @@ def layout_transport_bytes(num_layers: int, num_dense: int, s: HopShape, p: Num,
     replica set, `sets` replica sets per group (an expert rank serves dp / sets sources); colocated:
     `expert_ranks` is the expert-parallel group of each rank (its peers: Q - 1). nvshmem: every GPU
     holds the largest arena of any rank (symmetric memory); nccl and local share slots between keys
-    whose lifetimes do not overlap (`runtime.schedule.recv_slots`), nvshmem not yet."""
+    whose lifetimes do not overlap (`runtime.schedule.recv_slots`), nvshmem too (two copies of each
+    shared slot, `runtime.schedule.reuse_order.one_sided_slots`)."""
     attn, exp = layout_receives(num_layers, num_dense, p, dp, expert_ranks, sets, micro_batches, colocated,
-                                reuse=transport != "nvshmem")
+                                reuse=RING if transport == "nvshmem" else True)
     return transport_bytes(attn, exp, s, transport)

@@ -41,7 +41,7 @@ from disagmoe.runtime.schedule.schedule import (
     Loss,
     Op,
 )
-from disagmoe.wire import Payload, Recv
+from disagmoe.wire import Payload, Recv, Send
 
 Pool = tuple[int, str, bool]  # (peer, payload value, MoE layer)
 Key = tuple[int, str, int, int]  # (peer, payload value, layer, micro-batch)
@@ -117,6 +117,29 @@ def slot_plan(program: Sequence[Op], rank: int, is_moe: Callable[[int], bool], n
             plan.live[key] = (i, end)
     plan.pool_size = {pool: len(slots) for pool, slots in free_at.items()}
     return plan
+
+
+def live_ends(program: Sequence[Op], rank: int, num_layers: int) -> dict[tuple, int]:
+    """(peer, payload, layer, micro-batch) -> the index of the op after which the rank is done with
+    that message on a one-sided transport: the end of its lifetime (module docstring), moved past
+    the sends right after it (the deferred weight gradients that still read it run after them).
+    A message's writer learns that the rank got there only from a later send of the rank."""
+    last: dict[tuple[int, int], int] = {}
+    for i, op in enumerate(program):
+        at = _reads(op, num_layers)
+        if at is not None:
+            last[at] = i
+    out = {}
+    for i, op in enumerate(program):
+        if not isinstance(op, Recv):
+            continue
+        end = max(last.get((op.layer, op.micro_batch), i), last.get((op.layer + 1, op.micro_batch), i), i)
+        while end + 1 < len(program) and isinstance(program[end + 1], Send):
+            end += 1
+        for peer in op.peers:
+            if peer != rank:
+                out[(peer, op.payload, op.layer, op.micro_batch)] = end
+    return out
 
 
 def key_of(peer: int, payload: Payload, layer: int, micro_batch: int) -> Key:
