@@ -144,12 +144,17 @@ def layer_tables(num_layers: int, num_dense: int, p: Num) -> tuple[np.ndarray, n
 RING = "ring"  # `reuse=RING`: nvshmem's rings (module docstring), counted in segments
 
 
-def _shared(per_key: Num, present: Num, reuse: bool | str, ring: Num = 1) -> Num:
-    """A gradient payload's slots: `per_key` without reuse, one per peer (`present`) with it, a
-    ring of `ring` segments per peer with RING."""
+def _shared(per_key: Num, present: Num, reuse: bool | str, mb: Num = 1) -> Num:
+    """A gradient payload's slots: `per_key` without reuse, one per peer (`present`) with it; with
+    RING a ring per peer of m + 1 segments, at most two per key (`ring_segments`)."""
     if reuse == RING:
-        return np.minimum(per_key, present * ring)
+        return present * np.minimum(mb + 1, 2 * per_key // np.maximum(present, 1))
     return np.minimum(per_key, present) if reuse else per_key
+
+
+def _forward(per_key: Num, present: Num, reuse: bool | str) -> Num:
+    """A forward payload's segments with RING: a ring per peer of a segment per key and one more."""
+    return per_key + present if reuse == RING else per_key
 
 
 def _loss_fed(num_layers: int, num_dense: int, p: Num, g: Num) -> tuple[Num, Num]:
@@ -188,8 +193,9 @@ def _attention_counts(num_layers, num_dense, p, g, q, mb, ring, moe_g, dense_g, 
     fwd_moe = mb * moe_prev - (mb - 1) * fed_moe * (moe_prev > 0)
     fwd_dense = mb * dense_prev - (mb - 1) * fed_dense * (dense_prev > 0)
     return {("dispatch_grad", True): _shared(mb * q * moe_g, q * (moe_g > 0), reuse, mb),
-            ("combine", True): q * fwd_moe,
-            ("residual", True): ring * fwd_moe, ("residual", False): ring * fwd_dense,
+            ("combine", True): _forward(q * fwd_moe, q * (moe_prev > 0), reuse),
+            ("residual", True): _forward(ring * fwd_moe, ring * (moe_prev > 0), reuse),
+            ("residual", False): _forward(ring * fwd_dense, ring * (dense_prev > 0), reuse),
             ("residual_grad", True): _shared(mb * ring * moe_g, ring * (moe_g > 0), reuse, mb),
             ("residual_grad", False): _shared(mb * ring * dense_g, ring * (dense_g > 0), reuse, mb)}
 
@@ -200,7 +206,9 @@ def expert_receives(num_layers: int, num_dense: int, p: Num, g: int, sources: Nu
     COMBINE_GRAD slot per source, `attention_receives`)."""
     moe_g, _ = group_layers(num_layers, num_dense, p, g)
     n = micro_batches * sources * moe_g
-    return {("dispatch", True): n, ("combine_grad", True): _shared(n, sources * (moe_g > 0), reuse, micro_batches)}
+    present = sources * (moe_g > 0)
+    return {("dispatch", True): _forward(n, present, reuse),
+            ("combine_grad", True): _shared(n, present, reuse, micro_batches)}
 
 
 def colocated_receives(num_moe_layers: int, peers: Num, micro_batches: Num, reuse: bool | str = False) -> Counts:
@@ -208,12 +216,8 @@ def colocated_receives(num_moe_layers: int, peers: Num, micro_batches: Num, reus
     (`reuse`: one slot per peer of each gradient payload)."""
     n = micro_batches * peers * num_moe_layers
     present = peers * (num_moe_layers > 0)
-    if reuse == RING:  # each rank also sends its own gradients: one more combine_grad in flight
-        return {("dispatch", True): n, ("combine", True): n,
-                ("dispatch_grad", True): _shared(n, present, RING, np.minimum(micro_batches, 2)),
-                ("combine_grad", True): _shared(n, present, RING, micro_batches + 1)}
-    grad = _shared(n, present, reuse)
-    return {("dispatch", True): n, ("combine", True): n, ("dispatch_grad", True): grad, ("combine_grad", True): grad}
+    fwd, grad = _forward(n, present, reuse), _shared(n, present, reuse, micro_batches)
+    return {("dispatch", True): fwd, ("combine", True): fwd, ("dispatch_grad", True): grad, ("combine_grad", True): grad}
 
 
 def receive_bytes(counts: Counts, s: HopShape, transport: str, sizes: dict | None = None) -> Num:
@@ -269,7 +273,7 @@ def layout_receives(num_layers: int, num_dense: int, p: Num, dp: Num, expert_ran
     q, sources = col(expert_ranks), col(np.asarray(dp) // np.asarray(sets))
     attn = _attention_counts(num_layers, num_dense, col(p), groups, q, mb, ring, moe_g, dense_g, moe_prev, dense_prev,
                              reuse)
-    exp = {("dispatch", True): mb * sources * moe_g,
+    exp = {("dispatch", True): _forward(mb * sources * moe_g, sources * (moe_g > 0), reuse),
            ("combine_grad", True): _shared(mb * sources * moe_g, sources * (moe_g > 0), reuse, mb)}
     return [attn], [exp]
 

@@ -120,10 +120,11 @@ def slot_plan(program: Sequence[Op], rank: int, is_moe: Callable[[int], bool], n
 
 
 def live_ends(program: Sequence[Op], rank: int, num_layers: int) -> dict[tuple, int]:
-    """(peer, payload, layer, micro-batch) -> the index of the op after which the rank is done with
-    that message on a one-sided transport: the end of its lifetime (module docstring), moved past
-    the sends right after it (the deferred weight gradients that still read it run after them).
-    A message's writer learns that the rank got there only from a later send of the rank."""
+    """(peer, payload, layer, micro-batch) -> the index of the op once past which the rank is done
+    with that message on a one-sided transport: the first op after the end of its lifetime (module
+    docstring) that is not a send (the deferred weight gradients that still read it run after
+    those sends, before that op; `len(program)` if none is left). A message's writer learns that
+    the rank got there only from a send of the rank after that op."""
     last: dict[tuple[int, int], int] = {}
     for i, op in enumerate(program):
         at = _reads(op, num_layers)
@@ -134,7 +135,8 @@ def live_ends(program: Sequence[Op], rank: int, num_layers: int) -> dict[tuple, 
         if not isinstance(op, Recv):
             continue
         end = max(last.get((op.layer, op.micro_batch), i), last.get((op.layer + 1, op.micro_batch), i), i)
-        while end + 1 < len(program) and isinstance(program[end + 1], Send):
+        end += 1
+        while end < len(program) and isinstance(program[end], Send):
             end += 1
         for peer in op.peers:
             if peer != rank:

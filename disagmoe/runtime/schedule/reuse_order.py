@@ -34,7 +34,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 from disagmoe.runtime.schedule.schedule import AttentionForward, ExpertForward, Loss, Op, OptimizerStep
-from disagmoe.wire import Recv, Send
+from disagmoe.wire import Payload, Recv, Send
 from disagmoe.runtime.schedule.schedule_sim import ScheduleError
 from disagmoe.runtime.schedule.recv_slots import live_ends, slot_plan
 
@@ -259,4 +259,23 @@ def one_sided_slots(programs: Sequence[Sequence[Op]], is_moe: Callable[[int], bo
         sizes, still = ring_sizes(programs, passes, slot_of, num_layers)
         if still:
             raise ScheduleError(f"messages of one key sent out of the receiver's order: {still[:3]}")
-    return [{key: (s, sizes.get((key[0], r, s), 1)) for key, s in name[r].items()} for r in range(len(programs))]
+    micro_batches = 1 + max((op.micro_batch for p in programs for op in p if isinstance(op, Recv)), default=0)
+    out = []
+    for r in range(len(programs)):
+        held: dict[Hashable, int] = {}
+        for s in name[r].values():
+            held[s] = held.get(s, 0) + 1
+        out.append({key: (s, max(ring_segments(s[1], held[s], micro_batches), sizes.get((key[0], r, s), 1)))
+                    for key, s in name[r].items()})
+    return out
+
+
+def ring_segments(payload: str, keys: int, micro_batches: int) -> int:
+    """The segments a ring of `keys` keys of `payload` gets (what `roofline.transport_memory` prices,
+    `reuse=RING`), unless the replay asks for more: a forward payload one per key and one more
+    (its messages live until the backward; the next pass's first lands before the last is done),
+    a gradient payload m + 1 (each is read by the backward op right after it arrives, while the
+    micro-batches' next ones are on their way), at most two per key."""
+    if not Payload(payload).backward:
+        return keys + 1
+    return min(micro_batches + 1, 2 * keys)
