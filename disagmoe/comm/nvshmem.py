@@ -9,11 +9,14 @@ for the flags).
   rank can address any other's segments by offset. Nothing is allocated after set-up. The
   symmetric heap is sized for the arena (`NVSHMEM_SYMMETRIC_SIZE`, unless the config's `env`
   sets it: NVSHMEM's default heap of 1 GiB holds no real model's arena).
-- Sequence numbers belong to the transport, not to the step: the n-th message of a slot
-  (source, payload, layer, micro-batch) carries seq = n and lands in copy (n - 1) mod 2 of the
-  slot's segment. Sender and receiver run the same sends and receives of every slot (training
-  steps and evaluation batches alike), so their counts agree without any exchange; a step
-  number would repeat across training and evaluation and let a wait pass on an old flag.
+- Sequence numbers belong to the transport, not to the step: the n-th message of a slot (the
+  keys (source, payload, layer, micro-batch) of a pool share one ring of N segments,
+  `comm.symmetric`) carries seq = n and lands in segment (n - 1) mod N. Sender and receiver run
+  the same sends and receives of every slot in the same order (training steps and evaluation
+  batches alike; `reuse_order.one_sided_slots` checks the order and gives a key a ring of its own
+  where it differs), so their counts agree without any exchange; a step number would repeat
+  across training and evaluation and let a wait pass on an old flag. Every sender below takes
+  its flag value from that count (`_next`), the Triton launches too (their `seq`).
 - send(dst, key): the message's tensors go straight from the sender's memory into dst's segment:
   a put per tensor on the current stream, a quiet (the earlier puts have landed), then
   put-with-signal of the last tensor, which sets the segment's flag to seq after its data. The
@@ -21,8 +24,10 @@ for the flags).
   this GPU) is not written: the flag is set to -seq, so the receiver does not hang, and the
   sender raises with the fix.
 - recv(src, key): a wait on the current stream (acquire loads at system scope until the flag
-  holds seq or -seq, giving up after the receive's timeout), then views of the segment: work
-  queued afterwards reads the data in place. Flags are never reset.
+  holds seq or more, or -seq or less, giving up after the receive's timeout), then views of the
+  segment: work queued afterwards reads the data in place. Flags are never reset. The ring is
+  sized so that no later message lands there before this rank is done reading (module docstring
+  of `comm.symmetric`): no slot-free acknowledgement.
 - The status words (`kernels.signal`: overflow, time-out and the flag that timed out) join the
   step's one host read (`Transport.status_word`); a message that did not fit, or never came,
   stops the run there naming the peer and the fix (never silent corruption, never a silent hang).

@@ -3,31 +3,34 @@ and how its arrival is signalled (issue 11, the part that needs no GPU to test).
 
 One arena per rank, the same size on every rank (NVSHMEM allocates symmetric memory collectively,
 so the size is the largest any rank needs): a flag region of int64 words, one per segment, then
-the payload region. A segment per incoming message slot of the rank's program, (source rank,
-payload, layer, micro-batch), read off the schedule's `Recv` ops, in `copies` copies: the n-th
-message of a slot (n = 1, 2, ...) uses copy (n - 1) mod copies. Its tensors sit at 256-byte
-aligned offsets, sized from the run's fixed message specs (`runtime.stages.messages.MessageShapes`),
-their rows scaled by `capacity_factor` if one is given (None: the plan's worst case, exactly).
+the payload region. A receive slot holds one or more keys (source rank, payload, layer,
+micro-batch) of the rank's program, read off the schedule's `Recv` ops: by default each key its
+own slot of `copies` segments; with `shared` (`runtime.schedule.reuse_order.one_sided_slots`, what
+the runtime builds) the keys of a pool (source, payload, MoE layer) share one ring of N segments.
+The n-th message of a slot, counted over all its keys (n = 1, 2, ...), lands in segment
+(n - 1) mod N. Its tensors sit at 256-byte aligned offsets, sized from the run's fixed message
+specs (`runtime.stages.messages.MessageShapes`), their rows scaled by `capacity_factor` if one is
+given (None: the plan's worst case, exactly).
 
-Why two copies: a one-sided write lands whenever the sender gets there, not when the receiver asks
-(as an NCCL receive does). The sender writes message n + 2 of a slot only after a chain of
-messages and collectives that starts after the receiver's stream finished with message n (the
-deferred weight gradients that still read its rows included): in training every step ends in an
-all-ranks gradient-norm all-reduce, and in forward-only evaluation (no collective) the chain runs
-through the pass in between. One copy would not do once evaluation runs: colocated, or with the
-loss off pipeline group 0, a pass's first sends start before the end of the pass before is known
-to them. `runtime.schedule.reuse_order` replays passes and tests/runtime/schedule/test_reuse_order.py pins both for
-every layout the schedule tests cover, training and evaluation interleaved; with two copies no
-handshake is needed.
+Why a ring and no handshake: a one-sided write lands whenever the sender gets there, not when the
+receiver asks (as an NCCL receive does), so message n + N may be written only once the receiver is
+done with message n, its deferred weight gradients included. `reuse_order` replays every rank's
+passes (training and evaluation interleaved) with vector clocks and sizes each ring so that the
+sender's write of message n + N happens-after the receiver's op past message n's last read, along
+a chain of messages and the step's all-reduce; no acknowledgement is ever sent. Unshared, two
+copies per key suffice (the same replay, tests/runtime/schedule/test_reuse_order.py): one would
+not once evaluation runs (colocated, or with the loss off pipeline group 0, a pass's first sends
+start before the end of the pass before is known to them).
 
 Signals carry the message's sequence number n (the transport counts each slot's messages, on
-both ends alike): the sender writes the payload into the peer's segment, then stores n into the
-segment's flag with a release at system scope; the receiver's wait (acquire loads, on the
-stream: `kernels.signal`) passes once the flag holds n, so nothing is reset between steps and a
-step stays capturable as a CUDA graph. A message whose
-rows exceed its segment's capacity is not written: the sender raises the flag to -seq, the wait
-records an overflow in the rank's status word, and the step's one read of the status raises
-`ArenaOverflow` naming the segment and the fix (never silent corruption).
+both ends alike, `kernels.signal.flag_value`): the sender writes the payload into the peer's
+segment, then stores n into the segment's flag with a release at system scope; the receiver's
+wait (acquire loads, on the stream: `kernels.signal`) passes once the flag holds n or more. A
+segment's flag only grows (n, n + N, ...), so the reader of a later key never passes on an
+earlier key's flag, nothing is reset between steps and a step stays capturable as a CUDA graph. A
+message whose rows exceed its segment's capacity is not written: the sender raises the flag to
+-seq, the wait records an overflow in the rank's status word, and the step's one read of the
+status raises `ArenaOverflow` naming the segment and the fix (never silent corruption).
 
 Pair-row messages (hop mode `pair_rows`, `comm.base.PairSpec`): a receive whose (payload, layer)
 `pair_of` names is not a segment per peer but one `PairRegion` per copy of its pair slot (payload,

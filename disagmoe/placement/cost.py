@@ -354,8 +354,9 @@ def attention_activations(m: ModelConfig, tokens: Num, in_flight: Num, p: np.nda
 def transport_buffers(prob: Problem, c: Candidates, dp: np.ndarray, ranks: np.ndarray) -> tuple[Num, Num]:
     """(attention GPU, expert GPU) bytes of the transport's message buffers
     (`roofline.transport_memory.layout_transport_bytes`), as the runtime allocates them on the fast
-    path the planner prices: nvshmem's symmetric arena (two copies of every receive slot, keys whose
-    lifetimes do not overlap sharing one, `reuse_order.one_sided_slots`; the largest rank's on every GPU), partial sums, dispatch sparse where a set has more than one expert rank.
+    path the planner prices: nvshmem's symmetric arena (a ring of segments per receive pool,
+    `roofline.transport_memory` RING; the largest rank's on every GPU), partial sums, dispatch
+    sparse where a set has more than one expert rank.
     `ranks`: expert ranks per replica set (colocated: the EP block). None on one GPU."""
     m = prob.model
     ranks = np.asarray(ranks, dtype=np.int64)

@@ -17,11 +17,13 @@ shapes the transports allocate and the bytes priced here are one table. What eac
   payload one per key (its autograd state lives until the layer's backward), except the last
   layer's message to the head group when p > 1 (the loss reads and frees it: one slot).
 - nvshmem: one symmetric arena per rank (`comm.symmetric.symmetric_layouts`): a flag word per
-  segment (even count, region aligned), then COPIES = 2 copies of every slot, each tensor at a
-  256-byte aligned offset; every rank allocates the largest rank's arena (symmetric memory). Its
-  slots are shared as nccl's (`reuse=True`): `runtime.schedule.reuse_order.one_sided_slots` keeps
-  `recv_slots`' assignment wherever a replay of the programs orders every one-sided write after
-  the reader is done (tests/roofline pins the counts against it).
+  segment (even count, region aligned), then the segments, each tensor at a 256-byte aligned
+  offset; every rank allocates the largest rank's arena (symmetric memory). The keys of a pool
+  (peer, payload, MoE layer) share a ring (`reuse=RING`, counted in segments:
+  `runtime.schedule.reuse_order.one_sided_slots`, `ring_segments`): a forward payload a segment
+  per key and one more, a gradient payload m + 1 (at most two per key); a one-sided sender runs
+  ahead of its reader, so a ring holds more than nccl's slots (tests/roofline pins the counts
+  rank by rank against the arena built).
 - local (gloo, CPU): receives into the same shared slots as nccl once reserved (`TrainWorker`
   reserves them), so it exercises the reuse on CPU; priced as nccl.
 
@@ -47,7 +49,7 @@ import numpy as np
 from disagmoe.roofline.stages import Num
 
 ALIGN = 256  # `comm.symmetric.ALIGN`: every tensor of an arena segment starts at a multiple of this
-COPIES = 2  # `comm.symmetric.COPIES`: an nvshmem slot's copies (its module docstring says why)
+COPIES = 2  # `comm.symmetric.COPIES`: the copies of an nvshmem slot that no other key shares
 DTYPE_BYTES = {"bf16": 2, "fp32": 4, "int32": 4, "int64": 8}
 FORWARD = ("dispatch", "combine", "residual")
 PAYLOADS = ("dispatch", "combine", "residual", "dispatch_grad", "combine_grad", "residual_grad")
@@ -303,8 +305,8 @@ def layout_transport_bytes(num_layers: int, num_dense: int, s: HopShape, p: Num,
     replica set, `sets` replica sets per group (an expert rank serves dp / sets sources); colocated:
     `expert_ranks` is the expert-parallel group of each rank (its peers: Q - 1). nvshmem: every GPU
     holds the largest arena of any rank (symmetric memory); nccl and local share slots between keys
-    whose lifetimes do not overlap (`runtime.schedule.recv_slots`), nvshmem too (two copies of each
-    shared slot, `runtime.schedule.reuse_order.one_sided_slots`)."""
+    whose lifetimes do not overlap (`runtime.schedule.recv_slots`), nvshmem in rings of segments
+    (`reuse=RING`, `runtime.schedule.reuse_order.one_sided_slots`)."""
     attn, exp = layout_receives(num_layers, num_dense, p, dp, expert_ranks, sets, micro_batches, colocated,
                                 reuse=RING if transport == "nvshmem" else True)
     return transport_bytes(attn, exp, s, transport)

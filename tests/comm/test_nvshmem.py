@@ -8,9 +8,13 @@ receiver's region, the first source's extras too (one put per extra into the rec
 then one quiet, on the current stream; a copy into its own arena; nothing from the other
 sources), copies alternate, a wrong source, spec, extra or key is refused naming the fix, and a
 timed-out pair flag is named by layer, micro-batch, source and segment.
+On CPU also, segments shared by the keys of a pool (rings, `reuse_order.one_sided_slots`): every
+rank's passes co-simulated with each sender running ahead as far as the schedule lets it, every
+message intact until its reader is done; a reader does not pass on an earlier key's flag; fewer
+symmetric bytes.
 On GPUs (`gpu`, with nvshmem4py): two processes run a disaggregated schedule's programs for
 three steps (both copies of every segment, then the first again) and an evaluation pass numbered
-like step 0, every message arriving intact and in place; a message over its segment's capacity makes the sender raise and the receiver's
+like step 0, every message arriving intact and in place (and again through shared rings); a message over its segment's capacity makes the sender raise and the receiver's
 status word report it; pair-row messages written through `pair_target`'s views (the expert
 rank's fused down GEMM into the peer's arena, or colocated plain stores into both arenas) are
 summed by the receiver's `combine_landed` over `pair_landing`, which also gives the int64 extra
@@ -76,7 +80,7 @@ def _message(src: int, key, specs: list[TensorSpec]) -> list[torch.Tensor]:
     return [(torch.randn(spec.shape, generator=gen) * 30).to(spec.dtype) for spec in specs]
 
 
-def _run_programs(rank: int, transport) -> list[str]:
+def _run_programs(rank: int, transport, shared: bool = False) -> list[str]:
     """Three training steps of the rank's program in order (sends, then waits on the GPU), then an
     evaluation pass (forward messages only) numbered step 0 again, as the worker numbers its
     evaluation batches: the transport's own sequence numbers keep it from passing on step 0's
@@ -105,10 +109,16 @@ def _run_programs(rank: int, transport) -> list[str]:
                     pointers.setdefault((op.payload, op.layer, op.micro_batch), []).append(got[0].data_ptr())
         for handle in handles:
             handle.wait()
+        if shared and not forward_only:  # the step's all-reduce, which the rings are sized with
+            torch.cuda.synchronize()
+            dist.barrier()
     torch.cuda.synchronize()
     for slot, seen in pointers.items():  # in place: copies alternate, the third message reuses the first's
-        if not (seen[0] == seen[2] != seen[1]):
+        if not shared and not (seen[0] == seen[2] != seen[1]):
             wrong.append(f"{slot}: received at {seen}")
+    everywhere = [ptr for seen in pointers.values() for ptr in seen]
+    if shared and len(set(everywhere)) >= len(pointers):  # rings: fewer addresses than keys
+        wrong.append(f"{len(pointers)} keys received at {len(set(everywhere))} addresses: nothing shared")
     if transport.status_word().tolist() != [0, 0]:
         wrong.append(f"status set without a failure: {transport.status_word().tolist()}")
     return wrong
@@ -184,6 +194,11 @@ def _rank_main(rank: int, port: int, mode: str, reports) -> None:
             layouts = symmetric_layouts(topology.programs(MICRO_BATCHES), _specs_of(topology), pair_of=_pair_of)
             transport = NvshmemTransport(layouts, default_timeout_s=30)
             report["said"] = _exchange_pairs(rank, transport, topology, kernel)
+        elif mode == "programs-shared":  # the rings the runtime builds (`receive_layouts`)
+            programs = TOPOLOGY.programs(MICRO_BATCHES)
+            rings = one_sided_slots(programs, TOPOLOGY.is_moe, TOPOLOGY.num_layers)
+            transport = NvshmemTransport(symmetric_layouts(programs, _specs, shared=rings), default_timeout_s=30)
+            report["said"] = _run_programs(rank, transport, shared=True)
         else:
             capacity_factor = 0.5 if mode == "overflow" else None
             layouts = symmetric_layouts(TOPOLOGY.programs(MICRO_BATCHES), _specs, capacity_factor=capacity_factor)
@@ -213,6 +228,15 @@ needs_nvshmem = pytest.mark.skipif(not torch.cuda.is_available() or not availabl
 @needs_nvshmem
 def test_programs_exchange_every_message_intact_in_place(ranks):
     reports = _spawn(ranks, "programs")
+    assert [reports[rank]["said"] for rank in range(WORLD)] == [[], []]
+
+
+@pytest.mark.gpu
+@needs_nvshmem
+def test_programs_exchange_every_message_intact_through_shared_rings(ranks):
+    """The same passes with the keys of a pool sharing a ring (`reuse_order.one_sided_slots`):
+    flags carry the ring's count, waits pass on >= it, every message intact."""
+    reports = _spawn(ranks, "programs-shared")
     assert [reports[rank]["said"] for rank in range(WORLD)] == [[], []]
 
 

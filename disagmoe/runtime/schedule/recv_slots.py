@@ -25,6 +25,12 @@ training pass's and the same plan holds. Steps follow one another in program ord
     slot_plan(program, rank, is_moe, num_layers) -> SlotPlan   (slot of every receive key, pool sizes)
     SlotPlan.counts(is_moe)                                 slots by (payload, MoE layer): the model's counts
     SlotPlan.overlaps()                                     keys sharing a slot while both live (empty: sound)
+    live_ends(program, rank, num_layers)                    the op past which a one-sided transport's
+                                                            reader is done with each message
+
+The one-sided transport (nvshmem) cannot rely on program order: its sender writes when it gets
+there. It shares a ring per pool instead, sized by replaying every rank's passes
+(`reuse_order.one_sided_slots`, from `live_ends`).
 """
 
 from __future__ import annotations

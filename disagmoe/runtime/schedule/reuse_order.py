@@ -26,6 +26,22 @@ conservative (the real last read of a message is usually much earlier) and needs
 op reads which payload; since knowledge of a rank's progress leaves it only through its sends and
 the all-reduce, it is the same as asking for the receiver's next sending op after the pass's last
 read. Vector clocks over the replay decide each happens-before. It imports no torch.
+
+Shared rings (what the runtime allocates, `one_sided_slots`): the keys of a pool (source, payload,
+MoE layer) share a ring of N segments, the pool's n-th message in segment (n - 1) mod N. Finished
+with a message is then precise: past the first op after its lifetime that is not a send
+(`recv_slots.live_ends`: its consumer and the backward op freeing what the consumer saved, then
+the deferred weight gradients, which run after that op's sends). `ring_sizes` finds the fewest
+N for which every write of message n + N happens-after the finish of message n and
+`one_sided_slots` gives a ring the larger of that and what the planner prices (`ring_segments`:
+a forward pool a segment per key and one more, a gradient pool m + 1). Both ends count a pool's
+messages, so the sender must send them in the receiver's order; a pool where it does not
+(`Misordered`) gives each of its keys a ring of its own. Replayed over `CHECKED_PASSES`, in
+which every sequence of three pass kinds occurs.
+
+    unordered_reuses(programs, passes, copies)                      per-key segments' unordered reuses
+    unordered_shared_reuses(programs, passes, slot_of, L, ring_of)  the same for shared rings
+    one_sided_slots(programs, is_moe, L, skip)                      every rank's key -> (ring, N)
 """
 
 from __future__ import annotations
@@ -135,7 +151,8 @@ class _Replay:
 
 
 def _replay(programs: Sequence[Sequence[Op]], passes: Sequence[str], slot_of: SlotOf | None = None) -> _Replay:
-    """Run every rank's passes with vector clocks (module docstring); raises `ScheduleError` on a deadlock."""
+    """Run every rank's passes with vector clocks (module docstring), recording each shared slot's
+    messages in send and receive order when given `slot_of`; raises `ScheduleError` on a deadlock."""
     world = len(programs)
     runs = [[pass_program(p, kind) for kind in passes] for p in programs]
     offset = [[sum(len(ops) for ops in rank_runs[:k]) for k in range(len(passes))] for rank_runs in runs]
@@ -146,7 +163,6 @@ def _replay(programs: Sequence[Sequence[Op]], passes: Sequence[str], slot_of: Sl
     arrived: dict[int, dict[int, list[int]]] = {}  # pass -> rank -> clock on reaching OptimizerStep
     sent: dict[tuple, list] = {}
     received: dict[tuple, list] = {}
-    slot_of = slot_of or (lambda dst, src, message: message)
 
     def advance(r: int) -> bool:
         k, i = pos[r]
@@ -157,8 +173,9 @@ def _replay(programs: Sequence[Sequence[Op]], passes: Sequence[str], slot_of: Sl
                 return False
             for key in keys:
                 clock[r] = [max(a, b) for a, b in zip(clock[r], sends[key], strict=True)]
-                q, _, _, message = key
-                received.setdefault((q, r, slot_of(r, q, message)), []).append((k, message))
+                if slot_of is not None:
+                    q, _, _, message = key
+                    received.setdefault((q, r, slot_of(r, q, message)), []).append((k, message))
         elif isinstance(op, OptimizerStep):  # the gradient-norm all-reduce over every rank
             finish[(r, k)] = clock[r][r]
             arrived.setdefault(k, {}).setdefault(r, list(clock[r]))
@@ -171,7 +188,8 @@ def _replay(programs: Sequence[Sequence[Op]], passes: Sequence[str], slot_of: Sl
                 if q != r:
                     message = (op.payload, op.layer, op.micro_batch)
                     sends[(r, q, k, message)] = list(clock[r])
-                    sent.setdefault((r, q, slot_of(q, r, message)), []).append((k, message))
+                    if slot_of is not None:
+                        sent.setdefault((r, q, slot_of(q, r, message)), []).append((k, message))
         i += 1
         if i == len(runs[r][k]):
             finish.setdefault((r, k), clock[r][r])

@@ -243,7 +243,7 @@ def dispatch_mode(cfg, model_cfg, topology) -> tuple[str, str]:
 
 def receive_layouts(cfg, shapes: MessageShapes, topology, sum_width: int = 0) -> list:
     """Every rank's receive buffers as `comm.symmetric` arenas, from every rank's program: for
-    `transport: nvshmem` the symmetric arenas it allocates (two copies of each shared slot, the largest
+    `transport: nvshmem` the symmetric arenas it allocates (a ring of segments per shared slot, the largest
     rank's size everywhere; a pair-row message one shared buffer with its flag block; with
     `sum_width` > 0 the all-ranks sum's shares); otherwise each rank's own buffers, one copy (as
     nccl reserves them; pair rows: one per source)."""
