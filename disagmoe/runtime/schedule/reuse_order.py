@@ -46,6 +46,7 @@ which every sequence of three pass kinds occurs.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
@@ -172,7 +173,7 @@ def _replay(programs: Sequence[Sequence[Op]], passes: Sequence[str], slot_of: Sl
             if any(key not in sends for key in keys):
                 return False
             for key in keys:
-                clock[r] = [max(a, b) for a, b in zip(clock[r], sends[key], strict=True)]
+                clock[r] = list(map(max, clock[r], sends[key]))
                 if slot_of is not None:
                     q, _, _, message = key
                     received.setdefault((q, r, slot_of(r, q, message)), []).append((k, message))
@@ -263,6 +264,7 @@ def one_sided_slots(programs: Sequence[Sequence[Op]], is_moe: Callable[[int], bo
     keys = [recv_keys(r, p) for r, p in enumerate(programs)]
     name = [{key: (key[0], key[1], is_moe(key[2])) for key in ks} for ks in keys]
 
+    @functools.cache
     def slot_of(dst: int, src: int, message: tuple) -> Hashable:
         payload, layer, mb = message
         key = (src, payload.value, layer, mb)
@@ -274,6 +276,7 @@ def one_sided_slots(programs: Sequence[Sequence[Op]], is_moe: Callable[[int], bo
             for key, s in name[f.dst].items():
                 if s == f.slot:
                     name[f.dst][key] = key
+        slot_of.cache_clear()
         sizes, still = ring_sizes(programs, passes, slot_of, num_layers)
         if still:
             raise ScheduleError(f"messages of one key sent out of the receiver's order: {still[:3]}")
