@@ -632,8 +632,9 @@ def check_transport_status(layout: ArenaLayout, rank: int, status: Sequence[int]
                                    f"receive segment {s} of {region.segments} of the {payload.value} pair rows of "
                                    f"layer {layer}, micro-batch {mb} (copy {region.copy}, flag {status[1]}) from")
         src, payload, layer, mb = owner.slot
+        ring = f" (or of another of the {len(owner.keys)} keys sharing its ring)" if len(owner.keys) > 1 else ""
         raise TransportTimeout(src, None, timeout_s,
-                               f"receive the {payload.value} message of layer {layer}, micro-batch {mb} from")
+                               f"receive the {payload.value} message of layer {layer}, micro-batch {mb}{ring} from")
 
 
 def _join(nv: Any, rank: int, world_size: int, device: torch.device) -> Any:
