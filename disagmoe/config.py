@@ -422,8 +422,8 @@ class MemoryEstimate(StrictModel):
     optimizer_gib: ResultFloat
     activations_gib: ResultFloat
     transport_gib: ResultFloat = Field(
-        0.0, description="the transport's message buffers (nvshmem's symmetric arena: two copies of every receive "
-        "slot, the largest rank's on every GPU), in total_gib")
+        0.0, description="the transport's message buffers (nvshmem's symmetric arena: a ring of segments per "
+        "receive pool, the largest rank's on every GPU), in total_gib")
     total_gib: ResultFloat
     capacity_gib: ResultFloat
     host_gib: ResultFloat = Field(

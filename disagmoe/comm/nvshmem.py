@@ -9,11 +9,14 @@ for the flags).
   rank can address any other's segments by offset. Nothing is allocated after set-up. The
   symmetric heap is sized for the arena (`NVSHMEM_SYMMETRIC_SIZE`, unless the config's `env`
   sets it: NVSHMEM's default heap of 1 GiB holds no real model's arena).
-- Sequence numbers belong to the transport, not to the step: the n-th message of a slot
-  (source, payload, layer, micro-batch) carries seq = n and lands in copy (n - 1) mod 2 of the
-  slot's segment. Sender and receiver run the same sends and receives of every slot (training
-  steps and evaluation batches alike), so their counts agree without any exchange; a step
-  number would repeat across training and evaluation and let a wait pass on an old flag.
+- Sequence numbers belong to the transport, not to the step: the n-th message of a slot (the
+  keys (source, payload, layer, micro-batch) of a pool share one ring of N segments,
+  `comm.symmetric`) carries seq = n and lands in segment (n - 1) mod N. Sender and receiver run
+  the same sends and receives of every slot in the same order (training steps and evaluation
+  batches alike; `reuse_order.one_sided_slots` checks the order and gives a key a ring of its own
+  where it differs), so their counts agree without any exchange; a step number would repeat
+  across training and evaluation and let a wait pass on an old flag. Every sender below takes
+  its flag value from that count (`_next`), the Triton launches too (their `seq`).
 - send(dst, key): the message's tensors go straight from the sender's memory into dst's segment:
   a put per tensor on the current stream, a quiet (the earlier puts have landed), then
   put-with-signal of the last tensor, which sets the segment's flag to seq after its data. The
@@ -21,8 +24,10 @@ for the flags).
   this GPU) is not written: the flag is set to -seq, so the receiver does not hang, and the
   sender raises with the fix.
 - recv(src, key): a wait on the current stream (acquire loads at system scope until the flag
-  holds seq or -seq, giving up after the receive's timeout), then views of the segment: work
-  queued afterwards reads the data in place. Flags are never reset.
+  holds seq or more, or -seq or less, giving up after the receive's timeout), then views of the
+  segment: work queued afterwards reads the data in place. Flags are never reset. The ring is
+  sized so that no later message lands there before this rank is done reading (module docstring
+  of `comm.symmetric`): no slot-free acknowledgement.
 - The status words (`kernels.signal`: overflow, time-out and the flag that timed out) join the
   step's one host read (`Transport.status_word`); a message that did not fit, or never came,
   stops the run there naming the peer and the fix (never silent corruption, never a silent hang).
@@ -138,7 +143,7 @@ class SlotIndex:
     """A rank's receive slots (segments' and pair regions') by the transport key of their messages."""
 
     def __init__(self, layout: ArenaLayout) -> None:
-        self._slots = {_key_of(seg.slot): seg.slot for seg in layout.segments}
+        self._slots = {_key_of(key): seg.slot for seg in layout.segments for key in seg.keys or (seg.slot,)}
         self._pairs: dict[tuple[int, int, int], PairRegion] = {}
         for region in layout.pairs:
             other = self._pairs.setdefault(_pair_key_of(region.slot), region)
@@ -245,9 +250,11 @@ class NvshmemTransport(Transport):
         return Buffer.from_handle(tensor.data_ptr(), tensor.numel() * tensor.element_size())
 
     def _next(self, counts: dict[tuple[int, Slot], int], peer: int, slot: Slot) -> int:
-        """The sequence number of the next message of `slot` with `peer` (1, 2, ...)."""
-        n = counts[(peer, slot)] = counts.get((peer, slot), 0) + 1
-        return n
+        """The sequence number of the next message of `slot` with `peer` (1, 2, ...): the flag
+        value every sender raises and every reader waits for (`kernels.signal.flag_value`)."""
+        from disagmoe.kernels.signal import flag_value
+
+        return flag_value(counts, peer, slot)
 
     # --- the contract ---------------------------------------------------------------------------
 
@@ -283,10 +290,11 @@ class NvshmemTransport(Transport):
         return EventSendHandle(event, payload)
 
     def reserve(self, src_rank: int, key: MessageKey, specs: Sequence[TensorSpec], slot=None) -> None:
-        """Nothing to allocate (the arena holds a segment per key; `slot` is not used yet: the arena's
-        segments are not shared between keys); checks that the slot fits its specs."""
-        for copy in range(self.layout.copies):
-            check_fits(self.layout.segment(self._index[self.rank].slot(src_rank, key, self.rank), copy), specs)
+        """Nothing to allocate (the arena holds every slot's ring; `slot` is not used: the layouts
+        share segments as `reuse_order.one_sided_slots` allows); checks that the slot fits its specs."""
+        held = self._index[self.rank].slot(src_rank, key, self.rank)
+        for copy in range(self.layout.ring(held)):
+            check_fits(self.layout.segment(held, copy), specs)
 
     def recv(self, src_rank: int, key: MessageKey, specs: Sequence[TensorSpec],
              timeout_s: float | None = None) -> list[torch.Tensor]:
@@ -624,8 +632,9 @@ def check_transport_status(layout: ArenaLayout, rank: int, status: Sequence[int]
                                    f"receive segment {s} of {region.segments} of the {payload.value} pair rows of "
                                    f"layer {layer}, micro-batch {mb} (copy {region.copy}, flag {status[1]}) from")
         src, payload, layer, mb = owner.slot
+        ring = f" (or of another of the {len(owner.keys)} keys sharing its ring)" if len(owner.keys) > 1 else ""
         raise TransportTimeout(src, None, timeout_s,
-                               f"receive the {payload.value} message of layer {layer}, micro-batch {mb} from")
+                               f"receive the {payload.value} message of layer {layer}, micro-batch {mb}{ring} from")
 
 
 def _join(nv: Any, rank: int, world_size: int, device: torch.device) -> Any:

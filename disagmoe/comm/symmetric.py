@@ -3,31 +3,34 @@ and how its arrival is signalled (issue 11, the part that needs no GPU to test).
 
 One arena per rank, the same size on every rank (NVSHMEM allocates symmetric memory collectively,
 so the size is the largest any rank needs): a flag region of int64 words, one per segment, then
-the payload region. A segment per incoming message slot of the rank's program, (source rank,
-payload, layer, micro-batch), read off the schedule's `Recv` ops, in `copies` copies: the n-th
-message of a slot (n = 1, 2, ...) uses copy (n - 1) mod copies. Its tensors sit at 256-byte
-aligned offsets, sized from the run's fixed message specs (`runtime.stages.messages.MessageShapes`),
-their rows scaled by `capacity_factor` if one is given (None: the plan's worst case, exactly).
+the payload region. A receive slot holds one or more keys (source rank, payload, layer,
+micro-batch) of the rank's program, read off the schedule's `Recv` ops: by default each key its
+own slot of `copies` segments; with `shared` (`runtime.schedule.reuse_order.one_sided_slots`, what
+the runtime builds) the keys of a pool (source, payload, MoE layer) share one ring of N segments.
+The n-th message of a slot, counted over all its keys (n = 1, 2, ...), lands in segment
+(n - 1) mod N. Its tensors sit at 256-byte aligned offsets, sized from the run's fixed message
+specs (`runtime.stages.messages.MessageShapes`), their rows scaled by `capacity_factor` if one is
+given (None: the plan's worst case, exactly).
 
-Why two copies: a one-sided write lands whenever the sender gets there, not when the receiver asks
-(as an NCCL receive does). The sender writes message n + 2 of a slot only after a chain of
-messages and collectives that starts after the receiver's stream finished with message n (the
-deferred weight gradients that still read its rows included): in training every step ends in an
-all-ranks gradient-norm all-reduce, and in forward-only evaluation (no collective) the chain runs
-through the pass in between. One copy would not do once evaluation runs: colocated, or with the
-loss off pipeline group 0, a pass's first sends start before the end of the pass before is known
-to them. `runtime.schedule.reuse_order` replays passes and tests/runtime/schedule/test_reuse_order.py pins both for
-every layout the schedule tests cover, training and evaluation interleaved; with two copies no
-handshake is needed.
+Why a ring and no handshake: a one-sided write lands whenever the sender gets there, not when the
+receiver asks (as an NCCL receive does), so message n + N may be written only once the receiver is
+done with message n, its deferred weight gradients included. `reuse_order` replays every rank's
+passes (training and evaluation interleaved) with vector clocks and sizes each ring so that the
+sender's write of message n + N happens-after the receiver's op past message n's last read, along
+a chain of messages and the step's all-reduce; no acknowledgement is ever sent. Unshared, two
+copies per key suffice (the same replay, tests/runtime/schedule/test_reuse_order.py): one would
+not once evaluation runs (colocated, or with the loss off pipeline group 0, a pass's first sends
+start before the end of the pass before is known to them).
 
 Signals carry the message's sequence number n (the transport counts each slot's messages, on
-both ends alike): the sender writes the payload into the peer's segment, then stores n into the
-segment's flag with a release at system scope; the receiver's wait (acquire loads, on the
-stream: `kernels.signal`) passes once the flag holds n, so nothing is reset between steps and a
-step stays capturable as a CUDA graph. A message whose
-rows exceed its segment's capacity is not written: the sender raises the flag to -seq, the wait
-records an overflow in the rank's status word, and the step's one read of the status raises
-`ArenaOverflow` naming the segment and the fix (never silent corruption).
+both ends alike, `kernels.signal.flag_value`): the sender writes the payload into the peer's
+segment, then stores n into the segment's flag with a release at system scope; the receiver's
+wait (acquire loads, on the stream: `kernels.signal`) passes once the flag holds n or more. A
+segment's flag only grows (n, n + N, ...), so the reader of a later key never passes on an
+earlier key's flag, nothing is reset between steps and a step stays capturable as a CUDA graph. A
+message whose rows exceed its segment's capacity is not written: the sender raises the flag to
+-seq, the wait records an overflow in the rank's status word, and the step's one read of the
+status raises `ArenaOverflow` naming the segment and the fix (never silent corruption).
 
 Pair-row messages (hop mode `pair_rows`, `comm.base.PairSpec`): a receive whose (payload, layer)
 `pair_of` names is not a segment per peer but one `PairRegion` per copy of its pair slot (payload,
@@ -58,7 +61,7 @@ Q sources, S segments, R ranks, N a sum's width.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -80,11 +83,12 @@ COPIES = 2  # segments per slot (module docstring)
 
 @dataclass(frozen=True)
 class Segment:
-    slot: Slot
-    copy: int  # the slot's messages n with (n - 1) mod copies == copy land in it
+    slot: Slot  # the first of the keys it holds (the transport counts its messages under it)
+    copy: int  # the slot's messages n with (n - 1) mod N == copy land in it (N: its ring, `ArenaLayout.ring`)
     flag: int  # index of its flag word
     offsets: tuple[int, ...]  # byte offset of each tensor in the arena
     specs: tuple[TensorSpec, ...]  # the capacity of each tensor (rows scaled)
+    keys: tuple[Slot, ...] = ()  # every key whose messages land in it (shared slots), `slot` first
 
     @property
     def nbytes(self) -> int:
@@ -199,6 +203,18 @@ def _pair_spec(pair_of: PairOf | None, payload: Payload,
     return spec, segments, tuple(extras)
 
 
+def _shared_slots(keys: Sequence[Slot], shared: Mapping[tuple, tuple[Hashable, int]] | None,
+                  copies: int) -> list[tuple[tuple[Slot, ...], int]]:
+    """The receive slots of `keys` (in receive order): (the keys it holds, in order, its segments)."""
+    held: dict[Hashable, list[Slot]] = {}
+    ring: dict[Hashable, int] = {}
+    for key in keys:
+        name, n = (key, copies) if shared is None else shared.get((key[0], key[1].value, key[2], key[3]), (key, copies))
+        held.setdefault(name, []).append(key)
+        ring[name] = n
+    return [(tuple(h), ring[name]) for name, h in held.items()]
+
+
 def _capacity(spec: TensorSpec, factor: float | None) -> TensorSpec:
     if factor is None or not spec.shape:
         return spec
@@ -227,32 +243,36 @@ class ArenaLayout:
 
     @classmethod
     def of_program(cls, program: Sequence[object], specs_of, rank: int, capacity_factor: float | None = None,
-                   flag_words: int | None = None, copies: int = COPIES, pair_of: PairOf | None = None) -> ArenaLayout:
+                   flag_words: int | None = None, copies: int = COPIES, pair_of: PairOf | None = None,
+                   shared: Mapping[tuple, Hashable] | None = None) -> ArenaLayout:
         """The segments of `program`'s receives (a rank's schedule ops, of which only the `wire.Recv`s
         are read; peers other than `rank`); `specs_of(payload, layer)`
         gives a message's specs; `flag_words`: the flag region's size if set by the largest rank.
         `pair_of(payload, layer)`: (rows [P, H], segments S) or (rows, S, extras) for a pair-row message,
         else None; such a receive gets a `PairRegion` per copy (sources: all its peers, `rank`
-        included, its extras after its rows) instead."""
+        included, its extras after its rows) instead. `shared`: (peer, payload value, layer,
+        micro-batch) -> slot, keys of one slot sharing its segments (`reuse_order.one_sided_slots`;
+        None or a key not in it: a slot of its own)."""
         if capacity_factor is not None and capacity_factor <= 0:
             raise ValueError(f"capacity_factor={capacity_factor} must be > 0 (None sizes buffers for the worst case)")
         if copies < 1:
             raise ValueError(f"copies={copies} must be >= 1")
-        slots, pair_slots = [], []
+        keys, pair_slots = [], []
         for op in program:
             if not isinstance(op, Recv):
                 continue
             pair = _pair_spec(pair_of, op.payload, op.layer)
             if pair is None:
-                slots.extend((peer, op.payload, op.layer, op.micro_batch) for peer in op.peers if peer != rank)
+                keys.extend((peer, op.payload, op.layer, op.micro_batch) for peer in op.peers if peer != rank)
             else:
                 pair_slots.append(((op.payload, op.layer, op.micro_batch), tuple(op.peers), *pair))
+        slots = _shared_slots(keys, shared, copies)
         if len({slot for slot, *_ in pair_slots}) != len(pair_slots):
             raise ValueError(f"rank {rank}'s program receives a pair-row slot more than once: "
                              f"{[slot for slot, *_ in pair_slots]}")
         # every pair block starts at an even word (16-byte aligned, as Triton specialises pointers):
         # one compiled variant of the kernels that take it, whose first launch loads its module
-        needed = _even(copies * len(slots)) + copies * sum(
+        needed = _even(sum(n for _, n in slots)) + copies * sum(
             _even(len(sources) * segments) for _, sources, _, segments, _ in pair_slots)
         words = needed if flag_words is None else flag_words
         if words < needed:
@@ -260,14 +280,18 @@ class ArenaLayout:
                              f"the arena has {words}")
         offset = align(8 * words)
         segments = []
-        for slot in slots:
-            specs = tuple(_capacity(s, capacity_factor) for s in specs_of(slot[1], slot[2]))
-            for copy in range(copies):
+        for held, ring in slots:
+            specs = tuple(_capacity(s, capacity_factor) for s in specs_of(held[0][1], held[0][2]))
+            for key in held[1:]:
+                if tuple(_capacity(s, capacity_factor) for s in specs_of(key[1], key[2])) != specs:
+                    raise ValueError(f"rank {rank}: keys {held[0]} and {key} share a receive slot but their "
+                                     "messages' specs differ (share only keys of one payload and kind of layer)")
+            for copy in range(ring):
                 offsets = []
                 for spec in specs:
                     offsets.append(offset)
                     offset = align(offset + _nbytes(spec))
-                segments.append(Segment(slot, copy, len(segments), tuple(offsets), specs))
+                segments.append(Segment(held[0], copy, len(segments), tuple(offsets), specs, held))
         pairs, flag = [], _even(len(segments))
         for slot, sources, spec, n_segments, extra_specs in pair_slots:
             for copy in range(copies):
@@ -283,14 +307,27 @@ class ArenaLayout:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_by_slot", {(seg.slot, seg.copy): seg for seg in self.segments})
+        object.__setattr__(self, "_held_by", {key: seg.slot for seg in self.segments for key in seg.keys or (seg.slot,)})
+        ring: dict[Slot, int] = {}
+        for seg in self.segments:
+            ring[seg.slot] = ring.get(seg.slot, 0) + 1
+        object.__setattr__(self, "_ring", ring)
         object.__setattr__(self, "_by_pair", {(region.slot, region.copy): region for region in self.pairs})
 
     def segment(self, slot: Slot, index: int = 0) -> Segment:
         """The segment message `index` (0, 1, ...) of `slot` lands in."""
-        seg = self._by_slot.get((slot, index % self.copies))
+        seg = self._by_slot.get((slot, index % self._ring.get(slot, self.copies)))
         if seg is None:
             raise KeyError(f"no receive segment for {slot}: not a message of this rank's program")
         return seg
+
+    def ring(self, slot: Slot) -> int:
+        """How many segments `slot`'s messages fill in turn (its copies)."""
+        return self._ring[slot]
+
+    def held_by(self, key: Slot) -> Slot:
+        """The slot (its first key) whose segments `key`'s messages land in; KeyError if none."""
+        return self._held_by[key]
 
     def pair_region(self, slot: PairSlot, index: int = 0) -> PairRegion:
         """The pair region message `index` (0, 1, ...) of pair slot `slot` (payload, layer,
@@ -360,18 +397,21 @@ def overflow_message(slot: Slot, rows: int, capacity: int) -> str:
 
 
 def symmetric_layouts(programs: Sequence[Sequence[object]], specs_of, capacity_factor: float | None = None,
-                      copies: int = COPIES, pair_of: PairOf | None = None, sum_width: int = 0) -> list[ArenaLayout]:
+                      copies: int = COPIES, pair_of: PairOf | None = None, sum_width: int = 0,
+                      shared: Sequence[Mapping[tuple, Hashable]] | None = None) -> list[ArenaLayout]:
     """Every rank's layout with the flag region and the arena size of the largest (symmetric);
     `pair_of` as in `ArenaLayout.of_program` (the same on every rank); `sum_width` > 0: a
-    `SumRegion` of that many float64 words per share after everything else (module docstring)."""
+    `SumRegion` of that many float64 words per share after everything else (module docstring);
+    `shared`: every rank's shared receive slots (`ArenaLayout.of_program`), None: none shared."""
     if sum_width < 0:
         raise ValueError(f"sum_width={sum_width} must be >= 0 (0: no all-ranks sum region)")
-    first = [ArenaLayout.of_program(p, specs_of, r, capacity_factor, copies=copies, pair_of=pair_of)
+    share = (lambda r: None) if shared is None else (lambda r: shared[r])  # noqa: E731
+    first = [ArenaLayout.of_program(p, specs_of, r, capacity_factor, copies=copies, pair_of=pair_of, shared=share(r))
              for r, p in enumerate(programs)]
     message_words = max((layout.flag_words for layout in first), default=0)
     sum_words = _even(copies * len(programs)) if sum_width else 0
     words = message_words + sum_words
-    layouts = [ArenaLayout.of_program(p, specs_of, r, capacity_factor, words, copies, pair_of)
+    layouts = [ArenaLayout.of_program(p, specs_of, r, capacity_factor, words, copies, pair_of, share(r))
                for r, p in enumerate(programs)]
     size = max((layout.nbytes for layout in layouts), default=0)
     sums = None

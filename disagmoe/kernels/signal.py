@@ -4,12 +4,15 @@ beside their plain-torch reference.
 Contract: `raise_flag(flags_W, i, seq, overflow)` stores seq (or -seq for a message that did not fit)
 into flag word i with a release at system scope, after everything the stream did before (the
 payload's copy into the peer's segment); `wait_flag(flags_W, i, seq, status_2, timeout_s)` spins
-with acquire loads at system scope until flag i holds seq or -seq, so work queued after it on the
-stream sees the payload. The status, two int32 words, records what went wrong: word 0 ORs
+with acquire loads at system scope until flag i holds seq or more, or -seq or less, so work queued
+after it on the stream sees the payload. A flag word only grows in magnitude: a segment that several
+keys share (`comm.symmetric`) carries its messages' count, so a later key's reader, waiting for a
+larger number, does not pass on an earlier key's flag. The status, two int32 words, records what went wrong: word 0 ORs
 OVERFLOW for -seq and TIMED_OUT for a flag still unset after `timeout_s` (a peer that died or
 never sends; the wait then gives up, so the stream and the step finish and the host learns it),
 word 1 holds the index of a flag that timed out. The host reads the status once, at the step's
 end (`check_status`). Nothing is reset between steps: the n-th message of a slot carries n.
+`flag_value` is that number for every sender (the transport's count, the kernels' `seq`).
 
 Flags live in another GPU's memory on the fast path (NVSHMEM peer tensors over NVLink); the
 interpreter (CPU tests) runs them on CPU tensors standing for peer buffers, where a wait whose
@@ -54,7 +57,7 @@ def _now_ns(TIMED: tl.constexpr):
 
 @triton.jit
 def spin_until(flag_ptr, seq, timeout_ns, ACCEPT_NEGATIVE: tl.constexpr, TIMED: tl.constexpr):
-    """Acquire-load the flag until it holds seq (or -seq with ACCEPT_NEGATIVE) or, on a GPU
+    """Acquire-load the flag until it holds seq or more (or -seq or less with ACCEPT_NEGATIVE) or, on a GPU
     (TIMED), `timeout_ns` passed; returns the last value seen. A timeout of 0 looks once. The
     interpreter has no clock and otherwise spins without a bound (its tests raise every flag
     before waiting)."""
@@ -70,8 +73,8 @@ def spin_until(flag_ptr, seq, timeout_ns, ACCEPT_NEGATIVE: tl.constexpr, TIMED: 
 @triton.jit
 def _arrived(seen, seq, ACCEPT_NEGATIVE: tl.constexpr):
     if ACCEPT_NEGATIVE:
-        return (seen == seq) | (seen == -seq)
-    return seen == seq
+        return (seen >= seq) | (seen <= -seq)
+    return seen >= seq
 
 
 @triton.jit
@@ -85,8 +88,8 @@ def remaining_timeout(status_ptr, timeout_ns):
 @triton.jit
 def report(status_ptr, seen, seq, index):
     """Record in the status what a wait that returned `seen` found (module docstring)."""
-    late = (seen != seq) & (seen != -seq)
-    tl.atomic_or(status_ptr, (seen == -seq).to(tl.int32) * 1 + late.to(tl.int32) * 2)
+    late = (seen < seq) & (seen > -seq)
+    tl.atomic_or(status_ptr, (seen <= -seq).to(tl.int32) * 1 + late.to(tl.int32) * 2)
     if late:
         tl.atomic_xchg(status_ptr + 1, index)
 
@@ -95,6 +98,14 @@ def report(status_ptr, seen, seq, index):
 def _wait_flag_kernel(flags_ptr, status_ptr, index, seq, timeout_ns, TIMED: tl.constexpr):
     seen = spin_until(flags_ptr + index, seq, remaining_timeout(status_ptr, timeout_ns), True, TIMED)
     report(status_ptr, seen, seq, index)
+
+
+def flag_value(counts: dict, peer: int, slot: object) -> int:
+    """The flag value of the next message of `slot` with `peer`, counted in `counts` (1, 2, ...):
+    both ends count every message of a slot, whichever of the keys sharing it it carries, so the
+    n-th carries n on both (`comm.nvshmem`)."""
+    n = counts[(peer, slot)] = counts.get((peer, slot), 0) + 1
+    return n
 
 
 def raise_flag(flags_W: torch.Tensor, index: int, seq: int, overflow: bool = False) -> None:
@@ -137,9 +148,9 @@ def check_status(status: list[int], what: str) -> None:
 def wait_reference(flags_W: torch.Tensor, index: int, seq: int, status_2: torch.Tensor) -> None:
     """Plain torch, for a flag already raised: the status a wait leaves."""
     value = int(flags_W[index])
-    if value not in (seq, -seq):
-        raise AssertionError(f"flag {index} holds {value}, not {seq}: the reference cannot wait")
-    status_2[0] |= int(value == -seq)
+    if -seq < value < seq:
+        raise AssertionError(f"flag {index} holds {value}, not {seq} or more: the reference cannot wait")
+    status_2[0] |= int(value <= -seq)
 
 
 def _check(flags_W: torch.Tensor, index: int, seq: int) -> None:

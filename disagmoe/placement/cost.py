@@ -354,14 +354,16 @@ def attention_activations(m: ModelConfig, tokens: Num, in_flight: Num, p: np.nda
 def transport_buffers(prob: Problem, c: Candidates, dp: np.ndarray, ranks: np.ndarray) -> tuple[Num, Num]:
     """(attention GPU, expert GPU) bytes of the transport's message buffers
     (`roofline.transport_memory.layout_transport_bytes`), as the runtime allocates them on the fast
-    path the planner prices: nvshmem's symmetric arena (two copies of every receive slot, the largest
-    rank's on every GPU), partial sums, dispatch sparse where a set has more than one expert rank.
+    path the planner prices: nvshmem's symmetric arena (a ring of segments per receive pool,
+    `roofline.transport_memory` RING; the largest rank's on every GPU), partial sums, dispatch
+    sparse where a set has more than one expert rank.
     `ranks`: expert ranks per replica set (colocated: the EP block). None on one GPU."""
     m = prob.model
     ranks = np.asarray(ranks, dtype=np.int64)
     dp_i = np.round(np.asarray(dp)).astype(np.int64)
 
-    attn, exp = tm.layout_receives(m.num_layers, m.num_dense_layers, c.p, dp_i, ranks, c.sets, c.m, c.colocated)
+    attn, exp = tm.layout_receives(m.num_layers, m.num_dense_layers, c.p, dp_i, ranks, c.sets, c.m, c.colocated,
+                                   reuse=tm.RING)
     dense, sparse = (tm.transport_bytes(attn, exp, tm.HopShape(c.seqs.astype(np.int64), prob.seq_len, m.hidden_size,
                                                                m.top_k, m.num_experts, "bf16", m.shared_ffn_size > 0,
                                                                False, kind))

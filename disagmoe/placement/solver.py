@@ -483,9 +483,10 @@ def price(cfg: PlanConfig, chosen: Candidates, colocated_step_s: float | None = 
     transport = float(cost.expert_transport_bytes[0] if use_dis else cost.attn_transport_bytes[0])
     if transport > 0.05 * prob.capacity_bytes:
         notes.append(f"the transport's buffers take {transport / GIB:.1f} GiB per GPU (train with transport: nvshmem: "
-                     "one symmetric arena, as large on every GPU as the largest rank's, with two copies of every "
-                     "receive of every layer and micro-batch, each sized for all its source's tokens; counted in "
-                     "memory_per_gpu and the fit)")
+                     "one symmetric arena, as large on every GPU as the largest rank's: per peer and payload a "
+                     "ring of segments, for a forward payload one per layer and micro-batch (live until its "
+                     "backward) and one more, for a gradient m + 1, each sized for all its source's tokens; "
+                     "counted in memory_per_gpu and the fit)")
     selective = bool(cost.selective[0])
     notes.append(f"memory assumes AdamW with fp32 master weights and {cfg.optimizer_state_dtype} moments, "
                  + ("the attention side's moments split over each data-parallel group (ZeRO-1)"

@@ -17,8 +17,13 @@ shapes the transports allocate and the bytes priced here are one table. What eac
   payload one per key (its autograd state lives until the layer's backward), except the last
   layer's message to the head group when p > 1 (the loss reads and frees it: one slot).
 - nvshmem: one symmetric arena per rank (`comm.symmetric.symmetric_layouts`): a flag word per
-  segment (even count, region aligned), then COPIES = 2 copies of every slot, each tensor at a
-  256-byte aligned offset; every rank allocates the largest rank's arena (symmetric memory).
+  segment (even count, region aligned), then the segments, each tensor at a 256-byte aligned
+  offset; every rank allocates the largest rank's arena (symmetric memory). The keys of a pool
+  (peer, payload, MoE layer) share a ring (`reuse=RING`, counted in segments:
+  `runtime.schedule.reuse_order.one_sided_slots`, `ring_segments`): a forward payload a segment
+  per key and one more, a gradient payload m + 1 (at most two per key); a one-sided sender runs
+  ahead of its reader, so a ring holds more than nccl's slots (tests/roofline pins the counts
+  rank by rank against the arena built).
 - local (gloo, CPU): receives into the same shared slots as nccl once reserved (`TrainWorker`
   reserves them), so it exercises the reuse on CPU; priced as nccl.
 
@@ -44,7 +49,7 @@ import numpy as np
 from disagmoe.roofline.stages import Num
 
 ALIGN = 256  # `comm.symmetric.ALIGN`: every tensor of an arena segment starts at a multiple of this
-COPIES = 2  # `comm.symmetric.COPIES`: an nvshmem slot's copies (its module docstring says why)
+COPIES = 2  # `comm.symmetric.COPIES`: the copies of an nvshmem slot that no other key shares
 DTYPE_BYTES = {"bf16": 2, "fp32": 4, "int32": 4, "int64": 8}
 FORWARD = ("dispatch", "combine", "residual")
 PAYLOADS = ("dispatch", "combine", "residual", "dispatch_grad", "combine_grad", "residual_grad")
@@ -138,9 +143,20 @@ def layer_tables(num_layers: int, num_dense: int, p: Num) -> tuple[np.ndarray, n
     return moe, dense
 
 
-def _shared(per_key: Num, present: Num, reuse: bool) -> Num:
-    """A gradient payload's slots: `per_key` without reuse, one per peer (`present`) with it."""
+RING = "ring"  # `reuse=RING`: nvshmem's rings (module docstring), counted in segments
+
+
+def _shared(per_key: Num, present: Num, reuse: bool | str, mb: Num = 1) -> Num:
+    """A gradient payload's slots: `per_key` without reuse, one per peer (`present`) with it; with
+    RING a ring per peer of m + 1 segments, at most two per key (`ring_segments`)."""
+    if reuse == RING:
+        return present * np.minimum(mb + 1, 2 * per_key // np.maximum(present, 1))
     return np.minimum(per_key, present) if reuse else per_key
+
+
+def _forward(per_key: Num, present: Num, reuse: bool | str) -> Num:
+    """A forward payload's segments with RING: a ring per peer of a segment per key and one more."""
+    return per_key + present if reuse == RING else per_key
 
 
 def _loss_fed(num_layers: int, num_dense: int, p: Num, g: Num) -> tuple[Num, Num]:
@@ -153,7 +169,7 @@ def _loss_fed(num_layers: int, num_dense: int, p: Num, g: Num) -> tuple[Num, Num
 
 def attention_receives(num_layers: int, num_dense: int, p: Num, g: int, expert_ranks: Num,
                        micro_batches: Num, tables: tuple[np.ndarray, np.ndarray] | None = None,
-                       reuse: bool = False) -> Counts:
+                       reuse: bool | str = False) -> Counts:
     """Receive slots of an attention rank of group g (module docstring), `expert_ranks` Q in its set.
     `tables`: `layer_tables` of `p`, if already computed; `reuse`: slots shared by keys whose
     lifetimes do not overlap (`runtime.schedule.recv_slots`, module docstring)."""
@@ -170,36 +186,40 @@ def attention_receives(num_layers: int, num_dense: int, p: Num, g: int, expert_r
 
 
 def _attention_counts(num_layers, num_dense, p, g, q, mb, ring, moe_g, dense_g, moe_prev, dense_prev,
-                      reuse: bool) -> Counts:
+                      reuse: bool | str) -> Counts:
     """`attention_receives`' counts from its layer counts (scalars, or [N, G] with `layout_receives`).
     With reuse: a gradient payload one slot per peer (consumed by the backward op right after it
     arrives); a forward one a slot per key, as its autograd state lives until the backward, except
     the last layer's message to the head group (p > 1), which the loss reads and frees: one."""
-    fed_moe, fed_dense = _loss_fed(num_layers, num_dense, p, g) if reuse else (0, 0)
+    fed_moe, fed_dense = _loss_fed(num_layers, num_dense, p, g) if reuse and reuse != RING else (0, 0)
     fwd_moe = mb * moe_prev - (mb - 1) * fed_moe * (moe_prev > 0)
     fwd_dense = mb * dense_prev - (mb - 1) * fed_dense * (dense_prev > 0)
-    return {("dispatch_grad", True): _shared(mb * q * moe_g, q * (moe_g > 0), reuse),
-            ("combine", True): q * fwd_moe,
-            ("residual", True): ring * fwd_moe, ("residual", False): ring * fwd_dense,
-            ("residual_grad", True): _shared(mb * ring * moe_g, ring * (moe_g > 0), reuse),
-            ("residual_grad", False): _shared(mb * ring * dense_g, ring * (dense_g > 0), reuse)}
+    return {("dispatch_grad", True): _shared(mb * q * moe_g, q * (moe_g > 0), reuse, mb),
+            ("combine", True): _forward(q * fwd_moe, q * (moe_prev > 0), reuse),
+            ("residual", True): _forward(ring * fwd_moe, ring * (moe_prev > 0), reuse),
+            ("residual", False): _forward(ring * fwd_dense, ring * (dense_prev > 0), reuse),
+            ("residual_grad", True): _shared(mb * ring * moe_g, ring * (moe_g > 0), reuse, mb),
+            ("residual_grad", False): _shared(mb * ring * dense_g, ring * (dense_g > 0), reuse, mb)}
 
 
 def expert_receives(num_layers: int, num_dense: int, p: Num, g: int, sources: Num, micro_batches: Num,
-                    reuse: bool = False) -> Counts:
+                    reuse: bool | str = False) -> Counts:
     """Receive slots of an expert rank of group g serving `sources` attention ranks (`reuse`: one
     COMBINE_GRAD slot per source, `attention_receives`)."""
     moe_g, _ = group_layers(num_layers, num_dense, p, g)
     n = micro_batches * sources * moe_g
-    return {("dispatch", True): n, ("combine_grad", True): _shared(n, sources * (moe_g > 0), reuse)}
+    present = sources * (moe_g > 0)
+    return {("dispatch", True): _forward(n, present, reuse),
+            ("combine_grad", True): _shared(n, present, reuse, micro_batches)}
 
 
-def colocated_receives(num_moe_layers: int, peers: Num, micro_batches: Num, reuse: bool = False) -> Counts:
+def colocated_receives(num_moe_layers: int, peers: Num, micro_batches: Num, reuse: bool | str = False) -> Counts:
     """Receive slots of a colocated rank with `peers` other ranks in its expert-parallel group
     (`reuse`: one slot per peer of each gradient payload)."""
     n = micro_batches * peers * num_moe_layers
-    grad = _shared(n, peers * (num_moe_layers > 0), reuse)
-    return {("dispatch", True): n, ("combine", True): n, ("dispatch_grad", True): grad, ("combine_grad", True): grad}
+    present = peers * (num_moe_layers > 0)
+    fwd, grad = _forward(n, present, reuse), _shared(n, present, reuse, micro_batches)
+    return {("dispatch", True): fwd, ("combine", True): fwd, ("dispatch_grad", True): grad, ("combine_grad", True): grad}
 
 
 def receive_bytes(counts: Counts, s: HopShape, transport: str, sizes: dict | None = None) -> Num:
@@ -207,7 +227,7 @@ def receive_bytes(counts: Counts, s: HopShape, transport: str, sizes: dict | Non
     both copies; `arena_bytes` adds the flags and takes the largest rank). `sizes`: `message_bytes`
     by (payload, moe), if already computed."""
     aligned = transport == "nvshmem"
-    copies = COPIES if aligned else 1
+    copies = 1  # nvshmem counts segments (`reuse=RING`: a ring's copies are in its count)
     sizes = {} if sizes is None else sizes
     out = 0
     for key, n in counts.items():
@@ -221,8 +241,8 @@ def receive_bytes(counts: Counts, s: HopShape, transport: str, sizes: dict | Non
 
 
 def flag_words(counts: Counts) -> Num:
-    """nvshmem: the int64 flag words of a rank's segments (one per copy of each slot, even)."""
-    return _even(COPIES * sum(counts.values()))
+    """nvshmem: the int64 flag words of a rank's segments (one per segment, even)."""
+    return _even(sum(counts.values()))
 
 
 def arena_bytes(ranks: list[Counts], s: HopShape) -> Num:
@@ -235,7 +255,7 @@ def arena_bytes(ranks: list[Counts], s: HopShape) -> Num:
 
 
 def layout_receives(num_layers: int, num_dense: int, p: Num, dp: Num, expert_ranks: Num, sets: Num,
-                    micro_batches: Num, colocated: bool, reuse: bool = False) -> tuple[list[Counts], list[Counts]]:
+                    micro_batches: Num, colocated: bool, reuse: bool | str = False) -> tuple[list[Counts], list[Counts]]:
     """(attention ranks', expert ranks') slot counts of a layout (colocated: one rank's, and no
     expert ranks). With array arguments (one element per candidate) each count is [N, G]: the rank
     of pipeline group g in column g (groups past a candidate's p count nothing), so the busiest
@@ -255,8 +275,8 @@ def layout_receives(num_layers: int, num_dense: int, p: Num, dp: Num, expert_ran
     q, sources = col(expert_ranks), col(np.asarray(dp) // np.asarray(sets))
     attn = _attention_counts(num_layers, num_dense, col(p), groups, q, mb, ring, moe_g, dense_g, moe_prev, dense_prev,
                              reuse)
-    exp = {("dispatch", True): mb * sources * moe_g,
-           ("combine_grad", True): _shared(mb * sources * moe_g, sources * (moe_g > 0), reuse)}
+    exp = {("dispatch", True): _forward(mb * sources * moe_g, sources * (moe_g > 0), reuse),
+           ("combine_grad", True): _shared(mb * sources * moe_g, sources * (moe_g > 0), reuse, mb)}
     return [attn], [exp]
 
 
@@ -285,7 +305,8 @@ def layout_transport_bytes(num_layers: int, num_dense: int, s: HopShape, p: Num,
     replica set, `sets` replica sets per group (an expert rank serves dp / sets sources); colocated:
     `expert_ranks` is the expert-parallel group of each rank (its peers: Q - 1). nvshmem: every GPU
     holds the largest arena of any rank (symmetric memory); nccl and local share slots between keys
-    whose lifetimes do not overlap (`runtime.schedule.recv_slots`), nvshmem not yet."""
+    whose lifetimes do not overlap (`runtime.schedule.recv_slots`), nvshmem in rings of segments
+    (`reuse=RING`, `runtime.schedule.reuse_order.one_sided_slots`)."""
     attn, exp = layout_receives(num_layers, num_dense, p, dp, expert_ranks, sets, micro_batches, colocated,
-                                reuse=transport != "nvshmem")
+                                reuse=RING if transport == "nvshmem" else True)
     return transport_bytes(attn, exp, s, transport)

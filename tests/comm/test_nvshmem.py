@@ -8,9 +8,13 @@ receiver's region, the first source's extras too (one put per extra into the rec
 then one quiet, on the current stream; a copy into its own arena; nothing from the other
 sources), copies alternate, a wrong source, spec, extra or key is refused naming the fix, and a
 timed-out pair flag is named by layer, micro-batch, source and segment.
+On CPU also, segments shared by the keys of a pool (rings, `reuse_order.one_sided_slots`): every
+rank's passes co-simulated with each sender running ahead as far as the schedule lets it, every
+message intact until its reader is done; a reader does not pass on an earlier key's flag; fewer
+symmetric bytes.
 On GPUs (`gpu`, with nvshmem4py): two processes run a disaggregated schedule's programs for
 three steps (both copies of every segment, then the first again) and an evaluation pass numbered
-like step 0, every message arriving intact and in place; a message over its segment's capacity makes the sender raise and the receiver's
+like step 0, every message arriving intact and in place (and again through shared rings); a message over its segment's capacity makes the sender raise and the receiver's
 status word report it; pair-row messages written through `pair_target`'s views (the expert
 rank's fused down GEMM into the peer's arena, or colocated plain stores into both arenas) are
 summed by the receiver's `combine_landed` over `pair_landing`, which also gives the int64 extra
@@ -38,7 +42,9 @@ from disagmoe.comm.symmetric import symmetric_layouts
 from disagmoe.wire import ArenaOverflow, message_key, Payload, Recv, Send
 from disagmoe.kernels.signal import OVERFLOW, TIMED_OUT
 from disagmoe.runtime.stages.messages import MessageShapes
+from disagmoe.runtime.schedule.reuse_order import live_ends, one_sided_slots, pass_program
 from disagmoe.runtime.schedule.roles import Layout
+from disagmoe.runtime.schedule.schedule import OptimizerStep
 from disagmoe.runtime.topology import Topology
 
 WORLD, STEPS, MICRO_BATCHES = 2, 3, 2
@@ -74,7 +80,7 @@ def _message(src: int, key, specs: list[TensorSpec]) -> list[torch.Tensor]:
     return [(torch.randn(spec.shape, generator=gen) * 30).to(spec.dtype) for spec in specs]
 
 
-def _run_programs(rank: int, transport) -> list[str]:
+def _run_programs(rank: int, transport, shared: bool = False) -> list[str]:
     """Three training steps of the rank's program in order (sends, then waits on the GPU), then an
     evaluation pass (forward messages only) numbered step 0 again, as the worker numbers its
     evaluation batches: the transport's own sequence numbers keep it from passing on step 0's
@@ -103,10 +109,16 @@ def _run_programs(rank: int, transport) -> list[str]:
                     pointers.setdefault((op.payload, op.layer, op.micro_batch), []).append(got[0].data_ptr())
         for handle in handles:
             handle.wait()
+        if shared and not forward_only:  # the step's all-reduce, which the rings are sized with
+            torch.cuda.synchronize()
+            dist.barrier()
     torch.cuda.synchronize()
     for slot, seen in pointers.items():  # in place: copies alternate, the third message reuses the first's
-        if not (seen[0] == seen[2] != seen[1]):
+        if not shared and not (seen[0] == seen[2] != seen[1]):
             wrong.append(f"{slot}: received at {seen}")
+    everywhere = [ptr for seen in pointers.values() for ptr in seen]
+    if shared and len(set(everywhere)) >= len(pointers):  # rings: fewer addresses than keys
+        wrong.append(f"{len(pointers)} keys received at {len(set(everywhere))} addresses: nothing shared")
     if transport.status_word().tolist() != [0, 0]:
         wrong.append(f"status set without a failure: {transport.status_word().tolist()}")
     return wrong
@@ -182,6 +194,11 @@ def _rank_main(rank: int, port: int, mode: str, reports) -> None:
             layouts = symmetric_layouts(topology.programs(MICRO_BATCHES), _specs_of(topology), pair_of=_pair_of)
             transport = NvshmemTransport(layouts, default_timeout_s=30)
             report["said"] = _exchange_pairs(rank, transport, topology, kernel)
+        elif mode == "programs-shared":  # the rings the runtime builds (`receive_layouts`)
+            programs = TOPOLOGY.programs(MICRO_BATCHES)
+            rings = one_sided_slots(programs, TOPOLOGY.is_moe, TOPOLOGY.num_layers)
+            transport = NvshmemTransport(symmetric_layouts(programs, _specs, shared=rings), default_timeout_s=30)
+            report["said"] = _run_programs(rank, transport, shared=True)
         else:
             capacity_factor = 0.5 if mode == "overflow" else None
             layouts = symmetric_layouts(TOPOLOGY.programs(MICRO_BATCHES), _specs, capacity_factor=capacity_factor)
@@ -211,6 +228,15 @@ needs_nvshmem = pytest.mark.skipif(not torch.cuda.is_available() or not availabl
 @needs_nvshmem
 def test_programs_exchange_every_message_intact_in_place(ranks):
     reports = _spawn(ranks, "programs")
+    assert [reports[rank]["said"] for rank in range(WORLD)] == [[], []]
+
+
+@pytest.mark.gpu
+@needs_nvshmem
+def test_programs_exchange_every_message_intact_through_shared_rings(ranks):
+    """The same passes with the keys of a pool sharing a ring (`reuse_order.one_sided_slots`):
+    flags carry the ring's count, waits pass on >= it, every message intact."""
+    reports = _spawn(ranks, "programs-shared")
     assert [reports[rank]["said"] for rank in range(WORLD)] == [[], []]
 
 
@@ -506,12 +532,14 @@ def fake_cuda(monkeypatch):
     return fake
 
 
-def _cpu_transports(topology, pair_of=_pair_of, log=None, sum_width=0) -> list[NvshmemTransport]:
+def _cpu_transports(topology, pair_of=_pair_of, log=None, sum_width=0, shared=False) -> list[NvshmemTransport]:
     """One NvshmemTransport per rank of `topology`, with CPU tensors for the arenas and for the
     peer views (each peer's own arena tensor) and a fake nv (`_FakeNv`, its calls into `log`):
-    nothing of NVSHMEM runs, the rest is the real code (the `fake_cuda` fixture for the puts)."""
-    layouts = symmetric_layouts(topology.programs(MICRO_BATCHES), _specs_of(topology), pair_of=pair_of,
-                                sum_width=sum_width)
+    nothing of NVSHMEM runs, the rest is the real code (the `fake_cuda` fixture for the puts).
+    `shared`: segments shared as `receive_layouts` shares them (`reuse_order.one_sided_slots`)."""
+    programs = topology.programs(MICRO_BATCHES)
+    rings = one_sided_slots(programs, topology.is_moe, topology.num_layers) if shared else None
+    layouts = symmetric_layouts(programs, _specs_of(topology), pair_of=pair_of, sum_width=sum_width, shared=rings)
     arenas = [torch.zeros(layouts[0].nbytes, dtype=torch.uint8) for _ in layouts]
     log = [] if log is None else log
     transports = []
@@ -933,3 +961,140 @@ def test_sparse_dispatch_by_peer_stores_delivers_the_send_recv_message(interpret
         if skew:
             assert int(count_Q1[-1]) == 0, "skewed routing leaves the last expert rank empty"
     assert all(t.status_2.tolist() == [0, 0] for t in transports)
+
+
+# --- segments shared by several keys (rings, `reuse_order.one_sided_slots`) -------------------------
+
+SHARED_TOPOLOGIES = [TOPOLOGY, Topology.disaggregated(Layout(2, 2, 2, 4, 0), 8), Topology.colocated_ranks(3, 2, 0, 8)]
+SHARED_IDS = ["A1-E1", "A2-E2-p2", "colocated3"]
+SHARED_RUNS = [TOPOLOGY, Topology.disaggregated(Layout(2, 2, 2, 4, 0), 8),
+               pytest.param(Topology.colocated_ranks(3, 2, 0, 8), marks=pytest.mark.slow)]  # 5 s interpreted
+
+
+def _co_run(transports, topology, passes) -> tuple[list[str], dict]:
+    """Every rank's passes through the CPU transports, each rank run as far as it can before the
+    next (a one-sided sender as far ahead of its receiver as the schedule lets it): a receive only
+    once its flag is up, an `OptimizerStep` once every rank reached it (the all-reduce). Every
+    received message is compared when it arrives and again once its receiver is past the op
+    `live_ends` names (waits included: no later message of its ring landed over it). Returns what was wrong and
+    (rank, source, slot) -> the addresses its keys were received at."""
+    programs = topology.programs(MICRO_BATCHES)
+    runs = [[pass_program(p, kind) for kind in passes] for p in programs]
+    ends = [[live_ends(ops, r, topology.num_layers) for ops in rank_runs] for r, rank_runs in enumerate(runs)]
+    pos, held, at_step, wrong, addresses = [(0, 0)] * len(runs), [[] for _ in runs], set(), [], {}
+    specs_of = _specs_of(topology)
+
+    def salt(k, op):
+        return message_key(k, op.payload, op.layer, op.micro_batch)
+
+    def ready(r: int, k: int, op) -> bool:
+        if isinstance(op, OptimizerStep):
+            at_step.add((r, k))
+            return all((q, k) in at_step or pos[q][0] > k for q in range(len(runs)))
+        if not isinstance(op, Recv):
+            return True
+        t = transports[r]
+        for peer in op.peers:
+            if peer != r:
+                slot = t._index[r].slot(peer, message_key(0, op.payload, op.layer, op.micro_batch), r)
+                seq = t._received.get((peer, slot), 0) + 1
+                if int(t._flags_W[t.layout.segment(slot, seq - 1).flag]) < seq:
+                    return False
+        return True
+
+    def check(r: int, upto: int) -> None:
+        for entry in [e for e in held[r] if e[0] < upto]:
+            held[r].remove(entry)
+            _, label, got, want = entry
+            if not all(torch.equal(g, w) for g, w in zip(got, want, strict=True)):
+                wrong.append(f"rank {r}: {label} overwritten before its reader was done")
+
+    progress = True
+    while progress:
+        progress = False
+        for r, rank_runs in enumerate(runs):
+            while pos[r][0] < len(passes):
+                k, i = pos[r]
+                op = rank_runs[k][i]
+                check(r, i)
+                if not ready(r, k, op):
+                    break
+                for peer in op.peers if isinstance(op, (Send, Recv)) else ():
+                    if peer == r:
+                        continue
+                    specs, key = specs_of(op.payload, op.layer), message_key(k, op.payload, op.layer, op.micro_batch)
+                    if isinstance(op, Send):
+                        transports[r].send(peer, key, _message(r, salt(k, op), specs))
+                    elif isinstance(op, Recv):
+                        got, want = transports[r].recv(peer, key, specs), _message(peer, salt(k, op), specs)
+                        label = f"pass {k} {op.payload.value} L{op.layer} mb{op.micro_batch} from {peer}"
+                        if not all(torch.equal(g, w) for g, w in zip(got, want, strict=True)):
+                            wrong.append(f"rank {r}: {label} arrived wrong")
+                        held[r].append((ends[r][k][(peer, op.payload, op.layer, op.micro_batch)], label, got, want))
+                        slot = transports[r]._index[r].slot(peer, key, r)
+                        addresses.setdefault((r, peer, slot), set()).add(((op.layer, op.micro_batch), got[0].data_ptr()))
+                progress = True
+                pos[r] = (k, i + 1) if i + 1 < len(rank_runs[k]) else (k + 1, 0)
+                if pos[r][1] == 0:
+                    check(r, len(rank_runs[k]) + 1)
+    stuck = [r for r in range(len(runs)) if pos[r][0] < len(passes)]
+    assert not stuck, f"ranks {stuck} never got their messages: {[pos[r] for r in stuck]}"
+    return wrong, addresses
+
+
+@pytest.mark.parametrize("topology", SHARED_RUNS, ids=SHARED_IDS)
+def test_keys_sharing_a_ring_deliver_their_own_messages_in_order(topology, fake_cuda, interpreted):
+    """(a) Training and evaluation passes through transports whose segments the keys of a pool
+    share: every message arrives intact and stays so until its reader is done, though each sender
+    runs ahead as far as the schedule lets it; keys of one ring land at the same addresses."""
+    interpreted("disagmoe.kernels.signal")
+    transports = _cpu_transports(topology, pair_of=None, shared=True)
+    wrong, addresses = _co_run(transports, topology, ("train", "eval", "train"))
+    assert wrong == []
+    assert all(t.status_2.tolist() == [0, 0] for t in transports)
+    shared = [(place, keys) for place, keys in addresses.items() if len({k for k, _ in keys}) > len({a for _, a in keys})]
+    assert shared, "no two keys were received at one address: nothing shared"
+
+
+def test_a_reader_does_not_pass_on_an_earlier_keys_flag(fake_cuda, interpreted):
+    """(b) DISPATCH_GRAD from the expert rank: the attention rank's 4 keys (2 layers x 2
+    micro-batches) share a ring of m + 1 = 3 segments, so the fourth message lands where the first
+    did. With the first three sent and read, a wait for the fourth sees the first's flag (1) and
+    does not pass (timed out, one look); once the fourth is sent it passes and reads its rows."""
+    signal = interpreted("disagmoe.kernels.signal")
+    attention, expert = _cpu_transports(TOPOLOGY, pair_of=None, shared=True)
+    program = TOPOLOGY.programs(MICRO_BATCHES)[0]
+    grads = [op for op in program if isinstance(op, Recv) and op.payload is Payload.DISPATCH_GRAD]
+    keys = [message_key(0, op.payload, op.layer, op.micro_batch) for op in grads]
+    slot = attention._index[0].slot(1, keys[0], 0)
+    assert [attention._index[0].slot(1, key, 0) for key in keys] == [slot] * 4 and attention.layout.ring(slot) == 3
+    specs = _specs(Payload.DISPATCH_GRAD, 1)
+    messages = [_message(1, key, specs) for key in keys]
+    for key, message in zip(keys[:3], messages, strict=False):
+        expert.send(0, key, message)
+        assert all(torch.equal(g, w) for g, w in zip(attention.recv(1, key, specs), message, strict=True))
+    fourth = attention.layout.segment(slot, 3)
+    assert fourth == attention.layout.segment(slot, 0) and int(attention._flags_W[fourth.flag]) == 1
+    status = signal.new_status("cpu")
+    signal._wait_flag_kernel[(1,)](attention._flags_W, status, fourth.flag, 4, 0, TIMED=False)
+    assert status.tolist() == [TIMED_OUT, fourth.flag]
+    expert.send(0, keys[3], messages[3])
+    got = attention.recv(1, keys[3], specs)
+    assert all(torch.equal(g, w) for g, w in zip(got, messages[3], strict=True)) and attention.status_2.tolist() == [0, 0]
+
+
+@pytest.mark.parametrize("topology", SHARED_TOPOLOGIES, ids=SHARED_IDS)
+def test_shared_segments_take_fewer_symmetric_bytes(topology):
+    """(c) Every rank's segments are the rings `one_sided_slots` gives (one per pool, N segments),
+    fewer than two per key, and the symmetric arena shrinks with them."""
+    programs = topology.programs(MICRO_BATCHES)
+    rings = one_sided_slots(programs, topology.is_moe, topology.num_layers)
+    shared = symmetric_layouts(programs, _specs_of(topology), shared=rings)
+    alone = symmetric_layouts(programs, _specs_of(topology))
+    for rank, (layout, before) in enumerate(zip(shared, alone, strict=True)):
+        want = {slot: n for slot, n in rings[rank].values()}
+        assert len(layout.segments) == sum(want.values()) < len(before.segments)
+        for key, (_, n) in rings[rank].items():
+            peer, payload, layer, mb = key
+            assert layout.ring(layout.held_by((peer, Payload(payload), layer, mb))) == n
+    assert shared[0].nbytes < alone[0].nbytes and shared[0].flag_words < alone[0].flag_words

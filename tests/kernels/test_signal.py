@@ -33,6 +33,25 @@ def test_flags_carry_the_steps_sequence_number_and_overflow(signal):
         signal.wait_flag(flags, 0, 4, torch.zeros(1, dtype=torch.int32))
 
 
+def test_a_wait_passes_on_its_number_or_a_later_one_never_an_earlier(signal):
+    """A segment shared by several keys carries its messages' count: a wait for n passes once the
+    flag holds n or more (or -n or less: an overflow), never on a smaller number (an earlier key's);
+    one look (timeout 0) reports that as timed out. `flag_value` counts per (peer, slot)."""
+    flags = torch.tensor([0, 3, 5, -6], dtype=torch.int64)
+    for index, seq, want in ((1, 3, [0, 0]), (2, 3, [0, 0]), (1, 4, [signal.TIMED_OUT, 1]),
+                             (3, 5, [signal.OVERFLOW, 0]), (0, 1, [signal.TIMED_OUT, 0])):
+        status = signal.new_status("cpu")
+        signal._wait_flag_kernel[(1,)](flags, status, index, seq, 0, TIMED=False)
+        assert status.tolist() == want, (index, seq)
+    reference = signal.new_status("cpu")
+    signal.wait_reference(flags, 2, 3, reference)
+    assert reference.tolist() == [0, 0]
+    with pytest.raises(AssertionError, match="not 4 or more"):
+        signal.wait_reference(flags, 1, 4, reference)
+    counts: dict = {}
+    assert [signal.flag_value(counts, peer, "slot") for peer in (1, 1, 2, 1)] == [1, 2, 1, 3]
+
+
 def test_a_timed_out_status_names_the_flag(signal):
     with pytest.raises(TimeoutError, match="rank 0: the wait for flag 3 timed out"):
         signal.check_status([signal.TIMED_OUT, 3], "rank 0")

@@ -45,9 +45,9 @@ def _run(layout: dict, transport: str, shared: bool) -> tuple[TrainConfig, objec
     return cfg, m, Topology.from_config(cfg, m)
 
 
-def _model_bytes(cfg: TrainConfig, m, top: Topology, reuse: bool = False) -> tuple[list, tm.HopShape]:
+def _model_bytes(cfg: TrainConfig, m, top: Topology, reuse: bool | str = False) -> tuple[list, tm.HopShape]:
     """Every rank's slot counts from the model (its role's formula) and the run's HopShape
-    (`reuse`: slots shared as nccl and local keep them)."""
+    (`reuse`: slots shared as nccl and local keep them; RING: nvshmem's rings)."""
     sparse = dispatch_mode(cfg, m, top)[0] == "sparse"
     s = tm.HopShape(cfg.batch_size // (cfg.micro_batches * top.data_parallel), cfg.seq_len, m.hidden_size, m.top_k,
                     m.num_experts, "bf16", m.shared_ffn_size > 0, False, sparse)
@@ -66,12 +66,22 @@ def _model_bytes(cfg: TrainConfig, m, top: Topology, reuse: bool = False) -> tup
     return counts, s
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", LAYOUTS + EXTRA)
 @pytest.mark.parametrize("shared", [False, True])
 def test_nvshmem_arena_matches_symmetric_layouts(layout, shared):
+    """The model's rings (`reuse=RING`: keys share a ring of segments, `reuse_order.one_sided_slots`)
+    are the arena `receive_layouts` builds, and never more than two copies of a segment per key."""
     cfg, m, top = _run(layout, "nvshmem", shared)
-    counts, s = _model_bytes(cfg, m, top)
+    counts, s = _model_bytes(cfg, m, top, reuse=tm.RING)
+    per_key, _ = _model_bytes(cfg, m, top, reuse=False)
+    assert all(sum(c.values()) <= tm.COPIES * sum(k.values()) for c, k in zip(counts, per_key, strict=True))
     layouts = receive_layouts(cfg, MessageShapes.of_run(cfg, m, top), top)
+    for rank, layout in enumerate(layouts):  # rank by rank, payload by payload: the rings' segments
+        segments: dict = {}
+        for seg in layout.segments:
+            at = (seg.slot[1].value, top.is_moe(seg.slot[2]))
+            segments[at] = segments.get(at, 0) + 1
+        assert segments == {at: int(n) for at, n in counts[rank].items() if n}, rank
     assert int(tm.arena_bytes(counts, s)) == layouts[0].nbytes
     assert {int(tm.flag_words(c)) for c in counts} <= {layouts[0].flag_words} | set(range(layouts[0].flag_words))
     if not top.colocated:  # the planner's view: the busiest group's rank of each role, one arena for all

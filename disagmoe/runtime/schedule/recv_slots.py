@@ -25,6 +25,12 @@ training pass's and the same plan holds. Steps follow one another in program ord
     slot_plan(program, rank, is_moe, num_layers) -> SlotPlan   (slot of every receive key, pool sizes)
     SlotPlan.counts(is_moe)                                 slots by (payload, MoE layer): the model's counts
     SlotPlan.overlaps()                                     keys sharing a slot while both live (empty: sound)
+    live_ends(program, rank, num_layers)                    the op past which a one-sided transport's
+                                                            reader is done with each message
+
+The one-sided transport (nvshmem) cannot rely on program order: its sender writes when it gets
+there. It shares a ring per pool instead, sized by replaying every rank's passes
+(`reuse_order.one_sided_slots`, from `live_ends`).
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ from disagmoe.runtime.schedule.schedule import (
     Loss,
     Op,
 )
-from disagmoe.wire import Payload, Recv
+from disagmoe.wire import Payload, Recv, Send
 
 Pool = tuple[int, str, bool]  # (peer, payload value, MoE layer)
 Key = tuple[int, str, int, int]  # (peer, payload value, layer, micro-batch)
@@ -117,6 +123,31 @@ def slot_plan(program: Sequence[Op], rank: int, is_moe: Callable[[int], bool], n
             plan.live[key] = (i, end)
     plan.pool_size = {pool: len(slots) for pool, slots in free_at.items()}
     return plan
+
+
+def live_ends(program: Sequence[Op], rank: int, num_layers: int) -> dict[tuple, int]:
+    """(peer, payload, layer, micro-batch) -> the index of the op once past which the rank is done
+    with that message on a one-sided transport: the first op after the end of its lifetime (module
+    docstring) that is not a send (the deferred weight gradients that still read it run after
+    those sends, before that op; `len(program)` if none is left). A message's writer learns that
+    the rank got there only from a send of the rank after that op."""
+    last: dict[tuple[int, int], int] = {}
+    for i, op in enumerate(program):
+        at = _reads(op, num_layers)
+        if at is not None:
+            last[at] = i
+    out = {}
+    for i, op in enumerate(program):
+        if not isinstance(op, Recv):
+            continue
+        end = max(last.get((op.layer, op.micro_batch), i), last.get((op.layer + 1, op.micro_batch), i), i)
+        end += 1
+        while end < len(program) and isinstance(program[end], Send):
+            end += 1
+        for peer in op.peers:
+            if peer != rank:
+                out[(peer, op.payload, op.layer, op.micro_batch)] = end
+    return out
 
 
 def key_of(peer: int, payload: Payload, layer: int, micro_batch: int) -> Key:

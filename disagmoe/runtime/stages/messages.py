@@ -243,7 +243,7 @@ def dispatch_mode(cfg, model_cfg, topology) -> tuple[str, str]:
 
 def receive_layouts(cfg, shapes: MessageShapes, topology, sum_width: int = 0) -> list:
     """Every rank's receive buffers as `comm.symmetric` arenas, from every rank's program: for
-    `transport: nvshmem` the symmetric arenas it allocates (two copies of each slot, the largest
+    `transport: nvshmem` the symmetric arenas it allocates (a ring of segments per shared slot, the largest
     rank's size everywhere; a pair-row message one shared buffer with its flag block; with
     `sum_width` > 0 the all-ranks sum's shares); otherwise each rank's own buffers, one copy (as
     nccl reserves them; pair rows: one per source)."""
@@ -261,8 +261,16 @@ def receive_layouts(cfg, shapes: MessageShapes, topology, sum_width: int = 0) ->
         return rows, shapes.segments, tuple(extras)
 
     if cfg.transport == "nvshmem":
+        from disagmoe.runtime.schedule.reuse_order import one_sided_slots
+
+        def pair(op: Recv) -> bool:
+            return shapes.pair_rows and shapes.is_pair(op.payload, topology.is_moe(op.layer))
+
+        # keys whose lifetimes do not overlap share segments where the replay orders every write
+        # after the reader is done (`reuse_order.one_sided_slots`); pair rows keep their regions
+        shared = one_sided_slots(programs, topology.is_moe, topology.num_layers, skip=pair)
         return symmetric_layouts(programs, specs_of, capacity_factor=cfg.transport_capacity_factor,
-                                 pair_of=pair_of if shapes.pair_rows else None, sum_width=sum_width)
+                                 pair_of=pair_of if shapes.pair_rows else None, sum_width=sum_width, shared=shared)
     return [ArenaLayout.of_program(p, specs_of, rank, copies=1) for rank, p in enumerate(programs)]
 
 

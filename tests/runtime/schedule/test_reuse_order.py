@@ -8,9 +8,17 @@ import re
 
 import pytest
 
-from disagmoe.runtime.schedule.reuse_order import pass_program, unordered_reuses
+from disagmoe.runtime.schedule.reuse_order import (
+    CHECKED_PASSES,
+    Reuse,
+    one_sided_slots,
+    pass_program,
+    ring_segments,
+    unordered_reuses,
+    unordered_shared_reuses,
+)
 from disagmoe.runtime.schedule.roles import Layout
-from disagmoe.runtime.schedule.schedule import AttentionForward, build_schedule
+from disagmoe.runtime.schedule.schedule import AttentionForward, ExpertForward, build_schedule
 from disagmoe.wire import Payload, Recv, Send
 from disagmoe.runtime.schedule.schedule_sim import ScheduleError
 from disagmoe.runtime.topology import Topology
@@ -81,3 +89,90 @@ def test_evaluation_runs_the_workers_forward_ops_and_a_deadlock_raises():
         unordered_reuses(crossed, ("eval",))
     with pytest.raises(ValueError, match="pass kind"):
         pass_program(program, "backward")
+
+
+# --- rings shared by the keys of a pool (`one_sided_slots`) ------------------------------------------
+
+
+def _num_layers(programs) -> int:
+    return 1 + max(op.layer for p in programs for op in p if isinstance(op, (AttentionForward, ExpertForward)))
+
+
+def _is_moe(programs):
+    moe = {op.layer for p in programs for op in p if isinstance(op, ExpertForward)}
+    return lambda layer: layer in moe
+
+
+def _ring_check(name, programs):
+    """The rings `one_sided_slots` gives: the priced size (`ring_segments`) everywhere, one ring per
+    pool, every write ordered after the reader is done with the message a ring back; a sender's
+    multi-destination DISPATCH (one sparse launch, one seq) counts the same in every ring."""
+    layers, is_moe = _num_layers(programs), _is_moe(programs)
+    rings = one_sided_slots(programs, is_moe, layers)
+    micro_batches = 1 + max((op.micro_batch for p in programs for op in p if isinstance(op, Recv)), default=0)
+    for rank, keys in enumerate(rings):
+        for (peer, payload, layer, mb), (slot, n) in keys.items():
+            assert slot == (peer, payload, is_moe(layer)), (name, rank, slot)  # nothing fell back to its own
+            held = sum(1 for s, _ in keys.values() if s == slot)
+            assert n == ring_segments(payload, held, micro_batches), (name, rank, slot)
+
+    def slot_of(dst, src, message):
+        payload, layer, mb = message
+        return rings[dst][(src, payload.value, layer, mb)][0]
+
+    def ring_of(src, dst, slot):
+        return next(n for s, n in rings[dst].values() if s == slot)
+
+    assert unordered_shared_reuses(programs, CHECKED_PASSES, slot_of, layers, ring_of) == [], name
+    for src, program in enumerate(programs):
+        counts: dict = {}
+        for op in program:
+            if isinstance(op, Send):
+                seqs = set()
+                for dst in op.peers:
+                    if dst != src:
+                        at = (dst, slot_of(dst, src, (op.payload, op.layer, op.micro_batch)))
+                        counts[at] = counts.get(at, 0) + 1
+                        seqs.add(counts[at])
+                assert op.payload is not Payload.DISPATCH or len(seqs) <= 1, (name, src, op)
+
+
+QUICK = [(name, programs) for name, programs in LAYOUTS
+         if name in ("A1-E1-p1-L3-d1-m3", "A2-E3-p1-L3-d0-m2", "A2-E2-p2-L5-d0-m2", "A3-E4-p3-L7-d1-m4",
+                     "topology-A2-E2-p2-L4-m3", "colocated2-m4", "colocated3-m2")]
+
+
+@pytest.mark.parametrize("name,programs", QUICK, ids=[name for name, _ in QUICK])
+def test_rings_order_every_write_after_the_reader(name, programs):
+    _ring_check(name, programs)
+
+
+@pytest.mark.slow
+def test_rings_order_every_write_after_the_reader_in_every_layout():
+    for name, programs in LAYOUTS:
+        _ring_check(name, programs)
+
+
+def test_a_ring_a_message_short_is_caught():
+    """One segment fewer than priced: the sender's next message may land in the segment of one
+    its receiver still reads (a gradient: the deferred weight gradients read it after the sends
+    that follow its backward op, so m segments are one short)."""
+    programs = build_schedule(Layout(1, 1, 1, 2), 2).programs
+    rings = one_sided_slots(programs, _is_moe(programs), 2)
+
+    def slot_of(dst, src, message):
+        return rings[dst][(src, message[0].value, message[1], message[2])][0]
+
+    short = unordered_shared_reuses(programs, CHECKED_PASSES, slot_of, 2,
+                                    lambda src, dst, slot: next(n for s, n in rings[dst].values() if s == slot) - 1)
+    assert {r.slot[1] for r in short} >= {"combine_grad", "dispatch_grad", "dispatch"}
+    assert all(isinstance(r, Reuse) for r in short)
+
+
+def test_a_sender_out_of_the_receivers_order_gets_rings_of_its_own():
+    """A sender whose messages of one pool go out in another order than they are received: each
+    key gets its own ring (the counts would otherwise give a message another key's number)."""
+    programs = [(Send(Payload.DISPATCH, 0, 1, (1,)), Send(Payload.DISPATCH, 0, 0, (1,))),
+                (Recv(Payload.DISPATCH, 0, 0, (0,)), Recv(Payload.DISPATCH, 0, 1, (0,)))]
+    rings = one_sided_slots(programs, lambda layer: True, 1, passes=("eval",))
+    assert rings[1] == {(0, "dispatch", 0, 0): ((0, "dispatch", 0, 0), 2), (0, "dispatch", 0, 1): ((0, "dispatch", 0, 1), 2)}
