@@ -57,13 +57,33 @@ def pick_rows(picked_QT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.empty_like(slot_QT).scatter_(-1, slot_QT, position_T.expand_as(slot_QT)), count_Q1
 
 
+def dispatch_order(local_QTK: torch.Tensor, num_local_Q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(picked_QT bool, index_QT int64, count_Q1 int64) of one source's sparse dispatch: which
+    tokens each expert rank q serves (`local_QTK`: their routing, `SetRouting`) and their order
+    there (`pick_rows`). [Q, T] only: no row is gathered."""
+    Q = local_QTK.shape[0]
+    picked_QT = (local_QTK < num_local_Q.view(Q, 1, 1)).any(2)
+    return picked_QT, *pick_rows(picked_QT)
+
+
+def staged_message(xn_TH: torch.Tensor, local_QTK: torch.Tensor, w_TK: torch.Tensor, load_E: torch.Tensor,
+                   index_QT: torch.Tensor, count_Q1: torch.Tensor, q: int) -> list[torch.Tensor]:
+    """Expert rank q's sparse DISPATCH tensors (module docstring), gathered in its dispatch order:
+    a worst-case [T, H] buffer, what send/recv moves (and a colocated rank hands itself)."""
+    T, K = local_QTK.shape[1:]
+    index_T = index_QT[q]
+    return [xn_TH.detach()[index_T], local_QTK[q].gather(0, index_T[:, None].expand(T, K)).to(torch.int32),
+            w_TK.detach()[index_T], index_T.to(torch.int32), count_Q1[q].to(torch.int32), load_E]
+
+
 def dispatch_messages(xn_TH: torch.Tensor, local_QTK: torch.Tensor, num_local_Q: torch.Tensor, w_TK: torch.Tensor,
                       load_E: torch.Tensor) -> tuple[list[list[torch.Tensor]], torch.Tensor, torch.Tensor]:
     """The sparse DISPATCH tensors for each expert rank q of the set (`local_QTK`: their routing
     of this source's pairs, `SetRouting`), and (index_QT, count_Q1) for the way back. Detached:
-    the gradients come back through `unpermute`."""
+    the gradients come back through `unpermute`. (The nvshmem path builds none of them for a peer:
+    its kernel stores the rows itself, `AttentionStage.forward`.)"""
     Q, T, K = local_QTK.shape
-    index_QT, count_Q1 = pick_rows((local_QTK < num_local_Q.view(Q, 1, 1)).any(2))
+    _, index_QT, count_Q1 = dispatch_order(local_QTK, num_local_Q)
     rows_QTH = xn_TH.detach()[index_QT]
     sent_QTK = local_QTK.gather(1, index_QT[:, :, None].expand(Q, T, K)).to(torch.int32)
     w_QTK = w_TK.detach()[index_QT]
