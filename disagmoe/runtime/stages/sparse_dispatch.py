@@ -105,9 +105,11 @@ def received_locals(local_TK: torch.Tensor, count_1: torch.Tensor, num_local: in
 def unpermute(rows_QTX: torch.Tensor, index_QT: torch.Tensor, count_Q1: torch.Tensor) -> torch.Tensor:
     """Each rank's rows, in its dispatch's order, back at their tokens' positions, padding rows
     zero: [Q, T, X] (differentiable: the gradient of `rows_QTX` is the tokens' rows gathered in
-    dispatch order, zero for padding)."""
+    dispatch order, zero for padding). The index past the count may be anything below T (a peer
+    store leaves it as it was, so tokens repeat there): the zeroed padding rows are added, not
+    written over a token's row (each token once among the first count, so the sum is exact)."""
     Q, T = index_QT.shape
     valid_QT = valid_rows(count_Q1, T)
     kept_QTX = torch.where(valid_QT.view(Q, T, *([1] * (rows_QTX.dim() - 2))), rows_QTX, 0)
     index_QTX = index_QT.long().view(Q, T, *([1] * (rows_QTX.dim() - 2))).expand_as(kept_QTX)
-    return torch.zeros_like(kept_QTX).scatter(1, index_QTX, kept_QTX)
+    return torch.zeros_like(kept_QTX).scatter_add(1, index_QTX, kept_QTX)
