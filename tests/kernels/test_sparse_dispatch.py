@@ -233,6 +233,54 @@ def test_gpu_rows_land_and_a_waiting_reader_sees_them(case):
     _check(2, bufs, want, counters)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("case", range(len(RETURN_CASES)))
+def test_gpu_the_backward_returns_every_source_in_one_launch(case):
+    """Compiled, bf16: flag waits queued first on another stream end when the one return launch
+    raises every source's flag, and each source's buffers then hold its first count rows."""
+    from disagmoe.kernels import signal
+    from disagmoe.kernels import sparse_dispatch as sd
+
+    S, T, H, K, blocks, chunks = RETURN_CASES[case]
+    Q = S if blocks is None else len(blocks)
+    device = torch.device("cuda")
+    gen = torch.Generator().manual_seed(30 + case)
+    rows = [torch.full((T, H), float("nan"), dtype=torch.bfloat16, device=device) for _ in range(Q)]
+    weights = [torch.full((T, K), float("nan"), dtype=torch.bfloat16, device=device) for _ in range(Q)]
+    counts = torch.full((Q,), -1, dtype=torch.int32, device=device)
+    flags_Q = torch.zeros(Q, dtype=torch.int64, device=device)
+    tables = dict(rows=sd.address_table(rows, device), w=sd.address_table(weights, device),
+                  counts=sd.address_table([counts[q:q + 1] for q in range(Q)], device),
+                  flags=sd.address_table([flags_Q[q:q + 1] for q in range(Q)], device))
+    counters = torch.zeros(Q, dtype=torch.int32, device=device)
+
+    def launch(seq):
+        dx = torch.randn(S, T, H, generator=gen).to(device, torch.bfloat16)
+        dw = torch.randn(S, T, K, generator=gen).to(device, torch.bfloat16)
+        count_S1 = torch.randint(0, T + 1, (S, 1), generator=gen, dtype=torch.int32)
+        sd.return_rows(dx, count_S1.to(device), seq, dw_STK=dw, counters_Q=counters, blocks=blocks, chunks=chunks,
+                       **tables)
+        return sd.return_reference(dx.cpu(), count_S1, dw.cpu(), blocks)
+
+    launch(1)  # compiled and loaded before any wait spins
+    torch.cuda.synchronize()
+    status = signal.new_status(device)
+    waiter = torch.cuda.Stream()
+    with torch.cuda.stream(waiter):
+        for q in range(Q):
+            signal.wait_flag(flags_Q, q, 2, status, timeout_s=30.0)
+    want = launch(2)
+    waiter.synchronize()
+    torch.cuda.synchronize()
+    assert status.tolist() == [0, 0], "every wait saw its flag"
+    for q, msg in enumerate(want):
+        n = int(msg["count"])
+        assert int(counts[q]) == n and int(flags_Q[q]) == 2
+        assert torch.equal(rows[q][:n].cpu(), msg["rows"]) and torch.equal(weights[q][:n].cpu(), msg["w"])
+    assert (counters == 0).all()
+
+
 def test_warm_up_runs_both_variants_on_scratch(sd):
     """The set-up launch (the worker's, before any step): both variants run on scratch buffers."""
     sd.warm_up(40, 24, 2, torch.float32, torch.float32, torch.float32, torch.float32, "cpu")

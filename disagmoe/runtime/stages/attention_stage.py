@@ -21,7 +21,8 @@ goes to every expert rank, and the backward sums each token's returned pair rows
 With `dispatch: sparse` (`runtime.stages.sparse_dispatch`) each expert rank gets only the tokens
 it serves (their rows, its local expert ids, their weights, the token index and the count); its
 partial sums come back in that order and are scattered to their tokens, and so are the gradients
-of the rows sent.
+of the rows sent. By peer stores (nvshmem) no message is staged for a peer: the routing is stashed
+for the send op's one launch, which stores the rows from xn itself.
 
 The loss matches the oracle (`runtime.training.trainer`): micro-batch m of M is split over D
 data-parallel ranks; each rank backpropagates its share

@@ -21,7 +21,8 @@ With `dispatch: sparse` (`runtime.stages.sparse_dispatch`) a source sends only t
 serves, already mapped to its local experts (the sender ran this rank's `LocalRouting` over its
 whole token order), with their token index, the count and the source's expert load; the rows past
 the count are padding, never computed; the partial sums of the received rows go back in that
-order with the index and count, the gradients of the received rows likewise.
+order with the index and count, the gradients of the received rows likewise (one leaf of all
+sources' rows, so their gradients are one buffer: by peer stores one launch returns them all).
 
 Replicated experts (a plan's hot experts): the attention rank of data-parallel index d (of D)
 sends its pairs of an expert with n owners to owner d mod n when D >= n, and splits them in token

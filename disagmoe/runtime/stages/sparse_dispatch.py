@@ -9,6 +9,8 @@ pair < L are q's. Their positions come from a prefix sum on the device (`pick_ro
 once): the picked tokens first, in token order, then the others, so each message is a
 permutation of the dense one whose first `count` rows are the tokens sent. Nothing is read back
 to the host and nothing is allocated from a count: the buffers have the worst case's T rows.
+By peer stores (nvshmem) the sender gathers nothing (`dispatch_order`: [Q, T] only; the kernel
+reads xn), but a colocated rank's own message (`staged_message`).
 
 Receiver: rows at or past `count` are never read (`received_locals` marks their pairs L; the
 combine masks them), so a transport that moves only the first `count` rows (a one-sided put) is
