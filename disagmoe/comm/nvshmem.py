@@ -49,8 +49,8 @@ for the flags).
   stored through the peer view of each serving rank's arena into its segment at the token's
   prefix-sum offset, the count beside, the segment's flag raised to seq; the load put before
   (a put and a quiet). `send_counted` is its backward, one launch for every source (the first
-  count rows of d x and d w back to each). Only routed rows cross the link; `recv` is the same as for `send`. The peer views
-  are taken at set-up (`map_peers`).
+  count rows of d x and d w back to each). Only routed rows cross the link; `recv` is the same
+  as for `send`. The peer views are taken at set-up (`map_peers`).
 
 - all_sum(values): the all-ranks sum of a few float64 words on the current stream, without
   the process group (the arena's `SumRegion`, when the layouts have one): the n-th sum puts

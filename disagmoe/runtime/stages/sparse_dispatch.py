@@ -59,7 +59,8 @@ def pick_rows(picked_QT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.empty_like(slot_QT).scatter_(-1, slot_QT, position_T.expand_as(slot_QT)), count_Q1
 
 
-def dispatch_order(local_QTK: torch.Tensor, num_local_Q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def dispatch_order(local_QTK: torch.Tensor,
+                   num_local_Q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(picked_QT bool, index_QT int64, count_Q1 int64) of one source's sparse dispatch: which
     tokens each expert rank q serves (`local_QTK`: their routing, `SetRouting`) and their order
     there (`pick_rows`). [Q, T] only: no row is gathered."""

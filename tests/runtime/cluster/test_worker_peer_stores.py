@@ -33,7 +33,7 @@ from disagmoe.runtime.stages.attention_stage import AttentionStage
 from disagmoe.runtime.stages.expert_stage import ExpertStage
 from disagmoe.runtime.stages.messages import Mailbox, MessageShapes
 from disagmoe.runtime.topology import Topology
-from disagmoe.wire import Payload, Recv, Send
+from disagmoe.wire import Recv, Send
 from tests.comm.test_nvshmem import SYMMETRIC_BASE, _FakeNv, fake_cuda  # noqa: F401 (a fixture)
 
 LAYOUTS = {
@@ -165,7 +165,8 @@ def _step(cfg: TrainConfig, peer_stores: bool, monkeypatch, sd, real_rows) -> di
              if p.grad is not None}
     losses = [{k: v.clone() for k, v in w.attention.loss_parts.items()} for w in workers if w.attention]
     traffic = [dict(zip(w.transport.traffic.names, w.transport.traffic.words().tolist())) for w in workers]
-    return dict(real_rows=real_rows, grads=grads, losses=losses, traffic=traffic, staged=staged, launches=launches, shapes=shapes.seen,
+    return dict(real_rows=real_rows, grads=grads, losses=losses, traffic=traffic, staged=staged, launches=launches,
+                shapes=shapes.seen,
                 routed=routed, topology=topology, workers=workers)
 
 
