@@ -485,8 +485,8 @@ class TrainWorker(Worker):
                 handles.append(self.transport.send_sparse(remote, key, x_TH, picked_QT, local_QTK, w_TK, [load_E]))
             return
         # DISPATCH_GRAD: d x, d w of the rows each source sent (block d of the expert rank's sources), its load
-        dx_DTH, dw_DTK, count_D1, load_E, sources = mail.unstash((op.payload, op.layer, op.micro_batch))
-        if remote:
+        if remote:  # stashed where a source is remote (`ExpertStage._post_dispatch_grads`)
+            dx_DTH, dw_DTK, count_D1, load_E, sources = mail.unstash((op.payload, op.layer, op.micro_batch))
             handles.append(self.transport.send_counted(remote, key, dx_DTH, dw_DTK, count_D1, [load_E],
                                                        blocks=[sources.index(peer) for peer in remote]))
 

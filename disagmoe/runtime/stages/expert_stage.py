@@ -189,7 +189,7 @@ class ExpertStage:
         D = len(self.sources)
         N = dx_SH.shape[0] // D
         dx_DNH, dw_DNK = dx_SH.view(D, N, dx_SH.shape[1]), dw_SK.view(D, N, dw_SK.shape[1])
-        if mail.peer_stores:
+        if mail.peer_stores and any(src != mail.rank for src in self.sources):  # the send op's, for its peers
             mail.stash((Payload.DISPATCH_GRAD, layer, mb), (dx_DNH, dw_DNK, torch.stack(segment.counts),
                                                              segment.load_E, tuple(self.sources)))
         for d, src in enumerate(self.sources):
