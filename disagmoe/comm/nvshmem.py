@@ -53,9 +53,9 @@ for the flags).
   set in one Triton launch (`kernels.sparse_dispatch`): each token's row, ids, weights and index
   stored through the peer view of each serving rank's arena into its segment at the token's
   prefix-sum offset, the count beside, the segment's flag raised to seq; the load put before
-  (a put and a quiet). `send_counted` is its backward (the first count rows of d x and d w back to
-  the source). Only routed rows cross the link; `recv` is the same as for `send`. The peer views
-  are taken at set-up (`map_peers`).
+  (a put and a quiet). `send_counted` is its backward, one launch for every source (the first
+  count rows of d x and d w back to each). Only routed rows cross the link; `recv` is the same
+  as for `send`. The peer views are taken at set-up (`map_peers`).
 
 - all_sum(values): the all-ranks sum of a few float64 words on the current stream, without
   the process group (the arena's `SumRegion`, when the layouts have one): the n-th sum puts
@@ -221,6 +221,7 @@ class NvshmemTransport(Transport):
         self._extras_in_flight: list[tuple[Any, tuple[torch.Tensor, ...]]] = []  # (event, tensors put before it)
         self._sums = 0  # all-ranks sums so far
         self._sparse_counters: dict[int, torch.Tensor] = {}  # destinations -> the dispatch kernel's counters
+        self._return_scratch: dict[int, torch.Tensor] = {}  # sources -> the return launch's counters, count words
         self._address_tables: dict[tuple, torch.Tensor] = {}  # (device, addresses) -> the kernel's table
 
     def _peer_arena(self, dst: int) -> torch.Tensor:
@@ -369,47 +370,62 @@ class NvshmemTransport(Transport):
         self._extras_in_flight.append((event, tuple(kept)))  # alive until the stream passed the puts
         return EventSendHandle(event, [x_TH, picked_QT, ids_QTK, w_TK, *kept])
 
-    def send_counted(self, dst_rank: int, key: MessageKey, dx_TH: torch.Tensor, dw_TK: torch.Tensor,
-                     count_1: torch.Tensor, extras: Sequence[torch.Tensor]) -> SendHandle:
-        """The sparse DISPATCH_GRAD of `key` to its source `dst_rank`: the first count_1[0] rows of
-        d x and d w (the rows it sent, in their received order; int32 [1] on the device, never read
-        here) stored into its segment, `extras` (the load) put first, then the flag: the backward
-        of `send_sparse`, the same launch with one destination. `recv` is unchanged."""
+    def send_counted(self, dst_ranks: Sequence[int], key: MessageKey, dx_STH: torch.Tensor, dw_STK: torch.Tensor,
+                     count_S1: torch.Tensor, extras: Sequence[torch.Tensor],
+                     blocks: Sequence[int] | None = None) -> SendHandle:
+        """The sparse DISPATCH_GRAD of `key` to every source of `dst_ranks` in one launch: source q
+        gets the first count_S1[s] rows of d x and d w of block s = blocks[q] (default q; the rows
+        it sent, in their received order; int32 [S, 1] on the device, never read here) stored into
+        its segment, `extras` (the load) put first, then its flag: the backward of `send_sparse`
+        (`kernels.sparse_dispatch.return_rows`). `recv` is unchanged."""
         from disagmoe.kernels.sparse_dispatch import return_rows
 
-        self._check_peer(dst_rank)
-        slot = self._index[dst_rank].slot(self.rank, key, dst_rank)
-        seq = self._next(self._sent, dst_rank, slot)
-        arena = self._dispatch_arena(dst_rank)
-        seg = self.layouts[dst_rank].segment(slot, seq - 1)
-        message = self.layouts[dst_rank].views(arena, slot, list(seg.specs), seq - 1)
-        if len(message) != 2 + len(extras):
-            raise ValueError(f"the sparse dispatch gradient {key} to rank {dst_rank} has {len(message)} tensors; "
-                             f"expected d x, d w and {len(extras)} extras")
+        blocks = list(range(len(dst_ranks))) if blocks is None else list(blocks)
+        if len(blocks) != len(dst_ranks):
+            raise ValueError(f"{len(dst_ranks)} sources for {len(blocks)} blocks of d x: one block per source")
         stream = torch.cuda.current_stream()
-        kept = []
-        for i, tensor in enumerate(extras):
-            payload = tensor.detach().contiguous()
-            kept.append(payload)
-            if dst_rank == self.rank:
-                message[2 + i].copy_(payload)
-            elif payload.numel():
-                self.nv.put(self._symmetric(seg.offsets[2 + i], payload.nbytes), self._local(payload),
-                            remote_pe=dst_rank, stream=stream)
-        if dst_rank != self.rank and extras:
-            self.nv.quiet(stream=stream)  # the extras land before the flag
-        scratch = self._sparse_counters.setdefault(-1, torch.zeros(2, dtype=torch.int32, device=dx_TH.device))
-        device = dx_TH.device
-        return_rows(dx_TH.detach(), count_1.to(torch.int32), seq, rows=self._table([message[0]], device),
-                    dw_TK=dw_TK.detach(), w=self._table([message[1]], device),
-                    counts=self._table([scratch[1:]], device),  # the message has no count word
-                    flags=self._table([self.layouts[dst_rank].flags(arena)[seg.flag:seg.flag + 1]], device),
-                    counters_1=scratch[:1])
+        device = dx_STH.device
+        messages, flags, seqs, kept = [], [], [], []
+        for dst in dst_ranks:
+            self._check_peer(dst)
+            slot = self._index[dst].slot(self.rank, key, dst)
+            seq = self._next(self._sent, dst, slot)
+            arena = self._dispatch_arena(dst)
+            seg = self.layouts[dst].segment(slot, seq - 1)
+            message = self.layouts[dst].views(arena, slot, list(seg.specs), seq - 1)
+            if len(message) != 2 + len(extras):
+                raise ValueError(f"the sparse dispatch gradient {key} to rank {dst} has {len(message)} tensors; "
+                                 f"expected d x, d w and {len(extras)} extras")
+            for i, tensor in enumerate(extras):
+                payload = tensor.detach().contiguous()
+                kept.append(payload)
+                if dst == self.rank:
+                    message[2 + i].copy_(payload)
+                elif payload.numel():
+                    self.nv.put(self._symmetric(seg.offsets[2 + i], payload.nbytes), self._local(payload),
+                                remote_pe=dst, stream=stream)
+            messages.append(message)
+            flags.append(self.layouts[dst].flags(arena)[seg.flag:seg.flag + 1])
+            seqs.append(seq)
+        if any(dst != self.rank for dst in dst_ranks) and extras:
+            self.nv.quiet(stream=stream)  # the extras land before any flag
+        if len(set(seqs)) > 1:
+            raise ValueError(f"the sparse dispatch gradient {key}: its sources count different messages {seqs}; "
+                             "every message of the slot must go through send_counted (or every one through send)")
+        Q = len(dst_ranks)
+        scratch = self._return_scratch.get(Q)  # the launch's counters, then the count words the message lacks
+        if scratch is None:
+            scratch = self._return_scratch[Q] = torch.zeros(2 * Q, dtype=torch.int32, device=device)
+        return_rows(dx_STH.detach(), count_S1.to(torch.int32), seqs[0],
+                    rows=self._table([m[0] for m in messages], device), dw_STK=dw_STK.detach(),
+                    w=self._table([m[1] for m in messages], device),
+                    counts=self._table([scratch[Q + q:Q + q + 1] for q in range(Q)], device),
+                    flags=self._table(flags, device), counters_Q=scratch[:Q], blocks=blocks)
         self._extras_in_flight = [(e, ts) for e, ts in self._extras_in_flight if not e.query()]
         event = torch.cuda.Event()
         event.record(stream)
         self._extras_in_flight.append((event, tuple(kept)))
-        return EventSendHandle(event, [dx_TH, dw_TK, count_1, *kept])
+        return EventSendHandle(event, [dx_STH, dw_STK, count_S1, *kept])
 
     def _table(self, tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
         """The kernel's address table of `tensors` (arena views: the same few addresses every step),

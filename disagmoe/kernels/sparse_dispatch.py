@@ -1,8 +1,8 @@
 """The one-sided sparse dispatch (issue 25 item 2): one launch per (layer, micro-batch) stores each
 token's row straight into the receive buffer of every destination that serves it, at its offset
 there, then writes the destination's count and raises this source's flag to the message's seq.
-The backward is the same launch with one destination: d x of the received rows back to their
-source, in the received order, only the first `count` rows.
+The backward (`return_rows`) is the same launch over every source of the expert rank: d x of the
+rows each source sent back to it, in the received order, only the first `count` rows.
 
 Contract (`dispatch_rows`): destination q takes the tokens t with picked[q, t], in token order;
 its row slot is the number of picked tokens of q before t (a prefix sum on the device, inside the
@@ -98,10 +98,11 @@ def address_table(tensors: Sequence[torch.Tensor], device: torch.device | str) -
 
 
 def warm_up(tokens: int, hidden: int, top_k: int, x_dtype: torch.dtype, w_dtype: torch.dtype,
-            dx_dtype: torch.dtype, dw_dtype: torch.dtype, device: torch.device | str) -> None:
+            dx_dtype: torch.dtype, dw_dtype: torch.dtype, device: torch.device | str, sources: int = 1) -> None:
     """Compile and load both launch variants (dispatch, return) for a run's shapes at set-up, into
     scratch buffers: a variant's first launch loads its module, which waits for the GPU's running
-    kernels, and mid-step one of them may be a flag wait of this process (`kernels.signal`)."""
+    kernels, and mid-step one of them may be a flag wait of this process (`kernels.signal`).
+    `sources`: the blocks an expert rank's return covers (its integer arguments are specialised)."""
     def scratch(shape, dtype):
         return torch.zeros(shape, dtype=dtype, device=device)
 
@@ -113,11 +114,12 @@ def warm_up(tokens: int, hidden: int, top_k: int, x_dtype: torch.dtype, w_dtype:
               dict(rows=rows, ids=ids, w=ws, index=index, counts=count, flags=flag).items()}
     dispatch_rows(x, scratch((1, tokens), torch.bool), 1, ids_QTK=scratch((1, tokens, top_k), torch.int32), w_TK=w,
                   counters_Q=scratch((1,), torch.int32), **tables)
-    dx, dw = scratch((tokens, hidden), dx_dtype), scratch((tokens, top_k), dw_dtype)
+    S = max(sources, 1)
+    dx, dw = scratch((S, tokens, hidden), dx_dtype), scratch((S, tokens, top_k), dw_dtype)
     drows, dws = scratch((tokens, hidden), dx_dtype), scratch((tokens, top_k), dw_dtype)
-    return_rows(dx, scratch((1,), torch.int32), 1, rows=address_table([drows], device), dw_TK=dw,
+    return_rows(dx, scratch((S, 1), torch.int32), 1, rows=address_table([drows], device), dw_STK=dw,
                 w=address_table([dws], device), counts=tables["counts"], flags=tables["flags"],
-                counters_1=scratch((1,), torch.int32))
+                counters_Q=scratch((1,), torch.int32), blocks=[0])
     if torch.device(device).type == "cuda":
         torch.cuda.current_stream(device).synchronize()  # set-up, not a step: the scratch outlives the launches
 
@@ -171,16 +173,33 @@ def dispatch_rows(x_TH: torch.Tensor, picked_QT: torch.Tensor, seq: int, *, rows
         BLOCK_K=triton.next_power_of_2(max(K, 1)))
 
 
-def return_rows(dx_TH: torch.Tensor, count_1: torch.Tensor, seq: int, *, rows: torch.Tensor, counts: torch.Tensor,
-                flags: torch.Tensor, counters_1: torch.Tensor, dw_TK: torch.Tensor | None = None,
-                w: torch.Tensor | None = None, chunks: int = DEFAULT_CHUNKS) -> None:
-    """The backward: the first count_1[0] rows of d x (and d w) of the rows a source sent, in the
-    received order, into that source's buffers (one-entry address tables), count and flag after.
-    `count_1` int32 [1] on the device (the forward's count: never read on the host)."""
-    T = dx_TH.shape[0]
-    picked_1T = (torch.arange(T, device=dx_TH.device) < count_1.view(1, 1)).view(1, T)
-    dispatch_rows(dx_TH, picked_1T, seq, rows=rows, counts=counts, flags=flags, counters_Q=counters_1,
-                  w_TK=dw_TK, w=w, chunks=chunks)
+def return_rows(dx_STH: torch.Tensor, count_S1: torch.Tensor, seq: int, *, rows: torch.Tensor, counts: torch.Tensor,
+                flags: torch.Tensor, counters_Q: torch.Tensor, dw_STK: torch.Tensor | None = None,
+                w: torch.Tensor | None = None, blocks: Sequence[int] | None = None,
+                chunks: int = DEFAULT_CHUNKS) -> None:
+    """The backward, every source in one launch: destination q (of Q = len(blocks); `blocks[q]`
+    the source block s it takes, default q) gets the first count_S1[s] rows of dx_STH[s] (and
+    dw_STK[s]): d x of the rows source s sent, in the received order, into its buffers (address
+    tables of Q entries), then count and flag. The forward's launch over the S T rows viewed as one
+    [S T, H] (no copy where the blocks are one buffer), q picking the first count rows of its block.
+    `count_S1` int32 [S, 1] on the device (the forward's counts: never read on the host)."""
+    S, T, H = dx_STH.shape
+    blocks = list(range(S)) if blocks is None else list(blocks)
+    if count_S1.shape != (S, 1):
+        raise ValueError(f"counts must be [{S}, 1] (one per source block), got {tuple(count_S1.shape)}")
+    if dw_STK is not None and dw_STK.shape[:2] != (S, T):
+        raise ValueError(f"d w must be [{S}, {T}, K], got {tuple(dw_STK.shape)}")
+    if any(not 0 <= s < S for s in blocks):
+        raise ValueError(f"blocks {blocks} must index the {S} source blocks")
+    device = dx_STH.device
+    valid_ST = torch.arange(T, device=device) < count_S1.view(S, 1)
+    eye_SS = torch.eye(S, dtype=torch.bool, device=device)
+    picked_SN = (eye_SS[:, :, None] & valid_ST[None]).reshape(S, S * T)  # block s: its first count rows
+    picked_QN = picked_SN if blocks == list(range(S)) else (
+        torch.cat([picked_SN[s:s + 1] for s in blocks]) if blocks else picked_SN[:0])  # slices: no host index
+    dw_NK = dw_STK.reshape(S * T, dw_STK.shape[2]) if dw_STK is not None else None
+    dispatch_rows(dx_STH.reshape(S * T, H), picked_QN, seq, rows=rows, counts=counts, flags=flags,
+                  counters_Q=counters_Q, w_TK=dw_NK, w=w, chunks=chunks * max(S, 1))
 
 
 def dispatch_reference(x_TH: torch.Tensor, picked_QT: torch.Tensor, ids_QTK: torch.Tensor | None = None,
@@ -197,5 +216,19 @@ def dispatch_reference(x_TH: torch.Tensor, picked_QT: torch.Tensor, ids_QTK: tor
             msg["ids"] = ids_QTK[q, tok]
         if w_TK is not None:
             msg["w"] = w_TK[tok]
+        out.append(msg)
+    return out
+
+
+def return_reference(dx_STH: torch.Tensor, count_S1: torch.Tensor, dw_STK: torch.Tensor | None = None,
+                     blocks: Sequence[int] | None = None) -> list[dict[str, torch.Tensor]]:
+    """Plain torch, `return_rows`: per destination q, the first count rows of its block's d x
+    (and d w), and the count."""
+    out = []
+    for s in range(dx_STH.shape[0]) if blocks is None else blocks:
+        n = int(count_S1[s])
+        msg = {"rows": dx_STH[s, :n], "count": torch.tensor([n], dtype=torch.int32)}
+        if dw_STK is not None:
+            msg["w"] = dw_STK[s, :n]
         out.append(msg)
     return out

@@ -1,6 +1,6 @@
 """Each rank's activation memory at its peak, from its own program: the schedule replayed op by op.
 
-    rank_activations(cfg, model_cfg, topology, pair_rows, sparse) -> [RankActivations] per rank
+    rank_activations(cfg, model_cfg, topology, pair_rows, sparse, peer_stores) -> [RankActivations] per rank
     single_activation_bytes(cfg, model_cfg) -> bytes of one process (`mode: single`)
 
 A forward op adds what its autograd segment keeps until its backward (`roofline.memory`'s per-token
@@ -73,7 +73,7 @@ def _where(op: Op) -> str:
 
 
 def rank_activations(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topology,
-                     pair_rows: bool = False, sparse: bool = False) -> list[RankActivations]:
+                     pair_rows: bool = False, sparse: bool = False, peer_stores: bool = False) -> list[RankActivations]:
     """Every rank's activation peak over one training step (module docstring).
 
     Per micro-batch an attention rank runs its tokens (batch_size / micro_batches / D x seq_len);
@@ -85,7 +85,8 @@ def rank_activations(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topolog
     its output [T, H] stays with the next layer's segment (its gradient goes back to the experts).
     With `sparse` dispatch a MoE layer's forward also holds, for its span, each expert rank's copy
     of the rows it sends (Q worst-case messages: rows, ids, weights and token index), until the
-    sends after it have left."""
+    sends after it have left; with `peer_stores` (nvshmem: the dispatch kernel stores the rows into
+    the peers' buffers) only a colocated rank's message to itself."""
     m, vb, dropped = model_cfg, value_bytes(cfg), cfg.recompute_set
     tokens = cfg.batch_size // cfg.micro_batches // topology.data_parallel * cfg.seq_len
     row = mem.expert_row_bytes(m, vb, dropped) + (0 if pair_rows else mem.combine_bytes(m, vb, dropped) // m.top_k)
@@ -105,7 +106,8 @@ def rank_activations(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topolog
 
         def held(op: Op) -> int:
             if sparse and isinstance(op, AttentionForward) and topology.is_moe(op.layer):
-                ranks = len(topology.expert_groups[topology.group_of_layer(op.layer)])
+                group = topology.expert_groups[topology.group_of_layer(op.layer)]
+                ranks = int(rank in group) if peer_stores else len(group)
                 return ranks * tokens * (vb * m.hidden_size + m.top_k * (4 + vb) + 4)
             if isinstance(op, Loss):
                 return mem.head_bytes(m, tokens, vb)

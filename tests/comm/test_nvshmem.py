@@ -912,55 +912,95 @@ def _sparse_transports(topology) -> list[NvshmemTransport]:
     return transports
 
 
-@pytest.mark.parametrize("experts", [2, 3])
+@pytest.mark.parametrize("sources,experts", [(1, 2), (1, 3), (2, 2)], ids=["A1-E2", "A1-E3", "A2-E2"])
 @pytest.mark.parametrize("skew", [False, True], ids=["uniform", "skewed"])
-def test_sparse_dispatch_by_peer_stores_delivers_the_send_recv_message(interpreted, fake_cuda, experts, skew):
-    """1 attention rank and 2 or 3 expert ranks, CPU arenas: `send_sparse` (one launch for every
-    destination) lands at each expert rank, through its unchanged `recv`, what `dispatch_messages`
-    builds for it (the first `count` rows, the count, the load); rows past the count are never
-    written (only routed rows move); the backward `send_counted` returns d x and d w of the rows
-    received, and again only those. Two messages of the slot (both copies), skewed routing leaves
-    expert ranks empty."""
-    interpreted("disagmoe.kernels.signal", "disagmoe.kernels.sparse_dispatch")
+def test_sparse_dispatch_by_peer_stores_delivers_the_send_recv_message(interpreted, fake_cuda, monkeypatch, sources,
+                                                                       experts, skew):
+    """1 or 2 attention ranks and 2 or 3 expert ranks, CPU arenas: `send_sparse` (one launch for
+    every destination) lands at each expert rank, through its unchanged `recv`, what
+    `dispatch_messages` builds for it (the first `count` rows, the count, the load); rows past the
+    count are never written (only routed rows move); the backward `send_counted` returns d x and d w
+    of the rows received to every source in one launch per expert rank, and again only those. Two
+    messages of the slot (both copies), skewed routing leaves expert ranks empty."""
+    sd = interpreted("disagmoe.kernels.signal", "disagmoe.kernels.sparse_dispatch")[1]
     from disagmoe.runtime.stages.sparse_dispatch import dispatch_messages
 
-    topology = Topology.disaggregated(Layout(1, experts, 1, 2, 0), SPARSE_SHAPES.num_experts)
+    launches = []
+    real = sd.dispatch_rows
+    monkeypatch.setattr(sd, "dispatch_rows", lambda x, picked, *a, **kw: (launches.append(picked.shape[0]),
+                                                                          real(x, picked, *a, **kw))[1])
+    topology = Topology.disaggregated(Layout(sources, experts, 1, 2, 0), SPARSE_SHAPES.num_experts)
     transports = _sparse_transports(topology)
-    attention, ranks = transports[0], list(topology.expert_groups[0])
+    attention, ranks = list(topology.attention_groups[0]), list(topology.expert_groups[0])
     T, H, K, E = SPARSE_SHAPES.tokens, SPARSE_SHAPES.hidden, SPARSE_SHAPES.top_k, SPARSE_SHAPES.num_experts
-    gen = torch.Generator().manual_seed(experts + 10 * skew)
+    gen = torch.Generator().manual_seed(experts + 10 * skew + 100 * sources)
     per = -(-E // len(ranks))
     dispatch = SPARSE_SHAPES.specs(Payload.DISPATCH, True)
     grad = SPARSE_SHAPES.specs(Payload.DISPATCH_GRAD, True)
     for step in range(2):
-        topk = torch.stack([torch.randperm(2 if skew else E, generator=gen)[:K] for _ in range(T)])
-        owner = topk // per
-        local_QTK = torch.stack([torch.where(owner == q, topk % per, per) for q in range(len(ranks))]).to(torch.int32)
-        x, w = torch.randn(T, H, generator=gen), torch.rand(T, K, generator=gen)
-        load = torch.bincount(topk.flatten(), minlength=E)
-        messages, _, count_Q1 = dispatch_messages(x, local_QTK, torch.full((len(ranks),), per, dtype=torch.int32),
-                                                  w, load)
         key = message_key(step, Payload.DISPATCH, 0, 0)
-        attention.send_sparse(ranks, key, x, (local_QTK < per).any(2), local_QTK, w, [load])
-        for q, rank in enumerate(ranks):
-            got = transports[rank].recv(0, key, dispatch)
-            n = int(count_Q1[q])
-            assert got[4].tolist() == [n] and torch.equal(got[5], load)
-            for mine, want in zip(got[:4], messages[q][:4], strict=True):
-                assert torch.equal(mine[:n], want[:n])
-            if step == 0:  # copy 0 of the segment, zero before: the rows past the count were not written
-                assert (got[0][n:] == 0).all() and (got[3][n:] == 0).all()
-            dx, dw = torch.randn(T, H, generator=gen), torch.randn(T, K, generator=gen)
-            grad_key = message_key(step, Payload.DISPATCH_GRAD, 0, 0)
-            transports[rank].send_counted(0, grad_key, dx, dw, got[4], [load])
-            back = attention.recv(rank, grad_key, grad)
-            assert torch.equal(back[0][:n], dx[:n]) and torch.equal(back[1][:n], dw[:n])
-            assert torch.equal(back[2], load)
-            if step == 0:
-                assert (back[0][n:] == 0).all()
-        if skew:
-            assert int(count_Q1[-1]) == 0, "skewed routing leaves the last expert rank empty"
+        counts = {}  # (source, expert rank) -> rows sent
+        received = {rank: [] for rank in ranks}
+        for src in attention:
+            topk = torch.stack([torch.randperm(2 if skew else E, generator=gen)[:K] for _ in range(T)])
+            owner = topk // per
+            local_QTK = torch.stack([torch.where(owner == q, topk % per, per)
+                                     for q in range(len(ranks))]).to(torch.int32)
+            x, w = torch.randn(T, H, generator=gen), torch.rand(T, K, generator=gen)
+            load = torch.bincount(topk.flatten(), minlength=E)
+            messages, _, count_Q1 = dispatch_messages(x, local_QTK, torch.full((len(ranks),), per, dtype=torch.int32),
+                                                      w, load)
+            launches.clear()
+            transports[src].send_sparse(ranks, key, x, (local_QTK < per).any(2), local_QTK, w, [load])
+            assert launches == [len(ranks)], "one launch for every destination"
+            for q, rank in enumerate(ranks):
+                got = transports[rank].recv(src, key, dispatch)
+                n = counts[(src, rank)] = int(count_Q1[q])
+                assert got[4].tolist() == [n] and torch.equal(got[5], load)
+                for mine, want in zip(got[:4], messages[q][:4], strict=True):
+                    assert torch.equal(mine[:n], want[:n])
+                if step == 0:  # copy 0 of the segment, zero before: the rows past the count were not written
+                    assert (got[0][n:] == 0).all() and (got[3][n:] == 0).all()
+                received[rank].append(got[4].clone())
+            if skew:
+                assert int(count_Q1[-1]) == 0, "skewed routing leaves the last expert rank empty"
+        grad_key = message_key(step, Payload.DISPATCH_GRAD, 0, 0)
+        for rank in ranks:  # every source's d x and d w in one launch, blocks in source order
+            dx, dw = torch.randn(len(attention), T, H, generator=gen), torch.randn(len(attention), T, K, generator=gen)
+            load = torch.arange(E) + rank
+            launches.clear()
+            transports[rank].send_counted(attention, grad_key, dx, dw, torch.stack(received[rank]), [load])
+            assert launches == [len(attention)], "one launch for every source"
+            for d, src in enumerate(attention):
+                back = transports[src].recv(rank, grad_key, grad)
+                n = counts[(src, rank)]
+                assert torch.equal(back[0][:n], dx[d, :n]) and torch.equal(back[1][:n], dw[d, :n])
+                assert torch.equal(back[2], load)
+                if step == 0:
+                    assert (back[0][n:] == 0).all()
     assert all(t.status_2.tolist() == [0, 0] for t in transports)
+
+
+def test_send_counted_returns_a_subset_of_the_blocks(interpreted, fake_cuda):
+    """A colocated expert rank returns the other sources' blocks only (its own goes through the
+    mailbox): `blocks` picks them, destination by destination."""
+    interpreted("disagmoe.kernels.signal", "disagmoe.kernels.sparse_dispatch")
+    topology = Topology.disaggregated(Layout(2, 1, 1, 2, 0), SPARSE_SHAPES.num_experts)
+    transports = _sparse_transports(topology)
+    T, H, K, E = SPARSE_SHAPES.tokens, SPARSE_SHAPES.hidden, SPARSE_SHAPES.top_k, SPARSE_SHAPES.num_experts
+    gen = torch.Generator().manual_seed(3)
+    dx, dw = torch.randn(3, T, H, generator=gen), torch.randn(3, T, K, generator=gen)
+    count_S1 = torch.tensor([[5], [T], [11]], dtype=torch.int32)
+    key = message_key(0, Payload.DISPATCH_GRAD, 0, 0)
+    transports[2].send_counted([1, 0], key, dx, dw, count_S1, [torch.arange(E)], blocks=[2, 0])
+    grad = SPARSE_SHAPES.specs(Payload.DISPATCH_GRAD, True)
+    for src, block in ((1, 2), (0, 0)):
+        back = transports[src].recv(2, key, grad)
+        n = int(count_S1[block])
+        assert torch.equal(back[0][:n], dx[block, :n]) and torch.equal(back[1][:n], dw[block, :n])
+        assert (back[0][n:] == 0).all() and torch.equal(back[2], torch.arange(E))
+    with pytest.raises(ValueError, match="one block per source"):
+        transports[2].send_counted([1, 0], key, dx, dw, count_S1, [torch.arange(E)], blocks=[2])
 
 
 # --- segments shared by several keys (rings, `reuse_order.one_sided_slots`) -------------------------

@@ -95,21 +95,58 @@ def test_a_second_message_overwrites_the_first_and_carries_its_seq(sd):
     _check(seq, bufs, want, counters)
 
 
-def test_the_backward_returns_the_first_count_rows(sd):
-    """d x and d w of the rows a source sent go back to it in received order, only count rows."""
-    gen = torch.Generator().manual_seed(11)
-    T, H, K = 45, 24, 3
-    dx, dw = torch.randn(T, H, generator=gen), torch.randn(T, K, generator=gen)
-    rows, weights = torch.full((T, H), float("nan")), torch.full((T, K), float("nan"))
-    count, flag = torch.full((1,), -1, dtype=torch.int32), torch.zeros(1, dtype=torch.int64)
-    for n, seq in ((17, 1), (0, 2), (T, 3)):
-        sd.return_rows(dx, torch.tensor([n], dtype=torch.int32), seq, rows=sd.address_table([rows], "cpu"),
-                       counts=sd.address_table([count], "cpu"), flags=sd.address_table([flag], "cpu"),
-                       counters_1=torch.zeros(1, dtype=torch.int32), dw_TK=dw,
-                       w=sd.address_table([weights], "cpu"), chunks=3)
-        assert count.tolist() == [n] and flag.tolist() == [seq]
-        assert torch.equal(rows[:n], dx[:n]) and torch.equal(weights[:n], dw[:n])
-    assert torch.equal(rows, dx)
+# (sources, tokens, hidden, top_k, blocks, chunks): ragged counts, empty sources, a colocated rank's block left out
+RETURN_CASES = [
+    (1, 45, 24, 3, None, 3),
+    (3, 37, 40, 2, None, 2),
+    (4, 5, 16, 4, [0, 2, 3], 4),  # fewer tokens than a block; block 1 (this rank's own) not returned
+    (2, 64, 8, 1, [1], 1),
+    (3, 0, 16, 2, None, 2),  # no tokens at all: counts 0, flags raised
+]
+
+
+@pytest.mark.parametrize("case", range(len(RETURN_CASES)))
+def test_the_backward_returns_each_sources_first_count_rows_in_one_launch(sd, case):
+    """d x and d w of the rows each source sent go back to it in received order, only count rows,
+    every source in one launch (against `return_reference`); a second message carries its seq."""
+    S, T, H, K, blocks, chunks = RETURN_CASES[case]
+    gen = torch.Generator().manual_seed(20 + case)
+    Q = S if blocks is None else len(blocks)
+    rows = [torch.full((T, H), float("nan")) for _ in range(Q)]
+    weights = [torch.full((T, K), float("nan")) for _ in range(Q)]
+    counts = [torch.full((1,), -1, dtype=torch.int32) for _ in range(Q)]
+    flags = [torch.zeros(1, dtype=torch.int64) for _ in range(Q)]
+    tables = dict(rows=sd.address_table(rows, "cpu"), w=sd.address_table(weights, "cpu"),
+                  counts=sd.address_table(counts, "cpu"), flags=sd.address_table(flags, "cpu"))
+    counters = torch.zeros(Q, dtype=torch.int32)
+    launches = []
+    real = sd._dispatch_rows_kernel
+
+    class Counting:  # the launches of the kernel, by grid
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return real[grid]
+
+    sd._dispatch_rows_kernel = Counting()
+    try:
+        for seq in (1, 2):
+            dx, dw = torch.randn(S, T, H, generator=gen), torch.randn(S, T, K, generator=gen)
+            count_S1 = torch.randint(0, T + 1, (S, 1), generator=gen, dtype=torch.int32)
+            if S > 1:
+                count_S1[1] = 0  # an empty source
+            if S > 2:
+                count_S1[2] = T  # a full one
+            sd.return_rows(dx, count_S1, seq, dw_STK=dw, counters_Q=counters, blocks=blocks, chunks=chunks, **tables)
+            for q, msg in enumerate(sd.return_reference(dx, count_S1, dw, blocks)):
+                n = int(msg["count"])
+                assert counts[q].tolist() == [n] and flags[q].tolist() == [seq]
+                assert torch.equal(rows[q][:n], msg["rows"]) and torch.equal(weights[q][:n], msg["w"])
+                if seq == 1:  # rows past the count are never written
+                    assert torch.isnan(rows[q][n:]).all() and torch.isnan(weights[q][n:]).all()
+            assert (counters == 0).all(), "the counters are zero again after the launch"
+    finally:
+        sd._dispatch_rows_kernel = real
+    assert len(launches) == 2 and all(grid[0] == Q for grid in launches), "one launch per message, every source"
 
 
 def test_user_errors_name_the_fix(sd):
@@ -125,6 +162,12 @@ def test_user_errors_name_the_fix(sd):
     with pytest.raises(ValueError, match="address table"):
         sd.dispatch_rows(x, torch.zeros(2, 4, dtype=torch.bool), 1, rows=table[:1], counts=table, flags=table,
                          counters_Q=counters)
+    with pytest.raises(ValueError, match="one per source block"):
+        sd.return_rows(torch.zeros(2, 4, 8), torch.zeros(3, 1, dtype=torch.int32), 1, rows=table, counts=table,
+                       flags=table, counters_Q=counters)
+    with pytest.raises(ValueError, match="must index the 2 source blocks"):
+        sd.return_rows(torch.zeros(2, 4, 8), torch.zeros(2, 1, dtype=torch.int32), 1, rows=table, counts=table,
+                       flags=table, counters_Q=counters, blocks=[0, 2])
     with pytest.raises(ValueError, match="come with their destination tables"):
         sd.dispatch_rows(x, torch.zeros(2, 4, dtype=torch.bool), 1, rows=table, counts=table, flags=table,
                          counters_Q=counters, w_TK=torch.zeros(4, 2))
@@ -188,6 +231,54 @@ def test_gpu_rows_land_and_a_waiting_reader_sees_them(case):
     torch.cuda.synchronize()
     assert status.tolist() == [0, 0], "every wait saw its flag"
     _check(2, bufs, want, counters)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("case", range(len(RETURN_CASES)))
+def test_gpu_the_backward_returns_every_source_in_one_launch(case):
+    """Compiled, bf16: flag waits queued first on another stream end when the one return launch
+    raises every source's flag, and each source's buffers then hold its first count rows."""
+    from disagmoe.kernels import signal
+    from disagmoe.kernels import sparse_dispatch as sd
+
+    S, T, H, K, blocks, chunks = RETURN_CASES[case]
+    Q = S if blocks is None else len(blocks)
+    device = torch.device("cuda")
+    gen = torch.Generator().manual_seed(30 + case)
+    rows = [torch.full((T, H), float("nan"), dtype=torch.bfloat16, device=device) for _ in range(Q)]
+    weights = [torch.full((T, K), float("nan"), dtype=torch.bfloat16, device=device) for _ in range(Q)]
+    counts = torch.full((Q,), -1, dtype=torch.int32, device=device)
+    flags_Q = torch.zeros(Q, dtype=torch.int64, device=device)
+    tables = dict(rows=sd.address_table(rows, device), w=sd.address_table(weights, device),
+                  counts=sd.address_table([counts[q:q + 1] for q in range(Q)], device),
+                  flags=sd.address_table([flags_Q[q:q + 1] for q in range(Q)], device))
+    counters = torch.zeros(Q, dtype=torch.int32, device=device)
+
+    def launch(seq):
+        dx = torch.randn(S, T, H, generator=gen).to(device, torch.bfloat16)
+        dw = torch.randn(S, T, K, generator=gen).to(device, torch.bfloat16)
+        count_S1 = torch.randint(0, T + 1, (S, 1), generator=gen, dtype=torch.int32)
+        sd.return_rows(dx, count_S1.to(device), seq, dw_STK=dw, counters_Q=counters, blocks=blocks, chunks=chunks,
+                       **tables)
+        return sd.return_reference(dx.cpu(), count_S1, dw.cpu(), blocks)
+
+    launch(1)  # compiled and loaded before any wait spins
+    torch.cuda.synchronize()
+    status = signal.new_status(device)
+    waiter = torch.cuda.Stream()
+    with torch.cuda.stream(waiter):
+        for q in range(Q):
+            signal.wait_flag(flags_Q, q, 2, status, timeout_s=30.0)
+    want = launch(2)
+    waiter.synchronize()
+    torch.cuda.synchronize()
+    assert status.tolist() == [0, 0], "every wait saw its flag"
+    for q, msg in enumerate(want):
+        n = int(msg["count"])
+        assert int(counts[q]) == n and int(flags_Q[q]) == 2
+        assert torch.equal(rows[q][:n].cpu(), msg["rows"]) and torch.equal(weights[q][:n].cpu(), msg["w"])
+    assert (counters == 0).all()
 
 
 def test_warm_up_runs_both_variants_on_scratch(sd):

@@ -160,3 +160,20 @@ def test_sparse_dispatch_holds_a_copy_of_the_rows_per_expert_rank_for_the_forwar
     assert dense.peak_bytes < sparse.peak_bytes <= dense.peak_bytes + 8 * tokens * row
     expert_dense, expert_sparse = (rank_activations(cfg, m, topology, sparse=s)[1] for s in (False, True))
     assert expert_dense == expert_sparse  # an expert rank keeps what it did
+
+
+def test_sparse_dispatch_by_peer_stores_stages_only_a_colocated_ranks_own_message():
+    """On nvshmem the dispatch kernel stores the rows into the peers' buffers: a disaggregated
+    attention rank stages nothing (its peak is the dense one, where staging all 8 moved it); a
+    colocated rank its own message only (its peak, an expert backward here, stays in between)."""
+    m = load_model("tiny").model_copy(update={"vocab_size": 32})
+    cfg = config(micro_batches=1, expert_ranks=8, model=m)
+    topology = Topology.from_config(cfg, m)
+    dense = rank_activations(cfg, m, topology)[0]
+    assert rank_activations(cfg, m, topology, sparse=True, peer_stores=True)[0] == dense
+    assert rank_activations(cfg, m, topology, sparse=True)[0].peak_bytes > dense.peak_bytes
+    cfg = config(micro_batches=1, mode="colocated", colocated_ranks=4, model=m)
+    colocated = Topology.from_config(cfg, m)
+    dense, staged, own = (rank_activations(cfg, m, colocated, sparse=s, peer_stores=p)[0].peak_bytes
+                          for s, p in ((False, False), (True, False), (True, True)))
+    assert dense <= own <= staged

@@ -145,8 +145,9 @@ def rank_needs(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topology,
     buffers = transport_buffer_bytes(cfg, MessageShapes.of_run(cfg, model_cfg, topology), topology,
                                      stream_sum_width(cfg, topology.world_size))
     hop, _ = hop_mode(cfg, model_cfg, topology)
-    activations = rank_activations(cfg, model_cfg, topology, pair_rows=hop == "pair_rows",
-                                   sparse=dispatch_mode(cfg, model_cfg, topology)[0] == "sparse")
+    sparse = dispatch_mode(cfg, model_cfg, topology)[0] == "sparse"
+    activations = rank_activations(cfg, model_cfg, topology, pair_rows=hop == "pair_rows", sparse=sparse,
+                                   peer_stores=sparse and cfg.transport == "nvshmem")
     needs = []
     for rank, (params, state) in enumerate(states):
         needs.append(RankNeed(params, state, buffers[rank], activations[rank],

@@ -196,7 +196,7 @@ class TrainWorker(Worker):
             rows, _, w, *_ = self.shapes.specs(Payload.DISPATCH, True)
             drows, dw, _ = self.shapes.specs(Payload.DISPATCH_GRAD, True)
             warm_up(self.shapes.tokens, self.shapes.hidden, self.shapes.top_k, rows.dtype, w.dtype, drows.dtype,
-                    dw.dtype, self.device)
+                    dw.dtype, self.device, sources=len(self.experts.sources) if self.experts is not None else 1)
             peers = {peer for op in self.program if isinstance(op, Send) and op.payload in SPARSE_PAYLOADS
                      and topology.is_moe(op.layer) for peer in op.peers if peer != self.rank}
             self.transport.map_peers(sorted(peers))  # the peer views the launches store into, taken now
@@ -427,7 +427,7 @@ class TrainWorker(Worker):
                                     f"rank {self.rank}: {_op_name(op)} to rank {peer}")  # metadata only
                         handles.append(self.transport.send(peer, key, tensors))
                         if op.payload is Payload.DISPATCH:
-                            self._count_dispatch(tensors)
+                            self._count_dispatch(tensors[4] if self.shapes.sparse else None)
             return
         if isinstance(op, ReduceGradients):
             with self.recorder.span(_op_name(op), "send"):
@@ -466,15 +466,17 @@ class TrainWorker(Worker):
                 raise AssertionError(f"unknown op {op!r}")
 
     def _send_by_peer_stores(self, op: Send, step: int, mail: Mailbox, handles: list[SendHandle]) -> None:
-        """A sparse DISPATCH (or its gradient) on nvshmem: one launch stores only the routed rows
-        into the peers' segments (`NvshmemTransport.send_sparse`, `send_counted`); the posted
-        messages are dropped unsent (they are what the receivers' `recv` sees)."""
+        """A sparse DISPATCH (or its gradient) on nvshmem: one launch for every remote peer stores
+        only the routed rows into the peers' segments (`NvshmemTransport.send_sparse`,
+        `send_counted`), from what the stages stashed; they stage no message for a remote peer
+        (a colocated rank's own message is already delivered by `Mailbox.post`)."""
         key = message_key(step, op.payload, op.layer, op.micro_batch)
-        remote = [peer for peer in op.peers if peer != self.rank]  # to itself: delivered by `Mailbox.post`
+        remote = [peer for peer in op.peers if peer != self.rank]
         if op.payload is Payload.DISPATCH:
-            x_TH, picked_QT, local_QTK, w_TK, load_E, ranks = mail.unstash((op.payload, op.layer, op.micro_batch))
+            x_TH, picked_QT, local_QTK, w_TK, load_E, count_Q1, ranks = mail.unstash(
+                (op.payload, op.layer, op.micro_batch))
             for peer in remote:
-                self._count_dispatch(mail.outgoing(op.payload, op.layer, op.micro_batch, peer))
+                self._count_dispatch(count_Q1[ranks.index(peer)])
             if remote:
                 if remote != list(ranks):  # colocated: this rank's own row out, by slices (no index from the host)
                     rows = [ranks.index(peer) for peer in remote]
@@ -482,16 +484,17 @@ class TrainWorker(Worker):
                     local_QTK = torch.cat([local_QTK[i:i + 1] for i in rows])
                 handles.append(self.transport.send_sparse(remote, key, x_TH, picked_QT, local_QTK, w_TK, [load_E]))
             return
-        for peer in remote:  # DISPATCH_GRAD: d x, d w of the rows `peer` sent, then its load
-            dx_TH, dw_TK, load_E = mail.outgoing(op.payload, op.layer, op.micro_batch, peer)
-            (count_1,) = mail.unstash((op.payload, op.layer, op.micro_batch, peer))
-            handles.append(self.transport.send_counted(peer, key, dx_TH, dw_TK, count_1, [load_E]))
+        # DISPATCH_GRAD: d x, d w of the rows each source sent (block d of the expert rank's sources), its load
+        if remote:  # stashed where a source is remote (`ExpertStage._post_dispatch_grads`)
+            dx_DTH, dw_DTK, count_D1, load_E, sources = mail.unstash((op.payload, op.layer, op.micro_batch))
+            handles.append(self.transport.send_counted(remote, key, dx_DTH, dw_DTK, count_D1, [load_E],
+                                                       blocks=[sources.index(peer) for peer in remote]))
 
-    def _count_dispatch(self, tensors: list[torch.Tensor]) -> None:
+    def _count_dispatch(self, count_1: torch.Tensor | None) -> None:
         """The rows one DISPATCH message carried (`comm.base.Traffic`): sparse, its count's rows
-        (a device tensor), beside the dense dispatch's T rows."""
+        (`count_1`, a device tensor), beside the dense dispatch's T rows."""
         T = self.shapes.tokens
-        live = (tensors[4].long() * self.shapes.dispatch_row_bytes(True) if self.shapes.sparse
+        live = (count_1.long() * self.shapes.dispatch_row_bytes(True) if self.shapes.sparse
                 else T * self.shapes.dispatch_row_bytes(False))
         self.transport.traffic.add(Payload.DISPATCH.value, live, T * self.shapes.dispatch_row_bytes(False))
 

@@ -21,7 +21,8 @@ goes to every expert rank, and the backward sums each token's returned pair rows
 With `dispatch: sparse` (`runtime.stages.sparse_dispatch`) each expert rank gets only the tokens
 it serves (their rows, its local expert ids, their weights, the token index and the count); its
 partial sums come back in that order and are scattered to their tokens, and so are the gradients
-of the rows sent.
+of the rows sent. By peer stores (nvshmem) no message is staged for a peer: the routing is stashed
+for the send op's one launch, which stores the rows from xn itself.
 
 The loss matches the oracle (`runtime.training.trainer`): micro-batch m of M is split over D
 data-parallel ranks; each rank backpropagates its share
@@ -53,7 +54,8 @@ from disagmoe.model.loss import linear_cross_entropy
 from disagmoe.runtime.batching import batch_rows, inputs_and_targets
 from disagmoe.runtime.stages.expert_stage import LocalRouting
 from disagmoe.runtime.stages.messages import Mailbox
-from disagmoe.runtime.stages.sparse_dispatch import SetRouting, dispatch_messages, unpermute
+from disagmoe.runtime.stages.sparse_dispatch import (SetRouting, dispatch_messages, dispatch_order, staged_message,
+                                                     unpermute)
 from disagmoe.runtime.stages.pair_return import PairHop, combine_pairs, sum_pairs
 from disagmoe.runtime.rank_model import RankModel
 from disagmoe.wire import Payload
@@ -209,19 +211,25 @@ class AttentionStage:
         routing = block.route(h_BSH)
         shared_NH = block.shared_ffn(routing)
         ranks = topo.expert_groups[self.group]
-        messages = [[routing.xn_NH, routing.topk_idx_NK.to(torch.int32), routing.topk_w_NK]] * len(ranks)
+        posts = {rank: [routing.xn_NH, routing.topk_idx_NK.to(torch.int32), routing.topk_w_NK] for rank in ranks}
         sent = None
         if self.sparse:  # to each rank only the tokens it serves (`runtime.stages.sparse_dispatch`)
             route = self.routes[layer]
             local_QNK = route(routing.topk_idx_NK)
-            messages, index_QN, count_Q1 = dispatch_messages(routing.xn_NH, local_QNK, route.num_local_Q,
-                                                             routing.topk_w_NK, routing.load_E)
-            sent = (index_QN, count_Q1)
-            if mail.peer_stores:  # the send op's one launch stores the picked rows (`NvshmemTransport.send_sparse`)
-                picked_QN = (local_QNK < route.num_local_Q.view(-1, 1, 1)).any(2)
+            if mail.peer_stores:  # the send op's one launch stores the picked rows (`NvshmemTransport.send_sparse`):
+                # no message is staged for a peer (no gather, no [T, H] buffer); a colocated rank's own one only
+                picked_QN, index_QN, count_Q1 = dispatch_order(local_QNK, route.num_local_Q)
                 mail.stash((Payload.DISPATCH, layer, mb), (routing.xn_NH.detach(), picked_QN, local_QNK,
-                                                           routing.topk_w_NK.detach(), routing.load_E, tuple(ranks)))
-        for rank, message in zip(ranks, messages, strict=True):
+                                                           routing.topk_w_NK.detach(), routing.load_E, count_Q1,
+                                                           tuple(ranks)))
+                posts = {rank: staged_message(routing.xn_NH, local_QNK, routing.topk_w_NK, routing.load_E, index_QN,
+                                              count_Q1, q) for q, rank in enumerate(ranks) if rank == self.rank}
+            else:
+                messages, index_QN, count_Q1 = dispatch_messages(routing.xn_NH, local_QNK, route.num_local_Q,
+                                                                 routing.topk_w_NK, routing.load_E)
+                posts = dict(zip(ranks, messages, strict=True))
+            sent = (index_QN, count_Q1)
+        for rank, message in posts.items():
             mail.post(Payload.DISPATCH, layer, mb, rank, message)
         carry = [h_BSH] + ([] if shared_NH is None else [shared_NH])
         dispatched = [routing.xn_NH, routing.topk_w_NK]

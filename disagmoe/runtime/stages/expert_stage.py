@@ -21,7 +21,8 @@ With `dispatch: sparse` (`runtime.stages.sparse_dispatch`) a source sends only t
 serves, already mapped to its local experts (the sender ran this rank's `LocalRouting` over its
 whole token order), with their token index, the count and the source's expert load; the rows past
 the count are padding, never computed; the partial sums of the received rows go back in that
-order with the index and count, the gradients of the received rows likewise.
+order with the index and count, the gradients of the received rows likewise (one leaf of all
+sources' rows, so their gradients are one buffer: by peer stores one launch returns them all).
 
 Replicated experts (a plan's hot experts): the attention rank of data-parallel index d (of D)
 sends its pairs of an expert with n owners to owner d mod n when D >= n, and splits them in token
@@ -96,7 +97,7 @@ class LocalRouting:
 
 @dataclass
 class ExpertSegment:
-    inputs: list[torch.Tensor]  # leaves per source: xn rows, then routing weights
+    inputs: list[torch.Tensor]  # leaves per source: xn rows, then routing weights (sparse: one of each)
     outputs: list[torch.Tensor]  # the partial sums per destination
     load_E: torch.Tensor  # the micro-batch's expert load over all sources
     pairs: list[PairRows] | None = None  # pair_rows: per source, what its backward needs
@@ -135,16 +136,20 @@ class ExpertStage:
         messages = [mail.take(Payload.DISPATCH, layer, mb, src) for src in self.sources]
         if self.pair is not None:
             return self._forward_pairs(layer, mb, mail, messages)
-        xs = [xn_NH.detach().requires_grad_() for xn_NH, *_ in messages]
-        ws = [w_NK.detach().requires_grad_(w_NK.is_floating_point()) for _, _, w_NK, *_ in messages]
         if self.sparse:  # the sender mapped the pairs to local experts; padding rows serve none
+            # one leaf of every source's rows (and one of weights): their gradients are one [D N, H] buffer,
+            # each source's rows a view of it, returned in one launch on nvshmem (`_post_dispatch_grads`)
+            xs = [_cat([xn_NH for xn_NH, *_ in messages]).detach().requires_grad_()]
+            ws = [_cat([w_NK for _, _, w_NK, *_ in messages]).detach().requires_grad_()]
             num_local = self.routing[layer][0].num_local
             local_TK = _cat([received_locals(local_NK, count_1, num_local)
                              for _, local_NK, _, _, count_1, _ in messages])
         else:
+            xs = [xn_NH.detach().requires_grad_() for xn_NH, *_ in messages]
+            ws = [w_NK.detach().requires_grad_(w_NK.is_floating_point()) for _, _, w_NK, *_ in messages]
             local_TK = _cat([route(idx_NK) for route, (_, idx_NK, _) in zip(self.routing[layer], messages, strict=True)])
         partial_TH = local_expert_block(_cat(xs), local_TK, _cat(ws), self.model.experts(layer))
-        outputs = list(partial_TH.split(xs[0].shape[0]))
+        outputs = list(partial_TH.split(messages[0][0].shape[0]))
         for dst, partial_NH, message in zip(self.destinations, outputs, messages, strict=True):
             placement = message[3:5] if self.sparse else []  # the rows' token index and count
             mail.post(Payload.COMBINE, layer, mb, dst, [partial_NH, *placement])
@@ -166,13 +171,30 @@ class ExpertStage:
             return held
         with deferred_weight_grads() as held:
             torch.autograd.backward(segment.outputs, grads)
+        if self.sparse:
+            self._post_dispatch_grads(layer, mb, mail, segment)
+            return held
         D = len(self.sources)
         for d, src in enumerate(self.sources):
             x_leaf, w_leaf = segment.inputs[d], segment.inputs[D + d]
             mail.post(Payload.DISPATCH_GRAD, layer, mb, src, [_grad(x_leaf), _grad(w_leaf), segment.load_E])
-            if self.sparse and mail.peer_stores and src != mail.rank:  # only the rows received go back
-                mail.stash((Payload.DISPATCH_GRAD, layer, mb, src), (segment.counts[d],))
         return held
+
+    def _post_dispatch_grads(self, layer: int, mb: int, mail: Mailbox, segment: ExpertSegment) -> None:
+        """Sparse dispatch: d x and d w of every source's received rows, views of the one leaf's
+        gradient ([D N, H], source order). Over send/recv one message per source; by peer stores
+        (nvshmem) the send op's one launch returns the first count rows of each source's block
+        (`NvshmemTransport.send_counted`), so only a colocated rank's own message is posted."""
+        dx_SH, dw_SK = (_grad(leaf) for leaf in segment.inputs)
+        D = len(self.sources)
+        N = dx_SH.shape[0] // D
+        dx_DNH, dw_DNK = dx_SH.view(D, N, dx_SH.shape[1]), dw_SK.view(D, N, dw_SK.shape[1])
+        if mail.peer_stores and any(src != mail.rank for src in self.sources):  # the send op's, for its peers
+            mail.stash((Payload.DISPATCH_GRAD, layer, mb), (dx_DNH, dw_DNK, torch.stack(segment.counts),
+                                                             segment.load_E, tuple(self.sources)))
+        for d, src in enumerate(self.sources):
+            if src == mail.rank or not mail.peer_stores:
+                mail.post(Payload.DISPATCH_GRAD, layer, mb, src, [dx_DNH[d], dw_DNK[d], segment.load_E])
 
 
     def _load(self, messages) -> torch.Tensor:

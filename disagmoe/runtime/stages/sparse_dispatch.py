@@ -9,6 +9,8 @@ pair < L are q's. Their positions come from a prefix sum on the device (`pick_ro
 once): the picked tokens first, in token order, then the others, so each message is a
 permutation of the dense one whose first `count` rows are the tokens sent. Nothing is read back
 to the host and nothing is allocated from a count: the buffers have the worst case's T rows.
+By peer stores (nvshmem) the sender gathers nothing (`dispatch_order`: [Q, T] only; the kernel
+reads xn), but a colocated rank's own message (`staged_message`).
 
 Receiver: rows at or past `count` are never read (`received_locals` marks their pairs L; the
 combine masks them), so a transport that moves only the first `count` rows (a one-sided put) is
@@ -57,13 +59,34 @@ def pick_rows(picked_QT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.empty_like(slot_QT).scatter_(-1, slot_QT, position_T.expand_as(slot_QT)), count_Q1
 
 
+def dispatch_order(local_QTK: torch.Tensor,
+                   num_local_Q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(picked_QT bool, index_QT int64, count_Q1 int64) of one source's sparse dispatch: which
+    tokens each expert rank q serves (`local_QTK`: their routing, `SetRouting`) and their order
+    there (`pick_rows`). [Q, T] only: no row is gathered."""
+    Q = local_QTK.shape[0]
+    picked_QT = (local_QTK < num_local_Q.view(Q, 1, 1)).any(2)
+    return picked_QT, *pick_rows(picked_QT)
+
+
+def staged_message(xn_TH: torch.Tensor, local_QTK: torch.Tensor, w_TK: torch.Tensor, load_E: torch.Tensor,
+                   index_QT: torch.Tensor, count_Q1: torch.Tensor, q: int) -> list[torch.Tensor]:
+    """Expert rank q's sparse DISPATCH tensors (module docstring), gathered in its dispatch order:
+    a worst-case [T, H] buffer, what send/recv moves (and a colocated rank hands itself)."""
+    T, K = local_QTK.shape[1:]
+    index_T = index_QT[q]
+    return [xn_TH.detach()[index_T], local_QTK[q].gather(0, index_T[:, None].expand(T, K)).to(torch.int32),
+            w_TK.detach()[index_T], index_T.to(torch.int32), count_Q1[q].to(torch.int32), load_E]
+
+
 def dispatch_messages(xn_TH: torch.Tensor, local_QTK: torch.Tensor, num_local_Q: torch.Tensor, w_TK: torch.Tensor,
                       load_E: torch.Tensor) -> tuple[list[list[torch.Tensor]], torch.Tensor, torch.Tensor]:
     """The sparse DISPATCH tensors for each expert rank q of the set (`local_QTK`: their routing
     of this source's pairs, `SetRouting`), and (index_QT, count_Q1) for the way back. Detached:
-    the gradients come back through `unpermute`."""
+    the gradients come back through `unpermute`. (The nvshmem path builds none of them for a peer:
+    its kernel stores the rows itself, `AttentionStage.forward`.)"""
     Q, T, K = local_QTK.shape
-    index_QT, count_Q1 = pick_rows((local_QTK < num_local_Q.view(Q, 1, 1)).any(2))
+    _, index_QT, count_Q1 = dispatch_order(local_QTK, num_local_Q)
     rows_QTH = xn_TH.detach()[index_QT]
     sent_QTK = local_QTK.gather(1, index_QT[:, :, None].expand(Q, T, K)).to(torch.int32)
     w_QTK = w_TK.detach()[index_QT]
@@ -85,9 +108,11 @@ def received_locals(local_TK: torch.Tensor, count_1: torch.Tensor, num_local: in
 def unpermute(rows_QTX: torch.Tensor, index_QT: torch.Tensor, count_Q1: torch.Tensor) -> torch.Tensor:
     """Each rank's rows, in its dispatch's order, back at their tokens' positions, padding rows
     zero: [Q, T, X] (differentiable: the gradient of `rows_QTX` is the tokens' rows gathered in
-    dispatch order, zero for padding)."""
+    dispatch order, zero for padding). The index past the count may be anything below T (a peer
+    store leaves it as it was, so tokens repeat there): the zeroed padding rows are added, not
+    written over a token's row (each token once among the first count, so the sum is exact)."""
     Q, T = index_QT.shape
     valid_QT = valid_rows(count_Q1, T)
     kept_QTX = torch.where(valid_QT.view(Q, T, *([1] * (rows_QTX.dim() - 2))), rows_QTX, 0)
     index_QTX = index_QT.long().view(Q, T, *([1] * (rows_QTX.dim() - 2))).expand_as(kept_QTX)
-    return torch.zeros_like(kept_QTX).scatter(1, index_QTX, kept_QTX)
+    return torch.zeros_like(kept_QTX).scatter_add(1, index_QTX, kept_QTX)

@@ -580,6 +580,9 @@ SHARED_CASES = {
     "A1-E2-sparse": dict(attention_ranks=1, expert_ranks=2, hop="partial_sums", dispatch="sparse"),
     "A1-E3-sparse": dict(attention_ranks=1, expert_ranks=3, hop="partial_sums", dispatch="sparse"),
     "skewed-A1-E2-sparse": dict(plan="skewed-A1-E2-m2", hop="partial_sums", dispatch="sparse"),
+    # two sources: each expert rank returns both sources' d x in one launch (`send_counted`)
+    "A2-E2-sparse": dict(attention_ranks=2, expert_ranks=2, hop="partial_sums", dispatch="sparse"),
+    "colocated-2-sparse": dict(mode="colocated", colocated_ranks=2, hop="partial_sums", dispatch="sparse"),
 }
 
 

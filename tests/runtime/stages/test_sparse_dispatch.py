@@ -77,6 +77,9 @@ def test_serving_only_the_rows_sent_gives_the_dense_partial_sums_and_gradients(c
         rows[n:] = torch.randn(rows[n:].shape, generator=g) * 1e3  # padding a one-sided put leaves stale
         w_sent[n:] = 7.0
         local_sent[n:] = 0  # a local expert: served if it were read
+        index_sent = index_sent.clone()  # a peer store leaves the index past the count as it was: tokens repeat
+        index_sent[n:] = torch.randint(0, max(len(index_sent), 1), index_sent[n:].shape, generator=g,
+                                       dtype=index_sent.dtype)
         x_leaf, w_leaf = rows.requires_grad_(), w_sent.requires_grad_()
         partial = local_expert_block(x_leaf, received_locals(local_sent, count_sent, route.num_local), w_leaf,
                                      experts)
