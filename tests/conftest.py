@@ -13,13 +13,40 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups off the items
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "slow" in item.keywords and _starts_processes(item.path):
+            item.add_marker(pytest.mark.xdist_group("processes"))
     if _cuda():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# --- parallel runs (README: `python -m pytest -q -n auto`, pytest-xdist). The slow tests of a file
+# that starts processes (Ray clusters, trainers, CLI runs in subprocesses, spawned ranks: the
+# quick subset's rule, tests/test_quick_subset.py, plus fixtures and spawn) form one group, run
+# one after another on one worker: two clusters side by side on a 2-core machine miss their
+# start-up timeouts. Every other test is spread over the workers.
+PROCESS_STARTS = ("DistributedTrainer(", "WorkerGroup.start(", "subprocess.Popen(", "subprocess.run(", "Cluster(",
+                  "ray.init(", "spawn(", "Process(")
+_process_files: dict = {}
+
+
+def _starts_processes(path) -> bool:
+    if path not in _process_files:
+        text = path.read_text() if path.suffix == ".py" else ""
+        _process_files[path] = any(s in text for s in PROCESS_STARTS)
+    return _process_files[path]
+
+
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadGroupScheduling
+
+    return LoadGroupScheduling(config, log)
 
 
 # --- Triton's CPU interpreter, switched on for one test at a time (kernel tests, runtime tests of fused paths)
