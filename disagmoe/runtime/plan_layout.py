@@ -5,8 +5,9 @@ layout, `attention_ranks` / `expert_ranks` (colocated: `colocated_ranks`) = its 
 `pipeline_groups` and `micro_batches` (a `single` plan, one GPU: mode single and micro_batches),
 `recompute` and `recompute_modules` where the plan recomputes (the modules it priced; a plan of none
 sets none where experts_backend is triton and leaves another backend's setting), and
-`offload_optimizer: true` where the plan priced it (a plan without it leaves the config's setting). The plan wins over these fields of the config: the config
-file is the base a plan is applied to (`replaced_fields` says what changed, for the CLI to show).
+`offload_optimizer: true` where the plan priced it (a plan without it leaves the config's setting).
+The plan wins over these fields of the config: the config file is the base a plan is applied to
+(`replaced_fields` says what changed, for the CLI to show).
 Everything else (batch_size, seq_len, data, optimizer, transport) stays the config's.
 
 `plan_placement(plan, model_cfg)` turns the plan's `expert_map` (per MoE layer j, per expert: the

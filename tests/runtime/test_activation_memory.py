@@ -119,12 +119,12 @@ def test_attention_recomputation_lowers_the_attention_ranks_peak_on_any_backend(
                                                               "attention"])])
 def test_the_planner_prices_the_activations_the_runtimes_memory_check_counts(name, seq_len, layout, recompute,
                                                                               modules):
-    """A disaggregated plan applied to a run: the planner's activation bytes per attention GPU and
-    per expert GPU equal the largest peak the runtime's check (`rank_activations`, as `check_fits`
-    counts it) finds among that side's ranks, with each recomputation the plan records. The expert GPU holds every (token, k) pair of every
-    attention GPU of its group, not its experts' share (`placement.cost.activations` says why);
-    the 16K split shows the terabytes test_solver's memory-to-spare test steps around are the
-    runtime's own count."""
+    """A disaggregated plan applied to a run: the planner's activation bytes per attention GPU and per
+    expert GPU equal the largest peak the runtime's check (`rank_activations`, as `check_fits`
+    counts it) finds among that side's ranks, with each recomputation the plan records. The expert
+    GPU holds every (token, k) pair of every attention GPU of its group, not its experts' share
+    (`placement.cost.activations` says why); the 16K split shows the terabytes test_solver's
+    memory-to-spare test steps around are the runtime's own count."""
     from disagmoe.config import ClusterConfig, PlanConfig, load_hardware
     from disagmoe.placement.cost import Candidates
     from disagmoe.placement.solver import price
