@@ -507,8 +507,6 @@ def evaluate(prob: Problem, c: Candidates) -> Cost:
     stages = {
         "attention projections": Stage("attention", "layer", *st.attention_projection_passes(m, tokens)),
         "attention core": Stage("attention", "layer", *st.attention_core_passes(m, tokens, S)),
-        "attention recompute": Stage("attention", "layer", Work(),
-                                     st.attention_recompute(m, tokens, S).scale(attention.astype(float))),
         "norms, RoPE, residual adds": Stage("attention", "layer", *st.norms_and_residuals(m, tokens)),
         "router": Stage("attention", "moe", st.router(m, tokens), st.router(m, tokens).backward()),
         "shared experts": Stage("attention", "moe", st.shared_experts(m, tokens),
@@ -534,8 +532,12 @@ def evaluate(prob: Problem, c: Candidates) -> Cost:
         del stages["dense ffn"], stages["main-grad adds (dense layers)"]
     if not selective.any():
         del stages["selective recompute"]
-    if not attention.any():
-        del stages["attention recompute"]
+    if attention.any():  # after the attention core (the stages' order is the report's)
+        at = list(stages).index("attention core") + 1
+        items = list(stages.items())
+        items.insert(at, ("attention recompute", Stage("attention", "layer", Work(), st.attention_recompute(
+            m, tokens, S).scale(attention.astype(float)))))
+        stages = dict(items)
     if prob.calibration is not None:
         stages = calibrated_stages(stages, prob.calibration, ceil, rows / local, float(S), c.colocated, tokens)
     if prob.fp8_speedup > 1:
@@ -595,8 +597,8 @@ def _recomputation(prob: Problem, c: Candidates, tokens: Num, in_flight: Num, pa
     """Per candidate: (expert modules dropped, attention dropped, attention GPU and expert GPU
     activation bytes, fits, the expert GPU's bytes and fit with the leanest recomputation allowed),
     as the module docstring's recomputation paragraph says. In a split auto prices the attention
-    side recomputed only for the candidates whose attention GPU overflows without it (the search
-    stays as fast)."""
+    side recomputed only for the candidates whose attention GPU overflows without it and whose
+    expert GPU fits with its leanest modules (no other can fit: the search stays as fast)."""
     m, cap, n = prob.model, prob.capacity_bytes, len(c)
     may = mem.NOTHING_DROPPED if prob.recompute == "none" else frozenset(prob.recompute_modules)
     experts_may, attention_may = may & mem.SELECTIVE, "attention" in may
@@ -627,7 +629,8 @@ def _recomputation(prob: Problem, c: Candidates, tokens: Num, in_flight: Num, pa
     attn_fit_plain = attn_state + attn_plain <= cap
     attn_lean = attn_plain.copy()
     if attention_may:
-        idx = np.arange(n) if fixed else np.flatnonzero(~attn_fit_plain)
+        # auto: only where the attention GPU overflows without it and the expert GPU can fit at all
+        idx = np.arange(n) if fixed else np.flatnonzero(~attn_fit_plain & exp_fit_lean)
         if len(idx):
             attn_lean[idx] = attention_activations(m, tokens[idx], in_flight[idx], c.p[idx], ATTENTION)
     attn_fit_lean = attn_state + attn_lean <= cap
