@@ -270,7 +270,15 @@ def _pruning(cfg: PlanConfig, prob: Problem, cands: Candidates) -> Least:
     bound exceeds the best step of the kind found so far cannot win: skip it."""
     if not len(cands):
         return lambda code, m, seqs: np.ones_like(code)
-    cost = evaluate(prob, cands)
+    # A split's ends priced without attention recomputation: its round times only fall (a floor
+    # stays a floor), a layout that fits so fits with it at the same step (the best stays an upper
+    # bound), and what prunes for memory is the expert GPU's, which attention leaves alone; so the
+    # pass keeps its answer and skips the recompute stage over every row.
+    lean = prob
+    if not cands.colocated and prob.recompute == "auto" and "attention" in prob.recompute_modules:
+        rest = prob.recompute_modules - ATTENTION
+        lean = replace(prob, recompute="auto" if rest else "none", recompute_modules=rest)
+    cost = evaluate(lean, cands)
     best = float(np.min(np.where(cost.fits, cost.step_s, np.inf)))
     # Memory: a disaggregated expert GPU's bytes grow with dp (its activations span every pair of
     # the group's dp attention GPUs, `cost.activations`), a colocated GPU's do not change with it
