@@ -364,8 +364,13 @@ class PlanConfig(StrictModel):
     recompute: Literal["none", "selective", "auto"] = Field(
         "auto", description="activation recomputation to price: none, selective (the expert FFN's input, "
         "output and SwiGLU rows dropped and recomputed in the backward: leaner expert GPUs, a few more HBM "
-        "bytes) or auto (per layout, selective only where nothing else fits); the plan's `recompute` says "
-        "which, and `train --plan` sets it")
+        "bytes) or auto (per layout, the least recomputation that fits: the expert modules where only they let "
+        "the expert GPUs fit, attention where only it lets the attention GPUs fit); the plan's `recompute` and "
+        "`recompute_modules` say which, and `train --plan` sets them")
+    recompute_modules: list[Literal["expert_input", "expert_output", "expert_swiglu", "attention"]] | None = Field(
+        None, description="with recompute selective: the modules priced as dropped (None: the three expert "
+        "modules); with auto: the modules it may choose from, the expert ones together and attention on its own "
+        "(None: all four; the expert modules only where experts_backend is triton and expert_precision bf16)")
     experts_backend: Literal["loop", "grouped_mm", "triton"] = Field(
         "triton", description="the run's expert FFN (TrainConfig.experts_backend): selective recomputation "
         "needs triton, so for another the planner prices none")
@@ -388,7 +393,12 @@ class PlanConfig(StrictModel):
 
     @model_validator(mode="after")
     def _recompute_backend(self) -> PlanConfig:
-        if self.recompute == "selective" and self.experts_backend != "triton":
+        asked = {"expert_input", "expert_output", "expert_swiglu"} if self.recompute_modules is None else set(
+            self.recompute_modules)
+        if self.recompute == "selective" and not asked:
+            raise ValueError("recompute: selective with recompute_modules: [] drops nothing; name what to drop "
+                             "or plan with recompute: none")
+        if self.recompute == "selective" and asked - {"attention"} and self.experts_backend != "triton":
             raise ValueError(f"recompute: selective needs experts_backend: triton (the {self.experts_backend} "
                              "backend keeps what torch autograd saves); plan with recompute none or auto, or for "
                              "experts_backend: triton")
@@ -475,13 +485,25 @@ class Plan(StrictModel):
     reason: str
     recompute: Literal["none", "selective"] = Field(
         "none", description="the activation recomputation the plan's memory and step time assume (`train --plan` "
-        "sets TrainConfig.recompute to it; selective needs experts_backend: triton)")
+        "sets TrainConfig.recompute to it; the expert modules need experts_backend: triton)")
+    recompute_modules: list[Literal["expert_input", "expert_output", "expert_swiglu", "attention"]] = Field(
+        default_factory=list, description="with recompute selective: the modules assumed dropped (`train --plan` "
+        "sets TrainConfig.recompute_modules to them); a selective plan that names none (written before this "
+        "field) means the three expert modules")
     offload_optimizer: bool = Field(
         False, description="the plan's memory and step time assume the optimizer state in host memory (`plan "
         "--offload-optimizer on`, or auto where it made the step faster; `train --plan` then sets "
         "offload_optimizer: true)")
     notes: list[str] = Field(default_factory=list)
     min_gpus: PositiveInt | None = Field(None, description="when infeasible: fewest GPUs that fit")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy_recompute_modules(cls, data: Any) -> Any:
+        """A selective plan naming no modules (written before `recompute_modules`): the three expert ones."""
+        if isinstance(data, dict) and data.get("recompute") == "selective" and not data.get("recompute_modules"):
+            return {**data, "recompute_modules": ["expert_input", "expert_output", "expert_swiglu"]}
+        return data
 
 
 # ----------------------------------------------------------------------------------------------

@@ -52,8 +52,9 @@ OffloadOpt = Annotated[Literal["auto", "on", "off"], typer.Option(
 RecomputeOpt = Annotated[Literal["none", "selective", "auto"], typer.Option(
     "--recompute", help="activation recomputation to price: none, selective (the expert FFN's input, output and "
     "SwiGLU rows recomputed in the backward: leaner expert GPUs, a little more HBM traffic; train with "
-    "experts_backend: triton) or auto (selective only for a layout that fits no other way); the plan records "
-    "it and train --plan sets it")]
+    "experts_backend: triton) or auto (per layout the least that fits: the expert modules, and the attention block "
+    "where only that lets the attention side fit, about one more attention forward per layer; chosen only where "
+    "a faster layout fits only so); the plan records it and its modules, and train --plan sets them")]
 
 
 def build_request(model: str, hardware: str, gpus: int, seq_len: int | None, global_batch_tokens: int,

@@ -30,10 +30,16 @@ the runtime's buffers span them all (`activations` says why), so its memory is p
 the transport's message buffers (`transport_buffers`: nvshmem's symmetric arena, the largest
 rank's on every GPU, from `roofline.transport_memory`, which the runtime's memory check shares).
 
-Recomputation (`Problem.recompute`): selective drops `roofline.memory.SELECTIVE` from what the
-expert side keeps, and its expert backward pays `stages.selective_recompute`'s bytes; auto takes,
-per candidate, no recomputation when it fits and selective when only that fits (for a fixed
-candidate selective is never faster, only leaner).
+Recomputation (`Problem.recompute`, `Problem.recompute_modules`): the expert modules
+(`roofline.memory.SELECTIVE`) leave what the expert side keeps and its expert backward pays
+`stages.selective_recompute`'s bytes; `attention` leaves what the attention side keeps
+(`memory.attention_recomputed_bytes`) and its attention backward pays `stages.attention_recompute`
+(about one more attention forward per layer). Selective drops the modules as given; auto takes,
+per candidate, the least that fits: a split drops the expert modules only where the expert GPU
+overflows without them and attention only where the attention GPU does (each side's memory
+depends on its own modules only), a colocated GPU the fitting variant whose recompute costs
+least. Recomputation is never faster for a fixed candidate, only leaner: the search picks it
+only through a faster candidate that fits only so.
 
 Offload (`Problem.offload_optimizer`): the masters and moments move to host memory (`host_state_bytes`,
 which must fit `host_capacity_bytes` per GPU) and the optimizer pays the host link; like
@@ -92,6 +98,7 @@ def offload_staging_bytes(prob: Problem, params: Num) -> Num:
 
 
 GIB = 2.0**30
+ATTENTION: frozenset[str] = frozenset({"attention"})  # `recompute_modules: [attention]` (`kernels.recompute`)
 OFFLOAD_BUCKET_BYTES = 256 * 2**20  # TrainConfig.offload_bucket_mib's default
 
 
@@ -179,7 +186,7 @@ class Cost:
     expert_act_bytes: np.ndarray
     attn_transport_bytes: np.ndarray  # the transport's message buffers (`transport_buffers`), in attn_mem_bytes
     expert_transport_bytes: np.ndarray  # in expert_mem_bytes (colocated: same as attn)
-    selective: np.ndarray  # bool per candidate: priced with selective recomputation (`Problem.recompute`)
+    selective: np.ndarray  # bool per candidate: priced with the expert modules recomputed (`Problem.recompute`)
     lean_expert_mem_bytes: np.ndarray  # expert_mem_bytes with the leanest recomputation the problem allows
     lean_fits: np.ndarray  # fits with the leanest recomputation the problem allows
     round_floor_s: np.ndarray
@@ -190,6 +197,14 @@ class Cost:
     host_state_bytes: np.ndarray | None = None
     """Offloaded: the fp32 masters and moments in host memory on the fuller GPU of the layout
     (fits requires it within `Problem.host_capacity_bytes`); None without offload."""
+    recompute_attention: np.ndarray | None = None
+    """bool per candidate: priced with the attention block recomputed (None: all False)."""
+
+    def dropped(self, i: int = 0) -> frozenset[str]:
+        """The modules candidate `i` is priced as recomputing (`roofline.memory` names)."""
+        attention = self.recompute_attention is not None and bool(self.recompute_attention[i])
+        return (mem.SELECTIVE if bool(self.selective[i]) else mem.NOTHING_DROPPED) | (ATTENTION if attention
+                                                                                      else mem.NOTHING_DROPPED)
 
 
 @dataclass(frozen=True)
@@ -210,6 +225,7 @@ class Problem:
     offload_optimizer: bool = False  # masters and moments in host memory, copied over the host link each step
     calibration: Calibration | None = None  # measured curves and fixed costs (None: the plain roofline)
     recompute: str = "none"  # none, selective or auto (per candidate: see the module docstring)
+    recompute_modules: frozenset[str] = mem.SELECTIVE  # selective: what it drops; auto: what it may drop
     fp8_speedup: float = 1.0  # > 1: the routed experts' GEMMs in FP8, at fp8_tflops / bf16_tflops the rate
     fp8_dense: bool = False  # with fp8_speedup > 1: the dense projections' GEMMs in FP8 too (rowwise)
     host_capacity_bytes: float = float("inf")  # offloaded: host memory per GPU for masters and moments
@@ -313,25 +329,41 @@ def activations(m: ModelConfig, tokens: Num, pairs: Num, in_flight: Num, p: np.n
     saved rows (input rows, gate/up pre-activations, SwiGLU output, the combine's rows) and the
     backward's gradients are allocated for all of them: any routing may send every pair here.
     `attention`: `attention_activations` of these arguments, if already computed."""
-    row = mem.expert_row_bytes(m, BF16, dropped) + mem.combine_bytes(m, BF16, dropped) // m.top_k
     row_grad = mem.expert_row_grad_bytes(m, BF16, dropped)
     moe_l, dense_l = _layer_counts(m, np.asarray(p))
-    exp_kept = in_flight * pairs * moe_l * row
     if not colocated:
-        attention = attention_activations(m, tokens, in_flight, p) if attention is None else attention
-        return attention, exp_kept + pairs * row_grad
-    attn_kept = in_flight * tokens * (moe_l * mem.attention_bytes(m, True, BF16)
-                                      + dense_l * mem.attention_bytes(m, False, BF16))
+        attention = attention_activations(m, tokens, in_flight, p, dropped) if attention is None else attention
+        return attention, expert_activations(m, pairs, in_flight, p, dropped)
+    exp_kept = in_flight * pairs * moe_l * expert_row_kept_bytes(m, dropped)
+    attn_kept = in_flight * tokens * (moe_l * mem.attention_bytes(m, True, BF16, dropped)
+                                      + dense_l * mem.attention_bytes(m, False, BF16, dropped))
     kinds = [moe for moe, n in ((True, m.num_moe_layers), (False, m.num_dense_layers)) if n]
-    grads = [tokens * mem.attention_grad_bytes(m, moe, BF16) + (pairs * row_grad if moe else 0) for moe in kinds]
+    grads = [tokens * mem.attention_grad_bytes(m, moe, BF16, dropped) + (pairs * row_grad if moe else 0)
+             for moe in kinds]
     return attn_kept + exp_kept + np.maximum(mem.head_bytes(m, tokens, BF16), np.maximum.reduce(grads)), 0.0 * exp_kept
 
 
-def attention_activations(m: ModelConfig, tokens: Num, in_flight: Num, p: np.ndarray) -> Num:
+def expert_row_kept_bytes(m: ModelConfig, dropped: frozenset[str]) -> int:
+    """Bytes one (token, k) pair keeps on its expert GPU per layer: its rows and the combine's share."""
+    return mem.expert_row_bytes(m, BF16, dropped) + mem.combine_bytes(m, BF16, dropped) // m.top_k
+
+
+def expert_activations(m: ModelConfig, pairs: Num, in_flight: Num, p: np.ndarray,
+                       dropped: frozenset[str] = mem.NOTHING_DROPPED) -> Num:
+    """A disaggregated expert GPU's activation peak (`activations`): every pair of every layer of
+    its group in flight, and one expert backward's gradients. Only the expert modules change it."""
+    moe_l, _ = _layer_counts(m, np.asarray(p))
+    return in_flight * pairs * moe_l * expert_row_kept_bytes(m, dropped) + pairs * mem.expert_row_grad_bytes(
+        m, BF16, dropped)
+
+
+def attention_activations(m: ModelConfig, tokens: Num, in_flight: Num, p: np.ndarray,
+                          dropped: frozenset[str] = mem.NOTHING_DROPPED) -> Num:
     """A disaggregated attention GPU's activation peak (`activations`): the largest over the
-    pipeline groups of what the group's layers keep plus what one of its ops holds. Recomputation
-    changes none of it. Per p, each group's bytes are a sum of terms fixed by p times `in_flight *
-    tokens` (kept), `tokens` (a backward's gradients) or the head's peak."""
+    pipeline groups of what the group's layers keep plus what one of its ops holds. Of the
+    recomputation only `attention` in `dropped` changes it. Per p, each group's bytes are a sum of
+    terms fixed by p times `in_flight * tokens` (kept), `tokens` (a backward's gradients) or the
+    head's peak."""
     p = np.asarray(p)
     ps = np.unique(p)
     top = int(ps.max())
@@ -339,9 +371,10 @@ def attention_activations(m: ModelConfig, tokens: Num, in_flight: Num, p: np.nda
     for q in ps.tolist():
         for g in range(q):
             moe_g, dense_g = (int(n) for n in _group_layers(m, np.array(q), g))
-            kept[q, g] = moe_g * mem.attention_bytes(m, True, BF16) + dense_g * mem.attention_bytes(m, False, BF16)
-            grads[q, g] = max(mem.attention_grad_bytes(m, True, BF16) if moe_g else 0,
-                              mem.attention_grad_bytes(m, False, BF16) if dense_g else 0)
+            kept[q, g] = (moe_g * mem.attention_bytes(m, True, BF16, dropped)
+                          + dense_g * mem.attention_bytes(m, False, BF16, dropped))
+            grads[q, g] = max(mem.attention_grad_bytes(m, True, BF16, dropped) if moe_g else 0,
+                              mem.attention_grad_bytes(m, False, BF16, dropped) if dense_g else 0)
             heads[q, g] = m.num_layers % q == g
     head = mem.head_bytes(m, tokens, BF16)
     out = 0.0
@@ -453,25 +486,10 @@ def evaluate(prob: Problem, c: Candidates) -> Cost:
     attn_state = attn_state + transport_attn
     exp_state = exp_state + (0.0 if c.colocated else transport_exp)
     in_flight = np.where(c.expert == 1, 1.0, mb) if c.colocated else mb  # one GPU: mode single accumulates
-    options = {}
-    attention = None if c.colocated else attention_activations(m, tokens, in_flight, c.p)  # recomputation-free
-    for dropped in (mem.NOTHING_DROPPED, mem.SELECTIVE):
-        act_attn, act_exp = activations(m, tokens, pairs, in_flight, c.p, c.colocated, dropped, attention)
-        attn_mem, exp_mem = attn_state + act_attn, exp_state + act_exp
-        if c.colocated:
-            exp_mem = attn_mem
-        fits = (attn_mem <= prob.capacity_bytes) & (exp_mem <= prob.capacity_bytes)
-        options[dropped] = (act_attn, act_exp, attn_mem, exp_mem, fits)
-    if prob.recompute == "auto":
-        selective = ~options[mem.NOTHING_DROPPED][4] & options[mem.SELECTIVE][4]
-    else:
-        selective = np.full(len(c), prob.recompute == "selective")
-    leanest = mem.NOTHING_DROPPED if prob.recompute == "none" else mem.SELECTIVE
-    act_attn, act_exp, attn_mem, exp_mem, fits = (np.where(selective, kept, none) for none, kept in
-                                                  zip(options[mem.NOTHING_DROPPED], options[mem.SELECTIVE],
-                                                      strict=True))
-    fits = fits.astype(bool)
-    lean_fits = options[leanest][4].astype(bool)
+    selective, attention, act_attn, act_exp, fits, lean_exp_mem, lean_fits = _recomputation(
+        prob, c, tokens, in_flight, pairs, rows, attn_state, exp_state)
+    attn_mem = attn_state + act_attn
+    exp_mem = attn_mem if c.colocated else exp_state + act_exp
     host_state = None
     if prob.offload_optimizer:  # the masters and moments must fit the host memory of each GPU
         attn_host = attention_state_bytes(dp, prob).host * attn_params
@@ -516,6 +534,12 @@ def evaluate(prob: Problem, c: Candidates) -> Cost:
         del stages["dense ffn"], stages["main-grad adds (dense layers)"]
     if not selective.any():
         del stages["selective recompute"]
+    if attention.any():  # after the attention core (the stages' order is the report's)
+        at = list(stages).index("attention core") + 1
+        items = list(stages.items())
+        items.insert(at, ("attention recompute", Stage("attention", "layer", Work(), st.attention_recompute(
+            m, tokens, S).scale(attention.astype(float)))))
+        stages = dict(items)
     if prob.calibration is not None:
         stages = calibrated_stages(stages, prob.calibration, ceil, rows / local, float(S), c.colocated, tokens)
     if prob.fp8_speedup > 1:
@@ -566,8 +590,59 @@ def evaluate(prob: Problem, c: Candidates) -> Cost:
                 attn_params=attn_params * ones, expert_params=exp_params * ones,
                 attn_act_bytes=act_attn * ones, expert_act_bytes=act_exp * ones, selective=selective,
                 attn_transport_bytes=transport_attn * ones, expert_transport_bytes=transport_exp * ones,
-                lean_expert_mem_bytes=options[leanest][3] * ones, lean_fits=lean_fits,
-                round_floor_s=floor * ones, stages=stages, host_state_bytes=host_state)
+                lean_expert_mem_bytes=lean_exp_mem * ones, lean_fits=lean_fits,
+                round_floor_s=floor * ones, stages=stages, host_state_bytes=host_state, recompute_attention=attention)
+
+
+def _recomputation(prob: Problem, c: Candidates, tokens: Num, in_flight: Num, pairs: Num, rows: Num,
+                   attn_state: Num, exp_state: Num) -> tuple[np.ndarray, ...]:
+    """Per candidate: (expert modules dropped, attention dropped, attention GPU and expert GPU
+    activation bytes, fits, the expert GPU's bytes and fit with the leanest recomputation allowed),
+    as the module docstring's recomputation paragraph says. In a split auto prices the attention
+    side recomputed only for the candidates whose attention GPU overflows without it and whose
+    expert GPU fits with its leanest modules (no other can fit: the search stays as fast)."""
+    m, cap, n = prob.model, prob.capacity_bytes, len(c)
+    may = mem.NOTHING_DROPPED if prob.recompute == "none" else frozenset(prob.recompute_modules)
+    experts_may, attention_may = may & mem.SELECTIVE, "attention" in may
+    fixed = prob.recompute != "auto"
+    full = lambda v: np.broadcast_to(np.asarray(v, dtype=float), (n,)).copy()  # noqa: E731
+    tokens, in_flight = full(tokens), full(in_flight)
+    if c.colocated:  # one GPU holds both sides: the fitting variant whose recompute costs least
+        variants = [may] if fixed else list(dict.fromkeys((mem.NOTHING_DROPPED, experts_may, may & ATTENTION, may)))
+        moe_l, dense_l = _layer_counts(m, c.p)
+        t_sel = prob.ceilings.time(st.selective_recompute(m, rows)) * moe_l
+        t_att = prob.ceilings.time(st.attention_recompute(m, tokens, prob.seq_len)) * (moe_l + dense_l)
+        act = [full(activations(m, tokens, pairs, in_flight, c.p, True, d)[0]) for d in variants]
+        fit = [attn_state + a <= cap for a in act]
+        price = [np.where(f, t_sel * bool(d & mem.SELECTIVE) + t_att * ("attention" in d), np.inf)
+                 for f, d in zip(fit, variants, strict=True)]
+        pick = np.argmin(np.stack(price), axis=0)  # none fits: the first (no recomputation, or the one asked)
+        rows_of = np.arange(n)
+        chosen = np.stack(act)[pick, rows_of]
+        selective = np.array([bool(d & mem.SELECTIVE) for d in variants])[pick]
+        attention = np.array(["attention" in d for d in variants])[pick]
+        fits = np.stack(fit)[pick, rows_of]
+        return (selective, attention, chosen, 0.0 * chosen, fits, attn_state + act[-1] + 0.0 * chosen,
+                fit[-1] & np.ones(n, dtype=bool))
+    exp_plain = full(expert_activations(m, pairs, in_flight, c.p))
+    exp_lean = full(expert_activations(m, pairs, in_flight, c.p, experts_may)) if experts_may else exp_plain
+    exp_fit_plain, exp_fit_lean = exp_state + exp_plain <= cap, exp_state + exp_lean <= cap
+    attn_plain = full(attention_activations(m, tokens, in_flight, c.p))
+    attn_fit_plain = attn_state + attn_plain <= cap
+    attn_lean = attn_plain.copy()
+    if attention_may:
+        # auto: only where the attention GPU overflows without it and the expert GPU can fit at all
+        idx = np.arange(n) if fixed else np.flatnonzero(~attn_fit_plain & exp_fit_lean)
+        if len(idx):
+            attn_lean[idx] = attention_activations(m, tokens[idx], in_flight[idx], c.p[idx], ATTENTION)
+    attn_fit_lean = attn_state + attn_lean <= cap
+    if fixed:
+        selective, attention = np.full(n, bool(experts_may)), np.full(n, attention_may)
+    else:
+        selective, attention = ~exp_fit_plain & exp_fit_lean, ~attn_fit_plain & attn_fit_lean
+    act_attn, act_exp = np.where(attention, attn_lean, attn_plain), np.where(selective, exp_lean, exp_plain)
+    fits = (attn_state + act_attn <= cap) & (exp_state + act_exp <= cap)
+    return selective, attention, act_attn, act_exp, fits, exp_state + exp_lean, attn_fit_lean & exp_fit_lean
 
 
 ATTENTION_FIXED, EXPERT_FIXED = "fixed cost (attention ops)", "fixed cost (expert ops)"

@@ -24,6 +24,7 @@ import numpy as np
 
 from disagmoe.config import MemoryEstimate, Plan, PlanConfig, StageTime
 from disagmoe.placement.cost import (
+    ATTENTION,
     GIB,
     Candidates,
     Cost,
@@ -36,7 +37,7 @@ from disagmoe.placement.cost import (
 )
 from disagmoe.placement.experts import imbalance, map_layer
 from disagmoe.placement.replay import replayed_step_s
-from disagmoe.roofline import report
+from disagmoe.roofline import memory as mem, report
 from disagmoe.roofline import stages as st
 from disagmoe.roofline.ceilings import Ceilings
 from disagmoe.roofline.optimizer_state import host_link_bytes
@@ -76,11 +77,32 @@ def problem_of(cfg: PlanConfig, gpus: int | None = None) -> Problem:
         shard_optimizer=cfg.shard_optimizer_states, optimizer_state_dtype=cfg.optimizer_state_dtype,
         offload_optimizer=cfg.offload_optimizer == "on", calibration=hw.calibration,
         host_capacity_bytes=math.inf if hw.host_memory_gib is None else hw.host_memory_gib * GIB,
-        # the FP8 experts keep their own rows (train refuses recompute with precision: fp8)
-        recompute=cfg.recompute if cfg.experts_backend == "triton" and cfg.expert_precision == "bf16" else "none",
+        **_recompute_of(cfg),
         fp8_speedup=hw.fp8_tflops / hw.bf16_tflops if cfg.expert_precision == "fp8" else 1.0,
         fp8_dense=cfg.expert_precision == "fp8" and cfg.fp8_dense,
     )
+
+
+RECOMPUTE_ORDER = ("expert_input", "expert_output", "expert_swiglu", "attention")  # TrainConfig.recompute_modules'
+
+
+def _recompute_of(cfg: PlanConfig) -> dict:
+    """`Problem.recompute` and `recompute_modules` of `cfg`: the modules asked (selective: the three
+    expert modules unless `recompute_modules` names others; auto: those and attention), less the
+    expert modules where the run's experts cannot drop them (they need experts_backend: triton;
+    the FP8 experts keep their own rows: train refuses them with precision: fp8)."""
+    if cfg.recompute == "none":
+        return {"recompute": "none"}
+    asked = (frozenset(cfg.recompute_modules) if cfg.recompute_modules is not None else
+             mem.SELECTIVE if cfg.recompute == "selective" else mem.SELECTIVE | ATTENTION)
+    if cfg.experts_backend != "triton" or cfg.expert_precision != "bf16":
+        asked = asked - mem.SELECTIVE
+    return {"recompute": cfg.recompute, "recompute_modules": asked} if asked else {"recompute": "none"}
+
+
+def _fixed_recompute(prob: Problem, dropped: frozenset[str]) -> Problem:
+    """`prob` priced with exactly `dropped` recomputed on every candidate (none when empty)."""
+    return replace(prob, recompute="selective" if dropped else "none", recompute_modules=dropped)
 
 
 def _seq_choices() -> np.ndarray:
@@ -248,7 +270,15 @@ def _pruning(cfg: PlanConfig, prob: Problem, cands: Candidates) -> Least:
     bound exceeds the best step of the kind found so far cannot win: skip it."""
     if not len(cands):
         return lambda code, m, seqs: np.ones_like(code)
-    cost = evaluate(prob, cands)
+    # A split's ends priced without attention recomputation: its round times only fall (a floor
+    # stays a floor), a layout that fits so fits with it at the same step (the best stays an upper
+    # bound), and what prunes for memory is the expert GPU's, which attention leaves alone; so the
+    # pass keeps its answer and skips the recompute stage over every row.
+    lean = prob
+    if not cands.colocated and prob.recompute == "auto" and "attention" in prob.recompute_modules:
+        rest = prob.recompute_modules - ATTENTION
+        lean = replace(prob, recompute="auto" if rest else "none", recompute_modules=rest)
+    cost = evaluate(lean, cands)
     best = float(np.min(np.where(cost.fits, cost.step_s, np.inf)))
     # Memory: a disaggregated expert GPU's bytes grow with dp (its activations span every pair of
     # the group's dp attention GPUs, `cost.activations`), a colocated GPU's do not change with it
@@ -329,8 +359,8 @@ def _state_freed_gib(choice: Choice) -> tuple[float, float, bool]:
     link adds per step, whether the layout fits without it): the same candidate priced without
     offload, against `choice`."""
     cost = choice.cost  # the same recomputation as the plan's, so only the state moves
-    kept = evaluate(replace(choice.problem, offload_optimizer=False,
-                            recompute="selective" if bool(cost.selective[0]) else "none"), choice.candidate)
+    kept = evaluate(replace(_fixed_recompute(choice.problem, cost.dropped(0)), offload_optimizer=False),
+                    choice.candidate)
     freed = max(float(kept.attn_mem_bytes[0] - cost.attn_mem_bytes[0]),
                 float(kept.expert_mem_bytes[0] - cost.expert_mem_bytes[0]))
     return freed / GIB, float(cost.step_s[0] - kept.step_s[0]), bool(kept.fits[0])
@@ -415,12 +445,12 @@ def _choose(cfg: PlanConfig) -> Choice:
 
 
 def _untaken_recompute(cfg: PlanConfig, plan: Plan) -> list[str]:
-    """A note when auto would have chosen selective recomputation but the run's experts_backend
-    cannot use it (it needs triton): the plan prices none."""
+    """A note when auto would have recomputed the expert modules but the run's experts_backend
+    cannot (they need triton): the plan prices none of them."""
     if cfg.recompute != "auto" or cfg.experts_backend == "triton":
         return []
     other = choose(cfg.model_copy(update={"experts_backend": "triton"})).plan
-    if other.recompute != "selective" or not other.feasible:
+    if not set(other.recompute_modules) & mem.SELECTIVE or not other.feasible:
         return []
     now = f"{report.seconds(plan.step_time_s)} per step" if plan.feasible else "no layout that fits"
     return [f"selective recomputation was not considered: it needs experts_backend: triton (this run's is "
@@ -487,13 +517,12 @@ def price(cfg: PlanConfig, chosen: Candidates, colocated_step_s: float | None = 
                      "ring of segments, for a forward payload one per layer and micro-batch (live until its "
                      "backward) and one more, for a gradient m + 1, each sized for all its source's tokens; "
                      "counted in memory_per_gpu and the fit)")
-    selective = bool(cost.selective[0])
+    dropped = cost.dropped(0)
+    modules = [name for name in RECOMPUTE_ORDER if name in dropped]
     notes.append(f"memory assumes AdamW with fp32 master weights and {cfg.optimizer_state_dtype} moments, "
                  + ("the attention side's moments split over each data-parallel group (ZeRO-1)"
                     if cfg.shard_optimizer_states else "on every replica (no optimizer sharding)")
-                 + (", and selective recomputation of the expert FFN's input, output and SwiGLU rows (train "
-                    "with experts_backend: triton; train --plan sets recompute: selective)" if selective
-                    else ", and no activation recomputation"))
+                 + _recompute_text(dropped))
     if prob.offload_optimizer:
         notes.append(_offload_note(cfg, cost, dp, use_dis))
     if prob.fp8_speedup > 1:
@@ -502,9 +531,11 @@ def price(cfg: PlanConfig, chosen: Candidates, colocated_step_s: float | None = 
                      "passes' HBM traffic and two e4m3 weight copies per expert parameter; no recomputation"
                      + ("; the dense projections (attention, shared experts, dense FFN layers) in FP8 too, rowwise "
                         "(torch._scaled_mm), with their quantisation passes" if prob.fp8_dense else ""))
-    if selective:
+    if dropped & mem.SELECTIVE:
         notes.append(_recompute_note(cfg, prob, chosen, cost))
-    elif prob.recompute == "auto" and fits:
+    if "attention" in dropped:
+        notes.append(_attention_recompute_note(prob, chosen, cost))
+    if not dropped and prob.recompute == "auto" and fits:
         notes.append(_no_recompute_note(prob, chosen, cost))
     step = float(cost.step_s[0])
     if prob.calibration is not None and use_dis:
@@ -531,7 +562,8 @@ def price(cfg: PlanConfig, chosen: Candidates, colocated_step_s: float | None = 
         sequences_per_micro_batch=seqs * dp, accumulation_rounds=rounds,
         expert_map=expert_map, total_params=counts.total, active_params=counts.active,
         memory_per_gpu=_memory(cost, prob, use_dis, "single" if single else "colocated"), stage_times=stage_times,
-        recompute="selective" if selective else "none", offload_optimizer=prob.offload_optimizer,
+        recompute="selective" if dropped else "none", recompute_modules=modules,
+        offload_optimizer=prob.offload_optimizer,
         step_time_s=step, colocated_step_time_s=col if math.isfinite(col) else None,
         speedup_vs_colocated=col / step if math.isfinite(col) else None,
         expert_imbalance=real_imb, mfu=mfu, tflops_per_gpu=flops_per_gpu_s / 1e12, feasible=fits,
@@ -543,9 +575,36 @@ def price(cfg: PlanConfig, chosen: Candidates, colocated_step_s: float | None = 
     return Choice(plan, chosen, cost, prob)
 
 
+def _recompute_text(dropped: frozenset[str]) -> str:
+    """The memory note's tail: which recomputation the plan's memory assumes."""
+    experts, attention = bool(dropped & mem.SELECTIVE), "attention" in dropped
+    if not experts and not attention:
+        return ", and no activation recomputation"
+    what = " and ".join(part for part, on in (("the expert FFN's input, output and SwiGLU rows", experts),
+                                               ("the attention block", attention)) if on)
+    modules = ", ".join(name for name in RECOMPUTE_ORDER if name in dropped)
+    return (f", and selective recomputation of {what} (train --plan sets recompute: selective, recompute_modules: "
+            f"[{modules}]" + ("; the expert modules need experts_backend: triton)" if experts else ")"))
+
+
+def _attention_recompute_note(prob: Problem, chosen: Candidates, cost: Cost) -> str:
+    """One line: what attention recomputation frees on the GPU it relieves, and what it costs."""
+    dropped = cost.dropped(0)
+    kept = evaluate(_fixed_recompute(prob, dropped - ATTENTION), chosen)
+    side = "attention" if not chosen.colocated else "colocated"
+    before, after = (float(c.attn_act_bytes[0]) / GIB for c in (kept, cost))
+    extra = float(cost.step_s[0] - kept.step_s[0])
+    why = (f"lets m={int(chosen.m[0])} with this layout fit" if not bool(kept.fits[0]) else
+           "as asked (recompute_modules names attention)")
+    return (f"attention recomputation: activations {before:.1f} -> {after:.1f} GiB per {side} GPU {why} (the block "
+            "keeps its input and the core's output; the norm, q/k/v projections, RoPE and attention core run again "
+            f"in the backward, about one more attention forward per layer); its recompute adds {report.seconds(extra)} "
+            "per step")
+
+
 def _recompute_note(cfg: PlanConfig, prob: Problem, chosen: Candidates, cost: Cost) -> str:
     """One line: what selective recomputation frees on the GPU it relieves, and what it costs."""
-    kept = evaluate(replace(prob, recompute="none"), chosen)
+    kept = evaluate(_fixed_recompute(prob, cost.dropped(0) - mem.SELECTIVE), chosen)
     side = "expert" if not chosen.colocated else "colocated"
     before = float((kept.expert_act_bytes if side == "expert" else kept.attn_act_bytes)[0]) / GIB
     after = float((cost.expert_act_bytes if side == "expert" else cost.attn_act_bytes)[0]) / GIB
@@ -558,14 +617,20 @@ def _recompute_note(cfg: PlanConfig, prob: Problem, chosen: Candidates, cost: Co
 
 def _no_recompute_note(prob: Problem, chosen: Candidates, cost: Cost) -> str:
     """One line: why auto left recomputation out (the plan fits without it and no faster layout
-    needed it), with what it would free and cost here."""
-    lean = evaluate(replace(prob, recompute="selective"), chosen)
-    side = "expert" if not chosen.colocated else "colocated"
-    before, after = (report.memory(float((c.expert_act_bytes if side == "expert" else c.attn_act_bytes)[0]) / GIB)
-                     for c in (cost, lean))
-    extra = float(lean.step_s[0] - cost.step_s[0])
-    return (f"recompute auto chose none: this layout fits without it and no faster layout needs it; selective would "
-            f"take activations {before} -> {after} per {side} GPU for {report.seconds(extra)} more per step")
+    needed it), with what each recomputation it may choose would free and cost here."""
+    parts = []
+    for name, modules, side in (("selective", mem.SELECTIVE, "expert"), ("attention recomputation", ATTENTION,
+                                                                         "attention")):
+        if not modules & prob.recompute_modules:
+            continue
+        lean = evaluate(_fixed_recompute(prob, modules & prob.recompute_modules), chosen)
+        where = side if not chosen.colocated else "colocated"
+        before, after = (report.memory(float((c.expert_act_bytes if where == "expert" else c.attn_act_bytes)[0]) / GIB)
+                         for c in (cost, lean))
+        extra = float(lean.step_s[0] - cost.step_s[0])
+        parts.append(f"{name} would take activations {before} -> {after} per {where} GPU for "
+                     f"{report.seconds(extra)} more per step")
+    return "recompute auto chose none: this layout fits without it and no faster layout needs it; " + "; ".join(parts)
 
 
 MEMORY_BOUND = 0.95  # a GPU this full of its capacity binds the split
@@ -751,6 +816,8 @@ def _leanest(prob: Problem, p: int) -> tuple[float, float, float]:
     enough that the sharded moments all but vanish (a larger GPU count gets there)."""
     n = prob.model.num_experts
     dp = LEANEST_DP if prob.shard_optimizer else 1
+    if prob.recompute == "auto":  # the leanest is every module auto may recompute
+        prob = _fixed_recompute(prob, prob.recompute_modules)
     per_set = np.arange(1, n + 1, dtype=np.int64)
     one = np.ones_like(per_set)
     leanest = evaluate(prob, Candidates(p * dp * one, p * per_set, p * one, one, one, one))

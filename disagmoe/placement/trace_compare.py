@@ -168,6 +168,7 @@ def run_request(cfg: TrainConfig, model: ModelConfig, hw: HardwareConfig) -> tup
                      shard_optimizer_states=cfg.optim.shard_states, optimizer_state_dtype=cfg.optim.state_dtype,
                      expert_precision="fp8" if cfg.expert_precision == "fp8" else "bf16",
                      recompute=cfg.recompute, experts_backend=cfg.experts_backend,
+                     recompute_modules=list(cfg.recompute_modules) if cfg.recompute == "selective" else None,
                      offload_optimizer=cfg.offloads_to_host and hw.host_link_gbps is not None)
     return req, cand(seqs)
 

@@ -3,10 +3,11 @@
 `apply_plan(cfg, model_cfg)` returns the run's config with the plan's layout: `mode` = the plan's
 layout, `attention_ranks` / `expert_ranks` (colocated: `colocated_ranks`) = its GPU counts,
 `pipeline_groups` and `micro_batches` (a `single` plan, one GPU: mode single and micro_batches),
-and, where experts_backend is triton, `recompute` (selective: `recompute_modules` all three, as the
-planner priced it), and `offload_optimizer: true` where the plan priced it (a plan without it leaves the
-config's setting). The plan wins over these fields of the config: the config
-file is the base a plan is applied to (`replaced_fields` says what changed, for the CLI to show).
+`recompute` and `recompute_modules` where the plan recomputes (the modules it priced; a plan of none
+sets none where experts_backend is triton and leaves another backend's setting), and
+`offload_optimizer: true` where the plan priced it (a plan without it leaves the config's setting).
+The plan wins over these fields of the config: the config file is the base a plan is applied to
+(`replaced_fields` says what changed, for the CLI to show).
 Everything else (batch_size, seq_len, data, optimizer, transport) stays the config's.
 
 `plan_placement(plan, model_cfg)` turns the plan's `expert_map` (per MoE layer j, per expert: the
@@ -19,8 +20,8 @@ data-parallel indices d mod n == r, so a replica set serves its share of the att
 splits them evenly over owners d, d + D, ... when D < n, so no replica idles (`replica_rows`).
 
 A plan the runtime cannot run is refused with a ValueError before any actor starts: a plan for
-another model, an infeasible plan, a selective-recomputation plan for a run whose experts_backend is
-not triton, a colocated plan with pipeline groups, a single plan on more
+another model, an infeasible plan, a plan recomputing expert modules for a run whose experts_backend
+is not triton, a colocated plan with pipeline groups, a single plan on more
 than one GPU or with pipeline groups, an expert held by no
 rank, twice by one rank or by a rank outside its layer's group, an expert rank with no expert.
 """
@@ -62,13 +63,21 @@ def apply_plan(cfg: TrainConfig, model_cfg: ModelConfig) -> TrainConfig:
     else:
         layout = {"mode": "disaggregated", "attention_ranks": plan.attention_gpus, "expert_ranks": plan.expert_gpus,
                   "pipeline_groups": plan.pipeline_groups, "micro_batches": plan.micro_batches}
-    if cfg.experts_backend == "triton":
-        layout["recompute"] = plan.recompute
-        if plan.recompute == "selective":
-            layout["recompute_modules"] = list(SELECTIVE_MODULES)
+    if plan.recompute == "selective":
+        layout["recompute"] = "selective"
+        layout["recompute_modules"] = planned_modules(plan)
+    elif cfg.experts_backend == "triton":
+        layout["recompute"] = "none"
     if plan.offload_optimizer:  # the plan's memory holds the state in host memory
         layout["offload_optimizer"] = True
     return cfg.model_copy(update={**layout, "plan": plan})
+
+
+def planned_modules(plan: Plan) -> list[str]:
+    """The modules a plan recomputes ([] under none; a selective plan naming none: the expert three)."""
+    if plan.recompute != "selective":
+        return []
+    return list(plan.recompute_modules) or list(SELECTIVE_MODULES)
 
 
 def replaced_fields(before: TrainConfig, after: TrainConfig) -> dict[str, tuple[object, object]]:
@@ -83,9 +92,11 @@ def check_plan(plan: Plan, model_cfg: ModelConfig, source: str, experts_backend:
         raise ValueError(f"{source} places model {plan.model!r} but this run trains {model_cfg.name!r}; {REPLAN}")
     if not plan.feasible:
         raise ValueError(f"{source} is infeasible ({plan.reason}); plan for more GPUs or a smaller batch")
-    if plan.recompute == "selective" and experts_backend != "triton":
-        raise ValueError(f"{source} fits only with recompute: selective, which needs experts_backend: triton (this "
-                         f"run's is {experts_backend}); set experts_backend: triton, or plan again with --recompute none")
+    experts = [name for name in planned_modules(plan) if name in SELECTIVE_MODULES]
+    if experts and experts_backend != "triton":
+        raise ValueError(f"{source} fits only with recompute: selective of {', '.join(experts)}, which needs "
+                         f"experts_backend: triton (this run's is {experts_backend}); set experts_backend: triton, "
+                         "or plan again with --recompute none")
     moe_layers, experts = model_cfg.num_moe_layers, model_cfg.num_experts
     if len(plan.expert_map) != moe_layers or any(len(owners) != experts for owners in plan.expert_map):
         shape = f"{len(plan.expert_map)} MoE layers x {[len(o) for o in plan.expert_map]} experts"

@@ -266,7 +266,8 @@ def test_selective_recomputation_frees_exactly_the_dropped_terms_and_pays_their_
     req = PlanConfig(model=model, cluster=ClusterConfig(hardware=load_hardware("h200-sxm"), num_gpus=8),
                      seq_len=1024, global_batch_tokens=1024 * 64)
     cand = Candidates.one(0, 8, 1, 4, 2, colocated=True) if colocated else Candidates.one(4, 4, 1, 4, 2)
-    none, sel = (evaluate(replace(problem_of(req), recompute=r), cand) for r in ("none", "selective"))
+    none, sel = (evaluate(replace(problem_of(req), recompute=r, recompute_modules=mem.SELECTIVE), cand)
+                 for r in ("none", "selective"))
     rows = 2 * 1024 * model.top_k if colocated else 4 * 2 * 1024 * model.top_k / 4  # computed per GPU
     pairs = 8 * 2 * 1024 * model.top_k if colocated else 4 * 2 * 1024 * model.top_k  # spanned: every source's
     H, F = model.hidden_size, model.expert_ffn_size
@@ -434,3 +435,107 @@ def test_a_layout_that_fits_only_without_the_transport_buffers_is_refused():
         assert 0 < e.transport_gib < e.total_gib <= e.capacity_gib
         assert e.total_gib == pytest.approx(e.weights_gib + e.grads_gib + e.optimizer_gib + e.activations_gib
                                             + e.transport_gib)
+
+
+@pytest.mark.parametrize("colocated", [False, True])
+def test_attention_recomputation_frees_exactly_the_attention_terms_and_pays_its_work(colocated):
+    """recompute_modules: [attention] lowers the attention side's kept bytes by
+    `memory.attention_recomputed_bytes` per token of every layer in flight, less the recomputed
+    transient the backward holds on top, leaves the expert side alone, and adds
+    `stages.attention_recompute` to every layer's attention backward."""
+    from disagmoe.placement.cost import ATTENTION
+    from disagmoe.roofline import memory as mem
+    from disagmoe.roofline.stages import attention_recompute
+
+    model = load_model("qwen3-30b-a3b")
+    req = PlanConfig(model=model, cluster=ClusterConfig(hardware=load_hardware("h200-sxm"), num_gpus=8),
+                     seq_len=1024, global_batch_tokens=1024 * 64)
+    cand = Candidates.one(0, 8, 1, 4, 2, colocated=True) if colocated else Candidates.one(4, 4, 1, 4, 2)
+    none, att = (evaluate(replace(problem_of(req), recompute=r, recompute_modules=ATTENTION), cand)
+                 for r in ("none", "selective"))
+    tokens, L = 2 * 1024, model.num_layers
+    dropped = mem.attention_recomputed_bytes(model, 2)
+    pairs = 8 * tokens * model.top_k if colocated else 4 * tokens * model.top_k
+
+    def held(d):  # the transient on top of what is kept: the head, or one layer's backward
+        rows = pairs * mem.expert_row_grad_bytes(model, 2) if colocated else 0
+        return max(mem.head_bytes(model, tokens, 2), tokens * mem.attention_grad_bytes(model, True, 2, d) + rows)
+
+    freed = none.attn_act_bytes[0] - att.attn_act_bytes[0]
+    assert freed == pytest.approx(4 * tokens * L * dropped - (held(ATTENTION) - held(mem.NOTHING_DROPPED)), rel=1e-12)
+    assert none.expert_act_bytes[0] == att.expert_act_bytes[0]
+    assert att.recompute_attention[0] and not att.selective[0] and att.dropped() == ATTENTION
+    assert not none.recompute_attention[0] and "attention recompute" not in none.stages
+    stage = att.stages["attention recompute"]
+    assert (stage.group, stage.runs, stage.fwd.flops) == ("attention", "layer", 0)
+    want = attention_recompute(model, tokens, 1024)
+    assert stage.bwd.flops[0] == pytest.approx(want.flops) and stage.bwd.hbm_bytes[0] == pytest.approx(want.hbm_bytes)
+    assert att.step_s[0] > none.step_s[0]
+
+
+def test_auto_recomputes_each_side_of_a_split_only_where_it_overflows():
+    """In a split each GPU's memory depends on its own modules only: auto drops the expert modules
+    where only they let the expert GPU fit and attention where only it lets the attention GPU fit,
+    and prices the candidate exactly as that fixed choice; with room, nothing."""
+    from disagmoe.placement.cost import ATTENTION
+    from disagmoe.roofline import memory as mem
+
+    model = load_model("qwen3-30b-a3b")
+    cand = Candidates.one(1, 32, 1, 4, 2)
+    hw = load_hardware("h200-sxm")
+
+    def cost(hbm, recompute="auto", modules=None):
+        req = PlanConfig(model=model, cluster=ClusterConfig(hardware=hw.model_copy(update={"hbm_gib": hbm}),
+                                                            num_gpus=64), seq_len=4096, global_batch_tokens=1 << 22,
+                         recompute=recompute, recompute_modules=modules, memory_headroom=1.0)
+        return evaluate(problem_of(req), cand)
+
+    fixed = {d: cost(1e6, "selective", sorted(d)) for d in (ATTENTION, mem.SELECTIVE, mem.SELECTIVE | ATTENTION)}
+    plain = cost(1e6, "none")
+    attn_plain, attn_lean = (float(c.attn_mem_bytes[0]) / 2**30 for c in (plain, fixed[ATTENTION]))
+    exp_plain, exp_lean = (float(c.expert_mem_bytes[0]) / 2**30 for c in (plain, fixed[mem.SELECTIVE]))
+    assert attn_lean < attn_plain and exp_lean < exp_plain
+    both = cost(max(attn_lean, exp_lean) + 1e-3)  # tight on both sides (this layout: expert GPUs fuller)
+    assert attn_plain > max(attn_lean, exp_lean) and both.fits[0]
+    assert both.dropped() == mem.SELECTIVE | ATTENTION and both.step_s[0] == fixed[mem.SELECTIVE | ATTENTION].step_s[0]
+    experts_only = cost(max(attn_plain, exp_lean) + 1e-3)
+    assert experts_only.fits[0] and experts_only.dropped() == mem.SELECTIVE
+    assert experts_only.step_s[0] == fixed[mem.SELECTIVE].step_s[0]
+    roomy = cost(1e6)
+    assert roomy.dropped() == mem.NOTHING_DROPPED and roomy.step_s[0] == plain.step_s[0]
+    assert roomy.step_s[0] < fixed[ATTENTION].step_s[0] < fixed[mem.SELECTIVE | ATTENTION].step_s[0]
+    # without the expert modules (not triton) the expert GPU cannot fit where it needed them
+    grouped = evaluate(problem_of(PlanConfig(
+        model=model, cluster=ClusterConfig(hardware=hw.model_copy(update={"hbm_gib": max(attn_lean, exp_lean) + 1e-3}),
+                                           num_gpus=64), seq_len=4096, global_batch_tokens=1 << 22,
+        experts_backend="grouped_mm", memory_headroom=1.0)), cand)
+    assert not grouped.fits[0] and not grouped.selective[0]
+
+
+def test_a_colocated_gpu_takes_the_cheapest_recomputation_that_fits():
+    """One GPU holds both sides: auto takes none where it fits, the expert modules (a few HBM bytes)
+    before attention (about one more attention forward) where either fits, both where only both do."""
+    from disagmoe.placement.cost import ATTENTION
+    from disagmoe.roofline import memory as mem
+
+    model = load_model("qwen3-30b-a3b")
+    cand = Candidates.one(0, 8, 1, 4, 2, colocated=True)
+    hw = load_hardware("h200-sxm")
+
+    def cost(hbm, recompute="auto", modules=None):
+        req = PlanConfig(model=model, cluster=ClusterConfig(hardware=hw.model_copy(update={"hbm_gib": hbm}),
+                                                            num_gpus=8), seq_len=4096, global_batch_tokens=1 << 22,
+                         recompute=recompute, recompute_modules=modules, memory_headroom=1.0)
+        return evaluate(problem_of(req), cand)
+
+    need = {d: float(cost(1e6, "selective", sorted(d)).attn_mem_bytes[0]) / 2**30
+            for d in (ATTENTION, mem.SELECTIVE, mem.SELECTIVE | ATTENTION)}
+    need[mem.NOTHING_DROPPED] = float(cost(1e6, "none").attn_mem_bytes[0]) / 2**30
+    assert need[mem.SELECTIVE | ATTENTION] < min(need[ATTENTION], need[mem.SELECTIVE])
+    assert max(need[ATTENTION], need[mem.SELECTIVE]) < need[mem.NOTHING_DROPPED]
+    assert cost(need[mem.SELECTIVE | ATTENTION] + 1e-3).dropped() == mem.SELECTIVE | ATTENTION
+    either = cost(max(need[ATTENTION], need[mem.SELECTIVE]) + 1e-3)
+    assert either.fits[0] and either.dropped() == mem.SELECTIVE
+    assert cost(need[mem.NOTHING_DROPPED] + 1e-3).dropped() == mem.NOTHING_DROPPED
+    tight = cost(need[mem.SELECTIVE | ATTENTION] - 1e-3)
+    assert not tight.fits[0] and tight.dropped() == mem.NOTHING_DROPPED and not tight.lean_fits[0]

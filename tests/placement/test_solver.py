@@ -256,6 +256,74 @@ def test_auto_recomputation_is_chosen_recorded_and_said_only_where_it_pays():
         request("qwen3-235b-a22b", "gb200-nvl72", 72, recompute="selective", experts_backend="loop")
 
 
+EXPERT_MODULES = ["expert_input", "expert_output", "expert_swiglu"]
+
+
+def attention_bound_request(hbm_gib=60, **kw):
+    """A 4-layer Qwen3-30B-shaped model on two 60 GiB H200s at 32K tokens per sequence, one pipeline
+    group: colocated, one sequence fits only with the attention block recomputed too."""
+    hw = load_hardware("h200-sxm").model_copy(update={"hbm_gib": hbm_gib})
+    model = load_model("qwen3-30b-a3b").model_copy(update={"num_layers": 4})
+    return PlanConfig(model=model, cluster=ClusterConfig(hardware=hw, num_gpus=2), seq_len=32768,
+                      global_batch_tokens=1 << 20, max_pipeline_groups=1, **kw)
+
+
+def test_auto_recomputes_attention_only_where_it_makes_the_step_faster():
+    """Where memory binds the attention side, auto also recomputes attention: the plan is faster
+    than the best without it (here: the colocated layout fits only so, against the disaggregated
+    split the expert modules alone allow), records all four modules and says what attention
+    recomputation freed and costs; where the expert modules suffice (qwen3-235b-a22b on 72 GB200s,
+    expert-bound) it is not chosen, and with room to spare neither is, the note pricing both."""
+    auto = solve(attention_bound_request())
+    experts = solve(attention_bound_request(recompute_modules=EXPERT_MODULES))
+    assert not solve(attention_bound_request(recompute="none")).feasible
+    assert auto.feasible and experts.feasible and auto.step_time_s < experts.step_time_s
+    assert auto.layout == "colocated" and experts.layout == "disaggregated"
+    assert auto.recompute == "selective" and auto.recompute_modules == EXPERT_MODULES + ["attention"]
+    assert "attention" not in experts.recompute_modules
+    note = next(n for n in auto.notes if n.startswith("attention recomputation: activations "))
+    assert re.search(r"activations [\d.]+ -> [\d.]+ GiB per colocated GPU lets m=1 with this layout fit", note)
+    assert "its recompute adds " in note and "one more attention forward per layer" in note
+    assert any("selective recomputation of the expert FFN's input, output and SwiGLU rows and the attention block"
+               " (train --plan sets recompute: selective, recompute_modules: [expert_input, expert_output, "
+               "expert_swiglu, attention]" in n for n in auto.notes)
+    expert_bound = solve(request("qwen3-235b-a22b", "gb200-nvl72", 72, seq_len=4096))
+    assert expert_bound.recompute_modules == EXPERT_MODULES
+    assert not any(n.startswith("attention recomputation:") for n in expert_bound.notes + experts.notes)
+    roomy = solve(PlanConfig(model=load_model("qwen3-235b-a22b"), seq_len=4096, cluster=ClusterConfig(
+        hardware=load_hardware("gb200-nvl72").model_copy(update={"hbm_gib": 1e5}), num_gpus=72)))
+    note = next(n for n in roomy.notes if n.startswith("recompute auto chose none"))
+    assert "; selective would take activations " in note and "; attention recomputation would take activations " in note
+    assert roomy.recompute_modules == []
+
+
+def test_an_attention_recomputing_plan_round_trips_into_the_runs_config(tmp_path):
+    """The plan file keeps `recompute_modules`; `train --plan` sets recompute: selective with exactly
+    those modules, which the run's memory model then counts; a run whose experts are not triton
+    takes an attention-only plan and is refused one that drops expert modules."""
+    from disagmoe.cli.plan_cmd import write_plan
+    from disagmoe.config import TrainConfig
+    from disagmoe.runtime.plan_layout import apply_plan, load_plan
+
+    cfg = attention_bound_request()
+    plan = solve(cfg)
+    write_plan(plan, tmp_path / "plan.yaml")
+    back = load_plan(str(tmp_path / "plan.yaml"))
+    assert back == plan and back.recompute_modules == EXPERT_MODULES + ["attention"]
+    run = apply_plan(TrainConfig(model=cfg.model, plan=str(tmp_path / "plan.yaml"), experts_backend="triton",
+                                 batch_size=2, seq_len=32768), cfg.model)
+    assert (run.mode, run.colocated_ranks, run.micro_batches) == ("colocated", 2, plan.micro_batches)
+    assert run.recompute == "selective" and run.recompute_set == frozenset(EXPERT_MODULES + ["attention"])
+    grouped = solve(attention_bound_request(141, experts_backend="grouped_mm", recompute_modules=["attention"],
+                                            recompute="selective"))
+    assert grouped.recompute_modules == ["attention"]
+    loop = apply_plan(TrainConfig(model=cfg.model, plan=grouped, batch_size=2, seq_len=32768), cfg.model)
+    assert loop.recompute == "selective" and loop.recompute_set == {"attention"}
+    with pytest.raises(ValueError, match="expert_input, expert_output, expert_swiglu, which needs experts_backend"):
+        apply_plan(TrainConfig(model=cfg.model, plan=plan, experts_backend="grouped_mm", batch_size=2,
+                               seq_len=32768), cfg.model)
+
+
 def test_with_memory_to_spare_attention_gets_more_gpus_at_longer_sequences():
     """Attention's share of the work grows with S (the S^2 term of the core); where memory does
     not bind, the split follows it. Memory is taken out of the question with 10^6 GiB per GPU:

@@ -114,14 +114,17 @@ def test_attention_recomputation_lowers_the_attention_ranks_peak_on_any_backend(
     ("deepseek-v3", 1024, dict(attn=2, expert=8, p=1, m=2, seqs=1)),  # leading dense layers
     ("qwen3-235b-a22b", 16384, dict(attn=48, expert=24, p=3, m=8, seqs=1)),  # test_solver's 16K split
 ])
-@pytest.mark.parametrize("recompute", ["none", "selective"])
-def test_the_planner_prices_the_activations_the_runtimes_memory_check_counts(name, seq_len, layout, recompute):
-    """A disaggregated plan applied to a run: the planner's activation bytes per attention GPU and
-    per expert GPU equal the largest peak the runtime's check (`rank_activations`, as `check_fits`
-    counts it) finds among that side's ranks. The expert GPU holds every (token, k) pair of every
-    attention GPU of its group, not its experts' share (`placement.cost.activations` says why);
-    the 16K split shows the terabytes test_solver's memory-to-spare test steps around are the
-    runtime's own count."""
+@pytest.mark.parametrize("recompute, modules", [("none", None), ("selective", None), ("selective", ["attention"]),
+                                               ("selective", ["expert_input", "expert_output", "expert_swiglu",
+                                                              "attention"])])
+def test_the_planner_prices_the_activations_the_runtimes_memory_check_counts(name, seq_len, layout, recompute,
+                                                                              modules):
+    """A disaggregated plan applied to a run: the planner's activation bytes per attention GPU and per
+    expert GPU equal the largest peak the runtime's check (`rank_activations`, as `check_fits`
+    counts it) finds among that side's ranks, with each recomputation the plan records. The expert
+    GPU holds every (token, k) pair of every attention GPU of its group, not its experts' share
+    (`placement.cost.activations` says why); the 16K split shows the terabytes test_solver's
+    memory-to-spare test steps around are the runtime's own count."""
     from disagmoe.config import ClusterConfig, PlanConfig, load_hardware
     from disagmoe.placement.cost import Candidates
     from disagmoe.placement.solver import price
@@ -130,15 +133,18 @@ def test_the_planner_prices_the_activations_the_runtimes_memory_check_counts(nam
     model = load_model(name)
     roomy = load_hardware("h200-sxm").model_copy(update={"hbm_gib": 1e6})  # the count, not the fit, is tested
     request = PlanConfig(model=model, cluster=ClusterConfig(hardware=roomy, num_gpus=72),
-                         seq_len=seq_len, global_batch_tokens=1 << 22, recompute=recompute)
+                         seq_len=seq_len, global_batch_tokens=1 << 22, recompute=recompute, recompute_modules=modules)
     choice = price(request, Candidates.one(**layout))
     plan, cost = choice.plan, choice.cost
     assert plan.layout == "disaggregated" and plan.recompute == recompute
+    if modules is not None:
+        assert plan.recompute_modules == modules
     dp = layout["attn"] // layout["p"]
     cfg = TrainConfig(model=model, plan=plan, experts_backend="triton", precision="bf16", seq_len=seq_len,
                       batch_size=layout["m"] * dp * layout["seqs"], out_dir="unused")
     run = apply_plan(cfg, model)
     assert run.recompute == recompute and run.micro_batches == layout["m"]
+    assert run.recompute_set == frozenset(plan.recompute_modules)
     topology = Topology.from_config(cfg, model)
     peaks = rank_activations(run, model, topology)
     attention = [p.peak_bytes for r, p in enumerate(peaks) if topology.attention_role(r) is not None]

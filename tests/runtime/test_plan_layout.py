@@ -184,6 +184,20 @@ def test_a_plans_recomputation_is_set_where_the_experts_can_run_it():
     assert apply_plan(config(plain), MODEL).recompute == "none"
 
 
+def test_a_selective_plan_written_before_recompute_modules_means_the_expert_modules():
+    """A plan file from before `recompute_modules` with recompute: selective reads as the three
+    expert modules (what the planner then priced); a plan of none names no module."""
+    data = planned(2, 1).model_dump(mode="json")
+    assert data["recompute_modules"] == [] and data["recompute"] == "none"
+    del data["recompute_modules"]
+    assert Plan.model_validate(data).recompute_modules == []
+    data["recompute"] = "selective"
+    old = Plan.model_validate(data)
+    assert old.recompute_modules == ["expert_input", "expert_output", "expert_swiglu"]
+    run = apply_plan(config(old, experts_backend="triton"), MODEL)
+    assert run.recompute_set == {"expert_input", "expert_output", "expert_swiglu"}
+
+
 def test_a_plan_priced_with_offload_sets_offload_optimizer():
     """`plan --offload-optimizer` records it in the plan and `train --plan` sets offload_optimizer: true
     (among the replaced fields); a plan without it leaves the config's setting."""

@@ -14,13 +14,14 @@ none (the Triton experts backend does).
 Moments in bf16 (`optim.state_dtype: bf16`, 4 bytes per parameter fewer): the masters and main
 gradients stay fp32 and so does the update. `_step_rounded_moments` upcasts a chunk of each moment
 to fp32, runs torch's AdamW on it (the same call as the fp32 path: fused on CUDA), and rounds the
-new moments back to bf16, round-to-nearest-even. That rounding is the only difference from the fp32
-path, and it reaches the parameters one step later: step t's update uses its unrounded fp32
-moments, step t + 1 starts from the rounded ones. Transformer Engine's FusedAdam
-(`exp_avg_dtype=torch.bfloat16`, what Megatron-Core's precision-aware optimizer uses) does the
-same, over whole fp32 copies and with no stochastic rounding. exp_avg_sq holds squares of
-gradients (1e-20 and below is common): bf16 keeps fp32's 8-bit exponent, so they neither underflow
-nor overflow; only the significand drops to 8 bits (relative error <= 2^-8 per rounding).
+new moments back to bf16, round-to-nearest-even (`adamw_chunk`, which the offloaded step shares).
+That rounding is the only difference from the fp32 path, and it reaches the parameters one step
+later: step t's update uses its unrounded fp32 moments, step t + 1 starts from the rounded ones.
+Transformer Engine's FusedAdam (`exp_avg_dtype=torch.bfloat16`, what Megatron-Core's precision-aware
+optimizer uses) does the same, over whole fp32 copies and with no stochastic rounding. exp_avg_sq
+holds squares of gradients (1e-20 and below is common): bf16 keeps fp32's 8-bit exponent, so they
+neither underflow nor overflow; only the significand drops to 8 bits (relative error <= 2^-8 per
+rounding).
 
 One step, from the caller's side (nothing here waits on the host):
 
@@ -47,8 +48,8 @@ Loading casts them to the run's dtype, so a run resumes with either dtype, in an
 Offload (`offload_bucket_bytes`, the run's `offload_optimizer`): the masters (bf16 compute; with fp32
 compute the parameters are the masters and stay on the device) and the moments of every bucket live
 in pinned host memory, and `step` streams them through two device slots (`runtime.state.offload`),
-one chunk at a time, through the same AdamW call per chunk as the on-device step: the same update,
-bit for bit. The step counters stay on the device; checkpoints read and write the host copies.
+one chunk at a time, each through `adamw_chunk` as the on-device bf16-moment step's chunks: the same
+update, bit for bit. The step counters stay on the device; checkpoints read and write the host copies.
 
 Shapes: N a bucket's flat length (padded to a multiple of D when sharded), S = N / D.
 """
@@ -303,12 +304,12 @@ class FlatAdamW:
                         skip: torch.Tensor | None) -> None:
         """`step` with the masters and moments in host memory (module docstring, `runtime.state.offload`):
         chunks of at most one slot, over every bucket in order, loaded two ahead into the slots, updated
-        by the same AdamW call as `_step_rounded_moments`'s chunks (fp32 moments: the same elementwise
+        by `adamw_chunk` as `_step_rounded_moments`'s chunks are (fp32 moments: the same elementwise
         update `inner.step()` makes), the compute parameters written from the updated masters on the
         device, stored back. The sharded buckets' all-gathers follow the last chunk."""
         area = self.staging
         assert area is not None
-        C, fp32_moments, cuda = area.elements, self.state_dtype == torch.float32, self.lr.is_cuda
+        C, cuda = area.elements, self.lr.is_cuda
         chunks = [(b, start, min(C, b.master_S.numel() - start))
                   for b in self.buckets for start in range(0, b.master_S.numel(), C)]
         states = {b.name: self._offloaded_state(b) for b in self.buckets}
@@ -333,23 +334,8 @@ class FlatAdamW:
                 slot, state = area.slots[i % 2], states[b.name]
                 area.wait_loaded(i)
                 master = b.master_S[start:start + n] if slot.master_C is None else slot.master_C[:n]
-                group = b.inner.param_groups[0]
-                beta1, beta2 = group["betas"]
-                if fp32_moments:
-                    exp_avg, exp_avg_sq = slot.exp_avg_C[:n], slot.exp_avg_sq_C[:n]
-                else:
-                    exp_avg, exp_avg_sq = area.scratch_2C[0, :n], area.scratch_2C[1, :n]
-                    exp_avg.copy_(slot.exp_avg_C[:n])
-                    exp_avg_sq.copy_(slot.exp_avg_sq_C[:n])
-                step = state["step"].clone()  # each chunk starts from the bucket's step (counted once below)
-                adamw([master], [b.step_grad()[start:start + n]], [exp_avg], [exp_avg_sq], [], [step],
-                      foreach=False, fused=cuda, grad_scale=grad_scale if cuda else None, found_inf=skip,
-                      amsgrad=False,
-                      beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
-                      eps=group["eps"], maximize=False)
-                if not fp32_moments:  # fp32 -> bf16: round to nearest even, as `_step_rounded_moments`
-                    slot.exp_avg_C[:n].copy_(exp_avg)
-                    slot.exp_avg_sq_C[:n].copy_(exp_avg_sq)
+                adamw_chunk(b.inner.param_groups[0], master, b.step_grad()[start:start + n], slot.exp_avg_C[:n],
+                            slot.exp_avg_sq_C[:n], state["step"], grad_scale, skip, area.scratch_2C)
                 if slot.master_C is not None:  # the compute copy from the updated masters, on the device
                     at = b.slice_start + start
                     b.compute_N[at:at + n].copy_(master)
@@ -357,9 +343,7 @@ class FlatAdamW:
                 if i + 2 < len(chunks):
                     area.load(i + 2, pairs(i + 2))
                 if start + n == b.master_S.numel():
-                    state["step"].add_(1)
-                    if skip is not None:  # as `step`'s: the fused kernel left this bucket as it was
-                        state["step"].sub_(skip)
+                    count_step(state, skip)
             for b in self.buckets:
                 if b.shard is not None:  # this rank's slice of compute_N is fresh: gather the others'
                     at, S = b.slice_start, b.master_S.numel()
@@ -378,24 +362,13 @@ class FlatAdamW:
             state.update(step=torch.zeros((), dtype=torch.float32, device=step_device),
                          exp_avg=torch.zeros_like(master, dtype=self.state_dtype),
                          exp_avg_sq=torch.zeros_like(master, dtype=self.state_dtype))
-        group = b.inner.param_groups[0]
-        beta1, beta2 = group["betas"]
-        grad = master.grad
+        group, grad = b.inner.param_groups[0], master.grad
         with torch.no_grad():
             for start in range(0, master.numel(), MOMENT_CHUNK):
                 part = slice(start, start + MOMENT_CHUNK)
-                exp_avg, exp_avg_sq = state["exp_avg"][part].float(), state["exp_avg_sq"][part].float()
-                step = state["step"].clone()  # the call counts its own step: each chunk starts from the same one
-                adamw([master[part]], [grad[part]], [exp_avg], [exp_avg_sq], [], [step], foreach=False,
-                      fused=master.is_cuda, grad_scale=grad_scale if master.is_cuda else None, found_inf=skip,
-                      amsgrad=False,
-                      beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
-                      maximize=False)
-                state["exp_avg"][part].copy_(exp_avg)  # fp32 -> bf16: round to nearest even
-                state["exp_avg_sq"][part].copy_(exp_avg_sq)
-            state["step"].add_(1)
-            if skip is not None:
-                state["step"].sub_(skip)
+                adamw_chunk(group, master[part], grad[part], state["exp_avg"][part], state["exp_avg_sq"][part],
+                            state["step"], grad_scale, skip)
+            count_step(state, skip)
 
     # -- checkpoints ---------------------------------------------------------------------------
 
@@ -496,6 +469,45 @@ class FlatAdamW:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+
+
+def adamw_chunk(group: dict, master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
+                exp_avg_sq: torch.Tensor, step: torch.Tensor, grad_scale: torch.Tensor | None,
+                skip: torch.Tensor | None, scratch_2C: torch.Tensor | None = None) -> None:
+    """One chunk of AdamW in place, the arithmetic of both the on-device bf16-moment step
+    (`FlatAdamW._step_rounded_moments`) and the offloaded step (`FlatAdamW._step_offloaded`): torch's
+    functional AdamW with `group`'s hyperparameters (fused on CUDA, dividing the gradient by
+    `grad_scale` and leaving everything as it was where `skip` is 1; the CPU caller has scaled the
+    gradient already) from a copy of the bucket's `step` (every chunk starts from the same count:
+    the caller counts it once, `count_step`). Moments in fp32 update in place; in bf16 through fp32
+    copies (into `scratch_2C`'s rows when given, else fresh tensors: the same values) rounded back
+    to nearest-even. Elementwise, so chunking changes no bit; no host sync.
+
+    Shapes: master, grad, exp_avg, exp_avg_sq [C]; scratch_2C [2, >= C] fp32."""
+    if exp_avg.dtype == torch.float32:
+        avg_C, sq_C = exp_avg, exp_avg_sq
+    elif scratch_2C is not None:
+        avg_C, sq_C = scratch_2C[0, :exp_avg.numel()], scratch_2C[1, :exp_avg.numel()]
+        avg_C.copy_(exp_avg)
+        sq_C.copy_(exp_avg_sq)
+    else:
+        avg_C, sq_C = exp_avg.float(), exp_avg_sq.float()
+    fused = master.is_cuda
+    beta1, beta2 = group["betas"]
+    adamw([master], [grad], [avg_C], [sq_C], [], [step.clone()], foreach=False, fused=fused,
+          grad_scale=grad_scale if fused else None, found_inf=skip, amsgrad=False, beta1=beta1, beta2=beta2,
+          lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+    if avg_C is not exp_avg:  # fp32 -> bf16: round to nearest even
+        exp_avg.copy_(avg_C)
+        exp_avg_sq.copy_(sq_C)
+
+
+def count_step(state: dict, skip: torch.Tensor | None) -> None:
+    """One more step in a bucket's AdamW state, on the device (none where `skip` is 1: the fused
+    kernel left the bucket as it was)."""
+    state["step"].add_(1)
+    if skip is not None:
+        state["step"].sub_(skip)
 
 
 def flat_squares(flat: torch.Tensor) -> torch.Tensor:

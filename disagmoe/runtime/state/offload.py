@@ -10,8 +10,8 @@ host memory and streams them through a `StagingArea` of two GPU slots per step (
 A slot holds `roofline.optimizer_state.slot_elements` elements (the memory model's count too); the
 next step's loads wait for this step's last stores (`begin`).
 
-A chunk c is at most one slot's elements of one bucket's slice; its update is the same AdamW call
-as the on-device step (elementwise, so chunking changes no bit) and ends by writing the bf16
+A chunk c is at most one slot's elements of one bucket's slice; its update is `flat_adamw.adamw_chunk`,
+the on-device step's (elementwise, so chunking changes no bit), and ends by writing the bf16
 parameters of its elements from the updated masters, on the GPU. The gradient never leaves the GPU.
 Only stream/event waits order the three streams: nothing in the step waits on the host.
 

@@ -543,3 +543,39 @@ def test_cuda_a_skip_flag_leaves_masters_moments_and_steps_and_a_clear_one_steps
         assert torch.equal(b.master_S, master), b.name
         for key, value in old.items():
             assert torch.equal(state[key], value), (b.name, key)
+
+
+@pytest.mark.parametrize("moments", [torch.float32, torch.bfloat16])
+def test_the_on_device_and_offloaded_steps_share_one_chunk_update(moments) -> None:
+    """`adamw_chunk` as the two steps call it, on the same inputs: the on-device bf16-moment step's
+    (whole chunks, fresh fp32 copies of the moments) and the offloaded step's (slot-sized chunks,
+    the staging area's fp32 scratch) give the same masters and moments bit for bit, and both are
+    torch's AdamW on fp32 moments with the moments then rounded to the storage dtype. (FlatAdamW
+    on-device against offloaded: tests/runtime/state/test_offload.py.)"""
+    from disagmoe.runtime.state.flat_adamw import adamw_chunk
+
+    gen = torch.Generator().manual_seed(5)
+    n, chunk = 23, 5
+    master = torch.randn(n, generator=gen)
+    grad = torch.randn(n, generator=gen)
+    avg, sq = (torch.randn(n, generator=gen) * 1e-2).to(moments), (torch.rand(n, generator=gen) * 1e-4).to(moments)
+    step = torch.tensor(3.0)
+    group = {"betas": (0.9, 0.95), "lr": torch.tensor(1e-2, dtype=torch.float64), "weight_decay": 0.1, "eps": 1e-8}
+    whole = [t.clone() for t in (master, avg, sq)]
+    adamw_chunk(group, whole[0], grad, whole[1], whole[2], step, None, None)
+    chunked = [t.clone() for t in (master, avg, sq)]
+    scratch_2C = torch.full((2, chunk), float("nan"))
+    for start in range(0, n, chunk):
+        part = slice(start, start + chunk)
+        adamw_chunk(group, chunked[0][part], grad[part], chunked[1][part], chunked[2][part], step, None, None,
+                    scratch_2C if moments != torch.float32 else None)
+    ref = nn.Parameter(master.clone())
+    ref.grad = grad.clone()
+    reference = torch.optim.AdamW([ref], lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    reference.state[ref] = {"step": step.clone(), "exp_avg": avg.float(), "exp_avg_sq": sq.float()}
+    reference.step()
+    state = reference.state[ref]
+    expected = (ref.detach(), state["exp_avg"].to(moments), state["exp_avg_sq"].to(moments))
+    for a, b, c in zip(whole, chunked, expected, strict=True):
+        assert a.dtype == c.dtype and torch.equal(a, b) and torch.equal(a, c)
+    assert float(step) == 3.0  # the caller counts the step (`count_step`), once per bucket
