@@ -1,6 +1,7 @@
 import importlib
 import importlib.util
 import os
+from pathlib import Path
 
 import pytest
 
@@ -13,11 +14,7 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups off the items
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if "slow" in item.keywords and _starts_processes(item.path):
-            item.add_marker(pytest.mark.xdist_group("processes"))
     if _cuda():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
@@ -26,27 +23,36 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-# --- parallel runs (README: `python -m pytest -q -n auto`, pytest-xdist). The slow tests of a file
-# that starts processes (Ray clusters, trainers, CLI runs in subprocesses, spawned ranks: the
-# quick subset's rule, tests/test_quick_subset.py, plus fixtures and spawn) form one group, run
-# one after another on one worker: two clusters side by side on a 2-core machine miss their
-# start-up timeouts. Every other test is spread over the workers.
-PROCESS_STARTS = ("DistributedTrainer(", "WorkerGroup.start(", "subprocess.Popen(", "subprocess.run(", "Cluster(",
-                  "ray.init(", "spawn(", "Process(")
-_process_files: dict = {}
+# --- parallel runs (README: `python -m pytest -q -n auto`, pytest-xdist). The tests of a file that
+# starts Ray (clusters, trainers, `disagmoe train` or `bench placement` in a process or through the
+# CLI runner) are one unit of work, run one after another on one worker: two Ray clusters side by
+# side on a 2-core machine miss their start-up timeouts. Every other test (spawned gloo ranks
+# included) is a unit of its own, spread over the workers. (xdist's own "loadgroup" marks groups
+# by rewriting node ids, which pytest 9 no longer reads: this scheduler groups by file instead.)
+RAY_STARTS = ("DistributedTrainer(", "WorkerGroup.start(", "Cluster(", "ray.init(", '"-m", "disagmoe"', '["train"',
+              '"bench", "placement"', '"bench", "train"')
+TESTS_ROOT = Path(__file__).resolve().parent.parent
+_ray_files: dict[str, bool] = {}
 
 
-def _starts_processes(path) -> bool:
-    if path not in _process_files:
-        text = path.read_text() if path.suffix == ".py" else ""
-        _process_files[path] = any(s in text for s in PROCESS_STARTS)
-    return _process_files[path]
+def _starts_ray(test_file: str) -> bool:
+    """Whether the test file (a path relative to the repository, as node ids name it) starts Ray."""
+    if test_file not in _ray_files:
+        path = TESTS_ROOT / test_file
+        text = path.read_text() if path.suffix == ".py" and path.is_file() else ""
+        _ray_files[test_file] = any(s in text for s in RAY_STARTS)
+    return _ray_files[test_file]
 
 
 def pytest_xdist_make_scheduler(config, log):
-    from xdist.scheduler import LoadGroupScheduling
+    from xdist.scheduler import LoadScopeScheduling
 
-    return LoadGroupScheduling(config, log)
+    class RayFilesTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            test_file = nodeid.split("::", 1)[0]
+            return "ray" if _starts_ray(test_file) else nodeid
+
+    return RayFilesTogether(config, log)
 
 
 # --- Triton's CPU interpreter, switched on for one test at a time (kernel tests, runtime tests of fused paths)
@@ -160,3 +166,4 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section(f"the {FILES_NAMED} slowest test files ({total:.0f} s in all tests)")
         for path, seconds in sorted(_file_seconds.items(), key=lambda t: -t[1])[:FILES_NAMED]:
             terminalreporter.write_line(f"{seconds:7.1f}s {100 * seconds / total:5.1f}% {path}")
+

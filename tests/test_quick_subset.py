@@ -19,8 +19,8 @@ QUICK_ANYWAY = {("runtime/test_plan_layout.py", "test_plans_the_runtime_cannot_r
 def test_the_readme_names_the_quick_subset_beside_the_full_command():
     text = README.read_text()
     setup = text.split("## Set-up", 1)[1].split("## Quickstart", 1)[0]
-    assert ". .venv/bin/activate && python -m pytest -q\n" in setup  # the full suite, as CI runs it
-    assert 'python -m pytest -q -m "not slow"' in setup
+    assert ". .venv/bin/activate && python -m pytest -q -n auto\n" in setup  # the full suite, as CI runs it
+    assert 'python -m pytest -q -n auto -m "not slow"' in setup
 
 
 def _marked_slow(node: ast.FunctionDef) -> bool:

@@ -405,8 +405,12 @@ def transport_buffers(prob: Problem, c: Candidates, dp: np.ndarray, ranks: np.nd
     return (np.where(pick, sparse[0], dense[0]).astype(float), np.where(pick, sparse[1], dense[1]).astype(float))
 
 
-def evaluate(prob: Problem, c: Candidates) -> Cost:
-    """Price every candidate: step time, memory per GPU, fit."""
+def evaluate(prob: Problem, c: Candidates, misfits_exact: bool = True) -> Cost:
+    """Price every candidate: step time, memory per GPU, fit. `misfits_exact=False` (the search's
+    pruning pass, where about 1 in 100 candidates fits): the transport buffers are priced only for
+    the candidates that fit without them with their leanest recomputation (in a split: whose expert
+    GPU does, what the pass prunes by); every other one fits with them neither, and its memory is
+    understated by them (its fit, lean fit and the pass's pruning are as exact)."""
     m, ceil = prob.model, prob.ceilings
     S, H, k = prob.seq_len, m.hidden_size, m.top_k
     p = c.p.astype(float)
@@ -482,10 +486,19 @@ def evaluate(prob: Problem, c: Candidates) -> Cost:
     else:
         attn_state = attn_bytes * attn_params + offload_staging_bytes(prob, attn_params)
         exp_state = exp_bytes * exp_params + fp8_copies + offload_staging_bytes(prob, exp_params)
-    transport_attn, transport_exp = transport_buffers(prob, c, dp, per_set if not c.colocated else ep)
+    in_flight = np.where(c.expert == 1, 1.0, mb) if c.colocated else mb  # one GPU: mode single accumulates
+    ranks = per_set if not c.colocated else ep
+    if misfits_exact:
+        transport_attn, transport_exp = transport_buffers(prob, c, dp, ranks)
+    else:
+        *_, lean_exp_mem, lean_fits = _recomputation(prob, c, tokens, in_flight, pairs, rows, attn_state, exp_state)
+        idx = np.flatnonzero(lean_fits if c.colocated else lean_exp_mem <= prob.capacity_bytes)
+        transport_attn, transport_exp = np.zeros(len(c)), np.zeros(len(c))
+        if len(idx):
+            each = lambda v: np.broadcast_to(np.asarray(v), (len(c),))[idx]  # noqa: E731
+            transport_attn[idx], transport_exp[idx] = transport_buffers(prob, c.take(idx), each(dp), each(ranks))
     attn_state = attn_state + transport_attn
     exp_state = exp_state + (0.0 if c.colocated else transport_exp)
-    in_flight = np.where(c.expert == 1, 1.0, mb) if c.colocated else mb  # one GPU: mode single accumulates
     selective, attention, act_attn, act_exp, fits, lean_exp_mem, lean_fits = _recomputation(
         prob, c, tokens, in_flight, pairs, rows, attn_state, exp_state)
     attn_mem = attn_state + act_attn

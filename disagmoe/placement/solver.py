@@ -233,7 +233,7 @@ def fewest_gpus(cfg: PlanConfig) -> int | None:
     def fits(g: int) -> bool:
         prob = problem_of(cfg, g)
         for cands in (disaggregated_candidates(cfg, g), colocated_candidates(cfg, g)):
-            if len(cands) and evaluate(prob, cands).fits.any():
+            if len(cands) and evaluate(prob, cands, misfits_exact=False).fits.any():
                 return True
         return False
 
@@ -278,7 +278,7 @@ def _pruning(cfg: PlanConfig, prob: Problem, cands: Candidates) -> Least:
     if not cands.colocated and prob.recompute == "auto" and "attention" in prob.recompute_modules:
         rest = prob.recompute_modules - ATTENTION
         lean = replace(prob, recompute="auto" if rest else "none", recompute_modules=rest)
-    cost = evaluate(lean, cands)
+    cost = evaluate(lean, cands, misfits_exact=False)  # a misfit's memory understated: it prunes less, never more
     best = float(np.min(np.where(cost.fits, cost.step_s, np.inf)))
     # Memory: a disaggregated expert GPU's bytes grow with dp (its activations span every pair of
     # the group's dp attention GPUs, `cost.activations`), a colocated GPU's do not change with it
@@ -427,7 +427,7 @@ def _choose(cfg: PlanConfig) -> Choice:
     for colocated in (False, True):
         kind = colocated_candidates if colocated else disaggregated_candidates
         cands = kind(cfg, gpus, _pruning(cfg, prob, kind(cfg, gpus)))
-        cost = evaluate(prob, cands) if len(cands) else None
+        cost = evaluate(prob, cands, misfits_exact=False) if len(cands) else None  # fits and steps exact
         i = best_index(cost, cands) if cost is not None else None
         best[colocated] = (float(cost.step_s[i]), cands.take(i)) if i is not None else (math.inf, None)
         if cost is not None:
