@@ -417,6 +417,26 @@ def test_fp8_dense_projections_are_priced_at_the_fp8_rate_with_their_quantise_pa
     assert any("dense projections (attention, shared experts, dense FFN layers) in FP8 too" in n for n in plan.notes)
 
 
+def test_fp8_dense_weight_copies_are_made_once_per_step_and_held():
+    """The dense linears' two e4m3 weight copies (`fp8_dense.Fp8WeightCopies`): read and written in
+    the attention optimizer's stage once per step, not in the per-call quantise passes, and held
+    beside the bf16 weights (1 byte per copy and parameter)."""
+    from disagmoe.roofline import stages as st
+
+    layout = Candidates.one(4, 4, 1, 4, 2)  # p = 1: every layer on each GPU
+    m = load_model("deepseek-v3")
+    with_copies, without = (evaluate(problem_of(request("deepseek-v3", "h200-sxm", 8, recompute="none",
+                                                        expert_precision="fp8", fp8_dense=d)), layout)
+                            for d in (True, False))
+    weights = st.dense_fp8_weights(m, m.num_moe_layers, m.num_dense_layers)
+    step = (with_copies.stages["optimizer (attention)"].bwd.hbm_bytes[0]
+            - without.stages["optimizer (attention)"].bwd.hbm_bytes[0])
+    assert step == pytest.approx(2 * (2 + 1) * weights)
+    assert (with_copies.attn_mem_bytes[0] - without.attn_mem_bytes[0]) == pytest.approx(2 * weights)
+    per_call = st.dense_fp8_quantise_passes(m, 1024.0, "attention")
+    assert per_call[0].hbm_bytes == pytest.approx(3 * 1024 * (3 * m.hidden_size + m.num_heads * m.mla.v_head_dim))
+
+
 def offload_request(off="auto", hbm_gib=None, host_memory_gib=None, batch=1 << 20, **kw):
     """qwen3-30b-a3b on 8 H200s, optionally with less HBM or host memory per GPU."""
     update = {k: v for k, v in (("hbm_gib", hbm_gib), ("host_memory_gib", host_memory_gib)) if v is not None}
