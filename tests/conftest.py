@@ -25,12 +25,15 @@ def pytest_collection_modifyitems(config, items):
 
 # --- parallel runs (README: `python -m pytest -q -n auto`, pytest-xdist). The tests of a file that
 # starts Ray (clusters, trainers, `disagmoe train` or `bench placement` in a process or through the
-# CLI runner) are one unit of work, run one after another on one worker: two Ray clusters side by
-# side on a 2-core machine miss their start-up timeouts. Every other test (spawned gloo ranks
-# included) is a unit of its own, spread over the workers. (xdist's own "loadgroup" marks groups
-# by rewriting node ids, which pytest 9 no longer reads: this scheduler groups by file instead.)
+# CLI runner) run one after another on one worker, in one of two units of work (`RAY_UNITS`: the
+# driver's and the README's files, then every other such file), so at most two Ray clusters run at
+# once; a third beside them on a 2-core machine misses its start-up timeouts. Every other test
+# (spawned gloo ranks included) is a unit of its own, spread over the workers. xdist runs the
+# units with the most tests first, so the two long Ray units start at once. (xdist's "loadgroup"
+# marks groups by rewriting node ids, which pytest 9 no longer reads: this scheduler groups by file.)
 RAY_STARTS = ("DistributedTrainer(", "WorkerGroup.start(", "Cluster(", "ray.init(", '"-m", "disagmoe"', '["train"',
               '"bench", "placement"', '"bench", "train"')
+RAY_UNITS = {"tests/runtime/cluster/test_driver.py": "ray-driver-and-readme", "tests/test_readme.py": "ray-driver-and-readme"}
 TESTS_ROOT = Path(__file__).resolve().parent.parent
 _ray_files: dict[str, bool] = {}
 
@@ -50,7 +53,7 @@ def pytest_xdist_make_scheduler(config, log):
     class RayFilesTogether(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             test_file = nodeid.split("::", 1)[0]
-            return "ray" if _starts_ray(test_file) else nodeid
+            return RAY_UNITS.get(test_file, "ray-other") if _starts_ray(test_file) else nodeid
 
     return RayFilesTogether(config, log)
 

@@ -213,7 +213,7 @@ def tune_experts(
 @bench_app.command("plan")
 @user_errors
 def plan(
-    repeats: Annotated[int, typer.Option(help="runs per case (median reported)", min=1)] = 5,
+    repeats: Annotated[int, typer.Option(help="runs per case (min, median and max reported)", min=1)] = 3,
     as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
 ) -> None:
     """Time `disagmoe plan` end to end (a fresh process per run, imports included) for the

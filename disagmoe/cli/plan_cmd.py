@@ -156,7 +156,7 @@ def show_plan(p, out: Path | None) -> None:
     if not p.feasible and not p.memory_per_gpu:
         console.print(Panel(p.reason, title=f"[red]no plan[/]: {head}", title_align="left"))
         for n in p.notes:
-            console.print(f"  note: {n}")
+            console.print(f"  note: {n}", markup=False, highlight=False)
         return
     if p.layout == "disaggregated":
         layout = (f"[bold]disaggregated[/]: {p.attention_gpus} attention GPUs + {p.expert_gpus} expert GPUs "
@@ -194,7 +194,7 @@ def show_plan(p, out: Path | None) -> None:
         st.add_row(s.name, s.group, report.seconds(s.time_s), s.bound)
     console.print(st)
     for n in p.notes:
-        console.print(f"note: {n}", highlight=False)
+        console.print(f"note: {n}", markup=False, highlight=False)
     if out:
         console.print(f"plan written to {out}", markup=False, highlight=False)
 

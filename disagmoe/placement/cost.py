@@ -479,12 +479,14 @@ def evaluate(prob: Problem, c: Candidates, misfits_exact: bool = True) -> Cost:
     # selective recomputation; `selective` says which one each candidate is priced with.
     attn_bytes, exp_bytes = attention_state_bytes(dp, prob).total, expert_state_bytes(prob).total
     fp8_copies = mem.fp8_weight_copy_bytes(exp_params) if prob.fp8_speedup > 1 else 0.0
+    dense_fp8 = prob.fp8_dense and prob.fp8_speedup > 1  # the dense linears' two e4m3 copies (1 byte each)
+    attn_fp8_copies = 2.0 * st.dense_fp8_weights(m, moe_l, dense_l) if dense_fp8 else 0.0
     if c.colocated:
-        attn_state = (attn_bytes * attn_params + exp_bytes * exp_params + fp8_copies
+        attn_state = (attn_bytes * attn_params + exp_bytes * exp_params + fp8_copies + attn_fp8_copies
                       + offload_staging_bytes(prob, attn_params + exp_params))
         exp_state = 0.0
     else:
-        attn_state = attn_bytes * attn_params + offload_staging_bytes(prob, attn_params)
+        attn_state = attn_bytes * attn_params + attn_fp8_copies + offload_staging_bytes(prob, attn_params)
         exp_state = exp_bytes * exp_params + fp8_copies + offload_staging_bytes(prob, exp_params)
     in_flight = np.where(c.expert == 1, 1.0, mb) if c.colocated else mb  # one GPU: mode single accumulates
     ranks = per_set if not c.colocated else ep
@@ -558,7 +560,7 @@ def evaluate(prob: Problem, c: Candidates, misfits_exact: bool = True) -> Cost:
     if prob.fp8_speedup > 1:
         stages = fp8_stages(stages, ceil, prob.fp8_speedup, m, rows, exp_params)
         if prob.fp8_dense:
-            stages = fp8_dense_stages(stages, ceil, prob.fp8_speedup, m, tokens)
+            stages = fp8_dense_stages(stages, ceil, prob.fp8_speedup, m, tokens, moe_l, dense_l)
 
     def time_of(name: str, bwd: bool):
         stage = stages.get(name)
@@ -704,12 +706,14 @@ FP8_DENSE_STAGES = {"attention projections": "layer", "shared experts": "moe", "
 
 
 def fp8_dense_stages(stages: dict[str, Stage], ceil: Ceilings, speedup: float, m: ModelConfig,
-                     tokens: Num) -> dict[str, Stage]:
+                     tokens: Num, moe_layers: Num, dense_layers: Num) -> dict[str, Stage]:
     """`stages` with the dense projections in FP8 (`precision: fp8`, `fp8_dense`): the attention
     projections', shared experts' and dense FFN layers' compute rate (bf16 or calibrated) times
     `speedup` = fp8_tflops / bf16_tflops, and their quantisation passes (`roofline.stages.
-    dense_fp8_quantise_passes`: the rowwise quantisers are separate torch passes over HBM, the
-    weights' e4m3 copies made per call) as one stage beside each, run as often as it."""
+    dense_fp8_quantise_passes`: the rowwise quantisers of the activations and gradients) as one
+    stage beside each, run as often as it; the weights' two e4m3 copies once per step, in the
+    attention optimizer's stage (`dense_fp8_weight_copies`, of the busiest group's
+    `moe_layers` / `dense_layers`)."""
     out = dict(stages)
     for name, runs in FP8_DENSE_STAGES.items():
         if name not in out or (name == "shared experts" and not m.shared_ffn_size):
@@ -720,6 +724,10 @@ def fp8_dense_stages(stages: dict[str, Stage], ceil: Ceilings, speedup: float, m
         out[name] = replace(s, fwd_ceilings=faster[0], bwd_ceilings=faster[1])
         part = "attention" if name == "attention projections" else name
         out[f"fp8 quantise ({part})"] = Stage("attention", runs, *st.dense_fp8_quantise_passes(m, tokens, part))
+    if "optimizer (attention)" in out:
+        optimizer = out["optimizer (attention)"]
+        copies = st.dense_fp8_weight_copies(st.dense_fp8_weights(m, moe_layers, dense_layers))
+        out["optimizer (attention)"] = replace(optimizer, bwd=optimizer.bwd + copies)
     return out
 
 

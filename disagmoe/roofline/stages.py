@@ -78,15 +78,37 @@ def attention_projections(m: ModelConfig, tokens: Num) -> Work:
     return Work(flops=2.0 * tokens * weights, hbm_bytes=BF16 * (weights + tokens * io))
 
 
-def dense_fp8_quantise(weights: Num, tokens: Num, inputs: Num, outputs: Num) -> tuple[Work, Work]:
-    """(forward, backward) HBM passes of FP8 dense linears (`kernels.fp8_dense`, rowwise: one fp32
-    scale per row, negligible) with `weights` parameters and `inputs` / `outputs` features per
-    token summed over the linears: forward, each weight and input row read in bf16 and written in
-    e4m3; backward, the weights once more (transposed copies), the inputs along the tokens and the
-    output gradients twice (per token, and along the tokens for the weight gradient)."""
+def dense_fp8_quantise(tokens: Num, inputs: Num, outputs: Num) -> tuple[Work, Work]:
+    """(forward, backward) HBM passes, per call, of FP8 dense linears (`kernels.fp8_dense`, rowwise:
+    one fp32 scale per row, negligible) with `inputs` / `outputs` features per token summed over
+    the linears: forward, each input row read in bf16 and written in e4m3; backward, the inputs
+    along the tokens and the output gradients twice (per token, and along the tokens for the
+    weight gradient). The weights' two e4m3 copies are made once per optimizer step
+    (`dense_fp8_weight_copies`), not per call."""
     per = BF16 + 1
-    return (Work(hbm_bytes=per * (weights + tokens * inputs)),
-            Work(hbm_bytes=per * (weights + tokens * (inputs + 2 * outputs))))
+    return Work(hbm_bytes=per * tokens * inputs), Work(hbm_bytes=per * tokens * (inputs + 2 * outputs))
+
+
+def dense_fp8_weight_copies(weights: Num) -> Work:
+    """The dense linears' e4m3 weight copies of one optimizer step (`fp8_dense.Fp8WeightCopies`,
+    refreshed by `prepare_fp8`): the bf16 weights read once per copy, each copy written in e4m3
+    (one scaled per output feature for the forward, one per input feature for the data gradient)."""
+    return Work(hbm_bytes=2 * (BF16 + 1) * weights)
+
+
+def dense_fp8_params(m: ModelConfig, part: str) -> int:
+    """Parameters of one layer's FP8 dense linears of `part` (`dense_fp8_quantise_passes`' parts)."""
+    if part == "attention":
+        return attention_params(m) - m.hidden_size
+    return 3 * m.hidden_size * (m.shared_ffn_size if part == "shared experts" else m.dense_ffn_size)
+
+
+def dense_fp8_weights(m: ModelConfig, moe_layers: Num, dense_layers: Num) -> Num:
+    """Parameters of the FP8 dense linears of `moe_layers` MoE and `dense_layers` dense layers
+    (attention in both, shared experts in the MoE ones, the FFN in the dense ones)."""
+    shared = dense_fp8_params(m, "shared experts") if m.shared_ffn_size else 0
+    return ((moe_layers + dense_layers) * dense_fp8_params(m, "attention") + moe_layers * shared
+            + dense_layers * dense_fp8_params(m, "dense ffn"))
 
 
 def dense_fp8_quantise_passes(m: ModelConfig, tokens: Num, part: str) -> tuple[Work, Work]:
@@ -97,9 +119,9 @@ def dense_fp8_quantise_passes(m: ModelConfig, tokens: Num, part: str) -> tuple[W
     if part == "attention":
         q, k, v = attention_io_per_token(m)
         o_in = m.num_heads * (m.mla.v_head_dim if m.mla else m.head_dim)
-        return dense_fp8_quantise(attention_params(m) - H, tokens, 3 * H + o_in, q + k + v + H)
+        return dense_fp8_quantise(tokens, 3 * H + o_in, q + k + v + H)
     F = m.shared_ffn_size if part == "shared experts" else m.dense_ffn_size
-    return dense_fp8_quantise(3.0 * H * F, tokens, 2 * H + F, 2 * F + H)
+    return dense_fp8_quantise(tokens, 2 * H + F, 2 * F + H)
 
 
 def attention_core(m: ModelConfig, tokens: Num, seq_len: Num) -> Work:

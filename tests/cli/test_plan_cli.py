@@ -334,3 +334,11 @@ def test_offload_optimizer_is_auto_on_or_off_and_the_bare_flag_still_means_on():
     assert not auto.offload_optimizer and any(n.startswith("offload auto chose off: ") for n in auto.notes)
     r = run(*args, "--offload-optimizer", "maybe")
     assert r.exit_code == 2 and "auto" in r.output
+
+
+def test_notes_print_their_brackets_as_written():
+    """A note naming `recompute_modules: [...]` (a YAML list) is printed as is: rich would read the
+    brackets as a style tag and drop them and the list."""
+    out = " ".join(run("plan", "--model", "deepseek-v3", "--hardware", "gb200-nvl72", "--gpus", "256", "--seq-len",
+                       "4096", "--global-batch-tokens", "33554432").output.split())
+    assert "recompute_modules: [expert_input, expert_output, expert_swiglu]" in out

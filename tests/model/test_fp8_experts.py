@@ -170,15 +170,21 @@ def test_cuda_fp8_training_tracks_bf16(tmp_path):
 def test_the_memory_check_counts_the_fp8_weight_copies():
     """Two bytes per routed-expert parameter (the forward blocks and their transposes) more than
     bf16, with their block scales: what `micro_batches: auto` and the single check plan for."""
+    from disagmoe.model.layers import DeferrableLinear
+    from disagmoe.model.transformer import MoETransformer
     from disagmoe.model_ref import load_model
     from disagmoe.roofline.params import count_params
     from disagmoe.runtime.training.trainer import single_peak_bytes
 
     fields = dict(model="tiny", mode="single", device="cuda", experts_backend="triton")
     model = load_model("tiny")
-    bf16, fp8 = (single_peak_bytes(TrainConfig(**fields, precision=p), model)[0] for p in ("bf16", "fp8"))
+    bf16, fp8, fp8_dense = (single_peak_bytes(TrainConfig(**fields, precision=p, **kw), model)[0]
+                            for p, kw in (("bf16", {}), ("fp8", {"fp8_dense": False}), ("fp8", {})))
     routed = count_params(model).routed_experts
     assert 2 * routed < fp8 - bf16 < 2.01 * routed
+    # with the dense projections in FP8 (the default) their two e4m3 copies too, 1 byte each
+    dense = sum(m.weight.numel() for m in MoETransformer(model).modules() if isinstance(m, DeferrableLinear))
+    assert fp8_dense - fp8 == 2 * dense
 
 
 @pytest.mark.slow  # the FP8 kernels in Triton's interpreter

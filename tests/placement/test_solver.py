@@ -11,7 +11,7 @@ import pytest
 from disagmoe.config import ClusterConfig, Plan, PlanConfig, load_hardware, preset_names
 from disagmoe.model_ref import load_model
 from disagmoe.placement.cost import Candidates, evaluate
-from disagmoe.placement.solver import MAX_SEQS_PER_GPU, choose, price, problem_of, solve
+from disagmoe.placement.solver import MAX_SEQS_PER_GPU, MEMORY_BOUND, choose, price, problem_of, solve
 
 
 def request(model, hardware, gpus, seq_len=None, batch=4 * 1024 * 1024, **kw):
@@ -220,18 +220,21 @@ def test_a_split_bound_by_memory_says_so_at_every_sequence_length():
     """qwen3-235b-a22b on 72 GB200s without recomputation: the expert GPUs' states and activations
     bind, and an expert GPU keeps every pair of its group's tokens in flight (dp * m * seqs * S
     tokens), so a longer sequence holds no more tokens in flight per group: fewer micro-batches,
-    sequences or attention GPUs per group (with sparse dispatch priced, 16K takes another split
-    than 4K and 8K). The plan names the bound at every length, and with auto recomputation at 16K
-    (at 8K auto's plan holds its expert GPUs at 95% of capacity, under the note's threshold: the
-    transport's buffers, which grow with the micro-batches, take 42 GiB of it)."""
+    sequences or attention GPUs per group. The plan names the bound wherever a GPU is that full
+    (at 4K and 8K; at 16K, with the nvshmem rings' smaller arena, the leanest split leaves its
+    expert GPUs at 90%), with and without auto recomputation."""
     plans = [solve(request("qwen3-235b-a22b", "gb200-nvl72", 72, seq_len=s, recompute="none"))
              for s in (4096, 8192, 16384)]
     in_flight = [p.attention_gpus // p.pipeline_groups * p.micro_batches * p.sequences_per_micro_batch * p.seq_len
                  for p in plans]
     assert in_flight == sorted(in_flight, reverse=True), in_flight
     assert all(p.recompute == "none" for p in plans)
-    for plan in (*plans, solve(request("qwen3-235b-a22b", "gb200-nvl72", 72, seq_len=16384))):
-        assert any(n.startswith("the split is bound by memory (") for n in plan.notes)
+    autos = [solve(request("qwen3-235b-a22b", "gb200-nvl72", 72, seq_len=s)) for s in (4096, 8192, 16384)]
+    for plan in (*plans, *autos):
+        full = max(m.total_gib / m.capacity_gib for m in plan.memory_per_gpu.values()) >= MEMORY_BOUND
+        assert full == any(n.startswith("the split is bound by memory (") for n in plan.notes), plan.seq_len
+    assert all(max(m.total_gib / m.capacity_gib for m in p.memory_per_gpu.values()) >= MEMORY_BOUND
+               for p in (*plans[:2], *autos[:2]))
 
 
 def test_auto_recomputation_is_chosen_recorded_and_said_only_where_it_pays():
@@ -259,8 +262,8 @@ def test_auto_recomputation_is_chosen_recorded_and_said_only_where_it_pays():
 EXPERT_MODULES = ["expert_input", "expert_output", "expert_swiglu"]
 
 
-def attention_bound_request(hbm_gib=60, **kw):
-    """A 4-layer Qwen3-30B-shaped model on two 60 GiB H200s at 32K tokens per sequence, one pipeline
+def attention_bound_request(hbm_gib=57.5, **kw):
+    """A 4-layer Qwen3-30B-shaped model on two 57.5 GiB H200s at 32K tokens per sequence, one pipeline
     group: colocated, one sequence fits only with the attention block recomputed too."""
     hw = load_hardware("h200-sxm").model_copy(update={"hbm_gib": hbm_gib})
     model = load_model("qwen3-30b-a3b").model_copy(update={"num_layers": 4})
@@ -415,6 +418,26 @@ def test_fp8_dense_projections_are_priced_at_the_fp8_rate_with_their_quantise_pa
         assert dense.fwd_round_s[0] < experts_only.fwd_round_s[0]
     plan = solve(request("qwen3-30b-a3b", "h200-sxm", 8, expert_precision="fp8"))
     assert any("dense projections (attention, shared experts, dense FFN layers) in FP8 too" in n for n in plan.notes)
+
+
+def test_fp8_dense_weight_copies_are_made_once_per_step_and_held():
+    """The dense linears' two e4m3 weight copies (`fp8_dense.Fp8WeightCopies`): read and written in
+    the attention optimizer's stage once per step, not in the per-call quantise passes, and held
+    beside the bf16 weights (1 byte per copy and parameter)."""
+    from disagmoe.roofline import stages as st
+
+    layout = Candidates.one(4, 4, 1, 4, 2)  # p = 1: every layer on each GPU
+    m = load_model("deepseek-v3")
+    with_copies, without = (evaluate(problem_of(request("deepseek-v3", "h200-sxm", 8, recompute="none",
+                                                        expert_precision="fp8", fp8_dense=d)), layout)
+                            for d in (True, False))
+    weights = st.dense_fp8_weights(m, m.num_moe_layers, m.num_dense_layers)
+    step = (with_copies.stages["optimizer (attention)"].bwd.hbm_bytes[0]
+            - without.stages["optimizer (attention)"].bwd.hbm_bytes[0])
+    assert step == pytest.approx(2 * (2 + 1) * weights)
+    assert (with_copies.attn_mem_bytes[0] - without.attn_mem_bytes[0]) == pytest.approx(2 * weights)
+    per_call = st.dense_fp8_quantise_passes(m, 1024.0, "attention")
+    assert per_call[0].hbm_bytes == pytest.approx(3 * 1024 * (3 * m.hidden_size + m.num_heads * m.mla.v_head_dim))
 
 
 def offload_request(off="auto", hbm_gib=None, host_memory_gib=None, batch=1 << 20, **kw):

@@ -33,6 +33,7 @@ from disagmoe.model_ref import load_model
 from disagmoe.model.experts import check_backend_device
 from disagmoe.data import load_splits
 from disagmoe.roofline.flops import step_flops
+from disagmoe.model.layers import DeferrableLinear
 from disagmoe.roofline.memory import fp8_weight_copy_bytes
 from disagmoe.roofline.optimizer_state import staging_bytes, state_bytes
 from disagmoe.runtime.activation_memory import RankActivations, rank_activations
@@ -103,8 +104,9 @@ def training_state_bytes(cfg: TrainConfig, model_cfg: ModelConfig, topology: Top
     data-parallel group. With `offload_optimizer` the masters and moments are host bytes (`host`: return
     those instead) and the device holds two staging slots (`staging_bytes`). With precision fp8 the
     rank's routed experts' FP8 weight copies are device bytes too (`roofline.memory.fp8_weight_copy_bytes`,
-    as mode single counts them)."""
-    named = list(rank_model(model_cfg, cfg.experts_backend, topology, rank).named_parameters())
+    as mode single counts them), and with `dense_precision` fp8 its dense projections' two e4m3 copies."""
+    model = rank_model(model_cfg, cfg.experts_backend, topology, rank)
+    named = list(model.named_parameters())
     params = sum(p.numel() for _, p in named)
     replicated = sum(p.numel() for n, p in named if ".moe.experts." not in n)
     dp = topology.data_parallel
@@ -119,6 +121,8 @@ def training_state_bytes(cfg: TrainConfig, model_cfg: ModelConfig, topology: Top
         device += staging_bytes(cfg.offload_bucket_bytes, cfg.optim.state_dtype, cfg.compute_dtype_name, params)
     if cfg.expert_precision == "fp8":
         device += int(fp8_weight_copy_bytes(params - replicated))
+    if cfg.dense_precision == "fp8":  # two e4m3 copies of every dense projection (`fp8_dense.Fp8WeightCopies`)
+        device += 2 * sum(m.weight.numel() for m in model.modules() if isinstance(m, DeferrableLinear))
     return params, device
 
 

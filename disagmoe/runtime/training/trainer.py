@@ -44,6 +44,7 @@ from disagmoe.model.layers import set_fusion
 from disagmoe.model.loss import linear_cross_entropy
 from disagmoe.roofline.flops import step_flops
 from disagmoe.roofline.memory import fp8_weight_copy_bytes
+from disagmoe.roofline.stages import dense_fp8_weights
 from disagmoe.roofline.optimizer_state import staging_bytes, state_bytes
 from disagmoe.roofline.params import count_params
 from disagmoe.runtime.activation_memory import single_activation_bytes
@@ -265,7 +266,8 @@ def single_peak_bytes(cfg: TrainConfig, model_cfg: ModelConfig) -> tuple[int, in
     """(training state, activations) one process holds at its peak on its device: every parameter's
     state (`roofline.optimizer_state.state_bytes`; offloaded, the masters and moments are host bytes,
     `single_host_bytes`, and two staging slots are on the device; with `precision: fp8` the experts'
-    FP8 weight copies too, `roofline.memory.fp8_weight_copy_bytes`) and one micro-batch's activations
+    FP8 weight copies too, `roofline.memory.fp8_weight_copy_bytes`, and the dense projections' two e4m3
+    copies under `dense_precision` fp8) and one micro-batch's activations
     (`runtime.activation_memory`)."""
     params = count_params(model_cfg)
     state = params.total * state_bytes(cfg.optim.state_dtype, cfg.compute_dtype_name,
@@ -274,6 +276,8 @@ def single_peak_bytes(cfg: TrainConfig, model_cfg: ModelConfig) -> tuple[int, in
         state += staging_bytes(cfg.offload_bucket_bytes, cfg.optim.state_dtype, cfg.compute_dtype_name, params.total)
     if cfg.expert_precision == "fp8":
         state += int(fp8_weight_copy_bytes(params.routed_experts))
+    if cfg.dense_precision == "fp8":  # the dense projections' two e4m3 copies, priced as the planner does
+        state += int(2 * dense_fp8_weights(model_cfg, model_cfg.num_moe_layers, model_cfg.num_dense_layers))
     return state, single_activation_bytes(cfg, model_cfg)
 
 
