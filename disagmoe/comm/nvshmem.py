@@ -326,28 +326,13 @@ class NvshmemTransport(Transport):
         Q, T = picked_QT.shape
         if len(dst_ranks) != Q:
             raise ValueError(f"{len(dst_ranks)} destinations for a routing of {Q}: one row of picked per rank")
-        views, seqs, kept = [], [], []
         stream = torch.cuda.current_stream()
+        views, seqs, kept = [], [], []
         for dst in dst_ranks:
-            self._check_peer(dst)
-            slot = self._index[dst].slot(self.rank, key, dst)
-            seq = self._next(self._sent, dst, slot)
-            arena = self._dispatch_arena(dst)
-            seg = self.layouts[dst].segment(slot, seq - 1)
-            specs = list(seg.specs)
-            message = self.layouts[dst].views(arena, slot, specs, seq - 1)
-            if len(message) != 5 + len(extras):
-                raise ValueError(f"the sparse dispatch {key} to rank {dst} has {len(message)} tensors; expected rows, "
-                                 f"ids, weights, index, count and {len(extras)} extras (dispatch: sparse specs)")
-            for i, tensor in enumerate(extras):
-                payload = tensor.detach().contiguous()
-                kept.append(payload)
-                if dst == self.rank:  # its own arena (`.data`, see `_put_extras`): a copy
-                    message[5 + i].copy_(payload)
-                elif payload.numel():
-                    self.nv.put(self._symmetric(seg.offsets[5 + i], payload.nbytes), self._local(payload),
-                                remote_pe=dst, stream=stream)
-            views.append((message, self.layouts[dst].flags(arena)[seg.flag:seg.flag + 1]))
+            message, flag, seq = self._counted_segment(
+                dst, key, 5, extras, kept, stream, f"the sparse dispatch {key}",
+                "rows, ids, weights, index, count and {n} extras (dispatch: sparse specs)")
+            views.append((message, flag))
             seqs.append(seq)
         if any(dst != self.rank for dst in dst_ranks) and extras:
             self.nv.quiet(stream=stream)  # the extras land before any flag the kernel raises
@@ -387,25 +372,11 @@ class NvshmemTransport(Transport):
         device = dx_STH.device
         messages, flags, seqs, kept = [], [], [], []
         for dst in dst_ranks:
-            self._check_peer(dst)
-            slot = self._index[dst].slot(self.rank, key, dst)
-            seq = self._next(self._sent, dst, slot)
-            arena = self._dispatch_arena(dst)
-            seg = self.layouts[dst].segment(slot, seq - 1)
-            message = self.layouts[dst].views(arena, slot, list(seg.specs), seq - 1)
-            if len(message) != 2 + len(extras):
-                raise ValueError(f"the sparse dispatch gradient {key} to rank {dst} has {len(message)} tensors; "
-                                 f"expected d x, d w and {len(extras)} extras")
-            for i, tensor in enumerate(extras):
-                payload = tensor.detach().contiguous()
-                kept.append(payload)
-                if dst == self.rank:
-                    message[2 + i].copy_(payload)
-                elif payload.numel():
-                    self.nv.put(self._symmetric(seg.offsets[2 + i], payload.nbytes), self._local(payload),
-                                remote_pe=dst, stream=stream)
+            message, flag, seq = self._counted_segment(dst, key, 2, extras, kept, stream,
+                                                       f"the sparse dispatch gradient {key}",
+                                                       "d x, d w and {n} extras")
             messages.append(message)
-            flags.append(self.layouts[dst].flags(arena)[seg.flag:seg.flag + 1])
+            flags.append(flag)
             seqs.append(seq)
         if any(dst != self.rank for dst in dst_ranks) and extras:
             self.nv.quiet(stream=stream)  # the extras land before any flag
@@ -426,6 +397,31 @@ class NvshmemTransport(Transport):
         event.record(stream)
         self._extras_in_flight.append((event, tuple(kept)))
         return EventSendHandle(event, [dx_STH, dw_STK, count_S1, *kept])
+
+    def _counted_segment(self, dst: int, key: MessageKey, leading: int, extras: Sequence[torch.Tensor],
+                         kept: list, stream, what: str, expected: str) -> tuple[list[torch.Tensor], torch.Tensor, int]:
+        """(views of the message, its flag word, its seq) of `key`'s next message to `dst`, for a
+        Triton launch that writes the `leading` tensors and raises the flag (`send_sparse`,
+        `send_counted`); the `extras` after them are copied (own arena) or put now, and appended
+        to `kept`. The caller quiets once, after every destination."""
+        self._check_peer(dst)
+        slot = self._index[dst].slot(self.rank, key, dst)
+        seq = self._next(self._sent, dst, slot)
+        arena = self._dispatch_arena(dst)
+        seg = self.layouts[dst].segment(slot, seq - 1)
+        message = self.layouts[dst].views(arena, slot, list(seg.specs), seq - 1)
+        if len(message) != leading + len(extras):
+            raise ValueError(f"{what} to rank {dst} has {len(message)} tensors; expected "
+                             + expected.format(n=len(extras)))
+        for i, tensor in enumerate(extras):
+            payload = tensor.detach().contiguous()
+            kept.append(payload)
+            if dst == self.rank:  # its own arena (`.data`, see `_put_extras`): a copy
+                message[leading + i].copy_(payload)
+            elif payload.numel():
+                self.nv.put(self._symmetric(seg.offsets[leading + i], payload.nbytes), self._local(payload),
+                            remote_pe=dst, stream=stream)
+        return message, self.layouts[dst].flags(arena)[seg.flag:seg.flag + 1], seq
 
     def _table(self, tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
         """The kernel's address table of `tensors` (arena views: the same few addresses every step),
