@@ -891,10 +891,12 @@ SPARSE_SHAPES = MessageShapes(rows=1, seq_len=40, hidden=24, top_k=2, num_expert
                               shared_experts=False, sparse=True)
 
 
-def _sparse_transports(topology) -> list[NvshmemTransport]:
-    """`_cpu_transports` with sparse-dispatch fp32 specs (the interpreter runs the kernel)."""
-    specs_of = lambda payload, layer: SPARSE_SHAPES.specs(payload, topology.is_moe(layer))  # noqa: E731
-    layouts = symmetric_layouts(topology.programs(MICRO_BATCHES), specs_of)
+def _sparse_transports(topology, shapes=None, micro_batches: int = MICRO_BATCHES) -> list[NvshmemTransport]:
+    """`_cpu_transports` with sparse-dispatch specs (`shapes`, fp32 `SPARSE_SHAPES` by default; the
+    interpreter runs the kernel)."""
+    shapes = SPARSE_SHAPES if shapes is None else shapes
+    specs_of = lambda payload, layer: shapes.specs(payload, topology.is_moe(layer))  # noqa: E731
+    layouts = symmetric_layouts(topology.programs(micro_batches), specs_of)
     arenas = [torch.zeros(layouts[0].nbytes, dtype=torch.uint8) for _ in layouts]
     transports = []
     for rank in range(len(layouts)):

@@ -17,9 +17,6 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from disagmoe.comm.base import Transport
-from disagmoe.comm.nvshmem import NvshmemTransport
-from disagmoe.comm.symmetric import symmetric_layouts
 from disagmoe.config import TrainConfig
 from disagmoe.data import TokenDataset, load_splits
 from disagmoe.model_ref import load_model
@@ -34,7 +31,7 @@ from disagmoe.runtime.stages.expert_stage import ExpertStage
 from disagmoe.runtime.stages.messages import Mailbox, MessageShapes
 from disagmoe.runtime.topology import Topology
 from disagmoe.wire import Recv, Send
-from tests.comm.test_nvshmem import SYMMETRIC_BASE, _FakeNv, fake_cuda  # noqa: F401 (a fixture)
+from tests.comm.test_nvshmem import _sparse_transports, fake_cuda  # noqa: F401 (a fixture)
 
 LAYOUTS = {
     "A1-E2": dict(attention_ranks=1, expert_ranks=2),
@@ -49,33 +46,13 @@ def _config(layout: str) -> TrainConfig:
     return TrainConfig(**{**fields, **LAYOUTS[layout]})
 
 
-def _transports(topology: Topology, shapes: MessageShapes, micro_batches: int) -> list[NvshmemTransport]:
-    layouts = symmetric_layouts(topology.programs(micro_batches),
-                                lambda payload, layer: shapes.specs(payload, topology.is_moe(layer)))
-    arenas = [torch.zeros(layouts[0].nbytes, dtype=torch.uint8) for _ in layouts]
-    transports = []
-    for rank in range(len(layouts)):
-        transport = object.__new__(NvshmemTransport)
-        Transport.__init__(transport, rank, len(layouts), 30.0)
-        transport._plan(layouts)
-        transport.nv = _FakeNv(rank, arenas, [])
-        transport.device = torch.device("cpu")
-        transport.arena_B = arenas[rank]
-        transport._base = SYMMETRIC_BASE
-        transport.status_2 = torch.zeros(2, dtype=torch.int32)
-        transport._flags_W = layouts[rank].flags(arenas[rank])
-        transport._peer_arenas = {dst: arenas[dst] for dst in range(len(layouts)) if dst != rank}
-        transports.append(transport)
-    return transports
-
-
 def _workers(cfg: TrainConfig, routed: list) -> tuple[list[TrainWorker], Topology]:
     """One `TrainWorker` per rank with the state `_run` reads; `routed` gets (rank, layer, top-k ids)."""
     model_cfg = load_model(cfg.model)
     topology = Topology.from_config(cfg, model_cfg)
     shapes = MessageShapes.of_run(cfg, model_cfg, topology)
     assert shapes.sparse
-    transports = _transports(topology, shapes, cfg.micro_batches)
+    transports = _sparse_transports(topology, shapes, cfg.micro_batches)
     splits = load_splits(cfg.data, model_cfg.vocab_size, cfg.seq_len)
     workers = []
     for rank in range(topology.world_size):
