@@ -520,3 +520,24 @@ def test_a_fixed_layout_with_auto_offload_offloads_only_when_it_fits_only_so():
     assert price(offload_request("auto", hbm_gib=60), cands).plan.offload_optimizer
     roomy = price(offload_request("auto"), cands).plan
     assert not roomy.offload_optimizer and "offload auto chose off: this layout fits without it" in roomy.notes
+
+
+def test_the_pruning_pass_prices_transport_only_where_it_can_matter():
+    """`evaluate(..., misfits_exact=False)` (the search's passes): the same fits, lean fits, steps
+    and the expert GPU's lean bytes wherever they fit, as the exact pricing; a misfit's memory may
+    only be understated."""
+    from disagmoe.placement.solver import colocated_candidates, disaggregated_candidates
+
+    cfg = request("deepseek-v3", "gb200-nvl72", 256)
+    prob = problem_of(cfg)
+    for kind in (disaggregated_candidates, colocated_candidates):
+        cands = kind(cfg, 256)
+        exact, lean = evaluate(prob, cands), evaluate(prob, cands, misfits_exact=False)
+        assert exact.fits.any() or kind is colocated_candidates
+        assert np.array_equal(exact.fits, lean.fits) and np.array_equal(exact.lean_fits, lean.lean_fits)
+        assert np.array_equal(exact.step_s, lean.step_s)
+        cap = prob.capacity_bytes
+        assert np.array_equal(exact.lean_expert_mem_bytes > cap, lean.lean_expert_mem_bytes > cap)
+        assert (lean.attn_mem_bytes <= exact.attn_mem_bytes).all()
+        assert kind is colocated_candidates or (lean.attn_mem_bytes < exact.attn_mem_bytes).any()  # skipped there
+        assert np.array_equal(lean.attn_mem_bytes[exact.fits], exact.attn_mem_bytes[exact.fits])
