@@ -92,15 +92,23 @@ def _record_stats(stats_ptr, x, scaled, q, ok):
 
 
 @triton.jit
-def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, stats_ptr, M, K,
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, stats_ptr, valid_ptr, M, K,
                           stride_xm, stride_xk, stride_qm, stride_qk, stride_sm, stride_sg,
-                          BLOCK_M: tl.constexpr, STATS: tl.constexpr):
+                          BLOCK_M: tl.constexpr, STATS: tl.constexpr, VALID: tl.constexpr):
     # Program (row block, group g): q[rows, g-th 128 columns] and s[rows, g]. Columns past K count
     # as zeros in the amax and are not stored. STATS: counters into stats_ptr's row (`_record_stats`).
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    # VALID: only the first valid_ptr[0] rows are read, counted and written (a worst-case buffer's
+    # padding rows hold whatever was there: they must not reach the counters).
+    first = tl.program_id(0) * BLOCK_M
+    rows_valid = M
+    if VALID:
+        rows_valid = tl.minimum(tl.load(valid_ptr), M)
+        if first >= rows_valid:  # a block of padding rows only
+            return
+    rows = first + tl.arange(0, BLOCK_M)
     group = tl.program_id(1)
     ks = group * _SCALE_BLOCK + tl.arange(0, _SCALE_BLOCK)
-    row_ok = rows < M
+    row_ok = rows < rows_valid
     ok = row_ok[:, None] & (ks < K)[None, :]
     rows64 = rows.to(tl.int64)
     x = tl.load(x_ptr + rows64[:, None] * stride_xm + ks[None, :] * stride_xk, mask=ok, other=0.0)
@@ -161,11 +169,19 @@ def _stats_ptr(stats: torch.Tensor | None, placeholder: torch.Tensor) -> torch.T
     return stats
 
 
-def quantize_rows(x_MK: torch.Tensor, stats: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(x_MK: torch.Tensor, stats: torch.Tensor | None = None,
+                  valid_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(q_MK float8_e4m3fn, s_MG fp32): one scale per row and 128 columns of K (the last group may
     be shorter). x any float dtype and strides; the A operand of `fp8_rows_gemm`. `stats`: an
-    int64 row of an `fp8_stats.Fp8Stats` buffer the kernel adds its counters into (None: none)."""
+    int64 row of an `fp8_stats.Fp8Stats` buffer the kernel adds its counters into (None: none).
+    `valid_rows`: an int32 device tensor whose first element counts the rows that hold data (a
+    worst-case buffer's, e.g. `offsets_E[-1:]`; never read on the host): the rows past it are
+    neither read nor counted, and their q and s are left unwritten."""
     rows, k = x_MK.shape
+    if valid_rows is not None and (valid_rows.dtype != torch.int32 or valid_rows.numel() < 1
+                                   or valid_rows.device != x_MK.device):
+        raise ValueError(f"valid_rows must be an int32 tensor on {x_MK.device} holding the row count; got "
+                         f"{valid_rows.dtype} {tuple(valid_rows.shape)} on {valid_rows.device}")
     groups = triton.cdiv(k, SCALE_BLOCK)
     q_MK = torch.empty((rows, k), dtype=FP8, device=x_MK.device)
     s_MG = torch.empty((rows, groups), dtype=torch.float32, device=x_MK.device)
@@ -173,8 +189,9 @@ def quantize_rows(x_MK: torch.Tensor, stats: torch.Tensor | None = None) -> tupl
         return q_MK, s_MG
     block_m = 16 if x_MK.device.type == "cpu" else 32
     _quantize_rows_kernel[(triton.cdiv(rows, block_m), groups)](
-        x_MK, q_MK, s_MG, _stats_ptr(stats, s_MG), rows, k, x_MK.stride(0), x_MK.stride(1), q_MK.stride(0),
-        q_MK.stride(1), s_MG.stride(0), s_MG.stride(1), BLOCK_M=block_m, STATS=stats is not None, num_warps=4)
+        x_MK, q_MK, s_MG, _stats_ptr(stats, s_MG), valid_rows if valid_rows is not None else s_MG, rows, k,
+        x_MK.stride(0), x_MK.stride(1), q_MK.stride(0), q_MK.stride(1), s_MG.stride(0), s_MG.stride(1),
+        BLOCK_M=block_m, STATS=stats is not None, VALID=valid_rows is not None, num_warps=4)
     return q_MK, s_MG
 
 

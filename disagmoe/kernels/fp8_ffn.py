@@ -89,7 +89,8 @@ def fp8_ffn_forward(
     """(y_NH in x's dtype, h13_N2F or None): `x_fp8` (rows and scales, e.g. from the FP8 permute)
     instead of quantising x here; h13 (the pre-activations, x's dtype) kept for the backward."""
     rows, ffn = x_NH.shape[0], weights.w2[0].shape[1]
-    qx, sx = x_fp8 if x_fp8 is not None else fp8.quantize_rows(x_NH, _row(stats, ACTIVATIONS))
+    served = offsets_E[-1:]  # rows past the last expert's end are a worst-case buffer's padding
+    qx, sx = x_fp8 if x_fp8 is not None else fp8.quantize_rows(x_NH, _row(stats, ACTIVATIONS), served)
     h13_N2F = x_NH.new_empty((rows, 2 * ffn)) if save_for_backward else None
     q_act, s_act = fp8.fp8_swiglu_gemm(qx, sx, offsets_E, *weights.w13, tiles.swiglu, h13_M2F=h13_N2F,
                                        num_programs=num_programs, stats=_row(stats, ACTIVATIONS))
@@ -115,11 +116,12 @@ def fp8_ffn_backward(
     rows, ffn = x_NH.shape[0], weights.w2[0].shape[1]
     experts = weights.w13[0].shape[0]
     acts, grads_row = _row(stats, ACTIVATIONS), _row(stats, GRADIENTS)
-    q_dy, s_dy = fp8.quantize_rows(dy_NH, grads_row)
+    served = offsets_E[-1:]  # rows past it are padding: dh13's are never written (garbage, maybe NaN)
+    q_dy, s_dy = fp8.quantize_rows(dy_NH, grads_row, served)
     act_NF = h13_N2F.new_empty((rows, ffn))
     dh13_N2F = fp8.fp8_swiglu_grad_gemm(q_dy, s_dy, offsets_E, *weights.w2_t, h13_N2F, tiles.swiglu,
                                         act_MF=act_NF, out_dtype=dy_NH.dtype, num_programs=num_programs)
-    q_dh, s_dh = fp8.quantize_rows(dh13_N2F, grads_row)
+    q_dh, s_dh = fp8.quantize_rows(dh13_N2F, grads_row, served)
     dx_NH = fp8.fp8_rows_gemm(q_dh, s_dh, offsets_E, *weights.w13_t, tiles.rows, out_dtype=dy_NH.dtype,
                               num_programs=num_programs)
     grads = []

@@ -116,9 +116,12 @@ def _run_programs(rank: int, transport, shared: bool = False) -> list[str]:
     for slot, seen in pointers.items():  # in place: copies alternate, the third message reuses the first's
         if not shared and not (seen[0] == seen[2] != seen[1]):
             wrong.append(f"{slot}: received at {seen}")
-    everywhere = [ptr for seen in pointers.values() for ptr in seen]
-    if shared and len(set(everywhere)) >= len(pointers):  # rings: fewer addresses than keys
-        wrong.append(f"{len(pointers)} keys received at {len(set(everywhere))} addresses: nothing shared")
+    held: dict[int, set] = {}  # address -> the keys received there
+    for slot, seen in pointers.items():
+        for ptr in seen:
+            held.setdefault(ptr, set()).add(slot)
+    if shared and not any(len(keys) > 1 for keys in held.values()):  # rings: a segment serves several keys
+        wrong.append(f"{len(pointers)} keys received at {len(held)} addresses, none at another key's: nothing shared")
     if transport.status_word().tolist() != [0, 0]:
         wrong.append(f"status set without a failure: {transport.status_word().tolist()}")
     return wrong

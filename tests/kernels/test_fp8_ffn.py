@@ -82,6 +82,32 @@ def test_fp8_ffn_forward_and_backward_against_fp32(ffn8):
     assert not leaves[1].grad[1].any() and not leaves[2].grad[1].any()
 
 
+def test_a_worst_case_buffers_padding_rows_reach_neither_the_results_nor_the_counters(ffn8):
+    """Rows past offsets_E[-1] (a distributed expert rank's worst-case buffer, `local_experts`)
+    holding NaN and inf in x and dy, and the saved pre-activations' padding left as garbage: the
+    data rows' y and dx and the weight gradients are those of the unpadded buffer, bit for bit, and
+    no counter saw a non-finite value (it would skip the optimizer's update)."""
+    from disagmoe.kernels.fp8_stats import NONFINITE, Fp8Stats
+
+    counts, hidden, ffn, pad = [4, 0, 11, 1], 32, 40, 9
+    x, offsets, w13, w2, dy = _inputs(counts, hidden, ffn, seed=4)
+    garbage = torch.full((pad, hidden), float("nan"))
+    garbage[::2] = float("inf")
+    tiles, weights = ffn8.Fp8Tiles(**SMALL), ffn8.Fp8ExpertWeights.quantize(w13, w2)
+    results = []
+    for rows_x, rows_dy in ((x, dy), (torch.cat([x, garbage]), torch.cat([dy, garbage]))):
+        stats = Fp8Stats("cpu")
+        y, h13 = ffn8.fp8_ffn_forward(rows_x, offsets, weights, tiles, save_for_backward=True, num_programs=3,
+                                      stats=stats)
+        h13[len(x):] = float("nan")  # new_empty's rows past the data: never written by the GEMM
+        dx, dw13, dw2 = ffn8.fp8_ffn_backward(rows_dy, rows_x, offsets, weights, h13, tiles, num_programs=3,
+                                              stats=stats)
+        results.append((y[:len(x)], dx[:len(x)], dw13, dw2, stats.buffer))
+    for plain, padded in zip(*results, strict=True):
+        assert torch.equal(plain, padded)
+    assert results[1][4][:, NONFINITE].eq(0).all()
+
+
 @pytest.mark.slow  # more than a few seconds on 2 cores (`pytest -m 'not slow'` skips it)
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("counts,hidden,ffn", [([5, 0, 37, 1], 96, 72), ([0, 130, 3], 64, 128)])

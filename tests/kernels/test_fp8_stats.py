@@ -79,6 +79,29 @@ def test_row_counters_match_a_torch_count(fp8k, rows, k):
     assert _read(stats, ACTIVATIONS)[TOTAL] == 2 * rows * k
 
 
+@pytest.mark.parametrize("valid", [0, 13, 37, 50])
+def test_rows_past_the_valid_count_are_neither_read_nor_counted(fp8k, valid):
+    """A worst-case buffer (37 rows) whose rows past `valid_rows` hold inf and NaN (a padding's
+    garbage): the counters and the first rows' q and s are those of the data rows alone; a count
+    past the buffer is the whole buffer."""
+    x = _planted(37, 200, seed=9)
+    data = min(valid, 37)
+    x[data:] = float("nan")
+    x[data::2] = float("inf")
+    stats = Fp8Stats("cpu")
+    q, s = fp8k.quantize_rows(x, stats.row(GRADIENTS), torch.tensor([valid], dtype=torch.int32))
+    want = Fp8Stats("cpu")
+    q_want, s_want = fp8k.quantize_rows(x[:data], want.row(GRADIENTS))
+    assert stats.buffer.tolist() == want.buffer.tolist()
+    assert _read(stats, GRADIENTS)[TOTAL] == data * 200
+    assert torch.equal(q[:data].view(torch.uint8), q_want.view(torch.uint8)) and torch.equal(s[:data], s_want)
+
+
+def test_a_valid_count_of_another_kind_is_refused(fp8k):
+    with pytest.raises(ValueError, match="valid_rows must be an int32"):
+        fp8k.quantize_rows(torch.randn(4, 128), None, torch.tensor([2]))
+
+
 def test_no_buffer_gives_the_same_bits(fp8k):
     x = _planted(37, 200, seed=3)
     plain = fp8k.quantize_rows(x)
