@@ -32,12 +32,28 @@ def set_fusion(enabled: bool) -> None:
     _Fusion.enabled = enabled
 
 
+# Compiled graphs one `fused` function may hold: one per input signature (dynamo's default of 8
+# per function is reached by a model's norms alone: hidden, q/k heads, MLA's two low-rank norms,
+# times training and evaluation shapes, and a process that runs several models holds them all).
+FUSED_GRAPHS_PER_FUNCTION = 256
+
+
+def _signature(args: tuple[Any, ...]) -> tuple:
+    """What dynamo guards a `fused` call on: each tensor's shape, strides, dtype, device and
+    requires_grad (other arguments by value), and whether autograd records."""
+    return (torch.is_grad_enabled(), *((a.shape, a.stride(), a.dtype, a.device, a.requires_grad)
+                                       if isinstance(a, torch.Tensor) else a for a in args))
+
+
 def fused(fn: Callable[..., Any]) -> Callable[..., Any]:
     """`fn` (a pure function of tensors: a chain of elementwise ops and reductions), compiled by
     torch.compile into fused kernels, forward and backward, when its first argument is a CUDA
     tensor and fusion is on; run as written otherwise (on the CPU the oracle stays exactly as
-    written). One compiled graph per distinct input shape (shapes are fixed during training)."""
+    written). One compiled graph per distinct input signature (shapes are fixed during training):
+    a new signature compiles with dynamo's per-function limit raised to FUSED_GRAPHS_PER_FUNCTION
+    (fullgraph would make the default limit a hard error mid-run)."""
     compiled: Callable[..., Any] | None = None
+    seen: set[tuple] = set()
 
     @functools.wraps(fn)
     def dispatch(*args: Any) -> Any:
@@ -46,7 +62,12 @@ def fused(fn: Callable[..., Any]) -> Callable[..., Any]:
             return fn(*args)
         if compiled is None:
             compiled = torch.compile(fn, dynamic=False, fullgraph=True)
-        return compiled(*args)
+        signature = _signature(args)
+        if signature in seen:
+            return compiled(*args)
+        seen.add(signature)
+        with torch._dynamo.config.patch(recompile_limit=FUSED_GRAPHS_PER_FUNCTION):  # compiles here
+            return compiled(*args)
 
     return dispatch
 

@@ -49,6 +49,25 @@ def test_swiglu_matches_formula():
 
 
 @pytest.mark.gpu
+def test_cuda_a_fused_function_holds_a_graph_per_signature_past_dynamos_default_limit() -> None:
+    """Twelve input signatures of one `fused` function in one process (shapes, dtypes, autograd on
+    and off: a model's norms in training and evaluation, several models in one test process) each
+    compile, where dynamo's default of 8 graphs per function made the ninth a hard error."""
+    from disagmoe.model.layers import rms_norm
+
+    gen = torch.Generator().manual_seed(0)
+    cases = [((2 + i, 64 * (1 + i % 3)), dtype, grad) for i, (dtype, grad) in
+             enumerate([(torch.bfloat16, True), (torch.float32, False)] * 6)]
+    for shape, dtype, grad in cases:
+        x = torch.randn(shape, generator=gen).to("cuda", dtype).requires_grad_(grad)
+        weight = torch.rand(shape[-1], generator=gen).to("cuda", dtype)
+        got = rms_norm(x, weight, 1e-6)
+        x32 = x.detach().float()
+        want = weight.float() * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype).float()
+        torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
 def test_cuda_fused_norm_and_rope_are_as_close_to_fp32_as_eager_bf16() -> None:
     """The torch.compile'd `fused` functions on bf16 CUDA tensors, forward and backward, are within
     bf16 error (relative norm) of the same functions in fp32, as the eager bf16 ones are."""
