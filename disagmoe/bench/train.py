@@ -13,6 +13,10 @@ Hugging Face transformers' Qwen3MoeForCausalLM on one GPU, same shape and batch
 Variants (`variants`, e.g. ["recompute=none", "recompute=selective"]): every mode runs once per
 variant (each a set of config overrides), in the same run; each row then also gives its
 tokens/s and peak memory against the same mode's row of the first variant.
+
+Each row is logged as it ends, so a run stopped part-way keeps what it measured. A row that
+cannot run (its memory check or an out-of-memory error: a `ValueError` naming the fix) is kept as
+a row with its `error`, and the run goes on to the next; only a run with no row left fails.
 """
 
 from __future__ import annotations
@@ -94,8 +98,11 @@ def summarise(rows: list[dict]) -> list[dict]:
     """Add each mode's speedup over the baseline (colocated if measured, else the first mode) and,
     where `single` ran, its tokens/s over the single GPU's and its mean loss over all steps
     relative to the single GPU's (the same data: a check that the layouts train alike)."""
-    base = next((r for r in rows if r["mode"] == "colocated"), rows[0])
-    single = next((r for r in rows if r["mode"] == "single"), None)
+    ran = [r for r in rows if not r.get("error")]
+    if not ran:
+        raise ValueError("no row of the run trained: " + "; ".join(f"{row_label(r)}: {r['error']}" for r in rows))
+    base = next((r for r in ran if r["mode"] == "colocated"), ran[0])
+    single = next((r for r in ran if r["mode"] == "single"), None)
     def loss_vs_single(r: dict) -> float | None:
         if single is None or r.get("mean_loss") is None or not single.get("mean_loss"):
             return None
@@ -112,7 +119,7 @@ def summarise(rows: list[dict]) -> list[dict]:
     def same_run_of_first_variant(r: dict) -> dict | None:
         if r.get("variant") is None:
             return None
-        return next((o for o in rows if o.get("variant") == first_variant and
+        return next((o for o in ran if o.get("variant") == first_variant and
                      (o["mode"], o.get("transport"), o.get("hop")) == (r["mode"], r.get("transport"), r.get("hop"))),
                     None)
 
@@ -125,7 +132,8 @@ def summarise(rows: list[dict]) -> list[dict]:
         return {"variant_baseline": first_variant, "memory_vs_variant": memory,
                 "vs_variant": r["tokens_per_s"] / other["tokens_per_s"] if speed(r) and speed(other) else None}
 
-    return [{**r, "baseline": label(base), "speedup": base["median_step_s"] / r["median_step_s"] if speed(r) else None,
+    return [r if r.get("error") else
+            {**r, "baseline": label(base), "speedup": base["median_step_s"] / r["median_step_s"] if speed(r) else None,
              "vs_single": None if single is None or not (speed(r) and not single.get("time_sliced"))
              else r["tokens_per_s"] / single["tokens_per_s"],
              "mean_loss_vs_single": loss_vs_single(r), **vs_variant(r)} for r in rows]
@@ -159,11 +167,24 @@ def baseline_split(cfg: TrainConfig, rows: list[dict]) -> TrainConfig:
     like), where the config says `micro_batches: auto`; with no single row, auto chosen for one GPU."""
     if cfg.micro_batches != "auto":
         return cfg
-    single = next((r for r in rows if r["mode"] == "single" and r["variant"] is None), None)
+    single = next((r for r in rows if r["mode"] == "single" and r["variant"] is None and not r.get("error")), None)
     if single is not None:
         return cfg.model_copy(update={"micro_batches": single["micro_batches"]})
     one_gpu = cfg.model_copy(update={"mode": "single"})
     return resolve_single_micro_batches(one_gpu, load_model(cfg.model), resolve_device(cfg.device))[0]
+
+
+def train_row(cfg: TrainConfig):
+    """One row's training run (its summary); a single-mode row gives its GPU memory back after it,
+    whether it ended or failed, so the next row starts clean."""
+    if cfg.mode == "single":
+        try:
+            return SingleProcessTrainer(cfg).run()
+        finally:
+            free_device_memory()
+    from disagmoe.runtime.cluster.driver import DistributedTrainer
+
+    return DistributedTrainer(cfg).run()
 
 
 def runs_of(modes: list[str], transports: list[str] | None,
@@ -198,15 +219,16 @@ def run(cfg: TrainConfig, modes: list[str], steps: int, warmup: int,
                                                           for r in runs_of(modes, transports, hops)):
             out = Path(tmp) / f"variant-{[v for v, _ in configs].index(variant)}"
             mcfg = mode_config(vcfg, mode, steps, out, transport, hop)
-            log(f"{mode}{'' if mode == 'single' else f' ({mcfg.transport}, hop {mcfg.hop})'}"
-                f"{f' [{variant}]' if variant else ''}: {steps} steps")
-            if mode == "single":
-                summary = SingleProcessTrainer(mcfg).run()
-                free_device_memory()
-            else:
-                from disagmoe.runtime.cluster.driver import DistributedTrainer
-
-                summary = DistributedTrainer(mcfg).run()
+            name = (f"{mode}{'' if mode == 'single' else f' ({mcfg.transport}, hop {mcfg.hop})'}"
+                    f"{f' [{variant}]' if variant else ''}")
+            log(f"{name}: {steps} steps")
+            try:
+                summary = train_row(mcfg)
+            except ValueError as err:  # the memory check or an out-of-memory error: the row, not the run
+                log(f"{name}: did not run: {err}")
+                rows.append({"mode": mode, "transport": None if mode == "single" else mcfg.transport, "hop": None,
+                             "variant": variant, "error": str(err)})
+                continue
             used_hop, time_sliced = summary.hop, summary.time_sliced
             if summary.micro_batches_note:
                 log(summary.micro_batches_note)
@@ -230,12 +252,15 @@ def run(cfg: TrainConfig, modes: list[str], steps: int, warmup: int,
                          "peak_memory_gib": max((r["peak_memory_gib"] for r in records
                                                  if r.get("peak_memory_gib") is not None), default=None),
                          "load_imbalance": statistics.fmean(imbalance) if imbalance else None})
+            log(f"{name}: {step_s * 1e3:,.1f} ms/step, {rows[-1]['tokens_per_s']:,.0f} tokens/s, final loss "
+                f"{rows[-1]['final_loss']:.4f}" + (f", peak {rows[-1]['peak_memory_gib']:.1f} GiB"
+                                                   if rows[-1]["peak_memory_gib"] is not None else ""))
         if baseline == "hf":
             from disagmoe.bench import hf_baseline
 
             row = hf_baseline.run(baseline_split(cfg, rows), steps, warmup, log)
             rows.append({**row, "mfu": None, "mfu_ceiling": None, "load_imbalance": None, "mean_loss": None})
-            single = next((r for r in rows if r["mode"] == "single"), None)
+            single = next((r for r in rows if r["mode"] == "single" and not r.get("error")), None)
             if single is not None and single["mfu"] is not None:  # the same model FLOPs on one GPU
                 row_mfu = single["mfu"] * single["median_step_s"] / row["median_step_s"]
                 rows[-1].update(mfu=row_mfu, mfu_ceiling=single["mfu_ceiling"] * single["median_step_s"]

@@ -367,6 +367,8 @@ def train(
         print_json(record)
         return
     env = record["environment"]
+    failed = [r for r in record["modes"] if r.get("error")]
+    record = {**record, "modes": [r for r in record["modes"] if not r.get("error")]}
     routing = record["modes"][0].get("routing", "learned")
     table = Table(title=f"training steps of {config} on {env['device']} ({env['transport']} transport, "
                         f"{routing} routing), median of steps {warmup + 1}-{steps}")
@@ -403,6 +405,8 @@ def train(
                       *((times(r.get("vs_single")),) if with_single else ()),
                       *((times(r.get("vs_variant")), times(r.get("memory_vs_variant"))) if first_variant else ()))
     console.print(table)
+    for r in failed:
+        console.print(f"{bench.row_label(r)} did not run: {r['error']}", highlight=False, markup=False)
     if any(r.get("time_sliced") for r in record["modes"]):
         console.print("time-sliced rows: their ranks shared GPUs (ranks_per_gpu), so their step times test the "
                       "layout, not its speed; no speedup or MFU is quoted for them", highlight=False)

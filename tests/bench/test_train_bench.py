@@ -107,3 +107,44 @@ def test_a_variant_that_cannot_run_is_refused_before_any_step(variant, message):
                                  "--steps", "3", "--variant", "micro_batches=1", "--variant", variant])
     assert r.exit_code != 0 and message in r.output and "Traceback" not in r.output, r.output
     assert ": 3 steps" not in r.output  # refused before the first variant's run started
+
+
+def _out_of_memory_at(micro_batches: int, monkeypatch) -> None:
+    """Rows of `micro_batches` fail as a CUDA out-of-memory error does (`metrics.OutOfMemory`)."""
+    from disagmoe.bench import train as bench
+    from disagmoe.runtime.observe.metrics import OutOfMemory
+
+    real = bench.train_row
+
+    def train_row(cfg):
+        if cfg.micro_batches == micro_batches:
+            raise OutOfMemory(f"this GPU ran out of memory; ... micro_batches={micro_batches} does not fit")
+        return real(cfg)
+
+    monkeypatch.setattr(bench, "train_row", train_row)
+
+
+def test_a_row_that_runs_out_of_memory_is_kept_and_the_next_rows_run(monkeypatch):
+    """The first variant fails (a variant that does not fit); the second still trains, each row is
+    logged as it ends, and the failed row stays in the record with its one-line error."""
+    _out_of_memory_at(1, monkeypatch)
+    args = ["bench", "train", "--config", "configs/tiny-cpu.yaml", "--mode", "single", "--steps", "3", "--warmup", "1",
+            "--variant", "micro_batches=1", "--variant", "micro_batches=2"]
+    r = CliRunner().invoke(app, [*args, "--json"])
+    assert r.exit_code == 0, r.output
+    failed, ran = json.loads(r.stdout)["modes"]
+    assert failed["variant"] == "micro_batches=1" and "micro_batches=1 does not fit" in failed["error"]
+    assert ran["variant"] == "micro_batches=2" and ran["median_step_s"] > 0 and ran["speedup"] == 1.0
+    assert "vs_variant" not in ran  # its first variant has no figure to compare with
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0, r.output
+    assert "single [micro_batches=1]: did not run: this GPU ran out of memory" in r.output
+    assert "single [micro_batches=2]: " in r.output and " ms/step, " in r.output  # logged as the row ended
+    assert "single (micro_batches=1) did not run" in r.output  # under the table
+
+
+def test_a_run_whose_every_row_fails_exits_with_their_errors(monkeypatch):
+    _out_of_memory_at(2, monkeypatch)
+    r = CliRunner().invoke(app, ["bench", "train", "--config", "configs/tiny-cpu.yaml", "--mode", "single",
+                                 "--steps", "3", "--variant", "micro_batches=2"])
+    assert r.exit_code != 0 and "no row of the run trained" in r.output and "Traceback" not in r.output, r.output
