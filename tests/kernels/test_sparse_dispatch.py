@@ -211,23 +211,28 @@ def test_gpu_rows_land_and_a_waiting_reader_sees_them(case):
     tables = {name: sd.address_table(ts, device) for name, ts in bufs.items()}
     counters = torch.zeros(dests, dtype=torch.int32, device=device)
 
-    def dispatch(seq):
+    def inputs():
         picked, ids = _routing(tokens, top_k, dests, skew, gen)
         x = torch.randn(tokens, hidden, generator=gen).to(device, torch.bfloat16)
         w = torch.rand(tokens, top_k, generator=gen).to(device, torch.bfloat16)
-        sd.dispatch_rows(x, picked.to(device), seq, ids_QTK=ids.to(device), w_TK=w, counters_Q=counters,
-                         chunks=chunks, **tables)
-        return sd.dispatch_reference(x.cpu(), picked, ids, w.cpu())
+        return x, picked.to(device), ids.to(device), w
 
-    dispatch(1)  # compiled and loaded before any wait spins (a first launch would queue behind it)
+    def dispatch(seq, x, picked, ids, w):
+        sd.dispatch_rows(x, picked, seq, ids_QTK=ids, w_TK=w, counters_Q=counters, chunks=chunks, **tables)
+        return sd.dispatch_reference(x.cpu(), picked.cpu(), ids.cpu(), w.cpu())
+
+    dispatch(1, *inputs())  # compiled and loaded before any wait spins (a first launch would queue behind it)
+    second = inputs()  # on the device before the waits: no host copy (pageable: it may block) while they spin
     torch.cuda.synchronize()
     status = signal.new_status(device)
     waiter = torch.cuda.Stream()
     with torch.cuda.stream(waiter):
         for q in range(dests):
             signal.wait_flag(flags_Q, q, 2, status, timeout_s=30.0)
-    want = dispatch(2)
+    sd.dispatch_rows(second[0], second[1], 2, ids_QTK=second[2], w_TK=second[3], counters_Q=counters, chunks=chunks,
+                     **tables)
     waiter.synchronize()
+    want = sd.dispatch_reference(*(t.cpu() for t in second))
     torch.cuda.synchronize()
     assert status.tolist() == [0, 0], "every wait saw its flag"
     _check(2, bufs, want, counters)
@@ -255,23 +260,26 @@ def test_gpu_the_backward_returns_every_source_in_one_launch(case):
                   flags=sd.address_table([flags_Q[q:q + 1] for q in range(Q)], device))
     counters = torch.zeros(Q, dtype=torch.int32, device=device)
 
-    def launch(seq):
+    def inputs():
         dx = torch.randn(S, T, H, generator=gen).to(device, torch.bfloat16)
         dw = torch.randn(S, T, K, generator=gen).to(device, torch.bfloat16)
-        count_S1 = torch.randint(0, T + 1, (S, 1), generator=gen, dtype=torch.int32)
-        sd.return_rows(dx, count_S1.to(device), seq, dw_STK=dw, counters_Q=counters, blocks=blocks, chunks=chunks,
-                       **tables)
-        return sd.return_reference(dx.cpu(), count_S1, dw.cpu(), blocks)
+        return dx, torch.randint(0, T + 1, (S, 1), generator=gen, dtype=torch.int32).to(device), dw
 
-    launch(1)  # compiled and loaded before any wait spins
+    def launch(seq, dx, count_S1, dw):
+        sd.return_rows(dx, count_S1, seq, dw_STK=dw, counters_Q=counters, blocks=blocks, chunks=chunks, **tables)
+
+    launch(1, *inputs())  # compiled and loaded before any wait spins
+    second = inputs()  # on the device before the waits: no host copy (pageable: it may block) while they spin
     torch.cuda.synchronize()
     status = signal.new_status(device)
     waiter = torch.cuda.Stream()
     with torch.cuda.stream(waiter):
         for q in range(Q):
             signal.wait_flag(flags_Q, q, 2, status, timeout_s=30.0)
-    want = launch(2)
+    launch(2, *second)
     waiter.synchronize()
+    dx, count_S1, dw = (t.cpu() for t in second)
+    want = sd.return_reference(dx, count_S1, dw, blocks)
     torch.cuda.synchronize()
     assert status.tolist() == [0, 0], "every wait saw its flag"
     for q, msg in enumerate(want):
