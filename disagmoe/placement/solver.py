@@ -761,9 +761,12 @@ def _dispatch_note(model, ranks: int, load_peak_ratio: float, disaggregated: boo
     sent, _, _ = st.dispatch_rows(model, ranks)
     busiest_text = ("; the busiest GPU's share of the tokens from the load histogram's peak, after replicas"
                     if load_peak_ratio > 1 else "")
+    r = model.router
+    routing = (f"group-limited: top-{r.topk_groups} of {r.num_groups} groups, each giving "
+               f"{model.top_k / r.topk_groups:g} experts" if r.num_groups > 1 else "uniform routing")
     return (f"dispatch priced sparse (train with dispatch: auto on nvshmem, or sparse): a token reaches "
             f"{float(sent):.2f} of the {ranks} {where} on average (top-{model.top_k} of {model.num_experts} "
-            f"experts, uniform routing){busiest_text}; dense dispatch would send it to all {ranks}; only the routed "
+            f"experts, {routing}){busiest_text}; dense dispatch would send it to all {ranks}; only the routed "
             "rows cross the link on nvshmem (one Triton launch of peer stores), nccl and local move the worst-case "
             "buffer")
 
