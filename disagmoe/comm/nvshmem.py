@@ -346,7 +346,7 @@ class NvshmemTransport(Transport):
                        counts=table(4)) if routed else dict(counts=self._table(counts_Q, device))
         dispatch_rows(x_TH.detach(), picked_QT, seq, rows=table(0), flags=self._table(flags, device),
                       counters_Q=counters_Q, **payload)
-        return self._sent(kept, [x_TH, picked_QT, *([ids_QTK, w_TK] if routed else [])])
+        return self._launched(kept, [x_TH, picked_QT, *([ids_QTK, w_TK] if routed else [])])
 
     def send_counted(self, dst_ranks: Sequence[int], key: MessageKey, dx_STH: torch.Tensor,
                      dw_STK: torch.Tensor | None, count_S1: torch.Tensor, extras: Sequence[torch.Tensor],
@@ -372,7 +372,7 @@ class NvshmemTransport(Transport):
         return_rows(dx_STH.detach(), count_S1.to(torch.int32), seq, rows=self._table([m[0] for m in messages], device),
                     counts=self._table(counts_Q, device), flags=self._table(flags, device), counters_Q=counters_Q,
                     blocks=blocks, **weights)
-        return self._sent(kept, [dx_STH, *([] if dw_STK is None else [dw_STK]), count_S1])
+        return self._launched(kept, [dx_STH, *([] if dw_STK is None else [dw_STK]), count_S1])
 
     def _scratch(self, Q: int, device: torch.device) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """(counters_Q, count words) of a peer-store launch to Q ranks: int32 zeros the launch leaves
@@ -383,7 +383,7 @@ class NvshmemTransport(Transport):
             scratch = self._launch_scratch[Q] = torch.zeros(2 * Q, dtype=torch.int32, device=device)
         return scratch[:Q], [scratch[Q + q:Q + q + 1] for q in range(Q)]
 
-    def _sent(self, kept: list[torch.Tensor], inputs: list[torch.Tensor]) -> SendHandle:
+    def _launched(self, kept: list[torch.Tensor], inputs: list[torch.Tensor]) -> SendHandle:
         """The handle of a peer-store launch queued on the stream: `kept` (the extras put before it)
         alive until the stream passed the puts, `inputs` until the launch read them."""
         return EventSendHandle(self._keep_in_flight(kept), [*inputs, *kept])

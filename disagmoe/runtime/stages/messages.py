@@ -184,6 +184,14 @@ class MessageShapes:
         rows, *extras = self.specs(payload, True)
         return PairSpec(rows, self.segments, tuple(sources), tuple(extras))
 
+    def pair_layout(self, payload: Payload, layer_is_moe: bool) -> tuple[TensorSpec, int, tuple[TensorSpec, ...]] | None:
+        """(rows, segments, extras) of a pair-row message's region (`comm.symmetric`'s `pair_of`),
+        None for a message sent as segments."""
+        if not self.is_pair(payload, layer_is_moe):
+            return None
+        rows, *extras = self.specs(payload, True)
+        return rows, self.segments, tuple(extras)
+
     def is_pair(self, payload: Payload, layer_is_moe: bool) -> bool:
         """Whether this payload's message is a pair-row one in this run."""
         return self.pair_rows and payload in pair_payloads(self.sparse) and layer_is_moe
@@ -267,10 +275,7 @@ def receive_layouts(cfg, shapes: MessageShapes, topology, sum_width: int = 0) ->
         return shapes.specs(payload, topology.is_moe(layer))
 
     def pair_of(payload: Payload, layer: int) -> tuple[TensorSpec, int, tuple[TensorSpec, ...]] | None:
-        if not shapes.is_pair(payload, topology.is_moe(layer)):
-            return None
-        rows, *extras = shapes.specs(payload, True)
-        return rows, shapes.segments, tuple(extras)
+        return shapes.pair_layout(payload, topology.is_moe(layer))
 
     if cfg.transport == "nvshmem":
         from disagmoe.runtime.schedule.reuse_order import one_sided_slots
