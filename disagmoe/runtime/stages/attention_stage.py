@@ -163,8 +163,8 @@ class AttentionStage:
         topo, prev = self.topology, layer - 1
         source = topo.attention_rank(topo.group_of_layer(prev), self.dp_index)
         received = mail.take(Payload.RESIDUAL, prev, mb, source)
-        routed = self.pair is not None and self.sparse and topo.is_moe(prev)
-        ids_NK = received.pop() if routed else None  # the top-k ids: no gradient goes back for them
+        with_ids = self.pair is not None and self.sparse and topo.is_moe(prev)
+        ids_NK = received.pop() if with_ids else None  # the top-k ids: no gradient goes back for them
         parts = [t.detach().requires_grad_() for t in received]
         inputs = LayerInput(prev, carry=parts, topk_idx_NK=ids_NK)
         if not topo.is_moe(prev):
@@ -264,12 +264,12 @@ class AttentionStage:
             mail.post(Payload.DISPATCH, layer, mb, rank, message)
         carry = [h_BSH] + ([] if shared_NH is None else [shared_NH])
         dispatched = [routing.xn_NH, routing.topk_w_NK]
-        routed = []
+        ids = []
         if self.pair is not None:  # the weights travel to where the pair rows are combined (sparse: the ids too)
             carry.append(routing.topk_w_NK)
             dispatched = [routing.xn_NH]
-            routed = [routing.topk_idx_NK.to(torch.int32)] if self.sparse else []
-        mail.post(Payload.RESIDUAL, layer, mb, nxt, carry + routed)
+            ids = [routing.topk_idx_NK.to(torch.int32)] if self.sparse else []
+        mail.post(Payload.RESIDUAL, layer, mb, nxt, carry + ids)
         router = block.moe.router
         segment = Segment(inputs, dispatched, carry, router=router, sent=sent)
         if router.cfg.z_loss_coef > 0:

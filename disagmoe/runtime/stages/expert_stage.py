@@ -176,13 +176,12 @@ class ExpertStage:
             return held
         with deferred_weight_grads() as held:
             torch.autograd.backward(segment.outputs, grads)
-        if self.sparse:
-            D = len(self.sources)
+        D = len(self.sources)
+        if self.sparse:  # one leaf of rows, one of weights: each source's gradient a view
             dx_SH, dw_SK = (_grad(leaf) for leaf in segment.inputs)
             self._post_dispatch_grads(layer, mb, mail, segment, dx_SH.view(D, -1, dx_SH.shape[1]),
                                       dw_SK.view(D, -1, dw_SK.shape[1]))
             return held
-        D = len(self.sources)
         for d, src in enumerate(self.sources):
             x_leaf, w_leaf = segment.inputs[d], segment.inputs[D + d]
             mail.post(Payload.DISPATCH_GRAD, layer, mb, src, [_grad(x_leaf), _grad(w_leaf), segment.load_E])
