@@ -589,8 +589,8 @@ class TrainConfig(StrictModel):
         "auto", description="which tokens a MoE layer's attention rank sends to each expert rank of its set: dense "
         "(every token to every expert rank) or sparse (a token only to the expert ranks serving at least one of "
         "its top-k pairs, once per rank, with its token index; counts and offsets computed on the device, into "
-        "receive buffers sized for the worst case); needs hop: partial_sums; auto = sparse on nvshmem when a set "
-        "has more than one expert rank and the hop is partial sums, else dense (printed at start)")
+        "receive buffers sized for the worst case; with either hop); auto = sparse on nvshmem when a set has more "
+        "than one expert rank, else dense (printed at start)")
     pair_segment_tokens: Dim = Field(
         256, description="pair_rows: tokens per landing segment (each segment has its own arrival flag per "
         "expert rank; the attention rank combines a segment once every flag is up)")
@@ -769,10 +769,6 @@ class TrainConfig(StrictModel):
         if self.hop == "pair_rows" and self.transport == "nvshmem" and self.experts_backend != "triton":
             raise ValueError("hop: pair_rows over nvshmem needs experts_backend: triton (its down GEMM stores the "
                              "rows); set experts_backend: triton or hop: partial_sums")
-        if self.dispatch == "sparse" and self.hop == "pair_rows":
-            raise ValueError("dispatch: sparse with hop: pair_rows: the pair-row return stores each (token, expert) "
-                             "row at the token's position in the dispatch, which sparse dispatch reorders; set hop: "
-                             "partial_sums (or auto) with dispatch: sparse, or dispatch: dense (or auto) with pair rows")
         if self.ranks_per_gpu > 1 and self.mode != "single":
             if self.device != "cuda":
                 raise ValueError(f"ranks_per_gpu={self.ranks_per_gpu} shares GPUs between ranks: it needs device: cuda "

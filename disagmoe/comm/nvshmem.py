@@ -54,8 +54,10 @@ for the flags).
   stored through the peer view of each serving rank's arena into its segment at the token's
   prefix-sum offset, the count beside, the segment's flag raised to seq; the load put before
   (a put and a quiet). `send_counted` is its backward, one launch for every source (the first
-  count rows of d x and d w back to each). Only routed rows cross the link; `recv` is the same
-  as for `send`. The peer views are taken at set-up (`map_peers`).
+  count rows of d x and d w back to each; with pair rows d x alone). With pair rows `send_sparse`
+  also carries COMBINE_GRAD, the rows alone (dy of the tokens each expert rank served). Only
+  routed rows cross the link; `recv` is the same as for `send`. The peer views are taken at
+  set-up (`map_peers`).
 
 - all_sum(values): the all-ranks sum of a few float64 words on the current stream, without
   the process group (the arena's `SumRegion`, when the layouts have one): the n-th sum puts
@@ -220,8 +222,7 @@ class NvshmemTransport(Transport):
         self._pair_received: dict[tuple[int, PairSlot], int] = {}  # (this rank, pair slot) -> landings
         self._extras_in_flight: list[tuple[Any, tuple[torch.Tensor, ...]]] = []  # (event, tensors put before it)
         self._sums = 0  # all-ranks sums so far
-        self._sparse_counters: dict[int, torch.Tensor] = {}  # destinations -> the dispatch kernel's counters
-        self._return_scratch: dict[int, torch.Tensor] = {}  # sources -> the return launch's counters, count words
+        self._launch_scratch: dict[int, torch.Tensor] = {}  # Q -> a peer-store launch's counters, count words
         self._address_tables: dict[tuple, torch.Tensor] = {}  # (device, addresses) -> the kernel's table
 
     def _peer_arena(self, dst: int) -> torch.Tensor:
@@ -313,90 +314,108 @@ class NvshmemTransport(Transport):
     # --- sparse dispatch by peer stores (`kernels.sparse_dispatch`) ------------------------------
 
     def send_sparse(self, dst_ranks: Sequence[int], key: MessageKey, x_TH: torch.Tensor, picked_QT: torch.Tensor,
-                    ids_QTK: torch.Tensor, w_TK: torch.Tensor, extras: Sequence[torch.Tensor]) -> SendHandle:
+                    ids_QTK: torch.Tensor | None = None, w_TK: torch.Tensor | None = None,
+                    extras: Sequence[torch.Tensor] = ()) -> SendHandle:
         """The sparse DISPATCH of `key` to every rank of `dst_ranks` in one launch: destination q's
         picked tokens' rows, local ids, weights and token index stored straight into its segment
         (a peer's arena through its peer view; this rank's own, colocated), the count beside them,
         then its flag raised to the message's seq, so only routed rows cross the link; `extras`
         (the message's whole tensors after the count: the source's load) put first, then a quiet.
         The receiver's `recv` is unchanged: it sees the message `dispatch_messages` builds, with the
-        rows past the count left as they were (never read). The host does not wait."""
+        rows past the count left as they were (never read). Without ids and weights the message is
+        the rows alone (a sparse pair-row layer's COMBINE_GRAD: dy of the tokens each rank served,
+        in its dispatch order; its receiver knows the count). The host does not wait."""
         from disagmoe.kernels.sparse_dispatch import dispatch_rows
 
         Q, T = picked_QT.shape
         if len(dst_ranks) != Q:
             raise ValueError(f"{len(dst_ranks)} destinations for a routing of {Q}: one row of picked per rank")
-        stream = torch.cuda.current_stream()
-        views, seqs, kept = [], [], []
-        for dst in dst_ranks:
-            message, flag, seq = self._counted_segment(
-                dst, key, 5, extras, kept, stream, f"the sparse dispatch {key}",
-                "rows, ids, weights, index, count and {n} extras (dispatch: sparse specs)")
-            views.append((message, flag))
-            seqs.append(seq)
-        if any(dst != self.rank for dst in dst_ranks) and extras:
-            self.nv.quiet(stream=stream)  # the extras land before any flag the kernel raises
-        if len(set(seqs)) != 1:
-            raise ValueError(f"the sparse dispatch {key}: its destinations count different messages {seqs}; every "
-                             "message of the slot must go through send_sparse (or every one through send)")
+        if (ids_QTK is None) != (w_TK is None):
+            raise ValueError("send_sparse takes ids and weights together (a DISPATCH) or neither (the rows alone)")
+        routed = ids_QTK is not None
+        messages, flags, seq, kept = self._counted_segments(
+            dst_ranks, key, 5 if routed else 1, extras, f"the sparse dispatch {key}",
+            "rows, ids, weights, index, count and {n} extras (dispatch: sparse specs)" if routed else "rows alone")
+        device = x_TH.device
+        counters_Q, counts_Q = self._scratch(Q, device)
 
         def table(i: int) -> torch.Tensor:
-            return self._table([message[i] for message, _ in views], x_TH.device)
+            return self._table([message[i] for message in messages], device)
 
-        counters = self._sparse_counters.get(Q)
-        if counters is None:
-            counters = self._sparse_counters[Q] = torch.zeros(Q, dtype=torch.int32, device=x_TH.device)
-        dispatch_rows(x_TH.detach(), picked_QT, seqs[0], rows=table(0), ids_QTK=ids_QTK.to(torch.int32),
-                      ids=table(1), w_TK=w_TK.detach(), w=table(2), index=table(3), counts=table(4),
-                      flags=self._table([flag for _, flag in views], x_TH.device), counters_Q=counters)
-        self._extras_in_flight = [(e, ts) for e, ts in self._extras_in_flight if not e.query()]
-        event = torch.cuda.Event()
-        event.record(stream)
-        self._extras_in_flight.append((event, tuple(kept)))  # alive until the stream passed the puts
-        return EventSendHandle(event, [x_TH, picked_QT, ids_QTK, w_TK, *kept])
+        payload = dict(ids_QTK=ids_QTK.to(torch.int32), ids=table(1), w_TK=w_TK.detach(), w=table(2), index=table(3),
+                       counts=table(4)) if routed else dict(counts=self._table(counts_Q, device))
+        dispatch_rows(x_TH.detach(), picked_QT, seq, rows=table(0), flags=self._table(flags, device),
+                      counters_Q=counters_Q, **payload)
+        return self._launched(kept, [x_TH, picked_QT, *([ids_QTK, w_TK] if routed else [])])
 
-    def send_counted(self, dst_ranks: Sequence[int], key: MessageKey, dx_STH: torch.Tensor, dw_STK: torch.Tensor,
-                     count_S1: torch.Tensor, extras: Sequence[torch.Tensor],
+    def send_counted(self, dst_ranks: Sequence[int], key: MessageKey, dx_STH: torch.Tensor,
+                     dw_STK: torch.Tensor | None, count_S1: torch.Tensor, extras: Sequence[torch.Tensor],
                      blocks: Sequence[int] | None = None) -> SendHandle:
         """The sparse DISPATCH_GRAD of `key` to every source of `dst_ranks` in one launch: source q
         gets the first count_S1[s] rows of d x and d w of block s = blocks[q] (default q; the rows
         it sent, in their received order; int32 [S, 1] on the device, never read here) stored into
         its segment, `extras` (the load) put first, then its flag: the backward of `send_sparse`
-        (`kernels.sparse_dispatch.return_rows`). `recv` is unchanged."""
+        (`kernels.sparse_dispatch.return_rows`). `dw_STK` None: d x alone (pair rows: the weights'
+        gradient forms where they combine). `recv` is unchanged."""
         from disagmoe.kernels.sparse_dispatch import return_rows
 
         blocks = list(range(len(dst_ranks))) if blocks is None else list(blocks)
         if len(blocks) != len(dst_ranks):
             raise ValueError(f"{len(dst_ranks)} sources for {len(blocks)} blocks of d x: one block per source")
-        stream = torch.cuda.current_stream()
+        messages, flags, seq, kept = self._counted_segments(
+            dst_ranks, key, 1 if dw_STK is None else 2, extras, f"the sparse dispatch gradient {key}",
+            "d x, {n} extras" if dw_STK is None else "d x, d w and {n} extras")
         device = dx_STH.device
+        counters_Q, counts_Q = self._scratch(len(dst_ranks), device)
+        weights = {} if dw_STK is None else dict(dw_STK=dw_STK.detach(),
+                                                 w=self._table([m[1] for m in messages], device))
+        return_rows(dx_STH.detach(), count_S1.to(torch.int32), seq, rows=self._table([m[0] for m in messages], device),
+                    counts=self._table(counts_Q, device), flags=self._table(flags, device), counters_Q=counters_Q,
+                    blocks=blocks, **weights)
+        return self._launched(kept, [dx_STH, *([] if dw_STK is None else [dw_STK]), count_S1])
+
+    def _scratch(self, Q: int, device: torch.device) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """(counters_Q, count words) of a peer-store launch to Q ranks: int32 zeros the launch leaves
+        zero again (stream order: every launch's own), and the count words a message without a
+        count tensor writes into (never read)."""
+        scratch = self._launch_scratch.get(Q)
+        if scratch is None:
+            scratch = self._launch_scratch[Q] = torch.zeros(2 * Q, dtype=torch.int32, device=device)
+        return scratch[:Q], [scratch[Q + q:Q + q + 1] for q in range(Q)]
+
+    def _launched(self, kept: list[torch.Tensor], inputs: list[torch.Tensor]) -> SendHandle:
+        """The handle of a peer-store launch queued on the stream: `kept` (the extras put before it)
+        alive until the stream passed the puts, `inputs` until the launch read them."""
+        return EventSendHandle(self._keep_in_flight(kept), [*inputs, *kept])
+
+    def _keep_in_flight(self, tensors: Sequence[torch.Tensor]) -> Any:
+        """An event recorded on the current stream now; `tensors` (read by puts queued before it)
+        stay alive here until the stream passed it."""
+        self._extras_in_flight = [(e, ts) for e, ts in self._extras_in_flight if not e.query()]
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream())
+        self._extras_in_flight.append((event, tuple(tensors)))
+        return event
+
+    def _counted_segments(self, dst_ranks: Sequence[int], key: MessageKey, leading: int,
+                          extras: Sequence[torch.Tensor], what: str,
+                          expected: str) -> tuple[list[list[torch.Tensor]], list[torch.Tensor], int, list]:
+        """(each destination's message views, flag words, the seq, the extras sent) of `key`'s next
+        message to every rank of `dst_ranks`, for one Triton launch that writes the `leading`
+        tensors and raises the flags (`_counted_segment` each, one quiet after the puts)."""
+        stream = torch.cuda.current_stream()
         messages, flags, seqs, kept = [], [], [], []
         for dst in dst_ranks:
-            message, flag, seq = self._counted_segment(dst, key, 2, extras, kept, stream,
-                                                       f"the sparse dispatch gradient {key}",
-                                                       "d x, d w and {n} extras")
+            message, flag, seq = self._counted_segment(dst, key, leading, extras, kept, stream, what, expected)
             messages.append(message)
             flags.append(flag)
             seqs.append(seq)
         if any(dst != self.rank for dst in dst_ranks) and extras:
-            self.nv.quiet(stream=stream)  # the extras land before any flag
+            self.nv.quiet(stream=stream)  # the extras land before any flag the kernel raises
         if len(set(seqs)) > 1:
-            raise ValueError(f"the sparse dispatch gradient {key}: its sources count different messages {seqs}; "
-                             "every message of the slot must go through send_counted (or every one through send)")
-        Q = len(dst_ranks)
-        scratch = self._return_scratch.get(Q)  # the launch's counters, then the count words the message lacks
-        if scratch is None:
-            scratch = self._return_scratch[Q] = torch.zeros(2 * Q, dtype=torch.int32, device=device)
-        return_rows(dx_STH.detach(), count_S1.to(torch.int32), seqs[0],
-                    rows=self._table([m[0] for m in messages], device), dw_STK=dw_STK.detach(),
-                    w=self._table([m[1] for m in messages], device),
-                    counts=self._table([scratch[Q + q:Q + q + 1] for q in range(Q)], device),
-                    flags=self._table(flags, device), counters_Q=scratch[:Q], blocks=blocks)
-        self._extras_in_flight = [(e, ts) for e, ts in self._extras_in_flight if not e.query()]
-        event = torch.cuda.Event()
-        event.record(stream)
-        self._extras_in_flight.append((event, tuple(kept)))
-        return EventSendHandle(event, [dx_STH, dw_STK, count_S1, *kept])
+            raise ValueError(f"{what}: its destinations count different messages {seqs}; every message of the slot "
+                             "must go through the one-launch send (or every one through send)")
+        return messages, flags, seqs[0] if seqs else 1, kept
 
     def _counted_segment(self, dst: int, key: MessageKey, leading: int, extras: Sequence[torch.Tensor],
                          kept: list, stream, what: str, expected: str) -> tuple[list[torch.Tensor], torch.Tensor, int]:
@@ -493,10 +512,7 @@ class NvshmemTransport(Transport):
         for offset, tensor in parts:
             self.nv.put(self._symmetric(offset, tensor.nbytes), self._local(tensor), remote_pe=dst_rank, stream=stream)
         self.nv.quiet(stream=stream)  # landed before any flag raised after this
-        self._extras_in_flight = [(e, ts) for e, ts in self._extras_in_flight if not e.query()]
-        event = torch.cuda.Event()
-        event.record(stream)
-        self._extras_in_flight.append((event, payload))  # alive until the stream passed the puts
+        self._keep_in_flight(payload)
         return payload
 
     def pair_send(self, dst_rank: int, key: MessageKey, target: PairTarget) -> SendHandle | None:
@@ -546,10 +562,7 @@ class NvshmemTransport(Transport):
                 self.nv.put_signal(self._symmetric(offset, 8 * n), self._local(share),
                                    self._symmetric(8 * region.flag_of(copy, self.rank), 8), seq,
                                    self.nv.SignalOp.SIGNAL_SET, remote_pe=dst, stream=stream)
-        self._extras_in_flight = [(e, ts) for e, ts in self._extras_in_flight if not e.query()]
-        event = torch.cuda.Event()
-        event.record(stream)
-        self._extras_in_flight.append((event, (share,)))  # alive until the stream passed the puts
+        self._keep_in_flight((share,))
         return copy, n, seq
 
     def _summed(self, copy: int, n: int, seq: int, timeout_s: float) -> torch.Tensor:

@@ -98,28 +98,38 @@ def address_table(tensors: Sequence[torch.Tensor], device: torch.device | str) -
 
 
 def warm_up(tokens: int, hidden: int, top_k: int, x_dtype: torch.dtype, w_dtype: torch.dtype,
-            dx_dtype: torch.dtype, dw_dtype: torch.dtype, device: torch.device | str, sources: int = 1) -> None:
-    """Compile and load both launch variants (dispatch, return) for a run's shapes at set-up, into
-    scratch buffers: a variant's first launch loads its module, which waits for the GPU's running
-    kernels, and mid-step one of them may be a flag wait of this process (`kernels.signal`).
-    `sources`: the blocks an expert rank's return covers (its integer arguments are specialised)."""
-    def scratch(shape, dtype):
-        return torch.zeros(shape, dtype=dtype, device=device)
+            dx_dtype: torch.dtype, dw_dtype: torch.dtype | None, device: torch.device | str, sources: int = 1) -> None:
+    """Compile and load a run's launch variants for its shapes at set-up, into scratch buffers: a
+    variant's first launch loads its module, which waits for the GPU's running kernels, and
+    mid-step one of them may be a flag wait of this process (`kernels.signal`). The dispatch and
+    the return over `sources` blocks (its integer arguments are specialised); `dw_dtype` None
+    (pair rows): the return of d x alone, and the dispatch of rows alone (COMBINE_GRAD)."""
+    kept = []  # every scratch buffer, alive until the launches are done
 
-    x, w = scratch((tokens, hidden), x_dtype), scratch((tokens, top_k), w_dtype)
-    rows, ids, ws, index = (scratch((tokens, hidden), x_dtype), scratch((tokens, top_k), torch.int32),
-                            scratch((tokens, top_k), w_dtype), scratch((tokens,), torch.int32))
-    count, flag = scratch((1,), torch.int32), scratch((1,), torch.int64)
-    tables = {name: address_table([t], device) for name, t in
-              dict(rows=rows, ids=ids, w=ws, index=index, counts=count, flags=flag).items()}
-    dispatch_rows(x, scratch((1, tokens), torch.bool), 1, ids_QTK=scratch((1, tokens, top_k), torch.int32), w_TK=w,
-                  counters_Q=scratch((1,), torch.int32), **tables)
+    def scratch(shape, dtype):
+        kept.append(torch.zeros(shape, dtype=dtype, device=device))
+        return kept[-1]
+
+    def buffer(shape, dtype):  # a destination's buffer, by its address
+        return address_table([scratch(shape, dtype)], device)
+
+    def landing(dtype) -> dict[str, torch.Tensor]:
+        return dict(rows=buffer((tokens, hidden), dtype), counts=buffer((1,), torch.int32),
+                    flags=buffer((1,), torch.int64))
+
+    picked = scratch((1, tokens), torch.bool)
+    dispatch_rows(scratch((tokens, hidden), x_dtype), picked, 1, ids_QTK=scratch((1, tokens, top_k), torch.int32),
+                  w_TK=scratch((tokens, top_k), w_dtype), ids=buffer((tokens, top_k), torch.int32),
+                  w=buffer((tokens, top_k), w_dtype), index=buffer((tokens,), torch.int32),
+                  counters_Q=scratch((1,), torch.int32), **landing(x_dtype))
+    if dw_dtype is None:  # pair rows' COMBINE_GRAD: the rows alone
+        dispatch_rows(scratch((tokens, hidden), dx_dtype), picked, 1, counters_Q=scratch((1,), torch.int32),
+                      **landing(dx_dtype))
     S = max(sources, 1)
-    dx, dw = scratch((S, tokens, hidden), dx_dtype), scratch((S, tokens, top_k), dw_dtype)
-    drows, dws = scratch((tokens, hidden), dx_dtype), scratch((tokens, top_k), dw_dtype)
-    return_rows(dx, scratch((S, 1), torch.int32), 1, rows=address_table([drows], device), dw_STK=dw,
-                w=address_table([dws], device), counts=tables["counts"], flags=tables["flags"],
-                counters_Q=scratch((1,), torch.int32), blocks=[0])
+    weights = {} if dw_dtype is None else dict(dw_STK=scratch((S, tokens, top_k), dw_dtype),
+                                               w=buffer((tokens, top_k), dw_dtype))
+    return_rows(scratch((S, tokens, hidden), dx_dtype), scratch((S, 1), torch.int32), 1,
+                counters_Q=scratch((1,), torch.int32), blocks=[0], **landing(dx_dtype), **weights)
     if torch.device(device).type == "cuda":
         torch.cuda.current_stream(device).synchronize()  # set-up, not a step: the scratch outlives the launches
 

@@ -87,6 +87,8 @@ def hop_tensors(payload: str, moe: bool, s: HopShape) -> list[tuple[tuple, str]]
         return [rows, index, count]
     if payload == "combine" and s.pair_rows:
         return [((T * K, H), v)]
+    if payload == "dispatch_grad" and s.pair_rows and s.sparse:  # d x of the rows received, the load
+        return [rows, ((E,), "int64")]
     if payload == "dispatch_grad" and s.pair_rows:  # d x per pair, then the load (an extra)
         return [((T * K, H), v), ((E,), "int64")]
     if payload in ("combine", "combine_grad"):
@@ -97,6 +99,8 @@ def hop_tensors(payload: str, moe: bool, s: HopShape) -> list[tuple[tuple, str]]
     parts = [stream, rows] if moe and s.shared_experts else [stream]
     if moe and s.pair_rows:
         parts.append(((T, K), v))  # the routing weights, combined on the receiving rank
+    if moe and s.pair_rows and s.sparse and payload == "residual":
+        parts.append(((T, K), "int32"))  # the top-k ids, routing COMBINE_GRAD from there
     return parts
 
 

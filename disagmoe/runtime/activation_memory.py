@@ -85,8 +85,10 @@ def rank_activations(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topolog
     its output [T, H] stays with the next layer's segment (its gradient goes back to the experts).
     With `sparse` dispatch a MoE layer's forward also holds, for its span, each expert rank's copy
     of the rows it sends (Q worst-case messages: rows, ids, weights and token index), until the
-    sends after it have left; with `peer_stores` (nvshmem: the dispatch kernel stores the rows into
-    the peers' buffers) only a colocated rank's message to itself."""
+    sends after it have left, and with pair rows too the op posting a MoE layer's COMBINE_GRAD
+    (its Loss or the next layer's backward) each expert rank's dy rows; with `peer_stores`
+    (nvshmem: the kernels store the rows into the peers' buffers) only a colocated rank's message
+    to itself."""
     m, vb, dropped = model_cfg, value_bytes(cfg), cfg.recompute_set
     tokens = cfg.batch_size // cfg.micro_batches // topology.data_parallel * cfg.seq_len
     row = mem.expert_row_bytes(m, vb, dropped) + (0 if pair_rows else mem.combine_bytes(m, vb, dropped) // m.top_k)
@@ -104,17 +106,24 @@ def rank_activations(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topolog
             combined = vb * m.hidden_size if pair_rows and op.layer > 0 and topology.is_moe(op.layer - 1) else 0
             return tokens * (mem.attention_bytes(m, topology.is_moe(op.layer), vb, dropped) + combined)
 
+        def staged(layer: int, row_bytes: int) -> int:
+            """A sparse MoE layer's messages to its expert ranks staged by one op (`peer_stores`: its own)."""
+            if not (sparse and layer >= 0 and topology.is_moe(layer)):
+                return 0
+            group = topology.expert_groups[topology.group_of_layer(layer)]
+            return (int(rank in group) if peer_stores else len(group)) * tokens * row_bytes
+
         def held(op: Op) -> int:
-            if sparse and isinstance(op, AttentionForward) and topology.is_moe(op.layer):
-                group = topology.expert_groups[topology.group_of_layer(op.layer)]
-                ranks = int(rank in group) if peer_stores else len(group)
-                return ranks * tokens * (vb * m.hidden_size + m.top_k * (4 + vb) + 4)
+            dy = vb * m.hidden_size if pair_rows else 0  # sparse pair rows: COMBINE_GRAD's dy rows
+            if isinstance(op, AttentionForward):
+                return staged(op.layer, vb * m.hidden_size + m.top_k * (4 + vb) + 4)
             if isinstance(op, Loss):
-                return mem.head_bytes(m, tokens, vb)
+                return mem.head_bytes(m, tokens, vb) + staged(topology.num_layers - 1, dy)
             if isinstance(op, ExpertBackward):
                 return pairs * row_grad
             if isinstance(op, AttentionBackward):
-                return tokens * mem.attention_grad_bytes(m, topology.is_moe(op.layer), vb, dropped)
+                return (tokens * mem.attention_grad_bytes(m, topology.is_moe(op.layer), vb, dropped)
+                        + staged(op.layer - 1, dy))
             return 0
 
         out.append(replay_peak(program, kept, held))

@@ -24,6 +24,7 @@ but not NVLink.
 """
 
 import ctypes
+import dataclasses
 import functools
 import re
 import sys
@@ -502,8 +503,8 @@ class _FakeNv:
         """The put, then the flag word set to `value` in the destination PE's arena."""
         self.put(dst, src, remote_pe, stream)
         self.log[-1] = ("put_signal", *self.log[-1][1:], flag.ptr - SYMMETRIC_BASE, value, op)
-        flag_offset = flag.ptr - SYMMETRIC_BASE
-        self.arenas[remote_pe][flag_offset:flag_offset + 8].view(torch.int64).fill_(value)
+        flag_offset = flag.ptr - SYMMETRIC_BASE  # `.data`: a remote store bumps no version counter of the peer's views
+        self.arenas[remote_pe].data[flag_offset:flag_offset + 8].view(torch.int64).fill_(value)
 
 
 @pytest.fixture
@@ -896,10 +897,11 @@ SPARSE_SHAPES = MessageShapes(rows=1, seq_len=40, hidden=24, top_k=2, num_expert
 
 def _sparse_transports(topology, shapes=None, micro_batches: int = MICRO_BATCHES) -> list[NvshmemTransport]:
     """`_cpu_transports` with sparse-dispatch specs (`shapes`, fp32 `SPARSE_SHAPES` by default; the
-    interpreter runs the kernel)."""
+    interpreter runs the kernel), pair-row regions where `shapes` has pair rows."""
     shapes = SPARSE_SHAPES if shapes is None else shapes
     specs_of = lambda payload, layer: shapes.specs(payload, topology.is_moe(layer))  # noqa: E731
-    layouts = symmetric_layouts(topology.programs(micro_batches), specs_of)
+    pair_of = lambda payload, layer: shapes.pair_layout(payload, topology.is_moe(layer))  # noqa: E731
+    layouts = symmetric_layouts(topology.programs(micro_batches), specs_of, pair_of=pair_of)
     arenas = [torch.zeros(layouts[0].nbytes, dtype=torch.uint8) for _ in layouts]
     transports = []
     for rank in range(len(layouts)):
@@ -912,7 +914,9 @@ def _sparse_transports(topology, shapes=None, micro_batches: int = MICRO_BATCHES
         transport._base = SYMMETRIC_BASE
         transport.status_2 = torch.zeros(2, dtype=torch.int32)
         transport._flags_W = layouts[rank].flags(arenas[rank])
-        transport._peer_arenas = {dst: arenas[dst] for dst in range(len(layouts)) if dst != rank}
+        # a peer view is a tensor of its own (as get_peer_tensor's): a write through it leaves the version
+        # counter of the peer's views alone (one in autograd's saved tensors, a received residual stream)
+        transport._peer_arenas = {dst: arenas[dst].data for dst in range(len(layouts)) if dst != rank}
         transports.append(transport)
     return transports
 
@@ -984,6 +988,65 @@ def test_sparse_dispatch_by_peer_stores_delivers_the_send_recv_message(interpret
                 if step == 0:
                     assert (back[0][n:] == 0).all()
     assert all(t.status_2.tolist() == [0, 0] for t in transports)
+
+
+SPARSE_PAIR_SHAPES = dataclasses.replace(SPARSE_SHAPES, pair_rows=True)
+
+
+@pytest.mark.parametrize("sources,experts", [(1, 2), (1, 3), (2, 2)], ids=["A1-E2", "A1-E3", "A2-E2"])
+@pytest.mark.parametrize("skew", [False, True], ids=["uniform", "skewed"])
+def test_a_sparse_pair_row_layer_s_gradients_go_by_peer_stores(interpreted, fake_cuda, monkeypatch, sources, experts,
+                                                              skew):
+    """Sparse dispatch with pair rows: COMBINE_GRAD is `send_sparse` of the rows alone (dy of the
+    tokens each expert rank served, in token order: its dispatch order), DISPATCH_GRAD
+    `send_counted` of d x alone with the load; one launch for every destination each, only the
+    first count rows written, both copies of the slot; skewed routing leaves an expert rank empty."""
+    sd = interpreted("disagmoe.kernels.signal", "disagmoe.kernels.sparse_dispatch")[1]
+    launches = []
+    real = sd.dispatch_rows
+    monkeypatch.setattr(sd, "dispatch_rows", lambda x, picked, *a, **kw: (launches.append(picked.shape[0]),
+                                                                          real(x, picked, *a, **kw))[1])
+    shapes = SPARSE_PAIR_SHAPES
+    topology = Topology.disaggregated(Layout(sources, experts, 1, 2, 0), shapes.num_experts)
+    transports = _sparse_transports(topology, shapes)
+    attention, ranks = list(topology.attention_groups[0]), list(topology.expert_groups[0])
+    T, H, E = shapes.tokens, shapes.hidden, shapes.num_experts
+    combine_grad, grad = shapes.specs(Payload.COMBINE_GRAD, True), shapes.specs(Payload.DISPATCH_GRAD, True)
+    assert [spec.shape for spec in grad] == [(T, H), (E,)], "d x and the load: no d w with pair rows"
+    gen = torch.Generator().manual_seed(experts + 10 * skew + 100 * sources)
+    for step in range(2):
+        key = message_key(step, Payload.COMBINE_GRAD, 0, 0)
+        counts = {}  # (source, expert rank) -> rows
+        for src in attention:
+            picked_QT = torch.rand(len(ranks), T, generator=gen) < 0.5
+            if skew:
+                picked_QT[-1] = False
+            dy = torch.randn(T, H, generator=gen)
+            launches.clear()
+            transports[src].send_sparse(ranks, key, dy, picked_QT)
+            assert launches == [len(ranks)], "one launch for every expert rank"
+            for q, (rank, want) in enumerate(zip(ranks, sd.dispatch_reference(dy, picked_QT), strict=True)):
+                got, = transports[rank].recv(src, key, combine_grad)
+                n = counts[(src, rank)] = int(want["count"])
+                assert torch.equal(got[:n], want["rows"])
+                if step == 0:  # copy 0 of the segment, zero before: the rows past the count were not written
+                    assert (got[n:] == 0).all()
+        grad_key = message_key(step, Payload.DISPATCH_GRAD, 0, 0)
+        for rank in ranks:
+            dx = torch.randn(len(attention), T, H, generator=gen)
+            count_S1 = torch.tensor([[counts[(src, rank)]] for src in attention], dtype=torch.int32)
+            launches.clear()
+            transports[rank].send_counted(attention, grad_key, dx, None, count_S1, [torch.arange(E) + rank])
+            assert launches == [len(attention)], "one launch for every source"
+            for d, src in enumerate(attention):
+                back, load = transports[src].recv(rank, grad_key, grad)
+                n = counts[(src, rank)]
+                assert torch.equal(back[:n], dx[d, :n]) and torch.equal(load, torch.arange(E) + rank)
+                if step == 0:
+                    assert (back[n:] == 0).all()
+    assert all(t.status_2.tolist() == [0, 0] for t in transports)
+    with pytest.raises(ValueError, match="ids and weights together"):
+        transports[attention[0]].send_sparse(ranks, key, dy, picked_QT, torch.zeros(len(ranks), T, 2, dtype=torch.int32))
 
 
 def test_send_counted_returns_a_subset_of_the_blocks(interpreted, fake_cuda):

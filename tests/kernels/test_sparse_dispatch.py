@@ -149,6 +149,37 @@ def test_the_backward_returns_each_sources_first_count_rows_in_one_launch(sd, ca
     assert len(launches) == 2 and all(grid[0] == Q for grid in launches), "one launch per message, every source"
 
 
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_rows_alone_land_as_the_reference(sd, case):
+    """A sparse pair-row layer's COMBINE_GRAD (no ids, weights or index: `NvshmemTransport.send_sparse`
+    without them) and its DISPATCH_GRAD (`return_rows` without d w): only the picked / first count
+    rows are written, with the count and the flag; ragged, empty and skewed destinations."""
+    tokens, hidden, top_k, dests, chunks, skew = CASES[case]
+    gen = torch.Generator().manual_seed(40 + case)
+    picked, _ = _routing(tokens, top_k, dests, skew, gen)
+    dy = torch.randn(tokens, hidden, generator=gen)
+    bufs = _buffers(dests, tokens, hidden, top_k, "cpu", torch.float32)
+    landing = {name: sd.address_table(bufs[name], "cpu") for name in ("rows", "counts", "flags")}
+    counters = torch.zeros(dests, dtype=torch.int32)
+    sd.dispatch_rows(dy, picked, 3, counters_Q=counters, chunks=chunks, **landing)
+    for q, msg in enumerate(sd.dispatch_reference(dy, picked)):
+        n = int(msg["count"])
+        assert bufs["counts"][q].tolist() == [n] and bufs["flags"][q].tolist() == [3]
+        assert torch.equal(bufs["rows"][q][:n], msg["rows"]) and torch.isnan(bufs["rows"][q][n:]).all()
+    assert (counters == 0).all()
+
+    dx = torch.randn(dests, tokens, hidden, generator=gen)  # one block per source, the counts just delivered
+    count_S1 = torch.cat([b for b in bufs["counts"]]).view(dests, 1)
+    back = _buffers(dests, tokens, hidden, top_k, "cpu", torch.float32)
+    sd.return_rows(dx, count_S1, 4, counters_Q=counters, chunks=chunks,
+                   **{name: sd.address_table(back[name], "cpu") for name in ("rows", "counts", "flags")})
+    for q, msg in enumerate(sd.return_reference(dx, count_S1)):
+        n = int(msg["count"])
+        assert back["counts"][q].tolist() == [n] and back["flags"][q].tolist() == [4]
+        assert torch.equal(back["rows"][q][:n], msg["rows"]) and torch.isnan(back["rows"][q][n:]).all()
+    assert (counters == 0).all()
+
+
 def test_user_errors_name_the_fix(sd):
     x = torch.zeros(4, 8)
     table = torch.zeros(2, dtype=torch.int64)
@@ -289,6 +320,13 @@ def test_gpu_the_backward_returns_every_source_in_one_launch(case):
     assert (counters == 0).all()
 
 
-def test_warm_up_runs_both_variants_on_scratch(sd):
-    """The set-up launch (the worker's, before any step): both variants run on scratch buffers."""
-    sd.warm_up(40, 24, 2, torch.float32, torch.float32, torch.float32, torch.float32, "cpu")
+@pytest.mark.parametrize("pair_rows", [False, True], ids=["partial-sums", "pair-rows"])
+def test_warm_up_runs_a_run_s_variants_on_scratch(sd, monkeypatch, pair_rows):
+    """The set-up launch (the worker's, before any step) runs on scratch buffers: the dispatch and
+    the return with d w, or with pair rows the return of d x alone and the rows-alone dispatch."""
+    seen = []
+    real = sd.dispatch_rows
+    monkeypatch.setattr(sd, "dispatch_rows", lambda *a, **kw: (seen.append((kw.get("ids") is not None, kw.get("w") is not None)), real(*a, **kw)))
+    sd.warm_up(40, 24, 2, torch.float32, torch.float32, torch.float32, None if pair_rows else torch.float32, "cpu",
+               sources=3)
+    assert seen == ([(True, True), (False, False), (False, False)] if pair_rows else [(True, True), (False, True)])

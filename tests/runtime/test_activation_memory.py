@@ -183,3 +183,18 @@ def test_sparse_dispatch_by_peer_stores_stages_only_a_colocated_ranks_own_messag
     dense, staged, own = (rank_activations(cfg, m, colocated, sparse=s, peer_stores=p)[0].peak_bytes
                           for s, p in ((False, False), (True, False), (True, True)))
     assert dense <= own <= staged
+
+
+def test_sparse_pair_rows_stage_each_expert_ranks_dy_in_the_op_posting_combine_grad():
+    """With pair rows the combining attention rank routes dy to each expert rank in its dispatch
+    order: over send/recv the op posting a MoE layer's COMBINE_GRAD (layer 2's backward, for layer
+    1) holds Q = 8 [T, H] messages beside what it did; by peer stores none (the kernel stores dy)."""
+    m = load_model("tiny").model_copy(update={"vocab_size": 32})
+    cfg = config(micro_batches=1, expert_ranks=8, model=m)
+    topology = Topology.from_config(cfg, m)
+    dense, staged, stored = (rank_activations(cfg, m, topology, pair_rows=True, sparse=s, peer_stores=p)[0]
+                             for s, p in ((False, False), (True, False), (True, True)))
+    tokens = 8 * 16
+    assert staged.at_op == dense.at_op == "AttentionBackward L2 mb0"
+    assert staged.peak_bytes == dense.peak_bytes + 8 * tokens * 4 * m.hidden_size  # fp32 on CPU
+    assert stored == dense

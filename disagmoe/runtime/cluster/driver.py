@@ -343,7 +343,7 @@ class DistributedTrainer(TrainingLoop):
         self.transport_gib = [need.received_bytes / 2**30 for need in needs]  # in the check and the peak
         self.offloaded_host_gib = host_state_bytes(cfg, self.model_cfg, self.topology) / 2**30
         self.hop, self.hop_reason = hop_mode(cfg, self.model_cfg, self.topology)
-        self.dispatch, self.dispatch_reason = dispatch_mode(cfg, self.model_cfg, self.topology)  # refusals: now
+        self.dispatch, self.dispatch_reason = dispatch_mode(cfg, self.model_cfg, self.topology)
         self.traffic_sums: dict[str, int] = {}  # bytes of the rows sent, summed over ranks and steps run
         self.traffic_steps = 0
         check_fault_injection(cfg, self.topology)

@@ -80,8 +80,6 @@ from disagmoe.runtime.observe.trace import SpanRecorder
 from disagmoe.runtime.cluster.watchdog import OpWatchdog
 from disagmoe.runtime.training.trainer import check_fp8_device
 
-SPARSE_PAYLOADS = (Payload.DISPATCH, Payload.DISPATCH_GRAD)  # sent by peer stores on nvshmem (`_send_by_peer_stores`)
-
 REPLICATED, EXPERTS = "replicated", "experts"  # FlatAdamW buckets: all-reduced over data parallel, or not
 
 
@@ -118,6 +116,15 @@ def setup_fp8(model: Any, topology: Topology, rank: int, precision: str, device:
         model.set_dense_fp8(True, stats)
     model.set_fp8_stats(stats)
     return stats
+
+
+def _rows_of(remote: list[int], ranks: tuple[int, ...], *tensors_Q: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The rows of `tensors_Q` (one per rank of `ranks`) of the `remote` ranks, in their order: all
+    of them, or (colocated: this rank's own row out) by slices, no index from the host."""
+    if remote == list(ranks):
+        return tensors_Q
+    rows = [ranks.index(peer) for peer in remote]
+    return tuple(torch.cat([t[i:i + 1] for i in rows]) for t in tensors_Q)
 
 
 def _op_name(op: Op) -> str:
@@ -194,11 +201,12 @@ class TrainWorker(Worker):
             from disagmoe.kernels.sparse_dispatch import warm_up
 
             rows, _, w, *_ = self.shapes.specs(Payload.DISPATCH, True)
-            drows, dw, _ = self.shapes.specs(Payload.DISPATCH_GRAD, True)
+            drows, *dw, _ = self.shapes.specs(Payload.DISPATCH_GRAD, True)  # pair rows: no d w
             warm_up(self.shapes.tokens, self.shapes.hidden, self.shapes.top_k, rows.dtype, w.dtype, drows.dtype,
-                    dw.dtype, self.device, sources=len(self.experts.sources) if self.experts is not None else 1)
-            peers = {peer for op in self.program if isinstance(op, Send) and op.payload in SPARSE_PAYLOADS
-                     and topology.is_moe(op.layer) for peer in op.peers if peer != self.rank}
+                    dw[0].dtype if dw else None, self.device,
+                    sources=len(self.experts.sources) if self.experts is not None else 1)
+            peers = {peer for op in self.program if isinstance(op, Send) and self._is_peer_stored(op)
+                     for peer in op.peers if peer != self.rank}
             self.transport.map_peers(sorted(peers))  # the peer views the launches store into, taken now
         self.recorder = SpanRecorder()
         self.gpu_spans = GpuSpans(self.device) if self.device.type == "cuda" else None
@@ -208,6 +216,10 @@ class TrainWorker(Worker):
         """Whether sparse dispatches go by the transport's peer stores (nvshmem, `dispatch: sparse`)."""
         shapes = getattr(self, "shapes", None)  # a worker whose set-up stopped short (tests) has none
         return bool(shapes is not None and shapes.sparse and hasattr(getattr(self, "transport", None), "send_sparse"))
+
+    def _is_peer_stored(self, op: Send) -> bool:
+        """A Send whose message the transport's peer stores deliver (`MessageShapes.is_peer_stored`)."""
+        return self.shapes.is_peer_stored(op.payload, self.topology.is_moe(op.layer))
 
     def info(self) -> dict[str, Any]:
         """The base's facts, with the transport, hop and dispatch this rank really runs once set up."""
@@ -384,6 +396,8 @@ class TrainWorker(Worker):
         the sources."""
         forward = isinstance(op, ExpertForward)
         payload = Payload.COMBINE if forward else Payload.DISPATCH_GRAD
+        if not self.shapes.is_pair(payload, True):  # sparse: d x goes back per source, not as pair rows
+            return
         key = message_key(step, payload, op.layer, op.micro_batch)
         spec = self._pair_spec(payload, op.layer)
         extras = () if forward else (self.experts.load_of(op.layer, op.micro_batch),)
@@ -412,8 +426,7 @@ class TrainWorker(Worker):
         if isinstance(op, (Send, Recv)) and self._is_pair(op):
             self._run_pairs(op, step, mail, handles)
             return
-        if isinstance(op, Send) and mail.peer_stores and self.shapes.sparse and op.payload in SPARSE_PAYLOADS \
-                and self.topology.is_moe(op.layer):
+        if isinstance(op, Send) and mail.peer_stores and self._is_peer_stored(op):
             with self.recorder.span(_op_name(op), "send"):
                 self._send_by_peer_stores(op, step, mail, handles)
             return
@@ -466,29 +479,31 @@ class TrainWorker(Worker):
                 raise AssertionError(f"unknown op {op!r}")
 
     def _send_by_peer_stores(self, op: Send, step: int, mail: Mailbox, handles: list[SendHandle]) -> None:
-        """A sparse DISPATCH (or its gradient) on nvshmem: one launch for every remote peer stores
-        only the routed rows into the peers' segments (`NvshmemTransport.send_sparse`,
-        `send_counted`), from what the stages stashed; they stage no message for a remote peer
-        (a colocated rank's own message is already delivered by `Mailbox.post`)."""
+        """A sparse DISPATCH (its gradient, or with pair rows a COMBINE_GRAD) on nvshmem: one launch for
+        every remote peer stores only the routed rows into the peers' segments
+        (`NvshmemTransport.send_sparse`, `send_counted`), from what the stages stashed; they stage no
+        message for a remote peer (a colocated rank's own message is already delivered by `Mailbox.post`)."""
         key = message_key(step, op.payload, op.layer, op.micro_batch)
+        slot = (op.payload, op.layer, op.micro_batch)
         remote = [peer for peer in op.peers if peer != self.rank]
         if op.payload is Payload.DISPATCH:
-            x_TH, picked_QT, local_QTK, w_TK, load_E, count_Q1, ranks = mail.unstash(
-                (op.payload, op.layer, op.micro_batch))
+            x_TH, picked_QT, local_QTK, w_TK, load_E, count_Q1, ranks = mail.unstash(slot)
             for peer in remote:
                 self._count_dispatch(count_Q1[ranks.index(peer)])
             if remote:
-                if remote != list(ranks):  # colocated: this rank's own row out, by slices (no index from the host)
-                    rows = [ranks.index(peer) for peer in remote]
-                    picked_QT = torch.cat([picked_QT[i:i + 1] for i in rows])
-                    local_QTK = torch.cat([local_QTK[i:i + 1] for i in rows])
+                picked_QT, local_QTK = _rows_of(remote, ranks, picked_QT, local_QTK)
                 handles.append(self.transport.send_sparse(remote, key, x_TH, picked_QT, local_QTK, w_TK, [load_E]))
             return
-        # DISPATCH_GRAD: d x, d w of the rows each source sent (block d of the expert rank's sources), its load
-        if remote:  # stashed where a source is remote (`ExpertStage._post_dispatch_grads`)
-            dx_DTH, dw_DTK, count_D1, load_E, sources = mail.unstash((op.payload, op.layer, op.micro_batch))
-            handles.append(self.transport.send_counted(remote, key, dx_DTH, dw_DTK, count_D1, [load_E],
-                                                       blocks=[sources.index(peer) for peer in remote]))
+        if not remote:  # the gradients are stashed only where a peer is remote (the stages' `stash`)
+            return
+        if op.payload is Payload.COMBINE_GRAD:  # dy of the tokens each expert rank served (`_post_routed_grad`)
+            dy_TH, picked_QT, ranks = mail.unstash(slot)
+            handles.append(self.transport.send_sparse(remote, key, dy_TH, *_rows_of(remote, ranks, picked_QT)))
+            return
+        # DISPATCH_GRAD: d x (d w) of the rows each source sent (block d of the expert rank's sources), its load
+        dx_DTH, dw_DTK, count_D1, load_E, sources = mail.unstash(slot)
+        handles.append(self.transport.send_counted(remote, key, dx_DTH, dw_DTK, count_D1, [load_E],
+                                                   blocks=[sources.index(peer) for peer in remote]))
 
     def _count_dispatch(self, count_1: torch.Tensor | None) -> None:
         """The rows one DISPATCH message carried (`comm.base.Traffic`): sparse, its count's rows

@@ -22,7 +22,10 @@ With `dispatch: sparse` (`runtime.stages.sparse_dispatch`) each expert rank gets
 it serves (their rows, its local expert ids, their weights, the token index and the count); its
 partial sums come back in that order and are scattered to their tokens, and so are the gradients
 of the rows sent. By peer stores (nvshmem) no message is staged for a peer: the routing is stashed
-for the send op's one launch, which stores the rows from xn itself.
+for the send op's one launch, which stores the rows from xn itself. With pair rows too, the top-k
+ids ride RESIDUAL with the weights, and the combining rank routes dy with them as the dispatch did
+(each expert rank gets the dy rows of the tokens it served, in its dispatch order; by peer stores
+one launch); d xn comes back per expert rank in its dispatch's order, as without pair rows.
 
 The loss matches the oracle (`runtime.training.trainer`): micro-batch m of M is split over D
 data-parallel ranks; each rank backpropagates its share
@@ -70,6 +73,7 @@ class LayerInput:
     carry: list[torch.Tensor] = field(default_factory=list)  # residual-stream parts (leaves)
     partials: list[torch.Tensor] = field(default_factory=list)  # per expert rank of `prev`: its partial sum
     combined: torch.Tensor | None = None  # pair_rows: the combined expert output (its grad goes back)
+    topk_idx_NK: torch.Tensor | None = None  # sparse pair_rows: `prev`'s routing, which routes that grad
 
 
 @dataclass
@@ -102,13 +106,21 @@ class AttentionStage:
         self.layers = topology.attention_layers(rank)
         self.pair = pair
         self.sparse = sparse
-        # sparse dispatch: per MoE layer, each expert rank of the set's routing of this source's pairs
-        self.routes = {layer: SetRouting([LocalRouting(topology, layer, j, self.dp_index, self.dp, model.device)
-                                          for j in range(len(topology.expert_groups[self.group]))])
-                       for layer in self.layers if sparse and topology.is_moe(layer)}
+        # sparse dispatch: per MoE layer, each expert rank of the set's routing of this source's pairs; with
+        # pair rows also of the layers whose output this rank combines (the previous group's: dy goes back so)
+        routed = set(self.layers)
+        if pair is not None:
+            routed.update(topology.layers_of_group(topology.prev_group(self.group)))
+        self.routes = {layer: self._set_routing(layer) for layer in sorted(routed) if sparse and topology.is_moe(layer)}
         # pair rows: the combine waits on the GPU inside this op; the worker times it as the receive
         self.wait_span: Callable[[str], AbstractContextManager[None]] = lambda name: contextlib.nullcontext()
         self.begin_step(0)
+
+    def _set_routing(self, layer: int) -> SetRouting:
+        """This source's pairs of `layer` mapped to each expert rank of the layer's set."""
+        ranks = self.topology.expert_groups[self.topology.group_of_layer(layer)]
+        return SetRouting([LocalRouting(self.topology, layer, j, self.dp_index, self.dp, self.model.device)
+                           for j in range(len(ranks))])
 
     def begin_step(self, step: int, data: TokenDataset | None = None) -> None:
         """Start step `step` of `data` (default: the training data); forgets the previous step."""
@@ -150,8 +162,11 @@ class AttentionStage:
         """Layer `layer - 1`'s output rebuilt from received parts (each a leaf)."""
         topo, prev = self.topology, layer - 1
         source = topo.attention_rank(topo.group_of_layer(prev), self.dp_index)
-        parts = [t.detach().requires_grad_() for t in mail.take(Payload.RESIDUAL, prev, mb, source)]
-        inputs = LayerInput(prev, carry=parts)
+        received = mail.take(Payload.RESIDUAL, prev, mb, source)
+        with_ids = self.pair is not None and self.sparse and topo.is_moe(prev)
+        ids_NK = received.pop() if with_ids else None  # the top-k ids: no gradient goes back for them
+        parts = [t.detach().requires_grad_() for t in received]
+        inputs = LayerInput(prev, carry=parts, topk_idx_NK=ids_NK)
         if not topo.is_moe(prev):
             return parts[0], inputs
         experts = topo.expert_groups[topo.group_of_layer(prev)]
@@ -182,14 +197,30 @@ class AttentionStage:
         topo, prev = self.topology, inputs.prev
         if topo.is_moe(prev):
             experts = topo.expert_groups[topo.group_of_layer(prev)]
-            if inputs.combined is not None:  # pair rows: every expert rank gets dy and forms its w dy
-                grads = [_grad(inputs.combined)] * len(experts)
-            else:
-                grads = [_grad(leaf) for leaf in inputs.partials]
-            for rank, grad in zip(experts, grads, strict=True):
-                mail.post(Payload.COMBINE_GRAD, prev, mb, rank, [grad])
+            if inputs.topk_idx_NK is not None:  # sparse pair rows: dy of the tokens each expert rank served
+                self._post_routed_grad(prev, mb, mail, _grad(inputs.combined), inputs.topk_idx_NK)
+            else:  # pair rows: every expert rank gets dy and forms its w dy; partial sums: each its own
+                grads = ([_grad(inputs.combined)] * len(experts) if inputs.combined is not None
+                         else [_grad(leaf) for leaf in inputs.partials])
+                for rank, grad in zip(experts, grads, strict=True):
+                    mail.post(Payload.COMBINE_GRAD, prev, mb, rank, [grad])
         source = topo.attention_rank(topo.group_of_layer(prev), self.dp_index)
         mail.post(Payload.RESIDUAL_GRAD, prev, mb, source, [_grad(leaf) for leaf in inputs.carry])
+
+    def _post_routed_grad(self, layer: int, mb: int, mail: Mailbox, dy_NH: torch.Tensor,
+                          topk_idx_NK: torch.Tensor) -> None:
+        """COMBINE_GRAD of a sparse pair-row layer: to each expert rank of its set only the dy rows
+        of the tokens it served, in its dispatch's order (`sparse_dispatch.dispatch_order` over the
+        routing that rode RESIDUAL: the same order the dispatch had). By peer stores the send op's
+        one launch stores them from dy (no gather); a colocated rank's own message is posted."""
+        ranks = self.topology.expert_groups[self.topology.group_of_layer(layer)]
+        route = self.routes[layer]
+        picked_QN, index_QN, _ = dispatch_order(route(topk_idx_NK), route.num_local_Q)
+        if mail.peer_stores and any(rank != self.rank for rank in ranks):  # the send op's, for its peers
+            mail.stash((Payload.COMBINE_GRAD, layer, mb), (dy_NH, picked_QN, tuple(ranks)))
+        for q, rank in enumerate(ranks):
+            if rank == self.rank or not mail.peer_stores:
+                mail.post(Payload.COMBINE_GRAD, layer, mb, rank, [dy_NH[index_QN[q]]])
 
     # -- the ops ---------------------------------------------------------------------------------
 
@@ -233,10 +264,12 @@ class AttentionStage:
             mail.post(Payload.DISPATCH, layer, mb, rank, message)
         carry = [h_BSH] + ([] if shared_NH is None else [shared_NH])
         dispatched = [routing.xn_NH, routing.topk_w_NK]
-        if self.pair is not None:  # the weights travel to where the pair rows are combined
+        ids = []
+        if self.pair is not None:  # the weights travel to where the pair rows are combined (sparse: the ids too)
             carry.append(routing.topk_w_NK)
             dispatched = [routing.xn_NH]
-        mail.post(Payload.RESIDUAL, layer, mb, nxt, carry)
+            ids = [routing.topk_idx_NK.to(torch.int32)] if self.sparse else []
+        mail.post(Payload.RESIDUAL, layer, mb, nxt, carry + ids)
         router = block.moe.router
         segment = Segment(inputs, dispatched, carry, router=router, sent=sent)
         if router.cfg.z_loss_coef > 0:
@@ -265,7 +298,7 @@ class AttentionStage:
         topo = self.topology
         outputs, grads = [], []
         if segment.dispatched:
-            if self.pair is not None:  # d xn: each token's pair rows summed; the load beside
+            if self.pair is not None and not self.sparse:  # d xn: each token's pair rows summed; the load beside
                 landing = mail.landing(Payload.DISPATCH_GRAD, layer, mb)
                 outputs.append(segment.dispatched[0])
                 with self.wait_span(f"Recv {Payload.DISPATCH_GRAD.value} L{layer} mb{mb}"):
@@ -283,7 +316,7 @@ class AttentionStage:
                         total = total + part
                     outputs.append(leaf)
                     grads.append(total)
-                load_E = replies[0][2]
+                load_E = replies[0][-1]
             if segment.probs_E is not None:  # the aux term, now that the micro-batch's load is known
                 weights_E = segment.router.aux_weights(load_E) / (self.dp * self.micro_batches)
                 outputs.append(segment.probs_E)

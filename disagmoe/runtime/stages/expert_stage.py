@@ -23,6 +23,9 @@ whole token order), with their token index, the count and the source's expert lo
 the count are padding, never computed; the partial sums of the received rows go back in that
 order with the index and count, the gradients of the received rows likewise (one leaf of all
 sources' rows, so their gradients are one buffer: by peer stores one launch returns them all).
+With pair rows too, each received row's pairs go to its token's pair rows (`sparse_dispatch.
+received_order`), COMBINE_GRAD comes in the dispatch's order, and d xn goes back per source in it
+(not as pair rows), the load beside.
 
 Replicated experts (a plan's hot experts): the attention rank of data-parallel index d (of D)
 sends its pairs of an expert with n owners to owner d mod n when D >= n, and splits them in token
@@ -44,7 +47,7 @@ from disagmoe.kernels.deferral import deferred_weight_grads
 from disagmoe.model.local_experts import local_expert_block
 from disagmoe.runtime.stages.messages import Mailbox
 from disagmoe.runtime.stages.pair_return import PairHop, PairRows, expert_pair_rows, expert_pair_rows_backward
-from disagmoe.runtime.stages.sparse_dispatch import received_locals
+from disagmoe.runtime.stages.sparse_dispatch import received_locals, received_order
 from disagmoe.runtime.rank_model import RankModel
 from disagmoe.wire import Payload
 from disagmoe.runtime.topology import Topology
@@ -110,8 +113,7 @@ class ExpertStage:
     def __init__(self, model: RankModel, topology: Topology, rank: int,
                  pair: PairHop | None = None, tokens: int = 0, sparse: bool = False) -> None:
         """`pair`: `hop: pair_rows` with these settings, for sources of `tokens` tokens (None:
-        partial sums); `sparse`: `dispatch: sparse` (not with pair rows)."""
-        assert not (sparse and pair is not None), "sparse dispatch returns partial sums"
+        partial sums); `sparse`: `dispatch: sparse`."""
         role = topology.expert_role(rank)
         assert role is not None, f"rank {rank} holds no experts"
         self.group, index = role
@@ -163,38 +165,43 @@ class ExpertStage:
         run once it has sent these."""
         segment = self.segments.pop((layer, mb))
         grads = [mail.take(Payload.COMBINE_GRAD, layer, mb, dst)[0] for dst in self.destinations]
-        if segment.pairs is not None:  # d x returns as pair rows, with the load (`runtime.stages.pair_return`)
-            with deferred_weight_grads() as held:
+        if segment.pairs is not None:  # d x returns as pair rows with the load (`runtime.stages.pair_return`);
+            with deferred_weight_grads() as held:  # sparse: into the leaves, then per source
                 for saved, dy_NH, src in zip(segment.pairs, grads, self.sources, strict=True):
-                    expert_pair_rows_backward(saved, dy_NH, mail.target(Payload.DISPATCH_GRAD, layer, mb, src),
-                                              self.pair_counters_S, self.pair.segment_tokens)
+                    target = None if self.sparse else mail.target(Payload.DISPATCH_GRAD, layer, mb, src)
+                    expert_pair_rows_backward(saved, dy_NH, target, self.pair_counters_S, self.pair.segment_tokens)
+            if self.sparse:
+                x_leaves = segment.inputs[:len(self.sources)]
+                self._post_dispatch_grads(layer, mb, mail, segment, _stack([_grad(x) for x in x_leaves]))
             return held
         with deferred_weight_grads() as held:
             torch.autograd.backward(segment.outputs, grads)
-        if self.sparse:
-            self._post_dispatch_grads(layer, mb, mail, segment)
-            return held
         D = len(self.sources)
+        if self.sparse:  # one leaf of rows, one of weights: each source's gradient a view
+            dx_SH, dw_SK = (_grad(leaf) for leaf in segment.inputs)
+            self._post_dispatch_grads(layer, mb, mail, segment, dx_SH.view(D, -1, dx_SH.shape[1]),
+                                      dw_SK.view(D, -1, dw_SK.shape[1]))
+            return held
         for d, src in enumerate(self.sources):
             x_leaf, w_leaf = segment.inputs[d], segment.inputs[D + d]
             mail.post(Payload.DISPATCH_GRAD, layer, mb, src, [_grad(x_leaf), _grad(w_leaf), segment.load_E])
         return held
 
-    def _post_dispatch_grads(self, layer: int, mb: int, mail: Mailbox, segment: ExpertSegment) -> None:
-        """Sparse dispatch: d x and d w of every source's received rows, views of the one leaf's
-        gradient ([D N, H], source order). Over send/recv one message per source; by peer stores
-        (nvshmem) the send op's one launch returns the first count rows of each source's block
-        (`NvshmemTransport.send_counted`), so only a colocated rank's own message is posted."""
-        dx_SH, dw_SK = (_grad(leaf) for leaf in segment.inputs)
-        D = len(self.sources)
-        N = dx_SH.shape[0] // D
-        dx_DNH, dw_DNK = dx_SH.view(D, N, dx_SH.shape[1]), dw_SK.view(D, N, dw_SK.shape[1])
+    def _post_dispatch_grads(self, layer: int, mb: int, mail: Mailbox, segment: ExpertSegment,
+                             dx_DNH: torch.Tensor, dw_DNK: torch.Tensor | None = None) -> None:
+        """Sparse dispatch: d x (and d w; none with pair rows, whose weights' gradient forms where
+        they combine) of every source's received rows, in source order (views of one leaf's
+        gradient where the sources' rows are one leaf). Over send/recv one message per source; by
+        peer stores (nvshmem) the send op's one launch returns the first count rows of each
+        source's block (`NvshmemTransport.send_counted`), so only a colocated rank's own message
+        is posted."""
         if mail.peer_stores and any(src != mail.rank for src in self.sources):  # the send op's, for its peers
             mail.stash((Payload.DISPATCH_GRAD, layer, mb), (dx_DNH, dw_DNK, torch.stack(segment.counts),
                                                              segment.load_E, tuple(self.sources)))
         for d, src in enumerate(self.sources):
             if src == mail.rank or not mail.peer_stores:
-                mail.post(Payload.DISPATCH_GRAD, layer, mb, src, [dx_DNH[d], dw_DNK[d], segment.load_E])
+                dw = [] if dw_DNK is None else [dw_DNK[d]]
+                mail.post(Payload.DISPATCH_GRAD, layer, mb, src, [dx_DNH[d], *dw, segment.load_E])
 
 
     def _load(self, messages) -> torch.Tensor:
@@ -210,23 +217,39 @@ class ExpertStage:
     def _forward_pairs(self, layer: int, mb: int, mail: Mailbox, messages) -> None:
         """ExpertForward with `hop: pair_rows`: one launch pair per source, its rows stored into its
         destination's pair-row buffer (`runtime.stages.pair_return`); the weights' gradient is formed on
-        the attention side."""
-        xs = [xn_NH.detach().requires_grad_() for xn_NH, _, _ in messages]
-        ws = [w_NK.detach() for _, _, w_NK in messages]
+        the attention side. Sparse: the received rows' pairs at their tokens' pair rows."""
+        xs = [message[0].detach().requires_grad_() for message in messages]
+        ws = [message[2].detach() for message in messages]
         experts = self.model.experts(layer)
         pairs = []
-        for route, dst, x_leaf, (_, idx_NK, _), w_NK in zip(self.routing[layer], self.destinations, xs, messages, ws,
-                                                            strict=True):
-            pairs.append(expert_pair_rows(x_leaf, route(idx_NK), w_NK, experts,
+        for route, dst, x_leaf, message, w_NK in zip(self.routing[layer], self.destinations, xs, messages, ws,
+                                                     strict=True):
+            local_NK, token_N = self._pair_routing(route, message)
+            pairs.append(expert_pair_rows(x_leaf, local_NK, w_NK, experts,
                                           mail.target(Payload.COMBINE, layer, mb, dst), self.pair_counters_S,
-                                          self.pair.segment_tokens, bands=self.pair.bands))
+                                          self.pair.segment_tokens, bands=self.pair.bands, token_T=token_N))
         load_E = self._load(messages)
-        self.segments[(layer, mb)] = ExpertSegment(xs + ws, [], load_E, pairs)
+        counts = [message[4] for message in messages] if self.sparse else None
+        self.segments[(layer, mb)] = ExpertSegment(xs + ws, [], load_E, pairs, counts)
+
+    def _pair_routing(self, route: LocalRouting, message: list[torch.Tensor]) -> tuple[torch.Tensor,
+                                                                                        torch.Tensor | None]:
+        """(local_NK, token_N) of one source's DISPATCH: each pair's local expert (or L) and, sparse,
+        each received row's token on the source (None: row t is token t)."""
+        if not self.sparse:
+            return route(message[1]), None
+        _, local_NK, _, index_N, count_1, _ = message
+        return received_locals(local_NK, count_1, route.num_local), received_order(index_N, count_1)
 
 
 def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
     """The sources' rows in source order (one source: itself, no copy)."""
     return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+
+
+def _stack(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """[D, ...]: the sources' tensors stacked in source order (one source: a view, no copy)."""
+    return tensors[0][None] if len(tensors) == 1 else torch.stack(tensors)
 
 
 def _grad(leaf: torch.Tensor) -> torch.Tensor:

@@ -34,6 +34,14 @@ to one rank); the first `count` rows are the tokens sent, in token order, the re
     COMBINE        the partial sums of the received tokens [T, H], token index [T], count [1]
     DISPATCH_GRAD  as dense, its rows in the dispatch's order
     COMBINE_GRAD   as dense, its rows in the dispatch's order
+
+Sparse with pair rows: DISPATCH as sparse; COMBINE the pair-row message, each received row's pairs
+stored at its token's pair rows (token index t: rows t K + j, the attention rank's index space);
+RESIDUAL also carries the top-k ids [T, K] (int32), with which the combining attention rank
+routes COMBINE_GRAD as the dispatch did (dy of the tokens each rank served, in its dispatch
+order: sparse's COMBINE_GRAD); DISPATCH_GRAD d xn of the received rows [T, H] in their order and
+the load [E] (the d weights come back with RESIDUAL_GRAD): per source, not pair rows
+(`pair_payloads`).
 """
 
 from __future__ import annotations
@@ -48,7 +56,14 @@ from disagmoe.roofline.transport_memory import HopShape, hop_tensors, receive_by
 from disagmoe.wire import Payload, Recv
 
 Slot = tuple[Payload, int, int]  # (payload, layer, micro-batch)
-PAIR_PAYLOADS = (Payload.COMBINE, Payload.DISPATCH_GRAD)  # pair-row messages with `hop: pair_rows`
+PEER_STORED = (Payload.DISPATCH, Payload.DISPATCH_GRAD)  # sparse: sent by peer stores on nvshmem
+
+
+def pair_payloads(sparse: bool) -> tuple[Payload, ...]:
+    """The payloads that travel as pair-row messages with `hop: pair_rows`: COMBINE, and
+    DISPATCH_GRAD unless the dispatch is sparse (its d x then goes back per source, in the
+    dispatch's order, as sparse dispatch's does)."""
+    return (Payload.COMBINE,) if sparse else (Payload.COMBINE, Payload.DISPATCH_GRAD)
 
 
 class Mailbox:
@@ -169,9 +184,23 @@ class MessageShapes:
         rows, *extras = self.specs(payload, True)
         return PairSpec(rows, self.segments, tuple(sources), tuple(extras))
 
+    def pair_layout(self, payload: Payload, layer_is_moe: bool) -> tuple[TensorSpec, int, tuple[TensorSpec, ...]] | None:
+        """(rows, segments, extras) of a pair-row message's region (`comm.symmetric`'s `pair_of`),
+        None for a message sent as segments."""
+        if not self.is_pair(payload, layer_is_moe):
+            return None
+        rows, *extras = self.specs(payload, True)
+        return rows, self.segments, tuple(extras)
+
     def is_pair(self, payload: Payload, layer_is_moe: bool) -> bool:
         """Whether this payload's message is a pair-row one in this run."""
-        return self.pair_rows and payload in PAIR_PAYLOADS and layer_is_moe
+        return self.pair_rows and payload in pair_payloads(self.sparse) and layer_is_moe
+
+    def is_peer_stored(self, payload: Payload, layer_is_moe: bool) -> bool:
+        """Whether a one-sided transport sends this payload's message by peer stores (sparse
+        dispatch: DISPATCH, DISPATCH_GRAD, and with pair rows COMBINE_GRAD; `TrainWorker`)."""
+        stored = PEER_STORED + ((Payload.COMBINE_GRAD,) if self.pair_rows else ())
+        return self.sparse and layer_is_moe and payload in stored
 
     @property
     def tokens(self) -> int:
@@ -216,22 +245,13 @@ def hop_mode(cfg, model_cfg, topology) -> tuple[str, str]:
 
 def dispatch_mode(cfg, model_cfg, topology) -> tuple[str, str]:
     """(dispatch, why) of a run: `cfg.dispatch`, with auto resolved. Sparse sends a token to the Q'
-    expert ranks serving its pairs instead of all Q of the set; the saving is the one-sided
-    transport's (nccl and local move the worst-case buffer with a device-side count), and the
-    pair-row return addresses rows by token position, so it needs hop partial sums. ValueError for
-    `dispatch: sparse` whose hop resolves to pair rows."""
-    ranks = max((len(group) for group in topology.expert_groups), default=0)
-    hop = hop_mode(cfg, model_cfg, topology)[0]
-    if cfg.dispatch == "sparse" and hop == "pair_rows":
-        raise ValueError("dispatch: sparse with hop auto resolving to pair_rows (transport nvshmem, experts_backend "
-                         "triton, more expert ranks per set than top-k): the pair-row return stores rows at the "
-                         "token's position in the dispatch, which sparse dispatch reorders; set hop: partial_sums "
-                         "or dispatch: dense (or auto)")
+    expert ranks serving its pairs instead of all Q of the set, with either hop (the pair rows of
+    a received row go to its token's pair rows); the saving is the one-sided transport's (nccl and
+    local move the worst-case buffer with a device-side count)."""
     if cfg.dispatch != "auto":
         return cfg.dispatch, "as configured"
+    ranks = max((len(group) for group in topology.expert_groups), default=0)
     per_set = f"{ranks} expert rank{'' if ranks == 1 else 's'} per set"
-    if hop == "pair_rows":
-        return "dense", "the pair-row return needs the dense dispatch's token order"
     if ranks <= 1:
         return "dense", f"{per_set}: every token goes to it either way"
     if cfg.transport != "nvshmem":
@@ -255,10 +275,7 @@ def receive_layouts(cfg, shapes: MessageShapes, topology, sum_width: int = 0) ->
         return shapes.specs(payload, topology.is_moe(layer))
 
     def pair_of(payload: Payload, layer: int) -> tuple[TensorSpec, int, tuple[TensorSpec, ...]] | None:
-        if not shapes.is_pair(payload, topology.is_moe(layer)):
-            return None
-        rows, *extras = shapes.specs(payload, True)
-        return rows, shapes.segments, tuple(extras)
+        return shapes.pair_layout(payload, topology.is_moe(layer))
 
     if cfg.transport == "nvshmem":
         from disagmoe.runtime.schedule.reuse_order import one_sided_slots

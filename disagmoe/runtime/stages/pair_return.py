@@ -5,8 +5,9 @@ and combined there as segments land.
 Expert side, per source (attention rank d of the set) of one layer and micro-batch:
 `expert_pair_rows` groups the source's pairs this rank serves by (band of landing segments, local
 expert) with the spare bucket (pairs served elsewhere) last (`kernels.permute`), runs the gate/up
-GEMM with SwiGLU and the down GEMM whose epilogue stores pair row t K + j at that row of the
-receiver's buffer and raises this rank's flag of each segment once its rows are stored
+GEMM with SwiGLU and the down GEMM whose epilogue stores pair (t, j) at row token(t) K + j of the
+receiver's buffer (token(t) = t, or with sparse dispatch the received row's token on the source,
+`token_T`) and raises this rank's flag of each segment once its rows are stored
 (`kernels.fused_return.down_to_destination`; the first band's segments complete first, so the
 receiver combines them while later bands compute). `expert_pair_rows_backward` takes dy [T, H]
 from the receiver, forms each pair's output gradient w dy itself, runs the two dgrad GEMMs (the
@@ -23,8 +24,9 @@ Off the GPU kernels (CPU ranks, other backends, over a transport's emulation of 
 messages) the same contract runs in plain torch: rows by local expert, the experts module, the
 rows written where served.
 
-Shape legend: T tokens of the source, K top-k, P = T K pairs, N = P grouped rows (the spare bucket
-last), H hidden, F expert FFN width, L local experts, G = bands x L row groups, S segments.
+Shape legend: T tokens of the source (rows received from it), K top-k, P = T K pairs, N = P grouped
+rows (the spare bucket last), H hidden, F expert FFN width, L local experts, G = bands x L row
+groups, S segments.
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ class KernelState(NamedTuple):
 
     offsets_G: torch.Tensor  # int32 cumulative rows per (band, local expert) group
     served_1: torch.Tensor  # int32 [1]: rows before the spare bucket
-    row_pair_N: torch.Tensor  # int32: the pair each grouped row holds (the kernels' destination rows)
+    row_pair_N: torch.Tensor  # int32: each grouped row's pair row on the receiver (the kernels' destinations)
     x_N: torch.Tensor | RowSource  # the grouped rows as the GEMMs read them, or their source (`expert_input`)
     act_NF: torch.Tensor | None  # None: recomputed in the backward (`expert_swiglu`)
     h13_N2F: torch.Tensor
@@ -89,7 +91,8 @@ class PairRows:
 
     x_leaf: torch.Tensor  # the source's xn [T, H] (a leaf: its grad is d xn)
     x_N: torch.Tensor | None  # grouped rows, from x_leaf through the grouping (autograd; None: not kept)
-    row_pair_N: torch.Tensor  # int64: the pair each grouped row holds
+    row_pair_N: torch.Tensor  # int64: the pair each grouped row holds (t K + j of the rows received)
+    dest_N: torch.Tensor  # int64: its pair row on the receiver (row_pair_N, or its token's with `token_T`)
     served_N: torch.Tensor  # bool [N]: rows this rank computes (the rest: the spare bucket)
     w_TK: torch.Tensor  # routing weights (detached)
     experts: RoutedExperts
@@ -99,11 +102,14 @@ class PairRows:
 
 def expert_pair_rows(x_leaf: torch.Tensor, local_TK: torch.Tensor, w_TK: torch.Tensor, experts: RoutedExperts,
                      target: PairTarget, counters_S: torch.Tensor, segment_tokens: int, *,
-                     fused: bool | None = None, bands: int = BANDS, num_programs: int | None = None) -> PairRows:
+                     fused: bool | None = None, bands: int = BANDS, num_programs: int | None = None,
+                     token_T: torch.Tensor | None = None) -> PairRows:
     """Compute the pairs of one source this rank serves (`local_TK` < L) and store their rows into
     `target` (module docstring); `counters_S` int32 zeros of at least S (zero again after).
     `fused`: the kernels (default: where the experts fuse their permute, the triton backend on a
-    GPU; the interpreter tests ask for them on CPU)."""
+    GPU; the interpreter tests ask for them on CPU). `token_T`: int64 [T], a permutation: the
+    receiver's token of each row of x (sparse dispatch, `sparse_dispatch.received_order`), whose
+    pair rows its pairs go to; None: row t is token t."""
     tokens, top_k = local_TK.shape
     if x_leaf.shape[0] != tokens or w_TK.shape != local_TK.shape:
         raise ValueError(f"x [T, H], local [T, K] and w [T, K] must agree; got {tuple(x_leaf.shape)}, "
@@ -113,20 +119,28 @@ def expert_pair_rows(x_leaf: torch.Tensor, local_TK: torch.Tensor, w_TK: torch.T
                          f"got {tuple(target.rows_PH.shape)}")
     if fused is None:
         fused = experts.fuses_permute(x_leaf)
+    if token_T is None:
+        token_T = torch.arange(tokens, device=x_leaf.device)
     if fused:
         return _fused_forward(x_leaf, local_TK, w_TK, experts, target, counters_S, segment_tokens, bands,
-                              num_programs)
-    return _torch_forward(x_leaf, local_TK, w_TK, experts, target)
+                              num_programs, token_T)
+    return _torch_forward(x_leaf, local_TK, w_TK, experts, target, token_T)
+
+
+def _destinations(row_pair_N: torch.Tensor, token_T: torch.Tensor, top_k: int) -> torch.Tensor:
+    """int64 [N]: the receiver's pair row of each grouped row, its token's row of the pair."""
+    return token_T[row_pair_N // top_k] * top_k + row_pair_N % top_k
 
 
 def expert_pair_rows_backward(saved: PairRows, dy_TH: torch.Tensor, target: PairTarget | None = None,
                               counters_S: torch.Tensor | None = None, segment_tokens: int | None = None) -> None:
-    """From dy [T, H]: the input gradient and the experts' weight gradients (where the plain
-    backward puts them: their fp32 main gradients, held back inside `deferred_weight_grads`).
-    The input gradient returns as pair rows into `target` (row t K + j: d x of pair (t, j), summed
-    over j on the receiver, `sum_pairs`; fused: the gate/up dgrad's epilogue stores them) with
-    `counters_S` and `segment_tokens` as in the forward, or without a target into
-    `saved.x_leaf.grad` (d xn, summed here)."""
+    """From dy [T, H] (row t: the gradient of the rows received at t, as x): the input gradient and
+    the experts' weight gradients (where the plain backward puts them: their fp32 main gradients,
+    held back inside `deferred_weight_grads`). The input gradient returns as pair rows into
+    `target` (d x of pair (t, j) at the forward's pair row on the receiver, summed over j there,
+    `sum_pairs`; fused: the gate/up dgrad's epilogue stores them) with `counters_S` and
+    `segment_tokens` as in the forward, or without a target into `saved.x_leaf.grad` (d xn,
+    summed here: sparse dispatch returns it per source in the received order)."""
     top_k = saved.w_TK.shape[1]
     pair_N = saved.row_pair_N
     scale_N = torch.where(saved.served_N, saved.w_TK.reshape(-1)[pair_N], 0)
@@ -174,7 +188,7 @@ def _torch_backward(saved: PairRows, d_rows_NH: torch.Tensor, target: PairTarget
         return
     saved.x_N.retain_grad()  # the grouped rows' gradient is what returns (the weights' lands as usual)
     torch.autograd.backward([saved.y_N], [d_rows_NH.to(saved.y_N.dtype)])
-    _store_rows(target, saved.row_pair_N, saved.served_N, saved.x_N.grad)
+    _store_rows(target, saved.dest_N, saved.served_N, saved.x_N.grad)
 
 
 def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
@@ -187,17 +201,18 @@ def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def _store_rows(target: PairTarget, row_pair_N: torch.Tensor, served_N: torch.Tensor, rows_NH: torch.Tensor) -> None:
-    """The torch path's store: grouped row r at pair row_pair_N[r] where served (rows of pairs
-    served elsewhere keep what their rank wrote), then this source's flags raised."""
+def _store_rows(target: PairTarget, dest_N: torch.Tensor, served_N: torch.Tensor, rows_NH: torch.Tensor) -> None:
+    """The torch path's store: grouped row r at pair row dest_N[r] (a permutation of the pair rows)
+    where served (rows of pairs served elsewhere keep what their rank wrote), then this source's
+    flags raised."""
     rows = target.rows_PH
-    kept = rows[row_pair_N]
-    rows.index_copy_(0, row_pair_N, torch.where(served_N[:, None], rows_NH.to(rows.dtype), kept))
+    kept = rows[dest_N]
+    rows.index_copy_(0, dest_N, torch.where(served_N[:, None], rows_NH.to(rows.dtype), kept))
     target.flags_QS[target.source].fill_(target.seq)
 
 
 def _fused_forward(x_leaf, local_TK, w_TK, experts, target, counters_S, segment_tokens, bands,
-                   num_programs) -> PairRows:
+                   num_programs, token_T) -> PairRows:
     from disagmoe.kernels import fused_return as fr
     from disagmoe.kernels import grouped_gemm as gg
     from disagmoe.kernels.moe_ffn import FFNTiles
@@ -208,7 +223,7 @@ def _fused_forward(x_leaf, local_TK, w_TK, experts, target, counters_S, segment_
     segments = fr.num_segments(tokens, segment_tokens)
     bands = max(1, min(bands, segments))
     device = x_leaf.device
-    band_T = torch.div(torch.arange(tokens, device=device) // segment_tokens * bands, segments, rounding_mode="floor")
+    band_T = torch.div(token_T // segment_tokens * bands, segments, rounding_mode="floor")  # its landing segment's
     served_TK = local_TK < num_local
     groups = bands * num_local
     key_TK = torch.where(served_TK, band_T[:, None] * num_local + local_TK.long(), groups)
@@ -216,7 +231,8 @@ def _fused_forward(x_leaf, local_TK, w_TK, experts, target, counters_S, segment_
     offsets_G, served_1 = offsets_G1[:groups], offsets_G1[groups - 1:groups]
     pairs = tokens * top_k
     row_pair_N = pair_of_rows(dest_TK)
-    row_pair_32 = row_pair_N.to(torch.int32)  # the kernels' destination rows (forward and backward)
+    dest_N = _destinations(row_pair_N, token_T, top_k)
+    dest_32 = dest_N.to(torch.int32)  # the kernels' destination rows (forward and backward)
     served_N = torch.arange(pairs, device=device) < served_1
     x_op, w13, w2 = autocast_operands(x_N.detach(), experts.w13_EH2F, experts.w2_EFH) if x_N.is_cuda else (
         x_N.detach(), experts.w13_EH2F, experts.w2_EFH)
@@ -228,7 +244,7 @@ def _fused_forward(x_leaf, local_TK, w_TK, experts, target, counters_S, segment_
         act_NF = gg.ragged_rows_gemm(x_op, offsets_G, w13, tiles.gate_up, epilogue=gg.EPILOGUE_SWIGLU,
                                      h13_N2C=h13_N2F, num_programs=num_programs)
         fr.down_to_destination(act_NF, offsets_G, w2, tiles.down, dst_PH=target.rows_PH,
-                               dst_rows_N=row_pair_32, tokens=tokens, top_k=top_k,
+                               dst_rows_N=dest_32, tokens=tokens, top_k=top_k,
                                segment_tokens=segment_tokens, counters_S=counters_S[:segments],
                                flags_QS=target.flags_QS, source=target.source, seq=target.seq,
                                served_1=served_1, num_programs=num_programs)
@@ -236,15 +252,15 @@ def _fused_forward(x_leaf, local_TK, w_TK, experts, target, counters_S, segment_
     if keep:  # what `recompute` drops is not kept (`kernels.moe_ffn` docstring)
         drop_input = EXPERT_INPUT in experts.recompute
         rows = RowSource(x_leaf.detach(), row_pair_N // top_k) if drop_input else x_op
-        saved = KernelState(offsets_G, served_1, row_pair_32, rows,
+        saved = KernelState(offsets_G, served_1, dest_32, rows,
                             None if EXPERT_SWIGLU in experts.recompute else act_NF, h13_N2F, w13, w2, tiles,
                             num_programs, dest_TK if drop_input else None)
         if drop_input:
             x_N = None
-    return PairRows(x_leaf, x_N, row_pair_N, served_N, w_TK.detach(), experts, fused=saved)
+    return PairRows(x_leaf, x_N, row_pair_N, dest_N, served_N, w_TK.detach(), experts, fused=saved)
 
 
-def _torch_forward(x_leaf, local_TK, w_TK, experts, target) -> PairRows:
+def _torch_forward(x_leaf, local_TK, w_TK, experts, target, token_T) -> PairRows:
     tokens, top_k = local_TK.shape
     num_local = experts.num_experts
     flat_P = local_TK.reshape(-1).long()
@@ -253,8 +269,9 @@ def _torch_forward(x_leaf, local_TK, w_TK, experts, target) -> PairRows:
     served_N = torch.arange(flat_P.numel(), device=flat_P.device) < offsets_E[-1]
     x_N = torch.where(served_N[:, None], x_leaf[row_pair_N // top_k], 0)
     y_N = torch.where(served_N[:, None], experts(x_N, offsets_E), 0)
-    _store_rows(target, row_pair_N, served_N, y_N)
-    return PairRows(x_leaf, x_N, row_pair_N, served_N, w_TK.detach(), experts, y_N=y_N)
+    dest_N = _destinations(row_pair_N, token_T, top_k)
+    _store_rows(target, dest_N, served_N, y_N)
+    return PairRows(x_leaf, x_N, row_pair_N, dest_N, served_N, w_TK.detach(), experts, y_N=y_N)
 
 
 class _PairCombine(torch.autograd.Function):

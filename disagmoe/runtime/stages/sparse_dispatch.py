@@ -16,7 +16,10 @@ Receiver: rows at or past `count` are never read (`received_locals` marks their 
 combine masks them), so a transport that moves only the first `count` rows (a one-sided put) is
 as correct as one moving the whole buffer. Expert ranks return the partial sums of the rows they
 received, in the dispatch's order, with its token index; the attention rank scatters them back
-(`unpermute`), and the gradients of rows sent (d x, d w) back the same way.
+(`unpermute`), and the gradients of rows sent (d x, d w) back the same way. With pair rows the
+expert rank stores each received row's pairs at its token's pair rows (`received_order`), and
+COMBINE_GRAD comes to it in its dispatch's order, routed by the combining attention rank with the
+same `SetRouting` and `dispatch_order` over the top-k ids that rode RESIDUAL.
 
 Legend: Q expert ranks of the set, T tokens of the source, H hidden, K top-k, E experts of the layer,
 L local experts (of one rank), X a row's width.
@@ -103,6 +106,18 @@ def valid_rows(count_1: torch.Tensor, rows: int) -> torch.Tensor:
 def received_locals(local_TK: torch.Tensor, count_1: torch.Tensor, num_local: int) -> torch.Tensor:
     """The received local ids with every pair of a padding row (at or past `count`) marked L."""
     return torch.where(valid_rows(count_1, local_TK.shape[0])[:, None], local_TK, num_local)
+
+
+def received_order(index_T: torch.Tensor, count_1: torch.Tensor) -> torch.Tensor:
+    """int64 [T]: the source's token of each received row, a permutation of its T tokens (what its
+    `pick_rows` sent): the index for the first `count` rows, then the tokens not sent in token
+    order, whatever the index holds past the count (a peer store leaves it stale). The pair rows
+    of a received row go to its token's (`pair_return.expert_pair_rows`' `token_T`)."""
+    T = index_T.shape[0]
+    valid_T = valid_rows(count_1, T)
+    sent_T = torch.zeros(T, dtype=torch.int64, device=index_T.device).scatter_add_(
+        0, torch.where(valid_T, index_T.long(), 0), valid_T.long())  # each token sent at most once
+    return pick_rows(sent_T.bool())[0]
 
 
 def unpermute(rows_QTX: torch.Tensor, index_QT: torch.Tensor, count_Q1: torch.Tensor) -> torch.Tensor:

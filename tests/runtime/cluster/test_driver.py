@@ -184,6 +184,18 @@ CASES = {
     "sparse-colocated-2": dict(mode="colocated", colocated_ranks=2, micro_batches=2, dispatch="sparse"),
     "sparse-colocated-3-zero": dict(mode="colocated", colocated_ranks=3, micro_batches=2, batch_size=6,
                                     dispatch="sparse", optim=OptimConfig(lr=3e-3, warmup_steps=2, shard_states=True)),
+    # sparse dispatch with pair rows: each received row's pairs stored at its token's pair rows, COMBINE_GRAD
+    # routed back by the top-k ids riding RESIDUAL (another pipeline group's rank with p = 2), d x per source
+    "sparse-pairs-A1-E2-p1-m2": dict(attention_ranks=1, expert_ranks=2, pipeline_groups=1, micro_batches=2,
+                                     hop="pair_rows", dispatch="sparse"),
+    "sparse-pairs-A1-E3-p1-m2": dict(attention_ranks=1, expert_ranks=3, pipeline_groups=1, micro_batches=2,
+                                     hop="pair_rows", dispatch="sparse"),
+    "sparse-pairs-A2-E2-p2-m2-bias": dict(attention_ranks=2, expert_ranks=2, pipeline_groups=2, micro_batches=2,
+                                          bias_balancing=True, hop="pair_rows", dispatch="sparse"),
+    "sparse-pairs-colocated-2": dict(mode="colocated", colocated_ranks=2, micro_batches=2, hop="pair_rows",
+                                     dispatch="sparse"),
+    "sparse-pairs-colocated-3": dict(mode="colocated", colocated_ranks=3, micro_batches=2, batch_size=6,
+                                     hop="pair_rows", dispatch="sparse"),
 }
 
 
@@ -278,11 +290,15 @@ SPARSE_PLANS = {
 }
 
 
-@pytest.mark.parametrize("case", SPARSE_PLANS)
-def test_sparse_dispatch_with_skewed_routing_and_empty_messages_trains_like_the_oracle(warm, tmp_path, case):
-    cfg = run_config(tmp_path / "dist", "disaggregated", plan=SPARSE_PLANS[case](), dispatch="sparse", eval_every=2)
+@pytest.mark.parametrize("hop", ["partial_sums", "pair_rows"])
+@pytest.mark.parametrize("case", [*SPARSE_PLANS, "replicas-A2-E2-m2"])
+def test_sparse_dispatch_with_skewed_routing_and_empty_messages_trains_like_the_oracle(warm, tmp_path, case, hop):
+    """Either hop, with evaluation passes between steps; replicas: every expert rank's rows split
+    over owners or fed by one source each."""
+    plan = {**SPARSE_PLANS, **PLANS}[case]()
+    cfg = run_config(tmp_path / "dist", "disaggregated", plan=plan, dispatch="sparse", hop=hop, eval_every=2)
     summary = run_on(warm, cfg)
-    assert summary.dispatch == "sparse"
+    assert summary.dispatch == "sparse" and summary.hop == hop
     reference, reference_model = oracle(apply_plan(cfg, cfg.model), tmp_path / "single")
     assert_same_losses(read_metrics(tmp_path / "dist" / METRICS_FILE), reference)
     assert_same_parameters(model_from_checkpoint(cfg, Path(summary.checkpoint_path)), reference_model)
@@ -570,12 +586,12 @@ SHARED_CASES = {
     # two-GPU tests and more, both hops, evaluation at the end
     "A1-E1-sums": dict(attention_ranks=1, expert_ranks=1, hop="partial_sums"),
     "A1-E1-pairs": dict(attention_ranks=1, expert_ranks=1, hop="pair_rows"),
-    "A1-E2-pairs": dict(attention_ranks=1, expert_ranks=2, hop="pair_rows"),
+    "A1-E2-pairs": dict(attention_ranks=1, expert_ranks=2, hop="pair_rows", dispatch="dense"),  # auto: sparse
     "A2-E1-sums": dict(attention_ranks=2, expert_ranks=1, hop="partial_sums"),
     "A2-E2-p2-pairs": dict(attention_ranks=2, expert_ranks=2, pipeline_groups=2, hop="pair_rows"),
-    "colocated-2-pairs": dict(mode="colocated", colocated_ranks=2, hop="pair_rows"),
+    "colocated-2-pairs": dict(mode="colocated", colocated_ranks=2, hop="pair_rows", dispatch="dense"),
     "colocated-3-sums": dict(mode="colocated", colocated_ranks=3, batch_size=12, hop="partial_sums"),
-    "replicas-A2-E2-pairs": dict(plan="replicas-A2-E2-m2", hop="pair_rows"),
+    "replicas-A2-E2-pairs": dict(plan="replicas-A2-E2-m2", hop="pair_rows", dispatch="dense"),
     # sparse dispatch over nvshmem (auto picks it there with partial sums and several expert ranks)
     "A1-E2-sparse": dict(attention_ranks=1, expert_ranks=2, hop="partial_sums", dispatch="sparse"),
     "A1-E3-sparse": dict(attention_ranks=1, expert_ranks=3, hop="partial_sums", dispatch="sparse"),
@@ -583,6 +599,10 @@ SHARED_CASES = {
     # two sources: each expert rank returns both sources' d x in one launch (`send_counted`)
     "A2-E2-sparse": dict(attention_ranks=2, expert_ranks=2, hop="partial_sums", dispatch="sparse"),
     "colocated-2-sparse": dict(mode="colocated", colocated_ranks=2, hop="partial_sums", dispatch="sparse"),
+    # sparse dispatch with pair rows: the rows of each received token stored at its pair rows, COMBINE_GRAD
+    # (dy of the tokens each expert rank served) and DISPATCH_GRAD (d x alone) by one launch each
+    "A1-E2-sparse-pairs": dict(attention_ranks=1, expert_ranks=2, hop="pair_rows", dispatch="sparse"),
+    "A1-E3-sparse-pairs": dict(attention_ranks=1, expert_ranks=3, hop="pair_rows", dispatch="sparse"),
 }
 
 
@@ -651,7 +671,8 @@ def test_gpu_every_layout_on_one_shared_gpu_matches_the_oracle(ray_cluster, tmp_
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", ["A1-E1-sums", "A1-E1-pairs", "A1-E2-pairs", "A2-E2-p2-pairs", "A1-E3-sparse"])
+@pytest.mark.parametrize("case", ["A1-E1-sums", "A1-E1-pairs", "A1-E2-pairs", "A2-E2-p2-pairs", "A1-E3-sparse",
+                                  "A1-E3-sparse-pairs"])
 def test_gpu_shared_steps_make_no_host_waits_where_no_sum_goes_through_gloo(ray_cluster, tmp_path, case):
     """The two-GPU zero-sync test in its one-GPU form: the layouts whose only collective is the
     gradient norm (one attention rank per pipeline group, no replicated experts) sum it on the

@@ -116,9 +116,11 @@ def test_pair_rows_that_cannot_run_are_refused_naming_the_fix(fields, needle):
     (dict(expert_ranks=2, transport="nvshmem", device="cuda"), "sparse"),  # auto: more than one expert rank
     (dict(expert_ranks=1, transport="nvshmem", device="cuda"), "dense"),  # one expert rank: every token goes there
     (dict(expert_ranks=4, transport="nccl", device="cuda"), "dense"),  # auto: sparse saves bytes on nvshmem only
-    (dict(expert_ranks=4, transport="nvshmem", experts_backend="triton", device="cuda"), "dense"),  # hop pair rows
+    (dict(expert_ranks=4, transport="nvshmem", experts_backend="triton", device="cuda"), "sparse"),  # hop pair rows
+    (dict(expert_ranks=4, hop="pair_rows"), "dense"),  # pair rows on local: the worst-case buffer either way
+    (dict(dispatch="sparse", hop="pair_rows"), "sparse"),  # as configured, with pair rows
 ])
-def test_auto_dispatch_is_sparse_on_nvshmem_with_several_expert_ranks_and_partial_sums(fields, dispatch):
+def test_auto_dispatch_is_sparse_on_nvshmem_with_several_expert_ranks_whatever_the_hop(fields, dispatch):
     from disagmoe.runtime.stages.messages import dispatch_mode
 
     got, why = dispatch_mode(*_run(**fields))
@@ -134,15 +136,32 @@ def test_unknown_dispatch_is_refused():
         TrainConfig(model="tiny", dispatch="sometimes")
 
 
-def test_sparse_dispatch_with_pair_rows_is_refused_naming_the_fix():
-    from disagmoe.config import TrainConfig
-    from disagmoe.runtime.stages.messages import dispatch_mode
+def test_sparse_pair_rows_change_residual_and_dispatch_grad_only():
+    """With pair rows, sparse dispatch sends DISPATCH as without them; RESIDUAL also carries the
+    top-k ids (RESIDUAL_GRAD does not), DISPATCH_GRAD is d x of the received rows with the load
+    (not pair rows: `is_pair`), COMBINE and COMBINE_GRAD keep their shapes."""
+    from disagmoe.comm.base import TensorSpec
+    from disagmoe.runtime.stages.messages import MessageShapes
 
-    with pytest.raises(ValueError, match="set hop: partial_sums"):
-        TrainConfig(model="tiny", dispatch="sparse", hop="pair_rows")
-    auto_pairs = dict(dispatch="sparse", expert_ranks=4, transport="nvshmem", experts_backend="triton", device="cuda")
-    with pytest.raises(ValueError, match="set hop: partial_sums or dispatch: dense"):  # hop auto: pair rows
-        dispatch_mode(*_run(**auto_pairs))
+    cfg, model, topology = _run(dispatch="sparse", hop="pair_rows", expert_ranks=2, batch_size=4, seq_len=8)
+    both = MessageShapes.of_run(cfg, model, topology)
+    pairs = MessageShapes.of_run(cfg.model_copy(update={"dispatch": "dense"}), model, topology)
+    sparse = MessageShapes.of_run(cfg.model_copy(update={"hop": "partial_sums"}), model, topology)
+    assert both.sparse and both.pair_rows
+    T, K, H, E = both.tokens, model.top_k, model.hidden_size, model.num_experts
+    assert both.specs(Payload.DISPATCH, True) == sparse.specs(Payload.DISPATCH, True)
+    assert both.specs(Payload.RESIDUAL, True) == [*pairs.specs(Payload.RESIDUAL, True), TensorSpec((T, K), torch.int32)]
+    assert both.specs(Payload.DISPATCH_GRAD, True) == [TensorSpec((T, H), torch.float32), TensorSpec((E,), torch.int64)]
+    for payload in (Payload.COMBINE, Payload.COMBINE_GRAD, Payload.RESIDUAL_GRAD):
+        assert both.specs(payload, True) == pairs.specs(payload, True)
+    for payload in (Payload.RESIDUAL, Payload.RESIDUAL_GRAD):  # a dense layer's, as with dense dispatch
+        assert both.specs(payload, False) == pairs.specs(payload, False)
+    assert both.is_pair(Payload.COMBINE, True) and not both.is_pair(Payload.DISPATCH_GRAD, True)
+    assert pairs.is_pair(Payload.DISPATCH_GRAD, True)
+    stored = {p for p in Payload if both.is_peer_stored(p, True)}
+    assert stored == {Payload.DISPATCH, Payload.DISPATCH_GRAD, Payload.COMBINE_GRAD}
+    assert {p for p in Payload if sparse.is_peer_stored(p, True)} == {Payload.DISPATCH, Payload.DISPATCH_GRAD}
+    assert not any(both.is_peer_stored(p, False) or pairs.is_peer_stored(p, True) for p in Payload)
 
 
 def test_sparse_dispatch_changes_dispatch_and_combine_only():

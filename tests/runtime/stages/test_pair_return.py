@@ -6,7 +6,9 @@ pairs' d x into a second one (or d x compactly); the attention side's combine an
 sides' backward must give the layer's output, d x, d routing weights and every expert's weight
 gradients. Three ways: plain torch on CPU (fp32), the fused kernels under Triton's
 interpreter (fp32, CPU tensors standing for the peer buffer; sources run before the combine) and
-on a GPU (bf16).
+on a GPU (bf16). With sparse dispatch each source receives only the tokens it serves, in dispatch
+order with stale padding past the count (as a peer store leaves it), and must still address the
+attention rank's pair rows by token.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 from disagmoe.comm.base import PairLanding, PairTarget
 from disagmoe.model.experts import RoutedExperts
 from disagmoe.runtime.stages import pair_return
+from disagmoe.runtime.stages.sparse_dispatch import pick_rows, received_locals, received_order, unpermute
 
 # (tokens, top_k, experts, sources, hidden, ffn, segment_tokens, skew)
 CASES = [
@@ -58,7 +61,39 @@ def _reference(full, topk, x, w, dy):
     return y.detach(), x_leaf.grad, w_leaf.grad, ref.w13_EH2F.grad, ref.w2_EFH.grad
 
 
-def _pair_path(full, topk, x, w, dy, case, fused, backend, grads_as_pairs=True, recompute=frozenset()):
+class _Received:
+    """What source q receives: every token (dense), or with sparse dispatch only those it serves,
+    in dispatch order (`pick_rows`), the rows, ids, weights, index and dy past the count stale."""
+
+    def __init__(self, x, local_TK, num_local: int, w, dy, sparse: bool, gen: torch.Generator) -> None:
+        self.sparse = sparse
+        if not sparse:
+            self.x, self.local_TK, self.w, self.dy, self.token_T = x, local_TK, w, dy, None
+            return
+        tokens, device = x.shape[0], x.device
+        index_1T, count_11 = pick_rows((local_TK < num_local).any(1)[None])
+        self.count_1 = count_11[0].to(torch.int32)
+        stale_T = torch.arange(tokens, device=device) >= self.count_1
+        scrambled_T = torch.randint(0, max(tokens, 1), (tokens,), generator=gen).to(device)
+        self.index_T = torch.where(stale_T, scrambled_T, index_1T[0]).to(torch.int32)
+
+        def received(t, junk):
+            return torch.where(stale_T.view(-1, *[1] * (t.dim() - 1)), junk, t[index_1T[0]])
+
+        self.x = received(x, torch.randn(x.shape, generator=gen).to(device, x.dtype) * 1e3)
+        self.local_TK = received_locals(received(local_TK, 0), self.count_1, num_local)  # a local id past the count
+        self.w = received(w, 7.0)
+        self.dy = received(dy, 1e3)
+        self.token_T = received_order(self.index_T, self.count_1)
+
+    def dx(self, leaf: torch.Tensor) -> torch.Tensor:
+        """The source's d x back at its tokens (sparse: `unpermute`, the padding rows dropped)."""
+        if not self.sparse:
+            return leaf.grad.float()
+        return unpermute(leaf.grad.float()[None], self.index_T[None], self.count_1[None])[0]
+
+
+def _pair_path(full, topk, x, w, dy, case, fused, backend, grads_as_pairs=True, recompute=frozenset(), sparse=False):
     tokens, top_k, experts, sources, hidden, ffn, seg, _ = case
     per = experts // sources
     device = x.device
@@ -66,16 +101,20 @@ def _pair_path(full, topk, x, w, dy, case, fused, backend, grads_as_pairs=True, 
     rows = torch.full((tokens * top_k, hidden), float("nan"), device=device, dtype=x.dtype)
     flags = torch.zeros(sources, segments, dtype=torch.int64, device=device)
     counters = torch.zeros(segments, dtype=torch.int32, device=device)
-    parts, saved, leaves = [], [], []
+    gen = torch.Generator().manual_seed(11)
+    parts, saved, leaves, got = [], [], [], []
     for q in range(sources):
         part = RoutedExperts.from_slice(full, q * per, (q + 1) * per, backend=backend)
         part.set_recompute(recompute)
         local_TK = torch.where(topk // per == q, topk % per, per).to(torch.int32)
-        x_leaf = x.detach().requires_grad_()
-        saved.append(pair_return.expert_pair_rows(x_leaf, local_TK, w, part, PairTarget(rows, flags, q, 1),
-                                                  counters, seg, fused=fused, num_programs=3 if fused else None))
+        mine = _Received(x, local_TK, per, w, dy, sparse, gen)
+        x_leaf = mine.x.detach().requires_grad_()
+        saved.append(pair_return.expert_pair_rows(x_leaf, mine.local_TK, mine.w, part, PairTarget(rows, flags, q, 1),
+                                                  counters, seg, fused=fused, num_programs=3 if fused else None,
+                                                  token_T=mine.token_T))
         parts.append(part)
         leaves.append(x_leaf)
+        got.append(mine)
     assert (flags == 1).all() and (counters == 0).all(), "every source raised every segment"
     status = torch.zeros(2, dtype=torch.int32, device=device) if fused else None
     w_leaf = w.detach().requires_grad_()
@@ -84,14 +123,14 @@ def _pair_path(full, topk, x, w, dy, case, fused, backend, grads_as_pairs=True, 
     if grads_as_pairs:  # d x returns as pair rows into a second buffer, summed on the receiver
         dx_rows = torch.full_like(rows, float("nan"))
         dx_flags = torch.zeros_like(flags)
-        for q, s in enumerate(saved):
-            pair_return.expert_pair_rows_backward(s, dy, PairTarget(dx_rows, dx_flags, q, 1), counters, seg)
+        for q, (s, mine) in enumerate(zip(saved, got, strict=True)):
+            pair_return.expert_pair_rows_backward(s, mine.dy, PairTarget(dx_rows, dx_flags, q, 1), counters, seg)
         assert (dx_flags == 1).all() and (counters == 0).all()
         dx = pair_return.sum_pairs(PairLanding(dx_rows, dx_flags, 1, status), top_k, seg, num_programs=2).float()
-    else:
-        for s in saved:
-            pair_return.expert_pair_rows_backward(s, dy)
-        dx = sum(leaf.grad.float() for leaf in leaves)
+    else:  # d x compactly into each source's leaf (sparse dispatch: in its received order, back per source)
+        for s, mine in zip(saved, got, strict=True):
+            pair_return.expert_pair_rows_backward(s, mine.dy)
+        dx = sum(mine.dx(leaf) for mine, leaf in zip(got, leaves, strict=True))
     dw13 = torch.cat([p.w13_EH2F.grad.float() for p in parts])
     dw2 = torch.cat([p.w2_EFH.grad.float() for p in parts])
     return y.float(), dx, w_leaf.grad.float(), dw13, dw2
@@ -103,12 +142,13 @@ def _assert_close(got, want, rtol):
         assert err <= rtol, (name, err)
 
 
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
 @pytest.mark.parametrize("grads_as_pairs", [True, False], ids=["dx-pair-rows", "dx-compact"])
 @pytest.mark.parametrize("case", CASES, ids=["two-sources", "one-segment", "skew"])
-def test_plain_torch_pair_rows_are_the_moe_layer(case, grads_as_pairs):
+def test_plain_torch_pair_rows_are_the_moe_layer(case, grads_as_pairs, sparse):
     full, topk, x, w, dy = _layer(case, "cpu", torch.float32)
-    _assert_close(_pair_path(full, topk, x, w, dy, case, fused=False, backend="loop", grads_as_pairs=grads_as_pairs),
-                  _reference(full, topk, x, w, dy), 1e-5)
+    _assert_close(_pair_path(full, topk, x, w, dy, case, fused=False, backend="loop", grads_as_pairs=grads_as_pairs,
+                             sparse=sparse), _reference(full, topk, x, w, dy), 1e-5)
 
 
 @pytest.fixture
@@ -118,27 +158,30 @@ def kernels(interpreted):
                 "disagmoe.kernels.moe_ffn", "disagmoe.kernels.fused_return")
 
 
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
 @pytest.mark.parametrize("grads_as_pairs", [True, False], ids=["dx-pair-rows", "dx-compact"])
 @pytest.mark.parametrize("case", CASES, ids=["two-sources", "one-segment", "skew"])
-def test_fused_pair_rows_are_the_moe_layer_in_the_interpreter(kernels, case, grads_as_pairs):
+def test_fused_pair_rows_are_the_moe_layer_in_the_interpreter(kernels, case, grads_as_pairs, sparse):
     full, topk, x, w, dy = _layer(case, "cpu", torch.float32, seed=1)
-    _assert_close(_pair_path(full, topk, x, w, dy, case, fused=True, backend="triton", grads_as_pairs=grads_as_pairs),
-                  _reference(full, topk, x, w, dy), 1e-4)
+    _assert_close(_pair_path(full, topk, x, w, dy, case, fused=True, backend="triton", grads_as_pairs=grads_as_pairs,
+                             sparse=sparse), _reference(full, topk, x, w, dy), 1e-4)
 
 
 @pytest.mark.parametrize("recompute", [{"expert_swiglu"}, {"expert_input"}, {"expert_input", "expert_swiglu"}],
                          ids=["swiglu", "input", "both"])
-@pytest.mark.parametrize("grads_as_pairs", [True, False], ids=["dx-pair-rows", "dx-compact"])
-def test_recomputed_pair_rows_keep_less_and_give_the_same_bits_in_fp32(kernels, recompute, grads_as_pairs):
+@pytest.mark.parametrize("grads_as_pairs, sparse", [(True, False), (False, False), (False, True)],
+                         ids=["dx-pair-rows", "dx-compact", "dx-compact-sparse"])
+def test_recomputed_pair_rows_keep_less_and_give_the_same_bits_in_fp32(kernels, recompute, grads_as_pairs, sparse):
     """`recompute: selective` on the fused pair path: the forward keeps no SwiGLU output / no
     grouped rows (their source tokens instead), and in fp32 the backward recomputes them exactly,
     so every gradient is the plain run's to the bit (bf16 on a GPU: the SwiGLU output rounds from
     the kept bf16 pre-activations instead, the GPU test's tolerance)."""
     case = CASES[0]
     full, topk, x, w, dy = _layer(case, "cpu", torch.float32, seed=3)
-    plain = _pair_path(full, topk, x, w, dy, case, fused=True, backend="triton", grads_as_pairs=grads_as_pairs)
+    plain = _pair_path(full, topk, x, w, dy, case, fused=True, backend="triton", grads_as_pairs=grads_as_pairs,
+                       sparse=sparse)
     got = _pair_path(full, topk, x, w, dy, case, fused=True, backend="triton", grads_as_pairs=grads_as_pairs,
-                     recompute=frozenset(recompute))
+                     recompute=frozenset(recompute), sparse=sparse)
     for name, a, b in zip(("y", "dx", "dw", "dw13", "dw2"), got, plain, strict=True):
         assert torch.equal(a, b), name
     part = RoutedExperts.from_slice(full, 0, 3, backend="triton")
@@ -166,10 +209,11 @@ def test_a_target_of_the_wrong_shape_is_refused():
 @pytest.mark.parametrize("recompute", [frozenset(), frozenset({"expert_input", "expert_swiglu"})],
                          ids=["keep", "recompute"])
 @pytest.mark.parametrize("case", CASES, ids=["two-sources", "one-segment", "skew"])
-def test_gpu_fused_pair_rows_are_the_moe_layer_in_bf16(case, recompute):
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_gpu_fused_pair_rows_are_the_moe_layer_in_bf16(case, recompute, sparse):
     full, topk, x, w, dy = _layer(case, "cuda", torch.bfloat16, seed=2)
-    _assert_close(_pair_path(full, topk, x, w, dy, case, fused=True, backend="triton", recompute=recompute),
-                  _reference(full, topk, x, w, dy), 3e-2)
+    _assert_close(_pair_path(full, topk, x, w, dy, case, fused=True, backend="triton", recompute=recompute,
+                             grads_as_pairs=not sparse, sparse=sparse), _reference(full, topk, x, w, dy), 3e-2)
 
 
 def test_a_run_s_pair_settings_come_from_its_config():

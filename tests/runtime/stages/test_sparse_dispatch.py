@@ -11,7 +11,7 @@ from disagmoe.model_ref import load_model
 from disagmoe.runtime.schedule.roles import Layout
 from disagmoe.runtime.stages.expert_stage import LocalRouting
 from disagmoe.runtime.stages.sparse_dispatch import (SetRouting, dispatch_messages, pick_rows, received_locals,
-                                                     unpermute)
+                                                     received_order, unpermute)
 from disagmoe.runtime.topology import Topology
 
 
@@ -24,6 +24,19 @@ def test_picked_rows_come_first_in_token_order_and_the_rest_after(seed):
     for picked, index, count in zip(picked_QT, index_QT, count_Q1, strict=True):
         want = torch.cat([torch.nonzero(picked).flatten(), torch.nonzero(~picked).flatten()])
         assert torch.equal(index, want) and count.tolist() == [int(picked.sum())]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_receiver_rebuilds_the_senders_whole_order_whatever_the_stale_padding(seed):
+    """`received_order` from the first `count` entries of the index (the rest scrambled, as a peer
+    store leaves them): the sender's `pick_rows` permutation, so pair rows land at distinct rows."""
+    g = torch.Generator().manual_seed(seed)
+    T = seed * 7
+    picked_QT = torch.rand(3, T, generator=g) < torch.tensor([0.0, 1.0, 0.4])[:, None]
+    index_QT, count_Q1 = pick_rows(picked_QT)
+    for index_T, count_1 in zip(index_QT, count_Q1.to(torch.int32), strict=True):
+        stale_T = torch.where(torch.arange(T) < count_1, index_T, torch.randint(0, max(T, 1), (T,), generator=g))
+        assert torch.equal(received_order(stale_T.to(torch.int32), count_1), index_T)
 
 
 def _topology(owners, ranks: int, dp: int) -> Topology:
