@@ -171,12 +171,15 @@ class RoutedExperts(nn.Module):
         """Whether a layer of these experts groups its rows with the Triton permute and weighted-
         combine kernels (`kernels.permute`): the triton backend on CUDA, at any hidden size. (The
         rank scan runs in its own launch: inside the row-copy tile Triton's sm_90 code wrote wrong
-        rows at hidden 64; the GPU tests at hidden 16/40/64/300/2048/4096 pass on an H200.)"""
-        return self.backend == "triton" and x.is_cuda and self.precision != "fp8"
+        rows at hidden 64; the GPU tests at hidden 16/40/64/300/2048/4096 pass on an H200.) With
+        precision fp8 too: the FP8 FFN takes the grouped bf16 rows and quantises only the served
+        ones (`kernels.fp8.quantize_rows`' valid_rows: a spare bucket's rows are not its)."""
+        return self.backend == "triton" and x.is_cuda
 
     def set_precision(self, precision: str) -> None:
         """"fp8": the expert FFN runs every GEMM in e4m3 (`kernels.fp8_ffn`), rows grouped by the
-        plain permute (the fused bf16 layer op is not FP8); the triton backend only."""
+        Triton permute on a GPU (no recomputation, so never the fused bf16 layer op); the triton
+        backend only."""
         if precision not in ("bf16", "fp32", "fp8"):
             raise ValueError(f"expert precision {precision!r}: choose bf16, fp32 or fp8")
         if precision == "fp8" and (self.backend != "triton" or self.recompute):

@@ -46,6 +46,39 @@ def test_fp8_experts_track_the_fp64_ffn_and_train_their_weights(fp8_modules):
     assert experts.w2_EFH.grad.abs().sum() > 0
 
 
+@pytest.mark.slow  # the FP8 and permute kernels in Triton's interpreter
+def test_an_expert_ranks_fp8_layer_through_the_triton_permute_is_the_plain_one(interpreted):
+    """A distributed expert rank's share (`model.local_experts`): the Triton permute with its spare
+    bucket of pairs served elsewhere, the FP8 FFN and the weighted combine (the GPU's path since
+    fp8 fuses the permute) give the plain torch path's partial sums and gradients, forward and
+    backward, with an empty local expert and tokens with no pair here."""
+    _, _, _, permute = interpreted("disagmoe.kernels.grouped_gemm", "disagmoe.kernels.fp8", "disagmoe.kernels.fp8_ffn",
+                                   "disagmoe.kernels.permute")
+    from disagmoe.model import local_experts
+
+    experts = _experts(seed=3)
+    experts.set_precision("fp8")
+    experts.prepare_fp8()
+    gen = torch.Generator().manual_seed(4)
+    T, K = 24, 2
+    local_TK = torch.randint(0, 4, (T, K), generator=gen)  # 3 local experts; 3 = served elsewhere
+    local_TK[local_TK == 1] = 3  # local expert 1 gets no pair
+    local_TK[:5] = 3  # tokens with no pair here
+    w_TK = torch.rand(T, K, generator=gen)
+    results = []
+    for path in (local_experts._fused, local_experts._torch):
+        x = torch.randn(T, 128, generator=torch.Generator().manual_seed(5)).requires_grad_()
+        w = w_TK.clone().requires_grad_()
+        for p in experts.parameters():
+            p.grad = None
+        y = path(x, local_TK, w, experts)
+        y.backward(torch.randn(T, 128, generator=torch.Generator().manual_seed(6)))
+        results.append((y.detach(), x.grad, w.grad, experts.w13_EH2F.grad.clone(), experts.w2_EFH.grad.clone()))
+    for fused, plain in zip(*results, strict=True):
+        torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)
+    assert results[0][0][:5].abs().max() == 0 and results[0][3][1].abs().max() == 0
+
+
 @pytest.mark.slow  # interpreter
 def test_prepared_copies_are_refreshed_in_place(fp8_modules):
     """A captured step reads the copies' addresses: a refresh writes the same tensors with the
