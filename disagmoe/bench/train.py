@@ -15,8 +15,9 @@ variant (each a set of config overrides), in the same run; each row then also gi
 tokens/s and peak memory against the same mode's row of the first variant.
 
 Each row is logged as it ends, so a run stopped part-way keeps what it measured. A row that
-cannot run (its memory check or an out-of-memory error: a `ValueError` naming the fix) is kept as
-a row with its `error`, and the run goes on to the next; only a run with no row left fails.
+cannot run (a `ValueError` naming the fix: its memory check, an out-of-memory error, a refusal of
+its layout) is kept as a row with its `error`, and the run goes on to the next; only a run with no
+row left fails.
 """
 
 from __future__ import annotations
@@ -224,7 +225,7 @@ def run(cfg: TrainConfig, modes: list[str], steps: int, warmup: int,
             log(f"{name}: {steps} steps")
             try:
                 summary = train_row(mcfg)
-            except ValueError as err:  # the memory check or an out-of-memory error: the row, not the run
+            except ValueError as err:  # a user error of this row (memory check, out of memory): the row's, not the run's
                 log(f"{name}: did not run: {err}")
                 rows.append({"mode": mode, "transport": None if mode == "single" else mcfg.transport, "hop": None,
                              "variant": variant, "error": str(err)})
