@@ -656,10 +656,12 @@ class TrainConfig(StrictModel):
     fuse_elementwise: bool = Field(
         True, description="on CUDA, compile the norms, qk-norm and RoPE with torch.compile into fused kernels "
         "(forward and backward; a few seconds of compiling at the first step); CPU runs are never compiled")
-    cuda_graphs: Literal["off", "on"] = Field(
-        "off", description="on: mode single on CUDA captures the whole step (every micro-batch's forward and "
+    cuda_graphs: Literal["auto", "off", "on"] = Field(
+        "auto", description="on: mode single on CUDA captures the whole step (every micro-batch's forward and "
         "backward, the clip and the optimizer) in one CUDA graph after 3 eager steps and replays it, with no "
-        "launch gaps between kernels; the distributed modes run eagerly for now (refused there)")
+        "launch gaps between kernels; the distributed modes run eagerly for now (refused there). auto: on where "
+        "the captured step has been checked on a GPU (mode single, bf16 or fp8, no recomputation, no offload), "
+        "else eager, saying why at start and in the summary")
     _yaml_on_off = field_validator("cuda_graphs", mode="before")(on_off_word)
 
     forbid_host_syncs: bool = Field(
@@ -741,6 +743,12 @@ class TrainConfig(StrictModel):
         """'fp8' where the dense projections' GEMMs run in FP8 (`fp8_dense`, rowwise), else the
         parameters' dtype name."""
         return "fp8" if self.precision == "fp8" and self.fp8_dense is not False else self.compute_dtype_name
+
+    @property
+    def steps_reference_adamw(self) -> bool:
+        """fp32 parameters with fp32 moments on the device: mode single steps torch's own AdamW (the
+        oracle's optimizer), not the flat fused one."""
+        return self.compute_dtype_name == "fp32" and self.optim.state_dtype == "fp32" and not self.offload_optimizer
 
     @property
     def offloads_to_host(self) -> bool:

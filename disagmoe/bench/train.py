@@ -231,8 +231,9 @@ def run(cfg: TrainConfig, modes: list[str], steps: int, warmup: int,
                              "variant": variant, "error": str(err)})
                 continue
             used_hop, time_sliced = summary.hop, summary.time_sliced
-            if summary.micro_batches_note:
-                log(summary.micro_batches_note)
+            for note in (summary.micro_batches_note, summary.cuda_graphs_note):
+                if note:
+                    log(note)
             records = read_metrics(Path(mcfg.out_dir) / METRICS_FILE)
             step_s = median_step(records, warmup)
             ranks = {"single": 1, "colocated": mcfg.colocated_ranks,
@@ -243,6 +244,7 @@ def run(cfg: TrainConfig, modes: list[str], steps: int, warmup: int,
             rows.append({"mode": mode, "transport": None if mode == "single" else mcfg.transport, "hop": used_hop,
                          "variant": variant, "ranks": ranks, "time_sliced": time_sliced,
                          "micro_batches": summary.micro_batches, "cuda_graph_replays": summary.cuda_graph_replays,
+                         "cuda_graphs_note": summary.cuda_graphs_note,
                          "predicted_peak_gib": summary.predicted_peak_gib,
                          "median_step_s": step_s, "gpu_wait": mean_waits(records, warmup),
                          "tokens_per_s": records[-1]["tokens"] / step_s, "final_loss": records[-1]["loss"],

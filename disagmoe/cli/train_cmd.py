@@ -79,6 +79,10 @@ def train(
     cfg, split_note = auto_split(cfg)
     if split_note and not as_json:
         console.print(literal(split_note), highlight=False)
+    if cfg.cuda_graphs == "auto" and cfg.device == "cuda" and not as_json:  # a CPU run: in the summary only
+        from disagmoe.runtime.training.graphed_step import resolve_cuda_graphs  # torch: only once training
+
+        console.print(literal(resolve_cuda_graphs(cfg)[1]), highlight=False)
     check_host_memory(cfg, load_model(cfg.model))
     if cfg.offload_optimizer and not as_json:
         console.print(literal(offload_note(cfg)), highlight=False)

@@ -74,6 +74,7 @@ from disagmoe.runtime.cluster.restart import Fault, restart_line
 from disagmoe.runtime.state.sharded_checkpoint import begin_checkpoint, finish_checkpoint, read_trainer_state
 from disagmoe.runtime.topology import Topology
 from disagmoe.runtime.observe.trace import busy_fractions, wait_fractions, write_chrome_trace
+from disagmoe.runtime.training.graphed_step import resolve_cuda_graphs
 from disagmoe.runtime.training.loop import StepCallback, TrainingLoop, TrainSummary, signals_held
 from disagmoe.runtime.out_dir import check_out_dir
 from disagmoe.runtime.training.micro_batches import MicroBatchChoice, device_capacity_bytes, resolved
@@ -522,7 +523,7 @@ class DistributedTrainer(TrainingLoop):
                     ranks_per_gpu=self.ranks_per_gpu, time_sliced=self.ranks_per_gpu > 1,
                     processes=self.processes, predicted_peak_gib=max(self.predicted_peak_gib),
                     predicted_peak_gib_per_rank=list(self.predicted_peak_gib), offloaded_host_gib=self.offloaded_host_gib,
-                    transport_gib_per_rank=list(self.transport_gib),
+                    transport_gib_per_rank=list(self.transport_gib), cuda_graphs_note=resolve_cuda_graphs(self.cfg)[1],
                     **self.split_facts())
 
     def validate(self) -> float:

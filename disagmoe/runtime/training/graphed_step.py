@@ -1,4 +1,5 @@
-"""The whole single-GPU training step in one CUDA graph (`cuda_graphs: on`, issue 20 item 1).
+"""The whole single-GPU training step in one CUDA graph (`cuda_graphs: on`, or auto where it applies:
+`resolve_cuda_graphs`; issue 20 item 1).
 
     step = GraphedStep(model, optimizer, batch_shape, micro_batches, grad_clip)
     totals, norm, load_LE = step(tokens_BS1, lr)   # device tensors, read once by the caller
@@ -28,10 +29,32 @@ from collections.abc import Callable
 
 import torch
 
+from disagmoe.config import TrainConfig
 from disagmoe.model import MoETransformer
 from disagmoe.runtime.state.flat_adamw import FlatAdamW
 
 WARMUP_STEPS = 3  # eager steps before capture (torch asks for a few on a side stream)
+
+
+def resolve_cuda_graphs(cfg: TrainConfig) -> tuple[bool, str]:
+    """(capture the step?, the one line that says so and why) for `cfg.cuda_graphs`. auto captures
+    where the captured step has been checked against the eager one on a GPU (tests/runtime/training/
+    test_graphed_step.py, the FP8 counters' captured test): mode single on CUDA, bf16 or fp8, no
+    recomputation, the optimizer on the device; elsewhere it runs eagerly and names what is missing."""
+    if cfg.cuda_graphs != "auto":
+        return cfg.cuda_graphs == "on", f"cuda_graphs: {cfg.cuda_graphs}"
+    eager = next((why for missing, why in (
+        (cfg.device != "cuda", f"a {cfg.device} run has no CUDA graphs"),
+        (cfg.mode != "single", f"mode {cfg.mode}'s ranks are not captured yet (the nvshmem transport picks sequence "
+                               "numbers and ring segments on the host)"),
+        (cfg.steps_reference_adamw, "precision fp32 steps torch's reference AdamW, which is not captured"),
+        (cfg.offload_optimizer, "the offloaded optimizer's copy streams are not captured yet"),
+        (bool(cfg.recompute_set), "a step with recomputation has not been checked captured on a GPU yet"),
+    ) if missing), None)
+    if eager is not None:
+        return False, f"cuda_graphs: auto -> eager: {eager}"
+    return True, (f"cuda_graphs: auto -> on: the whole step is captured after {WARMUP_STEPS} eager steps and "
+                  "replayed (one launch per step)")
 StepBody = Callable[[MoETransformer, FlatAdamW, torch.Tensor, int, float],
                     tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 

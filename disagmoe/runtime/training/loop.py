@@ -78,7 +78,8 @@ class TrainSummary:
     transport_gib_per_rank: list[float] | None = None
     offloaded_host_gib: float | None = None  # offload_optimizer on GPUs: host memory of the masters and moments
     micro_batches: int | None = None  # the split each step ran in
-    cuda_graph_replays: int | None = None  # cuda_graphs: on: steps replayed from the captured graph (the rest eager)
+    cuda_graph_replays: int | None = None  # a captured step: steps replayed from the graph (the rest eager)
+    cuda_graphs_note: str | None = None  # whether the step was captured, and why (`graphed_step.resolve_cuda_graphs`)
     micro_batches_note: str | None = None  # micro_batches: auto: the choice and why (`runtime.training.micro_batches`)
 
     def to_dict(self) -> dict[str, Any]:

@@ -62,7 +62,7 @@ from disagmoe.runtime.state.checkpoint import (
     warn_changed_training,
 )
 from disagmoe.runtime.training.loop import StepCallback, TrainingLoop, TrainSummary
-from disagmoe.runtime.training.graphed_step import GraphedStep
+from disagmoe.runtime.training.graphed_step import GraphedStep, resolve_cuda_graphs
 from disagmoe.runtime.training.micro_batches import MicroBatchChoice, device_capacity_bytes, resolved
 from disagmoe.runtime.observe.metrics import (
     load_imbalance,
@@ -368,8 +368,7 @@ class SingleProcessTrainer(TrainingLoop):
                 self.model.set_dense_fp8(True, self.fp8_stats)
         # plain torch AdamW on fp32 parameters, the reference; it keeps fp32 moments on the device, so bf16
         # ones (optim.state_dtype) or offloaded ones step the flat optimizer over the same fp32 parameters
-        self.oracle = (cfg.compute_dtype_name == "fp32" and cfg.optim.state_dtype == "fp32"
-                       and not cfg.offload_optimizer)
+        self.oracle = cfg.steps_reference_adamw
         self.optimizer = (build_optimizer(self.model.named_parameters(), cfg.optim) if self.oracle
                           else FlatAdamW(self.model.named_parameters(), cfg.optim, compute_dtype(cfg),
                                          offload_bucket_bytes=offload_bucket_bytes(cfg)))
@@ -377,9 +376,10 @@ class SingleProcessTrainer(TrainingLoop):
             raise ValueError("cuda_graphs: on captures the bf16 fast path's step; precision fp32 steps the reference "
                              "torch AdamW, which is not captured: set precision: bf16 (or cuda_graphs: off)")
         self.model.train()
+        capture, self.cuda_graphs_note = resolve_cuda_graphs(cfg)
         self.graphed = (GraphedStep(self.model, self.optimizer, (cfg.batch_size, cfg.seq_len + 1), cfg.micro_batches,
                                     cfg.optim.grad_clip, _flat_step_on_device, self.device)
-                        if cfg.cuda_graphs == "on" and not self.oracle else None)
+                        if capture and not self.oracle else None)
         self.out_dir = Path(cfg.out_dir)
         self.checkpoint_root = self.out_dir / CHECKPOINTS_DIR
         self.tokens_per_step = cfg.batch_size * cfg.seq_len
@@ -392,7 +392,8 @@ class SingleProcessTrainer(TrainingLoop):
     def run_facts(self) -> dict[str, Any]:
         return {"predicted_peak_gib": self.predicted_peak_gib, "offloaded_host_gib": self.host_state_bytes / 2**30,
                 **self.split_facts(),
-                "cuda_graph_replays": None if self.graphed is None else self.graphed.replays}
+                "cuda_graph_replays": None if self.graphed is None else self.graphed.replays,
+                "cuda_graphs_note": self.cuda_graphs_note}
 
     def _resume(self) -> None:
         """Load the newest checkpoint that loads (damaged newer ones skipped with a warning each),

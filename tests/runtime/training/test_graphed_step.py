@@ -83,6 +83,26 @@ def test_cuda_graphs_are_refused_where_they_do_not_apply(fields, needs):
         TrainConfig(model="tiny", cuda_graphs="on", **fields)
 
 
+@pytest.mark.parametrize("fields, capture, says", [
+    (dict(mode="single", device="cuda"), True, "auto -> on: the whole step is captured after 3 eager steps"),
+    (dict(mode="single", device="cuda", precision="fp8", experts_backend="triton"), True, "auto -> on"),
+    (dict(mode="single", device="cpu"), False, "auto -> eager: a cpu run has no CUDA graphs"),
+    (dict(mode="disaggregated", device="cuda"), False, "auto -> eager: mode disaggregated's ranks are not captured"),
+    (dict(mode="single", device="cuda", precision="fp32"), False, "auto -> eager: precision fp32 steps torch's"),
+    (dict(mode="single", device="cuda", offload_optimizer=True), False, "auto -> eager: the offloaded optimizer's"),
+    (dict(mode="single", device="cuda", recompute="selective", experts_backend="triton"), False,
+     "auto -> eager: a step with recomputation"),
+])
+def test_auto_captures_where_the_captured_step_was_checked_and_says_why_not_elsewhere(fields, capture, says):
+    from disagmoe.runtime.training.graphed_step import resolve_cuda_graphs
+
+    cfg = TrainConfig(model="tiny", **fields)
+    assert cfg.cuda_graphs == "auto"  # the default
+    got, note = resolve_cuda_graphs(cfg)
+    assert got is capture and f"cuda_graphs: {says}" in note
+    assert resolve_cuda_graphs(cfg.model_copy(update={"cuda_graphs": "off"})) == (False, "cuda_graphs: off")
+
+
 def test_a_bare_yaml_on_or_off_is_read_as_the_word():
     """`cuda_graphs=on` on the command line or `cuda_graphs: on` in a file: YAML reads a bool."""
     from disagmoe.config import apply_overrides
