@@ -210,7 +210,10 @@ def runs_of(modes: list[str], transports: list[str] | None,
 
 def run(cfg: TrainConfig, modes: list[str], steps: int, warmup: int,
         log: Callable[[str], None], baseline: str | None = None, transports: list[str] | None = None,
-        hops: list[str] | None = None, variants: list[str] | None = None) -> dict:
+        hops: list[str] | None = None, variants: list[str] | None = None,
+        on_row: Callable[[list[dict]], None] | None = None) -> dict:
+    """The record of the run (module docstring); `on_row` gets the rows so far (unsummarised) as
+    each row ends, e.g. to keep a partial record on disk."""
     if baseline not in (None, "hf"):
         raise ValueError(f"unknown baseline {baseline!r}; the one outside baseline is 'hf' (transformers)")
     configs = [(v, variant_config(cfg, v)) for v in variants or [None]]  # every variant checked before any run
@@ -229,6 +232,8 @@ def run(cfg: TrainConfig, modes: list[str], steps: int, warmup: int,
                 log(f"{name}: did not run: {err}")
                 rows.append({"mode": mode, "transport": None if mode == "single" else mcfg.transport, "hop": None,
                              "variant": variant, "error": str(err)})
+                if on_row is not None:
+                    on_row(rows)
                 continue
             used_hop, time_sliced = summary.hop, summary.time_sliced
             for note in (summary.micro_batches_note, summary.cuda_graphs_note):
@@ -258,6 +263,8 @@ def run(cfg: TrainConfig, modes: list[str], steps: int, warmup: int,
             log(f"{name}: {step_s * 1e3:,.1f} ms/step, {rows[-1]['tokens_per_s']:,.0f} tokens/s, final loss "
                 f"{rows[-1]['final_loss']:.4f}" + (f", peak {rows[-1]['peak_memory_gib']:.1f} GiB"
                                                    if rows[-1]["peak_memory_gib"] is not None else ""))
+            if on_row is not None:
+                on_row(rows)
         if baseline == "hf":
             from disagmoe.bench import hf_baseline
 

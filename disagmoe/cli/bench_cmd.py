@@ -331,7 +331,8 @@ def train(
              "'micro_batches=2 batch_size=8' (repeatable, quoted when several): each row then also gives its "
              "tokens/s and peak memory against the same mode under the first variant")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
-    out: Annotated[Path | None, typer.Option("--out", "-o", help="also write the JSON record here")] = None,
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="also write the JSON record here (rewritten as each "
+                                                               "row ends, marked partial until the run's end)")] = None,
 ) -> None:
     """Time whole training steps of one config in several layouts in the same run, on the same
     devices (colocated gets attention + expert ranks), and report each against colocated and the
@@ -359,8 +360,11 @@ def train(
     cfg = load_train_config(config, overrides or [])
     log = (lambda m: err_console.print(m, highlight=False, markup=False)) if as_json else (
         lambda m: console.print(m, highlight=False, markup=False))
+    def keep_partial(rows: list[dict]) -> None:  # a run stopped part-way leaves the rows it finished
+        out.write_text(json.dumps({"partial": True, "steps": steps, "warmup": warmup, "modes": rows}, indent=1) + "\n")
+
     record = bench.run(cfg, mode or ["disaggregated", "colocated"], steps, warmup, log, baseline, transport, hop,
-                       variant)
+                       variant, on_row=keep_partial if out is not None else None)
     if out is not None:
         out.write_text(json.dumps(record, indent=1) + "\n")
     if as_json:

@@ -143,6 +143,30 @@ def test_a_row_that_runs_out_of_memory_is_kept_and_the_next_rows_run(monkeypatch
     assert "single (micro_batches=1) did not run" in r.output  # under the table
 
 
+def test_the_out_file_holds_each_finished_row_while_the_run_goes_on(tmp_path, monkeypatch):
+    """-o is rewritten as each row ends (marked partial), so a run stopped in its second row keeps
+    the first; at the end it is the whole record."""
+    from disagmoe.bench import train as bench
+
+    out = tmp_path / "bench.json"
+    real, seen = bench.train_row, []
+
+    def train_row(cfg):
+        if out.exists():
+            seen.append(json.loads(out.read_text()))
+        return real(cfg)
+
+    monkeypatch.setattr(bench, "train_row", train_row)
+    r = CliRunner().invoke(app, ["bench", "train", "--config", "configs/tiny-cpu.yaml", "--mode", "single", "--steps", "3",
+                                 "--warmup", "1", "--variant", "micro_batches=1", "--variant", "micro_batches=2",
+                                 "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    (partial,) = seen  # before the second row: the first row's record
+    assert partial["partial"] is True and [row["variant"] for row in partial["modes"]] == ["micro_batches=1"]
+    final = json.loads(out.read_text())
+    assert "partial" not in final and [row["variant"] for row in final["modes"]] == ["micro_batches=1", "micro_batches=2"]
+
+
 def test_a_run_whose_every_row_fails_exits_with_their_errors(monkeypatch):
     _out_of_memory_at(2, monkeypatch)
     r = CliRunner().invoke(app, ["bench", "train", "--config", "configs/tiny-cpu.yaml", "--mode", "single",
