@@ -180,6 +180,52 @@ def test_rows_alone_land_as_the_reference(sd, case):
     assert (counters == 0).all()
 
 
+@pytest.mark.parametrize("case", range(len(RETURN_CASES)))
+def test_partial_sums_return_with_their_token_index_in_one_launch(sd, case):
+    """Sparse dispatch's COMBINE with partial sums (`return_rows` with the token index): each
+    destination gets the first count rows of its block's partial sums and of its int32 index, the
+    count and the flag, every source in one launch; ragged, empty and full counts, nothing past the
+    count written."""
+    S, T, H, K, blocks, chunks = RETURN_CASES[case]
+    gen = torch.Generator().manual_seed(60 + case)
+    Q = S if blocks is None else len(blocks)
+    rows = [torch.full((T, H), float("nan")) for _ in range(Q)]
+    index = [torch.full((T,), -7, dtype=torch.int32) for _ in range(Q)]
+    counts = [torch.full((1,), -1, dtype=torch.int32) for _ in range(Q)]
+    flags = [torch.zeros(1, dtype=torch.int64) for _ in range(Q)]
+    tables = dict(rows=sd.address_table(rows, "cpu"), index=sd.address_table(index, "cpu"),
+                  counts=sd.address_table(counts, "cpu"), flags=sd.address_table(flags, "cpu"))
+    counters = torch.zeros(Q, dtype=torch.int32)
+    partial_STH = torch.randn(S, T, H, generator=gen)
+    index_ST = torch.stack([torch.randperm(T, generator=gen) for _ in range(S)]).to(torch.int32)
+    count_S1 = torch.randint(0, T + 1, (S, 1), generator=gen, dtype=torch.int32)
+    if S > 1:
+        count_S1[1] = 0  # an empty source
+    if S > 2:
+        count_S1[2] = T  # a full one
+    launches = []
+    real = sd._dispatch_rows_kernel
+
+    class Counting:  # the launches of the kernel, by grid
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return real[grid]
+
+    sd._dispatch_rows_kernel = Counting()
+    try:
+        sd.return_rows(partial_STH, count_S1, 5, index_ST=index_ST, counters_Q=counters, blocks=blocks,
+                       chunks=chunks, **tables)
+    finally:
+        sd._dispatch_rows_kernel = real
+    assert len(launches) == 1 and launches[0][0] == Q, "one launch for every destination"
+    for q, msg in enumerate(sd.return_reference(partial_STH, count_S1, blocks=blocks, index_ST=index_ST)):
+        n = int(msg["count"])
+        assert counts[q].tolist() == [n] and flags[q].tolist() == [5]
+        assert torch.equal(rows[q][:n], msg["rows"]) and torch.equal(index[q][:n], msg["index"])
+        assert torch.isnan(rows[q][n:]).all() and (index[q][n:] == -7).all(), "nothing past the count"
+    assert (counters == 0).all()
+
+
 def test_user_errors_name_the_fix(sd):
     x = torch.zeros(4, 8)
     table = torch.zeros(2, dtype=torch.int64)
@@ -199,6 +245,12 @@ def test_user_errors_name_the_fix(sd):
     with pytest.raises(ValueError, match="must index the 2 source blocks"):
         sd.return_rows(torch.zeros(2, 4, 8), torch.zeros(2, 1, dtype=torch.int32), 1, rows=table, counts=table,
                        flags=table, counters_Q=counters, blocks=[0, 2])
+    with pytest.raises(ValueError, match="token index must be int32"):
+        sd.return_rows(torch.zeros(2, 4, 8), torch.zeros(2, 1, dtype=torch.int32), 1, rows=table, counts=table,
+                       flags=table, counters_Q=counters, index_ST=torch.zeros(2, 4), index=table)
+    with pytest.raises(ValueError, match="come with their destination tables"):
+        sd.return_rows(torch.zeros(2, 4, 8), torch.zeros(2, 1, dtype=torch.int32), 1, rows=table, counts=table,
+                       flags=table, counters_Q=counters, index_ST=torch.zeros(2, 4, dtype=torch.int32))
     with pytest.raises(ValueError, match="come with their destination tables"):
         sd.dispatch_rows(x, torch.zeros(2, 4, dtype=torch.bool), 1, rows=table, counts=table, flags=table,
                          counters_Q=counters, w_TK=torch.zeros(4, 2))
@@ -322,11 +374,19 @@ def test_gpu_the_backward_returns_every_source_in_one_launch(case):
 
 @pytest.mark.parametrize("pair_rows", [False, True], ids=["partial-sums", "pair-rows"])
 def test_warm_up_runs_a_run_s_variants_on_scratch(sd, monkeypatch, pair_rows):
-    """The set-up launch (the worker's, before any step) runs on scratch buffers: the dispatch and
-    the return with d w, or with pair rows the return of d x alone and the rows-alone dispatch."""
+    """The set-up launch (the worker's, before any step) runs on scratch buffers: the dispatch, the
+    rows-alone dispatch (COMBINE_GRAD), and the return with d w and the return of the partial sums
+    with their int32 token index (COMBINE), or with pair rows the return of d x alone."""
     seen = []
     real = sd.dispatch_rows
-    monkeypatch.setattr(sd, "dispatch_rows", lambda *a, **kw: (seen.append((kw.get("ids") is not None, kw.get("w") is not None)), real(*a, **kw)))
+
+    def launch(*a, **kw):  # (ids?, the one-column payload's dtype or None)
+        seen.append((kw.get("ids") is not None, None if kw.get("w_TK") is None else kw["w_TK"].dtype))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(sd, "dispatch_rows", launch)
     sd.warm_up(40, 24, 2, torch.float32, torch.float32, torch.float32, None if pair_rows else torch.float32, "cpu",
                sources=3)
-    assert seen == ([(True, True), (False, False), (False, False)] if pair_rows else [(True, True), (False, True)])
+    dispatch, rows_alone = (True, torch.float32), (False, None)
+    assert seen == ([dispatch, rows_alone, rows_alone] if pair_rows
+                    else [dispatch, rows_alone, (False, torch.float32), (False, torch.int32)])
