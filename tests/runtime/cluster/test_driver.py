@@ -41,7 +41,7 @@ from disagmoe.runtime.topology import Topology
 from disagmoe.runtime.training.loop import METRICS_FILE
 from disagmoe.runtime.training.trainer import CHECKPOINTS_DIR, SingleProcessTrainer
 from disagmoe.runtime.schedule.schedule import AttentionBackward
-from disagmoe.wire import Send
+from disagmoe.wire import Payload, Send
 from disagmoe.runtime.cluster.worker import TrainWorker, _op_name
 
 pytestmark = pytest.mark.slow  # starts processes (Ray, gloo) or compiles: the quick subset skips it
@@ -320,8 +320,8 @@ def _oracle_routing(cfg: TrainConfig, out: Path) -> list[tuple[int, torch.Tensor
 
 
 @pytest.mark.parametrize("dispatch", ["sparse", "dense"])
-def test_dispatch_bytes_are_the_routings_minimum_with_sparse_dispatch_and_the_dense_figure_beside(warm, tmp_path,
-                                                                                                   dispatch):
+def test_hop_bytes_are_the_routings_minimum_with_sparse_dispatch_and_the_dense_figure_beside(warm, tmp_path,
+                                                                                              dispatch):
     cfg = run_config(tmp_path / "dist", "disaggregated", attention_ranks=2, expert_ranks=3, micro_batches=2,
                      steps=1, eval_every=0, dispatch=dispatch)
     summary = run_on(warm, cfg)
@@ -334,13 +334,16 @@ def test_dispatch_bytes_are_the_routings_minimum_with_sparse_dispatch_and_the_de
         minimum += sum(len(set(ranks)) for ranks in rank_of_E[idx_NK].tolist())
     moe_layers = sum(topology.is_moe(layer) for layer in range(topology.num_layers))
     assert len(routed) == moe_layers * cfg.micro_batches
-    dense = cfg.batch_size * cfg.seq_len * moe_layers * 3 * shapes.dispatch_row_bytes(False)
     record = read_metrics(tmp_path / "dist" / METRICS_FILE)[0]
-    want = minimum * shapes.dispatch_row_bytes(True) if dispatch == "sparse" else dense
-    assert record["traffic"]["dispatch"] == want and record["traffic"]["dispatch_dense"] == dense
-    assert summary.traffic["dispatch"] == want and summary.traffic["dispatch_dense"] == dense
-    if dispatch == "sparse":
-        assert want < dense  # 8 experts top-2 on 3 ranks: most tokens reach one or two of them
+    # every hop message the sparse dispatch shrinks: a token's row once per (token, serving rank), each way
+    for payload in (Payload.DISPATCH, Payload.COMBINE, Payload.COMBINE_GRAD, Payload.DISPATCH_GRAD):
+        name = payload.value
+        dense = cfg.batch_size * cfg.seq_len * moe_layers * 3 * shapes.row_bytes(payload, False)
+        want = minimum * shapes.row_bytes(payload, True) if dispatch == "sparse" else dense
+        assert record["traffic"][name] == want and record["traffic"][f"{name}_dense"] == dense, name
+        assert summary.traffic[name] == want and summary.traffic[f"{name}_dense"] == dense, name
+        if dispatch == "sparse":
+            assert want < dense  # 8 experts top-2 on 3 ranks: most tokens reach one or two of them
 
 
 def test_trace_has_every_rank_and_busy_fractions(warm, tmp_path):
