@@ -921,6 +921,15 @@ def _sparse_transports(topology, shapes=None, micro_batches: int = MICRO_BATCHES
     return transports
 
 
+def _counted_launches(sd, monkeypatch) -> list[int]:
+    """The destinations of every `dispatch_rows` launch of the interpreted kernels `sd` from now on."""
+    launches = []
+    real = sd.dispatch_rows
+    monkeypatch.setattr(sd, "dispatch_rows", lambda x, picked, *a, **kw: (launches.append(picked.shape[0]),
+                                                                          real(x, picked, *a, **kw))[1])
+    return launches
+
+
 @pytest.mark.parametrize("sources,experts", [(1, 2), (1, 3), (2, 2)], ids=["A1-E2", "A1-E3", "A2-E2"])
 @pytest.mark.parametrize("skew", [False, True], ids=["uniform", "skewed"])
 def test_sparse_dispatch_by_peer_stores_delivers_the_send_recv_message(interpreted, fake_cuda, monkeypatch, sources,
@@ -934,10 +943,7 @@ def test_sparse_dispatch_by_peer_stores_delivers_the_send_recv_message(interpret
     sd = interpreted("disagmoe.kernels.signal", "disagmoe.kernels.sparse_dispatch")[1]
     from disagmoe.runtime.stages.sparse_dispatch import dispatch_messages
 
-    launches = []
-    real = sd.dispatch_rows
-    monkeypatch.setattr(sd, "dispatch_rows", lambda x, picked, *a, **kw: (launches.append(picked.shape[0]),
-                                                                          real(x, picked, *a, **kw))[1])
+    launches = _counted_launches(sd, monkeypatch)
     topology = Topology.disaggregated(Layout(sources, experts, 1, 2, 0), SPARSE_SHAPES.num_experts)
     transports = _sparse_transports(topology)
     attention, ranks = list(topology.attention_groups[0]), list(topology.expert_groups[0])
@@ -1002,10 +1008,7 @@ def test_a_sparse_pair_row_layer_s_gradients_go_by_peer_stores(interpreted, fake
     `send_counted` of d x alone with the load; one launch for every destination each, only the
     first count rows written, both copies of the slot; skewed routing leaves an expert rank empty."""
     sd = interpreted("disagmoe.kernels.signal", "disagmoe.kernels.sparse_dispatch")[1]
-    launches = []
-    real = sd.dispatch_rows
-    monkeypatch.setattr(sd, "dispatch_rows", lambda x, picked, *a, **kw: (launches.append(picked.shape[0]),
-                                                                          real(x, picked, *a, **kw))[1])
+    launches = _counted_launches(sd, monkeypatch)
     shapes = SPARSE_PAIR_SHAPES
     topology = Topology.disaggregated(Layout(sources, experts, 1, 2, 0), shapes.num_experts)
     transports = _sparse_transports(topology, shapes)
@@ -1061,10 +1064,7 @@ def test_a_sparse_partial_sum_layer_s_combine_and_its_gradient_go_by_peer_stores
     sd = interpreted("disagmoe.kernels.signal", "disagmoe.kernels.sparse_dispatch")[1]
     from disagmoe.runtime.stages.sparse_dispatch import pick_rows
 
-    launches = []
-    real = sd.dispatch_rows
-    monkeypatch.setattr(sd, "dispatch_rows", lambda x, picked, *a, **kw: (launches.append(picked.shape[0]),
-                                                                          real(x, picked, *a, **kw))[1])
+    launches = _counted_launches(sd, monkeypatch)
     topology = Topology.disaggregated(Layout(sources, experts, 1, 2, 0), SPARSE_SHAPES.num_experts)
     transports = _sparse_transports(topology)
     attention, ranks = list(topology.attention_groups[0]), list(topology.expert_groups[0])

@@ -105,8 +105,32 @@ RETURN_CASES = [
 ]
 
 
+def _counted_grids(sd, monkeypatch) -> list:
+    """The grid of every launch of the interpreted kernel `sd._dispatch_rows_kernel` from now on."""
+    launches = []
+    real = sd._dispatch_rows_kernel
+
+    class Counting:  # the launches of the kernel, by grid
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(sd, "_dispatch_rows_kernel", Counting())
+    return launches
+
+
+def _ragged_counts(S: int, T: int, gen: torch.Generator) -> torch.Tensor:
+    """int32 [S, 1] random counts of up to T rows, block 1 empty and block 2 full where there are."""
+    count_S1 = torch.randint(0, T + 1, (S, 1), generator=gen, dtype=torch.int32)
+    if S > 1:
+        count_S1[1] = 0  # an empty source
+    if S > 2:
+        count_S1[2] = T  # a full one
+    return count_S1
+
+
 @pytest.mark.parametrize("case", range(len(RETURN_CASES)))
-def test_the_backward_returns_each_sources_first_count_rows_in_one_launch(sd, case):
+def test_the_backward_returns_each_sources_first_count_rows_in_one_launch(sd, monkeypatch, case):
     """d x and d w of the rows each source sent go back to it in received order, only count rows,
     every source in one launch (against `return_reference`); a second message carries its seq."""
     S, T, H, K, blocks, chunks = RETURN_CASES[case]
@@ -119,33 +143,18 @@ def test_the_backward_returns_each_sources_first_count_rows_in_one_launch(sd, ca
     tables = dict(rows=sd.address_table(rows, "cpu"), w=sd.address_table(weights, "cpu"),
                   counts=sd.address_table(counts, "cpu"), flags=sd.address_table(flags, "cpu"))
     counters = torch.zeros(Q, dtype=torch.int32)
-    launches = []
-    real = sd._dispatch_rows_kernel
-
-    class Counting:  # the launches of the kernel, by grid
-        def __getitem__(self, grid):
-            launches.append(grid)
-            return real[grid]
-
-    sd._dispatch_rows_kernel = Counting()
-    try:
-        for seq in (1, 2):
-            dx, dw = torch.randn(S, T, H, generator=gen), torch.randn(S, T, K, generator=gen)
-            count_S1 = torch.randint(0, T + 1, (S, 1), generator=gen, dtype=torch.int32)
-            if S > 1:
-                count_S1[1] = 0  # an empty source
-            if S > 2:
-                count_S1[2] = T  # a full one
-            sd.return_rows(dx, count_S1, seq, dw_STK=dw, counters_Q=counters, blocks=blocks, chunks=chunks, **tables)
-            for q, msg in enumerate(sd.return_reference(dx, count_S1, dw, blocks)):
-                n = int(msg["count"])
-                assert counts[q].tolist() == [n] and flags[q].tolist() == [seq]
-                assert torch.equal(rows[q][:n], msg["rows"]) and torch.equal(weights[q][:n], msg["w"])
-                if seq == 1:  # rows past the count are never written
-                    assert torch.isnan(rows[q][n:]).all() and torch.isnan(weights[q][n:]).all()
-            assert (counters == 0).all(), "the counters are zero again after the launch"
-    finally:
-        sd._dispatch_rows_kernel = real
+    launches = _counted_grids(sd, monkeypatch)
+    for seq in (1, 2):
+        dx, dw = torch.randn(S, T, H, generator=gen), torch.randn(S, T, K, generator=gen)
+        count_S1 = _ragged_counts(S, T, gen)
+        sd.return_rows(dx, count_S1, seq, dw_STK=dw, counters_Q=counters, blocks=blocks, chunks=chunks, **tables)
+        for q, msg in enumerate(sd.return_reference(dx, count_S1, dw, blocks)):
+            n = int(msg["count"])
+            assert counts[q].tolist() == [n] and flags[q].tolist() == [seq]
+            assert torch.equal(rows[q][:n], msg["rows"]) and torch.equal(weights[q][:n], msg["w"])
+            if seq == 1:  # rows past the count are never written
+                assert torch.isnan(rows[q][n:]).all() and torch.isnan(weights[q][n:]).all()
+        assert (counters == 0).all(), "the counters are zero again after the launch"
     assert len(launches) == 2 and all(grid[0] == Q for grid in launches), "one launch per message, every source"
 
 
@@ -181,7 +190,7 @@ def test_rows_alone_land_as_the_reference(sd, case):
 
 
 @pytest.mark.parametrize("case", range(len(RETURN_CASES)))
-def test_partial_sums_return_with_their_token_index_in_one_launch(sd, case):
+def test_partial_sums_return_with_their_token_index_in_one_launch(sd, monkeypatch, case):
     """Sparse dispatch's COMBINE with partial sums (`return_rows` with the token index): each
     destination gets the first count rows of its block's partial sums and of its int32 index, the
     count and the flag, every source in one launch; ragged, empty and full counts, nothing past the
@@ -198,25 +207,10 @@ def test_partial_sums_return_with_their_token_index_in_one_launch(sd, case):
     counters = torch.zeros(Q, dtype=torch.int32)
     partial_STH = torch.randn(S, T, H, generator=gen)
     index_ST = torch.stack([torch.randperm(T, generator=gen) for _ in range(S)]).to(torch.int32)
-    count_S1 = torch.randint(0, T + 1, (S, 1), generator=gen, dtype=torch.int32)
-    if S > 1:
-        count_S1[1] = 0  # an empty source
-    if S > 2:
-        count_S1[2] = T  # a full one
-    launches = []
-    real = sd._dispatch_rows_kernel
-
-    class Counting:  # the launches of the kernel, by grid
-        def __getitem__(self, grid):
-            launches.append(grid)
-            return real[grid]
-
-    sd._dispatch_rows_kernel = Counting()
-    try:
-        sd.return_rows(partial_STH, count_S1, 5, index_ST=index_ST, counters_Q=counters, blocks=blocks,
-                       chunks=chunks, **tables)
-    finally:
-        sd._dispatch_rows_kernel = real
+    count_S1 = _ragged_counts(S, T, gen)
+    launches = _counted_grids(sd, monkeypatch)
+    sd.return_rows(partial_STH, count_S1, 5, index_ST=index_ST, counters_Q=counters, blocks=blocks, chunks=chunks,
+                   **tables)
     assert len(launches) == 1 and launches[0][0] == Q, "one launch for every destination"
     for q, msg in enumerate(sd.return_reference(partial_STH, count_S1, blocks=blocks, index_ST=index_ST)):
         n = int(msg["count"])
