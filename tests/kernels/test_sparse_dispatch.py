@@ -317,10 +317,12 @@ def test_gpu_rows_land_and_a_waiting_reader_sees_them(case):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("column", ["dw", "index"], ids=["d-x-d-w", "partial-sums-index"])
 @pytest.mark.parametrize("case", range(len(RETURN_CASES)))
-def test_gpu_the_backward_returns_every_source_in_one_launch(case):
+def test_gpu_the_backward_returns_every_source_in_one_launch(case, column):
     """Compiled, bf16: flag waits queued first on another stream end when the one return launch
-    raises every source's flag, and each source's buffers then hold its first count rows."""
+    raises every source's flag, and each source's buffers then hold its first count rows: d x
+    and d w (DISPATCH_GRAD), or partial sums and their int32 token index (COMBINE)."""
     from disagmoe.kernels import signal
     from disagmoe.kernels import sparse_dispatch as sd
 
@@ -328,22 +330,26 @@ def test_gpu_the_backward_returns_every_source_in_one_launch(case):
     Q = S if blocks is None else len(blocks)
     device = torch.device("cuda")
     gen = torch.Generator().manual_seed(30 + case)
+    index = column == "index"
     rows = [torch.full((T, H), float("nan"), dtype=torch.bfloat16, device=device) for _ in range(Q)]
-    weights = [torch.full((T, K), float("nan"), dtype=torch.bfloat16, device=device) for _ in range(Q)]
+    cols = [torch.full((T,), -7, dtype=torch.int32, device=device) if index else
+            torch.full((T, K), float("nan"), dtype=torch.bfloat16, device=device) for _ in range(Q)]
     counts = torch.full((Q,), -1, dtype=torch.int32, device=device)
     flags_Q = torch.zeros(Q, dtype=torch.int64, device=device)
-    tables = dict(rows=sd.address_table(rows, device), w=sd.address_table(weights, device),
-                  counts=sd.address_table([counts[q:q + 1] for q in range(Q)], device),
-                  flags=sd.address_table([flags_Q[q:q + 1] for q in range(Q)], device))
+    tables = {"rows": sd.address_table(rows, device), column if index else "w": sd.address_table(cols, device),
+              "counts": sd.address_table([counts[q:q + 1] for q in range(Q)], device),
+              "flags": sd.address_table([flags_Q[q:q + 1] for q in range(Q)], device)}
     counters = torch.zeros(Q, dtype=torch.int32, device=device)
 
     def inputs():
         dx = torch.randn(S, T, H, generator=gen).to(device, torch.bfloat16)
-        dw = torch.randn(S, T, K, generator=gen).to(device, torch.bfloat16)
-        return dx, torch.randint(0, T + 1, (S, 1), generator=gen, dtype=torch.int32).to(device), dw
+        col = (torch.stack([torch.randperm(T, generator=gen) for _ in range(S)]).to(device, torch.int32) if index
+               else torch.randn(S, T, K, generator=gen).to(device, torch.bfloat16))
+        return dx, torch.randint(0, T + 1, (S, 1), generator=gen, dtype=torch.int32).to(device), col
 
-    def launch(seq, dx, count_S1, dw):
-        sd.return_rows(dx, count_S1, seq, dw_STK=dw, counters_Q=counters, blocks=blocks, chunks=chunks, **tables)
+    def launch(seq, dx, count_S1, col):
+        sd.return_rows(dx, count_S1, seq, counters_Q=counters, blocks=blocks, chunks=chunks,
+                       **{"index_ST" if index else "dw_STK": col}, **tables)
 
     launch(1, *inputs())  # compiled and loaded before any wait spins
     second = inputs()  # on the device before the waits: no host copy (pageable: it may block) while they spin
@@ -355,14 +361,16 @@ def test_gpu_the_backward_returns_every_source_in_one_launch(case):
             signal.wait_flag(flags_Q, q, 2, status, timeout_s=30.0)
     launch(2, *second)
     waiter.synchronize()
-    dx, count_S1, dw = (t.cpu() for t in second)
-    want = sd.return_reference(dx, count_S1, dw, blocks)
+    dx, count_S1, col = (t.cpu() for t in second)
+    want = (sd.return_reference(dx, count_S1, blocks=blocks, index_ST=col) if index
+            else sd.return_reference(dx, count_S1, col, blocks))
     torch.cuda.synchronize()
     assert status.tolist() == [0, 0], "every wait saw its flag"
     for q, msg in enumerate(want):
         n = int(msg["count"])
         assert int(counts[q]) == n and int(flags_Q[q]) == 2
-        assert torch.equal(rows[q][:n].cpu(), msg["rows"]) and torch.equal(weights[q][:n].cpu(), msg["w"])
+        assert torch.equal(rows[q][:n].cpu(), msg["rows"])
+        assert torch.equal(cols[q][:n].cpu(), msg["index" if index else "w"])
     assert (counters == 0).all()
 
 
