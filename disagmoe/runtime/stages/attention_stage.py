@@ -190,9 +190,7 @@ class AttentionStage:
             replies = [mail.take(Payload.COMBINE, prev, mb, r) for r in experts]
             inputs.partials = [reply[0].detach().requires_grad_() for reply in replies]
             h_BSH, *shared = parts
-            ffn_NH = inputs.partials[0]
-            for partial_NH in inputs.partials[1:]:  # rank order: the same sum on every run
-                ffn_NH = ffn_NH + partial_NH
+            ffn_NH = _rank_sum(inputs.partials)
         if shared:
             ffn_NH = ffn_NH + shared[0]
         return h_BSH + ffn_NH.view_as(h_BSH), inputs
