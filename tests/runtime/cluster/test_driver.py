@@ -179,6 +179,8 @@ CASES = {
                                     bias_balancing=True, dispatch="sparse"),
     "sparse-A2-E1-p1-m4": dict(attention_ranks=2, expert_ranks=1, pipeline_groups=1, micro_batches=4,
                                dispatch="sparse"),
+    "sparse-A1-E3-p1-m2": dict(attention_ranks=1, expert_ranks=3, pipeline_groups=1, micro_batches=2,
+                               dispatch="sparse"),
     "sparse-A2-E2-p2-m2-bias": dict(attention_ranks=2, expert_ranks=2, pipeline_groups=2, micro_batches=2,
                                     bias_balancing=True, dispatch="sparse"),
     "sparse-colocated-2": dict(mode="colocated", colocated_ranks=2, micro_batches=2, dispatch="sparse"),
@@ -602,6 +604,10 @@ SHARED_CASES = {
     # two sources: each expert rank returns both sources' d x in one launch (`send_counted`)
     "A2-E2-sparse": dict(attention_ranks=2, expert_ranks=2, hop="partial_sums", dispatch="sparse"),
     "colocated-2-sparse": dict(mode="colocated", colocated_ranks=2, hop="partial_sums", dispatch="sparse"),
+    # COMBINE by peer stores to the next group's attention rank; count-0 messages (source d feeds owner d only)
+    "A2-E2-p2-sparse": dict(attention_ranks=2, expert_ranks=2, pipeline_groups=2, hop="partial_sums",
+                            dispatch="sparse"),
+    "empty-A2-E2-sparse": dict(plan="empty-A2-E2-m2", hop="partial_sums", dispatch="sparse"),
     # sparse dispatch with pair rows: the rows of each received token stored at its pair rows, COMBINE_GRAD
     # (dy of the tokens each expert rank served) and DISPATCH_GRAD (d x alone) by one launch each
     "A1-E2-sparse-pairs": dict(attention_ranks=1, expert_ranks=2, hop="pair_rows", dispatch="sparse"),
@@ -671,11 +677,16 @@ def test_gpu_every_layout_on_one_shared_gpu_matches_the_oracle(ray_cluster, tmp_
         assert abs(got["loss"] - want["loss"]) <= 1e-2 * want["loss"], (got["step"], got["loss"], want["loss"])
         assert got["time_sliced"] is True
     assert abs(summary.final_val_loss - reference[-1]["val_loss"]) <= 1e-2 * reference[-1]["val_loss"]
+    if summary.dispatch == "sparse":  # every counted hop message at most its dense figure (the peer stores' rows)
+        counted = {name: sent for name, sent in summary.traffic.items() if not name.endswith("_dense")}
+        assert {"dispatch", "combine_grad", "dispatch_grad"} <= counted.keys()
+        assert ("combine" in counted) == (summary.hop == "partial_sums")
+        assert all(0 < sent <= summary.traffic[f"{name}_dense"] for name, sent in counted.items()), counted
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["A1-E1-sums", "A1-E1-pairs", "A1-E2-pairs", "A2-E2-p2-pairs", "A1-E3-sparse",
-                                  "A1-E3-sparse-pairs"])
+                                  "A2-E2-p2-sparse", "A1-E3-sparse-pairs"])
 def test_gpu_shared_steps_make_no_host_waits_where_no_sum_goes_through_gloo(ray_cluster, tmp_path, case):
     """The two-GPU zero-sync test in its one-GPU form: the layouts whose only collective is the
     gradient norm (one attention rank per pipeline group, no replicated experts) sum it on the
