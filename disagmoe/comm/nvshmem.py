@@ -336,6 +336,7 @@ class NvshmemTransport(Transport):
         messages, flags, seq, kept = self._counted_segments(
             dst_ranks, key, 5 if routed else 1, extras, f"the sparse dispatch {key}",
             "rows, ids, weights, index, count and {n} extras (dispatch: sparse specs)" if routed else "rows alone")
+        _check_rows(x_TH, messages, f"the sparse dispatch {key}")
         device = x_TH.device
         counters_Q, counts_Q = self._scratch(Q, device)
 
@@ -371,6 +372,7 @@ class NvshmemTransport(Transport):
                              (3, "partial sums, token index and count (dispatch: sparse, hop: partial_sums)"))
         messages, flags, seq, kept = self._counted_segments(dst_ranks, key, leading, extras,
                                                             f"the sparse return {key}", expected)
+        _check_rows(dx_STH, messages, f"the sparse return {key}")
         device = dx_STH.device
         counters_Q, counts_Q = self._scratch(len(dst_ranks), device)
         column = dict(dw_STK=dw_STK.detach(), w=self._table([m[1] for m in messages], device)) if dw_STK is not None \
@@ -695,3 +697,13 @@ def available() -> bool:
     except ValueError:
         return False
     return True
+
+
+def _check_rows(rows: torch.Tensor, messages: list[list[torch.Tensor]], what: str) -> None:
+    """ValueError unless the rows a peer-store launch reads have the dtype and width of the rows
+    of the segments it stores into (the kernel stores the values as they are, by address)."""
+    for message in messages[:1]:
+        want = message[0]
+        if rows.dtype != want.dtype or rows.shape[-1] != want.shape[-1]:
+            raise ValueError(f"{what}: rows {str(rows.dtype)} [..., {rows.shape[-1]}] do not match the segment's "
+                             f"{str(want.dtype)} [..., {want.shape[-1]}]; send the run's compute dtype and hidden size")

@@ -1108,6 +1108,8 @@ def test_a_sparse_partial_sum_layer_s_combine_and_its_gradient_go_by_peer_stores
     with pytest.raises(ValueError, match="no d w and no extras"):
         transports[ranks[0]].send_counted(attention, key, partial_STH, None, count_S1, [torch.zeros(3)],
                                           index_ST=index_ST)
+    with pytest.raises(ValueError, match="do not match the segment's torch.float32"):  # stored by address as they are
+        transports[ranks[0]].send_counted(attention, key, partial_STH.double(), None, count_S1, [], index_ST=index_ST)
 
 
 def test_send_counted_returns_a_subset_of_the_blocks(interpreted, fake_cuda):
