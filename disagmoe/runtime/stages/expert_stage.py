@@ -176,7 +176,8 @@ class ExpertStage:
             mail.stash((Payload.COMBINE, layer, mb), (partial_DNH, index_DN, count_D1, tuple(self.destinations)))
         for d, dst in enumerate(self.destinations):
             if dst == mail.rank or not mail.peer_stores:
-                mail.post(Payload.COMBINE, layer, mb, dst, [partial_DNH[d], index_DN[d], count_D1[d]], count=count_D1[d])
+                mail.post(Payload.COMBINE, layer, mb, dst, [partial_DNH[d], index_DN[d], count_D1[d]],
+                          count=count_D1[d])
 
     def backward(self, layer: int, mb: int, mail: Mailbox) -> list[Callable[[], None]]:
         """ExpertBackward(layer, mb): the input gradients now; returns the weight-gradient work

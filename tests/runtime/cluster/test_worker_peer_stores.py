@@ -207,10 +207,12 @@ def _launches(topology: Topology, micro_batches: int, pair_rows: bool) -> list[i
 def _combining_rank(topology: Topology, rank: int, layer: int) -> int:
     """The attention rank that combines source `rank`'s tokens of `layer` (the next group's, of its
     data-parallel index): COMBINE goes there, COMBINE_GRAD comes from there."""
-    return topology.attention_rank(topology.next_group(topology.group_of_layer(layer)), topology.attention_role(rank)[1])
+    group = topology.next_group(topology.group_of_layer(layer))
+    return topology.attention_rank(group, topology.attention_role(rank)[1])
 
 
-def _minimum_rows(topology: Topology, rank: int, layer: int, idx_NK: torch.Tensor, end: int | None = None) -> int | None:
+def _minimum_rows(topology: Topology, rank: int, layer: int, idx_NK: torch.Tensor,
+                  end: int | None = None) -> int | None:
     """The rows a source's sparse DISPATCH of `layer` sends to other ranks than `end` (default the
     source; the combining rank for COMBINE and COMBINE_GRAD): per token the distinct expert ranks
     serving its pairs but `end` (None where a replica splits this source's rows)."""
