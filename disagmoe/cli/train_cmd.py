@@ -261,8 +261,10 @@ def _summary_table(cfg: TrainConfig, summary: dict[str, Any]) -> Table:
     if summary.get("dispatch"):
         rows.append(("dispatch", summary["dispatch"]))
     traffic = summary.get("traffic") or {}
-    if "dispatch" in traffic:
-        rows.append(("dispatch bytes/step", f"{traffic['dispatch']:,.0f} (dense: {traffic['dispatch_dense']:,.0f})"))
+    for name in ("dispatch", "combine", "combine_grad", "dispatch_grad"):  # the hop messages counted
+        if name in traffic:
+            rows.append((f"{name.replace('_', ' ')} bytes/step",
+                         f"{traffic[name]:,.0f} (dense: {traffic[f'{name}_dense']:,.0f})"))
     if summary.get("hop"):
         rows.append(("expert return", summary["hop"].replace("_", " ")))
     if summary.get("transport_gib_per_rank"):

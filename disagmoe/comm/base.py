@@ -171,13 +171,14 @@ class PairLanding:
 class Traffic:
     """Bytes this rank's messages carried to other ranks in one step, per payload, as device
     counters (no host read: they join the step's one read through `words`; `reset` at a step's
-    start).
+    start). The worker counts a MoE layer's DISPATCH, COMBINE, COMBINE_GRAD and DISPATCH_GRAD
+    (`MessageShapes.is_counted`: not a pair-row message).
 
     `add` takes a message's live bytes (a device tensor where only the rows before a device-side
-    count are live, `dispatch: sparse`) and beside it the bytes of the same message with every row
-    live (the dense figure). What is counted is a message's content: nccl and local move the whole
-    worst-case buffer either way; nvshmem's sparse dispatch stores only the live rows
-    (`NvshmemTransport.send_sparse`).
+    count are live, `dispatch: sparse`) and beside it the bytes of the dense dispatch's message of
+    the payload (the dense figure). What is counted is a message's content: nccl and local move the
+    whole worst-case buffer either way; on nvshmem sparse dispatch's peer stores move only the live
+    rows (`NvshmemTransport.send_sparse`, `send_counted`).
     """
 
     def __init__(self, device: torch.device | str = "cpu") -> None:

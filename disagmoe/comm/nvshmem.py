@@ -336,6 +336,7 @@ class NvshmemTransport(Transport):
         messages, flags, seq, kept = self._counted_segments(
             dst_ranks, key, 5 if routed else 1, extras, f"the sparse dispatch {key}",
             "rows, ids, weights, index, count and {n} extras (dispatch: sparse specs)" if routed else "rows alone")
+        _check_rows(x_TH, messages, f"the sparse dispatch {key}")
         device = x_TH.device
         counters_Q, counts_Q = self._scratch(Q, device)
 
@@ -350,29 +351,38 @@ class NvshmemTransport(Transport):
 
     def send_counted(self, dst_ranks: Sequence[int], key: MessageKey, dx_STH: torch.Tensor,
                      dw_STK: torch.Tensor | None, count_S1: torch.Tensor, extras: Sequence[torch.Tensor],
-                     blocks: Sequence[int] | None = None) -> SendHandle:
-        """The sparse DISPATCH_GRAD of `key` to every source of `dst_ranks` in one launch: source q
-        gets the first count_S1[s] rows of d x and d w of block s = blocks[q] (default q; the rows
-        it sent, in their received order; int32 [S, 1] on the device, never read here) stored into
-        its segment, `extras` (the load) put first, then its flag: the backward of `send_sparse`
-        (`kernels.sparse_dispatch.return_rows`). `dw_STK` None: d x alone (pair rows: the weights'
-        gradient forms where they combine). `recv` is unchanged."""
+                     blocks: Sequence[int] | None = None, index_ST: torch.Tensor | None = None) -> SendHandle:
+        """The rows each source sent, back to every source of `dst_ranks` in one launch: source q
+        gets the first count_S1[s] rows of block s = blocks[q] (default q; in their received order;
+        int32 [S, 1] on the device, never read here) stored into its segment, `extras` (the load)
+        put first, then its flag (`kernels.sparse_dispatch.return_rows`). The sparse DISPATCH_GRAD
+        (the backward of `send_sparse`): d x and d w, `dw_STK` None d x alone (pair rows: the
+        weights' gradient forms where they combine). With `index_ST` (int32 [S, T], no d w) the
+        sparse COMBINE of partial sums: the partial sums, their token index and the count, the
+        message's three tensors. `recv` is unchanged."""
         from disagmoe.kernels.sparse_dispatch import return_rows
 
         blocks = list(range(len(dst_ranks))) if blocks is None else list(blocks)
         if len(blocks) != len(dst_ranks):
             raise ValueError(f"{len(dst_ranks)} sources for {len(blocks)} blocks of d x: one block per source")
-        messages, flags, seq, kept = self._counted_segments(
-            dst_ranks, key, 1 if dw_STK is None else 2, extras, f"the sparse dispatch gradient {key}",
-            "d x, {n} extras" if dw_STK is None else "d x, d w and {n} extras")
+        if index_ST is not None and (dw_STK is not None or extras):
+            raise ValueError("a COMBINE (rows with their token index) carries no d w and no extras")
+        leading, expected = ((1, "d x, {n} extras") if dw_STK is None and index_ST is None else
+                             (2, "d x, d w and {n} extras") if index_ST is None else
+                             (3, "partial sums, token index and count (dispatch: sparse, hop: partial_sums)"))
+        messages, flags, seq, kept = self._counted_segments(dst_ranks, key, leading, extras,
+                                                            f"the sparse return {key}", expected)
+        _check_rows(dx_STH, messages, f"the sparse return {key}")
         device = dx_STH.device
         counters_Q, counts_Q = self._scratch(len(dst_ranks), device)
-        weights = {} if dw_STK is None else dict(dw_STK=dw_STK.detach(),
-                                                 w=self._table([m[1] for m in messages], device))
+        column = dict(dw_STK=dw_STK.detach(), w=self._table([m[1] for m in messages], device)) if dw_STK is not None \
+            else dict(index_ST=index_ST.to(torch.int32), index=self._table([m[1] for m in messages], device)) \
+            if index_ST is not None else {}
+        count_words = [m[2] for m in messages] if index_ST is not None else counts_Q
         return_rows(dx_STH.detach(), count_S1.to(torch.int32), seq, rows=self._table([m[0] for m in messages], device),
-                    counts=self._table(counts_Q, device), flags=self._table(flags, device), counters_Q=counters_Q,
-                    blocks=blocks, **weights)
-        return self._launched(kept, [dx_STH, *([] if dw_STK is None else [dw_STK]), count_S1])
+                    counts=self._table(count_words, device), flags=self._table(flags, device), counters_Q=counters_Q,
+                    blocks=blocks, **column)
+        return self._launched(kept, [dx_STH, *(t for t in (dw_STK, index_ST) if t is not None), count_S1])
 
     def _scratch(self, Q: int, device: torch.device) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """(counters_Q, count words) of a peer-store launch to Q ranks: int32 zeros the launch leaves
@@ -687,3 +697,13 @@ def available() -> bool:
     except ValueError:
         return False
     return True
+
+
+def _check_rows(rows: torch.Tensor, messages: list[list[torch.Tensor]], what: str) -> None:
+    """ValueError unless the rows a peer-store launch reads have the dtype and width of the rows
+    of the segments it stores into (the kernel stores the values as they are, by address)."""
+    for message in messages[:1]:
+        want = message[0]
+        if rows.dtype != want.dtype or rows.shape[-1] != want.shape[-1]:
+            raise ValueError(f"{what}: rows {str(rows.dtype)} [..., {rows.shape[-1]}] do not match the segment's "
+                             f"{str(want.dtype)} [..., {want.shape[-1]}]; send the run's compute dtype and hidden size")

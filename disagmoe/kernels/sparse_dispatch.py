@@ -1,8 +1,9 @@
 """The one-sided sparse dispatch (issue 25 item 2): one launch per (layer, micro-batch) stores each
 token's row straight into the receive buffer of every destination that serves it, at its offset
 there, then writes the destination's count and raises this source's flag to the message's seq.
-The backward (`return_rows`) is the same launch over every source of the expert rank: d x of the
-rows each source sent back to it, in the received order, only the first `count` rows.
+The way back (`return_rows`) is the same launch over every source of the expert rank: d x of the
+rows each source sent back to it (DISPATCH_GRAD), or with partial sums the received rows' partial
+sums and their token index (COMBINE), in the received order, only the first `count` rows.
 
 Contract (`dispatch_rows`): destination q takes the tokens t with picked[q, t], in token order;
 its row slot is the number of picked tokens of q before t (a prefix sum on the device, inside the
@@ -101,9 +102,10 @@ def warm_up(tokens: int, hidden: int, top_k: int, x_dtype: torch.dtype, w_dtype:
             dx_dtype: torch.dtype, dw_dtype: torch.dtype | None, device: torch.device | str, sources: int = 1) -> None:
     """Compile and load a run's launch variants for its shapes at set-up, into scratch buffers: a
     variant's first launch loads its module, which waits for the GPU's running kernels, and
-    mid-step one of them may be a flag wait of this process (`kernels.signal`). The dispatch and
-    the return over `sources` blocks (its integer arguments are specialised); `dw_dtype` None
-    (pair rows): the return of d x alone, and the dispatch of rows alone (COMBINE_GRAD)."""
+    mid-step one of them may be a flag wait of this process (`kernels.signal`). The dispatch, the
+    dispatch of rows alone (COMBINE_GRAD) and the return over `sources` blocks (its integer
+    arguments are specialised): `dw_dtype` None (pair rows) of d x alone, else of d x with d w and
+    of the partial sums with their token index (COMBINE)."""
     kept = []  # every scratch buffer, alive until the launches are done
 
     def scratch(shape, dtype):
@@ -122,14 +124,17 @@ def warm_up(tokens: int, hidden: int, top_k: int, x_dtype: torch.dtype, w_dtype:
                   w_TK=scratch((tokens, top_k), w_dtype), ids=buffer((tokens, top_k), torch.int32),
                   w=buffer((tokens, top_k), w_dtype), index=buffer((tokens,), torch.int32),
                   counters_Q=scratch((1,), torch.int32), **landing(x_dtype))
-    if dw_dtype is None:  # pair rows' COMBINE_GRAD: the rows alone
-        dispatch_rows(scratch((tokens, hidden), dx_dtype), picked, 1, counters_Q=scratch((1,), torch.int32),
-                      **landing(dx_dtype))
+    dispatch_rows(scratch((tokens, hidden), dx_dtype), picked, 1, counters_Q=scratch((1,), torch.int32),
+                  **landing(dx_dtype))  # COMBINE_GRAD: the rows alone
     S = max(sources, 1)
     weights = {} if dw_dtype is None else dict(dw_STK=scratch((S, tokens, top_k), dw_dtype),
                                                w=buffer((tokens, top_k), dw_dtype))
     return_rows(scratch((S, tokens, hidden), dx_dtype), scratch((S, 1), torch.int32), 1,
                 counters_Q=scratch((1,), torch.int32), blocks=[0], **landing(dx_dtype), **weights)
+    if dw_dtype is not None:  # partial sums' COMBINE: the rows with their token index
+        return_rows(scratch((S, tokens, hidden), x_dtype), scratch((S, 1), torch.int32), 1,
+                    counters_Q=scratch((1,), torch.int32), blocks=[0], index_ST=scratch((S, tokens), torch.int32),
+                    index=buffer((tokens,), torch.int32), **landing(x_dtype))
     if torch.device(device).type == "cuda":
         torch.cuda.current_stream(device).synchronize()  # set-up, not a step: the scratch outlives the launches
 
@@ -185,20 +190,28 @@ def dispatch_rows(x_TH: torch.Tensor, picked_QT: torch.Tensor, seq: int, *, rows
 
 def return_rows(dx_STH: torch.Tensor, count_S1: torch.Tensor, seq: int, *, rows: torch.Tensor, counts: torch.Tensor,
                 flags: torch.Tensor, counters_Q: torch.Tensor, dw_STK: torch.Tensor | None = None,
-                w: torch.Tensor | None = None, blocks: Sequence[int] | None = None,
+                w: torch.Tensor | None = None, index_ST: torch.Tensor | None = None,
+                index: torch.Tensor | None = None, blocks: Sequence[int] | None = None,
                 chunks: int = DEFAULT_CHUNKS) -> None:
-    """The backward, every source in one launch: destination q (of Q = len(blocks); `blocks[q]`
-    the source block s it takes, default q) gets the first count_S1[s] rows of dx_STH[s] (and
-    dw_STK[s]): d x of the rows source s sent, in the received order, into its buffers (address
-    tables of Q entries), then count and flag. The forward's launch over the S T rows viewed as one
-    [S T, H] (no copy where the blocks are one buffer), q picking the first count rows of its block.
-    `count_S1` int32 [S, 1] on the device (the forward's counts: never read on the host)."""
+    """Every source in one launch: destination q (of Q = len(blocks); `blocks[q]` the source block
+    s it takes, default q) gets the first count_S1[s] rows of dx_STH[s] (and dw_STK[s], or the
+    int32 token index index_ST[s]): the rows source s sent, in the received order (their d x, or
+    with partial sums their partial sums: COMBINE), into its buffers (address tables of Q entries:
+    `w` of d w [T, K], `index` of int32 [T]), then count and flag. The forward's launch over the
+    S T rows viewed as one [S T, H] (no copy where the blocks are one buffer), q picking the first
+    count rows of its block; the index rides as a one-column payload. `count_S1` int32 [S, 1] on
+    the device (the forward's counts: never read on the host)."""
     S, T, H = dx_STH.shape
     blocks = list(range(S)) if blocks is None else list(blocks)
     if count_S1.shape != (S, 1):
         raise ValueError(f"counts must be [{S}, 1] (one per source block), got {tuple(count_S1.shape)}")
     if dw_STK is not None and dw_STK.shape[:2] != (S, T):
         raise ValueError(f"d w must be [{S}, {T}, K], got {tuple(dw_STK.shape)}")
+    if (index_ST is None) != (index is None) or (dw_STK is None) != (w is None):
+        raise ValueError("d w and the token index come with their destination tables (w, index), or neither does")
+    if index_ST is not None and (dw_STK is not None or index_ST.shape != (S, T) or index_ST.dtype != torch.int32):
+        raise ValueError(f"the token index must be int32 [{S}, {T}] and comes without d w, got "
+                         f"{index_ST.dtype} {tuple(index_ST.shape)}")
     if any(not 0 <= s < S for s in blocks):
         raise ValueError(f"blocks {blocks} must index the {S} source blocks")
     device = dx_STH.device
@@ -207,9 +220,10 @@ def return_rows(dx_STH: torch.Tensor, count_S1: torch.Tensor, seq: int, *, rows:
     picked_SN = (eye_SS[:, :, None] & valid_ST[None]).reshape(S, S * T)  # block s: its first count rows
     picked_QN = picked_SN if blocks == list(range(S)) else (
         torch.cat([picked_SN[s:s + 1] for s in blocks]) if blocks else picked_SN[:0])  # slices: no host index
-    dw_NK = dw_STK.reshape(S * T, dw_STK.shape[2]) if dw_STK is not None else None
+    column_STK, column = (dw_STK, w) if index_ST is None else (index_ST[:, :, None], index)
+    column_NK = column_STK.reshape(S * T, column_STK.shape[2]) if column_STK is not None else None
     dispatch_rows(dx_STH.reshape(S * T, H), picked_QN, seq, rows=rows, counts=counts, flags=flags,
-                  counters_Q=counters_Q, w_TK=dw_NK, w=w, chunks=chunks * max(S, 1))
+                  counters_Q=counters_Q, w_TK=column_NK, w=column, chunks=chunks * max(S, 1))
 
 
 def dispatch_reference(x_TH: torch.Tensor, picked_QT: torch.Tensor, ids_QTK: torch.Tensor | None = None,
@@ -231,14 +245,17 @@ def dispatch_reference(x_TH: torch.Tensor, picked_QT: torch.Tensor, ids_QTK: tor
 
 
 def return_reference(dx_STH: torch.Tensor, count_S1: torch.Tensor, dw_STK: torch.Tensor | None = None,
-                     blocks: Sequence[int] | None = None) -> list[dict[str, torch.Tensor]]:
+                     blocks: Sequence[int] | None = None,
+                     index_ST: torch.Tensor | None = None) -> list[dict[str, torch.Tensor]]:
     """Plain torch, `return_rows`: per destination q, the first count rows of its block's d x
-    (and d w), and the count."""
+    (and d w, or the token index), and the count."""
     out = []
     for s in range(dx_STH.shape[0]) if blocks is None else blocks:
         n = int(count_S1[s])
         msg = {"rows": dx_STH[s, :n], "count": torch.tensor([n], dtype=torch.int32)}
         if dw_STK is not None:
             msg["w"] = dw_STK[s, :n]
+        if index_ST is not None:
+            msg["index"] = index_ST[s, :n]
         out.append(msg)
     return out

@@ -3,6 +3,7 @@ runtime's memory check share it).
 
     hop_tensors(payload, moe, shape)           a message's tensors: (dims, dtype name) each
     message_bytes(payload, moe, shape, aligned) one message's bytes (aligned: each tensor at ALIGN)
+    row_bytes(payload, moe, shape)              bytes a token's row adds to a message (byte counts)
     layout_receives(...)                        receive slots of one rank of a role, per kind
     receive_bytes(counts, shape, transport)     one rank's buffers from its slot counts
     layout_transport_bytes(...)                 (attention GPU, expert GPU) buffers of a layout
@@ -42,6 +43,7 @@ Q expert ranks of a set, S sources (attention ranks) of an expert rank, R coloca
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -102,6 +104,14 @@ def hop_tensors(payload: str, moe: bool, s: HopShape) -> list[tuple[tuple, str]]
     if moe and s.pair_rows and s.sparse and payload == "residual":
         parts.append(((T, K), "int32"))  # the top-k ids, routing COMBINE_GRAD from there
     return parts
+
+
+def row_bytes(payload: str, moe: bool, s: HopShape) -> int:
+    """Bytes one token's row adds to a message (its per-token tensors: rows, ids, weights, index),
+    what a byte count multiplies by the rows a message carries (`comm.base.Traffic`): the message at
+    two tokens less the message at one (every tensor but the count and the load grows with T)."""
+    one, two = (dataclasses.replace(s, rows=1, seq_len=t) for t in (1, 2))
+    return int(message_bytes(payload, moe, two) - message_bytes(payload, moe, one))
 
 
 def align(n: Num) -> Num:

@@ -82,13 +82,14 @@ def rank_activations(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topolog
     those served elsewhere into a spare bucket the experts' buffers still span. With the compact hop
     the expert rank also keeps the combine's rows (`roofline.memory.combine_bytes`); with pair rows
     the combine runs on the attention rank over the receive arena (counted with the buffers), and
-    its output [T, H] stays with the next layer's segment (its gradient goes back to the experts).
+    its output [T, H] stays with the next layer's segment (its gradient goes back to the experts);
+    so does sparse dispatch's sum of the received partial sums (`sparse_dispatch.scatter_sum`),
+    with COMBINE's token index per expert rank (int32 [Q, T]: COMBINE_GRAD's order).
     With `sparse` dispatch a MoE layer's forward also holds, for its span, each expert rank's copy
     of the rows it sends (Q worst-case messages: rows, ids, weights and token index), until the
-    sends after it have left, and with pair rows too the op posting a MoE layer's COMBINE_GRAD
-    (its Loss or the next layer's backward) each expert rank's dy rows; with `peer_stores`
-    (nvshmem: the kernels store the rows into the peers' buffers) only a colocated rank's message
-    to itself."""
+    sends after it have left, and the op posting a MoE layer's COMBINE_GRAD (its Loss or the next
+    layer's backward) each expert rank's dy rows; with `peer_stores` (nvshmem: the kernels store
+    the rows into the peers' buffers) only a colocated rank's message to itself."""
     m, vb, dropped = model_cfg, value_bytes(cfg), cfg.recompute_set
     tokens = cfg.batch_size // cfg.micro_batches // topology.data_parallel * cfg.seq_len
     row = mem.expert_row_bytes(m, vb, dropped) + (0 if pair_rows else mem.combine_bytes(m, vb, dropped) // m.top_k)
@@ -103,7 +104,10 @@ def rank_activations(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topolog
         def kept(op: Op) -> int:
             if isinstance(op, ExpertForward):
                 return pairs * row
-            combined = vb * m.hidden_size if pair_rows and op.layer > 0 and topology.is_moe(op.layer - 1) else 0
+            prev_moe = op.layer > 0 and topology.is_moe(op.layer - 1)
+            combined = vb * m.hidden_size if (pair_rows or sparse) and prev_moe else 0
+            if sparse and not pair_rows and prev_moe:  # COMBINE's index per expert rank, for COMBINE_GRAD's order
+                combined += 4 * len(topology.expert_groups[topology.group_of_layer(op.layer - 1)])
             return tokens * (mem.attention_bytes(m, topology.is_moe(op.layer), vb, dropped) + combined)
 
         def staged(layer: int, row_bytes: int) -> int:
@@ -114,7 +118,7 @@ def rank_activations(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topolog
             return (int(rank in group) if peer_stores else len(group)) * tokens * row_bytes
 
         def held(op: Op) -> int:
-            dy = vb * m.hidden_size if pair_rows else 0  # sparse pair rows: COMBINE_GRAD's dy rows
+            dy = vb * m.hidden_size  # sparse: COMBINE_GRAD's dy rows
             if isinstance(op, AttentionForward):
                 return staged(op.layer, vb * m.hidden_size + m.top_k * (4 + vb) + 4)
             if isinstance(op, Loss):

@@ -142,8 +142,9 @@ def test_the_dispatch_is_printed_at_start_and_its_bytes_in_the_summary(tmp_path)
                      r"memory check\)", text) and re.search(r"transport buffers [\d.]+ GiB per rank at most \(local\)",
                                                             text)
     record = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
-    sent, dense = record["traffic"]["dispatch"], record["traffic"]["dispatch_dense"]
-    assert 0 < sent < dense and f"dispatch bytes/step {sent:,} (dense: {dense:,})" in text
+    for name in ("dispatch", "combine", "combine_grad", "dispatch_grad"):  # every hop message sparse dispatch shrinks
+        sent, dense = record["traffic"][name], record["traffic"][f"{name}_dense"]
+        assert 0 < sent < dense and f"{name.replace('_', ' ')} bytes/step {sent:,} (dense: {dense:,})" in text
 
 
 def _config(tmp_path: Path, **fields) -> str:

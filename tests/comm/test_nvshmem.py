@@ -921,6 +921,15 @@ def _sparse_transports(topology, shapes=None, micro_batches: int = MICRO_BATCHES
     return transports
 
 
+def _counted_launches(sd, monkeypatch) -> list[int]:
+    """The destinations of every `dispatch_rows` launch of the interpreted kernels `sd` from now on."""
+    launches = []
+    real = sd.dispatch_rows
+    monkeypatch.setattr(sd, "dispatch_rows", lambda x, picked, *a, **kw: (launches.append(picked.shape[0]),
+                                                                          real(x, picked, *a, **kw))[1])
+    return launches
+
+
 @pytest.mark.parametrize("sources,experts", [(1, 2), (1, 3), (2, 2)], ids=["A1-E2", "A1-E3", "A2-E2"])
 @pytest.mark.parametrize("skew", [False, True], ids=["uniform", "skewed"])
 def test_sparse_dispatch_by_peer_stores_delivers_the_send_recv_message(interpreted, fake_cuda, monkeypatch, sources,
@@ -934,10 +943,7 @@ def test_sparse_dispatch_by_peer_stores_delivers_the_send_recv_message(interpret
     sd = interpreted("disagmoe.kernels.signal", "disagmoe.kernels.sparse_dispatch")[1]
     from disagmoe.runtime.stages.sparse_dispatch import dispatch_messages
 
-    launches = []
-    real = sd.dispatch_rows
-    monkeypatch.setattr(sd, "dispatch_rows", lambda x, picked, *a, **kw: (launches.append(picked.shape[0]),
-                                                                          real(x, picked, *a, **kw))[1])
+    launches = _counted_launches(sd, monkeypatch)
     topology = Topology.disaggregated(Layout(sources, experts, 1, 2, 0), SPARSE_SHAPES.num_experts)
     transports = _sparse_transports(topology)
     attention, ranks = list(topology.attention_groups[0]), list(topology.expert_groups[0])
@@ -1002,10 +1008,7 @@ def test_a_sparse_pair_row_layer_s_gradients_go_by_peer_stores(interpreted, fake
     `send_counted` of d x alone with the load; one launch for every destination each, only the
     first count rows written, both copies of the slot; skewed routing leaves an expert rank empty."""
     sd = interpreted("disagmoe.kernels.signal", "disagmoe.kernels.sparse_dispatch")[1]
-    launches = []
-    real = sd.dispatch_rows
-    monkeypatch.setattr(sd, "dispatch_rows", lambda x, picked, *a, **kw: (launches.append(picked.shape[0]),
-                                                                          real(x, picked, *a, **kw))[1])
+    launches = _counted_launches(sd, monkeypatch)
     shapes = SPARSE_PAIR_SHAPES
     topology = Topology.disaggregated(Layout(sources, experts, 1, 2, 0), shapes.num_experts)
     transports = _sparse_transports(topology, shapes)
@@ -1047,6 +1050,66 @@ def test_a_sparse_pair_row_layer_s_gradients_go_by_peer_stores(interpreted, fake
     assert all(t.status_2.tolist() == [0, 0] for t in transports)
     with pytest.raises(ValueError, match="ids and weights together"):
         transports[attention[0]].send_sparse(ranks, key, dy, picked_QT, torch.zeros(len(ranks), T, 2, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("sources,experts", [(1, 2), (1, 3), (2, 2)], ids=["A1-E2", "A1-E3", "A2-E2"])
+@pytest.mark.parametrize("skew", [False, True], ids=["uniform", "skewed"])
+def test_a_sparse_partial_sum_layer_s_combine_and_its_gradient_go_by_peer_stores(interpreted, fake_cuda, monkeypatch,
+                                                                                sources, experts, skew):
+    """Sparse dispatch with partial sums: COMBINE is `send_counted` with the token index (the first
+    count rows of each source's block of partial sums and of its index, the count written into the
+    message), COMBINE_GRAD `send_sparse` of the rows alone (dy of the tokens each expert rank
+    served, in its dispatch order); one launch for every destination each, nothing past the count
+    written, both copies of the slot; skewed routing leaves an expert rank empty."""
+    sd = interpreted("disagmoe.kernels.signal", "disagmoe.kernels.sparse_dispatch")[1]
+    from disagmoe.runtime.stages.sparse_dispatch import pick_rows
+
+    launches = _counted_launches(sd, monkeypatch)
+    topology = Topology.disaggregated(Layout(sources, experts, 1, 2, 0), SPARSE_SHAPES.num_experts)
+    transports = _sparse_transports(topology)
+    attention, ranks = list(topology.attention_groups[0]), list(topology.expert_groups[0])
+    T, H = SPARSE_SHAPES.tokens, SPARSE_SHAPES.hidden
+    combine, combine_grad = (SPARSE_SHAPES.specs(p, True) for p in (Payload.COMBINE, Payload.COMBINE_GRAD))
+    gen = torch.Generator().manual_seed(experts + 10 * skew + 100 * sources)
+    for step in range(2):
+        picked = {src: torch.rand(len(ranks), T, generator=gen) < 0.5 for src in attention}  # the dispatch's
+        if skew:
+            for picked_QT in picked.values():
+                picked_QT[-1] = False
+        order = {src: pick_rows(picked_QT) for src, picked_QT in picked.items()}  # (index_QT, count_Q1)
+        key = message_key(step, Payload.COMBINE, 0, 0)
+        for q, rank in enumerate(ranks):  # every source's partial sums in one launch, blocks in source order
+            partial_STH = torch.randn(len(attention), T, H, generator=gen)
+            index_ST = torch.stack([order[src][0][q] for src in attention]).to(torch.int32)
+            count_S1 = torch.stack([order[src][1][q] for src in attention]).to(torch.int32)
+            launches.clear()
+            transports[rank].send_counted(attention, key, partial_STH, None, count_S1, [], index_ST=index_ST)
+            assert launches == [len(attention)], "one launch for every source"
+            for d, src in enumerate(attention):
+                rows, index, count = transports[src].recv(rank, key, combine)
+                n = int(count_S1[d])
+                assert count.tolist() == [n] and torch.equal(rows[:n], partial_STH[d, :n])
+                assert torch.equal(index[:n], index_ST[d, :n])
+                if step == 0:  # copy 0 of the segment, zero before: nothing past the count was written
+                    assert (rows[n:] == 0).all() and (index[n:] == 0).all()
+        grad_key = message_key(step, Payload.COMBINE_GRAD, 0, 0)
+        for src in attention:
+            dy = torch.randn(T, H, generator=gen)
+            launches.clear()
+            transports[src].send_sparse(ranks, grad_key, dy, picked[src])
+            assert launches == [len(ranks)], "one launch for every expert rank"
+            for q, rank in enumerate(ranks):
+                got, = transports[rank].recv(src, grad_key, combine_grad)
+                index_T, n = order[src][0][q], int(order[src][1][q])
+                assert torch.equal(got[:n], dy[index_T[:n]]), "dy in the dispatch's order"
+                if step == 0:
+                    assert (got[n:] == 0).all()
+    assert all(t.status_2.tolist() == [0, 0] for t in transports)
+    with pytest.raises(ValueError, match="no d w and no extras"):
+        transports[ranks[0]].send_counted(attention, key, partial_STH, None, count_S1, [torch.zeros(3)],
+                                          index_ST=index_ST)
+    with pytest.raises(ValueError, match="do not match the segment's torch.float32"):  # stored by address as they are
+        transports[ranks[0]].send_counted(attention, key, partial_STH.double(), None, count_S1, [], index_ST=index_ST)
 
 
 def test_send_counted_returns_a_subset_of_the_blocks(interpreted, fake_cuda):

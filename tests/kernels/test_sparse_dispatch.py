@@ -105,8 +105,32 @@ RETURN_CASES = [
 ]
 
 
+def _counted_grids(sd, monkeypatch) -> list:
+    """The grid of every launch of the interpreted kernel `sd._dispatch_rows_kernel` from now on."""
+    launches = []
+    real = sd._dispatch_rows_kernel
+
+    class Counting:  # the launches of the kernel, by grid
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(sd, "_dispatch_rows_kernel", Counting())
+    return launches
+
+
+def _ragged_counts(S: int, T: int, gen: torch.Generator) -> torch.Tensor:
+    """int32 [S, 1] random counts of up to T rows, block 1 empty and block 2 full where there are."""
+    count_S1 = torch.randint(0, T + 1, (S, 1), generator=gen, dtype=torch.int32)
+    if S > 1:
+        count_S1[1] = 0  # an empty source
+    if S > 2:
+        count_S1[2] = T  # a full one
+    return count_S1
+
+
 @pytest.mark.parametrize("case", range(len(RETURN_CASES)))
-def test_the_backward_returns_each_sources_first_count_rows_in_one_launch(sd, case):
+def test_the_backward_returns_each_sources_first_count_rows_in_one_launch(sd, monkeypatch, case):
     """d x and d w of the rows each source sent go back to it in received order, only count rows,
     every source in one launch (against `return_reference`); a second message carries its seq."""
     S, T, H, K, blocks, chunks = RETURN_CASES[case]
@@ -119,33 +143,18 @@ def test_the_backward_returns_each_sources_first_count_rows_in_one_launch(sd, ca
     tables = dict(rows=sd.address_table(rows, "cpu"), w=sd.address_table(weights, "cpu"),
                   counts=sd.address_table(counts, "cpu"), flags=sd.address_table(flags, "cpu"))
     counters = torch.zeros(Q, dtype=torch.int32)
-    launches = []
-    real = sd._dispatch_rows_kernel
-
-    class Counting:  # the launches of the kernel, by grid
-        def __getitem__(self, grid):
-            launches.append(grid)
-            return real[grid]
-
-    sd._dispatch_rows_kernel = Counting()
-    try:
-        for seq in (1, 2):
-            dx, dw = torch.randn(S, T, H, generator=gen), torch.randn(S, T, K, generator=gen)
-            count_S1 = torch.randint(0, T + 1, (S, 1), generator=gen, dtype=torch.int32)
-            if S > 1:
-                count_S1[1] = 0  # an empty source
-            if S > 2:
-                count_S1[2] = T  # a full one
-            sd.return_rows(dx, count_S1, seq, dw_STK=dw, counters_Q=counters, blocks=blocks, chunks=chunks, **tables)
-            for q, msg in enumerate(sd.return_reference(dx, count_S1, dw, blocks)):
-                n = int(msg["count"])
-                assert counts[q].tolist() == [n] and flags[q].tolist() == [seq]
-                assert torch.equal(rows[q][:n], msg["rows"]) and torch.equal(weights[q][:n], msg["w"])
-                if seq == 1:  # rows past the count are never written
-                    assert torch.isnan(rows[q][n:]).all() and torch.isnan(weights[q][n:]).all()
-            assert (counters == 0).all(), "the counters are zero again after the launch"
-    finally:
-        sd._dispatch_rows_kernel = real
+    launches = _counted_grids(sd, monkeypatch)
+    for seq in (1, 2):
+        dx, dw = torch.randn(S, T, H, generator=gen), torch.randn(S, T, K, generator=gen)
+        count_S1 = _ragged_counts(S, T, gen)
+        sd.return_rows(dx, count_S1, seq, dw_STK=dw, counters_Q=counters, blocks=blocks, chunks=chunks, **tables)
+        for q, msg in enumerate(sd.return_reference(dx, count_S1, dw, blocks)):
+            n = int(msg["count"])
+            assert counts[q].tolist() == [n] and flags[q].tolist() == [seq]
+            assert torch.equal(rows[q][:n], msg["rows"]) and torch.equal(weights[q][:n], msg["w"])
+            if seq == 1:  # rows past the count are never written
+                assert torch.isnan(rows[q][n:]).all() and torch.isnan(weights[q][n:]).all()
+        assert (counters == 0).all(), "the counters are zero again after the launch"
     assert len(launches) == 2 and all(grid[0] == Q for grid in launches), "one launch per message, every source"
 
 
@@ -180,6 +189,37 @@ def test_rows_alone_land_as_the_reference(sd, case):
     assert (counters == 0).all()
 
 
+@pytest.mark.parametrize("case", range(len(RETURN_CASES)))
+def test_partial_sums_return_with_their_token_index_in_one_launch(sd, monkeypatch, case):
+    """Sparse dispatch's COMBINE with partial sums (`return_rows` with the token index): each
+    destination gets the first count rows of its block's partial sums and of its int32 index, the
+    count and the flag, every source in one launch; ragged, empty and full counts, nothing past the
+    count written."""
+    S, T, H, K, blocks, chunks = RETURN_CASES[case]
+    gen = torch.Generator().manual_seed(60 + case)
+    Q = S if blocks is None else len(blocks)
+    rows = [torch.full((T, H), float("nan")) for _ in range(Q)]
+    index = [torch.full((T,), -7, dtype=torch.int32) for _ in range(Q)]
+    counts = [torch.full((1,), -1, dtype=torch.int32) for _ in range(Q)]
+    flags = [torch.zeros(1, dtype=torch.int64) for _ in range(Q)]
+    tables = dict(rows=sd.address_table(rows, "cpu"), index=sd.address_table(index, "cpu"),
+                  counts=sd.address_table(counts, "cpu"), flags=sd.address_table(flags, "cpu"))
+    counters = torch.zeros(Q, dtype=torch.int32)
+    partial_STH = torch.randn(S, T, H, generator=gen)
+    index_ST = torch.stack([torch.randperm(T, generator=gen) for _ in range(S)]).to(torch.int32)
+    count_S1 = _ragged_counts(S, T, gen)
+    launches = _counted_grids(sd, monkeypatch)
+    sd.return_rows(partial_STH, count_S1, 5, index_ST=index_ST, counters_Q=counters, blocks=blocks, chunks=chunks,
+                   **tables)
+    assert len(launches) == 1 and launches[0][0] == Q, "one launch for every destination"
+    for q, msg in enumerate(sd.return_reference(partial_STH, count_S1, blocks=blocks, index_ST=index_ST)):
+        n = int(msg["count"])
+        assert counts[q].tolist() == [n] and flags[q].tolist() == [5]
+        assert torch.equal(rows[q][:n], msg["rows"]) and torch.equal(index[q][:n], msg["index"])
+        assert torch.isnan(rows[q][n:]).all() and (index[q][n:] == -7).all(), "nothing past the count"
+    assert (counters == 0).all()
+
+
 def test_user_errors_name_the_fix(sd):
     x = torch.zeros(4, 8)
     table = torch.zeros(2, dtype=torch.int64)
@@ -199,6 +239,12 @@ def test_user_errors_name_the_fix(sd):
     with pytest.raises(ValueError, match="must index the 2 source blocks"):
         sd.return_rows(torch.zeros(2, 4, 8), torch.zeros(2, 1, dtype=torch.int32), 1, rows=table, counts=table,
                        flags=table, counters_Q=counters, blocks=[0, 2])
+    with pytest.raises(ValueError, match="token index must be int32"):
+        sd.return_rows(torch.zeros(2, 4, 8), torch.zeros(2, 1, dtype=torch.int32), 1, rows=table, counts=table,
+                       flags=table, counters_Q=counters, index_ST=torch.zeros(2, 4), index=table)
+    with pytest.raises(ValueError, match="come with their destination tables"):
+        sd.return_rows(torch.zeros(2, 4, 8), torch.zeros(2, 1, dtype=torch.int32), 1, rows=table, counts=table,
+                       flags=table, counters_Q=counters, index_ST=torch.zeros(2, 4, dtype=torch.int32))
     with pytest.raises(ValueError, match="come with their destination tables"):
         sd.dispatch_rows(x, torch.zeros(2, 4, dtype=torch.bool), 1, rows=table, counts=table, flags=table,
                          counters_Q=counters, w_TK=torch.zeros(4, 2))
@@ -271,10 +317,12 @@ def test_gpu_rows_land_and_a_waiting_reader_sees_them(case):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("column", ["dw", "index"], ids=["d-x-d-w", "partial-sums-index"])
 @pytest.mark.parametrize("case", range(len(RETURN_CASES)))
-def test_gpu_the_backward_returns_every_source_in_one_launch(case):
+def test_gpu_the_backward_returns_every_source_in_one_launch(case, column):
     """Compiled, bf16: flag waits queued first on another stream end when the one return launch
-    raises every source's flag, and each source's buffers then hold its first count rows."""
+    raises every source's flag, and each source's buffers then hold its first count rows: d x
+    and d w (DISPATCH_GRAD), or partial sums and their int32 token index (COMBINE)."""
     from disagmoe.kernels import signal
     from disagmoe.kernels import sparse_dispatch as sd
 
@@ -282,22 +330,26 @@ def test_gpu_the_backward_returns_every_source_in_one_launch(case):
     Q = S if blocks is None else len(blocks)
     device = torch.device("cuda")
     gen = torch.Generator().manual_seed(30 + case)
+    index = column == "index"
     rows = [torch.full((T, H), float("nan"), dtype=torch.bfloat16, device=device) for _ in range(Q)]
-    weights = [torch.full((T, K), float("nan"), dtype=torch.bfloat16, device=device) for _ in range(Q)]
+    cols = [torch.full((T,), -7, dtype=torch.int32, device=device) if index else
+            torch.full((T, K), float("nan"), dtype=torch.bfloat16, device=device) for _ in range(Q)]
     counts = torch.full((Q,), -1, dtype=torch.int32, device=device)
     flags_Q = torch.zeros(Q, dtype=torch.int64, device=device)
-    tables = dict(rows=sd.address_table(rows, device), w=sd.address_table(weights, device),
-                  counts=sd.address_table([counts[q:q + 1] for q in range(Q)], device),
-                  flags=sd.address_table([flags_Q[q:q + 1] for q in range(Q)], device))
+    tables = {"rows": sd.address_table(rows, device), column if index else "w": sd.address_table(cols, device),
+              "counts": sd.address_table([counts[q:q + 1] for q in range(Q)], device),
+              "flags": sd.address_table([flags_Q[q:q + 1] for q in range(Q)], device)}
     counters = torch.zeros(Q, dtype=torch.int32, device=device)
 
     def inputs():
         dx = torch.randn(S, T, H, generator=gen).to(device, torch.bfloat16)
-        dw = torch.randn(S, T, K, generator=gen).to(device, torch.bfloat16)
-        return dx, torch.randint(0, T + 1, (S, 1), generator=gen, dtype=torch.int32).to(device), dw
+        col = (torch.stack([torch.randperm(T, generator=gen) for _ in range(S)]).to(device, torch.int32) if index
+               else torch.randn(S, T, K, generator=gen).to(device, torch.bfloat16))
+        return dx, torch.randint(0, T + 1, (S, 1), generator=gen, dtype=torch.int32).to(device), col
 
-    def launch(seq, dx, count_S1, dw):
-        sd.return_rows(dx, count_S1, seq, dw_STK=dw, counters_Q=counters, blocks=blocks, chunks=chunks, **tables)
+    def launch(seq, dx, count_S1, col):
+        sd.return_rows(dx, count_S1, seq, counters_Q=counters, blocks=blocks, chunks=chunks,
+                       **{"index_ST" if index else "dw_STK": col}, **tables)
 
     launch(1, *inputs())  # compiled and loaded before any wait spins
     second = inputs()  # on the device before the waits: no host copy (pageable: it may block) while they spin
@@ -309,24 +361,34 @@ def test_gpu_the_backward_returns_every_source_in_one_launch(case):
             signal.wait_flag(flags_Q, q, 2, status, timeout_s=30.0)
     launch(2, *second)
     waiter.synchronize()
-    dx, count_S1, dw = (t.cpu() for t in second)
-    want = sd.return_reference(dx, count_S1, dw, blocks)
+    dx, count_S1, col = (t.cpu() for t in second)
+    want = (sd.return_reference(dx, count_S1, blocks=blocks, index_ST=col) if index
+            else sd.return_reference(dx, count_S1, col, blocks))
     torch.cuda.synchronize()
     assert status.tolist() == [0, 0], "every wait saw its flag"
     for q, msg in enumerate(want):
         n = int(msg["count"])
         assert int(counts[q]) == n and int(flags_Q[q]) == 2
-        assert torch.equal(rows[q][:n].cpu(), msg["rows"]) and torch.equal(weights[q][:n].cpu(), msg["w"])
+        assert torch.equal(rows[q][:n].cpu(), msg["rows"])
+        assert torch.equal(cols[q][:n].cpu(), msg["index" if index else "w"])
     assert (counters == 0).all()
 
 
 @pytest.mark.parametrize("pair_rows", [False, True], ids=["partial-sums", "pair-rows"])
 def test_warm_up_runs_a_run_s_variants_on_scratch(sd, monkeypatch, pair_rows):
-    """The set-up launch (the worker's, before any step) runs on scratch buffers: the dispatch and
-    the return with d w, or with pair rows the return of d x alone and the rows-alone dispatch."""
+    """The set-up launch (the worker's, before any step) runs on scratch buffers: the dispatch, the
+    rows-alone dispatch (COMBINE_GRAD), and the return with d w and the return of the partial sums
+    with their int32 token index (COMBINE), or with pair rows the return of d x alone."""
     seen = []
     real = sd.dispatch_rows
-    monkeypatch.setattr(sd, "dispatch_rows", lambda *a, **kw: (seen.append((kw.get("ids") is not None, kw.get("w") is not None)), real(*a, **kw)))
+
+    def launch(*a, **kw):  # (ids?, the one-column payload's dtype or None)
+        seen.append((kw.get("ids") is not None, None if kw.get("w_TK") is None else kw["w_TK"].dtype))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(sd, "dispatch_rows", launch)
     sd.warm_up(40, 24, 2, torch.float32, torch.float32, torch.float32, None if pair_rows else torch.float32, "cpu",
                sources=3)
-    assert seen == ([(True, True), (False, False), (False, False)] if pair_rows else [(True, True), (False, True)])
+    dispatch, rows_alone = (True, torch.float32), (False, None)
+    assert seen == ([dispatch, rows_alone, rows_alone] if pair_rows
+                    else [dispatch, rows_alone, (False, torch.float32), (False, torch.int32)])

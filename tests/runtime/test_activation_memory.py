@@ -154,30 +154,58 @@ def test_the_planner_prices_the_activations_the_runtimes_memory_check_counts(nam
     assert cost.expert_act_bytes[0] == max(expert)
 
 
-def test_sparse_dispatch_holds_a_copy_of_the_rows_per_expert_rank_for_the_forwards_span():
-    """8 expert ranks, a small vocabulary (the head's peak out of the way): the attention rank's
-    peak moves into a MoE layer's forward, by the staged messages' bytes on top of what it keeps."""
+def test_sparse_dispatch_holds_a_copy_of_the_rows_per_expert_rank_for_the_forwards_span(monkeypatch):
+    """8 expert ranks: over send/recv the attention rank's forward of a MoE layer holds the staged
+    messages' bytes (rows, ids, weights, token index) for its span; by peer stores none. (Its peak
+    is in the backward, where it stages COMBINE_GRAD's dy: the next test.)"""
+    import disagmoe.runtime.activation_memory as am
+
     m = load_model("tiny").model_copy(update={"vocab_size": 32})
     cfg = config(micro_batches=1, expert_ranks=8, model=m)
     topology = Topology.from_config(cfg, m)
-    dense, sparse = rank_activations(cfg, m, topology)[0], rank_activations(cfg, m, topology, sparse=True)[0]
-    assert sparse.at_op == "AttentionForward L2 mb0" and dense.at_op != sparse.at_op
+    held = {False: [], True: []}  # what each rank's `held` gives the forward, in rank order (at its replay)
+    real = am.replay_peak
+    rank = topology.attention_rank(0, 0)
+    forward = next(op for op in topology.programs(1)[rank] if isinstance(op, AttentionForward) and op.layer == 2)
+    for stores in (False, True):
+        monkeypatch.setattr(am, "replay_peak", lambda program, kept, hold, _s=stores: (
+            held[_s].append(hold(forward)), real(program, kept, hold))[1])
+        rank_activations(cfg, m, topology, sparse=True, peer_stores=stores)
     tokens, row = 8 * 16, 4 * m.hidden_size + m.top_k * 8 + 4  # fp32 on CPU: row, ids, weights, token index
-    assert dense.peak_bytes < sparse.peak_bytes <= dense.peak_bytes + 8 * tokens * row
+    assert held[False][rank] == 8 * tokens * row and held[True][rank] == 0
     expert_dense, expert_sparse = (rank_activations(cfg, m, topology, sparse=s)[1] for s in (False, True))
     assert expert_dense == expert_sparse  # an expert rank keeps what it did
 
 
+def test_sparse_partial_sums_keep_the_combined_output_and_stage_each_expert_ranks_dy():
+    """With partial sums the combining attention rank keeps the sum of a MoE layer's received partial
+    sums [T, H] and COMBINE's index per expert rank (int32 [Q, T]) until the backward, and the op
+    posting COMBINE_GRAD (layer 2's backward, for layer 1) stages Q = 8 [T, H] dy messages over
+    send/recv (by peer stores none: the kernel stores dy)."""
+    m = load_model("tiny").model_copy(update={"vocab_size": 32})
+    cfg = config(micro_batches=1, expert_ranks=8, model=m)
+    topology = Topology.from_config(cfg, m)
+    dense, staged, stored = (rank_activations(cfg, m, topology, sparse=s, peer_stores=p)[0]
+                             for s, p in ((False, False), (True, False), (True, True)))
+    tokens = 8 * 16
+    assert staged.at_op == stored.at_op == dense.at_op == "AttentionBackward L2 mb0"
+    assert stored.peak_bytes == dense.peak_bytes + tokens * (4 * m.hidden_size + 4 * 8)  # fp32 on CPU
+    assert staged.peak_bytes == stored.peak_bytes + 8 * tokens * 4 * m.hidden_size
+
+
 def test_sparse_dispatch_by_peer_stores_stages_only_a_colocated_ranks_own_message():
     """On nvshmem the dispatch kernel stores the rows into the peers' buffers: a disaggregated
-    attention rank stages nothing (its peak is the dense one, where staging all 8 moved it); a
+    attention rank stages nothing (its peak is the dense one with the kept sum of the partial sums,
+    where staging all 8 moved it); a
     colocated rank its own message only (its peak, an expert backward here, stays in between)."""
     m = load_model("tiny").model_copy(update={"vocab_size": 32})
     cfg = config(micro_batches=1, expert_ranks=8, model=m)
     topology = Topology.from_config(cfg, m)
     dense = rank_activations(cfg, m, topology)[0]
-    assert rank_activations(cfg, m, topology, sparse=True, peer_stores=True)[0] == dense
-    assert rank_activations(cfg, m, topology, sparse=True)[0].peak_bytes > dense.peak_bytes
+    combined = 8 * 16 * (4 * m.hidden_size + 4 * 8)  # the kept sum of a MoE layer's partial sums, its index
+    stored = rank_activations(cfg, m, topology, sparse=True, peer_stores=True)[0]
+    assert stored.peak_bytes == dense.peak_bytes + combined
+    assert rank_activations(cfg, m, topology, sparse=True)[0].peak_bytes > dense.peak_bytes + combined
     cfg = config(micro_batches=1, mode="colocated", colocated_ranks=4, model=m)
     colocated = Topology.from_config(cfg, m)
     dense, staged, own = (rank_activations(cfg, m, colocated, sparse=s, peer_stores=p)[0].peak_bytes

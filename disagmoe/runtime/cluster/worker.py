@@ -439,8 +439,8 @@ class TrainWorker(Worker):
                         check_specs(tensors, self.shapes.specs(op.payload, self.topology.is_moe(op.layer)),
                                     f"rank {self.rank}: {_op_name(op)} to rank {peer}")  # metadata only
                         handles.append(self.transport.send(peer, key, tensors))
-                        if op.payload is Payload.DISPATCH:
-                            self._count_dispatch(tensors[4] if self.shapes.sparse else None)
+                        if self.shapes.is_counted(op.payload, self.topology.is_moe(op.layer)):
+                            self._count(op.payload, mail.live_rows(op.payload, op.layer, op.micro_batch, peer))
             return
         if isinstance(op, ReduceGradients):
             with self.recorder.span(_op_name(op), "send"):
@@ -479,39 +479,41 @@ class TrainWorker(Worker):
                 raise AssertionError(f"unknown op {op!r}")
 
     def _send_by_peer_stores(self, op: Send, step: int, mail: Mailbox, handles: list[SendHandle]) -> None:
-        """A sparse DISPATCH (its gradient, or with pair rows a COMBINE_GRAD) on nvshmem: one launch for
-        every remote peer stores only the routed rows into the peers' segments
+        """A sparse DISPATCH, COMBINE (partial sums), COMBINE_GRAD or DISPATCH_GRAD on nvshmem: one
+        launch for every remote peer stores only the live rows into the peers' segments
         (`NvshmemTransport.send_sparse`, `send_counted`), from what the stages stashed; they stage no
         message for a remote peer (a colocated rank's own message is already delivered by `Mailbox.post`)."""
         key = message_key(step, op.payload, op.layer, op.micro_batch)
         slot = (op.payload, op.layer, op.micro_batch)
         remote = [peer for peer in op.peers if peer != self.rank]
+        if not remote:  # stashed only where a peer is remote (the stages' `stash`)
+            return
         if op.payload is Payload.DISPATCH:
             x_TH, picked_QT, local_QTK, w_TK, load_E, count_Q1, ranks = mail.unstash(slot)
-            for peer in remote:
-                self._count_dispatch(count_Q1[ranks.index(peer)])
-            if remote:
-                picked_QT, local_QTK = _rows_of(remote, ranks, picked_QT, local_QTK)
-                handles.append(self.transport.send_sparse(remote, key, x_TH, picked_QT, local_QTK, w_TK, [load_E]))
-            return
-        if not remote:  # the gradients are stashed only where a peer is remote (the stages' `stash`)
-            return
-        if op.payload is Payload.COMBINE_GRAD:  # dy of the tokens each expert rank served (`_post_routed_grad`)
-            dy_TH, picked_QT, ranks = mail.unstash(slot)
+            picked_RT, local_RTK = _rows_of(remote, ranks, picked_QT, local_QTK)
+            handles.append(self.transport.send_sparse(remote, key, x_TH, picked_RT, local_RTK, w_TK, [load_E]))
+        elif op.payload is Payload.COMBINE_GRAD:  # dy of the tokens each expert rank served (`_post_routed_grad`)
+            dy_TH, picked_QT, count_Q1, ranks = mail.unstash(slot)
             handles.append(self.transport.send_sparse(remote, key, dy_TH, *_rows_of(remote, ranks, picked_QT)))
-            return
-        # DISPATCH_GRAD: d x (d w) of the rows each source sent (block d of the expert rank's sources), its load
-        dx_DTH, dw_DTK, count_D1, load_E, sources = mail.unstash(slot)
-        handles.append(self.transport.send_counted(remote, key, dx_DTH, dw_DTK, count_D1, [load_E],
-                                                   blocks=[sources.index(peer) for peer in remote]))
+        elif op.payload is Payload.COMBINE:  # the partial sums of the rows each source sent, their index
+            partial_DTH, index_DT, count_Q1, ranks = mail.unstash(slot)
+            handles.append(self.transport.send_counted(remote, key, partial_DTH, None, count_Q1, [], index_ST=index_DT,
+                                                       blocks=[ranks.index(peer) for peer in remote]))
+        else:  # DISPATCH_GRAD: d x (d w) of the rows each source sent (block d of the expert rank's sources), its load
+            dx_DTH, dw_DTK, count_Q1, load_E, ranks = mail.unstash(slot)
+            handles.append(self.transport.send_counted(remote, key, dx_DTH, dw_DTK, count_Q1, [load_E],
+                                                       blocks=[ranks.index(peer) for peer in remote]))
+        for peer in remote:
+            self._count(op.payload, count_Q1[ranks.index(peer)])
 
-    def _count_dispatch(self, count_1: torch.Tensor | None) -> None:
-        """The rows one DISPATCH message carried (`comm.base.Traffic`): sparse, its count's rows
-        (`count_1`, a device tensor), beside the dense dispatch's T rows."""
+    def _count(self, payload: Payload, count_1: torch.Tensor | None) -> None:
+        """The bytes of one MoE layer's message to another rank (`comm.base.Traffic`): sparse, its
+        first count rows (`count_1`, a device tensor [1]), else all T, beside the dense dispatch's T
+        rows of the same payload (`MessageShapes.row_bytes`)."""
         T = self.shapes.tokens
-        live = (count_1.long() * self.shapes.dispatch_row_bytes(True) if self.shapes.sparse
-                else T * self.shapes.dispatch_row_bytes(False))
-        self.transport.traffic.add(Payload.DISPATCH.value, live, T * self.shapes.dispatch_row_bytes(False))
+        dense = T * self.shapes.row_bytes(payload, False)
+        live = dense if count_1 is None else count_1.long() * self.shapes.row_bytes(payload, True)
+        self.transport.traffic.add(payload.value, live, dense)
 
     def _run_held_back(self, step: int) -> None:
         """The weight-gradient work the last backward op held back (`deferred_weight_grads`), as

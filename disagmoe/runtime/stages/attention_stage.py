@@ -20,12 +20,14 @@ goes to every expert rank, and the backward sums each token's returned pair rows
 
 With `dispatch: sparse` (`runtime.stages.sparse_dispatch`) each expert rank gets only the tokens
 it serves (their rows, its local expert ids, their weights, the token index and the count); its
-partial sums come back in that order and are scattered to their tokens, and so are the gradients
-of the rows sent. By peer stores (nvshmem) no message is staged for a peer: the routing is stashed
-for the send op's one launch, which stores the rows from xn itself. With pair rows too, the top-k
-ids ride RESIDUAL with the weights, and the combining rank routes dy with them as the dispatch did
-(each expert rank gets the dy rows of the tokens it served, in its dispatch order; by peer stores
-one launch); d xn comes back per expert rank in its dispatch's order, as without pair rows.
+partial sums come back in that order with the index and count (only those rows live) and are
+added at their tokens (`scatter_sum`), and so are the gradients of the rows sent; dy goes back to
+each expert rank only for the tokens it served, in its dispatch's order (COMBINE_GRAD, rebuilt
+from COMBINE's index and count). By peer stores (nvshmem) no message is staged for a peer: the
+routing is stashed for the send op's one launch, which stores the rows from xn (dy) itself. With
+pair rows too, the top-k ids ride RESIDUAL with the weights, and the combining rank routes dy with
+them as the dispatch did; d xn comes back per expert rank in its dispatch's order, as without
+pair rows.
 
 The loss matches the oracle (`runtime.training.trainer`): micro-batch m of M is split over D
 data-parallel ranks; each rank backpropagates its share
@@ -57,8 +59,8 @@ from disagmoe.model.loss import linear_cross_entropy
 from disagmoe.runtime.batching import batch_rows, inputs_and_targets
 from disagmoe.runtime.stages.expert_stage import LocalRouting
 from disagmoe.runtime.stages.messages import Mailbox
-from disagmoe.runtime.stages.sparse_dispatch import (SetRouting, dispatch_messages, dispatch_order, staged_message,
-                                                     unpermute)
+from disagmoe.runtime.stages.sparse_dispatch import (SetRouting, dispatch_messages, dispatch_order, pick_rows,
+                                                     scatter_sum, sent_tokens, staged_message)
 from disagmoe.runtime.stages.pair_return import PairHop, combine_pairs, sum_pairs
 from disagmoe.runtime.rank_model import RankModel
 from disagmoe.wire import Payload
@@ -72,8 +74,9 @@ class LayerInput:
     prev: int  # the layer whose output this is
     carry: list[torch.Tensor] = field(default_factory=list)  # residual-stream parts (leaves)
     partials: list[torch.Tensor] = field(default_factory=list)  # per expert rank of `prev`: its partial sum
-    combined: torch.Tensor | None = None  # pair_rows: the combined expert output (its grad goes back)
+    combined: torch.Tensor | None = None  # pair_rows or sparse: the combined expert output (its grad goes back)
     topk_idx_NK: torch.Tensor | None = None  # sparse pair_rows: `prev`'s routing, which routes that grad
+    received: tuple[torch.Tensor, torch.Tensor] | None = None  # sparse partial sums: COMBINE's (index_QN, count_Q1)
 
 
 @dataclass
@@ -178,17 +181,16 @@ class AttentionStage:
             if ffn_NH.requires_grad:
                 ffn_NH.retain_grad()
             inputs.combined = ffn_NH
+        elif self.sparse:  # each rank's partial sums of the tokens it received, added at their tokens
+            replies = [mail.take(Payload.COMBINE, prev, mb, r) for r in experts]
+            h_BSH, *shared = parts
+            inputs.received = (torch.stack([r[1] for r in replies]), torch.stack([r[2] for r in replies]))
+            inputs.combined = ffn_NH = scatter_sum([r[0] for r in replies], *inputs.received).requires_grad_()
         else:
             replies = [mail.take(Payload.COMBINE, prev, mb, r) for r in experts]
             inputs.partials = [reply[0].detach().requires_grad_() for reply in replies]
             h_BSH, *shared = parts
-            placed = inputs.partials
-            if self.sparse:  # each rank's partial sums of the tokens it received, back at their tokens
-                placed = unpermute(torch.stack(placed), torch.stack([r[1] for r in replies]),
-                                   torch.stack([r[2] for r in replies])).unbind(0)
-            ffn_NH = placed[0]
-            for partial_NH in placed[1:]:  # rank order: the same sum on every run
-                ffn_NH = ffn_NH + partial_NH
+            ffn_NH = _rank_sum(inputs.partials)
         if shared:
             ffn_NH = ffn_NH + shared[0]
         return h_BSH + ffn_NH.view_as(h_BSH), inputs
@@ -197,8 +199,8 @@ class AttentionStage:
         topo, prev = self.topology, inputs.prev
         if topo.is_moe(prev):
             experts = topo.expert_groups[topo.group_of_layer(prev)]
-            if inputs.topk_idx_NK is not None:  # sparse pair rows: dy of the tokens each expert rank served
-                self._post_routed_grad(prev, mb, mail, _grad(inputs.combined), inputs.topk_idx_NK)
+            if self.sparse:  # dy of the tokens each expert rank served
+                self._post_routed_grad(prev, mb, mail, _grad(inputs.combined), self._served(inputs))
             else:  # pair rows: every expert rank gets dy and forms its w dy; partial sums: each its own
                 grads = ([_grad(inputs.combined)] * len(experts) if inputs.combined is not None
                          else [_grad(leaf) for leaf in inputs.partials])
@@ -207,20 +209,30 @@ class AttentionStage:
         source = topo.attention_rank(topo.group_of_layer(prev), self.dp_index)
         mail.post(Payload.RESIDUAL_GRAD, prev, mb, source, [_grad(leaf) for leaf in inputs.carry])
 
+    def _served(self, inputs: LayerInput) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(picked_QN, index_QN, count_Q1) of the dispatch of `inputs.prev` that this rank combined,
+        on the device: with pair rows from the routing that rode RESIDUAL (`sparse_dispatch.
+        dispatch_order`, as the dispatch ran it), with partial sums from the index and count that
+        came with COMBINE (`sent_tokens`, `pick_rows`: the same order)."""
+        if inputs.received is None:
+            route = self.routes[inputs.prev]
+            return dispatch_order(route(inputs.topk_idx_NK), route.num_local_Q)
+        picked_QN = sent_tokens(*inputs.received)
+        return picked_QN, *pick_rows(picked_QN)
+
     def _post_routed_grad(self, layer: int, mb: int, mail: Mailbox, dy_NH: torch.Tensor,
-                          topk_idx_NK: torch.Tensor) -> None:
-        """COMBINE_GRAD of a sparse pair-row layer: to each expert rank of its set only the dy rows
-        of the tokens it served, in its dispatch's order (`sparse_dispatch.dispatch_order` over the
-        routing that rode RESIDUAL: the same order the dispatch had). By peer stores the send op's
-        one launch stores them from dy (no gather); a colocated rank's own message is posted."""
+                          served: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+        """COMBINE_GRAD of a sparse layer: to each expert rank of its set only the dy rows of the
+        tokens it served, in its dispatch's order (`served`: `_served`), the first count rows live.
+        By peer stores the send op's one launch stores them from dy (no gather); a colocated
+        rank's own message is posted."""
         ranks = self.topology.expert_groups[self.topology.group_of_layer(layer)]
-        route = self.routes[layer]
-        picked_QN, index_QN, _ = dispatch_order(route(topk_idx_NK), route.num_local_Q)
+        picked_QN, index_QN, count_Q1 = served
         if mail.peer_stores and any(rank != self.rank for rank in ranks):  # the send op's, for its peers
-            mail.stash((Payload.COMBINE_GRAD, layer, mb), (dy_NH, picked_QN, tuple(ranks)))
+            mail.stash((Payload.COMBINE_GRAD, layer, mb), (dy_NH, picked_QN, count_Q1, tuple(ranks)))
         for q, rank in enumerate(ranks):
             if rank == self.rank or not mail.peer_stores:
-                mail.post(Payload.COMBINE_GRAD, layer, mb, rank, [dy_NH[index_QN[q]]])
+                mail.post(Payload.COMBINE_GRAD, layer, mb, rank, [dy_NH[index_QN[q]]], count=count_Q1[q])
 
     # -- the ops ---------------------------------------------------------------------------------
 
@@ -250,9 +262,10 @@ class AttentionStage:
             if mail.peer_stores:  # the send op's one launch stores the picked rows (`NvshmemTransport.send_sparse`):
                 # no message is staged for a peer (no gather, no [T, H] buffer); a colocated rank's own one only
                 picked_QN, index_QN, count_Q1 = dispatch_order(local_QNK, route.num_local_Q)
-                mail.stash((Payload.DISPATCH, layer, mb), (routing.xn_NH.detach(), picked_QN, local_QNK,
-                                                           routing.topk_w_NK.detach(), routing.load_E, count_Q1,
-                                                           tuple(ranks)))
+                if any(rank != self.rank for rank in ranks):
+                    mail.stash((Payload.DISPATCH, layer, mb), (routing.xn_NH.detach(), picked_QN, local_QNK,
+                                                               routing.topk_w_NK.detach(), routing.load_E, count_Q1,
+                                                               tuple(ranks)))
                 posts = {rank: staged_message(routing.xn_NH, local_QNK, routing.topk_w_NK, routing.load_E, index_QN,
                                               count_Q1, q) for q, rank in enumerate(ranks) if rank == self.rank}
             else:
@@ -260,8 +273,9 @@ class AttentionStage:
                                                                  routing.topk_w_NK, routing.load_E)
                 posts = dict(zip(ranks, messages, strict=True))
             sent = (index_QN, count_Q1)
-        for rank, message in posts.items():
-            mail.post(Payload.DISPATCH, layer, mb, rank, message)
+        for q, rank in enumerate(ranks):
+            if rank in posts:
+                mail.post(Payload.DISPATCH, layer, mb, rank, posts[rank], count=None if sent is None else sent[1][q])
         carry = [h_BSH] + ([] if shared_NH is None else [shared_NH])
         dispatched = [routing.xn_NH, routing.topk_w_NK]
         ids = []
@@ -309,13 +323,8 @@ class AttentionStage:
                 replies = [mail.take(Payload.DISPATCH_GRAD, layer, mb, rank) for rank in topo.expert_groups[self.group]]
                 for i, leaf in enumerate(segment.dispatched):  # d xn, d weights: summed over the expert ranks
                     parts = [reply[i] for reply in replies]
-                    if self.sparse:  # each rank's rows back at their tokens
-                        parts = unpermute(torch.stack(parts), *segment.sent).unbind(0)
-                    total = parts[0]
-                    for part in parts[1:]:
-                        total = total + part
                     outputs.append(leaf)
-                    grads.append(total)
+                    grads.append(scatter_sum(parts, *segment.sent) if self.sparse else _rank_sum(parts))
                 load_E = replies[0][-1]
             if segment.probs_E is not None:  # the aux term, now that the micro-batch's load is known
                 weights_E = segment.router.aux_weights(load_E) / (self.dp * self.micro_batches)
@@ -334,6 +343,14 @@ class AttentionStage:
         if segment.inputs is not None:
             self._post_input_grads(segment.inputs, mb, mail)
         return held
+
+
+def _rank_sum(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The expert ranks' parts added in rank order (the same sum on every run)."""
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    return total
 
 
 def _grad(leaf: torch.Tensor) -> torch.Tensor:

@@ -21,8 +21,10 @@ With `dispatch: sparse` (`runtime.stages.sparse_dispatch`) a source sends only t
 serves, already mapped to its local experts (the sender ran this rank's `LocalRouting` over its
 whole token order), with their token index, the count and the source's expert load; the rows past
 the count are padding, never computed; the partial sums of the received rows go back in that
-order with the index and count, the gradients of the received rows likewise (one leaf of all
-sources' rows, so their gradients are one buffer: by peer stores one launch returns them all).
+order with the index and count (by peer stores one launch for every source, only the first
+count rows), the gradients of the received rows likewise (one leaf of all sources' rows, so their
+gradients are one buffer: by peer stores one launch returns them all); COMBINE_GRAD comes in the
+dispatch's order, its rows past the count never used.
 With pair rows too, each received row's pairs go to its token's pair rows (`sparse_dispatch.
 received_order`), COMBINE_GRAD comes in the dispatch's order, and d xn goes back per source in it
 (not as pair rows), the load beside.
@@ -47,7 +49,7 @@ from disagmoe.kernels.deferral import deferred_weight_grads
 from disagmoe.model.local_experts import local_expert_block
 from disagmoe.runtime.stages.messages import Mailbox
 from disagmoe.runtime.stages.pair_return import PairHop, PairRows, expert_pair_rows, expert_pair_rows_backward
-from disagmoe.runtime.stages.sparse_dispatch import received_locals, received_order
+from disagmoe.runtime.stages.sparse_dispatch import received_locals, received_order, valid_rows
 from disagmoe.runtime.rank_model import RankModel
 from disagmoe.wire import Payload
 from disagmoe.runtime.topology import Topology
@@ -151,13 +153,31 @@ class ExpertStage:
             ws = [w_NK.detach().requires_grad_(w_NK.is_floating_point()) for _, _, w_NK, *_ in messages]
             local_TK = _cat([route(idx_NK) for route, (_, idx_NK, _) in zip(self.routing[layer], messages, strict=True)])
         partial_TH = local_expert_block(_cat(xs), local_TK, _cat(ws), self.model.experts(layer))
-        outputs = list(partial_TH.split(messages[0][0].shape[0]))
-        for dst, partial_NH, message in zip(self.destinations, outputs, messages, strict=True):
-            placement = message[3:5] if self.sparse else []  # the rows' token index and count
-            mail.post(Payload.COMBINE, layer, mb, dst, [partial_NH, *placement])
-        load_E = self._load(messages)
+        N = messages[0][0].shape[0]
+        outputs = list(partial_TH.split(N))
         counts = [message[4] for message in messages] if self.sparse else None
-        self.segments[(layer, mb)] = ExpertSegment(xs + ws, outputs, load_E, counts=counts)
+        if self.sparse:
+            self._post_combine(layer, mb, mail, partial_TH.view(len(messages), N, -1), messages)
+        else:
+            for dst, partial_NH in zip(self.destinations, outputs, strict=True):
+                mail.post(Payload.COMBINE, layer, mb, dst, [partial_NH])
+        self.segments[(layer, mb)] = ExpertSegment(xs + ws, outputs, self._load(messages), counts=counts)
+
+    def _post_combine(self, layer: int, mb: int, mail: Mailbox, partial_DNH: torch.Tensor, messages) -> None:
+        """Sparse dispatch's COMBINE with partial sums: each source's partial sums of the rows it
+        sent, in their received order, with the token index and count it sent (only the first count
+        rows live). Over send/recv one message per destination (the next group's attention rank of
+        the source's data-parallel index); by peer stores (nvshmem) the send op's one launch stores
+        the first count rows of each block and of its index (`NvshmemTransport.send_counted`), so
+        only a colocated rank's own message is posted."""
+        index_DN = _stack([message[3] for message in messages])
+        count_D1 = _stack([message[4] for message in messages])
+        if mail.peer_stores and any(dst != mail.rank for dst in self.destinations):  # the send op's, for its peers
+            mail.stash((Payload.COMBINE, layer, mb), (partial_DNH, index_DN, count_D1, tuple(self.destinations)))
+        for d, dst in enumerate(self.destinations):
+            if dst == mail.rank or not mail.peer_stores:
+                mail.post(Payload.COMBINE, layer, mb, dst, [partial_DNH[d], index_DN[d], count_D1[d]],
+                          count=count_D1[d])
 
     def backward(self, layer: int, mb: int, mail: Mailbox) -> list[Callable[[], None]]:
         """ExpertBackward(layer, mb): the input gradients now; returns the weight-gradient work
@@ -174,6 +194,9 @@ class ExpertStage:
                 x_leaves = segment.inputs[:len(self.sources)]
                 self._post_dispatch_grads(layer, mb, mail, segment, _stack([_grad(x) for x in x_leaves]))
             return held
+        if self.sparse:  # the rows past a source's count: whatever a peer store left there, never used
+            grads = [torch.where(valid_rows(count_1, dy_NH.shape[0])[:, None], dy_NH, 0)
+                     for dy_NH, count_1 in zip(grads, segment.counts, strict=True)]
         with deferred_weight_grads() as held:
             torch.autograd.backward(segment.outputs, grads)
         D = len(self.sources)
@@ -201,9 +224,8 @@ class ExpertStage:
         for d, src in enumerate(self.sources):
             if src == mail.rank or not mail.peer_stores:
                 dw = [] if dw_DNK is None else [dw_DNK[d]]
-                mail.post(Payload.DISPATCH_GRAD, layer, mb, src, [dx_DNH[d], *dw, segment.load_E])
-
-
+                mail.post(Payload.DISPATCH_GRAD, layer, mb, src, [dx_DNH[d], *dw, segment.load_E],
+                          count=segment.counts[d])
     def _load(self, messages) -> torch.Tensor:
         """The micro-batch's expert load over all sources' dispatches (int64 [E])."""
         if self.sparse:  # each source's own load came with its rows

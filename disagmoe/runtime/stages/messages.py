@@ -32,8 +32,11 @@ to one rank); the first `count` rows are the tokens sent, in token order, the re
     DISPATCH       rows [T, H], local expert ids [T, K] (L: served elsewhere), weights [T, K],
                    token index [T], count [1], this source's expert load [E]
     COMBINE        the partial sums of the received tokens [T, H], token index [T], count [1]
-    DISPATCH_GRAD  as dense, its rows in the dispatch's order
-    COMBINE_GRAD   as dense, its rows in the dispatch's order
+                   (the dispatch's: the first count rows live, in the received order)
+    DISPATCH_GRAD  as dense, its rows in the dispatch's order (the first count live)
+    COMBINE_GRAD   as dense, its rows in the dispatch's order (the first count live)
+
+A one-sided transport moves only the live rows of all four (`is_peer_stored`).
 
 Sparse with pair rows: DISPATCH as sparse; COMBINE the pair-row message, each received row's pairs
 stored at its token's pair rows (token index t: rows t K + j, the attention rank's index space);
@@ -52,11 +55,13 @@ from dataclasses import dataclass
 import torch
 
 from disagmoe.comm.base import PairLanding, PairSpec, PairTarget, TensorSpec
-from disagmoe.roofline.transport_memory import HopShape, hop_tensors, receive_bytes
+from disagmoe.roofline.transport_memory import HopShape, hop_tensors, receive_bytes, row_bytes
 from disagmoe.wire import Payload, Recv
 
 Slot = tuple[Payload, int, int]  # (payload, layer, micro-batch)
-PEER_STORED = (Payload.DISPATCH, Payload.DISPATCH_GRAD)  # sparse: sent by peer stores on nvshmem
+# sparse: sent by peer stores on nvshmem (with pair rows COMBINE is the pair-row message instead)
+PEER_STORED = (Payload.DISPATCH, Payload.COMBINE, Payload.COMBINE_GRAD, Payload.DISPATCH_GRAD)
+COUNTED = PEER_STORED  # the payloads whose bytes a step counts (`comm.base.Traffic`, `MessageShapes.row_bytes`)
 
 
 def pair_payloads(sparse: bool) -> tuple[Payload, ...]:
@@ -75,15 +80,25 @@ class Mailbox:
         self.rank = rank
         self.peer_stores = peer_stores
         self._stashed: dict[tuple, tuple] = {}  # (payload, layer, mb[, peer]) -> what the peer-store send needs
+        self._counts: dict[tuple[Payload, int, int, int], torch.Tensor] = {}  # (payload, layer, mb, dst) -> live rows
         self._outgoing: dict[Slot, dict[int, list[torch.Tensor]]] = defaultdict(dict)
         self._incoming: dict[Slot, dict[int, list[torch.Tensor]]] = defaultdict(dict)
         self._targets: dict[tuple[Payload, int, int, int], PairTarget] = {}  # (payload, layer, mb, dst)
         self._landings: dict[Slot, PairLanding] = {}  # pair rows that land here
 
-    def post(self, payload: Payload, layer: int, micro_batch: int, dst: int, tensors: list[torch.Tensor]) -> None:
-        """Leave `tensors` for `dst`; addressed to this rank, they arrive at once."""
+    def post(self, payload: Payload, layer: int, micro_batch: int, dst: int, tensors: list[torch.Tensor],
+             count: torch.Tensor | None = None) -> None:
+        """Leave `tensors` for `dst`; addressed to this rank, they arrive at once. `count`: a sparse
+        message's live rows (a device tensor [1]: the rows before it), for the send's byte count."""
         box = self._incoming if dst == self.rank else self._outgoing
         box[(payload, layer, micro_batch)][dst] = tensors
+        if count is not None and dst != self.rank:
+            self._counts[(payload, layer, micro_batch, dst)] = count
+
+    def live_rows(self, payload: Payload, layer: int, micro_batch: int, dst: int) -> torch.Tensor | None:
+        """The live rows `post` was given for the message to `dst` (removed), None for a message
+        whose rows are all live (dense dispatch)."""
+        return self._counts.pop((payload, layer, micro_batch, dst), None)
 
     def outgoing(self, payload: Payload, layer: int, micro_batch: int, dst: int) -> list[torch.Tensor]:
         """The tensors posted for `dst` (removed: each message leaves once)."""
@@ -142,7 +157,7 @@ class Mailbox:
 
     def empty(self) -> bool:
         return not (any(self._outgoing.values()) or any(self._incoming.values()) or self._targets or self._landings
-                    or self._stashed)
+                    or self._stashed or self._counts)
 
 
 @dataclass(frozen=True)
@@ -198,9 +213,15 @@ class MessageShapes:
 
     def is_peer_stored(self, payload: Payload, layer_is_moe: bool) -> bool:
         """Whether a one-sided transport sends this payload's message by peer stores (sparse
-        dispatch: DISPATCH, DISPATCH_GRAD, and with pair rows COMBINE_GRAD; `TrainWorker`)."""
-        stored = PEER_STORED + ((Payload.COMBINE_GRAD,) if self.pair_rows else ())
-        return self.sparse and layer_is_moe and payload in stored
+        dispatch: DISPATCH, COMBINE, COMBINE_GRAD and DISPATCH_GRAD, but a pair-row message;
+        `TrainWorker`)."""
+        return (self.sparse and layer_is_moe and payload in PEER_STORED
+                and not self.is_pair(payload, layer_is_moe))
+
+    def is_counted(self, payload: Payload, layer_is_moe: bool) -> bool:
+        """Whether a step's byte count covers this payload's messages (`comm.base.Traffic`): a MoE
+        layer's DISPATCH, COMBINE, COMBINE_GRAD and DISPATCH_GRAD, but a pair-row message."""
+        return layer_is_moe and payload in COUNTED and not self.is_pair(payload, layer_is_moe)
 
     @property
     def tokens(self) -> int:
@@ -209,16 +230,25 @@ class MessageShapes:
     def dispatch_row_bytes(self, sparse: bool) -> int:
         """Bytes of one token's row of a DISPATCH message: xn, ids and weights (sparse: and its
         token index), the per-token part that byte counts multiply (`comm.base.Traffic`)."""
-        size = torch.empty((), dtype=self.dtype).element_size()
-        return self.hidden * size + self.top_k * (4 + size) + (4 if sparse else 0)
+        return self.row_bytes(Payload.DISPATCH, sparse)
+
+    def row_bytes(self, payload: Payload, sparse: bool) -> int:
+        """Bytes one token's row adds to a MoE layer's `payload` message with `sparse` dispatch or
+        dense (`roofline.transport_memory.row_bytes`): what a byte count multiplies by the rows a
+        message carries (`comm.base.Traffic`)."""
+        return row_bytes(payload.value, True, self.hop_shape(sparse))
+
+    def hop_shape(self, sparse: bool) -> HopShape:
+        """The torch-free `HopShape` of this run's messages with `sparse` dispatch or dense."""
+        value = "bf16" if self.dtype == torch.bfloat16 else "fp32"
+        return HopShape(self.rows, self.seq_len, self.hidden, self.top_k, self.num_experts, value,
+                        self.shared_experts, self.pair_rows, sparse)
 
     def specs(self, payload: Payload, layer_is_moe: bool) -> list[TensorSpec]:
         """The message's tensors, from `roofline.transport_memory.hop_tensors` (the one table the
         planner and the memory check price)."""
-        value = "bf16" if self.dtype == torch.bfloat16 else "fp32"
-        shape = HopShape(self.rows, self.seq_len, self.hidden, self.top_k, self.num_experts, value,
-                         self.shared_experts, self.pair_rows, self.sparse)
-        return [TensorSpec(tuple(dims), DTYPES[name]) for dims, name in hop_tensors(payload.value, layer_is_moe, shape)]
+        return [TensorSpec(tuple(dims), DTYPES[name])
+                for dims, name in hop_tensors(payload.value, layer_is_moe, self.hop_shape(self.sparse))]
 
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "int32": torch.int32, "int64": torch.int64}
@@ -316,11 +346,8 @@ def transport_buffer_bytes(cfg, shapes: MessageShapes, topology, sum_width: int 
     `roofline.transport_memory.receive_bytes`."""
     if cfg.transport == "nvshmem":
         return [layout.nbytes for layout in receive_layouts(cfg, shapes, topology, sum_width)]
-    value = "bf16" if shapes.dtype == torch.bfloat16 else "fp32"
-    hop = HopShape(shapes.rows, shapes.seq_len, shapes.hidden, shapes.top_k, shapes.num_experts, value,
-                   shapes.shared_experts, shapes.pair_rows, shapes.sparse)
     counts = slot_counts(shapes, topology, topology.programs(cfg.micro_batches))
-    return [int(receive_bytes(c, hop, cfg.transport)) for c in counts]
+    return [int(receive_bytes(c, shapes.hop_shape(shapes.sparse), cfg.transport)) for c in counts]
 
 
 def slot_counts(shapes: MessageShapes, topology, programs) -> list[dict[tuple[str, bool], int]]:

@@ -27,6 +27,8 @@ L local experts (of one rank), X a row's width.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 
@@ -108,26 +110,55 @@ def received_locals(local_TK: torch.Tensor, count_1: torch.Tensor, num_local: in
     return torch.where(valid_rows(count_1, local_TK.shape[0])[:, None], local_TK, num_local)
 
 
+def live_index(index_QT: torch.Tensor, count_Q1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(valid_QT bool, index_QT int64) along the last dimension: the rows before the count, and
+    the index there (0 past it, whatever a peer store left: stale, or garbage never written), so
+    a gather or scatter through it stays in range and reads nothing past the count."""
+    valid_QT = valid_rows(count_Q1, index_QT.shape[-1])
+    return valid_QT, torch.where(valid_QT, index_QT.long(), 0)
+
+
+def sent_tokens(index_QT: torch.Tensor, count_Q1: torch.Tensor) -> torch.Tensor:
+    """bool [..., T]: the tokens a message's first `count` rows carry (its index there), along the
+    last dimension: the `picked` of the dispatch that sent them (`dispatch_order`)."""
+    valid_QT, index_QT = live_index(index_QT, count_Q1)
+    return torch.zeros_like(index_QT).scatter_add_(-1, index_QT, valid_QT.long()).bool()  # each token once
+
+
 def received_order(index_T: torch.Tensor, count_1: torch.Tensor) -> torch.Tensor:
     """int64 [T]: the source's token of each received row, a permutation of its T tokens (what its
     `pick_rows` sent): the index for the first `count` rows, then the tokens not sent in token
     order, whatever the index holds past the count (a peer store leaves it stale). The pair rows
     of a received row go to its token's (`pair_return.expert_pair_rows`' `token_T`)."""
-    T = index_T.shape[0]
-    valid_T = valid_rows(count_1, T)
-    sent_T = torch.zeros(T, dtype=torch.int64, device=index_T.device).scatter_add_(
-        0, torch.where(valid_T, index_T.long(), 0), valid_T.long())  # each token sent at most once
-    return pick_rows(sent_T.bool())[0]
+    return pick_rows(sent_tokens(index_T, count_1))[0]
 
 
 def unpermute(rows_QTX: torch.Tensor, index_QT: torch.Tensor, count_Q1: torch.Tensor) -> torch.Tensor:
     """Each rank's rows, in its dispatch's order, back at their tokens' positions, padding rows
     zero: [Q, T, X] (differentiable: the gradient of `rows_QTX` is the tokens' rows gathered in
-    dispatch order, zero for padding). The index past the count may be anything below T (a peer
-    store leaves it as it was, so tokens repeat there): the zeroed padding rows are added, not
-    written over a token's row (each token once among the first count, so the sum is exact)."""
+    dispatch order, zero for padding). The index past the count may hold anything (a peer store
+    leaves it as it was): the zeroed padding rows are added at token 0, not written over a token's
+    row (each token once among the first count, so the sum is exact)."""
     Q, T = index_QT.shape
-    valid_QT = valid_rows(count_Q1, T)
+    valid_QT, index_QT = live_index(index_QT, count_Q1)
     kept_QTX = torch.where(valid_QT.view(Q, T, *([1] * (rows_QTX.dim() - 2))), rows_QTX, 0)
-    index_QTX = index_QT.long().view(Q, T, *([1] * (rows_QTX.dim() - 2))).expand_as(kept_QTX)
+    index_QTX = index_QT.view(Q, T, *([1] * (rows_QTX.dim() - 2))).expand_as(kept_QTX)
     return torch.zeros_like(kept_QTX).scatter_add(1, index_QTX, kept_QTX)
+
+
+def scatter_sum(rows: Sequence[torch.Tensor], index_QT: torch.Tensor, count_Q1: torch.Tensor) -> torch.Tensor:
+    """[T, X]: each rank q's first count_Q1[q] rows (`rows[q]` [T, X], in its dispatch's order)
+    added into their tokens' rows, rank after rank (the same sum on every run), in one [T, X]
+    buffer (not Q of them, as `unpermute` and a sum would hold); rows and index past the count are
+    never used. Detached: the received partial sums (COMBINE; a colocated rank's own come from its
+    expert graph) and the returned d x, d w are data, the sum a tensor of its own."""
+    Q, T = index_QT.shape
+    if len(rows) != Q:
+        raise ValueError(f"{len(rows)} blocks of rows for the index of {Q} ranks: one block per rank")
+    valid_QT, index_QT = live_index(index_QT, count_Q1)
+    out_TX = torch.zeros_like(rows[0])
+    for q, rows_TX in enumerate(rows):
+        shape = (T, *([1] * (rows_TX.dim() - 1)))
+        kept_TX = torch.where(valid_QT[q].view(shape), rows_TX.detach(), 0)
+        out_TX.scatter_add_(0, index_QT[q].view(shape).expand_as(kept_TX), kept_TX)
+    return out_TX

@@ -41,7 +41,7 @@ from disagmoe.runtime.topology import Topology
 from disagmoe.runtime.training.loop import METRICS_FILE
 from disagmoe.runtime.training.trainer import CHECKPOINTS_DIR, SingleProcessTrainer
 from disagmoe.runtime.schedule.schedule import AttentionBackward
-from disagmoe.wire import Send
+from disagmoe.wire import Payload, Send
 from disagmoe.runtime.cluster.worker import TrainWorker, _op_name
 
 pytestmark = pytest.mark.slow  # starts processes (Ray, gloo) or compiles: the quick subset skips it
@@ -178,6 +178,8 @@ CASES = {
     "sparse-A1-E2-p1-m2-bias": dict(attention_ranks=1, expert_ranks=2, pipeline_groups=1, micro_batches=2,
                                     bias_balancing=True, dispatch="sparse"),
     "sparse-A2-E1-p1-m4": dict(attention_ranks=2, expert_ranks=1, pipeline_groups=1, micro_batches=4,
+                               dispatch="sparse"),
+    "sparse-A1-E3-p1-m2": dict(attention_ranks=1, expert_ranks=3, pipeline_groups=1, micro_batches=2,
                                dispatch="sparse"),
     "sparse-A2-E2-p2-m2-bias": dict(attention_ranks=2, expert_ranks=2, pipeline_groups=2, micro_batches=2,
                                     bias_balancing=True, dispatch="sparse"),
@@ -320,8 +322,8 @@ def _oracle_routing(cfg: TrainConfig, out: Path) -> list[tuple[int, torch.Tensor
 
 
 @pytest.mark.parametrize("dispatch", ["sparse", "dense"])
-def test_dispatch_bytes_are_the_routings_minimum_with_sparse_dispatch_and_the_dense_figure_beside(warm, tmp_path,
-                                                                                                   dispatch):
+def test_hop_bytes_are_the_routings_minimum_with_sparse_dispatch_and_the_dense_figure_beside(warm, tmp_path,
+                                                                                              dispatch):
     cfg = run_config(tmp_path / "dist", "disaggregated", attention_ranks=2, expert_ranks=3, micro_batches=2,
                      steps=1, eval_every=0, dispatch=dispatch)
     summary = run_on(warm, cfg)
@@ -334,13 +336,16 @@ def test_dispatch_bytes_are_the_routings_minimum_with_sparse_dispatch_and_the_de
         minimum += sum(len(set(ranks)) for ranks in rank_of_E[idx_NK].tolist())
     moe_layers = sum(topology.is_moe(layer) for layer in range(topology.num_layers))
     assert len(routed) == moe_layers * cfg.micro_batches
-    dense = cfg.batch_size * cfg.seq_len * moe_layers * 3 * shapes.dispatch_row_bytes(False)
     record = read_metrics(tmp_path / "dist" / METRICS_FILE)[0]
-    want = minimum * shapes.dispatch_row_bytes(True) if dispatch == "sparse" else dense
-    assert record["traffic"]["dispatch"] == want and record["traffic"]["dispatch_dense"] == dense
-    assert summary.traffic["dispatch"] == want and summary.traffic["dispatch_dense"] == dense
-    if dispatch == "sparse":
-        assert want < dense  # 8 experts top-2 on 3 ranks: most tokens reach one or two of them
+    # every hop message the sparse dispatch shrinks: a token's row once per (token, serving rank), each way
+    for payload in (Payload.DISPATCH, Payload.COMBINE, Payload.COMBINE_GRAD, Payload.DISPATCH_GRAD):
+        name = payload.value
+        dense = cfg.batch_size * cfg.seq_len * moe_layers * 3 * shapes.row_bytes(payload, False)
+        want = minimum * shapes.row_bytes(payload, True) if dispatch == "sparse" else dense
+        assert record["traffic"][name] == want and record["traffic"][f"{name}_dense"] == dense, name
+        assert summary.traffic[name] == want and summary.traffic[f"{name}_dense"] == dense, name
+        if dispatch == "sparse":
+            assert want < dense  # 8 experts top-2 on 3 ranks: most tokens reach one or two of them
 
 
 def test_trace_has_every_rank_and_busy_fractions(warm, tmp_path):
@@ -599,6 +604,10 @@ SHARED_CASES = {
     # two sources: each expert rank returns both sources' d x in one launch (`send_counted`)
     "A2-E2-sparse": dict(attention_ranks=2, expert_ranks=2, hop="partial_sums", dispatch="sparse"),
     "colocated-2-sparse": dict(mode="colocated", colocated_ranks=2, hop="partial_sums", dispatch="sparse"),
+    # COMBINE by peer stores to the next group's attention rank; count-0 messages (source d feeds owner d only)
+    "A2-E2-p2-sparse": dict(attention_ranks=2, expert_ranks=2, pipeline_groups=2, hop="partial_sums",
+                            dispatch="sparse"),
+    "empty-A2-E2-sparse": dict(plan="empty-A2-E2-m2", hop="partial_sums", dispatch="sparse"),
     # sparse dispatch with pair rows: the rows of each received token stored at its pair rows, COMBINE_GRAD
     # (dy of the tokens each expert rank served) and DISPATCH_GRAD (d x alone) by one launch each
     "A1-E2-sparse-pairs": dict(attention_ranks=1, expert_ranks=2, hop="pair_rows", dispatch="sparse"),
@@ -668,11 +677,16 @@ def test_gpu_every_layout_on_one_shared_gpu_matches_the_oracle(ray_cluster, tmp_
         assert abs(got["loss"] - want["loss"]) <= 1e-2 * want["loss"], (got["step"], got["loss"], want["loss"])
         assert got["time_sliced"] is True
     assert abs(summary.final_val_loss - reference[-1]["val_loss"]) <= 1e-2 * reference[-1]["val_loss"]
+    if summary.dispatch == "sparse":  # every counted hop message at most its dense figure (the peer stores' rows)
+        counted = {name: sent for name, sent in summary.traffic.items() if not name.endswith("_dense")}
+        assert {"dispatch", "combine_grad", "dispatch_grad"} <= counted.keys()
+        assert ("combine" in counted) == (summary.hop == "partial_sums")
+        assert all(0 < sent <= summary.traffic[f"{name}_dense"] for name, sent in counted.items()), counted
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["A1-E1-sums", "A1-E1-pairs", "A1-E2-pairs", "A2-E2-p2-pairs", "A1-E3-sparse",
-                                  "A1-E3-sparse-pairs"])
+                                  "A2-E2-p2-sparse", "A1-E3-sparse-pairs"])
 def test_gpu_shared_steps_make_no_host_waits_where_no_sum_goes_through_gloo(ray_cluster, tmp_path, case):
     """The two-GPU zero-sync test in its one-GPU form: the layouts whose only collective is the
     gradient norm (one attention rank per pipeline group, no replicated experts) sum it on the

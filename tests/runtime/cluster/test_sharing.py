@@ -27,7 +27,7 @@ from disagmoe.runtime.cluster.sharing import (
     stream_sum_width,
     wait_timeout_s,
 )
-from disagmoe.runtime.stages.messages import MessageShapes, hop_mode, receive_layouts
+from disagmoe.runtime.stages.messages import MessageShapes, dispatch_mode, hop_mode, receive_layouts
 from disagmoe.runtime.topology import Topology
 from disagmoe.comm.nvshmem import HEAP_MARGIN_BYTES
 
@@ -165,7 +165,9 @@ def test_the_memory_check_sums_the_ranks_sharing_a_gpu():
     topology = Topology.from_config(cfg, cfg.model)
     buffers = receive_layouts(cfg, MessageShapes.of_run(cfg, cfg.model, topology), topology,
                               stream_sum_width(cfg, topology.world_size))
-    acts = rank_activations(cfg, cfg.model, topology, pair_rows=hop_mode(cfg, cfg.model, topology)[0] == "pair_rows")
+    sparse = dispatch_mode(cfg, cfg.model, topology)[0] == "sparse"  # auto: sparse by peer stores here
+    acts = rank_activations(cfg, cfg.model, topology, pair_rows=hop_mode(cfg, cfg.model, topology)[0] == "pair_rows",
+                            sparse=sparse, peer_stores=sparse)
     needs = [training_state_bytes(cfg, cfg.model, topology, r)[1] + buffers[r].nbytes + acts[r].peak_bytes
              for r in range(3)]
     assert needs == [need.total_bytes for need in rank_needs(cfg, cfg.model, topology)]

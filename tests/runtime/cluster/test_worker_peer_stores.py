@@ -3,13 +3,15 @@
 runs in one process, each rank a `TrainWorker` holding just what `_run` reads, over the nvshmem
 transport with CPU arenas (tests/comm/test_nvshmem.py's fake `nv`; the dispatch kernel
 interpreted). Against the same step over the same transport's send/recv (the nccl/local path):
-the same gradients and losses, and the same dispatch bytes, the routing's minimum (sum over
-tokens of the distinct remote expert ranks serving them, times a row's bytes); against the same
+the same gradients and losses, and the same bytes of DISPATCH, COMBINE (partial sums),
+COMBINE_GRAD and DISPATCH_GRAD, each the routing's minimum (sum over tokens of the distinct remote
+expert ranks serving them, times a row's bytes) with the dense figure beside; against the same
 step with dense dispatch (the path the driver's oracle tests cover): the same to rounding. The
 nvshmem path stages no DISPATCH message for a peer (no gather into a [Q, T, H] buffer: only a
-colocated rank's own message), and each DISPATCH and DISPATCH_GRAD send op is one launch; with
-pair rows (the experts' pair rows stored at their tokens' rows of the combining rank's region,
-its combine interpreted) each COMBINE_GRAD send op too, and it gathers no dy for a peer."""
+colocated rank's own message), gathers no dy for a peer, and each DISPATCH, COMBINE_GRAD and
+DISPATCH_GRAD send op is one launch, and with partial sums each COMBINE send op too (with pair
+rows the experts' pair rows are stored at their tokens' rows of the combining rank's region, its
+combine interpreted)."""
 
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ from disagmoe.runtime.stages.expert_stage import ExpertStage
 from disagmoe.runtime.stages.messages import Mailbox, MessageShapes
 from disagmoe.runtime.stages.pair_return import PairHop
 from disagmoe.runtime.topology import Topology
-from disagmoe.wire import Recv, Send
+from disagmoe.wire import Payload, Recv, Send
 from tests.comm.test_nvshmem import _sparse_transports, fake_cuda  # noqa: F401 (a fixture)
 
 PAIRS = dict(hop="pair_rows")
@@ -46,6 +48,12 @@ LAYOUTS = {  # (config fields, expert owners per MoE layer: None for contiguous 
     "A1-E2": (dict(attention_ranks=1, expert_ranks=2), None),
     "A2-E2": (dict(attention_ranks=2, expert_ranks=2), None),
     "colocated-2": (dict(mode="colocated", colocated_ranks=2), None),
+    "A1-E3": (dict(attention_ranks=1, expert_ranks=3), None),
+    "A2-E2-p2": (dict(attention_ranks=2, expert_ranks=2, pipeline_groups=2), None),
+    "colocated-3": (dict(mode="colocated", colocated_ranks=3, batch_size=6), None),
+    "skewed-A1-E2": (dict(attention_ranks=1, expert_ranks=2), SKEWED),
+    "empty-A2-E2": (dict(attention_ranks=2, expert_ranks=2), EMPTY),
+    "replicas-A2-E2": (dict(attention_ranks=2, expert_ranks=2), REPLICAS),
     "pairs-A1-E2": (dict(attention_ranks=1, expert_ranks=2, **PAIRS), None),
     "pairs-A1-E3": (dict(attention_ranks=1, expert_ranks=3, **PAIRS), None),
     "pairs-A2-E2-p2": (dict(attention_ranks=2, expert_ranks=2, pipeline_groups=2, **PAIRS), None),
@@ -178,31 +186,43 @@ def _step(cfg: TrainConfig, topology: Topology, peer_stores: bool, monkeypatch, 
 
 def _launches(topology: Topology, micro_batches: int, pair_rows: bool) -> list[int]:
     """The destinations of every peer-store launch of a step, sorted: per MoE layer, micro-batch and
-    source a DISPATCH to its set's remote expert ranks (with pair rows a COMBINE_GRAD too), per
-    expert rank a DISPATCH_GRAD to its remote sources; none where no peer is remote."""
+    source a DISPATCH to its set's remote expert ranks and from its combining rank a COMBINE_GRAD
+    to them, per expert rank a DISPATCH_GRAD to its remote sources and, with partial sums, a
+    COMBINE to its remote destinations; none where no peer is remote."""
     out = []
     for layer in range(topology.num_layers):
         if not topology.is_moe(layer):
             continue
         group = topology.group_of_layer(layer)
         sources, ranks = topology.attention_groups[group], topology.expert_groups[group]
-        for src in sources:
-            out += [len(set(ranks) - {src})] * micro_batches * (2 if pair_rows else 1)
+        destinations = topology.attention_groups[topology.next_group(group)]
+        for src, dst in zip(sources, destinations, strict=True):
+            out += [len(set(ranks) - {src}), len(set(ranks) - {dst})] * micro_batches
         for rank in ranks:
             out += [len(set(sources) - {rank})] * micro_batches
+            out += [] if pair_rows else [len(set(destinations) - {rank})] * micro_batches
     return sorted(n for n in out if n)
 
 
-def _minimum_rows(topology: Topology, rank: int, layer: int, idx_NK: torch.Tensor) -> int | None:
-    """The rows a source's sparse DISPATCH of `layer` sends to other ranks: per token the distinct
-    remote expert ranks serving its pairs (None where a replica splits this source's rows)."""
+def _combining_rank(topology: Topology, rank: int, layer: int) -> int:
+    """The attention rank that combines source `rank`'s tokens of `layer` (the next group's, of its
+    data-parallel index): COMBINE goes there, COMBINE_GRAD comes from there."""
+    group = topology.next_group(topology.group_of_layer(layer))
+    return topology.attention_rank(group, topology.attention_role(rank)[1])
+
+
+def _minimum_rows(topology: Topology, rank: int, layer: int, idx_NK: torch.Tensor,
+                  end: int | None = None) -> int | None:
+    """The rows a source's sparse DISPATCH of `layer` sends to other ranks than `end` (default the
+    source; the combining rank for COMBINE and COMBINE_GRAD): per token the distinct expert ranks
+    serving its pairs but `end` (None where a replica splits this source's rows)."""
     dp_index, dp = topology.attention_role(rank)[1], topology.data_parallel
     owners = topology.expert_owners[layer]
     if any(1 < len(who) and dp < len(who) for who in owners):
         return None
     group = topology.expert_groups[topology.group_of_layer(layer)]
     rank_of_E = torch.tensor([group[who[dp_index % len(who)]] for who in owners])  # the owner this source feeds
-    return sum(len(set(ranks) - {rank}) for ranks in rank_of_E[idx_NK].tolist())
+    return sum(len(set(ranks) - {rank if end is None else end}) for ranks in rank_of_E[idx_NK].tolist())
 
 
 def _assert_close(got: torch.Tensor, want: torch.Tensor, what) -> None:
@@ -233,10 +253,9 @@ def test_peer_stores_stage_no_message_for_a_peer_and_train_like_send_recv(interp
     assert (Q, T, H) not in by_stores["shapes"] and ((T, H) in by_stores["shapes"]) == colocated
     assert by_messages["staged"] == ["dispatch_messages"] * moe_forwards * sources
     assert (Q, T, H) in by_messages["shapes"], "the send/recv path gathers every rank's rows (the check sees it)"
-    if shapes.pair_rows:
-        assert ((T, H) in by_stores["grad_shapes"]) == colocated and (T, H) in by_messages["grad_shapes"]
-    # one launch per DISPATCH send (every remote expert rank) and per DISPATCH_GRAD send (every remote source),
-    # with pair rows per COMBINE_GRAD send (every remote expert rank)
+    assert ((T, H) in by_stores["grad_shapes"]) == colocated and (T, H) in by_messages["grad_shapes"]
+    # one launch per DISPATCH and COMBINE_GRAD send (every remote expert rank), per DISPATCH_GRAD send (every
+    # remote source) and with partial sums per COMBINE send (every remote destination)
     assert sorted(by_stores["launches"]) == _launches(topology, cfg.micro_batches, shapes.pair_rows)
     assert by_messages["launches"] == []
 
@@ -266,3 +285,24 @@ def test_peer_stores_stage_no_message_for_a_peer_and_train_like_send_recv(interp
         assert got == by_messages["traffic"][rank]
         if Q > 1:  # one expert rank per set: every token goes there either way, sparse with its index
             assert got["dispatch"] < got["dispatch_dense"]
+
+    # every sparse hop message's bytes, summed over the ranks: the routing's minimum (where no replica splits a
+    # source's rows) with the dense figure beside; COMBINE with pair rows is the pair-row message, not counted
+    counted = [Payload.DISPATCH, Payload.COMBINE_GRAD, Payload.DISPATCH_GRAD] + ([] if shapes.pair_rows
+                                                                                 else [Payload.COMBINE])
+    ends = {Payload.DISPATCH: False, Payload.DISPATCH_GRAD: False, Payload.COMBINE: True, Payload.COMBINE_GRAD: True}
+    for payload in counted:
+        least, dense_total = 0, 0
+        for rank, layer, idx_NK in by_stores["routed"]:
+            end = _combining_rank(topology, rank, layer) if ends[payload] else rank
+            rows = _minimum_rows(topology, rank, layer, idx_NK, end)
+            least = None if rows is None or least is None else least + rows
+            dense_total += len(set(topology.expert_groups[topology.group_of_layer(layer)]) - {end}) * T
+        got = {name: sum(t.get(name, 0) for t in by_stores["traffic"]) for name in (payload.value,
+                                                                                    f"{payload.value}_dense")}
+        if least is not None:
+            assert got[payload.value] == least * shapes.row_bytes(payload, True), payload
+        assert got[f"{payload.value}_dense"] == dense_total * shapes.row_bytes(payload, False), payload
+        if Q > 1 and least is not None:
+            assert got[payload.value] < got[f"{payload.value}_dense"], payload
+    assert all("combine" not in t for t in by_stores["traffic"]) == shapes.pair_rows

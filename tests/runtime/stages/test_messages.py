@@ -162,8 +162,28 @@ def test_sparse_pair_rows_change_residual_and_dispatch_grad_only():
     assert pairs.is_pair(Payload.DISPATCH_GRAD, True)
     stored = {p for p in Payload if both.is_peer_stored(p, True)}
     assert stored == {Payload.DISPATCH, Payload.DISPATCH_GRAD, Payload.COMBINE_GRAD}
-    assert {p for p in Payload if sparse.is_peer_stored(p, True)} == {Payload.DISPATCH, Payload.DISPATCH_GRAD}
+    four = {Payload.DISPATCH, Payload.COMBINE, Payload.COMBINE_GRAD, Payload.DISPATCH_GRAD}
+    assert {p for p in Payload if sparse.is_peer_stored(p, True)} == four, "partial sums: COMBINE by peer stores too"
     assert not any(both.is_peer_stored(p, False) or pairs.is_peer_stored(p, True) for p in Payload)
+    # the byte count covers the four but a pair-row message (sparse pair rows: COMBINE is one)
+    assert {p for p in Payload if sparse.is_counted(p, True)} == four and not any(sparse.is_counted(p, False)
+                                                                                  for p in Payload)
+    assert {p for p in Payload if both.is_counted(p, True)} == four - {Payload.COMBINE}
+
+
+def test_a_row_s_bytes_are_what_a_token_adds_to_its_message():
+    from disagmoe.runtime.stages.messages import MessageShapes
+
+    cfg, model, topology = _run(dispatch="sparse", expert_ranks=2, batch_size=4, seq_len=8)
+    shapes = MessageShapes.of_run(cfg, model, topology)
+    H, K, size = model.hidden_size, model.top_k, 4  # fp32 on CPU
+    sparse = {Payload.DISPATCH: H * size + K * (4 + size) + 4, Payload.COMBINE: H * size + 4,
+              Payload.COMBINE_GRAD: H * size, Payload.DISPATCH_GRAD: H * size + K * size}
+    dense = {Payload.DISPATCH: H * size + K * (4 + size), Payload.COMBINE: H * size,
+             Payload.COMBINE_GRAD: H * size, Payload.DISPATCH_GRAD: H * size + K * size}
+    assert {p: shapes.row_bytes(p, True) for p in sparse} == sparse, "rows with their index where one rides"
+    assert {p: shapes.row_bytes(p, False) for p in dense} == dense
+    assert shapes.dispatch_row_bytes(True) == sparse[Payload.DISPATCH]
 
 
 def test_sparse_dispatch_changes_dispatch_and_combine_only():

@@ -10,8 +10,9 @@ from disagmoe.model.local_experts import local_expert_block
 from disagmoe.model_ref import load_model
 from disagmoe.runtime.schedule.roles import Layout
 from disagmoe.runtime.stages.expert_stage import LocalRouting
-from disagmoe.runtime.stages.sparse_dispatch import (SetRouting, dispatch_messages, pick_rows, received_locals,
-                                                     received_order, unpermute)
+from disagmoe.runtime.stages.sparse_dispatch import (SetRouting, dispatch_messages, dispatch_order, pick_rows,
+                                                     received_locals, received_order, scatter_sum, sent_tokens,
+                                                     unpermute, valid_rows)
 from disagmoe.runtime.topology import Topology
 
 
@@ -149,14 +150,46 @@ def test_gpu_sparse_dispatch_makes_no_host_wait_and_matches_the_cpu(case):
                 partials.append(local_expert_block(x_leaf, received_locals(local_sent, count_sent, route.num_local),
                                                    w_leaf, served))
                 leaves.append((x_leaf, w_leaf))
-            placed = unpermute(torch.stack(partials), torch.stack([m[3] for m in messages]),
-                               torch.stack([m[4] for m in messages]))
-            placed.sum(0).backward(dy)
-            out = placed.detach().sum(0)
-            dx = unpermute(torch.stack([x.grad for x, _ in leaves]), index_QN, count_Q1).sum(0)
-            dw = unpermute(torch.stack([w.grad for _, w in leaves]), index_QN, count_Q1).sum(0)
+            received = (torch.stack([m[3] for m in messages]), torch.stack([m[4] for m in messages]))
+            out = scatter_sum([p.detach() for p in partials], *received)  # the combining rank's sum
+            _, order_QN, served_Q1 = pick_rows(sent_tokens(*received))  # COMBINE_GRAD's order, from COMBINE
+            for partial, order_N, served_1 in zip(partials, order_QN, served_Q1, strict=True):  # its dy rows
+                partial.backward(torch.where(valid_rows(served_1, order_N.shape[0])[:, None], dy[order_N], 0))
+            dx = scatter_sum([x.grad for x, _ in leaves], index_QN, count_Q1)
+            dw = scatter_sum([w.grad for _, w in leaves], index_QN, count_Q1)
         finally:
             torch.cuda.set_sync_debug_mode("default")
         results[device] = [t.cpu() for t in (out, dx, dw)]
     for got, want in zip(results["cuda"], results["cpu"], strict=True):
         torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)  # TF32 / reduction order on the GPU
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_combining_rank_adds_only_the_counted_rows_and_rebuilds_each_rank_s_order(seed):
+    """With partial sums the attention rank adds each expert rank's first count rows at their
+    tokens (`scatter_sum`: rank after rank, as the dense sum of `unpermute`'s rows; NaN rows and
+    out-of-range indices past the count, a peer store's leftovers or never-written memory, are not
+    used) and rebuilds from COMBINE's index and count the dispatch's picks and order
+    (`sent_tokens`, `pick_rows`: COMBINE_GRAD's), ragged, empty and full ranks alike."""
+    g = torch.Generator().manual_seed(seed)
+    Q, T, H = 4, 23, 6
+    picked_QT = torch.rand(Q, T, generator=g) < 0.4
+    picked_QT[1] = False  # an empty rank
+    picked_QT[2] = True  # one serving every token
+    local_QTK = torch.where(picked_QT[:, :, None], 0, 1).to(torch.int32)  # one local expert, L = 1
+    _, index_QT, count_Q1 = dispatch_order(local_QTK, torch.ones(Q, dtype=torch.int32))
+    index32_QT = index_QT.to(torch.int32)
+    rows = [torch.randn(T, H, generator=g) for _ in range(Q)]
+    stale = [r.clone() for r in rows]
+    for q in range(Q):
+        n = int(count_Q1[q])
+        stale[q][n:] = float("nan")
+        index32_QT[q, n:] = torch.randint(-5, 10 * T, (T - n,), generator=g, dtype=torch.int32)
+    got = scatter_sum(stale, index32_QT, count_Q1)
+    want = unpermute(torch.stack(rows), index_QT, count_Q1)
+    assert torch.equal(got, want[0] + want[1] + want[2] + want[3])
+    assert torch.equal(sent_tokens(index32_QT, count_Q1), picked_QT)
+    rebuilt_QT, rebuilt_count_Q1 = pick_rows(sent_tokens(index32_QT, count_Q1))
+    assert torch.equal(rebuilt_QT, index_QT) and torch.equal(rebuilt_count_Q1, count_Q1)
+    with pytest.raises(ValueError, match="one block per rank"):
+        scatter_sum(stale[:2], index32_QT, count_Q1)
