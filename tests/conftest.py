@@ -47,6 +47,7 @@ def _starts_ray(test_file: str) -> bool:
     return _ray_files[test_file]
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest without xdist (`-p no:xdist`) does not know the hook
 def pytest_xdist_make_scheduler(config, log):
     from xdist.scheduler import LoadScopeScheduling
 
