@@ -41,25 +41,6 @@ def test_micro_batches_auto_is_chosen_and_said_in_the_summary(tmp_path):
     assert summary["micro_batches"] == 1 and summary["micro_batches_note"].startswith("micro_batches: auto -> 1")
 
 
-@pytest.mark.slow  # more than a few seconds on 2 cores (`pytest -m 'not slow'` skips it)
-def test_the_default_config_trains_disaggregated_on_ray(tmp_path):
-    """The main command (configs/tiny-cpu.yaml, mode disaggregated), a few steps: metrics with the
-    planner's `expert_load`, a sharded checkpoint, the trace and each group's busy fraction."""
-    out = tmp_path / "run"
-    result = invoke("--config", str(REPO / "configs/tiny-cpu.yaml"), "--out-dir", str(out), "--steps", "3",
-                    "batch_size=4", "seq_len=32", "eval_every=3", "eval_batches=1")
-    assert result.exit_code == 0, result.output
-    assert "train (disaggregated)" in result.stdout and "busy fraction" in result.stdout
-    assert str(out / "trace.json") in result.stdout.replace("\n", "")
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [1, 2, 3] and "val_loss" in records[-1]
-    assert len(records[-1]["expert_load"]) == 2 and set(records[-1]["busy"]) == {"A0", "E0"}
-    manifest = json.loads((out / "checkpoints" / "step-00000003" / "manifest.json").read_text())
-    assert {e["file"] for e in manifest["shards"]} == {"rank-00000.pt", "rank-00001.pt", "trainer.pt"}
-    pids = {e["pid"] for e in json.loads((out / "trace.json").read_text())["traceEvents"] if e["ph"] == "X"}
-    assert pids == {0, 1}
-
-
 def write_plan(tmp_path: Path, gpus: int, expert_gpus: int, **request) -> Path:
     """The planner's best disaggregated plan for the tiny model on `gpus` H200s with 1 attention
     and `expert_gpus` expert GPUs, written to plan.yaml as `disagmoe plan --out` writes it. (The
@@ -82,28 +63,29 @@ def write_plan(tmp_path: Path, gpus: int, expert_gpus: int, **request) -> Path:
 
 
 @pytest.mark.slow  # more than a few seconds on 2 cores (`pytest -m 'not slow'` skips it)
-def test_train_runs_the_layout_of_a_plan(tmp_path):
-    """plan -> train: the planner's 1 attention + 2 expert GPUs replace the config's 1 + 1."""
-    plan = write_plan(tmp_path, 3, expert_gpus=2)
+def test_train_runs_the_layout_of_a_plan_with_replicated_experts_and_says_its_dispatch(tmp_path):
+    """plan -> train: the planner's 1 attention + 2 expert GPUs (plan --max-expert-replicas 1: hot
+    experts on both) replace the config's 1 + 1, every rank saves its shard. With dispatch=sparse
+    the start says so, and the summary gives the dispatch bytes per step beside the dense figure."""
+    plan = write_plan(tmp_path, 3, expert_gpus=2, max_expert_replicas=1)
+    assert any(len(ranks) > 1 for owners in yaml.safe_load(plan.read_text())["expert_map"] for ranks in owners)
     out = tmp_path / "run"
     result = invoke("--config", str(REPO / "configs/tiny-cpu.yaml"), "--plan", str(plan), "--out-dir", str(out),
-                    "steps=3", "batch_size=4", "seq_len=32", "eval_every=0")
+                    "steps=1", "batch_size=4", "seq_len=32", "eval_every=0", "dispatch=sparse")
     assert result.exit_code == 0, result.output
     assert "expert_ranks=2 (config: 1)" in result.stdout and "train (disaggregated)" in result.stdout
-    manifest = json.loads((out / "checkpoints" / "step-00000003" / "manifest.json").read_text())
+    manifest = json.loads((out / "checkpoints" / "step-00000001" / "manifest.json").read_text())
     assert {e["file"] for e in manifest["shards"]} == {"rank-00000.pt", "rank-00001.pt", "rank-00002.pt",
                                                        "trainer.pt"}
-
-
-@pytest.mark.slow  # more than a few seconds on 2 cores (`pytest -m 'not slow'` skips it)
-def test_train_runs_a_plan_with_replicated_experts(tmp_path):
-    """plan --max-expert-replicas 1 -> train: 1 attention + 4 expert GPUs, hot experts on two."""
-    plan = write_plan(tmp_path, 5, expert_gpus=4, max_expert_replicas=1)
-    assert any(len(ranks) > 1 for owners in yaml.safe_load(plan.read_text())["expert_map"] for ranks in owners)
-    result = invoke("--config", _config(tmp_path), "--plan", str(plan), "steps=2", "batch_size=4", "seq_len=32",
-                    "eval_every=0")
-    assert result.exit_code == 0, result.output
-    assert "expert_ranks=4 (config: 1)" in result.stdout and "train (disaggregated)" in result.stdout
+    text = " ".join(result.stdout.replace("│", " ").split())  # the summary table's cells, one space apart
+    assert "tokens dispatch sparse (as configured)" in text and "expert outputs return as partial sums" in text
+    assert "dispatch sparse" in text and "expert return partial sums" in text
+    assert re.search(r"transport buffers: [\d.]+ GiB per rank \(local receive buffers, the largest rank's; in the "
+                     r"memory check\)", text) and re.search(r"transport buffers [\d.]+ GiB per rank at most \(local\)",
+                                                            text)
+    record = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    sent, dense = record["traffic"]["dispatch"], record["traffic"]["dispatch_dense"]
+    assert 0 < sent < dense and f"dispatch bytes/step {sent:,} (dense: {dense:,})" in text
 
 
 def test_a_stopped_run_exits_130_and_says_how_to_resume(tmp_path, monkeypatch):
@@ -127,23 +109,6 @@ def test_table_summary_names_where_outputs_went(tmp_path):
     result = invoke("--config", str(REPO / "configs/tiny-cpu.yaml"), "--out-dir", str(out), "--steps", "2", *FAST[1:])
     assert result.exit_code == 0, result.output
     assert "final loss" in result.stdout and "metrics.jsonl" in result.stdout
-
-
-@pytest.mark.slow  # starts Ray actors
-def test_the_dispatch_is_printed_at_start_and_its_bytes_in_the_summary(tmp_path):
-    out = tmp_path / "run"
-    result = invoke("--config", str(REPO / "configs/tiny-cpu.yaml"), "--out-dir", str(out), "--steps", "1",
-                    "batch_size=4", "seq_len=32", "eval_every=0", "expert_ranks=2", "dispatch=sparse")
-    assert result.exit_code == 0, result.output
-    text = " ".join(result.stdout.replace("│", " ").split())  # the summary table's cells, one space apart
-    assert "tokens dispatch sparse (as configured)" in text and "expert outputs return as partial sums" in text
-    assert "dispatch sparse" in text and "expert return partial sums" in text
-    assert re.search(r"transport buffers: [\d.]+ GiB per rank \(local receive buffers, the largest rank's; in the "
-                     r"memory check\)", text) and re.search(r"transport buffers [\d.]+ GiB per rank at most \(local\)",
-                                                            text)
-    record = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
-    sent, dense = record["traffic"]["dispatch"], record["traffic"]["dispatch_dense"]
-    assert 0 < sent < dense and f"dispatch bytes/step {sent:,} (dense: {dense:,})" in text
 
 
 def _config(tmp_path: Path, **fields) -> str:
