@@ -213,7 +213,10 @@ def test_resume_repairs_a_torn_metrics_line_with_a_one_line_warning(tmp_path):
 def test_while_the_demo_trains_nothing_listens_beyond_loopback_and_ctrl_c_exits_130(tmp_path):
     """The main command in a real process: once it has trained a step, every listening socket of
     it and its descendants (Ray's servers, the actors, the rendezvous store, gloo) is on loopback;
-    SIGINT then stops it after a step with a checkpoint and exit code 130."""
+    SIGINT then stops it after a step with a checkpoint and exit code 130, and its embedded
+    cluster's folders (its Ray temp folder and the session folder in it) go with the cluster (they
+    piled up in /tmp/ray, one per run)."""
+    import contextlib
     import ipaddress
     import signal
     import subprocess
@@ -234,7 +237,13 @@ def test_while_the_demo_trains_nothing_listens_beyond_loopback_and_ctrl_c_exits_
             assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else "slow"
             time.sleep(0.5)
         root = psutil.Process(proc.pid)
-        tree = {root.pid, *(p.pid for p in root.children(recursive=True))}
+        descendants = root.children(recursive=True)
+        tree = {root.pid, *(p.pid for p in descendants)}
+        folders = set()  # named on Ray's processes' command lines (--temp-dir, --session-dir, ...)
+        for process in descendants:
+            with contextlib.suppress(psutil.Error):
+                folders.update(re.findall(r"/tmp/disagmoe-ray-\w+(?:/session_[\w-]+)?", " ".join(process.cmdline())))
+        assert any("/session_" in f for f in folders) and all(Path(f).is_dir() for f in folders), folders
         listening = [(c.laddr.ip, c.laddr.port, c.pid) for c in psutil.net_connections("inet")
                      if c.pid in tree and c.status == psutil.CONN_LISTEN]
         assert len(listening) >= 5  # GCS, raylet, driver and actors, the store, gloo
@@ -251,6 +260,7 @@ def test_while_the_demo_trains_nothing_listens_beyond_loopback_and_ctrl_c_exits_
         # Ray's start-up notices stay out of the output, in the run's log (cli/third_party.py)
         assert "Token authentication" not in stderr and "Started a local Ray instance" not in stderr
         assert "Started a local Ray instance" in (out / "ray-driver.log").read_text()
+        assert [f for f in folders if Path(f).exists()] == []
     finally:
         if proc.poll() is None:
             proc.kill()
