@@ -34,6 +34,9 @@ def pytest_collection_modifyitems(config, items):
 RAY_STARTS = ("DistributedTrainer(", "WorkerGroup.start(", "Cluster(", "ray.init(", '"-m", "disagmoe"', '["train"',
               '"bench", "placement"', '"bench", "train"')
 RAY_UNITS = {"tests/runtime/cluster/test_driver.py": "ray-driver-and-readme", "tests/test_readme.py": "ray-driver-and-readme"}
+# Tests sharing a module-scoped fixture that spawns processes (node id prefixes): one unit each, so
+# that the fixture runs once, not once per worker.
+SHARED_UNITS = ("tests/runtime/state/test_flat_adamw.py::test_zero1_", "tests/runtime/state/test_offload.py::test_zero1_")
 TESTS_ROOT = Path(__file__).resolve().parent.parent
 _ray_files: dict[str, bool] = {}
 
@@ -54,7 +57,9 @@ def pytest_xdist_make_scheduler(config, log):
     class RayFilesTogether(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             test_file = nodeid.split("::", 1)[0]
-            return RAY_UNITS.get(test_file, "ray-other") if _starts_ray(test_file) else nodeid
+            if _starts_ray(test_file):
+                return RAY_UNITS.get(test_file, "ray-other")
+            return next((prefix for prefix in SHARED_UNITS if nodeid.startswith(prefix)), nodeid)
 
     return RayFilesTogether(config, log)
 
