@@ -34,9 +34,10 @@ def pytest_collection_modifyitems(config, items):
 RAY_STARTS = ("DistributedTrainer(", "WorkerGroup.start(", "Cluster(", "ray.init(", '"-m", "disagmoe"', '["train"',
               '"bench", "placement"', '"bench", "train"')
 RAY_UNITS = {"tests/runtime/cluster/test_driver.py": "ray-driver-and-readme", "tests/test_readme.py": "ray-driver-and-readme"}
-# Tests sharing a module-scoped fixture that spawns processes (node id prefixes): one unit each, so
-# that the fixture runs once, not once per worker.
-SHARED_UNITS = ("tests/runtime/state/test_flat_adamw.py::test_zero1_", "tests/runtime/state/test_offload.py::test_zero1_")
+# Tests sharing an expensive module-scoped fixture or cache (node id prefixes): one unit each, so
+# that it is made once, not once per worker.
+SHARED_UNITS = ("tests/runtime/state/test_flat_adamw.py::test_zero1_", "tests/runtime/state/test_offload.py::test_zero1_",
+                "tests/kernels/test_recompute.py::test_recomputation_keeps_less")
 TESTS_ROOT = Path(__file__).resolve().parent.parent
 _ray_files: dict[str, bool] = {}
 
