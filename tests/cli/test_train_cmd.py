@@ -163,26 +163,6 @@ def test_a_failed_rank_exits_1_with_the_report(tmp_path, monkeypatch):
     assert "rank 1 (E0.0)" in result.stderr and "Traceback" not in result.output
 
 
-@pytest.mark.slow  # more than a few seconds on 2 cores (`pytest -m 'not slow'` skips it)
-def test_a_killed_expert_actor_restarts_the_run_by_itself(tmp_path):
-    """max_restarts=1 and the expert rank's process SIGKILLed during step 3 (fault_injection): one
-    `warning: restart` line, exit 0, and the final loss of the same run in single mode (the oracle;
-    tests/runtime/cluster/test_driver.py compares with an uninterrupted disaggregated run bit for bit)."""
-    run = ["steps=4", "batch_size=4", "seq_len=32", "eval_every=0", "checkpoint_every=2", "trace=false"]
-    result = invoke("--config", _config(tmp_path), "--json", *run, "max_restarts=1",
-                    "fault_injection.rank=1", "fault_injection.step=3")
-    assert result.exit_code == 0, result.output
-    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
-    assert len(warnings) == 1 and warnings[0].startswith("warning: restart 1 of 1 (max_restarts=1) from "), warnings
-    assert "step-00000002" in warnings[0] and "rank 1 (E0.0) failed during train_step of step 3" in warnings[0]
-    summary = json.loads(result.stdout)
-    assert (summary["steps"], summary["restarts"]) == (4, 1)
-    single = invoke("--config", _config(tmp_path), "--out-dir", str(tmp_path / "single"), "--json", *run, "mode=single")
-    assert single.exit_code == 0, single.output
-    want = json.loads(single.stdout)["final_loss"]
-    assert abs(summary["final_loss"] - want) <= 1e-5 * want
-
-
 def test_resume_past_a_truncated_newest_shard_says_which_file_was_bad(tmp_path):
     first = invoke("--config", _config(tmp_path), "--json", "checkpoint_every=2", "steps=4", *FAST[1:])
     assert first.exit_code == 0, first.output

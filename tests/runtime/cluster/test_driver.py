@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import ray
 import torch
+import yaml
 
 from disagmoe.cli.plan_cmd import build_request
 from disagmoe.config import OptimConfig, Plan, TrainConfig
@@ -898,36 +899,79 @@ def uninterrupted(warm, tmp_path_factory):
     return clean, run_on(warm, clean)
 
 
-@pytest.mark.parametrize("checkpoint_every", [2, 0], ids=["from-checkpoint", "from-step-0"])
-def test_a_killed_expert_actor_restarts_the_run_to_the_uninterrupted_result(uninterrupted, tmp_path,
-                                                                              checkpoint_every):
-    """fault_injection SIGKILLs the expert rank's process during step 3; with max_restarts=1 the
-    run prints one restart line, starts new actors, resumes from step 2's checkpoint (or step 0
-    without one) and ends bit for bit where the same run without the fault ends."""
+def assert_restarted_to_the_uninterrupted_result(uninterrupted, faulted: TrainConfig, line: str, first_pids: list[int],
+                                                  steps: int, restarts: int, checkpoint_path: str) -> None:
+    """A run whose expert rank was killed during step 3 (max_restarts=1): one restart line naming
+    the rank and where it resumed, the fault's record, the first group gone, and every step's
+    figures and the final parameters bit for bit those of the run without the fault."""
     clean, clean_summary = uninterrupted
-    faulted = run_config(tmp_path / "run", "disaggregated", **RESTART_FIELDS, checkpoint_every=checkpoint_every,
-                         max_restarts=1, fault_injection={"rank": 1, "step": 3})
+    resumed_from = "step-00000002" if faulted.checkpoint_every else "from step 0 (no complete checkpoint yet)"
+    assert "restart 1 of 1" in line and resumed_from in line, line
+    assert "rank 1 (E0.0) failed during train_step of step 3" in line and "died" in line, line
+    assert "resume=true" not in line  # the failure's advice to resume by hand is the restart's job here
+    record = json.loads((Path(faulted.out_dir) / FAULT_RECORD).read_text())
+    assert (record["rank"], record["step"], record["pid"]) == (1, 3, first_pids[1])
+    assert _gone(first_pids[1]) and _gone(first_pids[0])  # the whole group was torn down
+    assert steps == 4 and restarts == 1
+    got, want = (read_metrics(Path(cfg.out_dir) / METRICS_FILE) for cfg in (faulted, clean))
+    assert [r["step"] for r in got] == [1, 2, 3, 4]
+    for name in ("loss", "ce", "aux_loss", "z_loss", "grad_norm", "expert_load"):
+        assert [r[name] for r in got] == [r[name] for r in want], name
+    final, reference = (model_from_checkpoint(clean, Path(c)) for c in (checkpoint_path, clean_summary.checkpoint_path))
+    for name, tensor in final.state_dict().items():
+        assert torch.equal(tensor, reference.state_dict()[name]), name
+
+
+def test_a_killed_expert_actor_restarts_the_run_from_step_0_to_the_uninterrupted_result(uninterrupted, tmp_path):
+    """fault_injection SIGKILLs the expert rank's process during step 3; with max_restarts=1 and no
+    checkpoint the run prints one restart line, starts new actors, starts again from step 0 and
+    ends bit for bit where the same run without the fault ends."""
+    faulted = run_config(tmp_path / "run", "disaggregated", **RESTART_FIELDS, checkpoint_every=0, max_restarts=1,
+                         fault_injection={"rank": 1, "step": 3})
     trainer = DistributedTrainer(faulted, log_to_driver=False)
     first_pids = [ray.get(actor.info.remote())["pid"] for actor in trainer.workers.actors]
     with pytest.warns(RunWarning) as warned:
         summary = trainer.run()
     lines = [str(w.message) for w in warned if issubclass(w.category, RunWarning)]
     assert len(lines) == 1, lines
-    resumed_from = "step-00000002" if checkpoint_every else "from step 0 (no complete checkpoint yet)"
-    assert "restart 1 of 1" in lines[0] and resumed_from in lines[0], lines[0]
-    assert "rank 1 (E0.0) failed during train_step of step 3" in lines[0] and "died" in lines[0], lines[0]
-    assert "resume=true" not in lines[0]  # the failure's advice to resume by hand is the restart's job here
-    record = json.loads((tmp_path / "run" / FAULT_RECORD).read_text())
-    assert (record["rank"], record["step"], record["pid"]) == (1, 3, first_pids[1])
-    assert _gone(first_pids[1]) and _gone(first_pids[0])  # the whole group was torn down
-    assert summary.steps == 4 and summary.restarts == 1
-    got, want = (read_metrics(Path(cfg.out_dir) / METRICS_FILE) for cfg in (faulted, clean))
-    assert [r["step"] for r in got] == [1, 2, 3, 4]
-    for name in ("loss", "ce", "aux_loss", "z_loss", "grad_norm", "expert_load"):
-        assert [r[name] for r in got] == [r[name] for r in want], name
-    final, reference = (model_from_checkpoint(clean, Path(s.checkpoint_path)) for s in (summary, clean_summary))
-    for name, tensor in final.state_dict().items():
-        assert torch.equal(tensor, reference.state_dict()[name]), name
+    assert_restarted_to_the_uninterrupted_result(uninterrupted, faulted, lines[0], first_pids, summary.steps,
+                                                 summary.restarts, summary.checkpoint_path)
+
+
+def test_train_restarts_a_killed_expert_actor_from_its_checkpoint_by_itself(uninterrupted, tmp_path, monkeypatch):
+    """`disagmoe train` with max_restarts=1 and the expert rank's process SIGKILLed during step 3
+    (fault_injection, as command-line overrides): one `warning: restart` line, exit 0, the JSON
+    summary's restart count; the run resumed from step 2's checkpoint and ended bit for bit where
+    the run without the fault ended, at the single-process oracle's loss. (Through the CLI on this
+    module's Ray cluster: the CLI's own cluster start is the README demo's.)"""
+    from typer.testing import CliRunner
+
+    from disagmoe.cli.app import app
+
+    clean, _ = uninterrupted
+    faulted = run_config(tmp_path / "run", "disaggregated", **RESTART_FIELDS, checkpoint_every=2, max_restarts=1,
+                         fault_injection={"rank": 1, "step": 3})
+    config = tmp_path / "train.yaml"
+    config.write_text(yaml.safe_dump(faulted.model_dump(mode="json", exclude={"max_restarts", "fault_injection"})))
+    started = []  # each start's pids: the first group's, then the restart's
+    start = DistributedTrainer._start
+
+    def recording_start(self, workers, resume_from):
+        start(self, workers, resume_from)
+        started.append([p["pid"] for p in self.processes])
+
+    monkeypatch.setattr(DistributedTrainer, "_start", recording_start)
+    result = CliRunner().invoke(app, ["train", "--config", str(config), "--json", "max_restarts=1",
+                                      "fault_injection.rank=1", "fault_injection.step=3"])
+    assert result.exit_code == 0, result.output
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and warnings[0].startswith("warning: restart 1 of 1 (max_restarts=1) from "), warnings
+    assert len(started) == 2
+    summary = json.loads(result.stdout)
+    assert_restarted_to_the_uninterrupted_result(uninterrupted, faulted, warnings[0], started[0], summary["steps"],
+                                                 summary["restarts"], summary["checkpoint_path"])
+    reference, _ = oracle(clean, tmp_path / "single")
+    assert abs(summary["final_loss"] - reference[-1]["loss"]) <= TOLERANCE * reference[-1]["loss"]
 
 
 def test_without_restarts_left_a_dead_rank_ends_the_run_naming_it(warm, tmp_path):
