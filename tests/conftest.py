@@ -1,6 +1,7 @@
 import importlib
 import importlib.util
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -129,6 +130,7 @@ def interpreted():
     functions, whatever was imported before), and restore the compiled build after the test (so
     GPU tests in the same run get compiled kernels)."""
     reloaded = []
+    loaded_before = set(sys.modules)
     previous = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     _patch_interpreter_index()
@@ -146,6 +148,13 @@ def interpreted():
     else:
         os.environ["TRITON_INTERPRET"] = previous
     _reload_all(TRITON_JIT_MODULES)
+    # kernel modules first imported during the test (by the reloaded ones: fp8, fp8_stats, ...) were
+    # built interpreted too; rebuilt compiled, dependencies first (sys.modules lists a module before
+    # the modules its import then imports), before the modules that import them. Left interpreted,
+    # a later compile of a kernel calling their helpers failed ("Cannot call @triton.jit'd outside
+    # of the scope of a kernel": test_compile_for_hopper after test_recompute in one worker).
+    first_imported = [name for name in sys.modules if name not in loaded_before and name.startswith("disagmoe.kernels.")]
+    _reload_all(reversed(first_imported))
     for module in reloaded:
         importlib.reload(module)
 
