@@ -126,36 +126,44 @@ def test_fused_pair_rows_are_the_moe_layer_in_the_interpreter(kernels, case, gra
                   _reference(full, topk, x, w, dy), 1e-4)
 
 
-RECOMPUTE_SETS = {"swiglu": {"expert_swiglu"}, "input": {"expert_input"}, "both": {"expert_input", "expert_swiglu"}}
+_PLAIN: dict[bool, tuple] = {}  # grads_as_pairs -> the plain fused pair run, shared by the recompute sets
 
 
+def _plain(full, topk, x, w, dy, case, grads_as_pairs):
+    """The plain run (nothing recomputed), made once per process (these tests run on one xdist
+    worker: tests/conftest.py's SHARED_UNITS)."""
+    if grads_as_pairs not in _PLAIN:
+        _PLAIN[grads_as_pairs] = _pair_path(full, topk, x, w, dy, case, fused=True, backend="triton",
+                                            grads_as_pairs=grads_as_pairs)
+    return _PLAIN[grads_as_pairs]
+
+
+@pytest.mark.parametrize("recompute", [{"expert_swiglu"}, {"expert_input"}, {"expert_input", "expert_swiglu"}],
+                         ids=["swiglu", "input", "both"])
 @pytest.mark.parametrize("grads_as_pairs", [True, False], ids=["dx-pair-rows", "dx-compact"])
-def test_recomputed_pair_rows_keep_less_and_give_the_same_bits_in_fp32(kernels, grads_as_pairs):
-    """`recompute: selective` on the fused pair path (each of RECOMPUTE_SETS against one plain
-    run): the forward keeps no SwiGLU output / no grouped rows (their source tokens instead), and
-    in fp32 the backward recomputes them exactly, so every gradient is the plain run's to the bit
-    (bf16 on a GPU: the SwiGLU output rounds from the kept bf16 pre-activations instead, the GPU
-    test's tolerance)."""
+def test_recomputed_pair_rows_keep_less_and_give_the_same_bits_in_fp32(kernels, recompute, grads_as_pairs):
+    """`recompute: selective` on the fused pair path: the forward keeps no SwiGLU output / no
+    grouped rows (their source tokens instead), and in fp32 the backward recomputes them exactly,
+    so every gradient is the plain run's to the bit (bf16 on a GPU: the SwiGLU output rounds from
+    the kept bf16 pre-activations instead, the GPU test's tolerance)."""
     case = CASES[0]
     full, topk, x, w, dy = _layer(case, "cpu", torch.float32, seed=3)
-    plain = _pair_path(full, topk, x, w, dy, case, fused=True, backend="triton", grads_as_pairs=grads_as_pairs)
-    for which, recompute in RECOMPUTE_SETS.items():
-        got = _pair_path(full, topk, x, w, dy, case, fused=True, backend="triton", grads_as_pairs=grads_as_pairs,
-                         recompute=frozenset(recompute))
-        for name, a, b in zip(("y", "dx", "dw", "dw13", "dw2"), got, plain, strict=True):
-            assert torch.equal(a, b), (which, name)
-        part = RoutedExperts.from_slice(full, 0, 3, backend="triton")
-        part.set_recompute(frozenset(recompute))
-        tokens, top_k, _, _, hidden, _, seg, _ = case
-        rows = torch.zeros(tokens * top_k, hidden)
-        flags = torch.zeros(1, -(-tokens // seg), dtype=torch.int64)
-        saved = pair_return.expert_pair_rows(x.detach().requires_grad_(), torch.where(topk < 3, topk, 3).to(torch.int32),
-                                             w, part, PairTarget(rows, flags, 0, 1),
-                                             torch.zeros(flags.shape[1], dtype=torch.int32), seg, fused=True,
-                                             num_programs=2)
-        assert (saved.fused.act_NF is None) == ("expert_swiglu" in recompute), which
-        assert isinstance(saved.fused.x_N, pair_return.RowSource) == ("expert_input" in recompute), which
-        assert (saved.x_N is None) == ("expert_input" in recompute), which
+    plain = _plain(full, topk, x, w, dy, case, grads_as_pairs)
+    got = _pair_path(full, topk, x, w, dy, case, fused=True, backend="triton", grads_as_pairs=grads_as_pairs,
+                     recompute=frozenset(recompute))
+    for name, a, b in zip(("y", "dx", "dw", "dw13", "dw2"), got, plain, strict=True):
+        assert torch.equal(a, b), name
+    part = RoutedExperts.from_slice(full, 0, 3, backend="triton")
+    part.set_recompute(frozenset(recompute))
+    tokens, top_k, _, _, hidden, _, seg, _ = case
+    rows = torch.zeros(tokens * top_k, hidden)
+    flags = torch.zeros(1, -(-tokens // seg), dtype=torch.int64)
+    saved = pair_return.expert_pair_rows(x.requires_grad_(), torch.where(topk < 3, topk, 3).to(torch.int32), w, part,
+                                         PairTarget(rows, flags, 0, 1), torch.zeros(flags.shape[1], dtype=torch.int32),
+                                         seg, fused=True, num_programs=2)
+    assert (saved.fused.act_NF is None) == ("expert_swiglu" in recompute)
+    assert isinstance(saved.fused.x_N, pair_return.RowSource) == ("expert_input" in recompute)
+    assert (saved.x_N is None) == ("expert_input" in recompute)
 
 
 def test_a_target_of_the_wrong_shape_is_refused():
