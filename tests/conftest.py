@@ -1,6 +1,7 @@
 import importlib
 import importlib.util
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,12 @@ def pytest_collection_modifyitems(config, items):
 RAY_STARTS = ("DistributedTrainer(", "WorkerGroup.start(", "Cluster(", "ray.init(", '"-m", "disagmoe"', '["train"',
               '"bench", "placement"', '"bench", "train"')
 RAY_UNITS = {"tests/runtime/cluster/test_driver.py": "ray-driver-and-readme", "tests/test_readme.py": "ray-driver-and-readme"}
+# Tests sharing an expensive module-scoped fixture or cache (node id prefixes): one unit each, so
+# that it is made once, not once per worker.
+SHARED_UNITS = ("tests/runtime/state/test_flat_adamw.py::test_zero1_", "tests/runtime/state/test_offload.py::test_zero1_",
+                "tests/kernels/test_recompute.py::test_recomputation_keeps_less",
+                "tests/kernels/test_fused_moe.py::test_one_op_is_the_three_ops_without_their_rows",
+                "tests/runtime/stages/test_pair_return.py::test_recomputed_pair_rows_keep_less")
 TESTS_ROOT = Path(__file__).resolve().parent.parent
 _ray_files: dict[str, bool] = {}
 
@@ -47,13 +54,16 @@ def _starts_ray(test_file: str) -> bool:
     return _ray_files[test_file]
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest without xdist (`-p no:xdist`) does not know the hook
 def pytest_xdist_make_scheduler(config, log):
     from xdist.scheduler import LoadScopeScheduling
 
     class RayFilesTogether(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             test_file = nodeid.split("::", 1)[0]
-            return RAY_UNITS.get(test_file, "ray-other") if _starts_ray(test_file) else nodeid
+            if _starts_ray(test_file):
+                return RAY_UNITS.get(test_file, "ray-other")
+            return next((prefix for prefix in SHARED_UNITS if nodeid.startswith(prefix)), nodeid)
 
     return RayFilesTogether(config, log)
 
@@ -121,6 +131,7 @@ def interpreted():
     functions, whatever was imported before), and restore the compiled build after the test (so
     GPU tests in the same run get compiled kernels)."""
     reloaded = []
+    loaded_before = set(sys.modules)
     previous = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     _patch_interpreter_index()
@@ -138,6 +149,13 @@ def interpreted():
     else:
         os.environ["TRITON_INTERPRET"] = previous
     _reload_all(TRITON_JIT_MODULES)
+    # kernel modules first imported during the test (by the reloaded ones: fp8, fp8_stats, ...) were
+    # built interpreted too; rebuilt compiled, dependencies first (sys.modules lists a module before
+    # the modules its import then imports), before the modules that import them. Left interpreted,
+    # a later compile of a kernel calling their helpers failed ("Cannot call @triton.jit'd outside
+    # of the scope of a kernel": test_compile_for_hopper after test_recompute in one worker).
+    first_imported = [name for name in sys.modules if name not in loaded_before and name.startswith("disagmoe.kernels.")]
+    _reload_all(reversed(first_imported))
     for module in reloaded:
         importlib.reload(module)
 

@@ -109,11 +109,21 @@ def test_presets_schema_and_planner_examples(ran):
 
 @pytest.mark.slow
 def test_the_demo_trains_its_loss_below_1_with_metrics_and_a_checkpoint(ran):
+    """The main command (configs/tiny-cpu.yaml: disaggregated on Ray, 1 attention + 1 expert rank):
+    the loss below 1, metrics with the planner's `expert_load`, validation, each group's busy
+    fraction, a checkpoint with a shard per rank, and the trace of both ranks."""
     out = ran["folder"] / "runs" / "tiny-cpu"
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert len(records) == 200 and records[-1]["loss"] < 1.0 < records[0]["loss"]
-    assert (out / "checkpoints" / "step-00000200" / "manifest.json").is_file()
-    assert "train (disaggregated)" in ran["train-demo"].stdout
+    assert [r["step"] for r in records] == list(range(1, 201)) and records[-1]["loss"] < 1.0 < records[0]["loss"]
+    assert "val_loss" in records[-1]  # eval_every: 50
+    assert len(records[-1]["expert_load"]) == 2 and set(records[-1]["busy"]) == {"A0", "E0"}
+    manifest = json.loads((out / "checkpoints" / "step-00000200" / "manifest.json").read_text())
+    assert {e["file"] for e in manifest["shards"]} == {"rank-00000.pt", "rank-00001.pt", "trainer.pt"}
+    pids = {e["pid"] for e in json.loads((out / "trace.json").read_text())["traceEvents"] if e["ph"] == "X"}
+    assert pids == {0, 1}
+    stdout = ran["train-demo"].stdout
+    assert "train (disaggregated)" in stdout and "busy fraction" in stdout
+    assert "runs/tiny-cpu/trace.json" in stdout.replace("\n", "")
     assert "Token authentication" not in ran["train-demo"].stderr  # Ray's notice is in ray-driver.log
 
 

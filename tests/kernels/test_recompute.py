@@ -63,13 +63,24 @@ def kernels(interpreted):
     return interpreted("disagmoe.kernels.grouped_gemm", "disagmoe.kernels.permute", "disagmoe.kernels.moe_ffn")
 
 
+_PLAIN: dict[tuple, tuple] = {}  # case -> its plain run (nothing recomputed), shared by the case's subsets
+
+
+def _plain(moe_ffn, permute, case):
+    """The case's plain run, made once per process (the case's tests run on one xdist worker:
+    tests/conftest.py's SHARED_UNITS)."""
+    if case not in _PLAIN:
+        _PLAIN[case] = _run(moe_ffn, permute, case, frozenset())
+    return _PLAIN[case]
+
+
 @pytest.mark.parametrize("recompute", SUBSETS, ids=SUBSET_IDS)
 @pytest.mark.parametrize("case", CASES)
 def test_recomputation_keeps_less_and_gives_the_same_bits_in_fp32(kernels, case, recompute):
     gg, permute, moe_ffn = kernels
     tokens, top_k, _, hidden, ffn, _, _ = case
     rows = tokens * top_k
-    plain, plain_saved = _run(moe_ffn, permute, case, frozenset())
+    plain, plain_saved = _plain(moe_ffn, permute, case)
     got, saved = _run(moe_ffn, permute, case, recompute)
     for name, a, b in zip(("y", "dx", "dw13", "dw2"), got, plain, strict=True):
         assert torch.equal(a, b), name

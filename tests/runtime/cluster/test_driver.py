@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import ray
 import torch
+import yaml
 
 from disagmoe.cli.plan_cmd import build_request
 from disagmoe.config import OptimConfig, Plan, TrainConfig
@@ -247,7 +248,9 @@ PLANS = {
     "replicas-A2-E2-m2": lambda: planned(3).model_copy(update={
         "attention_gpus": 2, "micro_batches": 2, "expert_map": [
             [[0, 1], [1], [1, 0], [0], [1], [0, 1], [0], [1]], [[0, 1], [1, 0]] * 4]}),
-    "planner-replicas-A1-E4": lambda: planned(5, max_expert_replicas=1),
+    # the planner's replicas on 3 expert ranks (two experts per layer on two ranks each): the warm
+    # 4-rank group of the p2 cases, not a 5-rank group of its own
+    "planner-replicas-A1-E3": lambda: planned(4, max_expert_replicas=1),
     "replicas-colocated-2": lambda: colocated_plan(2, micro_batches=2).model_copy(update={"expert_map": [
         [[0, 1], [0], [0], [0], [1], [1], [1], [1, 0]], [[1], [1], [0, 1], [0], [0], [1], [0], [1]]]}),
 }
@@ -499,22 +502,6 @@ def test_a_hung_rank_is_named_and_the_run_resumes_in_another_layout(warm, tmp_pa
 
 def _sleep(worker, seconds):
     time.sleep(seconds)
-
-
-def test_a_dead_rank_is_named(warm, tmp_path):
-    cfg = run_config(tmp_path / "run", "disaggregated", attention_ranks=1, expert_ranks=1, steps=3,
-                     recv_timeout_s=30)
-    trainer = DistributedTrainer(cfg, log_to_driver=False)
-
-    def kill_rank_0(record):
-        if record["step"] == 1:
-            ray.kill(trainer.workers.actors[0], no_restart=True)
-
-    with pytest.raises(TrainingFailed) as failure:
-        trainer.run(kill_rank_0)
-    assert failure.value.rank == 0
-    assert "rank 0 (A0.0)" in str(failure.value) and "died" in str(failure.value)
-    assert "no checkpoint yet" in str(failure.value)
 
 
 @pytest.mark.parametrize(
@@ -935,16 +922,46 @@ def _gone(pid: int, within_s: float = 10.0) -> bool:
     return False
 
 
-@pytest.mark.parametrize("checkpoint_every", [2, 0], ids=["from-checkpoint", "from-step-0"])
-def test_a_killed_expert_actor_restarts_the_run_to_the_uninterrupted_result(warm, tmp_path, checkpoint_every):
-    """fault_injection SIGKILLs the expert rank's process during step 3; with max_restarts=1 the
-    run prints one restart line, starts new actors, resumes from step 2's checkpoint (or step 0
-    without one) and ends bit for bit where the same run without the fault ends."""
-    fields = dict(attention_ranks=1, expert_ranks=1, micro_batches=2, steps=4, checkpoint_every=checkpoint_every,
-                  bias_balancing=True)
-    clean = run_config(tmp_path / "clean", "disaggregated", **fields)
-    clean_summary = run_on(warm, clean)
-    faulted = run_config(tmp_path / "run", "disaggregated", **fields, max_restarts=1,
+RESTART_FIELDS = dict(attention_ranks=1, expert_ranks=1, micro_batches=2, steps=4, bias_balancing=True)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(warm, tmp_path_factory):
+    """The restart tests' run without a fault (checkpoints every 2 steps; checkpoints leave the
+    numbers as they are, which the from-checkpoint case's bit-for-bit resume shows): its config
+    and summary."""
+    clean = run_config(tmp_path_factory.mktemp("clean"), "disaggregated", **RESTART_FIELDS, checkpoint_every=2)
+    return clean, run_on(warm, clean)
+
+
+def assert_restarted_to_the_uninterrupted_result(uninterrupted, faulted: TrainConfig, line: str, first_pids: list[int],
+                                                  steps: int, restarts: int, checkpoint_path: str) -> None:
+    """A run whose expert rank was killed during step 3 (max_restarts=1): one restart line naming
+    the rank and where it resumed, the fault's record, the first group gone, and every step's
+    figures and the final parameters bit for bit those of the run without the fault."""
+    clean, clean_summary = uninterrupted
+    resumed_from = "step-00000002" if faulted.checkpoint_every else "from step 0 (no complete checkpoint yet)"
+    assert "restart 1 of 1" in line and resumed_from in line, line
+    assert "rank 1 (E0.0) failed during train_step of step 3" in line and "died" in line, line
+    assert "resume=true" not in line  # the failure's advice to resume by hand is the restart's job here
+    record = json.loads((Path(faulted.out_dir) / FAULT_RECORD).read_text())
+    assert (record["rank"], record["step"], record["pid"]) == (1, 3, first_pids[1])
+    assert _gone(first_pids[1]) and _gone(first_pids[0])  # the whole group was torn down
+    assert steps == 4 and restarts == 1
+    got, want = (read_metrics(Path(cfg.out_dir) / METRICS_FILE) for cfg in (faulted, clean))
+    assert [r["step"] for r in got] == [1, 2, 3, 4]
+    for name in ("loss", "ce", "aux_loss", "z_loss", "grad_norm", "expert_load"):
+        assert [r[name] for r in got] == [r[name] for r in want], name
+    final, reference = (model_from_checkpoint(clean, Path(c)) for c in (checkpoint_path, clean_summary.checkpoint_path))
+    for name, tensor in final.state_dict().items():
+        assert torch.equal(tensor, reference.state_dict()[name]), name
+
+
+def test_a_killed_expert_actor_restarts_the_run_from_step_0_to_the_uninterrupted_result(uninterrupted, tmp_path):
+    """fault_injection SIGKILLs the expert rank's process during step 3; with max_restarts=1 and no
+    checkpoint the run prints one restart line, starts new actors, starts again from step 0 and
+    ends bit for bit where the same run without the fault ends."""
+    faulted = run_config(tmp_path / "run", "disaggregated", **RESTART_FIELDS, checkpoint_every=0, max_restarts=1,
                          fault_injection={"rank": 1, "step": 3})
     trainer = DistributedTrainer(faulted, log_to_driver=False)
     first_pids = [ray.get(actor.info.remote())["pid"] for actor in trainer.workers.actors]
@@ -952,29 +969,54 @@ def test_a_killed_expert_actor_restarts_the_run_to_the_uninterrupted_result(warm
         summary = trainer.run()
     lines = [str(w.message) for w in warned if issubclass(w.category, RunWarning)]
     assert len(lines) == 1, lines
-    resumed_from = "step-00000002" if checkpoint_every else "from step 0 (no complete checkpoint yet)"
-    assert "restart 1 of 1" in lines[0] and resumed_from in lines[0], lines[0]
-    assert "rank 1 (E0.0) failed during train_step of step 3" in lines[0] and "died" in lines[0], lines[0]
-    assert "resume=true" not in lines[0]  # the failure's advice to resume by hand is the restart's job here
-    record = json.loads((tmp_path / "run" / FAULT_RECORD).read_text())
-    assert (record["rank"], record["step"], record["pid"]) == (1, 3, first_pids[1])
-    assert _gone(first_pids[1]) and _gone(first_pids[0])  # the whole group was torn down
-    assert summary.steps == 4 and summary.restarts == 1
-    got, want = (read_metrics(d / METRICS_FILE) for d in (tmp_path / "run", tmp_path / "clean"))
-    assert [r["step"] for r in got] == [1, 2, 3, 4]
-    for name in ("loss", "ce", "aux_loss", "z_loss", "grad_norm", "expert_load"):
-        assert [r[name] for r in got] == [r[name] for r in want], name
-    final, reference = (model_from_checkpoint(clean, Path(s.checkpoint_path)) for s in (summary, clean_summary))
-    for name, tensor in final.state_dict().items():
-        assert torch.equal(tensor, reference.state_dict()[name]), name
+    assert_restarted_to_the_uninterrupted_result(uninterrupted, faulted, lines[0], first_pids, summary.steps,
+                                                 summary.restarts, summary.checkpoint_path)
 
 
-def test_without_restarts_left_the_injected_fault_ends_the_run_naming_the_rank(warm, tmp_path):
+def test_train_restarts_a_killed_expert_actor_from_its_checkpoint_by_itself(uninterrupted, tmp_path, monkeypatch):
+    """`disagmoe train` with max_restarts=1 and the expert rank's process SIGKILLed during step 3
+    (fault_injection, as command-line overrides): one `warning: restart` line, exit 0, the JSON
+    summary's restart count; the run resumed from step 2's checkpoint and ended bit for bit where
+    the run without the fault ended, at the single-process oracle's loss. (Through the CLI on this
+    module's Ray cluster: the CLI's own cluster start is the README demo's.)"""
+    from typer.testing import CliRunner
+
+    from disagmoe.cli.app import app
+
+    clean, _ = uninterrupted
+    faulted = run_config(tmp_path / "run", "disaggregated", **RESTART_FIELDS, checkpoint_every=2, max_restarts=1,
+                         fault_injection={"rank": 1, "step": 3})
+    config = tmp_path / "train.yaml"
+    config.write_text(yaml.safe_dump(faulted.model_dump(mode="json", exclude={"max_restarts", "fault_injection"})))
+    started = []  # each start's pids: the first group's, then the restart's
+    start = DistributedTrainer._start
+
+    def recording_start(self, workers, resume_from):
+        start(self, workers, resume_from)
+        started.append([p["pid"] for p in self.processes])
+
+    monkeypatch.setattr(DistributedTrainer, "_start", recording_start)
+    result = CliRunner().invoke(app, ["train", "--config", str(config), "--json", "max_restarts=1",
+                                      "fault_injection.rank=1", "fault_injection.step=3"])
+    assert result.exit_code == 0, result.output
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and warnings[0].startswith("warning: restart 1 of 1 (max_restarts=1) from "), warnings
+    assert len(started) == 2
+    summary = json.loads(result.stdout)
+    assert_restarted_to_the_uninterrupted_result(uninterrupted, faulted, warnings[0], started[0], summary["steps"],
+                                                 summary["restarts"], summary["checkpoint_path"])
+    reference, _ = oracle(clean, tmp_path / "single")
+    assert abs(summary["final_loss"] - reference[-1]["loss"]) <= TOLERANCE * reference[-1]["loss"]
+
+
+def test_without_restarts_left_a_dead_rank_ends_the_run_naming_it(warm, tmp_path):
+    """A rank whose process dies (here fault_injection's SIGKILL of rank 0 during step 2) is named
+    in the run's report, which says there is no checkpoint to resume from yet."""
     cfg = run_config(tmp_path / "run", "disaggregated", steps=3, fault_injection={"rank": 0, "step": 2})
     with pytest.raises(TrainingFailed) as failure:
         DistributedTrainer(cfg, log_to_driver=False).run()
     assert failure.value.rank == 0 and "rank 0 (A0.0) failed during train_step of step 2" in str(failure.value)
-    assert "died" in str(failure.value)
+    assert "died" in str(failure.value) and "no checkpoint yet" in str(failure.value)
     # fired once per run: a resume of this out_dir does not fire it again, a fresh run (resume=false) does
     assert Fault(cfg.fault_injection, tmp_path / "run", fresh_run=False).due(2) is False
     assert Fault(cfg.fault_injection, tmp_path / "run", fresh_run=True).due(2) is True

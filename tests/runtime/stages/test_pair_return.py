@@ -167,6 +167,18 @@ def test_fused_pair_rows_are_the_moe_layer_in_the_interpreter(kernels, case, gra
                              sparse=sparse), _reference(full, topk, x, w, dy), 1e-4)
 
 
+_PLAIN: dict[tuple[bool, bool], tuple] = {}  # (grads_as_pairs, sparse) -> the plain run, shared by the recompute sets
+
+
+def _plain(full, topk, x, w, dy, case, grads_as_pairs, sparse):
+    """The plain run (nothing recomputed), made once per process (these tests run on one xdist
+    worker: tests/conftest.py's SHARED_UNITS)."""
+    if (grads_as_pairs, sparse) not in _PLAIN:
+        _PLAIN[grads_as_pairs, sparse] = _pair_path(full, topk, x, w, dy, case, fused=True, backend="triton",
+                                                    grads_as_pairs=grads_as_pairs, sparse=sparse)
+    return _PLAIN[grads_as_pairs, sparse]
+
+
 @pytest.mark.parametrize("recompute", [{"expert_swiglu"}, {"expert_input"}, {"expert_input", "expert_swiglu"}],
                          ids=["swiglu", "input", "both"])
 @pytest.mark.parametrize("grads_as_pairs, sparse", [(True, False), (False, False), (False, True)],
@@ -178,8 +190,7 @@ def test_recomputed_pair_rows_keep_less_and_give_the_same_bits_in_fp32(kernels, 
     the kept bf16 pre-activations instead, the GPU test's tolerance)."""
     case = CASES[0]
     full, topk, x, w, dy = _layer(case, "cpu", torch.float32, seed=3)
-    plain = _pair_path(full, topk, x, w, dy, case, fused=True, backend="triton", grads_as_pairs=grads_as_pairs,
-                       sparse=sparse)
+    plain = _plain(full, topk, x, w, dy, case, grads_as_pairs, sparse)
     got = _pair_path(full, topk, x, w, dy, case, fused=True, backend="triton", grads_as_pairs=grads_as_pairs,
                      recompute=frozenset(recompute), sparse=sparse)
     for name, a, b in zip(("y", "dx", "dw", "dw13", "dw2"), got, plain, strict=True):

@@ -5,18 +5,15 @@ ZeRO-1 split over two gloo processes takes the same step. bf16 moments: each ste
 update with the moments rounded after it, the trajectory stays near the fp32 one, and the
 checkpoint form (fp32 moments) resumes either dtype from either."""
 
-import os
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from disagmoe.config import OptimConfig
 from disagmoe.runtime.state.flat_adamw import FlatAdamW, Shard
 from disagmoe.runtime.state.optim import build_optimizer, lr_at
+from tests.runtime.state.gloo_pair import run_pair
 
 OPTIM = OptimConfig(lr=1e-2, weight_decay=0.1)
 
@@ -378,43 +375,49 @@ def test_the_lr_is_not_checkpoint_state() -> None:
         assert torch.equal(a, b)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _sharded_run(rank: int, dtype: torch.dtype, optim: OptimConfig):
+    """One rank's 3 ZeRO-1 steps: (parameters, masters, gathered state, squared gradient norm)."""
+    group = dist.new_group([0, 1])
+    model = _model()
+    flat = FlatAdamW(model.named_parameters(), optim, dtype, shards={"params": Shard(group, rank, 2)})
+    for step in range(3):
+        flat.zero_grad()
+        _loss(model, step, rank).backward()  # each rank its own micro-batch
+        for b in flat.buckets:
+            flat.reduce_scatter(b)
+        squares = flat.grad_squares()
+        dist.all_reduce(squares, group=group)
+        flat.set_lr(OPTIM.lr)
+        flat.step()
+    masters, state = flat.masters_by_name(), flat.state_by_name()
+    return ({n: p.detach().float().clone() for n, p in model.named_parameters()}, masters, state, float(squares))
 
 
-def _sharded_worker(rank: int, port: int, dtype: torch.dtype, optim: OptimConfig, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        group = dist.new_group([0, 1])
-        model = _model()
-        flat = FlatAdamW(model.named_parameters(), optim, dtype, shards={"params": Shard(group, rank, 2)})
-        for step in range(3):
-            flat.zero_grad()
-            _loss(model, step, rank).backward()  # each rank its own micro-batch
-            for b in flat.buckets:
-                flat.reduce_scatter(b)
-            squares = flat.grad_squares()
-            dist.all_reduce(squares, group=group)
-            flat.set_lr(OPTIM.lr)
-            flat.step()
-        masters, state = flat.masters_by_name(), flat.state_by_name()
-        results[rank] = ({n: p.detach().float().clone() for n, p in model.named_parameters()},
-                         masters, state, float(squares))
-    finally:
-        dist.destroy_process_group()
+def _sharded_lr_run(rank: int, state_dtype: str) -> None:
+    _scheduled_pair(state_dtype, torch.bfloat16, shards={"params": Shard(dist.new_group([0, 1]), rank, 2)}, rank=rank)
+
+
+ZERO1_DTYPES = {"dtype0": torch.float32, "dtype1": torch.bfloat16}
+ZERO1_OPTIMS = {"fp32-moments": OPTIM, "bf16-moments": BF16}
+
+
+@pytest.fixture(scope="module")
+def zero1_pair():
+    """Every ZeRO-1 case of this module in one pair of gloo processes (tests/runtime/state/gloo_pair.py)."""
+    split = [(f"split-{o}-{d}", _sharded_run, (dtype, optim))
+             for o, optim in ZERO1_OPTIMS.items() for d, dtype in ZERO1_DTYPES.items()]
+    return run_pair(split + [(f"lr-{state_dtype}", _sharded_lr_run, (state_dtype,)) for state_dtype in SCHEDULE])
 
 
 @pytest.mark.slow  # more than a few seconds on 2 cores (`pytest -m 'not slow'` skips it)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("optim", [OPTIM, BF16], ids=["fp32-moments", "bf16-moments"])
-def test_zero1_split_takes_the_unsharded_step(dtype: torch.dtype, optim: OptimConfig) -> None:
+@pytest.mark.parametrize("dtype", list(ZERO1_DTYPES))
+@pytest.mark.parametrize("optim", list(ZERO1_OPTIMS))
+def test_zero1_split_takes_the_unsharded_step(zero1_pair, dtype: str, optim: str) -> None:
     """Each rank steps its slice (with bf16 moments: its slice of them) and the gathered
     checkpoint state is the whole bucket's, in fp32."""
-    results = mp.Manager().dict()
-    mp.spawn(_sharded_worker, args=(_free_port(), dtype, optim, results), nprocs=2)
+    params0, masters0, state0, squares0 = zero1_pair.of(f"split-{optim}-{dtype}", 0)
+    params1, _, state1, _ = zero1_pair.of(f"split-{optim}-{dtype}", 1)
+    dtype, optim = ZERO1_DTYPES[dtype], ZERO1_OPTIMS[optim]
     model = _model().to(dtype)
     flat = FlatAdamW(model.named_parameters(), optim, dtype)
     for step in range(3):
@@ -424,8 +427,6 @@ def test_zero1_split_takes_the_unsharded_step(dtype: torch.dtype, optim: OptimCo
         squares = flat.grad_squares()
         flat.set_lr(OPTIM.lr)
         flat.step()
-    params0, masters0, state0, squares0 = results[0]
-    params1, _, state1, _ = results[1]
     assert state1 == {} and set(state0) == {n for n, _ in model.named_parameters()}
     tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 1e-2}  # bf16 forward
     torch.testing.assert_close(squares0, float(squares), rtol=tol["rtol"], atol=0)
@@ -442,21 +443,13 @@ def test_zero1_split_takes_the_unsharded_step(dtype: torch.dtype, optim: OptimCo
             torch.testing.assert_close(state[k], unsharded[name][k], **moment_tol)
 
 
-def _sharded_lr_worker(rank: int, port: int, state_dtype: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        _scheduled_pair(state_dtype, torch.bfloat16, shards={"params": Shard(dist.new_group([0, 1]), rank, 2)},
-                        rank=rank)
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.slow  # two gloo processes
 @pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])
-def test_zero1_slices_take_the_float_lr_step_bit_for_bit(state_dtype: str) -> None:
-    """Each rank's slice, stepped at the device lr over the schedule, equals its float-lr step."""
-    mp.spawn(_sharded_lr_worker, args=(_free_port(), state_dtype), nprocs=2)
+def test_zero1_slices_take_the_float_lr_step_bit_for_bit(zero1_pair, state_dtype: str) -> None:
+    """Each rank's slice, stepped at the device lr over the schedule, equals its float-lr step
+    (`_scheduled_pair` checks it after every step, on both ranks)."""
+    for rank in range(2):
+        zero1_pair.of(f"lr-{state_dtype}", rank)
 
 
 class _AddsIntoMainGrad(torch.autograd.Function):

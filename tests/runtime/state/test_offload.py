@@ -227,49 +227,50 @@ def test_train_says_at_start_where_the_offloaded_state_goes() -> None:
     assert "nothing moved" in offload_note(_qwen_cfg(offload_optimizer=True, device="cpu"))
 
 
-def _sharded_offload_worker(rank: int, port: int, state_dtype: str, dtype: torch.dtype) -> None:
-    import os
-
+def _sharded_offload_run(rank: int, state_dtype: str, dtype: torch.dtype) -> None:
     import torch.distributed as dist
 
     from disagmoe.runtime.state.flat_adamw import Shard
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        group = dist.new_group([0, 1])
-        optim, runs = SCHEDULE[state_dtype], []
-        for bucket_bytes in (None, 97):  # on-device, then offloaded through slots dividing no slice
-            model = _model(5, dtype)
-            runs.append((model, FlatAdamW(model.named_parameters(), optim, dtype, shards={"params": Shard(group, rank, 2)},
-                                          offload_bucket_bytes=bucket_bytes)))
-        for step in range(STEPS):
-            for model, flat in runs:
-                flat.zero_grad()
-                _loss(model, 10 * step + rank).backward()  # each rank its own micro-batch
-                for b in flat.buckets:
-                    flat.reduce_scatter(b)
-                squares = flat.grad_squares()
-                dist.all_reduce(squares, group=group)
-                flat.set_lr(lr_at(step, optim, STEPS))
-                flat.step(clip_coef=torch.clamp(0.5 / (squares.sqrt().float() + 1e-6), max=1.0))
-        (plain_model, plain), (off_model, off) = runs
-        for b, c in zip(plain.buckets, off.buckets, strict=True):
-            assert torch.equal(b.master_S, c.master_S), b.name  # this rank's slice
-        _assert_same(plain, off, plain_model, off_model)  # gathered to rank 0 (rank 1: empty state)
-    finally:
-        dist.destroy_process_group()
+    group = dist.new_group([0, 1])
+    optim, runs = SCHEDULE[state_dtype], []
+    for bucket_bytes in (None, 97):  # on-device, then offloaded through slots dividing no slice
+        model = _model(5, dtype)
+        runs.append((model, FlatAdamW(model.named_parameters(), optim, dtype, shards={"params": Shard(group, rank, 2)},
+                                      offload_bucket_bytes=bucket_bytes)))
+    for step in range(STEPS):
+        for model, flat in runs:
+            flat.zero_grad()
+            _loss(model, 10 * step + rank).backward()  # each rank its own micro-batch
+            for b in flat.buckets:
+                flat.reduce_scatter(b)
+            squares = flat.grad_squares()
+            dist.all_reduce(squares, group=group)
+            flat.set_lr(lr_at(step, optim, STEPS))
+            flat.step(clip_coef=torch.clamp(0.5 / (squares.sqrt().float() + 1e-6), max=1.0))
+    (plain_model, plain), (off_model, off) = runs
+    for b, c in zip(plain.buckets, off.buckets, strict=True):
+        assert torch.equal(b.master_S, c.master_S), b.name  # this rank's slice
+    _assert_same(plain, off, plain_model, off_model)  # gathered to rank 0 (rank 1: empty state)
+
+
+ZERO1_DTYPES = {"dtype0": torch.float32, "dtype1": torch.bfloat16}
+
+
+@pytest.fixture(scope="module")
+def zero1_pair():
+    """The four ZeRO-1 offload cases in one pair of gloo processes (tests/runtime/state/gloo_pair.py)."""
+    from tests.runtime.state.gloo_pair import run_pair
+
+    return run_pair([(f"{d}-{state_dtype}", _sharded_offload_run, (state_dtype, dtype))
+                     for d, dtype in ZERO1_DTYPES.items() for state_dtype in ("fp32", "bf16")])
 
 
 @pytest.mark.slow  # two gloo processes
 @pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_zero1_slices_offloaded_take_the_on_device_step_bit_for_bit(state_dtype, dtype) -> None:
+@pytest.mark.parametrize("dtype", list(ZERO1_DTYPES))
+def test_zero1_slices_offloaded_take_the_on_device_step_bit_for_bit(zero1_pair, state_dtype, dtype) -> None:
     """ZeRO-1 with offload: each rank streams its slice and all-gathers the compute copy's fresh slice,
-    bit for bit the on-device sharded step; the gathered checkpoint state is the same too."""
-    import socket
-
-    import torch.multiprocessing as mp
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_sharded_offload_worker, args=(port, state_dtype, dtype), nprocs=2)
+    bit for bit the on-device sharded step; the gathered checkpoint state is the same too (checked on
+    both ranks by `_sharded_offload_run`)."""
+    for rank in range(2):
+        zero1_pair.of(f"{dtype}-{state_dtype}", rank)
