@@ -379,7 +379,7 @@ class SingleProcessTrainer(TrainingLoop):
         capture, self.cuda_graphs_note = resolve_cuda_graphs(cfg)
         self.graphed = (GraphedStep(self.model, self.optimizer, (cfg.batch_size, cfg.seq_len + 1), cfg.micro_batches,
                                     cfg.optim.grad_clip, _flat_step_on_device, self.device)
-                        if capture and not self.oracle else None)
+                        if capture else None)  # never the reference path: on refused above, auto eager there
         self.out_dir = Path(cfg.out_dir)
         self.checkpoint_root = self.out_dir / CHECKPOINTS_DIR
         self.tokens_per_step = cfg.batch_size * cfg.seq_len
