@@ -822,6 +822,10 @@ class TrainConfig(StrictModel):
             raise ValueError(f"cuda_graphs: on captures mode single's step on a GPU; this run is mode {self.mode} on "
                              f"{self.device}: the distributed ranks' steps are not captured yet (the nvshmem "
                              "transport's sequence numbers are host counters a graph would freeze): set cuda_graphs: off")
+        if self.cuda_graphs == "on" and self.experts_backend == "loop":
+            raise ValueError("cuda_graphs: on with experts_backend: loop: the loop reads each expert's row count on "
+                             "the host, which a captured step cannot; set experts_backend: triton (or grouped_mm), "
+                             "or cuda_graphs: off")
         if self.offload_optimizer and self.cuda_graphs == "on":
             raise ValueError("offload_optimizer with cuda_graphs: on: the offloaded step's copy streams have not been "
                              "captured in a graph yet; set cuda_graphs: off (or offload_optimizer: false)")
