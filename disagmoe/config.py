@@ -590,7 +590,7 @@ class TrainConfig(StrictModel):
         "(every token to every expert rank) or sparse (a token only to the expert ranks serving at least one of "
         "its top-k pairs, once per rank, with its token index; counts and offsets computed on the device, into "
         "receive buffers sized for the worst case; with either hop); auto = sparse on nvshmem when a set has more "
-        "than one expert rank and the hop is partial sums, else dense (printed at start)")
+        "than one expert rank, else dense (printed at start)")
     pair_segment_tokens: Dim = Field(
         256, description="pair_rows: tokens per landing segment (each segment has its own arrival flag per "
         "expert rank; the attention rank combines a segment once every flag is up)")
