@@ -25,6 +25,7 @@ so a replay after them sees their values.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -57,6 +58,16 @@ def resolve_cuda_graphs(cfg: TrainConfig) -> tuple[bool, str]:
         return False, f"cuda_graphs: auto -> eager: {eager}"
     return True, (f"cuda_graphs: auto -> on: the whole step is captured after {WARMUP_STEPS} eager steps and "
                   "replayed (one launch per step)")
+@functools.cache
+def warmup_stream(device: torch.device) -> torch.cuda.Stream:
+    """The side stream every warm-up step of the process runs on: one per device, not one per step
+    or run: torch keys cuBLAS workspaces by stream and keeps them for the process's life, so a
+    new stream per run left each run's workspaces allocated, counted in the next run's peak (a
+    small run after a large one in one process, as `bench train`'s variants, reported the larger
+    peak on an H200, 2026-12-03)."""
+    return torch.cuda.Stream(device)
+
+
 StepBody = Callable[[MoETransformer, FlatAdamW, torch.Tensor, int, float],
                     tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
@@ -79,7 +90,6 @@ class GraphedStep:
         self.graph: object | None = None
         self.outputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.replays = 0
-        self.side_stream: torch.cuda.Stream | None = None
 
     def __call__(self, tokens_BS1: torch.Tensor, lr: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if tokens_BS1.shape != self.tokens_BS1.shape:
@@ -103,9 +113,7 @@ class GraphedStep:
     def _eager(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self.device.type != "cuda":
             return self._run()
-        if self.side_stream is None:  # one for every warm-up step: a stream's cached blocks stay its own
-            self.side_stream = torch.cuda.Stream(self.device)
-        side = self.side_stream
+        side = warmup_stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             out = self._run()
