@@ -629,12 +629,19 @@ class TrainConfig(StrictModel):
         "learned", description="balanced: every expert gets the same number of tokens whatever the router "
         "scores (a benchmark setting, as other trainers' performance recipes use; labelled in every output); "
         "the routing weights stay learned")
-    recompute: Literal["none", "selective"] = Field(
+    recompute: Literal["none", "selective", "full"] = Field(
         "none", description="activation memory: none keeps what the backward reads; selective drops "
         "recompute_modules from the forward's saved state and recomputes them in the backward (the expert_* "
-        "modules need experts_backend: triton; attention runs on any backend)")
+        "modules need experts_backend: triton; attention runs on any backend); full keeps of each transformer "
+        "block only its input (the residual stream entering it) and its routing (the router's top-k ids and "
+        "the permutation and offsets derived from them) and runs the whole block (attention and MoE FFN) again "
+        "in its backward, routing as the forward did: about one more forward per step, the least activation "
+        "memory (in the distributed modes an attention rank recomputes its attention half from its input, an "
+        "expert rank its experts from the rows and routing it received); any experts backend, not with "
+        "precision: fp8")
     recompute_modules: list[Literal["expert_input", "expert_output", "expert_swiglu", "attention"]] = Field(
-        ["expert_input", "expert_output", "expert_swiglu"], description="what recompute: selective drops: "
+        ["expert_input", "expert_output", "expert_swiglu"], description="what recompute: selective drops "
+        "(recompute: none and full ignore it: full recomputes every module of every block): "
         "expert_input (the experts' grouped input rows [tokens x top_k, hidden], gathered again from the "
         "tokens: the largest activation), expert_output (their output rows, which the combine keeps for the "
         "routing weights' gradient: that comes from the backward's first GEMM instead), expert_swiglu (the "
@@ -762,7 +769,10 @@ class TrainConfig(StrictModel):
 
     @property
     def recompute_set(self) -> frozenset[str]:
-        """The modules the backward recomputes (empty under recompute: none)."""
+        """The modules the backward recomputes (empty under recompute: none; under full the whole
+        block, `kernels.recompute.BLOCK`, whatever recompute_modules says)."""
+        if self.recompute == "full":
+            return frozenset({"block"})
         return frozenset(self.recompute_modules) if self.recompute == "selective" else frozenset()
 
     @model_validator(mode="after")
@@ -810,8 +820,12 @@ class TrainConfig(StrictModel):
             needs = [why for bad, why in (
                 (self.device != "cuda", "device: cuda (FP8 tensor cores; the CPU runs the kernels only in their tests)"),
                 (self.experts_backend != "triton", "experts_backend: triton (the FP8 expert kernels)"),
-                (self.recompute != "none" and experts_dropped,
-                 "recompute: none or recompute_modules: [attention] (the FP8 experts keep their own rows)")) if bad]
+                (self.recompute == "selective" and experts_dropped,
+                 "recompute: none or recompute_modules: [attention] (the FP8 experts keep their own rows)"),
+                (self.recompute == "full",
+                 "recompute: none or selective with recompute_modules: [attention] (under full the recomputed "
+                 "forward would quantise every block's operands again, counting them twice in the FP8 statistics)"),
+            ) if bad]
             if needs:
                 raise ValueError(f"precision: fp8 needs {'; '.join(needs)}; or set precision: bf16")
             if self.mode != "single" and self.hop == "pair_rows":
