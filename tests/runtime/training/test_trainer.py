@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -194,6 +195,51 @@ def test_cuda_selective_recomputation_trains_like_the_plain_run(tmp_path):
     for step, (a, b) in enumerate(zip(lean_losses, plain_losses, strict=True), 1):
         assert a == pytest.approx(b, rel=1e-2), step
     assert lean.steps == plain.steps == 8
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["grouped_mm", "triton"])
+def test_cuda_full_recomputation_trains_like_the_plain_run_without_host_waits(tmp_path, backend):
+    """recompute: full on one GPU: the plain run's losses within bf16 rounding (the same ops on the
+    same values, but the fused norms and RoPE compiled again inside the checkpoint), no host wait
+    in a step (forbid_host_syncs), and the measured peak below the plain run's."""
+    fields = dict(steps=8, device="cuda", experts_backend=backend, batch_size=8, seq_len=256,
+                  model=tiny_model(bias_balancing=True))
+    plain = train_single(tiny_run(tmp_path / "plain", **fields))
+    lean = train_single(tiny_run(tmp_path / "lean", recompute="full", forbid_host_syncs=True, **fields))
+    records = {d: read_metrics(tmp_path / d / "run" / METRICS_FILE) for d in ("plain", "lean")}
+    for step, (a, b) in enumerate(zip(records["lean"], records["plain"], strict=True), 1):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-2), step
+    assert lean.steps == plain.steps == 8
+    assert max(r["peak_memory_gib"] for r in records["lean"]) < max(r["peak_memory_gib"] for r in records["plain"])
+
+
+def test_full_recomputation_takes_the_oracles_steps(tmp_path):
+    """recompute: full in mode single on the CPU (fp32, the oracle's plain AdamW): the same losses,
+    loads and parameters as the plain run, bit for bit (each block recomputed from its kept input,
+    routed by its kept ids), with a dense first layer, a shared expert and bias balancing; and the
+    predicted activation peak below selective's."""
+    fields = dict(model=tiny_model(bias_balancing=True), steps=2, checkpoint_every=2)
+    plain_cfg, lean_cfg = (tiny_run(tmp_path / d, recompute=r, **fields) for d, r in (("plain", "none"), ("lean", "full")))
+    for cfg in (plain_cfg, lean_cfg):
+        train_single(cfg)
+
+    def deterministic(record: dict) -> dict:
+        return {k: v for k, v in record.items() if k not in ("step_time_s", "tokens_per_s", "mfu", "predicted_peak_gib")}
+
+    plain, lean = ([deterministic(r) for r in read_metrics(tmp_path / d / "run" / METRICS_FILE)]
+                   for d in ("plain", "lean"))
+    assert lean == plain
+    for key, tensor in _final_model(tmp_path / "lean").items():
+        assert torch.equal(tensor, _final_model(tmp_path / "plain")[key]), key
+    selective = lean_cfg.model_copy(update={"recompute": "selective", "recompute_modules": ["attention"]})
+    assert single_peak_bytes(lean_cfg, lean_cfg.model)[1] < single_peak_bytes(selective, lean_cfg.model)[1]
+
+
+def _final_model(run: Path) -> dict[str, torch.Tensor]:
+    directory = checkpoint_dir(run / "run" / CHECKPOINTS_DIR, 2)
+    shards = read_shards(directory, read_manifest(directory))
+    return {k: t for f, shard in shards.items() if f != "trainer.pt" for k, t in shard["model"].items()}
 
 
 @pytest.mark.gpu
