@@ -361,12 +361,14 @@ class PlanConfig(StrictModel):
         True, description="with expert_precision fp8: price the dense projections' GEMMs (attention, shared "
         "experts, dense FFN layers) at fp8_tflops too, plus their rowwise quantisation passes (train with "
         "precision: fp8, fp8_dense: true, its default); no effect under bf16")
-    recompute: Literal["none", "selective", "auto"] = Field(
+    recompute: Literal["none", "selective", "full", "auto"] = Field(
         "auto", description="activation recomputation to price: none, selective (the expert FFN's input, "
         "output and SwiGLU rows dropped and recomputed in the backward: leaner expert GPUs, a few more HBM "
-        "bytes) or auto (per layout, the least recomputation that fits: the expert modules where only they let "
-        "the expert GPUs fit, attention where only it lets the attention GPUs fit); the plan's `recompute` and "
-        "`recompute_modules` say which, and `train --plan` sets them")
+        "bytes), full (every block keeps its input and routing and runs again in the backward: the least "
+        "memory on both sides for about one more forward of every block; any experts backend, not with "
+        "expert_precision fp8) or auto (per layout, the least recomputation that fits: the expert modules where "
+        "only they let the expert GPUs fit, attention where only it lets the attention GPUs fit; never full); "
+        "the plan's `recompute` and `recompute_modules` say which, and `train --plan` sets them")
     recompute_modules: list[Literal["expert_input", "expert_output", "expert_swiglu", "attention"]] | None = Field(
         None, description="with recompute selective: the modules priced as dropped (None: the three expert "
         "modules); with auto: the modules it may choose from, the expert ones together and attention on its own "
@@ -402,6 +404,9 @@ class PlanConfig(StrictModel):
             raise ValueError(f"recompute: selective needs experts_backend: triton (the {self.experts_backend} "
                              "backend keeps what torch autograd saves); plan with recompute none or auto, or for "
                              "experts_backend: triton")
+        if self.recompute == "full" and self.expert_precision == "fp8":
+            raise ValueError("recompute: full is not built with FP8 experts (the recomputed forward would quantise "
+                             "every block again); plan with expert_precision: bf16, or recompute none or auto")
         return self
 
     @field_validator("load_histogram")
@@ -483,9 +488,9 @@ class Plan(StrictModel):
         "as training reports quote it); None without a step time")
     feasible: bool
     reason: str
-    recompute: Literal["none", "selective"] = Field(
+    recompute: Literal["none", "selective", "full"] = Field(
         "none", description="the activation recomputation the plan's memory and step time assume (`train --plan` "
-        "sets TrainConfig.recompute to it; the expert modules need experts_backend: triton)")
+        "sets TrainConfig.recompute to it; selective's expert modules need experts_backend: triton)")
     recompute_modules: list[Literal["expert_input", "expert_output", "expert_swiglu", "attention"]] = Field(
         default_factory=list, description="with recompute selective: the modules assumed dropped (`train --plan` "
         "sets TrainConfig.recompute_modules to them); a selective plan that names none (written before this "

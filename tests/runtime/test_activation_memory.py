@@ -116,7 +116,7 @@ def test_attention_recomputation_lowers_the_attention_ranks_peak_on_any_backend(
 ])
 @pytest.mark.parametrize("recompute, modules", [("none", None), ("selective", None), ("selective", ["attention"]),
                                                ("selective", ["expert_input", "expert_output", "expert_swiglu",
-                                                              "attention"])])
+                                                              "attention"]), ("full", None)])
 def test_the_planner_prices_the_activations_the_runtimes_memory_check_counts(name, seq_len, layout, recompute,
                                                                               modules):
     """A disaggregated plan applied to a run: the planner's activation bytes per attention GPU and per
@@ -144,7 +144,7 @@ def test_the_planner_prices_the_activations_the_runtimes_memory_check_counts(nam
                       batch_size=layout["m"] * dp * layout["seqs"], out_dir="unused")
     run = apply_plan(cfg, model)
     assert run.recompute == recompute and run.micro_batches == layout["m"]
-    assert run.recompute_set == frozenset(plan.recompute_modules)
+    assert run.recompute_set == (mem.FULL if recompute == "full" else frozenset(plan.recompute_modules))
     topology = Topology.from_config(cfg, model)
     peaks = rank_activations(run, model, topology)
     attention = [p.peak_bytes for r, p in enumerate(peaks) if topology.attention_role(r) is not None]
