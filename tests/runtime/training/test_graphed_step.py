@@ -92,6 +92,7 @@ def test_cuda_graphs_are_refused_where_they_do_not_apply(fields, needs):
     (dict(mode="single", device="cuda", offload_optimizer=True), False, "auto -> eager: the offloaded optimizer's"),
     (dict(mode="single", device="cuda", recompute="selective", experts_backend="triton"), False,
      "auto -> eager: a step with recomputation"),
+    (dict(mode="single", device="cuda", recompute="full"), False, "auto -> eager: a step with recomputation"),
     (dict(mode="single", device="cuda", optim={"state_dtype": "bf16"}), False, "auto -> eager: bf16 moments'"),
 ])
 def test_auto_captures_where_the_captured_step_was_checked_and_says_why_not_elsewhere(fields, capture, says):
