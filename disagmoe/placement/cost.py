@@ -684,9 +684,9 @@ def _full_recomputation(prob: Problem, c: Candidates, tokens: Num, in_flight: Nu
     (no module of selective's), the lean figures the same."""
     m, cap, n = prob.model, prob.capacity_bytes, len(c)
     none = np.zeros(n, dtype=bool)
-    if c.colocated:
-        act = np.broadcast_to(np.asarray(activations(m, tokens, pairs, in_flight, c.p, True, mem.FULL)[0], dtype=float),
-                              (n,)).copy()
+    if c.colocated:  # a rank recomputes its attention half and its experts' share apart; one GPU, whole blocks
+        ranks = activations(m, tokens, pairs, in_flight, c.p, True, mem.FULL)[0]
+        act = np.broadcast_to(np.where(c.expert == 1, _one_process_full(m, tokens), ranks).astype(float), (n,)).copy()
         fits = attn_state + act <= cap
         return none, none, act, 0.0 * act, fits, attn_state + act, fits
     act_attn = np.broadcast_to(np.asarray(attention_activations(m, tokens, in_flight, c.p, mem.FULL), dtype=float),
@@ -695,6 +695,16 @@ def _full_recomputation(prob: Problem, c: Candidates, tokens: Num, in_flight: Nu
                               (n,)).copy()
     fits = (attn_state + act_attn <= cap) & (exp_state + act_exp <= cap)
     return none, none, act_attn, act_exp, fits, exp_state + act_exp, fits
+
+
+def _one_process_full(m: ModelConfig, tokens: Num) -> Num:
+    """`memory.activation_bytes` under `recompute: full` for `tokens` (numbers or arrays): one
+    GPU (mode single) recomputes whole blocks, each keeping its input and routing."""
+    kinds = [moe for moe, n in ((True, m.num_moe_layers), (False, m.num_dense_layers)) if n]
+    kept = tokens * (m.num_moe_layers * mem.layer_bytes(m, True, BF16, mem.FULL)
+                     + m.num_dense_layers * mem.layer_bytes(m, False, BF16, mem.FULL))
+    held = tokens * max(mem.layer_grad_bytes(m, moe, BF16, mem.FULL) for moe in kinds)
+    return kept + np.maximum(mem.head_bytes(m, tokens, BF16), held)
 
 
 FULL_RECOMPUTED = " (recomputed)"  # the suffix of a stage `full_recompute_stages` adds
@@ -706,8 +716,9 @@ def full_recompute_stages(stages: dict[str, Stage]) -> dict[str, Stage]:
     forward rates): each block runs again when its backward reaches it. Transfers are not repeated
     (an expert GPU recomputes from the rows it received), nor an op's fixed cost (the recompute
     runs inside the backward op)."""
-    out = dict(stages)
-    for name, s in stages.items():
+    out = {}
+    for name, s in stages.items():  # each beside its stage (the stages' order is the report's)
+        out[name] = s
         per_layer = s.group in ("attention", "expert") and s.runs in ("layer", "moe", "dense")
         if per_layer and name not in (ATTENTION_FIXED, EXPERT_FIXED) and _does_work(s.fwd):
             out[name + FULL_RECOMPUTED] = Stage(s.group, s.runs, Work(), s.fwd, bwd_ceilings=s.fwd_ceilings)
