@@ -595,7 +595,7 @@ class TrainConfig(StrictModel):
         "(every token to every expert rank) or sparse (a token only to the expert ranks serving at least one of "
         "its top-k pairs, once per rank, with its token index; counts and offsets computed on the device, into "
         "receive buffers sized for the worst case; with either hop); auto = sparse on nvshmem when a set has more "
-        "than one expert rank and the hop is partial sums, else dense (printed at start)")
+        "than one expert rank, else dense (printed at start)")
     pair_segment_tokens: Dim = Field(
         256, description="pair_rows: tokens per landing segment (each segment has its own arrival flag per "
         "expert rank; the attention rank combines a segment once every flag is up)")
@@ -841,6 +841,10 @@ class TrainConfig(StrictModel):
             raise ValueError(f"cuda_graphs: on captures mode single's step on a GPU; this run is mode {self.mode} on "
                              f"{self.device}: the distributed ranks' steps are not captured yet (the nvshmem "
                              "transport's sequence numbers are host counters a graph would freeze): set cuda_graphs: off")
+        if self.cuda_graphs == "on" and self.experts_backend == "loop":
+            raise ValueError("cuda_graphs: on with experts_backend: loop: the loop reads each expert's row count on "
+                             "the host, which a captured step cannot; set experts_backend: triton (or grouped_mm), "
+                             "or cuda_graphs: off")
         if self.offload_optimizer and self.cuda_graphs == "on":
             raise ValueError("offload_optimizer with cuda_graphs: on: the offloaded step's copy streams have not been "
                              "captured in a graph yet; set cuda_graphs: off (or offload_optimizer: false)")

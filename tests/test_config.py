@@ -184,7 +184,8 @@ def test_offload_optimizer_is_off_by_default_and_refused_where_it_cannot_apply(t
     on = cfg.load_train_config(path, ["offload_optimizer=true", "offload_bucket_mib=64"])
     assert on.offload_optimizer and on.offload_bucket_mib == 64
     with pytest.raises(ValueError, match="offload_optimizer with cuda_graphs: on: .*set cuda_graphs: off"):
-        cfg.TrainConfig(model="tiny", mode="single", device="cuda", offload_optimizer=True, cuda_graphs="on")
+        cfg.TrainConfig(model="tiny", mode="single", device="cuda", offload_optimizer=True, cuda_graphs="on",
+                        experts_backend="triton")
     with pytest.raises(ValueError, match="offload_bucket_mib"):
         cfg.load_train_config(path, ["offload_bucket_mib=0"])
     with pytest.raises(ValueError, match="optim.offload_optimizer"):  # it is a run setting, not optim's

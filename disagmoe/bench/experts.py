@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from disagmoe.bench.timing import copies_to_defeat_l2, environment, matmul_ceiling_tflops, median_ms
+from disagmoe.config import ModelConfig, TrainConfig
 from disagmoe.model_ref import load_model
 from disagmoe.kernels.fp8_ffn import Fp8ExpertWeights, Fp8Tiles, expert_ffn_fp8
 from disagmoe.kernels.moe_ffn import FFNTiles, expert_ffn_reference, expert_ffn_triton
@@ -45,18 +46,29 @@ PASSES = ("fwd", "fwd+bwd")
 
 @dataclasses.dataclass(frozen=True)
 class ExpertShape:
-    """One benchmark shape: a model preset's experts on one rank of an expert-parallel group."""
+    """One benchmark shape: a model's experts on one rank of an expert-parallel group, `pairs`
+    (token, expert) rows per launch; routed Zipf-skewed, or `balanced` (every expert its mean
+    rows, as a run's `routing: balanced`)."""
 
     name: str
-    model: str
+    model: str | ModelConfig
     expert_parallel: int
     pairs: int
+    balanced: bool = False
 
     @property
     def dims(self) -> tuple[int, int, int, int]:
         """(local experts, hidden, expert FFN size, top-k) from the model preset."""
         m = load_model(self.model)
         return m.num_experts // self.expert_parallel, m.hidden_size, m.expert_ffn_size, m.top_k
+
+    def routing(self, seed: int) -> torch.Tensor:
+        """topk_idx_TK of the shape's tokens: Zipf-skewed, or round-robin when `balanced`."""
+        experts, _, _, top_k = self.dims
+        tokens = self.pairs // top_k
+        if self.balanced:
+            return torch.arange(tokens * top_k).remainder(experts).view(tokens, top_k)
+        return zipf_routing(tokens, top_k, experts, seed)
 
     def flops(self, pass_name: str) -> float:
         """GEMM FLOPs of the expert FFN: 3 GEMMs of 2NHF forward (gate, up, down), 3x fwd+bwd."""
@@ -72,6 +84,25 @@ SHAPES = {s.name: s for s in (
     ExpertShape("deepseek-v3-ep8-4k", "deepseek-v3", 8, 4 * 1024),
     ExpertShape("qwen3-30b-a3b", "qwen3-30b-a3b", 1, 32 * 1024),
 )}
+
+
+def shape_of_run(cfg: TrainConfig, device: torch.device | None = None) -> ExpertShape:
+    """The expert GEMMs of `cfg`'s micro-batches as one GPU of `mode: single` runs them (every
+    expert local, `batch_size / micro_batches x seq_len` tokens per launch; `micro_batches: auto`
+    chosen for `device`, as the run would), balanced when the run's routing is. The tuned table's
+    shape class (K, N, mean rows per expert) is the same on each expert rank of a distributed
+    layout that serves the same tokens per expert."""
+    from disagmoe.runtime.training.trainer import resolve_single_micro_batches
+
+    model_cfg = load_model(cfg.model)
+    if cfg.micro_batches == "auto":
+        if device is None or device.type != "cuda":
+            raise ValueError("micro_batches: auto is chosen from the GPU's memory: run this on the GPU, or give "
+                             "micro_batches=N")
+        cfg, _ = resolve_single_micro_batches(cfg.model_copy(update={"mode": "single"}), model_cfg, device)
+    tokens = cfg.batch_size // cfg.micro_batches * cfg.seq_len
+    name = f"{model_cfg.name}-t{tokens}" + ("-balanced" if cfg.routing == "balanced" else "")
+    return ExpertShape(name, model_cfg, 1, tokens * model_cfg.top_k, balanced=cfg.routing == "balanced")
 
 
 def zipf_routing(tokens: int, top_k: int, experts: int, seed: int) -> torch.Tensor:
@@ -161,7 +192,7 @@ def make_inputs(shape: ExpertShape, device: torch.device, seed: int = 0):
     w13 = torch.randn(experts, hidden, 2 * ffn, **bf16) / hidden**0.5
     w2 = torch.randn(experts, ffn, hidden, **bf16) / ffn**0.5
     weights = torch.rand(tokens, top_k, device=device, generator=gen)
-    return x, zipf_routing(tokens, top_k, experts, seed).to(device), weights, w13, w2
+    return x, shape.routing(seed).to(device), weights, w13, w2
 
 
 def _grad_inputs(inputs):

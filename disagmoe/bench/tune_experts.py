@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from disagmoe.bench.experts import SHAPES, zipf_routing
+from disagmoe.bench.experts import ExpertShape
 from disagmoe.bench.timing import environment, median_ms
 from disagmoe.kernels import grouped_gemm as gg
 from disagmoe.kernels.moe_ffn import FFNTiles
@@ -48,14 +48,13 @@ def candidates(role: str) -> list[TileConfig]:
             for m, n, k, w, s, p, *rest in table]
 
 
-def role_launches(shape_name: str,
+def role_launches(shape: ExpertShape,
                   device: torch.device) -> dict[str, Callable[[TileConfig], torch.Tensor]]:
     """Per role, a function launching that GEMM of the expert FFN with a given tile config."""
-    shape = SHAPES[shape_name]
     experts, hidden, ffn, top_k = shape.dims
     gen = torch.Generator(device=device).manual_seed(0)
     bf16 = dict(device=device, dtype=torch.bfloat16, generator=gen)
-    idx = zipf_routing(shape.pairs // top_k, top_k, experts, seed=0).reshape(-1)
+    idx = shape.routing(seed=0).reshape(-1)
     offsets = torch.bincount(idx, minlength=experts).cumsum(0).to(device, torch.int32)
     rows = shape.pairs
     x, dy = torch.randn(rows, hidden, **bf16), torch.randn(rows, hidden, **bf16)
@@ -84,18 +83,18 @@ def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want.float()).norm() / want.float().norm()).item()
 
 
-def tune(shape_names: list[str], warmup: int, iters: int,
+def tune(shapes: list[ExpertShape], warmup: int, iters: int,
          log: Callable[[str], None] = print) -> dict:
     """Best tile per (role, shape class) with its time and the heuristic's, for every shape."""
     if not torch.cuda.is_available():
         raise ValueError("`disagmoe bench tune-experts` needs a CUDA GPU (none is visible)")
     device = torch.device("cuda")
     results = {}
-    for name in shape_names:
-        shape = SHAPES[name]
+    for shape in shapes:
+        name = shape.name
         experts, hidden, ffn, _ = shape.dims
         gemm_flops = 2.0 * shape.pairs * hidden * ffn
-        for role, launch in role_launches(name, device).items():
+        for role, launch in role_launches(shape, device).items():
             flops = gemm_flops * (2 if role in ("gate_up", "gate_up_dgrad", "wgrad_w13") else 1)
             k, c = FFNTiles.gemm_dims(hidden, ffn)[role]
             reference = launch(heuristic(role)).clone()

@@ -197,15 +197,36 @@ def _layer_notes(record: dict) -> list[str]:
 @user_errors
 def tune_experts(
     shape: ShapeOption = None,
+    config: Annotated[Path | None, typer.Option(
+        "--config", "-c", help="also tune the expert GEMMs of this train config's micro-batches (its model, "
+        "tokens per micro-batch and routing, as one GPU runs them); with it, --shape adds shapes instead of "
+        "defaulting to all")] = None,
+    overrides: Annotated[list[str] | None, typer.Argument(
+        help="key=value overrides of --config, e.g. micro_batches=2")] = None,
     warmup: Annotated[int, typer.Option(help="untimed launches per candidate")] = 2,
     iters: Annotated[int, typer.Option(help="timed launches per candidate (median)")] = 10,
     out: Annotated[Path | None, typer.Option(
         help="tuned table to merge into (default: disagmoe/kernels/tuned/<gpu>.json)")] = None,
 ) -> None:
-    """Autotune the expert FFN's grouped GEMM tiles per shape class on this GPU and save them."""
-    from disagmoe.bench import tune_experts as tuner
+    """Autotune the expert FFN's grouped GEMM tiles per shape class on this GPU and save them.
 
-    record = tuner.tune(_shape_names(shape), warmup, iters, log=console.print)
+    The table is keyed by (GEMM, K, N, mean rows per expert rounded up to a power of 2); a run whose
+    class was never tuned launches the heuristic tiles. `--config CFG` tunes exactly the classes
+    that run launches: `disagmoe bench tune-experts -c configs/h200x2-qwen3-30b.yaml micro_batches=2`."""
+    from disagmoe.bench import tune_experts as tuner
+    from disagmoe.bench.experts import SHAPES, shape_of_run
+
+    if overrides and config is None:
+        raise typer.BadParameter("key=value overrides apply to --config: give --config CFG with them")
+    shapes = [SHAPES[n] for n in (_shape_names(shape) if shape or config is None else [])]
+    if config is not None:
+        import torch
+
+        from disagmoe.config import load_train_config
+
+        device = torch.device("cuda") if torch.cuda.is_available() else None
+        shapes.append(shape_of_run(load_train_config(config, overrides), device))
+    record = tuner.tune(shapes, warmup, iters, log=console.print)
     path = tuner.write_tuned(record, out)
     console.print(f"wrote {len(record['results'])} tuned entries to {path}", markup=False)
 

@@ -28,21 +28,22 @@ TOKENS_PER_BLOCK = 16
 
 
 @triton.jit
-def _block_histogram_kernel(ids_ptr, hist_ptr, n_pairs, E,
+def _block_histogram_kernel(ids_ptr, hist_ptr, n_pairs, n_blocks, E,
                             BLOCK: tl.constexpr, E_POW2: tl.constexpr):
-    # hist[b, e] = number of pairs of block b routed to expert e.
+    # hist[e, b] = number of pairs of block b routed to expert e (expert-major: the prefix sum over
+    # blocks that follows runs along the contiguous dimension).
     pid = tl.program_id(0)
     pairs = pid * BLOCK + tl.arange(0, BLOCK)
     ids = tl.load(ids_ptr + pairs, mask=pairs < n_pairs, other=E_POW2)  # padding: a spare bin
     counts = tl.histogram(ids, 2 * E_POW2)
     bins = tl.arange(0, 2 * E_POW2)
-    tl.store(hist_ptr + pid * E + bins, counts, mask=bins < E)
+    tl.store(hist_ptr + bins * n_blocks + pid, counts, mask=bins < E)
 
 
 @triton.jit
-def _permute_dest_kernel(ids_ptr, block_base_ptr, dest_ptr, n_pairs, E,
+def _permute_dest_kernel(ids_ptr, block_base_ptr, dest_ptr, n_pairs, n_blocks,
                          BLOCK: tl.constexpr, E_POW2: tl.constexpr):
-    # dest[p] = block_base[b, e_p] + (rank of p among block b's pairs of expert e_p), one program
+    # dest[p] = block_base[e_p, b] + (rank of p among block b's pairs of expert e_p), one program
     # per pair block. (The rank scan once lived in the row-copy kernel, in the [pairs, hidden]
     # tile's layout, where Triton 3.6 on sm_90 miscompiled it at 64-wide hidden tiles.)
     pid = tl.program_id(0)
@@ -52,7 +53,7 @@ def _permute_dest_kernel(ids_ptr, block_base_ptr, dest_ptr, n_pairs, E,
     experts = tl.arange(0, E_POW2)
     one_hot = ((ids[:, None] == experts[None, :]) & pair_ok[:, None]).to(tl.int32)
     rank = tl.sum(tl.cumsum(one_hot, axis=0) * one_hot, axis=1) - 1
-    base = tl.load(block_base_ptr + pid * E + ids, mask=pair_ok, other=0)
+    base = tl.load(block_base_ptr + ids * n_blocks + pid, mask=pair_ok, other=0)
     tl.store(dest_ptr + pairs, base + rank, mask=pair_ok)
 
 
@@ -155,17 +156,18 @@ def pair_destinations(topk_idx_TK: torch.Tensor, num_experts: int) -> tuple[torc
     ids_N = topk_idx_TK.reshape(-1).to(torch.int32)
     blocks = triton.cdiv(n_pairs, PAIRS_PER_BLOCK)
     e_pow2 = triton.next_power_of_2(num_experts)
-    hist_BE = torch.empty((blocks, num_experts), dtype=torch.int32, device=device)
+    hist_EB = torch.empty((num_experts, blocks), dtype=torch.int32, device=device)
     dest_TK = torch.empty((tokens, top_k), dtype=torch.int32, device=device)
     if n_pairs == 0:
         return torch.zeros(num_experts, dtype=torch.int32, device=device), dest_TK
-    _block_histogram_kernel[(blocks,)](ids_N, hist_BE, n_pairs, num_experts,
+    _block_histogram_kernel[(blocks,)](ids_N, hist_EB, n_pairs, blocks, num_experts,
                                        BLOCK=PAIRS_PER_BLOCK, E_POW2=e_pow2)
-    counts_E = hist_BE.sum(0, dtype=torch.int32)
+    upto_EB = hist_EB.cumsum(1, dtype=torch.int32)  # along blocks, the contiguous dimension (fast scan)
+    counts_E = upto_EB[:, -1]
     offsets_E = counts_E.cumsum(0, dtype=torch.int32)
-    # first grouped row of (block b, expert e): expert start + pairs of e in blocks before b
-    block_base_BE = (offsets_E - counts_E) + hist_BE.cumsum(0, dtype=torch.int32) - hist_BE
-    _permute_dest_kernel[(blocks,)](ids_N, block_base_BE, dest_TK, n_pairs, num_experts,
+    # first grouped row of (expert e, block b): expert start + pairs of e in blocks before b
+    block_base_EB = (offsets_E - counts_E)[:, None] + upto_EB - hist_EB
+    _permute_dest_kernel[(blocks,)](ids_N, block_base_EB, dest_TK, n_pairs, blocks,
                                     BLOCK=PAIRS_PER_BLOCK, E_POW2=e_pow2)
     return offsets_E, dest_TK
 

@@ -277,15 +277,13 @@ def dispatch_mode(cfg, model_cfg, topology) -> tuple[str, str]:
     """(dispatch, why) of a run: `cfg.dispatch`, with auto resolved. Sparse sends a token to the Q'
     expert ranks serving its pairs instead of all Q of the set, with either hop (the pair rows of
     a received row go to its token's pair rows); the saving is the one-sided transport's (nccl and
-    local move the worst-case buffer with a device-side count). Auto picks it with partial sums
-    only: with pair rows it is CPU-tested (oracle, nvshmem emulation) but has not run on a GPU."""
+    local move the worst-case buffer with a device-side count). Auto picks it with either hop
+    (pair rows with sparse dispatch passed the shared-GPU oracle and zero-sync GPU tests for 1A+2E
+    and 1A+3E over nvshmem on 2026-12-03)."""
     if cfg.dispatch != "auto":
         return cfg.dispatch, "as configured"
     ranks = max((len(group) for group in topology.expert_groups), default=0)
     per_set = f"{ranks} expert rank{'' if ranks == 1 else 's'} per set"
-    if hop_mode(cfg, model_cfg, topology)[0] == "pair_rows":  # until its GPU cases have run (issue 25)
-        return "dense", ("pair rows: sparse dispatch with the pair-row return is opt-in (dispatch: sparse) until "
-                         "its GPU tests have run")
     if ranks <= 1:
         return "dense", f"{per_set}: every token goes to it either way"
     if cfg.transport != "nvshmem":

@@ -39,7 +39,7 @@ WARMUP_STEPS = 3  # eager steps before capture (torch asks for a few on a side s
 def resolve_cuda_graphs(cfg: TrainConfig) -> tuple[bool, str]:
     """(capture the step?, the one line that says so and why) for `cfg.cuda_graphs`. auto captures
     where the captured step has been checked against the eager one on a GPU (tests/runtime/training/
-    test_graphed_step.py, the FP8 counters' captured test): mode single on CUDA, bf16 or fp8, no
+    test_graphed_step.py, the FP8 counters' captured test): mode single on CUDA, the triton or grouped_mm experts, bf16 or fp8, no
     recomputation, fp32 moments, the optimizer on the device; elsewhere it runs eagerly and names what is missing."""
     if cfg.cuda_graphs != "auto":
         return cfg.cuda_graphs == "on", f"cuda_graphs: {cfg.cuda_graphs}"
@@ -47,6 +47,7 @@ def resolve_cuda_graphs(cfg: TrainConfig) -> tuple[bool, str]:
         (cfg.device != "cuda", f"a {cfg.device} run has no CUDA graphs"),
         (cfg.mode != "single", f"mode {cfg.mode}'s ranks are not captured yet (the nvshmem transport picks sequence "
                                "numbers and ring segments on the host)"),
+        (cfg.experts_backend == "loop", "experts_backend loop reads each expert's row count on the host"),
         (cfg.steps_reference_adamw, "precision fp32 steps torch's reference AdamW, which is not captured"),
         (cfg.offload_optimizer, "the offloaded optimizer's copy streams are not captured yet"),
         (bool(cfg.recompute_set), "a step with recomputation has not been checked captured on a GPU yet"),
@@ -78,6 +79,7 @@ class GraphedStep:
         self.graph: object | None = None
         self.outputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.replays = 0
+        self.side_stream: torch.cuda.Stream | None = None
 
     def __call__(self, tokens_BS1: torch.Tensor, lr: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if tokens_BS1.shape != self.tokens_BS1.shape:
@@ -101,7 +103,9 @@ class GraphedStep:
     def _eager(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self.device.type != "cuda":
             return self._run()
-        side = torch.cuda.Stream(self.device)
+        if self.side_stream is None:  # one for every warm-up step: a stream's cached blocks stay its own
+            self.side_stream = torch.cuda.Stream(self.device)
+        side = self.side_stream
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             out = self._run()

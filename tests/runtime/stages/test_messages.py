@@ -116,13 +116,13 @@ def test_pair_rows_that_cannot_run_are_refused_naming_the_fix(fields, needle):
     (dict(expert_ranks=2, transport="nvshmem", device="cuda"), "sparse"),  # auto: more than one expert rank
     (dict(expert_ranks=1, transport="nvshmem", device="cuda"), "dense"),  # one expert rank: every token goes there
     (dict(expert_ranks=4, transport="nccl", device="cuda"), "dense"),  # auto: sparse saves bytes on nvshmem only
-    (dict(expert_ranks=4, transport="nvshmem", experts_backend="triton", device="cuda"), "dense"),  # pair rows: opt-in
+    (dict(expert_ranks=4, transport="nvshmem", experts_backend="triton", device="cuda"), "sparse"),  # with pair rows
     (dict(expert_ranks=4, hop="pair_rows"), "dense"),  # pair rows on local: the worst-case buffer either way
     (dict(dispatch="sparse", hop="pair_rows"), "sparse"),  # as configured, with pair rows
 ])
-def test_auto_dispatch_is_sparse_on_nvshmem_with_several_expert_ranks_and_partial_sums(fields, dispatch):
-    """Auto: sparse on nvshmem with several expert ranks per set and partial sums; with pair rows
-    (auto's hop there) sparse is asked for explicitly until its GPU tests have run."""
+def test_auto_dispatch_is_sparse_on_nvshmem_with_several_expert_ranks(fields, dispatch):
+    """Auto: sparse on nvshmem with several expert ranks per set, with partial sums or pair rows
+    (auto's hop there with triton experts)."""
     from disagmoe.runtime.stages.messages import dispatch_mode
 
     got, why = dispatch_mode(*_run(**fields))

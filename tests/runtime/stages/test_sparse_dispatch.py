@@ -152,7 +152,7 @@ def test_gpu_sparse_dispatch_makes_no_host_wait_and_matches_the_cpu(case):
                 leaves.append((x_leaf, w_leaf))
             received = (torch.stack([m[3] for m in messages]), torch.stack([m[4] for m in messages]))
             out = scatter_sum([p.detach() for p in partials], *received)  # the combining rank's sum
-            _, order_QN, served_Q1 = pick_rows(sent_tokens(*received))  # COMBINE_GRAD's order, from COMBINE
+            order_QN, served_Q1 = pick_rows(sent_tokens(*received))  # COMBINE_GRAD's order, from COMBINE
             for partial, order_N, served_1 in zip(partials, order_QN, served_Q1, strict=True):  # its dy rows
                 partial.backward(torch.where(valid_rows(served_1, order_N.shape[0])[:, None], dy[order_N], 0))
             dx = scatter_sum([x.grad for x, _ in leaves], index_QN, count_Q1)

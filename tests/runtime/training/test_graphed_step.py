@@ -83,17 +83,30 @@ def test_cuda_graphs_are_refused_where_they_do_not_apply(fields, needs):
         TrainConfig(model="tiny", cuda_graphs="on", **fields)
 
 
+def test_cuda_graphs_on_refuses_the_loop_backend_with_the_fix():
+    with pytest.raises(ValueError, match="experts_backend: loop: the loop reads each expert's row count on the host.*"
+                                         "set experts_backend: triton"):
+        TrainConfig(model="tiny", mode="single", device="cuda", cuda_graphs="on", experts_backend="loop")
+
+
 @pytest.mark.parametrize("fields, capture, says", [
-    (dict(mode="single", device="cuda"), True, "auto -> on: the whole step is captured after 3 eager steps"),
+    (dict(mode="single", device="cuda", experts_backend="triton"), True,
+     "auto -> on: the whole step is captured after 3 eager steps"),
     (dict(mode="single", device="cuda", precision="fp8", experts_backend="triton"), True, "auto -> on"),
     (dict(mode="single", device="cpu"), False, "auto -> eager: a cpu run has no CUDA graphs"),
     (dict(mode="disaggregated", device="cuda"), False, "auto -> eager: mode disaggregated's ranks are not captured"),
-    (dict(mode="single", device="cuda", precision="fp32"), False, "auto -> eager: precision fp32 steps torch's"),
-    (dict(mode="single", device="cuda", offload_optimizer=True), False, "auto -> eager: the offloaded optimizer's"),
+    (dict(mode="single", device="cuda", experts_backend="loop"), False,
+     "auto -> eager: experts_backend loop reads each expert's row count on the host"),
+    (dict(mode="single", device="cuda", experts_backend="triton", precision="fp32"), False,
+     "auto -> eager: precision fp32 steps torch's"),
+    (dict(mode="single", device="cuda", experts_backend="triton", offload_optimizer=True), False,
+     "auto -> eager: the offloaded optimizer's"),
     (dict(mode="single", device="cuda", recompute="selective", experts_backend="triton"), False,
      "auto -> eager: a step with recomputation"),
-    (dict(mode="single", device="cuda", recompute="full"), False, "auto -> eager: a step with recomputation"),
-    (dict(mode="single", device="cuda", optim={"state_dtype": "bf16"}), False, "auto -> eager: bf16 moments'"),
+    (dict(mode="single", device="cuda", recompute="full", experts_backend="triton"), False,
+     "auto -> eager: a step with recomputation"),
+    (dict(mode="single", device="cuda", experts_backend="triton", optim={"state_dtype": "bf16"}), False,
+     "auto -> eager: bf16 moments'"),
 ])
 def test_auto_captures_where_the_captured_step_was_checked_and_says_why_not_elsewhere(fields, capture, says):
     from disagmoe.runtime.training.graphed_step import resolve_cuda_graphs
@@ -109,7 +122,8 @@ def test_a_bare_yaml_on_or_off_is_read_as_the_word():
     """`cuda_graphs=on` on the command line or `cuda_graphs: on` in a file: YAML reads a bool."""
     from disagmoe.config import apply_overrides
 
-    fields = apply_overrides({"model": "tiny", "mode": "single", "device": "cuda"}, ["cuda_graphs=on"])
+    fields = apply_overrides({"model": "tiny", "mode": "single", "device": "cuda", "experts_backend": "triton"},
+                             ["cuda_graphs=on"])
     assert TrainConfig(**fields).cuda_graphs == "on"
     assert TrainConfig(model="tiny", cuda_graphs=False).cuda_graphs == "off"
 
