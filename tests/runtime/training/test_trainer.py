@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -219,27 +218,23 @@ def test_full_recomputation_takes_the_oracles_steps(tmp_path):
     loads and parameters as the plain run, bit for bit (each block recomputed from its kept input,
     routed by its kept ids), with a dense first layer, a shared expert and bias balancing; and the
     predicted activation peak below selective's."""
-    fields = dict(model=tiny_model(bias_balancing=True), steps=2, checkpoint_every=2)
-    plain_cfg, lean_cfg = (tiny_run(tmp_path / d, recompute=r, **fields) for d, r in (("plain", "none"), ("lean", "full")))
-    for cfg in (plain_cfg, lean_cfg):
-        train_single(cfg)
+    from disagmoe.runtime.training.trainer import SingleProcessTrainer
 
-    def deterministic(record: dict) -> dict:
-        return {k: v for k, v in record.items() if k not in ("step_time_s", "tokens_per_s", "mfu", "predicted_peak_gib")}
-
-    plain, lean = ([deterministic(r) for r in read_metrics(tmp_path / d / "run" / METRICS_FILE)]
-                   for d in ("plain", "lean"))
-    assert lean == plain
-    for key, tensor in _final_model(tmp_path / "lean").items():
-        assert torch.equal(tensor, _final_model(tmp_path / "plain")[key]), key
+    fields = dict(model=tiny_model(bias_balancing=True), steps=2, seq_len=16, checkpoint_at_end=False)
+    runs = {}
+    for recompute in ("none", "full"):
+        trainer = SingleProcessTrainer(tiny_run(tmp_path / recompute, recompute=recompute, **fields))
+        trainer.run()
+        volatile = ("step_time_s", "tokens_per_s", "mfu", "predicted_peak_gib")
+        records = [{k: v for k, v in r.items() if k not in volatile}
+                   for r in read_metrics(tmp_path / recompute / "run" / METRICS_FILE)]
+        runs[recompute] = records, trainer.model.state_dict(), trainer.cfg
+    (plain, plain_model, _), (lean, lean_model, lean_cfg) = runs["none"], runs["full"]
+    assert lean == plain and len(lean) == 2
+    for key, tensor in lean_model.items():
+        assert torch.equal(tensor, plain_model[key]), key
     selective = lean_cfg.model_copy(update={"recompute": "selective", "recompute_modules": ["attention"]})
     assert single_peak_bytes(lean_cfg, lean_cfg.model)[1] < single_peak_bytes(selective, lean_cfg.model)[1]
-
-
-def _final_model(run: Path) -> dict[str, torch.Tensor]:
-    directory = checkpoint_dir(run / "run" / CHECKPOINTS_DIR, 2)
-    shards = read_shards(directory, read_manifest(directory))
-    return {k: t for f, shard in shards.items() if f != "trainer.pt" for k, t in shard["model"].items()}
 
 
 @pytest.mark.gpu
