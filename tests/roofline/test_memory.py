@@ -112,5 +112,6 @@ def test_full_recomputation_keeps_each_layers_input_and_routing_and_holds_one_la
     assert mem.expert_token_bytes(m, 2) == 0
     tokens = 8192
     everything = mem.SELECTIVE | frozenset({"attention"})
-    full, lean, plain = (mem.activation_bytes(m, tokens, 2, dropped=d) for d in (mem.FULL, everything, mem.NOTHING_DROPPED))
+    full, lean, plain = (mem.activation_bytes(m, tokens, 2, dropped=d)
+                         for d in (mem.FULL, everything, mem.NOTHING_DROPPED))
     assert full < lean < plain
