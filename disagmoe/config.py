@@ -361,12 +361,14 @@ class PlanConfig(StrictModel):
         True, description="with expert_precision fp8: price the dense projections' GEMMs (attention, shared "
         "experts, dense FFN layers) at fp8_tflops too, plus their rowwise quantisation passes (train with "
         "precision: fp8, fp8_dense: true, its default); no effect under bf16")
-    recompute: Literal["none", "selective", "auto"] = Field(
+    recompute: Literal["none", "selective", "full", "auto"] = Field(
         "auto", description="activation recomputation to price: none, selective (the expert FFN's input, "
         "output and SwiGLU rows dropped and recomputed in the backward: leaner expert GPUs, a few more HBM "
-        "bytes) or auto (per layout, the least recomputation that fits: the expert modules where only they let "
-        "the expert GPUs fit, attention where only it lets the attention GPUs fit); the plan's `recompute` and "
-        "`recompute_modules` say which, and `train --plan` sets them")
+        "bytes), full (every block keeps its input and routing and runs again in the backward: the least "
+        "memory on both sides for about one more forward of every block; any experts backend, not with "
+        "expert_precision fp8) or auto (per layout, the least recomputation that fits: the expert modules where "
+        "only they let the expert GPUs fit, attention where only it lets the attention GPUs fit; never full); "
+        "the plan's `recompute` and `recompute_modules` say which, and `train --plan` sets them")
     recompute_modules: list[Literal["expert_input", "expert_output", "expert_swiglu", "attention"]] | None = Field(
         None, description="with recompute selective: the modules priced as dropped (None: the three expert "
         "modules); with auto: the modules it may choose from, the expert ones together and attention on its own "
@@ -402,6 +404,9 @@ class PlanConfig(StrictModel):
             raise ValueError(f"recompute: selective needs experts_backend: triton (the {self.experts_backend} "
                              "backend keeps what torch autograd saves); plan with recompute none or auto, or for "
                              "experts_backend: triton")
+        if self.recompute == "full" and self.expert_precision == "fp8":
+            raise ValueError("recompute: full is not built with FP8 experts (the recomputed forward would quantise "
+                             "every block again); plan with expert_precision: bf16, or recompute none or auto")
         return self
 
     @field_validator("load_histogram")
@@ -483,9 +488,9 @@ class Plan(StrictModel):
         "as training reports quote it); None without a step time")
     feasible: bool
     reason: str
-    recompute: Literal["none", "selective"] = Field(
+    recompute: Literal["none", "selective", "full"] = Field(
         "none", description="the activation recomputation the plan's memory and step time assume (`train --plan` "
-        "sets TrainConfig.recompute to it; the expert modules need experts_backend: triton)")
+        "sets TrainConfig.recompute to it; selective's expert modules need experts_backend: triton)")
     recompute_modules: list[Literal["expert_input", "expert_output", "expert_swiglu", "attention"]] = Field(
         default_factory=list, description="with recompute selective: the modules assumed dropped (`train --plan` "
         "sets TrainConfig.recompute_modules to them); a selective plan that names none (written before this "
@@ -629,12 +634,19 @@ class TrainConfig(StrictModel):
         "learned", description="balanced: every expert gets the same number of tokens whatever the router "
         "scores (a benchmark setting, as other trainers' performance recipes use; labelled in every output); "
         "the routing weights stay learned")
-    recompute: Literal["none", "selective"] = Field(
+    recompute: Literal["none", "selective", "full"] = Field(
         "none", description="activation memory: none keeps what the backward reads; selective drops "
         "recompute_modules from the forward's saved state and recomputes them in the backward (the expert_* "
-        "modules need experts_backend: triton; attention runs on any backend)")
+        "modules need experts_backend: triton; attention runs on any backend); full keeps of each transformer "
+        "block only its input (the residual stream entering it) and its routing (the router's top-k ids and "
+        "the permutation and offsets derived from them) and runs the whole block (attention and MoE FFN) again "
+        "in its backward, routing as the forward did: about one more forward per step, the least activation "
+        "memory (in the distributed modes an attention rank recomputes its attention half from its input, an "
+        "expert rank its experts from the rows and routing it received); any experts backend, not with "
+        "precision: fp8")
     recompute_modules: list[Literal["expert_input", "expert_output", "expert_swiglu", "attention"]] = Field(
-        ["expert_input", "expert_output", "expert_swiglu"], description="what recompute: selective drops: "
+        ["expert_input", "expert_output", "expert_swiglu"], description="what recompute: selective drops "
+        "(recompute: none and full ignore it: full recomputes every module of every block): "
         "expert_input (the experts' grouped input rows [tokens x top_k, hidden], gathered again from the "
         "tokens: the largest activation), expert_output (their output rows, which the combine keeps for the "
         "routing weights' gradient: that comes from the backward's first GEMM instead), expert_swiglu (the "
@@ -762,7 +774,10 @@ class TrainConfig(StrictModel):
 
     @property
     def recompute_set(self) -> frozenset[str]:
-        """The modules the backward recomputes (empty under recompute: none)."""
+        """The modules the backward recomputes (empty under recompute: none; under full the whole
+        block, `kernels.recompute.BLOCK`, whatever recompute_modules says)."""
+        if self.recompute == "full":
+            return frozenset({"block"})
         return frozenset(self.recompute_modules) if self.recompute == "selective" else frozenset()
 
     @model_validator(mode="after")
@@ -810,8 +825,12 @@ class TrainConfig(StrictModel):
             needs = [why for bad, why in (
                 (self.device != "cuda", "device: cuda (FP8 tensor cores; the CPU runs the kernels only in their tests)"),
                 (self.experts_backend != "triton", "experts_backend: triton (the FP8 expert kernels)"),
-                (self.recompute != "none" and experts_dropped,
-                 "recompute: none or recompute_modules: [attention] (the FP8 experts keep their own rows)")) if bad]
+                (self.recompute == "selective" and experts_dropped,
+                 "recompute: none or recompute_modules: [attention] (the FP8 experts keep their own rows)"),
+                (self.recompute == "full",
+                 "recompute: none or selective with recompute_modules: [attention] (under full the recomputed "
+                 "forward would quantise every block's operands again, counting them twice in the FP8 statistics)"),
+            ) if bad]
             if needs:
                 raise ValueError(f"precision: fp8 needs {'; '.join(needs)}; or set precision: bf16")
             if self.mode != "single" and self.hop == "pair_rows":

@@ -49,12 +49,14 @@ OffloadOpt = Annotated[Literal["auto", "on", "off"], typer.Option(
     "host_memory_gib per GPU; train with offload_optimizer: true), off, or auto (every layout priced both ways, "
     "the faster plan that fits kept, a note says why); the bare flag still means on; the plan records it and "
     "train --plan sets it")]
-RecomputeOpt = Annotated[Literal["none", "selective", "auto"], typer.Option(
+RecomputeOpt = Annotated[Literal["none", "selective", "full", "auto"], typer.Option(
     "--recompute", help="activation recomputation to price: none, selective (the expert FFN's input, output and "
     "SwiGLU rows recomputed in the backward: leaner expert GPUs, a little more HBM traffic; train with "
-    "experts_backend: triton) or auto (per layout the least that fits: the expert modules, and the attention block "
-    "where only that lets the attention side fit, about one more attention forward per layer; chosen only where "
-    "a faster layout fits only so); the plan records it and its modules, and train --plan sets them")]
+    "experts_backend: triton), full (every block keeps its input and routing and runs again in the backward: "
+    "the least memory, about one more forward of every block) or auto (per layout the least that fits: the expert "
+    "modules, and the attention block where only that lets the attention side fit, about one more attention "
+    "forward per layer; chosen only where a faster layout fits only so; never full); the plan records it and its "
+    "modules, and train --plan sets them")]
 
 
 def build_request(model: str, hardware: str, gpus: int, seq_len: int | None, global_batch_tokens: int,

@@ -149,7 +149,7 @@ def _row_block(hidden: int) -> int:
     return min(triton.next_power_of_2(hidden), 256)
 
 
-def _pair_destinations(topk_idx_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+def pair_destinations(topk_idx_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(offsets_E, dest_TK) of the pairs grouped by expert in stable (t, k) order (two launches)."""
     tokens, top_k = topk_idx_TK.shape
     n_pairs, device = tokens * top_k, topk_idx_TK.device
@@ -175,18 +175,23 @@ def _pair_destinations(topk_idx_TK: torch.Tensor, num_experts: int) -> tuple[tor
 def permute_forward(x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, num_experts: int,
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(rows_NH, offsets_E, dest_TK): the pairs grouped by expert, in stable (t, k) order."""
-    tokens, top_k = topk_idx_TK.shape
+    offsets_E, dest_TK = pair_destinations(topk_idx_TK, num_experts)
+    return copy_rows(x_TH, dest_TK), offsets_E, dest_TK
+
+
+def copy_rows(x_TH: torch.Tensor, dest_TK: torch.Tensor) -> torch.Tensor:
+    """rows_NH[dest_TK[t, k]] = x_TH[t]: the permute's row copy (one launch)."""
+    tokens, top_k = dest_TK.shape
     n_pairs, hidden = tokens * top_k, x_TH.shape[1]
     rows_NH = x_TH.new_empty((n_pairs, hidden))
-    offsets_E, dest_TK = _pair_destinations(topk_idx_TK, num_experts)
     if n_pairs == 0:
-        return rows_NH, offsets_E, dest_TK
+        return rows_NH
     blocks = triton.cdiv(n_pairs, PAIRS_PER_BLOCK)
     block_h = _row_block(hidden)
     _permute_copy_kernel[(blocks, triton.cdiv(hidden, block_h))](
         x_TH, dest_TK, rows_NH, n_pairs, hidden, top_k, x_TH.stride(0), rows_NH.stride(0),
         BLOCK=PAIRS_PER_BLOCK, BLOCK_H=block_h)
-    return rows_NH, offsets_E, dest_TK
+    return rows_NH
 
 
 def permute_forward_fp8(x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, num_experts: int,
@@ -201,7 +206,7 @@ def permute_forward_fp8(x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, num_exper
     groups = triton.cdiv(hidden, fp8.SCALE_BLOCK)
     q_NH = torch.empty((n_pairs, hidden), dtype=fp8.FP8, device=x_TH.device)
     s_NG = torch.empty((n_pairs, groups), dtype=torch.float32, device=x_TH.device)
-    offsets_E, dest_TK = _pair_destinations(topk_idx_TK, num_experts)
+    offsets_E, dest_TK = pair_destinations(topk_idx_TK, num_experts)
     if n_pairs == 0 or hidden == 0:
         return q_NH, s_NG, offsets_E, dest_TK
     pairs_per_block = 16 if x_TH.device.type == "cpu" else 32
@@ -249,18 +254,18 @@ def combine_backward(dy_TH: torch.Tensor, rows_NH: torch.Tensor, dest_TK: torch.
 
 
 class PermuteFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x_TH, topk_idx_TK, num_experts, spare_last):
-        rows_NH, offsets_E, dest_TK = permute_forward(x_TH, topk_idx_TK, num_experts)
-        limit = offsets_E[num_experts - 2:num_experts - 1] if spare_last else None
-        ctx.save_for_backward(dest_TK, *(() if limit is None else (limit,)))
-        ctx.mark_non_differentiable(offsets_E, dest_TK)
-        return rows_NH, offsets_E, dest_TK
+    """rows_NH = the permute's copy of x_TH by `dest_TK`; its backward sums each token's rows
+    (rows at or after `limit`, a spare bucket's, dropped)."""
 
     @staticmethod
-    def backward(ctx, d_rows_NH, _d_offsets, _d_dest):
+    def forward(ctx, x_TH, dest_TK, limit):
+        ctx.save_for_backward(dest_TK, *(() if limit is None else (limit,)))
+        return copy_rows(x_TH, dest_TK)
+
+    @staticmethod
+    def backward(ctx, d_rows_NH):
         dest_TK, *limit = ctx.saved_tensors
-        return combine_forward(d_rows_NH.contiguous(), dest_TK, None, limit[0] if limit else None), None, None, None
+        return combine_forward(d_rows_NH.contiguous(), dest_TK, None, limit[0] if limit else None), None, None
 
 
 class CombineFunction(torch.autograd.Function):
@@ -286,14 +291,21 @@ def _check_routing(x_TH: torch.Tensor, topk_idx_TK: torch.Tensor) -> None:
 
 
 def permute_tokens(x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, num_experts: int,
-                   spare_last: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   spare_last: bool = False, destinations: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Group the (token, k) pairs by expert: (rows_NH, offsets_E, dest_TK), differentiable in x.
 
     Expert ids must lie in [0, num_experts) (not checked: that would cost a host sync).
     `spare_last`: the last expert is a spare bucket (pairs routed elsewhere) whose rows' gradients
-    are dropped (nothing computes them)."""
+    are dropped (nothing computes them). `destinations`: these ids' (offsets_E, dest_TK) from
+    `pair_destinations`, kept from an earlier run (`recompute: full`'s recomputation): only the
+    rows are copied."""
     _check_routing(x_TH, topk_idx_TK)
-    return PermuteFunction.apply(x_TH.contiguous(), topk_idx_TK.contiguous(), num_experts, spare_last)
+    if destinations is None:
+        destinations = pair_destinations(topk_idx_TK.contiguous(), num_experts)
+    offsets_E, dest_TK = destinations
+    limit = offsets_E[num_experts - 2:num_experts - 1] if spare_last else None
+    return PermuteFunction.apply(x_TH.contiguous(), dest_TK, limit), offsets_E, dest_TK
 
 
 def combine_rows(rows_NH: torch.Tensor, dest_TK: torch.Tensor,

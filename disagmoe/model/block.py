@@ -10,9 +10,11 @@ A MoE layer runs as five steps; only `moe.experts` runs on an expert rank:
     out_BSH          = block.combine(h_BSH, routing, y_PH, grouping, shared_NH)
 
 `forward` composes exactly these calls. Leading dense layers (`DenseBlock`) run whole on the
-attention rank.
+attention rank. `recompute: full` (`set_recompute` with `kernels.recompute.BLOCK`): a block keeps
+its input and its routing (`SavedRouting`) and runs again in the backward: whole in one process,
+its attention half (`attention_half`) on an attention rank.
 
-Shape legend: B batch, S sequence, H hidden, N tokens (B*S), P token-expert pairs (N*K).
+Shape legend: B batch, S sequence, H hidden, N tokens (B*S), P token-expert pairs (N*K), E experts.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from torch import nn
 from disagmoe.config import ModelConfig
 from torch.utils.checkpoint import checkpoint
 
-from disagmoe.kernels.recompute import ATTENTION, EXPERT_INPUT, EXPERT_OUTPUT, RowSource
+from disagmoe.kernels.recompute import (ATTENTION, BLOCK, EXPERT_INPUT, EXPERT_OUTPUT, RowSource, SavedRouting,
+                                        derived, recomputed)
 from disagmoe.model.attention import build_attention
 from disagmoe.model.dispatch import ExpertGrouping, combine, group_by_expert, permute
 from disagmoe.model.experts import RoutedExperts
@@ -40,10 +43,17 @@ class Block(nn.Module):
         self.attention = build_attention(cfg)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.recompute_attention = False  # `recompute_modules: [attention, ...]` (`set_recompute`)
+        self.recompute_block = False  # `recompute: full` (`set_recompute`)
 
     def set_recompute(self, modules: frozenset[str]) -> None:
-        """`attention` in `modules`: the forward keeps only x and the output projection's input."""
+        """`attention` in `modules`: the forward keeps only x and the output projection's input;
+        `kernels.recompute.BLOCK` (`recompute: full`): it keeps only x (and a MoE block's routing)
+        and the block runs again in the backward."""
         self.recompute_attention = ATTENTION in modules
+        self.recompute_block = BLOCK in modules
+
+    def _recomputes_block(self) -> bool:
+        return self.recompute_block and torch.is_grad_enabled()
 
     def _attention_core(self, x_BSH: torch.Tensor) -> torch.Tensor:
         return self.attention.core(self.attention_norm(x_BSH))
@@ -70,6 +80,12 @@ class DenseBlock(Block):
         self.ffn = SwiGLU(cfg.hidden_size, cfg.dense_ffn_size)
 
     def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
+        """x + attention + FFN; under `recompute: full` one recomputed segment that keeps x."""
+        if self._recomputes_block():
+            return recomputed(lambda x, _routing: self._forward(x), x_BSH)  # a dense block routes nothing
+        return self._forward(x_BSH)
+
+    def _forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
         h_BSH = self.attention_part(x_BSH)
         return h_BSH + self.ffn(self.ffn_norm(h_BSH))
 
@@ -91,14 +107,22 @@ class MoEBlock(Block):
         super().__init__(cfg)
         self.moe = MoE(cfg, experts_backend)
 
-    def route(self, h_BSH: torch.Tensor, fixed_topk_idx_NK: torch.Tensor | None = None) -> Routing:
-        """Normed token rows and the router's choice for them."""
+    def route(self, h_BSH: torch.Tensor, fixed_topk_idx_NK: torch.Tensor | None = None,
+              saved: SavedRouting | None = None) -> Routing:
+        """Normed token rows and the router's choice for them. `saved` (`recompute: full`): the
+        forward records its choice there and the recomputation routes by it (the weights come
+        from the recomputed scores at those ids: their gradient is the forward's)."""
         xn_NH = self.ffn_norm(h_BSH).flatten(0, 1)
-        return self.moe.router(xn_NH, fixed_topk_idx_NK)
+        if saved is None:
+            return self.moe.router(xn_NH, fixed_topk_idx_NK)
+        routing = self.moe.router(xn_NH, saved.choice(fixed_topk_idx_NK))
+        saved.record(routing.topk_idx_NK)
+        return routing
 
-    def dispatch(self, routing: Routing) -> tuple[torch.Tensor, ExpertGrouping]:
-        """Pair rows grouped by expert ([P, H]) and the grouping that `combine` undoes."""
-        grouping = group_by_expert(routing.topk_idx_NK, self.moe.router.num_experts)
+    def dispatch(self, routing: Routing, saved: SavedRouting | None = None) -> tuple[torch.Tensor, ExpertGrouping]:
+        """Pair rows grouped by expert ([P, H]) and the grouping that `combine` undoes (`saved`:
+        the grouping the forward made, on the recomputation's run)."""
+        grouping = derived(saved, "grouping", lambda: group_by_expert(routing.topk_idx_NK, self.moe.router.num_experts))
         return permute(routing.xn_NH, grouping), grouping
 
     def shared_ffn(self, routing: Routing) -> torch.Tensor | None:
@@ -121,28 +145,54 @@ class MoEBlock(Block):
             ffn_NH = ffn_NH + shared_NH
         return h_BSH + ffn_NH.view_as(h_BSH)
 
+    def attention_half(self, x_BSH: torch.Tensor) -> tuple[torch.Tensor, Routing, torch.Tensor | None,
+                                                           torch.Tensor | None]:
+        """What an attention rank runs of this block: (h [B, S, H], the routing, the shared experts'
+        output [N, H] or None, the aux loss's mean routing probabilities [E] or None without an aux
+        loss). Under `recompute: full` one recomputed segment that keeps x and the routing."""
+        if self._recomputes_block():
+            return recomputed(self._attention_half, x_BSH)
+        return self._attention_half(x_BSH, None)
+
+    def _attention_half(self, x_BSH: torch.Tensor, saved: SavedRouting | None):
+        h_BSH = self.attention_part(x_BSH)
+        routing = self.route(h_BSH, None, saved)
+        router = self.moe.router
+        probs_E = router.mean_probs(routing.scores_NE).float() if router.cfg.aux_loss_coef > 0 else None
+        return h_BSH, routing, self.shared_ffn(routing), probs_E
+
     def forward(
         self, x_BSH: torch.Tensor, fixed_topk_idx_NK: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, Routing]:
+        """The whole layer; under `recompute: full` one recomputed segment that keeps x and the routing."""
+        if self._recomputes_block():
+            return recomputed(self._forward, x_BSH, fixed_topk_idx_NK)
+        return self._forward(x_BSH, fixed_topk_idx_NK, None)
+
+    def _forward(self, x_BSH: torch.Tensor, fixed_topk_idx_NK: torch.Tensor | None,
+                 saved: SavedRouting | None) -> tuple[torch.Tensor, Routing]:
         h_BSH = self.attention_part(x_BSH)
-        routing = self.route(h_BSH, fixed_topk_idx_NK)
+        routing = self.route(h_BSH, fixed_topk_idx_NK, saved)
         if self.moe.experts.fuses_permute(h_BSH):
-            return self._forward_fused(h_BSH, routing), routing
-        x_PH, grouping = self.dispatch(routing)
+            return self._forward_fused(h_BSH, routing, saved), routing
+        x_PH, grouping = self.dispatch(routing, saved)
         y_PH = self.moe.experts(x_PH, grouping.offsets_E)
         out_BSH = self.combine(h_BSH, routing, y_PH, grouping, self.shared_ffn(routing))
         return out_BSH, routing
 
-    def _forward_fused(self, h_BSH: torch.Tensor, routing: Routing) -> torch.Tensor:
+    def _forward_fused(self, h_BSH: torch.Tensor, routing: Routing, saved: SavedRouting | None) -> torch.Tensor:
         """dispatch, experts, combine with the Triton permute and weighted-combine kernels
         (the same arithmetic; the combine sums each token's k rows in fp32)."""
-        from disagmoe.kernels.permute import combine_rows, permute_tokens
+        from disagmoe.kernels.permute import combine_rows, pair_destinations, permute_tokens
 
         experts = self.moe.experts
+        num_experts = self.moe.router.num_experts
         if EXPERT_OUTPUT in experts.recompute:  # one op that keeps no output rows (`kernels.fused_moe`)
             ffn_NH = experts.fused_layer(routing.xn_NH, routing.topk_idx_NK, routing.topk_w_NK)
         else:
-            x_PH, offsets_E, dest_NK = permute_tokens(routing.xn_NH, routing.topk_idx_NK, self.moe.router.num_experts)
+            destinations = derived(saved, "destinations", lambda: pair_destinations(routing.topk_idx_NK, num_experts))
+            x_PH, offsets_E, dest_NK = permute_tokens(routing.xn_NH, routing.topk_idx_NK, num_experts,
+                                                      destinations=destinations)
             source = RowSource.of_permute(routing.xn_NH, dest_NK) if EXPERT_INPUT in experts.recompute else None
             ffn_NH = combine_rows(experts(x_PH, offsets_E, source=source), dest_NK, routing.topk_w_NK)
         shared_NH = self.shared_ffn(routing)

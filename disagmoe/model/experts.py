@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from disagmoe.kernels.autocast import autocast_operands
+from disagmoe.kernels.recompute import RECOMPUTABLE
 from disagmoe.model.init import seeded_normal_
 
 ExpertFFN = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -211,11 +212,21 @@ class RoutedExperts(nn.Module):
 
     def set_recompute(self, modules: frozenset[str]) -> None:
         """Drop `modules` (`kernels.recompute.RECOMPUTABLE`) from what the forward keeps, to be
-        recomputed in the backward: the triton backend only (the others keep autograd's tensors)."""
-        if modules and self.backend != "triton":
-            raise ValueError(f"recompute {sorted(modules)} needs experts_backend: triton (the {self.backend} "
+        recomputed in the backward: the triton backend only (the others keep autograd's tensors).
+        `kernels.recompute.BLOCK` (`recompute: full`), any backend: an expert rank runs its share
+        of the layer again in the backward from the rows and routing it received
+        (`model.local_experts`, `runtime.stages.pair_return`); where a whole block runs in one
+        process the block recomputes itself (`model.block`)."""
+        kernel_modules = frozenset(modules) & frozenset(RECOMPUTABLE)
+        if kernel_modules and self.backend != "triton":
+            raise ValueError(f"recompute {sorted(kernel_modules)} needs experts_backend: triton (the {self.backend} "
                              "backend keeps what torch autograd saves); set experts_backend: triton or recompute: none")
         self.recompute = frozenset(modules)
+
+    @property
+    def kernel_recompute(self) -> frozenset[str]:
+        """What the triton kernels themselves drop (`recompute` less `BLOCK`)."""
+        return self.recompute & frozenset(RECOMPUTABLE)
 
     def fused_layer(self, x_TH: torch.Tensor, topk_TK: torch.Tensor, w_TK: torch.Tensor,
                     spare_last: bool = False) -> torch.Tensor:
@@ -224,7 +235,7 @@ class RoutedExperts(nn.Module):
         from disagmoe.kernels.fused_moe import fused_moe
 
         return fused_moe(x_TH, topk_TK, w_TK, self.w13_EH2F, self.w2_EFH, spare_last=spare_last,
-                         recompute=self.recompute)
+                         recompute=self.kernel_recompute)
 
     def forward(self, x_NH: torch.Tensor, offsets_E: torch.Tensor, source=None) -> torch.Tensor:
         """Rows grouped by (local) expert -> output rows in the same order. `source`
@@ -237,8 +248,8 @@ class RoutedExperts(nn.Module):
             # no prepared copies (a caller outside the trainer's step): quantised for this call
             return expert_ffn_fp8(x_NH, offsets_E, self.w13_EH2F, self.w2_EFH, weights=self.fp8_weights,
                                   stats=self.fp8_stats)
-        if self.recompute:
-            return self.expert_ffn(x_NH, offsets_E, self.w13_EH2F, self.w2_EFH, recompute=self.recompute,
+        if self.kernel_recompute:
+            return self.expert_ffn(x_NH, offsets_E, self.w13_EH2F, self.w2_EFH, recompute=self.kernel_recompute,
                                    source=source)
         return self.expert_ffn(x_NH, offsets_E, self.w13_EH2F, self.w2_EFH)
 

@@ -172,6 +172,15 @@ def _accumulate_weight_grad(w_OI: torch.Tensor, dy_NO: torch.Tensor, x_NI: torch
     torch.autograd.backward(w_OI, dw_OI)
 
 
+def _deferrable_weight(w_OI: torch.Tensor) -> torch.Tensor | None:
+    """Where a held-back weight gradient accumulates: the leaf weight itself, kept on the ctx (None
+    for a non-leaf weight: never deferred). Not its saved copy: under a checkpoint's saved-tensor
+    hooks (`recompute`) that unpacks as an alias whose link to the leaf's gradient accumulator is
+    weak, gone once the segment's graph is freed before the held-back work runs (a rank runs it
+    after its sends), and the gradient would then land on the alias."""
+    return w_OI if w_OI.is_leaf else None
+
+
 class _LinearFunction(torch.autograd.Function):
     """y = x W^T (`F.linear` without bias). The backward computes d x as autograd's linear does and
     d W too, unless inside `deferred_weight_grads` (first-order backward, a leaf weight), where d W
@@ -180,6 +189,7 @@ class _LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, w_OI: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(x, w_OI)
+        ctx.weight = _deferrable_weight(w_OI)
         return F.linear(x, w_OI)
 
     @staticmethod
@@ -190,8 +200,8 @@ class _LinearFunction(torch.autograd.Function):
         if not ctx.needs_input_grad[1]:
             return dx, None
         x_NI = x.reshape(-1, x.shape[-1])
-        deferrable = w_OI.is_leaf and not torch.is_grad_enabled()  # grad mode on: a double backward
-        if deferrable and hold_back(functools.partial(_accumulate_weight_grad, w_OI, dy_NO, x_NI)):
+        deferrable = ctx.weight is not None and not torch.is_grad_enabled()  # grad mode on: a double backward
+        if deferrable and hold_back(functools.partial(_accumulate_weight_grad, ctx.weight, dy_NO, x_NI)):
             return dx, None
         return dx, _linear_weight_grad(dy_NO, x_NI)
 
@@ -205,6 +215,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, w_OI: torch.Tensor, stats_row: torch.Tensor | None,
                 emulate: bool, copies: fp8_dense.Fp8WeightCopies | None) -> torch.Tensor:
         ctx.save_for_backward(x, w_OI)
+        ctx.weight = _deferrable_weight(w_OI)
         ctx.stats_row, ctx.emulate, ctx.copies = stats_row, emulate, copies
         return fp8_dense.fprop(x, w_OI, stats_row, emulate, copies)
 
@@ -218,8 +229,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
             return dx, None, None, None, None
         x_NI = x.reshape(-1, x.shape[-1])
         weight_grad = functools.partial(_fp8_weight_grad, stats_row=ctx.stats_row, emulate=ctx.emulate)
-        deferrable = w_OI.is_leaf and not torch.is_grad_enabled()
-        if deferrable and hold_back(functools.partial(_accumulate_weight_grad, w_OI, dy_NO, x_NI, weight_grad)):
+        deferrable = ctx.weight is not None and not torch.is_grad_enabled()
+        if deferrable and hold_back(functools.partial(_accumulate_weight_grad, ctx.weight, dy_NO, x_NI, weight_grad)):
             return dx, None, None, None, None
         return dx, weight_grad(dy_NO, x_NI), None, None, None
 

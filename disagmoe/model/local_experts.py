@@ -18,6 +18,11 @@ On CUDA with the triton backend the permute and weighted-combine kernels do the 
 launch each way; `RoutedExperts.fuses_permute`); otherwise plain torch (argsort, gather,
 `torch.where`, the combine).
 
+`recompute: full` (`kernels.recompute.BLOCK` in the experts' `recompute`): the forward keeps the
+received rows, the local ids and weights (the checkpoint's inputs) and the grouping it derived
+from the ids (`SavedRouting`); the grouped rows, the FFN's internals and the combine's rows run
+again in the backward, grouped as the forward grouped them.
+
 Shape legend: T tokens (from every source, concatenated), K top-k, H hidden, P = T*K pairs,
 E local experts.
 """
@@ -27,40 +32,57 @@ from __future__ import annotations
 import torch
 
 from disagmoe.model.dispatch import expert_counts
-from disagmoe.kernels.recompute import EXPERT_INPUT, EXPERT_OUTPUT, RowSource
+from disagmoe.kernels.recompute import BLOCK, EXPERT_INPUT, EXPERT_OUTPUT, RowSource, SavedRouting, derived, recomputed
 from disagmoe.model.experts import RoutedExperts
 
 
 def local_expert_block(x_TH: torch.Tensor, local_TK: torch.Tensor, w_TK: torch.Tensor,
                        experts: RoutedExperts) -> torch.Tensor:
     """partial_TH of the module docstring; `local_TK` int (num_local = experts.num_experts marks
-    a pair served elsewhere)."""
+    a pair served elsewhere). Under `recompute: full` one recomputed segment (module docstring)."""
     if x_TH.shape[0] != local_TK.shape[0] or local_TK.shape != w_TK.shape:
         raise ValueError(f"x [T, H], local [T, K] and w [T, K] must agree; got {tuple(x_TH.shape)}, "
                          f"{tuple(local_TK.shape)}, {tuple(w_TK.shape)}")
+    if BLOCK in experts.recompute and torch.is_grad_enabled():
+        return recomputed(_partial_sums, x_TH, local_TK, w_TK, experts)
+    return _partial_sums(x_TH, local_TK, w_TK, experts, None)
+
+
+def _partial_sums(x_TH: torch.Tensor, local_TK: torch.Tensor, w_TK: torch.Tensor, experts: RoutedExperts,
+                  saved: SavedRouting | None = None) -> torch.Tensor:
     if experts.fuses_permute(x_TH):
-        return _fused(x_TH, local_TK, w_TK, experts)
-    return _torch(x_TH, local_TK, w_TK, experts)
+        return _fused(x_TH, local_TK, w_TK, experts, saved)
+    return _torch(x_TH, local_TK, w_TK, experts, saved)
 
 
-def _fused(x_TH: torch.Tensor, local_TK: torch.Tensor, w_TK: torch.Tensor, experts: RoutedExperts) -> torch.Tensor:
-    from disagmoe.kernels.permute import combine_rows, permute_tokens
+def _fused(x_TH: torch.Tensor, local_TK: torch.Tensor, w_TK: torch.Tensor, experts: RoutedExperts,
+           saved: SavedRouting | None = None) -> torch.Tensor:
+    from disagmoe.kernels.permute import combine_rows, pair_destinations, permute_tokens
 
     num_local = experts.num_experts
     if EXPERT_OUTPUT in experts.recompute:  # one op that keeps no output rows (`kernels.fused_moe`)
         return experts.fused_layer(x_TH, local_TK, w_TK, spare_last=True)
-    x_PH, offsets_E1, dest_TK = permute_tokens(x_TH, local_TK, num_local + 1, spare_last=True)
+    destinations = derived(saved, "destinations", lambda: pair_destinations(local_TK, num_local + 1))
+    x_PH, offsets_E1, dest_TK = permute_tokens(x_TH, local_TK, num_local + 1, spare_last=True,
+                                               destinations=destinations)
     source = RowSource.of_permute(x_TH, dest_TK) if EXPERT_INPUT in experts.recompute else None
     y_PH = experts(x_PH, offsets_E1[:num_local], source=source)
     return combine_rows(y_PH, dest_TK, w_TK, limit=offsets_E1[num_local - 1:num_local])
 
 
-def _torch(x_TH: torch.Tensor, local_TK: torch.Tensor, w_TK: torch.Tensor, experts: RoutedExperts) -> torch.Tensor:
+def _grouping(local_TK: torch.Tensor, num_local: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order_P, offsets_E): the pairs by local expert, the spare bucket last, and the cumulative
+    rows of the local experts (int32), on the device."""
+    order_P = torch.argsort(local_TK.reshape(-1).long(), stable=True)
+    offsets_E = torch.cumsum(expert_counts(local_TK.long(), num_local + 1)[:num_local], 0).to(torch.int32)
+    return order_P, offsets_E
+
+
+def _torch(x_TH: torch.Tensor, local_TK: torch.Tensor, w_TK: torch.Tensor, experts: RoutedExperts,
+           saved: SavedRouting | None = None) -> torch.Tensor:
     num_local = experts.num_experts
     T, K = local_TK.shape
-    flat_P = local_TK.reshape(-1).long()
-    order_P = torch.argsort(flat_P, stable=True)  # pairs by local expert, the spare bucket last
-    offsets_E = torch.cumsum(expert_counts(local_TK.long(), num_local + 1)[:num_local], 0).to(torch.int32)
+    order_P, offsets_E = derived(saved, "grouping", lambda: _grouping(local_TK, num_local))
     served_P1 = (torch.arange(T * K, device=x_TH.device) < offsets_E[-1])[:, None]
     x_PH = torch.where(served_P1, x_TH[order_P // K], 0)
     y_PH = torch.where(served_P1, experts(x_PH, offsets_E), 0)

@@ -71,25 +71,26 @@ class MoETransformer(nn.Module):
                 f"{self.cfg.num_moe_layers} MoE layers"
             )
         x_BSH = self.embed(tokens_BS)
-        routings = []
+        aux_loss = z_loss = x_BSH.new_zeros(())
+        loads, choices = [], []  # per MoE layer; a layer's routing is dropped with its block (its rows too)
         for block in self.layers:
             if isinstance(block, MoEBlock):
-                fixed = None if fixed_topk_idx_LNK is None else fixed_topk_idx_LNK[len(routings)]
+                fixed = None if fixed_topk_idx_LNK is None else fixed_topk_idx_LNK[len(choices)]
                 x_BSH, routing = block(x_BSH, fixed)
-                routings.append(routing)
+                aux_loss, z_loss = aux_loss + routing.aux_loss, z_loss + routing.z_loss
+                loads.append(routing.load_E)
+                choices.append(routing.topk_idx_NK.detach())
             else:
                 x_BSH = block(x_BSH)
         h_BSH = self.norm(x_BSH)
-        zero = x_BSH.new_zeros(())
         E, NK = self.cfg.num_experts, (tokens_BS.numel(), self.cfg.top_k)
         return ModelOutput(
             logits_BSV=F.linear(h_BSH, self.head_weight()) if logits else None,
             hidden_BSH=h_BSH,
-            aux_loss=sum((r.aux_loss for r in routings), zero),
-            z_loss=sum((r.z_loss for r in routings), zero),
-            expert_load_LE=(torch.stack([r.load_E for r in routings]) if routings
-                            else tokens_BS.new_zeros((0, E), dtype=torch.int64)),
-            topk_idx_LNK=(torch.stack([r.topk_idx_NK.detach() for r in routings]) if routings
+            aux_loss=aux_loss,
+            z_loss=z_loss,
+            expert_load_LE=torch.stack(loads) if loads else tokens_BS.new_zeros((0, E), dtype=torch.int64),
+            topk_idx_LNK=(torch.stack(choices) if choices
                           else tokens_BS.new_zeros((0, *NK), dtype=torch.int64)),
         )
 
@@ -103,7 +104,8 @@ class MoETransformer(nn.Module):
     def set_recompute(self, modules: frozenset[str]) -> None:
         """What every block and routed-expert module held here recomputes in the backward instead
         of keeping (`TrainConfig.recompute_set`: the attention side's `Block.set_recompute`, the
-        experts' `RoutedExperts.set_recompute`)."""
+        experts' `RoutedExperts.set_recompute`; `recompute: full`'s `BLOCK` reaches both: a block
+        recomputes itself where it runs whole, an expert rank its experts)."""
         for module in self.modules():
             if isinstance(module, RoutedExperts):
                 module.set_recompute(expert_modules(modules))

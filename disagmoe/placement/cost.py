@@ -39,7 +39,10 @@ per candidate, the least that fits: a split drops the expert modules only where 
 overflows without them and attention only where the attention GPU does (each side's memory
 depends on its own modules only), a colocated GPU the fitting variant whose recompute costs
 least. Recomputation is never faster for a fixed candidate, only leaner: the search picks it
-only through a faster candidate that fits only so.
+only through a faster candidate that fits only so. `recompute: full` (`memory.FULL`, asked for,
+never auto's choice) prices both sides' activations as `roofline.memory`'s FULL terms (each layer
+keeps its input and routing, one layer's backward holds it again) and every attention and expert
+stage's forward once more in its backward (`full_recompute_stages`).
 
 Offload (`Problem.offload_optimizer`): the masters and moments move to host memory (`host_state_bytes`,
 which must fit `host_capacity_bytes` per GPU) and the optimizer pays the host link; like
@@ -56,7 +59,7 @@ the pessimistic case (`_ring_hop_fraction`). Idle GPUs of the cluster never ente
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 
@@ -199,9 +202,13 @@ class Cost:
     (fits requires it within `Problem.host_capacity_bytes`); None without offload."""
     recompute_attention: np.ndarray | None = None
     """bool per candidate: priced with the attention block recomputed (None: all False)."""
+    recompute_block: bool = False
+    """Every candidate priced with `recompute: full` (`memory.FULL`)."""
 
     def dropped(self, i: int = 0) -> frozenset[str]:
         """The modules candidate `i` is priced as recomputing (`roofline.memory` names)."""
+        if self.recompute_block:
+            return mem.FULL
         attention = self.recompute_attention is not None and bool(self.recompute_attention[i])
         return (mem.SELECTIVE if bool(self.selective[i]) else mem.NOTHING_DROPPED) | (ATTENTION if attention
                                                                                       else mem.NOTHING_DROPPED)
@@ -224,8 +231,8 @@ class Problem:
     optimizer_state_dtype: str = "fp32"  # AdamW's moments: fp32 or bf16
     offload_optimizer: bool = False  # masters and moments in host memory, copied over the host link each step
     calibration: Calibration | None = None  # measured curves and fixed costs (None: the plain roofline)
-    recompute: str = "none"  # none, selective or auto (per candidate: see the module docstring)
-    recompute_modules: frozenset[str] = mem.SELECTIVE  # selective: what it drops; auto: what it may drop
+    recompute: str = "none"  # none, selective, full or auto (per candidate: see the module docstring)
+    recompute_modules: frozenset[str] = mem.SELECTIVE  # selective: what it drops; auto: what it may drop; full: FULL
     fp8_speedup: float = 1.0  # > 1: the routed experts' GEMMs in FP8, at fp8_tflops / bf16_tflops the rate
     fp8_dense: bool = False  # with fp8_speedup > 1: the dense projections' GEMMs in FP8 too (rowwise)
     host_capacity_bytes: float = float("inf")  # offloaded: host memory per GPU for masters and moments
@@ -334,7 +341,7 @@ def activations(m: ModelConfig, tokens: Num, pairs: Num, in_flight: Num, p: np.n
     if not colocated:
         attention = attention_activations(m, tokens, in_flight, p, dropped) if attention is None else attention
         return attention, expert_activations(m, pairs, in_flight, p, dropped)
-    exp_kept = in_flight * pairs * moe_l * expert_row_kept_bytes(m, dropped)
+    exp_kept = in_flight * moe_l * expert_kept_bytes(m, pairs, dropped)
     attn_kept = in_flight * tokens * (moe_l * mem.attention_bytes(m, True, BF16, dropped)
                                       + dense_l * mem.attention_bytes(m, False, BF16, dropped))
     kinds = [moe for moe, n in ((True, m.num_moe_layers), (False, m.num_dense_layers)) if n]
@@ -348,12 +355,18 @@ def expert_row_kept_bytes(m: ModelConfig, dropped: frozenset[str]) -> int:
     return mem.expert_row_bytes(m, BF16, dropped) + mem.combine_bytes(m, BF16, dropped) // m.top_k
 
 
+def expert_kept_bytes(m: ModelConfig, pairs: Num, dropped: frozenset[str]) -> Num:
+    """Bytes one layer of one micro-batch keeps on its expert GPU: its `pairs` rows and, under
+    `recompute: full`, each received token's row and partial sum (`memory.expert_token_bytes`)."""
+    return pairs * expert_row_kept_bytes(m, dropped) + pairs / m.top_k * mem.expert_token_bytes(m, BF16, dropped)
+
+
 def expert_activations(m: ModelConfig, pairs: Num, in_flight: Num, p: np.ndarray,
                        dropped: frozenset[str] = mem.NOTHING_DROPPED) -> Num:
     """A disaggregated expert GPU's activation peak (`activations`): every pair of every layer of
-    its group in flight, and one expert backward's gradients. Only the expert modules change it."""
+    its group in flight, and one expert backward's gradients. Only the expert modules (or full) change it."""
     moe_l, _ = _layer_counts(m, np.asarray(p))
-    return in_flight * pairs * moe_l * expert_row_kept_bytes(m, dropped) + pairs * mem.expert_row_grad_bytes(
+    return in_flight * moe_l * expert_kept_bytes(m, pairs, dropped) + pairs * mem.expert_row_grad_bytes(
         m, BF16, dropped)
 
 
@@ -561,6 +574,8 @@ def evaluate(prob: Problem, c: Candidates, misfits_exact: bool = True) -> Cost:
         stages = fp8_stages(stages, ceil, prob.fp8_speedup, m, rows, exp_params)
         if prob.fp8_dense:
             stages = fp8_dense_stages(stages, ceil, prob.fp8_speedup, m, tokens, moe_l, dense_l)
+    if prob.recompute == "full":
+        stages = full_recompute_stages(stages)
 
     def time_of(name: str, bwd: bool):
         stage = stages.get(name)
@@ -606,7 +621,8 @@ def evaluate(prob: Problem, c: Candidates, misfits_exact: bool = True) -> Cost:
                 attn_act_bytes=act_attn * ones, expert_act_bytes=act_exp * ones, selective=selective,
                 attn_transport_bytes=transport_attn * ones, expert_transport_bytes=transport_exp * ones,
                 lean_expert_mem_bytes=lean_exp_mem * ones, lean_fits=lean_fits,
-                round_floor_s=floor * ones, stages=stages, host_state_bytes=host_state, recompute_attention=attention)
+                round_floor_s=floor * ones, stages=stages, host_state_bytes=host_state, recompute_attention=attention,
+                recompute_block=prob.recompute == "full")
 
 
 def _recomputation(prob: Problem, c: Candidates, tokens: Num, in_flight: Num, pairs: Num, rows: Num,
@@ -617,6 +633,8 @@ def _recomputation(prob: Problem, c: Candidates, tokens: Num, in_flight: Num, pa
     side recomputed only for the candidates whose attention GPU overflows without it and whose
     expert GPU fits with its leanest modules (no other can fit: the search stays as fast)."""
     m, cap, n = prob.model, prob.capacity_bytes, len(c)
+    if prob.recompute == "full":
+        return _full_recomputation(prob, c, tokens, in_flight, pairs, attn_state, exp_state)
     may = mem.NOTHING_DROPPED if prob.recompute == "none" else frozenset(prob.recompute_modules)
     experts_may, attention_may = may & mem.SELECTIVE, "attention" in may
     fixed = prob.recompute != "auto"
@@ -658,6 +676,58 @@ def _recomputation(prob: Problem, c: Candidates, tokens: Num, in_flight: Num, pa
     act_attn, act_exp = np.where(attention, attn_lean, attn_plain), np.where(selective, exp_lean, exp_plain)
     fits = (attn_state + act_attn <= cap) & (exp_state + act_exp <= cap)
     return selective, attention, act_attn, act_exp, fits, exp_state + exp_lean, attn_fit_lean & exp_fit_lean
+
+
+def _full_recomputation(prob: Problem, c: Candidates, tokens: Num, in_flight: Num, pairs: Num,
+                        attn_state: Num, exp_state: Num) -> tuple[np.ndarray, ...]:
+    """`_recomputation`'s answer under `recompute: full`: both sides' activations with `memory.FULL`
+    (no module of selective's), the lean figures the same."""
+    m, cap, n = prob.model, prob.capacity_bytes, len(c)
+    none = np.zeros(n, dtype=bool)
+    if c.colocated:  # a rank recomputes its attention half and its experts' share apart; one GPU, whole blocks
+        ranks = activations(m, tokens, pairs, in_flight, c.p, True, mem.FULL)[0]
+        act = np.broadcast_to(np.where(c.expert == 1, _one_process_full(m, tokens), ranks).astype(float), (n,)).copy()
+        fits = attn_state + act <= cap
+        return none, none, act, 0.0 * act, fits, attn_state + act, fits
+    act_attn = np.broadcast_to(np.asarray(attention_activations(m, tokens, in_flight, c.p, mem.FULL), dtype=float),
+                               (n,)).copy()
+    act_exp = np.broadcast_to(np.asarray(expert_activations(m, pairs, in_flight, c.p, mem.FULL), dtype=float),
+                              (n,)).copy()
+    fits = (attn_state + act_attn <= cap) & (exp_state + act_exp <= cap)
+    return none, none, act_attn, act_exp, fits, exp_state + act_exp, fits
+
+
+def _one_process_full(m: ModelConfig, tokens: Num) -> Num:
+    """`memory.activation_bytes` under `recompute: full` for `tokens` (numbers or arrays): one
+    GPU (mode single) recomputes whole blocks, each keeping its input and routing."""
+    kinds = [moe for moe, n in ((True, m.num_moe_layers), (False, m.num_dense_layers)) if n]
+    kept = tokens * (m.num_moe_layers * mem.layer_bytes(m, True, BF16, mem.FULL)
+                     + m.num_dense_layers * mem.layer_bytes(m, False, BF16, mem.FULL))
+    held = tokens * max(mem.layer_grad_bytes(m, moe, BF16, mem.FULL) for moe in kinds)
+    return kept + np.maximum(mem.head_bytes(m, tokens, BF16), held)
+
+
+FULL_RECOMPUTED = " (recomputed)"  # the suffix of a stage `full_recompute_stages` adds
+
+
+def full_recompute_stages(stages: dict[str, Stage]) -> dict[str, Stage]:
+    """`stages` with `recompute: full`'s price: beside every attention and expert stage that runs
+    per layer, its forward once more in the backward (`<name> (recomputed)`, at the stage's own
+    forward rates): each block runs again when its backward reaches it. Transfers are not repeated
+    (an expert GPU recomputes from the rows it received), nor an op's fixed cost (the recompute
+    runs inside the backward op)."""
+    out = {}
+    for name, s in stages.items():  # each beside its stage (the stages' order is the report's)
+        out[name] = s
+        per_layer = s.group in ("attention", "expert") and s.runs in ("layer", "moe", "dense")
+        if per_layer and name not in (ATTENTION_FIXED, EXPERT_FIXED) and _does_work(s.fwd):
+            out[name + FULL_RECOMPUTED] = Stage(s.group, s.runs, Work(), s.fwd, bwd_ceilings=s.fwd_ceilings)
+    return out
+
+
+def _does_work(work: Work) -> bool:
+    """Whether `work` asks anything of a GPU (for any candidate)."""
+    return any(np.any(np.asarray(getattr(work, f.name)) != 0) for f in fields(Work))
 
 
 ATTENTION_FIXED, EXPERT_FIXED = "fixed cost (attention ops)", "fixed cost (expert ops)"

@@ -90,9 +90,12 @@ def _recompute_of(cfg: PlanConfig) -> dict:
     """`Problem.recompute` and `recompute_modules` of `cfg`: the modules asked (selective: the three
     expert modules unless `recompute_modules` names others; auto: those and attention), less the
     expert modules where the run's experts cannot drop them (they need experts_backend: triton;
-    the FP8 experts keep their own rows: train refuses them with precision: fp8)."""
+    the FP8 experts keep their own rows: train refuses them with precision: fp8); full: the whole
+    block (`memory.FULL`, any experts backend)."""
     if cfg.recompute == "none":
         return {"recompute": "none"}
+    if cfg.recompute == "full":
+        return {"recompute": "full", "recompute_modules": mem.FULL}
     asked = (frozenset(cfg.recompute_modules) if cfg.recompute_modules is not None else
              mem.SELECTIVE if cfg.recompute == "selective" else mem.SELECTIVE | ATTENTION)
     if cfg.experts_backend != "triton" or cfg.expert_precision != "bf16":
@@ -102,7 +105,12 @@ def _recompute_of(cfg: PlanConfig) -> dict:
 
 def _fixed_recompute(prob: Problem, dropped: frozenset[str]) -> Problem:
     """`prob` priced with exactly `dropped` recomputed on every candidate (none when empty)."""
-    return replace(prob, recompute="selective" if dropped else "none", recompute_modules=dropped)
+    return replace(prob, recompute=_recompute_name(dropped), recompute_modules=dropped)
+
+
+def _recompute_name(dropped: frozenset[str]) -> str:
+    """`recompute` of what a plan drops: full (the whole block), selective (modules) or none."""
+    return "full" if mem.BLOCK in dropped else "selective" if dropped else "none"
 
 
 def _seq_choices() -> np.ndarray:
@@ -535,6 +543,8 @@ def price(cfg: PlanConfig, chosen: Candidates, colocated_step_s: float | None = 
         notes.append(_recompute_note(cfg, prob, chosen, cost))
     if "attention" in dropped:
         notes.append(_attention_recompute_note(prob, chosen, cost))
+    if mem.BLOCK in dropped:
+        notes.append(_full_recompute_note(prob, chosen, cost))
     if not dropped and prob.recompute == "auto" and fits:
         notes.append(_no_recompute_note(prob, chosen, cost))
     step = float(cost.step_s[0])
@@ -562,7 +572,7 @@ def price(cfg: PlanConfig, chosen: Candidates, colocated_step_s: float | None = 
         sequences_per_micro_batch=seqs * dp, accumulation_rounds=rounds,
         expert_map=expert_map, total_params=counts.total, active_params=counts.active,
         memory_per_gpu=_memory(cost, prob, use_dis, "single" if single else "colocated"), stage_times=stage_times,
-        recompute="selective" if dropped else "none", recompute_modules=modules,
+        recompute=_recompute_name(dropped), recompute_modules=modules,
         offload_optimizer=prob.offload_optimizer,
         step_time_s=step, colocated_step_time_s=col if math.isfinite(col) else None,
         speedup_vs_colocated=col / step if math.isfinite(col) else None,
@@ -577,6 +587,9 @@ def price(cfg: PlanConfig, chosen: Candidates, colocated_step_s: float | None = 
 
 def _recompute_text(dropped: frozenset[str]) -> str:
     """The memory note's tail: which recomputation the plan's memory assumes."""
+    if mem.BLOCK in dropped:
+        return (", and full recomputation (every block keeps its input and routing and runs again in its backward; "
+                "train --plan sets recompute: full)")
     experts, attention = bool(dropped & mem.SELECTIVE), "attention" in dropped
     if not experts and not attention:
         return ", and no activation recomputation"
@@ -600,6 +613,18 @@ def _attention_recompute_note(prob: Problem, chosen: Candidates, cost: Cost) -> 
             "keeps its input and the core's output; the norm, q/k/v projections, RoPE and attention core run again "
             f"in the backward, about one more attention forward per layer); its recompute adds {report.seconds(extra)} "
             "per step")
+
+
+def _full_recompute_note(prob: Problem, chosen: Candidates, cost: Cost) -> str:
+    """One line: what full recomputation frees on each side, and what it costs."""
+    kept = evaluate(_fixed_recompute(prob, mem.NOTHING_DROPPED), chosen)
+    sides = [("attention", "attn_act_bytes")] if chosen.colocated else [("attention", "attn_act_bytes"),
+                                                                        ("expert", "expert_act_bytes")]
+    freed = "; ".join(f"{float(getattr(kept, key)[0]) / GIB:.1f} -> {float(getattr(cost, key)[0]) / GIB:.1f} GiB per "
+                      f"{'colocated' if chosen.colocated else side} GPU" for side, key in sides)
+    extra = float(cost.step_s[0] - kept.step_s[0])
+    return (f"full recomputation as asked (--recompute full): activations {freed}; every block's forward runs "
+            f"again in its backward, adding {report.seconds(extra)} per step")
 
 
 def _recompute_note(cfg: PlanConfig, prob: Problem, chosen: Candidates, cost: Cost) -> str:

@@ -8,10 +8,13 @@
     activation_bytes(m, tokens, value_bytes, chunked)   one process's peak over one micro-batch
 
 `value_bytes` is the activations' dtype (2: bf16, 4: fp32); reductions keep fp32 where the model
-does (router scores, the attention's log-sum-exp). `dropped` is what selective recomputation does
-not keep (`TrainConfig.recompute_set`: expert_input, expert_output, expert_swiglu, attention,
-`kernels/recompute.py`): it leaves the forward's terms and adds to the backward's the transient
-it recomputes (the regathered input rows, the SwiGLU output, the attention block's internals). These are estimates of what autograd saves,
+does (router scores, the attention's log-sum-exp). `dropped` is what recomputation does not keep
+(`TrainConfig.recompute_set`, `kernels/recompute.py`): selective's expert_input, expert_output,
+expert_swiglu, attention leave the forward's terms and add to the backward's the transient it
+recomputes (the regathered input rows, the SwiGLU output, the attention block's internals);
+`recompute: full` (`FULL`) keeps of a layer only its input and routing (`block_input_bytes`; on
+the distributed ranks `attention_half_kept_bytes`, `expert_token_bytes`) and its backward holds
+the whole layer again (the plain run's terms) beside its gradients. These are estimates of what autograd saves,
 read off the code (no allocator slack, no attention score matrix: the attention is flash). Where a
 rank holds how many micro-batches comes from its program: `runtime/activation_memory.py` replays
 it with these terms (roofline does not import the runtime); the planner prices the same terms.
@@ -88,22 +91,52 @@ def attention_recomputed_bytes(m: ModelConfig, value_bytes: int) -> int:
     return value_bytes * values + FP32 * fp32
 
 
-def attention_bytes(m: ModelConfig, moe: bool, value_bytes: int, dropped: frozenset[str] = frozenset()) -> int:
-    """Bytes one token keeps in one layer on the attention side until its backward (less what
-    `attention` recomputation drops, where `dropped` names it)."""
-    kept = value_bytes * attention_values(m, moe) + FP32 * attention_fp32_values(m, moe, value_bytes)
-    return kept - (attention_recomputed_bytes(m, value_bytes) if "attention" in dropped else 0)
-
-
 NOTHING_DROPPED: frozenset[str] = frozenset()
 SELECTIVE: frozenset[str] = frozenset({"expert_input", "expert_output", "expert_swiglu"})  # recompute: selective's default
+BLOCK = "block"  # `recompute: full` (`kernels.recompute.BLOCK`): a block keeps its input and its routing
+FULL: frozenset[str] = frozenset({BLOCK})
+# What `recompute: full` keeps of a (token, k) pair's routing (`kernels.recompute.SavedRouting`): its
+# top-k id (int64) and its grouped row, the permutation derived from the ids (int64 in plain torch,
+# int32 from the Triton permute: counted at the larger). On an expert rank: its local expert id
+# (int32, the received one) and the permutation.
+ROUTING_BYTES_PER_PAIR = 8 + 8
+EXPERT_ROUTING_BYTES_PER_PAIR = 4 + 8
+
+
+def block_input_bytes(m: ModelConfig, moe: bool, value_bytes: int) -> int:
+    """Bytes one token keeps in one whole layer in one process under `recompute: full`: the
+    block's input (the residual stream entering it, the checkpoint's input) and, in a MoE layer,
+    its routing (`ROUTING_BYTES_PER_PAIR` per pair); the rest runs again in the backward."""
+    return value_bytes * m.hidden_size + (m.top_k * ROUTING_BYTES_PER_PAIR if moe else 0)
+
+
+def attention_half_kept_bytes(m: ModelConfig, moe: bool, value_bytes: int) -> int:
+    """Bytes one token keeps in one layer on an attention rank under `recompute: full`: the
+    segment's input (its checkpoint's) and the outputs its backward starts from, referenced until
+    then as the backward's roots and the messages' sources: a dense layer's output; a MoE layer's
+    h (the residual stream sent on), the FFN-normed rows and routing weights (dispatched), the
+    shared experts' output, and the router's ids (int64)."""
+    if not moe:
+        return value_bytes * 2 * m.hidden_size
+    shared = m.hidden_size if m.shared_ffn_size else 0
+    return value_bytes * (3 * m.hidden_size + shared + m.top_k) + 8 * m.top_k
+
+
+def attention_bytes(m: ModelConfig, moe: bool, value_bytes: int, dropped: frozenset[str] = frozenset()) -> int:
+    """Bytes one token keeps in one layer on the attention side until its backward (less what
+    `attention` recomputation drops, where `dropped` names it; under `recompute: full` only
+    `attention_half_kept_bytes`)."""
+    if BLOCK in dropped:
+        return attention_half_kept_bytes(m, moe, value_bytes)
+    kept = value_bytes * attention_values(m, moe) + FP32 * attention_fp32_values(m, moe, value_bytes)
+    return kept - (attention_recomputed_bytes(m, value_bytes) if "attention" in dropped else 0)
 
 
 def combine_bytes(m: ModelConfig, value_bytes: int, dropped: frozenset[str] = NOTHING_DROPPED) -> int:
     """The weighted combine keeps the K expert-output rows of a token (`kernels.permute.combine_rows`):
     on the attention side in one process, on the expert rank with the compact hop; none where
-    expert_output is dropped (`kernels.fused_moe`)."""
-    return 0 if "expert_output" in dropped else value_bytes * m.top_k * m.hidden_size
+    expert_output is dropped (`kernels.fused_moe`) or the whole layer is (`recompute: full`)."""
+    return 0 if "expert_output" in dropped or BLOCK in dropped else value_bytes * m.top_k * m.hidden_size
 
 
 def expert_row_values(m: ModelConfig, dropped: frozenset[str] = NOTHING_DROPPED) -> int:
@@ -116,7 +149,22 @@ def expert_row_values(m: ModelConfig, dropped: frozenset[str] = NOTHING_DROPPED)
 
 
 def expert_row_bytes(m: ModelConfig, value_bytes: int, dropped: frozenset[str] = NOTHING_DROPPED) -> int:
+    """Bytes one (token, expert) row keeps on its expert rank (`expert_row_values`); under
+    `recompute: full` only its routing: its weight and `EXPERT_ROUTING_BYTES_PER_PAIR`."""
+    if BLOCK in dropped:
+        return value_bytes + EXPERT_ROUTING_BYTES_PER_PAIR
     return value_bytes * expert_row_values(m, dropped)
+
+
+def expert_token_bytes(m: ModelConfig, value_bytes: int, dropped: frozenset[str] = NOTHING_DROPPED,
+                       pair_rows: bool = False) -> int:
+    """Bytes per received token an expert rank keeps beside its rows: under `recompute: full` the
+    received row (its recomputation's input) and, returning partial sums, the token's partial sum
+    (its backward's root; pair rows land in the receiver's buffer); else none counted (the rows
+    are `expert_row_bytes`)."""
+    if BLOCK not in dropped:
+        return 0
+    return value_bytes * m.hidden_size * (1 if pair_rows else 2)
 
 
 def attention_grad_bytes(m: ModelConfig, moe: bool, value_bytes: int, dropped: frozenset[str] = frozenset()) -> int:
@@ -125,6 +173,8 @@ def attention_grad_bytes(m: ModelConfig, moe: bool, value_bytes: int, dropped: f
     (`kernels.deferral`) keep them, with their saved inputs, until the held-back work runs at the
     op's end; without deferral they live through the layer's backward all the same. With `attention`
     recomputed the backward also holds what it runs again (`attention_recomputed_bytes`)."""
+    if BLOCK in dropped:  # `recompute: full`: the half runs again whole, beside its gradients
+        return attention_bytes(m, moe, value_bytes) + attention_grad_bytes(m, moe, value_bytes)
     q, k, v = attention_io_per_token(m)
     ffn = m.shared_ffn_size if moe else m.dense_ffn_size
     recomputed = attention_recomputed_bytes(m, value_bytes) if "attention" in dropped else 0
@@ -134,7 +184,12 @@ def attention_grad_bytes(m: ModelConfig, moe: bool, value_bytes: int, dropped: f
 def expert_row_grad_bytes(m: ModelConfig, value_bytes: int, dropped: frozenset[str] = NOTHING_DROPPED) -> int:
     """Gradient bytes per (token, expert) row an expert backward holds: d y and d h13 (the
     weight-gradient GEMMs' operands, kept until they run), and what it recomputes for them: the
-    regathered input row (expert_input), the SwiGLU output (expert_swiglu)."""
+    regathered input row (expert_input), the SwiGLU output (expert_swiglu); under `recompute:
+    full` the whole row again with its combine share (the partial sums' hop; pair rows hold no
+    combine rows there: counted all the same)."""
+    if BLOCK in dropped:
+        recomputed = expert_row_bytes(m, value_bytes) + combine_bytes(m, value_bytes) // m.top_k
+        return recomputed + expert_row_grad_bytes(m, value_bytes)
     recomputed = ((m.hidden_size if "expert_input" in dropped else 0)
                   + (m.expert_ffn_size if "expert_swiglu" in dropped else 0))
     return value_bytes * (m.hidden_size + 2 * m.expert_ffn_size + recomputed)
@@ -159,7 +214,10 @@ def head_bytes(m: ModelConfig, tokens: Num, value_bytes: int, chunked: bool = Tr
 
 
 def layer_bytes(m: ModelConfig, moe: bool, value_bytes: int, dropped: frozenset[str] = NOTHING_DROPPED) -> int:
-    """One token of one whole layer in one process: attention side, combine and its K expert rows."""
+    """One token of one whole layer in one process: attention side, combine and its K expert rows
+    (under `recompute: full` its input and routing, `block_input_bytes`)."""
+    if BLOCK in dropped:
+        return block_input_bytes(m, moe, value_bytes)
     if not moe:
         return attention_bytes(m, False, value_bytes, dropped)
     return (attention_bytes(m, True, value_bytes, dropped) + combine_bytes(m, value_bytes, dropped)
@@ -167,7 +225,10 @@ def layer_bytes(m: ModelConfig, moe: bool, value_bytes: int, dropped: frozenset[
 
 
 def layer_grad_bytes(m: ModelConfig, moe: bool, value_bytes: int, dropped: frozenset[str] = NOTHING_DROPPED) -> int:
-    """One token of one whole layer's backward in one process (`attention_grad_bytes` and the K rows')."""
+    """One token of one whole layer's backward in one process (`attention_grad_bytes` and the K rows');
+    under `recompute: full` the layer's whole activations again beside them (one block at a time)."""
+    if BLOCK in dropped:
+        return layer_bytes(m, moe, value_bytes) + layer_grad_bytes(m, moe, value_bytes)
     rows = m.top_k * expert_row_grad_bytes(m, value_bytes, dropped) if moe else 0
     return attention_grad_bytes(m, moe, value_bytes, dropped) + rows
 
@@ -176,7 +237,9 @@ def activation_bytes(m: ModelConfig, tokens: int, value_bytes: int, chunked: boo
                      dropped: frozenset[str] = NOTHING_DROPPED) -> int:
     """Peak bytes of one process's forward and backward of `tokens` tokens (one micro-batch:
     gradient accumulation runs each micro-batch's backward before the next forward): every
-    layer's activations, plus the larger of the head's peak and one layer's backward."""
+    layer's activations, plus the larger of the head's peak and one layer's backward (under
+    `recompute: full`: every layer's input and routing, plus the larger of the head's peak and
+    one layer recomputed whole with its backward's gradients)."""
     moe_layers = m.num_moe_layers
     dense_layers = m.num_layers - moe_layers
     kept = tokens * (moe_layers * layer_bytes(m, True, value_bytes, dropped)

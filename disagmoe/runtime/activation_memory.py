@@ -89,10 +89,13 @@ def rank_activations(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topolog
     of the rows it sends (Q worst-case messages: rows, ids, weights and token index), until the
     sends after it have left, and the op posting a MoE layer's COMBINE_GRAD (its Loss or the next
     layer's backward) each expert rank's dy rows; with `peer_stores` (nvshmem: the kernels store
-    the rows into the peers' buffers) only a colocated rank's message to itself."""
+    the rows into the peers' buffers) only a colocated rank's message to itself. Under `recompute:
+full` a forward keeps its segment's input and routing (and the outputs it sends, its backward's
+roots) and the backward holds its layer's half again (`roofline.memory`'s FULL terms)."""
     m, vb, dropped = model_cfg, value_bytes(cfg), cfg.recompute_set
     tokens = cfg.batch_size // cfg.micro_batches // topology.data_parallel * cfg.seq_len
     row = mem.expert_row_bytes(m, vb, dropped) + (0 if pair_rows else mem.combine_bytes(m, vb, dropped) // m.top_k)
+    token_row = mem.expert_token_bytes(m, vb, dropped, pair_rows)  # `recompute: full`: received row (and partial sum)
     row_grad = mem.expert_row_grad_bytes(m, vb, dropped)
     programs = topology.programs(cfg.micro_batches)
     out = []
@@ -103,7 +106,7 @@ def rank_activations(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topolog
 
         def kept(op: Op) -> int:
             if isinstance(op, ExpertForward):
-                return pairs * row
+                return pairs * row + sources * tokens * token_row
             prev_moe = op.layer > 0 and topology.is_moe(op.layer - 1)
             combined = vb * m.hidden_size if (pair_rows or sparse) and prev_moe else 0
             if sparse and not pair_rows and prev_moe:  # COMBINE's index per expert rank, for COMBINE_GRAD's order

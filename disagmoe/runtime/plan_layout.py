@@ -3,8 +3,9 @@
 `apply_plan(cfg, model_cfg)` returns the run's config with the plan's layout: `mode` = the plan's
 layout, `attention_ranks` / `expert_ranks` (colocated: `colocated_ranks`) = its GPU counts,
 `pipeline_groups` and `micro_batches` (a `single` plan, one GPU: mode single and micro_batches),
-`recompute` and `recompute_modules` where the plan recomputes (the modules it priced; a plan of none
-sets none where experts_backend is triton and leaves another backend's setting), and
+`recompute` and `recompute_modules` where the plan recomputes (selective: the modules it priced;
+full: the whole block; a plan of none sets none where experts_backend is triton and leaves another
+backend's setting), and
 `offload_optimizer: true` where the plan priced it (a plan without it leaves the config's setting).
 The plan wins over these fields of the config: the config file is the base a plan is applied to
 (`replaced_fields` says what changed, for the CLI to show).
@@ -66,6 +67,8 @@ def apply_plan(cfg: TrainConfig, model_cfg: ModelConfig) -> TrainConfig:
     if plan.recompute == "selective":
         layout["recompute"] = "selective"
         layout["recompute_modules"] = planned_modules(plan)
+    elif plan.recompute == "full":  # any experts backend
+        layout["recompute"] = "full"
     elif cfg.experts_backend == "triton":
         layout["recompute"] = "none"
     if plan.offload_optimizer:  # the plan's memory holds the state in host memory

@@ -299,14 +299,14 @@ def test_presets_show_each_presets_source_from_its_source_field():
 
 
 def test_recompute_is_a_plan_option_the_plan_records():
-    """`--recompute none|selective|auto` (default auto): the help names it, the JSON plan records
-    the choice, and another value is refused."""
+    """`--recompute none|selective|full|auto` (default auto): the help names it, the JSON plan
+    records the choice, and another value is refused."""
     assert "--recompute" in run("plan", "--help").output
     args = ("plan", "--model", "qwen3-30b-a3b", "--hardware", "h200-sxm", "--gpus", "8", "--json")
-    for choice in ("none", "selective"):
+    for choice in ("none", "selective", "full"):
         plan = Plan.model_validate(json.loads(run(*args, "--recompute", choice).stdout))
         assert plan.recompute == choice
-    r = run(*args, "--recompute", "full")
+    r = run(*args, "--recompute", "everything")
     assert r.exit_code == 2 and "selective" in r.output
 
 

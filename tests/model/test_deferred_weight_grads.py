@@ -146,3 +146,24 @@ def test_non_leaf_weights_are_not_held_back(make_config):
     backward(block, x_BSH.detach().requires_grad_(), dy_BSH, defer=False)
     want = torch.cat([p.grad.reshape(-1) for p in block.parameters()])
     assert torch.equal(flat.grad, want)
+
+
+@pytest.mark.parametrize("recompute", [{"attention"}, {"block"}], ids=["selective-attention", "full"])
+def test_held_back_gradients_of_a_recomputed_block_land_on_its_parameters_after_its_graph_is_gone(cfg, recompute):
+    """Inside a checkpoint (`recompute`) a projection's saved weight unpacks as an alias whose link
+    to the parameter's gradient accumulator is weak: a rank frees the segment's graph before it
+    runs the held-back work (after its sends). The work still accumulates into the parameters
+    themselves, FlatAdamW's fp32 main gradients here, bit for bit the plain backward's."""
+    main = {}
+    for lean in (False, True):
+        block = random_block(cfg, torch.float32)
+        block.set_recompute(frozenset(recompute) if lean else frozenset())
+        optimizer = FlatAdamW(block.named_parameters(), OptimConfig(), torch.float32)
+        optimizer.zero_grad()
+        x_BSH, dy_BSH = inputs(block, torch.float32, seed=4)
+        held = backward(block, x_BSH, dy_BSH, defer=True)  # the block's output and graph are gone on return
+        assert len(held) == len(projections(block))
+        for item in held:
+            item()
+        main[lean] = [b.grad_N.clone() for b in optimizer.buckets]
+    assert all(torch.equal(got, want) for got, want in zip(main[True], main[False], strict=True))

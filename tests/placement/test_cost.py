@@ -232,27 +232,66 @@ def test_the_elementwise_kernels_around_the_gemms_are_priced_per_layer_by_their_
 
 
 @pytest.mark.parametrize("name", ["tiny", "qwen3-30b-a3b", "deepseek-v3"])
-@pytest.mark.parametrize("recompute", ["none", "selective"])
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
 def test_the_planners_activations_are_roofline_memorys(name, recompute):
     """One GPU (mode single: one micro-batch in flight) prices exactly `roofline.memory.activation_bytes`,
-    with selective recomputation's dropped terms when asked; in a split the expert GPU keeps the
+    with the recomputation's dropped terms when asked; in a split the expert GPU keeps the
     combine's rows beside its own (the compact hop), for every pair its sources dispatch (the
-    runtime's buffers span them all, not its experts' share)."""
+    runtime's buffers span them all, not its experts' share), and under full each received
+    token's row and partial sum."""
     from disagmoe.roofline import memory as mem
 
     model = load_model(name)
     req = PlanConfig(model=model, cluster=ClusterConfig(hardware=load_hardware("h200-sxm"), num_gpus=8),
                      seq_len=512, global_batch_tokens=512 * 64, recompute=recompute)
     prob = problem_of(req)
-    dropped = mem.SELECTIVE if recompute == "selective" else mem.NOTHING_DROPPED
+    dropped = {"none": mem.NOTHING_DROPPED, "selective": mem.SELECTIVE, "full": mem.FULL}[recompute]
     one = evaluate(prob, Candidates.one(0, 1, 1, 4, 2, colocated=True))
     assert one.attn_act_bytes[0] + one.expert_act_bytes[0] == mem.activation_bytes(model, 2 * 512, 2, dropped=dropped)
     rows = 2 * 2 * 512 * model.top_k  # every pair of both attention GPUs, on each expert GPU however many
     row = mem.expert_row_bytes(model, 2, dropped) + mem.combine_bytes(model, 2, dropped) // model.top_k
+    received = 2 * 2 * 512 * mem.expert_token_bytes(model, 2, dropped)  # full: every source token's row and sum
     for expert_gpus in (1, 2):
         split = evaluate(prob, Candidates.one(2, expert_gpus, 1, 4, 2))
-        assert split.expert_act_bytes[0] == (4 * rows * model.num_moe_layers * row
+        assert split.expert_act_bytes[0] == (4 * model.num_moe_layers * (rows * row + received)
                                              + rows * mem.expert_row_grad_bytes(model, 2, dropped))
+
+
+@pytest.mark.parametrize("colocated", [False, True])
+def test_full_recomputation_prices_every_layers_forward_again_in_its_backward(colocated):
+    """recompute: full keeps the least on both sides (`memory.FULL`) and adds to the backward of
+    every attention and expert stage that runs per layer its own forward (at its forward's rates);
+    the forward pass, the transfers, the head and the optimizer are priced as without it."""
+    from disagmoe.placement.cost import FULL_RECOMPUTED
+    from disagmoe.roofline import memory as mem
+
+    model = load_model("qwen3-30b-a3b")
+    req = PlanConfig(model=model, cluster=ClusterConfig(hardware=load_hardware("h200-sxm"), num_gpus=8),
+                     seq_len=1024, global_batch_tokens=1024 * 64)
+    cand = Candidates.one(0, 8, 1, 4, 2, colocated=True) if colocated else Candidates.one(4, 4, 1, 4, 2)
+    none, full = (evaluate(replace(problem_of(req), recompute=r, recompute_modules=d), cand)
+                  for r, d in (("none", mem.NOTHING_DROPPED), ("full", mem.FULL)))
+    assert full.dropped() == mem.FULL and none.dropped() == mem.NOTHING_DROPPED
+    assert not full.selective[0] and not full.recompute_attention[0]
+    again = {name[:-len(FULL_RECOMPUTED)] for name in full.stages if name.endswith(FULL_RECOMPUTED)}
+    assert again == {name for name, s in none.stages.items() if s.group in ("attention", "expert")
+                     and s.runs in ("layer", "moe", "dense") and np.any(np.asarray(s.fwd.flops) + s.fwd.hbm_bytes)}
+    assert {"attention projections", "attention core", "router", "routed experts"} <= again
+    for name in again:
+        stage, source = full.stages[name + FULL_RECOMPUTED], none.stages[name]
+        assert (stage.group, stage.runs) == (source.group, source.runs)
+        assert np.all(stage.bwd.flops == source.fwd.flops) and np.all(stage.bwd.hbm_bytes == source.fwd.hbm_bytes)
+        assert not np.any(stage.fwd.flops) and not np.any(stage.fwd.hbm_bytes)
+    assert full.fwd_round_s[0] == none.fwd_round_s[0] and full.bwd_round_s[0] > none.bwd_round_s[0]
+    assert full.attn_act_bytes[0] < none.attn_act_bytes[0]
+    if not colocated:
+        assert full.expert_act_bytes[0] < none.expert_act_bytes[0]
+
+
+def test_full_recomputation_is_not_priced_with_fp8_experts():
+    with pytest.raises(ValueError, match="recompute: full is not built with FP8 experts"):
+        PlanConfig(model=load_model("tiny"), cluster=ClusterConfig(hardware=load_hardware("h200-sxm"), num_gpus=2),
+                   seq_len=512, global_batch_tokens=512 * 8, recompute="full", expert_precision="fp8")
 
 
 @pytest.mark.parametrize("colocated", [False, True])

@@ -327,6 +327,31 @@ def test_an_attention_recomputing_plan_round_trips_into_the_runs_config(tmp_path
                                seq_len=32768), cfg.model)
 
 
+def test_a_full_recomputation_plan_fits_where_none_does_not_and_round_trips_into_the_run(tmp_path):
+    """--recompute full (asked for; auto never picks it): the plan records recompute: full and no
+    modules, its notes say what it frees on each side and what its second forward costs, and
+    `train --plan` sets recompute: full on any experts backend."""
+    from disagmoe.cli.plan_cmd import write_plan
+    from disagmoe.config import TrainConfig
+    from disagmoe.runtime.plan_layout import apply_plan, load_plan
+
+    cfg = attention_bound_request(recompute="full", experts_backend="grouped_mm")
+    plan = solve(cfg)
+    assert not solve(attention_bound_request(recompute="none")).feasible
+    assert plan.feasible and plan.recompute == "full" and plan.recompute_modules == []
+    assert any("and full recomputation (every block keeps its input and routing and runs again in its backward; "
+               "train --plan sets recompute: full)" in n for n in plan.notes)
+    note = next(n for n in plan.notes if n.startswith("full recomputation as asked (--recompute full): activations "))
+    assert re.search(r"[\d.]+ -> [\d.]+ GiB per (colocated|attention) GPU", note) and "adding " in note
+    names = [s.name for s in plan.stage_times]
+    assert names.index("attention core (recomputed) (bwd)") == names.index("attention core (bwd)") + 1
+    write_plan(plan, tmp_path / "plan.yaml")
+    assert load_plan(str(tmp_path / "plan.yaml")) == plan
+    run = apply_plan(TrainConfig(model=cfg.model, plan=str(tmp_path / "plan.yaml"), experts_backend="loop",
+                                 batch_size=2, seq_len=32768), cfg.model)
+    assert run.recompute == "full" and run.recompute_set == {"block"}
+
+
 def test_with_memory_to_spare_attention_gets_more_gpus_at_longer_sequences():
     """Attention's share of the work grows with S (the S^2 term of the core); where memory does
     not bind, the split follows it. Memory is taken out of the question with 10^6 GiB per GPU:

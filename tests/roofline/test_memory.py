@@ -86,3 +86,32 @@ def test_attention_recomputation_drops_the_blocks_internals_in_every_layer(name)
     assert lean < mem.activation_bytes(m, tokens, 2, dropped=mem.SELECTIVE) < plain
     if name == "qwen3-30b-a3b":
         assert 1 - lean / plain >= 0.4
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "deepseek-v3"])
+def test_full_recomputation_keeps_each_layers_input_and_routing_and_holds_one_layer_again(name):
+    """`recompute: full` (`memory.FULL`) in one process: per token a layer keeps its input (H values)
+    and, in a MoE layer, its routing (per pair a top-k id and a grouped row, 8 bytes each); one
+    layer's backward holds that whole layer again beside its gradients. On a rank: an attention
+    half keeps its input and the outputs its backward starts from; an expert rank its pairs'
+    routing and each received token's row and partial sum, and its backward the rows again."""
+    m = load_model(name)
+    H, K = m.hidden_size, m.top_k
+    assert mem.layer_bytes(m, True, 2, mem.FULL) == 2 * H + K * (8 + 8)
+    assert mem.layer_bytes(m, False, 2, mem.FULL) == 2 * H
+    for moe in (True, False):
+        assert mem.layer_grad_bytes(m, moe, 2, mem.FULL) == mem.layer_bytes(m, moe, 2) + mem.layer_grad_bytes(m, moe, 2)
+        assert mem.attention_grad_bytes(m, moe, 2, mem.FULL) == (mem.attention_bytes(m, moe, 2)
+                                                                 + mem.attention_grad_bytes(m, moe, 2))
+    shared = H if m.shared_ffn_size else 0
+    assert mem.attention_bytes(m, True, 2, mem.FULL) == 2 * (3 * H + shared + K) + 8 * K  # x, h, xn, shared, w; ids
+    assert mem.attention_bytes(m, False, 2, mem.FULL) == 2 * 2 * H  # x and the layer's output
+    assert mem.expert_row_bytes(m, 2, mem.FULL) == 2 + 4 + 8  # weight, local id, grouped row
+    assert mem.combine_bytes(m, 2, mem.FULL) == 0
+    assert mem.expert_token_bytes(m, 2, mem.FULL) == 2 * 2 * H and mem.expert_token_bytes(m, 2, mem.FULL, True) == 2 * H
+    assert mem.expert_token_bytes(m, 2) == 0
+    tokens = 8192
+    everything = mem.SELECTIVE | frozenset({"attention"})
+    full, lean, plain = (mem.activation_bytes(m, tokens, 2, dropped=d)
+                         for d in (mem.FULL, everything, mem.NOTHING_DROPPED))
+    assert full < lean < plain

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from disagmoe.config import TrainConfig
@@ -116,7 +118,7 @@ def test_attention_recomputation_lowers_the_attention_ranks_peak_on_any_backend(
 ])
 @pytest.mark.parametrize("recompute, modules", [("none", None), ("selective", None), ("selective", ["attention"]),
                                                ("selective", ["expert_input", "expert_output", "expert_swiglu",
-                                                              "attention"])])
+                                                              "attention"]), ("full", None)])
 def test_the_planner_prices_the_activations_the_runtimes_memory_check_counts(name, seq_len, layout, recompute,
                                                                               modules):
     """A disaggregated plan applied to a run: the planner's activation bytes per attention GPU and per
@@ -144,7 +146,7 @@ def test_the_planner_prices_the_activations_the_runtimes_memory_check_counts(nam
                       batch_size=layout["m"] * dp * layout["seqs"], out_dir="unused")
     run = apply_plan(cfg, model)
     assert run.recompute == recompute and run.micro_batches == layout["m"]
-    assert run.recompute_set == frozenset(plan.recompute_modules)
+    assert run.recompute_set == (mem.FULL if recompute == "full" else frozenset(plan.recompute_modules))
     topology = Topology.from_config(cfg, model)
     peaks = rank_activations(run, model, topology)
     attention = [p.peak_bytes for r, p in enumerate(peaks) if topology.attention_role(r) is not None]
@@ -226,3 +228,43 @@ def test_sparse_pair_rows_stage_each_expert_ranks_dy_in_the_op_posting_combine_g
     assert staged.at_op == dense.at_op == "AttentionBackward L2 mb0"
     assert staged.peak_bytes == dense.peak_bytes + 8 * tokens * 4 * m.hidden_size  # fp32 on CPU
     assert stored == dense
+
+
+QWEN3_CONFIG = Path(__file__).parents[2] / "configs" / "h200x2-qwen3-30b.yaml"
+
+
+@pytest.mark.parametrize("micro_batches", [2, 8])
+def test_full_recomputation_keeps_the_least_on_the_qwen3_config_as_counted_by_hand(micro_batches):
+    """configs/h200x2-qwen3-30b.yaml (bf16, 6 MoE layers, GQA with qk-norm, no shared experts, no
+    z-loss): one process's peak under full < selective < none, every rank's under full below
+    selective's with attention too, and one process's full peak counted here from the model's
+    dimensions: each layer's input and routing, plus one layer recomputed whole with its gradients."""
+    from disagmoe.config import load_train_config
+    from disagmoe.runtime.activation_memory import single_activation_bytes
+
+    cfg = load_train_config(str(QWEN3_CONFIG), ["mode=single", f"micro_batches={micro_batches}"])
+    m = load_model(cfg.model)
+    assert (cfg.compute_dtype_name, m.num_dense_layers, m.shared_ffn_size, m.router.z_loss_coef) == ("bf16", 0, 0, 0)
+    none, selective, full = (single_activation_bytes(cfg.model_copy(update={"recompute": r}), m)
+                             for r in ("none", "selective", "full"))
+    assert full < selective < none
+    H, K, F, E, L = m.hidden_size, m.top_k, m.expert_ffn_size, m.num_experts, m.num_layers
+    q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
+    tokens = cfg.batch_size // micro_batches * cfg.seq_len
+    kept = L * (2 * H + K * (8 + 8))  # per token: every layer's input (bf16) and routing (int64 ids and rows)
+    # one layer whole, as the plain run keeps it: the two norms' inputs, the projections' input, q, k, v, the
+    # core's output, q and k before qk-norm, the FFN-normed rows (bf16); the log-sum-exp per head, the router's
+    # scores and its fp32 copy of the rows (fp32); the combine's K output rows; each pair's input row, gate/up
+    # pre-activations and SwiGLU output
+    layer = (2 * (3 * H + q + 2 * kv + q + (q + kv) + H) + 4 * (m.num_heads + E + H)
+             + 2 * K * H + 2 * K * (H + 2 * F + F))
+    grads = 2 * (q + 2 * kv + H) + 2 * K * (H + 2 * F)  # d y of q, k, v and the output; per pair d y and d h13
+    assert tokens * (layer + grads) > mem.head_bytes(m, tokens, 2)  # the recomputed layer, not the head, on top
+    assert full == tokens * (kept + layer + grads)
+    disaggregated = cfg.model_copy(update={"mode": "disaggregated"})
+    topology = Topology.from_config(disaggregated, m)
+    everything = disaggregated.model_copy(update={"recompute": "selective", "recompute_modules": [
+        "expert_input", "expert_output", "expert_swiglu", "attention"]})
+    for lean, plain in zip(rank_activations(disaggregated.model_copy(update={"recompute": "full"}), m, topology),
+                           rank_activations(everything, m, topology), strict=True):
+        assert lean.peak_bytes < plain.peak_bytes

@@ -29,6 +29,10 @@ pair rows too, the top-k ids ride RESIDUAL with the weights, and the combining r
 them as the dispatch did; d xn comes back per expert rank in its dispatch's order, as without
 pair rows.
 
+Under `recompute: full` a layer's attention half (norms, attention, router, shared experts;
+`MoEBlock.attention_half`, a dense layer's whole block) is one recomputed segment: it keeps its
+input and the router's choice, and runs again when its backward reaches it.
+
 The loss matches the oracle (`runtime.training.trainer`): micro-batch m of M is split over D
 data-parallel ranks; each rank backpropagates its share
 
@@ -250,9 +254,7 @@ class AttentionStage:
             mail.post(Payload.RESIDUAL, layer, mb, nxt, [out_BSH])
             self.segments[(layer, mb)] = Segment(inputs, [], [out_BSH])
             return
-        h_BSH = block.attention_part(x_BSH)
-        routing = block.route(h_BSH)
-        shared_NH = block.shared_ffn(routing)
+        h_BSH, routing, shared_NH, probs_E = block.attention_half(x_BSH)  # `recompute: full`: one recomputed segment
         ranks = topo.expert_groups[self.group]
         posts = {rank: [routing.xn_NH, routing.topk_idx_NK.to(torch.int32), routing.topk_w_NK] for rank in ranks}
         sent = None
@@ -289,8 +291,7 @@ class AttentionStage:
         if router.cfg.z_loss_coef > 0:
             segment.z_share = routing.z_loss.float() / (self.dp * self.micro_batches)
             self.loss_parts["z_loss"] = self.loss_parts["z_loss"] + segment.z_share.detach()
-        if router.cfg.aux_loss_coef > 0:
-            segment.probs_E = router.mean_probs(routing.scores_NE).float()
+        segment.probs_E = probs_E
         self.segments[(layer, mb)] = segment
         self.load_LE[layer] += routing.load_E
 

@@ -24,6 +24,12 @@ Off the GPU kernels (CPU ranks, other backends, over a transport's emulation of 
 messages) the same contract runs in plain torch: rows by local expert, the experts module, the
 rows written where served.
 
+`recompute: full` (`kernels.recompute.BLOCK` in the experts' `recompute`): the forward keeps the
+received rows and the routing (each row's pair and destination), nothing of the FFN; the fused
+backward runs the gate/up GEMM again for the pre-activations and the SwiGLU output (the rows
+gathered again from the received ones); the torch path recomputes the experts' call under a
+checkpoint. The stores into the receiver's buffer are never run again.
+
 Shape legend: T tokens of the source (rows received from it), K top-k, P = T K pairs, N = P grouped
 rows (the spare bucket last), H hidden, F expert FFN width, L local experts, G = bands x L row
 groups, S segments.
@@ -40,7 +46,7 @@ from disagmoe.comm.base import PairLanding, PairTarget
 from disagmoe.model.dispatch import expert_counts
 from disagmoe.model.experts import RoutedExperts
 from disagmoe.kernels.autocast import autocast_operands
-from disagmoe.kernels.recompute import EXPERT_INPUT, EXPERT_SWIGLU, RowSource, pair_of_rows
+from disagmoe.kernels.recompute import BLOCK, EXPERT_INPUT, EXPERT_SWIGLU, RowSource, pair_of_rows, recomputed
 
 # Bands of landing segments the fused path orders rows by (first band's segments complete first,
 # `fused_return.segment_major_order`). One band by default: on an H200 at the Qwen3-30B expert
@@ -76,8 +82,8 @@ class KernelState(NamedTuple):
     served_1: torch.Tensor  # int32 [1]: rows before the spare bucket
     row_pair_N: torch.Tensor  # int32: each grouped row's pair row on the receiver (the kernels' destinations)
     x_N: torch.Tensor | RowSource  # the grouped rows as the GEMMs read them, or their source (`expert_input`)
-    act_NF: torch.Tensor | None  # None: recomputed in the backward (`expert_swiglu`)
-    h13_N2F: torch.Tensor
+    act_NF: torch.Tensor | None  # None: recomputed in the backward (`expert_swiglu`, `recompute: full`)
+    h13_N2F: torch.Tensor | None  # None: recomputed in the backward with act_NF (`recompute: full`)
     w13: torch.Tensor
     w2: torch.Tensor
     tiles: object  # kernels.moe_ffn.FFNTiles
@@ -166,9 +172,10 @@ def expert_pair_rows_backward(saved: PairRows, dy_TH: torch.Tensor, target: Pair
                                           flags_QS=target.flags_QS, source=target.source, seq=target.seq,
                                           served_1=k.served_1, num_programs=k.num_programs)
 
-    x_N = k.x_N.rows(k.h13_N2F.dtype) if isinstance(k.x_N, RowSource) else k.x_N
-    dx_NH, dw13, dw2 = moe_ffn_backward(d_rows_NH.to(k.h13_N2F.dtype), x_N, k.offsets_G, k.w13, k.w2, k.act_NF,
-                                        k.h13_N2F, k.tiles, num_programs=k.num_programs, main_grads=main,
+    x_N = k.x_N.rows(k.w13.dtype) if isinstance(k.x_N, RowSource) else k.x_N
+    act_NF, h13_N2F = (k.act_NF, k.h13_N2F) if k.h13_N2F is not None else _gate_up_again(x_N, k)
+    dx_NH, dw13, dw2 = moe_ffn_backward(d_rows_NH.to(h13_N2F.dtype), x_N, k.offsets_G, k.w13, k.w2, act_NF,
+                                        h13_N2F, k.tiles, num_programs=k.num_programs, main_grads=main,
                                         input_grad=input_grad)
     for param, grad in zip(params, (dw13, dw2), strict=True):
         if grad is not None:  # no main gradient (fp32 parameters, or cast operands): the autograd place
@@ -180,6 +187,17 @@ def expert_pair_rows_backward(saved: PairRows, dy_TH: torch.Tensor, target: Pair
 
         dx_TH = combine_forward(dx_NH.contiguous(), k.dest_TK, None, k.served_1)
         torch.autograd.backward([saved.x_leaf], [dx_TH.to(saved.x_leaf.dtype)])
+
+
+def _gate_up_again(x_N: torch.Tensor, k: KernelState) -> tuple[torch.Tensor, torch.Tensor]:
+    """(act_NF, h13_N2F) of `recompute: full`: the forward's gate/up GEMM with its SwiGLU epilogue
+    run again on the same rows (the same kernel on the same values: the forward's bits)."""
+    from disagmoe.kernels import grouped_gemm as gg
+
+    h13_N2F = x_N.new_empty((x_N.shape[0], 2 * k.w2.shape[1]))
+    act_NF = gg.ragged_rows_gemm(x_N, k.offsets_G, k.w13, k.tiles.gate_up, epilogue=gg.EPILOGUE_SWIGLU,
+                                 h13_N2C=h13_N2F, num_programs=k.num_programs)
+    return act_NF, h13_N2F
 
 
 def _torch_backward(saved: PairRows, d_rows_NH: torch.Tensor, target: PairTarget | None) -> None:
@@ -239,7 +257,8 @@ def _fused_forward(x_leaf, local_TK, w_TK, experts, target, counters_S, segment_
     ffn = w2.shape[1]
     tiles = FFNTiles.for_shape(pairs, num_local, x_op.shape[1], ffn, device, x_op.dtype)
     keep = torch.is_grad_enabled()
-    h13_N2F = x_op.new_empty((pairs, 2 * ffn)) if keep else None
+    whole = BLOCK in experts.recompute  # `recompute: full`: nothing of the FFN kept (module docstring)
+    h13_N2F = x_op.new_empty((pairs, 2 * ffn)) if keep and not whole else None
     with torch.no_grad():
         act_NF = gg.ragged_rows_gemm(x_op, offsets_G, w13, tiles.gate_up, epilogue=gg.EPILOGUE_SWIGLU,
                                      h13_N2C=h13_N2F, num_programs=num_programs)
@@ -250,11 +269,11 @@ def _fused_forward(x_leaf, local_TK, w_TK, experts, target, counters_S, segment_
                                served_1=served_1, num_programs=num_programs)
     saved = None
     if keep:  # what `recompute` drops is not kept (`kernels.moe_ffn` docstring)
-        drop_input = EXPERT_INPUT in experts.recompute
+        drop_input = whole or EXPERT_INPUT in experts.recompute
         rows = RowSource(x_leaf.detach(), row_pair_N // top_k) if drop_input else x_op
-        saved = KernelState(offsets_G, served_1, dest_32, rows,
-                            None if EXPERT_SWIGLU in experts.recompute else act_NF, h13_N2F, w13, w2, tiles,
-                            num_programs, dest_TK if drop_input else None)
+        drop_swiglu = whole or EXPERT_SWIGLU in experts.recompute
+        saved = KernelState(offsets_G, served_1, dest_32, rows, None if drop_swiglu else act_NF, h13_N2F, w13, w2,
+                            tiles, num_programs, dest_TK if drop_input else None)
         if drop_input:
             x_N = None
     return PairRows(x_leaf, x_N, row_pair_N, dest_N, served_N, w_TK.detach(), experts, fused=saved)
@@ -268,10 +287,19 @@ def _torch_forward(x_leaf, local_TK, w_TK, experts, target, token_T) -> PairRows
     offsets_E = torch.cumsum(expert_counts(local_TK.long(), num_local + 1)[:num_local], 0).to(torch.int32)
     served_N = torch.arange(flat_P.numel(), device=flat_P.device) < offsets_E[-1]
     x_N = torch.where(served_N[:, None], x_leaf[row_pair_N // top_k], 0)
-    y_N = torch.where(served_N[:, None], experts(x_N, offsets_E), 0)
+    if BLOCK in experts.recompute and torch.is_grad_enabled():  # `recompute: full`: keep the rows only
+        y_N = recomputed(lambda rows_N, _routing: _served_rows(rows_N, served_N, offsets_E, experts), x_N)
+    else:
+        y_N = _served_rows(x_N, served_N, offsets_E, experts)
     dest_N = _destinations(row_pair_N, token_T, top_k)
     _store_rows(target, dest_N, served_N, y_N)
     return PairRows(x_leaf, x_N, row_pair_N, dest_N, served_N, w_TK.detach(), experts, y_N=y_N)
+
+
+def _served_rows(x_N: torch.Tensor, served_N: torch.Tensor, offsets_E: torch.Tensor,
+                 experts: RoutedExperts) -> torch.Tensor:
+    """The experts' output rows where served, zero in the spare bucket."""
+    return torch.where(served_N[:, None], experts(x_N, offsets_E), 0)
 
 
 class _PairCombine(torch.autograd.Function):

@@ -134,7 +134,7 @@ def choose(cfg: TrainConfig, model_cfg: ModelConfig, need_bytes: Callable[[Train
         raise ValueError(
             f"micro_batches: auto: even {most.micro_batches} micro-batches (one sequence per rank each) need "
             f"{most.need_bytes / 2**30:.1f} GiB, more than the {budget / 2**30:.1f} GiB ({MEMORY_HEADROOM:.0%} of "
-            f"{capacity_bytes / 2**30:.1f}) a run may plan for; lower seq_len, use recompute: selective, "
+            f"{capacity_bytes / 2**30:.1f}) a run may plan for; lower seq_len, use recompute: selective or full, "
             "optim.state_dtype: bf16 or offload_optimizer: true, or a layout over more GPUs (`disagmoe plan` finds one)")
     priced = [c for c in fitting if c.predicted_step_s is not None]
     best = min(priced, key=lambda c: (c.predicted_step_s, c.micro_batches)) if priced else fitting[0]

@@ -217,6 +217,33 @@ def test_matches_the_single_process_oracle(warm, tmp_path, case):
                            parameter_tolerance(cfg))
 
 
+RECOMPUTE_CASES = {
+    # recompute: full on every rank (attention halves from their inputs, expert shares from their received rows,
+    # each routed by the forward's kept ids) and selective attention, against the oracle without recomputation
+    "full-A1-E2-p1-m2-bias": dict(recompute="full", attention_ranks=1, expert_ranks=2, pipeline_groups=1,
+                                  micro_batches=2, bias_balancing=True),
+    "full-A2-E2-p2-m2": dict(recompute="full", attention_ranks=2, expert_ranks=2, pipeline_groups=2, micro_batches=2),
+    "full-colocated-2-sparse": dict(recompute="full", mode="colocated", colocated_ranks=2, micro_batches=2,
+                                    dispatch="sparse"),
+    "full-pairs-A1-E2-p1-m2": dict(recompute="full", attention_ranks=1, expert_ranks=2, pipeline_groups=1,
+                                   micro_batches=2, hop="pair_rows"),
+    "selective-attention-A1-E2-p1-m2": dict(recompute="selective", recompute_modules=["attention"], attention_ranks=1,
+                                            expert_ranks=2, pipeline_groups=1, micro_batches=2),
+}
+
+
+@pytest.mark.parametrize("case", RECOMPUTE_CASES)
+def test_recomputation_trains_like_the_plain_oracle(warm, tmp_path, case):
+    fields = dict(RECOMPUTE_CASES[case])
+    mode = fields.pop("mode", "disaggregated")
+    cfg = run_config(tmp_path / "dist", mode, **fields)
+    summary = run_on(warm, cfg)
+    reference, reference_model = oracle(cfg.model_copy(update={"recompute": "none"}), tmp_path / "single")
+    assert summary.steps == STEPS
+    assert_same_losses(read_metrics(tmp_path / "dist" / METRICS_FILE), reference)
+    assert_same_parameters(model_from_checkpoint(cfg, Path(summary.checkpoint_path)), reference_model)
+
+
 def planned(gpus: int, **request) -> Plan:
     """The planner's best disaggregated plan for the tiny model on all `gpus` H200s (64-token
     sequences, 8 per step): for so small a model its overall pick is one GPU (latency dominates)."""

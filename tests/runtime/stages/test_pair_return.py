@@ -208,6 +208,45 @@ def test_recomputed_pair_rows_keep_less_and_give_the_same_bits_in_fp32(kernels, 
     assert (saved.x_N is None) == ("expert_input" in recompute)
 
 
+@pytest.mark.parametrize("grads_as_pairs, sparse", [(True, False), (False, False), (False, True)],
+                         ids=["dx-pair-rows", "dx-compact", "dx-compact-sparse"])
+def test_recomputed_pair_rows_keep_less_under_full_only_rows_and_routing(kernels, grads_as_pairs, sparse):
+    """`recompute: full` on the fused pair path: the forward keeps neither the grouped rows, nor
+    the gate/up pre-activations, nor the SwiGLU output; the backward runs the gate/up GEMM again
+    from the received rows, and in fp32 every gradient is the plain run's to the bit (the stores
+    into the receiver's buffer are not run again: the flags stay at the forward's count)."""
+    case = CASES[0]
+    full, topk, x, w, dy = _layer(case, "cpu", torch.float32, seed=3)
+    plain = _plain(full, topk, x, w, dy, case, grads_as_pairs, sparse)
+    got = _pair_path(full, topk, x, w, dy, case, fused=True, backend="triton", grads_as_pairs=grads_as_pairs,
+                     recompute=frozenset({"block"}), sparse=sparse)
+    for name, a, b in zip(("y", "dx", "dw", "dw13", "dw2"), got, plain, strict=True):
+        assert torch.equal(a, b), name
+    part = RoutedExperts.from_slice(full, 0, 3, backend="triton")
+    part.set_recompute(frozenset({"block"}))
+    tokens, top_k, _, _, hidden, _, seg, _ = case
+    rows = torch.zeros(tokens * top_k, hidden)
+    flags = torch.zeros(1, -(-tokens // seg), dtype=torch.int64)
+    saved = pair_return.expert_pair_rows(x.requires_grad_(), torch.where(topk < 3, topk, 3).to(torch.int32), w, part,
+                                         PairTarget(rows, flags, 0, 1), torch.zeros(flags.shape[1], dtype=torch.int32),
+                                         seg, fused=True, num_programs=2)
+    assert saved.fused.h13_N2F is None and saved.fused.act_NF is None and saved.x_N is None
+    assert isinstance(saved.fused.x_N, pair_return.RowSource) and saved.fused.x_N.x_TH.data_ptr() == x.data_ptr()
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+@pytest.mark.parametrize("grads_as_pairs", [True, False], ids=["dx-pair-rows", "dx-compact"])
+def test_fully_recomputed_plain_torch_pair_rows_are_the_plain_runs(grads_as_pairs, sparse):
+    """The torch path (CPU ranks, other backends) under `recompute: full`: the experts' call runs
+    under a checkpoint of the grouped rows, the gradients the plain run's to the bit."""
+    case = CASES[2]
+    full, topk, x, w, dy = _layer(case, "cpu", torch.float32)
+    plain, got = (_pair_path(full, topk, x, w, dy, case, fused=False, backend="loop", grads_as_pairs=grads_as_pairs,
+                             recompute=recompute, sparse=sparse) for recompute in (frozenset(), frozenset({"block"})))
+    for name, a, b in zip(("y", "dx", "dw", "dw13", "dw2"), got, plain, strict=True):
+        assert torch.equal(a, b), name
+
+
 def test_a_target_of_the_wrong_shape_is_refused():
     full, topk, x, w, _ = _layer(CASES[0], "cpu", torch.float32)
     target = PairTarget(torch.zeros(3, x.shape[1]), torch.zeros(1, 5, dtype=torch.int64), 0, 1)

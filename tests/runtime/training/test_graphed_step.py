@@ -103,6 +103,8 @@ def test_cuda_graphs_on_refuses_the_loop_backend_with_the_fix():
      "auto -> eager: the offloaded optimizer's"),
     (dict(mode="single", device="cuda", recompute="selective", experts_backend="triton"), False,
      "auto -> eager: a step with recomputation"),
+    (dict(mode="single", device="cuda", recompute="full", experts_backend="triton"), False,
+     "auto -> eager: a step with recomputation"),
     (dict(mode="single", device="cuda", experts_backend="triton", optim={"state_dtype": "bf16"}), False,
      "auto -> eager: bf16 moments'"),
 ])

@@ -197,6 +197,47 @@ def test_cuda_selective_recomputation_trains_like_the_plain_run(tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["grouped_mm", "triton"])
+def test_cuda_full_recomputation_trains_like_the_plain_run_without_host_waits(tmp_path, backend):
+    """recompute: full on one GPU: the plain run's losses within bf16 rounding (the same ops on the
+    same values, but the fused norms and RoPE compiled again inside the checkpoint), no host wait
+    in a step (forbid_host_syncs), and the measured peak below the plain run's."""
+    fields = dict(steps=8, device="cuda", experts_backend=backend, batch_size=8, seq_len=256,
+                  model=tiny_model(bias_balancing=True))
+    plain = train_single(tiny_run(tmp_path / "plain", **fields))
+    lean = train_single(tiny_run(tmp_path / "lean", recompute="full", forbid_host_syncs=True, **fields))
+    records = {d: read_metrics(tmp_path / d / "run" / METRICS_FILE) for d in ("plain", "lean")}
+    for step, (a, b) in enumerate(zip(records["lean"], records["plain"], strict=True), 1):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-2), step
+    assert lean.steps == plain.steps == 8
+    assert max(r["peak_memory_gib"] for r in records["lean"]) < max(r["peak_memory_gib"] for r in records["plain"])
+
+
+def test_full_recomputation_takes_the_oracles_steps(tmp_path):
+    """recompute: full in mode single on the CPU (fp32, the oracle's plain AdamW): the same losses,
+    loads and parameters as the plain run, bit for bit (each block recomputed from its kept input,
+    routed by its kept ids), with a dense first layer, a shared expert and bias balancing; and the
+    predicted activation peak below selective's."""
+    from disagmoe.runtime.training.trainer import SingleProcessTrainer
+
+    fields = dict(model=tiny_model(bias_balancing=True), steps=2, seq_len=16, checkpoint_at_end=False)
+    runs = {}
+    for recompute in ("none", "full"):
+        trainer = SingleProcessTrainer(tiny_run(tmp_path / recompute, recompute=recompute, **fields))
+        trainer.run()
+        volatile = ("step_time_s", "tokens_per_s", "mfu", "predicted_peak_gib")
+        records = [{k: v for k, v in r.items() if k not in volatile}
+                   for r in read_metrics(tmp_path / recompute / "run" / METRICS_FILE)]
+        runs[recompute] = records, trainer.model.state_dict(), trainer.cfg
+    (plain, plain_model, _), (lean, lean_model, lean_cfg) = runs["none"], runs["full"]
+    assert lean == plain and len(lean) == 2
+    for key, tensor in lean_model.items():
+        assert torch.equal(tensor, plain_model[key]), key
+    selective = lean_cfg.model_copy(update={"recompute": "selective", "recompute_modules": ["attention"]})
+    assert single_peak_bytes(lean_cfg, lean_cfg.model)[1] < single_peak_bytes(selective, lean_cfg.model)[1]
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("offload", [False, True])
 @pytest.mark.parametrize("backend", ["grouped_mm", "triton"])
 def test_cuda_steps_make_no_host_waits(tmp_path, backend, offload):
