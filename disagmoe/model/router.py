@@ -32,6 +32,46 @@ class Routing:
     scores_NE: torch.Tensor  # router scores (softmax or sigmoid), differentiable: the aux loss's input
 
 
+def _fp32_product(a_MK: torch.Tensor, b_KN: torch.Tensor) -> torch.Tensor:
+    """a @ b in fp32 from half-precision operands: on CUDA the tensor cores' GEMM with fp32
+    accumulation and output (`mm` with `out_dtype`); elsewhere both upcast (the same products:
+    a product of two bf16 values is exact in fp32; only the summation order may differ)."""
+    if a_MK.is_cuda:
+        return torch.mm(a_MK, b_KN, out_dtype=torch.float32)
+    return a_MK.float() @ b_KN.float()
+
+
+class _HalfRouterLogits(torch.autograd.Function):
+    """logits_NE fp32 = x_NH @ w_EH^T for bf16 (or fp16) x and w, without the fp32 copies the
+    upcast path makes (one of x per MoE layer and micro-batch, kept for the backward: H fp32
+    values per token) and without its fp32 GEMMs, which run on CUDA cores (15 ms of the Qwen3
+    step at 2 micro-batches on an H200, docs/benchmarks.md). The backward rounds d logits to x's
+    dtype, as every other layer's gradient is, and accumulates both GEMMs in fp32."""
+
+    @staticmethod
+    def forward(ctx, x_NH: torch.Tensor, w_EH: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x_NH, w_EH)
+        return _fp32_product(x_NH, w_EH.t())
+
+    @staticmethod
+    def backward(ctx, dlogits_NE: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        x_NH, w_EH = ctx.saved_tensors
+        d_NE = dlogits_NE.to(x_NH.dtype)
+        dx_NH = _fp32_product(d_NE, w_EH).to(x_NH.dtype) if ctx.needs_input_grad[0] else None
+        dw_EH = _fp32_product(d_NE.t(), x_NH).to(w_EH.dtype) if ctx.needs_input_grad[1] else None
+        return dx_NH, dw_EH
+
+
+def router_logits(xn_NH: torch.Tensor, w_EH: torch.Tensor) -> torch.Tensor:
+    """The gate's logits in fp32 (or fp64 for fp64 inputs): half-precision rows and weight through
+    `_HalfRouterLogits`, anything else upcast to its compute dtype."""
+    if xn_NH.dtype in (torch.bfloat16, torch.float16) and w_EH.dtype == xn_NH.dtype:
+        logits = _HalfRouterLogits.apply(xn_NH.reshape(-1, xn_NH.shape[-1]), w_EH)
+        return logits.view(*xn_NH.shape[:-1], w_EH.shape[0])
+    work = compute_dtype(xn_NH.dtype)
+    return F.linear(xn_NH.to(work), w_EH.to(work))
+
+
 def group_limited_mask(choice_NE: torch.Tensor, num_groups: int, topk_groups: int) -> torch.Tensor:
     """Bool [N, E]: experts inside the `topk_groups` best groups of each token.
 
@@ -80,8 +120,7 @@ class Router(nn.Module):
     def forward(self, xn_NH: torch.Tensor, fixed_topk_idx_NK: torch.Tensor | None = None) -> Routing:
         """Route the normed rows; `fixed_topk_idx_NK` replaces the selection (weights stay live)."""
         rc = self.cfg
-        work = compute_dtype(xn_NH.dtype)
-        logits_NE = F.linear(xn_NH.to(work), self.weight.to(work))
+        logits_NE = router_logits(xn_NH, self.weight)
         scores_NE = logits_NE.softmax(-1) if rc.score == "softmax" else logits_NE.sigmoid()
 
         if fixed_topk_idx_NK is None:

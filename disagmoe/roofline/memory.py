@@ -75,14 +75,14 @@ def attention_recomputed_values(m: ModelConfig) -> tuple[int, int]:
     return m.hidden_size + q + k + v + qk_norm, m.num_heads
 
 
-def attention_fp32_values(m: ModelConfig, moe: bool, value_bytes: int) -> int:
+def attention_fp32_values(m: ModelConfig, moe: bool) -> int:
     """fp32 values per token per layer on the attention side: SDPA's log-sum-exp per head; in a
-    MoE layer the router's scores (and logits, with a z-loss) and its fp32 copy of the input
-    rows, which the gate's weight gradient needs (none when the activations are fp32 already)."""
+    MoE layer the router's scores (and logits, with a z-loss). The gate's weight gradient reads
+    the FFN norm's output in the activations' dtype (`model.router.router_logits`: no fp32 copy),
+    which `attention_values` counts already."""
     if not moe:
         return m.num_heads
-    router = m.num_experts * (2 if m.router.z_loss_coef > 0 else 1)
-    return m.num_heads + router + (m.hidden_size if value_bytes < FP32 else 0)
+    return m.num_heads + m.num_experts * (2 if m.router.z_loss_coef > 0 else 1)
 
 
 def attention_recomputed_bytes(m: ModelConfig, value_bytes: int) -> int:
@@ -128,7 +128,7 @@ def attention_bytes(m: ModelConfig, moe: bool, value_bytes: int, dropped: frozen
     `attention_half_kept_bytes`)."""
     if BLOCK in dropped:
         return attention_half_kept_bytes(m, moe, value_bytes)
-    kept = value_bytes * attention_values(m, moe) + FP32 * attention_fp32_values(m, moe, value_bytes)
+    kept = value_bytes * attention_values(m, moe) + FP32 * attention_fp32_values(m, moe)
     return kept - (attention_recomputed_bytes(m, value_bytes) if "attention" in dropped else 0)
 
 

@@ -154,3 +154,38 @@ def test_bias_stays_fp32_when_the_model_is_cast(make_config):
     assert router.expert_bias[1].item() == pytest.approx(0.501)  # bf16 would round this back to 0.5
     r = router(torch.randn(5, router.weight.shape[1], dtype=torch.bfloat16))
     assert r.topk_w_NK.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("shape", [(7, 48, 16), (1, 64, 128), (0, 32, 8)])
+def test_half_precision_logits_are_the_upcast_products_without_fp32_copies(shape):
+    """bf16 rows and gate: the logits are the upcast path's (bf16 products are exact in fp32), the
+    backward is fp32 autograd's with d logits rounded to bf16, and what autograd keeps for it is
+    the bf16 rows and weight (no fp32 copy of the rows)."""
+    from disagmoe.model.router import router_logits
+
+    n, h, e = shape
+    g = torch.Generator().manual_seed(n + h)
+    x = torch.randn(n, h, generator=g).bfloat16().requires_grad_()
+    w = (torch.randn(e, h, generator=g) / h**0.5).bfloat16().requires_grad_()
+    dlogits = torch.randn(n, e, generator=g)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        logits = router_logits(x, w)
+    assert logits.dtype == torch.float32
+    assert torch.equal(logits, torch.nn.functional.linear(x.float(), w.float()))
+    assert [t.dtype for t in saved] == [torch.bfloat16, torch.bfloat16]
+    logits.backward(dlogits)
+    x32, w32 = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+    torch.nn.functional.linear(x32, w32).backward(dlogits.bfloat16().float())
+    assert x.grad.dtype == w.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(x.grad, x32.grad.bfloat16(), rtol=0, atol=0)
+    torch.testing.assert_close(w.grad, w32.grad.bfloat16(), rtol=0, atol=0)
+
+
+def test_fp32_and_fp64_rows_keep_their_own_precision():
+    from disagmoe.model.router import router_logits
+
+    for dtype in (torch.float32, torch.float64):
+        x, w = torch.randn(5, 8, dtype=dtype), torch.randn(3, 8, dtype=dtype)
+        assert router_logits(x, w).dtype == dtype
+        assert torch.equal(router_logits(x, w), torch.nn.functional.linear(x, w))

@@ -253,10 +253,10 @@ def test_full_recomputation_keeps_the_least_on_the_qwen3_config_as_counted_by_ha
     tokens = cfg.batch_size // micro_batches * cfg.seq_len
     kept = L * (2 * H + K * (8 + 8))  # per token: every layer's input (bf16) and routing (int64 ids and rows)
     # one layer whole, as the plain run keeps it: the two norms' inputs, the projections' input, q, k, v, the
-    # core's output, q and k before qk-norm, the FFN-normed rows (bf16); the log-sum-exp per head, the router's
-    # scores and its fp32 copy of the rows (fp32); the combine's K output rows; each pair's input row, gate/up
-    # pre-activations and SwiGLU output
-    layer = (2 * (3 * H + q + 2 * kv + q + (q + kv) + H) + 4 * (m.num_heads + E + H)
+    # core's output, q and k before qk-norm, the FFN-normed rows (bf16, which the router's gate reads too); the
+    # log-sum-exp per head and the router's scores (fp32); the combine's K output rows; each pair's input row,
+    # gate/up pre-activations and SwiGLU output
+    layer = (2 * (3 * H + q + 2 * kv + q + (q + kv) + H) + 4 * (m.num_heads + E)
              + 2 * K * H + 2 * K * (H + 2 * F + F))
     grads = 2 * (q + 2 * kv + H) + 2 * K * (H + 2 * F)  # d y of q, k, v and the output; per pair d y and d h13
     assert tokens * (layer + grads) > mem.head_bytes(m, tokens, 2)  # the recomputed layer, not the head, on top
