@@ -31,8 +31,11 @@ class TileConfig:
     num_stages: int = 3
     programs_per_sm: int = 1  # persistent programs per SM when the launch does not fix the count
     flatten: bool = False  # fuse the work-list loop with the reduction loop (software pipelining)
+    # FP8 kernels only (`kernels.fp8.PROMOTE_VARIANTS`): how each scale group's dot is promoted into
+    # the fp32 sum; the bf16 kernels ignore it
+    promote: str = "inline"
 
-    def to_json(self) -> dict[str, int | bool]:
+    def to_json(self) -> dict[str, int | bool | str]:
         return dataclasses.asdict(self)
 
     def for_element_size(self, itemsize: int) -> TileConfig:
