@@ -56,7 +56,7 @@ FP8_ROWS_CANDIDATES = [(128, 128, 128, 8, 3, 1, "hoisted"), (128, 128, 128, 8, 3
                        (64, 64, 128, 4, 4, 2, "pingpong")]
 FP8_SWIGLU_CANDIDATES = [(64, 128, 128, 8, 3, 1, "hoisted"), (64, 128, 128, 8, 3, 1, "pingpong"),
                          (64, 128, 128, 8, 4, 1, "pingpong"), (64, 128, 128, 8, 2, 1, "pingpong"),
-                         (64, 128, 64, 8, 3, 1, "hoisted"), (64, 128, 64, 8, 3, 1, "pingpong"),
+                         (64, 128, 128, 8, 2, 1, "hoisted"), (64, 128, 64, 8, 3, 1, "pingpong"),
                          (64, 128, 64, 8, 4, 1, "pingpong")]
 FP8_WGRAD_CANDIDATES = [(128, 128, 64, 8, 3, 1, "hoisted"), (128, 128, 64, 8, 3, 1, "pipelined"),
                         (128, 128, 64, 8, 3, 1, "pingpong"), (128, 128, 64, 8, 4, 1, "pipelined"),

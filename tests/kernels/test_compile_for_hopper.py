@@ -452,3 +452,32 @@ def test_each_fp8_promotion_compiles_to_its_overlap(monkeypatch):
             assert spill <= found[(0, name)][2], f"{promote} {name}: spills more than inline\n{table}"
         overlapped = promote in ("pipelined", "pingpong")
         assert ("async" in waits) == overlapped and (fmas > 0) == overlapped, f"{promote} {name}\n{table}"
+
+
+def test_the_fp8_tuners_candidates_compile_without_spills(monkeypatch):
+    """Every FP8 tile `bench tune-experts --precision fp8` times (`tune_experts.FP8_CANDIDATES`),
+    each on both launches its role serves, compiles for sm_90a to wgmma without spill stores (the
+    list's promise: a GPU's tuning time goes to tiles that can win), and its promotion's overlap is
+    there (`dot_waits`: a dot left running in pipelined and pingpong loops, none in the others)."""
+    from disagmoe.bench import tune_experts as tuner
+
+    backend = make_backend(HOPPER)
+    found: list[tuple[list[str], int]] = []
+
+    def compile_and_count(self, *args, grid, warmup, **kwargs):
+        if "PROMOTE" in kwargs:  # not the quantisers making the operands
+            kernel = compile_for_hopper(self, backend, args, kwargs)
+            found.append((dot_waits(kernel.asm["ttgir"]), spill_store_bytes(kernel.asm["ptx"])))
+
+    monkeypatch.setattr(JITFunction, "run", compile_and_count)
+    offsets = torch.tensor([300, 700, 1024, 1024], dtype=torch.int32)
+    launches = tuner.fp8_role_launches(offsets, 1024, 512)
+    bad = []
+    for role, launch in launches.items():
+        for config in tuner.candidates(role):
+            found.clear()
+            launch(config)
+            overlapped = config.promote in ("pipelined", "pingpong")
+            if len(found) != 2 or any(spill or ("async" in waits) != overlapped for waits, spill in found):
+                bad.append((role, config, list(found)))
+    assert not bad, bad
