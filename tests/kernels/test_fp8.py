@@ -545,6 +545,36 @@ def test_gpu_backward_gemms(counts, k, n):
 
 @pytest.mark.gpu
 @needs_fp8_gpu
+@pytest.mark.parametrize("promote", PROMOTED)
+def test_gpu_promotions_give_the_inline_loops_sums(promote):
+    """On tensor cores, K-major weights as the FFN holds them, `Fp8Tiles`' defaults: each K-loop
+    variant's down GEMM, SwiGLU GEMM (pre-activations, fp32) and weight gradient against the inline
+    loop's. The same sums in the same order (pipelined: its halves one wgmma chain), so equal up to
+    the tensor cores' order within a chain, which may differ by instruction shape (pingpong's
+    half-width wgmma): fp32 rounding, far under the FP8 error."""
+    from disagmoe.kernels import fp8, fp8_ffn
+
+    counts, hidden, ffn = [300, 0, 1000, 7], 512, 384
+    x, w13, offsets = _ragged_inputs(counts, hidden, 2 * ffn, seed=9, outlier_rows=8, device="cuda")
+    w2 = (torch.randn(len(counts), ffn, hidden, generator=torch.Generator().manual_seed(10)) / ffn**0.5).cuda()
+    weights = fp8_ffn.Fp8ExpertWeights.quantize(w13.bfloat16(), w2.bfloat16())
+    qx, sx = fp8.quantize_rows(x.bfloat16())
+    q_act, s_act = fp8.quantize_rows(torch.randn(x.shape[0], ffn, device="cuda"))
+    tx = fp8.quantize_token_groups(x.bfloat16(), offsets)
+    td = fp8.quantize_token_groups(torch.randn(x.shape[0], ffn, device="cuda"), offsets)
+    results = []
+    for tiles in (fp8_ffn.Fp8Tiles(), fp8_ffn.Fp8Tiles().with_promote(promote)):
+        h13 = torch.empty(x.shape[0], 2 * ffn, device="cuda")
+        q, s = fp8.fp8_swiglu_gemm(qx, sx, offsets, *weights.w13, tiles.swiglu, h13_M2F=h13)
+        y = fp8.fp8_rows_gemm(q_act, s_act, offsets, *weights.w2, tiles.rows, out_dtype=torch.float32)
+        dw = fp8.fp8_weight_grad(tx[:2], td[:2], tx[2], tiles.wgrad)
+        results.append((h13, s, y, dw))
+    for want, got in zip(*results):
+        assert _rel_err(got, want) < 1e-6, (promote, _rel_err(got, want))
+
+
+@pytest.mark.gpu
+@needs_fp8_gpu
 @pytest.mark.parametrize("counts,hidden,ffn", [([300, 0, 1000, 7], 512, 384), ([129, 511, 64, 3, 900], 1024, 320)])
 def test_gpu_fp8_expert_ffn_forward(counts, hidden, ffn):
     """x quantised, gate/up with the SwiGLU epilogue writing e4m3 rows and scales (and bf16
