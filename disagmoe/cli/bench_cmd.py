@@ -100,8 +100,9 @@ def _experts_table(record: dict) -> Table:
             rates = [s["tflops"][b][pass_name] for b in backends]
             ratio = (s["tflops"]["triton"][pass_name] / s["tflops"]["grouped_mm"][pass_name]
                      if "triton" in backends else float("nan"))
-            extra = [cell for b in fp8 for cell in (f"{s['tflops'][b][pass_name] / s['tflops']['triton'][pass_name]:.2f}x",
-                                                    error_text(s, b, pass_name))]
+            extra = [cell for b in fp8
+                     for cell in (f"{s['tflops'][b][pass_name] / s['tflops']['triton'][pass_name]:.2f}x",
+                                  error_text(s, b, pass_name))]
             table.add_row(s["name"], str(s["experts"]), f"{s['hidden']}->{s['ffn']}",
                           str(s["pairs"]), f"{s['load_max_over_mean']:.2f}", pass_name,
                           *[f"{r:.0f} ({100 * r / ceiling:.0f}%)" for r in rates],

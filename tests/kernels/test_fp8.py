@@ -357,8 +357,8 @@ def test_weight_gradient_over_banded_groups(fp8k):
 PROMOTED = ("hoisted", "pipelined", "pingpong")
 # pingpong halves block_n (but the SwiGLU GEMM's: its gate and up dots), pipelined block_k (the
 # weight gradient: block_m, its token step)
-ROWS_TILES = [TileConfig(block_m=16, block_n=32, block_k=128, group_m=2, num_warps=4, num_stages=1),  # one sb per tile
-              TileConfig(block_m=32, block_n=256, block_k=64, group_m=2, num_warps=4, num_stages=1)]  # a tile over 2 blocks
+ROWS_TILES = [TileConfig(block_m=16, block_n=32, block_k=128, group_m=2, num_warps=4, num_stages=1),  # 1 sb a tile
+              TileConfig(block_m=32, block_n=256, block_k=64, group_m=2, num_warps=4, num_stages=1)]  # over 2 blocks
 SWIGLU_PROMOTED = TileConfig(block_m=32, block_n=128, block_k=64, group_m=2, num_warps=4, num_stages=1)
 WGRAD_PROMOTED = [TileConfig(block_m=128, block_n=32, block_k=16, group_m=2, num_warps=4, num_stages=1),
                   TileConfig(block_m=64, block_n=32, block_k=64, group_m=1, num_warps=4, num_stages=1)]
