@@ -418,12 +418,12 @@ def _rows_k_loop_halves(a_ptr, b_ptr, sa_ptrs, sb_lo_ptrs, sb_hi_ptrs, rows64, r
 
 
 @triton.jit
-def _rows_epilogue(acc, acc_up, rows64, row_ok, cols, col_ok, pid_n, C, out_ptr, s_out_ptr, h13_ptr, act_ptr,
+def _rows_epilogue(acc, acc_up, rows64, row_ok, cols, ok, pid_n, C, out_ptr, s_out_ptr, h13_ptr, act_ptr,
                    stats_ptr, stride_om, stride_oc, stride_som, stride_sog, stride_hm, stride_hc, stride_xm,
                    stride_xc, EPILOGUE: tl.constexpr, SAVE_H13: tl.constexpr, SAVE_ACT: tl.constexpr,
                    STATS: tl.constexpr):
-    """Stores one tile's rows from its fp32 sums as EPILOGUE says (`_fp8_rows_gemm_kernel`)."""
-    ok = row_ok[:, None] & col_ok[None, :]
+    """Stores one tile's rows from its fp32 sums as EPILOGUE says (`_fp8_rows_gemm_kernel`; ok:
+    the tile's elements to store, row_ok x the columns')."""
     out_ptrs = out_ptr + rows64[:, None] * stride_om + cols[None, :] * stride_oc
     if EPILOGUE == 1:
         if SAVE_H13:
@@ -517,18 +517,22 @@ def _fp8_rows_gemm_kernel(
                 a_ptr, b_ptr, sa_ptr + rows64 * stride_sam, sb_lo_ptrs, sb_hi_ptrs, rows64, row_ok, lo, hi, lo < C,
                 hi < C, weight, K, stride_am, stride_ak, stride_sag, stride_be, stride_bk, stride_bc, stride_sbk,
                 SB_SCALAR, BLOCK_M, HALF_N, BLOCK_K, IMPRECISE_K)
-            _rows_epilogue(acc_lo, acc_lo, rows64, row_ok, lo, lo < C, pid_n, C, out_ptr, s_out_ptr, h13_ptr,
-                           act_ptr, stats_ptr, stride_om, stride_oc, stride_som, stride_sog, stride_hm, stride_hc,
-                           stride_xm, stride_xc, EPILOGUE, SAVE_H13, SAVE_ACT, STATS)
-            _rows_epilogue(acc_hi, acc_hi, rows64, row_ok, hi, hi < C, pid_n, C, out_ptr, s_out_ptr, h13_ptr,
-                           act_ptr, stats_ptr, stride_om, stride_oc, stride_som, stride_sog, stride_hm, stride_hc,
-                           stride_xm, stride_xc, EPILOGUE, SAVE_H13, SAVE_ACT, STATS)
+            _rows_epilogue(acc_lo, acc_lo, rows64, row_ok, lo, row_ok[:, None] & (lo < C)[None, :], pid_n, C,
+                           out_ptr, s_out_ptr, h13_ptr, act_ptr, stats_ptr, stride_om, stride_oc, stride_som,
+                           stride_sog, stride_hm, stride_hc, stride_xm, stride_xc, EPILOGUE, SAVE_H13, SAVE_ACT, STATS)
+            _rows_epilogue(acc_hi, acc_hi, rows64, row_ok, hi, row_ok[:, None] & (hi < C)[None, :], pid_n, C,
+                           out_ptr, s_out_ptr, h13_ptr, act_ptr, stats_ptr, stride_om, stride_oc, stride_som,
+                           stride_sog, stride_hm, stride_hc, stride_xm, stride_xc, EPILOGUE, SAVE_H13, SAVE_ACT, STATS)
         else:
+            if PROMOTE == _INLINE:  # the first form's order: its code, unchanged
+                ok = row_ok[:, None] & col_ok[None, :]
             acc, acc_up = _rows_k_loop(
                 a_ptr, b_ptr, sa_ptr + rows64 * stride_sam, sb_ptrs, sb_up_ptrs, rows64, row_ok, cols, col_ok,
                 weight, K, F_UP, stride_am, stride_ak, stride_sag, stride_be, stride_bk, stride_bc, stride_sbk,
                 EPILOGUE == 1, PROMOTE, SB_SCALAR, BLOCK_M, BLOCK_N, BLOCK_K, IMPRECISE_K)
-            _rows_epilogue(acc, acc_up, rows64, row_ok, cols, col_ok, pid_n, C, out_ptr, s_out_ptr, h13_ptr,
+            if PROMOTE != _INLINE:  # after the loop: a mask held across it costs the others spills
+                ok = row_ok[:, None] & col_ok[None, :]
+            _rows_epilogue(acc, acc_up, rows64, row_ok, cols, ok, pid_n, C, out_ptr, s_out_ptr, h13_ptr,
                            act_ptr, stats_ptr, stride_om, stride_oc, stride_som, stride_sog, stride_hm, stride_hc,
                            stride_xm, stride_xc, EPILOGUE, SAVE_H13, SAVE_ACT, STATS)
 
@@ -807,17 +811,18 @@ def _wgrad_sums(a_ptr, sa_ptr, b_ptr, sb_ptr, padded_ptr, ks, k_ok, cols, col_ok
         start = tl.multiple_of(start, _SCALE_BLOCK)
         for p0 in range(start, end, BLOCK_M):
             p64 = tl.max_contiguous(tl.multiple_of(p0 + toks, STEP), STEP).to(tl.int64)
-            c = p0 // _SCALE_BLOCK
             if PROMOTE == _INLINE:
                 a = tl.load(a_ptr + ks[:, None] * stride_ak + p64[None, :] * stride_ap,
                             mask=k_ok[:, None], other=0.0)
                 b = tl.load(b_ptr + p64[:, None] * stride_bp + cols[None, :] * stride_bc,
                             mask=col_ok[None, :], other=0.0)
                 part = tl.dot(a, b, out_dtype=tl.float32, max_num_imprecise_acc=IMPRECISE_K)
+                c = p0 // _SCALE_BLOCK
                 sa = tl.load(sa_ptr + ks * stride_sak + c * stride_sac, mask=k_ok, other=0.0)
                 sb = tl.load(sb_ptr + cols * stride_sbc + c * stride_sbp, mask=col_ok, other=0.0)
                 acc += part * (sa[:, None] * sb[None, :])
             else:
+                c = p0 // _SCALE_BLOCK
                 sa = tl.load(sa_ptr + ks * stride_sak + c * stride_sac, mask=k_ok, other=0.0)  # under the dot
                 sb = tl.load(sb_ptr + cols * stride_sbc + c * stride_sbp, mask=col_ok, other=0.0)
                 a = tl.load(a_ptr + ks[:, None] * stride_ak + p64[None, :] * stride_ap,
