@@ -5,8 +5,10 @@ Backends: `triton` (our permute, persistent expert FFN and combine kernels), `gr
 good PyTorch user writes: torch permutation, torch._grouped_mm for both GEMMs, a separate SwiGLU,
 a gather + bmm combine) and `loop` (the same torch permutation, one matmul pair per expert);
 on request `triton-fp8` (our permute and combine, every expert GEMM in FP8 with 1 x 128 / 128 x 128
-scaling, `kernels.fp8_ffn`; its weights quantised once per weight tensor, as once per optimizer
-step in training, outside the timed calls).
+scaling, `kernels.fp8_ffn`, at the tuned tiles of the shape class (`Fp8Tiles.for_shape`); its
+weights quantised once per weight tensor, as once per optimizer step in training, outside the
+timed calls), and `triton-fp8:<promote>`: the same tiles with every FP8 K loop promoted as
+<promote> says (`kernels.fp8.PROMOTE_VARIANTS`), to A/B the variants in one run.
 Legend: T tokens, K experts per token, N = T*K pairs, E local experts, H hidden, F expert FFN size.
 """
 
@@ -21,10 +23,12 @@ import torch.nn.functional as F
 from disagmoe.bench.timing import copies_to_defeat_l2, environment, matmul_ceiling_tflops, median_ms
 from disagmoe.config import ModelConfig, TrainConfig
 from disagmoe.model_ref import load_model
+from disagmoe.kernels.fp8 import PROMOTE_VARIANTS
 from disagmoe.kernels.fp8_ffn import Fp8ExpertWeights, Fp8Tiles, expert_ffn_fp8
 from disagmoe.kernels.moe_ffn import FFNTiles, expert_ffn_reference, expert_ffn_triton
 from disagmoe.kernels.permute import (combine_reference, combine_rows, permute_reference,
                                       permute_tokens)
+from disagmoe.kernels.tile_configs import TileConfig
 
 ZIPF_EXPONENT = 1.2
 BACKENDS = ("triton", "grouped_mm", "loop")  # the default set
@@ -32,15 +36,33 @@ FP8_BACKEND = "triton-fp8"  # asked for by name: needs FP8 tensor cores (sm_89+)
 ALL_BACKENDS = (*BACKENDS, FP8_BACKEND)
 
 
-def backends_for(backends: list[str] | None, precision: str) -> list[str]:
+def backends_for(backends: list[str] | None, precision: str, promotes: list[str] | None = None) -> list[str]:
     """The backends `bench experts` times: those named (default `BACKENDS`), and with `precision`
-    fp8 our FP8 experts beside our bf16 ones (the comparison the FP8 table's ratio needs)."""
+    fp8 our FP8 experts beside our bf16 ones (the comparison the FP8 table's ratio needs): at their
+    tuned tiles, or with `promotes` one `triton-fp8:<promote>` per K-loop promotion named."""
     if precision not in ("bf16", "fp8"):
         raise ValueError(f"--precision {precision!r}: choose bf16 or fp8")
+    unknown = [p for p in promotes or [] if p not in PROMOTE_VARIANTS]
+    if unknown:
+        raise ValueError(f"--fp8-promote {', '.join(unknown)}: choose from {', '.join(PROMOTE_VARIANTS)}")
+    if promotes and precision != "fp8":
+        raise ValueError("--fp8-promote chooses among FP8 K loops: add --precision fp8")
     chosen = list(backends or BACKENDS)
     if precision == "fp8":
-        chosen += [b for b in ("triton", FP8_BACKEND) if b not in chosen]
+        fp8 = [f"{FP8_BACKEND}:{p}" for p in dict.fromkeys(promotes)] if promotes else [FP8_BACKEND]
+        chosen += [b for b in ("triton", *fp8) if b not in chosen]
     return chosen
+
+
+def is_fp8(backend: str) -> bool:
+    """`triton-fp8` or one of its promotion variants `triton-fp8:<promote>`."""
+    return backend == FP8_BACKEND or (backend.startswith(FP8_BACKEND + ":")
+                                      and backend.split(":", 1)[1] in PROMOTE_VARIANTS)
+
+
+def fp8_tiles_for(backend: str, tiles: Fp8Tiles) -> Fp8Tiles:
+    """The tiles an FP8 backend runs: `tiles`, or them with its promotion everywhere."""
+    return tiles if backend == FP8_BACKEND else tiles.with_promote(backend.split(":", 1)[1])
 PASSES = ("fwd", "fwd+bwd")
 
 
@@ -148,8 +170,8 @@ def loop_ffn(x_NH, offsets_E, w13_EH2F, w2_EFH):
 
 def make_block(backend: str, tiles: FFNTiles | None = None,
                fp8_tiles: Fp8Tiles | None = None) -> Callable[..., torch.Tensor]:
-    """The routed expert block of one backend."""
-    if backend == FP8_BACKEND:
+    """The routed expert block of one backend (an FP8 one at `fp8_tiles`, default the tuned ones)."""
+    if is_fp8(backend):
         copies: dict[tuple[int, int], Fp8ExpertWeights] = {}  # per weight tensor: made in the warm-up
 
         def fp8_block(x_TH, topk_idx_TK, weights_TK, w13_EH2F, w2_EFH):
@@ -207,11 +229,17 @@ def _forward_backward(block, leaves, dy):
     return y, torch.autograd.grad(y, [leaves[0], leaves[2], leaves[3], leaves[4]], dy)
 
 
-def relative_errors(block, inputs, dy) -> dict[str, float]:
-    """‖out − ref‖/‖ref‖ of y and of the grads of x, routing weights, w13, w2 vs fp32 torch."""
-    y, grads = _forward_backward(block, _grad_inputs(inputs), dy)
+def reference_outputs(inputs, dy):
+    """(y, grads of x, routing weights, w13, w2) of the fp32 torch reference block."""
     ref_inputs = [t.float() if t.is_floating_point() else t for t in inputs]
-    y_ref, grads_ref = _forward_backward(reference_block, _grad_inputs(ref_inputs), dy.float())
+    return _forward_backward(reference_block, _grad_inputs(ref_inputs), dy.float())
+
+
+def relative_errors(block, inputs, dy, reference=None) -> dict[str, float]:
+    """‖out − ref‖/‖ref‖ of y and of the grads of x, routing weights, w13, w2 vs fp32 torch
+    (`reference`: `reference_outputs` of the same inputs, computed here when None)."""
+    y, grads = _forward_backward(block, _grad_inputs(inputs), dy)
+    y_ref, grads_ref = reference or reference_outputs(inputs, dy)
     names = ("y", "dx", "d_weights", "dw13", "dw2")
     return {name: ((got.double() - want.double()).norm() / want.double().norm()).item()
             for name, got, want in zip(names, (y, *grads), (y_ref, *grads_ref))}
@@ -237,13 +265,13 @@ def run(shape_names: list[str], backends: list[str], warmup: int, iters: int,
     unknown = [n for n in shape_names if n not in SHAPES]
     if unknown:
         raise ValueError(f"unknown shape(s) {unknown}; choose from {', '.join(SHAPES)}")
-    bad = [b for b in backends if b not in ALL_BACKENDS]
+    bad = [b for b in backends if b not in ALL_BACKENDS and not is_fp8(b)]
     if bad or "grouped_mm" not in backends:
         raise ValueError(f"backends must include grouped_mm (the ratio's base) and come from "
-                         f"{', '.join(ALL_BACKENDS)}; got {backends}")
+                         f"{', '.join(ALL_BACKENDS)} (or {FP8_BACKEND}:<promote>); got {backends}")
     if not torch.cuda.is_available():
         raise ValueError("`disagmoe bench experts` needs a CUDA GPU (none is visible)")
-    if FP8_BACKEND in backends and torch.cuda.get_device_capability() < (8, 9):
+    if any(map(is_fp8, backends)) and torch.cuda.get_device_capability() < (8, 9):
         raise ValueError(f"{FP8_BACKEND} needs FP8 tensor cores (sm_89 or newer); this GPU is "
                          f"sm_{''.join(map(str, torch.cuda.get_device_capability()))}: leave it out")
     device = torch.device("cuda")
@@ -260,15 +288,23 @@ def run(shape_names: list[str], backends: list[str], warmup: int, iters: int,
                          generator=torch.Generator(device=device).manual_seed(1))
         loads = torch.bincount(inputs[1].reshape(-1), minlength=experts).float()
         tiles = FFNTiles.for_shape(shape.pairs, experts, hidden, ffn, device)
+        fp8_tiles = {b: fp8_tiles_for(b, Fp8Tiles.for_shape(shape.pairs, experts, hidden, ffn, device))
+                     for b in backends if is_fp8(b)}
         entry = {"name": name, "experts": experts, "hidden": hidden, "ffn": ffn, "top_k": top_k,
                  "pairs": shape.pairs, "load_max_over_mean": (loads.max() / loads.mean()).item(),
                  "tiles": dataclasses.asdict(tiles),
+                 "fp8_tiles": {b: dataclasses.asdict(t) for b, t in fp8_tiles.items()},
                  "ms": {}, "tflops": {}}
+        for backend, t in fp8_tiles.items():
+            log(f"{name} {backend} tiles: {t.describe()}")
         if check:
-            entry["rel_err"] = {b: relative_errors(make_block(b, tiles), inputs, dy)
-                                for b in ("triton", "grouped_mm", FP8_BACKEND) if b in backends}
+            checked = [b for b in backends if b in ("triton", "grouped_mm") or is_fp8(b)]
+            reference = reference_outputs(inputs, dy)
+            entry["rel_err"] = {b: relative_errors(make_block(b, tiles, fp8_tiles.get(b)), inputs, dy, reference)
+                                for b in checked}
+            del reference
         for backend in backends:
-            block = make_block(backend, tiles)
+            block = make_block(backend, tiles, fp8_tiles.get(backend))
             n_iters = loop_iters if backend == "loop" else iters
             for pass_name in PASSES:
                 ms = time_block(block, inputs, dy, pass_name, min(warmup, n_iters), n_iters)
@@ -291,14 +327,26 @@ def error_text(shape_entry: dict, backend: str, pass_name: str) -> str:
     return f"{errors['y']:.1e}" if pass_name == "fwd" else f"{max(errors.values()):.1e}"
 
 
+def fp8_backends(backends: list[str]) -> list[str]:
+    """The FP8 backends of a record's, each compared with `triton` (none when triton was not run)."""
+    return [b for b in backends if is_fp8(b)] if "triton" in backends else []
+
+
+def fp8_tiles_notes(record: dict) -> list[str]:
+    """One line per shape and FP8 backend: the tiles and K-loop promotions it ran
+    (`Fp8Tiles.describe`: block_m x block_n x block_k, warps, stages, programs per SM, promotion)."""
+    return [f"{s['name']} {backend}: " + Fp8Tiles(**{k: TileConfig(**v) for k, v in tiles.items()}).describe()
+            for s in record["shapes"] for backend, tiles in s.get("fp8_tiles", {}).items()]
+
+
 def markdown_table(record: dict) -> str:
     """The record as a GitHub table (what docs/benchmarks.md quotes), ratios vs grouped_mm."""
     backends = list(record["shapes"][0]["tflops"]) if record["shapes"] else []
     ceiling = record["ceiling_tflops"]
-    fp8 = FP8_BACKEND in backends and "triton" in backends
+    fp8 = fp8_backends(backends)
     head = ["shape", "E", "H->F", "pairs", "max/mean load", "pass",
             *[f"{b} TFLOP/s (% of ceiling)" for b in backends], "triton / grouped_mm",
-            "triton rel err", *([f"{FP8_BACKEND} / triton", f"{FP8_BACKEND} rel err"] if fp8 else [])]
+            "triton rel err", *[h for b in fp8 for h in (f"{b} / triton", f"{b} rel err")]]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for s in record["shapes"]:
         for pass_name in PASSES:
@@ -309,8 +357,8 @@ def markdown_table(record: dict) -> str:
                      f"{s['load_max_over_mean']:.2f}", pass_name,
                      *[f"{r:.0f} ({100 * r / ceiling:.0f}%)" for r in rates], f"{ratio:.2f}x",
                      error_text(s, "triton", pass_name)]
-            if fp8:
-                fp8_ratio = s["tflops"][FP8_BACKEND][pass_name] / s["tflops"]["triton"][pass_name]
-                cells += [f"{fp8_ratio:.2f}x", error_text(s, FP8_BACKEND, pass_name)]
+            for b in fp8:
+                fp8_ratio = s["tflops"][b][pass_name] / s["tflops"]["triton"][pass_name]
+                cells += [f"{fp8_ratio:.2f}x", error_text(s, b, pass_name)]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

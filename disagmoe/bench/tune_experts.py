@@ -3,7 +3,10 @@
 Checks each candidate TileConfig against the heuristic tiles' result, then times it on each launch
 (role) of the expert FFN, forward and backward, for the benchmark shapes, and writes the fastest
 per shape class to disagmoe/kernels/tuned/<gpu>.json (data, looked up at launch by
-disagmoe.kernels.tile_configs). Legend as in grouped_gemm.py.
+disagmoe.kernels.tile_configs). With precision fp8, the FP8 FFN's three tile choices
+(`kernels.fp8_ffn.Fp8Tiles`: rows, swiglu, wgrad, each with its K loop's promotion) instead, each
+timed over the two launches it serves, against the defaults; same file, `tile_configs.FP8_ROLES`.
+Legend as in grouped_gemm.py.
 """
 
 from __future__ import annotations
@@ -39,13 +42,56 @@ WGRAD_CANDIDATES = [(64, 128, 128, 8, 3, 1), (64, 256, 128, 8, 3, 1), (64, 128, 
                     (64, 256, 128, 8, 3, 1, True), (64, 128, 128, 4, 3, 2, True),
                     (32, 128, 128, 4, 3, 2, True)]
 
+# FP8: (block_m, block_n, block_k, num_warps, num_stages, programs_per_sm, promote), each compiled
+# for sm_90a on a CPU first (ptxas spill stores and registers, the FP8 loop's wgmma waits: tests
+# kernels/test_compile_for_hopper.py's tools): none spills. Two programs per SM where a program
+# fits in half the registers and shared memory (at most 128 registers at 8 warps): one tile's
+# promotion runs under the other's wgmma, as DeepGEMM's two math warp groups. "pipelined" is left
+# out of the SwiGLU tiles: six accumulator tiles spill at every tile that fits its block_n = 128.
+FP8_ROWS_CANDIDATES = [(128, 128, 128, 8, 3, 1, "hoisted"), (128, 128, 128, 8, 3, 1, "pipelined"),
+                       (128, 128, 128, 8, 3, 1, "pingpong"), (128, 128, 128, 8, 4, 1, "pingpong"),
+                       (128, 128, 64, 8, 4, 1, "hoisted"), (128, 128, 64, 8, 4, 1, "pingpong"),
+                       (64, 128, 128, 8, 3, 2, "hoisted"), (64, 128, 128, 8, 4, 2, "hoisted"),
+                       (64, 128, 64, 8, 4, 2, "pingpong"), (64, 64, 128, 4, 4, 2, "pipelined"),
+                       (64, 64, 128, 4, 4, 2, "pingpong")]
+FP8_SWIGLU_CANDIDATES = [(64, 128, 128, 8, 3, 1, "hoisted"), (64, 128, 128, 8, 3, 1, "pingpong"),
+                         (64, 128, 128, 8, 4, 1, "pingpong"), (64, 128, 128, 8, 2, 1, "pingpong"),
+                         (64, 128, 128, 8, 2, 1, "hoisted"), (64, 128, 64, 8, 3, 1, "pingpong"),
+                         (64, 128, 64, 8, 4, 1, "pingpong")]
+FP8_WGRAD_CANDIDATES = [(128, 128, 64, 8, 3, 1, "hoisted"), (128, 128, 64, 8, 3, 1, "pipelined"),
+                        (128, 128, 64, 8, 3, 1, "pingpong"), (128, 128, 64, 8, 4, 1, "pipelined"),
+                        (128, 128, 64, 8, 4, 1, "pingpong"), (64, 128, 64, 8, 3, 1, "pingpong"),
+                        (64, 256, 64, 8, 3, 1, "hoisted"), (64, 256, 64, 8, 3, 1, "pingpong"),
+                        (128, 128, 128, 8, 3, 1, "pipelined"), (64, 128, 128, 8, 3, 1, "pipelined"),
+                        (128, 64, 64, 4, 3, 2, "pipelined"), (128, 64, 64, 4, 3, 2, "pingpong")]
+FP8_CANDIDATES = {"fp8_rows": FP8_ROWS_CANDIDATES, "fp8_swiglu": FP8_SWIGLU_CANDIDATES,
+                  "fp8_wgrad": FP8_WGRAD_CANDIDATES}
+
 
 def candidates(role: str) -> list[TileConfig]:
+    if role in FP8_CANDIDATES:
+        return [TileConfig(block_m=m, block_n=n, block_k=k, num_warps=w, num_stages=s, programs_per_sm=p,
+                           promote=promote) for m, n, k, w, s, p, promote in FP8_CANDIDATES[role]]
     table = (GATE_UP_CANDIDATES if role == "gate_up" else
              WGRAD_CANDIDATES if role.startswith("wgrad") else ROW_GEMM_CANDIDATES)
     return [TileConfig(block_m=m, block_n=n, block_k=k, num_warps=w, num_stages=s,
                        programs_per_sm=p, flatten=bool(rest and rest[0]))
             for m, n, k, w, s, p, *rest in table]
+
+
+def default_config(role: str) -> TileConfig:
+    """What a launch runs when nothing is tuned: the heuristic, or `Fp8Tiles`' default field."""
+    if role in FP8_CANDIDATES:
+        from disagmoe.kernels.fp8_ffn import Fp8Tiles
+
+        return getattr(Fp8Tiles(), role.removeprefix("fp8_"))
+    return heuristic(role)
+
+
+def _routing_offsets(shape: ExpertShape, device: torch.device) -> torch.Tensor:
+    experts = shape.dims[0]
+    idx = shape.routing(seed=0).reshape(-1)
+    return torch.bincount(idx, minlength=experts).cumsum(0).to(device, torch.int32)
 
 
 def role_launches(shape: ExpertShape,
@@ -54,8 +100,7 @@ def role_launches(shape: ExpertShape,
     experts, hidden, ffn, top_k = shape.dims
     gen = torch.Generator(device=device).manual_seed(0)
     bf16 = dict(device=device, dtype=torch.bfloat16, generator=gen)
-    idx = shape.routing(seed=0).reshape(-1)
-    offsets = torch.bincount(idx, minlength=experts).cumsum(0).to(device, torch.int32)
+    offsets = _routing_offsets(shape, device)
     rows = shape.pairs
     x, dy = torch.randn(rows, hidden, **bf16), torch.randn(rows, hidden, **bf16)
     act, h13 = torch.randn(rows, ffn, **bf16), torch.randn(rows, 2 * ffn, **bf16)
@@ -79,42 +124,122 @@ def role_launches(shape: ExpertShape,
     }
 
 
-def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+def fp8_role_launches(offsets_E: torch.Tensor, hidden: int, ffn: int,
+                      dtype: torch.dtype = torch.bfloat16, seed: int = 0,
+                      ) -> dict[str, Callable[[TileConfig], tuple[torch.Tensor, ...]]]:
+    """Per FP8 role (`tile_configs.FP8_ROLES`), a function running both launches its `Fp8Tiles`
+    field serves with a given tile config, on operands quantised once here (as the FFN's are), and
+    returning their outputs: rows (down, gate/up data gradient), swiglu (gate/up with the SwiGLU
+    epilogue, down data gradient with its derivative), wgrad (both weight gradients)."""
+    from disagmoe.kernels import fp8
+    from disagmoe.kernels.fp8_ffn import Fp8ExpertWeights
+
+    device, experts, rows = offsets_E.device, offsets_E.shape[0], int(offsets_E[-1])
+    gen = torch.Generator(device=device).manual_seed(seed)
+    randn = lambda *size: torch.randn(*size, device=device, dtype=dtype, generator=gen)  # noqa: E731
+    x, dy, act, dh13 = randn(rows, hidden), randn(rows, hidden), randn(rows, ffn), randn(rows, 2 * ffn)
+    h13 = randn(rows, 2 * ffn)
+    weights = Fp8ExpertWeights.quantize(randn(experts, hidden, 2 * ffn) / hidden**0.5,
+                                        randn(experts, ffn, hidden) / ffn**0.5)
+    (qx, sx), (q_act, s_act), (q_dy, s_dy), (q_dh, s_dh) = (fp8.quantize_rows(t) for t in (x, act, dy, dh13))
+    t_x, t_act, t_dy, t_dh = (fp8.quantize_token_groups(t, offsets_E) for t in (x, act, dy, dh13))
+    y, dx, h13_out, act_out = torch.empty_like(x), torch.empty_like(x), torch.empty_like(h13), torch.empty_like(act)
+    dw13 = torch.empty((experts, hidden, 2 * ffn), device=device)
+    dw2 = torch.empty((experts, ffn, hidden), device=device)
+
+    def rows_(c):
+        return (fp8.fp8_rows_gemm(q_act, s_act, offsets_E, *weights.w2, c, out=y),
+                fp8.fp8_rows_gemm(q_dh, s_dh, offsets_E, *weights.w13_t, c, out=dx))
+
+    def swiglu(c):
+        _, s_out = fp8.fp8_swiglu_gemm(qx, sx, offsets_E, *weights.w13, c, h13_M2F=h13_out)
+        dh = fp8.fp8_swiglu_grad_gemm(q_dy, s_dy, offsets_E, *weights.w2_t, h13, c, act_MF=act_out)
+        return h13_out, s_out, dh, act_out
+
+    def wgrad(c):
+        return (fp8.fp8_weight_grad(t_x[:2], t_dh[:2], t_x[2], c, weights=experts, out=dw13),
+                fp8.fp8_weight_grad(t_act[:2], t_dy[:2], t_x[2], c, weights=experts, out=dw2))
+
+    return {"fp8_rows": rows_, "fp8_swiglu": swiglu, "fp8_wgrad": wgrad}
 
 
-def tune(shapes: list[ExpertShape], warmup: int, iters: int,
-         log: Callable[[str], None] = print) -> dict:
-    """Best tile per (role, shape class) with its time and the heuristic's, for every shape."""
+def _relative_error(got, want) -> float:
+    """‖got − want‖ / ‖want‖, the largest over the tensors of two equal tuples (or of two tensors)."""
+    if isinstance(got, torch.Tensor):
+        got, want = (got,), (want,)
+    return max(((g.double() - w.double()).norm() / w.double().norm().clamp_min(1e-30)).item()
+               for g, w in zip(got, want, strict=True))
+
+
+def search(launch: Callable[[TileConfig], object], default: TileConfig, configs: list[TileConfig],
+           time_ms: Callable[[Callable[[], object]], float], log: Callable[[str], None], label: str,
+           ) -> tuple[float, TileConfig, float]:
+    """(best ms, best config, the default's ms): each config checked against the default's result
+    (a tiling must compute the same function), then timed by `time_ms`; the default competes too."""
+    result = launch(default)
+    reference = tuple(t.clone() for t in result) if isinstance(result, tuple) else result.clone()
+    timed = []
+    for config in [default, *configs]:
+        try:
+            error = _relative_error(launch(config), reference)
+            if not error < 1e-2:
+                log(f"  reject {label} {config}: relative error {error:.1e}")
+                continue
+            timed.append((time_ms(lambda: launch(config)), config))
+        except Exception as err:  # a tile that does not fit (shared memory, registers)
+            log(f"  skip {label} {config}: {type(err).__name__}")
+    best_ms, best = min(timed, key=lambda t: t[0])
+    return best_ms, best, timed[0][0]
+
+
+def tune_roles(launches: dict[str, Callable[[TileConfig], object]], dims: dict[str, tuple[int, int]],
+               flops: dict[str, float], rows: int, experts: int, shape_name: str,
+               time_ms: Callable[[Callable[[], object]], float], log: Callable[[str], None] = print,
+               configs: Callable[[str], list[TileConfig]] = candidates,
+               default: Callable[[str], TileConfig] = default_config) -> dict:
+    """One shape's results, keyed by shape class (`tile_configs.shape_class` of each role's dims,
+    `rows` and `experts`): the best config of `default(role)` and `configs(role)` (`search`), its
+    time, rate and the default's time: what `write_tuned` saves."""
+    results = {}
+    for role, launch in launches.items():
+        best_ms, best, default_ms = search(launch, default(role), configs(role), time_ms, log, role)
+        rate = flops[role] / best_ms / 1e9
+        results[shape_class(role, *dims[role], rows, experts)] = {
+            "config": best.to_json(), "ms": best_ms, "tflops": rate, "heuristic_ms": default_ms, "shape": shape_name}
+        log(f"{shape_name:20s} {role:14s} best {best_ms:7.3f} ms ({rate:4.0f} TFLOP/s), default {default_ms:7.3f} ms: "
+            f"{best}")
+    return results
+
+
+def tune(shapes: list[ExpertShape], warmup: int, iters: int, log: Callable[[str], None] = print,
+         precision: str = "bf16") -> dict:
+    """Best tile per (role, shape class) with its time and the default's (the heuristic, or
+    `Fp8Tiles`' field), for every shape (fp8: the FP8 FFN's roles)."""
+    if precision not in ("bf16", "fp8"):
+        raise ValueError(f"--precision {precision!r}: choose bf16 or fp8")
     if not torch.cuda.is_available():
         raise ValueError("`disagmoe bench tune-experts` needs a CUDA GPU (none is visible)")
+    if precision == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+        raise ValueError("`tune-experts --precision fp8` needs FP8 tensor cores (sm_89 or newer)")
     device = torch.device("cuda")
+    time_ms = lambda fn: median_ms(lambda _: fn(), warmup, iters)  # noqa: E731
     results = {}
     for shape in shapes:
         name = shape.name
         experts, hidden, ffn, _ = shape.dims
         gemm_flops = 2.0 * shape.pairs * hidden * ffn
-        for role, launch in role_launches(shape, device).items():
-            flops = gemm_flops * (2 if role in ("gate_up", "gate_up_dgrad", "wgrad_w13") else 1)
-            k, c = FFNTiles.gemm_dims(hidden, ffn)[role]
-            reference = launch(heuristic(role)).clone()
-            timed = []
-            for config in [heuristic(role), *candidates(role)]:
-                try:
-                    error = _relative_error(launch(config), reference)
-                    if not error < 1e-2:  # a tiling must compute the same function
-                        log(f"  reject {role} {config}: relative error {error:.1e}")
-                        continue
-                    timed.append((median_ms(lambda _: launch(config), warmup, iters), config))
-                except Exception as err:  # a tile that does not fit (shared memory, registers)
-                    log(f"  skip {role} {config}: {type(err).__name__}")
-            best_ms, best = min(timed, key=lambda t: t[0])
-            key = shape_class(role, k, c, shape.pairs, experts)
-            results[key] = {"config": best.to_json(), "ms": best_ms,
-                            "tflops": flops / best_ms / 1e9, "heuristic_ms": timed[0][0],
-                            "shape": name}
-            log(f"{name:20s} {role:14s} best {best_ms:7.3f} ms ({flops / best_ms / 1e9:4.0f} "
-                f"TFLOP/s), heuristic {timed[0][0]:7.3f} ms: {best}")
+        if precision == "fp8":
+            launches = fp8_role_launches(_routing_offsets(shape, device), hidden, ffn)
+            dims = {role: (hidden, ffn) for role in launches}
+            flops = {role: 3 * gemm_flops for role in launches}  # two launches: 2F + F columns
+        else:
+            launches = role_launches(shape, device)
+            dims = FFNTiles.gemm_dims(hidden, ffn)
+            flops = {role: gemm_flops * (2 if role in ("gate_up", "gate_up_dgrad", "wgrad_w13") else 1)
+                     for role in launches}
+        results.update(tune_roles(launches, dims, flops, shape.pairs, experts, name, time_ms, log))
+        del launches
+        torch.cuda.empty_cache()
     return {"environment": environment(device), "results": results}
 
 

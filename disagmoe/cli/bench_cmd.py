@@ -39,6 +39,11 @@ def experts(
     precision: Annotated[str, typer.Option(
         help="bf16, or fp8: our FP8 experts (triton-fp8) timed beside our bf16 ones (triton) of the same build "
              "in the same run, with the ratio and the FP8 error")] = "bf16",
+    fp8_promote: Annotated[list[str] | None, typer.Option(
+        "--fp8-promote", help="with --precision fp8: time the FP8 experts once per K-loop promotion named "
+                              "(inline | hoisted | pipelined | pingpong; repeatable), as triton-fp8:<promote>, "
+                              "each at the tuned tiles with that promotion everywhere (default: the tuned tiles "
+                              "as saved)")] = None,
     warmup: Annotated[int, typer.Option(help="untimed calls before timing")] = 3,
     iters: Annotated[int, typer.Option(help="timed calls (median reported)")] = 20,
     loop_iters: Annotated[int, typer.Option(help="timed calls of the slow per-expert loop")] = 5,
@@ -54,7 +59,7 @@ def experts(
     from disagmoe.bench import experts as bench
 
     log = (lambda m: err_console.print(m, highlight=False)) if as_json else console.print
-    record = bench.run(_shape_names(shape), bench.backends_for(backend, precision), warmup, iters,
+    record = bench.run(_shape_names(shape), bench.backends_for(backend, precision, fp8_promote), warmup, iters,
                        loop_iters, check=check, log=log)
     if out is not None:
         out.write_text(json.dumps(record, indent=1) + "\n")
@@ -62,6 +67,12 @@ def experts(
         print_json(record)
         return
     console.print(_experts_table(record))
+    notes = bench.fp8_tiles_notes(record)
+    if notes:
+        console.print("FP8 tiles (block_m x block_n x block_k, warps, stages, programs per SM, K-loop promotion):",
+                      markup=False)
+        for line in notes:
+            console.print(f"  {line}", soft_wrap=True, highlight=False, markup=False)
     if markdown:
         env = record["environment"]
         ceiling = f"bf16 matmul 8192^3 {record['ceiling_tflops']:.0f} TFLOP/s"
@@ -71,31 +82,37 @@ def experts(
 
 
 def _experts_table(record: dict) -> Table:
-    from disagmoe.bench.experts import FP8_BACKEND, error_text
+    from disagmoe.bench.experts import FP8_BACKEND, error_text, fp8_backends, is_fp8
 
     env, ceiling = record["environment"], record["ceiling_tflops"]
     backends = list(record["shapes"][0]["tflops"]) if record["shapes"] else []
-    fp8 = FP8_BACKEND in backends and "triton" in backends
-    precision = "bf16" + (f" ({FP8_BACKEND}: e4m3 GEMMs, bf16 in and out)" if FP8_BACKEND in backends else "")
+    fp8 = fp8_backends(backends)
+    precision = "bf16" + (f" ({FP8_BACKEND}: e4m3 GEMMs, bf16 in and out)" if any(map(is_fp8, backends)) else "")
     table = Table(title=f"routed expert block, {precision}, {env['gpu']} (driver {env['driver']}, torch "
                         f"{env['torch']}, triton {env['triton']}); bf16 matmul ceiling "
                         f"{ceiling:.0f} TFLOP/s")
     for col in ["shape", "E", "H->F", "pairs", "max/mean load", "pass",
                 *[f"{b} TFLOP/s (% ceil)" for b in backends], "triton / grouped_mm", "rel err",
-                *(["fp8 / triton", "fp8 rel err"] if fp8 else [])]:
+                *[h for b in fp8 for h in (f"{_fp8_label(b)} / triton", f"{_fp8_label(b)} rel err")]]:
         table.add_column(col, justify="left" if col in ("shape", "pass") else "right")
     for s in record["shapes"]:
         for pass_name in ("fwd", "fwd+bwd"):
             rates = [s["tflops"][b][pass_name] for b in backends]
             ratio = (s["tflops"]["triton"][pass_name] / s["tflops"]["grouped_mm"][pass_name]
                      if "triton" in backends else float("nan"))
-            extra = ([f"{s['tflops'][FP8_BACKEND][pass_name] / s['tflops']['triton'][pass_name]:.2f}x",
-                      error_text(s, FP8_BACKEND, pass_name)] if fp8 else [])
+            extra = [cell for b in fp8
+                     for cell in (f"{s['tflops'][b][pass_name] / s['tflops']['triton'][pass_name]:.2f}x",
+                                  error_text(s, b, pass_name))]
             table.add_row(s["name"], str(s["experts"]), f"{s['hidden']}->{s['ffn']}",
                           str(s["pairs"]), f"{s['load_max_over_mean']:.2f}", pass_name,
                           *[f"{r:.0f} ({100 * r / ceiling:.0f}%)" for r in rates],
                           f"{ratio:.2f}x", error_text(s, "triton", pass_name), *extra)
     return table
+
+
+def _fp8_label(backend: str) -> str:
+    """'fp8' for triton-fp8, 'fp8:pingpong' for triton-fp8:pingpong (the table's column heads)."""
+    return backend.replace("triton-", "", 1)
 
 
 @bench_app.command("layer")
@@ -203,6 +220,10 @@ def tune_experts(
         "defaulting to all")] = None,
     overrides: Annotated[list[str] | None, typer.Argument(
         help="key=value overrides of --config, e.g. micro_batches=2")] = None,
+    precision: Annotated[str, typer.Option(
+        help="bf16: the bf16 expert GEMMs' tiles, one per launch; fp8: the FP8 FFN's three tile choices "
+             "(kernels.fp8_ffn.Fp8Tiles: rows, swiglu, wgrad, each with its K loop's promotion), each timed "
+             "over the two launches it serves")] = "bf16",
     warmup: Annotated[int, typer.Option(help="untimed launches per candidate")] = 2,
     iters: Annotated[int, typer.Option(help="timed launches per candidate (median)")] = 10,
     out: Annotated[Path | None, typer.Option(
@@ -226,7 +247,7 @@ def tune_experts(
 
         device = torch.device("cuda") if torch.cuda.is_available() else None
         shapes.append(shape_of_run(load_train_config(config, overrides), device))
-    record = tuner.tune(shapes, warmup, iters, log=console.print)
+    record = tuner.tune(shapes, warmup, iters, log=console.print, precision=precision)
     path = tuner.write_tuned(record, out)
     console.print(f"wrote {len(record['results'])} tuned entries to {path}", markup=False)
 

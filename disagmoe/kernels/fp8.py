@@ -221,6 +221,240 @@ def transpose_blocks(q_EKN: torch.Tensor, s_EGB: torch.Tensor) -> tuple[torch.Te
 
 # --- the ragged grouped GEMM on FP8 operands
 
+# How a K loop promotes each scale group's dot (a fresh fp32 chain on the tensor cores) into the
+# fp32 sum (the scaled add, on the CUDA cores): `TileConfig.promote`, passed as its index here.
+# On sm_90 Triton waits for a wgmma at once (`warp_group_dot_wait {pendings = 0}`) when its result
+# is used in the same iteration; a dot whose result only goes to the next iteration is waited for
+# by the next synchronous dot's wait and runs on meanwhile (Triton's WGMMAPipeline, rule 3b).
+#   inline:    dot, wait, the scales loaded, the scaled add: the tensor cores idle through the add
+#              and the scale loads' latency (the first form; the default until measured otherwise).
+#   hoisted:   the scales loaded before the dot (their latency under the wgmma), one weight-block
+#              scale per tile when the column tile lies in one block; the add still waits.
+#   pipelined: each slice's dot in two K halves, the first waited for (the second reads it), the
+#              second chained on it and carried: the previous slice's add runs under its wgmma.
+#   pingpong:  two independent dots per slice, the first waited for and added at once, the second
+#              carried and added under the next slice's second wgmma: the column tile's halves (the
+#              SwiGLU GEMM: its gate and up dots), each half stored on its own.
+# The sums and their order are the same in all four: bit-identical in the interpreter, but for
+# "pipelined", whose two half-depth products the interpreter adds in fp32 (on a GPU, with
+# imprecise_k >= block_k, the halves are the same wgmma chain as one dot).
+PROMOTE_VARIANTS = ("inline", "hoisted", "pipelined", "pingpong")
+_INLINE, _HOISTED, _PIPELINED, _PINGPONG = (tl.constexpr(i) for i in range(4))  # the kernels' PROMOTE
+
+
+def promote_index(config: TileConfig) -> int:
+    """The kernels' PROMOTE for config.promote (ValueError naming the choices)."""
+    if config.promote not in PROMOTE_VARIANTS:
+        raise ValueError(f"unknown FP8 promotion {config.promote!r}; choose one of {', '.join(PROMOTE_VARIANTS)}")
+    return PROMOTE_VARIANTS.index(config.promote)
+
+
+@triton.jit
+def _promote(acc, part, sa, sb, SB_SCALAR: tl.constexpr):
+    """acc + part x sa[row] x sb[column]: one scale group's dot added into the fp32 sum (SB_SCALAR:
+    one sb for the whole column tile; the same products, one per row)."""
+    if SB_SCALAR:
+        return acc + part * (sa * sb)[:, None]
+    else:
+        return acc + part * (sa[:, None] * sb[None, :])
+
+
+@triton.jit
+def _block_scales(sb_ptrs, j, stride_sbk, col_ok, SB_SCALAR: tl.constexpr):
+    """Scale group j's weight-block scales: the tile's one (SB_SCALAR: sb_ptrs points at its block)
+    or one per column."""
+    if SB_SCALAR:
+        return tl.load(sb_ptrs + j * stride_sbk)
+    else:
+        return tl.load(sb_ptrs + j * stride_sbk, mask=col_ok, other=0.0)
+
+
+@triton.jit
+def _rows_k_loop(a_ptr, b_ptr, sa_ptrs, sb_ptrs, sb_up_ptrs, rows64, row_ok, cols, col_ok, weight, K, F_UP,
+                 stride_am, stride_ak, stride_sag, stride_be, stride_bk, stride_bc, stride_sbk,
+                 TWO_B: tl.constexpr, PROMOTE: tl.constexpr, SB_SCALAR: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IMPRECISE_K: tl.constexpr):
+    """(acc, acc_up) fp32 [BLOCK_M, BLOCK_N], one tile's sums over K (acc_up: of the up columns
+    F_UP + cols when TWO_B, else acc again), promoted as PROMOTE says (pingpong: TWO_B's gate and up
+    dots; one B operand's column halves are `_rows_k_loop_halves`)."""
+    tl.static_assert(TWO_B or PROMOTE != _PINGPONG)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    DEPTH: tl.constexpr = BLOCK_K // 2 if PROMOTE == _PIPELINED else BLOCK_K  # K of one dot
+    ks = tl.arange(0, DEPTH)
+    a_ptrs = a_ptr + rows64[:, None] * stride_am + ks[None, :] * stride_ak
+    b_ptrs = b_ptr + weight * stride_be + ks[:, None] * stride_bk + cols[None, :] * stride_bc
+    if PROMOTE == _INLINE:
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = (k0 + ks) < K
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            # a fresh chain per slice; the scaled add below is the promotion to fp32 (CUDA cores)
+            part = tl.dot(a, b, out_dtype=tl.float32, max_num_imprecise_acc=IMPRECISE_K)
+            j = k0 // _SCALE_BLOCK
+            sa = tl.load(sa_ptrs + j * stride_sag, mask=row_ok, other=0.0)
+            sb = tl.load(sb_ptrs + j * stride_sbk, mask=col_ok, other=0.0)
+            acc += part * (sa[:, None] * sb[None, :])
+            if TWO_B:
+                b_up = tl.load(b_ptrs + F_UP * stride_bc, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+                part_up = tl.dot(a, b_up, out_dtype=tl.float32, max_num_imprecise_acc=IMPRECISE_K)
+                sb_up = tl.load(sb_up_ptrs + j * stride_sbk, mask=col_ok, other=0.0)
+                acc_up += part_up * (sa[:, None] * sb_up[None, :])
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
+    elif PROMOTE == _HOISTED:
+        for k0 in range(0, K, BLOCK_K):
+            j = k0 // _SCALE_BLOCK
+            sa = tl.load(sa_ptrs + j * stride_sag, mask=row_ok, other=0.0)  # latency under the dot
+            sb = _block_scales(sb_ptrs, j, stride_sbk, col_ok, SB_SCALAR)
+            k_ok = (k0 + ks) < K
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            if TWO_B:
+                sb_up = _block_scales(sb_up_ptrs, j, stride_sbk, col_ok, SB_SCALAR)
+                b_up = tl.load(b_ptrs + F_UP * stride_bc, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            part = tl.dot(a, b, out_dtype=tl.float32, max_num_imprecise_acc=IMPRECISE_K)
+            acc = _promote(acc, part, sa, sb, SB_SCALAR)
+            if TWO_B:
+                part_up = tl.dot(a, b_up, out_dtype=tl.float32, max_num_imprecise_acc=IMPRECISE_K)
+                acc_up = _promote(acc_up, part_up, sa, sb_up, SB_SCALAR)
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
+    else:
+        # carried to the next iteration: the slice's last dot (pipelined: its second half; pingpong:
+        # its up dot) and the slice's scales; zeros before the first, whose add is exact
+        prev = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        prev_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        sa_prev = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        sb_prev = tl.zeros_like(_block_scales(sb_ptrs, 0, stride_sbk, col_ok, SB_SCALAR))
+        sb_up_prev = sb_prev
+        for k0 in range(0, K, BLOCK_K):
+            j = k0 // _SCALE_BLOCK
+            sa = tl.load(sa_ptrs + j * stride_sag, mask=row_ok, other=0.0)
+            sb = _block_scales(sb_ptrs, j, stride_sbk, col_ok, SB_SCALAR)
+            k_ok = (k0 + ks) < K
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            if TWO_B:
+                sb_up = _block_scales(sb_up_ptrs, j, stride_sbk, col_ok, SB_SCALAR)
+                b_up = tl.load(b_ptrs + F_UP * stride_bc, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            if PROMOTE == _PIPELINED:
+                k_ok = (k0 + DEPTH + ks) < K
+                a2 = tl.load(a_ptrs + DEPTH * stride_ak, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                b2 = tl.load(b_ptrs + DEPTH * stride_bk, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+                # the first halves are waited for at once (the second halves read them): that wait
+                # also completes the previous slice's carried dots
+                first = tl.dot(a, b, out_dtype=tl.float32, max_num_imprecise_acc=IMPRECISE_K)
+                if TWO_B:
+                    b2_up = tl.load(b_ptrs + DEPTH * stride_bk + F_UP * stride_bc,
+                                    mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+                    first_up = tl.dot(a, b_up, out_dtype=tl.float32, max_num_imprecise_acc=IMPRECISE_K)
+                    part_up = tl.dot(a2, b2_up, first_up, out_dtype=tl.float32, max_num_imprecise_acc=IMPRECISE_K)
+                part = tl.dot(a2, b2, first, out_dtype=tl.float32, max_num_imprecise_acc=IMPRECISE_K)
+                acc = _promote(acc, prev, sa_prev, sb_prev, SB_SCALAR)  # under the second halves' wgmma
+                prev = part
+                if TWO_B:
+                    acc_up = _promote(acc_up, prev_up, sa_prev, sb_up_prev, SB_SCALAR)
+                    prev_up = part_up
+            else:  # pingpong: the gate dot waited for, the up dot carried
+                part = tl.dot(a, b, out_dtype=tl.float32, max_num_imprecise_acc=IMPRECISE_K)
+                part_up = tl.dot(a, b_up, out_dtype=tl.float32, max_num_imprecise_acc=IMPRECISE_K)
+                acc = _promote(acc, part, sa, sb, SB_SCALAR)  # both adds under the up dot's wgmma
+                acc_up = _promote(acc_up, prev_up, sa_prev, sb_up_prev, SB_SCALAR)
+                prev_up = part_up
+            sa_prev = sa
+            sb_prev = sb
+            if TWO_B:
+                sb_up_prev = sb_up
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
+        if PROMOTE == _PIPELINED:
+            acc = _promote(acc, prev, sa_prev, sb_prev, SB_SCALAR)
+        if TWO_B:
+            acc_up = _promote(acc_up, prev_up, sa_prev, sb_up_prev, SB_SCALAR)
+    if not TWO_B:
+        acc_up = acc
+    return acc, acc_up
+
+
+@triton.jit
+def _rows_k_loop_halves(a_ptr, b_ptr, sa_ptrs, sb_lo_ptrs, sb_hi_ptrs, rows64, row_ok, lo, hi, lo_ok, hi_ok, weight,
+                        K, stride_am, stride_ak, stride_sag, stride_be, stride_bk, stride_bc, stride_sbk,
+                        SB_SCALAR: tl.constexpr, BLOCK_M: tl.constexpr, HALF_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, IMPRECISE_K: tl.constexpr):
+    """pingpong over one B operand: (acc_lo, acc_hi) fp32 [BLOCK_M, HALF_N], the sums over K of the
+    column tile's halves lo and hi. The low half's dot is waited for (which completes the previous
+    slice's high half too) and added; the high half's is carried, added while the next slice's
+    high-half wgmma runs."""
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rows64[:, None] * stride_am + ks[None, :] * stride_ak
+    lo_ptrs = b_ptr + weight * stride_be + ks[:, None] * stride_bk + lo[None, :] * stride_bc
+    hi_ptrs = b_ptr + weight * stride_be + ks[:, None] * stride_bk + hi[None, :] * stride_bc
+    acc_lo = tl.zeros((BLOCK_M, HALF_N), dtype=tl.float32)
+    acc_hi = tl.zeros((BLOCK_M, HALF_N), dtype=tl.float32)
+    prev = tl.zeros((BLOCK_M, HALF_N), dtype=tl.float32)
+    sa_prev = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    sb_prev = tl.zeros_like(_block_scales(sb_hi_ptrs, 0, stride_sbk, hi_ok, SB_SCALAR))
+    for k0 in range(0, K, BLOCK_K):
+        j = k0 // _SCALE_BLOCK
+        sa = tl.load(sa_ptrs + j * stride_sag, mask=row_ok, other=0.0)
+        sb_lo = _block_scales(sb_lo_ptrs, j, stride_sbk, lo_ok, SB_SCALAR)
+        sb_hi = _block_scales(sb_hi_ptrs, j, stride_sbk, hi_ok, SB_SCALAR)
+        k_ok = (k0 + ks) < K
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b_lo = tl.load(lo_ptrs, mask=k_ok[:, None] & lo_ok[None, :], other=0.0)
+        b_hi = tl.load(hi_ptrs, mask=k_ok[:, None] & hi_ok[None, :], other=0.0)
+        part_lo = tl.dot(a, b_lo, out_dtype=tl.float32, max_num_imprecise_acc=IMPRECISE_K)
+        part_hi = tl.dot(a, b_hi, out_dtype=tl.float32, max_num_imprecise_acc=IMPRECISE_K)
+        acc_lo = _promote(acc_lo, part_lo, sa, sb_lo, SB_SCALAR)  # both adds under the high half's wgmma
+        acc_hi = _promote(acc_hi, prev, sa_prev, sb_prev, SB_SCALAR)
+        prev = part_hi
+        sa_prev = sa
+        sb_prev = sb_hi
+        a_ptrs += BLOCK_K * stride_ak
+        lo_ptrs += BLOCK_K * stride_bk
+        hi_ptrs += BLOCK_K * stride_bk
+    return acc_lo, _promote(acc_hi, prev, sa_prev, sb_prev, SB_SCALAR)
+
+
+@triton.jit
+def _rows_epilogue(acc, acc_up, rows64, row_ok, cols, ok, pid_n, C, out_ptr, s_out_ptr, h13_ptr, act_ptr,
+                   stats_ptr, stride_om, stride_oc, stride_som, stride_sog, stride_hm, stride_hc, stride_xm,
+                   stride_xc, EPILOGUE: tl.constexpr, SAVE_H13: tl.constexpr, SAVE_ACT: tl.constexpr,
+                   STATS: tl.constexpr):
+    """Stores one tile's rows from its fp32 sums as EPILOGUE says (`_fp8_rows_gemm_kernel`; ok:
+    the tile's elements to store, row_ok x the columns')."""
+    out_ptrs = out_ptr + rows64[:, None] * stride_om + cols[None, :] * stride_oc
+    if EPILOGUE == 1:
+        if SAVE_H13:
+            h_ptrs = h13_ptr + rows64[:, None] * stride_hm + cols[None, :] * stride_hc
+            tl.store(h_ptrs, acc.to(h13_ptr.dtype.element_ty), mask=ok)
+            tl.store(h_ptrs + C * stride_hc, acc_up.to(h13_ptr.dtype.element_ty), mask=ok)
+        # the down GEMM's A operand, quantised here: no bf16 round trip through HBM
+        act = tl.where(ok, acc * tl.sigmoid(acc) * acc_up, 0.0)
+        scale = _scale_of(tl.max(tl.abs(act), axis=1))
+        scaled = tl.math.div_rn(act, tl.broadcast_to(scale[:, None], act.shape))
+        q = _round_to_e4m3(scaled)
+        if STATS:
+            _record_stats(stats_ptr, act, scaled, q, ok)
+        tl.store(out_ptrs, q.to(out_ptr.dtype.element_ty), mask=ok)
+        tl.store(s_out_ptr + rows64 * stride_som + pid_n * stride_sog, scale, mask=row_ok)
+    elif EPILOGUE == 2:
+        # loaded after the loop, not before it as in grouped_gemm: two more tiles held across
+        # the loop spill at 64 x 128 (ptxas, sm_90a), where the FP8 loop holds its partial dot too
+        h_ptrs = h13_ptr + rows64[:, None] * stride_hm + cols[None, :] * stride_hc
+        gate = tl.load(h_ptrs, mask=ok, other=0.0).to(tl.float32)
+        up = tl.load(h_ptrs + C * stride_hc, mask=ok, other=0.0).to(tl.float32)
+        sig = tl.sigmoid(gate)
+        tl.store(out_ptrs, (acc * up * sig * (1.0 + gate * (1.0 - sig))).to(out_ptr.dtype.element_ty), mask=ok)
+        tl.store(out_ptrs + C * stride_oc, (acc * gate * sig).to(out_ptr.dtype.element_ty), mask=ok)
+        if SAVE_ACT:
+            act_ptrs = act_ptr + rows64[:, None] * stride_xm + cols[None, :] * stride_xc
+            tl.store(act_ptrs, (gate * sig * up).to(act_ptr.dtype.element_ty), mask=ok)
+    else:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
 @triton.jit
 def _fp8_rows_gemm_kernel(
     a_ptr, sa_ptr, b_ptr, sb_ptr, out_ptr, offsets_ptr, s_out_ptr, h13_ptr, act_ptr, stats_ptr,
@@ -230,13 +464,15 @@ def _fp8_rows_gemm_kernel(
     stride_om, stride_oc, stride_som, stride_sog, stride_hm, stride_hc, stride_xm, stride_xc,
     EPILOGUE: tl.constexpr, SAVE_H13: tl.constexpr, SAVE_ACT: tl.constexpr, STATS: tl.constexpr,
     E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, IMPRECISE_K: tl.constexpr,
+    GROUP_M: tl.constexpr, IMPRECISE_K: tl.constexpr, PROMOTE: tl.constexpr, SB_SCALAR: tl.constexpr,
 ):
     # Contract: a [M, K] fp8 rows grouped by expert with sa [M, G] fp32 (1 x 128 groups); b [E_W, K, *]
     # fp8 any strides with sb [E_W, G, *] fp32 (128 x 128 blocks); h[rows_g, cols] =
     # sum over BLOCK_K-deep slices of K (BLOCK_K divides 128; j the slice's scale group) of
     # (a[rows_g, slice] @ b[g mod E_W, slice, cols]) * sa[rows_g, j] * sb[j, cols // 128], each dot
-    # from zero. EPILOGUE 0 (plain): out [M, C] = h. 1 (SwiGLU and quantise, BLOCK_N == 128): gate
+    # from zero, added in slice order (PROMOTE: how, `PROMOTE_VARIANTS`; SB_SCALAR: each column tile,
+    # and F_UP + it, lies in one weight block). EPILOGUE 0 (plain): out [M, C] = h. 1 (SwiGLU and
+    # quantise, BLOCK_N == 128): gate
     # columns [0, C) and up columns [F_UP, F_UP + C) of b, out [M, C] fp8 = e4m3(silu(gate) * up / s)
     # with s_out [M, cdiv(C, 128)] the 1 x 128 row scales (one column tile = one group; STATS: its
     # counters into stats_ptr's row, `_record_stats`); SAVE_H13:
@@ -259,68 +495,69 @@ def _fp8_rows_gemm_kernel(
         rows64 = rows.to(tl.int64)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < C
-        ks = tl.arange(0, BLOCK_K)
         weight = (group % E_W).to(tl.int64)
-        a_ptrs = a_ptr + rows64[:, None] * stride_am + ks[None, :] * stride_ak
-        b_ptrs = b_ptr + weight * stride_be + ks[:, None] * stride_bk + cols[None, :] * stride_bc
-        sa_ptrs = sa_ptr + rows64 * stride_sam
-        sb_ptrs = sb_ptr + weight * stride_sbe + (cols // _SCALE_BLOCK) * stride_sbc
-        sb_up_ptrs = sb_ptr + weight * stride_sbe + ((F_UP + cols) // _SCALE_BLOCK) * stride_sbc
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        ok = row_ok[:, None] & col_ok[None, :]
-        for k0 in range(0, K, BLOCK_K):
-            k_ok = (k0 + ks) < K
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-            # a fresh chain per slice; the scaled add below is the promotion to fp32 (CUDA cores)
-            part = tl.dot(a, b, out_dtype=tl.float32, max_num_imprecise_acc=IMPRECISE_K)
-            j = k0 // _SCALE_BLOCK
-            sa = tl.load(sa_ptrs + j * stride_sag, mask=row_ok, other=0.0)
-            sb = tl.load(sb_ptrs + j * stride_sbk, mask=col_ok, other=0.0)
-            acc += part * (sa[:, None] * sb[None, :])
-            if EPILOGUE == 1:
-                b_up = tl.load(b_ptrs + F_UP * stride_bc, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-                part_up = tl.dot(a, b_up, out_dtype=tl.float32, max_num_imprecise_acc=IMPRECISE_K)
-                sb_up = tl.load(sb_up_ptrs + j * stride_sbk, mask=col_ok, other=0.0)
-                acc_up += part_up * (sa[:, None] * sb_up[None, :])
-            a_ptrs += BLOCK_K * stride_ak
-            b_ptrs += BLOCK_K * stride_bk
-        out_ptrs = out_ptr + rows64[:, None] * stride_om + cols[None, :] * stride_oc
-        if EPILOGUE == 1:
-            if SAVE_H13:
-                h_ptrs = h13_ptr + rows64[:, None] * stride_hm + cols[None, :] * stride_hc
-                tl.store(h_ptrs, acc.to(h13_ptr.dtype.element_ty), mask=ok)
-                tl.store(h_ptrs + C * stride_hc, acc_up.to(h13_ptr.dtype.element_ty), mask=ok)
-            # the down GEMM's A operand, quantised here: no bf16 round trip through HBM
-            act = tl.where(ok, acc * tl.sigmoid(acc) * acc_up, 0.0)
-            scale = _scale_of(tl.max(tl.abs(act), axis=1))
-            scaled = tl.math.div_rn(act, tl.broadcast_to(scale[:, None], act.shape))
-            q = _round_to_e4m3(scaled)
-            if STATS:
-                _record_stats(stats_ptr, act, scaled, q, ok)
-            tl.store(out_ptrs, q.to(out_ptr.dtype.element_ty), mask=ok)
-            tl.store(s_out_ptr + rows64 * stride_som + pid_n * stride_sog, scale, mask=row_ok)
-        elif EPILOGUE == 2:
-            # loaded after the loop, not before it as in grouped_gemm: two more tiles held across
-            # the loop spill at 64 x 128 (ptxas, sm_90a), where the FP8 loop holds its partial dot too
-            h_ptrs = h13_ptr + rows64[:, None] * stride_hm + cols[None, :] * stride_hc
-            gate = tl.load(h_ptrs, mask=ok, other=0.0).to(tl.float32)
-            up = tl.load(h_ptrs + C * stride_hc, mask=ok, other=0.0).to(tl.float32)
-            sig = tl.sigmoid(gate)
-            tl.store(out_ptrs, (acc * up * sig * (1.0 + gate * (1.0 - sig))).to(out_ptr.dtype.element_ty), mask=ok)
-            tl.store(out_ptrs + C * stride_oc, (acc * gate * sig).to(out_ptr.dtype.element_ty), mask=ok)
-            if SAVE_ACT:
-                act_ptrs = act_ptr + rows64[:, None] * stride_xm + cols[None, :] * stride_xc
-                tl.store(act_ptrs, (gate * sig * up).to(act_ptr.dtype.element_ty), mask=ok)
+        sb_row = sb_ptr + weight * stride_sbe
+        if SB_SCALAR:
+            sb_ptrs = sb_row + (pid_n * BLOCK_N // _SCALE_BLOCK) * stride_sbc
+            sb_up_ptrs = sb_row + ((F_UP + pid_n * BLOCK_N) // _SCALE_BLOCK) * stride_sbc
         else:
-            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+            sb_ptrs = sb_row + (cols // _SCALE_BLOCK) * stride_sbc
+            sb_up_ptrs = sb_row + ((F_UP + cols) // _SCALE_BLOCK) * stride_sbc
+        if PROMOTE == _PINGPONG and EPILOGUE != 1:  # the column tile's halves, each stored on its own
+            HALF_N: tl.constexpr = BLOCK_N // 2
+            lo = pid_n * BLOCK_N + tl.arange(0, HALF_N)
+            hi = lo + HALF_N
+            if SB_SCALAR:
+                sb_lo_ptrs = sb_ptrs
+                sb_hi_ptrs = sb_ptrs
+            else:
+                sb_lo_ptrs = sb_row + (lo // _SCALE_BLOCK) * stride_sbc
+                sb_hi_ptrs = sb_row + (hi // _SCALE_BLOCK) * stride_sbc
+            acc_lo, acc_hi = _rows_k_loop_halves(
+                a_ptr, b_ptr, sa_ptr + rows64 * stride_sam, sb_lo_ptrs, sb_hi_ptrs, rows64, row_ok, lo, hi, lo < C,
+                hi < C, weight, K, stride_am, stride_ak, stride_sag, stride_be, stride_bk, stride_bc, stride_sbk,
+                SB_SCALAR, BLOCK_M, HALF_N, BLOCK_K, IMPRECISE_K)
+            _rows_epilogue(acc_lo, acc_lo, rows64, row_ok, lo, row_ok[:, None] & (lo < C)[None, :], pid_n, C,
+                           out_ptr, s_out_ptr, h13_ptr, act_ptr, stats_ptr, stride_om, stride_oc, stride_som,
+                           stride_sog, stride_hm, stride_hc, stride_xm, stride_xc, EPILOGUE, SAVE_H13, SAVE_ACT, STATS)
+            _rows_epilogue(acc_hi, acc_hi, rows64, row_ok, hi, row_ok[:, None] & (hi < C)[None, :], pid_n, C,
+                           out_ptr, s_out_ptr, h13_ptr, act_ptr, stats_ptr, stride_om, stride_oc, stride_som,
+                           stride_sog, stride_hm, stride_hc, stride_xm, stride_xc, EPILOGUE, SAVE_H13, SAVE_ACT, STATS)
+        else:
+            if PROMOTE == _INLINE:  # the first form's order: its code, unchanged
+                ok = row_ok[:, None] & col_ok[None, :]
+            acc, acc_up = _rows_k_loop(
+                a_ptr, b_ptr, sa_ptr + rows64 * stride_sam, sb_ptrs, sb_up_ptrs, rows64, row_ok, cols, col_ok,
+                weight, K, F_UP, stride_am, stride_ak, stride_sag, stride_be, stride_bk, stride_bc, stride_sbk,
+                EPILOGUE == 1, PROMOTE, SB_SCALAR, BLOCK_M, BLOCK_N, BLOCK_K, IMPRECISE_K)
+            if PROMOTE != _INLINE:  # after the loop: a mask held across it costs the others spills
+                ok = row_ok[:, None] & col_ok[None, :]
+            _rows_epilogue(acc, acc_up, rows64, row_ok, cols, ok, pid_n, C, out_ptr, s_out_ptr, h13_ptr,
+                           act_ptr, stats_ptr, stride_om, stride_oc, stride_som, stride_sog, stride_hm, stride_hc,
+                           stride_xm, stride_xc, EPILOGUE, SAVE_H13, SAVE_ACT, STATS)
 
 
-def _check_tile(config: TileConfig) -> None:
+def _imprecise(config: TileConfig, depth: int, imprecise_k: int | None) -> int | None:
+    """The dots' max_num_imprecise_acc: imprecise_k (default `depth`, one slice's). "pipelined" splits
+    a slice in two dots of depth / 2 chained on the tensor cores; when the slice promotes only at its
+    end, they take None (Triton's sm_90 default: no promotion inside a dot), the same wgmma chain."""
+    imprecise = imprecise_k or depth
+    if config.promote == "pipelined" and imprecise >= depth:
+        return None
+    return imprecise
+
+
+def _check_tile(config: TileConfig, epilogue: int = 0) -> None:
     if SCALE_BLOCK % config.block_k:
         raise ValueError(f"FP8 GEMM tiles need block_k dividing {SCALE_BLOCK} (one scale per "
                          f"{SCALE_BLOCK} of K); got block_k={config.block_k}: use 128 (or 64, 32)")
+    promote_index(config)
+    if config.promote == "pipelined" and config.block_k < 64:
+        raise ValueError(f"promote='pipelined' splits each K slice in two dots of at least 32 (the FP8 MMA's "
+                         f"depth): use block_k >= 64 (got {config.block_k})")
+    if config.promote == "pingpong" and epilogue != _SWIGLU and config.block_n < 32:
+        raise ValueError(f"promote='pingpong' splits the column tile in two of at least 16: use block_n >= 32 "
+                         f"(got {config.block_n})")
 
 
 def _check_fp8(**tensors: torch.Tensor) -> None:
@@ -364,9 +601,9 @@ def fp8_rows_gemm(
     return out
 
 
-def _check_operands(a_MK, sa_MG, offsets_E, b_EKN, sb_EGB, config) -> None:
+def _check_operands(a_MK, sa_MG, offsets_E, b_EKN, sb_EGB, config, epilogue: int = 0) -> None:
     """ValueError naming the fix for operands of `fp8_rows_gemm` / `fp8_swiglu_gemm` that do not fit."""
-    _check_tile(config)
+    _check_tile(config, epilogue)
     _check_fp8(a=a_MK, b=b_EKN)
     rows, k = a_MK.shape
     experts, k_b, cols = b_EKN.shape
@@ -392,6 +629,8 @@ def _launch_rows_gemm(a_MK, sa_MG, offsets_E, b_EKN, sb_EGB, config, out, cols, 
     h13_ = h13 if h13 is not None else out
     act_ = act if act is not None else out
     programs = num_programs or gg.default_num_programs(a_MK.device) * config.programs_per_sm
+    # one weight-block scale per column tile: tiles of at most 128 columns start on block edges
+    sb_scalar = config.promote != "inline" and config.block_n <= SCALE_BLOCK and f_up % config.block_n == 0
     _fp8_rows_gemm_kernel[(programs,)](
         a_MK, sa_MG, b_EKN, sb_EGB, out, offsets_E, s_out_, h13_, act_, _stats_ptr(stats, sa_MG),
         groups, experts, k, cols, f_up, programs,
@@ -401,8 +640,8 @@ def _launch_rows_gemm(a_MK, sa_MG, offsets_E, b_EKN, sb_EGB, config, out, cols, 
         EPILOGUE=epilogue, SAVE_H13=epilogue == _SWIGLU and h13 is not None, SAVE_ACT=act is not None,
         STATS=stats is not None,
         E_POW2=triton.next_power_of_2(groups), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k, GROUP_M=config.group_m, IMPRECISE_K=imprecise_k or config.block_k,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        BLOCK_K=config.block_k, GROUP_M=config.group_m, IMPRECISE_K=_imprecise(config, config.block_k, imprecise_k),
+        PROMOTE=promote_index(config), SB_SCALAR=sb_scalar, num_warps=config.num_warps, num_stages=config.num_stages,
     )
 
 
@@ -426,7 +665,7 @@ def fp8_swiglu_gemm(
     gate | up (the backward's pre-activations). config.block_n must be 128: one column tile is
     one scale group of the output. Accumulation as `fp8_rows_gemm`. `stats`: the output
     quantisation's counters, as `quantize_rows`."""
-    _check_operands(a_MK, sa_MG, offsets_E, b_EK2F, sb_EGB, config)
+    _check_operands(a_MK, sa_MG, offsets_E, b_EK2F, sb_EGB, config, _SWIGLU)
     if config.block_n != SCALE_BLOCK:
         raise ValueError(f"the FP8 SwiGLU epilogue quantises one {SCALE_BLOCK}-column group per tile: "
                          f"use block_n={SCALE_BLOCK} (got {config.block_n})")
@@ -461,7 +700,7 @@ def fp8_swiglu_grad_gemm(
     from the forward's pre-activations `h13_M2F`; `act_MF` (given) receives silu(gate) * up
     recomputed from them (the down weight's gradient needs it; the forward kept only e4m3 rows).
     As `grouped_gemm.ragged_rows_gemm`'s EPILOGUE_SWIGLU_GRAD, on FP8 operands."""
-    _check_operands(dy_MH, sdy_MG, offsets_E, w2t_EHF, sw2t_EBG, config)
+    _check_operands(dy_MH, sdy_MG, offsets_E, w2t_EHF, sw2t_EBG, config, _SWIGLU_GRAD)
     rows, ffn = dy_MH.shape[0], w2t_EHF.shape[2]
     if h13_M2F.shape != (rows, 2 * ffn) or (act_MF is not None and act_MF.shape != (rows, ffn)):
         raise ValueError(f"h13 must be [M, 2F] = {(rows, 2 * ffn)} (and act [M, F]); got h13 "
@@ -548,40 +787,31 @@ def quantize_token_groups(x_MK: torch.Tensor, offsets_E: torch.Tensor, stats: to
 
 
 @triton.jit
-def _fp8_weight_grad_kernel(
-    a_ptr, sa_ptr, b_ptr, sb_ptr, out_ptr, padded_ptr,
-    E, E_W, KA, C, num_programs,
-    stride_ak, stride_ap, stride_sak, stride_sac, stride_bc, stride_bp, stride_sbc, stride_sbp,
-    stride_oe, stride_ok, stride_oc,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    ACCUMULATE: tl.constexpr, IMPRECISE_K: tl.constexpr,
-):
-    # Contract: a [KA, P], b [C, P] fp8 token-contiguous (`quantize_token_groups`) with scales
-    # sa [KA, P/128], sb [C, P/128]; groups g padded to padded[g-1]:padded[g] (multiples of 128);
-    # out [E_W, KA, C]: out[e] = sum over groups g = e mod E_W (ascending), over BLOCK_M-token steps
-    # (BLOCK_M divides 128; chunk c = step // 128) of (a[:, step] @ b[:, step]^T) * sa[:, c] * sb[:, c]
-    # (ACCUMULATE: out += it, an fp32 main gradient). BLOCK_K tiles KA, BLOCK_N tiles C.
-    pid = tl.program_id(0)
-    tiles_k = tl.cdiv(KA, BLOCK_K)
-    tiles_n = tl.cdiv(C, BLOCK_N)
-    per_expert = tiles_k * tiles_n
-    for item in tl.range(pid, E_W * per_expert, num_programs):
-        expert = item // per_expert
-        pid_k, pid_n = gg._swizzle(item % per_expert, tiles_k, tiles_n, GROUP_M)
-        ks = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-        k_ok = ks < KA
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = cols < C
-        toks = tl.arange(0, BLOCK_M)
-        acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
-        for group in range(expert, E, E_W):
-            start = tl.load(padded_ptr + group - 1, mask=group > 0, other=0)
-            end = tl.load(padded_ptr + group)
-            # groups start at multiples of 128 (padded): said so, the loads are 16-byte vectors the
-            # pipeline copies asynchronously; unsaid, FP8 tiles go through registers, unpipelined
-            start = tl.multiple_of(start, _SCALE_BLOCK)
-            for p0 in range(start, end, BLOCK_M):
-                p64 = tl.max_contiguous(tl.multiple_of(p0 + toks, BLOCK_M), BLOCK_M).to(tl.int64)
+def _wgrad_sums(a_ptr, sa_ptr, b_ptr, sb_ptr, padded_ptr, ks, k_ok, cols, col_ok, hi, hi_ok, expert, E, E_W,
+                stride_ak, stride_ap, stride_sak, stride_sac, stride_bc, stride_bp, stride_sbc, stride_sbp,
+                PROMOTE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, COLS: tl.constexpr,
+                IMPRECISE_K: tl.constexpr):
+    """(acc, acc_hi) fp32 [BLOCK_K, COLS]: one tile's sums over expert's groups and their tokens for
+    the KA rows ks and the C columns cols (acc_hi: of the columns hi for pingpong, cols and hi the
+    column tile's halves; else acc again), promoted as PROMOTE says (`PROMOTE_VARIANTS`)."""
+    acc = tl.zeros((BLOCK_K, COLS), dtype=tl.float32)
+    acc_hi = tl.zeros((BLOCK_K, COLS), dtype=tl.float32)
+    STEP: tl.constexpr = BLOCK_M // 2 if PROMOTE == _PIPELINED else BLOCK_M  # tokens of one dot
+    toks = tl.arange(0, STEP)
+    # carried from one step to the next (pipelined: the step's second half; pingpong: its high
+    # column half) with the step's scales; zeros before the first, whose add is exact
+    prev = tl.zeros((BLOCK_K, COLS), dtype=tl.float32)
+    sa_prev = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    sb_prev = tl.zeros((COLS,), dtype=tl.float32)
+    for group in range(expert, E, E_W):
+        start = tl.load(padded_ptr + group - 1, mask=group > 0, other=0)
+        end = tl.load(padded_ptr + group)
+        # groups start at multiples of 128 (padded): said so, the loads are 16-byte vectors the
+        # pipeline copies asynchronously; unsaid, FP8 tiles go through registers, unpipelined
+        start = tl.multiple_of(start, _SCALE_BLOCK)
+        for p0 in range(start, end, BLOCK_M):
+            p64 = tl.max_contiguous(tl.multiple_of(p0 + toks, STEP), STEP).to(tl.int64)
+            if PROMOTE == _INLINE:
                 a = tl.load(a_ptr + ks[:, None] * stride_ak + p64[None, :] * stride_ap,
                             mask=k_ok[:, None], other=0.0)
                 b = tl.load(b_ptr + p64[:, None] * stride_bp + cols[None, :] * stride_bc,
@@ -591,12 +821,92 @@ def _fp8_weight_grad_kernel(
                 sa = tl.load(sa_ptr + ks * stride_sak + c * stride_sac, mask=k_ok, other=0.0)
                 sb = tl.load(sb_ptr + cols * stride_sbc + c * stride_sbp, mask=col_ok, other=0.0)
                 acc += part * (sa[:, None] * sb[None, :])
-        out_ptrs = (out_ptr + expert.to(tl.int64) * stride_oe + ks[:, None] * stride_ok
-                    + cols[None, :] * stride_oc)
-        ok = k_ok[:, None] & col_ok[None, :]
-        if ACCUMULATE:
-            acc += tl.load(out_ptrs, mask=ok, other=0.0).to(tl.float32)
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+            else:
+                c = p0 // _SCALE_BLOCK
+                sa = tl.load(sa_ptr + ks * stride_sak + c * stride_sac, mask=k_ok, other=0.0)  # under the dot
+                sb = tl.load(sb_ptr + cols * stride_sbc + c * stride_sbp, mask=col_ok, other=0.0)
+                a = tl.load(a_ptr + ks[:, None] * stride_ak + p64[None, :] * stride_ap,
+                            mask=k_ok[:, None], other=0.0)
+                b = tl.load(b_ptr + p64[:, None] * stride_bp + cols[None, :] * stride_bc,
+                            mask=col_ok[None, :], other=0.0)
+                if PROMOTE == _HOISTED:
+                    part = tl.dot(a, b, out_dtype=tl.float32, max_num_imprecise_acc=IMPRECISE_K)
+                    acc = _promote(acc, part, sa, sb, False)
+                elif PROMOTE == _PIPELINED:
+                    a2 = tl.load(a_ptr + ks[:, None] * stride_ak + (p64 + STEP)[None, :] * stride_ap,
+                                 mask=k_ok[:, None], other=0.0)
+                    b2 = tl.load(b_ptr + (p64 + STEP)[:, None] * stride_bp + cols[None, :] * stride_bc,
+                                 mask=col_ok[None, :], other=0.0)
+                    # the first half waited for (the second reads it), which completes the last step
+                    first = tl.dot(a, b, out_dtype=tl.float32, max_num_imprecise_acc=IMPRECISE_K)
+                    part = tl.dot(a2, b2, first, out_dtype=tl.float32, max_num_imprecise_acc=IMPRECISE_K)
+                    acc = _promote(acc, prev, sa_prev, sb_prev, False)  # under the second half's wgmma
+                    prev = part
+                    sa_prev = sa
+                    sb_prev = sb
+                else:  # pingpong: the low column half waited for and added, the high one carried
+                    sb_hi = tl.load(sb_ptr + hi * stride_sbc + c * stride_sbp, mask=hi_ok, other=0.0)
+                    b_hi = tl.load(b_ptr + p64[:, None] * stride_bp + hi[None, :] * stride_bc,
+                                   mask=hi_ok[None, :], other=0.0)
+                    part = tl.dot(a, b, out_dtype=tl.float32, max_num_imprecise_acc=IMPRECISE_K)
+                    part_hi = tl.dot(a, b_hi, out_dtype=tl.float32, max_num_imprecise_acc=IMPRECISE_K)
+                    acc = _promote(acc, part, sa, sb, False)  # both adds under the high half's wgmma
+                    acc_hi = _promote(acc_hi, prev, sa_prev, sb_prev, False)
+                    prev = part_hi
+                    sa_prev = sa
+                    sb_prev = sb_hi
+    if PROMOTE == _PIPELINED:
+        acc = _promote(acc, prev, sa_prev, sb_prev, False)
+    if PROMOTE == _PINGPONG:
+        acc_hi = _promote(acc_hi, prev, sa_prev, sb_prev, False)
+    else:
+        acc_hi = acc
+    return acc, acc_hi
+
+
+@triton.jit
+def _store_wgrad(acc, out_ptr, expert, ks, k_ok, cols, col_ok, stride_oe, stride_ok, stride_oc,
+                 ACCUMULATE: tl.constexpr):
+    out_ptrs = out_ptr + expert.to(tl.int64) * stride_oe + ks[:, None] * stride_ok + cols[None, :] * stride_oc
+    ok = k_ok[:, None] & col_ok[None, :]
+    if ACCUMULATE:
+        acc += tl.load(out_ptrs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _fp8_weight_grad_kernel(
+    a_ptr, sa_ptr, b_ptr, sb_ptr, out_ptr, padded_ptr,
+    E, E_W, KA, C, num_programs,
+    stride_ak, stride_ap, stride_sak, stride_sac, stride_bc, stride_bp, stride_sbc, stride_sbp,
+    stride_oe, stride_ok, stride_oc,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    ACCUMULATE: tl.constexpr, IMPRECISE_K: tl.constexpr, PROMOTE: tl.constexpr,
+):
+    # Contract: a [KA, P], b [C, P] fp8 token-contiguous (`quantize_token_groups`) with scales
+    # sa [KA, P/128], sb [C, P/128]; groups g padded to padded[g-1]:padded[g] (multiples of 128);
+    # out [E_W, KA, C]: out[e] = sum over groups g = e mod E_W (ascending), over BLOCK_M-token steps
+    # (BLOCK_M divides 128; chunk c = step // 128) of (a[:, step] @ b[:, step]^T) * sa[:, c] * sb[:, c]
+    # (ACCUMULATE: out += it, an fp32 main gradient). BLOCK_K tiles KA, BLOCK_N tiles C. PROMOTE:
+    # how each step's dot is added (`PROMOTE_VARIANTS`; pingpong: the column tile's halves).
+    pid = tl.program_id(0)
+    tiles_k = tl.cdiv(KA, BLOCK_K)
+    tiles_n = tl.cdiv(C, BLOCK_N)
+    per_expert = tiles_k * tiles_n
+    for item in tl.range(pid, E_W * per_expert, num_programs):
+        expert = item // per_expert
+        pid_k, pid_n = gg._swizzle(item % per_expert, tiles_k, tiles_n, GROUP_M)
+        ks = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+        k_ok = ks < KA
+        COLS: tl.constexpr = BLOCK_N // 2 if PROMOTE == _PINGPONG else BLOCK_N
+        cols = pid_n * BLOCK_N + tl.arange(0, COLS)
+        hi = cols + COLS  # pingpong's high half of the column tile
+        acc, acc_hi = _wgrad_sums(a_ptr, sa_ptr, b_ptr, sb_ptr, padded_ptr, ks, k_ok, cols, cols < C, hi, hi < C,
+                                  expert, E, E_W, stride_ak, stride_ap, stride_sak, stride_sac, stride_bc, stride_bp,
+                                  stride_sbc, stride_sbp, PROMOTE, BLOCK_K, BLOCK_M, COLS, IMPRECISE_K)
+        _store_wgrad(acc, out_ptr, expert, ks, k_ok, cols, cols < C, stride_oe, stride_ok, stride_oc, ACCUMULATE)
+        if PROMOTE == _PINGPONG:
+            _store_wgrad(acc_hi, out_ptr, expert, ks, k_ok, hi, hi < C, stride_oe, stride_ok, stride_oc, ACCUMULATE)
 
 
 def fp8_weight_grad(
@@ -623,6 +933,13 @@ def fp8_weight_grad(
     if SCALE_BLOCK % config.block_m:
         raise ValueError(f"the FP8 weight gradient steps over tokens by block_m, which must divide "
                          f"{SCALE_BLOCK} (one scale per {SCALE_BLOCK} tokens); got block_m={config.block_m}")
+    promote_index(config)
+    if config.promote == "pipelined" and config.block_m < 64:
+        raise ValueError(f"promote='pipelined' splits each token step in two dots of at least 32 tokens (the "
+                         f"FP8 MMA's depth): use block_m >= 64 (got {config.block_m})")
+    if config.promote == "pingpong" and config.block_n < 32:
+        raise ValueError(f"promote='pingpong' splits the column tile in two of at least 16: use block_n >= 32 "
+                         f"(got {config.block_n})")
     ka, capacity = qa_KP.shape
     cols = qb_CP.shape[0]
     if (qb_CP.shape[1] != capacity or capacity % SCALE_BLOCK or sa_KC.shape != (ka, capacity // SCALE_BLOCK)
@@ -649,8 +966,8 @@ def fp8_weight_grad(
         qa_KP.stride(0), qa_KP.stride(1), sa_KC.stride(0), sa_KC.stride(1),
         qb_CP.stride(0), qb_CP.stride(1), sb_CC.stride(0), sb_CC.stride(1), *out.stride(),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        GROUP_M=config.group_m, ACCUMULATE=accumulate, IMPRECISE_K=imprecise_k or config.block_m,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        GROUP_M=config.group_m, ACCUMULATE=accumulate, IMPRECISE_K=_imprecise(config, config.block_m, imprecise_k),
+        PROMOTE=promote_index(config), num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
 

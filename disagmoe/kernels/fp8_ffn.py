@@ -25,7 +25,7 @@ import torch
 
 from disagmoe.kernels import fp8
 from disagmoe.kernels.fp8_stats import ACTIVATIONS, GRADIENTS, WEIGHTS, Fp8Stats
-from disagmoe.kernels.tile_configs import TileConfig
+from disagmoe.kernels.tile_configs import TileConfig, tuned
 
 
 def _row(stats: Fp8Stats | None, kind: int) -> torch.Tensor | None:
@@ -67,12 +67,38 @@ def _both_k_major(q_EKN: torch.Tensor, s_EGB: torch.Tensor):
 class Fp8Tiles:
     """Tile configs of the FP8 launches: `rows` the plain row GEMMs (down, gate/up data gradient;
     block_k dividing 128), `swiglu` the two with a SwiGLU epilogue (block_n = 128), `wgrad` the
-    weight gradients (block_m, the token step, dividing 128). Untuned defaults for a GPU, chosen
-    so ptxas (sm_90a) reports no spills (`rows`, `swiglu`) or 12 bytes (`wgrad`; 792 at 128^3)."""
+    weight gradients (block_m, the token step, dividing 128); each with its K loop's promotion
+    (`TileConfig.promote`, `kernels.fp8.PROMOTE_VARIANTS`). The defaults are untuned, chosen so
+    ptxas (sm_90a) reports no spills (`wgrad`: a few bytes at most, bounded by a test); `for_shape`
+    reads the tuned ones."""
 
     rows: TileConfig = TileConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3)
     swiglu: TileConfig = TileConfig(block_m=64, block_n=128, block_k=128, num_warps=8, num_stages=3)
     wgrad: TileConfig = TileConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
+
+    @classmethod
+    def for_shape(cls, rows: int, experts: int, hidden: int, ffn: int, device: torch.device) -> Fp8Tiles:
+        """The tiles `disagmoe bench tune-experts --precision fp8` saved for this shape class on this
+        GPU (`tile_configs.FP8_ROLES`), the defaults for a field none was saved for."""
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+        defaults = cls()
+        return cls(**{field.name: tuned(f"fp8_{field.name}", hidden, ffn, rows, experts, name)
+                      or getattr(defaults, field.name) for field in dataclasses.fields(cls)})
+
+    def with_promote(self, promote: str) -> Fp8Tiles:
+        """The same tiles with every K loop promoted as `promote` says (an A/B of the variants)."""
+        return Fp8Tiles(**{field.name: dataclasses.replace(getattr(self, field.name), promote=promote)
+                           for field in dataclasses.fields(self)})
+
+    def describe(self) -> str:
+        """'rows 128x128x128 w8 s3 p1 inline | swiglu ... | wgrad ...' (block_m x block_n x block_k,
+        warps, stages, programs per SM, promotion)."""
+        return " | ".join(f"{field.name} {_tile_text(getattr(self, field.name))}" for field in dataclasses.fields(self))
+
+
+def _tile_text(c: TileConfig) -> str:
+    return (f"{c.block_m}x{c.block_n}x{c.block_k} w{c.num_warps} s{c.num_stages} p{c.programs_per_sm} "
+            f"{c.promote}")
 
 
 def fp8_ffn_forward(
@@ -171,10 +197,13 @@ def expert_ffn_fp8(
     """The experts backend contract `expert_ffn(x_NH, offsets_E, w13_EH2F, w2_EFH) -> y_NH` with
     every GEMM in FP8, differentiable in x, w13 and w2. `weights`: the FP8 copies of exactly these
     w13 and w2 (`Fp8ExpertWeights.quantize`, once per optimizer step); made here when None.
-    `stats`: every quantisation's counters, forward and backward (module docstring)."""
+    `stats`: every quantisation's counters, forward and backward (module docstring). `tiles`: the
+    launches' tiles, by default the tuned ones of this shape class (`Fp8Tiles.for_shape`)."""
     experts, hidden, two_ffn = w13_EH2F.shape
     if x_NH.shape[1] != hidden or w2_EFH.shape != (experts, two_ffn // 2, hidden):
         raise ValueError(f"expert weights must be w13 [E, H, 2F] and w2 [E, F, H] matching x [N, H]; got "
                          f"x {tuple(x_NH.shape)}, w13 {tuple(w13_EH2F.shape)}, w2 {tuple(w2_EFH.shape)}")
+    if tiles is None:  # from the host-known shapes: no sync, the same every step
+        tiles = Fp8Tiles.for_shape(x_NH.shape[0], experts, hidden, two_ffn // 2, x_NH.device)
     return Fp8ExpertFFNFunction.apply(x_NH.contiguous(), offsets_E, w13_EH2F, w2_EFH, weights,
-                                      tiles or Fp8Tiles(), num_programs, stats)
+                                      tiles, num_programs, stats)

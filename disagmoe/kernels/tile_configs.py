@@ -3,6 +3,7 @@
 A *shape class* is (kernel role, reduction size K, output columns N, average rows per expert rounded
 up to a power of two). `disagmoe bench tune-experts` measures candidate tiles per class on a GPU and
 writes them to `disagmoe/kernels/tuned/<gpu-slug>.json`; launches look them up by the running GPU.
+The FP8 expert FFN's roles (`FP8_ROLES`, `kernels.fp8_ffn.Fp8Tiles.for_shape`) share the file.
 """
 
 from __future__ import annotations
@@ -17,6 +18,10 @@ TUNED_DIR = Path(__file__).parent / "tuned"
 
 # Kernel roles: which GEMM of the expert FFN a launch computes.
 ROLES = ("gate_up", "down", "down_dgrad", "gate_up_dgrad", "wgrad_w2", "wgrad_w13")
+# The FP8 FFN's tile choices (`kernels.fp8_ffn.Fp8Tiles`' fields), each serving two launches (rows:
+# down and gate/up dgrad; swiglu: gate/up and down dgrad; wgrad: both weight gradients), their
+# shape class keyed by the FFN's hidden size as K and its expert FFN size as N.
+FP8_ROLES = ("fp8_rows", "fp8_swiglu", "fp8_wgrad")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,8 +36,11 @@ class TileConfig:
     num_stages: int = 3
     programs_per_sm: int = 1  # persistent programs per SM when the launch does not fix the count
     flatten: bool = False  # fuse the work-list loop with the reduction loop (software pipelining)
+    # FP8 kernels only (`kernels.fp8.PROMOTE_VARIANTS`): how each scale group's dot is promoted into
+    # the fp32 sum; the bf16 kernels ignore it
+    promote: str = "inline"
 
-    def to_json(self) -> dict[str, int | bool]:
+    def to_json(self) -> dict[str, int | bool | str]:
         return dataclasses.asdict(self)
 
     def for_element_size(self, itemsize: int) -> TileConfig:
@@ -72,8 +80,8 @@ def gpu_slug(device_name: str) -> str:
 
 def shape_class(role: str, k: int, n: int, rows: int, experts: int) -> str:
     """Key of the tuned table: role, K, N, average rows per expert rounded up to a power of 2."""
-    if role not in ROLES:
-        raise ValueError(f"unknown kernel role {role!r}; choose one of {ROLES}")
+    if role not in ROLES + FP8_ROLES:
+        raise ValueError(f"unknown kernel role {role!r}; choose one of {ROLES + FP8_ROLES}")
     avg = max(1, rows // max(1, experts))
     bucket = 1 << (avg - 1).bit_length()
     return f"{role}/k{k}/n{n}/m{bucket}"
@@ -86,6 +94,11 @@ def _tuned_table(slug: str) -> dict[str, TileConfig]:
         return {}
     entries = json.loads(path.read_text())["entries"]
     return {key: TileConfig(**value) for key, value in entries.items()}
+
+
+def tuned(role: str, k: int, n: int, rows: int, experts: int, device_name: str) -> TileConfig | None:
+    """The tuned config of this shape class on this GPU, None when none was tuned."""
+    return _tuned_table(gpu_slug(device_name)).get(shape_class(role, k, n, rows, experts))
 
 
 def heuristic(role: str) -> TileConfig:
@@ -110,8 +123,7 @@ def lookup(role: str, k: int, n: int, rows: int, experts: int, device_name: str,
     ring, 240 KiB, failed on an H200's 227 KiB), while a bf16 launch can feed A from registers and
     allocate less than `shared_memory_bytes` estimates: bf16 tiles launch as tuned (each tuned
     entry and the heuristics ran on the GPU)."""
-    key = shape_class(role, k, n, rows, experts)
-    config = (_tuned_table(gpu_slug(device_name)).get(key) or heuristic(role)).for_element_size(itemsize)
+    config = (tuned(role, k, n, rows, experts, device_name) or heuristic(role)).for_element_size(itemsize)
     if shared_memory_bytes is None or itemsize <= 2:
         return config
     return config.fit_shared_memory(itemsize, shared_memory_bytes, b_tiles=2 if role == "gate_up" else 1)

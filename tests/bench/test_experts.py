@@ -112,3 +112,41 @@ def test_precision_fp8_times_our_fp8_experts_beside_our_bf16_ones():
     assert backends_for(["grouped_mm"], "fp8") == ["grouped_mm", "triton", FP8_BACKEND]
     with pytest.raises(ValueError, match="choose bf16 or fp8"):
         backends_for(None, "fp4")
+
+
+def test_fp8_promote_times_one_fp8_backend_per_k_loop_and_says_which_tiles_ran():
+    """`--fp8-promote` A/Bs the FP8 K loops in one run: one backend per promotion, each at the
+    tuned tiles with that promotion everywhere; the table gets a ratio and error per FP8 backend,
+    and the notes the tiles each ran."""
+    import dataclasses
+
+    from disagmoe.kernels.fp8_ffn import Fp8Tiles
+
+    fp8 = bench.FP8_BACKEND
+    chosen = bench.backends_for(["grouped_mm"], "fp8", ["inline", "pingpong", "inline"])
+    assert chosen == ["grouped_mm", "triton", f"{fp8}:inline", f"{fp8}:pingpong"]
+    assert all(bench.is_fp8(b) for b in chosen[2:]) and not bench.is_fp8(f"{fp8}:overlapped")
+    with pytest.raises(ValueError, match="choose from inline, hoisted, pipelined, pingpong"):
+        bench.backends_for(None, "fp8", ["overlapped"])
+    with pytest.raises(ValueError, match="--precision fp8"):
+        bench.backends_for(None, "bf16", ["pingpong"])
+    tiles = Fp8Tiles()
+    assert bench.fp8_tiles_for(fp8, tiles) is tiles
+    ran = bench.fp8_tiles_for(f"{fp8}:pingpong", tiles)
+    assert (ran.rows.promote, ran.swiglu.promote, ran.wgrad.promote) == ("pingpong",) * 3
+    assert ran.rows.block_m == tiles.rows.block_m
+
+    rates = {"grouped_mm": 400.0, "triton": 400.0, chosen[2]: 600.0, chosen[3]: 800.0}
+    record = {"ceiling_tflops": 800.0, "shapes": [{
+        "name": "s", "experts": 2, "hidden": 8, "ffn": 4, "pairs": 16, "load_max_over_mean": 1.5,
+        "tflops": {b: {p: rate for p in bench.PASSES} for b, rate in rates.items()},
+        "rel_err": {b: {"y": 4e-2} for b in chosen[2:]},
+        "fp8_tiles": {b: dataclasses.asdict(bench.fp8_tiles_for(b, tiles)) for b in chosen[2:]}}]}
+    json.dumps(record)
+    lines = bench.markdown_table(record).splitlines()
+    assert f"{chosen[3]} / triton" in lines[0] and f"{chosen[2]} rel err" in lines[0]
+    assert lines[2].endswith("| 1.50x | 4.0e-02 | 2.00x | 4.0e-02 |")
+    notes = bench.fp8_tiles_notes(record)
+    assert notes == [f"s {chosen[2]}: {tiles.with_promote('inline').describe()}",
+                     f"s {chosen[3]}: {tiles.with_promote('pingpong').describe()}"]
+    assert "rows 128x128x128 w8 s3 p1 pingpong" in notes[1]

@@ -351,3 +351,133 @@ def test_the_rowwise_quantiser_compiles_without_spills_at_its_gpu_tiles(monkeypa
             fp8_rowwise.quantize_rowwise(x, stats, block_m=block_m, block_k=block_k)
     assert [fp8_rowwise.gpu_tiles(x)[0] for x in inputs[-2:]] == [64, 16]  # (the CPU counts 4 SMs)
     assert found == [(0, True), (0, False)] * len(inputs), found
+
+
+def dot_waits(ttgir: str) -> list[str]:
+    """Per `ttng.warp_group_dot` of a TTGIR: "sync" when a `warp_group_dot_wait {pendings = 0}` on its
+    result follows it at once (Triton's wgmma pipeliner does so for a dot whose result is used in its
+    own loop iteration), else "async": the dot runs on after it is issued (its result carried to the
+    next iteration, whose first synchronous dot's wait completes it)."""
+    import re
+
+    lines = [line.strip() for line in ttgir.splitlines() if line.strip()]
+    waits = []
+    for line, after in zip(lines, lines[1:]):
+        dot = re.match(r"(%[\w#]+) = ttng\.warp_group_dot ", line)
+        if dot:
+            waited = re.match(r"%\S+ = ttng\.warp_group_dot_wait " + re.escape(dot.group(1)) + r"\b.*pendings = 0\b",
+                              after)
+            waits.append("sync" if waited else "async")
+    return waits
+
+
+def fmas_under_wgmma(ptx: str) -> int:
+    """fp32 FMAs and multiplies issued while a wgmma group is in flight: between a
+    `wgmma.commit_group` and the next `wgmma.wait_group` in the PTX's text (the promotion's scaled
+    adds running under a carried dot's wgmma)."""
+    count, in_flight = 0, False
+    for line in ptx.splitlines():
+        op = line.strip()
+        if op.startswith("wgmma.commit_group"):
+            in_flight = True
+        elif op.startswith("wgmma.wait_group"):
+            in_flight = False
+        elif in_flight and op.startswith(("fma.rn.f32", "mul.f32", "mul.rn.f32")):
+            count += 1
+    return count
+
+
+# (promote, launch) pairs allowed to spill where the inline loop does not: "pipelined" holds three
+# accumulator-sized tiles per dot (the sum, the carried second half, the next one), six in the
+# SwiGLU GEMM (gate and up), too many at `Fp8Tiles.swiglu`'s 64 x 128 on 8 warps (ptxas: 524 and
+# 56 bytes of spill stores measured); the tuner times it there as any other tile.
+PROMOTION_SPILLS = {("pipelined", "swiglu"), ("pipelined", "swiglu_grad")}
+
+
+def test_each_fp8_promotion_compiles_to_its_overlap(monkeypatch):
+    """The FP8 GEMMs at `Fp8Tiles`' defaults with each K-loop promotion (`fp8.PROMOTE_VARIANTS`),
+    compiled for sm_90a: wgmma (MMA v3) fed by asynchronous copies; spill stores no more than the
+    inline loop's at the same tile (but `PROMOTION_SPILLS`); and the overlap each variant exists for:
+    inline and hoisted wait for every dot at once and add nothing under a wgmma, pipelined and
+    pingpong leave a dot of each K loop running (`dot_waits`) while their scaled adds issue
+    (`fmas_under_wgmma`). Fails if Triton starts waiting for the carried dot at once."""
+    import dataclasses
+    import re
+
+    from disagmoe.kernels import fp8, fp8_ffn
+
+    backend = make_backend(HOPPER)
+    found: dict[tuple[str, str], tuple] = {}
+    launch = [""]
+
+    def compile_and_keep(self, *args, grid, warmup, **kwargs):
+        if "PROMOTE" not in kwargs:  # the quantisers
+            return
+        kernel = compile_for_hopper(self, backend, args, kwargs)
+        ttgir, ptx = kernel.asm["ttgir"], kernel.asm["ptx"]
+        staged = re.findall(r"ttg\.local_alloc %\S+ : \(tensor<[^>]*>", ttgir)
+        mma3 = "versionMajor = 3" in ttgir and not staged and "async_copy_global_to_local" in ttgir
+        found[(kwargs["PROMOTE"], launch[0])] = (dot_waits(ttgir), fmas_under_wgmma(ptx), spill_store_bytes(ptx), mma3)
+
+    monkeypatch.setattr(JITFunction, "run", compile_and_keep)
+    rows, experts, k, n = 512, 4, 512, 256
+    offsets = torch.tensor([128, 256, 384, 512], dtype=torch.int32)
+    x = torch.zeros(rows, k, dtype=torch.bfloat16)
+    weights = fp8_ffn.Fp8ExpertWeights.quantize(torch.zeros(experts, k, 2 * n, dtype=torch.bfloat16),
+                                                torch.zeros(experts, n, k, dtype=torch.bfloat16))  # K-major
+    qa, sa = fp8.quantize_rows(x)
+    qx = fp8.quantize_token_groups(x, offsets)
+    defaults = fp8_ffn.Fp8Tiles()
+    for promote in fp8.PROMOTE_VARIANTS:
+        tiles = fp8_ffn.Fp8Tiles(**{field.name: dataclasses.replace(getattr(defaults, field.name), promote=promote)
+                                    for field in dataclasses.fields(defaults)})
+        launch[0] = "swiglu"
+        fp8.fp8_swiglu_gemm(qa, sa, offsets, *weights.w13, tiles.swiglu, num_programs=8,
+                            h13_M2F=torch.zeros(rows, 2 * n, dtype=torch.bfloat16))
+        launch[0] = "swiglu_grad"
+        fp8.fp8_swiglu_grad_gemm(qa, sa, offsets, *weights.w2_t, torch.zeros(rows, 2 * n, dtype=torch.bfloat16),
+                                 tiles.swiglu,
+                                 act_MF=torch.zeros(rows, n, dtype=torch.bfloat16), num_programs=8)
+        launch[0] = "rows"
+        fp8.fp8_rows_gemm(qa[:, :n], sa[:, :n // 128], offsets, *weights.w2, tiles.rows, num_programs=8)
+        launch[0] = "wgrad"
+        fp8.fp8_weight_grad(qx[:2], qx[:2], qx[2], tiles.wgrad, out=torch.zeros(experts, k, k), accumulate=True,
+                            num_programs=8)
+    assert len(found) == 4 * len(fp8.PROMOTE_VARIANTS), found
+    table = "\n".join(f"{key}: {value}" for key, value in found.items())
+    for (index, name), (waits, fmas, spill, mma3) in found.items():
+        promote = fp8.PROMOTE_VARIANTS[index]
+        assert mma3 and waits, f"{promote} {name}: not wgmma fed by asynchronous copies\n{table}"
+        if (promote, name) not in PROMOTION_SPILLS:
+            assert spill <= found[(0, name)][2], f"{promote} {name}: spills more than inline\n{table}"
+        overlapped = promote in ("pipelined", "pingpong")
+        assert ("async" in waits) == overlapped and (fmas > 0) == overlapped, f"{promote} {name}\n{table}"
+
+
+def test_the_fp8_tuners_candidates_compile_without_spills(monkeypatch):
+    """Every FP8 tile `bench tune-experts --precision fp8` times (`tune_experts.FP8_CANDIDATES`),
+    each on both launches its role serves, compiles for sm_90a to wgmma without spill stores (the
+    list's promise: a GPU's tuning time goes to tiles that can win), and its promotion's overlap is
+    there (`dot_waits`: a dot left running in pipelined and pingpong loops, none in the others)."""
+    from disagmoe.bench import tune_experts as tuner
+
+    backend = make_backend(HOPPER)
+    found: list[tuple[list[str], int]] = []
+
+    def compile_and_count(self, *args, grid, warmup, **kwargs):
+        if "PROMOTE" in kwargs:  # not the quantisers making the operands
+            kernel = compile_for_hopper(self, backend, args, kwargs)
+            found.append((dot_waits(kernel.asm["ttgir"]), spill_store_bytes(kernel.asm["ptx"])))
+
+    monkeypatch.setattr(JITFunction, "run", compile_and_count)
+    offsets = torch.tensor([300, 700, 1024, 1024], dtype=torch.int32)
+    launches = tuner.fp8_role_launches(offsets, 1024, 512)
+    bad = []
+    for role, launch in launches.items():
+        for config in tuner.candidates(role):
+            found.clear()
+            launch(config)
+            overlapped = config.promote in ("pipelined", "pingpong")
+            if len(found) != 2 or any(spill or ("async" in waits) != overlapped for waits, spill in found):
+                bad.append((role, config, list(found)))
+    assert not bad, bad

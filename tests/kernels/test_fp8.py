@@ -352,6 +352,104 @@ def test_weight_gradient_over_banded_groups(fp8k):
         fp8k.fp8_weight_grad(qx[:2], (qd[0][:, :128], qd[1][:, :1]), qx[2], WGRAD_TILES)
 
 
+# --- the K loop's promotion variants (`fp8.PROMOTE_VARIANTS`, `TileConfig.promote`) against the inline loop
+
+PROMOTED = ("hoisted", "pipelined", "pingpong")
+# pingpong halves block_n (but the SwiGLU GEMM's: its gate and up dots), pipelined block_k (the
+# weight gradient: block_m, its token step)
+ROWS_TILES = [TileConfig(block_m=16, block_n=32, block_k=128, group_m=2, num_warps=4, num_stages=1),  # 1 sb a tile
+              TileConfig(block_m=32, block_n=256, block_k=64, group_m=2, num_warps=4, num_stages=1)]  # over 2 blocks
+SWIGLU_PROMOTED = TileConfig(block_m=32, block_n=128, block_k=64, group_m=2, num_warps=4, num_stages=1)
+WGRAD_PROMOTED = [TileConfig(block_m=128, block_n=32, block_k=16, group_m=2, num_warps=4, num_stages=1),
+                  TileConfig(block_m=64, block_n=32, block_k=64, group_m=1, num_warps=4, num_stages=1)]
+
+
+def _promoted(tiles, promote):
+    import dataclasses
+
+    return dataclasses.replace(tiles, promote=promote)
+
+
+def _same_sums(promote):
+    """Bit for bit, but "pipelined" (the interpreter adds its two half-depth products in fp32)."""
+    if promote == "pipelined":
+        return lambda got, want: _rel_err(got, want) < SAME_SUMS_REL_ERR
+    return lambda got, want: torch.equal(got, want)
+
+
+@pytest.mark.slow  # more than a few seconds on 2 cores (`pytest -m 'not slow'` skips it)
+@pytest.mark.parametrize("promote", PROMOTED)
+def test_each_promotion_gives_the_inline_loops_sums(fp8k, promote):
+    """Every K-loop variant against the inline loop on ragged rows with empty experts and K, N not
+    multiples of 128 (NaN-filled outputs: every element written): the plain GEMM (one weight-block
+    scale per column tile, and a tile over two blocks), the SwiGLU GEMM's pre-activations, e4m3 rows
+    and scales (F = 72: the up columns straddle blocks; F = 128: one block per tile), the SwiGLU
+    gradient's outputs and the weight gradient (into a main gradient)."""
+    same = _same_sums(promote)
+    counts, k, n = [17, 0, 40, 5], 200, 136
+    a, b, offsets = _ragged_inputs(counts, k, n, seed=21, outlier_rows=1)
+    qa, sa = fp8k.quantize_rows(a)
+    qb, sb = fp8k.quantize_blocks(b)
+    rows = a.shape[0]
+    for tiles in ROWS_TILES:
+        want = fp8k.fp8_rows_gemm(qa, sa, offsets, qb, sb, tiles, out_dtype=torch.float32, num_programs=3)
+        got = fp8k.fp8_rows_gemm(qa, sa, offsets, qb, sb, _promoted(tiles, promote),
+                                 out=torch.full((rows, n), float("nan")), num_programs=3)
+        assert torch.isfinite(got).all() and same(got, want)
+
+    for ffn in (72, 128):
+        x, w13, _ = _ragged_inputs(counts, k, 2 * ffn, seed=ffn)
+        qx, sx = fp8k.quantize_rows(x)
+        q13, s13 = fp8k.quantize_blocks(w13)
+        results = []
+        for tiles in (SWIGLU_PROMOTED, _promoted(SWIGLU_PROMOTED, promote)):
+            h13 = torch.full((rows, 2 * ffn), float("nan"))
+            results.append((*fp8k.fp8_swiglu_gemm(qx, sx, offsets, q13, s13, tiles, h13_M2F=h13, num_programs=3), h13))
+        (q_want, s_want, h_want), (q_got, s_got, h_got) = results
+        assert torch.isfinite(h_got).all() and same(h_got, h_want) and same(s_got, s_want)
+        agree = (q_got.view(torch.uint8) == q_want.view(torch.uint8)).float().mean()
+        assert agree == 1 if promote != "pipelined" else agree > 0.999
+
+    h13 = torch.randn(rows, 2 * n, generator=torch.Generator().manual_seed(22)) * 3
+    w2t = fp8k.transpose_blocks(*fp8k.quantize_blocks(b.transpose(1, 2).contiguous()))
+    results = []
+    for tiles in (ROWS_TILES[0], _promoted(ROWS_TILES[0], promote)):
+        act = torch.full((rows, n), float("nan"))
+        results.append((fp8k.fp8_swiglu_grad_gemm(qa, sa, offsets, *w2t, h13, tiles, act_MF=act,
+                                                  out_dtype=torch.float32, num_programs=3), act))
+    (dh_want, act_want), (dh_got, act_got) = results
+    assert torch.isfinite(dh_got).all() and same(dh_got, dh_want) and torch.equal(act_got, act_want)
+
+    dy = torch.randn(rows, 24, generator=torch.Generator().manual_seed(23))
+    qx, qd = fp8k.quantize_token_groups(a[:, :40], offsets), fp8k.quantize_token_groups(dy, offsets)
+    for tiles in WGRAD_PROMOTED:
+        want = fp8k.fp8_weight_grad(qx[:2], qd[:2], qx[2], tiles, num_programs=3)
+        main = torch.randn(want.shape, generator=torch.Generator().manual_seed(24))
+        got = main.clone()
+        fp8k.fp8_weight_grad(qx[:2], qd[:2], qx[2], _promoted(tiles, promote), out=got, accumulate=True,
+                             num_programs=2)
+        assert not got[1].ne(main[1]).any()  # the empty expert's gradient adds zeros
+        assert same(got, fp8k.fp8_weight_grad(qx[:2], qd[:2], qx[2], tiles, out=main.clone(), accumulate=True,
+                                              num_programs=2))
+
+
+def test_promotion_refusals_name_the_fix(fp8k):
+    a, b, offsets = _ragged_inputs([3, 4], 64, 32, seed=0)
+    qa, sa = fp8k.quantize_rows(a)
+    qb, sb = fp8k.quantize_blocks(b)
+    with pytest.raises(ValueError, match="choose one of inline, hoisted, pipelined, pingpong"):
+        fp8k.fp8_rows_gemm(qa, sa, offsets, qb, sb, _promoted(SMALL_TILES, "overlapped"))
+    with pytest.raises(ValueError, match="block_k >= 64"):
+        fp8k.fp8_rows_gemm(qa, sa, offsets, qb, sb, TileConfig(block_m=16, block_n=16, block_k=32, promote="pipelined"))
+    with pytest.raises(ValueError, match="block_n >= 32"):
+        fp8k.fp8_rows_gemm(qa, sa, offsets, qb, sb, TileConfig(block_m=16, block_n=16, block_k=128, promote="pingpong"))
+    qx = fp8k.quantize_token_groups(a, offsets)
+    with pytest.raises(ValueError, match="block_m >= 64"):
+        fp8k.fp8_weight_grad(qx[:2], qx[:2], qx[2], TileConfig(block_m=32, block_n=16, block_k=16, promote="pipelined"))
+    with pytest.raises(ValueError, match="block_n >= 32"):
+        fp8k.fp8_weight_grad(qx[:2], qx[:2], qx[2], _promoted(WGRAD_TILES, "pingpong"))
+
+
 # --- on a GPU: real e4m3 tensor cores (sm_89+), bf16 activations, bf16 outputs
 
 def _fp8_gpu() -> bool:
@@ -443,6 +541,36 @@ def test_gpu_backward_gemms(counts, k, n):
         if end > start:  # per expert: an expert of 3 rows has rows of dW that are sums of 3 products
             exact = x[start:end].double().t() @ dy[start:end].double()
             assert _rel_err(main[e], exact) < FP8_ROW_REL_ERR
+
+
+@pytest.mark.gpu
+@needs_fp8_gpu
+@pytest.mark.parametrize("promote", PROMOTED)
+def test_gpu_promotions_give_the_inline_loops_sums(promote):
+    """On tensor cores, K-major weights as the FFN holds them, `Fp8Tiles`' defaults: each K-loop
+    variant's down GEMM, SwiGLU GEMM (pre-activations, fp32) and weight gradient against the inline
+    loop's. The same sums in the same order (pipelined: its halves one wgmma chain), so equal up to
+    the tensor cores' order within a chain, which may differ by instruction shape (pingpong's
+    half-width wgmma): fp32 rounding, far under the FP8 error."""
+    from disagmoe.kernels import fp8, fp8_ffn
+
+    counts, hidden, ffn = [300, 0, 1000, 7], 512, 384
+    x, w13, offsets = _ragged_inputs(counts, hidden, 2 * ffn, seed=9, outlier_rows=8, device="cuda")
+    w2 = (torch.randn(len(counts), ffn, hidden, generator=torch.Generator().manual_seed(10)) / ffn**0.5).cuda()
+    weights = fp8_ffn.Fp8ExpertWeights.quantize(w13.bfloat16(), w2.bfloat16())
+    qx, sx = fp8.quantize_rows(x.bfloat16())
+    q_act, s_act = fp8.quantize_rows(torch.randn(x.shape[0], ffn, device="cuda"))
+    tx = fp8.quantize_token_groups(x.bfloat16(), offsets)
+    td = fp8.quantize_token_groups(torch.randn(x.shape[0], ffn, device="cuda"), offsets)
+    results = []
+    for tiles in (fp8_ffn.Fp8Tiles(), fp8_ffn.Fp8Tiles().with_promote(promote)):
+        h13 = torch.empty(x.shape[0], 2 * ffn, device="cuda")
+        q, s = fp8.fp8_swiglu_gemm(qx, sx, offsets, *weights.w13, tiles.swiglu, h13_M2F=h13)
+        y = fp8.fp8_rows_gemm(q_act, s_act, offsets, *weights.w2, tiles.rows, out_dtype=torch.float32)
+        dw = fp8.fp8_weight_grad(tx[:2], td[:2], tx[2], tiles.wgrad)
+        results.append((h13, s, y, dw))
+    for want, got in zip(*results):
+        assert _rel_err(got, want) < 1e-6, (promote, _rel_err(got, want))
 
 
 @pytest.mark.gpu

@@ -36,7 +36,7 @@ def test_committed_tables_parse():
         table = tc._tuned_table(path.stem)
         assert table, f"{path.name} has no entries"
         for key, config in table.items():
-            assert key.split("/")[0] in tc.ROLES and config.block_m >= 16
+            assert key.split("/")[0] in tc.ROLES + tc.FP8_ROLES and config.block_m >= 16
 
 
 def test_wider_elements_keep_the_shared_memory_footprint():
