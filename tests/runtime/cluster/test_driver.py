@@ -342,8 +342,8 @@ def _oracle_routing(cfg: TrainConfig, out: Path) -> list[tuple[int, torch.Tensor
     seen = []
     for layer, block in enumerate(trainer.model.layers):
         if hasattr(block, "route"):
-            def route(h_BSH, fixed=None, _route=block.route, _layer=layer):
-                routing = _route(h_BSH, fixed)
+            def route(h_BSH, fixed=None, saved=None, *, _route=block.route, _layer=layer):
+                routing = _route(h_BSH, fixed, saved)
                 seen.append((_layer, routing.topk_idx_NK.detach().clone()))
                 return routing
             block.route = route

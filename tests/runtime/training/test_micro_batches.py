@@ -49,8 +49,8 @@ def test_the_fastest_split_that_fits_wins_and_the_note_says_why():
     assert tried[2].predicted_step_s == pytest.approx(predicted_step_s(
         cfg.model_copy(update={"micro_batches": 2}), load_model(cfg.model)))
     note = choice.note()
-    assert note.startswith("micro_batches: auto -> 2 (93.6 GiB of the 118.8 GiB it may use")
-    assert "1 needs 124.2 GiB" in note and "4 predicted" in note
+    assert note.startswith("micro_batches: auto -> 2 (92.1 GiB of the 118.8 GiB it may use")
+    assert "1 needs 121.2 GiB" in note and "4 predicted" in note
 
 
 def test_recomputation_and_bf16_moments_let_auto_take_fewer_larger_micro_batches():
