@@ -148,6 +148,30 @@ def test_cuda_captured_steps_equal_the_eager_steps_bit_for_bit(tmp_path, backend
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("setting", [dict(recompute="selective"),
+                                     dict(recompute="selective", recompute_modules=["attention"]),
+                                     dict(recompute="full"),
+                                     dict(optim=OptimConfig(lr=3e-3, warmup_steps=2, grad_clip=0.5,
+                                                            state_dtype="bf16"))],
+                         ids=["selective-experts", "selective-attention", "full", "bf16-moments"])
+def test_cuda_captured_steps_equal_the_eager_steps_where_auto_does_not_capture_yet(tmp_path, setting):
+    """The settings `resolve_cuda_graphs` leaves eager until checked captured on a GPU: with
+    `cuda_graphs: on` their steps equal the eager ones to the bit (the triton experts at hidden 256,
+    where the model runs the Triton FFN and permute); when this passes, auto may take them."""
+    model = load_model("tiny").model_copy(update={"hidden_size": 256, "expert_ffn_size": 256})
+    fields = dict(model=model, mode="single", device="cuda", steps=6, batch_size=8, seq_len=128, micro_batches=2,
+                  eval_every=0, experts_backend="triton", checkpoint_at_end=False,
+                  optim=OptimConfig(lr=3e-3, warmup_steps=2, grad_clip=0.5))
+    fields.update(setting)
+    for name, graphs in (("eager", "off"), ("graph", "on")):
+        train_single(TrainConfig(**fields, cuda_graphs=graphs, out_dir=str(tmp_path / name)))
+    eager, graph = (read_metrics(tmp_path / d / METRICS_FILE) for d in ("eager", "graph"))
+    key = lambda r: (r["loss"], r["grad_norm"], r["expert_load"])  # noqa: E731
+    assert [key(r) for r in graph] == [key(r) for r in eager]
+    assert [r["cuda_graph"] for r in graph] == [False] * WARMUP_STEPS + [True] * (6 - WARMUP_STEPS)
+
+
+@pytest.mark.gpu
 def test_cuda_a_captured_step_updates_the_parameters_the_model_reads():
     """After the replays the module's parameters (views of the flat compute buffer) hold the
     optimizer's latest masters: nothing in the graph writes into a copy the model does not see."""
