@@ -17,6 +17,7 @@ stop and the driver reports the rank. A peer whose process dies breaks its conne
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from datetime import timedelta
@@ -59,9 +60,11 @@ def message_tag(key: MessageKey, part: int) -> int:
 
 
 def _wait(work: dist.Work, peer: int, key: MessageKey, deadline: float, timeout_s: float, what: str) -> None:
-    remaining = max(deadline - time.monotonic(), 1e-3)
+    # gloo counts the timeout in whole milliseconds, truncated: rounded up here, so a timeout never
+    # fires before `deadline` (0.9999 s of a 1 s timeout came back as a timeout once)
+    remaining_ms = max(math.ceil((deadline - time.monotonic()) * 1e3), 1)
     try:
-        work.wait(timedelta(seconds=remaining))
+        work.wait(timedelta(milliseconds=remaining_ms))
     except RuntimeError as err:
         text = str(err)
         if "Timed out" in text:  # gloo's wording for a per-operation timeout
