@@ -136,6 +136,10 @@ def _ragged_rows_gemm_kernel(
         if EPILOGUE == 2:  # issue the epilogue's loads now, so they complete under the main loop
             h13 = _load_gate_up(h13_ptr, rows64, row_ok, pid_n * BLOCK_N, C, stride_hm, stride_hc, BLOCK_N,
                                 EPI_CHUNK)
+            if ROW_SCALE:
+                scale = tl.load(scale_ptr + rows, mask=row_ok, other=0.0)
+            else:
+                scale = tl.zeros((BLOCK_M,), dtype=tl.float32)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -175,10 +179,6 @@ def _ragged_rows_gemm_kernel(
                 tl.store(h_ptrs, acc.to(h13_ptr.dtype.element_ty), mask=ok)
                 tl.store(h_ptrs + C * stride_hc, acc_up.to(h13_ptr.dtype.element_ty), mask=ok)
         else:
-            if ROW_SCALE:
-                scale = tl.load(scale_ptr + rows, mask=row_ok, other=0.0)
-            else:
-                scale = tl.zeros((BLOCK_M,), dtype=tl.float32)
             rowdot = _swiglu_grad_epilogue(acc, h13, scale, rows64, row_ok, pid_n * BLOCK_N, C, out_ptr, act_ptr,
                                            stride_om, stride_oc, stride_xm, stride_xc, SAVE_ACT, ROW_SCALE,
                                            BLOCK_N, EPI_CHUNK)
