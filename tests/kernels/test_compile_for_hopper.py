@@ -168,9 +168,12 @@ def test_the_swiglu_grad_gemm_does_not_spill_at_its_tiles(monkeypatch):
     at 64 x 128 on 4 warps (two programs per SM fit at <= 255 registers), as the FFN launches it:
     plain, and fused (row scale, gathered token rows), each with and without the SwiGLU output
     recomputed: no spill stores, and registers below the 255 cap (the whole tile at once: 255 and
-    732 bytes of spill stores with the row scale; in 16-column chunks 198-230 registers)."""
+    732 bytes of spill stores with the row scale; in 16-column chunks 198-230 registers). Every
+    down_dgrad tile `bench tune-experts` times in chunks (`tune_experts.DOWN_DGRAD_CANDIDATES`),
+    fused with the output recomputed (the most registers), no spill stores either."""
     import dataclasses
 
+    from disagmoe.bench import tune_experts as tuner
     from disagmoe.kernels import grouped_gemm as gg
     from disagmoe.kernels.tile_configs import TileConfig, heuristic
 
@@ -200,6 +203,15 @@ def test_the_swiglu_grad_gemm_does_not_spill_at_its_tiles(monkeypatch):
     assert len(found) == 8, found
     assert all(spill == 0 for _, _, spill in found), found
     assert all(registers <= 240 for _, registers, _ in found), found
+    found.clear()
+    chunked = [c for c in tuner.candidates("down_dgrad") if c.epilogue_chunk < c.block_n]
+    for tile in chunked:
+        launch[0] = str(tile)
+        gg.ragged_rows_gemm(dy, offsets, w2_t, tile, epilogue=gg.EPILOGUE_SWIGLU_GRAD, h13_N2C=h13,
+                            act_N_C=torch.zeros(rows, ffn, dtype=torch.bfloat16), num_programs=8,
+                            a_rows_N=torch.zeros(rows, dtype=torch.int64),
+                            row_scale=(torch.zeros(rows), torch.zeros(ffn // tile.block_n, rows)))
+    assert len(found) == len(chunked) >= 6 and all(spill == 0 for _, _, spill in found), found
 
 def test_message_values_are_not_specialised_on():
     """A sequence number, flag index or timeout compiles no new variant (`kernels.signal.MESSAGE_VALUES`):
