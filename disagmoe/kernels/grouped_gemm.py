@@ -11,7 +11,8 @@ loads are issued under the current tile's epilogue):
   (expert, row tile, column tile). Epilogues: plain (optionally scattering each output row through
   `dst_rows_N`), SwiGLU forward (two accumulators, gate and up columns of b, writes silu(g)*u and
   optionally the pre-activations), SwiGLU backward (multiplies the incoming activation gradient by
-  the SwiGLU derivative from the saved pre-activations, writes d gate and d up).
+  the SwiGLU derivative from the saved pre-activations, writes d gate and d up; a few columns at a
+  time, `TileConfig.epilogue_chunk`).
 - `ragged_weight_grad`: out[e] = a[rows_e]^T @ b[rows_e]; work items are (expert, K tile, column
   tile), each reducing over the expert's rows (over its row groups, in ascending order, when the
   rows come in a multiple of the experts' count of groups); experts with no rows get zeros.
