@@ -32,6 +32,16 @@ ROW_GEMM_CANDIDATES = [(128, 256, 64, 8, 3, 1), (128, 256, 64, 8, 4, 1), (128, 1
                        (64, 256, 64, 8, 4, 1), (64, 128, 64, 4, 3, 2), (128, 128, 64, 8, 2, 2),
                        (128, 256, 64, 8, 4, 1, True), (128, 128, 64, 8, 4, 1, True),
                        (64, 256, 64, 8, 4, 1, True)]
+# The down data gradient (SwiGLU-gradient epilogue): (..., flatten, epilogue_chunk), ptxas-checked on a
+# CPU (tests/kernels/test_compile_for_hopper.py): no spills, 198-255 registers; 64 x 128 on 4 warps
+# fits twice per SM (registers and shared memory). No flattening (it spills kilobytes in this
+# epilogue); the whole tile at once (chunk = block_n, the epilogue before chunks) stays as a
+# reference, spilling. The heuristic (`tile_configs.heuristic`: 128 x 128, chunks of 16) competes too.
+DOWN_DGRAD_CANDIDATES = [(128, 128, 64, 8, 4, 1, False, 32),
+                         (128, 128, 64, 8, 4, 1, False, 128), (128, 128, 64, 8, 3, 1, False, 16),
+                         (64, 128, 64, 4, 4, 2, False, 16), (64, 128, 64, 4, 3, 2, False, 16),
+                         (64, 128, 64, 4, 4, 1, False, 16), (64, 256, 64, 8, 4, 1, False, 16),
+                         (64, 256, 64, 8, 4, 1, False, 32)]
 GATE_UP_CANDIDATES = [(128, 128, 64, 8, 3, 1), (128, 128, 64, 8, 4, 1), (64, 128, 64, 4, 4, 1),
                       (128, 64, 64, 4, 4, 1), (64, 256, 64, 8, 3, 1), (128, 128, 32, 8, 5, 1),
                       (64, 128, 64, 4, 3, 2), (128, 128, 32, 8, 3, 2),
@@ -72,10 +82,11 @@ def candidates(role: str) -> list[TileConfig]:
     if role in FP8_CANDIDATES:
         return [TileConfig(block_m=m, block_n=n, block_k=k, num_warps=w, num_stages=s, programs_per_sm=p,
                            promote=promote) for m, n, k, w, s, p, promote in FP8_CANDIDATES[role]]
-    table = (GATE_UP_CANDIDATES if role == "gate_up" else
+    table = (GATE_UP_CANDIDATES if role == "gate_up" else DOWN_DGRAD_CANDIDATES if role == "down_dgrad" else
              WGRAD_CANDIDATES if role.startswith("wgrad") else ROW_GEMM_CANDIDATES)
     return [TileConfig(block_m=m, block_n=n, block_k=k, num_warps=w, num_stages=s,
-                       programs_per_sm=p, flatten=bool(rest and rest[0]))
+                       programs_per_sm=p, flatten=bool(rest and rest[0]),
+                       **({"epilogue_chunk": rest[1]} if len(rest) > 1 else {}))
             for m, n, k, w, s, p, *rest in table]
 
 

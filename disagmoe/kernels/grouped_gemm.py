@@ -11,7 +11,8 @@ loads are issued under the current tile's epilogue):
   (expert, row tile, column tile). Epilogues: plain (optionally scattering each output row through
   `dst_rows_N`), SwiGLU forward (two accumulators, gate and up columns of b, writes silu(g)*u and
   optionally the pre-activations), SwiGLU backward (multiplies the incoming activation gradient by
-  the SwiGLU derivative from the saved pre-activations, writes d gate and d up).
+  the SwiGLU derivative from the saved pre-activations, writes d gate and d up; a few columns at a
+  time, `TileConfig.epilogue_chunk`).
 - `ragged_weight_grad`: out[e] = a[rows_e]^T @ b[rows_e]; work items are (expert, K tile, column
   tile), each reducing over the expert's rows (over its row groups, in ascending order, when the
   rows come in a multiple of the experts' count of groups); experts with no rows get zeros.
@@ -91,7 +92,7 @@ def _ragged_rows_gemm_kernel(
     EPILOGUE: tl.constexpr, SCATTER: tl.constexpr, SAVE_H13: tl.constexpr, SIGNAL: tl.constexpr,
     SAVE_ACT: tl.constexpr, GATHER_A: tl.constexpr, ROW_SCALE: tl.constexpr,
     E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, FLATTEN: tl.constexpr,
+    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, FLATTEN: tl.constexpr, EPI_CHUNK: tl.constexpr,
 ):
     # EPILOGUE: 0 plain, 1 SwiGLU, 2 SwiGLU gradient (the EPILOGUE_* constants below the imports).
     # Contract: a [N, K] rows grouped by expert; b [E, K, C(+F_UP)] any strides; out [*, C] (or
@@ -100,8 +101,9 @@ def _ragged_rows_gemm_kernel(
     # receives silu(gate) * up recomputed from them when SAVE_ACT (EPILOGUE_SWIGLU_GRAD only).
     # SIGNAL (plain epilogue): row r belongs to segment seg[r] of `out`; `_signal_rows_landed`.
     # GATHER_A: row r of a is a[a_rows[r]] (a [T, K] rows of tokens). ROW_SCALE (EPILOGUE_SWIGLU_GRAD):
-    # first rowdot[pid_n, r] = sum over this tile's columns of acc * silu(gate) * up, then acc is
-    # scaled by scale[r] (fp32) before the SwiGLU derivative.
+    # rowdot[pid_n, r] = sum over this tile's columns of acc * silu(gate) * up (unscaled), and the
+    # SwiGLU derivative's products are scaled by scale[r] (fp32). EPI_CHUNK: the SwiGLU gradient's
+    # columns per step (`_swiglu_grad_epilogue`).
     # E row groups over E_W weights: group g multiplies by b[g mod E_W] (E == E_W: one group per
     # expert; segment-major order, `fused_return.segment_major_order`: E = segments x E_W).
     pid = tl.program_id(0)
@@ -133,9 +135,12 @@ def _ragged_rows_gemm_kernel(
         ok = row_ok[:, None] & col_ok[None, :]
         rows64 = rows.to(tl.int64)
         if EPILOGUE == 2:  # issue the epilogue's loads now, so they complete under the main loop
-            h_ptrs = h13_ptr + rows64[:, None] * stride_hm + cols[None, :] * stride_hc
-            gate = tl.load(h_ptrs, mask=ok, other=0.0)
-            up = tl.load(h_ptrs + C * stride_hc, mask=ok, other=0.0)
+            h13 = _load_gate_up(h13_ptr, rows64, row_ok, pid_n * BLOCK_N, C, stride_hm, stride_hc, BLOCK_N,
+                                EPI_CHUNK)
+            if ROW_SCALE:
+                scale = tl.load(scale_ptr + rows, mask=row_ok, other=0.0)
+            else:
+                scale = tl.zeros((BLOCK_M,), dtype=tl.float32)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -175,21 +180,71 @@ def _ragged_rows_gemm_kernel(
                 tl.store(h_ptrs, acc.to(h13_ptr.dtype.element_ty), mask=ok)
                 tl.store(h_ptrs + C * stride_hc, acc_up.to(h13_ptr.dtype.element_ty), mask=ok)
         else:
-            gate = gate.to(tl.float32)
-            up = up.to(tl.float32)
-            sig = tl.sigmoid(gate)
-            if ROW_SCALE:  # d w of a row before its scale: (dy @ w2^T) . act = dy . (act @ w2) = dy . y
-                partial = tl.sum(tl.where(ok, acc * (gate * sig * up), 0.0), axis=1)
-                tl.store(rowdot_ptr + pid_n.to(tl.int64) * n_rows + rows64, partial, mask=row_ok)
-                acc = acc * tl.load(scale_ptr + rows, mask=row_ok, other=0.0)[:, None]
+            rowdot = _swiglu_grad_epilogue(acc, h13, scale, rows64, row_ok, pid_n * BLOCK_N, C, out_ptr, act_ptr,
+                                           stride_om, stride_oc, stride_xm, stride_xc, SAVE_ACT, ROW_SCALE,
+                                           BLOCK_N, EPI_CHUNK)
+            if ROW_SCALE:
+                tl.store(rowdot_ptr + pid_n.to(tl.int64) * n_rows + rows64, rowdot, mask=row_ok)
+
+
+@triton.jit
+def _load_gate_up(h13_ptr, rows64, row_ok, c0, C, stride_hm, stride_hc, WIDTH: tl.constexpr, CHUNK: tl.constexpr):
+    """Columns [c0, c0 + WIDTH) of the saved gate and up pre-activations (bf16, as stored), loaded
+    CHUNK columns at a time: (gate, up) for one chunk, else a pair of the two halves' results."""
+    if WIDTH == CHUNK:
+        cols = c0 + tl.arange(0, WIDTH)
+        ok = row_ok[:, None] & (cols < C)[None, :]
+        h_ptrs = h13_ptr + rows64[:, None] * stride_hm + cols[None, :] * stride_hc
+        return tl.load(h_ptrs, mask=ok, other=0.0), tl.load(h_ptrs + C * stride_hc, mask=ok, other=0.0)
+    else:
+        return (_load_gate_up(h13_ptr, rows64, row_ok, c0, C, stride_hm, stride_hc, WIDTH // 2, CHUNK),
+                _load_gate_up(h13_ptr, rows64, row_ok, c0 + WIDTH // 2, C, stride_hm, stride_hc, WIDTH // 2, CHUNK))
+
+
+@triton.jit
+def _swiglu_grad_epilogue(acc, h13, scale, rows64, row_ok, c0, C, out_ptr, act_ptr,
+                          stride_om, stride_oc, stride_xm, stride_xc, SAVE_ACT: tl.constexpr,
+                          ROW_SCALE: tl.constexpr, WIDTH: tl.constexpr, CHUNK: tl.constexpr):
+    """The SwiGLU gradient of accumulator columns [c0, c0 + WIDTH) (h13 as `_load_gate_up` gave it),
+    CHUNK columns at a time: each chunk's fp32 temporaries die before the next chunk's are made
+    (the whole tile at once spilled at 255 registers). Returns with ROW_SCALE the chunks' row dots.
+
+    The accumulator's halves are split off in registers (a reshape to [M, 2, W/2] and a split:
+    no data moves); their layout is then a linear one, in which Triton keeps the whole epilogue and
+    converts only the bf16 loads and stores (on the accumulator's own layout it computed the gate's
+    terms twice and converted an fp32 tile)."""
+    if WIDTH == CHUNK:
+        gate, up = h13
+        cols = c0 + tl.arange(0, WIDTH)
+        ok = row_ok[:, None] & (cols < C)[None, :]
+        gate = gate.to(tl.float32)
+        up = up.to(tl.float32)
+        sig = tl.sigmoid(gate)
+        if ROW_SCALE:
+            # d w of a row before its scale: (dy @ w2^T) . act = dy . (act @ w2) = dy . y, from the
+            # unscaled d up; acc is 0 outside the rows and columns (masked operands), so no mask
+            d_up = acc * sig * gate
+            rowdot = tl.sum(d_up * up, axis=1)
+            d_gate = acc * sig * up * (1.0 + gate * (1.0 - sig)) * scale[:, None]
+            d_up = d_up * scale[:, None]
+        else:
+            rowdot = scale  # unused (the caller stores row dots only with ROW_SCALE)
             d_gate = acc * up * sig * (1.0 + gate * (1.0 - sig))
             d_up = acc * gate * sig
-            out_ptrs = out_ptr + rows64[:, None] * stride_om + cols[None, :] * stride_oc
-            tl.store(out_ptrs, d_gate.to(out_ptr.dtype.element_ty), mask=ok)
-            tl.store(out_ptrs + C * stride_oc, d_up.to(out_ptr.dtype.element_ty), mask=ok)
-            if SAVE_ACT:  # the forward's SwiGLU output, recomputed from the saved pre-activations
-                act_ptrs = act_ptr + rows64[:, None] * stride_xm + cols[None, :] * stride_xc
-                tl.store(act_ptrs, (gate * sig * up).to(act_ptr.dtype.element_ty), mask=ok)
+        out_ptrs = out_ptr + rows64[:, None] * stride_om + cols[None, :] * stride_oc
+        tl.store(out_ptrs, d_gate.to(out_ptr.dtype.element_ty), mask=ok)
+        tl.store(out_ptrs + C * stride_oc, d_up.to(out_ptr.dtype.element_ty), mask=ok)
+        if SAVE_ACT:  # the forward's SwiGLU output, recomputed from the saved pre-activations
+            act_ptrs = act_ptr + rows64[:, None] * stride_xm + cols[None, :] * stride_xc
+            tl.store(act_ptrs, (gate * sig * up).to(act_ptr.dtype.element_ty), mask=ok)
+        return rowdot
+    else:
+        lo, hi = tl.split(tl.permute(tl.reshape(acc, (acc.shape[0], 2, WIDTH // 2)), (0, 2, 1)))
+        rowdot = _swiglu_grad_epilogue(lo, h13[0], scale, rows64, row_ok, c0, C, out_ptr, act_ptr, stride_om,
+                                       stride_oc, stride_xm, stride_xc, SAVE_ACT, ROW_SCALE, WIDTH // 2, CHUNK)
+        return rowdot + _swiglu_grad_epilogue(hi, h13[1], scale, rows64, row_ok, c0 + WIDTH // 2, C, out_ptr,
+                                              act_ptr, stride_om, stride_oc, stride_xm, stride_xc, SAVE_ACT,
+                                              ROW_SCALE, WIDTH // 2, CHUNK)
 
 
 @triton.jit
@@ -327,6 +382,9 @@ def ragged_rows_gemm(
                                  and row_scale[1].shape[0] == triton.cdiv(cols, config.block_n))
     if signal is None and (n_rows == 0 or cols == 0):
         return out
+    epi_chunk = min(config.epilogue_chunk, config.block_n) if epilogue == EPILOGUE_SWIGLU_GRAD else config.block_n
+    if epi_chunk < 1 or epi_chunk & (epi_chunk - 1):
+        raise ValueError(f"TileConfig.epilogue_chunk={config.epilogue_chunk}: give a power of two (columns)")
     h13 = h13_N2C if h13_N2C is not None else out
     dst = dst_rows_N if dst_rows_N is not None else offsets_E
     sig = signal or SegmentSignal(offsets_E, offsets_E, offsets_E, offsets_E, 0)
@@ -345,7 +403,8 @@ def ragged_rows_gemm(
         SAVE_ACT=act_N_C is not None, GATHER_A=a_rows_N is not None, ROW_SCALE=row_scale is not None,
         E_POW2=triton.next_power_of_2(groups), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, GROUP_M=config.group_m, EVEN_K=k % config.block_k == 0,
-        FLATTEN=config.flatten, num_warps=config.num_warps, num_stages=config.num_stages,
+        FLATTEN=config.flatten, EPI_CHUNK=epi_chunk,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
 

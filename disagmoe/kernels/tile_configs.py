@@ -39,6 +39,11 @@ class TileConfig:
     # FP8 kernels only (`kernels.fp8.PROMOTE_VARIANTS`): how each scale group's dot is promoted into
     # the fp32 sum; the bf16 kernels ignore it
     promote: str = "inline"
+    # the SwiGLU-gradient epilogue (down dgrad) finishes its tile this many columns at a time
+    # (`grouped_gemm._swiglu_grad_epilogue`); narrower chunks hold fewer fp32 temporaries at once
+    # (ptxas on sm_90a at 128 x 128, 8 warps: 255 registers and spills for the whole tile, 199 for
+    # chunks of 16); the other kernels ignore it
+    epilogue_chunk: int = 16
 
     def to_json(self) -> dict[str, int | bool | str]:
         return dataclasses.asdict(self)

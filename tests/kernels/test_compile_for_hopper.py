@@ -34,8 +34,9 @@ def compile_for_hopper(fn: JITFunction, backend, args: tuple, kwargs: dict):
     return compile(ASTSource(fn, signature, constexprs, attrs), target=HOPPER, options=options.__dict__)
 
 
-def spill_store_bytes(ptx: str) -> int:
-    """ptxas -v's spill stores (bytes) for `ptx` on sm_90a, with the ptxas Triton ships."""
+def ptxas_usage(ptx: str) -> tuple[int, int]:
+    """ptxas -v's (registers per thread, spill stores in bytes) for `ptx` on sm_90a, with the ptxas
+    Triton ships."""
     import re
     import subprocess
     import tempfile
@@ -49,7 +50,13 @@ def spill_store_bytes(ptx: str) -> int:
         source.write_text(ptx)
         report = subprocess.run([str(ptxas), "-v", "--gpu-name", "sm_90a", str(source), "-o", str(Path(tmp) / "k.o")],
                                 capture_output=True, text=True, check=True).stderr
-    return int(re.search(r"(\d+) bytes spill stores", report).group(1))
+    return (int(re.search(r"Used (\d+) registers", report).group(1)),
+            int(re.search(r"(\d+) bytes spill stores", report).group(1)))
+
+
+def spill_store_bytes(ptx: str) -> int:
+    """ptxas -v's spill stores (bytes) for `ptx` on sm_90a (`ptxas_usage`)."""
+    return ptxas_usage(ptx)[1]
 
 
 @pytest.fixture
@@ -154,6 +161,55 @@ def test_the_banded_weight_grads_compile(compiled):
     gg.ragged_weight_grad(x, h13, offsets_G, flat, weights=experts, num_programs=8)
     assert compiled.count("_ragged_weight_grad_kernel") == 3
 
+
+def test_the_swiglu_grad_gemm_does_not_spill_at_its_tiles(monkeypatch):
+    """The down data gradient with the SwiGLU-gradient epilogue (`grouped_gemm._swiglu_grad_epilogue`)
+    for sm_90a at the heuristic down_dgrad tile (the tuned one on an H200: 128 x 128 x 64, 8 warps) and
+    at 64 x 128 on 4 warps (two programs per SM fit at <= 255 registers), as the FFN launches it:
+    plain, and fused (row scale, gathered token rows), each with and without the SwiGLU output
+    recomputed: no spill stores, and registers below the 255 cap (the whole tile at once: 255 and
+    732 bytes of spill stores with the row scale; in 16-column chunks 198-230 registers). Every
+    down_dgrad tile `bench tune-experts` times in chunks (`tune_experts.DOWN_DGRAD_CANDIDATES`),
+    fused with the output recomputed (the most registers), no spill stores either."""
+    from disagmoe.bench import tune_experts as tuner
+    from disagmoe.kernels import grouped_gemm as gg
+    from disagmoe.kernels.tile_configs import TileConfig, heuristic
+
+    backend = make_backend(HOPPER)
+    found: list[tuple[str, int, int]] = []
+    launch = [""]
+
+    def compile_and_count(self, *args, grid, warmup, **kwargs):
+        found.append((launch[0], *ptxas_usage(compile_for_hopper(self, backend, args, kwargs).asm["ptx"])))
+
+    monkeypatch.setattr(JITFunction, "run", compile_and_count)
+    rows, experts, hidden, ffn = 1024, 4, 2048, 768
+    offsets = torch.tensor([256, 512, 768, 1024], dtype=torch.int32)
+    dy, h13 = torch.zeros(rows, hidden, dtype=torch.bfloat16), torch.zeros(rows, 2 * ffn, dtype=torch.bfloat16)
+    w2_t = torch.zeros(experts, ffn, hidden, dtype=torch.bfloat16).transpose(1, 2)
+    small = TileConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4, programs_per_sm=2)
+    for tile in (heuristic("down_dgrad"), small):
+        for fused in (False, True):
+            for act in (None, torch.zeros(rows, ffn, dtype=torch.bfloat16)):
+                launch[0] = f"{tile.block_m}x{tile.block_n}/{tile.num_warps} fused={fused} act={act is not None}"
+                kw = {}
+                if fused:
+                    kw = dict(a_rows_N=torch.zeros(rows, dtype=torch.int64),
+                              row_scale=(torch.zeros(rows), torch.zeros(ffn // tile.block_n, rows)))
+                gg.ragged_rows_gemm(dy, offsets, w2_t, tile, epilogue=gg.EPILOGUE_SWIGLU_GRAD, h13_N2C=h13,
+                                    act_N_C=act, num_programs=8, **kw)
+    assert len(found) == 8, found
+    assert all(spill == 0 for _, _, spill in found), found
+    assert all(registers <= 240 for _, registers, _ in found), found
+    found.clear()
+    chunked = [c for c in tuner.candidates("down_dgrad") if c.epilogue_chunk < c.block_n]
+    for tile in chunked:
+        launch[0] = str(tile)
+        gg.ragged_rows_gemm(dy, offsets, w2_t, tile, epilogue=gg.EPILOGUE_SWIGLU_GRAD, h13_N2C=h13,
+                            act_N_C=torch.zeros(rows, ffn, dtype=torch.bfloat16), num_programs=8,
+                            a_rows_N=torch.zeros(rows, dtype=torch.int64),
+                            row_scale=(torch.zeros(rows), torch.zeros(ffn // tile.block_n, rows)))
+    assert len(found) == len(chunked) >= 6 and all(spill == 0 for _, _, spill in found), found
 
 def test_message_values_are_not_specialised_on():
     """A sequence number, flag index or timeout compiles no new variant (`kernels.signal.MESSAGE_VALUES`):

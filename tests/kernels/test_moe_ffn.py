@@ -99,6 +99,52 @@ def test_backward_kernels_write_every_element(kernels):
     assert _rel_err(dw, want) < 1e-5
 
 
+@pytest.mark.parametrize("block_n, chunk", [(32, 8), (64, 16), (32, 32)], ids=["8-of-32", "16-of-64", "whole"])
+@pytest.mark.parametrize("weighted", [False, True], ids=["plain", "row-scale"])
+def test_swiglu_grad_epilogue_in_column_chunks_matches_reference(kernels, block_n, chunk, weighted):
+    """The SwiGLU-gradient epilogue finishing its tile `epilogue_chunk` columns at a time (and the
+    whole tile at once): d gate, d up and the recomputed SwiGLU output as the torch reference, the
+    same bits whatever the chunk (the same arithmetic per element); with `row_scale` and gathered
+    token rows, each column tile's row dots within fp32 rounding of the reference's. Ragged
+    experts, an empty one, ffn not a multiple of the tile or the chunk."""
+    import dataclasses
+
+    gg, _ = kernels
+    counts, hidden, ffn, tokens = [21, 0, 37, 1], 24, 40, 30
+    rows = sum(counts)
+    gen = torch.Generator().manual_seed(3)
+    offsets = torch.tensor(counts).cumsum(0).to(torch.int32)
+    w2 = torch.randn(len(counts), ffn, hidden, generator=gen) / ffn**0.5
+    h13 = torch.randn(rows, 2 * ffn, generator=gen)
+    dy_TH, token_N = torch.randn(tokens, hidden, generator=gen), torch.randint(0, tokens, (rows,), generator=gen)
+    scale_N = torch.rand(rows, generator=gen)
+    tile = TileConfig(block_m=16, block_n=block_n, block_k=16, group_m=2, num_warps=4, num_stages=1)
+
+    def run(config):
+        out, act = torch.full((rows, 2 * ffn), float("nan")), torch.full((rows, ffn), float("nan"))
+        kw = {}
+        if weighted:
+            kw = dict(a_rows_N=token_N, row_scale=(scale_N, torch.full((-(-ffn // block_n), rows), float("nan"))))
+        gg.ragged_rows_gemm(dy_TH if weighted else dy_TH[token_N], offsets, w2.transpose(1, 2), config,
+                            epilogue=gg.EPILOGUE_SWIGLU_GRAD, h13_N2C=h13, out=out, act_N_C=act, num_programs=3, **kw)
+        return out, act, kw["row_scale"][1] if weighted else None
+
+    out, act, rowdot = run(dataclasses.replace(tile, epilogue_chunk=chunk))
+    whole = run(dataclasses.replace(tile, epilogue_chunk=block_n))
+    assert torch.equal(out, whole[0]) and torch.equal(act, whole[1])
+    starts = [0, *offsets[:-1].tolist()]
+    prod = torch.cat([dy_TH[token_N[s:e]] @ w2[i].T for i, (s, e) in enumerate(zip(starts, offsets.tolist()))])
+    gate, up = h13[:, :ffn].clone().requires_grad_(), h13[:, ffn:].clone().requires_grad_()
+    y = torch.nn.functional.silu(gate) * up
+    y.backward(prod * scale_N[:, None] if weighted else prod)
+    assert _rel_err(out, torch.cat([gate.grad, up.grad], dim=1)) < 1e-5
+    assert _rel_err(act, y.detach()) < 1e-6
+    if weighted:
+        dots = (prod * y.detach()).split(block_n, dim=1)
+        assert _rel_err(rowdot, torch.stack([d.sum(dim=1) for d in dots])) < 1e-5
+        assert _rel_err(rowdot, whole[2]) < 1e-6
+
+
 # Banded rows (segment-major order, `fused_return.segment_major_order`): G = BANDS x E row groups,
 # group g = b * E + e holding band b's rows of expert e. (rows per expert, hidden, ffn, seed)
 BANDS = 3
