@@ -418,12 +418,45 @@ def _rows_k_loop_halves(a_ptr, b_ptr, sa_ptrs, sb_lo_ptrs, sb_hi_ptrs, rows64, r
 
 
 @triton.jit
-def _rows_epilogue(acc, acc_up, rows64, row_ok, cols, ok, pid_n, C, out_ptr, s_out_ptr, h13_ptr, act_ptr,
+def _swiglu_grad_epilogue(acc, rows64, row_ok, c0, C, out_ptr, h13_ptr, act_ptr, stride_om, stride_oc,
+                          stride_hm, stride_hc, stride_xm, stride_xc, SAVE_ACT: tl.constexpr, WIDTH: tl.constexpr,
+                          CHUNK: tl.constexpr):
+    """The SwiGLU gradient of accumulator columns [c0, c0 + WIDTH), CHUNK columns at a time (as
+    `grouped_gemm._swiglu_grad_epilogue`): the accumulator's halves split off in registers (a
+    reshape to [M, 2, W/2] and a split: no data moves) take a linear layout in which Triton keeps
+    the chunk's arithmetic, converting only the bf16 loads and stores (on the wgmma layout, the
+    whole tile at once, ptxas ran to 255 registers at 64 x 128 / 8 warps). The gate and up
+    pre-activations are loaded per chunk, after the loop (held across it they spilled at 64 x 128,
+    where the FP8 loop holds its partial dot too). The same arithmetic per element whatever CHUNK."""
+    if WIDTH == CHUNK:
+        cols = c0 + tl.arange(0, WIDTH)
+        ok = row_ok[:, None] & (cols < C)[None, :]
+        h_ptrs = h13_ptr + rows64[:, None] * stride_hm + cols[None, :] * stride_hc
+        gate = tl.load(h_ptrs, mask=ok, other=0.0).to(tl.float32)
+        up = tl.load(h_ptrs + C * stride_hc, mask=ok, other=0.0).to(tl.float32)
+        sig = tl.sigmoid(gate)
+        out_ptrs = out_ptr + rows64[:, None] * stride_om + cols[None, :] * stride_oc
+        tl.store(out_ptrs, (acc * up * sig * (1.0 + gate * (1.0 - sig))).to(out_ptr.dtype.element_ty), mask=ok)
+        tl.store(out_ptrs + C * stride_oc, (acc * gate * sig).to(out_ptr.dtype.element_ty), mask=ok)
+        if SAVE_ACT:
+            act_ptrs = act_ptr + rows64[:, None] * stride_xm + cols[None, :] * stride_xc
+            tl.store(act_ptrs, (gate * sig * up).to(act_ptr.dtype.element_ty), mask=ok)
+    else:
+        lo, hi = tl.split(tl.permute(tl.reshape(acc, (acc.shape[0], 2, WIDTH // 2)), (0, 2, 1)))
+        _swiglu_grad_epilogue(lo, rows64, row_ok, c0, C, out_ptr, h13_ptr, act_ptr, stride_om, stride_oc,
+                              stride_hm, stride_hc, stride_xm, stride_xc, SAVE_ACT, WIDTH // 2, CHUNK)
+        _swiglu_grad_epilogue(hi, rows64, row_ok, c0 + WIDTH // 2, C, out_ptr, h13_ptr, act_ptr, stride_om,
+                              stride_oc, stride_hm, stride_hc, stride_xm, stride_xc, SAVE_ACT, WIDTH // 2, CHUNK)
+
+
+@triton.jit
+def _rows_epilogue(acc, acc_up, rows64, row_ok, cols, c0, ok, pid_n, C, out_ptr, s_out_ptr, h13_ptr, act_ptr,
                    stats_ptr, stride_om, stride_oc, stride_som, stride_sog, stride_hm, stride_hc, stride_xm,
                    stride_xc, EPILOGUE: tl.constexpr, SAVE_H13: tl.constexpr, SAVE_ACT: tl.constexpr,
-                   STATS: tl.constexpr):
+                   STATS: tl.constexpr, EPI_CHUNK: tl.constexpr):
     """Stores one tile's rows from its fp32 sums as EPILOGUE says (`_fp8_rows_gemm_kernel`; ok:
-    the tile's elements to store, row_ok x the columns')."""
+    the tile's elements to store, row_ok x the columns' cols = c0 + arange; EPI_CHUNK: the SwiGLU
+    gradient's columns per step, `_swiglu_grad_epilogue`)."""
     out_ptrs = out_ptr + rows64[:, None] * stride_om + cols[None, :] * stride_oc
     if EPILOGUE == 1:
         if SAVE_H13:
@@ -440,17 +473,8 @@ def _rows_epilogue(acc, acc_up, rows64, row_ok, cols, ok, pid_n, C, out_ptr, s_o
         tl.store(out_ptrs, q.to(out_ptr.dtype.element_ty), mask=ok)
         tl.store(s_out_ptr + rows64 * stride_som + pid_n * stride_sog, scale, mask=row_ok)
     elif EPILOGUE == 2:
-        # loaded after the loop, not before it as in grouped_gemm: two more tiles held across
-        # the loop spill at 64 x 128 (ptxas, sm_90a), where the FP8 loop holds its partial dot too
-        h_ptrs = h13_ptr + rows64[:, None] * stride_hm + cols[None, :] * stride_hc
-        gate = tl.load(h_ptrs, mask=ok, other=0.0).to(tl.float32)
-        up = tl.load(h_ptrs + C * stride_hc, mask=ok, other=0.0).to(tl.float32)
-        sig = tl.sigmoid(gate)
-        tl.store(out_ptrs, (acc * up * sig * (1.0 + gate * (1.0 - sig))).to(out_ptr.dtype.element_ty), mask=ok)
-        tl.store(out_ptrs + C * stride_oc, (acc * gate * sig).to(out_ptr.dtype.element_ty), mask=ok)
-        if SAVE_ACT:
-            act_ptrs = act_ptr + rows64[:, None] * stride_xm + cols[None, :] * stride_xc
-            tl.store(act_ptrs, (gate * sig * up).to(act_ptr.dtype.element_ty), mask=ok)
+        _swiglu_grad_epilogue(acc, rows64, row_ok, c0, C, out_ptr, h13_ptr, act_ptr, stride_om, stride_oc,
+                              stride_hm, stride_hc, stride_xm, stride_xc, SAVE_ACT, acc.shape[1], EPI_CHUNK)
     else:
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
@@ -465,6 +489,7 @@ def _fp8_rows_gemm_kernel(
     EPILOGUE: tl.constexpr, SAVE_H13: tl.constexpr, SAVE_ACT: tl.constexpr, STATS: tl.constexpr,
     E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, IMPRECISE_K: tl.constexpr, PROMOTE: tl.constexpr, SB_SCALAR: tl.constexpr,
+    EPI_CHUNK: tl.constexpr,
 ):
     # Contract: a [M, K] fp8 rows grouped by expert with sa [M, G] fp32 (1 x 128 groups); b [E_W, K, *]
     # fp8 any strides with sb [E_W, G, *] fp32 (128 x 128 blocks); h[rows_g, cols] =
@@ -477,7 +502,8 @@ def _fp8_rows_gemm_kernel(
     # with s_out [M, cdiv(C, 128)] the 1 x 128 row scales (one column tile = one group; STATS: its
     # counters into stats_ptr's row, `_record_stats`); SAVE_H13:
     # h13 [M, 2C] gets gate | up. 2 (SwiGLU gradient): h = d act, h13 [M, 2C] read, out [M, 2C] =
-    # d gate | d up; SAVE_ACT: act [M, C] gets silu(gate) * up recomputed from h13.
+    # d gate | d up; SAVE_ACT: act [M, C] gets silu(gate) * up recomputed from h13; EPI_CHUNK of its
+    # columns at a time (`_swiglu_grad_epilogue`).
     # Work items (group, row tile, column tile), as grouped_gemm's `_ragged_rows_gemm_kernel`.
     pid = tl.program_id(0)
     tiles_n = tl.cdiv(C, BLOCK_N)
@@ -517,12 +543,14 @@ def _fp8_rows_gemm_kernel(
                 a_ptr, b_ptr, sa_ptr + rows64 * stride_sam, sb_lo_ptrs, sb_hi_ptrs, rows64, row_ok, lo, hi, lo < C,
                 hi < C, weight, K, stride_am, stride_ak, stride_sag, stride_be, stride_bk, stride_bc, stride_sbk,
                 SB_SCALAR, BLOCK_M, HALF_N, BLOCK_K, IMPRECISE_K)
-            _rows_epilogue(acc_lo, acc_lo, rows64, row_ok, lo, row_ok[:, None] & (lo < C)[None, :], pid_n, C,
-                           out_ptr, s_out_ptr, h13_ptr, act_ptr, stats_ptr, stride_om, stride_oc, stride_som,
-                           stride_sog, stride_hm, stride_hc, stride_xm, stride_xc, EPILOGUE, SAVE_H13, SAVE_ACT, STATS)
-            _rows_epilogue(acc_hi, acc_hi, rows64, row_ok, hi, row_ok[:, None] & (hi < C)[None, :], pid_n, C,
-                           out_ptr, s_out_ptr, h13_ptr, act_ptr, stats_ptr, stride_om, stride_oc, stride_som,
-                           stride_sog, stride_hm, stride_hc, stride_xm, stride_xc, EPILOGUE, SAVE_H13, SAVE_ACT, STATS)
+            _rows_epilogue(acc_lo, acc_lo, rows64, row_ok, lo, pid_n * BLOCK_N, row_ok[:, None] & (lo < C)[None, :],
+                           pid_n, C, out_ptr, s_out_ptr, h13_ptr, act_ptr, stats_ptr, stride_om, stride_oc, stride_som,
+                           stride_sog, stride_hm, stride_hc, stride_xm, stride_xc, EPILOGUE, SAVE_H13, SAVE_ACT, STATS,
+                           EPI_CHUNK)
+            _rows_epilogue(acc_hi, acc_hi, rows64, row_ok, hi, pid_n * BLOCK_N + HALF_N,
+                           row_ok[:, None] & (hi < C)[None, :], pid_n, C, out_ptr, s_out_ptr, h13_ptr, act_ptr,
+                           stats_ptr, stride_om, stride_oc, stride_som, stride_sog, stride_hm, stride_hc, stride_xm,
+                           stride_xc, EPILOGUE, SAVE_H13, SAVE_ACT, STATS, EPI_CHUNK)
         else:
             if PROMOTE == _INLINE:  # the first form's order: its code, unchanged
                 ok = row_ok[:, None] & col_ok[None, :]
@@ -532,9 +560,9 @@ def _fp8_rows_gemm_kernel(
                 EPILOGUE == 1, PROMOTE, SB_SCALAR, BLOCK_M, BLOCK_N, BLOCK_K, IMPRECISE_K)
             if PROMOTE != _INLINE:  # after the loop: a mask held across it costs the others spills
                 ok = row_ok[:, None] & col_ok[None, :]
-            _rows_epilogue(acc, acc_up, rows64, row_ok, cols, ok, pid_n, C, out_ptr, s_out_ptr, h13_ptr,
-                           act_ptr, stats_ptr, stride_om, stride_oc, stride_som, stride_sog, stride_hm, stride_hc,
-                           stride_xm, stride_xc, EPILOGUE, SAVE_H13, SAVE_ACT, STATS)
+            _rows_epilogue(acc, acc_up, rows64, row_ok, cols, pid_n * BLOCK_N, ok, pid_n, C, out_ptr, s_out_ptr,
+                           h13_ptr, act_ptr, stats_ptr, stride_om, stride_oc, stride_som, stride_sog, stride_hm,
+                           stride_hc, stride_xm, stride_xc, EPILOGUE, SAVE_H13, SAVE_ACT, STATS, EPI_CHUNK)
 
 
 def _imprecise(config: TileConfig, depth: int, imprecise_k: int | None) -> int | None:
@@ -631,6 +659,11 @@ def _launch_rows_gemm(a_MK, sa_MG, offsets_E, b_EKN, sb_EGB, config, out, cols, 
     programs = num_programs or gg.default_num_programs(a_MK.device) * config.programs_per_sm
     # one weight-block scale per column tile: tiles of at most 128 columns start on block edges
     sb_scalar = config.promote != "inline" and config.block_n <= SCALE_BLOCK and f_up % config.block_n == 0
+    # the SwiGLU gradient's columns per step, at most the width one epilogue finishes (pingpong: a half)
+    width = config.block_n // 2 if config.promote == "pingpong" else config.block_n
+    epi_chunk = min(config.epilogue_chunk, width) if epilogue == _SWIGLU_GRAD else width
+    if epi_chunk < 1 or epi_chunk & (epi_chunk - 1):
+        raise ValueError(f"TileConfig.epilogue_chunk={config.epilogue_chunk}: give a power of two (columns)")
     _fp8_rows_gemm_kernel[(programs,)](
         a_MK, sa_MG, b_EKN, sb_EGB, out, offsets_E, s_out_, h13_, act_, _stats_ptr(stats, sa_MG),
         groups, experts, k, cols, f_up, programs,
@@ -641,7 +674,8 @@ def _launch_rows_gemm(a_MK, sa_MG, offsets_E, b_EKN, sb_EGB, config, out, cols, 
         STATS=stats is not None,
         E_POW2=triton.next_power_of_2(groups), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, GROUP_M=config.group_m, IMPRECISE_K=_imprecise(config, config.block_k, imprecise_k),
-        PROMOTE=promote_index(config), SB_SCALAR=sb_scalar, num_warps=config.num_warps, num_stages=config.num_stages,
+        PROMOTE=promote_index(config), SB_SCALAR=sb_scalar, EPI_CHUNK=epi_chunk, num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
 
 

@@ -42,7 +42,8 @@ class TileConfig:
     # the SwiGLU-gradient epilogue (down dgrad) finishes its tile this many columns at a time
     # (`grouped_gemm._swiglu_grad_epilogue`); narrower chunks hold fewer fp32 temporaries at once
     # (ptxas on sm_90a at 128 x 128, 8 warps: 255 registers and spills for the whole tile, 199 for
-    # chunks of 16); the other kernels ignore it
+    # chunks of 16); so does the FP8 one (`fp8._swiglu_grad_epilogue`: 255 registers at 64 x 128,
+    # 8 warps, inline promotion; 172 in chunks of 16); the other kernels ignore it
     epilogue_chunk: int = 16
 
     def to_json(self) -> dict[str, int | bool | str]:

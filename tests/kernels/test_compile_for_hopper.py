@@ -298,6 +298,43 @@ def test_the_default_fp8_tiles_do_not_spill(monkeypatch):
     assert len(spills) == 8, spills
 
 
+
+def test_the_fp8_swiglu_grad_gemm_finishes_its_tile_in_column_chunks(monkeypatch):
+    """ptxas (sm_90a) on `fp8.fp8_swiglu_grad_gemm` at `fp8_ffn.Fp8Tiles().swiglu` (64 x 128 x 128,
+    8 warps), with and without the SwiGLU output recomputed, in each K-loop promotion: the epilogue
+    in 16-column chunks (`fp8._swiglu_grad_epilogue`) keeps the inline default at 172 registers
+    (the whole tile at once: 255, on an accumulator of 32 per thread), the others below the cap
+    with no spill stores (whole tile: hoisted 255, pipelined 255 and 64-76 bytes of spill stores,
+    pingpong's halves 173-184; chunked: 128, 212-237, 158-164)."""
+    import dataclasses
+
+    from disagmoe.kernels import fp8, fp8_ffn
+
+    backend = make_backend(HOPPER)
+    found: list[tuple[str, int, int]] = []
+    launch = [""]
+
+    def compile_and_count(self, *args, grid, warmup, **kwargs):
+        found.append((launch[0], *ptxas_usage(compile_for_hopper(self, backend, args, kwargs).asm["ptx"])))
+
+    monkeypatch.setattr(JITFunction, "run", compile_and_count)
+    rows, experts, hidden, ffn = 1024, 4, 2048, 768
+    offsets = torch.tensor([256, 512, 768, 1024], dtype=torch.int32)
+    dy, sdy = torch.zeros(rows, hidden, dtype=fp8.FP8), torch.ones(rows, hidden // 128)
+    w2t, sw2t = torch.zeros(experts, hidden, ffn, dtype=fp8.FP8), torch.ones(experts, hidden // 128, ffn // 128)
+    h13 = torch.zeros(rows, 2 * ffn, dtype=torch.bfloat16)
+    default = fp8_ffn.Fp8Tiles().swiglu
+    assert default.promote == "inline" and default.epilogue_chunk == 16
+    for promote in fp8.PROMOTE_VARIANTS:
+        for act in (None, torch.zeros(rows, ffn, dtype=torch.bfloat16)):
+            launch[0] = f"{promote} act={act is not None}"
+            fp8.fp8_swiglu_grad_gemm(dy, sdy, offsets, w2t, sw2t, h13, dataclasses.replace(default, promote=promote),
+                                     act_MF=act, num_programs=8)
+    assert len(found) == 2 * len(fp8.PROMOTE_VARIANTS), found
+    assert all(spill == 0 and registers < 255 for _, registers, spill in found), found
+    assert all(registers <= 200 for launch, registers, _ in found if launch.startswith("inline")), found
+
+
 def test_every_expert_gemm_feeds_hopper_mma_through_the_async_pipeline(monkeypatch):
     """The expert FFN's GEMMs, bf16 and FP8, forward and backward, compiled for sm_90: each is a
     wgmma (MMA v3) whose operands both arrive by asynchronous copies into shared memory, none

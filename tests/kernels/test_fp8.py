@@ -264,6 +264,43 @@ def test_swiglu_gradient_epilogue(fp8k):
         fp8k.fp8_swiglu_grad_gemm(q_dy, s_dy, offsets, q_wt, s_wt, h13[:, :ffn], SMALL_TILES)
 
 
+
+@pytest.mark.parametrize("promote, chunk", [("inline", 8), ("inline", 16), ("pingpong", 8)],
+                         ids=["inline-8-of-32", "inline-16-of-32", "pingpong-8-of-16"])
+def test_swiglu_gradient_epilogue_in_column_chunks_is_the_whole_tiles(fp8k, promote, chunk):
+    """The SwiGLU-gradient epilogue finishing its tile `epilogue_chunk` columns at a time
+    (`fp8._swiglu_grad_epilogue`; pingpong: each 16-column half) gives the whole tile's bits: d gate |
+    d up and the recomputed SwiGLU output (the same arithmetic per element), every element written
+    (NaN-filled outputs). Ragged experts, an empty one, F = 40 (the last column tile 8 wide: its
+    chunks past F store nothing); the reference as `test_swiglu_gradient_epilogue`."""
+    import dataclasses
+
+    counts, hidden, ffn = [6, 0, 25, 2], 136, 40
+    dy, _, offsets = _ragged_inputs(counts, hidden, 1, seed=14, outlier_rows=1)
+    gen = torch.Generator().manual_seed(15)
+    w2 = torch.randn(len(counts), ffn, hidden, generator=gen) / ffn**0.5
+    h13 = torch.randn(dy.shape[0], 2 * ffn, generator=gen) * 3
+    q_dy, s_dy = fp8k.quantize_rows(dy)
+    q_wt, s_wt = fp8k.transpose_blocks(*fp8k.quantize_blocks(w2))
+    tiles = dataclasses.replace(SMALL_TILES, promote=promote)
+
+    def run(config):
+        act = torch.full((dy.shape[0], ffn), float("nan"))
+        dh13 = fp8k.fp8_swiglu_grad_gemm(q_dy, s_dy, offsets, q_wt, s_wt, h13, config, act_MF=act,
+                                         out_dtype=torch.float32, num_programs=3)
+        return dh13, act
+
+    dh13, act = run(dataclasses.replace(tiles, epilogue_chunk=chunk))
+    whole = run(dataclasses.replace(tiles, epilogue_chunk=tiles.block_n))
+    assert torch.isfinite(dh13).all() and torch.isfinite(act).all()
+    assert torch.equal(dh13, whole[0]) and torch.equal(act, whole[1])
+    gate, up = h13[:, :ffn].clone().requires_grad_(), h13[:, ffn:].clone().requires_grad_()
+    (torch.nn.functional.silu(gate) * up).backward(fp8k.fp8_rows_gemm_reference(q_dy, s_dy, offsets, q_wt, s_wt))
+    assert _rel_err(dh13, torch.cat([gate.grad, up.grad], dim=1)) < 1e-5
+    with pytest.raises(ValueError, match="epilogue_chunk"):
+        run(dataclasses.replace(tiles, epilogue_chunk=12))
+
+
 def test_data_gradient_reads_the_transposed_blocks(fp8k):
     """dx = dy @ W^T: dy quantised per 1 x 128 along N, W^T from `transpose_blocks` (the forward's
     block values and scales, laid out K-major); against the reference's sums and the fp32 GEMM."""
