@@ -672,8 +672,8 @@ class TrainConfig(StrictModel):
         "auto", description="on: mode single on CUDA captures the whole step (every micro-batch's forward and "
         "backward, the clip and the optimizer) in one CUDA graph after 3 eager steps and replays it, with no "
         "launch gaps between kernels; the distributed modes run eagerly for now (refused there). auto: on where "
-        "the captured step has been checked on a GPU (mode single, bf16 or fp8, no recomputation, fp32 moments, "
-        "no offload), else eager, saying why at start and in the summary")
+        "the captured step has been checked on a GPU (mode single, the triton or grouped_mm experts, bf16 or "
+        "fp8, no recomputation, fp32 moments, no offload), else eager, saying why at start and in the summary")
     _yaml_on_off = field_validator("cuda_graphs", mode="before")(on_off_word)
 
     forbid_host_syncs: bool = Field(

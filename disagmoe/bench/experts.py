@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from disagmoe.bench.timing import copies_to_defeat_l2, environment, matmul_ceiling_tflops, median_ms
 from disagmoe.config import ModelConfig, TrainConfig
+from disagmoe.model.router import balanced_topk
 from disagmoe.model_ref import load_model
 from disagmoe.kernels.fp8 import PROMOTE_VARIANTS
 from disagmoe.kernels.fp8_ffn import Fp8ExpertWeights, Fp8Tiles, expert_ffn_fp8
@@ -89,7 +90,7 @@ class ExpertShape:
         experts, _, _, top_k = self.dims
         tokens = self.pairs // top_k
         if self.balanced:
-            return torch.arange(tokens * top_k).remainder(experts).view(tokens, top_k)
+            return balanced_topk(tokens, top_k, experts, torch.device("cpu"))
         return zipf_routing(tokens, top_k, experts, seed)
 
     def flops(self, pass_name: str) -> float:

@@ -90,8 +90,8 @@ def rank_activations(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topolog
     sends after it have left, and the op posting a MoE layer's COMBINE_GRAD (its Loss or the next
     layer's backward) each expert rank's dy rows; with `peer_stores` (nvshmem: the kernels store
     the rows into the peers' buffers) only a colocated rank's message to itself. Under `recompute:
-full` a forward keeps its segment's input and routing (and the outputs it sends, its backward's
-roots) and the backward holds its layer's half again (`roofline.memory`'s FULL terms)."""
+    full` a forward keeps its segment's input and routing (and the outputs it sends, its backward's
+    roots) and the backward holds its layer's half again (`roofline.memory`'s FULL terms)."""
     m, vb, dropped = model_cfg, value_bytes(cfg), cfg.recompute_set
     tokens = cfg.batch_size // cfg.micro_batches // topology.data_parallel * cfg.seq_len
     row = mem.expert_row_bytes(m, vb, dropped) + (0 if pair_rows else mem.combine_bytes(m, vb, dropped) // m.top_k)

@@ -10,6 +10,8 @@ clock (`kernels.signal.timed`) is switched on, as on a GPU.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -76,6 +78,20 @@ def compiled(monkeypatch):
     for module in (signal, fused_return):
         monkeypatch.setattr(module, "timed", lambda _t: True)
     return names
+
+
+@pytest.fixture
+def usage(monkeypatch):
+    """Kernels launched while this is active are compiled for HOPPER; `usage.found` gets each one's
+    (`usage.label` at its launch, ptxas registers, spill-store bytes)."""
+    backend = make_backend(HOPPER)
+    record = SimpleNamespace(found=[], label="")
+
+    def compile_and_count(self, *args, grid, warmup, **kwargs):
+        record.found.append((record.label, *ptxas_usage(compile_for_hopper(self, backend, args, kwargs).asm["ptx"])))
+
+    monkeypatch.setattr(JITFunction, "run", compile_and_count)
+    return record
 
 
 def _tiles():
@@ -162,7 +178,7 @@ def test_the_banded_weight_grads_compile(compiled):
     assert compiled.count("_ragged_weight_grad_kernel") == 3
 
 
-def test_the_swiglu_grad_gemm_does_not_spill_at_its_tiles(monkeypatch):
+def test_the_swiglu_grad_gemm_does_not_spill_at_its_tiles(usage):
     """The down data gradient with the SwiGLU-gradient epilogue (`grouped_gemm._swiglu_grad_epilogue`)
     for sm_90a at the heuristic down_dgrad tile (the tuned one on an H200: 128 x 128 x 64, 8 warps) and
     at 64 x 128 on 4 warps (two programs per SM fit at <= 255 registers), as the FFN launches it:
@@ -175,14 +191,7 @@ def test_the_swiglu_grad_gemm_does_not_spill_at_its_tiles(monkeypatch):
     from disagmoe.kernels import grouped_gemm as gg
     from disagmoe.kernels.tile_configs import TileConfig, heuristic
 
-    backend = make_backend(HOPPER)
-    found: list[tuple[str, int, int]] = []
-    launch = [""]
-
-    def compile_and_count(self, *args, grid, warmup, **kwargs):
-        found.append((launch[0], *ptxas_usage(compile_for_hopper(self, backend, args, kwargs).asm["ptx"])))
-
-    monkeypatch.setattr(JITFunction, "run", compile_and_count)
+    found = usage.found
     rows, experts, hidden, ffn = 1024, 4, 2048, 768
     offsets = torch.tensor([256, 512, 768, 1024], dtype=torch.int32)
     dy, h13 = torch.zeros(rows, hidden, dtype=torch.bfloat16), torch.zeros(rows, 2 * ffn, dtype=torch.bfloat16)
@@ -191,7 +200,7 @@ def test_the_swiglu_grad_gemm_does_not_spill_at_its_tiles(monkeypatch):
     for tile in (heuristic("down_dgrad"), small):
         for fused in (False, True):
             for act in (None, torch.zeros(rows, ffn, dtype=torch.bfloat16)):
-                launch[0] = f"{tile.block_m}x{tile.block_n}/{tile.num_warps} fused={fused} act={act is not None}"
+                usage.label = f"{tile.block_m}x{tile.block_n}/{tile.num_warps} fused={fused} act={act is not None}"
                 kw = {}
                 if fused:
                     kw = dict(a_rows_N=torch.zeros(rows, dtype=torch.int64),
@@ -204,7 +213,7 @@ def test_the_swiglu_grad_gemm_does_not_spill_at_its_tiles(monkeypatch):
     found.clear()
     chunked = [c for c in tuner.candidates("down_dgrad") if c.epilogue_chunk < c.block_n]
     for tile in chunked:
-        launch[0] = str(tile)
+        usage.label = str(tile)
         gg.ragged_rows_gemm(dy, offsets, w2_t, tile, epilogue=gg.EPILOGUE_SWIGLU_GRAD, h13_N2C=h13,
                             act_N_C=torch.zeros(rows, ffn, dtype=torch.bfloat16), num_programs=8,
                             a_rows_N=torch.zeros(rows, dtype=torch.int64),
@@ -299,7 +308,7 @@ def test_the_default_fp8_tiles_do_not_spill(monkeypatch):
 
 
 
-def test_the_fp8_swiglu_grad_gemm_finishes_its_tile_in_column_chunks(monkeypatch):
+def test_the_fp8_swiglu_grad_gemm_finishes_its_tile_in_column_chunks(usage):
     """ptxas (sm_90a) on `fp8.fp8_swiglu_grad_gemm` at `fp8_ffn.Fp8Tiles().swiglu` (64 x 128 x 128,
     8 warps), with and without the SwiGLU output recomputed, in each K-loop promotion: the epilogue
     in 16-column chunks (`fp8._swiglu_grad_epilogue`) keeps the inline default at 172 registers
@@ -310,14 +319,7 @@ def test_the_fp8_swiglu_grad_gemm_finishes_its_tile_in_column_chunks(monkeypatch
 
     from disagmoe.kernels import fp8, fp8_ffn
 
-    backend = make_backend(HOPPER)
-    found: list[tuple[str, int, int]] = []
-    launch = [""]
-
-    def compile_and_count(self, *args, grid, warmup, **kwargs):
-        found.append((launch[0], *ptxas_usage(compile_for_hopper(self, backend, args, kwargs).asm["ptx"])))
-
-    monkeypatch.setattr(JITFunction, "run", compile_and_count)
+    found = usage.found
     rows, experts, hidden, ffn = 1024, 4, 2048, 768
     offsets = torch.tensor([256, 512, 768, 1024], dtype=torch.int32)
     dy, sdy = torch.zeros(rows, hidden, dtype=fp8.FP8), torch.ones(rows, hidden // 128)
@@ -327,7 +329,7 @@ def test_the_fp8_swiglu_grad_gemm_finishes_its_tile_in_column_chunks(monkeypatch
     assert default.promote == "inline" and default.epilogue_chunk == 16
     for promote in fp8.PROMOTE_VARIANTS:
         for act in (None, torch.zeros(rows, ffn, dtype=torch.bfloat16)):
-            launch[0] = f"{promote} act={act is not None}"
+            usage.label = f"{promote} act={act is not None}"
             fp8.fp8_swiglu_grad_gemm(dy, sdy, offsets, w2t, sw2t, h13, dataclasses.replace(default, promote=promote),
                                      act_MF=act, num_programs=8)
     assert len(found) == 2 * len(fp8.PROMOTE_VARIANTS), found

@@ -16,7 +16,6 @@ Legend: L MoE layers, E experts.
 from __future__ import annotations
 
 import errno
-import gc
 import json
 import os
 import warnings
@@ -61,10 +60,8 @@ def peak_and_ceiling(cfg: TrainConfig, gpus: int) -> tuple[float | None, float |
 def reset_peak_memory(device: torch.device) -> None:
     """Start this run's `peak_memory_gib` from what is allocated now, so a run in a process that
     ran others before it (`bench train`'s single-mode variants, tests) reports its own peak, not
-    the largest of them all. A previous run's objects that only a reference cycle still holds
-    (a trainer and its graphed step) are collected first, so they are not counted in this run."""
+    the largest of them all."""
     if device.type == "cuda":
-        gc.collect()
         torch.cuda.reset_peak_memory_stats(device)
 
 

@@ -58,6 +58,8 @@ def resolve_cuda_graphs(cfg: TrainConfig) -> tuple[bool, str]:
         return False, f"cuda_graphs: auto -> eager: {eager}"
     return True, (f"cuda_graphs: auto -> on: the whole step is captured after {WARMUP_STEPS} eager steps and "
                   "replayed (one launch per step)")
+
+
 @functools.cache
 def warmup_stream(device: torch.device) -> torch.cuda.Stream:
     """The side stream every warm-up step of the process runs on: one per device, not one per step
