@@ -156,3 +156,20 @@ def test_dead_peer_is_reported_well_before_the_timeout(reports):
     assert failure["type"] == PeerFailure.__name__ and failure["peer"] == 0
     assert "rank 0 failed" in failure["text"]
     assert failure["elapsed"] < 10.0
+
+
+@pytest.mark.parametrize("left_s, want_ms", [(0.99995, 1000), (1.0, 1000), (0.0012, 2), (-0.5, 1)])
+def test_gloo_gets_the_time_left_rounded_up_to_whole_milliseconds(monkeypatch, left_s, want_ms):
+    """gloo truncates a wait's timeout to whole milliseconds: the time left to the deadline is rounded
+    up (at least 1 ms), so a receive never times out before its deadline."""
+    from disagmoe.comm import local
+
+    asked = []
+
+    class Work:
+        def wait(self, timeout):
+            asked.append(timeout)
+
+    monkeypatch.setattr(local.time, "monotonic", lambda: 100.0)
+    local._wait(Work(), 1, MessageKey(0, 1, 2, Direction.FORWARD), 100.0 + left_s, 1.0, "receive from")
+    assert asked == [timedelta(milliseconds=want_ms)]
