@@ -673,7 +673,7 @@ class TrainConfig(StrictModel):
         "backward, the clip and the optimizer) in one CUDA graph after 3 eager steps and replays it, with no "
         "launch gaps between kernels; the distributed modes run eagerly for now (refused there). auto: on where "
         "the captured step has been checked on a GPU (mode single, the triton or grouped_mm experts, bf16 or "
-        "fp8, no recomputation, fp32 moments, no offload), else eager, saying why at start and in the summary")
+        "fp8, any recomputation, fp32 or bf16 moments, no offload), else eager, saying why at start and in the summary")
     _yaml_on_off = field_validator("cuda_graphs", mode="before")(on_off_word)
 
     forbid_host_syncs: bool = Field(

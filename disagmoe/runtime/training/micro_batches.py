@@ -115,6 +115,15 @@ def predicted_step_s(cfg: TrainConfig, model_cfg: ModelConfig, hw: HardwareConfi
     return float(evaluate(problem_of(req), cand).step_s[0])
 
 
+def unused_memory_knobs(cfg: TrainConfig) -> str:
+    """The memory knobs `cfg` does not use yet, as the start of a list ("recompute: full, ...")."""
+    knobs = [("recompute: selective or full" if cfg.recompute == "none" else "recompute: full",
+              cfg.recompute != "full"),
+             ("optim.state_dtype: bf16", cfg.optim.state_dtype == "fp32"),
+             ("offload_optimizer: true", not cfg.offload_optimizer)]
+    return "".join(f"{label}, " for label, unused in knobs if unused)
+
+
 def choose(cfg: TrainConfig, model_cfg: ModelConfig, need_bytes: Callable[[TrainConfig], int],
            capacity_bytes: float) -> MicroBatchChoice:
     """The split for `micro_batches: auto` (module docstring); ValueError when even the most
@@ -134,8 +143,8 @@ def choose(cfg: TrainConfig, model_cfg: ModelConfig, need_bytes: Callable[[Train
         raise ValueError(
             f"micro_batches: auto: even {most.micro_batches} micro-batches (one sequence per rank each) need "
             f"{most.need_bytes / 2**30:.1f} GiB, more than the {budget / 2**30:.1f} GiB ({MEMORY_HEADROOM:.0%} of "
-            f"{capacity_bytes / 2**30:.1f}) a run may plan for; lower seq_len, use recompute: selective or full, "
-            "optim.state_dtype: bf16 or offload_optimizer: true, or a layout over more GPUs (`disagmoe plan` finds one)")
+            f"{capacity_bytes / 2**30:.1f}) a run may plan for; lower seq_len, {unused_memory_knobs(cfg)}or a layout "
+            "over more GPUs (`disagmoe plan` finds one)")
     priced = [c for c in fitting if c.predicted_step_s is not None]
     best = min(priced, key=lambda c: (c.predicted_step_s, c.micro_batches)) if priced else fitting[0]
     return MicroBatchChoice(best.micro_batches, capacity_bytes, tuple(tried))

@@ -308,23 +308,50 @@ def check_fp8_device(device: torch.device) -> None:
                          f"Blackwell); {torch.cuda.get_device_name(device)} is {major}.{minor}: set precision: bf16")
 
 
+def memory_knobs(cfg: TrainConfig, model_cfg: ModelConfig) -> list[tuple[str, float]]:
+    """(setting, predicted peak bytes with it) for each memory knob this one-GPU run does not use yet
+    and its config accepts: recompute selective and full, bf16 moments, the offloaded optimizer,
+    and the most micro-batches the batch divides into; each alone, on top of the run's settings."""
+    changes: list[tuple[str, dict[str, Any]]] = []
+    if cfg.recompute == "none":
+        changes.append(("recompute: selective", {"recompute": "selective"}))
+    if cfg.recompute != "full":
+        changes.append(("recompute: full", {"recompute": "full"}))
+    if cfg.optim.state_dtype == "fp32":
+        changes.append(("optim.state_dtype: bf16", {"optim": {**cfg.optim.model_dump(), "state_dtype": "bf16"}}))
+    if not cfg.offload_optimizer:
+        changes.append(("offload_optimizer: true", {"offload_optimizer": True}))
+    if cfg.micro_batches < cfg.batch_size:
+        changes.append((f"micro_batches: {cfg.batch_size}", {"micro_batches": cfg.batch_size}))
+    knobs = []
+    for label, change in changes:
+        try:
+            other = TrainConfig.model_validate({**cfg.model_dump(exclude_unset=True), **change})
+        except ValueError:  # refused with this run's other settings (e.g. recompute with fp8 experts)
+            continue
+        knobs.append((label, float(sum(single_peak_bytes(other, model_cfg)))))
+    return knobs
+
+
 def check_single_memory(cfg: TrainConfig, model_cfg: ModelConfig, capacity_bytes: float) -> None:
     """ValueError, before the model is allocated, for a one-GPU run whose training state and
-    activation peak (`single_peak_bytes`) exceed the device: one line with the numbers and the fix,
-    instead of an out-of-memory error in the first step."""
+    activation peak (`single_peak_bytes`) exceed the device: one line with the numbers and the
+    knobs that shrink it, each with its predicted peak (`memory_knobs`), instead of an
+    out-of-memory error in the first step."""
     state, acts = single_peak_bytes(cfg, model_cfg)
     if state + acts <= capacity_bytes:
         return
     tokens = cfg.batch_size // cfg.micro_batches * cfg.seq_len
     held = ("weights, gradients and two offload staging buckets (the fp32 masters and AdamW moments are in host "
             "memory)" if cfg.offloads_to_host else "weights, fp32 masters, gradients and AdamW moments")
-    fix = "" if cfg.offloads_to_host else "offload_optimizer: true (masters and moments in host memory), "
+    knobs = ", ".join(f"{label} ({peak / 2**30:.1f} GiB{', fits' if peak <= capacity_bytes else ''})"
+                      for label, peak in memory_knobs(cfg, model_cfg))
     raise ValueError(
         f"mode single needs {(state + acts) / 2**30:.1f} GiB on a {capacity_bytes / 2**30:.1f} GiB device: "
-        f"{count_params(model_cfg).total:,} parameters hold {state / 2**30:.1f} GiB of {held}, and a micro-batch of {tokens:,} tokens (batch_size={cfg.batch_size} / "
-        f"micro_batches={cfg.micro_batches} x seq_len={cfg.seq_len}) {acts / 2**30:.1f} GiB of activations; use "
-        f"more micro-batches or fewer tokens per step, {fix}or a distributed mode over more GPUs (`disagmoe plan` "
-        "finds a layout that fits)")
+        f"{count_params(model_cfg).total:,} parameters hold {state / 2**30:.1f} GiB of {held}, and a micro-batch of "
+        f"{tokens:,} tokens (batch_size={cfg.batch_size} / micro_batches={cfg.micro_batches} x seq_len={cfg.seq_len}) "
+        f"{acts / 2**30:.1f} GiB of activations; use {knobs + ', ' if knobs else ''}fewer tokens per step, or a "
+        "distributed mode over more GPUs (`disagmoe plan` finds a layout that fits)")
 
 
 class SingleProcessTrainer(TrainingLoop):

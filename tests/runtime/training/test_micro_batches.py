@@ -70,6 +70,10 @@ def test_without_hardware_to_price_on_the_fewest_that_fit_win():
 def test_nothing_fitting_is_refused_with_the_numbers_and_the_fix():
     with pytest.raises(ValueError, match=r"even 16 micro-batches .* need 66\.\d GiB.*recompute: selective"):
         choose(qwen3(), load_model(qwen3().model), single_need, 60 * GiB)
+    lean = qwen3("recompute=full", "optim.state_dtype=bf16")  # only the knobs not in use are named
+    with pytest.raises(ValueError, match=r"lower seq_len, offload_optimizer: true, or a layout") as err:
+        choose(lean, load_model(lean.model), single_need, 40 * GiB)
+    assert "recompute" not in str(err.value) and "state_dtype" not in str(err.value)
 
 
 def test_a_number_given_stays():

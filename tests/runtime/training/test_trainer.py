@@ -407,11 +407,39 @@ def test_a_single_gpu_run_that_cannot_fit_is_refused_with_the_numbers_and_the_fi
     check_single_memory(cfg, cfg.model, capacity_bytes=state + acts)
     with pytest.raises(ValueError, match=r"mode single needs [\d.]+ GiB on a [\d.]+ GiB device: [\d,]+ parameters "
                                          r"hold .* a micro-batch of 64 tokens \(batch_size=4 / micro_batches=2 x "
-                                         r"seq_len=32\) .* use more micro-batches .*`disagmoe plan`"):
+                                         r"seq_len=32\) .* use recompute: full \([\d.]+ GiB, fits\), "
+                                         r"optim.state_dtype: bf16 .* micro_batches: 4 .*`disagmoe plan`"):
         check_single_memory(cfg, cfg.model, capacity_bytes=state + acts - 1)
     # gradient accumulation: more micro-batches of the same step keep fewer activations
     finer = cfg.model_copy(update={"micro_batches": 4})
     assert single_peak_bytes(finer, cfg.model)[1] < acts
+
+
+def test_the_memory_refusal_names_each_unused_knob_with_its_predicted_peak():
+    """Twice the Qwen3 config's layers at 4 micro-batches (153.7 GiB) on a 140 GiB device: each knob
+    alone, with the peak the memory model predicts for it and whether that fits; knobs in use or
+    refused with the run's settings are not offered."""
+    from pathlib import Path
+
+    from disagmoe.runtime.training.trainer import memory_knobs
+
+    path = str(Path(__file__).parents[3] / "configs" / "h200x2-qwen3-30b.yaml")
+    cfg = load_train_config(path, ["mode=single", "model.num_layers=12", "micro_batches=4"])
+    model = load_model(cfg.model)
+    knobs = dict(memory_knobs(cfg, model))
+    assert list(knobs) == ["recompute: selective", "recompute: full", "optim.state_dtype: bf16",
+                           "offload_optimizer: true", "micro_batches: 16"]
+    for label, change in (("recompute: full", ["recompute=full"]), ("micro_batches: 16", ["micro_batches=16"])):
+        other = load_train_config(path, ["mode=single", "model.num_layers=12", "micro_batches=4", *change])
+        assert knobs[label] == sum(single_peak_bytes(other, model))
+    assert sum(single_peak_bytes(cfg, model)) > max(knobs.values())
+    with pytest.raises(ValueError, match=r"recompute: full \(129\.7 GiB, fits\)"):
+        check_single_memory(cfg, model, capacity_bytes=140 * 2**30)
+    used = load_train_config(path, ["mode=single", "model.num_layers=12", "micro_batches=2", "recompute=full",
+                                   "optim.state_dtype=bf16"])
+    assert [k for k, _ in memory_knobs(used, model)] == ["offload_optimizer: true", "micro_batches: 16"]
+    fp8 = load_train_config(path, ["mode=single", "model.num_layers=12", "micro_batches=2", "precision=fp8"])
+    assert not any(k.startswith("recompute") for k, _ in memory_knobs(fp8, model))  # refused with fp8 experts
 
 
 def test_every_step_record_and_the_summary_carry_the_predicted_peak(tmp_path):
