@@ -576,3 +576,34 @@ def test_the_fp8_tuners_candidates_compile_without_spills(monkeypatch):
             if len(found) != 2 or any(spill or ("async" in waits) != overlapped for waits, spill in found):
                 bad.append((role, config, list(found)))
     assert not bad, bad
+
+
+def test_the_adamw_update_compiles_to_one_layout_with_correctly_rounded_fp32_division(monkeypatch):
+    """The one-pass AdamW (`kernels.adamw`) for sm_90a, fp32 and bf16 moments, with every option: no
+    layout conversion through shared memory (at 8 elements per thread the fp32 stores took another
+    layout: 3 conversions, 6 barriers), 16-byte accesses to the fp32 tensors, no spill stores, and
+    the fp32 divisions and square root correctly rounded (div.rn / sqrt.rn, as nvcc compiles torch's
+    kernel; Triton's plain `/` would be div.full), the fp64 ones too; the per-element fp64 multiply-
+    adds contracted to FMAs (as in torch's kernel, which nvcc compiles with contraction on)."""
+    from disagmoe.kernels import adamw
+
+    backend = make_backend(HOPPER)
+    found = []
+
+    def compile_and_read(self, *args, grid, warmup, **kwargs):
+        kernel = compile_for_hopper(self, backend, args, kwargs)
+        found.append((kernel.asm["ttgir"], kernel.asm["ptx"], ptxas_usage(kernel.asm["ptx"])))
+
+    monkeypatch.setattr(JITFunction, "run", compile_and_read)
+    n = 1 << 16
+    for moments in (torch.float32, torch.bfloat16):
+        adamw.adamw_update(torch.zeros(n), torch.zeros(n), torch.zeros(n, dtype=moments), torch.zeros(n, dtype=moments),
+                           torch.zeros(()), torch.zeros(()), torch.zeros(4, dtype=torch.float64), torch.ones(()),
+                           torch.zeros(()), torch.zeros(n, dtype=torch.bfloat16), num_programs=8)
+    assert len(found) == 2
+    for ttgir, ptx, (registers, spills) in found:
+        assert "convert_layout" not in ttgir and "bar.sync" not in ptx
+        assert spills == 0 and registers <= 128, registers
+        assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx
+        assert "div.rn.f32" in ptx and "sqrt.rn.f32" in ptx and "div.full" not in ptx and "sqrt.approx" not in ptx
+        assert "fma.rn.f64" in ptx and "cvt.rn.f32.f64" in ptx

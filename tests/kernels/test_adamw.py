@@ -1,0 +1,288 @@
+"""The one-pass AdamW kernel (disagmoe/kernels/adamw.py) under Triton's CPU interpreter: bit for bit
+its plain-torch reference (torch's fused CUDA arithmetic written out) over several steps, ragged
+lengths and a stride loop, with and without weight decay, a gradient scale, bf16 moments and the
+compute copy; within two fp32 ulps of torch's CPU AdamW per step; bf16 moments are the fp32 update
+rounded to nearest-even; a skip leaves everything as it was; the compute copy rounds as torch's
+cast. On a GPU (marked gpu, not run yet): at most one fp32 ulp from torch's fused AdamW.
+
+Legend: N the flat length."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+BETAS, EPS = (0.9, 0.95), 1e-8
+HALF_ULP = 2.0**-24  # half an fp32 ulp at 1: one correctly rounded fp32 operation's relative error, at most
+
+
+@pytest.fixture
+def kernel(interpreted):
+    return interpreted("disagmoe.kernels.adamw")
+
+
+def _inputs(n: int, seed: int, moments: torch.dtype, device: str = "cpu"):
+    """(master, moments (exp_avg, exp_avg_sq) at zero, a gradient maker): masters around 1, gradients over
+    six decades in random order, some exactly zero."""
+    gen = torch.Generator().manual_seed(seed)
+    master = torch.randn(n, generator=gen).to(device)
+    spread = torch.logspace(-6, 0, n)
+
+    def grad(step: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(seed * 100 + step)
+        values = torch.randn(n, generator=g) * spread[torch.randperm(n, generator=g)]
+        values[3::7] = 0.0
+        return values.to(device)
+
+    zeros = torch.zeros(n, dtype=moments, device=device)
+    return master, (zeros, zeros.clone()), grad
+
+
+def _scalars(weight_decay: float, device: str = "cpu", lr: float = 1e-3):
+    from disagmoe.kernels.adamw import hyperparameters
+
+    return torch.tensor(lr, dtype=torch.float32, device=device), hyperparameters(*BETAS, weight_decay, EPS, device)
+
+
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """|a - b| in units in the last place of the dtype (fp32 or bf16), by ordered bit patterns."""
+    bits, sign = {torch.float32: (torch.int32, 0x7FFFFFFF), torch.bfloat16: (torch.int16, 0x7FFF)}[a.dtype]
+
+    def ordered(x: torch.Tensor) -> torch.Tensor:
+        i = x.view(bits).long()
+        return torch.where(i < 0, -(i & sign), i)
+
+    return (ordered(a) - ordered(b)).abs()
+
+
+@pytest.mark.parametrize("n", [1, 1000])  # 1000 at block 256: four blocks, the last ragged, over 3 programs
+@pytest.mark.parametrize("copy", [False, True], ids=["no-copy", "copy"])
+@pytest.mark.parametrize("scaled", [False, True], ids=["unscaled", "scaled"])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+@pytest.mark.parametrize("moments", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_kernel_is_its_reference_bit_for_bit(kernel, n, copy, scaled, weight_decay, moments):
+    """Four steps from zero moments (the reference's arithmetic, each fp32 operation as a correctly
+    rounded fp64 one rounded to fp32, is what the interpreter computes: no FMA there), then one at
+    step 1000 (the bias corrections near 1)."""
+    master, (avg, sq), grad = _inputs(n, 0, moments)
+    lr, hyper = _scalars(weight_decay)
+    runs = [[master.clone(), avg.clone(), sq.clone(), torch.zeros(n, dtype=torch.bfloat16) if copy else None]
+            for _ in range(2)]
+    scale = torch.tensor(1.75) if scaled else None
+    for count in (0.0, 1.0, 2.0, 3.0, 999.0):
+        step = torch.tensor(count)
+        g = grad(int(count))
+        kernel.adamw_update(runs[0][0], g, runs[0][1], runs[0][2], step, lr, hyper, scale, None, runs[0][3], block=256)
+        kernel.adamw_reference(runs[1][0], g, runs[1][1], runs[1][2], step, lr, hyper, scale, None, runs[1][3])
+        assert float(step) == count  # read, not counted
+        for got, want, name in zip(runs[0], runs[1], ("master", "exp_avg", "exp_avg_sq", "compute"), strict=True):
+            if want is not None:
+                assert got.dtype == want.dtype and torch.equal(got, want), (count, name)
+    assert not torch.equal(runs[0][0], master)
+
+
+def test_the_default_launch_strides_over_more_blocks_than_programs(kernel):
+    """BLOCK-sized blocks (1024), 5 of them, the last 3 elements long, over the interpreter's 3 programs."""
+    n = 4 * kernel.BLOCK + 3
+    master, (avg, sq), grad = _inputs(n, 1, torch.float32)
+    lr, hyper = _scalars(0.1)
+    got, want = [[master.clone(), avg.clone(), sq.clone()] for _ in range(2)]
+    assert kernel.num_programs_for(master.device, 5) == 3
+    kernel.adamw_update(got[0], grad(0), got[1], got[2], torch.tensor(0.0), lr, hyper)
+    kernel.adamw_reference(want[0], grad(0), want[1], want[2], torch.tensor(0.0), lr, hyper)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert bool((got[0] != master).all())  # every element updated: no block left out
+
+
+@pytest.mark.parametrize("scaled", [False, True], ids=["unscaled", "scaled"])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_fp32_moments_are_torchs_cpu_adamw_to_two_ulps_per_step(kernel, scaled, weight_decay):
+    """Each step from the same masters, moments and gradient as torch.optim.AdamW (foreach=False, the
+    for-loop the CPU oracle runs; its gradient divided by the scale beforehand, the same fp32
+    quotient the kernel takes). Tolerance, per step, in fp32 ulps of each quantity's scale: three
+    (6 x HALF_ULP) on the master (scale |p| + |its Adam update|), two on exp_avg (scale its terms,
+    beta1 |m| + (1 - beta1) |g|: it cancels) and exp_avg_sq (itself). Why: torch rounds after each of
+    its fp32 ops (the weight-decay factor 1 - lr wd rounded to fp32, then the product; lerp; mul_
+    then addcmul_; the denominator; addcdiv) where the fused arithmetic evaluates each expression in
+    fp64 and rounds once: a few half-ulps apart (on the master up to 3 in the decay, 2 in the
+    update). Measured at most 3.4 half-ulps on the master, 2.0 on each moment."""
+    n = 4000
+    master, (avg, sq), grad = _inputs(n, 2, torch.float32)
+    lr, hyper = _scalars(weight_decay)
+    scale = torch.tensor(1.75) if scaled else None
+    step = torch.tensor(0.0)
+    for count in range(5):
+        g = grad(count)
+        ref = nn.Parameter(master.clone())
+        ref.grad = g if scale is None else g / scale
+        torch_adamw = torch.optim.AdamW([ref], lr=float(lr), betas=BETAS, eps=EPS, weight_decay=weight_decay,
+                                        foreach=False)
+        torch_adamw.state[ref] = {"step": step.clone(), "exp_avg": avg.clone(), "exp_avg_sq": sq.clone()}
+        torch_adamw.step()
+        before, term_scale = master.clone(), BETAS[0] * avg.abs() + (1 - BETAS[0]) * ref.grad.abs()
+        kernel.adamw_update(master, g, avg, sq, step, lr, hyper, scale)
+        step += 1
+        state = torch_adamw.state[ref]
+        update = (master - before * (1 - float(lr) * weight_decay)).abs()
+        assert bool(((master - ref.detach()).abs() <= 6 * HALF_ULP * (before.abs() + update)).all()), count
+        assert bool(((avg - state["exp_avg"]).abs() <= 4 * HALF_ULP * term_scale).all()), count
+        assert bool(((sq - state["exp_avg_sq"]).abs() <= 4 * HALF_ULP * sq).all()), count
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_bf16_moments_are_the_fp32_update_rounded_to_nearest_even(kernel, weight_decay):
+    """From bf16 moments, the kernel's step equals its fp32-moment step from those values (upcast
+    exactly) with the new moments then rounded by torch's cast: masters, compute copies and moments
+    bit for bit, at every step. Against `adamw_chunk` on the CPU (today's bf16-moment arithmetic:
+    torch's CPU AdamW on fp32 copies, rounded back), per step from the same inputs: the masters as
+    in the fp32 test (three ulps of their scale; 3.8 half-ulps measured), the moments equal, or one
+    bf16 ulp apart where the two fp32 values (two ulps apart at most) straddle a bf16 rounding
+    boundary: rare (none in these 30 000 moments; 1 in 120 000 in another draw)."""
+    from disagmoe.runtime.state.flat_adamw import adamw_chunk
+
+    n = 3000
+    master, (avg, sq), grad = _inputs(n, 3, torch.bfloat16)
+    lr, hyper = _scalars(weight_decay)
+    group = {"betas": BETAS, "lr": lr.double(), "weight_decay": weight_decay, "eps": EPS}
+    scale = torch.tensor(1.5)
+    step, straddles = torch.tensor(0.0), 0
+    for count in range(5):
+        g = grad(count)
+        fp32_run = [master.clone(), avg.float(), sq.float(), torch.empty(n, dtype=torch.bfloat16)]
+        chunk_run = [master.clone(), avg.clone(), sq.clone()]
+        compute = torch.empty(n, dtype=torch.bfloat16)
+        before = master.clone()
+        kernel.adamw_update(master, g, avg, sq, step, lr, hyper, scale, None, compute)
+        kernel.adamw_update(fp32_run[0], g, fp32_run[1], fp32_run[2], step, lr, hyper, scale, None, fp32_run[3])
+        adamw_chunk(group, chunk_run[0], g / scale, chunk_run[1], chunk_run[2], step, None, None)
+        step += 1
+        assert torch.equal(master, fp32_run[0]) and torch.equal(compute, fp32_run[3]), count
+        assert torch.equal(avg, fp32_run[1].to(torch.bfloat16)) and torch.equal(sq, fp32_run[2].to(torch.bfloat16))
+        update = (master - before * (1 - float(lr) * weight_decay)).abs()
+        assert bool(((master - chunk_run[0]).abs() <= 6 * HALF_ULP * (before.abs() + update)).all()), count
+        for mine, theirs in ((avg, chunk_run[1]), (sq, chunk_run[2])):
+            apart = _ulps(mine, theirs)
+            assert int(apart.max()) <= 1, count
+            straddles += int(apart.sum())
+    assert straddles <= 2 * 5 * n // 1000
+
+
+@pytest.mark.parametrize("moments", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_skip_leaves_masters_moments_and_the_compute_copy_bit_for_bit(kernel, moments):
+    """skip = 1.0 (torch's found_inf), with NaN gradients: nothing changes, not one bit; skip = 0.0 is
+    the step without a skip flag, bit for bit."""
+    n = 700
+    master, (avg, sq), grad = _inputs(n, 4, moments)
+    lr, hyper = _scalars(0.1)
+    scale = torch.tensor(2.0)
+    kernel.adamw_update(master, grad(0), avg, sq, torch.tensor(0.0), lr, hyper, scale, block=256)  # moments nonzero
+    compute = torch.full((n,), 3.0, dtype=torch.bfloat16)
+    state = [master.clone(), avg.clone(), sq.clone(), compute.clone()]
+    nan_grad = grad(1)
+    nan_grad[::3] = float("nan")
+    kernel.adamw_update(master, nan_grad, avg, sq, torch.tensor(1.0), lr, hyper, scale, torch.tensor(1.0), compute,
+                        block=256)
+    for now, then in zip((master, avg, sq, compute), state, strict=True):
+        assert torch.equal(now.view(torch.uint8), then.view(torch.uint8))
+    runs = [[t.clone() for t in state] for _ in range(2)]
+    for run, skip in zip(runs, (torch.tensor(0.0), None), strict=True):
+        kernel.adamw_update(run[0], grad(2), run[1], run[2], torch.tensor(1.0), lr, hyper, scale, skip, run[3],
+                            block=256)
+    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
+    assert not torch.equal(runs[0][0], master)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered in multiply:RuntimeWarning")  # 0 x inf, not taken
+def test_the_compute_copy_rounds_as_torchs_cast(kernel):
+    """With a zero gradient and zero moments (no weight decay) the update is exactly zero, so the compute
+    copy is the masters' bf16 cast: ties to even either way, the largest values to inf, -0.0, subnormals,
+    infinities; a NaN stays a NaN (0x7FC0, the CPU cast's bits)."""
+    ties = [1.0 + 2**-8, 1.0 + 3 * 2**-8, -(1.0 + 2**-8), 2**-130 + 2**-138]  # halfway between two bf16 values
+    special = [0.0, -0.0, 2**-140, -(2**-149), 3.3895e38, -3.4e38, float("inf"), -float("inf"), 1.0 + 2**-8 + 2**-20]
+    gen = torch.Generator().manual_seed(5)
+    master = torch.cat([torch.tensor(ties + special), torch.randn(200, generator=gen) * 1e3,
+                        torch.tensor([float("nan")])])
+    n = master.numel()
+    lr, hyper = _scalars(0.0)
+    compute = torch.empty(n, dtype=torch.bfloat16)
+    avg, sq = torch.zeros(n), torch.zeros(n)
+    before = master.clone()
+    kernel.adamw_update(master, torch.zeros(n), avg, sq, torch.tensor(0.0), lr, hyper, compute_N=compute, block=64)
+    assert torch.equal(master[:-1], before[:-1]) and bool(master[-1].isnan())
+    want = before.to(torch.bfloat16)
+    assert torch.equal(compute[:-1].view(torch.int16), want[:-1].view(torch.int16))
+    assert int(compute[-1:].view(torch.int16)) == 0x7FC0
+    assert torch.equal(compute[:4].float(), torch.tensor([1.0, 1.0 + 4 * 2**-8, -1.0, 2**-130]))  # to even
+
+
+# -- on a GPU (tests/conftest.py skips these without CUDA) -------------------------------------------
+
+
+def _cuda_fused_step(master, grad, avg, sq, step, lr, weight_decay, scale):
+    """torch's fused AdamW (the kernel FlatAdamW's torch path runs) on copies: (master, exp_avg, exp_avg_sq)."""
+    ref = nn.Parameter(master.clone())
+    ref.grad = grad.clone()
+    fused = torch.optim.AdamW([ref], lr=lr.clone(), betas=BETAS, eps=EPS, weight_decay=weight_decay, fused=True,
+                              capturable=True)
+    fused.state[ref] = {"step": step.clone(), "exp_avg": avg.clone(), "exp_avg_sq": sq.clone()}
+    fused.grad_scale = scale
+    fused.step()
+    state = fused.state[ref]
+    return ref.detach(), state["exp_avg"], state["exp_avg_sq"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scaled", [False, True], ids=["unscaled", "scaled"])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_cuda_fp32_moments_are_within_an_ulp_of_torchs_fused_adamw(scaled, weight_decay):
+    """Per step from the same inputs (the fused kernel's results carried on): masters and both moments
+    at most 1 fp32 ulp from torch's fused AdamW (the module docstring's claim: the same operations in
+    the same order; only the compilers' FMA contractions may differ, and then an element differs only
+    where its fp64 value lies within an fp64 ulp of an fp32 rounding boundary, about 2^-29 of them):
+    at most 10 of the 15.7 M values compared differ."""
+    from disagmoe.kernels.adamw import adamw_update
+
+    n = (1 << 20) + 123
+    master, (avg, sq), grad = _inputs(n, 6, torch.float32, "cuda")
+    lr, hyper = _scalars(weight_decay, "cuda")
+    scale = torch.tensor(1.75, device="cuda") if scaled else None
+    step, differing = torch.zeros((), device="cuda"), 0
+    for count in range(5):
+        g = grad(count)
+        want = _cuda_fused_step(master, g, avg, sq, step, lr, weight_decay, scale)
+        adamw_update(master, g, avg, sq, step, lr, hyper, scale)
+        for got, expected in zip((master, avg, sq), want, strict=True):
+            apart = _ulps(got, expected)
+            assert int(apart.max()) <= 1, count
+            differing += int((apart > 0).sum())
+            got.copy_(expected)  # the next step from the same inputs
+        step += 1
+    assert differing <= 10, differing
+
+
+@pytest.mark.gpu
+def test_cuda_bf16_moments_are_within_an_ulp_of_the_rounded_moment_step():
+    """Against `adamw_chunk` on CUDA (FlatAdamW's torch path with bf16 moments: torch's fused kernel on fp32
+    copies, rounded back), per step from the same inputs: masters within 1 fp32 ulp, moments within 1
+    bf16 ulp (fp32 moments an ulp apart may round to neighbouring bf16 values); the compute copy is
+    the new master's cast, bit for bit."""
+    from disagmoe.kernels.adamw import adamw_update
+    from disagmoe.runtime.state.flat_adamw import adamw_chunk
+
+    n = (1 << 20) + 5
+    master, (avg, sq), grad = _inputs(n, 7, torch.bfloat16, "cuda")
+    lr, hyper = _scalars(0.1, "cuda")
+    group = {"betas": BETAS, "lr": lr, "weight_decay": 0.1, "eps": EPS}
+    scale, step = torch.tensor(1.5, device="cuda"), torch.zeros((), device="cuda")
+    compute = torch.empty(n, dtype=torch.bfloat16, device="cuda")
+    for count in range(4):
+        g = grad(count)
+        want = [master.clone(), avg.clone(), sq.clone()]
+        adamw_chunk(group, want[0], g, want[1], want[2], step, scale, None)
+        adamw_update(master, g, avg, sq, step, lr, hyper, scale, None, compute)
+        assert torch.equal(compute, master.to(torch.bfloat16)), count
+        for got, expected in zip((master, avg, sq), want, strict=True):
+            assert int(_ulps(got, expected).max()) <= 1, count
+            got.copy_(expected)
+        step += 1
