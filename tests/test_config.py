@@ -192,6 +192,20 @@ def test_offload_optimizer_is_off_by_default_and_refused_where_it_cannot_apply(t
         cfg.load_train_config(path, ["optim.offload_optimizer=true"])
 
 
+def test_the_update_kernel_is_torch_by_default_and_takes_triton(tmp_path):
+    """optim.update_kernel: torch unless set (flipped after a GPU measurement); triton loads from YAML
+    and overrides; anything else is refused, naming the choices."""
+    path = tmp_path / "t.yaml"
+    path.write_text(yaml.safe_dump({"model": "tiny", "optim": {"update_kernel": "triton"}}))
+    assert cfg.OptimConfig().update_kernel == "torch"
+    assert cfg.load_train_config(path).optim.update_kernel == "triton"
+    assert cfg.load_train_config(path, ["optim.update_kernel=torch"]).optim.update_kernel == "torch"
+    with pytest.raises(ValueError, match="update_kernel"):
+        cfg.load_train_config(path, ["optim.update_kernel=cuda"])
+    with pytest.raises(ValueError, match="update_kernel"):  # an optim key, not a run setting
+        cfg.load_train_config(path, ["update_kernel=triton"])
+
+
 def test_fp8_dense_follows_precision_fp8_and_is_refused_without_it():
     base = dict(model="tiny", device="cuda", experts_backend="triton")
     assert cfg.TrainConfig(precision="fp8", **base).dense_precision == "fp8"

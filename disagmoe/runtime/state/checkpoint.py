@@ -446,13 +446,15 @@ def check_compatible(manifest: dict[str, Any], model_cfg: ModelConfig, directory
 
 
 # Settings a resume may change, with a warning: the run goes on, but not as the checkpoint's run would
-# have (optim.shard_states is layout, not the step: it is left out).
+# have (optim.shard_states is layout and optim.update_kernel the kernel of the same update, at most an
+# fp32 ulp apart: they are left out).
 TRAINING_FIELDS = ("seed", "batch_size", "seq_len")
+NOT_THE_STEP = ("shard_states", "update_kernel")
 
 
 def training_settings(cfg: TrainConfig) -> dict[str, Any]:
     """What a checkpoint's manifest records of the run that wrote it (`training`)."""
-    optim = {f"optim.{k}": v for k, v in cfg.optim.model_dump(mode="json").items() if k != "shard_states"}
+    optim = {f"optim.{k}": v for k, v in cfg.optim.model_dump(mode="json").items() if k not in NOT_THE_STEP}
     return {**{k: getattr(cfg, k) for k in TRAINING_FIELDS}, **optim}
 
 

@@ -30,7 +30,13 @@ One step, from the caller's side (nothing here waits on the host):
     ... the caller reduces `bucket.grad_N` (all-reduce) or `opt.reduce_scatter(...)` (ZeRO-1)
     squares = opt.grad_squares(...)        per bucket, on the device
     opt.set_lr(lr)                         the step's learning rate into the device scalar `opt.lr`
-    opt.step(clip_coef=...)                one fused AdamW per bucket, then masters -> parameters
+    opt.step(clip_coef=...)                one AdamW update per bucket, then masters -> parameters
+
+Update kernel (`optim.update_kernel`, CUDA buckets): torch's fused AdamW, then the masters copied into
+the parameters (bf16 moments: `_step_rounded_moments`), or `kernels.adamw`: one Triton pass per bucket
+over master, gradient and moments that writes the parameters too (the same arithmetic, in torch's
+order, at most an fp32 ulp apart). The moments stay in the inner AdamW's state either way, so
+checkpoints, and a resume with the other kernel, see one format. CPU buckets take torch's path.
 
 The learning rate is a device tensor (`opt.lr`), not a host float: every inner AdamW holds that one
 tensor as its `lr` and the kernels read it from device memory, so a CUDA graph of `step` replays with
@@ -107,6 +113,7 @@ class Bucket:
     shard: Shard | None = None
     grad_S: torch.Tensor | None = None  # sharded: this slice's reduced gradient
     inner: torch.optim.AdamW | None = field(default=None, repr=False)  # bf16 moments: holds the state only
+    hyper_4: torch.Tensor | None = None  # optim.update_kernel triton: fp64 (beta1, beta2, weight_decay, eps)
 
     @property
     def numel(self) -> int:
@@ -227,6 +234,9 @@ class FlatAdamW:
         cuda = device.type == "cuda" and not host
         bucket.inner = torch.optim.AdamW([master], lr=self.lr, betas=(self.optim.beta1, self.optim.beta2),
                                          eps=self.optim.eps, weight_decay=weight_decay, fused=cuda, capturable=cuda)
+        if self.optim.update_kernel == "triton":  # made here: a host-to-device copy has no place in a captured step
+            bucket.hyper_4 = torch.tensor([self.optim.beta1, self.optim.beta2, weight_decay, self.optim.eps],
+                                          dtype=torch.float64, device=device)
         return bucket
 
     # -- gradients -----------------------------------------------------------------------------
@@ -257,9 +267,10 @@ class FlatAdamW:
     def step(self, *, clip_coef: torch.Tensor | None = None, skip: torch.Tensor | None = None) -> None:
         """AdamW at the learning rate `self.lr` (`set_lr`) on every bucket with gradients scaled by
         `clip_coef` (a device scalar, <= 1), then the updated masters into the compute parameters
-        (all-gathered where sharded). `skip` (a CUDA fp32 scalar, 1.0 or 0.0): where 1, the fused
-        kernels leave masters, moments and step counts as they were (torch's `found_inf`, as
-        GradScaler uses it), decided on the device: no host wait. CUDA only (the fused kernels)."""
+        (all-gathered where sharded; the Triton update writes an unsharded bucket's itself). `skip` (a
+        CUDA fp32 scalar, 1.0 or 0.0): where 1, the fused kernels (torch's or the Triton update) leave
+        masters, moments and step counts as they were (torch's `found_inf`, as GradScaler uses it),
+        decided on the device: no host wait. CUDA only (the fused kernels)."""
         inverse = None if clip_coef is None else (1.0 / clip_coef).float()  # the fused kernels' grad_scale
         if skip is not None and not self.lr.is_cuda:
             raise ValueError("FlatAdamW.step(skip=...) runs in the fused CUDA kernels; on the CPU pass skip=None")
@@ -272,25 +283,69 @@ class FlatAdamW:
             master = inner.param_groups[0]["params"][0]
             if skip is not None and not master.is_cuda:
                 raise ValueError("FlatAdamW.step(skip=...) runs in the fused CUDA kernels; on the CPU pass skip=None")
-            master.grad = b.step_grad()
-            if clip_coef is not None:
-                if master.is_cuda:  # the fused kernel divides by grad_scale in registers
-                    inner.grad_scale = inverse
-                else:
-                    master.grad.mul_(clip_coef.to(master.grad.dtype))
-            if self.state_dtype == torch.float32:
-                inner.found_inf = skip
-                inner.step()
+            if self._uses_update_kernel(b):
+                fresh_copy = self._step_in_one_pass(b, master, inverse, skip)
             else:
-                self._step_rounded_moments(b, master, inverse, skip)
-            inner.grad_scale = inner.found_inf = None
-            master.grad = None
+                self._step_torch(b, master, clip_coef, inverse, skip)
+                fresh_copy = False
             with torch.no_grad():
                 if b.shard is not None:
                     _all_gather(b.compute_N, b.master_S.to(self.compute_dtype, copy=True), group=b.shard.group)
-                elif b.master_S is not b.compute_N:
+                elif b.master_S is not b.compute_N and not fresh_copy:
                     b.compute_N.copy_(b.master_S)
         self.steps_taken += 1
+
+    def _uses_update_kernel(self, b: Bucket) -> bool:
+        """Whether `step` updates `b` with the one-pass Triton kernel: `optim.update_kernel: triton` and
+        the bucket's masters on a GPU (offloaded buckets take `_step_offloaded`, CPU ones torch's path)."""
+        return self.optim.update_kernel == "triton" and b.master_S.is_cuda
+
+    def _step_torch(self, b: Bucket, master: torch.Tensor, clip_coef: torch.Tensor | None,
+                    grad_scale: torch.Tensor | None, skip: torch.Tensor | None) -> None:
+        """torch's AdamW on `b`'s masters (`optim.update_kernel: torch`, and every CPU bucket): fused on
+        CUDA (dividing the gradient by `grad_scale`, its 1 / clip_coef), with bf16 moments through fp32
+        copies (`_step_rounded_moments`); on the CPU the gradient is scaled by `clip_coef` first."""
+        inner = b.inner
+        master.grad = b.step_grad()
+        if clip_coef is not None:
+            if master.is_cuda:  # the fused kernel divides by grad_scale in registers
+                inner.grad_scale = grad_scale
+            else:
+                master.grad.mul_(clip_coef.to(master.grad.dtype))
+        if self.state_dtype == torch.float32:
+            inner.found_inf = skip
+            inner.step()
+        else:
+            self._step_rounded_moments(b, master, grad_scale, skip)
+        inner.grad_scale = inner.found_inf = None
+        master.grad = None
+
+    def _step_in_one_pass(self, b: Bucket, master: torch.Tensor, grad_scale: torch.Tensor | None,
+                          skip: torch.Tensor | None) -> bool:
+        """`optim.update_kernel: triton`: `kernels.adamw.adamw_update` on `b`'s masters, moments (either
+        dtype, in the inner AdamW's state where checkpoints read them) and, unsharded with a separate
+        compute copy, the compute parameters in the same pass; then the step is counted. Returns
+        whether the compute copy was written (a sharded bucket's is all-gathered by the caller)."""
+        from disagmoe.kernels.adamw import adamw_update  # triton: imported where a GPU bucket first needs it
+
+        state = self._moments(b, master)
+        compute = b.compute_N if b.shard is None and b.compute_N is not b.master_S else None
+        with torch.no_grad():
+            adamw_update(b.master_S, b.step_grad(), state["exp_avg"], state["exp_avg_sq"], state["step"], self.lr,
+                         b.hyper_4, grad_scale, skip, compute)
+            count_step(state, skip)
+        return compute is not None
+
+    def _moments(self, b: Bucket, master: torch.Tensor) -> dict[str, torch.Tensor]:
+        """`b`'s AdamW state, started as torch's AdamW starts a parameter's (a zero fp32 step count on the
+        master's device, CPU for a CPU one) with zero moments in the moments' dtype."""
+        state = b.inner.state[master]
+        if not state:
+            step_device = master.device if master.is_cuda else torch.device("cpu")
+            state.update(step=torch.zeros((), dtype=torch.float32, device=step_device),
+                         exp_avg=torch.zeros_like(master, dtype=self.state_dtype),
+                         exp_avg_sq=torch.zeros_like(master, dtype=self.state_dtype))
+        return state
 
     def _offloaded_state(self, b: Bucket) -> dict[str, torch.Tensor]:
         """An offloaded bucket's AdamW state: moments in (pinned) host memory, the step on the device."""
@@ -356,12 +411,7 @@ class FlatAdamW:
         dividing the gradient by `grad_scale` there; the CPU caller has scaled it already). Then
         the new moments are rounded back to nearest-even. Deterministic: no random rounding. `skip`
         as `step`'s: the kernel leaves the chunk's moments (rounded back unchanged) and master."""
-        state = b.inner.state[master]
-        if not state:  # as torch's AdamW starts a parameter's state, in the moments' dtype
-            step_device = master.device if master.is_cuda else torch.device("cpu")
-            state.update(step=torch.zeros((), dtype=torch.float32, device=step_device),
-                         exp_avg=torch.zeros_like(master, dtype=self.state_dtype),
-                         exp_avg_sq=torch.zeros_like(master, dtype=self.state_dtype))
+        state = self._moments(b, master)
         group, grad = b.inner.param_groups[0], master.grad
         with torch.no_grad():
             for start in range(0, master.numel(), MOMENT_CHUNK):

@@ -572,3 +572,171 @@ def test_the_on_device_and_offloaded_steps_share_one_chunk_update(moments) -> No
     for a, b, c in zip(whole, chunked, expected, strict=True):
         assert a.dtype == c.dtype and torch.equal(a, b) and torch.equal(a, c)
     assert float(step) == 3.0  # the caller counts the step (`count_step`), once per bucket
+
+
+# -- optim.update_kernel: triton (the one-pass kernel, disagmoe/kernels/adamw.py) --------------------------
+
+
+def _with_kernel(optim: OptimConfig, kernel: str = "triton") -> OptimConfig:
+    return optim.model_copy(update={"update_kernel": kernel})
+
+
+@pytest.mark.parametrize("optim", [OPTIM, BF16], ids=["fp32-moments", "bf16-moments"])
+def test_the_triton_update_kernel_takes_torchs_path_on_the_cpu(optim: OptimConfig) -> None:
+    """On the CPU `update_kernel: triton` changes nothing: torch's path runs, bit for bit."""
+    runs = []
+    for kernel in ("torch", "triton"):
+        model = _model().to(torch.bfloat16)
+        runs.append((FlatAdamW(model.named_parameters(), _with_kernel(optim, kernel), torch.bfloat16), model))
+    assert not any(runs[1][0]._uses_update_kernel(b) for b in runs[1][0].buckets)
+    assert all(b.hyper_4.dtype == torch.float64 for b in runs[1][0].buckets)
+    _step_alike(runs, range(3), lambda step: optim.lr)
+    (torch_run, _), (triton_run, _) = runs
+    for a, b in zip(torch_run.buckets, triton_run.buckets, strict=True):
+        assert torch.equal(a.master_S, b.master_S) and torch.equal(a.compute_N, b.compute_N)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16-compute", "fp32-compute"])
+@pytest.mark.parametrize("optim", [OPTIM, BF16], ids=["fp32-moments", "bf16-moments"])
+def test_the_update_kernel_steps_every_bucket_in_one_pass(interpreted, monkeypatch, optim, dtype) -> None:
+    """FlatAdamW with the kernel (made to run on CPU tensors, under Triton's interpreter) over 3 steps
+    with a clip: each bucket's masters and moments (in the inner AdamW's state, in the moments'
+    dtype) are `adamw_reference`'s from the step's inputs, bit for bit; the compute copy is the
+    masters' bf16 cast; each step is counted once; the checkpoint form loads into a torch-kernel run, which then steps
+    from the same state."""
+    adamw = interpreted("disagmoe.kernels.adamw")
+    monkeypatch.setattr(FlatAdamW, "_uses_update_kernel", lambda self, b: True)
+    model = _model().to(dtype)
+    flat = FlatAdamW(model.named_parameters(), _with_kernel(optim), dtype)
+    coef = torch.tensor(0.5)
+    for step in range(3):
+        flat.zero_grad()
+        _loss(model, step, 0).backward()
+        before = []
+        for b in flat.buckets:
+            state = flat._moments(b, b.inner.param_groups[0]["params"][0])
+            before.append([b.master_S.detach().clone(), state["exp_avg"].clone(), state["exp_avg_sq"].clone(),
+                           state["step"].clone(), b.grad_N.clone()])
+        flat.set_lr(optim.lr)
+        flat.step(clip_coef=coef)
+        for b, state, (master, avg, sq, count, grad) in zip(flat.buckets, _moments(flat), before, strict=True):
+            adamw.adamw_reference(master, grad, avg, sq, count, flat.lr, b.hyper_4, (1.0 / coef).float())
+            assert torch.equal(b.master_S, master), (step, b.name)
+            assert state["exp_avg"].dtype == flat.state_dtype
+            assert torch.equal(state["exp_avg"], avg) and torch.equal(state["exp_avg_sq"], sq), (step, b.name)
+            assert float(state["step"]) == step + 1
+            if dtype == torch.bfloat16:
+                assert torch.equal(b.compute_N, b.master_S.to(torch.bfloat16)), (step, b.name)
+            else:
+                assert b.compute_N is b.master_S
+    masters, state = flat.masters_by_name(), flat.state_by_name()
+    other = _model(seed=1).to(dtype)
+    resumed = FlatAdamW(other.named_parameters(), optim, dtype)
+    resumed.load_state(masters, state)
+    assert resumed.state_by_name().keys() == state.keys()
+    for a, b in zip(flat.buckets, resumed.buckets, strict=True):
+        assert torch.equal(a.master_S, b.master_S) and torch.equal(a.compute_N, b.compute_N)
+    for live, loaded in zip(_moments(flat), _moments(resumed), strict=True):
+        assert all(torch.equal(live[k], loaded[k]) for k in ("step", "exp_avg", "exp_avg_sq"))
+
+
+def _gpu_pair(optim: OptimConfig):
+    """Two FlatAdamW (bf16 compute, CUDA) of the same model: torch's update kernel, and triton."""
+    pair = []
+    for kernel in ("torch", "triton"):
+        model = _model().to("cuda", torch.bfloat16)
+        pair.append(FlatAdamW(model.named_parameters(), _with_kernel(optim, kernel), torch.bfloat16))
+    return pair
+
+
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> int:
+    """The largest |a - b| in units in the last place of their dtype (fp32 or bf16)."""
+    bits, sign = {torch.float32: (torch.int32, 0x7FFFFFFF), torch.bfloat16: (torch.int16, 0x7FFF)}[a.dtype]
+
+    def ordered(x: torch.Tensor) -> torch.Tensor:
+        i = x.view(bits).long()
+        return torch.where(i < 0, -(i & sign), i)
+
+    return int((ordered(a) - ordered(b)).abs().max())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("optim", [OPTIM, BF16], ids=["fp32-moments", "bf16-moments"])
+def test_cuda_the_triton_update_is_within_an_ulp_of_torchs(optim: OptimConfig) -> None:
+    """Per step from the same state and gradients (the triton run re-seated on the torch run's state
+    after each comparison), with a clip: the masters at most 1 fp32 ulp from torch's path (fused AdamW;
+    with bf16 moments `_step_rounded_moments`), the moments 1 ulp of their dtype, the step counts equal,
+    and the compute copy the masters' bf16 cast bit for bit (written by the kernel, no copy pass)."""
+    torch_run, triton_run = _gpu_pair(optim)
+    assert all(triton_run._uses_update_kernel(b) for b in triton_run.buckets)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for step in range(4):
+        coef = torch.tensor(0.5, device="cuda")
+        for a, b in zip(torch_run.buckets, triton_run.buckets, strict=True):
+            grad = torch.randn(a.grad_N.shape, device="cuda", generator=gen) * 1e-2
+            a.grad_N.copy_(grad)
+            b.grad_N.copy_(grad)
+        for flat in (torch_run, triton_run):
+            flat.set_lr(optim.lr)
+            flat.step(clip_coef=coef)
+        for a, b, sa, sb in zip(torch_run.buckets, triton_run.buckets, _moments(torch_run), _moments(triton_run),
+                                strict=True):
+            assert torch.equal(b.compute_N, b.master_S.to(torch.bfloat16)), (step, b.name)
+            assert _ulps(b.master_S, a.master_S) <= 1, (step, b.name)
+            for k in ("exp_avg", "exp_avg_sq"):
+                assert sb[k].dtype == sa[k].dtype and _ulps(sb[k], sa[k]) <= 1, (step, b.name, k)
+            assert torch.equal(sa["step"], sb["step"]) and float(sb["step"]) == step + 1
+            with torch.no_grad():  # the next step from the same state
+                b.master_S.copy_(a.master_S)
+                b.compute_N.copy_(a.compute_N)
+                for k in ("exp_avg", "exp_avg_sq"):
+                    sb[k].copy_(sa[k])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])
+def test_cuda_a_captured_triton_step_replays_the_eager_steps_bit_for_bit(state_dtype: str) -> None:
+    """`step(clip_coef, skip)` with the triton kernel captured once in a CUDA graph (after an eager
+    warm-up step on a side stream, as GraphedStep does), replayed with new gradients, clip
+    coefficients, skip flags and learning rates written outside the graph: masters, compute
+    copies, moments and step counts equal those of the same steps run eagerly, bit for bit (one of
+    them skipped)."""
+    optim = _with_kernel(OPTIM.model_copy(update={"state_dtype": state_dtype}))
+    runs = []
+    for _ in range(2):
+        model = _model().to("cuda", torch.bfloat16)
+        runs.append(FlatAdamW(model.named_parameters(), optim, torch.bfloat16))
+    eager, graphed = runs
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    grads = [[torch.randn(b.grad_N.shape, device="cuda", generator=gen) * 1e-2 for b in eager.buckets]
+             for _ in range(4)]
+    coefs, skips, lrs = [0.5, 0.75, 1.0, 0.25], [0.0, 0.0, 1.0, 0.0], [1e-2, 5e-3, 2e-3, 1e-3]
+    coef, skip = torch.zeros((), device="cuda"), torch.zeros((), device="cuda")  # the graph's static inputs
+
+    def load(flat: FlatAdamW, i: int) -> None:
+        for b, g in zip(flat.buckets, grads[i], strict=True):
+            b.grad_N.copy_(g)
+        coef.fill_(coefs[i])
+        skip.fill_(skips[i])
+        flat.set_lr(lrs[i])
+
+    for i in range(4):
+        load(eager, i)
+        eager.step(clip_coef=coef.clone(), skip=skip.clone())
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # the warm-up: compiles the kernel, makes the state
+        load(graphed, 0)
+        graphed.step(clip_coef=coef, skip=skip)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graphed.step(clip_coef=coef, skip=skip)
+    for i in range(1, 4):
+        load(graphed, i)
+        graph.replay()
+    torch.cuda.synchronize()
+    for a, b, sa, sb in zip(eager.buckets, graphed.buckets, _moments(eager), _moments(graphed), strict=True):
+        assert torch.equal(a.master_S, b.master_S) and torch.equal(a.compute_N, b.compute_N), a.name
+        assert all(torch.equal(sa[k], sb[k]) for k in ("step", "exp_avg", "exp_avg_sq")), a.name
+        assert float(sb["step"]) == 3
