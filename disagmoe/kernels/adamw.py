@@ -8,9 +8,9 @@ new master (what `compute_N.copy_(master_S)` wrote in a second pass). Bytes per 
     fp32      master 4, grad 4, m 4, v 4 = 16  master 4, m 4, v 4 = 12, + 2 compute copy
     bf16      master 4, grad 4, m 2, v 2 = 12  master 4, m 2, v 2 = 8,  + 2 compute copy
 
-(torch's fused AdamW then the copy: 20 read, 18 written with a clip, which it writes the scaled
-gradient back for; with bf16 moments the fp32 copies of the moments add 24 read and 24 written.)
-The main gradient is not written: nothing reads it after the step but the next zero_grad.
+(torch's fused AdamW then the copy: 20 read, 18 written with a clip, for which it writes the
+scaled gradient back; with bf16 moments, through fp32 copies of them: 32 read, 30 written.) The
+main gradient is not written here: nothing reads it after the step but the next zero_grad.
 
 Arithmetic: `_adam_math` of torch's fused CUDA kernel (aten/src/ATen/native/cuda/fused_adam_utils.cuh,
 ADAMW mode), step by step: elements are fp32 ("opmath") values, the hyperparameters doubles, so
@@ -23,13 +23,17 @@ update uses) rounded to nearest-even, what `_step_rounded_moments` did with torc
 fp32 copies and `tensor.copy_`; the compute copy is rounded the same way (bit arithmetic, so the
 interpreter rounds as the GPU does).
 
-Equality with torch's fused kernel, on the GPU: the operations and their order are the same, and
-both compilers may contract an fp64 multiply-add into an FMA. If they contract the same pairs the
-results are bit-identical; where they differ, an fp64 result differs in its last bit and the fp32
-value rounded from it by at most 1 ulp, on the rare element whose fp64 value lies within an fp64
-ulp of an fp32 rounding boundary. The claim is at most 1 fp32 ulp per step (masters, moments);
-the GPU test that checks it (tests/kernels/test_adamw.py, marked gpu) has not run yet. In
-Triton's CPU interpreter (no FMA, no libdevice) the kernel equals `adamw_reference` bit for bit.
+Equality with torch's fused kernel, on the GPU: the operations and their order are the same. Two
+things may still differ: both compilers contract an fp64 multiply-add into an FMA (Triton here:
+fma(beta1, m, (1 - beta1) g), fma(beta2, v, (1 - beta2) g g), fma(-lr wd, p, p), ptxas sm_90a),
+and if nvcc pairs them otherwise an fp64 result differs in its last bit; and the fp64 pow is
+libdevice's __nv_pow here and the CUDA math library's pow of torch's build there (the same
+function, perhaps of another CUDA version). Either changes an fp32 value only where the fp64 one
+lies within an fp64 ulp of an fp32 rounding boundary (about 2^-29 of elements), and then by one
+ulp. The claim: at most 1 fp32 ulp per step on masters and moments, expected bit-identical on
+nearly every element; the GPU tests that check it (tests/kernels/test_adamw.py, marked gpu) have
+not run yet. In Triton's CPU interpreter (no FMA; C's pow) the kernel equals `adamw_reference`
+bit for bit.
 
 `skip` (an fp32 device scalar, torch's found_inf): where exactly 1.0 nothing is read or written.
 The step count is read, never written: the caller counts it (`flat_adamw.count_step`). Nothing

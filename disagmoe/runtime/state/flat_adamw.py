@@ -235,8 +235,9 @@ class FlatAdamW:
         bucket.inner = torch.optim.AdamW([master], lr=self.lr, betas=(self.optim.beta1, self.optim.beta2),
                                          eps=self.optim.eps, weight_decay=weight_decay, fused=cuda, capturable=cuda)
         if self.optim.update_kernel == "triton":  # made here: a host-to-device copy has no place in a captured step
-            bucket.hyper_4 = torch.tensor([self.optim.beta1, self.optim.beta2, weight_decay, self.optim.eps],
-                                          dtype=torch.float64, device=device)
+            from disagmoe.kernels.adamw import hyperparameters  # triton: only for runs that ask for its kernel
+
+            bucket.hyper_4 = hyperparameters(self.optim.beta1, self.optim.beta2, weight_decay, self.optim.eps, device)
         return bucket
 
     # -- gradients -----------------------------------------------------------------------------
