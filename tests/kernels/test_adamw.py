@@ -233,6 +233,9 @@ def _cuda_fused_step(master, grad, avg, sq, step, lr, weight_decay, scale):
 
 
 @pytest.mark.gpu
+@pytest.mark.xfail(strict=True, reason="on an H200 (2026-12-03) up to 2048 fp32 ulps from torch's fused AdamW at the "
+                   "first step (512 with a grad scale), not the 1 claimed; cause not found yet: the assertion prints "
+                   "the worst element")
 @pytest.mark.parametrize("scaled", [False, True], ids=["unscaled", "scaled"])
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
 def test_cuda_fp32_moments_are_within_an_ulp_of_torchs_fused_adamw(scaled, weight_decay):
@@ -252,9 +255,11 @@ def test_cuda_fp32_moments_are_within_an_ulp_of_torchs_fused_adamw(scaled, weigh
         g = grad(count)
         want = _cuda_fused_step(master, g, avg, sq, step, lr, weight_decay, scale)
         adamw_update(master, g, avg, sq, step, lr, hyper, scale)
-        for got, expected in zip((master, avg, sq), want, strict=True):
+        for name, got, expected in zip(("master", "exp_avg", "exp_avg_sq"), (master, avg, sq), want, strict=True):
             apart = _ulps(got, expected)
-            assert int(apart.max()) <= 1, count
+            worst = int(apart.argmax())
+            assert int(apart.max()) <= 1, (count, name, worst, int(apart.max()), float(got[worst]),
+                                           float(expected[worst]), float(g[worst]), int((apart > 1).sum()))
             differing += int((apart > 0).sum())
             got.copy_(expected)  # the next step from the same inputs
         step += 1
@@ -262,6 +267,8 @@ def test_cuda_fp32_moments_are_within_an_ulp_of_torchs_fused_adamw(scaled, weigh
 
 
 @pytest.mark.gpu
+@pytest.mark.xfail(strict=True, reason="failed on an H200 (2026-12-03) beside the fp32 test above (more than 1 ulp from "
+                   "the rounded-moment step); cause not found yet")
 def test_cuda_bf16_moments_are_within_an_ulp_of_the_rounded_moment_step():
     """Against `adamw_chunk` on CUDA (FlatAdamW's torch path with bf16 moments: torch's fused kernel on fp32
     copies, rounded back), per step from the same inputs: masters within 1 fp32 ulp, moments within 1

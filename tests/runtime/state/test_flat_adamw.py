@@ -661,6 +661,8 @@ def _ulps(a: torch.Tensor, b: torch.Tensor) -> int:
 
 
 @pytest.mark.gpu
+@pytest.mark.xfail(strict=True, reason="on an H200 (2026-12-03) the masters were 2 fp32 ulps from torch's path at the first "
+                   "step, not 1 (the kernel's own gpu test found up to 2048 ulps: kernels.adamw stays opt-in)")
 @pytest.mark.parametrize("optim", [OPTIM, BF16], ids=["fp32-moments", "bf16-moments"])
 def test_cuda_the_triton_update_is_within_an_ulp_of_torchs(optim: OptimConfig) -> None:
     """Per step from the same state and gradients (the triton run re-seated on the torch run's state
