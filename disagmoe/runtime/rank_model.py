@@ -91,15 +91,7 @@ class RankModel(nn.Module):
     def moe_blocks(self) -> list[MoEBlock]:
         return [b for b in self.layers.values() if isinstance(b, MoEBlock)]
 
-    def materialise(self, device: torch.device, seed: int) -> RankModel:
-        """Allocate the meta tensors on `device` and initialise them like the full model."""
-        for block in self.moe_blocks:  # the router keeps its fp32 bias through casts: give it one
-            router = block.moe.router
-            if router.expert_bias is not None:
-                router.expert_bias = torch.zeros(router.expert_bias.shape, device=device)
-        self.to_empty(device=device)
-        self.init_weights(seed)
-        return self
+    materialise = MoETransformer.materialise  # allocated on a device, initialised like the full model
 
     @property
     def device(self) -> torch.device:

@@ -592,3 +592,19 @@ def test_offloaded_optimizer_takes_the_same_steps_and_resumes_across_offload(tmp
                         checkpoint_dir(resumed_dir / CHECKPOINTS_DIR, 3))
         train_single(runs[not saved].model_copy(update={"out_dir": str(resumed_dir), "resume": True}))
         assert [r["loss"] for r in read_metrics(resumed_dir / METRICS_FILE)] == losses[saved][3:]
+
+
+def test_the_single_trainer_builds_on_meta_and_initialises_as_the_model_does(tmp_path):
+    """The trainer allocates its model where it runs and draws each tensor once: the parameters and
+    buffers equal a model built and initialised on the CPU with the run's seed, bit for bit."""
+    from disagmoe.runtime.training.trainer import SingleProcessTrainer
+
+    cfg = tiny_run(tmp_path, seed=7, model=load_model("tiny").model_copy(
+        update={"router": load_model("tiny").router.model_copy(update={"bias_balancing": True})}))
+    trainer = SingleProcessTrainer(cfg)
+    reference = MoETransformer(cfg.model)
+    reference.init_weights(7)
+    got, want = dict(trainer.model.state_dict()), dict(reference.state_dict())
+    assert got.keys() == want.keys() and any("expert_bias" in k for k in got)
+    for name, tensor in want.items():
+        assert torch.equal(got[name].float(), tensor.float()), name
