@@ -563,8 +563,8 @@ class OptimConfig(StrictModel):
         "through the same kernel and are rounded back). triton (kernels/adamw.py): one pass per bucket that reads the "
         "fp32 master and gradient and both moments and writes the master, the moments in their dtype and the bf16 "
         "parameters: 30 bytes per parameter with fp32 moments, 22 with bf16, against torch's 38 and 62; the same "
-        "arithmetic as torch's fused kernel, in its order, yet on an H200 up to 2048 fp32 ulps from it at the first step "
-        "(cause not found: kept opt-in); the Qwen3 config's step 473.4 -> 463.5 ms with it (docs/benchmarks.md). "
+        "arithmetic as torch's fused kernel, in its order (its GPU comparison, bounded in ulps of the operands, not yet "
+        "run: kept opt-in); the Qwen3 config's step 473.4 -> 463.5 ms with it (docs/benchmarks.md). "
         "CUDA buckets only: on the CPU, offloaded (offload_optimizer) and under precision fp32's reference AdamW, "
         "torch's path runs whatever this says")
 

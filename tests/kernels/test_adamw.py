@@ -56,6 +56,14 @@ def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (ordered(a) - ordered(b)).abs()
 
 
+def _apart_in_operand_ulps(got: torch.Tensor, want: torch.Tensor, operands: torch.Tensor) -> torch.Tensor:
+    """|got - want| in half-ulps of `operands` (the magnitude of what the last operation combined,
+    e.g. |master before| + |update|): a raw ulp count of the result is no bound where a master and
+    its update nearly cancel (a master of 1e-3 moved by 1e-3: one ulp of the update is 30 ulps of
+    the result)."""
+    return (got.double() - want.double()).abs() / (HALF_ULP * operands.double()).clamp_min(2.0**-149)
+
+
 @pytest.mark.parametrize("n", [1, 1000])  # 1000 at block 256: four blocks, the last ragged, over 3 programs
 @pytest.mark.parametrize("copy", [False, True], ids=["no-copy", "copy"])
 @pytest.mark.parametrize("scaled", [False, True], ids=["unscaled", "scaled"])
@@ -216,6 +224,34 @@ def test_the_compute_copy_rounds_as_torchs_cast(kernel):
     assert torch.equal(compute[:4].float(), torch.tensor([1.0, 1.0 + 4 * 2**-8, -1.0, 2**-130]))  # to even
 
 
+def test_raw_ulps_of_a_cancelling_master_are_no_bound():
+    """torch's own CPU AdamW (fused and not) against the reference, one step from zero moments: the
+    masters are 64 raw ulps apart where a master of 9.5e-4 is moved by -9.8e-4 (the result 3e-5 has
+    ulps 30x finer than the update's), yet within 3 ulps of their operands everywhere (each of the
+    update's three fp32 roundings, step_size * m, / denom and denom, may differ by one); the moments
+    (no cancellation from zero) within 1 raw ulp."""
+    from disagmoe.kernels.adamw import adamw_reference
+
+    n = 200_000
+    gen = torch.Generator().manual_seed(6)
+    master = torch.randn(n, generator=gen)
+    g = torch.randn(n, generator=gen) * torch.logspace(-6, 0, n)[torch.randperm(n, generator=gen)]
+    lr, hyper = _scalars(0.0)
+    mine = [master.clone(), torch.zeros(n), torch.zeros(n)]
+    adamw_reference(mine[0], g, mine[1], mine[2], torch.zeros(()), lr, hyper)
+    for fused in (True, False):
+        ref = nn.Parameter(master.clone())
+        ref.grad = g.clone()
+        opt = torch.optim.AdamW([ref], lr=float(lr), betas=BETAS, eps=EPS, weight_decay=0.0, fused=fused,
+                                foreach=None if fused else False)
+        opt.step()
+        state = opt.state[ref]
+        assert int(_ulps(mine[0], ref.detach()).max()) > 8  # raw ulps: cancellation
+        apart = _apart_in_operand_ulps(mine[0], ref.detach(), master.abs() + (ref.detach() - master).abs())
+        assert float(apart.max()) <= 6.0  # measured 3.4 half-ulps: 3 ulps of the operands
+        assert int(_ulps(mine[1], state["exp_avg"]).max()) <= 1 and int(_ulps(mine[2], state["exp_avg_sq"]).max()) <= 1
+
+
 # -- on a GPU (tests/conftest.py skips these without CUDA) -------------------------------------------
 
 
@@ -233,17 +269,17 @@ def _cuda_fused_step(master, grad, avg, sq, step, lr, weight_decay, scale):
 
 
 @pytest.mark.gpu
-@pytest.mark.xfail(strict=True, reason="on an H200 (2026-12-03) up to 2048 fp32 ulps from torch's fused AdamW at the "
-                   "first step (512 with a grad scale), not the 1 claimed; cause not found yet: the assertion prints "
-                   "the worst element")
 @pytest.mark.parametrize("scaled", [False, True], ids=["unscaled", "scaled"])
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
 def test_cuda_fp32_moments_are_within_an_ulp_of_torchs_fused_adamw(scaled, weight_decay):
     """Per step from the same inputs (the fused kernel's results carried on): masters and both moments
-    at most 1 fp32 ulp from torch's fused AdamW (the module docstring's claim: the same operations in
-    the same order; only the compilers' FMA contractions may differ, and then an element differs only
-    where its fp64 value lies within an fp64 ulp of an fp32 rounding boundary, about 2^-29 of them):
-    at most 10 of the 15.7 M values compared differ."""
+    within 3 fp32 ulps of their operands from torch's fused AdamW (the master: of |master before| +
+    |update|; a moment: of beta |moment before| + (1 - beta) |its gradient term|), and at most 10 of the
+    15.7 M values compared differ at all (the module docstring: the same operations in the same
+    order; only the compilers' FMA contractions may differ). Measured in raw ulps of the result on an
+    H200 (2026-12-03) the masters were up to 2048 apart at the first step: near-zero masters whose
+    update cancels them, where torch's own CPU AdamW is 64 raw ulps from the reference too
+    (`test_raw_ulps_of_a_cancelling_master_are_no_bound`)."""
     from disagmoe.kernels.adamw import adamw_update
 
     n = (1 << 20) + 123
@@ -253,27 +289,32 @@ def test_cuda_fp32_moments_are_within_an_ulp_of_torchs_fused_adamw(scaled, weigh
     step, differing = torch.zeros((), device="cuda"), 0
     for count in range(5):
         g = grad(count)
+        master_before, avg_before, sq_before = master.clone(), avg.clone(), sq.clone()
         want = _cuda_fused_step(master, g, avg, sq, step, lr, weight_decay, scale)
         adamw_update(master, g, avg, sq, step, lr, hyper, scale)
-        for name, got, expected in zip(("master", "exp_avg", "exp_avg_sq"), (master, avg, sq), want, strict=True):
-            apart = _ulps(got, expected)
+        g_scaled = g / scale if scaled else g
+        operands = (master_before.abs() + (want[0] - master_before).abs(),
+                    BETAS[0] * avg_before.abs() + (1 - BETAS[0]) * g_scaled.abs(),
+                    BETAS[1] * sq_before.abs() + (1 - BETAS[1]) * g_scaled * g_scaled)
+        for name, got, expected, scale_N in zip(("master", "exp_avg", "exp_avg_sq"), (master, avg, sq), want,
+                                                operands, strict=True):
+            apart = _apart_in_operand_ulps(got, expected, scale_N)
             worst = int(apart.argmax())
-            assert int(apart.max()) <= 1, (count, name, worst, int(apart.max()), float(got[worst]),
-                                           float(expected[worst]), float(g[worst]), int((apart > 1).sum()))
-            differing += int((apart > 0).sum())
+            assert float(apart.max()) <= 6.0, (count, name, worst, float(apart.max()), float(got[worst]),
+                                               float(expected[worst]), float(g[worst]))
+            differing += int((got != expected).sum())
             got.copy_(expected)  # the next step from the same inputs
         step += 1
     assert differing <= 10, differing
 
 
 @pytest.mark.gpu
-@pytest.mark.xfail(strict=True, reason="failed on an H200 (2026-12-03) beside the fp32 test above (more than 1 ulp from "
-                   "the rounded-moment step); cause not found yet")
 def test_cuda_bf16_moments_are_within_an_ulp_of_the_rounded_moment_step():
     """Against `adamw_chunk` on CUDA (FlatAdamW's torch path with bf16 moments: torch's fused kernel on fp32
-    copies, rounded back), per step from the same inputs: masters within 1 fp32 ulp, moments within 1
-    bf16 ulp (fp32 moments an ulp apart may round to neighbouring bf16 values); the compute copy is
-    the new master's cast, bit for bit."""
+    copies, rounded back), per step from the same inputs: masters within 3 fp32 ulps of their operands
+    (|master before| + |update|: raw ulps of a cancelling master are no bound), moments within 1 bf16
+    ulp (fp32 moments an ulp apart may round to neighbouring bf16 values); the compute copy is the new
+    master's cast, bit for bit."""
     from disagmoe.kernels.adamw import adamw_update
     from disagmoe.runtime.state.flat_adamw import adamw_chunk
 
@@ -286,10 +327,14 @@ def test_cuda_bf16_moments_are_within_an_ulp_of_the_rounded_moment_step():
     for count in range(4):
         g = grad(count)
         want = [master.clone(), avg.clone(), sq.clone()]
+        before = master.clone()
         adamw_chunk(group, want[0], g, want[1], want[2], step, scale, None)
         adamw_update(master, g, avg, sq, step, lr, hyper, scale, None, compute)
         assert torch.equal(compute, master.to(torch.bfloat16)), count
-        for got, expected in zip((master, avg, sq), want, strict=True):
+        apart = _apart_in_operand_ulps(master, want[0], before.abs() + (want[0] - before).abs())
+        assert float(apart.max()) <= 6.0, (count, float(apart.max()))
+        for got, expected in zip((avg, sq), want[1:], strict=True):
             assert int(_ulps(got, expected).max()) <= 1, count
+        for got, expected in zip((master, avg, sq), want, strict=True):
             got.copy_(expected)
         step += 1
