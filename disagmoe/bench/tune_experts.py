@@ -11,6 +11,8 @@ Legend as in grouped_gemm.py.
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -84,10 +86,13 @@ def candidates(role: str) -> list[TileConfig]:
                            promote=promote) for m, n, k, w, s, p, promote in FP8_CANDIDATES[role]]
     table = (GATE_UP_CANDIDATES if role == "gate_up" else DOWN_DGRAD_CANDIDATES if role == "down_dgrad" else
              WGRAD_CANDIDATES if role.startswith("wgrad") else ROW_GEMM_CANDIDATES)
-    return [TileConfig(block_m=m, block_n=n, block_k=k, num_warps=w, num_stages=s,
-                       programs_per_sm=p, flatten=bool(rest and rest[0]),
-                       **({"epilogue_chunk": rest[1]} if len(rest) > 1 else {}))
-            for m, n, k, w, s, p, *rest in table]
+    configs = [TileConfig(block_m=m, block_n=n, block_k=k, num_warps=w, num_stages=s,
+                          programs_per_sm=p, flatten=bool(rest and rest[0]),
+                          **({"epilogue_chunk": rest[1]} if len(rest) > 1 else {}))
+               for m, n, k, w, s, p, *rest in table]
+    if role.startswith("wgrad"):  # each tile both ways: the main gradient's add loaded and stored, or atomic
+        configs += [dataclasses.replace(c, atomic_accumulate=True) for c in configs]
+    return configs
 
 
 def default_config(role: str) -> TileConfig:
@@ -105,6 +110,21 @@ def _routing_offsets(shape: ExpertShape, device: torch.device) -> torch.Tensor:
     return torch.bincount(idx, minlength=experts).cumsum(0).to(device, torch.int32)
 
 
+@dataclasses.dataclass(frozen=True)
+class AccumulatingLaunch:
+    """A launch adding into `out` (the weight gradients into their fp32 main gradients, as a step
+    runs them): `search` checks it from a zeroed `out` (`reset`) and times it accumulating."""
+
+    run: Callable[[TileConfig], torch.Tensor]
+    out: torch.Tensor
+
+    def __call__(self, config: TileConfig) -> torch.Tensor:
+        return self.run(config)
+
+    def reset(self) -> None:
+        self.out.zero_()
+
+
 def role_launches(shape: ExpertShape,
                   device: torch.device) -> dict[str, Callable[[TileConfig], torch.Tensor]]:
     """Per role, a function launching that GEMM of the expert FFN with a given tile config."""
@@ -120,7 +140,8 @@ def role_launches(shape: ExpertShape,
     w2 = torch.randn(experts, ffn, hidden, **bf16) / ffn**0.5
     out_h, out_f, out_2f = torch.empty_like(x), torch.empty_like(act), torch.empty_like(h13)
     h13_out = torch.empty_like(h13)
-    dw13, dw2 = torch.empty_like(w13), torch.empty_like(w2)
+    # the weight gradients as a training step runs them: added into fp32 main gradients
+    dw13, dw2 = (torch.zeros(w.shape, device=device, dtype=torch.float32) for w in (w13, w2))
     return {
         "gate_up": lambda c: gg.ragged_rows_gemm(x, offsets, w13, c, epilogue=gg.EPILOGUE_SWIGLU,
                                                  h13_N2C=h13_out, out=out_f),
@@ -130,8 +151,10 @@ def role_launches(shape: ExpertShape,
                                                     h13_N2C=h13, out=out_2f),
         "gate_up_dgrad": lambda c: gg.ragged_rows_gemm(dh13, offsets, w13.transpose(1, 2), c,
                                                        out=out_h),
-        "wgrad_w2": lambda c: gg.ragged_weight_grad(act, dy, offsets, c, out=dw2),
-        "wgrad_w13": lambda c: gg.ragged_weight_grad(x, dh13, offsets, c, out=dw13),
+        "wgrad_w2": AccumulatingLaunch(lambda c: gg.ragged_weight_grad(act, dy, offsets, c, out=dw2,
+                                                                       accumulate=True), dw2),
+        "wgrad_w13": AccumulatingLaunch(lambda c: gg.ragged_weight_grad(x, dh13, offsets, c, out=dw13,
+                                                                        accumulate=True), dw13),
     }
 
 
@@ -186,12 +209,16 @@ def search(launch: Callable[[TileConfig], object], default: TileConfig, configs:
            time_ms: Callable[[Callable[[], object]], float], log: Callable[[str], None], label: str,
            ) -> tuple[float, TileConfig, float]:
     """(best ms, best config, the default's ms): each config checked against the default's result
-    (a tiling must compute the same function), then timed by `time_ms`; the default competes too."""
+    (a tiling must compute the same function; an `AccumulatingLaunch` from its zeroed output), then
+    timed by `time_ms`; the default competes too."""
+    reset = getattr(launch, "reset", lambda: None)
+    reset()
     result = launch(default)
     reference = tuple(t.clone() for t in result) if isinstance(result, tuple) else result.clone()
     timed = []
     for config in [default, *configs]:
         try:
+            reset()
             error = _relative_error(launch(config), reference)
             if not error < 1e-2:
                 log(f"  reject {label} {config}: relative error {error:.1e}")

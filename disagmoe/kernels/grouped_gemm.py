@@ -270,11 +270,12 @@ def _ragged_weight_grad_kernel(
     E, E_W, KA, C, num_programs,
     stride_am, stride_ak, stride_bm, stride_bc, stride_oe, stride_ok, stride_oc,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    FLATTEN: tl.constexpr, ACCUMULATE: tl.constexpr, BANDED: tl.constexpr,
+    FLATTEN: tl.constexpr, ACCUMULATE: tl.constexpr, BANDED: tl.constexpr, ATOMIC: tl.constexpr,
 ):
     # Contract: a [N, KA], b [N, C] rows in E row groups over E_W weights; out [E_W, KA, C],
     # out[e] = sum over groups g = e mod E_W of a[rows_g]^T @ b[rows_g] (ACCUMULATE: out += it,
-    # e.g. into an fp32 main-gradient buffer). BANDED is E != E_W (segment-major order,
+    # e.g. into an fp32 main-gradient buffer; ATOMIC, out fp32: added with relaxed fp32 atomics,
+    # one writer per element, so the same sum). BANDED is E != E_W (segment-major order,
     # `fused_return.segment_major_order`): each work item reduces over its weight's groups in
     # ascending g; otherwise E == E_W and one group is one weight's rows.
     # BLOCK_K tiles KA (the output's rows), BLOCK_N tiles C, BLOCK_M steps the reduction over rows.
@@ -304,9 +305,12 @@ def _ragged_weight_grad_kernel(
                             stride_am, stride_ak, stride_bm, stride_bc, BLOCK_M)
         out_ptrs = (out_ptr + expert.to(tl.int64) * stride_oe + ks[:, None] * stride_ok
                     + cols[None, :] * stride_oc)
-        if ACCUMULATE:
-            acc += tl.load(out_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=k_ok[:, None] & col_ok[None, :])
+        if ACCUMULATE and ATOMIC:
+            tl.atomic_add(out_ptrs, acc, mask=k_ok[:, None] & col_ok[None, :], sem="relaxed")
+        else:
+            if ACCUMULATE:
+                acc += tl.load(out_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=k_ok[:, None] & col_ok[None, :])
 
 
 @dataclass(frozen=True)
@@ -421,7 +425,9 @@ def ragged_weight_grad(
     num_programs: int | None = None,
 ) -> torch.Tensor:
     """out[e] = a[rows_e]^T @ b[rows_e] for every expert e ([E, K, C]; zeros for empty experts);
-    with `accumulate`, out[e] += it (`out` given, any float dtype: an fp32 main gradient).
+    with `accumulate`, out[e] += it (`out` given, any float dtype: an fp32 main gradient; into fp32
+    with fp32 atomics where the tile config says `atomic_accumulate`: the same sum, bit for bit but
+    for denormals, which the GPU's reduction flushes to zero).
 
     `weights` (E_W; default offsets_E.shape[0]): `offsets_E` then holds a multiple G of E_W row
     groups, group g belonging to weight g mod E_W (segment-major order, as `ragged_rows_gemm`
@@ -448,6 +454,7 @@ def ragged_weight_grad(
         out.stride(0), out.stride(1), out.stride(2),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         GROUP_M=config.group_m, FLATTEN=config.flatten and not banded, ACCUMULATE=accumulate,
-        BANDED=banded, num_warps=config.num_warps, num_stages=config.num_stages,
+        BANDED=banded, ATOMIC=config.atomic_accumulate and accumulate and out.dtype == torch.float32,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out

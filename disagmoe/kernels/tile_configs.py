@@ -45,6 +45,14 @@ class TileConfig:
     # chunks of 16); so does the FP8 one (`fp8._swiglu_grad_epilogue`: 255 registers at 64 x 128,
     # 8 warps, inline promotion; 172 in chunks of 16); the other kernels ignore it
     epilogue_chunk: int = 16
+    # weight gradients accumulating into an fp32 main gradient (`grouped_gemm.ragged_weight_grad`'s
+    # accumulate): add each finished tile with relaxed fp32 vector atomics (SASS REDG.E.ADD.F32x4, done
+    # at L2 without the program waiting for the read) instead of a load, add and store that stall the
+    # next tile's main loop; one program writes each element per launch, so the sum is the
+    # load-add-store one, bit for bit except denormals, which the reduction flushes to zero; the other
+    # kernels and non-accumulating launches ignore it. Not yet timed on a GPU (`bench tune-experts`
+    # offers every wgrad tile both ways)
+    atomic_accumulate: bool = False
 
     def to_json(self) -> dict[str, int | bool | str]:
         return dataclasses.asdict(self)

@@ -607,3 +607,50 @@ def test_the_adamw_update_compiles_to_one_layout_with_correctly_rounded_fp32_div
         assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx
         assert "div.rn.f32" in ptx and "sqrt.rn.f32" in ptx and "div.full" not in ptx and "sqrt.approx" not in ptx
         assert "fma.rn.f64" in ptx and "cvt.rn.f32.f64" in ptx
+
+
+def test_the_atomic_weight_gradient_adds_with_reductions_and_no_spills(monkeypatch):
+    """`TileConfig.atomic_accumulate` at the tuner's first wgrad tile and the heuristic's, into an fp32
+    main gradient, for sm_90a: the PTX's relaxed vector atomics (`atom.global.gpu.relaxed.add.v4.f32`,
+    result unused) become fire-and-forget reductions in the SASS (`REDG.E.ADD.F32x4`, which flush
+    denormals: `.FTZ`), with no spill stores; the plain accumulation has none of them. Found here
+    (2026-12-03): the heuristic tile (64 x 256 x 128, 8 warps) spills 252 bytes with the plain
+    load-add-store epilogue, none with the atomic one."""
+    import dataclasses
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    import triton
+
+    from disagmoe.bench import tune_experts as tuner
+    from disagmoe.kernels import grouped_gemm as gg
+    from disagmoe.kernels.tile_configs import heuristic
+
+    backend = make_backend(HOPPER)
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    found: list[tuple[bool, bool, int]] = []
+    atomic_now = [False]
+
+    def compile_and_look(self, *args, grid, warmup, **kwargs):
+        kernel = compile_for_hopper(self, backend, args, kwargs)
+        with tempfile.TemporaryDirectory() as tmp:
+            cubin = Path(tmp) / "k.cubin"
+            cubin.write_bytes(kernel.asm["cubin"])
+            sass = subprocess.run([str(cuobjdump), "-sass", str(cubin)], capture_output=True, text=True,
+                                  check=True).stdout
+        found.append((atomic_now[0], "REDG.E.ADD.F32x4" in sass and "ATOMG" not in sass,
+                      spill_store_bytes(kernel.asm["ptx"])))
+
+    monkeypatch.setattr(JITFunction, "run", compile_and_look)
+    rows, experts, hidden, cols = 1024, 4, 256, 512
+    offsets = torch.tensor([256, 512, 768, 1024], dtype=torch.int32)
+    x, dh = torch.zeros(rows, hidden, dtype=torch.bfloat16), torch.zeros(rows, cols, dtype=torch.bfloat16)
+    main = torch.zeros(experts, hidden, cols)
+    for tile in (tuner.candidates("wgrad_w13")[0], heuristic("wgrad_w13")):
+        for atomic in (False, True):
+            atomic_now[0] = atomic
+            gg.ragged_weight_grad(x, dh, offsets, dataclasses.replace(tile, atomic_accumulate=atomic), out=main,
+                                  accumulate=True, num_programs=8)
+    assert [(atomic, reduces) for atomic, reduces, _ in found] == [(False, False), (True, True)] * 2, found
+    assert [spills for atomic, _, spills in found if atomic] == [0, 0], found

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -204,6 +206,36 @@ def test_banded_weight_grad_sums_every_group_of_a_weight(kernels, case):
     assert _rel_err(main - start, want) < 1e-5
     with pytest.raises(AssertionError):
         gg.ragged_weight_grad(a, b, offsets_G[:-1], SMALL_TILES, weights=experts)  # not a multiple of E
+
+
+@pytest.mark.parametrize("banded", [False, True], ids=["one-group-per-expert", "banded"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_atomic_accumulation_is_the_load_add_store_sum_bit_for_bit(kernels, banded, seed):
+    """`TileConfig.atomic_accumulate`: weight gradients added into an fp32 main gradient with fp32
+    atomics give the very bits of the load, add and store (in the interpreter; the GPU's reduction
+    also flushes denormals, which these values never are), for random ragged counts with empty
+    experts, one group per expert or banded; a bf16 output, or no accumulation, ignores the flag."""
+    gg, _ = kernels
+    gen = torch.Generator().manual_seed(40 + seed)
+    experts = int(torch.randint(2, 6, (1,), generator=gen))
+    counts = [0 if i % 3 == 1 else int(torch.randint(1, 40, (1,), generator=gen)) for i in range(experts)]
+    k, c = (int(v) for v in torch.randint(5, 50, (2,), generator=gen))
+    rows = sum(counts)
+    if banded:
+        _, offsets = _banded(counts, BANDS, gen)
+    else:
+        offsets = torch.tensor(counts).cumsum(0).to(torch.int32)
+    a, b = torch.randn(rows, k, generator=gen), torch.randn(rows, c, generator=gen)
+    start = torch.randn(experts, k, c, generator=gen)
+    plain, atomic = start.clone(), start.clone()
+    atomic_tiles = dataclasses.replace(SMALL_TILES, atomic_accumulate=True)
+    gg.ragged_weight_grad(a, b, offsets, SMALL_TILES, out=plain, accumulate=True, weights=experts, num_programs=3)
+    gg.ragged_weight_grad(a, b, offsets, atomic_tiles, out=atomic, accumulate=True, weights=experts, num_programs=3)
+    assert torch.equal(plain, atomic)
+    assert _rel_err(plain - start, _weight_grad_reference(a, b, offsets, experts)) < 1e-5
+    fresh = gg.ragged_weight_grad(a, b, offsets, atomic_tiles, out=torch.full_like(start, float("nan")),
+                                  weights=experts, num_programs=2)  # no accumulation: stored
+    assert torch.isfinite(fresh).all() and _rel_err(fresh, plain - start) < 1e-5
 
 
 @pytest.mark.slow  # more than a few seconds on 2 cores (`pytest -m 'not slow'` skips it)
