@@ -562,9 +562,9 @@ class OptimConfig(StrictModel):
         "second pass writing the bf16 parameters from the fp32 masters (with bf16 moments, fp32 copies of them go "
         "through the same kernel and are rounded back). triton (kernels/adamw.py): one pass per bucket that reads the "
         "fp32 master and gradient and both moments and writes the master, the moments in their dtype and the bf16 "
-        "parameters: 30 bytes per parameter with fp32 moments, 22 with bf16, against torch's 38 and 62; the same "
-        "arithmetic as torch's fused kernel, in its order (its GPU comparison, bounded in ulps of the operands, not yet "
-        "run: kept opt-in); the Qwen3 config's step 473.4 -> 463.5 ms with it (docs/benchmarks.md). "
+        "parameters: 30 bytes per parameter with fp32 moments, 22 with bf16, against torch's 38 and 62 with a "
+        "gradient clip; the same arithmetic as torch's fused kernel, in its order (its GPU comparison, bounded in "
+        "ulps of the operands, not yet rerun: kept opt-in; step times in docs/benchmarks.md). "
         "CUDA buckets only: on the CPU, offloaded (offload_optimizer) and under precision fp32's reference AdamW, "
         "torch's path runs whatever this says")
 
@@ -869,6 +869,30 @@ class TrainConfig(StrictModel):
 # ----------------------------------------------------------------------------------------------
 
 T = TypeVar("T", bound=BaseModel)
+
+
+def memory_knob_changes(cfg: TrainConfig) -> list[tuple[str, dict[str, Any]]]:
+    """(label, config change) for each memory knob `cfg` does not use yet and its other settings
+    accept (each change validated: recompute is refused with fp8 experts, selective with experts
+    other than triton): recompute selective and full, bf16 moments, the offloaded optimizer. The
+    memory refusals and the out-of-memory hint name these."""
+    changes: list[tuple[str, dict[str, Any]]] = []
+    if cfg.recompute == "none":
+        changes.append(("recompute: selective", {"recompute": "selective"}))
+    if cfg.recompute != "full":
+        changes.append(("recompute: full", {"recompute": "full"}))
+    if cfg.optim.state_dtype == "fp32":
+        changes.append(("optim.state_dtype: bf16", {"optim": {**cfg.optim.model_dump(), "state_dtype": "bf16"}}))
+    if not cfg.offload_optimizer:
+        changes.append(("offload_optimizer: true", {"offload_optimizer": True}))
+    accepted = []
+    for label, change in changes:
+        try:
+            TrainConfig.model_validate({**cfg.model_dump(exclude_unset=True), **change})
+        except ValueError:
+            continue
+        accepted.append((label, change))
+    return accepted
 
 
 def format_validation_error(err: ValidationError, source: str) -> str:

@@ -12,7 +12,6 @@ Legend as in grouped_gemm.py.
 from __future__ import annotations
 
 import dataclasses
-
 import json
 from collections.abc import Callable
 from pathlib import Path

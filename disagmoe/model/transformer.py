@@ -155,17 +155,6 @@ class MoETransformer(nn.Module):
         for block, load_E in zip(self.moe_blocks, load_LE, strict=True):
             block.moe.router.update_bias(load_E)
 
-    def materialise(self, device: torch.device, seed: int):  # noqa: ANN201 (self's type: RankModel shares it)
-        """A model built on the meta device, allocated on `device` and initialised (`init_weights`):
-        each tensor drawn from its CPU stream straight into device memory, once."""
-        for block in self.moe_blocks:  # the router keeps its fp32 bias through casts: give it one
-            router = block.moe.router
-            if router.expert_bias is not None:
-                router.expert_bias = torch.zeros(router.expert_bias.shape, device=device)
-        self.to_empty(device=device)
-        self.init_weights(seed)
-        return self
-
     @torch.no_grad()
     def init_weights(self, seed: int, std: float = 0.02) -> None:
         """Norm weights 1, router biases 0, an untied embedding N(0, cfg.embedding_init_std^2)

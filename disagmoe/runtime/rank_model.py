@@ -17,6 +17,7 @@ from torch import nn
 
 from disagmoe.config import ModelConfig, TrainConfig
 from disagmoe.model import MoEBlock, MoETransformer, RoutedExperts
+from disagmoe.model.init import materialise
 from disagmoe.runtime.topology import Topology
 
 
@@ -91,7 +92,9 @@ class RankModel(nn.Module):
     def moe_blocks(self) -> list[MoEBlock]:
         return [b for b in self.layers.values() if isinstance(b, MoEBlock)]
 
-    materialise = MoETransformer.materialise  # allocated on a device, initialised like the full model
+    def materialise(self, device: torch.device, seed: int) -> RankModel:
+        """Allocate the meta tensors on `device` and initialise them like the full model (`model.init`)."""
+        return materialise(self, device, seed)
 
     @property
     def device(self) -> torch.device:

@@ -5,7 +5,6 @@ the table it writes (the interpreter runs the launches; a fake timer ranks the t
 from __future__ import annotations
 
 import dataclasses
-
 import json
 from pathlib import Path
 

@@ -639,7 +639,7 @@ def test_the_atomic_weight_gradient_adds_with_reductions_and_no_spills(monkeypat
             cubin.write_bytes(kernel.asm["cubin"])
             sass = subprocess.run([str(cuobjdump), "-sass", str(cubin)], capture_output=True, text=True,
                                   check=True).stdout
-        found.append((atomic_now[0], "REDG.E.ADD.F32x4" in sass and "ATOMG" not in sass,
+        found.append((atomic_now[0], "REDG.E.ADD.F32x4.FTZ" in sass and "ATOMG" not in sass,
                       spill_store_bytes(kernel.asm["ptx"])))
 
     monkeypatch.setattr(JITFunction, "run", compile_and_look)

@@ -236,6 +236,11 @@ def test_atomic_accumulation_is_the_load_add_store_sum_bit_for_bit(kernels, band
     fresh = gg.ragged_weight_grad(a, b, offsets, atomic_tiles, out=torch.full_like(start, float("nan")),
                                   weights=experts, num_programs=2)  # no accumulation: stored
     assert torch.isfinite(fresh).all() and _rel_err(fresh, plain - start) < 1e-5
+    half, half_atomic = start.bfloat16(), start.bfloat16()  # a bf16 output: loaded, added and stored either way
+    gg.ragged_weight_grad(a, b, offsets, SMALL_TILES, out=half, accumulate=True, weights=experts, num_programs=3)
+    gg.ragged_weight_grad(a, b, offsets, atomic_tiles, out=half_atomic, accumulate=True, weights=experts,
+                          num_programs=3)
+    assert torch.equal(half, half_atomic)
 
 
 @pytest.mark.slow  # more than a few seconds on 2 cores (`pytest -m 'not slow'` skips it)

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from disagmoe.config import TrainConfig, load_hardware
+from disagmoe.config import TrainConfig, load_hardware, memory_knob_changes
 from disagmoe.runtime.failures import RunWarning
 from disagmoe.safe_io import finite_or_none
 
@@ -133,9 +133,7 @@ def out_of_memory_hint(cfg: TrainConfig, where: str = "this GPU") -> Iterator[No
         raise OutOfMemory(
             f"{where} ran out of memory ({first[:160]}); a step of batch_size={cfg.batch_size} x seq_len="
             f"{cfg.seq_len} in micro_batches={cfg.micro_batches} does not fit: {shared}raise micro_batches, lower "
-            f"batch_size or seq_len, {'' if cfg.recompute == 'full' else 'recompute: selective or full, '}"
-            f"{'' if cfg.optim.state_dtype == 'bf16' else 'optim.state_dtype: bf16, '}"
-            f"{'' if cfg.offload_optimizer else 'offload_optimizer: true (masters and moments in host memory), '}"
+            f"batch_size or seq_len, {''.join(f'{label}, ' for label, _ in memory_knob_changes(cfg))}"
             f"or spread the layers over more ranks (expert_ranks, pipeline_groups)"
         ) from None
 

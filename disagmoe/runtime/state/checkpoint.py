@@ -446,8 +446,8 @@ def check_compatible(manifest: dict[str, Any], model_cfg: ModelConfig, directory
 
 
 # Settings a resume may change, with a warning: the run goes on, but not as the checkpoint's run would
-# have (optim.shard_states is layout and optim.update_kernel the kernel of the same update, at most an
-# fp32 ulp apart: they are left out).
+# have (optim.shard_states is layout and optim.update_kernel the kernel of the same update, a few fp32
+# ulps of the operands apart: they are left out).
 TRAINING_FIELDS = ("seed", "batch_size", "seq_len")
 NOT_THE_STEP = ("shard_states", "update_kernel")
 

@@ -35,7 +35,7 @@ One step, from the caller's side (nothing here waits on the host):
 Update kernel (`optim.update_kernel`, CUDA buckets): torch's fused AdamW, then the masters copied into
 the parameters (bf16 moments: `_step_rounded_moments`), or `kernels.adamw`: one Triton pass per bucket
 over master, gradient and moments that writes the parameters too (the same arithmetic, in torch's
-order, at most an fp32 ulp apart). The moments stay in the inner AdamW's state either way, so
+order: within 3 fp32 ulps of the operands, `kernels.adamw`). The moments stay in the inner AdamW's state either way, so
 checkpoints, and a resume with the other kernel, see one format. CPU buckets take torch's path.
 
 The learning rate is a device tensor (`opt.lr`), not a host float: every inner AdamW holds that one
@@ -234,7 +234,7 @@ class FlatAdamW:
         cuda = device.type == "cuda" and not host
         bucket.inner = torch.optim.AdamW([master], lr=self.lr, betas=(self.optim.beta1, self.optim.beta2),
                                          eps=self.optim.eps, weight_decay=weight_decay, fused=cuda, capturable=cuda)
-        if self.optim.update_kernel == "triton":  # made here: a host-to-device copy has no place in a captured step
+        if self.optim.update_kernel == "triton" and cuda:  # made here: a host-to-device copy has no place in a captured step
             from disagmoe.kernels.adamw import hyperparameters  # triton: only for runs that ask for its kernel
 
             bucket.hyper_4 = hyperparameters(self.optim.beta1, self.optim.beta2, weight_decay, self.optim.eps, device)

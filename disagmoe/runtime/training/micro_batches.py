@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from disagmoe.config import HardwareConfig, ModelConfig, TrainConfig, load_hardware
+from disagmoe.config import HardwareConfig, ModelConfig, TrainConfig, load_hardware, memory_knob_changes
 from disagmoe.placement.cost import evaluate
 from disagmoe.placement.solver import problem_of
 from disagmoe.placement.trace_compare import run_request
@@ -115,15 +115,6 @@ def predicted_step_s(cfg: TrainConfig, model_cfg: ModelConfig, hw: HardwareConfi
     return float(evaluate(problem_of(req), cand).step_s[0])
 
 
-def unused_memory_knobs(cfg: TrainConfig) -> str:
-    """The memory knobs `cfg` does not use yet, as the start of a list ("recompute: full, ...")."""
-    knobs = [("recompute: selective or full" if cfg.recompute == "none" else "recompute: full",
-              cfg.recompute != "full"),
-             ("optim.state_dtype: bf16", cfg.optim.state_dtype == "fp32"),
-             ("offload_optimizer: true", not cfg.offload_optimizer)]
-    return "".join(f"{label}, " for label, unused in knobs if unused)
-
-
 def choose(cfg: TrainConfig, model_cfg: ModelConfig, need_bytes: Callable[[TrainConfig], int],
            capacity_bytes: float) -> MicroBatchChoice:
     """The split for `micro_batches: auto` (module docstring); ValueError when even the most
@@ -143,7 +134,8 @@ def choose(cfg: TrainConfig, model_cfg: ModelConfig, need_bytes: Callable[[Train
         raise ValueError(
             f"micro_batches: auto: even {most.micro_batches} micro-batches (one sequence per rank each) need "
             f"{most.need_bytes / 2**30:.1f} GiB, more than the {budget / 2**30:.1f} GiB ({MEMORY_HEADROOM:.0%} of "
-            f"{capacity_bytes / 2**30:.1f}) a run may plan for; lower seq_len, {unused_memory_knobs(cfg)}or a layout "
+            f"{capacity_bytes / 2**30:.1f}) a run may plan for; lower seq_len, "
+            f"{''.join(f'{label}, ' for label, _ in memory_knob_changes(cfg))}or a layout "
             "over more GPUs (`disagmoe plan` finds one)")
     priced = [c for c in fitting if c.predicted_step_s is not None]
     best = min(priced, key=lambda c: (c.predicted_step_s, c.micro_batches)) if priced else fitting[0]

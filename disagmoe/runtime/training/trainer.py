@@ -34,12 +34,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from disagmoe.config import ModelConfig, TrainConfig
+from disagmoe.config import ModelConfig, TrainConfig, memory_knob_changes
 from disagmoe.model_ref import load_model
 from disagmoe.data import TokenDataset, load_splits
 from disagmoe.kernels.fp8_stats import Fp8Stats
 from disagmoe.model import MoETransformer
 from disagmoe.model.experts import check_backend_device
+from disagmoe.model.init import materialise
 from disagmoe.model.layers import set_fusion
 from disagmoe.model.loss import linear_cross_entropy
 from disagmoe.roofline.flops import step_flops
@@ -310,27 +311,15 @@ def check_fp8_device(device: torch.device) -> None:
 
 def memory_knobs(cfg: TrainConfig, model_cfg: ModelConfig) -> list[tuple[str, float]]:
     """(setting, predicted peak bytes with it) for each memory knob this one-GPU run does not use yet
-    and its config accepts: recompute selective and full, bf16 moments, the offloaded optimizer,
-    and the most micro-batches the batch divides into; each alone, on top of the run's settings."""
-    changes: list[tuple[str, dict[str, Any]]] = []
-    if cfg.recompute == "none":
-        changes.append(("recompute: selective", {"recompute": "selective"}))
-    if cfg.recompute != "full":
-        changes.append(("recompute: full", {"recompute": "full"}))
-    if cfg.optim.state_dtype == "fp32":
-        changes.append(("optim.state_dtype: bf16", {"optim": {**cfg.optim.model_dump(), "state_dtype": "bf16"}}))
-    if not cfg.offload_optimizer:
-        changes.append(("offload_optimizer: true", {"offload_optimizer": True}))
-    if cfg.micro_batches < cfg.batch_size:
+    and its config accepts (`config.memory_knob_changes`), and the most micro-batches the batch
+    divides into; each alone, on top of the run's settings. `cfg.micro_batches` is a number (auto
+    resolved)."""
+    changes = memory_knob_changes(cfg)
+    if isinstance(cfg.micro_batches, int) and cfg.micro_batches < cfg.batch_size:
         changes.append((f"micro_batches: {cfg.batch_size}", {"micro_batches": cfg.batch_size}))
-    knobs = []
-    for label, change in changes:
-        try:
-            other = TrainConfig.model_validate({**cfg.model_dump(exclude_unset=True), **change})
-        except ValueError:  # refused with this run's other settings (e.g. recompute with fp8 experts)
-            continue
-        knobs.append((label, float(sum(single_peak_bytes(other, model_cfg)))))
-    return knobs
+    return [(label, float(sum(single_peak_bytes(TrainConfig.model_validate(
+                {**cfg.model_dump(exclude_unset=True), **change}), model_cfg))))
+            for label, change in changes]
 
 
 def check_single_memory(cfg: TrainConfig, model_cfg: ModelConfig, capacity_bytes: float) -> None:
@@ -344,7 +333,7 @@ def check_single_memory(cfg: TrainConfig, model_cfg: ModelConfig, capacity_bytes
     tokens = cfg.batch_size // cfg.micro_batches * cfg.seq_len
     held = ("weights, gradients and two offload staging buckets (the fp32 masters and AdamW moments are in host "
             "memory)" if cfg.offloads_to_host else "weights, fp32 masters, gradients and AdamW moments")
-    knobs = ", ".join(f"{label} ({peak / 2**30:.1f} GiB{', fits' if peak <= capacity_bytes else ''})"
+    knobs = ", ".join(f"{label} ({peak / 2**30:.1f} GiB, {peak / capacity_bytes:.0%} of the device)"
                       for label, peak in memory_knobs(cfg, model_cfg))
     raise ValueError(
         f"mode single needs {(state + acts) / 2**30:.1f} GiB on a {capacity_bytes / 2**30:.1f} GiB device: "
@@ -381,11 +370,11 @@ class SingleProcessTrainer(TrainingLoop):
         torch.manual_seed(cfg.seed)
         set_fusion(cfg.fuse_elementwise)
         # built on the meta device and initialised once where it runs: each tensor drawn from its CPU
-        # stream straight into device memory (no constructor's throwaway init, no whole-model copy; at
-        # 3.8 B parameters those two cost the first call of `bench train` a minute per row on an H200)
+        # stream and copied into device memory once (no constructor's throwaway init, no whole-model
+        # copy; at 3.8 B parameters those cost `bench train` about a minute per row on an H200)
         with torch.device("meta"):
             self.model = MoETransformer(self.model_cfg, experts_backend=cfg.experts_backend)
-        self.model.materialise(self.device, cfg.seed)
+        materialise(self.model, self.device, cfg.seed)
         self.model.set_routing(cfg.routing)
         self.model.set_recompute(cfg.recompute_set)
         self.fp8_stats = None

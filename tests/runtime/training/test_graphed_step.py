@@ -101,6 +101,8 @@ def test_cuda_graphs_on_refuses_the_loop_backend_with_the_fix():
      "auto -> eager: precision fp32 steps torch's"),
     (dict(mode="single", device="cuda", experts_backend="triton", offload_optimizer=True), False,
      "auto -> eager: the offloaded optimizer's"),
+    (dict(mode="single", device="cuda", experts_backend="triton", optim={"update_kernel": "triton"}), True,
+     "auto -> on"),
     (dict(mode="single", device="cuda", recompute="selective", experts_backend="triton"), True, "auto -> on"),
     (dict(mode="single", device="cuda", recompute="full", experts_backend="triton"), True, "auto -> on"),
     (dict(mode="single", device="cuda", experts_backend="triton", optim={"state_dtype": "bf16"}), True, "auto -> on"),
