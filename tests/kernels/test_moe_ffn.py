@@ -418,3 +418,36 @@ def test_the_expert_stage_holds_back_a_triton_blocks_weight_gradients(kernels):
     local_expert_block(x.detach(), local, w, reference).sum().backward()
     assert _rel_err(experts.w13_EH2F.main_grad, reference.w13_EH2F.grad) < 1e-5
     assert _rel_err(experts.w2_EFH.main_grad, reference.w2_EFH.grad) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("banded", [False, True], ids=["one-group-per-expert", "banded"])
+def test_gpu_atomic_weight_grads_add_the_same_bits_as_load_add_store(banded):
+    """`TileConfig.atomic_accumulate` on the GPU (REDG.E.ADD.F32x4: relaxed vector reductions at L2),
+    bf16 rows into an fp32 main gradient that already holds a sum, ragged counts with an empty
+    expert, twice in a row (a step's two micro-batches): the very bits of the load-add-store epilogue
+    at the heuristic wgrad tile (no denormals among these values, which the reduction would flush)."""
+    from disagmoe.kernels import grouped_gemm as gg
+    from disagmoe.kernels.tile_configs import heuristic
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    counts, k, c = [700, 0, 1300, 45], 512, 384
+    experts, rows = len(counts), sum(counts)
+    if banded:
+        _, offsets = _banded(counts, BANDS, torch.Generator().manual_seed(3))
+        offsets = offsets.cuda()
+    else:
+        offsets = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
+    a = torch.randn(rows, k, device="cuda", generator=gen).bfloat16()
+    b = torch.randn(rows, c, device="cuda", generator=gen).bfloat16()
+    start = torch.randn(experts, k, c, device="cuda", generator=gen)
+    tile = heuristic("wgrad_w13")
+    plain, atomic = start.clone(), start.clone()
+    for _ in range(2):
+        gg.ragged_weight_grad(a, b, offsets, tile, out=plain, accumulate=True, weights=experts)
+        gg.ragged_weight_grad(a, b, offsets, dataclasses.replace(tile, atomic_accumulate=True), out=atomic,
+                              accumulate=True, weights=experts)
+    torch.cuda.synchronize()
+    assert torch.equal(plain, atomic)
+    want = start + 2 * _weight_grad_reference(a.float(), b.float(), offsets.cpu(), experts).cuda()
+    assert _rel_err(plain, want) < 1e-5
