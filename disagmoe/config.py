@@ -871,8 +871,8 @@ class TrainConfig(StrictModel):
 T = TypeVar("T", bound=BaseModel)
 
 
-def memory_knob_changes(cfg: TrainConfig) -> list[tuple[str, dict[str, Any]]]:
-    """(label, config change) for each memory knob `cfg` does not use yet and its other settings
+def memory_knob_changes(cfg: TrainConfig) -> list[tuple[str, TrainConfig]]:
+    """(label, `cfg` with it) for each memory knob `cfg` does not use yet and its other settings
     accept (each change validated: recompute is refused with fp8 experts, selective with experts
     other than triton): recompute selective and full, bf16 moments, the offloaded optimizer. The
     memory refusals and the out-of-memory hint name these."""
@@ -888,10 +888,9 @@ def memory_knob_changes(cfg: TrainConfig) -> list[tuple[str, dict[str, Any]]]:
     accepted = []
     for label, change in changes:
         try:
-            TrainConfig.model_validate({**cfg.model_dump(exclude_unset=True), **change})
+            accepted.append((label, TrainConfig.model_validate({**cfg.model_dump(exclude_unset=True), **change})))
         except ValueError:
             continue
-        accepted.append((label, change))
     return accepted
 
 

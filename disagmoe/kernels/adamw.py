@@ -57,6 +57,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from disagmoe.kernels.grouped_gemm import default_num_programs
+
 # Untuned (to be measured on the GPU). A block is 4 elements per thread: one 16-byte access per
 # fp32 tensor, and every load and store in one layout (at 8 per thread Triton 3.6 gave the fp32
 # stores another layout, converted through shared memory with barriers: ptxas sm_90a). 64
@@ -172,8 +174,7 @@ def hyperparameters(beta1: float, beta2: float, weight_decay: float, eps: float,
 def num_programs_for(device: torch.device, blocks: int) -> int:
     """Persistent programs of a launch: PROGRAMS_PER_SM per SM on a GPU (at most one per block); the
     interpreter (CPU) runs a few, so small tests cover the stride loop."""
-    per_device = (torch.cuda.get_device_properties(device).multi_processor_count * PROGRAMS_PER_SM
-                  if device.type == "cuda" else 3)
+    per_device = default_num_programs(device) * PROGRAMS_PER_SM if device.type == "cuda" else 3
     return max(1, min(blocks, per_device))
 
 

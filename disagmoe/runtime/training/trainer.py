@@ -314,12 +314,10 @@ def memory_knobs(cfg: TrainConfig, model_cfg: ModelConfig) -> list[tuple[str, fl
     and its config accepts (`config.memory_knob_changes`), and the most micro-batches the batch
     divides into; each alone, on top of the run's settings. `cfg.micro_batches` is a number (auto
     resolved)."""
-    changes = memory_knob_changes(cfg)
+    knobs = memory_knob_changes(cfg)
     if isinstance(cfg.micro_batches, int) and cfg.micro_batches < cfg.batch_size:
-        changes.append((f"micro_batches: {cfg.batch_size}", {"micro_batches": cfg.batch_size}))
-    return [(label, float(sum(single_peak_bytes(TrainConfig.model_validate(
-                {**cfg.model_dump(exclude_unset=True), **change}), model_cfg))))
-            for label, change in changes]
+        knobs.append((f"micro_batches: {cfg.batch_size}", cfg.model_copy(update={"micro_batches": cfg.batch_size})))
+    return [(label, float(sum(single_peak_bytes(other, model_cfg)))) for label, other in knobs]
 
 
 def check_single_memory(cfg: TrainConfig, model_cfg: ModelConfig, capacity_bytes: float) -> None:
