@@ -3,7 +3,11 @@
 Runs `warmup` steps of `mode: single`, then `steps` steps under `torch.profiler`, and reports the
 GPU kernels by total time, each also counted into a category (GEMM, attention, optimizer, copy /
 cast, other elementwise, NCCL) by its name, the torch ops by the GPU time of the kernels they
-launched themselves, and the share of the profiled steps' wall time the GPU was busy. A Chrome trace of the profiled steps can be written for Perfetto.
+launched themselves, and the share of the profiled steps' wall time the GPU was busy: the union of
+the kernels' intervals (kernels on two streams at once count once). Where it was idle between two
+kernels, the gaps are summed by the pair of kernels around them (`idle_gaps`): in a captured step
+no launch gap is left, so what remains there names what the GPU waited on. A Chrome trace of the
+profiled steps can be written for Perfetto.
 """
 
 from __future__ import annotations
@@ -56,22 +60,55 @@ def run(cfg: TrainConfig, steps: int, warmup: int, log: Callable[[str], None],
     if trace is not None:
         prof.export_chrome_trace(str(trace))
     kernels: dict[str, float] = {}
+    intervals: list[tuple[float, float, str]] = []
     for evt in prof.events():
         if evt.device_type == torch.autograd.DeviceType.CUDA and not is_annotation(evt):
             kernels[evt.name] = kernels.get(evt.name, 0.0) + evt.device_time / 1e6
+            intervals.append((evt.time_range.start / 1e6, evt.time_range.end / 1e6, evt.name))
     ops = sorted(((a.key, _self_device_s(a)) for a in prof.key_averages()
                   if a.device_type == torch.autograd.DeviceType.CPU and _self_device_s(a) > 0),
                  key=lambda kv: -kv[1])[:top]
-    busy_s = sum(kernels.values())
+    kernel_s = sum(kernels.values())
+    busy_s, gaps = idle_gaps(intervals)
     by_category: dict[str, float] = {}
     for name, seconds in kernels.items():
         by_category[category(name)] = by_category.get(category(name), 0.0) + seconds
     ranked = sorted(kernels.items(), key=lambda kv: -kv[1])[:top]
     return {"steps": steps, "wall_s_per_step": wall_s / steps, "gpu_busy": busy_s / wall_s,
-            "categories": {c: s / busy_s for c, s in sorted(by_category.items(), key=lambda kv: -kv[1])},
-            "kernels": [{"name": n[:120], "ms_per_step": s * 1e3 / steps, "share": s / busy_s,
+            "kernel_ms_per_step": kernel_s * 1e3 / steps,
+            "categories": {c: s / kernel_s for c, s in sorted(by_category.items(), key=lambda kv: -kv[1])},
+            "kernels": [{"name": n[:120], "ms_per_step": s * 1e3 / steps, "share": s / kernel_s,
                          "category": category(n)} for n, s in ranked],
-            "ops": [{"name": n[:120], "ms_per_step": s * 1e3 / steps, "share": s / busy_s} for n, s in ops]}
+            "ops": [{"name": n[:120], "ms_per_step": s * 1e3 / steps, "share": s / kernel_s} for n, s in ops],
+            "idle_gaps": [{"before": before[:120], "after": after[:120], "per_step": count / steps,
+                           "ms_per_step": s * 1e3 / steps} for (before, after), (count, s) in gaps[:top]]}
+
+
+def idle_gaps(intervals: list[tuple[float, float, str]],
+              min_gap_s: float = 2e-6) -> tuple[float, list[tuple[tuple[str, str], tuple[int, float]]]]:
+    """(busy seconds, idle gaps): the union of the kernels' (start, end, name) intervals, and the
+    gaps of at least `min_gap_s` between them (a captured graph's own launch latency, about a
+    microsecond a kernel, is below it), summed by (the kernel that ended last before the gap, the
+    kernel after it), largest first as ((before, after), (count, seconds)). Kernels overlapping on
+    two streams count once; time before the first and after the last kernel is in no gap."""
+    busy_s, gaps = 0.0, {}
+    span_start = span_end = None
+    last = ""
+    for start, end, name in sorted(intervals):
+        if span_end is None:
+            span_start, span_end, last = start, end, name
+            continue
+        if start > span_end:
+            busy_s += span_end - span_start
+            if start - span_end >= min_gap_s:
+                count, total = gaps.get((last, name), (0, 0.0))
+                gaps[(last, name)] = (count + 1, total + start - span_end)
+            span_start, span_end, last = start, end, name
+        elif end >= span_end:
+            span_end, last = end, name
+    if span_end is not None:
+        busy_s += span_end - span_start
+    return busy_s, sorted(gaps.items(), key=lambda kv: -kv[1][1])
 
 
 def _self_device_s(avg: Any) -> float:

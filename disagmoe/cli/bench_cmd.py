@@ -470,7 +470,8 @@ def profile(
     as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
 ) -> None:
     """Profile single-GPU training steps: GPU kernels by total time, grouped into GEMM, attention,
-    optimizer, copy/cast, elementwise and NCCL, and how busy the GPU was (kernel time / wall time)."""
+    optimizer, copy/cast, elementwise and NCCL, how busy the GPU was (the union of its kernels'
+    intervals / wall time), and where it sat idle between kernels, by the pair around each gap."""
     from disagmoe.bench import profile_step as bench
     from disagmoe.config import load_train_config
 
@@ -481,7 +482,8 @@ def profile(
     if as_json:
         print_json(record)
         return
-    console.print(f"{seconds(record['wall_s_per_step'])}/step, GPU busy {record['gpu_busy']:.0%}; by category: "
+    console.print(f"{seconds(record['wall_s_per_step'])}/step, GPU busy {record['gpu_busy']:.0%} "
+                  f"({record['kernel_ms_per_step']:.1f} ms of kernels); by category: "
                   + ", ".join(f"{c} {share:.0%}" for c, share in record["categories"].items()), markup=False)
     table = Table(title=f"top {top} kernels of {config}")
     for col in ("kernel", "category", "ms/step", "share"):
@@ -495,6 +497,12 @@ def profile(
     for o in record["ops"]:
         ops.add_row(o["name"][:80], f"{o['ms_per_step']:.2f}", f"{o['share']:.1%}")
     console.print(ops)
+    gaps = Table(title="where the GPU sat idle between kernels (by the kernels around the gap)")
+    for col in ("before", "after", "gaps/step", "ms/step"):
+        gaps.add_column(col, justify="left" if col in ("before", "after") else "right")
+    for g in record["idle_gaps"]:
+        gaps.add_row(g["before"][:60], g["after"][:60], f"{g['per_step']:.1f}", f"{g['ms_per_step']:.2f}")
+    console.print(gaps)
 
 
 @bench_app.command("placement")

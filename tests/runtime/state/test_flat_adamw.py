@@ -14,6 +14,7 @@ from disagmoe.config import OptimConfig
 from disagmoe.runtime.state.flat_adamw import FlatAdamW, Shard
 from disagmoe.runtime.state.optim import build_optimizer, lr_at
 from tests.runtime.state.gloo_pair import run_pair
+from tests.ulps import operand_half_ulps, raw_ulps
 
 OPTIM = OptimConfig(lr=1e-2, weight_decay=0.1)
 
@@ -651,48 +652,47 @@ def _gpu_pair(optim: OptimConfig):
     return pair
 
 
-def _ulps(a: torch.Tensor, b: torch.Tensor) -> int:
-    """The largest |a - b| in units in the last place of their dtype (fp32 or bf16)."""
-    bits, sign = {torch.float32: (torch.int32, 0x7FFFFFFF), torch.bfloat16: (torch.int16, 0x7FFF)}[a.dtype]
-
-    def ordered(x: torch.Tensor) -> torch.Tensor:
-        i = x.view(bits).long()
-        return torch.where(i < 0, -(i & sign), i)
-
-    return int((ordered(a) - ordered(b)).abs().max())
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("optim", [OPTIM, BF16], ids=["fp32-moments", "bf16-moments"])
-def test_cuda_the_triton_update_is_within_three_operand_ulps_of_torchs(optim: OptimConfig) -> None:
+def test_cuda_the_triton_update_is_within_a_few_operand_ulps_of_torchs(optim: OptimConfig) -> None:
     """Per step from the same state and gradients (the triton run re-seated on the torch run's state
     after each comparison), with a clip: the masters within 3 fp32 ulps of their operands (|master
-    before| + |update|) from torch's path (fused AdamW; with bf16 moments `_step_rounded_moments`):
-    on an H200 (2026-12-03) they were 2 raw ulps apart where the bound was 1 raw ulp, which a master
-    and its update nearly cancelling exceeds by design (tests/kernels/test_adamw.py); the moments 1 ulp
-    of their dtype, the step counts equal,
-    and the compute copy the masters' bf16 cast bit for bit (written by the kernel, no copy pass)."""
+    before| + |update|) from torch's path (fused AdamW; with bf16 moments `_step_rounded_moments`),
+    fp32 moments within 4 ulps of theirs (beta |moment before| + (1 - beta) |gradient term|), bf16
+    moments 1 bf16 ulp; the step counts equal, and the compute copy the masters' bf16 cast bit for
+    bit (written by the kernel, no copy pass). On an H200 (2026-12-03, 2026-12-04) raw-ulp bounds
+    failed: masters 2 raw ulps apart, fp32 exp_avg 4, where the terms nearly cancel
+    (tests/kernels/test_adamw.py: raw ulps of a cancelling result are no bound)."""
     torch_run, triton_run = _gpu_pair(optim)
     assert all(triton_run._uses_update_kernel(b) for b in triton_run.buckets)
     gen = torch.Generator(device="cuda").manual_seed(0)
+    beta1, beta2 = optim.beta1, optim.beta2
     for step in range(4):
         coef = torch.tensor(0.5, device="cuda")
+        grads = []
         for a, b in zip(torch_run.buckets, triton_run.buckets, strict=True):
             grad = torch.randn(a.grad_N.shape, device="cuda", generator=gen) * 1e-2
             a.grad_N.copy_(grad)
             b.grad_N.copy_(grad)
+            grads.append(grad * coef)  # what the update sees: the clipped gradient
         before = [a.master_S.clone() for a in torch_run.buckets]
+        moments_before = [{k: m[k].float().clone() for k in ("exp_avg", "exp_avg_sq")} for m in _moments(torch_run)]
         for flat in (torch_run, triton_run):
             flat.set_lr(optim.lr)
             flat.step(clip_coef=coef)
-        for a, b, sa, sb, old in zip(torch_run.buckets, triton_run.buckets, _moments(torch_run),
-                                     _moments(triton_run), before, strict=True):
+        for a, b, sa, sb, old, was, g in zip(torch_run.buckets, triton_run.buckets, _moments(torch_run),
+                                             _moments(triton_run), before, moments_before, grads, strict=True):
             assert torch.equal(b.compute_N, b.master_S.to(torch.bfloat16)), (step, b.name)
-            operands = old.double().abs() + (a.master_S.double() - old.double()).abs()
-            apart = (b.master_S.double() - a.master_S.double()).abs() / (2.0**-24 * operands).clamp_min(2.0**-149)
-            assert float(apart.max()) <= 6.0, (step, b.name, float(apart.max()))  # half-ulps of the operands
+            apart = operand_half_ulps(b.master_S, a.master_S, old.abs() + (a.master_S - old).abs())
+            assert float(apart.max()) <= 6.0, (step, b.name, float(apart.max()))
+            operands = {"exp_avg": beta1 * was["exp_avg"].abs() + (1 - beta1) * g.abs(),
+                        "exp_avg_sq": beta2 * was["exp_avg_sq"] + (1 - beta2) * g * g}
             for k in ("exp_avg", "exp_avg_sq"):
-                assert sb[k].dtype == sa[k].dtype and _ulps(sb[k], sa[k]) <= 1, (step, b.name, k)
+                assert sb[k].dtype == sa[k].dtype, (step, b.name, k)
+                if sa[k].dtype == torch.float32:
+                    assert float(operand_half_ulps(sb[k], sa[k], operands[k]).max()) <= 8.0, (step, b.name, k)
+                else:
+                    assert int(raw_ulps(sb[k], sa[k]).max()) <= 1, (step, b.name, k)
             assert torch.equal(sa["step"], sb["step"]) and float(sb["step"]) == step + 1
             with torch.no_grad():  # the next step from the same state
                 b.master_S.copy_(a.master_S)
