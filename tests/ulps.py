@@ -42,3 +42,12 @@ def adamw_master_tolerance(master_before: torch.Tensor, master: torch.Tensor, ex
     rel_v = moment_half_ulps * HALF_ULP * exp_avg_sq_operands.double() / exp_avg_sq.double().clamp_min(tiny)
     carried = torch.where(update == 0, 0.0, update * (rel_m + rel_v / 2).clamp_max(1.0))
     return 6 * HALF_ULP * (master_before.double().abs() + update) + carried
+
+
+def bf16_moment_apart(got: torch.Tensor, want: torch.Tensor, operands: torch.Tensor) -> torch.Tensor:
+    """|got - want| of two bf16 moments over what they may differ by: their fp32 values within 8 fp32
+    half-ulps of `operands` (as `operand_half_ulps` bounds fp32 moments), each then rounded to
+    nearest bf16, which adds at most one bf16 ulp (2^-7 of the larger magnitude). At most 1 passes."""
+    got64, want64 = got.double(), want.double()
+    allowed = 8 * HALF_ULP * operands.double() + 2.0**-7 * torch.maximum(got64.abs(), want64.abs())
+    return (got64 - want64).abs() / allowed.clamp_min(2.0**-149)
