@@ -18,7 +18,7 @@ from pathlib import Path
 
 from disagmoe.config import PRESETS_DIR, HardwareConfig, preset_names
 
-PROBE_VERSION = 3
+PROBE_VERSION = 4
 # 1: before 47ee5dd: CUDA events around each call (`timing.median_ms`: for a tiny op, the host's
 #    time to launch it), the expert curve on 8 experts, fixed costs the event time of the smallest probes.
 # 2: 47ee5dd: GPU kernel time (`timing.kernel_ms`), fixed cost at next to no work, curve points net
@@ -35,7 +35,10 @@ PROBE_VERSION = 3
 #    GEMMs (the model's own nn.Linear shapes) as a curve over tokens per micro-batch; every forward
 #    timed with autograd on (saving for its backward, as the step's; version 2 ran them under no_grad);
 #    a layer's norms, RoPE, copies and residual adds (GQA), against `roofline.stages.norms_and_residuals`.
-PROBE_FINGERPRINT = "9489713c43582847"  # `code_fingerprint()` of the code that measures version PROBE_VERSION
+# 4: kernel time read from the profiler's raw kineto events (`timing.device_intervals`): version 3 read
+#    `prof.events()`, which on an H200 (torch 2.11) left out kernels the Chrome trace holds (a training
+#    step's 505 ms of kernels read as 436), so its times may be short.
+PROBE_FINGERPRINT = "a156102a6127586b"  # `code_fingerprint()` of the code that measures version PROBE_VERSION
 
 # The code that decides what a calibration's numbers mean: file (under disagmoe/) -> top-level name
 # -> why it belongs. Left out on purpose: the experts backends and `model.Block` (the probe measures
@@ -87,7 +90,7 @@ PROBE_PARTS: dict[str, dict[str, str]] = {
     },
     "bench/timing.py": {
         "kernel_ms": "the timing method of every curve point and fixed cost",
-        "is_annotation": "which profiler events kernel_ms leaves out",
+        "device_intervals": "which profiler activities kernel_ms counts",
         "median_ms": "the timing method of the link probes",
     },
     "roofline/stages.py": {

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from disagmoe.bench.timing import is_annotation
+from disagmoe.bench.timing import device_intervals
 from disagmoe.config import TrainConfig
 
 CATEGORIES = (  # first match wins; names are lower-cased kernel names
@@ -59,12 +59,10 @@ def run(cfg: TrainConfig, steps: int, warmup: int, log: Callable[[str], None],
         wall_s = time.perf_counter() - start
     if trace is not None:
         prof.export_chrome_trace(str(trace))
+    intervals = device_intervals(prof)
     kernels: dict[str, float] = {}
-    intervals: list[tuple[float, float, str]] = []
-    for evt in prof.events():
-        if evt.device_type == torch.autograd.DeviceType.CUDA and not is_annotation(evt):
-            kernels[evt.name] = kernels.get(evt.name, 0.0) + evt.device_time / 1e6
-            intervals.append((evt.time_range.start / 1e6, evt.time_range.end / 1e6, evt.name))
+    for start, end, name in intervals:
+        kernels[name] = kernels.get(name, 0.0) + end - start
     ops = sorted(((a.key, _self_device_s(a)) for a in prof.key_averages()
                   if a.device_type == torch.autograd.DeviceType.CPU and _self_device_s(a) > 0),
                  key=lambda kv: -kv[1])[:top]

@@ -1,13 +1,17 @@
-"""`bench profile`'s arithmetic on a CPU: busy time as the union of kernel intervals, and the idle
-gaps between kernels summed by the pair around them."""
+"""`bench profile`'s arithmetic on a CPU: the GPU activities read from the raw kineto events, busy
+time as the union of their intervals, and the idle gaps between kernels summed by the pair around
+them."""
 
 from __future__ import annotations
 
 import random
+import types
 
 import pytest
+import torch
 
 from disagmoe.bench.profile_step import category, idle_gaps
+from disagmoe.bench.timing import device_intervals
 
 
 def test_busy_is_the_union_and_gaps_are_summed_by_the_kernels_around_them() -> None:
@@ -41,3 +45,46 @@ def test_gaps_below_the_launch_latency_are_not_idle_time_and_empty_input_is_zero
     ("multi_tensor_apply_kernel", "optimizer"), ("_adamw_kernel", "optimizer"), ("_combine_kernel", "other")])
 def test_kernels_fall_into_their_categories(kernel: str, want: str) -> None:
     assert category(kernel) == want
+
+
+class _Activity:
+    def __init__(self, name: str, device: torch.autograd.DeviceType, start_ns: int, duration_ns: int,
+                 annotation: bool = False) -> None:
+        self._name, self._device, self._start, self._duration, self._annotation = (
+            name, device, start_ns, duration_ns, annotation)
+
+    def name(self) -> str:
+        return self._name
+
+    def device_type(self) -> torch.autograd.DeviceType:
+        return self._device
+
+    def start_ns(self) -> int:
+        return self._start
+
+    def duration_ns(self) -> int:
+        return self._duration
+
+    def is_user_annotation(self) -> bool:
+        return self._annotation
+
+
+def test_device_intervals_are_the_gpu_activities_without_user_ranges() -> None:
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    activities = [_Activity("aten::mul", cpu, 0, 5_000), _Activity("elementwise_kernel", cuda, 1_000, 3_000),
+                  _Activity("Optimizer.step#AdamW.step", cuda, 0, 9_000, annotation=True),
+                  _Activity("ProfilerStep#1", cuda, 0, 9_000), _Activity("Memset (Device)", cuda, 4_000, 500)]
+    prof = types.SimpleNamespace(profiler=types.SimpleNamespace(
+        kineto_results=types.SimpleNamespace(events=lambda: activities)))
+    assert device_intervals(prof) == [(pytest.approx(1e-6), pytest.approx(4e-6), "elementwise_kernel"),
+                                      (pytest.approx(4e-6), pytest.approx(4.5e-6), "Memset (Device)")]
+
+
+def test_device_intervals_read_a_real_profile() -> None:
+    """The raw kineto events carry the methods read (a CPU-only profile: no GPU activity)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        torch.randn(64, 64) @ torch.randn(64, 64)
+    assert device_intervals(prof) == []
+    assert any(e.name() == "aten::mm" for e in prof.profiler.kineto_results.events())
