@@ -58,9 +58,12 @@ def _permute_dest_kernel(ids_ptr, block_base_ptr, dest_ptr, n_pairs, n_blocks,
 
 
 @triton.jit
-def _permute_copy_kernel(x_ptr, dest_ptr, rows_ptr, n_pairs, H, K, stride_xt, stride_rn,
-                         BLOCK: tl.constexpr, BLOCK_H: tl.constexpr):
+def _permute_copy_kernel(x_ptr, dest_ptr, rows_ptr, weights_ptr, limit_ptr, n_pairs, H, K, stride_xt, stride_rn,
+                         HAS_WEIGHTS: tl.constexpr, HAS_LIMIT: tl.constexpr, BLOCK: tl.constexpr,
+                         BLOCK_H: tl.constexpr):
     # Program (b, h): rows[dest[p], h-block] = x[p // K, h-block] for block b's pairs: a scatter.
+    # HAS_WEIGHTS: each row times its pair's weight, the fp32 product rounded to the rows' dtype;
+    # HAS_LIMIT: a row at or after *limit_ptr gets weight 0 (a spare bucket's row: +-0, NaN stays).
     pairs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     pair_ok = pairs < n_pairs
     dest = tl.load(dest_ptr + pairs, mask=pair_ok, other=0).to(tl.int64)
@@ -68,6 +71,11 @@ def _permute_copy_kernel(x_ptr, dest_ptr, rows_ptr, n_pairs, H, K, stride_xt, st
     hs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     ok = pair_ok[:, None] & (hs < H)[None, :]
     vals = tl.load(x_ptr + tokens[:, None] * stride_xt + hs[None, :], mask=ok)
+    if HAS_WEIGHTS:
+        w = tl.load(weights_ptr + pairs, mask=pair_ok, other=0.0).to(tl.float32)
+        if HAS_LIMIT:
+            w = tl.where(dest < tl.load(limit_ptr), w, 0.0)
+        vals = (vals.to(tl.float32) * w[:, None]).to(rows_ptr.dtype.element_ty)
     tl.store(rows_ptr + dest[:, None] * stride_rn + hs[None, :], vals, mask=ok)
 
 
@@ -179,17 +187,25 @@ def permute_forward(x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, num_experts: 
     return copy_rows(x_TH, dest_TK), offsets_E, dest_TK
 
 
-def copy_rows(x_TH: torch.Tensor, dest_TK: torch.Tensor) -> torch.Tensor:
-    """rows_NH[dest_TK[t, k]] = x_TH[t]: the permute's row copy (one launch)."""
+def copy_rows(x_TH: torch.Tensor, dest_TK: torch.Tensor, weights_TK: torch.Tensor | None = None,
+              limit: torch.Tensor | None = None) -> torch.Tensor:
+    """rows_NH[dest_TK[t, k]] = x_TH[t]: the permute's row copy (one launch). With `weights_TK`
+    each row is weighted, rows_NH[dest_TK[t, k]] = weights_TK[t, k] * x_TH[t] (the fp32 product
+    rounded to x's dtype: `(x.float() * w.float()).to(x.dtype)` bit for bit), rows at or after
+    `limit` (a one-element int32 device tensor) weighted 0: the combine's row gradient without its
+    weight-gradient dots (`kernels.fused_moe`)."""
     tokens, top_k = dest_TK.shape
     n_pairs, hidden = tokens * top_k, x_TH.shape[1]
     rows_NH = x_TH.new_empty((n_pairs, hidden))
-    if n_pairs == 0:
+    if n_pairs == 0 or hidden == 0:
         return rows_NH
     blocks = triton.cdiv(n_pairs, PAIRS_PER_BLOCK)
     block_h = _row_block(hidden)
+    weighted = weights_TK is not None
     _permute_copy_kernel[(blocks, triton.cdiv(hidden, block_h))](
-        x_TH, dest_TK, rows_NH, n_pairs, hidden, top_k, x_TH.stride(0), rows_NH.stride(0),
+        x_TH, dest_TK, rows_NH, weights_TK.contiguous() if weighted else dest_TK,
+        limit if weighted and limit is not None else dest_TK, n_pairs, hidden, top_k, x_TH.stride(0),
+        rows_NH.stride(0), HAS_WEIGHTS=weighted, HAS_LIMIT=weighted and limit is not None,
         BLOCK=PAIRS_PER_BLOCK, BLOCK_H=block_h)
     return rows_NH
 

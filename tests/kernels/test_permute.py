@@ -55,6 +55,43 @@ def test_permute_and_combine_backward_match_reference(permute, case):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def _check_weighted_rows(permute, case: int, device: str, dtype: torch.dtype) -> None:
+    """copy_rows with weights (the fused experts' backward rows dy[t] w[t, k]): every row the fp32
+    product of its token's row and its pair's weight rounded to the rows' dtype, as torch's
+    `(x.float() * w.float()).to(dtype)` rounds it; rows at or after the limit are the row times 0
+    (signed zeros, NaN kept); no limit: every row weighted."""
+    tokens, top_k, experts, hidden = CASES[case]
+    x, idx, weights = _routing(*CASES[case], seed=40 + case, device=device, dtype=dtype)
+    x[0, 0] = float("nan")
+    _, offsets, dest = permute.permute_reference(x, idx, experts)
+    rows_N = tokens * top_k
+    row_of_pair = dest.reshape(-1).long()
+    product = x.float()[torch.arange(rows_N, device=device) // top_k] * weights.reshape(-1)[:, None].float()
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    for limit in (None, offsets[experts // 4 - 1: experts // 4] if experts >= 4 else offsets[:1]):
+        got = permute.copy_rows(x, dest, weights, None if limit is None else limit.to(torch.int32))
+        kept = (torch.ones(rows_N, dtype=torch.bool, device=device) if limit is None
+                else row_of_pair < int(limit))
+        want = torch.empty_like(got)
+        want[row_of_pair] = torch.where(kept[:, None], product, product * 0.0).to(dtype)
+        assert torch.equal(got.view(bits), want.view(bits)), limit
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_weighted_rows_are_the_torch_product_bit_for_bit(permute, case):
+    """fp32 in the interpreter (whose fp32 -> bf16 cast truncates: bf16 on the GPU below)."""
+    _check_weighted_rows(permute, case, "cpu", torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_gpu_bf16_weighted_rows_are_the_torch_product_bit_for_bit(case):
+    from disagmoe.kernels import permute
+
+    _check_weighted_rows(permute, case, "cuda", torch.bfloat16)
+
+
 def test_combine_kernels_write_every_element(permute):
     x, idx, weights = _routing(23, 3, 6, 33, seed=5)
     rows, _, dest = permute.permute_reference(x, idx, 6)
