@@ -192,14 +192,14 @@ def test_offload_optimizer_is_off_by_default_and_refused_where_it_cannot_apply(t
         cfg.load_train_config(path, ["optim.offload_optimizer=true"])
 
 
-def test_the_update_kernel_is_torch_by_default_and_takes_triton(tmp_path):
-    """optim.update_kernel: torch unless set (flipped after a GPU measurement); triton loads from YAML
+def test_the_update_kernel_is_triton_by_default_and_takes_torch(tmp_path):
+    """optim.update_kernel: triton unless set (flipped after its GPU comparison passed); torch loads from YAML
     and overrides; anything else is refused, naming the choices."""
     path = tmp_path / "t.yaml"
-    path.write_text(yaml.safe_dump({"model": "tiny", "optim": {"update_kernel": "triton"}}))
-    assert cfg.OptimConfig().update_kernel == "torch"
-    assert cfg.load_train_config(path).optim.update_kernel == "triton"
-    assert cfg.load_train_config(path, ["optim.update_kernel=torch"]).optim.update_kernel == "torch"
+    path.write_text(yaml.safe_dump({"model": "tiny", "optim": {"update_kernel": "torch"}}))
+    assert cfg.OptimConfig().update_kernel == "triton"
+    assert cfg.load_train_config(path).optim.update_kernel == "torch"
+    assert cfg.load_train_config(path, ["optim.update_kernel=triton"]).optim.update_kernel == "triton"
     with pytest.raises(ValueError, match="update_kernel"):
         cfg.load_train_config(path, ["optim.update_kernel=cuda"])
     with pytest.raises(ValueError, match="update_kernel"):  # an optim key, not a run setting

@@ -33,11 +33,13 @@ lies within an fp64 ulp of an fp32 rounding boundary (about 2^-29 of elements), 
 ulp of the operands. Counted in raw ulps of the *result* that is no bound: on an H200 (2026-12-03)
 the masters were up to 2048 raw ulps from torch's fused kernel at the first step, where a master
 near zero and its update nearly cancel (torch's own CPU AdamW is 64 raw ulps from the reference
-there, yet within 3 ulps of |master before| + |update|). The gpu tests now bound the difference in
-ulps of the operands (3, one per fp32 rounding on the update's path) and have not run since. The
-whole step trained alike (10 steps of the Qwen3 config: loss 6.6341 against 6.6353 with torch's
-update, within its run-to-run spread); `update_kernel` stays torch by default until those tests
-pass on a GPU. In Triton's CPU interpreter (no FMA; C's pow) the kernel equals `adamw_reference`
+there, yet within 3 ulps of |master before| + |update|). The gpu tests bound the difference in
+ulps of the operands: moments within 4 (3.03 measured on exp_avg_sq), masters within 3 plus what
+their moments' differences carry through a nearly cancelling exp_avg (`tests/ulps.py`,
+`adamw_master_tolerance`: 20 half-ulps of |master| + |update| measured at the second step), and
+passed on an H200 (2026-12-04). The whole step trains alike (50 steps of the Qwen3 config: loss
+2.8725 against 2.8714 with torch's update, 2.8717 with bf16 moments), so `update_kernel` defaults
+to triton. In Triton's CPU interpreter (no FMA; C's pow) the kernel equals `adamw_reference`
 bit for bit.
 
 `skip` (an fp32 device scalar, torch's found_inf): where exactly 1.0 nothing is read or written.

@@ -33,7 +33,7 @@ One step, from the caller's side (nothing here waits on the host):
     opt.step(clip_coef=...)                one AdamW update per bucket, then masters -> parameters
 
 Update kernel (`optim.update_kernel`, CUDA buckets): torch's fused AdamW, then the masters copied into
-the parameters (bf16 moments: `_step_rounded_moments`), or `kernels.adamw`: one Triton pass per bucket
+the parameters (bf16 moments: `_step_rounded_moments`), or `kernels.adamw` (the default): one Triton pass per bucket
 over master, gradient and moments that writes the parameters too (the same arithmetic, in torch's
 order: within 3 fp32 ulps of the operands, `kernels.adamw`). The moments stay in the inner AdamW's state either way, so
 checkpoints, and a resume with the other kernel, see one format. CPU buckets take torch's path.

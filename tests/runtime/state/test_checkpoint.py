@@ -240,7 +240,7 @@ def test_changed_training_settings_resume_with_a_warning_naming_them(tmp_path):
     assert warn_changed_training(manifest, run, directory) == []
     same_step = run.model_copy(update={"optim": run.optim.model_copy(update={"shard_states": True}), "steps": 7})
     assert warn_changed_training(manifest, same_step, directory) == []  # layout and length are not the step
-    other_kernel = run.model_copy(update={"optim": run.optim.model_copy(update={"update_kernel": "triton"})})
+    other_kernel = run.model_copy(update={"optim": run.optim.model_copy(update={"update_kernel": "torch"})})
     assert warn_changed_training(manifest, other_kernel, directory) == []  # the same update, another kernel
     assert "optim.update_kernel" not in manifest["training"]
     changed = run.model_copy(update={"seed": 3, "seq_len": 32, "optim": OptimConfig(lr=2e-3, beta2=0.99)})
