@@ -2,8 +2,9 @@
 
 Runs `warmup` steps of `mode: single`, then `steps` steps under `torch.profiler`, and reports the
 GPU kernels by total time, each also counted into a category (GEMM, attention, optimizer, copy /
-cast, other elementwise, NCCL) by its name, the torch ops by the GPU time of the kernels they
-launched themselves, and the share of the profiled steps' wall time the GPU was busy: the union of
+cast, other elementwise, NCCL) by its name, the ops that launched them by their kernels' GPU time
+(`kernel_ops`, from the profile's Chrome trace: in a captured step every kernel is the graph's, so
+cuda_graphs=off names the ops), and the share of the profiled steps' wall time the GPU was busy: the union of
 the kernels' intervals (kernels on two streams at once count once). Where it was idle between two
 kernels, the gaps are summed by the pair of kernels around them (`idle_gaps`): in a captured step
 no launch gap is left, so what remains there names what the GPU waited on. A Chrome trace of the
@@ -12,6 +13,8 @@ profiled steps can be written for Perfetto.
 
 from __future__ import annotations
 
+import json
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -57,15 +60,15 @@ def run(cfg: TrainConfig, steps: int, warmup: int, log: Callable[[str], None],
             trainer._train_one_step()
         torch.cuda.synchronize()
         wall_s = time.perf_counter() - start
-    if trace is not None:
-        prof.export_chrome_trace(str(trace))
+    with tempfile.TemporaryDirectory() as tmp:
+        trace_path = trace if trace is not None else Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace_path))
+        launched_by = kernel_ops(json.loads(trace_path.read_text())["traceEvents"])
     intervals = device_intervals(prof)
     kernels: dict[str, float] = {}
     for start, end, name in intervals:
         kernels[name] = kernels.get(name, 0.0) + end - start
-    ops = sorted(((a.key, _self_device_s(a)) for a in prof.key_averages()
-                  if a.device_type == torch.autograd.DeviceType.CPU and _self_device_s(a) > 0),
-                 key=lambda kv: -kv[1])[:top]
+    ops = sorted(launched_by.items(), key=lambda kv: -kv[1])[:top]
     kernel_s = sum(kernels.values())
     busy_s, gaps = idle_gaps(intervals)
     by_category: dict[str, float] = {}
@@ -109,9 +112,65 @@ def idle_gaps(intervals: list[tuple[float, float, str]],
     return busy_s, sorted(gaps.items(), key=lambda kv: -kv[1][1])
 
 
-def _self_device_s(avg: Any) -> float:
-    """GPU seconds of the kernels an op launched itself (not its children's)."""
-    value = getattr(avg, "self_device_time_total", None)
-    if value is None:
-        value = getattr(avg, "self_cuda_time_total", 0.0)
-    return value / 1e6
+GRAPH_REPLAY = "(a CUDA graph replay: cuda_graphs=off names the ops)"
+GPU_CATEGORIES = ("kernel", "gpu_memset", "gpu_memcpy")
+LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
+
+
+def kernel_ops(events: list[dict]) -> dict[str, float]:
+    """GPU seconds by the op that launched them, from a Chrome trace's events (`torch.profiler`'s
+    export: each GPU activity's `correlation` is its launch call's, and the launch lies inside the
+    CPU ops that made it, on its thread). An op reads `innermost op in nearest caller`: the
+    innermost op around the launch and the nearest enclosing op that is neither an aten op nor the
+    autograd engine (a module, an autograd Function such as `FusedMoEFunctionBackward`), e.g.
+    `aten::mul in FusedMoEFunctionBackward`; a kernel launched by no op reads as the launch call.
+    Kernels of a replayed CUDA graph were launched by the replay: they read as GRAPH_REPLAY."""
+    launches = {e["args"]["correlation"]: e for e in events if e.get("ph") == "X"
+                and e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {})}
+    ops_by_thread: dict[Any, list[dict]] = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") == "cpu_op":
+            ops_by_thread.setdefault((e.get("pid"), e.get("tid")), []).append(e)
+    labels = _launch_labels(ops_by_thread, [launch for launch in launches.values()])
+    seconds: dict[str, float] = {}
+    for e in events:
+        if e.get("ph") != "X" or e.get("cat") not in GPU_CATEGORIES:
+            continue
+        launch = launches.get(e.get("args", {}).get("correlation"))
+        label = "(no launch recorded)" if launch is None else labels[id(launch)]
+        seconds[label] = seconds.get(label, 0.0) + e.get("dur", 0.0) / 1e6
+    return seconds
+
+
+def _launch_labels(ops_by_thread: dict[Any, list[dict]], launches: list[dict]) -> dict[int, str]:
+    """id(launch) -> its op label (`kernel_ops`), by one sweep per thread over op starts and
+    launches in time order with the stack of ops still open."""
+    labels: dict[int, str] = {}
+    launches_by_thread: dict[Any, list[dict]] = {}
+    for launch in launches:
+        launches_by_thread.setdefault((launch.get("pid"), launch.get("tid")), []).append(launch)
+    for thread, thread_launches in launches_by_thread.items():
+        ops = sorted(ops_by_thread.get(thread, []), key=lambda o: (o["ts"], -o.get("dur", 0.0)))
+        stack: list[dict] = []
+        i = 0
+        for launch in sorted(thread_launches, key=lambda e: e["ts"]):
+            while i < len(ops) and ops[i]["ts"] <= launch["ts"]:
+                while stack and stack[-1]["ts"] + stack[-1].get("dur", 0.0) < ops[i]["ts"]:
+                    stack.pop()
+                stack.append(ops[i])
+                i += 1
+            while stack and stack[-1]["ts"] + stack[-1].get("dur", 0.0) < launch["ts"]:
+                stack.pop()
+            labels[id(launch)] = _label(launch, stack)
+    return labels
+
+
+def _label(launch: dict, open_ops: list[dict]) -> str:
+    if "GraphLaunch" in launch.get("name", ""):
+        return GRAPH_REPLAY
+    if not open_ops:
+        return launch.get("name", "?")
+    innermost = open_ops[-1]["name"]
+    caller = next((o["name"] for o in reversed(open_ops[:-1])
+                   if not o["name"].startswith(("aten::", "autograd::engine"))), None)
+    return innermost if caller is None else f"{innermost} in {caller}"

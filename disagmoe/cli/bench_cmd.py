@@ -491,7 +491,7 @@ def profile(
     for k in record["kernels"]:
         table.add_row(k["name"][:80], k["category"], f"{k['ms_per_step']:.2f}", f"{k['share']:.1%}")
     console.print(table)
-    ops = Table(title=f"top {top} torch ops by the GPU time of their own kernels")
+    ops = Table(title=f"top {top} ops by the GPU time of the kernels they launched")
     for col in ("op", "ms/step", "share"):
         ops.add_column(col, justify="left" if col == "op" else "right")
     for o in record["ops"]:

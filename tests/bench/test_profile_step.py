@@ -10,7 +10,7 @@ import types
 import pytest
 import torch
 
-from disagmoe.bench.profile_step import category, idle_gaps
+from disagmoe.bench.profile_step import GRAPH_REPLAY, category, idle_gaps, kernel_ops
 from disagmoe.bench.timing import device_intervals
 
 
@@ -88,3 +88,39 @@ def test_device_intervals_read_a_real_profile() -> None:
         torch.randn(64, 64) @ torch.randn(64, 64)
     assert device_intervals(prof) == []
     assert any(e.name() == "aten::mm" for e in prof.profiler.kineto_results.events())
+
+
+def _x(cat: str, name: str, ts: float, dur: float, tid: int = 1, **args) -> dict:
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 0, "tid": tid, "args": args}
+
+
+def test_kernels_are_charged_to_the_innermost_op_and_its_nearest_caller() -> None:
+    """A trace shaped as torch's export: the backward's mul inside an autograd Function inside the
+    engine, a forward matmul on another thread, a kernel whose launch no op encloses, a graph replay."""
+    events = [
+        _x("cpu_op", "autograd::engine::evaluate_function: FusedMoEFunctionBackward", 0, 100, tid=2),
+        _x("cpu_op", "FusedMoEFunctionBackward", 1, 98, tid=2),
+        _x("cpu_op", "aten::mul", 10, 5, tid=2),
+        _x("cuda_runtime", "cudaLaunchKernel", 11, 1, tid=2, correlation=7),
+        _x("cpu_op", "aten::to", 20, 10, tid=2),
+        _x("cpu_op", "aten::copy_", 21, 5, tid=2),
+        _x("cuda_runtime", "cudaLaunchKernel", 22, 1, tid=2, correlation=8),
+        _x("cpu_op", "aten::mm", 0, 5, tid=1),
+        _x("cuda_runtime", "cudaLaunchKernel", 1, 1, tid=1, correlation=9),
+        _x("cuda_runtime", "cuLaunchKernelEx", 50, 1, tid=1, correlation=10),
+        _x("cuda_runtime", "cudaGraphLaunch", 60, 1, tid=1, correlation=11),
+        _x("kernel", "elementwise_kernel", 200, 2400, correlation=7),
+        _x("kernel", "elementwise_kernel", 2700, 100, correlation=7),
+        _x("kernel", "vectorized_copy", 2900, 700, correlation=8),
+        _x("kernel", "nvjet_gemm", 3700, 300, correlation=9),
+        _x("gpu_memset", "Memset (Device)", 4000, 10, correlation=10),
+        _x("kernel", "_ragged_rows_gemm_kernel", 4100, 50, correlation=11),
+        _x("kernel", "_ragged_rows_gemm_kernel", 4200, 50, correlation=11),
+        _x("kernel", "orphan", 4300, 5, correlation=99),
+    ]
+    seconds = kernel_ops(events)
+    us = 1e-6
+    assert seconds == {"aten::mul in FusedMoEFunctionBackward": pytest.approx(2500 * us),
+                       "aten::copy_ in FusedMoEFunctionBackward": pytest.approx(700 * us),
+                       "aten::mm": pytest.approx(300 * us), "cuLaunchKernelEx": pytest.approx(10 * us),
+                       GRAPH_REPLAY: pytest.approx(100 * us), "(no launch recorded)": pytest.approx(5 * us)}
