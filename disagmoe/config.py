@@ -353,6 +353,14 @@ class PlanConfig(StrictModel):
     optimizer_state_dtype: Literal["fp32", "bf16"] = Field(
         "fp32", description="price AdamW's two moments in this dtype: 4 or 2 bytes each per parameter (train "
         "with optim.state_dtype set the same)")
+    optimizer_update_kernel: Literal["torch", "triton"] = Field(
+        "triton", description="price AdamW's update as this kernel runs it (train with optim.update_kernel set the "
+        "same): triton reads and writes each parameter's master, gradient and moments in one pass that writes the "
+        "bf16 parameter too; torch adds a pass for the bf16 parameters and, with bf16 moments, fp32 copies of them "
+        "(`roofline.stages.adamw_update_bytes`). Offloaded (offload_optimizer), torch's whatever this says")
+    clip_gradients: bool = Field(
+        True, description="price a gradient-norm clip every step (train with optim.grad_clip > 0, its default): "
+        "torch's update then writes the scaled gradient back")
     expert_precision: Literal["bf16", "fp8"] = Field(
         "bf16", description="price the routed experts' GEMMs in this precision: fp8 at the hardware's fp8_tflops "
         "(the bf16 rate, or a calibrated one, times fp8_tflops / bf16_tflops), plus the quantisation passes' HBM "

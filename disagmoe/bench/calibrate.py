@@ -14,12 +14,13 @@ measures them, this module reuses it) it measures what `HardwareConfig.calibrati
   attention module, forward; data and weight gradients) at PROJECTION_TOKENS tokens, against
   `roofline.stages.attention_projection_passes` (v2 left them at `bench hardware`'s 8192^3 matmul rate);
 - `hbm_fraction["optimizer"]`: FlatAdamW's step as the trainer runs it (zero the main gradients,
-  their norm, the clipped fused AdamW, the masters into the bf16 parameters) over
-  OPTIMIZER_PARAMS parameters, as a fraction of the HBM rate at which the planner's optimizer
-  stage (`roofline.stages.optimizer_step`: 42 B per parameter) takes that time (the fused AdamW
-  runs below the copy rate `bench hardware` measures); `hbm_fraction["permute"]` the same for the
-  Triton permute and weighted-combine kernels (`kernels.permute`), forward and backward, over
-  PERMUTE_TOKENS tokens of the model's hidden size and top-k, against `roofline.stages.permute`;
+  their norm, the clipped update with the bf16 parameters written from the masters) over
+  OPTIMIZER_PARAMS parameters with OPTIMIZER_OPTIM's settings (the trainer's defaults: their update
+  kernel and moments' dtype), as a fraction of the HBM rate at which the planner's optimizer
+  stage for those settings (`optimizer_probe_work`: `roofline.stages.optimizer_step`) takes that
+  time (the update runs below the copy rate `bench hardware` measures); `hbm_fraction["permute"]`
+  the same for the Triton permute and weighted-combine kernels (`kernels.permute`), forward and
+  backward, over PERMUTE_TOKENS tokens of the model's hidden size and top-k, against `roofline.stages.permute`;
   `hbm_fraction["norms"]` the same for a layer's elementwise kernels as the model runs them (its
   RMSNorms, qk-norm + RoPE + heads-first layout, the attention output's copy back, the residual
   adds; the compiled fusions on a GPU), against `roofline.stages.norms_and_residuals` (GQA models:
@@ -84,7 +85,7 @@ import yaml
 
 from disagmoe.bench import hardware
 from disagmoe.bench.probe import PROBE_FINGERPRINT, PROBE_VERSION
-from disagmoe.config import Calibration, HardwareConfig, LinkCost, ModelConfig, RatePoint, write_text_file
+from disagmoe.config import Calibration, HardwareConfig, LinkCost, ModelConfig, OptimConfig, RatePoint, write_text_file
 from disagmoe.roofline import stages
 from disagmoe.roofline.calibration import fitted_fraction, fitted_hbm_fraction
 from disagmoe.roofline.ceilings import Ceilings
@@ -96,6 +97,7 @@ ROWS_PER_OP = 256 * 1024  # the most rows in one expert-curve measurement (`curv
 FIXED_TOKENS = 16  # the one sequence of the attention fixed-cost probes
 MESSAGE_BYTES = (64 * 2**10, 2**20, 16 * 2**20, 128 * 2**20)
 OPTIMIZER_PARAMS = 256 * 2**20  # parameters of the optimizer probe (4.5 GiB of state: far past the L2)
+OPTIMIZER_OPTIM = OptimConfig()  # the optimizer probe's FlatAdamW settings (the trainer's defaults), priced as such
 PERMUTE_TOKENS = 32 * 1024  # tokens of the permute probe (one micro-batch of 8 x 4,096)
 PROJECTION_TOKENS = (4096, 8192, 32768)  # tokens per micro-batch of the projection curve
 
@@ -202,6 +204,14 @@ def projection_point(model: ModelConfig, tokens: int, times: PassTimes, ceil: Ce
     return RatePoint(at=tokens, fwd=fitted_fraction(fwd, times.fwd_s, ceil), bwd=fitted_fraction(bwd, times.bwd_s, ceil))
 
 
+def optimizer_probe_work() -> stages.Work:
+    """The work the optimizer probe's time is fitted against: the planner's optimizer stage
+    (`stages.optimizer_step`) over OPTIMIZER_PARAMS parameters with the probe's own settings
+    (OPTIMIZER_OPTIM's moments' dtype and update kernel; `optimizer_pass` clips every step)."""
+    return stages.optimizer_step(OPTIMIZER_PARAMS, OPTIMIZER_OPTIM.state_dtype, OPTIMIZER_OPTIM.update_kernel,
+                                 clipped=True)
+
+
 def op_fixed_us(t: Timings) -> dict[str, float]:
     """Fixed GPU microseconds per op (module docstring): the expert FFN's launches at one row of
     one expert, the attention block's at one FIXED_TOKENS sequence; forward, and the backward
@@ -220,7 +230,7 @@ def calibration_from(t: Timings, model: ModelConfig, ceil: Ceilings, source: str
     projections = [projection_point(model, tokens, times, ceil) for tokens, times in sorted((t.projections or {}).items())]
     hbm = {}
     if t.optimizer_s is not None:
-        hbm["optimizer"] = fitted_hbm_fraction(stages.optimizer_step(OPTIMIZER_PARAMS), t.optimizer_s, ceil)
+        hbm["optimizer"] = fitted_hbm_fraction(optimizer_probe_work(), t.optimizer_s, ceil)
     if t.norms is not None:
         fwd, bwd = stages.norms_and_residuals(model, PERMUTE_TOKENS)
         hbm["norms"] = fitted_hbm_fraction(fwd + bwd, t.norms.fwd_bwd_s, ceil)
@@ -540,14 +550,13 @@ def optimizer_pass(optimizer, grad_clip: float = 1.0) -> None:
 
 def _optimizer_times(dev, params: int, warmup: int, iters: int) -> float:
     """GPU kernel seconds of `optimizer_pass` over one bf16 matrix of `params` parameters (fp32
-    masters, main gradients and moments: FlatAdamW's default)."""
+    masters and main gradients; the moments and update kernel OPTIMIZER_OPTIM's)."""
     from disagmoe.bench.timing import kernel_ms
-    from disagmoe.config import OptimConfig
     from disagmoe.runtime.state.flat_adamw import FlatAdamW
 
     cols = 4096
     weight = torch.nn.Parameter(torch.randn(params // cols, cols, device=dev, dtype=torch.bfloat16))
-    optimizer = FlatAdamW([("weight", weight)], OptimConfig(), torch.bfloat16)
+    optimizer = FlatAdamW([("weight", weight)], OPTIMIZER_OPTIM, torch.bfloat16)
     try:
         return kernel_ms(lambda _: optimizer_pass(optimizer), warmup, iters) / 1e3
     finally:

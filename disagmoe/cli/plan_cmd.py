@@ -40,6 +40,10 @@ ShardOpt = Annotated[bool, typer.Option(
 StateDtypeOpt = Annotated[Literal["fp32", "bf16"], typer.Option(
     "--optimizer-state-dtype", help="the dtype of AdamW's two moments: fp32 (8 bytes per parameter) or bf16 (4; "
     "train with optim.state_dtype=bf16)")]
+UpdateKernelOpt = Annotated[Literal["torch", "triton"], typer.Option(
+    "--optimizer-update-kernel", help="what runs AdamW's update, priced by its passes: triton (one pass over "
+    "master, gradient and moments that writes the bf16 parameters too) or torch (its fused AdamW, then a pass for "
+    "the parameters; with bf16 moments through fp32 copies of them); train with optim.update_kernel set the same")]
 PrecisionOpt = Annotated[Literal["bf16", "fp8"], typer.Option(
     "--expert-precision", help="the routed experts' GEMMs: bf16, or fp8 priced at the hardware's fp8_tflops with "
     "the quantisation passes' traffic and the FP8 weight copies' memory (train with precision: fp8)")]
@@ -63,7 +67,8 @@ def build_request(model: str, hardware: str, gpus: int, seq_len: int | None, glo
                   load_histogram: Path | None = None, max_pipeline_groups: int = 8,
                   max_expert_replicas: int = 0, shard_optimizer_states: bool = False,
                   optimizer_state_dtype: str = "fp32", recompute: str = "auto",
-                  expert_precision: str = "bf16", offload_optimizer: str = "off") -> PlanConfig:
+                  expert_precision: str = "bf16", offload_optimizer: str = "off",
+                  optimizer_update_kernel: str = "triton") -> PlanConfig:
     mcfg = load_model(model)
     hist = read_histogram(load_histogram, mcfg.num_moe_layers, mcfg.num_experts) if load_histogram else None
     return PlanConfig(model=mcfg, cluster=ClusterConfig(hardware=checked_hardware(hardware), num_gpus=gpus),
@@ -71,7 +76,8 @@ def build_request(model: str, hardware: str, gpus: int, seq_len: int | None, glo
                       load_histogram=hist, max_pipeline_groups=max_pipeline_groups,
                       max_expert_replicas=max_expert_replicas, shard_optimizer_states=shard_optimizer_states,
                       optimizer_state_dtype=optimizer_state_dtype, recompute=recompute,
-                      expert_precision=expert_precision, offload_optimizer=offload_optimizer)
+                      expert_precision=expert_precision, offload_optimizer=offload_optimizer,
+                      optimizer_update_kernel=optimizer_update_kernel)
 
 
 def checked_hardware(ref: str) -> HardwareConfig:
@@ -96,6 +102,7 @@ def plan(
     max_expert_replicas: Annotated[int, typer.Option(help="extra replicas per hot expert", min=0)] = 0,
     shard_optimizer_states: ShardOpt = False,
     optimizer_state_dtype: StateDtypeOpt = "fp32",
+    optimizer_update_kernel: UpdateKernelOpt = "triton",
     recompute: RecomputeOpt = "auto",
     expert_precision: PrecisionOpt = "bf16",
     offload_optimizer: OffloadOpt = "off",
@@ -112,7 +119,7 @@ def plan(
     """
     req = build_request(model, hardware, gpus, seq_len, global_batch_tokens, load_histogram,
                         max_pipeline_groups, max_expert_replicas, shard_optimizer_states, optimizer_state_dtype,
-                        recompute, expert_precision, offload_optimizer)
+                        recompute, expert_precision, offload_optimizer, optimizer_update_kernel)
     result = choose(req).plan
     if load_histogram is not None:
         result.notes.insert(0, histogram_note(load_histogram, req.load_histogram, result))
@@ -233,6 +240,7 @@ def roofline(
     replica_sets: Annotated[int, typer.Option(help="expert replica sets per group (disaggregated)", min=1)] = 1,
     shard_optimizer_states: ShardOpt = False,
     optimizer_state_dtype: StateDtypeOpt = "fp32",
+    optimizer_update_kernel: UpdateKernelOpt = "triton",
     offload_optimizer: OffloadOpt = "off",
     as_json: JsonOpt = False,
     plot_path: Annotated[Optional[Path], typer.Option("--plot", help="write a log-log roofline PNG")] = None,
@@ -268,7 +276,8 @@ def roofline(
                              "--compare TRACE --config CONFIG for a run's trace)")
         req = build_request(model, hardware, gpus, seq_len, global_batch_tokens,
                             shard_optimizer_states=shard_optimizer_states,
-                            optimizer_state_dtype=optimizer_state_dtype, offload_optimizer=offload_optimizer)
+                            optimizer_state_dtype=optimizer_state_dtype, offload_optimizer=offload_optimizer,
+                            optimizer_update_kernel=optimizer_update_kernel)
         choice = _layout_choice(req, layout, attention_gpus, pipeline_groups, micro_batches,
                                 sequences_per_gpu, replica_sets)
     if choice.cost is None:

@@ -229,6 +229,8 @@ class Problem:
     replica_slots: int = 0  # spare expert slots per expert GPU for hot-expert replicas
     shard_optimizer: bool = False  # ZeRO-1 over each data-parallel group for the replicated parameters
     optimizer_state_dtype: str = "fp32"  # AdamW's moments: fp32 or bf16
+    optimizer_update_kernel: str = "triton"  # what runs AdamW's update on the GPU: torch or triton
+    clip_gradients: bool = True  # a gradient clip each step (torch's update then writes the gradient back)
     offload_optimizer: bool = False  # masters and moments in host memory, copied over the host link each step
     calibration: Calibration | None = None  # measured curves and fixed costs (None: the plain roofline)
     recompute: str = "none"  # none, selective, full or auto (per candidate: see the module docstring)
@@ -529,7 +531,13 @@ def evaluate(prob: Problem, c: Candidates, misfits_exact: bool = True) -> Cost:
     # The optimizer's passes; offloaded, its copies over the host link too (per parameter, each way).
     attention_link = host_link_bytes(prob.optimizer_state_dtype, "bf16", zero1_ranks(dp, prob.shard_optimizer))
     expert_link = host_link_bytes(prob.optimizer_state_dtype, "bf16")
-    optimizer = st.offloaded_optimizer_step if prob.offload_optimizer else lambda params, _: st.optimizer_step(params)
+
+    def optimizer(params: Num, link_bytes: Num) -> Work:
+        """The optimizer step over `params` parameters as the run's settings make it; offloaded,
+        torch's update on the staging slots (whatever the update kernel) and the host-link copies."""
+        if prob.offload_optimizer:
+            return st.offloaded_optimizer_step(params, link_bytes, prob.optimizer_state_dtype, prob.clip_gradients)
+        return st.optimizer_step(params, prob.optimizer_state_dtype, prob.optimizer_update_kernel, prob.clip_gradients)
 
     # Every stage once: per GPU, per micro-batch and layer (or per micro-batch / per step).
     head = st.lm_head(m, tokens) + st.embedding(m, tokens)

@@ -75,6 +75,7 @@ def problem_of(cfg: PlanConfig, gpus: int | None = None) -> Problem:
         capacity_bytes=hw.hbm_gib * GIB * cfg.memory_headroom, load_peak_ratio=peak,
         replica_slots=1 if cfg.max_expert_replicas > 0 else 0,
         shard_optimizer=cfg.shard_optimizer_states, optimizer_state_dtype=cfg.optimizer_state_dtype,
+        optimizer_update_kernel=cfg.optimizer_update_kernel, clip_gradients=cfg.clip_gradients,
         offload_optimizer=cfg.offload_optimizer == "on", calibration=hw.calibration,
         host_capacity_bytes=math.inf if hw.host_memory_gib is None else hw.host_memory_gib * GIB,
         **_recompute_of(cfg),

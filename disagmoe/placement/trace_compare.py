@@ -166,6 +166,7 @@ def run_request(cfg: TrainConfig, model: ModelConfig, hw: HardwareConfig) -> tup
     req = PlanConfig(model=model, cluster=ClusterConfig(hardware=hw, num_gpus=gpus), seq_len=cfg.seq_len,
                      global_batch_tokens=cfg.batch_size * cfg.seq_len, max_pipeline_groups=cfg.pipeline_groups,
                      shard_optimizer_states=cfg.optim.shard_states, optimizer_state_dtype=cfg.optim.state_dtype,
+                     optimizer_update_kernel=cfg.optim.update_kernel, clip_gradients=cfg.optim.grad_clip > 0,
                      expert_precision="fp8" if cfg.expert_precision == "fp8" else "bf16",
                      recompute=cfg.recompute, experts_backend=cfg.experts_backend,
                      recompute_modules=list(cfg.recompute_modules) if cfg.recompute == "selective" else None,

@@ -12,8 +12,9 @@ roofs: the data gradients (compute) and the weight gradients, which add into the
 gradients (8 bytes of HBM traffic per expert parameter per micro-batch: memory-bound at a few
 hundred rows per expert). Every other bf16 weight gradient is added into its fp32 main gradient
 by its own elementwise kernel (`main_grad_add`). The optimizer counts every pass FlatAdamW makes
-over the parameters in a step (`optimizer_step`). Norms, RoPE, layout copies and residual adds are
-priced by their HBM bytes (`norms_and_residuals`).
+over the parameters in a step, as its update kernel and the moments' dtype make them
+(`optimizer_step`). Norms, RoPE, layout copies and residual adds are priced by their HBM bytes
+(`norms_and_residuals`).
 """
 
 from __future__ import annotations
@@ -356,17 +357,65 @@ def ring_allreduce(nbytes: Num, ranks: Num, scaleout_fraction: Num) -> Work:
                 collectives=np.where(ranks > 1, 1.0, 0.0))
 
 
-def optimizer_step(params: Num) -> Work:
-    """FlatAdamW's passes over the parameters in one step (runtime/state/flat_adamw.py): zero the fp32
-    main gradients (write 4 bytes), their norm for clipping (read 4), the fused AdamW (read master,
-    grad, m, v; write master, m, v: 28), the masters into the bf16 parameters (read 4, write 2)."""
-    zero, norm, adamw, to_params = FP32, FP32, 4 * FP32 + 3 * FP32, FP32 + BF16
-    return Work(hbm_bytes=params * (zero + norm + adamw + to_params))
+# Bytes per parameter of each tensor FlatAdamW's step touches (runtime/state/flat_adamw.py)
+MASTER = FP32  # the fp32 master weight
+MAIN_GRAD = FP32  # the fp32 main gradient
+COMPUTE_PARAM = BF16  # the bf16 parameter the forward reads (the masters' compute copy)
+MOMENT = {"fp32": FP32, "bf16": BF16}  # one AdamW moment (exp_avg or exp_avg_sq), by `optim.state_dtype`
+UPDATE_KERNELS = ("torch", "triton")  # `optim.update_kernel`
 
 
-def offloaded_optimizer_step(params: Num, link_bytes: Num) -> Work:
+def adamw_update_bytes(state_dtype: str, update_kernel: str, clipped: bool) -> tuple[int, int]:
+    """(read, written) bytes per parameter of FlatAdamW's update, the masters' bf16 compute copy
+    included, as `FlatAdamW.step` runs it on a GPU bucket (runtime/state/flat_adamw.py; the totals
+    are kernels/adamw.py's docstring table). m and v are the moments, `MOMENT[state_dtype]` each:
+
+        kernel  moments  pass                       read                     written
+        torch   fp32     fused AdamW                master, grad, m, v 16    master, m, v 12 (+ grad 4 clipped)
+                         masters -> parameters      master 4                 parameter 2
+        torch   bf16     m, v into fp32 copies      m, v 4                   the copies 8
+                         fused AdamW on the copies  master, grad, copies 16  master, copies 12 (+ grad 4 clipped)
+                         copies rounded into m, v   the copies 8             m, v 4
+                         masters -> parameters      master 4                 parameter 2
+        triton  fp32     one pass (kernels.adamw)   master, grad, m, v 16    master, m, v, parameter 14
+        triton  bf16     one pass                   master, grad, m, v 12    master, m, v, parameter 10
+
+    Clipped, torch reads 20 and writes 18 with fp32 moments, 32 and 30 with bf16 ones (bf16:
+    `_step_rounded_moments`). A clip hands torch's fused kernel `grad_scale` (the clip coefficient's
+    inverse, `FlatAdamW.step`), and it writes the scaled gradient back; the Triton kernel divides in
+    registers, so its bytes do not depend on the clip. The trainer passes a clip coefficient
+    whenever `optim.grad_clip` > 0 (runtime/training/trainer.py, runtime/cluster/worker.py)."""
+    if state_dtype not in MOMENT or update_kernel not in UPDATE_KERNELS:
+        raise ValueError(f"state dtype {state_dtype!r} / update kernel {update_kernel!r}: the state dtype must be "
+                         f"one of {sorted(MOMENT)}, the update kernel one of {list(UPDATE_KERNELS)}")
+    moments = 2 * MOMENT[state_dtype]
+    if update_kernel == "triton":
+        return MASTER + MAIN_GRAD + moments, MASTER + moments + COMPUTE_PARAM
+    fp32_moments = 2 * FP32  # torch's fused AdamW updates fp32 moments only
+    read = MASTER + MAIN_GRAD + fp32_moments
+    written = MASTER + fp32_moments + (MAIN_GRAD if clipped else 0)
+    if state_dtype != "fp32":  # through fp32 copies: widened before the kernel, rounded back after it
+        read, written = read + moments + fp32_moments, written + fp32_moments + moments
+    return read + MASTER, written + COMPUTE_PARAM  # then the masters -> bf16 parameters pass
+
+
+def optimizer_step(params: Num, state_dtype: str, update_kernel: str, clipped: bool) -> Work:
+    """FlatAdamW's passes over the parameters in one step (runtime/state/flat_adamw.py), bytes per
+    parameter: zero the fp32 main gradients (write 4), their norm (read 4: the trainer takes it
+    every step), then the update with the compute copy (`adamw_update_bytes`: `optim.state_dtype`,
+    `optim.update_kernel`, and `clipped` where `optim.grad_clip` > 0). Clipped, that is 46 with
+    torch and fp32 moments, 70 with torch and bf16, 38 with triton and fp32, 30 with triton and bf16."""
+    zero, norm = MAIN_GRAD, MAIN_GRAD
+    read, written = adamw_update_bytes(state_dtype, update_kernel, clipped)
+    return Work(hbm_bytes=params * (zero + norm + read + written))
+
+
+def offloaded_optimizer_step(params: Num, link_bytes: Num, state_dtype: str, clipped: bool) -> Work:
     """`optimizer_step` with the masters and moments in host memory (`offload_optimizer`,
-    runtime/state/offload.py): the same passes over HBM, plus the staging slots written by the copies
-    in and read by the copies out (`link_bytes` per parameter each way, `optimizer_state.host_link_bytes`),
-    which cross the host link in both directions at once, overlapped with the update."""
-    return optimizer_step(params) + Work(hbm_bytes=2 * params * link_bytes, host_bytes=params * link_bytes)
+    runtime/state/offload.py): torch's update whatever `optim.update_kernel` says (`FlatAdamW._step_offloaded`
+    runs `adamw_chunk`, torch's fused AdamW, on each chunk in the device slots, then writes the compute
+    copy from the slot's masters), plus the staging slots written by the copies in and read by the
+    copies out (`link_bytes` per parameter each way, `optimizer_state.host_link_bytes`), which cross the
+    host link in both directions at once, overlapped with the update."""
+    update = optimizer_step(params, state_dtype, "torch", clipped)
+    return update + Work(hbm_bytes=2 * params * link_bytes, host_bytes=params * link_bytes)

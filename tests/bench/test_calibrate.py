@@ -96,7 +96,7 @@ def _timings(model, ceil: Ceilings) -> cal.Timings:
         fwd, bwd = attention_core_passes(model, cal.attention_batch(s) * s, s)
         f_s = SDPA_FIXED.fwd_s + fwd.flops / (0.5 * peak)
         attention[s] = cal.PassTimes(f_s, f_s + SDPA_FIXED.bwd_s + bwd.flops / (0.4 * peak))
-    optimizer_s = 42 * cal.OPTIMIZER_PARAMS / (OPTIMIZER_HBM * ceil.hbm_bytes_per_s)  # FlatAdamW's 42 B per parameter
+    optimizer_s = cal.optimizer_probe_work().hbm_bytes / (OPTIMIZER_HBM * ceil.hbm_bytes_per_s)  # the probe's passes
     pairs = stages.permute(model, cal.PERMUTE_TOKENS * model.top_k).hbm_bytes / (PERMUTE_HBM * ceil.hbm_bytes_per_s)
     permute = cal.PassTimes(pairs, 2 * pairs)  # forward and backward move the same bytes (the stage's count)
     projections = {}
@@ -353,6 +353,38 @@ def test_the_expert_probes_weight_pass_adds_into_fp32_main_gradients_as_the_step
     assert y.requires_grad  # built for a backward, as the step's forward is (it saves the pre-activations)
     torch.testing.assert_close(y.detach(), moe_ffn.expert_ffn_reference(x, offsets, w13, w2).detach(),
                                rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("update_kernel", ["torch", "triton"])
+def test_the_optimizer_rate_is_fitted_against_the_probes_own_settings(monkeypatch, state_dtype, update_kernel):
+    """Whatever update kernel and moments the probe's FlatAdamW runs (OPTIMIZER_OPTIM), its time is
+    fitted against those settings' bytes: a made-up GPU moving them at OPTIMIZER_HBM of its HBM rate
+    gives back OPTIMIZER_HBM, and a run with the probe's settings (the Qwen3 config on one GPU) has
+    its experts' optimizer stage priced at the probe's seconds per parameter."""
+    from disagmoe.config import OptimConfig, load_train_config
+    from disagmoe.placement.cost import evaluate
+    from disagmoe.placement.solver import problem_of
+    from disagmoe.placement.trace_compare import run_request
+    from disagmoe.roofline import stages
+
+    monkeypatch.setattr(cal, "OPTIMIZER_OPTIM", OptimConfig(state_dtype=state_dtype, update_kernel=update_kernel))
+    model, hw = load_model("qwen3-30b-a3b"), load_hardware("h200-sxm")
+    ceil = _ceil(hw)
+    probe_bytes = stages.optimizer_step(cal.OPTIMIZER_PARAMS, state_dtype, update_kernel, clipped=True).hbm_bytes
+    assert cal.optimizer_probe_work().hbm_bytes == probe_bytes  # `optimizer_pass` clips every step
+    timings = _timings(model, ceil)
+    assert timings.optimizer_s == pytest.approx(probe_bytes / (OPTIMIZER_HBM * ceil.hbm_bytes_per_s))
+    calibration = cal.calibration_from(timings, model, ceil, "made up")
+    assert calibration.hbm_fraction["optimizer"] == pytest.approx(OPTIMIZER_HBM)
+    cfg = load_train_config(CONFIGS / "h200x2-qwen3-30b.yaml", [
+        "mode=single", "micro_batches=2", f"optim.state_dtype={state_dtype}", f"optim.update_kernel={update_kernel}"])
+    req, cand = run_request(cfg, load_model(cfg.model), hw.model_copy(update={"calibration": calibration}))
+    prob = problem_of(req)
+    cost = evaluate(prob, cand)
+    priced = float(np.asarray(cost.stages["optimizer (experts)"].time(True, prob.ceilings)).ravel()[0])
+    held = float(np.asarray(cost.expert_params).ravel()[0])
+    assert priced == pytest.approx(timings.optimizer_s * held / cal.OPTIMIZER_PARAMS, rel=1e-9)
 
 
 def test_the_optimizer_probe_runs_the_trainers_step_on_flat_adamw():

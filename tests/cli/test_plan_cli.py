@@ -254,6 +254,32 @@ def test_bf16_optimizer_states_halve_the_moments_the_plan_prices():
     assert "--optimizer-state-dtype" in run("plan", "--help").output
 
 
+def test_the_optimizer_update_kernel_prices_the_optimizer_stage_with_its_passes():
+    """`--optimizer-update-kernel` (plan and roofline; default triton) reaches the optimizer's stage
+    rows: torch's fused AdamW and copy pass move more bytes than the one Triton pass, the memory is
+    the same; any other kernel is refused."""
+    from disagmoe.roofline import stages as st
+
+    args = ("roofline", "--model", "qwen3-30b-a3b", "--hardware", "h200-sxm", "--gpus", "8", "--json",
+            "--layout", "disaggregated", "--attention-gpus", "4")  # one layout: only the optimizer's rows move
+    default, triton, torch_rows = (json.loads(run(*args, *extra).stdout)
+                                   for extra in ((), ("--optimizer-update-kernel", "triton"),
+                                                 ("--optimizer-update-kernel", "torch")))
+    assert default == triton
+    optimizer = lambda out: {r["stage"]: r for r in out["step"] if r["stage"].startswith("optimizer")}  # noqa: E731
+    fast, slow = optimizer(triton), optimizer(torch_rows)
+    assert fast and set(fast) == set(slow)
+    per_param = (st.optimizer_step(1.0, "fp32", "torch", True).hbm_bytes
+                 / st.optimizer_step(1.0, "fp32", "triton", True).hbm_bytes)
+    for name in fast:
+        assert slow[name]["hbm_bytes"] == pytest.approx(per_param * fast[name]["hbm_bytes"], rel=1e-9), name
+    assert triton["plan"]["memory_per_gpu"] == torch_rows["plan"]["memory_per_gpu"]
+    plan_args = ("plan", "--model", "qwen3-30b-a3b", "--hardware", "h200-sxm", "--gpus", "8")
+    r = run(*plan_args, "--optimizer-update-kernel", "cuda")
+    assert r.exit_code == 2 and "torch" in r.output and "triton" in r.output
+    assert "--optimizer-update-kernel" in run("plan", "--help").output
+
+
 def test_config_schema_lists_every_key_with_type_default_and_meaning():
     """The table a person reads: every key (sections dotted), its type, default and meaning;
     --json keeps the JSON Schema for machines."""

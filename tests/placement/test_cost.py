@@ -195,13 +195,57 @@ def test_expert_weight_grads_are_their_own_launch_with_the_fp32_main_gradient_tr
     assert wgrad.time(True, prob.ceilings) + data > 2 * cost.stages["routed experts"].time(False, prob.ceilings)
 
 
-def test_the_optimizer_prices_every_pass_flat_adamw_makes_and_the_main_grad_adds():
-    m, prob, cost = _single_gpu()
+def _optimizer_bytes(cost) -> float:
+    """HBM bytes of the optimizer's stages (attention and experts) of the first candidate."""
+    return _first(cost.stages["optimizer (attention)"].bwd.hbm_bytes + cost.stages["optimizer (experts)"].bwd.hbm_bytes)
+
+
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("update_kernel", ["torch", "triton"])
+@pytest.mark.parametrize("clip", [True, False])
+def test_the_optimizer_prices_every_pass_flat_adamw_makes_and_the_main_grad_adds(state_dtype, update_kernel, clip):
+    """The plan's moments' dtype, update kernel and clip reach the optimizer's stages: every held
+    parameter at `stages.optimizer_step`'s bytes for those settings (zero, norm, the update with the
+    bf16 parameters written: tests/roofline/test_stages.py checks them pass by pass)."""
+    from disagmoe.roofline import stages as st
+
+    m = load_model("qwen3-30b-a3b")
+    req = PlanConfig(model=m, cluster=ClusterConfig(hardware=load_hardware("h200-sxm"), num_gpus=1), seq_len=4096,
+                     global_batch_tokens=16 * 4096, optimizer_state_dtype=state_dtype,
+                     optimizer_update_kernel=update_kernel, clip_gradients=clip)
+    prob = problem_of(req)
+    assert (prob.optimizer_state_dtype, prob.optimizer_update_kernel, prob.clip_gradients) == (
+        state_dtype, update_kernel, clip)
+    cost = evaluate(prob, Candidates.one(0, 1, 1, 8, 2, colocated=True))
     held = float(cost.attn_params[0] + cost.expert_params[0])
-    opt = cost.stages["optimizer (attention)"].bwd.hbm_bytes + cost.stages["optimizer (experts)"].bwd.hbm_bytes
-    assert _first(opt) == pytest.approx(42 * held)  # zero 4, norm 4, AdamW 28, masters -> bf16 6
+    per_param = st.optimizer_step(1.0, state_dtype, update_kernel, clip).hbm_bytes
+    assert _optimizer_bytes(cost) == pytest.approx(per_param * held)
     adds = cost.stages["main-grad adds"]
     assert adds.group == "attention" and adds.runs == "moe" and _first(adds.bwd.hbm_bytes) > 0
+
+
+def test_bf16_moments_in_the_triton_update_price_a_cheaper_optimizer_than_torchs_fp32_step():
+    """The same layout, and only the optimizer's stages move: bf16 moments stepped by the Triton
+    kernel read and write fewer bytes than torch's fused AdamW over fp32 moments and its copy pass."""
+    m, hw = load_model("qwen3-30b-a3b"), load_hardware("h200-sxm")
+    one = Candidates.one(1, 1, 1, 8, 2)
+
+    def priced(state_dtype, update_kernel):
+        req = PlanConfig(model=m, cluster=ClusterConfig(hardware=hw, num_gpus=2), seq_len=4096,
+                         global_batch_tokens=16 * 4096, optimizer_state_dtype=state_dtype,
+                         optimizer_update_kernel=update_kernel)
+        prob = problem_of(req)
+        return prob, evaluate(prob, one)
+
+    (prob, lean), (_, torch_fp32) = priced("bf16", "triton"), priced("fp32", "torch")
+    for name in ("optimizer (attention)", "optimizer (experts)"):
+        assert lean.stages[name].time(True, prob.ceilings) < torch_fp32.stages[name].time(True, prob.ceilings)
+    assert _optimizer_bytes(lean) < _optimizer_bytes(torch_fp32)
+    assert float(lean.step_s[0]) < float(torch_fp32.step_s[0])
+    for name, stage in lean.stages.items():
+        if not name.startswith("optimizer"):
+            for bwd in (False, True):
+                assert stage.time(bwd, prob.ceilings) == torch_fp32.stages[name].time(bwd, prob.ceilings), name
 
 
 def test_an_optimizer_steps_fixed_cost_is_paid_once_per_rank():
@@ -416,6 +460,33 @@ def test_an_offloaded_optimizer_holds_two_buckets_on_the_gpu_and_pays_the_host_l
     assert report.host_gib * 2**30 == pytest.approx(params * moved, rel=1e-9)
     assert report.total_gib * 2**30 == pytest.approx(float(off.attn_mem_bytes[0]), rel=1e-9)
     assert any("offloaded" in n and "64 GB/s per direction" in n for n in plan.notes)
+
+
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])
+def test_an_offloaded_optimizer_is_torchs_update_whatever_the_update_kernel(state_dtype):
+    """Offloaded buckets take torch's path (`FlatAdamW._step_offloaded`): the update kernel moves no
+    offloaded price, and each optimizer stage is torch's passes plus the staging copies, its host-link
+    bytes `host_link_bytes` per parameter each way (the attention side's ZeRO-1 share here: none)."""
+    from disagmoe.roofline import stages as st
+    from disagmoe.roofline.optimizer_state import host_link_bytes
+
+    m, hw = load_model("qwen3-30b-a3b"), load_hardware("h200-sxm")
+    one = Candidates.one(8, 8, 1, 2, 1)
+
+    def offloaded(update_kernel):
+        req = PlanConfig(model=m, cluster=ClusterConfig(hardware=hw, num_gpus=16), seq_len=4096,
+                         optimizer_state_dtype=state_dtype, optimizer_update_kernel=update_kernel,
+                         offload_optimizer=True)
+        return evaluate(problem_of(req), one)
+
+    triton, torch_update = offloaded("triton"), offloaded("torch")
+    link = host_link_bytes(state_dtype)
+    for name, params in (("optimizer (attention)", triton.attn_params), ("optimizer (experts)", triton.expert_params)):
+        assert triton.stages[name].bwd == torch_update.stages[name].bwd
+        work, held = triton.stages[name].bwd, _first(params)
+        torch_step = st.optimizer_step(held, state_dtype, "torch", True)
+        assert _first(work.hbm_bytes) == pytest.approx(torch_step.hbm_bytes + 2 * held * link)
+        assert _first(work.host_bytes) == pytest.approx(held * link)
 
 
 def test_offload_is_refused_on_hardware_without_a_host_link():

@@ -171,3 +171,70 @@ def test_attention_recompute_is_one_more_forward_before_the_output_projection(na
     layer = 3 * (st.attention_projections(m, tokens).flops + st.routed_experts(m, tokens * m.top_k, m.num_experts).flops
                  + st.shared_experts(m, tokens).flops) + 3.5 * st.attention_core(m, tokens, seq).flops
     assert extra.flops / layer < 0.25
+
+
+SETTINGS = [(dtype, kernel, clipped) for dtype in ("fp32", "bf16") for kernel in ("torch", "triton")
+            for clipped in (True, False)]
+
+
+def flat_adamw_passes(state_dtype: str, update_kernel: str, clipped: bool) -> dict[str, tuple[int, int]]:
+    """FlatAdamW's passes of one step on a GPU bucket, (read, written) bytes per parameter of each, from
+    the per-tensor sizes as the runtime's docstrings list them (runtime/state/flat_adamw.py, kernels/adamw.py)."""
+    moment, fp32_moment = st.MOMENT[state_dtype], st.FP32
+    passes = {"zero_grad": (0, st.MAIN_GRAD), "grad norm": (st.MAIN_GRAD, 0)}
+    if update_kernel == "triton":  # one pass: master, grad, m, v in; master, m, v and the bf16 parameter out
+        passes["adamw_update"] = (st.MASTER + st.MAIN_GRAD + 2 * moment, st.MASTER + 2 * moment + st.COMPUTE_PARAM)
+        return passes
+    if state_dtype == "bf16":  # `_step_rounded_moments`: fp32 copies of m and v
+        passes["moments to fp32 copies"] = (2 * moment, 2 * fp32_moment)
+    passes["fused AdamW"] = (st.MASTER + st.MAIN_GRAD + 2 * fp32_moment,
+                             st.MASTER + 2 * fp32_moment + (st.MAIN_GRAD if clipped else 0))  # a clip: grad back
+    if state_dtype == "bf16":
+        passes["copies rounded into m, v"] = (2 * fp32_moment, 2 * moment)
+    passes["masters -> parameters"] = (st.MASTER, st.COMPUTE_PARAM)
+    return passes
+
+
+@pytest.mark.parametrize("state_dtype, update_kernel, clipped", SETTINGS)
+def test_the_optimizer_step_counts_the_passes_of_each_update_kernel_and_moment_dtype(state_dtype, update_kernel,
+                                                                                     clipped):
+    passes = flat_adamw_passes(state_dtype, update_kernel, clipped)
+    update = [rw for name, rw in passes.items() if name not in ("zero_grad", "grad norm")]
+    assert st.adamw_update_bytes(state_dtype, update_kernel, clipped) == (sum(r for r, _ in update),
+                                                                          sum(w for _, w in update))
+    per_param = sum(r + w for r, w in passes.values())
+    params = np.array([1.0, 3e9])
+    np.testing.assert_array_equal(st.optimizer_step(params, state_dtype, update_kernel, clipped).hbm_bytes,
+                                  params * per_param)
+
+
+def test_the_update_kernel_and_bf16_moments_each_move_fewer_bytes():
+    """Triton's one pass beats torch's fused AdamW and copy for either moment dtype, bf16 moments
+    beat fp32 in Triton's pass (torch widens them to fp32 copies: more bytes, not fewer), and only
+    torch's update pays for the clip (the scaled gradient written back)."""
+    step = lambda *setting: st.optimizer_step(1.0, *setting).hbm_bytes  # noqa: E731
+    for dtype in ("fp32", "bf16"):
+        assert step(dtype, "triton", True) < step(dtype, "torch", True)
+        assert step(dtype, "triton", True) == step(dtype, "triton", False)
+        assert step(dtype, "torch", True) - step(dtype, "torch", False) == st.MAIN_GRAD
+    assert step("bf16", "triton", True) < step("fp32", "triton", True)
+    assert step("bf16", "torch", True) > step("fp32", "torch", True)
+    with pytest.raises(ValueError, match="update kernel 'cuda'"):
+        st.optimizer_step(1.0, "fp32", "cuda", True)
+    with pytest.raises(ValueError, match="state dtype 'fp16'"):
+        st.optimizer_step(1.0, "fp16", "triton", True)
+
+
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("clipped", [True, False])
+def test_the_offloaded_step_is_torchs_update_plus_the_staging_traffic(state_dtype, clipped):
+    """Offloaded buckets take torch's path whatever `optim.update_kernel` says (`FlatAdamW._step_offloaded`):
+    torch's passes, the staging slots written and read once per link byte, the host link both ways."""
+    from disagmoe.roofline.optimizer_state import host_link_bytes
+
+    params, link = 5e8, host_link_bytes(state_dtype)
+    offloaded = st.offloaded_optimizer_step(params, link, state_dtype, clipped)
+    torch_passes = flat_adamw_passes(state_dtype, "torch", clipped)
+    assert offloaded.hbm_bytes == pytest.approx(params * (sum(r + w for r, w in torch_passes.values()) + 2 * link))
+    assert offloaded.host_bytes == params * link
+    assert (offloaded.flops, offloaded.nvlink_bytes, offloaded.scaleout_bytes) == (0, 0, 0)
