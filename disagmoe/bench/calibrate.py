@@ -15,8 +15,8 @@ measures them, this module reuses it) it measures what `HardwareConfig.calibrati
   `roofline.stages.attention_projection_passes` (v2 left them at `bench hardware`'s 8192^3 matmul rate);
 - `hbm_fraction["optimizer"]`: FlatAdamW's step as the trainer runs it (zero the main gradients,
   their norm, the clipped update with the bf16 parameters written from the masters) over
-  OPTIMIZER_PARAMS parameters with OPTIMIZER_OPTIM's settings (the trainer's defaults: their update
-  kernel and moments' dtype), as a fraction of the HBM rate at which the planner's optimizer
+  OPTIMIZER_PARAMS parameters with OPTIMIZER_OPTIM's settings (the trainer's defaults, written out:
+  the Triton update, fp32 moments), as a fraction of the HBM rate at which the planner's optimizer
   stage for those settings (`optimizer_probe_work`: `roofline.stages.optimizer_step`) takes that
   time (the update runs below the copy rate `bench hardware` measures); `hbm_fraction["permute"]`
   the same for the Triton permute and weighted-combine kernels (`kernels.permute`), forward and
@@ -97,7 +97,9 @@ ROWS_PER_OP = 256 * 1024  # the most rows in one expert-curve measurement (`curv
 FIXED_TOKENS = 16  # the one sequence of the attention fixed-cost probes
 MESSAGE_BYTES = (64 * 2**10, 2**20, 16 * 2**20, 128 * 2**20)
 OPTIMIZER_PARAMS = 256 * 2**20  # parameters of the optimizer probe (4.5 GiB of state: far past the L2)
-OPTIMIZER_OPTIM = OptimConfig()  # the optimizer probe's FlatAdamW settings (the trainer's defaults), priced as such
+# the optimizer probe's FlatAdamW settings, priced as such: the trainer's defaults, written out so
+# that a change of default changes the probe's fingerprint (bench.probe)
+OPTIMIZER_OPTIM = OptimConfig(update_kernel="triton", state_dtype="fp32")
 PERMUTE_TOKENS = 32 * 1024  # tokens of the permute probe (one micro-batch of 8 x 4,096)
 PROJECTION_TOKENS = (4096, 8192, 32768)  # tokens per micro-batch of the projection curve
 

@@ -37,8 +37,10 @@ PROBE_VERSION = 4
 #    a layer's norms, RoPE, copies and residual adds (GQA), against `roofline.stages.norms_and_residuals`.
 # 4: kernel time read from the profiler's raw kineto events (`timing.device_intervals`): version 3 read
 #    `prof.events()`, which on an H200 (torch 2.11) left out kernels the Chrome trace holds (a training
-#    step's 505 ms of kernels read as 436), so its times may be short.
-PROBE_FINGERPRINT = "a156102a6127586b"  # `code_fingerprint()` of the code that measures version PROBE_VERSION
+#    step's 505 ms of kernels read as 436), so its times may be short; the optimizer's step timed with the
+#    Triton update (the new default, `calibrate.OPTIMIZER_OPTIM`) and fitted against that update's own bytes
+#    (`roofline.stages.optimizer_step` by update kernel, moments' dtype and clip; version 3: torch's, against 42 B).
+PROBE_FINGERPRINT = "ffe46b9e85744054"  # `code_fingerprint()` of the code that measures version PROBE_VERSION
 
 # The code that decides what a calibration's numbers mean: file (under disagmoe/) -> top-level name
 # -> why it belongs. Left out on purpose: the experts backends and `model.Block` (the probe measures
