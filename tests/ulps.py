@@ -28,20 +28,28 @@ def operand_half_ulps(got: torch.Tensor, want: torch.Tensor, operands: torch.Ten
 
 def adamw_master_tolerance(master_before: torch.Tensor, master: torch.Tensor, exp_avg: torch.Tensor,
                            exp_avg_operands: torch.Tensor, exp_avg_sq: torch.Tensor,
-                           exp_avg_sq_operands: torch.Tensor, moment_half_ulps: float = 8.0) -> torch.Tensor:
+                           exp_avg_sq_operands: torch.Tensor, decay: float = 0.0,
+                           moment_half_ulps: float = 8.0) -> torch.Tensor:
     """How far two AdamW implementations' new masters may lie apart (fp64, elementwise) when their
-    moments differ by up to `moment_half_ulps` of their operands (FMA contraction, `operand_half_ulps`):
-    3 ulps of |master before| + |update| for the update's own roundings, plus the update's relative
-    error that its moments carry, |update| (e_m / |m| + e_v / 2v): where exp_avg nearly cancels (b1
-    m and (1 - b1) g of opposite signs) one ulp of its operands is many of it, and of the update.
-    Measured on an H200 (2026-12-04): masters 20 half-ulps of |master| + |update| apart at the
-    second step, under such an exp_avg."""
-    update = (master.double() - master_before.double()).abs()
+    moments differ by up to `moment_half_ulps` of their operands (`operand_half_ulps`): 3 ulps of
+    |master before| + |master change| for the update's own roundings, plus the relative error its
+    moments carry into the Adam term u = master before (1 - decay) - master (`decay` = lr x weight
+    decay): |u| (e_m / |m| + e_v / 2v), at most 2|u| (m may change sign). Where exp_avg nearly
+    cancels (b1 m and (1 - b1) g of opposite signs) one ulp of its operands is many of it, and of
+    the update: on an H200 (2026-12-04) masters were 20 half-ulps of |master| + |update| apart at
+    the second step."""
+    before64, master64 = master_before.double(), master.double()
+    adam_term = (before64 * (1.0 - decay) - master64).abs()
     tiny = 2.0**-149
     rel_m = moment_half_ulps * HALF_ULP * exp_avg_operands.double() / exp_avg.double().abs().clamp_min(tiny)
     rel_v = moment_half_ulps * HALF_ULP * exp_avg_sq_operands.double() / exp_avg_sq.double().clamp_min(tiny)
-    carried = torch.where(update == 0, 0.0, update * (rel_m + rel_v / 2).clamp_max(1.0))
-    return 6 * HALF_ULP * (master_before.double().abs() + update) + carried
+    carried = torch.where(adam_term == 0, 0.0, adam_term * (rel_m + rel_v / 2).clamp_max(2.0))
+    return 6 * HALF_ULP * (before64.abs() + (master64 - before64).abs()) + carried
+
+
+def over_tolerance(got: torch.Tensor, want: torch.Tensor, tolerance: torch.Tensor) -> float:
+    """The largest |got - want| / tolerance: at most 1 passes."""
+    return float(((got.double() - want.double()).abs() / tolerance.clamp_min(2.0**-149)).max())
 
 
 def bf16_moment_apart(got: torch.Tensor, want: torch.Tensor, operands: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,8 @@ measures them, this module reuses it) it measures what `HardwareConfig.calibrati
   OPTIMIZER_PARAMS parameters with OPTIMIZER_OPTIM's settings (the trainer's defaults, written out:
   the Triton update, fp32 moments), as a fraction of the HBM rate at which the planner's optimizer
   stage for those settings (`optimizer_probe_work`: `roofline.stages.optimizer_step`) takes that
-  time (the update runs below the copy rate `bench hardware` measures); `hbm_fraction["permute"]`
+  time (the update runs below the copy rate `bench hardware` measures; the one fraction then prices
+  every update kernel and the offloaded step's device passes too); `hbm_fraction["permute"]`
   the same for the Triton permute and weighted-combine kernels (`kernels.permute`), forward and
   backward, over PERMUTE_TOKENS tokens of the model's hidden size and top-k, against `roofline.stages.permute`;
   `hbm_fraction["norms"]` the same for a layer's elementwise kernels as the model runs them (its

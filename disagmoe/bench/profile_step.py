@@ -13,6 +13,7 @@ profiled steps can be written for Perfetto.
 
 from __future__ import annotations
 
+import gzip
 import json
 import tempfile
 import time
@@ -55,15 +56,17 @@ def run(cfg: TrainConfig, steps: int, warmup: int, log: Callable[[str], None],
     log(f"profiling {steps} steps after {warmup} warm-up steps")
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        start = time.perf_counter()
+        began = time.perf_counter()
         for _ in range(steps):
             trainer._train_one_step()
         torch.cuda.synchronize()
-        wall_s = time.perf_counter() - start
+        wall_s = time.perf_counter() - began
     with tempfile.TemporaryDirectory() as tmp:
         trace_path = trace if trace is not None else Path(tmp) / "trace.json"
-        prof.export_chrome_trace(str(trace_path))
-        launched_by = kernel_ops(json.loads(trace_path.read_text())["traceEvents"])
+        prof.export_chrome_trace(str(trace_path))  # gzip where the name ends in .gz
+        opener = gzip.open if trace_path.suffix == ".gz" else open
+        with opener(trace_path, "rt") as f:
+            launched_by = kernel_ops(json.load(f)["traceEvents"])
     intervals = device_intervals(prof)
     kernels: dict[str, float] = {}
     for start, end, name in intervals:
@@ -113,28 +116,34 @@ def idle_gaps(intervals: list[tuple[float, float, str]],
 
 
 GRAPH_REPLAY = "(a CUDA graph replay: cuda_graphs=off names the ops)"
-GPU_CATEGORIES = ("kernel", "gpu_memset", "gpu_memcpy")
-LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
+TRACE_GPU_CATS = ("kernel", "gpu_memset", "gpu_memcpy")  # a Chrome trace's "cat" of GPU activities
+TRACE_LAUNCH_CATS = ("cuda_runtime", "cuda_driver")  # ... of the calls that launched them
+TRACE_RANGE_CATS = ("cpu_op", "user_annotation")  # ... of the host ranges a launch lies in
 
 
 def kernel_ops(events: list[dict]) -> dict[str, float]:
     """GPU seconds by the op that launched them, from a Chrome trace's events (`torch.profiler`'s
     export: each GPU activity's `correlation` is its launch call's, and the launch lies inside the
-    CPU ops that made it, on its thread). An op reads `innermost op in nearest caller`: the
-    innermost op around the launch and the nearest enclosing op that is neither an aten op nor the
-    autograd engine (a module, an autograd Function such as `FusedMoEFunctionBackward`), e.g.
-    `aten::mul in FusedMoEFunctionBackward`; a kernel launched by no op reads as the launch call.
-    Kernels of a replayed CUDA graph were launched by the replay: they read as GRAPH_REPLAY."""
+    host ranges that made it, on its thread: CPU ops and `record_function` ranges). An op reads
+    `innermost range in nearest caller`: the innermost range around the launch and the nearest
+    enclosing one that is neither an aten op nor the autograd engine (an autograd Function such as
+    `FusedMoEFunctionBackward`, a `record_function` range such as `FlatAdamW.step`), e.g. `aten::mul
+    in FusedMoEFunctionBackward`, or the range alone (`FlatAdamW.step` for the Triton update's
+    kernel); a kernel launched in no range reads as the launch call (`cuLaunchKernelEx`). Kernels of
+    a replayed CUDA graph were launched by the replay: they read as GRAPH_REPLAY. Checked against
+    the H200 traces of session 15 by a script of the same logic; this function itself has not yet
+    read a GPU trace."""
     launches = {e["args"]["correlation"]: e for e in events if e.get("ph") == "X"
-                and e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {})}
+                and e.get("cat") in TRACE_LAUNCH_CATS and "correlation" in e.get("args", {})}
     ops_by_thread: dict[Any, list[dict]] = {}
     for e in events:
-        if e.get("ph") == "X" and e.get("cat") == "cpu_op":
+        if (e.get("ph") == "X" and e.get("cat") in TRACE_RANGE_CATS
+                and not str(e.get("name", "")).startswith("ProfilerStep")):
             ops_by_thread.setdefault((e.get("pid"), e.get("tid")), []).append(e)
-    labels = _launch_labels(ops_by_thread, [launch for launch in launches.values()])
+    labels = _launch_labels(ops_by_thread, list(launches.values()))
     seconds: dict[str, float] = {}
     for e in events:
-        if e.get("ph") != "X" or e.get("cat") not in GPU_CATEGORIES:
+        if e.get("ph") != "X" or e.get("cat") not in TRACE_GPU_CATS:
             continue
         launch = launches.get(e.get("args", {}).get("correlation"))
         label = "(no launch recorded)" if launch is None else labels[id(launch)]
@@ -150,12 +159,14 @@ def _launch_labels(ops_by_thread: dict[Any, list[dict]], launches: list[dict]) -
     for launch in launches:
         launches_by_thread.setdefault((launch.get("pid"), launch.get("tid")), []).append(launch)
     for thread, thread_launches in launches_by_thread.items():
-        ops = sorted(ops_by_thread.get(thread, []), key=lambda o: (o["ts"], -o.get("dur", 0.0)))
+        # outer before inner where two start together: the longer first, then a caller before an aten op
+        ops = sorted(ops_by_thread.get(thread, []),
+                     key=lambda o: (o["ts"], -o.get("dur", 0.0), o["name"].startswith("aten::")))
         stack: list[dict] = []
         i = 0
         for launch in sorted(thread_launches, key=lambda e: e["ts"]):
             while i < len(ops) and ops[i]["ts"] <= launch["ts"]:
-                while stack and stack[-1]["ts"] + stack[-1].get("dur", 0.0) < ops[i]["ts"]:
+                while stack and stack[-1]["ts"] + stack[-1].get("dur", 0.0) <= ops[i]["ts"]:  # ended
                     stack.pop()
                 stack.append(ops[i])
                 i += 1

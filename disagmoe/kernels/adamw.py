@@ -25,22 +25,24 @@ interpreter rounds as the GPU does).
 
 Equality with torch's fused kernel, on the GPU: the operations and their order are the same. Two
 things may still differ: both compilers contract an fp64 multiply-add into an FMA (Triton here:
-fma(beta1, m, (1 - beta1) g), fma(beta2, v, (1 - beta2) g g), fma(-lr wd, p, p), ptxas sm_90a),
-and if nvcc pairs them otherwise an fp64 result differs in its last bit; and the fp64 pow is
-libdevice's __nv_pow here and the CUDA math library's pow of torch's build there (the same
-function, perhaps of another CUDA version). Either changes an fp32 value only where the fp64 one
-lies within an fp64 ulp of an fp32 rounding boundary (about 2^-29 of elements), and then by one
-ulp of the operands. Counted in raw ulps of the *result* that is no bound: on an H200 (2026-12-03)
-the masters were up to 2048 raw ulps from torch's fused kernel at the first step, where a master
-near zero and its update nearly cancel (torch's own CPU AdamW is 64 raw ulps from the reference
-there, yet within 3 ulps of |master before| + |update|). The gpu tests bound the difference in
-ulps of the operands: moments within 4 (3.03 measured on exp_avg_sq), masters within 3 plus what
-their moments' differences carry through a nearly cancelling exp_avg (`tests/ulps.py`,
-`adamw_master_tolerance`: 20 half-ulps of |master| + |update| measured at the second step), and
-passed on an H200 (2026-12-04). The whole step trains alike (50 steps of the Qwen3 config: loss
-2.8725 against 2.8714 with torch's update, 2.8717 with bf16 moments), so `update_kernel` defaults
-to triton. In Triton's CPU interpreter (no FMA; C's pow) the kernel equals `adamw_reference`
-bit for bit.
+fma(beta1, m, (1 - beta1) g), fma(beta2, v, (1 - beta2) g g), fma(-lr wd, p, p), ptxas sm_90a), and
+if nvcc pairs them otherwise an fp64 result differs in its last bit; and the fp64 pow is libdevice's
+__nv_pow here and the CUDA math library's pow of torch's build there (the same function, perhaps of
+another CUDA version). Either would change an fp32 value only where the fp64 one lies within an fp64
+ulp of an fp32 rounding boundary, and then by one ulp of the operands. The H200 measured more than
+that on the second moment: exp_avg_sq up to 3.03 ulps of its operands, so torch's kernel differs
+from this one somewhere on that path beyond an FMA's last bit (not found yet; the tests bound it at
+4 ulps and count the share of differing values). Counted in raw ulps of the *result* that is no
+bound: on an H200 (2026-12-03) the masters were up to 2048 raw ulps from torch's fused kernel at the
+first step, where a master near zero and its update nearly cancel (torch's own CPU AdamW is 64 raw
+ulps from the reference there, yet within 3 ulps of |master before| + |update|). The gpu tests bound
+the difference in ulps of the operands: moments within 4 (3.03 measured on exp_avg_sq), masters
+within 3 plus what their moments' differences carry through a nearly cancelling exp_avg
+(`tests/ulps.py`, `adamw_master_tolerance`: 20 half-ulps of |master| + |update| measured at the
+second step), and passed on an H200 (2026-12-04). The whole step trains alike (50 steps of the Qwen3
+config: loss 2.8725 against 2.8714 with torch's update, 2.8717 with bf16 moments), so
+`update_kernel` defaults to triton. In Triton's CPU interpreter (no FMA; C's pow) the kernel equals
+`adamw_reference` bit for bit.
 
 `skip` (an fp32 device scalar, torch's found_inf): where exactly 1.0 nothing is read or written.
 The step count is read, never written: the caller counts it (`flat_adamw.count_step`). Nothing

@@ -194,6 +194,8 @@ def copy_rows(x_TH: torch.Tensor, dest_TK: torch.Tensor, weights_TK: torch.Tenso
     rounded to x's dtype: `(x.float() * w.float()).to(x.dtype)` bit for bit), rows at or after
     `limit` (a one-element int32 device tensor) weighted 0: the combine's row gradient without its
     weight-gradient dots (`kernels.fused_moe`)."""
+    if limit is not None and weights_TK is None:
+        raise ValueError("copy_rows: a limit weights the rows past it 0; it needs weights_TK")
     tokens, top_k = dest_TK.shape
     n_pairs, hidden = tokens * top_k, x_TH.shape[1]
     rows_NH = x_TH.new_empty((n_pairs, hidden))

@@ -87,7 +87,9 @@ def test_device_intervals_read_a_real_profile() -> None:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         torch.randn(64, 64) @ torch.randn(64, 64)
     assert device_intervals(prof) == []
-    assert any(e.name() == "aten::mm" for e in prof.profiler.kineto_results.events())
+    mm = next(e for e in prof.profiler.kineto_results.events() if e.name() == "aten::mm")
+    assert mm.device_type() == torch.autograd.DeviceType.CPU and not mm.is_user_annotation()
+    assert mm.start_ns() > 0 and mm.duration_ns() > 0
 
 
 def _x(cat: str, name: str, ts: float, dur: float, tid: int = 1, **args) -> dict:
@@ -107,7 +109,7 @@ def test_kernels_are_charged_to_the_innermost_op_and_its_nearest_caller() -> Non
         _x("cuda_runtime", "cudaLaunchKernel", 22, 1, tid=2, correlation=8),
         _x("cpu_op", "aten::mm", 0, 5, tid=1),
         _x("cuda_runtime", "cudaLaunchKernel", 1, 1, tid=1, correlation=9),
-        _x("cuda_runtime", "cuLaunchKernelEx", 50, 1, tid=1, correlation=10),
+        _x("cuda_driver", "cuLaunchKernelEx", 50, 1, tid=1, correlation=10),
         _x("cuda_runtime", "cudaGraphLaunch", 60, 1, tid=1, correlation=11),
         _x("kernel", "elementwise_kernel", 200, 2400, correlation=7),
         _x("kernel", "elementwise_kernel", 2700, 100, correlation=7),
@@ -124,3 +126,27 @@ def test_kernels_are_charged_to_the_innermost_op_and_its_nearest_caller() -> Non
                        "aten::copy_ in FusedMoEFunctionBackward": pytest.approx(700 * us),
                        "aten::mm": pytest.approx(300 * us), "cuLaunchKernelEx": pytest.approx(10 * us),
                        GRAPH_REPLAY: pytest.approx(100 * us), "(no launch recorded)": pytest.approx(5 * us)}
+
+
+def test_user_ranges_are_callers_touching_ops_are_closed_and_equal_starts_nest_caller_first() -> None:
+    """A `record_function` range (user_annotation) names its kernels' caller; an op that ends where
+    the next starts is closed by then; an aten op starting with its caller at the same instant and
+    for as long nests inside it, whichever the trace lists first; ProfilerStep ranges are no caller."""
+    events = [
+        _x("user_annotation", "ProfilerStep#3", 0, 1000),
+        _x("user_annotation", "FlatAdamW.step", 100, 50),
+        _x("cuda_driver", "cuLaunchKernelEx", 110, 1, correlation=1),
+        _x("cpu_op", "MyFn", 200, 20),
+        _x("cpu_op", "aten::add", 220, 10),
+        _x("cuda_runtime", "cudaLaunchKernel", 225, 1, correlation=2),
+        _x("cpu_op", "aten::mul", 300, 10),
+        _x("cpu_op", "OtherFn", 300, 10),
+        _x("cuda_runtime", "cudaLaunchKernel", 305, 1, correlation=3),
+        _x("kernel", "_adamw_kernel", 400, 30, correlation=1),
+        _x("kernel", "add_kernel", 450, 10, correlation=2),
+        _x("kernel", "mul_kernel", 470, 10, correlation=3),
+    ]
+    us = 1e-6
+    assert kernel_ops(events) == {"FlatAdamW.step": pytest.approx(30 * us),
+                                  "aten::add": pytest.approx(10 * us),
+                                  "aten::mul in OtherFn": pytest.approx(10 * us)}

@@ -3,8 +3,8 @@ its plain-torch reference (torch's fused CUDA arithmetic written out) over sever
 lengths and a stride loop, with and without weight decay, a gradient scale, bf16 moments and the
 compute copy; within two fp32 ulps of torch's CPU AdamW per step; bf16 moments are the fp32 update
 rounded to nearest-even; a skip leaves everything as it was; the compute copy rounds as torch's
-cast. On a GPU (marked gpu): masters within 3 fp32 ulps of their operands from torch's fused
-AdamW, moments within 4 (3.03 measured on an H200).
+cast. On a GPU (marked gpu): moments within 4 fp32 ulps of their operands from torch's fused
+AdamW (3.03 measured on an H200), masters within `tests.ulps.adamw_master_tolerance`.
 
 Legend: N the flat length."""
 
@@ -14,7 +14,8 @@ import pytest
 import torch
 from torch import nn
 
-from tests.ulps import HALF_ULP, adamw_master_tolerance, bf16_moment_apart, operand_half_ulps, raw_ulps
+from tests.ulps import (HALF_ULP, adamw_master_tolerance, bf16_moment_apart, operand_half_ulps, over_tolerance,
+                        raw_ulps)
 
 BETAS, EPS = (0.9, 0.95), 1e-8
 
@@ -252,6 +253,42 @@ def _cuda_fused_step(master, grad, avg, sq, step, lr, weight_decay, scale):
     return ref.detach(), state["exp_avg"], state["exp_avg_sq"]
 
 
+def test_torchs_cpu_adamw_lies_within_the_master_tolerance_of_the_reference():
+    """`adamw_master_tolerance` (what the gpu tests bound the masters by) is neither vacuous nor too
+    tight: torch's CPU AdamW against the kernel's plain-torch reference over 5 steps of six-decade
+    gradients with weight decay, from the same inputs each step, lands inside it (0.64 of it when
+    written) while raw |master before| + |update| half-ulps reach about 4.5; moments within 8
+    half-ulps of their operands."""
+    from disagmoe.kernels.adamw import adamw_reference
+
+    n = 200_000
+    master, (avg, sq), grad = _inputs(n, 6, torch.float32)
+    lr, hyper = _scalars(0.1)
+    step, worst = torch.zeros(()), 0.0
+    for count in range(5):
+        g = grad(count)
+        ref = nn.Parameter(master.clone())
+        ref.grad = g.clone()
+        opt = torch.optim.AdamW([ref], lr=float(lr), betas=BETAS, eps=EPS, weight_decay=0.1, foreach=False)
+        opt.state[ref] = {"step": step.clone(), "exp_avg": avg.clone(), "exp_avg_sq": sq.clone()}
+        opt.step()
+        state = opt.state[ref]
+        master_before, avg_before, sq_before = master.clone(), avg.clone(), sq.clone()
+        adamw_reference(master, g, avg, sq, step, lr, hyper, None)
+        operands = (BETAS[0] * avg_before.abs() + (1 - BETAS[0]) * g.abs(),
+                    BETAS[1] * sq_before + (1 - BETAS[1]) * g * g)
+        tolerance = adamw_master_tolerance(master_before, ref.detach(), state["exp_avg"], operands[0],
+                                           state["exp_avg_sq"], operands[1], decay=float(lr) * 0.1)
+        worst = max(worst, over_tolerance(master, ref.detach(), tolerance))
+        assert float(operand_half_ulps(avg, state["exp_avg"], operands[0]).max()) <= 8.0, count
+        assert float(operand_half_ulps(sq, state["exp_avg_sq"], operands[1]).max()) <= 8.0, count
+        master.copy_(ref.detach())
+        avg.copy_(state["exp_avg"])
+        sq.copy_(state["exp_avg_sq"])
+        step += 1
+    assert 0.05 < worst <= 1.0, worst
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("scaled", [False, True], ids=["unscaled", "scaled"])
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
@@ -271,7 +308,7 @@ def test_cuda_fp32_moments_are_within_a_few_operand_ulps_of_torchs_fused_adamw(s
     master, (avg, sq), grad = _inputs(n, 6, torch.float32, "cuda")
     lr, hyper = _scalars(weight_decay, "cuda")
     scale = torch.tensor(1.75, device="cuda") if scaled else None
-    step = torch.zeros((), device="cuda")
+    step, differing, compared = torch.zeros((), device="cuda"), 0, 0
     for count in range(5):
         g = grad(count)
         master_before, avg_before, sq_before = master.clone(), avg.clone(), sq.clone()
@@ -281,9 +318,9 @@ def test_cuda_fp32_moments_are_within_a_few_operand_ulps_of_torchs_fused_adamw(s
         operands = (master_before.abs() + (want[0] - master_before).abs(),
                     BETAS[0] * avg_before.abs() + (1 - BETAS[0]) * g_scaled.abs(),
                     BETAS[1] * sq_before.abs() + (1 - BETAS[1]) * g_scaled * g_scaled)
-        tolerance = adamw_master_tolerance(master_before, want[0], want[1], operands[1], want[2], operands[2])
-        over = (master.double() - want[0].double()).abs() / tolerance.clamp_min(2.0**-149)
-        assert float(over.max()) <= 1.0, (count, int(over.argmax()), float(over.max()))
+        tolerance = adamw_master_tolerance(master_before, want[0], want[1], operands[1], want[2], operands[2],
+                                           decay=float(lr) * weight_decay)
+        assert over_tolerance(master, want[0], tolerance) <= 1.0, (count, over_tolerance(master, want[0], tolerance))
         for name, got, expected, scale_N in zip(("exp_avg", "exp_avg_sq"), (avg, sq), want[1:], operands[1:],
                                                 strict=True):
             apart = operand_half_ulps(got, expected, scale_N)
@@ -291,8 +328,13 @@ def test_cuda_fp32_moments_are_within_a_few_operand_ulps_of_torchs_fused_adamw(s
             assert float(apart.max()) <= 8.0, (count, name, worst, float(apart.max()), float(got[worst]),
                                                float(expected[worst]), float(g[worst]))
         for got, expected in zip((master, avg, sq), want, strict=True):
+            differing += int((got != expected).sum())
+            compared += got.numel()
             got.copy_(expected)  # the next step from the same inputs
         step += 1
+    # the same operations in the same order: most values equal bit for bit (a division or square root
+    # not correctly rounded would make about half differ); the share is not measured yet
+    assert differing <= 0.05 * compared, (differing, compared)
 
 
 @pytest.mark.gpu
@@ -323,13 +365,11 @@ def test_cuda_bf16_moments_are_within_a_few_operand_ulps_of_the_rounded_moment_s
         adamw_update(master, g, avg, sq, step, lr, hyper, scale, None, compute)
         assert torch.equal(compute, master.to(torch.bfloat16)), count
         g_scaled = g / scale
-        tolerance = adamw_master_tolerance(  # the moments' operands from the bf16 values before the step
-            before, want[0], want[1], BETAS[0] * avg_before.float().abs() + (1 - BETAS[0]) * g_scaled.abs(),
-            want[2], BETAS[1] * sq_before.float() + (1 - BETAS[1]) * g_scaled * g_scaled)
-        over = (master.double() - want[0].double()).abs() / tolerance.clamp_min(2.0**-149)
-        assert float(over.max()) <= 1.0, (count, float(over.max()))
         moment_operands = (BETAS[0] * avg_before.float().abs() + (1 - BETAS[0]) * g_scaled.abs(),
                            BETAS[1] * sq_before.float() + (1 - BETAS[1]) * g_scaled * g_scaled)
+        tolerance = adamw_master_tolerance(before, want[0], want[1], moment_operands[0], want[2], moment_operands[1],
+                                           decay=float(lr) * 0.1)
+        assert over_tolerance(master, want[0], tolerance) <= 1.0, (count, over_tolerance(master, want[0], tolerance))
         for got, expected, operands in zip((avg, sq), want[1:], moment_operands, strict=True):
             assert bool((bf16_moment_apart(got, expected, operands) <= 1.0).all()), count
         for got, expected in zip((master, avg, sq), want, strict=True):

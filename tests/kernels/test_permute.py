@@ -68,7 +68,8 @@ def _check_weighted_rows(permute, case: int, device: str, dtype: torch.dtype) ->
     row_of_pair = dest.reshape(-1).long()
     product = x.float()[torch.arange(rows_N, device=device) // top_k] * weights.reshape(-1)[:, None].float()
     bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
-    for limit in (None, offsets[experts // 4 - 1: experts // 4] if experts >= 4 else offsets[:1]):
+    for limit in (None, offsets[experts // 4 - 1: experts // 4] if experts >= 4 else offsets[:1],
+                  torch.zeros(1, dtype=torch.int32, device=device)):  # a limit of 0: every row weighted 0
         got = permute.copy_rows(x, dest, weights, None if limit is None else limit.to(torch.int32))
         kept = (torch.ones(rows_N, dtype=torch.bool, device=device) if limit is None
                 else row_of_pair < int(limit))
@@ -81,6 +82,13 @@ def _check_weighted_rows(permute, case: int, device: str, dtype: torch.dtype) ->
 def test_weighted_rows_are_the_torch_product_bit_for_bit(permute, case):
     """fp32 in the interpreter (whose fp32 -> bf16 cast truncates: bf16 on the GPU below)."""
     _check_weighted_rows(permute, case, "cpu", torch.float32)
+
+
+def test_a_limit_without_weights_is_refused(permute):
+    x, idx, _ = _routing(*CASES[0], seed=3)
+    _, _, dest = permute.permute_reference(x, idx, CASES[0][2])
+    with pytest.raises(ValueError, match="needs weights_TK"):
+        permute.copy_rows(x, dest, None, torch.zeros(1, dtype=torch.int32))
 
 
 @pytest.mark.gpu

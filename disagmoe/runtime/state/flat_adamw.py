@@ -32,11 +32,12 @@ One step, from the caller's side (nothing here waits on the host):
     opt.set_lr(lr)                         the step's learning rate into the device scalar `opt.lr`
     opt.step(clip_coef=...)                one AdamW update per bucket, then masters -> parameters
 
-Update kernel (`optim.update_kernel`, CUDA buckets): torch's fused AdamW, then the masters copied into
-the parameters (bf16 moments: `_step_rounded_moments`), or `kernels.adamw` (the default): one Triton pass per bucket
-over master, gradient and moments that writes the parameters too (the same arithmetic, in torch's
-order: within 3 fp32 ulps of the operands, `kernels.adamw`). The moments stay in the inner AdamW's state either way, so
-checkpoints, and a resume with the other kernel, see one format. CPU buckets take torch's path.
+Update kernel (`optim.update_kernel`, CUDA buckets): torch's fused AdamW, then the masters copied
+into the parameters (bf16 moments: `_step_rounded_moments`), or `kernels.adamw` (the default): one
+Triton pass per bucket over master, gradient and moments that writes the parameters too (the same
+arithmetic, in torch's order: within a few fp32 ulps of the operands, `kernels.adamw`). The moments
+stay in the inner AdamW's state either way, so checkpoints, and a resume with the other kernel, see
+one format. CPU buckets take torch's path.
 
 The learning rate is a device tensor (`opt.lr`), not a host float: every inner AdamW holds that one
 tensor as its `lr` and the kernels read it from device memory, so a CUDA graph of `step` replays with
@@ -271,7 +272,12 @@ class FlatAdamW:
         (all-gathered where sharded; the Triton update writes an unsharded bucket's itself). `skip` (a
         CUDA fp32 scalar, 1.0 or 0.0): where 1, the fused kernels (torch's or the Triton update) leave
         masters, moments and step counts as they were (torch's `found_inf`, as GradScaler uses it),
-        decided on the device: no host wait. CUDA only (the fused kernels)."""
+        decided on the device: no host wait. CUDA only (the fused kernels). A `record_function` range
+        names the step's kernels in a profile (`bench profile`'s ops)."""
+        with torch.profiler.record_function("FlatAdamW.step"):
+            self._step(clip_coef, skip)
+
+    def _step(self, clip_coef: torch.Tensor | None, skip: torch.Tensor | None) -> None:
         inverse = None if clip_coef is None else (1.0 / clip_coef).float()  # the fused kernels' grad_scale
         if skip is not None and not self.lr.is_cuda:
             raise ValueError("FlatAdamW.step(skip=...) runs in the fused CUDA kernels; on the CPU pass skip=None")
