@@ -375,8 +375,10 @@ class PlanConfig(StrictModel):
         "the plan's `recompute` and `recompute_modules` say which, and `train --plan` sets them")
     recompute_modules: list[Literal["expert_input", "expert_output", "expert_swiglu", "attention"]] | None = Field(
         None, description="with recompute selective: the modules priced as dropped (None: the three expert "
-        "modules); with auto: the modules it may choose from, the expert ones together and attention on its own "
-        "(None: all four; the expert modules only where experts_backend is triton and expert_precision bf16)")
+        "modules, under expert_precision fp8 the two it drops); with auto: the modules it may choose from, the "
+        "expert ones together and attention on its own "
+        "(None: all four; the expert modules only where experts_backend is triton, and under expert_precision fp8 "
+        "expert_input and expert_swiglu only: no fused FP8 combine drops expert_output)")
     experts_backend: Literal["loop", "grouped_mm", "triton"] = Field(
         "triton", description="the run's expert FFN (TrainConfig.experts_backend): selective recomputation "
         "needs triton, so for another the planner prices none")
@@ -411,6 +413,11 @@ class PlanConfig(StrictModel):
         if self.recompute == "full" and self.expert_precision == "fp8":
             raise ValueError("recompute: full is not built with FP8 experts (the recomputed forward would quantise "
                              "every block again); plan with expert_precision: bf16, or recompute none or auto")
+        if (self.recompute == "selective" and self.expert_precision == "fp8" and self.recompute_modules is not None
+                and "expert_output" in self.recompute_modules):
+            raise ValueError("recompute_modules names expert_output, which the FP8 experts do not recompute (no fused "
+                             f"FP8 combine: the combine keeps their output rows); plan with {FP8_SELECTIVE} (the "
+                             "default under expert_precision fp8) or expert_precision: bf16")
         return self
 
     @field_validator("load_histogram")
