@@ -28,6 +28,10 @@ PRESETS_DIR = Path(__file__).parent / "presets"
 MAX_GPUS = 1 << 17  # GPUs (ranks) in one job; the planner needs seconds at this size
 MAX_DIM = 1 << 24  # widths, vocabulary, experts, heads, layers, sequence length, sequences per step
 MAX_COUNT = 1 << 40  # steps, tokens per step, intervals
+# The expert modules selective recomputation drops under precision fp8 (`kernels.recompute.FP8_RECOMPUTABLE`:
+# not expert_output, the FP8 layer has no fused combine); the planner prices these, `train --plan` sets them.
+FP8_SELECTIVE_MODULES = ("expert_input", "expert_swiglu")
+FP8_SELECTIVE = f"[{', '.join(FP8_SELECTIVE_MODULES)}]"
 
 PositiveInt = Annotated[int, Field(gt=0, le=MAX_COUNT)]
 NonNegInt = Annotated[int, Field(ge=0, le=MAX_COUNT)]
@@ -379,8 +383,10 @@ class PlanConfig(StrictModel):
         "the plan's `recompute` and `recompute_modules` say which, and `train --plan` sets them")
     recompute_modules: list[Literal["expert_input", "expert_output", "expert_swiglu", "attention"]] | None = Field(
         None, description="with recompute selective: the modules priced as dropped (None: the three expert "
-        "modules); with auto: the modules it may choose from, the expert ones together and attention on its own "
-        "(None: all four; the expert modules only where experts_backend is triton and expert_precision bf16)")
+        "modules, under expert_precision fp8 the two it drops); with auto: the modules it may choose from, the "
+        "expert ones together and attention on its own "
+        "(None: all four; the expert modules only where experts_backend is triton, and under expert_precision fp8 "
+        "expert_input and expert_swiglu only: no fused FP8 combine drops expert_output)")
     experts_backend: Literal["loop", "grouped_mm", "triton"] = Field(
         "triton", description="the run's expert FFN (TrainConfig.experts_backend): selective recomputation "
         "needs triton, so for another the planner prices none")
@@ -415,6 +421,11 @@ class PlanConfig(StrictModel):
         if self.recompute == "full" and self.expert_precision == "fp8":
             raise ValueError("recompute: full is not built with FP8 experts (the recomputed forward would quantise "
                              "every block again); plan with expert_precision: bf16, or recompute none or auto")
+        if (self.recompute == "selective" and self.expert_precision == "fp8" and self.recompute_modules is not None
+                and "expert_output" in self.recompute_modules):
+            raise ValueError("recompute_modules names expert_output, which the FP8 experts do not recompute (no fused "
+                             f"FP8 combine: the combine keeps their output rows); plan with {FP8_SELECTIVE} (the "
+                             "default under expert_precision fp8) or expert_precision: bf16")
         return self
 
     @field_validator("load_histogram")
@@ -673,7 +684,9 @@ class TrainConfig(StrictModel):
         "block keeps only its input, the residual stream before the pre-attention norm, and the output "
         "projection's input: the norm, the q/k/v projections (MLA's low-rank chains and norms), qk-norm, RoPE "
         "and the attention core run again in the backward, about one more attention forward per layer; the "
-        "router and the FFN norm are not in it)")
+        "router and the FFN norm are not in it). Under precision: fp8 the experts drop expert_input (their "
+        "backward's quantiser reads the rows from the tokens) and expert_swiglu (a no-op: the FP8 experts never "
+        "keep the SwiGLU output), not expert_output (no fused FP8 combine): name [expert_input, expert_swiglu]")
     offload_optimizer: bool = Field(
         False, description="keep the fp32 masters and AdamW moments in pinned host memory: each step streams "
         "them through two GPU staging buckets of offload_bucket_mib (copy in bucket i+1 and copy out bucket i-1 "
@@ -844,11 +857,13 @@ class TrainConfig(StrictModel):
             needs = [why for bad, why in (
                 (self.device != "cuda", "device: cuda (FP8 tensor cores; the CPU runs the kernels only in their tests)"),
                 (self.experts_backend != "triton", "experts_backend: triton (the FP8 expert kernels)"),
-                (self.recompute == "selective" and experts_dropped,
-                 "recompute: none or recompute_modules: [attention] (the FP8 experts keep their own rows)"),
+                (self.recompute == "selective" and "expert_output" in experts_dropped,
+                 f"recompute_modules without expert_output, e.g. {FP8_SELECTIVE} (the FP8 experts have no fused "
+                 "combine: the combine keeps their output rows for the routing weights' gradient)"),
                 (self.recompute == "full",
-                 "recompute: none or selective with recompute_modules: [attention] (under full the recomputed "
-                 "forward would quantise every block's operands again, counting them twice in the FP8 statistics)"),
+                 f"recompute: none or selective with recompute_modules such as {FP8_SELECTIVE} (under full the "
+                 "recomputed forward would quantise every block's operands again, counting them twice in the FP8 "
+                 "statistics)"),
             ) if bad]
             if needs:
                 raise ValueError(f"precision: fp8 needs {'; '.join(needs)}; or set precision: bf16")
@@ -882,11 +897,15 @@ T = TypeVar("T", bound=BaseModel)
 
 def memory_knob_changes(cfg: TrainConfig) -> list[tuple[str, TrainConfig]]:
     """(label, `cfg` with it) for each memory knob `cfg` does not use yet and its other settings
-    accept (each change validated: recompute is refused with fp8 experts, selective with experts
-    other than triton): recompute selective and full, bf16 moments, the offloaded optimizer. The
-    memory refusals and the out-of-memory hint name these."""
+    accept (each change validated: full recomputation is refused with fp8 experts, selective's
+    expert modules with experts other than triton): recompute selective (under precision fp8 with
+    the modules the FP8 experts drop, `FP8_SELECTIVE`) and full, bf16 moments, the offloaded
+    optimizer. The memory refusals and the out-of-memory hint name these."""
     changes: list[tuple[str, dict[str, Any]]] = []
-    if cfg.recompute == "none":
+    if cfg.recompute == "none" and cfg.precision == "fp8":
+        changes.append((f"recompute: selective with recompute_modules: {FP8_SELECTIVE}",
+                        {"recompute": "selective", "recompute_modules": list(FP8_SELECTIVE_MODULES)}))
+    elif cfg.recompute == "none":
         changes.append(("recompute: selective", {"recompute": "selective"}))
     if cfg.recompute != "full":
         changes.append(("recompute: full", {"recompute": "full"}))

@@ -39,6 +39,7 @@ RAY_UNITS = {"tests/runtime/cluster/test_driver.py": "ray-driver-and-readme", "t
 # that it is made once, not once per worker.
 SHARED_UNITS = ("tests/runtime/state/test_flat_adamw.py::test_zero1_", "tests/runtime/state/test_offload.py::test_zero1_",
                 "tests/kernels/test_recompute.py::test_recomputation_keeps_less",
+                "tests/kernels/test_fp8_recompute.py::test_fp8_recomputation_keeps_less",
                 "tests/kernels/test_fused_moe.py::test_one_op_is_the_three_ops_without_their_rows",
                 "tests/runtime/stages/test_pair_return.py::test_recomputed_pair_rows_keep_less")
 TESTS_ROOT = Path(__file__).resolve().parent.parent

@@ -749,14 +749,16 @@ def fp8_swiglu_grad_gemm(
 # --- the weight gradient: contracted over tokens, so 128 x 1 scales along tokens, padded groups
 
 @triton.jit
-def _quantize_token_groups_kernel(x_ptr, q_ptr, s_ptr, offsets_ptr, padded_ptr, stats_ptr, E, K,
+def _quantize_token_groups_kernel(x_ptr, q_ptr, s_ptr, offsets_ptr, padded_ptr, stats_ptr, src_ptr, E, K,
                                   stride_xm, stride_xk, stride_qk, stride_qp, stride_sk, stride_sc,
-                                  BLOCK_K: tl.constexpr, E_POW2: tl.constexpr, STATS: tl.constexpr):
+                                  BLOCK_K: tl.constexpr, E_POW2: tl.constexpr, STATS: tl.constexpr,
+                                  GATHER: tl.constexpr):
     # Program (chunk c, K tile): padded rows [128 c, 128 c + 128) belong to the group g whose padded
     # range holds them (padded_ptr: int32 cumulative padded rows); they are x's rows offsets[g-1] +
     # (128 c - padded[g-1]) + t, zeros past the group's end (and for chunks past the last group).
     # q [K, P] (token-contiguous) = e4m3 of x^T, s[k, c] = scale of column k over the chunk.
     # STATS: counters of x's own rows (not the padding) into stats_ptr's row (`_record_stats`).
+    # GATHER: row r is x's row src_ptr[r] (int64), read where it lies (`kernels.recompute.RowSource`).
     chunk = tl.program_id(0)
     first = chunk * _SCALE_BLOCK
     idx = tl.arange(0, E_POW2)
@@ -771,7 +773,10 @@ def _quantize_token_groups_kernel(x_ptr, q_ptr, s_ptr, offsets_ptr, padded_ptr, 
     row_ok = in_group & (rows < row_end)
     ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     k_ok = ks < K
-    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + ks[None, :] * stride_xk,
+    x_rows = rows.to(tl.int64)
+    if GATHER:
+        x_rows = tl.load(src_ptr + x_rows, mask=row_ok, other=0)
+    x = tl.load(x_ptr + x_rows[:, None] * stride_xm + ks[None, :] * stride_xk,
                 mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
     scale = _scale_of(tl.max(tl.abs(x), axis=0))
     scaled = tl.math.div_rn(x, tl.broadcast_to(scale[None, :], x.shape))
@@ -798,13 +803,18 @@ def padded_capacity(rows: int, groups: int) -> int:
 
 
 def quantize_token_groups(x_MK: torch.Tensor, offsets_E: torch.Tensor, stats: torch.Tensor | None = None,
-                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                          rows_M: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q_KP float8_e4m3fn, s_KC fp32, padded_E int32): x's rows transposed into a token-contiguous
     [K, P] copy (the weight gradient's K-major operand), each group's rows starting at a multiple
     of 128 (`padded_offsets`; zero columns pad it), one scale per column and 128 padded rows
     (C = P / 128 chunks; no chunk straddles two groups). P = `padded_capacity`: columns past the
-    last group are zeros too. For `fp8_weight_grad`. `stats` as `quantize_rows` (x's rows only)."""
-    rows, k = x_MK.shape
+    last group are zeros too. For `fp8_weight_grad`. `stats` as `quantize_rows` (x's rows only).
+    `rows_M` (int64 [M]): row r is x_MK[rows_M[r]] (x then any number of rows), read in place: the
+    grouped rows gathered from their tokens inside the quantiser (`expert_input` recomputation,
+    `kernels.fp8_ffn`), the same bits as quantising the gathered copy, without writing it."""
+    if rows_M is not None and (rows_M.dtype != torch.int64 or rows_M.dim() != 1):
+        raise ValueError(f"rows_M must be int64 [M] (each row's source row); got {rows_M.dtype} {tuple(rows_M.shape)}")
+    rows, k = (x_MK.shape if rows_M is None else (rows_M.shape[0], x_MK.shape[1]))
     groups = offsets_E.shape[0]
     capacity = padded_capacity(rows, groups)
     padded_E = padded_offsets(offsets_E)
@@ -814,9 +824,10 @@ def quantize_token_groups(x_MK: torch.Tensor, offsets_E: torch.Tensor, stats: to
         return q_KP, s_KC, padded_E
     block_k = 16 if x_MK.device.type == "cpu" else 32
     _quantize_token_groups_kernel[(capacity // SCALE_BLOCK, triton.cdiv(k, block_k))](
-        x_MK, q_KP, s_KC, offsets_E, padded_E, _stats_ptr(stats, s_KC), groups, k, x_MK.stride(0), x_MK.stride(1),
-        q_KP.stride(0), q_KP.stride(1), s_KC.stride(0), s_KC.stride(1),
-        BLOCK_K=block_k, E_POW2=triton.next_power_of_2(groups), STATS=stats is not None, num_warps=4)
+        x_MK, q_KP, s_KC, offsets_E, padded_E, _stats_ptr(stats, s_KC), padded_E if rows_M is None else rows_M,
+        groups, k, x_MK.stride(0), x_MK.stride(1), q_KP.stride(0), q_KP.stride(1), s_KC.stride(0), s_KC.stride(1),
+        BLOCK_K=block_k, E_POW2=triton.next_power_of_2(groups), STATS=stats is not None, GATHER=rows_M is not None,
+        num_warps=4)
     return q_KP, s_KC, padded_E
 
 

@@ -15,6 +15,18 @@ Passes still separate from the kernel that produces their input (each reads a bf
 more): dy's two quantisations, dh13's two, act's and x's token-group copies.
 `stats` (`fp8_stats.Fp8Stats`, optional everywhere): every quantisation adds its counters, by kind
 (x and act: activations; dy and dh13: gradients; the weight copies: weights).
+
+What the forward keeps: x's grouped rows (the w13 gradient quantises them along tokens: the
+forward's 1 x 128 e4m3 rows cannot give those bits) and the pre-activations h13; never the SwiGLU
+output, which the backward's dgrad epilogue recomputes from h13 in every run. Selective
+recomputation (`TrainConfig.recompute`, `kernels.recompute.FP8_RECOMPUTABLE`): `expert_input`
+keeps the tokens x [T, H] the rows were gathered from and each row's token (`RowSource`, K times
+smaller) instead of the rows, and the backward's token-group quantiser reads each row from its
+token in place (`fp8.quantize_token_groups`' rows_M): the same bits as quantising the kept rows,
+no [N, H] copy written, and each quantisation still counted once (the backward quantises x along
+tokens in the plain run too; nothing the forward quantised is quantised again). `expert_swiglu`
+drops nothing more (the SwiGLU output is never kept). `expert_output` is not built: there is no
+fused FP8 combine (`recompute.FP8_NO_EXPERT_OUTPUT`).
 """
 
 from __future__ import annotations
@@ -25,6 +37,7 @@ import torch
 
 from disagmoe.kernels import fp8
 from disagmoe.kernels.fp8_stats import ACTIVATIONS, GRADIENTS, WEIGHTS, Fp8Stats
+from disagmoe.kernels.recompute import EXPERT_INPUT, EXPERT_OUTPUT, FP8_NO_EXPERT_OUTPUT, FP8_RECOMPUTABLE, RowSource
 from disagmoe.kernels.tile_configs import TileConfig, tuned
 
 
@@ -127,7 +140,7 @@ def fp8_ffn_forward(
 
 def fp8_ffn_backward(
     dy_NH: torch.Tensor,
-    x_NH: torch.Tensor,
+    x_NH: torch.Tensor | RowSource,
     offsets_E: torch.Tensor,
     weights: Fp8ExpertWeights,
     h13_N2F: torch.Tensor,
@@ -138,8 +151,10 @@ def fp8_ffn_backward(
     stats: Fp8Stats | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(dx_NH in dy's dtype, dw13_EH2F fp32, dw2_EFH fp32); a weight gradient whose fp32 main
-    gradient is given (w13's, w2's) is added into it by its GEMM and None is returned for it."""
-    rows, ffn = x_NH.shape[0], weights.w2[0].shape[1]
+    gradient is given (w13's, w2's) is added into it by its GEMM and None is returned for it.
+    `x_NH` may be a `RowSource` (`expert_input`, module docstring): its rows are read from the
+    tokens by the w13 gradient's quantiser, as they lie (the tokens' dtype)."""
+    rows, ffn = h13_N2F.shape[0], weights.w2[0].shape[1]
     experts = weights.w13[0].shape[0]
     acts, grads_row = _row(stats, ACTIVATIONS), _row(stats, GRADIENTS)
     served = offsets_E[-1:]  # rows past it are padding: dh13's are never written (garbage, maybe NaN)
@@ -152,7 +167,10 @@ def fp8_ffn_backward(
                               num_programs=num_programs)
     grads = []
     for a_NK, b_NC, main in ((x_NH, dh13_N2F, main_grads[0]), (act_NF, dy_NH, main_grads[1])):
-        qa, sa, padded_E = fp8.quantize_token_groups(a_NK, offsets_E, acts)
+        if isinstance(a_NK, RowSource):  # the grouped rows read from their tokens, in the quantiser
+            qa, sa, padded_E = fp8.quantize_token_groups(a_NK.x_TH, offsets_E, acts, rows_M=a_NK.token_N)
+        else:
+            qa, sa, padded_E = fp8.quantize_token_groups(a_NK, offsets_E, acts)
         qb, sb, _ = fp8.quantize_token_groups(b_NC, offsets_E, grads_row)
         grad = fp8.fp8_weight_grad((qa, sa), (qb, sb), padded_E, tiles.wgrad, weights=experts, out=main,
                                    accumulate=main is not None, num_programs=num_programs)
@@ -161,15 +179,21 @@ def fp8_ffn_backward(
 
 
 class Fp8ExpertFFNFunction(torch.autograd.Function):
-    """Autograd wrapper: x, w13, w2 get gradients (the weights' in their own dtype)."""
+    """Autograd wrapper: x, w13, w2 get gradients (the weights' in their own dtype). Under
+    `expert_input` with a `source` the rows x are not saved (module docstring)."""
 
     @staticmethod
-    def forward(ctx, x_NH, offsets_E, w13_EH2F, w2_EFH, weights, tiles, num_programs, stats):
+    def forward(ctx, x_NH, offsets_E, w13_EH2F, w2_EFH, weights, tiles, num_programs, stats,
+                recompute=frozenset(), source=None):
         if weights is None:  # a copy per call; a trainer makes one per optimizer step and passes it
             weights = Fp8ExpertWeights.quantize(w13_EH2F, w2_EFH, stats)
         y_NH, h13_N2F = fp8_ffn_forward(x_NH, offsets_E, weights, tiles, save_for_backward=True,
                                         num_programs=num_programs, stats=stats)
-        ctx.save_for_backward(x_NH, offsets_E, h13_N2F)
+        # the source's tokens are another node's input, kept as an attribute (autograd's saved-tensor
+        # checks apply to this node's own), as `moe_ffn.ExpertFFNFunction` keeps them
+        ctx.source = source if EXPERT_INPUT in recompute and source is not None else None
+        ctx.x_dtype = x_NH.dtype
+        ctx.save_for_backward(None if ctx.source is not None else x_NH, offsets_E, h13_N2F)
         ctx.weights, ctx.tiles, ctx.num_programs, ctx.stats = weights, tiles, num_programs, stats
         ctx.weight_dtypes = (w13_EH2F.dtype, w2_EFH.dtype)
         return y_NH
@@ -177,10 +201,14 @@ class Fp8ExpertFFNFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy_NH):
         x_NH, offsets_E, h13_N2F = ctx.saved_tensors
+        if x_NH is None:  # the tokens read in place where they hold the rows' dtype, else cast rows
+            same = ctx.source.x_TH.dtype == ctx.x_dtype
+            x_NH = ctx.source if same else ctx.source.rows(ctx.x_dtype)
         dx, dw13, dw2 = fp8_ffn_backward(dy_NH.contiguous(), x_NH, offsets_E, ctx.weights, h13_N2F, ctx.tiles,
                                          num_programs=ctx.num_programs, stats=ctx.stats)
-        ctx.weights = ctx.stats = None
-        return dx, None, dw13.to(ctx.weight_dtypes[0]), dw2.to(ctx.weight_dtypes[1]), None, None, None, None
+        ctx.weights = ctx.stats = ctx.source = None
+        return (dx, None, dw13.to(ctx.weight_dtypes[0]), dw2.to(ctx.weight_dtypes[1]), None, None, None, None, None,
+                None)
 
 
 def expert_ffn_fp8(
@@ -193,17 +221,31 @@ def expert_ffn_fp8(
     tiles: Fp8Tiles | None = None,
     num_programs: int | None = None,
     stats: Fp8Stats | None = None,
+    recompute: frozenset[str] = frozenset(),
+    source: RowSource | None = None,
 ) -> torch.Tensor:
     """The experts backend contract `expert_ffn(x_NH, offsets_E, w13_EH2F, w2_EFH) -> y_NH` with
     every GEMM in FP8, differentiable in x, w13 and w2. `weights`: the FP8 copies of exactly these
     w13 and w2 (`Fp8ExpertWeights.quantize`, once per optimizer step); made here when None.
     `stats`: every quantisation's counters, forward and backward (module docstring). `tiles`: the
-    launches' tiles, by default the tuned ones of this shape class (`Fp8Tiles.for_shape`)."""
+    launches' tiles, by default the tuned ones of this shape class (`Fp8Tiles.for_shape`).
+    `recompute` (a subset of `recompute.FP8_RECOMPUTABLE`) and `source` (where x's rows came from,
+    for `expert_input`; without one the rows are kept): module docstring."""
+    recompute = frozenset(recompute)
+    if EXPERT_OUTPUT in recompute:
+        raise ValueError(f"the FP8 experts cannot recompute expert_output: {FP8_NO_EXPERT_OUTPUT}; "
+                         f"recompute {' and '.join(FP8_RECOMPUTABLE)} only")
+    unknown = recompute - set(FP8_RECOMPUTABLE)
+    if unknown:
+        raise ValueError(f"the FP8 experts recompute {', '.join(FP8_RECOMPUTABLE)}; got {sorted(unknown)}")
     experts, hidden, two_ffn = w13_EH2F.shape
     if x_NH.shape[1] != hidden or w2_EFH.shape != (experts, two_ffn // 2, hidden):
         raise ValueError(f"expert weights must be w13 [E, H, 2F] and w2 [E, F, H] matching x [N, H]; got "
                          f"x {tuple(x_NH.shape)}, w13 {tuple(w13_EH2F.shape)}, w2 {tuple(w2_EFH.shape)}")
+    if source is not None and (source.token_N.shape != (x_NH.shape[0],) or source.x_TH.shape[1:] != x_NH.shape[1:]):
+        raise ValueError(f"source must name one token row of hidden {hidden} per row of x; got tokens "
+                         f"{tuple(source.x_TH.shape)} and {tuple(source.token_N.shape)} ids for x {tuple(x_NH.shape)}")
     if tiles is None:  # from the host-known shapes: no sync, the same every step
         tiles = Fp8Tiles.for_shape(x_NH.shape[0], experts, hidden, two_ffn // 2, x_NH.device)
     return Fp8ExpertFFNFunction.apply(x_NH.contiguous(), offsets_E, w13_EH2F, w2_EFH, weights,
-                                      tiles, num_programs, stats)
+                                      tiles, num_programs, stats, recompute, source)

@@ -18,6 +18,14 @@ from torch.utils.checkpoint import checkpoint
 
 EXPERT_SWIGLU, EXPERT_INPUT, EXPERT_OUTPUT = "expert_swiglu", "expert_input", "expert_output"
 RECOMPUTABLE = (EXPERT_INPUT, EXPERT_OUTPUT, EXPERT_SWIGLU)  # what the expert FFN may drop (how each returns: kernels.moe_ffn)
+# What the FP8 experts (`kernels.fp8_ffn`, precision fp8) may drop: expert_input (the grouped rows,
+# re-read from the tokens by the backward's quantiser) and expert_swiglu (nothing more to drop: the
+# FP8 forward never keeps the SwiGLU output). Not expert_output: the FP8 layer has no fused combine
+# (`kernels.fused_moe` runs bf16 GEMMs), so `kernels.permute.combine_rows` keeps the output rows for
+# the routing weights' gradient (`FP8_NO_EXPERT_OUTPUT` says so where it is refused).
+FP8_RECOMPUTABLE = (EXPERT_INPUT, EXPERT_SWIGLU)
+FP8_NO_EXPERT_OUTPUT = ("the FP8 experts have no fused combine (kernels/fused_moe.py's one op runs bf16 GEMMs), so "
+                        "the combine keeps their output rows for the routing weights' gradient")
 # The attention side (`model.block.Block.attention_part`): keep only the block's input (the residual
 # stream before the pre-attention norm) and the output projection's input; the norm, q/k/v (and
 # MLA's low-rank chains and their norms), qk-norm, RoPE and the attention core run again in the

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from disagmoe.kernels.autocast import autocast_operands
-from disagmoe.kernels.recompute import RECOMPUTABLE
+from disagmoe.kernels.recompute import BLOCK, FP8_NO_EXPERT_OUTPUT, FP8_RECOMPUTABLE, RECOMPUTABLE
 from disagmoe.model.init import seeded_normal_
 
 ExpertFFN = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -179,13 +179,12 @@ class RoutedExperts(nn.Module):
 
     def set_precision(self, precision: str) -> None:
         """"fp8": the expert FFN runs every GEMM in e4m3 (`kernels.fp8_ffn`), rows grouped by the
-        Triton permute on a GPU (no recomputation, so never the fused bf16 layer op); the triton
-        backend only."""
+        Triton permute on a GPU (never the fused bf16 layer op: no expert_output); the triton
+        backend only, recomputing at most `kernels.recompute.FP8_RECOMPUTABLE` (`_check_fp8`)."""
         if precision not in ("bf16", "fp32", "fp8"):
             raise ValueError(f"expert precision {precision!r}: choose bf16, fp32 or fp8")
-        if precision == "fp8" and (self.backend != "triton" or self.recompute):
-            raise ValueError("precision: fp8 runs the triton backend's FP8 kernels without recomputation; set "
-                             "experts_backend: triton and recompute: none (or precision: bf16)")
+        if precision == "fp8":
+            _check_fp8(self.backend, self.recompute)
         self.precision = precision
         self.fp8_weights = None
 
@@ -221,6 +220,8 @@ class RoutedExperts(nn.Module):
         if kernel_modules and self.backend != "triton":
             raise ValueError(f"recompute {sorted(kernel_modules)} needs experts_backend: triton (the {self.backend} "
                              "backend keeps what torch autograd saves); set experts_backend: triton or recompute: none")
+        if self.precision == "fp8":
+            _check_fp8(self.backend, frozenset(modules))
         self.recompute = frozenset(modules)
 
     @property
@@ -247,7 +248,7 @@ class RoutedExperts(nn.Module):
 
             # no prepared copies (a caller outside the trainer's step): quantised for this call
             return expert_ffn_fp8(x_NH, offsets_E, self.w13_EH2F, self.w2_EFH, weights=self.fp8_weights,
-                                  stats=self.fp8_stats)
+                                  stats=self.fp8_stats, recompute=self.kernel_recompute, source=source)
         if self.kernel_recompute:
             return self.expert_ffn(x_NH, offsets_E, self.w13_EH2F, self.w2_EFH, recompute=self.kernel_recompute,
                                    source=source)
@@ -263,6 +264,23 @@ class RoutedExperts(nn.Module):
     def extra_repr(self) -> str:
         return f"experts={list(self.expert_ids)}, backend={self.backend}" + (
             ", fp8" if self.precision == "fp8" else "")
+
+
+def _check_fp8(backend: str, recompute: frozenset[str]) -> None:
+    """ValueError, with the fix, for FP8 experts on another backend or recomputing what the FP8
+    kernels do not: expert_output (`kernels.recompute.FP8_NO_EXPERT_OUTPUT`) or the whole block
+    (`recompute: full`: the recomputed forward would quantise again and count it twice)."""
+    if backend != "triton":
+        raise ValueError(f"precision: fp8 runs the triton backend's FP8 kernels; set experts_backend: triton (not "
+                         f"{backend}) or precision: bf16")
+    if BLOCK in recompute:
+        raise ValueError("precision: fp8 does not recompute whole blocks (recompute: full): the recomputed forward "
+                         "would quantise every operand again, counting it twice in the FP8 statistics; set "
+                         f"recompute: none or selective with {', '.join(FP8_RECOMPUTABLE)} (or precision: bf16)")
+    others = sorted(recompute & frozenset(RECOMPUTABLE) - frozenset(FP8_RECOMPUTABLE))
+    if others:
+        raise ValueError(f"precision: fp8 recomputes {' and '.join(FP8_RECOMPUTABLE)} only, not {', '.join(others)}: "
+                         f"{FP8_NO_EXPERT_OUTPUT}; drop it from recompute_modules (or precision: bf16)")
 
 
 def _fp8_tensors(weights) -> list[torch.Tensor]:

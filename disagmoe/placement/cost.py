@@ -42,7 +42,10 @@ least. Recomputation is never faster for a fixed candidate, only leaner: the sea
 only through a faster candidate that fits only so. `recompute: full` (`memory.FULL`, asked for,
 never auto's choice) prices both sides' activations as `roofline.memory`'s FULL terms (each layer
 keeps its input and routing, one layer's backward holds it again) and every attention and expert
-stage's forward once more in its backward (`full_recompute_stages`).
+stage's forward once more in its backward (`full_recompute_stages`). With FP8 experts
+(`fp8_speedup > 1`) the expert rows keep and hold `roofline.memory`'s `fp8` terms, the expert
+modules are expert_input and expert_swiglu only (`solver._recompute_of`: no fused FP8 combine for
+expert_output) and their recompute reads an index (`stages.selective_recompute`'s `fp8`).
 
 Offload (`Problem.offload_optimizer`): the masters and moments move to host memory (`host_state_bytes`,
 which must fit `host_capacity_bytes` per GPU) and the optimizer pays the host link; like
@@ -204,14 +207,17 @@ class Cost:
     """bool per candidate: priced with the attention block recomputed (None: all False)."""
     recompute_block: bool = False
     """Every candidate priced with `recompute: full` (`memory.FULL`)."""
+    expert_modules: frozenset[str] = mem.SELECTIVE
+    """The expert modules a `selective` candidate is priced as dropping (`Problem.recompute_modules`'
+    expert ones: under FP8 experts expert_input and expert_swiglu, `solver._recompute_of`)."""
 
     def dropped(self, i: int = 0) -> frozenset[str]:
         """The modules candidate `i` is priced as recomputing (`roofline.memory` names)."""
         if self.recompute_block:
             return mem.FULL
         attention = self.recompute_attention is not None and bool(self.recompute_attention[i])
-        return (mem.SELECTIVE if bool(self.selective[i]) else mem.NOTHING_DROPPED) | (ATTENTION if attention
-                                                                                      else mem.NOTHING_DROPPED)
+        return (self.expert_modules if bool(self.selective[i]) else mem.NOTHING_DROPPED) | (
+            ATTENTION if attention else mem.NOTHING_DROPPED)
 
 
 @dataclass(frozen=True)
@@ -318,7 +324,8 @@ def _group_layers(model: ModelConfig, p: np.ndarray, g: int) -> tuple[np.ndarray
 
 
 def activations(m: ModelConfig, tokens: Num, pairs: Num, in_flight: Num, p: np.ndarray, colocated: bool,
-                dropped: frozenset[str] = mem.NOTHING_DROPPED, attention: Num | None = None) -> tuple[Num, Num]:
+                dropped: frozenset[str] = mem.NOTHING_DROPPED, attention: Num | None = None,
+                fp8: bool = False) -> tuple[Num, Num]:
     """(attention GPU, expert GPU) activation bytes at the peak, in `roofline.memory`'s per-token
     terms, as the runtime's memory check counts them (`runtime.activation_memory.rank_activations`,
     pinned by tests/runtime/test_activation_memory.py; `dropped`: what recomputation does not keep).
@@ -337,13 +344,14 @@ def activations(m: ModelConfig, tokens: Num, pairs: Num, in_flight: Num, p: np.n
     groups all of a source's pairs, those served elsewhere into a spare bucket, and the experts'
     saved rows (input rows, gate/up pre-activations, SwiGLU output, the combine's rows) and the
     backward's gradients are allocated for all of them: any routing may send every pair here.
-    `attention`: `attention_activations` of these arguments, if already computed."""
-    row_grad = mem.expert_row_grad_bytes(m, BF16, dropped)
+    `attention`: `attention_activations` of these arguments, if already computed. `fp8`: the
+    experts in FP8 (`roofline.memory`'s `fp8` terms)."""
+    row_grad = mem.expert_row_grad_bytes(m, BF16, dropped, fp8)
     moe_l, dense_l = _layer_counts(m, np.asarray(p))
     if not colocated:
         attention = attention_activations(m, tokens, in_flight, p, dropped) if attention is None else attention
-        return attention, expert_activations(m, pairs, in_flight, p, dropped)
-    exp_kept = in_flight * moe_l * expert_kept_bytes(m, pairs, dropped)
+        return attention, expert_activations(m, pairs, in_flight, p, dropped, fp8)
+    exp_kept = in_flight * moe_l * expert_kept_bytes(m, pairs, dropped, fp8)
     attn_kept = in_flight * tokens * (moe_l * mem.attention_bytes(m, True, BF16, dropped)
                                       + dense_l * mem.attention_bytes(m, False, BF16, dropped))
     kinds = [moe for moe, n in ((True, m.num_moe_layers), (False, m.num_dense_layers)) if n]
@@ -352,24 +360,26 @@ def activations(m: ModelConfig, tokens: Num, pairs: Num, in_flight: Num, p: np.n
     return attn_kept + exp_kept + np.maximum(mem.head_bytes(m, tokens, BF16), np.maximum.reduce(grads)), 0.0 * exp_kept
 
 
-def expert_row_kept_bytes(m: ModelConfig, dropped: frozenset[str]) -> int:
+def expert_row_kept_bytes(m: ModelConfig, dropped: frozenset[str], fp8: bool = False) -> int:
     """Bytes one (token, k) pair keeps on its expert GPU per layer: its rows and the combine's share."""
-    return mem.expert_row_bytes(m, BF16, dropped) + mem.combine_bytes(m, BF16, dropped) // m.top_k
+    return mem.expert_row_bytes(m, BF16, dropped, fp8) + mem.combine_bytes(m, BF16, dropped) // m.top_k
 
 
-def expert_kept_bytes(m: ModelConfig, pairs: Num, dropped: frozenset[str]) -> Num:
+def expert_kept_bytes(m: ModelConfig, pairs: Num, dropped: frozenset[str], fp8: bool = False) -> Num:
     """Bytes one layer of one micro-batch keeps on its expert GPU: its `pairs` rows and, under
     `recompute: full`, each received token's row and partial sum (`memory.expert_token_bytes`)."""
-    return pairs * expert_row_kept_bytes(m, dropped) + pairs / m.top_k * mem.expert_token_bytes(m, BF16, dropped)
+    return (pairs * expert_row_kept_bytes(m, dropped, fp8)
+            + pairs / m.top_k * mem.expert_token_bytes(m, BF16, dropped))
 
 
 def expert_activations(m: ModelConfig, pairs: Num, in_flight: Num, p: np.ndarray,
-                       dropped: frozenset[str] = mem.NOTHING_DROPPED) -> Num:
+                       dropped: frozenset[str] = mem.NOTHING_DROPPED, fp8: bool = False) -> Num:
     """A disaggregated expert GPU's activation peak (`activations`): every pair of every layer of
-    its group in flight, and one expert backward's gradients. Only the expert modules (or full) change it."""
+    its group in flight, and one expert backward's gradients. Only the expert modules (or full)
+    and the experts' precision (`fp8`) change it."""
     moe_l, _ = _layer_counts(m, np.asarray(p))
-    return in_flight * moe_l * expert_kept_bytes(m, pairs, dropped) + pairs * mem.expert_row_grad_bytes(
-        m, BF16, dropped)
+    return in_flight * moe_l * expert_kept_bytes(m, pairs, dropped, fp8) + pairs * mem.expert_row_grad_bytes(
+        m, BF16, dropped, fp8)
 
 
 def attention_activations(m: ModelConfig, tokens: Num, in_flight: Num, p: np.ndarray,
@@ -554,7 +564,8 @@ def evaluate(prob: Problem, c: Candidates, misfits_exact: bool = True) -> Cost:
         "dispatch": Stage("link", "moe", dispatch, combine),
         "routed experts": Stage("expert", "moe", *experts["routed experts"]),
         "expert weight grads": Stage("expert", "moe", *experts["expert weight grads"]),
-        "selective recompute": Stage("expert", "moe", Work(), st.selective_recompute(m, rows * selective)),
+        "selective recompute": Stage("expert", "moe", Work(), st.selective_recompute(m, rows * selective,
+                                                                                     prob.fp8_speedup > 1)),
         "combine": Stage("link", "moe", combine, dispatch),
         "main-grad adds": Stage("attention", "moe", Work(), st.main_grad_add(attn_layer + moe_side)),
         "main-grad adds (dense layers)": Stage("attention", "dense", Work(), st.main_grad_add(attn_layer + dense_side)),
@@ -630,7 +641,8 @@ def evaluate(prob: Problem, c: Candidates, misfits_exact: bool = True) -> Cost:
                 attn_transport_bytes=transport_attn * ones, expert_transport_bytes=transport_exp * ones,
                 lean_expert_mem_bytes=lean_exp_mem * ones, lean_fits=lean_fits,
                 round_floor_s=floor * ones, stages=stages, host_state_bytes=host_state, recompute_attention=attention,
-                recompute_block=prob.recompute == "full")
+                recompute_block=prob.recompute == "full",
+                expert_modules=frozenset(prob.recompute_modules) & mem.SELECTIVE or mem.SELECTIVE)
 
 
 def _recomputation(prob: Problem, c: Candidates, tokens: Num, in_flight: Num, pairs: Num, rows: Num,
@@ -640,7 +652,7 @@ def _recomputation(prob: Problem, c: Candidates, tokens: Num, in_flight: Num, pa
     as the module docstring's recomputation paragraph says. In a split auto prices the attention
     side recomputed only for the candidates whose attention GPU overflows without it and whose
     expert GPU fits with its leanest modules (no other can fit: the search stays as fast)."""
-    m, cap, n = prob.model, prob.capacity_bytes, len(c)
+    m, cap, n, fp8 = prob.model, prob.capacity_bytes, len(c), prob.fp8_speedup > 1
     if prob.recompute == "full":
         return _full_recomputation(prob, c, tokens, in_flight, pairs, attn_state, exp_state)
     may = mem.NOTHING_DROPPED if prob.recompute == "none" else frozenset(prob.recompute_modules)
@@ -651,9 +663,9 @@ def _recomputation(prob: Problem, c: Candidates, tokens: Num, in_flight: Num, pa
     if c.colocated:  # one GPU holds both sides: the fitting variant whose recompute costs least
         variants = [may] if fixed else list(dict.fromkeys((mem.NOTHING_DROPPED, experts_may, may & ATTENTION, may)))
         moe_l, dense_l = _layer_counts(m, c.p)
-        t_sel = prob.ceilings.time(st.selective_recompute(m, rows)) * moe_l
+        t_sel = prob.ceilings.time(st.selective_recompute(m, rows, fp8)) * moe_l
         t_att = prob.ceilings.time(st.attention_recompute(m, tokens, prob.seq_len)) * (moe_l + dense_l)
-        act = [full(activations(m, tokens, pairs, in_flight, c.p, True, d)[0]) for d in variants]
+        act = [full(activations(m, tokens, pairs, in_flight, c.p, True, d, fp8=fp8)[0]) for d in variants]
         fit = [attn_state + a <= cap for a in act]
         price = [np.where(f, t_sel * bool(d & mem.SELECTIVE) + t_att * ("attention" in d), np.inf)
                  for f, d in zip(fit, variants, strict=True)]
@@ -665,8 +677,8 @@ def _recomputation(prob: Problem, c: Candidates, tokens: Num, in_flight: Num, pa
         fits = np.stack(fit)[pick, rows_of]
         return (selective, attention, chosen, 0.0 * chosen, fits, attn_state + act[-1] + 0.0 * chosen,
                 fit[-1] & np.ones(n, dtype=bool))
-    exp_plain = full(expert_activations(m, pairs, in_flight, c.p))
-    exp_lean = full(expert_activations(m, pairs, in_flight, c.p, experts_may)) if experts_may else exp_plain
+    exp_plain = full(expert_activations(m, pairs, in_flight, c.p, fp8=fp8))
+    exp_lean = full(expert_activations(m, pairs, in_flight, c.p, experts_may, fp8)) if experts_may else exp_plain
     exp_fit_plain, exp_fit_lean = exp_state + exp_plain <= cap, exp_state + exp_lean <= cap
     attn_plain = full(attention_activations(m, tokens, in_flight, c.p))
     attn_fit_plain = attn_state + attn_plain <= cap

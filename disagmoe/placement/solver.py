@@ -91,16 +91,19 @@ def _recompute_of(cfg: PlanConfig) -> dict:
     """`Problem.recompute` and `recompute_modules` of `cfg`: the modules asked (selective: the three
     expert modules unless `recompute_modules` names others; auto: those and attention), less the
     expert modules where the run's experts cannot drop them (they need experts_backend: triton;
-    the FP8 experts keep their own rows: train refuses them with precision: fp8); full: the whole
-    block (`memory.FULL`, any experts backend)."""
+    the FP8 experts drop expert_input and expert_swiglu, not expert_output: train refuses it with
+    precision: fp8, there being no fused FP8 combine); full: the whole block (`memory.FULL`, any
+    experts backend)."""
     if cfg.recompute == "none":
         return {"recompute": "none"}
     if cfg.recompute == "full":
         return {"recompute": "full", "recompute_modules": mem.FULL}
     asked = (frozenset(cfg.recompute_modules) if cfg.recompute_modules is not None else
              mem.SELECTIVE if cfg.recompute == "selective" else mem.SELECTIVE | ATTENTION)
-    if cfg.experts_backend != "triton" or cfg.expert_precision != "bf16":
+    if cfg.experts_backend != "triton":
         asked = asked - mem.SELECTIVE
+    elif cfg.expert_precision == "fp8":
+        asked = asked - {"expert_output"}
     return {"recompute": cfg.recompute, "recompute_modules": asked} if asked else {"recompute": "none"}
 
 
@@ -537,7 +540,8 @@ def price(cfg: PlanConfig, chosen: Candidates, colocated_step_s: float | None = 
     if prob.fp8_speedup > 1:
         notes.append(f"routed experts priced in FP8 (train with precision: fp8): their GEMMs at {prob.fp8_speedup:.2f}x "
                      "the bf16 rate (fp8_tflops / bf16_tflops, no FP8 rate measured yet), plus the quantisation "
-                     "passes' HBM traffic and two e4m3 weight copies per expert parameter; no recomputation"
+                     "passes' HBM traffic and two e4m3 weight copies per expert parameter; their selective "
+                     "recomputation drops expert_input and expert_swiglu only (no fused FP8 combine for expert_output)"
                      + ("; the dense projections (attention, shared experts, dense FFN layers) in FP8 too, rowwise "
                         "(torch._scaled_mm), with their quantisation passes" if prob.fp8_dense else ""))
     if dropped & mem.SELECTIVE:
@@ -594,8 +598,11 @@ def _recompute_text(dropped: frozenset[str]) -> str:
     experts, attention = bool(dropped & mem.SELECTIVE), "attention" in dropped
     if not experts and not attention:
         return ", and no activation recomputation"
-    what = " and ".join(part for part, on in (("the expert FFN's input, output and SwiGLU rows", experts),
-                                               ("the attention block", attention)) if on)
+    rows = [part for name, part in (("expert_input", "input"), ("expert_output", "output"),
+                                    ("expert_swiglu", "SwiGLU")) if name in dropped]
+    listed = " and ".join([", ".join(rows[:-1]), rows[-1]] if len(rows) > 1 else rows)
+    expert_rows = f"the expert FFN's {listed} rows"
+    what = " and ".join(part for part, on in ((expert_rows, experts), ("the attention block", attention)) if on)
     modules = ", ".join(name for name in RECOMPUTE_ORDER if name in dropped)
     return (f", and selective recomputation of {what} (train --plan sets recompute: selective, recompute_modules: "
             f"[{modules}]" + ("; the expert modules need experts_backend: triton)" if experts else ")"))

@@ -14,7 +14,11 @@ expert_swiglu, attention leave the forward's terms and add to the backward's the
 recomputes (the regathered input rows, the SwiGLU output, the attention block's internals);
 `recompute: full` (`FULL`) keeps of a layer only its input and routing (`block_input_bytes`; on
 the distributed ranks `attention_half_kept_bytes`, `expert_token_bytes`) and its backward holds
-the whole layer again (the plain run's terms) beside its gradients. These are estimates of what autograd saves,
+the whole layer again (the plain run's terms) beside its gradients. `fp8` (precision fp8: the
+experts in `kernels.fp8_ffn`) changes the expert rows' terms: the FP8 forward never keeps the
+SwiGLU output (its backward recomputes it in every run), so expert_swiglu drops nothing more there
+and expert_output is not built (no fused FP8 combine), and the backward holds e4m3 copies beside
+its gradients (`expert_row_grad_bytes`). These are estimates of what autograd saves,
 read off the code (no allocator slack, no attention score matrix: the attention is flash). Where a
 rank holds how many micro-batches comes from its program: `runtime/activation_memory.py` replays
 it with these terms (roofline does not import the runtime); the planner prices the same terms.
@@ -33,6 +37,9 @@ from disagmoe.roofline.stages import FP32, Num, attention_io_per_token
 # `model/loss.py`'s chunk rule (roofline imports no torch; a test pins the two together)
 DEFAULT_CHUNK_TOKENS = 4096
 LOGIT_BYTES_PER_CHUNK = 1 << 28
+
+
+FP8_VALUE_BYTES = 1 + FP32 / 128  # an e4m3 value with its share of its 1 x 128 (or 128 x 1) group's fp32 scale
 
 
 def fp8_weight_copy_bytes(routed_expert_params: Num) -> Num:
@@ -139,21 +146,23 @@ def combine_bytes(m: ModelConfig, value_bytes: int, dropped: frozenset[str] = NO
     return 0 if "expert_output" in dropped or BLOCK in dropped else value_bytes * m.top_k * m.hidden_size
 
 
-def expert_row_values(m: ModelConfig, dropped: frozenset[str] = NOTHING_DROPPED) -> int:
+def expert_row_values(m: ModelConfig, dropped: frozenset[str] = NOTHING_DROPPED, fp8: bool = False) -> int:
     """Values of one (token, expert) row in the routed experts: the input row (unless
     expert_input is dropped: the tokens are kept anyway), the gate/up pre-activations (2F) and the
-    SwiGLU output (F, unless expert_swiglu is dropped), as the Triton experts save them."""
+    SwiGLU output (F, unless expert_swiglu is dropped, or never under `fp8`: the FP8 experts keep
+    the bf16 input rows and h13 only, `kernels.fp8_ffn`), as the Triton experts save them."""
     row_in = 0 if "expert_input" in dropped else m.hidden_size
-    swiglu = 0 if "expert_swiglu" in dropped else m.expert_ffn_size
+    swiglu = 0 if fp8 or "expert_swiglu" in dropped else m.expert_ffn_size
     return row_in + 2 * m.expert_ffn_size + swiglu
 
 
-def expert_row_bytes(m: ModelConfig, value_bytes: int, dropped: frozenset[str] = NOTHING_DROPPED) -> int:
+def expert_row_bytes(m: ModelConfig, value_bytes: int, dropped: frozenset[str] = NOTHING_DROPPED,
+                     fp8: bool = False) -> int:
     """Bytes one (token, expert) row keeps on its expert rank (`expert_row_values`); under
     `recompute: full` only its routing: its weight and `EXPERT_ROUTING_BYTES_PER_PAIR`."""
     if BLOCK in dropped:
         return value_bytes + EXPERT_ROUTING_BYTES_PER_PAIR
-    return value_bytes * expert_row_values(m, dropped)
+    return value_bytes * expert_row_values(m, dropped, fp8)
 
 
 def expert_token_bytes(m: ModelConfig, value_bytes: int, dropped: frozenset[str] = NOTHING_DROPPED,
@@ -181,18 +190,26 @@ def attention_grad_bytes(m: ModelConfig, moe: bool, value_bytes: int, dropped: f
     return value_bytes * (q + k + v + m.hidden_size + (2 * ffn + m.hidden_size if ffn else 0)) + recomputed
 
 
-def expert_row_grad_bytes(m: ModelConfig, value_bytes: int, dropped: frozenset[str] = NOTHING_DROPPED) -> int:
+def expert_row_grad_bytes(m: ModelConfig, value_bytes: int, dropped: frozenset[str] = NOTHING_DROPPED,
+                          fp8: bool = False) -> int:
     """Gradient bytes per (token, expert) row an expert backward holds: d y and d h13 (the
     weight-gradient GEMMs' operands, kept until they run), and what it recomputes for them: the
     regathered input row (expert_input), the SwiGLU output (expert_swiglu); under `recompute:
     full` the whole row again with its combine share (the partial sums' hop; pair rows hold no
-    combine rows there: counted all the same)."""
+    combine rows there: counted all the same). Under `fp8` (`kernels.fp8_ffn.fp8_ffn_backward`)
+    the same whatever selective drops: d y, d h13 and the SwiGLU output it recomputes in every
+    run, no regathered row (its quantiser reads the input rows from the tokens), and the e4m3
+    copies (`FP8_VALUE_BYTES`) alive at its peak: d y's and d h13's 1 x 128 ones (H + 2F, held to
+    its end) and, while the w2 gradient's operands are quantised along tokens, the w13 gradient's
+    d h13 copy and both of those (2F + F + H): 2H + 5F."""
     if BLOCK in dropped:
-        recomputed = expert_row_bytes(m, value_bytes) + combine_bytes(m, value_bytes) // m.top_k
-        return recomputed + expert_row_grad_bytes(m, value_bytes)
-    recomputed = ((m.hidden_size if "expert_input" in dropped else 0)
-                  + (m.expert_ffn_size if "expert_swiglu" in dropped else 0))
-    return value_bytes * (m.hidden_size + 2 * m.expert_ffn_size + recomputed)
+        recomputed = expert_row_bytes(m, value_bytes, fp8=fp8) + combine_bytes(m, value_bytes) // m.top_k
+        return recomputed + expert_row_grad_bytes(m, value_bytes, fp8=fp8)
+    H, F = m.hidden_size, m.expert_ffn_size
+    if fp8:
+        return int(value_bytes * (H + 3 * F) + FP8_VALUE_BYTES * (2 * H + 5 * F))
+    recomputed = (H if "expert_input" in dropped else 0) + (F if "expert_swiglu" in dropped else 0)
+    return value_bytes * (H + 2 * F + recomputed)
 
 
 def head_bytes(m: ModelConfig, tokens: Num, value_bytes: int, chunked: bool = True) -> Num:
@@ -213,37 +230,39 @@ def head_bytes(m: ModelConfig, tokens: Num, value_bytes: int, chunked: bool = Tr
             + chunk * V * (FP32 + cast) + V * H * (FP32 + cast))
 
 
-def layer_bytes(m: ModelConfig, moe: bool, value_bytes: int, dropped: frozenset[str] = NOTHING_DROPPED) -> int:
+def layer_bytes(m: ModelConfig, moe: bool, value_bytes: int, dropped: frozenset[str] = NOTHING_DROPPED,
+                fp8: bool = False) -> int:
     """One token of one whole layer in one process: attention side, combine and its K expert rows
-    (under `recompute: full` its input and routing, `block_input_bytes`)."""
+    (under `recompute: full` its input and routing, `block_input_bytes`; `fp8`: FP8 experts)."""
     if BLOCK in dropped:
         return block_input_bytes(m, moe, value_bytes)
     if not moe:
         return attention_bytes(m, False, value_bytes, dropped)
     return (attention_bytes(m, True, value_bytes, dropped) + combine_bytes(m, value_bytes, dropped)
-            + m.top_k * expert_row_bytes(m, value_bytes, dropped))
+            + m.top_k * expert_row_bytes(m, value_bytes, dropped, fp8))
 
 
-def layer_grad_bytes(m: ModelConfig, moe: bool, value_bytes: int, dropped: frozenset[str] = NOTHING_DROPPED) -> int:
+def layer_grad_bytes(m: ModelConfig, moe: bool, value_bytes: int, dropped: frozenset[str] = NOTHING_DROPPED,
+                     fp8: bool = False) -> int:
     """One token of one whole layer's backward in one process (`attention_grad_bytes` and the K rows');
     under `recompute: full` the layer's whole activations again beside them (one block at a time)."""
     if BLOCK in dropped:
-        return layer_bytes(m, moe, value_bytes) + layer_grad_bytes(m, moe, value_bytes)
-    rows = m.top_k * expert_row_grad_bytes(m, value_bytes, dropped) if moe else 0
+        return layer_bytes(m, moe, value_bytes, fp8=fp8) + layer_grad_bytes(m, moe, value_bytes, fp8=fp8)
+    rows = m.top_k * expert_row_grad_bytes(m, value_bytes, dropped, fp8) if moe else 0
     return attention_grad_bytes(m, moe, value_bytes, dropped) + rows
 
 
 def activation_bytes(m: ModelConfig, tokens: int, value_bytes: int, chunked: bool = True,
-                     dropped: frozenset[str] = NOTHING_DROPPED) -> int:
+                     dropped: frozenset[str] = NOTHING_DROPPED, fp8: bool = False) -> int:
     """Peak bytes of one process's forward and backward of `tokens` tokens (one micro-batch:
     gradient accumulation runs each micro-batch's backward before the next forward): every
     layer's activations, plus the larger of the head's peak and one layer's backward (under
     `recompute: full`: every layer's input and routing, plus the larger of the head's peak and
-    one layer recomputed whole with its backward's gradients)."""
+    one layer recomputed whole with its backward's gradients). `fp8`: the experts in FP8."""
     moe_layers = m.num_moe_layers
     dense_layers = m.num_layers - moe_layers
-    kept = tokens * (moe_layers * layer_bytes(m, True, value_bytes, dropped)
-                     + dense_layers * layer_bytes(m, False, value_bytes, dropped))
-    grads = tokens * max(layer_grad_bytes(m, moe, value_bytes, dropped) for moe in
+    kept = tokens * (moe_layers * layer_bytes(m, True, value_bytes, dropped, fp8)
+                     + dense_layers * layer_bytes(m, False, value_bytes, dropped, fp8))
+    grads = tokens * max(layer_grad_bytes(m, moe, value_bytes, dropped, fp8) for moe in
                          ([True] if moe_layers else []) + ([False] if dense_layers else []))
     return kept + max(head_bytes(m, tokens, value_bytes, chunked), grads)

@@ -228,12 +228,17 @@ def dense_ffn(m: ModelConfig, tokens: Num) -> Work:
     return swiglu_ffn(m.hidden_size, m.dense_ffn_size, tokens)
 
 
-def selective_recompute(m: ModelConfig, rows: Num) -> Work:
+def selective_recompute(m: ModelConfig, rows: Num, fp8: bool = False) -> Work:
     """What `recompute: selective` adds to the expert backward of `rows` rows (`kernels.moe_ffn`,
     `kernels.fused_moe`): expert_input gathers the input rows again (read and write [rows, H]),
     expert_swiglu writes the SwiGLU output once more (the down dgrad's epilogue computes it from
     h13 while loading it: no extra FLOPs), expert_output costs nothing (the routing weights'
-    gradient comes from the backward's first GEMM). Memory-bound bytes, no FLOPs."""
+    gradient comes from the backward's first GEMM). Memory-bound bytes, no FLOPs. With the FP8
+    experts (`fp8`, `kernels.fp8_ffn`) only each row's int64 token index is read: the w13
+    gradient's quantiser reads the input rows from their tokens instead of the kept rows (the
+    same bytes), and the FP8 backward recomputes the SwiGLU output in every run."""
+    if fp8:
+        return Work(hbm_bytes=8 * rows)
     return Work(hbm_bytes=BF16 * rows * (2 * m.hidden_size + m.expert_ffn_size))
 
 

@@ -91,12 +91,13 @@ def rank_activations(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topolog
     layer's backward) each expert rank's dy rows; with `peer_stores` (nvshmem: the kernels store
     the rows into the peers' buffers) only a colocated rank's message to itself. Under `recompute:
     full` a forward keeps its segment's input and routing (and the outputs it sends, its backward's
-    roots) and the backward holds its layer's half again (`roofline.memory`'s FULL terms)."""
-    m, vb, dropped = model_cfg, value_bytes(cfg), cfg.recompute_set
+    roots) and the backward holds its layer's half again (`roofline.memory`'s FULL terms). FP8
+    experts (precision fp8) keep and hold their own rows' terms (`roofline.memory`'s `fp8`)."""
+    m, vb, dropped, fp8 = model_cfg, value_bytes(cfg), cfg.recompute_set, cfg.expert_precision == "fp8"
     tokens = cfg.batch_size // cfg.micro_batches // topology.data_parallel * cfg.seq_len
-    row = mem.expert_row_bytes(m, vb, dropped) + (0 if pair_rows else mem.combine_bytes(m, vb, dropped) // m.top_k)
+    row = mem.expert_row_bytes(m, vb, dropped, fp8) + (0 if pair_rows else mem.combine_bytes(m, vb, dropped) // m.top_k)
     token_row = mem.expert_token_bytes(m, vb, dropped, pair_rows)  # `recompute: full`: received row (and partial sum)
-    row_grad = mem.expert_row_grad_bytes(m, vb, dropped)
+    row_grad = mem.expert_row_grad_bytes(m, vb, dropped, fp8)
     programs = topology.programs(cfg.micro_batches)
     out = []
     for rank, program in enumerate(programs):
@@ -141,7 +142,7 @@ def single_activation_bytes(cfg: TrainConfig, model_cfg: ModelConfig) -> int:
     """One process's activation peak (`runtime.training.trainer`): gradient accumulation runs each
     micro-batch's forward and backward before the next, so one micro-batch of batch_size /
     micro_batches sequences is in flight; the fp32 oracle (`precision: fp32`) takes the whole
-    logits' cross-entropy, every other path the chunked loss."""
+    logits' cross-entropy, every other path the chunked loss; FP8 experts their own rows' terms."""
     tokens = cfg.batch_size // cfg.micro_batches * cfg.seq_len
     return mem.activation_bytes(model_cfg, tokens, value_bytes(cfg), chunked=cfg.compute_dtype_name != "fp32",
-                                dropped=cfg.recompute_set)
+                                dropped=cfg.recompute_set, fp8=cfg.expert_precision == "fp8")

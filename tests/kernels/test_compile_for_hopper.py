@@ -238,7 +238,8 @@ def test_the_fp8_quantisers_and_gemm_compile(compiled):
     max_num_imprecise_acc): forward with a full-depth and a half-depth K tile, the data gradient on
     the transposed blocks, the weight gradient into an fp32 main gradient, the gate/up GEMM with the
     SwiGLU-and-quantise epilogue, the down data gradient with the SwiGLU-gradient epilogue, the
-    quantising permute, all for sm_90."""
+    quantising permute, the token-group quantiser reading rows from their tokens (`expert_input`
+    under FP8), all for sm_90."""
     from disagmoe.kernels import fp8
     from disagmoe.kernels.tile_configs import TileConfig
 
@@ -266,10 +267,13 @@ def test_the_fp8_quantisers_and_gemm_compile(compiled):
     from disagmoe.kernels import permute
 
     permute.permute_forward_fp8(torch.zeros(64, 300, dtype=torch.bfloat16), torch.zeros(64, 2, dtype=torch.int32), 4)
+    fp8.quantize_token_groups(torch.zeros(rows // 2, k, dtype=torch.bfloat16), offsets,
+                              rows_M=torch.zeros(rows, dtype=torch.int64))
     assert compiled == (["_quantize_rows_kernel", "_quantize_blocks_kernel"] + ["_fp8_rows_gemm_kernel"] * 5
                         + ["_quantize_token_groups_kernel"] * 2 + ["_fp8_weight_grad_kernel"]
                         + ["_fp8_rows_gemm_kernel"] * 3
-                        + ["_block_histogram_kernel", "_permute_dest_kernel", "_permute_quantize_kernel"])
+                        + ["_block_histogram_kernel", "_permute_dest_kernel", "_permute_quantize_kernel"]
+                        + ["_quantize_token_groups_kernel"])
 
 
 def test_the_default_fp8_tiles_do_not_spill(monkeypatch):

@@ -105,23 +105,103 @@ def test_prepared_copies_are_refreshed_in_place(fp8_modules):
     assert torch.equal(unprepared(x, offsets), prepared(x, offsets))
 
 
-def test_fp8_experts_refuse_other_backends_and_recomputation():
-    with pytest.raises(ValueError, match="experts_backend: triton and recompute: none"):
+def test_fp8_experts_refuse_other_backends_and_what_they_cannot_recompute():
+    """FP8 experts: the triton backend only; expert_input and expert_swiglu recomputed (either
+    order of set_recompute and set_precision), expert_output and whole blocks refused with why."""
+    with pytest.raises(ValueError, match="set experts_backend: triton"):
         RoutedExperts(2, 16, 16, backend="loop").set_precision("fp8")
     experts = RoutedExperts(2, 16, 16, backend="triton")
-    experts.set_recompute(frozenset({"expert_swiglu"}))
-    with pytest.raises(ValueError, match="without recomputation"):
-        experts.set_precision("fp8")
+    experts.set_recompute(frozenset({"expert_input", "expert_swiglu"}))
+    experts.set_precision("fp8")
+    assert experts.kernel_recompute == frozenset({"expert_input", "expert_swiglu"})
+    with pytest.raises(ValueError, match="not expert_output: the FP8 experts have no fused combine"):
+        experts.set_recompute(frozenset({"expert_input", "expert_output"}))
+    with pytest.raises(ValueError, match="does not recompute whole blocks"):
+        experts.set_recompute(frozenset({"block"}))
+    assert experts.recompute == frozenset({"expert_input", "expert_swiglu"})  # a refused set changes nothing
+    other = RoutedExperts(2, 16, 16, backend="triton")
+    other.set_recompute(frozenset({"expert_output"}))
+    with pytest.raises(ValueError, match="not expert_output"):
+        other.set_precision("fp8")
 
 
 @pytest.mark.parametrize("fields, needs", [
     ({"device": "cpu", "experts_backend": "triton"}, "device: cuda"),
     ({"device": "cuda", "experts_backend": "grouped_mm"}, "experts_backend: triton"),
-    ({"device": "cuda", "experts_backend": "triton", "recompute": "selective"}, "recompute: none"),
+    ({"device": "cuda", "experts_backend": "triton", "recompute": "selective"},
+     r"recompute_modules without expert_output, e.g. \[expert_input, expert_swiglu\] \(the FP8 experts have no "
+     "fused combine"),
+    ({"device": "cuda", "experts_backend": "triton", "recompute": "selective", "recompute_modules": ["expert_output"]},
+     "recompute_modules without expert_output"),
+    ({"device": "cuda", "experts_backend": "triton", "recompute": "full"}, "counting them twice"),
 ])
 def test_the_config_refuses_fp8_where_it_cannot_run(fields, needs):
     with pytest.raises(ValueError, match=f"precision: fp8 needs .*{needs}"):
         TrainConfig(model="tiny", precision="fp8", **({"mode": "single"} | fields))
+
+
+@pytest.mark.parametrize("modules", [["expert_input"], ["expert_swiglu"], ["expert_input", "expert_swiglu"],
+                                     ["expert_input", "expert_swiglu", "attention"], ["attention"]])
+def test_the_config_takes_fp8_with_the_expert_modules_it_recomputes(modules):
+    cfg = TrainConfig(model="tiny", precision="fp8", mode="single", device="cuda", experts_backend="triton",
+                      recompute="selective", recompute_modules=modules)
+    assert cfg.recompute_set == frozenset(modules)
+
+
+def test_the_memory_knobs_offer_fp8_the_selective_recomputation_it_takes():
+    """Under precision fp8 the memory refusals name selective recomputation with the modules the
+    FP8 experts drop (the default modules include expert_output, which fp8 refuses), and not full."""
+    from disagmoe.config import memory_knob_changes
+
+    fp8 = TrainConfig(model="tiny", precision="fp8", mode="single", device="cuda", experts_backend="triton")
+    changes = dict(memory_knob_changes(fp8))
+    lean = changes["recompute: selective with recompute_modules: [expert_input, expert_swiglu]"]
+    assert lean.recompute_set == frozenset({"expert_input", "expert_swiglu"}) and lean.expert_precision == "fp8"
+    assert not any(label.startswith("recompute: full") for label in changes)
+    bf16 = dict(memory_knob_changes(fp8.model_copy(update={"precision": "bf16"})))
+    assert "recompute: selective" in bf16 and "recompute: full" in bf16
+
+
+@pytest.mark.slow  # the FP8 and permute kernels in Triton's interpreter
+def test_an_expert_ranks_fp8_layer_recomputing_its_input_rows_is_the_plain_one(interpreted):
+    """The model's wiring of `expert_input` under FP8 (`model.local_experts._fused` builds the rows'
+    `RowSource`, `RoutedExperts.forward` hands it to the FP8 FFN): the partial sums, every gradient
+    and the FP8 counters are the plain run's bit for bit, and the grouped rows [T K, H] are saved
+    once fewer (the combine's output rows, the same shape, stay)."""
+    interpreted("disagmoe.kernels.grouped_gemm", "disagmoe.kernels.fp8", "disagmoe.kernels.fp8_ffn",
+                "disagmoe.kernels.permute")
+    from disagmoe.kernels.fp8_stats import Fp8Stats
+    from disagmoe.model import local_experts
+
+    gen = torch.Generator().manual_seed(8)
+    T, K = 20, 2
+    local_TK = torch.randint(0, 4, (T, K), generator=gen)  # 3 local experts; 3 = served elsewhere
+    local_TK[local_TK == 1] = 3  # local expert 1 gets no pair
+    w_TK, x_TH, dy_TH = torch.rand(T, K, generator=gen), torch.randn(T, 128, generator=gen), torch.randn(T, 128)
+    results = []
+    for modules in (frozenset(), frozenset({"expert_input", "expert_swiglu"})):
+        experts = _experts(seed=3)
+        experts.set_recompute(modules)
+        experts.set_precision("fp8")
+        stats = Fp8Stats("cpu")
+        experts.set_fp8_stats(stats)
+        experts.prepare_fp8()
+        x, w = x_TH.clone().requires_grad_(), w_TK.clone().requires_grad_()
+        saved = []
+
+        def pack(t, saved=saved):
+            saved.append(tuple(t.shape))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = local_experts._fused(x, local_TK, w, experts)
+        y.backward(dy_TH)
+        results.append(((y.detach(), x.grad, w.grad, experts.w13_EH2F.grad, experts.w2_EFH.grad), stats.buffer,
+                        saved.count((T * K, 128))))
+    (plain, plain_stats, plain_rows), (lean, lean_stats, lean_rows) = results
+    for a, b in zip(plain, lean, strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(plain_stats, lean_stats) and (plain_rows, lean_rows) == (2, 1)
 
 
 DISTRIBUTED_FP8 = dict(model="tiny", precision="fp8", device="cuda", experts_backend="triton", transport="nvshmem")
@@ -203,6 +283,36 @@ def test_cuda_fp8_training_tracks_bf16(tmp_path):
     for first in (5, 10, 15):
         a, b, c = (sum(run[first:first + 5]) / 5 for run in (bf16, fp8, yardstick))
         assert abs(b - a) / a <= max(2e-2, 1.5 * abs(c - a) / a), (first + 1, a, b, c, bf16, fp8, yardstick)
+
+
+@pytest.mark.gpu
+def test_cuda_fp8_selective_recomputation_trains_like_the_plain_fp8_run(tmp_path):
+    """Eight steps of the tiny model at hidden 256 in FP8, with recompute: selective of the
+    modules the FP8 experts drop (expert_input, expert_swiglu) and without: the first step's loss
+    to the bit (the same forward), every later one within 1e-3 (the experts' gradients are the
+    plain run's bits, tests/kernels/test_fp8_recompute.py; the rest of the backward may sum in
+    another order from run to run), the same number of elements quantised per kind every step
+    (no quantisation counted twice), no host wait in a step, and no higher measured peak."""
+    from disagmoe.model_ref import load_model
+    from disagmoe.runtime.observe.metrics import read_metrics
+    from disagmoe.runtime.training.loop import METRICS_FILE
+    from disagmoe.runtime.training.trainer import train_single
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("needs FP8 tensor cores")
+    model = load_model("tiny").model_copy(update={"hidden_size": 256, "expert_ffn_size": 256})
+    fields = dict(model=model, mode="single", device="cuda", steps=8, batch_size=8, seq_len=128, micro_batches=2,
+                  eval_every=0, checkpoint_at_end=False, precision="fp8", experts_backend="triton")
+    train_single(TrainConfig(**fields, out_dir=str(tmp_path / "plain")))
+    train_single(TrainConfig(**fields, recompute="selective", recompute_modules=["expert_input", "expert_swiglu"],
+                             forbid_host_syncs=True, out_dir=str(tmp_path / "lean")))
+    plain, lean = (read_metrics(tmp_path / name / METRICS_FILE) for name in ("plain", "lean"))
+    assert len(plain) == len(lean) == 8 and lean[0]["loss"] == plain[0]["loss"]
+    for step, (a, b) in enumerate(zip(lean, plain, strict=True), 1):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-3), step
+        assert ({k: v["elements"] for k, v in a["fp8_by_kind"].items()}
+                == {k: v["elements"] for k, v in b["fp8_by_kind"].items()}), step
+    assert max(r["peak_memory_gib"] for r in lean) <= max(r["peak_memory_gib"] for r in plain)
 
 
 def test_the_memory_check_counts_the_fp8_weight_copies():

@@ -273,7 +273,7 @@ def test_full_is_a_recompute_choice_of_any_backend_that_ignores_recompute_module
     named = TrainConfig(model="tiny", recompute="full", recompute_modules=["attention"])
     assert named.recompute_set == FULL
     with pytest.raises(ValueError, match="precision: fp8 needs .*recompute: none or selective with "
-                                         r"recompute_modules: \[attention\] \(under full"):
+                                         r"recompute_modules such as \[expert_input, expert_swiglu\] \(under full"):
         TrainConfig(model="tiny", recompute="full", precision="fp8", device="cuda", experts_backend="triton")
     with pytest.raises(ValueError, match="recompute"):
         TrainConfig(model="tiny", recompute="everything")

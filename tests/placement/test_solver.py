@@ -12,6 +12,7 @@ from disagmoe.config import ClusterConfig, Plan, PlanConfig, load_hardware, pres
 from disagmoe.model_ref import load_model
 from disagmoe.placement.cost import Candidates, evaluate
 from disagmoe.placement.solver import MAX_SEQS_PER_GPU, MEMORY_BOUND, choose, price, problem_of, solve
+from disagmoe.roofline import stages as st
 
 
 def request(model, hardware, gpus, seq_len=None, batch=4 * 1024 * 1024, **kw):
@@ -395,8 +396,8 @@ def test_a_plan_notes_the_sparse_dispatch_it_priced_and_its_hops_shrink():
 def test_fp8_experts_are_priced_at_the_fp8_rate_with_their_passes_and_copies():
     """`expert_precision: fp8` on one fixed disaggregated layout: the routed experts' GEMM stages at
     fp8_tflops / bf16_tflops the rate, the quantisation passes as an HBM stage, two e4m3 copies per
-    expert parameter in the expert GPU's memory and the optimizer's pass, no expert module
-    recomputed (attention may be), a note."""
+    expert parameter in the expert GPU's memory and the optimizer's pass, the FP8 rows' activations
+    (no SwiGLU output kept: fewer than bf16's), never expert_output recomputed, a note."""
     layout = Candidates.one(4, 4, 1, 4, 2)
     bf16, fp8 = (evaluate(problem_of(request("qwen3-30b-a3b", "h200-sxm", 8, recompute="none",
                                              expert_precision=p)), layout) for p in ("bf16", "fp8"))
@@ -410,11 +411,55 @@ def test_fp8_experts_are_priced_at_the_fp8_rate_with_their_passes_and_copies():
     assert "fp8 quantise" in fp8.stages and "fp8 quantise" not in bf16.stages
     assert fp8.stages["fp8 quantise"].bwd.hbm_bytes[0] > fp8.stages["fp8 quantise"].fwd.hbm_bytes[0] > 0
     copies = 2 * fp8.expert_params[0] * (1 + 4 / 128**2)
-    assert fp8.expert_mem_bytes[0] - bf16.expert_mem_bytes[0] == pytest.approx(copies)
+    acts = fp8.expert_act_bytes[0] - bf16.expert_act_bytes[0]
+    assert acts < 0 and fp8.expert_mem_bytes[0] - bf16.expert_mem_bytes[0] == pytest.approx(copies + acts)
     assert fp8.stages["optimizer (experts)"].bwd.hbm_bytes > bf16.stages["optimizer (experts)"].bwd.hbm_bytes
     plan = solve(request("qwen3-30b-a3b", "h200-sxm", 8, expert_precision="fp8"))
-    assert not set(plan.recompute_modules) & {"expert_input", "expert_output", "expert_swiglu"}  # the FP8 experts keep theirs
+    assert "expert_output" not in plan.recompute_modules  # no fused FP8 combine
     assert any(n.startswith("routed experts priced in FP8 (train with precision: fp8)") for n in plan.notes)
+
+
+def test_fp8_plans_recompute_the_modules_the_fp8_experts_drop_and_round_trip_into_the_run(tmp_path):
+    """Qwen3-235B on 72 GB200s in FP8 (where the plan without recomputation is slowest against
+    bf16): auto now recomputes the FP8 experts' input and SwiGLU rows (never expert_output), fits
+    a faster layout than recompute none, says so in its notes and prices the recompute at an index
+    read; `train --plan` takes the plan with precision fp8; selective without modules prices the
+    two, and naming expert_output under fp8 is refused with the reason."""
+    from disagmoe.cli.plan_cmd import write_plan
+    from disagmoe.config import TrainConfig
+    from disagmoe.runtime.plan_layout import apply_plan
+
+    fp8 = dict(seq_len=4096, expert_precision="fp8")
+    auto, none = (choose(request("qwen3-235b-a22b", "gb200-nvl72", 72, **fp8, recompute=r)) for r in ("auto", "none"))
+    assert auto.plan.recompute == "selective" and auto.plan.step_time_s < none.plan.step_time_s
+    assert set(auto.plan.recompute_modules) <= {"expert_input", "expert_swiglu", "attention"}
+    assert {"expert_input", "expert_swiglu"} <= set(auto.plan.recompute_modules)
+    assert any("selective recomputation of the expert FFN's input and SwiGLU rows" in n for n in auto.plan.notes)
+    assert any(n.startswith("selective recomputation: activations ") for n in auto.plan.notes)
+    m = auto.problem.model
+    assert st.selective_recompute(m, 1000, fp8=True).hbm_bytes == 8 * 1000  # the rows' token index only
+    assert st.selective_recompute(m, 1000).hbm_bytes == 2 * 1000 * (2 * m.hidden_size + m.expert_ffn_size)
+    assert "selective recompute" in auto.cost.stages
+    write_plan(auto.plan, tmp_path / "plan.yaml")
+    model = load_model("qwen3-235b-a22b")
+    run = apply_plan(TrainConfig(model=model, plan=str(tmp_path / "plan.yaml"), experts_backend="triton",
+                                 precision="fp8", device="cuda", transport="nvshmem", seq_len=4096,
+                                 batch_size=auto.plan.sequences_per_micro_batch * auto.plan.micro_batches), model)
+    assert run.recompute == "selective" and run.recompute_set == frozenset(auto.plan.recompute_modules)
+    assert run.expert_precision == "fp8"
+    selective = solve(request("qwen3-235b-a22b", "gb200-nvl72", 72, **fp8, recompute="selective"))
+    assert selective.recompute_modules == ["expert_input", "expert_swiglu"]
+    with pytest.raises(ValueError, match="names expert_output, which the FP8 experts do not recompute"):
+        request("qwen3-235b-a22b", "gb200-nvl72", 72, **fp8, recompute="selective",
+                recompute_modules=["expert_input", "expert_output"])
+
+
+def test_a_plan_records_the_expert_modules_it_priced_not_all_three():
+    """Selective with one expert module named: the plan's recompute_modules (what `train --plan`
+    sets) is that module, as its memory was priced, not the three expert modules."""
+    plan = solve(request("qwen3-235b-a22b", "gb200-nvl72", 72, seq_len=4096, recompute="selective",
+                         recompute_modules=["expert_input"]))
+    assert plan.recompute == "selective" and plan.recompute_modules == ["expert_input"]
 
 
 def test_fp8_dense_projections_are_priced_at_the_fp8_rate_with_their_quantise_passes():

@@ -115,3 +115,59 @@ def test_full_recomputation_keeps_each_layers_input_and_routing_and_holds_one_la
     full, lean, plain = (mem.activation_bytes(m, tokens, 2, dropped=d)
                          for d in (mem.FULL, everything, mem.NOTHING_DROPPED))
     assert full < lean < plain
+
+
+@pytest.mark.parametrize("dropped", [frozenset(), frozenset({"expert_input"}), frozenset({"expert_swiglu"}),
+                                     frozenset({"expert_input", "expert_swiglu"})])
+def test_fp8_experts_keep_their_rows_and_h13_and_drop_what_they_recompute(dropped):
+    """Precision fp8 (`kernels.fp8_ffn`): a (token, expert) row keeps its bf16 input row (unless
+    expert_input is dropped) and its pre-activations h13 (2F), never the SwiGLU output (its
+    backward recomputes it in every run, so expert_swiglu drops nothing more); the backward holds
+    d y, d h13 and the recomputed SwiGLU output in bf16 and its e4m3 copies (2H + 5F values with
+    their scales), whatever is dropped: the input rows are read from the tokens, not regathered."""
+    m = load_model("qwen3-30b-a3b")
+    H, F, K = m.hidden_size, m.expert_ffn_size, m.top_k
+    kept = 2 * ((0 if "expert_input" in dropped else H) + 2 * F)
+    assert mem.expert_row_bytes(m, 2, dropped, fp8=True) == kept
+    assert mem.expert_row_bytes(m, 2, fp8=True) - mem.expert_row_bytes(m, 2, dropped, fp8=True) == (
+        2 * H if "expert_input" in dropped else 0)
+    held = 2 * (H + 3 * F) + (1 + 4 / 128) * (2 * H + 5 * F)
+    assert mem.expert_row_grad_bytes(m, 2, dropped, fp8=True) == int(held)
+    assert mem.layer_bytes(m, True, 2, dropped, fp8=True) == (mem.attention_bytes(m, True, 2) + mem.combine_bytes(m, 2)
+                                                             + K * kept)
+    assert mem.layer_bytes(m, False, 2, dropped, fp8=True) == mem.layer_bytes(m, False, 2)  # no experts there
+    tokens = 8192
+    if "expert_input" in dropped:
+        assert mem.activation_bytes(m, tokens, 2, dropped=dropped, fp8=True) < mem.activation_bytes(m, tokens, 2,
+                                                                                                   fp8=True)
+    # the plain FP8 row keeps F fewer bf16 values than the plain bf16 row (no SwiGLU output)
+    assert mem.expert_row_bytes(m, 2) - mem.expert_row_bytes(m, 2, fp8=True) == 2 * F
+
+
+def test_the_runs_fp8_recomputation_reaches_the_memory_check():
+    """`precision: fp8` with recompute selective of expert_input and expert_swiglu: one process's
+    predicted activations fall by the grouped input rows of every MoE layer (2 bytes x K x H per
+    token), and expert_swiglu alone changes nothing; the runtime's replay counts the FP8 rows too."""
+    from disagmoe.config import TrainConfig
+    from disagmoe.runtime.activation_memory import rank_activations, single_activation_bytes
+    from disagmoe.runtime.topology import Topology
+
+    m = load_model("tiny")
+    base = dict(model=m, precision="fp8", device="cuda", experts_backend="triton", batch_size=8, seq_len=64,
+                micro_batches=2)
+    plain = TrainConfig(**base, mode="single")
+    lean = TrainConfig(**base, mode="single", recompute="selective",
+                       recompute_modules=["expert_input", "expert_swiglu"])
+    swiglu = TrainConfig(**base, mode="single", recompute="selective", recompute_modules=["expert_swiglu"])
+    tokens = 8 // 2 * 64
+    rows = tokens * m.num_moe_layers * m.top_k * m.hidden_size * 2
+    assert single_activation_bytes(plain, m) - single_activation_bytes(lean, m) == rows
+    assert single_activation_bytes(swiglu, m) == single_activation_bytes(plain, m)
+    assert single_activation_bytes(plain, m) == mem.activation_bytes(m, tokens, 2, fp8=True)
+    split = dict(base, mode="disaggregated", transport="nccl")
+    plain_d, lean_d = TrainConfig(**split), TrainConfig(**split, recompute="selective",
+                                                          recompute_modules=["expert_input", "expert_swiglu"])
+    topology = Topology.from_config(plain_d, m)
+    for rank, (a, b) in enumerate(zip(rank_activations(lean_d, m, topology), rank_activations(plain_d, m, topology),
+                                      strict=True)):
+        assert (a.peak_bytes < b.peak_bytes) == (topology.expert_role(rank) is not None), rank

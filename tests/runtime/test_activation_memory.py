@@ -156,6 +156,39 @@ def test_the_planner_prices_the_activations_the_runtimes_memory_check_counts(nam
     assert cost.expert_act_bytes[0] == max(expert)
 
 
+@pytest.mark.parametrize("name, layout", [
+    ("qwen3-30b-a3b", dict(attn=4, expert=2, p=1, m=4, seqs=2)),
+    ("deepseek-v3", dict(attn=2, expert=8, p=1, m=2, seqs=1)),  # leading dense layers
+])
+@pytest.mark.parametrize("recompute", ["none", "selective"])
+def test_the_planner_prices_the_fp8_experts_activations_the_runtimes_memory_check_counts(name, layout, recompute):
+    """The same agreement with FP8 experts (`expert_precision: fp8`, the run's `precision: fp8`): the
+    rows' FP8 terms on both sides, and selective's modules those the FP8 experts drop."""
+    from disagmoe.config import ClusterConfig, PlanConfig, load_hardware
+    from disagmoe.placement.cost import Candidates
+    from disagmoe.placement.solver import price
+    from disagmoe.runtime.plan_layout import apply_plan
+
+    model = load_model(name)
+    roomy = load_hardware("h200-sxm").model_copy(update={"hbm_gib": 1e6})
+    request = PlanConfig(model=model, cluster=ClusterConfig(hardware=roomy, num_gpus=72), seq_len=1024,
+                         global_batch_tokens=1 << 22, recompute=recompute, expert_precision="fp8")
+    choice = price(request, Candidates.one(**layout))
+    plan, cost = choice.plan, choice.cost
+    assert plan.recompute_modules == (["expert_input", "expert_swiglu"] if recompute == "selective" else [])
+    dp = layout["attn"] // layout["p"]
+    cfg = TrainConfig(model=model, plan=plan, experts_backend="triton", precision="fp8", device="cuda",
+                      transport="nvshmem", seq_len=1024, batch_size=layout["m"] * dp * layout["seqs"], out_dir="unused")
+    run = apply_plan(cfg, model)
+    assert run.expert_precision == "fp8" and run.recompute_set == frozenset(plan.recompute_modules)
+    topology = Topology.from_config(cfg, model)
+    peaks = rank_activations(run, model, topology)
+    assert cost.attn_act_bytes[0] == max(p.peak_bytes for r, p in enumerate(peaks)
+                                         if topology.attention_role(r) is not None)
+    assert cost.expert_act_bytes[0] == max(p.peak_bytes for r, p in enumerate(peaks)
+                                           if topology.expert_role(r) is not None)
+
+
 def test_sparse_dispatch_holds_a_copy_of_the_rows_per_expert_rank_for_the_forwards_span(monkeypatch):
     """8 expert ranks: over send/recv the attention rank's forward of a MoE layer holds the staged
     messages' bytes (rows, ids, weights, token index) for its span; by peer stores none. (Its peak

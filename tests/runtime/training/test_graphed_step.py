@@ -105,6 +105,11 @@ def test_cuda_graphs_on_refuses_the_loop_backend_with_the_fix():
      "auto -> on"),
     (dict(mode="single", device="cuda", recompute="selective", experts_backend="triton"), True, "auto -> on"),
     (dict(mode="single", device="cuda", recompute="full", experts_backend="triton"), True, "auto -> on"),
+    (dict(mode="single", device="cuda", precision="fp8", experts_backend="triton", recompute="selective",
+          recompute_modules=["expert_input", "expert_swiglu"]), False,
+     "auto -> eager: the FP8 experts' selective recomputation has not been checked captured"),
+    (dict(mode="single", device="cuda", precision="fp8", experts_backend="triton", recompute="selective",
+          recompute_modules=["attention"]), True, "auto -> on"),
     (dict(mode="single", device="cuda", experts_backend="triton", optim={"state_dtype": "bf16"}), True, "auto -> on"),
 ])
 def test_auto_captures_where_the_captured_step_was_checked_and_says_why_not_elsewhere(fields, capture, says):
@@ -151,13 +156,16 @@ def test_cuda_captured_steps_equal_the_eager_steps_bit_for_bit(tmp_path, backend
                                      dict(recompute="selective", recompute_modules=["attention"]),
                                      dict(recompute="full"),
                                      dict(optim=OptimConfig(lr=3e-3, warmup_steps=2, grad_clip=0.5,
-                                                            state_dtype="bf16"))],
-                         ids=["selective-experts", "selective-attention", "full", "bf16-moments"])
+                                                            state_dtype="bf16")),
+                                     dict(precision="fp8", recompute="selective",
+                                          recompute_modules=["expert_input", "expert_swiglu"])],
+                         ids=["selective-experts", "selective-attention", "full", "bf16-moments", "fp8-selective"])
 def test_cuda_captured_recomputing_and_bf16_moment_steps_equal_the_eager_steps(tmp_path, setting):
     """Recomputation (selective experts, selective attention, full) and bf16 moments, which auto
     captures since this passed on an H200 (2026-12-03): with `cuda_graphs: on` their steps equal the
     eager ones to the bit (the triton experts at hidden 256, where the model runs the Triton FFN and
-    permute)."""
+    permute). fp8-selective (the FP8 experts' expert_input and expert_swiglu): not yet run on a GPU;
+    auto runs it eagerly (`resolve_cuda_graphs`) until this passes."""
     model = load_model("tiny").model_copy(update={"hidden_size": 256, "expert_ffn_size": 256})
     fields = dict(model=model, mode="single", device="cuda", steps=6, batch_size=8, seq_len=128, micro_batches=2,
                   eval_every=0, experts_backend="triton", checkpoint_at_end=False,

@@ -441,7 +441,10 @@ def test_the_memory_refusal_names_each_unused_knob_with_its_predicted_peak():
                                    "optim.state_dtype=bf16"])
     assert [k for k, _ in memory_knobs(used, model)] == ["offload_optimizer: true", "micro_batches: 16"]
     fp8 = load_train_config(path, ["mode=single", "model.num_layers=12", "micro_batches=2", "precision=fp8"])
-    assert not any(k.startswith("recompute") for k, _ in memory_knobs(fp8, model))  # refused with fp8 experts
+    fp8_knobs = dict(memory_knobs(fp8, model))  # selective with the modules the FP8 experts drop; full refused
+    lean = "recompute: selective with recompute_modules: [expert_input, expert_swiglu]"
+    assert [k for k in fp8_knobs if k.startswith("recompute")] == [lean]
+    assert fp8_knobs[lean] < sum(single_peak_bytes(fp8, model))
 
 
 def test_every_step_record_and_the_summary_carry_the_predicted_peak(tmp_path):
