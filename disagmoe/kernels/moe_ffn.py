@@ -33,6 +33,7 @@ from disagmoe.kernels import grouped_gemm as gg
 from disagmoe.kernels.tile_configs import TileConfig, lookup
 from disagmoe.kernels.autocast import autocast_operands
 from disagmoe.kernels.deferral import hold_back
+from disagmoe.kernels.first_touch import take_first_touch
 from disagmoe.kernels.recompute import EXPERT_INPUT, EXPERT_SWIGLU, RECOMPUTABLE, RowSource
 
 
@@ -143,7 +144,8 @@ def moe_ffn_backward(
     the SwiGLU output (`grouped_gemm.ragged_rows_gemm`'s `row_scale`: the routing weights'
     gradient, `kernels.fused_moe`).
     `main_grads` (w13's, w2's; e.g. FlatAdamW's fp32 buffers): a weight gradient is added into
-    its main gradient by the GEMM itself and None is returned for it; inside
+    its main gradient by the GEMM itself and None is returned for it (stored, not added, where the
+    main gradient is untouched this step: `kernels.first_touch`); inside
     `kernels.deferral.deferred_weight_grads` (both main gradients given) those GEMMs wait in its list."""
     if act_NF is None:
         act_NF = h13_N2F.new_empty((h13_N2F.shape[0], h13_N2F.shape[1] // 2))
@@ -169,12 +171,15 @@ def moe_ffn_backward(
     experts = w13_EH2F.shape[0]
 
     def weight_grads() -> tuple[torch.Tensor, torch.Tensor]:
+        # each launch writes every element of its output (zeros for an expert without rows), so the
+        # step's first one into a main gradient stores instead of adding (`kernels.first_touch`),
+        # decided when it runs (a held-back launch too)
         dw2_EFH = gg.ragged_weight_grad(act_NF, dy_NH, offsets_E, tiles.wgrad_w2, out=main2,
-                                        accumulate=main2 is not None, weights=experts,
-                                        num_programs=num_programs)
+                                        accumulate=main2 is not None and not take_first_touch(main2),
+                                        weights=experts, num_programs=num_programs)
         dw13_EH2F = gg.ragged_weight_grad(x_NH, dh13_N2F, offsets_E, tiles.wgrad_w13, out=main13,
-                                          accumulate=main13 is not None, weights=experts,
-                                          num_programs=num_programs)
+                                          accumulate=main13 is not None and not take_first_touch(main13),
+                                          weights=experts, num_programs=num_programs)
         return dw13_EH2F, dw2_EFH
 
     if main13 is not None and main2 is not None and hold_back(weight_grads):

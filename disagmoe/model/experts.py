@@ -224,6 +224,15 @@ class RoutedExperts(nn.Module):
             _check_fp8(self.backend, frozenset(modules))
         self.recompute = frozenset(modules)
 
+    def first_touch_weights(self) -> tuple[nn.Parameter, ...]:
+        """The weights whose fp32 main gradient this module's backward writes whole at its first
+        weight-gradient launch of a step, so the optimizer may skip zeroing it (`kernels.first_touch`):
+        the triton backend's FFN (not FP8), whose ragged weight-gradient GEMM writes every element
+        (zeros for an expert without rows). None for the loop and grouped_mm backends and the FP8 FFN,
+        whose weight gradients reach the main gradient through autograd (FlatAdamW's hooks zero an
+        opted-in one first, should the precision change after the optimizer is made)."""
+        return (self.w13_EH2F, self.w2_EFH) if self.backend == "triton" and self.precision != "fp8" else ()
+
     @property
     def kernel_recompute(self) -> frozenset[str]:
         """What the triton kernels themselves drop (`recompute` less `BLOCK`)."""
@@ -281,6 +290,12 @@ def _check_fp8(backend: str, recompute: frozenset[str]) -> None:
     if others:
         raise ValueError(f"precision: fp8 recomputes {' and '.join(FP8_RECOMPUTABLE)} only, not {', '.join(others)}: "
                          f"{FP8_NO_EXPERT_OUTPUT}; drop it from recompute_modules (or precision: bf16)")
+
+
+def first_touch_params(model: nn.Module) -> list[nn.Parameter]:
+    """Every `RoutedExperts.first_touch_weights` in `model`: FlatAdamW's `first_touch` for a trainer
+    (after the experts' precision is set)."""
+    return [p for m in model.modules() if isinstance(m, RoutedExperts) for p in m.first_touch_weights()]
 
 
 def _fp8_tensors(weights) -> list[torch.Tensor]:

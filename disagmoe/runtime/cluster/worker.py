@@ -58,6 +58,7 @@ from disagmoe.runtime.observe.gpu_spans import GpuSpans
 from disagmoe.runtime.observe.metrics import no_host_syncs, out_of_memory_hint, peak_memory_gib
 from disagmoe.runtime.stages.messages import Mailbox, MessageShapes, receive_layouts
 from disagmoe.runtime.stages.pair_return import PairHop
+from disagmoe.model.experts import first_touch_params
 from disagmoe.model.layers import set_fusion
 from disagmoe.kernels.fp8_stats import Fp8Stats, pack_for_sum, reduced_nonfinite_flag, unpack_sum
 from disagmoe.runtime.state.flat_adamw import FlatAdamW, Shard, flat_squares
@@ -177,7 +178,8 @@ class TrainWorker(Worker):
             shards = {base: shard for base in {bucket_of(n) for n, _ in self.model.named_parameters()}
                       if base != EXPERTS}
         self.optimizer = FlatAdamW(self.model.named_parameters(), cfg.optim, compute_dtype(cfg),
-                                   bucket_of=bucket_of, shards=shards, offload_bucket_bytes=offload_bucket_bytes(cfg))
+                                   bucket_of=bucket_of, shards=shards, offload_bucket_bytes=offload_bucket_bytes(cfg),
+                                   first_touch=first_touch_params(self.model))
         self._reductions: list[tuple[str, Any]] = []  # (bucket name, work) of this step's started sums
         self.replicas = ExpertReplicas(self.model, topology, self.rank)
         self.attention, self.val_data = None, None
@@ -551,6 +553,7 @@ class TrainWorker(Worker):
         """Start the data-parallel sum of the buckets of `base` (async; waited in the optimizer step)."""
         for b in self.optimizer.buckets:
             if b.name.rsplit(".", 1)[0] == base and all(name != b.name for name, _ in self._reductions):
+                self.optimizer.settle_grads(b)  # first-touch gradients no backward wrote: zeros, not stale
                 work = (self.optimizer.reduce_scatter(b, async_op=True) if b.shard is not None
                         else dist.all_reduce(b.grad_N, group=self.dp_group, async_op=True))
                 self._reductions.append((b.name, work))
@@ -559,6 +562,7 @@ class TrainWorker(Worker):
         """Finish the main gradients' sums (those the schedule's `ReduceGradients` started in the
         backward; the rest now), clip by the global norm, step; returns device tensors (the step's
         one read happens in `train_step`)."""
+        self.optimizer.settle_grads()  # before the replicas' sums and the norm read the expert gradients
         if self.topology.data_parallel > 1 and self.topology.attention_role(self.rank) is not None:
             for b in self.optimizer.buckets:
                 if b.name.startswith(REPLICATED):

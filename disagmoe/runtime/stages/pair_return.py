@@ -46,6 +46,7 @@ from disagmoe.comm.base import PairLanding, PairTarget
 from disagmoe.model.dispatch import expert_counts
 from disagmoe.model.experts import RoutedExperts
 from disagmoe.kernels.autocast import autocast_operands
+from disagmoe.kernels.first_touch import touch
 from disagmoe.kernels.recompute import BLOCK, EXPERT_INPUT, EXPERT_SWIGLU, RowSource, pair_of_rows, recomputed
 
 # Bands of landing segments the fused path orders rows by (first band's segments complete first,
@@ -210,7 +211,10 @@ def _torch_backward(saved: PairRows, d_rows_NH: torch.Tensor, target: PairTarget
 
 
 def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
-    """grad into param.grad as autograd would (in place where one is there: FlatAdamW's views)."""
+    """grad into param.grad as autograd would (in place where one is there: FlatAdamW's views; a
+    first-touch main gradient still untouched this step zeroed first, as FlatAdamW's hook before
+    autograd's accumulation: `kernels.first_touch`)."""
+    touch(getattr(param, "main_grad", None))
     grad = grad.to(param.dtype)
     if param.grad is None:
         param.grad = grad

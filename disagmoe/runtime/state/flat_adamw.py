@@ -25,12 +25,24 @@ rounding).
 
 One step, from the caller's side (nothing here waits on the host):
 
-    opt.zero_grad()                        one memset per bucket
+    opt.zero_grad()                        one memset per bucket (first-touch gradients skipped, below)
     ... micro-batches: forward, backward (gradients land in `bucket.grad_N`)
     ... the caller reduces `bucket.grad_N` (all-reduce) or `opt.reduce_scatter(...)` (ZeRO-1)
     squares = opt.grad_squares(...)        per bucket, on the device
     opt.set_lr(lr)                         the step's learning rate into the device scalar `opt.lr`
     opt.step(clip_coef=...)                one AdamW update per bucket, then masters -> parameters
+
+First touch (`first_touch`, `kernels.first_touch`): the main gradients of parameters whose own code
+writes them whole on its first weight-gradient launch of a step (the Triton experts' w13 and w2,
+`model.experts.first_touch_params`; about 90% of an MoE's parameters) are not zeroed by `zero_grad`,
+only marked untouched: that launch stores its result instead of adding it to zeros (4 B per parameter
+neither written by the fill nor read by the add). `zero_grad` fills the rest, the spans between them,
+in one foreach launch on CUDA. A gradient that autograd brings to an opted-in parameter anyway (a cast
+operand's, another backend's) zeroes an untouched main gradient in a tensor hook that runs before autograd
+accumulates it (into the main gradient's view in place, fp32 parameters; into a new `.grad` that the
+post-accumulate hook adds, bf16 ones), and `settle_grads`, which `grad_squares`, `step` and
+`reduce_scatter` call first, zeroes the ones no writer touched: the gradients read are
+zero_grad-then-add's, bit for bit.
 
 Update kernel (`optim.update_kernel`, CUDA buckets): torch's fused AdamW, then the masters copied
 into the parameters (bf16 moments: `_step_rounded_moments`), or `kernels.adamw` (the default): one
@@ -63,6 +75,7 @@ Shapes: N a bucket's flat length (padded to a multiple of D when sharded), S = N
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -72,6 +85,7 @@ from torch import nn
 from torch.optim.adamw import adamw  # the functional step torch.optim.AdamW runs
 
 from disagmoe.config import OptimConfig
+from disagmoe.kernels.first_touch import mark_untouched, take_first_touch, touch
 from disagmoe.roofline.optimizer_state import slot_elements
 from disagmoe.runtime.state.offload import StagingArea, host_empty
 
@@ -115,6 +129,8 @@ class Bucket:
     grad_S: torch.Tensor | None = None  # sharded: this slice's reduced gradient
     inner: torch.optim.AdamW | None = field(default=None, repr=False)  # bf16 moments: holds the state only
     hyper_4: torch.Tensor | None = None  # optim.update_kernel triton: fp64 (beta1, beta2, weight_decay, eps)
+    first_touch: list[torch.Tensor] = field(default_factory=list)  # main gradients zero_grad leaves to their writer
+    zero_spans: list[torch.Tensor] = field(default_factory=list)  # with first_touch: the views of grad_N it zeroes
 
     @property
     def numel(self) -> int:
@@ -141,6 +157,8 @@ class FlatAdamW:
     further split by weight decay (matrices decay, gains and biases do not, as `build_optimizer`).
     `shards`: bucket name -> ZeRO-1 split of that bucket's state. `offload_bucket_bytes`: keep the
     masters and moments in host memory, stepped through two device slots of about this many bytes.
+    `first_touch`: parameters whose main gradient the step's first writer writes whole (module
+    docstring).
     """
 
     def __init__(
@@ -151,6 +169,7 @@ class FlatAdamW:
         bucket_of: Callable[[str], str] = lambda name: "params",
         shards: dict[str, Shard] | None = None,
         offload_bucket_bytes: int | None = None,
+        first_touch: Iterable[nn.Parameter] = (),
     ) -> None:
         self.optim = optim
         self.offloaded = offload_bucket_bytes is not None
@@ -168,6 +187,12 @@ class FlatAdamW:
                         for (base, decays), named in sorted(grouped.items())]
         self._hooks = [p.register_post_accumulate_grad_hook(_add_to_main_grad)
                        for b in self.buckets for p in b.params]
+        chosen = {id(p) for p in first_touch}
+        for b in self.buckets:
+            _split_first_touch(b, [id(p) in chosen for p in b.params])
+            # a gradient autograd brings zeroes an untouched main gradient before it is accumulated
+            self._hooks += [p.register_hook(functools.partial(_touch_before_accumulate, p.main_grad))
+                            for p in b.params if id(p) in chosen]
         self.steps_taken = 0
         self.staging: StagingArea | None = None
         if self.offloaded and self.buckets:
@@ -244,21 +269,41 @@ class FlatAdamW:
     # -- gradients -----------------------------------------------------------------------------
 
     def zero_grad(self) -> None:
-        """Zero every main gradient; fp32 parameters get their views as `.grad` (autograd then
-        accumulates into the flat buffer in place), others none (their hook adds and frees)."""
+        """Zero every main gradient but the first-touch ones, which are marked untouched instead
+        (module docstring); fp32 parameters get their views as `.grad` (autograd then accumulates
+        into the flat buffer in place), others none (their hook adds and frees)."""
         for b in self.buckets:
-            b.grad_N.zero_()
+            if b.first_touch:
+                if b.zero_spans:
+                    torch._foreach_zero_(b.zero_spans)  # one launch on CUDA for every span
+                for main in b.first_touch:
+                    mark_untouched(main)
+            else:
+                b.grad_N.zero_()
             for p in b.params:
                 p.grad = p.main_grad if p.dtype == torch.float32 else None
+
+    def settle_grads(self, bucket: Bucket | None = None) -> None:
+        """Zero the first-touch main gradients (of `bucket`, or of every bucket) that no writer has
+        touched since `zero_grad`, so what is read next is zeros, not a former step's gradient: before
+        the gradients are reduced, their norm taken or the step made. `grad_squares`, `step` and
+        `reduce_scatter` call it; a caller that reduces `grad_N` itself calls it first. Nothing to do
+        (no launch) once every such gradient was written."""
+        stale = [main for b in (self.buckets if bucket is None else [bucket])
+                 for main in b.first_touch if take_first_touch(main)]
+        if stale:
+            torch._foreach_zero_(stale)
 
     def reduce_scatter(self, bucket: Bucket, async_op: bool = False) -> dist.Work | None:
         """ZeRO-1: sum a sharded bucket's main gradients over its group into this rank's slice
         (`async_op`: return the work to wait later)."""
         assert bucket.shard is not None and bucket.grad_S is not None
+        self.settle_grads(bucket)
         return _reduce_scatter(bucket.grad_S, bucket.grad_N, group=bucket.shard.group, async_op=async_op)
 
     def grad_squares(self) -> torch.Tensor:
         """float64 sum of squares of the gradients this rank steps (a sharded bucket: its slice)."""
+        self.settle_grads()
         total = torch.zeros((), dtype=torch.float64, device=self.buckets[0].grad_N.device)
         for b in self.buckets:
             total += flat_squares(b.step_grad())
@@ -278,6 +323,7 @@ class FlatAdamW:
             self._step(clip_coef, skip)
 
     def _step(self, clip_coef: torch.Tensor | None, skip: torch.Tensor | None) -> None:
+        self.settle_grads()
         inverse = None if clip_coef is None else (1.0 / clip_coef).float()  # the fused kernels' grad_scale
         if skip is not None and not self.lr.is_cuda:
             raise ValueError("FlatAdamW.step(skip=...) runs in the fused CUDA kernels; on the CPU pass skip=None")
@@ -575,10 +621,39 @@ def flat_squares(flat: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(flat, dtype=torch.float64) ** 2
 
 
+def _split_first_touch(b: Bucket, opted_P: list[bool]) -> None:
+    """`b.first_touch`, the main gradients of the opted-in parameters (`opted_P`, in bucket order), and
+    `b.zero_spans`, the views of `b.grad_N` between them (and the padding) that zero_grad still fills:
+    contiguous runs of the other parameters merged into one span each."""
+    b.first_touch = [p.main_grad for p, opted in zip(b.params, opted_P, strict=True) if opted]
+    if not b.first_touch:
+        return
+    spans, start, at = [], None, 0
+    for p, opted in zip(b.params, opted_P, strict=True):
+        if opted and start is not None:
+            spans.append((start, at))
+            start = None
+        elif not opted and start is None:
+            start = at
+        at += p.numel()
+    end = b.grad_N.numel()  # the padding of a sharded bucket is zeroed with the last span
+    if start is not None or at < end:
+        spans.append((at if start is None else start, end))
+    b.zero_spans = [b.grad_N[lo:hi] for lo, hi in spans]
+
+
+def _touch_before_accumulate(main: torch.Tensor, grad: torch.Tensor) -> None:
+    """Tensor hook of a first-touch parameter, run before autograd accumulates `grad`: zero its main
+    gradient `main` if no writer touched it yet this step (`kernels.first_touch.touch`). An fp32
+    parameter's `.grad` is `main` itself, into which autograd then adds in place."""
+    touch(main)
+
+
 def _add_to_main_grad(param: torch.Tensor) -> None:
     """Post-accumulate hook: a gradient autograd did not accumulate into the main gradient in
-    place (bf16 parameters, or an fp32 one whose `.grad` was replaced) is added into it; a bf16
-    gradient is then freed, an fp32 parameter gets its view back."""
+    place (bf16 parameters, or an fp32 one whose `.grad` was replaced) is added into it (a first-touch
+    one was zeroed before, if untouched: `_touch_before_accumulate`); a bf16 gradient is then freed,
+    an fp32 parameter gets its view back."""
     grad, main = param.grad, param.main_grad
     if grad is None or grad.data_ptr() == main.data_ptr():  # None: a kernel added into main_grad itself
         return

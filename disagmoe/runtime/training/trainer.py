@@ -39,7 +39,7 @@ from disagmoe.model_ref import load_model
 from disagmoe.data import TokenDataset, load_splits
 from disagmoe.kernels.fp8_stats import Fp8Stats
 from disagmoe.model import MoETransformer
-from disagmoe.model.experts import check_backend_device
+from disagmoe.model.experts import check_backend_device, first_touch_params
 from disagmoe.model.init import materialise
 from disagmoe.model.layers import set_fusion
 from disagmoe.model.loss import linear_cross_entropy
@@ -388,7 +388,8 @@ class SingleProcessTrainer(TrainingLoop):
         self.oracle = cfg.steps_reference_adamw
         self.optimizer = (build_optimizer(self.model.named_parameters(), cfg.optim) if self.oracle
                           else FlatAdamW(self.model.named_parameters(), cfg.optim, compute_dtype(cfg),
-                                         offload_bucket_bytes=offload_bucket_bytes(cfg)))
+                                         offload_bucket_bytes=offload_bucket_bytes(cfg),
+                                         first_touch=first_touch_params(self.model)))
         if cfg.cuda_graphs == "on" and self.oracle:
             raise ValueError("cuda_graphs: on captures the bf16 fast path's step; precision fp32 steps the reference "
                              "torch AdamW, which is not captured: set precision: bf16 (or cuda_graphs: off)")

@@ -276,3 +276,55 @@ def test_a_run_s_pair_settings_come_from_its_config():
     assert hop.combine_programs(torch.device("cpu")) == 2  # the interpreter runs a couple
     defaults = pair_return.PairHop.of(TrainConfig(model="tiny"))
     assert (defaults.bands, defaults.combine_programs_per_sm) == (pair_return.BANDS, pair_return.COMBINE_PROGRAMS_PER_SM)
+
+
+def test_fused_pair_rows_store_each_weight_gradients_first_touch(kernels):
+    """An expert rank holding every expert serves two sources per micro-batch over two micro-batches,
+    the weight-gradient launches held back (`deferred_weight_grads`, as `ExpertStage.backward`) and
+    run after each micro-batch's backward: with FlatAdamW's first touch of the experts' main gradients
+    (NaN before zero_grad, which leaves them alone) the step's main gradients are those of zeroing
+    them, bit for bit; the skewed routing leaves experts without rows."""
+    from disagmoe.config import OptimConfig
+    from disagmoe.kernels.deferral import deferred_weight_grads
+    from disagmoe.model.experts import first_touch_params
+    from disagmoe.runtime.state.flat_adamw import FlatAdamW
+
+    case = (20, 2, 6, 2, 16, 16, 8, True)  # every pair on experts 0 and 1 (or elsewhere): 2..5 empty
+    tokens, top_k, experts, sources, hidden, ffn, seg, _ = case
+    full, *_ = _layer(case, "cpu", torch.float32, seed=2)
+    gen = torch.Generator().manual_seed(3)
+    inputs = []  # (micro-batch, source) -> x, local ids (`experts`: served elsewhere), w, dy
+    for _ in range(2 * sources):
+        local = torch.stack([torch.randperm(3, generator=gen)[:top_k] for _ in range(tokens)])
+        local = torch.where(local == 2, experts, local).to(torch.int32)  # id 2: a pair served elsewhere
+        inputs.append((torch.randn(tokens, hidden, generator=gen), local, torch.rand(tokens, top_k, generator=gen),
+                       torch.randn(tokens, hidden, generator=gen)))
+    grads = []
+    for first_touch in (False, True):
+        part = RoutedExperts.from_slice(full, 0, experts, backend="triton")
+        flat = FlatAdamW(part.named_parameters(), OptimConfig(), torch.float32,
+                         first_touch=first_touch_params(part) if first_touch else ())
+        assert sum(len(b.first_touch) for b in flat.buckets) == (2 if first_touch else 0)
+        for b in flat.buckets:
+            b.grad_N.fill_(float("nan"))
+        flat.zero_grad()
+        for mb in range(2):
+            saved = []
+            for q in range(sources):
+                x, local, w, dy = inputs[mb * sources + q]
+                rows = torch.full((tokens * top_k, hidden), float("nan"))
+                flags = torch.zeros(sources, -(-tokens // seg), dtype=torch.int64)
+                counters = torch.zeros(flags.shape[1], dtype=torch.int32)
+                saved.append((pair_return.expert_pair_rows(x.clone().requires_grad_(), local, w, part,
+                                                           PairTarget(rows, flags, q, 1), counters, seg, fused=True,
+                                                           num_programs=3), dy))
+            with deferred_weight_grads() as held:
+                for s, dy in saved:
+                    pair_return.expert_pair_rows_backward(s, dy)
+            assert len(held) == sources
+            for work in held:
+                work()
+        assert torch.isfinite(flat.grad_squares())
+        grads.append([b.grad_N.clone() for b in flat.buckets])
+    for a, b in zip(*grads, strict=True):
+        assert torch.isfinite(b).all() and torch.equal(a.view(torch.int32), b.view(torch.int32))

@@ -752,3 +752,81 @@ def test_cuda_a_captured_triton_step_replays_the_eager_steps_bit_for_bit(state_d
         assert torch.equal(a.master_S, b.master_S) and torch.equal(a.compute_N, b.compute_N), a.name
         assert all(torch.equal(sa[k], sb[k]) for k in ("step", "exp_avg", "exp_avg_sq")), a.name
         assert float(sb["step"]) == 3
+
+
+# -- first touch (`first_touch`, kernels/first_touch.py) ----------------------------------------
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)
+
+
+def test_zero_grad_leaves_first_touch_gradients_to_their_first_writer() -> None:
+    """zero_grad fills only the spans of the parameters that did not opt in (runs of them merged,
+    a sharded bucket's padding with them) and marks the opted-in main gradients untouched; a writer
+    that stores (first touch) finds them untouched once, and the norm zeroes the one no writer
+    touched (NaN-poisoned before: a read of stale values would show)."""
+    from disagmoe.kernels.first_touch import is_untouched, take_first_touch
+
+    model = _model()  # decay: 0.weight [5, 6], 2.weight [3, 5]; no decay: 0.bias, 1.weight, 1.bias [5] each
+    params = dict(model.named_parameters())
+    opted = [params["2.weight"], params["1.weight"]]
+    flat = FlatAdamW(model.named_parameters(), OPTIM, torch.bfloat16, shards={"params": Shard(None, 0, 4)},
+                     first_touch=opted)
+    no_decay, decay = flat.buckets
+    assert [b.name for b in flat.buckets] == ["params.no_decay", "params.decay"]
+    assert decay.grad_N.numel() == 48 and no_decay.grad_N.numel() == 16  # padded to a multiple of 4
+    spans = lambda b: [(v.storage_offset() - b.grad_N.storage_offset(), v.numel()) for v in b.zero_spans]  # noqa: E731
+    assert spans(decay) == [(0, 30), (45, 3)]  # 0.weight, then the padding after 2.weight
+    assert spans(no_decay) == [(0, 5), (10, 6)]  # 0.bias; 1.bias merged with the padding
+    for b in flat.buckets:
+        b.grad_N.fill_(float("nan"))
+    flat.zero_grad()
+    for p in model.parameters():
+        main = p.main_grad
+        if any(p is o for o in opted):
+            assert main.isnan().all() and is_untouched(main)
+        else:
+            assert not main.any() and not is_untouched(main)
+    assert not decay.grad_N[45:].any() and not no_decay.grad_N[15:].any()
+    stored = torch.randn(3, 5)
+    assert take_first_touch(params["2.weight"].main_grad)  # a whole writer: stores
+    params["2.weight"].main_grad.copy_(stored)
+    assert not take_first_touch(params["2.weight"].main_grad)  # the next one adds
+    assert torch.isfinite(flat.grad_squares())  # 1.weight, untouched: zeroed first
+    assert not params["1.weight"].main_grad.any() and not is_untouched(params["1.weight"].main_grad)
+    assert torch.equal(params["2.weight"].main_grad, stored)
+
+
+def test_no_first_touch_keeps_one_fill_per_bucket() -> None:
+    flat = FlatAdamW(_model().named_parameters(), OPTIM, torch.float32)
+    assert all(not b.first_touch and not b.zero_spans for b in flat.buckets)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_autograd_gradients_into_first_touch_parameters_equal_zero_then_add(dtype) -> None:
+    """Opted-in parameters whose gradients come from autograd anyway (not a whole writer: another
+    backend, a cast operand): the hook before accumulation zeroes the untouched main gradient, so two
+    steps of three micro-batches give the very gradients and parameters of the run that zeroes it
+    (fp32: autograd adds into the main gradient's view in place; bf16: the post-accumulate hook adds)."""
+    runs = []
+    for opt_in in (False, True):
+        model = _model().to(dtype)
+        flat = FlatAdamW(model.named_parameters(), OPTIM, dtype, first_touch=model.parameters() if opt_in else ())
+        assert all(bool(b.first_touch) == opt_in for b in flat.buckets)
+        grads = []
+        for step in range(2):
+            for b in flat.buckets:
+                b.grad_N.fill_(float("nan"))  # whatever zero_grad leaves unfilled must not be read
+            flat.zero_grad()
+            for mb in range(3):
+                (_loss(model, step, mb) / 3).backward()
+            grads.append([b.grad_N.clone() for b in flat.buckets])
+            flat.set_lr(OPTIM.lr)
+            flat.step()
+        runs.append((grads, [b.master_S.clone() for b in flat.buckets]))
+    (grads_a, masters_a), (grads_b, masters_b) = runs
+    for step_a, step_b in zip(grads_a, grads_b, strict=True):
+        for a, b in zip(step_a, step_b, strict=True):
+            assert torch.isfinite(b).all() and torch.equal(_bits(a), _bits(b))
+    assert all(torch.equal(a, b) for a, b in zip(masters_a, masters_b, strict=True))

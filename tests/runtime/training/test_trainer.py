@@ -613,3 +613,71 @@ def test_the_single_trainer_builds_on_meta_and_initialises_as_the_model_does(tmp
     assert got.keys() == want.keys() and any("expert_bias" in k for k in got)
     for name, tensor in want.items():
         assert torch.equal(got[name].float(), tensor.float()), name
+
+
+def _first_touch_runs(cfg: TrainConfig, tmp_path, monkeypatch, steps: int, poison: bool):
+    """(records, main gradients after each step, final masters) of `cfg` trained by the single trainer
+    with the experts' first-touch main gradients (`kernels.first_touch`) and with every main gradient
+    zeroed (first touch switched off); `poison`: NaN into the first-touch gradients before each step
+    (zero_grad must not need them zero)."""
+    from disagmoe.model.experts import RoutedExperts
+    from disagmoe.runtime.training.trainer import SingleProcessTrainer
+
+    runs = {}
+    for first_touch in (False, True):
+        with monkeypatch.context() as patch:
+            if not first_touch:
+                patch.setattr(RoutedExperts, "first_touch_weights", lambda self: ())
+            trainer = SingleProcessTrainer(cfg.model_copy(update={"out_dir": str(tmp_path / str(first_touch))}))
+        opted = [main for b in trainer.optimizer.buckets for main in b.first_touch]
+        assert len(opted) == (2 * trainer.model_cfg.num_moe_layers if first_touch else 0)  # w13 and w2 per layer
+        records, grads = [], []
+        for _ in range(steps):
+            if poison:
+                for main in opted:
+                    main.fill_(float("nan"))
+            record = trainer._train_one_step()
+            records.append((record["loss"], record["grad_norm"], record["expert_load"]))
+            grads.append([b.grad_N.clone() for b in trainer.optimizer.buckets])
+        runs[first_touch] = records, grads, [b.master_S.clone() for b in trainer.optimizer.buckets]
+    return runs[False], runs[True]
+
+
+@pytest.mark.slow  # six steps of the Triton experts in the interpreter: about 40 s on 2 cores
+def test_first_touch_steps_equal_zeroing_steps_bit_for_bit(interpreted, tmp_path, monkeypatch):
+    """The fast path's step (FlatAdamW over fp32 parameters with bf16 moments: the interpreter runs
+    fp32) with the triton experts on CPU, three micro-batches, three steps: the experts' main
+    gradients left to their first weight-gradient launch (NaN before each step) give the same losses,
+    grad norms, main gradients and parameters, to the bit, as zeroing every main gradient."""
+    interpreted("disagmoe.kernels.grouped_gemm", "disagmoe.kernels.moe_ffn")
+    cfg = tiny_run(tmp_path, steps=3, batch_size=6, micro_batches=3, seq_len=12, precision="fp32",
+                   experts_backend="triton", checkpoint_at_end=False,
+                   optim=OptimConfig(lr=3e-3, warmup_steps=1, grad_clip=0.5, state_dtype="bf16"))
+    (records_a, grads_a, masters_a), (records_b, grads_b, masters_b) = _first_touch_runs(
+        cfg, tmp_path, monkeypatch, 3, poison=True)
+    assert records_b == records_a
+    for step_a, step_b in zip(grads_a, grads_b, strict=True):
+        for a, b in zip(step_a, step_b, strict=True):
+            assert torch.isfinite(b).all() and torch.equal(a.view(torch.int32), b.view(torch.int32))
+    assert all(torch.equal(a, b) for a, b in zip(masters_a, masters_b, strict=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", ["off", "on"])
+def test_cuda_first_touch_steps_equal_zeroing_steps_bit_for_bit(tmp_path, monkeypatch, graphs):
+    """The same on a GPU (bf16 parameters, the triton experts with the permute kernels, eager and
+    captured: the stores and adds decided by call order replay as captured), six steps."""
+    model = load_model("tiny").model_copy(update={"hidden_size": 256, "expert_ffn_size": 256})
+    cfg = tiny_run(tmp_path, model=model, steps=6, device="cuda", experts_backend="triton", batch_size=8, seq_len=128,
+                   cuda_graphs=graphs, checkpoint_at_end=False,
+                   optim=OptimConfig(lr=3e-3, warmup_steps=2, grad_clip=0.5))
+    zeroing, first_touch = _first_touch_runs(cfg, tmp_path, monkeypatch, 6, poison=False)
+    if zeroing[0] != first_touch[0]:
+        again, _ = _first_touch_runs(cfg, tmp_path / "again", monkeypatch, 6, poison=False)
+        if again[0] != zeroing[0]:  # a kernel with atomics: two zeroing runs differ too
+            pytest.fail("two zeroing runs differ: bit-for-bit equality cannot be judged with these kernels")
+    assert first_touch[0] == zeroing[0]
+    for step_a, step_b in zip(zeroing[1], first_touch[1], strict=True):
+        for a, b in zip(step_a, step_b, strict=True):
+            assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+    assert all(torch.equal(a, b) for a, b in zip(zeroing[2], first_touch[2], strict=True))
