@@ -642,11 +642,15 @@ def _split_first_touch(b: Bucket, opted_P: list[bool]) -> None:
     b.zero_spans = [b.grad_N[lo:hi] for lo, hi in spans]
 
 
-def _touch_before_accumulate(main: torch.Tensor, grad: torch.Tensor) -> None:
+def _touch_before_accumulate(main: torch.Tensor, grad: torch.Tensor | None) -> None:
     """Tensor hook of a first-touch parameter, run before autograd accumulates `grad`: zero its main
     gradient `main` if no writer touched it yet this step (`kernels.first_touch.touch`). An fp32
-    parameter's `.grad` is `main` itself, into which autograd then adds in place."""
-    touch(main)
+    parameter's `.grad` is `main` itself, into which autograd then adds in place. torch calls the
+    hook with None where the op returned no gradient (the experts' held-back weight gradients,
+    `deferred_weight_grads`): nothing is added then, so the mark stays for the held-back launch to
+    store into."""
+    if grad is not None:
+        touch(main)
 
 
 def _add_to_main_grad(param: torch.Tensor) -> None:

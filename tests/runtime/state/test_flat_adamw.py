@@ -830,3 +830,34 @@ def test_autograd_gradients_into_first_touch_parameters_equal_zero_then_add(dtyp
         for a, b in zip(step_a, step_b, strict=True):
             assert torch.isfinite(b).all() and torch.equal(_bits(a), _bits(b))
     assert all(torch.equal(a, b) for a, b in zip(masters_a, masters_b, strict=True))
+
+
+class _HeldBackWeight(torch.autograd.Function):
+    """y = x @ w whose backward returns no gradient for w (as the experts' ops do while their weight
+    gradients are held back, `kernels.deferral.deferred_weight_grads`)."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(w)
+        return x @ w
+
+    @staticmethod
+    def backward(ctx, dy):
+        (w,) = ctx.saved_tensors
+        return dy @ w.t(), None
+
+
+def test_a_held_back_weight_gradient_leaves_the_first_touch_mark_for_its_launch() -> None:
+    """torch calls a leaf's tensor hook with None where the op returned no gradient: the hook then
+    leaves the main gradient untouched, so the held-back launch that runs after the backward still
+    stores into it (first touch), instead of the hook zeroing it and the launch adding to zeros."""
+    from disagmoe.kernels.first_touch import is_untouched, take_first_touch
+
+    model = _model()
+    weight = dict(model.named_parameters())["2.weight"]  # [3, 5]
+    flat = FlatAdamW(model.named_parameters(), OPTIM, torch.float32, first_touch=[weight])
+    flat.zero_grad()
+    x = torch.randn(4, 3, requires_grad=True)
+    _HeldBackWeight.apply(x, weight).sum().backward()
+    assert x.grad is not None and is_untouched(weight.main_grad)
+    assert take_first_touch(weight.main_grad)  # the held-back launch: stores
