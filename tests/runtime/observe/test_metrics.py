@@ -135,12 +135,14 @@ def test_a_cuda_out_of_memory_error_becomes_one_line_naming_the_knobs():
     with pytest.raises(OutOfMemory) as err, out_of_memory_hint(offloaded):
         raise torch.OutOfMemoryError("CUDA out of memory.")
     assert "offload_optimizer" not in str(err.value)  # already on: not a fix
-    # only the knobs this config accepts and does not use: fp8 experts refuse recomputation
+    # only the knobs this config accepts and does not use: fp8 experts recompute their input rows and
+    # SwiGLU only (no expert_output, no full), and bf16 moments are already on
     fp8 = TrainConfig(model="tiny", batch_size=16, micro_batches=8, device="cuda", experts_backend="triton",
                       precision="fp8", optim={"state_dtype": "bf16"})
     with pytest.raises(OutOfMemory) as err, out_of_memory_hint(fp8):
         raise torch.OutOfMemoryError("CUDA out of memory.")
-    assert "recompute" not in str(err.value) and "state_dtype" not in str(err.value)
+    assert "recompute: selective with recompute_modules: [expert_input, expert_swiglu]" in str(err.value)
+    assert "recompute: full" not in str(err.value) and "state_dtype" not in str(err.value)
     assert "offload_optimizer: true" in str(err.value)
     selective = TrainConfig(model="tiny", batch_size=16, micro_batches=8, device="cuda", experts_backend="triton",
                             recompute="selective")
