@@ -43,9 +43,10 @@ only through a faster candidate that fits only so. `recompute: full` (`memory.FU
 never auto's choice) prices both sides' activations as `roofline.memory`'s FULL terms (each layer
 keeps its input and routing, one layer's backward holds it again) and every attention and expert
 stage's forward once more in its backward (`full_recompute_stages`). With FP8 experts
-(`fp8_speedup > 1`) the expert rows keep and hold `roofline.memory`'s `fp8` terms, the expert
-modules are expert_input and expert_swiglu only (`solver._recompute_of`: no fused FP8 combine for
-expert_output) and their recompute reads an index (`stages.selective_recompute`'s `fp8`).
+(`Problem.expert_precision`, whatever `fp8_speedup`: that sets only the GEMMs' rate) the expert
+rows keep and hold `roofline.memory`'s `fp8` terms, the weights' e4m3 copies are held, the
+expert modules are expert_input and expert_swiglu only (`solver._recompute_of`: no fused FP8
+combine for expert_output) and their recompute reads an index (`stages.selective_recompute`'s `fp8`).
 
 Offload (`Problem.offload_optimizer`): the masters and moments move to host memory (`host_state_bytes`,
 which must fit `host_capacity_bytes` per GPU) and the optimizer pays the host link; like
@@ -241,8 +242,9 @@ class Problem:
     calibration: Calibration | None = None  # measured curves and fixed costs (None: the plain roofline)
     recompute: str = "none"  # none, selective, full or auto (per candidate: see the module docstring)
     recompute_modules: frozenset[str] = mem.SELECTIVE  # selective: what it drops; auto: what it may drop; full: FULL
-    fp8_speedup: float = 1.0  # > 1: the routed experts' GEMMs in FP8, at fp8_tflops / bf16_tflops the rate
-    fp8_dense: bool = False  # with fp8_speedup > 1: the dense projections' GEMMs in FP8 too (rowwise)
+    expert_precision: str = "bf16"  # the routed experts' GEMMs: bf16 or fp8 (the FP8 memory and passes follow it)
+    fp8_speedup: float = 1.0  # expert_precision fp8: its GEMMs' rate over bf16's (fp8_tflops / bf16_tflops), any value
+    fp8_dense: bool = False  # with expert_precision fp8: the dense projections' GEMMs in FP8 too (rowwise)
     host_capacity_bytes: float = float("inf")  # offloaded: host memory per GPU for masters and moments
 
 
@@ -503,8 +505,9 @@ def evaluate(prob: Problem, c: Candidates, misfits_exact: bool = True) -> Cost:
     # Memory: each parameter's state and the activations at their peak, without and with
     # selective recomputation; `selective` says which one each candidate is priced with.
     attn_bytes, exp_bytes = attention_state_bytes(dp, prob).total, expert_state_bytes(prob).total
-    fp8_copies = mem.fp8_weight_copy_bytes(exp_params) if prob.fp8_speedup > 1 else 0.0
-    dense_fp8 = prob.fp8_dense and prob.fp8_speedup > 1  # the dense linears' two e4m3 copies (1 byte each)
+    fp8 = prob.expert_precision == "fp8"  # the setting, not the speedup: FP8's memory is held at any rate
+    fp8_copies = mem.fp8_weight_copy_bytes(exp_params) if fp8 else 0.0
+    dense_fp8 = prob.fp8_dense and fp8  # the dense linears' two e4m3 copies (1 byte each)
     attn_fp8_copies = 2.0 * st.dense_fp8_weights(m, moe_l, dense_l) if dense_fp8 else 0.0
     if c.colocated:
         attn_state = (attn_bytes * attn_params + exp_bytes * exp_params + fp8_copies + attn_fp8_copies
@@ -564,8 +567,7 @@ def evaluate(prob: Problem, c: Candidates, misfits_exact: bool = True) -> Cost:
         "dispatch": Stage("link", "moe", dispatch, combine),
         "routed experts": Stage("expert", "moe", *experts["routed experts"]),
         "expert weight grads": Stage("expert", "moe", *experts["expert weight grads"]),
-        "selective recompute": Stage("expert", "moe", Work(), st.selective_recompute(m, rows * selective,
-                                                                                     prob.fp8_speedup > 1)),
+        "selective recompute": Stage("expert", "moe", Work(), st.selective_recompute(m, rows * selective, fp8)),
         "combine": Stage("link", "moe", combine, dispatch),
         "main-grad adds": Stage("attention", "moe", Work(), st.main_grad_add(attn_layer + moe_side)),
         "main-grad adds (dense layers)": Stage("attention", "dense", Work(), st.main_grad_add(attn_layer + dense_side)),
@@ -589,7 +591,7 @@ def evaluate(prob: Problem, c: Candidates, misfits_exact: bool = True) -> Cost:
         stages = dict(items)
     if prob.calibration is not None:
         stages = calibrated_stages(stages, prob.calibration, ceil, rows / local, float(S), c.colocated, tokens)
-    if prob.fp8_speedup > 1:
+    if fp8:  # the passes and copies at any rate; the GEMMs at fp8_speedup times theirs
         stages = fp8_stages(stages, ceil, prob.fp8_speedup, m, rows, exp_params)
         if prob.fp8_dense:
             stages = fp8_dense_stages(stages, ceil, prob.fp8_speedup, m, tokens, moe_l, dense_l)
@@ -652,7 +654,7 @@ def _recomputation(prob: Problem, c: Candidates, tokens: Num, in_flight: Num, pa
     as the module docstring's recomputation paragraph says. In a split auto prices the attention
     side recomputed only for the candidates whose attention GPU overflows without it and whose
     expert GPU fits with its leanest modules (no other can fit: the search stays as fast)."""
-    m, cap, n, fp8 = prob.model, prob.capacity_bytes, len(c), prob.fp8_speedup > 1
+    m, cap, n, fp8 = prob.model, prob.capacity_bytes, len(c), prob.expert_precision == "fp8"
     if prob.recompute == "full":
         return _full_recomputation(prob, c, tokens, in_flight, pairs, attn_state, exp_state)
     may = mem.NOTHING_DROPPED if prob.recompute == "none" else frozenset(prob.recompute_modules)

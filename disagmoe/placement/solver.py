@@ -78,7 +78,7 @@ def problem_of(cfg: PlanConfig, gpus: int | None = None) -> Problem:
         optimizer_update_kernel=cfg.optimizer_update_kernel, clip_gradients=cfg.clip_gradients,
         offload_optimizer=cfg.offload_optimizer == "on", calibration=hw.calibration,
         host_capacity_bytes=math.inf if hw.host_memory_gib is None else hw.host_memory_gib * GIB,
-        **_recompute_of(cfg),
+        **_recompute_of(cfg), expert_precision=cfg.expert_precision,
         fp8_speedup=hw.fp8_tflops / hw.bf16_tflops if cfg.expert_precision == "fp8" else 1.0,
         fp8_dense=cfg.expert_precision == "fp8" and cfg.fp8_dense,
     )
@@ -537,7 +537,7 @@ def price(cfg: PlanConfig, chosen: Candidates, colocated_step_s: float | None = 
                  + _recompute_text(dropped))
     if prob.offload_optimizer:
         notes.append(_offload_note(cfg, cost, dp, use_dis))
-    if prob.fp8_speedup > 1:
+    if prob.expert_precision == "fp8":
         notes.append(f"routed experts priced in FP8 (train with precision: fp8): their GEMMs at {prob.fp8_speedup:.2f}x "
                      "the bf16 rate (fp8_tflops / bf16_tflops, no FP8 rate measured yet), plus the quantisation "
                      "passes' HBM traffic and two e4m3 weight copies per expert parameter; their selective "
