@@ -76,7 +76,8 @@ def layouts(cfg: TrainConfig, gpus: int, micro_batches: list[int]) -> list[Layou
 
 
 def plan_request(cfg: TrainConfig, gpus: int) -> PlanConfig:
-    """What the planner is asked for this config: its model and batch on `gpus` of its hardware."""
+    """What the planner is asked for this config: its model and batch on `gpus` of its hardware, priced
+    as the run trains (its optimizer, expert and dense precision, recomputation and experts backend)."""
     if cfg.hardware is None:
         raise ValueError("the config names no hardware preset; set hardware (e.g. hardware=h200-sxm) so the "
                          "planner can price the layouts")
@@ -84,7 +85,11 @@ def plan_request(cfg: TrainConfig, gpus: int) -> PlanConfig:
                       num_gpus=gpus), seq_len=cfg.seq_len, global_batch_tokens=cfg.batch_size * cfg.seq_len,
                       max_pipeline_groups=1, shard_optimizer_states=cfg.optim.shard_states,
                       optimizer_state_dtype=cfg.optim.state_dtype, optimizer_update_kernel=cfg.optim.update_kernel,
-                      clip_gradients=cfg.optim.grad_clip > 0, offload_optimizer=cfg.offloads_to_host)
+                      clip_gradients=cfg.optim.grad_clip > 0, offload_optimizer=cfg.offloads_to_host,
+                      expert_precision="fp8" if cfg.expert_precision == "fp8" else "bf16",
+                      fp8_dense=cfg.dense_precision == "fp8", recompute=cfg.recompute,
+                      recompute_modules=list(cfg.recompute_modules) if cfg.recompute == "selective" else None,
+                      experts_backend=cfg.experts_backend)
 
 
 def predict(request: PlanConfig, layout: Layout, batch_size: int) -> tuple[float, bool]:

@@ -45,6 +45,22 @@ def test_predictions_come_from_the_planners_cost_model():
         plan_request(TrainConfig(model="tiny", batch_size=8, hardware=None), 3)
 
 
+def test_the_request_prices_the_runs_precision_and_recomputation():
+    """An FP8 run with selective recomputation is priced so (not bf16, not auto's choice), and a
+    plain run as bf16 with no recomputation; fp8_dense follows the run's."""
+    fp8 = TrainConfig(model="tiny", batch_size=8, seq_len=64, hardware="h200-sxm", device="cuda", precision="fp8",
+                      experts_backend="triton", recompute="selective",
+                      recompute_modules=["expert_input", "expert_swiglu"])
+    request = plan_request(fp8, 3)
+    assert (request.expert_precision, request.fp8_dense, request.recompute, request.experts_backend) == (
+        "fp8", True, "selective", "triton")
+    assert request.recompute_modules == ["expert_input", "expert_swiglu"]
+    assert not plan_request(fp8.model_copy(update={"fp8_dense": False}), 3).fp8_dense
+    plain = plan_request(TrainConfig(model="tiny", batch_size=8, seq_len=64, hardware="h200-sxm"), 3)
+    assert (plain.expert_precision, plain.fp8_dense, plain.recompute, plain.recompute_modules) == (
+        "bf16", False, "none", None)
+
+
 def test_a_warmup_that_leaves_nothing_to_time_is_refused_before_any_run():
     from disagmoe.bench.placement import run
 
