@@ -518,6 +518,16 @@ class Plan(StrictModel):
         False, description="the plan's memory and step time assume the optimizer state in host memory (`plan "
         "--offload-optimizer on`, or auto where it made the step faster; `train --plan` then sets "
         "offload_optimizer: true)")
+    optimizer_state_dtype: Literal["fp32", "bf16"] | None = Field(
+        None, description="AdamW's moments as the plan's memory and optimizer step price them (`train --plan` "
+        "sets optim.state_dtype to it); None in a plan written before this field (the config's stays)")
+    optimizer_update_kernel: Literal["torch", "triton"] | None = Field(
+        None, description="the AdamW update kernel the plan's optimizer step prices (`train --plan` sets "
+        "optim.update_kernel to it); None in a plan written before this field (the config's stays)")
+    shard_optimizer_states: bool = Field(
+        False, description="the plan's memory assumes the attention side's AdamW moments split over each "
+        "data-parallel group (ZeRO-1; `train --plan` then sets optim.shard_states: true; a plan without it "
+        "leaves the config's setting)")
     notes: list[str] = Field(default_factory=list)
     min_gpus: PositiveInt | None = Field(None, description="when infeasible: fewest GPUs that fit")
 
@@ -734,7 +744,9 @@ class TrainConfig(StrictModel):
     colocated_ranks: GpuCount = Field(2, description="colocated: ranks, each with attention and its share of experts")
     plan: str | Plan | None = Field(
         None, description="a `disagmoe plan --out` file (or an inline plan): its layout and expert map "
-        "replace mode, attention_ranks, expert_ranks, pipeline_groups, micro_batches, colocated_ranks"
+        "replace mode, attention_ranks, expert_ranks, pipeline_groups, micro_batches, colocated_ranks, and "
+        "the settings it was priced with: recompute, recompute_modules, optim.state_dtype, optim.update_kernel, "
+        "and where it priced them offload_optimizer and optim.shard_states (`runtime.plan_layout.apply_plan`)"
     )
     data: DataConfig = Field(default_factory=DataConfig, description="where training tokens come from")
     optim: OptimConfig = Field(default_factory=OptimConfig, description="AdamW and its learning-rate schedule")

@@ -63,7 +63,8 @@ def train(
     out_dir: Annotated[str | None, typer.Option("--out-dir", help="metrics and checkpoints go here")] = None,
     plan: Annotated[str | None, typer.Option(
         "--plan", help="a `disagmoe plan --out` file: its layout and expert map replace the config's mode, "
-        "rank counts, pipeline groups and micro-batches")] = None,
+        "rank counts, pipeline groups and micro-batches, and the recomputation and optimizer settings it was "
+        "priced with")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print the final summary as JSON only")] = False,
 ) -> None:
     """Train a model. Writes <out-dir>/metrics.jsonl (one JSON object per step) and checkpoints."""
@@ -234,6 +235,9 @@ def _plan_note(cfg: TrainConfig, planned: TrainConfig) -> str:
              for name in fields]
     source = cfg.plan if isinstance(cfg.plan, str) else "inline"
     note = f"plan {source}: {', '.join(shown)}; experts placed by its expert_map"
+    also = [f"{name}={new} (config: {old})" for name, (old, new) in changed.items() if name not in fields]
+    if also:
+        note += f"; as it was priced: {', '.join(also)}"
     plan, tokens = planned.plan, planned.batch_size * planned.seq_len
     if (tokens, planned.seq_len) != (plan.global_batch_tokens, plan.seq_len):
         note += (f"; it was made for {plan.global_batch_tokens:,} tokens per step at seq_len {plan.seq_len}, this run "

@@ -5,11 +5,13 @@ layout, `attention_ranks` / `expert_ranks` (colocated: `colocated_ranks`) = its 
 `pipeline_groups` and `micro_batches` (a `single` plan, one GPU: mode single and micro_batches),
 `recompute` and `recompute_modules` where the plan recomputes (selective: the modules it priced;
 full: the whole block; a plan of none sets none where experts_backend is triton and leaves another
-backend's setting), and
-`offload_optimizer: true` where the plan priced it (a plan without it leaves the config's setting).
+backend's setting),
+`offload_optimizer: true` and `optim.shard_states: true` where the plan priced them (a plan without
+them leaves the config's setting), and `optim.state_dtype` / `optim.update_kernel` as the plan
+priced them (a plan written before it recorded them leaves the config's).
 The plan wins over these fields of the config: the config file is the base a plan is applied to
 (`replaced_fields` says what changed, for the CLI to show).
-Everything else (batch_size, seq_len, data, optimizer, transport) stays the config's.
+Everything else (batch_size, seq_len, data, the rest of optim, transport) stays the config's.
 
 `plan_placement(plan, model_cfg)` turns the plan's `expert_map` (per MoE layer j, per expert: the
 expert-pool ranks holding it, in replica order; MoE layer j is layer num_dense_layers + j, of
@@ -38,7 +40,8 @@ from disagmoe.safe_io import MAX_PLAN_BYTES
 ExpertIds = tuple[int, ...]  # one rank's experts of one layer, ascending
 ExpertOwners = tuple[tuple[int, ...], ...]  # one layer: per expert, the group's ranks holding it (replica order)
 LAYOUT_FIELDS = ("mode", "attention_ranks", "expert_ranks", "pipeline_groups", "micro_batches", "colocated_ranks",
-                 "recompute", "recompute_modules", "offload_optimizer")
+                 "recompute", "recompute_modules", "offload_optimizer", "optim.state_dtype", "optim.update_kernel",
+                 "optim.shard_states")  # dotted: a field of a field
 SELECTIVE_MODULES = ("expert_input", "expert_output", "expert_swiglu")  # what the planner's selective prices
 REPLAN = "run `disagmoe plan` for this model again and pass its --out file"
 
@@ -73,6 +76,12 @@ def apply_plan(cfg: TrainConfig, model_cfg: ModelConfig) -> TrainConfig:
         layout["recompute"] = "none"
     if plan.offload_optimizer:  # the plan's memory holds the state in host memory
         layout["offload_optimizer"] = True
+    optim = {name: value for name, value in (("state_dtype", plan.optimizer_state_dtype),
+                                             ("update_kernel", plan.optimizer_update_kernel),
+                                             ("shard_states", plan.shard_optimizer_states or None))
+             if value is not None}
+    if optim:
+        layout["optim"] = cfg.optim.model_copy(update=optim)
     return cfg.model_copy(update={**layout, "plan": plan})
 
 
@@ -85,8 +94,14 @@ def planned_modules(plan: Plan) -> list[str]:
 
 def replaced_fields(before: TrainConfig, after: TrainConfig) -> dict[str, tuple[object, object]]:
     """Layout field -> (the config's value, the plan's) for every field the plan changed."""
-    return {name: (getattr(before, name), getattr(after, name))
-            for name in LAYOUT_FIELDS if getattr(before, name) != getattr(after, name)}
+    def value(cfg: TrainConfig, name: str) -> object:
+        field: object = cfg
+        for part in name.split("."):
+            field = getattr(field, part)
+        return field
+
+    return {name: (value(before, name), value(after, name))
+            for name in LAYOUT_FIELDS if value(before, name) != value(after, name)}
 
 
 def check_plan(plan: Plan, model_cfg: ModelConfig, source: str, experts_backend: str = "triton") -> None:

@@ -302,6 +302,24 @@ def test_train_on_a_two_node_cluster_places_both_ranks_on_one_node_and_matches_t
     assert losses[0] == losses[1]
 
 
+def test_train_sets_the_optimizer_a_plan_was_priced_with_and_says_so(tmp_path):
+    """A plan priced with torch's update and bf16 moments: `train --plan` runs them (the checkpoint
+    records bf16 moments) and its start line says what it changed from the config."""
+    path = tmp_path / "plan.yaml"
+    planned = CliRunner().invoke(app, ["plan", "--model", "tiny", "--hardware", "h200-sxm", "--gpus", "1",
+                                       "--seq-len", "64", "--global-batch-tokens", "512", "--out", str(path),
+                                       "--optimizer-update-kernel", "torch", "--optimizer-state-dtype", "bf16"])
+    assert planned.exit_code == 0, planned.output
+    out = tmp_path / "run"
+    result = invoke("--config", str(REPO / "configs/tiny-cpu.yaml"), "--plan", str(path), "--out-dir", str(out),
+                    "steps=1", "batch_size=4", "seq_len=32", "eval_every=0")
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.stdout.split())
+    assert "optim.state_dtype=bf16 (config: fp32)" in text and "optim.update_kernel=torch (config: triton)" in text
+    manifest = json.loads((out / "checkpoints" / "step-00000001" / "manifest.json").read_text())
+    assert manifest["training"]["optim.state_dtype"] == "bf16"
+
+
 def test_the_progress_bar_and_the_summary_report_one_tokens_per_s(tmp_path, monkeypatch):
     """Both show `Throughput` (the run's tokens over its steps' time): the bar's last value is the
     summary's, not the last step's own rate."""

@@ -207,3 +207,30 @@ def test_a_plan_priced_with_offload_sets_offload_optimizer():
     run = apply_plan(cfg, MODEL)
     assert run.offload_optimizer and replaced_fields(cfg, run)["offload_optimizer"] == (False, True)
     assert apply_plan(config(planned(2, 1), offload_optimizer=True), MODEL).offload_optimizer
+
+
+def test_a_plan_sets_the_optimizer_settings_it_was_priced_with():
+    """`plan --optimizer-update-kernel --optimizer-state-dtype --shard-optimizer-states` records them
+    in the plan and `train --plan` sets optim.update_kernel, optim.state_dtype and optim.shard_states
+    to them (among the replaced fields), the rest of optim the config's; a plan of the defaults sets
+    the defaults back but leaves the config's sharding; a plan written before it recorded them
+    leaves the config's settings."""
+    plan = planned(2, 1, optimizer_update_kernel="torch", optimizer_state_dtype="bf16", shard_optimizer_states=True)
+    assert (plan.optimizer_update_kernel, plan.optimizer_state_dtype, plan.shard_optimizer_states) == (
+        "torch", "bf16", True)
+    cfg = config(plan, optim={"lr": 1e-3})
+    run = apply_plan(cfg, MODEL)
+    assert (run.optim.update_kernel, run.optim.state_dtype, run.optim.shard_states, run.optim.lr) == (
+        "torch", "bf16", True, 1e-3)
+    changed = replaced_fields(cfg, run)
+    assert (changed["optim.update_kernel"], changed["optim.state_dtype"], changed["optim.shard_states"]) == (
+        ("triton", "torch"), ("fp32", "bf16"), (False, True))
+    assert apply_plan(run, MODEL) == run  # idempotent
+    mine = {"update_kernel": "torch", "state_dtype": "bf16", "shard_states": True}
+    plain = apply_plan(config(planned(2, 1), optim=mine), MODEL)
+    assert (plain.optim.update_kernel, plain.optim.state_dtype, plain.optim.shard_states) == ("triton", "fp32", True)
+    data = planned(2, 1).model_dump(mode="json")
+    for name in ("optimizer_update_kernel", "optimizer_state_dtype", "shard_optimizer_states"):
+        del data[name]
+    old = apply_plan(config(Plan.model_validate(data), optim=mine), MODEL)
+    assert old.optim == config(planned(2, 1), optim=mine).optim
