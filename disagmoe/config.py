@@ -692,8 +692,9 @@ class TrainConfig(StrictModel):
         "routing weights' gradient: that comes from the backward's first GEMM instead), expert_swiglu (the "
         "SwiGLU output, recomputed from the kept gate/up values inside that GEMM), attention (the attention "
         "block keeps only its input, the residual stream before the pre-attention norm, and the output "
-        "projection's input: the norm, the q/k/v projections (MLA's low-rank chains and norms), qk-norm, RoPE "
-        "and the attention core run again in the backward, about one more attention forward per layer; the "
+        "projection's input with the core's log-sum-exp: the norm, the q/k/v projections (MLA's low-rank chains "
+        "and norms), qk-norm and RoPE run again in the backward, not the attention core (its backward starts "
+        "from the kept output where torch picks cuDNN or flash attention); the "
         "router and the FFN norm are not in it). Under precision: fp8 the experts drop expert_input (their "
         "backward's quantiser reads the rows from the tokens) and expert_swiglu (a no-op: the FP8 experts never "
         "keep the SwiGLU output), not expert_output (no fused FP8 combine): name [expert_input, expert_swiglu]")

@@ -27,9 +27,10 @@ FP8_RECOMPUTABLE = (EXPERT_INPUT, EXPERT_SWIGLU)
 FP8_NO_EXPERT_OUTPUT = ("the FP8 experts have no fused combine (kernels/fused_moe.py's one op runs bf16 GEMMs), so "
                         "the combine keeps their output rows for the routing weights' gradient")
 # The attention side (`model.block.Block.attention_part`): keep only the block's input (the residual
-# stream before the pre-attention norm) and the output projection's input; the norm, q/k/v (and
-# MLA's low-rank chains and their norms), qk-norm, RoPE and the attention core run again in the
-# backward (torch.utils.checkpoint, non-reentrant). Any experts backend; the router is not in it.
+# stream before the pre-attention norm) and the output projection's input with the core's
+# log-sum-exp; the norm, q/k/v (and MLA's low-rank chains and their norms), qk-norm and RoPE run
+# again in the backward (torch.utils.checkpoint, non-reentrant), the attention core not
+# (`kernels.attention_core`). Any experts backend; the router is not in it.
 ATTENTION = "attention"
 MODULES = (*RECOMPUTABLE, ATTENTION)  # everything `recompute: selective`'s recompute_modules may name
 # `recompute: full` (`TrainConfig.recompute_set` is {BLOCK}): a block keeps its input and its routing

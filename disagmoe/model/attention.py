@@ -2,7 +2,9 @@
 
 Both take the normed hidden states [B, S, H] and return the attention output [B, S, H] (before
 the residual add); `core` is everything before the output projection (what `recompute` with
-`attention` runs again in the backward: `model.block.Block.attention_part`). Attention itself is `F.scaled_dot_product_attention(is_causal=True)`. The
+`attention` runs again in the backward: `model.block.Block.attention_part`, but for the attention
+kernel itself, whose output it keeps: `kernels.attention_core`). Attention itself is
+`F.scaled_dot_product_attention(is_causal=True)` (`kernels.attention_core.causal_attention`). The
 projections are `DeferrableLinear`: inside `kernels.deferral.deferred_weight_grads` their weight gradients
 wait until the rank has sent the block's input gradient.
 
@@ -13,10 +15,10 @@ C compressed (latent) rank, V value head dim.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from disagmoe.config import ModelConfig
+from disagmoe.kernels.attention_core import KeptCore, causal_attention
 from disagmoe.model.layers import DeferrableLinear, RMSNorm, apply_rope, fused, rms_norm, rope_cos_sin, yarn_mscale
 
 
@@ -56,8 +58,9 @@ class GroupedQueryAttention(nn.Module):
     def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
         return self.wo(self.core(x_BSH))
 
-    def core(self, x_BSH: torch.Tensor) -> torch.Tensor:
-        """Everything before the output projection: its input [B, S, n D] (the heads' outputs)."""
+    def core(self, x_BSH: torch.Tensor, kept: KeptCore | None = None) -> torch.Tensor:
+        """Everything before the output projection: its input [B, S, n D] (the heads' outputs);
+        `kept`: the recomputing checkpoint's (`kernels.attention_core`)."""
         B, S, _ = x_BSH.shape
         q_BSnD = self.wq(x_BSH).view(B, S, self.num_heads, self.head_dim)
         k_BSgD = self.wk(x_BSH).view(B, S, self.num_kv_heads, self.head_dim)
@@ -69,9 +72,7 @@ class GroupedQueryAttention(nn.Module):
                                                          self.k_norm.weight, cos_SD, sin_SD, self.q_norm.eps)
         else:
             q_BnSD, k_BgSD, v_BgSD = rope_heads(q_BSnD, k_BSgD, v_BSgD, cos_SD, sin_SD)
-        o_BnSD = F.scaled_dot_product_attention(
-            q_BnSD, k_BgSD, v_BgSD, is_causal=True, enable_gqa=self.num_kv_heads != self.num_heads,
-        )
+        o_BnSD = causal_attention(q_BnSD, k_BgSD, v_BgSD, kept, gqa=self.num_kv_heads != self.num_heads)
         return o_BnSD.transpose(1, 2).reshape(B, S, -1)
 
 
@@ -112,8 +113,9 @@ class MultiHeadLatentAttention(nn.Module):
     def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
         return self.wo(self.core(x_BSH))
 
-    def core(self, x_BSH: torch.Tensor) -> torch.Tensor:
-        """Everything before the output projection: its input [B, S, n V] (the heads' outputs)."""
+    def core(self, x_BSH: torch.Tensor, kept: KeptCore | None = None) -> torch.Tensor:
+        """Everything before the output projection: its input [B, S, n V] (the heads' outputs);
+        `kept`: the recomputing checkpoint's (`kernels.attention_core`)."""
         B, S, _ = x_BSH.shape
         n = self.num_heads
         q_flat = self.wq_b(self.q_a_norm(self.wq_a(x_BSH))) if self.q_low_rank else self.wq(x_BSH)
@@ -130,10 +132,8 @@ class MultiHeadLatentAttention(nn.Module):
 
         q_BSnQ = torch.cat([q_nope_BSnD, q_rope_BSnR], dim=-1)
         k_BSnQ = torch.cat([k_nope_BSnD, k_rope_BS1R.expand(B, S, n, self.rope_dim)], dim=-1)
-        o_BnSV = F.scaled_dot_product_attention(
-            q_BSnQ.transpose(1, 2), k_BSnQ.transpose(1, 2), v_BSnV.transpose(1, 2), is_causal=True,
-            scale=self.softmax_scale,
-        )
+        o_BnSV = causal_attention(q_BSnQ.transpose(1, 2), k_BSnQ.transpose(1, 2), v_BSnV.transpose(1, 2), kept,
+                                  scale=self.softmax_scale)
         return o_BnSV.transpose(1, 2).reshape(B, S, n * self.v_dim)
 
 

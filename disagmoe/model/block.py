@@ -25,6 +25,7 @@ from torch import nn
 from disagmoe.config import ModelConfig
 from torch.utils.checkpoint import checkpoint
 
+from disagmoe.kernels.attention_core import KeptCore
 from disagmoe.kernels.recompute import (ATTENTION, BLOCK, EXPERT_INPUT, EXPERT_OUTPUT, RowSource, SavedRouting,
                                         derived, recomputed)
 from disagmoe.model.attention import build_attention
@@ -55,19 +56,22 @@ class Block(nn.Module):
     def _recomputes_block(self) -> bool:
         return self.recompute_block and torch.is_grad_enabled()
 
-    def _attention_core(self, x_BSH: torch.Tensor) -> torch.Tensor:
-        return self.attention.core(self.attention_norm(x_BSH))
+    def _attention_core(self, x_BSH: torch.Tensor, kept: KeptCore) -> torch.Tensor:
+        return self.attention.core(self.attention_norm(x_BSH), kept)
 
     def attention_part(self, x_BSH: torch.Tensor) -> torch.Tensor:
         """x + attention(norm(x)). With `recompute_attention` (and grad mode on) the norm, the
         projections before the core, RoPE and the core run under a non-reentrant checkpoint: the
         forward keeps x (the checkpoint's input) and the core's output (the output projection's
-        input); the backward runs them again, the same ops on the same values (gradients bit-equal).
+        input) with its log-sum-exp (`kernels.attention_core.KeptCore`); the backward runs the
+        rest again, the same ops on the same values (gradients bit-equal), and the core's own
+        backward from the kept output (the kernel does not run again where F.sdpa picks cuDNN or
+        flash; elsewhere it does).
         No RNG in there (no dropout), so no RNG state is stashed (a host read a CUDA graph would
         freeze); the projections' weight gradients still wait under `deferred_weight_grads` (the
         backward of the recomputed ops runs in the outer backward, grad mode off)."""
         if self.recompute_attention and torch.is_grad_enabled():
-            o_in = checkpoint(self._attention_core, x_BSH, use_reentrant=False, preserve_rng_state=False)
+            o_in = checkpoint(self._attention_core, x_BSH, KeptCore(), use_reentrant=False, preserve_rng_state=False)
             return x_BSH + self.attention.wo(o_in)
         return x_BSH + self.attention(self.attention_norm(x_BSH))
 

@@ -34,7 +34,7 @@ Recomputation (`Problem.recompute`, `Problem.recompute_modules`): the expert mod
 (`roofline.memory.SELECTIVE`) leave what the expert side keeps and its expert backward pays
 `stages.selective_recompute`'s bytes; `attention` leaves what the attention side keeps
 (`memory.attention_recomputed_bytes`) and its attention backward pays `stages.attention_recompute`
-(about one more attention forward per layer). Selective drops the modules as given; auto takes,
+(the projections before the core once more per layer: the core's output is kept). Selective drops the modules as given; auto takes,
 per candidate, the least that fits: a split drops the expert modules only where the expert GPU
 overflows without them and attention only where the attention GPU does (each side's memory
 depends on its own modules only), a colocated GPU the fitting variant whose recompute costs
@@ -587,7 +587,7 @@ def evaluate(prob: Problem, c: Candidates, misfits_exact: bool = True) -> Cost:
         at = list(stages).index("attention core") + 1
         items = list(stages.items())
         items.insert(at, ("attention recompute", Stage("attention", "layer", Work(), st.attention_recompute(
-            m, tokens, S).scale(attention.astype(float)))))
+            m, tokens).scale(attention.astype(float)))))
         stages = dict(items)
     if prob.calibration is not None:
         stages = calibrated_stages(stages, prob.calibration, ceil, rows / local, float(S), c.colocated, tokens)
@@ -666,7 +666,7 @@ def _recomputation(prob: Problem, c: Candidates, tokens: Num, in_flight: Num, pa
         variants = [may] if fixed else list(dict.fromkeys((mem.NOTHING_DROPPED, experts_may, may & ATTENTION, may)))
         moe_l, dense_l = _layer_counts(m, c.p)
         t_sel = prob.ceilings.time(st.selective_recompute(m, rows, fp8)) * moe_l
-        t_att = prob.ceilings.time(st.attention_recompute(m, tokens, prob.seq_len)) * (moe_l + dense_l)
+        t_att = prob.ceilings.time(st.attention_recompute(m, tokens)) * (moe_l + dense_l)
         act = [full(activations(m, tokens, pairs, in_flight, c.p, True, d, fp8=fp8)[0]) for d in variants]
         fit = [attn_state + a <= cap for a in act]
         price = [np.where(f, t_sel * bool(d & mem.SELECTIVE) + t_att * ("attention" in d), np.inf)

@@ -619,8 +619,8 @@ def _attention_recompute_note(prob: Problem, chosen: Candidates, cost: Cost) -> 
     why = (f"lets m={int(chosen.m[0])} with this layout fit" if not bool(kept.fits[0]) else
            "as asked (recompute_modules names attention)")
     return (f"attention recomputation: activations {before:.1f} -> {after:.1f} GiB per {side} GPU {why} (the block "
-            "keeps its input and the core's output; the norm, q/k/v projections, RoPE and attention core run again "
-            f"in the backward, about one more attention forward per layer); its recompute adds {report.seconds(extra)} "
+            "keeps its input and the core's output; the norm, q/k/v projections and RoPE run again in the "
+            f"backward, not the attention core); its recompute adds {report.seconds(extra)} "
             "per step")
 
 

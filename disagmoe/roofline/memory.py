@@ -70,16 +70,17 @@ def attention_values(m: ModelConfig, moe: bool) -> int:
     return common + 4 * (m.shared_ffn_size if moe else m.dense_ffn_size)  # SwiGLU: gate, up, silu, product
 
 
-def attention_recomputed_values(m: ModelConfig) -> tuple[int, int]:
-    """(compute-dtype values, fp32 values) per token per layer that `attention` recomputation
-    (`kernels.recompute.ATTENTION`) drops from `attention_values` / `attention_fp32_values`: the
-    pre-attention norm's output (the projections' input), q/k before qk-norm, q, k, v as SDPA
-    saves them, and SDPA's log-sum-exp. It keeps the block's input (the norm's input: the
-    checkpoint's) and the output projection's input (the core's output); the backward holds
-    them again for the layer's span (`attention_grad_bytes`)."""
+def attention_recomputed_values(m: ModelConfig) -> int:
+    """Compute-dtype values per token per layer that `attention` recomputation
+    (`kernels.recompute.ATTENTION`) drops from `attention_values`: the pre-attention norm's output
+    (the projections' input), q/k before qk-norm, q, k, v as SDPA saves them. It keeps the block's
+    input (the norm's input: the checkpoint's) and the core's output (the output projection's
+    input) with SDPA's log-sum-exp (`kernels.attention_core.KeptCore`: the core's backward starts
+    from them, the core does not run again); the backward holds the dropped values again for the
+    layer's span (`attention_grad_bytes`)."""
     q, k, v = attention_io_per_token(m)
     qk_norm = q + k if m.qk_norm and m.attention != "mla" else 0
-    return m.hidden_size + q + k + v + qk_norm, m.num_heads
+    return m.hidden_size + q + k + v + qk_norm
 
 
 def attention_fp32_values(m: ModelConfig, moe: bool) -> int:
@@ -94,8 +95,7 @@ def attention_fp32_values(m: ModelConfig, moe: bool) -> int:
 
 def attention_recomputed_bytes(m: ModelConfig, value_bytes: int) -> int:
     """Bytes per token per layer `attention` recomputation drops (`attention_recomputed_values`)."""
-    values, fp32 = attention_recomputed_values(m)
-    return value_bytes * values + FP32 * fp32
+    return value_bytes * attention_recomputed_values(m)
 
 
 NOTHING_DROPPED: frozenset[str] = frozenset()

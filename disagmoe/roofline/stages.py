@@ -242,19 +242,20 @@ def selective_recompute(m: ModelConfig, rows: Num, fp8: bool = False) -> Work:
     return Work(hbm_bytes=BF16 * rows * (2 * m.hidden_size + m.expert_ffn_size))
 
 
-def attention_recompute(m: ModelConfig, tokens: Num, seq_len: Num) -> Work:
+def attention_recompute(m: ModelConfig, tokens: Num) -> Work:
     """What `recompute_modules: [attention]` (`kernels.recompute.ATTENTION`) adds to one layer's
     attention backward of `tokens` tokens: the forward of everything before the output projection
     once more: the pre-attention norm, the q/k/v projections (MLA's low-rank chains), qk-norm and
-    RoPE (one forward of those elementwise kernels, less the o-projection's half and the residual),
-    and the attention core's forward (`attention_core`: 1 of the 2.5 its forward and backward cost)."""
+    RoPE (one forward of those elementwise kernels, less the o-projection's half and the residual).
+    Not the attention core: its output and log-sum-exp are kept (`kernels.attention_core`), so its
+    backward runs from them as in the plain run."""
     o_in = m.num_heads * (m.mla.v_head_dim if m.mla else m.head_dim)
     proj = attention_projections(m, tokens)
     o_proj = Work(flops=2.0 * tokens * o_in * m.hidden_size,
                   hbm_bytes=BF16 * (o_in * m.hidden_size + tokens * (o_in + m.hidden_size)))
     q, k, v = attention_io_per_token(m)
     elementwise = Work(hbm_bytes=BF16 * tokens * (2 * m.hidden_size + 2 * (q + k + v)))
-    return proj + o_proj.scale(-1.0) + elementwise + attention_core(m, tokens, seq_len)
+    return proj + o_proj.scale(-1.0) + elementwise
 
 
 def permute(m: ModelConfig, rows: Num) -> Work:

@@ -605,7 +605,7 @@ def test_attention_recomputation_frees_exactly_the_attention_terms_and_pays_its_
     assert not none.recompute_attention[0] and "attention recompute" not in none.stages
     stage = att.stages["attention recompute"]
     assert (stage.group, stage.runs, stage.fwd.flops) == ("attention", "layer", 0)
-    want = attention_recompute(model, tokens, 1024)
+    want = attention_recompute(model, tokens)
     assert stage.bwd.flops[0] == pytest.approx(want.flops) and stage.bwd.hbm_bytes[0] == pytest.approx(want.hbm_bytes)
     assert att.step_s[0] > none.step_s[0]
 
