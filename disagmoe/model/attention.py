@@ -25,10 +25,12 @@ from disagmoe.model.layers import DeferrableLinear, RMSNorm, apply_rope, fused, 
 @fused
 def rope_heads(q_BSnD: torch.Tensor, k_BSgD: torch.Tensor, v_BSgD: torch.Tensor, cos_SD: torch.Tensor,
                sin_SD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """RoPE on q and k, and q, k, v laid out heads-first ([B, heads, S, D]) for attention."""
+    """RoPE on q and k, and q, k, v viewed heads-first ([B, heads, S, D]) for attention, token-major
+    in memory: the fused attention kernels take the strides and allocate their output (and the
+    gradients) in the same layout, so the heads' outputs reshape to [B, S, n D] without a copy, and
+    their gradient back (a copy each way, forward and backward, when these were made contiguous)."""
     q_BSnD, k_BSgD = apply_rope(q_BSnD, cos_SD, sin_SD), apply_rope(k_BSgD, cos_SD, sin_SD)
-    return (q_BSnD.transpose(1, 2).contiguous(), k_BSgD.transpose(1, 2).contiguous(),
-            v_BSgD.transpose(1, 2).contiguous())
+    return q_BSnD.transpose(1, 2), k_BSgD.transpose(1, 2), v_BSgD.transpose(1, 2)
 
 
 @fused

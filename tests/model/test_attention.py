@@ -1,5 +1,6 @@
 """Attention modules against a naive softmax(QK^T)V reference written out here."""
 
+import pytest
 import torch
 
 from disagmoe.model.attention import GroupedQueryAttention, MultiHeadLatentAttention
@@ -60,3 +61,26 @@ def test_attention_is_causal(make_config, make_mla_config):
         changed = x.clone()
         changed[:, 4:] = torch.randn(1, 2, 16)
         torch.testing.assert_close(attn(x)[:, :4], attn(changed)[:, :4])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_the_heads_outputs_come_back_token_major():
+    """bf16 GQA with qk-norm as the model runs it (the fused RoPE, F.sdpa): q, k, v stay token-major
+    in memory, the fused kernel F.sdpa picks still takes them (cuDNN or flash, not the math or
+    memory-efficient fallback), and its output and q's gradient come back token-major, so the
+    heads' outputs reshape to [B, S, n D] without a copy."""
+    from disagmoe.kernels.attention_core import CUDNN, FLASH, fused_backend
+    from disagmoe.model.attention import qk_norm_rope_heads
+
+    B, S, n, g, D = 2, 512, 8, 2, 128
+    q, k, v = (torch.randn(B, S, h, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for h in (n, g, g))
+    w_q, w_k = (torch.ones(D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    cos, sin = rope_cos_sin(S, D, 1e6, q.device, q.dtype)
+    q_h, k_h, v_h = qk_norm_rope_heads(q, k, v, w_q, w_k, cos, sin, 1e-6)
+    assert all(t.transpose(1, 2).is_contiguous() for t in (q_h, k_h, v_h))
+    assert fused_backend(q_h, k_h, v_h, None, True) in (CUDNN, FLASH)
+    o = torch.nn.functional.scaled_dot_product_attention(q_h, k_h, v_h, is_causal=True, enable_gqa=True)
+    assert o.transpose(1, 2).is_contiguous()
+    (o.float().square().sum()).backward()
+    assert q.grad is not None and torch.isfinite(q.grad.float()).all()
