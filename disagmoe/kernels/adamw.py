@@ -31,8 +31,10 @@ __nv_pow here and the CUDA math library's pow of torch's build there (the same f
 another CUDA version). Either would change an fp32 value only where the fp64 one lies within an fp64
 ulp of an fp32 rounding boundary, and then by one ulp of the operands. The H200 measured more than
 that on the second moment: exp_avg_sq up to 3.03 ulps of its operands, so torch's kernel differs
-from this one somewhere on that path beyond an FMA's last bit (not found yet; the tests bound it at
-4 ulps and count the share of differing values). Counted in raw ulps of the *result* that is no
+from this one beyond an FMA's last bit, and not rarely: 36% of the masters and moments differed
+on an H200 (2026-12-04), and no emulation of the arithmetic its source reads as (fp64 or fp32, with
+or without lerp) matched more than 73% of its exp_avg_sq or 52% of its exp_avg (not found yet; the
+tests bound the difference at 4 ulps of the operands). Counted in raw ulps of the *result* that is no
 bound: on an H200 (2026-12-03) the masters were up to 2048 raw ulps from torch's fused kernel at the
 first step, where a master near zero and its update nearly cancel (torch's own CPU AdamW is 64 raw
 ulps from the reference there, yet within 3 ulps of |master before| + |update|). The gpu tests bound

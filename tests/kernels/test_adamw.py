@@ -308,7 +308,7 @@ def test_cuda_fp32_moments_are_within_a_few_operand_ulps_of_torchs_fused_adamw(s
     master, (avg, sq), grad = _inputs(n, 6, torch.float32, "cuda")
     lr, hyper = _scalars(weight_decay, "cuda")
     scale = torch.tensor(1.75, device="cuda") if scaled else None
-    step, differing, compared = torch.zeros((), device="cuda"), 0, 0
+    step = torch.zeros((), device="cuda")
     for count in range(5):
         g = grad(count)
         master_before, avg_before, sq_before = master.clone(), avg.clone(), sq.clone()
@@ -328,13 +328,12 @@ def test_cuda_fp32_moments_are_within_a_few_operand_ulps_of_torchs_fused_adamw(s
             assert float(apart.max()) <= 8.0, (count, name, worst, float(apart.max()), float(got[worst]),
                                                float(expected[worst]), float(g[worst]))
         for got, expected in zip((master, avg, sq), want, strict=True):
-            differing += int((got != expected).sum())
-            compared += got.numel()
             got.copy_(expected)  # the next step from the same inputs
         step += 1
-    # the same operations in the same order: most values equal bit for bit (a division or square root
-    # not correctly rounded would make about half differ); the share is not measured yet
-    assert differing <= 0.05 * compared, (differing, compared)
+    # Not asserted: that most values equal torch's bit for bit. On an H200 (2026-12-04) 36% of the
+    # masters and moments differed (within the bounds above), and no simple emulation of torch's
+    # moment arithmetic (fp64 or fp32, with or without lerp) matched more than 73% of its exp_avg_sq
+    # or 52% of its exp_avg: torch's kernel does not compute them as its source reads to us.
 
 
 @pytest.mark.gpu
