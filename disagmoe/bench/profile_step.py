@@ -42,7 +42,9 @@ def category(kernel: str) -> str:
 
 
 def run(cfg: TrainConfig, steps: int, warmup: int, log: Callable[[str], None],
-        trace: Path | None = None, top: int = 25) -> dict[str, Any]:
+        trace: Path | None = None, top: int = 25, shapes: bool = False) -> dict[str, Any]:
+    """Profile `steps` single-GPU steps after `warmup`; `shapes`: the ops table names each op with
+    its inputs' dtypes, shapes and non-contiguous strides (`op_signature`)."""
     if cfg.device != "cuda" or not torch.cuda.is_available():
         raise ValueError("bench profile times GPU kernels; run it with device=cuda on a GPU host")
     from torch.profiler import ProfilerActivity, profile
@@ -55,7 +57,7 @@ def run(cfg: TrainConfig, steps: int, warmup: int, log: Callable[[str], None],
         trainer._train_one_step()
     log(f"profiling {steps} steps after {warmup} warm-up steps")
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=shapes) as prof:
         began = time.perf_counter()
         for _ in range(steps):
             trainer._train_one_step()
@@ -66,7 +68,7 @@ def run(cfg: TrainConfig, steps: int, warmup: int, log: Callable[[str], None],
         prof.export_chrome_trace(str(trace_path))  # gzip where the name ends in .gz
         opener = gzip.open if trace_path.suffix == ".gz" else open
         with opener(trace_path, "rt") as f:
-            launched_by = kernel_ops(json.load(f)["traceEvents"])
+            launched_by = kernel_ops(json.load(f)["traceEvents"], shapes)
     intervals = device_intervals(prof)
     kernels: dict[str, float] = {}
     for start, end, name in intervals:
@@ -83,7 +85,7 @@ def run(cfg: TrainConfig, steps: int, warmup: int, log: Callable[[str], None],
             "categories": {c: s / kernel_s for c, s in sorted(by_category.items(), key=lambda kv: -kv[1])},
             "kernels": [{"name": n[:120], "ms_per_step": s * 1e3 / steps, "share": s / kernel_s,
                          "category": category(n)} for n, s in ranked],
-            "ops": [{"name": n[:120], "ms_per_step": s * 1e3 / steps, "share": s / kernel_s} for n, s in ops],
+            "ops": [{"name": n[:240], "ms_per_step": s * 1e3 / steps, "share": s / kernel_s} for n, s in ops],
             "idle_gaps": [{"before": before[:120], "after": after[:120], "per_step": count / steps,
                            "ms_per_step": s * 1e3 / steps} for (before, after), (count, s) in gaps[:top]]}
 
@@ -121,7 +123,7 @@ TRACE_LAUNCH_CATS = ("cuda_runtime", "cuda_driver")  # ... of the calls that lau
 TRACE_RANGE_CATS = ("cpu_op", "user_annotation")  # ... of the host ranges a launch lies in
 
 
-def kernel_ops(events: list[dict]) -> dict[str, float]:
+def kernel_ops(events: list[dict], shapes: bool = False) -> dict[str, float]:
     """GPU seconds by the op that launched them, from a Chrome trace's events (`torch.profiler`'s
     export: each GPU activity's `correlation` is its launch call's, and the launch lies inside the
     host ranges that made it, on its thread: CPU ops and `record_function` ranges). An op reads
@@ -130,9 +132,9 @@ def kernel_ops(events: list[dict]) -> dict[str, float]:
     `FusedMoEFunctionBackward`, a `record_function` range such as `FlatAdamW.step`), e.g. `aten::mul
     in FusedMoEFunctionBackward`, or the range alone (`FlatAdamW.step` for the Triton update's
     kernel); a kernel launched in no range reads as the launch call (`cuLaunchKernelEx`). Kernels of
-    a replayed CUDA graph were launched by the replay: they read as GRAPH_REPLAY. Checked against
-    the H200 traces of session 15 by a script of the same logic; this function itself has not yet
-    read a GPU trace."""
+    a replayed CUDA graph were launched by the replay: they read as GRAPH_REPLAY. `shapes` (a trace
+    recorded with `record_shapes`): the innermost op reads with its inputs (`op_signature`), so
+    two copies of different tensors are two rows. Read H200 traces in session 16."""
     launches = {e["args"]["correlation"]: e for e in events if e.get("ph") == "X"
                 and e.get("cat") in TRACE_LAUNCH_CATS and "correlation" in e.get("args", {})}
     ops_by_thread: dict[Any, list[dict]] = {}
@@ -140,7 +142,7 @@ def kernel_ops(events: list[dict]) -> dict[str, float]:
         if (e.get("ph") == "X" and e.get("cat") in TRACE_RANGE_CATS
                 and not str(e.get("name", "")).startswith("ProfilerStep")):
             ops_by_thread.setdefault((e.get("pid"), e.get("tid")), []).append(e)
-    labels = _launch_labels(ops_by_thread, list(launches.values()))
+    labels = _launch_labels(ops_by_thread, list(launches.values()), shapes)
     seconds: dict[str, float] = {}
     for e in events:
         if e.get("ph") != "X" or e.get("cat") not in TRACE_GPU_CATS:
@@ -151,7 +153,7 @@ def kernel_ops(events: list[dict]) -> dict[str, float]:
     return seconds
 
 
-def _launch_labels(ops_by_thread: dict[Any, list[dict]], launches: list[dict]) -> dict[int, str]:
+def _launch_labels(ops_by_thread: dict[Any, list[dict]], launches: list[dict], shapes: bool) -> dict[int, str]:
     """id(launch) -> its op label (`kernel_ops`), by one sweep per thread over op starts and
     launches in time order with the stack of ops still open."""
     labels: dict[int, str] = {}
@@ -172,16 +174,47 @@ def _launch_labels(ops_by_thread: dict[Any, list[dict]], launches: list[dict]) -
                 i += 1
             while stack and stack[-1]["ts"] + stack[-1].get("dur", 0.0) < launch["ts"]:
                 stack.pop()
-            labels[id(launch)] = _label(launch, stack)
+            labels[id(launch)] = _label(launch, stack, shapes)
     return labels
 
 
-def _label(launch: dict, open_ops: list[dict]) -> str:
+def _label(launch: dict, open_ops: list[dict], shapes: bool = False) -> str:
     if "GraphLaunch" in launch.get("name", ""):
         return GRAPH_REPLAY
     if not open_ops:
         return launch.get("name", "?")
-    innermost = open_ops[-1]["name"]
+    innermost = open_ops[-1]["name"] + (op_signature(open_ops[-1]) if shapes else "")
     caller = next((o["name"] for o in reversed(open_ops[:-1])
                    if not o["name"].startswith(("aten::", "autograd::engine"))), None)
     return innermost if caller is None else f"{innermost} in {caller}"
+
+
+DTYPES = {"c10::BFloat16": "bf16", "float": "f32", "c10::Half": "f16", "double": "f64", "long int": "i64",
+          "int": "i32", "bool": "bool", "c10::Float8_e4m3fn": "e4m3", "unsigned char": "u8"}
+
+
+def op_signature(op: dict) -> str:
+    """An op's tensor inputs as a record_shapes trace gives them (`Input Dims`, `Input type`,
+    `Input Strides`), e.g. `(bf16[8,4096,32,128]{..}, bf16[8,32,4096,128])`: dtype, shape, and the
+    strides where they are not the shape's contiguous ones; '' for an op with no tensor input."""
+    args = op.get("args", {})
+    dims, types, strides = args.get("Input Dims", []), args.get("Input type", []), args.get("Input Strides", [])
+    parts = []
+    for i, shape in enumerate(dims):
+        if not isinstance(shape, list) or not shape or not all(isinstance(d, int) for d in shape):
+            continue  # a scalar, a list of tensors, or an absent input
+        dtype = types[i] if i < len(types) else "?"
+        text = f"{DTYPES.get(dtype, dtype)}[{','.join(map(str, shape))}]"
+        stride = strides[i] if i < len(strides) else None
+        if isinstance(stride, list) and stride and stride != _contiguous_strides(shape):
+            text += "{" + ",".join(map(str, stride)) + "}"
+        parts.append(text)
+    return f"({', '.join(parts)})" if parts else ""
+
+
+def _contiguous_strides(shape: list[int]) -> list[int]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return strides[::-1]

@@ -467,6 +467,9 @@ def profile(
     warmup: Annotated[int, typer.Option(help="steps before profiling", min=0)] = 3,
     top: Annotated[int, typer.Option(help="kernels listed", min=1)] = 25,
     trace: Annotated[Path | None, typer.Option(help="also write the profiled steps as a Chrome trace")] = None,
+    shapes: Annotated[bool, typer.Option(
+        "--shapes", help="name each op with its inputs' dtypes, shapes and non-contiguous strides (record_shapes: "
+        "which copy is which; adds host overhead, so the wall time reads high)")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
 ) -> None:
     """Profile single-GPU training steps: GPU kernels by total time, grouped into GEMM, attention,
@@ -478,7 +481,7 @@ def profile(
     cfg = load_train_config(config, overrides or [])
     log = (lambda m: err_console.print(m, highlight=False, markup=False)) if as_json else (
         lambda m: console.print(m, highlight=False, markup=False))
-    record = bench.run(cfg, steps, warmup, log, trace, top)
+    record = bench.run(cfg, steps, warmup, log, trace, top, shapes)
     if as_json:
         print_json(record)
         return
@@ -495,7 +498,7 @@ def profile(
     for col in ("op", "ms/step", "share"):
         ops.add_column(col, justify="left" if col == "op" else "right")
     for o in record["ops"]:
-        ops.add_row(o["name"][:80], f"{o['ms_per_step']:.2f}", f"{o['share']:.1%}")
+        ops.add_row(o["name"][:160 if shapes else 80], f"{o['ms_per_step']:.2f}", f"{o['share']:.1%}")
     console.print(ops)
     gaps = Table(title="where the GPU sat idle between kernels (by the kernels around the gap)")
     for col in ("before", "after", "gaps/step", "ms/step"):

@@ -150,3 +150,27 @@ def test_user_ranges_are_callers_touching_ops_are_closed_and_equal_starts_nest_c
     assert kernel_ops(events) == {"FlatAdamW.step": pytest.approx(30 * us),
                                   "aten::add": pytest.approx(10 * us),
                                   "aten::mul in OtherFn": pytest.approx(10 * us)}
+
+
+def test_with_shapes_each_op_reads_with_its_inputs() -> None:
+    """A record_shapes trace: two copies of different tensors are two rows, each naming its inputs'
+    dtype and shape and, where not contiguous, their strides; scalars and tensor lists are left out."""
+    dims = {"Input Dims": [[8, 32, 4096, 128], [8, 4096, 32, 128], []],
+            "Input type": ["c10::BFloat16", "c10::BFloat16", "Scalar"],
+            "Input Strides": [[16777216, 524288, 128, 1], [16777216, 128, 4096, 1], []]}
+    events = [
+        _x("cpu_op", "ViewBackward0", 0, 100),
+        _x("cpu_op", "aten::copy_", 10, 20, **dims),
+        _x("cuda_runtime", "cudaLaunchKernel", 11, 1, correlation=1),
+        _x("cpu_op", "aten::copy_", 40, 20, **{"Input Dims": [[4, 2]], "Input type": ["float"],
+                                               "Input Strides": [[2, 1]]}),
+        _x("cuda_runtime", "cudaLaunchKernel", 41, 1, correlation=2),
+        _x("kernel", "elementwise_kernel", 200, 30, correlation=1),
+        _x("kernel", "elementwise_kernel", 300, 10, correlation=2),
+    ]
+    us = 1e-6
+    assert kernel_ops(events, shapes=True) == {
+        "aten::copy_(bf16[8,32,4096,128], bf16[8,4096,32,128]{16777216,128,4096,1}) in ViewBackward0":
+            pytest.approx(30 * us),
+        "aten::copy_(f32[4,2]) in ViewBackward0": pytest.approx(10 * us)}
+    assert kernel_ops(events) == {"aten::copy_ in ViewBackward0": pytest.approx(40 * us)}
