@@ -245,6 +245,7 @@ class Problem:
     expert_precision: str = "bf16"  # the routed experts' GEMMs: bf16 or fp8 (the FP8 memory and passes follow it)
     fp8_speedup: float = 1.0  # expert_precision fp8: its GEMMs' rate over bf16's (fp8_tflops / bf16_tflops), any value
     fp8_dense: bool = False  # with expert_precision fp8: the dense projections' GEMMs in FP8 too (rowwise)
+    first_touch: bool = False  # the bf16 Triton experts store their main gradient at a step's first launch (unzeroed)
     host_capacity_bytes: float = float("inf")  # offloaded: host memory per GPU for masters and moments
 
 
@@ -545,16 +546,20 @@ def evaluate(prob: Problem, c: Candidates, misfits_exact: bool = True) -> Cost:
     attention_link = host_link_bytes(prob.optimizer_state_dtype, "bf16", zero1_ranks(dp, prob.shard_optimizer))
     expert_link = host_link_bytes(prob.optimizer_state_dtype, "bf16")
 
-    def optimizer(params: Num, link_bytes: Num) -> Work:
-        """The optimizer step over `params` parameters as the run's settings make it; offloaded,
-        torch's update on the staging slots (whatever the update kernel) and the host-link copies."""
+    def optimizer(params: Num, link_bytes: Num, first_touch: Num = 0) -> Work:
+        """The optimizer step over `params` parameters (`first_touch` of them not zeroed) as the run's
+        settings make it; offloaded, torch's update on the staging slots (whatever the update
+        kernel) and the host-link copies."""
         if prob.offload_optimizer:
-            return st.offloaded_optimizer_step(params, link_bytes, prob.optimizer_state_dtype, prob.clip_gradients)
-        return st.optimizer_step(params, prob.optimizer_state_dtype, prob.optimizer_update_kernel, prob.clip_gradients)
+            return st.offloaded_optimizer_step(params, link_bytes, prob.optimizer_state_dtype, prob.clip_gradients,
+                                               first_touch)
+        return st.optimizer_step(params, prob.optimizer_state_dtype, prob.optimizer_update_kernel, prob.clip_gradients,
+                                 first_touch)
 
     # Every stage once: per GPU, per micro-batch and layer (or per micro-batch / per step).
     head = st.lm_head(m, tokens) + st.embedding(m, tokens)
-    experts = st.expert_passes(m, rows, local)  # the passes `bench calibrate` fits its expert curve against
+    # the passes `bench calibrate` fits its expert curve against; first touch: a step's first launch stores
+    experts = st.expert_passes(m, rows, local, 1.0 / mb if prob.first_touch else 0.0)
     stages = {
         "attention projections": Stage("attention", "layer", *st.attention_projection_passes(m, tokens)),
         "attention core": Stage("attention", "layer", *st.attention_core_passes(m, tokens, S)),
@@ -577,7 +582,8 @@ def evaluate(prob: Problem, c: Candidates, misfits_exact: bool = True) -> Cost:
         "grad all-reduce (experts)": Stage("link", "step", Work(),
                                            st.ring_allreduce(FP32 * exp_params, expert_replicas, f_replicas)),
         "optimizer (attention)": Stage("attention", "step", Work(), optimizer(attn_params, attention_link)),
-        "optimizer (experts)": Stage("expert", "step", Work(), optimizer(exp_params, expert_link)),
+        "optimizer (experts)": Stage("expert", "step", Work(), optimizer(exp_params, expert_link,
+                                                                         exp_params if prob.first_touch else 0)),
     }
     if n_dense == 0:
         del stages["dense ffn"], stages["main-grad adds (dense layers)"]

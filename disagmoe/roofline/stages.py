@@ -10,7 +10,7 @@ attention core 2.5 times (FlashAttention's backward recomputes the score matrix)
 experts' backward is two stages, because its two halves are separate launches bound by different
 roofs: the data gradients (compute) and the weight gradients, which add into the fp32 main
 gradients (8 bytes of HBM traffic per expert parameter per micro-batch: memory-bound at a few
-hundred rows per expert). Every other bf16 weight gradient is added into its fp32 main gradient
+hundred rows per expert; 4 at a step's first launch where it stores, `kernels.first_touch`). Every other bf16 weight gradient is added into its fp32 main gradient
 by its own elementwise kernel (`main_grad_add`). The optimizer counts every pass FlatAdamW makes
 over the parameters in a step, as its update kernel and the moments' dtype make them
 (`optimizer_step`). Norms, RoPE, layout copies and residual adds are priced by their HBM bytes
@@ -176,26 +176,31 @@ def expert_data_grads(m: ModelConfig, rows: Num, local_experts: Num) -> Work:
     return routed_experts(m, rows, local_experts)
 
 
-def expert_weight_grads(m: ModelConfig, rows: Num, local_experts: Num) -> Work:
+def expert_weight_grads(m: ModelConfig, rows: Num, local_experts: Num, stored_share: Num = 0.0) -> Work:
     """d w13 and d w2 of the local experts, added into their fp32 main gradients by the GEMMs
     themselves (the Triton backend under FlatAdamW): the forward's FLOPs; reads the rows' x, d y,
-    activation and d gate/up, and reads and writes the fp32 main gradient of every local expert."""
+    activation and d gate/up, and reads and writes the fp32 main gradient of every local expert,
+    or only writes it in the share `stored_share` of the launches that are their weights' first
+    of a step (first touch, `kernels.first_touch`: the bf16 Triton experts store there, what
+    `zero_grad` no longer zeroes; 1 / micro-batches of a step's launches, none for the probe's
+    accumulating ones)."""
     H, F = m.hidden_size, m.expert_ffn_size
     weights = 3.0 * H * F * local_experts
     return Work(flops=2.0 * rows * 3.0 * H * F,
-                hbm_bytes=BF16 * rows * (2 * H + 3 * F) + 2 * FP32 * weights)
+                hbm_bytes=BF16 * rows * (2 * H + 3 * F) + (2 - stored_share) * FP32 * weights)
 
 
-def expert_passes(m: ModelConfig, rows: Num, local_experts: Num) -> dict[str, tuple[Work, Work]]:
+def expert_passes(m: ModelConfig, rows: Num, local_experts: Num, stored_share: Num = 0.0) -> dict[str, tuple[Work, Work]]:
     """The routed experts' stages as the step runs them, (forward, backward) work of each: `routed
     experts` (the forward; the data gradients) and `expert weight grads` (nothing; the weight
     gradients with their fp32 main-gradient read and write, `expert_weight_grads`). The one
     definition the planner prices (`placement.cost.evaluate`) and `bench calibrate` fits its
     expert curve against (`bench.calibrate.calibration_from`, through
     `roofline.calibration.fitted_fraction`): a curve point read back at the probe's own shape is
-    the probe's measured time, so the two cannot count the traffic differently."""
+    the probe's measured time, so the two cannot count the traffic differently. `stored_share`:
+    `expert_weight_grads`'s (the probe's launches accumulate: 0)."""
     return {"routed experts": (routed_experts(m, rows, local_experts), expert_data_grads(m, rows, local_experts)),
-            "expert weight grads": (Work(), expert_weight_grads(m, rows, local_experts))}
+            "expert weight grads": (Work(), expert_weight_grads(m, rows, local_experts, stored_share))}
 
 
 def attention_projection_passes(m: ModelConfig, tokens: Num) -> tuple[Work, Work]:
@@ -405,23 +410,27 @@ def adamw_update_bytes(state_dtype: str, update_kernel: str, clipped: bool) -> t
     return read + MASTER, written + COMPUTE_PARAM  # then the masters -> bf16 parameters pass
 
 
-def optimizer_step(params: Num, state_dtype: str, update_kernel: str, clipped: bool) -> Work:
+def optimizer_step(params: Num, state_dtype: str, update_kernel: str, clipped: bool,
+                   first_touch_params: Num = 0) -> Work:
     """FlatAdamW's passes over the parameters in one step (runtime/state/flat_adamw.py), bytes per
-    parameter: zero the fp32 main gradients (write 4), their norm (read 4: the trainer takes it
-    every step), then the update with the compute copy (`adamw_update_bytes`: `optim.state_dtype`,
-    `optim.update_kernel`, and `clipped` where `optim.grad_clip` > 0). Clipped, that is 46 with
-    torch and fp32 moments, 70 with torch and bf16, 38 with triton and fp32, 30 with triton and bf16."""
+    parameter: zero the fp32 main gradients (write 4; not the `first_touch_params` ones, which the
+    first weight-gradient launch of the step stores: `kernels.first_touch`), their norm (read 4:
+    the trainer takes it every step), then the update with the compute copy (`adamw_update_bytes`:
+    `optim.state_dtype`, `optim.update_kernel`, and `clipped` where `optim.grad_clip` > 0).
+    Clipped, that is 46 with torch and fp32 moments, 70 with torch and bf16, 38 with triton and
+    fp32, 30 with triton and bf16 (4 less for a first-touch parameter)."""
     zero, norm = MAIN_GRAD, MAIN_GRAD
     read, written = adamw_update_bytes(state_dtype, update_kernel, clipped)
-    return Work(hbm_bytes=params * (zero + norm + read + written))
+    return Work(hbm_bytes=params * (norm + read + written) + (params - first_touch_params) * zero)
 
 
-def offloaded_optimizer_step(params: Num, link_bytes: Num, state_dtype: str, clipped: bool) -> Work:
+def offloaded_optimizer_step(params: Num, link_bytes: Num, state_dtype: str, clipped: bool,
+                             first_touch_params: Num = 0) -> Work:
     """`optimizer_step` with the masters and moments in host memory (`offload_optimizer`,
     runtime/state/offload.py): torch's update whatever `optim.update_kernel` says (`FlatAdamW._step_offloaded`
     runs `adamw_chunk`, torch's fused AdamW, on each chunk in the device slots, then writes the compute
     copy from the slot's masters), plus the staging slots written by the copies in and read by the
     copies out (`link_bytes` per parameter each way, `optimizer_state.host_link_bytes`), which cross the
     host link in both directions at once, overlapped with the update."""
-    update = optimizer_step(params, state_dtype, "torch", clipped)
+    update = optimizer_step(params, state_dtype, "torch", clipped, first_touch_params)
     return update + Work(hbm_bytes=2 * params * link_bytes, host_bytes=params * link_bytes)

@@ -1,6 +1,7 @@
 """`bench calibrate`: the fits and merges on a CPU, the command's file with injected measurements
 (read back by `plan` and `roofline`), and the real measurements on a GPU."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -150,7 +151,10 @@ def test_the_qwen3_configs_expert_stages_are_priced_at_the_probes_times_at_its_r
     """configs/h200x2-qwen3-30b.yaml on one GPU at 2 micro-batches: 8 x 4,096 tokens x top-8 over
     128 experts is 2,048 rows per expert, a curve point the probe ran on all 128 experts: each
     expert stage of the planner is priced at exactly the probe's time of that pass, the weight
-    gradients with their fp32 main-gradient traffic included once."""
+    gradients with their fp32 main-gradient traffic included once. The probe's launches all
+    accumulate, so that holds with first touch off; on (the run's: the step's first launch stores
+    its main gradient, and the optimizer does not zero it) the optimizer costs less, and the weight
+    gradients no more (compute binds them here)."""
     from disagmoe.config import load_train_config
     from disagmoe.placement.cost import evaluate
     from disagmoe.placement.solver import problem_of
@@ -161,8 +165,15 @@ def test_the_qwen3_configs_expert_stages_are_priced_at_the_probes_times_at_its_r
     timings = _timings(model, _ceil(hw))
     hw = hw.model_copy(update={"calibration": cal.calibration_from(timings, model, _ceil(hw), "made up")})
     req, cand = run_request(cfg, model, hw)
-    prob = problem_of(req)
+    run_prob = problem_of(req)
+    assert run_prob.first_touch
+    prob = dataclasses.replace(run_prob, first_touch=False)
     stages = evaluate(prob, cand).stages
+    touched = evaluate(run_prob, cand).stages
+    cost = lambda of, name: _first(of[name].time(True, prob.ceilings))  # noqa: E731
+    assert cost(touched, "optimizer (experts)") < cost(stages, "optimizer (experts)")
+    assert cost(touched, "expert weight grads") <= cost(stages, "expert weight grads")
+    assert _first(touched["expert weight grads"].bwd.hbm_bytes) < _first(stages["expert weight grads"].bwd.hbm_bytes)
     probe, fixed = timings.expert_gemm[2048], timings.expert_fixed
     at = lambda name, bwd: float(np.asarray(stages[name].time(bwd, prob.ceilings)).ravel()[0])  # noqa: E731
     assert at("routed experts", False) == pytest.approx(probe.fwd_s - fixed.fwd_s, rel=1e-9)
@@ -380,7 +391,7 @@ def test_the_optimizer_rate_is_fitted_against_the_probes_own_settings(monkeypatc
     cfg = load_train_config(CONFIGS / "h200x2-qwen3-30b.yaml", [
         "mode=single", "micro_batches=2", f"optim.state_dtype={state_dtype}", f"optim.update_kernel={update_kernel}"])
     req, cand = run_request(cfg, load_model(cfg.model), hw.model_copy(update={"calibration": calibration}))
-    prob = problem_of(req)
+    prob = dataclasses.replace(problem_of(req), first_touch=False)  # the probe zeroes every main gradient
     cost = evaluate(prob, cand)
     priced = float(np.asarray(cost.stages["optimizer (experts)"].time(True, prob.ceilings)).ravel()[0])
     held = float(np.asarray(cost.expert_params).ravel()[0])
@@ -481,3 +492,7 @@ def test_the_elementwise_probe_runs_the_models_norms_rope_copies_and_adds():
     assert len(grads) == 7 + 4  # the attention and FFN norms' gains, q-norm's and k-norm's
     with pytest.raises(ValueError, match="MLA"):
         cal.norms_passes(load_model("deepseek-v3"), 1, 16, torch.device("cpu"))
+
+
+def _first(value) -> float:
+    return float(np.asarray(value).ravel()[0])

@@ -206,7 +206,9 @@ def _optimizer_bytes(cost) -> float:
 def test_the_optimizer_prices_every_pass_flat_adamw_makes_and_the_main_grad_adds(state_dtype, update_kernel, clip):
     """The plan's moments' dtype, update kernel and clip reach the optimizer's stages: every held
     parameter at `stages.optimizer_step`'s bytes for those settings (zero, norm, the update with the
-    bf16 parameters written: tests/roofline/test_stages.py checks them pass by pass)."""
+    bf16 parameters written: tests/roofline/test_stages.py checks them pass by pass), less the
+    zeroing of the routed experts' main gradients (first touch: the Triton experts in bf16 store
+    them at the step's first launch)."""
     from disagmoe.roofline import stages as st
 
     m = load_model("qwen3-30b-a3b")
@@ -219,7 +221,8 @@ def test_the_optimizer_prices_every_pass_flat_adamw_makes_and_the_main_grad_adds
     cost = evaluate(prob, Candidates.one(0, 1, 1, 8, 2, colocated=True))
     held = float(cost.attn_params[0] + cost.expert_params[0])
     per_param = st.optimizer_step(1.0, state_dtype, update_kernel, clip).hbm_bytes
-    assert _optimizer_bytes(cost) == pytest.approx(per_param * held)
+    assert prob.first_touch
+    assert _optimizer_bytes(cost) == pytest.approx(per_param * held - st.MAIN_GRAD * float(cost.expert_params[0]))
     adds = cost.stages["main-grad adds"]
     assert adds.group == "attention" and adds.runs == "moe" and _first(adds.bwd.hbm_bytes) > 0
 
@@ -424,9 +427,10 @@ def test_auto_recomputes_only_where_nothing_else_fits():
 def test_the_qwen3_configs_weight_gradient_stage_reads_and_writes_every_fp32_main_gradient_per_micro_batch(
         micro_batches, tmp_path):
     """`roofline -c configs/h200x2-qwen3-30b.yaml --layout single`, whole step: the expert weight
-    gradients' HBM bytes are their rows' bf16 reads plus micro_batches x 8 B x the expert
+    gradients' HBM bytes are their rows' bf16 reads plus (micro_batches x 8 - 4) B x the expert
     parameters (the Triton weight-gradient GEMM reads and writes each expert weight's fp32 main
-    gradient once per micro-batch), whatever hardware file prices them."""
+    gradient once per micro-batch, but for the step's first launch, which stores it: first
+    touch), whatever hardware file prices them."""
     import json
     from pathlib import Path
 
@@ -453,7 +457,7 @@ def test_the_qwen3_configs_weight_gradient_stage_reads_and_writes_every_fp32_mai
         (row,) = [s for s in out["step"] if s["stage"] == "expert weight grads" and s["pass"] == "bwd"]
         rows_per_step = cfg["batch_size"] * cfg["seq_len"] * m.top_k * m.num_moe_layers  # every pair once
         row_bytes = BF16 * rows_per_step * (2 * m.hidden_size + 3 * m.expert_ffn_size)
-        main_grad_bytes = mb * 8 * count_params(m).routed_experts
+        main_grad_bytes = (mb * 8 - 4) * count_params(m).routed_experts
         assert row["hbm_bytes"] == pytest.approx(row_bytes + main_grad_bytes, rel=1e-12), hardware
 
 
@@ -511,7 +515,8 @@ def test_an_offloaded_optimizer_is_torchs_update_whatever_the_update_kernel(stat
     for name, params in (("optimizer (attention)", triton.attn_params), ("optimizer (experts)", triton.expert_params)):
         assert triton.stages[name].bwd == torch_update.stages[name].bwd
         work, held = triton.stages[name].bwd, _first(params)
-        torch_step = st.optimizer_step(held, state_dtype, "torch", True)
+        touched = held if name == "optimizer (experts)" else 0  # first touch: the experts' not zeroed
+        torch_step = st.optimizer_step(held, state_dtype, "torch", True, touched)
         assert _first(work.hbm_bytes) == pytest.approx(torch_step.hbm_bytes + 2 * held * link)
         assert _first(work.host_bytes) == pytest.approx(held * link)
 
