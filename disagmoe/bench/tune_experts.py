@@ -75,6 +75,8 @@ FP8_WGRAD_CANDIDATES = [(128, 128, 64, 8, 3, 1, "hoisted"), (128, 128, 64, 8, 3,
                         (64, 256, 64, 8, 3, 1, "hoisted"), (64, 256, 64, 8, 3, 1, "pingpong"),
                         (128, 128, 128, 8, 3, 1, "pipelined"), (64, 128, 128, 8, 3, 1, "pipelined"),
                         (128, 64, 64, 4, 3, 2, "pipelined"), (128, 64, 64, 4, 3, 2, "pingpong")]
+# Roles whose launches the library's grouped GEMM can run (`TileConfig.library`): plain products.
+LIBRARY_ROLES = ("down", "gate_up_dgrad")
 FP8_CANDIDATES = {"fp8_rows": FP8_ROWS_CANDIDATES, "fp8_swiglu": FP8_SWIGLU_CANDIDATES,
                   "fp8_wgrad": FP8_WGRAD_CANDIDATES}
 
@@ -91,6 +93,8 @@ def candidates(role: str) -> list[TileConfig]:
                for m, n, k, w, s, p, *rest in table]
     if role.startswith("wgrad"):  # each tile both ways: the main gradient's add loaded and stored, or atomic
         configs += [dataclasses.replace(c, atomic_accumulate=True) for c in configs]
+    if role in LIBRARY_ROLES:  # the library's grouped GEMM competes where it can run the launch
+        configs.append(dataclasses.replace(heuristic(role), library=True))
     return configs
 
 
@@ -137,19 +141,19 @@ def role_launches(shape: ExpertShape,
     dh13 = torch.randn(rows, 2 * ffn, **bf16)
     w13 = torch.randn(experts, hidden, 2 * ffn, **bf16) / hidden**0.5
     w2 = torch.randn(experts, ffn, hidden, **bf16) / ffn**0.5
-    out_h, out_f, out_2f = torch.empty_like(x), torch.empty_like(act), torch.empty_like(h13)
+    out_f, out_2f = torch.empty_like(act), torch.empty_like(h13)
     h13_out = torch.empty_like(h13)
     # the weight gradients as a training step runs them: added into fp32 main gradients
     dw13, dw2 = (torch.zeros(w.shape, device=device, dtype=torch.float32) for w in (w13, w2))
     return {
         "gate_up": lambda c: gg.ragged_rows_gemm(x, offsets, w13, c, epilogue=gg.EPILOGUE_SWIGLU,
                                                  h13_N2C=h13_out, out=out_f),
-        "down": lambda c: gg.ragged_rows_gemm(act, offsets, w2, c, out=out_h),
+        # into a new output, as the step runs them (the library cannot write into a given one)
+        "down": lambda c: gg.ragged_rows_gemm(act, offsets, w2, c),
         "down_dgrad": lambda c: gg.ragged_rows_gemm(dy, offsets, w2.transpose(1, 2), c,
                                                     epilogue=gg.EPILOGUE_SWIGLU_GRAD,
                                                     h13_N2C=h13, out=out_2f),
-        "gate_up_dgrad": lambda c: gg.ragged_rows_gemm(dh13, offsets, w13.transpose(1, 2), c,
-                                                       out=out_h),
+        "gate_up_dgrad": lambda c: gg.ragged_rows_gemm(dh13, offsets, w13.transpose(1, 2), c),
         "wgrad_w2": AccumulatingLaunch(lambda c: gg.ragged_weight_grad(act, dy, offsets, c, out=dw2,
                                                                        accumulate=True), dw2),
         "wgrad_w13": AccumulatingLaunch(lambda c: gg.ragged_weight_grad(x, dh13, offsets, c, out=dw13,

@@ -367,12 +367,14 @@ def ragged_rows_gemm(
     routing weight's gradient dy . y without the rows y, `kernels.fused_moe`).
     `dst_rows_N` (plain epilogue only) sends row r of the result to out[dst_rows_N[r]]; `signal`
     (with it) raises each segment's flag once its rows are stored (`SegmentSignal`).
+    `config.library`: the library's grouped GEMM runs the launch where it can (`library_takes`).
     """
     n_rows, k = a_NK.shape if a_rows_N is None else (a_rows_N.shape[0], a_NK.shape[1])
     experts, k_b, width = b_EKC.shape
     groups = offsets_E.shape[0]  # row groups: a multiple of the experts, group g uses b[g mod experts]
     assert k_b == k and offsets_E.dim() == 1 and groups % experts == 0 and offsets_E.dtype == torch.int32
     cols = width // 2 if epilogue == EPILOGUE_SWIGLU else width
+    out_given = out is not None
     if out is None:
         out_cols = 2 * cols if epilogue == EPILOGUE_SWIGLU_GRAD else cols
         out = a_NK.new_empty((n_rows, out_cols))
@@ -386,6 +388,8 @@ def ragged_rows_gemm(
                                  and row_scale[1].shape[0] == triton.cdiv(cols, config.block_n))
     if signal is None and (n_rows == 0 or cols == 0):
         return out
+    if config.library and library_takes(a_NK, offsets_E, b_EKC, epilogue, out_given, dst_rows_N, signal, a_rows_N):
+        return torch._grouped_mm(a_NK, b_EKC, offs=offsets_E)
     epi_chunk = min(config.epilogue_chunk, config.block_n) if epilogue == EPILOGUE_SWIGLU_GRAD else config.block_n
     if epi_chunk < 1 or epi_chunk & (epi_chunk - 1):
         raise ValueError(f"TileConfig.epilogue_chunk={config.epilogue_chunk}: give a power of two (columns)")
@@ -411,6 +415,26 @@ def ragged_rows_gemm(
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
+
+
+def library_takes(a_NK: torch.Tensor, offsets_E: torch.Tensor, b_EKC: torch.Tensor, epilogue: int, out_given: bool,
+                  dst_rows_N: torch.Tensor | None, signal: SegmentSignal | None,
+                  a_rows_N: torch.Tensor | None) -> bool:
+    """Whether `torch._grouped_mm` can run this `ragged_rows_gemm` launch (`TileConfig.library`): a
+    plain product into a new output, rows neither gathered nor scattered nor signalled, one row
+    group per expert, and operands it takes (on a GPU bf16; every stride but the unit one, and each
+    base address, a multiple of 16 bytes). Rows past the last offset (pairs served elsewhere) are
+    left as the library leaves them, as our kernel leaves them unwritten: no reader reads them."""
+    if (epilogue != EPILOGUE_PLAIN or out_given or dst_rows_N is not None or signal is not None
+            or a_rows_N is not None or offsets_E.shape[0] != b_EKC.shape[0] or not hasattr(torch, "_grouped_mm")):
+        return False
+    if a_NK.is_cuda and a_NK.dtype != torch.bfloat16:
+        return False
+    for t in (a_NK, b_EKC):
+        size = t.element_size()
+        if t.data_ptr() % 16 or any(s != 1 and (s * size) % 16 for s in t.stride()):
+            return False
+    return a_NK.dtype == b_EKC.dtype
 
 
 def ragged_weight_grad(

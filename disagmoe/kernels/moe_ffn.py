@@ -109,9 +109,9 @@ def moe_ffn_forward(
     act_NF = gg.ragged_rows_gemm(x_NH, offsets_E, w13_EH2F, tiles.gate_up,
                                  epilogue=gg.EPILOGUE_SWIGLU, h13_N2C=h13_N2F,
                                  num_programs=num_programs)
-    if out is None:
+    if out is None and dst_rows_N is not None:
         out = x_NH.new_empty((n_rows, w2_EFH.shape[2]))
-    y = gg.ragged_rows_gemm(act_NF, offsets_E, w2_EFH, tiles.down, out=out,
+    y = gg.ragged_rows_gemm(act_NF, offsets_E, w2_EFH, tiles.down, out=out,  # a new y: the library may run it
                             dst_rows_N=dst_rows_N, num_programs=num_programs)
     return y, act_NF, h13_N2F
 

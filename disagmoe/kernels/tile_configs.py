@@ -53,6 +53,13 @@ class TileConfig:
     # kernels and non-accumulating launches ignore it. Not yet timed on a GPU (`bench tune-experts`
     # offers every wgrad tile both ways)
     atomic_accumulate: bool = False
+    # down and gate/up data gradient only: run the launch as the library's grouped GEMM
+    # (`torch._grouped_mm`: cuBLAS/CUTLASS) instead of our kernel, where `bench tune-experts` measures it
+    # faster; it takes launches with a plain result only (no gathered, scattered or signalled rows, one
+    # row group per expert, a new output, 16-byte aligned bf16 operands on a GPU: `grouped_gemm.library_takes`)
+    # and the tile fields serve the others. The other roles ignore it (their epilogues are ours; the weight
+    # gradients' fused fp32 add has no library form: its output dtype must be the operands')
+    library: bool = False
 
     def to_json(self) -> dict[str, int | bool | str]:
         return dataclasses.asdict(self)
