@@ -153,18 +153,26 @@ def fp8_ffn_backward(
     """(dx_NH in dy's dtype, dw13_EH2F fp32, dw2_EFH fp32); a weight gradient whose fp32 main
     gradient is given (w13's, w2's) is added into it by its GEMM and None is returned for it.
     `x_NH` may be a `RowSource` (`expert_input`, module docstring): its rows are read from the
-    tokens by the w13 gradient's quantiser, as they lie (the tokens' dtype)."""
+    tokens by the w13 gradient's quantiser, as they lie (the tokens' dtype).
+    Launch order, with the e4m3 copies each reads, each dropped after that GEMM (its last reader):
+    d h13 from dy's 1 x 128 copy (H values a row); dx from d h13's (2F); the w13 gradient from x's
+    and d h13's token-group copies (H + 2F, the peak); the w2 gradient from act's and dy's (F + H).
+    So at most H + 2F e4m3 values a row (with their scales) are alive at once
+    (`roofline.memory.expert_row_grad_bytes`)."""
     rows, ffn = h13_N2F.shape[0], weights.w2[0].shape[1]
     experts = weights.w13[0].shape[0]
     acts, grads_row = _row(stats, ACTIVATIONS), _row(stats, GRADIENTS)
     served = offsets_E[-1:]  # rows past it are padding: dh13's are never written (garbage, maybe NaN)
+    # each e4m3 copy is dropped right after its last reader (`roofline.memory.expert_row_grad_bytes`)
     q_dy, s_dy = fp8.quantize_rows(dy_NH, grads_row, served)
     act_NF = h13_N2F.new_empty((rows, ffn))
     dh13_N2F = fp8.fp8_swiglu_grad_gemm(q_dy, s_dy, offsets_E, *weights.w2_t, h13_N2F, tiles.swiglu,
                                         act_MF=act_NF, out_dtype=dy_NH.dtype, num_programs=num_programs)
+    del q_dy, s_dy
     q_dh, s_dh = fp8.quantize_rows(dh13_N2F, grads_row, served)
     dx_NH = fp8.fp8_rows_gemm(q_dh, s_dh, offsets_E, *weights.w13_t, tiles.rows, out_dtype=dy_NH.dtype,
                               num_programs=num_programs)
+    del q_dh, s_dh
     grads = []
     for a_NK, b_NC, main in ((x_NH, dh13_N2F, main_grads[0]), (act_NF, dy_NH, main_grads[1])):
         if isinstance(a_NK, RowSource):  # the grouped rows read from their tokens, in the quantiser
@@ -174,6 +182,7 @@ def fp8_ffn_backward(
         qb, sb, _ = fp8.quantize_token_groups(b_NC, offsets_E, grads_row)
         grad = fp8.fp8_weight_grad((qa, sa), (qb, sb), padded_E, tiles.wgrad, weights=experts, out=main,
                                    accumulate=main is not None, num_programs=num_programs)
+        del qa, sa, qb, sb  # before the next gradient's operands are quantised
         grads.append(None if main is not None else grad)
     return dx_NH, grads[0], grads[1]
 

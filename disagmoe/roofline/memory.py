@@ -199,15 +199,16 @@ def expert_row_grad_bytes(m: ModelConfig, value_bytes: int, dropped: frozenset[s
     combine rows there: counted all the same). Under `fp8` (`kernels.fp8_ffn.fp8_ffn_backward`)
     the same whatever selective drops: d y, d h13 and the SwiGLU output it recomputes in every
     run, no regathered row (its quantiser reads the input rows from the tokens), and the e4m3
-    copies (`FP8_VALUE_BYTES`) alive at its peak: d y's and d h13's 1 x 128 ones (H + 2F, held to
-    its end) and, while the w2 gradient's operands are quantised along tokens, the w13 gradient's
-    d h13 copy and both of those (2F + F + H): 2H + 5F."""
+    copies (`FP8_VALUE_BYTES`) alive at its peak. Each is dropped after the one GEMM that reads it:
+    d y's 1 x 128 copy (H) after the d h13 GEMM, d h13's (2F) after the dx GEMM, x's and d h13's
+    token-group copies (H + 2F) after the w13 gradient, before act's and d y's (F + H) are made for
+    the w2 gradient; so the peak is the w13 gradient's operands: H + 2F."""
     if BLOCK in dropped:
         recomputed = expert_row_bytes(m, value_bytes, fp8=fp8) + combine_bytes(m, value_bytes) // m.top_k
         return recomputed + expert_row_grad_bytes(m, value_bytes, fp8=fp8)
     H, F = m.hidden_size, m.expert_ffn_size
     if fp8:
-        return int(value_bytes * (H + 3 * F) + FP8_VALUE_BYTES * (2 * H + 5 * F))
+        return int(value_bytes * (H + 3 * F) + FP8_VALUE_BYTES * (H + 2 * F))
     recomputed = (H if "expert_input" in dropped else 0) + (F if "expert_swiglu" in dropped else 0)
     return value_bytes * (H + 2 * F + recomputed)
 

@@ -162,3 +162,58 @@ def test_gpu_fp8_ffn_forward_backward(counts, hidden, ffn):
     y.backward(dy)
     assert y.dtype == torch.bfloat16 and leaves[1].grad.dtype == torch.bfloat16
     _check(counts, (y, *(t.grad for t in leaves)), _reference_grads(x, offsets, w13, w2, dy))
+
+
+def test_the_backward_drops_each_e4m3_copy_after_its_last_reader(ffn8, monkeypatch):
+    """The backward's quantised copies die as soon as their last GEMM has read them (what
+    `roofline.memory.expert_row_grad_bytes` counts under fp8: H + 2F e4m3 values per row at its
+    peak, the w13 gradient's operands): d y's 1 x 128 copy before d h13 is quantised, d h13's
+    before its token groups are, and the w13 gradient's two token-group copies before the w2
+    gradient's operands are made; so when the last GEMM (the w2 gradient) runs only its own two
+    copies are alive. Observed by weak references taken as each copy is made."""
+    import weakref
+
+    fp8 = ffn8.fp8
+    counts, hidden, ffn = [4, 0, 11, 1], 32, 40
+    x, offsets, w13, w2, dy = _inputs(counts, hidden, ffn, seed=5)
+    tiles, weights = ffn8.Fp8Tiles(**SMALL), ffn8.Fp8ExpertWeights.quantize(w13, w2)
+    _, h13 = ffn8.fp8_ffn_forward(x, offsets, weights, tiles, save_for_backward=True, num_programs=3)
+    copies, seen = [], []  # (name, weakrefs of values and scales); at each launch, the names alive
+
+    def alive():
+        return [name for name, refs in copies if any(ref() is not None for ref in refs)]
+
+    def recording(function, names):
+        def wrapper(*args, **kwargs):
+            seen.append((function.__name__, alive()))
+            out = function(*args, **kwargs)
+            copies.append((names.pop(0), [weakref.ref(t) for t in out[:2]]))
+            return out
+        return wrapper
+
+    def launching(function):
+        def wrapper(*args, **kwargs):
+            seen.append((function.__name__, alive()))
+            return function(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(fp8, "quantize_rows", recording(fp8.quantize_rows, ["dy rows", "dh13 rows"]))
+    monkeypatch.setattr(fp8, "quantize_token_groups", recording(
+        fp8.quantize_token_groups, ["x tokens", "dh13 tokens", "act tokens", "dy tokens"]))
+    for name in ("fp8_swiglu_grad_gemm", "fp8_rows_gemm", "fp8_weight_grad"):
+        monkeypatch.setattr(fp8, name, launching(getattr(fp8, name)))
+    dx, dw13, dw2 = ffn8.fp8_ffn_backward(dy, x, offsets, weights, h13, tiles, num_programs=3)
+    assert seen == [
+        ("quantize_rows", []),
+        ("fp8_swiglu_grad_gemm", ["dy rows"]),
+        ("quantize_rows", []),
+        ("fp8_rows_gemm", ["dh13 rows"]),
+        ("quantize_token_groups", []),
+        ("quantize_token_groups", ["x tokens"]),
+        ("fp8_weight_grad", ["x tokens", "dh13 tokens"]),
+        ("quantize_token_groups", []),
+        ("quantize_token_groups", ["act tokens"]),
+        ("fp8_weight_grad", ["act tokens", "dy tokens"]),
+    ], seen
+    assert alive() == []  # nothing quantised outlives the backward either
+    assert dx.shape == x.shape and dw13.shape == w13.shape and dw2.shape == w2.shape
