@@ -901,6 +901,17 @@ class TrainConfig(StrictModel):
         return self
 
 
+def priced_as_trained(cfg: TrainConfig) -> dict[str, Any]:
+    """The `PlanConfig` fields that price `cfg` as it trains: its routed experts' precision (fp8, else
+    bf16: the planner prices no fp32), `fp8_dense` (its dense projections in FP8: `dense_precision`),
+    its recomputation (selective: its modules) and its experts backend. Every request made for a
+    run (`bench.placement.plan_request`, `placement.trace_compare.run_request`) passes them."""
+    return {"expert_precision": "fp8" if cfg.expert_precision == "fp8" else "bf16",
+            "fp8_dense": cfg.dense_precision == "fp8", "recompute": cfg.recompute,
+            "recompute_modules": list(cfg.recompute_modules) if cfg.recompute == "selective" else None,
+            "experts_backend": cfg.experts_backend}
+
+
 # ----------------------------------------------------------------------------------------------
 # Loading
 # ----------------------------------------------------------------------------------------------
