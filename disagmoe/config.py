@@ -368,7 +368,8 @@ class PlanConfig(StrictModel):
     expert_precision: Literal["bf16", "fp8"] = Field(
         "bf16", description="price the routed experts' GEMMs in this precision: fp8 at the hardware's fp8_tflops "
         "(the bf16 rate, or a calibrated one, times fp8_tflops / bf16_tflops), plus the quantisation passes' HBM "
-        "traffic and the FP8 weight copies' memory (train with precision: fp8)")
+        "traffic and the FP8 weight copies' memory (train with precision: fp8; the plan records it and `train --plan` "
+        "sets it)")
     fp8_dense: bool = Field(
         True, description="with expert_precision fp8: price the dense projections' GEMMs (attention, shared "
         "experts, dense FFN layers) at fp8_tflops too, plus their rowwise quantisation passes (train with "
@@ -528,6 +529,13 @@ class Plan(StrictModel):
         False, description="the plan's memory assumes the attention side's AdamW moments split over each "
         "data-parallel group (ZeRO-1; `train --plan` then sets optim.shard_states: true; a plan without it "
         "leaves the config's setting)")
+    expert_precision: Literal["bf16", "fp8"] | None = Field(
+        None, description="the routed experts' GEMMs as the plan's memory and step time price them (`plan "
+        "--expert-precision`): fp8 (`train --plan` then sets precision: fp8) or bf16 (the config's precision "
+        "stays); None in a plan written before this field (the config's stays)")
+    fp8_dense: bool | None = Field(
+        None, description="whether the plan priced the dense projections in FP8 too (with expert_precision fp8; "
+        "`train --plan` then sets fp8_dense to it); None in a plan written before this field (the config's stays)")
     notes: list[str] = Field(default_factory=list)
     min_gpus: PositiveInt | None = Field(None, description="when infeasible: fewest GPUs that fit")
 
@@ -747,7 +755,8 @@ class TrainConfig(StrictModel):
         None, description="a `disagmoe plan --out` file (or an inline plan): its layout and expert map "
         "replace mode, attention_ranks, expert_ranks, pipeline_groups, micro_batches, colocated_ranks, and "
         "the settings it was priced with: recompute, recompute_modules, optim.state_dtype, optim.update_kernel, "
-        "and where it priced them offload_optimizer and optim.shard_states (`runtime.plan_layout.apply_plan`)"
+        "and where it priced them offload_optimizer, optim.shard_states, and precision: fp8 with fp8_dense "
+        "(`runtime.plan_layout.apply_plan`)"
     )
     data: DataConfig = Field(default_factory=DataConfig, description="where training tokens come from")
     optim: OptimConfig = Field(default_factory=OptimConfig, description="AdamW and its learning-rate schedule")
@@ -899,6 +908,17 @@ class TrainConfig(StrictModel):
             raise ValueError("fault_injection kills a Ray actor: it needs mode disaggregated or colocated "
                              "(or remove fault_injection)")
         return self
+
+
+def priced_as_trained(cfg: TrainConfig) -> dict[str, Any]:
+    """The `PlanConfig` fields that price `cfg` as it trains: its routed experts' precision (fp8, else
+    bf16: the planner prices no fp32), `fp8_dense` (its dense projections in FP8: `dense_precision`),
+    its recomputation (selective: its modules) and its experts backend. Every request made for a
+    run (`bench.placement.plan_request`, `placement.trace_compare.run_request`) passes them."""
+    return {"expert_precision": "fp8" if cfg.expert_precision == "fp8" else "bf16",
+            "fp8_dense": cfg.dense_precision == "fp8", "recompute": cfg.recompute,
+            "recompute_modules": list(cfg.recompute_modules) if cfg.recompute == "selective" else None,
+            "experts_backend": cfg.experts_backend}
 
 
 # ----------------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from disagmoe.bench.train import mean_busy, median_step
-from disagmoe.config import ClusterConfig, PlanConfig, TrainConfig, load_hardware
+from disagmoe.config import ClusterConfig, PlanConfig, TrainConfig, load_hardware, priced_as_trained
 from disagmoe.model_ref import load_model
 from disagmoe.placement.cost import Candidates
 from disagmoe.placement.solver import price
@@ -86,10 +86,7 @@ def plan_request(cfg: TrainConfig, gpus: int) -> PlanConfig:
                       max_pipeline_groups=1, shard_optimizer_states=cfg.optim.shard_states,
                       optimizer_state_dtype=cfg.optim.state_dtype, optimizer_update_kernel=cfg.optim.update_kernel,
                       clip_gradients=cfg.optim.grad_clip > 0, offload_optimizer=cfg.offloads_to_host,
-                      expert_precision="fp8" if cfg.expert_precision == "fp8" else "bf16",
-                      fp8_dense=cfg.dense_precision == "fp8", recompute=cfg.recompute,
-                      recompute_modules=list(cfg.recompute_modules) if cfg.recompute == "selective" else None,
-                      experts_backend=cfg.experts_backend)
+                      **priced_as_trained(cfg))
 
 
 def predict(request: PlanConfig, layout: Layout, batch_size: int) -> tuple[float, bool]:

@@ -46,7 +46,8 @@ UpdateKernelOpt = Annotated[Literal["torch", "triton"], typer.Option(
     "the parameters; with bf16 moments through fp32 copies of them); train with optim.update_kernel set the same")]
 PrecisionOpt = Annotated[Literal["bf16", "fp8"], typer.Option(
     "--expert-precision", help="the routed experts' GEMMs: bf16, or fp8 priced at the hardware's fp8_tflops with "
-    "the quantisation passes' traffic and the FP8 weight copies' memory (train with precision: fp8)")]
+    "the quantisation passes' traffic and the FP8 weight copies' memory (the plan records it; train --plan sets "
+    "precision: fp8)")]
 OffloadOpt = Annotated[Literal["auto", "on", "off"], typer.Option(
     "--offload-optimizer", help="the fp32 masters and AdamW moments in host memory: on (two staging buckets on "
     "each GPU instead, their copies in and out each step over the hardware's host_link_gbps, within its "

@@ -63,8 +63,8 @@ def train(
     out_dir: Annotated[str | None, typer.Option("--out-dir", help="metrics and checkpoints go here")] = None,
     plan: Annotated[str | None, typer.Option(
         "--plan", help="a `disagmoe plan --out` file: its layout and expert map replace the config's mode, "
-        "rank counts, pipeline groups and micro-batches, and the recomputation and optimizer settings it was "
-        "priced with")] = None,
+        "rank counts, pipeline groups and micro-batches, and the recomputation, optimizer and precision settings it "
+        "was priced with (precision: fp8 where it priced FP8 experts)")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print the final summary as JSON only")] = False,
 ) -> None:
     """Train a model. Writes <out-dir>/metrics.jsonl (one JSON object per step) and checkpoints."""

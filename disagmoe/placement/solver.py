@@ -581,6 +581,7 @@ def price(cfg: PlanConfig, chosen: Candidates, colocated_step_s: float | None = 
         recompute=_recompute_name(dropped), recompute_modules=modules,
         offload_optimizer=prob.offload_optimizer, optimizer_state_dtype=prob.optimizer_state_dtype,
         optimizer_update_kernel=prob.optimizer_update_kernel, shard_optimizer_states=prob.shard_optimizer,
+        expert_precision=prob.expert_precision, fp8_dense=prob.fp8_dense,
         step_time_s=step, colocated_step_time_s=col if math.isfinite(col) else None,
         speedup_vs_colocated=col / step if math.isfinite(col) else None,
         expert_imbalance=real_imb, mfu=mfu, tflops_per_gpu=flops_per_gpu_s / 1e12, feasible=fits,

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from disagmoe.config import ClusterConfig, HardwareConfig, ModelConfig, PlanConfig, TrainConfig
+from disagmoe.config import ClusterConfig, HardwareConfig, ModelConfig, PlanConfig, TrainConfig, priced_as_trained
 from disagmoe.model_ref import load_model
 from disagmoe.placement.cost import Candidates, evaluate
 from disagmoe.placement.replay import op_times, replayed_step_s
@@ -152,7 +152,8 @@ def measured_step_s(trace: TraceSteps) -> float:
 
 
 def run_request(cfg: TrainConfig, model: ModelConfig, hw: HardwareConfig) -> tuple[PlanConfig, Candidates]:
-    """The planner's request and the candidate for the layout `cfg` trained."""
+    """The planner's request and the candidate for the layout `cfg` trained, priced as it trained
+    (`config.priced_as_trained`: its expert and dense precision, recomputation and experts backend)."""
     if cfg.mode == "disaggregated":
         gpus, dp = cfg.attention_ranks + cfg.expert_ranks, cfg.attention_ranks // cfg.pipeline_groups
         cand = lambda seqs: Candidates.one(cfg.attention_ranks, cfg.expert_ranks, cfg.pipeline_groups,  # noqa: E731
@@ -167,10 +168,8 @@ def run_request(cfg: TrainConfig, model: ModelConfig, hw: HardwareConfig) -> tup
                      global_batch_tokens=cfg.batch_size * cfg.seq_len, max_pipeline_groups=cfg.pipeline_groups,
                      shard_optimizer_states=cfg.optim.shard_states, optimizer_state_dtype=cfg.optim.state_dtype,
                      optimizer_update_kernel=cfg.optim.update_kernel, clip_gradients=cfg.optim.grad_clip > 0,
-                     expert_precision="fp8" if cfg.expert_precision == "fp8" else "bf16",
-                     recompute=cfg.recompute, experts_backend=cfg.experts_backend,
-                     recompute_modules=list(cfg.recompute_modules) if cfg.recompute == "selective" else None,
-                     offload_optimizer=cfg.offloads_to_host and hw.host_link_gbps is not None)
+                     offload_optimizer=cfg.offloads_to_host and hw.host_link_gbps is not None,
+                     **priced_as_trained(cfg))
     return req, cand(seqs)
 
 

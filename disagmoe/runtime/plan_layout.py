@@ -7,10 +7,14 @@ layout, `attention_ranks` / `expert_ranks` (colocated: `colocated_ranks`) = its 
 full: the whole block; a plan of none sets none where experts_backend is triton and leaves another
 backend's setting),
 `offload_optimizer: true` and `optim.shard_states: true` where the plan priced them (a plan without
-them leaves the config's setting), and `optim.state_dtype` / `optim.update_kernel` as the plan
-priced them (a plan written before it recorded them leaves the config's).
+them leaves the config's setting), `optim.state_dtype` / `optim.update_kernel` as the plan
+priced them (a plan written before it recorded them leaves the config's), and `precision: fp8`
+with the plan's `fp8_dense` where it priced the experts in FP8 (a bf16 plan, or one written before
+it recorded its precision, leaves the config's precision and fp8_dense).
 The plan wins over these fields of the config: the config file is the base a plan is applied to
-(`replaced_fields` says what changed, for the CLI to show).
+(`replaced_fields` says what changed, for the CLI to show), and the result goes through the config's
+own checks as a config file would (FP8 on a CPU device or without triton experts is refused there,
+on a GPU without FP8 tensor cores by the trainer's `check_fp8_device`).
 Everything else (batch_size, seq_len, data, the rest of optim, transport) stays the config's.
 
 `plan_placement(plan, model_cfg)` turns the plan's `expert_map` (per MoE layer j, per expert: the
@@ -26,7 +30,8 @@ A plan the runtime cannot run is refused with a ValueError before any actor star
 another model, an infeasible plan, a plan recomputing expert modules for a run whose experts_backend
 is not triton, a colocated plan with pipeline groups, a single plan on more
 than one GPU or with pipeline groups, an expert held by no
-rank, twice by one rank or by a rank outside its layer's group, an expert rank with no expert.
+rank, twice by one rank or by a rank outside its layer's group, an expert rank with no expert, and
+a planned config the config's checks refuse.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ ExpertIds = tuple[int, ...]  # one rank's experts of one layer, ascending
 ExpertOwners = tuple[tuple[int, ...], ...]  # one layer: per expert, the group's ranks holding it (replica order)
 LAYOUT_FIELDS = ("mode", "attention_ranks", "expert_ranks", "pipeline_groups", "micro_batches", "colocated_ranks",
                  "recompute", "recompute_modules", "offload_optimizer", "optim.state_dtype", "optim.update_kernel",
-                 "optim.shard_states")  # dotted: a field of a field
+                 "optim.shard_states", "precision", "fp8_dense")  # dotted: a field of a field
 SELECTIVE_MODULES = ("expert_input", "expert_output", "expert_swiglu")  # what the planner's selective prices
 REPLAN = "run `disagmoe plan` for this model again and pass its --out file"
 
@@ -59,7 +64,8 @@ def apply_plan(cfg: TrainConfig, model_cfg: ModelConfig) -> TrainConfig:
     if cfg.plan is None:
         return cfg
     plan = load_plan(cfg.plan)
-    check_plan(plan, model_cfg, cfg.plan if isinstance(cfg.plan, str) else "the plan", cfg.experts_backend)
+    source = cfg.plan if isinstance(cfg.plan, str) else "the plan"
+    check_plan(plan, model_cfg, source, cfg.experts_backend)
     if plan.layout == "single":
         layout = {"mode": "single", "micro_batches": plan.micro_batches}
     elif plan.layout == "colocated":
@@ -82,7 +88,16 @@ def apply_plan(cfg: TrainConfig, model_cfg: ModelConfig) -> TrainConfig:
              if value is not None}
     if optim:
         layout["optim"] = cfg.optim.model_copy(update=optim)
-    return cfg.model_copy(update={**layout, "plan": plan})
+    if plan.expert_precision == "fp8":  # the plan's memory and step time are FP8's (a bf16 plan leaves the config's)
+        layout["precision"] = "fp8"
+        if plan.fp8_dense is not None and plan.fp8_dense != (cfg.fp8_dense is not False):  # None: on under fp8
+            layout["fp8_dense"] = plan.fp8_dense
+    planned = cfg.model_copy(update={**layout, "plan": plan})  # a copy skips the config's checks: run them
+    priced = " (priced in FP8, it sets precision: fp8; `plan --expert-precision bf16` prices bf16)" if (
+        "precision" in layout) else ""
+    validate(TrainConfig, {**planned.model_dump(exclude_unset=True, exclude={"plan"}), "plan": plan},
+             f"the config with {source}{priced}")
+    return planned
 
 
 def planned_modules(plan: Plan) -> list[str]:

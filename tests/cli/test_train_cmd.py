@@ -302,9 +302,11 @@ def test_train_on_a_two_node_cluster_places_both_ranks_on_one_node_and_matches_t
     assert losses[0] == losses[1]
 
 
-def test_train_sets_the_optimizer_a_plan_was_priced_with_and_says_so(tmp_path):
+def test_train_sets_the_optimizer_and_precision_a_plan_was_priced_with_and_says_so(tmp_path):
     """A plan priced with torch's update and bf16 moments: `train --plan` runs them (the checkpoint
-    records bf16 moments) and its start line says what it changed from the config."""
+    records bf16 moments) and its start line says what it changed from the config. A plan priced in
+    FP8 sets precision: fp8: on this CPU config the config's own FP8 refusal (exit 2, before the run),
+    and on a GPU config the start line says so."""
     path = tmp_path / "plan.yaml"
     planned = CliRunner().invoke(app, ["plan", "--model", "tiny", "--hardware", "h200-sxm", "--gpus", "1",
                                        "--seq-len", "64", "--global-batch-tokens", "512", "--out", str(path),
@@ -318,6 +320,27 @@ def test_train_sets_the_optimizer_a_plan_was_priced_with_and_says_so(tmp_path):
     assert "optim.state_dtype=bf16 (config: fp32)" in text and "optim.update_kernel=torch (config: triton)" in text
     manifest = json.loads((out / "checkpoints" / "step-00000001" / "manifest.json").read_text())
     assert manifest["training"]["optim.state_dtype"] == "bf16"
+    fp8 = tmp_path / "fp8.yaml"
+    planned = CliRunner().invoke(app, ["plan", "--model", "tiny", "--hardware", "h200-sxm", "--gpus", "1",
+                                       "--seq-len", "64", "--global-batch-tokens", "512", "--out", str(fp8),
+                                       "--expert-precision", "fp8"])
+    assert planned.exit_code == 0, planned.output
+    assert (yaml.safe_load(fp8.read_text())["expert_precision"], yaml.safe_load(fp8.read_text())["fp8_dense"]) == (
+        "fp8", True)
+    result = invoke("--config", str(REPO / "configs/tiny-cpu.yaml"), "--plan", str(fp8), "--out-dir",
+                    str(tmp_path / "fp8-run"), "steps=1", "batch_size=4", "seq_len=32", "eval_every=0")
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    text = " ".join(result.stderr.split())
+    assert "priced in FP8" in text and "precision: fp8 needs device: cuda" in text
+    assert not (tmp_path / "fp8-run").exists()
+    from disagmoe.cli.train_cmd import _plan_note
+    from disagmoe.config import load_train_config
+    from disagmoe.runtime.plan_layout import apply_plan
+
+    gpu = load_train_config(REPO / "configs/tiny-cpu.yaml", ["device=cuda", "experts_backend=triton", "seq_len=32",
+                                                             f"plan={fp8}"])
+    note = " ".join(_plan_note(gpu, apply_plan(gpu, load_model("tiny"))).split())
+    assert "as it was priced: precision=fp8 (config: auto)" in note and "fp8_dense" not in note
 
 
 def test_the_progress_bar_and_the_summary_report_one_tokens_per_s(tmp_path, monkeypatch):

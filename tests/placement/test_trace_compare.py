@@ -60,6 +60,28 @@ def test_every_op_of_the_schedule_is_measured_and_predicted():
     assert result["steps_measured"] == 2 and result["step"]["measured_s"] > 0
 
 
+def test_the_request_prices_the_runs_precision_and_recomputation_as_bench_placement_does():
+    """An FP8 run with fp8_dense: false is priced with bf16 dense projections (it priced them in
+    FP8), its experts in FP8 and its selective modules; the same fields as `bench placement`'s
+    request for that run."""
+    from disagmoe.bench.placement import plan_request
+    from disagmoe.config import TrainConfig
+
+    hw = load_hardware("h200-sxm")
+    fp8 = TrainConfig(model="tiny", batch_size=8, seq_len=64, hardware="h200-sxm", device="cuda", precision="fp8",
+                      experts_backend="triton", fp8_dense=False, recompute="selective",
+                      recompute_modules=["expert_input", "expert_swiglu"], mode="single", micro_batches=1)
+    fields = ("expert_precision", "fp8_dense", "recompute", "recompute_modules", "experts_backend")
+    for cfg in (fp8, fp8.model_copy(update={"fp8_dense": None}), TrainConfig(model="tiny", batch_size=8, seq_len=64)):
+        req, _ = run_request(cfg, load_model("tiny"), hw)
+        assert [getattr(req, f) for f in fields] == [getattr(plan_request(cfg.model_copy(
+            update={"hardware": "h200-sxm"}), 1), f) for f in fields]
+    req, _ = run_request(fp8, load_model("tiny"), hw)
+    assert (req.expert_precision, req.fp8_dense, req.recompute_modules) == (
+        "fp8", False, ["expert_input", "expert_swiglu"])
+    assert run_request(fp8.model_copy(update={"fp8_dense": None}), load_model("tiny"), hw)[0].fp8_dense
+
+
 def test_a_message_is_timed_from_its_latest_posting_to_its_receipt(tmp_path):
     spans = {0: [("AttentionForward L0 mb0", "compute", 0.0, 10.0), ("Send dispatch L0 mb0", "send", 10.0, 1.0),
                  ("OptimizerStep", "compute", 60.0, 5.0)],

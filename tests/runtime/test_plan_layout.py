@@ -234,3 +234,46 @@ def test_a_plan_sets_the_optimizer_settings_it_was_priced_with():
         del data[name]
     old = apply_plan(config(Plan.model_validate(data), optim=mine), MODEL)
     assert old.optim == config(planned(2, 1), optim=mine).optim
+
+
+def test_a_plan_priced_in_fp8_sets_precision_fp8_and_its_fp8_dense():
+    """`plan --expert-precision fp8` records the experts' precision and fp8_dense in the plan, and
+    `train --plan` sets precision: fp8 and the plan's fp8_dense (among the replaced fields; fp8_dense
+    only where it differs from the config's, whose None means on under fp8); a bf16 plan, and a plan
+    written before it recorded them, leave the config's precision and fp8_dense."""
+    fp8, bf16 = planned(2, 1, expert_precision="fp8"), planned(2, 1)
+    assert (fp8.expert_precision, fp8.fp8_dense, bf16.expert_precision, bf16.fp8_dense) == ("fp8", True, "bf16", False)
+    lean = solve(build_request("tiny", "h200-sxm", 1, 64, 512, expert_precision="fp8").model_copy(
+        update={"fp8_dense": False}))
+    assert (lean.expert_precision, lean.fp8_dense) == ("fp8", False)
+    gpu = {"device": "cuda", "experts_backend": "triton"}
+    cfg = config(fp8, **gpu)
+    run = apply_plan(cfg, MODEL)
+    assert (run.precision, run.fp8_dense, run.expert_precision, run.dense_precision) == ("fp8", None, "fp8", "fp8")
+    changed = replaced_fields(cfg, run)
+    assert changed["precision"] == ("auto", "fp8") and "fp8_dense" not in changed
+    assert apply_plan(run, MODEL) == run  # idempotent
+    cfg = config(lean, **gpu)
+    run = apply_plan(cfg, MODEL)
+    assert (run.precision, run.fp8_dense, run.dense_precision) == ("fp8", False, "bf16")
+    assert replaced_fields(cfg, run)["fp8_dense"] == (None, False)
+    mine = config(fp8, precision="fp8", fp8_dense=False, **gpu)  # a plan with FP8 dense projections turns them on
+    assert replaced_fields(mine, apply_plan(mine, MODEL))["fp8_dense"] == (False, True)
+    kept = {"precision": "fp8", "fp8_dense": False, **gpu}
+    assert (apply_plan(config(bf16, **kept), MODEL).precision, apply_plan(config(bf16, **kept), MODEL).fp8_dense) == (
+        "fp8", False)
+    data = fp8.model_dump(mode="json")
+    del data["expert_precision"], data["fp8_dense"]
+    old = Plan.model_validate(data)
+    for fields in ({"precision": "bf16", **gpu}, kept):
+        run = apply_plan(config(old, **fields), MODEL)
+        assert (run.precision, run.fp8_dense) == (fields["precision"], fields.get("fp8_dense"))
+
+
+@pytest.mark.parametrize("precision", ["auto", "fp32"])
+def test_an_fp8_plan_on_a_cpu_run_gets_the_configs_own_fp8_refusal(precision):
+    """precision: fp8 set by a plan goes through the config's checks as a config file's would: on
+    the CPU (the config's precision auto or fp32) with loop experts it is refused, naming why and
+    that the plan set it, before anything runs."""
+    with pytest.raises(ValueError, match=r"priced in FP8.*precision: fp8 needs device: cuda"):
+        apply_plan(config(planned(2, 1, expert_precision="fp8"), precision=precision), MODEL)
