@@ -546,15 +546,15 @@ def evaluate(prob: Problem, c: Candidates, misfits_exact: bool = True) -> Cost:
     attention_link = host_link_bytes(prob.optimizer_state_dtype, "bf16", zero1_ranks(dp, prob.shard_optimizer))
     expert_link = host_link_bytes(prob.optimizer_state_dtype, "bf16")
 
-    def optimizer(params: Num, link_bytes: Num, first_touch: Num = 0) -> Work:
-        """The optimizer step over `params` parameters (`first_touch` of them not zeroed) as the run's
-        settings make it; offloaded, torch's update on the staging slots (whatever the update
-        kernel) and the host-link copies."""
+    def optimizer(params: Num, link_bytes: Num, first_touch: Num = 0, shards: Num = 1) -> Work:
+        """The optimizer step over `params` parameters (`first_touch` of them not zeroed; ZeRO-1 over
+        `shards` GPUs) as the run's settings make it; offloaded, torch's update on the staging slots
+        (whatever the update kernel) and the host-link copies."""
         if prob.offload_optimizer:
             return st.offloaded_optimizer_step(params, link_bytes, prob.optimizer_state_dtype, prob.clip_gradients,
-                                               first_touch)
+                                               first_touch, shards)
         return st.optimizer_step(params, prob.optimizer_state_dtype, prob.optimizer_update_kernel, prob.clip_gradients,
-                                 first_touch)
+                                 first_touch, shards)
 
     # Every stage once: per GPU, per micro-batch and layer (or per micro-batch / per step).
     head = st.lm_head(m, tokens) + st.embedding(m, tokens)
@@ -578,10 +578,14 @@ def evaluate(prob: Problem, c: Candidates, misfits_exact: bool = True) -> Cost:
         "main-grad adds (dense layers)": Stage("attention", "dense", Work(), st.main_grad_add(attn_layer + dense_side)),
         "lm head + embedding": Stage("attention", "micro-batch", head, head.backward()),
         "main-grad adds (embedding, head)": Stage("attention", "micro-batch", Work(), st.main_grad_add(emb_params)),
-        "grad all-reduce (attention)": Stage("link", "step", Work(), st.ring_allreduce(FP32 * attn_params, dp, f_dp)),
+        # under ZeRO-1 the reduce-scatter of the gradients and the all-gather of the compute parameters
+        "grad all-reduce (attention)": Stage("link", "step", Work(), st.ring_reduce_scatter_all_gather(
+            FP32 * attn_params, BF16 * attn_params, dp, f_dp) if prob.shard_optimizer else
+            st.ring_allreduce(FP32 * attn_params, dp, f_dp)),
         "grad all-reduce (experts)": Stage("link", "step", Work(),
                                            st.ring_allreduce(FP32 * exp_params, expert_replicas, f_replicas)),
-        "optimizer (attention)": Stage("attention", "step", Work(), optimizer(attn_params, attention_link)),
+        "optimizer (attention)": Stage("attention", "step", Work(), optimizer(
+            attn_params, attention_link, shards=zero1_ranks(dp, prob.shard_optimizer))),
         "optimizer (experts)": Stage("expert", "step", Work(), optimizer(exp_params, expert_link,
                                                                          exp_params if prob.first_touch else 0)),
     }

@@ -368,6 +368,16 @@ def ring_allreduce(nbytes: Num, ranks: Num, scaleout_fraction: Num) -> Work:
                 collectives=np.where(ranks > 1, 1.0, 0.0))
 
 
+def ring_reduce_scatter_all_gather(grad_bytes: Num, param_bytes: Num, ranks: Num, scaleout_fraction: Num) -> Work:
+    """ZeRO-1's gradient sync over `ranks` GPUs (`FlatAdamW.reduce_scatter`, then the all-gather of
+    the updated compute parameters): a ring reduce-scatter of `grad_bytes` and a ring all-gather of
+    `param_bytes`, each GPU sending (n - 1) / n of each; two collectives."""
+    ranks = np.maximum(ranks, 1)
+    moved = (ranks - 1) / ranks * (grad_bytes + param_bytes)
+    return Work(nvlink_bytes=moved * (1.0 - scaleout_fraction), scaleout_bytes=moved * scaleout_fraction,
+                collectives=np.where(ranks > 1, 2.0, 0.0))
+
+
 # Bytes per parameter of each tensor FlatAdamW's step touches (runtime/state/flat_adamw.py)
 MASTER = FP32  # the fp32 master weight
 MAIN_GRAD = FP32  # the fp32 main gradient
@@ -411,26 +421,31 @@ def adamw_update_bytes(state_dtype: str, update_kernel: str, clipped: bool) -> t
 
 
 def optimizer_step(params: Num, state_dtype: str, update_kernel: str, clipped: bool,
-                   first_touch_params: Num = 0) -> Work:
+                   first_touch_params: Num = 0, shards: Num = 1) -> Work:
     """FlatAdamW's passes over the parameters in one step (runtime/state/flat_adamw.py), bytes per
     parameter: zero the fp32 main gradients (write 4; not the `first_touch_params` ones, which the
     first weight-gradient launch of the step stores: `kernels.first_touch`), their norm (read 4:
     the trainer takes it every step), then the update with the compute copy (`adamw_update_bytes`:
     `optim.state_dtype`, `optim.update_kernel`, and `clipped` where `optim.grad_clip` > 0).
     Clipped, that is 46 with torch and fp32 moments, 70 with torch and bf16, 38 with triton and
-    fp32, 30 with triton and bf16 (4 less for a first-touch parameter)."""
+    fp32, 30 with triton and bf16 (4 less for a first-touch parameter). ZeRO-1 over `shards` GPUs
+    (`optim.shard_states`): every main gradient is zeroed, but the norm and the update run over the
+    GPU's slice (1 / shards of the parameters), and the all-gather writes the other slices' compute
+    parameters (2 bytes each)."""
     zero, norm = MAIN_GRAD, MAIN_GRAD
     read, written = adamw_update_bytes(state_dtype, update_kernel, clipped)
-    return Work(hbm_bytes=params * (norm + read + written) + (params - first_touch_params) * zero)
+    shards = np.maximum(shards, 1)
+    gathered = COMPUTE_PARAM * params * (shards - 1) / shards
+    return Work(hbm_bytes=params / shards * (norm + read + written) + (params - first_touch_params) * zero + gathered)
 
 
 def offloaded_optimizer_step(params: Num, link_bytes: Num, state_dtype: str, clipped: bool,
-                             first_touch_params: Num = 0) -> Work:
+                             first_touch_params: Num = 0, shards: Num = 1) -> Work:
     """`optimizer_step` with the masters and moments in host memory (`offload_optimizer`,
     runtime/state/offload.py): torch's update whatever `optim.update_kernel` says (`FlatAdamW._step_offloaded`
     runs `adamw_chunk`, torch's fused AdamW, on each chunk in the device slots, then writes the compute
     copy from the slot's masters), plus the staging slots written by the copies in and read by the
     copies out (`link_bytes` per parameter each way, `optimizer_state.host_link_bytes`), which cross the
     host link in both directions at once, overlapped with the update."""
-    update = optimizer_step(params, state_dtype, "torch", clipped, first_touch_params)
+    update = optimizer_step(params, state_dtype, "torch", clipped, first_touch_params, shards)
     return update + Work(hbm_bytes=2 * params * link_bytes, host_bytes=params * link_bytes)

@@ -111,6 +111,38 @@ def test_sharded_optimizer_states_divide_the_attention_sides_state_over_data_par
     assert "ZeRO-1" in " ".join(plan.notes)
 
 
+@pytest.mark.parametrize("update_kernel", ["torch", "triton"])
+def test_sharded_optimizer_states_price_the_slices_update_and_the_reduce_scatter_and_all_gather(update_kernel):
+    """ZeRO-1 in time as FlatAdamW runs it: every main gradient zeroed, the norm and update over
+    the GPU's 1 / dp slice, the other slices' bf16 parameters written by the all-gather; on the
+    links a reduce-scatter of the fp32 gradients and an all-gather of the bf16 parameters, each
+    (dp - 1) / dp of its bytes, in place of the all-reduce's 2 (dp - 1) / dp of the gradients."""
+    from disagmoe.roofline import stages as st
+
+    m = load_model("qwen3-30b-a3b")
+
+    def cfg(shard):
+        return PlanConfig(model=m, cluster=ClusterConfig(hardware=load_hardware("h200-sxm"), num_gpus=16),
+                          seq_len=4096, shard_optimizer_states=shard, optimizer_update_kernel=update_kernel)
+
+    one = Candidates.one(8, 8, 1, 2, 1)
+    plain, sharded = evaluate(problem_of(cfg(False)), one), evaluate(problem_of(cfg(True)), one)
+    dp, params = float(sharded.dp[0]), float(sharded.attn_params[0])
+    assert dp == 8
+    read, written = st.adamw_update_bytes("fp32", update_kernel, True)
+    want = params * st.MAIN_GRAD + params / dp * (st.MAIN_GRAD + read + written) + params * (dp - 1) / dp * st.BF16
+    assert _first(sharded.stages["optimizer (attention)"].bwd.hbm_bytes) == pytest.approx(want, rel=1e-12)
+    assert _first(plain.stages["optimizer (attention)"].bwd.hbm_bytes) == pytest.approx(
+        params * (2 * st.MAIN_GRAD + read + written), rel=1e-12)
+    sync, all_reduce = (c.stages["grad all-reduce (attention)"].bwd for c in (sharded, plain))
+    moved = lambda w: _first(w.nvlink_bytes) + _first(w.scaleout_bytes)  # noqa: E731
+    assert moved(sync) == pytest.approx((dp - 1) / dp * params * (st.FP32 + st.BF16), rel=1e-12)
+    assert moved(all_reduce) == pytest.approx(2 * (dp - 1) / dp * params * st.FP32, rel=1e-12)
+    assert (_first(sync.collectives), _first(all_reduce.collectives)) == (2.0, 1.0)
+    assert _first(sharded.stages["optimizer (experts)"].bwd.hbm_bytes) == _first(
+        plain.stages["optimizer (experts)"].bwd.hbm_bytes)  # experts are never sharded
+
+
 def test_stages_repeat_over_the_layers_they_run_in():
     m = load_model("deepseek-v3")  # 61 layers, 3 dense
     cfg = PlanConfig(model=m, cluster=ClusterConfig(hardware=load_hardware("gb200-nvl72"), num_gpus=144),
