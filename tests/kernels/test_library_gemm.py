@@ -11,25 +11,11 @@ import pytest
 import torch
 
 from disagmoe.kernels.tile_configs import TileConfig
+from tests.kernels.test_moe_ffn import _inputs, _rel_err  # the FFN tests' ragged inputs and error
 
 SMALL = TileConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=4, num_stages=1)
 LIBRARY = dataclasses.replace(SMALL, library=True)
 CASES = [([5, 0, 37, 1], 40, 24), ([0, 0, 50, 0], 32, 16), ([17, 16, 0, 33, 2], 24, 40)]
-
-
-def _inputs(counts, hidden, ffn, dtype, device, seed):
-    gen = torch.Generator().manual_seed(seed)
-    experts, rows = len(counts), sum(counts)
-    x = torch.randn(rows, hidden, generator=gen)
-    w13 = torch.randn(experts, hidden, 2 * ffn, generator=gen) / hidden**0.5
-    w2 = torch.randn(experts, ffn, hidden, generator=gen) / ffn**0.5
-    offsets = torch.tensor(counts).cumsum(0).to(torch.int32)
-    cast = lambda t: t.to(device=device, dtype=dtype)  # noqa: E731
-    return cast(x), offsets.to(device), cast(w13), cast(w2)
-
-
-def _rel_err(got, want):
-    return ((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30)).item()
 
 
 @pytest.fixture
