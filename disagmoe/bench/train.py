@@ -12,7 +12,9 @@ Hugging Face transformers' Qwen3MoeForCausalLM on one GPU, same shape and batch
 
 Variants (`variants`, e.g. ["recompute=none", "recompute=selective"]): every mode runs once per
 variant (each a set of config overrides), in the same run; each row then also gives its
-tokens/s and peak memory against the same mode's row of the first variant.
+tokens/s and peak memory against the same mode's row of the first variant. Every row keeps its
+per-step losses and, where it ran FP8 GEMMs, each step's share of saturated e4m3 elements
+(`bench.loss_plot` draws them: `--plot`).
 
 Each row is logged as it ends, so a run stopped part-way keeps what it measured. A row that
 cannot run (a `ValueError` naming the fix: its memory check, an out-of-memory error, a refusal of
@@ -254,15 +256,20 @@ def run(cfg: TrainConfig, modes: list[str], steps: int, warmup: int,
                          "median_step_s": step_s, "gpu_wait": mean_waits(records, warmup),
                          "tokens_per_s": records[-1]["tokens"] / step_s, "final_loss": records[-1]["loss"],
                          "mean_loss": mean_of(records, "loss", 0), "losses": [r["loss"] for r in records],
+                         "fp8_saturated_shares": [r.get("fp8_saturated_share") for r in records],
+                         "max_fp8_saturated_share": max((r["fp8_saturated_share"] for r in records
+                                                         if r.get("fp8_saturated_share") is not None), default=None),
                          "busy": mean_busy(records, warmup), "routing": records[-1].get("routing", "learned"),
                          "mfu": None if time_sliced else _rate(flops, step_s, records[-1], "mfu"),
                          "mfu_ceiling": None if time_sliced else _rate(flops, step_s, records[-1], "mfu_ceiling"),
                          "peak_memory_gib": max((r["peak_memory_gib"] for r in records
                                                  if r.get("peak_memory_gib") is not None), default=None),
                          "load_imbalance": statistics.fmean(imbalance) if imbalance else None})
+            saturated = rows[-1]["max_fp8_saturated_share"]
             log(f"{name}: {step_s * 1e3:,.1f} ms/step, {rows[-1]['tokens_per_s']:,.0f} tokens/s, final loss "
                 f"{rows[-1]['final_loss']:.4f}" + (f", peak {rows[-1]['peak_memory_gib']:.1f} GiB"
-                                                   if rows[-1]["peak_memory_gib"] is not None else ""))
+                                                   if rows[-1]["peak_memory_gib"] is not None else "")
+                + (f", FP8 saturated share at most {saturated:.2e} a step" if saturated is not None else ""))
             if on_row is not None:
                 on_row(rows)
         if baseline == "hf":

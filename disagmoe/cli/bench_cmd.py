@@ -375,6 +375,10 @@ def train(
     as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
     out: Annotated[Path | None, typer.Option("--out", "-o", help="also write the JSON record here (rewritten as each "
                                                                "row ends, marked partial until the run's end)")] = None,
+    plot: Annotated[Path | None, typer.Option(
+        help="also write the rows' loss curves as a PNG: loss per step, each row's loss relative to the first "
+             "row's (%), and where a row ran FP8 the share of saturated e4m3 elements per step (a parity run: "
+             "--variant precision=bf16 --variant precision=fp8 --steps 300)")] = None,
 ) -> None:
     """Time whole training steps of one config in several layouts in the same run, on the same
     devices (colocated gets attention + expert ranks), and report each against colocated and the
@@ -409,6 +413,13 @@ def train(
                        variant, on_row=keep_partial if out is not None else None)
     if out is not None:
         out.write_text(json.dumps(record, indent=1) + "\n")
+    if plot is not None:
+        from disagmoe.bench.loss_plot import plot_losses
+
+        ran = [r for r in record["modes"] if not r.get("error")]
+        plot_losses(ran, plot, f"{config} ({ran[0].get('routing', 'learned')} routing), {steps} steps",
+                    [bench.row_label(r) for r in ran])
+        log(f"wrote {plot}")
     if as_json:
         print_json(record)
         return

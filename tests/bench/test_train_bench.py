@@ -172,3 +172,38 @@ def test_a_run_whose_every_row_fails_exits_with_their_errors(monkeypatch):
     r = CliRunner().invoke(app, ["bench", "train", "--config", "configs/tiny-cpu.yaml", "--mode", "single",
                                  "--steps", "3", "--variant", "micro_batches=2"])
     assert r.exit_code != 0 and "no row of the run trained" in r.output and "Traceback" not in r.output, r.output
+
+
+def test_plot_draws_every_rows_losses_and_their_distance_from_the_first(tmp_path):
+    """`--plot`: a PNG of the two variants' curves; each row keeps its per-step losses and, having
+    run no FP8 GEMM, no saturation shares (the FP8 panel is drawn only for rows that have them)."""
+    png = tmp_path / "loss.png"
+    r = CliRunner().invoke(app, ["bench", "train", "--config", "configs/tiny-cpu.yaml", "--mode", "single",
+                                 "--steps", "3", "--warmup", "1", "--variant", "micro_batches=1",
+                                 "--variant", "micro_batches=2", "--plot", str(png), "--json"])
+    assert r.exit_code == 0, r.output
+    rows = json.loads(r.stdout)["modes"]
+    assert all(len(row["losses"]) == 3 and row["max_fp8_saturated_share"] is None for row in rows)
+    assert all(share is None for row in rows for share in row["fp8_saturated_shares"])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_loss_plot_adds_the_fp8_panel_and_reads_parity_in_percent(tmp_path, monkeypatch):
+    """Rows with FP8 saturation shares get the third panel (its bar 1e-4); the middle panel is each
+    row's loss relative to the first row's, in percent."""
+    import matplotlib.figure
+
+    from disagmoe.bench.loss_plot import SATURATION_BAR, plot_losses, relative_percent
+
+    assert relative_percent([2.02, 3.0], [2.0, 3.0, 4.0]) == pytest.approx([1.0, 0.0])
+    panels = []
+    real = matplotlib.figure.Figure.savefig
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig",
+                        lambda fig, *a, **k: (panels.append(len(fig.axes)), real(fig, *a, **k))[1])
+    bf16 = {"losses": [3.0, 2.5, 2.2], "fp8_saturated_shares": [None] * 3}
+    fp8 = {"losses": [3.0, 2.52, 2.21], "fp8_saturated_shares": [0.0, 2e-6, 5e-5]}
+    plot_losses([bf16, fp8], tmp_path / "a.png", "parity", ["bf16", "fp8"])
+    plot_losses([bf16], tmp_path / "b.png", "plain", ["bf16"])
+    assert panels == [3, 2] and SATURATION_BAR == 1e-4
+    with pytest.raises(ValueError, match="no row has losses"):
+        plot_losses([{"losses": []}], tmp_path / "c.png", "none", ["x"])

@@ -1,0 +1,65 @@
+"""`disagmoe bench train --plot PATH`: the rows' loss curves in one PNG, for parity runs (e.g.
+`--variant precision=bf16 --variant precision=fp8`, 300 steps).
+
+Top panel: each row's loss per step. Middle panel: each row's loss relative to the first row's at
+the same step, in percent (the parity a bar like "within 1% at step 300" reads). Bottom panel, where
+a row ran FP8 GEMMs: the share of its quantised elements that saturated e4m3 each step (log
+scale), with the bar a parity run is held to (`SATURATION_BAR`). matplotlib is imported only when a
+plot is asked for (Agg backend: no display).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+SATURATION_BAR = 1e-4  # issue 21's per-step bar for the share of saturated FP8 elements
+
+
+def relative_percent(losses: list[float], reference: list[float]) -> list[float]:
+    """100 (loss / reference - 1) per step, over the steps both have."""
+    return [100.0 * (a / b - 1.0) for a, b in zip(losses, reference, strict=False)]
+
+
+def plot_losses(rows: list[dict[str, Any]], path: str | Path, title: str, labels: list[str]) -> None:
+    """Write the figure (module docstring) for `rows` (bench train's rows with `losses`, and
+    `fp8_saturated_shares` where FP8 ran), each named by its entry of `labels`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows_labels = [(r, name) for r, name in zip(rows, labels, strict=True) if r.get("losses")]
+    if not rows_labels:
+        raise ValueError("--plot: no row has losses to plot (every row failed)")
+    fp8 = [(r, name) for r, name in rows_labels if any(s is not None for s in r.get("fp8_saturated_shares") or [])]
+    panels = 3 if fp8 else 2
+    fig, axes = plt.subplots(panels, 1, figsize=(9, 3.2 * panels), sharex=True)
+    first, first_name = rows_labels[0]
+    for r, name in rows_labels:
+        steps = range(1, len(r["losses"]) + 1)
+        axes[0].plot(steps, r["losses"], label=name, linewidth=1.2)
+        if r is not first:
+            rel = relative_percent(r["losses"], first["losses"])
+            axes[1].plot(range(1, len(rel) + 1), rel, label=f"{name} vs {first_name}", linewidth=1.0)
+    axes[0].set_ylabel("loss")
+    axes[0].set_title(title, fontsize=10)
+    axes[0].legend(fontsize=8)
+    axes[1].axhline(0.0, color="grey", linewidth=0.8)
+    for bar in (-1.0, 1.0):
+        axes[1].axhline(bar, color="grey", linewidth=0.6, linestyle="--")
+    axes[1].set_ylabel(f"loss vs {first_name} (%)")
+    if len(rows_labels) > 1:
+        axes[1].legend(fontsize=8)
+    if fp8:
+        for r, name in fp8:
+            shares = [(i + 1, s) for i, s in enumerate(r["fp8_saturated_shares"]) if s is not None]
+            axes[2].plot([i for i, _ in shares], [max(s, 1e-12) for _, s in shares], label=name, linewidth=1.0)
+        axes[2].axhline(SATURATION_BAR, color="red", linewidth=0.8, linestyle="--", label=f"{SATURATION_BAR:g}")
+        axes[2].set_yscale("log")
+        axes[2].set_ylabel("FP8 saturated share")
+        axes[2].legend(fontsize=8)
+    axes[-1].set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
