@@ -40,7 +40,9 @@ PROBE_VERSION = 4
 #    step's 505 ms of kernels read as 436), so its times may be short; the optimizer's step timed with the
 #    Triton update (the new default, `calibrate.OPTIMIZER_OPTIM`) and fitted against that update's own bytes
 #    (`roofline.stages.optimizer_step` by update kernel, moments' dtype and clip; version 3: torch's, against 42 B).
-PROBE_FINGERPRINT = "ffe46b9e85744054"  # `code_fingerprint()` of the code that measures version PROBE_VERSION
+#    (Session 16, still version 4, not yet measured: the stage functions took first touch's and ZeRO-1's
+#    arguments, whose defaults price the probe's own launches as before: the fingerprint alone moved.)
+PROBE_FINGERPRINT = "00dae754428a0878"  # `code_fingerprint()` of the code that measures version PROBE_VERSION
 
 # The code that decides what a calibration's numbers mean: file (under disagmoe/) -> top-level name
 # -> why it belongs. Left out on purpose: the experts backends and `model.Block` (the probe measures
