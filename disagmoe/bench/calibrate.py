@@ -505,7 +505,8 @@ def norms_passes(model: ModelConfig, batch: int, seq_len: int, dev, dtype=torch.
     gen = torch.Generator(device=dev).manual_seed(0)
     leaf = lambda *shape: torch.randn(*shape, device=dev, dtype=dtype, generator=gen).requires_grad_()  # noqa: E731
     x, q, k, v = leaf(B, S, H), leaf(B, S, n, D), leaf(B, S, g, D), leaf(B, S, g, D)
-    o, attn_out, ffn_out = leaf(B, n, S, D), leaf(B, S, H), leaf(B, S, H)
+    # the attention's output as the kernel leaves it: token-major, viewed heads-first (`model.attention`)
+    o, attn_out, ffn_out = leaf(B, S, n, D).transpose(1, 2), leaf(B, S, H), leaf(B, S, H)
     leaves = [x, q, k, v, o, attn_out, ffn_out, *(p for p in block.parameters() if p.dim() == 1)]
 
     def forward() -> list[torch.Tensor]:

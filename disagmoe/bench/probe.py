@@ -41,8 +41,9 @@ PROBE_VERSION = 4
 #    Triton update (the new default, `calibrate.OPTIMIZER_OPTIM`) and fitted against that update's own bytes
 #    (`roofline.stages.optimizer_step` by update kernel, moments' dtype and clip; version 3: torch's, against 42 B).
 #    (Session 16, still version 4, not yet measured: the stage functions took first touch's and ZeRO-1's
-#    arguments, whose defaults price the probe's own launches as before: the fingerprint alone moved.)
-PROBE_FINGERPRINT = "00dae754428a0878"  # `code_fingerprint()` of the code that measures version PROBE_VERSION
+#    arguments, whose defaults price the probe's own launches as before; the norms probe's attention output
+#    is token-major and `stages.norms_and_residuals` has no v or output layout copies, as `rope_heads` now.)
+PROBE_FINGERPRINT = "2af67ef98e146c27"  # `code_fingerprint()` of the code that measures version PROBE_VERSION
 
 # The code that decides what a calibration's numbers mean: file (under disagmoe/) -> top-level name
 # -> why it belongs. Left out on purpose: the experts backends and `model.Block` (the probe measures

@@ -18,8 +18,10 @@ source), the log-sum-exp one fp32 value per head and token. When the checkpoint 
 block in the backward, the function hands back the kept output instead of launching the kernel,
 and its backward is the kernel's own backward op on the recomputed q, k, v with the kept output
 and log-sum-exp: the plain run's gradients to the bit. Where F.sdpa would choose another backend
-(memory-efficient, math; or flash with a head dim it pads), the core runs as F.sdpa and the
-recomputation runs it again, as before.
+(memory-efficient, math; flash with fewer key/value heads than query heads, as GQA has, or with a
+head dim it pads), the core runs as F.sdpa and the recomputation runs it again, as before: the
+planner prices the kept case (`roofline.stages.attention_recompute`), which holds where cuDNN runs
+(an H200 with torch 2.11 picks it for GQA and MHA).
 
 No host reads (the kernel choice is a host decision on shapes and dtypes, made in the forward), so
 the step can be captured in a CUDA graph. Shape legend: B batch, n query heads, g key/value heads,
@@ -32,27 +34,39 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 CUDNN, FLASH = int(SDPBackend.CUDNN_ATTENTION), int(SDPBackend.FLASH_ATTENTION)
 
 
 class KeptCore:
-    """One checkpointed call's attention core: the forward's output (detached: an alias, no copy)
-    and the kernel's other outputs its backward needs, set by the first run, read by the
-    recomputation and the backward."""
+    """One checkpointed call's attention core: the kernel the forward chose, its output (detached:
+    an alias, no copy) and the kernel's other outputs its backward needs, set by the first run, read
+    by the recomputation (which takes the same kernel whatever the backends allowed then) and by the
+    backward, which lets them go (the autograd graph may outlive it: a trainer holds the last
+    micro-batch's loss while the next one's forward runs). One backward: `retain_graph` is not
+    supported."""
 
     def __init__(self) -> None:
+        self.chosen = False  # the forward chose: `backend`, or None (F.sdpa, then run again by the recomputation)
+        self.backend: int | None = None
+        self.sdpa = int(SDPBackend.MATH)  # with `backend` None: the backend F.sdpa ran, pinned for the recomputation
         self.out_BnSD: torch.Tensor | None = None
         self.aux: tuple[Any, ...] = ()
 
 
+def sdpa_choice(q_BnSD: torch.Tensor, k_BgSD: torch.Tensor, v_BgSD: torch.Tensor, scale: float | None,
+                gqa: bool) -> int:
+    """The backend F.sdpa runs for these operands under the backends allowed now (`SDPBackend`'s value)."""
+    return int(torch._fused_sdp_choice(q_BnSD, k_BgSD, v_BgSD, is_causal=True, scale=scale, enable_gqa=gqa))
+
+
 def fused_backend(q_BnSD: torch.Tensor, k_BgSD: torch.Tensor, v_BgSD: torch.Tensor, scale: float | None,
-                  gqa: bool) -> int | None:
-    """The fused kernel F.sdpa would run for these operands, if it is one this module can keep the
-    output of (its backward op taken as is): cuDNN; flash on the CPU, or on a GPU with equal head
-    counts and a head dim it does not pad. None: another backend (F.sdpa runs it)."""
-    choice = int(torch._fused_sdp_choice(q_BnSD, k_BgSD, v_BgSD, is_causal=True, scale=scale, enable_gqa=gqa))
+                  gqa: bool, choice: int | None = None) -> int | None:
+    """The fused kernel F.sdpa would run for these operands (`choice`: `sdpa_choice`'s), if it is
+    one this module can keep the output of (its backward op taken as is): cuDNN; flash on the CPU,
+    or on a GPU with equal head counts and a head dim it does not pad. None: another backend."""
+    choice = sdpa_choice(q_BnSD, k_BgSD, v_BgSD, scale, gqa) if choice is None else choice
     if choice == CUDNN and q_BnSD.is_cuda:
         return CUDNN
     if choice == FLASH and (not q_BnSD.is_cuda or (q_BnSD.shape[1] == k_BgSD.shape[1]
@@ -114,9 +128,13 @@ class _KeptAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dout_BnSD: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        kept: KeptCore | None = ctx.kept
+        if kept is None or kept.out_BnSD is None:
+            raise RuntimeError("the kept attention core's backward ran twice (retain_graph is not supported with "
+                               "recompute_modules: [attention])")
         q_BnSD, k_BgSD, v_BgSD = ctx.saved_tensors
-        kept: KeptCore = ctx.kept
         dq, dk, dv = _backward(ctx.backend, dout_BnSD, q_BnSD, k_BgSD, v_BgSD, kept.out_BnSD, kept.aux, ctx.scale)
+        kept.out_BnSD, kept.aux, ctx.kept = None, (), None  # as autograd frees a node's saved tensors
         return dq, dk, dv, None, None, None
 
 
@@ -124,9 +142,13 @@ def causal_attention(q_BnSD: torch.Tensor, k_BgSD: torch.Tensor, v_BgSD: torch.T
                      scale: float | None = None, gqa: bool = False) -> torch.Tensor:
     """Causal attention [B, n, S, Dv]: F.sdpa, or with `kept` (inside the attention block's
     recomputing checkpoint, grad mode on) the kept-output function over the same kernel."""
-    backend = None
-    if kept is not None and torch.is_grad_enabled():
-        backend = fused_backend(q_BnSD, k_BgSD, v_BgSD, scale, gqa)
-    if backend is None:
+    if kept is None or not torch.is_grad_enabled():
         return F.scaled_dot_product_attention(q_BnSD, k_BgSD, v_BgSD, is_causal=True, scale=scale, enable_gqa=gqa)
-    return _KeptAttention.apply(q_BnSD, k_BgSD, v_BgSD, kept, backend, scale)
+    if not kept.chosen:  # the forward chooses; its recomputation takes the same kernel
+        choice = sdpa_choice(q_BnSD, k_BgSD, v_BgSD, scale, gqa)
+        kept.backend, kept.sdpa, kept.chosen = fused_backend(q_BnSD, k_BgSD, v_BgSD, scale, gqa, choice), choice, True
+    if kept.backend is None:  # F.sdpa, pinned to its forward's backend so the recomputation saves the same
+        with sdpa_kernel(SDPBackend(kept.sdpa)):
+            return F.scaled_dot_product_attention(q_BnSD, k_BgSD, v_BgSD, is_causal=True, scale=scale,
+                                                  enable_gqa=gqa)
+    return _KeptAttention.apply(q_BnSD, k_BgSD, v_BgSD, kept, kept.backend, scale)

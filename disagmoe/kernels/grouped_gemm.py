@@ -374,7 +374,9 @@ def ragged_rows_gemm(
     groups = offsets_E.shape[0]  # row groups: a multiple of the experts, group g uses b[g mod experts]
     assert k_b == k and offsets_E.dim() == 1 and groups % experts == 0 and offsets_E.dtype == torch.int32
     cols = width // 2 if epilogue == EPILOGUE_SWIGLU else width
-    out_given = out is not None
+    if (config.library and n_rows and cols
+            and library_takes(a_NK, offsets_E, b_EKC, epilogue, out is not None, dst_rows_N, signal, a_rows_N)):
+        return torch._grouped_mm(a_NK, b_EKC, offs=offsets_E)  # its own output: none allocated here
     if out is None:
         out_cols = 2 * cols if epilogue == EPILOGUE_SWIGLU_GRAD else cols
         out = a_NK.new_empty((n_rows, out_cols))
@@ -388,8 +390,6 @@ def ragged_rows_gemm(
                                  and row_scale[1].shape[0] == triton.cdiv(cols, config.block_n))
     if signal is None and (n_rows == 0 or cols == 0):
         return out
-    if config.library and library_takes(a_NK, offsets_E, b_EKC, epilogue, out_given, dst_rows_N, signal, a_rows_N):
-        return torch._grouped_mm(a_NK, b_EKC, offs=offsets_E)
     epi_chunk = min(config.epilogue_chunk, config.block_n) if epilogue == EPILOGUE_SWIGLU_GRAD else config.block_n
     if epi_chunk < 1 or epi_chunk & (epi_chunk - 1):
         raise ValueError(f"TileConfig.epilogue_chunk={config.epilogue_chunk}: give a power of two (columns)")

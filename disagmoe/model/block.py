@@ -65,8 +65,8 @@ class Block(nn.Module):
         forward keeps x (the checkpoint's input) and the core's output (the output projection's
         input) with its log-sum-exp (`kernels.attention_core.KeptCore`); the backward runs the
         rest again, the same ops on the same values (gradients bit-equal), and the core's own
-        backward from the kept output (the kernel does not run again where F.sdpa picks cuDNN or
-        flash; elsewhere it does).
+        backward from the kept output (the kernel does not run again where F.sdpa picks cuDNN, or
+        flash with as many key/value heads as query heads; elsewhere it does).
         No RNG in there (no dropout), so no RNG state is stashed (a host read a CUDA graph would
         freeze); the projections' weight gradients still wait under `deferred_weight_grads` (the
         backward of the recomputed ops runs in the outer backward, grad mode off)."""

@@ -559,7 +559,9 @@ def evaluate(prob: Problem, c: Candidates, misfits_exact: bool = True) -> Cost:
     # Every stage once: per GPU, per micro-batch and layer (or per micro-batch / per step).
     head = st.lm_head(m, tokens) + st.embedding(m, tokens)
     # the passes `bench calibrate` fits its expert curve against; first touch: a step's first launch stores
-    experts = st.expert_passes(m, rows, local, 1.0 / mb if prob.first_touch else 0.0)
+    # (one of the rounds x micro-batches launches a step makes per layer)
+    rounds = np.ceil(prob.global_batch_tokens / (mb * dp * tokens))
+    experts = st.expert_passes(m, rows, local, 1.0 / (rounds * mb) if prob.first_touch else 0.0)
     stages = {
         "attention projections": Stage("attention", "layer", *st.attention_projection_passes(m, tokens)),
         "attention core": Stage("attention", "layer", *st.attention_core_passes(m, tokens, S)),
@@ -578,10 +580,9 @@ def evaluate(prob: Problem, c: Candidates, misfits_exact: bool = True) -> Cost:
         "main-grad adds (dense layers)": Stage("attention", "dense", Work(), st.main_grad_add(attn_layer + dense_side)),
         "lm head + embedding": Stage("attention", "micro-batch", head, head.backward()),
         "main-grad adds (embedding, head)": Stage("attention", "micro-batch", Work(), st.main_grad_add(emb_params)),
-        # under ZeRO-1 the reduce-scatter of the gradients and the all-gather of the compute parameters
-        "grad all-reduce (attention)": Stage("link", "step", Work(), st.ring_reduce_scatter_all_gather(
-            FP32 * attn_params, BF16 * attn_params, dp, f_dp) if prob.shard_optimizer else
-            st.ring_allreduce(FP32 * attn_params, dp, f_dp)),
+        # under ZeRO-1 the reduce-scatter of the gradients (the updated slices' all-gather follows the update)
+        "grad all-reduce (attention)": Stage("link", "step", Work(), st.ring_reduce_scatter(
+            FP32 * attn_params, dp, f_dp) if prob.shard_optimizer else st.ring_allreduce(FP32 * attn_params, dp, f_dp)),
         "grad all-reduce (experts)": Stage("link", "step", Work(),
                                            st.ring_allreduce(FP32 * exp_params, expert_replicas, f_replicas)),
         "optimizer (attention)": Stage("attention", "step", Work(), optimizer(
@@ -589,6 +590,9 @@ def evaluate(prob: Problem, c: Candidates, misfits_exact: bool = True) -> Cost:
         "optimizer (experts)": Stage("expert", "step", Work(), optimizer(exp_params, expert_link,
                                                                          exp_params if prob.first_touch else 0)),
     }
+    if prob.shard_optimizer:  # ZeRO-1: the updated slices' compute parameters gathered after the update
+        stages["param all-gather (attention)"] = Stage("link", "step", Work(), st.ring_all_gather(
+            BF16 * attn_params, dp, f_dp))
     if n_dense == 0:
         del stages["dense ffn"], stages["main-grad adds (dense layers)"]
     if not selective.any():
@@ -631,10 +635,11 @@ def evaluate(prob: Problem, c: Candidates, misfits_exact: bool = True) -> Cost:
     fwd_round, bwd_round = rounds_time
 
     tokens_per_round = mb * dp * tokens
-    rounds = np.ceil(prob.global_batch_tokens / tokens_per_round)
     ar_attn = time_of("grad all-reduce (attention)", True)
     ar_exp = time_of("grad all-reduce (experts)", True)
     opt_attn, opt_exp = time_of("optimizer (attention)", True), time_of("optimizer (experts)", True)
+    if "param all-gather (attention)" in stages:  # after the update, before the next forward: not overlapped
+        opt_attn = opt_attn + time_of("param all-gather (attention)", True)
     if c.colocated:  # one GPU does both halves' reductions and updates
         exposed = np.maximum(ar_attn + ar_exp - bwd_round, 0.0)
         opt = opt_attn + opt_exp
@@ -879,7 +884,8 @@ def calibrated_stages(stages: dict[str, Stage], calib: Calibration, ceil: Ceilin
                 if name in out:
                     out[name] = replace(out[name], fwd_ceilings=hbm_ceil, bwd_ceilings=hbm_ceil)
     linked(("dispatch", "combine"), calib.all_to_all if colocated else calib.p2p, collective=colocated)
-    linked(("grad all-reduce (attention)", "grad all-reduce (experts)"), calib.all_reduce, collective=True)
+    linked(("grad all-reduce (attention)", "grad all-reduce (experts)", "param all-gather (attention)"),
+           calib.all_reduce, collective=True)
     out[ATTENTION_FIXED] = Stage("attention", "layer", fixed("AttentionForward"), fixed("AttentionBackward"))
     out[EXPERT_FIXED] = Stage("expert", "moe", fixed("ExpertForward"), fixed("ExpertBackward"))
     head = out["lm head + embedding"]

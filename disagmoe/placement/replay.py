@@ -105,7 +105,8 @@ def op_times(cost: Cost, prob: Problem) -> OpTimes:
         attention_backward={moe: attention(True, moe) for moe in (False, True)},
         expert_forward=op("expert", EXPERT_OP, False), expert_backward=op("expert", EXPERT_OP, True),
         loss=op("attention", HEAD_OP, False) + op("attention", HEAD_OP, True),
-        optimizer={RoleKind.ATTENTION: t("grad all-reduce (attention)", True) + t("optimizer (attention)", True),
+        optimizer={RoleKind.ATTENTION: t("grad all-reduce (attention)", True) + t("optimizer (attention)", True)
+                   + t("param all-gather (attention)", True),  # ZeRO-1's, after the update
                    RoleKind.EXPERT: t("grad all-reduce (experts)", True) + t("optimizer (experts)", True)},
         transit={Payload.DISPATCH: t("dispatch", False), Payload.COMBINE: t("combine", False),
                  Payload.DISPATCH_GRAD: t("dispatch", True), Payload.COMBINE_GRAD: t("combine", True),

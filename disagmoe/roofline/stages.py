@@ -139,15 +139,15 @@ def attention_core(m: ModelConfig, tokens: Num, seq_len: Num) -> Work:
 def norms_and_residuals(m: ModelConfig, tokens: Num) -> tuple[Work, Work]:
     """(forward, backward) of one layer's elementwise kernels around the GEMMs and attention, each
     reading its inputs and writing its outputs once (bf16): the two RMSNorms (read and write H),
-    the q/k norm and RoPE with the heads-first layout of q, k, v (read and write them), the copy of
-    attention's output back to tokens-first, the two residual adds (read 2H, write H). Their
-    backwards: a norm reads x and d out and writes d x, RoPE and the layout copies read and write
-    the gradients and the saved q, k, and each residual sums two gradients."""
-    q, k, v = attention_io_per_token(m)
-    o = m.num_heads * (m.mla.v_head_dim if m.mla else m.head_dim)
+    the q/k norm and RoPE (read and write q and k; v and the attention's output are only viewed
+    heads-first and back, token-major in memory: `model.attention.rope_heads`), the two residual
+    adds (read 2H, write H). Their backwards: a norm reads x and d out and writes d x, RoPE reads
+    and writes the gradients of q and k and reads the saved q, k, and each residual sums two
+    gradients."""
+    q, k, _ = attention_io_per_token(m)
     H = m.hidden_size
-    fwd = 2 * 2 * H + 2 * (q + k + v) + 2 * o + 2 * 3 * H
-    bwd = 2 * 3 * H + 2 * (q + k + v) + (q + k) + 2 * o + 2 * 3 * H
+    fwd = 2 * 2 * H + 2 * (q + k) + 2 * 3 * H
+    bwd = 2 * 3 * H + 2 * (q + k) + (q + k) + 2 * 3 * H
     return Work(hbm_bytes=BF16 * tokens * fwd), Work(hbm_bytes=BF16 * tokens * bwd)
 
 
@@ -253,7 +253,8 @@ def attention_recompute(m: ModelConfig, tokens: Num) -> Work:
     once more: the pre-attention norm, the q/k/v projections (MLA's low-rank chains), qk-norm and
     RoPE (one forward of those elementwise kernels, less the o-projection's half and the residual).
     Not the attention core: its output and log-sum-exp are kept (`kernels.attention_core`), so its
-    backward runs from them as in the plain run."""
+    backward runs from them as in the plain run (where the GPU's SDPA is cuDNN, or flash with equal
+    head counts; elsewhere the core's forward runs again, which this does not price)."""
     o_in = m.num_heads * (m.mla.v_head_dim if m.mla else m.head_dim)
     proj = attention_projections(m, tokens)
     o_proj = Work(flops=2.0 * tokens * o_in * m.hidden_size,
@@ -368,14 +369,19 @@ def ring_allreduce(nbytes: Num, ranks: Num, scaleout_fraction: Num) -> Work:
                 collectives=np.where(ranks > 1, 1.0, 0.0))
 
 
-def ring_reduce_scatter_all_gather(grad_bytes: Num, param_bytes: Num, ranks: Num, scaleout_fraction: Num) -> Work:
-    """ZeRO-1's gradient sync over `ranks` GPUs (`FlatAdamW.reduce_scatter`, then the all-gather of
-    the updated compute parameters): a ring reduce-scatter of `grad_bytes` and a ring all-gather of
-    `param_bytes`, each GPU sending (n - 1) / n of each; two collectives."""
+def ring_reduce_scatter(nbytes: Num, ranks: Num, scaleout_fraction: Num) -> Work:
+    """Ring reduce-scatter of `nbytes` over `ranks` GPUs (ZeRO-1's gradient sum,
+    `FlatAdamW.reduce_scatter`): each sends (n - 1) / n of the data."""
     ranks = np.maximum(ranks, 1)
-    moved = (ranks - 1) / ranks * (grad_bytes + param_bytes)
+    moved = (ranks - 1) / ranks * nbytes
     return Work(nvlink_bytes=moved * (1.0 - scaleout_fraction), scaleout_bytes=moved * scaleout_fraction,
-                collectives=np.where(ranks > 1, 2.0, 0.0))
+                collectives=np.where(ranks > 1, 1.0, 0.0))
+
+
+def ring_all_gather(nbytes: Num, ranks: Num, scaleout_fraction: Num) -> Work:
+    """Ring all-gather of `nbytes` (the whole gathered tensor) over `ranks` GPUs (ZeRO-1's updated
+    compute parameters): the same bytes on the links as a reduce-scatter."""
+    return ring_reduce_scatter(nbytes, ranks, scaleout_fraction)
 
 
 # Bytes per parameter of each tensor FlatAdamW's step touches (runtime/state/flat_adamw.py)
@@ -428,14 +434,17 @@ def optimizer_step(params: Num, state_dtype: str, update_kernel: str, clipped: b
     the trainer takes it every step), then the update with the compute copy (`adamw_update_bytes`:
     `optim.state_dtype`, `optim.update_kernel`, and `clipped` where `optim.grad_clip` > 0).
     Clipped, that is 46 with torch and fp32 moments, 70 with torch and bf16, 38 with triton and
-    fp32, 30 with triton and bf16 (4 less for a first-touch parameter). ZeRO-1 over `shards` GPUs
-    (`optim.shard_states`): every main gradient is zeroed, but the norm and the update run over the
-    GPU's slice (1 / shards of the parameters), and the all-gather writes the other slices' compute
-    parameters (2 bytes each)."""
+    fp32, 30 with triton and bf16 (4 less for a first-touch parameter). ZeRO-1 over `shards` > 1
+    GPUs (`optim.shard_states`, `FlatAdamW._step`): every main gradient is zeroed, the norm and the
+    update run over the GPU's slice (1 / shards of the parameters); the updated slice is cast to
+    the compute dtype into a temporary (the Triton update writes no compute copy there: it reads
+    the master once more, 4 bytes; torch's path counts that pass already), and the all-gather reads
+    the temporary (2) and writes the whole compute buffer (2 per parameter)."""
     zero, norm = MAIN_GRAD, MAIN_GRAD
     read, written = adamw_update_bytes(state_dtype, update_kernel, clipped)
     shards = np.maximum(shards, 1)
-    gathered = COMPUTE_PARAM * params * (shards - 1) / shards
+    recast = MASTER if update_kernel == "triton" else 0
+    gathered = np.where(shards > 1, params / shards * (recast + COMPUTE_PARAM) + COMPUTE_PARAM * params, 0.0)
     return Work(hbm_bytes=params / shards * (norm + read + written) + (params - first_touch_params) * zero + gathered)
 
 

@@ -53,15 +53,17 @@ def test_roofline_prices_a_train_configs_own_layout_in_any_mode():
     assert r.exit_code == 2 and "single, disaggregated, colocated" in r.output
 
 
-def test_sharded_optimizer_states_are_said_and_never_slower():
+def test_sharded_optimizer_states_are_said_and_cost_at_most_their_all_gather():
     """384 H200s: with the attention side's AdamW moments split over data parallel (ZeRO-1) the
-    plan says what it assumed and is never slower. (Before the transport's buffers were counted
-    the freed attention memory bought DeepSeek-V3 a faster layout here; now the nvshmem arena,
-    as large on every GPU as the largest rank's, binds both kinds of GPU and the plan stays.)"""
+    plan says what it assumed. (Before the transport's buffers were counted the freed attention
+    memory bought DeepSeek-V3 a faster layout here; now the nvshmem arena, as large on every GPU as
+    the largest rank's, binds both kinds of GPU and the layout stays.) The same layout then pays
+    the updated slices' all-gather after the update (session 16: priced as the runtime runs it),
+    a few hundredths of a percent here."""
     args = ("plan", "--model", "deepseek-v3", "--hardware", "h200-sxm", "--json")
     plain, sharded = (Plan.model_validate(json.loads(run(*args, "--gpus", "384", *extra).stdout))
                       for extra in ((), ("--shard-optimizer-states",)))
-    assert plain.feasible and sharded.feasible and sharded.step_time_s <= plain.step_time_s
+    assert plain.feasible and sharded.feasible and sharded.step_time_s <= plain.step_time_s * 1.001
     assert any("ZeRO-1" in note for note in sharded.notes) and not any("ZeRO-1" in note for note in plain.notes)
     assert all(e.transport_gib > 0 for e in plain.memory_per_gpu.values())
 

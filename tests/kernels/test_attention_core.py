@@ -113,3 +113,44 @@ def test_gpu_the_kept_core_runs_its_kernel_once_and_gives_the_plain_bits(monkeyp
             assert torch.equal(a, b)
         else:
             assert (a.float() - b.float()).abs().max() <= 2 * (c.float() - b.float()).abs().max()
+
+
+def test_the_backward_lets_the_kept_output_go_though_the_graph_lives_on(monkeypatch):
+    """A trainer holds the last micro-batch's loss (and so its graph) while the next forward runs:
+    the kept output, log-sum-exp and kernel outputs must not live that long (plain F.sdpa's autograd
+    node frees them at its backward); a second backward through the graph is refused by name."""
+    import weakref
+
+    shape = SHAPES["gqa"]
+    B, n, g, S, D, Dv, _ = shape
+    x = torch.randn(B, S, 32, requires_grad=True)
+    w = (torch.randn(32, n * D + g * D + g * Dv) / 6).requires_grad_()
+    kept = KeptCore()
+    out = checkpoint(lambda x_, w_, k: _block(x_, w_, shape, k), x, w, kept, use_reentrant=False,
+                     preserve_rng_state=False)
+    alive = weakref.ref(kept.out_BnSD)
+    loss = out.square().sum()
+    loss.backward(retain_graph=True)
+    assert kept.out_BnSD is None and kept.aux == () and alive() is None  # the graph (loss) still lives
+    with pytest.raises(RuntimeError, match="retain_graph is not supported"):
+        loss.backward()
+
+
+def test_the_recomputation_takes_the_forwards_kernel_whatever_the_backends_allow_then(monkeypatch):
+    """The recomputation must save what the forward saved: it takes the forward's choice even where
+    the backends allowed in the backward differ (a `sdpa_kernel` context around the forward only)."""
+    shape = SHAPES["mha"]
+    plain = _grads(shape, "cpu", torch.float32, kept_core=False)
+    launched = _count_kernels(monkeypatch)
+    B, n, g, S, D, Dv, _ = shape
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(B, S, 32, generator=gen).requires_grad_()
+    w = (torch.randn(32, n * D + g * D + g * Dv, generator=gen) / 6).requires_grad_()
+    dy = torch.randn(B, S, n * Dv, generator=gen)
+    with sdpa_kernel(SDPBackend.MATH):  # the forward: math, so F.sdpa, recomputed as F.sdpa
+        out = checkpoint(lambda x_, w_, k: _block(x_, w_, shape, k), x, w, KeptCore(), use_reentrant=False,
+                         preserve_rng_state=False)
+    out.backward(dy)  # the backward allows flash again; the recomputation still runs F.sdpa's math
+    assert launched == []
+    for a, b in zip((out.detach(), x.grad, w.grad), plain, strict=True):
+        torch.testing.assert_close(a, b)
