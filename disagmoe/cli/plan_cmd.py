@@ -48,6 +48,10 @@ PrecisionOpt = Annotated[Literal["bf16", "fp8"], typer.Option(
     "--expert-precision", help="the routed experts' GEMMs: bf16, or fp8 priced at the hardware's fp8_tflops with "
     "the quantisation passes' traffic and the FP8 weight copies' memory (the plan records it; train --plan sets "
     "precision: fp8)")]
+Fp8DenseOpt = Annotated[bool, typer.Option(
+    "--fp8-dense/--no-fp8-dense", help="with --expert-precision fp8: price the dense projections (attention, shared "
+    "experts, dense FFN layers) in FP8 too, rowwise (the default, as precision: fp8 trains them), or in bf16 (train "
+    "with fp8_dense: false); the plan records it and train --plan sets it")]
 OffloadOpt = Annotated[Literal["auto", "on", "off"], typer.Option(
     "--offload-optimizer", help="the fp32 masters and AdamW moments in host memory: on (two staging buckets on "
     "each GPU instead, their copies in and out each step over the hardware's host_link_gbps, within its "
@@ -59,8 +63,8 @@ RecomputeOpt = Annotated[Literal["none", "selective", "full", "auto"], typer.Opt
     "SwiGLU rows recomputed in the backward: leaner expert GPUs, a little more HBM traffic; train with "
     "experts_backend: triton), full (every block keeps its input and routing and runs again in the backward: "
     "the least memory, about one more forward of every block) or auto (per layout the least that fits: the expert "
-    "modules, and the attention block where only that lets the attention side fit, about one more attention "
-    "forward per layer; chosen only where a faster layout fits only so; never full); the plan records it and its "
+    "modules, and the attention block where only that lets the attention side fit, its q/k/v projections "
+    "once more per layer (the attention core's output is kept); chosen only where a faster layout fits only so; never full); the plan records it and its "
     "modules, and train --plan sets them")]
 
 
@@ -69,7 +73,7 @@ def build_request(model: str, hardware: str, gpus: int, seq_len: int | None, glo
                   max_expert_replicas: int = 0, shard_optimizer_states: bool = False,
                   optimizer_state_dtype: str = "fp32", recompute: str = "auto",
                   expert_precision: str = "bf16", offload_optimizer: str = "off",
-                  optimizer_update_kernel: str = "triton") -> PlanConfig:
+                  optimizer_update_kernel: str = "triton", fp8_dense: bool = True) -> PlanConfig:
     mcfg = load_model(model)
     hist = read_histogram(load_histogram, mcfg.num_moe_layers, mcfg.num_experts) if load_histogram else None
     return PlanConfig(model=mcfg, cluster=ClusterConfig(hardware=checked_hardware(hardware), num_gpus=gpus),
@@ -78,7 +82,7 @@ def build_request(model: str, hardware: str, gpus: int, seq_len: int | None, glo
                       max_expert_replicas=max_expert_replicas, shard_optimizer_states=shard_optimizer_states,
                       optimizer_state_dtype=optimizer_state_dtype, recompute=recompute,
                       expert_precision=expert_precision, offload_optimizer=offload_optimizer,
-                      optimizer_update_kernel=optimizer_update_kernel)
+                      optimizer_update_kernel=optimizer_update_kernel, fp8_dense=fp8_dense)
 
 
 def checked_hardware(ref: str) -> HardwareConfig:
@@ -106,6 +110,7 @@ def plan(
     optimizer_update_kernel: UpdateKernelOpt = "triton",
     recompute: RecomputeOpt = "auto",
     expert_precision: PrecisionOpt = "bf16",
+    fp8_dense: Fp8DenseOpt = True,
     offload_optimizer: OffloadOpt = "off",
     as_json: JsonOpt = False,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="write the plan (.yaml or .json)")] = None,
@@ -120,7 +125,7 @@ def plan(
     """
     req = build_request(model, hardware, gpus, seq_len, global_batch_tokens, load_histogram,
                         max_pipeline_groups, max_expert_replicas, shard_optimizer_states, optimizer_state_dtype,
-                        recompute, expert_precision, offload_optimizer, optimizer_update_kernel)
+                        recompute, expert_precision, offload_optimizer, optimizer_update_kernel, fp8_dense)
     result = choose(req).plan
     if load_histogram is not None:
         result.notes.insert(0, histogram_note(load_histogram, req.load_histogram, result))

@@ -374,3 +374,17 @@ def test_notes_print_their_brackets_as_written():
     out = " ".join(run("plan", "--model", "deepseek-v3", "--hardware", "gb200-nvl72", "--gpus", "256", "--seq-len",
                        "4096", "--global-batch-tokens", "33554432").output.split())
     assert "recompute_modules: [expert_input, expert_output, expert_swiglu]" in out
+
+
+def test_no_fp8_dense_prices_the_dense_projections_in_bf16_and_the_plan_records_it():
+    """`--expert-precision fp8 --no-fp8-dense`: the experts in FP8, the attention projections and
+    other dense GEMMs in bf16 (a slower plan than with them in FP8 too), recorded as fp8_dense false
+    for `train --plan`; under bf16 the flag changes nothing."""
+    args = ("plan", "--model", "qwen3-30b-a3b", "--hardware", "h200-sxm", "--gpus", "8", "--json")
+    dense, lean = (Plan.model_validate(json.loads(run(*args, "--expert-precision", "fp8", *extra).stdout))
+                   for extra in ((), ("--no-fp8-dense",)))
+    assert (dense.expert_precision, dense.fp8_dense, lean.expert_precision, lean.fp8_dense) == ("fp8", True, "fp8", False)
+    assert lean.step_time_s > dense.step_time_s
+    plain, plain_lean = (json.loads(run(*args, *extra).stdout)["step_time_s"] for extra in ((), ("--no-fp8-dense",)))
+    assert plain == plain_lean
+    assert "--no-fp8-dense" in run("plan", "--help").output
