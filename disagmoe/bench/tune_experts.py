@@ -95,6 +95,9 @@ def candidates(role: str) -> list[TileConfig]:
         configs += [dataclasses.replace(c, atomic_accumulate=True) for c in configs]
     if role in LIBRARY_ROLES:  # the library's grouped GEMM competes where it can run the launch
         configs.append(dataclasses.replace(heuristic(role), library=True))
+    if role == "down_dgrad":  # the epilogue split off a plain GEMM (ours at the plain tiles, or the library's)
+        plain = dataclasses.replace(heuristic("down"), split_epilogue=True)
+        configs += [plain, dataclasses.replace(plain, library=True)]
     return configs
 
 

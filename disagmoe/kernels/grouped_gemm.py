@@ -20,6 +20,7 @@ loads are issued under the current tile's epilogue):
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -368,12 +369,18 @@ def ragged_rows_gemm(
     `dst_rows_N` (plain epilogue only) sends row r of the result to out[dst_rows_N[r]]; `signal`
     (with it) raises each segment's flag once its rows are stored (`SegmentSignal`).
     `config.library`: the library's grouped GEMM runs the launch where it can (`library_takes`).
+    `config.split_epilogue` (EPILOGUE_SWIGLU_GRAD): a plain launch, then `swiglu_grad_rows`.
     """
     n_rows, k = a_NK.shape if a_rows_N is None else (a_rows_N.shape[0], a_NK.shape[1])
     experts, k_b, width = b_EKC.shape
     groups = offsets_E.shape[0]  # row groups: a multiple of the experts, group g uses b[g mod experts]
     assert k_b == k and offsets_E.dim() == 1 and groups % experts == 0 and offsets_E.dtype == torch.int32
     cols = width // 2 if epilogue == EPILOGUE_SWIGLU else width
+    if epilogue == EPILOGUE_SWIGLU_GRAD and config.split_epilogue and n_rows and cols:
+        assert h13_N2C is not None and dst_rows_N is None and signal is None
+        d_act_NC = ragged_rows_gemm(a_NK, offsets_E, b_EKC, dataclasses.replace(config, split_epilogue=False),
+                                    num_programs=num_programs, a_rows_N=a_rows_N)  # plain (the library's where it can)
+        return swiglu_grad_rows(d_act_NC, h13_N2C, offsets_E, out=out, act_N_C=act_N_C, row_scale=row_scale)
     if (config.library and n_rows and cols
             and library_takes(a_NK, offsets_E, b_EKC, epilogue, out is not None, dst_rows_N, signal, a_rows_N)):
         return torch._grouped_mm(a_NK, b_EKC, offs=offsets_E)  # its own output: none allocated here
@@ -414,6 +421,74 @@ def ragged_rows_gemm(
         FLATTEN=config.flatten, EPI_CHUNK=epi_chunk,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
+    return out
+
+
+@triton.jit
+def _swiglu_grad_rows_kernel(da_ptr, h13_ptr, out_ptr, act_ptr, scale_ptr, rowdot_ptr, limit_ptr, C,
+                             stride_dm, stride_dc, stride_hm, stride_hc, stride_om, stride_oc, stride_xm, stride_xc,
+                             SAVE_ACT: tl.constexpr, ROW_SCALE: tl.constexpr, BLOCK_R: tl.constexpr,
+                             BLOCK_C: tl.constexpr):
+    """`swiglu_grad_rows` over BLOCK_R rows, BLOCK_C columns a step: the arithmetic of
+    `_swiglu_grad_epilogue` on d act read from memory (rows at or past the last offset: no group's,
+    left unwritten as the fused launch leaves them)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < tl.load(limit_ptr)
+    rows64 = rows.to(tl.int64)
+    if ROW_SCALE:
+        scale = tl.load(scale_ptr + rows64, mask=row_ok, other=0.0)
+    rowdot = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    for c0 in range(0, C, BLOCK_C):
+        cols = c0 + tl.arange(0, BLOCK_C)
+        ok = row_ok[:, None] & (cols < C)[None, :]
+        h_ptrs = h13_ptr + rows64[:, None] * stride_hm + cols[None, :] * stride_hc
+        acc = tl.load(da_ptr + rows64[:, None] * stride_dm + cols[None, :] * stride_dc, mask=ok, other=0.0)
+        acc = acc.to(tl.float32)
+        gate = tl.load(h_ptrs, mask=ok, other=0.0).to(tl.float32)
+        up = tl.load(h_ptrs + C * stride_hc, mask=ok, other=0.0).to(tl.float32)
+        sig = tl.sigmoid(gate)
+        if ROW_SCALE:
+            d_up = acc * sig * gate
+            rowdot += tl.sum(d_up * up, axis=1)
+            d_gate = acc * sig * up * (1.0 + gate * (1.0 - sig)) * scale[:, None]
+            d_up = d_up * scale[:, None]
+        else:
+            d_gate = acc * up * sig * (1.0 + gate * (1.0 - sig))
+            d_up = acc * gate * sig
+        out_ptrs = out_ptr + rows64[:, None] * stride_om + cols[None, :] * stride_oc
+        tl.store(out_ptrs, d_gate.to(out_ptr.dtype.element_ty), mask=ok)
+        tl.store(out_ptrs + C * stride_oc, d_up.to(out_ptr.dtype.element_ty), mask=ok)
+        if SAVE_ACT:
+            act_ptrs = act_ptr + rows64[:, None] * stride_xm + cols[None, :] * stride_xc
+            tl.store(act_ptrs, (gate * sig * up).to(act_ptr.dtype.element_ty), mask=ok)
+    if ROW_SCALE:
+        tl.store(rowdot_ptr + rows64, rowdot, mask=row_ok)
+
+
+SPLIT_ROWS, SPLIT_COLS = 16, 128  # `swiglu_grad_rows`' block: rows per program, columns per step
+
+
+def swiglu_grad_rows(d_act_NC: torch.Tensor, h13_N2C: torch.Tensor, offsets_E: torch.Tensor, *,
+                     out: torch.Tensor | None = None, act_N_C: torch.Tensor | None = None,
+                     row_scale: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """The SwiGLU-gradient epilogue as its own pass (`TileConfig.split_epilogue`): out [N, 2C] =
+    (d gate | d up) from d act [N, C] (the down data gradient's plain product) and the saved
+    pre-activations h13 [N, 2C], for rows before the last offset (the others' d act is unwritten);
+    `act_N_C` receives silu(gate) * up; `row_scale` = (scale_N, rowdot_BN) as `ragged_rows_gemm`
+    takes it: the products scaled per row, each row's whole dot with the SwiGLU output written
+    into rowdot_BN[0] and the other tiles' rows zeroed (the caller sums over them)."""
+    n_rows, cols = d_act_NC.shape
+    if out is None:
+        out = d_act_NC.new_empty((n_rows, 2 * cols))
+    act = act_N_C if act_N_C is not None else out
+    scale, rowdot = row_scale if row_scale is not None else (out, out)
+    if row_scale is not None:
+        rowdot.zero_()
+    _swiglu_grad_rows_kernel[(triton.cdiv(n_rows, SPLIT_ROWS),)](
+        d_act_NC, h13_N2C, out, act, scale, rowdot, offsets_E[-1:], cols,
+        d_act_NC.stride(0), d_act_NC.stride(1), h13_N2C.stride(0), h13_N2C.stride(1), out.stride(0), out.stride(1),
+        act.stride(0), act.stride(1), SAVE_ACT=act_N_C is not None, ROW_SCALE=row_scale is not None,
+        BLOCK_R=SPLIT_ROWS, BLOCK_C=SPLIT_COLS, num_warps=4)
     return out
 
 

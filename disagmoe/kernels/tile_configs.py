@@ -60,6 +60,13 @@ class TileConfig:
     # and the tile fields serve the others. The other roles ignore it (their epilogues are ours; the weight
     # gradients' fused fp32 add has no library form: its output dtype must be the operands')
     library: bool = False
+    # down dgrad only: the SwiGLU-gradient epilogue split off the GEMM (`grouped_gemm.swiglu_grad_rows`): a
+    # plain GEMM with these tile fields (or the library's, with `library`) writes d act in the operands'
+    # dtype, then one elementwise pass applies the SwiGLU derivative (and the row dots, the recomputed
+    # SwiGLU output). The fused epilogue's register pressure and traffic cost it about half the plain GEMM's
+    # rate on the Qwen3 shape (373 against 605 TFLOP/s, session 16); the split one rounds d act to bf16 once
+    # more. `bench tune-experts` offers it; the other roles ignore it
+    split_epilogue: bool = False
 
     def to_json(self) -> dict[str, int | bool | str]:
         return dataclasses.asdict(self)

@@ -211,7 +211,8 @@ def test_the_swiglu_grad_gemm_does_not_spill_at_its_tiles(usage):
     assert all(spill == 0 for _, _, spill in found), found
     assert all(registers <= 240 for _, registers, _ in found), found
     found.clear()
-    chunked = [c for c in tuner.candidates("down_dgrad") if c.epilogue_chunk < c.block_n]
+    chunked = [c for c in tuner.candidates("down_dgrad")  # the split epilogue's: the next test's
+               if c.epilogue_chunk < c.block_n and not c.split_epilogue]
     for tile in chunked:
         usage.label = str(tile)
         gg.ragged_rows_gemm(dy, offsets, w2_t, tile, epilogue=gg.EPILOGUE_SWIGLU_GRAD, h13_N2C=h13,
@@ -658,3 +659,30 @@ def test_the_atomic_weight_gradient_adds_with_reductions_and_no_spills(monkeypat
                                   accumulate=True, num_programs=8)
     assert [(atomic, reduces) for atomic, reduces, _ in found] == [(False, False), (True, True)] * 2, found
     assert [spills for atomic, _, spills in found if atomic] == [0, 0], found
+
+
+def test_the_split_swiglu_gradient_epilogue_compiles_without_spills(usage):
+    """`TileConfig.split_epilogue`: the plain down data gradient, then `swiglu_grad_rows` (with the
+    recomputed SwiGLU output and the row dots, and without them) compile for sm_90a, and the
+    elementwise pass holds its block in registers (no spill stores)."""
+    import dataclasses
+
+    import triton
+
+    from disagmoe.kernels import grouped_gemm as gg
+
+    rows, hidden, ffn, experts = 128, 128, 96, 4
+    dtype = torch.bfloat16
+    offsets = torch.tensor([32, 64, 96, 128], dtype=torch.int32)
+    dy, h13 = torch.zeros(rows, hidden, dtype=dtype), torch.zeros(rows, 2 * ffn, dtype=dtype)
+    w2_t = torch.zeros(experts, ffn, hidden, dtype=dtype).transpose(1, 2)
+    split = dataclasses.replace(_tiles(), split_epilogue=True)
+    rowdot = torch.zeros(triton.cdiv(ffn, split.block_n), rows)
+    usage.label = "split launch"
+    gg.ragged_rows_gemm(dy, offsets, w2_t, split, epilogue=gg.EPILOGUE_SWIGLU_GRAD, h13_N2C=h13,
+                        act_N_C=torch.zeros(rows, ffn, dtype=dtype), row_scale=(torch.ones(rows), rowdot))
+    usage.label = "plain pass"
+    gg.swiglu_grad_rows(torch.zeros(rows, ffn, dtype=dtype), h13, offsets)
+    labels = [label for label, _, _ in usage.found]
+    assert labels == ["split launch", "split launch", "plain pass"], labels  # the GEMM, then the pass
+    assert all(spills == 0 for label, _, spills in usage.found[1:]), usage.found
