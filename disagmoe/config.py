@@ -911,11 +911,15 @@ class TrainConfig(StrictModel):
 
 
 def priced_as_trained(cfg: TrainConfig) -> dict[str, Any]:
-    """The `PlanConfig` fields that price `cfg` as it trains: its routed experts' precision (fp8, else
-    bf16: the planner prices no fp32), `fp8_dense` (its dense projections in FP8: `dense_precision`),
-    its recomputation (selective: its modules) and its experts backend. Every request made for a
-    run (`bench.placement.plan_request`, `placement.trace_compare.run_request`) passes them."""
-    return {"expert_precision": "fp8" if cfg.expert_precision == "fp8" else "bf16",
+    """The `PlanConfig` fields that price `cfg` as it trains: its optimizer (ZeRO-1, the moments'
+    dtype, the update kernel, the clip), its routed experts' precision (fp8, else bf16: the planner
+    prices no fp32), `fp8_dense` (its dense projections in FP8: `dense_precision`), its
+    recomputation (selective: its modules) and its experts backend. Every request made for a run
+    (`bench.placement.plan_request`, `placement.trace_compare.run_request`) passes them; each
+    decides the offload itself."""
+    return {"shard_optimizer_states": cfg.optim.shard_states, "optimizer_state_dtype": cfg.optim.state_dtype,
+            "optimizer_update_kernel": cfg.optim.update_kernel, "clip_gradients": cfg.optim.grad_clip > 0,
+            "expert_precision": "fp8" if cfg.expert_precision == "fp8" else "bf16",
             "fp8_dense": cfg.dense_precision == "fp8", "recompute": cfg.recompute,
             "recompute_modules": list(cfg.recompute_modules) if cfg.recompute == "selective" else None,
             "experts_backend": cfg.experts_backend}

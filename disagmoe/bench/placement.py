@@ -83,10 +83,7 @@ def plan_request(cfg: TrainConfig, gpus: int) -> PlanConfig:
                          "planner can price the layouts")
     return PlanConfig(model=load_model(cfg.model), cluster=ClusterConfig(hardware=load_hardware(cfg.hardware),
                       num_gpus=gpus), seq_len=cfg.seq_len, global_batch_tokens=cfg.batch_size * cfg.seq_len,
-                      max_pipeline_groups=1, shard_optimizer_states=cfg.optim.shard_states,
-                      optimizer_state_dtype=cfg.optim.state_dtype, optimizer_update_kernel=cfg.optim.update_kernel,
-                      clip_gradients=cfg.optim.grad_clip > 0, offload_optimizer=cfg.offloads_to_host,
-                      **priced_as_trained(cfg))
+                      max_pipeline_groups=1, offload_optimizer=cfg.offloads_to_host, **priced_as_trained(cfg))
 
 
 def predict(request: PlanConfig, layout: Layout, batch_size: int) -> tuple[float, bool]:

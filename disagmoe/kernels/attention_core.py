@@ -48,9 +48,8 @@ class KeptCore:
     supported."""
 
     def __init__(self) -> None:
-        self.chosen = False  # the forward chose: `backend`, or None (F.sdpa, then run again by the recomputation)
-        self.backend: int | None = None
-        self.sdpa = int(SDPBackend.MATH)  # with `backend` None: the backend F.sdpa ran, pinned for the recomputation
+        self.sdpa: int | None = None  # the backend F.sdpa chose in the forward (None: not chosen yet)
+        self.backend: int | None = None  # the kept kernel of that choice, or None: F.sdpa, pinned to `sdpa`
         self.out_BnSD: torch.Tensor | None = None
         self.aux: tuple[Any, ...] = ()
 
@@ -112,17 +111,17 @@ def _backward(backend: int, dout_BnSD: torch.Tensor, q_BnSD: torch.Tensor, k_BgS
 
 
 class _KeptAttention(torch.autograd.Function):
-    """The core over `backend`'s kernel; its output kept in `kept`, its q, k, v saved (for the
+    """The core over `kept.backend`'s kernel; its output kept in `kept`, its q, k, v saved (for the
     checkpoint to drop and recompute)."""
 
     @staticmethod
     def forward(ctx: Any, q_BnSD: torch.Tensor, k_BgSD: torch.Tensor, v_BgSD: torch.Tensor, kept: KeptCore,
-                backend: int, scale: float | None) -> torch.Tensor:
+                scale: float | None) -> torch.Tensor:
         ctx.save_for_backward(q_BnSD, k_BgSD, v_BgSD)
         if kept.out_BnSD is None:  # the forward; the checkpoint's recomputation finds it kept
-            out_BnSD, kept.aux = _forward(backend, q_BnSD, k_BgSD, v_BgSD, scale)
+            out_BnSD, kept.aux = _forward(kept.backend, q_BnSD, k_BgSD, v_BgSD, scale)
             kept.out_BnSD = out_BnSD.detach()  # an alias without this node: no reference cycle
-            ctx.kept, ctx.backend, ctx.scale = kept, backend, scale
+            ctx.kept, ctx.scale = kept, scale
             return out_BnSD
         return kept.out_BnSD.detach()  # the recomputation's: only its saved q, k, v are read
 
@@ -133,9 +132,9 @@ class _KeptAttention(torch.autograd.Function):
             raise RuntimeError("the kept attention core's backward ran twice (retain_graph is not supported with "
                                "recompute_modules: [attention])")
         q_BnSD, k_BgSD, v_BgSD = ctx.saved_tensors
-        dq, dk, dv = _backward(ctx.backend, dout_BnSD, q_BnSD, k_BgSD, v_BgSD, kept.out_BnSD, kept.aux, ctx.scale)
+        dq, dk, dv = _backward(kept.backend, dout_BnSD, q_BnSD, k_BgSD, v_BgSD, kept.out_BnSD, kept.aux, ctx.scale)
         kept.out_BnSD, kept.aux, ctx.kept = None, (), None  # as autograd frees a node's saved tensors
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None
 
 
 def causal_attention(q_BnSD: torch.Tensor, k_BgSD: torch.Tensor, v_BgSD: torch.Tensor, kept: KeptCore | None = None,
@@ -144,11 +143,11 @@ def causal_attention(q_BnSD: torch.Tensor, k_BgSD: torch.Tensor, v_BgSD: torch.T
     recomputing checkpoint, grad mode on) the kept-output function over the same kernel."""
     if kept is None or not torch.is_grad_enabled():
         return F.scaled_dot_product_attention(q_BnSD, k_BgSD, v_BgSD, is_causal=True, scale=scale, enable_gqa=gqa)
-    if not kept.chosen:  # the forward chooses; its recomputation takes the same kernel
-        choice = sdpa_choice(q_BnSD, k_BgSD, v_BgSD, scale, gqa)
-        kept.backend, kept.sdpa, kept.chosen = fused_backend(q_BnSD, k_BgSD, v_BgSD, scale, gqa, choice), choice, True
+    if kept.sdpa is None:  # the forward chooses; its recomputation takes the same kernel
+        kept.sdpa = sdpa_choice(q_BnSD, k_BgSD, v_BgSD, scale, gqa)
+        kept.backend = fused_backend(q_BnSD, k_BgSD, v_BgSD, scale, gqa, kept.sdpa)
     if kept.backend is None:  # F.sdpa, pinned to its forward's backend so the recomputation saves the same
         with sdpa_kernel(SDPBackend(kept.sdpa)):
             return F.scaled_dot_product_attention(q_BnSD, k_BgSD, v_BgSD, is_causal=True, scale=scale,
                                                   enable_gqa=gqa)
-    return _KeptAttention.apply(q_BnSD, k_BgSD, v_BgSD, kept, kept.backend, scale)
+    return _KeptAttention.apply(q_BnSD, k_BgSD, v_BgSD, kept, scale)

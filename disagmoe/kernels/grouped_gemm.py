@@ -203,6 +203,35 @@ def _load_gate_up(h13_ptr, rows64, row_ok, c0, C, stride_hm, stride_hc, WIDTH: t
 
 
 @triton.jit
+def _swiglu_grad_columns(acc, gate, up, scale, rows64, cols, ok, C, out_ptr, act_ptr,
+                         stride_om, stride_oc, stride_xm, stride_xc, SAVE_ACT: tl.constexpr, ROW_SCALE: tl.constexpr):
+    """The SwiGLU gradient of some columns of d act (`acc`, fp32, with the fp32 gate and up of those
+    columns): d gate and d up stored into out's two halves, the SwiGLU output into act with
+    SAVE_ACT; returns with ROW_SCALE each row's dot of d act with the SwiGLU output (unscaled, the
+    products scaled by `scale`), else `scale`. The fused epilogue's chunks and the split pass's
+    steps (`swiglu_grad_rows`) both end here."""
+    sig = tl.sigmoid(gate)
+    if ROW_SCALE:
+        # d w of a row before its scale: (dy @ w2^T) . act = dy . (act @ w2) = dy . y, from the
+        # unscaled d up; acc is 0 outside the rows and columns (masked operands), so no mask
+        d_up = acc * sig * gate
+        rowdot = tl.sum(d_up * up, axis=1)
+        d_gate = acc * sig * up * (1.0 + gate * (1.0 - sig)) * scale[:, None]
+        d_up = d_up * scale[:, None]
+    else:
+        rowdot = scale  # unused (the caller stores row dots only with ROW_SCALE)
+        d_gate = acc * up * sig * (1.0 + gate * (1.0 - sig))
+        d_up = acc * gate * sig
+    out_ptrs = out_ptr + rows64[:, None] * stride_om + cols[None, :] * stride_oc
+    tl.store(out_ptrs, d_gate.to(out_ptr.dtype.element_ty), mask=ok)
+    tl.store(out_ptrs + C * stride_oc, d_up.to(out_ptr.dtype.element_ty), mask=ok)
+    if SAVE_ACT:  # the forward's SwiGLU output, recomputed from the saved pre-activations
+        act_ptrs = act_ptr + rows64[:, None] * stride_xm + cols[None, :] * stride_xc
+        tl.store(act_ptrs, (gate * sig * up).to(act_ptr.dtype.element_ty), mask=ok)
+    return rowdot
+
+
+@triton.jit
 def _swiglu_grad_epilogue(acc, h13, scale, rows64, row_ok, c0, C, out_ptr, act_ptr,
                           stride_om, stride_oc, stride_xm, stride_xc, SAVE_ACT: tl.constexpr,
                           ROW_SCALE: tl.constexpr, WIDTH: tl.constexpr, CHUNK: tl.constexpr):
@@ -218,27 +247,8 @@ def _swiglu_grad_epilogue(acc, h13, scale, rows64, row_ok, c0, C, out_ptr, act_p
         gate, up = h13
         cols = c0 + tl.arange(0, WIDTH)
         ok = row_ok[:, None] & (cols < C)[None, :]
-        gate = gate.to(tl.float32)
-        up = up.to(tl.float32)
-        sig = tl.sigmoid(gate)
-        if ROW_SCALE:
-            # d w of a row before its scale: (dy @ w2^T) . act = dy . (act @ w2) = dy . y, from the
-            # unscaled d up; acc is 0 outside the rows and columns (masked operands), so no mask
-            d_up = acc * sig * gate
-            rowdot = tl.sum(d_up * up, axis=1)
-            d_gate = acc * sig * up * (1.0 + gate * (1.0 - sig)) * scale[:, None]
-            d_up = d_up * scale[:, None]
-        else:
-            rowdot = scale  # unused (the caller stores row dots only with ROW_SCALE)
-            d_gate = acc * up * sig * (1.0 + gate * (1.0 - sig))
-            d_up = acc * gate * sig
-        out_ptrs = out_ptr + rows64[:, None] * stride_om + cols[None, :] * stride_oc
-        tl.store(out_ptrs, d_gate.to(out_ptr.dtype.element_ty), mask=ok)
-        tl.store(out_ptrs + C * stride_oc, d_up.to(out_ptr.dtype.element_ty), mask=ok)
-        if SAVE_ACT:  # the forward's SwiGLU output, recomputed from the saved pre-activations
-            act_ptrs = act_ptr + rows64[:, None] * stride_xm + cols[None, :] * stride_xc
-            tl.store(act_ptrs, (gate * sig * up).to(act_ptr.dtype.element_ty), mask=ok)
-        return rowdot
+        return _swiglu_grad_columns(acc, gate.to(tl.float32), up.to(tl.float32), scale, rows64, cols, ok, C,
+                                    out_ptr, act_ptr, stride_om, stride_oc, stride_xm, stride_xc, SAVE_ACT, ROW_SCALE)
     else:
         lo, hi = tl.split(tl.permute(tl.reshape(acc, (acc.shape[0], 2, WIDTH // 2)), (0, 2, 1)))
         rowdot = _swiglu_grad_epilogue(lo, h13[0], scale, rows64, row_ok, c0, C, out_ptr, act_ptr, stride_om,
@@ -429,38 +439,26 @@ def _swiglu_grad_rows_kernel(da_ptr, h13_ptr, out_ptr, act_ptr, scale_ptr, rowdo
                              stride_dm, stride_dc, stride_hm, stride_hc, stride_om, stride_oc, stride_xm, stride_xc,
                              SAVE_ACT: tl.constexpr, ROW_SCALE: tl.constexpr, BLOCK_R: tl.constexpr,
                              BLOCK_C: tl.constexpr):
-    """`swiglu_grad_rows` over BLOCK_R rows, BLOCK_C columns a step: the arithmetic of
-    `_swiglu_grad_epilogue` on d act read from memory (rows at or past the last offset: no group's,
+    """`swiglu_grad_rows` over BLOCK_R rows, BLOCK_C columns a step: the fused epilogue's columns
+    (`_swiglu_grad_columns`) on d act read from memory (rows at or past the last offset: no group's,
     left unwritten as the fused launch leaves them)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < tl.load(limit_ptr)
     rows64 = rows.to(tl.int64)
     if ROW_SCALE:
         scale = tl.load(scale_ptr + rows64, mask=row_ok, other=0.0)
+    else:
+        scale = tl.zeros((BLOCK_R,), dtype=tl.float32)
     rowdot = tl.zeros((BLOCK_R,), dtype=tl.float32)
     for c0 in range(0, C, BLOCK_C):
         cols = c0 + tl.arange(0, BLOCK_C)
         ok = row_ok[:, None] & (cols < C)[None, :]
         h_ptrs = h13_ptr + rows64[:, None] * stride_hm + cols[None, :] * stride_hc
         acc = tl.load(da_ptr + rows64[:, None] * stride_dm + cols[None, :] * stride_dc, mask=ok, other=0.0)
-        acc = acc.to(tl.float32)
         gate = tl.load(h_ptrs, mask=ok, other=0.0).to(tl.float32)
         up = tl.load(h_ptrs + C * stride_hc, mask=ok, other=0.0).to(tl.float32)
-        sig = tl.sigmoid(gate)
-        if ROW_SCALE:
-            d_up = acc * sig * gate
-            rowdot += tl.sum(d_up * up, axis=1)
-            d_gate = acc * sig * up * (1.0 + gate * (1.0 - sig)) * scale[:, None]
-            d_up = d_up * scale[:, None]
-        else:
-            d_gate = acc * up * sig * (1.0 + gate * (1.0 - sig))
-            d_up = acc * gate * sig
-        out_ptrs = out_ptr + rows64[:, None] * stride_om + cols[None, :] * stride_oc
-        tl.store(out_ptrs, d_gate.to(out_ptr.dtype.element_ty), mask=ok)
-        tl.store(out_ptrs + C * stride_oc, d_up.to(out_ptr.dtype.element_ty), mask=ok)
-        if SAVE_ACT:
-            act_ptrs = act_ptr + rows64[:, None] * stride_xm + cols[None, :] * stride_xc
-            tl.store(act_ptrs, (gate * sig * up).to(act_ptr.dtype.element_ty), mask=ok)
+        rowdot += _swiglu_grad_columns(acc.to(tl.float32), gate, up, scale, rows64, cols, ok, C, out_ptr, act_ptr,
+                                       stride_om, stride_oc, stride_xm, stride_xc, SAVE_ACT, ROW_SCALE)
     if ROW_SCALE:
         tl.store(rowdot_ptr + rows64, rowdot, mask=row_ok)
 

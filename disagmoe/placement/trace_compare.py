@@ -166,8 +166,6 @@ def run_request(cfg: TrainConfig, model: ModelConfig, hw: HardwareConfig) -> tup
         raise ValueError(f"batch_size={cfg.batch_size} gives no sequence per micro-batch per data-parallel rank")
     req = PlanConfig(model=model, cluster=ClusterConfig(hardware=hw, num_gpus=gpus), seq_len=cfg.seq_len,
                      global_batch_tokens=cfg.batch_size * cfg.seq_len, max_pipeline_groups=cfg.pipeline_groups,
-                     shard_optimizer_states=cfg.optim.shard_states, optimizer_state_dtype=cfg.optim.state_dtype,
-                     optimizer_update_kernel=cfg.optim.update_kernel, clip_gradients=cfg.optim.grad_clip > 0,
                      offload_optimizer=cfg.offloads_to_host and hw.host_link_gbps is not None,
                      **priced_as_trained(cfg))
     return req, cand(seqs)
