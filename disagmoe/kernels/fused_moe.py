@@ -30,7 +30,7 @@ import triton
 
 from disagmoe.kernels import permute as pm
 from disagmoe.kernels.autocast import autocast_operands
-from disagmoe.kernels.moe_ffn import FFNTiles, _check_shapes, _main_grad, moe_ffn_backward, moe_ffn_forward
+from disagmoe.kernels.moe_ffn import FFNTiles, _check_shapes, main_grad_of, moe_ffn_backward, moe_ffn_forward
 from disagmoe.kernels.recompute import EXPERT_INPUT, EXPERT_SWIGLU, RowSource, pair_of_rows
 
 
@@ -54,7 +54,7 @@ class FusedMoEFunction(torch.autograd.Function):
                               *(() if limit is None else (limit,)))
         ctx.rows_from_tokens = EXPERT_INPUT in recompute
         ctx.tiles, ctx.num_programs = tiles, num_programs
-        ctx.main_grads = (_main_grad(w13_EH2F), _main_grad(w2_EFH))
+        ctx.main_grads = (main_grad_of(w13_EH2F), main_grad_of(w2_EFH))
         return y_TH
 
     @staticmethod

@@ -203,7 +203,7 @@ class ExpertFFNFunction(torch.autograd.Function):
         ctx.save_for_backward(None if ctx.source is not None else x_NH, offsets_E, w13_EH2F, w2_EFH,
                               None if EXPERT_SWIGLU in recompute else act_NF, h13_N2F)
         ctx.tiles, ctx.num_programs = tiles, num_programs
-        ctx.main_grads = (_main_grad(w13_EH2F), _main_grad(w2_EFH))
+        ctx.main_grads = (main_grad_of(w13_EH2F), main_grad_of(w2_EFH))
         return y_NH
 
     @staticmethod
@@ -218,7 +218,7 @@ class ExpertFFNFunction(torch.autograd.Function):
         return dx, None, dw13, dw2, None, None, None, None
 
 
-def _main_grad(weight: torch.Tensor) -> torch.Tensor | None:
+def main_grad_of(weight: torch.Tensor) -> torch.Tensor | None:
     """The fp32 main gradient a mixed-precision optimizer attached to `weight` (FlatAdamW sets
     `param.main_grad`), if the weight is such a parameter itself (not a cast copy)."""
     main = getattr(weight, "main_grad", None)

@@ -517,6 +517,34 @@ def test_gpu_quantisers_match_reference_to_the_bit():
     assert torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
 
 
+@pytest.mark.gpu
+@needs_fp8_gpu
+def test_gpu_hardware_rounding_is_the_emulations_over_every_exponent():
+    """The compiled quantisers' rounding (the hardware's saturating conversion) against the
+    interpreter's integer emulation, both on the GPU: the same e4m3 value for 2^22 fp32 bit
+    patterns spread over every exponent and sign (NaN payloads among them: clamped alike), and +-inf."""
+    import triton
+    import triton.language as tl
+
+    from disagmoe.kernels import fp8
+
+    @triton.jit
+    def both(v_ptr, hw_ptr, soft_ptr, n, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        v = tl.load(v_ptr + i, mask=i < n)
+        tl.store(hw_ptr + i, fp8._round_to_e4m3(v), mask=i < n)
+        tl.store(soft_ptr + i, fp8._round_to_e4m3_emulated(v), mask=i < n)
+
+    gen = torch.Generator().manual_seed(5)
+    bits = torch.randint(-2**31, 2**31 - 1, (1 << 22,), generator=gen, dtype=torch.int64).to(torch.int32)
+    v = torch.cat([bits.view(torch.float32), torch.tensor([float("inf"), -float("inf"), float("nan"), 0.0, -0.0])])
+    v = v.cuda()
+    hw, soft = torch.empty_like(v), torch.empty_like(v)
+    both[(triton.cdiv(v.numel(), 1024),)](v, hw, soft, v.numel(), BLOCK=1024)
+    assert fp8._HARDWARE_ROUNDING
+    assert torch.equal(hw.view(torch.int32), soft.view(torch.int32))
+
+
 GPU_TILES = [TileConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3),
              TileConfig(block_m=64, block_n=64, block_k=64, group_m=4, num_warps=4, num_stages=4)]
 

@@ -142,6 +142,28 @@ def test_weight_gradients_add_into_main_gradients_and_weights_made_once(ffn8):
         torch.testing.assert_close(m - s0, g, rtol=1e-5, atol=1e-5)
 
 
+def test_parameters_with_main_gradients_get_theirs_added_by_the_kernels_through_autograd(ffn8):
+    """Expert weights that are parameters carrying FlatAdamW's fp32 `main_grad`: autograd leaves
+    their `.grad` None (nothing for AccumulateGrad or the optimizer's hook to add) and each main
+    gradient gains exactly the weight gradient the plain call returns (before its bf16 cast);
+    dx is unchanged."""
+    counts, hidden, ffn = [5, 0, 12], 32, 40
+    x, offsets, w13, w2, dy = _inputs(counts, hidden, ffn, seed=6)
+    tiles = ffn8.Fp8Tiles(**SMALL)
+    plain = [t.clone().requires_grad_() for t in (x, w13, w2)]
+    ffn8.expert_ffn_fp8(plain[0], offsets, plain[1], plain[2], tiles=tiles, num_programs=2).backward(dy)
+    x_leaf = x.clone().requires_grad_()
+    params = [torch.nn.Parameter(w.clone()) for w in (w13, w2)]
+    starts = [torch.randn(w.shape) for w in (w13, w2)]
+    for p, s in zip(params, starts, strict=True):
+        p.main_grad = s.clone()
+    ffn8.expert_ffn_fp8(x_leaf, offsets, *params, tiles=tiles, num_programs=2).backward(dy)
+    assert params[0].grad is None and params[1].grad is None
+    torch.testing.assert_close(x_leaf.grad, plain[0].grad, rtol=0, atol=0)
+    for p, s, leaf in zip(params, starts, plain[1:], strict=True):
+        torch.testing.assert_close(p.main_grad - s, leaf.grad, rtol=1e-5, atol=1e-5)
+
+
 def test_mismatched_weights_are_refused(ffn8):
     x, offsets, w13, w2, _ = _inputs([3, 4], 16, 16, seed=0)
     with pytest.raises(ValueError, match="w2"):

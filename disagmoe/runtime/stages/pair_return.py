@@ -156,11 +156,11 @@ def expert_pair_rows_backward(saved: PairRows, dy_TH: torch.Tensor, target: Pair
         _torch_backward(saved, d_rows_NH, target)
         return
     from disagmoe.kernels import fused_return as fr
-    from disagmoe.kernels.moe_ffn import _main_grad, moe_ffn_backward
+    from disagmoe.kernels.moe_ffn import main_grad_of, moe_ffn_backward
 
     k = saved.fused
     params = (saved.experts.w13_EH2F, saved.experts.w2_EFH)
-    main = tuple(_main_grad(p) if p is op else None for p, op in zip(params, (k.w13, k.w2), strict=True))
+    main = tuple(main_grad_of(p) if p is op else None for p, op in zip(params, (k.w13, k.w2), strict=True))
     input_grad = None
     if target is not None:
         tokens = saved.w_TK.shape[0]
