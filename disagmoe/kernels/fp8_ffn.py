@@ -65,16 +65,19 @@ class Fp8ExpertWeights:
     @classmethod
     def quantize(cls, w13_EH2F: torch.Tensor, w2_EFH: torch.Tensor, stats: Fp8Stats | None = None,
                  ) -> Fp8ExpertWeights:
-        w13, w13_t = _both_k_major(*fp8.quantize_blocks(w13_EH2F, _row(stats, WEIGHTS)))
-        w2, w2_t = _both_k_major(*fp8.quantize_blocks(w2_EFH, _row(stats, WEIGHTS)))
+        w13, w13_t = _both_k_major(w13_EH2F, _row(stats, WEIGHTS))
+        w2, w2_t = _both_k_major(w2_EFH, _row(stats, WEIGHTS))
         return cls(w13, w13_t, w2, w2_t)
 
 
-def _both_k_major(q_EKN: torch.Tensor, s_EGB: torch.Tensor):
-    """((q_EKN, s_EGB), (q_ENK, s_EBG)) with both values K-major: the quantised [E, K, N] blocks
-    (N-major as made) serve the transpose as a view; a transposed contiguous copy serves [E, K, N]."""
-    forward = fp8.transpose_blocks(q_EKN, s_EGB)
-    return (forward[0].transpose(1, 2), forward[1].transpose(1, 2)), (q_EKN.transpose(1, 2), s_EGB.transpose(1, 2))
+def _both_k_major(w_EKN: torch.Tensor, stats: torch.Tensor | None):
+    """((q_EKN, s_EGB), (q_ENK, s_EBG)), both values K-major, from one quantising launch: the
+    quantised [E, K, N] blocks (N-major as made) serve the transpose as a view; their transposed
+    copy, written by the same launch (`quantize_blocks(transposed_out=...)`), serves [E, K, N]."""
+    experts, k, n = w_EKN.shape
+    q_ENK = torch.empty((experts, n, k), dtype=fp8.FP8, device=w_EKN.device)
+    q_EKN, s_EGB = fp8.quantize_blocks(w_EKN, stats, transposed_out=q_ENK)
+    return (q_ENK.transpose(1, 2), s_EGB), (q_EKN.transpose(1, 2), s_EGB.transpose(1, 2))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -135,6 +135,13 @@ def test_quantize_blocks_matches_reference(fp8k):
     assert _rel_err(deq, w) < 2.0**-4
     q_t, s_t = fp8k.transpose_blocks(q, s)
     assert q_t.is_contiguous() and torch.equal(fp8k.dequantize_blocks(q_t, s_t), deq.transpose(1, 2))
+    # the same launch writing the transposed copy too: q unchanged, the copy transpose_blocks' bits
+    q_both = torch.empty((3, 150, 200), dtype=FP8)
+    q2, s2 = fp8k.quantize_blocks(w, transposed_out=q_both)
+    assert torch.equal(q2.view(torch.uint8), q.view(torch.uint8)) and torch.equal(s2, s)
+    assert torch.equal(q_both.view(torch.uint8), q_t.view(torch.uint8))
+    with pytest.raises(ValueError, match=r"transposed_out must be float8_e4m3fn \(3, 150, 200\)"):
+        fp8k.quantize_blocks(w, transposed_out=torch.empty((3, 200, 150), dtype=FP8))
 
 
 @pytest.mark.parametrize("case", range(len(RAGGED_CASES)))
