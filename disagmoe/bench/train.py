@@ -45,15 +45,18 @@ MODES = ("single", "disaggregated", "colocated")
 HOPS = ("partial_sums", "pair_rows")
 
 
-def variant_config(cfg: TrainConfig, variant: str | None) -> TrainConfig:
+def variant_config(cfg: TrainConfig, variant: str | None, mode: str | None = None) -> TrainConfig:
     """`cfg` with a variant's overrides ("key=value key2=value2"; None: `cfg` itself), checked
-    as the config is (ValueError naming the variant)."""
+    as the config is (ValueError naming the variant), in `mode` where given: the mode the row
+    runs, so a variant only that mode takes (`cuda_graphs=on` in single mode, of a config written
+    for a distributed one) is checked there, not against the config's own mode."""
     if variant is None:
         return cfg
     overrides = shlex.split(variant)
     if not overrides:
         raise ValueError("--variant '': give key=value overrides, e.g. --variant recompute=selective")
-    return validate(TrainConfig, apply_overrides(cfg.model_dump(), overrides), f"--variant {variant!r}")
+    base = cfg.model_dump() if mode is None else {**cfg.model_dump(), "mode": mode}
+    return validate(TrainConfig, apply_overrides(base, overrides), f"--variant {variant!r}")
 
 
 def mode_config(cfg: TrainConfig, mode: str, steps: int, out_dir: Path, transport: str | None = None,
@@ -218,12 +221,13 @@ def run(cfg: TrainConfig, modes: list[str], steps: int, warmup: int,
     each row ends, e.g. to keep a partial record on disk."""
     if baseline not in (None, "hf"):
         raise ValueError(f"unknown baseline {baseline!r}; the one outside baseline is 'hf' (transformers)")
-    configs = [(v, variant_config(cfg, v)) for v in variants or [None]]  # every variant checked before any run
+    variants = variants or [None]
+    # every variant checked in every mode it runs before any run starts
+    planned = [(v, variant_config(cfg, v, r[0]), r) for v in variants for r in runs_of(modes, transports, hops)]
     rows = []
     with tempfile.TemporaryDirectory(prefix="disagmoe-bench-train-") as tmp:
-        for (variant, vcfg), (mode, transport, hop) in ((c, r) for c in configs
-                                                          for r in runs_of(modes, transports, hops)):
-            out = Path(tmp) / f"variant-{[v for v, _ in configs].index(variant)}"
+        for variant, vcfg, (mode, transport, hop) in planned:
+            out = Path(tmp) / f"variant-{variants.index(variant)}"
             mcfg = mode_config(vcfg, mode, steps, out, transport, hop)
             name = (f"{mode}{'' if mode == 'single' else f' ({mcfg.transport}, hop {mcfg.hop})'}"
                     f"{f' [{variant}]' if variant else ''}")

@@ -109,6 +109,20 @@ def test_a_variant_that_cannot_run_is_refused_before_any_step(variant, message):
     assert ": 3 steps" not in r.output  # refused before the first variant's run started
 
 
+def test_a_variant_is_checked_in_the_mode_its_row_runs():
+    """`--mode single --variant cuda_graphs=on` of a config written for a distributed mode: the
+    variant is checked as the single row runs it (accepted), and refused in a distributed mode
+    with the config's reason (was: refused against the config's own mode before any row ran)."""
+    from disagmoe.bench.train import variant_config
+    from disagmoe.config import load_train_config
+
+    cfg = load_train_config("configs/h200x2-qwen3-30b.yaml", [])
+    assert cfg.mode == "disaggregated"
+    assert variant_config(cfg, "cuda_graphs=on", "single").cuda_graphs == "on"
+    with pytest.raises(ValueError, match="--variant 'cuda_graphs=on'.*captures mode single's step"):
+        variant_config(cfg, "cuda_graphs=on", "disaggregated")
+
+
 def _out_of_memory_at(micro_batches: int, monkeypatch) -> None:
     """Rows of `micro_batches` fail as a CUDA out-of-memory error does (`metrics.OutOfMemory`)."""
     from disagmoe.bench import train as bench
