@@ -118,11 +118,12 @@ def gpu_tiles(x_MK: torch.Tensor) -> tuple[int, int]:
 
 def quantize_rowwise(x_MK: torch.Tensor, stats_row: torch.Tensor | None = None,
                      out: tuple[torch.Tensor, torch.Tensor] | None = None, *, block_m: int | None = None,
-                     block_k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     block_k: int | None = None, num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     """(q_MK e4m3, scale_M1 fp32) of `fp8_dense.quantize_rowwise_reference`, bit for bit (NaNs as
     0x7F). x bf16 or fp32, any strides. `stats_row`: an int64 `Fp8Stats` row the launch adds its
     counters into. `out`: (q_MK, scale_M1) to write into (contiguous; the same buffers every call
-    for a CUDA graph). block_m / block_k: the tile (default `tiles_for`)."""
+    for a CUDA graph). block_m / block_k: the tile (default `tiles_for`); num_warps its warps (a
+    probe's sweep: the transposed operands' few programs may want more loads in flight)."""
     rows, k = x_MK.shape
     if out is None:
         out = (torch.empty((rows, k), dtype=E4M3, device=x_MK.device),
@@ -140,5 +141,5 @@ def quantize_rowwise(x_MK: torch.Tensor, stats_row: torch.Tensor | None = None,
     _quantize_rowwise_kernel[grid](
         x_MK, q_bits, scale_M1, fp8._stats_ptr(stats_row, scale_M1), rows, k, x_MK.stride(0), x_MK.stride(1),
         q_bits.stride(0), BLOCK_M=block_m, BLOCK_K=block_k, ONE_READ=one_read, STATS=stats_row is not None,
-        num_warps=4)
+        num_warps=num_warps)
     return q_MK, scale_M1
