@@ -36,6 +36,7 @@ import dataclasses
 import torch
 
 from disagmoe.kernels import fp8
+from disagmoe.kernels.first_touch import take_first_touch
 from disagmoe.kernels.fp8_stats import ACTIVATIONS, GRADIENTS, WEIGHTS, Fp8Stats
 from disagmoe.kernels.moe_ffn import main_grad_of
 from disagmoe.kernels.recompute import EXPERT_INPUT, EXPERT_OUTPUT, FP8_NO_EXPERT_OUTPUT, FP8_RECOMPUTABLE, RowSource
@@ -155,7 +156,8 @@ def fp8_ffn_backward(
     stats: Fp8Stats | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(dx_NH in dy's dtype, dw13_EH2F fp32, dw2_EFH fp32); a weight gradient whose fp32 main
-    gradient is given (w13's, w2's) is added into it by its GEMM and None is returned for it.
+    gradient is given (w13's, w2's) is added into it by its GEMM (stored, if the gradient is
+    untouched this step: `kernels.first_touch`) and None is returned for it.
     `x_NH` may be a `RowSource` (`expert_input`, module docstring): its rows are read from the
     tokens by the w13 gradient's quantiser, as they lie (the tokens' dtype).
     Launch order, with the e4m3 copies each reads, each dropped after that GEMM (its last reader):
@@ -184,8 +186,11 @@ def fp8_ffn_backward(
         else:
             qa, sa, padded_E = fp8.quantize_token_groups(a_NK, offsets_E, acts)
         qb, sb, _ = fp8.quantize_token_groups(b_NC, offsets_E, grads_row)
+        # the launch writes every element (zeros for an expert without rows): the step's first one
+        # into a main gradient stores instead of adding (`kernels.first_touch`)
         grad = fp8.fp8_weight_grad((qa, sa), (qb, sb), padded_E, tiles.wgrad, weights=experts, out=main,
-                                   accumulate=main is not None, num_programs=num_programs)
+                                   accumulate=main is not None and not take_first_touch(main),
+                                   num_programs=num_programs)
         del qa, sa, qb, sb  # before the next gradient's operands are quantised
         grads.append(None if main is not None else grad)
     return dx_NH, grads[0], grads[1]

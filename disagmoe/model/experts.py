@@ -227,12 +227,11 @@ class RoutedExperts(nn.Module):
     def first_touch_weights(self) -> tuple[nn.Parameter, ...]:
         """The weights whose fp32 main gradient this module's backward writes whole at its first
         weight-gradient launch of a step, so the optimizer may skip zeroing it (`kernels.first_touch`):
-        the triton backend's FFN (not FP8), whose ragged weight-gradient GEMM writes every element
+        the triton backend's FFN, bf16 or FP8, whose ragged weight-gradient GEMMs write every element
         (zeros for an expert without rows). None for the loop and grouped_mm backends, whose weight
         gradients reach the main gradient through autograd (FlatAdamW's hooks zero an opted-in one
-        first, should the precision change after the optimizer is made), and the FP8 FFN, whose
-        weight-gradient GEMMs add into the main gradient zero_grad filled (they do not store)."""
-        return (self.w13_EH2F, self.w2_EFH) if self.backend == "triton" and self.precision != "fp8" else ()
+        first, should the backend change after the optimizer is made)."""
+        return (self.w13_EH2F, self.w2_EFH) if self.backend == "triton" else ()
 
     @property
     def kernel_recompute(self) -> frozenset[str]:

@@ -81,7 +81,7 @@ def problem_of(cfg: PlanConfig, gpus: int | None = None) -> Problem:
         **_recompute_of(cfg), expert_precision=cfg.expert_precision,
         fp8_speedup=hw.fp8_tflops / hw.bf16_tflops if cfg.expert_precision == "fp8" else 1.0,
         fp8_dense=cfg.expert_precision == "fp8" and cfg.fp8_dense,
-        first_touch=cfg.experts_backend == "triton" and cfg.expert_precision != "fp8",  # RoutedExperts.first_touch_weights
+        first_touch=cfg.experts_backend == "triton",  # RoutedExperts.first_touch_weights
     )
 
 

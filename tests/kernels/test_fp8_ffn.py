@@ -164,6 +164,33 @@ def test_parameters_with_main_gradients_get_theirs_added_by_the_kernels_through_
         torch.testing.assert_close(p.main_grad - s, leaf.grad, rtol=1e-5, atol=1e-5)
 
 
+def test_first_touch_stores_the_steps_first_weight_gradient_bit_for_bit(ffn8):
+    """Main gradients left stale (NaN) and marked untouched by the optimizer (`kernels.first_touch`):
+    the step's first FP8 weight-gradient launch into each stores, the next micro-batch's adds, and
+    the result equals zero-filled main gradients accumulated twice, bit for bit; an expert without
+    rows in every micro-batch gets zeros, not the stale NaN."""
+    from disagmoe.kernels.first_touch import is_untouched, mark_untouched
+
+    counts, hidden, ffn = [6, 0, 9], 32, 40
+    tiles = ffn8.Fp8Tiles(**SMALL)
+    batches = [_inputs(counts, hidden, ffn, seed=s) for s in (7, 8)]
+    _, _, w13, w2, _ = batches[0]
+    results = []
+    for first_touch in (False, True):
+        params = [torch.nn.Parameter(w.clone()) for w in (w13, w2)]
+        for p in params:
+            p.main_grad = torch.full(p.shape, float("nan")) if first_touch else torch.zeros(p.shape)
+            if first_touch:
+                mark_untouched(p.main_grad)
+        for x, offsets, _, _, dy in batches:
+            ffn8.expert_ffn_fp8(x.clone().requires_grad_(), offsets, *params, tiles=tiles, num_programs=2).backward(dy)
+        assert not any(is_untouched(p.main_grad) for p in params)
+        results.append([p.main_grad for p in params])
+    for zeroed, touched in zip(*results, strict=True):
+        assert torch.equal(zeroed, touched)
+    assert not results[1][0][1].any() and not results[1][1][1].any()
+
+
 def test_mismatched_weights_are_refused(ffn8):
     x, offsets, w13, w2, _ = _inputs([3, 4], 16, 16, seed=0)
     with pytest.raises(ValueError, match="w2"):
