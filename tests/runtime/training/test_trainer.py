@@ -663,13 +663,16 @@ def test_first_touch_steps_equal_zeroing_steps_bit_for_bit(interpreted, tmp_path
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
 @pytest.mark.parametrize("graphs", ["off", "on"])
-def test_cuda_first_touch_steps_equal_zeroing_steps_bit_for_bit(tmp_path, monkeypatch, graphs):
-    """The same on a GPU (bf16 parameters, the triton experts with the permute kernels, eager and
-    captured: the stores and adds decided by call order replay as captured), six steps."""
+def test_cuda_first_touch_steps_equal_zeroing_steps_bit_for_bit(tmp_path, monkeypatch, graphs, precision):
+    """The same on a GPU (bf16 parameters, the triton experts with the permute kernels, bf16 or FP8,
+    eager and captured: the stores and adds decided by call order replay as captured), six steps."""
+    if precision == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("needs a GPU with FP8 tensor cores (sm_89+)")
     model = load_model("tiny").model_copy(update={"hidden_size": 256, "expert_ffn_size": 256})
     cfg = tiny_run(tmp_path, model=model, steps=6, device="cuda", experts_backend="triton", batch_size=8, seq_len=128,
-                   cuda_graphs=graphs, checkpoint_at_end=False,
+                   cuda_graphs=graphs, checkpoint_at_end=False, precision=precision,
                    optim=OptimConfig(lr=3e-3, warmup_steps=2, grad_clip=0.5))
     zeroing, first_touch = _first_touch_runs(cfg, tmp_path, monkeypatch, 6, poison=False)
     if zeroing[0] != first_touch[0]:
