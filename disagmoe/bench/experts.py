@@ -8,7 +8,13 @@ on request `triton-fp8` (our permute and combine, every expert GEMM in FP8 with 
 scaling, `kernels.fp8_ffn`, at the tuned tiles of the shape class (`Fp8Tiles.for_shape`); its
 weights quantised once per weight tensor, as once per optimizer step in training, outside the
 timed calls), and `triton-fp8:<promote>`: the same tiles with every FP8 K loop promoted as
-<promote> says (`kernels.fp8.PROMOTE_VARIANTS`), to A/B the variants in one run.
+<promote> says (`kernels.fp8.PROMOTE_VARIANTS`), to A/B the variants in one run. With
+`--precision fp8` also `scaled-grouped-mm`, the library's FP8 forward (`torch._scaled_grouped_mm`:
+row-wise scales, one per row of the activations and per output column of each expert's weight,
+groups aligned to 16 rows; no backward, so it has no fwd+bwd row): our permute and combine, the
+rows laid into 16-aligned groups on the device, quantised row-wise (`kernels.fp8_rowwise`), the
+gate/up GEMM, SwiGLU, the output quantised row-wise, the down GEMM; its weight copies made once
+per weight tensor outside the timed calls, as ours.
 Legend: T tokens, K experts per token, N = T*K pairs, E local experts, H hidden, F expert FFN size.
 """
 
@@ -34,13 +40,17 @@ from disagmoe.kernels.tile_configs import TileConfig
 ZIPF_EXPONENT = 1.2
 BACKENDS = ("triton", "grouped_mm", "loop")  # the default set
 FP8_BACKEND = "triton-fp8"  # asked for by name: needs FP8 tensor cores (sm_89+)
-ALL_BACKENDS = (*BACKENDS, FP8_BACKEND)
+LIBRARY_FP8_BACKEND = "scaled-grouped-mm"  # torch._scaled_grouped_mm, forward only: needs sm_90
+FORWARD_ONLY = (LIBRARY_FP8_BACKEND,)
+LIBRARY_FP8_ALIGN = 16  # torch._scaled_grouped_mm's rows per group: a multiple of this
+ALL_BACKENDS = (*BACKENDS, FP8_BACKEND, LIBRARY_FP8_BACKEND)
 
 
 def backends_for(backends: list[str] | None, precision: str, promotes: list[str] | None = None) -> list[str]:
     """The backends `bench experts` times: those named (default `BACKENDS`), and with `precision`
     fp8 our FP8 experts beside our bf16 ones (the comparison the FP8 table's ratio needs): at their
-    tuned tiles, or with `promotes` one `triton-fp8:<promote>` per K-loop promotion named."""
+    tuned tiles, or with `promotes` one `triton-fp8:<promote>` per K-loop promotion named; and the
+    library's FP8 forward (`scaled-grouped-mm`), the FP8 forward's baseline."""
     if precision not in ("bf16", "fp8"):
         raise ValueError(f"--precision {precision!r}: choose bf16 or fp8")
     unknown = [p for p in promotes or [] if p not in PROMOTE_VARIANTS]
@@ -51,8 +61,18 @@ def backends_for(backends: list[str] | None, precision: str, promotes: list[str]
     chosen = list(backends or BACKENDS)
     if precision == "fp8":
         fp8 = [f"{FP8_BACKEND}:{p}" for p in dict.fromkeys(promotes)] if promotes else [FP8_BACKEND]
-        chosen += [b for b in ("triton", *fp8) if b not in chosen]
+        chosen += [b for b in ("triton", *fp8, LIBRARY_FP8_BACKEND) if b not in chosen]
     return chosen
+
+
+def needs_fp8(backend: str) -> bool:
+    """Whether a backend runs e4m3 GEMMs (ours or the library's)."""
+    return is_fp8(backend) or backend == LIBRARY_FP8_BACKEND
+
+
+def passes_of(backend: str) -> tuple[str, ...]:
+    """The passes a backend is timed in: the forward alone for the library's FP8 (no backward)."""
+    return ("fwd",) if backend in FORWARD_ONLY else PASSES
 
 
 def is_fp8(backend: str) -> bool:
@@ -169,9 +189,67 @@ def loop_ffn(x_NH, offsets_E, w13_EH2F, w2_EFH):
     return expert_ffn_reference(x_NH, offsets_E, w13_EH2F, w2_EFH)
 
 
+def library_fp8_layout(offsets_E: torch.Tensor, rows: int, align: int = LIBRARY_FP8_ALIGN,
+                       ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(dest_N int64, aligned_offsets_E int32, capacity) for `rows` grouped rows (`offsets_E`: int32
+    cumulative counts per expert): row r of group g goes to r - start_g + aligned_start_g, each
+    group's count rounded up to a multiple of `align` (torch._scaled_grouped_mm's group alignment).
+    Computed on the device, no host sync; capacity = rows + (align - 1) x E holds any routing,
+    the rows between groups and past the last aligned offset being padding."""
+    counts_E = torch.diff(offsets_E, prepend=offsets_E.new_zeros(1))
+    aligned_counts_E = (counts_E + align - 1) // align * align
+    aligned_offsets_E = aligned_counts_E.cumsum(0).to(torch.int32)
+    row_N = torch.arange(rows, device=offsets_E.device)
+    group_N = torch.searchsorted(offsets_E, row_N.to(offsets_E.dtype), right=True)
+    shift_E = (aligned_offsets_E - aligned_counts_E) - (offsets_E - counts_E)
+    return row_N + shift_E[group_N].to(torch.int64), aligned_offsets_E, rows + (align - 1) * offsets_E.numel()
+
+
+def library_fp8_weights(w_EKN: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q_EKN, scale_EN): e4m3 values of each expert's [K, N] weight with one scale per output
+    column over K (row-wise over its transpose, `fp8_dense.quantize_rowwise`), laid out as
+    torch._scaled_grouped_mm reads its second operand: each expert's [K, N] column-major."""
+    from disagmoe.kernels.fp8_dense import quantize_rowwise
+
+    experts, k, n = w_EKN.shape
+    q, scale = quantize_rowwise(w_EKN.transpose(1, 2).reshape(experts * n, k))
+    return q.view(experts, n, k).transpose(1, 2), scale.view(experts, n)
+
+
+def library_fp8_ffn(rows_NH: torch.Tensor, offsets_E: torch.Tensor, w13: tuple[torch.Tensor, torch.Tensor],
+                    w2: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """The SwiGLU expert FFN forward on torch._scaled_grouped_mm (row-wise FP8, bf16 out) over rows
+    grouped by expert; `w13`, `w2` from `library_fp8_weights`. The rows are laid into 16-aligned
+    groups (`library_fp8_layout`) and the results gathered back."""
+    from disagmoe.kernels.fp8_dense import quantize_rowwise
+
+    dest_N, aligned_offsets_E, capacity = library_fp8_layout(offsets_E, rows_NH.shape[0])
+    rows_PH = rows_NH.new_zeros((capacity, rows_NH.shape[1]))
+    rows_PH[dest_N] = rows_NH
+    q_PH, scale_P1 = quantize_rowwise(rows_PH)
+    h13_P2F = torch._scaled_grouped_mm(q_PH, w13[0], scale_P1.view(-1), w13[1], offs=aligned_offsets_E,
+                                       out_dtype=torch.bfloat16)
+    ffn = h13_P2F.shape[1] // 2
+    act_PF = F.silu(h13_P2F[:, :ffn]) * h13_P2F[:, ffn:]
+    q_PF, scale_act_P1 = quantize_rowwise(act_PF)
+    y_PH = torch._scaled_grouped_mm(q_PF, w2[0], scale_act_P1.view(-1), w2[1], offs=aligned_offsets_E,
+                                    out_dtype=torch.bfloat16)
+    return y_PH[dest_N]
+
+
 def make_block(backend: str, tiles: FFNTiles | None = None,
                fp8_tiles: Fp8Tiles | None = None) -> Callable[..., torch.Tensor]:
     """The routed expert block of one backend (an FP8 one at `fp8_tiles`, default the tuned ones)."""
+    if backend == LIBRARY_FP8_BACKEND:
+        weight_copies: dict[tuple[int, int], tuple] = {}  # per weight tensor: made in the warm-up
+
+        def library_fp8_block(x_TH, topk_idx_TK, weights_TK, w13_EH2F, w2_EFH):
+            key = (w13_EH2F.data_ptr(), w2_EFH.data_ptr())
+            if key not in weight_copies:
+                weight_copies[key] = (library_fp8_weights(w13_EH2F.detach()), library_fp8_weights(w2_EFH.detach()))
+            rows_NH, offsets_E, dest_TK = permute_tokens(x_TH, topk_idx_TK, w13_EH2F.shape[0])
+            return combine_rows(library_fp8_ffn(rows_NH, offsets_E, *weight_copies[key]), dest_TK, weights_TK)
+        return library_fp8_block
     if is_fp8(backend):
         copies: dict[tuple[int, int], Fp8ExpertWeights] = {}  # per weight tensor: made in the warm-up
 
@@ -246,6 +324,14 @@ def relative_errors(block, inputs, dy, reference=None) -> dict[str, float]:
             for name, got, want in zip(names, (y, *grads), (y_ref, *grads_ref))}
 
 
+def forward_error(block, inputs, dy, reference=None) -> dict[str, float]:
+    """`relative_errors` of y alone, for a backend without a backward (`FORWARD_ONLY`)."""
+    with torch.no_grad():
+        y = block(*inputs)
+    y_ref = (reference or reference_outputs(inputs, dy))[0]
+    return {"y": ((y.double() - y_ref.double()).norm() / y_ref.double().norm()).item()}
+
+
 def time_block(block, inputs, dy, pass_name: str, warmup: int, iters: int) -> float:
     """Median milliseconds of one pass over the block, rotating input copies if they fit in L2."""
     device = inputs[0].device
@@ -272,9 +358,13 @@ def run(shape_names: list[str], backends: list[str], warmup: int, iters: int,
                          f"{', '.join(ALL_BACKENDS)} (or {FP8_BACKEND}:<promote>); got {backends}")
     if not torch.cuda.is_available():
         raise ValueError("`disagmoe bench experts` needs a CUDA GPU (none is visible)")
-    if any(map(is_fp8, backends)) and torch.cuda.get_device_capability() < (8, 9):
+    capability = torch.cuda.get_device_capability()
+    if any(map(needs_fp8, backends)) and capability < (8, 9):
         raise ValueError(f"{FP8_BACKEND} needs FP8 tensor cores (sm_89 or newer); this GPU is "
-                         f"sm_{''.join(map(str, torch.cuda.get_device_capability()))}: leave it out")
+                         f"sm_{''.join(map(str, capability))}: leave out --precision fp8")
+    if LIBRARY_FP8_BACKEND in backends and capability[0] != 9:
+        raise ValueError(f"{LIBRARY_FP8_BACKEND} (torch._scaled_grouped_mm) runs on sm_90 only; this GPU is "
+                         f"sm_{''.join(map(str, capability))}: leave it out of --backend")
     device = torch.device("cuda")
     record = {"environment": environment(device), "zipf_exponent": ZIPF_EXPONENT,
               "warmup": warmup, "iters": iters, "loop_iters": loop_iters}
@@ -299,15 +389,15 @@ def run(shape_names: list[str], backends: list[str], warmup: int, iters: int,
         for backend, t in fp8_tiles.items():
             log(f"{name} {backend} tiles: {t.describe()}")
         if check:
-            checked = [b for b in backends if b in ("triton", "grouped_mm") or is_fp8(b)]
+            checked = [b for b in backends if b in ("triton", "grouped_mm") or needs_fp8(b)]
             reference = reference_outputs(inputs, dy)
-            entry["rel_err"] = {b: relative_errors(make_block(b, tiles, fp8_tiles.get(b)), inputs, dy, reference)
-                                for b in checked}
+            entry["rel_err"] = {b: (forward_error if b in FORWARD_ONLY else relative_errors)(
+                make_block(b, tiles, fp8_tiles.get(b)), inputs, dy, reference) for b in checked}
             del reference
         for backend in backends:
             block = make_block(backend, tiles, fp8_tiles.get(backend))
             n_iters = loop_iters if backend == "loop" else iters
-            for pass_name in PASSES:
+            for pass_name in passes_of(backend):
                 ms = time_block(block, inputs, dy, pass_name, min(warmup, n_iters), n_iters)
                 entry["ms"].setdefault(backend, {})[pass_name] = ms
                 rate = shape.flops(pass_name) / ms / 1e9
@@ -323,7 +413,7 @@ def error_text(shape_entry: dict, backend: str, pass_name: str) -> str:
     """A backend's relative error on one row: y's for the forward, the largest of y's and the
     gradients' for forward+backward ('-' unchecked)."""
     errors = shape_entry.get("rel_err", {}).get(backend)
-    if not errors:
+    if not errors or (pass_name != "fwd" and backend in FORWARD_ONLY):
         return "-"
     return f"{errors['y']:.1e}" if pass_name == "fwd" else f"{max(errors.values()):.1e}"
 
@@ -340,26 +430,46 @@ def fp8_tiles_notes(record: dict) -> list[str]:
             for s in record["shapes"] for backend, tiles in s.get("fp8_tiles", {}).items()]
 
 
-def markdown_table(record: dict) -> str:
-    """The record as a GitHub table (what docs/benchmarks.md quotes), ratios vs grouped_mm."""
+def _ratio_text(s: dict, over: str, under: str, pass_name: str) -> str:
+    """'1.23x', one backend's rate over another's on a row ('-' where either has no such pass)."""
+    top, bottom = s["tflops"].get(over, {}).get(pass_name), s["tflops"].get(under, {}).get(pass_name)
+    return "-" if top is None or bottom is None else f"{top / bottom:.2f}x"
+
+
+def table_rows(record: dict, short_fp8_names: bool = False) -> tuple[list[str], list[list[str]]]:
+    """(head, rows) of the record's table, what the CLI prints and `markdown_table` quotes: every
+    backend's rate (% of the ceiling; '-' for a pass it has not), ours against grouped_mm, each FP8
+    backend of ours against our bf16 and its error, and where the library's FP8 forward ran, ours
+    against it. `short_fp8_names`: 'fp8:pingpong' for 'triton-fp8:pingpong' in the heads."""
     backends = list(record["shapes"][0]["tflops"]) if record["shapes"] else []
     ceiling = record["ceiling_tflops"]
     fp8 = fp8_backends(backends)
+    library = LIBRARY_FP8_BACKEND in backends
+    label = (lambda b: b.replace("triton-", "", 1)) if short_fp8_names else (lambda b: b)
     head = ["shape", "E", "H->F", "pairs", "max/mean load", "pass",
-            *[f"{b} TFLOP/s (% of ceiling)" for b in backends], "triton / grouped_mm",
-            "triton rel err", *[h for b in fp8 for h in (f"{b} / triton", f"{b} rel err")]]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+            *[f"{b} TFLOP/s (% of ceiling)" for b in backends], "triton / grouped_mm", "triton rel err",
+            *[h for b in fp8 for h in (f"{label(b)} / triton", f"{label(b)} rel err")],
+            *([f"{label(b)} / {LIBRARY_FP8_BACKEND}" for b in fp8] + [f"{LIBRARY_FP8_BACKEND} rel err"]
+              if library else [])]
+    rows = []
     for s in record["shapes"]:
         for pass_name in PASSES:
-            rates = [s["tflops"][b][pass_name] for b in backends]
-            ratio = s["tflops"].get("triton", {}).get(pass_name, float("nan")) / \
-                s["tflops"]["grouped_mm"][pass_name]
+            rates = [s["tflops"][b].get(pass_name) for b in backends]
             cells = [s["name"], str(s["experts"]), f"{s['hidden']}->{s['ffn']}", str(s["pairs"]),
                      f"{s['load_max_over_mean']:.2f}", pass_name,
-                     *[f"{r:.0f} ({100 * r / ceiling:.0f}%)" for r in rates], f"{ratio:.2f}x",
-                     error_text(s, "triton", pass_name)]
+                     *["-" if r is None else f"{r:.0f} ({100 * r / ceiling:.0f}%)" for r in rates],
+                     _ratio_text(s, "triton", "grouped_mm", pass_name), error_text(s, "triton", pass_name)]
             for b in fp8:
-                fp8_ratio = s["tflops"][b][pass_name] / s["tflops"]["triton"][pass_name]
-                cells += [f"{fp8_ratio:.2f}x", error_text(s, b, pass_name)]
-            lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+                cells += [_ratio_text(s, b, "triton", pass_name), error_text(s, b, pass_name)]
+            if library:
+                cells += [_ratio_text(s, b, LIBRARY_FP8_BACKEND, pass_name) for b in fp8]
+                cells.append(error_text(s, LIBRARY_FP8_BACKEND, pass_name))
+            rows.append(cells)
+    return head, rows
+
+
+def markdown_table(record: dict) -> str:
+    """The record as a GitHub table (what docs/benchmarks.md quotes), `table_rows`."""
+    head, rows = table_rows(record)
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    return "\n".join(lines + ["| " + " | ".join(cells) + " |" for cells in rows])

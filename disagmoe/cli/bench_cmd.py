@@ -34,11 +34,13 @@ def _shape_names(shapes: list[str] | None) -> list[str]:
 def experts(
     shape: ShapeOption = None,
     backend: Annotated[list[str] | None, typer.Option(
-        help="triton | grouped_mm | loop | triton-fp8 (repeatable; default: the first three; "
-             "triton-fp8: every expert GEMM in FP8, needs sm_89+)")] = None,
+        help="triton | grouped_mm | loop | triton-fp8 | scaled-grouped-mm (repeatable; default: the first "
+             "three; triton-fp8: every expert GEMM in FP8, needs sm_89+; scaled-grouped-mm: the library's "
+             "row-wise FP8 forward, torch._scaled_grouped_mm, sm_90, no fwd+bwd row)")] = None,
     precision: Annotated[str, typer.Option(
         help="bf16, or fp8: our FP8 experts (triton-fp8) timed beside our bf16 ones (triton) of the same build "
-             "in the same run, with the ratio and the FP8 error")] = "bf16",
+             "in the same run, with the ratio and the FP8 error, and our FP8 forward against the library's "
+             "(scaled-grouped-mm)")] = "bf16",
     fp8_promote: Annotated[list[str] | None, typer.Option(
         "--fp8-promote", help="with --precision fp8: time the FP8 experts once per K-loop promotion named "
                               "(inline | hoisted | pipelined | pingpong; repeatable), as triton-fp8:<promote>, "
@@ -82,37 +84,23 @@ def experts(
 
 
 def _experts_table(record: dict) -> Table:
-    from disagmoe.bench.experts import FP8_BACKEND, error_text, fp8_backends, is_fp8
+    from disagmoe.bench.experts import FP8_BACKEND, LIBRARY_FP8_BACKEND, is_fp8, table_rows
 
     env, ceiling = record["environment"], record["ceiling_tflops"]
     backends = list(record["shapes"][0]["tflops"]) if record["shapes"] else []
-    fp8 = fp8_backends(backends)
-    precision = "bf16" + (f" ({FP8_BACKEND}: e4m3 GEMMs, bf16 in and out)" if any(map(is_fp8, backends)) else "")
+    precision = "bf16" + (f" ({FP8_BACKEND}: e4m3 GEMMs, bf16 in and out)" if any(map(is_fp8, backends)) else "") + (
+        f"; {LIBRARY_FP8_BACKEND}: torch._scaled_grouped_mm, row-wise FP8, forward only"
+        if LIBRARY_FP8_BACKEND in backends else "")
     table = Table(title=f"routed expert block, {precision}, {env['gpu']} (driver {env['driver']}, torch "
                         f"{env['torch']}, triton {env['triton']}); bf16 matmul ceiling "
                         f"{ceiling:.0f} TFLOP/s")
-    for col in ["shape", "E", "H->F", "pairs", "max/mean load", "pass",
-                *[f"{b} TFLOP/s (% ceil)" for b in backends], "triton / grouped_mm", "rel err",
-                *[h for b in fp8 for h in (f"{_fp8_label(b)} / triton", f"{_fp8_label(b)} rel err")]]:
-        table.add_column(col, justify="left" if col in ("shape", "pass") else "right")
-    for s in record["shapes"]:
-        for pass_name in ("fwd", "fwd+bwd"):
-            rates = [s["tflops"][b][pass_name] for b in backends]
-            ratio = (s["tflops"]["triton"][pass_name] / s["tflops"]["grouped_mm"][pass_name]
-                     if "triton" in backends else float("nan"))
-            extra = [cell for b in fp8
-                     for cell in (f"{s['tflops'][b][pass_name] / s['tflops']['triton'][pass_name]:.2f}x",
-                                  error_text(s, b, pass_name))]
-            table.add_row(s["name"], str(s["experts"]), f"{s['hidden']}->{s['ffn']}",
-                          str(s["pairs"]), f"{s['load_max_over_mean']:.2f}", pass_name,
-                          *[f"{r:.0f} ({100 * r / ceiling:.0f}%)" for r in rates],
-                          f"{ratio:.2f}x", error_text(s, "triton", pass_name), *extra)
+    head, rows = table_rows(record, short_fp8_names=True)
+    for col in head:
+        table.add_column(col.replace(" (% of ceiling)", " (% ceil)"),
+                         justify="left" if col in ("shape", "pass") else "right")
+    for cells in rows:
+        table.add_row(*cells)
     return table
-
-
-def _fp8_label(backend: str) -> str:
-    """'fp8' for triton-fp8, 'fp8:pingpong' for triton-fp8:pingpong (the table's column heads)."""
-    return backend.replace("triton-", "", 1)
 
 
 @bench_app.command("layer")

@@ -66,6 +66,56 @@ def test_markdown_table_adds_the_fp8_ratio_and_error_when_asked_for():
     assert lines[2].endswith("| 1.50x | 4.0e-02 |") and lines[3].endswith("| 1.50x | 6.0e-02 |")
 
 
+def test_the_librarys_fp8_forward_gets_its_own_columns_and_no_backward_row():
+    """With scaled-grouped-mm in the record: its forward rate, '-' for the fwd+bwd it has not, each
+    FP8 backend of ours against it (forward only) and its forward error."""
+    backends = (*bench.BACKENDS, bench.FP8_BACKEND, bench.LIBRARY_FP8_BACKEND)
+    tflops = {b: {p: 400.0 for p in bench.passes_of(b)} for b in backends}
+    tflops[bench.FP8_BACKEND] = {"fwd": 600.0, "fwd+bwd": 500.0}
+    tflops[bench.LIBRARY_FP8_BACKEND] = {"fwd": 300.0}
+    record = {"ceiling_tflops": 800.0, "shapes": [{
+        "name": "s", "experts": 2, "hidden": 8, "ffn": 4, "pairs": 16, "load_max_over_mean": 1.5, "tflops": tflops,
+        "rel_err": {"triton": {"y": 1e-3, "dx": 2e-3}, bench.FP8_BACKEND: {"y": 4e-2, "dx": 6e-2},
+                    bench.LIBRARY_FP8_BACKEND: {"y": 3e-2}}}]}
+    head, rows = bench.table_rows(record)
+    assert head[-2:] == [f"{bench.FP8_BACKEND} / {bench.LIBRARY_FP8_BACKEND}", f"{bench.LIBRARY_FP8_BACKEND} rel err"]
+    fwd, both = (dict(zip(head, r, strict=True)) for r in rows)
+    assert fwd[f"{bench.LIBRARY_FP8_BACKEND} TFLOP/s (% of ceiling)"] == "300 (38%)"
+    assert fwd[f"{bench.FP8_BACKEND} / {bench.LIBRARY_FP8_BACKEND}"] == "2.00x"
+    assert fwd[f"{bench.LIBRARY_FP8_BACKEND} rel err"] == "3.0e-02"
+    assert both[f"{bench.LIBRARY_FP8_BACKEND} TFLOP/s (% of ceiling)"] == "-"
+    assert both[f"{bench.FP8_BACKEND} / {bench.LIBRARY_FP8_BACKEND}"] == "-"
+    assert both[f"{bench.LIBRARY_FP8_BACKEND} rel err"] == "-"
+    assert bench.markdown_table(record).count("\n") == 3
+
+
+def test_the_librarys_fp8_layout_aligns_every_group_to_16_rows_without_a_host_sync():
+    """Rows of ragged groups (an empty one, one of exactly 16, one past it) placed at 16-aligned
+    group starts, in order, inside a capacity that holds any routing; the gaps stay unused."""
+    offsets = torch.tensor([5, 5, 21, 38], dtype=torch.int32)  # counts 5, 0, 16, 17
+    dest, aligned, capacity = bench.library_fp8_layout(offsets, 38)
+    assert aligned.tolist() == [16, 16, 32, 64] and aligned.dtype == torch.int32
+    assert capacity == 38 + 15 * 4 and int(aligned[-1]) <= capacity
+    want = [*range(0, 5), *range(16, 32), *range(32, 49)]
+    assert dest.tolist() == want and dest.dtype == torch.int64
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="torch._scaled_grouped_mm runs on sm_90")
+def test_cuda_the_librarys_fp8_block_tracks_the_reference():
+    """The scaled-grouped-mm block's forward on ragged Zipf routing (bf16) within row-wise FP8's
+    error of the fp32 reference block, and its weights quantised once."""
+    shape = bench.ExpertShape("t", "qwen3-30b-a3b", 4, 4096)
+    inputs = bench.make_inputs(shape, torch.device("cuda"))
+    dy = torch.randn(inputs[0].shape, device="cuda", dtype=torch.bfloat16)
+    block = bench.make_block(bench.LIBRARY_FP8_BACKEND)
+    err = bench.forward_error(block, inputs, dy)["y"]
+    assert err < 0.1, err
+    with torch.no_grad():
+        assert torch.equal(block(*inputs), block(*inputs))
+
+
 @pytest.mark.slow  # more than a few seconds on 2 cores (`pytest -m 'not slow'` skips it)
 def test_the_fp8_block_matches_the_reference_and_quantises_each_weight_once(interpreted):
     """The triton-fp8 block (our permute and combine around the all-FP8 expert FFN) forward and
@@ -105,11 +155,11 @@ def test_the_fp8_block_matches_the_reference_and_quantises_each_weight_once(inte
 
 
 def test_precision_fp8_times_our_fp8_experts_beside_our_bf16_ones():
-    from disagmoe.bench.experts import BACKENDS, FP8_BACKEND, backends_for
+    from disagmoe.bench.experts import BACKENDS, FP8_BACKEND, LIBRARY_FP8_BACKEND, backends_for
 
     assert backends_for(None, "bf16") == list(BACKENDS)
-    assert backends_for(None, "fp8") == [*BACKENDS, FP8_BACKEND]
-    assert backends_for(["grouped_mm"], "fp8") == ["grouped_mm", "triton", FP8_BACKEND]
+    assert backends_for(None, "fp8") == [*BACKENDS, FP8_BACKEND, LIBRARY_FP8_BACKEND]
+    assert backends_for(["grouped_mm"], "fp8") == ["grouped_mm", "triton", FP8_BACKEND, LIBRARY_FP8_BACKEND]
     with pytest.raises(ValueError, match="choose bf16 or fp8"):
         backends_for(None, "fp4")
 
@@ -124,8 +174,10 @@ def test_fp8_promote_times_one_fp8_backend_per_k_loop_and_says_which_tiles_ran()
 
     fp8 = bench.FP8_BACKEND
     chosen = bench.backends_for(["grouped_mm"], "fp8", ["inline", "pingpong", "inline"])
-    assert chosen == ["grouped_mm", "triton", f"{fp8}:inline", f"{fp8}:pingpong"]
-    assert all(bench.is_fp8(b) for b in chosen[2:]) and not bench.is_fp8(f"{fp8}:overlapped")
+    assert chosen == ["grouped_mm", "triton", f"{fp8}:inline", f"{fp8}:pingpong", bench.LIBRARY_FP8_BACKEND]
+    assert all(bench.is_fp8(b) for b in chosen[2:4]) and not bench.is_fp8(f"{fp8}:overlapped")
+    assert bench.needs_fp8(chosen[4]) and not bench.is_fp8(chosen[4])  # the library's FP8, not ours
+    chosen = chosen[:4]
     with pytest.raises(ValueError, match="choose from inline, hoisted, pipelined, pingpong"):
         bench.backends_for(None, "fp8", ["overlapped"])
     with pytest.raises(ValueError, match="--precision fp8"):
