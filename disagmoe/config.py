@@ -232,6 +232,22 @@ class RatePoint(StrictModel):
                                    "stage counts their work (`roofline.stages.expert_passes`)")
 
 
+class Fp8RatePoint(StrictModel):
+    """One point of the FP8 expert curve (`Calibration.expert_gemm_fp8`): at `at` rows per expert the
+    FP8 expert FFN (`kernels.fp8_ffn`, quantisers included) ran at `fwd` / `bwd` of the bf16 dense
+    peak (`bf16_tflops`), against the same stage FLOPs the bf16 curve counts: a rate above the bf16
+    curve's (or above 1) is FP8 beating bf16, one below it FP8 losing to it. Its backward is measured
+    whole (data and weight gradients together: the FP8 backward cannot hold its weight gradients
+    back), so it has no `wgrad`; `HardwareConfig` bounds both by fp8_tflops / bf16_tflops."""
+
+    at: PositiveFloat = Field(description="rows per expert")
+    fwd: PositiveFloat = Field(description="the FP8 forward's rate (x's quantiser included) as a fraction of the "
+                               "bf16 peak, against the bf16 forward's FLOPs")
+    bwd: PositiveFloat = Field(description="the FP8 backward's rate (data and weight gradients into the fp32 main "
+                               "gradients, every quantiser included) as a fraction of the bf16 peak, against the "
+                               "bf16 data and weight gradients' work together")
+
+
 class LinkCost(StrictModel):
     """A transport as a fixed cost per call plus a bandwidth: time = latency + bytes / bandwidth."""
 
@@ -250,6 +266,9 @@ class Calibration(StrictModel):
       Each rate is the fraction of the bf16 peak at which the planner's stage work
       (`roofline.stages.expert_passes`, `attention_core_passes`) takes the probe's measured time
       (`roofline.calibration.fitted_fraction`).
+    - `expert_gemm_fp8`: the FP8 expert FFN's forward and whole-backward rates against rows per expert,
+      fitted against the same bf16 stage work (`Fp8RatePoint`); absent, FP8 experts are priced at the
+      datasheet ratio fp8_tflops / bf16_tflops of the bf16 rate.
     - `hbm_fraction`: memory-bound stages' measured HBM rate, as a fraction of the hardware's.
     - `op_fixed_us`: the fixed cost of one schedule op of that kind (its kernel launches and the
       small kernels whose time does not scale with the work), added once per op.
@@ -278,11 +297,17 @@ class Calibration(StrictModel):
         "weighted-combine kernels, forward and backward (`roofline.stages.permute`); norms: a layer's RMSNorms, "
         "qk-norm / RoPE / heads-first layout, attention-output copy and residual adds, forward and backward "
         "(`roofline.stages.norms_and_residuals`; GQA models)"))
+    expert_gemm_fp8: list[Fp8RatePoint] = Field(default_factory=list, description=(
+        "probe version 5 on, GPUs with FP8 tensor cores and the triton experts: the FP8 expert FFN "
+        "(`kernels.fp8_ffn.expert_ffn_fp8`, its weights' e4m3 copies made once outside the timed calls) at the "
+        "bf16 curve's rows per expert, forward and whole backward, as fractions of the bf16 peak against the bf16 "
+        "curve's stage work (`placement.cost.fp8_stages` prices `precision: fp8` experts from it; absent: at the "
+        "datasheet ratio fp8_tflops / bf16_tflops, unmeasured)"))
     p2p: LinkCost | None = None
     all_reduce: LinkCost | None = None
     all_to_all: LinkCost | None = None
 
-    @field_validator("expert_gemm", "attention", "projections")
+    @field_validator("expert_gemm", "attention", "projections", "expert_gemm_fp8")
     @classmethod
     def _distinct_points(cls, points: list[RatePoint]) -> list[RatePoint]:
         ats = [p.at for p in points]
@@ -319,6 +344,18 @@ class HardwareConfig(StrictModel):
     calibration: Calibration | None = Field(
         None, description="measured efficiency curves and fixed costs (`disagmoe bench calibrate`); "
         "absent: the roofline with the flat `efficiency` fractions")
+
+    @model_validator(mode="after")
+    def _fp8_curve_within_the_fp8_peak(self) -> HardwareConfig:
+        """An FP8 curve point faster than the FP8 datasheet peak is a misread measurement (the probe
+        clips its fits there), not a rate to plan with."""
+        most = self.fp8_tflops / self.bf16_tflops
+        fast = [p.at for p in (self.calibration.expert_gemm_fp8 if self.calibration else [])
+                if max(p.fwd, p.bwd) > most * (1 + 1e-9)]
+        if fast:
+            raise ValueError(f"calibration.expert_gemm_fp8 at rows per expert {fast}: a rate above fp8_tflops / "
+                             f"bf16_tflops = {most:.3g} of the bf16 peak, faster than the FP8 datasheet peak")
+        return self
 
 
 class ClusterConfig(StrictModel):

@@ -9,6 +9,14 @@ measures them, this module reuses it) it measures what `HardwareConfig.calibrati
   the forward, the data gradients, and the weight gradients adding into fp32 main gradients (the
   Triton kernels' `_ragged_weight_grad_kernel` reads and writes each expert weight's fp32 main
   gradient once per call: 8 bytes per parameter per micro-batch in the step);
+- `expert_gemm_fp8` (a GPU with FP8 tensor cores, sm_89 on, and the triton experts): the FP8 expert
+  FFN (`kernels.fp8_ffn.expert_ffn_fp8`) at the same rows per expert, its weights' e4m3 copies made
+  once outside the timed calls (as the trainer makes them once per optimizer step) and the weight
+  gradients added into fp32 main gradients: the forward, and the whole backward (the FP8 backward
+  cannot hold its weight gradients back, so data and weight gradients are timed together, every
+  quantiser included), each as a fraction of the same bf16 peak against the same stage work as the
+  bf16 curve (`fp8_expert_point`), so the planner prices FP8 experts at what they measure instead of
+  the datasheet's fp8_tflops / bf16_tflops (`placement.cost.fp8_stages`);
 - `attention`: SDPA (causal, bf16) at several sequence lengths, forward and forward+backward;
 - `projections`: the attention block's projection GEMMs (every nn.Linear of the model's own
   attention module, forward; data and weight gradients) at PROJECTION_TOKENS tokens, against
@@ -86,9 +94,10 @@ import yaml
 
 from disagmoe.bench import hardware
 from disagmoe.bench.probe import PROBE_FINGERPRINT, PROBE_VERSION
-from disagmoe.config import Calibration, HardwareConfig, LinkCost, ModelConfig, OptimConfig, RatePoint, write_text_file
+from disagmoe.config import (Calibration, Fp8RatePoint, HardwareConfig, LinkCost, ModelConfig, OptimConfig, RatePoint,
+                             write_text_file)
 from disagmoe.roofline import stages
-from disagmoe.roofline.calibration import fitted_fraction, fitted_hbm_fraction
+from disagmoe.roofline.calibration import fitted_fraction, fitted_hbm_fraction, fitted_shared_fraction
 from disagmoe.roofline.ceilings import Ceilings
 
 ROWS_PER_EXPERT = (16, 64, 256, 512, 1024, 2048, 4096)
@@ -150,6 +159,9 @@ class Timings:
     permute: PassTimes | None = None  # permute + combine over PERMUTE_TOKENS tokens (None: not measured)
     projections: dict[int, PassTimes] | None = None  # tokens -> the attention projections (None: not measured)
     norms: PassTimes | None = None  # one layer's elementwise kernels over PERMUTE_TOKENS tokens (None: not measured)
+    # rows per expert -> the FP8 FFN on curve_experts(model, rows) experts, forward and forward + whole
+    # backward (None: not measured: no FP8 tensor cores, or not the triton experts)
+    expert_gemm_fp8: dict[int, PassTimes] | None = None
 
 
 def curve_experts(model: ModelConfig, rows_per_expert: int) -> int:
@@ -191,6 +203,25 @@ def expert_point(model: ModelConfig, rows_per_expert: int, times: ExpertTimes, f
                      wgrad=fitted_fraction(wgrad, times.wgrad_s - fixed.wgrad_s, ceil))
 
 
+def fp8_expert_point(model: ModelConfig, rows_per_expert: int, times: PassTimes, fixed: ExpertTimes,
+                     ceil: Ceilings, most: float) -> Fp8RatePoint:
+    """The FP8 curve's point at `rows_per_expert`: the FP8 FFN's times fitted as `expert_point`
+    fits the bf16 one's, against the same bf16 stage work (`stages.expert_passes`: the FLOPs of the
+    bf16 GEMMs, so the rate says how fast FP8 gets through the same FFN), net of the same fixed
+    part (the bf16 FFN's at one row, which the planner adds to every expert op whatever its
+    precision: the FP8 launches' extra fixed cost, its quantisers', stays in the curve). Its
+    backward ran whole, data and weight gradients together: one rate at which the planner's two
+    backward stages, each priced on its own, take that time (`fitted_shared_fraction`). `most`:
+    fp8_tflops / bf16_tflops, the fastest an FP8 rate can be."""
+    experts = curve_experts(model, rows_per_expert)
+    passes = stages.expert_passes(model, rows_per_expert * experts, experts)
+    fwd, dgrad = passes["routed experts"]
+    wgrad = passes["expert weight grads"][1]
+    return Fp8RatePoint(at=rows_per_expert, fwd=fitted_fraction(fwd, times.fwd_s - fixed.fwd_s, ceil, most),
+                        bwd=fitted_shared_fraction([dgrad, wgrad], times.bwd_s - fixed.dgrad_s - fixed.wgrad_s,
+                                                   ceil, most))
+
+
 def attention_point(model: ModelConfig, seq_len: int, times: PassTimes, fixed: PassTimes, ceil: Ceilings) -> RatePoint:
     """The attention curve's point at `seq_len`: the same fit against `stages.attention_core_passes`
     of the probe's attention_batch(seq_len) sequences."""
@@ -225,10 +256,13 @@ def op_fixed_us(t: Timings) -> dict[str, float]:
 
 
 def calibration_from(t: Timings, model: ModelConfig, ceil: Ceilings, source: str,
-                     links: dict[str, LinkCost] | None = None) -> Calibration:
+                     links: dict[str, LinkCost] | None = None, fp8_peak_ratio: float = 1.0) -> Calibration:
     """The calibration's terms from the GPU kernel timings: curves net of the fixed costs, fitted
-    under `ceil` (`Ceilings.of` the calibrated hardware: its measured matmul and HBM rates)."""
+    under `ceil` (`Ceilings.of` the calibrated hardware: its measured matmul and HBM rates);
+    `fp8_peak_ratio` (fp8_tflops / bf16_tflops) caps the FP8 curve's rates."""
     gemm = [expert_point(model, rows, times, t.expert_fixed, ceil) for rows, times in sorted(t.expert_gemm.items())]
+    gemm_fp8 = [fp8_expert_point(model, rows, times, t.expert_fixed, ceil, fp8_peak_ratio)
+                for rows, times in sorted((t.expert_gemm_fp8 or {}).items())]
     attention = [attention_point(model, seq, times, t.attention_fixed, ceil) for seq, times in sorted(t.attention.items())]
     projections = [projection_point(model, tokens, times, ceil) for tokens, times in sorted((t.projections or {}).items())]
     hbm = {}
@@ -241,7 +275,7 @@ def calibration_from(t: Timings, model: ModelConfig, ceil: Ceilings, source: str
         pairs = stages.permute(model, PERMUTE_TOKENS * model.top_k)
         hbm["permute"] = fitted_hbm_fraction(pairs + pairs, t.permute.fwd_bwd_s, ceil)
     return Calibration(source=source, expert_gemm=gemm, attention=attention, op_fixed_us=op_fixed_us(t),
-                       projections=projections, hbm_fraction=hbm, **(links or {}))
+                       projections=projections, hbm_fraction=hbm, expert_gemm_fp8=gemm_fp8, **(links or {}))
 
 
 def merge_calibration(old: Calibration | None, new: Calibration) -> Calibration:
@@ -302,7 +336,8 @@ def measure_all(preset: HardwareConfig, model: ModelConfig, experts_backend: str
     source = (f"disagmoe bench calibrate (GPU kernel time), {torch.cuda.get_device_name(dev)}, "
               f"{time.strftime('%Y-%m-%d')}")
     # fitted under the rates the written file is priced with (`calibrated_hardware`'s efficiencies)
-    cal = calibration_from(timings, model, Ceilings.of(hardware.calibrated(preset, ceilings)), source, links)
+    cal = calibration_from(timings, model, Ceilings.of(hardware.calibrated(preset, ceilings)), source, links,
+                           fp8_peak_ratio=preset.fp8_tflops / preset.bf16_tflops)
     return Measurements(ceilings, cal)
 
 
@@ -318,7 +353,16 @@ def measure_timings(dev, model: ModelConfig, experts_backend: str, warmup: int, 
         optimizer_s=_optimizer_times(dev, OPTIMIZER_PARAMS, warmup, iters),
         permute=_permute_times(dev, model, PERMUTE_TOKENS, warmup, iters),
         projections={n: _projection_times(dev, model, n, warmup, iters) for n in PROJECTION_TOKENS},
-        norms=None if model.attention == "mla" else _norms_times(dev, model, PERMUTE_TOKENS, warmup, iters))
+        norms=None if model.attention == "mla" else _norms_times(dev, model, PERMUTE_TOKENS, warmup, iters),
+        expert_gemm_fp8={r: _fp8_ffn_times(dev, model, r, curve_experts(model, r), warmup, iters)
+                         for r in ROWS_PER_EXPERT} if fp8_measured(dev, experts_backend) else None)
+
+
+def fp8_measured(dev, experts_backend: str) -> bool:
+    """Whether the FP8 expert curve is measured: FP8 tensor cores (sm_89 on, as `precision: fp8`
+    trains) under the triton experts, the backend whose kernels `precision: fp8` replaces (a
+    grouped_mm run calibrates a step that has no FP8 experts)."""
+    return experts_backend == "triton" and torch.cuda.get_device_capability(dev) >= (8, 9)
 
 
 def _ffn(experts_backend: str) -> Callable:
@@ -410,6 +454,59 @@ def _ffn_times(dev, model: ModelConfig, experts_backend: str, rows_per_expert: i
     dgrad = kernel_ms(lambda _: passes.data_grads(), warmup, iters)
     full = kernel_ms(lambda _: passes.all_grads(), warmup, iters)
     return ExpertTimes(fwd / 1e3, max(dgrad - fwd, 0.0) / 1e3, max(full - dgrad, 0.0) / 1e3)
+
+
+@dataclass(frozen=True)
+class Fp8FFNPasses:
+    """The FP8 expert FFN's passes as the step runs them, each a call to time (`fp8_ffn_passes`)."""
+
+    forward: Callable[[], object]  # the forward alone, saving for the backward as the step's does
+    forward_backward: Callable[[], object]  # the forward and the whole backward, into `main_grads`
+    main_grads: tuple[torch.Tensor, torch.Tensor]  # the fp32 main gradients of w13 and w2
+
+
+def fp8_ffn_passes(ffn: Callable, x_NH: torch.Tensor, offsets_E: torch.Tensor, w13_EH2F: torch.nn.Parameter,
+                   w2_EFH: torch.nn.Parameter, dy_NH: torch.Tensor) -> Fp8FFNPasses:
+    """The passes of the FP8 experts `ffn` (`expert_ffn_fp8`'s contract) on these inputs as the
+    trainer runs them: the weights' e4m3 copies made once here, outside every timed call (the
+    trainer makes them once per optimizer step, `RoutedExperts.prepare_fp8`), and passed to each
+    call; the weights given fp32 main gradients as FlatAdamW gives them, so that the backward's
+    weight-gradient GEMMs add into them (every call accumulates: the probe's main gradients are
+    never marked untouched, as the bf16 probe's). The backward is whole: the FP8 kernels hold no
+    weight gradient back (`kernels.deferral`), and `forward_backward` asks autograd for x's
+    gradient alone, the weights' arriving in their main gradients."""
+    from disagmoe.kernels.fp8_ffn import Fp8ExpertWeights
+
+    main13, main2 = (torch.zeros_like(w, dtype=torch.float32) for w in (w13_EH2F, w2_EFH))
+    w13_EH2F.main_grad, w2_EFH.main_grad = main13, main2
+    weights = Fp8ExpertWeights.quantize(w13_EH2F.detach(), w2_EFH.detach())
+    x_leaf = x_NH.detach().clone().requires_grad_()
+
+    def forward() -> torch.Tensor:
+        return ffn(x_leaf, offsets_E, w13_EH2F, w2_EFH, weights=weights)
+
+    def forward_backward() -> object:
+        return torch.autograd.grad(forward(), [x_leaf], dy_NH)
+
+    return Fp8FFNPasses(forward, forward_backward, (main13, main2))
+
+
+def _fp8_ffn_times(dev, model: ModelConfig, rows_per_expert: int, experts: int, warmup: int, iters: int) -> PassTimes:
+    """The FP8 expert FFN (`expert_ffn_fp8`, its tuned tiles for the shape, as the trainer calls it)
+    over `experts` equal groups of `rows_per_expert` rows, on the bf16 probe's inputs (`_ffn_times`):
+    GPU kernel time of the forward, and of the forward and whole backward (`fp8_ffn_passes`)."""
+    from disagmoe.kernels.fp8_ffn import expert_ffn_fp8
+
+    H, F, E = model.hidden_size, model.expert_ffn_size, experts
+    gen = torch.Generator(device=dev).manual_seed(0)
+    bf16 = dict(device=dev, dtype=torch.bfloat16, generator=gen)
+    x_NH = torch.randn(E * rows_per_expert, H, **bf16)
+    w13_EH2F = torch.nn.Parameter(torch.randn(E, H, 2 * F, **bf16) / H**0.5)
+    w2_EFH = torch.nn.Parameter(torch.randn(E, F, H, **bf16) / F**0.5)
+    offsets_E = torch.arange(1, E + 1, device=dev, dtype=torch.int32) * rows_per_expert
+    dy_NH = torch.randn(E * rows_per_expert, H, **bf16)
+    passes = fp8_ffn_passes(expert_ffn_fp8, x_NH, offsets_E, w13_EH2F, w2_EFH, dy_NH)
+    return _passes(passes.forward, passes.forward_backward, warmup, iters)
 
 
 def sdpa_shapes(model: ModelConfig, batch: int, seq_len: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from disagmoe.config import PRESETS_DIR, HardwareConfig, preset_names
 
-PROBE_VERSION = 4
+PROBE_VERSION = 5
 # 1: before 47ee5dd: CUDA events around each call (`timing.median_ms`: for a tiny op, the host's
 #    time to launch it), the expert curve on 8 experts, fixed costs the event time of the smallest probes.
 # 2: 47ee5dd: GPU kernel time (`timing.kernel_ms`), fixed cost at next to no work, curve points net
@@ -43,7 +43,13 @@ PROBE_VERSION = 4
 #    (Session 16, still version 4, not yet measured: the stage functions took first touch's and ZeRO-1's
 #    arguments, whose defaults price the probe's own launches as before; the norms probe's attention output
 #    is token-major and `stages.norms_and_residuals` has no v or output layout copies, as `rope_heads` now.)
-PROBE_FINGERPRINT = "2af67ef98e146c27"  # `code_fingerprint()` of the code that measures version PROBE_VERSION
+# 5: the FP8 expert curve (`Calibration.expert_gemm_fp8`) on GPUs with FP8 tensor cores (sm_89 on) under the
+#    triton experts: `kernels.fp8_ffn.expert_ffn_fp8` at the bf16 curve's rows per expert, its e4m3 weight copies
+#    made once outside the timed calls, weight gradients into fp32 main gradients; forward, and the backward
+#    whole (no deferred weight gradients in FP8), fitted against the bf16 stage work net of the bf16 FFN's fixed
+#    cost (`calibrate.fp8_expert_point`, the backward through `roofline.calibration.fitted_shared_fraction`),
+#    capped at fp8_tflops / bf16_tflops; the bf16 terms are measured as in version 4.
+PROBE_FINGERPRINT = "5ede829b1971e2d4"  # `code_fingerprint()` of the code that measures version PROBE_VERSION
 
 # The code that decides what a calibration's numbers mean: file (under disagmoe/) -> top-level name
 # -> why it belongs. Left out on purpose: the experts backends and `model.Block` (the probe measures
@@ -80,6 +86,11 @@ PROBE_PARTS: dict[str, dict[str, str]] = {
         "attention_batch": "sequences per attention point",
         "fit_link": "latency and bandwidth from the link timings",
         "expert_point": "the expert rates: which stage work each pass is fitted against, net of the fixed cost",
+        "fp8_expert_point": "the FP8 expert rates: the same stage work, the backward whole, the cap",
+        "fp8_measured": "which GPUs and experts backends measure the FP8 curve",
+        "Fp8FFNPasses": "the FP8 expert FFN's passes",
+        "fp8_ffn_passes": "how each FP8 expert pass runs (weight copies made once, main gradients)",
+        "_fp8_ffn_times": "the FP8 expert probe's inputs and how its passes are timed",
         "attention_point": "the attention rates, the same way",
         "op_fixed_us": "which probe is each op's fixed cost",
         "calibration_from": "which timings make which terms",
@@ -130,6 +141,8 @@ PROBE_PARTS: dict[str, dict[str, str]] = {
     },
     "roofline/calibration.py": {
         "fitted_fraction": "the rate from a stage's work and its measured time",
+        "fitted_shared_fraction": "one rate from several stages' work and their measured time together",
+        "compute_ceilings": "how a fitted rate prices a stage (fitted_shared_fraction inverts it)",
         "fitted_hbm_fraction": "the HBM rate from a memory-bound stage's work and its measured time",
     },
     "roofline/ceilings.py": {

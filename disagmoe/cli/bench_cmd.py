@@ -309,8 +309,11 @@ def calibrate(
     """Measure the cost model's terms on this machine and write a hardware YAML that `plan
     --hardware FILE` and `roofline --hardware FILE` accept: bf16 matmul, HBM and GPU-to-GPU
     ceilings (as `bench hardware`), the expert GEMM rates at several rows per expert (forward,
-    data gradients, weight gradients adding into fp32 main gradients, as the step runs them), SDPA
-    attention forward+backward at several sequence lengths, each op's fixed cost, and NCCL
+    data gradients, weight gradients adding into fp32 main gradients, as the step runs them), with
+    --experts-backend triton on an sm_89+ GPU the FP8 experts' rates at the same points (forward,
+    and the whole backward; `plan --expert-precision fp8` then prices FP8 at them, not at the
+    datasheet's fp8_tflops), SDPA attention forward+backward at several sequence lengths, each
+    op's fixed cost, and NCCL
     send/recv, all-reduce and all-to-all latency and bandwidth when 2+ GPUs are visible.
 
     \b

@@ -18,7 +18,7 @@ from disagmoe.config import ClusterConfig, HardwareConfig, Plan, PlanConfig, loa
 from disagmoe.model_ref import load_model
 from disagmoe.placement.cost import Candidates
 from disagmoe.placement.experts import read_histogram
-from disagmoe.placement.solver import Choice, choose, price, roofline_rows
+from disagmoe.placement.solver import Choice, choose, fp8_note, price, roofline_rows
 from disagmoe.roofline import report
 from disagmoe.roofline.params import params_text
 from disagmoe.runtime.failures import RunWarning
@@ -45,9 +45,10 @@ UpdateKernelOpt = Annotated[Literal["torch", "triton"], typer.Option(
     "master, gradient and moments that writes the bf16 parameters too) or torch (its fused AdamW, then a pass for "
     "the parameters; with bf16 moments through fp32 copies of them); train with optim.update_kernel set the same")]
 PrecisionOpt = Annotated[Literal["bf16", "fp8"], typer.Option(
-    "--expert-precision", help="the routed experts' GEMMs: bf16, or fp8 priced at the hardware's fp8_tflops with "
-    "the quantisation passes' traffic and the FP8 weight copies' memory (the plan records it; train --plan sets "
-    "precision: fp8)")]
+    "--expert-precision", help="the routed experts' GEMMs: bf16, or fp8 priced at the FP8 expert curve a calibrated "
+    "hardware file measured (`bench calibrate` on an sm_89+ GPU with the triton experts), else at the hardware's "
+    "fp8_tflops (the datasheet ratio, unmeasured) with the quantisation passes' traffic; the FP8 weight copies' memory "
+    "either way (the plan records it and a note says which rate; train --plan sets precision: fp8)")]
 Fp8DenseOpt = Annotated[bool, typer.Option(
     "--fp8-dense/--no-fp8-dense", help="with --expert-precision fp8: price the dense projections (attention, shared "
     "experts, dense FFN layers) in FP8 too, rowwise (the default, as precision: fp8 trains them), or in bf16 (train "
@@ -303,6 +304,8 @@ def roofline(
     plan = choice.plan
     console.print(f"predicted step {report.seconds(plan.step_time_s)}, {plan.tflops_per_gpu:.0f} TFLOP/s per GPU "
                   f"(MFU {plan.mfu:.1%})", highlight=False)
+    if choice.problem.expert_precision == "fp8":  # which FP8 rate the expert stages above are priced at
+        console.print(literal("note: " + fp8_note(choice.problem, choice.cost)))
     c = choice.problem.ceilings
     console.print(f"ceilings per GPU: {c.flops_per_s / 1e12:.0f} TFLOP/s, HBM {c.hbm_bytes_per_s / 1e9:.0f} GB/s "
                   f"(ridge {c.ridge('hbm'):.0f} FLOP/B), NVLink {c.nvlink_bytes_per_s / 1e9:.0f} GB/s, "

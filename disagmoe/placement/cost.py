@@ -43,7 +43,8 @@ only through a faster candidate that fits only so. `recompute: full` (`memory.FU
 never auto's choice) prices both sides' activations as `roofline.memory`'s FULL terms (each layer
 keeps its input and routing, one layer's backward holds it again) and every attention and expert
 stage's forward once more in its backward (`full_recompute_stages`). With FP8 experts
-(`Problem.expert_precision`, whatever `fp8_speedup`: that sets only the GEMMs' rate) the expert
+(`Problem.expert_precision`, whatever their rate: the calibration's measured FP8 curve, else
+`fp8_speedup` times the bf16 one, `fp8_stages`) the expert
 rows keep and hold `roofline.memory`'s `fp8` terms, the weights' e4m3 copies are held, the
 expert modules are expert_input and expert_swiglu only (`solver._recompute_of`: no fused FP8
 combine for expert_output) and their recompute reads an index (`stages.selective_recompute`'s `fp8`).
@@ -605,8 +606,9 @@ def evaluate(prob: Problem, c: Candidates, misfits_exact: bool = True) -> Cost:
         stages = dict(items)
     if prob.calibration is not None:
         stages = calibrated_stages(stages, prob.calibration, ceil, rows / local, float(S), c.colocated, tokens)
-    if fp8:  # the passes and copies at any rate; the GEMMs at fp8_speedup times theirs
-        stages = fp8_stages(stages, ceil, prob.fp8_speedup, m, rows, exp_params)
+    if fp8:  # the measured FP8 curve where the calibration holds one; else the passes and copies at any rate,
+        # the GEMMs at fp8_speedup times theirs (`fp8_stages`)
+        stages = fp8_stages(stages, ceil, prob.fp8_speedup, m, rows, exp_params, prob.calibration, rows / local)
         if prob.fp8_dense:
             stages = fp8_dense_stages(stages, ceil, prob.fp8_speedup, m, tokens, moe_l, dense_l)
     if prob.recompute == "full":
@@ -781,31 +783,54 @@ def group_time(stages: dict[str, Stage], group: str, runs: tuple[str, ...], bwd:
 
 
 def fp8_stages(stages: dict[str, Stage], ceil: Ceilings, speedup: float, m: ModelConfig, rows: Num,
-               exp_params: Num) -> dict[str, Stage]:
-    """`stages` with the routed experts' GEMMs in FP8 (`precision: fp8`): their compute rate (the
-    bf16 one, or the calibrated one: no FP8 curve is measured yet) times `speedup` = fp8_tflops /
-    bf16_tflops, and the passes FP8 adds (`kernels.fp8_ffn`), priced by their HBM bytes: forward,
-    the x rows quantised 1 x 128 (read bf16, write e4m3 and scales; the SwiGLU output is quantised
-    in its GEMM's epilogue); backward, dy quantised twice (1 x 128 and 128 x 1), dh13 twice, the
-    SwiGLU output and x once each along tokens; per step, the weights' two e4m3 copies (in the
-    experts' optimizer stage, the pass after which they are made)."""
+               exp_params: Num, calib: Calibration | None = None, rows_per_expert: Num | None = None,
+               ) -> dict[str, Stage]:
+    """`stages` with the routed experts in FP8 (`precision: fp8`), their weights' two e4m3 copies
+    made once per step (in the experts' optimizer stage, the pass after which they are made) either way.
+
+    Measured (`calib` holds `expert_gemm_fp8`, `bench calibrate` on an FP8 GPU): the expert stages
+    at the FP8 curve's rates for their `rows_per_expert`, the forward at its forward rate and both
+    backward stages (data and weight gradients) at its whole-backward rate, as the curve was fitted
+    (`bench.calibrate.fp8_expert_point`); no quantisation stage, the quantisers' passes being inside
+    the measured times. (On an H200, 2026-12-04, our FP8 expert GEMMs ran at about the bf16 rate, the
+    FP8 block's forward and backward at 0.39-0.77x of bf16's: the datasheet ratio below promises 2x.)
+
+    Otherwise (`fp8_pricing` says which): the datasheet's. Their compute rate (the bf16 one, or the
+    calibrated bf16 one) times `speedup` = fp8_tflops / bf16_tflops, and the passes FP8 adds
+    (`kernels.fp8_ffn`), priced by their HBM bytes: forward, the x rows quantised 1 x 128 (read bf16,
+    write e4m3 and scales; the SwiGLU output is quantised in its GEMM's epilogue); backward, dy
+    quantised twice (1 x 128 and 128 x 1), dh13 twice, the SwiGLU output and x once each along tokens."""
     out = dict(stages)
-    for name in ("routed experts", "expert weight grads"):
-        if name in out:
-            s = out[name]
-            faster = [replace(s.ceilings(bwd, ceil), flops_per_s=s.ceilings(bwd, ceil).flops_per_s * speedup)
-                      for bwd in (False, True)]
-            out[name] = replace(s, fwd_ceilings=faster[0], bwd_ceilings=faster[1])
     H, F = m.hidden_size, m.expert_ffn_size
     scales = FP32 / 128  # one fp32 scale per 128 values
-    fwd = Work(hbm_bytes=rows * H * (BF16 + 1 + scales))
-    bwd = Work(hbm_bytes=rows * (2 * H + 2 * 2 * F + F + H) * (BF16 + 1 + scales))
-    out["fp8 quantise"] = Stage("expert", "moe", fwd, bwd)
+    if fp8_pricing(calib) == "measured":
+        curve = calib.expert_gemm_fp8
+        fwd_ceil = cal.compute_ceilings(ceil, cal.curve_fraction(curve, rows_per_expert, False))
+        bwd_ceil = cal.compute_ceilings(ceil, cal.curve_fraction(curve, rows_per_expert, True))
+        for name in ("routed experts", "expert weight grads"):
+            if name in out:
+                out[name] = replace(out[name], fwd_ceilings=fwd_ceil, bwd_ceilings=bwd_ceil)
+    else:
+        for name in ("routed experts", "expert weight grads"):
+            if name in out:
+                s = out[name]
+                faster = [replace(s.ceilings(bwd, ceil), flops_per_s=s.ceilings(bwd, ceil).flops_per_s * speedup)
+                          for bwd in (False, True)]
+                out[name] = replace(s, fwd_ceilings=faster[0], bwd_ceilings=faster[1])
+        fwd = Work(hbm_bytes=rows * H * (BF16 + 1 + scales))
+        bwd = Work(hbm_bytes=rows * (2 * H + 2 * 2 * F + F + H) * (BF16 + 1 + scales))
+        out["fp8 quantise"] = Stage("expert", "moe", fwd, bwd)
     copies = Work(hbm_bytes=exp_params * (BF16 + 2 * (1 + scales)))  # read the bf16 weights, write both copies
     if "optimizer (experts)" in out:
         optimizer = out["optimizer (experts)"]
         out["optimizer (experts)"] = replace(optimizer, bwd=optimizer.bwd + copies)
     return out
+
+
+def fp8_pricing(calib: Calibration | None) -> str:
+    """How `fp8_stages` prices FP8 experts under `calib`: "measured" (its FP8 expert curve) or
+    "datasheet" (fp8_tflops / bf16_tflops times the bf16 rate, plus the quantisers' HBM passes)."""
+    return "measured" if calib is not None and calib.expert_gemm_fp8 else "datasheet"
 
 
 # the dense stages FP8 dense projections speed up (`kernels.fp8_dense`), with how often they run

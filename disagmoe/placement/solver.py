@@ -33,6 +33,7 @@ from disagmoe.placement.cost import (
     colocated_ep,
     evaluate,
     expert_state_bytes,
+    fp8_pricing,
     offload_staging_bytes,
 )
 from disagmoe.placement.experts import imbalance, map_layer
@@ -86,6 +87,34 @@ def problem_of(cfg: PlanConfig, gpus: int | None = None) -> Problem:
 
 
 RECOMPUTE_ORDER = ("expert_input", "expert_output", "expert_swiglu", "attention")  # TrainConfig.recompute_modules'
+
+
+def fp8_note(prob: Problem, cost: Cost) -> str:
+    """What a plan with FP8 experts was priced with (`cost.fp8_stages`): the FP8 expert curve the
+    hardware's calibration measured (its source, and the rates it gave this layout's expert
+    stages), or plainly the datasheet ratio, unmeasured; the dense projections, where FP8 too, at
+    the datasheet ratio either way (`bench calibrate` measures the FP8 experts only)."""
+    calib = prob.calibration
+    if fp8_pricing(calib) == "measured":
+        experts, peak = cost.stages["routed experts"], prob.ceilings.peak_flops_per_s
+        rate = lambda bwd: experts.ceilings(bwd, prob.ceilings).first().flops_per_s / peak  # noqa: E731
+        head = (f"routed experts priced in FP8 (train with precision: fp8) from the measured FP8 expert curve "
+                f"(calibration.expert_gemm_fp8, {calib.source or 'no source recorded'}, probe version "
+                f"{calib.probe_version}): at this layout's rows per expert {rate(False):.2f} of the bf16 peak forward, "
+                f"{rate(True):.2f} backward (data and weight gradients with their quantisers, measured whole), "
+                "plus two e4m3 weight copies per expert parameter each step")
+    else:
+        head = (f"routed experts priced in FP8 (train with precision: fp8) at the datasheet ratio, unmeasured: their "
+                f"GEMMs at {prob.fp8_speedup:.2f}x the bf16 rate (fp8_tflops / bf16_tflops; the hardware's calibration "
+                "holds no FP8 expert curve, which `disagmoe bench calibrate --experts-backend triton` measures on an "
+                "sm_89+ GPU: on an H200 our FP8 experts measured about the bf16 rate, not this), plus the quantisation "
+                "passes' HBM traffic and two e4m3 weight copies per expert parameter each step")
+    dense = ("; the dense projections (attention, shared experts, dense FFN layers) in FP8 too, rowwise "
+             f"(torch._scaled_mm), with their quantisation passes, at the datasheet ratio {prob.fp8_speedup:.2f}x "
+             "whatever the calibration (unmeasured: `bench calibrate` measures the FP8 experts only)"
+             if prob.fp8_dense else "")
+    return (head + "; their selective recomputation drops expert_input and expert_swiglu only (no fused FP8 "
+            "combine for expert_output)" + dense)
 
 
 def _recompute_of(cfg: PlanConfig) -> dict:
@@ -539,12 +568,7 @@ def price(cfg: PlanConfig, chosen: Candidates, colocated_step_s: float | None = 
     if prob.offload_optimizer:
         notes.append(_offload_note(cfg, cost, dp, use_dis))
     if prob.expert_precision == "fp8":
-        notes.append(f"routed experts priced in FP8 (train with precision: fp8): their GEMMs at {prob.fp8_speedup:.2f}x "
-                     "the bf16 rate (fp8_tflops / bf16_tflops, no FP8 rate measured yet), plus the quantisation "
-                     "passes' HBM traffic and two e4m3 weight copies per expert parameter; their selective "
-                     "recomputation drops expert_input and expert_swiglu only (no fused FP8 combine for expert_output)"
-                     + ("; the dense projections (attention, shared experts, dense FFN layers) in FP8 too, rowwise "
-                        "(torch._scaled_mm), with their quantisation passes" if prob.fp8_dense else ""))
+        notes.append(fp8_note(prob, cost))
     if dropped & mem.SELECTIVE:
         notes.append(_recompute_note(cfg, prob, chosen, cost))
     if "attention" in dropped:

@@ -8,7 +8,8 @@ A `HardwareConfig.calibration` (written by `disagmoe bench calibrate`) holds
   (`fitted_fraction`, the inverse of the pricing below), so the probe and the planner count one
   stage's traffic the same way. `curve_fraction` interpolates linearly in log(size)
   and clamps at the end points (no extrapolation: outside the measured range the nearest
-  measurement holds);
+  measurement holds); the FP8 expert FFN against rows per expert (forward; data and weight
+  gradients measured together, `fitted_shared_fraction`), fractions of the same bf16 peak;
 - transports as latency + bytes / bandwidth (`LinkCost`): NCCL send/recv, all-reduce, all-to-all;
 - fixed seconds per schedule op (`op_fixed_s`).
 
@@ -19,6 +20,7 @@ imports this.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 
 import numpy as np
@@ -48,7 +50,7 @@ def compute_ceilings(ceil: Ceilings, fraction: Num) -> Ceilings:
     return replace(ceil, flops_per_s=ceil.peak_flops_per_s * np.asarray(fraction, dtype=float))
 
 
-def fitted_fraction(work: Work, seconds: float, ceil: Ceilings) -> float:
+def fitted_fraction(work: Work, seconds: float, ceil: Ceilings, most: float = 1.0) -> float:
     """The fraction f of the bf16 peak at which `compute_ceilings(ceil, f).time(work)` is `seconds`:
     the inverse of how a calibrated stage is priced, so that a stage priced at a curve point's own
     size takes the time the probe measured, whatever else (HBM traffic: the fp32 main gradients of
@@ -56,11 +58,35 @@ def fitted_fraction(work: Work, seconds: float, ceil: Ceilings) -> float:
     with it, against the same stage functions the planner prices (`roofline.stages.expert_passes`,
     `attention_core_passes`). Where the other roofs and the latency alone take longer than
     `seconds`, no rate reproduces it: f is the lowest that keeps compute off the critical path
-    (the stage is then priced at those roofs). Clipped to [1e-6, 1]."""
+    (the stage is then priced at those roofs). Clipped to [1e-6, `most`] (1: the bf16 peak; an FP8
+    rate may reach fp8_tflops / bf16_tflops of it)."""
     t = {k: float(np.asarray(v)) for k, v in ceil.times(work).items()}
     other = max(t["hbm"], t["nvlink"], t["scale-out"])
     compute_s = max(seconds - t["latency"], other, 1e-12)
-    return float(min(1.0, max(1e-6, float(work.flops) / compute_s / ceil.peak_flops_per_s)))
+    return float(min(most, max(1e-6, float(work.flops) / compute_s / ceil.peak_flops_per_s)))
+
+
+def fitted_shared_fraction(works: Sequence[Work], seconds: float, ceil: Ceilings, most: float = 1.0) -> float:
+    """The one fraction f of the bf16 peak at which the stages `works`, each priced on its own
+    (`compute_ceilings(ceil, f).time`, as the planner sums separate stages), take `seconds` together:
+    a pass measured whole that the planner prices as several stages (the FP8 expert backward: its
+    data and weight gradients, `placement.cost.fp8_stages`). Fitting their summed `Work` instead
+    would overlap one stage's HBM traffic with the other's FLOPs, which the planner's sum does not.
+    Where the other roofs and latencies alone take longer than `seconds`, the lowest f that keeps
+    compute off every stage's critical path (`fitted_fraction`'s rule). Clipped to [1e-6, `most`];
+    found by bisection in log f (the sum does not grow with f)."""
+    def total(f: float) -> float:
+        fast = compute_ceilings(ceil, f)
+        return sum(float(np.asarray(fast.time(w))) for w in works)
+
+    target = max(seconds, total(most))
+    lo, hi = np.log(1e-6), np.log(most)
+    if total(1e-6) <= target:
+        return 1e-6
+    for _ in range(100):  # total(exp(lo)) > target >= total(exp(hi)); 100 halvings of 14: past float precision
+        mid = 0.5 * (lo + hi)
+        lo, hi = (lo, mid) if total(float(np.exp(mid))) <= target * (1 + 1e-12) else (mid, hi)
+    return float(np.exp(hi))
 
 
 def hbm_ceilings(ceil: Ceilings, fraction: Num) -> Ceilings:

@@ -312,6 +312,13 @@ def test_measure_on_a_gpu(backend):
     assert [p.at for p in gemm] == list(cal.ROWS_PER_EXPERT) and gemm[-1].fwd > gemm[0].fwd
     assert all(0 < p.fwd <= 1 and 0 < p.bwd <= 1 for p in gemm + m.calibration.attention)
     assert all(p.wgrad is not None and 0 < p.wgrad <= 1 for p in gemm)
+    fp8 = m.calibration.expert_gemm_fp8  # on sm_89+ under the triton experts only
+    if backend == "triton" and torch.cuda.get_device_capability() >= (8, 9):
+        ratio = hw.fp8_tflops / hw.bf16_tflops
+        assert [p.at for p in fp8] == list(cal.ROWS_PER_EXPERT) and all(0 < p.fwd <= ratio and 0 < p.bwd <= ratio
+                                                                        for p in fp8)
+    else:
+        assert fp8 == []
     assert set(m.calibration.hbm_fraction) == {"optimizer", "permute", "norms"}
     assert all(0 < f <= 1 for f in m.calibration.hbm_fraction.values())
     assert [p.at for p in m.calibration.projections] == list(cal.PROJECTION_TOKENS)
@@ -496,3 +503,176 @@ def test_the_elementwise_probe_runs_the_models_norms_rope_copies_and_adds():
 
 def _first(value) -> float:
     return float(np.asarray(value).ravel()[0])
+
+
+# --- the FP8 expert curve (probe version 5) ---------------------------------------------------------------------
+
+# rows per expert -> (forward, whole backward) fractions of the bf16 peak of a made-up FP8 kernel: below the
+# bf16 FRACTIONS at most points (as our H200's measured), above them (and above 1: up to fp8 / bf16) at the largest
+FP8_FRACTIONS = {16: (0.04, 0.03), 64: (0.1, 0.08), 256: (0.2, 0.15), 512: (0.3, 0.2), 1024: (0.4, 0.3),
+                 2048: (0.5, 0.35), 4096: (1.3, 0.9)}
+
+
+def _fp8_timings(model, ceil: Ceilings, fractions=FP8_FRACTIONS) -> dict[int, cal.PassTimes]:
+    """GPU kernel times of a made-up FP8 FFN at `fractions` of the bf16 peak over the bf16 stage
+    work, on top of the bf16 FFN's fixed times (EXPERT_FIXED): the backward is the planner's two
+    backward stages, each priced at the backward fraction on its own, added up."""
+    from disagmoe.roofline.stages import expert_passes
+
+    out = {}
+    for r, (f, b) in fractions.items():
+        experts = cal.curve_experts(model, r)
+        passes = expert_passes(model, r * experts, experts)
+        fwd, dgrad = passes["routed experts"]
+        wgrad = passes["expert weight grads"][1]
+        fwd_s = EXPERT_FIXED.fwd_s + float(compute_ceilings(ceil, f).time(fwd))
+        bwd_s = (EXPERT_FIXED.dgrad_s + EXPERT_FIXED.wgrad_s + float(compute_ceilings(ceil, b).time(dgrad))
+                 + float(compute_ceilings(ceil, b).time(wgrad)))
+        out[r] = cal.PassTimes(fwd_s, fwd_s + bwd_s)
+    return out
+
+
+def test_the_fp8_curve_comes_back_from_the_fp8_kernel_times():
+    """Each FP8 point's forward and whole-backward rates are the fractions the made-up kernel ran at,
+    against the bf16 stage work and net of the bf16 fixed cost; a rate above the bf16 peak is kept up
+    to fp8_tflops / bf16_tflops (the FP8 datasheet peak), clipped there; no FP8 timings, no curve."""
+    model, hw = load_model("qwen3-30b-a3b"), load_hardware("h200-sxm")
+    ceil, ratio = _ceil(hw), hw.fp8_tflops / hw.bf16_tflops
+    timings = dataclasses.replace(_timings(model, ceil), expert_gemm_fp8=_fp8_timings(model, ceil))
+    calib = cal.calibration_from(timings, model, ceil, "made up", fp8_peak_ratio=ratio)
+    assert [(p.at, p.fwd, p.bwd) for p in calib.expert_gemm_fp8] == [
+        (r, pytest.approx(f, rel=1e-6), pytest.approx(b, rel=1e-6)) for r, (f, b) in FP8_FRACTIONS.items()]
+    assert calib.expert_gemm == cal.calibration_from(_timings(model, ceil), model, ceil, "made up").expert_gemm
+    capped = cal.calibration_from(timings, model, ceil, "made up", fp8_peak_ratio=1.2).expert_gemm_fp8[-1]
+    assert capped.fwd == 1.2 and capped.bwd == pytest.approx(0.9, rel=1e-6)
+    assert cal.calibration_from(_timings(model, ceil), model, ceil, "made up").expert_gemm_fp8 == []
+    HardwareConfig.model_validate(hw.model_copy(update={"calibration": calib}).model_dump())  # within fp8 / bf16
+
+
+def test_one_shared_rate_prices_two_stages_at_their_time_together():
+    """`fitted_shared_fraction`: the FP8 backward measured whole, priced as two stages (data gradients,
+    compute-bound; weight gradients, with their HBM traffic) at one rate: at that rate their summed
+    roofline times are the measured time, where fitting their summed Work would price one stage's HBM
+    traffic as overlapped with the other's FLOPs."""
+    from disagmoe.roofline.calibration import fitted_shared_fraction
+
+    ceil = _ceil()
+    dgrad, wgrad = Work(flops=4e12, hbm_bytes=1e9), Work(flops=1e11, hbm_bytes=6e10)
+    priced = lambda f: float(compute_ceilings(ceil, f).time(dgrad) + compute_ceilings(ceil, f).time(wgrad))  # noqa: E731
+    seconds = priced(0.3)
+    assert fitted_shared_fraction([dgrad, wgrad], seconds, ceil) == pytest.approx(0.3, rel=1e-9)
+    assert priced(fitted_fraction(dgrad + wgrad, seconds, ceil)) > seconds * 1.01  # the sum's fit undercounts
+    assert fitted_shared_fraction([dgrad], seconds, ceil) == pytest.approx(fitted_fraction(dgrad, seconds, ceil))
+    # faster than the roofs allow: the lowest rate that keeps compute off both stages' critical paths
+    # (two memory-bound stages: compute leaves the one with less HBM time last)
+    light, heavy = Work(flops=1e11, hbm_bytes=2e10), Work(flops=1e11, hbm_bytes=6e10)
+    floor = fitted_shared_fraction([light, heavy], 1e-9, ceil, most=2.0)
+    hbm_s = light.hbm_bytes / ceil.hbm_bytes_per_s
+    assert floor == pytest.approx(light.flops / hbm_s / ceil.peak_flops_per_s, rel=1e-6)
+    assert floor == pytest.approx(fitted_fraction(light, 1e-9, ceil, most=2.0), rel=1e-6)
+    assert fitted_shared_fraction([dgrad, wgrad], 1e9, ceil) == 1e-6
+
+
+def _fake_probes(monkeypatch, capability: tuple[int, int]) -> list[tuple[int, int]]:
+    """Every GPU probe of `measure_timings` stood in for by a fixed time (no CUDA here), the device's
+    compute capability `capability`; returns the (rows per expert, experts) the FP8 probe was asked for."""
+    fp8_calls = []
+    ffn = lambda dev, model, backend, rows, experts, warmup, iters: cal.ExpertTimes(3e-3, 4e-3, 5e-3)  # noqa: E731
+    passes = lambda *a: cal.PassTimes(1e-3, 3e-3)  # noqa: E731
+
+    def fp8(dev, model, rows, experts, warmup, iters):
+        fp8_calls.append((rows, experts))
+        return cal.PassTimes(2e-3, 2e-3 + 6e-3 * rows / 4096)
+
+    for name, fake in (("_ffn_times", ffn), ("_sdpa_times", passes), ("_block_times", passes),
+                       ("_permute_times", passes), ("_projection_times", passes), ("_norms_times", passes),
+                       ("_optimizer_times", lambda *a: 0.1), ("_fp8_ffn_times", fp8)):
+        monkeypatch.setattr(cal, name, fake)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    return fp8_calls
+
+
+@pytest.mark.parametrize("capability", [(9, 0), (8, 9)])
+def test_the_probe_times_the_fp8_experts_on_an_fp8_gpu_under_the_triton_experts(monkeypatch, capability):
+    """On sm_89+ under the triton experts `measure_timings` times the FP8 FFN at every rows-per-expert
+    point of the bf16 curve, on the same experts per op, and `calibration_from` turns those times
+    into the `expert_gemm_fp8` curve the calibrated file records."""
+    model, hw = load_model("qwen3-30b-a3b"), load_hardware("h200-sxm")
+    calls = _fake_probes(monkeypatch, capability)
+    t = cal.measure_timings(torch.device("cpu"), model, "triton", 0, 1)
+    assert calls == [(r, cal.curve_experts(model, r)) for r in cal.ROWS_PER_EXPERT]
+    assert sorted(t.expert_gemm_fp8) == sorted(t.expert_gemm) == list(cal.ROWS_PER_EXPERT)
+    calib = cal.calibration_from(t, model, _ceil(hw), "fake", fp8_peak_ratio=hw.fp8_tflops / hw.bf16_tflops)
+    assert [p.at for p in calib.expert_gemm_fp8] == list(cal.ROWS_PER_EXPERT)
+    assert all(0 < p.fwd and 0 < p.bwd for p in calib.expert_gemm_fp8)
+
+
+@pytest.mark.parametrize(("capability", "backend"), [((8, 0), "triton"), ((9, 0), "grouped_mm")])
+def test_no_fp8_curve_without_fp8_tensor_cores_or_the_triton_experts(monkeypatch, capability, backend):
+    calls = _fake_probes(monkeypatch, capability)
+    t = cal.measure_timings(torch.device("cpu"), load_model("qwen3-30b-a3b"), backend, 0, 1)
+    assert t.expert_gemm_fp8 is None and calls == []
+    assert cal.calibration_from(t, load_model("qwen3-30b-a3b"), _ceil(), "fake").expert_gemm_fp8 == []
+
+
+@pytest.mark.slow  # about 5 s interpreted on one core (`pytest -m 'not slow'` skips it)
+def test_the_fp8_probe_makes_the_weight_copies_once_and_adds_the_weight_gradients_into_main_gradients(
+        interpreted, monkeypatch):
+    """`fp8_ffn_passes` on the FP8 kernels (interpreted, on a CPU): the e4m3 weight copies are made
+    once, before any timed call, and every call uses them; the forward saves for a backward; each
+    forward + backward gives x the FP8 FFN's gradient and adds the weight gradients into the fp32
+    main gradients (none left in .grad), as a step's micro-batch does."""
+    import functools
+
+    from disagmoe.kernels.tile_configs import TileConfig
+
+    _, _, ffn8 = interpreted("disagmoe.kernels.grouped_gemm", "disagmoe.kernels.fp8", "disagmoe.kernels.fp8_ffn")
+    tiles = ffn8.Fp8Tiles(
+        rows=TileConfig(block_m=16, block_n=32, block_k=128, group_m=2, num_warps=4, num_stages=1),
+        swiglu=TileConfig(block_m=16, block_n=128, block_k=128, group_m=2, num_warps=4, num_stages=1),
+        wgrad=TileConfig(block_m=128, block_n=32, block_k=32, group_m=2, num_warps=4, num_stages=1))
+    made = []
+    quantize = ffn8.Fp8ExpertWeights.quantize
+    monkeypatch.setattr(ffn8.Fp8ExpertWeights, "quantize", lambda *a, **k: made.append(1) or quantize(*a, **k))
+    gen = torch.Generator().manual_seed(0)
+    E, rows, H, F = 2, 8, 128, 64
+    x = torch.randn(E * rows, H, generator=gen)
+    w13 = torch.nn.Parameter(torch.randn(E, H, 2 * F, generator=gen) / H**0.5)
+    w2 = torch.nn.Parameter(torch.randn(E, F, H, generator=gen) / F**0.5)
+    offsets = torch.arange(1, E + 1, dtype=torch.int32) * rows
+    dy = torch.randn(E * rows, H, generator=gen)
+    plain = [t.detach().clone().requires_grad_() for t in (x, w13, w2)]
+    ffn8.expert_ffn_fp8(plain[0], offsets, plain[1], plain[2], tiles=tiles, num_programs=2).backward(dy)
+    made.clear()
+
+    passes = cal.fp8_ffn_passes(functools.partial(ffn8.expert_ffn_fp8, tiles=tiles, num_programs=2),
+                                x, offsets, w13, w2, dy)
+    assert made == [1]  # the copies, once, outside the calls that are timed
+    main13, main2 = passes.main_grads
+    assert main13.dtype == main2.dtype == torch.float32 and not main13.any() and not main2.any()
+    assert passes.forward().requires_grad
+    earlier = [torch.randn(m.shape, generator=gen) for m in (main13, main2)]  # a step's earlier micro-batches
+    for m, e in zip((main13, main2), earlier, strict=True):
+        m.copy_(e)
+    (dx,) = passes.forward_backward()
+    torch.testing.assert_close(dx, plain[0].grad, rtol=0, atol=0)
+    for got, e, want in zip((main13, main2), earlier, (plain[1].grad, plain[2].grad), strict=True):
+        torch.testing.assert_close(got - e, want, rtol=1e-5, atol=1e-5)
+    assert made == [1] and w13.grad is None and w2.grad is None
+
+
+@pytest.mark.gpu
+def test_the_fp8_probe_point_on_a_gpu():
+    """One FP8 curve point measured on the GPU (sm_89+): the Qwen3 shape at 256 rows per expert on
+    128 experts, its rates positive and within the FP8 datasheet peak, the main gradients written."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("the FP8 experts need compute capability 8.9 or newer")
+    dev, model, hw = torch.device("cuda", 0), load_model("qwen3-30b-a3b"), load_hardware("h200-sxm")
+    assert cal.fp8_measured(dev, "triton") and not cal.fp8_measured(dev, "grouped_mm")
+    rows = 256
+    times = cal._fp8_ffn_times(dev, model, rows, cal.curve_experts(model, rows), 2, 5)
+    fixed = cal._ffn_times(dev, model, "triton", 1, 1, 2, 5)
+    assert 0 < times.fwd_s < times.fwd_bwd_s
+    ratio = hw.fp8_tflops / hw.bf16_tflops
+    point = cal.fp8_expert_point(model, rows, times, fixed, _ceil(hw), ratio)
+    assert 0 < point.fwd <= ratio and 0 < point.bwd <= ratio, point

@@ -53,6 +53,31 @@ def test_roofline_prices_a_train_configs_own_layout_in_any_mode():
     assert r.exit_code == 2 and "single, disaggregated, colocated" in r.output
 
 
+def test_roofline_of_an_fp8_run_says_which_fp8_rate_it_priced(tmp_path):
+    """`roofline --config` of an FP8 run prints the FP8 pricing: the datasheet ratio (unmeasured) on a
+    file without an FP8 expert curve, the measured curve and its source on one with it."""
+    from disagmoe.bench.probe import PROBE_VERSION
+    from disagmoe.config import Fp8RatePoint, load_hardware
+
+    config = tmp_path / "fp8.yaml"
+    data = yaml.safe_load(open("configs/h200x2-qwen3-30b.yaml"))
+    config.write_text(yaml.safe_dump({**data, "precision": "fp8", "micro_batches": 2}))
+    hw = load_hardware("h200-sxm-calibrated")
+    curve = [Fp8RatePoint(at=p.at, fwd=0.5 * p.fwd, bwd=0.3) for p in hw.calibration.expert_gemm]
+    measured = tmp_path / "fp8-calibrated.yaml"
+    measured.write_text(hw.model_copy(update={"calibration": hw.calibration.model_copy(update={
+        "expert_gemm_fp8": curve, "probe_version": PROBE_VERSION, "source": "made-up FP8 probe"})}).to_yaml())
+    text = lambda hardware: " ".join(run("roofline", "-c", str(config), "--layout", "single", "-hw",  # noqa: E731
+                                         hardware).stdout.split())
+    datasheet, curve_text = text("h200-sxm"), text(str(measured))
+    assert "note: routed experts priced in FP8 (train with precision: fp8) at the datasheet ratio, unmeasured" \
+        in datasheet
+    assert ("note: routed experts priced in FP8 (train with precision: fp8) from the measured FP8 expert curve "
+            "(calibration.expert_gemm_fp8, made-up FP8 probe, probe version") in curve_text
+    bf16 = " ".join(run("roofline", "-c", "configs/h200x2-qwen3-30b.yaml", "--layout", "single").stdout.split())
+    assert "priced in FP8" not in bf16
+
+
 def test_sharded_optimizer_states_are_said_and_cost_at_most_their_all_gather():
     """384 H200s: with the attention side's AdamW moments split over data parallel (ZeRO-1) the
     plan says what it assumed. (Before the transport's buffers were counted the freed attention

@@ -4,11 +4,12 @@ import itertools
 import math
 import re
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from disagmoe.config import ClusterConfig, Plan, PlanConfig, load_hardware, preset_names
+from disagmoe.config import ClusterConfig, Fp8RatePoint, Plan, PlanConfig, load_hardware, preset_names
 from disagmoe.model_ref import load_model
 from disagmoe.placement.cost import Candidates, evaluate
 from disagmoe.placement.solver import MAX_SEQS_PER_GPU, MEMORY_BOUND, choose, price, problem_of, solve
@@ -420,6 +421,65 @@ def test_fp8_experts_are_priced_at_the_fp8_rate_with_their_passes_and_copies():
     plan = solve(request("qwen3-30b-a3b", "h200-sxm", 8, expert_precision="fp8"))
     assert "expert_output" not in plan.recompute_modules  # no fused FP8 combine
     assert any(n.startswith("routed experts priced in FP8 (train with precision: fp8)") for n in plan.notes)
+
+
+QWEN3_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "h200x2-qwen3-30b.yaml"
+
+
+def _qwen3_single(hw, precision: str, fp8_dense: bool = True):
+    """configs/h200x2-qwen3-30b.yaml in mode single at 2 micro-batches, priced on `hw` as it trains
+    in `precision`: (its problem, its cost, its plan)."""
+    from disagmoe.config import load_train_config
+    from disagmoe.placement.trace_compare import run_request
+
+    overrides = ["mode=single", "micro_batches=2", f"precision={precision}"]
+    cfg = load_train_config(QWEN3_CONFIG, overrides + ([f"fp8_dense={str(fp8_dense).lower()}"]
+                                                       if precision == "fp8" else []))
+    req, cand = run_request(cfg, load_model(cfg.model), hw)
+    return problem_of(req), evaluate(problem_of(req), cand), price(req, cand).plan
+
+
+def _fp8_note(plan) -> str:
+    return next(n for n in plan.notes if n.startswith("routed experts priced in FP8"))
+
+
+@pytest.mark.parametrize("fp8_dense", [False, True])
+def test_a_measured_fp8_curve_slower_than_bf16_predicts_a_slower_fp8_step(fp8_dense):
+    """The Qwen3 config on one H200 with the committed bf16 calibration: an FP8 expert curve at 0.8x
+    the bf16 rates (our H200's FP8 experts measured 0.39-0.77x bf16's block) predicts a slower FP8
+    step than bf16's, where the datasheet ratio (no FP8 curve) promised a faster one; the plan's note
+    says which pricing it used, and that the dense projections stay at the datasheet ratio."""
+    hw = load_hardware("h200-sxm-calibrated")
+    slow = [Fp8RatePoint(at=p.at, fwd=0.8 * p.fwd, bwd=0.8 * min(p.bwd, p.wgrad)) for p in hw.calibration.expert_gemm]
+    measured = hw.model_copy(update={"calibration": hw.calibration.model_copy(update={"expert_gemm_fp8": slow})})
+    _, bf16, _ = _qwen3_single(measured, "bf16")
+    prob, fp8, plan = _qwen3_single(measured, "fp8", fp8_dense)
+    _, datasheet, datasheet_plan = _qwen3_single(hw, "fp8", fp8_dense)
+    assert fp8.step_s[0] > bf16.step_s[0] > datasheet.step_s[0]
+    assert "fp8 quantise" not in fp8.stages and "fp8 quantise" in datasheet.stages
+    note = _fp8_note(plan)
+    assert "from the measured FP8 expert curve (calibration.expert_gemm_fp8, " + hw.calibration.source in note
+    assert ("the datasheet ratio 2.00x whatever the calibration" in note) == fp8_dense
+    assert "at the datasheet ratio, unmeasured" in _fp8_note(datasheet_plan)
+
+
+def test_without_an_fp8_curve_fp8_experts_keep_the_datasheet_pricing():
+    """The Qwen3 config on the committed calibration (no FP8 curve): each expert GEMM stage at the
+    calibrated bf16 rate times fp8_tflops / bf16_tflops, the quantisers' HBM stage, a faster step
+    than bf16's (today's numbers: the pricing before the FP8 curve existed), and a note that says so."""
+    hw = load_hardware("h200-sxm-calibrated")
+    assert hw.calibration.expert_gemm_fp8 == []
+    prob, bf16, _ = _qwen3_single(hw, "bf16")
+    _, fp8, plan = _qwen3_single(hw, "fp8", fp8_dense=False)
+    for name in ("routed experts", "expert weight grads"):
+        for bwd in (False, True):
+            assert np.asarray(fp8.stages[name].ceilings(bwd, prob.ceilings).flops_per_s).item() == pytest.approx(
+                np.asarray(bf16.stages[name].ceilings(bwd, prob.ceilings).flops_per_s).item()
+                * hw.fp8_tflops / hw.bf16_tflops, rel=1e-12)
+    assert fp8.stages["fp8 quantise"].bwd.hbm_bytes[0] > 0 and fp8.step_s[0] < bf16.step_s[0]
+    note = _fp8_note(plan)
+    assert "at the datasheet ratio, unmeasured: their GEMMs at 2.00x the bf16 rate" in note
+    assert "dense projections" not in note
 
 
 def test_fp8_plans_recompute_the_modules_the_fp8_experts_drop_and_round_trip_into_the_run(tmp_path):

@@ -11,6 +11,7 @@ from pydantic import ValidationError
 from disagmoe.config import (
     Calibration,
     ClusterConfig,
+    Fp8RatePoint,
     HardwareConfig,
     LinkCost,
     PlanConfig,
@@ -133,3 +134,57 @@ def test_a_calibrated_plan_on_1152_gpus_answers_in_under_two_seconds():
     plan = choose(cfg).plan
     assert time.process_time() - start < 2.0
     assert plan.feasible
+
+
+# the FP8 expert curve (`Calibration.expert_gemm_fp8`, probe version 5): forward and whole-backward rates
+FP8_CURVE = [Fp8RatePoint(at=16, fwd=0.15, bwd=0.08), Fp8RatePoint(at=1024, fwd=0.5, bwd=0.35)]
+
+
+def test_an_fp8_curve_round_trips_and_an_older_file_without_one_still_loads():
+    hw = _hw(Calibration(source="test", expert_gemm=CURVE, expert_gemm_fp8=FP8_CURVE))
+    back = HardwareConfig.model_validate(yaml.safe_load(hw.to_yaml()))
+    assert back == hw and back.calibration.expert_gemm_fp8 == FP8_CURVE
+    committed = load_hardware("h200-sxm-calibrated")  # measured before the FP8 curve existed
+    assert committed.calibration.expert_gemm and committed.calibration.expert_gemm_fp8 == []
+    data = yaml.safe_load(hw.to_yaml())
+    del data["calibration"]["expert_gemm_fp8"]
+    assert HardwareConfig.model_validate(data).calibration.expert_gemm_fp8 == []
+
+
+def test_an_fp8_point_has_no_wgrad_and_no_rate_past_the_fp8_peak():
+    """The FP8 backward is measured whole: a point with a weight-gradient rate is refused (unknown
+    key); a rate may pass the bf16 peak (FP8 beating it) but not fp8_tflops / bf16_tflops of it."""
+    data = yaml.safe_load(_hw(Calibration(expert_gemm_fp8=FP8_CURVE)).to_yaml())
+    data["calibration"]["expert_gemm_fp8"][0]["wgrad"] = 0.1
+    with pytest.raises(ValidationError, match="wgrad"):
+        HardwareConfig.model_validate(data)
+    hw = load_hardware("h200-sxm")
+    most = hw.fp8_tflops / hw.bf16_tflops
+    fast = yaml.safe_load(_hw(Calibration(expert_gemm_fp8=[Fp8RatePoint(at=64, fwd=most, bwd=1.5)])).to_yaml())
+    assert HardwareConfig.model_validate(fast).calibration.expert_gemm_fp8[0].fwd == most
+    fast["calibration"]["expert_gemm_fp8"][0]["fwd"] = most * 1.01
+    with pytest.raises(ValidationError, match="faster than the FP8 datasheet peak"):
+        HardwareConfig.model_validate(fast)
+    with pytest.raises(ValidationError, match="distinct"):
+        Calibration(expert_gemm_fp8=[FP8_CURVE[0], FP8_CURVE[0]])
+
+
+def test_fp8_experts_run_at_the_measured_fp8_rate_for_their_rows_per_expert():
+    """With an FP8 curve the routed experts' forward runs at its forward rate and both backward
+    stages at its whole-backward rate, at the layout's rows per expert; no quantisation stage (its
+    passes are in the measured times); the weights' e4m3 copies stay in the optimizer's pass."""
+    c = Candidates.one(4, 4, 1, 4, 1)
+    measured = problem_of(_request(Calibration(expert_gemm=CURVE, expert_gemm_fp8=FP8_CURVE)).model_copy(
+        update={"expert_precision": "fp8"}))
+    datasheet = problem_of(_request(Calibration(expert_gemm=CURVE)).model_copy(update={"expert_precision": "fp8"}))
+    cost, plain = evaluate(measured, c), evaluate(datasheet, c)
+    m = measured.model
+    rows_per_expert = 4 * 4096 * m.top_k / 4 / (m.num_experts / 4)
+    for name, bwd in (("routed experts", False), ("routed experts", True), ("expert weight grads", True)):
+        rate = measured.ceilings.peak_flops_per_s * curve_fraction(FP8_CURVE, rows_per_expert, bwd)
+        got = np.asarray(cost.stages[name].ceilings(bwd, measured.ceilings).flops_per_s).item()
+        assert got == pytest.approx(rate.item(), rel=1e-12), (name, bwd)
+    assert "fp8 quantise" not in cost.stages and "fp8 quantise" in plain.stages
+    opt = lambda of: np.asarray(of.stages["optimizer (experts)"].bwd.hbm_bytes).item()  # noqa: E731
+    assert opt(cost) == pytest.approx(opt(plain))  # the e4m3 copies, either way
+    assert cost.expert_mem_bytes[0] == plain.expert_mem_bytes[0]  # the FP8 memory whatever the rate
