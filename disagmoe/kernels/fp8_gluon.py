@@ -1,0 +1,310 @@
+"""The FP8 ragged grouped GEMM of `fp8.fp8_rows_gemm` (plain epilogue) as a warp-specialised Gluon
+kernel for Hopper (sm_90a): out[rows_g] = dequant(a[rows_g]) @ dequant(b[g mod E]) for every row
+group g, each 128-deep slice of K its own fp32 dot scaled by sa[:, j] x sb[e, j, column block] and
+added into the fp32 sum ("promotion"), in slice order, as `fp8.fp8_rows_gemm_reference` does.
+
+Why: Triton's sm_90 code waits for each slice's wgmma (`warp_group_dot_wait {pendings = 0}`) before
+its scaled add, so the tensor cores idle through every promotion; `fp8_rows_gemm` measured 630-870
+TFLOP/s on an H200 against about 1,400 for torch._scaled_mm and 1,100-1,300 for DeepGEMM's grouped
+GEMMs, and Triton 3.6's automatic warp specialisation is ignored on sm_90 (the TTGIR keeps one
+partition). Here the partitions and their synchronisation are written out (`gl.warp_specialize`).
+
+Schedule (one persistent program per SM, work items (group, row tile, column tile) of
+block_m x block_n found on the device from offsets_E, as `_fp8_rows_gemm_kernel` finds them):
+- producer partition, 1 warp, 40 registers: per item and per 128-deep K slice, waits for a free
+  stage of a `stages`-deep shared-memory ring (its `empty` mbarrier), then TMA-loads the A tile
+  [block_m, 128] (rows past M zero-filled; rows past the group's end are the next group's, read
+  and never stored) and the B tile [block_n, 128] of the [E*N, K] view of b, completing the
+  stage's `ready` mbarrier with the bytes.
+- consumer partitions, one warpgroup (4 warps) per 64 rows of the tile: block_m = 128 gives two,
+  the default partition taking rows 0-63 and a worker rows 64-127 of the same item, sharing each
+  stage's B (`empty` counts one arrival per consumer). Per slice j a consumer loads its scales
+  (plain loads, before waiting for the stage: their latency under the wait), waits for the stage,
+  issues slice j's wgmma into a fresh accumulator (use_acc=False) asynchronously, and only then
+  adds slice j-1's waited-for product times its scales into the fp32 sum: the promotion runs on
+  the CUDA cores while slice j's wgmma runs on the tensor cores. It then waits for slice j's wgmma
+  and releases the stage. The gap a consumer leaves between that wait and its next wgmma (the
+  release, the next stage's wait) is covered by the other consumer's wgmma: the two warpgroups
+  are not synchronised with each other, only through the ring (DeepGEMM's two math warpgroups per
+  128-row tile). block_m = 64 has the one consumer, whose own wgmma/promotion overlap is all.
+  Registers per consumer thread: the sum, the carried product and the in-flight one, 64 fp32
+  each at 64 x 128, plus addresses; 232 each (setmaxnreg), so 12 warps fit the register file
+  with maxnreg 168. In the SASS (Triton 3.6's ptxas, sm_90a) a slice's wgmma is four
+  QGMMA.64xNx32; ptxas issues the first, then most of the promotion's FFMAs, then the other
+  three, then waits (WARPGROUP.DEPBAR): the adds overlap the first quarter of the slice's MMAs,
+  and the other consumer's MMAs the rest.
+- epilogue: each consumer stores its rows of the group (masked to the group's end) in out's dtype
+  straight from the wgmma layout, then goes on to the next item, whose stages the producer has
+  been loading meanwhile.
+Ping-pong on different tiles (one warpgroup per block_m x block_n tile) does not fit at 128 x 128:
+the sum and two products would need 384 registers per thread.
+
+Requirements (ValueError naming the fix otherwise): K a multiple of 128, N a multiple of block_n,
+block_m in (64, 128), block_n in (64, 128) (one weight-block scale per column tile), b K-major with
+its [E, N, K] storage contiguous (`fp8_ffn.Fp8ExpertWeights`' operands are), a with unit column
+stride, 16-byte-aligned rows, the ring within shared memory (stages <= 6 at 128 x 128).
+
+Not yet done: the SwiGLU epilogues of `fp8_swiglu_gemm` / `fp8_swiglu_grad_gemm`, the weight
+gradient (`fp8_weight_grad`), a coalesced (shared-memory or TMA) store, skipping a consumer's
+half-tile that lies wholly past its group's end (its MMAs run on rows never stored), a backend
+choice in the FFN, and any GPU run: this kernel has been compiled for sm_90a on a CPU only
+(tests/kernels/test_fp8_gluon.py holds the GPU tests, not yet run).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from disagmoe.kernels import grouped_gemm as gg
+from disagmoe.kernels.fp8 import FP8, SCALE_BLOCK
+
+BLOCK_MS = (64, 128)  # one or two consumer warpgroups of CONSUMER_ROWS rows
+BLOCK_NS = (64, 128)  # column tiles inside one 128-column weight block: one sb per tile and slice
+CONSUMER_ROWS = 64  # a warpgroup's wgmma rows (M = 64 per warpgroup on sm_90)
+GROUP_M = 8  # row tiles sharing column tiles in the item order, as TileConfig's default
+# setmaxnreg budgets (DeepGEMM's): 12 warps (two consumer warpgroups, the producer's warp rounded up
+# to a warpgroup) x 32 threads x MAXNREG fit the 64K-register file; the default partition (the
+# first consumer) receives what the others leave: (12 x 168 - 4 x 232 - 4 x 40) / 4 = 232. With 24
+# for the producer (Gluon's tutorials), ptxas spilled 8 bytes at 128 x 128.
+PRODUCER_REGS, CONSUMER_REGS, MAXNREG = 40, 232, 168
+SHARED_MEMORY_BYTES = 227 * 1024  # sm_90's per-block limit (the barriers take a few bytes more)
+_SLICE = gl.constexpr(SCALE_BLOCK)
+_ROWS = gl.constexpr(CONSUMER_ROWS)
+
+
+@gluon.jit
+def _add(x, y):
+    return x + y
+
+
+@gluon.jit
+def _item_ends(offsets_ptr, E, tiles_n, BLOCK_M: gl.constexpr, E_POW2: gl.constexpr, WARPS: gl.constexpr):
+    """Inclusive prefix sum of work items (row tiles x column tiles) per group, in the calling
+    partition's registers (`grouped_gemm._item_table`'s sums; WARPS: the partition's warps)."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+    idx = gl.arange(0, E_POW2, layout=layout)
+    ends = gl.load(offsets_ptr + idx, mask=idx < E, other=0)
+    starts = gl.load(offsets_ptr + idx - 1, mask=(idx > 0) & (idx < E), other=0)
+    counts = gl.where(idx < E, ends - starts, 0)
+    return gl.associative_scan(gl.cdiv(counts, BLOCK_M) * tiles_n, 0, _add)
+
+
+@gluon.jit
+def _tile_of(item, item_ends, offsets_ptr, tiles_n, BLOCK_M: gl.constexpr, GROUP_M: gl.constexpr):
+    """(group, first row, the group's row end, column tile) of work item `item`: the item order of
+    `_fp8_rows_gemm_kernel` (groups in turn, GROUP_M row tiles sharing column tiles:
+    `grouped_gemm._swizzle`), computed alike by every partition."""
+    done = item_ends <= item
+    group = gl.sum(done.to(gl.int32), axis=0)
+    item_start = gl.max(gl.where(done, item_ends, 0), axis=0)
+    row_start = gl.load(offsets_ptr + group - 1, mask=group > 0, other=0)
+    row_end = gl.load(offsets_ptr + group)
+    local = item - item_start
+    per_group = GROUP_M * tiles_n
+    first_m = (local // per_group) * GROUP_M
+    group_rows = gl.minimum(gl.cdiv(row_end - row_start, BLOCK_M) - first_m, GROUP_M)
+    pid_m = first_m + (local % per_group) % group_rows
+    pid_n = (local % per_group) // group_rows
+    return group, row_start + pid_m * BLOCK_M, row_end, pid_n
+
+
+@gluon.jit
+def _producer(a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, offsets_ptr, E, E_W, N, K, num_programs,
+              E_POW2: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
+              STAGES: gl.constexpr):
+    """The TMA warp: fills the ring's stages in item and slice order, the order the consumers
+    drain them. A stage is refilled once every consumer has released it (`empty`; a fresh
+    mbarrier counts as released, hence the first wait on the opposite phase)."""
+    tiles_n = N // BLOCK_N
+    item_ends = _item_ends(offsets_ptr, E, tiles_n, BLOCK_M, E_POW2, 1)
+    total = gl.max(item_ends, axis=0)
+    slices = K // _SLICE
+    count = 0
+    for item in range(gl.program_id(0), total, num_programs):
+        group, row0, row_end, pid_n = _tile_of(item, item_ends, offsets_ptr, tiles_n, BLOCK_M, GROUP_M)
+        b_row = (group % E_W) * N + pid_n * BLOCK_N
+        for j in range(slices):
+            stage = count % STAGES
+            mbarrier.wait(empty_bars.index(stage), ((count // STAGES) & 1) ^ 1)
+            ready = ready_bars.index(stage)
+            mbarrier.expect(ready, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(a_desc, [row0, j * _SLICE], ready, a_bufs.index(stage))
+            tma.async_copy_global_to_shared(b_desc, [b_row, j * _SLICE], ready, b_bufs.index(stage))
+            count += 1
+
+
+@gluon.jit
+def _consumer(a_bufs, b_bufs, ready_bars, empty_bars, sa_ptr, sb_ptr, out_ptr, offsets_ptr, E, E_W, N, K,
+              num_programs, stride_sam, stride_sag, stride_sbe, stride_sbg, stride_sbb, stride_om, stride_on,
+              CONSUMER: gl.constexpr, E_POW2: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+    """One warpgroup's rows CONSUMER * 64 + [0, 64) of every item: per slice, the wgmma issued
+    before the previous slice's promotion (module docstring), then the masked store."""
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BLOCK_N, 32])
+    row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
+    col_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
+    tiles_n = N // BLOCK_N
+    item_ends = _item_ends(offsets_ptr, E, tiles_n, BLOCK_M, E_POW2, 4)
+    total = gl.max(item_ends, axis=0)
+    slices = K // _SLICE
+    zero_MN = gl.zeros([_ROWS, BLOCK_N], gl.float32, acc_layout)
+    count = 0
+    for item in range(gl.program_id(0), total, num_programs):
+        group, row0, row_end, pid_n = _tile_of(item, item_ends, offsets_ptr, tiles_n, BLOCK_M, GROUP_M)
+        rows = (row0 + CONSUMER * _ROWS) + gl.arange(0, _ROWS, layout=row_layout)
+        row_ok = rows < row_end
+        sa_ptrs = sa_ptr + rows.to(gl.int64) * stride_sam
+        sb_tile = sb_ptr + (group % E_W).to(gl.int64) * stride_sbe + (pid_n * BLOCK_N // _SLICE) * stride_sbb
+        acc_MN = zero_MN
+        # the previous slice's product and scales, carried to be added under the next wgmma;
+        # zeros before the first slice, whose add is exact
+        prev_MN = zero_MN
+        scale_prev_M = gl.zeros([_ROWS], gl.float32, row_layout)
+        for j in range(slices):
+            stage = count % STAGES
+            sa_M = gl.load(sa_ptrs + j * stride_sag, mask=row_ok, other=0.0)
+            sb = gl.load(sb_tile + j * stride_sbg)
+            mbarrier.wait(ready_bars.index(stage), (count // STAGES) & 1)
+            a_view = a_bufs.index(stage).slice(CONSUMER * _ROWS, _ROWS)
+            b_view = b_bufs.index(stage).permute((1, 0))  # [128, BLOCK_N], K-major as wgmma reads it
+            part = warpgroup_mma(a_view, b_view, zero_MN, use_acc=False, is_async=True)
+            acc_MN = acc_MN + prev_MN * scale_prev_M[:, None]  # under this slice's wgmma
+            part_MN = warpgroup_mma_wait(0, deps=(part, ))
+            mbarrier.arrive(empty_bars.index(stage))
+            prev_MN = part_MN
+            scale_prev_M = sa_M * sb
+            count += 1
+        acc_MN = acc_MN + prev_MN * scale_prev_M[:, None]
+        cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
+        out_ptrs = out_ptr + rows.to(gl.int64)[:, None] * stride_om + cols[None, :] * stride_on
+        gl.store(out_ptrs, acc_MN.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@gluon.jit
+def _gluon_fp8_rows_gemm_kernel(a_desc, b_desc, sa_ptr, sb_ptr, out_ptr, offsets_ptr, E, E_W, N, K, num_programs,
+                                stride_sam, stride_sag, stride_sbe, stride_sbg, stride_sbb, stride_om, stride_on,
+                                E_POW2: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                                GROUP_M: gl.constexpr, STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                                CONSUMER_REGS: gl.constexpr):
+    # Contract: `gluon_fp8_rows_gemm`'s, checked there. The partitions' arguments are written
+    # inline in the warp_specialize call: a tuple assigned to a name first turns its constexprs
+    # into tensors (Triton 3.6's front end), which the layouts and shapes cannot take.
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    ready_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready_bars.index(s), count=1)
+        mbarrier.init(empty_bars.index(s), count=BLOCK_M // _ROWS)
+    if BLOCK_M == 2 * _ROWS:
+        gl.warp_specialize([
+            (_consumer, (a_bufs, b_bufs, ready_bars, empty_bars, sa_ptr, sb_ptr, out_ptr, offsets_ptr, E, E_W, N, K,
+                         num_programs, stride_sam, stride_sag, stride_sbe, stride_sbg, stride_sbb, stride_om,
+                         stride_on, gl.constexpr(0), E_POW2, BLOCK_M, BLOCK_N, GROUP_M, STAGES)),
+            (_consumer, (a_bufs, b_bufs, ready_bars, empty_bars, sa_ptr, sb_ptr, out_ptr, offsets_ptr, E, E_W, N, K,
+                         num_programs, stride_sam, stride_sag, stride_sbe, stride_sbg, stride_sbb, stride_om,
+                         stride_on, gl.constexpr(1), E_POW2, BLOCK_M, BLOCK_N, GROUP_M, STAGES)),
+            (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, offsets_ptr, E, E_W, N, K,
+                         num_programs, E_POW2, BLOCK_M, BLOCK_N, GROUP_M, STAGES)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_consumer, (a_bufs, b_bufs, ready_bars, empty_bars, sa_ptr, sb_ptr, out_ptr, offsets_ptr, E, E_W, N, K,
+                         num_programs, stride_sam, stride_sag, stride_sbe, stride_sbg, stride_sbb, stride_om,
+                         stride_on, gl.constexpr(0), E_POW2, BLOCK_M, BLOCK_N, GROUP_M, STAGES)),
+            (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, offsets_ptr, E, E_W, N, K,
+                         num_programs, E_POW2, BLOCK_M, BLOCK_N, GROUP_M, STAGES)),
+        ], [1], [PRODUCER_REGS])
+
+
+def _check(a_MK, sa_MG, offsets_E, b_EKN, sb_EGB, out, block_m, block_n, stages) -> None:
+    """ValueError naming the fix for arguments the kernel cannot take."""
+    wrong = {name: t.dtype for name, t in (("a", a_MK), ("b", b_EKN)) if t.dtype != FP8}
+    if wrong:
+        raise ValueError(f"FP8 operands must be torch.float8_e4m3fn (quantise them with kernels.fp8.quantize_rows / "
+                         f"quantize_blocks); got {wrong}")
+    if block_m not in BLOCK_MS or block_n not in BLOCK_NS:
+        raise ValueError(f"gluon_fp8_rows_gemm tiles: block_m in {BLOCK_MS} (64 rows per consumer warpgroup), "
+                         f"block_n in {BLOCK_NS} (one weight-block scale per column tile); got {block_m} x {block_n}")
+    ring = stages * (block_m + block_n) * SCALE_BLOCK
+    if stages < 2 or ring > SHARED_MEMORY_BYTES:
+        raise ValueError(f"stages={stages}: the ring needs at least 2 stages (loads overlapping the MMAs) and must "
+                         f"fit the {SHARED_MEMORY_BYTES} bytes of shared memory a Hopper block may use ("
+                         f"{(block_m + block_n) * SCALE_BLOCK} bytes per stage at {block_m} x {block_n})")
+    rows, k = a_MK.shape
+    experts, k_b, cols = b_EKN.shape
+    if k == 0 or k % SCALE_BLOCK:
+        raise ValueError(f"gluon_fp8_rows_gemm needs K a positive multiple of {SCALE_BLOCK} (whole scale groups per "
+                         f"TMA box); got K={k}: zero-pad K (a, b and their scales) or use kernels.fp8.fp8_rows_gemm")
+    if k_b != k or sa_MG.shape != (rows, k // SCALE_BLOCK) or sb_EGB.shape != (
+            experts, k // SCALE_BLOCK, triton.cdiv(cols, SCALE_BLOCK)):
+        raise ValueError(f"FP8 GEMM operands do not fit: a {tuple(a_MK.shape)} with scales {tuple(sa_MG.shape)}, "
+                         f"b {tuple(b_EKN.shape)} with scales {tuple(sb_EGB.shape)} (want a [M, K], sa [M, K / 128], "
+                         f"b [E, K, N], sb [E, K / 128, cdiv(N, 128)])")
+    if cols % block_n:
+        raise ValueError(f"gluon_fp8_rows_gemm needs N a multiple of block_n={block_n}; got N={cols}: use block_n=64 "
+                         f"if N is a multiple of 64, else kernels.fp8.fp8_rows_gemm")
+    if b_EKN.stride() != (cols * k, 1, k):
+        raise ValueError(f"b must be K-major with contiguous [E, N, K] storage (the TMA view [E*N, K]): pass "
+                         f"q_ENK.transpose(1, 2) as fp8_ffn.Fp8ExpertWeights holds it (quantize_blocks(..., "
+                         f"transposed_out=q_ENK)); got strides {b_EKN.stride()}")
+    if a_MK.stride(1) != 1 or a_MK.stride(0) % 16 or a_MK.data_ptr() % 16:
+        raise ValueError(f"a must have unit column stride and 16-byte-aligned rows (TMA): pass a.contiguous(); got "
+                         f"strides {a_MK.stride()}")
+    if offsets_E.dim() != 1 or offsets_E.dtype != torch.int32 or offsets_E.shape[0] % experts:
+        raise ValueError(f"offsets_E must be int32 cumulative rows of a multiple of {experts} groups; got "
+                         f"{offsets_E.dtype} {tuple(offsets_E.shape)}")
+    if out is not None and (out.shape != (rows, cols) or not out.dtype.is_floating_point or out.dtype == FP8):
+        raise ValueError(f"out must be a float [M, N] = {(rows, cols)} tensor (bf16, fp16 or fp32); got "
+                         f"{out.dtype} {tuple(out.shape)}")
+
+
+def gluon_fp8_rows_gemm(
+    a_MK: torch.Tensor,
+    sa_MG: torch.Tensor,
+    offsets_E: torch.Tensor,
+    b_EKN: torch.Tensor,
+    sb_EGB: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+    block_m: int = 128,
+    block_n: int = 128,
+    stages: int = 4,
+    num_programs: int | None = None,
+) -> torch.Tensor:
+    """`fp8.fp8_rows_gemm`'s plain epilogue: out[rows_g] = dequant(a[rows_g]) @ dequant(b[g mod E])
+    for every row group g of `offsets_E` (int32 cumulative row counts, a multiple of E groups,
+    empty groups allowed), a from `quantize_rows`, b K-major from `quantize_blocks` (module
+    docstring: the requirements). `out` (given: [M, N], bf16, fp16 or fp32) or a new one of
+    `out_dtype`. `stages`: the shared-memory ring's depth ((block_m + block_n) x 128 bytes each).
+    `num_programs`: persistent programs (default one per SM; give it on a CPU, where the kernel
+    can only be compiled)."""
+    _check(a_MK, sa_MG, offsets_E, b_EKN, sb_EGB, out, block_m, block_n, stages)
+    rows, k = a_MK.shape
+    experts, _, cols = b_EKN.shape
+    if out is None:
+        out = torch.empty((rows, cols), dtype=out_dtype, device=a_MK.device)
+    if rows == 0 or cols == 0:
+        return out
+    a_box, b_box = [block_m, SCALE_BLOCK], [block_n, SCALE_BLOCK]
+    a_desc = TensorDescriptor(a_MK, [rows, k], [a_MK.stride(0), 1], a_box,
+                              gl.NVMMASharedLayout.get_default_for(a_box, gl.float8e4nv))
+    b_NK = b_EKN.transpose(1, 2).reshape(experts * cols, k)  # a view: the storage is [E, N, K]
+    b_desc = TensorDescriptor(b_NK, [experts * cols, k], [k, 1], b_box,
+                              gl.NVMMASharedLayout.get_default_for(b_box, gl.float8e4nv))
+    programs = num_programs or gg.default_num_programs(a_MK.device)
+    groups = offsets_E.shape[0]
+    _gluon_fp8_rows_gemm_kernel[(programs, )](
+        a_desc, b_desc, sa_MG, sb_EGB, out, offsets_E, groups, experts, cols, k, programs,
+        sa_MG.stride(0), sa_MG.stride(1), *sb_EGB.stride(), out.stride(0), out.stride(1),
+        E_POW2=triton.next_power_of_2(groups), BLOCK_M=block_m, BLOCK_N=block_n, GROUP_M=GROUP_M, STAGES=stages,
+        PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS, num_warps=4,
+        maxnreg=MAXNREG if block_m == 2 * CONSUMER_ROWS else None)
+    return out

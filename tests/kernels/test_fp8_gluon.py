@@ -1,0 +1,198 @@
+"""The warp-specialised Gluon FP8 grouped GEMM (kernels/fp8_gluon.py): compiled for sm_90a on the
+CPU (its partitions, registers and spills), its argument checks, and on a Hopper GPU against
+`fp8.fp8_rows_gemm_reference` and `fp8.fp8_rows_gemm`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton.experimental.gluon")
+
+from disagmoe.kernels import fp8  # noqa: E402
+from disagmoe.kernels import fp8_gluon as fg  # noqa: E402
+from tests.kernels.test_fp8 import (  # noqa: E402
+    FP8_ROW_REL_ERR,
+    GPU_TILES,
+    _exact,
+    _ragged_inputs,
+    _rel_err,
+    _row_rel_err,
+)
+
+FP8 = torch.float8_e4m3fn
+
+
+def _k_major(b_EKN: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q_EKN, s_EGB) with q K-major, as `fp8_ffn.Fp8ExpertWeights` holds its forward operands: the
+    view q_ENK.transpose(1, 2) of the transposed copy the quantising launch writes."""
+    experts, k, n = b_EKN.shape
+    q_ENK = torch.empty((experts, n, k), dtype=FP8, device=b_EKN.device)
+    _, s_EGB = fp8.quantize_blocks(b_EKN, transposed_out=q_ENK)
+    return q_ENK.transpose(1, 2), s_EGB
+
+
+def _cpu_operands(counts, k, n):
+    """Zero-valued operands of the right dtypes and layouts on the CPU (the compile reads only
+    their shapes, strides and alignment)."""
+    experts = len(counts)
+    rows = sum(counts)
+    a = torch.zeros(rows, k, dtype=FP8)
+    sa = torch.ones(rows, k // 128)
+    b = torch.zeros(experts, n, k, dtype=FP8).transpose(1, 2)
+    sb = torch.ones(experts, k // 128, -(-n // 128))
+    offsets = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32)
+    return a, sa, offsets, b, sb
+
+
+# --- compiled for sm_90a on the CPU (nothing launched)
+
+@pytest.fixture
+def hopper_builds(monkeypatch):
+    """Kernels launched while this is active are compiled for sm_90a (Gluon kernels through
+    `GluonASTSource`, as their JITFunction would); the compiled kernels are returned in a list."""
+    from triton.compiler import compile, make_backend
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import JITFunction, create_function_from_signature
+
+    from tests.kernels.test_compile_for_hopper import HOPPER
+
+    backend = make_backend(HOPPER)
+    built = []
+
+    def compile_only(self, *args, grid, warmup, **kwargs):
+        kwargs.setdefault("debug", False)
+        binder = create_function_from_signature(self.signature, self.params, backend)
+        bound, specialization, options = binder(*args, **kwargs)
+        options, signature, constexprs, attrs = self._pack_args(backend, kwargs, bound, specialization, options)
+        assert self.is_gluon()
+        built.append(compile(GluonASTSource(self, signature, constexprs, attrs), target=HOPPER,
+                             options=options.__dict__))
+
+    monkeypatch.setattr(JITFunction, "run", compile_only)
+    return built
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block_m,block_n", [(128, 128), (128, 64), (64, 128)])
+def test_the_kernel_compiles_warp_specialised_without_spills(hopper_builds, block_m, block_n):
+    """TTGIR: one warp_specialize whose worker partitions are the second consumer warpgroup (4
+    warps, block_m 128 only) and the TMA producer (1 warp) with their setmaxnreg budgets; PTX: the
+    e4m3 wgmma and the register reallocation; ptxas (sm_90a): no spill stores, at most MAXNREG
+    registers per thread when 12 warps share the register file."""
+    from tests.kernels.test_compile_for_hopper import ptxas_usage
+
+    fg.gluon_fp8_rows_gemm(*_cpu_operands([300, 0, 5, 700], 512, 256), block_m=block_m, block_n=block_n,
+                           num_programs=132)
+    (kernel,) = hopper_builds
+    ttgir, ptx = kernel.asm["ttgir"], kernel.asm["ptx"]
+    assert ttgir.count("ttg.warp_specialize(") == 1
+    if block_m == 128:
+        assert f"requestedRegisters = array<i32: {fg.CONSUMER_REGS}, {fg.PRODUCER_REGS}>" in ttgir
+        assert ") num_warps(4) {" in ttgir and ") num_warps(1) {" in ttgir and "partition2" not in ttgir
+    else:
+        assert f"requestedRegisters = array<i32: {fg.PRODUCER_REGS}>" in ttgir
+        assert ") num_warps(1) {" in ttgir and "partition1" not in ttgir
+    assert "ttng.async_tma_copy_global_to_local" in ttgir and "ttng.warp_group_dot" in ttgir
+    assert f"wgmma.mma_async.sync.aligned.m64n{block_n}k32.f32.e4m3.e4m3" in ptx
+    assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx
+    registers, spilled = ptxas_usage(ptx)
+    assert spilled == 0, f"{block_m} x {block_n}: {spilled} bytes of spill stores"
+    if block_m == 128:
+        assert registers <= fg.MAXNREG
+
+
+# --- argument checks (CPU, nothing compiled)
+
+@pytest.mark.parametrize("change,match", [
+    (dict(k=200), "multiple of 128"),
+    (dict(n=200), "multiple of block_n"),
+    (dict(a_dtype=torch.bfloat16), "float8_e4m3fn"),
+    (dict(b_dtype=torch.bfloat16), "float8_e4m3fn"),
+    (dict(n_major=True), "K-major"),
+    (dict(block_m=256), "block_m in"),
+    (dict(block_n=256), "block_n in"),
+    (dict(stages=1), "at least 2 stages"),
+    (dict(stages=8), "shared memory"),
+    (dict(offsets_dtype=torch.int64), "int32"),
+    (dict(out=torch.empty(4, 4)), "out must be"),
+])
+def test_arguments_it_cannot_take_are_refused_naming_the_fix(change, match):
+    k, n = change.get("k", 256), change.get("n", 256)
+    counts = [7, 0, 9]
+    rows = sum(counts)
+    a = torch.zeros(rows, k, dtype=change.get("a_dtype", FP8))
+    sa = torch.ones(rows, -(-k // 128))
+    if change.get("n_major"):
+        b = torch.zeros(len(counts), k, n, dtype=FP8)
+    else:
+        b = torch.zeros(len(counts), n, k, dtype=change.get("b_dtype", FP8)).transpose(1, 2)
+    sb = torch.ones(len(counts), -(-k // 128), -(-n // 128))
+    offsets = torch.tensor(counts).cumsum(0).to(change.get("offsets_dtype", torch.int32))
+    with pytest.raises(ValueError, match=match):
+        fg.gluon_fp8_rows_gemm(a, sa, offsets, b, sb, out=change.get("out"), block_m=change.get("block_m", 128),
+                               block_n=change.get("block_n", 128), stages=change.get("stages", 4), num_programs=4)
+
+
+def test_no_rows_return_the_empty_output_without_a_launch():
+    out = fg.gluon_fp8_rows_gemm(*_cpu_operands([0, 0], 256, 128), num_programs=4)
+    assert out.shape == (0, 128) and out.dtype == torch.bfloat16
+
+
+# --- on a Hopper GPU (sm_90: wgmma, TMA, setmaxnreg)
+
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+needs_hopper = pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU (sm_90a: wgmma, TMA, setmaxnreg)")
+
+# rows per group: empty groups, groups shorter than a tile (1, 7, 63, 65 rows: one or both consumers'
+# halves partly past the group's end), groups of several tiles with short last tiles
+GPU_COUNTS = [
+    [300, 0, 1000, 7],
+    [0, 1, 129, 0, 63, 65, 517, 0],
+    [2048, 0, 0, 0],
+]
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("block_m,block_n", [(128, 128), (128, 64), (64, 128)])
+@pytest.mark.parametrize("n", [256, 768])
+@pytest.mark.parametrize("k", [256, 2048])
+@pytest.mark.parametrize("counts", GPU_COUNTS, ids=["mixed", "short", "one-group"])
+def test_gpu_matches_the_reference_and_the_triton_kernel(counts, k, n, block_m, block_n):
+    """bf16 out against the reference's fp32 sums of the same fp8 values (the tolerance of
+    test_fp8's GPU GEMM test: bf16 rounding and the tensor cores' accumulator), within
+    FP8_ROW_REL_ERR of the fp32 GEMM of the unquantised operands (outlier rows included), and
+    against `fp8.fp8_rows_gemm` at the same inputs."""
+    a, b, offsets = _ragged_inputs(counts, k, n, seed=11, outlier_rows=4, device="cuda")
+    a, b = a.bfloat16(), b.bfloat16()
+    qa, sa = fp8.quantize_rows(a)
+    qb, sb = _k_major(b)
+    got = fg.gluon_fp8_rows_gemm(qa, sa, offsets, qb, sb, block_m=block_m, block_n=block_n)
+    torch.cuda.synchronize()
+    want = fp8.fp8_rows_gemm_reference(qa, sa, offsets, qb, sb)
+    assert got.dtype == torch.bfloat16 and torch.isfinite(got).all()
+    assert _rel_err(got, want) < 5e-3
+    assert _row_rel_err(got, _exact(a.float(), b.float(), offsets)).max() < FP8_ROW_REL_ERR
+    triton_out = fp8.fp8_rows_gemm(qa, sa, offsets, qb, sb, GPU_TILES[0])
+    assert _rel_err(got, triton_out) < 5e-3
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_gpu_fp32_out_into_a_given_buffer_and_groups_sharing_weights():
+    """out given (fp32, NaN-filled: every row belongs to a group, so every element is written),
+    offsets holding twice the experts' count (group g uses b[g mod E]), against the reference's
+    sums (the tolerance of the bf16 tests: the tensor cores' reduced-precision accumulation within
+    each 128-deep slice)."""
+    counts, k, n = [40, 0, 300, 5, 0, 129, 64, 2], 512, 384
+    a, b, offsets = _ragged_inputs(counts, k, n, seed=12, device="cuda")
+    qa, sa = fp8.quantize_rows(a.bfloat16())
+    qb, sb = _k_major(b[:4].bfloat16())
+    out = torch.full((a.shape[0], n), float("nan"), device="cuda")
+    got = fg.gluon_fp8_rows_gemm(qa, sa, offsets, qb, sb, out=out)
+    assert got is out and torch.isfinite(out).all()
+    assert _rel_err(out, fp8.fp8_rows_gemm_reference(qa, sa, offsets, qb, sb)) < 5e-3
