@@ -11,6 +11,8 @@ Which GEMM takes which scales, and why: docs/architecture.md, "FP8 expert GEMMs"
 Forward and data gradient: `fp8_rows_gemm` (rows from `quantize_rows`, weights from
 `quantize_blocks` or, for dy @ W^T, `transpose_blocks`). Weight gradient: `fp8_weight_grad` over
 token-contiguous copies from `quantize_token_groups` (128 x 1 scales, groups padded to 128 rows).
+A tensor both GEMMs read (the backward's dy and dh13) gets both copies from one pass over it:
+`quantize_rows_and_token_groups`.
 
 One code path for the GPU and the CPU interpreter but for the rounding: Triton 3.6's interpreter
 handles float8 tensors and fp8 `tl.dot` exactly, but its fp32 -> fp8 cast rounds wrongly, so under
@@ -99,17 +101,30 @@ def _record_stats(stats_ptr, x, scaled, q, ok):
     """Add one tile's counters into stats_ptr's row (`kernels.fp8_stats`: AMAX, SATURATED,
     UNDERFLOW, TOTAL, NONFINITE): x the fp32 inputs, scaled = x / scale, q their e4m3 values (fp32),
     ok the elements that count. Five atomics per call, after the tile's own reductions."""
+    tl.static_assert(x.numel < 65536)
+    amax_bits, low, high = _tile_stats(x, scaled, q, ok)
+    _add_stats(stats_ptr, amax_bits, tl.sum(tl.sum(low, axis=1), axis=0), tl.sum(tl.sum(high, axis=1), axis=0))
+
+
+@triton.jit
+def _tile_stats(x, scaled, q, ok):
+    """`_record_stats`' per-element work: (the largest counted |scaled|'s fp32 bits as int64, low,
+    high), low and high int32 tiles packing two counts each (16 bits apiece: the caller keeps a
+    sum's every count under 2^16), saturated | underflow << 16 and total | nonfinite << 16; two
+    reductions of them instead of four (the SwiGLU epilogue's tile spilled with four)."""
     finite = ok & (tl.abs(x) <= 3.4028234663852886e38)  # False for inf and NaN
     mag = tl.where(finite & (tl.abs(scaled) <= 3.4028234663852886e38), tl.abs(scaled), 0.0)  # x / NaN-scale
     amax_bits = tl.max(tl.max(mag, axis=1), axis=0).to(tl.int32, bitcast=True).to(tl.int64)
-    # two counts per int32 (16 bits each: a tile holds fewer than 2^16 elements), two reductions
-    # instead of four (the SwiGLU epilogue's tile spilled with four)
-    tl.static_assert(x.numel < 65536)
     low = ((mag > _SATURATION_BOUND).to(tl.int32)
            | ((finite & (x != 0.0) & (q == 0.0)).to(tl.int32) << 16))  # saturated | underflow
     high = ok.to(tl.int32) | ((ok & ~finite).to(tl.int32) << 16)  # total | nonfinite
-    low = tl.sum(tl.sum(low, axis=1), axis=0)
-    high = tl.sum(tl.sum(high, axis=1), axis=0)
+    return amax_bits, low, high
+
+
+@triton.jit
+def _add_stats(stats_ptr, amax_bits, low, high):
+    """The five atomics into stats_ptr's row: amax_bits (int64 of a non-negative fp32's bits: their
+    integer order is the floats'), low and high summed packed counts (`_tile_stats`)."""
     tl.atomic_max(stats_ptr, amax_bits)
     tl.atomic_add(stats_ptr + 1, (low & 0xFFFF).to(tl.int64))
     tl.atomic_add(stats_ptr + 2, ((low >> 16) & 0xFFFF).to(tl.int64))  # & undoes the sign of >>
@@ -790,27 +805,38 @@ def fp8_swiglu_grad_gemm(
 # --- the weight gradient: contracted over tokens, so 128 x 1 scales along tokens, padded groups
 
 @triton.jit
-def _quantize_token_groups_kernel(x_ptr, q_ptr, s_ptr, offsets_ptr, padded_ptr, stats_ptr, src_ptr, E, K,
-                                  stride_xm, stride_xk, stride_qk, stride_qp, stride_sk, stride_sc,
-                                  BLOCK_K: tl.constexpr, E_POW2: tl.constexpr, STATS: tl.constexpr,
-                                  GATHER: tl.constexpr):
-    # Program (chunk c, K tile): padded rows [128 c, 128 c + 128) belong to the group g whose padded
-    # range holds them (padded_ptr: int32 cumulative padded rows); they are x's rows offsets[g-1] +
-    # (128 c - padded[g-1]) + t, zeros past the group's end (and for chunks past the last group).
-    # q [K, P] (token-contiguous) = e4m3 of x^T, s[k, c] = scale of column k over the chunk.
-    # STATS: counters of x's own rows (not the padding) into stats_ptr's row (`_record_stats`).
-    # GATHER: row r is x's row src_ptr[r] (int64), read where it lies (`kernels.recompute.RowSource`).
-    chunk = tl.program_id(0)
+def _token_chunk(offsets_ptr, padded_ptr, E, chunk, E_POW2: tl.constexpr):
+    """(rows, in_group, row_end) of padded rows [128 chunk, 128 chunk + 128): they belong to the
+    group g whose padded range holds them (padded_ptr: int32 cumulative padded rows) and are x's
+    rows offsets[g-1] + (128 chunk - padded[g-1]) + t, x's rows while below row_end = offsets[g]
+    (the group's padding past it). A chunk past the last group (in_group False: g = E) continues
+    from the last group's ends: rows offsets[E-1] + (128 chunk - padded[E-1]) + t, so the chunks
+    past padded[E-1] cover x's rows past offsets[E-1] (`padded_capacity` leaves room for them);
+    row_end is 0 there."""
     first = chunk * _SCALE_BLOCK
     idx = tl.arange(0, E_POW2)
     padded_ends = tl.load(padded_ptr + idx, mask=idx < E, other=2147483647)
     group = tl.sum((padded_ends <= first).to(tl.int32), axis=0)
     in_group = group < E
-    padded_start = tl.load(padded_ptr + group - 1, mask=in_group & (group > 0), other=0)
-    row_start = tl.load(offsets_ptr + group - 1, mask=in_group & (group > 0), other=0)
+    padded_start = tl.load(padded_ptr + group - 1, mask=group > 0, other=0)
+    row_start = tl.load(offsets_ptr + group - 1, mask=group > 0, other=0)
     row_end = tl.load(offsets_ptr + group, mask=in_group, other=0)
-    toks = tl.arange(0, _SCALE_BLOCK)
-    rows = row_start + (first - padded_start) + toks
+    rows = row_start + (first - padded_start) + tl.arange(0, _SCALE_BLOCK)
+    return rows, in_group, row_end
+
+
+@triton.jit
+def _quantize_token_groups_kernel(x_ptr, q_ptr, s_ptr, offsets_ptr, padded_ptr, stats_ptr, src_ptr, E, K,
+                                  stride_xm, stride_xk, stride_qk, stride_qp, stride_sk, stride_sc,
+                                  BLOCK_K: tl.constexpr, E_POW2: tl.constexpr, STATS: tl.constexpr,
+                                  GATHER: tl.constexpr):
+    # Program (chunk c, K tile): padded rows [128 c, 128 c + 128), x's rows as `_token_chunk` maps
+    # them, zeros past the group's end (and for chunks past the last group).
+    # q [K, P] (token-contiguous) = e4m3 of x^T, s[k, c] = scale of column k over the chunk.
+    # STATS: counters of x's own rows (not the padding) into stats_ptr's row (`_record_stats`).
+    # GATHER: row r is x's row src_ptr[r] (int64), read where it lies (`kernels.recompute.RowSource`).
+    chunk = tl.program_id(0)
+    rows, in_group, row_end = _token_chunk(offsets_ptr, padded_ptr, E, chunk, E_POW2)
     row_ok = in_group & (rows < row_end)
     ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     k_ok = ks < K
@@ -824,10 +850,76 @@ def _quantize_token_groups_kernel(x_ptr, q_ptr, s_ptr, offsets_ptr, padded_ptr, 
     q = _round_to_e4m3(scaled)
     if STATS:
         _record_stats(stats_ptr, x, scaled, q, row_ok[:, None] & k_ok[None, :])
-    padded_rows = (first + toks).to(tl.int64)
+    padded_rows = (chunk * _SCALE_BLOCK + tl.arange(0, _SCALE_BLOCK)).to(tl.int64)
     tl.store(q_ptr + ks[None, :] * stride_qk + padded_rows[:, None] * stride_qp,
              q.to(q_ptr.dtype.element_ty), mask=k_ok[None, :])
     tl.store(s_ptr + ks * stride_sk + chunk * stride_sc, scale, mask=k_ok)
+
+
+# Warps of the fused quantiser's [128, 128] tile (ptxas sm_90a, bf16 in, with counters): 16 take
+# 128 registers a thread with no spill stores; 8 take 255 (the cap), 32 spill 4 bytes at their cap
+# of 64. Either way one program fills an SM's registers; untimed on a GPU yet.
+_ROWS_AND_TOKEN_GROUPS_WARPS = 16
+
+
+@triton.jit
+def _quantize_rows_and_token_groups_kernel(
+    x_ptr, qr_ptr, sr_ptr, qt_ptr, st_ptr, offsets_ptr, padded_ptr, stats_ptr, valid_ptr, M, E, K,
+    stride_xm, stride_xk, stride_rm, stride_rk, stride_srm, stride_srg, stride_tk, stride_tp, stride_stk, stride_stc,
+    E_POW2: tl.constexpr, STATS: tl.constexpr, VALID: tl.constexpr,
+):
+    # Program (chunk c, column group g): the token-group program of `_quantize_token_groups_kernel`
+    # at a K tile of exactly one row group (128 columns), which loads its [128 padded rows, 128
+    # columns] tile of x once and stores both quantisations of it:
+    #   token groups: qt [K, P] = e4m3 of x^T with st[k, c] the column's scale over the chunk (x's
+    #     rows of the chunk's group; zeros for its padding and for chunks past the last group);
+    #   rows: qr [M, K] and sr[m, g] of each x row of the chunk (a row group is the tile's row),
+    #     as `_quantize_rows_kernel` would, for the rows below valid_ptr[0] (VALID; else below M).
+    #     The chunks past the last group hold the rows past offsets[E-1] (`_token_chunk`): rows
+    #     only. Padding rows map to no x row and write no row output.
+    # STATS: both quantisations' counters (each counts its own elements, as the two kernels
+    # would: x's counted rows twice), added by one set of atomics.
+    chunk = tl.program_id(0)
+    group = tl.program_id(1)
+    rows, in_group, row_end = _token_chunk(offsets_ptr, padded_ptr, E, chunk, E_POW2)
+    tok_ok = in_group & (rows < row_end)
+    rows_valid = M
+    if VALID:
+        rows_valid = tl.minimum(tl.load(valid_ptr), M)
+    row_ok = (rows < rows_valid) & (tok_ok | ~in_group)
+    ks = group * _SCALE_BLOCK + tl.arange(0, _SCALE_BLOCK)
+    k_ok = ks < K
+    rows64 = rows.to(tl.int64)
+    x = tl.load(x_ptr + rows64[:, None] * stride_xm + ks[None, :] * stride_xk,
+                mask=(tok_ok | row_ok)[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+    # rows: a scale per row of the tile (columns past K count as zeros, as they load); each part's
+    # counters reduced as soon as it is quantised (its tiles dead before the next part's: the two
+    # parts' tiles alive together spilled at 8 warps, ptxas sm_90a)
+    row_scale = _scale_of(tl.max(tl.abs(x), axis=1))
+    row_scaled = tl.math.div_rn(x, tl.broadcast_to(row_scale[:, None], x.shape))
+    row_q = _round_to_e4m3(row_scaled)
+    rows_stored = row_ok[:, None] & k_ok[None, :]
+    if STATS:
+        amax_bits, low, high = _tile_stats(x, row_scaled, row_q, rows_stored)
+        low = tl.sum(tl.sum(low, axis=1), axis=0)
+        high = tl.sum(tl.sum(high, axis=1), axis=0)
+    tl.store(qr_ptr + rows64[:, None] * stride_rm + ks[None, :] * stride_rk, row_q.to(qr_ptr.dtype.element_ty),
+             mask=rows_stored)
+    tl.store(sr_ptr + rows64 * stride_srm + group * stride_srg, row_scale, mask=row_ok)
+    # token groups: the chunk's own group's rows alone (a chunk past the last group: zeros)
+    x = tl.where(tok_ok[:, None], x, 0.0)
+    tok_scale = _scale_of(tl.max(tl.abs(x), axis=0))
+    tok_scaled = tl.math.div_rn(x, tl.broadcast_to(tok_scale[None, :], x.shape))
+    tok_q = _round_to_e4m3(tok_scaled)
+    if STATS:
+        # each count of the two sums stays under 2 x 128 x 128 = 2^15 (`_tile_stats`' 16 bits)
+        tok_amax_bits, tok_low, tok_high = _tile_stats(x, tok_scaled, tok_q, tok_ok[:, None] & k_ok[None, :])
+        _add_stats(stats_ptr, tl.maximum(amax_bits, tok_amax_bits), low + tl.sum(tl.sum(tok_low, axis=1), axis=0),
+                   high + tl.sum(tl.sum(tok_high, axis=1), axis=0))
+    padded_rows = (chunk * _SCALE_BLOCK + tl.arange(0, _SCALE_BLOCK)).to(tl.int64)
+    tl.store(qt_ptr + ks.to(tl.int64)[None, :] * stride_tk + padded_rows[:, None] * stride_tp,
+             tok_q.to(qt_ptr.dtype.element_ty), mask=k_ok[None, :])  # int64: K x P may pass 2^31 bytes
+    tl.store(st_ptr + ks * stride_stk + chunk * stride_stc, tok_scale, mask=k_ok)
 
 
 def padded_offsets(offsets_E: torch.Tensor) -> torch.Tensor:
@@ -870,6 +962,44 @@ def quantize_token_groups(x_MK: torch.Tensor, offsets_E: torch.Tensor, stats: to
         BLOCK_K=block_k, E_POW2=triton.next_power_of_2(groups), STATS=stats is not None, GATHER=rows_M is not None,
         num_warps=4)
     return q_KP, s_KC, padded_E
+
+
+def quantize_rows_and_token_groups(
+    x_MK: torch.Tensor, offsets_E: torch.Tensor, stats: torch.Tensor | None = None,
+    valid_rows: torch.Tensor | None = None,
+) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """((q_MK, s_MG), (q_KP, s_KC, padded_E)): `quantize_rows(x_MK, stats, valid_rows)` and
+    `quantize_token_groups(x_MK, offsets_E, stats)`, the same bytes, scales and counters, from one
+    launch that reads each 128-row x 128-column tile of x once (the two quantisers each read all
+    of x: two passes over a bf16 tensor the FP8 backward quantises both ways, dy and d h13).
+    Rows past `valid_rows` (or the buffer) are left unwritten and uncounted, as `quantize_rows`
+    leaves them; `stats` gets both quantisations' counts (x's rows counted twice, as by the two
+    calls). Both results are alive at once: a caller that drops each copy after its last reader
+    holds the two together (`kernels.fp8_ffn.fp8_ffn_backward`)."""
+    rows, k = x_MK.shape
+    if valid_rows is not None and (valid_rows.dtype != torch.int32 or valid_rows.numel() < 1
+                                   or valid_rows.device != x_MK.device):
+        raise ValueError(f"valid_rows must be an int32 tensor on {x_MK.device} holding the row count; got "
+                         f"{valid_rows.dtype} {tuple(valid_rows.shape)} on {valid_rows.device}")
+    groups = offsets_E.shape[0]
+    if groups < 1:
+        raise ValueError("offsets_E must hold at least one group's cumulative row count")
+    capacity = padded_capacity(rows, groups)
+    padded_E = padded_offsets(offsets_E)
+    q_MK = torch.empty((rows, k), dtype=FP8, device=x_MK.device)
+    s_MG = torch.empty((rows, triton.cdiv(k, SCALE_BLOCK)), dtype=torch.float32, device=x_MK.device)
+    q_KP = torch.empty((k, capacity), dtype=FP8, device=x_MK.device)
+    s_KC = torch.empty((k, capacity // SCALE_BLOCK), dtype=torch.float32, device=x_MK.device)
+    if k == 0:
+        return (q_MK, s_MG), (q_KP, s_KC, padded_E)
+    _quantize_rows_and_token_groups_kernel[(capacity // SCALE_BLOCK, triton.cdiv(k, SCALE_BLOCK))](
+        x_MK, q_MK, s_MG, q_KP, s_KC, offsets_E, padded_E, _stats_ptr(stats, s_KC),
+        valid_rows if valid_rows is not None else padded_E, rows, groups, k,
+        x_MK.stride(0), x_MK.stride(1), q_MK.stride(0), q_MK.stride(1), s_MG.stride(0), s_MG.stride(1),
+        q_KP.stride(0), q_KP.stride(1), s_KC.stride(0), s_KC.stride(1),
+        E_POW2=triton.next_power_of_2(groups), STATS=stats is not None, VALID=valid_rows is not None,
+        num_warps=_ROWS_AND_TOKEN_GROUPS_WARPS)
+    return (q_MK, s_MG), (q_KP, s_KC, padded_E)
 
 
 @triton.jit

@@ -7,12 +7,14 @@ Legend: N rows (token-expert pairs grouped by expert), E experts, H hidden size,
 
 Forward: x rows quantised 1 x 128 (or given so by `permute.permute_forward_fp8`); gate/up GEMM
 whose epilogue applies SwiGLU and quantises its output for the down GEMM; down GEMM, bf16 out.
-Backward: dy quantised 1 x 128; the down GEMM's data gradient against w2^T with the SwiGLU
-derivative in its epilogue (also recomputing silu(gate) * up); dh13 quantised 1 x 128 for the
-gate/up data gradient against w13^T; x, dh13, act and dy quantised 128 x 1 along tokens for the
-two weight gradients (fp32, or added into fp32 main gradients).
+Backward: dy quantised 1 x 128 and 128 x 1 along tokens in one pass
+(`fp8.quantize_rows_and_token_groups`); the down GEMM's data gradient against w2^T with the
+SwiGLU derivative in its epilogue (also recomputing silu(gate) * up); dh13 quantised both ways
+in one pass, its rows for the gate/up data gradient against w13^T; act and x quantised 128 x 1
+along tokens; the two weight gradients (fp32, or added into fp32 main gradients). Launch order
+and the e4m3 copies alive at each launch: `fp8_ffn_backward`.
 Passes still separate from the kernel that produces their input (each reads a bf16 tensor once
-more): dy's two quantisations, dh13's two, act's and x's token-group copies.
+more): dy's and dh13's quantisation (one pass each), act's and x's token-group copies.
 `stats` (`fp8_stats.Fp8Stats`, optional everywhere): every quantisation adds its counters, by kind
 (x and act: activations; dy and dh13: gradients; the weight copies: weights).
 
@@ -160,40 +162,55 @@ def fp8_ffn_backward(
     untouched this step: `kernels.first_touch`) and None is returned for it.
     `x_NH` may be a `RowSource` (`expert_input`, module docstring): its rows are read from the
     tokens by the w13 gradient's quantiser, as they lie (the tokens' dtype).
-    Launch order, with the e4m3 copies each reads, each dropped after that GEMM (its last reader):
-    d h13 from dy's 1 x 128 copy (H values a row); dx from d h13's (2F); the w13 gradient from x's
-    and d h13's token-group copies (H + 2F, the peak); the w2 gradient from act's and dy's (F + H).
-    So at most H + 2F e4m3 values a row (with their scales) are alive at once
-    (`roofline.memory.expert_row_grad_bytes`)."""
+    dy and d h13 are each quantised both ways (1 x 128 rows for a data gradient, 128 x 1 token
+    groups for a weight gradient) by one pass (`fp8.quantize_rows_and_token_groups`: each read
+    once, not twice), so both copies of each are alive from that pass on. Launch order, with the
+    e4m3 copies alive at each GEMM (H, F: values a row), each dropped right after its last reader:
+      d h13 GEMM   reads dy's rows                alive: dy's rows and token groups   2H
+      w2 gradient  reads act's and dy's tokens    alive: those                        H + F
+      dx GEMM      reads d h13's rows             alive: d h13's rows and tokens      4F
+      w13 gradient reads x's and d h13's tokens   alive: those                        H + 2F
+    so at most 2 max(H, 2F) e4m3 values a row with their scales (H + 2F when each copy had a pass
+    of its own). The w2 gradient runs first, before d h13 is quantised: dy's token-group copy is
+    dropped before d h13's two copies are made, and act (bf16, read by its quantiser alone) is
+    dropped with it (`roofline.memory.expert_row_grad_bytes`). dx is no later for the rank
+    either: every result leaves this function together (the FP8 experts hold no weight gradient
+    back, `kernels.deferral`)."""
     rows, ffn = h13_N2F.shape[0], weights.w2[0].shape[1]
     experts = weights.w13[0].shape[0]
     acts, grads_row = _row(stats, ACTIVATIONS), _row(stats, GRADIENTS)
     served = offsets_E[-1:]  # rows past it are padding: dh13's are never written (garbage, maybe NaN)
     # each e4m3 copy is dropped right after its last reader (`roofline.memory.expert_row_grad_bytes`)
-    q_dy, s_dy = fp8.quantize_rows(dy_NH, grads_row, served)
+    (q_dy, s_dy), (qt_dy, st_dy, padded_E) = fp8.quantize_rows_and_token_groups(dy_NH, offsets_E, grads_row, served)
     act_NF = h13_N2F.new_empty((rows, ffn))
     dh13_N2F = fp8.fp8_swiglu_grad_gemm(q_dy, s_dy, offsets_E, *weights.w2_t, h13_N2F, tiles.swiglu,
                                         act_MF=act_NF, out_dtype=dy_NH.dtype, num_programs=num_programs)
     del q_dy, s_dy
-    q_dh, s_dh = fp8.quantize_rows(dh13_N2F, grads_row, served)
+    qt_act, st_act, _ = fp8.quantize_token_groups(act_NF, offsets_E, acts)
+    del act_NF
+    # each weight-gradient launch writes every element (zeros for an expert without rows): the step's
+    # first one into a main gradient stores instead of adding (`kernels.first_touch`)
+    dw2 = fp8.fp8_weight_grad((qt_act, st_act), (qt_dy, st_dy), padded_E, tiles.wgrad, weights=experts,
+                              out=main_grads[1], accumulate=_accumulates(main_grads[1]), num_programs=num_programs)
+    del qt_act, st_act, qt_dy, st_dy  # before d h13's two copies are made
+    (q_dh, s_dh), (qt_dh, st_dh, _) = fp8.quantize_rows_and_token_groups(dh13_N2F, offsets_E, grads_row, served)
     dx_NH = fp8.fp8_rows_gemm(q_dh, s_dh, offsets_E, *weights.w13_t, tiles.rows, out_dtype=dy_NH.dtype,
                               num_programs=num_programs)
     del q_dh, s_dh
-    grads = []
-    for a_NK, b_NC, main in ((x_NH, dh13_N2F, main_grads[0]), (act_NF, dy_NH, main_grads[1])):
-        if isinstance(a_NK, RowSource):  # the grouped rows read from their tokens, in the quantiser
-            qa, sa, padded_E = fp8.quantize_token_groups(a_NK.x_TH, offsets_E, acts, rows_M=a_NK.token_N)
-        else:
-            qa, sa, padded_E = fp8.quantize_token_groups(a_NK, offsets_E, acts)
-        qb, sb, _ = fp8.quantize_token_groups(b_NC, offsets_E, grads_row)
-        # the launch writes every element (zeros for an expert without rows): the step's first one
-        # into a main gradient stores instead of adding (`kernels.first_touch`)
-        grad = fp8.fp8_weight_grad((qa, sa), (qb, sb), padded_E, tiles.wgrad, weights=experts, out=main,
-                                   accumulate=main is not None and not take_first_touch(main),
-                                   num_programs=num_programs)
-        del qa, sa, qb, sb  # before the next gradient's operands are quantised
-        grads.append(None if main is not None else grad)
-    return dx_NH, grads[0], grads[1]
+    if isinstance(x_NH, RowSource):  # the grouped rows read from their tokens, in the quantiser
+        qt_x, st_x, _ = fp8.quantize_token_groups(x_NH.x_TH, offsets_E, acts, rows_M=x_NH.token_N)
+    else:
+        qt_x, st_x, _ = fp8.quantize_token_groups(x_NH, offsets_E, acts)
+    dw13 = fp8.fp8_weight_grad((qt_x, st_x), (qt_dh, st_dh), padded_E, tiles.wgrad, weights=experts,
+                               out=main_grads[0], accumulate=_accumulates(main_grads[0]), num_programs=num_programs)
+    del qt_x, st_x, qt_dh, st_dh
+    return dx_NH, None if main_grads[0] is not None else dw13, None if main_grads[1] is not None else dw2
+
+
+def _accumulates(main: torch.Tensor | None) -> bool:
+    """Whether a weight-gradient launch into `main` (None: a fresh gradient) adds rather than stores:
+    it stores into a fresh one and into a main gradient untouched this step (`kernels.first_touch`)."""
+    return main is not None and not take_first_touch(main)
 
 
 class Fp8ExpertFFNFunction(torch.autograd.Function):

@@ -199,16 +199,20 @@ def expert_row_grad_bytes(m: ModelConfig, value_bytes: int, dropped: frozenset[s
     combine rows there: counted all the same). Under `fp8` (`kernels.fp8_ffn.fp8_ffn_backward`)
     the same whatever selective drops: d y, d h13 and the SwiGLU output it recomputes in every
     run, no regathered row (its quantiser reads the input rows from the tokens), and the e4m3
-    copies (`FP8_VALUE_BYTES`) alive at its peak. Each is dropped after the one GEMM that reads it:
-    d y's 1 x 128 copy (H) after the d h13 GEMM, d h13's (2F) after the dx GEMM, x's and d h13's
-    token-group copies (H + 2F) after the w13 gradient, before act's and d y's (F + H) are made for
-    the w2 gradient; so the peak is the w13 gradient's operands: H + 2F."""
+    copies (`FP8_VALUE_BYTES`) alive beside them, each dropped after the one GEMM that reads it.
+    d y and d h13 are each quantised both ways by one pass, so their two copies live together:
+    d y's (1 x 128 rows and token groups: 2H) through the d h13 GEMM, then d y's token groups and
+    act's (H + F) through the w2 gradient, after which act (bf16) is dropped too; then d h13's two
+    (4F) through the dx GEMM, x's and d h13's token groups (H + 2F) through the w13 gradient. The
+    peak is the larger of the first half (act alive) and the second (act dropped)."""
     if BLOCK in dropped:
         recomputed = expert_row_bytes(m, value_bytes, fp8=fp8) + combine_bytes(m, value_bytes) // m.top_k
         return recomputed + expert_row_grad_bytes(m, value_bytes, fp8=fp8)
     H, F = m.hidden_size, m.expert_ffn_size
     if fp8:
-        return int(value_bytes * (H + 3 * F) + FP8_VALUE_BYTES * (H + 2 * F))
+        with_act = value_bytes * (H + 3 * F) + FP8_VALUE_BYTES * max(2 * H, H + F)
+        without_act = value_bytes * (H + 2 * F) + FP8_VALUE_BYTES * max(4 * F, H + 2 * F)
+        return int(max(with_act, without_act))
     recomputed = (H if "expert_input" in dropped else 0) + (F if "expert_swiglu" in dropped else 0)
     return value_bytes * (H + 2 * F + recomputed)
 

@@ -240,7 +240,8 @@ def test_the_fp8_quantisers_and_gemm_compile(compiled):
     the transposed blocks, the weight gradient into an fp32 main gradient, the gate/up GEMM with the
     SwiGLU-and-quantise epilogue, the down data gradient with the SwiGLU-gradient epilogue, the
     quantising permute, the token-group quantiser reading rows from their tokens (`expert_input`
-    under FP8), all for sm_90."""
+    under FP8), the one-pass row and token-group quantiser (the FP8 backward's dy and d h13), all
+    for sm_90."""
     from disagmoe.kernels import fp8
     from disagmoe.kernels.tile_configs import TileConfig
 
@@ -270,11 +271,13 @@ def test_the_fp8_quantisers_and_gemm_compile(compiled):
     permute.permute_forward_fp8(torch.zeros(64, 300, dtype=torch.bfloat16), torch.zeros(64, 2, dtype=torch.int32), 4)
     fp8.quantize_token_groups(torch.zeros(rows // 2, k, dtype=torch.bfloat16), offsets,
                               rows_M=torch.zeros(rows, dtype=torch.int64))
+    fp8.quantize_rows_and_token_groups(x, offsets, valid_rows=offsets[-1:])
+    fp8.quantize_rows_and_token_groups(torch.zeros(rows, n), offsets)
     assert compiled == (["_quantize_rows_kernel", "_quantize_blocks_kernel"] + ["_fp8_rows_gemm_kernel"] * 5
                         + ["_quantize_token_groups_kernel"] * 2 + ["_fp8_weight_grad_kernel"]
                         + ["_fp8_rows_gemm_kernel"] * 3
                         + ["_block_histogram_kernel", "_permute_dest_kernel", "_permute_quantize_kernel"]
-                        + ["_quantize_token_groups_kernel"])
+                        + ["_quantize_token_groups_kernel"] + ["_quantize_rows_and_token_groups_kernel"] * 2)
 
 
 def test_the_default_fp8_tiles_do_not_spill(monkeypatch):
@@ -388,9 +391,10 @@ def test_every_expert_gemm_feeds_hopper_mma_through_the_async_pipeline(monkeypat
 
 
 def test_the_fp8_counters_compile_with_their_atomics_and_no_spills(monkeypatch):
-    """The quantisers, the SwiGLU epilogue and the FP8 permute with a stats row (STATS: five atomics
-    per tile, `fp8._record_stats`) compile for sm_90a at `Fp8Tiles`' defaults with no spill stores,
-    and their PTX holds the int64 atomics (a max and adds); without a row, no atomics."""
+    """The quantisers (the one-pass row and token-group one too), the SwiGLU epilogue and the FP8
+    permute with a stats row (STATS: five atomics per tile, `fp8._record_stats`) compile for sm_90a
+    at `Fp8Tiles`' defaults with no spill stores, and their PTX holds the int64 atomics (a max and
+    adds); without a row, no atomics."""
     from disagmoe.kernels import fp8, fp8_ffn, permute
     from disagmoe.kernels.fp8_stats import Fp8Stats
 
@@ -416,10 +420,12 @@ def test_the_fp8_counters_compile_with_their_atomics_and_no_spills(monkeypatch):
     fp8.quantize_token_groups(x, offsets, stats.row(2))
     permute.permute_forward_fp8(torch.zeros(64, 300, dtype=torch.bfloat16), torch.zeros(64, 2, dtype=torch.int32), 4,
                                 stats=stats.row(0))
+    fp8.quantize_rows_and_token_groups(x, offsets, stats.row(2), offsets[-1:])
     counted = [f for f in found if f[0] not in ("_block_histogram_kernel", "_permute_dest_kernel")]
     assert [name for name, _, _ in counted] == ["_quantize_rows_kernel", "_quantize_blocks_kernel",
                                                 "_fp8_rows_gemm_kernel", "_quantize_token_groups_kernel",
-                                                "_permute_quantize_kernel"], found
+                                                "_permute_quantize_kernel",
+                                                "_quantize_rows_and_token_groups_kernel"], found
     assert all(spill == 0 and atomics for _, spill, atomics in counted), found
     found.clear()
     fp8.quantize_rows(x)
@@ -451,6 +457,26 @@ def test_the_rowwise_quantiser_compiles_without_spills_at_its_gpu_tiles(monkeypa
             fp8_rowwise.quantize_rowwise(x, stats, block_m=block_m, block_k=block_k)
     assert [fp8_rowwise.gpu_tiles(x)[0] for x in inputs[-2:]] == [64, 16]  # (the CPU counts 4 SMs)
     assert found == [(0, True), (0, False)] * len(inputs), found
+
+
+def test_the_one_pass_row_and_token_group_quantiser_fits_its_registers(usage):
+    """`fp8.quantize_rows_and_token_groups` (one [128 rows, 128 columns] tile a program, held
+    whole: both quantisations need all of it) for sm_90a at its 16 warps: bf16 and fp32 in, with
+    a stats row and without, with valid_rows and without: within 16 warps' cap of 128 registers
+    (measured: 100-104 without counters, 128 with) and no spill stores (the counters of the two
+    quantisations reduced one after the other: alive together they spilled 612-768 bytes)."""
+    from disagmoe.kernels import fp8
+    from disagmoe.kernels.fp8_stats import Fp8Stats
+
+    rows, k = 1024, 512
+    offsets = torch.tensor([128, 300, 300, 1000], dtype=torch.int32)
+    for dtype in (torch.bfloat16, torch.float32):
+        for stats in (None, Fp8Stats("cpu").row(2)):
+            for valid in (None, offsets[-1:]):
+                usage.label = f"{dtype} stats={stats is not None} valid={valid is not None}"
+                fp8.quantize_rows_and_token_groups(torch.zeros(rows, k, dtype=dtype), offsets, stats, valid)
+    assert fp8._ROWS_AND_TOKEN_GROUPS_WARPS == 16 and len(usage.found) == 8, usage.found
+    assert all(registers <= 128 and spill == 0 for _, registers, spill in usage.found), usage.found
 
 
 def dot_waits(ttgir: str) -> list[str]:

@@ -347,6 +347,104 @@ def test_token_groups_are_padded_to_the_scale_block(fp8k):
     assert ((deq[:, rows] - xf).abs() <= step * (1 + 1e-6)).all()
 
 
+# (rows per expert, K, dtype, rows past the last expert): empty experts, experts over 128 rows
+# (two and three token chunks), K not a multiple of 128 and under 128, bf16 and fp32, spare rows
+# (read as rows by `quantize_rows` without valid_rows, in no token group) past one chunk.
+ROWS_AND_TOKEN_GROUPS_CASES = [
+    ([130, 0, 5, 140, 1], 200, torch.float32, 7),
+    ([0, 0, 50, 0], 128, torch.bfloat16, 0),
+    ([17, 260, 0, 33, 2], 72, torch.bfloat16, 130),
+    ([0, 129], 40, torch.float32, 0),
+]
+UNWRITTEN = 0x7F  # an e4m3 NaN (no quantiser writes one: they saturate), fp32 3.4e38 as 0x7F7F7F7F
+
+
+def _unwritten_is_marked(monkeypatch):
+    """torch.empty, as the quantisers allocate, filled with UNWRITTEN bytes: what two launches
+    leave unwritten compares equal only where both leave it so, and can be seen."""
+    empty = torch.empty
+
+    def marked(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        t.view(torch.uint8).fill_(UNWRITTEN)
+        return t
+
+    monkeypatch.setattr(torch, "empty", marked)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """t's bit patterns (NaN-safe equality): fp8 as uint8, fp32 as int32."""
+    return t.view(torch.uint8) if t.dtype == FP8 else t.view(torch.int32) if t.dtype == torch.float32 else t
+
+
+def _assert_the_two_quantisers(fp8k, x, offsets, stats_kind, valid_rows=None):
+    """`quantize_rows_and_token_groups` against `quantize_rows` then `quantize_token_groups` of the
+    same x into the same stats kind: every byte of both copies (unwritten rows included) and of
+    their scales, padded_E, and the counters equal (None: no counters on either side)."""
+    from disagmoe.kernels.fp8_stats import Fp8Stats
+
+    two, one = (None, None) if stats_kind is None else (Fp8Stats("cpu"), Fp8Stats("cpu"))
+    row = lambda stats: None if stats is None else stats.row(stats_kind)  # noqa: E731
+    want = (fp8k.quantize_rows(x, row(two), valid_rows), fp8k.quantize_token_groups(x, offsets, row(two)))
+    got = fp8k.quantize_rows_and_token_groups(x, offsets, row(one), valid_rows)
+    for got_part, want_part in zip(got, want, strict=True):
+        for g, w in zip(got_part, want_part, strict=True):
+            assert g.shape == w.shape and g.dtype == w.dtype and torch.equal(_bits(g), _bits(w))
+    if two is not None:
+        assert torch.equal(one.buffer, two.buffer), (one.buffer, two.buffer)
+    return got, one
+
+
+@pytest.mark.parametrize("counted", [False, True], ids=["plain", "counted"])
+@pytest.mark.parametrize("counts,k,dtype,spare", ROWS_AND_TOKEN_GROUPS_CASES)
+def test_one_pass_quantises_rows_and_token_groups_as_the_two_quantisers(fp8k, monkeypatch, counts, k, dtype, spare,
+                                                                          counted):
+    """Both quantisations of x from one launch: the bytes, scales, padded offsets and counters of
+    `quantize_rows` and `quantize_token_groups`, rows past the last expert quantised as rows (the
+    chunks past the last group hold them) and in no token group. x is a column slice of a wider
+    tensor (rows strided), magnitudes 2^(4 N(0,1)) per row, an all-zero row."""
+    _unwritten_is_marked(monkeypatch)
+    gen = torch.Generator().manual_seed(k + spare)
+    rows = sum(counts) + spare
+    wide = torch.randn(rows, k + 56, generator=gen) * torch.exp2(4 * torch.randn(rows, 1, generator=gen))
+    wide[rows // 3] = 0.0
+    x = wide.to(dtype)[:, :k]
+    ((q_MK, _), _), _ = _assert_the_two_quantisers(fp8k, x, _offsets(counts), 1 if counted else None)
+    assert (q_MK.view(torch.uint8) != UNWRITTEN).all()  # every row written (no valid_rows)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning", "ignore:overflow:RuntimeWarning")
+@pytest.mark.parametrize("valid", [275, 100, 0])
+def test_one_pass_leaves_a_worst_case_buffers_padding_rows_as_quantize_rows_does(fp8k, monkeypatch, valid):
+    """A worst-case buffer whose rows past offsets_E[-1] hold NaN and inf, with valid_rows =
+    offsets_E[-1:] as the FP8 backward passes it (275), or fewer (rows of the groups past it are
+    quantised along tokens, not as rows): both quantisers' bytes, scales and counters; the row
+    copy's rows past valid_rows never written; no non-finite value counted."""
+    from disagmoe.kernels.fp8_stats import GRADIENTS, NONFINITE, TOTAL
+
+    _unwritten_is_marked(monkeypatch)
+    counts, k, pad = [130, 0, 5, 140], 136, 20
+    offsets = _offsets(counts)
+    gen = torch.Generator().manual_seed(valid)
+    x = torch.randn(sum(counts) + pad, k, generator=gen).bfloat16()
+    x[sum(counts):] = float("nan")
+    x[sum(counts)::3] = float("inf")
+    valid_rows = offsets[-1:] if valid == 275 else torch.tensor([valid], dtype=torch.int32)
+    ((q_MK, s_MG), _), stats = _assert_the_two_quantisers(fp8k, x, offsets, GRADIENTS, valid_rows)
+    assert (q_MK[valid:].view(torch.uint8) == UNWRITTEN).all() and (s_MG[valid:].view(torch.uint8) == UNWRITTEN).all()
+    assert (q_MK[:valid].view(torch.uint8) != UNWRITTEN).all()  # e4m3 NaN: never a quantiser's output
+    assert stats.buffer[GRADIENTS, NONFINITE] == 0
+    assert stats.buffer[GRADIENTS, TOTAL] == (valid + sum(counts)) * k
+
+
+def test_one_pass_refusals_name_the_fix(fp8k):
+    x = torch.randn(8, 128)
+    with pytest.raises(ValueError, match="valid_rows must be an int32"):
+        fp8k.quantize_rows_and_token_groups(x, _offsets([8]), valid_rows=torch.tensor([8]))
+    with pytest.raises(ValueError, match="at least one group"):
+        fp8k.quantize_rows_and_token_groups(x, torch.zeros(0, dtype=torch.int32))
+
+
 WGRAD_TILES = TileConfig(block_m=128, block_n=16, block_k=16, group_m=2, num_warps=4, num_stages=1)
 
 
@@ -613,6 +711,41 @@ def test_gpu_backward_gemms(counts, k, n):
         if end > start:  # per expert: an expert of 3 rows has rows of dW that are sums of 3 products
             exact = x[start:end].double().t() @ dy[start:end].double()
             assert _rel_err(main[e], exact) < FP8_ROW_REL_ERR
+
+
+@pytest.mark.gpu
+@needs_fp8_gpu
+@pytest.mark.parametrize("counted", [False, True], ids=["plain", "counted"])
+@pytest.mark.parametrize("counts,k", [([1900, 0, 37, 2100, 129, 5, 1500, 2521], 4096),  # Mixtral's dy: 8192 rows
+                                      ([700, 0, 1300, 128, 1, 3, 2000, 1], 2 * 1408 + 72)])
+def test_gpu_one_pass_quantises_rows_and_token_groups_as_the_two_quantisers(counts, k, counted):
+    """Compiled (the hardware's rounding, 16 warps a [128, 128] tile): `quantize_rows_and_token_groups`
+    of bf16 rows in a worst-case buffer (padding rows NaN and inf, valid_rows = offsets_E[-1:]) at
+    a realistic size, against `quantize_rows` and `quantize_token_groups`: the same bytes, scales,
+    padded offsets and counters; and the token-group copy is the reference's."""
+    from disagmoe.kernels import fp8
+    from disagmoe.kernels.fp8_stats import GRADIENTS, Fp8Stats
+
+    gen = torch.Generator().manual_seed(k)
+    rows, pad = sum(counts), 300
+    x = torch.randn(rows + pad, k, generator=gen) * torch.exp2(4 * torch.randn(rows + pad, 1, generator=gen))
+    x[rows:] = float("nan")
+    x[rows::3] = float("inf")
+    x = x.cuda().bfloat16()
+    offsets = _offsets(counts).cuda()
+    two, one = (Fp8Stats("cuda"), Fp8Stats("cuda")) if counted else (None, None)
+    row = lambda stats: None if stats is None else stats.row(GRADIENTS)  # noqa: E731
+    (q_MK, s_MG), (q_KP, s_KC, padded_E) = fp8.quantize_rows_and_token_groups(x, offsets, row(one), offsets[-1:])
+    q_want, s_want = fp8.quantize_rows(x, row(two), offsets[-1:])
+    groups_want = fp8.quantize_token_groups(x, offsets, row(two))
+    assert torch.equal(q_MK[:rows].view(torch.uint8), q_want[:rows].view(torch.uint8))
+    assert torch.equal(s_MG[:rows], s_want[:rows])
+    for got, want in zip((q_KP, s_KC, padded_E), groups_want, strict=True):
+        assert torch.equal(_bits(got), _bits(want))
+    if counted:
+        assert torch.equal(one.buffer, two.buffer)
+    q_ref, s_ref, _ = fp8.quantize_token_groups_reference(x[:rows], offsets)
+    assert torch.equal(s_KC, s_ref) and torch.equal(q_KP.view(torch.uint8), q_ref.view(torch.uint8))
 
 
 @pytest.mark.gpu

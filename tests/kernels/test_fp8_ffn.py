@@ -108,6 +108,42 @@ def test_a_worst_case_buffers_padding_rows_reach_neither_the_results_nor_the_cou
     assert results[1][4][:, NONFINITE].eq(0).all()
 
 
+@pytest.mark.slow  # two FP8 backwards in the interpreter: ~4 s alone, more on 2 busy cores
+def test_the_one_pass_backward_is_the_two_pass_backwards_bits_and_counters(ffn8, monkeypatch):
+    """dy and d h13 quantised both ways by one pass each (`fp8.quantize_rows_and_token_groups`),
+    against the same backward with each quantised by `quantize_rows` and `quantize_token_groups`:
+    dx, both weight gradients (one into a main gradient) and every counter bit for bit, on a
+    worst-case buffer (padding rows of x and dy NaN and inf, h13's NaN) with an expert over 128
+    rows and an empty one."""
+    from disagmoe.kernels.fp8_stats import NONFINITE, Fp8Stats
+
+    fp8 = ffn8.fp8
+    counts, hidden, ffn, pad = [4, 0, 130, 1], 32, 40, 9
+    x, offsets, w13, w2, dy = _inputs(counts, hidden, ffn, seed=7)
+    garbage = torch.full((pad, hidden), float("nan"))
+    garbage[::2] = float("inf")
+    x, dy = torch.cat([x, garbage]), torch.cat([dy, garbage])
+    tiles, weights = ffn8.Fp8Tiles(**SMALL), ffn8.Fp8ExpertWeights.quantize(w13, w2)
+    _, h13 = ffn8.fp8_ffn_forward(x, offsets, weights, tiles, save_for_backward=True, num_programs=3)
+    h13[sum(counts):] = float("nan")
+    one_pass = fp8.quantize_rows_and_token_groups
+
+    def two_passes(x_MK, offsets_E, stats=None, valid_rows=None):
+        return fp8.quantize_rows(x_MK, stats, valid_rows), fp8.quantize_token_groups(x_MK, offsets_E, stats)
+
+    results = []
+    for quantise in (one_pass, two_passes):
+        monkeypatch.setattr(fp8, "quantize_rows_and_token_groups", quantise)
+        stats, main = Fp8Stats("cpu"), torch.ones(w2.shape)
+        dx, dw13, none = ffn8.fp8_ffn_backward(dy, x, offsets, weights, h13, tiles, main_grads=(None, main),
+                                               num_programs=3, stats=stats)
+        assert none is None
+        results.append((dx[:sum(counts)], dw13, main, stats.buffer))
+    for got, want in zip(*results, strict=True):
+        assert torch.equal(got, want)
+    assert results[0][3][:, NONFINITE].eq(0).all()
+
+
 @pytest.mark.slow  # more than a few seconds on 2 cores (`pytest -m 'not slow'` skips it)
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("counts,hidden,ffn", [([5, 0, 37, 1], 96, 72), ([0, 130, 3], 64, 128)])
@@ -215,11 +251,12 @@ def test_gpu_fp8_ffn_forward_backward(counts, hidden, ffn):
 
 def test_the_backward_drops_each_e4m3_copy_after_its_last_reader(ffn8, monkeypatch):
     """The backward's quantised copies die as soon as their last GEMM has read them (what
-    `roofline.memory.expert_row_grad_bytes` counts under fp8: H + 2F e4m3 values per row at its
-    peak, the w13 gradient's operands): d y's 1 x 128 copy before d h13 is quantised, d h13's
-    before its token groups are, and the w13 gradient's two token-group copies before the w2
-    gradient's operands are made; so when the last GEMM (the w2 gradient) runs only its own two
-    copies are alive. Observed by weak references taken as each copy is made."""
+    `roofline.memory.expert_row_grad_bytes` counts under fp8): d y and d h13 are each quantised
+    both ways by one pass (`fp8.quantize_rows_and_token_groups`), so their two copies are born
+    together; d y's rows die after the d h13 GEMM, d y's token groups with act's after the w2
+    gradient, before d h13 is quantised; d h13's rows after dx, its token groups with x's after
+    the w13 gradient. No other row quantiser runs. At most 2 max(H, 2F) e4m3 values per row are
+    alive at a launch. Observed by weak references taken as each copy is made."""
     import weakref
 
     fp8 = ffn8.fp8
@@ -232,11 +269,12 @@ def test_the_backward_drops_each_e4m3_copy_after_its_last_reader(ffn8, monkeypat
     def alive():
         return [name for name, refs in copies if any(ref() is not None for ref in refs)]
 
-    def recording(function, names):
+    def recording(function, names, parts):
         def wrapper(*args, **kwargs):
             seen.append((function.__name__, alive()))
             out = function(*args, **kwargs)
-            copies.append((names.pop(0), [weakref.ref(t) for t in out[:2]]))
+            for part in parts(out):
+                copies.append((names.pop(0), [weakref.ref(t) for t in part]))
             return out
         return wrapper
 
@@ -246,23 +284,27 @@ def test_the_backward_drops_each_e4m3_copy_after_its_last_reader(ffn8, monkeypat
             return function(*args, **kwargs)
         return wrapper
 
-    monkeypatch.setattr(fp8, "quantize_rows", recording(fp8.quantize_rows, ["dy rows", "dh13 rows"]))
+    monkeypatch.setattr(fp8, "quantize_rows_and_token_groups", recording(
+        fp8.quantize_rows_and_token_groups, ["dy rows", "dy tokens", "dh13 rows", "dh13 tokens"],
+        lambda out: (out[0], out[1][:2])))
     monkeypatch.setattr(fp8, "quantize_token_groups", recording(
-        fp8.quantize_token_groups, ["x tokens", "dh13 tokens", "act tokens", "dy tokens"]))
-    for name in ("fp8_swiglu_grad_gemm", "fp8_rows_gemm", "fp8_weight_grad"):
+        fp8.quantize_token_groups, ["act tokens", "x tokens"], lambda out: (out[:2],)))
+    for name in ("quantize_rows", "fp8_swiglu_grad_gemm", "fp8_rows_gemm", "fp8_weight_grad"):
         monkeypatch.setattr(fp8, name, launching(getattr(fp8, name)))
     dx, dw13, dw2 = ffn8.fp8_ffn_backward(dy, x, offsets, weights, h13, tiles, num_programs=3)
     assert seen == [
-        ("quantize_rows", []),
-        ("fp8_swiglu_grad_gemm", ["dy rows"]),
-        ("quantize_rows", []),
-        ("fp8_rows_gemm", ["dh13 rows"]),
-        ("quantize_token_groups", []),
-        ("quantize_token_groups", ["x tokens"]),
-        ("fp8_weight_grad", ["x tokens", "dh13 tokens"]),
-        ("quantize_token_groups", []),
-        ("quantize_token_groups", ["act tokens"]),
-        ("fp8_weight_grad", ["act tokens", "dy tokens"]),
+        ("quantize_rows_and_token_groups", []),
+        ("fp8_swiglu_grad_gemm", ["dy rows", "dy tokens"]),
+        ("quantize_token_groups", ["dy tokens"]),
+        ("fp8_weight_grad", ["dy tokens", "act tokens"]),
+        ("quantize_rows_and_token_groups", []),
+        ("fp8_rows_gemm", ["dh13 rows", "dh13 tokens"]),
+        ("quantize_token_groups", ["dh13 tokens"]),
+        ("fp8_weight_grad", ["dh13 tokens", "x tokens"]),
     ], seen
     assert alive() == []  # nothing quantised outlives the backward either
     assert dx.shape == x.shape and dw13.shape == w13.shape and dw2.shape == w2.shape
+    values = {"dy rows": hidden, "dy tokens": hidden, "act tokens": ffn, "x tokens": hidden,
+              "dh13 rows": 2 * ffn, "dh13 tokens": 2 * ffn}
+    peak = max(sum(values[name] for name in names) for _, names in seen)
+    assert peak == 2 * max(hidden, 2 * ffn)

@@ -149,6 +149,28 @@ def test_token_group_counters_count_rows_not_padding(fp8k, counts, k):
     assert _read(stats, GRADIENTS)[TOTAL] == rows * k
 
 
+@pytest.mark.parametrize("counts,k", [([5, 0, 37, 1], 72), ([0, 0, 130, 0], 200)])
+def test_the_one_pass_quantiser_counts_both_quantisations(fp8k, counts, k):
+    """`quantize_rows_and_token_groups` adds into its row what `quantize_rows` and
+    `quantize_token_groups` add into theirs (so a step records what it did with two passes): x's
+    elements twice, as rows and as token groups (the padding never), the planted inf and NaN
+    twice, each quantisation's underflowing values; and with no row it gives the same bits."""
+    rows = sum(counts)
+    x = _planted(rows, k, seed=k + 1)
+    offsets = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32)
+    one, two = Fp8Stats("cpu"), Fp8Stats("cpu")
+    counted = fp8k.quantize_rows_and_token_groups(x, offsets, one.row(GRADIENTS))
+    fp8k.quantize_rows(x, two.row(GRADIENTS))
+    fp8k.quantize_token_groups(x, offsets, two.row(GRADIENTS))
+    assert one.buffer.tolist() == two.buffer.tolist()
+    got = _read(one, GRADIENTS)
+    assert got[TOTAL] == 2 * rows * k and got[NONFINITE] == 4 and got[UNDERFLOW] > 0
+    plain = fp8k.quantize_rows_and_token_groups(x, offsets)
+    for got_part, plain_part in zip(counted, plain, strict=True):
+        for g, p in zip(got_part, plain_part, strict=True):
+            assert torch.equal(g.view(torch.uint8), p.view(torch.uint8))
+
+
 def test_permute_counters_are_the_row_quantisers(interpreted):
     _, fp8, permute = interpreted("disagmoe.kernels.grouped_gemm", "disagmoe.kernels.fp8", "disagmoe.kernels.permute")
     gen = torch.Generator().manual_seed(7)
