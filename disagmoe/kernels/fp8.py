@@ -851,7 +851,8 @@ def _quantize_token_groups_kernel(x_ptr, q_ptr, s_ptr, offsets_ptr, padded_ptr, 
     if STATS:
         _record_stats(stats_ptr, x, scaled, q, row_ok[:, None] & k_ok[None, :])
     padded_rows = (chunk * _SCALE_BLOCK + tl.arange(0, _SCALE_BLOCK)).to(tl.int64)
-    tl.store(q_ptr + ks[None, :] * stride_qk + padded_rows[:, None] * stride_qp,
+    # 64-bit column offsets: K x P bytes passes 2^31 at large batches (28,672 x 80k rows, say)
+    tl.store(q_ptr + ks.to(tl.int64)[None, :] * stride_qk + padded_rows[:, None] * stride_qp,
              q.to(q_ptr.dtype.element_ty), mask=k_ok[None, :])
     tl.store(s_ptr + ks * stride_sk + chunk * stride_sc, scale, mask=k_ok)
 
