@@ -95,6 +95,39 @@ def _quantize_rowwise_kernel(x_ptr, q_ptr, s_ptr, stats_ptr, M, K, stride_xm, st
             _quantize_chunk(x, ks, ok, scale, q_ptr, rows64, stats_ptr, stride_qm, STATS)
 
 
+@triton.jit
+def _split_amax_kernel(x_ptr, amax_ptr, nan_ptr, M, K, stride_xm, stride_xk,
+                       BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    # Program (row block, K block): the tile's per-row amax and NaN flag, merged into amax_ptr[M]
+    # (the non-negative fp32 amax as int32 bits, whose integer order is the float order) and
+    # nan_ptr[M] by atomic max: any number of programs per row, so a transposed x's few long rows
+    # still spread over the whole GPU.
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    x, _, _ = _load_chunk(x_ptr, rows.to(tl.int64), row_ok, tl.program_id(1) * BLOCK_K, K, stride_xm, stride_xk,
+                          BLOCK_K)
+    amax, has_nan = _row_amax(x)
+    tl.atomic_max(amax_ptr + rows, amax.to(tl.int32, bitcast=True), mask=row_ok)
+    tl.atomic_max(nan_ptr + rows, has_nan.to(tl.int32), mask=row_ok)
+
+
+@triton.jit
+def _split_quantize_kernel(x_ptr, q_ptr, s_ptr, amax_ptr, nan_ptr, stats_ptr, M, K, stride_xm, stride_xk,
+                           stride_qm, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, STATS: tl.constexpr):
+    # Program (row block, K block): the tile quantised with its rows' scales (from the merged amax
+    # and NaN flag, as `_quantize_rowwise_kernel` makes them); the first K block stores the scales.
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    rows64 = rows.to(tl.int64)
+    amax = tl.load(amax_ptr + rows, mask=row_ok, other=0).to(tl.float32, bitcast=True)
+    has_nan = tl.load(nan_ptr + rows, mask=row_ok, other=0) > 0
+    scale = tl.where((amax > 0.0) & ~has_nan, tl.math.div_rn(amax, _E4M3_MAX), 1.0)
+    if tl.program_id(1) == 0:
+        tl.store(s_ptr + rows64, scale, mask=row_ok)
+    x, ks, ok = _load_chunk(x_ptr, rows64, row_ok, tl.program_id(1) * BLOCK_K, K, stride_xm, stride_xk, BLOCK_K)
+    _quantize_chunk(x, ks, ok, scale, q_ptr, rows64, stats_ptr, stride_qm, STATS)
+
+
 def tiles_for(x_MK: torch.Tensor) -> tuple[int, int]:
     """(block_m, block_k) of a launch on x: `gpu_tiles`, or small ones on the CPU (the interpreter),
     so that small tests cover the chunked loop."""
@@ -118,12 +151,17 @@ def gpu_tiles(x_MK: torch.Tensor) -> tuple[int, int]:
 
 def quantize_rowwise(x_MK: torch.Tensor, stats_row: torch.Tensor | None = None,
                      out: tuple[torch.Tensor, torch.Tensor] | None = None, *, block_m: int | None = None,
-                     block_k: int | None = None, num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+                     block_k: int | None = None, num_warps: int = 4, split_k: bool = False,
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """(q_MK e4m3, scale_M1 fp32) of `fp8_dense.quantize_rowwise_reference`, bit for bit (NaNs as
     0x7F). x bf16 or fp32, any strides. `stats_row`: an int64 `Fp8Stats` row the launch adds its
     counters into. `out`: (q_MK, scale_M1) to write into (contiguous; the same buffers every call
     for a CUDA graph). block_m / block_k: the tile (default `tiles_for`); num_warps its warps (a
-    probe's sweep: the transposed operands' few programs may want more loads in flight)."""
+    probe's sweep: the transposed operands' few programs may want more loads in flight).
+    `split_k`: two launches over (row block, K block) tiles instead of one program per row block
+    (`_split_amax_kernel` merges each row's amax by atomics, then `_split_quantize_kernel`), the
+    same bits: for a transposed x, whose few long rows leave most of the GPU idle in one launch
+    (4,096 rows of 8,192 tokens: 256 programs). Off until measured against the one launch."""
     rows, k = x_MK.shape
     if out is None:
         out = (torch.empty((rows, k), dtype=E4M3, device=x_MK.device),
@@ -133,13 +171,35 @@ def quantize_rowwise(x_MK: torch.Tensor, stats_row: torch.Tensor | None = None,
     assert scale_M1.shape == (rows, 1) and scale_M1.dtype == torch.float32 and scale_M1.is_contiguous()
     if rows == 0 or k == 0:
         return q_MK, scale_M1
+    q_bits = q_MK.view(torch.uint8)
+    if split_k:
+        return _quantize_split_k(x_MK, q_bits, scale_M1, stats_row, block_m, block_k, num_warps), scale_M1
     default_m, default_k = tiles_for(x_MK)
     block_m, block_k = block_m or default_m, block_k or default_k
     one_read = k <= block_k
-    q_bits = q_MK.view(torch.uint8)
     grid = (triton.cdiv(rows, block_m),)
     _quantize_rowwise_kernel[grid](
         x_MK, q_bits, scale_M1, fp8._stats_ptr(stats_row, scale_M1), rows, k, x_MK.stride(0), x_MK.stride(1),
         q_bits.stride(0), BLOCK_M=block_m, BLOCK_K=block_k, ONE_READ=one_read, STATS=stats_row is not None,
         num_warps=num_warps)
     return q_MK, scale_M1
+
+
+def _quantize_split_k(x_MK: torch.Tensor, q_bits: torch.Tensor, scale_M1: torch.Tensor,
+                      stats_row: torch.Tensor | None, block_m: int | None, block_k: int | None,
+                      num_warps: int) -> torch.Tensor:
+    """`quantize_rowwise(split_k=True)`'s two launches into q_bits (uint8 view of q) and scale_M1;
+    q as e4m3. Tiles: 64 x 64 by default (16 x 16 on the CPU), coalesced along whichever of x's
+    dimensions is contiguous (Triton lays the loads out by the strides)."""
+    rows, k = x_MK.shape
+    cpu = x_MK.device.type == "cpu"
+    block_m, block_k = block_m or (16 if cpu else 64), block_k or (16 if cpu else 64)
+    amax_M = torch.zeros(rows, dtype=torch.int32, device=x_MK.device)
+    nan_M = torch.zeros(rows, dtype=torch.int32, device=x_MK.device)
+    grid = (triton.cdiv(rows, block_m), triton.cdiv(k, block_k))
+    _split_amax_kernel[grid](x_MK, amax_M, nan_M, rows, k, x_MK.stride(0), x_MK.stride(1),
+                             BLOCK_M=block_m, BLOCK_K=block_k, num_warps=num_warps)
+    _split_quantize_kernel[grid](x_MK, q_bits, scale_M1, amax_M, nan_M, fp8._stats_ptr(stats_row, scale_M1), rows, k,
+                                 x_MK.stride(0), x_MK.stride(1), q_bits.stride(0), BLOCK_M=block_m, BLOCK_K=block_k,
+                                 STATS=stats_row is not None, num_warps=num_warps)
+    return q_bits.view(E4M3)

@@ -457,6 +457,10 @@ def test_the_rowwise_quantiser_compiles_without_spills_at_its_gpu_tiles(monkeypa
             fp8_rowwise.quantize_rowwise(x, stats, block_m=block_m, block_k=block_k)
     assert [fp8_rowwise.gpu_tiles(x)[0] for x in inputs[-2:]] == [64, 16]  # (the CPU counts 4 SMs)
     assert found == [(0, True), (0, False)] * len(inputs), found
+    found.clear()  # split over K (two launches: the amax merge has no int64 counters; the quantise has)
+    for x in inputs[-2:]:
+        fp8_rowwise.quantize_rowwise(x, row, split_k=True)
+    assert [spill for spill, _ in found] == [0] * 4 and [counted for _, counted in found] == [False, True] * 2, found
 
 
 def test_the_one_pass_row_and_token_group_quantiser_fits_its_registers(usage):

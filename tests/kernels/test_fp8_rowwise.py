@@ -58,28 +58,33 @@ def _start_row() -> torch.Tensor:
     (6, 45, True, (2, 64)),      # transposed, one read
     (1, 5, False, None),         # the default tiles
 ])
-def test_kernel_gives_the_references_bits_scales_and_counters(rowwise, dtype, m, k, transposed, blocks):
+@pytest.mark.parametrize("split_k", [False, True], ids=["one-launch", "split-k"])
+def test_kernel_gives_the_references_bits_scales_and_counters(rowwise, dtype, m, k, transposed, blocks, split_k):
+    """One launch per row block, or (split_k) two launches over (row block, K block) tiles merging
+    each row's amax by atomics: the reference's bits, scales and counters either way."""
     x = _awkward(k, m, 0, dtype).t() if transposed else _awkward(m, k, 0, dtype)
     assert x.shape == (m, k) and x.is_contiguous() != transposed
     row, want_row = _start_row(), _start_row()
     block_m, block_k = blocks or (None, None)
-    q, scale = rowwise.quantize_rowwise(x, row, block_m=block_m, block_k=block_k)
+    q, scale = rowwise.quantize_rowwise(x, row, block_m=block_m, block_k=block_k, split_k=split_k)
     want_q, want_scale = fp8_dense.quantize_rowwise_reference(x, want_row)
     _assert_same_bits(q, want_q)
     assert q.is_contiguous() and scale.shape == (m, 1) and torch.equal(scale, want_scale)
     assert torch.equal(row, want_row), (row.tolist(), want_row.tolist())
-    q_plain, scale_plain = rowwise.quantize_rowwise(x, block_m=block_m, block_k=block_k)  # no counting
+    q_plain, scale_plain = rowwise.quantize_rowwise(x, block_m=block_m, block_k=block_k,  # no counting
+                                                    split_k=split_k)
     _assert_same_bits(q_plain, want_q)
     assert torch.equal(scale_plain, want_scale)
 
 
-def test_rows_with_a_nan_or_an_inf_quantise_as_the_reference_and_are_counted(rowwise):
+@pytest.mark.parametrize("split_k", [False, True], ids=["one-launch", "split-k"])
+def test_rows_with_a_nan_or_an_inf_quantise_as_the_reference_and_are_counted(rowwise, split_k):
     x = torch.randn(4, 40, generator=torch.Generator().manual_seed(1))
     x[0, 3] = float("nan")  # scale 1: the finite values keep their own magnitude, clamped at 448
     x[0, 5] = 1e4
     x[1, 7] = float("inf")  # scale inf: finite values to +-0, the inf itself to NaN
     row = torch.zeros(FIELDS, dtype=torch.int64)
-    q, scale = rowwise.quantize_rowwise(x, row)
+    q, scale = rowwise.quantize_rowwise(x, row, split_k=split_k)
     assert scale[0].item() == 1.0 and scale[1].item() == float("inf")
     assert q[0, 5].float().item() == 448.0 and q[1, 7].float().isnan()
     want_row = torch.zeros(FIELDS, dtype=torch.int64)
@@ -112,17 +117,19 @@ def test_the_dispatch_runs_the_kernel_under_the_interpreter_and_the_reference_on
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("split_k", [False, True], ids=["one-launch", "split-k"])
 @pytest.mark.parametrize("transposed", [False, True], ids=["rows", "transposed"])
 @pytest.mark.parametrize(("m", "k"), [(4096, 2048), (257, 6000), (64, 4096)])
-def test_cuda_kernel_gives_the_references_bits_without_a_host_sync(m, k, transposed):
-    """The compiled kernel at `gpu_tiles` against the torch reference on the same GPU (both divide
-    correctly rounded), with counters, inside `no_host_syncs`."""
+def test_cuda_kernel_gives_the_references_bits_without_a_host_sync(m, k, transposed, split_k):
+    """The compiled kernel at `gpu_tiles` (or split over K) against the torch reference on the same
+    GPU (both divide correctly rounded), with counters, inside `no_host_syncs`."""
+    from disagmoe.kernels import fp8_rowwise
     from disagmoe.runtime.observe.metrics import no_host_syncs
 
     x = _awkward(k, m, 4, torch.bfloat16).cuda().t() if transposed else _awkward(m, k, 4, torch.bfloat16).cuda()
     row, want_row = _start_row().cuda(), _start_row().cuda()
     with no_host_syncs(True, x.device):
-        q, scale = fp8_dense.quantize_rowwise(x, row)  # CUDA: the kernel
+        q, scale = fp8_rowwise.quantize_rowwise(x, row, split_k=split_k)
     want_q, want_scale = fp8_dense.quantize_rowwise_reference(x, want_row)
     _assert_same_bits(q.cpu(), want_q.cpu())
     assert torch.equal(scale, want_scale) and torch.equal(row, want_row)
