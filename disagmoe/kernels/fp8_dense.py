@@ -17,7 +17,9 @@ The bf16 weight stays the parameter; its two e4m3 copies (`Fp8WeightCopies`) are
 optimizer step by `DeferrableLinear.prepare_fp8`, reused by every micro-batch, never checkpointed.
 `emulate=True` (tests only): dequantise-then-matmul in fp64 on the same quantised operands instead
 of the library GEMM. torch 2.13 also has a CPU `torch._scaled_mm` (the CPU tests run it). Every
-quantisation can add into an `Fp8Stats` row (kind "dense"; W's once per refresh).
+quantisation can add into an `Fp8Stats` row (kind "dense"; W's once per refresh). A linear's input
+read by several linears in a row (q, k and v's x; a SwiGLU's gate and up) is quantised once for
+them all, forward and weight gradient (`quantize_input`), and counted once.
 
 Shape legend: N tokens, I input features, O output features; M / K a GEMM's rows / contraction.
 """
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 
 import torch
 
@@ -161,12 +164,46 @@ class Fp8Linear(torch.autograd.Function):
         return dx, dw, None, None
 
 
+class _SharedInputs(threading.local):
+    """The last quantised input of each kind ("rows": a forward's x; "columns": a weight gradient's
+    x^T), with the tensor itself held, so the next linear that reads the same tensor takes the same
+    e4m3 copy instead of quantising it again: q, k and v read one x (forward and weight gradients),
+    as do a SwiGLU's gate and up. Same tensor = same storage address, shape, strides, dtype and
+    version counter while the held reference keeps the storage from being reused; and the same
+    stats row (an input shared this way is counted once, not once per reader). Per thread."""
+
+    def __init__(self) -> None:
+        self.last: dict[str, tuple[tuple, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]] = {}
+
+
+_shared_inputs = _SharedInputs()
+
+
+def quantize_input(x_MK: torch.Tensor, stats_row: torch.Tensor | None, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_rowwise(x_MK, stats_row)` of a linear's input, reused when the previous input of
+    this `kind` was the same tensor (`_SharedInputs`): one quantisation per input, not per reader."""
+    key = (x_MK.data_ptr(), tuple(x_MK.shape), x_MK.stride(), x_MK.dtype, x_MK.device, x_MK._version,
+           None if stats_row is None else id(stats_row))
+    last = _shared_inputs.last.get(kind)
+    if last is not None and last[0] == key:
+        return last[2]
+    result = quantize_rowwise(x_MK, stats_row)
+    _shared_inputs.last[kind] = (key, x_MK, result)
+    return result
+
+
+def forget_shared_inputs() -> None:
+    """Drop the held inputs and their copies (`_SharedInputs`): at the end of a step, or in tests."""
+    _shared_inputs.last.clear()
+
+
 def fprop(x: torch.Tensor, w_OI: torch.Tensor, stats_row: torch.Tensor | None = None,
           emulate: bool = False, copies: Fp8WeightCopies | None = None) -> torch.Tensor:
-    """y = x W^T, x [..., I]: x scaled per token, W per output feature (both over I; `copies.rows`
-    where given, else quantised here)."""
+    """y = x W^T, x [..., I]: x scaled per token (its copy shared with the next linear reading the
+    same x, `quantize_input`), W per output feature (both over I; `copies.rows` where given, else
+    quantised here)."""
     x_NI = x.reshape(-1, x.shape[-1])
-    qx_NI, sx_N1 = quantize_rowwise(x_NI, stats_row)
+    qx_NI, sx_N1 = quantize_input(x_NI, stats_row, "rows")
     qw_OI, sw_O1 = copies.rows if copies is not None else quantize_rowwise(w_OI, stats_row)
     y_NO = scaled_mm(qx_NI, sx_N1, qw_OI.t(), sw_O1.t(), x.dtype, emulate)
     return y_NO.view(*x.shape[:-1], w_OI.shape[0])
@@ -189,7 +226,7 @@ def wgrad(dy_NO: torch.Tensor, x_NI: torch.Tensor, stats_row: torch.Tensor | Non
         raise ValueError(f"the FP8 weight gradient contracts {dy_NO.shape[0]} tokens: torch._scaled_mm needs a "
                          f"multiple of {ALIGN} (tokens per micro-batch); set fp8_dense: false")
     qdy_ON, sdy_O1 = quantize_rowwise(dy_NO.t(), stats_row)
-    qx_IN, sx_I1 = quantize_rowwise(x_NI.t(), stats_row)
+    qx_IN, sx_I1 = quantize_input(x_NI.t(), stats_row, "columns")
     return scaled_mm(qdy_ON, sdy_O1, qx_IN.t(), sx_I1.t(), dy_NO.dtype, emulate)
 
 

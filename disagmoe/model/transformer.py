@@ -139,7 +139,11 @@ class MoETransformer(nn.Module):
     def prepare_fp8(self) -> None:
         """Refresh the FP8 weight copies of every FP8 expert module and FP8 dense projection from its
         weights, in place (a no-op without FP8): once per optimizer step, before its first forward,
-        and before an evaluation."""
+        and before an evaluation. The dense projections' shared input copies of the last step are
+        dropped (`fp8_dense.forget_shared_inputs`: no activation held across steps)."""
+        from disagmoe.kernels.fp8_dense import forget_shared_inputs
+
+        forget_shared_inputs()
         for module in self.modules():
             if isinstance(module, (RoutedExperts, DeferrableLinear)):
                 module.prepare_fp8()

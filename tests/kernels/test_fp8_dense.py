@@ -163,3 +163,55 @@ def test_weight_copies_hold_the_per_call_quantisations_and_refresh_in_place():
     copies.refresh(w_OI)
     assert copies.fits(w_OI) and [t.data_ptr() for t in (*copies.rows, *copies.cols)] == buffers
     assert torch.equal(copies.rows[1], fp8_dense.quantize_rowwise(w_OI)[1])
+
+
+def test_linears_reading_one_input_quantise_it_once_forward_and_weight_gradient(monkeypatch):
+    """q, k and v as three FP8 DeferrableLinears on one x (the library GEMM, CPU): x is quantised
+    once in the forward and its transpose once for the three weight gradients, each counted once;
+    outputs and gradients equal those of quantising per linear; writing x in place (its version)
+    or a different stats row makes a fresh quantisation."""
+    from disagmoe.model.layers import DeferrableLinear
+
+    torch.manual_seed(0)
+    linears = [DeferrableLinear(I, o) for o in (O, 32, 32)]
+    for lin in linears:
+        lin.set_fp8(True)
+    x_NI, _, _ = _inputs(8)
+    real = fp8_dense.quantize_rowwise
+    reads: list[int] = []
+
+    def counted(x, stats_row=None, out=None):
+        reads.append(x.data_ptr())
+        return real(x, stats_row, out)
+
+    def run(share: bool):
+        fp8_dense.forget_shared_inputs()
+        x = x_NI.clone().requires_grad_()
+        reads.clear()
+        outs = []
+        for lin in linears:
+            if not share:
+                fp8_dense.forget_shared_inputs()
+            outs.append(lin(x))
+        forward_reads = reads.count(x.data_ptr())
+        torch.autograd.backward(outs, [torch.ones_like(y) for y in outs])
+        return forward_reads, reads.count(x.data_ptr()) - forward_reads, outs, x.grad, [lin.weight.grad for lin in linears]
+
+    monkeypatch.setattr(fp8_dense, "quantize_rowwise", counted)
+    shared = run(share=True)
+    for lin in linears:
+        lin.weight.grad = None
+    apart = run(share=False)
+    assert shared[:2] == (1, 1) and apart[0] == 3
+    for a, b in zip(shared[2:], apart[2:], strict=True):
+        for t, u in (zip(a, b, strict=True) if isinstance(a, list) else [(a, b)]):
+            assert torch.equal(t, u)
+    fp8_dense.forget_shared_inputs()
+    x = x_NI.clone()
+    first = fp8_dense.quantize_input(x, None, "rows")
+    assert fp8_dense.quantize_input(x, None, "rows") is first
+    x.mul_(2.0)  # written in place: its version moves on
+    assert fp8_dense.quantize_input(x, None, "rows") is not first
+    row = torch.zeros(FIELDS, dtype=torch.int64)
+    assert fp8_dense.quantize_input(x, row, "rows") is not fp8_dense.quantize_input(x, None, "rows")
+    fp8_dense.forget_shared_inputs()
