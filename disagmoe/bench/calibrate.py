@@ -434,12 +434,9 @@ def ffn_passes(ffn: Callable, x_NH: torch.Tensor, offsets_E: torch.Tensor, w13_E
     return FFNPasses(lambda: ffn(x_leaf, offsets_E, w13_EH2F, w2_EFH), data_grads, all_grads, (main13, main2))
 
 
-def _ffn_times(dev, model: ModelConfig, experts_backend: str, rows_per_expert: int, experts: int,
-               warmup: int, iters: int) -> ExpertTimes:
-    """The expert FFN over `experts` equal groups of `rows_per_expert` rows: the GPU kernel time
-    of each of its passes as the step runs them (`ffn_passes`), the later passes less the earlier."""
-    from disagmoe.bench.timing import kernel_ms
-
+def _ffn_inputs(dev, model: ModelConfig, rows_per_expert: int, experts: int):
+    """(x_NH, offsets_E, w13_EH2F, w2_EFH, dy_NH): the expert probes' bf16 inputs, `experts` equal
+    groups of `rows_per_expert` rows, the weights as parameters (seeded: every probe the same)."""
     H, F, E = model.hidden_size, model.expert_ffn_size, experts
     gen = torch.Generator(device=dev).manual_seed(0)
     bf16 = dict(device=dev, dtype=torch.bfloat16, generator=gen)
@@ -448,6 +445,16 @@ def _ffn_times(dev, model: ModelConfig, experts_backend: str, rows_per_expert: i
     w2_EFH = torch.nn.Parameter(torch.randn(E, F, H, **bf16) / F**0.5)
     offsets_E = torch.arange(1, E + 1, device=dev, dtype=torch.int32) * rows_per_expert
     dy_NH = torch.randn(E * rows_per_expert, H, **bf16)
+    return x_NH, offsets_E, w13_EH2F, w2_EFH, dy_NH
+
+
+def _ffn_times(dev, model: ModelConfig, experts_backend: str, rows_per_expert: int, experts: int,
+               warmup: int, iters: int) -> ExpertTimes:
+    """The expert FFN over `experts` equal groups of `rows_per_expert` rows: the GPU kernel time
+    of each of its passes as the step runs them (`ffn_passes`), the later passes less the earlier."""
+    from disagmoe.bench.timing import kernel_ms
+
+    x_NH, offsets_E, w13_EH2F, w2_EFH, dy_NH = _ffn_inputs(dev, model, rows_per_expert, experts)
     passes = ffn_passes(_ffn(experts_backend), x_NH, offsets_E, w13_EH2F, w2_EFH, dy_NH,
                         fused=experts_backend == "triton")
     fwd = kernel_ms(lambda _: passes.forward(), warmup, iters)
@@ -493,18 +500,11 @@ def fp8_ffn_passes(ffn: Callable, x_NH: torch.Tensor, offsets_E: torch.Tensor, w
 
 def _fp8_ffn_times(dev, model: ModelConfig, rows_per_expert: int, experts: int, warmup: int, iters: int) -> PassTimes:
     """The FP8 expert FFN (`expert_ffn_fp8`, its tuned tiles for the shape, as the trainer calls it)
-    over `experts` equal groups of `rows_per_expert` rows, on the bf16 probe's inputs (`_ffn_times`):
+    over `experts` equal groups of `rows_per_expert` rows, on the bf16 probe's inputs (`_ffn_inputs`):
     GPU kernel time of the forward, and of the forward and whole backward (`fp8_ffn_passes`)."""
     from disagmoe.kernels.fp8_ffn import expert_ffn_fp8
 
-    H, F, E = model.hidden_size, model.expert_ffn_size, experts
-    gen = torch.Generator(device=dev).manual_seed(0)
-    bf16 = dict(device=dev, dtype=torch.bfloat16, generator=gen)
-    x_NH = torch.randn(E * rows_per_expert, H, **bf16)
-    w13_EH2F = torch.nn.Parameter(torch.randn(E, H, 2 * F, **bf16) / H**0.5)
-    w2_EFH = torch.nn.Parameter(torch.randn(E, F, H, **bf16) / F**0.5)
-    offsets_E = torch.arange(1, E + 1, device=dev, dtype=torch.int32) * rows_per_expert
-    dy_NH = torch.randn(E * rows_per_expert, H, **bf16)
+    x_NH, offsets_E, w13_EH2F, w2_EFH, dy_NH = _ffn_inputs(dev, model, rows_per_expert, experts)
     passes = fp8_ffn_passes(expert_ffn_fp8, x_NH, offsets_E, w13_EH2F, w2_EFH, dy_NH)
     return _passes(passes.forward, passes.forward_backward, warmup, iters)
 

@@ -56,6 +56,13 @@ def take_first_touch(main: torch.Tensor | None) -> bool:
     return True
 
 
+def adds_into(main: torch.Tensor | None) -> bool:
+    """For a writer of every element about to launch into `main` (None: a fresh output): whether
+    it adds (a main gradient already written this step) or stores (a fresh output, or the step's
+    first write into `main`: `take_first_touch`, which clears the mark)."""
+    return main is not None and not take_first_touch(main)
+
+
 def touch(main: torch.Tensor | None) -> None:
     """For a writer about to add into `main` (not necessarily everywhere): zero it first if it is
     still untouched, so the add sees zeros, as after a full zero_grad."""

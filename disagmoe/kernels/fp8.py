@@ -19,9 +19,9 @@ handles float8 tensors and fp8 `tl.dot` exactly, but its fp32 -> fp8 cast rounds
 the interpreter the quantisers round to the e4m3 grid themselves (`_round_to_e4m3`: integer
 arithmetic on the fp32 bits) and cast values that are exactly representable. Compiled, the same
 function is the hardware's saturating round-to-nearest-even conversion (one `cvt` per two values):
-the emulation's 20-odd integer operations per element made the quantisers compute-bound, at about
-a sixth of HBM bandwidth (measured in a Mixtral-shaped step). Both give the same bits for every
-finite value (a GPU test compares them over every fp32 exponent).
+without the emulation's 20-odd integer operations per element the quantisers ran 1.12-1.42x
+faster on an H200 (docs/benchmarks.md, session 17; they stay below HBM bandwidth for other
+reasons). Both give the same bits for every fp32 bit pattern (a GPU test compares them).
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ import dataclasses
 import torch
 
 from disagmoe.kernels import fp8
-from disagmoe.kernels.first_touch import take_first_touch
+from disagmoe.kernels.first_touch import adds_into
 from disagmoe.kernels.fp8_stats import ACTIVATIONS, GRADIENTS, WEIGHTS, Fp8Stats
 from disagmoe.kernels.moe_ffn import main_grad_of
 from disagmoe.kernels.recompute import EXPERT_INPUT, EXPERT_OUTPUT, FP8_NO_EXPERT_OUTPUT, FP8_RECOMPUTABLE, RowSource
@@ -191,7 +191,7 @@ def fp8_ffn_backward(
     # each weight-gradient launch writes every element (zeros for an expert without rows): the step's
     # first one into a main gradient stores instead of adding (`kernels.first_touch`)
     dw2 = fp8.fp8_weight_grad((qt_act, st_act), (qt_dy, st_dy), padded_E, tiles.wgrad, weights=experts,
-                              out=main_grads[1], accumulate=_accumulates(main_grads[1]), num_programs=num_programs)
+                              out=main_grads[1], accumulate=adds_into(main_grads[1]), num_programs=num_programs)
     del qt_act, st_act, qt_dy, st_dy  # before d h13's two copies are made
     (q_dh, s_dh), (qt_dh, st_dh, _) = fp8.quantize_rows_and_token_groups(dh13_N2F, offsets_E, grads_row, served)
     dx_NH = fp8.fp8_rows_gemm(q_dh, s_dh, offsets_E, *weights.w13_t, tiles.rows, out_dtype=dy_NH.dtype,
@@ -202,15 +202,9 @@ def fp8_ffn_backward(
     else:
         qt_x, st_x, _ = fp8.quantize_token_groups(x_NH, offsets_E, acts)
     dw13 = fp8.fp8_weight_grad((qt_x, st_x), (qt_dh, st_dh), padded_E, tiles.wgrad, weights=experts,
-                               out=main_grads[0], accumulate=_accumulates(main_grads[0]), num_programs=num_programs)
+                               out=main_grads[0], accumulate=adds_into(main_grads[0]), num_programs=num_programs)
     del qt_x, st_x, qt_dh, st_dh
     return dx_NH, None if main_grads[0] is not None else dw13, None if main_grads[1] is not None else dw2
-
-
-def _accumulates(main: torch.Tensor | None) -> bool:
-    """Whether a weight-gradient launch into `main` (None: a fresh gradient) adds rather than stores:
-    it stores into a fresh one and into a main gradient untouched this step (`kernels.first_touch`)."""
-    return main is not None and not take_first_touch(main)
 
 
 class Fp8ExpertFFNFunction(torch.autograd.Function):

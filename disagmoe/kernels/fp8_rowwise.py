@@ -173,7 +173,8 @@ def quantize_rowwise(x_MK: torch.Tensor, stats_row: torch.Tensor | None = None,
         return q_MK, scale_M1
     q_bits = q_MK.view(torch.uint8)
     if split_k:
-        return _quantize_split_k(x_MK, q_bits, scale_M1, stats_row, block_m, block_k, num_warps), scale_M1
+        _quantize_split_k(x_MK, q_bits, scale_M1, stats_row, block_m, block_k, num_warps)
+        return q_MK, scale_M1
     default_m, default_k = tiles_for(x_MK)
     block_m, block_k = block_m or default_m, block_k or default_k
     one_read = k <= block_k
@@ -187,9 +188,9 @@ def quantize_rowwise(x_MK: torch.Tensor, stats_row: torch.Tensor | None = None,
 
 def _quantize_split_k(x_MK: torch.Tensor, q_bits: torch.Tensor, scale_M1: torch.Tensor,
                       stats_row: torch.Tensor | None, block_m: int | None, block_k: int | None,
-                      num_warps: int) -> torch.Tensor:
-    """`quantize_rowwise(split_k=True)`'s two launches into q_bits (uint8 view of q) and scale_M1;
-    q as e4m3. Tiles: 64 x 64 by default (16 x 16 on the CPU), coalesced along whichever of x's
+                      num_warps: int) -> None:
+    """`quantize_rowwise(split_k=True)`'s two launches into q_bits (uint8 view of q) and scale_M1.
+    Tiles: 64 x 64 by default (16 x 16 on the CPU), coalesced along whichever of x's
     dimensions is contiguous (Triton lays the loads out by the strides)."""
     rows, k = x_MK.shape
     cpu = x_MK.device.type == "cpu"
@@ -202,4 +203,3 @@ def _quantize_split_k(x_MK: torch.Tensor, q_bits: torch.Tensor, scale_M1: torch.
     _split_quantize_kernel[grid](x_MK, q_bits, scale_M1, amax_M, nan_M, fp8._stats_ptr(stats_row, scale_M1), rows, k,
                                  x_MK.stride(0), x_MK.stride(1), q_bits.stride(0), BLOCK_M=block_m, BLOCK_K=block_k,
                                  STATS=stats_row is not None, num_warps=num_warps)
-    return q_bits.view(E4M3)

@@ -33,7 +33,7 @@ from disagmoe.kernels import grouped_gemm as gg
 from disagmoe.kernels.tile_configs import TileConfig, lookup
 from disagmoe.kernels.autocast import autocast_operands
 from disagmoe.kernels.deferral import hold_back
-from disagmoe.kernels.first_touch import take_first_touch
+from disagmoe.kernels.first_touch import adds_into
 from disagmoe.kernels.recompute import EXPERT_INPUT, EXPERT_SWIGLU, RECOMPUTABLE, RowSource
 
 
@@ -175,10 +175,10 @@ def moe_ffn_backward(
         # step's first one into a main gradient stores instead of adding (`kernels.first_touch`),
         # decided when it runs (a held-back launch too)
         dw2_EFH = gg.ragged_weight_grad(act_NF, dy_NH, offsets_E, tiles.wgrad_w2, out=main2,
-                                        accumulate=main2 is not None and not take_first_touch(main2),
+                                        accumulate=adds_into(main2),
                                         weights=experts, num_programs=num_programs)
         dw13_EH2F = gg.ragged_weight_grad(x_NH, dh13_N2F, offsets_E, tiles.wgrad_w13, out=main13,
-                                          accumulate=main13 is not None and not take_first_touch(main13),
+                                          accumulate=adds_into(main13),
                                           weights=experts, num_programs=num_programs)
         return dw13_EH2F, dw2_EFH
 
