@@ -49,7 +49,7 @@ PROBE_VERSION = 5
 #    whole (no deferred weight gradients in FP8), fitted against the bf16 stage work net of the bf16 FFN's fixed
 #    cost (`calibrate.fp8_expert_point`, the backward through `roofline.calibration.fitted_shared_fraction`),
 #    capped at fp8_tflops / bf16_tflops; the bf16 terms are measured as in version 4.
-PROBE_FINGERPRINT = "5ede829b1971e2d4"  # `code_fingerprint()` of the code that measures version PROBE_VERSION
+PROBE_FINGERPRINT = "3829ab4a71660b16"  # `code_fingerprint()` of the code that measures version PROBE_VERSION
 
 # The code that decides what a calibration's numbers mean: file (under disagmoe/) -> top-level name
 # -> why it belongs. Left out on purpose: the experts backends and `model.Block` (the probe measures
@@ -90,7 +90,7 @@ PROBE_PARTS: dict[str, dict[str, str]] = {
         "fp8_measured": "which GPUs and experts backends measure the FP8 curve",
         "Fp8FFNPasses": "the FP8 expert FFN's passes",
         "fp8_ffn_passes": "how each FP8 expert pass runs (weight copies made once, main gradients)",
-        "_fp8_ffn_times": "the FP8 expert probe's inputs and how its passes are timed",
+        "_fp8_ffn_times": "how the FP8 expert probe's passes are timed",
         "attention_point": "the attention rates, the same way",
         "op_fixed_us": "which probe is each op's fixed cost",
         "calibration_from": "which timings make which terms",
@@ -99,7 +99,8 @@ PROBE_PARTS: dict[str, dict[str, str]] = {
         "_passes": "forward and backward timed with timing.kernel_ms",
         "FFNPasses": "the expert FFN's passes",
         "ffn_passes": "how each expert pass runs (the main gradients, what is held back)",
-        "_ffn_times": "the expert FFN probe's inputs and how its passes are timed",
+        "_ffn_times": "how the expert FFN probe's passes are timed",
+        "_ffn_inputs": "the expert probes' inputs (bf16 and FP8)",
         "sdpa_shapes": "the attention probe's q, k, v shapes (the model's own heads)",
         "_sdpa_times": "the attention probe's inputs and call",
         "_block_times": "the attention block probe (the attention ops' fixed cost)",
