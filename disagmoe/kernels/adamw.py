@@ -46,8 +46,10 @@ config: loss 2.8725 against 2.8714 with torch's update, 2.8717 with bf16 moments
 `update_kernel` defaults to triton. In Triton's CPU interpreter (no FMA; C's pow) the kernel equals
 `adamw_reference` bit for bit.
 
-`skip` (an fp32 device scalar, torch's found_inf): where exactly 1.0 nothing is read or written.
-The step count is read, never written: the caller counts it (`flat_adamw.count_step`). Nothing
+`skip` (an fp32 device scalar, torch's found_inf): where exactly 1.0 the masters, moments and
+gradients are neither read nor written except the masters' read for the compute copy, which is
+rewritten from them (as torch's path copies masters to compute after a skipped step: a non-finite
+compute weight, what an FP8 step's skip is for, is restored). The step count is read, never written: the caller counts it (`flat_adamw.count_step`). Nothing
 reads a host value: the launch can be captured in a CUDA graph.
 
 Legend: N the flat length (a bucket, or a ZeRO-1 slice), B a program's block of elements.
@@ -115,11 +117,14 @@ def _adamw_kernel(master_N, grad_N, exp_avg_N, exp_avg_sq_N, compute_N, step_ptr
     # int16 (BF16_MOMENTS); compute_N the bf16 bits (int16) [N] of the new master (COMPUTE_COPY);
     # step_ptr the fp32 count of steps before this one; lr_ptr the lr (fp32 on CUDA); hyper_4 fp64
     # (beta1, beta2, weight_decay, eps); grad_scale_ptr fp32 (SCALED: the gradient is divided by
-    # it); skip_ptr fp32 (SKIPPABLE: 1.0 masks every load and store). Program p takes blocks
-    # p, p + programs, ... of BLOCK elements.
+    # it); skip_ptr fp32 (SKIPPABLE: 1.0 masks every load and store but the masters' read for the
+    # compute copy, which gets the masters as they are). Program p takes blocks p, p + programs, ...
+    # of BLOCK elements.
     n_live = N  # elements to update: none when skipping
+    skipping = False  # the masters' values go to the compute copy (SKIPPABLE only)
     if SKIPPABLE:
-        n_live = tl.where(tl.load(skip_ptr) == 1.0, 0, N)  # torch's `*found_inf_ptr == 1`
+        skipping = tl.load(skip_ptr) == 1.0  # torch's `*found_inf_ptr == 1`
+        n_live = tl.where(skipping, 0, N)
     beta1 = tl.load(hyper_4)
     beta2 = tl.load(hyper_4 + 1)
     weight_decay = tl.load(hyper_4 + 2)
@@ -137,7 +142,12 @@ def _adamw_kernel(master_N, grad_N, exp_avg_N, exp_avg_sq_N, compute_N, step_ptr
     for block in range(tl.program_id(0), num_blocks, tl.num_programs(0)):
         offs_B = tl.cast(block, tl.int64) * BLOCK + tl.arange(0, BLOCK)  # past 2^31 elements (3.8 G in a bucket)
         mask_B = offs_B < n_live
-        param_B = tl.load(master_N + offs_B, mask=mask_B, other=0.0)
+        copy_B = offs_B < N  # the compute copy is written even when skipping
+        read_B = mask_B
+        if COMPUTE_COPY:
+            read_B = copy_B
+        kept_B = tl.load(master_N + offs_B, mask=read_B, other=0.0)
+        param_B = kept_B
         grad_B = tl.load(grad_N + offs_B, mask=mask_B, other=0.0)
         if BF16_MOMENTS:
             exp_avg_B = _bf16_bits_to_fp32(tl.load(exp_avg_N + offs_B, mask=mask_B, other=0))
@@ -166,7 +176,10 @@ def _adamw_kernel(master_N, grad_N, exp_avg_N, exp_avg_sq_N, compute_N, step_ptr
             tl.store(exp_avg_N + offs_B, exp_avg_B, mask=mask_B)
             tl.store(exp_avg_sq_N + offs_B, exp_avg_sq_B, mask=mask_B)
         if COMPUTE_COPY:
-            tl.store(compute_N + offs_B, _fp32_to_bf16_bits(param_B), mask=mask_B)
+            new_B = param_B
+            if SKIPPABLE:
+                new_B = tl.where(skipping, kept_B, param_B)
+            tl.store(compute_N + offs_B, _fp32_to_bf16_bits(new_B), mask=copy_B)
 
 
 def hyperparameters(beta1: float, beta2: float, weight_decay: float, eps: float,
@@ -197,7 +210,8 @@ def adamw_update(master_N: torch.Tensor, grad_N: torch.Tensor, exp_avg_N: torch.
         step: fp32 scalar tensor; lr: the learning-rate scalar tensor (fp32 on CUDA: torch's kernel
             reads an fp32 lr); hyper_4: `hyperparameters(...)`.
         grad_scale: fp32 scalar or None: the gradient is divided by it (the clip's 1 / coef).
-        skip: fp32 scalar or None: 1.0 leaves everything as it was.
+        skip: fp32 scalar or None: 1.0 leaves masters and moments as they were and rewrites compute_N
+            (given) from the masters.
         compute_N: bf16 [N] or None: receives the new master rounded to nearest-even.
         block, num_programs: the launch (defaults: BLOCK, `num_programs_for`).
     """
@@ -233,6 +247,8 @@ def adamw_reference(master_N: torch.Tensor, grad_N: torch.Tensor, exp_avg_N: tor
     one rounded to fp32 (the same value: fp64 has more than 2 x 24 + 2 bits), no FMA. Reads the
     scalars on the host (a test oracle, not for a captured step)."""
     if skip is not None and float(skip) == 1.0:
+        if compute_N is not None:
+            compute_N.copy_(master_N)
         return
     beta1, beta2, weight_decay, eps = (float(v) for v in hyper_4.tolist())
     lr_d = float(lr.float()) if lr.dtype == torch.float32 else float(lr)

@@ -19,6 +19,7 @@ from torch import nn
 from disagmoe.config import RopeScalingConfig
 from disagmoe.kernels import fp8_dense
 from disagmoe.kernels.deferral import hold_back
+from disagmoe.kernels.moe_ffn import main_grad_of
 
 
 class _Fusion:
@@ -161,13 +162,45 @@ def _linear_weight_grad(dy_NO: torch.Tensor, x_NI: torch.Tensor) -> torch.Tensor
     return dy_NO.t().mm(x_NI)
 
 
+class _MainGradGemm:
+    """Whether this torch's CUDA `addmm` takes an fp32 accumulator beside bf16 operands
+    (`out_dtype=torch.float32`; torch >= 2.9's `addmm.dtype_out`): None until first asked."""
+
+    supported: bool | None = None
+
+
+def add_weight_grad_into_main(w_OI: torch.Tensor | None, dy_NO: torch.Tensor, x_NI: torch.Tensor) -> bool:
+    """d W = dy^T x added into W's fp32 main gradient (FlatAdamW's `main_grad`) by the GEMM itself:
+    cuBLAS with an fp32 C and beta = 1 (Megatron's gradient-accumulation fusion), where W is a bf16
+    or fp16 leaf parameter with a main gradient, on CUDA, outside a double backward. True if it did
+    (autograd then gets no gradient for W); False leaves the caller to return d W as autograd's
+    linear would. The product is added unrounded (fp32 sums of the bf16 products), where autograd's
+    path rounds it to bf16 before FlatAdamW's hook adds it: at most a bf16 rounding of d W apart,
+    and it saves that bf16 d W's write and read and the hook's mixed-dtype add (17 ms of the
+    DeepSeek config's eager step, 2026-12-04)."""
+    main = None if w_OI is None else main_grad_of(w_OI)
+    if (main is None or not dy_NO.is_cuda or torch.is_grad_enabled() or main.dtype != torch.float32
+            or w_OI.dtype not in (torch.bfloat16, torch.float16) or _MainGradGemm.supported is False):
+        return False
+    try:
+        torch.addmm(main, dy_NO.t(), x_NI, out_dtype=torch.float32, out=main)
+    except (RuntimeError, TypeError):  # an older torch: the arguments are refused before any launch
+        _MainGradGemm.supported = False
+        return False
+    _MainGradGemm.supported = True
+    return True
+
+
 def _accumulate_weight_grad(w_OI: torch.Tensor, dy_NO: torch.Tensor, x_NI: torch.Tensor,
                             weight_grad: Callable[..., torch.Tensor] = _linear_weight_grad) -> None:
-    """A held-back weight gradient, computed now (`weight_grad(dy_NO, x_NI)`: bf16, or the FP8
-    one) and accumulated by autograd itself, as the backward would have done: into `.grad` (in
+    """A held-back weight gradient, computed now: the bf16 one straight into W's main gradient
+    where it can (`add_weight_grad_into_main`); otherwise `weight_grad(dy_NO, x_NI)` (bf16, or the
+    FP8 one) accumulated by autograd itself, as the backward would have done: into `.grad` (in
     place where it exists: FlatAdamW's fp32 view), then the post-accumulate hooks (FlatAdamW adds
     a bf16 gradient into `main_grad`)."""
     with torch.no_grad():
+        if weight_grad is _linear_weight_grad and add_weight_grad_into_main(w_OI, dy_NO, x_NI):
+            return
         dw_OI = weight_grad(dy_NO, x_NI)
     torch.autograd.backward(w_OI, dw_OI)
 
@@ -184,7 +217,8 @@ def _deferrable_weight(w_OI: torch.Tensor) -> torch.Tensor | None:
 class _LinearFunction(torch.autograd.Function):
     """y = x W^T (`F.linear` without bias). The backward computes d x as autograd's linear does and
     d W too, unless inside `deferred_weight_grads` (first-order backward, a leaf weight), where d W
-    waits in the list; both from the same saved x and the incoming d y, so nothing is recomputed."""
+    waits in the list; both from the same saved x and the incoming d y, so nothing is recomputed.
+    d W goes straight into W's fp32 main gradient where there is one (`add_weight_grad_into_main`)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, w_OI: torch.Tensor) -> torch.Tensor:
@@ -202,6 +236,8 @@ class _LinearFunction(torch.autograd.Function):
         x_NI = x.reshape(-1, x.shape[-1])
         deferrable = ctx.weight is not None and not torch.is_grad_enabled()  # grad mode on: a double backward
         if deferrable and hold_back(functools.partial(_accumulate_weight_grad, ctx.weight, dy_NO, x_NI)):
+            return dx, None
+        if add_weight_grad_into_main(ctx.weight, dy_NO, x_NI):
             return dx, None
         return dx, _linear_weight_grad(dy_NO, x_NI)
 
@@ -242,7 +278,9 @@ def _fp8_weight_grad(dy_NO: torch.Tensor, x_NI: torch.Tensor, stats_row: torch.T
 
 class DeferrableLinear(nn.Linear):
     """`nn.Linear` without bias whose weight gradient can wait (`deferred_weight_grads`). Outside
-    that context the same parameters, names and gradients, bit for bit, as `nn.Linear`.
+    that context the same parameters, names and gradients, bit for bit, as `nn.Linear`; a bf16 CUDA
+    weight with an fp32 main gradient (FlatAdamW) gets its gradient added there by the GEMM, unrounded
+    (`add_weight_grad_into_main`).
 
     `set_fp8(True, stats_row)` (precision fp8, `fp8_dense`) runs its GEMMs in FP8 instead
     (`kernels.fp8_dense`): the parameter stays bf16; its e4m3 copies (`fp8_copies`) are made by

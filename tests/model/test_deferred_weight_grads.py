@@ -167,3 +167,52 @@ def test_held_back_gradients_of_a_recomputed_block_land_on_its_parameters_after_
             item()
         main[lean] = [b.grad_N.clone() for b in optimizer.buckets]
     assert all(torch.equal(got, want) for got, want in zip(main[True], main[False], strict=True))
+
+
+def test_a_cpu_weight_gradient_is_left_to_autograd():
+    """`add_weight_grad_into_main` acts on CUDA only: on the CPU (and in double backward, and for a
+    weight without a main gradient) it declines and the caller returns d W to autograd."""
+    from disagmoe.model.layers import add_weight_grad_into_main
+
+    w = nn.Parameter(torch.zeros(3, 4, dtype=torch.bfloat16))
+    w.main_grad = torch.zeros(3, 4)
+    dy, x = torch.ones(5, 3, dtype=torch.bfloat16), torch.ones(5, 4, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert not add_weight_grad_into_main(w, dy, x)
+        assert not add_weight_grad_into_main(None, dy, x)
+    assert not w.main_grad.any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("defer", [False, True], ids=["inline", "held-back"])
+def test_cuda_bf16_projection_gradients_go_into_the_main_gradients_by_the_gemm(make_mla_config, defer):
+    """On CUDA with FlatAdamW over bf16 parameters the projections' d W is added into the fp32 main
+    gradients by the GEMM (fp32 C, beta = 1), inline and held back alike: no bf16 `.grad` is left on
+    them, and over two micro-batches the main gradients are autograd's path's (bf16 d W added by
+    FlatAdamW's hook) within the bf16 rounding that path applies to each d W."""
+    from disagmoe.model import layers
+
+    cuda = torch.device("cuda")
+    main = {}
+    for fused_path in (True, False):
+        block = random_block(make_mla_config(), torch.float32).to(cuda).to(torch.bfloat16)
+        optimizer = FlatAdamW(block.named_parameters(), OptimConfig(), torch.bfloat16)
+        optimizer.zero_grad()
+        if not fused_path:
+            layers._MainGradGemm.supported = False  # autograd's path: bf16 d W, the hook's add
+        try:
+            for mb in range(2):
+                x_BSH, dy_BSH = inputs(block, torch.bfloat16, seed=20 + mb)
+                for item in backward(block, x_BSH.to(cuda).detach().requires_grad_(), dy_BSH.to(cuda), defer):
+                    item()
+        finally:
+            layers._MainGradGemm.supported = None
+        torch.cuda.synchronize()
+        main[fused_path] = {name: p.main_grad.clone() for name, p in block.named_parameters()}
+        if fused_path:
+            assert all(p.grad is None for name, p in block.named_parameters() if name in projections(block))
+    for name in projections(block):
+        got, want = main[True][name], main[False][name]
+        assert got.dtype == torch.float32 and got.any(), name
+        # autograd's bf16-rounded d W per micro-batch against the unrounded sum: bf16's 2^-8
+        torch.testing.assert_close(got, want, rtol=2**-7, atol=2**-7 * want.abs().max().item(), msg=name)
