@@ -49,6 +49,33 @@ def _row(stats: Fp8Stats | None, kind: int) -> torch.Tensor | None:
     return None if stats is None else stats.row(kind)
 
 
+class _GluonRows:
+    """Whether the plain row GEMMs run the warp-specialised Gluon kernel where it applies
+    (`set_gluon_rows`; default on: 1.17-1.40x `fp8.fp8_rows_gemm` at its tuned tiles, same bits)."""
+
+    enabled = True
+
+
+def set_gluon_rows(enabled: bool) -> None:
+    """Run the FFN's plain FP8 row GEMMs (down, gate/up data gradient) with `fp8_gluon` where
+    `fp8_gluon.takes` their operands (True), or always with `fp8.fp8_rows_gemm` (False: an A/B)."""
+    _GluonRows.enabled = enabled
+
+
+def _rows_gemm(a_MK, sa_MG, offsets_E, b_EKN, sb_EGB, tile: TileConfig, *, out_dtype: torch.dtype,
+               num_programs: int | None) -> torch.Tensor:
+    """`fp8.fp8_rows_gemm`, or the Gluon kernel of the same sums (`_GluonRows`) on a Hopper GPU
+    where the operands fit it and no program count is forced (tests force one to cover the stride
+    loop of the Triton kernel)."""
+    if _GluonRows.enabled and num_programs is None and a_MK.is_cuda:
+        from disagmoe.kernels import fp8_gluon  # Gluon (triton.experimental) only where a GPU may run it
+
+        if fp8_gluon.takes(a_MK, b_EKN):
+            return fp8_gluon.gluon_fp8_rows_gemm(a_MK, sa_MG, offsets_E, b_EKN, sb_EGB, out_dtype=out_dtype)
+    return fp8.fp8_rows_gemm(a_MK, sa_MG, offsets_E, b_EKN, sb_EGB, tile, out_dtype=out_dtype,
+                             num_programs=num_programs)
+
+
 @dataclasses.dataclass(frozen=True)
 class Fp8ExpertWeights:
     """e4m3 copies of one layer's expert weights with their 128 x 128 block scales, (values, scales)
@@ -140,8 +167,8 @@ def fp8_ffn_forward(
     h13_N2F = x_NH.new_empty((rows, 2 * ffn)) if save_for_backward else None
     q_act, s_act = fp8.fp8_swiglu_gemm(qx, sx, offsets_E, *weights.w13, tiles.swiglu, h13_M2F=h13_N2F,
                                        num_programs=num_programs, stats=_row(stats, ACTIVATIONS))
-    y_NH = fp8.fp8_rows_gemm(q_act, s_act, offsets_E, *weights.w2, tiles.rows, out_dtype=x_NH.dtype,
-                             num_programs=num_programs)
+    y_NH = _rows_gemm(q_act, s_act, offsets_E, *weights.w2, tiles.rows, out_dtype=x_NH.dtype,
+                      num_programs=num_programs)
     return y_NH, h13_N2F
 
 
@@ -194,8 +221,8 @@ def fp8_ffn_backward(
                               out=main_grads[1], accumulate=adds_into(main_grads[1]), num_programs=num_programs)
     del qt_act, st_act, qt_dy, st_dy  # before d h13's two copies are made
     (q_dh, s_dh), (qt_dh, st_dh, _) = fp8.quantize_rows_and_token_groups(dh13_N2F, offsets_E, grads_row, served)
-    dx_NH = fp8.fp8_rows_gemm(q_dh, s_dh, offsets_E, *weights.w13_t, tiles.rows, out_dtype=dy_NH.dtype,
-                              num_programs=num_programs)
+    dx_NH = _rows_gemm(q_dh, s_dh, offsets_E, *weights.w13_t, tiles.rows, out_dtype=dy_NH.dtype,
+                       num_programs=num_programs)
     del q_dh, s_dh
     if isinstance(x_NH, RowSource):  # the grouped rows read from their tokens, in the quantiser
         qt_x, st_x, _ = fp8.quantize_token_groups(x_NH.x_TH, offsets_E, acts, rows_M=x_NH.token_N)

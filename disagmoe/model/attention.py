@@ -42,6 +42,26 @@ def qk_norm_rope_heads(q_BSnD: torch.Tensor, k_BSgD: torch.Tensor, v_BSgD: torch
                                   v_BSgD, cos_SD, sin_SD)
 
 
+@fused
+def mla_rope_heads(q_BSnQ: torch.Tensor, kv_BSnX: torch.Tensor, k_rope_BSR: torch.Tensor, cos_SR: torch.Tensor,
+                   sin_SR: torch.Tensor, nope_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """MLA's q, k and v for attention, heads-first ([B, heads, S, dim]) views of token-major tensors
+    as `rope_heads` gives them: q = [q_nope, RoPE(q_rope)] per head from the query projection's
+    [nope | rope] heads, k = [k_nope, RoPE(k_rope)] with the one rotary key every head shares, v the
+    rest of the kv projection's heads. One fused function, so that compiled (CUDA) the forward writes
+    q and k once each (no rotary pass of its own, no concatenation) and the backward writes the
+    gradients of the two projections' outputs whole (the splits' backward concatenations, 56 ms of
+    the DeepSeek config's eager step with the rotary passes' copies, fused into them)."""
+    B, S, n, qk_dim = q_BSnQ.shape
+    rope_dim = qk_dim - nope_dim
+    q_nope_BSnD, q_rope_BSnR = q_BSnQ.split([nope_dim, rope_dim], dim=-1)
+    k_nope_BSnD, v_BSnV = kv_BSnX.split([nope_dim, kv_BSnX.shape[-1] - nope_dim], dim=-1)
+    q_BSnQ = torch.cat([q_nope_BSnD, apply_rope(q_rope_BSnR, cos_SR, sin_SR)], dim=-1)
+    k_rope_BS1R = apply_rope(k_rope_BSR[:, :, None, :], cos_SR, sin_SR)
+    k_BSnQ = torch.cat([k_nope_BSnD, k_rope_BS1R.expand(B, S, n, rope_dim)], dim=-1)
+    return q_BSnQ.transpose(1, 2), k_BSnQ.transpose(1, 2), v_BSnV.transpose(1, 2)
+
+
 class GroupedQueryAttention(nn.Module):
     """Multi-head attention with `num_kv_heads` shared key/value heads and RoPE on the full head dim."""
 
@@ -121,21 +141,13 @@ class MultiHeadLatentAttention(nn.Module):
         B, S, _ = x_BSH.shape
         n = self.num_heads
         q_flat = self.wq_b(self.q_a_norm(self.wq_a(x_BSH))) if self.q_low_rank else self.wq(x_BSH)
-        q_nope_BSnD, q_rope_BSnR = q_flat.view(B, S, n, -1).split([self.nope_dim, self.rope_dim], dim=-1)
-
         c_BSC, k_rope_BSR = self.wkv_a(x_BSH).split([self.kv_rank, self.rope_dim], dim=-1)
         kv_BSnX = self.wkv_b(self.kv_a_norm(c_BSC)).view(B, S, n, self.nope_dim + self.v_dim)
-        k_nope_BSnD, v_BSnV = kv_BSnX.split([self.nope_dim, self.v_dim], dim=-1)
-
         cos_SR, sin_SR = rope_cos_sin(S, self.rope_dim, self.rope_theta, x_BSH.device, x_BSH.dtype,
                                       self.rope_scaling)
-        q_rope_BSnR = apply_rope(q_rope_BSnR, cos_SR, sin_SR)
-        k_rope_BS1R = apply_rope(k_rope_BSR[:, :, None, :], cos_SR, sin_SR)
-
-        q_BSnQ = torch.cat([q_nope_BSnD, q_rope_BSnR], dim=-1)
-        k_BSnQ = torch.cat([k_nope_BSnD, k_rope_BS1R.expand(B, S, n, self.rope_dim)], dim=-1)
-        o_BnSV = causal_attention(q_BSnQ.transpose(1, 2), k_BSnQ.transpose(1, 2), v_BSnV.transpose(1, 2), kept,
-                                  scale=self.softmax_scale)
+        q_BnSQ, k_BnSQ, v_BnSV = mla_rope_heads(q_flat.view(B, S, n, -1), kv_BSnX, k_rope_BSR, cos_SR, sin_SR,
+                                                self.nope_dim)
+        o_BnSV = causal_attention(q_BnSQ, k_BnSQ, v_BnSV, kept, scale=self.softmax_scale)
         return o_BnSV.transpose(1, 2).reshape(B, S, n * self.v_dim)
 
 

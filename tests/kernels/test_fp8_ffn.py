@@ -249,6 +249,37 @@ def test_gpu_fp8_ffn_forward_backward(counts, hidden, ffn):
     _check(counts, (y, *(t.grad for t in leaves)), _reference_grads(x, offsets, w13, w2, dy))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="needs a Hopper GPU (sm_90: the Gluon kernel)")
+def test_gpu_the_gluon_row_gemms_give_the_triton_kernels_results(monkeypatch):
+    """On Hopper the plain row GEMMs (down, gate/up data gradient) run the Gluon kernel where its
+    operands fit (K and N multiples of 128 here): y, dx and the weight gradients equal those of the
+    FFN with `fp8.fp8_rows_gemm` throughout (the same sums per 128-deep slice, in the same order),
+    and the Gluon kernel was launched (twice: forward and data gradient)."""
+    from disagmoe.kernels import fp8_ffn, fp8_gluon
+
+    counts, hidden, ffn = [300, 0, 1000, 7, 129], 512, 384
+    x, offsets, w13, w2, dy = _inputs(counts, hidden, ffn, seed=4, device="cuda", dtype=torch.bfloat16)
+    calls = []
+    gluon = fp8_gluon.gluon_fp8_rows_gemm
+    monkeypatch.setattr(fp8_gluon, "gluon_fp8_rows_gemm", lambda *a, **k: calls.append(1) or gluon(*a, **k))
+    results = {}
+    for enabled in (True, False):
+        fp8_ffn.set_gluon_rows(enabled)
+        try:
+            leaves = [t.clone().requires_grad_() for t in (x, w13, w2)]
+            y = fp8_ffn.expert_ffn_fp8(leaves[0], offsets, leaves[1], leaves[2])
+            y.backward(dy)
+            results[enabled] = (y, *(t.grad for t in leaves))
+        finally:
+            fp8_ffn.set_gluon_rows(True)
+    assert len(calls) == 2
+    for got, want in zip(results[True], results[False], strict=True):
+        assert torch.isfinite(got).all()
+        assert ((got.double() - want.double()).norm() / want.double().norm()).item() < 1e-3
+
+
 def test_the_backward_drops_each_e4m3_copy_after_its_last_reader(ffn8, monkeypatch):
     """The backward's quantised copies die as soon as their last GEMM has read them (what
     `roofline.memory.expert_row_grad_bytes` counts under fp8): d y and d h13 are each quantised
