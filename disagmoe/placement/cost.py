@@ -72,7 +72,8 @@ from disagmoe.config import Calibration, ModelConfig
 from disagmoe.roofline import calibration as cal, memory as mem, stages as st, transport_memory as tm
 from disagmoe.roofline.ceilings import Ceilings
 from disagmoe.roofline.optimizer_state import StateBytes, host_link_bytes, slot_elements, staging_bytes, state_bytes
-from disagmoe.roofline.params import attention_params, count_params, expert_params, swiglu_params
+from disagmoe.roofline.params import (attention_norm_params, attention_params, count_params, expert_params,
+                                      router_params, swiglu_params)
 from disagmoe.roofline.stages import BF16, FP32, Num, Work
 
 
@@ -504,6 +505,12 @@ def evaluate(prob: Problem, c: Candidates, misfits_exact: bool = True) -> Cost:
     exp_params = moe_l * local * expert_params(m)
     f_dp = _scaleout_fraction(dp, prob.nvlink_domain)
 
+    # The bf16 projections' weight gradients go into their fp32 main gradients inside the weight-gradient
+    # GEMM (`model.layers.add_weight_grad_into_main`: fp32 C, beta 1; its C traffic is small against the
+    # GEMM's FLOPs): FlatAdamW's hook adds the rest (norm gains, routers), and every projection's too
+    # under `fp8_dense` (the FP8 weight gradient comes back in bf16).
+    projections_hooked = prob.fp8_dense and prob.expert_precision == "fp8"
+
     # Memory: each parameter's state and the activations at their peak, without and with
     # selective recomputation; `selective` says which one each candidate is priced with.
     attn_bytes, exp_bytes = attention_state_bytes(dp, prob).total, expert_state_bytes(prob).total
@@ -577,8 +584,10 @@ def evaluate(prob: Problem, c: Candidates, misfits_exact: bool = True) -> Cost:
         "expert weight grads": Stage("expert", "moe", *experts["expert weight grads"]),
         "selective recompute": Stage("expert", "moe", Work(), st.selective_recompute(m, rows * selective, fp8)),
         "combine": Stage("link", "moe", combine, dispatch),
-        "main-grad adds": Stage("attention", "moe", Work(), st.main_grad_add(attn_layer + moe_side)),
-        "main-grad adds (dense layers)": Stage("attention", "dense", Work(), st.main_grad_add(attn_layer + dense_side)),
+        "main-grad adds": Stage("attention", "moe", Work(), st.main_grad_add(
+            attn_layer + moe_side if projections_hooked else attention_norm_params(m) + H + router_params(m))),
+        "main-grad adds (dense layers)": Stage("attention", "dense", Work(), st.main_grad_add(
+            attn_layer + dense_side if projections_hooked else attention_norm_params(m) + H)),
         "lm head + embedding": Stage("attention", "micro-batch", head, head.backward()),
         "main-grad adds (embedding, head)": Stage("attention", "micro-batch", Work(), st.main_grad_add(emb_params)),
         # under ZeRO-1 the reduce-scatter of the gradients (the updated slices' all-gather follows the update)

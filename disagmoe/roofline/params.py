@@ -34,6 +34,17 @@ def attention_params(m: ModelConfig) -> int:
     return q + kv + o + qk_norm + h
 
 
+def attention_norm_params(m: ModelConfig) -> int:
+    """The gains of one attention block's RMSNorms (its input norm, MLA's low-rank norms, qk-norm):
+    the part of `attention_params` that is not a projection weight."""
+    h = m.hidden_size
+    if m.attention == "mla":
+        a = m.mla
+        assert a is not None
+        return h + (a.q_lora_rank or 0) + a.kv_lora_rank
+    return h + (2 * m.head_dim if m.qk_norm else 0)
+
+
 def swiglu_params(hidden: int, ffn: int) -> int:
     return 3 * hidden * ffn
 

@@ -723,3 +723,26 @@ def test_a_colocated_gpu_takes_the_cheapest_recomputation_that_fits():
     assert cost(need[mem.NOTHING_DROPPED] + 1e-3).dropped() == mem.NOTHING_DROPPED
     tight = cost(need[mem.SELECTIVE | ATTENTION] - 1e-3)
     assert not tight.fits[0] and tight.dropped() == mem.NOTHING_DROPPED and not tight.lean_fits[0]
+
+
+def test_the_hook_adds_only_what_no_gemm_added_into_the_main_gradients():
+    """bf16: the projections' weight-gradient GEMMs add into the fp32 main gradients themselves
+    (`layers.add_weight_grad_into_main`), so FlatAdamW's hook adds per micro-batch and MoE layer only
+    the norm gains and the router (`stages.main_grad_add` of those); FP8 dense projections return a
+    bf16 weight gradient, so the hook adds every attention-side parameter of the layer as before."""
+    from disagmoe.roofline import stages as st
+    from disagmoe.roofline.params import attention_norm_params, attention_params, router_params, swiglu_params
+
+    m = load_model("qwen3-30b-a3b")
+    one = Candidates.one(0, 1, 1, 8, 2, colocated=True)
+
+    def adds(**kwargs):
+        req = PlanConfig(model=m, cluster=ClusterConfig(hardware=load_hardware("h200-sxm"), num_gpus=1),
+                         seq_len=4096, global_batch_tokens=16 * 4096, **kwargs)
+        return _first(evaluate(problem_of(req), one).stages["main-grad adds"].bwd.hbm_bytes)
+
+    H = m.hidden_size
+    assert adds() == pytest.approx(st.main_grad_add(attention_norm_params(m) + H + router_params(m)).hbm_bytes)
+    every = attention_params(m) + router_params(m) + H + swiglu_params(H, m.shared_ffn_size)
+    assert adds(expert_precision="fp8", fp8_dense=True) == pytest.approx(st.main_grad_add(every).hbm_bytes)
+    assert adds(expert_precision="fp8", fp8_dense=False) == adds()
