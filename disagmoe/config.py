@@ -408,9 +408,10 @@ class PlanConfig(StrictModel):
         "traffic and the FP8 weight copies' memory (train with precision: fp8; the plan records it and `train --plan` "
         "sets it)")
     fp8_dense: bool = Field(
-        True, description="with expert_precision fp8: price the dense projections' GEMMs (attention, shared "
-        "experts, dense FFN layers) at fp8_tflops too, plus their rowwise quantisation passes (train with "
-        "precision: fp8, fp8_dense: true, its default); no effect under bf16")
+        True, description="with expert_precision fp8: price the dense projections' forward and data-gradient "
+        "GEMMs (attention, shared experts, dense FFN layers) at fp8_tflops too, their weight gradients at the bf16 "
+        "rate, plus their rowwise quantisation passes (train with precision: fp8, fp8_dense: true, its default); "
+        "no effect under bf16")
     recompute: Literal["none", "selective", "full", "auto"] = Field(
         "auto", description="activation recomputation to price: none, selective (the expert FFN's input, "
         "output and SwiGLU rows dropped and recomputed in the backward: leaner expert GPUs, a few more HBM "
@@ -711,10 +712,11 @@ class TrainConfig(StrictModel):
         "the same kernels; triton experts, a GPU with FP8 tensor cores, and in the distributed modes hop: "
         "partial_sums, with dense or sparse dispatch); auto = bf16 on cuda, fp32 on cpu")
     fp8_dense: bool | None = Field(
-        None, description="precision fp8: also run the dense projections (attention q/k/v/o and MLA's, shared "
-        "experts, dense FFN layers) in e4m3 through torch._scaled_mm with rowwise scales (one per token / output "
-        "feature, a coarser recipe than the experts' 1x128 / 128x128: docs/architecture.md); None = true under "
-        "precision fp8; true is refused under another precision")
+        None, description="precision fp8: also run the dense projections' forward and data-gradient GEMMs "
+        "(attention q/k/v/o and MLA's, shared experts, dense FFN layers) in e4m3 through torch._scaled_mm with "
+        "rowwise scales (one per token / feature, a coarser recipe than the experts' 1x128 / 128x128), their "
+        "weight gradients in bf16 (kernels/fp8_dense.py says why); None = true under precision fp8; true is refused "
+        "under another precision")
     routing: Literal["learned", "balanced"] = Field(
         "learned", description="balanced: every expert gets the same number of tokens whatever the router "
         "scores (a benchmark setting, as other trainers' performance recipes use; labelled in every output); "
@@ -908,10 +910,6 @@ class TrainConfig(StrictModel):
         if self.fp8_dense and self.precision != "fp8":
             raise ValueError(f"fp8_dense: true runs the dense projections in FP8 under precision: fp8; this run is "
                              f"precision: {self.precision}: set precision: fp8 or remove fp8_dense")
-        if self.precision == "fp8" and self.fp8_dense is not False and self.seq_len % 16:
-            raise ValueError(f"fp8_dense (on under precision: fp8) contracts each micro-batch's tokens in the dense "
-                             f"weight gradients, and torch._scaled_mm needs a multiple of 16; seq_len is "
-                             f"{self.seq_len}: set seq_len to a multiple of 16 or fp8_dense: false")
         if self.precision == "fp8":
             needs = [why for bad, why in (
                 (self.device != "cuda", "device: cuda (FP8 tensor cores; the CPU runs the kernels only in their tests)"),

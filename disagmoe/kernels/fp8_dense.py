@@ -1,25 +1,30 @@
 """FP8 dense linear y = x W^T (attention projections, shared experts, dense FFN layers) on torch's
 own kernel, `torch._scaled_mm`, under `precision: fp8` (`TrainConfig.fp8_dense`).
 
-Recipe "rowwise" (`RECIPE`), not the routed experts' fine-grained one (`kernels.fp8`):
-`torch._scaled_mm` takes one fp32 scale per row of A ([M, 1]) and per column of B ([1, N]), so
-every operand gets one scale (amax / 448) per row along the GEMM's contraction, e4m3 values, fp32
-accumulation, bf16 out. An outlier costs precision to its whole row: its own loss parity to show.
+Recipe "rowwise, bf16 weight gradient" (`RECIPE`; torchao's ROWWISE_WITH_GW_HP, which it calls its
+most accurate), not the routed experts' fine-grained one (`kernels.fp8`): `torch._scaled_mm` takes
+one fp32 scale per row of A ([M, 1]) and per column of B ([1, N]), so each FP8 operand gets one
+scale (amax / 448) per row along the GEMM's contraction, e4m3 values, fp32 accumulation, bf16 out:
 
-  forward  y_NO  = x_NI W_OI^T   x per token (over I), W per output feature (over I)
-  dgrad    dx_NI = dy_NO W_OI    dy per token (over O), W per input feature (over O)
-  wgrad    dW_OI = dy_NO^T x_NI  dy^T per output feature, x^T per input feature, both over the
-                                 tokens (per-token scales would sit inside the sum)
+  forward  y_NO  = x_NI W_OI^T   e4m3: x per token (over I), W per output feature (over I)
+  dgrad    dx_NI = dy_NO W_OI    e4m3: dy per token (over O), W per input feature (over O)
+  wgrad    dW_OI = dy_NO^T x_NI  bf16 (`model.layers`: into the fp32 main gradient by the GEMM)
 
-All operands e4m3, gradients too (as DeepSeek-V3). The quantiser is one Triton launch on CUDA
-(`kernels.fp8_rowwise`; transposed operands read in place), plain torch on the CPU, the same bits.
-The bf16 weight stays the parameter; its two e4m3 copies (`Fp8WeightCopies`) are made once per
-optimizer step by `DeferrableLinear.prepare_fp8`, reused by every micro-batch, never checkpointed.
-`emulate=True` (tests only): dequantise-then-matmul in fp64 on the same quantised operands instead
-of the library GEMM. torch 2.13 also has a CPU `torch._scaled_mm` (the CPU tests run it). Every
-quantisation can add into an `Fp8Stats` row (kind "dense"; W's once per refresh). A linear's input
-read by several linears in a row (q, k and v's x; a SwiGLU's gate and up) is quantised once for
-them all, forward and weight gradient (`quantize_input`), and counted once.
+Why the weight gradient stays bf16: it contracts the tokens, so row-wise scales there are one per
+feature over every token of the micro-batch, and each token's gradient is rounded against the
+largest of some 32k tokens' (late in training a few mispredicted tokens' gradients are orders
+above the rest). Session 18's 300-step parity run with all three GEMMs in e4m3 learned more slowly
+than bf16 from step 127 on (+82% loss at step 300, no overflow). It also drops the two transposed
+quantisations per call (x^T and dy^T: the quantiser's slowest launches, few long rows).
+
+The quantiser is one Triton launch on CUDA (`kernels.fp8_rowwise`; transposed operands read in
+place), plain torch on the CPU, the same bits. The bf16 weight stays the parameter; its two e4m3
+copies (`Fp8WeightCopies`) are made once per optimizer step by `DeferrableLinear.prepare_fp8`,
+reused by every micro-batch, never checkpointed. `emulate=True` (tests only): dequantise-then-matmul
+in fp64 on the same quantised operands instead of the library GEMM. torch 2.13 also has a CPU
+`torch._scaled_mm` (the CPU tests run it). Every quantisation can add into an `Fp8Stats` row (kind
+"dense"; W's once per refresh). A linear's input read by several linears in a row (q, k and v's x;
+a SwiGLU's gate and up) is quantised once for them all (`quantize_input`), and counted once.
 
 Shape legend: N tokens, I input features, O output features; M / K a GEMM's rows / contraction.
 """
@@ -34,9 +39,9 @@ import torch
 
 from disagmoe.kernels.fp8_stats import AMAX, E4M3_MAX, NONFINITE, SATURATED, SATURATION_BOUND, TOTAL, UNDERFLOW
 
-RECIPE = "rowwise"
+RECIPE = "rowwise, bf16 weight gradient"
 E4M3 = torch.float8_e4m3fn
-ALIGN = 16  # torch._scaled_mm: every GEMM dimension but M a multiple of 16 (wgrad contracts the tokens)
+ALIGN = 16  # torch._scaled_mm: every GEMM dimension but M (the tokens, here) a multiple of 16
 
 
 def quantize_rowwise(x_MK: torch.Tensor, stats_row: torch.Tensor | None = None,
@@ -142,10 +147,9 @@ def _identity(w_OI: torch.Tensor) -> tuple:
 
 
 class Fp8Linear(torch.autograd.Function):
-    """y = x W^T with the three GEMMs in e4m3 (module docstring); d W is returned (the caller
-    defers it with `wgrad` where it holds weight gradients back). Saves the bf16 x and W: the
-    backward's operands are scaled along other dimensions than the forward's, so the forward's
-    e4m3 copies are of no use there."""
+    """y = x W^T with the forward and data-gradient GEMMs in e4m3 and d W in bf16 (module
+    docstring), returned to autograd. Saves the bf16 x and W: the data gradient's W is scaled along
+    another dimension than the forward's, and the weight gradient reads x in bf16."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, w_OI: torch.Tensor, stats_row: torch.Tensor | None,
@@ -159,42 +163,40 @@ class Fp8Linear(torch.autograd.Function):
         x, w_OI = ctx.saved_tensors
         dy_NO = dy.reshape(-1, dy.shape[-1])
         dx = dgrad(dy_NO, w_OI, ctx.stats_row, ctx.emulate).view(x.shape) if ctx.needs_input_grad[0] else None
-        dw = (wgrad(dy_NO, x.reshape(-1, x.shape[-1]), ctx.stats_row, ctx.emulate)
-              if ctx.needs_input_grad[1] else None)
+        dw = dy_NO.t().mm(x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
         return dx, dw, None, None
 
 
 class _SharedInputs(threading.local):
-    """The last quantised input of each kind ("rows": a forward's x; "columns": a weight gradient's
-    x^T), with the tensor itself held, so the next linear that reads the same tensor takes the same
-    e4m3 copy instead of quantising it again: q, k and v read one x (forward and weight gradients),
+    """The last quantised forward input, with the tensor itself held, so the next linear that reads
+    the same tensor takes the same e4m3 copy instead of quantising it again: q, k and v read one x,
     as do a SwiGLU's gate and up. Same tensor = same storage address, shape, strides, dtype and
     version counter while the held reference keeps the storage from being reused; and the same
     stats row (an input shared this way is counted once, not once per reader). Per thread."""
 
     def __init__(self) -> None:
-        self.last: dict[str, tuple[tuple, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.last: tuple[tuple, torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 _shared_inputs = _SharedInputs()
 
 
-def quantize_input(x_MK: torch.Tensor, stats_row: torch.Tensor | None, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """`quantize_rowwise(x_MK, stats_row)` of a linear's input, reused when the previous input of
-    this `kind` was the same tensor (`_SharedInputs`): one quantisation per input, not per reader."""
+def quantize_input(x_MK: torch.Tensor, stats_row: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_rowwise(x_MK, stats_row)` of a linear's input, reused when the previous input was
+    the same tensor (`_SharedInputs`): one quantisation per input, not per reader."""
     key = (x_MK.data_ptr(), tuple(x_MK.shape), x_MK.stride(), x_MK.dtype, x_MK.device, x_MK._version,
            None if stats_row is None else id(stats_row))
-    last = _shared_inputs.last.get(kind)
+    last = _shared_inputs.last
     if last is not None and last[0] == key:
         return last[2]
     result = quantize_rowwise(x_MK, stats_row)
-    _shared_inputs.last[kind] = (key, x_MK, result)
+    _shared_inputs.last = (key, x_MK, result)
     return result
 
 
 def forget_shared_inputs() -> None:
-    """Drop the held inputs and their copies (`_SharedInputs`): at the end of a step, or in tests."""
-    _shared_inputs.last.clear()
+    """Drop the held input and its copy (`_SharedInputs`): at the end of a step, or in tests."""
+    _shared_inputs.last = None
 
 
 def fprop(x: torch.Tensor, w_OI: torch.Tensor, stats_row: torch.Tensor | None = None,
@@ -203,7 +205,7 @@ def fprop(x: torch.Tensor, w_OI: torch.Tensor, stats_row: torch.Tensor | None = 
     same x, `quantize_input`), W per output feature (both over I; `copies.rows` where given, else
     quantised here)."""
     x_NI = x.reshape(-1, x.shape[-1])
-    qx_NI, sx_N1 = quantize_input(x_NI, stats_row, "rows")
+    qx_NI, sx_N1 = quantize_input(x_NI, stats_row)
     qw_OI, sw_O1 = copies.rows if copies is not None else quantize_rowwise(w_OI, stats_row)
     y_NO = scaled_mm(qx_NI, sx_N1, qw_OI.t(), sw_O1.t(), x.dtype, emulate)
     return y_NO.view(*x.shape[:-1], w_OI.shape[0])
@@ -218,19 +220,7 @@ def dgrad(dy_NO: torch.Tensor, w_OI: torch.Tensor, stats_row: torch.Tensor | Non
     return scaled_mm(qdy_NO, sdy_N1, qw_IO.t(), sw_I1.t(), dy_NO.dtype, emulate)
 
 
-def wgrad(dy_NO: torch.Tensor, x_NI: torch.Tensor, stats_row: torch.Tensor | None = None,
-          emulate: bool = False) -> torch.Tensor:
-    """dW_OI = dy_NO^T x_NI, contracting the tokens: dy^T scaled per output feature, x^T per input
-    feature, both over the tokens (N a multiple of 16 on the library kernel)."""
-    if not emulate and dy_NO.shape[0] % ALIGN:
-        raise ValueError(f"the FP8 weight gradient contracts {dy_NO.shape[0]} tokens: torch._scaled_mm needs a "
-                         f"multiple of {ALIGN} (tokens per micro-batch); set fp8_dense: false")
-    qdy_ON, sdy_O1 = quantize_rowwise(dy_NO.t(), stats_row)
-    qx_IN, sx_I1 = quantize_input(x_NI.t(), stats_row, "columns")
-    return scaled_mm(qdy_ON, sdy_O1, qx_IN.t(), sx_I1.t(), dy_NO.dtype, emulate)
-
-
 def fp8_linear(x: torch.Tensor, w_OI: torch.Tensor, stats_row: torch.Tensor | None = None,
                emulate: bool = False) -> torch.Tensor:
-    """y = x W^T in FP8 (`Fp8Linear`), x [..., I], W [O, I]. `emulate`: tests only."""
+    """y = x W^T with FP8 GEMMs (`Fp8Linear`), x [..., I], W [O, I]. `emulate`: tests only."""
     return Fp8Linear.apply(x, w_OI, stats_row, emulate)

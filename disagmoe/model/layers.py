@@ -191,18 +191,29 @@ def add_weight_grad_into_main(w_OI: torch.Tensor | None, dy_NO: torch.Tensor, x_
     return True
 
 
-def _accumulate_weight_grad(w_OI: torch.Tensor, dy_NO: torch.Tensor, x_NI: torch.Tensor,
-                            weight_grad: Callable[..., torch.Tensor] = _linear_weight_grad) -> None:
-    """A held-back weight gradient, computed now: the bf16 one straight into W's main gradient
-    where it can (`add_weight_grad_into_main`); otherwise `weight_grad(dy_NO, x_NI)` (bf16, or the
-    FP8 one) accumulated by autograd itself, as the backward would have done: into `.grad` (in
-    place where it exists: FlatAdamW's fp32 view), then the post-accumulate hooks (FlatAdamW adds
-    a bf16 gradient into `main_grad`)."""
+def _accumulate_weight_grad(w_OI: torch.Tensor, dy_NO: torch.Tensor, x_NI: torch.Tensor) -> None:
+    """A held-back weight gradient, computed now: straight into W's main gradient where it can
+    (`add_weight_grad_into_main`); otherwise accumulated by autograd itself, as the backward would
+    have done: into `.grad` (in place where it exists: FlatAdamW's fp32 view), then the
+    post-accumulate hooks (FlatAdamW adds a bf16 gradient into `main_grad`)."""
     with torch.no_grad():
-        if weight_grad is _linear_weight_grad and add_weight_grad_into_main(w_OI, dy_NO, x_NI):
+        if add_weight_grad_into_main(w_OI, dy_NO, x_NI):
             return
-        dw_OI = weight_grad(dy_NO, x_NI)
+        dw_OI = _linear_weight_grad(dy_NO, x_NI)
     torch.autograd.backward(w_OI, dw_OI)
+
+
+def _linear_backward_weight(weight: torch.Tensor | None, dy_NO: torch.Tensor, x_NI: torch.Tensor,
+                            ) -> torch.Tensor | None:
+    """A linear's d W, bf16 as autograd's linear computes it, the one place both linears take it:
+    held back inside `deferred_weight_grads` (first-order backward, a leaf `weight`), else added into
+    W's main gradient by the GEMM where there is one, else returned (None when it went elsewhere)."""
+    deferrable = weight is not None and not torch.is_grad_enabled()  # grad mode on: a double backward
+    if deferrable and hold_back(functools.partial(_accumulate_weight_grad, weight, dy_NO, x_NI)):
+        return None
+    if add_weight_grad_into_main(weight, dy_NO, x_NI):
+        return None
+    return _linear_weight_grad(dy_NO, x_NI)
 
 
 def _deferrable_weight(w_OI: torch.Tensor) -> torch.Tensor | None:
@@ -233,19 +244,14 @@ class _LinearFunction(torch.autograd.Function):
         dx = dy_NO.mm(w_OI).view(x.shape) if ctx.needs_input_grad[0] else None
         if not ctx.needs_input_grad[1]:
             return dx, None
-        x_NI = x.reshape(-1, x.shape[-1])
-        deferrable = ctx.weight is not None and not torch.is_grad_enabled()  # grad mode on: a double backward
-        if deferrable and hold_back(functools.partial(_accumulate_weight_grad, ctx.weight, dy_NO, x_NI)):
-            return dx, None
-        if add_weight_grad_into_main(ctx.weight, dy_NO, x_NI):
-            return dx, None
-        return dx, _linear_weight_grad(dy_NO, x_NI)
+        return dx, _linear_backward_weight(ctx.weight, dy_NO, x.reshape(-1, x.shape[-1]))
 
 
 class _Fp8LinearFunction(torch.autograd.Function):
-    """`_LinearFunction` with its three GEMMs in FP8 (`kernels.fp8_dense`, recipe "rowwise"); the
-    weight gradient waits inside `deferred_weight_grads` the same way. `copies`: W's e4m3 copies
-    of this optimizer step (`fp8_dense.Fp8WeightCopies`, forward and data gradient), or None."""
+    """`_LinearFunction` with its forward and data-gradient GEMMs in FP8 (`kernels.fp8_dense`,
+    `RECIPE`: the weight gradient in bf16, taken as `_LinearFunction` takes it: held back, or into
+    the main gradient). `copies`: W's e4m3 copies of this optimizer step
+    (`fp8_dense.Fp8WeightCopies`, forward and data gradient), or None."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, w_OI: torch.Tensor, stats_row: torch.Tensor | None,
@@ -263,17 +269,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
               if ctx.needs_input_grad[0] else None)
         if not ctx.needs_input_grad[1]:
             return dx, None, None, None, None
-        x_NI = x.reshape(-1, x.shape[-1])
-        weight_grad = functools.partial(_fp8_weight_grad, stats_row=ctx.stats_row, emulate=ctx.emulate)
-        deferrable = ctx.weight is not None and not torch.is_grad_enabled()
-        if deferrable and hold_back(functools.partial(_accumulate_weight_grad, ctx.weight, dy_NO, x_NI, weight_grad)):
-            return dx, None, None, None, None
-        return dx, weight_grad(dy_NO, x_NI), None, None, None
-
-
-def _fp8_weight_grad(dy_NO: torch.Tensor, x_NI: torch.Tensor, stats_row: torch.Tensor | None,
-                     emulate: bool) -> torch.Tensor:
-    return fp8_dense.wgrad(dy_NO, x_NI, stats_row, emulate)
+        return dx, _linear_backward_weight(ctx.weight, dy_NO, x.reshape(-1, x.shape[-1])), None, None, None
 
 
 class DeferrableLinear(nn.Linear):
@@ -282,8 +278,8 @@ class DeferrableLinear(nn.Linear):
     weight with an fp32 main gradient (FlatAdamW) gets its gradient added there by the GEMM, unrounded
     (`add_weight_grad_into_main`).
 
-    `set_fp8(True, stats_row)` (precision fp8, `fp8_dense`) runs its GEMMs in FP8 instead
-    (`kernels.fp8_dense`): the parameter stays bf16; its e4m3 copies (`fp8_copies`) are made by
+    `set_fp8(True, stats_row)` (precision fp8, `fp8_dense`) runs its forward and data-gradient GEMMs
+    in FP8 instead (`kernels.fp8_dense`; its weight gradient stays bf16): the parameter stays bf16; its e4m3 copies (`fp8_copies`) are made by
     `prepare_fp8`, once per optimizer step, never checkpointed. `emulate` is for tests only
     (dequantise-then-matmul in fp64 instead of torch._scaled_mm)."""
 

@@ -505,11 +505,9 @@ def evaluate(prob: Problem, c: Candidates, misfits_exact: bool = True) -> Cost:
     exp_params = moe_l * local * expert_params(m)
     f_dp = _scaleout_fraction(dp, prob.nvlink_domain)
 
-    # The bf16 projections' weight gradients go into their fp32 main gradients inside the weight-gradient
-    # GEMM (`model.layers.add_weight_grad_into_main`: fp32 C, beta 1; its C traffic is small against the
-    # GEMM's FLOPs): FlatAdamW's hook adds the rest (norm gains, routers), and every projection's too
-    # under `fp8_dense` (the FP8 weight gradient comes back in bf16).
-    projections_hooked = prob.fp8_dense and prob.expert_precision == "fp8"
+    # The projections' weight gradients (bf16, under fp8_dense too) go into their fp32 main gradients
+    # inside the weight-gradient GEMM (`model.layers.add_weight_grad_into_main`: fp32 C, beta 1; its C
+    # traffic is small against the GEMM's FLOPs): FlatAdamW's hook adds the rest (norm gains, routers).
 
     # Memory: each parameter's state and the activations at their peak, without and with
     # selective recomputation; `selective` says which one each candidate is priced with.
@@ -585,9 +583,9 @@ def evaluate(prob: Problem, c: Candidates, misfits_exact: bool = True) -> Cost:
         "selective recompute": Stage("expert", "moe", Work(), st.selective_recompute(m, rows * selective, fp8)),
         "combine": Stage("link", "moe", combine, dispatch),
         "main-grad adds": Stage("attention", "moe", Work(), st.main_grad_add(
-            attn_layer + moe_side if projections_hooked else attention_norm_params(m) + H + router_params(m))),
+            attention_norm_params(m) + H + router_params(m))),
         "main-grad adds (dense layers)": Stage("attention", "dense", Work(), st.main_grad_add(
-            attn_layer + dense_side if projections_hooked else attention_norm_params(m) + H)),
+            attention_norm_params(m) + H)),
         "lm head + embedding": Stage("attention", "micro-batch", head, head.backward()),
         "main-grad adds (embedding, head)": Stage("attention", "micro-batch", Work(), st.main_grad_add(emb_params)),
         # under ZeRO-1 the reduce-scatter of the gradients (the updated slices' all-gather follows the update)
@@ -849,18 +847,20 @@ FP8_DENSE_STAGES = {"attention projections": "layer", "shared experts": "moe", "
 def fp8_dense_stages(stages: dict[str, Stage], ceil: Ceilings, speedup: float, m: ModelConfig,
                      tokens: Num, moe_layers: Num, dense_layers: Num) -> dict[str, Stage]:
     """`stages` with the dense projections in FP8 (`precision: fp8`, `fp8_dense`): the attention
-    projections', shared experts' and dense FFN layers' compute rate (bf16 or calibrated) times
-    `speedup` = fp8_tflops / bf16_tflops, and their quantisation passes (`roofline.stages.
-    dense_fp8_quantise_passes`: the rowwise quantisers of the activations and gradients) as one
-    stage beside each, run as often as it; the weights' two e4m3 copies once per step, in the
-    attention optimizer's stage (`dense_fp8_weight_copies`, of the busiest group's
-    `moe_layers` / `dense_layers`)."""
+    projections', shared experts' and dense FFN layers' forward at their compute rate (bf16 or
+    calibrated) times `speedup` = fp8_tflops / bf16_tflops, their backward (the FP8 data gradient
+    and the bf16 weight gradient, equal FLOPs: `kernels.fp8_dense.RECIPE`) at 2 speedup / (1 +
+    speedup) of it, and their quantisation passes (`roofline.stages.dense_fp8_quantise_passes`: the
+    rowwise quantisers of the activations and the output gradients) as one stage beside each, run
+    as often as it; the weights' two e4m3 copies once per step, in the attention optimizer's stage
+    (`dense_fp8_weight_copies`, of the busiest group's `moe_layers` / `dense_layers`)."""
     out = dict(stages)
     for name, runs in FP8_DENSE_STAGES.items():
         if name not in out or (name == "shared experts" and not m.shared_ffn_size):
             continue
         s = out[name]
-        faster = [replace(s.ceilings(bwd, ceil), flops_per_s=s.ceilings(bwd, ceil).flops_per_s * speedup)
+        rates = (speedup, 2.0 * speedup / (1.0 + speedup))  # forward; backward half FP8, half bf16
+        faster = [replace(s.ceilings(bwd, ceil), flops_per_s=s.ceilings(bwd, ceil).flops_per_s * rates[bwd])
                   for bwd in (False, True)]
         out[name] = replace(s, fwd_ceilings=faster[0], bwd_ceilings=faster[1])
         part = "attention" if name == "attention projections" else name

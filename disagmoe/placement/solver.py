@@ -111,7 +111,8 @@ def fp8_note(prob: Problem, cost: Cost) -> str:
                 "passes' HBM traffic and two e4m3 weight copies per expert parameter each step")
     dense = ("; the dense projections (attention, shared experts, dense FFN layers) in FP8 too, rowwise "
              f"(torch._scaled_mm), with their quantisation passes, at the datasheet ratio {prob.fp8_speedup:.2f}x "
-             "whatever the calibration (unmeasured: `bench calibrate` measures the FP8 experts only)"
+             "whatever the calibration (unmeasured: `bench calibrate` measures the FP8 experts only) in the forward "
+             "and data gradient, their weight gradients bf16"
              if prob.fp8_dense else "")
     return (head + "; their selective recomputation drops expert_input and expert_swiglu only (no fused FP8 "
             "combine for expert_output)" + dense)

@@ -72,31 +72,22 @@ def test_quantiser_counts_into_a_stats_row_as_the_reference():
 
 
 @pytest.mark.parametrize("emulate", [True, False], ids=["emulated", "torch_scaled_mm_cpu"])
-def test_the_three_gemms_track_fp64(emulate):
+def test_the_two_fp8_gemms_track_fp64(emulate):
     x_NI, w_OI, dy_NO = _inputs(3, torch.bfloat16)
     x64, w64, dy64 = x_NI.double(), w_OI.double(), dy_NO.double()
     assert _rel(fp8_dense.fprop(x_NI, w_OI, emulate=emulate), x64 @ w64.T) < REL_BOUND
     assert _rel(fp8_dense.dgrad(dy_NO, w_OI, emulate=emulate), dy64 @ w64) < REL_BOUND
-    assert _rel(fp8_dense.wgrad(dy_NO, x_NI, emulate=emulate), dy64.T @ x64) < REL_BOUND
 
 
 def test_the_library_kernel_matches_the_emulation_on_the_same_operands():
     x_NI, w_OI, dy_NO = _inputs(4, torch.bfloat16)
-    for fn, args in ((fp8_dense.fprop, (x_NI, w_OI)), (fp8_dense.dgrad, (dy_NO, w_OI)),
-                     (fp8_dense.wgrad, (dy_NO, x_NI))):
+    for fn, args in ((fp8_dense.fprop, (x_NI, w_OI)), (fp8_dense.dgrad, (dy_NO, w_OI))):
         assert _rel(fn(*args), fn(*args, emulate=True)) < LIB_BOUND, fn.__name__
 
 
-def test_wgrad_scales_along_the_tokens_so_a_loud_token_does_not_break_it():
-    """One token 1000x louder than the rest: per-input-feature scales over the tokens still hold
-    the weight gradient (the loud token dominates dW anyway); the bound is the usual one."""
-    x_NI, _, dy_NO = _inputs(5)
-    x_NI[7] *= 1000.0
-    want = dy_NO.double().T @ x_NI.double()
-    assert _rel(fp8_dense.wgrad(dy_NO, x_NI, emulate=True), want) < REL_BOUND
-
-
-def test_autograd_function_gives_fp8_grads_of_fp64_quality():
+def test_autograd_function_gives_fp8_grads_of_fp64_quality_and_the_weight_gradient_in_bf16():
+    """y and dx within the FP8 bound; d W is the bf16 product autograd's linear computes (the recipe
+    keeps the weight gradient out of FP8: kernels/fp8_dense.py)."""
     x_NI, w_OI, dy_NO = _inputs(6)
     x = x_NI.view(4, N // 4, I).clone().requires_grad_()
     w = w_OI.clone().requires_grad_()
@@ -106,15 +97,15 @@ def test_autograd_function_gives_fp8_grads_of_fp64_quality():
     x64, w64, dy64 = x_NI.double(), w_OI.double(), dy_NO.double()
     assert _rel(y.reshape(N, O), x64 @ w64.T) < REL_BOUND
     assert _rel(x.grad.reshape(N, I), dy64 @ w64) < REL_BOUND
-    assert _rel(w.grad, dy64.T @ x64) < REL_BOUND
+    assert torch.equal(w.grad, dy_NO.t().mm(x_NI))
 
 
 def test_library_path_refuses_unaligned_shapes_with_the_fix():
     with pytest.raises(ValueError, match="multiples of 16.*fp8_dense: false"):
         fp8_dense.check_shape(128, 72)
-    _, _, dy_NO = _inputs(7)
-    with pytest.raises(ValueError, match="multiple of 16"):
-        fp8_dense.wgrad(dy_NO[:90], torch.randn(90, I))
+    x_NI, w_OI, dy_NO = _inputs(7, torch.bfloat16)  # the tokens (the GEMMs' M) need no alignment
+    assert fp8_dense.fprop(x_NI[:90], w_OI).shape == (90, O)
+    assert fp8_dense.dgrad(dy_NO[:90], w_OI).shape == (90, I)
 
 
 def _cuda_fp8() -> bool:
@@ -123,8 +114,10 @@ def _cuda_fp8() -> bool:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _cuda_fp8(), reason="needs a CUDA GPU with FP8 tensor cores (sm_89+)")
-@pytest.mark.parametrize("shape", [(4096, 2048, 4096), (1024, 4096, 512), (512, 128, 1536)])
+@pytest.mark.parametrize("shape", [(4096, 2048, 4096), (1024, 4096, 512), (512, 128, 1536), (8 * 31, 256, 512)])
 def test_cuda_scaled_mm_tracks_fp64(shape):
+    """The two FP8 GEMMs within the bound of fp64, d W the bf16 product (tokens need no alignment:
+    8 x 31 failed mid-step when the weight gradient contracted them on torch._scaled_mm)."""
     n, i, o = shape
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(n, i, device="cuda", generator=gen).bfloat16().requires_grad_()
@@ -136,7 +129,7 @@ def test_cuda_scaled_mm_tracks_fp64(shape):
     x64, w64, dy64 = x.detach().double(), w.detach().double(), dy.double()
     assert _rel(y, x64 @ w64.T) < REL_BOUND
     assert _rel(x.grad, dy64 @ w64) < REL_BOUND
-    assert _rel(w.grad, dy64.T @ x64) < REL_BOUND
+    assert torch.equal(w.grad, dy.t().mm(x.detach()))
     # and the library kernel agrees with the emulation of the same quantisation
     assert _rel(y, fp8_dense.fp8_linear(x.detach(), w.detach(), emulate=True)) < LIB_BOUND
 
@@ -165,9 +158,9 @@ def test_weight_copies_hold_the_per_call_quantisations_and_refresh_in_place():
     assert torch.equal(copies.rows[1], fp8_dense.quantize_rowwise(w_OI)[1])
 
 
-def test_linears_reading_one_input_quantise_it_once_forward_and_weight_gradient(monkeypatch):
+def test_linears_reading_one_input_quantise_it_once(monkeypatch):
     """q, k and v as three FP8 DeferrableLinears on one x (the library GEMM, CPU): x is quantised
-    once in the forward and its transpose once for the three weight gradients, each counted once;
+    once in the forward (and never in the backward: the weight gradients run in bf16), counted once;
     outputs and gradients equal those of quantising per linear; writing x in place (its version)
     or a different stats row makes a fresh quantisation."""
     from disagmoe.model.layers import DeferrableLinear
@@ -202,16 +195,16 @@ def test_linears_reading_one_input_quantise_it_once_forward_and_weight_gradient(
     for lin in linears:
         lin.weight.grad = None
     apart = run(share=False)
-    assert shared[:2] == (1, 1) and apart[0] == 3
+    assert shared[:2] == (1, 0) and apart[:2] == (3, 0)
     for a, b in zip(shared[2:], apart[2:], strict=True):
         for t, u in (zip(a, b, strict=True) if isinstance(a, list) else [(a, b)]):
             assert torch.equal(t, u)
     fp8_dense.forget_shared_inputs()
     x = x_NI.clone()
-    first = fp8_dense.quantize_input(x, None, "rows")
-    assert fp8_dense.quantize_input(x, None, "rows") is first
+    first = fp8_dense.quantize_input(x, None)
+    assert fp8_dense.quantize_input(x, None) is first
     x.mul_(2.0)  # written in place: its version moves on
-    assert fp8_dense.quantize_input(x, None, "rows") is not first
+    assert fp8_dense.quantize_input(x, None) is not first
     row = torch.zeros(FIELDS, dtype=torch.int64)
-    assert fp8_dense.quantize_input(x, row, "rows") is not fp8_dense.quantize_input(x, None, "rows")
+    assert fp8_dense.quantize_input(x, row) is not fp8_dense.quantize_input(x, None)
     fp8_dense.forget_shared_inputs()
