@@ -62,6 +62,35 @@ def set_gluon_rows(enabled: bool) -> None:
     _GluonRows.enabled = enabled
 
 
+class _GluonWgrad:
+    """Whether the weight gradients run `fp8_gluon.gluon_fp8_weight_grad` where it applies
+    (`set_gluon_wgrad`; default off: compiled for sm_90a without spills, not yet timed on a GPU)."""
+
+    enabled = False
+
+
+def set_gluon_wgrad(enabled: bool) -> bool:
+    """Run the weight gradients of the FFN's forwards from now on with the Gluon kernel where
+    `fp8_gluon.wgrad_takes` their operands (True), or with `fp8.fp8_weight_grad` (False, the default
+    until it is measured); a forward's backward keeps the choice made at its forward. Returns the
+    previous setting."""
+    previous, _GluonWgrad.enabled = _GluonWgrad.enabled, enabled
+    return previous
+
+
+def _weight_grad(a, b, padded_E, tile: TileConfig, *, weights: int, out: torch.Tensor | None, accumulate: bool,
+                 num_programs: int | None, gluon: bool) -> torch.Tensor:
+    """`fp8.fp8_weight_grad`, or with `gluon` the Gluon kernel of the same sums on a Hopper GPU
+    where the operands fit it and no program count is forced."""
+    if gluon and num_programs is None and a[0].is_cuda:
+        from disagmoe.kernels import fp8_gluon
+
+        if fp8_gluon.wgrad_takes(a[0], b[0]):
+            return fp8_gluon.gluon_fp8_weight_grad(a, b, padded_E, weights=weights, out=out, accumulate=accumulate)
+    return fp8.fp8_weight_grad(a, b, padded_E, tile, weights=weights, out=out, accumulate=accumulate,
+                               num_programs=num_programs)
+
+
 def _rows_gemm(a_MK, sa_MG, offsets_E, b_EKN, sb_EGB, tile: TileConfig, *, out_dtype: torch.dtype,
                num_programs: int | None) -> torch.Tensor:
     """`fp8.fp8_rows_gemm`, or the Gluon kernel of the same sums (`_GluonRows`) on a Hopper GPU
@@ -183,6 +212,7 @@ def fp8_ffn_backward(
     main_grads: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
     num_programs: int | None = None,
     stats: Fp8Stats | None = None,
+    gluon_wgrad: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(dx_NH in dy's dtype, dw13_EH2F fp32, dw2_EFH fp32); a weight gradient whose fp32 main
     gradient is given (w13's, w2's) is added into it by its GEMM (stored, if the gradient is
@@ -202,9 +232,11 @@ def fp8_ffn_backward(
     dropped before d h13's two copies are made, and act (bf16, read by its quantiser alone) is
     dropped with it (`roofline.memory.expert_row_grad_bytes`). dx is no later for the rank
     either: every result leaves this function together (the FP8 experts hold no weight gradient
-    back, `kernels.deferral`)."""
+    back, `kernels.deferral`). `gluon_wgrad`: the weight gradients in `fp8_gluon` where it applies
+    (None: as `set_gluon_wgrad` says now)."""
     rows, ffn = h13_N2F.shape[0], weights.w2[0].shape[1]
     experts = weights.w13[0].shape[0]
+    gluon_wgrad = _GluonWgrad.enabled if gluon_wgrad is None else gluon_wgrad
     acts, grads_row = _row(stats, ACTIVATIONS), _row(stats, GRADIENTS)
     served = offsets_E[-1:]  # rows past it are padding: dh13's are never written (garbage, maybe NaN)
     # each e4m3 copy is dropped right after its last reader (`roofline.memory.expert_row_grad_bytes`)
@@ -217,8 +249,9 @@ def fp8_ffn_backward(
     del act_NF
     # each weight-gradient launch writes every element (zeros for an expert without rows): the step's
     # first one into a main gradient stores instead of adding (`kernels.first_touch`)
-    dw2 = fp8.fp8_weight_grad((qt_act, st_act), (qt_dy, st_dy), padded_E, tiles.wgrad, weights=experts,
-                              out=main_grads[1], accumulate=adds_into(main_grads[1]), num_programs=num_programs)
+    dw2 = _weight_grad((qt_act, st_act), (qt_dy, st_dy), padded_E, tiles.wgrad, weights=experts,
+                       out=main_grads[1], accumulate=adds_into(main_grads[1]), num_programs=num_programs,
+                       gluon=gluon_wgrad)
     del qt_act, st_act, qt_dy, st_dy  # before d h13's two copies are made
     (q_dh, s_dh), (qt_dh, st_dh, _) = fp8.quantize_rows_and_token_groups(dh13_N2F, offsets_E, grads_row, served)
     dx_NH = _rows_gemm(q_dh, s_dh, offsets_E, *weights.w13_t, tiles.rows, out_dtype=dy_NH.dtype,
@@ -228,8 +261,9 @@ def fp8_ffn_backward(
         qt_x, st_x, _ = fp8.quantize_token_groups(x_NH.x_TH, offsets_E, acts, rows_M=x_NH.token_N)
     else:
         qt_x, st_x, _ = fp8.quantize_token_groups(x_NH, offsets_E, acts)
-    dw13 = fp8.fp8_weight_grad((qt_x, st_x), (qt_dh, st_dh), padded_E, tiles.wgrad, weights=experts,
-                               out=main_grads[0], accumulate=adds_into(main_grads[0]), num_programs=num_programs)
+    dw13 = _weight_grad((qt_x, st_x), (qt_dh, st_dh), padded_E, tiles.wgrad, weights=experts,
+                        out=main_grads[0], accumulate=adds_into(main_grads[0]), num_programs=num_programs,
+                        gluon=gluon_wgrad)
     del qt_x, st_x, qt_dh, st_dh
     return dx_NH, None if main_grads[0] is not None else dw13, None if main_grads[1] is not None else dw2
 
@@ -251,6 +285,7 @@ class Fp8ExpertFFNFunction(torch.autograd.Function):
         ctx.x_dtype = x_NH.dtype
         ctx.save_for_backward(None if ctx.source is not None else x_NH, offsets_E, h13_N2F)
         ctx.weights, ctx.tiles, ctx.num_programs, ctx.stats = weights, tiles, num_programs, stats
+        ctx.gluon_wgrad = _GluonWgrad.enabled  # the backward keeps the forward's choice
         ctx.weight_dtypes = (w13_EH2F.dtype, w2_EFH.dtype)
         # FlatAdamW's fp32 main gradients: the weight-gradient GEMMs add into them (no bf16 gradient,
         # no autograd accumulation, no hook's fp32 add: 110 ms of a Mixtral-shaped step, measured)
@@ -264,7 +299,8 @@ class Fp8ExpertFFNFunction(torch.autograd.Function):
             same = ctx.source.x_TH.dtype == ctx.x_dtype
             x_NH = ctx.source if same else ctx.source.rows(ctx.x_dtype)
         dx, dw13, dw2 = fp8_ffn_backward(dy_NH.contiguous(), x_NH, offsets_E, ctx.weights, h13_N2F, ctx.tiles,
-                                         main_grads=ctx.main_grads, num_programs=ctx.num_programs, stats=ctx.stats)
+                                         main_grads=ctx.main_grads, num_programs=ctx.num_programs, stats=ctx.stats,
+                                         gluon_wgrad=ctx.gluon_wgrad)
         ctx.weights = ctx.stats = ctx.source = ctx.main_grads = None
         dw13, dw2 = (None if g is None else g.to(dtype) for g, dtype in zip((dw13, dw2), ctx.weight_dtypes))
         return dx, None, dw13, dw2, None, None, None, None, None, None

@@ -51,9 +51,19 @@ row-wise GEMM of the same sizes: 861-1,390). 128 x 64 and 64 x 128 are slower ev
 FFN runs its plain row GEMMs (the down GEMM, the gate/up data gradient) here where `takes` says it
 can (`fp8_ffn.set_gluon_rows`). GPU tests: tests/kernels/test_fp8_gluon.py (37 passed).
 
-Not yet done: the SwiGLU epilogues of `fp8_swiglu_gemm` / `fp8_swiglu_grad_gemm`, the weight
-gradient (`fp8_weight_grad`), a coalesced (shared-memory or TMA) store, skipping a consumer's
-half-tile that lies wholly past its group's end (its MMAs run on rows never stored).
+The weight gradient (`gluon_fp8_weight_grad`, `fp8.fp8_weight_grad`'s sums) runs the same
+partitions over items (expert, 128 KA rows, block_n C columns), its K loop the expert's groups'
+128-token chunks (TMA boxes of the token-contiguous operands `fp8.quantize_token_groups` writes),
+each chunk's product times sa[row, chunk] x sb[column, chunk] (a column vector, not the rows
+kernel's one weight-block scalar). At block_n = 128 the carried product, the column scales and
+the sum spill (ptxas, 2,280 bytes), so there a consumer adds each product after its own wait and
+loads the scales then (no spill); at 64 it carries as the rows kernel does. Compiled for sm_90a
+on a CPU only: the FFN runs it when `fp8_ffn.set_gluon_wgrad(True)` (`bench experts --backend
+triton-fp8:gluon-wgrad`), off by default until a GPU has timed it.
+
+Not yet done: the SwiGLU epilogues of `fp8_swiglu_gemm` / `fp8_swiglu_grad_gemm`, a coalesced
+(shared-memory or TMA) store, skipping a consumer's half-tile that lies wholly past its group's
+end (its MMAs run on rows never stored).
 """
 
 from __future__ import annotations
@@ -82,6 +92,7 @@ PRODUCER_REGS, CONSUMER_REGS, MAXNREG = 40, 232, 168
 SHARED_MEMORY_BYTES = 227 * 1024  # sm_90's per-block limit (the barriers take a few bytes more)
 _SLICE = gl.constexpr(SCALE_BLOCK)
 _ROWS = gl.constexpr(CONSUMER_ROWS)
+_ITEM_ROWS = gl.constexpr(2 * CONSUMER_ROWS)  # the weight gradient's KA rows an item: both consumers' halves
 
 
 @gluon.jit
@@ -230,6 +241,142 @@ def _gluon_fp8_rows_gemm_kernel(a_desc, b_desc, sa_ptr, sb_ptr, out_ptr, offsets
         ], [1], [PRODUCER_REGS])
 
 
+@gluon.jit
+def _wgrad_item(item, per_expert, tiles_k, tiles_n, GROUP_M: gl.constexpr):
+    """(expert, KA tile, C tile) of weight-gradient work item `item`: experts in turn, GROUP_M KA
+    tiles sharing C tiles (`grouped_gemm._swizzle`, as `fp8._fp8_weight_grad_kernel` orders them)."""
+    expert = item // per_expert
+    local = item % per_expert
+    per_group = GROUP_M * tiles_n
+    first_m = (local // per_group) * GROUP_M
+    group_rows = gl.minimum(tiles_k - first_m, GROUP_M)
+    pid_k = first_m + (local % per_group) % group_rows
+    pid_n = (local % per_group) // group_rows
+    return expert, pid_k, pid_n
+
+
+@gluon.jit
+def _wgrad_producer(a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, padded_ptr, E, E_W, KA, C,
+                    num_programs, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
+                    STAGES: gl.constexpr):
+    """The TMA warp of the weight gradient: per item, per group of its expert, per 128-token chunk,
+    the A tile a[KA tile, chunk] and the B tile b[C tile, chunk] into the next free stage."""
+    tiles_k = gl.cdiv(KA, BLOCK_M)
+    tiles_n = gl.cdiv(C, BLOCK_N)
+    per_expert = tiles_k * tiles_n
+    count = 0
+    for item in range(gl.program_id(0), E_W * per_expert, num_programs):
+        expert, pid_k, pid_n = _wgrad_item(item, per_expert, tiles_k, tiles_n, GROUP_M)
+        for group in range(expert, E, E_W):
+            start = gl.load(padded_ptr + group - 1, mask=group > 0, other=0)
+            end = gl.load(padded_ptr + group)
+            for p0 in range(start, end, _SLICE):
+                stage = count % STAGES
+                mbarrier.wait(empty_bars.index(stage), ((count // STAGES) & 1) ^ 1)
+                ready = ready_bars.index(stage)
+                mbarrier.expect(ready, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(a_desc, [pid_k * BLOCK_M, p0], ready, a_bufs.index(stage))
+                tma.async_copy_global_to_shared(b_desc, [pid_n * BLOCK_N, p0], ready, b_bufs.index(stage))
+                count += 1
+
+
+@gluon.jit
+def _wgrad_consumer(a_bufs, b_bufs, ready_bars, empty_bars, sa_ptr, sb_ptr, out_ptr, padded_ptr, E, E_W, KA, C,
+                    num_programs, stride_sak, stride_sac, stride_sbc, stride_sbp, stride_oe, stride_ok, stride_oc,
+                    CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
+                    STAGES: gl.constexpr, ACCUMULATE: gl.constexpr, CARRY: gl.constexpr):
+    """One warpgroup's KA rows CONSUMER * 64 + [0, 64) of every item: per chunk the wgmma, and its
+    product times sa[row, chunk] x sb[column, chunk] added into the fp32 sum; CARRY: the previous
+    chunk's product is added under this chunk's wgmma (the rows kernel's overlap; 64-wide C tiles
+    only: at 128 the carried product, the column scales and the sum spill), else after the wait
+    (the other consumer's wgmma covers it). Then the store (or add, ACCUMULATE) of the sums,
+    zeros for an expert without tokens."""
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BLOCK_N, 32])
+    row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
+    col_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
+    tiles_k = gl.cdiv(KA, BLOCK_M)
+    tiles_n = gl.cdiv(C, BLOCK_N)
+    per_expert = tiles_k * tiles_n
+    zero_MN = gl.zeros([_ROWS, BLOCK_N], gl.float32, acc_layout)
+    count = 0
+    for item in range(gl.program_id(0), E_W * per_expert, num_programs):
+        expert, pid_k, pid_n = _wgrad_item(item, per_expert, tiles_k, tiles_n, GROUP_M)
+        rows = (pid_k * BLOCK_M + CONSUMER * _ROWS) + gl.arange(0, _ROWS, layout=row_layout)
+        row_ok = rows < KA
+        cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
+        col_ok = cols < C
+        sa_ptrs = sa_ptr + rows.to(gl.int64) * stride_sak
+        sb_ptrs = sb_ptr + cols.to(gl.int64) * stride_sbc
+        acc_MN = zero_MN
+        prev_MN = zero_MN  # the previous chunk's product, added under the next wgmma (zeros: exact)
+        sa_prev_M = gl.zeros([_ROWS], gl.float32, row_layout)
+        sb_prev_N = gl.zeros([BLOCK_N], gl.float32, col_layout)
+        for group in range(expert, E, E_W):
+            start = gl.load(padded_ptr + group - 1, mask=group > 0, other=0)
+            end = gl.load(padded_ptr + group)
+            for p0 in range(start, end, _SLICE):
+                stage = count % STAGES
+                chunk = p0 // _SLICE
+                if CARRY:  # loaded before the wait, their latency under it
+                    sa_M = gl.load(sa_ptrs + chunk * stride_sac, mask=row_ok, other=0.0)
+                    sb_N = gl.load(sb_ptrs + chunk * stride_sbp, mask=col_ok, other=0.0)
+                mbarrier.wait(ready_bars.index(stage), (count // STAGES) & 1)
+                a_view = a_bufs.index(stage).slice(CONSUMER * _ROWS, _ROWS)
+                b_view = b_bufs.index(stage).permute((1, 0))  # [128 tokens, BLOCK_N], token-major
+                part = warpgroup_mma(a_view, b_view, zero_MN, use_acc=False, is_async=True)
+                if CARRY:
+                    acc_MN = acc_MN + prev_MN * (sa_prev_M[:, None] * sb_prev_N[None, :])
+                part_MN = warpgroup_mma_wait(0, deps=(part, ))
+                mbarrier.arrive(empty_bars.index(stage))
+                if CARRY:
+                    prev_MN = part_MN
+                    sa_prev_M = sa_M
+                    sb_prev_N = sb_N
+                else:  # loaded here: at 128 columns, held across the wgmma they spill
+                    sa_M = gl.load(sa_ptrs + chunk * stride_sac, mask=row_ok, other=0.0)
+                    sb_N = gl.load(sb_ptrs + chunk * stride_sbp, mask=col_ok, other=0.0)
+                    acc_MN = acc_MN + part_MN * (sa_M[:, None] * sb_N[None, :])
+                count += 1
+        if CARRY:
+            acc_MN = acc_MN + prev_MN * (sa_prev_M[:, None] * sb_prev_N[None, :])
+        out_ptrs = (out_ptr + expert.to(gl.int64) * stride_oe + rows.to(gl.int64)[:, None] * stride_ok
+                    + cols[None, :] * stride_oc)
+        ok = row_ok[:, None] & col_ok[None, :]
+        if ACCUMULATE:
+            acc_MN = acc_MN + gl.load(out_ptrs, mask=ok, other=0.0)
+        gl.store(out_ptrs, acc_MN, mask=ok)
+
+
+@gluon.jit
+def _gluon_fp8_weight_grad_kernel(a_desc, b_desc, sa_ptr, sb_ptr, out_ptr, padded_ptr, E, E_W, KA, C, num_programs,
+                                  stride_sak, stride_sac, stride_sbc, stride_sbp, stride_oe, stride_ok, stride_oc,
+                                  BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                                  ACCUMULATE: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                                  CONSUMER_REGS: gl.constexpr):
+    # Contract: `gluon_fp8_weight_grad`'s, checked there; two consumer warpgroups of 64 KA rows each
+    # (the item's 128) and the producer warp, as `_gluon_fp8_rows_gemm_kernel`.
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    ready_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready_bars.index(s), count=1)
+        mbarrier.init(empty_bars.index(s), count=2)
+    gl.warp_specialize([
+        (_wgrad_consumer, (a_bufs, b_bufs, ready_bars, empty_bars, sa_ptr, sb_ptr, out_ptr, padded_ptr, E, E_W, KA, C,
+                           num_programs, stride_sak, stride_sac, stride_sbc, stride_sbp, stride_oe, stride_ok,
+                           stride_oc, gl.constexpr(0), _ITEM_ROWS, BLOCK_N, GROUP_M, STAGES,
+                           ACCUMULATE, BLOCK_N <= 64)),
+        (_wgrad_consumer, (a_bufs, b_bufs, ready_bars, empty_bars, sa_ptr, sb_ptr, out_ptr, padded_ptr, E, E_W, KA, C,
+                           num_programs, stride_sak, stride_sac, stride_sbc, stride_sbp, stride_oe, stride_ok,
+                           stride_oc, gl.constexpr(1), _ITEM_ROWS, BLOCK_N, GROUP_M, STAGES,
+                           ACCUMULATE, BLOCK_N <= 64)),
+        (_wgrad_producer, (a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, padded_ptr, E, E_W, KA, C,
+                           num_programs, _ITEM_ROWS, BLOCK_N, GROUP_M, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
 def _check(a_MK, sa_MG, offsets_E, b_EKN, sb_EGB, out, block_m, block_n, stages) -> None:
     """ValueError naming the fix for arguments the kernel cannot take."""
     wrong = {name: t.dtype for name, t in (("a", a_MK), ("b", b_EKN)) if t.dtype != FP8}
@@ -329,4 +476,84 @@ def gluon_fp8_rows_gemm(
         E_POW2=triton.next_power_of_2(groups), BLOCK_M=block_m, BLOCK_N=block_n, GROUP_M=GROUP_M, STAGES=stages,
         PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS, num_warps=4,
         maxnreg=MAXNREG if block_m == 2 * CONSUMER_ROWS else None)
+    return out
+
+
+def wgrad_takes(qa_KP: torch.Tensor, qb_CP: torch.Tensor) -> bool:
+    """Whether `gluon_fp8_weight_grad` can run these token-group operands here: a Hopper GPU (not
+    the interpreter), both token-contiguous ([KA, P] and [C, P], P a multiple of 128: what
+    `fp8.quantize_token_groups` writes) with 16-byte-aligned rows (TMA)."""
+    if not qa_KP.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    if torch.cuda.get_device_capability(qa_KP.device) != (9, 0):
+        return False
+    return all(t.stride(1) == 1 and t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0 and t.shape[1] % SCALE_BLOCK == 0
+               for t in (qa_KP, qb_CP))
+
+
+def gluon_fp8_weight_grad(
+    a: tuple[torch.Tensor, torch.Tensor],
+    b: tuple[torch.Tensor, torch.Tensor],
+    padded_E: torch.Tensor,
+    *,
+    weights: int | None = None,
+    out: torch.Tensor | None = None,
+    accumulate: bool = False,
+    block_n: int = 128,
+    stages: int = 4,
+    num_programs: int | None = None,
+) -> torch.Tensor:
+    """`fp8.fp8_weight_grad`'s sums, warp-specialised: out[e] = sum over groups g = e mod E_W and their
+    128-token chunks c of (a[:, c] @ b[:, c]^T) x sa[:, c] x sb[:, c], [E_W, KA, C] fp32 (zeros for an
+    expert without tokens; `accumulate`: added into `out`, an fp32 main gradient), each chunk's
+    product scaled and added under the next chunk's wgmma (module docstring: the rows kernel's
+    schedule, 128 KA rows an item). Operands as `fp8.quantize_token_groups` writes them
+    ((q_KP, s_KC) pairs; `padded_E` its third result); `wgrad_takes` says where it runs. block_n:
+    the C tile (64 or 128)."""
+    (qa_KP, sa_KC), (qb_CP, sb_CC) = a, b
+    wrong = {name: t.dtype for name, t in (("a", qa_KP), ("b", qb_CP)) if t.dtype != FP8}
+    if wrong:
+        raise ValueError(f"FP8 operands must be torch.float8_e4m3fn (quantise them with "
+                         f"kernels.fp8.quantize_token_groups); got {wrong}")
+    if block_n not in BLOCK_NS:
+        raise ValueError(f"gluon_fp8_weight_grad's C tile: block_n in {BLOCK_NS}; got {block_n}")
+    ring = stages * (2 * CONSUMER_ROWS + block_n) * SCALE_BLOCK
+    if stages < 2 or ring > SHARED_MEMORY_BYTES:
+        raise ValueError(f"stages={stages}: the ring needs at least 2 stages and must fit the {SHARED_MEMORY_BYTES} "
+                         f"bytes of shared memory a Hopper block may use")
+    ka, capacity = qa_KP.shape
+    cols = qb_CP.shape[0]
+    if (qb_CP.shape[1] != capacity or capacity % SCALE_BLOCK or sa_KC.shape != (ka, capacity // SCALE_BLOCK)
+            or sb_CC.shape != (cols, capacity // SCALE_BLOCK)):
+        raise ValueError(f"FP8 weight-gradient operands do not fit: a {tuple(qa_KP.shape)} with scales "
+                         f"{tuple(sa_KC.shape)}, b {tuple(qb_CP.shape)} with scales {tuple(sb_CC.shape)} "
+                         f"(both from quantize_token_groups of the same rows' offsets)")
+    for name, t in (("a", qa_KP), ("b", qb_CP)):
+        if t.stride(1) != 1 or t.stride(0) % 16 or t.data_ptr() % 16:
+            raise ValueError(f"{name} must be token-contiguous with 16-byte-aligned rows (TMA), as "
+                             f"quantize_token_groups writes it; got strides {t.stride()}")
+    groups = padded_E.shape[0]
+    experts = groups if weights is None else weights
+    if padded_E.dtype != torch.int32 or experts < 1 or groups % experts:
+        raise ValueError(f"padded_E must be int32 cumulative padded rows of a multiple of {experts} groups "
+                         f"(quantize_token_groups' third result); got {padded_E.dtype} {tuple(padded_E.shape)}")
+    if accumulate and out is None:
+        raise ValueError("accumulate=True adds into `out`: give the fp32 main gradient")
+    if out is None:
+        out = torch.empty((experts, ka, cols), dtype=torch.float32, device=qa_KP.device)
+    if out.shape != (experts, ka, cols) or out.dtype != torch.float32:
+        raise ValueError(f"out must be fp32 [E_W, KA, C] = {(experts, ka, cols)}; got {out.dtype} {tuple(out.shape)}")
+    if out.numel() == 0:
+        return out
+    a_box, b_box = [2 * CONSUMER_ROWS, SCALE_BLOCK], [block_n, SCALE_BLOCK]
+    a_desc = TensorDescriptor(qa_KP, [ka, capacity], [qa_KP.stride(0), 1], a_box,
+                              gl.NVMMASharedLayout.get_default_for(a_box, gl.float8e4nv))
+    b_desc = TensorDescriptor(qb_CP, [cols, capacity], [qb_CP.stride(0), 1], b_box,
+                              gl.NVMMASharedLayout.get_default_for(b_box, gl.float8e4nv))
+    programs = num_programs or gg.default_num_programs(qa_KP.device)
+    _gluon_fp8_weight_grad_kernel[(programs, )](
+        a_desc, b_desc, sa_KC, sb_CC, out, padded_E, groups, experts, ka, cols, programs,
+        sa_KC.stride(0), sa_KC.stride(1), sb_CC.stride(0), sb_CC.stride(1), *out.stride(),
+        BLOCK_N=block_n, GROUP_M=GROUP_M, STAGES=stages, ACCUMULATE=accumulate,
+        PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS, num_warps=4, maxnreg=MAXNREG)
     return out

@@ -513,8 +513,10 @@ def _promoted(tiles, promote):
 
 
 def _same_sums(promote):
-    """Bit for bit, but "pipelined" (the interpreter adds its two half-depth products in fp32)."""
-    if promote == "pipelined":
+    """Bit for bit, but "pipelined" (the interpreter adds its two half-depth products in fp32) and
+    "pingpong" (its half-width dots are numpy matmuls of another shape, whose BLAS may order a dot
+    product's sums otherwise: equal on the CI machine, not on every CPU)."""
+    if promote in ("pipelined", "pingpong"):
         return lambda got, want: _rel_err(got, want) < SAME_SUMS_REL_ERR
     return lambda got, want: torch.equal(got, want)
 
@@ -550,7 +552,7 @@ def test_each_promotion_gives_the_inline_loops_sums(fp8k, promote):
         (q_want, s_want, h_want), (q_got, s_got, h_got) = results
         assert torch.isfinite(h_got).all() and same(h_got, h_want) and same(s_got, s_want)
         agree = (q_got.view(torch.uint8) == q_want.view(torch.uint8)).float().mean()
-        assert agree == 1 if promote != "pipelined" else agree > 0.999
+        assert agree == 1 if promote not in ("pipelined", "pingpong") else agree > 0.999
 
     h13 = torch.randn(rows, 2 * n, generator=torch.Generator().manual_seed(22)) * 3
     w2t = fp8k.transpose_blocks(*fp8k.quantize_blocks(b.transpose(1, 2).contiguous()))

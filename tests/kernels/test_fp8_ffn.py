@@ -252,21 +252,23 @@ def test_gpu_fp8_ffn_forward_backward(counts, hidden, ffn):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                     reason="needs a Hopper GPU (sm_90: the Gluon kernel)")
-def test_gpu_the_gluon_row_gemms_give_the_triton_kernels_results(monkeypatch):
-    """On Hopper the plain row GEMMs (down, gate/up data gradient) run the Gluon kernel where its
-    operands fit (K and N multiples of 128 here): y, dx and the weight gradients equal those of the
-    FFN with `fp8.fp8_rows_gemm` throughout (the same sums per 128-deep slice, in the same order),
-    and the Gluon kernel was launched (twice: forward and data gradient)."""
+def test_gpu_the_gluon_kernels_give_the_triton_kernels_results(monkeypatch):
+    """On Hopper the plain row GEMMs (down, gate/up data gradient) and, switched on, the weight
+    gradients run the Gluon kernels where their operands fit (K and N multiples of 128 here): y, dx
+    and the weight gradients equal those of the FFN with the Triton kernels throughout (the same
+    sums per 128-deep slice, in the same order), and the Gluon kernels were launched (twice each)."""
     from disagmoe.kernels import fp8_ffn, fp8_gluon
 
     counts, hidden, ffn = [300, 0, 1000, 7, 129], 512, 384
     x, offsets, w13, w2, dy = _inputs(counts, hidden, ffn, seed=4, device="cuda", dtype=torch.bfloat16)
     calls = []
-    gluon = fp8_gluon.gluon_fp8_rows_gemm
-    monkeypatch.setattr(fp8_gluon, "gluon_fp8_rows_gemm", lambda *a, **k: calls.append(1) or gluon(*a, **k))
+    for name in ("gluon_fp8_rows_gemm", "gluon_fp8_weight_grad"):
+        kernel = getattr(fp8_gluon, name)
+        monkeypatch.setattr(fp8_gluon, name, lambda *a, _k=kernel, _n=name, **kw: calls.append(_n) or _k(*a, **kw))
     results = {}
     for enabled in (True, False):
         fp8_ffn.set_gluon_rows(enabled)
+        fp8_ffn.set_gluon_wgrad(enabled)
         try:
             leaves = [t.clone().requires_grad_() for t in (x, w13, w2)]
             y = fp8_ffn.expert_ffn_fp8(leaves[0], offsets, leaves[1], leaves[2])
@@ -274,7 +276,8 @@ def test_gpu_the_gluon_row_gemms_give_the_triton_kernels_results(monkeypatch):
             results[enabled] = (y, *(t.grad for t in leaves))
         finally:
             fp8_ffn.set_gluon_rows(True)
-    assert len(calls) == 2
+            fp8_ffn.set_gluon_wgrad(False)
+    assert sorted(calls) == ["gluon_fp8_rows_gemm"] * 2 + ["gluon_fp8_weight_grad"] * 2
     for got, want in zip(results[True], results[False], strict=True):
         assert torch.isfinite(got).all()
         assert ((got.double() - want.double()).norm() / want.double().norm()).item() < 1e-3

@@ -102,6 +102,58 @@ def test_the_kernel_compiles_warp_specialised_without_spills(hopper_builds, bloc
         assert registers <= fg.MAXNREG
 
 
+def _cpu_wgrad_operands(padded_counts, ka, c):
+    """Zero-valued token-group operands of the weight gradient on the CPU ([KA, P] and [C, P], P the
+    padded capacity), as `fp8.quantize_token_groups` lays them out."""
+    capacity = sum(padded_counts)
+    qa, sa = torch.zeros(ka, capacity, dtype=FP8), torch.ones(ka, capacity // 128)
+    qb, sb = torch.zeros(c, capacity, dtype=FP8), torch.ones(c, capacity // 128)
+    padded = torch.tensor(padded_counts, dtype=torch.int64).cumsum(0).to(torch.int32)
+    return (qa, sa), (qb, sb), padded
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block_n", [128, 64])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_the_weight_gradient_compiles_warp_specialised_without_spills(hopper_builds, block_n, accumulate):
+    """`gluon_fp8_weight_grad`: one warp_specialize (the second consumer warpgroup and the TMA
+    producer with their setmaxnreg budgets), the e4m3 wgmma, no spill stores and at most MAXNREG
+    registers a thread (ptxas, sm_90a), storing or adding into an fp32 main gradient."""
+    from tests.kernels.test_compile_for_hopper import ptxas_usage
+
+    a, b, padded = _cpu_wgrad_operands([256, 0, 128, 384], 512, 384)
+    out = torch.zeros(4, 512, 384) if accumulate else None
+    fg.gluon_fp8_weight_grad(a, b, padded, out=out, accumulate=accumulate, block_n=block_n, num_programs=132)
+    (kernel,) = hopper_builds
+    ttgir, ptx = kernel.asm["ttgir"], kernel.asm["ptx"]
+    assert ttgir.count("ttg.warp_specialize(") == 1
+    assert f"requestedRegisters = array<i32: {fg.CONSUMER_REGS}, {fg.PRODUCER_REGS}>" in ttgir
+    assert "ttng.async_tma_copy_global_to_local" in ttgir and "ttng.warp_group_dot" in ttgir
+    assert f"wgmma.mma_async.sync.aligned.m64n{block_n}k32.f32.e4m3.e4m3" in ptx
+    registers, spilled = ptxas_usage(ptx)
+    assert spilled == 0, f"block_n {block_n}: {spilled} bytes of spill stores"
+    assert registers <= fg.MAXNREG
+
+
+def test_weight_gradient_arguments_it_cannot_take_are_refused_naming_the_fix():
+    a, b, padded = _cpu_wgrad_operands([128, 256], 256, 128)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        fg.gluon_fp8_weight_grad((a[0].float(), a[1]), b, padded, num_programs=4)
+    with pytest.raises(ValueError, match="block_n in"):
+        fg.gluon_fp8_weight_grad(a, b, padded, block_n=256, num_programs=4)
+    with pytest.raises(ValueError, match="do not fit"):
+        fg.gluon_fp8_weight_grad(a, (b[0][:, :128], b[1][:, :1]), padded, num_programs=4)
+    with pytest.raises(ValueError, match="token-contiguous"):
+        fg.gluon_fp8_weight_grad((a[0].t().contiguous().t(), a[1]), b, padded, num_programs=4)
+    with pytest.raises(ValueError, match="int32"):
+        fg.gluon_fp8_weight_grad(a, b, padded.long(), num_programs=4)
+    with pytest.raises(ValueError, match="give the fp32 main gradient"):
+        fg.gluon_fp8_weight_grad(a, b, padded, accumulate=True, num_programs=4)
+    with pytest.raises(ValueError, match="out must be fp32"):
+        fg.gluon_fp8_weight_grad(a, b, padded, out=torch.zeros(2, 256, 128, dtype=torch.bfloat16), num_programs=4)
+    assert not fg.wgrad_takes(a[0], b[0])  # the CPU: the FFN takes fp8.fp8_weight_grad
+
+
 # --- argument checks (CPU, nothing compiled)
 
 @pytest.mark.parametrize("change,match", [
@@ -196,3 +248,38 @@ def test_gpu_fp32_out_into_a_given_buffer_and_groups_sharing_weights():
     got = fg.gluon_fp8_rows_gemm(qa, sa, offsets, qb, sb, out=out)
     assert got is out and torch.isfinite(out).all()
     assert _rel_err(out, fp8.fp8_rows_gemm_reference(qa, sa, offsets, qb, sb)) < 5e-3
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("block_n", [128, 64])
+@pytest.mark.parametrize("counts,ka,c", [([300, 0, 1000, 7], 512, 384), ([0, 1, 129, 0, 63, 65, 517, 0], 768, 256),
+                                         ([2048, 0, 0, 0], 200, 136)])
+def test_gpu_weight_gradient_matches_the_reference_and_the_triton_kernel(counts, ka, c, block_n):
+    """x^T dy of ragged groups (empty experts, groups shorter than a chunk, KA and C not multiples
+    of the tiles): against `fp8.fp8_weight_grad_reference`'s fp32 sums of the same e4m3 values and
+    against `fp8.fp8_weight_grad` (the Triton kernel, the same sums in the same order), fresh and
+    added into a NaN-free main gradient; an expert without tokens gets zeros."""
+    from disagmoe.kernels.tile_configs import TileConfig
+
+    gen = torch.Generator().manual_seed(21)
+    rows = sum(counts)
+    offsets = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32).cuda()
+    x = (torch.randn(rows, ka, generator=gen) * torch.exp2(torch.randn(rows, 1, generator=gen))).cuda().bfloat16()
+    dy = (torch.randn(rows, c, generator=gen) * torch.exp2(torch.randn(rows, 1, generator=gen))).cuda().bfloat16()
+    qx, sx, padded = fp8.quantize_token_groups(x, offsets)
+    qd, sd, _ = fp8.quantize_token_groups(dy, offsets)
+    got = fg.gluon_fp8_weight_grad((qx, sx), (qd, sd), padded, block_n=block_n)
+    torch.cuda.synchronize()
+    want = fp8.fp8_weight_grad_reference((qx, sx), (qd, sd), padded)
+    assert got.shape == (len(counts), ka, c) and torch.isfinite(got).all()
+    assert _rel_err(got, want) < 5e-3
+    for e, n in enumerate(counts):
+        if n == 0:
+            assert not got[e].any()
+    tile = TileConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3)
+    assert _rel_err(got, fp8.fp8_weight_grad((qx, sx), (qd, sd), padded, tile)) < 1e-5
+    main = torch.randn(len(counts), ka, c, device="cuda")
+    before = main.clone()
+    assert fg.gluon_fp8_weight_grad((qx, sx), (qd, sd), padded, out=main, accumulate=True, block_n=block_n) is main
+    assert _rel_err(main - before, want) < 5e-3
