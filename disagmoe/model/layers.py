@@ -316,6 +316,13 @@ class DeferrableLinear(nn.Linear):
         return _LinearFunction.apply(x, self.weight)
 
 
+@fused
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up: one compiled kernel each way on CUDA (silu's output is neither written nor
+    read back; the backward recomputes it from gate), as written on the CPU."""
+    return F.silu(gate) * up
+
+
 class SwiGLU(nn.Module):
     """down(silu(gate(x)) * up(x)); the leading dense layers' FFN and the shared experts.
 
@@ -330,4 +337,4 @@ class SwiGLU(nn.Module):
         self.w2 = DeferrableLinear(ffn, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(swiglu(self.w1(x), self.w3(x)))
