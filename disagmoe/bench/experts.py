@@ -31,7 +31,7 @@ from disagmoe.config import ModelConfig, TrainConfig
 from disagmoe.model.router import balanced_topk
 from disagmoe.model_ref import load_model
 from disagmoe.kernels.fp8 import PROMOTE_VARIANTS
-from disagmoe.kernels.fp8_ffn import Fp8ExpertWeights, Fp8Tiles, expert_ffn_fp8, set_gluon_wgrad
+from disagmoe.kernels.fp8_ffn import Fp8ExpertWeights, Fp8Tiles, expert_ffn_fp8, set_gluon_swiglu, set_gluon_wgrad
 from disagmoe.kernels.moe_ffn import FFNTiles, expert_ffn_reference, expert_ffn_triton
 from disagmoe.kernels.permute import (combine_reference, combine_rows, permute_reference,
                                       permute_tokens)
@@ -40,9 +40,10 @@ from disagmoe.kernels.tile_configs import TileConfig
 ZIPF_EXPONENT = 1.2
 BACKENDS = ("triton", "grouped_mm", "loop")  # the default set
 FP8_BACKEND = "triton-fp8"  # asked for by name: needs FP8 tensor cores (sm_89+)
-# asked for by name: the FP8 experts with their weight gradients in the warp-specialised Gluon kernel
-# (`fp8_ffn.set_gluon_wgrad`: off by default until measured), Hopper only
-GLUON_WGRAD_BACKEND = FP8_BACKEND + ":gluon-wgrad"
+# asked for by name (Hopper only): the FP8 experts with the Gluon paths that are off by default until
+# measured switched on, `fp8_ffn.set_gluon_wgrad` / `set_gluon_swiglu`: (weight gradients, SwiGLU GEMMs)
+GLUON_VARIANTS = {"gluon-wgrad": (True, False), "gluon-swiglu": (False, True), "gluon": (True, True)}
+GLUON_BACKENDS = tuple(f"{FP8_BACKEND}:{name}" for name in GLUON_VARIANTS)
 LIBRARY_FP8_BACKEND = "scaled-grouped-mm"  # torch._scaled_grouped_mm, forward only: needs sm_90
 FORWARD_ONLY = (LIBRARY_FP8_BACKEND,)
 LIBRARY_FP8_ALIGN = 16  # torch._scaled_grouped_mm's rows per group: a multiple of this
@@ -79,14 +80,14 @@ def passes_of(backend: str) -> tuple[str, ...]:
 
 
 def is_fp8(backend: str) -> bool:
-    """`triton-fp8`, one of its promotion variants `triton-fp8:<promote>`, or `triton-fp8:gluon-wgrad`."""
-    return backend in (FP8_BACKEND, GLUON_WGRAD_BACKEND) or (backend.startswith(FP8_BACKEND + ":")
-                                                             and backend.split(":", 1)[1] in PROMOTE_VARIANTS)
+    """`triton-fp8`, one of its promotion variants `triton-fp8:<promote>`, or a Gluon one (`GLUON_BACKENDS`)."""
+    return backend in (FP8_BACKEND, *GLUON_BACKENDS) or (backend.startswith(FP8_BACKEND + ":")
+                                                         and backend.split(":", 1)[1] in PROMOTE_VARIANTS)
 
 
 def fp8_tiles_for(backend: str, tiles: Fp8Tiles) -> Fp8Tiles:
     """The tiles an FP8 backend runs: `tiles`, or them with its promotion everywhere."""
-    return tiles if backend in (FP8_BACKEND, GLUON_WGRAD_BACKEND) else tiles.with_promote(backend.split(":", 1)[1])
+    return tiles if backend in (FP8_BACKEND, *GLUON_BACKENDS) else tiles.with_promote(backend.split(":", 1)[1])
 PASSES = ("fwd", "fwd+bwd")
 
 
@@ -261,12 +262,14 @@ def make_block(backend: str, tiles: FFNTiles | None = None,
             if key not in copies:
                 copies[key] = Fp8ExpertWeights.quantize(w13_EH2F.detach(), w2_EFH.detach())
             rows_NH, offsets_E, dest_TK = permute_tokens(x_TH, topk_idx_TK, w13_EH2F.shape[0])
-            # the forward's setting is the one its backward runs (`fp8_ffn.set_gluon_wgrad`)
-            previous = set_gluon_wgrad(backend == GLUON_WGRAD_BACKEND)
+            # the forward's settings are the ones its backward runs (`fp8_ffn.set_gluon_wgrad` / `_swiglu`)
+            wgrad, swiglu = GLUON_VARIANTS.get(backend.split(":", 1)[-1], (False, False))
+            previous = set_gluon_wgrad(wgrad), set_gluon_swiglu(swiglu)
             try:
                 out_NH = expert_ffn_fp8(rows_NH, offsets_E, w13_EH2F, w2_EFH, weights=copies[key], tiles=fp8_tiles)
             finally:
-                set_gluon_wgrad(previous)
+                set_gluon_wgrad(previous[0])
+                set_gluon_swiglu(previous[1])
             return combine_rows(out_NH, dest_TK, weights_TK)
         return fp8_block
     if backend == "triton":

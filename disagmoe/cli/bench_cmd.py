@@ -34,11 +34,12 @@ def _shape_names(shapes: list[str] | None) -> list[str]:
 def experts(
     shape: ShapeOption = None,
     backend: Annotated[list[str] | None, typer.Option(
-        help="triton | grouped_mm | loop | triton-fp8 | triton-fp8:gluon-wgrad | scaled-grouped-mm "
-             "(repeatable; default: the first three; triton-fp8: every expert GEMM in FP8, needs sm_89+; "
-             "triton-fp8:gluon-wgrad: the same with the weight gradients in the warp-specialised Gluon kernel, "
-             "sm_90; scaled-grouped-mm: the library's row-wise FP8 forward, torch._scaled_grouped_mm, sm_90, no "
-             "fwd+bwd row)")] = None,
+        help="triton | grouped_mm | loop | triton-fp8 | triton-fp8:gluon-wgrad | triton-fp8:gluon-swiglu | "
+             "triton-fp8:gluon | scaled-grouped-mm (repeatable; default: the first three; triton-fp8: every expert "
+             "GEMM in FP8, needs sm_89+; its gluon variants, sm_90: the weight gradients in the warp-specialised "
+             "Gluon kernel, the SwiGLU GEMMs as the Gluon row GEMM plus an epilogue pass, or both; "
+             "scaled-grouped-mm: the library's row-wise FP8 forward, torch._scaled_grouped_mm, sm_90, no fwd+bwd "
+             "row)")] = None,
     precision: Annotated[str, typer.Option(
         help="bf16, or fp8: our FP8 experts (triton-fp8) timed beside our bf16 ones (triton) of the same build "
              "in the same run, with the ratio and the FP8 error, and our FP8 forward against the library's "

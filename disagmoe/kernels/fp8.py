@@ -135,11 +135,14 @@ def _add_stats(stats_ptr, amax_bits, low, high):
 @triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, stats_ptr, valid_ptr, M, K,
                           stride_xm, stride_xk, stride_qm, stride_qk, stride_sm, stride_sg,
-                          BLOCK_M: tl.constexpr, STATS: tl.constexpr, VALID: tl.constexpr):
+                          BLOCK_M: tl.constexpr, STATS: tl.constexpr, VALID: tl.constexpr,
+                          SWIGLU: tl.constexpr):
     # Program (row block, group g): q[rows, g-th 128 columns] and s[rows, g]. Columns past K count
     # as zeros in the amax and are not stored. STATS: counters into stats_ptr's row (`_record_stats`).
     # VALID: only the first valid_ptr[0] rows are read, counted and written (a worst-case buffer's
-    # padding rows hold whatever was there: they must not reach the counters).
+    # padding rows hold whatever was there: they must not reach the counters). SWIGLU: x is h13
+    # [M, 2K] (gate | up) and the values quantised are silu(gate) * up in fp32, as the SwiGLU
+    # GEMM's epilogue computes them.
     first = tl.program_id(0) * BLOCK_M
     rows_valid = M
     if VALID:
@@ -154,6 +157,9 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, stats_ptr, valid_ptr, M, K,
     rows64 = rows.to(tl.int64)
     x = tl.load(x_ptr + rows64[:, None] * stride_xm + ks[None, :] * stride_xk, mask=ok, other=0.0)
     x = x.to(tl.float32)
+    if SWIGLU:
+        up = tl.load(x_ptr + rows64[:, None] * stride_xm + (K + ks)[None, :] * stride_xk, mask=ok, other=0.0)
+        x = tl.where(ok, x * tl.sigmoid(x) * up.to(tl.float32), 0.0)
     scale = _scale_of(tl.max(tl.abs(x), axis=1))
     scaled = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
     q = _round_to_e4m3(scaled)
@@ -223,7 +229,23 @@ def quantize_rows(x_MK: torch.Tensor, stats: torch.Tensor | None = None,
     `valid_rows`: an int32 device tensor whose first element counts the rows that hold data (a
     worst-case buffer's, e.g. `offsets_E[-1:]`; never read on the host): the rows past it are
     neither read nor counted, and their q and s are left unwritten."""
+    return _quantize_rows(x_MK, stats, valid_rows, swiglu=False)
+
+
+def quantize_swiglu_rows(h13_M2F: torch.Tensor, stats: torch.Tensor | None = None,
+                         valid_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_rows` of act = silu(gate) * up, computed in fp32 from the pre-activations h13
+    [M, 2F] (gate | up) as it reads them: the down GEMM's A operand without writing act in bf16
+    (`fp8_swiglu_gemm`'s epilogue as a pass of its own, after a plain GEMM wrote h13)."""
+    if h13_M2F.shape[1] % 2:
+        raise ValueError(f"h13 must hold gate and up columns [M, 2F]; got width {h13_M2F.shape[1]}")
+    return _quantize_rows(h13_M2F, stats, valid_rows, swiglu=True)
+
+
+def _quantize_rows(x_MK: torch.Tensor, stats: torch.Tensor | None, valid_rows: torch.Tensor | None, *,
+                   swiglu: bool) -> tuple[torch.Tensor, torch.Tensor]:
     rows, k = x_MK.shape
+    k = k // 2 if swiglu else k
     if valid_rows is not None and (valid_rows.dtype != torch.int32 or valid_rows.numel() < 1
                                    or valid_rows.device != x_MK.device):
         raise ValueError(f"valid_rows must be an int32 tensor on {x_MK.device} holding the row count; got "
@@ -237,7 +259,7 @@ def quantize_rows(x_MK: torch.Tensor, stats: torch.Tensor | None = None,
     _quantize_rows_kernel[(triton.cdiv(rows, block_m), groups)](
         x_MK, q_MK, s_MG, _stats_ptr(stats, s_MG), valid_rows if valid_rows is not None else s_MG, rows, k,
         x_MK.stride(0), x_MK.stride(1), q_MK.stride(0), q_MK.stride(1), s_MG.stride(0), s_MG.stride(1),
-        BLOCK_M=block_m, STATS=stats is not None, VALID=valid_rows is not None, num_warps=4)
+        BLOCK_M=block_m, STATS=stats is not None, VALID=valid_rows is not None, SWIGLU=swiglu, num_warps=4)
     return q_MK, s_MG
 
 

@@ -62,20 +62,80 @@ def set_gluon_rows(enabled: bool) -> None:
     _GluonRows.enabled = enabled
 
 
-class _GluonWgrad:
-    """Whether the weight gradients run `fp8_gluon.gluon_fp8_weight_grad` where it applies
-    (`set_gluon_wgrad`; default off: compiled for sm_90a without spills, not yet timed on a GPU)."""
+@dataclasses.dataclass
+class _GluonChoices:
+    """Which not-yet-timed Gluon paths the FFN's forwards from now on take (each off by default: compiled
+    for sm_90a without spills, not yet measured on a GPU): `wgrad`, the weight gradients in
+    `fp8_gluon.gluon_fp8_weight_grad`; `swiglu`, the two SwiGLU GEMMs split as a plain Gluon row
+    GEMM and a pass of their own (`_gate_up_forward`, `_down_data_gradient`). A forward's backward
+    keeps the choices made at its forward."""
 
-    enabled = False
+    wgrad: bool = False
+    swiglu: bool = False
+
+
+_gluon = _GluonChoices()
 
 
 def set_gluon_wgrad(enabled: bool) -> bool:
-    """Run the weight gradients of the FFN's forwards from now on with the Gluon kernel where
-    `fp8_gluon.wgrad_takes` their operands (True), or with `fp8.fp8_weight_grad` (False, the default
-    until it is measured); a forward's backward keeps the choice made at its forward. Returns the
+    """Run the weight gradients with the Gluon kernel where `fp8_gluon.wgrad_takes` their operands
+    (True), or with `fp8.fp8_weight_grad` (False, the default until it is measured). Returns the
     previous setting."""
-    previous, _GluonWgrad.enabled = _GluonWgrad.enabled, enabled
+    previous, _gluon.wgrad = _gluon.wgrad, enabled
     return previous
+
+
+def set_gluon_swiglu(enabled: bool) -> bool:
+    """Run the gate/up GEMM and the down data gradient as the Gluon row GEMM plus their SwiGLU
+    epilogue as a pass of its own where `fp8_gluon.takes` the operands (True), or as the Triton
+    kernels with the epilogue fused (False, the default until it is measured). Returns the
+    previous setting."""
+    previous, _gluon.swiglu = _gluon.swiglu, enabled
+    return previous
+
+
+def _gluon_rows_take(a_MK: torch.Tensor, b_EKN: torch.Tensor, num_programs: int | None) -> bool:
+    """Whether the Gluon row GEMM runs these operands: a CUDA launch without a forced program count
+    (tests force one for the Triton kernels' stride loops) on operands `fp8_gluon.takes`."""
+    if num_programs is not None or not a_MK.is_cuda:
+        return False
+    from disagmoe.kernels import fp8_gluon  # Gluon (triton.experimental) only where a GPU may run it
+
+    return fp8_gluon.takes(a_MK, b_EKN)
+
+
+def _gate_up_forward(qx, sx, offsets_E, w13, tile: TileConfig, h13_N2F: torch.Tensor | None, out_dtype, *,
+                     served: torch.Tensor, num_programs: int | None, stats: torch.Tensor | None, split: bool,
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q_act, s_act): the gate/up GEMM and silu(gate) * up quantised 1 x 128 for the down GEMM. Fused
+    (`fp8.fp8_swiglu_gemm`: the epilogue from the fp32 sums), or with `split` where the Gluon row GEMM
+    takes the operands: h13 written by it in `out_dtype` (into `h13_N2F` when the backward keeps it),
+    then `fp8.quantize_swiglu_rows` of the rows before `served`."""
+    if split and _gluon_rows_take(qx, w13[0], num_programs):
+        from disagmoe.kernels import fp8_gluon
+
+        h13 = h13_N2F if h13_N2F is not None else torch.empty(
+            (qx.shape[0], w13[0].shape[2]), dtype=out_dtype, device=qx.device)
+        fp8_gluon.gluon_fp8_rows_gemm(qx, sx, offsets_E, *w13, out=h13)
+        return fp8.quantize_swiglu_rows(h13, stats, served)
+    return fp8.fp8_swiglu_gemm(qx, sx, offsets_E, *w13, tile, h13_M2F=h13_N2F, num_programs=num_programs,
+                               stats=stats)
+
+
+def _down_data_gradient(q_dy, s_dy, offsets_E, w2_t, tile: TileConfig, h13_N2F: torch.Tensor, act_NF: torch.Tensor,
+                        out_dtype, *, num_programs: int | None, split: bool) -> torch.Tensor:
+    """dh13 (d gate | d up) from dy against w2^T with the SwiGLU derivative, writing act recomputed
+    from h13 into `act_NF`. Fused (`fp8.fp8_swiglu_grad_gemm`), or with `split` where the Gluon row
+    GEMM takes the operands: d act written by it, then `grouped_gemm.swiglu_grad_rows` (the bf16
+    experts' split epilogue pass)."""
+    if split and _gluon_rows_take(q_dy, w2_t[0], num_programs):
+        from disagmoe.kernels import fp8_gluon
+        from disagmoe.kernels.grouped_gemm import swiglu_grad_rows
+
+        d_act_NF = fp8_gluon.gluon_fp8_rows_gemm(q_dy, s_dy, offsets_E, *w2_t, out_dtype=out_dtype)
+        return swiglu_grad_rows(d_act_NF, h13_N2F, offsets_E, act_N_C=act_NF)
+    return fp8.fp8_swiglu_grad_gemm(q_dy, s_dy, offsets_E, *w2_t, h13_N2F, tile, act_MF=act_NF, out_dtype=out_dtype,
+                                    num_programs=num_programs)
 
 
 def _weight_grad(a, b, padded_E, tile: TileConfig, *, weights: int, out: torch.Tensor | None, accumulate: bool,
@@ -187,15 +247,18 @@ def fp8_ffn_forward(
     save_for_backward: bool = False,
     num_programs: int | None = None,
     stats: Fp8Stats | None = None,
+    gluon_swiglu: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(y_NH in x's dtype, h13_N2F or None): `x_fp8` (rows and scales, e.g. from the FP8 permute)
-    instead of quantising x here; h13 (the pre-activations, x's dtype) kept for the backward."""
+    instead of quantising x here; h13 (the pre-activations, x's dtype) kept for the backward.
+    `gluon_swiglu`: the gate/up GEMM split (`_gate_up_forward`; None: as `set_gluon_swiglu` says)."""
     rows, ffn = x_NH.shape[0], weights.w2[0].shape[1]
     served = offsets_E[-1:]  # rows past the last expert's end are a worst-case buffer's padding
     qx, sx = x_fp8 if x_fp8 is not None else fp8.quantize_rows(x_NH, _row(stats, ACTIVATIONS), served)
     h13_N2F = x_NH.new_empty((rows, 2 * ffn)) if save_for_backward else None
-    q_act, s_act = fp8.fp8_swiglu_gemm(qx, sx, offsets_E, *weights.w13, tiles.swiglu, h13_M2F=h13_N2F,
-                                       num_programs=num_programs, stats=_row(stats, ACTIVATIONS))
+    q_act, s_act = _gate_up_forward(qx, sx, offsets_E, weights.w13, tiles.swiglu, h13_N2F, x_NH.dtype, served=served,
+                                    num_programs=num_programs, stats=_row(stats, ACTIVATIONS),
+                                    split=_gluon.swiglu if gluon_swiglu is None else gluon_swiglu)
     y_NH = _rows_gemm(q_act, s_act, offsets_E, *weights.w2, tiles.rows, out_dtype=x_NH.dtype,
                       num_programs=num_programs)
     return y_NH, h13_N2F
@@ -213,6 +276,7 @@ def fp8_ffn_backward(
     num_programs: int | None = None,
     stats: Fp8Stats | None = None,
     gluon_wgrad: bool | None = None,
+    gluon_swiglu: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(dx_NH in dy's dtype, dw13_EH2F fp32, dw2_EFH fp32); a weight gradient whose fp32 main
     gradient is given (w13's, w2's) is added into it by its GEMM (stored, if the gradient is
@@ -232,18 +296,19 @@ def fp8_ffn_backward(
     dropped before d h13's two copies are made, and act (bf16, read by its quantiser alone) is
     dropped with it (`roofline.memory.expert_row_grad_bytes`). dx is no later for the rank
     either: every result leaves this function together (the FP8 experts hold no weight gradient
-    back, `kernels.deferral`). `gluon_wgrad`: the weight gradients in `fp8_gluon` where it applies
-    (None: as `set_gluon_wgrad` says now)."""
+    back, `kernels.deferral`). `gluon_wgrad`, `gluon_swiglu`: the Gluon paths where they apply
+    (None: as `set_gluon_wgrad` / `set_gluon_swiglu` say now)."""
     rows, ffn = h13_N2F.shape[0], weights.w2[0].shape[1]
     experts = weights.w13[0].shape[0]
-    gluon_wgrad = _GluonWgrad.enabled if gluon_wgrad is None else gluon_wgrad
+    gluon_wgrad = _gluon.wgrad if gluon_wgrad is None else gluon_wgrad
+    gluon_swiglu = _gluon.swiglu if gluon_swiglu is None else gluon_swiglu
     acts, grads_row = _row(stats, ACTIVATIONS), _row(stats, GRADIENTS)
     served = offsets_E[-1:]  # rows past it are padding: dh13's are never written (garbage, maybe NaN)
     # each e4m3 copy is dropped right after its last reader (`roofline.memory.expert_row_grad_bytes`)
     (q_dy, s_dy), (qt_dy, st_dy, padded_E) = fp8.quantize_rows_and_token_groups(dy_NH, offsets_E, grads_row, served)
     act_NF = h13_N2F.new_empty((rows, ffn))
-    dh13_N2F = fp8.fp8_swiglu_grad_gemm(q_dy, s_dy, offsets_E, *weights.w2_t, h13_N2F, tiles.swiglu,
-                                        act_MF=act_NF, out_dtype=dy_NH.dtype, num_programs=num_programs)
+    dh13_N2F = _down_data_gradient(q_dy, s_dy, offsets_E, weights.w2_t, tiles.swiglu, h13_N2F, act_NF, dy_NH.dtype,
+                                   num_programs=num_programs, split=gluon_swiglu)
     del q_dy, s_dy
     qt_act, st_act, _ = fp8.quantize_token_groups(act_NF, offsets_E, acts)
     del act_NF
@@ -278,14 +343,14 @@ class Fp8ExpertFFNFunction(torch.autograd.Function):
         if weights is None:  # a copy per call; a trainer makes one per optimizer step and passes it
             weights = Fp8ExpertWeights.quantize(w13_EH2F, w2_EFH, stats)
         y_NH, h13_N2F = fp8_ffn_forward(x_NH, offsets_E, weights, tiles, save_for_backward=True,
-                                        num_programs=num_programs, stats=stats)
+                                        num_programs=num_programs, stats=stats, gluon_swiglu=_gluon.swiglu)
         # the source's tokens are another node's input, kept as an attribute (autograd's saved-tensor
         # checks apply to this node's own), as `moe_ffn.ExpertFFNFunction` keeps them
         ctx.source = source if EXPERT_INPUT in recompute and source is not None else None
         ctx.x_dtype = x_NH.dtype
         ctx.save_for_backward(None if ctx.source is not None else x_NH, offsets_E, h13_N2F)
         ctx.weights, ctx.tiles, ctx.num_programs, ctx.stats = weights, tiles, num_programs, stats
-        ctx.gluon_wgrad = _GluonWgrad.enabled  # the backward keeps the forward's choice
+        ctx.gluon = dataclasses.replace(_gluon)  # the backward keeps the forward's choices
         ctx.weight_dtypes = (w13_EH2F.dtype, w2_EFH.dtype)
         # FlatAdamW's fp32 main gradients: the weight-gradient GEMMs add into them (no bf16 gradient,
         # no autograd accumulation, no hook's fp32 add: 110 ms of a Mixtral-shaped step, measured)
@@ -300,7 +365,7 @@ class Fp8ExpertFFNFunction(torch.autograd.Function):
             x_NH = ctx.source if same else ctx.source.rows(ctx.x_dtype)
         dx, dw13, dw2 = fp8_ffn_backward(dy_NH.contiguous(), x_NH, offsets_E, ctx.weights, h13_N2F, ctx.tiles,
                                          main_grads=ctx.main_grads, num_programs=ctx.num_programs, stats=ctx.stats,
-                                         gluon_wgrad=ctx.gluon_wgrad)
+                                         gluon_wgrad=ctx.gluon.wgrad, gluon_swiglu=ctx.gluon.swiglu)
         ctx.weights = ctx.stats = ctx.source = ctx.main_grads = None
         dw13, dw2 = (None if g is None else g.to(dtype) for g, dtype in zip((dw13, dw2), ctx.weight_dtypes))
         return dx, None, dw13, dw2, None, None, None, None, None, None

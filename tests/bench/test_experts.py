@@ -164,27 +164,29 @@ def test_precision_fp8_times_our_fp8_experts_beside_our_bf16_ones():
         backends_for(None, "fp4")
 
 
-def test_the_gluon_wgrad_backend_runs_the_fp8_block_with_the_gluon_weight_gradients_switched_on(monkeypatch):
-    """`--backend triton-fp8:gluon-wgrad`: an FP8 backend at the tuned tiles whose forwards run with
-    `fp8_ffn.set_gluon_wgrad` on (their backward keeps it), the setting restored after each call;
-    plain `triton-fp8` runs with it off."""
+def test_the_gluon_backends_run_the_fp8_block_with_their_gluon_paths_switched_on(monkeypatch):
+    """`--backend triton-fp8:gluon-wgrad | gluon-swiglu | gluon`: FP8 backends at the tuned tiles
+    whose forwards run with `fp8_ffn.set_gluon_wgrad` / `set_gluon_swiglu` on as named (their
+    backward keeps it), the settings restored after each call; plain `triton-fp8` runs with both off."""
     from disagmoe.kernels import fp8_ffn
     from disagmoe.kernels.fp8_ffn import Fp8Tiles
 
-    assert bench.is_fp8(bench.GLUON_WGRAD_BACKEND) and bench.needs_fp8(bench.GLUON_WGRAD_BACKEND)
     tiles = Fp8Tiles()
-    assert bench.fp8_tiles_for(bench.GLUON_WGRAD_BACKEND, tiles) is tiles
+    for backend in bench.GLUON_BACKENDS:
+        assert bench.is_fp8(backend) and bench.needs_fp8(backend)
+        assert bench.fp8_tiles_for(backend, tiles) is tiles
     seen = []
-    monkeypatch.setattr(bench, "expert_ffn_fp8", lambda rows, *a, **k: seen.append(fp8_ffn._GluonWgrad.enabled) or rows)
+    monkeypatch.setattr(bench, "expert_ffn_fp8",
+                        lambda rows, *a, **k: seen.append((fp8_ffn._gluon.wgrad, fp8_ffn._gluon.swiglu)) or rows)
     monkeypatch.setattr(bench.Fp8ExpertWeights, "quantize", classmethod(lambda cls, a, b: None))
     monkeypatch.setattr(bench, "permute_tokens", lambda x, idx, experts: (x, None, None))
     monkeypatch.setattr(bench, "combine_rows", lambda rows, dest, weights: rows)
     x, idx, weights = torch.randn(6, 8), torch.randint(0, 2, (6, 2)), torch.rand(6, 2)
     w13, w2 = torch.randn(2, 8, 16), torch.randn(2, 8, 8)
-    for backend in (bench.GLUON_WGRAD_BACKEND, bench.FP8_BACKEND):
+    for backend in (*bench.GLUON_BACKENDS, bench.FP8_BACKEND):
         bench.make_block(backend, fp8_tiles=tiles)(x, idx, weights, w13, w2)
-        assert fp8_ffn._GluonWgrad.enabled is False
-    assert seen == [True, False]
+        assert (fp8_ffn._gluon.wgrad, fp8_ffn._gluon.swiglu) == (False, False)
+    assert seen == [(True, False), (False, True), (True, True), (False, False)]
 
 
 def test_fp8_promote_times_one_fp8_backend_per_k_loop_and_says_which_tiles_ran():

@@ -813,3 +813,23 @@ def test_gpu_fp8_expert_ffn_forward(counts, hidden, ffn):
     y = fp8.fp8_rows_gemm(q_act, s_act, offsets, *fp8.quantize_blocks(w2), GPU_TILES[0])
     exact = expert_ffn_reference(x.double(), offsets, w13.double(), w2.double())
     assert _row_rel_err(y, exact).max() < FP8_FFN_ROW_REL_ERR
+
+
+def test_the_swiglu_row_quantiser_is_quantize_rows_of_silu_gate_times_up(fp8k):
+    """`quantize_swiglu_rows(h13)`: the bits of `quantize_rows` of act = gate * sigmoid(gate) * up in
+    fp32, silu as the fused epilogue computes it (K = 200: a short last group), the rows past
+    `valid_rows` left unwritten and uncounted, and the counters those of quantising act itself."""
+    from disagmoe.kernels.fp8_stats import FIELDS
+
+    gen = torch.Generator().manual_seed(5)
+    h13 = torch.randn(37, 400, generator=gen) * 3
+    act = h13[:, :200] * torch.sigmoid(h13[:, :200]) * h13[:, 200:]
+    valid = torch.tensor([30], dtype=torch.int32)
+    got_row, want_row = torch.zeros(FIELDS, dtype=torch.int64), torch.zeros(FIELDS, dtype=torch.int64)
+    q, s = fp8k.quantize_swiglu_rows(h13, got_row, valid)
+    q_want, s_want = fp8k.quantize_rows(act, want_row, valid)
+    assert q.shape == (37, 200) and s.shape == (37, 2)
+    assert torch.equal(q[:30].view(torch.uint8), q_want[:30].view(torch.uint8)) and torch.equal(s[:30], s_want[:30])
+    assert torch.equal(got_row, want_row)
+    with pytest.raises(ValueError, match="gate and up"):
+        fp8k.quantize_swiglu_rows(h13[:, :399])

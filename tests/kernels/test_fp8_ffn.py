@@ -254,9 +254,12 @@ def test_gpu_fp8_ffn_forward_backward(counts, hidden, ffn):
                     reason="needs a Hopper GPU (sm_90: the Gluon kernel)")
 def test_gpu_the_gluon_kernels_give_the_triton_kernels_results(monkeypatch):
     """On Hopper the plain row GEMMs (down, gate/up data gradient) and, switched on, the weight
-    gradients run the Gluon kernels where their operands fit (K and N multiples of 128 here): y, dx
-    and the weight gradients equal those of the FFN with the Triton kernels throughout (the same
-    sums per 128-deep slice, in the same order), and the Gluon kernels were launched (twice each)."""
+    gradients and the split SwiGLU GEMMs run the Gluon kernels where their operands fit (K and N
+    multiples of 128 here): y, dx and the weight gradients within 2e-2 of the FFN with the Triton
+    kernels throughout (the same sums per 128-deep slice, but the split SwiGLU quantises act from h13
+    rounded to bf16 where the fused epilogue reads the fp32 sums: about one e4m3 value in 64 lands a
+    step apart, some 1e-2 of the FP8 error's 6e-2), and the Gluon kernels were launched
+    (rows: twice plain plus twice for the split SwiGLU GEMMs; weight gradient: twice)."""
     from disagmoe.kernels import fp8_ffn, fp8_gluon
 
     counts, hidden, ffn = [300, 0, 1000, 7, 129], 512, 384
@@ -269,6 +272,7 @@ def test_gpu_the_gluon_kernels_give_the_triton_kernels_results(monkeypatch):
     for enabled in (True, False):
         fp8_ffn.set_gluon_rows(enabled)
         fp8_ffn.set_gluon_wgrad(enabled)
+        fp8_ffn.set_gluon_swiglu(enabled)
         try:
             leaves = [t.clone().requires_grad_() for t in (x, w13, w2)]
             y = fp8_ffn.expert_ffn_fp8(leaves[0], offsets, leaves[1], leaves[2])
@@ -277,10 +281,11 @@ def test_gpu_the_gluon_kernels_give_the_triton_kernels_results(monkeypatch):
         finally:
             fp8_ffn.set_gluon_rows(True)
             fp8_ffn.set_gluon_wgrad(False)
-    assert sorted(calls) == ["gluon_fp8_rows_gemm"] * 2 + ["gluon_fp8_weight_grad"] * 2
+            fp8_ffn.set_gluon_swiglu(False)
+    assert sorted(calls) == ["gluon_fp8_rows_gemm"] * 4 + ["gluon_fp8_weight_grad"] * 2
     for got, want in zip(results[True], results[False], strict=True):
         assert torch.isfinite(got).all()
-        assert ((got.double() - want.double()).norm() / want.double().norm()).item() < 1e-3
+        assert ((got.double() - want.double()).norm() / want.double().norm()).item() < 2e-2
 
 
 def test_the_backward_drops_each_e4m3_copy_after_its_last_reader(ffn8, monkeypatch):
