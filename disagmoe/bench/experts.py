@@ -31,7 +31,8 @@ from disagmoe.config import ModelConfig, TrainConfig
 from disagmoe.model.router import balanced_topk
 from disagmoe.model_ref import load_model
 from disagmoe.kernels.fp8 import PROMOTE_VARIANTS
-from disagmoe.kernels.fp8_ffn import Fp8ExpertWeights, Fp8Tiles, expert_ffn_fp8, set_gluon_swiglu, set_gluon_wgrad
+from disagmoe.kernels.fp8_ffn import (Fp8ExpertWeights, Fp8Tiles, expert_ffn_fp8, kernel_paths, set_gluon_swiglu,
+                                      set_gluon_wgrad)
 from disagmoe.kernels.moe_ffn import FFNTiles, expert_ffn_reference, expert_ffn_triton
 from disagmoe.kernels.permute import (combine_reference, combine_rows, permute_reference,
                                       permute_tokens)
@@ -396,6 +397,7 @@ def run(shape_names: list[str], backends: list[str], warmup: int, iters: int,
                  "pairs": shape.pairs, "load_max_over_mean": (loads.max() / loads.mean()).item(),
                  "tiles": dataclasses.asdict(tiles),
                  "fp8_tiles": {b: dataclasses.asdict(t) for b, t in fp8_tiles.items()},
+                 "fp8_kernels": {b: fp8_kernel_paths(b, hidden, ffn, device) for b in fp8_tiles},
                  "ms": {}, "tflops": {}}
         for backend, t in fp8_tiles.items():
             log(f"{name} {backend} tiles: {t.describe()}")
@@ -434,10 +436,19 @@ def fp8_backends(backends: list[str]) -> list[str]:
     return [b for b in backends if is_fp8(b)] if "triton" in backends else []
 
 
+def fp8_kernel_paths(backend: str, hidden: int, ffn: int, device: torch.device) -> str:
+    """Which kernels an FP8 backend runs per GEMM role on `device` (`fp8_ffn.kernel_paths` with the
+    backend's Gluon settings)."""
+    wgrad, swiglu = GLUON_VARIANTS.get(backend.split(":", 1)[-1], (False, False))
+    return kernel_paths(hidden, ffn, device, wgrad=wgrad, swiglu=swiglu)
+
+
 def fp8_tiles_notes(record: dict) -> list[str]:
     """One line per shape and FP8 backend: the tiles and K-loop promotions it ran
-    (`Fp8Tiles.describe`: block_m x block_n x block_k, warps, stages, programs per SM, promotion)."""
+    (`Fp8Tiles.describe`: block_m x block_n x block_k, warps, stages, programs per SM, promotion),
+    and which GEMM roles ran the Gluon kernels instead of those tiles."""
     return [f"{s['name']} {backend}: " + Fp8Tiles(**{k: TileConfig(**v) for k, v in tiles.items()}).describe()
+            + (f" (kernels: {s['fp8_kernels'][backend]})" if backend in s.get("fp8_kernels", {}) else "")
             for s in record["shapes"] for backend, tiles in s.get("fp8_tiles", {}).items()]
 
 

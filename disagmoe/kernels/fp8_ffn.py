@@ -34,6 +34,7 @@ fused FP8 combine (`recompute.FP8_NO_EXPERT_OUTPUT`).
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 
@@ -92,6 +93,21 @@ def set_gluon_swiglu(enabled: bool) -> bool:
     previous setting."""
     previous, _gluon.swiglu = _gluon.swiglu, enabled
     return previous
+
+
+def kernel_paths(hidden: int, ffn: int, device: torch.device, *, wgrad: bool | None = None,
+                 swiglu: bool | None = None) -> str:
+    """Which kernels an FFN of this shape runs on `device` per GEMM role, as `_rows_gemm`,
+    `_gate_up_forward`, `_down_data_gradient` and `_weight_grad` choose them (the Gluon ones on a
+    Hopper GPU where K and N are multiples of 128; `wgrad` / `swiglu`: the settings, None as
+    `set_gluon_wgrad` / `set_gluon_swiglu` say now), e.g. 'rows gluon | swiglu triton | wgrad triton'."""
+    hopper = (device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+              and os.environ.get("TRITON_INTERPRET") != "1")
+    fits = hopper and hidden % fp8.SCALE_BLOCK == 0 and ffn % fp8.SCALE_BLOCK == 0
+    wgrad = _gluon.wgrad if wgrad is None else wgrad
+    swiglu = _gluon.swiglu if swiglu is None else swiglu
+    paths = {"rows": _GluonRows.enabled and fits, "swiglu": swiglu and fits, "wgrad": wgrad and hopper}
+    return " | ".join(f"{role} {'gluon' if gluon else 'triton'}" for role, gluon in paths.items())
 
 
 def _gluon_rows_take(a_MK: torch.Tensor, b_EKN: torch.Tensor, num_programs: int | None) -> bool:

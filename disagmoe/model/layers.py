@@ -279,8 +279,9 @@ class DeferrableLinear(nn.Linear):
     (`add_weight_grad_into_main`).
 
     `set_fp8(True, stats_row)` (precision fp8, `fp8_dense`) runs its forward and data-gradient GEMMs
-    in FP8 instead (`kernels.fp8_dense`; its weight gradient stays bf16): the parameter stays bf16; its e4m3 copies (`fp8_copies`) are made by
-    `prepare_fp8`, once per optimizer step, never checkpointed. `emulate` is for tests only
+    in FP8 instead (`kernels.fp8_dense`; its weight gradient stays bf16): the parameter stays bf16;
+    its e4m3 copies (`fp8_copies`) are made by `prepare_fp8`, once per optimizer step, never
+    checkpointed. `emulate` is for tests only
     (dequantise-then-matmul in fp64 instead of torch._scaled_mm)."""
 
     def __init__(self, in_features: int, out_features: int) -> None:

@@ -227,3 +227,29 @@ def test_fp8_promote_times_one_fp8_backend_per_k_loop_and_says_which_tiles_ran()
     assert notes == [f"s {chosen[2]}: {tiles.with_promote('inline').describe()}",
                      f"s {chosen[3]}: {tiles.with_promote('pingpong').describe()}"]
     assert "rows 128x128x128 w8 s3 p1 pingpong" in notes[1]
+    record["shapes"][0]["fp8_kernels"] = {chosen[2]: "rows gluon | swiglu triton | wgrad triton"}
+    assert bench.fp8_tiles_notes(record)[0].endswith("(kernels: rows gluon | swiglu triton | wgrad triton)")
+
+
+def test_the_kernel_paths_say_which_roles_run_gluon_where():
+    """`fp8_ffn.kernel_paths`: on the CPU every role is Triton's; a Hopper GPU with K and N multiples
+    of 128 runs the rows in Gluon (on by default) and the weight gradients and SwiGLU GEMMs as set."""
+    from disagmoe.kernels import fp8_ffn
+
+    cpu = torch.device("cpu")
+    triton_only = "rows triton | swiglu triton | wgrad triton"
+    assert fp8_ffn.kernel_paths(4096, 14336, cpu, wgrad=True, swiglu=True) == triton_only
+    assert bench.fp8_kernel_paths(bench.GLUON_BACKENDS[2], 4096, 14336, cpu) == triton_only
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="needs a Hopper GPU (the Gluon kernels)")
+def test_cuda_hopper_kernel_paths_follow_the_settings_and_the_shape():
+    from disagmoe.kernels import fp8_ffn
+
+    cuda = torch.device("cuda")
+    paths = lambda ffn, on: fp8_ffn.kernel_paths(4096, ffn, cuda, wgrad=on, swiglu=on)  # noqa: E731
+    assert paths(14336, False) == "rows gluon | swiglu triton | wgrad triton"
+    assert paths(14336, True) == "rows gluon | swiglu gluon | wgrad gluon"
+    assert paths(1408, True) == "rows triton | swiglu triton | wgrad gluon"
