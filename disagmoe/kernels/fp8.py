@@ -1148,6 +1148,28 @@ def _fp8_weight_grad_kernel(
             _store_wgrad(acc_hi, out_ptr, expert, ks, k_ok, hi, hi < C, stride_oe, stride_ok, stride_oc, ACCUMULATE)
 
 
+def weight_grad_shapes(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor],
+                       padded_E: torch.Tensor, weights: int | None) -> tuple[int, int, int, int]:
+    """(KA, C, groups, E_W) of a weight gradient's token-group operands ((q_KP, s_KC) pairs and
+    `padded_E`, as `quantize_token_groups` writes them), ValueError naming the fix where they do not
+    fit each other (`fp8_weight_grad`, `fp8_gluon.gluon_fp8_weight_grad`)."""
+    (qa_KP, sa_KC), (qb_CP, sb_CC) = a, b
+    ka, capacity = qa_KP.shape
+    cols = qb_CP.shape[0]
+    if (qb_CP.shape[1] != capacity or capacity % SCALE_BLOCK or sa_KC.shape != (ka, capacity // SCALE_BLOCK)
+            or sb_CC.shape != (cols, capacity // SCALE_BLOCK)):
+        raise ValueError(f"FP8 weight-gradient operands do not fit: a {tuple(qa_KP.shape)} with scales "
+                         f"{tuple(sa_KC.shape)}, b {tuple(qb_CP.shape)} with scales {tuple(sb_CC.shape)} "
+                         f"(both from quantize_token_groups of the same rows' offsets)")
+    groups = padded_E.shape[0]
+    experts = groups if weights is None else weights
+    if padded_E.dtype != torch.int32 or experts < 1 or groups % experts:
+        raise ValueError(f"padded_E must be int32 cumulative padded rows of a multiple of {experts} "
+                         f"groups (quantize_token_groups' third result); got {padded_E.dtype} "
+                         f"{tuple(padded_E.shape)}")
+    return ka, cols, groups, experts
+
+
 def fp8_weight_grad(
     a: tuple[torch.Tensor, torch.Tensor],
     b: tuple[torch.Tensor, torch.Tensor],
@@ -1179,19 +1201,7 @@ def fp8_weight_grad(
     if config.promote == "pingpong" and config.block_n < 32:
         raise ValueError(f"promote='pingpong' splits the column tile in two of at least 16: use block_n >= 32 "
                          f"(got {config.block_n})")
-    ka, capacity = qa_KP.shape
-    cols = qb_CP.shape[0]
-    if (qb_CP.shape[1] != capacity or capacity % SCALE_BLOCK or sa_KC.shape != (ka, capacity // SCALE_BLOCK)
-            or sb_CC.shape != (cols, capacity // SCALE_BLOCK)):
-        raise ValueError(f"FP8 weight-gradient operands do not fit: a {tuple(qa_KP.shape)} with scales "
-                         f"{tuple(sa_KC.shape)}, b {tuple(qb_CP.shape)} with scales {tuple(sb_CC.shape)} "
-                         f"(both from quantize_token_groups of the same rows' offsets)")
-    groups = padded_E.shape[0]
-    experts = groups if weights is None else weights
-    if padded_E.dtype != torch.int32 or experts < 1 or groups % experts:
-        raise ValueError(f"padded_E must be int32 cumulative padded rows of a multiple of {experts} "
-                         f"groups (quantize_token_groups' third result); got {padded_E.dtype} "
-                         f"{tuple(padded_E.shape)}")
+    ka, cols, groups, experts = weight_grad_shapes(a, b, padded_E, weights)
     assert out is not None or not accumulate
     if out is None:
         out = torch.empty((experts, ka, cols), dtype=torch.float32, device=qa_KP.device)

@@ -78,7 +78,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from disagmoe.kernels import grouped_gemm as gg
-from disagmoe.kernels.fp8 import FP8, SCALE_BLOCK
+from disagmoe.kernels.fp8 import FP8, SCALE_BLOCK, weight_grad_shapes
 
 BLOCK_MS = (64, 128)  # one or two consumer warpgroups of CONSUMER_ROWS rows
 BLOCK_NS = (64, 128)  # column tiles inside one 128-column weight block: one sb per tile and slice
@@ -205,6 +205,21 @@ def _consumer(a_bufs, b_bufs, ready_bars, empty_bars, sa_ptr, sb_ptr, out_ptr, o
 
 
 @gluon.jit
+def _ring(a_desc, b_desc, STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
+    """The shared-memory ring both kernels share: STAGES stages of an A and a B TMA box, each with a
+    `ready` mbarrier (the producer's one arrival with the bytes) and an `empty` one (an arrival per
+    consumer warpgroup releasing it)."""
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    ready_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready_bars.index(s), count=1)
+        mbarrier.init(empty_bars.index(s), count=CONSUMERS)
+    return a_bufs, b_bufs, ready_bars, empty_bars
+
+
+@gluon.jit
 def _gluon_fp8_rows_gemm_kernel(a_desc, b_desc, sa_ptr, sb_ptr, out_ptr, offsets_ptr, E, E_W, N, K, num_programs,
                                 stride_sam, stride_sag, stride_sbe, stride_sbg, stride_sbb, stride_om, stride_on,
                                 E_POW2: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -213,13 +228,7 @@ def _gluon_fp8_rows_gemm_kernel(a_desc, b_desc, sa_ptr, sb_ptr, out_ptr, offsets
     # Contract: `gluon_fp8_rows_gemm`'s, checked there. The partitions' arguments are written
     # inline in the warp_specialize call: a tuple assigned to a name first turns its constexprs
     # into tensors (Triton 3.6's front end), which the layouts and shapes cannot take.
-    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
-    ready_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready_bars.index(s), count=1)
-        mbarrier.init(empty_bars.index(s), count=BLOCK_M // _ROWS)
+    a_bufs, b_bufs, ready_bars, empty_bars = _ring(a_desc, b_desc, STAGES, BLOCK_M // _ROWS)
     if BLOCK_M == 2 * _ROWS:
         gl.warp_specialize([
             (_consumer, (a_bufs, b_bufs, ready_bars, empty_bars, sa_ptr, sb_ptr, out_ptr, offsets_ptr, E, E_W, N, K,
@@ -356,13 +365,7 @@ def _gluon_fp8_weight_grad_kernel(a_desc, b_desc, sa_ptr, sb_ptr, out_ptr, padde
                                   CONSUMER_REGS: gl.constexpr):
     # Contract: `gluon_fp8_weight_grad`'s, checked there; two consumer warpgroups of 64 KA rows each
     # (the item's 128) and the producer warp, as `_gluon_fp8_rows_gemm_kernel`.
-    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
-    ready_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready_bars.index(s), count=1)
-        mbarrier.init(empty_bars.index(s), count=2)
+    a_bufs, b_bufs, ready_bars, empty_bars = _ring(a_desc, b_desc, STAGES, 2)
     gl.warp_specialize([
         (_wgrad_consumer, (a_bufs, b_bufs, ready_bars, empty_bars, sa_ptr, sb_ptr, out_ptr, padded_ptr, E, E_W, KA, C,
                            num_programs, stride_sak, stride_sac, stride_sbc, stride_sbp, stride_oe, stride_ok,
@@ -521,22 +524,12 @@ def gluon_fp8_weight_grad(
     if stages < 2 or ring > SHARED_MEMORY_BYTES:
         raise ValueError(f"stages={stages}: the ring needs at least 2 stages and must fit the {SHARED_MEMORY_BYTES} "
                          f"bytes of shared memory a Hopper block may use")
-    ka, capacity = qa_KP.shape
-    cols = qb_CP.shape[0]
-    if (qb_CP.shape[1] != capacity or capacity % SCALE_BLOCK or sa_KC.shape != (ka, capacity // SCALE_BLOCK)
-            or sb_CC.shape != (cols, capacity // SCALE_BLOCK)):
-        raise ValueError(f"FP8 weight-gradient operands do not fit: a {tuple(qa_KP.shape)} with scales "
-                         f"{tuple(sa_KC.shape)}, b {tuple(qb_CP.shape)} with scales {tuple(sb_CC.shape)} "
-                         f"(both from quantize_token_groups of the same rows' offsets)")
+    ka, cols, groups, experts = weight_grad_shapes(a, b, padded_E, weights)
+    capacity = qa_KP.shape[1]
     for name, t in (("a", qa_KP), ("b", qb_CP)):
         if t.stride(1) != 1 or t.stride(0) % 16 or t.data_ptr() % 16:
             raise ValueError(f"{name} must be token-contiguous with 16-byte-aligned rows (TMA), as "
                              f"quantize_token_groups writes it; got strides {t.stride()}")
-    groups = padded_E.shape[0]
-    experts = groups if weights is None else weights
-    if padded_E.dtype != torch.int32 or experts < 1 or groups % experts:
-        raise ValueError(f"padded_E must be int32 cumulative padded rows of a multiple of {experts} groups "
-                         f"(quantize_token_groups' third result); got {padded_E.dtype} {tuple(padded_E.shape)}")
     if accumulate and out is None:
         raise ValueError("accumulate=True adds into `out`: give the fp32 main gradient")
     if out is None:
