@@ -50,32 +50,30 @@ def _row(stats: Fp8Stats | None, kind: int) -> torch.Tensor | None:
     return None if stats is None else stats.row(kind)
 
 
-class _GluonRows:
-    """Whether the plain row GEMMs run the warp-specialised Gluon kernel where it applies
-    (`set_gluon_rows`; default on: 1.17-1.40x `fp8.fp8_rows_gemm` at its tuned tiles, same bits)."""
-
-    enabled = True
-
-
-def set_gluon_rows(enabled: bool) -> None:
-    """Run the FFN's plain FP8 row GEMMs (down, gate/up data gradient) with `fp8_gluon` where
-    `fp8_gluon.takes` their operands (True), or always with `fp8.fp8_rows_gemm` (False: an A/B)."""
-    _GluonRows.enabled = enabled
-
-
 @dataclasses.dataclass
 class _GluonChoices:
-    """Which not-yet-timed Gluon paths the FFN's forwards from now on take (each off by default: compiled
-    for sm_90a without spills, not yet measured on a GPU): `wgrad`, the weight gradients in
-    `fp8_gluon.gluon_fp8_weight_grad`; `swiglu`, the two SwiGLU GEMMs split as a plain Gluon row
-    GEMM and a pass of their own (`_gate_up_forward`, `_down_data_gradient`). A forward's backward
-    keeps the choices made at its forward."""
+    """Which Gluon paths the FFN's forwards from now on take; a forward's backward keeps the choices
+    made at its forward. `rows`: the plain row GEMMs (down, gate/up data gradient) in
+    `fp8_gluon.gluon_fp8_rows_gemm` (on: 1.17-1.40x `fp8.fp8_rows_gemm` at its tuned tiles, the
+    same bits). Off until measured (compiled for sm_90a without spills, not yet timed on a GPU):
+    `wgrad`, the weight gradients in `fp8_gluon.gluon_fp8_weight_grad`; `swiglu`, the two SwiGLU
+    GEMMs split as a plain Gluon row GEMM and a pass of their own (`_gate_up_forward`,
+    `_down_data_gradient`)."""
 
+    rows: bool = True
     wgrad: bool = False
     swiglu: bool = False
 
 
 _gluon = _GluonChoices()
+
+
+def set_gluon_rows(enabled: bool) -> bool:
+    """Run the FFN's plain FP8 row GEMMs with `fp8_gluon` where `fp8_gluon.takes` their operands
+    (True, the default), or always with `fp8.fp8_rows_gemm` (False: an A/B). Returns the previous
+    setting."""
+    previous, _gluon.rows = _gluon.rows, enabled
+    return previous
 
 
 def set_gluon_wgrad(enabled: bool) -> bool:
@@ -106,7 +104,7 @@ def kernel_paths(hidden: int, ffn: int, device: torch.device, *, wgrad: bool | N
     fits = hopper and hidden % fp8.SCALE_BLOCK == 0 and ffn % fp8.SCALE_BLOCK == 0
     wgrad = _gluon.wgrad if wgrad is None else wgrad
     swiglu = _gluon.swiglu if swiglu is None else swiglu
-    paths = {"rows": _GluonRows.enabled and fits, "swiglu": swiglu and fits, "wgrad": wgrad and hopper}
+    paths = {"rows": _gluon.rows and fits, "swiglu": swiglu and fits, "wgrad": wgrad and hopper}
     return " | ".join(f"{role} {'gluon' if gluon else 'triton'}" for role, gluon in paths.items())
 
 
@@ -168,15 +166,13 @@ def _weight_grad(a, b, padded_E, tile: TileConfig, *, weights: int, out: torch.T
 
 
 def _rows_gemm(a_MK, sa_MG, offsets_E, b_EKN, sb_EGB, tile: TileConfig, *, out_dtype: torch.dtype,
-               num_programs: int | None) -> torch.Tensor:
-    """`fp8.fp8_rows_gemm`, or the Gluon kernel of the same sums (`_GluonRows`) on a Hopper GPU
-    where the operands fit it and no program count is forced (tests force one to cover the stride
-    loop of the Triton kernel)."""
-    if _GluonRows.enabled and num_programs is None and a_MK.is_cuda:
-        from disagmoe.kernels import fp8_gluon  # Gluon (triton.experimental) only where a GPU may run it
+               num_programs: int | None, gluon: bool) -> torch.Tensor:
+    """`fp8.fp8_rows_gemm`, or with `gluon` the Gluon kernel of the same sums where it takes the
+    operands (`_gluon_rows_take`)."""
+    if gluon and _gluon_rows_take(a_MK, b_EKN, num_programs):
+        from disagmoe.kernels import fp8_gluon
 
-        if fp8_gluon.takes(a_MK, b_EKN):
-            return fp8_gluon.gluon_fp8_rows_gemm(a_MK, sa_MG, offsets_E, b_EKN, sb_EGB, out_dtype=out_dtype)
+        return fp8_gluon.gluon_fp8_rows_gemm(a_MK, sa_MG, offsets_E, b_EKN, sb_EGB, out_dtype=out_dtype)
     return fp8.fp8_rows_gemm(a_MK, sa_MG, offsets_E, b_EKN, sb_EGB, tile, out_dtype=out_dtype,
                              num_programs=num_programs)
 
@@ -263,20 +259,21 @@ def fp8_ffn_forward(
     save_for_backward: bool = False,
     num_programs: int | None = None,
     stats: Fp8Stats | None = None,
-    gluon_swiglu: bool | None = None,
+    gluon: _GluonChoices | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(y_NH in x's dtype, h13_N2F or None): `x_fp8` (rows and scales, e.g. from the FP8 permute)
     instead of quantising x here; h13 (the pre-activations, x's dtype) kept for the backward.
-    `gluon_swiglu`: the gate/up GEMM split (`_gate_up_forward`; None: as `set_gluon_swiglu` says)."""
+    `gluon`: the Gluon paths taken (`_GluonChoices`; None: as the `set_gluon_*` functions say now)."""
+    gluon = gluon or _gluon
     rows, ffn = x_NH.shape[0], weights.w2[0].shape[1]
     served = offsets_E[-1:]  # rows past the last expert's end are a worst-case buffer's padding
     qx, sx = x_fp8 if x_fp8 is not None else fp8.quantize_rows(x_NH, _row(stats, ACTIVATIONS), served)
     h13_N2F = x_NH.new_empty((rows, 2 * ffn)) if save_for_backward else None
     q_act, s_act = _gate_up_forward(qx, sx, offsets_E, weights.w13, tiles.swiglu, h13_N2F, x_NH.dtype, served=served,
                                     num_programs=num_programs, stats=_row(stats, ACTIVATIONS),
-                                    split=_gluon.swiglu if gluon_swiglu is None else gluon_swiglu)
+                                    split=gluon.swiglu)
     y_NH = _rows_gemm(q_act, s_act, offsets_E, *weights.w2, tiles.rows, out_dtype=x_NH.dtype,
-                      num_programs=num_programs)
+                      num_programs=num_programs, gluon=gluon.rows)
     return y_NH, h13_N2F
 
 
@@ -291,8 +288,7 @@ def fp8_ffn_backward(
     main_grads: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
     num_programs: int | None = None,
     stats: Fp8Stats | None = None,
-    gluon_wgrad: bool | None = None,
-    gluon_swiglu: bool | None = None,
+    gluon: _GluonChoices | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(dx_NH in dy's dtype, dw13_EH2F fp32, dw2_EFH fp32); a weight gradient whose fp32 main
     gradient is given (w13's, w2's) is added into it by its GEMM (stored, if the gradient is
@@ -312,19 +308,18 @@ def fp8_ffn_backward(
     dropped before d h13's two copies are made, and act (bf16, read by its quantiser alone) is
     dropped with it (`roofline.memory.expert_row_grad_bytes`). dx is no later for the rank
     either: every result leaves this function together (the FP8 experts hold no weight gradient
-    back, `kernels.deferral`). `gluon_wgrad`, `gluon_swiglu`: the Gluon paths where they apply
-    (None: as `set_gluon_wgrad` / `set_gluon_swiglu` say now)."""
+    back, `kernels.deferral`). `gluon`: the Gluon paths taken where they apply (`_GluonChoices`;
+    None: as the `set_gluon_*` functions say now)."""
     rows, ffn = h13_N2F.shape[0], weights.w2[0].shape[1]
     experts = weights.w13[0].shape[0]
-    gluon_wgrad = _gluon.wgrad if gluon_wgrad is None else gluon_wgrad
-    gluon_swiglu = _gluon.swiglu if gluon_swiglu is None else gluon_swiglu
+    gluon = gluon or _gluon
     acts, grads_row = _row(stats, ACTIVATIONS), _row(stats, GRADIENTS)
     served = offsets_E[-1:]  # rows past it are padding: dh13's are never written (garbage, maybe NaN)
     # each e4m3 copy is dropped right after its last reader (`roofline.memory.expert_row_grad_bytes`)
     (q_dy, s_dy), (qt_dy, st_dy, padded_E) = fp8.quantize_rows_and_token_groups(dy_NH, offsets_E, grads_row, served)
     act_NF = h13_N2F.new_empty((rows, ffn))
     dh13_N2F = _down_data_gradient(q_dy, s_dy, offsets_E, weights.w2_t, tiles.swiglu, h13_N2F, act_NF, dy_NH.dtype,
-                                   num_programs=num_programs, split=gluon_swiglu)
+                                   num_programs=num_programs, split=gluon.swiglu)
     del q_dy, s_dy
     qt_act, st_act, _ = fp8.quantize_token_groups(act_NF, offsets_E, acts)
     del act_NF
@@ -332,11 +327,11 @@ def fp8_ffn_backward(
     # first one into a main gradient stores instead of adding (`kernels.first_touch`)
     dw2 = _weight_grad((qt_act, st_act), (qt_dy, st_dy), padded_E, tiles.wgrad, weights=experts,
                        out=main_grads[1], accumulate=adds_into(main_grads[1]), num_programs=num_programs,
-                       gluon=gluon_wgrad)
+                       gluon=gluon.wgrad)
     del qt_act, st_act, qt_dy, st_dy  # before d h13's two copies are made
     (q_dh, s_dh), (qt_dh, st_dh, _) = fp8.quantize_rows_and_token_groups(dh13_N2F, offsets_E, grads_row, served)
     dx_NH = _rows_gemm(q_dh, s_dh, offsets_E, *weights.w13_t, tiles.rows, out_dtype=dy_NH.dtype,
-                       num_programs=num_programs)
+                       num_programs=num_programs, gluon=gluon.rows)
     del q_dh, s_dh
     if isinstance(x_NH, RowSource):  # the grouped rows read from their tokens, in the quantiser
         qt_x, st_x, _ = fp8.quantize_token_groups(x_NH.x_TH, offsets_E, acts, rows_M=x_NH.token_N)
@@ -344,7 +339,7 @@ def fp8_ffn_backward(
         qt_x, st_x, _ = fp8.quantize_token_groups(x_NH, offsets_E, acts)
     dw13 = _weight_grad((qt_x, st_x), (qt_dh, st_dh), padded_E, tiles.wgrad, weights=experts,
                         out=main_grads[0], accumulate=adds_into(main_grads[0]), num_programs=num_programs,
-                        gluon=gluon_wgrad)
+                        gluon=gluon.wgrad)
     del qt_x, st_x, qt_dh, st_dh
     return dx_NH, None if main_grads[0] is not None else dw13, None if main_grads[1] is not None else dw2
 
@@ -358,15 +353,15 @@ class Fp8ExpertFFNFunction(torch.autograd.Function):
                 recompute=frozenset(), source=None):
         if weights is None:  # a copy per call; a trainer makes one per optimizer step and passes it
             weights = Fp8ExpertWeights.quantize(w13_EH2F, w2_EFH, stats)
+        ctx.gluon = dataclasses.replace(_gluon)  # the backward keeps the forward's choices
         y_NH, h13_N2F = fp8_ffn_forward(x_NH, offsets_E, weights, tiles, save_for_backward=True,
-                                        num_programs=num_programs, stats=stats, gluon_swiglu=_gluon.swiglu)
+                                        num_programs=num_programs, stats=stats, gluon=ctx.gluon)
         # the source's tokens are another node's input, kept as an attribute (autograd's saved-tensor
         # checks apply to this node's own), as `moe_ffn.ExpertFFNFunction` keeps them
         ctx.source = source if EXPERT_INPUT in recompute and source is not None else None
         ctx.x_dtype = x_NH.dtype
         ctx.save_for_backward(None if ctx.source is not None else x_NH, offsets_E, h13_N2F)
         ctx.weights, ctx.tiles, ctx.num_programs, ctx.stats = weights, tiles, num_programs, stats
-        ctx.gluon = dataclasses.replace(_gluon)  # the backward keeps the forward's choices
         ctx.weight_dtypes = (w13_EH2F.dtype, w2_EFH.dtype)
         # FlatAdamW's fp32 main gradients: the weight-gradient GEMMs add into them (no bf16 gradient,
         # no autograd accumulation, no hook's fp32 add: 110 ms of a Mixtral-shaped step, measured)
@@ -381,7 +376,7 @@ class Fp8ExpertFFNFunction(torch.autograd.Function):
             x_NH = ctx.source if same else ctx.source.rows(ctx.x_dtype)
         dx, dw13, dw2 = fp8_ffn_backward(dy_NH.contiguous(), x_NH, offsets_E, ctx.weights, h13_N2F, ctx.tiles,
                                          main_grads=ctx.main_grads, num_programs=ctx.num_programs, stats=ctx.stats,
-                                         gluon_wgrad=ctx.gluon.wgrad, gluon_swiglu=ctx.gluon.swiglu)
+                                         gluon=ctx.gluon)
         ctx.weights = ctx.stats = ctx.source = ctx.main_grads = None
         dw13, dw2 = (None if g is None else g.to(dtype) for g, dtype in zip((dw13, dw2), ctx.weight_dtypes))
         return dx, None, dw13, dw2, None, None, None, None, None, None

@@ -25,6 +25,17 @@ runner = CliRunner()
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
+def _ffn_case(hidden: int, ffn: int, experts: int = 2, rows: int = 8):
+    """(x, w13, w2 as Parameters, offsets, dy, the generator that drew them, for later draws) of
+    `experts` experts with `rows` rows each: the weight-gradient probes' tests' inputs."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(experts * rows, hidden, generator=gen)
+    w13 = torch.nn.Parameter(torch.randn(experts, hidden, 2 * ffn, generator=gen) / hidden**0.5)
+    w2 = torch.nn.Parameter(torch.randn(experts, ffn, hidden, generator=gen) / ffn**0.5)
+    offsets = torch.arange(1, experts + 1, dtype=torch.int32) * rows
+    return x, w13, w2, offsets, torch.randn(experts * rows, hidden, generator=gen), gen
+
+
 def test_fit_link_recovers_latency_and_bandwidth_of_a_line():
     latency_s, bytes_per_s = 12e-6, 250e9
     sizes = [2.0**k for k in range(14, 28, 3)]
@@ -349,13 +360,7 @@ def test_the_expert_probes_weight_pass_adds_into_fp32_main_gradients_as_the_step
                                                 num_stages=1))
     ffn = (functools.partial(moe_ffn.expert_ffn_triton, tiles=tiles, num_programs=2) if fused
            else moe_ffn.expert_ffn_reference)
-    gen = torch.Generator().manual_seed(0)
-    E, rows, H, F = 2, 8, 16, 16
-    x = torch.randn(E * rows, H, generator=gen)
-    w13 = torch.nn.Parameter(torch.randn(E, H, 2 * F, generator=gen) / H**0.5)
-    w2 = torch.nn.Parameter(torch.randn(E, F, H, generator=gen) / F**0.5)
-    offsets = torch.arange(1, E + 1, dtype=torch.int32) * rows
-    dy = torch.randn(E * rows, H, generator=gen)
+    x, w13, w2, offsets, dy, _ = _ffn_case(hidden=16, ffn=16)
     want = torch.autograd.grad(moe_ffn.expert_ffn_reference(x, offsets, w13, w2), [w13, w2], dy)
 
     passes = cal.ffn_passes(ffn, x, offsets, w13, w2, dy, fused)
@@ -634,13 +639,7 @@ def test_the_fp8_probe_makes_the_weight_copies_once_and_adds_the_weight_gradient
     made = []
     quantize = ffn8.Fp8ExpertWeights.quantize
     monkeypatch.setattr(ffn8.Fp8ExpertWeights, "quantize", lambda *a, **k: made.append(1) or quantize(*a, **k))
-    gen = torch.Generator().manual_seed(0)
-    E, rows, H, F = 2, 8, 128, 64
-    x = torch.randn(E * rows, H, generator=gen)
-    w13 = torch.nn.Parameter(torch.randn(E, H, 2 * F, generator=gen) / H**0.5)
-    w2 = torch.nn.Parameter(torch.randn(E, F, H, generator=gen) / F**0.5)
-    offsets = torch.arange(1, E + 1, dtype=torch.int32) * rows
-    dy = torch.randn(E * rows, H, generator=gen)
+    x, w13, w2, offsets, dy, gen = _ffn_case(hidden=128, ffn=64)
     plain = [t.detach().clone().requires_grad_() for t in (x, w13, w2)]
     ffn8.expert_ffn_fp8(plain[0], offsets, plain[1], plain[2], tiles=tiles, num_programs=2).backward(dy)
     made.clear()
