@@ -717,6 +717,11 @@ class TrainConfig(StrictModel):
         "rowwise scales (one per token / feature, a coarser recipe than the experts' 1x128 / 128x128), their "
         "weight gradients in bf16 (kernels/fp8_dense.py says why); None = true under precision fp8; true is refused "
         "under another precision")
+    fp8_expert_weight_grads: Literal["fp8", "bf16"] | None = Field(
+        None, description="precision fp8: the routed experts' weight-gradient GEMMs in fp8 (e4m3 over 128 x 1 "
+        "token groups, DeepSeek-V3's recipe) or bf16 (the bf16 experts' GEMM on the rows the backward holds in "
+        "bf16 anyway, no token-group copies; the forward and data gradients stay FP8: kernels/fp8_ffn.py); None = "
+        "fp8; refused under another precision")
     routing: Literal["learned", "balanced"] = Field(
         "learned", description="balanced: every expert gets the same number of tokens whatever the router "
         "scores (a benchmark setting, as other trainers' performance recipes use; labelled in every output); "
@@ -844,6 +849,14 @@ class TrainConfig(StrictModel):
         return "fp8" if self.precision == "fp8" else self.compute_dtype_name
 
     @property
+    def expert_weight_grad_precision(self) -> str | None:
+        """Under FP8 experts, their weight gradients' precision (`fp8_expert_weight_grads`, None = fp8);
+        None where the experts are not FP8."""
+        if self.expert_precision != "fp8":
+            return None
+        return self.fp8_expert_weight_grads or "fp8"
+
+    @property
     def dense_precision(self) -> str:
         """'fp8' where the dense projections' GEMMs run in FP8 (`fp8_dense`, rowwise), else the
         parameters' dtype name."""
@@ -910,6 +923,10 @@ class TrainConfig(StrictModel):
         if self.fp8_dense and self.precision != "fp8":
             raise ValueError(f"fp8_dense: true runs the dense projections in FP8 under precision: fp8; this run is "
                              f"precision: {self.precision}: set precision: fp8 or remove fp8_dense")
+        if self.fp8_expert_weight_grads is not None and self.precision != "fp8":
+            raise ValueError(f"fp8_expert_weight_grads chooses the FP8 experts' weight-gradient precision under "
+                             f"precision: fp8; this run is precision: {self.precision}: set precision: fp8 or remove "
+                             f"fp8_expert_weight_grads")
         if self.precision == "fp8":
             needs = [why for bad, why in (
                 (self.device != "cuda", "device: cuda (FP8 tensor cores; the CPU runs the kernels only in their tests)"),

@@ -216,6 +216,17 @@ def test_fp8_dense_follows_precision_fp8_and_is_refused_without_it():
         cfg.TrainConfig(precision="bf16", fp8_dense=True, **base)
 
 
+def test_fp8_expert_weight_grads_follow_precision_fp8_and_are_refused_without_it():
+    base = dict(model="tiny", device="cuda", experts_backend="triton")
+    assert cfg.TrainConfig(precision="fp8", **base).expert_weight_grad_precision == "fp8"
+    assert cfg.TrainConfig(precision="fp8", fp8_expert_weight_grads="bf16", **base).expert_weight_grad_precision == "bf16"
+    assert cfg.TrainConfig(precision="bf16", **base).expert_weight_grad_precision is None
+    with pytest.raises(ValueError, match="fp8_expert_weight_grads chooses .* set precision: fp8"):
+        cfg.TrainConfig(precision="bf16", fp8_expert_weight_grads="bf16", **base)
+    with pytest.raises(ValueError, match="fp8_expert_weight_grads"):
+        cfg.TrainConfig(precision="fp8", fp8_expert_weight_grads="fp16", **base)
+
+
 def test_fp8_dense_takes_any_sequence_length():
     """The FP8 dense GEMMs have the tokens as their free dimension (the weight gradient, which
     contracted them on torch._scaled_mm and needed whole 16s, runs in bf16): any seq_len."""

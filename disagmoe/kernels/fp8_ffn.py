@@ -39,11 +39,18 @@ import os
 import torch
 
 from disagmoe.kernels import fp8
+from disagmoe.kernels import grouped_gemm as gg
 from disagmoe.kernels.first_touch import adds_into
 from disagmoe.kernels.fp8_stats import ACTIVATIONS, GRADIENTS, WEIGHTS, Fp8Stats
-from disagmoe.kernels.moe_ffn import main_grad_of
+from disagmoe.kernels.moe_ffn import FFNTiles, main_grad_of
 from disagmoe.kernels.recompute import EXPERT_INPUT, EXPERT_OUTPUT, FP8_NO_EXPERT_OUTPUT, FP8_RECOMPUTABLE, RowSource
 from disagmoe.kernels.tile_configs import TileConfig, tuned
+
+
+# The routed experts' weight-gradient GEMMs: "fp8" (128 x 1 token groups, `fp8.fp8_weight_grad`) or
+# "bf16" (the bf16 experts' GEMM on the rows the backward holds in bf16 anyway; torchao's
+# "with high-precision weight gradient" recipes). The data gradients and the forward are FP8 in both.
+WEIGHT_GRAD_PRECISIONS = ("fp8", "bf16")
 
 
 def _row(stats: Fp8Stats | None, kind: int) -> torch.Tensor | None:
@@ -144,10 +151,9 @@ def _down_data_gradient(q_dy, s_dy, offsets_E, w2_t, tile: TileConfig, h13_N2F: 
     experts' split epilogue pass)."""
     if split and _gluon_rows_take(q_dy, w2_t[0], num_programs):
         from disagmoe.kernels import fp8_gluon
-        from disagmoe.kernels.grouped_gemm import swiglu_grad_rows
 
         d_act_NF = fp8_gluon.gluon_fp8_rows_gemm(q_dy, s_dy, offsets_E, *w2_t, out_dtype=out_dtype)
-        return swiglu_grad_rows(d_act_NF, h13_N2F, offsets_E, act_N_C=act_NF)
+        return gg.swiglu_grad_rows(d_act_NF, h13_N2F, offsets_E, act_N_C=act_NF)
     return fp8.fp8_swiglu_grad_gemm(q_dy, s_dy, offsets_E, *w2_t, h13_N2F, tile, act_MF=act_NF, out_dtype=out_dtype,
                                     num_programs=num_programs)
 
@@ -289,6 +295,7 @@ def fp8_ffn_backward(
     num_programs: int | None = None,
     stats: Fp8Stats | None = None,
     gluon: _GluonChoices | None = None,
+    weight_grads: str = "fp8",
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(dx_NH in dy's dtype, dw13_EH2F fp32, dw2_EFH fp32); a weight gradient whose fp32 main
     gradient is given (w13's, w2's) is added into it by its GEMM (stored, if the gradient is
@@ -309,7 +316,16 @@ def fp8_ffn_backward(
     dropped with it (`roofline.memory.expert_row_grad_bytes`). dx is no later for the rank
     either: every result leaves this function together (the FP8 experts hold no weight gradient
     back, `kernels.deferral`). `gluon`: the Gluon paths taken where they apply (`_GluonChoices`;
-    None: as the `set_gluon_*` functions say now)."""
+    None: as the `set_gluon_*` functions say now).
+    `weight_grads` "bf16" (`WEIGHT_GRAD_PRECISIONS`): the two weight gradients from the bf16 rows
+    the backward holds anyway (x, act, dy, d h13) by the bf16 experts' GEMM
+    (`grouped_gemm.ragged_weight_grad`, its tuned tiles), no token-group copy made; the data
+    gradients stay FP8 (`_bf16_weight_grads`)."""
+    if weight_grads not in WEIGHT_GRAD_PRECISIONS:
+        raise ValueError(f"FP8 experts' weight gradients in {weight_grads!r}: choose one of {WEIGHT_GRAD_PRECISIONS}")
+    if weight_grads == "bf16":
+        return _backward_bf16_weight_grads(dy_NH, x_NH, offsets_E, weights, h13_N2F, tiles, main_grads=main_grads,
+                                           num_programs=num_programs, stats=stats, gluon=gluon or _gluon)
     rows, ffn = h13_N2F.shape[0], weights.w2[0].shape[1]
     experts = weights.w13[0].shape[0]
     gluon = gluon or _gluon
@@ -344,13 +360,46 @@ def fp8_ffn_backward(
     return dx_NH, None if main_grads[0] is not None else dw13, None if main_grads[1] is not None else dw2
 
 
+def _backward_bf16_weight_grads(dy_NH, x_NH, offsets_E, weights: Fp8ExpertWeights, h13_N2F, tiles: Fp8Tiles, *,
+                                main_grads, num_programs: int | None, stats: Fp8Stats | None,
+                                gluon: _GluonChoices) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """`fp8_ffn_backward` with weight_grads "bf16": dy and d h13 quantised 1 x 128 only (their data
+    gradients' A operands), each weight gradient the bf16 experts' ragged GEMM over the rows as
+    they are, added into its main gradient where one is given. Launch order: d h13 (writing act),
+    w2's gradient, dx, w13's gradient; alive beside the bf16 rows: one e4m3 row copy at a time."""
+    rows, ffn = h13_N2F.shape[0], weights.w2[0].shape[1]
+    experts, hidden = weights.w13[0].shape[0], dy_NH.shape[1]
+    grads_row = _row(stats, GRADIENTS)
+    served = offsets_E[-1:]
+    bf16_tiles = FFNTiles.for_shape(rows, experts, hidden, ffn, dy_NH.device, dy_NH.dtype)
+    q_dy, s_dy = fp8.quantize_rows(dy_NH, grads_row, served)
+    act_NF = h13_N2F.new_empty((rows, ffn))
+    dh13_N2F = _down_data_gradient(q_dy, s_dy, offsets_E, weights.w2_t, tiles.swiglu, h13_N2F, act_NF, dy_NH.dtype,
+                                   num_programs=num_programs, split=gluon.swiglu)
+    del q_dy, s_dy
+    main13, main2 = main_grads
+    dw2 = gg.ragged_weight_grad(act_NF, dy_NH, offsets_E, bf16_tiles.wgrad_w2, out=main2, accumulate=adds_into(main2),
+                                weights=experts, num_programs=num_programs)
+    del act_NF
+    q_dh, s_dh = fp8.quantize_rows(dh13_N2F, grads_row, served)
+    dx_NH = _rows_gemm(q_dh, s_dh, offsets_E, *weights.w13_t, tiles.rows, out_dtype=dy_NH.dtype,
+                       num_programs=num_programs, gluon=gluon.rows)
+    del q_dh, s_dh
+    x_rows = x_NH.rows(dh13_N2F.dtype) if isinstance(x_NH, RowSource) else x_NH
+    if x_rows.dtype != dh13_N2F.dtype:
+        x_rows = x_rows.to(dh13_N2F.dtype)
+    dw13 = gg.ragged_weight_grad(x_rows, dh13_N2F, offsets_E, bf16_tiles.wgrad_w13, out=main13,
+                                 accumulate=adds_into(main13), weights=experts, num_programs=num_programs)
+    return dx_NH, None if main13 is not None else dw13, None if main2 is not None else dw2
+
+
 class Fp8ExpertFFNFunction(torch.autograd.Function):
     """Autograd wrapper: x, w13, w2 get gradients (the weights' in their own dtype). Under
     `expert_input` with a `source` the rows x are not saved (module docstring)."""
 
     @staticmethod
     def forward(ctx, x_NH, offsets_E, w13_EH2F, w2_EFH, weights, tiles, num_programs, stats,
-                recompute=frozenset(), source=None):
+                recompute=frozenset(), source=None, weight_grads="fp8"):
         if weights is None:  # a copy per call; a trainer makes one per optimizer step and passes it
             weights = Fp8ExpertWeights.quantize(w13_EH2F, w2_EFH, stats)
         ctx.gluon = dataclasses.replace(_gluon)  # the backward keeps the forward's choices
@@ -362,6 +411,7 @@ class Fp8ExpertFFNFunction(torch.autograd.Function):
         ctx.x_dtype = x_NH.dtype
         ctx.save_for_backward(None if ctx.source is not None else x_NH, offsets_E, h13_N2F)
         ctx.weights, ctx.tiles, ctx.num_programs, ctx.stats = weights, tiles, num_programs, stats
+        ctx.weight_grads = weight_grads
         ctx.weight_dtypes = (w13_EH2F.dtype, w2_EFH.dtype)
         # FlatAdamW's fp32 main gradients: the weight-gradient GEMMs add into them (no bf16 gradient,
         # no autograd accumulation, no hook's fp32 add: 110 ms of a Mixtral-shaped step, measured)
@@ -376,10 +426,10 @@ class Fp8ExpertFFNFunction(torch.autograd.Function):
             x_NH = ctx.source if same else ctx.source.rows(ctx.x_dtype)
         dx, dw13, dw2 = fp8_ffn_backward(dy_NH.contiguous(), x_NH, offsets_E, ctx.weights, h13_N2F, ctx.tiles,
                                          main_grads=ctx.main_grads, num_programs=ctx.num_programs, stats=ctx.stats,
-                                         gluon=ctx.gluon)
+                                         gluon=ctx.gluon, weight_grads=ctx.weight_grads)
         ctx.weights = ctx.stats = ctx.source = ctx.main_grads = None
         dw13, dw2 = (None if g is None else g.to(dtype) for g, dtype in zip((dw13, dw2), ctx.weight_dtypes))
-        return dx, None, dw13, dw2, None, None, None, None, None, None
+        return dx, None, dw13, dw2, None, None, None, None, None, None, None
 
 
 def expert_ffn_fp8(
@@ -394,6 +444,7 @@ def expert_ffn_fp8(
     stats: Fp8Stats | None = None,
     recompute: frozenset[str] = frozenset(),
     source: RowSource | None = None,
+    weight_grads: str = "fp8",
 ) -> torch.Tensor:
     """The experts backend contract `expert_ffn(x_NH, offsets_E, w13_EH2F, w2_EFH) -> y_NH` with
     every GEMM in FP8, differentiable in x, w13 and w2. `weights`: the FP8 copies of exactly these
@@ -401,7 +452,10 @@ def expert_ffn_fp8(
     `stats`: every quantisation's counters, forward and backward (module docstring). `tiles`: the
     launches' tiles, by default the tuned ones of this shape class (`Fp8Tiles.for_shape`).
     `recompute` (a subset of `recompute.FP8_RECOMPUTABLE`) and `source` (where x's rows came from,
-    for `expert_input`; without one the rows are kept): module docstring."""
+    for `expert_input`; without one the rows are kept): module docstring. `weight_grads`: the weight
+    gradients' precision (`WEIGHT_GRAD_PRECISIONS`; "bf16": `fp8_ffn_backward`)."""
+    if weight_grads not in WEIGHT_GRAD_PRECISIONS:
+        raise ValueError(f"FP8 experts' weight gradients in {weight_grads!r}: choose one of {WEIGHT_GRAD_PRECISIONS}")
     recompute = frozenset(recompute)
     if EXPERT_OUTPUT in recompute:
         raise ValueError(f"the FP8 experts cannot recompute expert_output: {FP8_NO_EXPERT_OUTPUT}; "
@@ -419,4 +473,4 @@ def expert_ffn_fp8(
     if tiles is None:  # from the host-known shapes: no sync, the same every step
         tiles = Fp8Tiles.for_shape(x_NH.shape[0], experts, hidden, two_ffn // 2, x_NH.device)
     return Fp8ExpertFFNFunction.apply(x_NH.contiguous(), offsets_E, w13_EH2F, w2_EFH, weights,
-                                      tiles, num_programs, stats, recompute, source)
+                                      tiles, num_programs, stats, recompute, source, weight_grads)
