@@ -31,8 +31,7 @@ from disagmoe.config import ModelConfig, TrainConfig
 from disagmoe.model.router import balanced_topk
 from disagmoe.model_ref import load_model
 from disagmoe.kernels.fp8 import PROMOTE_VARIANTS
-from disagmoe.kernels.fp8_ffn import (Fp8ExpertWeights, Fp8Tiles, expert_ffn_fp8, kernel_paths, set_gluon_swiglu,
-                                      set_gluon_wgrad)
+from disagmoe.kernels.fp8_ffn import Fp8ExpertWeights, Fp8Tiles, expert_ffn_fp8, gluon_paths, kernel_paths
 from disagmoe.kernels.moe_ffn import FFNTiles, expert_ffn_reference, expert_ffn_triton
 from disagmoe.kernels.permute import (combine_reference, combine_rows, permute_reference,
                                       permute_tokens)
@@ -41,10 +40,21 @@ from disagmoe.kernels.tile_configs import TileConfig
 ZIPF_EXPONENT = 1.2
 BACKENDS = ("triton", "grouped_mm", "loop")  # the default set
 FP8_BACKEND = "triton-fp8"  # asked for by name: needs FP8 tensor cores (sm_89+)
-# asked for by name (Hopper only): the FP8 experts with the Gluon paths that are off by default until
-# measured switched on, `fp8_ffn.set_gluon_wgrad` / `set_gluon_swiglu`: (weight gradients, SwiGLU GEMMs)
-GLUON_VARIANTS = {"gluon-wgrad": (True, False), "gluon-swiglu": (False, True), "gluon": (True, True)}
-GLUON_BACKENDS = tuple(f"{FP8_BACKEND}:{name}" for name in GLUON_VARIANTS)
+# asked for by name: the FP8 experts with one choice changed from the FFN's defaults, as
+# `triton-fp8:<name>`: the Gluon paths (`fp8_ffn.gluon_paths`, Hopper) and the weight gradients'
+# precision (`expert_ffn_fp8`'s weight_grads)
+FP8_VARIANTS = {
+    "gluon-wgrad": {"wgrad": True},  # the weight gradients in the Gluon kernel
+    "fused-swiglu": {"swiglu": False},  # the SwiGLU GEMMs as the Triton kernels with the epilogue fused
+    "bf16-wgrad": {"weight_grads": "bf16"},  # the weight gradients in bf16 (`fp8_expert_weight_grads`)
+}
+VARIANT_BACKENDS = tuple(f"{FP8_BACKEND}:{name}" for name in FP8_VARIANTS)
+
+
+def variant_of(backend: str) -> tuple[dict[str, bool], str]:
+    """(Gluon path changes, weight gradients' precision) of an FP8 backend (`FP8_VARIANTS`)."""
+    changes = dict(FP8_VARIANTS.get(backend.split(":", 1)[-1], {}) if ":" in backend else {})
+    return changes, changes.pop("weight_grads", "fp8")
 LIBRARY_FP8_BACKEND = "scaled-grouped-mm"  # torch._scaled_grouped_mm, forward only: needs sm_90
 FORWARD_ONLY = (LIBRARY_FP8_BACKEND,)
 LIBRARY_FP8_ALIGN = 16  # torch._scaled_grouped_mm's rows per group: a multiple of this
@@ -81,14 +91,14 @@ def passes_of(backend: str) -> tuple[str, ...]:
 
 
 def is_fp8(backend: str) -> bool:
-    """`triton-fp8`, one of its promotion variants `triton-fp8:<promote>`, or a Gluon one (`GLUON_BACKENDS`)."""
-    return backend in (FP8_BACKEND, *GLUON_BACKENDS) or (backend.startswith(FP8_BACKEND + ":")
+    """`triton-fp8`, one of its promotion variants `triton-fp8:<promote>`, or a recipe one (`VARIANT_BACKENDS`)."""
+    return backend in (FP8_BACKEND, *VARIANT_BACKENDS) or (backend.startswith(FP8_BACKEND + ":")
                                                          and backend.split(":", 1)[1] in PROMOTE_VARIANTS)
 
 
 def fp8_tiles_for(backend: str, tiles: Fp8Tiles) -> Fp8Tiles:
     """The tiles an FP8 backend runs: `tiles`, or them with its promotion everywhere."""
-    return tiles if backend in (FP8_BACKEND, *GLUON_BACKENDS) else tiles.with_promote(backend.split(":", 1)[1])
+    return tiles if backend in (FP8_BACKEND, *VARIANT_BACKENDS) else tiles.with_promote(backend.split(":", 1)[1])
 PASSES = ("fwd", "fwd+bwd")
 
 
@@ -257,20 +267,17 @@ def make_block(backend: str, tiles: FFNTiles | None = None,
         return library_fp8_block
     if is_fp8(backend):
         copies: dict[tuple[int, int], Fp8ExpertWeights] = {}  # per weight tensor: made in the warm-up
+        gluon, weight_grads = variant_of(backend)
 
         def fp8_block(x_TH, topk_idx_TK, weights_TK, w13_EH2F, w2_EFH):
             key = (w13_EH2F.data_ptr(), w2_EFH.data_ptr())
             if key not in copies:
                 copies[key] = Fp8ExpertWeights.quantize(w13_EH2F.detach(), w2_EFH.detach())
             rows_NH, offsets_E, dest_TK = permute_tokens(x_TH, topk_idx_TK, w13_EH2F.shape[0])
-            # the forward's settings are the ones its backward runs (`fp8_ffn.set_gluon_wgrad` / `_swiglu`)
-            wgrad, swiglu = GLUON_VARIANTS.get(backend.split(":", 1)[-1], (False, False))
-            previous = set_gluon_wgrad(wgrad), set_gluon_swiglu(swiglu)
-            try:
-                out_NH = expert_ffn_fp8(rows_NH, offsets_E, w13_EH2F, w2_EFH, weights=copies[key], tiles=fp8_tiles)
-            finally:
-                set_gluon_wgrad(previous[0])
-                set_gluon_swiglu(previous[1])
+            # the forward's Gluon paths are the ones its backward runs (`fp8_ffn._GluonChoices`)
+            with gluon_paths(**gluon):
+                out_NH = expert_ffn_fp8(rows_NH, offsets_E, w13_EH2F, w2_EFH, weights=copies[key], tiles=fp8_tiles,
+                                        weight_grads=weight_grads)
             return combine_rows(out_NH, dest_TK, weights_TK)
         return fp8_block
     if backend == "triton":
@@ -367,7 +374,8 @@ def run(shape_names: list[str], backends: list[str], warmup: int, iters: int,
     bad = [b for b in backends if b not in ALL_BACKENDS and not is_fp8(b)]
     if bad or "grouped_mm" not in backends:
         raise ValueError(f"backends must include grouped_mm (the ratio's base) and come from "
-                         f"{', '.join(ALL_BACKENDS)} (or {FP8_BACKEND}:<promote>); got {backends}")
+                         f"{', '.join(ALL_BACKENDS)}, {', '.join(VARIANT_BACKENDS)} (or {FP8_BACKEND}:<promote>); "
+                         f"got {backends}")
     if not torch.cuda.is_available():
         raise ValueError("`disagmoe bench experts` needs a CUDA GPU (none is visible)")
     capability = torch.cuda.get_device_capability()
@@ -439,8 +447,9 @@ def fp8_backends(backends: list[str]) -> list[str]:
 def fp8_kernel_paths(backend: str, hidden: int, ffn: int, device: torch.device) -> str:
     """Which kernels an FP8 backend runs per GEMM role on `device` (`fp8_ffn.kernel_paths` with the
     backend's Gluon settings)."""
-    wgrad, swiglu = GLUON_VARIANTS.get(backend.split(":", 1)[-1], (False, False))
-    return kernel_paths(hidden, ffn, device, wgrad=wgrad, swiglu=swiglu)
+    gluon, weight_grads = variant_of(backend)
+    return kernel_paths(hidden, ffn, device, wgrad=gluon.get("wgrad"), swiglu=gluon.get("swiglu"),
+                        weight_grads=weight_grads)
 
 
 def fp8_tiles_notes(record: dict) -> list[str]:

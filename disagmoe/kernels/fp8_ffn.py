@@ -33,8 +33,10 @@ fused FP8 combine (`recompute.FP8_NO_EXPERT_OUTPUT`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+from collections.abc import Iterator
 
 import torch
 
@@ -62,14 +64,15 @@ class _GluonChoices:
     """Which Gluon paths the FFN's forwards from now on take; a forward's backward keeps the choices
     made at its forward. `rows`: the plain row GEMMs (down, gate/up data gradient) in
     `fp8_gluon.gluon_fp8_rows_gemm` (on: 1.17-1.40x `fp8.fp8_rows_gemm` at its tuned tiles, the
-    same bits). Off until measured (compiled for sm_90a without spills, not yet timed on a GPU):
-    `wgrad`, the weight gradients in `fp8_gluon.gluon_fp8_weight_grad`; `swiglu`, the two SwiGLU
-    GEMMs split as a plain Gluon row GEMM and a pass of their own (`_gate_up_forward`,
-    `_down_data_gradient`)."""
+    same bits). `swiglu` (on): the two SwiGLU GEMMs split as a plain Gluon row GEMM and a pass of
+    their own (`_gate_up_forward`, `_down_data_gradient`): the expert block 1.04-1.09x fwd+bwd
+    over the fused Triton SwiGLU GEMMs on three shapes (`bench experts`, 2026-12-04, session 19).
+    `wgrad` (off): the weight gradients in `fp8_gluon.gluon_fp8_weight_grad`, measured slower than
+    `fp8.fp8_weight_grad` in the same run (the block 0.91-0.98x)."""
 
     rows: bool = True
     wgrad: bool = False
-    swiglu: bool = False
+    swiglu: bool = True
 
 
 _gluon = _GluonChoices()
@@ -93,26 +96,46 @@ def set_gluon_wgrad(enabled: bool) -> bool:
 
 def set_gluon_swiglu(enabled: bool) -> bool:
     """Run the gate/up GEMM and the down data gradient as the Gluon row GEMM plus their SwiGLU
-    epilogue as a pass of its own where `fp8_gluon.takes` the operands (True), or as the Triton
-    kernels with the epilogue fused (False, the default until it is measured). Returns the
-    previous setting."""
+    epilogue as a pass of its own where `fp8_gluon.takes` the operands (True, the default), or as
+    the Triton kernels with the epilogue fused (False). Returns the previous setting."""
     previous, _gluon.swiglu = _gluon.swiglu, enabled
     return previous
 
 
+@contextlib.contextmanager
+def gluon_paths(**changes: bool) -> Iterator[None]:
+    """The FFN's forwards inside take these `_GluonChoices` fields (e.g. wgrad=True), the others as
+    they are; every field restored on exit (an A/B in `bench experts`)."""
+    unknown = set(changes) - {field.name for field in dataclasses.fields(_GluonChoices)}
+    if unknown:
+        raise ValueError(f"Gluon paths {sorted(unknown)}: choose from rows, wgrad, swiglu")
+    saved = dataclasses.replace(_gluon)
+    for name, value in changes.items():
+        setattr(_gluon, name, value)
+    try:
+        yield
+    finally:
+        for field in dataclasses.fields(_GluonChoices):
+            setattr(_gluon, field.name, getattr(saved, field.name))
+
+
 def kernel_paths(hidden: int, ffn: int, device: torch.device, *, wgrad: bool | None = None,
-                 swiglu: bool | None = None) -> str:
+                 swiglu: bool | None = None, weight_grads: str = "fp8") -> str:
     """Which kernels an FFN of this shape runs on `device` per GEMM role, as `_rows_gemm`,
     `_gate_up_forward`, `_down_data_gradient` and `_weight_grad` choose them (the Gluon ones on a
     Hopper GPU where K and N are multiples of 128; `wgrad` / `swiglu`: the settings, None as
-    `set_gluon_wgrad` / `set_gluon_swiglu` say now), e.g. 'rows gluon | swiglu triton | wgrad triton'."""
+    `set_gluon_wgrad` / `set_gluon_swiglu` say now; `weight_grads` "bf16": the weight gradients
+    are the bf16 GEMM's), e.g. 'rows gluon | swiglu triton | wgrad triton'."""
     hopper = (device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
               and os.environ.get("TRITON_INTERPRET") != "1")
     fits = hopper and hidden % fp8.SCALE_BLOCK == 0 and ffn % fp8.SCALE_BLOCK == 0
     wgrad = _gluon.wgrad if wgrad is None else wgrad
     swiglu = _gluon.swiglu if swiglu is None else swiglu
     paths = {"rows": _gluon.rows and fits, "swiglu": swiglu and fits, "wgrad": wgrad and hopper}
-    return " | ".join(f"{role} {'gluon' if gluon else 'triton'}" for role, gluon in paths.items())
+    names = {role: "gluon" if gluon else "triton" for role, gluon in paths.items()}
+    if weight_grads == "bf16":
+        names["wgrad"] = "bf16 triton"
+    return " | ".join(f"{role} {name}" for role, name in names.items())
 
 
 def _gluon_rows_take(a_MK: torch.Tensor, b_EKN: torch.Tensor, num_programs: int | None) -> bool:

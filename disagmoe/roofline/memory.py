@@ -204,13 +204,17 @@ def expert_row_grad_bytes(m: ModelConfig, value_bytes: int, dropped: frozenset[s
     d y's (1 x 128 rows and token groups: 2H) through the d h13 GEMM, then d y's token groups and
     act's (H + F) through the w2 gradient, after which act (bf16) is dropped too; then d h13's two
     (4F) through the dx GEMM, x's and d h13's token groups (H + 2F) through the w13 gradient. The
-    peak is the larger of the first half (act alive) and the second (act dropped)."""
+    peak is the larger of the first half (act alive) and the second (act dropped). On Hopper the
+    d h13 GEMM runs split (`fp8_ffn._GluonChoices.swiglu`): the Gluon GEMM writes d act [F], read
+    by the SwiGLU-gradient pass that writes d h13 and act, so d act is alive beside them and d y's
+    two copies there (counted on every GPU: an upper bound where the fused kernel runs)."""
     if BLOCK in dropped:
         recomputed = expert_row_bytes(m, value_bytes, fp8=fp8) + combine_bytes(m, value_bytes) // m.top_k
         return recomputed + expert_row_grad_bytes(m, value_bytes, fp8=fp8)
     H, F = m.hidden_size, m.expert_ffn_size
     if fp8:
-        with_act = value_bytes * (H + 3 * F) + FP8_VALUE_BYTES * max(2 * H, H + F)
+        with_act = max(value_bytes * (H + 4 * F) + FP8_VALUE_BYTES * 2 * H,  # the d h13 GEMM, d act alive
+                       value_bytes * (H + 3 * F) + FP8_VALUE_BYTES * (H + F))  # the w2 gradient
         without_act = value_bytes * (H + 2 * F) + FP8_VALUE_BYTES * max(4 * F, H + 2 * F)
         return int(max(with_act, without_act))
     recomputed = (H if "expert_input" in dropped else 0) + (F if "expert_swiglu" in dropped else 0)

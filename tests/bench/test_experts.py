@@ -164,29 +164,35 @@ def test_precision_fp8_times_our_fp8_experts_beside_our_bf16_ones():
         backends_for(None, "fp4")
 
 
-def test_the_gluon_backends_run_the_fp8_block_with_their_gluon_paths_switched_on(monkeypatch):
-    """`--backend triton-fp8:gluon-wgrad | gluon-swiglu | gluon`: FP8 backends at the tuned tiles
-    whose forwards run with `fp8_ffn.set_gluon_wgrad` / `set_gluon_swiglu` on as named (their
-    backward keeps it), the settings restored after each call; plain `triton-fp8` runs with both off."""
+def test_the_variant_backends_run_the_fp8_block_with_their_one_choice_changed(monkeypatch):
+    """`--backend triton-fp8:gluon-wgrad | fused-swiglu | bf16-wgrad`: FP8 backends at the tuned tiles
+    whose forwards run with one choice changed from the FFN's defaults (a Gluon path through
+    `fp8_ffn.gluon_paths`, which their backward keeps; or the weight gradients' precision), the
+    defaults restored after each call; plain `triton-fp8` runs the defaults."""
     from disagmoe.kernels import fp8_ffn
     from disagmoe.kernels.fp8_ffn import Fp8Tiles
 
     tiles = Fp8Tiles()
-    for backend in bench.GLUON_BACKENDS:
+    for backend in bench.VARIANT_BACKENDS:
         assert bench.is_fp8(backend) and bench.needs_fp8(backend)
         assert bench.fp8_tiles_for(backend, tiles) is tiles
     seen = []
-    monkeypatch.setattr(bench, "expert_ffn_fp8",
-                        lambda rows, *a, **k: seen.append((fp8_ffn._gluon.wgrad, fp8_ffn._gluon.swiglu)) or rows)
+    monkeypatch.setattr(bench, "expert_ffn_fp8", lambda rows, *a, weight_grads, **k: seen.append(
+        (fp8_ffn._gluon.wgrad, fp8_ffn._gluon.swiglu, weight_grads)) or rows)
     monkeypatch.setattr(bench.Fp8ExpertWeights, "quantize", classmethod(lambda cls, a, b: None))
     monkeypatch.setattr(bench, "permute_tokens", lambda x, idx, experts: (x, None, None))
     monkeypatch.setattr(bench, "combine_rows", lambda rows, dest, weights: rows)
     x, idx, weights = torch.randn(6, 8), torch.randint(0, 2, (6, 2)), torch.rand(6, 2)
     w13, w2 = torch.randn(2, 8, 16), torch.randn(2, 8, 8)
-    for backend in (*bench.GLUON_BACKENDS, bench.FP8_BACKEND):
+    defaults = (fp8_ffn._gluon.wgrad, fp8_ffn._gluon.swiglu)
+    assert defaults == (False, True)
+    for backend in (*bench.VARIANT_BACKENDS, bench.FP8_BACKEND):
         bench.make_block(backend, fp8_tiles=tiles)(x, idx, weights, w13, w2)
-        assert (fp8_ffn._gluon.wgrad, fp8_ffn._gluon.swiglu) == (False, False)
-    assert seen == [(True, False), (False, True), (True, True), (False, False)]
+        assert (fp8_ffn._gluon.wgrad, fp8_ffn._gluon.swiglu) == defaults
+    assert seen == [(True, True, "fp8"), (False, False, "fp8"), (False, True, "bf16"), (False, True, "fp8")]
+    with pytest.raises(ValueError, match="choose from rows, wgrad, swiglu"):
+        with fp8_ffn.gluon_paths(epilogue=True):
+            pass
 
 
 def test_fp8_promote_times_one_fp8_backend_per_k_loop_and_says_which_tiles_ran():
@@ -239,7 +245,8 @@ def test_the_kernel_paths_say_which_roles_run_gluon_where():
     cpu = torch.device("cpu")
     triton_only = "rows triton | swiglu triton | wgrad triton"
     assert fp8_ffn.kernel_paths(4096, 14336, cpu, wgrad=True, swiglu=True) == triton_only
-    assert bench.fp8_kernel_paths(bench.GLUON_BACKENDS[2], 4096, 14336, cpu) == triton_only
+    assert bench.fp8_kernel_paths(bench.VARIANT_BACKENDS[0], 4096, 14336, cpu) == triton_only
+    assert bench.fp8_kernel_paths(f"{bench.FP8_BACKEND}:bf16-wgrad", 4096, 14336, cpu).endswith("wgrad bf16 triton")
 
 
 @pytest.mark.gpu

@@ -319,18 +319,11 @@ def test_gpu_the_gluon_kernels_give_the_triton_kernels_results(monkeypatch):
         monkeypatch.setattr(fp8_gluon, name, lambda *a, _k=kernel, _n=name, **kw: calls.append(_n) or _k(*a, **kw))
     results = {}
     for enabled in (True, False):
-        fp8_ffn.set_gluon_rows(enabled)
-        fp8_ffn.set_gluon_wgrad(enabled)
-        fp8_ffn.set_gluon_swiglu(enabled)
-        try:
+        with fp8_ffn.gluon_paths(rows=enabled, wgrad=enabled, swiglu=enabled):
             leaves = [t.clone().requires_grad_() for t in (x, w13, w2)]
             y = fp8_ffn.expert_ffn_fp8(leaves[0], offsets, leaves[1], leaves[2])
             y.backward(dy)
             results[enabled] = (y, *(t.grad for t in leaves))
-        finally:
-            fp8_ffn.set_gluon_rows(True)
-            fp8_ffn.set_gluon_wgrad(False)
-            fp8_ffn.set_gluon_swiglu(False)
     assert sorted(calls) == ["gluon_fp8_rows_gemm"] * 4 + ["gluon_fp8_weight_grad"] * 2
     for got, want in zip(results[True], results[False], strict=True):
         assert torch.isfinite(got).all()
