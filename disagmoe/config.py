@@ -717,11 +717,12 @@ class TrainConfig(StrictModel):
         "rowwise scales (one per token / feature, a coarser recipe than the experts' 1x128 / 128x128), their "
         "weight gradients in bf16 (kernels/fp8_dense.py says why); None = true under precision fp8; true is refused "
         "under another precision")
-    fp8_expert_weight_grads: Literal["fp8", "bf16"] | None = Field(
-        None, description="precision fp8: the routed experts' weight-gradient GEMMs in fp8 (e4m3 over 128 x 1 "
-        "token groups, DeepSeek-V3's recipe) or bf16 (the bf16 experts' GEMM on the rows the backward holds in "
-        "bf16 anyway, no token-group copies; the forward and data gradients stay FP8: kernels/fp8_ffn.py); None = "
-        "fp8; refused under another precision")
+    fp8_expert_backward: Literal["fp8", "bf16-wgrad", "bf16"] | None = Field(
+        None, description="precision fp8: the routed experts' backward GEMMs: fp8 (all four in e4m3, the weight "
+        "gradients over 128 x 1 token groups: DeepSeek-V3's recipe), bf16-wgrad (the weight gradients by the bf16 "
+        "experts' GEMM on the rows the backward holds in bf16 anyway, no token-group copies; the data gradients "
+        "FP8) or bf16 (the whole backward in bf16 from the FP8 forward's pre-activations); kernels/fp8_ffn.py; "
+        "None = fp8; refused under another precision")
     routing: Literal["learned", "balanced"] = Field(
         "learned", description="balanced: every expert gets the same number of tokens whatever the router "
         "scores (a benchmark setting, as other trainers' performance recipes use; labelled in every output); "
@@ -849,12 +850,12 @@ class TrainConfig(StrictModel):
         return "fp8" if self.precision == "fp8" else self.compute_dtype_name
 
     @property
-    def expert_weight_grad_precision(self) -> str | None:
-        """Under FP8 experts, their weight gradients' precision (`fp8_expert_weight_grads`, None = fp8);
-        None where the experts are not FP8."""
+    def expert_backward_precision(self) -> str | None:
+        """Under FP8 experts, which of their backward GEMMs run in FP8 (`fp8_expert_backward`, None =
+        fp8); None where the experts are not FP8."""
         if self.expert_precision != "fp8":
             return None
-        return self.fp8_expert_weight_grads or "fp8"
+        return self.fp8_expert_backward or "fp8"
 
     @property
     def dense_precision(self) -> str:
@@ -923,10 +924,10 @@ class TrainConfig(StrictModel):
         if self.fp8_dense and self.precision != "fp8":
             raise ValueError(f"fp8_dense: true runs the dense projections in FP8 under precision: fp8; this run is "
                              f"precision: {self.precision}: set precision: fp8 or remove fp8_dense")
-        if self.fp8_expert_weight_grads is not None and self.precision != "fp8":
-            raise ValueError(f"fp8_expert_weight_grads chooses the FP8 experts' weight-gradient precision under "
+        if self.fp8_expert_backward is not None and self.precision != "fp8":
+            raise ValueError(f"fp8_expert_backward chooses the FP8 experts' backward precision under "
                              f"precision: fp8; this run is precision: {self.precision}: set precision: fp8 or remove "
-                             f"fp8_expert_weight_grads")
+                             f"fp8_expert_backward")
         if self.precision == "fp8":
             needs = [why for bad, why in (
                 (self.device != "cuda", "device: cuda (FP8 tensor cores; the CPU runs the kernels only in their tests)"),

@@ -216,15 +216,16 @@ def test_fp8_dense_follows_precision_fp8_and_is_refused_without_it():
         cfg.TrainConfig(precision="bf16", fp8_dense=True, **base)
 
 
-def test_fp8_expert_weight_grads_follow_precision_fp8_and_are_refused_without_it():
+def test_fp8_expert_backward_follow_precision_fp8_and_are_refused_without_it():
     base = dict(model="tiny", device="cuda", experts_backend="triton")
-    assert cfg.TrainConfig(precision="fp8", **base).expert_weight_grad_precision == "fp8"
-    assert cfg.TrainConfig(precision="fp8", fp8_expert_weight_grads="bf16", **base).expert_weight_grad_precision == "bf16"
-    assert cfg.TrainConfig(precision="bf16", **base).expert_weight_grad_precision is None
-    with pytest.raises(ValueError, match="fp8_expert_weight_grads chooses .* set precision: fp8"):
-        cfg.TrainConfig(precision="bf16", fp8_expert_weight_grads="bf16", **base)
-    with pytest.raises(ValueError, match="fp8_expert_weight_grads"):
-        cfg.TrainConfig(precision="fp8", fp8_expert_weight_grads="fp16", **base)
+    assert cfg.TrainConfig(precision="fp8", **base).expert_backward_precision == "fp8"
+    for backward in ("bf16-wgrad", "bf16"):
+        assert cfg.TrainConfig(precision="fp8", fp8_expert_backward=backward, **base).expert_backward_precision == backward
+    assert cfg.TrainConfig(precision="bf16", **base).expert_backward_precision is None
+    with pytest.raises(ValueError, match="fp8_expert_backward chooses .* set precision: fp8"):
+        cfg.TrainConfig(precision="bf16", fp8_expert_backward="bf16-wgrad", **base)
+    with pytest.raises(ValueError, match="fp8_expert_backward"):
+        cfg.TrainConfig(precision="fp8", fp8_expert_backward="fp16", **base)
 
 
 def test_fp8_dense_takes_any_sequence_length():

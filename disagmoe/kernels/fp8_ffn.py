@@ -44,15 +44,22 @@ from disagmoe.kernels import fp8
 from disagmoe.kernels import grouped_gemm as gg
 from disagmoe.kernels.first_touch import adds_into
 from disagmoe.kernels.fp8_stats import ACTIVATIONS, GRADIENTS, WEIGHTS, Fp8Stats
-from disagmoe.kernels.moe_ffn import FFNTiles, main_grad_of
+from disagmoe.kernels.moe_ffn import FFNTiles, main_grad_of, moe_ffn_backward
 from disagmoe.kernels.recompute import EXPERT_INPUT, EXPERT_OUTPUT, FP8_NO_EXPERT_OUTPUT, FP8_RECOMPUTABLE, RowSource
 from disagmoe.kernels.tile_configs import TileConfig, tuned
 
 
-# The routed experts' weight-gradient GEMMs: "fp8" (128 x 1 token groups, `fp8.fp8_weight_grad`) or
-# "bf16" (the bf16 experts' GEMM on the rows the backward holds in bf16 anyway; torchao's
-# "with high-precision weight gradient" recipes). The data gradients and the forward are FP8 in both.
-WEIGHT_GRAD_PRECISIONS = ("fp8", "bf16")
+# The routed experts' backward GEMMs: "fp8" (all four in e4m3: the data gradients 1 x 128, the weight
+# gradients over 128 x 1 token groups, `fp8.fp8_weight_grad`), "bf16-wgrad" (the weight gradients
+# the bf16 experts' GEMM on the rows the backward holds in bf16 anyway, torchao's "high-precision
+# weight gradient" recipes; the data gradients FP8) or "bf16" (the whole backward the bf16 experts'
+# `moe_ffn.moe_ffn_backward` from the FP8 forward's pre-activations: only the forward in FP8).
+BACKWARD_PRECISIONS = ("fp8", "bf16-wgrad", "bf16")
+
+
+def _check_backward(backward: str) -> None:
+    if backward not in BACKWARD_PRECISIONS:
+        raise ValueError(f"FP8 experts' backward {backward!r}: choose one of {', '.join(BACKWARD_PRECISIONS)}")
 
 
 def _row(stats: Fp8Stats | None, kind: int) -> torch.Tensor | None:
@@ -120,12 +127,12 @@ def gluon_paths(**changes: bool) -> Iterator[None]:
 
 
 def kernel_paths(hidden: int, ffn: int, device: torch.device, *, wgrad: bool | None = None,
-                 swiglu: bool | None = None, weight_grads: str = "fp8") -> str:
+                 swiglu: bool | None = None, backward: str = "fp8") -> str:
     """Which kernels an FFN of this shape runs on `device` per GEMM role, as `_rows_gemm`,
     `_gate_up_forward`, `_down_data_gradient` and `_weight_grad` choose them (the Gluon ones on a
     Hopper GPU where K and N are multiples of 128; `wgrad` / `swiglu`: the settings, None as
-    `set_gluon_wgrad` / `set_gluon_swiglu` say now; `weight_grads` "bf16": the weight gradients
-    are the bf16 GEMM's), e.g. 'rows gluon | swiglu triton | wgrad triton'."""
+    `set_gluon_wgrad` / `set_gluon_swiglu` say now; `backward` (`BACKWARD_PRECISIONS`): bf16
+    weight gradients, or a bf16 backward), e.g. 'rows gluon | swiglu triton | wgrad triton'."""
     hopper = (device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
               and os.environ.get("TRITON_INTERPRET") != "1")
     fits = hopper and hidden % fp8.SCALE_BLOCK == 0 and ffn % fp8.SCALE_BLOCK == 0
@@ -133,8 +140,10 @@ def kernel_paths(hidden: int, ffn: int, device: torch.device, *, wgrad: bool | N
     swiglu = _gluon.swiglu if swiglu is None else swiglu
     paths = {"rows": _gluon.rows and fits, "swiglu": swiglu and fits, "wgrad": wgrad and hopper}
     names = {role: "gluon" if gluon else "triton" for role, gluon in paths.items()}
-    if weight_grads == "bf16":
+    if backward != "fp8":
         names["wgrad"] = "bf16 triton"
+    if backward == "bf16":
+        names["backward"] = "bf16 triton"
     return " | ".join(f"{role} {name}" for role, name in names.items())
 
 
@@ -318,7 +327,7 @@ def fp8_ffn_backward(
     num_programs: int | None = None,
     stats: Fp8Stats | None = None,
     gluon: _GluonChoices | None = None,
-    weight_grads: str = "fp8",
+    backward: str = "fp8",
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(dx_NH in dy's dtype, dw13_EH2F fp32, dw2_EFH fp32); a weight gradient whose fp32 main
     gradient is given (w13's, w2's) is added into it by its GEMM (stored, if the gradient is
@@ -340,13 +349,14 @@ def fp8_ffn_backward(
     either: every result leaves this function together (the FP8 experts hold no weight gradient
     back, `kernels.deferral`). `gluon`: the Gluon paths taken where they apply (`_GluonChoices`;
     None: as the `set_gluon_*` functions say now).
-    `weight_grads` "bf16" (`WEIGHT_GRAD_PRECISIONS`): the two weight gradients from the bf16 rows
+    `backward` "bf16-wgrad" (`BACKWARD_PRECISIONS`): the two weight gradients from the bf16 rows
     the backward holds anyway (x, act, dy, d h13) by the bf16 experts' GEMM
     (`grouped_gemm.ragged_weight_grad`, its tuned tiles), no token-group copy made; the data
-    gradients stay FP8 (`_bf16_weight_grads`)."""
-    if weight_grads not in WEIGHT_GRAD_PRECISIONS:
-        raise ValueError(f"FP8 experts' weight gradients in {weight_grads!r}: choose one of {WEIGHT_GRAD_PRECISIONS}")
-    if weight_grads == "bf16":
+    gradients stay FP8 (`_backward_bf16_weight_grads`). ("bf16", the whole backward in bf16, is
+    `Fp8ExpertFFNFunction`'s: it needs the bf16 weights.)"""
+    if backward not in ("fp8", "bf16-wgrad"):
+        raise ValueError(f"fp8_ffn_backward runs backward fp8 or bf16-wgrad; got {backward!r}")
+    if backward == "bf16-wgrad":
         return _backward_bf16_weight_grads(dy_NH, x_NH, offsets_E, weights, h13_N2F, tiles, main_grads=main_grads,
                                            num_programs=num_programs, stats=stats, gluon=gluon or _gluon)
     rows, ffn = h13_N2F.shape[0], weights.w2[0].shape[1]
@@ -386,7 +396,7 @@ def fp8_ffn_backward(
 def _backward_bf16_weight_grads(dy_NH, x_NH, offsets_E, weights: Fp8ExpertWeights, h13_N2F, tiles: Fp8Tiles, *,
                                 main_grads, num_programs: int | None, stats: Fp8Stats | None,
                                 gluon: _GluonChoices) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """`fp8_ffn_backward` with weight_grads "bf16": dy and d h13 quantised 1 x 128 only (their data
+    """`fp8_ffn_backward` with backward "bf16-wgrad": dy and d h13 quantised 1 x 128 only (their data
     gradients' A operands), each weight gradient the bf16 experts' ragged GEMM over the rows as
     they are, added into its main gradient where one is given. Launch order: d h13 (writing act),
     w2's gradient, dx, w13's gradient; alive beside the bf16 rows: one e4m3 row copy at a time."""
@@ -422,7 +432,7 @@ class Fp8ExpertFFNFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_NH, offsets_E, w13_EH2F, w2_EFH, weights, tiles, num_programs, stats,
-                recompute=frozenset(), source=None, weight_grads="fp8"):
+                recompute=frozenset(), source=None, backward="fp8"):
         if weights is None:  # a copy per call; a trainer makes one per optimizer step and passes it
             weights = Fp8ExpertWeights.quantize(w13_EH2F, w2_EFH, stats)
         ctx.gluon = dataclasses.replace(_gluon)  # the backward keeps the forward's choices
@@ -434,7 +444,8 @@ class Fp8ExpertFFNFunction(torch.autograd.Function):
         ctx.x_dtype = x_NH.dtype
         ctx.save_for_backward(None if ctx.source is not None else x_NH, offsets_E, h13_N2F)
         ctx.weights, ctx.tiles, ctx.num_programs, ctx.stats = weights, tiles, num_programs, stats
-        ctx.weight_grads = weight_grads
+        ctx.backward = backward
+        ctx.bf16_weights = (w13_EH2F, w2_EFH) if backward == "bf16" else None
         ctx.weight_dtypes = (w13_EH2F.dtype, w2_EFH.dtype)
         # FlatAdamW's fp32 main gradients: the weight-gradient GEMMs add into them (no bf16 gradient,
         # no autograd accumulation, no hook's fp32 add: 110 ms of a Mixtral-shaped step, measured)
@@ -444,12 +455,23 @@ class Fp8ExpertFFNFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy_NH):
         x_NH, offsets_E, h13_N2F = ctx.saved_tensors
+        if ctx.backward == "bf16":  # the bf16 experts' backward from the FP8 forward's pre-activations
+            if x_NH is None:
+                x_NH = ctx.source.rows(ctx.x_dtype)
+            w13_EH2F, w2_EFH = ctx.bf16_weights
+            tiles = FFNTiles.for_shape(x_NH.shape[0], w13_EH2F.shape[0], w13_EH2F.shape[1], w2_EFH.shape[1],
+                                       x_NH.device, x_NH.dtype)
+            dx, dw13, dw2 = moe_ffn_backward(dy_NH.contiguous(), x_NH, offsets_E, w13_EH2F.detach(), w2_EFH.detach(),
+                                             None, h13_N2F, tiles, num_programs=ctx.num_programs,
+                                             main_grads=ctx.main_grads)
+            ctx.weights = ctx.stats = ctx.source = ctx.main_grads = ctx.bf16_weights = None
+            return dx, None, dw13, dw2, None, None, None, None, None, None, None
         if x_NH is None:  # the tokens read in place where they hold the rows' dtype, else cast rows
             same = ctx.source.x_TH.dtype == ctx.x_dtype
             x_NH = ctx.source if same else ctx.source.rows(ctx.x_dtype)
         dx, dw13, dw2 = fp8_ffn_backward(dy_NH.contiguous(), x_NH, offsets_E, ctx.weights, h13_N2F, ctx.tiles,
                                          main_grads=ctx.main_grads, num_programs=ctx.num_programs, stats=ctx.stats,
-                                         gluon=ctx.gluon, weight_grads=ctx.weight_grads)
+                                         gluon=ctx.gluon, backward=ctx.backward)
         ctx.weights = ctx.stats = ctx.source = ctx.main_grads = None
         dw13, dw2 = (None if g is None else g.to(dtype) for g, dtype in zip((dw13, dw2), ctx.weight_dtypes))
         return dx, None, dw13, dw2, None, None, None, None, None, None, None
@@ -467,7 +489,7 @@ def expert_ffn_fp8(
     stats: Fp8Stats | None = None,
     recompute: frozenset[str] = frozenset(),
     source: RowSource | None = None,
-    weight_grads: str = "fp8",
+    backward: str = "fp8",
 ) -> torch.Tensor:
     """The experts backend contract `expert_ffn(x_NH, offsets_E, w13_EH2F, w2_EFH) -> y_NH` with
     every GEMM in FP8, differentiable in x, w13 and w2. `weights`: the FP8 copies of exactly these
@@ -475,10 +497,9 @@ def expert_ffn_fp8(
     `stats`: every quantisation's counters, forward and backward (module docstring). `tiles`: the
     launches' tiles, by default the tuned ones of this shape class (`Fp8Tiles.for_shape`).
     `recompute` (a subset of `recompute.FP8_RECOMPUTABLE`) and `source` (where x's rows came from,
-    for `expert_input`; without one the rows are kept): module docstring. `weight_grads`: the weight
-    gradients' precision (`WEIGHT_GRAD_PRECISIONS`; "bf16": `fp8_ffn_backward`)."""
-    if weight_grads not in WEIGHT_GRAD_PRECISIONS:
-        raise ValueError(f"FP8 experts' weight gradients in {weight_grads!r}: choose one of {WEIGHT_GRAD_PRECISIONS}")
+    for `expert_input`; without one the rows are kept): module docstring. `backward`: which backward
+    GEMMs run in FP8 (`BACKWARD_PRECISIONS`)."""
+    _check_backward(backward)
     recompute = frozenset(recompute)
     if EXPERT_OUTPUT in recompute:
         raise ValueError(f"the FP8 experts cannot recompute expert_output: {FP8_NO_EXPERT_OUTPUT}; "
@@ -496,4 +517,4 @@ def expert_ffn_fp8(
     if tiles is None:  # from the host-known shapes: no sync, the same every step
         tiles = Fp8Tiles.for_shape(x_NH.shape[0], experts, hidden, two_ffn // 2, x_NH.device)
     return Fp8ExpertFFNFunction.apply(x_NH.contiguous(), offsets_E, w13_EH2F, w2_EFH, weights,
-                                      tiles, num_programs, stats, recompute, source, weight_grads)
+                                      tiles, num_programs, stats, recompute, source, backward)

@@ -112,12 +112,12 @@ class MoETransformer(nn.Module):
             elif isinstance(module, Block):
                 module.set_recompute(modules)
 
-    def set_expert_precision(self, precision: str, weight_grads: str = "fp8") -> None:
-        """The routed experts' GEMM precision (`TrainConfig.expert_precision`) and under fp8 their weight
-        gradients' (`TrainConfig.expert_weight_grad_precision`; `RoutedExperts.set_precision`)."""
+    def set_expert_precision(self, precision: str, backward: str = "fp8") -> None:
+        """The routed experts' GEMM precision (`TrainConfig.expert_precision`) and under fp8 their
+        backward's (`TrainConfig.expert_backward_precision`; `RoutedExperts.set_precision`)."""
         for module in self.modules():
             if isinstance(module, RoutedExperts):
-                module.set_precision(precision, weight_grads)
+                module.set_precision(precision, backward)
 
     def set_dense_fp8(self, enabled: bool, stats=None, _emulate: bool = False) -> None:
         """The dense projections held here (attention, MLA's, shared experts, dense FFN layers: every

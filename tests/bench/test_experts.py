@@ -165,9 +165,9 @@ def test_precision_fp8_times_our_fp8_experts_beside_our_bf16_ones():
 
 
 def test_the_variant_backends_run_the_fp8_block_with_their_one_choice_changed(monkeypatch):
-    """`--backend triton-fp8:gluon-wgrad | fused-swiglu | bf16-wgrad`: FP8 backends at the tuned tiles
+    """`--backend triton-fp8:gluon-wgrad | fused-swiglu | bf16-wgrad | bf16-backward`: FP8 backends at the tuned tiles
     whose forwards run with one choice changed from the FFN's defaults (a Gluon path through
-    `fp8_ffn.gluon_paths`, which their backward keeps; or the weight gradients' precision), the
+    `fp8_ffn.gluon_paths`, which their backward keeps; or which backward GEMMs run in FP8), the
     defaults restored after each call; plain `triton-fp8` runs the defaults."""
     from disagmoe.kernels import fp8_ffn
     from disagmoe.kernels.fp8_ffn import Fp8Tiles
@@ -177,8 +177,8 @@ def test_the_variant_backends_run_the_fp8_block_with_their_one_choice_changed(mo
         assert bench.is_fp8(backend) and bench.needs_fp8(backend)
         assert bench.fp8_tiles_for(backend, tiles) is tiles
     seen = []
-    monkeypatch.setattr(bench, "expert_ffn_fp8", lambda rows, *a, weight_grads, **k: seen.append(
-        (fp8_ffn._gluon.wgrad, fp8_ffn._gluon.swiglu, weight_grads)) or rows)
+    monkeypatch.setattr(bench, "expert_ffn_fp8", lambda rows, *a, backward, **k: seen.append(
+        (fp8_ffn._gluon.wgrad, fp8_ffn._gluon.swiglu, backward)) or rows)
     monkeypatch.setattr(bench.Fp8ExpertWeights, "quantize", classmethod(lambda cls, a, b: None))
     monkeypatch.setattr(bench, "permute_tokens", lambda x, idx, experts: (x, None, None))
     monkeypatch.setattr(bench, "combine_rows", lambda rows, dest, weights: rows)
@@ -189,7 +189,8 @@ def test_the_variant_backends_run_the_fp8_block_with_their_one_choice_changed(mo
     for backend in (*bench.VARIANT_BACKENDS, bench.FP8_BACKEND):
         bench.make_block(backend, fp8_tiles=tiles)(x, idx, weights, w13, w2)
         assert (fp8_ffn._gluon.wgrad, fp8_ffn._gluon.swiglu) == defaults
-    assert seen == [(True, True, "fp8"), (False, False, "fp8"), (False, True, "bf16"), (False, True, "fp8")]
+    assert seen == [(True, True, "fp8"), (False, False, "fp8"), (False, True, "bf16-wgrad"), (False, True, "bf16"),
+                    (False, True, "fp8")]
     with pytest.raises(ValueError, match="choose from rows, wgrad, swiglu"):
         with fp8_ffn.gluon_paths(epilogue=True):
             pass

@@ -229,7 +229,7 @@ def test_first_touch_stores_the_steps_first_weight_gradient_bit_for_bit(ffn8):
 
 @pytest.mark.parametrize("counts,hidden,ffn", [([4, 0, 11, 1], 32, 40), ([0, 130, 3], 64, 128)])
 def test_bf16_weight_grads_are_the_plain_gemm_of_the_rows_beside_the_fp8_data_gradient(ffn8, counts, hidden, ffn):
-    """weight_grads="bf16": y and dx are the FP8 run's bits (the same forward and data-gradient
+    """backward="bf16": y and dx are the FP8 run's bits (the same forward and data-gradient
     launches); dw2 is the plain GEMM act^T dy per expert over the rows as they are (act = silu(gate)
     * up of the saved pre-activations; no token-group quantisation), zeros for an empty expert; both
     weight gradients within the stated bounds of fp64 autograd; with main gradients they are added
@@ -241,12 +241,13 @@ def test_bf16_weight_grads_are_the_plain_gemm_of_the_rows_beside_the_fp8_data_gr
     x, offsets, w13, w2, dy = _inputs(counts, hidden, ffn, seed=11)
     tiles = ffn8.Fp8Tiles(**SMALL)
     got = {}
-    for precision in ffn8.WEIGHT_GRAD_PRECISIONS:
+    for precision in ("fp8", "bf16-wgrad"):
         leaves = [t.clone().requires_grad_() for t in (x, w13, w2)]
         y = ffn8.expert_ffn_fp8(leaves[0], offsets, leaves[1], leaves[2], tiles=tiles, num_programs=3,
-                                weight_grads=precision)
+                                backward=precision)
         y.backward(dy)
         got[precision] = (y, *(t.grad for t in leaves))
+    got["bf16"] = got.pop("bf16-wgrad")
     assert torch.equal(got["bf16"][0], got["fp8"][0]) and torch.equal(got["bf16"][1], got["fp8"][1])
     _check(counts, got["bf16"], _reference_grads(x, offsets, w13, w2, dy))
     _, h13 = ffn8.fp8_ffn_forward(x, offsets, ffn8.Fp8ExpertWeights.quantize(w13, w2), tiles, save_for_backward=True,
@@ -265,13 +266,48 @@ def test_bf16_weight_grads_are_the_plain_gemm_of_the_rows_beside_the_fp8_data_gr
     params = [torch.nn.Parameter(w.clone()) for w in (w13, w2)]
     for p in params:
         p.main_grad = torch.zeros(p.shape)
-    ffn8.expert_ffn_fp8(x.clone().requires_grad_(), offsets, *params, tiles=tiles, num_programs=3, weight_grads="bf16",
-                        recompute=frozenset({EXPERT_INPUT}), source=RowSource(x_TH, token_N)).backward(dy)
+    ffn8.expert_ffn_fp8(x.clone().requires_grad_(), offsets, *params, tiles=tiles, num_programs=3,
+                        backward="bf16-wgrad", recompute=frozenset({EXPERT_INPUT}),
+                        source=RowSource(x_TH, token_N)).backward(dy)
     assert params[0].grad is None and params[1].grad is None
     torch.testing.assert_close(params[0].main_grad, got["bf16"][2], rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(params[1].main_grad, got["bf16"][3], rtol=1e-6, atol=1e-6)
-    with pytest.raises(ValueError, match="weight gradients in 'fp16'"):
-        ffn8.expert_ffn_fp8(x, offsets, w13, w2, weight_grads="fp16")
+    with pytest.raises(ValueError, match="backward 'fp16': choose one of fp8, bf16-wgrad, bf16"):
+        ffn8.expert_ffn_fp8(x, offsets, w13, w2, backward="fp16")
+
+
+def test_a_bf16_backward_is_the_bf16_experts_backward_from_the_fp8_forwards_pre_activations(ffn8):
+    """backward="bf16": y is the FP8 run's; dx, dw13 and dw2 are `moe_ffn.moe_ffn_backward`'s from
+    the saved rows and the FP8 gate/up output h13 against the bf16 weights (no FP8 in the backward),
+    bit for bit; into main gradients where the weights carry them, through a RowSource the same."""
+    from disagmoe.kernels.moe_ffn import FFNTiles, moe_ffn_backward
+    from disagmoe.kernels.recompute import EXPERT_INPUT, RowSource
+
+    counts, hidden, ffn = [5, 0, 12, 3], 32, 40
+    x, offsets, w13, w2, dy = _inputs(counts, hidden, ffn, seed=12)
+    tiles = ffn8.Fp8Tiles(**SMALL)
+    leaves = [t.clone().requires_grad_() for t in (x, w13, w2)]
+    y = ffn8.expert_ffn_fp8(leaves[0], offsets, leaves[1], leaves[2], tiles=tiles, num_programs=3, backward="bf16")
+    y.backward(dy)
+    y_fp8, h13 = ffn8.fp8_ffn_forward(x, offsets, ffn8.Fp8ExpertWeights.quantize(w13, w2), tiles,
+                                      save_for_backward=True, num_programs=3)
+    assert torch.equal(y, y_fp8)
+    bf16_tiles = FFNTiles.for_shape(len(x), len(counts), hidden, ffn, x.device, x.dtype)
+    want = moe_ffn_backward(dy, x, offsets, w13, w2, None, h13, bf16_tiles, num_programs=3)
+    for got, expected in zip((t.grad for t in leaves), want, strict=True):
+        assert torch.equal(got, expected)
+    _check(counts, (y, *(t.grad for t in leaves)), _reference_grads(x, offsets, w13, w2, dy))
+    token_N = torch.randperm(len(x), generator=torch.Generator().manual_seed(3))
+    x_TH = torch.empty_like(x)
+    x_TH[token_N] = x
+    params = [torch.nn.Parameter(w.clone()) for w in (w13, w2)]
+    for p in params:
+        p.main_grad = torch.zeros(p.shape)
+    x_leaf = x.clone().requires_grad_()
+    ffn8.expert_ffn_fp8(x_leaf, offsets, *params, tiles=tiles, num_programs=3, backward="bf16",
+                        recompute=frozenset({EXPERT_INPUT}), source=RowSource(x_TH, token_N)).backward(dy)
+    assert params[0].grad is None and params[1].grad is None and torch.equal(x_leaf.grad, want[0])
+    assert torch.equal(params[0].main_grad, want[1]) and torch.equal(params[1].main_grad, want[2])
 
 
 def test_mismatched_weights_are_refused(ffn8):
@@ -284,15 +320,15 @@ def test_mismatched_weights_are_refused(ffn8):
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
                     reason="needs a GPU with FP8 (sm_89+)")
 @pytest.mark.parametrize("counts,hidden,ffn", [([300, 0, 1000, 7], 512, 384), ([129, 511, 64, 3, 900], 1024, 256)])
-@pytest.mark.parametrize("weight_grads", ["fp8", "bf16"])
-def test_gpu_fp8_ffn_forward_backward(counts, hidden, ffn, weight_grads):
-    """bf16 operands on tensor cores, default tiles, weight gradients in each precision: within the
+@pytest.mark.parametrize("backward", ["fp8", "bf16-wgrad", "bf16"])
+def test_gpu_fp8_ffn_forward_backward(counts, hidden, ffn, backward):
+    """bf16 operands on tensor cores, default tiles, each backward recipe: within the
     stated bounds of fp64 autograd."""
     from disagmoe.kernels import fp8_ffn
 
     x, offsets, w13, w2, dy = _inputs(counts, hidden, ffn, seed=3, device="cuda", dtype=torch.bfloat16)
     leaves = [t.clone().requires_grad_() for t in (x, w13, w2)]
-    y = fp8_ffn.expert_ffn_fp8(leaves[0], offsets, leaves[1], leaves[2], weight_grads=weight_grads)
+    y = fp8_ffn.expert_ffn_fp8(leaves[0], offsets, leaves[1], leaves[2], backward=backward)
     y.backward(dy)
     assert y.dtype == torch.bfloat16 and leaves[1].grad.dtype == torch.bfloat16
     _check(counts, (y, *(t.grad for t in leaves)), _reference_grads(x, offsets, w13, w2, dy))
