@@ -722,7 +722,8 @@ class TrainConfig(StrictModel):
         "gradients over 128 x 1 token groups: DeepSeek-V3's recipe), bf16-wgrad (the weight gradients by the bf16 "
         "experts' GEMM on the rows the backward holds in bf16 anyway, no token-group copies; the data gradients "
         "FP8) or bf16 (the whole backward in bf16 from the FP8 forward's pre-activations); kernels/fp8_ffn.py; "
-        "None = fp8; refused under another precision")
+        "None = bf16-wgrad (measured faster than fp8 at the same loss: docs/benchmarks.md, session 19); refused "
+        "under another precision")
     routing: Literal["learned", "balanced"] = Field(
         "learned", description="balanced: every expert gets the same number of tokens whatever the router "
         "scores (a benchmark setting, as other trainers' performance recipes use; labelled in every output); "
@@ -852,10 +853,10 @@ class TrainConfig(StrictModel):
     @property
     def expert_backward_precision(self) -> str | None:
         """Under FP8 experts, which of their backward GEMMs run in FP8 (`fp8_expert_backward`, None =
-        fp8); None where the experts are not FP8."""
+        bf16-wgrad, `kernels.fp8_ffn.DEFAULT_BACKWARD`); None where the experts are not FP8."""
         if self.expert_precision != "fp8":
             return None
-        return self.fp8_expert_backward or "fp8"
+        return self.fp8_expert_backward or "bf16-wgrad"
 
     @property
     def dense_precision(self) -> str:

@@ -218,8 +218,8 @@ def test_fp8_dense_follows_precision_fp8_and_is_refused_without_it():
 
 def test_fp8_expert_backward_follow_precision_fp8_and_are_refused_without_it():
     base = dict(model="tiny", device="cuda", experts_backend="triton")
-    assert cfg.TrainConfig(precision="fp8", **base).expert_backward_precision == "fp8"
-    for backward in ("bf16-wgrad", "bf16"):
+    assert cfg.TrainConfig(precision="fp8", **base).expert_backward_precision == "bf16-wgrad"
+    for backward in ("fp8", "bf16-wgrad", "bf16"):
         assert cfg.TrainConfig(precision="fp8", fp8_expert_backward=backward, **base).expert_backward_precision == backward
     assert cfg.TrainConfig(precision="bf16", **base).expert_backward_precision is None
     with pytest.raises(ValueError, match="fp8_expert_backward chooses .* set precision: fp8"):

@@ -31,7 +31,8 @@ from disagmoe.config import ModelConfig, TrainConfig
 from disagmoe.model.router import balanced_topk
 from disagmoe.model_ref import load_model
 from disagmoe.kernels.fp8 import PROMOTE_VARIANTS
-from disagmoe.kernels.fp8_ffn import Fp8ExpertWeights, Fp8Tiles, expert_ffn_fp8, gluon_paths, kernel_paths
+from disagmoe.kernels.fp8_ffn import (DEFAULT_BACKWARD, Fp8ExpertWeights, Fp8Tiles, expert_ffn_fp8, gluon_paths,
+                                      kernel_paths)
 from disagmoe.kernels.moe_ffn import FFNTiles, expert_ffn_reference, expert_ffn_triton
 from disagmoe.kernels.permute import (combine_reference, combine_rows, permute_reference,
                                       permute_tokens)
@@ -44,9 +45,9 @@ FP8_BACKEND = "triton-fp8"  # asked for by name: needs FP8 tensor cores (sm_89+)
 # `triton-fp8:<name>`: the Gluon paths (`fp8_ffn.gluon_paths`, Hopper) or which backward GEMMs run
 # in FP8 (`expert_ffn_fp8`'s backward, `fp8_expert_backward`)
 FP8_VARIANTS = {
-    "gluon-wgrad": {"wgrad": True},  # the weight gradients in the Gluon kernel
+    "fp8-wgrad": {"backward": "fp8"},  # the weight gradients in FP8 too (DeepSeek-V3's all-FP8 recipe)
+    "gluon-wgrad": {"wgrad": True, "backward": "fp8"},  # those in the Gluon kernel
     "fused-swiglu": {"swiglu": False},  # the SwiGLU GEMMs as the Triton kernels with the epilogue fused
-    "bf16-wgrad": {"backward": "bf16-wgrad"},  # the weight gradients in bf16
     "bf16-backward": {"backward": "bf16"},  # the whole backward in bf16 (the forward alone in FP8)
 }
 VARIANT_BACKENDS = tuple(f"{FP8_BACKEND}:{name}" for name in FP8_VARIANTS)
@@ -55,7 +56,7 @@ VARIANT_BACKENDS = tuple(f"{FP8_BACKEND}:{name}" for name in FP8_VARIANTS)
 def variant_of(backend: str) -> tuple[dict[str, bool], str]:
     """(Gluon path changes, backward precision) of an FP8 backend (`FP8_VARIANTS`)."""
     changes = dict(FP8_VARIANTS.get(backend.split(":", 1)[-1], {}) if ":" in backend else {})
-    return changes, changes.pop("backward", "fp8")
+    return changes, changes.pop("backward", DEFAULT_BACKWARD)
 LIBRARY_FP8_BACKEND = "scaled-grouped-mm"  # torch._scaled_grouped_mm, forward only: needs sm_90
 FORWARD_ONLY = (LIBRARY_FP8_BACKEND,)
 LIBRARY_FP8_ALIGN = 16  # torch._scaled_grouped_mm's rows per group: a multiple of this

@@ -55,6 +55,12 @@ from disagmoe.kernels.tile_configs import TileConfig, tuned
 # weight gradient" recipes; the data gradients FP8) or "bf16" (the whole backward the bf16 experts'
 # `moe_ffn.moe_ffn_backward` from the FP8 forward's pre-activations: only the forward in FP8).
 BACKWARD_PRECISIONS = ("fp8", "bf16-wgrad", "bf16")
+# The default, "bf16-wgrad": on an H200 (session 19) it gave the expert block 1.09x / 1.12x our bf16
+# fwd+bwd on the mixtral-8x7b / deepseek-v3-ep8 rows of `bench experts` where "fp8" gave 0.96x /
+# 0.89x (the token-group quantisations and the FP8 weight-gradient kernel cost more than the e4m3
+# GEMM saves), and 200 steps of the Qwen3 config ended at the same loss as "fp8" (2.272 against
+# 2.263) and as "bf16" (2.268): the loss FP8 gives up against bf16 comes from the FP8 forward.
+DEFAULT_BACKWARD = "bf16-wgrad"
 
 
 def _check_backward(backward: str) -> None:
@@ -127,12 +133,13 @@ def gluon_paths(**changes: bool) -> Iterator[None]:
 
 
 def kernel_paths(hidden: int, ffn: int, device: torch.device, *, wgrad: bool | None = None,
-                 swiglu: bool | None = None, backward: str = "fp8") -> str:
+                 swiglu: bool | None = None, backward: str = DEFAULT_BACKWARD) -> str:
     """Which kernels an FFN of this shape runs on `device` per GEMM role, as `_rows_gemm`,
     `_gate_up_forward`, `_down_data_gradient` and `_weight_grad` choose them (the Gluon ones on a
     Hopper GPU where K and N are multiples of 128; `wgrad` / `swiglu`: the settings, None as
     `set_gluon_wgrad` / `set_gluon_swiglu` say now; `backward` (`BACKWARD_PRECISIONS`): bf16
-    weight gradients, or a bf16 backward), e.g. 'rows gluon | swiglu triton | wgrad triton'."""
+    weight gradients (the default), or a bf16 backward), e.g. 'rows gluon | swiglu gluon | wgrad
+    bf16 triton'."""
     hopper = (device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
               and os.environ.get("TRITON_INTERPRET") != "1")
     fits = hopper and hidden % fp8.SCALE_BLOCK == 0 and ffn % fp8.SCALE_BLOCK == 0
@@ -432,7 +439,7 @@ class Fp8ExpertFFNFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_NH, offsets_E, w13_EH2F, w2_EFH, weights, tiles, num_programs, stats,
-                recompute=frozenset(), source=None, backward="fp8"):
+                recompute=frozenset(), source=None, backward=DEFAULT_BACKWARD):
         if weights is None:  # a copy per call; a trainer makes one per optimizer step and passes it
             weights = Fp8ExpertWeights.quantize(w13_EH2F, w2_EFH, stats)
         ctx.gluon = dataclasses.replace(_gluon)  # the backward keeps the forward's choices
@@ -489,7 +496,7 @@ def expert_ffn_fp8(
     stats: Fp8Stats | None = None,
     recompute: frozenset[str] = frozenset(),
     source: RowSource | None = None,
-    backward: str = "fp8",
+    backward: str = DEFAULT_BACKWARD,
 ) -> torch.Tensor:
     """The experts backend contract `expert_ffn(x_NH, offsets_E, w13_EH2F, w2_EFH) -> y_NH` with
     every GEMM in FP8, differentiable in x, w13 and w2. `weights`: the FP8 copies of exactly these

@@ -112,7 +112,7 @@ class MoETransformer(nn.Module):
             elif isinstance(module, Block):
                 module.set_recompute(modules)
 
-    def set_expert_precision(self, precision: str, backward: str = "fp8") -> None:
+    def set_expert_precision(self, precision: str, backward: str | None = None) -> None:
         """The routed experts' GEMM precision (`TrainConfig.expert_precision`) and under fp8 their
         backward's (`TrainConfig.expert_backward_precision`; `RoutedExperts.set_precision`)."""
         for module in self.modules():

@@ -165,7 +165,7 @@ def test_precision_fp8_times_our_fp8_experts_beside_our_bf16_ones():
 
 
 def test_the_variant_backends_run_the_fp8_block_with_their_one_choice_changed(monkeypatch):
-    """`--backend triton-fp8:gluon-wgrad | fused-swiglu | bf16-wgrad | bf16-backward`: FP8 backends at the tuned tiles
+    """`--backend triton-fp8:fp8-wgrad | gluon-wgrad | fused-swiglu | bf16-backward`: FP8 backends at the tuned tiles
     whose forwards run with one choice changed from the FFN's defaults (a Gluon path through
     `fp8_ffn.gluon_paths`, which their backward keeps; or which backward GEMMs run in FP8), the
     defaults restored after each call; plain `triton-fp8` runs the defaults."""
@@ -189,8 +189,8 @@ def test_the_variant_backends_run_the_fp8_block_with_their_one_choice_changed(mo
     for backend in (*bench.VARIANT_BACKENDS, bench.FP8_BACKEND):
         bench.make_block(backend, fp8_tiles=tiles)(x, idx, weights, w13, w2)
         assert (fp8_ffn._gluon.wgrad, fp8_ffn._gluon.swiglu) == defaults
-    assert seen == [(True, True, "fp8"), (False, False, "fp8"), (False, True, "bf16-wgrad"), (False, True, "bf16"),
-                    (False, True, "fp8")]
+    assert seen == [(False, True, "fp8"), (True, True, "fp8"), (False, False, "bf16-wgrad"), (False, True, "bf16"),
+                    (False, True, "bf16-wgrad")]
     with pytest.raises(ValueError, match="choose from rows, wgrad, swiglu"):
         with fp8_ffn.gluon_paths(epilogue=True):
             pass
@@ -245,9 +245,11 @@ def test_the_kernel_paths_say_which_roles_run_gluon_where():
 
     cpu = torch.device("cpu")
     triton_only = "rows triton | swiglu triton | wgrad triton"
-    assert fp8_ffn.kernel_paths(4096, 14336, cpu, wgrad=True, swiglu=True) == triton_only
-    assert bench.fp8_kernel_paths(bench.VARIANT_BACKENDS[0], 4096, 14336, cpu) == triton_only
-    assert bench.fp8_kernel_paths(f"{bench.FP8_BACKEND}:bf16-wgrad", 4096, 14336, cpu).endswith("wgrad bf16 triton")
+    assert fp8_ffn.kernel_paths(4096, 14336, cpu, wgrad=True, swiglu=True, backward="fp8") == triton_only
+    assert bench.fp8_kernel_paths(f"{bench.FP8_BACKEND}:gluon-wgrad", 4096, 14336, cpu) == triton_only
+    assert bench.fp8_kernel_paths(bench.FP8_BACKEND, 4096, 14336, cpu).endswith("wgrad bf16 triton")
+    assert bench.fp8_kernel_paths(f"{bench.FP8_BACKEND}:bf16-backward", 4096, 14336, cpu).endswith(
+        "wgrad bf16 triton | backward bf16 triton")
 
 
 @pytest.mark.gpu
@@ -257,7 +259,8 @@ def test_cuda_hopper_kernel_paths_follow_the_settings_and_the_shape():
     from disagmoe.kernels import fp8_ffn
 
     cuda = torch.device("cuda")
-    paths = lambda ffn, on: fp8_ffn.kernel_paths(4096, ffn, cuda, wgrad=on, swiglu=on)  # noqa: E731
+    paths = lambda ffn, on: fp8_ffn.kernel_paths(4096, ffn, cuda, wgrad=on, swiglu=on, backward="fp8")  # noqa: E731
+    assert fp8_ffn.kernel_paths(4096, 14336, cuda) == "rows gluon | swiglu gluon | wgrad bf16 triton"
     assert paths(14336, False) == "rows gluon | swiglu triton | wgrad triton"
     assert paths(14336, True) == "rows gluon | swiglu gluon | wgrad gluon"
     assert paths(1408, True) == "rows triton | swiglu triton | wgrad gluon"

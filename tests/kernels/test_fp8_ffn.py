@@ -70,13 +70,15 @@ def _check(counts, got, want):
     assert dw13_err < DW_REL_ERR and dw2_err < DW_REL_ERR
 
 
-def test_fp8_ffn_forward_and_backward_against_fp32(ffn8):
-    """Autograd through every FP8 launch: y, dx, dw13, dw2 within the stated bounds; the empty
-    expert's weight gradients are zeros."""
+@pytest.mark.parametrize("backward", ["fp8", "bf16-wgrad", "bf16"])
+def test_fp8_ffn_forward_and_backward_against_fp32(ffn8, backward):
+    """Autograd through every FP8 launch, each backward recipe: y, dx, dw13, dw2 within the stated
+    bounds; the empty expert's weight gradients are zeros."""
     counts, hidden, ffn = [4, 0, 11, 1], 32, 40
     x, offsets, w13, w2, dy = _inputs(counts, hidden, ffn, seed=1)
     leaves = [t.clone().requires_grad_() for t in (x, w13, w2)]
-    y = ffn8.expert_ffn_fp8(leaves[0], offsets, leaves[1], leaves[2], tiles=ffn8.Fp8Tiles(**SMALL), num_programs=3)
+    y = ffn8.expert_ffn_fp8(leaves[0], offsets, leaves[1], leaves[2], tiles=ffn8.Fp8Tiles(**SMALL), num_programs=3,
+                            backward=backward)
     y.backward(dy)
     _check(counts, (y, *(t.grad for t in leaves)), _reference_grads(x, offsets, w13, w2, dy))
     assert not leaves[1].grad[1].any() and not leaves[2].grad[1].any()
@@ -178,7 +180,8 @@ def test_weight_gradients_add_into_main_gradients_and_weights_made_once(ffn8):
         torch.testing.assert_close(m - s0, g, rtol=1e-5, atol=1e-5)
 
 
-def test_parameters_with_main_gradients_get_theirs_added_by_the_kernels_through_autograd(ffn8):
+@pytest.mark.parametrize("backward", ["fp8", "bf16-wgrad"])
+def test_parameters_with_main_gradients_get_theirs_added_by_the_kernels_through_autograd(ffn8, backward):
     """Expert weights that are parameters carrying FlatAdamW's fp32 `main_grad`: autograd leaves
     their `.grad` None (nothing for AccumulateGrad or the optimizer's hook to add) and each main
     gradient gains exactly the weight gradient the plain call returns (before its bf16 cast);
@@ -187,20 +190,22 @@ def test_parameters_with_main_gradients_get_theirs_added_by_the_kernels_through_
     x, offsets, w13, w2, dy = _inputs(counts, hidden, ffn, seed=6)
     tiles = ffn8.Fp8Tiles(**SMALL)
     plain = [t.clone().requires_grad_() for t in (x, w13, w2)]
-    ffn8.expert_ffn_fp8(plain[0], offsets, plain[1], plain[2], tiles=tiles, num_programs=2).backward(dy)
+    ffn8.expert_ffn_fp8(plain[0], offsets, plain[1], plain[2], tiles=tiles, num_programs=2,
+                        backward=backward).backward(dy)
     x_leaf = x.clone().requires_grad_()
     params = [torch.nn.Parameter(w.clone()) for w in (w13, w2)]
     starts = [torch.randn(w.shape) for w in (w13, w2)]
     for p, s in zip(params, starts, strict=True):
         p.main_grad = s.clone()
-    ffn8.expert_ffn_fp8(x_leaf, offsets, *params, tiles=tiles, num_programs=2).backward(dy)
+    ffn8.expert_ffn_fp8(x_leaf, offsets, *params, tiles=tiles, num_programs=2, backward=backward).backward(dy)
     assert params[0].grad is None and params[1].grad is None
     torch.testing.assert_close(x_leaf.grad, plain[0].grad, rtol=0, atol=0)
     for p, s, leaf in zip(params, starts, plain[1:], strict=True):
         torch.testing.assert_close(p.main_grad - s, leaf.grad, rtol=1e-5, atol=1e-5)
 
 
-def test_first_touch_stores_the_steps_first_weight_gradient_bit_for_bit(ffn8):
+@pytest.mark.parametrize("backward", ["fp8", "bf16-wgrad"])
+def test_first_touch_stores_the_steps_first_weight_gradient_bit_for_bit(ffn8, backward):
     """Main gradients left stale (NaN) and marked untouched by the optimizer (`kernels.first_touch`):
     the step's first FP8 weight-gradient launch into each stores, the next micro-batch's adds, and
     the result equals zero-filled main gradients accumulated twice, bit for bit; an expert without
@@ -219,7 +224,8 @@ def test_first_touch_stores_the_steps_first_weight_gradient_bit_for_bit(ffn8):
             if first_touch:
                 mark_untouched(p.main_grad)
         for x, offsets, _, _, dy in batches:
-            ffn8.expert_ffn_fp8(x.clone().requires_grad_(), offsets, *params, tiles=tiles, num_programs=2).backward(dy)
+            ffn8.expert_ffn_fp8(x.clone().requires_grad_(), offsets, *params, tiles=tiles, num_programs=2,
+                                backward=backward).backward(dy)
         assert not any(is_untouched(p.main_grad) for p in params)
         results.append([p.main_grad for p in params])
     for zeroed, touched in zip(*results, strict=True):
@@ -357,7 +363,7 @@ def test_gpu_the_gluon_kernels_give_the_triton_kernels_results(monkeypatch):
     for enabled in (True, False):
         with fp8_ffn.gluon_paths(rows=enabled, wgrad=enabled, swiglu=enabled):
             leaves = [t.clone().requires_grad_() for t in (x, w13, w2)]
-            y = fp8_ffn.expert_ffn_fp8(leaves[0], offsets, leaves[1], leaves[2])
+            y = fp8_ffn.expert_ffn_fp8(leaves[0], offsets, leaves[1], leaves[2], backward="fp8")
             y.backward(dy)
             results[enabled] = (y, *(t.grad for t in leaves))
     assert sorted(calls) == ["gluon_fp8_rows_gemm"] * 4 + ["gluon_fp8_weight_grad"] * 2
