@@ -412,6 +412,10 @@ class PlanConfig(StrictModel):
         "GEMMs (attention, shared experts, dense FFN layers) at fp8_tflops too, their weight gradients at the bf16 "
         "rate, plus their rowwise quantisation passes (train with precision: fp8, fp8_dense: true, its default); "
         "no effect under bf16")
+    fp8_expert_backward: Literal["fp8", "bf16-wgrad", "bf16"] = Field(
+        "bf16-wgrad", description="with expert_precision fp8: which of the routed experts' backward GEMMs are priced "
+        "in FP8 (train with the same fp8_expert_backward): bf16-wgrad (the default: the data gradients FP8, the "
+        "weight gradients at the bf16 rate), fp8 (both) or bf16 (neither: the forward alone); no effect under bf16")
     recompute: Literal["none", "selective", "full", "auto"] = Field(
         "auto", description="activation recomputation to price: none, selective (the expert FFN's input, "
         "output and SwiGLU rows dropped and recomputed in the backward: leaner expert GPUs, a few more HBM "
@@ -975,6 +979,7 @@ def priced_as_trained(cfg: TrainConfig) -> dict[str, Any]:
             "optimizer_update_kernel": cfg.optim.update_kernel, "clip_gradients": cfg.optim.grad_clip > 0,
             "expert_precision": "fp8" if cfg.expert_precision == "fp8" else "bf16",
             "fp8_dense": cfg.dense_precision == "fp8", "recompute": cfg.recompute,
+            "fp8_expert_backward": cfg.expert_backward_precision or "bf16-wgrad",
             "recompute_modules": list(cfg.recompute_modules) if cfg.recompute == "selective" else None,
             "experts_backend": cfg.experts_backend}
 

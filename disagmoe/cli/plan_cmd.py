@@ -53,6 +53,10 @@ Fp8DenseOpt = Annotated[bool, typer.Option(
     "--fp8-dense/--no-fp8-dense", help="with --expert-precision fp8: price the dense projections (attention, shared "
     "experts, dense FFN layers) in FP8 too, rowwise (the default, as precision: fp8 trains them), or in bf16 (train "
     "with fp8_dense: false); the plan records it and train --plan sets it")]
+Fp8BackwardOpt = Annotated[Literal["fp8", "bf16-wgrad", "bf16"], typer.Option(
+    "--fp8-expert-backward", help="with --expert-precision fp8: which of the experts' backward GEMMs to price in FP8: "
+    "bf16-wgrad (the default, as precision: fp8 trains: the data gradients FP8, the weight gradients bf16), fp8 "
+    "(both) or bf16 (the forward alone); train with the same fp8_expert_backward")]
 OffloadOpt = Annotated[Literal["auto", "on", "off"], typer.Option(
     "--offload-optimizer", help="the fp32 masters and AdamW moments in host memory: on (two staging buckets on "
     "each GPU instead, their copies in and out each step over the hardware's host_link_gbps, within its "
@@ -74,7 +78,8 @@ def build_request(model: str, hardware: str, gpus: int, seq_len: int | None, glo
                   max_expert_replicas: int = 0, shard_optimizer_states: bool = False,
                   optimizer_state_dtype: str = "fp32", recompute: str = "auto",
                   expert_precision: str = "bf16", offload_optimizer: str = "off",
-                  optimizer_update_kernel: str = "triton", fp8_dense: bool = True) -> PlanConfig:
+                  optimizer_update_kernel: str = "triton", fp8_dense: bool = True,
+                  fp8_expert_backward: str = "bf16-wgrad") -> PlanConfig:
     mcfg = load_model(model)
     hist = read_histogram(load_histogram, mcfg.num_moe_layers, mcfg.num_experts) if load_histogram else None
     return PlanConfig(model=mcfg, cluster=ClusterConfig(hardware=checked_hardware(hardware), num_gpus=gpus),
@@ -83,7 +88,8 @@ def build_request(model: str, hardware: str, gpus: int, seq_len: int | None, glo
                       max_expert_replicas=max_expert_replicas, shard_optimizer_states=shard_optimizer_states,
                       optimizer_state_dtype=optimizer_state_dtype, recompute=recompute,
                       expert_precision=expert_precision, offload_optimizer=offload_optimizer,
-                      optimizer_update_kernel=optimizer_update_kernel, fp8_dense=fp8_dense)
+                      optimizer_update_kernel=optimizer_update_kernel, fp8_dense=fp8_dense,
+                      fp8_expert_backward=fp8_expert_backward)
 
 
 def checked_hardware(ref: str) -> HardwareConfig:
@@ -112,6 +118,7 @@ def plan(
     recompute: RecomputeOpt = "auto",
     expert_precision: PrecisionOpt = "bf16",
     fp8_dense: Fp8DenseOpt = True,
+    fp8_expert_backward: Fp8BackwardOpt = "bf16-wgrad",
     offload_optimizer: OffloadOpt = "off",
     as_json: JsonOpt = False,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="write the plan (.yaml or .json)")] = None,
@@ -126,7 +133,8 @@ def plan(
     """
     req = build_request(model, hardware, gpus, seq_len, global_batch_tokens, load_histogram,
                         max_pipeline_groups, max_expert_replicas, shard_optimizer_states, optimizer_state_dtype,
-                        recompute, expert_precision, offload_optimizer, optimizer_update_kernel, fp8_dense)
+                        recompute, expert_precision, offload_optimizer, optimizer_update_kernel, fp8_dense,
+                        fp8_expert_backward)
     result = choose(req).plan
     if load_histogram is not None:
         result.notes.insert(0, histogram_note(load_histogram, req.load_histogram, result))

@@ -247,6 +247,7 @@ class Problem:
     expert_precision: str = "bf16"  # the routed experts' GEMMs: bf16 or fp8 (the FP8 memory and passes follow it)
     fp8_speedup: float = 1.0  # expert_precision fp8: its GEMMs' rate over bf16's (fp8_tflops / bf16_tflops), any value
     fp8_dense: bool = False  # with expert_precision fp8: the dense projections' GEMMs in FP8 too (rowwise)
+    fp8_backward: str = "bf16-wgrad"  # with expert_precision fp8: which expert backward GEMMs (`fp8_stages`)
     first_touch: bool = False  # the bf16 Triton experts store their main gradient at a step's first launch (unzeroed)
     host_capacity_bytes: float = float("inf")  # offloaded: host memory per GPU for masters and moments
 
@@ -615,7 +616,8 @@ def evaluate(prob: Problem, c: Candidates, misfits_exact: bool = True) -> Cost:
         stages = calibrated_stages(stages, prob.calibration, ceil, rows / local, float(S), c.colocated, tokens)
     if fp8:  # the measured FP8 curve where the calibration holds one; else the passes and copies at any rate,
         # the GEMMs at fp8_speedup times theirs (`fp8_stages`)
-        stages = fp8_stages(stages, ceil, prob.fp8_speedup, m, rows, exp_params, prob.calibration, rows / local)
+        stages = fp8_stages(stages, ceil, prob.fp8_speedup, m, rows, exp_params, prob.calibration, rows / local,
+                            backward=prob.fp8_backward)
         if prob.fp8_dense:
             stages = fp8_dense_stages(stages, ceil, prob.fp8_speedup, m, tokens, moe_l, dense_l)
     if prob.recompute == "full":
@@ -791,7 +793,7 @@ def group_time(stages: dict[str, Stage], group: str, runs: tuple[str, ...], bwd:
 
 def fp8_stages(stages: dict[str, Stage], ceil: Ceilings, speedup: float, m: ModelConfig, rows: Num,
                exp_params: Num, calib: Calibration | None = None, rows_per_expert: Num | None = None,
-               ) -> dict[str, Stage]:
+               backward: str = "bf16-wgrad") -> dict[str, Stage]:
     """`stages` with the routed experts in FP8 (`precision: fp8`), their weights' two e4m3 copies
     made once per step (in the experts' optimizer stage, the pass after which they are made) either way.
 
@@ -806,26 +808,38 @@ def fp8_stages(stages: dict[str, Stage], ceil: Ceilings, speedup: float, m: Mode
     calibrated bf16 one) times `speedup` = fp8_tflops / bf16_tflops, and the passes FP8 adds
     (`kernels.fp8_ffn`), priced by their HBM bytes: forward, the x rows quantised 1 x 128 (read bf16,
     write e4m3 and scales; the SwiGLU output is quantised in its GEMM's epilogue); backward, dy
-    quantised twice (1 x 128 and 128 x 1), dh13 twice, the SwiGLU output and x once each along tokens."""
+    quantised twice (1 x 128 and 128 x 1), dh13 twice, the SwiGLU output and x once each along tokens.
+
+    `backward` (`TrainConfig.fp8_expert_backward`, `kernels.fp8_ffn.BACKWARD_PRECISIONS`) says which
+    backward stages are FP8: "fp8" both; "bf16-wgrad" the data gradients ("routed experts"'
+    backward) only, the weight gradients left at their bf16 (or calibrated) rate, dy and dh13
+    quantised once each (1 x 128) and no token-group copies; "bf16" neither (the forward alone).
+    The measured curve's backward rate was fitted on the all-FP8 backward (`bench calibrate`),
+    so with "bf16-wgrad" it prices the data gradients at that whole-backward rate."""
+    if backward not in ("fp8", "bf16-wgrad", "bf16"):
+        raise ValueError(f"FP8 experts' backward {backward!r}: choose fp8, bf16-wgrad or bf16")
     out = dict(stages)
     H, F = m.hidden_size, m.expert_ffn_size
     scales = FP32 / 128  # one fp32 scale per 128 values
+    fp8_bwd = {"routed experts": backward != "bf16", "expert weight grads": backward == "fp8"}
     if fp8_pricing(calib) == "measured":
         curve = calib.expert_gemm_fp8
         fwd_ceil = cal.compute_ceilings(ceil, cal.curve_fraction(curve, rows_per_expert, False))
         bwd_ceil = cal.compute_ceilings(ceil, cal.curve_fraction(curve, rows_per_expert, True))
         for name in ("routed experts", "expert weight grads"):
             if name in out:
-                out[name] = replace(out[name], fwd_ceilings=fwd_ceil, bwd_ceilings=bwd_ceil)
+                s = out[name]
+                out[name] = replace(s, fwd_ceilings=fwd_ceil, bwd_ceilings=bwd_ceil if fp8_bwd[name] else s.bwd_ceilings)
     else:
         for name in ("routed experts", "expert weight grads"):
             if name in out:
                 s = out[name]
                 faster = [replace(s.ceilings(bwd, ceil), flops_per_s=s.ceilings(bwd, ceil).flops_per_s * speedup)
                           for bwd in (False, True)]
-                out[name] = replace(s, fwd_ceilings=faster[0], bwd_ceilings=faster[1])
+                out[name] = replace(s, fwd_ceilings=faster[0], bwd_ceilings=faster[1] if fp8_bwd[name] else s.bwd_ceilings)
         fwd = Work(hbm_bytes=rows * H * (BF16 + 1 + scales))
-        bwd = Work(hbm_bytes=rows * (2 * H + 2 * 2 * F + F + H) * (BF16 + 1 + scales))
+        quantised = {"fp8": 2 * H + 2 * 2 * F + F + H, "bf16-wgrad": H + 2 * F, "bf16": 0}[backward]
+        bwd = Work(hbm_bytes=rows * quantised * (BF16 + 1 + scales))
         out["fp8 quantise"] = Stage("expert", "moe", fwd, bwd)
     copies = Work(hbm_bytes=exp_params * (BF16 + 2 * (1 + scales)))  # read the bf16 weights, write both copies
     if "optimizer (experts)" in out:

@@ -383,19 +383,24 @@ def test_full_recomputation_is_not_priced_with_fp8_experts():
                    seq_len=512, global_batch_tokens=512 * 8, recompute="full", expert_precision="fp8")
 
 
+@pytest.mark.parametrize("backward", ["fp8", "bf16-wgrad", "bf16"])
 @pytest.mark.parametrize("fp8_tflops", [989.0, 700.0])  # the H200's bf16 peak, and below it
-def test_fp8_experts_hold_their_memory_whatever_the_hardwares_fp8_rate(fp8_tflops):
+def test_fp8_experts_hold_their_memory_whatever_the_hardwares_fp8_rate(fp8_tflops, backward):
     """expert_precision fp8 on an H200 copy whose fp8_tflops is no more than its bf16_tflops: the
     e4m3 weight copies and the FP8 rows' activations are held as on the H200 itself (the setting,
-    not the speedup, decides memory); the GEMMs run at fp8_tflops / bf16_tflops the bf16 rate, and
-    the quantisation passes are still paid."""
+    not the speedup, decides memory); the FP8 GEMMs run at fp8_tflops / bf16_tflops the bf16 rate
+    (the forward always, the data gradients unless the backward is bf16, the weight gradients only
+    with fp8_expert_backward fp8), the others at the bf16 rate, and the quantisation passes are
+    still paid: the backward's dy and dh13 both ways and x and act along tokens (fp8), dy and dh13
+    once (bf16-wgrad), none (bf16)."""
     h200 = load_hardware("h200-sxm")
     slow = h200.model_copy(update={"fp8_tflops": fp8_tflops})
     layout = Candidates.one(4, 4, 1, 4, 2)
 
     def cost(hw, precision):
         req = PlanConfig(model=load_model("qwen3-30b-a3b"), cluster=ClusterConfig(hardware=hw, num_gpus=8),
-                         seq_len=4096, global_batch_tokens=1 << 20, recompute="none", expert_precision=precision)
+                         seq_len=4096, global_batch_tokens=1 << 20, recompute="none", expert_precision=precision,
+                         fp8_expert_backward=backward)
         return problem_of(req), evaluate(problem_of(req), layout)
 
     (prob, bf16), (_, fp8), (_, fast) = cost(slow, "bf16"), cost(slow, "fp8"), cost(h200, "fp8")
@@ -403,11 +408,18 @@ def test_fp8_experts_hold_their_memory_whatever_the_hardwares_fp8_rate(fp8_tflop
     acts = fp8.expert_act_bytes[0] - bf16.expert_act_bytes[0]
     assert acts < 0 and fp8.expert_mem_bytes[0] - bf16.expert_mem_bytes[0] == pytest.approx(copies + acts)
     assert fp8.expert_mem_bytes[0] == fast.expert_mem_bytes[0] and fp8.attn_mem_bytes[0] == fast.attn_mem_bytes[0]
+    in_fp8 = {("routed experts", True): backward != "bf16", ("expert weight grads", True): backward == "fp8"}
     for name in ("routed experts", "expert weight grads"):
         for bwd in (False, True):
+            ratio = fp8_tflops / h200.bf16_tflops if in_fp8.get((name, bwd), True) else 1.0
             assert fp8.stages[name].ceilings(bwd, prob.ceilings).flops_per_s == pytest.approx(
-                bf16.stages[name].ceilings(bwd, prob.ceilings).flops_per_s * fp8_tflops / h200.bf16_tflops)
+                bf16.stages[name].ceilings(bwd, prob.ceilings).flops_per_s * ratio)
     assert "fp8 quantise" in fp8.stages and "fp8 quantise" not in bf16.stages
+    m = load_model("qwen3-30b-a3b")
+    H, F = m.hidden_size, m.expert_ffn_size
+    quantise = fp8.stages["fp8 quantise"]
+    per_row = {"fp8": 2 * H + 4 * F + F + H, "bf16-wgrad": H + 2 * F, "bf16": 0}[backward]
+    assert quantise.bwd.hbm_bytes[0] == pytest.approx(quantise.fwd.hbm_bytes[0] * per_row / H)
 
 
 @pytest.mark.parametrize("colocated", [False, True])

@@ -398,13 +398,14 @@ def test_a_plan_notes_the_sparse_dispatch_it_priced_and_its_hops_shrink():
 
 
 def test_fp8_experts_are_priced_at_the_fp8_rate_with_their_passes_and_copies():
-    """`expert_precision: fp8` on one fixed disaggregated layout: the routed experts' GEMM stages at
-    fp8_tflops / bf16_tflops the rate, the quantisation passes as an HBM stage, two e4m3 copies per
+    """`expert_precision: fp8` (fp8_expert_backward fp8: every expert GEMM) on one fixed disaggregated
+    layout: the routed experts' GEMM stages at fp8_tflops / bf16_tflops the rate, the quantisation passes as an HBM stage, two e4m3 copies per
     expert parameter in the expert GPU's memory and the optimizer's pass, the FP8 rows' activations
     (no SwiGLU output kept: fewer than bf16's), never expert_output recomputed, a note."""
     layout = Candidates.one(4, 4, 1, 4, 2)
     bf16, fp8 = (evaluate(problem_of(request("qwen3-30b-a3b", "h200-sxm", 8, recompute="none",
-                                             expert_precision=p)), layout) for p in ("bf16", "fp8"))
+                                             expert_precision=p, fp8_expert_backward="fp8")), layout)
+                 for p in ("bf16", "fp8"))
     hw = load_hardware("h200-sxm")
     speedup = hw.fp8_tflops / hw.bf16_tflops
     ceil = problem_of(request("qwen3-30b-a3b", "h200-sxm", 8)).ceilings
@@ -470,19 +471,22 @@ def test_a_measured_fp8_curve_slower_than_bf16_predicts_a_slower_fp8_step(fp8_de
 
 def test_without_an_fp8_curve_fp8_experts_keep_the_datasheet_pricing():
     """The Qwen3 config on the committed calibration less its FP8 curve (a file from before probe
-    version 5): each expert GEMM stage at the calibrated bf16 rate times fp8_tflops / bf16_tflops,
-    the quantisers' HBM stage, a faster step than bf16's, and a note that says so."""
+    version 5): each FP8 expert GEMM stage (the default backward, bf16-wgrad: all but the weight
+    gradients) at the calibrated bf16 rate times fp8_tflops / bf16_tflops, the weight gradients at
+    the calibrated bf16 rate, the quantisers' HBM stage, a faster step than bf16's, and a note that
+    says so."""
     hw = _without_fp8_curve(load_hardware("h200-sxm-calibrated"))
     prob, bf16, _ = _qwen3_single(hw, "bf16")
     _, fp8, plan = _qwen3_single(hw, "fp8", fp8_dense=False)
     for name in ("routed experts", "expert weight grads"):
         for bwd in (False, True):
+            ratio = 1.0 if (name, bwd) == ("expert weight grads", True) else hw.fp8_tflops / hw.bf16_tflops
             assert np.asarray(fp8.stages[name].ceilings(bwd, prob.ceilings).flops_per_s).item() == pytest.approx(
-                np.asarray(bf16.stages[name].ceilings(bwd, prob.ceilings).flops_per_s).item()
-                * hw.fp8_tflops / hw.bf16_tflops, rel=1e-12)
+                np.asarray(bf16.stages[name].ceilings(bwd, prob.ceilings).flops_per_s).item() * ratio, rel=1e-12)
     assert fp8.stages["fp8 quantise"].bwd.hbm_bytes[0] > 0 and fp8.step_s[0] < bf16.step_s[0]
     note = _fp8_note(plan)
     assert "at the datasheet ratio, unmeasured: their GEMMs at 2.00x the bf16 rate" in note
+    assert "the weight gradients at the bf16 rate (fp8_expert_backward: bf16-wgrad, the default)" in note
     assert "dense projections" not in note
 
 

@@ -170,13 +170,21 @@ def test_an_fp8_point_has_no_wgrad_and_no_rate_past_the_fp8_peak():
 
 
 def test_fp8_experts_run_at_the_measured_fp8_rate_for_their_rows_per_expert():
-    """With an FP8 curve the routed experts' forward runs at its forward rate and both backward
-    stages at its whole-backward rate, at the layout's rows per expert; no quantisation stage (its
-    passes are in the measured times); the weights' e4m3 copies stay in the optimizer's pass."""
+    """With an FP8 curve (and every backward GEMM in FP8, fp8_expert_backward fp8) the routed experts'
+    forward runs at its forward rate and both backward stages at its whole-backward rate, at the
+    layout's rows per expert; no quantisation stage (its passes are in the measured times); the
+    weights' e4m3 copies stay in the optimizer's pass. With the default bf16-wgrad the weight
+    gradients keep the bf16 curve's rate."""
     c = Candidates.one(4, 4, 1, 4, 1)
-    measured = problem_of(_request(Calibration(expert_gemm=CURVE, expert_gemm_fp8=FP8_CURVE)).model_copy(
+    fp8 = {"expert_precision": "fp8", "fp8_expert_backward": "fp8"}
+    measured = problem_of(_request(Calibration(expert_gemm=CURVE, expert_gemm_fp8=FP8_CURVE)).model_copy(update=fp8))
+    datasheet = problem_of(_request(Calibration(expert_gemm=CURVE)).model_copy(update=fp8))
+    default = problem_of(_request(Calibration(expert_gemm=CURVE, expert_gemm_fp8=FP8_CURVE)).model_copy(
         update={"expert_precision": "fp8"}))
-    datasheet = problem_of(_request(Calibration(expert_gemm=CURVE)).model_copy(update={"expert_precision": "fp8"}))
+    bf16 = problem_of(_request(Calibration(expert_gemm=CURVE, expert_gemm_fp8=FP8_CURVE)))
+    wgrad = lambda prob: np.asarray(evaluate(prob, c).stages["expert weight grads"].ceilings(  # noqa: E731
+        True, prob.ceilings).flops_per_s).item()
+    assert wgrad(default) == pytest.approx(wgrad(bf16), rel=1e-12) and wgrad(default) != wgrad(measured)
     cost, plain = evaluate(measured, c), evaluate(datasheet, c)
     m = measured.model
     rows_per_expert = 4 * 4096 * m.top_k / 4 / (m.num_experts / 4)
