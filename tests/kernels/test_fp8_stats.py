@@ -265,10 +265,12 @@ def test_a_wrong_stats_buffer_is_refused(fp8k):
 
 
 @pytest.mark.slow  # the whole FP8 FFN in the interpreter: ~4 s
-def test_the_expert_ffn_counts_every_quantisation_by_kind(interpreted):
+@pytest.mark.parametrize("backward", ["fp8", "bf16-wgrad"])
+def test_the_expert_ffn_counts_every_quantisation_by_kind(interpreted, backward):
     """One FP8 expert FFN forward and backward with an empty expert: the weight copies count as
-    weights, x and the SwiGLU output as activations (rows forward, token copies backward), dy and
-    dh13 as gradients (rows and token copies); nothing saturates, nothing is non-finite."""
+    weights, x and the SwiGLU output as activations (rows forward; with the FP8 weight gradients
+    token copies backward too), dy and dh13 as gradients (rows, and with the FP8 weight gradients
+    token copies); nothing saturates, nothing is non-finite."""
     _, _, fp8_ffn = interpreted("disagmoe.kernels.grouped_gemm", "disagmoe.kernels.fp8", "disagmoe.kernels.fp8_ffn")
     counts, hidden, ffn = [9, 0, 20], 128, 128
     rows = sum(counts)
@@ -278,13 +280,14 @@ def test_the_expert_ffn_counts_every_quantisation_by_kind(interpreted):
     w2 = (torch.randn(3, ffn, hidden, generator=gen) / ffn**0.5).requires_grad_()
     offsets = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32)
     stats = Fp8Stats("cpu")
-    y = fp8_ffn.expert_ffn_fp8(x, offsets, w13, w2, stats=stats)
+    y = fp8_ffn.expert_ffn_fp8(x, offsets, w13, w2, stats=stats, backward=backward)
     assert stats.buffer[GRADIENTS].eq(0).all()
     y.square().sum().backward()
     totals = stats.buffer[:, TOTAL].tolist()
+    copies = 2 if backward == "fp8" else 1  # rows, and token groups for the FP8 weight gradients
     assert totals[WEIGHTS] == w13.numel() + w2.numel()
-    assert totals[ACTIVATIONS] == 2 * (rows * hidden + rows * ffn)
-    assert totals[GRADIENTS] == 2 * (rows * hidden + rows * 2 * ffn)
+    assert totals[ACTIVATIONS] == copies * (rows * hidden + rows * ffn)
+    assert totals[GRADIENTS] == copies * (rows * hidden + rows * 2 * ffn)
     assert stats.buffer[:, SATURATED].eq(0).all() and stats.buffer[:, NONFINITE].eq(0).all()
     fields = Fp8Stats.fields(stats.buffer.flatten().tolist())
     assert fields["fp8_amax"] == pytest.approx(448.0, rel=1e-6) and fields["fp8_nonfinite"] == []
