@@ -52,6 +52,12 @@ def on_off_word(value: object) -> object:
     return {True: "on", False: "off"}[value] if isinstance(value, bool) else value
 
 
+
+# Which of the routed FP8 experts' backward GEMMs run in FP8 (`TrainConfig.fp8_expert_backward`,
+# `kernels.fp8_ffn`): all four, all but the weight gradients (the default), or none.
+FP8_EXPERT_BACKWARDS = ("fp8", "bf16-wgrad", "bf16")
+DEFAULT_FP8_EXPERT_BACKWARD = "bf16-wgrad"
+
 class StrictModel(BaseModel):
     """Base for every config: unknown keys are errors, assignments are validated."""
 
@@ -857,10 +863,10 @@ class TrainConfig(StrictModel):
     @property
     def expert_backward_precision(self) -> str | None:
         """Under FP8 experts, which of their backward GEMMs run in FP8 (`fp8_expert_backward`, None =
-        bf16-wgrad, `kernels.fp8_ffn.DEFAULT_BACKWARD`); None where the experts are not FP8."""
+        `DEFAULT_FP8_EXPERT_BACKWARD`); None where the experts are not FP8."""
         if self.expert_precision != "fp8":
             return None
-        return self.fp8_expert_backward or "bf16-wgrad"
+        return self.fp8_expert_backward or DEFAULT_FP8_EXPERT_BACKWARD
 
     @property
     def dense_precision(self) -> str:
@@ -979,7 +985,7 @@ def priced_as_trained(cfg: TrainConfig) -> dict[str, Any]:
             "optimizer_update_kernel": cfg.optim.update_kernel, "clip_gradients": cfg.optim.grad_clip > 0,
             "expert_precision": "fp8" if cfg.expert_precision == "fp8" else "bf16",
             "fp8_dense": cfg.dense_precision == "fp8", "recompute": cfg.recompute,
-            "fp8_expert_backward": cfg.expert_backward_precision or "bf16-wgrad",
+            "fp8_expert_backward": cfg.fp8_expert_backward or DEFAULT_FP8_EXPERT_BACKWARD,
             "recompute_modules": list(cfg.recompute_modules) if cfg.recompute == "selective" else None,
             "experts_backend": cfg.experts_backend}
 

@@ -40,6 +40,7 @@ from collections.abc import Iterator
 
 import torch
 
+from disagmoe.config import DEFAULT_FP8_EXPERT_BACKWARD, FP8_EXPERT_BACKWARDS
 from disagmoe.kernels import fp8
 from disagmoe.kernels import grouped_gemm as gg
 from disagmoe.kernels.first_touch import adds_into
@@ -54,16 +55,17 @@ from disagmoe.kernels.tile_configs import TileConfig, tuned
 # the bf16 experts' GEMM on the rows the backward holds in bf16 anyway, torchao's "high-precision
 # weight gradient" recipes; the data gradients FP8) or "bf16" (the whole backward the bf16 experts'
 # `moe_ffn.moe_ffn_backward` from the FP8 forward's pre-activations: only the forward in FP8).
-BACKWARD_PRECISIONS = ("fp8", "bf16-wgrad", "bf16")
+BACKWARD_PRECISIONS = FP8_EXPERT_BACKWARDS
 # The default, "bf16-wgrad": on an H200 (session 19) it gave the expert block 1.09x / 1.12x our bf16
 # fwd+bwd on the mixtral-8x7b / deepseek-v3-ep8 rows of `bench experts` where "fp8" gave 0.96x /
 # 0.89x (the token-group quantisations and the FP8 weight-gradient kernel cost more than the e4m3
 # GEMM saves), and 200 steps of the Qwen3 config ended at the same loss as "fp8" (2.272 against
 # 2.263) and as "bf16" (2.268): the loss FP8 gives up against bf16 comes from the FP8 forward.
-DEFAULT_BACKWARD = "bf16-wgrad"
+DEFAULT_BACKWARD = DEFAULT_FP8_EXPERT_BACKWARD
 
 
-def _check_backward(backward: str) -> None:
+def check_backward(backward: str) -> None:
+    """ValueError naming the choices unless `backward` is one of `BACKWARD_PRECISIONS`."""
     if backward not in BACKWARD_PRECISIONS:
         raise ValueError(f"FP8 experts' backward {backward!r}: choose one of {', '.join(BACKWARD_PRECISIONS)}")
 
@@ -425,9 +427,7 @@ def _backward_bf16_weight_grads(dy_NH, x_NH, offsets_E, weights: Fp8ExpertWeight
     dx_NH = _rows_gemm(q_dh, s_dh, offsets_E, *weights.w13_t, tiles.rows, out_dtype=dy_NH.dtype,
                        num_programs=num_programs, gluon=gluon.rows)
     del q_dh, s_dh
-    x_rows = x_NH.rows(dh13_N2F.dtype) if isinstance(x_NH, RowSource) else x_NH
-    if x_rows.dtype != dh13_N2F.dtype:
-        x_rows = x_rows.to(dh13_N2F.dtype)
+    x_rows = x_NH.rows(dh13_N2F.dtype) if isinstance(x_NH, RowSource) else x_NH.to(dh13_N2F.dtype)
     dw13 = gg.ragged_weight_grad(x_rows, dh13_N2F, offsets_E, bf16_tiles.wgrad_w13, out=main13,
                                  accumulate=adds_into(main13), weights=experts, num_programs=num_programs)
     return dx_NH, None if main13 is not None else dw13, None if main2 is not None else dw2
@@ -506,7 +506,7 @@ def expert_ffn_fp8(
     `recompute` (a subset of `recompute.FP8_RECOMPUTABLE`) and `source` (where x's rows came from,
     for `expert_input`; without one the rows are kept): module docstring. `backward`: which backward
     GEMMs run in FP8 (`BACKWARD_PRECISIONS`)."""
-    _check_backward(backward)
+    check_backward(backward)
     recompute = frozenset(recompute)
     if EXPERT_OUTPUT in recompute:
         raise ValueError(f"the FP8 experts cannot recompute expert_output: {FP8_NO_EXPERT_OUTPUT}; "

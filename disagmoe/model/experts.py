@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from disagmoe.config import DEFAULT_FP8_EXPERT_BACKWARD
 from disagmoe.kernels.autocast import autocast_operands
 from disagmoe.kernels.recompute import BLOCK, FP8_NO_EXPERT_OUTPUT, FP8_RECOMPUTABLE, RECOMPUTABLE
 from disagmoe.model.init import seeded_normal_
@@ -135,7 +136,7 @@ class RoutedExperts(nn.Module):
         self.expert_ffn = get_expert_ffn(backend)
         self.recompute: frozenset[str] = frozenset()  # what the backward recomputes (`set_recompute`)
         self.precision = "bf16"  # "fp8": every GEMM in e4m3 (`set_precision`), from `fp8_weights`
-        self.fp8_backward = None  # under fp8: which backward GEMMs run in FP8 (`set_precision`; None: the default)
+        self.fp8_backward = DEFAULT_FP8_EXPERT_BACKWARD  # under fp8: which backward GEMMs run in FP8 (`set_precision`)
         self.fp8_weights = None  # kernels.fp8_ffn.Fp8ExpertWeights, refreshed in place by `prepare_fp8`
         self.fp8_stats = None  # kernels.fp8_stats.Fp8Stats every FP8 quantisation adds into (`set_fp8_stats`)
         self.w13_EH2F = nn.Parameter(torch.empty(num_experts, hidden, 2 * ffn))
@@ -183,13 +184,12 @@ class RoutedExperts(nn.Module):
         `backward` says: `fp8_ffn.BACKWARD_PRECISIONS`, None = its default), rows grouped by the Triton permute on a GPU
         (never the fused bf16 layer op: no expert_output); the triton backend only, recomputing at
         most `kernels.recompute.FP8_RECOMPUTABLE` (`_check_fp8`)."""
-        from disagmoe.kernels.fp8_ffn import BACKWARD_PRECISIONS, DEFAULT_BACKWARD
+        from disagmoe.kernels.fp8_ffn import check_backward
 
-        backward = backward or DEFAULT_BACKWARD
+        backward = backward or DEFAULT_FP8_EXPERT_BACKWARD
         if precision not in ("bf16", "fp32", "fp8"):
             raise ValueError(f"expert precision {precision!r}: choose bf16, fp32 or fp8")
-        if backward not in BACKWARD_PRECISIONS:
-            raise ValueError(f"FP8 experts' backward {backward!r}: choose one of {', '.join(BACKWARD_PRECISIONS)}")
+        check_backward(backward)
         if precision == "fp8":
             _check_fp8(self.backend, self.recompute)
         self.precision = precision
@@ -266,7 +266,7 @@ class RoutedExperts(nn.Module):
             # no prepared copies (a caller outside the trainer's step): quantised for this call
             return expert_ffn_fp8(x_NH, offsets_E, self.w13_EH2F, self.w2_EFH, weights=self.fp8_weights,
                                   stats=self.fp8_stats, recompute=self.kernel_recompute, source=source,
-                                  **({"backward": self.fp8_backward} if self.fp8_backward else {}))
+                                  backward=self.fp8_backward)
         if self.kernel_recompute:
             return self.expert_ffn(x_NH, offsets_E, self.w13_EH2F, self.w2_EFH, recompute=self.kernel_recompute,
                                    source=source)

@@ -233,6 +233,23 @@ def test_first_touch_stores_the_steps_first_weight_gradient_bit_for_bit(ffn8, ba
     assert not results[1][0][1].any() and not results[1][1][1].any()
 
 
+def _through_row_source_into_main_grads(ffn8, x, offsets, w13, w2, dy, tiles, backward):
+    """Forward and backward with the rows read from shuffled tokens (`expert_input` recomputed) and
+    weights carrying zeroed fp32 main gradients: (x's leaf, the two weight parameters)."""
+    from disagmoe.kernels.recompute import EXPERT_INPUT, RowSource
+
+    token_N = torch.randperm(len(x), generator=torch.Generator().manual_seed(2))
+    x_TH = torch.empty_like(x)
+    x_TH[token_N] = x
+    params = [torch.nn.Parameter(w.clone()) for w in (w13, w2)]
+    for p in params:
+        p.main_grad = torch.zeros(p.shape)
+    x_leaf = x.clone().requires_grad_()
+    ffn8.expert_ffn_fp8(x_leaf, offsets, *params, tiles=tiles, num_programs=3, backward=backward,
+                        recompute=frozenset({EXPERT_INPUT}), source=RowSource(x_TH, token_N)).backward(dy)
+    return x_leaf, params
+
+
 @pytest.mark.parametrize("counts,hidden,ffn", [([4, 0, 11, 1], 32, 40), ([0, 130, 3], 64, 128)])
 def test_bf16_weight_grads_are_the_plain_gemm_of_the_rows_beside_the_fp8_data_gradient(ffn8, counts, hidden, ffn):
     """backward="bf16": y and dx are the FP8 run's bits (the same forward and data-gradient
@@ -241,8 +258,6 @@ def test_bf16_weight_grads_are_the_plain_gemm_of_the_rows_beside_the_fp8_data_gr
     weight gradients within the stated bounds of fp64 autograd; with main gradients they are added
     there, and through a RowSource (expert_input recomputed) the same."""
     import torch.nn.functional as F
-
-    from disagmoe.kernels.recompute import EXPERT_INPUT, RowSource
 
     x, offsets, w13, w2, dy = _inputs(counts, hidden, ffn, seed=11)
     tiles = ffn8.Fp8Tiles(**SMALL)
@@ -266,15 +281,7 @@ def test_bf16_weight_grads_are_the_plain_gemm_of_the_rows_beside_the_fp8_data_gr
         assert (got["bf16"][3][e] - want).norm() <= 1e-5 * want.norm() + 1e-30
         if not counts[e]:
             assert not got["bf16"][2][e].any() and not got["bf16"][3][e].any()
-    token_N = torch.randperm(len(x), generator=torch.Generator().manual_seed(2))
-    x_TH = torch.empty_like(x)
-    x_TH[token_N] = x
-    params = [torch.nn.Parameter(w.clone()) for w in (w13, w2)]
-    for p in params:
-        p.main_grad = torch.zeros(p.shape)
-    ffn8.expert_ffn_fp8(x.clone().requires_grad_(), offsets, *params, tiles=tiles, num_programs=3,
-                        backward="bf16-wgrad", recompute=frozenset({EXPERT_INPUT}),
-                        source=RowSource(x_TH, token_N)).backward(dy)
+    _, params = _through_row_source_into_main_grads(ffn8, x, offsets, w13, w2, dy, tiles, "bf16-wgrad")
     assert params[0].grad is None and params[1].grad is None
     torch.testing.assert_close(params[0].main_grad, got["bf16"][2], rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(params[1].main_grad, got["bf16"][3], rtol=1e-6, atol=1e-6)
@@ -287,7 +294,6 @@ def test_a_bf16_backward_is_the_bf16_experts_backward_from_the_fp8_forwards_pre_
     the saved rows and the FP8 gate/up output h13 against the bf16 weights (no FP8 in the backward),
     bit for bit; into main gradients where the weights carry them, through a RowSource the same."""
     from disagmoe.kernels.moe_ffn import FFNTiles, moe_ffn_backward
-    from disagmoe.kernels.recompute import EXPERT_INPUT, RowSource
 
     counts, hidden, ffn = [5, 0, 12, 3], 32, 40
     x, offsets, w13, w2, dy = _inputs(counts, hidden, ffn, seed=12)
@@ -303,15 +309,7 @@ def test_a_bf16_backward_is_the_bf16_experts_backward_from_the_fp8_forwards_pre_
     for got, expected in zip((t.grad for t in leaves), want, strict=True):
         assert torch.equal(got, expected)
     _check(counts, (y, *(t.grad for t in leaves)), _reference_grads(x, offsets, w13, w2, dy))
-    token_N = torch.randperm(len(x), generator=torch.Generator().manual_seed(3))
-    x_TH = torch.empty_like(x)
-    x_TH[token_N] = x
-    params = [torch.nn.Parameter(w.clone()) for w in (w13, w2)]
-    for p in params:
-        p.main_grad = torch.zeros(p.shape)
-    x_leaf = x.clone().requires_grad_()
-    ffn8.expert_ffn_fp8(x_leaf, offsets, *params, tiles=tiles, num_programs=3, backward="bf16",
-                        recompute=frozenset({EXPERT_INPUT}), source=RowSource(x_TH, token_N)).backward(dy)
+    x_leaf, params = _through_row_source_into_main_grads(ffn8, x, offsets, w13, w2, dy, tiles, "bf16")
     assert params[0].grad is None and params[1].grad is None and torch.equal(x_leaf.grad, want[0])
     assert torch.equal(params[0].main_grad, want[1]) and torch.equal(params[1].main_grad, want[2])
 
