@@ -265,6 +265,9 @@ def roofline(
     config: Annotated[Optional[Path], typer.Option(
         "--config", "-c", help="a train config: price its run's own layout (model, mode, ranks, micro-batches, "
         "batch); with --compare, the config the trace came from")] = None,
+    overrides: Annotated[Optional[list[str]], typer.Argument(
+        help="key=value overrides of --config, as `train` and `bench train` take them (e.g. precision=fp8 "
+             "micro_batches=2)")] = None,
 ) -> None:
     """Per-stage roofline of one layer and of a whole step: FLOPs, bytes per memory and link,
     arithmetic intensity, time under each ceiling and the one that binds.
@@ -278,12 +281,16 @@ def roofline(
     Example: disagmoe roofline --compare runs/tiny-cpu/trace.json -c configs/tiny-cpu.yaml -hw h200-sxm
     With --config CONFIG alone it prices that run's layout (--layout picks another mode for it).
     Example: disagmoe roofline -c configs/h200x2-qwen3-30b.yaml --layout single -hw h200-sxm-calibrated
+    key=value overrides change that config as `train` would (e.g. precision=fp8 micro_batches=2).
     """
+    if overrides and (config is None or compare_trace is not None):
+        raise typer.BadParameter("key=value overrides apply to --config alone (not --compare): give --config CFG "
+                                 "with them")
     if compare_trace is not None:
         _compare(compare_trace, config, hardware, as_json, plot_path)
         return
     if config is not None:
-        choice = _config_choice(config, hardware, layout)
+        choice = _config_choice(config, hardware, layout, overrides or [])
     else:
         missing = [flag for flag, v in (("--model", model), ("--hardware", hardware), ("--gpus", gpus)) if v is None]
         if missing:
@@ -345,15 +352,16 @@ def _layout_choice(req: PlanConfig, layout: str, attention_gpus, p, m, seqs, set
 RUN_MODES = ("single", "disaggregated", "colocated")
 
 
-def _config_choice(config: Path, hardware: str | None, layout: str) -> Choice:
-    """`roofline --config CONFIG`: the run's own layout priced, in `layout`'s mode unless auto."""
+def _config_choice(config: Path, hardware: str | None, layout: str, overrides: list[str]) -> Choice:
+    """`roofline --config CONFIG [key=value ...]`: the run's own layout priced, in `layout`'s mode
+    unless auto."""
     from disagmoe.config import load_train_config
     from disagmoe.placement.trace_compare import run_request
 
     if layout != "auto" and layout not in RUN_MODES:
         raise ValueError(f"--layout {layout!r} with --config: choose {', '.join(RUN_MODES)} (or leave it out "
                          "for the config's mode)")
-    cfg = load_train_config(config, [] if layout == "auto" else [f"mode={layout}"])
+    cfg = load_train_config(config, [*overrides, *([] if layout == "auto" else [f"mode={layout}"])])
     hw = _run_hardware(cfg, config, hardware)
     cfg, _ = auto_split(cfg, hw.hbm_gib * 2**30)  # micro_batches: auto as a run on that hardware picks it
     req, cand = run_request(cfg, load_model(cfg.model), hw)

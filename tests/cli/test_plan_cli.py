@@ -53,6 +53,28 @@ def test_roofline_prices_a_train_configs_own_layout_in_any_mode():
     assert r.exit_code == 2 and "single, disaggregated, colocated" in r.output
 
 
+def test_roofline_config_overrides_change_the_priced_run_as_train_would():
+    """`roofline -c CFG key=value ...`: the overrides reach the priced run (micro-batches, FP8 and
+    its backward recipe, which the note names); an unknown key is refused with the config's error,
+    and overrides without --config are refused."""
+    config = "configs/h200x2-qwen3-30b.yaml"
+    price = lambda *extra: run("roofline", "-c", config, "--layout", "single", "-hw", "h200-sxm-calibrated",  # noqa: E731
+                               "--json", *extra)
+    plain = json.loads(price().stdout)["plan"]
+    four = json.loads(price("micro_batches=4").stdout)["plan"]
+    assert (plain["micro_batches"], four["micro_batches"]) == (2, 4)
+    steps = {b: json.loads(price("precision=fp8", f"fp8_expert_backward={b}").stdout)["plan"]
+             for b in ("fp8", "bf16-wgrad", "bf16")}
+    assert all(p["expert_precision"] == "fp8" for p in steps.values())
+    assert steps["bf16"]["step_time_s"] < steps["bf16-wgrad"]["step_time_s"] < steps["fp8"]["step_time_s"]
+    assert any("fp8_expert_backward: bf16-wgrad, the default" in n for n in
+               json.loads(price("precision=fp8").stdout)["plan"]["notes"])
+    bad = price("no_such_key=1")
+    assert bad.exit_code != 0 and "no_such_key" in bad.output
+    alone = run("roofline", "-m", "tiny", "-hw", "h200-sxm", "-n", "1", "precision=fp8")
+    assert alone.exit_code == 2 and "apply to --config alone" in alone.output
+
+
 def test_roofline_of_an_fp8_run_says_which_fp8_rate_it_priced(tmp_path):
     """`roofline --config` of an FP8 run prints the FP8 pricing: the datasheet ratio (unmeasured) on a
     file without an FP8 expert curve, the measured curve and its source on one with it."""
