@@ -56,6 +56,22 @@ def test_fp8_is_set_on_the_expert_ranks_only_each_with_its_own_counters(mode, fi
                                                            for r in range(topology.world_size))
 
 
+def test_the_fp8_backward_recipe_reaches_every_expert_rank():
+    """`setup_fp8(..., backward)` (the worker passes `TrainConfig.expert_backward_precision`): each
+    expert module of an expert rank runs that backward; None leaves the default (bf16-wgrad); an
+    unknown recipe is refused with the choices."""
+    from disagmoe.config import DEFAULT_FP8_EXPERT_BACKWARD
+
+    topology = topology_of("disaggregated", attention_ranks=1, expert_ranks=1)
+    for backward, expected in (("bf16", "bf16"), ("fp8", "fp8"), (None, DEFAULT_FP8_EXPERT_BACKWARD)):
+        model = rank_model(load_model("tiny"), "triton", topology, 1).materialise(CPU, 0)
+        setup_fp8(model, topology, 1, "fp8", CPU, backward=backward)
+        assert experts_of(model) and all(e.fp8_backward == expected for e in experts_of(model))
+    model = rank_model(load_model("tiny"), "triton", topology, 1).materialise(CPU, 0)
+    with pytest.raises(ValueError, match="choose one of fp8, bf16-wgrad, bf16"):
+        setup_fp8(model, topology, 1, "fp8", CPU, backward="fp16")
+
+
 def test_fp8_refuses_expert_ranks_of_another_backend():
     topology = topology_of("disaggregated", attention_ranks=1, expert_ranks=1)
     model = rank_model(load_model("tiny"), "loop", topology, 1).materialise(CPU, 0)
