@@ -57,6 +57,11 @@ def on_off_word(value: object) -> object:
 # `kernels.fp8_ffn`): all four, all but the weight gradients (the default), or none.
 FP8_EXPERT_BACKWARDS = ("fp8", "bf16-wgrad", "bf16")
 DEFAULT_FP8_EXPERT_BACKWARD = "bf16-wgrad"
+# Which of the routed FP8 experts' two forward GEMMs run in FP8 (`TrainConfig.fp8_expert_forward`):
+# both (the default), gate-up (the down projection in bf16) or down (the gate/up projection in bf16);
+# one alone only with the whole backward in bf16 (the recipe's loss split by GEMM, docs/benchmarks.md).
+FP8_EXPERT_FORWARDS = ("both", "gate-up", "down")
+DEFAULT_FP8_EXPERT_FORWARD = "both"
 
 class StrictModel(BaseModel):
     """Base for every config: unknown keys are errors, assignments are validated."""
@@ -422,6 +427,10 @@ class PlanConfig(StrictModel):
         "bf16-wgrad", description="with expert_precision fp8: which of the routed experts' backward GEMMs are priced "
         "in FP8 (train with the same fp8_expert_backward): bf16-wgrad (the default: the data gradients FP8, the "
         "weight gradients at the bf16 rate), fp8 (both) or bf16 (neither: the forward alone); no effect under bf16")
+    fp8_expert_forward: Literal["both", "gate-up", "down"] = Field(
+        "both", description="with expert_precision fp8: which of the routed experts' two forward GEMMs are priced in "
+        "FP8 (train with the same fp8_expert_forward): both (the default), gate-up or down (the other at the bf16 "
+        "rate; only with fp8_expert_backward: bf16); no effect under bf16")
     recompute: Literal["none", "selective", "full", "auto"] = Field(
         "auto", description="activation recomputation to price: none, selective (the expert FFN's input, "
         "output and SwiGLU rows dropped and recomputed in the backward: leaner expert GPUs, a few more HBM "
@@ -734,6 +743,11 @@ class TrainConfig(StrictModel):
         "FP8) or bf16 (the whole backward in bf16 from the FP8 forward's pre-activations); kernels/fp8_ffn.py; "
         "None = bf16-wgrad (measured faster than fp8 at the same loss: docs/benchmarks.md, session 19); refused "
         "under another precision")
+    fp8_expert_forward: Literal["both", "gate-up", "down"] | None = Field(
+        None, description="precision fp8: which of the routed experts' two forward GEMMs run in e4m3: both (the "
+        "default), gate-up (the down projection in bf16) or down (the gate/up projection in bf16); gate-up and down "
+        "only with fp8_expert_backward: bf16 (they split FP8's loss by GEMM: docs/benchmarks.md); refused under "
+        "another precision")
     routing: Literal["learned", "balanced"] = Field(
         "learned", description="balanced: every expert gets the same number of tokens whatever the router "
         "scores (a benchmark setting, as other trainers' performance recipes use; labelled in every output); "
@@ -869,6 +883,14 @@ class TrainConfig(StrictModel):
         return self.fp8_expert_backward or DEFAULT_FP8_EXPERT_BACKWARD
 
     @property
+    def expert_forward_precision(self) -> str | None:
+        """Under FP8 experts, which of their two forward GEMMs run in FP8 (`fp8_expert_forward`, None =
+        `DEFAULT_FP8_EXPERT_FORWARD`); None where the experts are not FP8."""
+        if self.expert_precision != "fp8":
+            return None
+        return self.fp8_expert_forward or DEFAULT_FP8_EXPERT_FORWARD
+
+    @property
     def dense_precision(self) -> str:
         """'fp8' where the dense projections' GEMMs run in FP8 (`fp8_dense`, rowwise), else the
         parameters' dtype name."""
@@ -939,6 +961,13 @@ class TrainConfig(StrictModel):
             raise ValueError(f"fp8_expert_backward chooses the FP8 experts' backward precision under "
                              f"precision: fp8; this run is precision: {self.precision}: set precision: fp8 or remove "
                              f"fp8_expert_backward")
+        if self.fp8_expert_forward is not None and self.precision != "fp8":
+            raise ValueError(f"fp8_expert_forward chooses the FP8 experts' forward GEMMs under precision: fp8; this run "
+                             f"is precision: {self.precision}: set precision: fp8 or remove fp8_expert_forward")
+        if self.fp8_expert_forward not in (None, DEFAULT_FP8_EXPERT_FORWARD) and self.fp8_expert_backward != "bf16":
+            raise ValueError(f"fp8_expert_forward: {self.fp8_expert_forward} runs one forward GEMM in FP8 with the whole "
+                             f"backward in bf16; set fp8_expert_backward: bf16 (not "
+                             f"{self.fp8_expert_backward or DEFAULT_FP8_EXPERT_BACKWARD}) or fp8_expert_forward: both")
         if self.precision == "fp8":
             needs = [why for bad, why in (
                 (self.device != "cuda", "device: cuda (FP8 tensor cores; the CPU runs the kernels only in their tests)"),
@@ -986,6 +1015,7 @@ def priced_as_trained(cfg: TrainConfig) -> dict[str, Any]:
             "expert_precision": "fp8" if cfg.expert_precision == "fp8" else "bf16",
             "fp8_dense": cfg.dense_precision == "fp8", "recompute": cfg.recompute,
             "fp8_expert_backward": cfg.fp8_expert_backward or DEFAULT_FP8_EXPERT_BACKWARD,
+            "fp8_expert_forward": cfg.fp8_expert_forward or DEFAULT_FP8_EXPERT_FORWARD,
             "recompute_modules": list(cfg.recompute_modules) if cfg.recompute == "selective" else None,
             "experts_backend": cfg.experts_backend}
 

@@ -40,7 +40,8 @@ from collections.abc import Iterator
 
 import torch
 
-from disagmoe.config import DEFAULT_FP8_EXPERT_BACKWARD, FP8_EXPERT_BACKWARDS
+from disagmoe.config import (DEFAULT_FP8_EXPERT_BACKWARD, DEFAULT_FP8_EXPERT_FORWARD, FP8_EXPERT_BACKWARDS,
+                              FP8_EXPERT_FORWARDS)
 from disagmoe.kernels import fp8
 from disagmoe.kernels import grouped_gemm as gg
 from disagmoe.kernels.first_touch import adds_into
@@ -62,12 +63,29 @@ BACKWARD_PRECISIONS = FP8_EXPERT_BACKWARDS
 # GEMM saves), and 200 steps of the Qwen3 config ended at the same loss as "fp8" (2.272 against
 # 2.263) and as "bf16" (2.268): the loss FP8 gives up against bf16 comes from the FP8 forward.
 DEFAULT_BACKWARD = DEFAULT_FP8_EXPERT_BACKWARD
+# The forward's GEMMs in e4m3: "both" (the recipe), or one of them, "gate-up" (x quantised 1 x 128 into
+# the FP8 gate/up GEMM, its pre-activations h13 written bf16, silu(gate) * up and the down GEMM in bf16)
+# or "down" (the bf16 gate/up GEMM with its SwiGLU epilogue, its output quantised 1 x 128 into the FP8
+# down GEMM); one alone only with backward "bf16". They split the loss FP8 costs by GEMM (session 19
+# found it in the forward: docs/benchmarks.md); not a speed recipe.
+FORWARD_GEMMS = FP8_EXPERT_FORWARDS
+DEFAULT_FORWARD = DEFAULT_FP8_EXPERT_FORWARD
 
 
 def check_backward(backward: str) -> None:
     """ValueError naming the choices unless `backward` is one of `BACKWARD_PRECISIONS`."""
     if backward not in BACKWARD_PRECISIONS:
         raise ValueError(f"FP8 experts' backward {backward!r}: choose one of {', '.join(BACKWARD_PRECISIONS)}")
+
+
+def check_forward(forward: str, backward: str) -> None:
+    """ValueError with the fix unless `forward` is one of `FORWARD_GEMMS` and, where it is one GEMM
+    alone, `backward` is "bf16" (the whole backward in bf16: no FP8 operand of the other GEMM exists)."""
+    if forward not in FORWARD_GEMMS:
+        raise ValueError(f"FP8 experts' forward GEMMs {forward!r}: choose one of {', '.join(FORWARD_GEMMS)}")
+    if forward != DEFAULT_FORWARD and backward != "bf16":
+        raise ValueError(f"the FP8 experts' forward {forward} (one GEMM in FP8) runs with the whole backward in bf16; "
+                         f"set the backward to bf16 (not {backward}) or the forward to {DEFAULT_FORWARD}")
 
 
 def _row(stats: Fp8Stats | None, kind: int) -> torch.Tensor | None:
@@ -213,14 +231,14 @@ def _weight_grad(a, b, padded_E, tile: TileConfig, *, weights: int, out: torch.T
 
 
 def _rows_gemm(a_MK, sa_MG, offsets_E, b_EKN, sb_EGB, tile: TileConfig, *, out_dtype: torch.dtype,
-               num_programs: int | None, gluon: bool) -> torch.Tensor:
-    """`fp8.fp8_rows_gemm`, or with `gluon` the Gluon kernel of the same sums where it takes the
-    operands (`_gluon_rows_take`)."""
+               num_programs: int | None, gluon: bool, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`fp8.fp8_rows_gemm` (into `out` where given), or with `gluon` the Gluon kernel of the same
+    sums where it takes the operands (`_gluon_rows_take`)."""
     if gluon and _gluon_rows_take(a_MK, b_EKN, num_programs):
         from disagmoe.kernels import fp8_gluon
 
-        return fp8_gluon.gluon_fp8_rows_gemm(a_MK, sa_MG, offsets_E, b_EKN, sb_EGB, out_dtype=out_dtype)
-    return fp8.fp8_rows_gemm(a_MK, sa_MG, offsets_E, b_EKN, sb_EGB, tile, out_dtype=out_dtype,
+        return fp8_gluon.gluon_fp8_rows_gemm(a_MK, sa_MG, offsets_E, b_EKN, sb_EGB, out=out, out_dtype=out_dtype)
+    return fp8.fp8_rows_gemm(a_MK, sa_MG, offsets_E, b_EKN, sb_EGB, tile, out=out, out_dtype=out_dtype,
                              num_programs=num_programs)
 
 
@@ -307,21 +325,56 @@ def fp8_ffn_forward(
     num_programs: int | None = None,
     stats: Fp8Stats | None = None,
     gluon: _GluonChoices | None = None,
+    forward: str = DEFAULT_FORWARD,
+    bf16_weights: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(y_NH in x's dtype, h13_N2F or None): `x_fp8` (rows and scales, e.g. from the FP8 permute)
     instead of quantising x here; h13 (the pre-activations, x's dtype) kept for the backward.
-    `gluon`: the Gluon paths taken (`_GluonChoices`; None: as the `set_gluon_*` functions say now)."""
+    `gluon`: the Gluon paths taken (`_GluonChoices`; None: as the `set_gluon_*` functions say now).
+    `forward` (`FORWARD_GEMMS`): one GEMM alone in FP8 (`_one_gemm_forward`), the other reading
+    `bf16_weights` (w13_EH2F, w2_EFH)."""
     gluon = gluon or _gluon
     rows, ffn = x_NH.shape[0], weights.w2[0].shape[1]
     served = offsets_E[-1:]  # rows past the last expert's end are a worst-case buffer's padding
-    qx, sx = x_fp8 if x_fp8 is not None else fp8.quantize_rows(x_NH, _row(stats, ACTIVATIONS), served)
     h13_N2F = x_NH.new_empty((rows, 2 * ffn)) if save_for_backward else None
+    if forward != DEFAULT_FORWARD:
+        if bf16_weights is None:
+            raise ValueError(f"the FP8 experts' forward {forward} runs one GEMM in bf16: pass bf16_weights")
+        return _one_gemm_forward(x_NH, offsets_E, weights, bf16_weights, tiles, h13_N2F, forward, x_fp8=x_fp8,
+                                 served=served, num_programs=num_programs, stats=stats, gluon=gluon), h13_N2F
+    qx, sx = x_fp8 if x_fp8 is not None else fp8.quantize_rows(x_NH, _row(stats, ACTIVATIONS), served)
     q_act, s_act = _gate_up_forward(qx, sx, offsets_E, weights.w13, tiles.swiglu, h13_N2F, x_NH.dtype, served=served,
                                     num_programs=num_programs, stats=_row(stats, ACTIVATIONS),
                                     split=gluon.swiglu)
     y_NH = _rows_gemm(q_act, s_act, offsets_E, *weights.w2, tiles.rows, out_dtype=x_NH.dtype,
                       num_programs=num_programs, gluon=gluon.rows)
     return y_NH, h13_N2F
+
+
+def _one_gemm_forward(x_NH, offsets_E, weights: Fp8ExpertWeights, bf16_weights, tiles: Fp8Tiles,
+                      h13_N2F: torch.Tensor | None, forward: str, *, x_fp8, served: torch.Tensor,
+                      num_programs: int | None, stats: Fp8Stats | None, gluon: _GluonChoices) -> torch.Tensor:
+    """y_NH with one forward GEMM in FP8 (`FORWARD_GEMMS`), writing h13 into `h13_N2F` where given.
+    "gate-up": x's rows 1 x 128 into the FP8 gate/up GEMM (h13 out in x's dtype), silu(gate) * up in
+    fp32 rounded to x's dtype, the bf16 down GEMM (`grouped_gemm.ragged_rows_gemm`). "down": the bf16
+    gate/up GEMM with its SwiGLU epilogue, its output quantised 1 x 128 into the FP8 down GEMM.
+    Each quantisation counts into `stats`' activations row, as in the recipe."""
+    w13_EH2F, w2_EFH = bf16_weights
+    experts, hidden, ffn = w13_EH2F.shape[0], w13_EH2F.shape[1], w2_EFH.shape[1]
+    bf16_tiles = FFNTiles.for_shape(x_NH.shape[0], experts, hidden, ffn, x_NH.device, x_NH.dtype)
+    acts = _row(stats, ACTIVATIONS)
+    if forward == "gate-up":
+        qx, sx = x_fp8 if x_fp8 is not None else fp8.quantize_rows(x_NH, acts, served)
+        h13 = _rows_gemm(qx, sx, offsets_E, *weights.w13, tiles.rows, out_dtype=x_NH.dtype,
+                         num_programs=num_programs, gluon=gluon.rows, out=h13_N2F)
+        gate, up = h13.float().chunk(2, dim=1)
+        act_NF = (torch.nn.functional.silu(gate) * up).to(x_NH.dtype)
+        return gg.ragged_rows_gemm(act_NF, offsets_E, w2_EFH, bf16_tiles.down, num_programs=num_programs)
+    act_NF = gg.ragged_rows_gemm(x_NH, offsets_E, w13_EH2F, bf16_tiles.gate_up, epilogue=gg.EPILOGUE_SWIGLU,
+                                 h13_N2C=h13_N2F, num_programs=num_programs)
+    q_act, s_act = fp8.quantize_rows(act_NF, acts, served)
+    return _rows_gemm(q_act, s_act, offsets_E, *weights.w2, tiles.rows, out_dtype=x_NH.dtype,
+                      num_programs=num_programs, gluon=gluon.rows)
 
 
 def fp8_ffn_backward(
@@ -439,12 +492,13 @@ class Fp8ExpertFFNFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_NH, offsets_E, w13_EH2F, w2_EFH, weights, tiles, num_programs, stats,
-                recompute=frozenset(), source=None, backward=DEFAULT_BACKWARD):
+                recompute=frozenset(), source=None, backward=DEFAULT_BACKWARD, forward=DEFAULT_FORWARD):
         if weights is None:  # a copy per call; a trainer makes one per optimizer step and passes it
             weights = Fp8ExpertWeights.quantize(w13_EH2F, w2_EFH, stats)
         ctx.gluon = dataclasses.replace(_gluon)  # the backward keeps the forward's choices
         y_NH, h13_N2F = fp8_ffn_forward(x_NH, offsets_E, weights, tiles, save_for_backward=True,
-                                        num_programs=num_programs, stats=stats, gluon=ctx.gluon)
+                                        num_programs=num_programs, stats=stats, gluon=ctx.gluon, forward=forward,
+                                        bf16_weights=(w13_EH2F.detach(), w2_EFH.detach()))
         # the source's tokens are another node's input, kept as an attribute (autograd's saved-tensor
         # checks apply to this node's own), as `moe_ffn.ExpertFFNFunction` keeps them
         ctx.source = source if EXPERT_INPUT in recompute and source is not None else None
@@ -472,7 +526,7 @@ class Fp8ExpertFFNFunction(torch.autograd.Function):
                                              None, h13_N2F, tiles, num_programs=ctx.num_programs,
                                              main_grads=ctx.main_grads)
             ctx.weights = ctx.stats = ctx.source = ctx.main_grads = ctx.bf16_weights = None
-            return dx, None, dw13, dw2, None, None, None, None, None, None, None
+            return dx, None, dw13, dw2, None, None, None, None, None, None, None, None
         if x_NH is None:  # the tokens read in place where they hold the rows' dtype, else cast rows
             same = ctx.source.x_TH.dtype == ctx.x_dtype
             x_NH = ctx.source if same else ctx.source.rows(ctx.x_dtype)
@@ -481,7 +535,7 @@ class Fp8ExpertFFNFunction(torch.autograd.Function):
                                          gluon=ctx.gluon, backward=ctx.backward)
         ctx.weights = ctx.stats = ctx.source = ctx.main_grads = None
         dw13, dw2 = (None if g is None else g.to(dtype) for g, dtype in zip((dw13, dw2), ctx.weight_dtypes))
-        return dx, None, dw13, dw2, None, None, None, None, None, None, None
+        return dx, None, dw13, dw2, None, None, None, None, None, None, None, None
 
 
 def expert_ffn_fp8(
@@ -497,6 +551,7 @@ def expert_ffn_fp8(
     recompute: frozenset[str] = frozenset(),
     source: RowSource | None = None,
     backward: str = DEFAULT_BACKWARD,
+    forward: str = DEFAULT_FORWARD,
 ) -> torch.Tensor:
     """The experts backend contract `expert_ffn(x_NH, offsets_E, w13_EH2F, w2_EFH) -> y_NH` with
     every GEMM in FP8, differentiable in x, w13 and w2. `weights`: the FP8 copies of exactly these
@@ -505,8 +560,10 @@ def expert_ffn_fp8(
     launches' tiles, by default the tuned ones of this shape class (`Fp8Tiles.for_shape`).
     `recompute` (a subset of `recompute.FP8_RECOMPUTABLE`) and `source` (where x's rows came from,
     for `expert_input`; without one the rows are kept): module docstring. `backward`: which backward
-    GEMMs run in FP8 (`BACKWARD_PRECISIONS`)."""
+    GEMMs run in FP8 (`BACKWARD_PRECISIONS`); `forward` which forward GEMMs (`FORWARD_GEMMS`: one
+    alone only with backward "bf16")."""
     check_backward(backward)
+    check_forward(forward, backward)
     recompute = frozenset(recompute)
     if EXPERT_OUTPUT in recompute:
         raise ValueError(f"the FP8 experts cannot recompute expert_output: {FP8_NO_EXPERT_OUTPUT}; "
@@ -524,4 +581,4 @@ def expert_ffn_fp8(
     if tiles is None:  # from the host-known shapes: no sync, the same every step
         tiles = Fp8Tiles.for_shape(x_NH.shape[0], experts, hidden, two_ffn // 2, x_NH.device)
     return Fp8ExpertFFNFunction.apply(x_NH.contiguous(), offsets_E, w13_EH2F, w2_EFH, weights,
-                                      tiles, num_programs, stats, recompute, source, backward)
+                                      tiles, num_programs, stats, recompute, source, backward, forward)

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from disagmoe.config import DEFAULT_FP8_EXPERT_BACKWARD
+from disagmoe.config import DEFAULT_FP8_EXPERT_BACKWARD, DEFAULT_FP8_EXPERT_FORWARD
 from disagmoe.kernels.autocast import autocast_operands
 from disagmoe.kernels.recompute import BLOCK, FP8_NO_EXPERT_OUTPUT, FP8_RECOMPUTABLE, RECOMPUTABLE
 from disagmoe.model.init import seeded_normal_
@@ -137,6 +137,7 @@ class RoutedExperts(nn.Module):
         self.recompute: frozenset[str] = frozenset()  # what the backward recomputes (`set_recompute`)
         self.precision = "bf16"  # "fp8": every GEMM in e4m3 (`set_precision`), from `fp8_weights`
         self.fp8_backward = DEFAULT_FP8_EXPERT_BACKWARD  # under fp8: which backward GEMMs run in FP8 (`set_precision`)
+        self.fp8_forward = DEFAULT_FP8_EXPERT_FORWARD  # under fp8: which forward GEMMs run in FP8 (`set_precision`)
         self.fp8_weights = None  # kernels.fp8_ffn.Fp8ExpertWeights, refreshed in place by `prepare_fp8`
         self.fp8_stats = None  # kernels.fp8_stats.Fp8Stats every FP8 quantisation adds into (`set_fp8_stats`)
         self.w13_EH2F = nn.Parameter(torch.empty(num_experts, hidden, 2 * ffn))
@@ -179,21 +180,25 @@ class RoutedExperts(nn.Module):
         ones (`kernels.fp8.quantize_rows`' valid_rows: a spare bucket's rows are not its)."""
         return self.backend == "triton" and x.is_cuda
 
-    def set_precision(self, precision: str, backward: str | None = None) -> None:
+    def set_precision(self, precision: str, backward: str | None = None, forward: str | None = None) -> None:
         """"fp8": the expert FFN runs its GEMMs in e4m3 (`kernels.fp8_ffn`; the backward's as
-        `backward` says: `fp8_ffn.BACKWARD_PRECISIONS`, None = its default), rows grouped by the Triton permute on a GPU
+        `backward` says: `fp8_ffn.BACKWARD_PRECISIONS`, the forward's as `forward` says:
+        `fp8_ffn.FORWARD_GEMMS`, None = their defaults), rows grouped by the Triton permute on a GPU
         (never the fused bf16 layer op: no expert_output); the triton backend only, recomputing at
         most `kernels.recompute.FP8_RECOMPUTABLE` (`_check_fp8`)."""
-        from disagmoe.kernels.fp8_ffn import check_backward
+        from disagmoe.kernels.fp8_ffn import check_backward, check_forward
 
         backward = backward or DEFAULT_FP8_EXPERT_BACKWARD
+        forward = forward or DEFAULT_FP8_EXPERT_FORWARD
         if precision not in ("bf16", "fp32", "fp8"):
             raise ValueError(f"expert precision {precision!r}: choose bf16, fp32 or fp8")
         check_backward(backward)
+        check_forward(forward, backward)
         if precision == "fp8":
             _check_fp8(self.backend, self.recompute)
         self.precision = precision
         self.fp8_backward = backward
+        self.fp8_forward = forward
         self.fp8_weights = None
 
     @torch.no_grad()
@@ -266,7 +271,7 @@ class RoutedExperts(nn.Module):
             # no prepared copies (a caller outside the trainer's step): quantised for this call
             return expert_ffn_fp8(x_NH, offsets_E, self.w13_EH2F, self.w2_EFH, weights=self.fp8_weights,
                                   stats=self.fp8_stats, recompute=self.kernel_recompute, source=source,
-                                  backward=self.fp8_backward)
+                                  backward=self.fp8_backward, forward=self.fp8_forward)
         if self.kernel_recompute:
             return self.expert_ffn(x_NH, offsets_E, self.w13_EH2F, self.w2_EFH, recompute=self.kernel_recompute,
                                    source=source)

@@ -112,12 +112,13 @@ class MoETransformer(nn.Module):
             elif isinstance(module, Block):
                 module.set_recompute(modules)
 
-    def set_expert_precision(self, precision: str, backward: str | None = None) -> None:
+    def set_expert_precision(self, precision: str, backward: str | None = None, forward: str | None = None) -> None:
         """The routed experts' GEMM precision (`TrainConfig.expert_precision`) and under fp8 their
-        backward's (`TrainConfig.expert_backward_precision`; `RoutedExperts.set_precision`)."""
+        backward's and forward's (`TrainConfig.expert_backward_precision`, `expert_forward_precision`;
+        `RoutedExperts.set_precision`)."""
         for module in self.modules():
             if isinstance(module, RoutedExperts):
-                module.set_precision(precision, backward)
+                module.set_precision(precision, backward, forward)
 
     def set_dense_fp8(self, enabled: bool, stats=None, _emulate: bool = False) -> None:
         """The dense projections held here (attention, MLA's, shared experts, dense FFN layers: every

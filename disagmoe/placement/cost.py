@@ -248,6 +248,7 @@ class Problem:
     fp8_speedup: float = 1.0  # expert_precision fp8: its GEMMs' rate over bf16's (fp8_tflops / bf16_tflops), any value
     fp8_dense: bool = False  # with expert_precision fp8: the dense projections' GEMMs in FP8 too (rowwise)
     fp8_backward: str = "bf16-wgrad"  # with expert_precision fp8: which expert backward GEMMs (`fp8_stages`)
+    fp8_forward: str = "both"  # with expert_precision fp8: which expert forward GEMMs (`fp8_stages`)
     first_touch: bool = False  # the bf16 Triton experts store their main gradient at a step's first launch (unzeroed)
     host_capacity_bytes: float = float("inf")  # offloaded: host memory per GPU for masters and moments
 
@@ -617,7 +618,7 @@ def evaluate(prob: Problem, c: Candidates, misfits_exact: bool = True) -> Cost:
     if fp8:  # the measured FP8 curve where the calibration holds one; else the passes and copies at any rate,
         # the GEMMs at fp8_speedup times theirs (`fp8_stages`)
         stages = fp8_stages(stages, ceil, prob.fp8_speedup, m, rows, exp_params, prob.calibration, rows / local,
-                            backward=prob.fp8_backward)
+                            backward=prob.fp8_backward, forward=prob.fp8_forward)
         if prob.fp8_dense:
             stages = fp8_dense_stages(stages, ceil, prob.fp8_speedup, m, tokens, moe_l, dense_l)
     if prob.recompute == "full":
@@ -793,7 +794,7 @@ def group_time(stages: dict[str, Stage], group: str, runs: tuple[str, ...], bwd:
 
 def fp8_stages(stages: dict[str, Stage], ceil: Ceilings, speedup: float, m: ModelConfig, rows: Num,
                exp_params: Num, calib: Calibration | None = None, rows_per_expert: Num | None = None,
-               backward: str = "bf16-wgrad") -> dict[str, Stage]:
+               backward: str = "bf16-wgrad", forward: str = "both") -> dict[str, Stage]:
     """`stages` with the routed experts in FP8 (`precision: fp8`), their weights' two e4m3 copies
     made once per step (in the experts' optimizer stage, the pass after which they are made) either way.
 
@@ -815,9 +816,17 @@ def fp8_stages(stages: dict[str, Stage], ceil: Ceilings, speedup: float, m: Mode
     backward) only, the weight gradients left at their bf16 (or calibrated) rate, dy and dh13
     quantised once each (1 x 128) and no token-group copies; "bf16" neither (the forward alone).
     The measured curve's backward rate was fitted on the all-FP8 backward (`bench calibrate`),
-    so with "bf16-wgrad" it prices the data gradients at that whole-backward rate."""
+    so with "bf16-wgrad" it prices the data gradients at that whole-backward rate.
+
+    `forward` (`TrainConfig.fp8_expert_forward`, `kernels.fp8_ffn.FORWARD_GEMMS`): "both", or one
+    GEMM alone in FP8 ("gate-up": 2/3 of the forward's FLOPs, "down": 1/3), the forward then
+    priced at the harmonic blend of the FP8 and bf16 rates by those shares, its one quantiser
+    reading x (gate-up) or the SwiGLU output (down)."""
     if backward not in ("fp8", "bf16-wgrad", "bf16"):
         raise ValueError(f"FP8 experts' backward {backward!r}: choose fp8, bf16-wgrad or bf16")
+    if forward not in FP8_FORWARD_SHARES:
+        raise ValueError(f"FP8 experts' forward {forward!r}: choose {', '.join(FP8_FORWARD_SHARES)}")
+    share = FP8_FORWARD_SHARES[forward]
     out = dict(stages)
     H, F = m.hidden_size, m.expert_ffn_size
     scales = FP32 / 128  # one fp32 scale per 128 values
@@ -829,15 +838,17 @@ def fp8_stages(stages: dict[str, Stage], ceil: Ceilings, speedup: float, m: Mode
         for name in ("routed experts", "expert weight grads"):
             if name in out:
                 s = out[name]
-                out[name] = replace(s, fwd_ceilings=fwd_ceil, bwd_ceilings=bwd_ceil if fp8_bwd[name] else s.bwd_ceilings)
+                out[name] = replace(s, fwd_ceilings=_blend(fwd_ceil, s.ceilings(False, ceil), share),
+                                    bwd_ceilings=bwd_ceil if fp8_bwd[name] else s.bwd_ceilings)
     else:
         for name in ("routed experts", "expert weight grads"):
             if name in out:
                 s = out[name]
                 faster = [replace(s.ceilings(bwd, ceil), flops_per_s=s.ceilings(bwd, ceil).flops_per_s * speedup)
                           for bwd in (False, True)]
-                out[name] = replace(s, fwd_ceilings=faster[0], bwd_ceilings=faster[1] if fp8_bwd[name] else s.bwd_ceilings)
-        fwd = Work(hbm_bytes=rows * H * (BF16 + 1 + scales))
+                out[name] = replace(s, fwd_ceilings=_blend(faster[0], s.ceilings(False, ceil), share),
+                                    bwd_ceilings=faster[1] if fp8_bwd[name] else s.bwd_ceilings)
+        fwd = Work(hbm_bytes=rows * (F if forward == "down" else H) * (BF16 + 1 + scales))
         quantised = {"fp8": 2 * H + 2 * 2 * F + F + H, "bf16-wgrad": H + 2 * F, "bf16": 0}[backward]
         bwd = Work(hbm_bytes=rows * quantised * (BF16 + 1 + scales))
         out["fp8 quantise"] = Stage("expert", "moe", fwd, bwd)
@@ -846,6 +857,17 @@ def fp8_stages(stages: dict[str, Stage], ceil: Ceilings, speedup: float, m: Mode
         optimizer = out["optimizer (experts)"]
         out["optimizer (experts)"] = replace(optimizer, bwd=optimizer.bwd + copies)
     return out
+
+
+# the share of the routed experts' forward FLOPs in FP8 by `fp8_stages`' forward: gate/up 4NHF, down 2NFH
+FP8_FORWARD_SHARES = {"both": 1.0, "gate-up": 2 / 3, "down": 1 / 3}
+
+
+def _blend(fp8: Ceilings, bf16: Ceilings, share: float) -> Ceilings:
+    """`fp8` with its FLOP rate the harmonic blend of `share` of the FLOPs at fp8's rate, the rest at `bf16`'s."""
+    if share == 1.0:
+        return fp8
+    return replace(fp8, flops_per_s=1.0 / (share / fp8.flops_per_s + (1 - share) / bf16.flops_per_s))
 
 
 def fp8_pricing(calib: Calibration | None) -> str:

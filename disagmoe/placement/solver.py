@@ -82,6 +82,7 @@ def problem_of(cfg: PlanConfig, gpus: int | None = None) -> Problem:
         **_recompute_of(cfg), expert_precision=cfg.expert_precision,
         fp8_speedup=hw.fp8_tflops / hw.bf16_tflops if cfg.expert_precision == "fp8" else 1.0,
         fp8_dense=cfg.expert_precision == "fp8" and cfg.fp8_dense, fp8_backward=cfg.fp8_expert_backward,
+        fp8_forward=cfg.fp8_expert_forward,
         first_touch=cfg.experts_backend == "triton",  # RoutedExperts.first_touch_weights
     )
 
@@ -91,6 +92,14 @@ def _fp8_backward_note(backward: str) -> str:
     return {"fp8": "; every backward GEMM in FP8 (fp8_expert_backward: fp8)",
             "bf16-wgrad": "; the weight gradients at the bf16 rate (fp8_expert_backward: bf16-wgrad, the default)",
             "bf16": "; the whole backward at the bf16 rate (fp8_expert_backward: bf16)"}[backward]
+
+
+def _fp8_forward_note(forward: str) -> str:
+    """Which expert forward GEMMs a plan priced in FP8 (`Problem.fp8_forward`), for `fp8_note`."""
+    if forward == "both":
+        return ""
+    other = "down" if forward == "gate-up" else "gate/up"
+    return f"; the forward's {other} GEMM at the bf16 rate (fp8_expert_forward: {forward})"
 
 
 RECOMPUTE_ORDER = ("expert_input", "expert_output", "expert_swiglu", "attention")  # TrainConfig.recompute_modules'
@@ -109,13 +118,15 @@ def fp8_note(prob: Problem, cost: Cost) -> str:
                 f"(calibration.expert_gemm_fp8, {calib.source or 'no source recorded'}, probe version "
                 f"{calib.probe_version}): at this layout's rows per expert {rate(False):.2f} of the bf16 peak forward, "
                 f"{rate(True):.2f} backward (data and weight gradients with their quantisers, measured whole)"
-                f"{_fp8_backward_note(prob.fp8_backward)}, plus two e4m3 weight copies per expert parameter each step")
+                f"{_fp8_backward_note(prob.fp8_backward)}{_fp8_forward_note(prob.fp8_forward)}, plus two e4m3 weight "
+                "copies per expert parameter each step")
     else:
         head = (f"routed experts priced in FP8 (train with precision: fp8) at the datasheet ratio, unmeasured: their "
                 f"GEMMs at {prob.fp8_speedup:.2f}x the bf16 rate (fp8_tflops / bf16_tflops; the hardware's calibration "
                 "holds no FP8 expert curve, which `disagmoe bench calibrate --experts-backend triton` measures on an "
                 "sm_89+ GPU: on an H200 our FP8 experts measured about the bf16 rate, not this), plus the quantisation "
-                f"passes' HBM traffic{_fp8_backward_note(prob.fp8_backward)} and two e4m3 weight copies per expert "
+                f"passes' HBM traffic{_fp8_backward_note(prob.fp8_backward)}{_fp8_forward_note(prob.fp8_forward)} and "
+                "two e4m3 weight copies per expert "
                 "parameter each step")
     dense = ("; the dense projections (attention, shared experts, dense FFN layers) in FP8 too, rowwise "
              f"(torch._scaled_mm), with their quantisation passes, at the datasheet ratio {prob.fp8_speedup:.2f}x "

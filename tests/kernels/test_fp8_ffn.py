@@ -314,6 +314,55 @@ def test_a_bf16_backward_is_the_bf16_experts_backward_from_the_fp8_forwards_pre_
     assert torch.equal(params[0].main_grad, want[1]) and torch.equal(params[1].main_grad, want[2])
 
 
+@pytest.mark.parametrize("forward", ["gate-up", "down"])
+def test_one_forward_gemm_in_fp8_is_that_gemm_beside_the_bf16_experts_other(ffn8, forward):
+    """forward "gate-up" / "down" (backward bf16): y is the FP8 GEMM of the one and the bf16 experts'
+    GEMM of the other, bit for bit against the same kernels called one by one; the saved h13 is what
+    the backward reads (the bf16 experts' backward from it, bit for bit); y and the gradients within
+    the stated bounds; each one-GEMM forward closer to fp64 than the recipe's two FP8 GEMMs."""
+    from disagmoe.kernels import fp8
+    from disagmoe.kernels import grouped_gemm as gg
+    from disagmoe.kernels.moe_ffn import FFNTiles, moe_ffn_backward
+
+    counts, hidden, ffn = [6, 0, 13, 4], 32, 40
+    x, offsets, w13, w2, dy = _inputs(counts, hidden, ffn, seed=21)
+    tiles, weights = ffn8.Fp8Tiles(**SMALL), ffn8.Fp8ExpertWeights.quantize(w13, w2)
+    bf16_tiles = FFNTiles.for_shape(len(x), len(counts), hidden, ffn, x.device, x.dtype)
+    leaves = [t.clone().requires_grad_() for t in (x, w13, w2)]
+    y = ffn8.expert_ffn_fp8(leaves[0], offsets, leaves[1], leaves[2], tiles=tiles, num_programs=3, backward="bf16",
+                            forward=forward)
+    y.backward(dy)
+    if forward == "gate-up":
+        h13 = fp8.fp8_rows_gemm(*fp8.quantize_rows(x), offsets, *weights.w13, tiles.rows, out_dtype=x.dtype,
+                                num_programs=3)
+        gate, up = h13.chunk(2, dim=1)
+        want_y = gg.ragged_rows_gemm((torch.nn.functional.silu(gate) * up), offsets, w2, bf16_tiles.down,
+                                     num_programs=3)
+    else:
+        h13 = torch.empty(len(x), 2 * ffn)
+        act = gg.ragged_rows_gemm(x, offsets, w13, bf16_tiles.gate_up, epilogue=gg.EPILOGUE_SWIGLU, h13_N2C=h13,
+                                  num_programs=3)
+        want_y = fp8.fp8_rows_gemm(*fp8.quantize_rows(act), offsets, *weights.w2, tiles.rows, out_dtype=x.dtype,
+                                   num_programs=3)
+    assert torch.equal(y, want_y)
+    want = moe_ffn_backward(dy, x, offsets, w13, w2, None, h13, bf16_tiles, num_programs=3)
+    for got, expected in zip((t.grad for t in leaves), want, strict=True):
+        assert torch.equal(got, expected)
+    reference = _reference_grads(x, offsets, w13, w2, dy)
+    _check(counts, (y, *(t.grad for t in leaves)), reference)
+    both = ffn8.expert_ffn_fp8(x, offsets, w13, w2, tiles=tiles, num_programs=3, backward="bf16")
+    mean_err = lambda got: ((got.double() - reference[0]).norm() / reference[0].norm()).item()  # noqa: E731
+    assert mean_err(y) < mean_err(both)
+
+
+def test_one_forward_gemm_in_fp8_needs_the_bf16_backward(ffn8):
+    x, offsets, w13, w2, _ = _inputs([3, 4], 32, 32, seed=0)
+    with pytest.raises(ValueError, match="forward down .* set the backward to bf16 \\(not bf16-wgrad\\)"):
+        ffn8.expert_ffn_fp8(x, offsets, w13, w2, forward="down")
+    with pytest.raises(ValueError, match="forward GEMMs 'up': choose one of both, gate-up, down"):
+        ffn8.expert_ffn_fp8(x, offsets, w13, w2, forward="up", backward="bf16")
+
+
 def test_mismatched_weights_are_refused(ffn8):
     x, offsets, w13, w2, _ = _inputs([3, 4], 16, 16, seed=0)
     with pytest.raises(ValueError, match="w2"):
@@ -324,15 +373,16 @@ def test_mismatched_weights_are_refused(ffn8):
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
                     reason="needs a GPU with FP8 (sm_89+)")
 @pytest.mark.parametrize("counts,hidden,ffn", [([300, 0, 1000, 7], 512, 384), ([129, 511, 64, 3, 900], 1024, 256)])
-@pytest.mark.parametrize("backward", ["fp8", "bf16-wgrad", "bf16"])
-def test_gpu_fp8_ffn_forward_backward(counts, hidden, ffn, backward):
-    """bf16 operands on tensor cores, default tiles, each backward recipe: within the
-    stated bounds of fp64 autograd."""
+@pytest.mark.parametrize("backward,forward", [("fp8", "both"), ("bf16-wgrad", "both"), ("bf16", "both"),
+                                              ("bf16", "gate-up"), ("bf16", "down")])
+def test_gpu_fp8_ffn_forward_backward(counts, hidden, ffn, backward, forward):
+    """bf16 operands on tensor cores, default tiles, each backward recipe and each forward's FP8
+    GEMMs: within the stated bounds of fp64 autograd."""
     from disagmoe.kernels import fp8_ffn
 
     x, offsets, w13, w2, dy = _inputs(counts, hidden, ffn, seed=3, device="cuda", dtype=torch.bfloat16)
     leaves = [t.clone().requires_grad_() for t in (x, w13, w2)]
-    y = fp8_ffn.expert_ffn_fp8(leaves[0], offsets, leaves[1], leaves[2], backward=backward)
+    y = fp8_ffn.expert_ffn_fp8(leaves[0], offsets, leaves[1], leaves[2], backward=backward, forward=forward)
     y.backward(dy)
     assert y.dtype == torch.bfloat16 and leaves[1].grad.dtype == torch.bfloat16
     _check(counts, (y, *(t.grad for t in leaves)), _reference_grads(x, offsets, w13, w2, dy))

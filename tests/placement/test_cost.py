@@ -422,6 +422,36 @@ def test_fp8_experts_hold_their_memory_whatever_the_hardwares_fp8_rate(fp8_tflop
     assert quantise.bwd.hbm_bytes[0] == pytest.approx(quantise.fwd.hbm_bytes[0] * per_row / H)
 
 
+@pytest.mark.parametrize("calibrated", [False, True])
+def test_one_fp8_forward_gemm_prices_the_forward_at_the_blend_of_its_share(calibrated):
+    """fp8_expert_forward gate-up / down (backward bf16): the routed experts' forward at the harmonic
+    blend of the FP8 and bf16 rates by the FP8 GEMM's share of the forward FLOPs (2/3, 1/3), the
+    backward at the bf16 rate as with both; its one quantiser reads x (gate-up) or the SwiGLU
+    output (down); with the datasheet ratio and with a measured FP8 curve alike."""
+    hw = load_hardware("h200-sxm-calibrated" if calibrated else "h200-sxm")
+    layout = Candidates.one(4, 4, 1, 4, 2)
+    m = load_model("qwen3-30b-a3b")
+
+    def cost(forward, precision="fp8"):
+        req = PlanConfig(model=m, cluster=ClusterConfig(hardware=hw, num_gpus=8), seq_len=4096,
+                         global_batch_tokens=1 << 20, recompute="none", expert_precision=precision,
+                         fp8_expert_backward="bf16", fp8_expert_forward=forward)
+        return problem_of(req), evaluate(problem_of(req), layout)
+
+    (prob, both), (_, bf16) = cost("both"), cost("both", "bf16")
+    rate = lambda c, bwd: c.stages["routed experts"].ceilings(bwd, prob.ceilings).flops_per_s  # noqa: E731
+    for forward, share in (("gate-up", 2 / 3), ("down", 1 / 3)):
+        _, one = cost(forward)
+        want = 1 / (share / rate(both, False) + (1 - share) / rate(bf16, False))
+        assert rate(one, False) == pytest.approx(want)
+        assert rate(one, True) == pytest.approx(rate(bf16, True))
+    if not calibrated:
+        H, F = m.hidden_size, m.expert_ffn_size
+        fwd_bytes = lambda c: c.stages["fp8 quantise"].fwd.hbm_bytes[0]  # noqa: E731
+        assert fwd_bytes(cost("down")[1]) == pytest.approx(fwd_bytes(both) * F / H)
+        assert fwd_bytes(cost("gate-up")[1]) == pytest.approx(fwd_bytes(both))
+
+
 @pytest.mark.parametrize("colocated", [False, True])
 def test_selective_recomputation_frees_exactly_the_dropped_terms_and_pays_their_bytes(colocated):
     """Selective lowers the predicted memory by the dropped rows (input, SwiGLU, combine) of every

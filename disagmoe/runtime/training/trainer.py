@@ -378,7 +378,7 @@ class SingleProcessTrainer(TrainingLoop):
         self.fp8_stats = None
         if cfg.expert_precision == "fp8":
             check_fp8_device(self.device)
-            self.model.set_expert_precision("fp8", cfg.expert_backward_precision)
+            self.model.set_expert_precision("fp8", cfg.expert_backward_precision, cfg.expert_forward_precision)
             self.fp8_stats = Fp8Stats(self.device)  # before the capture below: its kernels keep the address
             self.model.set_fp8_stats(self.fp8_stats)
             if cfg.dense_precision == "fp8":  # the dense projections too, rowwise (kernels.fp8_dense)
