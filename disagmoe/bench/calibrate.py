@@ -17,10 +17,16 @@ measures them, this module reuses it) it measures what `HardwareConfig.calibrati
   quantiser included), each as a fraction of the same bf16 peak against the same stage work as the
   bf16 curve (`fp8_expert_point`), so the planner prices FP8 experts at what they measure instead of
   the datasheet's fp8_tflops / bf16_tflops (`placement.cost.fp8_stages`);
-- `attention`: SDPA (causal, bf16) at several sequence lengths, forward and forward+backward;
+- `attention`: SDPA (causal, bf16) at several sequence lengths, forward and forward+backward, on
+  the model's own heads as its attention passes them (tokens-first tensors viewed heads-first);
 - `projections`: the attention block's projection GEMMs (every nn.Linear of the model's own
   attention module, forward; data and weight gradients) at PROJECTION_TOKENS tokens, against
   `roofline.stages.attention_projection_passes` (v2 left them at `bench hardware`'s 8192^3 matmul rate);
+- `attention_mla`, `projections_mla`: the same two curves at an MLA shape, which price MLA models'
+  attention block: the model's own when it is MLA (then the timings above themselves), else
+  MLA_MODEL's (DeepSeek-V3: 128 heads of q/k 192 and v 128, against GQA's head dim 128; its
+  low-rank q and kv chains: the DeepSeek config's cuDNN attention took 141 ms of its step where
+  the Qwen3 curve priced 111, docs/benchmarks.md). About 6 s of the run;
 - `hbm_fraction["optimizer"]`: FlatAdamW's step as the trainer runs it (zero the main gradients,
   their norm, the clipped update with the bf16 parameters written from the masters) over
   OPTIMIZER_PARAMS parameters with OPTIMIZER_OPTIM's settings (the trainer's defaults, written out:
@@ -112,6 +118,7 @@ OPTIMIZER_PARAMS = 256 * 2**20  # parameters of the optimizer probe (4.5 GiB of 
 OPTIMIZER_OPTIM = OptimConfig(update_kernel="triton", state_dtype="fp32")
 PERMUTE_TOKENS = 32 * 1024  # tokens of the permute probe (one micro-batch of 8 x 4,096)
 PROJECTION_TOKENS = (4096, 8192, 32768)  # tokens per micro-batch of the projection curve
+MLA_MODEL = "deepseek-v3"  # the model preset whose MLA attention block the MLA curves time (`mla_probe_model`)
 
 
 @dataclass(frozen=True)
@@ -162,12 +169,29 @@ class Timings:
     # rows per expert -> the FP8 FFN on curve_experts(model, rows) experts, forward and forward + whole
     # backward (None: not measured: no FP8 tensor cores, or not the triton experts)
     expert_gemm_fp8: dict[int, PassTimes] | None = None
+    # sequence length -> causal SDPA on mla_probe_model(model)'s heads over ATTENTION_TOKENS tokens, and
+    # at one FIXED_TOKENS sequence (None: not measured, an older probe's timings)
+    attention_mla: dict[int, PassTimes] | None = None
+    attention_mla_fixed: PassTimes | None = None
+    projections_mla: dict[int, PassTimes] | None = None  # tokens -> mla_probe_model(model)'s attention projections
 
 
 def curve_experts(model: ModelConfig, rows_per_expert: int) -> int:
     """Experts in the expert-curve measurement at `rows_per_expert`: the model's, or fewer so that
     the op holds at most ROWS_PER_OP rows (at least one expert)."""
     return max(1, min(model.num_experts, ROWS_PER_OP // rows_per_expert))
+
+
+def mla_probe_model(model: ModelConfig) -> ModelConfig:
+    """The model whose attention block the MLA curves (`attention_mla`, `projections_mla`) are
+    measured and fitted on: `model` itself when its attention is MLA, else the MLA_MODEL preset
+    (its heads, widths and projections; the curves' sizes are SEQ_LENS and PROJECTION_TOKENS
+    whatever its own)."""
+    if model.attention == "mla":
+        return model
+    from disagmoe.model_ref import load_model
+
+    return load_model(MLA_MODEL)
 
 
 def attention_batch(seq_len: int) -> int:
@@ -265,6 +289,11 @@ def calibration_from(t: Timings, model: ModelConfig, ceil: Ceilings, source: str
                 for rows, times in sorted((t.expert_gemm_fp8 or {}).items())]
     attention = [attention_point(model, seq, times, t.attention_fixed, ceil) for seq, times in sorted(t.attention.items())]
     projections = [projection_point(model, tokens, times, ceil) for tokens, times in sorted((t.projections or {}).items())]
+    mla = mla_probe_model(model) if t.attention_mla or t.projections_mla else None
+    attention_mla = [attention_point(mla, seq, times, t.attention_mla_fixed, ceil)
+                     for seq, times in sorted((t.attention_mla or {}).items())]
+    projections_mla = [projection_point(mla, tokens, times, ceil)
+                       for tokens, times in sorted((t.projections_mla or {}).items())]
     hbm = {}
     if t.optimizer_s is not None:
         hbm["optimizer"] = fitted_hbm_fraction(optimizer_probe_work(), t.optimizer_s, ceil)
@@ -274,8 +303,9 @@ def calibration_from(t: Timings, model: ModelConfig, ceil: Ceilings, source: str
     if t.permute is not None:  # one rate for both passes (the stage prices each with the same bytes)
         pairs = stages.permute(model, PERMUTE_TOKENS * model.top_k)
         hbm["permute"] = fitted_hbm_fraction(pairs + pairs, t.permute.fwd_bwd_s, ceil)
-    return Calibration(source=source, expert_gemm=gemm, attention=attention, op_fixed_us=op_fixed_us(t),
-                       projections=projections, hbm_fraction=hbm, expert_gemm_fp8=gemm_fp8, **(links or {}))
+    return Calibration(source=source, expert_gemm=gemm, attention=attention, attention_mla=attention_mla,
+                       op_fixed_us=op_fixed_us(t), projections=projections, projections_mla=projections_mla,
+                       hbm_fraction=hbm, expert_gemm_fp8=gemm_fp8, **(links or {}))
 
 
 def merge_calibration(old: Calibration | None, new: Calibration) -> Calibration:
@@ -342,20 +372,32 @@ def measure_all(preset: HardwareConfig, model: ModelConfig, experts_backend: str
 
 
 def measure_timings(dev, model: ModelConfig, experts_backend: str, warmup: int, iters: int) -> Timings:
-    """GPU kernel time of every probe `Timings` holds."""
+    """GPU kernel time of every probe `Timings` holds (the MLA curves: an MLA model's own attention
+    and projection timings, measured once)."""
+    attention = {s: _sdpa_times(dev, model, s, attention_batch(s), warmup, iters) for s in SEQ_LENS}
+    attention_fixed = _sdpa_times(dev, model, FIXED_TOKENS, 1, warmup, iters)
+    projections = {n: _projection_times(dev, model, n, warmup, iters) for n in PROJECTION_TOKENS}
+    if model.attention == "mla":
+        attention_mla, attention_mla_fixed, projections_mla = attention, attention_fixed, projections
+    else:
+        mla = mla_probe_model(model)
+        attention_mla = {s: _sdpa_times(dev, mla, s, attention_batch(s), warmup, iters) for s in SEQ_LENS}
+        attention_mla_fixed = _sdpa_times(dev, mla, FIXED_TOKENS, 1, warmup, iters)
+        projections_mla = {n: _projection_times(dev, mla, n, warmup, iters) for n in PROJECTION_TOKENS}
     return Timings(
         expert_gemm={r: _ffn_times(dev, model, experts_backend, r, curve_experts(model, r), warmup, iters)
                      for r in ROWS_PER_EXPERT},
         expert_fixed=_ffn_times(dev, model, experts_backend, 1, 1, warmup, iters),
-        attention={s: _sdpa_times(dev, model, s, attention_batch(s), warmup, iters) for s in SEQ_LENS},
-        attention_fixed=_sdpa_times(dev, model, FIXED_TOKENS, 1, warmup, iters),
+        attention=attention,
+        attention_fixed=attention_fixed,
         block_fixed=_block_times(dev, model, warmup, iters),
         optimizer_s=_optimizer_times(dev, OPTIMIZER_PARAMS, warmup, iters),
         permute=_permute_times(dev, model, PERMUTE_TOKENS, warmup, iters),
-        projections={n: _projection_times(dev, model, n, warmup, iters) for n in PROJECTION_TOKENS},
+        projections=projections,
         norms=None if model.attention == "mla" else _norms_times(dev, model, PERMUTE_TOKENS, warmup, iters),
         expert_gemm_fp8={r: _fp8_ffn_times(dev, model, r, curve_experts(model, r), warmup, iters)
-                         for r in ROWS_PER_EXPERT} if fp8_measured(dev, experts_backend) else None)
+                         for r in ROWS_PER_EXPERT} if fp8_measured(dev, experts_backend) else None,
+        attention_mla=attention_mla, attention_mla_fixed=attention_mla_fixed, projections_mla=projections_mla)
 
 
 def fp8_measured(dev, experts_backend: str) -> bool:
@@ -521,27 +563,32 @@ def sdpa_shapes(model: ModelConfig, batch: int, seq_len: int) -> tuple[tuple[int
 
 
 def _sdpa_times(dev, model: ModelConfig, seq_len: int, batch: int, warmup: int, iters: int) -> PassTimes:
-    """Causal SDPA (bf16) on `sdpa_shapes`, as `model.attention` calls it: GQA's KV heads shared
-    through `enable_gqa` (so the kernel the step gets, and its backward's reduction over the
-    group), MLA's q, k, v as tokens-first tensors viewed heads-first."""
+    """Causal SDPA (bf16) on `sdpa_shapes`, as `model.attention` calls it: q, k, v tokens-first in
+    memory ([B, S, heads, width]) viewed heads-first (`rope_heads`, `mla_rope_heads`), MLA's v the
+    value columns of the kv projection's heads (a strided view, as the step's), GQA's KV heads
+    shared through `enable_gqa` (so the kernel the step gets, and its backward's reduction over the
+    group), the output's gradient tokens-first too (it arrives through the output's reshape)."""
     import torch.nn.functional as F
 
     gen = torch.Generator(device=dev).manual_seed(0)
-    mla = model.attention == "mla"
+    bf16 = dict(device=dev, dtype=torch.bfloat16, generator=gen)
 
-    def leaf(shape: tuple[int, ...]) -> torch.Tensor:
-        if mla:  # [B, S, n, D] viewed as [B, n, S, D], as MultiHeadLatentAttention passes them
-            b, n, s_, d = shape
-            return torch.randn(b, s_, n, d, device=dev, dtype=torch.bfloat16, generator=gen).requires_grad_()
-        return torch.randn(shape, device=dev, dtype=torch.bfloat16, generator=gen).requires_grad_()
+    def heads_first(shape: tuple[int, ...], offset: int = 0, width: int | None = None) -> torch.Tensor:
+        """A [B, heads, S, D] leaf viewing columns offset.. of a tokens-first [B, S, heads, width] tensor."""
+        b, n, s_, d = shape
+        tokens = torch.randn(b, s_, n, width or d, **bf16)
+        return tokens[..., offset:offset + d].transpose(1, 2).requires_grad_()
 
     q_shape, k_shape, v_shape = sdpa_shapes(model, batch, seq_len)
-    q, k, v = leaf(q_shape), leaf(k_shape), leaf(v_shape)
-    heads = (lambda t: t.transpose(1, 2)) if mla else (lambda t: t)
+    q, k = heads_first(q_shape), heads_first(k_shape)
+    if model.attention == "mla":  # [k_nope | v] per head, as the kv projection's output
+        nope = model.mla.qk_nope_head_dim
+        v = heads_first(v_shape, nope, nope + v_shape[3])
+    else:
+        v = heads_first(v_shape)
     gqa = k_shape[1] != q_shape[1]
-    dy = torch.randn(q_shape[:3] + v_shape[3:], device=dev, dtype=torch.bfloat16, generator=gen)
-    sdpa = lambda: F.scaled_dot_product_attention(heads(q), heads(k), heads(v), is_causal=True,  # noqa: E731
-                                                  enable_gqa=gqa)
+    dy = torch.randn(q_shape[0], q_shape[2], q_shape[1], v_shape[3], **bf16).transpose(1, 2)
+    sdpa = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)  # noqa: E731
     return _passes(sdpa, lambda: torch.autograd.grad(sdpa(), [q, k, v], dy), warmup, iters)
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from disagmoe.config import PRESETS_DIR, HardwareConfig, preset_names
 
-PROBE_VERSION = 5
+PROBE_VERSION = 6
 # 1: before 47ee5dd: CUDA events around each call (`timing.median_ms`: for a tiny op, the host's
 #    time to launch it), the expert curve on 8 experts, fixed costs the event time of the smallest probes.
 # 2: 47ee5dd: GPU kernel time (`timing.kernel_ms`), fixed cost at next to no work, curve points net
@@ -49,7 +49,15 @@ PROBE_VERSION = 5
 #    whole (no deferred weight gradients in FP8), fitted against the bf16 stage work net of the bf16 FFN's fixed
 #    cost (`calibrate.fp8_expert_point`, the backward through `roofline.calibration.fitted_shared_fraction`),
 #    capped at fp8_tflops / bf16_tflops; the bf16 terms are measured as in version 4.
-PROBE_FINGERPRINT = "3829ab4a71660b16"  # `code_fingerprint()` of the code that measures version PROBE_VERSION
+# 6: the MLA curves (`Calibration.attention_mla`, `projections_mla`): causal SDPA and the attention module's
+#    projection GEMMs at MLA's shape (the calibration model's when it is MLA, else `calibrate.MLA_MODEL`'s, DeepSeek-V3:
+#    128 heads of q/k 192, v 128, its low-rank q and kv chains) at the same sequence lengths and tokens, fitted as the
+#    attention and projection curves against that shape's `roofline.stages` work; the planner prices MLA models'
+#    attention block with them (`roofline.calibration.attention_curves`; version 5 priced it at the calibration model's
+#    GQA curves: DeepSeek's cuDNN attention 141 ms a step against 111 priced). Every attention probe's q, k, v and
+#    output gradient are tokens-first in memory viewed heads-first, MLA's v the value columns of the kv projection's
+#    heads, as the model passes them (version 5: heads-first contiguous GQA tensors; the same times on an H200).
+PROBE_FINGERPRINT = "3717b184677b1304"  # `code_fingerprint()` of the code that measures version PROBE_VERSION
 
 # The code that decides what a calibration's numbers mean: file (under disagmoe/) -> top-level name
 # -> why it belongs. Left out on purpose: the experts backends and `model.Block` (the probe measures
@@ -70,7 +78,9 @@ PROBE_PARTS: dict[str, dict[str, str]] = {
         "optimizer_probe_work": "the optimizer bytes the optimizer rate is fitted against (the probe's settings)",
         "PERMUTE_TOKENS": "the permute probe's size",
         "PROJECTION_TOKENS": "the projection curve's sizes",
-        "projection_point": "the projection rates, fitted the same way",
+        "MLA_MODEL": "the MLA curves' shape (when the calibration model is not MLA)",
+        "mla_probe_model": "which model's attention block the MLA curves measure",
+        "projection_point": "the projection rates (the model's and MLA's), fitted the same way",
         "projection_passes": "the projection probe's calls",
         "attention_linears": "which GEMMs the projection probe runs (the model's own)",
         "_projection_times": "the projection probe's inputs",
@@ -91,7 +101,7 @@ PROBE_PARTS: dict[str, dict[str, str]] = {
         "Fp8FFNPasses": "the FP8 expert FFN's passes",
         "fp8_ffn_passes": "how each FP8 expert pass runs (weight copies made once, main gradients)",
         "_fp8_ffn_times": "how the FP8 expert probe's passes are timed",
-        "attention_point": "the attention rates, the same way",
+        "attention_point": "the attention rates (the model's and MLA's), the same way",
         "op_fixed_us": "which probe is each op's fixed cost",
         "calibration_from": "which timings make which terms",
         "measure_all": "the peak the fractions refer to; which parts run",

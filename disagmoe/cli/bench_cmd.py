@@ -317,8 +317,10 @@ def calibrate(
     data gradients, weight gradients adding into fp32 main gradients, as the step runs them), with
     --experts-backend triton on an sm_89+ GPU the FP8 experts' rates at the same points (forward,
     and the whole backward; `plan --expert-precision fp8` then prices FP8 at them, not at the
-    datasheet's fp8_tflops), SDPA attention forward+backward at several sequence lengths, each
-    op's fixed cost, and NCCL
+    datasheet's fp8_tflops), SDPA attention forward+backward at several sequence lengths and the
+    attention projections' GEMMs at several tokens per micro-batch, on the model's attention and on
+    MLA's (DeepSeek-V3's 128 heads of q/k 192 and v 128 and its low-rank chains, unless the model is
+    MLA itself: the curves that price MLA models' attention), each op's fixed cost, and NCCL
     send/recv, all-reduce and all-to-all latency and bandwidth when 2+ GPUs are visible.
 
     \b

@@ -614,7 +614,7 @@ def evaluate(prob: Problem, c: Candidates, misfits_exact: bool = True) -> Cost:
             m, tokens).scale(attention.astype(float)))))
         stages = dict(items)
     if prob.calibration is not None:
-        stages = calibrated_stages(stages, prob.calibration, ceil, rows / local, float(S), c.colocated, tokens)
+        stages = calibrated_stages(stages, m, prob.calibration, ceil, rows / local, float(S), c.colocated, tokens)
     if fp8:  # the measured FP8 curve where the calibration holds one; else the passes and copies at any rate,
         # the GEMMs at fp8_speedup times theirs (`fp8_stages`)
         stages = fp8_stages(stages, ceil, prob.fp8_speedup, m, rows, exp_params, prob.calibration, rows / local,
@@ -908,13 +908,14 @@ def fp8_dense_stages(stages: dict[str, Stage], ceil: Ceilings, speedup: float, m
     return out
 
 
-def calibrated_stages(stages: dict[str, Stage], calib: Calibration, ceil: Ceilings, rows_per_expert: Num,
-                      seq_len: float, colocated: bool, tokens: Num = None) -> dict[str, Stage]:
+def calibrated_stages(stages: dict[str, Stage], m: ModelConfig, calib: Calibration, ceil: Ceilings,
+                      rows_per_expert: Num, seq_len: float, colocated: bool, tokens: Num = None) -> dict[str, Stage]:
     """`stages` priced with measured terms (`roofline.calibration`): the routed experts at the GEMM
     rates measured for their rows per expert (forward, data gradients, and the weight gradients
     into the fp32 main gradients at their own rate where the calibration holds it), the attention
     projections at the GEMM rate measured for their `tokens` per micro-batch, the attention core at the rate measured for the
-    sequence length, dispatch and combine at the measured P2P transport (colocated: all-to-all),
+    sequence length (both on MLA's curves for an MLA model `m` where the calibration holds them: `attention_curves`),
+    dispatch and combine at the measured P2P transport (colocated: all-to-all),
     the gradient all-reduces at the measured all-reduce, the optimizer's passes and the permute /
     combine kernels at their measured HBM rates (`Calibration.hbm_fraction`), and each schedule op's fixed cost as its
     own stage (attention, expert ops) or inside the stage that is the op (loss, optimizer).
@@ -942,9 +943,10 @@ def calibrated_stages(stages: dict[str, Stage], calib: Calibration, ceil: Ceilin
     # an older file's backward rate (data and weight gradients together, bf16) prices both stages
     wgrad_measured = bool(calib.expert_gemm) and all(p.wgrad is not None for p in calib.expert_gemm)
     rated("expert weight grads", calib.expert_gemm, rows_per_expert, "wgrad" if wgrad_measured else "bwd")
-    rated("attention core", calib.attention, seq_len)
+    attention, projections = cal.attention_curves(calib, m)
+    rated("attention core", attention, seq_len)
     if tokens is not None:  # tokens per attention GPU per micro-batch
-        rated("attention projections", calib.projections, tokens)
+        rated("attention projections", projections, tokens)
     # memory-bound stages at their measured HBM rate: FlatAdamW's passes, the permute and combine kernels
     for kind, names in (("optimizer", ("optimizer (attention)", "optimizer (experts)")),
                         ("permute", ("permute / combine sum",)), ("norms", ("norms, RoPE, residual adds",))):

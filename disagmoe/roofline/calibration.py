@@ -3,8 +3,10 @@
 A `HardwareConfig.calibration` (written by `disagmoe bench calibrate`) holds
 - curves of (size, fraction of the bf16 peak) points: the expert GEMMs against rows per expert
   (forward, data gradients, weight gradients into fp32 main gradients), the attention core
-  against sequence length. A point's fraction is the rate at which the stage's own work
-  (`roofline.stages.expert_passes`, `attention_core_passes`) takes the measured time
+  against sequence length, the attention projections against tokens per micro-batch (at the
+  calibration model's shape, and from probe version 6 at an MLA shape too, which prices MLA
+  models: `attention_curves`). A point's fraction is the rate at which
+  the stage's own work (`roofline.stages.expert_passes`, `attention_core_passes`) takes the measured time
   (`fitted_fraction`, the inverse of the pricing below), so the probe and the planner count one
   stage's traffic the same way. `curve_fraction` interpolates linearly in log(size)
   and clamps at the end points (no extrapolation: outside the measured range the nearest
@@ -25,7 +27,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from disagmoe.config import Calibration, LinkCost, RatePoint
+from disagmoe.config import Calibration, LinkCost, ModelConfig, RatePoint
 from disagmoe.roofline.ceilings import Ceilings
 from disagmoe.roofline.stages import Num, Work
 
@@ -43,6 +45,17 @@ def curve_fraction(points: list[RatePoint], at: Num, bwd: bool, field: str | Non
     xs = np.log([p.at for p in points])
     ys = np.array(values, dtype=float)
     return np.interp(np.log(np.maximum(np.asarray(at, dtype=float), 1e-30)), xs, ys)
+
+
+def attention_curves(calib: Calibration, m: ModelConfig) -> tuple[list[RatePoint], list[RatePoint]]:
+    """The (attention core, attention projections) curves that price `m`'s attention block: for an
+    MLA model the MLA curves (`attention_mla`, `projections_mla`, probe version 6 on), each where
+    the calibration holds it; else, and for other models, `attention` and `projections`, measured
+    at the calibration model's shape (GQA for Qwen3: before version 6 DeepSeek-V3's 128 heads of
+    q/k 192 and v 128, and its low-rank chains, were priced at Qwen3's rates)."""
+    if m.attention != "mla":
+        return calib.attention, calib.projections
+    return calib.attention_mla or calib.attention, calib.projections_mla or calib.projections
 
 
 def compute_ceilings(ceil: Ceilings, fraction: Num) -> Ceilings:

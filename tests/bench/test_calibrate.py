@@ -84,14 +84,31 @@ NORMS_HBM = 0.45  # the made-up elementwise kernels, the same
 PROJECTIONS = {4096: (0.55, 0.5), 8192: (0.62, 0.58), 32768: (0.7, 0.66)}  # tokens -> made-up GEMM rates
 EXPERT_FIXED = cal.ExpertTimes(25e-6, 55e-6, 30e-6)
 SDPA_FIXED = cal.PassTimes(8e-6, 8e-6 + 30e-6)
+MLA_FIXED = cal.PassTimes(10e-6, 10e-6 + 40e-6)
+MLA_ATTENTION = (0.45, 0.3)  # the made-up GPU's forward and backward rates on MLA's heads
+MLA_PROJECTIONS = {4096: (0.5, 0.45), 8192: (0.57, 0.52), 32768: (0.66, 0.6)}  # and on MLA's projections
 BLOCK_FIXED = cal.PassTimes(60e-6, 60e-6 + 210e-6)
+
+
+def _attention_timings(model, fractions: tuple[float, float], fixed: cal.PassTimes,
+                       ceil: Ceilings) -> dict[int, cal.PassTimes]:
+    """The attention probe's times on `model`'s heads of a made-up GPU at `fractions` (forward,
+    backward) of the peak on top of `fixed`."""
+    from disagmoe.roofline.stages import attention_core_passes
+
+    times = {}
+    for s in cal.SEQ_LENS:
+        fwd, bwd = attention_core_passes(model, cal.attention_batch(s) * s, s)
+        f_s = fixed.fwd_s + fwd.flops / (fractions[0] * ceil.peak_flops_per_s)
+        times[s] = cal.PassTimes(f_s, f_s + fixed.bwd_s + bwd.flops / (fractions[1] * ceil.peak_flops_per_s))
+    return times
 
 
 def _timings(model, ceil: Ceilings) -> cal.Timings:
     """GPU kernel times of a made-up GPU that runs each probe at FRACTIONS of the peak on top of
     the fixed times above (the shape a real GPU's timings have; no measured figure)."""
     from disagmoe.roofline import stages
-    from disagmoe.roofline.stages import attention_core_passes, expert_passes
+    from disagmoe.roofline.stages import expert_passes
 
     peak = ceil.peak_flops_per_s
     gemm = {}
@@ -103,22 +120,22 @@ def _timings(model, ceil: Ceilings) -> cal.Timings:
         wgrad_s = max(wgrad.flops / (w * peak), WGRAD_HBM_SLOWDOWN * wgrad.hbm_bytes / ceil.hbm_bytes_per_s)
         gemm[r] = cal.ExpertTimes(EXPERT_FIXED.fwd_s + fwd.flops / (f * peak),
                                   EXPERT_FIXED.dgrad_s + dgrad.flops / (d * peak), EXPERT_FIXED.wgrad_s + wgrad_s)
-    attention = {}
-    for s in cal.SEQ_LENS:
-        fwd, bwd = attention_core_passes(model, cal.attention_batch(s) * s, s)
-        f_s = SDPA_FIXED.fwd_s + fwd.flops / (0.5 * peak)
-        attention[s] = cal.PassTimes(f_s, f_s + SDPA_FIXED.bwd_s + bwd.flops / (0.4 * peak))
+    attention = _attention_timings(model, (0.5, 0.4), SDPA_FIXED, ceil)
+    mla = _attention_timings(cal.mla_probe_model(model), MLA_ATTENTION, MLA_FIXED, ceil)
     optimizer_s = cal.optimizer_probe_work().hbm_bytes / (OPTIMIZER_HBM * ceil.hbm_bytes_per_s)  # the probe's passes
     pairs = stages.permute(model, cal.PERMUTE_TOKENS * model.top_k).hbm_bytes / (PERMUTE_HBM * ceil.hbm_bytes_per_s)
     permute = cal.PassTimes(pairs, 2 * pairs)  # forward and backward move the same bytes (the stage's count)
-    projections = {}
-    for n, (f, b) in PROJECTIONS.items():
-        fwd, bwd = stages.attention_projection_passes(model, n)
-        projections[n] = cal.PassTimes(fwd.flops / (f * peak), fwd.flops / (f * peak) + bwd.flops / (b * peak))
+    projections, projections_mla = {}, {}
+    for rates, m, out in ((PROJECTIONS, model, projections),
+                          (MLA_PROJECTIONS, cal.mla_probe_model(model), projections_mla)):
+        for n, (f, b) in rates.items():
+            fwd, bwd = stages.attention_projection_passes(m, n)
+            out[n] = cal.PassTimes(fwd.flops / (f * peak), fwd.flops / (f * peak) + bwd.flops / (b * peak))
     n_fwd, n_bwd = stages.norms_and_residuals(model, cal.PERMUTE_TOKENS)
     norms = cal.PassTimes(n_fwd.hbm_bytes / (NORMS_HBM * ceil.hbm_bytes_per_s),
                           (n_fwd.hbm_bytes + n_bwd.hbm_bytes) / (NORMS_HBM * ceil.hbm_bytes_per_s))
-    return cal.Timings(gemm, EXPERT_FIXED, attention, SDPA_FIXED, BLOCK_FIXED, optimizer_s, permute, projections, norms)
+    return cal.Timings(gemm, EXPERT_FIXED, attention, SDPA_FIXED, BLOCK_FIXED, optimizer_s, permute, projections, norms,
+                       attention_mla=mla, attention_mla_fixed=MLA_FIXED, projections_mla=projections_mla)
 
 
 def test_the_terms_come_back_from_the_gpu_kernel_times():
@@ -128,8 +145,12 @@ def test_the_terms_come_back_from_the_gpu_kernel_times():
         (r, pytest.approx(f), pytest.approx(d)) for r, (f, d, _) in FRACTIONS.items()]
     assert all(p.wgrad is not None and p.wgrad <= FRACTIONS[p.at][2] * (1 + 1e-9) for p in calib.expert_gemm)
     assert all((p.fwd, p.bwd) == (pytest.approx(0.5), pytest.approx(0.4)) for p in calib.attention)
+    assert [(p.at, p.fwd, p.bwd) for p in calib.attention_mla] == [
+        (s, pytest.approx(MLA_ATTENTION[0]), pytest.approx(MLA_ATTENTION[1])) for s in cal.SEQ_LENS]
     assert [(p.at, p.fwd, p.bwd) for p in calib.projections] == [
         (n, pytest.approx(f), pytest.approx(b)) for n, (f, b) in PROJECTIONS.items()]
+    assert [(p.at, p.fwd, p.bwd) for p in calib.projections_mla] == [
+        (n, pytest.approx(f), pytest.approx(b)) for n, (f, b) in MLA_PROJECTIONS.items()]
     assert calib.hbm_fraction == {"optimizer": pytest.approx(OPTIMIZER_HBM), "permute": pytest.approx(PERMUTE_HBM),
                                   "norms": pytest.approx(NORMS_HBM)}
     assert calib.op_fixed_us == {"ExpertForward": pytest.approx(25.0), "ExpertBackward": pytest.approx(85.0),
@@ -321,7 +342,10 @@ def test_measure_on_a_gpu(backend):
     m = cal.measure_all(hw, load_model("qwen3-30b-a3b"), backend, warmup=2, iters=5)
     gemm = m.calibration.expert_gemm
     assert [p.at for p in gemm] == list(cal.ROWS_PER_EXPERT) and gemm[-1].fwd > gemm[0].fwd
-    assert all(0 < p.fwd <= 1 and 0 < p.bwd <= 1 for p in gemm + m.calibration.attention)
+    assert all(0 < p.fwd <= 1 and 0 < p.bwd <= 1 for p in gemm + m.calibration.attention + m.calibration.attention_mla)
+    assert [p.at for p in m.calibration.attention_mla] == [p.at for p in m.calibration.attention] == list(cal.SEQ_LENS)
+    assert [p.at for p in m.calibration.projections_mla] == list(cal.PROJECTION_TOKENS)
+    assert all(0 < p.fwd <= 1 and 0 < p.bwd <= 1 for p in m.calibration.attention_mla + m.calibration.projections_mla)
     assert all(p.wgrad is not None and 0 < p.wgrad <= 1 for p in gemm)
     fp8 = m.calibration.expert_gemm_fp8  # on sm_89+ under the triton experts only
     if backend == "triton" and torch.cuda.get_device_capability() >= (8, 9):
@@ -466,6 +490,99 @@ def test_the_attention_probe_runs_the_models_own_heads(name, monkeypatch):
     monkeypatch.setattr(timing, "kernel_ms", lambda fn, warmup, iters: ran.append(fn(0)) or 1.0)
     assert cal._sdpa_times(torch.device("cpu"), model, 16, 2, 0, 1) == cal.PassTimes(1e-3, 1e-3)
     assert ran[0].shape == (2, q[1], 16, v[3])  # the forward's output, heads-first
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "deepseek-v3"])
+def test_the_attention_probe_passes_tokens_first_tensors_as_the_model_does(name, monkeypatch):
+    """SDPA gets q, k, v (and the output's gradient) as heads-first views of tokens-first memory, as
+    `rope_heads` / `mla_rope_heads` hand them over; MLA's v is the value columns of the kv
+    projection's [k_nope | v] heads, a strided view."""
+    import torch.nn.functional as F
+
+    from disagmoe.bench import timing
+
+    model, B, S = load_model(name), 2, 16
+    seen = []
+    sdpa = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention",
+                        lambda q, k, v, **kw: seen.append((q, k, v)) or sdpa(q, k, v, **kw))
+    monkeypatch.setattr(timing, "kernel_ms", lambda fn, warmup, iters: [fn(0), 1.0][1])
+    cal._sdpa_times(torch.device("cpu"), model, S, B, 0, 1)
+    q, k, v = seen[0]
+    for t in (q, k):  # [B, n, S, D] over [B, S, n, D]: a step along S skips every head
+        assert t.stride(2) == t.shape[1] * t.shape[3] and t.stride(1) == t.shape[3]
+    width = model.mla.qk_nope_head_dim + model.mla.v_head_dim if model.mla else v.shape[3]
+    assert v.stride(2) == v.shape[1] * width and v.stride(1) == width and v.stride(3) == 1
+
+
+def test_the_mla_curves_run_on_deepseeks_attention_unless_the_calibration_model_is_mla(monkeypatch):
+    """A GQA calibration model (Qwen3) also times SDPA on MLA_MODEL's heads at every sequence length
+    and at the fixed-cost size, and MLA_MODEL's projections at every token count (a few seconds of
+    the run); an MLA one's own attention and projection timings are its MLA curves (measured once)."""
+    _fake_probes(monkeypatch, (9, 0))
+    calls = []
+
+    def sdpa(dev, model, seq_len, batch, warmup, iters):
+        calls.append(("sdpa", model.name, seq_len))
+        return cal.PassTimes(1e-3, 3e-3)
+
+    def projections(dev, model, tokens, warmup, iters):
+        calls.append(("projections", model.name, tokens))
+        return cal.PassTimes(2e-3, 6e-3)
+
+    monkeypatch.setattr(cal, "_sdpa_times", sdpa)
+    monkeypatch.setattr(cal, "_projection_times", projections)
+    qwen, deepseek = load_model("qwen3-30b-a3b"), load_model(cal.MLA_MODEL)
+    assert cal.mla_probe_model(qwen) == deepseek and cal.mla_probe_model(deepseek) is deepseek
+    t = cal.measure_timings(torch.device("cpu"), qwen, "triton", 0, 1)
+    lengths = [*cal.SEQ_LENS, cal.FIXED_TOKENS]
+    assert sorted(calls) == sorted([("sdpa", m, s) for m in (qwen.name, deepseek.name) for s in lengths]
+                                   + [("projections", m, n) for m in (qwen.name, deepseek.name)
+                                      for n in cal.PROJECTION_TOKENS])
+    assert sorted(t.attention_mla) == list(cal.SEQ_LENS) and t.attention_mla_fixed is not None
+    assert sorted(t.projections_mla) == list(cal.PROJECTION_TOKENS)
+    calls.clear()
+    t = cal.measure_timings(torch.device("cpu"), deepseek, "triton", 0, 1)
+    assert sorted(calls) == sorted([("sdpa", deepseek.name, s) for s in lengths]
+                                   + [("projections", deepseek.name, n) for n in cal.PROJECTION_TOKENS])
+    assert t.attention_mla is t.attention and t.attention_mla_fixed is t.attention_fixed
+    assert t.projections_mla is t.projections
+    calib = cal.calibration_from(t, deepseek, _ceil(), "fake")
+    assert calib.attention_mla == calib.attention and len(calib.attention) == len(cal.SEQ_LENS)
+    assert calib.projections_mla == calib.projections and len(calib.projections) == len(cal.PROJECTION_TOKENS)
+
+
+def test_an_mla_attention_block_of_the_probes_size_is_priced_at_the_probes_gpu_time():
+    """The MLA curves are fitted against the planner's attention work of MLA_MODEL's shape: read
+    back at a probe point's size, the attention core (DeepSeek's heads, the probe's tokens) takes
+    the probe's time net of its fixed part, the projections the probe's time; timings without
+    them (an older probe's) give no MLA curves."""
+    from disagmoe.roofline.calibration import attention_curves, curve_fraction
+    from disagmoe.roofline.stages import attention_core_passes, attention_projection_passes
+
+    qwen, ceil = load_model("qwen3-30b-a3b"), _ceil()
+    t = _timings(qwen, ceil)
+    calib = cal.calibration_from(t, qwen, ceil, "made up")
+    deepseek = load_model(cal.MLA_MODEL)
+    assert attention_curves(calib, deepseek) == (calib.attention_mla, calib.projections_mla)
+    assert attention_curves(calib, qwen) == (calib.attention, calib.projections)
+
+    def priced(curve, at, passes) -> list[float]:
+        return [compute_ceilings(ceil, curve_fraction(curve, at, bwd)).time(w).item()
+                for bwd, w in zip((False, True), passes, strict=True)]
+
+    for s in (1024, 4096):
+        measured = t.attention_mla[s]
+        assert priced(calib.attention_mla, s, attention_core_passes(deepseek, cal.attention_batch(s) * s, s)) == [
+            pytest.approx(measured.fwd_s - MLA_FIXED.fwd_s, rel=1e-9),
+            pytest.approx(measured.bwd_s - MLA_FIXED.bwd_s, rel=1e-9)]
+    for n in cal.PROJECTION_TOKENS:
+        measured = t.projections_mla[n]
+        assert priced(calib.projections_mla, n, attention_projection_passes(deepseek, n)) == [
+            pytest.approx(measured.fwd_s, rel=1e-9), pytest.approx(measured.bwd_s, rel=1e-9)]
+    older = dataclasses.replace(t, attention_mla=None, attention_mla_fixed=None, projections_mla=None)
+    assert cal.calibration_from(older, qwen, ceil, "made up").attention_mla == []
+    assert cal.calibration_from(older, qwen, ceil, "made up").projections_mla == []
 
 
 @pytest.mark.parametrize("name", ["qwen3-30b-a3b", "deepseek-v3"])

@@ -196,3 +196,59 @@ def test_fp8_experts_run_at_the_measured_fp8_rate_for_their_rows_per_expert():
     opt = lambda of: np.asarray(of.stages["optimizer (experts)"].bwd.hbm_bytes).item()  # noqa: E731
     assert opt(cost) == pytest.approx(opt(plain))  # the e4m3 copies, either way
     assert cost.expert_mem_bytes[0] == plain.expert_mem_bytes[0]  # the FP8 memory whatever the rate
+
+
+# the MLA curves (`Calibration.attention_mla`, `projections_mla`, probe version 6): MLA models' attention block
+MLA_CURVE = [RatePoint(at=512, fwd=0.3, bwd=0.2), RatePoint(at=8192, fwd=0.5, bwd=0.4)]
+PROJECTIONS = [RatePoint(at=4096, fwd=0.7, bwd=0.65), RatePoint(at=32768, fwd=0.8, bwd=0.75)]
+MLA_PROJECTIONS = [RatePoint(at=4096, fwd=0.5, bwd=0.45), RatePoint(at=32768, fwd=0.6, bwd=0.55)]
+
+
+def _attention_rates(calibration: Calibration, model: str) -> dict[str, list[float]]:
+    """The attention core's and projections' [forward, backward] compute rates, fractions of peak,
+    for `model` on 4 + 4 GPUs (4 sequences of 4,096 tokens per micro-batch: 4,096 per attention GPU)."""
+    prob = problem_of(_request(calibration, model=model))
+    stages = evaluate(prob, Candidates.one(4, 4, 1, 4, 1)).stages
+    return {name: [np.asarray(stages[name].ceilings(bwd, prob.ceilings).flops_per_s).item()
+                   / prob.ceilings.peak_flops_per_s for bwd in (False, True)]
+            for name in ("attention core", "attention projections")}
+
+
+def _rates(curve: list[RatePoint], at: float) -> list[float]:
+    return [curve_fraction(curve, at, bwd).item() for bwd in (False, True)]
+
+
+def test_an_mla_model_prices_its_attention_block_at_the_mla_curves_and_a_gqa_model_at_the_models_own():
+    calib = Calibration(attention=CURVE, projections=PROJECTIONS, attention_mla=MLA_CURVE,
+                        projections_mla=MLA_PROJECTIONS)
+    assert _attention_rates(calib, "deepseek-v3") == {
+        "attention core": pytest.approx(_rates(MLA_CURVE, 4096.0), rel=1e-12),
+        "attention projections": pytest.approx(_rates(MLA_PROJECTIONS, 4096.0), rel=1e-12)}
+    for gqa in ("qwen3-30b-a3b", "mixtral-8x7b"):
+        assert _attention_rates(calib, gqa) == {
+            "attention core": pytest.approx(_rates(CURVE, 4096.0), rel=1e-12),
+            "attention projections": pytest.approx(_rates(PROJECTIONS, 4096.0), rel=1e-12)}, gqa
+    # each MLA curve on its own: the other stage keeps the calibration model's
+    only_core = calib.model_copy(update={"projections_mla": []})
+    assert _attention_rates(only_core, "deepseek-v3")["attention projections"] == pytest.approx(
+        _rates(PROJECTIONS, 4096.0), rel=1e-12)
+
+
+def test_a_file_without_mla_curves_prices_mla_models_at_the_models_curves_as_before():
+    """A probe version 5 file (no `attention_mla`, `projections_mla`) loads, and prices DeepSeek's
+    attention block (and the whole step) exactly as before: at `attention` and `projections`."""
+    v5 = Calibration(probe_version=5, attention=CURVE, projections=PROJECTIONS, expert_gemm=CURVE)
+    data = yaml.safe_load(_hw(v5).to_yaml())
+    del data["calibration"]["attention_mla"], data["calibration"]["projections_mla"]
+    loaded = HardwareConfig.model_validate(data).calibration
+    assert loaded.attention_mla == loaded.projections_mla == [] and loaded == v5
+    assert _attention_rates(loaded, "deepseek-v3") == {
+        "attention core": pytest.approx(_rates(CURVE, 4096.0), rel=1e-12),
+        "attention projections": pytest.approx(_rates(PROJECTIONS, 4096.0), rel=1e-12)}
+    c = Candidates.one(4, 4, 1, 4, 1)
+    step = lambda calib: evaluate(problem_of(_request(calib, model="deepseek-v3")), c).step_s[0].item()  # noqa: E731
+    with_mla = v5.model_copy(update={"attention_mla": MLA_CURVE, "projections_mla": MLA_PROJECTIONS})
+    assert step(with_mla) > step(v5)  # the MLA curves are the slower ones here
+    for name in ("attention_mla", "projections_mla"):
+        with pytest.raises(ValidationError, match="distinct"):
+            Calibration(**{name: [MLA_CURVE[0], MLA_CURVE[0]]})
