@@ -193,7 +193,7 @@ class RoutedExperts(nn.Module):
         if precision not in ("bf16", "fp32", "fp8"):
             raise ValueError(f"expert precision {precision!r}: choose bf16, fp32 or fp8")
         check_backward(backward)
-        check_forward(forward, backward)
+        check_forward(forward)
         if precision == "fp8":
             _check_fp8(self.backend, self.recompute)
         self.precision = precision

@@ -355,12 +355,26 @@ def test_one_forward_gemm_in_fp8_is_that_gemm_beside_the_bf16_experts_other(ffn8
     assert mean_err(y) < mean_err(both)
 
 
-def test_one_forward_gemm_in_fp8_needs_the_bf16_backward(ffn8):
-    x, offsets, w13, w2, _ = _inputs([3, 4], 32, 32, seed=0)
-    with pytest.raises(ValueError, match="forward down .* set the backward to bf16 \\(not bf16-wgrad\\)"):
-        ffn8.expert_ffn_fp8(x, offsets, w13, w2, forward="down")
+@pytest.mark.parametrize("backward", ["fp8", "bf16-wgrad"])
+def test_one_forward_gemm_in_fp8_takes_the_fp8_backwards_from_its_pre_activations(ffn8, backward):
+    """forward "down" (the gate/up GEMM bf16) with an FP8 backward: the gradients are
+    `fp8_ffn_backward`'s from the rows and the saved bf16 h13, bit for bit, within the stated
+    bounds; an unknown forward is refused with the choices."""
+    counts, hidden, ffn = [5, 0, 9, 4], 32, 40
+    x, offsets, w13, w2, dy = _inputs(counts, hidden, ffn, seed=22)
+    tiles, weights = ffn8.Fp8Tiles(**SMALL), ffn8.Fp8ExpertWeights.quantize(w13, w2)
+    leaves = [t.clone().requires_grad_() for t in (x, w13, w2)]
+    y = ffn8.expert_ffn_fp8(leaves[0], offsets, leaves[1], leaves[2], tiles=tiles, num_programs=3, backward=backward,
+                            forward="down")
+    y.backward(dy)
+    _, h13 = ffn8.fp8_ffn_forward(x, offsets, weights, tiles, save_for_backward=True, num_programs=3,
+                                  forward="down", bf16_weights=(w13, w2))
+    want = ffn8.fp8_ffn_backward(dy, x, offsets, weights, h13, tiles, num_programs=3, backward=backward)
+    for got, expected in zip((t.grad for t in leaves), want, strict=True):
+        assert torch.equal(got, expected)
+    _check(counts, (y, *(t.grad for t in leaves)), _reference_grads(x, offsets, w13, w2, dy))
     with pytest.raises(ValueError, match="forward GEMMs 'up': choose one of both, gate-up, down"):
-        ffn8.expert_ffn_fp8(x, offsets, w13, w2, forward="up", backward="bf16")
+        ffn8.expert_ffn_fp8(x, offsets, w13, w2, forward="up")
 
 
 def test_mismatched_weights_are_refused(ffn8):
@@ -374,7 +388,7 @@ def test_mismatched_weights_are_refused(ffn8):
                     reason="needs a GPU with FP8 (sm_89+)")
 @pytest.mark.parametrize("counts,hidden,ffn", [([300, 0, 1000, 7], 512, 384), ([129, 511, 64, 3, 900], 1024, 256)])
 @pytest.mark.parametrize("backward,forward", [("fp8", "both"), ("bf16-wgrad", "both"), ("bf16", "both"),
-                                              ("bf16", "gate-up"), ("bf16", "down")])
+                                              ("bf16", "gate-up"), ("bf16", "down"), ("bf16-wgrad", "down")])
 def test_gpu_fp8_ffn_forward_backward(counts, hidden, ffn, backward, forward):
     """bf16 operands on tensor cores, default tiles, each backward recipe and each forward's FP8
     GEMMs: within the stated bounds of fp64 autograd."""

@@ -74,15 +74,15 @@ def test_the_fp8_backward_recipe_reaches_every_expert_rank():
 
 def test_the_fp8_forward_gemms_reach_every_expert_rank():
     """`setup_fp8(..., forward=)` (the worker passes `TrainConfig.expert_forward_precision`): each
-    expert module runs that forward; one GEMM alone is refused beside a backward other than bf16."""
+    expert module runs that forward; an unknown one is refused with the choices."""
     topology = topology_of("disaggregated", attention_ranks=1, expert_ranks=1)
     for forward, expected in (("gate-up", "gate-up"), ("down", "down"), (None, "both")):
         model = rank_model(load_model("tiny"), "triton", topology, 1).materialise(CPU, 0)
         setup_fp8(model, topology, 1, "fp8", CPU, backward="bf16", forward=forward)
         assert experts_of(model) and all(e.fp8_forward == expected for e in experts_of(model))
     model = rank_model(load_model("tiny"), "triton", topology, 1).materialise(CPU, 0)
-    with pytest.raises(ValueError, match="set the backward to bf16"):
-        setup_fp8(model, topology, 1, "fp8", CPU, backward="fp8", forward="gate-up")
+    with pytest.raises(ValueError, match="choose one of both, gate-up, down"):
+        setup_fp8(model, topology, 1, "fp8", CPU, backward="fp8", forward="up")
 
 
 def test_fp8_refuses_expert_ranks_of_another_backend():
