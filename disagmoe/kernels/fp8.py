@@ -122,6 +122,29 @@ def _tile_stats(x, scaled, q, ok):
 
 
 @triton.jit
+def _tile_counts(x, scaled, q, ok):
+    """One tile's counters summed (`_tile_stats`): (amax_bits, saturated, underflow, total,
+    nonfinite), int64 scalars a persistent program adds up over its tiles and adds once
+    (`_add_counts`): five atomics a program, not a tile (on one row's five addresses, a tile's
+    atomics cost more than its quantising: session 20's `bench profile` of the Mixtral FP8 step)."""
+    amax_bits, low, high = _tile_stats(x, scaled, q, ok)
+    low = tl.sum(tl.sum(low, axis=1), axis=0)
+    high = tl.sum(tl.sum(high, axis=1), axis=0)
+    return (amax_bits, (low & 0xFFFF).to(tl.int64), ((low >> 16) & 0xFFFF).to(tl.int64),
+            (high & 0xFFFF).to(tl.int64), ((high >> 16) & 0xFFFF).to(tl.int64))
+
+
+@triton.jit
+def _add_counts(stats_ptr, amax_bits, saturated, underflow, total, nonfinite):
+    """The five atomics of summed counters (`_tile_counts`) into stats_ptr's row."""
+    tl.atomic_max(stats_ptr, amax_bits)
+    tl.atomic_add(stats_ptr + 1, saturated)
+    tl.atomic_add(stats_ptr + 2, underflow)
+    tl.atomic_add(stats_ptr + 3, total)
+    tl.atomic_add(stats_ptr + 4, nonfinite)
+
+
+@triton.jit
 def _add_stats(stats_ptr, amax_bits, low, high):
     """The five atomics into stats_ptr's row: amax_bits (int64 of a non-negative fp32's bits: their
     integer order is the floats'), low and high summed packed counts (`_tile_stats`)."""
@@ -137,37 +160,51 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, stats_ptr, valid_ptr, M, K,
                           stride_xm, stride_xk, stride_qm, stride_qk, stride_sm, stride_sg,
                           BLOCK_M: tl.constexpr, STATS: tl.constexpr, VALID: tl.constexpr,
                           SWIGLU: tl.constexpr):
-    # Program (row block, group g): q[rows, g-th 128 columns] and s[rows, g]. Columns past K count
-    # as zeros in the amax and are not stored. STATS: counters into stats_ptr's row (`_record_stats`).
+    # Persistent: program p quantises tiles p, p + P, p + 2P, ... of the (row block, group) tiles,
+    # group-major within a row block (neighbouring programs read neighbouring columns); tile t is
+    # q[rows, g-th 128 columns] and s[rows, g]. Columns past K count as zeros in the amax and are
+    # not stored. STATS: the program's counters summed over its tiles (`_tile_counts`), added once.
     # VALID: only the first valid_ptr[0] rows are read, counted and written (a worst-case buffer's
     # padding rows hold whatever was there: they must not reach the counters). SWIGLU: x is h13
     # [M, 2K] (gate | up) and the values quantised are silu(gate) * up in fp32, as the SwiGLU
     # GEMM's epilogue computes them.
-    first = tl.program_id(0) * BLOCK_M
     rows_valid = M
     if VALID:
         rows_valid = tl.minimum(tl.load(valid_ptr), M)
-        if first >= rows_valid:  # a block of padding rows only
-            return
-    rows = first + tl.arange(0, BLOCK_M)
-    group = tl.program_id(1)
-    ks = group * _SCALE_BLOCK + tl.arange(0, _SCALE_BLOCK)
-    row_ok = rows < rows_valid
-    ok = row_ok[:, None] & (ks < K)[None, :]
-    rows64 = rows.to(tl.int64)
-    x = tl.load(x_ptr + rows64[:, None] * stride_xm + ks[None, :] * stride_xk, mask=ok, other=0.0)
-    x = x.to(tl.float32)
-    if SWIGLU:
-        up = tl.load(x_ptr + rows64[:, None] * stride_xm + (K + ks)[None, :] * stride_xk, mask=ok, other=0.0)
-        x = tl.where(ok, x * tl.sigmoid(x) * up.to(tl.float32), 0.0)
-    scale = _scale_of(tl.max(tl.abs(x), axis=1))
-    scaled = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
-    q = _round_to_e4m3(scaled)
+    groups = tl.cdiv(K, _SCALE_BLOCK)
+    tiles = tl.cdiv(rows_valid, BLOCK_M) * groups
+    amax_bits = tl.zeros((), dtype=tl.int64)
+    saturated = tl.zeros((), dtype=tl.int64)
+    underflow = tl.zeros((), dtype=tl.int64)
+    total = tl.zeros((), dtype=tl.int64)
+    nonfinite = tl.zeros((), dtype=tl.int64)
+    for tile in range(tl.program_id(0), tiles, tl.num_programs(0)):
+        rows = (tile // groups) * BLOCK_M + tl.arange(0, BLOCK_M)
+        group = tile % groups
+        ks = group * _SCALE_BLOCK + tl.arange(0, _SCALE_BLOCK)
+        row_ok = rows < rows_valid
+        ok = row_ok[:, None] & (ks < K)[None, :]
+        rows64 = rows.to(tl.int64)
+        x = tl.load(x_ptr + rows64[:, None] * stride_xm + ks[None, :] * stride_xk, mask=ok, other=0.0)
+        x = x.to(tl.float32)
+        if SWIGLU:
+            up = tl.load(x_ptr + rows64[:, None] * stride_xm + (K + ks)[None, :] * stride_xk, mask=ok, other=0.0)
+            x = tl.where(ok, x * tl.sigmoid(x) * up.to(tl.float32), 0.0)
+        scale = _scale_of(tl.max(tl.abs(x), axis=1))
+        scaled = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
+        q = _round_to_e4m3(scaled)
+        if STATS:
+            tile_amax, tile_sat, tile_under, tile_total, tile_nonfinite = _tile_counts(x, scaled, q, ok)
+            amax_bits = tl.maximum(amax_bits, tile_amax)
+            saturated += tile_sat
+            underflow += tile_under
+            total += tile_total
+            nonfinite += tile_nonfinite
+        tl.store(q_ptr + rows64[:, None] * stride_qm + ks[None, :] * stride_qk,
+                 q.to(q_ptr.dtype.element_ty), mask=ok)
+        tl.store(s_ptr + rows64 * stride_sm + group * stride_sg, scale, mask=row_ok)
     if STATS:
-        _record_stats(stats_ptr, x, scaled, q, ok)
-    tl.store(q_ptr + rows64[:, None] * stride_qm + ks[None, :] * stride_qk,
-             q.to(q_ptr.dtype.element_ty), mask=ok)
-    tl.store(s_ptr + rows64 * stride_sm + group * stride_sg, scale, mask=row_ok)
+        _add_counts(stats_ptr, amax_bits, saturated, underflow, total, nonfinite)
 
 
 @triton.jit
@@ -209,6 +246,18 @@ def _quantize_blocks_kernel(w_ptr, q_ptr, qt_ptr, s_ptr, stats_ptr, K, N, tiles_
             tl.store(qt_ptr + e64 * stride_te + ns[None, :] * stride_tn + ks[:, None] * stride_tk,
                      q.to(qt_ptr.dtype.element_ty), mask=ok)
     tl.store(s_ptr + e64 * stride_se + kb * stride_sk + nb * stride_sn, scale)
+
+
+# Programs per SM of the persistent quantisers: enough 32 x 128 tiles in flight to keep HBM busy
+# (each program's loads wait on the one before: 8 per SM hold about 4 MB in flight on an H200).
+QUANTISER_PROGRAMS_PER_SM = 8
+
+
+def _persistent_programs(device: torch.device) -> int:
+    """Programs of a persistent quantiser's launch: `QUANTISER_PROGRAMS_PER_SM` per SM on a GPU,
+    the interpreter's handful on the CPU (every program then strides over several tiles)."""
+    per_sm = QUANTISER_PROGRAMS_PER_SM if device.type == "cuda" else 1
+    return per_sm * gg.default_num_programs(device)
 
 
 def _stats_ptr(stats: torch.Tensor | None, placeholder: torch.Tensor) -> torch.Tensor:
@@ -256,7 +305,7 @@ def _quantize_rows(x_MK: torch.Tensor, stats: torch.Tensor | None, valid_rows: t
     if rows == 0 or k == 0:
         return q_MK, s_MG
     block_m = 16 if x_MK.device.type == "cpu" else 32
-    _quantize_rows_kernel[(triton.cdiv(rows, block_m), groups)](
+    _quantize_rows_kernel[(min(triton.cdiv(rows, block_m) * groups, _persistent_programs(x_MK.device)),)](
         x_MK, q_MK, s_MG, _stats_ptr(stats, s_MG), valid_rows if valid_rows is not None else s_MG, rows, k,
         x_MK.stride(0), x_MK.stride(1), q_MK.stride(0), q_MK.stride(1), s_MG.stride(0), s_MG.stride(1),
         BLOCK_M=block_m, STATS=stats is not None, VALID=valid_rows is not None, SWIGLU=swiglu, num_warps=4)
