@@ -272,8 +272,10 @@ class Calibration(StrictModel):
 
     - `expert_gemm`: the routed experts' GEMM rates against rows per expert (log-interpolated, clamped
       at the ends): forward, data gradients and (`wgrad`) weight gradients into the fp32 main
-      gradients; `attention`: the attention core's rate against sequence length (same rules);
-      `projections`: the attention projections' GEMM rate against tokens per micro-batch.
+      gradients; `attention`: the attention core's rate against sequence length (same rules), at the
+      calibration model's shape; `projections`: the attention projections' GEMM rate against tokens per
+      micro-batch; `attention_mla`, `projections_mla` (probe version 6 on): the same two at an MLA shape,
+      which price MLA models' attention block (`roofline.calibration.attention_curves`).
       Each rate is the fraction of the bf16 peak at which the planner's stage work
       (`roofline.stages.expert_passes`, `attention_core_passes`) takes the probe's measured time
       (`roofline.calibration.fitted_fraction`).
@@ -295,10 +297,19 @@ class Calibration(StrictModel):
                                    "documentation only")
     expert_gemm: list[RatePoint] = Field(default_factory=list)
     attention: list[RatePoint] = Field(default_factory=list)
+    attention_mla: list[RatePoint] = Field(default_factory=list, description=(
+        "probe version 6 on: the attention core (causal SDPA) at an MLA shape (the calibration model's own when it "
+        "is MLA, else the deepseek-v3 preset's heads: `bench.calibrate.MLA_MODEL`) against sequence length, fitted "
+        "as `attention`; it prices MLA models' attention core, `attention` the others' (absent: `attention` "
+        "prices every model)"))
     projections: list[RatePoint] = Field(default_factory=list, description=(
         "probe version 3 on: the attention block's projection GEMMs (the model's own nn.Linear shapes, forward; "
         "data and weight gradients) against tokens per micro-batch, fitted against "
         "`roofline.stages.attention_projection_passes`"))
+    projections_mla: list[RatePoint] = Field(default_factory=list, description=(
+        "probe version 6 on: the same at the MLA shape of `attention_mla` (its low-rank q and kv chains and output "
+        "projection); it prices MLA models' attention projections, `projections` the others' (absent: "
+        "`projections` prices every model)"))
     op_fixed_us: dict[OpKind, NonNegFloat] = Field(default_factory=dict)
     hbm_fraction: dict[HbmStage, Fraction] = Field(default_factory=dict, description=(
         "memory-bound stages measured as the step runs them (probe version 3 on): the fraction of the "
@@ -318,7 +329,7 @@ class Calibration(StrictModel):
     all_reduce: LinkCost | None = None
     all_to_all: LinkCost | None = None
 
-    @field_validator("expert_gemm", "attention", "projections", "expert_gemm_fp8")
+    @field_validator("expert_gemm", "attention", "attention_mla", "projections", "projections_mla", "expert_gemm_fp8")
     @classmethod
     def _distinct_points(cls, points: list[RatePoint]) -> list[RatePoint]:
         ats = [p.at for p in points]
