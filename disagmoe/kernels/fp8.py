@@ -208,45 +208,57 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, stats_ptr, valid_ptr, M, K,
 
 
 @triton.jit
-def _quantize_blocks_kernel(w_ptr, q_ptr, qt_ptr, s_ptr, stats_ptr, K, N, tiles_k, tiles_n,
+def _quantize_blocks_kernel(w_ptr, q_ptr, qt_ptr, s_ptr, stats_ptr, K, N, tiles_k, tiles_n, blocks,
                             stride_we, stride_wk, stride_wn, stride_qe, stride_qk, stride_qn,
                             stride_te, stride_tn, stride_tk, stride_se, stride_sk, stride_sn,
                             ROWS: tl.constexpr, STATS: tl.constexpr, TRANSPOSED: tl.constexpr):
-    # Program p: the 128 x 128 block (e, kb, nb) of w [E, K, N], its scale s[e, kb, nb]; STATS as
-    # `_quantize_rows_kernel` (one `_record_stats` per ROWS-row chunk). TRANSPOSED: the block's
-    # values are also stored transposed into qt [E, N, K] (the copy a transposing pass would make).
-    pid = tl.program_id(0)
-    expert = pid // (tiles_k * tiles_n)
-    kb = (pid // tiles_n) % tiles_k
-    nb = pid % tiles_n
-    # Two passes over ROWS-row chunks (the amax, then the values): a whole 128 x 128 fp32 block
-    # with its pointers and the rounding's integers spills at any warp count (ptxas, sm_90a).
-    ns = nb * _SCALE_BLOCK + tl.arange(0, _SCALE_BLOCK)
-    n_ok = ns < N
-    e64 = expert.to(tl.int64)
-    amax = 0.0
-    for r0 in range(0, _SCALE_BLOCK, ROWS):
-        ks = kb * _SCALE_BLOCK + r0 + tl.arange(0, ROWS)
-        w = tl.load(w_ptr + e64 * stride_we + ks[:, None] * stride_wk + ns[None, :] * stride_wn,
-                    mask=(ks < K)[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.max(tl.max(tl.abs(w), axis=1), axis=0))
-    scale = _scale_of(amax)
-    for r0 in range(0, _SCALE_BLOCK, ROWS):
-        ks = kb * _SCALE_BLOCK + r0 + tl.arange(0, ROWS)
-        ok = (ks < K)[:, None] & n_ok[None, :]
-        w = tl.load(w_ptr + e64 * stride_we + ks[:, None] * stride_wk + ns[None, :] * stride_wn,
-                    mask=ok, other=0.0).to(tl.float32)
-        scaled = tl.math.div_rn(w, tl.broadcast_to(scale, w.shape))
-        q = _round_to_e4m3(scaled)
-        if STATS:
-            _record_stats(stats_ptr, w, scaled, q, ok)
-        tl.store(q_ptr + e64 * stride_qe + ks[:, None] * stride_qk + ns[None, :] * stride_qn,
-                 q.to(q_ptr.dtype.element_ty), mask=ok)
-        if TRANSPOSED:
-            tl.store(qt_ptr + e64 * stride_te + ns[None, :] * stride_tn + ks[:, None] * stride_tk,
-                     q.to(qt_ptr.dtype.element_ty), mask=ok)
-    tl.store(s_ptr + e64 * stride_se + kb * stride_sk + nb * stride_sn, scale)
-
+    # Persistent: program p quantises blocks p, p + P, ... of the `blocks` 128 x 128 blocks
+    # (e, kb, nb) of w [E, K, N], each with its scale s[e, kb, nb]; STATS: the program's counters
+    # summed over its blocks (`_tile_counts`), added once. TRANSPOSED: each block's values are also
+    # stored transposed into qt [E, N, K] (the copy a transposing pass would make).
+    amax_bits = tl.zeros((), dtype=tl.int64)
+    saturated = tl.zeros((), dtype=tl.int64)
+    underflow = tl.zeros((), dtype=tl.int64)
+    total = tl.zeros((), dtype=tl.int64)
+    nonfinite = tl.zeros((), dtype=tl.int64)
+    for block in range(tl.program_id(0), blocks, tl.num_programs(0)):
+        expert = block // (tiles_k * tiles_n)
+        kb = (block // tiles_n) % tiles_k
+        nb = block % tiles_n
+        # Two passes over ROWS-row chunks (the amax, then the values): a whole 128 x 128 fp32 block
+        # with its pointers and the rounding's integers spills at any warp count (ptxas, sm_90a).
+        ns = nb * _SCALE_BLOCK + tl.arange(0, _SCALE_BLOCK)
+        n_ok = ns < N
+        e64 = expert.to(tl.int64)
+        amax = 0.0
+        for r0 in range(0, _SCALE_BLOCK, ROWS):
+            ks = kb * _SCALE_BLOCK + r0 + tl.arange(0, ROWS)
+            w = tl.load(w_ptr + e64 * stride_we + ks[:, None] * stride_wk + ns[None, :] * stride_wn,
+                        mask=(ks < K)[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.max(tl.max(tl.abs(w), axis=1), axis=0))
+        scale = _scale_of(amax)
+        for r0 in range(0, _SCALE_BLOCK, ROWS):
+            ks = kb * _SCALE_BLOCK + r0 + tl.arange(0, ROWS)
+            ok = (ks < K)[:, None] & n_ok[None, :]
+            w = tl.load(w_ptr + e64 * stride_we + ks[:, None] * stride_wk + ns[None, :] * stride_wn,
+                        mask=ok, other=0.0).to(tl.float32)
+            scaled = tl.math.div_rn(w, tl.broadcast_to(scale, w.shape))
+            q = _round_to_e4m3(scaled)
+            if STATS:
+                tile_amax, tile_sat, tile_under, tile_total, tile_nonfinite = _tile_counts(w, scaled, q, ok)
+                amax_bits = tl.maximum(amax_bits, tile_amax)
+                saturated += tile_sat
+                underflow += tile_under
+                total += tile_total
+                nonfinite += tile_nonfinite
+            tl.store(q_ptr + e64 * stride_qe + ks[:, None] * stride_qk + ns[None, :] * stride_qn,
+                     q.to(q_ptr.dtype.element_ty), mask=ok)
+            if TRANSPOSED:
+                tl.store(qt_ptr + e64 * stride_te + ns[None, :] * stride_tn + ks[:, None] * stride_tk,
+                         q.to(qt_ptr.dtype.element_ty), mask=ok)
+        tl.store(s_ptr + e64 * stride_se + kb * stride_sk + nb * stride_sn, scale)
+    if STATS:
+        _add_counts(stats_ptr, amax_bits, saturated, underflow, total, nonfinite)
 
 # Programs per SM of the persistent quantisers: enough 32 x 128 tiles in flight to keep HBM busy
 # (each program's loads wait on the one before: 8 per SM hold about 4 MB in flight on an H200).
@@ -332,8 +344,10 @@ def quantize_blocks(w_EKN: torch.Tensor, stats: torch.Tensor | None = None, *,
     if q_EKN.numel() == 0:
         return q_EKN, s_EGB
     qt = transposed_out if transposed_out is not None else q_EKN.transpose(1, 2)  # unread without TRANSPOSED
-    _quantize_blocks_kernel[(experts * tiles_k * tiles_n,)](
-        w_EKN, q_EKN, qt, s_EGB, _stats_ptr(stats, s_EGB), k, n, tiles_k, tiles_n, *w_EKN.stride(), *q_EKN.stride(),
+    blocks = experts * tiles_k * tiles_n
+    _quantize_blocks_kernel[(min(blocks, _persistent_programs(w_EKN.device)),)](
+        w_EKN, q_EKN, qt, s_EGB, _stats_ptr(stats, s_EGB), k, n, tiles_k, tiles_n, blocks, *w_EKN.stride(),
+        *q_EKN.stride(),
         *qt.stride(), *s_EGB.stride(), ROWS=32, STATS=stats is not None, TRANSPOSED=transposed_out is not None,
         num_warps=4)
     return q_EKN, s_EGB
