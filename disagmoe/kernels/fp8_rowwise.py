@@ -1,7 +1,7 @@
 """The rowwise e4m3 quantiser of the FP8 dense projections (`kernels.fp8_dense`, recipe "rowwise")
 as one Triton launch: a program takes a block of rows, reads them, takes each row's amax, writes
 the rows' e4m3 values and fp32 scales and, with a stats row, adds the `kernels.fp8_stats`
-counters (`fp8._record_stats`). Bit for bit `fp8_dense.quantize_rowwise_reference`: scale =
+counters (`fp8._tile_counts`, summed per program and added once). Bit for bit `fp8_dense.quantize_rowwise_reference`: scale =
 amax / 448 (correctly rounded), 1 for a zero row and for a row holding a NaN (torch's amax
 propagates the NaN, and NaN > 0 is false); a NaN quantises to NaN (e4m3 0x7F), clamped values
 to +-448, the rest rounded to nearest even (`fp8._round_to_e4m3`: Triton 3.6's interpreter casts
@@ -52,47 +52,69 @@ def _row_amax(x):
 
 
 @triton.jit
-def _quantize_chunk(x, ks, ok, scale, q_ptr, rows64, stats_ptr, stride_qm, STATS: tl.constexpr):
-    """Store one chunk's e4m3 bits into q (a uint8 view) and, STATS, count it (`fp8._record_stats`)."""
+def _quantize_chunk(x, ks, ok, scale, q_ptr, rows64, stride_qm):
+    """Store one chunk's e4m3 bits into q (a uint8 view); (scaled, q) for its counters (`fp8._tile_counts`)."""
     scaled = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
     q = fp8._round_to_e4m3(scaled)  # saturates at +-448, as the reference's clamp
-    if STATS:
-        fp8._record_stats(stats_ptr, x, scaled, q, ok)  # q is read where x is finite only
     bits = tl.where(scaled == scaled, q.to(tl.float8e4nv).to(tl.uint8, bitcast=True), _E4M3_NAN)
     tl.store(q_ptr + rows64[:, None] * stride_qm + ks[None, :], bits, mask=ok)
+    return scaled, q  # q is read where x is finite only
 
 
 @triton.jit
 def _quantize_rowwise_kernel(x_ptr, q_ptr, s_ptr, stats_ptr, M, K, stride_xm, stride_xk, stride_qm,
                              BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ONE_READ: tl.constexpr,
                              STATS: tl.constexpr):
-    # Program: rows [pid * BLOCK_M, +BLOCK_M) of x [M, K] (any strides) -> q [M, K] (row-major,
-    # uint8 bits of e4m3, row stride stride_qm) and s [M] (fp32). ONE_READ (K <= BLOCK_K): the
-    # rows are loaded once and kept; else a loop over BLOCK_K chunks for the amax, then another
-    # for the values. STATS: counters into stats_ptr's row, one `_record_stats` per chunk.
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < M
-    rows64 = rows.to(tl.int64)
-    if ONE_READ:
-        x, ks, ok = _load_chunk(x_ptr, rows64, row_ok, 0, K, stride_xm, stride_xk, BLOCK_K)
-        amax, has_nan = _row_amax(x)
-    else:
-        amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        has_nan = tl.zeros((BLOCK_M,), dtype=tl.int1)
-        for k0 in range(0, K, BLOCK_K):
-            x, ks, ok = _load_chunk(x_ptr, rows64, row_ok, k0, K, stride_xm, stride_xk, BLOCK_K)
-            chunk_amax, chunk_nan = _row_amax(x)
-            amax = tl.maximum(amax, chunk_amax)
-            has_nan = has_nan | chunk_nan
-    # an inf row: scale inf, its finite values quantise to +-0 and the inf to NaN, as the reference
-    scale = tl.where((amax > 0.0) & ~has_nan, tl.math.div_rn(amax, _E4M3_MAX), 1.0)
-    tl.store(s_ptr + rows64, scale, mask=row_ok)
-    if ONE_READ:
-        _quantize_chunk(x, ks, ok, scale, q_ptr, rows64, stats_ptr, stride_qm, STATS)
-    else:
-        for k0 in range(0, K, BLOCK_K):
-            x, ks, ok = _load_chunk(x_ptr, rows64, row_ok, k0, K, stride_xm, stride_xk, BLOCK_K)
-            _quantize_chunk(x, ks, ok, scale, q_ptr, rows64, stats_ptr, stride_qm, STATS)
+    # Persistent: program p quantises row blocks p, p + P, ... ([BLOCK_M rows] of x [M, K], any
+    # strides) -> q [M, K] (row-major, uint8 bits of e4m3, row stride stride_qm) and s [M] (fp32).
+    # ONE_READ (K <= BLOCK_K): the rows are loaded once and kept; else a loop over BLOCK_K chunks
+    # for the amax, then another for the values. STATS: the program's counters summed over its
+    # chunks (`fp8._tile_counts`), added once (`fp8._add_counts`).
+    amax_bits = tl.zeros((), dtype=tl.int64)
+    saturated = tl.zeros((), dtype=tl.int64)
+    underflow = tl.zeros((), dtype=tl.int64)
+    total = tl.zeros((), dtype=tl.int64)
+    nonfinite = tl.zeros((), dtype=tl.int64)
+    for block in range(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.num_programs(0)):
+        rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < M
+        rows64 = rows.to(tl.int64)
+        if ONE_READ:
+            x, ks, ok = _load_chunk(x_ptr, rows64, row_ok, 0, K, stride_xm, stride_xk, BLOCK_K)
+            amax, has_nan = _row_amax(x)
+        else:
+            amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
+            has_nan = tl.zeros((BLOCK_M,), dtype=tl.int1)
+            for k0 in range(0, K, BLOCK_K):
+                x, ks, ok = _load_chunk(x_ptr, rows64, row_ok, k0, K, stride_xm, stride_xk, BLOCK_K)
+                chunk_amax, chunk_nan = _row_amax(x)
+                amax = tl.maximum(amax, chunk_amax)
+                has_nan = has_nan | chunk_nan
+        # an inf row: scale inf, its finite values quantise to +-0 and the inf to NaN, as the reference
+        scale = tl.where((amax > 0.0) & ~has_nan, tl.math.div_rn(amax, _E4M3_MAX), 1.0)
+        tl.store(s_ptr + rows64, scale, mask=row_ok)
+        if ONE_READ:
+            scaled, q = _quantize_chunk(x, ks, ok, scale, q_ptr, rows64, stride_qm)
+            if STATS:
+                tile_amax, tile_sat, tile_under, tile_total, tile_nonfinite = fp8._tile_counts(x, scaled, q, ok)
+                amax_bits = tl.maximum(amax_bits, tile_amax)
+                saturated += tile_sat
+                underflow += tile_under
+                total += tile_total
+                nonfinite += tile_nonfinite
+        else:
+            for k0 in range(0, K, BLOCK_K):
+                x, ks, ok = _load_chunk(x_ptr, rows64, row_ok, k0, K, stride_xm, stride_xk, BLOCK_K)
+                scaled, q = _quantize_chunk(x, ks, ok, scale, q_ptr, rows64, stride_qm)
+                if STATS:
+                    tile_amax, tile_sat, tile_under, tile_total, tile_nonfinite = fp8._tile_counts(x, scaled, q, ok)
+                    amax_bits = tl.maximum(amax_bits, tile_amax)
+                    saturated += tile_sat
+                    underflow += tile_under
+                    total += tile_total
+                    nonfinite += tile_nonfinite
+    if STATS:
+        fp8._add_counts(stats_ptr, amax_bits, saturated, underflow, total, nonfinite)
 
 
 @triton.jit
@@ -125,7 +147,9 @@ def _split_quantize_kernel(x_ptr, q_ptr, s_ptr, amax_ptr, nan_ptr, stats_ptr, M,
     if tl.program_id(1) == 0:
         tl.store(s_ptr + rows64, scale, mask=row_ok)
     x, ks, ok = _load_chunk(x_ptr, rows64, row_ok, tl.program_id(1) * BLOCK_K, K, stride_xm, stride_xk, BLOCK_K)
-    _quantize_chunk(x, ks, ok, scale, q_ptr, rows64, stats_ptr, stride_qm, STATS)
+    scaled, q = _quantize_chunk(x, ks, ok, scale, q_ptr, rows64, stride_qm)
+    if STATS:
+        fp8._record_stats(stats_ptr, x, scaled, q, ok)
 
 
 def tiles_for(x_MK: torch.Tensor) -> tuple[int, int]:
@@ -178,7 +202,7 @@ def quantize_rowwise(x_MK: torch.Tensor, stats_row: torch.Tensor | None = None,
     default_m, default_k = tiles_for(x_MK)
     block_m, block_k = block_m or default_m, block_k or default_k
     one_read = k <= block_k
-    grid = (triton.cdiv(rows, block_m),)
+    grid = (min(triton.cdiv(rows, block_m), fp8.QUANTISER_PROGRAMS_PER_SM * gg.default_num_programs(x_MK.device)),)
     _quantize_rowwise_kernel[grid](
         x_MK, q_bits, scale_M1, fp8._stats_ptr(stats_row, scale_M1), rows, k, x_MK.stride(0), x_MK.stride(1),
         q_bits.stride(0), BLOCK_M=block_m, BLOCK_K=block_k, ONE_READ=one_read, STATS=stats_row is not None,
