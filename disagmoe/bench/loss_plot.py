@@ -10,10 +10,16 @@ plot is asked for (Agg backend: no display).
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 from typing import Any
 
 SATURATION_BAR = 1e-4  # issue 21's per-step bar for the share of saturated FP8 elements
+LABEL_WIDTH = 80  # characters a legend line or panel title holds before it wraps (a variant's overrides run long)
+
+
+def _wrapped(text: str) -> str:
+    return textwrap.fill(text, LABEL_WIDTH)
 
 
 def relative_percent(losses: list[float], reference: list[float]) -> list[float]:
@@ -38,23 +44,25 @@ def plot_losses(rows: list[dict[str, Any]], path: str | Path, title: str, labels
     first, first_name = rows_labels[0]
     for r, name in rows_labels:
         steps = range(1, len(r["losses"]) + 1)
-        axes[0].plot(steps, r["losses"], label=name, linewidth=1.2)
+        axes[0].plot(steps, r["losses"], label=_wrapped(name), linewidth=1.2)
         if r is not first:
             rel = relative_percent(r["losses"], first["losses"])
-            axes[1].plot(range(1, len(rel) + 1), rel, label=f"{name} vs {first_name}", linewidth=1.0)
+            axes[1].plot(range(1, len(rel) + 1), rel, label=_wrapped(name), linewidth=1.0)
     axes[0].set_ylabel("loss")
     axes[0].set_title(title, fontsize=10)
     axes[0].legend(fontsize=8)
     axes[1].axhline(0.0, color="grey", linewidth=0.8)
     for bar in (-1.0, 1.0):
         axes[1].axhline(bar, color="grey", linewidth=0.6, linestyle="--")
-    axes[1].set_ylabel(f"loss vs {first_name} (%)")
+    axes[1].set_ylabel("loss vs the first row (%)")
+    axes[1].set_title(_wrapped(f"relative to the first row: {first_name}"), fontsize=8)
     if len(rows_labels) > 1:
         axes[1].legend(fontsize=8)
     if fp8:
         for r, name in fp8:
             shares = [(i + 1, s) for i, s in enumerate(r["fp8_saturated_shares"]) if s is not None]
-            axes[2].plot([i for i, _ in shares], [max(s, 1e-12) for _, s in shares], label=name, linewidth=1.0)
+            axes[2].plot([i for i, _ in shares], [max(s, 1e-12) for _, s in shares], label=_wrapped(name),
+                         linewidth=1.0)
         axes[2].axhline(SATURATION_BAR, color="red", linewidth=0.8, linestyle="--", label=f"{SATURATION_BAR:g}")
         axes[2].set_yscale("log")
         axes[2].set_ylabel("FP8 saturated share")

@@ -221,3 +221,29 @@ def test_the_loss_plot_adds_the_fp8_panel_and_reads_parity_in_percent(tmp_path, 
     assert panels == [3, 2] and SATURATION_BAR == 1e-4
     with pytest.raises(ValueError, match="no row has losses"):
         plot_losses([{"losses": []}], tmp_path / "c.png", "none", ["x"])
+
+
+def test_the_loss_plots_long_variant_names_wrap_in_its_legends_and_titles(tmp_path, monkeypatch):
+    """A variant's overrides (`precision=fp8 fp8_dense=false fp8_expert_backward=bf16 ...`) name a row:
+    every legend entry and title line is at most LABEL_WIDTH characters, and the middle panel's
+    y label is short (the first row is named in its title), so nothing runs off the figure."""
+    import matplotlib.figure
+
+    from disagmoe.bench.loss_plot import LABEL_WIDTH, plot_losses
+
+    texts = []
+    real = matplotlib.figure.Figure.savefig
+
+    def record(fig, *a, **k):
+        for ax in fig.axes:
+            legend = ax.get_legend()
+            texts.extend(t.get_text() for t in (legend.get_texts() if legend else []))
+            texts.extend([ax.get_title(), ax.get_ylabel()])
+        return real(fig, *a, **k)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", record)
+    long = "single (precision=fp8 fp8_dense=false fp8_expert_backward=bf16-wgrad fp8_expert_forward=down routing=learned)"
+    rows = [{"losses": [3.0, 2.5]}, {"losses": [3.0, 2.6], "fp8_saturated_shares": [0.0, 1e-6]}]
+    plot_losses(rows, tmp_path / "a.png", "parity", ["single (precision=bf16)", long])
+    assert any("fp8_expert_forward=down" in t for t in texts)
+    assert all(len(line) <= LABEL_WIDTH for t in texts for line in t.splitlines())
