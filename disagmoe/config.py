@@ -757,8 +757,9 @@ class TrainConfig(StrictModel):
     fp8_expert_forward: Literal["both", "gate-up", "down"] | None = Field(
         None, description="precision fp8: which of the routed experts' two forward GEMMs run in e4m3: both (the "
         "default), gate-up (the down projection in bf16) or down (the gate/up projection in bf16: on the Qwen3 "
-        "config 200 steps ended at bf16's loss, where both and gate-up ended 5% above it: docs/benchmarks.md, "
-        "session 20); with any fp8_expert_backward; refused under another precision")
+        "config, with fp8_expert_backward bf16 and fp8_dense false, 200 steps ended at bf16's loss where both and "
+        "gate-up ended 5% above it; docs/benchmarks.md, session 20); with any fp8_expert_backward; refused under "
+        "another precision")
     routing: Literal["learned", "balanced"] = Field(
         "learned", description="balanced: every expert gets the same number of tokens whatever the router "
         "scores (a benchmark setting, as other trainers' performance recipes use; labelled in every output); "

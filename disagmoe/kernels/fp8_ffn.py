@@ -68,7 +68,9 @@ DEFAULT_BACKWARD = DEFAULT_FP8_EXPERT_BACKWARD
 # or "down" (the bf16 gate/up GEMM with its SwiGLU epilogue, its output quantised 1 x 128 into the FP8
 # down GEMM). Any backward takes any of them: each quantises the bf16 rows it holds (dy, d h13) and
 # reads the forward's h13 however it was made. They split the loss FP8 costs by GEMM: 200 steps of the
-# Qwen3 config ended at bf16's loss with "down" and 5% above it with "both" and "gate-up" (session 20).
+# Qwen3 config (backward bf16, dense projections bf16) ended at bf16's loss with "down" and 5% above it
+# with "both" and "gate-up"; "down" with the default backward and FP8 dense projections ended 5.8%
+# above it (session 20, docs/benchmarks.md).
 FORWARD_GEMMS = FP8_EXPERT_FORWARDS
 DEFAULT_FORWARD = DEFAULT_FP8_EXPERT_FORWARD
 
