@@ -93,10 +93,12 @@ def _quantize_rowwise_kernel(x_ptr, q_ptr, s_ptr, stats_ptr, M, K, stride_xm, st
         # an inf row: scale inf, its finite values quantise to +-0 and the inf to NaN, as the reference
         scale = tl.where((amax > 0.0) & ~has_nan, tl.math.div_rn(amax, _E4M3_MAX), 1.0)
         tl.store(s_ptr + rows64, scale, mask=row_ok)
+        scaled_max = tl.max(tl.math.div_rn(amax, scale), axis=0)  # the rows' largest |x / scale|: their AMAX
         if ONE_READ:
             scaled, q = _quantize_chunk(x, ks, ok, scale, q_ptr, rows64, stride_qm)
             if STATS:
-                tile_amax, tile_sat, tile_under, tile_total, tile_nonfinite = fp8._tile_counts(x, scaled, q, ok)
+                tile_amax, tile_sat, tile_under, tile_total, tile_nonfinite = fp8._clean_tile_counts(
+                    x, scaled, q, ok, scaled_max)
                 amax_bits = tl.maximum(amax_bits, tile_amax)
                 saturated += tile_sat
                 underflow += tile_under
@@ -107,7 +109,8 @@ def _quantize_rowwise_kernel(x_ptr, q_ptr, s_ptr, stats_ptr, M, K, stride_xm, st
                 x, ks, ok = _load_chunk(x_ptr, rows64, row_ok, k0, K, stride_xm, stride_xk, BLOCK_K)
                 scaled, q = _quantize_chunk(x, ks, ok, scale, q_ptr, rows64, stride_qm)
                 if STATS:
-                    tile_amax, tile_sat, tile_under, tile_total, tile_nonfinite = fp8._tile_counts(x, scaled, q, ok)
+                    tile_amax, tile_sat, tile_under, tile_total, tile_nonfinite = fp8._clean_tile_counts(
+                        x, scaled, q, ok, scaled_max)
                     amax_bits = tl.maximum(amax_bits, tile_amax)
                     saturated += tile_sat
                     underflow += tile_under

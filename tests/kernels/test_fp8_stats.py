@@ -79,6 +79,36 @@ def test_row_counters_match_a_torch_count(fp8k, rows, k):
     assert _read(stats, ACTIVATIONS)[TOTAL] == 2 * rows * k
 
 
+def test_clean_tiles_count_the_same_bits_as_element_by_element(interpreted):
+    """Tiles of finite values take the cheap count (`fp8._clean_tile_counts`: AMAX from the rows'
+    amax, only UNDERFLOW and TOTAL an element): every counter equal to the torch count, AMAX to the
+    bit, for the row, block and rowwise quantisers; a planted inf in one tile leaves the others'
+    counts as they were and adds its own element by element."""
+    _, fp8k, fp8_rowwise = interpreted("disagmoe.kernels.grouped_gemm", "disagmoe.kernels.fp8",
+                                       "disagmoe.kernels.fp8_rowwise")
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(40, 300, generator=gen) * torch.exp2(6 * torch.randn(40, 1, generator=gen))
+    x[7, :40] = 1e-9  # beside row 7's larger values: these underflow
+    for planted in (False, True):
+        y = x.clone()
+        if planted:
+            y[33, 250] = float("inf")
+        stats = Fp8Stats("cpu")
+        q, s = fp8k.quantize_rows(y, stats.row(ACTIVATIONS))
+        want = stats_reference(y, _ungroup(s, 300), q)
+        got = _read(stats, ACTIVATIONS)
+        assert got == want, (got, want)
+        assert got[UNDERFLOW] >= 40 and got[NONFINITE] == int(planted)
+    w = x.reshape(3, 40, 100)
+    stats = Fp8Stats("cpu")
+    q, s = fp8k.quantize_blocks(w, stats.row(WEIGHTS))
+    scale = s.repeat_interleave(128, dim=1).repeat_interleave(128, dim=2)[:, :40, :100]
+    assert _read(stats, WEIGHTS) == stats_reference(w, scale, q)
+    stats = Fp8Stats("cpu")
+    q, s = fp8_rowwise.quantize_rowwise(x, stats.row(ACTIVATIONS))
+    assert _read(stats, ACTIVATIONS) == stats_reference(x, s, q)
+
+
 @pytest.mark.parametrize("valid", [0, 13, 37, 50])
 def test_rows_past_the_valid_count_are_neither_read_nor_counted(fp8k, valid):
     """A worst-case buffer (37 rows) whose rows past `valid_rows` hold inf and NaN (a padding's
