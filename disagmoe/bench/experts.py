@@ -31,8 +31,8 @@ from disagmoe.config import ModelConfig, TrainConfig
 from disagmoe.model.router import balanced_topk
 from disagmoe.model_ref import load_model
 from disagmoe.kernels.fp8 import PROMOTE_VARIANTS
-from disagmoe.kernels.fp8_ffn import (DEFAULT_BACKWARD, Fp8ExpertWeights, Fp8Tiles, expert_ffn_fp8, gluon_paths,
-                                      kernel_paths)
+from disagmoe.kernels.fp8_ffn import (DEFAULT_BACKWARD, DEFAULT_FORWARD, Fp8ExpertWeights, Fp8Tiles, expert_ffn_fp8,
+                                      gluon_paths, kernel_paths)
 from disagmoe.kernels.moe_ffn import FFNTiles, expert_ffn_reference, expert_ffn_triton
 from disagmoe.kernels.permute import (combine_reference, combine_rows, permute_reference,
                                       permute_tokens)
@@ -42,21 +42,23 @@ ZIPF_EXPONENT = 1.2
 BACKENDS = ("triton", "grouped_mm", "loop")  # the default set
 FP8_BACKEND = "triton-fp8"  # asked for by name: needs FP8 tensor cores (sm_89+)
 # asked for by name: the FP8 experts with one choice changed from the FFN's defaults, as
-# `triton-fp8:<name>`: the Gluon paths (`fp8_ffn.gluon_paths`, Hopper) or which backward GEMMs run
-# in FP8 (`expert_ffn_fp8`'s backward, `fp8_expert_backward`)
+# `triton-fp8:<name>`: the Gluon paths (`fp8_ffn.gluon_paths`, Hopper), which backward GEMMs run
+# in FP8 (`expert_ffn_fp8`'s backward, `fp8_expert_backward`) or which forward ones (its forward,
+# `fp8_expert_forward`)
 FP8_VARIANTS = {
     "fp8-wgrad": {"backward": "fp8"},  # the weight gradients in FP8 too (DeepSeek-V3's all-FP8 recipe)
     "gluon-wgrad": {"wgrad": True, "backward": "fp8"},  # those in the Gluon kernel
     "fused-swiglu": {"swiglu": False},  # the SwiGLU GEMMs as the Triton kernels with the epilogue fused
     "bf16-backward": {"backward": "bf16"},  # the whole backward in bf16 (the forward alone in FP8)
+    "down-forward": {"forward": "down"},  # the forward's gate/up GEMM in bf16 (the loss FP8 costs is its)
 }
 VARIANT_BACKENDS = tuple(f"{FP8_BACKEND}:{name}" for name in FP8_VARIANTS)
 
 
-def variant_of(backend: str) -> tuple[dict[str, bool], str]:
-    """(Gluon path changes, backward precision) of an FP8 backend (`FP8_VARIANTS`)."""
+def variant_of(backend: str) -> tuple[dict[str, bool], str, str]:
+    """(Gluon path changes, backward precision, forward GEMMs in FP8) of an FP8 backend (`FP8_VARIANTS`)."""
     changes = dict(FP8_VARIANTS.get(backend.split(":", 1)[-1], {}) if ":" in backend else {})
-    return changes, changes.pop("backward", DEFAULT_BACKWARD)
+    return changes, changes.pop("backward", DEFAULT_BACKWARD), changes.pop("forward", DEFAULT_FORWARD)
 LIBRARY_FP8_BACKEND = "scaled-grouped-mm"  # torch._scaled_grouped_mm, forward only: needs sm_90
 FORWARD_ONLY = (LIBRARY_FP8_BACKEND,)
 LIBRARY_FP8_ALIGN = 16  # torch._scaled_grouped_mm's rows per group: a multiple of this
@@ -269,7 +271,7 @@ def make_block(backend: str, tiles: FFNTiles | None = None,
         return library_fp8_block
     if is_fp8(backend):
         copies: dict[tuple[int, int], Fp8ExpertWeights] = {}  # per weight tensor: made in the warm-up
-        gluon, backward = variant_of(backend)
+        gluon, backward, forward = variant_of(backend)
 
         def fp8_block(x_TH, topk_idx_TK, weights_TK, w13_EH2F, w2_EFH):
             key = (w13_EH2F.data_ptr(), w2_EFH.data_ptr())
@@ -279,7 +281,7 @@ def make_block(backend: str, tiles: FFNTiles | None = None,
             # the forward's Gluon paths are the ones its backward runs (`fp8_ffn._GluonChoices`)
             with gluon_paths(**gluon):
                 out_NH = expert_ffn_fp8(rows_NH, offsets_E, w13_EH2F, w2_EFH, weights=copies[key], tiles=fp8_tiles,
-                                        backward=backward)
+                                        backward=backward, forward=forward)
             return combine_rows(out_NH, dest_TK, weights_TK)
         return fp8_block
     if backend == "triton":
@@ -449,9 +451,9 @@ def fp8_backends(backends: list[str]) -> list[str]:
 def fp8_kernel_paths(backend: str, hidden: int, ffn: int, device: torch.device) -> str:
     """Which kernels an FP8 backend runs per GEMM role on `device` (`fp8_ffn.kernel_paths` with the
     backend's Gluon settings)."""
-    gluon, backward = variant_of(backend)
+    gluon, backward, forward = variant_of(backend)
     return kernel_paths(hidden, ffn, device, wgrad=gluon.get("wgrad"), swiglu=gluon.get("swiglu"),
-                        backward=backward)
+                        backward=backward, forward=forward)
 
 
 def fp8_tiles_notes(record: dict) -> list[str]:

@@ -152,13 +152,13 @@ def gluon_paths(**changes: bool) -> Iterator[None]:
 
 
 def kernel_paths(hidden: int, ffn: int, device: torch.device, *, wgrad: bool | None = None,
-                 swiglu: bool | None = None, backward: str = DEFAULT_BACKWARD) -> str:
+                 swiglu: bool | None = None, backward: str = DEFAULT_BACKWARD, forward: str = DEFAULT_FORWARD) -> str:
     """Which kernels an FFN of this shape runs on `device` per GEMM role, as `_rows_gemm`,
     `_gate_up_forward`, `_down_data_gradient` and `_weight_grad` choose them (the Gluon ones on a
     Hopper GPU where K and N are multiples of 128; `wgrad` / `swiglu`: the settings, None as
     `set_gluon_wgrad` / `set_gluon_swiglu` say now; `backward` (`BACKWARD_PRECISIONS`): bf16
-    weight gradients (the default), or a bf16 backward), e.g. 'rows gluon | swiglu gluon | wgrad
-    bf16 triton'."""
+    weight gradients (the default), or a bf16 backward; `forward` (`FORWARD_GEMMS`): one forward
+    GEMM in bf16), e.g. 'rows gluon | swiglu gluon | wgrad bf16 triton'."""
     hopper = (device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
               and os.environ.get("TRITON_INTERPRET") != "1")
     fits = hopper and hidden % fp8.SCALE_BLOCK == 0 and ffn % fp8.SCALE_BLOCK == 0
@@ -170,6 +170,8 @@ def kernel_paths(hidden: int, ffn: int, device: torch.device, *, wgrad: bool | N
         names["wgrad"] = "bf16 triton"
     if backward == "bf16":
         names["backward"] = "bf16 triton"
+    if forward != DEFAULT_FORWARD:
+        names["forward " + ("down" if forward == "gate-up" else "gate/up")] = "bf16 triton"
     return " | ".join(f"{role} {name}" for role, name in names.items())
 
 

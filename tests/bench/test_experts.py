@@ -165,10 +165,11 @@ def test_precision_fp8_times_our_fp8_experts_beside_our_bf16_ones():
 
 
 def test_the_variant_backends_run_the_fp8_block_with_their_one_choice_changed(monkeypatch):
-    """`--backend triton-fp8:fp8-wgrad | gluon-wgrad | fused-swiglu | bf16-backward`: FP8 backends at the tuned tiles
-    whose forwards run with one choice changed from the FFN's defaults (a Gluon path through
-    `fp8_ffn.gluon_paths`, which their backward keeps; or which backward GEMMs run in FP8), the
-    defaults restored after each call; plain `triton-fp8` runs the defaults."""
+    """`--backend triton-fp8:fp8-wgrad | gluon-wgrad | fused-swiglu | bf16-backward | down-forward`: FP8
+    backends at the tuned tiles whose forwards run with one choice changed from the FFN's defaults (a
+    Gluon path through `fp8_ffn.gluon_paths`, which their backward keeps; which backward GEMMs run in
+    FP8; or which forward ones), the defaults restored after each call; plain `triton-fp8` runs the
+    defaults."""
     from disagmoe.kernels import fp8_ffn
     from disagmoe.kernels.fp8_ffn import Fp8Tiles
 
@@ -177,8 +178,8 @@ def test_the_variant_backends_run_the_fp8_block_with_their_one_choice_changed(mo
         assert bench.is_fp8(backend) and bench.needs_fp8(backend)
         assert bench.fp8_tiles_for(backend, tiles) is tiles
     seen = []
-    monkeypatch.setattr(bench, "expert_ffn_fp8", lambda rows, *a, backward, **k: seen.append(
-        (fp8_ffn._gluon.wgrad, fp8_ffn._gluon.swiglu, backward)) or rows)
+    monkeypatch.setattr(bench, "expert_ffn_fp8", lambda rows, *a, backward, forward, **k: seen.append(
+        (fp8_ffn._gluon.wgrad, fp8_ffn._gluon.swiglu, backward, forward)) or rows)
     monkeypatch.setattr(bench.Fp8ExpertWeights, "quantize", classmethod(lambda cls, a, b: None))
     monkeypatch.setattr(bench, "permute_tokens", lambda x, idx, experts: (x, None, None))
     monkeypatch.setattr(bench, "combine_rows", lambda rows, dest, weights: rows)
@@ -189,8 +190,9 @@ def test_the_variant_backends_run_the_fp8_block_with_their_one_choice_changed(mo
     for backend in (*bench.VARIANT_BACKENDS, bench.FP8_BACKEND):
         bench.make_block(backend, fp8_tiles=tiles)(x, idx, weights, w13, w2)
         assert (fp8_ffn._gluon.wgrad, fp8_ffn._gluon.swiglu) == defaults
-    assert seen == [(False, True, "fp8"), (True, True, "fp8"), (False, False, "bf16-wgrad"), (False, True, "bf16"),
-                    (False, True, "bf16-wgrad")]
+    assert seen == [(False, True, "fp8", "both"), (True, True, "fp8", "both"), (False, False, "bf16-wgrad", "both"),
+                    (False, True, "bf16", "both"), (False, True, "bf16-wgrad", "down"),
+                    (False, True, "bf16-wgrad", "both")]
     with pytest.raises(ValueError, match="choose from rows, wgrad, swiglu"):
         with fp8_ffn.gluon_paths(epilogue=True):
             pass
@@ -248,6 +250,8 @@ def test_the_kernel_paths_say_which_roles_run_gluon_where():
     assert fp8_ffn.kernel_paths(4096, 14336, cpu, wgrad=True, swiglu=True, backward="fp8") == triton_only
     assert bench.fp8_kernel_paths(f"{bench.FP8_BACKEND}:gluon-wgrad", 4096, 14336, cpu) == triton_only
     assert bench.fp8_kernel_paths(bench.FP8_BACKEND, 4096, 14336, cpu).endswith("wgrad bf16 triton")
+    assert bench.fp8_kernel_paths(f"{bench.FP8_BACKEND}:down-forward", 4096, 14336, cpu).endswith(
+        "wgrad bf16 triton | forward gate/up bf16 triton")
     assert bench.fp8_kernel_paths(f"{bench.FP8_BACKEND}:bf16-backward", 4096, 14336, cpu).endswith(
         "wgrad bf16 triton | backward bf16 triton")
 
