@@ -7,8 +7,12 @@ cast, other elementwise, NCCL) by its name, the ops that launched them by their 
 cuda_graphs=off names the ops), and the share of the profiled steps' wall time the GPU was busy: the union of
 the kernels' intervals (kernels on two streams at once count once). Where it was idle between two
 kernels, the gaps are summed by the pair of kernels around them (`idle_gaps`): in a captured step
-no launch gap is left, so what remains there names what the GPU waited on. A Chrome trace of the
-profiled steps can be written for Perfetto.
+no launch gap is left, so what remains there names what the GPU waited on. Each profiled step is
+also split as `bench train` times it (`step_split`: from the trainer's sync before the step to its
+sync after the read): before its first kernel (the batch's copy, the launch), the kernels' union,
+the idle between them, and after its last kernel (the read back), with the host's CUDA runtime calls
+in that window by total time (`runtime_calls`: a slow cudaGraphLaunch shows there). A Chrome trace
+of the profiled steps can be written for Perfetto.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from typing import Any
 
 import torch
 
-from disagmoe.bench.timing import device_intervals
+from disagmoe.bench.timing import device_intervals, host_events
 from disagmoe.config import TrainConfig
 
 CATEGORIES = (  # first match wins; names are lower-cased kernel names
@@ -49,7 +53,7 @@ def run(cfg: TrainConfig, steps: int, warmup: int, log: Callable[[str], None],
         raise ValueError("bench profile times GPU kernels; run it with device=cuda on a GPU host")
     from torch.profiler import ProfilerActivity, profile
 
-    from disagmoe.runtime.training.trainer import SingleProcessTrainer
+    from disagmoe.runtime.training.trainer import TIMED_STEP_RANGE, SingleProcessTrainer
 
     trainer = SingleProcessTrainer(cfg.model_copy(update={"mode": "single", "steps": warmup + steps,
                                                           "trace": False, "checkpoint_minutes": 0}))
@@ -70,6 +74,8 @@ def run(cfg: TrainConfig, steps: int, warmup: int, log: Callable[[str], None],
         with opener(trace_path, "rt") as f:
             launched_by = kernel_ops(json.load(f)["traceEvents"], shapes)
     intervals = device_intervals(prof)
+    host = host_events(prof)
+    windows = [(start, end) for start, end, name, user in host if user and name == TIMED_STEP_RANGE]
     kernels: dict[str, float] = {}
     for start, end, name in intervals:
         kernels[name] = kernels.get(name, 0.0) + end - start
@@ -80,6 +86,7 @@ def run(cfg: TrainConfig, steps: int, warmup: int, log: Callable[[str], None],
     for name, seconds in kernels.items():
         by_category[category(name)] = by_category.get(category(name), 0.0) + seconds
     ranked = sorted(kernels.items(), key=lambda kv: -kv[1])[:top]
+    per = max(len(windows), 1)
     return {"steps": steps, "wall_s_per_step": wall_s / steps, "gpu_busy": busy_s / wall_s,
             "kernel_ms_per_step": kernel_s * 1e3 / steps,
             "categories": {c: s / kernel_s for c, s in sorted(by_category.items(), key=lambda kv: -kv[1])},
@@ -87,7 +94,48 @@ def run(cfg: TrainConfig, steps: int, warmup: int, log: Callable[[str], None],
                          "category": category(n)} for n, s in ranked],
             "ops": [{"name": n[:240], "ms_per_step": s * 1e3 / steps, "share": s / kernel_s} for n, s in ops],
             "idle_gaps": [{"before": before[:120], "after": after[:120], "per_step": count / steps,
-                           "ms_per_step": s * 1e3 / steps} for (before, after), (count, s) in gaps[:top]]}
+                           "ms_per_step": s * 1e3 / steps} for (before, after), (count, s) in gaps[:top]],
+            "step_split_ms": {part: s * 1e3 for part, s in step_split(windows, intervals).items()},
+            "runtime_calls": [{"name": n[:120], "ms_per_step": s * 1e3 / per, "calls": c / per}
+                              for n, (c, s) in runtime_calls(host, windows)[:8]]}
+
+
+def step_split(windows: list[tuple[float, float]], intervals: list[tuple[float, float, str]]) -> dict[str, float]:
+    """Seconds per step, averaged over the step `windows` (host start, end, as the trainer times a
+    step: between its syncs): "step" the window; "before first kernel" from its start to the first
+    GPU activity inside it; "kernels" the union of the activities clipped to it; "idle between
+    kernels" the rest between its first and last activity; "after last kernel" from the last one's
+    end to the window's end. A window without activity counts whole before its (absent) first
+    kernel. Empty `windows`: every part zero."""
+    parts = dict.fromkeys(("step", "before first kernel", "kernels", "idle between kernels", "after last kernel"), 0.0)
+    for start, end in windows:
+        inside = sorted((max(s, start), min(e, end)) for s, e, _ in intervals if e > start and s < end)
+        parts["step"] += end - start
+        if not inside:
+            parts["before first kernel"] += end - start
+            continue
+        busy, reach = 0.0, inside[0][0]
+        for s, e in inside:
+            busy += max(0.0, e - max(s, reach))
+            reach = max(reach, e)
+        parts["before first kernel"] += inside[0][0] - start
+        parts["kernels"] += busy
+        parts["idle between kernels"] += reach - inside[0][0] - busy
+        parts["after last kernel"] += end - reach
+    return {part: total / len(windows) for part, total in parts.items()} if windows else parts
+
+
+def runtime_calls(host: list[tuple[float, float, str, bool]], windows: list[tuple[float, float]],
+                  ) -> list[tuple[str, tuple[int, float]]]:
+    """The host's CUDA runtime and driver calls (names starting "cuda" or "cu") that began inside a
+    step window: (name, (calls, seconds)), the longest total first."""
+    totals: dict[str, tuple[int, float]] = {}
+    for start, end, name, user in host:
+        if user or not name.startswith("cu") or not any(w0 <= start < w1 for w0, w1 in windows):
+            continue
+        count, seconds = totals.get(name, (0, 0.0))
+        totals[name] = (count + 1, seconds + end - start)
+    return sorted(totals.items(), key=lambda kv: -kv[1][1])
 
 
 def idle_gaps(intervals: list[tuple[float, float, str]],

@@ -67,6 +67,15 @@ def device_intervals(prof: Any) -> list[tuple[float, float, str]]:
             if a.device_type() == cuda and not a.is_user_annotation() and not a.name().startswith("ProfilerStep")]
 
 
+def host_events(prof: Any) -> list[tuple[float, float, str, bool]]:
+    """(start s, end s, name, user range) of every host-side event a finished `torch.profiler.profile`
+    recorded (ops, CUDA runtime calls such as cudaGraphLaunch or cudaStreamSynchronize, and the
+    `record_function` ranges), on the clock of `device_intervals`."""
+    cpu = torch.autograd.DeviceType.CPU
+    return [(a.start_ns() / 1e9, (a.start_ns() + a.duration_ns()) / 1e9, a.name(), a.is_user_annotation())
+            for a in prof.profiler.kineto_results.events() if a.device_type() == cpu]
+
+
 def copies_to_defeat_l2(bytes_per_set: int, device: torch.device) -> int:
     """How many input copies to rotate among so that one pass over them exceeds twice the L2."""
     l2_bytes = torch.cuda.get_device_properties(device).L2_cache_size

@@ -515,6 +515,15 @@ def profile(
     for g in record["idle_gaps"]:
         gaps.add_row(g["before"][:60], g["after"][:60], f"{g['per_step']:.1f}", f"{g['ms_per_step']:.2f}")
     console.print(gaps)
+    split = record["step_split_ms"]
+    console.print("a step as bench train times it (between the trainer's syncs): "
+                  + ", ".join(f"{part} {ms:.1f} ms" for part, ms in split.items()), markup=False)
+    calls = Table(title="the host's CUDA calls inside the steps, by total time")
+    for col in ("call", "calls/step", "ms/step"):
+        calls.add_column(col, justify="left" if col == "call" else "right")
+    for c in record["runtime_calls"]:
+        calls.add_row(c["name"][:60], f"{c['calls']:.1f}", f"{c['ms_per_step']:.2f}")
+    console.print(calls)
 
 
 @bench_app.command("placement")

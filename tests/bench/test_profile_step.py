@@ -174,3 +174,32 @@ def test_with_shapes_each_op_reads_with_its_inputs() -> None:
             pytest.approx(30 * us),
         "aten::copy_(f32[4,2]) in ViewBackward0": pytest.approx(10 * us)}
     assert kernel_ops(events) == {"aten::copy_ in ViewBackward0": pytest.approx(40 * us)}
+
+
+def test_a_step_is_split_into_its_lead_kernels_gaps_and_tail() -> None:
+    """`step_split`: per window, the time before its first kernel (the launch), the union of its
+    kernels clipped to it (overlaps once), the idle between them, and after the last one; averaged
+    over the windows; a window without kernels counts whole before its first; none: zeros."""
+    from disagmoe.bench.profile_step import step_split
+
+    ms = 1e-3
+    windows = [(0.0, 100 * ms), (200 * ms, 260 * ms)]
+    intervals = [(5 * ms, 40 * ms, "a"), (30 * ms, 50 * ms, "b"), (60 * ms, 90 * ms, "c"),  # step 1
+                 (150 * ms, 210 * ms, "spills in"), (220 * ms, 250 * ms, "d")]  # step 2: one starts before it
+    split = step_split(windows, intervals)
+    want = {"step": 80, "before first kernel": 2.5, "kernels": (75 + 40) / 2, "idle between kernels": 10,
+            "after last kernel": 10}
+    assert split == pytest.approx({k: v * ms for k, v in want.items()})
+    assert sum(v for k, v in split.items() if k != "step") == pytest.approx(split["step"])
+    assert step_split([(0.0, 1.0)], [])["before first kernel"] == 1.0
+    assert set(step_split([], intervals).values()) == {0.0}
+
+
+def test_runtime_calls_count_the_hosts_cuda_calls_inside_the_steps() -> None:
+    from disagmoe.bench.profile_step import runtime_calls
+
+    host = [(0.01, 0.03, "cudaGraphLaunch", False), (0.05, 0.06, "cudaStreamSynchronize", False),
+            (0.07, 0.071, "cudaGraphLaunch", False), (0.5, 0.9, "cudaGraphLaunch", False),  # outside the steps
+            (0.0, 0.1, "disagmoe timed step", True), (0.02, 0.04, "aten::copy_", False)]
+    assert runtime_calls(host, [(0.0, 0.1)]) == [("cudaGraphLaunch", (2, pytest.approx(0.021))),
+                                                 ("cudaStreamSynchronize", (1, pytest.approx(0.01)))]

@@ -115,6 +115,11 @@ def cross_entropy(logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.T
     return F.cross_entropy(logits_BSV.float().flatten(0, 1), targets_BS.flatten())
 
 
+# The profiler range around the part of a step the trainer times (from its sync before the step to its
+# sync after the read): `bench profile` splits each such range into launch, kernels, gaps and read.
+TIMED_STEP_RANGE = "disagmoe timed step"
+
+
 def train_step(
     model: MoETransformer,
     optimizer: torch.optim.Optimizer,
@@ -453,7 +458,7 @@ class SingleProcessTrainer(TrainingLoop):
         replays_before = 0 if self.graphed is None else self.graphed.replays
         self._sync()
         start = time.perf_counter()
-        with out_of_memory_hint(cfg):
+        with out_of_memory_hint(cfg), torch.profiler.record_function(TIMED_STEP_RANGE):
             if self.oracle:
                 result = train_step(self.model, self.optimizer, tokens_BS1, cfg.micro_batches, lr, cfg.optim.grad_clip)
             elif self.graphed is not None:
@@ -464,7 +469,7 @@ class SingleProcessTrainer(TrainingLoop):
             else:
                 result = train_step_flat(self.model, self.optimizer, tokens_BS1, cfg.micro_batches, lr,
                                          cfg.optim.grad_clip, cfg.forbid_host_syncs, self.fp8_stats)
-        self._sync()
+            self._sync()
         seconds = time.perf_counter() - start
         self.step += 1
         return {
