@@ -960,11 +960,13 @@ def _quantize_token_groups_kernel(x_ptr, q_ptr, s_ptr, offsets_ptr, padded_ptr, 
         x_rows = tl.load(src_ptr + x_rows, mask=row_ok, other=0)
     x = tl.load(x_ptr + x_rows[:, None] * stride_xm + ks[None, :] * stride_xk,
                 mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-    scale = _scale_of(tl.max(tl.abs(x), axis=0))
+    col_amax = tl.max(tl.abs(x), axis=0)
+    scale = _scale_of(col_amax)
     scaled = tl.math.div_rn(x, tl.broadcast_to(scale[None, :], x.shape))
     q = _round_to_e4m3(scaled)
     if STATS:
-        _record_stats(stats_ptr, x, scaled, q, row_ok[:, None] & k_ok[None, :])
+        scaled_max = tl.max(tl.math.div_rn(col_amax, scale), axis=0)
+        _add_counts(stats_ptr, *_clean_tile_counts(x, scaled, q, row_ok[:, None] & k_ok[None, :], scaled_max))
     padded_rows = (chunk * _SCALE_BLOCK + tl.arange(0, _SCALE_BLOCK)).to(tl.int64)
     # 64-bit column offsets: K x P bytes passes 2^31 at large batches (28,672 x 80k rows, say)
     tl.store(q_ptr + ks.to(tl.int64)[None, :] * stride_qk + padded_rows[:, None] * stride_qp,
@@ -1011,6 +1013,8 @@ def _quantize_rows_and_token_groups_kernel(
     # rows: a scale per row of the tile (columns past K count as zeros, as they load); each part's
     # counters reduced as soon as it is quantised (its tiles dead before the next part's: the two
     # parts' tiles alive together spilled at 8 warps, ptxas sm_90a)
+    # (element by element, not `_clean_tile_counts`: its branch keeps both counting paths' tiles
+    # alive here, 304 bytes of spills at 16 warps, ptxas sm_90a)
     row_scale = _scale_of(tl.max(tl.abs(x), axis=1))
     row_scaled = tl.math.div_rn(x, tl.broadcast_to(row_scale[:, None], x.shape))
     row_q = _round_to_e4m3(row_scaled)

@@ -392,7 +392,8 @@ def test_every_expert_gemm_feeds_hopper_mma_through_the_async_pipeline(monkeypat
 
 def test_the_fp8_counters_compile_with_their_atomics_and_no_spills(monkeypatch):
     """The quantisers (the one-pass row and token-group one too), the SwiGLU epilogue and the FP8
-    permute with a stats row (STATS: five atomics per tile, `fp8._record_stats`) compile for sm_90a
+    permute with a stats row (STATS: five atomics per tile, or per program in the persistent
+    quantisers: `fp8._record_stats`, `fp8._add_counts`) compile for sm_90a
     at `Fp8Tiles`' defaults with no spill stores, and their PTX holds the int64 atomics (a max and
     adds); without a row, no atomics."""
     from disagmoe.kernels import fp8, fp8_ffn, permute
