@@ -57,6 +57,15 @@ def on_off_word(value: object) -> object:
 # `kernels.fp8_ffn`): all four, all but the weight gradients (the default), or none.
 FP8_EXPERT_BACKWARDS = ("fp8", "bf16-wgrad", "bf16")
 DEFAULT_FP8_EXPERT_BACKWARD = "bf16-wgrad"
+# Which backward the FP8 expert curve (`Calibration.expert_gemm_fp8`) was measured with, by the probe
+# version it first holds for: `bench calibrate` times `kernels.fp8_ffn.expert_ffn_fp8` at its default
+# backward (`calibrate.fp8_ffn_passes` passes none), which was "fp8" (all four GEMMs) when version 5 measured
+# it and "bf16-wgrad" since session 19 (version 6 measured under it). `placement.cost.fp8_stages` prices the
+# requested backward from it (`Calibration.fp8_curve_backward`). The experts backends are outside the probe's
+# fingerprint, so tests/bench/test_calibrate.py holds the last entry to the kernel's default: a new default asks
+# for a new probe version and an entry here.
+FP8_CURVE_BACKWARDS = {5: "fp8", 6: "bf16-wgrad"}
+FP8_PROBE_BACKWARD = FP8_CURVE_BACKWARDS[max(FP8_CURVE_BACKWARDS)]  # what the current probe measures
 # Which of the routed FP8 experts' two forward GEMMs run in FP8 (`TrainConfig.fp8_expert_forward`):
 # both (the default), gate-up (the down projection in bf16) or down (the gate/up projection in bf16),
 # with any backward (each re-quantises the bf16 rows it holds); the loss split by GEMM: docs/benchmarks.md.
@@ -322,12 +331,21 @@ class Calibration(StrictModel):
     expert_gemm_fp8: list[Fp8RatePoint] = Field(default_factory=list, description=(
         "probe version 5 on, GPUs with FP8 tensor cores and the triton experts: the FP8 expert FFN "
         "(`kernels.fp8_ffn.expert_ffn_fp8`, its weights' e4m3 copies made once outside the timed calls) at the "
-        "bf16 curve's rows per expert, forward and whole backward, as fractions of the bf16 peak against the bf16 "
-        "curve's stage work (`placement.cost.fp8_stages` prices `precision: fp8` experts from it; absent: at the "
-        "datasheet ratio fp8_tflops / bf16_tflops, unmeasured)"))
+        "bf16 curve's rows per expert, forward and whole backward (the kernel's default backward: all-FP8 under "
+        "version 5, bf16-wgrad from version 6, `fp8_curve_backward`), as fractions of the bf16 peak against the "
+        "bf16 curve's stage work (`placement.cost.fp8_stages` prices `precision: fp8` experts from it; absent: at "
+        "the datasheet ratio fp8_tflops / bf16_tflops, unmeasured)"))
     p2p: LinkCost | None = None
     all_reduce: LinkCost | None = None
     all_to_all: LinkCost | None = None
+
+    @property
+    def fp8_curve_backward(self) -> str:
+        """The FP8 experts' backward (`FP8_EXPERT_BACKWARDS`) `expert_gemm_fp8` was measured with
+        (`FP8_CURVE_BACKWARDS` at `probe_version`): "fp8" up to version 5, "bf16-wgrad" from 6; a file
+        without a probe version (written by hand: `bench calibrate` records one) as version 5's."""
+        version = max(self.probe_version or 0, min(FP8_CURVE_BACKWARDS))
+        return FP8_CURVE_BACKWARDS[max(v for v in FP8_CURVE_BACKWARDS if v <= version)]
 
     @field_validator("expert_gemm", "attention", "attention_mla", "projections", "projections_mla", "expert_gemm_fp8")
     @classmethod

@@ -12,9 +12,11 @@ measures them, this module reuses it) it measures what `HardwareConfig.calibrati
 - `expert_gemm_fp8` (a GPU with FP8 tensor cores, sm_89 on, and the triton experts): the FP8 expert
   FFN (`kernels.fp8_ffn.expert_ffn_fp8`) at the same rows per expert, its weights' e4m3 copies made
   once outside the timed calls (as the trainer makes them once per optimizer step) and the weight
-  gradients added into fp32 main gradients: the forward, and the whole backward (the FP8 backward
-  cannot hold its weight gradients back, so data and weight gradients are timed together, every
-  quantiser included), each as a fraction of the same bf16 peak against the same stage work as the
+  gradients added into fp32 main gradients: the forward, and the whole backward at the kernel's
+  default backward (bf16-wgrad since probe version 6, all-FP8 before: `config.FP8_CURVE_BACKWARDS`,
+  which the planner reads; the FP8 backward cannot hold its weight gradients back, so data and
+  weight gradients are timed together, every quantiser included), each as a fraction of the same
+  bf16 peak against the same stage work as the
   bf16 curve (`fp8_expert_point`), so the planner prices FP8 experts at what they measure instead of
   the datasheet's fp8_tflops / bf16_tflops (`placement.cost.fp8_stages`);
 - `attention`: SDPA (causal, bf16) at several sequence lengths, forward and forward+backward, on

@@ -799,9 +799,10 @@ def fp8_stages(stages: dict[str, Stage], ceil: Ceilings, speedup: float, m: Mode
     made once per step (in the experts' optimizer stage, the pass after which they are made) either way.
 
     Measured (`calib` holds `expert_gemm_fp8`, `bench calibrate` on an FP8 GPU): the expert stages
-    at the FP8 curve's rates for their `rows_per_expert`, the forward at its forward rate and both
-    backward stages (data and weight gradients) at its whole-backward rate, as the curve was fitted
-    (`bench.calibrate.fp8_expert_point`); no quantisation stage, the quantisers' passes being inside
+    at the FP8 curve's rates for their `rows_per_expert`, the forward at its forward rate, the
+    backward stages at its whole-backward rate as `backward` and the recipe the curve was measured
+    under (`Calibration.fp8_curve_backward`: "fp8" to probe version 5, "bf16-wgrad" from 6) allow
+    (`fp8_measured_backward` says which); no quantisation stage, the quantisers' passes being inside
     the measured times. (On an H200, 2026-12-04, our FP8 expert GEMMs ran at about the bf16 rate, the
     FP8 block's forward and backward at 0.39-0.77x of bf16's: the datasheet ratio below promises 2x.)
 
@@ -815,8 +816,16 @@ def fp8_stages(stages: dict[str, Stage], ceil: Ceilings, speedup: float, m: Mode
     backward stages are FP8: "fp8" both; "bf16-wgrad" the data gradients ("routed experts"'
     backward) only, the weight gradients left at their bf16 (or calibrated) rate, dy and dh13
     quantised once each (1 x 128) and no token-group copies; "bf16" neither (the forward alone).
-    The measured curve's backward rate was fitted on the all-FP8 backward (`bench calibrate`),
-    so with "bf16-wgrad" it prices the data gradients at that whole-backward rate.
+    The measured curve's one backward rate was fitted on the two stages together under its own
+    recipe, so that recipe prices both stages at it: the time measured. Another recipe, the nearest
+    the curve allows: "bf16-wgrad" from an "fp8" curve (version 5) the data gradients at the curve's
+    rate and the weight gradients at their bf16 rate (pessimistic: the curve's rate is the all-FP8
+    backward's, its token-group quantisers inside it); "fp8" from a "bf16-wgrad" curve (version 6)
+    both stages at the curve's rate plus the token-group quantisers the curve did not run (dy, dh13,
+    the SwiGLU output and x along tokens) as an "fp8 quantise" stage by their HBM bytes (optimistic:
+    the FP8 weight-gradient GEMMs at the rate the bf16 ones measured in their place; the block's
+    all-FP8 forward+backward measured 0.72-0.88x of bf16-wgrad's TFLOP/s, session 19); "bf16" the
+    backward at the bf16 rates, whatever the curve.
 
     `forward` (`TrainConfig.fp8_expert_forward`, `kernels.fp8_ffn.FORWARD_GEMMS`): "both", or one
     GEMM alone in FP8 ("gate-up": 2/3 of the forward's FLOPs, "down": 1/3), the forward then
@@ -831,15 +840,23 @@ def fp8_stages(stages: dict[str, Stage], ceil: Ceilings, speedup: float, m: Mode
     H, F = m.hidden_size, m.expert_ffn_size
     scales = FP32 / 128  # one fp32 scale per 128 values
     fp8_bwd = {"routed experts": backward != "bf16", "expert weight grads": backward == "fp8"}
+    # the rows each backward quantises (H or F elements a row): dy and dh13 1 x 128; under fp8 also
+    # 128 x 1, and the SwiGLU output and x along tokens (the FP8 weight-gradient GEMMs' operands)
+    quantised = {"fp8": 2 * H + 2 * 2 * F + F + H, "bf16-wgrad": H + 2 * F, "bf16": 0}
     if fp8_pricing(calib) == "measured":
-        curve = calib.expert_gemm_fp8
+        curve, measured = calib.expert_gemm_fp8, calib.fp8_curve_backward
         fwd_ceil = cal.compute_ceilings(ceil, cal.curve_fraction(curve, rows_per_expert, False))
         bwd_ceil = cal.compute_ceilings(ceil, cal.curve_fraction(curve, rows_per_expert, True))
+        at_curve = fp8_measured_backward(backward, measured)
         for name in ("routed experts", "expert weight grads"):
             if name in out:
                 s = out[name]
                 out[name] = replace(s, fwd_ceilings=_blend(fwd_ceil, s.ceilings(False, ceil), share),
-                                    bwd_ceilings=bwd_ceil if fp8_bwd[name] else s.bwd_ceilings)
+                                    bwd_ceilings=bwd_ceil if name in at_curve else s.bwd_ceilings)
+        unmeasured = quantised[backward] - quantised[measured] if len(at_curve) == 2 else 0
+        if unmeasured > 0:  # fp8 from a bf16-wgrad curve: the token-group quantisers it did not run
+            bwd = Work(hbm_bytes=rows * unmeasured * (BF16 + 1 + scales))
+            out["fp8 quantise"] = Stage("expert", "moe", Work(), bwd)
     else:
         for name in ("routed experts", "expert weight grads"):
             if name in out:
@@ -849,14 +866,26 @@ def fp8_stages(stages: dict[str, Stage], ceil: Ceilings, speedup: float, m: Mode
                 out[name] = replace(s, fwd_ceilings=_blend(faster[0], s.ceilings(False, ceil), share),
                                     bwd_ceilings=faster[1] if fp8_bwd[name] else s.bwd_ceilings)
         fwd = Work(hbm_bytes=rows * (F if forward == "down" else H) * (BF16 + 1 + scales))
-        quantised = {"fp8": 2 * H + 2 * 2 * F + F + H, "bf16-wgrad": H + 2 * F, "bf16": 0}[backward]
-        bwd = Work(hbm_bytes=rows * quantised * (BF16 + 1 + scales))
+        bwd = Work(hbm_bytes=rows * quantised[backward] * (BF16 + 1 + scales))
         out["fp8 quantise"] = Stage("expert", "moe", fwd, bwd)
     copies = Work(hbm_bytes=exp_params * (BF16 + 2 * (1 + scales)))  # read the bf16 weights, write both copies
     if "optimizer (experts)" in out:
         optimizer = out["optimizer (experts)"]
         out["optimizer (experts)"] = replace(optimizer, bwd=optimizer.bwd + copies)
     return out
+
+
+def fp8_measured_backward(backward: str, measured: str) -> tuple[str, ...]:
+    """The expert backward stages `fp8_stages` prices at a measured FP8 curve's whole-backward rate
+    when the run asks for `backward` and the curve was measured under `measured`
+    (`Calibration.fp8_curve_backward`): both where the two agree, or where the run asks "fp8" (its
+    weight gradients FP8 too: the curve's is the nearest rate measured); the data gradients alone for
+    "bf16-wgrad" from an "fp8" curve (its weight gradients at their bf16 rate); none for "bf16"."""
+    if backward == "bf16":
+        return ()
+    if backward in (measured, "fp8"):
+        return ("routed experts", "expert weight grads")
+    return ("routed experts",)
 
 
 # the share of the routed experts' forward FLOPs in FP8 by `fp8_stages`' forward: gate/up 4NHF, down 2NFH

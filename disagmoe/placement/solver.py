@@ -22,7 +22,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from disagmoe.config import MemoryEstimate, Plan, PlanConfig, StageTime
+from disagmoe.config import DEFAULT_FP8_EXPERT_BACKWARD, MemoryEstimate, Plan, PlanConfig, StageTime
 from disagmoe.placement.cost import (
     ATTENTION,
     GIB,
@@ -94,6 +94,24 @@ def _fp8_backward_note(backward: str) -> str:
             "bf16": "; the whole backward at the bf16 rate (fp8_expert_backward: bf16)"}[backward]
 
 
+def _fp8_measured_backward_note(backward: str, measured: str) -> str:
+    """How a plan priced the expert backward from an FP8 curve measured under `measured`
+    (`Calibration.fp8_curve_backward`) for the run's `backward` (`cost.fp8_measured_backward`), for `fp8_note`."""
+    if backward == "bf16":
+        return _fp8_backward_note(backward)
+    head = f"; the curve was measured under fp8_expert_backward {measured}"
+    if backward == measured:
+        default = ", the default" if backward == DEFAULT_FP8_EXPERT_BACKWARD else ""
+        return (f"{head}, as this run trains: both backward stages at its whole-backward rate "
+                f"(fp8_expert_backward: {backward}{default})")
+    if backward == "bf16-wgrad":
+        return (f"{head}: bf16-wgrad's data gradients priced at its whole-backward rate, the weight gradients at the "
+                "bf16 rate (fp8_expert_backward: bf16-wgrad, the default)")
+    return (f"{head}: fp8's weight gradients priced at its whole-backward rate too, plus the token-group quantisers "
+            "it did not run by their HBM bytes (optimistic: the FP8 weight-gradient kernel unmeasured; "
+            "fp8_expert_backward: fp8)")
+
+
 def _fp8_forward_note(forward: str) -> str:
     """Which expert forward GEMMs a plan priced in FP8 (`Problem.fp8_forward`), for `fp8_note`."""
     if forward == "both":
@@ -108,7 +126,8 @@ RECOMPUTE_ORDER = ("expert_input", "expert_output", "expert_swiglu", "attention"
 def fp8_note(prob: Problem, cost: Cost) -> str:
     """What a plan with FP8 experts was priced with (`cost.fp8_stages`): the FP8 expert curve the
     hardware's calibration measured (its source, and the rates it gave this layout's expert
-    stages), or plainly the datasheet ratio, unmeasured; the dense projections, where FP8 too, at
+    stages, and the backward recipe it was measured under against the run's), or plainly the
+    datasheet ratio, unmeasured; the dense projections, where FP8 too, at
     the datasheet ratio either way (`bench calibrate` measures the FP8 experts only)."""
     calib = prob.calibration
     if fp8_pricing(calib) == "measured":
@@ -118,7 +137,8 @@ def fp8_note(prob: Problem, cost: Cost) -> str:
                 f"(calibration.expert_gemm_fp8, {calib.source or 'no source recorded'}, probe version "
                 f"{calib.probe_version}): at this layout's rows per expert {rate(False):.2f} of the bf16 peak forward, "
                 f"{rate(True):.2f} backward (data and weight gradients with their quantisers, measured whole)"
-                f"{_fp8_backward_note(prob.fp8_backward)}{_fp8_forward_note(prob.fp8_forward)}, plus two e4m3 weight "
+                f"{_fp8_measured_backward_note(prob.fp8_backward, calib.fp8_curve_backward)}"
+                f"{_fp8_forward_note(prob.fp8_forward)}, plus two e4m3 weight "
                 "copies per expert parameter each step")
     else:
         head = (f"routed experts priced in FP8 (train with precision: fp8) at the datasheet ratio, unmeasured: their "

@@ -737,6 +737,37 @@ def test_no_fp8_curve_without_fp8_tensor_cores_or_the_triton_experts(monkeypatch
     assert cal.calibration_from(t, load_model("qwen3-30b-a3b"), _ceil(), "fake").expert_gemm_fp8 == []
 
 
+def test_the_fp8_curve_is_measured_under_the_backward_the_planner_reads(monkeypatch):
+    """The probe times `expert_ffn_fp8` itself at its default backward (`fp8_ffn_passes` passes
+    none), and the planner reads which backward a curve was measured under from the probe version
+    (`config.FP8_CURVE_BACKWARDS`, `Calibration.fp8_curve_backward`): the current version's entry is
+    the kernel's default. The experts backends are outside the probe's fingerprint, so a new default
+    fails here until the probe version moves and the map records it."""
+    import inspect
+
+    from disagmoe.config import FP8_CURVE_BACKWARDS, FP8_PROBE_BACKWARD
+    from disagmoe.kernels import fp8_ffn
+
+    assert inspect.signature(fp8_ffn.expert_ffn_fp8).parameters["backward"].default == FP8_PROBE_BACKWARD
+    assert Calibration(probe_version=PROBE_VERSION).fp8_curve_backward == FP8_PROBE_BACKWARD
+    assert max(FP8_CURVE_BACKWARDS) <= PROBE_VERSION and FP8_CURVE_BACKWARDS[5] == "fp8"
+    timed = []
+    monkeypatch.setattr(cal, "_ffn_inputs", lambda *a: (None,) * 5)
+    monkeypatch.setattr(cal, "fp8_ffn_passes", lambda ffn, *a: timed.append(ffn) or cal.Fp8FFNPasses(None, None, ()))
+    monkeypatch.setattr(cal, "_passes", lambda *a: None)
+    cal._fp8_ffn_times(None, load_model("qwen3-30b-a3b"), 16, 8, 0, 1)
+    assert timed == [fp8_ffn.expert_ffn_fp8]
+    monkeypatch.undo()
+    calls = []
+    monkeypatch.setattr(fp8_ffn.Fp8ExpertWeights, "quantize", classmethod(lambda cls, *a, **k: "copies"))
+    w13, w2 = torch.nn.Parameter(torch.zeros(2, 4, 8)), torch.nn.Parameter(torch.zeros(2, 4, 4))
+    x, dy = torch.zeros(3, 4), torch.zeros(3, 4)
+    passes = cal.fp8_ffn_passes(lambda *a, **k: calls.append(k) or a[0] * 1.0, x, torch.tensor([2, 3]), w13, w2, dy)
+    passes.forward()
+    passes.forward_backward()
+    assert calls == [{"weights": "copies"}] * 2  # no backward named: the kernel's default
+
+
 @pytest.mark.slow  # about 5 s interpreted on one core (`pytest -m 'not slow'` skips it)
 def test_the_fp8_probe_makes_the_weight_copies_once_and_adds_the_weight_gradients_into_main_gradients(
         interpreted, monkeypatch):

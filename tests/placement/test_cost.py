@@ -452,6 +452,47 @@ def test_one_fp8_forward_gemm_prices_the_forward_at_the_blend_of_its_share(calib
         assert fwd_bytes(cost("gate-up")[1]) == pytest.approx(fwd_bytes(both))
 
 
+def test_which_backward_stages_a_measured_fp8_curve_prices_by_the_recipe_it_was_measured_under():
+    from disagmoe.placement.cost import fp8_measured_backward
+
+    both, data = ("routed experts", "expert weight grads"), ("routed experts",)
+    assert {(run, curve): fp8_measured_backward(run, curve) for run in ("fp8", "bf16-wgrad", "bf16")
+            for curve in ("fp8", "bf16-wgrad")} == {
+        ("fp8", "fp8"): both, ("fp8", "bf16-wgrad"): both, ("bf16-wgrad", "fp8"): data,
+        ("bf16-wgrad", "bf16-wgrad"): both, ("bf16", "fp8"): (), ("bf16", "bf16-wgrad"): ()}
+
+
+@pytest.mark.parametrize("forward", ["both", "gate-up", "down"])
+def test_the_committed_fp8_curve_prices_the_default_backward_as_its_probe_version_measured_it(forward):
+    """h200-sxm-calibrated (probe version 6: its FP8 curve measured under the default bf16-wgrad) and
+    the same file read as version 5 (measured under the all-FP8 backward), the default backward
+    with each forward: under 6 the weight gradients at the data gradients' rate (the curve's
+    whole-backward rate, both stages as it was fitted); under 5 at the bf16 curve's weight-gradient
+    rate, as before; the forward (its blend by share) and the data gradients the same either way."""
+    hw = load_hardware("h200-sxm-calibrated")
+    assert hw.calibration.probe_version == 6 and hw.calibration.fp8_curve_backward == "bf16-wgrad"
+    layout, m = Candidates.one(4, 4, 1, 4, 2), load_model("qwen3-30b-a3b")
+
+    def cost(version, precision="fp8"):
+        calib = hw.calibration.model_copy(update={"probe_version": version})
+        req = PlanConfig(model=m, cluster=ClusterConfig(hardware=hw.model_copy(update={"calibration": calib}),
+                                                        num_gpus=8),
+                         seq_len=4096, global_batch_tokens=1 << 20, recompute="none", expert_precision=precision,
+                         **({"fp8_expert_forward": forward} if precision == "fp8" else {}))
+        return problem_of(req), evaluate(problem_of(req), layout)
+
+    (prob, v6), (_, v5), (_, bf16) = cost(6), cost(5), cost(6, "bf16")
+    rate = lambda c, name, bwd: c.stages[name].ceilings(bwd, prob.ceilings).flops_per_s[0]  # noqa: E731
+    data = rate(v6, "routed experts", True)
+    assert rate(v6, "expert weight grads", True) == pytest.approx(data, rel=1e-12)
+    assert rate(v5, "expert weight grads", True) == pytest.approx(rate(bf16, "expert weight grads", True), rel=1e-12)
+    assert rate(v5, "routed experts", True) == pytest.approx(data, rel=1e-12)
+    assert rate(v5, "routed experts", False) == pytest.approx(rate(v6, "routed experts", False), rel=1e-12)
+    assert data != pytest.approx(rate(bf16, "expert weight grads", True))
+    assert (v6.step_s[0] < v5.step_s[0]) == (data > rate(bf16, "expert weight grads", True))
+    assert "fp8 quantise" not in v6.stages and "fp8 quantise" not in v5.stages
+
+
 @pytest.mark.parametrize("colocated", [False, True])
 def test_selective_recomputation_frees_exactly_the_dropped_terms_and_pays_their_bytes(colocated):
     """Selective lowers the predicted memory by the dropped rows (input, SwiGLU, combine) of every

@@ -427,13 +427,13 @@ def test_fp8_experts_are_priced_at_the_fp8_rate_with_their_passes_and_copies():
 QWEN3_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "h200x2-qwen3-30b.yaml"
 
 
-def _qwen3_single(hw, precision: str, fp8_dense: bool = True):
+def _qwen3_single(hw, precision: str, fp8_dense: bool = True, *more: str):
     """configs/h200x2-qwen3-30b.yaml in mode single at 2 micro-batches, priced on `hw` as it trains
-    in `precision`: (its problem, its cost, its plan)."""
+    in `precision` (and `more` key=value overrides): (its problem, its cost, its plan)."""
     from disagmoe.config import load_train_config
     from disagmoe.placement.trace_compare import run_request
 
-    overrides = ["mode=single", "micro_batches=2", f"precision={precision}"]
+    overrides = ["mode=single", "micro_batches=2", f"precision={precision}", *more]
     cfg = load_train_config(QWEN3_CONFIG, overrides + ([f"fp8_dense={str(fp8_dense).lower()}"]
                                                        if precision == "fp8" else []))
     req, cand = run_request(cfg, load_model(cfg.model), hw)
@@ -467,6 +467,26 @@ def test_a_measured_fp8_curve_slower_than_bf16_predicts_a_slower_fp8_step(fp8_de
     assert "from the measured FP8 expert curve (calibration.expert_gemm_fp8, " + hw.calibration.source in note
     assert ("the datasheet ratio 2.00x whatever the calibration" in note) == fp8_dense
     assert "at the datasheet ratio, unmeasured" in _fp8_note(datasheet_plan)
+
+
+def test_the_fp8_note_names_the_backward_the_curve_was_measured_under():
+    """The committed calibration (probe version 6: its FP8 curve measured under bf16-wgrad) and the
+    same file read as version 5 (under the all-FP8 backward): the plan's note says which backward
+    the curve was measured under and how the run's was priced from it."""
+    hw = load_hardware("h200-sxm-calibrated")
+    v5 = hw.model_copy(update={"calibration": hw.calibration.model_copy(update={"probe_version": 5})})
+    notes = {(name, backward): _fp8_note(_qwen3_single(of, "fp8", False, f"fp8_expert_backward={backward}")[2])
+             for name, of in (("v6", hw), ("v5", v5)) for backward in ("bf16-wgrad", "fp8", "bf16")}
+    assert ("the curve was measured under fp8_expert_backward bf16-wgrad, as this run trains: both backward "
+            "stages at its whole-backward rate (fp8_expert_backward: bf16-wgrad, the default)") in notes["v6", "bf16-wgrad"]
+    assert ("the curve was measured under fp8_expert_backward bf16-wgrad: fp8's weight gradients priced at its "
+            "whole-backward rate too, plus the token-group quantisers it did not run") in notes["v6", "fp8"]
+    assert ("the curve was measured under fp8_expert_backward fp8: bf16-wgrad's data gradients priced at its "
+            "whole-backward rate, the weight gradients at the bf16 rate") in notes["v5", "bf16-wgrad"]
+    assert "the curve was measured under fp8_expert_backward fp8, as this run trains" in notes["v5", "fp8"]
+    for name in ("v5", "v6"):
+        assert "probe version " + name[1] in notes[name, "bf16"]
+        assert "the whole backward at the bf16 rate (fp8_expert_backward: bf16)" in notes[name, "bf16"]
 
 
 def test_without_an_fp8_curve_fp8_experts_keep_the_datasheet_pricing():

@@ -9,6 +9,7 @@ import yaml
 from pydantic import ValidationError
 
 from disagmoe.config import (
+    FP8_EXPERT_BACKWARDS,
     Calibration,
     ClusterConfig,
     Fp8RatePoint,
@@ -22,6 +23,7 @@ from disagmoe.model_ref import load_model
 from disagmoe.placement.cost import ATTENTION_FIXED, EXPERT_FIXED, Candidates, evaluate
 from disagmoe.placement.solver import choose, problem_of
 from disagmoe.roofline.calibration import curve_fraction
+from disagmoe.roofline.stages import Work
 
 CURVE = [RatePoint(at=16, fwd=0.2, bwd=0.1), RatePoint(at=1024, fwd=0.6, bwd=0.5)]
 
@@ -144,7 +146,7 @@ def test_an_fp8_curve_round_trips_and_an_older_file_without_one_still_loads():
     hw = _hw(Calibration(source="test", expert_gemm=CURVE, expert_gemm_fp8=FP8_CURVE))
     back = HardwareConfig.model_validate(yaml.safe_load(hw.to_yaml()))
     assert back == hw and back.calibration.expert_gemm_fp8 == FP8_CURVE
-    committed = load_hardware("h200-sxm-calibrated")  # probe version 5: both curves measured
+    committed = load_hardware("h200-sxm-calibrated")  # probe version 6: both curves measured
     assert committed.calibration.expert_gemm and committed.calibration.expert_gemm_fp8
     data = yaml.safe_load(hw.to_yaml())
     del data["calibration"]["expert_gemm_fp8"]
@@ -196,6 +198,49 @@ def test_fp8_experts_run_at_the_measured_fp8_rate_for_their_rows_per_expert():
     opt = lambda of: np.asarray(of.stages["optimizer (experts)"].bwd.hbm_bytes).item()  # noqa: E731
     assert opt(cost) == pytest.approx(opt(plain))  # the e4m3 copies, either way
     assert cost.expert_mem_bytes[0] == plain.expert_mem_bytes[0]  # the FP8 memory whatever the rate
+
+
+@pytest.mark.parametrize("version", [None, 5, 6])
+def test_each_fp8_backward_is_priced_against_the_recipe_the_curve_was_measured_under(version):
+    """The FP8 curve's one backward rate was fitted on both backward stages under the backward its
+    probe ran (`Calibration.fp8_curve_backward`: fp8 up to version 5 and in a file without a version,
+    bf16-wgrad from version 6): that recipe prices both stages at it, the time measured;
+    bf16-wgrad from an fp8 curve its weight gradients at the bf16 curve's rate (as before version 6);
+    fp8 from a bf16-wgrad curve both at it, plus the token-group quantisers the curve did not run
+    (what the datasheet pricing adds for fp8 over bf16-wgrad), in the backward alone; bf16 the
+    whole backward at the bf16 rates, whatever the curve."""
+    calib = Calibration(probe_version=version, expert_gemm=CURVE, expert_gemm_fp8=FP8_CURVE)
+    measured = {None: "fp8", 5: "fp8", 6: "bf16-wgrad"}[version]
+    assert calib.fp8_curve_backward == measured
+    c = Candidates.one(4, 4, 1, 4, 1)
+
+    def priced(calibration, **update):
+        prob = problem_of(_request(calibration).model_copy(update=update))
+        return prob, evaluate(prob, c)
+
+    prob, bf16 = priced(calib)
+    m = prob.model
+    rows_per_expert = 4 * 4096 * m.top_k / 4 / (m.num_experts / 4)
+    curve = prob.ceilings.peak_flops_per_s * curve_fraction(FP8_CURVE, rows_per_expert, True).item()
+    rate = lambda cost, name: np.asarray(cost.stages[name].ceilings(  # noqa: E731
+        True, prob.ceilings).flops_per_s).item()
+    for backward in FP8_EXPERT_BACKWARDS:
+        _, fp8 = priced(calib, expert_precision="fp8", fp8_expert_backward=backward)
+        at_curve = {"routed experts": backward != "bf16",
+                    "expert weight grads": backward != "bf16" and backward in (measured, "fp8")}
+        for name, on_curve in at_curve.items():
+            assert rate(fp8, name) == pytest.approx(curve if on_curve else rate(bf16, name), rel=1e-12), (
+                backward, name)
+        if backward == "fp8" and measured == "bf16-wgrad":
+            sheet = {b: priced(Calibration(expert_gemm=CURVE), expert_precision="fp8", fp8_expert_backward=b)[1]
+                     for b in ("fp8", "bf16-wgrad")}
+            extra = [np.asarray(sheet[b].stages["fp8 quantise"].bwd.hbm_bytes).item() for b in sheet]
+            quantise = fp8.stages["fp8 quantise"]
+            assert quantise.fwd == Work() and quantise.bwd.flops == 0
+            assert np.asarray(quantise.bwd.hbm_bytes).item() == pytest.approx(extra[0] - extra[1], rel=1e-12)
+            assert extra[0] > extra[1] > 0
+        else:
+            assert "fp8 quantise" not in fp8.stages, backward
 
 
 # the MLA curves (`Calibration.attention_mla`, `projections_mla`, probe version 6): MLA models' attention block
