@@ -9,7 +9,8 @@ the kernels' intervals (kernels on two streams at once count once). Where it was
 kernels, the gaps are summed by the pair of kernels around them (`idle_gaps`): in a captured step
 no launch gap is left, so what remains there names what the GPU waited on. Each profiled step is
 also split as `bench train` times it (`step_split`: from the trainer's sync before the step to its
-sync after the read): before its first kernel (the batch's copy, the launch), the kernels' union,
+sync after the read): before its first GPU activity (the launch), the activities' union (kernels,
+and copies such as the batch's),
 the idle between them, and after its last kernel (the read back), with the host's CUDA runtime calls
 in that window by total time (`runtime_calls`: a slow cudaGraphLaunch shows there). A Chrome trace
 of the profiled steps can be written for Perfetto.

@@ -57,6 +57,10 @@ Fp8BackwardOpt = Annotated[Literal["fp8", "bf16-wgrad", "bf16"], typer.Option(
     "--fp8-expert-backward", help="with --expert-precision fp8: which of the experts' backward GEMMs to price in FP8: "
     "bf16-wgrad (the default, as precision: fp8 trains: the data gradients FP8, the weight gradients bf16), fp8 "
     "(both) or bf16 (the forward alone); train with the same fp8_expert_backward")]
+Fp8ForwardOpt = Annotated[Literal["both", "gate-up", "down"], typer.Option(
+    "--fp8-expert-forward", help="with --expert-precision fp8: which of the experts' two forward GEMMs to price in "
+    "FP8: both (the default, as precision: fp8 trains), gate-up or down (the other at the bf16 rate); train with the "
+    "same fp8_expert_forward")]
 OffloadOpt = Annotated[Literal["auto", "on", "off"], typer.Option(
     "--offload-optimizer", help="the fp32 masters and AdamW moments in host memory: on (two staging buckets on "
     "each GPU instead, their copies in and out each step over the hardware's host_link_gbps, within its "
@@ -79,7 +83,7 @@ def build_request(model: str, hardware: str, gpus: int, seq_len: int | None, glo
                   optimizer_state_dtype: str = "fp32", recompute: str = "auto",
                   expert_precision: str = "bf16", offload_optimizer: str = "off",
                   optimizer_update_kernel: str = "triton", fp8_dense: bool = True,
-                  fp8_expert_backward: str = "bf16-wgrad") -> PlanConfig:
+                  fp8_expert_backward: str = "bf16-wgrad", fp8_expert_forward: str = "both") -> PlanConfig:
     mcfg = load_model(model)
     hist = read_histogram(load_histogram, mcfg.num_moe_layers, mcfg.num_experts) if load_histogram else None
     return PlanConfig(model=mcfg, cluster=ClusterConfig(hardware=checked_hardware(hardware), num_gpus=gpus),
@@ -89,7 +93,7 @@ def build_request(model: str, hardware: str, gpus: int, seq_len: int | None, glo
                       optimizer_state_dtype=optimizer_state_dtype, recompute=recompute,
                       expert_precision=expert_precision, offload_optimizer=offload_optimizer,
                       optimizer_update_kernel=optimizer_update_kernel, fp8_dense=fp8_dense,
-                      fp8_expert_backward=fp8_expert_backward)
+                      fp8_expert_backward=fp8_expert_backward, fp8_expert_forward=fp8_expert_forward)
 
 
 def checked_hardware(ref: str) -> HardwareConfig:
@@ -119,6 +123,7 @@ def plan(
     expert_precision: PrecisionOpt = "bf16",
     fp8_dense: Fp8DenseOpt = True,
     fp8_expert_backward: Fp8BackwardOpt = "bf16-wgrad",
+    fp8_expert_forward: Fp8ForwardOpt = "both",
     offload_optimizer: OffloadOpt = "off",
     as_json: JsonOpt = False,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="write the plan (.yaml or .json)")] = None,
@@ -134,7 +139,7 @@ def plan(
     req = build_request(model, hardware, gpus, seq_len, global_batch_tokens, load_histogram,
                         max_pipeline_groups, max_expert_replicas, shard_optimizer_states, optimizer_state_dtype,
                         recompute, expert_precision, offload_optimizer, optimizer_update_kernel, fp8_dense,
-                        fp8_expert_backward)
+                        fp8_expert_backward, fp8_expert_forward)
     result = choose(req).plan
     if load_histogram is not None:
         result.notes.insert(0, histogram_note(load_histogram, req.load_histogram, result))

@@ -127,6 +127,7 @@ def _tile_counts(x, scaled, q, ok):
     nonfinite), int64 scalars a persistent program adds up over its tiles and adds once
     (`_add_counts`): five atomics a program, not a tile (on one row's five addresses, a tile's
     atomics cost more than its quantising: session 20's `bench profile` of the Mixtral FP8 step)."""
+    tl.static_assert(x.numel < 65536)  # the packed 16-bit counts of one tile
     amax_bits, low, high = _tile_stats(x, scaled, q, ok)
     low = tl.sum(tl.sum(low, axis=1), axis=0)
     high = tl.sum(tl.sum(high, axis=1), axis=0)
@@ -140,11 +141,12 @@ def _clean_tile_counts(x, scaled, q, ok, scaled_max):
     clean: every counted input finite and `scaled_max` (the largest |x / scale| of the tile or of a
     unit holding it, its rows' or its block's, from their amax: div_rn is monotonic, and AMAX is a
     max, so a unit's value added for each of its tiles is exact) within SATURATION_BOUND. There
-    AMAX is scaled_max's bits, SATURATED and NONFINITE zero (a per-group or per-row scale of amax /
-    448 leaves every finite |x / scale| at 448 or one rounding above), and only UNDERFLOW and TOTAL
+    AMAX is scaled_max's bits, SATURATED and NONFINITE zero (no counted |x / scale| passes the
+    bound when the largest does not; with scale amax / 448 none does), and only UNDERFLOW and TOTAL
     are counted an element, in one packed sum. Otherwise `_tile_counts`, element by element.
     (Counted per element, the five counters made `quantize_rows` 2.7x slower than without them on
     an H200: docs/benchmarks.md, session 20.)"""
+    tl.static_assert(x.numel < 65536)  # the packed 16-bit counts of one tile
     dirty = tl.max(tl.max((ok & ~(tl.abs(x) <= 3.4028234663852886e38)).to(tl.int32), axis=1), axis=0)
     if (dirty == 0) & (scaled_max <= _SATURATION_BOUND):
         packed = ((ok & (x != 0.0) & (q == 0.0)).to(tl.int32) | (ok.to(tl.int32) << 16))
@@ -188,7 +190,7 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, stats_ptr, valid_ptr, M, K,
     # Persistent: program p quantises tiles p, p + P, p + 2P, ... of the (row block, group) tiles,
     # group-major within a row block (neighbouring programs read neighbouring columns); tile t is
     # q[rows, g-th 128 columns] and s[rows, g]. Columns past K count as zeros in the amax and are
-    # not stored. STATS: the program's counters summed over its tiles (`_tile_counts`), added once.
+    # not stored. STATS: the program's counters summed over its tiles (`_clean_tile_counts`), added once.
     # VALID: only the first valid_ptr[0] rows are read, counted and written (a worst-case buffer's
     # padding rows hold whatever was there: they must not reach the counters). SWIGLU: x is h13
     # [M, 2K] (gate | up) and the values quantised are silu(gate) * up in fp32, as the SwiGLU
@@ -242,7 +244,7 @@ def _quantize_blocks_kernel(w_ptr, q_ptr, qt_ptr, s_ptr, stats_ptr, K, N, tiles_
                             ROWS: tl.constexpr, STATS: tl.constexpr, TRANSPOSED: tl.constexpr):
     # Persistent: program p quantises blocks p, p + P, ... of the `blocks` 128 x 128 blocks
     # (e, kb, nb) of w [E, K, N], each with its scale s[e, kb, nb]; STATS: the program's counters
-    # summed over its blocks (`_tile_counts`), added once. TRANSPOSED: each block's values are also
+    # summed over its blocks (`_clean_tile_counts`), added once. TRANSPOSED: each block's values are also
     # stored transposed into qt [E, N, K] (the copy a transposing pass would make).
     amax_bits = tl.zeros((), dtype=tl.int64)
     saturated = tl.zeros((), dtype=tl.int64)
@@ -291,7 +293,7 @@ def _quantize_blocks_kernel(w_ptr, q_ptr, qt_ptr, s_ptr, stats_ptr, K, N, tiles_
         _add_counts(stats_ptr, amax_bits, saturated, underflow, total, nonfinite)
 
 # Programs per SM of the persistent quantisers: enough 32 x 128 tiles in flight to keep HBM busy
-# (each program's loads wait on the one before: 8 per SM hold about 4 MB in flight on an H200).
+# (each program's loads wait on the one before: 8 per SM hold about 8 MiB of bf16 in flight on an H200).
 QUANTISER_PROGRAMS_PER_SM = 8
 
 

@@ -1,13 +1,13 @@
 """The rowwise e4m3 quantiser of the FP8 dense projections (`kernels.fp8_dense`, recipe "rowwise")
-as one Triton launch: a program takes a block of rows, reads them, takes each row's amax, writes
-the rows' e4m3 values and fp32 scales and, with a stats row, adds the `kernels.fp8_stats`
-counters (`fp8._tile_counts`, summed per program and added once). Bit for bit `fp8_dense.quantize_rowwise_reference`: scale =
-amax / 448 (correctly rounded), 1 for a zero row and for a row holding a NaN (torch's amax
+as one persistent Triton launch: a program takes blocks of rows in turn, reads each, takes each
+row's amax, writes the rows' e4m3 values and fp32 scales and, with a stats row, adds the
+`kernels.fp8_stats` counters (`fp8._clean_tile_counts`, summed per program and added once). Bit
+for bit `fp8_dense.quantize_rowwise_reference`: scale = amax / 448 (correctly rounded), 1 for a zero row and for a row holding a NaN (torch's amax
 propagates the NaN, and NaN > 0 is false); a NaN quantises to NaN (e4m3 0x7F), clamped values
 to +-448, the rest rounded to nearest even (`fp8._round_to_e4m3`: Triton 3.6's interpreter casts
 fp32 -> fp8 wrongly, so the value is rounded first and the cast is exact). One difference in the
 counters: an fp32 row whose amax is below 448 x 2^-150 (unreachable from bf16) gets scale 0, and
-its x / 0 = inf values count as saturated in the reference, not here (`_record_stats`).
+its x / 0 = inf values count as saturated in the reference, not here (`fp8._tile_stats`).
 
 Legend: M rows, K the row length (the contraction of the GEMM the rows feed). x is read through
 its strides: a transposed view (`w.t()`, `dy.t()`, `x.t()`: rows of x^T are columns of x) is read
@@ -53,7 +53,7 @@ def _row_amax(x):
 
 @triton.jit
 def _quantize_chunk(x, ks, ok, scale, q_ptr, rows64, stride_qm):
-    """Store one chunk's e4m3 bits into q (a uint8 view); (scaled, q) for its counters (`fp8._tile_counts`)."""
+    """Store one chunk's e4m3 bits into q (a uint8 view); (scaled, q) for its counters (`fp8._clean_tile_counts`)."""
     scaled = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
     q = fp8._round_to_e4m3(scaled)  # saturates at +-448, as the reference's clamp
     bits = tl.where(scaled == scaled, q.to(tl.float8e4nv).to(tl.uint8, bitcast=True), _E4M3_NAN)
@@ -69,7 +69,7 @@ def _quantize_rowwise_kernel(x_ptr, q_ptr, s_ptr, stats_ptr, M, K, stride_xm, st
     # strides) -> q [M, K] (row-major, uint8 bits of e4m3, row stride stride_qm) and s [M] (fp32).
     # ONE_READ (K <= BLOCK_K): the rows are loaded once and kept; else a loop over BLOCK_K chunks
     # for the amax, then another for the values. STATS: the program's counters summed over its
-    # chunks (`fp8._tile_counts`), added once (`fp8._add_counts`).
+    # chunks (`fp8._clean_tile_counts`), added once (`fp8._add_counts`).
     amax_bits = tl.zeros((), dtype=tl.int64)
     saturated = tl.zeros((), dtype=tl.int64)
     underflow = tl.zeros((), dtype=tl.int64)
@@ -205,7 +205,7 @@ def quantize_rowwise(x_MK: torch.Tensor, stats_row: torch.Tensor | None = None,
     default_m, default_k = tiles_for(x_MK)
     block_m, block_k = block_m or default_m, block_k or default_k
     one_read = k <= block_k
-    grid = (min(triton.cdiv(rows, block_m), fp8.QUANTISER_PROGRAMS_PER_SM * gg.default_num_programs(x_MK.device)),)
+    grid = (min(triton.cdiv(rows, block_m), fp8._persistent_programs(x_MK.device)),)
     _quantize_rowwise_kernel[grid](
         x_MK, q_bits, scale_M1, fp8._stats_ptr(stats_row, scale_M1), rows, k, x_MK.stride(0), x_MK.stride(1),
         q_bits.stride(0), BLOCK_M=block_m, BLOCK_K=block_k, ONE_READ=one_read, STATS=stats_row is not None,

@@ -71,6 +71,10 @@ def test_roofline_config_overrides_change_the_priced_run_as_train_would():
     assert len({round(p["step_time_s"], 9) for p in steps.values()}) == 3
     assert any("fp8_expert_backward: bf16-wgrad, the default" in n for n in
                json.loads(price("precision=fp8").stdout)["plan"]["notes"])
+    forward = {f: json.loads(price("precision=fp8", f"fp8_expert_forward={f}").stdout)["plan"]
+               for f in ("both", "down")}
+    assert forward["down"]["step_time_s"] != forward["both"]["step_time_s"]
+    assert any("fp8_expert_forward: down" in n for n in forward["down"]["notes"])
     bad = price("no_such_key=1")
     assert bad.exit_code != 0 and "no_such_key" in bad.output
     alone = run("roofline", "-m", "tiny", "-hw", "h200-sxm", "-n", "1", "precision=fp8")
@@ -437,3 +441,15 @@ def test_no_fp8_dense_prices_the_dense_projections_in_bf16_and_the_plan_records_
     plain, plain_lean = (json.loads(run(*args, *extra).stdout)["step_time_s"] for extra in ((), ("--no-fp8-dense",)))
     assert plain == plain_lean
     assert "--no-fp8-dense" in run("plan", "--help").output
+
+
+def test_plan_prices_the_fp8_forward_gemms_it_is_told():
+    """`plan --fp8-expert-forward down`: the experts' gate/up forward GEMM at the bf16 rate, which the
+    plan's note names; both (the default) says nothing of it; an unknown choice is refused."""
+    base = ("plan", "-m", "qwen3-30b-a3b", "-hw", "h200-sxm", "-n", "8", "--expert-precision", "fp8", "--json")
+    both = json.loads(run(*base).stdout)
+    down = json.loads(run(*base, "--fp8-expert-forward", "down").stdout)
+    assert down["step_time_s"] != both["step_time_s"] or down["layout"] != both["layout"]
+    assert any("gate/up GEMM at the bf16 rate (fp8_expert_forward: down)" in n for n in down["notes"])
+    assert not any("fp8_expert_forward" in n for n in both["notes"])
+    assert run(*base, "--fp8-expert-forward", "up").exit_code == 2
