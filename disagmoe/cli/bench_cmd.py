@@ -526,6 +526,38 @@ def profile(
     console.print(calls)
 
 
+@bench_app.command("quantise")
+@user_errors
+def quantise(
+    shapes: ShapeOption = None,
+    warmup: Annotated[int, typer.Option(help="untimed calls first", min=0)] = 3,
+    iters: Annotated[int, typer.Option(help="timed calls (kernel time, their mean)", min=1)] = 10,
+    as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
+) -> None:
+    """Time the FP8 quantisers a precision: fp8 step runs (the expert rows, the SwiGLU output, d h13,
+    the weights' block copies, a dense projection's rowwise input) at one micro-batch of each shape,
+    without and with their Fp8Stats counters, as GB/s against the HBM copy rate measured in the same
+    run (they are HBM-bound passes: how far from it each runs, and what the counters cost).
+    Example: disagmoe bench quantise --shape mixtral-8x7b --shape qwen3-30b-a3b"""
+    from disagmoe.bench import quantise as bench
+
+    names = _shape_names(shapes or ["mixtral-8x7b", "qwen3-30b-a3b"])
+    log = (lambda m: err_console.print(m, highlight=False, markup=False)) if as_json else (
+        lambda m: console.print(m, highlight=False, markup=False))
+    record = bench.run(names, warmup, iters, log)
+    if as_json:
+        print_json(record)
+        return
+    table = Table(title=f"FP8 quantisers, kernel time (HBM copy in the same run: {record['copy_gbps']:,.0f} GB/s)")
+    for col in ("shape", "quantiser", "input", "ms", "ms with counters", "counters' cost", "GB/s", "of copy"):
+        table.add_column(col, justify="left" if col in ("shape", "quantiser", "input") else "right")
+    for r in record["rows"]:
+        table.add_row(r["shape"], r["quantiser"], " x ".join(map(str, r["input"])), f"{r['ms']:.3f}",
+                      f"{r['ms_with_counters']:.3f}", f"{r['counters_cost']:.2f}x", f"{r['gbps_with_counters']:,.0f}",
+                      f"{r['of_copy_rate']:.0%}")
+    console.print(table)
+
+
 @bench_app.command("placement")
 @user_errors
 def placement(

@@ -1,0 +1,103 @@
+"""`disagmoe bench quantise`: the FP8 quantisers' GPU time with and without their counters, against
+the HBM copy rate measured in the same run.
+
+A step under `precision: fp8` quantises every expert GEMM operand it reads (`kernels.fp8`: the rows
+x and dy, the SwiGLU output from h13, d h13; the weights' 128 x 128 block copies once a step) and the
+dense projections' operands (`kernels.fp8_rowwise`), each with its `Fp8Stats` counters. These are
+HBM-bound passes: their bytes (read + written) over their kernel time against the copy rate say how
+far from the bound each runs, and the two columns say what the counters cost (session 20 found them
+2.4-4.8x the quantising; docs/benchmarks.md). Shapes are `bench experts`' (`--shape`): one
+micro-batch's rows of that model's experts on one rank.
+
+Legend: N rows (token-expert pairs), T tokens (N / top-k), E local experts, H hidden, F expert FFN.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from disagmoe.bench.experts import SHAPES
+from disagmoe.bench.timing import environment, kernel_ms, median_ms
+
+HBM_PROBE_BYTES = 1 << 31  # the same-run copy: 2 GiB read and 2 GiB written
+
+
+@dataclass(frozen=True)
+class Case:
+    """One quantiser launch: its name, the input's shape, and the bytes it moves (read + written:
+    bf16 in, e4m3 out, a 4-byte scale per 128 values (per row for the rowwise one); the block copy
+    writes its values twice, the transposed copy beside them)."""
+
+    name: str
+    kind: str  # rows | swiglu | blocks | rowwise: which quantiser (`launch`)
+    shape: tuple[int, ...]
+    bytes: int
+
+
+def cases(shape: str) -> list[Case]:
+    """The quantisers one micro-batch of `shape` runs (`bench experts`' SHAPES), in step order."""
+    experts, hidden, ffn, top_k = SHAPES[shape].dims
+    rows = SHAPES[shape].pairs
+    tokens = rows // top_k
+
+    def group_bytes(*dims: int, read: int = 2, copies: int = 1) -> int:
+        values = 1
+        for d in dims:
+            values *= d
+        return values * read + copies * (values + 4 * values // 128)
+
+    return [
+        Case("x (and dy), 1 x 128", "rows", (rows, hidden), group_bytes(rows, hidden)),
+        Case("act from h13, 1 x 128", "swiglu", (rows, 2 * ffn), rows * 2 * ffn * 2 + group_bytes(rows, ffn, read=0)),
+        Case("d h13, 1 x 128", "rows", (rows, 2 * ffn), group_bytes(rows, 2 * ffn)),
+        Case("w13 and its transpose, 128 x 128", "blocks", (experts, hidden, 2 * ffn),
+             group_bytes(experts, hidden, 2 * ffn, copies=2)),
+        Case("a dense projection's input, rowwise", "rowwise", (tokens, hidden), tokens * hidden * 3 + 4 * tokens),
+    ]
+
+
+def launch(case: Case, x: torch.Tensor, stats_row: torch.Tensor | None) -> Callable[[int], object]:
+    """fn(i) running `case`'s quantiser on `x` (counting into `stats_row` where given)."""
+    from disagmoe.kernels import fp8, fp8_rowwise
+
+    if case.kind == "swiglu":
+        return lambda _: fp8.quantize_swiglu_rows(x, stats_row)
+    if case.kind == "rows":
+        return lambda _: fp8.quantize_rows(x, stats_row)
+    if case.kind == "blocks":
+        transposed = torch.empty((x.shape[0], x.shape[2], x.shape[1]), dtype=fp8.FP8, device=x.device)
+        return lambda _: fp8.quantize_blocks(x, stats_row, transposed_out=transposed)
+    return lambda _: fp8_rowwise.quantize_rowwise(x, stats_row)
+
+
+def run(shapes: list[str], warmup: int = 3, iters: int = 10, log: Callable[[str], None] = print) -> dict:
+    """Time every case of `shapes` without and with counters, and the HBM copy, on cuda:0."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
+        raise ValueError("`disagmoe bench quantise` times the FP8 quantisers on a GPU with FP8 tensor cores "
+                         "(sm_89 or newer); none is visible here")
+    from disagmoe.kernels.fp8_stats import ACTIVATIONS, Fp8Stats
+
+    device = torch.device("cuda", 0)
+    src = torch.empty(HBM_PROBE_BYTES // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    copy_gbps = 2 * HBM_PROBE_BYTES / median_ms(lambda _: dst.copy_(src), warmup, iters) / 1e6
+    del src, dst
+    stats = Fp8Stats(device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    rows = []
+    for shape in shapes:
+        for case in cases(shape):
+            log(f"{shape}: {case.name} {case.shape}")
+            x = torch.randn(case.shape, generator=gen, device=device, dtype=torch.bfloat16)
+            plain = kernel_ms(launch(case, x, None), warmup, iters)
+            counted = kernel_ms(launch(case, x, stats.row(ACTIVATIONS)), warmup, iters)
+            stats.reset()
+            rows.append({"shape": shape, "quantiser": case.name, "input": list(case.shape), "bytes": case.bytes,
+                         "ms": plain, "ms_with_counters": counted, "counters_cost": counted / plain,
+                         "gbps_with_counters": case.bytes / counted / 1e6,
+                         "of_copy_rate": case.bytes / counted / 1e6 / copy_gbps})
+            del x
+    return {"environment": environment(device), "copy_gbps": copy_gbps, "rows": rows}

@@ -1,0 +1,47 @@
+"""`disagmoe bench quantise`: its cases and their bytes (CPU), the refusal without an FP8 GPU, and a
+GPU run's record."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from disagmoe.bench import quantise
+from disagmoe.cli.app import app
+
+
+def test_the_cases_are_one_micro_batchs_quantisers_with_their_bytes():
+    """mixtral-8x7b (8 experts, H 4096, F 14336, top-2, 16k rows): x, act from h13, d h13, w13's two
+    copies and a dense input, each with the bytes it reads and writes (bf16 in, e4m3 out, fp32 scales)."""
+    by_kind = {}
+    for case in quantise.cases("mixtral-8x7b"):
+        by_kind.setdefault(case.kind, []).append(case)
+    rows, h, f, e = 16 * 1024, 4096, 14336, 8
+    x, dh13 = by_kind["rows"]
+    assert x.shape == (rows, h) and x.bytes == rows * h * 3 + rows * h // 32
+    assert dh13.shape == (rows, 2 * f) and dh13.bytes == rows * 2 * f * 3 + rows * 2 * f // 32
+    (act,) = by_kind["swiglu"]
+    assert act.bytes == rows * 2 * f * 2 + rows * f + rows * f // 32
+    (w13,) = by_kind["blocks"]
+    assert w13.shape == (e, h, 2 * f) and w13.bytes == e * h * 2 * f * 4 + 2 * (e * h * 2 * f // 32)
+    (dense,) = by_kind["rowwise"]
+    assert dense.shape == (rows // 2, h) and dense.bytes == rows // 2 * h * 3 + 4 * rows // 2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without an FP8 GPU")
+def test_without_an_fp8_gpu_the_command_says_so_and_exits_non_zero():
+    result = CliRunner().invoke(app, ["bench", "quantise", "--shape", "qwen3-30b-a3b"])
+    assert result.exit_code != 0 and "FP8 tensor cores" in result.output
+    assert "Traceback" not in result.output
+    assert CliRunner().invoke(app, ["bench", "quantise", "--shape", "nope"]).exit_code != 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="needs a GPU with FP8 tensor cores")
+def test_gpu_every_quantiser_is_timed_both_ways_against_the_copy_rate():
+    record = quantise.run(["qwen3-30b-a3b"], warmup=1, iters=2, log=lambda _: None)
+    assert record["copy_gbps"] > 100 and len(record["rows"]) == 5
+    for row in record["rows"]:
+        assert row["ms"] > 0 and row["ms_with_counters"] > 0 and 0 < row["of_copy_rate"] < 1.5
