@@ -538,6 +538,8 @@ def quantise(
     the weights' block copies, a dense projection's rowwise input) at one micro-batch of each shape,
     without and with their Fp8Stats counters, as GB/s against the HBM copy rate measured in the same
     run (they are HBM-bound passes: how far from it each runs, and what the counters cost).
+
+    \b
     Example: disagmoe bench quantise --shape mixtral-8x7b --shape qwen3-30b-a3b"""
     from disagmoe.bench import quantise as bench
 
