@@ -107,8 +107,12 @@ def step_split(windows: list[tuple[float, float]], intervals: list[tuple[float, 
     GPU activity inside it; "kernels" the union of the activities clipped to it; "idle between
     kernels" the rest between its first and last activity; "after last kernel" from the last one's
     end to the window's end. A window without activity counts whole before its (absent) first
-    kernel. Empty `windows`: every part zero."""
+    kernel. Also "between steps": the host's time from one window's end to the next one's start (the
+    loop's own work, outside what `bench train` times: the next batch, the step's record), averaged
+    over the pairs. Empty `windows`: every part zero."""
     parts = dict.fromkeys(("step", "before first kernel", "kernels", "idle between kernels", "after last kernel"), 0.0)
+    ordered = sorted(windows)
+    between = [b[0] - a[1] for a, b in zip(ordered, ordered[1:])]
     for start, end in windows:
         inside = sorted((max(s, start), min(e, end)) for s, e, _ in intervals if e > start and s < end)
         parts["step"] += end - start
@@ -123,7 +127,9 @@ def step_split(windows: list[tuple[float, float]], intervals: list[tuple[float, 
         parts["kernels"] += busy
         parts["idle between kernels"] += reach - inside[0][0] - busy
         parts["after last kernel"] += end - reach
-    return {part: total / len(windows) for part, total in parts.items()} if windows else parts
+    if windows:
+        parts = {part: total / len(windows) for part, total in parts.items()}
+    return {**parts, "between steps": sum(between) / len(between) if between else 0.0}
 
 
 def runtime_calls(host: list[tuple[float, float, str, bool]], windows: list[tuple[float, float]],

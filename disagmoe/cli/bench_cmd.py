@@ -517,7 +517,9 @@ def profile(
     console.print(gaps)
     split = record["step_split_ms"]
     console.print("a step as bench train times it (between the trainer's syncs): "
-                  + ", ".join(f"{part} {ms:.1f} ms" for part, ms in split.items()), markup=False)
+                  + ", ".join(f"{part} {ms:.1f} ms" for part, ms in split.items() if part != "between steps")
+                  + f"; and {split['between steps']:.1f} ms between steps (the loop's host work, untimed)",
+                  markup=False)
     calls = Table(title="the host's CUDA calls inside the steps, by total time")
     for col in ("call", "calls/step", "ms/step"):
         calls.add_column(col, justify="left" if col == "call" else "right")

@@ -188,9 +188,9 @@ def test_a_step_is_split_into_its_lead_kernels_gaps_and_tail() -> None:
                  (150 * ms, 210 * ms, "spills in"), (220 * ms, 250 * ms, "d")]  # step 2: one starts before it
     split = step_split(windows, intervals)
     want = {"step": 80, "before first kernel": 2.5, "kernels": (75 + 40) / 2, "idle between kernels": 10,
-            "after last kernel": 10}
+            "after last kernel": 10, "between steps": 100}
     assert split == pytest.approx({k: v * ms for k, v in want.items()})
-    assert sum(v for k, v in split.items() if k != "step") == pytest.approx(split["step"])
+    assert sum(v for k, v in split.items() if k not in ("step", "between steps")) == pytest.approx(split["step"])
     assert step_split([(0.0, 1.0)], [])["before first kernel"] == 1.0
     assert set(step_split([], intervals).values()) == {0.0}
 
