@@ -115,7 +115,9 @@ def _tile_stats(x, scaled, q, ok):
     finite = ok & (tl.abs(x) <= 3.4028234663852886e38)  # False for inf and NaN
     mag = tl.where(finite & (tl.abs(scaled) <= 3.4028234663852886e38), tl.abs(scaled), 0.0)  # x / NaN-scale
     amax_bits = tl.max(tl.max(mag, axis=1), axis=0).to(tl.int32, bitcast=True).to(tl.int64)
-    low = ((mag > _SATURATION_BOUND).to(tl.int32)
+    # saturated: a finite input past the bound, inf included (x / 0 where a scale underflowed to 0,
+    # as `fp8_stats.stats_reference` counts it); NaN (x / NaN-scale) compares false
+    low = ((finite & (tl.abs(scaled) > _SATURATION_BOUND)).to(tl.int32)
            | ((finite & (x != 0.0) & (q == 0.0)).to(tl.int32) << 16))  # saturated | underflow
     high = ok.to(tl.int32) | ((ok & ~finite).to(tl.int32) << 16)  # total | nonfinite
     return amax_bits, low, high

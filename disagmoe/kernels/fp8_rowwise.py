@@ -5,9 +5,9 @@ row's amax, writes the rows' e4m3 values and fp32 scales and, with a stats row, 
 for bit `fp8_dense.quantize_rowwise_reference`: scale = amax / 448 (correctly rounded), 1 for a zero row and for a row holding a NaN (torch's amax
 propagates the NaN, and NaN > 0 is false); a NaN quantises to NaN (e4m3 0x7F), clamped values
 to +-448, the rest rounded to nearest even (`fp8._round_to_e4m3`: Triton 3.6's interpreter casts
-fp32 -> fp8 wrongly, so the value is rounded first and the cast is exact). One difference in the
-counters: an fp32 row whose amax is below 448 x 2^-150 (unreachable from bf16) gets scale 0, and
-its x / 0 = inf values count as saturated in the reference, not here (`fp8._tile_stats`).
+fp32 -> fp8 wrongly, so the value is rounded first and the cast is exact). An fp32 row whose amax
+is below 448 x 2^-150 (unreachable from bf16) gets scale 0: its x / 0 = inf values saturate at
++-448 and count as saturated, here as in the reference.
 
 Legend: M rows, K the row length (the contraction of the GEMM the rows feed). x is read through
 its strides: a transposed view (`w.t()`, `dy.t()`, `x.t()`: rows of x^T are columns of x) is read

@@ -107,6 +107,13 @@ def test_clean_tiles_count_the_same_bits_as_element_by_element(interpreted):
     stats = Fp8Stats("cpu")
     q, s = fp8_rowwise.quantize_rowwise(x, stats.row(ACTIVATIONS))
     assert _read(stats, ACTIVATIONS) == stats_reference(x, s, q)
+    # an fp32 row too small for its scale (amax / 448 underflows to 0): x / 0 saturates, counted as such
+    tiny = x.clone()
+    tiny[5] = 1e-44
+    stats = Fp8Stats("cpu")
+    q, s = fp8_rowwise.quantize_rowwise(tiny, stats.row(ACTIVATIONS))
+    assert s[5].item() == 0.0 and _read(stats, ACTIVATIONS) == stats_reference(tiny, s, q)
+    assert _read(stats, ACTIVATIONS)[SATURATED] == 300
 
 
 @pytest.mark.parametrize("valid", [0, 13, 37, 50])
