@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import shutil
 
 import pytest
@@ -541,6 +542,29 @@ def test_cuda_fp8_steps_record_their_numerics_without_a_host_sync(tmp_path):
                     for r in records}
         assert len(elements) == 1  # the same shapes every step: each record counts its own step (reset)
         assert any(r["cuda_graph"] for r in records) == (graphs == "on")
+
+
+@pytest.mark.gpu
+def test_cuda_the_fp8_forward_and_backward_recipes_reach_the_trainers_experts(tmp_path):
+    """fp8_expert_forward / fp8_expert_backward set on the run reach every routed-expert module of the
+    single trainer, and a captured step with the down GEMM alone in FP8 trains (finite losses, the
+    activations counted: the SwiGLU output's quantisation, not x's)."""
+    from disagmoe.model.experts import RoutedExperts
+    from disagmoe.runtime.training.trainer import SingleProcessTrainer
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("needs FP8 tensor cores")
+    model = load_model("tiny").model_copy(update={"hidden_size": 256, "expert_ffn_size": 256})
+    cfg = tiny_run(tmp_path, model=model, steps=5, device="cuda", experts_backend="triton", precision="fp8",
+                   fp8_expert_forward="down", fp8_expert_backward="bf16", cuda_graphs="on", batch_size=8,
+                   seq_len=128, checkpoint_at_end=False)
+    trainer = SingleProcessTrainer(cfg)
+    experts = [m for m in trainer.model.modules() if isinstance(m, RoutedExperts)]
+    assert experts and all((e.fp8_forward, e.fp8_backward) == ("down", "bf16") for e in experts)
+    trainer.run()
+    records = read_metrics(tmp_path / "run" / METRICS_FILE)
+    assert len(records) == 5 and all(math.isfinite(r["loss"]) for r in records)
+    assert records[-1]["fp8_by_kind"]["activations"]["elements"] > 0
 
 
 @pytest.mark.gpu
