@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 import torch
 import yaml
 
-from disagmoe.bench.timing import environment, matmul_ceiling_tflops, median_ms
+from disagmoe.bench.timing import environment, hbm_copy_gbps, matmul_ceiling_tflops, median_ms
 from disagmoe.config import HardwareConfig
 
 
@@ -33,10 +33,7 @@ def measure(warmup: int = 5, iters: int = 20) -> Measured:
         raise ValueError("`disagmoe bench hardware` measures GPUs and needs a CUDA device; none is visible")
     dev0 = torch.device("cuda", 0)
     matmul = matmul_ceiling_tflops(dev0, warmup=warmup, iters=iters)
-    src = torch.randn(512 * 2**20, device=dev0)  # 2 GiB of fp32
-    dst = torch.empty_like(src)
-    nbytes = src.numel() * src.element_size()
-    hbm = 2 * nbytes / median_ms(lambda _: dst.copy_(src), warmup, iters) / 1e6
+    hbm = hbm_copy_gbps(dev0, warmup, iters)  # 2 GiB
     nvlink = latency = None
     if torch.cuda.device_count() > 1:
         dev1 = torch.device("cuda", 1)

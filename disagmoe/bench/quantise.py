@@ -20,9 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from disagmoe.bench.experts import SHAPES
-from disagmoe.bench.timing import environment, kernel_ms, median_ms
-
-HBM_PROBE_BYTES = 1 << 31  # the same-run copy: 2 GiB read and 2 GiB written
+from disagmoe.bench.timing import environment, hbm_copy_gbps, kernel_ms
 
 
 @dataclass(frozen=True)
@@ -81,10 +79,7 @@ def run(shapes: list[str], warmup: int = 3, iters: int = 10, log: Callable[[str]
     from disagmoe.kernels.fp8_stats import ACTIVATIONS, Fp8Stats
 
     device = torch.device("cuda", 0)
-    src = torch.empty(HBM_PROBE_BYTES // 4, dtype=torch.float32, device=device)
-    dst = torch.empty_like(src)
-    copy_gbps = 2 * HBM_PROBE_BYTES / median_ms(lambda _: dst.copy_(src), warmup, iters) / 1e6
-    del src, dst
+    copy_gbps = hbm_copy_gbps(device, warmup, iters)
     stats = Fp8Stats(device)
     gen = torch.Generator(device=device).manual_seed(0)
     rows = []

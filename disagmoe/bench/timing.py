@@ -67,6 +67,14 @@ def device_intervals(prof: Any) -> list[tuple[float, float, str]]:
             if a.device_type() == cuda and not a.is_user_annotation() and not a.name().startswith("ProfilerStep")]
 
 
+def hbm_copy_gbps(device: torch.device, warmup: int, iters: int, nbytes: int = 1 << 31) -> float:
+    """GB/s of a device-to-device copy of `nbytes` (read + written, so 2 x nbytes a copy), the median
+    of `iters` after `warmup`: the HBM rate a memory-bound pass can reach (`bench hardware`'s hbm)."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / median_ms(lambda _: dst.copy_(src), warmup, iters) / 1e6
+
+
 def host_events(prof: Any) -> list[tuple[float, float, str, bool]]:
     """(start s, end s, name, user range) of every host-side event a finished `torch.profiler.profile`
     recorded (ops, CUDA runtime calls such as cudaGraphLaunch or cudaStreamSynchronize, and the

@@ -164,6 +164,22 @@ def _clean_tile_counts(x, scaled, q, ok, scaled_max):
 
 
 @triton.jit
+def _no_counts():
+    """A persistent program's running counters before its first tile: (amax_bits, saturated,
+    underflow, total, nonfinite), int64 zeros (`_count_clean_tile` adds to them, `_add_counts` ends them)."""
+    zero = tl.zeros((), dtype=tl.int64)
+    return zero, zero, zero, zero, zero
+
+
+@triton.jit
+def _count_clean_tile(amax_bits, saturated, underflow, total, nonfinite, x, scaled, q, ok, scaled_max):
+    """The running counters with one tile's `_clean_tile_counts` added (AMAX a max, the rest sums)."""
+    tile_amax, tile_sat, tile_under, tile_total, tile_nonfinite = _clean_tile_counts(x, scaled, q, ok, scaled_max)
+    return (tl.maximum(amax_bits, tile_amax), saturated + tile_sat, underflow + tile_under, total + tile_total,
+            nonfinite + tile_nonfinite)
+
+
+@triton.jit
 def _add_counts(stats_ptr, amax_bits, saturated, underflow, total, nonfinite):
     """The five atomics of summed counters (`_tile_counts`) into stats_ptr's row."""
     tl.atomic_max(stats_ptr, amax_bits)
@@ -202,11 +218,7 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, stats_ptr, valid_ptr, M, K,
         rows_valid = tl.minimum(tl.load(valid_ptr), M)
     groups = tl.cdiv(K, _SCALE_BLOCK)
     tiles = tl.cdiv(rows_valid, BLOCK_M) * groups
-    amax_bits = tl.zeros((), dtype=tl.int64)
-    saturated = tl.zeros((), dtype=tl.int64)
-    underflow = tl.zeros((), dtype=tl.int64)
-    total = tl.zeros((), dtype=tl.int64)
-    nonfinite = tl.zeros((), dtype=tl.int64)
+    amax_bits, saturated, underflow, total, nonfinite = _no_counts()
     for tile in range(tl.program_id(0), tiles, tl.num_programs(0)):
         rows = (tile // groups) * BLOCK_M + tl.arange(0, BLOCK_M)
         group = tile % groups
@@ -224,14 +236,9 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, stats_ptr, valid_ptr, M, K,
         scaled = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
         q = _round_to_e4m3(scaled)
         if STATS:
-            scaled_max = tl.max(tl.math.div_rn(row_amax, scale), axis=0)
-            tile_amax, tile_sat, tile_under, tile_total, tile_nonfinite = _clean_tile_counts(x, scaled, q, ok,
-                                                                                            scaled_max)
-            amax_bits = tl.maximum(amax_bits, tile_amax)
-            saturated += tile_sat
-            underflow += tile_under
-            total += tile_total
-            nonfinite += tile_nonfinite
+            amax_bits, saturated, underflow, total, nonfinite = _count_clean_tile(
+                amax_bits, saturated, underflow, total, nonfinite, x, scaled, q, ok,
+                tl.max(tl.math.div_rn(row_amax, scale), axis=0))
         tl.store(q_ptr + rows64[:, None] * stride_qm + ks[None, :] * stride_qk,
                  q.to(q_ptr.dtype.element_ty), mask=ok)
         tl.store(s_ptr + rows64 * stride_sm + group * stride_sg, scale, mask=row_ok)
@@ -248,11 +255,7 @@ def _quantize_blocks_kernel(w_ptr, q_ptr, qt_ptr, s_ptr, stats_ptr, K, N, tiles_
     # (e, kb, nb) of w [E, K, N], each with its scale s[e, kb, nb]; STATS: the program's counters
     # summed over its blocks (`_clean_tile_counts`), added once. TRANSPOSED: each block's values are also
     # stored transposed into qt [E, N, K] (the copy a transposing pass would make).
-    amax_bits = tl.zeros((), dtype=tl.int64)
-    saturated = tl.zeros((), dtype=tl.int64)
-    underflow = tl.zeros((), dtype=tl.int64)
-    total = tl.zeros((), dtype=tl.int64)
-    nonfinite = tl.zeros((), dtype=tl.int64)
+    amax_bits, saturated, underflow, total, nonfinite = _no_counts()
     for block in range(tl.program_id(0), blocks, tl.num_programs(0)):
         expert = block // (tiles_k * tiles_n)
         kb = (block // tiles_n) % tiles_k
@@ -278,13 +281,8 @@ def _quantize_blocks_kernel(w_ptr, q_ptr, qt_ptr, s_ptr, stats_ptr, K, N, tiles_
             scaled = tl.math.div_rn(w, tl.broadcast_to(scale, w.shape))
             q = _round_to_e4m3(scaled)
             if STATS:
-                tile_amax, tile_sat, tile_under, tile_total, tile_nonfinite = _clean_tile_counts(w, scaled, q, ok,
-                                                                                                scaled_max)
-                amax_bits = tl.maximum(amax_bits, tile_amax)
-                saturated += tile_sat
-                underflow += tile_under
-                total += tile_total
-                nonfinite += tile_nonfinite
+                amax_bits, saturated, underflow, total, nonfinite = _count_clean_tile(
+                    amax_bits, saturated, underflow, total, nonfinite, w, scaled, q, ok, scaled_max)
             tl.store(q_ptr + e64 * stride_qe + ks[:, None] * stride_qk + ns[None, :] * stride_qn,
                      q.to(q_ptr.dtype.element_ty), mask=ok)
             if TRANSPOSED:

@@ -70,11 +70,7 @@ def _quantize_rowwise_kernel(x_ptr, q_ptr, s_ptr, stats_ptr, M, K, stride_xm, st
     # ONE_READ (K <= BLOCK_K): the rows are loaded once and kept; else a loop over BLOCK_K chunks
     # for the amax, then another for the values. STATS: the program's counters summed over its
     # chunks (`fp8._clean_tile_counts`), added once (`fp8._add_counts`).
-    amax_bits = tl.zeros((), dtype=tl.int64)
-    saturated = tl.zeros((), dtype=tl.int64)
-    underflow = tl.zeros((), dtype=tl.int64)
-    total = tl.zeros((), dtype=tl.int64)
-    nonfinite = tl.zeros((), dtype=tl.int64)
+    amax_bits, saturated, underflow, total, nonfinite = fp8._no_counts()
     for block in range(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.num_programs(0)):
         rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = rows < M
@@ -97,25 +93,15 @@ def _quantize_rowwise_kernel(x_ptr, q_ptr, s_ptr, stats_ptr, M, K, stride_xm, st
         if ONE_READ:
             scaled, q = _quantize_chunk(x, ks, ok, scale, q_ptr, rows64, stride_qm)
             if STATS:
-                tile_amax, tile_sat, tile_under, tile_total, tile_nonfinite = fp8._clean_tile_counts(
-                    x, scaled, q, ok, scaled_max)
-                amax_bits = tl.maximum(amax_bits, tile_amax)
-                saturated += tile_sat
-                underflow += tile_under
-                total += tile_total
-                nonfinite += tile_nonfinite
+                amax_bits, saturated, underflow, total, nonfinite = fp8._count_clean_tile(
+                    amax_bits, saturated, underflow, total, nonfinite, x, scaled, q, ok, scaled_max)
         else:
             for k0 in range(0, K, BLOCK_K):
                 x, ks, ok = _load_chunk(x_ptr, rows64, row_ok, k0, K, stride_xm, stride_xk, BLOCK_K)
                 scaled, q = _quantize_chunk(x, ks, ok, scale, q_ptr, rows64, stride_qm)
                 if STATS:
-                    tile_amax, tile_sat, tile_under, tile_total, tile_nonfinite = fp8._clean_tile_counts(
-                        x, scaled, q, ok, scaled_max)
-                    amax_bits = tl.maximum(amax_bits, tile_amax)
-                    saturated += tile_sat
-                    underflow += tile_under
-                    total += tile_total
-                    nonfinite += tile_nonfinite
+                    amax_bits, saturated, underflow, total, nonfinite = fp8._count_clean_tile(
+                        amax_bits, saturated, underflow, total, nonfinite, x, scaled, q, ok, scaled_max)
     if STATS:
         fp8._add_counts(stats_ptr, amax_bits, saturated, underflow, total, nonfinite)
 
