@@ -22,7 +22,7 @@ from disagmoe.bench.experts import ExpertShape
 from disagmoe.bench.timing import environment, median_ms
 from disagmoe.kernels import grouped_gemm as gg
 from disagmoe.kernels.moe_ffn import FFNTiles
-from disagmoe.kernels.tile_configs import TUNED_DIR, TileConfig, gpu_slug, heuristic, shape_class
+from disagmoe.kernels.tile_configs import FP8_ROLES, ROLES, TUNED_DIR, TileConfig, gpu_slug, heuristic, shape_class
 
 # (block_m, block_n, block_k, num_warps, num_stages, programs_per_sm[, flatten]); block_m tiles
 # the rows (for the weight gradients: the reduction over rows), block_n the output columns, block_k
@@ -91,8 +91,10 @@ def candidates(role: str) -> list[TileConfig]:
                           programs_per_sm=p, flatten=bool(rest and rest[0]),
                           **({"epilogue_chunk": rest[1]} if len(rest) > 1 else {}))
                for m, n, k, w, s, p, *rest in table]
-    if role.startswith("wgrad"):  # each tile both ways: the main gradient's add loaded and stored, or atomic
-        configs += [dataclasses.replace(c, atomic_accumulate=True) for c in configs]
+    if role.startswith("wgrad"):  # each tile both ways: the main gradient's add loaded and stored, or atomic;
+        # the atomic ones (every tuned winner since session 16) also with TMA loads
+        atomic = [dataclasses.replace(c, atomic_accumulate=True) for c in configs]
+        configs += atomic + [dataclasses.replace(c, tma=True) for c in atomic]
     if role in LIBRARY_ROLES:  # the library's grouped GEMM competes where it can run the launch
         configs.append(dataclasses.replace(heuristic(role), library=True))
     if role == "down_dgrad":  # the epilogue split off a plain GEMM (ours at the plain tiles, or the library's)
@@ -255,12 +257,22 @@ def tune_roles(launches: dict[str, Callable[[TileConfig], object]], dims: dict[s
     return results
 
 
+def check_roles(roles: list[str] | None, precision: str) -> None:
+    """ValueError naming the choices unless every one of `roles` is a role `precision` tunes."""
+    choices = FP8_ROLES if precision == "fp8" else ROLES
+    unknown = [role for role in roles or [] if role not in choices]
+    if unknown:
+        raise ValueError(f"--role {', '.join(unknown)}: --precision {precision} tunes {', '.join(choices)}")
+
+
 def tune(shapes: list[ExpertShape], warmup: int, iters: int, log: Callable[[str], None] = print,
-         precision: str = "bf16") -> dict:
+         precision: str = "bf16", roles: list[str] | None = None) -> dict:
     """Best tile per (role, shape class) with its time and the default's (the heuristic, or
-    `Fp8Tiles`' field), for every shape (fp8: the FP8 FFN's roles)."""
+    `Fp8Tiles`' field), for every shape (fp8: the FP8 FFN's roles), only `roles` where given (the
+    other classes' entries stay as the table has them)."""
     if precision not in ("bf16", "fp8"):
         raise ValueError(f"--precision {precision!r}: choose bf16 or fp8")
+    check_roles(roles, precision)
     if not torch.cuda.is_available():
         raise ValueError("`disagmoe bench tune-experts` needs a CUDA GPU (none is visible)")
     if precision == "fp8" and torch.cuda.get_device_capability() < (8, 9):
@@ -281,6 +293,8 @@ def tune(shapes: list[ExpertShape], warmup: int, iters: int, log: Callable[[str]
             dims = FFNTiles.gemm_dims(hidden, ffn)
             flops = {role: gemm_flops * (2 if role in ("gate_up", "gate_up_dgrad", "wgrad_w13") else 1)
                      for role in launches}
+        if roles:
+            launches = {role: launch for role, launch in launches.items() if role in roles}
         results.update(tune_roles(launches, dims, flops, shape.pairs, experts, name, time_ms, log))
         del launches
         torch.cuda.empty_cache()

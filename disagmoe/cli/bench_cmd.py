@@ -217,6 +217,9 @@ def tune_experts(
         help="bf16: the bf16 expert GEMMs' tiles, one per launch; fp8: the FP8 FFN's three tile choices "
              "(kernels.fp8_ffn.Fp8Tiles: rows, swiglu, wgrad, each with its K loop's promotion), each timed "
              "over the two launches it serves")] = "bf16",
+    role: Annotated[list[str] | None, typer.Option(
+        help="tune only this GEMM (repeatable; bf16: gate_up, down, down_dgrad, gate_up_dgrad, wgrad_w2, "
+             "wgrad_w13; fp8: fp8_rows, fp8_swiglu, fp8_wgrad); the other classes keep their entries")] = None,
     warmup: Annotated[int, typer.Option(help="untimed launches per candidate")] = 2,
     iters: Annotated[int, typer.Option(help="timed launches per candidate (median)")] = 10,
     out: Annotated[Path | None, typer.Option(
@@ -226,12 +229,17 @@ def tune_experts(
 
     The table is keyed by (GEMM, K, N, mean rows per expert rounded up to a power of 2); a run whose
     class was never tuned launches the heuristic tiles. `--config CFG` tunes exactly the classes
-    that run launches: `disagmoe bench tune-experts -c configs/h200x2-qwen3-30b.yaml micro_batches=2`."""
+    that run launches: `disagmoe bench tune-experts -c configs/h200x2-qwen3-30b.yaml micro_batches=2`;
+    `--role wgrad_w13 --role wgrad_w2` only the weight gradients."""
     from disagmoe.bench import tune_experts as tuner
     from disagmoe.bench.experts import SHAPES, shape_of_run
 
     if overrides and config is None:
         raise typer.BadParameter("key=value overrides apply to --config: give --config CFG with them")
+    try:
+        tuner.check_roles(role, precision)
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from None
     shapes = [SHAPES[n] for n in (_shape_names(shape) if shape or config is None else [])]
     if config is not None:
         import torch
@@ -240,7 +248,7 @@ def tune_experts(
 
         device = torch.device("cuda") if torch.cuda.is_available() else None
         shapes.append(shape_of_run(load_train_config(config, overrides), device))
-    record = tuner.tune(shapes, warmup, iters, log=console.print, precision=precision)
+    record = tuner.tune(shapes, warmup, iters, log=console.print, precision=precision, roles=role)
     path = tuner.write_tuned(record, out)
     console.print(f"wrote {len(record['results'])} tuned entries to {path}", markup=False)
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from disagmoe.kernels.tile_configs import TileConfig
 
@@ -276,12 +277,31 @@ def _rows_dot(a_ptr, b_ptr, row_start, row_end, ks, k_ok, cols, col_ok, acc,
 
 
 @triton.jit
+def _rows_dot_tma(a_desc, b_desc, a_ptr, b_ptr, row_start, row_end, k0, c0, ks, k_ok, cols, col_ok, acc,
+                  stride_am, stride_ak, stride_bm, stride_bc, BLOCK_M: tl.constexpr):
+    """`_rows_dot` with the whole BLOCK_M-row steps loaded by the tensor memory accelerator (TMA:
+    `a_desc` [N, KA] and `b_desc` [N, C] descriptors, boxes [BLOCK_M, BLOCK_K] and [BLOCK_M,
+    BLOCK_N] at the tile's first K index k0 and column c0), which writes them into shared memory
+    without the registers' address arithmetic; the last partial step (rows up to row_end: the next
+    row group's rows follow in the same tensors, and a TMA box cannot stop at them) with
+    `_rows_dot`'s masked loads."""
+    whole_end = row_start + (row_end - row_start) // BLOCK_M * BLOCK_M
+    for r0 in range(row_start, whole_end, BLOCK_M):
+        a_MK = a_desc.load([r0, k0])
+        b_MC = b_desc.load([r0, c0])
+        acc = tl.dot(a_MK.T, b_MC, acc)
+    return _rows_dot(a_ptr, b_ptr, whole_end, row_end, ks, k_ok, cols, col_ok, acc,
+                     stride_am, stride_ak, stride_bm, stride_bc, BLOCK_M)
+
+
+@triton.jit
 def _ragged_weight_grad_kernel(
-    a_ptr, b_ptr, out_ptr, offsets_ptr,
+    a_ptr, b_ptr, out_ptr, offsets_ptr, a_desc, b_desc,
     E, E_W, KA, C, num_programs,
     stride_am, stride_ak, stride_bm, stride_bc, stride_oe, stride_ok, stride_oc,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     FLATTEN: tl.constexpr, ACCUMULATE: tl.constexpr, BANDED: tl.constexpr, ATOMIC: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     # Contract: a [N, KA], b [N, C] rows in E row groups over E_W weights; out [E_W, KA, C],
     # out[e] = sum over groups g = e mod E_W of a[rows_g]^T @ b[rows_g] (ACCUMULATE: out += it,
@@ -290,6 +310,7 @@ def _ragged_weight_grad_kernel(
     # `fused_return.segment_major_order`): each work item reduces over its weight's groups in
     # ascending g; otherwise E == E_W and one group is one weight's rows.
     # BLOCK_K tiles KA (the output's rows), BLOCK_N tiles C, BLOCK_M steps the reduction over rows.
+    # TMA: a_desc and b_desc (TensorDescriptors of a and b) load the whole row steps (`_rows_dot_tma`).
     pid = tl.program_id(0)
     tiles_k = tl.cdiv(KA, BLOCK_K)
     tiles_n = tl.cdiv(C, BLOCK_N)
@@ -309,8 +330,16 @@ def _ragged_weight_grad_kernel(
             for group in range(expert, E, E_W):  # ascending g: one summation order, run to run
                 group_start = tl.load(offsets_ptr + group - 1, mask=group > 0, other=0)
                 group_end = tl.load(offsets_ptr + group)
-                acc = _rows_dot(a_ptr, b_ptr, group_start, group_end, ks, k_ok, cols, col_ok, acc,
-                                stride_am, stride_ak, stride_bm, stride_bc, BLOCK_M)
+                if TMA:
+                    acc = _rows_dot_tma(a_desc, b_desc, a_ptr, b_ptr, group_start, group_end, pid_k * BLOCK_K,
+                                        pid_n * BLOCK_N, ks, k_ok, cols, col_ok, acc,
+                                        stride_am, stride_ak, stride_bm, stride_bc, BLOCK_M)
+                else:
+                    acc = _rows_dot(a_ptr, b_ptr, group_start, group_end, ks, k_ok, cols, col_ok, acc,
+                                    stride_am, stride_ak, stride_bm, stride_bc, BLOCK_M)
+        elif TMA:
+            acc = _rows_dot_tma(a_desc, b_desc, a_ptr, b_ptr, row_start, row_end, pid_k * BLOCK_K, pid_n * BLOCK_N,
+                                ks, k_ok, cols, col_ok, acc, stride_am, stride_ak, stride_bm, stride_bc, BLOCK_M)
         else:
             acc = _rows_dot(a_ptr, b_ptr, row_start, row_end, ks, k_ok, cols, col_ok, acc,
                             stride_am, stride_ak, stride_bm, stride_bc, BLOCK_M)
@@ -544,14 +573,30 @@ def ragged_weight_grad(
         return out
     banded = groups != experts
     programs = num_programs or default_num_programs(a_NK.device) * config.programs_per_sm
+    tma = config.tma and tma_takes(a_NK) and tma_takes(b_NC)
+    a_desc = TensorDescriptor.from_tensor(a_NK, [config.block_m, config.block_k]) if tma else None
+    b_desc = TensorDescriptor.from_tensor(b_NC, [config.block_m, config.block_n]) if tma else None
     _ragged_weight_grad_kernel[(programs,)](
-        a_NK, b_NC, out, offsets_E,
+        a_NK, b_NC, out, offsets_E, a_desc, b_desc,
         groups, experts, k, cols, programs,
         a_NK.stride(0), a_NK.stride(1), b_NC.stride(0), b_NC.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         GROUP_M=config.group_m, FLATTEN=config.flatten and not banded, ACCUMULATE=accumulate,
-        BANDED=banded, ATOMIC=config.atomic_accumulate and accumulate and out.dtype == torch.float32,
+        BANDED=banded, ATOMIC=config.atomic_accumulate and accumulate and out.dtype == torch.float32, TMA=tma,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
+
+
+def tma_takes(t_NK: torch.Tensor) -> bool:
+    """Whether TMA can load `t_NK` (`TileConfig.tma`): rows contiguous, base address and row stride
+    16-byte aligned, and 16-bit elements on a Hopper or newer GPU (the MMA reads the transposed A box
+    from shared memory, which its tf32 form cannot) or any float in the CPU interpreter (which
+    emulates the descriptors: its tests run fp32); otherwise a launch asking for TMA loads through
+    pointers."""
+    if t_NK.dim() != 2 or t_NK.stride(1) != 1 or t_NK.data_ptr() % 16 or (t_NK.stride(0) * t_NK.element_size()) % 16:
+        return False
+    if t_NK.device.type == "cpu":
+        return True
+    return t_NK.dtype in (torch.bfloat16, torch.float16) and torch.cuda.get_device_capability(t_NK.device)[0] >= 9

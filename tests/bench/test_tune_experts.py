@@ -93,6 +93,28 @@ def test_the_command_refuses_overrides_without_a_config_and_needs_a_gpu(tmp_path
                                  "--out", str(tmp_path / "t.json")])
     assert no_gpu.exit_code != 0 and "needs a CUDA GPU" in no_gpu.output
     assert "Traceback" not in no_gpu.output and not (tmp_path / "t.json").exists()
+    wrong_role = runner.invoke(app, ["bench", "tune-experts", "--shape", "qwen3-30b-a3b", "--role", "fp8_wgrad"])
+    assert wrong_role.exit_code != 0 and "--precision bf16 tunes gate_up" in wrong_role.output
+    assert "Traceback" not in wrong_role.output
+
+
+def test_roles_limit_the_tuning_to_those_gemms(monkeypatch):
+    """`tune(..., roles=[...])` searches only those roles' launches (the other classes' entries stay in
+    the table as they are); the wgrad roles offer every atomic tile with TMA loads too."""
+    from disagmoe.bench import tune_experts as tuner
+
+    monkeypatch.setattr(tuner.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(tuner, "environment", lambda device: {"gpu": "test"})
+    monkeypatch.setattr(tuner, "role_launches", lambda shape, device: {role: None for role in tuner.ROLES})
+    searched = []
+    monkeypatch.setattr(tuner, "tune_roles", lambda launches, *a, **k: searched.append(sorted(launches)) or {})
+    from disagmoe.bench.experts import SHAPES
+
+    tuner.tune([SHAPES["qwen3-30b-a3b"]], 0, 1, log=lambda m: None, roles=["wgrad_w2", "wgrad_w13"])
+    assert searched == [["wgrad_w13", "wgrad_w2"]]
+    wgrad = tuner.candidates("wgrad_w13")
+    assert {(c.atomic_accumulate, c.tma) for c in wgrad} == {(False, False), (True, False), (True, True)}
+    assert not any(c.tma for c in tuner.candidates("down"))
 
 
 def test_winners_merge_into_the_table_the_launcher_reads(tmp_path):

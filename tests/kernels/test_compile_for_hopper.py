@@ -692,6 +692,35 @@ def test_the_atomic_weight_gradient_adds_with_reductions_and_no_spills(monkeypat
     assert [spills for atomic, _, spills in found if atomic] == [0, 0], found
 
 
+def test_the_tma_weight_gradient_loads_by_tensor_map_without_spills(monkeypatch):
+    """`TileConfig.tma` at the tuner's TMA wgrad tiles, bf16 rows into an fp32 main gradient with the
+    atomic epilogue, for sm_90a: the whole row steps load through the tensor maps (PTX
+    `cp.async.bulk.tensor`, the descriptors passed as kernel parameters), the MMA reads the
+    transposed A box from shared memory (`wgmma`), and no tile spills."""
+    import dataclasses
+
+    from disagmoe.bench import tune_experts as tuner
+    from disagmoe.kernels import grouped_gemm as gg
+
+    backend = make_backend(HOPPER)
+    found: list[tuple[bool, bool, int]] = []
+
+    def compile_and_look(self, *args, grid, warmup, **kwargs):
+        ptx = compile_for_hopper(self, backend, args, kwargs).asm["ptx"]
+        found.append(("cp.async.bulk.tensor" in ptx, "wgmma.mma_async" in ptx, spill_store_bytes(ptx)))
+
+    monkeypatch.setattr(JITFunction, "run", compile_and_look)
+    rows, experts, hidden, cols = 1024, 4, 256, 512
+    offsets = torch.tensor([256, 512, 768, 1024], dtype=torch.int32)
+    x, dh = torch.zeros(rows, hidden, dtype=torch.bfloat16), torch.zeros(rows, cols, dtype=torch.bfloat16)
+    main = torch.zeros(experts, hidden, cols)
+    tiles = [tile for tile in tuner.candidates("wgrad_w13") if tile.tma]
+    assert tiles and all(tile.atomic_accumulate for tile in tiles)
+    for tile in tiles:
+        gg.ragged_weight_grad(x, dh, offsets, tile, out=main, accumulate=True, num_programs=8)
+    assert found == [(True, True, 0)] * len(tiles), found
+
+
 def test_the_split_swiglu_gradient_epilogue_compiles_without_spills(usage):
     """`TileConfig.split_epilogue`: the plain down data gradient, then `swiglu_grad_rows` (with the
     recomputed SwiGLU output and the row dots, and without them) compile for sm_90a, and the

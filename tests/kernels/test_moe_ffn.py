@@ -243,6 +243,48 @@ def test_atomic_accumulation_is_the_load_add_store_sum_bit_for_bit(kernels, band
     assert torch.equal(half, half_atomic)
 
 
+@pytest.mark.parametrize("banded", [False, True], ids=["one-group-per-expert", "banded"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_tma_loads_give_the_pointer_loads_weight_gradient(kernels, banded, seed):
+    """`TileConfig.tma`: the whole row steps loaded through TensorDescriptors and each row group's last
+    partial step through masked pointers give the pointer-only kernel's bits (the same products summed
+    in the same order), for random ragged counts with empty experts and groups both shorter and longer
+    than the row step, K and C not multiples of their tiles, plain, accumulated and atomic; an operand
+    TMA cannot take (a row stride off 16 bytes) falls back to pointer loads with the same result."""
+    gg, _ = kernels
+    gen = torch.Generator().manual_seed(60 + seed)
+    experts = int(torch.randint(2, 6, (1,), generator=gen))
+    counts = [0 if i % 3 == 1 else int(torch.randint(1, 60, (1,), generator=gen)) for i in range(experts)]
+    k, c = (4 * int(v) for v in torch.randint(3, 12, (2,), generator=gen))  # rows of 16-byte multiples
+    rows = sum(counts)
+    if banded:
+        _, offsets = _banded(counts, BANDS, gen)
+    else:
+        offsets = torch.tensor(counts).cumsum(0).to(torch.int32)
+    a, b = torch.randn(rows, k, generator=gen), torch.randn(rows, c, generator=gen)
+    assert gg.tma_takes(a) and gg.tma_takes(b)
+    tma = dataclasses.replace(SMALL_TILES, tma=True)
+    want = _weight_grad_reference(a, b, offsets, experts)
+    for tiles in (SMALL_TILES, dataclasses.replace(SMALL_TILES, atomic_accumulate=True)):
+        start = torch.randn(experts, k, c, generator=gen)
+        plain, loaded = start.clone(), start.clone()
+        gg.ragged_weight_grad(a, b, offsets, tiles, out=plain, accumulate=True, weights=experts, num_programs=3)
+        gg.ragged_weight_grad(a, b, offsets, dataclasses.replace(tiles, tma=True), out=loaded, accumulate=True,
+                              weights=experts, num_programs=3)
+        assert torch.equal(plain, loaded)
+        assert _rel_err(loaded - start, want) < 1e-5
+    fresh = gg.ragged_weight_grad(a, b, offsets, tma, out=torch.full((experts, k, c), float("nan")),
+                                  weights=experts, num_programs=2)
+    assert torch.isfinite(fresh).all() and _rel_err(fresh, want) < 1e-5
+    assert all((fresh[e] == 0).all() for e in range(experts) if counts[e] == 0)
+    wide = torch.randn(rows, k + 1, generator=gen)
+    strided = wide[:, :k]  # a row stride of k + 1 fp32: not 16-byte aligned
+    assert not gg.tma_takes(strided)
+    fallback = gg.ragged_weight_grad(strided, b, offsets, tma, weights=experts, num_programs=2)
+    assert torch.equal(fallback, gg.ragged_weight_grad(strided, b, offsets, SMALL_TILES, weights=experts,
+                                                       num_programs=2))
+
+
 @pytest.mark.slow  # more than a few seconds on 2 cores (`pytest -m 'not slow'` skips it)
 @pytest.mark.parametrize("case", range(len(BANDED_CASES)))
 @pytest.mark.parametrize("main", [False, True], ids=["returned", "main-grads"])
@@ -418,6 +460,39 @@ def test_the_expert_stage_holds_back_a_triton_blocks_weight_gradients(kernels):
     local_expert_block(x.detach(), local, w, reference).sum().backward()
     assert _rel_err(experts.w13_EH2F.main_grad, reference.w13_EH2F.grad) < 1e-5
     assert _rel_err(experts.w2_EFH.main_grad, reference.w2_EFH.grad) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("banded", [False, True], ids=["one-group-per-expert", "banded"])
+def test_gpu_tma_weight_grads_add_the_pointer_loads_bits(banded):
+    """`TileConfig.tma` on the GPU: each tuner TMA wgrad tile, bf16 rows (ragged, an empty expert, row
+    groups not multiples of the row step) into an fp32 main gradient twice, the very bits of the same
+    tile loading through pointers (the same wgmma chain over the same rows; only the loads differ)."""
+    from disagmoe.bench import tune_experts as tuner
+    from disagmoe.kernels import grouped_gemm as gg
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    counts, k, c = [700, 0, 1300, 45], 512, 384
+    experts, rows = len(counts), sum(counts)
+    if banded:
+        _, offsets = _banded(counts, BANDS, torch.Generator().manual_seed(5))
+        offsets = offsets.cuda()
+    else:
+        offsets = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
+    a = torch.randn(rows, k, device="cuda", generator=gen).bfloat16()
+    b = torch.randn(rows, c, device="cuda", generator=gen).bfloat16()
+    assert gg.tma_takes(a) and gg.tma_takes(b)
+    start = torch.randn(experts, k, c, device="cuda", generator=gen)
+    want = start + 2 * _weight_grad_reference(a.float(), b.float(), offsets.cpu(), experts).cuda()
+    for tile in [t for t in tuner.candidates("wgrad_w13") if t.tma]:
+        pointers, loaded = start.clone(), start.clone()
+        for _ in range(2):
+            gg.ragged_weight_grad(a, b, offsets, dataclasses.replace(tile, tma=False), out=pointers, accumulate=True,
+                                  weights=experts)
+            gg.ragged_weight_grad(a, b, offsets, tile, out=loaded, accumulate=True, weights=experts)
+        torch.cuda.synchronize()
+        assert torch.equal(pointers, loaded), tile
+        assert _rel_err(loaded, want) < 1e-5, tile
 
 
 @pytest.mark.gpu
