@@ -80,6 +80,7 @@ def test_cli_times_the_single_mode():
     record = json.loads(r.stdout)
     (row,) = record["modes"]
     assert row["mode"] == "single" and row["median_step_s"] > 0 and row["speedup"] == 1.0 and row["busy"] == {}
+    assert len(row["step_times_s"]) == 4 and sorted(row["step_times_s"][1:])[1] == row["median_step_s"]
 
 
 def test_variants_run_every_mode_again_and_compare_with_the_first():
