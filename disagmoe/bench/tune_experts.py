@@ -52,6 +52,10 @@ WGRAD_CANDIDATES = [(64, 128, 128, 8, 3, 1), (64, 256, 128, 8, 3, 1), (64, 128, 
                     (64, 128, 128, 4, 3, 2), (64, 256, 128, 8, 2, 2), (32, 128, 128, 4, 3, 2),
                     (64, 256, 128, 8, 3, 1, True), (64, 128, 128, 4, 3, 2, True),
                     (32, 128, 128, 4, 3, 2, True)]
+# Deeper rings only the TMA loads have shared memory for (both operands' boxes in shared memory, no
+# register staging): offered atomic with TMA only (`candidates`).
+WGRAD_TMA_CANDIDATES = [(64, 256, 128, 8, 4, 1), (64, 256, 128, 8, 4, 1, True), (64, 128, 128, 4, 5, 1, True),
+                        (128, 128, 128, 8, 3, 1, True)]
 
 # FP8: (block_m, block_n, block_k, num_warps, num_stages, programs_per_sm, promote), each compiled
 # for sm_90a on a CPU first (ptxas spill stores and registers, the FP8 loop's wgmma waits: tests
@@ -94,7 +98,10 @@ def candidates(role: str) -> list[TileConfig]:
     if role.startswith("wgrad"):  # each tile both ways: the main gradient's add loaded and stored, or atomic;
         # the atomic ones (every tuned winner since session 16) also with TMA loads
         atomic = [dataclasses.replace(c, atomic_accumulate=True) for c in configs]
-        configs += atomic + [dataclasses.replace(c, tma=True) for c in atomic]
+        deeper = [TileConfig(block_m=m, block_n=n, block_k=k, num_warps=w, num_stages=s, programs_per_sm=p,
+                             flatten=bool(rest and rest[0]), atomic_accumulate=True, tma=True)
+                  for m, n, k, w, s, p, *rest in WGRAD_TMA_CANDIDATES]
+        configs += atomic + [dataclasses.replace(c, tma=True) for c in atomic] + deeper
     if role in LIBRARY_ROLES:  # the library's grouped GEMM competes where it can run the launch
         configs.append(dataclasses.replace(heuristic(role), library=True))
     if role == "down_dgrad":  # the epilogue split off a plain GEMM (ours at the plain tiles, or the library's)
