@@ -56,6 +56,7 @@ def run(cfg: TrainConfig, steps: int, warmup: int, log: Callable[[str], None],
 
     from disagmoe.runtime.training.trainer import TIMED_STEP_RANGE, SingleProcessTrainer
 
+    warmup = warmup_past_capture(cfg, warmup, log)
     trainer = SingleProcessTrainer(cfg.model_copy(update={"mode": "single", "steps": warmup + steps,
                                                           "trace": False, "checkpoint_minutes": 0}))
     for _ in range(warmup):
@@ -88,7 +89,7 @@ def run(cfg: TrainConfig, steps: int, warmup: int, log: Callable[[str], None],
         by_category[category(name)] = by_category.get(category(name), 0.0) + seconds
     ranked = sorted(kernels.items(), key=lambda kv: -kv[1])[:top]
     per = max(len(windows), 1)
-    return {"steps": steps, "wall_s_per_step": wall_s / steps, "gpu_busy": busy_s / wall_s,
+    return {"steps": steps, "warmup": warmup, "wall_s_per_step": wall_s / steps, "gpu_busy": busy_s / wall_s,
             "kernel_ms_per_step": kernel_s * 1e3 / steps,
             "categories": {c: s / kernel_s for c, s in sorted(by_category.items(), key=lambda kv: -kv[1])},
             "kernels": [{"name": n[:120], "ms_per_step": s * 1e3 / steps, "share": s / kernel_s,
@@ -99,6 +100,22 @@ def run(cfg: TrainConfig, steps: int, warmup: int, log: Callable[[str], None],
             "step_split_ms": {part: s * 1e3 for part, s in step_split(windows, intervals).items()},
             "runtime_calls": [{"name": n[:120], "ms_per_step": s * 1e3 / per, "calls": c / per}
                               for n, (c, s) in runtime_calls(host, windows)[:8]]}
+
+
+def warmup_past_capture(cfg: TrainConfig, warmup: int, log: Callable[[str], None]) -> int:
+    """The warm-up steps to run before profiling: `warmup`, or where the step is captured
+    (`graphed_step.resolve_cuda_graphs`) at least through the capture step (the first after
+    `graphed_step.WARMUP_STEPS` eager ones), so that every profiled step is a replay: the capture's
+    host work (allocations, instantiation) leaves the GPU idle for a step's worth of time, which
+    no replay has (session 21's Qwen3 profile read 120 ms of idle a step from it)."""
+    from disagmoe.runtime.training.graphed_step import WARMUP_STEPS, resolve_cuda_graphs
+
+    captured, _ = resolve_cuda_graphs(cfg.model_copy(update={"mode": "single"}))
+    if not captured or warmup > WARMUP_STEPS:
+        return warmup
+    log(f"warming up {WARMUP_STEPS + 1} steps, not {warmup}: the step is captured on step {WARMUP_STEPS + 1}, "
+        "and the profiled steps are replays")
+    return WARMUP_STEPS + 1
 
 
 def step_split(windows: list[tuple[float, float]], intervals: list[tuple[float, float, str]]) -> dict[str, float]:

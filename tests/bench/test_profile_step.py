@@ -203,3 +203,21 @@ def test_runtime_calls_count_the_hosts_cuda_calls_inside_the_steps() -> None:
             (0.0, 0.1, "disagmoe timed step", True), (0.02, 0.04, "aten::copy_", False)]
     assert runtime_calls(host, [(0.0, 0.1)]) == [("cudaGraphLaunch", (2, pytest.approx(0.021))),
                                                  ("cudaStreamSynchronize", (1, pytest.approx(0.01)))]
+
+
+def test_a_captured_config_is_profiled_after_its_capture_step() -> None:
+    """`warmup_past_capture`: where the step is captured (cuda_graphs auto on a single CUDA run), the
+    warm-up runs through the capture step (WARMUP_STEPS + 1) and says so; more warm-up is kept; an
+    eager run keeps what it was given."""
+    from disagmoe.bench.profile_step import warmup_past_capture
+    from disagmoe.config import load_train_config
+    from disagmoe.runtime.training.graphed_step import WARMUP_STEPS
+
+    cfg = load_train_config("configs/tiny-cpu.yaml", ["device=cuda", "mode=single", "experts_backend=triton"])
+    said: list[str] = []
+    assert warmup_past_capture(cfg, 0, said.append) == WARMUP_STEPS + 1
+    assert said and f"captured on step {WARMUP_STEPS + 1}" in said[0]
+    said.clear()
+    assert warmup_past_capture(cfg, WARMUP_STEPS + 2, said.append) == WARMUP_STEPS + 2 and not said
+    eager = cfg.model_copy(update={"cuda_graphs": "off"})
+    assert warmup_past_capture(eager, 1, said.append) == 1 and not said
