@@ -102,6 +102,9 @@ def candidates(role: str) -> list[TileConfig]:
                              flatten=bool(rest and rest[0]), atomic_accumulate=True, tma=True)
                   for m, n, k, w, s, p, *rest in WGRAD_TMA_CANDIDATES]
         configs += atomic + [dataclasses.replace(c, tma=True) for c in atomic] + deeper
+    if not role.startswith("wgrad"):  # each row GEMM tile also with TMA loads (`grouped_gemm.rows_gemm_descriptors`),
+        # but the flattened gate/up ones: two accumulators and the fused loop spill more with TMA (sm_90a ptxas)
+        configs += [dataclasses.replace(c, tma=True) for c in configs if not (role == "gate_up" and c.flatten)]
     if role in LIBRARY_ROLES:  # the library's grouped GEMM competes where it can run the launch
         configs.append(dataclasses.replace(heuristic(role), library=True))
     if role == "down_dgrad":  # the epilogue split off a plain GEMM (ours at the plain tiles, or the library's)

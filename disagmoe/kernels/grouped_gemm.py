@@ -86,15 +86,16 @@ def _signal_rows_landed(rows, row_ok, seg_ptr, expected_ptr, counters_ptr, flags
 @triton.jit(do_not_specialize=["seq"])  # `signal.MESSAGE_VALUES`
 def _ragged_rows_gemm_kernel(
     a_ptr, b_ptr, out_ptr, h13_ptr, dst_rows_ptr, offsets_ptr, act_ptr,
-    a_rows_ptr, scale_ptr, rowdot_ptr,
+    a_rows_ptr, scale_ptr, rowdot_ptr, a_desc, b_desc,
     seg_ptr, expected_ptr, counters_ptr, flags_ptr, seq, n_segments,
-    E, E_W, K, C, F_UP, num_programs, n_rows,
+    E, E_W, K, C, F_UP, num_programs, n_rows, B_ROWS,
     stride_am, stride_ak, stride_be, stride_bk, stride_bc,
     stride_om, stride_oc, stride_hm, stride_hc, stride_xm, stride_xc,
     EPILOGUE: tl.constexpr, SCATTER: tl.constexpr, SAVE_H13: tl.constexpr, SIGNAL: tl.constexpr,
     SAVE_ACT: tl.constexpr, GATHER_A: tl.constexpr, ROW_SCALE: tl.constexpr,
     E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, FLATTEN: tl.constexpr, EPI_CHUNK: tl.constexpr,
+    TMA: tl.constexpr, B_T: tl.constexpr,
 ):
     # EPILOGUE: 0 plain, 1 SwiGLU, 2 SwiGLU gradient (the EPILOGUE_* constants below the imports).
     # Contract: a [N, K] rows grouped by expert; b [E, K, C(+F_UP)] any strides; out [*, C] (or
@@ -108,6 +109,12 @@ def _ragged_rows_gemm_kernel(
     # columns per step (`_swiglu_grad_epilogue`).
     # E row groups over E_W weights: group g multiplies by b[g mod E_W] (E == E_W: one group per
     # expert; segment-major order, `fused_return.segment_major_order`: E = segments x E_W).
+    # TMA (`TileConfig.tma`; not GATHER_A, EVEN_K): a_desc [N, K] and b_desc load the operands' boxes: b_desc
+    # is the weights as [E_W x B_ROWS, width] rows (B_ROWS = K, boxes [BLOCK_K, BLOCK_N]), or with B_T
+    # (b a transposed view) as [E_W x B_ROWS, K] (B_ROWS = the weight's columns, boxes [BLOCK_N, BLOCK_K],
+    # transposed in shared memory). A box's rows past the group's last row (the next group's, or zeros
+    # past N) and columns past C (the up columns, the next weight's, or zeros) reach only output rows
+    # and columns the stores mask: each output element reads its own row of a and column of b.
     pid = tl.program_id(0)
     tiles_n = tl.cdiv(C, BLOCK_N)
     idx, item_ends = _item_table(offsets_ptr, E, tiles_n, BLOCK_M, E_POW2)
@@ -145,8 +152,15 @@ def _ragged_rows_gemm_kernel(
                 scale = tl.zeros((BLOCK_M,), dtype=tl.float32)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        b_row = (expert % E_W) * B_ROWS
         for k0 in range(0, K, BLOCK_K):
-            if EVEN_K:
+            if TMA:
+                a = a_desc.load([row_start + pid_m * BLOCK_M, k0])
+                if B_T:
+                    b = b_desc.load([b_row + pid_n * BLOCK_N, k0]).T
+                else:
+                    b = b_desc.load([b_row + k0, pid_n * BLOCK_N])
+            elif EVEN_K:
                 a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
                 b = tl.load(b_ptrs, mask=col_ok[None, :], other=0.0)
             else:
@@ -155,7 +169,12 @@ def _ragged_rows_gemm_kernel(
                 b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
             acc = tl.dot(a, b, acc)
             if EPILOGUE == 1:
-                if EVEN_K:
+                if TMA:
+                    if B_T:
+                        b_up = b_desc.load([b_row + F_UP + pid_n * BLOCK_N, k0]).T
+                    else:
+                        b_up = b_desc.load([b_row + k0, F_UP + pid_n * BLOCK_N])
+                elif EVEN_K:
                     b_up = tl.load(b_ptrs + F_UP * stride_bc, mask=col_ok[None, :], other=0.0)
                 else:
                     b_up = tl.load(b_ptrs + F_UP * stride_bc, mask=k_ok[:, None] & col_ok[None, :],
@@ -445,11 +464,13 @@ def ragged_rows_gemm(
     programs = num_programs or default_num_programs(a_NK.device) * config.programs_per_sm
     act = act_N_C if act_N_C is not None else out
     scale, rowdot = row_scale if row_scale is not None else (out, out)
+    descs = rows_gemm_descriptors(a_NK, b_EKC, config) if a_rows_N is None and k % config.block_k == 0 else None
+    a_desc, b_desc, b_rows, b_t = descs or (None, None, 0, False)
     _ragged_rows_gemm_kernel[(programs,)](
         a_NK, b_EKC, out, h13, dst, offsets_E, act,
-        a_rows_N if a_rows_N is not None else offsets_E, scale, rowdot,
+        a_rows_N if a_rows_N is not None else offsets_E, scale, rowdot, a_desc, b_desc,
         sig.seg_N, sig.expected_S, sig.counters_S, sig.flags_S, sig.seq, sig.expected_S.numel(),
-        groups, experts, k, cols, cols, programs, n_rows,
+        groups, experts, k, cols, cols, programs, n_rows, b_rows,
         a_NK.stride(0), a_NK.stride(1), b_EKC.stride(0), b_EKC.stride(1), b_EKC.stride(2),
         out.stride(0), out.stride(1), h13.stride(0), h13.stride(1), act.stride(0), act.stride(1),
         EPILOGUE=epilogue, SCATTER=dst_rows_N is not None,
@@ -457,10 +478,31 @@ def ragged_rows_gemm(
         SAVE_ACT=act_N_C is not None, GATHER_A=a_rows_N is not None, ROW_SCALE=row_scale is not None,
         E_POW2=triton.next_power_of_2(groups), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, GROUP_M=config.group_m, EVEN_K=k % config.block_k == 0,
-        FLATTEN=config.flatten, EPI_CHUNK=epi_chunk,
+        FLATTEN=config.flatten, EPI_CHUNK=epi_chunk, TMA=descs is not None, B_T=b_t,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
+
+
+def rows_gemm_descriptors(a_NK: torch.Tensor, b_EKC: torch.Tensor, config: TileConfig,
+                          ) -> tuple[TensorDescriptor, TensorDescriptor, int, bool] | None:
+    """(a's descriptor, b's, b's rows per weight, whether b's is its transpose) for a row GEMM's TMA loads
+    (`TileConfig.tma`, `_ragged_rows_gemm_kernel`), or None where the launch loads through pointers: no
+    `tma` in the config, or an operand TMA cannot take (`tma_takes`: a, and the weights seen as the
+    2-D rows of a [E, K, width] tensor with contiguous columns, or of its transpose's)."""
+    if not config.tma or not tma_takes(a_NK):
+        return None
+    experts, k, width = b_EKC.shape
+    a_desc = TensorDescriptor.from_tensor(a_NK, [config.block_m, config.block_k])
+    if b_EKC.stride(2) == 1 and b_EKC.stride(0) == k * b_EKC.stride(1):  # [E, K, width] rows
+        rows_KC = b_EKC.as_strided((experts * k, width), (b_EKC.stride(1), 1))
+        if tma_takes(rows_KC):
+            return a_desc, TensorDescriptor.from_tensor(rows_KC, [config.block_k, config.block_n]), k, False
+    if b_EKC.stride(1) == 1 and b_EKC.stride(0) == width * b_EKC.stride(2):  # a transposed [E, width, K]
+        rows_CK = b_EKC.as_strided((experts * width, k), (b_EKC.stride(2), 1))
+        if tma_takes(rows_CK):
+            return a_desc, TensorDescriptor.from_tensor(rows_CK, [config.block_n, config.block_k]), width, True
+    return None
 
 
 @triton.jit

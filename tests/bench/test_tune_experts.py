@@ -100,7 +100,8 @@ def test_the_command_refuses_overrides_without_a_config_and_needs_a_gpu(tmp_path
 
 def test_roles_limit_the_tuning_to_those_gemms(monkeypatch):
     """`tune(..., roles=[...])` searches only those roles' launches (the other classes' entries stay in
-    the table as they are); the wgrad roles offer every atomic tile with TMA loads too."""
+    the table as they are); the wgrad roles offer every atomic tile with TMA loads too, the row GEMMs
+    every tile but the library's and the flattened gate/up ones."""
     from disagmoe.bench import tune_experts as tuner
 
     monkeypatch.setattr(tuner.torch.cuda, "is_available", lambda: True)
@@ -114,7 +115,9 @@ def test_roles_limit_the_tuning_to_those_gemms(monkeypatch):
     assert searched == [["wgrad_w13", "wgrad_w2"]]
     wgrad = tuner.candidates("wgrad_w13")
     assert {(c.atomic_accumulate, c.tma) for c in wgrad} == {(False, False), (True, False), (True, True)}
-    assert not any(c.tma for c in tuner.candidates("down"))
+    down = tuner.candidates("down")
+    assert any(c.tma for c in down) and not any(c.tma and c.library for c in down)
+    assert not any(c.tma and c.flatten for c in tuner.candidates("gate_up"))
 
 
 def test_winners_merge_into_the_table_the_launcher_reads(tmp_path):

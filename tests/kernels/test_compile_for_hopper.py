@@ -721,6 +721,63 @@ def test_the_tma_weight_gradient_loads_by_tensor_map_without_spills(monkeypatch)
     assert found == [(True, True, 0)] * len(tiles), found
 
 
+def test_the_tma_row_gemms_load_by_tensor_map_without_spills(monkeypatch):
+    """`TileConfig.tma` in the row GEMMs at every TMA tile the tuner offers, bf16, for sm_90a: the gate/up
+    SwiGLU launch and the down launch (weights as rows), the down data gradient with its fused
+    SwiGLU-gradient epilogue and the gate/up data gradient (transposed weights): each loads through the
+    tensor maps (`cp.async.bulk.tensor`) and runs wgmma, and spills no more than the same tile loading
+    through pointers (found here: the flattened 128 x 128 x 32 gate/up tile spills 24 bytes with pointers,
+    52 with TMA: left out of the TMA candidates; the plain one 4 and 0); a gathered A loads through
+    pointers (no tensor map)."""
+    import dataclasses
+
+    from disagmoe.bench import tune_experts as tuner
+    from disagmoe.kernels import grouped_gemm as gg
+
+    backend = make_backend(HOPPER)
+    found: list[tuple[str, bool, bool, int]] = []
+    label = [""]
+
+    def compile_and_look(self, *args, grid, warmup, **kwargs):
+        ptx = compile_for_hopper(self, backend, args, kwargs).asm["ptx"]
+        found.append((label[0], "cp.async.bulk.tensor" in ptx, "wgmma.mma_async" in ptx, spill_store_bytes(ptx)))
+
+    monkeypatch.setattr(JITFunction, "run", compile_and_look)
+    rows, experts, hidden, ffn = 1024, 4, 512, 256
+    offsets = torch.tensor([256, 512, 768, 1024], dtype=torch.int32)
+    bf16 = dict(dtype=torch.bfloat16)
+    x, dy = torch.zeros(rows, hidden, **bf16), torch.zeros(rows, hidden, **bf16)
+    h13, dh13 = torch.zeros(rows, 2 * ffn, **bf16), torch.zeros(rows, 2 * ffn, **bf16)
+    act = torch.zeros(rows, ffn, **bf16)
+    w13, w2 = torch.zeros(experts, hidden, 2 * ffn, **bf16), torch.zeros(experts, ffn, hidden, **bf16)
+    launches = {
+        "gate_up": lambda c: gg.ragged_rows_gemm(x, offsets, w13, c, epilogue=gg.EPILOGUE_SWIGLU, h13_N2C=h13,
+                                                 num_programs=8),
+        "down": lambda c: gg.ragged_rows_gemm(act, offsets, w2, c, num_programs=8),
+        "down_dgrad": lambda c: gg.ragged_rows_gemm(dy, offsets, w2.transpose(1, 2), c, epilogue=gg.EPILOGUE_SWIGLU_GRAD,
+                                                    h13_N2C=h13, num_programs=8),
+        "gate_up_dgrad": lambda c: gg.ragged_rows_gemm(dh13, offsets, w13.transpose(1, 2), c, num_programs=8),
+    }
+    bad = []
+    for role, launch in launches.items():
+        for tile in tuner.candidates(role):
+            if tile.tma and not tile.library and not tile.split_epilogue:
+                label[0] = f"{role} {tile}"
+                launch(tile)
+                if found[-1][1:3] != (True, True):
+                    bad.append(found[-1])
+                elif found[-1][3]:  # spills: no more than its pointer-loading twin
+                    launch(dataclasses.replace(tile, tma=False))
+                    if found[-2][3] > found[-1][3]:
+                        bad.append((found[-2], found[-1][3]))
+    assert {label.split()[0] for label, *_ in found} == set(launches)
+    assert not bad, bad
+    found.clear()
+    gathered = next(t for t in tuner.candidates("down") if t.tma)
+    gg.ragged_rows_gemm(act, offsets, w2, gathered, a_rows_N=torch.arange(rows, dtype=torch.int32), num_programs=8)
+    assert [f[1] for f in found] == [False]
+
+
 def test_the_split_swiglu_gradient_epilogue_compiles_without_spills(usage):
     """`TileConfig.split_epilogue`: the plain down data gradient, then `swiglu_grad_rows` (with the
     recomputed SwiGLU output and the row dots, and without them) compile for sm_90a, and the

@@ -285,6 +285,40 @@ def test_tma_loads_give_the_pointer_loads_weight_gradient(kernels, banded, seed)
                                                        num_programs=2))
 
 
+@pytest.mark.parametrize("counts,hidden,ffn", [
+    ([5, 0, 37, 1], 32, 48), ([0, 50, 0], 64, 16),
+    pytest.param([17, 16, 0, 33, 2], 48, 40, marks=pytest.mark.slow)],  # 6.5 s on 2 cores
+    ids=["ragged", "one-expert", "k-off-the-tile"])
+def test_tma_row_gemms_give_the_pointer_loads_ffn(kernels, counts, hidden, ffn):
+    """`TileConfig.tma` in the row GEMMs (`rows_gemm_descriptors`): the gate/up SwiGLU launch and the down
+    launch (weights as [E x K, width] rows), the down data gradient with its SwiGLU-gradient epilogue and
+    the gate/up data gradient (transposed weights, boxes transposed in shared memory), then the weight
+    gradients: the forward, dx, dw13 and dw2 are the pointer-loading FFN's very bits, for ragged counts
+    with empty experts (a box's rows past its group and columns past C reach only masked outputs); a K
+    off the tile (ffn 40 against 16-wide K tiles) loads the down GEMM through pointers, the same bits."""
+    gg, moe_ffn = kernels
+    x, offsets, w13, w2 = _inputs(counts, hidden, ffn, torch.float32, "cpu", seed=len(counts))
+    dy = torch.randn(x.shape[0], hidden, generator=torch.Generator().manual_seed(9))
+    tma = dataclasses.replace(SMALL_TILES, tma=True)
+    assert gg.rows_gemm_descriptors(x, w13, tma)[2:] == (hidden, False)
+    assert gg.rows_gemm_descriptors(dy, w2.transpose(1, 2), tma)[2:] == (ffn, True)
+    assert gg.rows_gemm_descriptors(x, w13, SMALL_TILES) is None
+    results = []
+    for tiles in (SMALL_TILES, tma):
+        leaves = [t.clone().requires_grad_() for t in (x, w13, w2)]
+        y = moe_ffn.expert_ffn_triton(leaves[0], offsets, leaves[1], leaves[2], tiles=moe_ffn.FFNTiles.uniform(tiles),
+                                      num_programs=3)
+        y.backward(dy)
+        results.append([y.detach(), *(leaf.grad for leaf in leaves)])
+    for pointers, loaded in zip(*results):
+        assert torch.equal(pointers, loaded)
+    ref_leaves = [t.clone().requires_grad_() for t in (x, w13, w2)]
+    y_ref = moe_ffn.expert_ffn_reference(ref_leaves[0], offsets, ref_leaves[1], ref_leaves[2])
+    y_ref.backward(dy)
+    assert _rel_err(results[1][0], y_ref) < 1e-5
+    assert all(_rel_err(got, leaf.grad) < 1e-5 for got, leaf in zip(results[1][1:], ref_leaves))
+
+
 @pytest.mark.slow  # more than a few seconds on 2 cores (`pytest -m 'not slow'` skips it)
 @pytest.mark.parametrize("case", range(len(BANDED_CASES)))
 @pytest.mark.parametrize("main", [False, True], ids=["returned", "main-grads"])
@@ -355,6 +389,33 @@ def test_gpu_bf16_forward_backward(counts, hidden, ffn, tile):
     assert _rel_err(y, y_ref) < 1e-2
     for got, want in zip(leaves, ref_leaves):
         assert _rel_err(got.grad, want.grad) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("counts,hidden,ffn", [([300, 0, 1000, 7], 512, 384), ([129, 511, 64, 3, 900], 1024, 320)])
+def test_gpu_tma_row_gemms_give_the_pointer_loads_ffn(counts, hidden, ffn):
+    """`TileConfig.tma` in every GEMM of the bf16 FFN on the GPU (the row GEMMs' descriptors, weights as rows
+    and transposed; the weight gradients'), at the heuristic tiles: the forward and the three gradients are
+    the pointer-loading FFN's very bits, for ragged counts with an empty expert."""
+    from disagmoe.kernels import grouped_gemm as gg
+    from disagmoe.kernels import moe_ffn
+    from disagmoe.kernels.tile_configs import heuristic
+
+    x, offsets, w13, w2 = _inputs(counts, hidden, ffn, torch.bfloat16, "cuda", seed=4)
+    dy = torch.randn_like(x)
+    assert gg.rows_gemm_descriptors(x, w13, dataclasses.replace(heuristic("gate_up"), tma=True)) is not None
+    results = []
+    for tma in (False, True):
+        tiles = moe_ffn.FFNTiles(**{role: dataclasses.replace(heuristic(role), tma=tma)
+                                    for role in ("gate_up", "down", "down_dgrad", "gate_up_dgrad", "wgrad_w2",
+                                                 "wgrad_w13")})
+        leaves = [t.clone().requires_grad_() for t in (x, w13, w2)]
+        y = moe_ffn.expert_ffn_triton(leaves[0], offsets, leaves[1], leaves[2], tiles=tiles)
+        y.backward(dy)
+        results.append([y.detach(), *(leaf.grad for leaf in leaves)])
+    torch.cuda.synchronize()
+    for pointers, loaded in zip(*results):
+        assert torch.equal(pointers, loaded)
 
 
 @pytest.mark.gpu
