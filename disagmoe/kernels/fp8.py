@@ -201,6 +201,28 @@ def _add_stats(stats_ptr, amax_bits, low, high):
 
 
 @triton.jit
+def _rows_tile(x_ptr, tile, groups, rows_valid, K, stride_xm, stride_xk, BLOCK_M: tl.constexpr, SWIGLU: tl.constexpr):
+    """`_quantize_rows_kernel`'s tile `tile`: (x fp32 [BLOCK_M, 128] (zeros outside ok), ok, the rows
+    counted and written, their indices (int64), the scale group, its columns ks, each row's amax and
+    scale, x / scale, its e4m3 values)."""
+    rows = (tile // groups) * BLOCK_M + tl.arange(0, BLOCK_M)
+    group = tile % groups
+    ks = group * _SCALE_BLOCK + tl.arange(0, _SCALE_BLOCK)
+    row_ok = rows < rows_valid
+    ok = row_ok[:, None] & (ks < K)[None, :]
+    rows64 = rows.to(tl.int64)
+    x = tl.load(x_ptr + rows64[:, None] * stride_xm + ks[None, :] * stride_xk, mask=ok, other=0.0)
+    x = x.to(tl.float32)
+    if SWIGLU:
+        up = tl.load(x_ptr + rows64[:, None] * stride_xm + (K + ks)[None, :] * stride_xk, mask=ok, other=0.0)
+        x = tl.where(ok, x * tl.sigmoid(x) * up.to(tl.float32), 0.0)
+    row_amax = tl.max(tl.abs(x), axis=1)
+    scale = _scale_of(row_amax)
+    scaled = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
+    return x, ok, row_ok, rows64, group, ks, row_amax, scale, scaled, _round_to_e4m3(scaled)
+
+
+@triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, stats_ptr, valid_ptr, M, K,
                           stride_xm, stride_xk, stride_qm, stride_qk, stride_sm, stride_sg,
                           BLOCK_M: tl.constexpr, STATS: tl.constexpr, VALID: tl.constexpr,
@@ -208,42 +230,61 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, stats_ptr, valid_ptr, M, K,
     # Persistent: program p quantises tiles p, p + P, p + 2P, ... of the (row block, group) tiles,
     # group-major within a row block (neighbouring programs read neighbouring columns); tile t is
     # q[rows, g-th 128 columns] and s[rows, g]. Columns past K count as zeros in the amax and are
-    # not stored. STATS: the program's counters summed over its tiles (`_clean_tile_counts`), added once.
-    # VALID: only the first valid_ptr[0] rows are read, counted and written (a worst-case buffer's
-    # padding rows hold whatever was there: they must not reach the counters). SWIGLU: x is h13
-    # [M, 2K] (gate | up) and the values quantised are silu(gate) * up in fp32, as the SwiGLU
+    # not stored. VALID: only the first valid_ptr[0] rows are read, counted and written (a worst-case
+    # buffer's padding rows hold whatever was there: they must not reach the counters). SWIGLU: x is
+    # h13 [M, 2K] (gate | up) and the values quantised are silu(gate) * up in fp32, as the SwiGLU
     # GEMM's epilogue computes them.
+    # STATS, without a reduction across the program's threads per tile: each element position keeps
+    # its underflows and non-finite inputs packed in an int32 (16 bits each: the launch keeps a
+    # program under 2^16 tiles), each row position its largest |x / scale| (from the row's amax:
+    # div_rn is monotonic), TOTAL the tiles' counted sizes; summed once at the end. Where no input
+    # was non-finite and no |x / scale| passed the saturation bound, that is every counter
+    # (SATURATED and NONFINITE zero); otherwise the program counts its tiles again element by element
+    # (`_tile_counts`), exactly, from the inputs (q and s are written, x is not).
     rows_valid = M
     if VALID:
         rows_valid = tl.minimum(tl.load(valid_ptr), M)
     groups = tl.cdiv(K, _SCALE_BLOCK)
     tiles = tl.cdiv(rows_valid, BLOCK_M) * groups
-    amax_bits, saturated, underflow, total, nonfinite = _no_counts()
+    packed = tl.zeros((BLOCK_M, _SCALE_BLOCK), dtype=tl.int32)  # underflow | nonfinite << 16, by position
+    peak = tl.zeros((BLOCK_M,), dtype=tl.float32)  # by row position: the largest |x / scale|
+    total = tl.zeros((), dtype=tl.int64)
     for tile in range(tl.program_id(0), tiles, tl.num_programs(0)):
-        rows = (tile // groups) * BLOCK_M + tl.arange(0, BLOCK_M)
-        group = tile % groups
-        ks = group * _SCALE_BLOCK + tl.arange(0, _SCALE_BLOCK)
-        row_ok = rows < rows_valid
-        ok = row_ok[:, None] & (ks < K)[None, :]
-        rows64 = rows.to(tl.int64)
-        x = tl.load(x_ptr + rows64[:, None] * stride_xm + ks[None, :] * stride_xk, mask=ok, other=0.0)
-        x = x.to(tl.float32)
-        if SWIGLU:
-            up = tl.load(x_ptr + rows64[:, None] * stride_xm + (K + ks)[None, :] * stride_xk, mask=ok, other=0.0)
-            x = tl.where(ok, x * tl.sigmoid(x) * up.to(tl.float32), 0.0)
-        row_amax = tl.max(tl.abs(x), axis=1)
-        scale = _scale_of(row_amax)
-        scaled = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
-        q = _round_to_e4m3(scaled)
-        if STATS:
-            amax_bits, saturated, underflow, total, nonfinite = _count_clean_tile(
-                amax_bits, saturated, underflow, total, nonfinite, x, scaled, q, ok,
-                tl.max(tl.math.div_rn(row_amax, scale), axis=0))
+        x, ok, row_ok, rows64, group, ks, row_amax, scale, scaled, q = _rows_tile(
+            x_ptr, tile, groups, rows_valid, K, stride_xm, stride_xk, BLOCK_M, SWIGLU)
+        if STATS:  # masked elements are zeros: neither underflows nor non-finite
+            packed += (tl.where((x != 0.0) & (q == 0.0), 1, 0)
+                       + tl.where(tl.abs(x) <= 3.4028234663852886e38, 0, 65536))
+            peak = tl.maximum(peak, tl.math.div_rn(row_amax, scale))
+            total += (tl.minimum(rows_valid - (tile // groups) * BLOCK_M, BLOCK_M)
+                      * tl.minimum(K - group * _SCALE_BLOCK, _SCALE_BLOCK)).to(tl.int64)
         tl.store(q_ptr + rows64[:, None] * stride_qm + ks[None, :] * stride_qk,
                  q.to(q_ptr.dtype.element_ty), mask=ok)
         tl.store(s_ptr + rows64 * stride_sm + group * stride_sg, scale, mask=row_ok)
     if STATS:
-        _add_counts(stats_ptr, amax_bits, saturated, underflow, total, nonfinite)
+        bad_inputs = tl.sum(tl.sum(packed >> 16, axis=1), axis=0)
+        largest = tl.max(peak, axis=0)
+        if (bad_inputs == 0) & (largest <= _SATURATION_BOUND):
+            zero = tl.zeros((), dtype=tl.int64)
+            _add_counts(stats_ptr, largest.to(tl.int32, bitcast=True).to(tl.int64), zero,
+                        tl.sum(tl.sum(packed & 0xFFFF, axis=1), axis=0).to(tl.int64), total, zero)
+        else:
+            amax_bits, saturated, underflow, counted, nonfinite = _no_counts()
+            for tile in range(tl.program_id(0), tiles, tl.num_programs(0)):
+                x, ok, row_ok, rows64, group, ks, row_amax, scale, scaled, q = _rows_tile(
+                    x_ptr, tile, groups, rows_valid, K, stride_xm, stride_xk, BLOCK_M, SWIGLU)
+                amax_bits, saturated, underflow, counted, nonfinite = _count_tile(
+                    amax_bits, saturated, underflow, counted, nonfinite, x, scaled, q, ok)
+            _add_counts(stats_ptr, amax_bits, saturated, underflow, counted, nonfinite)
+
+
+@triton.jit
+def _count_tile(amax_bits, saturated, underflow, total, nonfinite, x, scaled, q, ok):
+    """The running counters with one tile's `_tile_counts` added, element by element (AMAX a max, the
+    rest sums)."""
+    tile_amax, tile_sat, tile_under, tile_total, tile_nonfinite = _tile_counts(x, scaled, q, ok)
+    return (tl.maximum(amax_bits, tile_amax), saturated + tile_sat, underflow + tile_under, total + tile_total,
+            nonfinite + tile_nonfinite)
 
 
 @triton.jit
@@ -349,7 +390,8 @@ def _quantize_rows(x_MK: torch.Tensor, stats: torch.Tensor | None, valid_rows: t
     if rows == 0 or k == 0:
         return q_MK, s_MG
     block_m = 16 if x_MK.device.type == "cpu" else 32
-    _quantize_rows_kernel[(min(triton.cdiv(rows, block_m) * groups, _persistent_programs(x_MK.device)),)](
+    tiles = triton.cdiv(rows, block_m) * groups  # a program under 2^16 of them (its packed 16-bit counts)
+    _quantize_rows_kernel[(min(tiles, max(_persistent_programs(x_MK.device), triton.cdiv(tiles, 65535))),)](
         x_MK, q_MK, s_MG, _stats_ptr(stats, s_MG), valid_rows if valid_rows is not None else s_MG, rows, k,
         x_MK.stride(0), x_MK.stride(1), q_MK.stride(0), q_MK.stride(1), s_MG.stride(0), s_MG.stride(1),
         BLOCK_M=block_m, STATS=stats is not None, VALID=valid_rows is not None, SWIGLU=swiglu, num_warps=4)

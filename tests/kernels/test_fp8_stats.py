@@ -80,10 +80,11 @@ def test_row_counters_match_a_torch_count(fp8k, rows, k):
 
 
 def test_clean_tiles_count_the_same_bits_as_element_by_element(interpreted):
-    """Tiles of finite values take the cheap count (`fp8._clean_tile_counts`: AMAX from the rows'
-    amax, only UNDERFLOW and TOTAL an element): every counter equal to the torch count, AMAX to the
-    bit, for the row, block and rowwise quantisers; a planted inf in one tile leaves the others'
-    counts as they were and adds its own element by element."""
+    """Finite values take the cheap count (AMAX from the rows' amax; the row quantiser's per-position
+    counts summed once a program, the block and rowwise quantisers' `fp8._clean_tile_counts`): every
+    counter equal to the torch count, AMAX to the bit; a planted inf sends its tile (the block and
+    rowwise quantisers) or its program (the row quantiser: all its tiles counted again) element by
+    element, with the same counts."""
     _, fp8k, fp8_rowwise = interpreted("disagmoe.kernels.grouped_gemm", "disagmoe.kernels.fp8",
                                        "disagmoe.kernels.fp8_rowwise")
     gen = torch.Generator().manual_seed(9)
