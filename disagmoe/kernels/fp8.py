@@ -288,42 +288,66 @@ def _count_tile(amax_bits, saturated, underflow, total, nonfinite, x, scaled, q,
 
 
 @triton.jit
+def _block_scale(w_ptr, e64, kb, ns, n_ok, K, stride_we, stride_wk, stride_wn, ROWS: tl.constexpr):
+    """(scale, the largest |w / scale|) of block (e, kb, the columns ns) of w, from its amax read in
+    ROWS-row chunks (div_rn is monotonic: the largest scaled value is the amax's)."""
+    amax = 0.0
+    for r0 in range(0, _SCALE_BLOCK, ROWS):
+        ks = kb * _SCALE_BLOCK + r0 + tl.arange(0, ROWS)
+        w = tl.load(w_ptr + e64 * stride_we + ks[:, None] * stride_wk + ns[None, :] * stride_wn,
+                    mask=(ks < K)[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.max(tl.max(tl.abs(w), axis=1), axis=0))
+    scale = _scale_of(amax)
+    return scale, tl.math.div_rn(amax, scale)
+
+
+@triton.jit
+def _block_chunk(w_ptr, e64, kb, r0, ns, n_ok, K, scale, stride_we, stride_wk, stride_wn, ROWS: tl.constexpr):
+    """Rows r0 .. r0 + ROWS of block (e, kb, ns): (w fp32 (zeros outside ok), ok, their rows ks, w / scale,
+    its e4m3 values)."""
+    ks = kb * _SCALE_BLOCK + r0 + tl.arange(0, ROWS)
+    ok = (ks < K)[:, None] & n_ok[None, :]
+    w = tl.load(w_ptr + e64 * stride_we + ks[:, None] * stride_wk + ns[None, :] * stride_wn,
+                mask=ok, other=0.0).to(tl.float32)
+    scaled = tl.math.div_rn(w, tl.broadcast_to(scale, w.shape))
+    return w, ok, ks, scaled, _round_to_e4m3(scaled)
+
+
+@triton.jit
 def _quantize_blocks_kernel(w_ptr, q_ptr, qt_ptr, s_ptr, stats_ptr, K, N, tiles_k, tiles_n, blocks,
                             stride_we, stride_wk, stride_wn, stride_qe, stride_qk, stride_qn,
                             stride_te, stride_tn, stride_tk, stride_se, stride_sk, stride_sn,
                             ROWS: tl.constexpr, STATS: tl.constexpr, TRANSPOSED: tl.constexpr):
     # Persistent: program p quantises blocks p, p + P, ... of the `blocks` 128 x 128 blocks
-    # (e, kb, nb) of w [E, K, N], each with its scale s[e, kb, nb]; STATS: the program's counters
-    # summed over its blocks (`_clean_tile_counts`), added once. TRANSPOSED: each block's values are also
+    # (e, kb, nb) of w [E, K, N], each with its scale s[e, kb, nb]. Two passes over ROWS-row chunks
+    # (the amax, then the values): a whole 128 x 128 fp32 block with its pointers and the rounding's
+    # integers spills at any warp count (ptxas, sm_90a). TRANSPOSED: each block's values are also
     # stored transposed into qt [E, N, K] (the copy a transposing pass would make).
-    amax_bits, saturated, underflow, total, nonfinite = _no_counts()
+    # STATS as `_quantize_rows_kernel` counts them: underflows and non-finite inputs packed per element
+    # position of a chunk, the blocks' largest |w / scale| a running max, TOTAL the chunks' sizes, all
+    # summed once; a program that met a non-finite input or a saturating scale counts its blocks again
+    # element by element.
+    packed = tl.zeros((ROWS, _SCALE_BLOCK), dtype=tl.int32)  # underflow | nonfinite << 16, by position
+    peak = tl.zeros((), dtype=tl.float32)
+    total = tl.zeros((), dtype=tl.int64)
     for block in range(tl.program_id(0), blocks, tl.num_programs(0)):
         expert = block // (tiles_k * tiles_n)
         kb = (block // tiles_n) % tiles_k
         nb = block % tiles_n
-        # Two passes over ROWS-row chunks (the amax, then the values): a whole 128 x 128 fp32 block
-        # with its pointers and the rounding's integers spills at any warp count (ptxas, sm_90a).
         ns = nb * _SCALE_BLOCK + tl.arange(0, _SCALE_BLOCK)
         n_ok = ns < N
         e64 = expert.to(tl.int64)
-        amax = 0.0
+        scale, scaled_max = _block_scale(w_ptr, e64, kb, ns, n_ok, K, stride_we, stride_wk, stride_wn, ROWS)
+        if STATS:
+            peak = tl.maximum(peak, scaled_max)
+            total += (tl.minimum(K - kb * _SCALE_BLOCK, _SCALE_BLOCK)
+                      * tl.minimum(N - nb * _SCALE_BLOCK, _SCALE_BLOCK)).to(tl.int64)
         for r0 in range(0, _SCALE_BLOCK, ROWS):
-            ks = kb * _SCALE_BLOCK + r0 + tl.arange(0, ROWS)
-            w = tl.load(w_ptr + e64 * stride_we + ks[:, None] * stride_wk + ns[None, :] * stride_wn,
-                        mask=(ks < K)[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.max(tl.max(tl.abs(w), axis=1), axis=0))
-        scale = _scale_of(amax)
-        scaled_max = tl.math.div_rn(amax, scale)  # the block's largest |w / scale|: its AMAX
-        for r0 in range(0, _SCALE_BLOCK, ROWS):
-            ks = kb * _SCALE_BLOCK + r0 + tl.arange(0, ROWS)
-            ok = (ks < K)[:, None] & n_ok[None, :]
-            w = tl.load(w_ptr + e64 * stride_we + ks[:, None] * stride_wk + ns[None, :] * stride_wn,
-                        mask=ok, other=0.0).to(tl.float32)
-            scaled = tl.math.div_rn(w, tl.broadcast_to(scale, w.shape))
-            q = _round_to_e4m3(scaled)
-            if STATS:
-                amax_bits, saturated, underflow, total, nonfinite = _count_clean_tile(
-                    amax_bits, saturated, underflow, total, nonfinite, w, scaled, q, ok, scaled_max)
+            w, ok, ks, scaled, q = _block_chunk(w_ptr, e64, kb, r0, ns, n_ok, K, scale,
+                                                stride_we, stride_wk, stride_wn, ROWS)
+            if STATS:  # masked elements are zeros: neither underflows nor non-finite
+                packed += (tl.where((w != 0.0) & (q == 0.0), 1, 0)
+                           + tl.where(tl.abs(w) <= 3.4028234663852886e38, 0, 65536))
             tl.store(q_ptr + e64 * stride_qe + ks[:, None] * stride_qk + ns[None, :] * stride_qn,
                      q.to(q_ptr.dtype.element_ty), mask=ok)
             if TRANSPOSED:
@@ -331,7 +355,26 @@ def _quantize_blocks_kernel(w_ptr, q_ptr, qt_ptr, s_ptr, stats_ptr, K, N, tiles_
                          q.to(qt_ptr.dtype.element_ty), mask=ok)
         tl.store(s_ptr + e64 * stride_se + kb * stride_sk + nb * stride_sn, scale)
     if STATS:
-        _add_counts(stats_ptr, amax_bits, saturated, underflow, total, nonfinite)
+        bad_inputs = tl.sum(tl.sum(packed >> 16, axis=1), axis=0)
+        if (bad_inputs == 0) & (peak <= _SATURATION_BOUND):
+            zero = tl.zeros((), dtype=tl.int64)
+            _add_counts(stats_ptr, peak.to(tl.int32, bitcast=True).to(tl.int64), zero,
+                        tl.sum(tl.sum(packed & 0xFFFF, axis=1), axis=0).to(tl.int64), total, zero)
+        else:
+            amax_bits, saturated, underflow, counted, nonfinite = _no_counts()
+            for block in range(tl.program_id(0), blocks, tl.num_programs(0)):
+                expert = block // (tiles_k * tiles_n)
+                kb = (block // tiles_n) % tiles_k
+                ns = (block % tiles_n) * _SCALE_BLOCK + tl.arange(0, _SCALE_BLOCK)
+                n_ok = ns < N
+                e64 = expert.to(tl.int64)
+                scale, scaled_max = _block_scale(w_ptr, e64, kb, ns, n_ok, K, stride_we, stride_wk, stride_wn, ROWS)
+                for r0 in range(0, _SCALE_BLOCK, ROWS):
+                    w, ok, ks, scaled, q = _block_chunk(w_ptr, e64, kb, r0, ns, n_ok, K, scale,
+                                                        stride_we, stride_wk, stride_wn, ROWS)
+                    amax_bits, saturated, underflow, counted, nonfinite = _count_tile(
+                        amax_bits, saturated, underflow, counted, nonfinite, w, scaled, q, ok)
+            _add_counts(stats_ptr, amax_bits, saturated, underflow, counted, nonfinite)
 
 # Programs per SM of the persistent quantisers: enough 32 x 128 tiles in flight to keep HBM busy
 # (each program's loads wait on the one before: 8 per SM hold about 8 MiB of bf16 in flight on an H200).
@@ -419,7 +462,8 @@ def quantize_blocks(w_EKN: torch.Tensor, stats: torch.Tensor | None = None, *,
         return q_EKN, s_EGB
     qt = transposed_out if transposed_out is not None else q_EKN.transpose(1, 2)  # unread without TRANSPOSED
     blocks = experts * tiles_k * tiles_n
-    _quantize_blocks_kernel[(min(blocks, _persistent_programs(w_EKN.device)),)](
+    chunks = blocks * (SCALE_BLOCK // 32)  # a program under 2^16 of its ROWS-row chunks (its packed 16-bit counts)
+    _quantize_blocks_kernel[(min(blocks, max(_persistent_programs(w_EKN.device), triton.cdiv(chunks, 65535))),)](
         w_EKN, q_EKN, qt, s_EGB, _stats_ptr(stats, s_EGB), k, n, tiles_k, tiles_n, blocks, *w_EKN.stride(),
         *q_EKN.stride(),
         *qt.stride(), *s_EGB.stride(), ROWS=32, STATS=stats is not None, TRANSPOSED=transposed_out is not None,
