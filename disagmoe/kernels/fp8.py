@@ -252,9 +252,8 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, stats_ptr, valid_ptr, M, K,
     for tile in range(tl.program_id(0), tiles, tl.num_programs(0)):
         x, ok, row_ok, rows64, group, ks, row_amax, scale, scaled, q = _rows_tile(
             x_ptr, tile, groups, rows_valid, K, stride_xm, stride_xk, BLOCK_M, SWIGLU)
-        if STATS:  # masked elements are zeros: neither underflows nor non-finite
-            packed += (tl.where((x != 0.0) & (q == 0.0), 1, 0)
-                       + tl.where(tl.abs(x) <= 3.4028234663852886e38, 0, 65536))
+        if STATS:
+            packed = _count_positions(packed, x, q)
             peak = tl.maximum(peak, tl.math.div_rn(row_amax, scale))
             total += (tl.minimum(rows_valid - (tile // groups) * BLOCK_M, BLOCK_M)
                       * tl.minimum(K - group * _SCALE_BLOCK, _SCALE_BLOCK)).to(tl.int64)
@@ -262,12 +261,9 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, stats_ptr, valid_ptr, M, K,
                  q.to(q_ptr.dtype.element_ty), mask=ok)
         tl.store(s_ptr + rows64 * stride_sm + group * stride_sg, scale, mask=row_ok)
     if STATS:
-        bad_inputs = tl.sum(tl.sum(packed >> 16, axis=1), axis=0)
         largest = tl.max(peak, axis=0)
-        if (bad_inputs == 0) & (largest <= _SATURATION_BOUND):
-            zero = tl.zeros((), dtype=tl.int64)
-            _add_counts(stats_ptr, largest.to(tl.int32, bitcast=True).to(tl.int64), zero,
-                        tl.sum(tl.sum(packed & 0xFFFF, axis=1), axis=0).to(tl.int64), total, zero)
+        if _positions_clean(packed, largest):
+            _add_position_counts(stats_ptr, packed, largest, total)
         else:
             amax_bits, saturated, underflow, counted, nonfinite = _no_counts()
             for tile in range(tl.program_id(0), tiles, tl.num_programs(0)):
@@ -276,6 +272,28 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, stats_ptr, valid_ptr, M, K,
                 amax_bits, saturated, underflow, counted, nonfinite = _count_tile(
                     amax_bits, saturated, underflow, counted, nonfinite, x, scaled, q, ok)
             _add_counts(stats_ptr, amax_bits, saturated, underflow, counted, nonfinite)
+
+
+@triton.jit
+def _count_positions(packed, x, q):
+    """`packed` (int32 by element position: underflows | non-finite inputs << 16, the row and block
+    quantisers' running counts) with one tile's added; masked elements are zeros: neither."""
+    return packed + tl.where((x != 0.0) & (q == 0.0), 1, 0) + tl.where(tl.abs(x) <= 3.4028234663852886e38, 0, 65536)
+
+
+@triton.jit
+def _positions_clean(packed, largest):
+    """Whether a program's per-position counts and its largest |x / scale| are all its counters: no
+    non-finite input, no scaled value past the saturation bound (then SATURATED and NONFINITE are zero)."""
+    return (tl.sum(tl.sum(packed >> 16, axis=1), axis=0) == 0) & (largest <= _SATURATION_BOUND)
+
+
+@triton.jit
+def _add_position_counts(stats_ptr, packed, largest, total):
+    """The five atomics of a clean program's counters (`_positions_clean`)."""
+    zero = tl.zeros((), dtype=tl.int64)
+    _add_counts(stats_ptr, largest.to(tl.int32, bitcast=True).to(tl.int64), zero,
+                tl.sum(tl.sum(packed & 0xFFFF, axis=1), axis=0).to(tl.int64), total, zero)
 
 
 @triton.jit
@@ -345,9 +363,8 @@ def _quantize_blocks_kernel(w_ptr, q_ptr, qt_ptr, s_ptr, stats_ptr, K, N, tiles_
         for r0 in range(0, _SCALE_BLOCK, ROWS):
             w, ok, ks, scaled, q = _block_chunk(w_ptr, e64, kb, r0, ns, n_ok, K, scale,
                                                 stride_we, stride_wk, stride_wn, ROWS)
-            if STATS:  # masked elements are zeros: neither underflows nor non-finite
-                packed += (tl.where((w != 0.0) & (q == 0.0), 1, 0)
-                           + tl.where(tl.abs(w) <= 3.4028234663852886e38, 0, 65536))
+            if STATS:
+                packed = _count_positions(packed, w, q)
             tl.store(q_ptr + e64 * stride_qe + ks[:, None] * stride_qk + ns[None, :] * stride_qn,
                      q.to(q_ptr.dtype.element_ty), mask=ok)
             if TRANSPOSED:
@@ -355,11 +372,8 @@ def _quantize_blocks_kernel(w_ptr, q_ptr, qt_ptr, s_ptr, stats_ptr, K, N, tiles_
                          q.to(qt_ptr.dtype.element_ty), mask=ok)
         tl.store(s_ptr + e64 * stride_se + kb * stride_sk + nb * stride_sn, scale)
     if STATS:
-        bad_inputs = tl.sum(tl.sum(packed >> 16, axis=1), axis=0)
-        if (bad_inputs == 0) & (peak <= _SATURATION_BOUND):
-            zero = tl.zeros((), dtype=tl.int64)
-            _add_counts(stats_ptr, peak.to(tl.int32, bitcast=True).to(tl.int64), zero,
-                        tl.sum(tl.sum(packed & 0xFFFF, axis=1), axis=0).to(tl.int64), total, zero)
+        if _positions_clean(packed, peak):
+            _add_position_counts(stats_ptr, packed, peak, total)
         else:
             amax_bits, saturated, underflow, counted, nonfinite = _no_counts()
             for block in range(tl.program_id(0), blocks, tl.num_programs(0)):
