@@ -56,6 +56,21 @@ def ptxas_usage(ptx: str) -> tuple[int, int]:
             int(re.search(r"(\d+) bytes spill stores", report).group(1)))
 
 
+def sass_of(kernel) -> str:
+    """The SASS of a kernel compiled by `compile_for_hopper` (cuobjdump of its cubin, the one Triton ships)."""
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    import triton
+
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "k.cubin"
+        cubin.write_bytes(kernel.asm["cubin"])
+        return subprocess.run([str(cuobjdump), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+
+
 def spill_store_bytes(ptx: str) -> int:
     """ptxas -v's spill stores (bytes) for `ptx` on sm_90a (`ptxas_usage`)."""
     return ptxas_usage(ptx)[1]
@@ -653,28 +668,18 @@ def test_the_atomic_weight_gradient_adds_with_reductions_and_no_spills(monkeypat
     (2026-12-03): the heuristic tile (64 x 256 x 128, 8 warps) spills 252 bytes with the plain
     load-add-store epilogue, none with the atomic one."""
     import dataclasses
-    import subprocess
-    import tempfile
-    from pathlib import Path
-
-    import triton
 
     from disagmoe.bench import tune_experts as tuner
     from disagmoe.kernels import grouped_gemm as gg
     from disagmoe.kernels.tile_configs import heuristic
 
     backend = make_backend(HOPPER)
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     found: list[tuple[bool, bool, int]] = []
     atomic_now = [False]
 
     def compile_and_look(self, *args, grid, warmup, **kwargs):
         kernel = compile_for_hopper(self, backend, args, kwargs)
-        with tempfile.TemporaryDirectory() as tmp:
-            cubin = Path(tmp) / "k.cubin"
-            cubin.write_bytes(kernel.asm["cubin"])
-            sass = subprocess.run([str(cuobjdump), "-sass", str(cubin)], capture_output=True, text=True,
-                                  check=True).stdout
+        sass = sass_of(kernel)
         found.append((atomic_now[0], "REDG.E.ADD.F32x4.FTZ" in sass and "ATOMG" not in sass,
                       spill_store_bytes(kernel.asm["ptx"])))
 
@@ -697,8 +702,6 @@ def test_the_tma_weight_gradient_loads_by_tensor_map_without_spills(monkeypatch)
     atomic epilogue, for sm_90a: the whole row steps load through the tensor maps (PTX
     `cp.async.bulk.tensor`, the descriptors passed as kernel parameters), the MMA reads the
     transposed A box from shared memory (`wgmma`), and no tile spills."""
-    import dataclasses
-
     from disagmoe.bench import tune_experts as tuner
     from disagmoe.kernels import grouped_gemm as gg
 
@@ -799,27 +802,14 @@ def test_the_rows_quantisers_counters_add_no_barrier_to_its_loop(monkeypatch):
     clean-tile count it replaced reduced across the program's warps three times a tile, its loop 20
     barriers against 2 (`disagmoe bench quantise` measured those counters at 2.96x the quantiser's
     time on an H200)."""
-    import subprocess
-    import tempfile
-    from pathlib import Path
-
-    import triton
-
     from disagmoe.kernels import fp8
     from disagmoe.kernels.fp8_stats import ACTIVATIONS, Fp8Stats
 
     backend = make_backend(HOPPER)
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     loops: dict[bool, list[str]] = {}
 
     def compile_and_look(self, *args, grid, warmup, **kwargs):
-        kernel = compile_for_hopper(self, backend, args, kwargs)
-        with tempfile.TemporaryDirectory() as tmp:
-            cubin = Path(tmp) / "k.cubin"
-            cubin.write_bytes(kernel.asm["cubin"])
-            sass = subprocess.run([str(cuobjdump), "-sass", str(cubin)], capture_output=True, text=True,
-                                  check=True).stdout
-        loops[kwargs["STATS"]] = _first_loop_sass(sass)
+        loops[kwargs["STATS"]] = _first_loop_sass(sass_of(compile_for_hopper(self, backend, args, kwargs)))
 
     monkeypatch.setattr(JITFunction, "run", compile_and_look)
     x = torch.zeros(4096, 2048, dtype=torch.bfloat16)

@@ -523,6 +523,22 @@ def test_the_expert_stage_holds_back_a_triton_blocks_weight_gradients(kernels):
     assert _rel_err(experts.w2_EFH.main_grad, reference.w2_EFH.grad) < 1e-5
 
 
+def _gpu_weight_grad_inputs(banded: bool, seed: int):
+    """(experts, offsets, a bf16 [N, 512], b bf16 [N, 384], an fp32 main gradient holding a sum) on the GPU:
+    ragged counts with an empty expert, one group per expert or banded (`_banded`)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    counts, k, c = [700, 0, 1300, 45], 512, 384
+    experts, rows = len(counts), sum(counts)
+    if banded:
+        _, offsets = _banded(counts, BANDS, torch.Generator().manual_seed(seed))
+        offsets = offsets.cuda()
+    else:
+        offsets = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
+    a = torch.randn(rows, k, device="cuda", generator=gen).bfloat16()
+    b = torch.randn(rows, c, device="cuda", generator=gen).bfloat16()
+    return experts, offsets, a, b, torch.randn(experts, k, c, device="cuda", generator=gen)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("banded", [False, True], ids=["one-group-per-expert", "banded"])
 def test_gpu_tma_weight_grads_add_the_pointer_loads_bits(banded):
@@ -532,18 +548,8 @@ def test_gpu_tma_weight_grads_add_the_pointer_loads_bits(banded):
     from disagmoe.bench import tune_experts as tuner
     from disagmoe.kernels import grouped_gemm as gg
 
-    gen = torch.Generator(device="cuda").manual_seed(5)
-    counts, k, c = [700, 0, 1300, 45], 512, 384
-    experts, rows = len(counts), sum(counts)
-    if banded:
-        _, offsets = _banded(counts, BANDS, torch.Generator().manual_seed(5))
-        offsets = offsets.cuda()
-    else:
-        offsets = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
-    a = torch.randn(rows, k, device="cuda", generator=gen).bfloat16()
-    b = torch.randn(rows, c, device="cuda", generator=gen).bfloat16()
+    experts, offsets, a, b, start = _gpu_weight_grad_inputs(banded, seed=5)
     assert gg.tma_takes(a) and gg.tma_takes(b)
-    start = torch.randn(experts, k, c, device="cuda", generator=gen)
     want = start + 2 * _weight_grad_reference(a.float(), b.float(), offsets.cpu(), experts).cuda()
     for tile in [t for t in tuner.candidates("wgrad_w13") if t.tma]:
         pointers, loaded = start.clone(), start.clone()
@@ -566,17 +572,7 @@ def test_gpu_atomic_weight_grads_add_the_same_bits_as_load_add_store(banded):
     from disagmoe.kernels import grouped_gemm as gg
     from disagmoe.kernels.tile_configs import heuristic
 
-    gen = torch.Generator(device="cuda").manual_seed(3)
-    counts, k, c = [700, 0, 1300, 45], 512, 384
-    experts, rows = len(counts), sum(counts)
-    if banded:
-        _, offsets = _banded(counts, BANDS, torch.Generator().manual_seed(3))
-        offsets = offsets.cuda()
-    else:
-        offsets = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
-    a = torch.randn(rows, k, device="cuda", generator=gen).bfloat16()
-    b = torch.randn(rows, c, device="cuda", generator=gen).bfloat16()
-    start = torch.randn(experts, k, c, device="cuda", generator=gen)
+    experts, offsets, a, b, start = _gpu_weight_grad_inputs(banded, seed=3)
     tile = dataclasses.replace(heuristic("wgrad_w13"), atomic_accumulate=False)
     plain, atomic = start.clone(), start.clone()
     for _ in range(2):
