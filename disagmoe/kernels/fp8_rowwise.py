@@ -1,7 +1,7 @@
 """The rowwise e4m3 quantiser of the FP8 dense projections (`kernels.fp8_dense`, recipe "rowwise")
 as one persistent Triton launch: a program takes blocks of rows in turn, reads each, takes each
 row's amax, writes the rows' e4m3 values and fp32 scales and, with a stats row, adds the
-`kernels.fp8_stats` counters (`fp8._clean_tile_counts`, summed per program and added once). Bit
+`kernels.fp8_stats` counters (per element and row position, summed per program and added once). Bit
 for bit `fp8_dense.quantize_rowwise_reference`: scale = amax / 448 (correctly rounded), 1 for a zero row and for a row holding a NaN (torch's amax
 propagates the NaN, and NaN > 0 is false); a NaN quantises to NaN (e4m3 0x7F), clamped values
 to +-448, the rest rounded to nearest even (`fp8._round_to_e4m3`: Triton 3.6's interpreter casts
@@ -53,12 +53,33 @@ def _row_amax(x):
 
 @triton.jit
 def _quantize_chunk(x, ks, ok, scale, q_ptr, rows64, stride_qm):
-    """Store one chunk's e4m3 bits into q (a uint8 view); (scaled, q) for its counters (`fp8._clean_tile_counts`)."""
+    """Store one chunk's e4m3 bits into q (a uint8 view); (scaled, q) for its counters."""
     scaled = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
     q = fp8._round_to_e4m3(scaled)  # saturates at +-448, as the reference's clamp
     bits = tl.where(scaled == scaled, q.to(tl.float8e4nv).to(tl.uint8, bitcast=True), _E4M3_NAN)
     tl.store(q_ptr + rows64[:, None] * stride_qm + ks[None, :], bits, mask=ok)
     return scaled, q  # q is read where x is finite only
+
+
+@triton.jit
+def _chunked_amax(x_ptr, rows64, row_ok, K, stride_xm, stride_xk, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(max |x| per row, whether the row holds a NaN) of one row block, read in BLOCK_K chunks."""
+    amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    has_nan = tl.zeros((BLOCK_M,), dtype=tl.int1)
+    for k0 in range(0, K, BLOCK_K):
+        x, ks, ok = _load_chunk(x_ptr, rows64, row_ok, k0, K, stride_xm, stride_xk, BLOCK_K)
+        chunk_amax, chunk_nan = _row_amax(x)
+        amax = tl.maximum(amax, chunk_amax)
+        has_nan = has_nan | chunk_nan
+    return amax, has_nan
+
+
+@triton.jit
+def _rowwise_scale(amax, has_nan):
+    """(each row's scale, its largest |x / scale|: div_rn is monotonic) from its amax and NaN flag. An inf
+    row: scale inf, its finite values quantise to +-0 and the inf to NaN, as the reference."""
+    scale = tl.where((amax > 0.0) & ~has_nan, tl.math.div_rn(amax, _E4M3_MAX), 1.0)
+    return scale, tl.math.div_rn(amax, scale)
 
 
 @triton.jit
@@ -68,9 +89,13 @@ def _quantize_rowwise_kernel(x_ptr, q_ptr, s_ptr, stats_ptr, M, K, stride_xm, st
     # Persistent: program p quantises row blocks p, p + P, ... ([BLOCK_M rows] of x [M, K], any
     # strides) -> q [M, K] (row-major, uint8 bits of e4m3, row stride stride_qm) and s [M] (fp32).
     # ONE_READ (K <= BLOCK_K): the rows are loaded once and kept; else a loop over BLOCK_K chunks
-    # for the amax, then another for the values. STATS: the program's counters summed over its
-    # chunks (`fp8._clean_tile_counts`), added once (`fp8._add_counts`).
-    amax_bits, saturated, underflow, total, nonfinite = fp8._no_counts()
+    # for the amax, then another for the values. STATS as `fp8._quantize_rows_kernel` counts them:
+    # per element position of a chunk and per row position, summed once a program (`fp8._count_positions`);
+    # a program that met a non-finite input or a saturating scale (an amax whose scale underflowed to 0)
+    # counts its chunks again element by element.
+    packed = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.int32)
+    peak = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    total = tl.zeros((), dtype=tl.int64)
     for block in range(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.num_programs(0)):
         rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = rows < M
@@ -79,31 +104,40 @@ def _quantize_rowwise_kernel(x_ptr, q_ptr, s_ptr, stats_ptr, M, K, stride_xm, st
             x, ks, ok = _load_chunk(x_ptr, rows64, row_ok, 0, K, stride_xm, stride_xk, BLOCK_K)
             amax, has_nan = _row_amax(x)
         else:
-            amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
-            has_nan = tl.zeros((BLOCK_M,), dtype=tl.int1)
-            for k0 in range(0, K, BLOCK_K):
-                x, ks, ok = _load_chunk(x_ptr, rows64, row_ok, k0, K, stride_xm, stride_xk, BLOCK_K)
-                chunk_amax, chunk_nan = _row_amax(x)
-                amax = tl.maximum(amax, chunk_amax)
-                has_nan = has_nan | chunk_nan
-        # an inf row: scale inf, its finite values quantise to +-0 and the inf to NaN, as the reference
-        scale = tl.where((amax > 0.0) & ~has_nan, tl.math.div_rn(amax, _E4M3_MAX), 1.0)
+            amax, has_nan = _chunked_amax(x_ptr, rows64, row_ok, K, stride_xm, stride_xk, BLOCK_M, BLOCK_K)
+        scale, row_scaled_max = _rowwise_scale(amax, has_nan)
         tl.store(s_ptr + rows64, scale, mask=row_ok)
-        scaled_max = tl.max(tl.math.div_rn(amax, scale), axis=0)  # the rows' largest |x / scale|: their AMAX
+        if STATS:
+            peak = tl.maximum(peak, row_scaled_max)
+            total += (tl.minimum(M - block * BLOCK_M, BLOCK_M) * K).to(tl.int64)
         if ONE_READ:
             scaled, q = _quantize_chunk(x, ks, ok, scale, q_ptr, rows64, stride_qm)
             if STATS:
-                amax_bits, saturated, underflow, total, nonfinite = fp8._count_clean_tile(
-                    amax_bits, saturated, underflow, total, nonfinite, x, scaled, q, ok, scaled_max)
+                packed = fp8._count_positions(packed, x, q)
         else:
             for k0 in range(0, K, BLOCK_K):
                 x, ks, ok = _load_chunk(x_ptr, rows64, row_ok, k0, K, stride_xm, stride_xk, BLOCK_K)
                 scaled, q = _quantize_chunk(x, ks, ok, scale, q_ptr, rows64, stride_qm)
                 if STATS:
-                    amax_bits, saturated, underflow, total, nonfinite = fp8._count_clean_tile(
-                        amax_bits, saturated, underflow, total, nonfinite, x, scaled, q, ok, scaled_max)
+                    packed = fp8._count_positions(packed, x, q)
     if STATS:
-        fp8._add_counts(stats_ptr, amax_bits, saturated, underflow, total, nonfinite)
+        largest = tl.max(peak, axis=0)
+        if fp8._positions_clean(packed, largest):
+            fp8._add_position_counts(stats_ptr, packed, largest, total)
+        else:
+            amax_bits, saturated, underflow, counted, nonfinite = fp8._no_counts()
+            for block in range(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.num_programs(0)):
+                rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+                row_ok = rows < M
+                rows64 = rows.to(tl.int64)
+                amax, has_nan = _chunked_amax(x_ptr, rows64, row_ok, K, stride_xm, stride_xk, BLOCK_M, BLOCK_K)
+                scale, _ = _rowwise_scale(amax, has_nan)
+                for k0 in range(0, K, BLOCK_K):
+                    x, ks, ok = _load_chunk(x_ptr, rows64, row_ok, k0, K, stride_xm, stride_xk, BLOCK_K)
+                    scaled = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
+                    amax_bits, saturated, underflow, counted, nonfinite = fp8._count_tile(
+                        amax_bits, saturated, underflow, counted, nonfinite, x, scaled, fp8._round_to_e4m3(scaled), ok)
+            fp8._add_counts(stats_ptr, amax_bits, saturated, underflow, counted, nonfinite)
 
 
 @triton.jit
@@ -132,7 +166,7 @@ def _split_quantize_kernel(x_ptr, q_ptr, s_ptr, amax_ptr, nan_ptr, stats_ptr, M,
     rows64 = rows.to(tl.int64)
     amax = tl.load(amax_ptr + rows, mask=row_ok, other=0).to(tl.float32, bitcast=True)
     has_nan = tl.load(nan_ptr + rows, mask=row_ok, other=0) > 0
-    scale = tl.where((amax > 0.0) & ~has_nan, tl.math.div_rn(amax, _E4M3_MAX), 1.0)
+    scale, _ = _rowwise_scale(amax, has_nan)
     if tl.program_id(1) == 0:
         tl.store(s_ptr + rows64, scale, mask=row_ok)
     x, ks, ok = _load_chunk(x_ptr, rows64, row_ok, tl.program_id(1) * BLOCK_K, K, stride_xm, stride_xk, BLOCK_K)
@@ -191,7 +225,8 @@ def quantize_rowwise(x_MK: torch.Tensor, stats_row: torch.Tensor | None = None,
     default_m, default_k = tiles_for(x_MK)
     block_m, block_k = block_m or default_m, block_k or default_k
     one_read = k <= block_k
-    grid = (min(triton.cdiv(rows, block_m), fp8._persistent_programs(x_MK.device)),)
+    blocks = triton.cdiv(rows, block_m)  # a program under 2^16 chunks (its packed 16-bit counts)
+    grid = (min(blocks, max(fp8._persistent_programs(x_MK.device), triton.cdiv(blocks * triton.cdiv(k, block_k), 65535))),)
     _quantize_rowwise_kernel[grid](
         x_MK, q_bits, scale_M1, fp8._stats_ptr(stats_row, scale_M1), rows, k, x_MK.stride(0), x_MK.stride(1),
         q_bits.stride(0), BLOCK_M=block_m, BLOCK_K=block_k, ONE_READ=one_read, STATS=stats_row is not None,
