@@ -166,17 +166,9 @@ def _clean_tile_counts(x, scaled, q, ok, scaled_max):
 @triton.jit
 def _no_counts():
     """A persistent program's running counters before its first tile: (amax_bits, saturated,
-    underflow, total, nonfinite), int64 zeros (`_count_clean_tile` adds to them, `_add_counts` ends them)."""
+    underflow, total, nonfinite), int64 zeros (`_count_tile` adds to them, `_add_counts` ends them)."""
     zero = tl.zeros((), dtype=tl.int64)
     return zero, zero, zero, zero, zero
-
-
-@triton.jit
-def _count_clean_tile(amax_bits, saturated, underflow, total, nonfinite, x, scaled, q, ok, scaled_max):
-    """The running counters with one tile's `_clean_tile_counts` added (AMAX a max, the rest sums)."""
-    tile_amax, tile_sat, tile_under, tile_total, tile_nonfinite = _clean_tile_counts(x, scaled, q, ok, scaled_max)
-    return (tl.maximum(amax_bits, tile_amax), saturated + tile_sat, underflow + tile_under, total + tile_total,
-            nonfinite + tile_nonfinite)
 
 
 @triton.jit
@@ -285,7 +277,7 @@ def _count_positions(packed, x, q):
 def _positions_clean(packed, largest):
     """Whether a program's per-position counts and its largest |x / scale| are all its counters: no
     non-finite input, no scaled value past the saturation bound (then SATURATED and NONFINITE are zero)."""
-    return (tl.sum(tl.sum(packed >> 16, axis=1), axis=0) == 0) & (largest <= _SATURATION_BOUND)
+    return (tl.sum(tl.sum((packed >> 16) & 0xFFFF, axis=1), axis=0) == 0) & (largest <= _SATURATION_BOUND)
 
 
 @triton.jit
@@ -395,6 +387,18 @@ def _quantize_blocks_kernel(w_ptr, q_ptr, qt_ptr, s_ptr, stats_ptr, K, N, tiles_
 QUANTISER_PROGRAMS_PER_SM = 8
 
 
+# The block quantiser's rows a chunk (`_quantize_blocks_kernel`'s ROWS): a whole 128 x 128 fp32 block spills.
+BLOCK_ROWS = 32
+
+
+def counted_programs(device: torch.device, units: int, chunks_per_unit: int) -> int:
+    """Programs of a persistent counting quantiser's launch over `units` work units (tiles, blocks, row
+    blocks) of `chunks_per_unit` counted chunks each: `_persistent_programs`, or more where a program
+    would count more than 2^16 - 1 chunks (the per-position counts are packed 16 bits apiece)."""
+    per_program = max(1, 65535 // chunks_per_unit)
+    return max(_persistent_programs(device), triton.cdiv(units, per_program))
+
+
 def _persistent_programs(device: torch.device) -> int:
     """Programs of a persistent quantiser's launch: `QUANTISER_PROGRAMS_PER_SM` per SM on a GPU,
     the interpreter's handful on the CPU (every program then strides over several tiles)."""
@@ -447,8 +451,8 @@ def _quantize_rows(x_MK: torch.Tensor, stats: torch.Tensor | None, valid_rows: t
     if rows == 0 or k == 0:
         return q_MK, s_MG
     block_m = 16 if x_MK.device.type == "cpu" else 32
-    tiles = triton.cdiv(rows, block_m) * groups  # a program under 2^16 of them (its packed 16-bit counts)
-    _quantize_rows_kernel[(min(tiles, max(_persistent_programs(x_MK.device), triton.cdiv(tiles, 65535))),)](
+    tiles = triton.cdiv(rows, block_m) * groups
+    _quantize_rows_kernel[(min(tiles, counted_programs(x_MK.device, tiles, 1)),)](
         x_MK, q_MK, s_MG, _stats_ptr(stats, s_MG), valid_rows if valid_rows is not None else s_MG, rows, k,
         x_MK.stride(0), x_MK.stride(1), q_MK.stride(0), q_MK.stride(1), s_MG.stride(0), s_MG.stride(1),
         BLOCK_M=block_m, STATS=stats is not None, VALID=valid_rows is not None, SWIGLU=swiglu, num_warps=4)
@@ -476,11 +480,10 @@ def quantize_blocks(w_EKN: torch.Tensor, stats: torch.Tensor | None = None, *,
         return q_EKN, s_EGB
     qt = transposed_out if transposed_out is not None else q_EKN.transpose(1, 2)  # unread without TRANSPOSED
     blocks = experts * tiles_k * tiles_n
-    chunks = blocks * (SCALE_BLOCK // 32)  # a program under 2^16 of its ROWS-row chunks (its packed 16-bit counts)
-    _quantize_blocks_kernel[(min(blocks, max(_persistent_programs(w_EKN.device), triton.cdiv(chunks, 65535))),)](
+    _quantize_blocks_kernel[(min(blocks, counted_programs(w_EKN.device, blocks, SCALE_BLOCK // BLOCK_ROWS)),)](
         w_EKN, q_EKN, qt, s_EGB, _stats_ptr(stats, s_EGB), k, n, tiles_k, tiles_n, blocks, *w_EKN.stride(),
         *q_EKN.stride(),
-        *qt.stride(), *s_EGB.stride(), ROWS=32, STATS=stats is not None, TRANSPOSED=transposed_out is not None,
+        *qt.stride(), *s_EGB.stride(), ROWS=BLOCK_ROWS, STATS=stats is not None, TRANSPOSED=transposed_out is not None,
         num_warps=4)
     return q_EKN, s_EGB
 

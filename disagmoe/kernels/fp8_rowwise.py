@@ -225,8 +225,8 @@ def quantize_rowwise(x_MK: torch.Tensor, stats_row: torch.Tensor | None = None,
     default_m, default_k = tiles_for(x_MK)
     block_m, block_k = block_m or default_m, block_k or default_k
     one_read = k <= block_k
-    blocks = triton.cdiv(rows, block_m)  # a program under 2^16 chunks (its packed 16-bit counts)
-    grid = (min(blocks, max(fp8._persistent_programs(x_MK.device), triton.cdiv(blocks * triton.cdiv(k, block_k), 65535))),)
+    blocks = triton.cdiv(rows, block_m)
+    grid = (min(blocks, fp8.counted_programs(x_MK.device, blocks, triton.cdiv(k, block_k))),)
     _quantize_rowwise_kernel[grid](
         x_MK, q_bits, scale_M1, fp8._stats_ptr(stats_row, scale_M1), rows, k, x_MK.stride(0), x_MK.stride(1),
         q_bits.stride(0), BLOCK_M=block_m, BLOCK_K=block_k, ONE_READ=one_read, STATS=stats_row is not None,

@@ -468,7 +468,10 @@ def ragged_rows_gemm(
     programs = num_programs or default_num_programs(a_NK.device) * config.programs_per_sm
     act = act_N_C if act_N_C is not None else out
     scale, rowdot = row_scale if row_scale is not None else (out, out)
-    descs = rows_gemm_descriptors(a_NK, b_EKC, config) if a_rows_N is None and k % config.block_k == 0 else None
+    # TMA where a's rows are its own (no gather) and K is whole tiles; not with row_scale, whose row dots sum
+    # the tile's columns (a box's columns past C would reach them)
+    descs = (rows_gemm_descriptors(a_NK, b_EKC, config)
+             if a_rows_N is None and row_scale is None and k % config.block_k == 0 else None)
     a_desc, b_desc, b_rows, b_t = descs or (None, None, 0, False)
     _ragged_rows_gemm_kernel[(programs,)](
         a_NK, b_EKC, out, h13, dst, offsets_E, act,
@@ -636,13 +639,14 @@ def ragged_weight_grad(
 
 
 def tma_takes(t_NK: torch.Tensor) -> bool:
-    """Whether TMA can load `t_NK` (`TileConfig.tma`): rows contiguous, base address and row stride
-    16-byte aligned, and 16-bit elements on a Hopper or newer GPU (the MMA reads the transposed A box
+    """Whether TMA can load `t_NK` (`TileConfig.tma`): not empty, rows contiguous, base address and row
+    stride 16-byte aligned, and 16-bit elements on a Hopper or newer GPU (the MMA reads the transposed A box
     from shared memory, which its tf32 form cannot) or any float in the CPU interpreter (which
     emulates the descriptors: its tests run fp32); otherwise a launch asking for TMA loads through
     pointers."""
-    if t_NK.dim() != 2 or t_NK.stride(1) != 1 or t_NK.data_ptr() % 16 or (t_NK.stride(0) * t_NK.element_size()) % 16:
-        return False
+    if (t_NK.dim() != 2 or t_NK.numel() == 0 or t_NK.stride(1) != 1 or t_NK.data_ptr() % 16
+            or (t_NK.stride(0) * t_NK.element_size()) % 16):
+        return False  # (a descriptor needs every dimension positive)
     if t_NK.device.type == "cpu":
         return True
     return t_NK.dtype in (torch.bfloat16, torch.float16) and torch.cuda.get_device_capability(t_NK.device)[0] >= 9

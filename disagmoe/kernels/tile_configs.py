@@ -67,10 +67,11 @@ class TileConfig:
     # rate on the Qwen3 shape (373 against 605 TFLOP/s, session 16); the split one rounds d act to bf16 once
     # more. `bench tune-experts` offers it; the other roles ignore it
     split_epilogue: bool = False
-    # weight gradients only: load each tile's whole row steps with the tensor memory accelerator (host-made
-    # TensorDescriptors of both operands; `grouped_gemm._rows_dot_tma`) instead of per-thread pointer loads,
-    # the last partial step of each row group still masked; operands TMA cannot take (`grouped_gemm.tma_takes`)
-    # load through pointers. `bench tune-experts` offers the atomic wgrad tiles both ways
+    # load the operands with the tensor memory accelerator (host-made TensorDescriptors) instead of per-thread
+    # pointer loads: the weight gradients' whole row steps (`grouped_gemm._rows_dot_tma`; each row group's last
+    # partial step still masked), the row GEMMs' a rows and weight boxes (`grouped_gemm.rows_gemm_descriptors`);
+    # operands TMA cannot take (`grouped_gemm.tma_takes`) and gathered rows load through pointers. The FP8
+    # kernels ignore it. `bench tune-experts` offers the atomic wgrad tiles and the row tiles both ways
     tma: bool = False
 
     def to_json(self) -> dict[str, int | bool | str]:

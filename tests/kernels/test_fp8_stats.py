@@ -80,11 +80,10 @@ def test_row_counters_match_a_torch_count(fp8k, rows, k):
 
 
 def test_clean_tiles_count_the_same_bits_as_element_by_element(interpreted):
-    """Finite values take the cheap count (AMAX from the rows' amax; the row quantiser's per-position
-    counts summed once a program, the block and rowwise quantisers' `fp8._clean_tile_counts`): every
-    counter equal to the torch count, AMAX to the bit; a planted inf sends its tile (the block and
-    rowwise quantisers) or its program (the row quantiser: all its tiles counted again) element by
-    element, with the same counts."""
+    """Finite values take the cheap count (AMAX from the rows' or blocks' amax, underflows and
+    non-finite inputs per element position, summed once a program): every counter equal to the torch
+    count, AMAX to the bit; a planted inf sends its program's tiles to be counted again element by
+    element, with the same counts; so does a rowwise scale that underflowed to 0."""
     _, fp8k, fp8_rowwise = interpreted("disagmoe.kernels.grouped_gemm", "disagmoe.kernels.fp8",
                                        "disagmoe.kernels.fp8_rowwise")
     gen = torch.Generator().manual_seed(9)
@@ -397,3 +396,17 @@ def test_packing_refuses_a_rank_outside_the_world_and_a_wrong_width():
         pack_for_sum(None, 3, 3)
     with pytest.raises(ValueError, match=f"expected {sum_words(2)} summed words for 2 ranks"):
         unpack_sum(torch.zeros(sum_words(3), dtype=torch.float64), 2)
+
+
+def test_a_counting_launch_keeps_each_program_under_its_packed_counts():
+    """`fp8.counted_programs`: the persistent count, or enough programs that none counts more than
+    2^16 - 1 chunks (units handed out whole: a unit's chunks all go to one program)."""
+    import triton
+
+    from disagmoe.kernels import fp8
+
+    base = fp8._persistent_programs(torch.device("cpu"))
+    assert fp8.counted_programs(torch.device("cpu"), 100, 4) == base
+    for units, chunks in [(10**6, 1), (81919, 4), (3 * 10**5, 7)]:
+        programs = fp8.counted_programs(torch.device("cpu"), units, chunks)
+        assert triton.cdiv(units, programs) * chunks <= 65535, (units, chunks, programs)

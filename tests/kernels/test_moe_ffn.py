@@ -283,6 +283,11 @@ def test_tma_loads_give_the_pointer_loads_weight_gradient(kernels, banded, seed)
     fallback = gg.ragged_weight_grad(strided, b, offsets, tma, weights=experts, num_programs=2)
     assert torch.equal(fallback, gg.ragged_weight_grad(strided, b, offsets, SMALL_TILES, weights=experts,
                                                        num_programs=2))
+    no_rows = torch.zeros(experts, dtype=torch.int32)  # every expert empty: zeros, through pointers (no descriptor)
+    assert not gg.tma_takes(a[:0])
+    empty = gg.ragged_weight_grad(a[:0], b[:0], no_rows, tma, out=torch.full((experts, k, c), float("nan")),
+                                  num_programs=2)
+    assert (empty == 0).all()
 
 
 @pytest.mark.parametrize("counts,hidden,ffn", [
