@@ -324,6 +324,30 @@ def test_tma_row_gemms_give_the_pointer_loads_ffn(kernels, counts, hidden, ffn):
     assert all(_rel_err(got, leaf.grad) < 1e-5 for got, leaf in zip(results[1][1:], ref_leaves))
 
 
+def test_tma_row_gemms_over_banded_groups_give_the_pointer_loads_bits(kernels):
+    """`TileConfig.tma` in the row GEMMs over G = 3 x E row groups (group g multiplies by weight g mod E,
+    the fused return's segment-major order; some groups empty): the SwiGLU launch, the down launch with
+    its rows scattered, and the transposed-weight data gradient give the pointer loads' bits."""
+    gg, _ = kernels
+    counts, hidden, ffn = [9, 0, 30, 5], 32, 48
+    gen = torch.Generator().manual_seed(31)
+    order, offsets_G = _banded(counts, BANDS, gen)
+    x, _, w13, w2 = _inputs(counts, hidden, ffn, torch.float32, "cpu", seed=31)
+    x = x[order]
+    dst = torch.randperm(x.shape[0], generator=gen).to(torch.int32)
+    tma = dataclasses.replace(SMALL_TILES, tma=True)
+    got = []
+    for tiles in (SMALL_TILES, tma):
+        h13 = torch.full((x.shape[0], 2 * ffn), float("nan"))
+        act = gg.ragged_rows_gemm(x, offsets_G, w13, tiles, epilogue=gg.EPILOGUE_SWIGLU, h13_N2C=h13, num_programs=3)
+        y = gg.ragged_rows_gemm(act, offsets_G, w2, tiles, out=torch.full_like(x, float("nan")), dst_rows_N=dst,
+                                num_programs=3)
+        dact = gg.ragged_rows_gemm(y, offsets_G, w2.transpose(1, 2), tiles, num_programs=2)
+        got.append((act, h13, y, dact))
+    for pointers, loaded in zip(*got):
+        assert torch.isfinite(loaded).all() and torch.equal(pointers, loaded)
+
+
 @pytest.mark.slow  # more than a few seconds on 2 cores (`pytest -m 'not slow'` skips it)
 @pytest.mark.parametrize("case", range(len(BANDED_CASES)))
 @pytest.mark.parametrize("main", [False, True], ids=["returned", "main-grads"])
