@@ -85,25 +85,29 @@ FP8_CANDIDATES = {"fp8_rows": FP8_ROWS_CANDIDATES, "fp8_swiglu": FP8_SWIGLU_CAND
                   "fp8_wgrad": FP8_WGRAD_CANDIDATES}
 
 
+def _bf16_tiles(table: list[tuple], **fields) -> list[TileConfig]:
+    """The bf16 tiles of a candidate table's rows ((block_m, block_n, block_k, num_warps, num_stages,
+    programs_per_sm[, flatten[, epilogue_chunk]])), each with `fields` set."""
+    return [TileConfig(block_m=m, block_n=n, block_k=k, num_warps=w, num_stages=s, programs_per_sm=p,
+                       flatten=bool(rest and rest[0]), **({"epilogue_chunk": rest[1]} if len(rest) > 1 else {}),
+                       **fields)
+            for m, n, k, w, s, p, *rest in table]
+
+
 def candidates(role: str) -> list[TileConfig]:
     if role in FP8_CANDIDATES:
         return [TileConfig(block_m=m, block_n=n, block_k=k, num_warps=w, num_stages=s, programs_per_sm=p,
                            promote=promote) for m, n, k, w, s, p, promote in FP8_CANDIDATES[role]]
     table = (GATE_UP_CANDIDATES if role == "gate_up" else DOWN_DGRAD_CANDIDATES if role == "down_dgrad" else
              WGRAD_CANDIDATES if role.startswith("wgrad") else ROW_GEMM_CANDIDATES)
-    configs = [TileConfig(block_m=m, block_n=n, block_k=k, num_warps=w, num_stages=s,
-                          programs_per_sm=p, flatten=bool(rest and rest[0]),
-                          **({"epilogue_chunk": rest[1]} if len(rest) > 1 else {}))
-               for m, n, k, w, s, p, *rest in table]
+    configs = _bf16_tiles(table)
     if role.startswith("wgrad"):  # each tile both ways: the main gradient's add loaded and stored, or atomic;
         # the atomic ones (every tuned winner since session 16) also with TMA loads
         atomic = [dataclasses.replace(c, atomic_accumulate=True) for c in configs]
-        deeper = [TileConfig(block_m=m, block_n=n, block_k=k, num_warps=w, num_stages=s, programs_per_sm=p,
-                             flatten=bool(rest and rest[0]), atomic_accumulate=True, tma=True)
-                  for m, n, k, w, s, p, *rest in WGRAD_TMA_CANDIDATES]
-        configs += atomic + [dataclasses.replace(c, tma=True) for c in atomic] + deeper
-    if not role.startswith("wgrad"):  # each row GEMM tile also with TMA loads (`grouped_gemm.rows_gemm_descriptors`),
-        # but the flattened gate/up ones: two accumulators and the fused loop spill more with TMA (sm_90a ptxas)
+        configs += (atomic + [dataclasses.replace(c, tma=True) for c in atomic]
+                    + _bf16_tiles(WGRAD_TMA_CANDIDATES, atomic_accumulate=True, tma=True))
+    else:  # each row GEMM tile also with TMA loads (`grouped_gemm.rows_gemm_descriptors`), but the flattened
+        # gate/up ones: two accumulators and the fused loop spill more with TMA (sm_90a ptxas)
         configs += [dataclasses.replace(c, tma=True) for c in configs if not (role == "gate_up" and c.flatten)]
     if role in LIBRARY_ROLES:  # the library's grouped GEMM competes where it can run the launch
         configs.append(dataclasses.replace(heuristic(role), library=True))

@@ -298,6 +298,15 @@ def _count_tile(amax_bits, saturated, underflow, total, nonfinite, x, scaled, q,
 
 
 @triton.jit
+def _block_at(block, tiles_k, tiles_n, N):
+    """Block `block` of `_quantize_blocks_kernel`'s order: (its expert (int64), its K block, its N block,
+    its columns ns, which of them are inside N)."""
+    nb = block % tiles_n
+    ns = nb * _SCALE_BLOCK + tl.arange(0, _SCALE_BLOCK)
+    return (block // (tiles_k * tiles_n)).to(tl.int64), (block // tiles_n) % tiles_k, nb, ns, ns < N
+
+
+@triton.jit
 def _block_scale(w_ptr, e64, kb, ns, n_ok, K, stride_we, stride_wk, stride_wn, ROWS: tl.constexpr):
     """(scale, the largest |w / scale|) of block (e, kb, the columns ns) of w, from its amax read in
     ROWS-row chunks (div_rn is monotonic: the largest scaled value is the amax's)."""
@@ -341,12 +350,7 @@ def _quantize_blocks_kernel(w_ptr, q_ptr, qt_ptr, s_ptr, stats_ptr, K, N, tiles_
     peak = tl.zeros((), dtype=tl.float32)
     total = tl.zeros((), dtype=tl.int64)
     for block in range(tl.program_id(0), blocks, tl.num_programs(0)):
-        expert = block // (tiles_k * tiles_n)
-        kb = (block // tiles_n) % tiles_k
-        nb = block % tiles_n
-        ns = nb * _SCALE_BLOCK + tl.arange(0, _SCALE_BLOCK)
-        n_ok = ns < N
-        e64 = expert.to(tl.int64)
+        e64, kb, nb, ns, n_ok = _block_at(block, tiles_k, tiles_n, N)
         scale, scaled_max = _block_scale(w_ptr, e64, kb, ns, n_ok, K, stride_we, stride_wk, stride_wn, ROWS)
         if STATS:
             peak = tl.maximum(peak, scaled_max)
@@ -369,11 +373,7 @@ def _quantize_blocks_kernel(w_ptr, q_ptr, qt_ptr, s_ptr, stats_ptr, K, N, tiles_
         else:
             amax_bits, saturated, underflow, counted, nonfinite = _no_counts()
             for block in range(tl.program_id(0), blocks, tl.num_programs(0)):
-                expert = block // (tiles_k * tiles_n)
-                kb = (block // tiles_n) % tiles_k
-                ns = (block % tiles_n) * _SCALE_BLOCK + tl.arange(0, _SCALE_BLOCK)
-                n_ok = ns < N
-                e64 = expert.to(tl.int64)
+                e64, kb, nb, ns, n_ok = _block_at(block, tiles_k, tiles_n, N)
                 scale, scaled_max = _block_scale(w_ptr, e64, kb, ns, n_ok, K, stride_we, stride_wk, stride_wn, ROWS)
                 for r0 in range(0, _SCALE_BLOCK, ROWS):
                     w, ok, ks, scaled, q = _block_chunk(w_ptr, e64, kb, r0, ns, n_ok, K, scale,

@@ -54,11 +54,18 @@ def _row_amax(x):
 @triton.jit
 def _quantize_chunk(x, ks, ok, scale, q_ptr, rows64, stride_qm):
     """Store one chunk's e4m3 bits into q (a uint8 view); (scaled, q) for its counters."""
-    scaled = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
-    q = fp8._round_to_e4m3(scaled)  # saturates at +-448, as the reference's clamp
+    scaled, q = _scaled_chunk(x, scale)
     bits = tl.where(scaled == scaled, q.to(tl.float8e4nv).to(tl.uint8, bitcast=True), _E4M3_NAN)
     tl.store(q_ptr + rows64[:, None] * stride_qm + ks[None, :], bits, mask=ok)
     return scaled, q  # q is read where x is finite only
+
+
+@triton.jit
+def _scaled_chunk(x, scale):
+    """(x / each row's scale, its e4m3 values as fp32): `_round_to_e4m3` saturates at +-448, as the
+    reference's clamp."""
+    scaled = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
+    return scaled, fp8._round_to_e4m3(scaled)
 
 
 @triton.jit
@@ -134,9 +141,9 @@ def _quantize_rowwise_kernel(x_ptr, q_ptr, s_ptr, stats_ptr, M, K, stride_xm, st
                 scale, _ = _rowwise_scale(amax, has_nan)
                 for k0 in range(0, K, BLOCK_K):
                     x, ks, ok = _load_chunk(x_ptr, rows64, row_ok, k0, K, stride_xm, stride_xk, BLOCK_K)
-                    scaled = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
+                    scaled, q = _scaled_chunk(x, scale)
                     amax_bits, saturated, underflow, counted, nonfinite = fp8._count_tile(
-                        amax_bits, saturated, underflow, counted, nonfinite, x, scaled, fp8._round_to_e4m3(scaled), ok)
+                        amax_bits, saturated, underflow, counted, nonfinite, x, scaled, q, ok)
             fp8._add_counts(stats_ptr, amax_bits, saturated, underflow, counted, nonfinite)
 
 

@@ -175,6 +175,13 @@ def _banded(counts, bands, gen):
     return order_N, counts_G.cumsum(0).to(torch.int32)
 
 
+def _ragged_offsets(counts, banded, gen):
+    """int32 cumulative row counts: one group per expert, or `_banded`'s (band, expert) groups."""
+    if banded:
+        return _banded(counts, BANDS, gen)[1]
+    return torch.tensor(counts).cumsum(0).to(torch.int32)
+
+
 def _weight_grad_reference(a_NK, b_NC, offsets_G, experts):
     """Plain torch, group by group: out[e] = sum over g = e mod E of a[rows_g]^T @ b[rows_g]."""
     out = a_NK.new_zeros((experts, a_NK.shape[1], b_NC.shape[1]))
@@ -221,10 +228,7 @@ def test_atomic_accumulation_is_the_load_add_store_sum_bit_for_bit(kernels, band
     counts = [0 if i % 3 == 1 else int(torch.randint(1, 40, (1,), generator=gen)) for i in range(experts)]
     k, c = (int(v) for v in torch.randint(5, 50, (2,), generator=gen))
     rows = sum(counts)
-    if banded:
-        _, offsets = _banded(counts, BANDS, gen)
-    else:
-        offsets = torch.tensor(counts).cumsum(0).to(torch.int32)
+    offsets = _ragged_offsets(counts, banded, gen)
     a, b = torch.randn(rows, k, generator=gen), torch.randn(rows, c, generator=gen)
     start = torch.randn(experts, k, c, generator=gen)
     plain, atomic = start.clone(), start.clone()
@@ -257,10 +261,7 @@ def test_tma_loads_give_the_pointer_loads_weight_gradient(kernels, banded, seed)
     counts = [0 if i % 3 == 1 else int(torch.randint(1, 60, (1,), generator=gen)) for i in range(experts)]
     k, c = (4 * int(v) for v in torch.randint(3, 12, (2,), generator=gen))  # rows of 16-byte multiples
     rows = sum(counts)
-    if banded:
-        _, offsets = _banded(counts, BANDS, gen)
-    else:
-        offsets = torch.tensor(counts).cumsum(0).to(torch.int32)
+    offsets = _ragged_offsets(counts, banded, gen)
     a, b = torch.randn(rows, k, generator=gen), torch.randn(rows, c, generator=gen)
     assert gg.tma_takes(a) and gg.tma_takes(b)
     tma = dataclasses.replace(SMALL_TILES, tma=True)
