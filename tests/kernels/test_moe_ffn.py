@@ -325,6 +325,29 @@ def test_tma_row_gemms_give_the_pointer_loads_ffn(kernels, counts, hidden, ffn):
     assert all(_rel_err(got, leaf.grad) < 1e-5 for got, leaf in zip(results[1][1:], ref_leaves))
 
 
+def test_row_dots_keep_pointer_loads_under_tma(kernels):
+    """`row_scale` (the SwiGLU-gradient epilogue's row dots sum the tile's columns) keeps a TMA tile on
+    pointer loads: a box past C would read the next weight's rows, and an inf there (expert 1 has no
+    rows here) would make expert 0's row dots NaN. They equal the pointer tile's bits."""
+    gg, _ = kernels
+    counts, hidden, ffn = [20, 0], 32, 40  # ffn off the 16-column tile: the last box reaches expert 1
+    rows = sum(counts)
+    gen = torch.Generator().manual_seed(8)
+    offsets = torch.tensor(counts).cumsum(0).to(torch.int32)
+    w2 = torch.randn(2, ffn, hidden, generator=gen)
+    w2[1] = float("inf")
+    h13, dy = torch.randn(rows, 2 * ffn, generator=gen), torch.randn(rows, hidden, generator=gen)
+    scale = torch.rand(rows, generator=gen)
+    got = []
+    for tiles in (SMALL_TILES, dataclasses.replace(SMALL_TILES, tma=True)):
+        rowdot = torch.full((-(-ffn // SMALL_TILES.block_n), rows), float("nan"))
+        out = gg.ragged_rows_gemm(dy, offsets, w2.transpose(1, 2), tiles, epilogue=gg.EPILOGUE_SWIGLU_GRAD,
+                                  h13_N2C=h13, row_scale=(scale, rowdot), num_programs=2)
+        got.append((out, rowdot))
+    assert torch.isfinite(got[1][1]).all() and torch.isfinite(got[1][0]).all()
+    assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
+
+
 def test_tma_row_gemms_over_banded_groups_give_the_pointer_loads_bits(kernels):
     """`TileConfig.tma` in the row GEMMs over G = 3 x E row groups (group g multiplies by weight g mod E,
     the fused return's segment-major order; some groups empty): the SwiGLU launch, the down launch with
