@@ -5,7 +5,7 @@ Legend: N rows (token-expert pairs grouped by expert), E experts, H hidden size,
 `offsets_E` int32 cumulative row counts (or G = bands x E row groups, group g using expert g mod E);
 `w13_EH2F` gate in [..., :F], up in [..., F:]; `w2_EFH` the down projection (grouped_gemm's layout).
 
-Forward: x rows quantised 1 x 128 (or given so by `permute.permute_forward_fp8`); gate/up GEMM
+Forward: x rows quantised 1 x 128 (or given so: `permute.quantize_then_permute`); gate/up GEMM
 whose epilogue applies SwiGLU and quantises its output for the down GEMM; down GEMM, bf16 out.
 Backward: dy quantised 1 x 128 and 128 x 1 along tokens in one pass
 (`fp8.quantize_rows_and_token_groups`); the down GEMM's data gradient against w2^T with the
@@ -493,11 +493,11 @@ class Fp8ExpertFFNFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_NH, offsets_E, w13_EH2F, w2_EFH, weights, tiles, num_programs, stats,
-                recompute=frozenset(), source=None, backward=DEFAULT_BACKWARD, forward=DEFAULT_FORWARD):
+                recompute=frozenset(), source=None, backward=DEFAULT_BACKWARD, forward=DEFAULT_FORWARD, x_fp8=None):
         if weights is None:  # a copy per call; a trainer makes one per optimizer step and passes it
             weights = Fp8ExpertWeights.quantize(w13_EH2F, w2_EFH, stats)
         ctx.gluon = dataclasses.replace(_gluon)  # the backward keeps the forward's choices
-        y_NH, h13_N2F = fp8_ffn_forward(x_NH, offsets_E, weights, tiles, save_for_backward=True,
+        y_NH, h13_N2F = fp8_ffn_forward(x_NH, offsets_E, weights, tiles, x_fp8=x_fp8, save_for_backward=True,
                                         num_programs=num_programs, stats=stats, gluon=ctx.gluon, forward=forward,
                                         bf16_weights=(w13_EH2F.detach(), w2_EFH.detach()))
         # the source's tokens are another node's input, kept as an attribute (autograd's saved-tensor
@@ -527,7 +527,7 @@ class Fp8ExpertFFNFunction(torch.autograd.Function):
                                              None, h13_N2F, tiles, num_programs=ctx.num_programs,
                                              main_grads=ctx.main_grads)
             ctx.weights = ctx.stats = ctx.source = ctx.main_grads = ctx.bf16_weights = None
-            return dx, None, dw13, dw2, None, None, None, None, None, None, None, None
+            return dx, None, dw13, dw2, None, None, None, None, None, None, None, None, None
         if x_NH is None:  # the tokens read in place where they hold the rows' dtype, else cast rows
             same = ctx.source.x_TH.dtype == ctx.x_dtype
             x_NH = ctx.source if same else ctx.source.rows(ctx.x_dtype)
@@ -536,7 +536,7 @@ class Fp8ExpertFFNFunction(torch.autograd.Function):
                                          gluon=ctx.gluon, backward=ctx.backward)
         ctx.weights = ctx.stats = ctx.source = ctx.main_grads = None
         dw13, dw2 = (None if g is None else g.to(dtype) for g, dtype in zip((dw13, dw2), ctx.weight_dtypes))
-        return dx, None, dw13, dw2, None, None, None, None, None, None, None, None
+        return dx, None, dw13, dw2, None, None, None, None, None, None, None, None, None
 
 
 def expert_ffn_fp8(
@@ -553,6 +553,7 @@ def expert_ffn_fp8(
     source: RowSource | None = None,
     backward: str = DEFAULT_BACKWARD,
     forward: str = DEFAULT_FORWARD,
+    x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The experts backend contract `expert_ffn(x_NH, offsets_E, w13_EH2F, w2_EFH) -> y_NH` with
     every GEMM in FP8, differentiable in x, w13 and w2. `weights`: the FP8 copies of exactly these
@@ -562,7 +563,9 @@ def expert_ffn_fp8(
     `recompute` (a subset of `recompute.FP8_RECOMPUTABLE`) and `source` (where x's rows came from,
     for `expert_input`; without one the rows are kept): module docstring. `backward`: which backward
     GEMMs run in FP8 (`BACKWARD_PRECISIONS`); `forward` which forward GEMMs (`FORWARD_GEMMS`: one
-    alone, the other in bf16)."""
+    alone, the other in bf16). `x_fp8` (q_NH e4m3, s_NG fp32): x's rows already quantised 1 x 128
+    (`permute.quantize_then_permute`, counted there), for a forward whose gate/up GEMM is FP8; x's bf16
+    rows are still what the backward reads."""
     check_backward(backward)
     check_forward(forward)
     recompute = frozenset(recompute)
@@ -579,7 +582,13 @@ def expert_ffn_fp8(
     if source is not None and (source.token_N.shape != (x_NH.shape[0],) or source.x_TH.shape[1:] != x_NH.shape[1:]):
         raise ValueError(f"source must name one token row of hidden {hidden} per row of x; got tokens "
                          f"{tuple(source.x_TH.shape)} and {tuple(source.token_N.shape)} ids for x {tuple(x_NH.shape)}")
+    groups = -(-hidden // fp8.SCALE_BLOCK)
+    if x_fp8 is not None and (forward == "down" or x_fp8[0].shape != x_NH.shape or x_fp8[0].dtype != fp8.FP8
+                              or x_fp8[1].shape != (x_NH.shape[0], groups)):
+        raise ValueError(f"x_fp8 must be x's rows [{x_NH.shape[0]}, {hidden}] in e4m3 with their [{x_NH.shape[0]}, "
+                         f"{groups}] scales, for a forward whose gate/up GEMM is FP8 (forward {forward}); got "
+                         f"{x_fp8[0].dtype} {tuple(x_fp8[0].shape)} and {tuple(x_fp8[1].shape)}")
     if tiles is None:  # from the host-known shapes: no sync, the same every step
         tiles = Fp8Tiles.for_shape(x_NH.shape[0], experts, hidden, two_ffn // 2, x_NH.device)
     return Fp8ExpertFFNFunction.apply(x_NH.contiguous(), offsets_E, w13_EH2F, w2_EFH, weights,
-                                      tiles, num_programs, stats, recompute, source, backward, forward)
+                                      tiles, num_programs, stats, recompute, source, backward, forward, x_fp8)

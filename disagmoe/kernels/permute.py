@@ -8,6 +8,8 @@ expert.
 permute: rows_NH[dest_TK[t, k]] = x_TH[t]; pairs keep their (t, k) order inside an expert (the same
 order as a stable sort of the flattened expert ids), so the result is deterministic.
 permute_forward_fp8: the same, its copy writing e4m3 rows and 1 x 128 scales (`kernels.fp8`).
+quantize_then_permute: e4m3 rows and scales of the pairs from each token quantised once (K x less
+quantising than the pairs' rows: the FP8 experts' input where one process serves every pair).
 combine: y_TH[t] = sum_k weights_TK[t, k] * rows_NH[dest_TK[t, k]] (fp32 accumulation).
 Three launches for permute (per-block expert histograms; each pair's destination row; the row
 copy over a (pair block, hidden block) grid; a few tiny torch prefix sums between), one for combine; the backward
@@ -232,6 +234,20 @@ def permute_forward_fp8(x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, num_exper
         x_TH, dest_TK, q_NH, s_NG, fp8._stats_ptr(stats, s_NG), n_pairs, hidden, top_k, x_TH.stride(0),
         q_NH.stride(0), s_NG.stride(0), BLOCK=pairs_per_block, STATS=stats is not None, num_warps=4)
     return q_NH, s_NG, offsets_E, dest_TK
+
+
+def quantize_then_permute(x_TH: torch.Tensor, dest_TK: torch.Tensor, stats: torch.Tensor | None = None,
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q_NH float8_e4m3fn, s_NG fp32): the FP8 gate/up GEMM's A operand for the pairs `dest_TK` groups,
+    each token's row quantised 1 x 128 once (`fp8.quantize_rows` of x_TH, `stats` counting tokens) and
+    its e4m3 row and scales copied to its K pair rows (`copy_rows`, two launches). The same bits as
+    `permute_forward_fp8` or `fp8.quantize_rows` of the grouped rows (a row's scales depend on that row
+    alone), for 1/K of the quantising and counting: where a layer's experts serve every pair of its
+    tokens (`model.block`), K per token. Rows of pairs past a spare bucket's start are copied too (no
+    GEMM reads them)."""
+    q_TH, s_TG = fp8.quantize_rows(x_TH, stats)
+    q_NH = copy_rows(q_TH.view(torch.uint8), dest_TK).view(fp8.FP8)  # moved as bytes: any Triton backend
+    return q_NH, copy_rows(s_TG, dest_TK)
 
 
 def combine_forward(rows_NH: torch.Tensor, dest_TK: torch.Tensor,

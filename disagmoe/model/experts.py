@@ -260,10 +260,26 @@ class RoutedExperts(nn.Module):
         return fused_moe(x_TH, topk_TK, w_TK, self.w13_EH2F, self.w2_EFH, spare_last=spare_last,
                          recompute=self.kernel_recompute)
 
-    def forward(self, x_NH: torch.Tensor, offsets_E: torch.Tensor, source=None) -> torch.Tensor:
+    def quantized_rows(self, x_TH: torch.Tensor, dest_TK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The FP8 forward's input rows (q_NH e4m3, s_NG fp32) of the pairs `dest_TK` groups, each token
+        quantised once and copied to its pairs' rows (`kernels.permute.quantize_then_permute`, counted
+        in `fp8_stats` per token), for `forward(..., x_fp8=...)`; None where the forward does not start
+        with an FP8 GEMM (bf16 experts, or `fp8_forward: down`). For a layer whose experts serve every
+        pair of the tokens (`model.block`: K rows a token, K times the quantising per pair); where most
+        pairs are served elsewhere (an expert rank's share) the rows are quantised as they come."""
+        if self.precision != "fp8" or self.fp8_forward == "down":
+            return None
+        from disagmoe.kernels.fp8_stats import ACTIVATIONS
+        from disagmoe.kernels.permute import quantize_then_permute
+
+        return quantize_then_permute(x_TH, dest_TK, None if self.fp8_stats is None else self.fp8_stats.row(ACTIVATIONS))
+
+    def forward(self, x_NH: torch.Tensor, offsets_E: torch.Tensor, source=None,
+                x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Rows grouped by (local) expert -> output rows in the same order. `source`
         (`kernels.recompute.RowSource`): where the rows came from, kept instead of them when
-        `expert_input` is recomputed."""
+        `expert_input` is recomputed. `x_fp8`: the FP8 experts' input rows already quantised
+        (`quantized_rows`)."""
         assert offsets_E.numel() == self.num_experts, "one cumulative count per local expert"
         if self.precision == "fp8":
             from disagmoe.kernels.fp8_ffn import expert_ffn_fp8
@@ -271,7 +287,9 @@ class RoutedExperts(nn.Module):
             # no prepared copies (a caller outside the trainer's step): quantised for this call
             return expert_ffn_fp8(x_NH, offsets_E, self.w13_EH2F, self.w2_EFH, weights=self.fp8_weights,
                                   stats=self.fp8_stats, recompute=self.kernel_recompute, source=source,
-                                  backward=self.fp8_backward, forward=self.fp8_forward)
+                                  backward=self.fp8_backward, forward=self.fp8_forward, x_fp8=x_fp8)
+        if x_fp8 is not None:
+            raise ValueError("x_fp8 is the FP8 experts' input; these experts run in bf16 (set_precision('fp8'))")
         if self.kernel_recompute:
             return self.expert_ffn(x_NH, offsets_E, self.w13_EH2F, self.w2_EFH, recompute=self.kernel_recompute,
                                    source=source)

@@ -79,6 +79,62 @@ def test_an_expert_ranks_fp8_layer_through_the_triton_permute_is_the_plain_one(i
     assert results[0][0][:5].abs().max() == 0 and results[0][3][1].abs().max() == 0
 
 
+@pytest.mark.slow  # the FP8 and permute kernels in Triton's interpreter
+def test_a_layers_fp8_experts_take_each_tokens_row_quantised_once(interpreted, make_config, monkeypatch):
+    """`model.block`'s fused path under FP8 (the single GPU's): each token's row is quantised once and
+    its e4m3 row and scales copied to its K pairs (`RoutedExperts.quantized_rows`), not each pair's
+    row by the FFN: the layer's output and every gradient are the same bits as with the pairs' rows
+    quantised, and the activation counters count the tokens' elements instead of the pairs' (K times
+    fewer for x; the SwiGLU output's are the same)."""
+    interpreted("disagmoe.kernels.grouped_gemm", "disagmoe.kernels.fp8", "disagmoe.kernels.fp8_ffn",
+                "disagmoe.kernels.permute")
+    from disagmoe.kernels.fp8_stats import ACTIVATIONS, AMAX, NONFINITE, SATURATED, TOTAL, Fp8Stats
+    from disagmoe.model.transformer import MoETransformer
+
+    cfg = make_config(hidden_size=128, expert_ffn_size=128, num_heads=4, num_kv_heads=2, head_dim=32,
+                      num_experts=5, top_k=3, num_layers=1)
+    model = MoETransformer(cfg, experts_backend="triton")
+    model.init_weights(seed=7)
+    block, experts = model.layers[0], model.layers[0].moe.experts
+    experts.set_precision("fp8")
+    h = torch.randn(2, 7, 128, generator=torch.Generator().manual_seed(8))  # 14 tokens, 42 pairs
+    dy = torch.randn(2, 7, 128, generator=torch.Generator().manual_seed(9))
+    runs = []
+    for per_token in (True, False):
+        stats = Fp8Stats("cpu")
+        experts.set_fp8_stats(stats)
+        experts.prepare_fp8()
+        stats.reset()  # the weight copies' counts aside: the activations' row is compared
+        model.zero_grad(set_to_none=True)
+        leaf = h.clone().requires_grad_()
+        routing = block.route(leaf)
+        if not per_token:  # the FFN quantises the pairs' bf16 rows itself
+            monkeypatch.setattr(experts, "quantized_rows", lambda x_TH, dest_TK: None)
+        out = block._forward_fused(leaf, routing, None)
+        out.backward(dy)
+        grads = [leaf.grad] + [p.grad for p in block.parameters() if p.grad is not None]
+        runs.append((out.detach(), grads, stats.row(ACTIVATIONS).clone()))
+    (out1, grads1, acts1), (out0, grads0, acts0) = runs
+    assert torch.equal(out1, out0) and len(grads1) == len(grads0) > 3
+    assert all(torch.equal(a, b) for a, b in zip(grads1, grads0, strict=True))
+    tokens, pairs = 14, 14 * 3
+    assert acts0[TOTAL] - acts1[TOTAL] == (pairs - tokens) * 128
+    assert acts1[AMAX] == acts0[AMAX] and acts1[SATURATED] == acts0[SATURATED] == acts1[NONFINITE] == 0
+
+
+def test_bf16_experts_and_a_down_only_fp8_forward_take_no_quantised_rows():
+    """`quantized_rows` is None where the forward's first GEMM is bf16, and bf16 experts refuse rows
+    given quantised, with the fix."""
+    experts = _experts()
+    dest_TK = torch.zeros(4, 2, dtype=torch.int32)
+    assert experts.quantized_rows(torch.zeros(4, 128), dest_TK) is None
+    experts.set_precision("fp8", forward="down")
+    assert experts.quantized_rows(torch.zeros(4, 128), dest_TK) is None
+    with pytest.raises(ValueError, match="run in bf16"):
+        RoutedExperts(3, 128, 128, backend="loop")(torch.zeros(4, 128), torch.tensor([4, 4, 4], dtype=torch.int32),
+                                                   x_fp8=(torch.zeros(4, 128), torch.zeros(4, 1)))
+
+
 @pytest.mark.slow  # interpreter
 def test_prepared_copies_are_refreshed_in_place(fp8_modules):
     """A captured step reads the copies' addresses: a refresh writes the same tensors with the
