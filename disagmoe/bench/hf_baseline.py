@@ -78,9 +78,10 @@ def build_model(m: ModelConfig, device: torch.device,
 
 
 def train_steps(model: torch.nn.Module, model_type: str, m: ModelConfig, cfg: TrainConfig, data: TokenDataset,
-                steps: int, device: torch.device) -> tuple[list[float], list[float]]:
+                steps: int, device: torch.device,
+                on_step: Callable[[], object] | None = None) -> tuple[list[float], list[float]]:
     """(losses, seconds) of `steps` optimizer steps, as the module docstring says; the device is
-    synchronised around each step (on CUDA)."""
+    synchronised around each step (on CUDA); `on_step` is called as each step ends."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
                                   eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay,
                                   fused=device.type == "cuda")
@@ -108,11 +109,15 @@ def train_steps(model: torch.nn.Module, model_type: str, m: ModelConfig, cfg: Tr
         losses.append(float(total))
         sync(device)
         times.append(time.perf_counter() - start)
+        if on_step is not None:
+            on_step()
     return losses, times
 
 
-def run(cfg: TrainConfig, steps: int, warmup: int, log: Callable[[str], None]) -> dict[str, Any]:
-    """Train the baseline for `steps` steps on GPU 0; the bench row (as `bench.train` rows)."""
+def run(cfg: TrainConfig, steps: int, warmup: int, log: Callable[[str], None],
+        on_step: Callable[[], object] | None = None) -> dict[str, Any]:
+    """Train the baseline for `steps` steps on GPU 0; the bench row (as `bench.train` rows); `on_step`
+    called as each step ends (`bench.gpu_clocks`' marks)."""
     if cfg.device != "cuda" or not torch.cuda.is_available():
         raise ValueError("--baseline hf times a GPU training step; run it with device=cuda on a GPU host")
     if warmup >= steps:
@@ -126,7 +131,7 @@ def run(cfg: TrainConfig, steps: int, warmup: int, log: Callable[[str], None]) -
     log(f"{NAME} {transformers.__version__} {type(model).__name__} (experts: {experts_impl}): {steps} steps")
     splits = load_splits(cfg.data, m.vocab_size, cfg.seq_len)
     data = TokenDataset(splits.train, cfg.seq_len, cfg.batch_size, cfg.seed, "train")
-    losses, times = train_steps(model, model_type, m, cfg, data, steps, device)
+    losses, times = train_steps(model, model_type, m, cfg, data, steps, device, on_step)
     step_s = statistics.median(times[warmup:])
     peak = torch.cuda.max_memory_allocated(device) / 2**30
     architecture = type(model).__name__

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from disagmoe.bench.gpu_clocks import GpuClockSampler
 from disagmoe.bench.timing import device_intervals, host_events
 from disagmoe.config import TrainConfig
 
@@ -59,16 +60,20 @@ def run(cfg: TrainConfig, steps: int, warmup: int, log: Callable[[str], None],
     warmup = warmup_past_capture(cfg, warmup, log)
     trainer = SingleProcessTrainer(cfg.model_copy(update={"mode": "single", "steps": warmup + steps,
                                                           "trace": False, "checkpoint_minutes": 0}))
-    for _ in range(warmup):
-        trainer._train_one_step()
-    log(f"profiling {steps} steps after {warmup} warm-up steps")
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=shapes) as prof:
-        began = time.perf_counter()
-        for _ in range(steps):
+    clocks = GpuClockSampler.for_devices([0])  # the profiled steps' clocks, to set beside bench train's
+    with clocks:
+        for _ in range(warmup):
             trainer._train_one_step()
+            clocks.mark()
+        log(f"profiling {steps} steps after {warmup} warm-up steps")
         torch.cuda.synchronize()
-        wall_s = time.perf_counter() - began
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=shapes) as prof:
+            began = time.perf_counter()
+            for _ in range(steps):
+                trainer._train_one_step()
+                clocks.mark()
+            torch.cuda.synchronize()
+            wall_s = time.perf_counter() - began
     with tempfile.TemporaryDirectory() as tmp:
         trace_path = trace if trace is not None else Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(trace_path))  # gzip where the name ends in .gz
@@ -99,7 +104,8 @@ def run(cfg: TrainConfig, steps: int, warmup: int, log: Callable[[str], None],
                            "ms_per_step": s * 1e3 / steps} for (before, after), (count, s) in gaps[:top]],
             "step_split_ms": {part: s * 1e3 for part, s in step_split(windows, intervals).items()},
             "runtime_calls": [{"name": n[:120], "ms_per_step": s * 1e3 / per, "calls": c / per}
-                              for n, (c, s) in runtime_calls(host, windows)[:8]]}
+                              for n, (c, s) in runtime_calls(host, windows)[:8]],
+            "gpu_clocks": clocks.timed_summary(warmup), "gpu_clocks_note": clocks.unavailable}
 
 
 def warmup_past_capture(cfg: TrainConfig, warmup: int, log: Callable[[str], None]) -> int:

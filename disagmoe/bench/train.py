@@ -6,7 +6,9 @@ median step time after the first `warmup` steps, and every mode is set against t
 layout measured in the same run (or the first mode, if colocated is not among them), and against
 the single GPU where `single` ran. Each row also carries MFU per GPU (model FLOPs / step time /
 (GPUs x bf16 dense peak)) and against the measured matmul ceiling, peak GPU memory, the routing
-(learned or forced-balanced) and the mean load imbalance of the timed steps. `baseline="hf"` adds
+(learned or forced-balanced), the mean load imbalance of the timed steps and, on GPUs, the SM clock,
+power and clock-event reasons over the timed steps and each step's SM clock (`bench.gpu_clocks`:
+a step time is only comparable at the clocks it ran at). `baseline="hf"` adds
 Hugging Face transformers' Qwen3MoeForCausalLM on one GPU, same shape and batch
 (`bench.hf_baseline`).
 
@@ -29,10 +31,12 @@ import shlex
 import statistics
 import tempfile
 from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 
+from disagmoe.bench.gpu_clocks import GpuClockSampler, describe
 from disagmoe.config import TrainConfig, apply_overrides, validate
 from disagmoe.runtime.observe.metrics import read_metrics
 from disagmoe.runtime.training.loop import METRICS_FILE
@@ -180,17 +184,36 @@ def baseline_split(cfg: TrainConfig, rows: list[dict]) -> TrainConfig:
     return resolve_single_micro_batches(one_gpu, load_model(cfg.model), resolve_device(cfg.device))[0]
 
 
-def train_row(cfg: TrainConfig):
-    """One row's training run (its summary); a single-mode row gives its GPU memory back after it,
-    whether it ended or failed, so the next row starts clean."""
+def train_row(cfg: TrainConfig, on_step: Callable[[dict], None] | None = None):
+    """One row's training run (its summary; `on_step` called with each step's record as it ends); a
+    single-mode row gives its GPU memory back after it, whether it ended or failed, so the next row
+    starts clean."""
     if cfg.mode == "single":
         try:
-            return SingleProcessTrainer(cfg).run()
+            return SingleProcessTrainer(cfg).run(on_step)
         finally:
             free_device_memory()
     from disagmoe.runtime.cluster.driver import DistributedTrainer
 
-    return DistributedTrainer(cfg).run()
+    return DistributedTrainer(cfg).run(on_step)
+
+
+def clock_sampler(cfg: TrainConfig) -> GpuClockSampler | None:
+    """The sampler of the GPUs a row of `cfg` trains on (`bench.gpu_clocks`): GPU 0 in mode single (and
+    for the outside baseline), every visible GPU in the distributed modes; None off CUDA."""
+    if cfg.device != "cuda" or not torch.cuda.is_available():
+        return None
+    devices = [0] if cfg.mode == "single" else list(range(torch.cuda.device_count()))
+    return GpuClockSampler.for_devices(devices)
+
+
+def clock_fields(clocks: GpuClockSampler | None, warmup: int) -> dict:
+    """A row's clock fields: the timed steps' summary, each step's median SM clock, and why there are
+    none where none were sampled."""
+    if clocks is None:
+        return {"gpu_clocks": None, "step_sm_mhz": None, "gpu_clocks_note": None}
+    return {"gpu_clocks": clocks.timed_summary(warmup), "step_sm_mhz": clocks.per_step_sm_mhz(),
+            "gpu_clocks_note": clocks.unavailable}
 
 
 def runs_of(modes: list[str], transports: list[str] | None,
@@ -232,8 +255,10 @@ def run(cfg: TrainConfig, modes: list[str], steps: int, warmup: int,
             name = (f"{mode}{'' if mode == 'single' else f' ({mcfg.transport}, hop {mcfg.hop})'}"
                     f"{f' [{variant}]' if variant else ''}")
             log(f"{name}: {steps} steps")
+            clocks = clock_sampler(mcfg)
             try:
-                summary = train_row(mcfg)
+                with clocks or nullcontext():
+                    summary = train_row(mcfg, None if clocks is None else lambda record: clocks.mark())
             except ValueError as err:  # a user error of this row (memory check, out of memory): the row's, not the run's
                 log(f"{name}: did not run: {err}")
                 rows.append({"mode": mode, "transport": None if mode == "single" else mcfg.transport, "hop": None,
@@ -269,19 +294,28 @@ def run(cfg: TrainConfig, modes: list[str], steps: int, warmup: int,
                          "mfu_ceiling": None if time_sliced else _rate(flops, step_s, records[-1], "mfu_ceiling"),
                          "peak_memory_gib": max((r["peak_memory_gib"] for r in records
                                                  if r.get("peak_memory_gib") is not None), default=None),
-                         "load_imbalance": statistics.fmean(imbalance) if imbalance else None})
+                         "load_imbalance": statistics.fmean(imbalance) if imbalance else None,
+                         **clock_fields(clocks, warmup)})
             saturated = rows[-1]["max_fp8_saturated_share"]
             log(f"{name}: {step_s * 1e3:,.1f} ms/step, {rows[-1]['tokens_per_s']:,.0f} tokens/s, final loss "
                 f"{rows[-1]['final_loss']:.4f}" + (f", peak {rows[-1]['peak_memory_gib']:.1f} GiB"
                                                    if rows[-1]["peak_memory_gib"] is not None else "")
                 + (f", FP8 saturated share at most {saturated:.2e} a step" if saturated is not None else ""))
+            if clocks is not None:
+                log(f"{name}: {describe(rows[-1]['gpu_clocks'], clocks.unavailable)}")
             if on_row is not None:
                 on_row(rows)
         if baseline == "hf":
             from disagmoe.bench import hf_baseline
 
-            row = hf_baseline.run(baseline_split(cfg, rows), steps, warmup, log)
-            rows.append({**row, "mfu": None, "mfu_ceiling": None, "load_imbalance": None, "mean_loss": None})
+            hf_cfg = baseline_split(cfg, rows)
+            clocks = clock_sampler(hf_cfg.model_copy(update={"mode": "single"}))
+            with clocks or nullcontext():
+                row = hf_baseline.run(hf_cfg, steps, warmup, log, None if clocks is None else clocks.mark)
+            rows.append({**row, "mfu": None, "mfu_ceiling": None, "load_imbalance": None, "mean_loss": None,
+                         **clock_fields(clocks, warmup)})
+            if clocks is not None:
+                log(f"{row['mode']}: {describe(rows[-1]['gpu_clocks'], clocks.unavailable)}")
             single = next((r for r in rows if r["mode"] == "single" and not r.get("error")), None)
             if single is not None and single["mfu"] is not None:  # the same model FLOPs on one GPU
                 row_mfu = single["mfu"] * single["median_step_s"] / row["median_step_s"]

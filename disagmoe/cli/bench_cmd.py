@@ -391,8 +391,10 @@ def train(
     single GPU, with MFU per GPU (bf16 dense peak, and the measured matmul ceiling), each group's
     busy fraction (compute time / step time; on GPUs each op's span on the GPU, from its first
     kernel to its last, waits inside the op included), each group's GPU wait for returned rows
-    (the combine messages: how long its stream stood still for them / step time), peak memory and
-    the routing used.
+    (the combine messages: how long its stream stood still for them / step time), peak memory,
+    the routing used and, on GPUs, the SM clock the timed steps ran at (nvidia-smi sampled in the
+    background; the JSON record holds power, temperature, clock-event reasons such as sw_power_cap,
+    and each step's clock: a step time is comparable only at the clocks it ran at).
 
     \b
     Example: disagmoe bench train -c configs/h200x2-qwen3-30b.yaml --mode single --mode disaggregated \\
@@ -439,7 +441,8 @@ def train(
     with_single = base != "single" and any(r.get("vs_single") is not None for r in record["modes"])
     first_variant = next((r["variant_baseline"] for r in record["modes"] if r.get("variant_baseline")), None)
     variant_columns = (f"vs {first_variant}", f"memory vs {first_variant}") if first_variant else ()
-    columns = ("mode", "ranks", "m", "step", "tokens/s", "MFU/GPU", "of ceiling", "peak memory", "predicted", "imbalance",
+    columns = ("mode", "ranks", "m", "step", "SM clock", "tokens/s", "MFU/GPU", "of ceiling", "peak memory", "predicted",
+               "imbalance",
                "final loss", "busy", "combine wait", "vs " + base, *(("vs single",) if with_single else ()),
                *variant_columns)
     for col in columns:
@@ -461,7 +464,9 @@ def train(
         label = bench.row_label(r)
         split = "-" if r.get("micro_batches") is None else str(r["micro_batches"]) + (
             " (graph)" if r.get("cuda_graph_replays") else "")
-        table.add_row(label, str(r["ranks"]), split, seconds(r['median_step_s']), f"{r['tokens_per_s']:,.0f}",
+        clocks = r.get("gpu_clocks")
+        sm_clock = "-" if not clocks else f"{clocks['sm_mhz_median']:,.0f} MHz"
+        table.add_row(label, str(r["ranks"]), split, seconds(r['median_step_s']), sm_clock, f"{r['tokens_per_s']:,.0f}",
                       pct(r.get("mfu")), pct(r.get("mfu_ceiling")), memory(r.get("peak_memory_gib")),
                       memory(r.get("predicted_peak_gib")),
                       num(r.get("load_imbalance"), ".2f"), f"{r['final_loss']:.4f}", busy, waits, times(r.get("speedup")),
@@ -493,6 +498,7 @@ def profile(
     optimizer, copy/cast, elementwise and NCCL, how busy the GPU was (the union of its kernels'
     intervals / wall time), and where it sat idle between kernels, by the pair around each gap."""
     from disagmoe.bench import profile_step as bench
+    from disagmoe.bench.gpu_clocks import describe
     from disagmoe.config import load_train_config
 
     cfg = load_train_config(config, overrides or [])
@@ -505,6 +511,8 @@ def profile(
     console.print(f"{seconds(record['wall_s_per_step'])}/step, GPU busy {record['gpu_busy']:.0%} "
                   f"({record['kernel_ms_per_step']:.1f} ms of kernels); by category: "
                   + ", ".join(f"{c} {share:.0%}" for c, share in record["categories"].items()), markup=False)
+    console.print(f"GPU clocks of the profiled steps: {describe(record.get('gpu_clocks'), record.get('gpu_clocks_note'))}",
+                  markup=False)
     table = Table(title=f"top {top} kernels of {config}")
     for col in ("kernel", "category", "ms/step", "share"):
         table.add_column(col, justify="left" if col in ("kernel", "category") else "right")

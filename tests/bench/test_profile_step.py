@@ -221,3 +221,18 @@ def test_a_captured_config_is_profiled_after_its_capture_step() -> None:
     assert warmup_past_capture(cfg, WARMUP_STEPS + 2, said.append) == WARMUP_STEPS + 2 and not said
     eager = cfg.model_copy(update={"cuda_graphs": "off"})
     assert warmup_past_capture(eager, 1, said.append) == 1 and not said
+
+
+@pytest.mark.gpu
+def test_cuda_a_profile_reports_its_steps_and_their_clocks():
+    """`bench profile` on the tiny config on a GPU: its step split and the profiled steps' GPU clocks
+    (or why none were sampled)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from disagmoe.bench import profile_step
+    from disagmoe.config import load_train_config
+
+    cfg = load_train_config("configs/tiny-cpu.yaml", ["device=cuda", "experts_backend=triton"])
+    record = profile_step.run(cfg, steps=2, warmup=1, log=lambda _: None)
+    assert record["kernel_ms_per_step"] > 0 and record["step_split_ms"]
+    assert record["gpu_clocks"] is not None or record["gpu_clocks_note"], record
