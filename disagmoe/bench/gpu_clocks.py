@@ -13,7 +13,10 @@ benchmark rows therefore carry the clocks of their timed steps (`bench train`'s 
 
 Without nvidia-smi (a CPU host), or where it refuses the query, the sampler records nothing and says
 why (`unavailable`); nothing else changes. The reasons are nvidia-smi's `clocks_event_reasons.active`
-bits (`clocks_throttle_reasons.active` on drivers before the rename).
+bits (`clocks_throttle_reasons.active` on drivers before the rename). Each sample is placed in time by
+nvidia-smi's own timestamp (so a buffered pipe cannot shift it into the next step). A summary counts
+only the GPUs that worked in its window (a GPU idle throughout, e.g. one a smaller distributed run left
+unused, would pull the median down); GPUs of other hosts are not sampled.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 
 DEFAULT_INTERVAL_MS = 100
 # nvidia-smi's clock-event reason bits (nvmlClocksEventReasons), in its own names
@@ -32,12 +36,13 @@ REASONS = {0x1: "gpu_idle", 0x2: "applications_clocks_setting", 0x4: "sw_power_c
            0x10: "sync_boost", 0x20: "sw_thermal_slowdown", 0x40: "hw_thermal_slowdown",
            0x80: "hw_power_brake_slowdown", 0x100: "display_clock_setting"}
 _REASON_FIELDS = ("clocks_event_reasons.active", "clocks_throttle_reasons.active")  # newer drivers first
-_FIELDS = ("index", "clocks.sm", "power.draw", "temperature.gpu")
+_FIELDS = ("timestamp", "index", "clocks.sm", "power.draw", "temperature.gpu")
+IDLE = 0x1  # the gpu_idle reason bit
 
 
 @dataclass(frozen=True)
 class ClockSample:
-    at_s: float  # time.monotonic() when the line was read (nvidia-smi prints each sample as it takes it)
+    at_s: float  # time.monotonic() when nvidia-smi took it (its timestamp), else when the line was read
     gpu: int  # nvidia-smi's index of the GPU
     sm_mhz: float
     power_w: float | None  # None where the board does not report it ("[N/A]")
@@ -52,18 +57,29 @@ def reason_names(bits: int) -> list[str]:
     return names + ([f"0x{rest:x}"] if rest else [])
 
 
-def parse_line(line: str, at_s: float) -> ClockSample | None:
+def parse_line(line: str, read_at_s: float, wall_minus_monotonic_s: float | None = None) -> ClockSample | None:
     """One CSV line of the query (`_FIELDS` then the reasons, no header, no units); None for a line
-    that is not one (a blank line, a message)."""
+    that is not one (a blank line, a message). The sample's time: its timestamp (local wall time, to
+    the millisecond) on the monotonic clock, given the offset between the two clocks; else `read_at_s`.
+    Reasons a board does not report ("[N/A]") read as none."""
     parts = [p.strip() for p in line.split(",")]
     if len(parts) != len(_FIELDS) + 1:
         return None
     try:
-        gpu, sm_mhz = int(parts[0]), float(parts[1])
-        reasons = int(parts[4], 16) if parts[4].lower().startswith("0x") else int(parts[4])
+        gpu, sm_mhz = int(parts[1]), float(parts[2])
     except ValueError:
         return None
-    return ClockSample(at_s, gpu, sm_mhz, _number(parts[2]), _number(parts[3]), reasons)
+    try:
+        reasons = int(parts[5], 16) if parts[5].lower().startswith("0x") else int(parts[5])
+    except ValueError:
+        reasons = 0
+    at_s = read_at_s
+    if wall_minus_monotonic_s is not None:
+        try:
+            at_s = datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f").timestamp() - wall_minus_monotonic_s
+        except ValueError:
+            pass
+    return ClockSample(at_s, gpu, sm_mhz, _number(parts[3]), _number(parts[4]), reasons)
 
 
 def _number(text: str) -> float | None:
@@ -84,7 +100,8 @@ class GpuClockSampler:
     command: str = "nvidia-smi"
     samples: list[ClockSample] = field(default_factory=list)
     marks: list[float] = field(default_factory=list)  # time.monotonic() at each `mark`
-    unavailable: str | None = None  # why nothing was sampled
+    unavailable: str | None = None  # why nothing (or not all) was sampled
+    _offset_s: float = field(default=0.0, init=False, repr=False)  # time.time() - time.monotonic()
     _process: subprocess.Popen | None = field(default=None, init=False, repr=False)
     _reader: threading.Thread | None = field(default=None, init=False, repr=False)
 
@@ -109,6 +126,7 @@ class GpuClockSampler:
         query = self._query(executable)
         if query is None:
             return self
+        self._offset_s = time.time() - time.monotonic()
         self._process = subprocess.Popen(
             [executable, f"--query-gpu={query}", "--format=csv,noheader,nounits", f"--loop-ms={self.interval_ms}",
              f"--id={','.join(self.gpus)}"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
@@ -137,7 +155,7 @@ class GpuClockSampler:
 
     def _read(self, process: subprocess.Popen) -> None:
         for line in process.stdout:
-            sample = parse_line(line, time.monotonic())
+            sample = parse_line(line, time.monotonic(), self._offset_s)
             if sample is not None:
                 self.samples.append(sample)
 
@@ -148,18 +166,29 @@ class GpuClockSampler:
         return now
 
     def __exit__(self, *exc: object) -> None:
-        if self._process is not None:
-            self._process.terminate()
+        process = self._process
+        if process is None:
+            return
+        ended = process.poll()
+        if ended is not None:  # it stopped by itself: the samples end there
+            self.unavailable = f"{self.command} stopped sampling early (exit {ended})"
+        else:
+            process.terminate()
             try:
-                self._process.wait(timeout=5)
+                process.wait(timeout=5)
             except subprocess.TimeoutExpired:
-                self._process.kill()
-                self._process.wait()
+                process.kill()
+                process.wait()
         if self._reader is not None:
             self._reader.join(timeout=5)
+        process.stdout.close()
 
     def window(self, start_s: float, end_s: float) -> list[ClockSample]:
-        return [s for s in self.samples if start_s < s.at_s <= end_s]
+        """The samples taken between the two instants, of the GPUs that worked then (any sample
+        without the gpu_idle reason; all of them where every GPU idled)."""
+        samples = [s for s in self.samples if start_s < s.at_s <= end_s]
+        working = {s.gpu for s in samples if not s.reasons & IDLE}
+        return [s for s in samples if s.gpu in working] if working else samples
 
     def summary(self, start_s: float, end_s: float) -> dict | None:
         """The clocks between two `time.monotonic()` instants, over every sampled GPU: SM clock
@@ -193,7 +222,9 @@ class GpuClockSampler:
 
     def per_step_sm_mhz(self) -> list[float | None]:
         """Median SM clock over each step's window (from the previous mark; the first step from the
-        first sample), None for a step no sample fell in (shorter than the interval)."""
+        first sample, so it holds the run's set-up too), None for a step no sample fell in (shorter
+        than the interval). One entry per mark: a run that repeats steps (a distributed run restarted
+        from its checkpoint) has more marks than steps."""
         out: list[float | None] = []
         start = self._first_sample_time()
         for end in self.marks:

@@ -198,9 +198,10 @@ class MoEBlock(Block):
             x_PH, offsets_E, dest_NK = permute_tokens(routing.xn_NH, routing.topk_idx_NK, num_experts,
                                                       destinations=destinations)
             source = RowSource.of_permute(routing.xn_NH, dest_NK) if EXPERT_INPUT in experts.recompute else None
-            # FP8: each token quantised once for its K pairs (every pair of the layer is served here)
-            x_fp8 = experts.quantized_rows(routing.xn_NH, dest_NK)
-            ffn_NH = combine_rows(experts(x_PH, offsets_E, source=source, x_fp8=x_fp8), dest_NK, routing.topk_w_NK)
+            # FP8: each token quantised once for its K pairs (every pair of the layer is served here);
+            # passed inline, so the e4m3 rows are freed when the FFN's forward returns
+            y_PH = experts(x_PH, offsets_E, source=source, x_fp8=experts.quantized_rows(routing.xn_NH, dest_NK))
+            ffn_NH = combine_rows(y_PH, dest_NK, routing.topk_w_NK)
         shared_NH = self.shared_ffn(routing)
         if shared_NH is not None:
             ffn_NH = ffn_NH + shared_NH

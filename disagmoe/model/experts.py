@@ -176,8 +176,10 @@ class RoutedExperts(nn.Module):
         combine kernels (`kernels.permute`): the triton backend on CUDA, at any hidden size. (The
         rank scan runs in its own launch: inside the row-copy tile Triton's sm_90 code wrote wrong
         rows at hidden 64; the GPU tests at hidden 16/40/64/300/2048/4096 pass on an H200.) With
-        precision fp8 too: the FP8 FFN takes the grouped bf16 rows and quantises only the served
-        ones (`kernels.fp8.quantize_rows`' valid_rows: a spare bucket's rows are not its)."""
+        precision fp8 too: the FP8 FFN takes the grouped bf16 rows, and their e4m3 copies where the
+        layer quantised each token once (`quantized_rows`, `model.block`); an expert rank's share
+        quantises only the served rows itself (`kernels.fp8.quantize_rows`' valid_rows: a spare
+        bucket's rows are not its)."""
         return self.backend == "triton" and x.is_cuda
 
     def set_precision(self, precision: str, backward: str | None = None, forward: str | None = None) -> None:
