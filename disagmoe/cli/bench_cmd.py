@@ -329,13 +329,20 @@ def calibrate(
     attention projections' GEMMs at several tokens per micro-batch, on the model's attention and on
     MLA's (DeepSeek-V3's 128 heads of q/k 192 and v 128 and its low-rank chains, unless the model is
     MLA itself: the curves that price MLA models' attention), each op's fixed cost, and NCCL
-    send/recv, all-reduce and all-to-all latency and bandwidth when 2+ GPUs are visible.
+    send/recv, all-reduce and all-to-all latency and bandwidth when 2+ GPUs are visible. It also
+    prints the SM clock the probes ran at (set it beside `bench train`'s: rates measured in short
+    bursts at boost clocks price a power-capped step short).
 
     \b
     Example (on the GPU machine): disagmoe bench calibrate --hardware h200-sxm --out h200-calibrated.yaml
     then: disagmoe plan --model qwen3-30b-a3b --hardware h200-calibrated.yaml --gpus 2
     """
+    from contextlib import nullcontext
+
+    import torch
+
     from disagmoe.bench import calibrate as bench
+    from disagmoe.bench.gpu_clocks import GpuClockSampler, describe
     from disagmoe.config import load_hardware
     from disagmoe.model_ref import load_model
 
@@ -345,13 +352,20 @@ def calibrate(
         hw_preset = hw_preset.model_copy(update={"calibration": bench.merge_calibration(hw_preset.calibration, kept)
                                                  if kept else hw_preset.calibration})
     command = f"disagmoe bench calibrate --hardware {preset} --out {out.name} --model {model} --experts-backend {experts_backend}"
-    measured, hw, text = bench.run(hw_preset, load_model(model), experts_backend, command)
+    clocks = GpuClockSampler.for_devices([0]) if torch.cuda.is_available() else None
+    with clocks or nullcontext():  # the probes' clocks, to set beside those of the steps they price
+        measured, hw, text = bench.run(hw_preset, load_model(model), experts_backend, command)
+        if clocks is not None:
+            clocks.mark()
     bench.write_preset(text, out)
+    probe_clocks = None if clocks is None else clocks.timed_summary(0)
     if as_json:
-        print_json({"hardware": hw.model_dump(mode="json")})
+        print_json({"hardware": hw.model_dump(mode="json"), "gpu_clocks": probe_clocks})
         return
     console.print(text, highlight=False, markup=False, soft_wrap=True)  # YAML: never wrapped
     console.print(f"calibrated hardware written to {out}", highlight=False, markup=False)
+    if clocks is not None:
+        console.print(f"GPU clocks during the probes: {describe(probe_clocks, clocks.unavailable)}", markup=False)
 
 
 @bench_app.command("train")
