@@ -138,32 +138,6 @@ def _tile_counts(x, scaled, q, ok):
 
 
 @triton.jit
-def _clean_tile_counts(x, scaled, q, ok, scaled_max):
-    """`_tile_counts`' five numbers, the same, with a third of the work an element where the tile is
-    clean: every counted input finite and `scaled_max` (the largest |x / scale| of the tile or of a
-    unit holding it, its rows' or its block's, from their amax: div_rn is monotonic, and AMAX is a
-    max, so a unit's value added for each of its tiles is exact) within SATURATION_BOUND. There
-    AMAX is scaled_max's bits, SATURATED and NONFINITE zero (no counted |x / scale| passes the
-    bound when the largest does not; with scale amax / 448 none does), and only UNDERFLOW and TOTAL
-    are counted an element, in one packed sum. Otherwise `_tile_counts`, element by element.
-    (Counted per element, the five counters made `quantize_rows` 2.7x slower than without them on
-    an H200: docs/benchmarks.md, session 20.)"""
-    tl.static_assert(x.numel < 65536)  # the packed 16-bit counts of one tile
-    dirty = tl.max(tl.max((ok & ~(tl.abs(x) <= 3.4028234663852886e38)).to(tl.int32), axis=1), axis=0)
-    if (dirty == 0) & (scaled_max <= _SATURATION_BOUND):
-        packed = ((ok & (x != 0.0) & (q == 0.0)).to(tl.int32) | (ok.to(tl.int32) << 16))
-        packed = tl.sum(tl.sum(packed, axis=1), axis=0)
-        amax_bits = scaled_max.to(tl.int32, bitcast=True).to(tl.int64)
-        saturated = tl.zeros((), dtype=tl.int64)
-        underflow = (packed & 0xFFFF).to(tl.int64)
-        total = ((packed >> 16) & 0xFFFF).to(tl.int64)
-        nonfinite = tl.zeros((), dtype=tl.int64)
-    else:
-        amax_bits, saturated, underflow, total, nonfinite = _tile_counts(x, scaled, q, ok)
-    return amax_bits, saturated, underflow, total, nonfinite
-
-
-@triton.jit
 def _no_counts():
     """A persistent program's running counters before its first tile: (amax_bits, saturated,
     underflow, total, nonfinite), int64 zeros (`_count_tile` adds to them, `_add_counts` ends them)."""
@@ -268,8 +242,8 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, stats_ptr, valid_ptr, M, K,
 
 @triton.jit
 def _count_positions(packed, x, q):
-    """`packed` (int32 by element position: underflows | non-finite inputs << 16, the row and block
-    quantisers' running counts) with one tile's added; masked elements are zeros: neither."""
+    """`packed` (int32 by element position: underflows | non-finite inputs << 16, a persistent
+    quantiser's running counts) with one tile's added; masked elements are zeros: neither."""
     return packed + tl.where((x != 0.0) & (q == 0.0), 1, 0) + tl.where(tl.abs(x) <= 3.4028234663852886e38, 0, 65536)
 
 
@@ -1026,13 +1000,14 @@ def fp8_swiglu_grad_gemm(
 
 @triton.jit
 def _token_chunk(offsets_ptr, padded_ptr, E, chunk, E_POW2: tl.constexpr):
-    """(rows, in_group, row_end) of padded rows [128 chunk, 128 chunk + 128): they belong to the
-    group g whose padded range holds them (padded_ptr: int32 cumulative padded rows) and are x's
-    rows offsets[g-1] + (128 chunk - padded[g-1]) + t, x's rows while below row_end = offsets[g]
-    (the group's padding past it). A chunk past the last group (in_group False: g = E) continues
-    from the last group's ends: rows offsets[E-1] + (128 chunk - padded[E-1]) + t, so the chunks
-    past padded[E-1] cover x's rows past offsets[E-1] (`padded_capacity` leaves room for them);
-    row_end is 0 there."""
+    """(rows, in_group, row_end, first_row) of padded rows [128 chunk, 128 chunk + 128): they belong
+    to the group g whose padded range holds them (padded_ptr: int32 cumulative padded rows) and are
+    x's rows first_row + t, first_row = offsets[g-1] + (128 chunk - padded[g-1]), x's rows while
+    below row_end = offsets[g] (the group's padding past it). A chunk past the last group (in_group
+    False: g = E) continues from the last group's ends: rows offsets[E-1] + (128 chunk -
+    padded[E-1]) + t, so the chunks past padded[E-1] cover x's rows past offsets[E-1]
+    (`padded_capacity` leaves room for them); row_end is 0 there. first_row (a scalar) gives a
+    counting kernel the chunk's counted rows without a reduction over `rows`."""
     first = chunk * _SCALE_BLOCK
     idx = tl.arange(0, E_POW2)
     padded_ends = tl.load(padded_ptr + idx, mask=idx < E, other=2147483647)
@@ -1041,42 +1016,84 @@ def _token_chunk(offsets_ptr, padded_ptr, E, chunk, E_POW2: tl.constexpr):
     padded_start = tl.load(padded_ptr + group - 1, mask=group > 0, other=0)
     row_start = tl.load(offsets_ptr + group - 1, mask=group > 0, other=0)
     row_end = tl.load(offsets_ptr + group, mask=in_group, other=0)
-    rows = row_start + (first - padded_start) + tl.arange(0, _SCALE_BLOCK)
-    return rows, in_group, row_end
+    first_row = row_start + (first - padded_start)
+    return first_row + tl.arange(0, _SCALE_BLOCK), in_group, row_end, first_row
 
 
 @triton.jit
-def _quantize_token_groups_kernel(x_ptr, q_ptr, s_ptr, offsets_ptr, padded_ptr, stats_ptr, src_ptr, E, K,
-                                  stride_xm, stride_xk, stride_qk, stride_qp, stride_sk, stride_sc,
-                                  BLOCK_K: tl.constexpr, E_POW2: tl.constexpr, STATS: tl.constexpr,
-                                  GATHER: tl.constexpr):
-    # Program (chunk c, K tile): padded rows [128 c, 128 c + 128), x's rows as `_token_chunk` maps
-    # them, zeros past the group's end (and for chunks past the last group).
-    # q [K, P] (token-contiguous) = e4m3 of x^T, s[k, c] = scale of column k over the chunk.
-    # STATS: counters of x's own rows (not the padding) into stats_ptr's row (`_record_stats`).
-    # GATHER: row r is x's row src_ptr[r] (int64), read where it lies (`kernels.recompute.RowSource`).
-    chunk = tl.program_id(0)
-    rows, in_group, row_end = _token_chunk(offsets_ptr, padded_ptr, E, chunk, E_POW2)
+def _token_groups_tile(x_ptr, offsets_ptr, padded_ptr, src_ptr, tile, chunks, E, K, stride_xm, stride_xk,
+                       BLOCK_K: tl.constexpr, E_POW2: tl.constexpr, GATHER: tl.constexpr):
+    """`_quantize_token_groups_kernel`'s tile `tile` (chunk tile % chunks, K tile tile // chunks): (x
+    fp32 [128, BLOCK_K] (zeros outside ok), ok (x's own rows of the chunk's group, columns below K),
+    the chunk, its columns ks, k_ok, how many elements ok holds (int64), each column's amax and scale,
+    x / scale, its e4m3 values)."""
+    chunk = tile % chunks
+    rows, in_group, row_end, first_row = _token_chunk(offsets_ptr, padded_ptr, E, chunk, E_POW2)
     row_ok = in_group & (rows < row_end)
-    ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    k0 = (tile // chunks) * BLOCK_K
+    ks = k0 + tl.arange(0, BLOCK_K)
     k_ok = ks < K
+    ok = row_ok[:, None] & k_ok[None, :]
     x_rows = rows.to(tl.int64)
     if GATHER:
         x_rows = tl.load(src_ptr + x_rows, mask=row_ok, other=0)
-    x = tl.load(x_ptr + x_rows[:, None] * stride_xm + ks[None, :] * stride_xk,
-                mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + x_rows[:, None] * stride_xm + ks[None, :] * stride_xk, mask=ok, other=0.0).to(tl.float32)
     col_amax = tl.max(tl.abs(x), axis=0)
     scale = _scale_of(col_amax)
     scaled = tl.math.div_rn(x, tl.broadcast_to(scale[None, :], x.shape))
-    q = _round_to_e4m3(scaled)
+    rows_counted = tl.where(in_group, tl.minimum(tl.maximum(row_end - first_row, 0), _SCALE_BLOCK), 0)
+    size = (rows_counted * tl.minimum(K - k0, BLOCK_K)).to(tl.int64)
+    return x, ok, chunk, ks, k_ok, size, col_amax, scale, scaled, _round_to_e4m3(scaled)
+
+
+@triton.jit
+def _quantize_token_groups_kernel(x_ptr, q_ptr, s_ptr, offsets_ptr, padded_ptr, stats_ptr, src_ptr, E, K, chunks,
+                                  tiles, stride_xm, stride_xk, stride_qk, stride_qp, stride_sk, stride_sc,
+                                  BLOCK_K: tl.constexpr, E_POW2: tl.constexpr, STATS: tl.constexpr,
+                                  GATHER: tl.constexpr):
+    # Persistent: program p quantises tiles p, p + P, ... of the (chunk, K tile) tiles, chunk-major
+    # within a K tile (neighbouring programs read the same columns of neighbouring chunks, the order
+    # in which the one-program-a-tile grid it replaced ran). Tile (c, K tile): padded rows
+    # [128 c, 128 c + 128), x's rows as `_token_chunk` maps them, zeros past the group's end (and for
+    # chunks past the last group). q [K, P] (token-contiguous) = e4m3 of x^T, s[k, c] = scale of
+    # column k over the chunk. GATHER: row r is x's row src_ptr[r] (int64), read where it lies
+    # (`kernels.recompute.RowSource`).
+    # STATS, counters of x's own rows (not the padding), as `_quantize_rows_kernel` counts them: each
+    # element position keeps its underflows and non-finite inputs packed in an int32 (the launch keeps
+    # a program under 2^16 tiles), each column position its largest |x / scale| (from the column's
+    # amax), TOTAL the tiles' counted sizes, all summed once a program (the clean-tile count this
+    # replaced reduced across the program's warps three times a tile and added five atomics a tile);
+    # a program that met a non-finite input or a saturating scale counts its tiles again element by
+    # element.
+    packed = tl.zeros((_SCALE_BLOCK, BLOCK_K), dtype=tl.int32)  # underflow | nonfinite << 16, by position
+    peak = tl.zeros((BLOCK_K,), dtype=tl.float32)  # by column position: the largest |x / scale|
+    total = tl.zeros((), dtype=tl.int64)
+    for tile in range(tl.program_id(0), tiles, tl.num_programs(0)):
+        x, ok, chunk, ks, k_ok, size, col_amax, scale, scaled, q = _token_groups_tile(
+            x_ptr, offsets_ptr, padded_ptr, src_ptr, tile, chunks, E, K, stride_xm, stride_xk, BLOCK_K, E_POW2,
+            GATHER)
+        if STATS:
+            packed = _count_positions(packed, x, q)
+            peak = tl.maximum(peak, tl.math.div_rn(col_amax, scale))
+            total += size
+        padded_rows = (chunk * _SCALE_BLOCK + tl.arange(0, _SCALE_BLOCK)).to(tl.int64)
+        # 64-bit column offsets: K x P bytes passes 2^31 at large batches (28,672 x 80k rows, say)
+        tl.store(q_ptr + ks.to(tl.int64)[None, :] * stride_qk + padded_rows[:, None] * stride_qp,
+                 q.to(q_ptr.dtype.element_ty), mask=k_ok[None, :])
+        tl.store(s_ptr + ks * stride_sk + chunk * stride_sc, scale, mask=k_ok)
     if STATS:
-        scaled_max = tl.max(tl.math.div_rn(col_amax, scale), axis=0)
-        _add_counts(stats_ptr, *_clean_tile_counts(x, scaled, q, row_ok[:, None] & k_ok[None, :], scaled_max))
-    padded_rows = (chunk * _SCALE_BLOCK + tl.arange(0, _SCALE_BLOCK)).to(tl.int64)
-    # 64-bit column offsets: K x P bytes passes 2^31 at large batches (28,672 x 80k rows, say)
-    tl.store(q_ptr + ks.to(tl.int64)[None, :] * stride_qk + padded_rows[:, None] * stride_qp,
-             q.to(q_ptr.dtype.element_ty), mask=k_ok[None, :])
-    tl.store(s_ptr + ks * stride_sk + chunk * stride_sc, scale, mask=k_ok)
+        largest = tl.max(peak, axis=0)
+        if _positions_clean(packed, largest):
+            _add_position_counts(stats_ptr, packed, largest, total)
+        else:
+            amax_bits, saturated, underflow, counted, nonfinite = _no_counts()
+            for tile in range(tl.program_id(0), tiles, tl.num_programs(0)):
+                x, ok, chunk, ks, k_ok, _, col_amax, scale, scaled, q = _token_groups_tile(
+                    x_ptr, offsets_ptr, padded_ptr, src_ptr, tile, chunks, E, K, stride_xm, stride_xk, BLOCK_K,
+                    E_POW2, GATHER)
+                amax_bits, saturated, underflow, counted, nonfinite = _count_tile(
+                    amax_bits, saturated, underflow, counted, nonfinite, x, scaled, q, ok)
+            _add_counts(stats_ptr, amax_bits, saturated, underflow, counted, nonfinite)
 
 
 # Warps of the fused quantiser's [128, 128] tile (ptxas sm_90a, bf16 in, with counters): 16 take
@@ -1104,7 +1121,7 @@ def _quantize_rows_and_token_groups_kernel(
     # would: x's counted rows twice), added by one set of atomics.
     chunk = tl.program_id(0)
     group = tl.program_id(1)
-    rows, in_group, row_end = _token_chunk(offsets_ptr, padded_ptr, E, chunk, E_POW2)
+    rows, in_group, row_end, _ = _token_chunk(offsets_ptr, padded_ptr, E, chunk, E_POW2)
     tok_ok = in_group & (rows < row_end)
     rows_valid = M
     if VALID:
@@ -1118,8 +1135,11 @@ def _quantize_rows_and_token_groups_kernel(
     # rows: a scale per row of the tile (columns past K count as zeros, as they load); each part's
     # counters reduced as soon as it is quantised (its tiles dead before the next part's: the two
     # parts' tiles alive together spilled at 8 warps, ptxas sm_90a)
-    # (element by element, not `_clean_tile_counts`: its branch keeps both counting paths' tiles
-    # alive here, 304 bytes of spills at 16 warps, ptxas sm_90a)
+    # (element by element a tile, not summed once a program as `_quantize_token_groups_kernel`
+    # counts: made persistent, the loop took 125 of 16 warps' 128 registers without counters and
+    # spilled with them, 620 bytes counting by element position, 320 by row position (sums along
+    # each row, in its warp), 224-236 with either part alone; by row position at 8 warps 212 bytes,
+    # at 32 warps 276: ptxas sm_90a)
     row_scale = _scale_of(tl.max(tl.abs(x), axis=1))
     row_scaled = tl.math.div_rn(x, tl.broadcast_to(row_scale[:, None], x.shape))
     row_q = _round_to_e4m3(row_scaled)
@@ -1181,9 +1201,12 @@ def quantize_token_groups(x_MK: torch.Tensor, offsets_E: torch.Tensor, stats: to
     if k == 0 or capacity == 0:
         return q_KP, s_KC, padded_E
     block_k = 16 if x_MK.device.type == "cpu" else 32
-    _quantize_token_groups_kernel[(capacity // SCALE_BLOCK, triton.cdiv(k, block_k))](
+    chunks = capacity // SCALE_BLOCK
+    tiles = chunks * triton.cdiv(k, block_k)
+    _quantize_token_groups_kernel[(min(tiles, counted_programs(x_MK.device, tiles, 1)),)](
         x_MK, q_KP, s_KC, offsets_E, padded_E, _stats_ptr(stats, s_KC), padded_E if rows_M is None else rows_M,
-        groups, k, x_MK.stride(0), x_MK.stride(1), q_KP.stride(0), q_KP.stride(1), s_KC.stride(0), s_KC.stride(1),
+        groups, k, chunks, tiles, x_MK.stride(0), x_MK.stride(1), q_KP.stride(0), q_KP.stride(1), s_KC.stride(0),
+        s_KC.stride(1),
         BLOCK_K=block_k, E_POW2=triton.next_power_of_2(groups), STATS=stats is not None, GATHER=rows_M is not None,
         num_warps=4)
     return q_KP, s_KC, padded_E

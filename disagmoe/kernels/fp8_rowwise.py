@@ -164,22 +164,64 @@ def _split_amax_kernel(x_ptr, amax_ptr, nan_ptr, M, K, stride_xm, stride_xk,
 
 
 @triton.jit
-def _split_quantize_kernel(x_ptr, q_ptr, s_ptr, amax_ptr, nan_ptr, stats_ptr, M, K, stride_xm, stride_xk,
-                           stride_qm, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, STATS: tl.constexpr):
-    # Program (row block, K block): the tile quantised with its rows' scales (from the merged amax
-    # and NaN flag, as `_quantize_rowwise_kernel` makes them); the first K block stores the scales.
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+def _split_tile(x_ptr, amax_ptr, nan_ptr, tile, row_blocks, M, K, stride_xm, stride_xk,
+                BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """`_split_quantize_kernel`'s tile `tile` (row block tile % row_blocks, K block tile // row_blocks):
+    (its rows (int64), row_ok, the K block, each row's scale and largest |x / scale| (from the merged
+    amax and NaN flag, `_rowwise_scale`), x fp32 (zeros outside ok), its columns ks, ok, how many
+    elements ok holds (int64))."""
+    block = tile % row_blocks
+    kb = tile // row_blocks
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
     rows64 = rows.to(tl.int64)
     amax = tl.load(amax_ptr + rows, mask=row_ok, other=0).to(tl.float32, bitcast=True)
     has_nan = tl.load(nan_ptr + rows, mask=row_ok, other=0) > 0
-    scale, _ = _rowwise_scale(amax, has_nan)
-    if tl.program_id(1) == 0:
-        tl.store(s_ptr + rows64, scale, mask=row_ok)
-    x, ks, ok = _load_chunk(x_ptr, rows64, row_ok, tl.program_id(1) * BLOCK_K, K, stride_xm, stride_xk, BLOCK_K)
-    scaled, q = _quantize_chunk(x, ks, ok, scale, q_ptr, rows64, stride_qm)
+    scale, row_scaled_max = _rowwise_scale(amax, has_nan)
+    x, ks, ok = _load_chunk(x_ptr, rows64, row_ok, kb * BLOCK_K, K, stride_xm, stride_xk, BLOCK_K)
+    size = (tl.minimum(M - block * BLOCK_M, BLOCK_M) * tl.minimum(K - kb * BLOCK_K, BLOCK_K)).to(tl.int64)
+    return rows64, row_ok, kb, scale, row_scaled_max, x, ks, ok, size
+
+
+@triton.jit
+def _split_quantize_kernel(x_ptr, q_ptr, s_ptr, amax_ptr, nan_ptr, stats_ptr, M, K, row_blocks, tiles,
+                           stride_xm, stride_xk, stride_qm, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                           STATS: tl.constexpr):
+    # Persistent: program p quantises tiles p, p + P, ... of the (row block, K block) tiles, row-block-major
+    # within a K block (the order in which the one-program-a-tile grid it replaced ran), each with its
+    # rows' scales (from the merged amax and NaN flag, as `_quantize_rowwise_kernel` makes them); the
+    # tiles of the first K block store the scales. STATS as `_quantize_rowwise_kernel` counts them (the
+    # counters reduced across the program's warps and added by five atomics a tile before): per element
+    # position and row position, summed once a program; a row's largest |x / scale| comes from its whole
+    # row's amax, which some program's tile holds, so the atomic max over programs is the elements'.
+    # A program that met a non-finite input or a saturating scale counts its tiles again element by
+    # element.
+    packed = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.int32)
+    peak = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    total = tl.zeros((), dtype=tl.int64)
+    for tile in range(tl.program_id(0), tiles, tl.num_programs(0)):
+        rows64, row_ok, kb, scale, row_scaled_max, x, ks, ok, size = _split_tile(
+            x_ptr, amax_ptr, nan_ptr, tile, row_blocks, M, K, stride_xm, stride_xk, BLOCK_M, BLOCK_K)
+        if kb == 0:
+            tl.store(s_ptr + rows64, scale, mask=row_ok)
+        scaled, q = _quantize_chunk(x, ks, ok, scale, q_ptr, rows64, stride_qm)
+        if STATS:
+            packed = fp8._count_positions(packed, x, q)
+            peak = tl.maximum(peak, row_scaled_max)
+            total += size
     if STATS:
-        fp8._record_stats(stats_ptr, x, scaled, q, ok)
+        largest = tl.max(peak, axis=0)
+        if fp8._positions_clean(packed, largest):
+            fp8._add_position_counts(stats_ptr, packed, largest, total)
+        else:
+            amax_bits, saturated, underflow, counted, nonfinite = fp8._no_counts()
+            for tile in range(tl.program_id(0), tiles, tl.num_programs(0)):
+                rows64, row_ok, kb, scale, _, x, ks, ok, _ = _split_tile(
+                    x_ptr, amax_ptr, nan_ptr, tile, row_blocks, M, K, stride_xm, stride_xk, BLOCK_M, BLOCK_K)
+                scaled, q = _scaled_chunk(x, scale)
+                amax_bits, saturated, underflow, counted, nonfinite = fp8._count_tile(
+                    amax_bits, saturated, underflow, counted, nonfinite, x, scaled, q, ok)
+            fp8._add_counts(stats_ptr, amax_bits, saturated, underflow, counted, nonfinite)
 
 
 def tiles_for(x_MK: torch.Tensor) -> tuple[int, int]:
@@ -255,6 +297,8 @@ def _quantize_split_k(x_MK: torch.Tensor, q_bits: torch.Tensor, scale_M1: torch.
     grid = (triton.cdiv(rows, block_m), triton.cdiv(k, block_k))
     _split_amax_kernel[grid](x_MK, amax_M, nan_M, rows, k, x_MK.stride(0), x_MK.stride(1),
                              BLOCK_M=block_m, BLOCK_K=block_k, num_warps=num_warps)
-    _split_quantize_kernel[grid](x_MK, q_bits, scale_M1, amax_M, nan_M, fp8._stats_ptr(stats_row, scale_M1), rows, k,
-                                 x_MK.stride(0), x_MK.stride(1), q_bits.stride(0), BLOCK_M=block_m, BLOCK_K=block_k,
-                                 STATS=stats_row is not None, num_warps=num_warps)
+    tiles = grid[0] * grid[1]
+    _split_quantize_kernel[(min(tiles, fp8.counted_programs(x_MK.device, tiles, 1)),)](
+        x_MK, q_bits, scale_M1, amax_M, nan_M, fp8._stats_ptr(stats_row, scale_M1), rows, k, grid[0], tiles,
+        x_MK.stride(0), x_MK.stride(1), q_bits.stride(0), BLOCK_M=block_m, BLOCK_K=block_k,
+        STATS=stats_row is not None, num_warps=num_warps)

@@ -11,6 +11,7 @@ import torch
 from disagmoe.kernels.fp8_stats import (
     ACTIVATIONS,
     AMAX,
+    DENSE,
     FIELDS,
     GRADIENTS,
     KINDS,
@@ -116,6 +117,29 @@ def test_clean_tiles_count_the_same_bits_as_element_by_element(interpreted):
     assert _read(stats, ACTIVATIONS)[SATURATED] == 300
 
 
+def test_the_split_rowwise_quantiser_counts_the_same_bits(interpreted):
+    """`fp8_rowwise.quantize_rowwise(split_k=True)` takes (row block, K block) tiles, several programs
+    to a row, each taking the row's largest |x / scale| from its whole amax: on finite rows every
+    counter is the torch count, AMAX to the bit; an inf, a NaN and an fp32 row whose scale underflowed
+    to 0 (in the last row block: one of the four programs never meets them) send the programs that
+    meet them to count their tiles again element by element, the same counts."""
+    _, _, fp8_rowwise = interpreted("disagmoe.kernels.grouped_gemm", "disagmoe.kernels.fp8",
+                                    "disagmoe.kernels.fp8_rowwise")
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(40, 300, generator=gen) * torch.exp2(6 * torch.randn(40, 1, generator=gen))
+    x[7, :40] = 1e-9  # beside row 7's larger values: these underflow
+    planted = x.clone()
+    planted[33, 250] = float("inf")
+    planted[34, 4] = float("nan")
+    planted[37] = 1e-44
+    for y in (x, planted):
+        stats = Fp8Stats("cpu")
+        q, s = fp8_rowwise.quantize_rowwise(y, stats.row(DENSE), split_k=True, block_m=16, block_k=128)
+        got = _read(stats, DENSE)
+        assert got == stats_reference(y, s, q), got
+        assert got[UNDERFLOW] >= 40 and got[NONFINITE] == (2 if y is planted else 0)
+
+
 @pytest.mark.parametrize("valid", [0, 13, 37, 50])
 def test_rows_past_the_valid_count_are_neither_read_nor_counted(fp8k, valid):
     """A worst-case buffer (37 rows) whose rows past `valid_rows` hold inf and NaN (a padding's
@@ -169,6 +193,18 @@ def test_block_counters_match_a_torch_count(fp8k):
     assert want[TOTAL] == w.numel() and want[NONFINITE] == 1 and want[UNDERFLOW] > 0
 
 
+def _token_group_reference(x: torch.Tensor, offsets: torch.Tensor, q_KP: torch.Tensor, s_KC: torch.Tensor,
+                           padded: torch.Tensor) -> list:
+    """`stats_reference` of a token-group quantisation: x's rows back from the padded, token-contiguous
+    copy, with their chunk's scales."""
+    starts, ends = [0, *offsets.tolist()[:-1]], offsets.tolist()
+    pstarts = [0, *padded.tolist()[:-1]]
+    take = torch.cat([torch.arange(p, p + e - s) for s, e, p in zip(starts, ends, pstarts)]).long()
+    q = q_KP.t()[take] if x.shape[0] else q_KP.t()[:0]
+    scale = s_KC.t().repeat_interleave(128, dim=0)[take] if x.shape[0] else s_KC.t()[:0]
+    return stats_reference(x, scale, q)
+
+
 @pytest.mark.parametrize("counts,k", [([5, 0, 37, 1], 72), ([0, 0, 130, 0], 40), ([0, 0, 0], 16)])
 def test_token_group_counters_count_rows_not_padding(fp8k, counts, k):
     rows = sum(counts)
@@ -176,14 +212,40 @@ def test_token_group_counters_count_rows_not_padding(fp8k, counts, k):
     offsets = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32)
     stats = Fp8Stats("cpu")
     q_KP, s_KC, padded = fp8k.quantize_token_groups(x, offsets, stats.row(GRADIENTS))
-    # the rows back from the padded, token-contiguous copy, with their chunk's scales
-    starts, ends = [0, *offsets.tolist()[:-1]], offsets.tolist()
-    pstarts = [0, *padded.tolist()[:-1]]
-    take = torch.cat([torch.arange(p, p + e - s) for s, e, p in zip(starts, ends, pstarts)]).long()
-    q = q_KP.t()[take] if rows else q_KP.t()[:0]
-    scale = s_KC.t().repeat_interleave(128, dim=0)[take] if rows else s_KC.t()[:0]
-    _assert_counts(_read(stats, GRADIENTS), stats_reference(x, scale, q))
+    _assert_counts(_read(stats, GRADIENTS), _token_group_reference(x, offsets, q_KP, s_KC, padded))
     assert _read(stats, GRADIENTS)[TOTAL] == rows * k
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_token_group_counters_of_random_ragged_groups_are_the_torch_count(fp8k, seed):
+    """`quantize_token_groups` over random ragged groups (empty ones among them, groups past 128 rows)
+    and widths, each program striding over several tiles: finite inputs take the per-position count
+    (AMAX from the columns' amax, summed once a program), a planted inf and NaN send their programs'
+    tiles to be counted again element by element while the other programs keep the per-position
+    count. Either way every counter is the torch count, AMAX to the bit, and q, s are the bytes of
+    the launch without counters."""
+    gen = torch.Generator().manual_seed(seed)
+    groups = int(torch.randint(1, 6, (1,), generator=gen))
+    counts = torch.randint(0, 180, (groups,), generator=gen)
+    counts[torch.rand(groups, generator=gen) < 0.3] = 0
+    counts[0] = 0 if seed == 0 else counts[0]  # a leading empty group
+    rows, k = int(counts.sum()), int(torch.randint(1, 70, (1,), generator=gen))
+    x = torch.randn(rows, k, generator=gen) * torch.exp2(8 * torch.randn(rows, 1, generator=gen))
+    offsets = counts.cumsum(0).to(torch.int32)
+    plain = fp8k.quantize_token_groups(x, offsets)
+    for planted in (False, True):
+        y = x.clone()
+        if planted and rows:
+            at = torch.randint(0, rows, (2,), generator=gen).tolist()
+            y[at[0], int(torch.randint(0, k, (1,), generator=gen))] = float("inf")
+            y[at[1], 0] = float("nan")
+        stats = Fp8Stats("cpu")
+        q_KP, s_KC, padded = fp8k.quantize_token_groups(y, offsets, stats.row(GRADIENTS))
+        got = _read(stats, GRADIENTS)
+        assert got == _token_group_reference(y, offsets, q_KP, s_KC, padded), (got, counts.tolist(), k)
+        assert got[TOTAL] == rows * k and got[NONFINITE] == (2 if planted and rows else 0)
+        if not planted:
+            assert torch.equal(q_KP.view(torch.uint8), plain[0].view(torch.uint8)) and torch.equal(s_KC, plain[1])
 
 
 @pytest.mark.parametrize("counts,k", [([5, 0, 37, 1], 72), ([0, 0, 130, 0], 200)])
