@@ -7,9 +7,8 @@ expert.
 
 permute: rows_NH[dest_TK[t, k]] = x_TH[t]; pairs keep their (t, k) order inside an expert (the same
 order as a stable sort of the flattened expert ids), so the result is deterministic.
-permute_forward_fp8: the same, its copy writing e4m3 rows and 1 x 128 scales (`kernels.fp8`).
-quantize_then_permute: e4m3 rows and scales of the pairs from each token quantised once (K x less
-quantising than the pairs' rows: the FP8 experts' input where one process serves every pair).
+quantize_then_permute: the FP8 experts' input, e4m3 rows and 1 x 128 scales (`kernels.fp8`) of the
+pairs from each token quantised once (K x less quantising than the pairs' rows), then copied as rows.
 combine: y_TH[t] = sum_k weights_TK[t, k] * rows_NH[dest_TK[t, k]] (fp32 accumulation).
 Three launches for permute (per-block expert histograms; each pair's destination row; the row
 copy over a (pair block, hidden block) grid; a few tiny torch prefix sums between), one for combine; the backward
@@ -132,29 +131,6 @@ def _combine_backward_kernel(dy_ptr, rows_ptr, dest_ptr, weights_ptr, d_rows_ptr
                  mask=tok_ok)
 
 
-@triton.jit
-def _permute_quantize_kernel(x_ptr, dest_ptr, q_ptr, s_ptr, stats_ptr, n_pairs, H, K, stride_xt, stride_qn,
-                             stride_sn, BLOCK: tl.constexpr, STATS: tl.constexpr):
-    # Program (b, g): for block b's pairs, q[dest[p], g-th 128 columns] = e4m3 of x[p // K] there over
-    # its scale, s[dest[p], g] (`fp8.quantize_rows` of the grouped rows, done while they are copied;
-    # STATS: its counters, `fp8._record_stats`).
-    pairs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    pair_ok = pairs < n_pairs
-    dest = tl.load(dest_ptr + pairs, mask=pair_ok, other=0).to(tl.int64)
-    tokens = (pairs // K).to(tl.int64)
-    group = tl.program_id(1)
-    hs = group * fp8._SCALE_BLOCK + tl.arange(0, fp8._SCALE_BLOCK)
-    ok = pair_ok[:, None] & (hs < H)[None, :]
-    vals = tl.load(x_ptr + tokens[:, None] * stride_xt + hs[None, :], mask=ok, other=0.0).to(tl.float32)
-    scale = fp8._scale_of(tl.max(tl.abs(vals), axis=1))
-    scaled = tl.math.div_rn(vals, tl.broadcast_to(scale[:, None], vals.shape))
-    q = fp8._round_to_e4m3(scaled)
-    if STATS:
-        fp8._record_stats(stats_ptr, vals, scaled, q, ok)
-    tl.store(q_ptr + dest[:, None] * stride_qn + hs[None, :], q.to(q_ptr.dtype.element_ty), mask=ok)
-    tl.store(s_ptr + dest * stride_sn + group, scale, mask=pair_ok)
-
-
 def _row_block(hidden: int) -> int:
     return min(triton.next_power_of_2(hidden), 256)
 
@@ -214,37 +190,15 @@ def copy_rows(x_TH: torch.Tensor, dest_TK: torch.Tensor, weights_TK: torch.Tenso
     return rows_NH
 
 
-def permute_forward_fp8(x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, num_experts: int,
-                        stats: torch.Tensor | None = None,
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(q_NH float8_e4m3fn, s_NG fp32, offsets_E, dest_TK): `permute_forward` whose copy writes
-    the grouped rows as e4m3 with their 1 x 128 scales (`fp8.quantize_rows` of the rows, bit for
-    bit), the FP8 gate/up GEMM's A operand: no bf16 rows in HBM, no separate quantising pass.
-    `stats` as `fp8.quantize_rows`."""
-    tokens, top_k = topk_idx_TK.shape
-    n_pairs, hidden = tokens * top_k, x_TH.shape[1]
-    groups = triton.cdiv(hidden, fp8.SCALE_BLOCK)
-    q_NH = torch.empty((n_pairs, hidden), dtype=fp8.FP8, device=x_TH.device)
-    s_NG = torch.empty((n_pairs, groups), dtype=torch.float32, device=x_TH.device)
-    offsets_E, dest_TK = pair_destinations(topk_idx_TK, num_experts)
-    if n_pairs == 0 or hidden == 0:
-        return q_NH, s_NG, offsets_E, dest_TK
-    pairs_per_block = 16 if x_TH.device.type == "cpu" else 32
-    _permute_quantize_kernel[(triton.cdiv(n_pairs, pairs_per_block), groups)](
-        x_TH, dest_TK, q_NH, s_NG, fp8._stats_ptr(stats, s_NG), n_pairs, hidden, top_k, x_TH.stride(0),
-        q_NH.stride(0), s_NG.stride(0), BLOCK=pairs_per_block, STATS=stats is not None, num_warps=4)
-    return q_NH, s_NG, offsets_E, dest_TK
-
-
 def quantize_then_permute(x_TH: torch.Tensor, dest_TK: torch.Tensor, stats: torch.Tensor | None = None,
                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """(q_NH float8_e4m3fn, s_NG fp32): the FP8 gate/up GEMM's A operand for the pairs `dest_TK` groups,
     each token's row quantised 1 x 128 once (`fp8.quantize_rows` of x_TH, `stats` counting tokens) and
     its e4m3 row and scales copied to its K pair rows (`copy_rows`, two launches). The same bits as
-    `permute_forward_fp8` or `fp8.quantize_rows` of the grouped rows (a row's scales depend on that row
-    alone), for 1/K of the quantising and counting: where a layer's experts serve every pair of its
-    tokens (`model.block`), K per token. Rows of pairs past a spare bucket's start are copied too (no
-    GEMM reads them)."""
+    `fp8.quantize_rows` of the grouped rows (a row's scales depend on that row alone), for 1/K of the
+    quantising and counting of quantising each pair's row (in the copy or after it): where a layer's
+    experts serve every pair of its tokens (`model.block`), K per token. Rows of pairs past a spare
+    bucket's start are copied too (no GEMM reads them)."""
     q_TH, s_TG = fp8.quantize_rows(x_TH, stats)
     q_NH = copy_rows(q_TH.view(torch.uint8), dest_TK).view(fp8.FP8)  # moved as bytes: any Triton backend
     return q_NH, copy_rows(s_TG, dest_TK)

@@ -283,7 +283,7 @@ def test_the_fp8_quantisers_and_gemm_compile(compiled):
                              act_MF=torch.zeros(rows, n, dtype=torch.bfloat16), num_programs=8)
     from disagmoe.kernels import permute
 
-    permute.permute_forward_fp8(torch.zeros(64, 300, dtype=torch.bfloat16), torch.zeros(64, 2, dtype=torch.int32), 4)
+    permute.quantize_then_permute(torch.zeros(64, 300, dtype=torch.bfloat16), torch.zeros(64, 2, dtype=torch.int32))
     fp8.quantize_token_groups(torch.zeros(rows // 2, k, dtype=torch.bfloat16), offsets,
                               rows_M=torch.zeros(rows, dtype=torch.int64))
     fp8.quantize_rows_and_token_groups(x, offsets, valid_rows=offsets[-1:])
@@ -291,7 +291,7 @@ def test_the_fp8_quantisers_and_gemm_compile(compiled):
     assert compiled == (["_quantize_rows_kernel", "_quantize_blocks_kernel"] + ["_fp8_rows_gemm_kernel"] * 5
                         + ["_quantize_token_groups_kernel"] * 2 + ["_fp8_weight_grad_kernel"]
                         + ["_fp8_rows_gemm_kernel"] * 3
-                        + ["_block_histogram_kernel", "_permute_dest_kernel", "_permute_quantize_kernel"]
+                        + ["_quantize_rows_kernel", "_permute_copy_kernel", "_permute_copy_kernel"]
                         + ["_quantize_token_groups_kernel"] + ["_quantize_rows_and_token_groups_kernel"] * 2)
 
 
@@ -407,7 +407,7 @@ def test_every_expert_gemm_feeds_hopper_mma_through_the_async_pipeline(monkeypat
 
 def test_the_fp8_counters_compile_with_their_atomics_and_no_spills(monkeypatch):
     """The quantisers (the one-pass row and token-group one too), the SwiGLU epilogue and the FP8
-    permute with a stats row (STATS: five atomics per tile, or per program in the persistent
+    permute's quantiser with a stats row (STATS: five atomics per tile, or per program in the persistent
     quantisers: `fp8._record_stats`, `fp8._add_counts`) compile for sm_90a
     at `Fp8Tiles`' defaults with no spill stores, and their PTX holds the int64 atomics (a max and
     adds); without a row, no atomics."""
@@ -434,13 +434,13 @@ def test_the_fp8_counters_compile_with_their_atomics_and_no_spills(monkeypatch):
     fp8.fp8_swiglu_gemm(qa, sa, offsets, q13, s13, tiles.swiglu, h13_M2F=torch.zeros(rows, 2 * n, dtype=torch.bfloat16),
                         num_programs=8, stats=stats.row(0))
     fp8.quantize_token_groups(x, offsets, stats.row(2))
-    permute.permute_forward_fp8(torch.zeros(64, 300, dtype=torch.bfloat16), torch.zeros(64, 2, dtype=torch.int32), 4,
-                                stats=stats.row(0))
+    permute.quantize_then_permute(torch.zeros(64, 300, dtype=torch.bfloat16), torch.zeros(64, 2, dtype=torch.int32),
+                                  stats.row(0))
     fp8.quantize_rows_and_token_groups(x, offsets, stats.row(2), offsets[-1:])
-    counted = [f for f in found if f[0] not in ("_block_histogram_kernel", "_permute_dest_kernel")]
+    counted = [f for f in found if f[0] != "_permute_copy_kernel"]  # the e4m3 rows' copies: no counters
     assert [name for name, _, _ in counted] == ["_quantize_rows_kernel", "_quantize_blocks_kernel",
                                                 "_fp8_rows_gemm_kernel", "_quantize_token_groups_kernel",
-                                                "_permute_quantize_kernel",
+                                                "_quantize_rows_kernel",
                                                 "_quantize_rows_and_token_groups_kernel"], found
     assert all(spill == 0 and atomics for _, spill, atomics in counted), found
     found.clear()

@@ -270,18 +270,20 @@ def test_the_one_pass_quantiser_counts_both_quantisations(fp8k, counts, k):
             assert torch.equal(g.view(torch.uint8), p.view(torch.uint8))
 
 
-def test_permute_counters_are_the_row_quantisers(interpreted):
+def test_the_permutes_counters_are_the_row_quantisers_of_the_tokens(interpreted):
+    """quantize_then_permute counts what quantize_rows of the tokens counts (each token once, not once
+    per pair), planted inf and NaN included."""
     _, fp8, permute = interpreted("disagmoe.kernels.grouped_gemm", "disagmoe.kernels.fp8", "disagmoe.kernels.permute")
     gen = torch.Generator().manual_seed(7)
     x = _planted(24, 200, seed=7)
     topk = torch.stack([torch.randperm(5, generator=gen)[:2] for _ in range(24)])
     topk[topk == 3] = 4  # expert 3 empty
     by_permute, by_rows = Fp8Stats("cpu"), Fp8Stats("cpu")
-    q, s, offsets, dest = permute.permute_forward_fp8(x, topk, 5, stats=by_permute.row(ACTIVATIONS))
-    rows, _, _ = permute.permute_reference(x, topk, 5)
-    fp8.quantize_rows(rows, by_rows.row(ACTIVATIONS))
+    _, dest = permute.pair_destinations(topk, 5)
+    permute.quantize_then_permute(x, dest, by_permute.row(ACTIVATIONS))
+    fp8.quantize_rows(x, by_rows.row(ACTIVATIONS))
     assert torch.equal(by_permute.buffer, by_rows.buffer)
-    assert _read(by_permute, ACTIVATIONS)[NONFINITE] == 4  # each planted token goes to two experts
+    assert _read(by_permute, ACTIVATIONS)[NONFINITE] == 2  # the two planted tokens, each counted once
 
 
 def test_swiglu_epilogue_counts_its_output(fp8k):

@@ -113,10 +113,10 @@ def test_combine_kernels_write_every_element(permute):
 
 @pytest.mark.parametrize("case", [(37, 2, 8, 300), (20, 4, 3, 128), (9, 3, 70, 40), (0, 2, 4, 256)])
 def test_fp8_permute_writes_the_quantised_rows(interpreted, case):
-    """permute_forward_fp8 (each pair's row quantised in the copy) and quantize_then_permute (each
-    token's once, then copied) = quantize_rows of the stable-sorted rows, to the bit (bf16 tokens,
-    hidden sizes that are not multiples of 128, empty experts, no tokens), with permute's offsets
-    and destinations; quantize_then_permute counts the tokens' elements."""
+    """quantize_then_permute (each token's row quantised once, then copied to its pairs' rows) =
+    quantize_rows of the stable-sorted rows, to the bit (bf16 tokens with rows 2^+-8 apart, hidden
+    sizes that are not multiples of 128, empty experts, no tokens), and it counts the tokens'
+    elements."""
     _, fp8, permute = interpreted("disagmoe.kernels.grouped_gemm", "disagmoe.kernels.fp8",
                                   "disagmoe.kernels.permute")
     from disagmoe.kernels.fp8_stats import ACTIVATIONS, TOTAL, Fp8Stats
@@ -124,15 +124,12 @@ def test_fp8_permute_writes_the_quantised_rows(interpreted, case):
     tokens, top_k, experts, hidden = case
     x, idx, _ = _routing(tokens, top_k, experts, hidden, seed=hidden, dtype=torch.bfloat16)
     x = x * torch.exp2(torch.randn(tokens, 1, generator=torch.Generator().manual_seed(1)) * 8).bfloat16()
-    q, s, offsets, dest = permute.permute_forward_fp8(x, idx, experts)
-    rows, want_offsets, want_dest = permute.permute_reference(x, idx, experts)
+    rows, offsets, dest = permute.permute_reference(x, idx, experts)
     q_ref, s_ref = fp8.quantize_rows_reference(rows)
-    assert torch.equal(offsets, want_offsets) and torch.equal(dest, want_dest)
-    assert torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
     stats = Fp8Stats("cpu")
-    q_once, s_once = permute.quantize_then_permute(x, dest, stats.row(ACTIVATIONS))
-    assert q_once.dtype == fp8.FP8 and torch.equal(s_once, s_ref)
-    assert torch.equal(q_once.view(torch.uint8), q_ref.view(torch.uint8))
+    q, s = permute.quantize_then_permute(x, dest, stats.row(ACTIVATIONS))
+    assert q.dtype == fp8.FP8 and q.shape == (tokens * top_k, hidden) and torch.equal(s, s_ref)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
     assert stats.row(ACTIVATIONS)[TOTAL] == tokens * hidden
 
 
@@ -166,18 +163,17 @@ def test_gpu_bf16_permute_combine(tokens, top_k, experts, hidden):
                     reason="needs a GPU with FP8 (sm_89+)")
 @pytest.mark.parametrize("tokens,top_k,experts,hidden", [(4096, 8, 128, 2048), (1000, 2, 8, 4096), (500, 4, 16, 300)])
 def test_gpu_fp8_permute(tokens, top_k, experts, hidden):
-    """The quantising permutes on the GPU (each pair's row, or each token's then copied): kernels.fp8's
+    """The quantising permute on the GPU (each token's row quantised once, then copied): kernels.fp8's
     reference quantisation of the sorted rows, to the bit."""
     from disagmoe.kernels import fp8, permute
 
     x, idx, _ = _routing(tokens, top_k, experts, hidden, seed=2, device="cuda", dtype=torch.bfloat16)
-    q, s, offsets, dest = permute.permute_forward_fp8(x, idx, experts)
+    offsets, dest = permute.pair_destinations(idx, experts)
     rows, want_offsets, want_dest = permute.permute_reference(x, idx, experts)
     q_ref, s_ref = fp8.quantize_rows_reference(rows)
     assert torch.equal(offsets, want_offsets) and torch.equal(dest, want_dest)
+    q, s = permute.quantize_then_permute(x, dest)
     assert torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
-    q_once, s_once = permute.quantize_then_permute(x, dest)
-    assert torch.equal(s_once, s_ref) and torch.equal(q_once.view(torch.uint8), q_ref.view(torch.uint8))
 
 
 @pytest.mark.parametrize("seed", range(3))
