@@ -198,7 +198,8 @@ class MoEBlock(Block):
             x_PH, offsets_E, dest_NK = permute_tokens(routing.xn_NH, routing.topk_idx_NK, num_experts,
                                                       destinations=destinations)
             source = RowSource.of_permute(routing.xn_NH, dest_NK) if EXPERT_INPUT in experts.recompute else None
-            # FP8: each token quantised once for its K pairs (every pair of the layer is served here);
+            # FP8: each token quantised once for its K pairs where that is the fewer bytes (every pair
+            # of the layer is served here: `RoutedExperts.quantized_rows`);
             # passed inline, so the e4m3 rows are freed when the FFN's forward returns
             y_PH = experts(x_PH, offsets_E, source=source, x_fp8=experts.quantized_rows(routing.xn_NH, dest_NK))
             ffn_NH = combine_rows(y_PH, dest_NK, routing.topk_w_NK)

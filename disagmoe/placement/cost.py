@@ -618,7 +618,8 @@ def evaluate(prob: Problem, c: Candidates, misfits_exact: bool = True) -> Cost:
     if fp8:  # the measured FP8 curve where the calibration holds one; else the passes and copies at any rate,
         # the GEMMs at fp8_speedup times theirs (`fp8_stages`)
         stages = fp8_stages(stages, ceil, prob.fp8_speedup, m, rows, exp_params, prob.calibration, rows / local,
-                            backward=prob.fp8_backward, forward=prob.fp8_forward)
+                            backward=prob.fp8_backward, forward=prob.fp8_forward,
+                            tokens_once=np.where(c.colocated & (c.expert == 1), tokens, 0.0))
         if prob.fp8_dense:
             stages = fp8_dense_stages(stages, ceil, prob.fp8_speedup, m, tokens, moe_l, dense_l)
     if prob.recompute == "full":
@@ -794,7 +795,7 @@ def group_time(stages: dict[str, Stage], group: str, runs: tuple[str, ...], bwd:
 
 def fp8_stages(stages: dict[str, Stage], ceil: Ceilings, speedup: float, m: ModelConfig, rows: Num,
                exp_params: Num, calib: Calibration | None = None, rows_per_expert: Num | None = None,
-               backward: str = "bf16-wgrad", forward: str = "both") -> dict[str, Stage]:
+               backward: str = "bf16-wgrad", forward: str = "both", tokens_once: Num = 0.0) -> dict[str, Stage]:
     """`stages` with the routed experts in FP8 (`precision: fp8`), their weights' two e4m3 copies
     made once per step (in the experts' optimizer stage, the pass after which they are made) either way.
 
@@ -809,7 +810,10 @@ def fp8_stages(stages: dict[str, Stage], ceil: Ceilings, speedup: float, m: Mode
     Otherwise (`fp8_pricing` says which): the datasheet's. Their compute rate (the bf16 one, or the
     calibrated bf16 one) times `speedup` = fp8_tflops / bf16_tflops, and the passes FP8 adds
     (`kernels.fp8_ffn`), priced by their HBM bytes: forward, the x rows quantised 1 x 128 (read bf16,
-    write e4m3 and scales; the SwiGLU output is quantised in its GEMM's epilogue); backward, dy
+    write e4m3 and scales; the SwiGLU output is quantised in its GEMM's epilogue), or where
+    `tokens_once` (per candidate: one GPU's tokens, 0 elsewhere) and the top-k make it the fewer bytes
+    (`roofline.stages.quantises_tokens_once`) each token's row quantised once and copied to its
+    pairs (`fp8_expert_input_bytes`); backward, dy
     quantised twice (1 x 128 and 128 x 1), dh13 twice, the SwiGLU output and x once each along tokens.
 
     `backward` (`TrainConfig.fp8_expert_backward`, `kernels.fp8_ffn.BACKWARD_PRECISIONS`) says which
@@ -865,7 +869,13 @@ def fp8_stages(stages: dict[str, Stage], ceil: Ceilings, speedup: float, m: Mode
                           for bwd in (False, True)]
                 out[name] = replace(s, fwd_ceilings=_blend(faster[0], s.ceilings(False, ceil), share),
                                     bwd_ceilings=faster[1] if fp8_bwd[name] else s.bwd_ceilings)
-        fwd = Work(hbm_bytes=rows * (F if forward == "down" else H) * (BF16 + 1 + scales))
+        if forward == "down":
+            fwd = Work(hbm_bytes=rows * F * (BF16 + 1 + scales))
+        else:
+            k = m.top_k
+            once = (np.asarray(tokens_once) > 0) & st.quantises_tokens_once(k)
+            fwd = Work(hbm_bytes=np.where(once, st.fp8_expert_input_bytes(H, tokens_once, k, True),
+                                          st.fp8_expert_input_bytes(H, rows / k, k, False)))
         bwd = Work(hbm_bytes=rows * quantised[backward] * (BF16 + 1 + scales))
         out["fp8 quantise"] = Stage("expert", "moe", fwd, bwd)
     copies = Work(hbm_bytes=exp_params * (BF16 + 2 * (1 + scales)))  # read the bf16 weights, write both copies

@@ -489,6 +489,34 @@ def test_the_fp8_note_names_the_backward_the_curve_was_measured_under():
         assert "the whole backward at the bf16 rate (fp8_expert_backward: bf16)" in notes[name, "bf16"]
 
 
+@pytest.mark.parametrize(("model", "once"), [("qwen3-30b-a3b", True), ("mixtral-8x7b", False)])
+def test_one_gpus_fp8_input_rows_are_priced_as_the_layer_quantises_them(model, once):
+    """Datasheet FP8 pricing of the experts' input rows: on one GPU (its experts serve every pair) a
+    top-8 layer quantises each token once and copies its e4m3 row and scales to its 8 pairs, fewer
+    bytes than quantising each pair's row; at Mixtral's top-2 the pairs' rows are quantised, which is
+    fewer; an expert GPU of a disaggregated layout quantises the rows it serves either way."""
+    m = load_model(model)
+    H, k = m.hidden_size, m.top_k
+    assert st.quantises_tokens_once(k) == once
+    single = Candidates.one(1, 1, 1, 2, 4, colocated=True)
+    split = Candidates.one(4, 4, 1, 4, 2)
+    for layout, tokens_once in ((single, True), (split, False)):
+        prob = problem_of(request(model, "h200-sxm", 8 if layout is split else 1, recompute="none",
+                                  expert_precision="fp8"))  # uncalibrated: the datasheet pricing
+        cost = evaluate(prob, layout)
+        fwd = cost.stages["fp8 quantise"].fwd.hbm_bytes[0]
+        tokens = layout.seqs[0] * prob.seq_len
+        rows = cost.stages["routed experts"].fwd.flops[0] / (6 * H * m.expert_ffn_size)  # 3 GEMMs of 2HF a row
+        per_pair = st.fp8_expert_input_bytes(H, rows / k, k, False)
+        assert per_pair == pytest.approx(rows * H * (2 + 1 + 4 / 128))
+        if tokens_once and once:
+            assert fwd == pytest.approx(st.fp8_expert_input_bytes(H, tokens, k, True)) and fwd < per_pair
+        else:
+            assert fwd == pytest.approx(per_pair)
+            if tokens_once:
+                assert st.fp8_expert_input_bytes(H, tokens, k, True) > fwd
+
+
 def test_without_an_fp8_curve_fp8_experts_keep_the_datasheet_pricing():
     """The Qwen3 config on the committed calibration less its FP8 curve (a file from before probe
     version 5): each FP8 expert GEMM stage (the default backward, bf16-wgrad: all but the weight
