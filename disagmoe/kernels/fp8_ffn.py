@@ -583,11 +583,14 @@ def expert_ffn_fp8(
         raise ValueError(f"source must name one token row of hidden {hidden} per row of x; got tokens "
                          f"{tuple(source.x_TH.shape)} and {tuple(source.token_N.shape)} ids for x {tuple(x_NH.shape)}")
     groups = -(-hidden // fp8.SCALE_BLOCK)
-    if x_fp8 is not None and (forward == "down" or x_fp8[0].shape != x_NH.shape or x_fp8[0].dtype != fp8.FP8
-                              or x_fp8[1].shape != (x_NH.shape[0], groups)):
+    if x_fp8 is not None and (forward == "down" or any(
+            t.shape != shape or t.dtype != dtype or not t.is_contiguous() or t.device != x_NH.device
+            for t, shape, dtype in zip(x_fp8, (x_NH.shape, (x_NH.shape[0], groups)), (fp8.FP8, torch.float32)))):
         raise ValueError(f"x_fp8 must be x's rows [{x_NH.shape[0]}, {hidden}] in e4m3 with their [{x_NH.shape[0]}, "
-                         f"{groups}] scales, for a forward whose gate/up GEMM is FP8 (forward {forward}); got "
-                         f"{x_fp8[0].dtype} {tuple(x_fp8[0].shape)} and {tuple(x_fp8[1].shape)}")
+                         f"{groups}] fp32 scales, both contiguous on {x_NH.device} (`permute.quantize_then_permute` "
+                         f"makes them), for a forward whose gate/up GEMM is FP8 (forward {forward}); got "
+                         + " and ".join(f"{t.dtype} {tuple(t.shape)} on {t.device}"
+                                        f"{'' if t.is_contiguous() else ', strided'}" for t in x_fp8))
     if tiles is None:  # from the host-known shapes: no sync, the same every step
         tiles = Fp8Tiles.for_shape(x_NH.shape[0], experts, hidden, two_ffn // 2, x_NH.device)
     return Fp8ExpertFFNFunction.apply(x_NH.contiguous(), offsets_E, w13_EH2F, w2_EFH, weights,

@@ -5,7 +5,7 @@ with atomics; without one they run exactly as before. A buffer is int64 [KINDS, 
 
   kinds   activations (x, the SwiGLU output; forward rows and the weight gradients' token copies;
           x counted once per token where a layer quantises its tokens for all their pairs,
-          `permute.quantize_then_permute` in mode single at top-k 4 or more, once per served
+          `permute.quantize_then_permute` in mode single at top-k 3 or more, once per served
           pair elsewhere),
           weights (the 128 x 128 block copies), gradients (dy, dh13: rows and token copies),
           dense (every operand of the FP8 dense projections, `kernels.fp8_dense`: rowwise recipe;

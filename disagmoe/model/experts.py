@@ -268,7 +268,7 @@ class RoutedExperts(nn.Module):
         quantised once and copied to its pairs' rows (`kernels.permute.quantize_then_permute`, counted
         in `fp8_stats` per token), for `forward(..., x_fp8=...)`; None where the forward does not start
         with an FP8 GEMM (bf16 experts, or `fp8_forward: down`), and where quantising each pair's row
-        moves fewer bytes (`roofline.stages.quantises_tokens_once`: K below 4, the FFN quantises the
+        moves fewer bytes (`roofline.stages.quantises_tokens_once`: K below 3, the FFN quantises the
         rows itself; the same bits either way). For a layer whose experts serve every pair of the tokens
         (`model.block`: K rows a token, K times the quantising per pair); where most pairs are served
         elsewhere (an expert rank's share) the rows are quantised as they come."""

@@ -95,18 +95,20 @@ def fp8_expert_input_bytes(hidden: Num, tokens: Num, top_k: Num, once: Num) -> N
     """HBM bytes of the FP8 experts' input rows (e4m3, one fp32 scale per 1 x 128 group) for
     `tokens` tokens of `top_k` pairs each: `once` (where true) each token's bf16 row quantised once
     and its e4m3 row and scales copied to its pairs' rows (`kernels.permute.quantize_then_permute`:
-    the copy reads and writes them per pair), else each pair's bf16 row quantised as it is
-    (`fp8.quantize_rows` of the grouped rows, inside the FFN)."""
+    the copy reads a token's row once, its K pairs being neighbours in one program's block, and
+    writes each pair's), else each pair's bf16 row quantised as it is (`fp8.quantize_rows` of the
+    grouped rows, inside the FFN)."""
     row = hidden * (1 + FP32 / 128)  # a row in e4m3 with its scales
     quantise = hidden * BF16 + row
-    return np.where(once, tokens * (quantise + 2 * top_k * row), tokens * top_k * quantise)
+    return np.where(once, tokens * (quantise + (1 + top_k) * row), tokens * top_k * quantise)
 
 
 def quantises_tokens_once(top_k: int) -> bool:
     """Whether a layer whose experts serve every pair of its tokens (one GPU: `model.block`) quantises
     each token once for its pairs rather than each pair's row: where that moves fewer HBM bytes
-    (`fp8_expert_input_bytes`), from top_k 4 up (Qwen3's 8, DeepSeek's 6 and 8), not at Mixtral's 2
-    (the copy reads and writes each pair's e4m3 row, about what quantising it would cost)."""
+    (`fp8_expert_input_bytes`), from top_k 3 up (Qwen3's 8, DeepSeek's 6 and 8), not at Mixtral's 2
+    (by a hair: the token's e4m3 row read by the copy and its pairs' written, about what quantising
+    the two pairs' rows costs)."""
     return bool(fp8_expert_input_bytes(128, 1, top_k, True) < fp8_expert_input_bytes(128, 1, top_k, False))
 
 

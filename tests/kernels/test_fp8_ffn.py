@@ -383,6 +383,26 @@ def test_mismatched_weights_are_refused(ffn8):
         ffn8.expert_ffn_fp8(x, offsets, w13, w2[:, :8])
 
 
+@pytest.mark.parametrize("bad", ["bf16 scales", "strided rows", "short scales", "down forward"])
+def test_quantised_input_rows_of_the_wrong_kind_are_refused_with_what_makes_them(ffn8, bad):
+    """`x_fp8` must be e4m3 rows shaped as x with contiguous fp32 scales on x's device, for a forward
+    whose gate/up GEMM is FP8: anything else is refused before a launch, naming what makes them."""
+    x, offsets, w13, w2, _ = _inputs([3, 0, 4], 256, 128, seed=0)
+    q = torch.zeros(7, 256, dtype=torch.float8_e4m3fn)
+    s = torch.ones(7, 2)
+    forward = "both"
+    if bad == "bf16 scales":
+        s = s.bfloat16()
+    elif bad == "strided rows":
+        q = torch.zeros(256, 7, dtype=torch.float8_e4m3fn).t()
+    elif bad == "short scales":
+        s = s[:, :1]
+    else:
+        forward = "down"
+    with pytest.raises(ValueError, match="quantize_then_permute"):
+        ffn8.expert_ffn_fp8(x, offsets, w13, w2, x_fp8=(q, s), forward=forward)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
                     reason="needs a GPU with FP8 (sm_89+)")
