@@ -140,6 +140,36 @@ def test_the_split_rowwise_quantiser_counts_the_same_bits(interpreted):
         assert got[UNDERFLOW] >= 40 and got[NONFINITE] == (2 if y is planted else 0)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="needs a GPU with FP8 (sm_89+)")
+def test_gpu_planted_non_finite_inputs_are_counted_as_torch_counts_them():
+    """On the GPU a max drops a NaN (the interpreter's NumPy max keeps it), so a program whose tiles
+    are finite but whose row or column amax is NaN or inf takes the per-position count there, where
+    on the CPU it counts its tiles again: the split rowwise quantiser and the token-group quantiser
+    with an inf, a NaN and an fp32 row whose scale underflows, each in a row block of its own
+    (16 rows a block), give the torch count of their own bytes, AMAX to the bit."""
+    from disagmoe.kernels import fp8, fp8_rowwise
+
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(64, 300, generator=gen) * torch.exp2(6 * torch.randn(64, 1, generator=gen))
+    x[3, 250] = float("inf")  # row block 0, the last K block
+    x[20, 4] = float("nan")  # row block 1, the first K block: the row's other programs see only its amax
+    x[37] = 1e-44  # row block 2
+    y = x.cuda()
+    stats = Fp8Stats("cuda")
+    q, s = fp8_rowwise.quantize_rowwise(y, stats.row(DENSE), split_k=True, block_m=16, block_k=128)
+    got = _read(stats, DENSE)
+    assert got == stats_reference(x, s.cpu(), q.cpu()), got
+    assert got[NONFINITE] == 2 and got[SATURATED] >= 300
+    offsets = torch.tensor([0, 20, 20, 64], dtype=torch.int32)  # an empty group, the NaN row opening one
+    stats = Fp8Stats("cuda")
+    q_KP, s_KC, padded = fp8.quantize_token_groups(y, offsets.cuda(), stats.row(GRADIENTS))
+    got = _read(stats, GRADIENTS)
+    _assert_counts(got, _token_group_reference(x, offsets, q_KP.cpu(), s_KC.cpu(), padded.cpu()))
+    assert got[NONFINITE] == 2 and got[TOTAL] == 64 * 300
+
+
 @pytest.mark.parametrize("valid", [0, 13, 37, 50])
 def test_rows_past_the_valid_count_are_neither_read_nor_counted(fp8k, valid):
     """A worst-case buffer (37 rows) whose rows past `valid_rows` hold inf and NaN (a padding's
