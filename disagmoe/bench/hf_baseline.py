@@ -79,14 +79,17 @@ def build_model(m: ModelConfig, device: torch.device,
 
 def train_steps(model: torch.nn.Module, model_type: str, m: ModelConfig, cfg: TrainConfig, data: TokenDataset,
                 steps: int, device: torch.device,
-                on_step: Callable[[], object] | None = None) -> tuple[list[float], list[float]]:
+                on_step: Callable[[int], object] | None = None) -> tuple[list[float], list[float]]:
     """(losses, seconds) of `steps` optimizer steps, as the module docstring says; the device is
-    synchronised around each step (on CUDA); `on_step` is called as each step ends."""
+    synchronised around each step (on CUDA); `on_step(n)` is called as step n ends, and `on_step(0)`
+    immediately before the first (`bench.gpu_clocks`' marks: the set-up is no step's)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
                                   eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay,
                                   fused=device.type == "cuda")
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda _device: None)
     times, losses = [], []
+    if on_step is not None:
+        on_step(0)
     for step in range(steps):
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, cfg.optim, steps)
@@ -110,14 +113,15 @@ def train_steps(model: torch.nn.Module, model_type: str, m: ModelConfig, cfg: Tr
         sync(device)
         times.append(time.perf_counter() - start)
         if on_step is not None:
-            on_step()
+            on_step(step + 1)
     return losses, times
 
 
 def run(cfg: TrainConfig, steps: int, warmup: int, log: Callable[[str], None],
-        on_step: Callable[[], object] | None = None) -> dict[str, Any]:
+        on_step: Callable[[int], object] | None = None) -> dict[str, Any]:
     """Train the baseline for `steps` steps on GPU 0; the bench row (as `bench.train` rows); `on_step`
-    called as each step ends (`bench.gpu_clocks`' marks)."""
+    called with the step's number as each step ends, and with 0 once the model is built, immediately
+    before the first (`train_steps`; `bench.gpu_clocks`' marks)."""
     if cfg.device != "cuda" or not torch.cuda.is_available():
         raise ValueError("--baseline hf times a GPU training step; run it with device=cuda on a GPU host")
     if warmup >= steps:

@@ -62,6 +62,7 @@ def run(cfg: TrainConfig, steps: int, warmup: int, log: Callable[[str], None],
                                                           "trace": False, "checkpoint_minutes": 0}))
     clocks = GpuClockSampler.for_devices([0])  # the profiled steps' clocks, to set beside bench train's
     with clocks:
+        clocks.mark(0)  # the start of the first step (warmup 0: the profiled steps' clocks start here)
         for _ in range(warmup):
             trainer._train_one_step()
             clocks.mark()

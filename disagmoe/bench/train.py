@@ -184,18 +184,29 @@ def baseline_split(cfg: TrainConfig, rows: list[dict]) -> TrainConfig:
     return resolve_single_micro_batches(one_gpu, load_model(cfg.model), resolve_device(cfg.device))[0]
 
 
-def train_row(cfg: TrainConfig, on_step: Callable[[dict], None] | None = None):
-    """One row's training run (its summary; `on_step` called with each step's record as it ends); a
-    single-mode row gives its GPU memory back after it, whether it ended or failed, so the next row
-    starts clean."""
+def train_row(cfg: TrainConfig, clocks: GpuClockSampler | None = None):
+    """One row's training run (its summary); `clocks` marked once the trainer is built, immediately
+    before its first step (so that no step's window, warmup 0's included, holds the set-up), and as
+    each step ends, by step number and the run's restarts so far (`GpuClockSampler.mark`: a step a
+    distributed run re-ran after a restart keeps its new window, and the first step after a restart,
+    whose window would span it, is left out of the clocks). A single-mode row gives its GPU memory
+    back after it, whether it ended or failed, so the next row starts clean."""
     if cfg.mode == "single":
         try:
-            return SingleProcessTrainer(cfg).run(on_step)
+            return _marked_run(SingleProcessTrainer(cfg), clocks)
         finally:
             free_device_memory()
     from disagmoe.runtime.cluster.driver import DistributedTrainer
 
-    return DistributedTrainer(cfg).run(on_step)
+    return _marked_run(DistributedTrainer(cfg), clocks)
+
+
+def _marked_run(trainer, clocks: GpuClockSampler | None):
+    """`trainer.run()`, `clocks` marked at its start and at each step's end (`train_row`)."""
+    if clocks is None:
+        return trainer.run()
+    clocks.mark(trainer.step, trainer.restarts)
+    return trainer.run(lambda record: clocks.mark(record["step"], trainer.restarts))
 
 
 def clock_sampler(cfg: TrainConfig) -> GpuClockSampler | None:
@@ -208,8 +219,9 @@ def clock_sampler(cfg: TrainConfig) -> GpuClockSampler | None:
 
 
 def clock_fields(clocks: GpuClockSampler | None, warmup: int) -> dict:
-    """A row's clock fields: the timed steps' summary, each step's median SM clock, and why there are
-    none where none were sampled."""
+    """A row's clock fields: the timed steps' summary (`GpuClockSampler.timed_summary`: partial where
+    nvidia-smi sampled too little of them), each step's median SM clock, and why not everything was
+    sampled (none, an early exit)."""
     if clocks is None:
         return {"gpu_clocks": None, "step_sm_mhz": None, "gpu_clocks_note": None}
     return {"gpu_clocks": clocks.timed_summary(warmup), "step_sm_mhz": clocks.per_step_sm_mhz(),
@@ -258,7 +270,7 @@ def run(cfg: TrainConfig, modes: list[str], steps: int, warmup: int,
             clocks = clock_sampler(mcfg)
             try:
                 with clocks or nullcontext():
-                    summary = train_row(mcfg, None if clocks is None else lambda record: clocks.mark())
+                    summary = train_row(mcfg, clocks)
             except ValueError as err:  # a user error of this row (memory check, out of memory): the row's, not the run's
                 log(f"{name}: did not run: {err}")
                 rows.append({"mode": mode, "transport": None if mode == "single" else mcfg.transport, "hop": None,

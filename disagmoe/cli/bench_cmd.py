@@ -354,6 +354,8 @@ def calibrate(
     command = f"disagmoe bench calibrate --hardware {preset} --out {out.name} --model {model} --experts-backend {experts_backend}"
     clocks = GpuClockSampler.for_devices([0]) if torch.cuda.is_available() else None
     with clocks or nullcontext():  # the probes' clocks, to set beside those of the steps they price
+        if clocks is not None:
+            clocks.mark(0)  # the probes' start (their one 'step' ends with the last of them)
         measured, hw, text = bench.run(hw_preset, load_model(model), experts_backend, command)
         if clocks is not None:
             clocks.mark()
@@ -479,7 +481,8 @@ def train(
         split = "-" if r.get("micro_batches") is None else str(r["micro_batches"]) + (
             " (graph)" if r.get("cuda_graph_replays") else "")
         clocks = r.get("gpu_clocks")
-        sm_clock = "-" if not clocks else f"{clocks['sm_mhz_median']:,.0f} MHz"
+        sm_clock = "-" if not clocks else f"{clocks['sm_mhz_median']:,.0f} MHz" + (
+            " (partial)" if clocks.get("partial") else "")
         table.add_row(label, str(r["ranks"]), split, seconds(r['median_step_s']), sm_clock, f"{r['tokens_per_s']:,.0f}",
                       pct(r.get("mfu")), pct(r.get("mfu_ceiling")), memory(r.get("peak_memory_gib")),
                       memory(r.get("predicted_peak_gib")),

@@ -131,10 +131,10 @@ def _out_of_memory_at(micro_batches: int, monkeypatch) -> None:
 
     real = bench.train_row
 
-    def train_row(cfg, on_step=None):
+    def train_row(cfg, clocks=None):
         if cfg.micro_batches == micro_batches:
             raise OutOfMemory(f"this GPU ran out of memory; ... micro_batches={micro_batches} does not fit")
-        return real(cfg, on_step)
+        return real(cfg, clocks)
 
     monkeypatch.setattr(bench, "train_row", train_row)
 
@@ -166,10 +166,10 @@ def test_the_out_file_holds_each_finished_row_while_the_run_goes_on(tmp_path, mo
     out = tmp_path / "bench.json"
     real, seen = bench.train_row, []
 
-    def train_row(cfg, on_step=None):
+    def train_row(cfg, clocks=None):
         if out.exists():
             seen.append(json.loads(out.read_text()))
-        return real(cfg, on_step)
+        return real(cfg, clocks)
 
     monkeypatch.setattr(bench, "train_row", train_row)
     r = CliRunner().invoke(app, ["bench", "train", "--config", "configs/tiny-cpu.yaml", "--mode", "single", "--steps", "3",
