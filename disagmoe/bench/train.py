@@ -209,21 +209,23 @@ def _marked_run(trainer, clocks: GpuClockSampler | None):
     return trainer.run(lambda record: clocks.mark(record["step"], trainer.restarts))
 
 
-def clock_sampler(cfg: TrainConfig) -> GpuClockSampler | None:
+def clock_sampler(cfg: TrainConfig, sample: bool = True) -> GpuClockSampler | None:
     """The sampler of the GPUs a row of `cfg` trains on (`bench.gpu_clocks`): GPU 0 in mode single (and
-    for the outside baseline), every visible GPU in the distributed modes; None off CUDA."""
-    if cfg.device != "cuda" or not torch.cuda.is_available():
+    for the outside baseline), every visible GPU in the distributed modes; None off CUDA or unless
+    `sample`."""
+    if not sample or cfg.device != "cuda" or not torch.cuda.is_available():
         return None
     devices = [0] if cfg.mode == "single" else list(range(torch.cuda.device_count()))
     return GpuClockSampler.for_devices(devices)
 
 
-def clock_fields(clocks: GpuClockSampler | None, warmup: int) -> dict:
+def clock_fields(clocks: GpuClockSampler | None, warmup: int, sampled: bool = True) -> dict:
     """A row's clock fields: the timed steps' summary (`GpuClockSampler.timed_summary`: partial where
     nvidia-smi sampled too little of them), each step's median SM clock, and why not everything was
     sampled (none, an early exit)."""
     if clocks is None:
-        return {"gpu_clocks": None, "step_sm_mhz": None, "gpu_clocks_note": None}
+        return {"gpu_clocks": None, "step_sm_mhz": None,
+                "gpu_clocks_note": None if sampled else "not sampled (bench train --no-gpu-clocks)"}
     return {"gpu_clocks": clocks.timed_summary(warmup), "step_sm_mhz": clocks.per_step_sm_mhz(),
             "gpu_clocks_note": clocks.unavailable}
 
@@ -251,9 +253,10 @@ def runs_of(modes: list[str], transports: list[str] | None,
 def run(cfg: TrainConfig, modes: list[str], steps: int, warmup: int,
         log: Callable[[str], None], baseline: str | None = None, transports: list[str] | None = None,
         hops: list[str] | None = None, variants: list[str] | None = None,
-        on_row: Callable[[list[dict]], None] | None = None) -> dict:
+        on_row: Callable[[list[dict]], None] | None = None, gpu_clocks: bool = True) -> dict:
     """The record of the run (module docstring); `on_row` gets the rows so far (unsummarised) as
-    each row ends, e.g. to keep a partial record on disk."""
+    each row ends, e.g. to keep a partial record on disk. `gpu_clocks=False`: no nvidia-smi beside
+    the steps (each row's `gpu_clocks_note` says so), to see whether its sampling moves a step."""
     if baseline not in (None, "hf"):
         raise ValueError(f"unknown baseline {baseline!r}; the one outside baseline is 'hf' (transformers)")
     variants = variants or [None]
@@ -267,7 +270,7 @@ def run(cfg: TrainConfig, modes: list[str], steps: int, warmup: int,
             name = (f"{mode}{'' if mode == 'single' else f' ({mcfg.transport}, hop {mcfg.hop})'}"
                     f"{f' [{variant}]' if variant else ''}")
             log(f"{name}: {steps} steps")
-            clocks = clock_sampler(mcfg)
+            clocks = clock_sampler(mcfg, gpu_clocks)
             try:
                 with clocks or nullcontext():
                     summary = train_row(mcfg, clocks)
@@ -307,7 +310,7 @@ def run(cfg: TrainConfig, modes: list[str], steps: int, warmup: int,
                          "peak_memory_gib": max((r["peak_memory_gib"] for r in records
                                                  if r.get("peak_memory_gib") is not None), default=None),
                          "load_imbalance": statistics.fmean(imbalance) if imbalance else None,
-                         **clock_fields(clocks, warmup)})
+                         **clock_fields(clocks, warmup, gpu_clocks)})
             saturated = rows[-1]["max_fp8_saturated_share"]
             log(f"{name}: {step_s * 1e3:,.1f} ms/step, {rows[-1]['tokens_per_s']:,.0f} tokens/s, final loss "
                 f"{rows[-1]['final_loss']:.4f}" + (f", peak {rows[-1]['peak_memory_gib']:.1f} GiB"
@@ -321,11 +324,11 @@ def run(cfg: TrainConfig, modes: list[str], steps: int, warmup: int,
             from disagmoe.bench import hf_baseline
 
             hf_cfg = baseline_split(cfg, rows)
-            clocks = clock_sampler(hf_cfg.model_copy(update={"mode": "single"}))
+            clocks = clock_sampler(hf_cfg.model_copy(update={"mode": "single"}), gpu_clocks)
             with clocks or nullcontext():
                 row = hf_baseline.run(hf_cfg, steps, warmup, log, None if clocks is None else clocks.mark)
             rows.append({**row, "mfu": None, "mfu_ceiling": None, "load_imbalance": None, "mean_loss": None,
-                         **clock_fields(clocks, warmup)})
+                         **clock_fields(clocks, warmup, gpu_clocks)})
             if clocks is not None:
                 log(f"{row['mode']}: {describe(rows[-1]['gpu_clocks'], clocks.unavailable)}")
             single = next((r for r in rows if r["mode"] == "single" and not r.get("error")), None)

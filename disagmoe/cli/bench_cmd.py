@@ -394,6 +394,10 @@ def train(
         help="config overrides for one more run of every mode, e.g. 'recompute=selective' or "
              "'micro_batches=2 batch_size=8' (repeatable, quoted when several): each row then also gives its "
              "tokens/s and peak memory against the same mode under the first variant")] = None,
+    gpu_clocks: Annotated[bool, typer.Option(
+        "--gpu-clocks/--no-gpu-clocks", help="sample the GPUs' SM clock, power and clock-event reasons with "
+        "nvidia-smi beside the steps (every 100 ms); --no-gpu-clocks to time the steps without it (to see "
+        "whether the sampling moves them)")] = True,
     as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
     out: Annotated[Path | None, typer.Option("--out", "-o", help="also write the JSON record here (rewritten as each "
                                                                "row ends, marked partial until the run's end)")] = None,
@@ -434,7 +438,7 @@ def train(
         out.write_text(json.dumps({"partial": True, "steps": steps, "warmup": warmup, "modes": rows}, indent=1) + "\n")
 
     record = bench.run(cfg, mode or ["disaggregated", "colocated"], steps, warmup, log, baseline, transport, hop,
-                       variant, on_row=keep_partial if out is not None else None)
+                       variant, on_row=keep_partial if out is not None else None, gpu_clocks=gpu_clocks)
     if out is not None:
         out.write_text(json.dumps(record, indent=1) + "\n")
     if plot is not None:

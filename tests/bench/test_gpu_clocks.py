@@ -302,7 +302,8 @@ def test_bench_train_rows_carry_their_steps_clocks(tmp_path, monkeypatch):
                 time.sleep(0.05)
             return super().mark(step, attempt)
 
-    monkeypatch.setattr(bench, "clock_sampler", lambda cfg: SlowSteps(["0"], interval_ms=5, command=command))
+    monkeypatch.setattr(bench, "clock_sampler",
+                        lambda cfg, sample=True: SlowSteps(["0"], interval_ms=5, command=command) if sample else None)
     out = tmp_path / "run.json"
     r = CliRunner().invoke(app, ["bench", "train", "--config", "configs/tiny-cpu.yaml", "--mode", "single", "--steps",
                                  "3", "--warmup", "1", "-o", str(out)])
@@ -312,6 +313,12 @@ def test_bench_train_rows_carry_their_steps_clocks(tmp_path, monkeypatch):
     assert len(row["step_sm_mhz"]) == 3 and row["gpu_clocks_note"] is None
     assert row["step_sm_mhz"][0] is not None  # the first step's window: from the start mark
     assert "SM clock" in r.output and " MHz" in r.output and "single: SM 1," in r.output
+    # --no-gpu-clocks: the same row timed without nvidia-smi beside it, and the row says so
+    r = CliRunner().invoke(app, ["bench", "train", "--config", "configs/tiny-cpu.yaml", "--mode", "single", "--steps",
+                                 "2", "--warmup", "1", "--no-gpu-clocks", "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    (row,) = json.loads(out.read_text())["modes"]
+    assert row["gpu_clocks"] is None and row["gpu_clocks_note"] == "not sampled (bench train --no-gpu-clocks)"
 
 
 @pytest.mark.slow  # a training run
@@ -323,7 +330,7 @@ def test_the_table_marks_a_partial_clock_summary(monkeypatch):
     stopped = marked(sampled((0.0, 1.0, 0, 1980, 0)), (0, 0.0, 0), (1, 5.0, 0), (2, 10.0, 0))
     note = "nvidia-smi stopped sampling early (exit 1)"
     fields = {"gpu_clocks": stopped.timed_summary(0), "step_sm_mhz": stopped.per_step_sm_mhz(), "gpu_clocks_note": note}
-    monkeypatch.setattr(bench, "clock_fields", lambda clocks, warmup: fields)
+    monkeypatch.setattr(bench, "clock_fields", lambda clocks, warmup, sampled=True: fields)
     r = CliRunner().invoke(app, ["bench", "train", "--config", "configs/tiny-cpu.yaml", "--mode", "single", "--steps",
                                  "2", "--warmup", "0"])
     assert r.exit_code == 0, r.output
