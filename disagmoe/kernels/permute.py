@@ -190,6 +190,17 @@ def copy_rows(x_TH: torch.Tensor, dest_TK: torch.Tensor, weights_TK: torch.Tenso
     return rows_NH
 
 
+def quantises_tokens_once(top_k: int) -> bool:
+    """Whether `quantize_then_permute` moves fewer HBM bytes than the FFN quantising each of a token's
+    `top_k` pair rows itself: per token and 128 values, the quantiser's 256 read and 132 written (e4m3
+    and an fp32 scale) and the copy's 132 read (the token's row once: its K pairs are neighbours in a
+    block) and 132 K written, against K x (256 + 132). From top-k 3 up (Qwen3's 8, DeepSeek's 6 and 8),
+    not at Mixtral's 2 (by a hair). `roofline.stages.fp8_expert_input_bytes` prices the same bytes."""
+    row = fp8.SCALE_BLOCK + 4
+    quantise = 2 * fp8.SCALE_BLOCK + row
+    return quantise + (1 + top_k) * row < top_k * quantise
+
+
 def quantize_then_permute(x_TH: torch.Tensor, dest_TK: torch.Tensor, stats: torch.Tensor | None = None,
                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """(q_NH float8_e4m3fn, s_NG fp32): the FP8 gate/up GEMM's A operand for the pairs `dest_TK` groups,

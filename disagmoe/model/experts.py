@@ -26,7 +26,6 @@ from disagmoe.config import DEFAULT_FP8_EXPERT_BACKWARD, DEFAULT_FP8_EXPERT_FORW
 from disagmoe.kernels.autocast import autocast_operands
 from disagmoe.kernels.recompute import BLOCK, FP8_NO_EXPERT_OUTPUT, FP8_RECOMPUTABLE, RECOMPUTABLE
 from disagmoe.model.init import seeded_normal_
-from disagmoe.roofline.stages import quantises_tokens_once
 
 ExpertFFN = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 BACKENDS = ("loop", "grouped_mm", "triton")
@@ -268,14 +267,15 @@ class RoutedExperts(nn.Module):
         quantised once and copied to its pairs' rows (`kernels.permute.quantize_then_permute`, counted
         in `fp8_stats` per token), for `forward(..., x_fp8=...)`; None where the forward does not start
         with an FP8 GEMM (bf16 experts, or `fp8_forward: down`), and where quantising each pair's row
-        moves fewer bytes (`roofline.stages.quantises_tokens_once`: K below 3, the FFN quantises the
+        moves fewer bytes (`kernels.permute.quantises_tokens_once`: K below 3, the FFN quantises the
         rows itself; the same bits either way). For a layer whose experts serve every pair of the tokens
         (`model.block`: K rows a token, K times the quantising per pair); where most pairs are served
         elsewhere (an expert rank's share) the rows are quantised as they come."""
+        from disagmoe.kernels.permute import quantises_tokens_once, quantize_then_permute
+
         if self.precision != "fp8" or self.fp8_forward == "down" or not quantises_tokens_once(dest_TK.shape[1]):
             return None
         from disagmoe.kernels.fp8_stats import ACTIVATIONS
-        from disagmoe.kernels.permute import quantize_then_permute
 
         return quantize_then_permute(x_TH, dest_TK, None if self.fp8_stats is None else self.fp8_stats.row(ACTIVATIONS))
 

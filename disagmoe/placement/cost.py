@@ -812,7 +812,7 @@ def fp8_stages(stages: dict[str, Stage], ceil: Ceilings, speedup: float, m: Mode
     (`kernels.fp8_ffn`), priced by their HBM bytes: forward, the x rows quantised 1 x 128 (read bf16,
     write e4m3 and scales; the SwiGLU output is quantised in its GEMM's epilogue), or where
     `tokens_once` (per candidate: one GPU's tokens, 0 elsewhere) and the top-k make it the fewer bytes
-    (`roofline.stages.quantises_tokens_once`) each token's row quantised once and copied to its
+    (`kernels.permute.quantises_tokens_once`) each token's row quantised once and copied to its
     pairs (`fp8_expert_input_bytes`); backward, dy
     quantised twice (1 x 128 and 128 x 1), dh13 twice, the SwiGLU output and x once each along tokens.
 
@@ -873,9 +873,9 @@ def fp8_stages(stages: dict[str, Stage], ceil: Ceilings, speedup: float, m: Mode
             fwd = Work(hbm_bytes=rows * F * (BF16 + 1 + scales))
         else:
             k = m.top_k
-            once = (np.asarray(tokens_once) > 0) & st.quantises_tokens_once(k)
-            fwd = Work(hbm_bytes=np.where(once, st.fp8_expert_input_bytes(H, tokens_once, k, True),
-                                          st.fp8_expert_input_bytes(H, rows / k, k, False)))
+            per_pair = st.fp8_expert_input_bytes(H, rows / k, k, False)
+            once = st.fp8_expert_input_bytes(H, tokens_once, k, True)  # the runtime takes the fewer bytes
+            fwd = Work(hbm_bytes=np.where((np.asarray(tokens_once) > 0) & (once < per_pair), once, per_pair))
         bwd = Work(hbm_bytes=rows * quantised[backward] * (BF16 + 1 + scales))
         out["fp8 quantise"] = Stage("expert", "moe", fwd, bwd)
     copies = Work(hbm_bytes=exp_params * (BF16 + 2 * (1 + scales)))  # read the bf16 weights, write both copies

@@ -97,19 +97,11 @@ def fp8_expert_input_bytes(hidden: Num, tokens: Num, top_k: Num, once: Num) -> N
     and its e4m3 row and scales copied to its pairs' rows (`kernels.permute.quantize_then_permute`:
     the copy reads a token's row once, its K pairs being neighbours in one program's block, and
     writes each pair's), else each pair's bf16 row quantised as it is (`fp8.quantize_rows` of the
-    grouped rows, inside the FFN)."""
+    grouped rows, inside the FFN). The runtime quantises tokens once where that is the fewer of
+    the two (`kernels.permute.quantises_tokens_once`, the same bytes: a test holds them together)."""
     row = hidden * (1 + FP32 / 128)  # a row in e4m3 with its scales
     quantise = hidden * BF16 + row
     return np.where(once, tokens * (quantise + (1 + top_k) * row), tokens * top_k * quantise)
-
-
-def quantises_tokens_once(top_k: int) -> bool:
-    """Whether a layer whose experts serve every pair of its tokens (one GPU: `model.block`) quantises
-    each token once for its pairs rather than each pair's row: where that moves fewer HBM bytes
-    (`fp8_expert_input_bytes`), from top_k 3 up (Qwen3's 8, DeepSeek's 6 and 8), not at Mixtral's 2
-    (by a hair: the token's e4m3 row read by the copy and its pairs' written, about what quantising
-    the two pairs' rows costs)."""
-    return bool(fp8_expert_input_bytes(128, 1, top_k, True) < fp8_expert_input_bytes(128, 1, top_k, False))
 
 
 def dense_fp8_weight_copies(weights: Num) -> Work:

@@ -494,10 +494,16 @@ def test_one_gpus_fp8_input_rows_are_priced_as_the_layer_quantises_them(model, o
     """Datasheet FP8 pricing of the experts' input rows: on one GPU (its experts serve every pair) a
     top-8 layer quantises each token once and copies its e4m3 row and scales to its 8 pairs, fewer
     bytes than quantising each pair's row; at Mixtral's top-2 the pairs' rows are quantised, which is
-    fewer; an expert GPU of a disaggregated layout quantises the rows it serves either way."""
+    fewer; an expert GPU of a disaggregated layout quantises the rows it serves either way. The
+    runtime's choice (`kernels.permute.quantises_tokens_once`) is the byte model's at every top-k."""
+    from disagmoe.kernels.permute import quantises_tokens_once
+
+    for top_k in range(1, 17):
+        assert quantises_tokens_once(top_k) == bool(
+            st.fp8_expert_input_bytes(2048, 1, top_k, True) < st.fp8_expert_input_bytes(2048, 1, top_k, False))
     m = load_model(model)
     H, k = m.hidden_size, m.top_k
-    assert st.quantises_tokens_once(k) == once
+    assert quantises_tokens_once(k) == once
     single = Candidates.one(1, 1, 1, 2, 4, colocated=True)
     split = Candidates.one(4, 4, 1, 4, 2)
     for layout, tokens_once in ((single, True), (split, False)):
