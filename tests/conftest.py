@@ -55,6 +55,20 @@ def _starts_ray(test_file: str) -> bool:
     return _ray_files[test_file]
 
 
+def pytest_configure(config):
+    """In an xdist worker, torch's intra-op threads are the worker's share of the cores (1 with `-n
+    auto`). With torch's default (every core) each worker's OpenMP threads spun on the core the
+    other worker, the Ray actors and the processes of the tests needed: on 2 cores the restart
+    tests of test_driver.py took 2-3x as long beside a 2-thread torch process as beside a 1-thread
+    one, and test_worker_peer_stores.py (tiny tensors, many ops) 105 s against 26 s. Code that sets
+    its own count (`cpu_threads`: the trainers, the Ray actors) still does."""
+    workers = getattr(config, "workerinput", {}).get("workercount")
+    if workers and importlib.util.find_spec("torch") is not None:
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
 @pytest.hookimpl(optionalhook=True)  # pytest without xdist (`-p no:xdist`) does not know the hook
 def pytest_xdist_make_scheduler(config, log):
     from xdist.scheduler import LoadScopeScheduling
