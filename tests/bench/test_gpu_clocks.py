@@ -262,6 +262,7 @@ def test_the_steps_clocks_take_one_sort_not_a_scan_per_step():
     assert len(per_step) == 1000 and set(per_step) == {1980.0}
 
 
+@pytest.mark.slow  # a fake nvidia-smi whose child process writes for 2 s
 def test_a_reader_still_draining_the_pipe_is_left_be_not_read_from_a_closed_file(tmp_path, monkeypatch):
     """An nvidia-smi whose child keeps writing to the pipe after it is stopped: leaving the block
     waits for the reader as long as `READER_JOIN_S` and then leaves it be; it reads to the end and
