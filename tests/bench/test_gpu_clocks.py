@@ -301,6 +301,10 @@ def test_bench_train_rows_carry_their_steps_clocks(tmp_path, monkeypatch):
         def mark(self, step=None, attempt=0):
             if step:
                 time.sleep(0.05)
+            else:  # the start: once the fake nvidia-smi samples (a loaded machine starts it late)
+                deadline = time.monotonic() + 30
+                while not self.samples and time.monotonic() < deadline:
+                    time.sleep(0.01)
             return super().mark(step, attempt)
 
     monkeypatch.setattr(bench, "clock_sampler",
