@@ -268,3 +268,16 @@ def test_cuda_hopper_kernel_paths_follow_the_settings_and_the_shape():
     assert paths(14336, False) == "rows gluon | swiglu triton | wgrad triton"
     assert paths(14336, True) == "rows gluon | swiglu gluon | wgrad gluon"
     assert paths(1408, True) == "rows triton | swiglu triton | wgrad gluon"
+
+
+def test_the_help_names_every_backend_the_command_accepts():
+    """`bench experts --help` lists each backend by the name `--backend` takes (the FP8 variants too)."""
+    from typer.testing import CliRunner
+
+    from disagmoe.cli.app import app
+
+    result = CliRunner().invoke(app, ["bench", "experts", "--help"])
+    assert result.exit_code == 0
+    help_text = "".join(result.output.replace("│", "").split())  # a name may wrap at its hyphen
+    for name in (*bench.BACKENDS, bench.FP8_BACKEND, *bench.VARIANT_BACKENDS, bench.LIBRARY_FP8_BACKEND):
+        assert name in help_text, name
