@@ -1015,7 +1015,8 @@ class TrainConfig(StrictModel):
         if self.cuda_graphs == "on" and (self.mode != "single" or self.device != "cuda"):
             raise ValueError(f"cuda_graphs: on captures mode single's step on a GPU; this run is mode {self.mode} on "
                              f"{self.device}: the distributed ranks' steps are not captured yet (the nvshmem "
-                             "transport's sequence numbers are host counters a graph would freeze): set cuda_graphs: off")
+                             "transport replays per phase of its message counts, but the worker's step capture is "
+                             "not built): set cuda_graphs: off")
         if self.cuda_graphs == "on" and self.experts_backend == "loop":
             raise ValueError("cuda_graphs: on with experts_backend: loop: the loop reads each expert's row count on "
                              "the host, which a captured step cannot; set experts_backend: triton (or grouped_mm), "

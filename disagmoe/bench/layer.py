@@ -48,7 +48,7 @@ import queue
 import statistics
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -67,6 +67,7 @@ TOLERANCE = 2e-2  # relative L2 error of a bf16 result against the fp32 referenc
 SPEEDUP_TARGET = 1.2  # issue 11: (b) at least 1.2x (a) on the qwen3-30b-a3b shape
 BOUND_SLACK = 0.15  # issue 11: (b) within 15% of the bound on every shape
 DEFAULT_SEGMENT_TOKENS = 256
+READY = 1 << 40  # a flag counting more messages than any run's combines take: their waits pass at once
 SLEEP_CYCLES = 1_000_000  # about 0.5 ms at H200 clocks: the GPU waits while its host queues an iteration
 RESULT_TIMEOUT_S = 1800.0  # both ranks' reports, whole run
 FAILURE_GRACE_S = 10.0  # after one rank's failure, how long to wait for the other's report
@@ -222,7 +223,6 @@ class Signal:
     flags_QS: torch.Tensor  # the receiver's int64 flag block, row 0 this source's
     counters_S: torch.Tensor  # this rank's int32 zeros
     segment_tokens: int
-    seq: int
 
 
 class ExpertSide:
@@ -262,7 +262,7 @@ class ExpertSide:
         fr.down_to_destination(a_NK, self.offsets_E, b_EKH, tile, dst_PH=out_PH, dst_rows_N=self.pairs_N,
                                tokens=out_PH.shape[0] // self.top_k, top_k=self.top_k,
                                segment_tokens=signal.segment_tokens, counters_S=signal.counters_S,
-                               flags_QS=signal.flags_QS, source=0, seq=signal.seq, num_programs=self.num_programs)
+                               flags_QS=signal.flags_QS, source=0, num_programs=self.num_programs)
 
     def in_segment_order(self, segment_tokens: int, segments: int) -> ExpertSide:
         """The same rows regrouped by (band of destination segments, expert) (`fused_return.segment_major_order`):
@@ -280,12 +280,14 @@ class ExpertSide:
         return dw13, dw2
 
 
-def combine(rows_PH: torch.Tensor, pass_name: str, weights_TK: torch.Tensor, flags_QS: torch.Tensor, seq: int,
-            segment_tokens: int, top_k: int, programs: int, status_2: torch.Tensor) -> torch.Tensor:
-    """GPU 0's combine of one pass: weighted (forward output) or a plain sum (input gradient);
-    a wait that gives up is recorded in `status_2` (read once, after the runs)."""
-    return fr.combine_landed(rows_PH, weights_TK if pass_name == "fwd" else None, flags_QS, seq, segment_tokens,
-                             top_k, status_2, num_programs=programs)
+def combine(rows_PH: torch.Tensor, pass_name: str, weights_TK: torch.Tensor, flags_QS: torch.Tensor,
+            consumed_QS: torch.Tensor, segment_tokens: int, top_k: int, programs: int,
+            status_2: torch.Tensor) -> torch.Tensor:
+    """GPU 0's combine of one pass: weighted (forward output) or a plain sum (input gradient), each
+    segment once its flag counts one more message than `consumed_QS` (which it advances); a wait
+    that gives up is recorded in `status_2` (read once, after the runs)."""
+    return fr.combine_landed(rows_PH, weights_TK if pass_name == "fwd" else None, flags_QS, consumed_QS,
+                             segment_tokens, top_k, status_2, num_programs=programs)
 
 
 # --- the report (pure: tests inject measurements) -------------------------------------------------
@@ -403,6 +405,8 @@ class ReturnArena:
         self.local_B.zero_()  # flags start at 0: no step yet
         self._barrier()
         self.view_B = nv.get_peer_tensor(self.local_B, 0) if rank == 1 else self.local_B
+        # GPU 0's consumed words beside the flags (`kernels.signal`): its combines advance them
+        self.consumed_DS = torch.zeros(2, self.segments, dtype=torch.int64, device=self.local_B.device)
 
     def rows(self, direction: int, shape: LayerShape) -> torch.Tensor:
         """[P, H] bf16 of direction 0 (forward rows) or 1 (input-gradient rows)."""
@@ -414,6 +418,11 @@ class ReturnArena:
         segments = fr.num_segments(shape.tokens, self.segment_tokens)
         start = direction * self.segments * 8
         return self.view_B[start:start + segments * 8].view(torch.int64).view(1, segments)
+
+    def consumed(self, direction: int, shape: LayerShape) -> torch.Tensor:
+        """GPU 0's consumed words [1 source, S] of one direction's flags (every shape's flags are
+        views of the same words, so their counts carry over from shape to shape)."""
+        return self.consumed_DS[direction, :fr.num_segments(shape.tokens, self.segment_tokens)].view(1, -1)
 
     def _barrier(self) -> None:
         stream = torch.cuda.current_stream()
@@ -446,17 +455,17 @@ def _release_together(token: torch.Tensor) -> None:
     dist.all_reduce(token)
 
 
-def _aligned(fn: Callable[[Callable[[str], None], int], Any], warmup: int, iters: int, seqs: Iterator[int],
+def _aligned(fn: Callable[[Callable[[str], None]], Any], warmup: int, iters: int,
              token: torch.Tensor) -> tuple[dict[str, float], Any]:
-    """fn(mark, seq) warmup + iters times, both ranks released together each time: the medians, ms
+    """fn(mark) warmup + iters times, both ranks released together each time: the medians, ms
     from the release to each `mark(name)`, and fn's last result. Both ranks call this the same
-    number of times, so `seqs` (the fused launches' sequence numbers) agree."""
+    number of times, so GPU 1's fused launches count as many messages as GPU 0's combines take."""
     samples: dict[str, list[float]] = {}
     result = None
     for i in range(warmup + iters):
         _release_together(token)
         start, marks = _record(), {}
-        result = fn(lambda name: marks.__setitem__(name, _record()), next(seqs))
+        result = fn(lambda name: marks.__setitem__(name, _record()))
         torch.cuda.synchronize()
         if i >= warmup:
             for name, event in marks.items():
@@ -482,7 +491,7 @@ def _expert_specs(shape: LayerShape) -> list[tuple[tuple[int, ...], torch.dtype]
     return [((E, H, 2 * Fs), bf16), ((E, Fs, H), bf16), ((P, H), bf16), ((P, H), bf16), ((P,), i32), ((E,), i32)]
 
 
-def _run_shape(rank: int, shape: LayerShape, opts: Options, arena: ReturnArena | None, seqs: Iterator[int]) -> dict:
+def _run_shape(rank: int, shape: LayerShape, opts: Options, arena: ReturnArena | None) -> dict:
     """Both ranks' side of one shape, in the same order of communication (read the branches side by side)."""
     import torch.distributed as dist
 
@@ -499,7 +508,9 @@ def _run_shape(rank: int, shape: LayerShape, opts: Options, arena: ReturnArena |
         pairs_N, offsets_E = group_pairs(inputs.topk_TK, shape.experts)
         for tensor in (inputs.w13_EH2F, inputs.w2_EFH, *expert_rows(inputs, pairs_N), pairs_N, offsets_E):
             dist.send(tensor.contiguous(), 1)
-        ready_QS = torch.ones(1, fr.num_segments(shape.tokens, seg), dtype=torch.int64, device=dev)  # seq 1 raised
+        # flags counting more messages than any run consumes: every wait of these combines passes at once
+        ready_QS = torch.full((1, fr.num_segments(shape.tokens, seg)), READY, dtype=torch.int64, device=dev)
+        ready_consumed_QS = torch.zeros_like(ready_QS)
         status_2 = new_status(dev)
         recv_PH = torch.randn(shape.pairs, shape.hidden, device=dev, dtype=torch.bfloat16)
     else:
@@ -516,8 +527,9 @@ def _run_shape(rank: int, shape: LayerShape, opts: Options, arena: ReturnArena |
         report["tiles"] = dataclasses.asdict(tiles)
     # 2. each GPU on its own: GPU 1's launches with no transfer, GPU 0's combine with nothing to wait for
     if rank == 0:
-        report["pure_combine"] = {p: median_ms(lambda _, p=p: combine(recv_PH, p, inputs.weights_TK, ready_QS, 1, seg, K,
-                                                                       programs, status_2), opts.warmup, opts.iters)
+        report["pure_combine"] = {p: median_ms(lambda _, p=p: combine(recv_PH, p, inputs.weights_TK, ready_QS,
+                                                                       ready_consumed_QS, seg, K, programs, status_2),
+                                               opts.warmup, opts.iters)
                                   for p in PASSES}
     else:
         report["compute"] = {p: median_ms(lambda _, p=p: side.launch(p, local_PH), opts.warmup, opts.iters)
@@ -527,33 +539,35 @@ def _run_shape(rank: int, shape: LayerShape, opts: Options, arena: ReturnArena |
     report["baseline"], report["fused"] = {}, ({} if arena is not None else None)
     for direction, p in enumerate(PASSES):
         if rank == 0:
-            def baseline(mark, _seq, p=p):
+            def baseline(mark, p=p):
                 dist.recv(recv_PH, 1)
                 mark("wait")
-                out = combine(recv_PH, p, inputs.weights_TK, ready_QS, 1, seg, K, programs, status_2)
+                out = combine(recv_PH, p, inputs.weights_TK, ready_QS, ready_consumed_QS, seg, K, programs, status_2)
                 mark("layer")
                 return out
         else:
-            def baseline(mark, _seq, p=p):
+            def baseline(mark, p=p):
                 side.launch(p, local_PH)
                 mark("expert")
                 dist.send(local_PH, 0)
-        report["baseline"][p], out = _aligned(baseline, opts.warmup, opts.iters, seqs, token)
+        report["baseline"][p], out = _aligned(baseline, opts.warmup, opts.iters, token)
         if rank == 0:
             _keep(results["baseline"], p, out, recv_PH, inputs, K)
         if arena is None:
             continue
         rows_PH, flags_QS = arena.rows(direction, shape), arena.flags(direction, shape)
         if rank == 0:
-            def fused(mark, seq, p=p, rows_PH=rows_PH, flags_QS=flags_QS):
-                out = combine(rows_PH, p, inputs.weights_TK, flags_QS, seq, seg, K, programs, status_2)
+            consumed_QS = arena.consumed(direction, shape)
+
+            def fused(mark, p=p, rows_PH=rows_PH, flags_QS=flags_QS, consumed_QS=consumed_QS):
+                out = combine(rows_PH, p, inputs.weights_TK, flags_QS, consumed_QS, seg, K, programs, status_2)
                 mark("layer")
                 return out
         else:
-            def fused(mark, seq, p=p, rows_PH=rows_PH, flags_QS=flags_QS):
-                fused_side.launch(p, rows_PH, Signal(flags_QS, counters_S, seg, seq))
+            def fused(mark, p=p, rows_PH=rows_PH, flags_QS=flags_QS):
+                fused_side.launch(p, rows_PH, Signal(flags_QS, counters_S, seg))
                 mark("expert")
-        report["fused"][p], out = _aligned(fused, opts.warmup, opts.iters, seqs, token)
+        report["fused"][p], out = _aligned(fused, opts.warmup, opts.iters, token)
         if rank == 0:
             _keep(results["fused"], p, out, rows_PH, inputs, K)
     # 4. the check: GPU 1's weight gradients travel to GPU 0, which holds the fp32 reference
@@ -611,10 +625,9 @@ def _worker(rank: int, port: int, shapes: list[LayerShape], opts: Options, arena
             nv = _nvshmem()
             _join(nv, rank, 2, device)
             arena = ReturnArena(nv, rank, shapes, opts.segment_tokens)
-        seqs = iter(range(1, 1 << 62))
         report["shapes"] = []
         for shape in shapes:
-            report["shapes"].append(_run_shape(rank, shape, opts, arena, seqs))
+            report["shapes"].append(_run_shape(rank, shape, opts, arena))
             torch.cuda.empty_cache()
         if arena is not None:
             arena.close()

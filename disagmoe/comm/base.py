@@ -143,25 +143,28 @@ class PairSpec:
 @dataclass(frozen=True)
 class PairTarget:
     """Where a source writes its rows of one pair-row message: the receiver's rows [P, H] and
-    flag block [Q, S] (peer views on a one-sided transport, else local staging), this source's
-    row of the flag block and the message's sequence number."""
+    flag block [Q, S] (peer views on a one-sided transport, else local staging) and this source's
+    row of the flag block, whose words it adds 1 to per segment once its rows there are stored
+    (flags count messages, `kernels.signal`)."""
 
     rows_PH: torch.Tensor
     flags_QS: torch.Tensor
     source: int
-    seq: int
     extras: tuple[torch.Tensor, ...] = ()  # the spec's extras as given to `pair_target` (to send)
 
 
 @dataclass(frozen=True)
 class PairLanding:
-    """The receiver's side of one pair-row message: rows [P, H], flags [Q, S] (a segment's rows
-    are all there once its Q flags hold seq), the status words a combine's waits report into,
-    and the index of the block's first flag in them (0 where the flags are not an arena's)."""
+    """The receiver's side of one pair-row message: rows [P, H], flags [Q, S] and the receiver's
+    consumed words beside them [Q, S] (a segment's rows are all there once each of its Q flags
+    counts one more message than its consumed word; the combine advances them, `kernels.signal`),
+    the status words a combine's waits report into, and the index of the block's first flag in
+    them (0 where the flags are not an arena's). Without status words (a transport's emulation)
+    every row is there already and nothing waits: no consumed words."""
 
     rows_PH: torch.Tensor
     flags_QS: torch.Tensor
-    seq: int
+    consumed_QS: torch.Tensor | None
     status_2: torch.Tensor | None
     flag_base: int = 0
     extras: tuple[torch.Tensor, ...] = ()  # the spec's extras, landed before the first source's flags
@@ -295,7 +298,7 @@ class Transport(abc.ABC):
         device = getattr(self, "device", "cpu")
         rows_PH = torch.zeros(spec.rows.shape, dtype=spec.rows.dtype, device=device)
         flags_QS = torch.zeros((len(spec.sources), spec.segments), dtype=torch.int64, device=device)
-        target = PairTarget(rows_PH, flags_QS, spec.sources.index(self.rank), 1, tuple(extras))
+        target = PairTarget(rows_PH, flags_QS, spec.sources.index(self.rank), tuple(extras))
         if dst_rank == self.rank:
             self._own_pairs[key] = target
         return target
@@ -319,7 +322,27 @@ class Transport(abc.ABC):
             else:
                 rows_PH = rows_PH + part
         flags_QS = torch.ones((len(spec.sources), spec.segments), dtype=torch.int64, device=rows_PH.device)
-        return PairLanding(rows_PH, flags_QS, 1, None, extras=extras)
+        return PairLanding(rows_PH, flags_QS, None, None, extras=extras)
+
+    # --- what a captured step needs (`comm.counts`) ---------------------------------------------
+    # A transport whose launches take no host value that changes from step to step has one phase:
+    # these defaults. The nvshmem transport picks ring segments from host counts and overrides them.
+
+    def phase(self) -> Hashable:
+        """What a step's host calls depend on (equal phases: a step captured in one replays in the
+        other); one phase here."""
+        return ()
+
+    def message_counts(self) -> dict:
+        """The host message counts a step moves on (`comm.counts.counts_between` of two of them
+        is a step's); none here."""
+        return {}
+
+    def advance(self, step: dict) -> None:
+        """Move the host message counts on by `step` without sending (a replayed step's); none here."""
+        if step:
+            raise ValueError(f"the {getattr(self, 'kind', 'base')} transport counts no messages on the host; "
+                             f"got a step of {len(step)} counts (from another transport?)")
 
     def status_word(self) -> torch.Tensor | None:
         """Device int32 words the step's one host read includes (nonzero word 0: a message failed

@@ -9,25 +9,31 @@ for the flags).
   rank can address any other's segments by offset. Nothing is allocated after set-up. The
   symmetric heap is sized for the arena (`NVSHMEM_SYMMETRIC_SIZE`, unless the config's `env`
   sets it: NVSHMEM's default heap of 1 GiB holds no real model's arena).
-- Sequence numbers belong to the transport, not to the step: the n-th message of a slot (the
-  keys (source, payload, layer, micro-batch) of a pool share one ring of N segments,
-  `comm.symmetric`) carries seq = n and lands in segment (n - 1) mod N. Sender and receiver run
-  the same sends and receives of every slot in the same order (training steps and evaluation
-  batches alike; `reuse_order.one_sided_slots` checks the order and gives a key a ring of its own
-  where it differs), so their counts agree without any exchange; a step number would repeat
-  across training and evaluation and let a wait pass on an old flag. Every sender below takes
-  its flag value from that count (`_next`), the Triton launches too (their `seq`).
+- Message counts belong to the transport, not to the step (`comm.counts`): the n-th message of a
+  slot (the keys (source, payload, layer, micro-batch) of a pool share one ring of N segments,
+  `comm.symmetric`) lands in segment (n - 1) mod N. Sender and receiver run the same sends and
+  receives of every slot in the same order (training steps and evaluation batches alike;
+  `reuse_order.one_sided_slots` checks the order and gives a key a ring of its own where it
+  differs), so their counts agree without any exchange. The counts pick segments (addresses)
+  only: no flag value comes from them.
+- Flags count arrivals (`kernels.signal`): every sender adds 1 to the segment's flag after the
+  data (NVSHMEM's SIGNAL_ADD of 1; the Triton senders' atomic add), and the receiver's wait
+  compares the flag against its own consumed word of that flag (`_consumed_W`, on its GPU, the
+  flags' indexing) and advances that word on the device. So a step captured in a CUDA graph waits
+  for the next message on every replay; it stays valid while the phase (every count mod its
+  ring, `phase`) is the one it was captured in, and the caller counts a replay's messages with
+  `advance` (`comm.counts`).
 - send(dst, key): the message's tensors go straight from the sender's memory into dst's segment:
   a put per tensor on the current stream, a quiet (the earlier puts have landed), then
-  put-with-signal of the last tensor, which sets the segment's flag to seq after its data. The
+  put-with-signal of the last tensor, which adds 1 to the segment's flag after its data. The
   host does not wait. A message that cannot be sent (it does not fit its segment, or is not on
-  this GPU) is not written: the flag is set to -seq, so the receiver does not hang, and the
-  sender raises with the fix.
+  this GPU) is not written: the flag is set to `signal.FAILED`, so the receiver's wait ends
+  and records an overflow, and the sender raises with the fix.
 - recv(src, key): a wait on the current stream (acquire loads at system scope until the flag
-  holds seq or more, or -seq or less, giving up after the receive's timeout), then views of the
-  segment: work queued afterwards reads the data in place. Flags are never reset. The ring is
-  sized so that no later message lands there before this rank is done reading (module docstring
-  of `comm.symmetric`): no slot-free acknowledgement.
+  counts one more message than the consumed word, giving up after the receive's timeout), then
+  views of the segment: work queued afterwards reads the data in place. Flags are never reset.
+  The ring is sized so that no later message lands there before this rank is done reading
+  (module docstring of `comm.symmetric`): no slot-free acknowledgement.
 - The status words (`kernels.signal`: overflow, time-out and the flag that timed out) join the
   step's one host read (`Transport.status_word`); a message that did not fit, or never came,
   stops the run there naming the peer and the fix (never silent corruption, never a silent hang).
@@ -35,10 +41,10 @@ for the flags).
   source's `pair_target` gives views of the receiver's rows [P, H] and flag block [Q, S] in its
   arena, through the peer tensor of that arena (`nvshmem.core.get_peer_tensor`, taken once at
   set-up for every peer this rank writes pair rows to; never of this rank's own PE: a colocated
-  source writes its own arena), and the message's seq; the source's kernel stores its rows there
-  and raises its row of the flags per segment (`kernels.fused_return.down_to_destination`), and
-  `pair_send` has nothing left to do. The receiver's `pair_landing` gives the same region's local
-  views and seq, without waiting: its combine (`fused_return.combine_landed`) waits per segment
+  source writes its own arena); the source's kernel stores its rows there and adds 1 to its row
+  of the flags per segment (`kernels.fused_return.down_to_destination`), and `pair_send` has
+  nothing left to do. The receiver's `pair_landing` gives the same region's local views and the
+  block's consumed words, without waiting: its combine (`fused_return.combine_landed`) waits per segment
   and reports a flag that never came into this transport's status words; `check_status` names it
   from its index in the arena's flag region, flag_base + q S + s (the landing's flag_base: the
   combine must add it to the block index q S + s). Counted per slot, as segments' messages are.
@@ -52,7 +58,7 @@ for the flags).
 - Sparse dispatch (`dispatch: sparse`): `send_sparse` is the DISPATCH to every remote rank of the
   set in one Triton launch (`kernels.sparse_dispatch`): each token's row, ids, weights and index
   stored through the peer view of each serving rank's arena into its segment at the token's
-  prefix-sum offset, the count beside, the segment's flag raised to seq; the load put before
+  prefix-sum offset, the count beside, 1 added to the segment's flag; the load put before
   (a put and a quiet). `send_counted` is its backward, one launch for every source (the first
   count rows of d x and d w back to each; with pair rows d x alone). With pair rows `send_sparse`
   also carries COMBINE_GRAD, the rows alone (dy of the tokens each expert rank served). Only
@@ -61,11 +67,26 @@ for the flags).
 
 - all_sum(values): the all-ranks sum of a few float64 words on the current stream, without
   the process group (the arena's `SumRegion`, when the layouts have one): the n-th sum puts
-  this rank's values into its share of copy (n - 1) mod 2 in every peer's arena, each put with
-  the share's flag raised to n (a copy into its own arena), waits for every peer's flag, and
+  this rank's values into its share of copy (n - 1) mod 2 in every peer's arena, each put adding
+  1 to the share's flag (a copy into its own arena), waits for every peer's flag, and
   sums the shares in rank order, the same bits on every rank. For ranks that share a GPU, whose
   process group is gloo (NCCL refuses them): the step's gradient norm then makes no host wait.
   A share that never came is named by `check_status` as a message is.
+
+- CUDA graphs (issue 20 item 1; this module's part is done, the worker's capture is not): no
+  launch or put takes a message number, so a captured send or receive replays correctly while
+  `phase()` is the one it was captured in; the runtime keeps a graph per phase (or runs eagerly
+  in a phase it has none for) and calls `advance(step)` before each replay, `step` being
+  `comm.counts.counts_between` of the counts around the capture. What the capture of a rank's
+  step still needs, from this module: no `event.query()` while capturing (`_keep_in_flight`
+  prunes with it, and the worker drops completed send handles with `is_completed`; global-mode
+  capture forbids the query); every address table (`_table`: a pinned host copy the first time
+  an address set is seen) and launch scratch (`_scratch`) made in the eager steps before capture;
+  the kernels compiled and loaded before capture (`sparse_dispatch.warm_up`, the eager steps).
+  NVSHMEM's host puts on the stream (put, put_signal, signal_op, quiet) are captured as they are:
+  tests/comm/test_nvshmem.py's graph test is the check that they replay. Ring sizes that do not
+  divide a step's messages of their pool make the phase period long (two layers, two micro-batches,
+  rings of 3 and 5 taking 4 messages a step: 15 phases), and an evaluation pass moves the phase.
 
 The messages and `all_sum` use NVSHMEM; the other collectives stay on the process group, in the
 schedule's order (DESIGN 3c): a GPU flag wait must never sit behind a peer's collective, and
@@ -93,9 +114,9 @@ from disagmoe.comm.base import (
     check_specs,
 )
 from disagmoe.wire import MessageKey, ArenaOverflow, message_key
+from disagmoe.comm.counts import CountKey, RingCounts
 from disagmoe.comm.symmetric import ArenaLayout, PairRegion, PairSlot, Slot, SumRegion, check_fits
 
-_U64 = (1 << 64) - 1
 HEAP_MARGIN_BYTES = 256 * 2**20  # symmetric heap beyond the arena (NVSHMEM's own allocations, alignment)
 
 
@@ -194,12 +215,9 @@ class NvshmemTransport(Transport):
         # The symmetric heap must hold the arena (NVSHMEM reads this at init; a cluster's env wins).
         os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(self.layout.nbytes + HEAP_MARGIN_BYTES))
         self._uid = _join(self.nv, self.rank, self.world_size, self.device)  # kept alive while NVSHMEM runs
-        self.arena_B = self.nv.tensor((max(self.layout.nbytes, 8),), dtype=torch.uint8)  # collective
-        self.arena_B.zero_()  # NVSHMEM memory is not zeroed; flags start at 0 (no message yet)
-        from disagmoe.kernels.signal import new_status
-
-        self.status_2 = new_status(self.device)
-        self._flags_W = self.layout.flags(self.arena_B)
+        arena_B = self.nv.tensor((max(self.layout.nbytes, 8),), dtype=torch.uint8)  # collective
+        arena_B.zero_()  # NVSHMEM memory is not zeroed; flags start at 0 (no message yet)
+        self._attach(arena_B)
         self._base = int(self.nv.tensor_get_buffer(self.arena_B)[0].handle)
         stream = torch.cuda.current_stream()
         self.nv.barrier_all(stream=stream)  # every arena is zeroed before any peer writes to it
@@ -216,14 +234,42 @@ class NvshmemTransport(Transport):
         self.layouts = list(layouts)
         self.layout = self.layouts[self.rank]
         self._index = [SlotIndex(layout) for layout in self.layouts]
-        self._sent: dict[tuple[int, Slot], int] = {}  # (dst, slot) -> messages sent so far
-        self._received: dict[tuple[int, Slot], int] = {}  # (src, slot) -> messages received so far
-        self._pair_sent: dict[tuple[int, PairSlot], int] = {}  # (dst, pair slot) -> targets handed out
-        self._pair_received: dict[tuple[int, PairSlot], int] = {}  # (this rank, pair slot) -> landings
+        self.counts = RingCounts(self._ring_of)  # every slot's messages so far, both ends alike (`comm.counts`)
         self._extras_in_flight: list[tuple[Any, tuple[torch.Tensor, ...]]] = []  # (event, tensors put before it)
-        self._sums = 0  # all-ranks sums so far
         self._launch_scratch: dict[int, torch.Tensor] = {}  # Q -> a peer-store launch's counters, count words
         self._address_tables: dict[tuple, torch.Tensor] = {}  # (device, addresses) -> the kernel's table
+
+    def _attach(self, arena_B: torch.Tensor) -> None:
+        """This rank's arena and the device words beside it: the flags (in the arena: peers raise
+        them), the consumed words and the status (this GPU's own: only its waits touch them)."""
+        from disagmoe.kernels.signal import new_consumed, new_status
+
+        self.arena_B = arena_B
+        self._flags_W = self.layout.flags(arena_B)
+        self._consumed_W = new_consumed(self._flags_W)
+        self.status_2 = new_status(arena_B.device)
+
+    def _ring_of(self, key: CountKey) -> int:
+        """How many segments (copies) the messages counted under `key` fill in turn."""
+        kind, peer, slot = key
+        if kind in ("sent", "received"):
+            return self.layouts[peer if kind == "sent" else self.rank].ring(slot)
+        if kind in ("pair_sent", "pair_received"):
+            return self.layouts[peer].copies
+        return self._sum_region().copies
+
+    # --- a captured step (`comm.counts`) --------------------------------------------------------
+
+    def phase(self) -> frozenset:
+        """Every slot's message count mod its ring: a step captured in one phase replays in it."""
+        return self.counts.phase()
+
+    def message_counts(self) -> dict[CountKey, int]:
+        return self.counts.snapshot()
+
+    def advance(self, step: dict[CountKey, int]) -> None:
+        """Count a replayed step's messages (`comm.counts.counts_between` of its capture)."""
+        self.counts.advance(step)
 
     def _peer_arena(self, dst: int) -> torch.Tensor:
         """Rank `dst`'s arena as a tensor this GPU stores into (never this rank's own PE)."""
@@ -251,20 +297,13 @@ class NvshmemTransport(Transport):
 
         return Buffer.from_handle(tensor.data_ptr(), tensor.numel() * tensor.element_size())
 
-    def _next(self, counts: dict[tuple[int, Slot], int], peer: int, slot: Slot) -> int:
-        """The sequence number of the next message of `slot` with `peer` (1, 2, ...): the flag
-        value every sender raises and every reader waits for (`kernels.signal.flag_value`)."""
-        from disagmoe.kernels.signal import flag_value
-
-        return flag_value(counts, peer, slot)
-
     # --- the contract ---------------------------------------------------------------------------
 
     def send(self, dst_rank: int, key: MessageKey, tensors: Sequence[torch.Tensor]) -> SendHandle:
         self._check_peer(dst_rank)
         slot = self._index[dst_rank].slot(self.rank, key, dst_rank)
-        seq = self._next(self._sent, dst_rank, slot)
-        seg = self.layouts[dst_rank].segment(slot, seq - 1)
+        n = self.counts.next(("sent", dst_rank, slot))
+        seg = self.layouts[dst_rank].segment(slot, n - 1)
         stream = torch.cuda.current_stream()
         flag = self._symmetric(8 * seg.flag, 8)
         try:
@@ -273,8 +312,10 @@ class NvshmemTransport(Transport):
                     raise ValueError(f"the nvshmem transport sends tensors on {self.device}, got one on {tensor.device}")
             check_fits(seg, [TensorSpec.of(t) for t in tensors])
         except (ArenaOverflow, ValueError):
-            self.nv.signal_op(flag, -seq & _U64, self.nv.SignalOp.SIGNAL_SET, remote_pe=dst_rank, stream=stream)
-            raise  # the receiver's wait ends on -seq and its status says so
+            from disagmoe.kernels.signal import FAILED
+
+            self.nv.signal_op(flag, FAILED, self.nv.SignalOp.SIGNAL_SET, remote_pe=dst_rank, stream=stream)
+            raise  # the receiver's wait ends on FAILED and its status says so
         payload = [t.detach().contiguous() for t in tensors]
         parts = [(offset, t) for offset, t in zip(seg.offsets, payload, strict=True) if t.numel()]
         for offset, tensor in parts[:-1]:
@@ -283,10 +324,10 @@ class NvshmemTransport(Transport):
             self.nv.quiet(stream=stream)  # the earlier puts land before the signal's
         if parts:
             offset, tensor = parts[-1]
-            self.nv.put_signal(self._symmetric(offset, tensor.nbytes), self._local(tensor), flag, seq,
-                               self.nv.SignalOp.SIGNAL_SET, remote_pe=dst_rank, stream=stream)
+            self.nv.put_signal(self._symmetric(offset, tensor.nbytes), self._local(tensor), flag, 1,
+                               self.nv.SignalOp.SIGNAL_ADD, remote_pe=dst_rank, stream=stream)
         else:
-            self.nv.signal_op(flag, seq, self.nv.SignalOp.SIGNAL_SET, remote_pe=dst_rank, stream=stream)
+            self.nv.signal_op(flag, 1, self.nv.SignalOp.SIGNAL_ADD, remote_pe=dst_rank, stream=stream)
         event = torch.cuda.Event()
         event.record(stream)
         return EventSendHandle(event, payload)
@@ -304,12 +345,12 @@ class NvshmemTransport(Transport):
 
         self._check_peer(src_rank)
         slot = self._index[self.rank].slot(src_rank, key, self.rank)
-        seq = self._next(self._received, src_rank, slot)
-        seg = self.layout.segment(slot, seq - 1)
+        n = self.counts.next(("received", src_rank, slot))
+        seg = self.layout.segment(slot, n - 1)
         check_fits(seg, specs)
-        wait_flag(self._flags_W, seg.flag, seq, self.status_2,
+        wait_flag(self._flags_W, self._consumed_W, seg.flag, self.status_2,
                   timeout_s=self.default_timeout_s if timeout_s is None else timeout_s)
-        return self.layout.views(self.arena_B, slot, specs, seq - 1)
+        return self.layout.views(self.arena_B, slot, specs, n - 1)
 
     # --- sparse dispatch by peer stores (`kernels.sparse_dispatch`) ------------------------------
 
@@ -319,7 +360,7 @@ class NvshmemTransport(Transport):
         """The sparse DISPATCH of `key` to every rank of `dst_ranks` in one launch: destination q's
         picked tokens' rows, local ids, weights and token index stored straight into its segment
         (a peer's arena through its peer view; this rank's own, colocated), the count beside them,
-        then its flag raised to the message's seq, so only routed rows cross the link; `extras`
+        then 1 added to its flag, so only routed rows cross the link; `extras`
         (the message's whole tensors after the count: the source's load) put first, then a quiet.
         The receiver's `recv` is unchanged: it sees the message `dispatch_messages` builds, with the
         rows past the count left as they were (never read). Without ids and weights the message is
@@ -333,7 +374,7 @@ class NvshmemTransport(Transport):
         if (ids_QTK is None) != (w_TK is None):
             raise ValueError("send_sparse takes ids and weights together (a DISPATCH) or neither (the rows alone)")
         routed = ids_QTK is not None
-        messages, flags, seq, kept = self._counted_segments(
+        messages, flags, kept = self._counted_segments(
             dst_ranks, key, 5 if routed else 1, extras, f"the sparse dispatch {key}",
             "rows, ids, weights, index, count and {n} extras (dispatch: sparse specs)" if routed else "rows alone")
         _check_rows(x_TH, messages, f"the sparse dispatch {key}")
@@ -345,7 +386,7 @@ class NvshmemTransport(Transport):
 
         payload = dict(ids_QTK=ids_QTK.to(torch.int32), ids=table(1), w_TK=w_TK.detach(), w=table(2), index=table(3),
                        counts=table(4)) if routed else dict(counts=self._table(counts_Q, device))
-        dispatch_rows(x_TH.detach(), picked_QT, seq, rows=table(0), flags=self._table(flags, device),
+        dispatch_rows(x_TH.detach(), picked_QT, rows=table(0), flags=self._table(flags, device),
                       counters_Q=counters_Q, **payload)
         return self._launched(kept, [x_TH, picked_QT, *([ids_QTK, w_TK] if routed else [])])
 
@@ -370,7 +411,7 @@ class NvshmemTransport(Transport):
         leading, expected = ((1, "d x, {n} extras") if dw_STK is None and index_ST is None else
                              (2, "d x, d w and {n} extras") if index_ST is None else
                              (3, "partial sums, token index and count (dispatch: sparse, hop: partial_sums)"))
-        messages, flags, seq, kept = self._counted_segments(dst_ranks, key, leading, extras,
+        messages, flags, kept = self._counted_segments(dst_ranks, key, leading, extras,
                                                             f"the sparse return {key}", expected)
         _check_rows(dx_STH, messages, f"the sparse return {key}")
         device = dx_STH.device
@@ -379,7 +420,7 @@ class NvshmemTransport(Transport):
             else dict(index_ST=index_ST.to(torch.int32), index=self._table([m[1] for m in messages], device)) \
             if index_ST is not None else {}
         count_words = [m[2] for m in messages] if index_ST is not None else counts_Q
-        return_rows(dx_STH.detach(), count_S1.to(torch.int32), seq, rows=self._table([m[0] for m in messages], device),
+        return_rows(dx_STH.detach(), count_S1.to(torch.int32), rows=self._table([m[0] for m in messages], device),
                     counts=self._table(count_words, device), flags=self._table(flags, device), counters_Q=counters_Q,
                     blocks=blocks, **column)
         return self._launched(kept, [dx_STH, *(t for t in (dw_STK, index_ST) if t is not None), count_S1])
@@ -409,36 +450,32 @@ class NvshmemTransport(Transport):
 
     def _counted_segments(self, dst_ranks: Sequence[int], key: MessageKey, leading: int,
                           extras: Sequence[torch.Tensor], what: str,
-                          expected: str) -> tuple[list[list[torch.Tensor]], list[torch.Tensor], int, list]:
-        """(each destination's message views, flag words, the seq, the extras sent) of `key`'s next
+                          expected: str) -> tuple[list[list[torch.Tensor]], list[torch.Tensor], list]:
+        """(each destination's message views, flag words, the extras sent) of `key`'s next
         message to every rank of `dst_ranks`, for one Triton launch that writes the `leading`
         tensors and raises the flags (`_counted_segment` each, one quiet after the puts)."""
         stream = torch.cuda.current_stream()
-        messages, flags, seqs, kept = [], [], [], []
+        messages, flags, kept = [], [], []
         for dst in dst_ranks:
-            message, flag, seq = self._counted_segment(dst, key, leading, extras, kept, stream, what, expected)
+            message, flag = self._counted_segment(dst, key, leading, extras, kept, stream, what, expected)
             messages.append(message)
             flags.append(flag)
-            seqs.append(seq)
         if any(dst != self.rank for dst in dst_ranks) and extras:
             self.nv.quiet(stream=stream)  # the extras land before any flag the kernel raises
-        if len(set(seqs)) > 1:
-            raise ValueError(f"{what}: its destinations count different messages {seqs}; every message of the slot "
-                             "must go through the one-launch send (or every one through send)")
-        return messages, flags, seqs[0] if seqs else 1, kept
+        return messages, flags, kept
 
     def _counted_segment(self, dst: int, key: MessageKey, leading: int, extras: Sequence[torch.Tensor],
-                         kept: list, stream, what: str, expected: str) -> tuple[list[torch.Tensor], torch.Tensor, int]:
-        """(views of the message, its flag word, its seq) of `key`'s next message to `dst`, for a
-        Triton launch that writes the `leading` tensors and raises the flag (`send_sparse`,
+                         kept: list, stream, what: str, expected: str) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """(views of the message, its flag word) of `key`'s next message to `dst`, for a Triton
+        launch that writes the `leading` tensors and raises the flag (`send_sparse`,
         `send_counted`); the `extras` after them are copied (own arena) or put now, and appended
         to `kept`. The caller quiets once, after every destination."""
         self._check_peer(dst)
         slot = self._index[dst].slot(self.rank, key, dst)
-        seq = self._next(self._sent, dst, slot)
+        n = self.counts.next(("sent", dst, slot))
         arena = self._dispatch_arena(dst)
-        seg = self.layouts[dst].segment(slot, seq - 1)
-        message = self.layouts[dst].views(arena, slot, list(seg.specs), seq - 1)
+        seg = self.layouts[dst].segment(slot, n - 1)
+        message = self.layouts[dst].views(arena, slot, list(seg.specs), n - 1)
         if len(message) != leading + len(extras):
             raise ValueError(f"{what} to rank {dst} has {len(message)} tensors; expected "
                              + expected.format(n=len(extras)))
@@ -450,7 +487,7 @@ class NvshmemTransport(Transport):
             elif payload.numel():
                 self.nv.put(self._symmetric(seg.offsets[leading + i], payload.nbytes), self._local(payload),
                             remote_pe=dst, stream=stream)
-        return message, self.layouts[dst].flags(arena)[seg.flag:seg.flag + 1], seq
+        return message, self.layouts[dst].flags(arena)[seg.flag:seg.flag + 1]
 
     def _table(self, tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
         """The kernel's address table of `tensors` (arena views: the same few addresses every step),
@@ -481,7 +518,7 @@ class NvshmemTransport(Transport):
     def pair_target(self, dst_rank: int, key: MessageKey, spec: PairSpec,
                     extras: Sequence[torch.Tensor] = ()) -> PairTarget:
         """Views of `dst_rank`'s region for message `key` (this rank's own arena when it is the
-        receiver: a colocated source), this rank's flag row and the message's seq. `extras`: the
+        receiver: a colocated source) and this rank's flag row in it. `extras`: the
         spec's extras; the first source's are written into the region now, on the current stream
         (module docstring), and kept alive in the target's `extras` (and here, until the stream
         passed their puts)."""
@@ -495,14 +532,14 @@ class NvshmemTransport(Transport):
             if tensor.device != self.device:
                 raise ValueError(f"{what}: the nvshmem transport sends tensors on {self.device}, got one on "
                                  f"{tensor.device}")
-        seq = self._next(self._pair_sent, dst_rank, region.slot)
-        region = self.layouts[dst_rank].pair_region(region.slot, seq - 1)
+        n = self.counts.next(("pair_sent", dst_rank, region.slot))
+        region = self.layouts[dst_rank].pair_region(region.slot, n - 1)
         arena = self.arena_B if dst_rank == self.rank else self._peer_arenas[dst_rank]
         source = region.sources.index(self.rank)
         kept = tuple(extras)
         if source == 0 and extras:
             kept = self._put_extras(dst_rank, region, extras)
-        return PairTarget(region.rows(arena), region.flags(arena), source, seq, kept)
+        return PairTarget(region.rows(arena), region.flags(arena), source, kept)
 
     def _put_extras(self, dst_rank: int, region: PairRegion,
                     extras: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
@@ -530,14 +567,15 @@ class NvshmemTransport(Transport):
         return None
 
     def pair_landing(self, key: MessageKey, spec: PairSpec, timeout_s: float | None = None) -> PairLanding:
-        """This rank's region for message `key`, its seq, the status words and the block's first
-        flag index; no wait here (the combine waits per segment, each wait at most `timeout_s`,
-        the transport's receive timeout by default)."""
+        """This rank's region for message `key`, its consumed words, the status words and the
+        block's first flag index; no wait here (the combine waits per segment, each wait at most
+        `timeout_s`, the transport's receive timeout by default)."""
         region = self._index[self.rank].pair_region(key, self.rank)
         check_pair(region, spec, None, key, self.rank)
-        seq = self._next(self._pair_received, self.rank, region.slot)
-        region = self.layout.pair_region(region.slot, seq - 1)
-        return PairLanding(region.rows(self.arena_B), region.flags(self.arena_B), seq, self.status_2, region.flag,
+        n = self.counts.next(("pair_received", self.rank, region.slot))
+        region = self.layout.pair_region(region.slot, n - 1)
+        return PairLanding(region.rows(self.arena_B), region.flags(self.arena_B), region.block(self._consumed_W),
+                           self.status_2, region.flag,
                            region.extra_views(self.arena_B),
                            timeout_s=self.default_timeout_s if timeout_s is None else timeout_s)
 
@@ -548,21 +586,20 @@ class NvshmemTransport(Transport):
         a new float64 [N] tensor on the current stream; the host does not wait. Every rank calls
         it in the same order (as any collective); each wait at most `timeout_s`, the transport's
         receive timeout by default."""
-        copy, n, seq = self._put_share(values_N)
-        return self._summed(copy, n, seq, self.default_timeout_s if timeout_s is None else timeout_s)
+        copy, n = self._put_share(values_N)
+        return self._summed(copy, n, self.default_timeout_s if timeout_s is None else timeout_s)
 
-    def _put_share(self, values_N: torch.Tensor) -> tuple[int, int, int]:
+    def _put_share(self, values_N: torch.Tensor) -> tuple[int, int]:
         """This rank's values into its share of the next sum's copy in every arena: a put with
-        the share's flag raised to the sum's seq into each peer's, a copy into its own. Returns
-        (copy, N, seq)."""
+        one more message counted in the share's flag into each peer's, a copy into its own.
+        Returns (copy, N)."""
         region = self._sum_region()
         if values_N.dim() != 1 or values_N.dtype != torch.float64 or not 1 <= values_N.numel() <= region.width:
             raise ValueError(f"all_sum takes float64 [N] with 1 <= N <= {region.width} (the arena's sum width), "
                              f"got {values_N.dtype} {tuple(values_N.shape)}; sum wider tensors over the process group")
         if values_N.device != self.device:
             raise ValueError(f"the nvshmem transport sums tensors on {self.device}, got one on {values_N.device}")
-        self._sums += 1
-        seq, copy, n = self._sums, (self._sums - 1) % region.copies, values_N.numel()
+        copy, n = (self.counts.next(("sums", self.rank, None)) - 1) % region.copies, values_N.numel()
         share = values_N.detach().contiguous()
         offset = region.share_offset(copy, self.rank)
         self.arena_B.data[offset:offset + 8 * n].view(torch.float64).copy_(share)  # `.data`: see `_put_extras`
@@ -570,19 +607,20 @@ class NvshmemTransport(Transport):
         for dst in range(self.world_size):
             if dst != self.rank:
                 self.nv.put_signal(self._symmetric(offset, 8 * n), self._local(share),
-                                   self._symmetric(8 * region.flag_of(copy, self.rank), 8), seq,
-                                   self.nv.SignalOp.SIGNAL_SET, remote_pe=dst, stream=stream)
+                                   self._symmetric(8 * region.flag_of(copy, self.rank), 8), 1,
+                                   self.nv.SignalOp.SIGNAL_ADD, remote_pe=dst, stream=stream)
         self._keep_in_flight((share,))
-        return copy, n, seq
+        return copy, n
 
-    def _summed(self, copy: int, n: int, seq: int, timeout_s: float) -> torch.Tensor:
-        """Wait on the stream for every peer's share of sum `seq`, then their sum in rank order."""
+    def _summed(self, copy: int, n: int, timeout_s: float) -> torch.Tensor:
+        """Wait on the stream for every peer's share in copy `copy`, then their sum in rank order."""
         from disagmoe.kernels.signal import wait_flag
 
         region = self._sum_region()
         for src in range(self.world_size):
             if src != self.rank:
-                wait_flag(self._flags_W, region.flag_of(copy, src), seq, self.status_2, timeout_s=timeout_s)
+                wait_flag(self._flags_W, self._consumed_W, region.flag_of(copy, src), self.status_2,
+                          timeout_s=timeout_s)
         return region.shares(self.arena_B, copy)[:, :n].sum(dim=0)
 
     def _sum_region(self) -> SumRegion:

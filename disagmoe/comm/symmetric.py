@@ -22,23 +22,26 @@ copies per key suffice (the same replay, tests/runtime/schedule/test_reuse_order
 not once evaluation runs (colocated, or with the loss off pipeline group 0, a pass's first sends
 start before the end of the pass before is known to them).
 
-Signals carry the message's sequence number n (the transport counts each slot's messages, on
-both ends alike, `kernels.signal.flag_value`): the sender writes the payload into the peer's
-segment, then stores n into the segment's flag with a release at system scope; the receiver's
-wait (acquire loads, on the stream: `kernels.signal`) passes once the flag holds n or more. A
-segment's flag only grows (n, n + N, ...), so the reader of a later key never passes on an
-earlier key's flag, nothing is reset between steps and a step stays capturable as a CUDA graph. A
-message whose rows exceed its segment's capacity is not written: the sender raises the flag to
--seq, the wait records an overflow in the rank's status word, and the step's one read of the
-status raises `ArenaOverflow` naming the segment and the fix (never silent corruption).
+Flags count a segment's messages (`kernels.signal`): the sender writes the payload into the
+peer's segment, then adds 1 to the segment's flag with a release at system scope; the receiver
+keeps, on its own GPU, how many of the flag's messages it consumed, and its wait (acquire loads,
+on the stream) passes once the flag counts one more. The k-th message into segment c of a ring of
+N is the slot's message n = c + 1 + (k - 1) N, so "the flag counts k" says what "the flag holds n"
+said when flags held sequence numbers: a later key's reader never passes on an earlier key's
+message, nothing is reset between steps, and no host number enters the wait (a step stays
+capturable as a CUDA graph, replayed while every count is in the phase it was captured in,
+`comm.counts`). A message whose rows exceed its segment's capacity is not written: the sender
+sets the flag to `signal.FAILED`, the wait records an overflow in the rank's status word, and the
+step's one read of the status raises `ArenaOverflow` naming the segment and the fix (never silent
+corruption).
 
 Pair-row messages (hop mode `pair_rows`, `comm.base.PairSpec`): a receive whose (payload, layer)
 `pair_of` names is not a segment per peer but one `PairRegion` per copy of its pair slot (payload,
 layer, micro-batch): a rows buffer [P, H] that every source of the receive writes its own pair rows
 into (the rank itself too, where it is one: a colocated rank writes its own buffer), and a
 contiguous flag block [Q, S] beside it, row q for source q (the receive's peers, in their order),
-word s its segment s, raised to seq once the source's rows of that segment are stored
-(`kernels.fused_return`). The flag region holds the segments' flags first, then every pair region's
+word s its segment s, counting one more message once the source's rows of that segment are
+stored (`kernels.fused_return`). The flag region holds the segments' flags first, then every pair region's
 block. Rows sit at a pair's index t K + j, so no capacity factor scales them: a region holds the
 plan's P rows exactly. A message may also carry extras (`PairSpec.extras`: small whole tensors, e.g.
 an int64 [E] expert load, written by its first source only): `pair_of` then gives them as a third
@@ -49,7 +52,7 @@ The all-ranks sum (`SumRegion`, when `symmetric_layouts` is given a `sum_width`)
 message's buffers, the same region in every rank's arena, R shares of `sum_width` float64 words
 per copy (share q: rank q's values) and a flag per share, after the messages' flags. The n-th sum
 uses copy (n - 1) mod copies: every rank stores its values into share `rank` of every arena (its
-own included) with the flag raised to n, waits for every other share's flag, and sums the R
+own included), adding 1 to the share's flag, waits for every other share's flag, and sums the R
 shares in rank order, so every rank computes the same bits. Two copies suffice for the same
 reason as for messages: a rank writes sum n + 2 only after its wait for sum n + 1 passed, which
 is after every peer finished reading sum n on its stream.
@@ -144,6 +147,10 @@ class PairRegion:
         """The int64 flag block [Q, S] in an arena (row q: source q's flags)."""
         start = 8 * self.flag
         return arena_B[start:start + 8 * self.flag_words].view(torch.int64).view(len(self.sources), self.segments)
+
+    def block(self, words_W: torch.Tensor) -> torch.Tensor:
+        """The block's [Q, S] of words indexed as the flag region (the receiver's consumed words)."""
+        return words_W[self.flag:self.flag + self.flag_words].view(len(self.sources), self.segments)
 
 
 @dataclass(frozen=True)

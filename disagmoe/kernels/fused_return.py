@@ -6,14 +6,18 @@ The receiver's buffer holds one row per (token, expert) pair, pair p = t * K + j
 regime of large expert-parallel groups, where a token's experts sit on different GPUs and every
 pair crosses the link. Segment s covers tokens [s * ST, (s + 1) * ST), i.e. rows [s * ST * K,
 (s + 1) * ST * K), ST = `segment_tokens`. Each source (expert rank) has its own flag per segment
-in the receiver's flag block [P sources, S segments]; the source's launch raises its flag of
-segment s to seq once every row it sends into s is stored (`grouped_gemm.SegmentSignal`; a segment
-it sends nothing to is raised at the launch's start). The receiver's combine program for segment s
-waits for the P flags of s (acquire loads at system scope), then sums that segment's tokens'
-rows in pair order: the same bits run to run, whatever order the tiles landed in.
+in the receiver's flag block [Q sources, S segments]; the source's launch adds 1 to its flag of
+segment s once every row it sends into s is stored (`grouped_gemm.SegmentSignal`; a segment it
+sends nothing to is raised at the launch's start). The receiver's combine program for segment s
+waits for the Q flags of s (acquire loads at system scope), each against its word of the
+receiver's consumed block [Q, S] (`kernels.signal`: the combine claims the next message there and
+advances it on the device), then sums that segment's tokens' rows in pair order: the same bits
+run to run, whatever order the tiles landed in.
 
-Flags carry the message's sequence number, so nothing is reset between steps; the per-segment
-counters return to zero at the end of each launch (the program completing a segment resets it).
+Flags count messages and the combine's consumed words count what it took, so nothing is reset
+between steps and no launch takes a message number from the host (a CUDA graph replays them); the
+per-segment counters return to zero at the end of each launch (the program completing a segment
+resets it).
 The segment plan (segment per row, expected stores per segment) is computed on the device from
 the destination rows, with no host sync. A combine whose flags never come gives up after its
 timeout and records it in its status words (`kernels.signal`), read at the step's end.
@@ -34,7 +38,7 @@ import triton
 import triton.language as tl
 
 from disagmoe.kernels import grouped_gemm as gg
-from disagmoe.kernels.signal import DEFAULT_TIMEOUT_S, remaining_timeout, report, spin_until, timed
+from disagmoe.kernels.signal import DEFAULT_TIMEOUT_S, check_consumed, check_status_words, timed, wait_claimed
 from disagmoe.kernels.tile_configs import TileConfig
 
 INT32_MAX = 2**31 - 1  # the status words are int32 (`kernels.signal`)
@@ -102,12 +106,12 @@ def segment_major_order(offsets_E: torch.Tensor, dst_rows_N: torch.Tensor, top_k
 def down_to_destination(act_NF: torch.Tensor, offsets_E: torch.Tensor, w2_EFH: torch.Tensor, config: TileConfig,
                         *, dst_PH: torch.Tensor, dst_rows_N: torch.Tensor, tokens: int, top_k: int,
                         segment_tokens: int, counters_S: torch.Tensor, flags_QS: torch.Tensor, source: int,
-                        seq: int, served_1: torch.Tensor | None = None,
+                        served_1: torch.Tensor | None = None,
                         num_programs: int | None = None) -> torch.Tensor:
     """The expert FFN's down GEMM, row r stored at dst_PH[dst_rows_N[r]] (the receiver's pair rows,
-    on a peer GPU through NVLink, or local), raising this source's flags per segment; returns dst_PH.
-    `counters_S` int32 zeros of this rank (zero again after the launch); `flags_QS` int64 [Q, S]
-    the receiver's flag block, of which row `source` is this rank's. `served_1` (one-element int32
+    on a peer GPU through NVLink, or local), adding 1 to this source's flag of each segment once its
+    rows are stored; returns dst_PH. `counters_S` int32 zeros of this rank (zero again after the
+    launch); `flags_QS` int64 [Q, S] the receiver's flag block, of which row `source` is this rank's. `served_1` (one-element int32
     device tensor, `segment_plan`): rows from served_1[0] on are a spare bucket past offsets[-1],
     neither computed nor stored nor waited for; their destinations are left as they were."""
     segments = num_segments(tokens, segment_tokens)
@@ -121,17 +125,15 @@ def down_to_destination(act_NF: torch.Tensor, offsets_E: torch.Tensor, w2_EFH: t
         raise ValueError(f"flags must be int64 [sources, {segments}], got {flags_QS.dtype} {tuple(flags_QS.shape)}")
     if not 0 <= source < flags_QS.shape[0]:
         raise ValueError(f"source {source} is not a row of the {flags_QS.shape[0]}-source flag block")
-    if seq < 1:
-        raise ValueError(f"sequence number {seq} must be >= 1 (a message count)")
     seg_N, expected_S = segment_plan(dst_rows_N, tokens, top_k, segment_tokens,
                                      triton.cdiv(w2_EFH.shape[2], config.block_n), served_1)
-    signal = gg.SegmentSignal(seg_N, expected_S, counters_S, flags_QS[source], seq)
+    signal = gg.SegmentSignal(seg_N, expected_S, counters_S, flags_QS[source])
     return gg.ragged_rows_gemm(act_NF, offsets_E, w2_EFH, config, out=dst_PH, dst_rows_N=dst_rows_N,
                                signal=signal, num_programs=num_programs)
 
 
-@triton.jit(do_not_specialize=["seq", "timeout_ns", "flag_base"])  # `signal.MESSAGE_VALUES`
-def _combine_landed_kernel(rows_ptr, weights_ptr, y_ptr, flags_ptr, status_ptr, seq, timeout_ns, flag_base,
+@triton.jit(do_not_specialize=["timeout_ns", "flag_base"])  # `signal.MESSAGE_VALUES`
+def _combine_landed_kernel(rows_ptr, weights_ptr, y_ptr, flags_ptr, consumed_ptr, status_ptr, timeout_ns, flag_base,
                            n_tokens, H, K, Q, S, num_programs, stride_r, stride_y, SEG_TOKENS: tl.constexpr,
                            BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, WEIGHTED: tl.constexpr,
                            TIMED: tl.constexpr):
@@ -142,9 +144,10 @@ def _combine_landed_kernel(rows_ptr, weights_ptr, y_ptr, flags_ptr, status_ptr, 
         seg = item // h_blocks
         cols = (item % h_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
         col_ok = cols < H
-        for q in range(Q):  # every source's rows of this segment have landed (or the wait gave up)
-            seen = spin_until(flags_ptr + q * S + seg, seq, remaining_timeout(status_ptr, timeout_ns), False, TIMED)
-            report(status_ptr, seen, seq, flag_base + q * S + seg)
+        for q in range(Q):  # every source's rows of this segment have landed (or the wait gave up):
+            # h_blocks items wait for each message of the segment (`signal.claim`)
+            wait_claimed(flags_ptr, consumed_ptr, status_ptr, q * S + seg, h_blocks, timeout_ns,
+                         flag_base + q * S + seg, TIMED)
         for t0 in range(seg * SEG_TOKENS, tl.minimum((seg + 1) * SEG_TOKENS, n_tokens), BLOCK_T):
             tokens = t0 + tl.arange(0, BLOCK_T)
             tok_ok = (tokens < n_tokens) & (tokens < (seg + 1) * SEG_TOKENS)
@@ -161,11 +164,14 @@ def _combine_landed_kernel(rows_ptr, weights_ptr, y_ptr, flags_ptr, status_ptr, 
                      acc.to(y_ptr.dtype.element_ty), mask=tok_ok[:, None] & col_ok[None, :])
 
 
-def combine_landed(rows_PH: torch.Tensor, weights_TK: torch.Tensor | None, flags_QS: torch.Tensor, seq: int,
-                   segment_tokens: int, top_k: int, status_2: torch.Tensor, num_programs: int = COMBINE_PROGRAMS,
-                   timeout_s: float = DEFAULT_TIMEOUT_S, flag_base: int = 0) -> torch.Tensor:
+def combine_landed(rows_PH: torch.Tensor, weights_TK: torch.Tensor | None, flags_QS: torch.Tensor,
+                   consumed_QS: torch.Tensor, segment_tokens: int, top_k: int, status_2: torch.Tensor,
+                   num_programs: int = COMBINE_PROGRAMS, timeout_s: float = DEFAULT_TIMEOUT_S,
+                   flag_base: int = 0) -> torch.Tensor:
     """y[t] = sum_j w[t, j] * rows[t * K + j] (unweighted without weights: the backward's input
-    gradients), each segment combined once all Q sources raised its flags to seq. `num_programs`:
+    gradients), each segment combined once all Q sources' flags counted its next message:
+    `consumed_QS` int64 [Q, S] on this GPU (`signal.new_consumed`; the transport's, beside its
+    flags) says how many each word had, and the launch advances it by one. `num_programs`:
     the SMs the receiving side spends waiting and combining (a knob: the rest stay free).
     `status_2` (`kernels.signal.new_status`) records a flag that did not come in `timeout_s`:
     word 1 gets its index flag_base + q * S + s, `flag_base` the flag block's first word in its
@@ -181,8 +187,8 @@ def combine_landed(rows_PH: torch.Tensor, weights_TK: torch.Tensor | None, flags
     if flag_base < 0 or flag_base + flags_QS.numel() - 1 > INT32_MAX:
         raise ValueError(f"flag_base={flag_base}: the flag block's first word in its arena, >= 0 and leaving "
                          f"its {flags_QS.numel()} indices in the int32 status word")
-    if status_2.dtype != torch.int32 or status_2.numel() != 2:
-        raise ValueError("status must be two int32 words (kernels.signal.new_status)")
+    check_consumed(consumed_QS, flags_QS)
+    check_status_words(status_2)
     y_TH = rows_PH.new_empty((tokens, hidden))
     if tokens == 0:
         return y_TH
@@ -191,7 +197,7 @@ def combine_landed(rows_PH: torch.Tensor, weights_TK: torch.Tensor | None, flags
     weights = weights_TK.contiguous() if weights_TK is not None else rows_PH
     programs = min(num_programs, segments * triton.cdiv(hidden, block_h))
     _combine_landed_kernel[(programs,)](
-        rows_PH, weights, y_TH, flags_QS, status_2, seq, int(timeout_s * 1e9), flag_base, tokens, hidden, top_k,
+        rows_PH, weights, y_TH, flags_QS, consumed_QS, status_2, int(timeout_s * 1e9), flag_base, tokens, hidden, top_k,
         flags_QS.shape[0], segments, programs, rows_PH.stride(0), y_TH.stride(0), SEG_TOKENS=segment_tokens,
         BLOCK_T=block_t, BLOCK_H=block_h, WEIGHTED=weights_TK is not None, TIMED=timed(rows_PH))
     return y_TH

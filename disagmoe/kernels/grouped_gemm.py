@@ -62,36 +62,36 @@ def _swizzle(local, tiles_m, tiles_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _raise_empty_segments(expected_ptr, flags_ptr, seq, n_segments, BLOCK: tl.constexpr):
-    """Segments no row lands in are complete from the start: their flags get seq at once."""
+def _raise_empty_segments(expected_ptr, flags_ptr, n_segments, BLOCK: tl.constexpr):
+    """Segments no row lands in are complete from the start: their flags count the message at once."""
     for s0 in range(0, n_segments, BLOCK):
         segs = s0 + tl.arange(0, BLOCK)
         seg_ok = segs < n_segments
         empty = seg_ok & (tl.load(expected_ptr + segs, mask=seg_ok, other=1) == 0)
-        tl.atomic_xchg(flags_ptr + segs, tl.zeros_like(segs).to(tl.int64) + seq, mask=empty,
-                       sem="release", scope="sys")
+        tl.atomic_add(flags_ptr + segs, tl.full((BLOCK,), 1, tl.int64), mask=empty, sem="release", scope="sys")
 
 
 @triton.jit
-def _signal_rows_landed(rows, row_ok, seg_ptr, expected_ptr, counters_ptr, flags_ptr, seq):
+def _signal_rows_landed(rows, row_ok, seg_ptr, expected_ptr, counters_ptr, flags_ptr):
     """After a tile's rows are stored (to a peer GPU's memory, say): count them per destination
     segment; the program whose rows complete a segment (its count reaches the segment's expected
-    rows x column tiles) resets the count and publishes seq in the segment's flag, with a release
-    at system scope that covers every program's stores (they released into the same counter)."""
+    rows x column tiles) resets the count and adds 1 to the segment's flag (`kernels.signal`: a
+    flag counts messages), with a release at system scope that covers every program's stores
+    (they released into the same counter)."""
     tl.debug_barrier()  # every thread's stores of this tile precede the counting
     seg = tl.load(seg_ptr + rows, mask=row_ok, other=0)
     old = tl.atomic_add(counters_ptr + seg, 1, mask=row_ok, sem="acq_rel", scope="sys")
     expected = tl.load(expected_ptr + seg, mask=row_ok, other=-1)
     last = row_ok & (old + 1 == expected)
     tl.atomic_xchg(counters_ptr + seg, tl.zeros_like(old), mask=last, sem="relaxed", scope="gpu")
-    tl.atomic_xchg(flags_ptr + seg, tl.zeros_like(seg).to(tl.int64) + seq, mask=last, sem="release", scope="sys")
+    tl.atomic_add(flags_ptr + seg, tl.zeros_like(seg).to(tl.int64) + 1, mask=last, sem="release", scope="sys")
 
 
-@triton.jit(do_not_specialize=["seq"])  # `signal.MESSAGE_VALUES`
+@triton.jit
 def _ragged_rows_gemm_kernel(
     a_ptr, b_ptr, out_ptr, h13_ptr, dst_rows_ptr, offsets_ptr, act_ptr,
     a_rows_ptr, scale_ptr, rowdot_ptr, a_desc, b_desc,
-    seg_ptr, expected_ptr, counters_ptr, flags_ptr, seq, n_segments,
+    seg_ptr, expected_ptr, counters_ptr, flags_ptr, n_segments,
     E, E_W, K, C, F_UP, num_programs, n_rows, B_ROWS,
     stride_am, stride_ak, stride_be, stride_bk, stride_bc,
     stride_om, stride_oc, stride_hm, stride_hc, stride_xm, stride_xc,
@@ -125,7 +125,7 @@ def _ragged_rows_gemm_kernel(
     total = tl.max(item_ends, axis=0)
     if SIGNAL:
         if pid == 0:
-            _raise_empty_segments(expected_ptr, flags_ptr, seq, n_segments, 128)
+            _raise_empty_segments(expected_ptr, flags_ptr, n_segments, 128)
     for item in tl.range(pid, total, num_programs, flatten=FLATTEN):
         expert = tl.sum((item_ends <= item).to(tl.int32), axis=0)
         item_start = tl.max(tl.where(item_ends <= item, item_ends, 0), axis=0)
@@ -195,7 +195,7 @@ def _ragged_rows_gemm_kernel(
             out_ptrs = out_ptr + out_rows[:, None] * stride_om + cols[None, :] * stride_oc
             tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=ok)
             if SIGNAL:
-                _signal_rows_landed(rows, row_ok, seg_ptr, expected_ptr, counters_ptr, flags_ptr, seq)
+                _signal_rows_landed(rows, row_ok, seg_ptr, expected_ptr, counters_ptr, flags_ptr)
         elif EPILOGUE == 1:
             out_ptrs = out_ptr + rows64[:, None] * stride_om + cols[None, :] * stride_oc
             act = acc * tl.sigmoid(acc) * acc_up
@@ -381,14 +381,14 @@ class SegmentSignal:
     """Where a scattering launch reports its rows landing: row r is in segment `seg_N[r]`, which
     expects `expected_S[s]` row stores (its rows x the launch's column tiles); `counters_S` int32
     (zero, and zero again after each launch) counts them; `flags_S` int64 (a peer GPU's, say)
-    receives `seq` per segment once complete. A launch raises every segment's flag, empty ones
-    at its start, so no wait hangs on a segment no row of this launch goes to."""
+    counts one more message per segment once complete (`kernels.signal`). A launch raises every
+    segment's flag once, empty ones at its start, so no wait hangs on a segment no row of this
+    launch goes to."""
 
     seg_N: torch.Tensor
     expected_S: torch.Tensor
     counters_S: torch.Tensor
     flags_S: torch.Tensor
-    seq: int
 
 
 def default_num_programs(device: torch.device) -> int:
@@ -464,7 +464,7 @@ def ragged_rows_gemm(
         raise ValueError(f"TileConfig.epilogue_chunk={config.epilogue_chunk}: give a power of two (columns)")
     h13 = h13_N2C if h13_N2C is not None else out
     dst = dst_rows_N if dst_rows_N is not None else offsets_E
-    sig = signal or SegmentSignal(offsets_E, offsets_E, offsets_E, offsets_E, 0)
+    sig = signal or SegmentSignal(offsets_E, offsets_E, offsets_E, offsets_E)
     programs = num_programs or default_num_programs(a_NK.device) * config.programs_per_sm
     act = act_N_C if act_N_C is not None else out
     scale, rowdot = row_scale if row_scale is not None else (out, out)
@@ -476,7 +476,7 @@ def ragged_rows_gemm(
     _ragged_rows_gemm_kernel[(programs,)](
         a_NK, b_EKC, out, h13, dst, offsets_E, act,
         a_rows_N if a_rows_N is not None else offsets_E, scale, rowdot, a_desc, b_desc,
-        sig.seg_N, sig.expected_S, sig.counters_S, sig.flags_S, sig.seq, sig.expected_S.numel(),
+        sig.seg_N, sig.expected_S, sig.counters_S, sig.flags_S, sig.expected_S.numel(),
         groups, experts, k, cols, cols, programs, n_rows, b_rows,
         a_NK.stride(0), a_NK.stride(1), b_EKC.stride(0), b_EKC.stride(1), b_EKC.stride(2),
         out.stride(0), out.stride(1), h13.stride(0), h13.stride(1), act.stride(0), act.stride(1),

@@ -1,6 +1,7 @@
 """The one-sided sparse dispatch (issue 25 item 2): one launch per (layer, micro-batch) stores each
 token's row straight into the receive buffer of every destination that serves it, at its offset
-there, then writes the destination's count and raises this source's flag to the message's seq.
+there, then writes the destination's count and adds 1 to this source's flag (flags count messages,
+`kernels.signal`: no launch takes a message number, so a CUDA graph replays it).
 The way back (`return_rows`) is the same launch over every source of the expert rank: d x of the
 rows each source sent back to it (DISPATCH_GRAD), or with partial sums the received rows' partial
 sums and their token index (COMBINE), in the received order, only the first `count` rows.
@@ -10,7 +11,7 @@ its row slot is the number of picked tokens of q before t (a prefix sum on the d
 launch: no host read). Into q's buffers go rows[slot] = x[t], ids[slot] = ids_QTK[q, t] (its pairs'
 local expert ids on q), w[slot] = w[t], index[slot] = t; rows at or past the count are left as they
 were (never read: `runtime.stages.sparse_dispatch.valid_rows`). Then count[0] = the picked tokens,
-and flag = seq with a release at system scope: a receiver that acquire-waits for seq
+and flag += 1 with a release at system scope: a receiver whose acquire wait sees the count
 (`signal.wait_flag`) sees every row and the count. So only routed rows cross the link.
 
 Destinations are addressed by tables of int64 addresses, one per payload ([Q] each): on the GPU the
@@ -18,7 +19,7 @@ peers' symmetric buffers (`nvshmem.core.get_peer_tensor`, the same offset in eac
 in the interpreter (CPU tests) local tensors standing for them. Grid: (Q, chunks); a chunk's
 program counts the picked tokens before its chunk itself (Q T bytes read, no second launch), and
 the chunk finishing last for q (a counter per destination, zero again after the launch) writes the
-count and raises the flag.
+count and adds 1 to the flag.
 
 Shape legend: Q destinations, T tokens of the source, H row width, K top-k.
 """
@@ -35,9 +36,9 @@ import triton.language as tl
 DEFAULT_CHUNKS = 4  # programs per destination (the interpreter runs them one after another)
 
 
-@triton.jit(do_not_specialize=["seq"])  # `signal.MESSAGE_VALUES`
+@triton.jit
 def _dispatch_rows_kernel(x_ptr, ids_ptr, w_ptr, picked_ptr, rows_tab, ids_tab, w_tab, index_tab, count_tab,
-                          flag_tab, counters_ptr, seq, T, H, K, chunk_tokens, chunks, stride_x,
+                          flag_tab, counters_ptr, T, H, K, chunk_tokens, chunks, stride_x,
                           HAS_IDS: tl.constexpr, HAS_W: tl.constexpr, HAS_INDEX: tl.constexpr,
                           BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
     q = tl.program_id(0)
@@ -86,7 +87,7 @@ def _dispatch_rows_kernel(x_ptr, ids_ptr, w_ptr, picked_ptr, rows_tab, ids_tab, 
         tl.atomic_xchg(count_dst, total, sem="relaxed", scope="sys")
         tl.atomic_xchg(counters_ptr + q, 0, sem="relaxed", scope="gpu")
         flag_dst = tl.load(flag_tab + q).to(tl.pointer_type(tl.int64))
-        tl.atomic_xchg(flag_dst, seq.to(tl.int64), sem="release", scope="sys")
+        tl.atomic_add(flag_dst, tl.full((), 1, tl.int64), sem="release", scope="sys")
 
 
 def address_table(tensors: Sequence[torch.Tensor], device: torch.device | str) -> torch.Tensor:
@@ -120,26 +121,26 @@ def warm_up(tokens: int, hidden: int, top_k: int, x_dtype: torch.dtype, w_dtype:
                     flags=buffer((1,), torch.int64))
 
     picked = scratch((1, tokens), torch.bool)
-    dispatch_rows(scratch((tokens, hidden), x_dtype), picked, 1, ids_QTK=scratch((1, tokens, top_k), torch.int32),
+    dispatch_rows(scratch((tokens, hidden), x_dtype), picked, ids_QTK=scratch((1, tokens, top_k), torch.int32),
                   w_TK=scratch((tokens, top_k), w_dtype), ids=buffer((tokens, top_k), torch.int32),
                   w=buffer((tokens, top_k), w_dtype), index=buffer((tokens,), torch.int32),
                   counters_Q=scratch((1,), torch.int32), **landing(x_dtype))
-    dispatch_rows(scratch((tokens, hidden), dx_dtype), picked, 1, counters_Q=scratch((1,), torch.int32),
+    dispatch_rows(scratch((tokens, hidden), dx_dtype), picked, counters_Q=scratch((1,), torch.int32),
                   **landing(dx_dtype))  # COMBINE_GRAD: the rows alone
     S = max(sources, 1)
     weights = {} if dw_dtype is None else dict(dw_STK=scratch((S, tokens, top_k), dw_dtype),
                                                w=buffer((tokens, top_k), dw_dtype))
-    return_rows(scratch((S, tokens, hidden), dx_dtype), scratch((S, 1), torch.int32), 1,
+    return_rows(scratch((S, tokens, hidden), dx_dtype), scratch((S, 1), torch.int32),
                 counters_Q=scratch((1,), torch.int32), blocks=[0], **landing(dx_dtype), **weights)
     if dw_dtype is not None:  # partial sums' COMBINE: the rows with their token index
-        return_rows(scratch((S, tokens, hidden), x_dtype), scratch((S, 1), torch.int32), 1,
+        return_rows(scratch((S, tokens, hidden), x_dtype), scratch((S, 1), torch.int32),
                     counters_Q=scratch((1,), torch.int32), blocks=[0], index_ST=scratch((S, tokens), torch.int32),
                     index=buffer((tokens,), torch.int32), **landing(x_dtype))
     if torch.device(device).type == "cuda":
         torch.cuda.current_stream(device).synchronize()  # set-up, not a step: the scratch outlives the launches
 
 
-def dispatch_rows(x_TH: torch.Tensor, picked_QT: torch.Tensor, seq: int, *, rows: torch.Tensor,
+def dispatch_rows(x_TH: torch.Tensor, picked_QT: torch.Tensor, *, rows: torch.Tensor,
                   counts: torch.Tensor, flags: torch.Tensor, counters_Q: torch.Tensor,
                   ids_QTK: torch.Tensor | None = None, ids: torch.Tensor | None = None,
                   w_TK: torch.Tensor | None = None, w: torch.Tensor | None = None,
@@ -154,8 +155,6 @@ def dispatch_rows(x_TH: torch.Tensor, picked_QT: torch.Tensor, seq: int, *, rows
     Q = picked_QT.shape[0]
     if picked_QT.shape != (Q, T):
         raise ValueError(f"picked must be [destinations, {T}], got {tuple(picked_QT.shape)}")
-    if seq < 1:
-        raise ValueError(f"sequence number {seq} must be >= 1 (a message count)")
     if chunks < 1:
         raise ValueError(f"chunks={chunks} must be >= 1")
     if counters_Q.shape != (Q,) or counters_Q.dtype != torch.int32:
@@ -182,13 +181,13 @@ def dispatch_rows(x_TH: torch.Tensor, picked_QT: torch.Tensor, seq: int, *, rows
     _dispatch_rows_kernel[(Q, grid_chunks)](
         x_TH, ids_QTK.contiguous() if ids_QTK is not None else dummy, w_TK.contiguous() if w_TK is not None else x_TH,
         picked, rows, ids if ids is not None else rows, w if w is not None else rows,
-        index if index is not None else rows, counts, flags, counters_Q, seq, T, H, K, chunk_tokens, grid_chunks,
+        index if index is not None else rows, counts, flags, counters_Q, T, H, K, chunk_tokens, grid_chunks,
         x_TH.stride(0), HAS_IDS=ids_QTK is not None, HAS_W=w_TK is not None, HAS_INDEX=index is not None,
         BLOCK_T=block_t, BLOCK_H=min(128, triton.next_power_of_2(max(H, 1))),
         BLOCK_K=triton.next_power_of_2(max(K, 1)))
 
 
-def return_rows(dx_STH: torch.Tensor, count_S1: torch.Tensor, seq: int, *, rows: torch.Tensor, counts: torch.Tensor,
+def return_rows(dx_STH: torch.Tensor, count_S1: torch.Tensor, *, rows: torch.Tensor, counts: torch.Tensor,
                 flags: torch.Tensor, counters_Q: torch.Tensor, dw_STK: torch.Tensor | None = None,
                 w: torch.Tensor | None = None, index_ST: torch.Tensor | None = None,
                 index: torch.Tensor | None = None, blocks: Sequence[int] | None = None,
@@ -222,7 +221,7 @@ def return_rows(dx_STH: torch.Tensor, count_S1: torch.Tensor, seq: int, *, rows:
         torch.cat([picked_SN[s:s + 1] for s in blocks]) if blocks else picked_SN[:0])  # slices: no host index
     column_STK, column = (dw_STK, w) if index_ST is None else (index_ST[:, :, None], index)
     column_NK = column_STK.reshape(S * T, column_STK.shape[2]) if column_STK is not None else None
-    dispatch_rows(dx_STH.reshape(S * T, H), picked_QN, seq, rows=rows, counts=counts, flags=flags,
+    dispatch_rows(dx_STH.reshape(S * T, H), picked_QN, rows=rows, counts=counts, flags=flags,
                   counters_Q=counters_Q, w_TK=column_NK, w=column, chunks=chunks * max(S, 1))
 
 

@@ -2,7 +2,7 @@
 
 On a CPU: every receive slot of every layout is found again from its messages' transport keys;
 pair-row messages (hop mode pair_rows) through transports whose arenas and peer views are CPU
-tensors (the bookkeeping, views and sequence numbers are the real code's; a fake `nv` records
+tensors (the bookkeeping, views and message counts are the real code's; a fake `nv` records
 its calls and copies a put's bytes between the CPU arenas): every source's rows land in the
 receiver's region, the first source's extras too (one put per extra into the receiver's arena,
 then one quiet, on the current stream; a copy into its own arena; nothing from the other
@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from disagmoe.comm.base import PairSpec, TensorSpec, Transport, TransportTimeout
+from disagmoe.comm.counts import counts_between
 from disagmoe.comm.nvshmem import NvshmemTransport, SlotIndex, available, pair_destinations
 from disagmoe.comm.symmetric import symmetric_layouts
 from disagmoe.wire import ArenaOverflow, message_key, Payload, Recv, Send
@@ -84,8 +85,8 @@ def _message(src: int, key, specs: list[TensorSpec]) -> list[torch.Tensor]:
 def _run_programs(rank: int, transport, shared: bool = False) -> list[str]:
     """Three training steps of the rank's program in order (sends, then waits on the GPU), then an
     evaluation pass (forward messages only) numbered step 0 again, as the worker numbers its
-    evaluation batches: the transport's own sequence numbers keep it from passing on step 0's
-    flags. Every message checked."""
+    evaluation batches: the transport's own counts (and the receiver's consumed words) keep it
+    from passing on step 0's flags. Every message checked."""
     program = TOPOLOGY.programs(MICRO_BATCHES)[rank]
     wrong, pointers = [], {}
     passes = [(step, False) for step in range(STEPS)] + [(0, True)]
@@ -147,7 +148,7 @@ def _overflow(rank: int, transport) -> str:
     from disagmoe.kernels.signal import wait_flag
 
     seg = transport.layout.segment((peer, op.payload, 0, 0), 0)
-    wait_flag(transport._flags_W, seg.flag, 1, transport.status_2)  # the sender set it to -1
+    wait_flag(transport._flags_W, transport._consumed_W, seg.flag, transport.status_2)  # the sender set FAILED
     try:
         transport.check_status(transport.status_word().tolist())
     except ArenaOverflow as err:
@@ -177,6 +178,60 @@ def _sum_rounds(rank: int, transport) -> list[str]:
     return wrong
 
 
+GRAPH_KEY = message_key(0, Payload.DISPATCH, 0, 0)  # the captured message: rank 0 -> rank 1, one slot
+GRAPH_WARM, GRAPH_ROUNDS = 2, 9  # eager rounds first (every launch compiled and loaded), then the graphs
+
+
+def _graphed_exchange(rank: int, transport) -> list[str]:
+    """Rank 0 sends rank 1 one message per round and rank 1 copies it out, the same host calls
+    every round: eagerly for GRAPH_WARM rounds, then from a CUDA graph per phase of the slot's
+    count (`comm.counts`: its two copies, so two graphs), captured the first time a phase comes
+    up (capture runs nothing: the graph is then replayed once) and replayed after `advance` in
+    later rounds, new data in the sender's static inputs each time; the last round eager again
+    (the host counts and the device's flags and consumed words still agree). Rank 1 checks
+    every round's message."""
+    specs, sender = _specs(GRAPH_KEY.payload, 0), rank == 0
+    static = [spec.empty(transport.device) for spec in specs]  # the sender's inputs, the receiver's outputs
+
+    def body():
+        if sender:
+            transport.send(1, GRAPH_KEY, static)  # the handle is dropped: `static` outlives every replay
+        else:
+            for out, got in zip(static, transport.recv(0, GRAPH_KEY, specs), strict=True):
+                out.copy_(got)
+
+    wrong, graphs, replays = [], {}, 0
+    for round_ in range(GRAPH_ROUNDS):
+        want = _message(0, message_key(round_, GRAPH_KEY.payload, 0, 0), specs)
+        if sender:
+            for tensor, value in zip(static, want, strict=True):
+                tensor.copy_(value)
+        phase, eager = transport.phase(), round_ < GRAPH_WARM or round_ == GRAPH_ROUNDS - 1
+        if eager:
+            body()
+        elif phase in graphs:
+            graph, step = graphs[phase]
+            transport.advance(step)
+            graph.replay()
+            replays += 1
+        else:
+            torch.cuda.synchronize()
+            before, graph = transport.message_counts(), torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                body()
+            graphs[phase] = graph, counts_between(before, transport.message_counts())
+            graph.replay()
+        torch.cuda.synchronize()
+        if not sender and not all(torch.equal(g.cpu(), w) for g, w in zip(static, want, strict=True)):
+            wrong.append(f"round {round_} ({'eager' if eager else 'graph'}): the message arrived wrong")
+        dist.barrier()  # the receiver is done with the message before the sender writes the next
+    if len(graphs) != 2 or replays != GRAPH_ROUNDS - GRAPH_WARM - 1 - len(graphs):
+        wrong.append(f"{len(graphs)} graphs, {replays} replays after their captures")
+    if transport.status_word().tolist() != [0, 0]:
+        wrong.append(f"status set without a failure: {transport.status_word().tolist()}")
+    return wrong
+
+
 def _rank_main(rank: int, port: int, mode: str, reports) -> None:
     import os
 
@@ -193,6 +248,10 @@ def _rank_main(rank: int, port: int, mode: str, reports) -> None:
             layouts = symmetric_layouts(TOPOLOGY.programs(MICRO_BATCHES), _specs, sum_width=2)
             transport = NvshmemTransport(layouts, default_timeout_s=30)
             report["said"] = _sum_rounds(rank, transport)
+        elif mode == "graphs":
+            transport = NvshmemTransport(symmetric_layouts(TOPOLOGY.programs(MICRO_BATCHES), _specs),
+                                         default_timeout_s=30)
+            report["said"] = _graphed_exchange(rank, transport)
         elif mode in PAIR_MODES:
             topology, kernel = PAIR_MODES[mode]
             layouts = symmetric_layouts(topology.programs(MICRO_BATCHES), _specs_of(topology), pair_of=_pair_of)
@@ -248,6 +307,16 @@ def test_programs_exchange_every_message_intact_through_shared_rings(ranks):
 @needs_nvshmem
 def test_all_ranks_sums_run_on_the_stream_and_agree(ranks):
     reports = _spawn(ranks, "sums")
+    assert [reports[rank]["said"] for rank in range(WORLD)] == [[], []]
+
+
+@pytest.mark.gpu
+@needs_nvshmem
+def test_a_send_and_its_receive_captured_in_cuda_graphs_replay_with_new_data(ranks):
+    """The one-sided protocol under CUDA graphs (`_graphed_exchange`): a graph per phase of the
+    slot's count, each replayed with new data, every message intact, eager messages before and
+    after still agreeing with the graphs' counts."""
+    reports = _spawn(ranks, "graphs")
     assert [reports[rank]["said"] for rank in range(WORLD)] == [[], []]
 
 
@@ -337,8 +406,8 @@ def _write_pairs(rank: int, transport, topology, round_: int, kernel: bool, rais
             load_E = (data.load_E if first else torch.full_like(data.load_E, -1)).to(device)
             target = transport.pair_target(dst, key, spec, (load_E,))
             q, sources = target.source, len(spec.sources)
-            if (q, target.seq) != (spec.sources.index(rank), round_ + 1):
-                wrong.append(f"pass {round_} L{op.layer} mb{op.micro_batch} to {dst}: source {q}, seq {target.seq}")
+            if q != spec.sources.index(rank):
+                wrong.append(f"pass {round_} L{op.layer} mb{op.micro_batch} to {dst}: source {q}")
             if len(target.extras) != 1 or target.extras[0].data_ptr() != load_E.data_ptr():  # kept, not copied
                 wrong.append(f"pass {round_} L{op.layer} mb{op.micro_batch} to {dst}: target extras {target.extras}")
             mine = (data.expert_P * sources // experts == q).nonzero().squeeze(1)
@@ -352,12 +421,11 @@ def _write_pairs(rank: int, transport, topology, round_: int, kernel: bool, rais
                     data.act[pairs].to(device, SHAPES.dtype), counts.cumsum(0).to(torch.int32).to(device),
                     data.w2[local[0]:local[-1] + 1].to(device, SHAPES.dtype), tiles, dst_PH=target.rows_PH,
                     dst_rows_N=pairs.to(torch.int32).to(device), tokens=SHAPES.tokens, top_k=SHAPES.top_k,
-                    segment_tokens=SEG_TOKENS, counters_S=counters_S, flags_QS=target.flags_QS, source=q,
-                    seq=target.seq)
+                    segment_tokens=SEG_TOKENS, counters_S=counters_S, flags_QS=target.flags_QS, source=q)
             else:
                 target.rows_PH[mine.to(device)] = data.rows[mine].to(device, SHAPES.dtype)
                 for s in range(SEGMENTS):
-                    raise_flag(target.flags_QS[q], s, target.seq)
+                    raise_flag(target.flags_QS[q], s)
             if transport.pair_send(dst, key, target) is not None:
                 wrong.append("pair_send returned a handle: the writes are the delivery")
     return wrong
@@ -378,8 +446,10 @@ def _land_pairs(rank: int, transport, topology, round_: int, combine) -> list:
     return landed
 
 
-def _check_pairs(rank: int, landed: list, round_: int, kernel: bool, pointers: dict) -> list[str]:
-    """Every landed message: rows as written, flags at its seq, the combine's sums."""
+def _check_pairs(rank: int, landed: list, round_: int, kernel: bool, pointers: dict, combined: bool = True,
+                 copies: int = 2) -> list[str]:
+    """Every landed message: rows as written, its copy's flags counting its messages so far (and,
+    `combined` by the kernel, its consumed words as many), the combine's sums."""
     from disagmoe.kernels.fused_return import combine_reference
 
     wrong = []
@@ -388,10 +458,11 @@ def _check_pairs(rank: int, landed: list, round_: int, kernel: bool, pointers: d
         data = _pair_data(round_, op.layer, op.micro_batch, rank)
         want = data.fused if kernel else data.plain
         rows = landing.rows_PH.float().cpu()
-        if landing.seq != round_ + 1:
-            wrong.append(f"{what}: landing seq {landing.seq}")
-        if not (landing.flags_QS.cpu() == landing.seq).all():
-            wrong.append(f"{what}: flags {landing.flags_QS.tolist()}, not all {landing.seq}")
+        messages = round_ // copies + 1  # the copy's messages so far (copies alternate)
+        if not (landing.flags_QS.cpu() == messages).all():
+            wrong.append(f"{what}: flags {landing.flags_QS.tolist()}, not all {messages}")
+        if combined and not (landing.consumed_QS.cpu() == messages).all():
+            wrong.append(f"{what}: consumed {landing.consumed_QS.tolist()}, not all {messages}")
         extras = [extra.cpu() for extra in landing.extras]
         if len(extras) != 1 or not torch.equal(extras[0], data.load_E):
             wrong.append(f"{what}: extras {extras}, not the first source's {data.load_E}")
@@ -426,7 +497,7 @@ def _exchange_pairs(rank: int, transport, topology, kernel: bool) -> list[str]:
     counters_S = torch.zeros(SEGMENTS, dtype=torch.int32, device=device)
 
     def combine(landing, weights):
-        return fr.combine_landed(landing.rows_PH, weights, landing.flags_QS, landing.seq, SEG_TOKENS, top_k,
+        return fr.combine_landed(landing.rows_PH, weights, landing.flags_QS, landing.consumed_QS, SEG_TOKENS, top_k,
                                  landing.status_2, timeout_s=60)
 
     def write(round_):
@@ -497,14 +568,23 @@ class _FakeNv:
     def quiet(self, stream) -> None:
         self.log.append(("quiet", self.rank, stream))
 
-    SignalOp = SimpleNamespace(SIGNAL_SET="set")
+    SignalOp = SimpleNamespace(SIGNAL_SET="set", SIGNAL_ADD="add")
 
     def put_signal(self, dst: _Buffer, src: _Buffer, flag: _Buffer, value: int, op, remote_pe: int, stream) -> None:
-        """The put, then the flag word set to `value` in the destination PE's arena."""
+        """The put, then `value` set into or added to the flag word in the destination PE's arena."""
         self.put(dst, src, remote_pe, stream)
         self.log[-1] = ("put_signal", *self.log[-1][1:], flag.ptr - SYMMETRIC_BASE, value, op)
-        flag_offset = flag.ptr - SYMMETRIC_BASE  # `.data`: a remote store bumps no version counter of the peer's views
-        self.arenas[remote_pe].data[flag_offset:flag_offset + 8].view(torch.int64).fill_(value)
+        self._signal(flag, value, op, remote_pe)
+
+    def signal_op(self, flag: _Buffer, value: int, op, remote_pe: int, stream) -> None:
+        self.log.append(("signal_op", self.rank, remote_pe, flag.ptr - SYMMETRIC_BASE, value, op, stream))
+        self._signal(flag, value, op, remote_pe)
+
+    def _signal(self, flag: _Buffer, value: int, op, remote_pe: int) -> None:
+        assert remote_pe != self.rank and flag.size == 8 and op in ("set", "add")
+        offset = flag.ptr - SYMMETRIC_BASE  # `.data`: a remote store bumps no version counter of the peer's views
+        word = self.arenas[remote_pe].data[offset:offset + 8].view(torch.int64)
+        word.fill_(value if op == "set" else int(word) + value)
 
 
 @pytest.fixture
@@ -553,17 +633,15 @@ def _cpu_transports(topology, pair_of=_pair_of, log=None, sum_width=0, shared=Fa
         transport._plan(layouts)
         transport.nv = _FakeNv(rank, arenas, log)
         transport.device = torch.device("cpu")
-        transport.arena_B = arenas[rank]
+        transport._attach(arenas[rank])
         transport._base = SYMMETRIC_BASE
-        transport.status_2 = torch.zeros(2, dtype=torch.int32)
-        transport._flags_W = layouts[rank].flags(arenas[rank])
         transport._peer_arenas = {dst: arenas[dst] for dst in pair_destinations(layouts, rank)}
         transports.append(transport)
     return transports
 
 
-def _set_flag(flags_S, s, seq):
-    flags_S[s] = seq
+def _add_flag(flags_S, s):
+    flags_S[s] += 1
 
 
 PAIR_TOPOLOGIES = [TOPOLOGY, Topology.disaggregated(Layout(2, 2, 2, 4, 0), 8), COLOCATED,
@@ -582,7 +660,7 @@ def test_pair_rows_from_every_source_land_in_the_receivers_region(topology, fake
     wrong, pointers = [], {}
     for round_ in range(ROUNDS):
         for transport in transports:
-            wrong += _write_pairs(transport.rank, transport, topology, round_, False, _set_flag)
+            wrong += _write_pairs(transport.rank, transport, topology, round_, False, _add_flag)
         for transport in transports:
             landed = _land_pairs(transport.rank, transport, topology, round_,
                                  lambda landing, w: combine_reference(landing.rows_PH, w, SHAPES.top_k))
@@ -591,10 +669,13 @@ def test_pair_rows_from_every_source_land_in_the_receivers_region(topology, fake
                 assert landing.rows_PH.data_ptr() - transport.arena_B.data_ptr() in {
                     r.offset for r in transport.layout.pairs}
                 assert landing.flag_base in {r.flag for r in transport.layout.pairs}
-            wrong += _check_pairs(transport.rank, landed, round_, False, pointers)
+            wrong += _check_pairs(transport.rank, landed, round_, False, pointers, combined=False)
     wrong += _check_copies(pointers)
     assert pointers and wrong == []
-    assert all(transport._sent == transport._received == {} for transport in transports)  # no segment used
+    for transport in transports:  # no segment used: only pair slots counted, ROUNDS messages each
+        counts = transport.message_counts()
+        assert counts and {kind for kind, _, _ in counts} <= {"pair_sent", "pair_received"}
+        assert set(counts.values()) == {ROUNDS}
     # each remote first source's message: its one extra's put, then one quiet, then the event
     calls = [call[0] for call in fake_cuda.log]
     assert calls and calls == ["put", "quiet", "record"] * (len(calls) // 3)
@@ -625,7 +706,7 @@ def test_the_first_source_puts_its_extras_into_the_receivers_region_then_one_qui
         target = expert.pair_target(0, key, spec, extras)
         region = attention.layout.pair_region((Payload.COMBINE, 0, 0), n)
         (load_at, _), (other_at, _), _ = region.extras
-        assert (target.source, target.seq) == (0, n + 1)
+        assert target.source == 0 and target.rows_PH.data_ptr() == attention.arena_B.data_ptr() + region.offset
         assert [TensorSpec.of(t) for t in target.extras] == list(spec.extras)
         assert all(t.is_contiguous() for t in target.extras) and load.is_contiguous() == (n != 1)
         assert (target.extras[0].data_ptr() == load.data_ptr()) == (n != 1)  # copied only when strided
@@ -705,7 +786,7 @@ def test_a_source_writes_into_the_receivers_arena_and_a_colocated_one_into_its_o
             arena = transports[dst].arena_B  # the peer view's memory (its own for dst == rank)
             assert target.rows_PH.data_ptr() == arena.data_ptr() + region.offset
             assert target.flags_QS.data_ptr() == arena.data_ptr() + 8 * region.flag
-            assert (target.source, target.seq) == (rank, 1)
+            assert target.source == rank
         assert list(transport._peer_arenas) == [1 - rank]  # never this rank's own PE
     disaggregated = _cpu_transports(TOPOLOGY)
     assert [list(t._peer_arenas) for t in disaggregated] == [[], [0]]  # only the expert rank writes pair rows
@@ -746,8 +827,11 @@ def test_pair_messages_are_refused_with_the_fix(fake_cuda):
     with pytest.raises(ValueError, match=fix):
         transports[1].pair_landing(key, bare)
     assert fake_cuda.log == []  # a refused message put nothing
-    # the refusals counted nothing: both ends still agree on seq 1
-    assert transports[2].pair_target(1, key, spec, (load,)).seq == transports[1].pair_landing(key, spec).seq == 1
+    # the refusals counted nothing: both ends still agree on message 1, copy 0
+    copy0 = transports[1].arena_B.data_ptr() + transports[1].layout.pair_region((recv.payload, recv.layer,
+                                                                                   recv.micro_batch), 0).offset
+    assert transports[2].pair_target(1, key, spec, (load,)).rows_PH.data_ptr() == copy0
+    assert transports[1].pair_landing(key, spec).rows_PH.data_ptr() == copy0
     # send, recv and reserve do not carry pair rows
     rows = [torch.zeros(SHAPES.tokens, SHAPES.hidden, dtype=SHAPES.dtype)]
     fix = "is a pair-row message .* pair_target and pair_send, rank 1 reads it with pair_landing"
@@ -792,13 +876,13 @@ def test_every_rank_sums_the_same_bits_and_copies_alternate(topology, fake_cuda,
                   for r in range(world)]
         fake_cuda.log.clear()
         pending = [t._put_share(v) for t, v in zip(transports, values, strict=True)]
-        assert [p[0] for p in pending] == [round_ % 2] * world and {p[2] for p in pending} == {round_ + 1}
+        assert [p[0] for p in pending] == [round_ % 2] * world
         puts = [entry for entry in fake_cuda.log if entry[0] == "put_signal"]
         assert sorted((e[1], e[2]) for e in puts) == [(r, d) for r in range(world) for d in range(world) if d != r]
         for entry in puts:  # (op, rank, dst, offset, size, ptr, stream, flag byte, value, op)
             rank = entry[1]
             assert entry[3] == region.share_offset(round_ % 2, rank) and entry[4] == 8 * values[rank].numel()
-            assert entry[7] == 8 * region.flag_of(round_ % 2, rank) and entry[8] == round_ + 1
+            assert entry[7] == 8 * region.flag_of(round_ % 2, rank) and entry[8:] == (1, "add")
             assert entry[6] == STREAM
         sums = [t._summed(*p, timeout_s=30) for t, p in zip(transports, pending, strict=True)]
         want = torch.stack(values).sum(dim=0)
@@ -818,7 +902,7 @@ def test_a_sum_is_refused_where_it_cannot_run_and_a_missing_share_is_named(fake_
     with pytest.raises(ValueError, match=r"no all-ranks sum region: build the layouts with symmetric_layouts\(\.\.\., "
                                          r"sum_width=N\)"):
         _cpu_transports(TOPOLOGY, log=fake_cuda.log)[0].all_sum(torch.zeros(1, dtype=torch.float64))
-    assert fake_cuda.log == [] and transports[0]._sums == 0  # nothing put, nothing counted
+    assert fake_cuda.log == [] and transports[0].message_counts() == {}  # nothing put, nothing counted
     region = transports[1].layout.sums
     with pytest.raises(TransportTimeout) as err:
         transports[1].check_status([TIMED_OUT, region.flag_of(1, 0)])
@@ -910,10 +994,8 @@ def _sparse_transports(topology, shapes=None, micro_batches: int = MICRO_BATCHES
         transport._plan(layouts)
         transport.nv = _FakeNv(rank, arenas, [])
         transport.device = torch.device("cpu")
-        transport.arena_B = arenas[rank]
+        transport._attach(arenas[rank])
         transport._base = SYMMETRIC_BASE
-        transport.status_2 = torch.zeros(2, dtype=torch.int32)
-        transport._flags_W = layouts[rank].flags(arenas[rank])
         # a peer view is a tensor of its own (as get_peer_tensor's): a write through it leaves the version
         # counter of the peer's views alone (one in autograd's saved tensors, a received residual stream)
         transport._peer_arenas = {dst: arenas[dst].data for dst in range(len(layouts)) if dst != rank}
@@ -1168,8 +1250,9 @@ def _co_run(transports, topology, passes) -> tuple[list[str], dict]:
         for peer in op.peers:
             if peer != r:
                 slot = t._index[r].slot(peer, message_key(0, op.payload, op.layer, op.micro_batch), r)
-                seq = t._received.get((peer, slot), 0) + 1
-                if int(t._flags_W[t.layout.segment(slot, seq - 1).flag]) < seq:
+                n = t.message_counts().get(("received", peer, slot), 0) + 1
+                flag = t.layout.segment(slot, n - 1).flag
+                if int(t._flags_W[flag]) < int(t._consumed_W[flag]) + 1:
                     return False
         return True
 
@@ -1245,9 +1328,11 @@ def test_a_reader_does_not_pass_on_an_earlier_keys_flag(fake_cuda, interpreted):
         expert.send(0, key, message)
         assert all(torch.equal(g, w) for g, w in zip(attention.recv(1, key, specs), message, strict=True))
     fourth = attention.layout.segment(slot, 3)
-    assert fourth == attention.layout.segment(slot, 0) and int(attention._flags_W[fourth.flag]) == 1
+    assert fourth == attention.layout.segment(slot, 0)
+    assert int(attention._flags_W[fourth.flag]) == int(attention._consumed_W[fourth.flag]) == 1
     status = signal.new_status("cpu")
-    signal._wait_flag_kernel[(1,)](attention._flags_W, status, fourth.flag, 4, 0, TIMED=False)
+    probe = attention._consumed_W.clone()  # a look of its own: the receive below claims the message
+    signal._wait_flag_kernel[(1,)](attention._flags_W, probe, status, fourth.flag, 0, TIMED=False)
     assert status.tolist() == [TIMED_OUT, fourth.flag]
     expert.send(0, keys[3], messages[3])
     got = attention.recv(1, keys[3], specs)
@@ -1269,3 +1354,35 @@ def test_shared_segments_take_fewer_symmetric_bytes(topology):
             peer, payload, layer, mb = key
             assert layout.ring(layout.held_by((peer, Payload(payload), layer, mb))) == n
     assert shared[0].nbytes < alone[0].nbytes and shared[0].flag_words < alone[0].flag_words
+
+
+# --- the phase of a captured step (`comm.counts`) ---------------------------------------------------
+
+@pytest.mark.parametrize("shared", [False, True], ids=["two-copies", "rings"])
+def test_a_step_s_phase_comes_back_and_advanced_counts_keep_both_ends_agreeing(fake_cuda, interpreted, shared):
+    """One training pass counted on every rank gives the step's counts; the phase comes back after
+    the fewest steps that take every slot round its ring (what a graph per phase needs), and
+    counts advanced by replayed steps (no message sent: the device did it) keep sender and
+    receiver on the same segments: an eager pass afterwards delivers every message intact."""
+    import math
+
+    interpreted("disagmoe.kernels.signal")
+    transports = _cpu_transports(TOPOLOGY, pair_of=None, shared=shared)
+    start = [t.phase() for t in transports]
+    before = [t.message_counts() for t in transports]
+    wrong, _ = _co_run(transports, TOPOLOGY, ("train",))
+    assert wrong == []
+    steps = [counts_between(b, t.message_counts()) for b, t in zip(before, transports, strict=True)]
+    period = math.lcm(*(t.counts._ring(key) // math.gcd(n, t.counts._ring(key))
+                        for t, step in zip(transports, steps, strict=True) for key, n in step.items()))
+    assert all(steps) and period == (15 if shared else 2)  # rings of 3 and 5 taking 4 and 2 (1, 3 ...) a step
+    for advanced in range(1, 2 * period):  # the replays of the next steps
+        if advanced % period:
+            assert [t.phase() for t in transports] != start
+        else:
+            assert [t.phase() for t in transports] == start
+        for t, step in zip(transports, steps, strict=True):
+            t.advance(step)
+    assert [t.phase() for t in transports] == start
+    wrong, _ = _co_run(transports, TOPOLOGY, ("train", "eval"))
+    assert wrong == [] and all(t.status_2.tolist() == [0, 0] for t in transports)

@@ -132,9 +132,10 @@ def test_the_arrival_flags_compile(compiled):
     from disagmoe.kernels import signal
 
     flags, status = torch.zeros(4, dtype=torch.int64), signal.new_status("cpu")
-    signal.raise_flag(flags, 1, 3)
-    signal.wait_flag(flags, 1, 3, status, timeout_s=1.0)
-    assert compiled == ["_raise_flag_kernel", "_wait_flag_kernel"]
+    signal.raise_flag(flags, 1)
+    signal.raise_flag(flags, 1, failed=True)
+    signal.wait_flag(flags, signal.new_consumed(flags), 1, status, timeout_s=1.0)
+    assert compiled == ["_raise_flag_kernel"] * 2 + ["_wait_flag_kernel"]
 
 
 def test_the_fused_return_compiles(compiled):
@@ -150,17 +151,18 @@ def test_the_fused_return_compiles(compiled):
     fr.down_to_destination(torch.zeros(tokens * top_k, ffn, dtype=dtype), offsets,
                            torch.zeros(experts, ffn, hidden, dtype=dtype), _tiles(), dst_PH=dst, dst_rows_N=pairs,
                            tokens=tokens, top_k=top_k, segment_tokens=seg,
-                           counters_S=torch.zeros(segments, dtype=torch.int32), flags_QS=flags, source=0, seq=1,
+                           counters_S=torch.zeros(segments, dtype=torch.int32), flags_QS=flags, source=0,
                            num_programs=8)
     served, offsets_served = torch.tensor([96], dtype=torch.int32), torch.tensor([24, 48, 72, 96], dtype=torch.int32)
     fr.down_to_destination(torch.zeros(tokens * top_k, ffn, dtype=dtype), offsets_served,  # rows 96+: spare
                            torch.zeros(experts, ffn, hidden, dtype=dtype), _tiles(), dst_PH=dst, dst_rows_N=pairs,
                            tokens=tokens, top_k=top_k, segment_tokens=seg,
-                           counters_S=torch.zeros(segments, dtype=torch.int32), flags_QS=flags, source=0, seq=1,
+                           counters_S=torch.zeros(segments, dtype=torch.int32), flags_QS=flags, source=0,
                            served_1=served, num_programs=8)
     status = torch.zeros(2, dtype=torch.int32)
     for weights in (torch.ones(tokens, top_k, dtype=dtype), None):
-        fr.combine_landed(dst, weights, flags, 1, seg, top_k, status, num_programs=4, flag_base=64)
+        fr.combine_landed(dst, weights, flags, torch.zeros_like(flags), seg, top_k, status, num_programs=4,
+                          flag_base=64)
     assert compiled == ["_ragged_rows_gemm_kernel"] * 2 + ["_combine_landed_kernel"] * 2
 
 
@@ -250,16 +252,18 @@ def test_the_swiglu_grad_gemm_does_not_spill_at_its_tiles(usage):
     assert len(found) == len(chunked) >= 6 and all(spill == 0 for _, _, spill in found), found
 
 def test_message_values_are_not_specialised_on():
-    """A sequence number, flag index or timeout compiles no new variant (`kernels.signal.MESSAGE_VALUES`):
-    one that did would load a module while a wait of the same process spins (the H200 run of
-    the fused-return test: seq 1 in the warm-up, seq 2 after, the expert launch stuck behind)."""
-    from disagmoe.kernels import fused_return, grouped_gemm, signal
+    """A flag index or timeout compiles no new variant (`kernels.signal.MESSAGE_VALUES`): one that
+    did would load a module while a wait of the same process spins (the H200 run of the
+    fused-return test: seq 1 in the warm-up, seq 2 after, the expert launch stuck behind). The
+    senders take no message value at all (flags count: `kernels.signal`)."""
+    from disagmoe.kernels import fused_return, grouped_gemm, signal, sparse_dispatch
 
-    kernels = (signal._raise_flag_kernel, signal._wait_flag_kernel, fused_return._combine_landed_kernel,
-               grouped_gemm._ragged_rows_gemm_kernel)
+    kernels = (signal._raise_flag_kernel, signal._wait_flag_kernel, fused_return._combine_landed_kernel)
     for kernel in kernels:
         values = [p.name for p in kernel.params if p.name in signal.MESSAGE_VALUES]
         assert values and all(p.do_not_specialize for p in kernel.params if p.name in values), kernel.fn.__name__
+    for sender in (grouped_gemm._ragged_rows_gemm_kernel, sparse_dispatch._dispatch_rows_kernel):
+        assert not {"seq", "value"} & {p.name for p in sender.params}, sender.fn.__name__
 
 
 def test_the_fp8_quantisers_and_gemm_compile(compiled):

@@ -1,6 +1,7 @@
 """The tile-level fused return (disagmoe/kernels/fused_return.py) against torch: the down GEMM's
-epilogue stores every pair row at its place in the receiver's buffer and raises each source's
-segment flags; the combine waits for them and sums in pair order. Interpreter (fp32, CPU tensors
+epilogue stores every pair row at its place in the receiver's buffer and counts one more message
+in each source's segment flags; the combine waits for them against its consumed words, advances
+those, and sums in pair order. Interpreter (fp32, CPU tensors
 standing for the peer's buffer; sources run before the combine) and GPU (bf16, the combine
 launched first on its own stream, so it really waits for the flags)."""
 
@@ -8,8 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import triton
-import triton.language as tl
 
 from disagmoe.kernels.tile_configs import TileConfig
 
@@ -42,7 +41,7 @@ def _source_rows(topk_TK, experts, sources, source):
     return counts.cumsum(0).to(torch.int32), pairs.to(torch.int32)
 
 
-def _run(fr, case, step_seqs, device, dtype, skew=False, seed=0):
+def _run(fr, case, steps, device, dtype, skew=False, seed=0):
     tokens, top_k, experts, sources, hidden, ffn, seg_tokens = case
     gen = torch.Generator().manual_seed(seed)
     per = experts // sources
@@ -50,9 +49,10 @@ def _run(fr, case, step_seqs, device, dtype, skew=False, seed=0):
     segments = fr.num_segments(tokens, seg_tokens)
     counters = [torch.zeros(segments, dtype=torch.int32, device=device) for _ in range(sources)]
     flags = torch.zeros(sources, segments, dtype=torch.int64, device=device)
+    consumed = torch.zeros_like(flags)
     results = []
-    for seq in step_seqs:
-        topk = _routing(tokens, top_k, experts, skew and seq == 1, gen)
+    for step in range(steps):
+        topk = _routing(tokens, top_k, experts, skew and step == 0, gen)
         weights = torch.rand(tokens, top_k, generator=gen).to(device, dtype)
         act = torch.randn(tokens * top_k, ffn, generator=gen).to(device, dtype)  # per pair, in pair order
         dst = torch.full((tokens * top_k, hidden), float("nan"), device=device, dtype=dtype)
@@ -61,13 +61,13 @@ def _run(fr, case, step_seqs, device, dtype, skew=False, seed=0):
             fr.down_to_destination(act[pairs.long()].contiguous(), offsets.to(device), w2[q * per:(q + 1) * per],
                                    SMALL_TILES, dst_PH=dst, dst_rows_N=pairs.to(device), tokens=tokens, top_k=top_k,
                                    segment_tokens=seg_tokens, counters_S=counters[q], flags_QS=flags, source=q,
-                                   seq=seq, num_programs=3)
+                                   num_programs=3)
         status = torch.zeros(2, dtype=torch.int32, device=device)
-        y = fr.combine_landed(dst, weights, flags, seq, seg_tokens, top_k, status, num_programs=2)
+        y = fr.combine_landed(dst, weights, flags, consumed, seg_tokens, top_k, status, num_programs=2)
         assert status.tolist() == [0, 0]
         rows_want = torch.einsum("pf,pfh->ph", act.float(), w2.float()[topk.flatten().to(device)])
         want = fr.combine_reference(rows_want, weights, top_k)
-        results.append((dst, rows_want, y, want, flags.clone(), [c.clone() for c in counters]))
+        results.append((dst, rows_want, y, want, flags.clone(), consumed.clone(), [c.clone() for c in counters]))
     return results
 
 
@@ -79,12 +79,12 @@ def fused(interpreted):
 
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_rows_land_in_place_and_the_combine_matches_torch(fused, case):
-    for dst, rows_want, y, want, flags, counters in _run(fused, CASES[case], (1, 2), "cpu", torch.float32,
-                                                         skew=case == 3, seed=case):
-        seq = int(flags.max())
+    results = _run(fused, CASES[case], 2, "cpu", torch.float32, skew=case == 3, seed=case)
+    for messages, (dst, rows_want, y, want, flags, consumed, counters) in enumerate(results, start=1):
         assert torch.allclose(dst, rows_want, rtol=1e-4, atol=1e-5)  # every pair row written, no NaN left
         assert torch.allclose(y, want, rtol=1e-4, atol=1e-5)
-        assert (flags == seq).all(), "every source's every segment is raised, empty ones included"
+        assert (flags == messages).all(), "every source's every segment counts the message, empty ones included"
+        assert (consumed == messages).all(), "the combine took each message once"
         assert all((c == 0).all() for c in counters), "the counters are zero again after each launch"
 
 
@@ -114,7 +114,7 @@ def test_segment_major_rows_run_the_whole_ffn_and_land_in_place(fused, case):
     counters = torch.zeros(segments, dtype=torch.int32)
     fused.down_to_destination(act, offsets_G, w2, SMALL_TILES, dst_PH=dst, dst_rows_N=pairs[order], tokens=tokens,
                               top_k=top_k, segment_tokens=seg_tokens, counters_S=counters, flags_QS=flags, source=0,
-                              seq=1, num_programs=3)
+                              num_programs=3)
     want_rows = torch.empty_like(dst)
     want_rows[pairs.long()] = moe_ffn.expert_ffn_reference(x, offsets, w13, w2)
     assert torch.allclose(dst, want_rows, rtol=1e-4, atol=1e-5)
@@ -177,58 +177,81 @@ def test_spare_rows_are_neither_stored_nor_waited_for(fused, case):
     w2 = torch.randn(experts, ffn, hidden, generator=gen) / ffn**0.5
     served = torch.tensor([real], dtype=torch.int32)
 
-    def launch(served_1, seq):
+    def launch(served_1):
         dst = torch.full((tokens * top_k, hidden), float("nan"))
         flags = torch.zeros(1, segments, dtype=torch.int64)
         counters = torch.zeros(segments, dtype=torch.int32)
         fused.down_to_destination(act, offsets, w2, SMALL_TILES, dst_PH=dst, dst_rows_N=dst_rows, tokens=tokens,
                                   top_k=top_k, segment_tokens=seg_tokens, counters_S=counters, flags_QS=flags,
-                                  source=0, seq=seq, served_1=served_1, num_programs=3)
+                                  source=0, served_1=served_1, num_programs=3)
         return dst, flags, counters
 
-    dst, flags, counters = launch(served, 3)
+    dst, flags, counters = launch(served)
     want = torch.stack([act[r] @ w2[expert_R[r]] for r in range(real)])
     assert torch.allclose(dst[dst_rows[:real].long()], want, rtol=1e-4, atol=1e-5)
     assert torch.isnan(dst[dst_rows[real:].long()]).all(), "no spare row stored"
-    assert (flags == 3).all() and (counters == 0).all()
-    _, flags, _ = launch(None, 3)  # the spare rows counted: their segments never complete
+    assert (flags == 1).all() and (counters == 0).all()
+    _, flags, _ = launch(None)  # the spare rows counted: their segments never complete
     assert flags[0, -1] == 0 and (flags == 0).sum() >= 2
 
 
-def test_a_wait_that_gives_up_reports_the_flags_arena_index(fused, monkeypatch):
-    """Status word 1 names a flag that did not come as flag_base + q * S + s. The interpreter has
-    no clock, so its waits never time out: here a wait looks once and gives up."""
+def _combine_once(fused, rows, flags, consumed, seg_tokens, top_k, status=None, base=0):
+    """One combine (unweighted); a status given as timed out makes every wait look once (the
+    interpreter has no clock: `signal.remaining_timeout`)."""
+    status = torch.zeros(2, dtype=torch.int32) if status is None else status
+    y = fused.combine_landed(rows, None, flags, consumed, seg_tokens, top_k, status, num_programs=2, flag_base=base)
+    return y, status.tolist()
+
+
+def test_a_wait_that_gives_up_reports_the_flags_arena_index(fused):
+    """Status word 1 names a flag that did not come as flag_base + q * S + s."""
     from disagmoe.kernels.signal import TIMED_OUT
 
-    @triton.jit  # here, with the interpreter on (the fixture): an interpreted function
-    def look_once(flag_ptr, seq, timeout_ns, ACCEPT_NEGATIVE: tl.constexpr, TIMED: tl.constexpr):
-        return tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
-
-    monkeypatch.setattr(fused, "spin_until", look_once)
-    tokens, top_k, seg_tokens, hidden, seq = 12, 2, 4, 8, 5
+    tokens, top_k, seg_tokens, hidden = 12, 2, 4, 8
     rows = torch.randn(tokens * top_k, hidden)
-    flags = torch.full((2, 3), seq, dtype=torch.int64)
-    flags[1, 2] = seq - 1  # source 1's flag of segment 2 still holds the last step's number
+    flags = torch.ones(2, 3, dtype=torch.int64)
+    flags[1, 2] = 0  # source 1's rows of segment 2 have not landed
     for base, index in ((0, 5), (1000, 1005)):
-        status = torch.zeros(2, dtype=torch.int32)
-        y = fused.combine_landed(rows, None, flags, seq, seg_tokens, top_k, status, num_programs=2, flag_base=base)
-        assert status.tolist() == [TIMED_OUT, index]
+        status = torch.tensor([TIMED_OUT, -1], dtype=torch.int32)  # an earlier wait gave up: one look each
+        y, got = _combine_once(fused, rows, flags, torch.zeros_like(flags), seg_tokens, top_k, status, base)
+        assert got == [TIMED_OUT, index]
         assert torch.allclose(y, fused.combine_reference(rows, None, top_k))
     with pytest.raises(ValueError, match="flag_base=-1"):
-        fused.combine_landed(rows, None, flags, seq, seg_tokens, top_k, status, flag_base=-1)
+        _combine_once(fused, rows, flags, torch.zeros_like(flags), seg_tokens, top_k, base=-1)
+
+
+def test_a_replayed_combine_waits_for_the_next_message_of_every_word(fused):
+    """The same combine launched again with the same host arguments (a graph replay): its column
+    blocks of one segment (hidden 300: two blocks) all claim the same message and advance each
+    consumed word once; it passes once every source counted one more, and not before."""
+    from disagmoe.kernels.signal import TIMED_OUT
+
+    tokens, top_k, seg_tokens, hidden = 8, 2, 4, 300
+    gen = torch.Generator().manual_seed(4)
+    flags, consumed = torch.zeros(2, 2, dtype=torch.int64), torch.zeros(2, 2, dtype=torch.int64)
+    for message in (1, 2):
+        rows = torch.randn(tokens * top_k, hidden, generator=gen)
+        flags += 1  # both sources' rows of both segments landed
+        y, status = _combine_once(fused, rows, flags, consumed, seg_tokens, top_k)
+        assert status == [0, 0] and (consumed == message).all()
+        assert torch.allclose(y, fused.combine_reference(rows, None, top_k))
+    flags[0] += 1  # only source 0's next rows landed
+    probe = consumed.clone()
+    _, status = _combine_once(fused, rows, flags, probe, seg_tokens, top_k, torch.tensor([TIMED_OUT, -1]).int())
+    assert status == [TIMED_OUT, 3] and (probe == 3).all(), "source 1's segments are one message short"
 
 
 def test_bad_buffers_are_refused_with_the_shape_expected(fused):
     w2 = torch.zeros(2, 8, 16)
-    args = dict(dst_rows_N=torch.zeros(0, dtype=torch.int32), tokens=4, top_k=2, segment_tokens=2, source=0, seq=1)
+    args = dict(dst_rows_N=torch.zeros(0, dtype=torch.int32), tokens=4, top_k=2, segment_tokens=2, source=0)
     with pytest.raises(ValueError, match=r"one row per pair, \[8, 16\]"):
         fused.down_to_destination(torch.zeros(0, 8), torch.zeros(2, dtype=torch.int32), w2, SMALL_TILES,
                                   dst_PH=torch.zeros(4, 16), counters_S=torch.zeros(2, dtype=torch.int32),
                                   flags_QS=torch.zeros(1, 2, dtype=torch.int64), **args)
-    with pytest.raises(ValueError, match="sequence number 0"):
-        fused.down_to_destination(torch.zeros(0, 8), torch.zeros(2, dtype=torch.int32), w2, SMALL_TILES,
-                                  dst_PH=torch.zeros(8, 16), counters_S=torch.zeros(2, dtype=torch.int32),
-                                  flags_QS=torch.zeros(1, 2, dtype=torch.int64), **{**args, "seq": 0})
+    flags = torch.zeros(1, 2, dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"consumed words must be int64 \(1, 2\)"):
+        fused.combine_landed(torch.zeros(8, 16), None, flags, torch.zeros(2, dtype=torch.int64), 2, 2,
+                             torch.zeros(2, dtype=torch.int32))
 
 
 @pytest.mark.gpu
@@ -255,30 +278,32 @@ def test_gpu_the_combine_waits_for_rows_stored_by_a_concurrent_launch(skew):
     weights = torch.rand(tokens, top_k, generator=gen).to(device, dtype)
     segments = fr.num_segments(tokens, seg_tokens)
     flags = torch.zeros(1, segments, dtype=torch.int64, device=device)
+    consumed = torch.zeros_like(flags)
     counters = torch.zeros(segments, dtype=torch.int32, device=device)
     dst = torch.zeros(tokens * top_k, hidden, device=device, dtype=dtype)
     pairs_d, offsets_d = pairs.to(device), offsets.to(device)
     tiles = FFNTiles.for_shape(tokens * top_k, experts, hidden, ffn, device)
     status = torch.zeros(2, dtype=torch.int32, device=device)
-    # Load both kernels first, one after the other (seq 1).
+    # Load both kernels first, one after the other (message 1).
     act_grouped = torch.zeros(tokens * top_k, ffn, device=device, dtype=dtype)
     fr.down_to_destination(act_grouped, offsets_d, w2, tiles.down, dst_PH=dst, dst_rows_N=pairs_d, tokens=tokens,
                            top_k=top_k, segment_tokens=seg_tokens, counters_S=counters, flags_QS=flags, source=0,
-                           seq=1, num_programs=100)
-    fr.combine_landed(dst, weights, flags, 1, seg_tokens, top_k, status, num_programs=8, timeout_s=10)
+                           num_programs=100)
+    fr.combine_landed(dst, weights, flags, consumed, seg_tokens, top_k, status, num_programs=8, timeout_s=10)
     consumer, producer = torch.cuda.Stream(), torch.cuda.Stream()
     expert_P = topk.flatten().to(device)
-    for seq in (2, 3):  # later steps reuse the flags (seq 2, 3) and the counters (back to zero)
+    for message in (2, 3):  # later steps reuse the flags (messages 2, 3) and the counters (back to zero)
         act = torch.randn(tokens * top_k, ffn, generator=gen).to(device, dtype)  # new rows each step
         act_grouped = act[pairs.long().to(device)].contiguous()
         dst.fill_(float("nan"))  # a combine that did not wait would read these
         torch.cuda.synchronize()
         with torch.cuda.stream(consumer):  # queued first: it waits on the flags, for at most 10 s
-            y = fr.combine_landed(dst, weights, flags, seq, seg_tokens, top_k, status, num_programs=8, timeout_s=10)
+            y = fr.combine_landed(dst, weights, flags, consumed, seg_tokens, top_k, status, num_programs=8,
+                                  timeout_s=10)
         with torch.cuda.stream(producer):
             fr.down_to_destination(act_grouped, offsets_d, w2, tiles.down, dst_PH=dst, dst_rows_N=pairs_d,
                                    tokens=tokens, top_k=top_k, segment_tokens=seg_tokens, counters_S=counters,
-                                   flags_QS=flags, source=0, seq=seq, num_programs=100)
+                                   flags_QS=flags, source=0, num_programs=100)
         torch.cuda.synchronize()
         rows_want = torch.empty(tokens * top_k, hidden, device=device)
         for e in expert_P.unique().tolist():  # one expert at a time ([P, F, H] would not fit)
@@ -287,5 +312,5 @@ def test_gpu_the_combine_waits_for_rows_stored_by_a_concurrent_launch(skew):
         want = fr.combine_reference(rows_want, weights.float(), top_k)
         assert status.tolist() == [0, 0], "the combine gave up waiting (were the kernels serialised?)"
         err = ((y.float() - want).norm() / want.norm()).item()
-        assert err < 1e-2, (seq, err)
-        assert (flags == seq).all() and (counters == 0).all()
+        assert err < 1e-2, (message, err)
+        assert (flags == message).all() and (consumed == message).all() and (counters == 0).all()

@@ -43,23 +43,28 @@ def test_both_variants_return_every_row_and_combine_to_the_reference(modules, se
     segments = fr.num_segments(shape.tokens, segment_tokens)
     by_segment = side.in_segment_order(segment_tokens, segments)
     flags_QS = torch.zeros(1, segments, dtype=torch.int64)
+    consumed_QS = torch.zeros_like(flags_QS)
     counters_S = torch.zeros(segments, dtype=torch.int32)
-    ready_QS = torch.ones(1, segments, dtype=torch.int64)
+    ready_QS = torch.full((1, segments), layer.READY, dtype=torch.int64)
+    ready_consumed_QS = torch.zeros_like(ready_QS)
     status = torch.zeros(2, dtype=torch.int32)
     close = dict(rtol=1e-4, atol=1e-4)
-    for seq, (p, name) in enumerate((("fwd", "y"), ("bwd", "dx")), start=1):
+    for i, (p, name) in enumerate((("fwd", "y"), ("bwd", "dx"))):
         local_PH = torch.full((shape.pairs, shape.hidden), float("nan"))
         side.launch(p, local_PH)
-        baseline = layer.combine(local_PH, p, inputs.weights_TK, ready_QS, 1, segment_tokens, shape.top_k, 2, status)
+        baseline = layer.combine(local_PH, p, inputs.weights_TK, ready_QS, ready_consumed_QS, segment_tokens,
+                                 shape.top_k, 2, status)
         peer_PH = torch.full((shape.pairs, shape.hidden), float("nan"))  # GPU 0's buffer, in the test a CPU tensor
-        side.launch(p, peer_PH, layer.Signal(flags_QS, counters_S, segment_tokens, seq))
-        assert (flags_QS == seq).all() and (counters_S == 0).all()
-        fused = layer.combine(peer_PH, p, inputs.weights_TK, flags_QS, seq, segment_tokens, shape.top_k, 2, status)
-        assert status.tolist() == [0, 0]
+        side.launch(p, peer_PH, layer.Signal(flags_QS, counters_S, segment_tokens))
+        assert (flags_QS == 2 * i + 1).all() and (counters_S == 0).all()  # one message counted per launch
+        fused = layer.combine(peer_PH, p, inputs.weights_TK, flags_QS, consumed_QS, segment_tokens, shape.top_k, 2,
+                              status)
+        assert status.tolist() == [0, 0] and (consumed_QS == 2 * i + 1).all()
         assert torch.equal(peer_PH, local_PH), "the same kernels store the same rows"
         by_segment_PH = torch.full((shape.pairs, shape.hidden), float("nan"))  # `--order segment`'s rows
-        by_segment.launch(p, by_segment_PH, layer.Signal(flags_QS, counters_S, segment_tokens, seq + 2))
-        assert (flags_QS == seq + 2).all() and (counters_S == 0).all()
+        by_segment.launch(p, by_segment_PH, layer.Signal(flags_QS, counters_S, segment_tokens))
+        assert (flags_QS == 2 * i + 2).all() and (counters_S == 0).all()
+        consumed_QS += 1  # that message is not combined here
         torch.testing.assert_close(by_segment_PH, local_PH, **close)
         torch.testing.assert_close(baseline, want[name], **close)
         torch.testing.assert_close(fused, want[name], **close)

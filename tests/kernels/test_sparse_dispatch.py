@@ -40,19 +40,19 @@ def _buffers(dests, tokens, hidden, top_k, device, dtype):
             "counts": make((1,), torch.int32, -1), "flags": make((1,), torch.int64, 0)}
 
 
-def _dispatch(sd, case, seqs, device, dtype, seed):
+def _dispatch(sd, case, messages, device, dtype, seed):
     tokens, hidden, top_k, dests, chunks, skew = case
     gen = torch.Generator().manual_seed(seed)
     bufs = _buffers(dests, tokens, hidden, top_k, device, dtype)
     tables = {name: sd.address_table(ts, device) for name, ts in bufs.items()}
     counters = torch.zeros(dests, dtype=torch.int32, device=device)
-    for seq in seqs:
+    for n in range(1, messages + 1):
         picked, ids = _routing(tokens, top_k, dests, skew, gen)
         x = torch.randn(tokens, hidden, generator=gen).to(device, dtype)
         w = torch.rand(tokens, top_k, generator=gen).to(device, dtype)
-        sd.dispatch_rows(x, picked.to(device), seq, ids_QTK=ids.to(device), w_TK=w, counters_Q=counters,
+        sd.dispatch_rows(x, picked.to(device), ids_QTK=ids.to(device), w_TK=w, counters_Q=counters,
                          chunks=chunks, **tables)
-        yield seq, bufs, sd.dispatch_reference(x.cpu(), picked, ids, w.cpu()), counters
+        yield n, bufs, sd.dispatch_reference(x.cpu(), picked, ids, w.cpu()), counters
 
 
 @pytest.fixture
@@ -60,11 +60,12 @@ def sd(interpreted):
     return interpreted("disagmoe.kernels.sparse_dispatch")
 
 
-def _check(seq, bufs, want, counters):
+def _check(messages, bufs, want, counters):
+    """Every destination's buffers hold the reference's message and its flag counts `messages`."""
     for q, msg in enumerate(want):
         n = int(msg["count"])
         assert bufs["counts"][q].cpu().tolist() == [n]
-        assert bufs["flags"][q].cpu().tolist() == [seq]
+        assert bufs["flags"][q].cpu().tolist() == [messages]
         assert torch.equal(bufs["rows"][q][:n].cpu(), msg["rows"])
         assert torch.equal(bufs["ids"][q][:n].cpu(), msg["ids"])
         assert torch.equal(bufs["w"][q][:n].cpu(), msg["w"])
@@ -74,25 +75,26 @@ def _check(seq, bufs, want, counters):
 
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_each_destination_gets_exactly_its_tokens(sd, case):
-    for seq, bufs, want, counters in _dispatch(sd, CASES[case], (1,), "cpu", torch.float32, seed=case):
-        _check(seq, bufs, want, counters)
+    for messages, bufs, want, counters in _dispatch(sd, CASES[case], 1, "cpu", torch.float32, seed=case):
+        _check(messages, bufs, want, counters)
         for q, msg in enumerate(want):  # rows past the count are never written: only routed rows move
             n = int(msg["count"])
             assert torch.isnan(bufs["rows"][q][n:]).all() and (bufs["index"][q][n:] == -1).all()
 
 
 def test_skewed_routing_leaves_a_destination_empty_but_raised(sd):
-    for seq, bufs, want, _ in _dispatch(sd, CASES[3], (1,), "cpu", torch.float32, seed=3):
+    for messages, bufs, want, _ in _dispatch(sd, CASES[3], 1, "cpu", torch.float32, seed=3):
         assert [int(m["count"]) for m in want] == [100, 50, 0]
-        assert bufs["counts"][2].tolist() == [0] and bufs["flags"][2].tolist() == [seq]
+        assert bufs["counts"][2].tolist() == [0] and bufs["flags"][2].tolist() == [messages]
 
 
-def test_a_second_message_overwrites_the_first_and_carries_its_seq(sd):
-    """Message 2 of the slot (fresh routing) lands over message 1: counts and flags are message 2's."""
-    results = list(_dispatch(sd, CASES[0], (1, 2), "cpu", torch.float32, seed=7))
-    seq, bufs, want, counters = results[-1]
-    assert seq == 2
-    _check(seq, bufs, want, counters)
+def test_a_second_message_overwrites_the_first_and_is_counted(sd):
+    """Message 2 of the slot (fresh routing) lands over message 1: counts are message 2's, the
+    flags count two messages."""
+    results = list(_dispatch(sd, CASES[0], 2, "cpu", torch.float32, seed=7))
+    messages, bufs, want, counters = results[-1]
+    assert messages == 2
+    _check(messages, bufs, want, counters)
 
 
 # (sources, tokens, hidden, top_k, blocks, chunks): ragged counts, empty sources, a colocated rank's block left out
@@ -132,7 +134,7 @@ def _ragged_counts(S: int, T: int, gen: torch.Generator) -> torch.Tensor:
 @pytest.mark.parametrize("case", range(len(RETURN_CASES)))
 def test_the_backward_returns_each_sources_first_count_rows_in_one_launch(sd, monkeypatch, case):
     """d x and d w of the rows each source sent go back to it in received order, only count rows,
-    every source in one launch (against `return_reference`); a second message carries its seq."""
+    every source in one launch (against `return_reference`); a second message is counted too."""
     S, T, H, K, blocks, chunks = RETURN_CASES[case]
     gen = torch.Generator().manual_seed(20 + case)
     Q = S if blocks is None else len(blocks)
@@ -144,15 +146,15 @@ def test_the_backward_returns_each_sources_first_count_rows_in_one_launch(sd, mo
                   counts=sd.address_table(counts, "cpu"), flags=sd.address_table(flags, "cpu"))
     counters = torch.zeros(Q, dtype=torch.int32)
     launches = _counted_grids(sd, monkeypatch)
-    for seq in (1, 2):
+    for messages in (1, 2):
         dx, dw = torch.randn(S, T, H, generator=gen), torch.randn(S, T, K, generator=gen)
         count_S1 = _ragged_counts(S, T, gen)
-        sd.return_rows(dx, count_S1, seq, dw_STK=dw, counters_Q=counters, blocks=blocks, chunks=chunks, **tables)
+        sd.return_rows(dx, count_S1, dw_STK=dw, counters_Q=counters, blocks=blocks, chunks=chunks, **tables)
         for q, msg in enumerate(sd.return_reference(dx, count_S1, dw, blocks)):
             n = int(msg["count"])
-            assert counts[q].tolist() == [n] and flags[q].tolist() == [seq]
+            assert counts[q].tolist() == [n] and flags[q].tolist() == [messages]
             assert torch.equal(rows[q][:n], msg["rows"]) and torch.equal(weights[q][:n], msg["w"])
-            if seq == 1:  # rows past the count are never written
+            if messages == 1:  # rows past the count are never written
                 assert torch.isnan(rows[q][n:]).all() and torch.isnan(weights[q][n:]).all()
         assert (counters == 0).all(), "the counters are zero again after the launch"
     assert len(launches) == 2 and all(grid[0] == Q for grid in launches), "one launch per message, every source"
@@ -170,21 +172,21 @@ def test_rows_alone_land_as_the_reference(sd, case):
     bufs = _buffers(dests, tokens, hidden, top_k, "cpu", torch.float32)
     landing = {name: sd.address_table(bufs[name], "cpu") for name in ("rows", "counts", "flags")}
     counters = torch.zeros(dests, dtype=torch.int32)
-    sd.dispatch_rows(dy, picked, 3, counters_Q=counters, chunks=chunks, **landing)
+    sd.dispatch_rows(dy, picked, counters_Q=counters, chunks=chunks, **landing)
     for q, msg in enumerate(sd.dispatch_reference(dy, picked)):
         n = int(msg["count"])
-        assert bufs["counts"][q].tolist() == [n] and bufs["flags"][q].tolist() == [3]
+        assert bufs["counts"][q].tolist() == [n] and bufs["flags"][q].tolist() == [1]
         assert torch.equal(bufs["rows"][q][:n], msg["rows"]) and torch.isnan(bufs["rows"][q][n:]).all()
     assert (counters == 0).all()
 
     dx = torch.randn(dests, tokens, hidden, generator=gen)  # one block per source, the counts just delivered
     count_S1 = torch.cat([b for b in bufs["counts"]]).view(dests, 1)
     back = _buffers(dests, tokens, hidden, top_k, "cpu", torch.float32)
-    sd.return_rows(dx, count_S1, 4, counters_Q=counters, chunks=chunks,
+    sd.return_rows(dx, count_S1, counters_Q=counters, chunks=chunks,
                    **{name: sd.address_table(back[name], "cpu") for name in ("rows", "counts", "flags")})
     for q, msg in enumerate(sd.return_reference(dx, count_S1)):
         n = int(msg["count"])
-        assert back["counts"][q].tolist() == [n] and back["flags"][q].tolist() == [4]
+        assert back["counts"][q].tolist() == [n] and back["flags"][q].tolist() == [1]
         assert torch.equal(back["rows"][q][:n], msg["rows"]) and torch.isnan(back["rows"][q][n:]).all()
     assert (counters == 0).all()
 
@@ -209,12 +211,12 @@ def test_partial_sums_return_with_their_token_index_in_one_launch(sd, monkeypatc
     index_ST = torch.stack([torch.randperm(T, generator=gen) for _ in range(S)]).to(torch.int32)
     count_S1 = _ragged_counts(S, T, gen)
     launches = _counted_grids(sd, monkeypatch)
-    sd.return_rows(partial_STH, count_S1, 5, index_ST=index_ST, counters_Q=counters, blocks=blocks, chunks=chunks,
+    sd.return_rows(partial_STH, count_S1, index_ST=index_ST, counters_Q=counters, blocks=blocks, chunks=chunks,
                    **tables)
     assert len(launches) == 1 and launches[0][0] == Q, "one launch for every destination"
     for q, msg in enumerate(sd.return_reference(partial_STH, count_S1, blocks=blocks, index_ST=index_ST)):
         n = int(msg["count"])
-        assert counts[q].tolist() == [n] and flags[q].tolist() == [5]
+        assert counts[q].tolist() == [n] and flags[q].tolist() == [1]
         assert torch.equal(rows[q][:n], msg["rows"]) and torch.equal(index[q][:n], msg["index"])
         assert torch.isnan(rows[q][n:]).all() and (index[q][n:] == -7).all(), "nothing past the count"
     assert (counters == 0).all()
@@ -225,28 +227,25 @@ def test_user_errors_name_the_fix(sd):
     table = torch.zeros(2, dtype=torch.int64)
     counters = torch.zeros(2, dtype=torch.int32)
     with pytest.raises(ValueError, match="picked must be"):
-        sd.dispatch_rows(x, torch.zeros(2, 5, dtype=torch.bool), 1, rows=table, counts=table, flags=table,
-                         counters_Q=counters)
-    with pytest.raises(ValueError, match="sequence number"):
-        sd.dispatch_rows(x, torch.zeros(2, 4, dtype=torch.bool), 0, rows=table, counts=table, flags=table,
+        sd.dispatch_rows(x, torch.zeros(2, 5, dtype=torch.bool), rows=table, counts=table, flags=table,
                          counters_Q=counters)
     with pytest.raises(ValueError, match="address table"):
-        sd.dispatch_rows(x, torch.zeros(2, 4, dtype=torch.bool), 1, rows=table[:1], counts=table, flags=table,
+        sd.dispatch_rows(x, torch.zeros(2, 4, dtype=torch.bool), rows=table[:1], counts=table, flags=table,
                          counters_Q=counters)
     with pytest.raises(ValueError, match="one per source block"):
-        sd.return_rows(torch.zeros(2, 4, 8), torch.zeros(3, 1, dtype=torch.int32), 1, rows=table, counts=table,
+        sd.return_rows(torch.zeros(2, 4, 8), torch.zeros(3, 1, dtype=torch.int32), rows=table, counts=table,
                        flags=table, counters_Q=counters)
     with pytest.raises(ValueError, match="must index the 2 source blocks"):
-        sd.return_rows(torch.zeros(2, 4, 8), torch.zeros(2, 1, dtype=torch.int32), 1, rows=table, counts=table,
+        sd.return_rows(torch.zeros(2, 4, 8), torch.zeros(2, 1, dtype=torch.int32), rows=table, counts=table,
                        flags=table, counters_Q=counters, blocks=[0, 2])
     with pytest.raises(ValueError, match="token index must be int32"):
-        sd.return_rows(torch.zeros(2, 4, 8), torch.zeros(2, 1, dtype=torch.int32), 1, rows=table, counts=table,
+        sd.return_rows(torch.zeros(2, 4, 8), torch.zeros(2, 1, dtype=torch.int32), rows=table, counts=table,
                        flags=table, counters_Q=counters, index_ST=torch.zeros(2, 4), index=table)
     with pytest.raises(ValueError, match="come with their destination tables"):
-        sd.return_rows(torch.zeros(2, 4, 8), torch.zeros(2, 1, dtype=torch.int32), 1, rows=table, counts=table,
+        sd.return_rows(torch.zeros(2, 4, 8), torch.zeros(2, 1, dtype=torch.int32), rows=table, counts=table,
                        flags=table, counters_Q=counters, index_ST=torch.zeros(2, 4, dtype=torch.int32))
     with pytest.raises(ValueError, match="come with their destination tables"):
-        sd.dispatch_rows(x, torch.zeros(2, 4, dtype=torch.bool), 1, rows=table, counts=table, flags=table,
+        sd.dispatch_rows(x, torch.zeros(2, 4, dtype=torch.bool), rows=table, counts=table, flags=table,
                          counters_Q=counters, w_TK=torch.zeros(4, 2))
 
 
@@ -261,7 +260,7 @@ def test_the_kernel_message_matches_the_send_recv_message(sd):
     x, w = torch.randn(T, H, generator=gen), torch.rand(T, K, generator=gen)
     messages, _, _ = dispatch_messages(x, ids, torch.full((Q,), L, dtype=torch.int32), w, torch.zeros(8))
     bufs = _buffers(Q, T, H, K, "cpu", torch.float32)
-    sd.dispatch_rows(x, picked, 1, ids_QTK=ids, w_TK=w, counters_Q=torch.zeros(Q, dtype=torch.int32),
+    sd.dispatch_rows(x, picked, ids_QTK=ids, w_TK=w, counters_Q=torch.zeros(Q, dtype=torch.int32),
                      **{name: sd.address_table(ts, "cpu") for name, ts in bufs.items()})
     for q, (rows, sent, w_q, index, count, _) in enumerate(messages):
         n = int(count)
@@ -284,6 +283,7 @@ def test_gpu_rows_land_and_a_waiting_reader_sees_them(case):
     device = torch.device("cuda")
     bufs = _buffers(dests, tokens, hidden, top_k, device, torch.bfloat16)
     flags_Q = torch.zeros(dests, dtype=torch.int64, device=device)  # one arena-like flag region
+    consumed_Q = torch.ones_like(flags_Q)  # the warm-up's message, taken without a wait
     bufs["flags"] = [flags_Q[q:q + 1] for q in range(dests)]
     tables = {name: sd.address_table(ts, device) for name, ts in bufs.items()}
     counters = torch.zeros(dests, dtype=torch.int32, device=device)
@@ -294,24 +294,25 @@ def test_gpu_rows_land_and_a_waiting_reader_sees_them(case):
         w = torch.rand(tokens, top_k, generator=gen).to(device, torch.bfloat16)
         return x, picked.to(device), ids.to(device), w
 
-    def dispatch(seq, x, picked, ids, w):
-        sd.dispatch_rows(x, picked, seq, ids_QTK=ids, w_TK=w, counters_Q=counters, chunks=chunks, **tables)
+    def dispatch(x, picked, ids, w):
+        sd.dispatch_rows(x, picked, ids_QTK=ids, w_TK=w, counters_Q=counters, chunks=chunks, **tables)
         return sd.dispatch_reference(x.cpu(), picked.cpu(), ids.cpu(), w.cpu())
 
-    dispatch(1, *inputs())  # compiled and loaded before any wait spins (a first launch would queue behind it)
+    dispatch(*inputs())  # compiled and loaded before any wait spins (a first launch would queue behind it)
     second = inputs()  # on the device before the waits: no host copy (pageable: it may block) while they spin
     torch.cuda.synchronize()
     status = signal.new_status(device)
     waiter = torch.cuda.Stream()
     with torch.cuda.stream(waiter):
         for q in range(dests):
-            signal.wait_flag(flags_Q, q, 2, status, timeout_s=30.0)
-    sd.dispatch_rows(second[0], second[1], 2, ids_QTK=second[2], w_TK=second[3], counters_Q=counters, chunks=chunks,
+            signal.wait_flag(flags_Q, consumed_Q, q, status, timeout_s=30.0)
+    sd.dispatch_rows(second[0], second[1], ids_QTK=second[2], w_TK=second[3], counters_Q=counters, chunks=chunks,
                      **tables)
     waiter.synchronize()
     want = sd.dispatch_reference(*(t.cpu() for t in second))
     torch.cuda.synchronize()
     assert status.tolist() == [0, 0], "every wait saw its flag"
+    assert (consumed_Q == 2).all()
     _check(2, bufs, want, counters)
 
 
@@ -336,6 +337,7 @@ def test_gpu_the_backward_returns_every_source_in_one_launch(case, column):
             torch.full((T, K), float("nan"), dtype=torch.bfloat16, device=device) for _ in range(Q)]
     counts = torch.full((Q,), -1, dtype=torch.int32, device=device)
     flags_Q = torch.zeros(Q, dtype=torch.int64, device=device)
+    consumed_Q = torch.ones_like(flags_Q)  # the warm-up's message, taken without a wait
     tables = {"rows": sd.address_table(rows, device), column if index else "w": sd.address_table(cols, device),
               "counts": sd.address_table([counts[q:q + 1] for q in range(Q)], device),
               "flags": sd.address_table([flags_Q[q:q + 1] for q in range(Q)], device)}
@@ -347,19 +349,19 @@ def test_gpu_the_backward_returns_every_source_in_one_launch(case, column):
                else torch.randn(S, T, K, generator=gen).to(device, torch.bfloat16))
         return dx, torch.randint(0, T + 1, (S, 1), generator=gen, dtype=torch.int32).to(device), col
 
-    def launch(seq, dx, count_S1, col):
-        sd.return_rows(dx, count_S1, seq, counters_Q=counters, blocks=blocks, chunks=chunks,
+    def launch(dx, count_S1, col):
+        sd.return_rows(dx, count_S1, counters_Q=counters, blocks=blocks, chunks=chunks,
                        **{"index_ST" if index else "dw_STK": col}, **tables)
 
-    launch(1, *inputs())  # compiled and loaded before any wait spins
+    launch(*inputs())  # compiled and loaded before any wait spins
     second = inputs()  # on the device before the waits: no host copy (pageable: it may block) while they spin
     torch.cuda.synchronize()
     status = signal.new_status(device)
     waiter = torch.cuda.Stream()
     with torch.cuda.stream(waiter):
         for q in range(Q):
-            signal.wait_flag(flags_Q, q, 2, status, timeout_s=30.0)
-    launch(2, *second)
+            signal.wait_flag(flags_Q, consumed_Q, q, status, timeout_s=30.0)
+    launch(*second)
     waiter.synchronize()
     dx, count_S1, col = (t.cpu() for t in second)
     want = (sd.return_reference(dx, count_S1, blocks=blocks, index_ST=col) if index
@@ -368,7 +370,7 @@ def test_gpu_the_backward_returns_every_source_in_one_launch(case, column):
     assert status.tolist() == [0, 0], "every wait saw its flag"
     for q, msg in enumerate(want):
         n = int(msg["count"])
-        assert int(counts[q]) == n and int(flags_Q[q]) == 2
+        assert int(counts[q]) == n and int(flags_Q[q]) == int(consumed_Q[q]) == 2
         assert torch.equal(rows[q][:n].cpu(), msg["rows"])
         assert torch.equal(cols[q][:n].cpu(), msg["index" if index else "w"])
     assert (counters == 0).all()

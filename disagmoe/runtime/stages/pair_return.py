@@ -170,7 +170,7 @@ def expert_pair_rows_backward(saved: PairRows, dy_TH: torch.Tensor, target: Pair
             return fr.down_to_destination(dh13_N2F, k.offsets_G, w13_T, config, dst_PH=target.rows_PH,
                                           dst_rows_N=k.row_pair_N, tokens=tokens, top_k=top_k,
                                           segment_tokens=segment_tokens, counters_S=counters_S[:segments],
-                                          flags_QS=target.flags_QS, source=target.source, seq=target.seq,
+                                          flags_QS=target.flags_QS, source=target.source,
                                           served_1=k.served_1, num_programs=k.num_programs)
 
     x_N = k.x_N.rows(k.w13.dtype) if isinstance(k.x_N, RowSource) else k.x_N
@@ -226,11 +226,11 @@ def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
 def _store_rows(target: PairTarget, dest_N: torch.Tensor, served_N: torch.Tensor, rows_NH: torch.Tensor) -> None:
     """The torch path's store: grouped row r at pair row dest_N[r] (a permutation of the pair rows)
     where served (rows of pairs served elsewhere keep what their rank wrote), then this source's
-    flags raised."""
+    flags raised (one more message counted in each: `kernels.signal`; only this source writes its row)."""
     rows = target.rows_PH
     kept = rows[dest_N]
     rows.index_copy_(0, dest_N, torch.where(served_N[:, None], rows_NH.to(rows.dtype), kept))
-    target.flags_QS[target.source].fill_(target.seq)
+    target.flags_QS[target.source] += 1
 
 
 def _fused_forward(x_leaf, local_TK, w_TK, experts, target, counters_S, segment_tokens, bands,
@@ -269,7 +269,7 @@ def _fused_forward(x_leaf, local_TK, w_TK, experts, target, counters_S, segment_
         fr.down_to_destination(act_NF, offsets_G, w2, tiles.down, dst_PH=target.rows_PH,
                                dst_rows_N=dest_32, tokens=tokens, top_k=top_k,
                                segment_tokens=segment_tokens, counters_S=counters_S[:segments],
-                               flags_QS=target.flags_QS, source=target.source, seq=target.seq,
+                               flags_QS=target.flags_QS, source=target.source,
                                served_1=served_1, num_programs=num_programs)
     saved = None
     if keep:  # what `recompute` drops is not kept (`kernels.moe_ffn` docstring)
@@ -315,7 +315,7 @@ class _PairCombine(torch.autograd.Function):
         if landing.status_2 is not None:  # an arena's landing: wait per segment on the GPU, combine
             from disagmoe.kernels import fused_return as fr
 
-            y_TH = fr.combine_landed(rows_PH, w_TK, landing.flags_QS, landing.seq, segment_tokens, top_k,
+            y_TH = fr.combine_landed(rows_PH, w_TK, landing.flags_QS, landing.consumed_QS, segment_tokens, top_k,
                                      landing.status_2, num_programs=num_programs, flag_base=landing.flag_base,
                                      timeout_s=landing.timeout_s)
         else:  # everything is here already (a transport's emulation)
@@ -363,6 +363,6 @@ def sum_pairs(landing: PairLanding, top_k: int, segment_tokens: int,
         return rows_PH.view(-1, top_k, rows_PH.shape[1]).sum(1)
     from disagmoe.kernels import fused_return as fr
 
-    return fr.combine_landed(rows_PH, None, landing.flags_QS, landing.seq, segment_tokens, top_k, landing.status_2,
-                             num_programs=num_programs or combine_programs(rows_PH.device),
+    return fr.combine_landed(rows_PH, None, landing.flags_QS, landing.consumed_QS, segment_tokens, top_k,
+                             landing.status_2, num_programs=num_programs or combine_programs(rows_PH.device),
                              flag_base=landing.flag_base, timeout_s=landing.timeout_s)

@@ -49,8 +49,8 @@ def resolve_cuda_graphs(cfg: TrainConfig) -> tuple[bool, str]:
         return cfg.cuda_graphs == "on", f"cuda_graphs: {cfg.cuda_graphs}"
     eager = next((why for missing, why in (
         (cfg.device != "cuda", f"a {cfg.device} run has no CUDA graphs"),
-        (cfg.mode != "single", f"mode {cfg.mode}'s ranks are not captured yet (the nvshmem transport picks sequence "
-                               "numbers and ring segments on the host)"),
+        (cfg.mode != "single", f"mode {cfg.mode}'s ranks are not captured yet (the nvshmem transport's messages "
+                               "replay per phase, comm.counts; the worker's step capture is not built)"),
         (cfg.experts_backend == "loop", "experts_backend loop reads each expert's row count on the host"),
         (cfg.steps_reference_adamw, "precision fp32 steps torch's reference AdamW, which is not captured"),
         (cfg.offload_optimizer, "the offloaded optimizer's copy streams are not captured yet"),

@@ -86,13 +86,13 @@ def test_pair_row_targets_and_landings_are_taken_once():
     from disagmoe.comm.base import PairLanding, PairTarget
 
     mail = Mailbox(rank=0)
-    target = PairTarget(torch.zeros(4, 2), torch.zeros(1, 1, dtype=torch.int64), 0, 1)
+    target = PairTarget(torch.zeros(4, 2), torch.zeros(1, 1, dtype=torch.int64), 0)
     mail.aim(Payload.COMBINE, 1, 0, 3, target)
     assert mail.target(Payload.COMBINE, 1, 0, 3) is target and not mail.empty()
     with pytest.raises(AssertionError, match="no pair-row target for rank 3 in DISPATCH_GRAD"):
         mail.target(Payload.DISPATCH_GRAD, 1, 0, 3)  # the payload is part of the key
     assert mail.release_target(Payload.COMBINE, 1, 0, 3) is target
-    mail.land(Payload.COMBINE, 1, 0, PairLanding(torch.zeros(4, 2), torch.ones(1, 1, dtype=torch.int64), 1, None))
+    mail.land(Payload.COMBINE, 1, 0, PairLanding(torch.zeros(4, 2), torch.ones(1, 1, dtype=torch.int64), None, None))
     mail.landing(Payload.COMBINE, 1, 0)
     assert mail.empty()
     with pytest.raises(AssertionError, match="no pair rows"):

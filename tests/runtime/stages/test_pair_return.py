@@ -109,7 +109,7 @@ def _pair_path(full, topk, x, w, dy, case, fused, backend, grads_as_pairs=True, 
         local_TK = torch.where(topk // per == q, topk % per, per).to(torch.int32)
         mine = _Received(x, local_TK, per, w, dy, sparse, gen)
         x_leaf = mine.x.detach().requires_grad_()
-        saved.append(pair_return.expert_pair_rows(x_leaf, mine.local_TK, mine.w, part, PairTarget(rows, flags, q, 1),
+        saved.append(pair_return.expert_pair_rows(x_leaf, mine.local_TK, mine.w, part, PairTarget(rows, flags, q),
                                                   counters, seg, fused=fused, num_programs=3 if fused else None,
                                                   token_T=mine.token_T))
         parts.append(part)
@@ -118,15 +118,17 @@ def _pair_path(full, topk, x, w, dy, case, fused, backend, grads_as_pairs=True, 
     assert (flags == 1).all() and (counters == 0).all(), "every source raised every segment"
     status = torch.zeros(2, dtype=torch.int32, device=device) if fused else None
     w_leaf = w.detach().requires_grad_()
-    y = pair_return.combine_pairs(PairLanding(rows, flags, 1, status), w_leaf, seg, num_programs=2)
+    landing = PairLanding(rows, flags, torch.zeros_like(flags), status)
+    y = pair_return.combine_pairs(landing, w_leaf, seg, num_programs=2)
     y.backward(dy)
     if grads_as_pairs:  # d x returns as pair rows into a second buffer, summed on the receiver
         dx_rows = torch.full_like(rows, float("nan"))
         dx_flags = torch.zeros_like(flags)
         for q, (s, mine) in enumerate(zip(saved, got, strict=True)):
-            pair_return.expert_pair_rows_backward(s, mine.dy, PairTarget(dx_rows, dx_flags, q, 1), counters, seg)
+            pair_return.expert_pair_rows_backward(s, mine.dy, PairTarget(dx_rows, dx_flags, q), counters, seg)
         assert (dx_flags == 1).all() and (counters == 0).all()
-        dx = pair_return.sum_pairs(PairLanding(dx_rows, dx_flags, 1, status), top_k, seg, num_programs=2).float()
+        landing = PairLanding(dx_rows, dx_flags, torch.zeros_like(dx_flags), status)
+        dx = pair_return.sum_pairs(landing, top_k, seg, num_programs=2).float()
     else:  # d x compactly into each source's leaf (sparse dispatch: in its received order, back per source)
         for s, mine in zip(saved, got, strict=True):
             pair_return.expert_pair_rows_backward(s, mine.dy)
@@ -201,7 +203,7 @@ def test_recomputed_pair_rows_keep_less_and_give_the_same_bits_in_fp32(kernels, 
     rows = torch.zeros(tokens * top_k, hidden)
     flags = torch.zeros(1, -(-tokens // seg), dtype=torch.int64)
     saved = pair_return.expert_pair_rows(x.requires_grad_(), torch.where(topk < 3, topk, 3).to(torch.int32), w, part,
-                                         PairTarget(rows, flags, 0, 1), torch.zeros(flags.shape[1], dtype=torch.int32),
+                                         PairTarget(rows, flags, 0), torch.zeros(flags.shape[1], dtype=torch.int32),
                                          seg, fused=True, num_programs=2)
     assert (saved.fused.act_NF is None) == ("expert_swiglu" in recompute)
     assert isinstance(saved.fused.x_N, pair_return.RowSource) == ("expert_input" in recompute)
@@ -228,7 +230,7 @@ def test_recomputed_pair_rows_keep_less_under_full_only_rows_and_routing(kernels
     rows = torch.zeros(tokens * top_k, hidden)
     flags = torch.zeros(1, -(-tokens // seg), dtype=torch.int64)
     saved = pair_return.expert_pair_rows(x.requires_grad_(), torch.where(topk < 3, topk, 3).to(torch.int32), w, part,
-                                         PairTarget(rows, flags, 0, 1), torch.zeros(flags.shape[1], dtype=torch.int32),
+                                         PairTarget(rows, flags, 0), torch.zeros(flags.shape[1], dtype=torch.int32),
                                          seg, fused=True, num_programs=2)
     assert saved.fused.h13_N2F is None and saved.fused.act_NF is None and saved.x_N is None
     assert isinstance(saved.fused.x_N, pair_return.RowSource) and saved.fused.x_N.x_TH.data_ptr() == x.data_ptr()
@@ -249,7 +251,7 @@ def test_fully_recomputed_plain_torch_pair_rows_are_the_plain_runs(grads_as_pair
 
 def test_a_target_of_the_wrong_shape_is_refused():
     full, topk, x, w, _ = _layer(CASES[0], "cpu", torch.float32)
-    target = PairTarget(torch.zeros(3, x.shape[1]), torch.zeros(1, 5, dtype=torch.int64), 0, 1)
+    target = PairTarget(torch.zeros(3, x.shape[1]), torch.zeros(1, 5, dtype=torch.int64), 0)
     with pytest.raises(ValueError, match="one row per pair"):
         pair_return.expert_pair_rows(x, topk.to(torch.int32), w, full, target, torch.zeros(5, dtype=torch.int32), 8)
 
@@ -316,7 +318,7 @@ def test_fused_pair_rows_store_each_weight_gradients_first_touch(kernels):
                 flags = torch.zeros(sources, -(-tokens // seg), dtype=torch.int64)
                 counters = torch.zeros(flags.shape[1], dtype=torch.int32)
                 saved.append((pair_return.expert_pair_rows(x.clone().requires_grad_(), local, w, part,
-                                                           PairTarget(rows, flags, q, 1), counters, seg, fused=True,
+                                                           PairTarget(rows, flags, q), counters, seg, fused=True,
                                                            num_programs=3), dy))
             with deferred_weight_grads() as held:
                 for s, dy in saved:
