@@ -822,9 +822,11 @@ class TrainConfig(StrictModel):
     cuda_graphs: Literal["auto", "off", "on"] = Field(
         "auto", description="on: mode single on CUDA captures the whole step (every micro-batch's forward and "
         "backward, the clip and the optimizer) in one CUDA graph after 3 eager steps and replays it, with no "
-        "launch gaps between kernels; the distributed modes run eagerly for now (refused there). auto: on where "
-        "the captured step has been checked on a GPU (mode single, the triton or grouped_mm experts, bf16 or "
-        "fp8, any recomputation, fp32 or bf16 moments, no offload), else eager, saying why at start and in the summary")
+        "launch gaps between kernels; modes disaggregated and colocated capture every rank's step over transport "
+        "nvshmem (a graph per phase of the transport's message counts; one attention rank per pipeline group, no "
+        "replicated experts: runtime/rank_graphs.py), refused elsewhere with the fix. auto: on where the captured "
+        "step has been checked on a GPU (mode single, the triton or grouped_mm experts, bf16 or fp8, any "
+        "recomputation, fp32 or bf16 moments, no offload), else eager, saying why at start and in the summary")
     _yaml_on_off = field_validator("cuda_graphs", mode="before")(on_off_word)
 
     forbid_host_syncs: bool = Field(
@@ -1012,11 +1014,13 @@ class TrainConfig(StrictModel):
                 raise ValueError("precision: fp8 with hop: pair_rows is not built: the pair-row return's kernel fuses "
                                  "the down GEMM with the peer stores in bf16 (kernels/fused_return.py); use hop: "
                                  "partial_sums (or auto, which takes partial sums under fp8), or precision: bf16")
-        if self.cuda_graphs == "on" and (self.mode != "single" or self.device != "cuda"):
-            raise ValueError(f"cuda_graphs: on captures mode single's step on a GPU; this run is mode {self.mode} on "
-                             f"{self.device}: the distributed ranks' steps are not captured yet (the nvshmem "
-                             "transport replays per phase of its message counts, but the worker's step capture is "
-                             "not built): set cuda_graphs: off")
+        if self.cuda_graphs == "on" and self.device != "cuda":
+            raise ValueError(f"cuda_graphs: on captures steps on a GPU; this run is mode {self.mode} on {self.device}: "
+                             "set device: cuda (or cuda_graphs: off)")
+        if self.cuda_graphs == "on" and self.mode != "single" and self.transport != "nvshmem":
+            raise ValueError(f"cuda_graphs: on captures a {self.mode} rank's step only over transport nvshmem (its "
+                             f"puts and flag waits run on the stream); transport {self.transport} posts every message "
+                             "from the host: set transport: nvshmem (or cuda_graphs: off)")
         if self.cuda_graphs == "on" and self.experts_backend == "loop":
             raise ValueError("cuda_graphs: on with experts_backend: loop: the loop reads each expert's row count on "
                              "the host, which a captured step cannot; set experts_backend: triton (or grouped_mm), "

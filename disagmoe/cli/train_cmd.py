@@ -220,7 +220,7 @@ def _transport_line(cfg: TrainConfig, model_cfg: ModelConfig, topology) -> str:
     from disagmoe.runtime.stages.messages import MessageShapes, transport_buffer_bytes
 
     per_rank = transport_buffer_bytes(cfg, MessageShapes.of_run(cfg, model_cfg, topology), topology,
-                                      stream_sum_width(cfg, topology.world_size))
+                                      stream_sum_width(cfg, topology))
     what = "the symmetric nvshmem arena, on every rank" if cfg.transport == "nvshmem" else (
         f"{cfg.transport} receive buffers, the largest rank's")
     return f"transport buffers: {max(per_rank, default=0) / 2**30:.2f} GiB per rank ({what}; in the memory check)"

@@ -24,7 +24,9 @@ shapes the transports allocate and the bytes priced here are one table. What eac
   `runtime.schedule.reuse_order.one_sided_slots`, `ring_segments`): a forward payload a segment
   per key and one more, a gradient payload m + 1 (at most two per key); a one-sided sender runs
   ahead of its reader, so a ring holds more than nccl's slots (tests/roofline pins the counts
-  rank by rank against the arena built).
+  rank by rank against the arena built). A run whose rank steps are captured in CUDA graphs
+  rounds each ring up to the smallest divisor of twice its messages a step (`reuse=RING_STEP`,
+  `step_ring`): a forward ring then holds two segments per key, a gradient ring at most that.
 - local (gloo, CPU): receives into the same shared slots as nccl once reserved (`TrainWorker`
   reserves them), so it exercises the reuse on CPU; priced as nccl.
 
@@ -158,19 +160,41 @@ def layer_tables(num_layers: int, num_dense: int, p: Num) -> tuple[np.ndarray, n
 
 
 RING = "ring"  # `reuse=RING`: nvshmem's rings (module docstring), counted in segments
+RING_STEP = "ring-step"  # `reuse=RING_STEP`: the rings rounded up to a step's messages (captured rank steps)
+RINGS = (RING, RING_STEP)
 
 
 def _shared(per_key: Num, present: Num, reuse: bool | str, mb: Num = 1) -> Num:
     """A gradient payload's slots: `per_key` without reuse, one per peer (`present`) with it; with
-    RING a ring per peer of m + 1 segments, at most two per key (`ring_segments`)."""
-    if reuse == RING:
-        return present * np.minimum(mb + 1, 2 * per_key // np.maximum(present, 1))
+    RING a ring per peer of m + 1 segments, at most two per key (`ring_segments`); RING_STEP that
+    ring rounded up by `step_ring`."""
+    if reuse in RINGS:
+        keys = per_key // np.maximum(present, 1)  # a ring's keys: its messages a step
+        ring = np.minimum(mb + 1, 2 * keys)
+        return present * (step_ring(ring, keys) if reuse == RING_STEP else ring)
     return np.minimum(per_key, present) if reuse else per_key
 
 
 def _forward(per_key: Num, present: Num, reuse: bool | str) -> Num:
-    """A forward payload's segments with RING: a ring per peer of a segment per key and one more."""
+    """A forward payload's segments with RING: a ring per peer of a segment per key and one more;
+    RING_STEP that ring rounded up by `step_ring` (twice its keys)."""
+    if reuse == RING_STEP:
+        keys = per_key // np.maximum(present, 1)
+        return present * step_ring(keys + 1, keys)
     return per_key + present if reuse == RING else per_key
+
+
+def step_ring(size: Num, per_step: Num) -> Num:
+    """`runtime.schedule.reuse_order.step_ring` on arrays (0 where `per_step` is 0): the smallest
+    divisor of 2 `per_step` at least `size`, past 2 `per_step` its next multiple."""
+    size, per_step = np.asarray(size), np.asarray(per_step)
+    twice = 2 * per_step
+    out = np.where(size > twice, -(-size // np.maximum(twice, 1)) * twice, twice)
+    most = int(np.max(twice // np.maximum(size, 1), initial=1))
+    for j in range(2, most + 1):  # divisors 2 per_step / j, the largest j giving the smallest fitting one
+        fits = (twice % j == 0) & (twice // j >= size)
+        out = np.where(fits, np.minimum(out, twice // j), out)
+    return np.where(per_step > 0, out, 0)
 
 
 def _loss_fed(num_layers: int, num_dense: int, p: Num, g: Num) -> tuple[Num, Num]:
@@ -205,7 +229,7 @@ def _attention_counts(num_layers, num_dense, p, g, q, mb, ring, moe_g, dense_g, 
     With reuse: a gradient payload one slot per peer (consumed by the backward op right after it
     arrives); a forward one a slot per key, as its autograd state lives until the backward, except
     the last layer's message to the head group (p > 1), which the loss reads and frees: one."""
-    fed_moe, fed_dense = _loss_fed(num_layers, num_dense, p, g) if reuse and reuse != RING else (0, 0)
+    fed_moe, fed_dense = _loss_fed(num_layers, num_dense, p, g) if reuse and reuse not in RINGS else (0, 0)
     fwd_moe = mb * moe_prev - (mb - 1) * fed_moe * (moe_prev > 0)
     fwd_dense = mb * dense_prev - (mb - 1) * fed_dense * (dense_prev > 0)
     return {("dispatch_grad", True): _shared(mb * q * moe_g, q * (moe_g > 0), reuse, mb),
@@ -313,14 +337,16 @@ def _groups_max(x: np.ndarray) -> np.ndarray:
 
 def layout_transport_bytes(num_layers: int, num_dense: int, s: HopShape, p: Num, dp: Num, expert_ranks: Num,
                            sets: Num, micro_batches: Num, colocated: bool,
-                           transport: str = "nvshmem") -> tuple[Num, Num]:
+                           transport: str = "nvshmem", step_aligned: bool = False) -> tuple[Num, Num]:
     """(attention GPU, expert GPU) transport bytes of a layout, the busiest pipeline group's rank
     of each role (colocated: both the same). `dp`: attention ranks per group, `expert_ranks`: Q per
     replica set, `sets` replica sets per group (an expert rank serves dp / sets sources); colocated:
     `expert_ranks` is the expert-parallel group of each rank (its peers: Q - 1). nvshmem: every GPU
     holds the largest arena of any rank (symmetric memory); nccl and local share slots between keys
     whose lifetimes do not overlap (`runtime.schedule.recv_slots`), nvshmem in rings of segments
-    (`reuse=RING`, `runtime.schedule.reuse_order.one_sided_slots`)."""
+    (`reuse=RING`, `runtime.schedule.reuse_order.one_sided_slots`; `step_aligned`: rounded up to a
+    step's messages, RING_STEP, as a run with captured rank steps allocates them)."""
+    rings = RING_STEP if step_aligned else RING
     attn, exp = layout_receives(num_layers, num_dense, p, dp, expert_ranks, sets, micro_batches, colocated,
-                                reuse=RING if transport == "nvshmem" else True)
+                                reuse=rings if transport == "nvshmem" else True)
     return transport_bytes(attn, exp, s, transport)

@@ -35,11 +35,11 @@ EXTRA = [  # more micro-batches in flight; the head group fed by another (p > 1)
 ]
 
 
-def _run(layout: dict, transport: str, shared: bool) -> tuple[TrainConfig, object, Topology]:
+def _run(layout: dict, transport: str, shared: bool, **fields) -> tuple[TrainConfig, object, Topology]:
     d = load_yaml(open("configs/tiny-cpu.yaml").read())
     model = dict(MODEL, num_shared_experts=1, shared_expert_ffn_size=32) if shared else MODEL
     d.update(layout, model=model, transport=transport, batch_size=12,
-             device="cuda" if transport != "local" else "cpu")
+             device="cuda" if transport != "local" else "cpu", **fields)
     cfg = TrainConfig.model_validate(d)
     m = load_model(cfg.model)
     return cfg, m, Topology.from_config(cfg, m)
@@ -66,13 +66,26 @@ def _model_bytes(cfg: TrainConfig, m, top: Topology, reuse: bool | str = False) 
     return counts, s
 
 
-@pytest.mark.parametrize("layout", LAYOUTS + EXTRA)
+def _captured(layout: dict) -> bool:
+    """A layout whose rank steps `cuda_graphs: on` captures (`runtime.rank_graphs`): one attention
+    rank per pipeline group (colocated: one rank is every rank's data-parallel replica)."""
+    return layout.get("mode") != "colocated" and layout["attention_ranks"] == layout["pipeline_groups"]
+
+
+CAPTURED = [layout for layout in LAYOUTS + EXTRA if _captured(layout)]
+
+
+@pytest.mark.parametrize("layout, graphs", [(layout, "off") for layout in LAYOUTS + EXTRA]
+                         + [(layout, "on") for layout in CAPTURED])
 @pytest.mark.parametrize("shared", [False, True])
-def test_nvshmem_arena_matches_symmetric_layouts(layout, shared):
-    """The model's rings (`reuse=RING`: keys share a ring of segments, `reuse_order.one_sided_slots`)
-    are the arena `receive_layouts` builds, and never more than two copies of a segment per key."""
-    cfg, m, top = _run(layout, "nvshmem", shared)
-    counts, s = _model_bytes(cfg, m, top, reuse=tm.RING)
+def test_nvshmem_arena_matches_symmetric_layouts(layout, graphs, shared):
+    """The model's rings (`reuse=RING`: keys share a ring of segments, `reuse_order.one_sided_slots`;
+    RING_STEP: rounded up to a step's messages where the rank steps are captured) are the arena
+    `receive_layouts` builds, and never more than two copies of a segment per key."""
+    step_aligned = graphs == "on"  # the loop backend reads counts on the host: a captured step runs triton's
+    cfg, m, top = _run(layout, "nvshmem", shared, **(dict(cuda_graphs="on", experts_backend="triton", hop="partial_sums")
+                                                      if step_aligned else {}))
+    counts, s = _model_bytes(cfg, m, top, reuse=tm.RING_STEP if step_aligned else tm.RING)
     per_key, _ = _model_bytes(cfg, m, top, reuse=False)
     assert all(sum(c.values()) <= tm.COPIES * sum(k.values()) for c, k in zip(counts, per_key, strict=True))
     layouts = receive_layouts(cfg, MessageShapes.of_run(cfg, m, top), top)
@@ -88,7 +101,7 @@ def test_nvshmem_arena_matches_symmetric_layouts(layout, shared):
         dp = top.data_parallel
         attn, exp = tm.layout_transport_bytes(m.num_layers, m.num_dense_layers, s, np.array([top.pipeline_groups]),
                                               np.array([dp]), np.array([len(top.expert_groups[0])]), np.array([1]),
-                                              cfg.micro_batches, colocated=False)
+                                              cfg.micro_batches, colocated=False, step_aligned=step_aligned)
         assert int(attn[0]) == int(exp[0]) == layouts[0].nbytes
 
 
@@ -171,3 +184,25 @@ def test_the_arena_constants_are_the_transports():
 
     assert (tm.ALIGN, tm.COPIES) == (symmetric.ALIGN, symmetric.COPIES)
     assert all(tm.align(n) == symmetric.align(n) for n in (0, 1, 255, 256, 257, 10**9 + 7))
+
+
+@pytest.mark.parametrize("layout", CAPTURED)
+def test_step_aligned_rings_cost_at_most_two_segments_per_key(layout):
+    """Rounded up to a step's messages, a rank's rings hold at least the plain rings' segments and
+    at most two per key (what the per-key arena held before rings)."""
+    cfg, m, top = _run(layout, "nvshmem", False, cuda_graphs="on", experts_backend="triton", hop="partial_sums")
+    plain, _ = _model_bytes(cfg, m, top, reuse=tm.RING)
+    aligned, _ = _model_bytes(cfg, m, top, reuse=tm.RING_STEP)
+    per_key, _ = _model_bytes(cfg, m, top, reuse=False)
+    for p, a, k in zip(plain, aligned, per_key, strict=True):
+        for at in k:
+            assert p[at] <= a[at] <= tm.COPIES * k[at], at
+
+
+def test_step_ring_on_arrays_is_the_runtime_rule():
+    from disagmoe.runtime.schedule.reuse_order import step_ring
+
+    sizes, per_step = np.array([[3, 5, 9, 2], [1, 9, 5, 17]]), np.array([[4, 4, 32, 4], [1, 8, 12, 8]])
+    want = [[step_ring(int(a), int(b)) for a, b in zip(row_s, row_k)] for row_s, row_k in zip(sizes, per_step)]
+    assert tm.step_ring(sizes, per_step).tolist() == want
+    assert tm.step_ring(np.array([3, 0]), np.array([0, 0])).tolist() == [0, 0]

@@ -148,7 +148,7 @@ def rank_needs(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topology,
     (`runtime.activation_memory`, for this run's hop and dispatch)."""
     states = rank_states(cfg, model_cfg, topology) if states is None else states
     buffers = transport_buffer_bytes(cfg, MessageShapes.of_run(cfg, model_cfg, topology), topology,
-                                     stream_sum_width(cfg, topology.world_size))
+                                     stream_sum_width(cfg, topology))
     hop, _ = hop_mode(cfg, model_cfg, topology)
     sparse = dispatch_mode(cfg, model_cfg, topology)[0] == "sparse"
     activations = rank_activations(cfg, model_cfg, topology, pair_rows=hop == "pair_rows", sparse=sparse,

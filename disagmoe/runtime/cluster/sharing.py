@@ -23,6 +23,7 @@ import math
 from disagmoe.config import TrainConfig
 from disagmoe.kernels.fp8_stats import sum_words as fp8_sum_words
 from disagmoe.runtime.topology import Topology
+from disagmoe.runtime.rank_graphs import resolve_rank_graphs
 
 # What one more process on a GPU costs beyond its tensors: the CUDA context (eager module
 # loading), gloo and NVSHMEM's own state. Measured on an H200 (nvshmem4py 0.4.1, a 256 MiB
@@ -56,14 +57,15 @@ def wait_timeout_s(cfg: TrainConfig) -> float:
     return cfg.recv_timeout_s * ranks_per_gpu(cfg)
 
 
-def stream_sum_width(cfg: TrainConfig, world_size: int) -> int:
+def stream_sum_width(cfg: TrainConfig, topology: Topology) -> int:
     """float64 words of the all-ranks sum that runs on the stream over the nvshmem arena (the
     gradient norm's sum of squares; with precision fp8 also the step's FP8 counters,
-    `kernels.fp8_stats.sum_words`): that many for ranks sharing GPUs, else 0 (the process group
-    sums)."""
-    if ranks_per_gpu(cfg) == 1:
+    `kernels.fp8_stats.sum_words`): that many for ranks sharing GPUs and for runs whose rank steps
+    are captured (`runtime.rank_graphs`: a process-group collective is not), else 0 (the process
+    group sums)."""
+    if cfg.mode == "single" or (ranks_per_gpu(cfg) == 1 and not resolve_rank_graphs(cfg, topology)[0]):
         return 0
-    return 1 + (fp8_sum_words(world_size) if cfg.expert_precision == "fp8" else 0)
+    return 1 + (fp8_sum_words(topology.world_size) if cfg.expert_precision == "fp8" else 0)
 
 
 def host_collectives(topology: Topology) -> list[str]:

@@ -158,7 +158,7 @@ class TrainWorker(Worker):
         wait_s = wait_timeout_s(cfg)  # recv_timeout_s, scaled where ranks time-slice a GPU
         self.world_group, self.dp_group = self._collective_groups(topology, wait_s)
         self.shapes = MessageShapes.of_run(cfg, self.model_cfg, topology)
-        sum_width = stream_sum_width(cfg, topology.world_size)
+        sum_width = stream_sum_width(cfg, topology)
         self.sums_on_stream = sum_width > 0  # the gradient norm (and FP8 counters) over the arena, not gloo
         self.transport = make_transport(cfg.transport, wait_s, topology.rank_pairs(cfg.micro_batches),
                                         layouts=receive_layouts(cfg, self.shapes, topology, sum_width)

@@ -42,6 +42,14 @@ which every sequence of three pass kinds occurs.
     unordered_reuses(programs, passes, copies)                      per-key segments' unordered reuses
     unordered_shared_reuses(programs, passes, slot_of, L, ring_of)  the same for shared rings
     one_sided_slots(programs, is_moe, L, skip)                      every rank's key -> (ring, N)
+
+Step-aligned rings (`step_aligned`, what a run whose rank steps are captured in CUDA graphs
+allocates): each ring rounded up to the fewest segments N that divide twice the pool's messages per
+training step, so that two steps bring every count back to the same segment and a captured step
+replays in at most two phases (`comm.counts`; one where N divides the step's messages). One is not
+reachable for a forward pool: the next step's message n + k (k its messages a step) lands before
+its reader is done with message n (the replay above), so it cannot take n's segment, which is what
+a phase repeating every step would give it.
 """
 
 from __future__ import annotations
@@ -250,13 +258,14 @@ def ring_sizes(programs: Sequence[Sequence[Op]], passes: Sequence[str], slot_of:
 
 
 def one_sided_slots(programs: Sequence[Sequence[Op]], is_moe: Callable[[int], bool], num_layers: int,
-                    skip: Callable[[Recv], bool] | None = None,
-                    passes: Sequence[str] = CHECKED_PASSES) -> list[dict[tuple, tuple[Hashable, int]]]:
+                    skip: Callable[[Recv], bool] | None = None, passes: Sequence[str] = CHECKED_PASSES,
+                    step_aligned: bool = False) -> list[dict[tuple, tuple[Hashable, int]]]:
     """Every rank's receive keys (peer, payload value, layer, micro-batch) -> (its slot, the slot's
     ring size N) on the one-sided transport. A slot per `recv_slots` pool (peer, payload value,
     MoE layer): a ring of N segments that the pool's messages fill in turn, N from `ring_sizes`;
     where the sender sends a pool's messages in another order than the receiver receives them,
-    each key a ring of its own (the key itself). Skipped receives (pair rows) are not in it."""
+    each key a ring of its own (the key itself). Skipped receives (pair rows) are not in it.
+    `step_aligned`: every ring rounded up by `step_ring` to a step's messages (module docstring)."""
     def recv_keys(r: int, program: Sequence[Op]) -> list[tuple]:
         return [(peer, op.payload.value, op.layer, op.micro_batch) for op in program
                 if isinstance(op, Recv) and not (skip is not None and skip(op)) for peer in op.peers if peer != r]
@@ -286,9 +295,27 @@ def one_sided_slots(programs: Sequence[Sequence[Op]], is_moe: Callable[[int], bo
         held: dict[Hashable, int] = {}
         for s in name[r].values():
             held[s] = held.get(s, 0) + 1
-        out.append({key: (s, max(ring_segments(s[1], held[s], micro_batches), sizes.get((key[0], r, s), 1)))
-                    for key, s in name[r].items()})
+        out.append({key: (s, _ring(max(ring_segments(s[1], held[s], micro_batches), sizes.get((key[0], r, s), 1)),
+                                   held[s], step_aligned)) for key, s in name[r].items()})
     return out
+
+
+def _ring(size: int, per_step: int, step_aligned: bool) -> int:
+    return step_ring(size, per_step) if step_aligned else size
+
+
+def step_ring(size: int, per_step: int) -> int:
+    """The fewest segments, at least `size`, of a ring that takes `per_step` messages a training step
+    and returns to the same segment every two steps: the smallest divisor of 2 `per_step` that is at
+    least `size` (a divisor of `per_step` itself: every step). Past 2 `per_step`, the next multiple of
+    it (a longer period; no schedule the replay covers asks for that many). What
+    `roofline.transport_memory` prices with `reuse=RING_STEP`."""
+    if per_step < 1 or size < 1:
+        raise ValueError(f"a ring of {size} segments taking {per_step} messages a step: both must be >= 1")
+    twice = 2 * per_step
+    if size > twice:
+        return -(-size // twice) * twice
+    return next(n for n in range(size, twice + 1) if twice % n == 0)
 
 
 def ring_segments(payload: str, keys: int, micro_batches: int) -> int:

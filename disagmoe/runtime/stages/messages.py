@@ -298,7 +298,8 @@ def receive_layouts(cfg, shapes: MessageShapes, topology, sum_width: int = 0) ->
     `transport: nvshmem` the symmetric arenas it allocates (a ring of segments per shared slot, the largest
     rank's size everywhere; a pair-row message one shared buffer with its flag block; with
     `sum_width` > 0 the all-ranks sum's shares); otherwise each rank's own buffers, one copy (as
-    nccl reserves them; pair rows: one per source)."""
+    nccl reserves them; pair rows: one per source). A run whose rank steps are captured
+    (`runtime.rank_graphs`) rounds each ring up to a step's messages (`reuse_order.step_ring`)."""
     from disagmoe.comm.symmetric import ArenaLayout, symmetric_layouts
 
     programs = topology.programs(cfg.micro_batches)
@@ -317,7 +318,10 @@ def receive_layouts(cfg, shapes: MessageShapes, topology, sum_width: int = 0) ->
 
         # keys whose lifetimes do not overlap share segments where the replay orders every write
         # after the reader is done (`reuse_order.one_sided_slots`); pair rows keep their regions
-        shared = one_sided_slots(programs, topology.is_moe, topology.num_layers, skip=pair)
+        from disagmoe.runtime.rank_graphs import resolve_rank_graphs
+
+        shared = one_sided_slots(programs, topology.is_moe, topology.num_layers, skip=pair,
+                                 step_aligned=resolve_rank_graphs(cfg, topology)[0])
         return symmetric_layouts(programs, specs_of, capacity_factor=cfg.transport_capacity_factor,
                                  pair_of=pair_of if shapes.pair_rows else None, sum_width=sum_width, shared=shared)
     return [ArenaLayout.of_program(p, specs_of, rank, copies=1) for rank, p in enumerate(programs)]

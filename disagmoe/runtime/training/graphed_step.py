@@ -38,19 +38,25 @@ WARMUP_STEPS = 3  # eager steps before capture (torch asks for a few on a side s
 
 
 def resolve_cuda_graphs(cfg: TrainConfig) -> tuple[bool, str]:
-    """(capture the step?, the one line that says so and why) for `cfg.cuda_graphs`. auto captures
+    """(capture the step?, the one line that says so and why) for `cfg.cuda_graphs` (a distributed
+    mode's rank steps: `runtime.rank_graphs.resolve_rank_graphs`, which refuses `on` where it cannot
+    apply). auto captures
     where the captured step has been checked against the eager one on a GPU (tests/runtime/training/
     test_graphed_step.py, the FP8 counters' captured test): mode single on CUDA, the triton or grouped_mm experts,
     bf16 or fp8, any recomputation (but the FP8 experts' selective modules, whose captured test has not run on a GPU
     yet), fp32 or bf16 moments, the optimizer on the device; elsewhere it runs eagerly and names what is missing.
     `optim.update_kernel: triton` is captured too: its launch reads nothing on the host, and its captured steps
     equal its eager ones bit for bit on an H200 (tests/runtime/state/test_flat_adamw.py, 2026-12-03)."""
+    if cfg.mode != "single":
+        from disagmoe.model_ref import load_model
+        from disagmoe.runtime.rank_graphs import resolve_rank_graphs
+        from disagmoe.runtime.topology import Topology
+
+        return resolve_rank_graphs(cfg, Topology.from_config(cfg, load_model(cfg.model)))
     if cfg.cuda_graphs != "auto":
         return cfg.cuda_graphs == "on", f"cuda_graphs: {cfg.cuda_graphs}"
     eager = next((why for missing, why in (
         (cfg.device != "cuda", f"a {cfg.device} run has no CUDA graphs"),
-        (cfg.mode != "single", f"mode {cfg.mode}'s ranks are not captured yet (the nvshmem transport's messages "
-                               "replay per phase, comm.counts; the worker's step capture is not built)"),
         (cfg.experts_backend == "loop", "experts_backend loop reads each expert's row count on the host"),
         (cfg.steps_reference_adamw, "precision fp32 steps torch's reference AdamW, which is not captured"),
         (cfg.offload_optimizer, "the offloaded optimizer's copy streams are not captured yet"),

@@ -138,14 +138,21 @@ def test_forbid_host_syncs_on_shared_gpus_holds_where_no_sum_goes_through_the_ho
     check_host_syncs(cfg.model_copy(update={"ranks_per_gpu": 1, "transport": "nccl"}), topology)  # own GPUs: NCCL
 
 
+def _run_topology(cfg):
+    return Topology.from_config(cfg, load_model(cfg.model))
+
+
 def test_shared_runs_sum_the_gradient_norm_in_the_arena_and_others_over_the_group():
-    assert stream_sum_width(shared(), 2) == 1
-    assert stream_sum_width(shared(ranks_per_gpu=1), 2) == 0
-    assert stream_sum_width(shared(mode="single"), 2) == 0
+    own = shared(ranks_per_gpu=1)
+    assert stream_sum_width(shared(), _run_topology(shared())) == 1
+    assert stream_sum_width(own, _run_topology(own)) == 0
+    assert stream_sum_width(shared(mode="single"), _run_topology(shared())) == 0
+    captured = own.model_copy(update={"cuda_graphs": "on", "experts_backend": "triton"})
+    assert stream_sum_width(captured, _run_topology(captured)) == 1  # a captured step sums on the stream too
     cfg = shared()
-    topology = Topology.from_config(cfg, load_model(cfg.model))
+    topology = _run_topology(cfg)
     layouts = receive_layouts(cfg, MessageShapes.of_run(cfg, load_model(cfg.model), topology), topology,
-                              stream_sum_width(cfg, topology.world_size))
+                              stream_sum_width(cfg, topology))
     assert all(layout.sums is not None and layout.sums.ranks == topology.world_size for layout in layouts)
 
 
@@ -153,9 +160,11 @@ def test_fp8_counters_widen_the_arena_sum_by_their_words():
     """precision fp8: the norm's word, the 4 kinds' 4 counts and one amax slot per rank and kind."""
     from disagmoe.kernels.fp8_stats import sum_words
 
-    fp8 = shared(precision="fp8", experts_backend="triton", hop="partial_sums")
-    assert stream_sum_width(fp8, 3) == 1 + sum_words(3) == 1 + 16 + 12
-    assert stream_sum_width(fp8.model_copy(update={"ranks_per_gpu": 1}), 3) == 0  # the process group sums
+    fp8 = shared(precision="fp8", experts_backend="triton", hop="partial_sums", attention_ranks=1, expert_ranks=2,
+                 ranks_per_gpu=3)
+    own = fp8.model_copy(update={"ranks_per_gpu": 1})
+    assert stream_sum_width(fp8, _run_topology(fp8)) == 1 + sum_words(3) == 1 + 16 + 12
+    assert stream_sum_width(own, _run_topology(own)) == 0  # the process group sums
 
 
 def test_the_memory_check_sums_the_ranks_sharing_a_gpu():
@@ -164,7 +173,7 @@ def test_the_memory_check_sums_the_ranks_sharing_a_gpu():
     cfg = shared(model=load_model("tiny"), attention_ranks=1, expert_ranks=2)
     topology = Topology.from_config(cfg, cfg.model)
     buffers = receive_layouts(cfg, MessageShapes.of_run(cfg, cfg.model, topology), topology,
-                              stream_sum_width(cfg, topology.world_size))
+                              stream_sum_width(cfg, topology))
     sparse = dispatch_mode(cfg, cfg.model, topology)[0] == "sparse"  # auto: sparse by peer stores here
     acts = rank_activations(cfg, cfg.model, topology, pair_rows=hop_mode(cfg, cfg.model, topology)[0] == "pair_rows",
                             sparse=sparse, peer_stores=sparse)

@@ -8,12 +8,14 @@ import re
 
 import pytest
 
+from disagmoe.comm.counts import RingCounts
 from disagmoe.runtime.schedule.reuse_order import (
     CHECKED_PASSES,
     Reuse,
     one_sided_slots,
     pass_program,
     ring_segments,
+    step_ring,
     unordered_reuses,
     unordered_shared_reuses,
 )
@@ -176,3 +178,72 @@ def test_a_sender_out_of_the_receivers_order_gets_rings_of_its_own():
                 (Recv(Payload.DISPATCH, 0, 0, (0,)), Recv(Payload.DISPATCH, 0, 1, (0,)))]
     rings = one_sided_slots(programs, lambda layer: True, 1, passes=("eval",))
     assert rings[1] == {(0, "dispatch", 0, 0): ((0, "dispatch", 0, 0), 2), (0, "dispatch", 0, 1): ((0, "dispatch", 0, 1), 2)}
+
+
+# --- rings rounded up to a step's messages (captured rank steps, `step_ring`) -----------------------
+
+
+@pytest.mark.parametrize("size, per_step, ring", [
+    (3, 4, 4), (5, 4, 8), (2, 4, 2), (9, 32, 16), (5, 12, 6), (9, 8, 16), (1, 1, 1), (2, 1, 2), (5, 2, 8)])
+def test_step_ring_is_the_fewest_segments_dividing_two_steps(size, per_step, ring):
+    assert step_ring(size, per_step) == ring
+    assert ring >= size and (2 * per_step % ring == 0 or ring % (2 * per_step) == 0)
+
+
+def test_step_ring_refuses_an_empty_ring():
+    with pytest.raises(ValueError, match="must be >= 1"):
+        step_ring(0, 3)
+
+
+def _step_counts(rings, programs, steps):
+    """Every rank's receive counts (`comm.counts.RingCounts`) after each of `steps` training steps:
+    each key of a rank's program one message a step, counted in its slot."""
+    phases = []
+    counts = [RingCounts(lambda key, r=r: next(n for s, n in rings[r].values() if s == key[2]))
+              for r in range(len(programs))]
+    for _ in range(steps):
+        for r, keys in enumerate(rings):
+            for (peer, payload, layer, mb), (slot, _) in keys.items():
+                counts[r].next(("received", peer, slot))
+        phases.append([c.phase() for c in counts])
+    return phases
+
+
+@pytest.mark.parametrize("name,programs", QUICK, ids=[name for name, _ in QUICK])
+def test_step_aligned_rings_return_every_slot_to_its_phase_every_two_steps(name, programs):
+    """Rounded up (`step_aligned`), every ring still orders each write after its reader, and a
+    training step leaves every slot in one of two phases: the phase after step s + 2 is the phase
+    after step s (the first step's after every step where a ring divides its step's messages)."""
+    layers, is_moe = _num_layers(programs), _is_moe(programs)
+    plain = one_sided_slots(programs, is_moe, layers)
+    rings = one_sided_slots(programs, is_moe, layers, step_aligned=True)
+    for rank, keys in enumerate(rings):
+        for key, (slot, n) in keys.items():
+            held = sum(1 for s, _ in keys.values() if s == slot)
+            assert n == step_ring(plain[rank][key][1], held) and (2 * held) % n == 0, (name, rank, slot)
+
+    def slot_of(dst, src, message):
+        return rings[dst][(src, message[0].value, message[1], message[2])][0]
+
+    def ring_of(src, dst, slot):
+        return next(n for s, n in rings[dst].values() if s == slot)
+
+    assert unordered_shared_reuses(programs, CHECKED_PASSES, slot_of, layers, ring_of) == [], name
+    phases = _step_counts(rings, programs, 6)
+    assert phases[2] == phases[4] == phases[0] and phases[3] == phases[5] == phases[1], name
+    for rank, keys in enumerate(rings):
+        if all(sum(1 for s, _ in keys.values() if s == slot) % n == 0 for slot, n in keys.values()):
+            assert all(p[rank] == phases[0][rank] for p in phases), (name, rank)
+
+
+def test_the_unaligned_rings_of_one_attention_and_one_expert_rank_repeat_only_after_15_steps():
+    """Why the rounding: 2 layers, 2 micro-batches, rings of 5 (forward) and 3 (gradients) taking 4
+    messages a step come back to their phase after lcm(5, 3) = 15 steps; rounded up to 8 and 4, after 2."""
+    programs = build_schedule(Layout(1, 1, 1, 2), 2).programs
+    plain = one_sided_slots(programs, _is_moe(programs), 2)
+    assert sorted({n for keys in plain for _, n in keys.values()}) == [3, 5]
+    phases = _step_counts(plain, programs, 15)
+    assert phases[14] == _step_counts(plain, programs, 30)[29] and phases[13] != phases[14]
+    assert all(phases[s] != phases[14] for s in range(14))
+    aligned = one_sided_slots(programs, _is_moe(programs), 2, step_aligned=True)
+    assert sorted({n for keys in aligned for _, n in keys.values()}) == [4, 8]

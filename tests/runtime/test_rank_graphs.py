@@ -1,0 +1,113 @@
+"""Where a distributed rank's step is captured (disagmoe/runtime/rank_graphs.py): `on` refused with
+the fix where it cannot apply, `auto` eager there with the reason in one line, and the receive
+rings rounded up to a step's messages exactly where the steps are captured."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import pytest
+
+from disagmoe.config import TrainConfig
+from disagmoe.model_ref import load_model
+from disagmoe.runtime import rank_graphs
+from disagmoe.runtime.rank_graphs import resolve_rank_graphs
+from disagmoe.runtime.stages.messages import MessageShapes, receive_layouts
+from disagmoe.runtime.topology import Topology
+from disagmoe.runtime.training.graphed_step import resolve_cuda_graphs
+
+BASE = dict(model="tiny", mode="disaggregated", device="cuda", transport="nvshmem", experts_backend="triton",
+            attention_ranks=1, expert_ranks=1, batch_size=8, seq_len=16, micro_batches=2)
+
+
+def _cfg(**fields) -> TrainConfig:
+    return TrainConfig(**{**BASE, **fields})
+
+
+def _resolve(cfg: TrainConfig) -> tuple[bool, str]:
+    return resolve_rank_graphs(cfg, Topology.from_config(cfg, load_model(cfg.model)))
+
+
+class _Replicated(NamedTuple):
+    """Stands for the topology of a plan with a replicated expert (ranks 1 and 2 hold it)."""
+
+    world_size: int = 3
+    data_parallel: int = 1
+
+    def replica_groups(self) -> list[tuple[int, ...]]:
+        return [(1, 2)]
+
+
+@pytest.mark.parametrize("fields, why, fix", [
+    (dict(attention_ranks=2), "the 2 attention replicas per pipeline group sum gradients",
+     "one attention rank per pipeline group"),
+    (dict(mode="colocated", colocated_ranks=2), "the 2 attention replicas", "one attention rank"),
+])
+def test_on_refuses_a_step_with_a_process_group_collective_with_the_fix(fields, why, fix):
+    cfg = _cfg(cuda_graphs="on", **fields)
+    with pytest.raises(ValueError, match=f"cuda_graphs: on cannot capture mode {cfg.mode}'s rank steps here: "
+                                         f".*{why}.*{fix}.*or set cuda_graphs: off"):
+        _resolve(cfg)
+    with pytest.raises(ValueError, match="replicated experts sum their gradients .*no hot-expert replicas"):
+        resolve_rank_graphs(_cfg(cuda_graphs="on"), _Replicated())
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(transport="nccl"), "only over transport nvshmem .* set transport: nvshmem"),
+    (dict(transport="local", device="cpu"), "captures steps on a GPU; this run is mode disaggregated on cpu"),
+    (dict(experts_backend="loop"), "experts_backend: loop: the loop reads each expert's row count"),
+    (dict(offload_optimizer=True), "offload_optimizer with cuda_graphs: on"),
+])
+def test_the_config_refuses_on_where_it_knows_the_step_cannot_be_captured(fields, message):
+    with pytest.raises(ValueError, match=message):
+        _cfg(cuda_graphs="on", **fields)
+
+
+def test_on_captures_one_attention_rank_per_group_over_nvshmem():
+    for fields in (dict(), dict(expert_ranks=2), dict(attention_ranks=2, expert_ranks=2, pipeline_groups=2),
+                   dict(ranks_per_gpu=2)):
+        capture, note = _resolve(_cfg(cuda_graphs="on", **fields))
+        assert capture and note.startswith("cuda_graphs: on: every rank's step is captured"), fields
+    assert resolve_cuda_graphs(_cfg(cuda_graphs="on")) == _resolve(_cfg(cuda_graphs="on"))  # the driver's note
+
+
+@pytest.mark.parametrize("fields, says", [
+    (dict(transport="nccl"), "transport nccl posts every message from the host"),
+    (dict(transport="local", device="cpu"), "a cpu run has no CUDA graphs"),
+    (dict(attention_ranks=2), "the 2 attention replicas per pipeline group"),
+    (dict(experts_backend="loop"), "experts_backend loop reads each expert's row count on the host"),
+    (dict(offload_optimizer=True), "the offloaded optimizer's copy streams"),
+    (dict(), "the captured rank step has not been checked against the eager one on a GPU yet"),
+])
+def test_auto_runs_eagerly_and_says_why_in_one_line(fields, says):
+    capture, note = _resolve(_cfg(**fields))
+    assert not capture and note.startswith(f"cuda_graphs: auto -> eager: {says}") and "\n" not in note
+
+
+def test_auto_captures_once_checked_on_a_gpu_but_fp8_still_waits(monkeypatch):
+    monkeypatch.setattr(rank_graphs, "CHECKED_ON_GPU", True)
+    assert _resolve(_cfg())[0]
+    capture, note = _resolve(_cfg(precision="fp8", hop="partial_sums"))
+    assert not capture and "precision fp8's captured rank step" in note
+    assert _resolve(_cfg(cuda_graphs="off")) == (False, "cuda_graphs: off")
+
+
+def test_single_mode_is_not_a_rank_step():
+    cfg = TrainConfig(model="tiny", mode="single", device="cuda")
+    with pytest.raises(ValueError, match="graphed_step.resolve_cuda_graphs"):
+        resolve_rank_graphs(cfg, Topology.from_config(cfg.model_copy(update={"mode": "disaggregated"}),
+                                                      load_model(cfg.model)))
+
+
+def test_captured_runs_get_rings_rounded_up_to_a_steps_messages():
+    """The arena of a captured run: every ring's segments divide twice its keys' messages a step;
+    an eager run keeps the plain rings (a forward ring one segment more than its keys)."""
+    for graphs, aligned in (("on", True), ("off", False)):
+        cfg = _cfg(cuda_graphs=graphs, hop="partial_sums")
+        topology = Topology.from_config(cfg, load_model(cfg.model))
+        for layout in receive_layouts(cfg, MessageShapes.of_run(cfg, load_model(cfg.model), topology), topology):
+            for seg in layout.segments:
+                n, keys = layout.ring(seg.slot), len(seg.keys)
+                assert ((2 * keys) % n == 0) is aligned or (2 * keys) % n == 0, (graphs, seg.slot, n, keys)
+                if not seg.slot[1].backward:
+                    assert n == (2 * keys if aligned else keys + 1), (graphs, seg.slot)
