@@ -21,12 +21,18 @@ Capture protocol (torch's rules for graphs with autograd and optimizers):
   are the graph's own tensors, overwritten by the next replay (the caller reads them first).
 Checkpoint restores and evaluation write or read parameters in place and eagerly, outside the graph,
 so a replay after them sees their values.
+
+A distributed rank's step (`PhasedGraphs`) reuses the warm-up stream and the capture
+(`run_on_warmup_stream`, `capture_graph`) but keeps a graph per phase of the one-sided
+transport's message counts (`comm.counts`), counting each replay's messages (`advance`).
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -122,21 +128,113 @@ class GraphedStep:
         return self.body(self.model, self.optimizer, self.tokens_BS1, self.micro_batches, self.grad_clip)
 
     def _eager(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if self.device.type != "cuda":
-            return self._run()
-        side = warmup_stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            out = self._run()
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        return out
+        return run_on_warmup_stream(self.device, self._run)
 
     def _capture(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.empty_cache()  # the warm-up's cached blocks back, so the graph's pool is not a second peak
-        self.graph = self.graph_factory()
         taken = self.optimizer.steps_taken
-        with self.capture(self.graph):
-            self.outputs = self._run()
+        self.graph, self.outputs = capture_graph(self._run, self.device, self.graph_factory, self.capture)
         self.optimizer.steps_taken = taken  # capture ran nothing: the replay that follows is the step
+
+
+T = TypeVar("T")
+
+
+def run_on_warmup_stream(device: torch.device, body: Callable[[], T]) -> T:
+    """An eager step before (or between) captures: on the process's warm-up stream (`warmup_stream`),
+    ordered after and before the current stream's work; on a CPU just `body()`."""
+    if device.type != "cuda":
+        return body()
+    side = warmup_stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        out = body()
+    torch.cuda.current_stream(device).wait_stream(side)
+    return out
+
+
+def capture_graph(body: Callable[[], T], device: torch.device, graph_factory: Callable[[], object],
+                  capture: Callable[..., object], pool: object | None = None) -> tuple[object, T]:
+    """(the graph, `body`'s outputs) of `body` captured into a new graph (`graph_factory`) under
+    `capture` (torch's `CUDAGraph` and `torch.cuda.graph`, or a test's fakes): capture runs nothing,
+    so the caller replays it once for the step it stands for. `pool`: another graph's memory pool to
+    share (graphs replayed one at a time, never together). The eager steps' cached blocks are given
+    back first, so the graph's pool is not a second peak."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+    graph = graph_factory()
+    with capture(graph, **({} if pool is None else {"pool": pool})):
+        outputs = body()
+    return graph, outputs
+
+
+def is_capturing(device: torch.device) -> bool:
+    """Whether the current stream of `device` is being captured (no event query, no timing event)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+MAX_PHASE_GRAPHS = 4  # a training step alternates between two phases, an odd evaluation moves to two more
+
+
+@dataclass
+class PhaseGraph:
+    graph: object
+    outputs: object  # the captured step's outputs: its replays overwrite them, the caller reads them after
+    step_counts: dict  # `comm.counts.counts_between` of the capture: what a replay sends and receives
+
+
+class PhasedGraphs:
+    """A distributed rank's step under CUDA graphs (issue 20 item 1; `runtime.rank_graphs` says
+    where): a graph per phase of the one-sided transport's message counts (`comm.counts`).
+
+        out, replayed = graphs(body)   # body: the rank's step on the device, returning what the step's read needs
+
+    - The first `warmup_steps` steps run eagerly on the warm-up stream (`run_on_warmup_stream`).
+    - After them, a step in a phase that has a graph replays it: the transport first counts the
+      replay's messages (`advance`), as the captured step's own calls did.
+    - A step in a phase without one captures it if an eager step already ran in that phase (its
+      address tables and launch scratch exist: none is made during capture) and fewer than
+      `max_graphs` exist, then replays it once: capture sends nothing, the replay is the step, and
+      the counts the capture moved are that step's. Otherwise it runs eagerly (a phase an
+      evaluation moved the counts to, met for the first time).
+    The graphs share one memory pool (they never run together). `graph_factory` and `capture` are
+    torch's; tests pass fakes."""
+
+    def __init__(self, transport: object, device: torch.device, warmup_steps: int = WARMUP_STEPS,
+                 max_graphs: int = MAX_PHASE_GRAPHS, graph_factory: Callable[[], object] | None = None,
+                 capture: Callable[..., object] | None = None) -> None:
+        self.transport, self.device = transport, device
+        self.warmup_steps, self.max_graphs = warmup_steps, max_graphs
+        self.graph_factory = graph_factory or torch.cuda.CUDAGraph
+        self.capture = capture or torch.cuda.graph
+        self.graphs: dict[frozenset, PhaseGraph] = {}
+        self.seen: set[frozenset] = set()  # phases an eager step ran in
+        self.eager_steps = self.replays = 0
+
+    def __call__(self, body: Callable[[], T], on_capture: Callable[[], None] | None = None) -> tuple[T, bool]:
+        """(the step's outputs, whether it was a replay). `on_capture`: called after a capture, before
+        its replay (the caller undoes the host counters the captured body advanced)."""
+        phase = self.transport.phase()
+        entry = self.graphs.get(phase)
+        if entry is not None:
+            self.transport.advance(entry.step_counts)
+        elif self.eager_steps >= self.warmup_steps and phase in self.seen and len(self.graphs) < self.max_graphs:
+            entry = self.graphs[phase] = self._capture(body)
+            if on_capture is not None:
+                on_capture()
+        else:
+            self.seen.add(phase)
+            self.eager_steps += 1
+            return run_on_warmup_stream(self.device, body), False
+        entry.graph.replay()
+        self.replays += 1
+        return entry.outputs, True
+
+    def _capture(self, body: Callable[[], T]) -> PhaseGraph:
+        from disagmoe.comm.counts import counts_between
+
+        before = self.transport.message_counts()
+        first = next(iter(self.graphs.values()), None)
+        pool = first.graph.pool() if first is not None and hasattr(first.graph, "pool") else None
+        graph, outputs = capture_graph(body, self.device, self.graph_factory, self.capture, pool)
+        return PhaseGraph(graph, outputs, counts_between(before, self.transport.message_counts()))

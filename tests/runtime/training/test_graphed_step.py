@@ -196,3 +196,123 @@ def test_cuda_a_captured_step_updates_the_parameters_the_model_reads():
     for b in optimizer.buckets:
         assert torch.equal(b.compute_N, b.master_S.to(torch.bfloat16)), b.name
     assert step.replays == 2
+
+
+# --- a distributed rank's step: a graph per phase of the transport's counts (`PhasedGraphs`) --------
+
+
+class FakeTransport:
+    """The one-sided transport's host counts alone (`comm.counts.RingCounts`): two rings of 4
+    segments taking 2 messages a step each (step-aligned: phases repeat every 2 steps), the forward
+    one also 2 per evaluation batch."""
+
+    RINGS = {("sent", 1, "forward"): 4, ("received", 1, "gradient"): 4}
+
+    def __init__(self) -> None:
+        from disagmoe.comm.counts import RingCounts
+
+        self.counts = RingCounts(self.RINGS.__getitem__)
+
+    def step(self) -> None:  # what the rank's step body sends and receives
+        for key in self.RINGS:
+            for _ in range(2):
+                self.counts.next(key)
+
+    def evaluate(self) -> None:  # an evaluation batch: the forward messages alone
+        for _ in range(2):
+            self.counts.next(("sent", 1, "forward"))
+
+    def phase(self):
+        return self.counts.phase()
+
+    def message_counts(self):
+        return self.counts.snapshot()
+
+    def advance(self, step):
+        self.counts.advance(step)
+
+
+class FakeCapture:
+    """`torch.cuda.graph` for `FakeGraph`: the body runs its Python (the host counts move) but its
+    device work is recorded, not done; the graph's replay does it."""
+
+    def __init__(self, work: list) -> None:
+        self.work, self.pools = work, []
+
+    @contextlib.contextmanager
+    def __call__(self, graph, pool=None):
+        self.pools.append(pool)
+        done = len(self.work)
+        yield
+        recorded = self.work[done:]
+        del self.work[done:]  # capture ran nothing on the device
+        graph.body = lambda: self.work.extend(recorded)
+
+
+class PooledGraph(FakeGraph):
+    def pool(self):
+        return id(self)
+
+
+def _phased(transport, work, **kw):
+    from disagmoe.runtime.training.graphed_step import PhasedGraphs
+
+    capture = FakeCapture(work)
+    return PhasedGraphs(transport, torch.device("cpu"), graph_factory=PooledGraph, capture=capture, **kw), capture
+
+
+def test_a_rank_step_is_captured_once_per_phase_after_the_warm_up_and_replayed_with_its_counts():
+    from disagmoe.runtime.training.graphed_step import WARMUP_STEPS
+
+    transport, work, captured = FakeTransport(), [], []
+    graphs, capture = _phased(transport, work)
+
+    def body():
+        transport.step()
+        work.append(("step", transport.phase()))  # device work, tagged with the phase it was issued in
+        return ("outputs", transport.phase())
+
+    reference = FakeTransport()
+    replayed = []
+    for _ in range(WARMUP_STEPS + 5):
+        out, was_replay = graphs(body, on_capture=lambda: captured.append(len(work)))
+        reference.step()
+        replayed.append(was_replay)
+        assert transport.message_counts() == reference.message_counts()  # a replay counts what the step sent
+        assert out[1] == reference.phase()  # the outputs of the graph of this step's phase
+    assert replayed == [False] * WARMUP_STEPS + [True] * 5
+    assert len(graphs.graphs) == 2 and graphs.replays == 5 and graphs.eager_steps == WARMUP_STEPS
+    assert len(work) == WARMUP_STEPS + 5  # every step's device work once: eager or replayed
+    assert [w[1] for w in work[::2]] == [work[0][1]] * ((WARMUP_STEPS + 6) // 2)  # each replay its own phase's
+    assert capture.pools == [None, id(next(iter(graphs.graphs.values())).graph)]  # the second shares the first's
+    assert len(captured) == 2
+
+
+def test_an_evaluation_that_moves_the_phase_runs_eagerly_until_that_phase_was_met_once():
+    transport, work = FakeTransport(), []
+    graphs, _ = _phased(transport, work, warmup_steps=2)
+
+    def body():
+        transport.step()
+        work.append("step")
+        return "outputs"
+
+    kinds = []
+    for step in range(9):
+        if step == 4:
+            transport.evaluate()  # forward ring moved by 2 of 4: phases no training step met
+        kinds.append(graphs(body)[1])
+    assert kinds == [False, False, True, True, False, False, True, True, True]
+    assert len(graphs.graphs) == 4 and len(work) == 9
+
+
+def test_past_max_graphs_a_phase_runs_eagerly():
+    transport, work = FakeTransport(), []
+    graphs, _ = _phased(transport, work, warmup_steps=2, max_graphs=1)
+
+    def body():
+        transport.step()
+        work.append("step")
+
+    kinds = [graphs(body)[1] for _ in range(6)]
+    assert kinds == [False, False, True, False, True, False] and len(graphs.graphs) == 1
