@@ -73,7 +73,7 @@ for the flags).
   process group is gloo (NCCL refuses them): the step's gradient norm then makes no host wait.
   A share that never came is named by `check_status` as a message is.
 
-- CUDA graphs (issue 20 item 1; this module's part is done, the worker's capture is not): no
+- CUDA graphs (issue 20 item 1; the worker's capture: `runtime.rank_graphs`): no
   launch or put takes a message number, so a captured send or receive replays correctly while
   `phase()` is the one it was captured in; the runtime keeps a graph per phase (or runs eagerly
   in a phase it has none for) and calls `advance(step)` before each replay, `step` being
@@ -83,10 +83,15 @@ for the flags).
   capture forbids the query); every address table (`_table`: a pinned host copy the first time
   an address set is seen) and launch scratch (`_scratch`) made in the eager steps before capture;
   the kernels compiled and loaded before capture (`sparse_dispatch.warm_up`, the eager steps).
+  `_keep_in_flight` queries no event while a graph is captured (the tensors it keeps then stay
+  for the transport's life); the worker captures a phase only after an eager step in it
+  (`runtime.training.graphed_step.PhasedGraphs`), so its address tables exist.
   NVSHMEM's host puts on the stream (put, put_signal, signal_op, quiet) are captured as they are:
   tests/comm/test_nvshmem.py's graph test is the check that they replay. Ring sizes that do not
   divide a step's messages of their pool make the phase period long (two layers, two micro-batches,
-  rings of 3 and 5 taking 4 messages a step: 15 phases), and an evaluation pass moves the phase.
+  rings of 3 and 5 taking 4 messages a step: 15 phases), so a captured run rounds them up to
+  divisors of twice a step's messages (`reuse_order.step_ring`: at most two phases); an evaluation
+  pass moves the forward rings' phase.
 
 The messages and `all_sum` use NVSHMEM; the other collectives stay on the process group, in the
 schedule's order (DESIGN 3c): a GPU flag wait must never sit behind a peer's collective, and
@@ -236,6 +241,7 @@ class NvshmemTransport(Transport):
         self._index = [SlotIndex(layout) for layout in self.layouts]
         self.counts = RingCounts(self._ring_of)  # every slot's messages so far, both ends alike (`comm.counts`)
         self._extras_in_flight: list[tuple[Any, tuple[torch.Tensor, ...]]] = []  # (event, tensors put before it)
+        self._held_by_graphs: list[tuple[torch.Tensor, ...]] = []  # what captured puts read, for every replay
         self._launch_scratch: dict[int, torch.Tensor] = {}  # Q -> a peer-store launch's counters, count words
         self._address_tables: dict[tuple, torch.Tensor] = {}  # (device, addresses) -> the kernel's table
 
@@ -441,9 +447,15 @@ class NvshmemTransport(Transport):
 
     def _keep_in_flight(self, tensors: Sequence[torch.Tensor]) -> Any:
         """An event recorded on the current stream now; `tensors` (read by puts queued before it)
-        stay alive here until the stream passed it."""
-        self._extras_in_flight = [(e, ts) for e, ts in self._extras_in_flight if not e.query()]
+        stay alive here until the stream passed it. While a CUDA graph is captured, no event is
+        queried (capture forbids it) and the tensors stay alive as long as the transport: every
+        replay of the graph reads them."""
         event = torch.cuda.Event()
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            event.record(torch.cuda.current_stream())  # a wait on it inside the capture orders as eagerly
+            self._held_by_graphs.append(tuple(tensors))
+            return event
+        self._extras_in_flight = [(e, ts) for e, ts in self._extras_in_flight if not e.query()]
         event.record(torch.cuda.current_stream())
         self._extras_in_flight.append((event, tuple(tensors)))
         return event

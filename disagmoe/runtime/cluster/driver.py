@@ -74,7 +74,7 @@ from disagmoe.runtime.cluster.restart import Fault, restart_line
 from disagmoe.runtime.state.sharded_checkpoint import begin_checkpoint, finish_checkpoint, read_trainer_state
 from disagmoe.runtime.topology import Topology
 from disagmoe.runtime.observe.trace import busy_fractions, wait_fractions, write_chrome_trace
-from disagmoe.runtime.training.graphed_step import resolve_cuda_graphs
+from disagmoe.runtime.rank_graphs import resolve_rank_graphs
 from disagmoe.runtime.training.loop import StepCallback, TrainingLoop, TrainSummary, signals_held
 from disagmoe.runtime.out_dir import check_out_dir
 from disagmoe.runtime.training.micro_batches import MicroBatchChoice, device_capacity_bytes, resolved
@@ -338,6 +338,8 @@ class DistributedTrainer(TrainingLoop):
         self.cfg = cfg = apply_plan(cfg, self.model_cfg)  # a plan's layout, checked; inline for the workers
         self.cfg = cfg = self._auto_split(resolve_distributed_micro_batches(cfg, self.model_cfg))
         self.topology = Topology.from_config(cfg, self.model_cfg)
+        # cuda_graphs: on where a rank's step cannot be captured is refused here, before any actor starts
+        self.cuda_graphs, self.cuda_graphs_note = resolve_rank_graphs(cfg, self.topology)
         check_fits(cfg, self.model_cfg, self.topology)
         needs = rank_needs(cfg, self.model_cfg, self.topology)
         self.predicted_peak_gib = [need.predicted_peak_gib for need in needs]
@@ -347,6 +349,7 @@ class DistributedTrainer(TrainingLoop):
         self.dispatch, self.dispatch_reason = dispatch_mode(cfg, self.model_cfg, self.topology)
         self.traffic_sums: dict[str, int] = {}  # bytes of the rows sent, summed over ranks and steps run
         self.traffic_steps = 0
+        self.graph_replays = 0  # steps in which every rank replayed its captured step (`cuda_graphs`)
         check_fault_injection(cfg, self.topology)
         check_ray_address(cfg.ray_address, cfg.ray_connect_timeout_s)  # bounded, before Ray
         check_out_dir(cfg.out_dir)  # before any actor starts
@@ -493,6 +496,8 @@ class DistributedTrainer(TrainingLoop):
         for name, sent in traffic.items():
             self.traffic_sums[name] = self.traffic_sums.get(name, 0) + sent
         self.traffic_steps += 1
+        replayed = all(r.get("cuda_graph", False) for r in results)  # every rank replayed its graph
+        self.graph_replays += replayed
         load_LE = torch.tensor([load[layer] for layer in sorted(load)], dtype=torch.int64).reshape(
             len(load), self.model_cfg.num_experts)
         return {
@@ -512,6 +517,8 @@ class DistributedTrainer(TrainingLoop):
             "traffic": traffic,  # bytes of the rows sent between ranks, per payload, with the dense figure
             "busy": busy_fractions([r["compute_s"] for r in results], seconds, self.groups),
             "gpu_wait": wait_fractions([r.get("gpu_wait_s", {}) for r in results], seconds, self.groups),
+            "cuda_graph": replayed,
+            "cuda_graph_ranks": sum(bool(r.get("cuda_graph", False)) for r in results),  # ranks that replayed
             **({"time_sliced": True} if self.ranks_per_gpu > 1 else {}),  # step_time_s is not a speed figure
             **fp8_step_fields(results, torch.device(cfg.device)),
         }
@@ -523,7 +530,8 @@ class DistributedTrainer(TrainingLoop):
                     ranks_per_gpu=self.ranks_per_gpu, time_sliced=self.ranks_per_gpu > 1,
                     processes=self.processes, predicted_peak_gib=max(self.predicted_peak_gib),
                     predicted_peak_gib_per_rank=list(self.predicted_peak_gib), offloaded_host_gib=self.offloaded_host_gib,
-                    transport_gib_per_rank=list(self.transport_gib), cuda_graphs_note=resolve_cuda_graphs(self.cfg)[1],
+                    transport_gib_per_rank=list(self.transport_gib), cuda_graphs_note=self.cuda_graphs_note,
+                    cuda_graph_replays=self.graph_replays if self.cuda_graphs else None,
                     **self.split_facts())
 
     def validate(self) -> float:

@@ -80,6 +80,8 @@ from disagmoe.runtime.topology import Topology
 from disagmoe.runtime.observe.trace import SpanRecorder
 from disagmoe.runtime.cluster.watchdog import OpWatchdog
 from disagmoe.runtime.training.trainer import check_fp8_device
+from disagmoe.runtime.rank_graphs import resolve_rank_graphs
+from disagmoe.runtime.training.graphed_step import PhasedGraphs, is_capturing
 
 REPLICATED, EXPERTS = "replicated", "experts"  # FlatAdamW buckets: all-reduced over data parallel, or not
 
@@ -216,6 +218,8 @@ class TrainWorker(Worker):
         self.recorder = SpanRecorder()
         self.gpu_spans = GpuSpans(self.device) if self.device.type == "cuda" else None
         self.watchdog = OpWatchdog(f"rank {self.rank} ({topology.describe(self.rank)})", wait_s)
+        captured, _ = resolve_rank_graphs(cfg, topology)  # `on` where it cannot apply: refused, with the fix
+        self.graphs = PhasedGraphs(self.transport, self.device) if captured else None
 
     def _peer_stores(self) -> bool:
         """Whether sparse dispatches go by the transport's peer stores (nvshmem, `dispatch: sparse`)."""
@@ -280,44 +284,77 @@ class TrainWorker(Worker):
             self.gpu_spans.begin_step()
         start = time.perf_counter()
         self.optimizer.set_lr(lr)  # the step's only host value of the lr, into the optimizer's device scalar
+        self.transport.traffic.reset()  # an evaluation's messages are no step's (in place: a replay adds to them)
+        with no_host_syncs(self.cfg.forbid_host_syncs, self.device):
+            if self.graphs is None:
+                result, replayed = self._step_body(step), False
+            else:
+                result, replayed = self._graphed_step(step)
+        spans, compute_s = self._drain_spans()
+        result.update(self._read_step(result), rank=self.rank, compute_s=compute_s,
+                      gpu_wait_s=self.recorder.drain_waits(),
+                      step_s=time.perf_counter() - start, spans=spans, cuda_graph=replayed,
+                      peak_memory_gib=peak_memory_gib(self.device))
+        return result
+
+    def _step_body(self, step: int, staged: bool = False) -> dict[str, Any]:
+        """The rank's step on the device: its program and the optimizer step; returns the device
+        tensors the step's one read takes (`_read_step`), the attention side's loss shares among them.
+        `staged`: the step's tokens are already in the attention stage's static buffer (`stage_tokens`)."""
         self.optimizer.zero_grad()
-        self.transport.traffic.reset()  # an evaluation's messages are no step's
         if self.attention is not None:
-            self.attention.begin_step(step)
+            self.attention.begin_step(step, staged=staged)
         if self.experts is not None:
             self.experts.begin_step()
         mail = Mailbox(self.rank, self._peer_stores())
         handles: list[SendHandle] = []
         result: dict[str, Any] = {}
         self._held_back = ("", [])
-        with no_host_syncs(self.cfg.forbid_host_syncs, self.device):
-            self.model.prepare_fp8()  # FP8 weight copies (experts, dense projections) from the last update
-            for op in self.program:
-                if not isinstance(op, Send):
-                    self._run_held_back(step)
-                with self.watchdog.op(f"step {step + 1}: {_op_name(op)}"):
-                    if isinstance(op, OptimizerStep):
-                        with self.recorder.span("wait for sends", "wait"):
-                            for handle in handles:
-                                handle.wait()
-                        with self._compute_span(_op_name(op)):
-                            result = self._optimizer_step()
-                    else:
-                        self._run(op, step, mail, handles)
+        capturing = is_capturing(self.device)
+        self.model.prepare_fp8()  # FP8 weight copies (experts, dense projections) from the last update
+        for op in self.program:
+            if not isinstance(op, Send):
+                self._run_held_back(step)
+            with self.watchdog.op(f"step {step + 1}: {_op_name(op)}"):
+                if isinstance(op, OptimizerStep):
+                    with self.recorder.span("wait for sends", "wait"):
+                        for handle in handles:
+                            handle.wait()
+                    with self._compute_span(_op_name(op)):
+                        result = self._optimizer_step()
+                else:
+                    self._run(op, step, mail, handles)
+                    if not capturing:  # an event query is no capturable work; a graph keeps its buffers anyway
                         handles[:] = [h for h in handles if not h.is_completed()]  # delivered: release buffers
         assert mail.empty(), f"rank {self.rank}: messages left over after step {step}"
-        spans, compute_s = self._drain_spans()
-        result.update(self._read_step(result), rank=self.rank, compute_s=compute_s,
-                      gpu_wait_s=self.recorder.drain_waits(),
-                      step_s=time.perf_counter() - start, spans=spans,
-                      peak_memory_gib=peak_memory_gib(self.device))
+        if self.attention is not None:
+            result["loss_parts"] = dict(self.attention.loss_parts)
         return result
+
+    def _graphed_step(self, step: int) -> tuple[dict[str, Any], bool]:
+        """The step through `PhasedGraphs` (eager, captured, or replayed; `runtime.rank_graphs`): the
+        tokens copied into the static buffer first, timed as one span (per-op spans mean nothing in a
+        replay); a captured step's Python counters put back, a replay's advanced."""
+        if self.attention is not None:
+            self.attention.stage_tokens(step)
+        taken = self.optimizer.steps_taken
+
+        def captured() -> None:
+            self.optimizer.steps_taken = taken  # capture ran nothing: the replay that follows is the step
+
+        with self._whole_step_span(f"step {step + 1}"):
+            result, replayed = self.graphs(lambda: self._step_body(step, staged=True), on_capture=captured)
+        if replayed:
+            self.optimizer.steps_taken = taken + 1
+            if self.attention is not None:
+                self.attention.loss_parts = result["loss_parts"]  # the graph's tensors, which this replay wrote
+        return dict(result), replayed
 
     def _read_step(self, result: dict[str, Any]) -> dict[str, Any]:
         """The step's device-side figures to the host, once: grad norm, loss shares, expert loads
         (and, precision fp8, the step's FP8 counters of every rank, `_global_sums`; this rank's own
         are reset after the read for the next step)."""
-        parts = self.attention.loss_parts if self.attention is not None else {}
+        parts = result.pop("loss_parts", {})
         load_LE = result["expert_load"]
         status = self.transport.status_word()
         traffic = self.transport.traffic
@@ -534,15 +571,25 @@ class TrainWorker(Worker):
                 item()
 
     def _compute_span(self, name: str) -> AbstractContextManager[None]:
-        """A compute op's span: its GPU execution (CUDA events, no waiting) or, on CPU, its wall time."""
+        """A compute op's span: its GPU execution (CUDA events, no waiting) or, on CPU, its wall time.
+        Under CUDA graphs the whole step is one span instead (`_whole_step_span`)."""
+        if getattr(self, "graphs", None) is not None:
+            return contextlib.nullcontext()
+        if self.gpu_spans is not None:
+            return self.gpu_spans.span(name)
+        return self.recorder.span(name, "compute")
+
+    def _whole_step_span(self, name: str) -> AbstractContextManager[None]:
+        """Under CUDA graphs: the step's GPU execution (or, on CPU, its wall time) as one span."""
         if self.gpu_spans is not None:
             return self.gpu_spans.span(name)
         return self.recorder.span(name, "compute")
 
     def _gpu_wait_span(self, name: str) -> AbstractContextManager[None]:
         """On a GPU, how long the stream stands still for a receive (stream-ordered: the events
-        around it), a `gpu-wait` span; on a CPU nothing (the host span around it says it)."""
-        if self.gpu_spans is not None:
+        around it), a `gpu-wait` span; on a CPU, or under CUDA graphs (no event in a capture), nothing
+        (the host span around it says it)."""
+        if self.gpu_spans is not None and getattr(self, "graphs", None) is None:
             return self.gpu_spans.span(name, "gpu-wait")
         return contextlib.nullcontext()
 

@@ -129,8 +129,10 @@ class AttentionStage:
         return SetRouting([LocalRouting(self.topology, layer, j, self.dp_index, self.dp, self.model.device)
                            for j in range(len(ranks))])
 
-    def begin_step(self, step: int, data: TokenDataset | None = None) -> None:
-        """Start step `step` of `data` (default: the training data); forgets the previous step."""
+    def begin_step(self, step: int, data: TokenDataset | None = None, staged: bool = False) -> None:
+        """Start step `step` of `data` (default: the training data); forgets the previous step.
+        `staged`: its tokens are already in the static buffer (`stage_tokens`), which the step reads
+        (a captured step reads them there on every replay)."""
         self.step = step
         self.batch_data = self.data if data is None else data
         self.segments: dict[tuple[int, int], Segment] = {}
@@ -139,7 +141,21 @@ class AttentionStage:
         self.loss_parts = {"ce": zero, "aux_loss": zero, "z_loss": zero}  # this rank's shares, on the device
         self.load_LE = {layer: torch.zeros(self.num_experts, dtype=torch.int64, device=device)
                         for layer in self.layers if self.topology.is_moe(layer)}
-        self._step_tokens = self._load_tokens() if self._reads_tokens() else None
+        self._step_tokens = self.static_tokens_MBS1 if staged else self._load_tokens() if self._reads_tokens() else None
+
+    def stage_tokens(self, step: int) -> None:
+        """Copy training step `step`'s tokens into the static buffer `static_tokens_MBS1` (made at
+        the first call: an eager step's), outside any captured step; a rank that reads no tokens
+        keeps None there."""
+        if not self._reads_tokens():
+            self.static_tokens_MBS1 = None
+            return
+        self.step, self.batch_data = step, self.data
+        tokens_MBS1 = self._load_tokens()
+        if getattr(self, "static_tokens_MBS1", None) is None:
+            self.static_tokens_MBS1 = tokens_MBS1  # its own tensor: later steps copy into it
+        else:
+            self.static_tokens_MBS1.copy_(tokens_MBS1, non_blocking=True)
 
     # -- the data --------------------------------------------------------------------------------
 

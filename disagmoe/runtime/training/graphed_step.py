@@ -170,7 +170,7 @@ def capture_graph(body: Callable[[], T], device: torch.device, graph_factory: Ca
 
 def is_capturing(device: torch.device) -> bool:
     """Whether the current stream of `device` is being captured (no event query, no timing event)."""
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    return device.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 MAX_PHASE_GRAPHS = 4  # a training step alternates between two phases, an odd evaluation moves to two more
@@ -231,10 +231,10 @@ class PhasedGraphs:
         return entry.outputs, True
 
     def _capture(self, body: Callable[[], T]) -> PhaseGraph:
-        from disagmoe.comm.counts import counts_between
-
         before = self.transport.message_counts()
         first = next(iter(self.graphs.values()), None)
         pool = first.graph.pool() if first is not None and hasattr(first.graph, "pool") else None
         graph, outputs = capture_graph(body, self.device, self.graph_factory, self.capture, pool)
-        return PhaseGraph(graph, outputs, counts_between(before, self.transport.message_counts()))
+        after = self.transport.message_counts()  # `comm.counts.counts_between` (training may not import comm)
+        return PhaseGraph(graph, outputs, {key: n - before.get(key, 0) for key, n in after.items()
+                                           if n != before.get(key, 0)})
