@@ -50,8 +50,9 @@ def resolve_rank_graphs(cfg: TrainConfig, topology: Topology) -> tuple[bool, str
     """(capture every rank's step?, the one line that says so and why) for a distributed run's
     `cuda_graphs` (module docstring). `on` where the step cannot be captured raises ValueError
     naming the fixes. `auto` runs eagerly there, and, until the captured rank step has been checked
-    against the eager one on a GPU (tests/runtime/cluster/test_rank_graphs.py's `gpu` test; then
-    `CHECKED_ON_GPU`), everywhere else too, saying so: auto captures only what a GPU run checked."""
+    against the eager one on a GPU (tests/runtime/cluster/test_driver.py's
+    `test_gpu_captured_rank_steps_on_one_shared_gpu_equal_the_eager_steps`; then `CHECKED_ON_GPU`),
+    everywhere else too, saying so: auto captures only what a GPU run checked."""
     if cfg.mode == "single":
         raise ValueError("resolve_rank_graphs is for modes disaggregated and colocated; mode single's step is "
                          "graphed_step.resolve_cuda_graphs'")
