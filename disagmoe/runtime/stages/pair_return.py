@@ -226,7 +226,11 @@ def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
 def _store_rows(target: PairTarget, dest_N: torch.Tensor, served_N: torch.Tensor, rows_NH: torch.Tensor) -> None:
     """The torch path's store: grouped row r at pair row dest_N[r] (a permutation of the pair rows)
     where served (rows of pairs served elsewhere keep what their rank wrote), then this source's
-    flags raised (one more message counted in each: `kernels.signal`; only this source writes its row)."""
+    flags raised (one more message counted in each: `kernels.signal`; only this source writes its row).
+    It writes every pair row, the other sources' back as it read them: safe where the sources run one
+    after another (the local transport on CPU, or one source), not where two write one receiver's rows
+    at once. Runs never meet that: hop pair_rows over nvshmem needs the triton experts, which on CUDA
+    take the fused path (`fuses_permute`), whose kernel stores only the served rows."""
     rows = target.rows_PH
     kept = rows[dest_N]
     rows.index_copy_(0, dest_N, torch.where(served_N[:, None], rows_NH.to(rows.dtype), kept))
