@@ -100,14 +100,21 @@ def test_single_mode_is_not_a_rank_step():
 
 
 def test_captured_runs_get_rings_rounded_up_to_a_steps_messages():
-    """The arena of a captured run: every ring's segments divide twice its keys' messages a step;
-    an eager run keeps the plain rings (a forward ring one segment more than its keys)."""
-    for graphs, aligned in (("on", True), ("off", False)):
+    """The arena of a captured run: every ring's segments divide twice its keys' messages a step,
+    never fewer than the eager run's ring of the same slot; an eager run keeps the plain rings (a
+    forward ring one segment more than its keys), so at least one ring grows."""
+    rings = {}
+    for graphs in ("on", "off"):
         cfg = _cfg(cuda_graphs=graphs, hop="partial_sums")
         topology = Topology.from_config(cfg, load_model(cfg.model))
-        for layout in receive_layouts(cfg, MessageShapes.of_run(cfg, load_model(cfg.model), topology), topology):
-            for seg in layout.segments:
-                n, keys = layout.ring(seg.slot), len(seg.keys)
-                assert ((2 * keys) % n == 0) is aligned or (2 * keys) % n == 0, (graphs, seg.slot, n, keys)
-                if not seg.slot[1].backward:
-                    assert n == (2 * keys if aligned else keys + 1), (graphs, seg.slot)
+        rings[graphs] = {(i, seg.slot): (layout.ring(seg.slot), len(seg.keys))
+                         for i, layout in enumerate(receive_layouts(cfg, MessageShapes.of_run(cfg, load_model(cfg.model),
+                                                                                              topology), topology))
+                         for seg in layout.segments}
+    assert rings["on"].keys() == rings["off"].keys()
+    for where, (n, keys) in rings["on"].items():
+        eager, _ = rings["off"][where]
+        assert (2 * keys) % n == 0 and n >= eager, (where, n, keys, eager)
+        if not where[1][1].backward:
+            assert (n, eager) == (2 * keys, keys + 1), where
+    assert any(rings["on"][w][0] > rings["off"][w][0] for w in rings["on"])
