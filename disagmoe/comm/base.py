@@ -344,6 +344,14 @@ class Transport(abc.ABC):
             raise ValueError(f"the {getattr(self, 'kind', 'base')} transport counts no messages on the host; "
                              f"got a step of {len(step)} counts (from another transport?)")
 
+    def realign(self, target_phase) -> dict:
+        """Skip the host message counts on to `target_phase` without sending (`comm.counts.realigned`,
+        after an evaluation); none here: one phase, nothing to skip."""
+        if target_phase:
+            raise ValueError(f"the {getattr(self, 'kind', 'base')} transport counts no messages on the host; "
+                             f"got a phase of {len(target_phase)} counts (from another transport?)")
+        return {}
+
     def status_word(self) -> torch.Tensor | None:
         """Device int32 words the step's one host read includes (nonzero word 0: a message failed
         on the GPU: did not fit its buffer, or never came), or None for a transport that fails

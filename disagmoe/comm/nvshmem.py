@@ -75,9 +75,10 @@ for the flags).
 
 - CUDA graphs (issue 20 item 1; the worker's capture: `runtime.rank_graphs`): no
   launch or put takes a message number, so a captured send or receive replays correctly while
-  `phase()` is the one it was captured in; the runtime keeps a graph per phase (or runs eagerly
-  in a phase it has none for) and calls `advance(step)` before each replay, `step` being
-  `comm.counts.counts_between` of the counts around the capture. What the capture of a rank's
+  `phase()` is the one it was captured in; the runtime keeps a graph per phase and calls
+  `advance(step)` before each replay, `step` being `comm.counts.counts_between` of the counts
+  around the capture, and after an evaluation skips the counts on to the phase the next training
+  step would have met without it (`realign`, `comm.counts.realigned`). What the capture of a rank's
   step still needs, from this module: no `event.query()` while capturing (`_keep_in_flight`
   prunes with it, and the worker drops completed send handles with `is_completed`; global-mode
   capture forbids the query); every address table (`_table`: a pinned host copy the first time
@@ -91,7 +92,7 @@ for the flags).
   divide a step's messages of their pool make the phase period long (two layers, two micro-batches,
   rings of 3 and 5 taking 4 messages a step: 15 phases), so a captured run rounds them up to
   divisors of twice a step's messages (`reuse_order.step_ring`: at most two phases); an evaluation
-  pass moves the forward rings' phase.
+  pass moves the forward rings' phase, and `realign` moves it back before the next training step.
 
 The messages and `all_sum` use NVSHMEM; the other collectives stay on the process group, in the
 schedule's order (DESIGN 3c): a GPU flag wait must never sit behind a peer's collective, and
@@ -276,6 +277,13 @@ class NvshmemTransport(Transport):
     def advance(self, step: dict[CountKey, int]) -> None:
         """Count a replayed step's messages (`comm.counts.counts_between` of its capture)."""
         self.counts.advance(step)
+
+    def realign(self, target_phase: frozenset) -> dict[CountKey, int]:
+        """Skip every slot's count on to the smallest one >= it in `target_phase` (a `phase()` of
+        these counts), sending nothing; returns the counts skipped. The runtime calls it on every
+        rank alike before a captured training step that follows an evaluation (`comm.counts`: why
+        it needs no message, and where it is safe)."""
+        return self.counts.realign(target_phase)
 
     def _peer_arena(self, dst: int) -> torch.Tensor:
         """Rank `dst`'s arena as a tensor this GPU stores into (never this rank's own PE)."""

@@ -13,7 +13,12 @@ gradients and expert loads over the process group) and no replicated experts (th
 sums likewise). The experts' loop backend reads row counts on the host, the reference AdamW of
 precision fp32 and the offloaded optimizer's copy streams are not captured (as in mode single).
 Such a run's receive rings are rounded up to a step's messages (`reuse_order.step_ring`), so a
-captured step replays in at most two phases of the transport's counts (`comm.counts`).
+captured step replays in at most two phases of the transport's counts (`comm.counts`), one graph
+each. An evaluation between training steps sends forward messages eagerly and moves those counts;
+before the next training step every rank skips them on to the phase that step would have met
+without the evaluation (`NvshmemTransport.realign`, no message), so it replays at once: no eager
+step after an evaluation, whose activations would need memory beside the graphs' pool, which
+the memory model does not price.
 """
 
 from __future__ import annotations
@@ -76,4 +81,4 @@ def resolve_rank_graphs(cfg: TrainConfig, topology: Topology) -> tuple[bool, str
 
 CAPTURED = ("every rank's step is captured after its eager warm-up steps and replayed, a graph per phase of the "
             "nvshmem transport's message counts (rings rounded up to a step's messages: a training step alternates "
-            "between at most two phases)")
+            "between at most two phases; after an evaluation the counts are realigned to them)")

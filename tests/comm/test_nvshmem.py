@@ -1224,12 +1224,13 @@ SHARED_RUNS = [TOPOLOGY, Topology.disaggregated(Layout(2, 2, 2, 4, 0), 8),
                pytest.param(Topology.colocated_ranks(3, 2, 0, 8), marks=pytest.mark.slow)]  # 5 s interpreted
 
 
-def _co_run(transports, topology, passes) -> tuple[list[str], dict]:
+def _co_run(transports, topology, passes, first: int = 0) -> tuple[list[str], dict]:
     """Every rank's passes through the CPU transports, each rank run as far as it can before the
     next (a one-sided sender as far ahead of its receiver as the schedule lets it): a receive only
     once its flag is up, an `OptimizerStep` once every rank reached it (the all-reduce). Every
     received message is compared when it arrives and again once its receiver is past the op
-    `live_ends` names (waits included: no later message of its ring landed over it). Returns what was wrong and
+    `live_ends` names (waits included: no later message of its ring landed over it); pass k's
+    contents are salted with pass number `first` + k. Returns what was wrong and
     (rank, source, slot) -> the addresses its keys were received at."""
     programs = topology.programs(MICRO_BATCHES)
     runs = [[pass_program(p, kind) for kind in passes] for p in programs]
@@ -1238,7 +1239,7 @@ def _co_run(transports, topology, passes) -> tuple[list[str], dict]:
     specs_of = _specs_of(topology)
 
     def salt(k, op):
-        return message_key(k, op.payload, op.layer, op.micro_batch)
+        return message_key(first + k, op.payload, op.layer, op.micro_batch)
 
     def ready(r: int, k: int, op) -> bool:
         if isinstance(op, OptimizerStep):
@@ -1281,7 +1282,7 @@ def _co_run(transports, topology, passes) -> tuple[list[str], dict]:
                         transports[r].send(peer, key, _message(r, salt(k, op), specs))
                     elif isinstance(op, Recv):
                         got, want = transports[r].recv(peer, key, specs), _message(peer, salt(k, op), specs)
-                        label = f"pass {k} {op.payload.value} L{op.layer} mb{op.micro_batch} from {peer}"
+                        label = f"pass {first + k} {op.payload.value} L{op.layer} mb{op.micro_batch} from {peer}"
                         if not all(torch.equal(g, w) for g, w in zip(got, want, strict=True)):
                             wrong.append(f"rank {r}: {label} arrived wrong")
                         held[r].append((ends[r][k][(peer, op.payload, op.layer, op.micro_batch)], label, got, want))
@@ -1308,6 +1309,33 @@ def test_keys_sharing_a_ring_deliver_their_own_messages_in_order(topology, fake_
     assert all(t.status_2.tolist() == [0, 0] for t in transports)
     shared = [(place, keys) for place, keys in addresses.items() if len({k for k, _ in keys}) > len({a for _, a in keys})]
     assert shared, "no two keys were received at one address: nothing shared"
+
+
+@pytest.mark.parametrize("topology", SHARED_RUNS, ids=SHARED_IDS)
+def test_counts_realigned_after_an_evaluation_deliver_every_later_message_intact(topology, fake_cuda, interpreted):
+    """(a') A training pass, an evaluation pass (its forward messages move the rings' phase), then
+    every rank skips its counts back to the phase its training pass left (`realign`, each on its
+    own, as the captured runtime does before its next step) and two more training passes run: every
+    message arrives intact and stays so until its reader is done, no wait passes early or times
+    out, and the ranks end in the phases of three training passes without the evaluation."""
+    interpreted("disagmoe.kernels.signal")
+    transports = _cpu_transports(topology, pair_of=None, shared=True)
+    reference = _cpu_transports(topology, pair_of=None, shared=True)
+    wrong, _ = _co_run(transports, topology, ("train",))
+    expected = [t.phase() for t in transports]
+    wrong += _co_run(transports, topology, ("eval",), first=1)[0]
+    assert [t.phase() for t in transports] != expected, "the evaluation moved no ring: nothing to realign"
+    skipped = [t.realign(phase) for t, phase in zip(transports, expected, strict=True)]
+    assert any(skipped) and [t.phase() for t in transports] == expected
+    for rank, t in enumerate(transports):  # a slot's two ends skip alike
+        for (kind, peer, slot), n in skipped[rank].items():
+            twin = {"sent": "received", "received": "sent"}[kind]
+            assert skipped[peer].get((twin, rank, slot)) == n, (rank, kind, peer, slot)
+    wrong += _co_run(transports, topology, ("train", "train"), first=2)[0]
+    _co_run(reference, topology, ("train", "train", "train"))
+    assert wrong == []
+    assert all(t.status_2.tolist() == [0, 0] for t in transports)
+    assert [t.phase() for t in transports] == [t.phase() for t in reference]
 
 
 def test_a_reader_does_not_pass_on_an_earlier_keys_flag(fake_cuda, interpreted):

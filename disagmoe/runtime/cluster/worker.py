@@ -390,7 +390,10 @@ class TrainWorker(Worker):
     @torch.no_grad()
     def evaluate(self, batches: int) -> dict[str, Any]:
         """The forward ops only (no gradients) over the first `batches` validation batches;
-        returns this rank's share of the summed per-batch mean CE (attention ranks)."""
+        returns this rank's share of the summed per-batch mean CE (attention ranks). Eager, also
+        under CUDA graphs: its messages move the transport's counts, which the next captured step
+        realigns before it replays (`PhasedGraphs`); each batch's status read waits for this
+        rank's stream, so no reader of an evaluation message is still at work by then."""
         forward = [op for op in self.program if isinstance(op, (AttentionForward, ExpertForward, Loss))
                    or (isinstance(op, (Send, Recv)) and op.payload.direction is Direction.FORWARD)]
         ce = 0.0

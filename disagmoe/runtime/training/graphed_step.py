@@ -24,7 +24,9 @@ so a replay after them sees their values.
 
 A distributed rank's step (`PhasedGraphs`) reuses the warm-up stream and the capture
 (`run_on_warmup_stream`, `capture_graph`) but keeps a graph per phase of the one-sided
-transport's message counts (`comm.counts`), counting each replay's messages (`advance`).
+transport's message counts (`comm.counts`), counting each replay's messages (`advance`); after an
+evaluation it skips the counts back into the phase the next step was captured in (`realign`), so
+the step replays at once: no eager step, whose activations would sit beside the graphs' pool.
 """
 
 from __future__ import annotations
@@ -173,7 +175,7 @@ def is_capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-MAX_PHASE_GRAPHS = 4  # a training step alternates between two phases, an odd evaluation moves to two more
+MAX_PHASE_GRAPHS = 2  # a training step alternates between two phases (evaluations realign, `PhasedGraphs`)
 
 
 @dataclass
@@ -189,14 +191,19 @@ class PhasedGraphs:
 
         out, replayed = graphs(body)   # body: the rank's step on the device, returning what the step's read needs
 
+    - Every step starts in the phase the last one left (`expected`; the transport's phase at
+      construction for the first): where anything sent between the two (an evaluation's forward
+      messages) moved the counts, the transport first skips them on to it (`realign`, the same on
+      every rank, no message: `comm.counts`). So a run's steps alternate between the (at most two,
+      `reuse_order.step_ring`) phases of its training steps, evaluations or not.
     - The first `warmup_steps` steps run eagerly on the warm-up stream (`run_on_warmup_stream`).
     - After them, a step in a phase that has a graph replays it: the transport first counts the
       replay's messages (`advance`), as the captured step's own calls did.
     - A step in a phase without one captures it if an eager step already ran in that phase (its
       address tables and launch scratch exist: none is made during capture) and fewer than
       `max_graphs` exist, then replays it once: capture sends nothing, the replay is the step, and
-      the counts the capture moved are that step's. Otherwise it runs eagerly (a phase an
-      evaluation moved the counts to, met for the first time).
+      the counts the capture moved are that step's. Otherwise it runs eagerly (never, where the
+      rings are rounded to a step's messages: both phases run in the warm-up).
     The graphs share one memory pool (they never run together). `graph_factory` and `capture` are
     torch's; tests pass fakes."""
 
@@ -209,12 +216,21 @@ class PhasedGraphs:
         self.capture = capture or torch.cuda.graph
         self.graphs: dict[frozenset, PhaseGraph] = {}
         self.seen: set[frozenset] = set()  # phases an eager step ran in
-        self.eager_steps = self.replays = 0
+        self.expected = transport.phase()  # the phase the next step starts in: the last step's end
+        self.eager_steps = self.replays = self.realignments = 0
 
     def __call__(self, body: Callable[[], T], on_capture: Callable[[], None] | None = None) -> tuple[T, bool]:
         """(the step's outputs, whether it was a replay). `on_capture`: called after a capture, before
         its replay (the caller undoes the host counters the captured body advanced)."""
-        phase = self.transport.phase()
+        if self.transport.phase() != self.expected:  # messages outside training steps (an evaluation)
+            self.transport.realign(self.expected)
+            self.realignments += 1
+        out, replayed = self._step(self.expected, body, on_capture)
+        self.expected = self.transport.phase()
+        return out, replayed
+
+    def _step(self, phase: frozenset, body: Callable[[], T],
+              on_capture: Callable[[], None] | None) -> tuple[T, bool]:
         entry = self.graphs.get(phase)
         if entry is not None:
             self.transport.advance(entry.step_counts)

@@ -1113,8 +1113,10 @@ def test_gpu_captured_rank_steps_on_one_shared_gpu_equal_the_eager_steps(ray_clu
     """`cuda_graphs: on` (runtime/rank_graphs.py) against the same run eager: every step's loss and
     grad norm within 1e-5 relative (the same kernels in the same order; a replay differs from its
     capture's eager twin only where a kernel's atomics order differently, which two eager runs show
-    too), the first 3 steps eager, step 4 replayed (its phase met in step 2), an evaluation after
-    step 4 moving the counts to phases met first in steps 5 and 6 (eager), replayed again from 7."""
+    too), the first 3 steps eager (the warm-up), then every step replayed: step 4's phase was met in
+    step 2, and the evaluation after step 4, which moves the forward rings' counts, is followed by
+    their realignment (`PhasedGraphs`, `NvshmemTransport.realign`), so step 5 runs in step 3's phase
+    (captured there and replayed) and steps 6 to 8 replay the two graphs in turn."""
     needs_shared_gpu()
     fields = dict(experts_backend="triton", eval_every=4, eval_batches=1)
     runs = {}
@@ -1126,8 +1128,8 @@ def test_gpu_captured_rank_steps_on_one_shared_gpu_equal_the_eager_steps(ray_clu
     (eager, eager_rows), (graphed, graphed_rows) = runs["off"], runs["on"]
     assert eager.cuda_graph_replays is None and "cuda_graphs: off" in eager.cuda_graphs_note
     assert graphed.cuda_graphs_note.startswith("cuda_graphs: on: every rank's step is captured")
-    assert [r["cuda_graph"] for r in graphed_rows] == [False] * 3 + [True] + [False] * 2 + [True] * 2
-    assert graphed.cuda_graph_replays == 3 and not any(r["cuda_graph"] for r in eager_rows)
+    assert [r["cuda_graph"] for r in graphed_rows] == [False] * 3 + [True] * 5
+    assert graphed.cuda_graph_replays == 5 and not any(r["cuda_graph"] for r in eager_rows)
     for got, want in zip(graphed_rows, eager_rows, strict=True):
         for key in ("loss", "grad_norm"):
             assert abs(got[key] - want[key]) <= 1e-5 * abs(want[key]), (got["step"], key, got[key], want[key])

@@ -231,6 +231,9 @@ class FakeTransport:
     def advance(self, step):
         self.counts.advance(step)
 
+    def realign(self, target_phase):
+        return self.counts.realign(target_phase)
+
 
 class FakeCapture:
     """`torch.cuda.graph` for `FakeGraph`: the body runs its Python (the host counts move) but its
@@ -288,22 +291,54 @@ def test_a_rank_step_is_captured_once_per_phase_after_the_warm_up_and_replayed_w
     assert len(captured) == 2
 
 
-def test_an_evaluation_that_moves_the_phase_runs_eagerly_until_that_phase_was_met_once():
+def test_after_an_evaluation_the_counts_are_realigned_and_the_next_step_replays():
+    """An evaluation batch moves the forward ring by 2 of 4 (phases no training step met): the next
+    step skips the counts back to the phase the last step left and replays that phase's graph: no
+    eager step, no third graph, every step in the phase of a run without evaluations."""
     transport, work = FakeTransport(), []
     graphs, _ = _phased(transport, work, warmup_steps=2)
+    reference = FakeTransport()
 
     def body():
         transport.step()
-        work.append("step")
+        work.append(transport.phase())
         return "outputs"
 
-    kinds = []
+    kinds, moved = [], []
     for step in range(9):
         if step == 4:
-            transport.evaluate()  # forward ring moved by 2 of 4: phases no training step met
+            transport.evaluate()
+        moved.append(transport.phase() != reference.phase())
         kinds.append(graphs(body)[1])
-    assert kinds == [False, False, True, True, False, False, True, True, True]
-    assert len(graphs.graphs) == 4 and len(work) == 9
+        reference.step()
+        assert work[-1] == reference.phase(), step  # every step ends where one without the evaluation would
+    assert moved == [False] * 4 + [True] + [False] * 4, "the evaluation moved the phase before step 4"
+    assert kinds == [False, False] + [True] * 7
+    assert len(graphs.graphs) == 2 and graphs.eager_steps == 2 and graphs.realignments == 1
+    forward = ("sent", 1, "forward")
+    assert transport.message_counts()[forward] == reference.message_counts()[forward] + 4  # 2 sent, 2 skipped
+
+
+def test_evaluations_in_the_warm_up_and_back_to_back_still_give_two_graphs():
+    """Evaluations during the warm-up and after it, one moving the ring by a whole turn (no skip):
+    the warm-up still meets both phases, every later step replays one of the two graphs."""
+    transport, work = FakeTransport(), []
+    graphs, _ = _phased(transport, work, warmup_steps=3)
+    reference = FakeTransport()
+
+    def body():
+        transport.step()
+        work.append(transport.phase())
+
+    kinds = []
+    for step in range(10):
+        for _ in range({1: 1, 5: 2, 6: 1}.get(step, 0)):  # evaluation batches before this step
+            transport.evaluate()
+        kinds.append(graphs(body)[1])
+        reference.step()
+        assert work[-1] == reference.phase(), step  # every step ends where one without evaluations would
+    assert kinds == [False] * 3 + [True] * 7
+    assert len(graphs.graphs) == 2 and graphs.realignments == 2  # step 5's 2 batches: 4 of 4 messages, no skip
 
 
 def test_past_max_graphs_a_phase_runs_eagerly():
