@@ -61,7 +61,7 @@ from dataclasses import dataclass
 from disagmoe.runtime.schedule.schedule import AttentionForward, ExpertForward, Loss, Op, OptimizerStep
 from disagmoe.wire import Payload, Recv, Send
 from disagmoe.runtime.schedule.schedule_sim import ScheduleError
-from disagmoe.runtime.schedule.recv_slots import live_ends, slot_plan
+from disagmoe.runtime.schedule.recv_slots import live_ends
 
 PASSES = ("train", "eval")
 
