@@ -338,6 +338,13 @@ class Transport(abc.ABC):
         is a step's); none here."""
         return {}
 
+    def messages_since(self, before: dict) -> dict:
+        """The host message counts moved since `before` (a `message_counts()`): a captured step's
+        messages, what `advance` takes for each replay (`comm.counts.counts_between`)."""
+        from disagmoe.comm.counts import counts_between
+
+        return counts_between(before, self.message_counts())
+
     def advance(self, step: dict) -> None:
         """Move the host message counts on by `step` without sending (a replayed step's); none here."""
         if step:

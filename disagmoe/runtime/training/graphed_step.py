@@ -182,7 +182,7 @@ MAX_PHASE_GRAPHS = 2  # a training step alternates between two phases (evaluatio
 class PhaseGraph:
     graph: object
     outputs: object  # the captured step's outputs: its replays overwrite them, the caller reads them after
-    step_counts: dict  # `comm.counts.counts_between` of the capture: what a replay sends and receives
+    step_counts: dict  # the transport's `messages_since` the capture began: what a replay sends and receives
 
 
 class PhasedGraphs:
@@ -251,6 +251,4 @@ class PhasedGraphs:
         first = next(iter(self.graphs.values()), None)
         pool = first.graph.pool() if first is not None and hasattr(first.graph, "pool") else None
         graph, outputs = capture_graph(body, self.device, self.graph_factory, self.capture, pool)
-        after = self.transport.message_counts()  # `comm.counts.counts_between` (training may not import comm)
-        return PhaseGraph(graph, outputs, {key: n - before.get(key, 0) for key, n in after.items()
-                                           if n != before.get(key, 0)})
+        return PhaseGraph(graph, outputs, self.transport.messages_since(before))

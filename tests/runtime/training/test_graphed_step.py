@@ -228,6 +228,11 @@ class FakeTransport:
     def message_counts(self):
         return self.counts.snapshot()
 
+    def messages_since(self, before):
+        from disagmoe.comm.counts import counts_between
+
+        return counts_between(before, self.counts.snapshot())
+
     def advance(self, step):
         self.counts.advance(step)
 
