@@ -578,12 +578,11 @@ class TrainWorker(Worker):
         Under CUDA graphs the whole step is one span instead (`_whole_step_span`)."""
         if getattr(self, "graphs", None) is not None:
             return contextlib.nullcontext()
-        if self.gpu_spans is not None:
-            return self.gpu_spans.span(name)
-        return self.recorder.span(name, "compute")
+        return self._whole_step_span(name)
 
     def _whole_step_span(self, name: str) -> AbstractContextManager[None]:
-        """Under CUDA graphs: the step's GPU execution (or, on CPU, its wall time) as one span."""
+        """A span of GPU execution (CUDA events) or, on CPU, of wall time: under CUDA graphs the
+        whole step's, else one compute op's (`_compute_span`)."""
         if self.gpu_spans is not None:
             return self.gpu_spans.span(name)
         return self.recorder.span(name, "compute")
