@@ -27,6 +27,9 @@ A distributed rank's step (`PhasedGraphs`) reuses the warm-up stream and the cap
 transport's message counts (`comm.counts`), counting each replay's messages (`advance`); after an
 evaluation it skips the counts back into the phase the next step was captured in (`realign`), so
 the step replays at once: no eager step, whose activations would sit beside the graphs' pool.
+Its capture is thread-local (`RANK_CAPTURE_MODE`): a rank's process has threads of its own that may
+touch the CUDA context (NVSHMEM's proxy, Ray's), and under torch's default global mode any unsafe
+call of theirs during the capture would invalidate it; what is captured follows the stream either way.
 """
 
 from __future__ import annotations
@@ -176,6 +179,7 @@ def is_capturing(device: torch.device) -> bool:
 
 
 MAX_PHASE_GRAPHS = 2  # a training step alternates between two phases (evaluations realign, `PhasedGraphs`)
+RANK_CAPTURE_MODE = "thread_local"  # `PhasedGraphs`' capture: only this thread's unsafe calls end it (module docstring)
 
 
 @dataclass
@@ -213,7 +217,7 @@ class PhasedGraphs:
         self.transport, self.device = transport, device
         self.warmup_steps, self.max_graphs = warmup_steps, max_graphs
         self.graph_factory = graph_factory or torch.cuda.CUDAGraph
-        self.capture = capture or torch.cuda.graph
+        self.capture = capture or functools.partial(torch.cuda.graph, capture_error_mode=RANK_CAPTURE_MODE)
         self.graphs: dict[frozenset, PhaseGraph] = {}
         self.seen: set[frozenset] = set()  # phases an eager step ran in
         self.expected = transport.phase()  # the phase the next step starts in: the last step's end

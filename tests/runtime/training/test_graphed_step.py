@@ -356,3 +356,28 @@ def test_past_max_graphs_a_phase_runs_eagerly():
 
     kinds = [graphs(body)[1] for _ in range(6)]
     assert kinds == [False, False, True, False, True, False] and len(graphs.graphs) == 1
+
+
+def test_a_rank_step_is_captured_thread_local_so_its_processs_other_threads_cannot_end_it(monkeypatch):
+    """A rank's process has threads that may touch the CUDA context (NVSHMEM's proxy, Ray's): under
+    torch's default global capture mode an unsafe call of theirs would invalidate the capture."""
+    from disagmoe.runtime.training.graphed_step import PhasedGraphs
+
+    transport, work, modes = FakeTransport(), [], []
+    fake = FakeCapture(work)
+
+    @contextlib.contextmanager
+    def torch_graph(graph, pool=None, capture_error_mode="global"):
+        modes.append(capture_error_mode)
+        with fake(graph, pool):
+            yield
+
+    monkeypatch.setattr(torch.cuda, "graph", torch_graph)
+    graphs = PhasedGraphs(transport, torch.device("cpu"), warmup_steps=1, graph_factory=PooledGraph)
+
+    def body():
+        transport.step()
+        work.append("step")
+
+    assert [graphs(body)[1] for _ in range(4)] == [False, False, True, True]  # each phase: eager, then captured
+    assert modes == ["thread_local", "thread_local"]  # a capture per phase, both thread-local
