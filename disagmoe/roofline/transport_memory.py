@@ -26,7 +26,8 @@ shapes the transports allocate and the bytes priced here are one table. What eac
   ahead of its reader, so a ring holds more than nccl's slots (tests/roofline pins the counts
   rank by rank against the arena built). A run whose rank steps are captured in CUDA graphs
   rounds each ring up to the smallest divisor of twice its messages a step (`reuse=RING_STEP`,
-  `step_ring`): a forward ring then holds two segments per key, a gradient ring at most that.
+  `step_ring`): a forward ring then holds two segments per key, a gradient ring at most that. The
+  planner prices each candidate's rings so where its rank steps are captured (`placement.cost.rank_steps`).
 - local (gloo, CPU): receives into the same shared slots as nccl once reserved (`TrainWorker`
   reserves them), so it exercises the reuse on CPU; priced as nccl.
 
