@@ -483,8 +483,15 @@ class PlanConfig(StrictModel):
         "step at least as long as its copies over the hardware's host_link_gbps (in and out at once), within "
         "its host_memory_gib per GPU. on, off (the default), or auto: each layout priced both ways and the "
         "faster plan that fits kept (a note says which and why); true / false read as on / off")
+    cuda_graphs: Literal["auto", "off", "on"] = Field(
+        "auto", description="the run's cuda_graphs (train with the same): a distributed layout whose rank steps it "
+        "captures (one attention GPU per pipeline group, no replicated experts, and under auto only once a GPU test "
+        "checked them: runtime/rank_graphs.py) has its nvshmem receive rings priced rounded up to a step's messages, "
+        "as the run allocates them; under on the plan is one of those layouts (train refuses the others); the plan's "
+        "rank_steps_captured says which")
 
     _offload_bool = field_validator("offload_optimizer", mode="before")(on_off_word)
+    _graphs_on_off = field_validator("cuda_graphs", mode="before")(on_off_word)
 
     @model_validator(mode="after")
     def _offload_link(self) -> PlanConfig:
@@ -492,6 +499,18 @@ class PlanConfig(StrictModel):
             raise ValueError(f"offload_optimizer prices the optimizer's copies over the host link, and hardware "
                              f"{self.cluster.hardware.name!r} has no host_link_gbps: add it (GB/s per direction, e.g. "
                              "64 for PCIe Gen5 x16) or plan without offload_optimizer")
+        return self
+
+    @model_validator(mode="after")
+    def _captured_steps(self) -> PlanConfig:
+        if self.cuda_graphs == "on" and self.experts_backend == "loop":
+            raise ValueError("cuda_graphs: on with experts_backend: loop: the loop reads each expert's row count on "
+                             "the host, which a captured step cannot; plan for experts_backend: triton (or "
+                             "grouped_mm), or cuda_graphs: off")
+        if self.cuda_graphs == "on" and self.offload_optimizer != "off":
+            raise ValueError(f"offload_optimizer {self.offload_optimizer} with cuda_graphs: on: the offloaded step's "
+                             "copy streams have not been captured in a graph yet; plan with offload_optimizer: off "
+                             "(or cuda_graphs: off)")
         return self
 
     @model_validator(mode="after")
@@ -622,6 +641,13 @@ class Plan(StrictModel):
     fp8_dense: bool | None = Field(
         None, description="whether the plan priced the dense projections in FP8 too (with expert_precision fp8; "
         "`train --plan` then sets fp8_dense to it); None in a plan written before this field (the config's stays)")
+    rank_steps_captured: bool | None = Field(
+        None, description="a distributed layout: whether its rank steps are captured in CUDA graphs under the "
+        "planned cuda_graphs, as train decides it (runtime/rank_graphs.py; their nvshmem rings are priced rounded up "
+        "to a step's messages); None for one GPU and where no layout fits")
+    rank_steps_note: str | None = Field(
+        None, description="the one line train prints for it: captured or eager, and why (a layout cuda_graphs: on "
+        "cannot capture: the refusal)")
     notes: list[str] = Field(default_factory=list)
     min_gpus: PositiveInt | None = Field(None, description="when infeasible: fewest GPUs that fit")
 
@@ -1038,9 +1064,9 @@ def priced_as_trained(cfg: TrainConfig) -> dict[str, Any]:
     """The `PlanConfig` fields that price `cfg` as it trains: its optimizer (ZeRO-1, the moments'
     dtype, the update kernel, the clip), its routed experts' precision (fp8, else bf16: the planner
     prices no fp32), `fp8_dense` (its dense projections in FP8: `dense_precision`), its
-    recomputation (selective: its modules) and its experts backend. Every request made for a run
-    (`bench.placement.plan_request`, `placement.trace_compare.run_request`) passes them; each
-    decides the offload itself."""
+    recomputation (selective: its modules), its experts backend and `cuda_graphs` (its rank steps'
+    rings). Every request made for a run (`bench.placement.plan_request`,
+    `placement.trace_compare.run_request`) passes them; each decides the offload itself."""
     return {"shard_optimizer_states": cfg.optim.shard_states, "optimizer_state_dtype": cfg.optim.state_dtype,
             "optimizer_update_kernel": cfg.optim.update_kernel, "clip_gradients": cfg.optim.grad_clip > 0,
             "expert_precision": "fp8" if cfg.expert_precision == "fp8" else "bf16",
@@ -1048,7 +1074,7 @@ def priced_as_trained(cfg: TrainConfig) -> dict[str, Any]:
             "fp8_expert_backward": cfg.fp8_expert_backward or DEFAULT_FP8_EXPERT_BACKWARD,
             "fp8_expert_forward": cfg.fp8_expert_forward or DEFAULT_FP8_EXPERT_FORWARD,
             "recompute_modules": list(cfg.recompute_modules) if cfg.recompute == "selective" else None,
-            "experts_backend": cfg.experts_backend}
+            "experts_backend": cfg.experts_backend, "cuda_graphs": cfg.cuda_graphs}
 
 
 # ----------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Annotated, Literal, Optional
 
 import typer
+from rich.markup import escape
 from rich.panel import Panel
 from rich.table import Table
 
@@ -67,6 +68,11 @@ OffloadOpt = Annotated[Literal["auto", "on", "off"], typer.Option(
     "host_memory_gib per GPU; train with offload_optimizer: true), off, or auto (every layout priced both ways, "
     "the faster plan that fits kept, a note says why); the bare flag still means on; the plan records it and "
     "train --plan sets it")]
+CudaGraphsOpt = Annotated[Literal["auto", "on", "off"], typer.Option(
+    "--cuda-graphs", help="the run's cuda_graphs (train with the same): a distributed layout whose rank steps it "
+    "captures (one attention GPU per pipeline group, no replicated experts; auto only once a GPU test checked them) "
+    "has its nvshmem receive rings priced rounded up to a step's messages; on plans only such layouts, which train "
+    "then captures; the plan says whether its rank steps are captured (rank_steps_captured)")]
 RecomputeOpt = Annotated[Literal["none", "selective", "full", "auto"], typer.Option(
     "--recompute", help="activation recomputation to price: none, selective (the expert FFN's input, output and "
     "SwiGLU rows recomputed in the backward: leaner expert GPUs, a little more HBM traffic; train with "
@@ -83,7 +89,8 @@ def build_request(model: str, hardware: str, gpus: int, seq_len: int | None, glo
                   optimizer_state_dtype: str = "fp32", recompute: str = "auto",
                   expert_precision: str = "bf16", offload_optimizer: str = "off",
                   optimizer_update_kernel: str = "triton", fp8_dense: bool = True,
-                  fp8_expert_backward: str = "bf16-wgrad", fp8_expert_forward: str = "both") -> PlanConfig:
+                  fp8_expert_backward: str = "bf16-wgrad", fp8_expert_forward: str = "both",
+                  cuda_graphs: str = "auto") -> PlanConfig:
     mcfg = load_model(model)
     hist = read_histogram(load_histogram, mcfg.num_moe_layers, mcfg.num_experts) if load_histogram else None
     return PlanConfig(model=mcfg, cluster=ClusterConfig(hardware=checked_hardware(hardware), num_gpus=gpus),
@@ -93,7 +100,8 @@ def build_request(model: str, hardware: str, gpus: int, seq_len: int | None, glo
                       optimizer_state_dtype=optimizer_state_dtype, recompute=recompute,
                       expert_precision=expert_precision, offload_optimizer=offload_optimizer,
                       optimizer_update_kernel=optimizer_update_kernel, fp8_dense=fp8_dense,
-                      fp8_expert_backward=fp8_expert_backward, fp8_expert_forward=fp8_expert_forward)
+                      fp8_expert_backward=fp8_expert_backward, fp8_expert_forward=fp8_expert_forward,
+                      cuda_graphs=cuda_graphs)
 
 
 def checked_hardware(ref: str) -> HardwareConfig:
@@ -125,6 +133,7 @@ def plan(
     fp8_expert_backward: Fp8BackwardOpt = "bf16-wgrad",
     fp8_expert_forward: Fp8ForwardOpt = "both",
     offload_optimizer: OffloadOpt = "off",
+    cuda_graphs: CudaGraphsOpt = "auto",
     as_json: JsonOpt = False,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="write the plan (.yaml or .json)")] = None,
 ) -> None:
@@ -139,7 +148,7 @@ def plan(
     req = build_request(model, hardware, gpus, seq_len, global_batch_tokens, load_histogram,
                         max_pipeline_groups, max_expert_replicas, shard_optimizer_states, optimizer_state_dtype,
                         recompute, expert_precision, offload_optimizer, optimizer_update_kernel, fp8_dense,
-                        fp8_expert_backward, fp8_expert_forward)
+                        fp8_expert_backward, fp8_expert_forward, cuda_graphs)
     result = choose(req).plan
     if load_histogram is not None:
         result.notes.insert(0, histogram_note(load_histogram, req.load_histogram, result))
@@ -204,6 +213,7 @@ def show_plan(p, out: Path | None) -> None:
         f"colocated baseline {_baseline(p)}",
         f"params {params_text(p.total_params)} total, {params_text(p.active_params)} active; "
         f"expert load imbalance {p.expert_imbalance:.2f}",
+        *_rank_steps_line(p),
         f"[italic]{p.reason}[/]",
     ]
     console.print(Panel("\n".join(lines), title=head, title_align="left"))
@@ -226,6 +236,13 @@ def show_plan(p, out: Path | None) -> None:
         console.print(f"note: {n}", markup=False, highlight=False)
     if out:
         console.print(f"plan written to {out}", markup=False, highlight=False)
+
+
+def _rank_steps_line(p: Plan) -> list[str]:
+    """A distributed layout's line: whether its rank steps are captured, and why (none for one GPU)."""
+    if p.rank_steps_captured is None:
+        return []
+    return [f"rank steps {'captured' if p.rank_steps_captured else 'eager'}: {escape(p.rank_steps_note)}"]
 
 
 def _baseline(p: Plan) -> str:

@@ -28,7 +28,10 @@ are every (token, k) pair of every attention GPU that dispatches to it, not its 
 the runtime's buffers span them all (`activations` says why), so its memory is priced on
 `pairs`, its time on the rows it computes (`rows`, the busiest GPU's share). Every GPU also holds
 the transport's message buffers (`transport_buffers`: nvshmem's symmetric arena, the largest
-rank's on every GPU, from `roofline.transport_memory`, which the runtime's memory check shares).
+rank's on every GPU, from `roofline.transport_memory`, which the runtime's memory check shares),
+its rings rounded up to a step's messages where the candidate's rank steps are captured in CUDA
+graphs (`rank_steps`: the problem's `cuda_graphs` and the layout, as `disagmoe train` decides it).
+Under `cuda_graphs: on` a layout whose rank steps cannot be captured never fits: train refuses it.
 
 Recomputation (`Problem.recompute`, `Problem.recompute_modules`): the expert modules
 (`roofline.memory.SELECTIVE`) leave what the expert side keeps and its expert backward pays
@@ -65,6 +68,7 @@ the pessimistic case (`_ring_hop_fraction`). Idle GPUs of the cluster never ente
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
+from typing import NamedTuple
 
 import numpy as np
 
@@ -75,6 +79,7 @@ from disagmoe.roofline.optimizer_state import StateBytes, host_link_bytes, slot_
 from disagmoe.roofline.params import (attention_norm_params, attention_params, count_params, expert_params,
                                       router_params, swiglu_params)
 from disagmoe.roofline.stages import BF16, FP32, Num, Work
+from disagmoe.runtime.schedule.step_capture import StepSettings, resolve
 
 
 def zero1_ranks(dp: np.ndarray | float, shard_optimizer: bool) -> np.ndarray | float:
@@ -175,6 +180,16 @@ class Stage:
         return -(-layers // p) * micro_batches_per_step
 
 
+@dataclass(frozen=True)
+class RankSteps:
+    """How each candidate's rank steps run under the problem's `cuda_graphs`, as `disagmoe train`
+    decides it for the planned config (`rank_steps`); arrays aligned with the `Candidates`."""
+
+    captured: np.ndarray  # bool: captured in CUDA graphs (`transport_buffers` prices their rings RING_STEP)
+    refused: np.ndarray  # bool: `cuda_graphs: on` cannot capture them, so `train` refuses the layout
+    lines: np.ndarray  # object: the one line saying which and why (where refused, the refusal); None on one GPU
+
+
 @dataclass
 class Cost:
     """Predicted figures for each candidate (arrays aligned with the `Candidates`)."""
@@ -187,7 +202,7 @@ class Cost:
     dp: np.ndarray  # data-parallel attention replicas per pipeline group
     attn_mem_bytes: np.ndarray  # per attention GPU (colocated: per GPU)
     expert_mem_bytes: np.ndarray  # per expert GPU (colocated: same as attn)
-    fits: np.ndarray
+    fits: np.ndarray  # in device (and host) memory, and not refused (`rank_steps`)
     imbalance: np.ndarray
     attn_params: np.ndarray  # parameters held per attention GPU (colocated: non-expert part)
     expert_params: np.ndarray  # parameters held per expert GPU (colocated: expert part)
@@ -198,6 +213,7 @@ class Cost:
     selective: np.ndarray  # bool per candidate: priced with the expert modules recomputed (`Problem.recompute`)
     lean_expert_mem_bytes: np.ndarray  # expert_mem_bytes with the leanest recomputation the problem allows
     lean_fits: np.ndarray  # fits with the leanest recomputation the problem allows
+    rank_steps: RankSteps  # whether each candidate's rank steps are captured, or refused (then it never fits)
     round_floor_s: np.ndarray
     """A lower bound on fwd_round_s + bwd_round_s that depends only on (p, m, seqs), whatever
     the layout: the attention work of one GPU (the solver prunes with it)."""
@@ -251,6 +267,8 @@ class Problem:
     fp8_forward: str = "both"  # with expert_precision fp8: which expert forward GEMMs (`fp8_stages`)
     first_touch: bool = False  # the bf16 Triton experts store their main gradient at a step's first launch (unzeroed)
     host_capacity_bytes: float = float("inf")  # offloaded: host memory per GPU for masters and moments
+    experts_backend: str = "triton"  # the run's expert FFN: loop, grouped_mm or triton (`rank_steps`)
+    cuda_graphs: str = "auto"  # the run's cuda_graphs: auto, on or off (`rank_steps`)
 
 
 def expert_layout(model: ModelConfig, per_set: np.ndarray, peak_ratio: float,
@@ -416,19 +434,89 @@ def attention_activations(m: ModelConfig, tokens: Num, in_flight: Num, p: np.nda
     return out
 
 
-def transport_buffers(prob: Problem, c: Candidates, dp: np.ndarray, ranks: np.ndarray) -> tuple[Num, Num]:
+def capture_settings(prob: Problem) -> StepSettings:
+    """The run's settings `step_capture` asks, as the planner prices the run: on a GPU over nvshmem
+    (its fast path), bf16 or fp8 parameters (never fp32's reference AdamW), the problem's experts
+    backend, offload, expert precision and `cuda_graphs`."""
+    return StepSettings(cuda_graphs=prob.cuda_graphs, device="cuda", transport="nvshmem",
+                        experts_backend=prob.experts_backend, reference_adamw=False,
+                        offload_optimizer=prob.offload_optimizer, expert_precision=prob.expert_precision)
+
+
+def replicates_experts(prob: Problem, c: Candidates, ranks: np.ndarray) -> np.ndarray:
+    """bool per candidate: its plan holds some expert on more than one GPU (its topology's
+    `replica_groups` are not empty). A split: more than one replica set per group, more expert GPUs
+    in a set than experts, or fewer with spare slots for hot-expert replicas (`Problem.replica_slots`,
+    `placement.experts.map_layer`). Colocated: more than one EP block per group. `ranks`: expert
+    GPUs per replica set (colocated: the EP degree)."""
+    ranks = np.asarray(ranks)
+    if c.colocated:
+        return c.expert // c.p > ranks
+    n = prob.model.num_experts
+    return (c.sets > 1) | (ranks > n) | ((prob.replica_slots > 0) & (ranks < n))
+
+
+def rank_steps(prob: Problem, c: Candidates, dp: Num, ranks: np.ndarray) -> RankSteps:
+    """Whether each candidate's rank steps are captured in CUDA graphs, as `disagmoe train` decides
+    it for the planned config (`runtime.schedule.step_capture.resolve`, what `resolve_rank_graphs`
+    asks): from the problem's settings (`capture_settings`) and two facts of the layout, its
+    data-parallel attention GPUs per pipeline group (`dp`, `Topology.data_parallel` of its plan;
+    colocated: every GPU of the group) and whether it replicates an expert (`replicates_experts`).
+    Those take few values, so each pair is asked once. `on` where a step cannot be captured:
+    refused, with the refusal's line. One GPU (the single layout) has no rank steps."""
+    settings, mode = capture_settings(prob), "colocated" if c.colocated else "disaggregated"
+    dp_i = np.round(np.broadcast_to(np.asarray(dp, dtype=float), (len(c),))).astype(np.int64)
+    layouts, which = np.unique(2 * dp_i + replicates_experts(prob, c, ranks), return_inverse=True)
+    outcomes = [_rank_step(settings, mode, key // 2, bool(key % 2)) for key in layouts.tolist()]
+    captured = np.array([o.captured for o in outcomes], dtype=bool)
+    refused = np.array([o.refused for o in outcomes], dtype=bool)
+    lines = np.array([o.line for o in outcomes], dtype=object)
+    single = c.colocated & (c.expert == 1)
+    return RankSteps(captured[which] & ~single, refused[which] & ~single,
+                     np.where(single, None, lines[which]))
+
+
+class RankStep(NamedTuple):
+    """One layout's `RankSteps` entry."""
+
+    captured: bool
+    refused: bool
+    line: str
+
+
+def _rank_step(settings: StepSettings, mode: str, data_parallel: int, replicated: bool) -> RankStep:
+    """One layout's rank steps: `step_capture.resolve`, its ValueError a refusal."""
+    try:
+        captured, line = resolve(settings, mode, data_parallel, replicated)
+    except ValueError as refusal:
+        return RankStep(False, True, str(refusal))
+    return RankStep(captured, False, line)
+
+
+def transport_buffers(prob: Problem, c: Candidates, dp: np.ndarray, ranks: np.ndarray,
+                      captured: np.ndarray) -> tuple[Num, Num]:
     """(attention GPU, expert GPU) bytes of the transport's message buffers
     (`roofline.transport_memory.layout_transport_bytes`), as the runtime allocates them on the fast
     path the planner prices: nvshmem's symmetric arena (a ring of segments per receive pool,
-    `roofline.transport_memory` RING; the largest rank's on every GPU), partial sums, dispatch
-    sparse where a set has more than one expert rank.
+    `roofline.transport_memory` RING, rounded up to a step's messages, RING_STEP, for the candidates
+    whose rank steps are `captured`: `rank_steps`; the largest rank's on every GPU), partial sums,
+    dispatch sparse where a set has more than one expert rank.
     `ranks`: expert ranks per replica set (colocated: the EP block). None on one GPU."""
-    m = prob.model
-    ranks = np.asarray(ranks, dtype=np.int64)
-    dp_i = np.round(np.asarray(dp)).astype(np.int64)
+    dp = np.broadcast_to(np.asarray(dp), (len(c),))
+    ranks = np.broadcast_to(np.asarray(ranks, dtype=np.int64), (len(c),))
+    attn, exp = np.zeros(len(c)), np.zeros(len(c))
+    for reuse, idx in ((tm.RING_STEP, np.flatnonzero(captured)), (tm.RING, np.flatnonzero(~captured))):
+        if len(idx):
+            attn[idx], exp[idx] = _arena(prob, c.take(idx), dp[idx], ranks[idx], reuse)
+    return attn, exp
 
+
+def _arena(prob: Problem, c: Candidates, dp: np.ndarray, ranks: np.ndarray, reuse: str) -> tuple[Num, Num]:
+    """`transport_buffers` of candidates whose rings are all `reuse` (RING or RING_STEP)."""
+    m = prob.model
+    dp_i = np.round(dp).astype(np.int64)
     attn, exp = tm.layout_receives(m.num_layers, m.num_dense_layers, c.p, dp_i, ranks, c.sets, c.m, c.colocated,
-                                   reuse=tm.RING)
+                                   reuse=reuse)
     dense, sparse = (tm.transport_bytes(attn, exp, tm.HopShape(c.seqs.astype(np.int64), prob.seq_len, m.hidden_size,
                                                                m.top_k, m.num_experts, "bf16", m.shared_ffn_size > 0,
                                                                False, kind))
@@ -527,15 +615,17 @@ def evaluate(prob: Problem, c: Candidates, misfits_exact: bool = True) -> Cost:
         exp_state = exp_bytes * exp_params + fp8_copies + offload_staging_bytes(prob, exp_params)
     in_flight = np.where(c.expert == 1, 1.0, mb) if c.colocated else mb  # one GPU: mode single accumulates
     ranks = per_set if not c.colocated else ep
+    steps = rank_steps(prob, c, dp, ranks)
     if misfits_exact:
-        transport_attn, transport_exp = transport_buffers(prob, c, dp, ranks)
+        transport_attn, transport_exp = transport_buffers(prob, c, dp, ranks, steps.captured)
     else:
         *_, lean_exp_mem, lean_fits = _recomputation(prob, c, tokens, in_flight, pairs, rows, attn_state, exp_state)
         idx = np.flatnonzero(lean_fits if c.colocated else lean_exp_mem <= prob.capacity_bytes)
         transport_attn, transport_exp = np.zeros(len(c)), np.zeros(len(c))
         if len(idx):
             each = lambda v: np.broadcast_to(np.asarray(v), (len(c),))[idx]  # noqa: E731
-            transport_attn[idx], transport_exp[idx] = transport_buffers(prob, c.take(idx), each(dp), each(ranks))
+            transport_attn[idx], transport_exp[idx] = transport_buffers(prob, c.take(idx), each(dp), each(ranks),
+                                                                        steps.captured[idx])
     attn_state = attn_state + transport_attn
     exp_state = exp_state + (0.0 if c.colocated else transport_exp)
     selective, attention, act_attn, act_exp, fits, lean_exp_mem, lean_fits = _recomputation(
@@ -549,6 +639,7 @@ def evaluate(prob: Problem, c: Candidates, misfits_exact: bool = True) -> Cost:
         host_state = (attn_host + exp_host if c.colocated else np.maximum(attn_host, exp_host)) * np.ones(len(c))
         on_host = host_state <= prob.host_capacity_bytes
         fits, lean_fits = fits & on_host, lean_fits & on_host
+    fits = fits & ~steps.refused  # `train` refuses it: never proposed
 
     # The optimizer's passes; offloaded, its copies over the host link too (per parameter, each way).
     attention_link = host_link_bytes(prob.optimizer_state_dtype, "bf16", zero1_ranks(dp, prob.shard_optimizer))
@@ -669,7 +760,7 @@ def evaluate(prob: Problem, c: Candidates, misfits_exact: bool = True) -> Cost:
                 attn_params=attn_params * ones, expert_params=exp_params * ones,
                 attn_act_bytes=act_attn * ones, expert_act_bytes=act_exp * ones, selective=selective,
                 attn_transport_bytes=transport_attn * ones, expert_transport_bytes=transport_exp * ones,
-                lean_expert_mem_bytes=lean_exp_mem * ones, lean_fits=lean_fits,
+                lean_expert_mem_bytes=lean_exp_mem * ones, lean_fits=lean_fits, rank_steps=steps,
                 round_floor_s=floor * ones, stages=stages, host_state_bytes=host_state, recompute_attention=attention,
                 recompute_block=prob.recompute == "full",
                 expert_modules=frozenset(prob.recompute_modules) & mem.SELECTIVE or mem.SELECTIVE)

@@ -84,6 +84,7 @@ def problem_of(cfg: PlanConfig, gpus: int | None = None) -> Problem:
         fp8_dense=cfg.expert_precision == "fp8" and cfg.fp8_dense, fp8_backward=cfg.fp8_expert_backward,
         fp8_forward=cfg.fp8_expert_forward,
         first_touch=cfg.experts_backend == "triton",  # RoutedExperts.first_touch_weights
+        experts_backend=cfg.experts_backend, cuda_graphs=cfg.cuda_graphs,
     )
 
 
@@ -587,8 +588,10 @@ def price(cfg: PlanConfig, chosen: Candidates, colocated_step_s: float | None = 
     if rounds * tokens_per_round != cfg.global_batch_tokens:
         notes.append(f"the batch is {rounds} rounds of {tokens_per_round} tokens = "
                      f"{rounds * tokens_per_round} tokens (asked {cfg.global_batch_tokens})")
-    fits = bool(cost.fits[0])
-    if not fits:
+    fits, refused = bool(cost.fits[0]), bool(cost.rank_steps.refused[0])
+    if refused:
+        notes.append(f"train refuses this layout: {cost.rank_steps.lines[0]}")
+    elif not fits:
         notes.append("this layout does not fit in memory (see memory_per_gpu)")
     elif use_dis:
         notes.extend(_memory_bound(cost, prob))
@@ -597,8 +600,9 @@ def price(cfg: PlanConfig, chosen: Candidates, colocated_step_s: float | None = 
         notes.append(f"the transport's buffers take {transport / GIB:.1f} GiB per GPU (train with transport: nvshmem: "
                      "one symmetric arena, as large on every GPU as the largest rank's: per peer and payload a "
                      "ring of segments, for a forward payload one per layer and micro-batch (live until its "
-                     "backward) and one more, for a gradient m + 1, each sized for all its source's tokens; "
-                     "counted in memory_per_gpu and the fit)")
+                     "backward) and one more, for a gradient m + 1, each sized for all its source's tokens"
+                     + ("; its rank steps captured, each ring rounded up to a divisor of twice its messages a step"
+                        if cost.rank_steps.captured[0] else "") + "; counted in memory_per_gpu and the fit)")
     dropped = cost.dropped(0)
     modules = [name for name in RECOMPUTE_ORDER if name in dropped]
     notes.append(f"memory assumes AdamW with fp32 master weights and {cfg.optimizer_state_dtype} moments, "
@@ -649,9 +653,10 @@ def price(cfg: PlanConfig, chosen: Candidates, colocated_step_s: float | None = 
         step_time_s=step, colocated_step_time_s=col if math.isfinite(col) else None,
         speedup_vs_colocated=col / step if math.isfinite(col) else None,
         expert_imbalance=real_imb, mfu=mfu, tflops_per_gpu=flops_per_gpu_s / 1e12, feasible=fits,
-        idle_gpus=idle,
+        idle_gpus=idle, rank_steps_captured=None if single else bool(cost.rank_steps.captured[0]),
+        rank_steps_note=cost.rank_steps.lines[0],
         reason=(f"uses {attn + exp} of {gpus} GPUs ({idle} idle): " if fewer else "")
-        + _reason(stage_times, chosen, use_dis, step, fits, colocated_step_s, disaggregated_step_s, single),
+        + _reason(stage_times, chosen, use_dis, step, fits, colocated_step_s, disaggregated_step_s, single, refused),
         notes=notes,
     )
     return Choice(plan, chosen, cost, prob)
@@ -890,9 +895,10 @@ def _versus(kind: str, other: float | None, step: float) -> str:
 
 
 def _reason(stage_times: list[StageTime], c: Candidates, disaggregated: bool, step: float, fits: bool,
-            col: float | None, dis: float | None, single: bool = False) -> str:
+            col: float | None, dis: float | None, single: bool = False, refused: bool = False) -> str:
     """One line: the layout, how it compares with the other kind, and the top stage of the table
-    (once-per-step stages included). Claims only what was priced."""
+    (once-per-step stages included). Claims only what was priced. `refused`: train refuses it
+    (`cost.rank_steps`), whatever its memory."""
     top = max(stage_times, key=lambda s: s.time_s)
     if single:
         layout = f"one GPU runs attention and every expert (m={int(c.m[0])})"
@@ -904,7 +910,7 @@ def _reason(stage_times: list[StageTime], c: Candidates, disaggregated: bool, st
     else:
         layout = f"colocated expert parallel on {int(c.expert[0])} GPUs (p={int(c.p[0])}, m={int(c.m[0])})"
         vs = _versus("best disaggregated split", dis, step)
-    fit = "" if fits else "does not fit in memory: "
+    fit = "" if fits else "refused by cuda_graphs: on: " if refused else "does not fit in memory: "
     return f"{fit}{layout}: {vs}; heaviest stage {top.name}, {top.bound}-bound"
 
 
@@ -916,9 +922,10 @@ def _leanest(prob: Problem, p: int) -> tuple[float, float, float]:
     the transport's buffers: one sequence, one micro-batch, the expert GPUs per set (1 to the
     experts) whose fullest GPU is the emptiest (more expert GPUs hold fewer experts each but
     more receive buffers: `cost.transport_buffers`) and, with ZeRO-1, a data-parallel group large
-    enough that the sharded moments all but vanish (a larger GPU count gets there)."""
+    enough that the sharded moments all but vanish (a larger GPU count gets there; not under
+    `cuda_graphs: on`, which plans one attention GPU per group: `cost.rank_steps`)."""
     n = prob.model.num_experts
-    dp = LEANEST_DP if prob.shard_optimizer else 1
+    dp = LEANEST_DP if prob.shard_optimizer and prob.cuda_graphs != "on" else 1
     if prob.recompute == "auto":  # the leanest is every module auto may recompute
         prob = _fixed_recompute(prob, prob.recompute_modules)
     per_set = np.arange(1, n + 1, dtype=np.int64)
@@ -939,7 +946,10 @@ def _blocker(cfg: PlanConfig, prob: Problem) -> str | None:
     buffers = (f" ({transport:.0f} GiB of it the transport's receive buffers, sized for every token of every "
                "micro-batch and layer reaching every expert rank)" if transport > 0.1 * cap else "")
     if attn > cap:
-        if prob.shard_optimizer:
+        if prob.shard_optimizer and prob.cuda_graphs == "on":
+            also = "with one attention GPU per pipeline group (cuda_graphs: on), whose moments ZeRO-1 cannot split"
+            fix = ""
+        elif prob.shard_optimizer:
             also = "even with the attention side's AdamW moments sharded (ZeRO-1)"
             fix = ""
         else:
@@ -963,12 +973,17 @@ def _infeasible(cfg: PlanConfig, prob: Problem) -> Plan:
     gpus = cfg.cluster.num_gpus
     costs = [evaluate(prob, c) for c in (disaggregated_candidates(cfg, gpus), colocated_candidates(cfg, gpus)) if len(c)]
     notes = [] if costs else [f"the global batch ({cfg.global_batch_tokens} tokens) is smaller than one sequence per GPU"]
-    smallest = min((float(np.min(np.maximum(k.attn_mem_bytes, k.expert_mem_bytes))) for k in costs), default=0.0)
+    smallest = min((float(np.min(np.where(k.rank_steps.refused, np.inf, np.maximum(k.attn_mem_bytes,
+                                                                                     k.expert_mem_bytes))))
+                    for k in costs), default=0.0)
     state = ("the attention side's AdamW moments sharded over data parallel (ZeRO-1)" if cfg.shard_optimizer_states
              else "AdamW state unsharded (--shard-optimizer-states splits the attention side's moments)")
     why = (f"no layout fits in {prob.capacity_bytes / GIB:.0f} GiB per GPU on {cfg.cluster.num_gpus} GPUs "
            f"(the leanest needs {smallest / GIB:.0f} GiB on its fullest GPU; {params_text(counts.total)} parameters "
            f"at up to {expert_state_bytes(prob).total:g} bytes each, {state})")
+    if any(k.rank_steps.refused.any() for k in costs):
+        why += ("; cuda_graphs: on plans only the layouts whose rank steps it captures (one attention GPU per "
+                "pipeline group, no replicated experts); cuda_graphs: auto or off plans the others")
     why += f"; the fewest {cfg.cluster.hardware.name} GPUs that fit: {need}" if need else ""
     why += f"; {blocker}" if blocker else ""
     return Plan(

@@ -26,7 +26,8 @@ shapes the transports allocate and the bytes priced here are one table. What eac
   ahead of its reader, so a ring holds more than nccl's slots (tests/roofline pins the counts
   rank by rank against the arena built). A run whose rank steps are captured in CUDA graphs
   rounds each ring up to the smallest divisor of twice its messages a step (`reuse=RING_STEP`,
-  `step_ring`): a forward ring then holds two segments per key, a gradient ring at most that.
+  `step_ring`): a forward ring then holds two segments per key, a gradient ring at most that. The
+  planner prices each candidate's rings so where its rank steps are captured (`placement.cost.rank_steps`).
 - local (gloo, CPU): receives into the same shared slots as nccl once reserved (`TrainWorker`
   reserves them), so it exercises the reuse on CPU; priced as nccl.
 
@@ -186,8 +187,16 @@ def _forward(per_key: Num, present: Num, reuse: bool | str) -> Num:
 
 def step_ring(size: Num, per_step: Num) -> Num:
     """`runtime.schedule.reuse_order.step_ring` on arrays (0 where `per_step` is 0): the smallest
-    divisor of 2 `per_step` at least `size`, past 2 `per_step` its next multiple."""
-    size, per_step = np.asarray(size), np.asarray(per_step)
+    divisor of 2 `per_step` at least `size`, past 2 `per_step` its next multiple. Worked out once per
+    distinct pair (the planner's candidates share a few dozen)."""
+    size, per_step = np.broadcast_arrays(np.asarray(size, dtype=np.int64), np.asarray(per_step, dtype=np.int64))
+    span = int(np.max(per_step, initial=0)) + 1
+    pairs, back = np.unique((size * span + per_step).ravel(), return_inverse=True)
+    return _step_ring(pairs // span, pairs % span)[back].reshape(size.shape)
+
+
+def _step_ring(size: np.ndarray, per_step: np.ndarray) -> np.ndarray:
+    """`step_ring` of 1-D arrays."""
     twice = 2 * per_step
     out = np.where(size > twice, -(-size // np.maximum(twice, 1)) * twice, twice)
     most = int(np.max(twice // np.maximum(size, 1), initial=1))

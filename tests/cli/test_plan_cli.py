@@ -276,12 +276,12 @@ def test_plans_are_written_compactly_and_read_back_with_older_block_style_files(
     printed = run(*args, "--json").stdout
     plan = Plan.model_validate_json(printed)
     layers = len(plan.expert_map)
-    assert len(printed.splitlines()) < layers + 100
+    assert len(printed.splitlines()) < layers + 110
     for name in ("plan.yaml", "plan.json"):
         out = tmp_path / name
         assert run(*args, "--out", str(out)).exit_code == 0
         lines = out.read_text().splitlines()
-        assert len(lines) < layers + 100, (name, len(lines))
+        assert len(lines) < layers + 110, (name, len(lines))
         assert sum(line.lstrip("- ").startswith("[[") for line in lines) == layers  # one line per MoE layer
         assert load_plan(str(out)) == plan
     old_yaml, old_json = tmp_path / "old.yaml", tmp_path / "old.json"
@@ -453,3 +453,24 @@ def test_plan_prices_the_fp8_forward_gemms_it_is_told():
     assert any("gate/up GEMM at the bf16 rate (fp8_expert_forward: down)" in n for n in down["notes"])
     assert not any("fp8_expert_forward" in n for n in both["notes"])
     assert run(*base, "--fp8-expert-forward", "up").exit_code == 2
+
+
+def test_plan_says_whether_a_distributed_layouts_rank_steps_are_captured():
+    """`--cuda-graphs` (default auto, as train's): the plan's `rank_steps_captured` and
+    `rank_steps_note` (train's line for them) for a distributed layout, a line in the table, none for
+    one GPU; on plans a layout whose rank steps it captures; on with an offloaded optimizer: refused."""
+    args = ("plan", "-m", "qwen3-30b-a3b", "-hw", "h200-sxm", "-n", "8", "--max-pipeline-groups", "1",
+            "--global-batch-tokens", "262144")
+    auto = Plan.model_validate_json(run(*args, "--json").stdout)
+    assert (auto.layout, auto.attention_gpus, auto.rank_steps_captured) == ("disaggregated", 2, False)
+    assert auto.rank_steps_note.startswith("cuda_graphs: auto -> eager: the 2 attention replicas per pipeline group")
+    on = Plan.model_validate_json(run(*args, "--json", "--cuda-graphs", "on").stdout)
+    assert (on.layout, on.attention_gpus, on.rank_steps_captured) == ("disaggregated", 1, True)
+    assert on.rank_steps_note.startswith("cuda_graphs: on: every rank's step is captured")
+    text = " ".join(run(*args, "--cuda-graphs", "on").stdout.replace("│", " ").split())
+    assert "rank steps captured: cuda_graphs: on: every rank's step is captured" in text
+    single = Plan.model_validate_json(run("plan", "-m", "tiny", "-hw", "h200-sxm", "-n", "1", "--json").stdout)
+    assert single.layout == "single" and single.rank_steps_captured is None and single.rank_steps_note is None
+    assert "rank steps" not in run("plan", "-m", "tiny", "-hw", "h200-sxm", "-n", "1").stdout
+    refused = run(*args, "--cuda-graphs", "on", "--offload-optimizer", "on")
+    assert refused.exit_code == 2 and "offload_optimizer on with cuda_graphs: on" in refused.output

@@ -657,30 +657,118 @@ def test_offload_is_refused_on_hardware_without_a_host_link():
         assert load_hardware(name).host_link_gbps == 450
 
 
-@pytest.mark.parametrize(("attn", "expert", "p", "m", "seqs"), [(1, 1, 1, 2, 2), (2, 4, 1, 2, 1), (4, 4, 2, 1, 1),
-                                                                 (3, 3, 3, 2, 1)])
-def test_the_priced_transport_buffers_are_the_runtime_arena(attn, expert, p, m, seqs):
-    """The planner's transport term for a layout is the nvshmem arena the runtime builds for the
-    same layout from every rank's program (`receive_layouts`, what the transport allocates), on
-    every GPU: symmetric memory is as large as the largest rank's."""
+ARENA_LAYOUTS = [(1, 1, 1, 2, 2), (2, 4, 1, 2, 1), (4, 4, 2, 1, 1), (3, 3, 3, 2, 1)]  # attn, expert, p, m, seqs
+
+
+def _priced_and_built(attn: int, expert: int, p: int, m: int, seqs: int, graphs: str):
+    """(the planner's cost of a split under `cuda_graphs: graphs`, the nvshmem arena the runtime
+    builds for the same run from every rank's program (`receive_layouts`, what the transport
+    allocates), `layout_transport_bytes` of the split by `step_aligned`)."""
     from disagmoe.config import TrainConfig
+    from disagmoe.roofline import transport_memory as tm
     from disagmoe.runtime.stages.messages import MessageShapes, receive_layouts
     from disagmoe.runtime.topology import Topology
 
-    model = load_model("tiny")
-    seq = 64
+    model, seq = load_model("tiny"), 64
     cfg = TrainConfig.model_validate(dict(
         model="tiny", mode="disaggregated", attention_ranks=attn, expert_ranks=expert, pipeline_groups=p,
-        transport="nvshmem", device="cuda", experts_backend="loop", precision="bf16", micro_batches=m,
-        batch_size=seqs * m * attn // p, seq_len=seq))
+        transport="nvshmem", device="cuda", experts_backend="triton", hop="partial_sums", precision="bf16",
+        micro_batches=m, batch_size=seqs * m * attn // p, seq_len=seq, cuda_graphs=graphs))
     topology = Topology.from_config(cfg, model)
     arena = receive_layouts(cfg, MessageShapes.of_run(cfg, model, topology), topology)[0].nbytes
     prob = problem_of(PlanConfig(model=model, cluster=ClusterConfig(hardware=load_hardware("h200-sxm"), num_gpus=8),
-                                 seq_len=seq))
-    cost = evaluate(prob, Candidates.one(attn, expert, p, m, seqs))
-    assert cost.attn_transport_bytes[0] == cost.expert_transport_bytes[0] == arena > 0
+                                 seq_len=seq, cuda_graphs=graphs))
+    per_set = expert // p
+    shape = tm.HopShape(seqs, seq, model.hidden_size, model.top_k, model.num_experts, "bf16",
+                        model.shared_ffn_size > 0, False, per_set > 1)
+    laid = {aligned: int(tm.layout_transport_bytes(model.num_layers, model.num_dense_layers, shape, np.array([p]),
+                                                   np.array([attn // p]), np.array([per_set]), np.array([1]), m,
+                                                   colocated=False, step_aligned=aligned)[0][0])
+            for aligned in (False, True)}
+    return evaluate(prob, Candidates.one(attn, expert, p, m, seqs)), arena, laid
+
+
+@pytest.mark.parametrize(("attn", "expert", "p", "m", "seqs", "graphs"),
+                         [(*layout, graphs) for layout in ARENA_LAYOUTS for graphs in ("off", "auto")]
+                         + [(*layout, "on") for layout in ARENA_LAYOUTS if layout[0] == layout[2]])
+def test_the_priced_transport_buffers_are_the_runtime_arena(attn, expert, p, m, seqs, graphs):
+    """The planner's transport term for a layout is the nvshmem arena the runtime builds for the
+    same layout, on every GPU: symmetric memory is as large as the largest rank's. A layout whose
+    rank steps are captured (`cuda_graphs: on`, one attention GPU per pipeline group) has its rings
+    rounded up to a step's messages (`layout_transport_bytes(step_aligned=True)`), one run eagerly
+    (off; auto until a GPU test checked the captured step) the plain rings."""
+    cost, arena, laid = _priced_and_built(attn, expert, p, m, seqs, graphs)
+    captured = graphs == "on"
+    assert bool(cost.rank_steps.captured[0]) is captured and not cost.rank_steps.refused[0]
+    assert cost.attn_transport_bytes[0] == cost.expert_transport_bytes[0] == arena == laid[captured] > 0
     plan_memory = cost.expert_mem_bytes[0] - cost.expert_transport_bytes[0]
     assert cost.expert_mem_bytes[0] == pytest.approx(plan_memory + arena)
+    assert laid[True] > laid[False] or m == 1  # a pool's ring of one message a step is rounded already
+
+
+@pytest.mark.parametrize(("attn", "expert", "p", "m", "seqs"), ARENA_LAYOUTS)
+def test_auto_prices_the_rounded_rings_once_a_gpu_checked_the_captured_step(monkeypatch, attn, expert, p, m, seqs):
+    """`cuda_graphs: auto` with the captured rank step checked on a GPU (`step_capture.CHECKED_ON_GPU`)
+    captures one attention GPU per pipeline group and runs more eagerly: the planner prices the
+    rounded rings for the first and the plain ones for the others, each the arena the run builds."""
+    from disagmoe.runtime.schedule import step_capture
+
+    monkeypatch.setattr(step_capture, "CHECKED_ON_GPU", True)
+    cost, arena, laid = _priced_and_built(attn, expert, p, m, seqs, "auto")
+    one_per_group = attn == p
+    assert bool(cost.rank_steps.captured[0]) is one_per_group
+    assert cost.attn_transport_bytes[0] == arena == laid[one_per_group]
+    note = cost.rank_steps.lines[0]
+    assert note.startswith("cuda_graphs: auto -> on" if one_per_group else
+                           f"cuda_graphs: auto -> eager: the {attn // p} attention replicas per pipeline group")
+
+
+@pytest.mark.parametrize(("attn", "expert", "sets", "replicas"), [
+    (1, 2, 1, 0), (1, 2, 1, 1), (1, 8, 1, 1), (1, 10, 1, 0), (2, 4, 2, 0), (0, 4, 1, 0), (0, 16, 1, 0)])
+def test_the_replicated_experts_priced_are_the_plans_replica_groups(attn, expert, sets, replicas):
+    """`cost.replicates_experts`, the layout fact `rank_steps` asks besides data parallel, is whether
+    the topology of the plan priced for the layout has replica groups (`Topology.replica_groups`):
+    tiny's 8 experts on 2 expert GPUs (once each; with a spare slot, hot replicas), on 8 (once each,
+    spare slots or not), on 10, in 2 replica sets; colocated on 4 GPUs (one EP block) and 16 (two)."""
+    from disagmoe.config import TrainConfig
+    from disagmoe.placement.cost import colocated_ep, replicates_experts
+    from disagmoe.runtime.topology import Topology
+
+    model, colocated = load_model("tiny"), attn == 0
+    req = PlanConfig(model=model, cluster=ClusterConfig(hardware=load_hardware("h200-sxm"), num_gpus=attn + expert),
+                     seq_len=64, max_expert_replicas=replicas)
+    cand = Candidates.one(attn, expert, 1, 2, 1, sets, colocated=colocated)
+    plan = price(req, cand).plan
+    assert plan.feasible and plan.layout == ("colocated" if colocated else "disaggregated")
+    cfg = TrainConfig(model="tiny", device="cuda", transport="nvshmem", experts_backend="triton", seq_len=64,
+                      batch_size=2 * max(attn, expert), plan=plan)
+    ranks = colocated_ep(model.num_experts, expert) if colocated else np.array([expert // sets])
+    replicated = bool(replicates_experts(problem_of(req), cand, ranks)[0])
+    assert replicated == bool(Topology.from_config(cfg, model).replica_groups())
+    assert replicated == ((attn, expert, sets, replicas) in {(1, 2, 1, 1), (1, 10, 1, 0), (2, 4, 2, 0), (0, 16, 1, 0)})
+
+
+@pytest.mark.parametrize(("attn", "expert", "replicas", "why"), [
+    (2, 2, 0, "the 2 attention replicas per pipeline group sum gradients"),
+    (1, 2, 1, "replicated experts sum their gradients"),
+    (0, 4, 0, "the 4 attention replicas per pipeline group sum gradients")])
+def test_a_layout_cuda_graphs_on_cannot_capture_is_refused_with_trains_reason(attn, expert, replicas, why):
+    """Under `cuda_graphs: on` a layout whose rank steps cannot be captured never fits (`train`
+    refuses it: `resolve_rank_graphs` raises); priced as a fixed layout, its plan says so in its
+    reason, its notes and `rank_steps_note` (the refusal, word for word), whatever its memory."""
+    colocated = attn == 0
+    req = PlanConfig(model=load_model("tiny"), cluster=ClusterConfig(hardware=load_hardware("h200-sxm"),
+                     num_gpus=attn + expert), seq_len=64, max_expert_replicas=replicas, cuda_graphs="on")
+    choice = price(req, Candidates.one(attn, expert, 1, 2, 1, colocated=colocated))
+    plan, steps = choice.plan, choice.cost.rank_steps
+    assert steps.refused[0] and not steps.captured[0] and not choice.cost.fits[0]
+    assert not plan.feasible and plan.rank_steps_captured is False
+    mode = "colocated" if colocated else "disaggregated"
+    assert plan.rank_steps_note.startswith(f"cuda_graphs: on cannot capture mode {mode}'s rank steps here: ")
+    assert why in plan.rank_steps_note and plan.rank_steps_note.endswith("; or set cuda_graphs: off")
+    assert plan.reason.startswith("refused by cuda_graphs: on: ")
+    assert f"train refuses this layout: {plan.rank_steps_note}" in plan.notes
+    assert all(e.total_gib <= e.capacity_gib for e in plan.memory_per_gpu.values())  # it fits in memory
 
 
 def test_a_layout_that_fits_only_without_the_transport_buffers_is_refused():

@@ -46,12 +46,80 @@ def brute_force_best(cfg):
     return best
 
 
-@pytest.mark.parametrize("gpus, hardware", [(4, "h200-sxm"), (6, "h100-sxm"), (8, "b200")])
-def test_solver_finds_the_true_optimum_of_its_cost_model(gpus, hardware):
-    cfg = request("tiny", hardware, gpus, seq_len=128, batch=128 * 256, max_pipeline_groups=3)
+@pytest.mark.parametrize("gpus, hardware, graphs", [(4, "h200-sxm", "auto"), (6, "h100-sxm", "auto"),
+                                                     (8, "b200", "auto"), (6, "h100-sxm", "on")])
+def test_solver_finds_the_true_optimum_of_its_cost_model(gpus, hardware, graphs):
+    """Also under `cuda_graphs: on`, where the layouts train refuses never fit: the pruning keeps the best."""
+    cfg = request("tiny", hardware, gpus, seq_len=128, batch=128 * 256, max_pipeline_groups=3, cuda_graphs=graphs)
     plan = solve(cfg)
     assert plan.feasible
     assert plan.step_time_s == pytest.approx(brute_force_best(cfg), rel=1e-9)
+
+
+def _planned_run(model: str, gpus: int, graphs: str, replicas: int = 0):
+    """(the plan for `model` on `gpus` H200s, one pipeline group, under `cuda_graphs: graphs`, the
+    config `train --plan` runs from it with `cuda_graphs: on`, its topology)."""
+    from disagmoe.config import TrainConfig
+    from disagmoe.runtime.plan_layout import apply_plan
+    from disagmoe.runtime.topology import Topology
+
+    plan = solve(request(model, "h200-sxm", gpus, seq_len=4096, batch=4096 * 64, max_pipeline_groups=1,
+                         max_expert_replicas=replicas, cuda_graphs=graphs))
+    assert plan.feasible and plan.layout == "disaggregated", plan.reason
+    cfg = apply_plan(TrainConfig(model=model, device="cuda", transport="nvshmem", experts_backend="triton",
+                                 hop="partial_sums", cuda_graphs="on", seq_len=4096, batch_size=64, plan=plan),
+                     load_model(model))
+    return plan, cfg, Topology.from_config(cfg, load_model(model))
+
+
+@pytest.mark.parametrize(("model", "gpus", "replicas"), [("qwen3-30b-a3b", 8, 0), ("mixtral-8x7b", 16, 1)])
+def test_cuda_graphs_on_plans_a_layout_whose_rank_steps_train_captures(model, gpus, replicas):
+    """`cuda_graphs: on` never yields a plan `resolve_rank_graphs` refuses: the planned config's rank
+    steps are captured, as the plan says (`rank_steps_note`): one attention GPU per pipeline group,
+    every expert once even where hot-expert replicas are allowed."""
+    from disagmoe.runtime.rank_graphs import resolve_rank_graphs
+
+    plan, cfg, topology = _planned_run(model, gpus, "on", replicas)
+    assert resolve_rank_graphs(cfg, topology) == (True, plan.rank_steps_note) and plan.rank_steps_captured
+    assert topology.data_parallel == 1 and not topology.replica_groups()
+
+
+def test_without_cuda_graphs_on_the_fastest_layout_may_be_one_on_refuses():
+    """Off, Qwen3-30B's fastest layout on 8 H200s has two attention GPUs: `on` would refuse it,
+    which is what the search under `on` leaves out."""
+    from disagmoe.runtime.rank_graphs import resolve_rank_graphs
+
+    plan, cfg, topology = _planned_run("qwen3-30b-a3b", 8, "off")
+    assert (plan.attention_gpus, plan.rank_steps_captured, plan.rank_steps_note) == (2, False, "cuda_graphs: off")
+    with pytest.raises(ValueError, match="cuda_graphs: on cannot capture mode disaggregated's rank steps here: the 2 "
+                                         "attention replicas"):
+        resolve_rank_graphs(cfg, topology)
+
+
+def test_a_search_cuda_graphs_on_leaves_empty_says_why():
+    """Qwen3-30B on 8 H200s with spare slots for hot-expert replicas: every split of one group
+    replicates experts and one GPU does not fit, so `cuda_graphs: on` finds no plan; its reason
+    says what `on` left out. Off, the same request has one."""
+    def plan_of(graphs):
+        return solve(request("qwen3-30b-a3b", "h200-sxm", 8, seq_len=4096, batch=4096 * 64, max_pipeline_groups=1,
+                             max_expert_replicas=1, cuda_graphs=graphs))
+
+    plan = plan_of("on")
+    assert not plan.feasible and plan.reason.startswith("no layout fits") and plan.rank_steps_captured is None
+    assert ("cuda_graphs: on plans only the layouts whose rank steps it captures (one attention GPU per pipeline "
+            "group, no replicated experts); cuda_graphs: auto or off plans the others") in plan.reason
+    assert plan_of("off").feasible
+
+
+@pytest.mark.parametrize(("fields", "says"), [
+    (dict(experts_backend="loop"), "cuda_graphs: on with experts_backend: loop"),
+    (dict(offload_optimizer="on"), "offload_optimizer on with cuda_graphs: on"),
+    (dict(offload_optimizer="auto"), "offload_optimizer auto with cuda_graphs: on")])
+def test_cuda_graphs_on_is_refused_with_settings_no_layout_captures(fields, says):
+    """A request `train` would refuse in every layout (as `TrainConfig` does) is refused in one line."""
+    with pytest.raises(ValueError, match=says):
+        request("tiny", "h200-sxm", 4, cuda_graphs="on", **fields)
+    request("tiny", "h200-sxm", 4, cuda_graphs="auto", **fields)
 
 
 def test_memory_limit_binds_and_is_reported():

@@ -10,8 +10,8 @@ import pytest
 
 from disagmoe.config import TrainConfig
 from disagmoe.model_ref import load_model
-from disagmoe.runtime import rank_graphs
 from disagmoe.runtime.rank_graphs import resolve_rank_graphs
+from disagmoe.runtime.schedule import step_capture
 from disagmoe.runtime.stages.messages import MessageShapes, receive_layouts
 from disagmoe.runtime.topology import Topology
 from disagmoe.runtime.training.graphed_step import resolve_cuda_graphs
@@ -85,7 +85,7 @@ def test_auto_runs_eagerly_and_says_why_in_one_line(fields, says):
 
 
 def test_auto_captures_once_checked_on_a_gpu_but_fp8_still_waits(monkeypatch):
-    monkeypatch.setattr(rank_graphs, "CHECKED_ON_GPU", True)
+    monkeypatch.setattr(step_capture, "CHECKED_ON_GPU", True)
     assert _resolve(_cfg())[0]
     capture, note = _resolve(_cfg(precision="fp8", hop="partial_sums"))
     assert not capture and "precision fp8's captured rank step" in note
@@ -118,3 +118,22 @@ def test_captured_runs_get_rings_rounded_up_to_a_steps_messages():
         if not where[1][1].backward:
             assert (n, eager) == (2 * keys, keys + 1), where
     assert any(rings["on"][w][0] > rings["off"][w][0] for w in rings["on"])
+
+
+def test_the_reasons_are_asked_apart_and_named_in_one_order():
+    """`step_capture` asks a run's settings and its layout's two facts apart (the planner asks the
+    layout's of its candidates); `resolve_rank_graphs` names both, in one order: the transport's,
+    the layout's, then the step's work."""
+    cfg = _cfg(attention_ranks=2, transport="nccl").model_copy(update={"experts_backend": "loop"})
+    settings = step_capture.StepSettings.of_run(cfg)
+    transport, loop = step_capture.setting_blockers(settings)
+    assert transport[0].startswith("transport nccl posts") and loop[0].startswith("experts_backend loop")
+    (replicas,) = step_capture.layout_blockers(2, False)
+    assert replicas == ("the 2 attention replicas per pipeline group sum gradients and expert loads over the "
+                        "process group, which is not captured", "use one attention rank per pipeline group")
+    assert step_capture.layout_blockers(1, False) == [] and len(step_capture.layout_blockers(1, True)) == 1
+    with pytest.raises(ValueError) as refused:
+        _resolve(cfg.model_copy(update={"cuda_graphs": "on"}))
+    named = str(refused.value)
+    assert named.index(transport[0]) < named.index(replicas[0]) < named.index(loop[0])
+    assert _resolve(cfg) == (False, f"cuda_graphs: auto -> eager: {transport[0]}")
