@@ -4,7 +4,6 @@ reason keeps a step eager). Torch-free: a run asks it through `rank_graphs.resol
 (its config and topology), the planner of every candidate layout (`placement.cost.rank_steps`).
 
     settings = StepSettings.of_run(cfg)
-    setting_blockers(settings)                          (why, fix) per reason of the run's settings
     layout_blockers(data_parallel, replicated)          (why, fix) per reason of the layout
     resolve(settings, mode, data_parallel, replicated)  (captured?, the one line); `on` where it cannot: ValueError
 
@@ -41,11 +40,6 @@ class StepSettings:
         return cls(cuda_graphs=cfg.cuda_graphs, device=cfg.device, transport=cfg.transport,
                    experts_backend=cfg.experts_backend, reference_adamw=cfg.steps_reference_adamw,
                    offload_optimizer=cfg.offload_optimizer, expert_precision=cfg.expert_precision)
-
-
-def setting_blockers(s: StepSettings) -> list[Blocker]:
-    """The reasons the run's settings give, in any layout."""
-    return _where_blockers(s) + _work_blockers(s)
 
 
 def layout_blockers(data_parallel: int, replicated: bool) -> list[Blocker]:
