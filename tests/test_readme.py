@@ -102,7 +102,7 @@ def test_presets_schema_and_planner_examples(ran):
     assert "predicted step" in ran["plan-deepseek"].stdout
     plan_file = ran["folder"] / "plan.yaml"  # the tiny plan overwrote it later; the JSON printed is qwen's
     qwen = Plan.model_validate_json(ran["plan-qwen-json"].stdout)
-    assert qwen.gpus == 72 and len(ran["plan-qwen-json"].stdout.splitlines()) < len(qwen.expert_map) + 100
+    assert qwen.gpus == 72 and len(ran["plan-qwen-json"].stdout.splitlines()) < len(qwen.expert_map) + 110
     assert plan_file.exists()
     assert (ran["folder"] / "roofline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

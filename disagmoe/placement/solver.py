@@ -312,10 +312,11 @@ def best_index(cost: Cost, c: Candidates) -> int | None:
 
 
 def fewest_gpus(cfg: PlanConfig) -> int | None:
-    """Smallest GPU count on which some layout fits in memory (None beyond 2^20 GPUs)."""
+    """Smallest GPU count on which some layout the runtime runs fits in memory (None beyond 2^20
+    GPUs)."""
     def fits(g: int) -> bool:
         prob = problem_of(cfg, g)
-        for cands in (disaggregated_candidates(cfg, g), colocated_candidates(cfg, g)):
+        for cands in (disaggregated_candidates(cfg, g), colocated_candidates(runnable_colocated(cfg), g)):
             if len(cands) and evaluate(prob, cands, misfits_exact=False).fits.any():
                 return True
         return False
@@ -501,30 +502,58 @@ def _host_limit_note(cfg: PlanConfig, choice: Choice) -> list[str]:
             f"{report.seconds(free.plan.step_time_s)} per step (now {now})"]
 
 
+COLOCATED_GROUPS = 1  # pipeline groups the colocated runtime runs (`runtime.plan_layout.check_plan` refuses more)
+
+
 def _choose(cfg: PlanConfig) -> Choice:
-    """`choose` with the offload fixed (on or off)."""
-    gpus = cfg.cluster.num_gpus
+    """`choose` with the offload fixed (on or off). The colocated baseline (what the plan's speedup
+    is measured against: Megatron's EP x PP x DP) is the best colocated layout of any pipeline
+    depth; the plan itself is colocated only at the depth the runtime runs (`COLOCATED_GROUPS`), and
+    a note says what a deeper colocated layout would have taken."""
     prob = problem_of(cfg)
-    best: dict[bool, tuple[float, Candidates | None]] = {}
-    whole = math.inf  # the best layout that leaves no GPU idle (but for gpus mod p)
-    for colocated in (False, True):
-        kind = colocated_candidates if colocated else disaggregated_candidates
-        cands = kind(cfg, gpus, _pruning(cfg, prob, kind(cfg, gpus)))
-        cost = evaluate(prob, cands, misfits_exact=False) if len(cands) else None  # fits and steps exact
-        i = best_index(cost, cands) if cost is not None else None
-        best[colocated] = (float(cost.step_s[i]), cands.take(i)) if i is not None else (math.inf, None)
-        if cost is not None:
-            full = (cands.attn + cands.expert) == cands.p * (gpus // cands.p)
-            whole = min(whole, float(np.min(np.where(cost.fits & full, cost.step_s, np.inf))))
-    (dis_time, dis), (col_time, col) = best[False], best[True]
+    (dis_time, dis, dis_whole), (col_time, col, col_whole) = (_best_of_kind(cfg, prob, colocated)
+                                                              for colocated in (False, True))
+    whole = min(dis_whole, col_whole)  # the best layout that leaves no GPU idle (but for gpus mod p)
     if dis is not None and prob.calibration is not None:  # the pick compares what the plan will report
         dis_time = replayed_step_s(evaluate(prob, dis), prob, dis)
-    if dis is None and col is None:
-        return Choice(_infeasible(cfg, prob), None, None, prob)
-    chosen = dis if dis_time <= col_time else col
-    choice = price(cfg, chosen, col_time, dis_time, whole)
+    run_time, run = col_time, col
+    if col is not None and int(col.p[0]) > COLOCATED_GROUPS:
+        run_time, run, _ = _best_of_kind(runnable_colocated(cfg), prob, colocated=True)
+    if dis is None and run is None:
+        choice = Choice(_infeasible(cfg, prob), None, None, prob)
+    else:
+        chosen = dis if dis_time <= run_time else run
+        choice = price(cfg, chosen, col_time, dis_time, whole)
+    if run is not col and col_time < min(dis_time, run_time):
+        choice.plan.notes.append(_deeper_colocated_note(col, col_time))
     choice.plan.notes.extend(_untaken_recompute(cfg, choice.plan))
     return choice
+
+
+def runnable_colocated(cfg: PlanConfig) -> PlanConfig:
+    """`cfg` with the colocated layouts limited to those the runtime runs (`COLOCATED_GROUPS`)."""
+    return cfg.model_copy(update={"max_pipeline_groups": min(cfg.max_pipeline_groups, COLOCATED_GROUPS)})
+
+
+def _best_of_kind(cfg: PlanConfig, prob: Problem, colocated: bool) -> tuple[float, Candidates | None, float]:
+    """(step, layout) of the fastest layout of one kind that fits ((inf, None) where none does),
+    and the fastest of that kind leaving no GPU idle (but for gpus mod p)."""
+    gpus = cfg.cluster.num_gpus
+    kind = colocated_candidates if colocated else disaggregated_candidates
+    cands = kind(cfg, gpus, _pruning(cfg, prob, kind(cfg, gpus)))
+    if not len(cands):
+        return math.inf, None, math.inf
+    cost = evaluate(prob, cands, misfits_exact=False)  # fits and steps exact
+    full = (cands.attn + cands.expert) == cands.p * (gpus // cands.p)
+    whole = float(np.min(np.where(cost.fits & full, cost.step_s, np.inf)))
+    i = best_index(cost, cands)
+    return (float(cost.step_s[i]), cands.take(i), whole) if i is not None else (math.inf, None, whole)
+
+
+def _deeper_colocated_note(col: Candidates, step_s: float) -> str:
+    return (f"colocated with {int(col.p[0])} pipeline groups (m={int(col.m[0])}) would take "
+            f"{report.seconds(step_s)} per step, faster than this plan, but the colocated runtime runs "
+            f"{COLOCATED_GROUPS} pipeline group: it is the baseline here, not the plan")
 
 
 def _untaken_recompute(cfg: PlanConfig, plan: Plan) -> list[str]:
@@ -971,7 +1000,8 @@ def _infeasible(cfg: PlanConfig, prob: Problem) -> Plan:
     need = None if blocker else fewest_gpus(cfg)
     counts = count_params(cfg.model)
     gpus = cfg.cluster.num_gpus
-    costs = [evaluate(prob, c) for c in (disaggregated_candidates(cfg, gpus), colocated_candidates(cfg, gpus)) if len(c)]
+    costs = [evaluate(prob, c) for c in (disaggregated_candidates(cfg, gpus),
+                                         colocated_candidates(runnable_colocated(cfg), gpus)) if len(c)]
     notes = [] if costs else [f"the global batch ({cfg.global_batch_tokens} tokens) is smaller than one sequence per GPU"]
     smallest = min((float(np.min(np.where(k.rank_steps.refused, np.inf, np.maximum(k.attn_mem_bytes,
                                                                                      k.expert_mem_bytes))))

@@ -142,7 +142,8 @@ def check_plan(plan: Plan, model_cfg: ModelConfig, source: str, experts_backend:
                          f"on one GPU (p=1, expert_gpus=1, attention_gpus=0); {REPLAN}")
     if plan.layout == "colocated" and p > 1:
         raise ValueError(f"{source} is colocated with pipeline_groups={p}; the colocated runtime runs one "
-                         "pipeline group: plan with --max-pipeline-groups 1")
+                         f"pipeline group, and `disagmoe plan` proposes no deeper colocated layout since it "
+                         f"learned that; {REPLAN}")
     if plan.expert_gpus % p:
         raise ValueError(f"{source} has expert_gpus={plan.expert_gpus}, not a multiple of pipeline_groups={p}: "
                          f"every group needs the same number of expert GPUs; {REPLAN}")
