@@ -26,7 +26,9 @@ keeps the tokens x [T, H] the rows were gathered from and each row's token (`Row
 smaller) instead of the rows, and the backward's token-group quantiser reads each row from its
 token in place (`fp8.quantize_token_groups`' rows_M): the same bits as quantising the kept rows,
 no [N, H] copy written, and each quantisation still counted once (the backward quantises x along
-tokens in the plain run too; nothing the forward quantised is quantised again). `expert_swiglu`
+tokens in the plain run too; nothing the forward quantised is quantised again). Given x's e4m3 rows
+too (`x_fp8`, a gate/up GEMM in FP8), nothing reads the bf16 rows at all: the caller need not write
+them (`UnwrittenRows`, `bf16_rows_reader`), and the FFN sums their gradient per token. `expert_swiglu`
 drops nothing more (the SwiGLU output is never kept). `expert_output` is not built: there is no
 fused FP8 combine (`recompute.FP8_NO_EXPERT_OUTPUT`).
 """
@@ -44,10 +46,12 @@ from disagmoe.config import (DEFAULT_FP8_EXPERT_BACKWARD, DEFAULT_FP8_EXPERT_FOR
                               FP8_EXPERT_FORWARDS)
 from disagmoe.kernels import fp8
 from disagmoe.kernels import grouped_gemm as gg
+from disagmoe.kernels import permute as pm
 from disagmoe.kernels.first_touch import adds_into
 from disagmoe.kernels.fp8_stats import ACTIVATIONS, GRADIENTS, WEIGHTS, Fp8Stats
 from disagmoe.kernels.moe_ffn import FFNTiles, main_grad_of, moe_ffn_backward
-from disagmoe.kernels.recompute import EXPERT_INPUT, EXPERT_OUTPUT, FP8_NO_EXPERT_OUTPUT, FP8_RECOMPUTABLE, RowSource
+from disagmoe.kernels.recompute import (EXPERT_INPUT, EXPERT_OUTPUT, FP8_NO_EXPERT_OUTPUT, FP8_RECOMPUTABLE, RowSource,
+                                        UnwrittenRows)
 from disagmoe.kernels.tile_configs import TileConfig, tuned
 
 
@@ -85,6 +89,20 @@ def check_forward(forward: str) -> None:
     """ValueError naming the choices unless `forward` is one of `FORWARD_GEMMS`."""
     if forward not in FORWARD_GEMMS:
         raise ValueError(f"FP8 experts' forward GEMMs {forward!r}: choose one of {', '.join(FORWARD_GEMMS)}")
+
+
+def bf16_rows_reader(forward: str, quantized: bool, rows_from_source: bool) -> str | None:
+    """What reads x's bf16 rows in a call of forward `forward` (`FORWARD_GEMMS`), `quantized` with
+    its rows given in e4m3 (`x_fp8`), `rows_from_source` with expert_input recomputed from a
+    `RowSource` (any backward then reads the rows from the tokens); None where nothing does: the
+    rows need not be written (`UnwrittenRows`)."""
+    if forward == "down":
+        return "the bf16 gate/up GEMM (forward down)"
+    if not quantized:
+        return "the forward's quantiser (no x_fp8 given)"
+    if not rows_from_source:
+        return "the backward, which keeps them (expert_input not recomputed from a RowSource)"
+    return None
 
 
 def _row(stats: Fp8Stats | None, kind: int) -> torch.Tensor | None:
@@ -316,7 +334,7 @@ def _tile_text(c: TileConfig) -> str:
 
 
 def fp8_ffn_forward(
-    x_NH: torch.Tensor,
+    x_NH: torch.Tensor | RowSource,
     offsets_E: torch.Tensor,
     weights: Fp8ExpertWeights,
     tiles: Fp8Tiles,
@@ -330,30 +348,43 @@ def fp8_ffn_forward(
     bf16_weights: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(y_NH in x's dtype, h13_N2F or None): `x_fp8` (rows and scales, e.g. from the FP8 permute)
-    instead of quantising x here; h13 (the pre-activations, x's dtype) kept for the backward.
-    `gluon`: the Gluon paths taken (`_GluonChoices`; None: as the `set_gluon_*` functions say now).
-    `forward` (`FORWARD_GEMMS`): one GEMM alone in FP8 (`_one_gemm_forward`), the other reading
-    `bf16_weights` (w13_EH2F, w2_EFH)."""
+    instead of quantising x here, x then read by nothing where the gate/up GEMM is FP8 (it may be
+    the rows' `RowSource`: they need not be written); h13 (the pre-activations, x's dtype) kept for
+    the backward. `gluon`: the Gluon paths taken (`_GluonChoices`; None: as the `set_gluon_*`
+    functions say now). `forward` (`FORWARD_GEMMS`): one GEMM alone in FP8 (`_one_gemm_forward`),
+    the other reading `bf16_weights` (w13_EH2F, w2_EFH)."""
+    if isinstance(x_NH, RowSource):  # the forward's own readers (the backward's are its caller's)
+        reader = bf16_rows_reader(forward, x_fp8 is not None, rows_from_source=True)
+        if reader is not None:
+            raise ValueError(f"fp8_ffn_forward: x's rows are given as their RowSource but {reader} reads them")
     gluon = gluon or _gluon
-    rows, ffn = x_NH.shape[0], weights.w2[0].shape[1]
+    rows, dtype, device = _rows_of(x_NH)
+    ffn = weights.w2[0].shape[1]
     served = offsets_E[-1:]  # rows past the last expert's end are a worst-case buffer's padding
-    h13_N2F = x_NH.new_empty((rows, 2 * ffn)) if save_for_backward else None
+    h13_N2F = torch.empty((rows, 2 * ffn), dtype=dtype, device=device) if save_for_backward else None
     if forward != DEFAULT_FORWARD:
         if bf16_weights is None:
             raise ValueError(f"the FP8 experts' forward {forward} runs one GEMM in bf16: pass bf16_weights")
         return _one_gemm_forward(x_NH, offsets_E, weights, bf16_weights, tiles, h13_N2F, forward, x_fp8=x_fp8,
                                  served=served, num_programs=num_programs, stats=stats, gluon=gluon), h13_N2F
     qx, sx = x_fp8 if x_fp8 is not None else fp8.quantize_rows(x_NH, _row(stats, ACTIVATIONS), served)
-    q_act, s_act = _gate_up_forward(qx, sx, offsets_E, weights.w13, tiles.swiglu, h13_N2F, x_NH.dtype, served=served,
+    q_act, s_act = _gate_up_forward(qx, sx, offsets_E, weights.w13, tiles.swiglu, h13_N2F, dtype, served=served,
                                     num_programs=num_programs, stats=_row(stats, ACTIVATIONS),
                                     split=gluon.swiglu)
-    y_NH = _rows_gemm(q_act, s_act, offsets_E, *weights.w2, tiles.rows, out_dtype=x_NH.dtype,
+    y_NH = _rows_gemm(q_act, s_act, offsets_E, *weights.w2, tiles.rows, out_dtype=dtype,
                       num_programs=num_programs, gluon=gluon.rows)
     return y_NH, h13_N2F
 
 
-def _one_gemm_forward(x_NH, offsets_E, weights: Fp8ExpertWeights, bf16_weights, tiles: Fp8Tiles,
-                      h13_N2F: torch.Tensor | None, forward: str, *, x_fp8, served: torch.Tensor,
+def _rows_of(x_NH: torch.Tensor | RowSource) -> tuple[int, torch.dtype, torch.device]:
+    """(N, dtype, device) of x's rows, written or given as their `RowSource`."""
+    if isinstance(x_NH, RowSource):
+        return x_NH.token_N.shape[0], x_NH.x_TH.dtype, x_NH.x_TH.device
+    return x_NH.shape[0], x_NH.dtype, x_NH.device
+
+
+def _one_gemm_forward(x_NH: torch.Tensor | RowSource, offsets_E, weights: Fp8ExpertWeights, bf16_weights,
+                      tiles: Fp8Tiles, h13_N2F: torch.Tensor | None, forward: str, *, x_fp8, served: torch.Tensor,
                       num_programs: int | None, stats: Fp8Stats | None, gluon: _GluonChoices) -> torch.Tensor:
     """y_NH with one forward GEMM in FP8 (`FORWARD_GEMMS`), writing h13 into `h13_N2F` where given.
     "gate-up": x's rows 1 x 128 into the FP8 gate/up GEMM (h13 out in x's dtype), silu(gate) * up in
@@ -362,19 +393,20 @@ def _one_gemm_forward(x_NH, offsets_E, weights: Fp8ExpertWeights, bf16_weights, 
     Each quantisation counts into `stats`' activations row, as in the recipe."""
     w13_EH2F, w2_EFH = bf16_weights
     experts, hidden, ffn = w13_EH2F.shape[0], w13_EH2F.shape[1], w2_EFH.shape[1]
-    bf16_tiles = FFNTiles.for_shape(x_NH.shape[0], experts, hidden, ffn, x_NH.device, x_NH.dtype)
+    rows, dtype, device = _rows_of(x_NH)
+    bf16_tiles = FFNTiles.for_shape(rows, experts, hidden, ffn, device, dtype)
     acts = _row(stats, ACTIVATIONS)
     if forward == "gate-up":
         qx, sx = x_fp8 if x_fp8 is not None else fp8.quantize_rows(x_NH, acts, served)
-        h13 = _rows_gemm(qx, sx, offsets_E, *weights.w13, tiles.rows, out_dtype=x_NH.dtype,
+        h13 = _rows_gemm(qx, sx, offsets_E, *weights.w13, tiles.rows, out_dtype=dtype,
                          num_programs=num_programs, gluon=gluon.rows, out=h13_N2F)
         gate, up = h13.float().chunk(2, dim=1)
-        act_NF = (torch.nn.functional.silu(gate) * up).to(x_NH.dtype)
+        act_NF = (torch.nn.functional.silu(gate) * up).to(dtype)
         return gg.ragged_rows_gemm(act_NF, offsets_E, w2_EFH, bf16_tiles.down, num_programs=num_programs)
     act_NF = gg.ragged_rows_gemm(x_NH, offsets_E, w13_EH2F, bf16_tiles.gate_up, epilogue=gg.EPILOGUE_SWIGLU,
                                  h13_N2C=h13_N2F, num_programs=num_programs)
     q_act, s_act = fp8.quantize_rows(act_NF, acts, served)
-    return _rows_gemm(q_act, s_act, offsets_E, *weights.w2, tiles.rows, out_dtype=x_NH.dtype,
+    return _rows_gemm(q_act, s_act, offsets_E, *weights.w2, tiles.rows, out_dtype=dtype,
                       num_programs=num_programs, gluon=gluon.rows)
 
 
@@ -489,22 +521,27 @@ def _backward_bf16_weight_grads(dy_NH, x_NH, offsets_E, weights: Fp8ExpertWeight
 
 class Fp8ExpertFFNFunction(torch.autograd.Function):
     """Autograd wrapper: x, w13, w2 get gradients (the weights' in their own dtype). Under
-    `expert_input` with a `source` the rows x are not saved (module docstring)."""
+    `expert_input` with a `source` the rows x are not saved (module docstring). With `dest_TK` the
+    rows were never written (`UnwrittenRows`): x is their tokens x_TH, read by nothing (x_fp8 and
+    the source serve), and its gradient is the rows' summed per token as the permute's backward
+    sums them."""
 
     @staticmethod
-    def forward(ctx, x_NH, offsets_E, w13_EH2F, w2_EFH, weights, tiles, num_programs, stats,
-                recompute=frozenset(), source=None, backward=DEFAULT_BACKWARD, forward=DEFAULT_FORWARD, x_fp8=None):
+    def forward(ctx, x, offsets_E, w13_EH2F, w2_EFH, weights, tiles, num_programs, stats,
+                recompute=frozenset(), source=None, backward=DEFAULT_BACKWARD, forward=DEFAULT_FORWARD, x_fp8=None,
+                dest_TK=None):
         if weights is None:  # a copy per call; a trainer makes one per optimizer step and passes it
             weights = Fp8ExpertWeights.quantize(w13_EH2F, w2_EFH, stats)
         ctx.gluon = dataclasses.replace(_gluon)  # the backward keeps the forward's choices
-        y_NH, h13_N2F = fp8_ffn_forward(x_NH, offsets_E, weights, tiles, x_fp8=x_fp8, save_for_backward=True,
-                                        num_programs=num_programs, stats=stats, gluon=ctx.gluon, forward=forward,
+        y_NH, h13_N2F = fp8_ffn_forward(x if dest_TK is None else source, offsets_E, weights, tiles, x_fp8=x_fp8,
+                                        save_for_backward=True, num_programs=num_programs, stats=stats,
+                                        gluon=ctx.gluon, forward=forward,
                                         bf16_weights=(w13_EH2F.detach(), w2_EFH.detach()))
         # the source's tokens are another node's input, kept as an attribute (autograd's saved-tensor
         # checks apply to this node's own), as `moe_ffn.ExpertFFNFunction` keeps them
         ctx.source = source if EXPERT_INPUT in recompute and source is not None else None
-        ctx.x_dtype = x_NH.dtype
-        ctx.save_for_backward(None if ctx.source is not None else x_NH, offsets_E, h13_N2F)
+        ctx.x_dtype = x.dtype
+        ctx.save_for_backward(None if ctx.source is not None else x, offsets_E, h13_N2F, dest_TK)
         ctx.weights, ctx.tiles, ctx.num_programs, ctx.stats = weights, tiles, num_programs, stats
         ctx.backward = backward
         ctx.bf16_weights = (w13_EH2F, w2_EFH) if backward == "bf16" else None
@@ -516,7 +553,7 @@ class Fp8ExpertFFNFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy_NH):
-        x_NH, offsets_E, h13_N2F = ctx.saved_tensors
+        x_NH, offsets_E, h13_N2F, dest_TK = ctx.saved_tensors
         if ctx.backward == "bf16":  # the bf16 experts' backward from the FP8 forward's pre-activations
             if x_NH is None:
                 x_NH = ctx.source.rows(ctx.x_dtype)
@@ -527,7 +564,7 @@ class Fp8ExpertFFNFunction(torch.autograd.Function):
                                              None, h13_N2F, tiles, num_programs=ctx.num_programs,
                                              main_grads=ctx.main_grads)
             ctx.weights = ctx.stats = ctx.source = ctx.main_grads = ctx.bf16_weights = None
-            return dx, None, dw13, dw2, None, None, None, None, None, None, None, None, None
+            return _input_gradient(dx, dest_TK, ctx.x_dtype), None, dw13, dw2, *(None,) * 10
         if x_NH is None:  # the tokens read in place where they hold the rows' dtype, else cast rows
             same = ctx.source.x_TH.dtype == ctx.x_dtype
             x_NH = ctx.source if same else ctx.source.rows(ctx.x_dtype)
@@ -536,11 +573,20 @@ class Fp8ExpertFFNFunction(torch.autograd.Function):
                                          gluon=ctx.gluon, backward=ctx.backward)
         ctx.weights = ctx.stats = ctx.source = ctx.main_grads = None
         dw13, dw2 = (None if g is None else g.to(dtype) for g, dtype in zip((dw13, dw2), ctx.weight_dtypes))
-        return dx, None, dw13, dw2, None, None, None, None, None, None, None, None, None
+        return _input_gradient(dx, dest_TK, ctx.x_dtype), None, dw13, dw2, *(None,) * 10
+
+
+def _input_gradient(dx_NH: torch.Tensor, dest_TK: torch.Tensor | None, x_dtype: torch.dtype) -> torch.Tensor:
+    """The gradient of `Fp8ExpertFFNFunction`'s x: the rows' dx_NH, or with `dest_TK` (the rows never
+    written) their tokens', each token's K rows summed (`permute.PermuteFunction`'s backward, on the
+    rows cast to x's dtype as autograd casts a gradient to its input's: the same bits)."""
+    if dest_TK is None:
+        return dx_NH
+    return pm.combine_forward(dx_NH.to(x_dtype).contiguous(), dest_TK, None)
 
 
 def expert_ffn_fp8(
-    x_NH: torch.Tensor,
+    x_NH: torch.Tensor | UnwrittenRows,
     offsets_E: torch.Tensor,
     w13_EH2F: torch.Tensor,
     w2_EFH: torch.Tensor,
@@ -565,7 +611,9 @@ def expert_ffn_fp8(
     GEMMs run in FP8 (`BACKWARD_PRECISIONS`); `forward` which forward GEMMs (`FORWARD_GEMMS`: one
     alone, the other in bf16). `x_fp8` (q_NH e4m3, s_NG fp32): x's rows already quantised 1 x 128
     (`permute.quantize_then_permute`, counted there), for a forward whose gate/up GEMM is FP8; x's bf16
-    rows are still what the backward reads."""
+    rows are still what the backward reads, unless they come from `source`: then nothing reads them
+    and x may be `UnwrittenRows` (anywhere else refused, naming the reader: `bf16_rows_reader`), the
+    gradient going to its tokens."""
     check_backward(backward)
     check_forward(forward)
     recompute = frozenset(recompute)
@@ -575,23 +623,32 @@ def expert_ffn_fp8(
     unknown = recompute - set(FP8_RECOMPUTABLE)
     if unknown:
         raise ValueError(f"the FP8 experts recompute {', '.join(FP8_RECOMPUTABLE)}; got {sorted(unknown)}")
+    if isinstance(x_NH, UnwrittenRows):
+        reader = bf16_rows_reader(forward, x_fp8 is not None, EXPERT_INPUT in recompute and source is not None)
+        if reader is not None:
+            raise ValueError(f"x's rows were not written (UnwrittenRows) but {reader} reads them; pass the grouped "
+                             "rows (`permute.permute_tokens`)")
+        x, dest_TK = x_NH.x_TH, x_NH.dest_TK
+        rows_shape = (dest_TK.numel(), x.shape[1])
+    else:
+        x, dest_TK, rows_shape = x_NH, None, tuple(x_NH.shape)
     experts, hidden, two_ffn = w13_EH2F.shape
-    if x_NH.shape[1] != hidden or w2_EFH.shape != (experts, two_ffn // 2, hidden):
+    if rows_shape[1] != hidden or w2_EFH.shape != (experts, two_ffn // 2, hidden):
         raise ValueError(f"expert weights must be w13 [E, H, 2F] and w2 [E, F, H] matching x [N, H]; got "
-                         f"x {tuple(x_NH.shape)}, w13 {tuple(w13_EH2F.shape)}, w2 {tuple(w2_EFH.shape)}")
-    if source is not None and (source.token_N.shape != (x_NH.shape[0],) or source.x_TH.shape[1:] != x_NH.shape[1:]):
+                         f"x {rows_shape}, w13 {tuple(w13_EH2F.shape)}, w2 {tuple(w2_EFH.shape)}")
+    if source is not None and (source.token_N.shape != rows_shape[:1] or source.x_TH.shape[1:] != rows_shape[1:]):
         raise ValueError(f"source must name one token row of hidden {hidden} per row of x; got tokens "
-                         f"{tuple(source.x_TH.shape)} and {tuple(source.token_N.shape)} ids for x {tuple(x_NH.shape)}")
+                         f"{tuple(source.x_TH.shape)} and {tuple(source.token_N.shape)} ids for x {rows_shape}")
     groups = -(-hidden // fp8.SCALE_BLOCK)
     if x_fp8 is not None and (forward == "down" or any(
-            t.shape != shape or t.dtype != dtype or not t.is_contiguous() or t.device != x_NH.device
-            for t, shape, dtype in zip(x_fp8, (x_NH.shape, (x_NH.shape[0], groups)), (fp8.FP8, torch.float32)))):
-        raise ValueError(f"x_fp8 must be x's rows [{x_NH.shape[0]}, {hidden}] in e4m3 with their [{x_NH.shape[0]}, "
-                         f"{groups}] fp32 scales, both contiguous on {x_NH.device} (`permute.quantize_then_permute` "
+            tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous() or t.device != x.device
+            for t, shape, dtype in zip(x_fp8, (rows_shape, (rows_shape[0], groups)), (fp8.FP8, torch.float32)))):
+        raise ValueError(f"x_fp8 must be x's rows [{rows_shape[0]}, {hidden}] in e4m3 with their [{rows_shape[0]}, "
+                         f"{groups}] fp32 scales, both contiguous on {x.device} (`permute.quantize_then_permute` "
                          f"makes them), for a forward whose gate/up GEMM is FP8 (forward {forward}); got "
                          + " and ".join(f"{t.dtype} {tuple(t.shape)} on {t.device}"
                                         f"{'' if t.is_contiguous() else ', strided'}" for t in x_fp8))
     if tiles is None:  # from the host-known shapes: no sync, the same every step
-        tiles = Fp8Tiles.for_shape(x_NH.shape[0], experts, hidden, two_ffn // 2, x_NH.device)
-    return Fp8ExpertFFNFunction.apply(x_NH.contiguous(), offsets_E, w13_EH2F, w2_EFH, weights,
-                                      tiles, num_programs, stats, recompute, source, backward, forward, x_fp8)
+        tiles = Fp8Tiles.for_shape(rows_shape[0], experts, hidden, two_ffn // 2, x.device)
+    return Fp8ExpertFFNFunction.apply(x.contiguous(), offsets_E, w13_EH2F, w2_EFH, weights, tiles, num_programs,
+                                      stats, recompute, source, backward, forward, x_fp8, dest_TK)

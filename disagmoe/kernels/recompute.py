@@ -1,8 +1,9 @@
 """What recomputation (`TrainConfig.recompute`) drops from the forward's saved state: selective's
-modules of the expert FFN and the attention block, where dropped input rows come from again, and
-`recompute: full`'s whole block with the routing it keeps (torch only: the runtime's stages name
-these without importing Triton; `kernels.moe_ffn` says how expert_input and expert_swiglu come
-back, `kernels.fused_moe` how the combine does without expert_output).
+modules of the expert FFN and the attention block, where dropped input rows come from again (or
+that they were never written, where nothing reads them), and `recompute: full`'s whole block with
+the routing it keeps (torch only: the runtime's stages name these without importing Triton;
+`kernels.moe_ffn` says how expert_input and expert_swiglu come back, `kernels.fused_moe` how the
+combine does without expert_output).
 
 Shape legend: T tokens, K top-k, N = T K grouped rows, H hidden.
 """
@@ -116,3 +117,15 @@ class RowSource:
     def rows(self, dtype: torch.dtype) -> torch.Tensor:
         """The rows [N, H] again, in `dtype` (the GEMMs' operand dtype)."""
         return self.x_TH.index_select(0, self.token_N).to(dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class UnwrittenRows:
+    """A permute's grouped rows left unwritten because nothing reads them (`RoutedExperts.reads_rows`
+    in `model.experts`: FP8 experts given their e4m3 rows that recompute expert_input): row
+    dest_TK[t, k] would be x_TH[t]. x_TH keeps its autograd history: the experts taking these in place
+    of the rows return the rows' gradient to the tokens as the permute's backward does
+    (`kernels.fp8_ffn`)."""
+
+    x_TH: torch.Tensor
+    dest_TK: torch.Tensor  # int32, `kernels.permute.pair_destinations`'

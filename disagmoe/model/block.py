@@ -27,7 +27,7 @@ from torch.utils.checkpoint import checkpoint
 
 from disagmoe.kernels.attention_core import KeptCore
 from disagmoe.kernels.recompute import (ATTENTION, BLOCK, EXPERT_INPUT, EXPERT_OUTPUT, RowSource, SavedRouting,
-                                        derived, recomputed)
+                                        UnwrittenRows, derived, recomputed)
 from disagmoe.model.attention import build_attention
 from disagmoe.model.dispatch import ExpertGrouping, combine, group_by_expert, permute
 from disagmoe.model.experts import RoutedExperts
@@ -187,7 +187,7 @@ class MoEBlock(Block):
     def _forward_fused(self, h_BSH: torch.Tensor, routing: Routing, saved: SavedRouting | None) -> torch.Tensor:
         """dispatch, experts, combine with the Triton permute and weighted-combine kernels
         (the same arithmetic; the combine sums each token's k rows in fp32)."""
-        from disagmoe.kernels.permute import combine_rows, pair_destinations, permute_tokens
+        from disagmoe.kernels.permute import combine_rows, pair_destinations
 
         experts = self.moe.experts
         num_experts = self.moe.router.num_experts
@@ -195,15 +195,27 @@ class MoEBlock(Block):
             ffn_NH = experts.fused_layer(routing.xn_NH, routing.topk_idx_NK, routing.topk_w_NK)
         else:
             destinations = derived(saved, "destinations", lambda: pair_destinations(routing.topk_idx_NK, num_experts))
-            x_PH, offsets_E, dest_NK = permute_tokens(routing.xn_NH, routing.topk_idx_NK, num_experts,
-                                                      destinations=destinations)
+            offsets_E, dest_NK = destinations
             source = RowSource.of_permute(routing.xn_NH, dest_NK) if EXPERT_INPUT in experts.recompute else None
             # FP8: each token quantised once for its K pairs where that is the fewer bytes (every pair
-            # of the layer is served here: `RoutedExperts.quantized_rows`);
-            # passed inline, so the e4m3 rows are freed when the FFN's forward returns
-            y_PH = experts(x_PH, offsets_E, source=source, x_fp8=experts.quantized_rows(routing.xn_NH, dest_NK))
+            # of the layer is served here: `RoutedExperts.quantized_rows`)
+            x_fp8 = experts.quantized_rows(routing.xn_NH, dest_NK)
+            y_PH = experts(self._expert_rows(routing, destinations, x_fp8), offsets_E, source=source, x_fp8=x_fp8)
+            del x_fp8  # the e4m3 rows freed once the FFN's forward returned
             ffn_NH = combine_rows(y_PH, dest_NK, routing.topk_w_NK)
         shared_NH = self.shared_ffn(routing)
         if shared_NH is not None:
             ffn_NH = ffn_NH + shared_NH
         return h_BSH + ffn_NH.view_as(h_BSH)
+
+    def _expert_rows(self, routing: Routing, destinations: tuple[torch.Tensor, torch.Tensor],
+                     x_fp8: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor | UnwrittenRows:
+        """The routed experts' input: the tokens' rows grouped by expert [P, H] (`permute_tokens`, by
+        `destinations`), or left unwritten where the experts read none (`RoutedExperts.reads_rows`: FP8
+        experts given `x_fp8` that recompute expert_input; a [P, H] write and allocation saved)."""
+        from disagmoe.kernels.permute import permute_tokens
+
+        if not self.moe.experts.reads_rows(x_fp8):
+            return UnwrittenRows(routing.xn_NH, destinations[1])
+        return permute_tokens(routing.xn_NH, routing.topk_idx_NK, self.moe.router.num_experts,
+                              destinations=destinations)[0]

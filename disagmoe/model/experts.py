@@ -24,7 +24,8 @@ from torch import nn
 
 from disagmoe.config import DEFAULT_FP8_EXPERT_BACKWARD, DEFAULT_FP8_EXPERT_FORWARD
 from disagmoe.kernels.autocast import autocast_operands
-from disagmoe.kernels.recompute import BLOCK, FP8_NO_EXPERT_OUTPUT, FP8_RECOMPUTABLE, RECOMPUTABLE
+from disagmoe.kernels.recompute import (BLOCK, EXPERT_INPUT, FP8_NO_EXPERT_OUTPUT, FP8_RECOMPUTABLE, RECOMPUTABLE,
+                                        UnwrittenRows)
 from disagmoe.model.init import seeded_normal_
 
 ExpertFFN = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -176,10 +177,10 @@ class RoutedExperts(nn.Module):
         combine kernels (`kernels.permute`): the triton backend on CUDA, at any hidden size. (The
         rank scan runs in its own launch: inside the row-copy tile Triton's sm_90 code wrote wrong
         rows at hidden 64; the GPU tests at hidden 16/40/64/300/2048/4096 pass on an H200.) With
-        precision fp8 too: the FP8 FFN takes the grouped bf16 rows, and their e4m3 copies where the
-        layer quantised each token once (`quantized_rows`, `model.block`); an expert rank's share
-        quantises only the served rows itself (`kernels.fp8.quantize_rows`' valid_rows: a spare
-        bucket's rows are not its)."""
+        precision fp8 too: the FP8 FFN takes the grouped bf16 rows (unwritten where nothing reads
+        them: `reads_rows`), and their e4m3 copies where the layer quantised each token once
+        (`quantized_rows`, `model.block`); an expert rank's share quantises only the served rows
+        itself (`kernels.fp8.quantize_rows`' valid_rows: a spare bucket's rows are not its)."""
         return self.backend == "triton" and x.is_cuda
 
     def set_precision(self, precision: str, backward: str | None = None, forward: str | None = None) -> None:
@@ -279,12 +280,24 @@ class RoutedExperts(nn.Module):
 
         return quantize_then_permute(x_TH, dest_TK, None if self.fp8_stats is None else self.fp8_stats.row(ACTIVATIONS))
 
-    def forward(self, x_NH: torch.Tensor, offsets_E: torch.Tensor, source=None,
+    def reads_rows(self, x_fp8: tuple[torch.Tensor, torch.Tensor] | None) -> bool:
+        """Whether a call given `x_fp8` (`quantized_rows`) and, under expert_input, the rows' source
+        reads the bf16 input rows, in its forward or its backward: always, but for FP8 experts given
+        their e4m3 rows that recompute expert_input (`kernels.fp8_ffn.bf16_rows_reader`). Where it
+        does not, the caller need not write them (`model.block`: `UnwrittenRows`)."""
+        if self.precision != "fp8":
+            return True
+        from disagmoe.kernels.fp8_ffn import bf16_rows_reader
+
+        return bf16_rows_reader(self.fp8_forward, x_fp8 is not None, EXPERT_INPUT in self.kernel_recompute) is not None
+
+    def forward(self, x_NH: torch.Tensor | UnwrittenRows, offsets_E: torch.Tensor, source=None,
                 x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Rows grouped by (local) expert -> output rows in the same order. `source`
         (`kernels.recompute.RowSource`): where the rows came from, kept instead of them when
         `expert_input` is recomputed. `x_fp8`: the FP8 experts' input rows already quantised
-        (`quantized_rows`)."""
+        (`quantized_rows`). `x_NH` may be `UnwrittenRows` where the call reads no row
+        (`reads_rows`); elsewhere they are refused, naming what reads them."""
         assert offsets_E.numel() == self.num_experts, "one cumulative count per local expert"
         if self.precision == "fp8":
             from disagmoe.kernels.fp8_ffn import expert_ffn_fp8
@@ -295,6 +308,9 @@ class RoutedExperts(nn.Module):
                                   backward=self.fp8_backward, forward=self.fp8_forward, x_fp8=x_fp8)
         if x_fp8 is not None:
             raise ValueError("x_fp8 is the FP8 experts' input; these experts run in bf16 (set_precision('fp8'))")
+        if isinstance(x_NH, UnwrittenRows):
+            raise ValueError(f"x's rows were not written (UnwrittenRows) but the {self.precision} experts' GEMMs read "
+                             "them; pass the grouped rows (`kernels.permute.permute_tokens`)")
         if self.kernel_recompute:
             return self.expert_ffn(x_NH, offsets_E, self.w13_EH2F, self.w2_EFH, recompute=self.kernel_recompute,
                                    source=source)

@@ -50,7 +50,9 @@ stage's forward once more in its backward (`full_recompute_stages`). With FP8 ex
 `fp8_speedup` times the bf16 one, `fp8_stages`) the expert
 rows keep and hold `roofline.memory`'s `fp8` terms, the weights' e4m3 copies are held, the
 expert modules are expert_input and expert_swiglu only (`solver._recompute_of`: no fused FP8
-combine for expert_output) and their recompute reads an index (`stages.selective_recompute`'s `fp8`).
+combine for expert_output) and their recompute reads an index (`stages.selective_recompute`'s `fp8`);
+on one GPU, whose layer quantises each token once, expert_input also spares the permute its bf16
+row copy (`fp8_stages`).
 
 Offload (`Problem.offload_optimizer`): the masters and moments move to host memory (`host_state_bytes`,
 which must fit `host_capacity_bytes` per GPU) and the optimizer pays the host link; like
@@ -710,7 +712,8 @@ def evaluate(prob: Problem, c: Candidates, misfits_exact: bool = True) -> Cost:
         # the GEMMs at fp8_speedup times theirs (`fp8_stages`)
         stages = fp8_stages(stages, ceil, prob.fp8_speedup, m, rows, exp_params, prob.calibration, rows / local,
                             backward=prob.fp8_backward, forward=prob.fp8_forward,
-                            tokens_once=np.where(c.colocated & (c.expert == 1), tokens, 0.0))
+                            tokens_once=np.where(c.colocated & (c.expert == 1), tokens, 0.0),
+                            input_rows_recomputed=selective & ("expert_input" in prob.recompute_modules))
         if prob.fp8_dense:
             stages = fp8_dense_stages(stages, ceil, prob.fp8_speedup, m, tokens, moe_l, dense_l)
     if prob.recompute == "full":
@@ -886,7 +889,8 @@ def group_time(stages: dict[str, Stage], group: str, runs: tuple[str, ...], bwd:
 
 def fp8_stages(stages: dict[str, Stage], ceil: Ceilings, speedup: float, m: ModelConfig, rows: Num,
                exp_params: Num, calib: Calibration | None = None, rows_per_expert: Num | None = None,
-               backward: str = "bf16-wgrad", forward: str = "both", tokens_once: Num = 0.0) -> dict[str, Stage]:
+               backward: str = "bf16-wgrad", forward: str = "both", tokens_once: Num = 0.0,
+               input_rows_recomputed: Num = False) -> dict[str, Stage]:
     """`stages` with the routed experts in FP8 (`precision: fp8`), their weights' two e4m3 copies
     made once per step (in the experts' optimizer stage, the pass after which they are made) either way.
 
@@ -925,15 +929,23 @@ def fp8_stages(stages: dict[str, Stage], ceil: Ceilings, speedup: float, m: Mode
     `forward` (`TrainConfig.fp8_expert_forward`, `kernels.fp8_ffn.FORWARD_GEMMS`): "both", or one
     GEMM alone in FP8 ("gate-up": 2/3 of the forward's FLOPs, "down": 1/3), the forward then
     priced at the harmonic blend of the FP8 and bf16 rates by those shares, its one quantiser
-    reading x (gate-up) or the SwiGLU output (down)."""
+    reading x (gate-up) or the SwiGLU output (down).
+
+    Either pricing: where the tokens are quantised once for a gate/up GEMM in FP8 and
+    `input_rows_recomputed` (per candidate: expert_input recomputed), nothing reads the bf16 grouped
+    rows, and the permute's forward loses its row copy (`stages.permute_rows` of the one GPU's
+    pairs: `model.experts.RoutedExperts.reads_rows`)."""
     if backward not in ("fp8", "bf16-wgrad", "bf16"):
         raise ValueError(f"FP8 experts' backward {backward!r}: choose fp8, bf16-wgrad or bf16")
     if forward not in FP8_FORWARD_SHARES:
         raise ValueError(f"FP8 experts' forward {forward!r}: choose {', '.join(FP8_FORWARD_SHARES)}")
     share = FP8_FORWARD_SHARES[forward]
     out = dict(stages)
-    H, F = m.hidden_size, m.expert_ffn_size
+    H, F, k = m.hidden_size, m.expert_ffn_size, m.top_k
     scales = FP32 / 128  # one fp32 scale per 128 values
+    per_pair = st.fp8_expert_input_bytes(H, rows / k, k, False)
+    once = st.fp8_expert_input_bytes(H, tokens_once, k, True)
+    quantised_once = (np.asarray(tokens_once) > 0) & (once < per_pair)  # the runtime takes the fewer bytes
     fp8_bwd = {"routed experts": backward != "bf16", "expert weight grads": backward == "fp8"}
     # the rows each backward quantises (H or F elements a row): dy and dh13 1 x 128; under fp8 also
     # 128 x 1, and the SwiGLU output and x along tokens (the FP8 weight-gradient GEMMs' operands)
@@ -963,12 +975,13 @@ def fp8_stages(stages: dict[str, Stage], ceil: Ceilings, speedup: float, m: Mode
         if forward == "down":
             fwd = Work(hbm_bytes=rows * F * (BF16 + 1 + scales))
         else:
-            k = m.top_k
-            per_pair = st.fp8_expert_input_bytes(H, rows / k, k, False)
-            once = st.fp8_expert_input_bytes(H, tokens_once, k, True)  # the runtime takes the fewer bytes
-            fwd = Work(hbm_bytes=np.where((np.asarray(tokens_once) > 0) & (once < per_pair), once, per_pair))
+            fwd = Work(hbm_bytes=np.where(quantised_once, once, per_pair))
         bwd = Work(hbm_bytes=rows * quantised[backward] * (BF16 + 1 + scales))
         out["fp8 quantise"] = Stage("expert", "moe", fwd, bwd)
+    if forward != "down" and "permute / combine sum" in out:
+        unwritten = np.where(quantised_once & np.asarray(input_rows_recomputed), np.asarray(tokens_once) * k, 0.0)
+        permute = out["permute / combine sum"]
+        out["permute / combine sum"] = replace(permute, fwd=permute.fwd + st.permute_rows(m, unwritten).scale(-1.0))
     copies = Work(hbm_bytes=exp_params * (BF16 + 2 * (1 + scales)))  # read the bf16 weights, write both copies
     if "optimizer (experts)" in out:
         optimizer = out["optimizer (experts)"]

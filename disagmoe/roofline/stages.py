@@ -282,6 +282,14 @@ def permute(m: ModelConfig, rows: Num) -> Work:
     return Work(hbm_bytes=2.0 * 2 * BF16 * rows * m.hidden_size)
 
 
+def permute_rows(m: ModelConfig, rows: Num) -> Work:
+    """The gather alone, `permute`'s forward less the combine's: the bf16 row copy of `rows` grouped
+    rows (`kernels.permute.copy_rows`), each read from its token and written grouped; not run where
+    nothing reads the rows (FP8 experts given their e4m3 rows that recompute expert_input:
+    `RoutedExperts.reads_rows`, `model/experts.py`)."""
+    return Work(hbm_bytes=2.0 * BF16 * rows * m.hidden_size)
+
+
 def lm_head(m: ModelConfig, tokens: Num) -> Work:
     """Final norm, vocabulary projection and cross-entropy (fp32 logits)."""
     w = m.vocab_size * m.hidden_size

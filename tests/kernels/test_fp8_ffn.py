@@ -403,6 +403,66 @@ def test_quantised_input_rows_of_the_wrong_kind_are_refused_with_what_makes_them
         ffn8.expert_ffn_fp8(x, offsets, w13, w2, x_fp8=(q, s), forward=forward)
 
 
+@pytest.mark.slow  # two FP8 forwards and backwards with the permute kernels in the interpreter
+@pytest.mark.parametrize("forward, backward", [("both", "fp8"), ("both", "bf16-wgrad"), ("both", "bf16"),
+                                               ("gate-up", "bf16-wgrad")])
+def test_unwritten_rows_give_the_written_rows_bits_and_their_tokens_the_permutes_gradient(interpreted, forward,
+                                                                                           backward):
+    """Given the tokens' e4m3 rows (`permute.quantize_then_permute`) and expert_input recomputed from
+    their `RowSource`, the FFN reads no bf16 row: `UnwrittenRows` (the tokens and their destinations)
+    in place of the permuted rows give the same y and weight gradients and, summed per token as the
+    permute's backward sums them, the same token gradient, bit for bit (an expert without rows)."""
+    _, _, ffn8, permute = interpreted("disagmoe.kernels.grouped_gemm", "disagmoe.kernels.fp8",
+                                      "disagmoe.kernels.fp8_ffn", "disagmoe.kernels.permute")
+    from disagmoe.kernels.recompute import EXPERT_INPUT, RowSource, UnwrittenRows
+
+    tokens, top_k, experts, hidden, ffn = 10, 3, 4, 32, 40
+    gen = torch.Generator().manual_seed(13)
+    x_TH = torch.randn(tokens, hidden, generator=gen)
+    topk_TK = torch.randint(0, experts, (tokens, top_k), generator=gen)
+    topk_TK[topk_TK == 1] = 2  # expert 1 gets no row
+    w13 = torch.randn(experts, hidden, 2 * ffn, generator=gen) / hidden**0.5
+    w2 = torch.randn(experts, ffn, hidden, generator=gen) / ffn**0.5
+    dy = torch.randn(tokens * top_k, hidden, generator=gen)
+    offsets, dest = permute.pair_destinations(topk_TK, experts)
+    source, x_fp8 = RowSource.of_permute(x_TH, dest), permute.quantize_then_permute(x_TH, dest)
+    results = []
+    for written in (True, False):
+        leaves = [t.clone().requires_grad_() for t in (x_TH, w13, w2)]
+        rows = (permute.permute_tokens(leaves[0], topk_TK, experts, destinations=(offsets, dest))[0] if written
+                else UnwrittenRows(leaves[0], dest))
+        y = ffn8.expert_ffn_fp8(rows, offsets, leaves[1], leaves[2], tiles=ffn8.Fp8Tiles(**SMALL), num_programs=3,
+                                recompute=frozenset({EXPERT_INPUT}), source=source, backward=backward,
+                                forward=forward, x_fp8=x_fp8)
+        y.backward(dy)
+        results.append((y.detach(), *(t.grad for t in leaves)))
+    for written, unwritten in zip(*results, strict=True):
+        assert torch.equal(written, unwritten)
+
+
+@pytest.mark.parametrize("change, reader", [("x_fp8", "the forward's quantiser"),
+                                            ("forward", "the bf16 gate/up GEMM"),
+                                            ("source", "the backward"), ("recompute", "the backward")])
+def test_unwritten_rows_are_refused_where_something_reads_the_rows(ffn8, change, reader):
+    """`UnwrittenRows` without the e4m3 rows, under a bf16 gate/up GEMM, or with the rows kept for the
+    backward (no source, or expert_input not recomputed) are refused before a launch, naming the
+    reader; so are the rows' `RowSource` given to a forward that reads them."""
+    from disagmoe.kernels.recompute import EXPERT_INPUT, RowSource, UnwrittenRows
+
+    x_TH, dest = torch.zeros(4, 32), torch.arange(12, dtype=torch.int32).view(4, 3)
+    offsets = torch.tensor([4, 8, 12], dtype=torch.int32)
+    w13, w2 = torch.zeros(3, 32, 80), torch.zeros(3, 40, 32)
+    source = RowSource.of_permute(x_TH, dest)
+    call = dict(recompute=frozenset({EXPERT_INPUT}), source=source, forward="both",
+                x_fp8=(torch.zeros(12, 32, dtype=torch.float8_e4m3fn), torch.ones(12, 1)))
+    call[change] = {"x_fp8": None, "forward": "down", "source": None, "recompute": frozenset()}[change]
+    with pytest.raises(ValueError, match=f"not written \\(UnwrittenRows\\) but {reader}"):
+        ffn8.expert_ffn_fp8(UnwrittenRows(x_TH, dest), offsets, w13, w2, **call)
+    if change in ("x_fp8", "forward"):
+        with pytest.raises(ValueError, match=f"given as their RowSource but {reader}"):
+            ffn8.fp8_ffn_forward(source, offsets, None, ffn8.Fp8Tiles(), x_fp8=call["x_fp8"], forward=call["forward"])
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
                     reason="needs a GPU with FP8 (sm_89+)")

@@ -79,24 +79,35 @@ def test_an_expert_ranks_fp8_layer_through_the_triton_permute_is_the_plain_one(i
     assert results[0][0][:5].abs().max() == 0 and results[0][3][1].abs().max() == 0
 
 
+def _fp8_layer(make_config, modules=frozenset(), top_k=3, **precision):
+    """A one-layer model of FP8 triton experts recomputing `modules` (`set_precision`'s `precision`),
+    top 3 by default (from 3 quantising tokens once is fewer bytes): (the model, its block, its experts)."""
+    from disagmoe.model.transformer import MoETransformer
+
+    cfg = make_config(hidden_size=128, expert_ffn_size=128, num_heads=4, num_kv_heads=2, head_dim=32,
+                      num_experts=5, top_k=top_k, num_layers=1)
+    model = MoETransformer(cfg, experts_backend="triton")
+    model.init_weights(seed=7)
+    block, experts = model.layers[0], model.layers[0].moe.experts
+    experts.set_recompute(frozenset(modules))
+    experts.set_precision("fp8", **precision)
+    return model, block, experts
+
+
 @pytest.mark.slow  # the FP8 and permute kernels in Triton's interpreter
-def test_a_layers_fp8_experts_take_each_tokens_row_quantised_once(interpreted, make_config, monkeypatch):
+@pytest.mark.parametrize("modules", [frozenset(), frozenset({"expert_input"})])
+def test_a_layers_fp8_experts_take_each_tokens_row_quantised_once(interpreted, make_config, monkeypatch, modules):
     """`model.block`'s fused path under FP8 (the single GPU's): each token's row is quantised once and
     its e4m3 row and scales copied to its K pairs (`RoutedExperts.quantized_rows`), not each pair's
     row by the FFN: the layer's output and every gradient are the same bits as with the pairs' rows
     quantised, and the activation counters count the tokens' elements instead of the pairs' (K times
-    fewer for x; the SwiGLU output's are the same)."""
+    fewer for x; the SwiGLU output's are the same). With expert_input recomputed the bf16 rows are
+    not even written then (`UnwrittenRows`): the same bits still."""
     interpreted("disagmoe.kernels.grouped_gemm", "disagmoe.kernels.fp8", "disagmoe.kernels.fp8_ffn",
                 "disagmoe.kernels.permute")
     from disagmoe.kernels.fp8_stats import ACTIVATIONS, AMAX, NONFINITE, SATURATED, TOTAL, Fp8Stats
-    from disagmoe.model.transformer import MoETransformer
 
-    cfg = make_config(hidden_size=128, expert_ffn_size=128, num_heads=4, num_kv_heads=2, head_dim=32,
-                      num_experts=5, top_k=3, num_layers=1)  # top 3: quantising tokens once is fewer bytes
-    model = MoETransformer(cfg, experts_backend="triton")
-    model.init_weights(seed=7)
-    block, experts = model.layers[0], model.layers[0].moe.experts
-    experts.set_precision("fp8")
+    model, block, experts = _fp8_layer(make_config, modules)
     h = torch.randn(2, 7, 128, generator=torch.Generator().manual_seed(8))  # 14 tokens, 42 pairs
     dy = torch.randn(2, 7, 128, generator=torch.Generator().manual_seed(9))
     runs = []
@@ -120,6 +131,90 @@ def test_a_layers_fp8_experts_take_each_tokens_row_quantised_once(interpreted, m
     tokens, pairs = 14, 14 * 3
     assert acts0[TOTAL] - acts1[TOTAL] == (pairs - tokens) * 128
     assert acts1[AMAX] == acts0[AMAX] and acts1[SATURATED] == acts0[SATURATED] == acts1[NONFINITE] == 0
+
+
+def _spy_on_permute(patch, permute) -> list[int]:
+    """Each call of `permute.permute_tokens` (the bf16 rows' writer) appended to the returned list."""
+    writes, permute_tokens = [], permute.permute_tokens
+    patch.setattr(permute, "permute_tokens", lambda *args, **kw: writes.append(1) or permute_tokens(*args, **kw))
+    return writes
+
+
+@pytest.mark.slow  # the FP8 and permute kernels in Triton's interpreter: 2-5 s a case on 2 cores
+@pytest.mark.parametrize("forward", ["both", "gate-up"])
+@pytest.mark.parametrize("backward", ["fp8", "bf16-wgrad", "bf16"])
+def test_a_layers_fp8_experts_recomputing_expert_input_have_no_bf16_rows_written_and_give_the_same_bits(
+        interpreted, make_config, monkeypatch, forward, backward):
+    """`model.block`'s fused path with the gate/up GEMM in FP8 given the tokens' e4m3 rows and
+    expert_input recomputed (every backward reads the rows from their tokens): nothing reads the bf16
+    rows [P, H], so the permute does not write them (`RoutedExperts.reads_rows`), and the layer's
+    output and every gradient (input, router, expert weights) are the bits of the run that writes them."""
+    *_, permute = interpreted("disagmoe.kernels.grouped_gemm", "disagmoe.kernels.fp8", "disagmoe.kernels.fp8_ffn",
+                              "disagmoe.kernels.permute")
+    model, block, experts = _fp8_layer(make_config, frozenset({"expert_input"}), forward=forward, backward=backward)
+    experts.prepare_fp8()
+    h = torch.randn(2, 7, 128, generator=torch.Generator().manual_seed(8))  # 14 tokens, 42 pairs
+    dy = torch.randn(2, 7, 128, generator=torch.Generator().manual_seed(9))
+    runs = []
+    for always_written in (True, False):
+        with monkeypatch.context() as patch:
+            writes = _spy_on_permute(patch, permute)
+            if always_written:
+                patch.setattr(RoutedExperts, "reads_rows", lambda self, x_fp8: True)
+            model.zero_grad(set_to_none=True)
+            leaf = h.clone().requires_grad_()
+            out = block._forward_fused(leaf, block.route(leaf), None)
+            out.backward(dy)
+        grads = [leaf.grad] + [p.grad for p in block.parameters() if p.grad is not None]
+        runs.append((out.detach(), grads, len(writes)))
+    (out_written, grads_written, writes_written), (out, grads, writes) = runs
+    assert torch.equal(out, out_written) and len(grads) == len(grads_written) > 3
+    assert all(torch.equal(a, b) for a, b in zip(grads, grads_written, strict=True))
+    assert (writes_written, writes) == (1, 0)
+
+
+@pytest.mark.slow  # twelve forwards of the FP8 and permute kernels in Triton's interpreter
+def test_a_layers_fp8_experts_have_their_bf16_rows_written_where_something_reads_them(interpreted, make_config,
+                                                                                      monkeypatch):
+    """The permute writes the bf16 rows wherever a reader needs them: a bf16 gate/up GEMM (forward
+    down), the FFN's own quantiser (top-k 2: no e4m3 rows given), or a backward that keeps them
+    (expert_input not recomputed), under every backward recipe."""
+    *_, permute = interpreted("disagmoe.kernels.grouped_gemm", "disagmoe.kernels.fp8", "disagmoe.kernels.fp8_ffn",
+                              "disagmoe.kernels.permute")
+    cases = [(frozenset(), forward, 3) for forward in ("both", "gate-up", "down")]
+    cases += [(frozenset({"expert_input"}), "down", 3), (frozenset({"expert_input"}), "both", 2)]
+    for modules, forward, top_k in cases:
+        for backward in ("fp8", "bf16-wgrad", "bf16"):
+            model, block, experts = _fp8_layer(make_config, modules, top_k, forward=forward, backward=backward)
+            experts.prepare_fp8()
+            leaf = torch.randn(2, 7, 128, generator=torch.Generator().manual_seed(8)).requires_grad_()
+            with monkeypatch.context() as patch:
+                writes = _spy_on_permute(patch, permute)
+                block._forward_fused(leaf, block.route(leaf), None)
+            assert len(writes) == 1, (modules, forward, top_k, backward)
+
+
+def test_only_fp8_experts_given_e4m3_rows_that_recompute_expert_input_read_no_bf16_rows():
+    """`RoutedExperts.reads_rows`: bf16 experts read their rows; FP8 ones do unless given the e4m3
+    rows (`quantized_rows`) with a gate/up GEMM in FP8 and expert_input recomputed (any backward);
+    bf16 experts given `UnwrittenRows` refuse them, naming what reads the rows."""
+    from disagmoe.kernels.recompute import UnwrittenRows
+
+    x_fp8 = (torch.zeros(12, 128, dtype=torch.float8_e4m3fn), torch.ones(12, 1))
+    experts = _experts()
+    assert experts.reads_rows(x_fp8)
+    experts.set_precision("fp8")
+    assert experts.reads_rows(x_fp8) and experts.reads_rows(None)  # the backward keeps the rows
+    experts.set_recompute(frozenset({"expert_input"}))
+    assert not experts.reads_rows(x_fp8) and experts.reads_rows(None)  # None: the FFN quantises the rows
+    for backward in ("fp8", "bf16"):
+        experts.set_precision("fp8", forward="gate-up", backward=backward)
+        assert not experts.reads_rows(x_fp8)
+    experts.set_precision("fp8", forward="down")
+    assert experts.reads_rows(None)  # the bf16 gate/up GEMM
+    unwritten = UnwrittenRows(torch.zeros(4, 128), torch.arange(12, dtype=torch.int32).view(4, 3))
+    with pytest.raises(ValueError, match="not written .* the bf16 experts' GEMMs read them"):
+        RoutedExperts(3, 128, 128, backend="loop")(unwritten, torch.tensor([4, 8, 12], dtype=torch.int32))
 
 
 def test_bf16_experts_a_down_only_fp8_forward_and_a_small_top_k_take_no_quantised_rows():
@@ -222,13 +317,15 @@ def test_the_memory_knobs_offer_fp8_the_selective_recomputation_it_takes():
 
 
 @pytest.mark.slow  # the FP8 and permute kernels in Triton's interpreter
-def test_an_expert_ranks_fp8_layer_recomputing_its_input_rows_is_the_plain_one(interpreted):
+def test_an_expert_ranks_fp8_layer_recomputing_its_input_rows_is_the_plain_one(interpreted, monkeypatch):
     """The model's wiring of `expert_input` under FP8 (`model.local_experts._fused` builds the rows'
     `RowSource`, `RoutedExperts.forward` hands it to the FP8 FFN): the partial sums, every gradient
     and the FP8 counters are the plain run's bit for bit, and the grouped rows [T K, H] are saved
-    once fewer (the combine's output rows, the same shape, stay)."""
-    interpreted("disagmoe.kernels.grouped_gemm", "disagmoe.kernels.fp8", "disagmoe.kernels.fp8_ffn",
-                "disagmoe.kernels.permute")
+    once fewer (the combine's output rows, the same shape, stay). The rows are written in both runs:
+    the share's FFN quantises its served rows itself (no `quantized_rows`), reading them."""
+    *_, permute = interpreted("disagmoe.kernels.grouped_gemm", "disagmoe.kernels.fp8", "disagmoe.kernels.fp8_ffn",
+                              "disagmoe.kernels.permute")
+    writes = _spy_on_permute(monkeypatch, permute)
     from disagmoe.kernels.fp8_stats import Fp8Stats
     from disagmoe.model import local_experts
 
@@ -260,7 +357,7 @@ def test_an_expert_ranks_fp8_layer_recomputing_its_input_rows_is_the_plain_one(i
     (plain, plain_stats, plain_rows), (lean, lean_stats, lean_rows) = results
     for a, b in zip(plain, lean, strict=True):
         assert torch.equal(a, b)
-    assert torch.equal(plain_stats, lean_stats) and (plain_rows, lean_rows) == (2, 1)
+    assert torch.equal(plain_stats, lean_stats) and (plain_rows, lean_rows) == (2, 1) and len(writes) == 2
 
 
 DISTRIBUTED_FP8 = dict(model="tiny", precision="fp8", device="cuda", experts_backend="triton", transport="nvshmem")

@@ -615,6 +615,34 @@ def test_one_gpus_fp8_input_rows_are_priced_as_the_layer_quantises_them(model, o
                 assert st.fp8_expert_input_bytes(H, tokens, k, True) > fwd
 
 
+@pytest.mark.parametrize(("modules", "forward", "top_k", "unwritten"), [
+    (["expert_input", "expert_swiglu"], "both", 8, True), (["expert_input"], "gate-up", 8, True),
+    (["expert_swiglu"], "both", 8, False), (["expert_input"], "down", 8, False), (["expert_input"], "both", 2, False)])
+def test_one_gpus_fp8_permute_is_priced_without_the_bf16_rows_nothing_reads(modules, forward, top_k, unwritten):
+    """On one GPU, whose layer quantises each token once (top-k from 3) for a gate/up GEMM in FP8,
+    recomputing expert_input leaves the bf16 grouped rows unread: the permute's forward is priced
+    without its row copy (`stages.permute_rows` of the GPU's pairs), its backward as before; with
+    expert_swiglu alone, a bf16 gate/up GEMM (forward down) or at top-k 2 the rows are written."""
+    m = load_model("qwen3-30b-a3b").model_copy(update={"top_k": top_k})
+    single = Candidates.one(1, 1, 1, 2, 4, colocated=True)
+    stages = {}
+    for recompute in ("none", "selective"):
+        cfg = PlanConfig(model=m, cluster=ClusterConfig(hardware=load_hardware("h200-sxm"), num_gpus=1),
+                         seq_len=m.seq_len, global_batch_tokens=4 * 1024 * 1024, recompute=recompute,
+                         recompute_modules=modules, experts_backend="triton", expert_precision="fp8",
+                         fp8_expert_forward=forward)
+        prob = problem_of(cfg)
+        cost = evaluate(prob, single)
+        assert bool(cost.selective[0]) == (recompute == "selective")
+        stages[recompute] = cost.stages["permute / combine sum"]
+    tokens = single.seqs[0] * prob.seq_len
+    saved = st.permute_rows(m, tokens * top_k).hbm_bytes if unwritten else 0.0
+    assert stages["selective"].fwd.hbm_bytes[0] == pytest.approx(stages["none"].fwd.hbm_bytes[0] - saved)
+    assert stages["selective"].bwd.hbm_bytes[0] == pytest.approx(stages["none"].bwd.hbm_bytes[0])
+    assert stages["none"].fwd.hbm_bytes[0] == pytest.approx(st.permute(m, tokens * top_k).hbm_bytes)
+    assert 2 * st.permute_rows(m, tokens).hbm_bytes == pytest.approx(st.permute(m, tokens).hbm_bytes)  # the gather's half
+
+
 def test_without_an_fp8_curve_fp8_experts_keep_the_datasheet_pricing():
     """The Qwen3 config on the committed calibration less its FP8 curve (a file from before probe
     version 5): each FP8 expert GEMM stage (the default backward, bf16-wgrad: all but the weight
