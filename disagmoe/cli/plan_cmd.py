@@ -114,11 +114,29 @@ def checked_hardware(ref: str) -> HardwareConfig:
     return hw
 
 
+RUN_FIELDS = {  # plan's flags that a train config sets under --config: flag -> the config's key
+    "model": "model", "seq_len": "seq_len", "global_batch_tokens": "batch_size (tokens = batch_size x seq_len)",
+    "shard_optimizer_states": "optim.shard_states", "optimizer_state_dtype": "optim.state_dtype",
+    "optimizer_update_kernel": "optim.update_kernel", "expert_precision": "precision", "fp8_dense": "fp8_dense",
+    "fp8_expert_backward": "fp8_expert_backward", "fp8_expert_forward": "fp8_expert_forward",
+    "cuda_graphs": "cuda_graphs"}
+PlanConfigOpt = Annotated[Optional[Path], typer.Option(
+    "--config", "-c", help="a train config: plan for its run (its model, seq_len, batch_size x seq_len tokens a step, "
+    "optimizer, precision, experts backend and cuda_graphs, priced as it trains), on --gpus GPUs (default: its "
+    "layout's) of --hardware (default: its hardware); then `train -c CONFIG --plan PLAN`")]
+PlanOverridesArg = Annotated[Optional[list[str]], typer.Argument(
+    help="key=value overrides of --config, as `train` takes them (e.g. optim.state_dtype=bf16 precision=fp8)")]
+
+
 @user_errors
 def plan(
-    model: ModelOpt,
-    hardware: HardwareOpt,
-    gpus: GpusOpt,
+    ctx: typer.Context,
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help="model preset (see `disagmoe presets`), a "
+                                                 "model YAML, or a Hugging Face config.json (or --config)")] = None,
+    hardware: Annotated[Optional[str], typer.Option("--hardware", "-hw", help="hardware preset or YAML file "
+                                                    "(with --config: default the config's)")] = None,
+    gpus: Annotated[Optional[int], typer.Option("--gpus", "-n", help="GPUs in the job (with --config: default "
+                                                "its layout's)", min=1)] = None,
     seq_len: SeqOpt = None,
     global_batch_tokens: BatchOpt = 4 * 1024 * 1024,
     load_histogram: HistOpt = None,
@@ -136,6 +154,8 @@ def plan(
     cuda_graphs: CudaGraphsOpt = "auto",
     as_json: JsonOpt = False,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="write the plan (.yaml or .json)")] = None,
+    config: PlanConfigOpt = None,
+    overrides: PlanOverridesArg = None,
 ) -> None:
     """Choose a placement: attention GPUs vs expert GPUs, pipeline groups, micro-batches, expert map.
 
@@ -144,11 +164,27 @@ def plan(
     a ring-pipeline model for micro-batches in flight, and a memory check (weights, grads, AdamW
     state, activations), and compares against the colocated expert-parallel layout on the same GPUs.
     Example: disagmoe plan --model deepseek-v3 --hardware gb200-nvl72 --gpus 1152
+    With --config CONFIG it plans for that run (key=value overrides change it as `train` would);
+    the flags the config sets are refused beside it (set them in the config or as overrides).
+    Example: disagmoe plan -c configs/h200x2-qwen3-30b.yaml --gpus 16 --out plan.yaml
     """
-    req = build_request(model, hardware, gpus, seq_len, global_batch_tokens, load_histogram,
-                        max_pipeline_groups, max_expert_replicas, shard_optimizer_states, optimizer_state_dtype,
-                        recompute, expert_precision, offload_optimizer, optimizer_update_kernel, fp8_dense,
-                        fp8_expert_backward, fp8_expert_forward, cuda_graphs)
+    if config is not None:
+        req = config_request(config, overrides or [], _given(ctx, RUN_FIELDS), hardware, gpus, load_histogram,
+                             max_pipeline_groups, max_expert_replicas,
+                             recompute if _given(ctx, ["recompute"]) else None,
+                             offload_optimizer if _given(ctx, ["offload_optimizer"]) else None)
+    else:
+        if overrides:
+            raise typer.BadParameter(f"key=value overrides ({' '.join(overrides)}) apply to a --config: give "
+                                     "--config CONFIG with them")
+        missing = [flag for flag, v in (("--model", model), ("--hardware", hardware), ("--gpus", gpus)) if v is None]
+        if missing:
+            raise typer.BadParameter(f"plan needs {', '.join(missing)} (or --config CONFIG: plan for a train "
+                                     "config's run)")
+        req = build_request(model, hardware, gpus, seq_len, global_batch_tokens, load_histogram,
+                            max_pipeline_groups, max_expert_replicas, shard_optimizer_states, optimizer_state_dtype,
+                            recompute, expert_precision, offload_optimizer, optimizer_update_kernel, fp8_dense,
+                            fp8_expert_backward, fp8_expert_forward, cuda_graphs)
     result = choose(req).plan
     if load_histogram is not None:
         result.notes.insert(0, histogram_note(load_histogram, req.load_histogram, result))
@@ -160,6 +196,43 @@ def plan(
         show_plan(result, out)
     if not result.feasible:
         raise typer.Exit(1)
+
+
+def _given(ctx: typer.Context, names) -> list[str]:
+    """The parameters among `names` given on the command line (or the environment), not defaulted
+    (by the source's name: typer carries its own copy of click's `ParameterSource`)."""
+    sources = {name: ctx.get_parameter_source(name) for name in names}
+    return [name for name, source in sources.items()
+            if source is not None and source.name not in ("DEFAULT", "DEFAULT_MAP")]
+
+
+def config_request(config: Path, overrides: list[str], given: list[str], hardware: str | None, gpus: int | None,
+                   load_histogram: Path | None, max_pipeline_groups: int, max_expert_replicas: int,
+                   recompute: str | None, offload_optimizer: str | None) -> PlanConfig:
+    """`plan --config CONFIG [key=value ...]`: the request for that run, priced as it trains
+    (`config.priced_as_trained`), on `gpus` (default: its layout's, `trace_compare.layout_gpus`) of
+    `hardware` (default: its own), its recomputation and offload as the config sets them unless
+    `recompute` / `offload_optimizer` (the flags, given: e.g. auto, the planner's choice per layout).
+    `given`: the flags the config sets that the command line gave too (refused: say where they go)."""
+    from disagmoe.config import load_train_config, priced_as_trained
+    from disagmoe.placement.trace_compare import layout_gpus
+
+    if given:
+        where = "; ".join(f"--{name.replace('_', '-')}: {RUN_FIELDS[name]}" for name in given)
+        raise typer.BadParameter(f"with --config the run's config sets these ({where}); set them in {config} or "
+                                 "as key=value overrides after it")
+    cfg = load_train_config(config, overrides)
+    hw = _run_hardware(cfg, config, hardware)
+    mcfg = load_model(cfg.model)
+    hist = read_histogram(load_histogram, mcfg.num_moe_layers, mcfg.num_experts) if load_histogram else None
+    run = priced_as_trained(cfg)
+    if recompute is not None:
+        run["recompute"] = recompute
+    offload = offload_optimizer or ("on" if cfg.offloads_to_host else "off")
+    return PlanConfig(model=mcfg, cluster=ClusterConfig(hardware=hw, num_gpus=gpus or layout_gpus(cfg)),
+                      seq_len=cfg.seq_len, global_batch_tokens=cfg.batch_size * cfg.seq_len, load_histogram=hist,
+                      max_pipeline_groups=max_pipeline_groups, max_expert_replicas=max_expert_replicas,
+                      offload_optimizer=offload, **run)
 
 
 def histogram_note(path: Path, loads: list[list[float]], p: Plan) -> str:

@@ -151,15 +151,24 @@ def measured_step_s(trace: TraceSteps) -> float:
     return statistics.median(walls) / 1e6
 
 
+def layout_gpus(cfg: TrainConfig) -> int:
+    """The GPUs `cfg`'s layout trains on, one rank each (a run sharing GPUs, `ranks_per_gpu`, is a
+    test of the layout: priced, as planned, on a GPU per rank)."""
+    if cfg.mode == "disaggregated":
+        return cfg.attention_ranks + cfg.expert_ranks
+    return 1 if cfg.mode == "single" else cfg.colocated_ranks
+
+
 def run_request(cfg: TrainConfig, model: ModelConfig, hw: HardwareConfig) -> tuple[PlanConfig, Candidates]:
     """The planner's request and the candidate for the layout `cfg` trained, priced as it trained
     (`config.priced_as_trained`: its expert and dense precision, recomputation and experts backend)."""
+    gpus = layout_gpus(cfg)
     if cfg.mode == "disaggregated":
-        gpus, dp = cfg.attention_ranks + cfg.expert_ranks, cfg.attention_ranks // cfg.pipeline_groups
+        dp = cfg.attention_ranks // cfg.pipeline_groups
         cand = lambda seqs: Candidates.one(cfg.attention_ranks, cfg.expert_ranks, cfg.pipeline_groups,  # noqa: E731
                                            cfg.micro_batches, seqs)
     else:
-        gpus = dp = 1 if cfg.mode == "single" else cfg.colocated_ranks
+        dp = gpus
         cand = lambda seqs: Candidates.one(0, gpus, 1, cfg.micro_batches, seqs, colocated=True)  # noqa: E731
     seqs = cfg.batch_size // (cfg.micro_batches * dp)
     if seqs < 1:

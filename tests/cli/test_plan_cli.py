@@ -474,3 +474,48 @@ def test_plan_says_whether_a_distributed_layouts_rank_steps_are_captured():
     assert "rank steps" not in run("plan", "-m", "tiny", "-hw", "h200-sxm", "-n", "1").stdout
     refused = run(*args, "--cuda-graphs", "on", "--offload-optimizer", "on")
     assert refused.exit_code == 2 and "offload_optimizer on with cuda_graphs: on" in refused.output
+
+
+TINY = "configs/tiny-cpu.yaml"
+
+
+def test_plan_for_a_train_configs_run_takes_its_model_batch_and_settings_and_train_runs_the_plan(tmp_path):
+    """`plan --config CFG [key=value ...]`: the run's model, seq_len, batch_size x seq_len tokens and
+    settings (priced as it trains), on its layout's GPUs unless --gpus, on --hardware (it names none);
+    `train -c CFG --plan` takes the plan it writes."""
+    from disagmoe.config import ClusterConfig, PlanConfig, load_hardware, load_train_config, priced_as_trained
+    from disagmoe.model_ref import load_model
+    from disagmoe.placement.solver import solve
+    from disagmoe.runtime.plan_layout import apply_plan
+
+    cfg = load_train_config(TINY)
+    out = tmp_path / "plan.yaml"
+    r = run("plan", "-c", TINY, "-hw", "h200-sxm", "--gpus", "3", "--json", "--out", str(out))
+    assert r.exit_code == 0, r.output
+    planned = Plan.model_validate_json(r.stdout)
+    request = PlanConfig(model=load_model("tiny"), cluster=ClusterConfig(hardware=load_hardware("h200-sxm"),
+                                                                         num_gpus=3),
+                         seq_len=64, global_batch_tokens=cfg.batch_size * cfg.seq_len, **priced_as_trained(cfg))
+    assert (planned.model, planned.gpus, planned.seq_len, planned.global_batch_tokens) == ("tiny", 3, 64, 512)
+    assert planned == solve(request)  # priced as the run trains
+    trained = apply_plan(cfg.model_copy(update={"plan": str(out)}), load_model("tiny"))
+    assert trained.mode == planned.layout == "single"
+    default = Plan.model_validate_json(run("plan", "-c", TINY, "-hw", "h200-sxm", "--json",
+                                           "optim.state_dtype=bf16", "batch_size=64").stdout)
+    assert default.gpus == cfg.attention_ranks + cfg.expert_ranks  # its layout's GPUs
+    assert default.optimizer_state_dtype == "bf16" and default.global_batch_tokens == 64 * 64  # the overrides
+    auto = Plan.model_validate_json(run("plan", "-c", TINY, "-hw", "h200-sxm", "--recompute", "auto", "--json").stdout)
+    assert auto.feasible  # the search's own choices stay flags
+
+
+def test_plan_refuses_beside_a_config_the_flags_it_sets_and_says_where_they_go():
+    both = run("plan", "-c", TINY, "-hw", "h200-sxm", "--seq-len", "128", "--optimizer-state-dtype", "bf16")
+    assert both.exit_code == 2
+    assert "--seq-len: seq_len" in both.output and "--optimizer-state-dtype: optim.state_dtype" in both.output
+    assert "as key=value overrides" in both.output and "Traceback" not in both.output
+    loose = run("plan", "-m", "tiny", "-hw", "h200-sxm", "-n", "2", "optim.state_dtype=bf16")
+    assert loose.exit_code == 2 and "apply to a --config" in loose.output
+    missing = run("plan", "-m", "tiny")
+    assert missing.exit_code == 2 and "plan needs --hardware, --gpus (or --config CONFIG" in missing.output
+    nameless = run("plan", "-c", TINY)
+    assert nameless.exit_code != 0 and "names no hardware; pass --hardware" in nameless.output
