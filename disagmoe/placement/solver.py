@@ -511,20 +511,20 @@ def _choose(cfg: PlanConfig) -> Choice:
     depth; the plan itself is colocated only at the depth the runtime runs (`COLOCATED_GROUPS`), and
     a note says what a deeper colocated layout would have taken."""
     prob = problem_of(cfg)
-    (dis_time, dis, dis_whole), (col_time, col, col_whole) = (_best_of_kind(cfg, prob, colocated)
-                                                              for colocated in (False, True))
-    whole = min(dis_whole, col_whole)  # the best layout that leaves no GPU idle (but for gpus mod p)
+    dis_time, dis, dis_whole = _best_of_kind(cfg, prob, colocated=False)
+    run_time, run, run_whole = _best_of_kind(runnable_colocated(cfg), prob, colocated=True)
+    col_time, col = run_time, run  # the baseline: the best colocated layout of any depth
+    if cfg.max_pipeline_groups > COLOCATED_GROUPS:
+        col_time, col, _ = _best_of_kind(cfg, prob, colocated=True)
+    whole = min(dis_whole, run_whole)  # the best plan that leaves no GPU idle (but for gpus mod p)
     if dis is not None and prob.calibration is not None:  # the pick compares what the plan will report
         dis_time = replayed_step_s(evaluate(prob, dis), prob, dis)
-    run_time, run = col_time, col
-    if col is not None and int(col.p[0]) > COLOCATED_GROUPS:
-        run_time, run, _ = _best_of_kind(runnable_colocated(cfg), prob, colocated=True)
     if dis is None and run is None:
         choice = Choice(_infeasible(cfg, prob), None, None, prob)
     else:
         chosen = dis if dis_time <= run_time else run
         choice = price(cfg, chosen, col_time, dis_time, whole)
-    if run is not col and col_time < min(dis_time, run_time):
+    if col_time < min(dis_time, run_time):  # only a deeper colocated layout is faster
         choice.plan.notes.append(_deeper_colocated_note(col, col_time))
     choice.plan.notes.extend(_untaken_recompute(cfg, choice.plan))
     return choice
