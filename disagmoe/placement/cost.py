@@ -50,8 +50,9 @@ stage's forward once more in its backward (`full_recompute_stages`). With FP8 ex
 `fp8_speedup` times the bf16 one, `fp8_stages`) the expert
 rows keep and hold `roofline.memory`'s `fp8` terms (the backward's by its recipe, `Problem.fp8_backward`),
 the weights' e4m3 copies are held, the expert modules are expert_input and expert_swiglu only
-(`solver._recompute_of`: no fused FP8 combine for expert_output) and their recompute reads an index
-(`stages.selective_recompute`'s `fp8`);
+(`solver._recompute_of`: no fused FP8 combine for expert_output) and their recompute reads an index,
+and under the bf16-wgrad (default) and bf16 backwards gathers the input rows again
+(`stages.selective_recompute`'s `fp8`, `fp8_backward`);
 on one GPU, whose layer quantises each token once, expert_input also spares the permute its bf16
 row copy (`fp8_stages`).
 
@@ -267,7 +268,7 @@ class Problem:
     fp8_speedup: float = 1.0  # expert_precision fp8: its GEMMs' rate over bf16's (fp8_tflops / bf16_tflops), any value
     fp8_dense: bool = False  # with expert_precision fp8: the dense projections' GEMMs in FP8 too (rowwise)
     fp8_backward: str = DEFAULT_FP8_EXPERT_BACKWARD  # with expert_precision fp8: which expert backward GEMMs
-    # (`fp8_stages`), and what the backward holds (`roofline.memory`)
+    # (`fp8_stages`), and what the backward holds and regathers (`roofline.memory`, `stages.selective_recompute`)
     fp8_forward: str = "both"  # with expert_precision fp8: which expert forward GEMMs (`fp8_stages`)
     first_touch: bool = False  # the bf16 Triton experts store their main gradient at a step's first launch (unzeroed)
     host_capacity_bytes: float = float("inf")  # offloaded: host memory per GPU for masters and moments
@@ -678,7 +679,8 @@ def evaluate(prob: Problem, c: Candidates, misfits_exact: bool = True) -> Cost:
         "dispatch": Stage("link", "moe", dispatch, combine),
         "routed experts": Stage("expert", "moe", *experts["routed experts"]),
         "expert weight grads": Stage("expert", "moe", *experts["expert weight grads"]),
-        "selective recompute": Stage("expert", "moe", Work(), st.selective_recompute(m, rows * selective, fp8)),
+        "selective recompute": Stage("expert", "moe", Work(), st.selective_recompute(m, rows * selective, fp8,
+                                                                                     prob.fp8_backward)),
         "combine": Stage("link", "moe", combine, dispatch),
         "main-grad adds": Stage("attention", "moe", Work(), st.main_grad_add(
             attention_norm_params(m) + H + router_params(m))),
@@ -790,7 +792,7 @@ def _recomputation(prob: Problem, c: Candidates, tokens: Num, in_flight: Num, pa
     if c.colocated:  # one GPU holds both sides: the fitting variant whose recompute costs least
         variants = [may] if fixed else list(dict.fromkeys((mem.NOTHING_DROPPED, experts_may, may & ATTENTION, may)))
         moe_l, dense_l = _layer_counts(m, c.p)
-        t_sel = prob.ceilings.time(st.selective_recompute(m, rows, fp8)) * moe_l
+        t_sel = prob.ceilings.time(st.selective_recompute(m, rows, fp8, prob.fp8_backward)) * moe_l
         t_att = prob.ceilings.time(st.attention_recompute(m, tokens)) * (moe_l + dense_l)
         act = [full(activations(m, tokens, pairs, in_flight, c.p, True, d, fp8=fp8, fp8_backward=prob.fp8_backward)[0])
                for d in variants]
