@@ -794,9 +794,9 @@ class TrainConfig(StrictModel):
     fp8_expert_backward: Literal["fp8", "bf16-wgrad", "bf16"] | None = Field(
         None, description="precision fp8: the routed experts' backward GEMMs: fp8 (all four in e4m3, the weight "
         "gradients over 128 x 1 token groups: DeepSeek-V3's recipe), bf16-wgrad (the weight gradients by the bf16 "
-        "experts' GEMM on the rows the backward holds in bf16 anyway, no token-group copies; the data gradients "
-        "FP8) or bf16 (the whole backward in bf16 from the FP8 forward's pre-activations); kernels/fp8_ffn.py; "
-        "None = bf16-wgrad (measured faster than fp8 at the same loss: docs/benchmarks.md, session 19); refused "
+        "experts' GEMM on the bf16 rows, the input rows gathered again under expert_input recomputation, no "
+        "token-group copies; the data gradients FP8) or bf16 (the whole backward in bf16 from the FP8 forward's "
+        "pre-activations); kernels/fp8_ffn.py; None = bf16-wgrad (measured faster than fp8 at the same loss: docs/benchmarks.md, session 19); refused "
         "under another precision")
     fp8_expert_forward: Literal["both", "gate-up", "down"] | None = Field(
         None, description="precision fp8: which of the routed experts' two forward GEMMs run in e4m3: both (the "

@@ -23,14 +23,17 @@ forward's 1 x 128 e4m3 rows cannot give those bits) and the pre-activations h13;
 output, which the backward's dgrad epilogue recomputes from h13 in every run. Selective
 recomputation (`TrainConfig.recompute`, `kernels.recompute.FP8_RECOMPUTABLE`): `expert_input`
 keeps the tokens x [T, H] the rows were gathered from and each row's token (`RowSource`, K times
-smaller) instead of the rows, and the backward's token-group quantiser reads each row from its
+smaller) instead of the rows. The all-FP8 backward's token-group quantiser reads each row from its
 token in place (`fp8.quantize_token_groups`' rows_M): the same bits as quantising the kept rows,
 no [N, H] copy written, and each quantisation still counted once (the backward quantises x along
-tokens in the plain run too; nothing the forward quantised is quantised again). Given x's e4m3 rows
-too (`x_fp8`, a gate/up GEMM in FP8), nothing reads the bf16 rows at all: the caller need not write
-them (`UnwrittenRows`, `bf16_rows_reader`), and the FFN sums their gradient per token. `expert_swiglu`
-drops nothing more (the SwiGLU output is never kept). `expert_output` is not built: there is no
-fused FP8 combine (`recompute.FP8_NO_EXPERT_OUTPUT`).
+tokens in the plain run too; nothing the forward quantised is quantised again). The bf16-wgrad
+(default) and bf16 backwards gather the rows again into an [N, H] copy (`RowSource.rows`) for
+their bf16 w13 gradient: bf16-wgrad right before that GEMM, alive beside d h13 until it returns;
+bf16 before its whole backward (`roofline.memory.fp8_expert_row_grad_bytes` counts both). Given
+x's e4m3 rows too (`x_fp8`, a gate/up GEMM in FP8), nothing reads the grouped bf16 rows at all:
+the caller need not write them (`UnwrittenRows`, `bf16_rows_reader`), and the FFN sums their
+gradient per token. `expert_swiglu` drops nothing more (the SwiGLU output is never kept).
+`expert_output` is not built: there is no fused FP8 combine (`recompute.FP8_NO_EXPERT_OUTPUT`).
 """
 
 from __future__ import annotations
@@ -57,9 +60,10 @@ from disagmoe.kernels.tile_configs import TileConfig, tuned
 
 # The routed experts' backward GEMMs: "fp8" (all four in e4m3: the data gradients 1 x 128, the weight
 # gradients over 128 x 1 token groups, `fp8.fp8_weight_grad`), "bf16-wgrad" (the weight gradients
-# the bf16 experts' GEMM on the rows the backward holds in bf16 anyway, torchao's "high-precision
-# weight gradient" recipes; the data gradients FP8) or "bf16" (the whole backward the bf16 experts'
-# `moe_ffn.moe_ffn_backward` from the FP8 forward's pre-activations: only the forward in FP8).
+# the bf16 experts' GEMM on the bf16 rows, torchao's "high-precision weight gradient" recipes: the
+# input rows gathered again from their tokens under expert_input; the data gradients FP8) or "bf16"
+# (the whole backward the bf16 experts' `moe_ffn.moe_ffn_backward` from the FP8 forward's
+# pre-activations: only the forward in FP8).
 BACKWARD_PRECISIONS = FP8_EXPERT_BACKWARDS
 # The default, "bf16-wgrad": on an H200 (session 19) it gave the expert block 1.09x / 1.12x our bf16
 # fwd+bwd on the mixtral-8x7b / deepseek-v3-ep8 rows of `bench experts` where "fp8" gave 0.96x /
@@ -428,7 +432,8 @@ def fp8_ffn_backward(
     gradient is given (w13's, w2's) is added into it by its GEMM (stored, if the gradient is
     untouched this step: `kernels.first_touch`) and None is returned for it.
     `x_NH` may be a `RowSource` (`expert_input`, module docstring): its rows are read from the
-    tokens by the w13 gradient's quantiser, as they lie (the tokens' dtype).
+    tokens by the w13 gradient's quantiser, as they lie (the tokens' dtype); bf16-wgrad gathers
+    them into a bf16 copy for its w13 gradient.
     dy and d h13 are each quantised both ways (1 x 128 rows for a data gradient, 128 x 1 token
     groups for a weight gradient) by one pass (`fp8.quantize_rows_and_token_groups`: each read
     once, not twice), so both copies of each are alive from that pass on. Launch order, with the
@@ -494,7 +499,9 @@ def _backward_bf16_weight_grads(dy_NH, x_NH, offsets_E, weights: Fp8ExpertWeight
     """`fp8_ffn_backward` with backward "bf16-wgrad": dy and d h13 quantised 1 x 128 only (their data
     gradients' A operands), each weight gradient the bf16 experts' ragged GEMM over the rows as
     they are, added into its main gradient where one is given. Launch order: d h13 (writing act),
-    w2's gradient, dx, w13's gradient; alive beside the bf16 rows: one e4m3 row copy at a time."""
+    w2's gradient, dx, w13's gradient; alive beside the bf16 rows: one e4m3 row copy at a time.
+    x given as a `RowSource` (`expert_input`): its rows gathered again [N, H] (`RowSource.rows`)
+    after dx, alive beside d h13 through the w13 gradient."""
     rows, ffn = h13_N2F.shape[0], weights.w2[0].shape[1]
     experts, hidden = weights.w13[0].shape[0], dy_NH.shape[1]
     grads_row = _row(stats, GRADIENTS)

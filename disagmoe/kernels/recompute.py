@@ -20,7 +20,8 @@ from torch.utils.checkpoint import checkpoint
 EXPERT_SWIGLU, EXPERT_INPUT, EXPERT_OUTPUT = "expert_swiglu", "expert_input", "expert_output"
 RECOMPUTABLE = (EXPERT_INPUT, EXPERT_OUTPUT, EXPERT_SWIGLU)  # what the expert FFN may drop (how each returns: kernels.moe_ffn)
 # What the FP8 experts (`kernels.fp8_ffn`, precision fp8) may drop: expert_input (the grouped rows,
-# re-read from the tokens by the backward's quantiser) and expert_swiglu (nothing more to drop: the
+# re-read from the tokens by the all-FP8 backward's quantiser, gathered again in bf16 by the
+# bf16-wgrad and bf16 backwards' w13 gradient) and expert_swiglu (nothing more to drop: the
 # FP8 forward never keeps the SwiGLU output). Not expert_output: the FP8 layer has no fused combine
 # (`kernels.fused_moe` runs bf16 GEMMs), so `kernels.permute.combine_rows` keeps the output rows for
 # the routing weights' gradient (`FP8_NO_EXPERT_OUTPUT` says so where it is refused).

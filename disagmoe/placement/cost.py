@@ -48,9 +48,11 @@ keeps its input and routing, one layer's backward holds it again) and every atte
 stage's forward once more in its backward (`full_recompute_stages`). With FP8 experts
 (`Problem.expert_precision`, whatever their rate: the calibration's measured FP8 curve, else
 `fp8_speedup` times the bf16 one, `fp8_stages`) the expert
-rows keep and hold `roofline.memory`'s `fp8` terms, the weights' e4m3 copies are held, the
-expert modules are expert_input and expert_swiglu only (`solver._recompute_of`: no fused FP8
-combine for expert_output) and their recompute reads an index (`stages.selective_recompute`'s `fp8`);
+rows keep and hold `roofline.memory`'s `fp8` terms (the backward's by its recipe, `Problem.fp8_backward`),
+the weights' e4m3 copies are held, the expert modules are expert_input and expert_swiglu only
+(`solver._recompute_of`: no fused FP8 combine for expert_output) and their recompute reads an index,
+and under the bf16-wgrad (default) and bf16 backwards gathers the input rows again
+(`stages.selective_recompute`'s `fp8`, `fp8_backward`);
 on one GPU, whose layer quantises each token once, expert_input also spares the permute its bf16
 row copy (`fp8_stages`).
 
@@ -74,7 +76,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from disagmoe.config import Calibration, ModelConfig
+from disagmoe.config import DEFAULT_FP8_EXPERT_BACKWARD, Calibration, ModelConfig
 from disagmoe.roofline import calibration as cal, memory as mem, stages as st, transport_memory as tm
 from disagmoe.roofline.ceilings import Ceilings
 from disagmoe.roofline.optimizer_state import StateBytes, host_link_bytes, slot_elements, staging_bytes, state_bytes
@@ -265,7 +267,8 @@ class Problem:
     expert_precision: str = "bf16"  # the routed experts' GEMMs: bf16 or fp8 (the FP8 memory and passes follow it)
     fp8_speedup: float = 1.0  # expert_precision fp8: its GEMMs' rate over bf16's (fp8_tflops / bf16_tflops), any value
     fp8_dense: bool = False  # with expert_precision fp8: the dense projections' GEMMs in FP8 too (rowwise)
-    fp8_backward: str = "bf16-wgrad"  # with expert_precision fp8: which expert backward GEMMs (`fp8_stages`)
+    fp8_backward: str = DEFAULT_FP8_EXPERT_BACKWARD  # with expert_precision fp8: which expert backward GEMMs
+    # (`fp8_stages`), and what the backward holds and regathers (`roofline.memory`, `stages.selective_recompute`)
     fp8_forward: str = "both"  # with expert_precision fp8: which expert forward GEMMs (`fp8_stages`)
     first_touch: bool = False  # the bf16 Triton experts store their main gradient at a step's first launch (unzeroed)
     host_capacity_bytes: float = float("inf")  # offloaded: host memory per GPU for masters and moments
@@ -352,7 +355,7 @@ def _group_layers(model: ModelConfig, p: np.ndarray, g: int) -> tuple[np.ndarray
 
 def activations(m: ModelConfig, tokens: Num, pairs: Num, in_flight: Num, p: np.ndarray, colocated: bool,
                 dropped: frozenset[str] = mem.NOTHING_DROPPED, attention: Num | None = None,
-                fp8: bool = False) -> tuple[Num, Num]:
+                fp8: bool = False, fp8_backward: str = DEFAULT_FP8_EXPERT_BACKWARD) -> tuple[Num, Num]:
     """(attention GPU, expert GPU) activation bytes at the peak, in `roofline.memory`'s per-token
     terms, as the runtime's memory check counts them (`runtime.activation_memory.rank_activations`,
     pinned by tests/runtime/test_activation_memory.py; `dropped`: what recomputation does not keep).
@@ -372,12 +375,12 @@ def activations(m: ModelConfig, tokens: Num, pairs: Num, in_flight: Num, p: np.n
     saved rows (input rows, gate/up pre-activations, SwiGLU output, the combine's rows) and the
     backward's gradients are allocated for all of them: any routing may send every pair here.
     `attention`: `attention_activations` of these arguments, if already computed. `fp8`: the
-    experts in FP8 (`roofline.memory`'s `fp8` terms)."""
-    row_grad = mem.expert_row_grad_bytes(m, BF16, dropped, fp8)
+    experts in FP8 (`roofline.memory`'s `fp8` terms), their backward recipe `fp8_backward`."""
+    row_grad = mem.expert_row_grad_bytes(m, BF16, dropped, fp8, fp8_backward)
     moe_l, dense_l = _layer_counts(m, np.asarray(p))
     if not colocated:
         attention = attention_activations(m, tokens, in_flight, p, dropped) if attention is None else attention
-        return attention, expert_activations(m, pairs, in_flight, p, dropped, fp8)
+        return attention, expert_activations(m, pairs, in_flight, p, dropped, fp8, fp8_backward)
     exp_kept = in_flight * moe_l * expert_kept_bytes(m, pairs, dropped, fp8)
     attn_kept = in_flight * tokens * (moe_l * mem.attention_bytes(m, True, BF16, dropped)
                                       + dense_l * mem.attention_bytes(m, False, BF16, dropped))
@@ -400,13 +403,14 @@ def expert_kept_bytes(m: ModelConfig, pairs: Num, dropped: frozenset[str], fp8: 
 
 
 def expert_activations(m: ModelConfig, pairs: Num, in_flight: Num, p: np.ndarray,
-                       dropped: frozenset[str] = mem.NOTHING_DROPPED, fp8: bool = False) -> Num:
+                       dropped: frozenset[str] = mem.NOTHING_DROPPED, fp8: bool = False,
+                       fp8_backward: str = DEFAULT_FP8_EXPERT_BACKWARD) -> Num:
     """A disaggregated expert GPU's activation peak (`activations`): every pair of every layer of
     its group in flight, and one expert backward's gradients. Only the expert modules (or full)
-    and the experts' precision (`fp8`) change it."""
+    and the experts' precision (`fp8`, with its backward recipe `fp8_backward`) change it."""
     moe_l, _ = _layer_counts(m, np.asarray(p))
     return in_flight * moe_l * expert_kept_bytes(m, pairs, dropped, fp8) + pairs * mem.expert_row_grad_bytes(
-        m, BF16, dropped, fp8)
+        m, BF16, dropped, fp8, fp8_backward)
 
 
 def attention_activations(m: ModelConfig, tokens: Num, in_flight: Num, p: np.ndarray,
@@ -675,7 +679,8 @@ def evaluate(prob: Problem, c: Candidates, misfits_exact: bool = True) -> Cost:
         "dispatch": Stage("link", "moe", dispatch, combine),
         "routed experts": Stage("expert", "moe", *experts["routed experts"]),
         "expert weight grads": Stage("expert", "moe", *experts["expert weight grads"]),
-        "selective recompute": Stage("expert", "moe", Work(), st.selective_recompute(m, rows * selective, fp8)),
+        "selective recompute": Stage("expert", "moe", Work(), st.selective_recompute(m, rows * selective, fp8,
+                                                                                     prob.fp8_backward)),
         "combine": Stage("link", "moe", combine, dispatch),
         "main-grad adds": Stage("attention", "moe", Work(), st.main_grad_add(
             attention_norm_params(m) + H + router_params(m))),
@@ -787,9 +792,10 @@ def _recomputation(prob: Problem, c: Candidates, tokens: Num, in_flight: Num, pa
     if c.colocated:  # one GPU holds both sides: the fitting variant whose recompute costs least
         variants = [may] if fixed else list(dict.fromkeys((mem.NOTHING_DROPPED, experts_may, may & ATTENTION, may)))
         moe_l, dense_l = _layer_counts(m, c.p)
-        t_sel = prob.ceilings.time(st.selective_recompute(m, rows, fp8)) * moe_l
+        t_sel = prob.ceilings.time(st.selective_recompute(m, rows, fp8, prob.fp8_backward)) * moe_l
         t_att = prob.ceilings.time(st.attention_recompute(m, tokens)) * (moe_l + dense_l)
-        act = [full(activations(m, tokens, pairs, in_flight, c.p, True, d, fp8=fp8)[0]) for d in variants]
+        act = [full(activations(m, tokens, pairs, in_flight, c.p, True, d, fp8=fp8, fp8_backward=prob.fp8_backward)[0])
+               for d in variants]
         fit = [attn_state + a <= cap for a in act]
         price = [np.where(f, t_sel * bool(d & mem.SELECTIVE) + t_att * ("attention" in d), np.inf)
                  for f, d in zip(fit, variants, strict=True)]
@@ -801,8 +807,9 @@ def _recomputation(prob: Problem, c: Candidates, tokens: Num, in_flight: Num, pa
         fits = np.stack(fit)[pick, rows_of]
         return (selective, attention, chosen, 0.0 * chosen, fits, attn_state + act[-1] + 0.0 * chosen,
                 fit[-1] & np.ones(n, dtype=bool))
-    exp_plain = full(expert_activations(m, pairs, in_flight, c.p, fp8=fp8))
-    exp_lean = full(expert_activations(m, pairs, in_flight, c.p, experts_may, fp8)) if experts_may else exp_plain
+    exp_plain = full(expert_activations(m, pairs, in_flight, c.p, fp8=fp8, fp8_backward=prob.fp8_backward))
+    exp_lean = (full(expert_activations(m, pairs, in_flight, c.p, experts_may, fp8, prob.fp8_backward))
+                if experts_may else exp_plain)
     exp_fit_plain, exp_fit_lean = exp_state + exp_plain <= cap, exp_state + exp_lean <= cap
     attn_plain = full(attention_activations(m, tokens, in_flight, c.p))
     attn_fit_plain = attn_state + attn_plain <= cap

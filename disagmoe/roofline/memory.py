@@ -17,8 +17,10 @@ the distributed ranks `attention_half_kept_bytes`, `expert_token_bytes`) and its
 the whole layer again (the plain run's terms) beside its gradients. `fp8` (precision fp8: the
 experts in `kernels.fp8_ffn`) changes the expert rows' terms: the FP8 forward never keeps the
 SwiGLU output (its backward recomputes it in every run), so expert_swiglu drops nothing more there
-and expert_output is not built (no fused FP8 combine), and the backward holds e4m3 copies beside
-its gradients (`expert_row_grad_bytes`). These are estimates of what autograd saves,
+and expert_output is not built (no fused FP8 combine), and the backward holds beside its gradients
+what its recipe (`fp8_backward`, `TrainConfig.fp8_expert_backward`) makes: e4m3 copies, and under
+expert_input with the bf16-wgrad (default) and bf16 recipes the input rows gathered again
+(`fp8_expert_row_grad_bytes`). These are estimates of what autograd saves,
 read off the code (no allocator slack, no attention score matrix: the attention is flash). Where a
 rank holds how many micro-batches comes from its program: `runtime/activation_memory.py` replays
 it with these terms (roofline does not import the runtime); the planner prices the same terms.
@@ -31,7 +33,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from disagmoe.config import ModelConfig
+from disagmoe.config import DEFAULT_FP8_EXPERT_BACKWARD, FP8_EXPERT_BACKWARDS, ModelConfig
 from disagmoe.roofline.stages import FP32, Num, attention_io_per_token
 
 # `model/loss.py`'s chunk rule (roofline imports no torch; a test pins the two together)
@@ -191,34 +193,62 @@ def attention_grad_bytes(m: ModelConfig, moe: bool, value_bytes: int, dropped: f
 
 
 def expert_row_grad_bytes(m: ModelConfig, value_bytes: int, dropped: frozenset[str] = NOTHING_DROPPED,
-                          fp8: bool = False) -> int:
+                          fp8: bool = False, fp8_backward: str = DEFAULT_FP8_EXPERT_BACKWARD) -> int:
     """Gradient bytes per (token, expert) row an expert backward holds: d y and d h13 (the
     weight-gradient GEMMs' operands, kept until they run), and what it recomputes for them: the
     regathered input row (expert_input), the SwiGLU output (expert_swiglu); under `recompute:
     full` the whole row again with its combine share (the partial sums' hop; pair rows hold no
-    combine rows there: counted all the same). Under `fp8` (`kernels.fp8_ffn.fp8_ffn_backward`)
-    the same whatever selective drops: d y, d h13 and the SwiGLU output it recomputes in every
-    run, no regathered row (its quantiser reads the input rows from the tokens), and the e4m3
-    copies (`FP8_VALUE_BYTES`) alive beside them, each dropped after the one GEMM that reads it.
-    d y and d h13 are each quantised both ways by one pass, so their two copies live together:
-    d y's (1 x 128 rows and token groups: 2H) through the d h13 GEMM, then d y's token groups and
-    act's (H + F) through the w2 gradient, after which act (bf16) is dropped too; then d h13's two
-    (4F) through the dx GEMM, x's and d h13's token groups (H + 2F) through the w13 gradient. The
-    peak is the larger of the first half (act alive) and the second (act dropped). On Hopper the
-    d h13 GEMM runs split (`fp8_ffn._GluonChoices.swiglu`): the Gluon GEMM writes d act [F], read
-    by the SwiGLU-gradient pass that writes d h13 and act, so d act is alive beside them and d y's
-    two copies there (counted on every GPU: an upper bound where the fused kernel runs)."""
+    combine rows there: counted all the same). Under `fp8` what the backward recipe `fp8_backward`
+    holds (`fp8_expert_row_grad_bytes`)."""
     if BLOCK in dropped:
         recomputed = expert_row_bytes(m, value_bytes, fp8=fp8) + combine_bytes(m, value_bytes) // m.top_k
-        return recomputed + expert_row_grad_bytes(m, value_bytes, fp8=fp8)
-    H, F = m.hidden_size, m.expert_ffn_size
+        return recomputed + expert_row_grad_bytes(m, value_bytes, fp8=fp8, fp8_backward=fp8_backward)
     if fp8:
-        with_act = max(value_bytes * (H + 4 * F) + FP8_VALUE_BYTES * 2 * H,  # the d h13 GEMM, d act alive
-                       value_bytes * (H + 3 * F) + FP8_VALUE_BYTES * (H + F))  # the w2 gradient
-        without_act = value_bytes * (H + 2 * F) + FP8_VALUE_BYTES * max(4 * F, H + 2 * F)
-        return int(max(with_act, without_act))
+        return fp8_expert_row_grad_bytes(m, value_bytes, "expert_input" in dropped, fp8_backward)
+    H, F = m.hidden_size, m.expert_ffn_size
     recomputed = (H if "expert_input" in dropped else 0) + (F if "expert_swiglu" in dropped else 0)
     return value_bytes * (H + 2 * F + recomputed)
+
+
+def fp8_expert_row_grad_bytes(m: ModelConfig, value_bytes: int, input_dropped: bool, backward: str) -> int:
+    """Gradient bytes per row the FP8 experts' backward (`kernels.fp8_ffn`) holds under `backward`
+    (`TrainConfig.fp8_expert_backward`, `kernels.fp8_ffn.BACKWARD_PRECISIONS`), `input_dropped` with
+    expert_input recomputed (the rows kept as their tokens, `RowSource`). Every recipe recomputes the
+    SwiGLU output in every run (whatever expert_swiglu says) and holds d y and d h13.
+      "fp8"         the e4m3 copies of d y, act, d h13 and x (`FP8_VALUE_BYTES`), each dropped after
+                    the one GEMM that reads it, and no input row: the w13 gradient's token-group
+                    quantiser reads the rows from their tokens in place. d y and d h13 are each
+                    quantised both ways by one pass, so their two copies live together: d y's (1 x 128
+                    rows and token groups: 2H) through the d h13 GEMM, then d y's token groups and
+                    act's (H + F) through the w2 gradient, after which act (bf16) is dropped too; then
+                    d h13's two (4F) through the dx GEMM, x's and d h13's token groups (H + 2F) through
+                    the w13 gradient. The peak is the larger of the first half (act alive) and the
+                    second (act dropped).
+      "bf16-wgrad"  d y's and d h13's 1 x 128 rows alone, each through its data gradient; the w13
+                    gradient (bf16) reads the input rows, gathered again from the tokens into a
+                    [N, H] copy under expert_input (`RowSource.rows`), alive beside d y and d h13
+                    until that GEMM returns (act and the e4m3 copies are dropped by then). The peak is
+                    the larger of the d h13 GEMM (act, d y's rows) and the w13 gradient: the copy
+                    sets it only where H exceeds about 4F (bf16).
+      "bf16"        the bf16 experts' backward (`moe_ffn.moe_ffn_backward`) with the SwiGLU output
+                    recomputed: under expert_input the rows gathered again before it, alive throughout.
+    On Hopper the d h13 GEMM runs split (`fp8_ffn._GluonChoices.swiglu`): the Gluon GEMM writes
+    d act [F], read by the SwiGLU-gradient pass that writes d h13 and act, so d act is alive beside
+    them there (counted on every GPU: an upper bound where the fused kernel runs)."""
+    if backward not in FP8_EXPERT_BACKWARDS:
+        raise ValueError(f"FP8 experts' backward {backward!r}: choose one of {', '.join(FP8_EXPERT_BACKWARDS)}")
+    if backward == "bf16":
+        recomputed = {"expert_swiglu", "expert_input"} if input_dropped else {"expert_swiglu"}
+        return expert_row_grad_bytes(m, value_bytes, frozenset(recomputed))
+    H, F = m.hidden_size, m.expert_ffn_size
+    if backward == "bf16-wgrad":
+        d_h13_gemm = value_bytes * (H + 4 * F) + FP8_VALUE_BYTES * H  # d act alive; d h13's rows later are fewer
+        w13_gradient = value_bytes * (H + 2 * F + (H if input_dropped else 0))
+        return int(max(d_h13_gemm, w13_gradient))
+    with_act = max(value_bytes * (H + 4 * F) + FP8_VALUE_BYTES * 2 * H,  # the d h13 GEMM, d act alive
+                   value_bytes * (H + 3 * F) + FP8_VALUE_BYTES * (H + F))  # the w2 gradient
+    without_act = value_bytes * (H + 2 * F) + FP8_VALUE_BYTES * max(4 * F, H + 2 * F)
+    return int(max(with_act, without_act))
 
 
 def head_bytes(m: ModelConfig, tokens: Num, value_bytes: int, chunked: bool = True) -> Num:
@@ -252,26 +282,30 @@ def layer_bytes(m: ModelConfig, moe: bool, value_bytes: int, dropped: frozenset[
 
 
 def layer_grad_bytes(m: ModelConfig, moe: bool, value_bytes: int, dropped: frozenset[str] = NOTHING_DROPPED,
-                     fp8: bool = False) -> int:
+                     fp8: bool = False, fp8_backward: str = DEFAULT_FP8_EXPERT_BACKWARD) -> int:
     """One token of one whole layer's backward in one process (`attention_grad_bytes` and the K rows');
-    under `recompute: full` the layer's whole activations again beside them (one block at a time)."""
+    under `recompute: full` the layer's whole activations again beside them (one block at a time).
+    `fp8_backward`: the FP8 experts' backward recipe (`expert_row_grad_bytes`)."""
     if BLOCK in dropped:
-        return layer_bytes(m, moe, value_bytes, fp8=fp8) + layer_grad_bytes(m, moe, value_bytes, fp8=fp8)
-    rows = m.top_k * expert_row_grad_bytes(m, value_bytes, dropped, fp8) if moe else 0
+        return layer_bytes(m, moe, value_bytes, fp8=fp8) + layer_grad_bytes(m, moe, value_bytes, fp8=fp8,
+                                                                            fp8_backward=fp8_backward)
+    rows = m.top_k * expert_row_grad_bytes(m, value_bytes, dropped, fp8, fp8_backward) if moe else 0
     return attention_grad_bytes(m, moe, value_bytes, dropped) + rows
 
 
 def activation_bytes(m: ModelConfig, tokens: int, value_bytes: int, chunked: bool = True,
-                     dropped: frozenset[str] = NOTHING_DROPPED, fp8: bool = False) -> int:
+                     dropped: frozenset[str] = NOTHING_DROPPED, fp8: bool = False,
+                     fp8_backward: str = DEFAULT_FP8_EXPERT_BACKWARD) -> int:
     """Peak bytes of one process's forward and backward of `tokens` tokens (one micro-batch:
     gradient accumulation runs each micro-batch's backward before the next forward): every
     layer's activations, plus the larger of the head's peak and one layer's backward (under
     `recompute: full`: every layer's input and routing, plus the larger of the head's peak and
-    one layer recomputed whole with its backward's gradients). `fp8`: the experts in FP8."""
+    one layer recomputed whole with its backward's gradients). `fp8`: the experts in FP8, their
+    backward recipe `fp8_backward`."""
     moe_layers = m.num_moe_layers
     dense_layers = m.num_layers - moe_layers
     kept = tokens * (moe_layers * layer_bytes(m, True, value_bytes, dropped, fp8)
                      + dense_layers * layer_bytes(m, False, value_bytes, dropped, fp8))
-    grads = tokens * max(layer_grad_bytes(m, moe, value_bytes, dropped, fp8) for moe in
+    grads = tokens * max(layer_grad_bytes(m, moe, value_bytes, dropped, fp8, fp8_backward) for moe in
                          ([True] if moe_layers else []) + ([False] if dense_layers else []))
     return kept + max(head_bytes(m, tokens, value_bytes, chunked), grads)

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from disagmoe.config import ModelConfig
+from disagmoe.config import DEFAULT_FP8_EXPERT_BACKWARD, ModelConfig
 from disagmoe.roofline.params import attention_params, router_params
 
 BF16 = 2
@@ -246,17 +246,28 @@ def dense_ffn(m: ModelConfig, tokens: Num) -> Work:
     return swiglu_ffn(m.hidden_size, m.dense_ffn_size, tokens)
 
 
-def selective_recompute(m: ModelConfig, rows: Num, fp8: bool = False) -> Work:
+# The FP8 experts' backward recipes (`kernels.fp8_ffn.BACKWARD_PRECISIONS`) whose w13 gradient runs in
+# bf16 on the input rows: under expert_input they gather the rows again from the tokens into a bf16
+# copy (`kernels.recompute.RowSource.rows`); "fp8"'s token-group quantiser reads them in place.
+FP8_BACKWARDS_REGATHERING_ROWS = ("bf16-wgrad", "bf16")
+
+
+def selective_recompute(m: ModelConfig, rows: Num, fp8: bool = False,
+                        fp8_backward: str = DEFAULT_FP8_EXPERT_BACKWARD) -> Work:
     """What `recompute: selective` adds to the expert backward of `rows` rows (`kernels.moe_ffn`,
     `kernels.fused_moe`): expert_input gathers the input rows again (read and write [rows, H]),
     expert_swiglu writes the SwiGLU output once more (the down dgrad's epilogue computes it from
     h13 while loading it: no extra FLOPs), expert_output costs nothing (the routing weights'
     gradient comes from the backward's first GEMM). Memory-bound bytes, no FLOPs. With the FP8
-    experts (`fp8`, `kernels.fp8_ffn`) only each row's int64 token index is read: the w13
-    gradient's quantiser reads the input rows from their tokens instead of the kept rows (the
-    same bytes), and the FP8 backward recomputes the SwiGLU output in every run."""
+    experts (`fp8`, `kernels.fp8_ffn`) the SwiGLU output costs nothing (their backward recomputes
+    it in every run) and expert_input reads each row's int64 token index; then, by the backward
+    recipe `fp8_backward`: "fp8"'s w13-gradient quantiser reads the input rows from their tokens
+    instead of the kept rows (the same bytes), bf16-wgrad and bf16 (`FP8_BACKWARDS_REGATHERING_ROWS`)
+    gather them again into bf16 rows for their bf16 w13 gradient (the permute's row copy once more:
+    `permute_rows`)."""
     if fp8:
-        return Work(hbm_bytes=8 * rows)
+        regather = permute_rows(m, rows) if fp8_backward in FP8_BACKWARDS_REGATHERING_ROWS else Work()
+        return Work(hbm_bytes=8 * rows) + regather
     return Work(hbm_bytes=BF16 * rows * (2 * m.hidden_size + m.expert_ffn_size))
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from disagmoe.config import ModelConfig, TrainConfig
+from disagmoe.config import DEFAULT_FP8_EXPERT_BACKWARD, ModelConfig, TrainConfig
 from disagmoe.roofline import memory as mem
 from disagmoe.runtime.schedule.schedule import (
     AttentionBackward,
@@ -45,6 +45,12 @@ class RankActivations:
 def value_bytes(cfg: TrainConfig) -> int:
     """Bytes of one activation value in this run's compute dtype."""
     return 2 if cfg.compute_dtype_name == "bf16" else 4
+
+
+def fp8_backward_of(cfg: TrainConfig) -> str:
+    """The FP8 experts' backward recipe `roofline.memory` prices for the run
+    (`TrainConfig.expert_backward_precision`; the default where the experts are not FP8: unread)."""
+    return cfg.expert_backward_precision or DEFAULT_FP8_EXPERT_BACKWARD
 
 
 def replay_peak(program: tuple[Op, ...], kept: Callable[[Op], int], held: Callable[[Op], int]) -> RankActivations:
@@ -92,12 +98,13 @@ def rank_activations(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topolog
     the rows into the peers' buffers) only a colocated rank's message to itself. Under `recompute:
     full` a forward keeps its segment's input and routing (and the outputs it sends, its backward's
     roots) and the backward holds its layer's half again (`roofline.memory`'s FULL terms). FP8
-    experts (precision fp8) keep and hold their own rows' terms (`roofline.memory`'s `fp8`)."""
+    experts (precision fp8) keep and hold their own rows' terms (`roofline.memory`'s `fp8`, their
+    backward's by its recipe, `fp8_expert_backward`)."""
     m, vb, dropped, fp8 = model_cfg, value_bytes(cfg), cfg.recompute_set, cfg.expert_precision == "fp8"
     tokens = cfg.batch_size // cfg.micro_batches // topology.data_parallel * cfg.seq_len
     row = mem.expert_row_bytes(m, vb, dropped, fp8) + (0 if pair_rows else mem.combine_bytes(m, vb, dropped) // m.top_k)
     token_row = mem.expert_token_bytes(m, vb, dropped, pair_rows)  # `recompute: full`: received row (and partial sum)
-    row_grad = mem.expert_row_grad_bytes(m, vb, dropped, fp8)
+    row_grad = mem.expert_row_grad_bytes(m, vb, dropped, fp8, fp8_backward_of(cfg))
     programs = topology.programs(cfg.micro_batches)
     out = []
     for rank, program in enumerate(programs):
@@ -142,7 +149,10 @@ def single_activation_bytes(cfg: TrainConfig, model_cfg: ModelConfig) -> int:
     """One process's activation peak (`runtime.training.trainer`): gradient accumulation runs each
     micro-batch's forward and backward before the next, so one micro-batch of batch_size /
     micro_batches sequences is in flight; the fp32 oracle (`precision: fp32`) takes the whole
-    logits' cross-entropy, every other path the chunked loss; FP8 experts their own rows' terms."""
+    logits' cross-entropy, every other path the chunked loss; FP8 experts their own rows' terms (their
+    backward's by its recipe)."""
     tokens = cfg.batch_size // cfg.micro_batches * cfg.seq_len
     return mem.activation_bytes(model_cfg, tokens, value_bytes(cfg), chunked=cfg.compute_dtype_name != "fp32",
-                                dropped=cfg.recompute_set, fp8=cfg.expert_precision == "fp8")
+                                dropped=cfg.recompute_set, fp8=cfg.expert_precision == "fp8",
+                                fp8_backward=fp8_backward_of(cfg))
+

@@ -524,6 +524,42 @@ def test_selective_recomputation_frees_exactly_the_dropped_terms_and_pays_their_
     assert sel.step_s[0] > none.step_s[0]
 
 
+@pytest.mark.parametrize("colocated", [False, True])
+def test_fp8_backwards_that_gather_the_input_rows_again_pay_for_them(colocated):
+    """FP8 experts recomputing expert_input: the bf16-wgrad (default) and bf16 backwards gather the
+    input rows again in bf16 for their w13 gradient (`RowSource.rows`), so their selective
+    recompute stage costs the fp8 backward's (each row's token index) plus exactly that gather
+    (read and write [rows, H] bf16: `stages.permute_rows`); an expert GPU holds each recipe's own
+    backward transient (`memory.expert_row_grad_bytes`), the rest of its activations the same. With
+    H = 8F (Qwen3-30B's experts at F 256) bf16-wgrad's peak is the w13 gradient's, the regathered
+    rows beside d y and d h13; at Qwen3-30B's own F it is the d h13 GEMM's."""
+    from disagmoe.roofline import memory as mem
+    from disagmoe.roofline import stages as st
+
+    cand = Candidates.one(0, 8, 1, 4, 2, colocated=True) if colocated else Candidates.one(4, 4, 1, 4, 2)
+    for model in (load_model("qwen3-30b-a3b"), load_model("qwen3-30b-a3b").model_copy(update={"expert_ffn_size": 256})):
+        req = PlanConfig(model=model, cluster=ClusterConfig(hardware=load_hardware("h200-sxm"), num_gpus=8),
+                         seq_len=1024, global_batch_tokens=1024 * 64, recompute="selective", expert_precision="fp8")
+        costs = {b: evaluate(replace(problem_of(req), fp8_backward=b), cand) for b in ("fp8", "bf16-wgrad", "bf16")}
+        assert all(cost.selective[0] for cost in costs.values())
+        rows = 2 * 1024 * model.top_k if colocated else 4 * 2 * 1024 * model.top_k / 4  # computed per GPU
+        recompute = {b: cost.stages["selective recompute"].bwd.hbm_bytes[0] for b, cost in costs.items()}
+        gather = st.permute_rows(model, rows).hbm_bytes
+        assert gather == 2 * 2 * rows * model.hidden_size
+        assert recompute["fp8"] == pytest.approx(8 * rows)
+        assert recompute["bf16-wgrad"] == pytest.approx(recompute["fp8"] + gather) == recompute["bf16"]
+        if colocated:
+            continue
+        pairs = 4 * 2 * 1024 * model.top_k  # spanned: every source's
+        dropped = problem_of(req).recompute_modules
+        held = {b: mem.expert_row_grad_bytes(model, 2, dropped, fp8=True, fp8_backward=b) for b in costs}
+        for b, cost in costs.items():
+            assert cost.expert_act_bytes[0] - costs["fp8"].expert_act_bytes[0] == pairs * (held[b] - held["fp8"])
+        H, F = model.hidden_size, model.expert_ffn_size
+        regathered = 2 * (H + 2 * F + H)  # d y, d h13 and the rows gathered again
+        assert (held["bf16-wgrad"] == regathered) == (H == 8 * F)
+
+
 def test_auto_recomputes_only_where_nothing_else_fits():
     """A candidate whose expert GPU overflows without recomputation but fits with it: auto picks
     selective; with memory to spare it picks none; selective is never the faster of the two."""

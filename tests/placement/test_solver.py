@@ -668,8 +668,9 @@ def test_fp8_plans_recompute_the_modules_the_fp8_experts_drop_and_round_trip_int
     """Qwen3-235B on 72 GB200s in FP8 (where the plan without recomputation is slowest against
     bf16): auto now recomputes the FP8 experts' input and SwiGLU rows (never expert_output), fits
     a faster layout than recompute none, says so in its notes and prices the recompute at an index
-    read; `train --plan` takes the plan with precision fp8; selective without modules prices the
-    two, and naming expert_output under fp8 is refused with the reason."""
+    read and, under the default backward (bf16-wgrad), the input rows' bf16 gather; `train --plan`
+    takes the plan with precision fp8; selective without modules prices the two, and naming
+    expert_output under fp8 is refused with the reason."""
     from disagmoe.cli.plan_cmd import write_plan
     from disagmoe.config import TrainConfig
     from disagmoe.runtime.plan_layout import apply_plan
@@ -682,7 +683,8 @@ def test_fp8_plans_recompute_the_modules_the_fp8_experts_drop_and_round_trip_int
     assert any("selective recomputation of the expert FFN's input and SwiGLU rows" in n for n in auto.plan.notes)
     assert any(n.startswith("selective recomputation: activations ") for n in auto.plan.notes)
     m = auto.problem.model
-    assert st.selective_recompute(m, 1000, fp8=True).hbm_bytes == 8 * 1000  # the rows' token index only
+    assert st.selective_recompute(m, 1000, fp8=True, fp8_backward="fp8").hbm_bytes == 8 * 1000  # the token index only
+    assert st.selective_recompute(m, 1000, fp8=True).hbm_bytes == 8 * 1000 + 2 * 2 * 1000 * m.hidden_size  # + the gather
     assert st.selective_recompute(m, 1000).hbm_bytes == 2 * 1000 * (2 * m.hidden_size + m.expert_ffn_size)
     assert "selective recompute" in auto.cost.stages
     write_plan(auto.plan, tmp_path / "plan.yaml")

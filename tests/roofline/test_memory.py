@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from disagmoe.model.loss import chunk_size
 from disagmoe.model_ref import load_model
 from disagmoe.roofline import memory as mem
 from disagmoe.roofline.stages import attention_io_per_token
+from tests.kernels.test_fp8_ffn import SMALL
 
 
 @pytest.mark.parametrize("tokens, vocab", [(8192, 4096), (8192, 151_936), (100, 151_936), (3, 32), (65_536, 129_280)])
@@ -122,10 +127,10 @@ def test_full_recomputation_keeps_each_layers_input_and_routing_and_holds_one_la
 def test_fp8_experts_keep_their_rows_and_h13_and_drop_what_they_recompute(dropped):
     """Precision fp8 (`kernels.fp8_ffn`): a (token, expert) row keeps its bf16 input row (unless
     expert_input is dropped) and its pre-activations h13 (2F), never the SwiGLU output (its
-    backward recomputes it in every run, so expert_swiglu drops nothing more); the backward holds
-    d y, d h13 and the recomputed SwiGLU output in bf16 and e4m3 copies with their scales, each
-    dropped after its GEMM, whatever is dropped (the input rows are read from the tokens, not
-    regathered). d y and d h13 are quantised both ways in one pass each: with the SwiGLU output
+    backward recomputes it in every run, so expert_swiglu drops nothing more); the all-FP8 backward
+    (fp8_expert_backward fp8) holds d y, d h13 and the recomputed SwiGLU output in bf16 and e4m3
+    copies with their scales, each dropped after its GEMM, whatever is dropped (the input rows are
+    read from the tokens, not regathered). d y and d h13 are quantised both ways in one pass each: with the SwiGLU output
     alive, d y's two copies (2H) or d y's and act's token groups (H + F); after it is dropped,
     d h13's two (4F) or the w13 gradient's operands (H + 2F). The split SwiGLU gradient (Hopper's
     default) holds d act [F] beside d h13 and act while d y's two copies live."""
@@ -138,7 +143,7 @@ def test_fp8_experts_keep_their_rows_and_h13_and_drop_what_they_recompute(droppe
     e4m3 = 1 + 4 / 128
     held = max(2 * (H + 4 * F) + e4m3 * 2 * H, 2 * (H + 3 * F) + e4m3 * (H + F),
                2 * (H + 2 * F) + e4m3 * max(4 * F, H + 2 * F))
-    assert mem.expert_row_grad_bytes(m, 2, dropped, fp8=True) == int(held)
+    assert mem.expert_row_grad_bytes(m, 2, dropped, fp8=True, fp8_backward="fp8") == int(held)
     assert H > 2 * F and held == 2 * (H + 4 * F) + e4m3 * 2 * H  # Qwen3's peak: d y's two copies, d act
     assert mem.layer_bytes(m, True, 2, dropped, fp8=True) == (mem.attention_bytes(m, True, 2) + mem.combine_bytes(m, 2)
                                                              + K * kept)
@@ -151,10 +156,124 @@ def test_fp8_experts_keep_their_rows_and_h13_and_drop_what_they_recompute(droppe
     assert mem.expert_row_bytes(m, 2) - mem.expert_row_bytes(m, 2, fp8=True) == 2 * F
 
 
+@pytest.mark.parametrize("dropped", [frozenset(), frozenset({"expert_input"}), frozenset({"expert_swiglu"}),
+                                     frozenset({"expert_input", "expert_swiglu"})])
+def test_each_fp8_backward_recipe_holds_what_it_allocates(dropped):
+    """Under FP8 the backward's transient follows its recipe (`fp8_backward`), expert_swiglu changing
+    nothing: "fp8" as above, never an input row; "bf16-wgrad" (the default) d y's e4m3 rows beside d y,
+    act, d h13 and d act at the d h13 GEMM, or at the w13 gradient d y, d h13 and, under
+    expert_input, the input rows gathered again ([N, H] bf16), whichever is more; "bf16" the bf16
+    experts' backward with the SwiGLU output recomputed and, under expert_input, the rows gathered
+    again. At Qwen3-30B's shape (H < 4F) the regathered row stays below bf16-wgrad's d h13 GEMM; at
+    H = 8F it sets the peak. The default is named by the default argument."""
+    e4m3, regathered = 1 + 4 / 128, "expert_input" in dropped
+    for m in (load_model("qwen3-30b-a3b"), load_model("qwen3-30b-a3b").model_copy(update={"expert_ffn_size": 256})):
+        H, F = m.hidden_size, m.expert_ffn_size
+        held = {b: mem.expert_row_grad_bytes(m, 2, dropped, fp8=True, fp8_backward=b)
+                for b in ("fp8", "bf16-wgrad", "bf16")}
+        assert held["fp8"] == mem.expert_row_grad_bytes(m, 2, fp8=True, fp8_backward="fp8")
+        d_h13_gemm, w13_gradient = 2 * (H + 4 * F) + e4m3 * H, 2 * (H + 2 * F + (H if regathered else 0))
+        assert held["bf16-wgrad"] == int(max(d_h13_gemm, w13_gradient))
+        assert held["bf16-wgrad"] == mem.expert_row_grad_bytes(m, 2, dropped, fp8=True)
+        assert (w13_gradient > d_h13_gemm) == (regathered and H == 8 * F)
+        assert held["bf16"] == 2 * (H + 2 * F + F + (H if regathered else 0))
+        assert held["bf16-wgrad"] < held["fp8"]  # no token-group copies, whether or not the rows are gathered
+    with pytest.raises(ValueError, match="backward 'fp16': choose one of fp8, bf16-wgrad, bf16"):
+        mem.expert_row_grad_bytes(m, 2, fp8=True, fp8_backward="fp16")
+
+
+class _Allocations(TorchDispatchMode):
+    """The storages the ops under it allocate (an output sharing no input's storage: views, and the
+    interpreter's host aliases of its arguments, are none), in order as (op, shape, dtype), and
+    the most bytes of them alive at once, taken after every op (a storage is alive while a tensor
+    on it made under the mode is)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made: list[tuple[str, tuple[int, ...], torch.dtype]] = []
+        self._storages: dict[int, tuple[int, list[weakref.ref]]] = {}  # data pointer -> (bytes, its tensors)
+        self.peak_bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {a.untyped_storage().data_ptr() if isinstance(a, torch.Tensor) else a.data_ptr()
+                  for a in (*args, *(kwargs or {}).values()) if isinstance(a, (torch.Tensor, torch.UntypedStorage))}
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if not isinstance(t, torch.Tensor):
+                continue
+            storage = t.untyped_storage()
+            if self._alive(storage.data_ptr()):
+                self._storages[storage.data_ptr()][1].append(weakref.ref(t))
+            elif storage.data_ptr() not in inputs:  # a new storage (maybe where a freed one was)
+                self._storages[storage.data_ptr()] = (storage.nbytes(), [weakref.ref(t)])
+                self.made.append((func.__name__, tuple(t.shape), t.dtype))
+        alive = sum(self._storages[pointer][0] for pointer in self._storages if self._alive(pointer))
+        self.peak_bytes = max(self.peak_bytes, alive)
+        return out
+
+    def _alive(self, pointer: int) -> bool:
+        return pointer in self._storages and any(ref() is not None for ref in self._storages[pointer][1])
+
+
+@pytest.mark.parametrize("recipe", ["fp8", "bf16-wgrad", "bf16"])
+def test_the_fp8_experts_backward_allocates_what_the_memory_model_counts(interpreted, recipe):
+    """Measured (interpreter, fp32): the FP8 FFN's backward, weight gradients into main gradients,
+    with the rows kept and with expert_input recomputed from their tokens (`RowSource`); the peak
+    of what it allocates, taken after every op. bf16-wgrad and bf16 gather the rows again (one
+    index_select [N, H]): through the source their peak rises by at most those rows (bf16: exactly,
+    the rows alive throughout) and equals N x `expert_row_grad_bytes` (at this shape, H = 4F,
+    bf16-wgrad's w13 gradient sets it: the regathered rows beside d h13 and dx; the model counts
+    d y, which the backward did not allocate, where dx [N, H] stands). With the rows kept the model
+    is an upper bound (bf16-wgrad's d h13 GEMM there: d y, and d act, which the fused CPU kernel
+    does not write). The fp8 recipe gathers nothing: its quantiser reads the tokens, and its peak
+    is the kept-rows run's."""
+    *_, ffn8 = interpreted("disagmoe.kernels.grouped_gemm", "disagmoe.kernels.fp8", "disagmoe.kernels.fp8_ffn")
+    from disagmoe.kernels.recompute import EXPERT_INPUT, RowSource
+
+    counts, hidden, ffn = [9, 7], 64, 16
+    rows = sum(counts)
+    gen = torch.Generator().manual_seed(3)
+    x_NH, dy_NH = torch.randn(rows, hidden, generator=gen), torch.randn(rows, hidden, generator=gen)
+    w13, w2 = torch.randn(2, hidden, 2 * ffn, generator=gen) / 8, torch.randn(2, ffn, hidden, generator=gen) / 8
+    offsets_E = torch.tensor(counts).cumsum(0).to(torch.int32)
+    token_N = torch.randperm(rows, generator=gen)
+    x_TH = torch.empty_like(x_NH)
+    x_TH[token_N] = x_NH
+    tiles = ffn8.Fp8Tiles(**SMALL)
+    m = load_model("tiny").model_copy(update={"hidden_size": hidden, "expert_ffn_size": ffn})
+
+    def backward(source: RowSource | None) -> _Allocations:
+        params = [torch.nn.Parameter(w.clone()) for w in (w13, w2)]
+        for p in params:
+            p.main_grad = torch.zeros(p.shape)
+        y = ffn8.expert_ffn_fp8(x_NH.clone().requires_grad_(), offsets_E, *params, tiles=tiles, num_programs=3,
+                                backward=recipe, recompute=frozenset({EXPERT_INPUT}) if source else frozenset(),
+                                source=source)
+        with _Allocations() as allocations:
+            y.backward(dy_NH)
+        return allocations
+
+    kept, recomputed = backward(None), backward(RowSource(x_TH, token_N))
+    gathers = [made for made in recomputed.made if made[0].startswith("index_select")]
+    if recipe == "fp8":
+        assert gathers == [] and recomputed.peak_bytes == kept.peak_bytes
+        return
+    model = {dropped: rows * mem.expert_row_grad_bytes(m, 4, dropped, fp8=True, fp8_backward=recipe)
+             for dropped in (frozenset(), frozenset({EXPERT_INPUT}))}
+    assert gathers == [("index_select.default", (rows, hidden), torch.float32)]
+    assert recomputed.peak_bytes == model[frozenset({EXPERT_INPUT})]
+    rows_bytes = rows * hidden * 4
+    assert kept.peak_bytes < recomputed.peak_bytes <= kept.peak_bytes + rows_bytes
+    assert kept.peak_bytes <= model[frozenset()]  # bf16-wgrad's d h13 GEMM there: d y and d act counted
+    if recipe == "bf16":  # the rows alive throughout its backward
+        assert recomputed.peak_bytes == kept.peak_bytes + rows_bytes
+
+
 def test_the_runs_fp8_recomputation_reaches_the_memory_check():
     """`precision: fp8` with recompute selective of expert_input and expert_swiglu: one process's
     predicted activations fall by the grouped input rows of every MoE layer (2 bytes x K x H per
-    token), and expert_swiglu alone changes nothing; the runtime's replay counts the FP8 rows too."""
+    token), and expert_swiglu alone changes nothing; each backward recipe (`fp8_expert_backward`)
+    holds its own transient; the runtime's replay counts the FP8 rows too."""
     from disagmoe.config import TrainConfig
     from disagmoe.runtime.activation_memory import rank_activations, single_activation_bytes
     from disagmoe.runtime.topology import Topology
@@ -171,6 +290,13 @@ def test_the_runs_fp8_recomputation_reaches_the_memory_check():
     assert single_activation_bytes(plain, m) - single_activation_bytes(lean, m) == rows
     assert single_activation_bytes(swiglu, m) == single_activation_bytes(plain, m)
     assert single_activation_bytes(plain, m) == mem.activation_bytes(m, tokens, 2, fp8=True)
+    longer = dict(base, seq_len=1024)  # the layer's backward, not the head, sets one process's peak
+    recipes = {backward: TrainConfig(**longer, mode="single", recompute="selective", recompute_modules=["expert_input"],
+                                     fp8_expert_backward=backward) for backward in ("fp8", "bf16-wgrad", "bf16")}
+    for backward, run in recipes.items():
+        assert single_activation_bytes(run, m) == mem.activation_bytes(m, 8 // 2 * 1024, 2, dropped=run.recompute_set,
+                                                                       fp8=True, fp8_backward=backward)
+    assert len({single_activation_bytes(run, m) for run in recipes.values()}) == 3
     split = dict(base, mode="disaggregated", transport="nccl")
     plain_d, lean_d = TrainConfig(**split), TrainConfig(**split, recompute="selective",
                                                           recompute_modules=["expert_input", "expert_swiglu"])

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from disagmoe.config import TrainConfig
+from disagmoe.config import DEFAULT_FP8_EXPERT_BACKWARD, TrainConfig
 from disagmoe.model_ref import load_model
 from disagmoe.roofline import memory as mem
 from disagmoe.runtime.activation_memory import RankActivations, rank_activations, replay_peak
@@ -161,9 +161,12 @@ def test_the_planner_prices_the_activations_the_runtimes_memory_check_counts(nam
     ("deepseek-v3", dict(attn=2, expert=8, p=1, m=2, seqs=1)),  # leading dense layers
 ])
 @pytest.mark.parametrize("recompute", ["none", "selective"])
-def test_the_planner_prices_the_fp8_experts_activations_the_runtimes_memory_check_counts(name, layout, recompute):
+@pytest.mark.parametrize("backward", [None, "fp8", "bf16"])
+def test_the_planner_prices_the_fp8_experts_activations_the_runtimes_memory_check_counts(name, layout, recompute,
+                                                                                      backward):
     """The same agreement with FP8 experts (`expert_precision: fp8`, the run's `precision: fp8`): the
-    rows' FP8 terms on both sides, and selective's modules those the FP8 experts drop."""
+    rows' FP8 terms on both sides, the backward's by the run's recipe (`fp8_expert_backward`, None:
+    the default on both), and selective's modules those the FP8 experts drop."""
     from disagmoe.config import ClusterConfig, PlanConfig, load_hardware
     from disagmoe.placement.cost import Candidates
     from disagmoe.placement.solver import price
@@ -172,15 +175,18 @@ def test_the_planner_prices_the_fp8_experts_activations_the_runtimes_memory_chec
     model = load_model(name)
     roomy = load_hardware("h200-sxm").model_copy(update={"hbm_gib": 1e6})
     request = PlanConfig(model=model, cluster=ClusterConfig(hardware=roomy, num_gpus=72), seq_len=1024,
-                         global_batch_tokens=1 << 22, recompute=recompute, expert_precision="fp8")
+                         global_batch_tokens=1 << 22, recompute=recompute, expert_precision="fp8",
+                         **({} if backward is None else {"fp8_expert_backward": backward}))
     choice = price(request, Candidates.one(**layout))
     plan, cost = choice.plan, choice.cost
     assert plan.recompute_modules == (["expert_input", "expert_swiglu"] if recompute == "selective" else [])
     dp = layout["attn"] // layout["p"]
     cfg = TrainConfig(model=model, plan=plan, experts_backend="triton", precision="fp8", device="cuda",
-                      transport="nvshmem", seq_len=1024, batch_size=layout["m"] * dp * layout["seqs"], out_dir="unused")
+                      transport="nvshmem", seq_len=1024, batch_size=layout["m"] * dp * layout["seqs"], out_dir="unused",
+                      fp8_expert_backward=backward)
     run = apply_plan(cfg, model)
     assert run.expert_precision == "fp8" and run.recompute_set == frozenset(plan.recompute_modules)
+    assert run.expert_backward_precision == (backward or DEFAULT_FP8_EXPERT_BACKWARD)
     topology = Topology.from_config(cfg, model)
     peaks = rank_activations(run, model, topology)
     assert cost.attn_act_bytes[0] == max(p.peak_bytes for r, p in enumerate(peaks)
