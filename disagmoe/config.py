@@ -641,6 +641,15 @@ class Plan(StrictModel):
     fp8_dense: bool | None = Field(
         None, description="whether the plan priced the dense projections in FP8 too (with expert_precision fp8; "
         "`train --plan` then sets fp8_dense to it); None in a plan written before this field (the config's stays)")
+    fp8_expert_backward: Literal["fp8", "bf16-wgrad", "bf16"] | None = Field(
+        None, description="with expert_precision fp8: the experts' backward GEMMs the plan priced in FP8 (`train "
+        "--plan` then sets fp8_expert_backward to it); None otherwise and in a plan written before this field")
+    fp8_expert_forward: Literal["both", "gate-up", "down"] | None = Field(
+        None, description="with expert_precision fp8: the experts' forward GEMMs the plan priced in FP8 (`train "
+        "--plan` then sets fp8_expert_forward to it); None otherwise and in a plan written before this field")
+    cuda_graphs: Literal["auto", "on", "off"] | None = Field(
+        None, description="a distributed layout: the cuda_graphs its transport's rings were priced under "
+        "(`train --plan` then sets cuda_graphs to it); None for one GPU and in a plan written before this field")
     rank_steps_captured: bool | None = Field(
         None, description="a distributed layout: whether its rank steps are captured in CUDA graphs under the "
         "planned cuda_graphs, as train decides it (runtime/rank_graphs.py; their nvshmem rings are priced rounded up "

@@ -8,9 +8,10 @@ full: the whole block; a plan of none sets none where experts_backend is triton 
 backend's setting),
 `offload_optimizer: true` and `optim.shard_states: true` where the plan priced them (a plan without
 them leaves the config's setting), `optim.state_dtype` / `optim.update_kernel` as the plan
-priced them (a plan written before it recorded them leaves the config's), and `precision: fp8`
-with the plan's `fp8_dense` where it priced the experts in FP8 (a bf16 plan, or one written before
-it recorded its precision, leaves the config's precision and fp8_dense).
+priced them (a plan written before it recorded them leaves the config's), `precision: fp8`
+with the plan's `fp8_dense`, `fp8_expert_backward` and `fp8_expert_forward` where it priced the
+experts in FP8 (a bf16 plan, or one written before it recorded them, leaves the config's), and a
+distributed plan's `cuda_graphs` (its rings were priced captured or not under it).
 The plan wins over these fields of the config: the config file is the base a plan is applied to
 (`replaced_fields` says what changed, for the CLI to show), and the result goes through the config's
 own checks as a config file would (FP8 on a CPU device or without triton experts is refused there,
@@ -46,7 +47,8 @@ ExpertIds = tuple[int, ...]  # one rank's experts of one layer, ascending
 ExpertOwners = tuple[tuple[int, ...], ...]  # one layer: per expert, the group's ranks holding it (replica order)
 LAYOUT_FIELDS = ("mode", "attention_ranks", "expert_ranks", "pipeline_groups", "micro_batches", "colocated_ranks",
                  "recompute", "recompute_modules", "offload_optimizer", "optim.state_dtype", "optim.update_kernel",
-                 "optim.shard_states", "precision", "fp8_dense")  # dotted: a field of a field
+                 "optim.shard_states", "precision", "fp8_dense", "fp8_expert_backward", "fp8_expert_forward",
+                 "cuda_graphs")  # dotted: a field of a field
 SELECTIVE_MODULES = ("expert_input", "expert_output", "expert_swiglu")  # what the planner's selective prices
 REPLAN = "run `disagmoe plan` for this model again and pass its --out file"
 
@@ -92,6 +94,11 @@ def apply_plan(cfg: TrainConfig, model_cfg: ModelConfig) -> TrainConfig:
         layout["precision"] = "fp8"
         if plan.fp8_dense is not None and plan.fp8_dense != (cfg.fp8_dense is not False):  # None: on under fp8
             layout["fp8_dense"] = plan.fp8_dense
+        layout.update({name: value for name, value in (("fp8_expert_backward", plan.fp8_expert_backward),
+                                                        ("fp8_expert_forward", plan.fp8_expert_forward))
+                       if value is not None})
+    if plan.cuda_graphs is not None:  # a distributed plan's rings were priced captured or not under it
+        layout["cuda_graphs"] = plan.cuda_graphs
     planned = cfg.model_copy(update={**layout, "plan": plan})  # a copy skips the config's checks: run them
     priced = " (priced in FP8, it sets precision: fp8; `plan --expert-precision bf16` prices bf16)" if (
         "precision" in layout) else ""

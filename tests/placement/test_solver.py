@@ -58,7 +58,8 @@ def test_solver_finds_the_true_optimum_of_its_cost_model(gpus, hardware, graphs)
 
 def _planned_run(model: str, gpus: int, graphs: str, replicas: int = 0):
     """(the plan for `model` on `gpus` H200s, one pipeline group, under `cuda_graphs: graphs`, the
-    config `train --plan` runs from it with `cuda_graphs: on`, its topology)."""
+    config `train --plan` runs from it (a config saying `cuda_graphs: on`: the plan's wins), its
+    topology)."""
     from disagmoe.config import TrainConfig
     from disagmoe.runtime.plan_layout import apply_plan
     from disagmoe.runtime.topology import Topology
@@ -86,14 +87,16 @@ def test_cuda_graphs_on_plans_a_layout_whose_rank_steps_train_captures(model, gp
 
 def test_without_cuda_graphs_on_the_fastest_layout_may_be_one_on_refuses():
     """Off, Qwen3-30B's fastest layout on 8 H200s has two attention GPUs: `on` would refuse it,
-    which is what the search under `on` leaves out."""
+    which is what the search under `on` leaves out; `train --plan` takes the plan's off with it."""
     from disagmoe.runtime.rank_graphs import resolve_rank_graphs
 
     plan, cfg, topology = _planned_run("qwen3-30b-a3b", 8, "off")
     assert (plan.attention_gpus, plan.rank_steps_captured, plan.rank_steps_note) == (2, False, "cuda_graphs: off")
+    assert plan.cuda_graphs == cfg.cuda_graphs == "off" and resolve_rank_graphs(cfg, topology) == (False,
+                                                                                                  "cuda_graphs: off")
     with pytest.raises(ValueError, match="cuda_graphs: on cannot capture mode disaggregated's rank steps here: the 2 "
                                          "attention replicas"):
-        resolve_rank_graphs(cfg, topology)
+        resolve_rank_graphs(cfg.model_copy(update={"cuda_graphs": "on"}), topology)
 
 
 def test_a_search_cuda_graphs_on_leaves_empty_says_why():

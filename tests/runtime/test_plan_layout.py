@@ -270,6 +270,27 @@ def test_a_plan_priced_in_fp8_sets_precision_fp8_and_its_fp8_dense():
         assert (run.precision, run.fp8_dense) == (fields["precision"], fields.get("fp8_dense"))
 
 
+def test_a_plan_sets_the_fp8_recipe_and_the_cuda_graphs_it_was_priced_under():
+    """An FP8 plan records the experts' backward and forward recipes it priced, a distributed plan the
+    cuda_graphs its rings were priced under; `train --plan` sets them (among the replaced fields). A
+    bf16 plan's recipes and a one-GPU plan's cuda_graphs are None: the config's stay."""
+    gpu = {"device": "cuda", "experts_backend": "triton", "transport": "nvshmem"}
+    fp8 = planned(2, 1, expert_precision="fp8", fp8_expert_backward="bf16", fp8_expert_forward="down",
+                  cuda_graphs="off")
+    assert (fp8.fp8_expert_backward, fp8.fp8_expert_forward, fp8.cuda_graphs) == ("bf16", "down", "off")
+    cfg = config(fp8, **gpu)
+    run = apply_plan(cfg, MODEL)
+    assert (run.fp8_expert_backward, run.fp8_expert_forward, run.cuda_graphs) == ("bf16", "down", "off")
+    changed = replaced_fields(cfg, run)
+    assert changed["fp8_expert_backward"] == (None, "bf16") and changed["cuda_graphs"] == ("auto", "off")
+    assert apply_plan(run, MODEL) == run  # idempotent
+    bf16, single = planned(2, 1), planned(1)
+    assert (bf16.fp8_expert_backward, bf16.fp8_expert_forward, bf16.cuda_graphs) == (None, None, "auto")
+    assert single.layout == "single" and single.cuda_graphs is None
+    mine = config(single, device="cuda", experts_backend="triton", cuda_graphs="off")
+    assert apply_plan(mine, MODEL).cuda_graphs == "off"
+
+
 @pytest.mark.parametrize("precision", ["auto", "fp32"])
 def test_an_fp8_plan_on_a_cpu_run_gets_the_configs_own_fp8_refusal(precision):
     """precision: fp8 set by a plan goes through the config's checks as a config file's would: on
