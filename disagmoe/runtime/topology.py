@@ -113,7 +113,7 @@ class Topology(LayerRing):
             placement = plan_placement(cfg.plan, model_cfg)
         if cfg.mode == "colocated":
             return cls.colocated_ranks(cfg.colocated_ranks, model_cfg.num_layers, model_cfg.num_dense_layers,
-                                       model_cfg.num_experts, placement)
+                                       model_cfg.num_experts, placement, cfg.pipeline_groups)
         if cfg.mode != "disaggregated":
             raise ValueError(f"mode {cfg.mode!r} has no distributed topology; use disaggregated or colocated")
         return cls.disaggregated(Layout.from_config(cfg, model_cfg), model_cfg.num_experts, placement)
@@ -196,10 +196,12 @@ class Topology(LayerRing):
         return rank_pairs(self.programs(micro_batches))
 
     def describe(self, rank: int) -> str:
-        """e.g. 'A0.1' (attention, group 0, data-parallel index 1), 'E1.0', or 'C2' (colocated)."""
-        if self.colocated:
-            return f"C{rank}"
+        """e.g. 'A0.1' (attention, group 0, data-parallel index 1), 'E1.0', or colocated 'C2' (one
+        group) and 'C1.0' (group 1, data-parallel index 0)."""
         attention = self.attention_role(rank)
+        if self.colocated:
+            assert attention is not None, f"rank {rank} has no role"
+            return f"C{rank}" if self.pipeline_groups == 1 else f"C{attention[0]}.{attention[1]}"
         if attention is not None:
             return f"A{attention[0]}.{attention[1]}"
         expert = self.expert_role(rank)
