@@ -886,8 +886,9 @@ class TrainConfig(StrictModel):
     expert_ranks: GpuCount = Field(
         1, description="disaggregated: expert ranks in all, split evenly over the pipeline groups")
     pipeline_groups: GpuCount = Field(
-        1, description="disaggregated: pipeline groups p; group g owns layers g, g + p, g + 2p, ...")
-    colocated_ranks: GpuCount = Field(2, description="colocated: ranks, each with attention and its share of experts")
+        1, description="disaggregated and colocated: pipeline groups p; group g owns layers g, g + p, g + 2p, ...")
+    colocated_ranks: GpuCount = Field(2, description="colocated: ranks in all, each with attention and its share of "
+                                      "its group's experts, split evenly over the pipeline groups")
     plan: str | Plan | None = Field(
         None, description="a `disagmoe plan --out` file (or an inline plan): its layout and expert map "
         "replace mode, attention_ranks, expert_ranks, pipeline_groups, micro_batches, colocated_ranks, and "
@@ -1063,6 +1064,10 @@ class TrainConfig(StrictModel):
         if self.offload_optimizer and self.cuda_graphs == "on":
             raise ValueError("offload_optimizer with cuda_graphs: on: the offloaded step's copy streams have not been "
                              "captured in a graph yet; set cuda_graphs: off (or offload_optimizer: false)")
+        if self.mode == "colocated" and self.colocated_ranks % self.pipeline_groups:
+            raise ValueError(f"colocated_ranks={self.colocated_ranks} does not split evenly over pipeline_groups="
+                             f"{self.pipeline_groups} (every group needs the same data-parallel width, at least one "
+                             "rank); make colocated_ranks a multiple of pipeline_groups or lower pipeline_groups")
         if self.fault_injection is not None and self.mode == "single":
             raise ValueError("fault_injection kills a Ray actor: it needs mode disaggregated or colocated "
                              "(or remove fault_injection)")

@@ -250,3 +250,12 @@ def test_fp8_dense_takes_any_sequence_length():
     base = dict(model="tiny", device="cuda", experts_backend="triton", precision="fp8")
     assert cfg.TrainConfig(seq_len=120, **base).dense_precision == "fp8"
     assert cfg.TrainConfig(seq_len=120, fp8_dense=False, **base).dense_precision == "bf16"
+
+
+def test_colocated_pipeline_groups_need_the_same_ranks_each():
+    cfg.TrainConfig(model="tiny", mode="colocated", colocated_ranks=4, pipeline_groups=2)
+    with pytest.raises(ValueError, match="colocated_ranks=3 does not split evenly over pipeline_groups=2.*make "
+                                         "colocated_ranks a multiple of pipeline_groups"):
+        cfg.TrainConfig(model="tiny", mode="colocated", colocated_ranks=3, pipeline_groups=2)
+    with pytest.raises(ValueError, match="colocated_ranks=2 does not split evenly over pipeline_groups=3"):
+        cfg.TrainConfig(model="tiny", mode="colocated", colocated_ranks=2, pipeline_groups=3)

@@ -74,8 +74,8 @@ def mode_config(cfg: TrainConfig, mode: str, steps: int, out_dir: Path, transpor
     update = dict(mode=mode, steps=steps, out_dir=str(out_dir / f"{mode}-{transport}-{hop}"), trace=False,
                   resume=False, checkpoint_every=0, checkpoint_minutes=0, checkpoint_at_end=False, keep_checkpoints=1,
                   eval_every=0, transport=transport, hop=hop)
-    if mode == "colocated":
-        update["colocated_ranks"] = cfg.attention_ranks + cfg.expert_ranks
+    if mode == "colocated":  # the baseline of one pipeline group, whatever groups the disaggregated layout has
+        update.update(colocated_ranks=cfg.attention_ranks + cfg.expert_ranks, pipeline_groups=1)
     return TrainConfig.model_validate({**cfg.model_dump(), **update})  # a combination the config refuses, refused
 
 

@@ -36,12 +36,14 @@ pins them against every rank's program): attention rank of group g receives DISP
 each of its set's Q expert ranks per MoE layer of g, COMBINE from each of Q per MoE layer of group
 g - 1 (mod p), and with p > 1 RESIDUAL of every layer of g - 1 and RESIDUAL_GRAD of every layer
 of g from one peer each; an expert rank of group g receives DISPATCH and COMBINE_GRAD from each of
-its S sources per MoE layer of g; a colocated rank DISPATCH, COMBINE, DISPATCH_GRAD and
-COMBINE_GRAD from each of its R - 1 peers per MoE layer. Pair-row messages (`hop: pair_rows`) are
+its S sources per MoE layer of g; a colocated rank of group g is both, its own group's R ranks
+the set and the sources, less its messages to itself (delivered locally): DISPATCH and
+DISPATCH_GRAD from R - 1 peers, COMBINE and COMBINE_GRAD from the R ranks of the neighbouring
+group (R - 1 with p = 1: the group itself), RESIDUAL and RESIDUAL_GRAD as an attention rank's. Pair-row messages (`hop: pair_rows`) are
 not modelled here (the planner prices partial sums; the runtime counts them from its layouts).
 
 Legend: T tokens per data-parallel piece of a micro-batch, H hidden, K top-k, E experts,
-Q expert ranks of a set, S sources (attention ranks) of an expert rank, R colocated ranks.
+Q expert ranks of a set, S sources (attention ranks) of an expert rank, R colocated ranks a group.
 """
 
 from __future__ import annotations
@@ -260,13 +262,23 @@ def expert_receives(num_layers: int, num_dense: int, p: Num, g: int, sources: Nu
             ("combine_grad", True): _shared(n, present, reuse, micro_batches)}
 
 
-def colocated_receives(num_moe_layers: int, peers: Num, micro_batches: Num, reuse: bool | str = False) -> Counts:
-    """Receive slots of a colocated rank with `peers` other ranks in its expert-parallel group
-    (`reuse`: one slot per peer of each gradient payload)."""
-    n = micro_batches * peers * num_moe_layers
-    present = peers * (num_moe_layers > 0)
-    fwd, grad = _forward(n, present, reuse), _shared(n, present, reuse, micro_batches)
-    return {("dispatch", True): fwd, ("combine", True): fwd, ("dispatch_grad", True): grad, ("combine_grad", True): grad}
+def colocated_receives(num_layers: int, num_dense: int, p: int, g: int, ranks: Num, micro_batches: Num,
+                       reuse: bool | str = False) -> Counts:
+    """Receive slots of a colocated rank of group g of p with `ranks` R a group: an attention rank
+    whose set is its group and an expert rank serving it (`attention_receives`, `expert_receives`),
+    less its messages to itself (module docstring)."""
+    own = np.asarray(ranks) - 1  # the group's other ranks
+    across = own if p == 1 else np.asarray(ranks)  # the neighbouring group's ranks
+
+    def attention(q: Num) -> Counts:
+        return attention_receives(num_layers, num_dense, p, g, q, micro_batches, reuse=reuse)
+
+    def expert(sources: Num) -> Counts:
+        return expert_receives(num_layers, num_dense, p, g, sources, micro_batches, reuse)
+
+    return {**attention(own), ("combine", True): attention(across)[("combine", True)],
+            ("dispatch", True): expert(own)[("dispatch", True)],
+            ("combine_grad", True): expert(across)[("combine_grad", True)]}
 
 
 def receive_bytes(counts: Counts, s: HopShape, transport: str, sizes: dict | None = None) -> Num:
@@ -303,12 +315,12 @@ def arena_bytes(ranks: list[Counts], s: HopShape) -> Num:
 
 def layout_receives(num_layers: int, num_dense: int, p: Num, dp: Num, expert_ranks: Num, sets: Num,
                     micro_batches: Num, colocated: bool, reuse: bool | str = False) -> tuple[list[Counts], list[Counts]]:
-    """(attention ranks', expert ranks') slot counts of a layout (colocated: one rank's, and no
-    expert ranks). With array arguments (one element per candidate) each count is [N, G]: the rank
+    """(attention ranks', expert ranks') slot counts of a layout (colocated: one rank's of one
+    pipeline group, as the planner's colocated layouts have, and no expert ranks). With array arguments (one element per candidate) each count is [N, G]: the rank
     of pipeline group g in column g (groups past a candidate's p count nothing), so the busiest
     group is one max over the last axis (`transport_bytes`). Arguments as `layout_transport_bytes`'."""
     if colocated:
-        return [colocated_receives(num_layers - num_dense, np.asarray(expert_ranks) - 1, micro_batches, reuse)], []
+        return [colocated_receives(num_layers, num_dense, 1, 0, expert_ranks, micro_batches, reuse)], []
     p = np.atleast_1d(np.asarray(p))
     moe_t, dense_t = layer_tables(num_layers, num_dense, p)
     groups = np.arange(moe_t.shape[1])

@@ -71,7 +71,8 @@ def apply_plan(cfg: TrainConfig, model_cfg: ModelConfig) -> TrainConfig:
     if plan.layout == "single":
         layout = {"mode": "single", "micro_batches": plan.micro_batches}
     elif plan.layout == "colocated":
-        layout = {"mode": "colocated", "colocated_ranks": plan.expert_gpus, "micro_batches": plan.micro_batches}
+        layout = {"mode": "colocated", "colocated_ranks": plan.expert_gpus, "pipeline_groups": plan.pipeline_groups,
+                  "micro_batches": plan.micro_batches}
     else:
         layout = {"mode": "disaggregated", "attention_ranks": plan.attention_gpus, "expert_ranks": plan.expert_gpus,
                   "pipeline_groups": plan.pipeline_groups, "micro_batches": plan.micro_batches}

@@ -4,8 +4,9 @@ One description serves both distributed modes:
 
 - disaggregated: the `roles.Layout` numbering (attention ranks first, then expert ranks); the
   expert ranks of group g share out the experts of every MoE layer of group g.
-- colocated: one group (p = 1) whose n ranks are all data-parallel attention ranks *and* the
-  expert ranks: rank r runs attention for data-parallel index r and holds its share of experts.
+- colocated: the `roles.ColocatedLayout` numbering, p groups of n / p ranks; each group's ranks
+  are its data-parallel attention ranks *and* its expert ranks: rank g * (n / p) + d runs
+  attention for data-parallel index d of group g and holds its share of that group's experts.
 
 The expert placement is, per MoE layer and per expert, its owners: the expert ranks of the
 layer's group that hold it (`expert_owners`, indices into the group); `expert_ids` says the same
@@ -30,7 +31,7 @@ from disagmoe.runtime.plan_layout import (
     partition_owners,
     plan_placement,
 )
-from disagmoe.runtime.schedule.roles import LayerRing, Layout
+from disagmoe.runtime.schedule.roles import ColocatedLayout, LayerRing, Layout
 from disagmoe.runtime.schedule.schedule import Op, build_schedule
 
 
@@ -88,15 +89,18 @@ class Topology(LayerRing):
 
     @classmethod
     def colocated_ranks(cls, ranks: int, num_layers: int, num_dense_layers: int, num_experts: int,
-                        placement: dict[int, ExpertOwners] | None = None) -> Topology:
-        everyone = tuple(range(ranks))
+                        placement: dict[int, ExpertOwners] | None = None, pipeline_groups: int = 1) -> Topology:
+        """`ranks`: the total over the `pipeline_groups` groups; `placement` as `disaggregated`'s."""
+        layout = ColocatedLayout(ranks, pipeline_groups, num_layers, num_dense_layers)
+        groups = tuple(layout.attention_group(g) for g in range(pipeline_groups))
         return cls(
             colocated=True,
             num_layers=num_layers,
             num_dense_layers=num_dense_layers,
-            attention_groups=(everyone,),
-            expert_groups=(everyone,),
-            expert_owners=_per_layer(num_layers, num_dense_layers, num_experts, [ranks] * num_layers, placement),
+            attention_groups=groups,
+            expert_groups=groups,
+            expert_owners=_per_layer(num_layers, num_dense_layers, num_experts,
+                                     [layout.data_parallel] * num_layers, placement),
             layout=None,
         )
 
@@ -109,7 +113,7 @@ class Topology(LayerRing):
             placement = plan_placement(cfg.plan, model_cfg)
         if cfg.mode == "colocated":
             return cls.colocated_ranks(cfg.colocated_ranks, model_cfg.num_layers, model_cfg.num_dense_layers,
-                                       model_cfg.num_experts, placement)
+                                       model_cfg.num_experts, placement, cfg.pipeline_groups)
         if cfg.mode != "disaggregated":
             raise ValueError(f"mode {cfg.mode!r} has no distributed topology; use disaggregated or colocated")
         return cls.disaggregated(Layout.from_config(cfg, model_cfg), model_cfg.num_experts, placement)
@@ -123,7 +127,7 @@ class Topology(LayerRing):
     @property
     def world_size(self) -> int:
         if self.colocated:
-            return len(self.attention_groups[0])
+            return sum(map(len, self.attention_groups))
         return sum(map(len, self.attention_groups)) + sum(map(len, self.expert_groups))
 
     @property
@@ -182,7 +186,8 @@ class Topology(LayerRing):
     def programs(self, micro_batches: int) -> tuple[tuple[Op, ...], ...]:
         """Every rank's ordered op list for one training step."""
         if self.colocated:
-            return build_colocated_schedule(self.world_size, self.num_layers, self.num_dense_layers, micro_batches)
+            return build_colocated_schedule(self.world_size, self.num_layers, self.num_dense_layers, micro_batches,
+                                            self.pipeline_groups)
         assert self.layout is not None
         return build_schedule(self.layout, micro_batches).programs
 
@@ -191,10 +196,12 @@ class Topology(LayerRing):
         return rank_pairs(self.programs(micro_batches))
 
     def describe(self, rank: int) -> str:
-        """e.g. 'A0.1' (attention, group 0, data-parallel index 1), 'E1.0', or 'C2' (colocated)."""
-        if self.colocated:
-            return f"C{rank}"
+        """e.g. 'A0.1' (attention, group 0, data-parallel index 1), 'E1.0', or colocated 'C2' (one
+        group) and 'C1.0' (group 1, data-parallel index 0)."""
         attention = self.attention_role(rank)
+        if self.colocated:
+            assert attention is not None, f"rank {rank} has no role"
+            return f"C{rank}" if self.pipeline_groups == 1 else f"C{attention[0]}.{attention[1]}"
         if attention is not None:
             return f"A{attention[0]}.{attention[1]}"
         expert = self.expert_role(rank)

@@ -26,12 +26,16 @@ LAYOUTS = [
     {"attention_ranks": 4, "expert_ranks": 4, "pipeline_groups": 2, "micro_batches": 1},
     {"attention_ranks": 3, "expert_ranks": 3, "pipeline_groups": 3, "micro_batches": 2},
     {"mode": "colocated", "colocated_ranks": 4, "micro_batches": 2},
+    {"mode": "colocated", "colocated_ranks": 4, "pipeline_groups": 2, "micro_batches": 2},
+    {"mode": "colocated", "colocated_ranks": 3, "pipeline_groups": 3, "micro_batches": 2},
 ]
 EXTRA = [  # more micro-batches in flight; the head group fed by another (p > 1)
     {"attention_ranks": 1, "expert_ranks": 1, "pipeline_groups": 1, "micro_batches": 6},
     {"attention_ranks": 2, "expert_ranks": 2, "pipeline_groups": 2, "micro_batches": 4},
     {"attention_ranks": 4, "expert_ranks": 2, "pipeline_groups": 2, "micro_batches": 3},
     {"mode": "colocated", "colocated_ranks": 2, "micro_batches": 4},
+    {"mode": "colocated", "colocated_ranks": 6, "pipeline_groups": 3, "micro_batches": 3},
+    {"mode": "colocated", "colocated_ranks": 2, "pipeline_groups": 2, "micro_batches": 4},
 ]
 
 
@@ -54,7 +58,9 @@ def _model_bytes(cfg: TrainConfig, m, top: Topology, reuse: bool | str = False) 
     counts = []
     for rank in range(top.world_size):
         if top.colocated:
-            counts.append(tm.colocated_receives(m.num_moe_layers, top.world_size - 1, cfg.micro_batches, reuse))
+            g = top.attention_role(rank)[0]
+            counts.append(tm.colocated_receives(m.num_layers, m.num_dense_layers, top.pipeline_groups, g,
+                                                top.data_parallel, cfg.micro_batches, reuse))
         elif top.attention_role(rank) is not None:
             g = top.attention_role(rank)[0]
             counts.append(tm.attention_receives(m.num_layers, m.num_dense_layers, top.pipeline_groups, g,

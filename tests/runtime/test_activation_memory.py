@@ -31,6 +31,8 @@ def test_a_forward_holds_until_its_backward_and_compute_ops_hold_their_own_span(
 
 @pytest.mark.parametrize("fields", [dict(), dict(expert_ranks=2), dict(attention_ranks=2, expert_ranks=2),
                                     dict(mode="colocated", colocated_ranks=2),
+                                    dict(mode="colocated", colocated_ranks=4, pipeline_groups=2),
+                                    dict(mode="colocated", colocated_ranks=3, pipeline_groups=3),
                                     dict(attention_ranks=2, expert_ranks=2, pipeline_groups=2)])
 def test_every_forward_of_a_step_runs_before_the_first_backward_so_all_micro_batches_are_in_flight(fields):
     cfg = config(**fields)

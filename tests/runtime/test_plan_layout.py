@@ -85,8 +85,8 @@ def test_the_plan_wins_over_the_configs_layout_fields_and_says_what_it_replaced(
 
 def test_a_colocated_plan_sets_the_colocated_ranks():
     plan = colocated_plan(2, micro_batches=2)
-    cfg = apply_plan(config(plan), MODEL)
-    assert (cfg.mode, cfg.colocated_ranks, cfg.micro_batches) == ("colocated", 2, 2)
+    cfg = apply_plan(config(plan, attention_ranks=2, pipeline_groups=2), MODEL)
+    assert (cfg.mode, cfg.colocated_ranks, cfg.micro_batches, cfg.pipeline_groups) == ("colocated", 2, 2, 1)
     topology = Topology.from_config(cfg, MODEL)
     for rank in (0, 1):
         assert topology.experts_of(rank) == {layer: holds(plan, layer - 1, rank) for layer in (1, 2)}

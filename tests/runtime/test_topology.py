@@ -77,6 +77,19 @@ def test_colocated_ranks_run_attention_and_hold_an_expert_slice():
     assert {topo.group_name(r) for r in range(3)} == {"colocated"}
 
 
+def test_colocated_pipeline_groups_split_the_ranks_and_the_layers():
+    """Group g's ranks g * n + d run attention for index d and hold experts of group g's layers only."""
+    topo = Topology.colocated_ranks(4, num_layers=3, num_dense_layers=0, num_experts=8, pipeline_groups=2)
+    assert topo.world_size == 4 and topo.data_parallel == 2 and topo.pipeline_groups == 2
+    assert topo.attention_groups == topo.expert_groups == ((0, 1), (2, 3))
+    assert [topo.describe(r) for r in range(4)] == ["C0.0", "C0.1", "C1.0", "C1.1"]
+    assert [topo.attention_layers(r) for r in range(4)] == [[0, 2], [0, 2], [1], [1]]
+    assert topo.experts_of(1) == {0: (4, 5, 6, 7), 2: (4, 5, 6, 7)} and topo.experts_of(2) == {1: (0, 1, 2, 3)}
+    model = load_model("tiny")
+    cfg = TrainConfig(model="tiny", batch_size=8, mode="colocated", colocated_ranks=3, pipeline_groups=3)
+    assert Topology.from_config(cfg, model).attention_groups == ((0,), (1,), (2,))
+
+
 def test_from_config_picks_the_mode():
     model = load_model("tiny")
     base = dict(model="tiny", batch_size=8)

@@ -1,6 +1,7 @@
-"""Who is who in a disaggregated job: global rank numbers, roles and layer ownership.
+"""Who is who in a job: global rank numbers, roles and layer ownership.
 
-Ranks are numbered attention first, then experts, each pool ordered by pipeline group:
+Disaggregated (`Layout`): ranks are numbered attention first, then experts, each pool ordered by
+pipeline group:
 
     attention rank (group g, data-parallel index d)  ->  g * attention_per_group + d
     expert rank (group g, index j)                   ->  attention_ranks + first expert of g + j
@@ -9,6 +10,9 @@ Group g owns layers g, g + p, g + 2p, ... (p = pipeline_groups). Forward: A_g ->
 A_(g+1 mod p); the LM head and loss run on group `num_layers mod p` (after the last layer).
 Expert ranks may split unevenly over groups (earlier groups get one more); attention ranks may
 not, because a token keeps its data-parallel index from group to group.
+
+Colocated (`ColocatedLayout`): the same ring in which each group's expert ranks are its own
+attention ranks; rank g * (ranks / p) + d is A_g,d and E_g,d at once.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 from functools import cached_property
+from typing import ClassVar
 
 from disagmoe.config import ModelConfig, TrainConfig
 
@@ -71,6 +76,8 @@ class LayerRing:
 class Layout(LayerRing):
     """Ranks, pipeline groups and layers of a disaggregated job (totals over all groups)."""
 
+    sums_gradients_in_backward: ClassVar[bool] = True  # see `schedule.ReduceGradients`
+
     attention_ranks: int
     expert_ranks: int
     pipeline_groups: int
@@ -119,7 +126,6 @@ class Layout(LayerRing):
         """Attention ranks per pipeline group (the data-parallel width)."""
         return self.attention_ranks // self.pipeline_groups
 
-
     def attention_rank(self, group: int, dp_index: int) -> int:
         return group * self.data_parallel + dp_index
 
@@ -137,6 +143,9 @@ class Layout(LayerRing):
     def expert_group(self, group: int) -> tuple[int, ...]:
         return tuple(range(self._expert_starts[group], self._expert_starts[group + 1]))
 
+    def roles(self, rank: int) -> tuple[Role, ...]:
+        return (self.role(rank),)
+
     def role(self, rank: int) -> Role:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside this {self.world_size}-rank layout")
@@ -147,3 +156,71 @@ class Layout(LayerRing):
             if rank < self._expert_starts[group + 1]:
                 return Role(RoleKind.EXPERT, group, rank - self._expert_starts[group])
         raise AssertionError("unreachable: rank checked against world_size above")
+
+
+@dataclass(frozen=True)
+class ColocatedLayout(LayerRing):
+    """Ranks, pipeline groups and layers of a colocated job: every rank runs attention for its
+    data-parallel index and holds a share of its group's experts (`ranks`: the total)."""
+
+    # the data-parallel sum stays in the optimizer step (`schedule.colocated` says why)
+    sums_gradients_in_backward: ClassVar[bool] = False
+
+    ranks: int
+    pipeline_groups: int
+    num_layers: int
+    num_dense_layers: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("ranks", "pipeline_groups", "num_layers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
+        if not 0 <= self.num_dense_layers <= self.num_layers:
+            raise ValueError(
+                f"num_dense_layers={self.num_dense_layers} must be between 0 and "
+                f"num_layers={self.num_layers}"
+            )
+        if self.ranks % self.pipeline_groups:
+            raise ValueError(
+                f"ranks={self.ranks} must be a multiple of pipeline_groups={self.pipeline_groups}: "
+                "every group needs the same data-parallel width"
+            )
+        if self.num_layers < self.pipeline_groups:
+            raise ValueError(
+                f"num_layers={self.num_layers} is fewer than pipeline_groups={self.pipeline_groups}; "
+                "use at most one pipeline group per layer"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.ranks
+
+    @property
+    def data_parallel(self) -> int:
+        """Ranks per pipeline group (the data-parallel width and the expert-parallel degree)."""
+        return self.ranks // self.pipeline_groups
+
+    def attention_rank(self, group: int, dp_index: int) -> int:
+        return group * self.data_parallel + dp_index
+
+    def attention_group(self, group: int) -> tuple[int, ...]:
+        return tuple(self.attention_rank(group, d) for d in range(self.data_parallel))
+
+    def expert_group(self, group: int) -> tuple[int, ...]:
+        """The group's expert ranks: its attention ranks (E_g,j is A_g,j)."""
+        return self.attention_group(group)
+
+    def roles(self, rank: int) -> tuple[Role, ...]:
+        """A_g,d and E_g,d: both jobs of the rank."""
+        attention = self.role(rank)
+        return attention, Role(RoleKind.EXPERT, attention.group, attention.index)
+
+    def role(self, rank: int) -> Role:
+        """The rank's attention role (its first: what names it and picks its optimizer peers)."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside this {self.world_size}-rank layout")
+        group, dp_index = divmod(rank, self.data_parallel)
+        return Role(RoleKind.ATTENTION, group, dp_index)
+
+
+AnyLayout = Layout | ColocatedLayout

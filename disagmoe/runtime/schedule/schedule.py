@@ -9,6 +9,9 @@ Data of layer l (owned by group g = l mod p), micro-batch mb, data-parallel inde
               A_g,d --RESIDUAL (residual stream, shared experts' output)--> A_(g+1),d    (only p > 1)
     backward  the same edges reversed: COMBINE_GRAD, DISPATCH_GRAD, RESIDUAL_GRAD
 
+A colocated layout (`roles.ColocatedLayout`) is the same ring with E_g,j = A_g,j: DISPATCH stays
+in group g (a rank sends itself its own share, delivered locally), COMBINE goes to group g+1.
+
 `AttentionForward(l)` starts by combining layer l-1's expert outputs with the residual stream,
 then runs attention, router and shared experts; for a leading dense layer it runs the whole layer.
 `Loss` (on the head group, l = num_layers) combines the last layer, applies the final norm, LM
@@ -17,7 +20,7 @@ head and loss, and computes their gradients, which start the backward pass.
 Order: forward ops in (layer, micro-batch) order, then the losses, then backward ops with the
 layers reversed and micro-batches ascending again (after each layer's last backward, and after
 the last loss for the head, a data-parallel group starts that layer's gradient sum:
-`ReduceGradients`) (the loss of micro-batch 0 is ready first, so
+`ReduceGradients`, disaggregated only) (the loss of micro-batch 0 is ready first, so
 the backward ping-pong starts while the head still computes later losses). So while E_g works
 on micro-batch i, A_g computes i+1, and every rank's list is a sub-sequence of one global order,
 which is why nothing deadlocks and each rank pair's messages arrive in the order they are
@@ -28,7 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from disagmoe.runtime.schedule.roles import Layout, RoleKind
+from disagmoe.runtime.schedule.roles import AnyLayout, RoleKind
 from disagmoe.wire import Payload, Recv, Send
 
 
@@ -91,7 +94,7 @@ Op = Compute | Send | Recv | ReduceGradients | OptimizerStep
 
 @dataclass(frozen=True)
 class Schedule:
-    layout: Layout
+    layout: AnyLayout
     micro_batches: int
     programs: tuple[tuple[Op, ...], ...]  # programs[rank] = that rank's ops, in order
 
@@ -103,7 +106,7 @@ class Schedule:
         )
 
 
-def build_schedule(layout: Layout, micro_batches: int) -> Schedule:
+def build_schedule(layout: AnyLayout, micro_batches: int) -> Schedule:
     """Every rank's ordered op list for one training step."""
     if micro_batches < 1:
         raise ValueError(f"micro_batches={micro_batches} must be at least 1")
@@ -129,16 +132,16 @@ def build_schedule(layout: Layout, micro_batches: int) -> Schedule:
     return Schedule(layout, micro_batches, tuple(tuple(p) for p in programs))
 
 
-def _reduce_gradients(layout: Layout, programs: list[list[Op]], layer: int, group: int) -> None:
+def _reduce_gradients(layout: AnyLayout, programs: list[list[Op]], layer: int, group: int) -> None:
     """After `layer`'s last backward on A_group (layer = num_layers: the head), its gradient sum
-    starts, where the group has data-parallel peers."""
+    starts, where the group has data-parallel peers and the layout sums them in the backward."""
     ranks = layout.attention_group(group)
-    if len(ranks) > 1:
+    if len(ranks) > 1 and layout.sums_gradients_in_backward:
         for rank in ranks:
             programs[rank].append(ReduceGradients(layer, ranks))
 
 
-def _receive_layer_output(layout: Layout, programs: list[list[Op]], layer: int, mb: int, group: int) -> None:
+def _receive_layer_output(layout: AnyLayout, programs: list[list[Op]], layer: int, mb: int, group: int) -> None:
     """On A_group, receive what layer `layer` (of the previous group) left for the next step."""
     for d, rank in enumerate(layout.attention_group(group)):
         if layout.pipeline_groups > 1:
@@ -149,7 +152,7 @@ def _receive_layer_output(layout: Layout, programs: list[list[Op]], layer: int, 
             programs[rank].append(Recv(Payload.COMBINE, layer, mb, experts))
 
 
-def _attention_forward(layout: Layout, programs: list[list[Op]], layer: int, mb: int) -> None:
+def _attention_forward(layout: AnyLayout, programs: list[list[Op]], layer: int, mb: int) -> None:
     group = layout.group_of_layer(layer)
     if layer > 0:
         _receive_layer_output(layout, programs, layer - 1, mb, group)
@@ -162,7 +165,7 @@ def _attention_forward(layout: Layout, programs: list[list[Op]], layer: int, mb:
             programs[rank].append(Send(Payload.RESIDUAL, layer, mb, (nxt,)))
 
 
-def _expert_forward(layout: Layout, programs: list[list[Op]], layer: int, mb: int) -> None:
+def _expert_forward(layout: AnyLayout, programs: list[list[Op]], layer: int, mb: int) -> None:
     group = layout.group_of_layer(layer)
     for rank in layout.expert_group(group):
         programs[rank].append(Recv(Payload.DISPATCH, layer, mb, layout.attention_group(group)))
@@ -172,14 +175,14 @@ def _expert_forward(layout: Layout, programs: list[list[Op]], layer: int, mb: in
         )
 
 
-def _loss(layout: Layout, programs: list[list[Op]], mb: int) -> None:
+def _loss(layout: AnyLayout, programs: list[list[Op]], mb: int) -> None:
     last = layout.num_layers - 1
     _receive_layer_output(layout, programs, last, mb, layout.head_group)
     _send_layer_grads(layout, programs, last, mb, layout.head_group, Loss(mb))
 
 
 def _send_layer_grads(
-    layout: Layout, programs: list[list[Op]], layer: int, mb: int, group: int, op: Compute
+    layout: AnyLayout, programs: list[list[Op]], layer: int, mb: int, group: int, op: Compute
 ) -> None:
     """On A_group run `op`, then send the grads of layer `layer`'s output back where it came from."""
     for d, rank in enumerate(layout.attention_group(group)):
@@ -192,7 +195,7 @@ def _send_layer_grads(
             programs[rank].append(Send(Payload.RESIDUAL_GRAD, layer, mb, (prev,)))
 
 
-def _expert_backward(layout: Layout, programs: list[list[Op]], layer: int, mb: int) -> None:
+def _expert_backward(layout: AnyLayout, programs: list[list[Op]], layer: int, mb: int) -> None:
     group = layout.group_of_layer(layer)
     for rank in layout.expert_group(group):
         sources = layout.attention_group(layout.next_group(group))
@@ -201,7 +204,7 @@ def _expert_backward(layout: Layout, programs: list[list[Op]], layer: int, mb: i
         programs[rank].append(Send(Payload.DISPATCH_GRAD, layer, mb, layout.attention_group(group)))
 
 
-def _attention_backward(layout: Layout, programs: list[list[Op]], layer: int, mb: int) -> None:
+def _attention_backward(layout: AnyLayout, programs: list[list[Op]], layer: int, mb: int) -> None:
     group = layout.group_of_layer(layer)
     for d, rank in enumerate(layout.attention_group(group)):
         if layout.pipeline_groups > 1:

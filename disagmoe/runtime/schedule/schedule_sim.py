@@ -3,9 +3,10 @@
 The replay gives every rank a program counter and runs ops under these rules:
 
 - `Send` is non-blocking; it needs its payload on the rank and posts one message per peer,
-  named by the transport key (micro_batch, layer, direction) of the ordered rank pair.
+  named by the transport key (`wire.message_key`) of the ordered rank pair.
 - `Recv` blocks until every peer's message is there; it then makes the payload available.
-- A compute op needs its inputs (below) and the right role; it produces its outputs.
+- A compute op needs its inputs (below) and the right role (a colocated rank has two: attention
+  and expert of its group); it produces its outputs.
 - `OptimizerStep` is a collective: it completes when all its peers reach it with the same peers;
   so is `ReduceGradients(l)` (a data-parallel group's gradient sum of one layer).
 
@@ -28,8 +29,9 @@ costs (a function of the rank's role and the op) and message transit times it is
 of a layout, bubbles included (`disagmoe.placement.replay`). A message's transit occupies its
 sender's outgoing link (one FIFO per rank, beside the rank's compute): it leaves when the link is
 free and arrives `transit` seconds later. The replay also counts receives that overtake an older
-pending message from the same peer: zero means an in-order transport (NCCL: one FIFO per rank
-pair) never has to buffer a message. It imports no torch (the planner replays plans with it).
+pending message from the same peer on the same lane: zero means an in-order transport (NCCL: one
+FIFO per rank pair and `wire.lane_of` lane) never has to buffer a message. It imports no torch
+(the planner replays plans with it).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from disagmoe.runtime.schedule.schedule import (
     ReduceGradients,
     Schedule,
 )
-from disagmoe.wire import Payload, Recv, Send
+from disagmoe.wire import MessageKey, Payload, Recv, Send, lane_of, message_key
 
 DEFAULT_COSTS: dict[type, float] = {
     AttentionForward: 1.0,
@@ -65,7 +67,7 @@ DEFAULT_COSTS: dict[type, float] = {
 }
 
 Value = tuple[Payload, int, int]  # (payload, layer, micro_batch) held by a rank
-Channel = tuple[int, int, int, int, bool]  # (src, dst, micro_batch, layer, backward: the key's direction)
+Channel = tuple[int, int, MessageKey]  # (src, dst, the transport key, step 0)
 CostFn = Callable[[Role, Op], float]  # seconds (or units) a rank of this role spends running the op
 TransitFn = Callable[[Role, Send], float]  # seconds a Send occupies its sender's link until it arrives
 
@@ -87,7 +89,7 @@ class SimulationResult:
     events: list[Event]
     messages: int
     step_time: float
-    out_of_order_recvs: int  # recvs that took a message while an older one from that peer waited
+    out_of_order_recvs: int  # recvs that took a message while an older one from that peer's lane waited
     transfers: list[Event] = field(default_factory=list)  # each Send's time on its sender's link
 
     def busy_fraction(self, rank: int) -> float:
@@ -97,7 +99,8 @@ class SimulationResult:
 
 @dataclass
 class _Rank:
-    role: Role
+    role: Role  # the first of `roles`: what costs and messages name it by
+    roles: tuple[Role, ...]
     program: tuple[Op, ...]
     pc: int = 0
     clock: float = 0.0
@@ -114,13 +117,14 @@ class _Replay:
         self.micro_batches = schedule.micro_batches
         self.cost, self.transit = cost, transit
         self.ranks = [
-            _Rank(self.layout.role(r), program) for r, program in enumerate(schedule.programs)
+            _Rank(self.layout.role(r), self.layout.roles(r), program)
+            for r, program in enumerate(schedule.programs)
         ]
         if len(self.ranks) != self.layout.world_size:
             raise ScheduleError(
                 f"schedule has {len(self.ranks)} programs for a {self.layout.world_size}-rank layout"
             )
-        self.mailbox: dict[Channel, tuple[Payload, float]] = {}  # insertion order = send order
+        self.mailbox: dict[Channel, tuple[Send, float]] = {}  # insertion order = send order
         self.arrivals: dict[tuple[int, ...], dict[int, float]] = {}
         self.events: list[Event] = []
         self.transfers: list[Event] = []
@@ -139,10 +143,10 @@ class _Replay:
         if stuck:
             raise ScheduleError("deadlock: " + "; ".join(self._waiting_for(r) for r in stuck))
         if self.mailbox:
-            (src, dst, mb, layer, backward), (payload, _) = next(iter(self.mailbox.items()))
+            (src, dst, _), (sent, _) = next(iter(self.mailbox.items()))
             raise ScheduleError(
-                f"{len(self.mailbox)} message(s) never received, e.g. {payload.value} layer {layer} "
-                f"micro-batch {mb} ({'backward' if backward else 'forward'}) from rank {src} to rank {dst}"
+                f"{len(self.mailbox)} message(s) never received, e.g. {sent.payload.value} layer {sent.layer} "
+                f"micro-batch {sent.micro_batch} from rank {src} to rank {dst}"
             )
         self._check_coverage()
         step_time = max([e.end for e in self.events] + [r.clock for r in self.ranks], default=0.0)
@@ -159,13 +163,13 @@ class _Replay:
             if any(c not in self.mailbox for c in channels):
                 return False
             for channel in channels:
-                oldest = next(c for c in self.mailbox if c[:2] == channel[:2])
+                oldest = next(c for c in self.mailbox if c[:2] == channel[:2] and lane_of(c[2]) == lane_of(channel[2]))
                 self.out_of_order_recvs += oldest != channel
-                payload, sent_at = self.mailbox.pop(channel)
-                if payload is not op.payload:
+                sent, sent_at = self.mailbox.pop(channel)
+                if sent.payload is not op.payload:
                     raise ScheduleError(
                         f"rank {rank_id} ({rank.role}) expected {op.payload.value} but the key of "
-                        f"{op} carries {payload.value} from rank {channel[0]}: keys collide"
+                        f"{op} carries {sent.payload.value} from rank {channel[0]}: keys collide"
                     )
                 start = max(start, sent_at)
             rank.values.add((op.payload, op.layer, op.micro_batch))
@@ -179,11 +183,11 @@ class _Replay:
                         f"rank {rank_id} sends the key of {op.payload.value} layer {op.layer} micro-batch "
                         f"{op.micro_batch} to rank {peer} twice ({op})"
                     )
-                self.mailbox[channel] = (op.payload, arrival)
+                self.mailbox[channel] = (op, arrival)
                 self.messages += 1
         elif isinstance(op, ReduceGradients):
             arrived = self.arrivals.setdefault(op, {})
-            if rank_id not in op.peers or rank.role.kind is not RoleKind.ATTENTION:
+            if rank_id not in op.peers or not self._has_role(rank, RoleKind.ATTENTION):
                 raise ScheduleError(f"rank {rank_id} ({rank.role}): {op} belongs on the attention ranks it names")
             arrived.setdefault(rank_id, rank.clock)
             if len(arrived) < len(op.peers):
@@ -282,8 +286,13 @@ class _Replay:
         if not rank.done[forward]:
             raise ScheduleError(f"rank {rank_id} ({rank.role}) runs {op} before {forward}")
 
+    @staticmethod
+    def _has_role(rank: _Rank, kind: RoleKind, group: int | None = None) -> bool:
+        """Whether one of the rank's roles is `kind` (of `group`, unless None)."""
+        return any(role.kind is kind and group in (None, role.group) for role in rank.roles)
+
     def _require_role(self, rank_id: int, rank: _Rank, op: Op, kind: RoleKind, group: int) -> None:
-        if rank.role.kind is not kind or rank.role.group != group:
+        if not self._has_role(rank, kind, group):
             raise ScheduleError(
                 f"rank {rank_id} is {rank.role} but {op} belongs on a {kind.value} rank of group {group}"
             )
@@ -300,7 +309,7 @@ class _Replay:
 
     @staticmethod
     def _channel(src: int, dst: int, op: Send | Recv) -> Channel:
-        return (src, dst, op.micro_batch, op.layer, op.payload.backward)
+        return (src, dst, message_key(0, op.payload, op.layer, op.micro_batch))
 
     def _waiting_for(self, rank_id: int) -> str:
         rank = self.ranks[rank_id]

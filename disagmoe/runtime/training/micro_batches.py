@@ -83,7 +83,7 @@ def data_parallel(cfg: TrainConfig) -> int:
     """Ranks each micro-batch's sequences are split over (the batch is divided by m times this)."""
     if cfg.mode == "disaggregated":
         return cfg.attention_ranks // cfg.pipeline_groups
-    return cfg.colocated_ranks if cfg.mode == "colocated" else 1
+    return cfg.colocated_ranks // cfg.pipeline_groups if cfg.mode == "colocated" else 1
 
 
 def candidates(cfg: TrainConfig) -> list[int]:

@@ -146,6 +146,13 @@ CASES = {
     "A2-E2-p2-m2-bias": dict(attention_ranks=2, expert_ranks=2, pipeline_groups=2, micro_batches=2,
                              bias_balancing=True),
     "colocated-2": dict(mode="colocated", colocated_ranks=2, micro_batches=2),
+    # colocated pipeline groups: each group's ranks its own experts, COMBINE and RESIDUAL to the next group
+    # (p = 2: the head on group 1, both ways on the same rank pairs; p = 3: one rank a group)
+    "colocated-4-p2-bias": dict(mode="colocated", colocated_ranks=4, pipeline_groups=2, micro_batches=2,
+                                bias_balancing=True),
+    "colocated-3-p3": dict(mode="colocated", colocated_ranks=3, pipeline_groups=3, micro_batches=2),
+    "colocated-4-p2-zero": dict(mode="colocated", colocated_ranks=4, pipeline_groups=2, micro_batches=2,
+                                optim=OptimConfig(lr=3e-3, warmup_steps=2, shard_states=True)),
     # ZeRO-1: AdamW's state of the replicated parameters split over the data-parallel group
     "A2-E1-p1-m2-zero": dict(attention_ranks=2, expert_ranks=1, pipeline_groups=1, micro_batches=2,
                              optim=OptimConfig(lr=3e-3, warmup_steps=2, weight_decay=0.1, shard_states=True)),
@@ -173,6 +180,8 @@ CASES = {
     "pairs-A1-E2-p1-m2": dict(attention_ranks=1, expert_ranks=2, pipeline_groups=1, micro_batches=2, hop="pair_rows"),
     "pairs-A2-E2-p2-m2": dict(attention_ranks=2, expert_ranks=2, pipeline_groups=2, micro_batches=2, hop="pair_rows"),
     "pairs-colocated-3": dict(mode="colocated", colocated_ranks=3, micro_batches=2, batch_size=6, hop="pair_rows"),
+    "pairs-colocated-4-p2": dict(mode="colocated", colocated_ranks=4, pipeline_groups=2, micro_batches=2,
+                                 hop="pair_rows"),
     # dispatch: sparse (each token only to the expert ranks serving its pairs; the worst-case buffer over gloo)
     "sparse-A1-E1-p1-m1": dict(attention_ranks=1, expert_ranks=1, pipeline_groups=1, micro_batches=1,
                                dispatch="sparse"),
@@ -185,6 +194,10 @@ CASES = {
     "sparse-A2-E2-p2-m2-bias": dict(attention_ranks=2, expert_ranks=2, pipeline_groups=2, micro_batches=2,
                                     bias_balancing=True, dispatch="sparse"),
     "sparse-colocated-2": dict(mode="colocated", colocated_ranks=2, micro_batches=2, dispatch="sparse"),
+    "sparse-colocated-4-p2": dict(mode="colocated", colocated_ranks=4, pipeline_groups=2, micro_batches=2,
+                                  dispatch="sparse"),
+    "sparse-colocated-3-p3": dict(mode="colocated", colocated_ranks=3, pipeline_groups=3, micro_batches=2,
+                                  dispatch="sparse"),
     "sparse-colocated-3-zero": dict(mode="colocated", colocated_ranks=3, micro_batches=2, batch_size=6,
                                     dispatch="sparse", optim=OptimConfig(lr=3e-3, warmup_steps=2, shard_states=True)),
     # sparse dispatch with pair rows: each received row's pairs stored at its token's pair rows, COMBINE_GRAD
@@ -199,6 +212,8 @@ CASES = {
                                      dispatch="sparse"),
     "sparse-pairs-colocated-3": dict(mode="colocated", colocated_ranks=3, micro_batches=2, batch_size=6,
                                      hop="pair_rows", dispatch="sparse"),
+    "sparse-pairs-colocated-4-p2": dict(mode="colocated", colocated_ranks=4, pipeline_groups=2, micro_batches=2,
+                                        hop="pair_rows", dispatch="sparse"),
 }
 
 
@@ -207,6 +222,7 @@ def test_matches_the_single_process_oracle(warm, tmp_path, case):
     fields = dict(CASES[case])
     mode = fields.pop("mode", "disaggregated")
     cfg = run_config(tmp_path / "dist", mode, **fields)
+    assert Topology.from_config(cfg, cfg.model).pipeline_groups == cfg.pipeline_groups  # colocated ones too
     summary = run_on(warm, cfg)
     reference, reference_model = oracle(cfg, tmp_path / "single")
     assert summary.steps == STEPS and summary.checkpoint_path is not None
@@ -225,6 +241,10 @@ RECOMPUTE_CASES = {
     "full-A2-E2-p2-m2": dict(recompute="full", attention_ranks=2, expert_ranks=2, pipeline_groups=2, micro_batches=2),
     "full-colocated-2-sparse": dict(recompute="full", mode="colocated", colocated_ranks=2, micro_batches=2,
                                     dispatch="sparse"),
+    "full-colocated-4-p2-sparse": dict(recompute="full", mode="colocated", colocated_ranks=4, pipeline_groups=2,
+                                       micro_batches=2, dispatch="sparse"),
+    "full-colocated-3-p3": dict(recompute="full", mode="colocated", colocated_ranks=3, pipeline_groups=3,
+                                micro_batches=2),
     "full-pairs-A1-E2-p1-m2": dict(recompute="full", attention_ranks=1, expert_ranks=2, pipeline_groups=1,
                                    micro_batches=2, hop="pair_rows"),
     "selective-attention-A1-E2-p1-m2": dict(recompute="selective", recompute_modules=["attention"], attention_ranks=1,

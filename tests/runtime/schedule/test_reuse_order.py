@@ -40,6 +40,10 @@ def _layouts():
             yield f"topology-A{a}-E{e}-p{p}-L4-m{m}", Topology.disaggregated(Layout(a, e, p, 4, 0), 8).programs(m)
     for n, m in itertools.product((2, 3), (1, 2, 4)):
         yield f"colocated{n}-m{m}", Topology.colocated_ranks(n, 4, 0, 8).programs(m)
+    for per_group, p in itertools.product((1, 2, 3), (2, 3)):
+        for layers, m in ((p, 1), (p, 3), (2 * p + 1, 2)):
+            topology = Topology.colocated_ranks(per_group * p, layers, 0, 8, pipeline_groups=p)
+            yield f"colocated{per_group * p}-p{p}-L{layers}-m{m}", topology.programs(m)
 
 
 LAYOUTS = list(_layouts())
@@ -59,9 +63,10 @@ def test_one_copy_leaves_evaluation_reuses_unordered():
     assert all(PASSES[r.earlier_pass] == "eval" for reuses in one.values() for r in reuses)
     unsafe = {name for name, reuses in one.items() if reuses}
     # unordered exactly where a pass does not end on the ranks that start the next one: colocated
-    # (every rank ends with its own losses), and pipelines whose loss is not on group 0
+    # groups of more than one rank (every rank of the head group ends with its own losses, and
+    # group 0's ranks dispatch to each other first), and pipelines whose loss is not on group 0
     # (num_layers not a multiple of p; with p = 1 the experts' answers close the chain every pass)
-    assert unsafe == {name for name in one if name.startswith("colocated") or _layers(name) % _groups(name)}
+    assert unsafe == {name for name in one if _shared_colocated_group(name) or _layers(name) % _groups(name)}
     assert "colocated2-m1" in unsafe and "A2-E2-p2-L5-d0-m1" in unsafe
     residual = [r for r in one["A2-E2-p2-L5-d0-m1"] if r.slot == (Payload.RESIDUAL, 0, 0)]
     # A0's first send of an evaluation batch, before A1's loss of the batch before is known to it
@@ -69,11 +74,19 @@ def test_one_copy_leaves_evaluation_reuses_unordered():
 
 
 def _groups(name: str) -> int:
-    return int(re.search(r"-p(\d+)-", name).group(1))
+    found = re.search(r"-p(\d+)-", name)
+    return int(found.group(1)) if found else 1
 
 
 def _layers(name: str) -> int:
-    return int(re.search(r"-L(\d+)-", name).group(1))
+    found = re.search(r"-L(\d+)-", name)
+    return int(found.group(1)) if found else 4
+
+
+def _shared_colocated_group(name: str) -> bool:
+    """A colocated layout with more than one rank a pipeline group."""
+    found = re.match(r"colocated(\d+)", name)
+    return found is not None and int(found.group(1)) > _groups(name)
 
 
 def test_a_sender_that_never_hears_back_is_caught_even_with_two_copies():
@@ -141,7 +154,8 @@ def _ring_check(name, programs):
 
 QUICK = [(name, programs) for name, programs in LAYOUTS
          if name in ("A1-E1-p1-L3-d1-m3", "A2-E3-p1-L3-d0-m2", "A2-E2-p2-L5-d0-m2", "A3-E4-p3-L7-d1-m4",
-                     "topology-A2-E2-p2-L4-m3", "colocated2-m4", "colocated3-m2")]
+                     "topology-A2-E2-p2-L4-m3", "colocated2-m4", "colocated3-m2", "colocated4-p2-L5-m2",
+                     "colocated6-p3-L3-m3")]
 
 
 @pytest.mark.parametrize("name,programs", QUICK, ids=[name for name, _ in QUICK])

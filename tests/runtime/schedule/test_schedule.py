@@ -3,14 +3,14 @@ from collections import Counter
 
 import pytest
 
-from disagmoe.runtime.schedule.roles import Layout
+from disagmoe.runtime.schedule.roles import ColocatedLayout, Layout
 from disagmoe.runtime.schedule.schedule import (
     AttentionBackward,
     AttentionForward,
     ExpertForward,
     build_schedule,
 )
-from disagmoe.wire import Payload, Recv, Send
+from disagmoe.wire import Payload, Recv, Send, message_key
 from disagmoe.runtime.schedule.schedule_sim import simulate
 
 GRID = [
@@ -20,33 +20,50 @@ GRID = [
     for layers in (p, 2 * p + 1)
     for dense in (0, 1)
 ]
+COLOCATED_GRID = [  # (ranks, p, layers, m, dense): 1-3 ranks a group
+    (per_group * p, p, layers, m, dense)
+    for per_group, p, m in itertools.product(range(1, 4), range(1, 4), range(1, 5))
+    for layers in (p, 2 * p + 1)
+    for dense in (0, 1)
+]
 
 
 @pytest.mark.parametrize("attention, experts, p, layers, m, dense", GRID)
 def test_schedule_replays_without_deadlock_and_matches_every_message(attention, experts, p, layers, m, dense):
-    layout = Layout(attention, experts, p, layers, num_dense_layers=dense)
+    _replays_in_order(Layout(attention, experts, p, layers, num_dense_layers=dense), m)
+
+
+@pytest.mark.parametrize("ranks, p, layers, m, dense", COLOCATED_GRID)
+def test_colocated_schedule_replays_without_deadlock_and_matches_every_message(ranks, p, layers, m, dense):
+    _replays_in_order(ColocatedLayout(ranks, p, layers, num_dense_layers=dense), m)
+
+
+def _replays_in_order(layout, m):
     schedule = build_schedule(layout, m)
     result = simulate(schedule)  # raises ScheduleError on any unsound schedule
     sends = [(r, op) for r, prog in enumerate(schedule.programs) for op in prog if isinstance(op, Send)]
     assert result.messages == sum(len(op.peers) for _, op in sends)
-    assert result.out_of_order_recvs == 0  # an in-order (FIFO per rank pair) transport suffices
+    assert result.out_of_order_recvs == 0  # an in-order (FIFO per rank pair and lane) transport suffices
 
 
 def _messages(schedule, kind):
-    """Counter of (src, dst, key) over all Send (or Recv) ops, seen from the sender."""
+    """Counter of (src, dst, transport key) over all Send (or Recv) ops, seen from the sender."""
     out = Counter()
     for rank, program in enumerate(schedule.programs):
         for op in program:
             if isinstance(op, kind):
                 for peer in op.peers:
                     src, dst = (rank, peer) if kind is Send else (peer, rank)
-                    out[(src, dst, op.key(step=7), op.payload)] += 1
+                    out[(src, dst, message_key(7, op.payload, op.layer, op.micro_batch), op.payload)] += 1
     return out
 
 
-@pytest.mark.parametrize("a, e, p, layers, m", [(2, 3, 1, 3, 2), (4, 3, 2, 5, 3), (3, 5, 3, 7, 2)])
-def test_keys_are_unique_per_rank_pair_and_each_send_has_one_recv(a, e, p, layers, m):
-    schedule = build_schedule(Layout(a, e, p, layers), m)
+@pytest.mark.parametrize("layout, m", [(Layout(2, 3, 1, 3), 2), (Layout(4, 3, 2, 5), 3), (Layout(3, 5, 3, 7), 2),
+                                       (ColocatedLayout(3, 1, 3), 2), (ColocatedLayout(4, 2, 5), 3),
+                                       (ColocatedLayout(6, 3, 7), 2), (ColocatedLayout(2, 2, 2), 1)])
+def test_keys_are_unique_per_rank_pair_and_each_send_has_one_recv(layout, m):
+    """Colocated p > 1 included: A_g,d sends COMBINE and RESIDUAL of one layer to A_(g+1),d."""
+    schedule = build_schedule(layout, m)
     sends, recvs = _messages(schedule, Send), _messages(schedule, Recv)
     assert sends == recvs
     assert set(sends.values()) == {1}
@@ -71,6 +88,27 @@ def test_dispatch_is_all_to_all_and_combine_keeps_the_data_parallel_index():
                 assert op.peers == (layout.attention_rank(nxt, role.index),)
             elif op.payload is Payload.RESIDUAL_GRAD:
                 assert op.peers == (layout.attention_rank(layout.prev_group(role.group), role.index),)
+
+
+@pytest.mark.parametrize("per_group, p", [(1, 2), (2, 2), (3, 2), (2, 3), (3, 3)])
+def test_colocated_groups_are_the_ring_whose_experts_are_the_attention_ranks(per_group, p):
+    """DISPATCH stays in group g, COMBINE goes to group g+1, RESIDUAL to A_(g+1),d, and the
+    gradients go back the same edges; the data-parallel sum stays in the optimizer step."""
+    from disagmoe.runtime.schedule.schedule import OptimizerStep, ReduceGradients
+
+    layout = ColocatedLayout(per_group * p, p, 2 * p + 1, num_dense_layers=1)
+    for rank, program in enumerate(build_schedule(layout, 2).programs):
+        group, d = layout.role(rank).group, layout.role(rank).index
+        own, nxt, prev = (layout.attention_group(g) for g in (group, layout.next_group(group), layout.prev_group(group)))
+        expected = {
+            Payload.DISPATCH: own, Payload.DISPATCH_GRAD: own, Payload.COMBINE: nxt, Payload.COMBINE_GRAD: prev,
+            Payload.RESIDUAL: (nxt[d],), Payload.RESIDUAL_GRAD: (prev[d],),
+        }
+        for op in program:
+            if isinstance(op, Send):
+                assert op.peers == expected[op.payload], (rank, op)
+        assert not any(isinstance(op, ReduceGradients) for op in program)
+        assert program[-1] == OptimizerStep(own)
 
 
 def test_attention_order_is_layer_major_forward_and_reversed_backward():
@@ -131,7 +169,6 @@ def test_data_parallel_groups_start_each_layers_gradient_sum_after_its_last_back
 def _channel_orders(programs):
     """Per (src, dst, lane): the keys in the order the sender sends them and the receiver asks."""
     from disagmoe.wire import lane_of
-    from disagmoe.wire import message_key
 
     sent, asked = {}, {}
     for rank, program in enumerate(programs):
@@ -146,15 +183,16 @@ def _channel_orders(programs):
     return sent, asked
 
 
-@pytest.mark.parametrize("colocated, ranks, m", [(c, n, m) for c in (False, True) for n in (2, 3, 4) for m in (1, 2, 4)])
+@pytest.mark.parametrize("colocated, ranks, m", [(c, n, m) for c in (0, 1, 2, 3) for n in (2, 3, 4) for m in (1, 2, 4)])
 def test_every_channel_of_an_in_order_transport_receives_in_send_order(colocated, ranks, m):
     """The nccl transport is FIFO per (rank pair, lane): every layout must receive each
     channel's messages in the order they were sent (colocated too, whose pairs carry dispatch
-    and combine messages interleaved: they travel on separate lanes)."""
+    and combine messages interleaved: they travel on separate lanes; with `colocated` = p
+    pipeline groups of `ranks` ranks each, p = 2 carries both ways on the same pairs)."""
     from disagmoe.runtime.schedule.colocated import build_colocated_schedule
 
     if colocated:
-        programs = build_colocated_schedule(ranks, 4, 1, m)
+        programs = build_colocated_schedule(ranks * colocated, 4, 1, m, pipeline_groups=colocated)
     else:
         programs = build_schedule(Layout(ranks, ranks - 1 or 1, 1, 4, num_dense_layers=1), m).programs
     sent, asked = _channel_orders(programs)

@@ -2,8 +2,14 @@ import dataclasses
 
 import pytest
 
-from disagmoe.runtime.schedule.roles import Layout
-from disagmoe.runtime.schedule.schedule import AttentionForward, ExpertForward, OptimizerStep, build_schedule
+from disagmoe.runtime.schedule.roles import ColocatedLayout, Layout
+from disagmoe.runtime.schedule.schedule import (
+    AttentionForward,
+    ExpertForward,
+    OptimizerStep,
+    ReduceGradients,
+    build_schedule,
+)
 from disagmoe.wire import Payload, Recv, Send
 from disagmoe.runtime.schedule.schedule_sim import ScheduleError, render_timeline, simulate
 
@@ -95,3 +101,22 @@ def test_receives_that_overtake_older_messages_are_counted():
     assert [type(op).__name__ for op in schedule.programs[1][:3]] == ["Recv", "ExpertForward", "Send"]
     result = simulate(_edit(schedule, 1, experts_take_micro_batch_1_first))
     assert result.out_of_order_recvs == 2  # expert takes dispatch 1 before 0, attention combine 0 before 1
+
+
+def test_a_colocated_rank_runs_both_jobs_of_its_own_group_only():
+    schedule = build_schedule(ColocatedLayout(ranks=2, pipeline_groups=2, num_layers=2), 1)
+    assert simulate(schedule).out_of_order_recvs == 0  # rank 0 is A0.0 and E0.0, rank 1 A1.0 and E1.0
+
+    def run_group_1s_experts(ops):
+        return [ExpertForward(1, 0) if op == ExpertForward(0, 0) else op for op in ops]
+
+    with pytest.raises(ScheduleError, match="rank 0 is A0.0 but ExpertForward.* expert rank of group 1"):
+        simulate(_edit(schedule, 0, run_group_1s_experts))
+
+
+def test_a_colocated_rank_may_sum_its_attention_gradients():
+    schedule = build_schedule(ColocatedLayout(ranks=2, pipeline_groups=1, num_layers=2), 1)
+    reduce = ReduceGradients(0, (0, 1))
+    for rank in (0, 1):
+        schedule = _edit(schedule, rank, lambda ops: ops[:-1] + [reduce, ops[-1]])
+    simulate(schedule)

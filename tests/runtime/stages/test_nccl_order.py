@@ -20,6 +20,8 @@ def _layouts():
             yield f"A{a}-E{e}-p{p}-m{m}", Topology.disaggregated(Layout(a, e, p, 4, 0), 8), m
     for n, m in itertools.product((2, 3), (1, 2, 4)):
         yield f"colocated{n}-m{m}", Topology.colocated_ranks(n, 4, 0, 8), m
+    for per_group, p, m in itertools.product((1, 2, 3), (2, 3), (1, 2, 3)):
+        yield f"colocated{per_group * p}-p{p}-m{m}", Topology.colocated_ranks(per_group * p, 7, 1, 8, pipeline_groups=p), m
 
 
 @pytest.mark.parametrize("name,topology,m", list(_layouts()), ids=lambda v: v if isinstance(v, str) else "")

@@ -31,6 +31,7 @@ def test_the_candidates_are_the_splits_into_whole_sequences_per_data_parallel_ra
     tiny = dict(model="tiny", batch_size=12, micro_batches="auto")
     assert candidates(TrainConfig(**tiny, mode="single")) == [1, 2, 3, 4, 6, 12]
     assert candidates(TrainConfig(**tiny, mode="colocated", colocated_ranks=2)) == [1, 2, 3, 6]
+    assert candidates(TrainConfig(**tiny, mode="colocated", colocated_ranks=4, pipeline_groups=2)) == [1, 2, 3, 6]
     assert candidates(TrainConfig(**tiny, mode="disaggregated", attention_ranks=4, pipeline_groups=2)) == [1, 2, 3, 6]
     with pytest.raises(ValueError, match="multiple of them"):
         candidates(TrainConfig(**tiny, mode="colocated", colocated_ranks=5))
