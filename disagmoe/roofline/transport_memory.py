@@ -315,12 +315,11 @@ def arena_bytes(ranks: list[Counts], s: HopShape) -> Num:
 
 def layout_receives(num_layers: int, num_dense: int, p: Num, dp: Num, expert_ranks: Num, sets: Num,
                     micro_batches: Num, colocated: bool, reuse: bool | str = False) -> tuple[list[Counts], list[Counts]]:
-    """(attention ranks', expert ranks') slot counts of a layout (colocated: one rank's of one
-    pipeline group, as the planner's colocated layouts have, and no expert ranks). With array arguments (one element per candidate) each count is [N, G]: the rank
-    of pipeline group g in column g (groups past a candidate's p count nothing), so the busiest
-    group is one max over the last axis (`transport_bytes`). Arguments as `layout_transport_bytes`'."""
-    if colocated:
-        return [colocated_receives(num_layers, num_dense, 1, 0, expert_ranks, micro_batches, reuse)], []
+    """(attention ranks', expert ranks') slot counts of a layout (colocated: its ranks', each group one
+    EP block of `expert_ranks` R ranks as `colocated_receives` counts them, and no expert ranks). With
+    array arguments (one element per candidate) each count is [N, G]: the rank of pipeline group g
+    in column g (groups past a candidate's p count nothing), so the busiest group is one max over the
+    last axis (`transport_bytes`). Arguments as `layout_transport_bytes`'."""
     p = np.atleast_1d(np.asarray(p))
     moe_t, dense_t = layer_tables(num_layers, num_dense, p)
     groups = np.arange(moe_t.shape[1])
@@ -331,12 +330,22 @@ def layout_receives(num_layers: int, num_dense: int, p: Num, dp: Num, expert_ran
     moe_prev = np.take_along_axis(moe_g, prev, 1) * here
     dense_prev = np.take_along_axis(dense_g, prev, 1) * here
     mb, ring = col(micro_batches), col(np.where(p > 1, 1, 0))
-    q, sources = col(expert_ranks), col(np.asarray(dp) // np.asarray(sets))
-    attn = _attention_counts(num_layers, num_dense, col(p), groups, q, mb, ring, moe_g, dense_g, moe_prev, dense_prev,
-                             reuse)
-    exp = {("dispatch", True): _forward(mb * sources * moe_g, sources * (moe_g > 0), reuse),
-           ("combine_grad", True): _shared(mb * sources * moe_g, sources * (moe_g > 0), reuse, mb)}
-    return [attn], [exp]
+
+    def attention(q: Num) -> Counts:
+        return _attention_counts(num_layers, num_dense, col(p), groups, q, mb, ring, moe_g, dense_g, moe_prev,
+                                 dense_prev, reuse)
+
+    def expert(sources: Num) -> Counts:
+        return {("dispatch", True): _forward(mb * sources * moe_g, sources * (moe_g > 0), reuse),
+                ("combine_grad", True): _shared(mb * sources * moe_g, sources * (moe_g > 0), reuse, mb)}
+
+    if colocated:  # its own group's other ranks, and the neighbouring group's R (p = 1: itself, R - 1)
+        own = col(expert_ranks) - 1
+        across = np.where(ring > 0, own + 1, own)
+        return [{**attention(own), ("combine", True): attention(across)[("combine", True)],
+                 ("dispatch", True): expert(own)[("dispatch", True)],
+                 ("combine_grad", True): expert(across)[("combine_grad", True)]}], []
+    return [attention(col(expert_ranks))], [expert(col(np.asarray(dp) // np.asarray(sets)))]
 
 
 def transport_bytes(attn: list[Counts], exp: list[Counts], s: HopShape, transport: str = "nvshmem") -> tuple[Num, Num]:
@@ -362,7 +371,8 @@ def layout_transport_bytes(num_layers: int, num_dense: int, s: HopShape, p: Num,
     """(attention GPU, expert GPU) transport bytes of a layout, the busiest pipeline group's rank
     of each role (colocated: both the same). `dp`: attention ranks per group, `expert_ranks`: Q per
     replica set, `sets` replica sets per group (an expert rank serves dp / sets sources); colocated:
-    `expert_ranks` is the expert-parallel group of each rank (its peers: Q - 1). nvshmem: every GPU
+    `expert_ranks` is the R ranks of each pipeline group, one EP block (a rank's peers: R - 1 of its
+    group, and with p > 1 the next group's R). nvshmem: every GPU
     holds the largest arena of any rank (symmetric memory); nccl and local share slots between keys
     whose lifetimes do not overlap (`runtime.schedule.recv_slots`), nvshmem in rings of segments
     (`reuse=RING`, `runtime.schedule.reuse_order.one_sided_slots`; `step_aligned`: rounded up to a

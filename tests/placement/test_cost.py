@@ -742,6 +742,31 @@ def test_the_priced_transport_buffers_are_the_runtime_arena(attn, expert, p, m, 
     assert laid[True] > laid[False] or m == 1  # a pool's ring of one message a step is rounded already
 
 
+COLOCATED_ARENA_LAYOUTS = [(2, 1, 2, 2), (4, 2, 2, 1), (6, 3, 1, 2), (8, 2, 3, 1)]  # GPUs, p, m, seqs
+
+
+@pytest.mark.parametrize(("gpus", "p", "m", "seqs"), COLOCATED_ARENA_LAYOUTS)
+def test_the_priced_colocated_transport_buffers_are_the_runtime_arena(gpus, p, m, seqs):
+    """A colocated layout with p pipeline groups, each one EP block of its GPUs (tiny's 8 experts
+    once per group), is priced with the nvshmem arena the runtime builds for it: DISPATCH from its
+    group's other ranks, COMBINE from the previous group's (`transport_memory.colocated_receives`)."""
+    from disagmoe.config import TrainConfig
+    from disagmoe.runtime.stages.messages import MessageShapes, receive_layouts
+    from disagmoe.runtime.topology import Topology
+
+    model, seq = load_model("tiny"), 64
+    cfg = TrainConfig.model_validate(dict(
+        model="tiny", mode="colocated", colocated_ranks=gpus, pipeline_groups=p, transport="nvshmem", device="cuda",
+        experts_backend="triton", hop="partial_sums", precision="bf16", micro_batches=m,
+        batch_size=seqs * m * gpus // p, seq_len=seq, cuda_graphs="off"))
+    topology = Topology.from_config(cfg, model)
+    arena = receive_layouts(cfg, MessageShapes.of_run(cfg, model, topology), topology)[0].nbytes
+    prob = problem_of(PlanConfig(model=model, cluster=ClusterConfig(hardware=load_hardware("h200-sxm"), num_gpus=8),
+                                 seq_len=seq, cuda_graphs="off"))
+    cost = evaluate(prob, Candidates.one(0, gpus, p, m, seqs, colocated=True))
+    assert cost.attn_transport_bytes[0] == cost.expert_transport_bytes[0] == arena > 0
+
+
 @pytest.mark.parametrize(("attn", "expert", "p", "m", "seqs"), ARENA_LAYOUTS)
 def test_auto_prices_the_rounded_rings_once_a_gpu_checked_the_captured_step(monkeypatch, attn, expert, p, m, seqs):
     """`cuda_graphs: auto` with the captured rank step checked on a GPU (`step_capture.CHECKED_ON_GPU`)

@@ -103,12 +103,16 @@ def test_nvshmem_arena_matches_symmetric_layouts(layout, graphs, shared):
         assert segments == {at: int(n) for at, n in counts[rank].items() if n}, rank
     assert int(tm.arena_bytes(counts, s)) == layouts[0].nbytes
     assert {int(tm.flag_words(c)) for c in counts} <= {layouts[0].flag_words} | set(range(layouts[0].flag_words))
-    if not top.colocated:  # the planner's view: the busiest group's rank of each role, one arena for all
-        dp = top.data_parallel
-        attn, exp = tm.layout_transport_bytes(m.num_layers, m.num_dense_layers, s, np.array([top.pipeline_groups]),
-                                              np.array([dp]), np.array([len(top.expert_groups[0])]), np.array([1]),
-                                              cfg.micro_batches, colocated=False, step_aligned=step_aligned)
-        assert int(attn[0]) == int(exp[0]) == layouts[0].nbytes
+    attn, exp = tm.layout_transport_bytes(m.num_layers, m.num_dense_layers, s, *_planner_layout(top),
+                                          cfg.micro_batches, colocated=top.colocated, step_aligned=step_aligned)
+    assert int(attn[0]) == int(exp[0]) == layouts[0].nbytes  # the planner's view: one arena for all
+
+
+def _planner_layout(top: Topology) -> tuple[np.ndarray, ...]:
+    """(p, dp, expert ranks, sets) of a topology as the planner's arrays hold them (colocated: the
+    group's ranks its one EP block)."""
+    ranks = top.data_parallel if top.colocated else len(top.expert_groups[0])
+    return np.array([top.pipeline_groups]), np.array([top.data_parallel]), np.array([ranks]), np.array([1])
 
 
 def _nccl_reserved(cfg, m, top: Topology, rank: int) -> int:
@@ -128,20 +132,18 @@ def _nccl_reserved(cfg, m, top: Topology, rank: int) -> int:
 @pytest.mark.parametrize("layout", LAYOUTS + EXTRA)
 def test_nccl_buffers_match_reserve(layout):
     """The allocated bytes are the model's, slots shared (`reuse`), rank by rank, and the planner's
-    array form gives the busiest group's rank of each role."""
+    array form gives the busiest group's rank of each role (colocated: of any group, both the same)."""
     cfg, m, top = _run(layout, "nccl", shared=True)
     counts, s = _model_bytes(cfg, m, top, reuse=True)
     reserved = [_nccl_reserved(cfg, m, top, rank) for rank in range(top.world_size)]
     for rank in range(top.world_size):
         assert int(tm.receive_bytes(counts[rank], s, "nccl")) == reserved[rank]
     assert transport_buffer_bytes(cfg, MessageShapes.of_run(cfg, m, top), top) == reserved
-    if not top.colocated:
-        attn, exp = tm.layout_transport_bytes(m.num_layers, m.num_dense_layers, s, np.array([top.pipeline_groups]),
-                                              np.array([top.data_parallel]), np.array([len(top.expert_groups[0])]),
-                                              np.array([1]), cfg.micro_batches, colocated=False, transport="nccl")
-        roles = [top.attention_role(r) is not None for r in range(top.world_size)]
-        assert int(attn[0]) == max(b for b, a in zip(reserved, roles) if a)
-        assert int(exp[0]) == max(b for b, a in zip(reserved, roles) if not a)
+    attn, exp = tm.layout_transport_bytes(m.num_layers, m.num_dense_layers, s, *_planner_layout(top),
+                                          cfg.micro_batches, colocated=top.colocated, transport="nccl")
+    roles = [top.attention_role(r) is not None for r in range(top.world_size)]  # colocated: every rank
+    assert int(attn[0]) == max(b for b, a in zip(reserved, roles) if a)
+    assert int(exp[0]) == max(b for b, a in zip(reserved, roles) if not a or top.colocated)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS + EXTRA)
