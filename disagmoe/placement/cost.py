@@ -8,8 +8,9 @@ into `p` pipeline groups (group g owns layers g, g+p, ...); a step is `rounds` r
 micro-batches, each micro-batch carrying `seqs` sequences per attention GPU. In one round every
 micro-batch travels the ring A_0 -> E_0 -> A_1 -> ... once per layer; the attention pool works on
 micro-batch i+1 while the expert pool works on micro-batch i, and transfers run on the copy
-engines beside the math. Colocated baseline: every GPU runs attention and its share of the
-experts, with an all-to-all dispatch and combine that the GPU waits for (no overlap).
+engines beside the math. Colocated: every GPU runs attention and its share of the experts, with
+an all-to-all dispatch and combine that the GPU waits for (no overlap); with p > 1 the combine
+goes to the next group's EP block, as the disaggregated ring's does.
 
 Pipeline time of one pass over a round (forward or backward):
     R      = p * (a + d + e + c)        one ring cycle of one micro-batch (mean per layer)
@@ -577,7 +578,10 @@ def evaluate(prob: Problem, c: Candidates, misfits_exact: bool = True) -> Cost:
         sent, busiest, index = st.dispatch_rows(m, ep)
         remote = np.maximum(sent * (ep - 1.0) / ep, busiest * (ep - 1.0))
         dispatch = st.all_to_all(tokens * (token_row + index) * remote, f_link, ep)  # ep = 1: no peer, no call
-        combine = st.all_to_all(tokens * (BF16 * H + index) * remote, f_link, ep)
+        # The partial sums go back within the block (p = 1), or with p > 1 to the next group's block, as the
+        # disaggregated ring's combine: every row received, none to itself, over the ring's link.
+        combine = _either(p > 1, st.transfer(tokens * (BF16 * H + index) * np.maximum(sent, busiest * ep), f_next),
+                          st.all_to_all(tokens * (BF16 * H + index) * remote, f_link, ep))
     else:
         # The runtime's compact hop (`runtime.stages.messages`): a token once to each expert GPU of its replica
         # set that serves it (`st.dispatch_rows`: sparse dispatch), one partial sum per token received back,
@@ -1116,6 +1120,11 @@ def calibrated_stages(stages: dict[str, Stage], m: ModelConfig, calib: Calibrati
     for name in ("optimizer (attention)",) if colocated else ("optimizer (attention)", "optimizer (experts)"):
         out[name] = replace(out[name], bwd=out[name].bwd + fixed("OptimizerStep"))
     return out
+
+
+def _either(where: np.ndarray, yes: st.Work, no: st.Work) -> st.Work:
+    """Per candidate, `yes`'s work where `where` holds, else `no`'s."""
+    return st.Work(*(np.where(where, getattr(yes, f.name), getattr(no, f.name)) for f in fields(st.Work)))
 
 
 def colocated_ep(num_experts: int, gpus: np.ndarray | int) -> np.ndarray:

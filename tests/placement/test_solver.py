@@ -217,9 +217,9 @@ def test_a_fixed_layout_claims_nothing_it_did_not_price():
     assert not colocated.feasible and colocated.reason.startswith("does not fit")
     disaggregated = price(cfg, Candidates.one(3, 5, 1, 2, 1)).plan
     assert disaggregated.colocated_step_time_s is None and disaggregated.speedup_vs_colocated is None
-    searched = solve(cfg)  # the colocated baseline has 4 pipeline groups, which the colocated runtime does not run
+    searched = solve(cfg)  # the colocated baseline has 2 pipeline groups, which the colocated runtime does not run
     assert searched.layout == "disaggregated" and "slower than the colocated baseline" in searched.reason
-    assert searched.speedup_vs_colocated < 1 and any(n.startswith("colocated with 4 pipeline groups")
+    assert searched.speedup_vs_colocated < 1 and any(n.startswith("colocated with 2 pipeline groups")
                                                      for n in searched.notes)
     small = solve(request("tiny", "h200-sxm", 4))
     assert small.layout == "colocated" and "faster than the best disaggregated split" in small.reason
