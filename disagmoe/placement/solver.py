@@ -8,7 +8,9 @@ expert count. Both search every layout on at most the job's GPUs (`_data_paralle
 says why pricing a few dp per layout is enough), so a plan never gets slower with more GPUs; one
 that leaves GPUs idle says so (`Plan.idle_gpus`). Candidates are priced at once by
 `cost.evaluate` (numpy arrays), in two passes (`_pruning`), so a 1,152-GPU search takes well
-under a second. Whichever layout is faster becomes the plan, the other's time is reported beside it.
+under a second. The plan is the fastest layout `train --plan` runs (disaggregated, or colocated
+with each pipeline group one EP block: `runnable_colocated_candidates`); the best colocated layout
+of any EP blocking is the baseline reported beside it.
 With a calibrated hardware profile the chosen disaggregated layout's step time is then priced by
 replaying its schedule (`placement.replay`), once, after the search.
 """
@@ -235,16 +237,26 @@ def disaggregated_candidates(cfg: PlanConfig, gpus: int, least: Least | None = N
     return _as_candidates(np.stack([dp * p, sets * per_set * p, p, m, seqs, sets], 1), colocated=False)
 
 
-def colocated_candidates(cfg: PlanConfig, gpus: int, least: Least | None = None) -> Candidates:
+def colocated_candidates(cfg: PlanConfig, gpus: int, least: Least | None = None,
+                         one_block: bool = False) -> Candidates:
     """Expert parallel within each pipeline group (Megatron's EP x PP x DP): per group of at
     most gpus // p GPUs, dp GPUs in blocks of ep (ep dividing the expert count, each block
-    holding every expert once), dp all the group's GPUs that whole blocks fill, or fewer."""
+    holding every expert once), dp all the group's GPUs that whole blocks fill, or fewer;
+    `one_block`: each group one block (dp = ep)."""
     pairs = [(p, ep) for p in range(1, min(cfg.max_pipeline_groups, cfg.model.num_layers, gpus) + 1)
              for ep in _divisors(cfg.model.num_experts) if ep <= gpus // p]
     p, ep = (np.array(v, dtype=np.int64) for v in zip(*pairs, strict=True))
-    row, m, seqs, dp = _data_parallel_degrees(cfg, p * CODE * CODE + ep, ep, ep * (gpus // p // ep), ep, least)
+    most = ep if one_block else ep * (gpus // p // ep)
+    row, m, seqs, dp = _data_parallel_degrees(cfg, p * CODE * CODE + ep, ep, most, ep, least)
     p, ep = p[row], ep[row]
     return _as_candidates(np.stack([0 * p, dp * p, p, m, seqs, dp // ep], 1), colocated=True)
+
+
+def runnable_colocated_candidates(cfg: PlanConfig, gpus: int, least: Least | None = None) -> Candidates:
+    """The colocated layouts the runtime runs: any pipeline depth, each group one EP block (every
+    expert once per group, on the group's GPUs: `runtime.plan_layout.check_plan`); the runtime
+    has no EP blocks yet (docs/colocated-pipeline-groups.md, slice 4)."""
+    return colocated_candidates(cfg, gpus, least, one_block=True)
 
 
 def _divisors(n: int) -> list[int]:
@@ -316,7 +328,7 @@ def fewest_gpus(cfg: PlanConfig) -> int | None:
     GPUs)."""
     def fits(g: int) -> bool:
         prob = problem_of(cfg, g)
-        for cands in (disaggregated_candidates(cfg, g), colocated_candidates(runnable_colocated(cfg), g)):
+        for cands in (disaggregated_candidates(cfg, g), runnable_colocated_candidates(cfg, g)):
             if len(cands) and evaluate(prob, cands, misfits_exact=False).fits.any():
                 return True
         return False
@@ -502,20 +514,16 @@ def _host_limit_note(cfg: PlanConfig, choice: Choice) -> list[str]:
             f"{report.seconds(free.plan.step_time_s)} per step (now {now})"]
 
 
-COLOCATED_GROUPS = 1  # pipeline groups the colocated runtime runs (`runtime.plan_layout.check_plan` refuses more)
-
-
 def _choose(cfg: PlanConfig) -> Choice:
     """`choose` with the offload fixed (on or off). The colocated baseline (what the plan's speedup
     is measured against: Megatron's EP x PP x DP) is the best colocated layout of any pipeline
-    depth; the plan itself is colocated only at the depth the runtime runs (`COLOCATED_GROUPS`), and
-    a note says what a deeper colocated layout would have taken."""
+    depth and EP blocking; the plan itself is colocated only where the runtime runs it, one EP block
+    a pipeline group (`runnable_colocated_candidates`), and a note says what a layout in EP blocks
+    would have taken."""
     prob = problem_of(cfg)
-    dis_time, dis, dis_whole = _best_of_kind(cfg, prob, colocated=False)
-    run_time, run, run_whole = _best_of_kind(runnable_colocated(cfg), prob, colocated=True)
-    col_time, col = run_time, run  # the baseline: the best colocated layout of any depth
-    if cfg.max_pipeline_groups > COLOCATED_GROUPS:
-        col_time, col, _ = _best_of_kind(cfg, prob, colocated=True)
+    dis_time, dis, dis_whole = _best_of_kind(cfg, prob, disaggregated_candidates)
+    run_time, run, run_whole = _best_of_kind(cfg, prob, runnable_colocated_candidates)
+    col_time, col, _ = _best_of_kind(cfg, prob, colocated_candidates)  # the baseline
     whole = min(dis_whole, run_whole)  # the best plan that leaves no GPU idle (but for gpus mod p)
     if dis is not None and prob.calibration is not None:  # the pick compares what the plan will report
         dis_time = replayed_step_s(evaluate(prob, dis), prob, dis)
@@ -524,22 +532,18 @@ def _choose(cfg: PlanConfig) -> Choice:
     else:
         chosen = dis if dis_time <= run_time else run
         choice = price(cfg, chosen, col_time, dis_time, whole)
-    if col_time < min(dis_time, run_time):  # only a deeper colocated layout is faster
-        choice.plan.notes.append(_deeper_colocated_note(col, col_time))
+    if col_time < min(dis_time, run_time):  # only a colocated layout in EP blocks is faster
+        choice.plan.notes.append(_ep_blocks_note(cfg, col, col_time))
     choice.plan.notes.extend(_untaken_recompute(cfg, choice.plan))
     return choice
 
 
-def runnable_colocated(cfg: PlanConfig) -> PlanConfig:
-    """`cfg` with the colocated layouts limited to those the runtime runs (`COLOCATED_GROUPS`)."""
-    return cfg.model_copy(update={"max_pipeline_groups": min(cfg.max_pipeline_groups, COLOCATED_GROUPS)})
-
-
-def _best_of_kind(cfg: PlanConfig, prob: Problem, colocated: bool) -> tuple[float, Candidates | None, float]:
-    """(step, layout) of the fastest layout of one kind that fits ((inf, None) where none does),
-    and the fastest of that kind leaving no GPU idle (but for gpus mod p)."""
+def _best_of_kind(cfg: PlanConfig, prob: Problem,
+                  kind: Callable[..., Candidates]) -> tuple[float, Candidates | None, float]:
+    """(step, layout) of the fastest layout of one kind (its candidates' function) that fits
+    ((inf, None) where none does), and the fastest of that kind leaving no GPU idle (but for
+    gpus mod p)."""
     gpus = cfg.cluster.num_gpus
-    kind = colocated_candidates if colocated else disaggregated_candidates
     cands = kind(cfg, gpus, _pruning(cfg, prob, kind(cfg, gpus)))
     if not len(cands):
         return math.inf, None, math.inf
@@ -550,10 +554,14 @@ def _best_of_kind(cfg: PlanConfig, prob: Problem, colocated: bool) -> tuple[floa
     return (float(cost.step_s[i]), cands.take(i), whole) if i is not None else (math.inf, None, whole)
 
 
-def _deeper_colocated_note(col: Candidates, step_s: float) -> str:
-    return (f"colocated with {int(col.p[0])} pipeline groups (m={int(col.m[0])}) would take "
-            f"{report.seconds(step_s)} per step, faster than this plan, but the colocated runtime runs "
-            f"{COLOCATED_GROUPS} pipeline group: it is the baseline here, not the plan")
+def _ep_blocks_note(cfg: PlanConfig, col: Candidates, step_s: float) -> str:
+    """The colocated baseline the runtime cannot run: its groups in EP blocks."""
+    p, per_group = int(col.p[0]), int(col.expert[0]) // int(col.p[0])
+    ep = int(colocated_ep(cfg.model.num_experts, per_group // int(col.sets[0])))
+    return (f"colocated on {int(col.expert[0])} GPUs with {p} pipeline group(s) of {per_group // ep} EP blocks of "
+            f"{ep} (m={int(col.m[0])}) would take {report.seconds(step_s)} per step, faster than this plan, but the "
+            "colocated runtime holds each expert once per pipeline group, on all its GPUs (no EP blocks yet): it is "
+            "the baseline here, not the plan")
 
 
 def _untaken_recompute(cfg: PlanConfig, plan: Plan) -> list[str]:
@@ -1004,7 +1012,7 @@ def _infeasible(cfg: PlanConfig, prob: Problem) -> Plan:
     counts = count_params(cfg.model)
     gpus = cfg.cluster.num_gpus
     costs = [evaluate(prob, c) for c in (disaggregated_candidates(cfg, gpus),
-                                         colocated_candidates(runnable_colocated(cfg), gpus)) if len(c)]
+                                         runnable_colocated_candidates(cfg, gpus)) if len(c)]
     notes = [] if costs else [f"the global batch ({cfg.global_batch_tokens} tokens) is smaller than one sequence per GPU"]
     smallest = min((float(np.min(np.where(k.rank_steps.refused, np.inf, np.maximum(k.attn_mem_bytes,
                                                                                      k.expert_mem_bytes))))

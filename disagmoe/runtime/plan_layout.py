@@ -21,7 +21,8 @@ Everything else (batch_size, seq_len, data, the rest of optim, transport) stays 
 `plan_placement(plan, model_cfg)` turns the plan's `expert_map` (per MoE layer j, per expert: the
 expert-pool ranks holding it, in replica order; MoE layer j is layer num_dense_layers + j, of
 pipeline group layer mod p, whose expert GPUs are pool ranks g*n .. (g+1)*n - 1 with
-n = expert_gpus / p) into MoE layer -> per expert, its owners as indices into the layer's group
+n = expert_gpus / p; colocated: the group's ranks, g*n .. (g+1)*n - 1 as `Topology` numbers
+them) into MoE layer -> per expert, its owners as indices into the layer's group
 (`ExpertOwners`). An expert with n owners is replicated; the attention rank of data-parallel
 index d (of D) sends its rows of it to owner d mod n when D >= n (DESIGN: replica r serves the
 data-parallel indices d mod n == r, so a replica set serves its share of the attention ranks), and
@@ -29,8 +30,9 @@ splits them evenly over owners d, d + D, ... when D < n, so no replica idles (`r
 
 A plan the runtime cannot run is refused with a ValueError before any actor starts: a plan for
 another model, an infeasible plan, a plan recomputing expert modules for a run whose experts_backend
-is not triton, a colocated plan with pipeline groups, a single plan on more
-than one GPU or with pipeline groups, an expert held by no
+is not triton, a colocated plan with pipeline groups holding an expert more than once in a
+group (the colocated runtime with pipeline groups has no EP blocks: each expert once per group),
+a single plan on more than one GPU or with pipeline groups, an expert held by no
 rank, twice by one rank or by a rank outside its layer's group, an expert rank with no expert, and
 a planned config the config's checks refuse.
 """
@@ -148,10 +150,6 @@ def check_plan(plan: Plan, model_cfg: ModelConfig, source: str, experts_backend:
         raise ValueError(f"{source} is a single-GPU plan with pipeline_groups={p}, attention_gpus="
                          f"{plan.attention_gpus}, expert_gpus={plan.expert_gpus}; a single plan runs everything "
                          f"on one GPU (p=1, expert_gpus=1, attention_gpus=0); {REPLAN}")
-    if plan.layout == "colocated" and p > 1:
-        raise ValueError(f"{source} is colocated with pipeline_groups={p}; the colocated runtime runs one "
-                         f"pipeline group, and `disagmoe plan` proposes no deeper colocated layout since it "
-                         f"learned that; {REPLAN}")
     if plan.expert_gpus % p:
         raise ValueError(f"{source} has expert_gpus={plan.expert_gpus}, not a multiple of pipeline_groups={p}: "
                          f"every group needs the same number of expert GPUs; {REPLAN}")
@@ -165,6 +163,11 @@ def check_plan(plan: Plan, model_cfg: ModelConfig, source: str, experts_backend:
                     f"{source}'s expert_map puts expert {e} of MoE layer {j} on {ranks or 'no rank'}, but that "
                     f"layer's experts must each go to one or more distinct expert ranks of its pipeline group "
                     f"{group}: ranks {first}..{first + per_group - 1}")
+            if plan.layout == "colocated" and p > 1 and len(ranks) > 1:
+                raise ValueError(
+                    f"{source}'s expert_map puts expert {e} of MoE layer {j} on {len(ranks)} ranks of pipeline group "
+                    f"{group} ({ranks}); the colocated runtime with pipeline groups holds each expert once per group "
+                    f"(no EP blocks or replicas yet), and `disagmoe plan` proposes no other; {REPLAN}")
         idle = sorted(set(range(first, first + per_group)) - {r for ranks in owners for r in ranks})
         if idle:
             raise ValueError(f"{source}'s expert_map gives expert ranks {idle} no expert of MoE layer {j}; every "

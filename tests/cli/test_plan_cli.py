@@ -403,7 +403,7 @@ def test_offload_optimizer_is_auto_on_or_off_and_the_bare_flag_still_means_on():
     assert "--offload-optimizer" in help_text and "auto|on|off" in help_text.replace("<", "").replace(">", "")
     assert "the bare flag still means on" in help_text.replace("│ ", "")
     args = ("plan", "--model", "qwen3-30b-a3b", "--hardware", "h200-sxm", "--gpus", "8",
-            "--global-batch-tokens", "131072")
+            "--global-batch-tokens", "262144")
 
     def plan_of(*extra):
         r = run(*args, *extra)

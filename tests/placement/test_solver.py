@@ -217,32 +217,44 @@ def test_a_fixed_layout_claims_nothing_it_did_not_price():
     assert not colocated.feasible and colocated.reason.startswith("does not fit")
     disaggregated = price(cfg, Candidates.one(3, 5, 1, 2, 1)).plan
     assert disaggregated.colocated_step_time_s is None and disaggregated.speedup_vs_colocated is None
-    searched = solve(cfg)  # the colocated baseline has 2 pipeline groups, which the colocated runtime does not run
-    assert searched.layout == "disaggregated" and "slower than the colocated baseline" in searched.reason
-    assert searched.speedup_vs_colocated < 1 and any(n.startswith("colocated with 2 pipeline groups")
-                                                     for n in searched.notes)
-    small = solve(request("tiny", "h200-sxm", 4))
-    assert small.layout == "colocated" and "faster than the best disaggregated split" in small.reason
+    searched = solve(cfg)  # colocated p = 2, each group one EP block of 4 GPUs: a layout the runtime runs
+    assert searched.layout == "colocated" and "faster than the best disaggregated split" in searched.reason
+    assert (searched.pipeline_groups, searched.expert_gpus, searched.expert_replica_sets) == (2, 8, 1)
+    small = solve(request("tiny", "h200-sxm", 4))  # the baseline: 4 EP blocks of one GPU, which the runtime does not run
+    assert small.layout == "disaggregated" and "slower than the colocated baseline" in small.reason
 
 
-def test_a_colocated_plan_is_one_the_runtime_runs_and_a_deeper_one_stays_the_baseline():
-    """The colocated runtime runs one pipeline group (`runtime.plan_layout.check_plan` refuses
-    more): a plan never proposes more; the best colocated layout of any depth stays the baseline
-    its speedup is measured against, and a note says what it would have taken. Mixtral on 8 H200s
-    fits only as colocated with pipeline groups, so no plan fits there."""
-    from disagmoe.runtime.plan_layout import check_plan
+def test_a_colocated_plan_is_one_ep_block_a_group_and_one_in_blocks_stays_the_baseline():
+    """The colocated runtime holds each expert once per pipeline group, on the group's ranks
+    (`runtime.plan_layout.check_plan` refuses replicas there): a colocated plan has any pipeline
+    depth and each group one EP block; the best colocated layout of any depth and EP blocking stays
+    the baseline its speedup is measured against, and where only it beats the plan a note says what
+    it would have taken. Qwen3-30B on 8 H200s is planned colocated p = 2 and trains as planned
+    (`apply_plan`, `Topology.from_config`); Mixtral on 8 fits only as colocated p = 8, one GPU a group."""
+    from disagmoe.config import TrainConfig
+    from disagmoe.runtime.plan_layout import apply_plan, check_plan
+    from disagmoe.runtime.topology import Topology
 
-    for model, gpus in (("qwen3-30b-a3b", 8), ("qwen3-30b-a3b", 16), ("mixtral-8x7b", 16), ("tiny", 4)):
+    for model, gpus in (("qwen3-30b-a3b", 8), ("qwen3-30b-a3b", 16), ("qwen3-30b-a3b", 32), ("mixtral-8x7b", 8),
+                        ("mixtral-8x7b", 16), ("tiny", 4)):
         cfg = request(model, "h200-sxm", gpus)
         plan = solve(cfg)
         check_plan(plan, cfg.model, "the plan")  # raises for a plan train cannot run
-        deeper = solve(cfg.model_copy(update={"max_pipeline_groups": 1})).step_time_s
-        assert plan.step_time_s == deeper or plan.layout == "disaggregated"
-        assert plan.colocated_step_time_s <= plan.step_time_s or plan.layout == "colocated"
+        if plan.layout == "colocated":
+            assert plan.expert_replica_sets == 1 and all(len(r) == 1 for owners in plan.expert_map for r in owners)
+            assert plan.colocated_step_time_s <= plan.step_time_s
+        blocked = [n for n in plan.notes if "no EP blocks yet" in n]
+        assert bool(blocked) == (plan.colocated_step_time_s < plan.step_time_s * (1 - 1e-9)), (model, gpus)
+    qwen = solve(request("qwen3-30b-a3b", "h200-sxm", 8))
+    assert (qwen.layout, qwen.pipeline_groups) == ("colocated", 2)
+    run = apply_plan(TrainConfig(model=load_model("qwen3-30b-a3b"), plan=qwen, batch_size=8, seq_len=16,
+                                 experts_backend="triton"), load_model("qwen3-30b-a3b"))
+    assert (run.mode, run.colocated_ranks, run.pipeline_groups) == ("colocated", 8, 2)
+    assert Topology.from_config(run, load_model("qwen3-30b-a3b")).world_size == 8
     mixtral = solve(request("mixtral-8x7b", "h200-sxm", 8))
-    assert not mixtral.feasible and mixtral.min_gpus > 8
-    assert any(n.startswith("colocated with 8 pipeline groups") for n in mixtral.notes)
-    check_plan(solve(request("mixtral-8x7b", "h200-sxm", mixtral.min_gpus)), load_model("mixtral-8x7b"), "the plan")
+    assert (mixtral.layout, mixtral.pipeline_groups, mixtral.expert_gpus) == ("colocated", 8, 8)
+    wide = solve(request("mixtral-8x7b", "h200-sxm", 16))
+    assert any(n.startswith("colocated on 16 GPUs with 8 pipeline group(s) of 2 EP blocks of 1") for n in wide.notes)
 
 
 def test_a_baseline_that_does_not_fit_is_null_not_zero():
@@ -787,9 +799,9 @@ def test_auto_offload_is_chosen_recorded_and_said_where_only_offloaded_layouts_f
 
 
 def test_auto_offload_stays_off_where_the_model_fits_and_offload_is_slower():
-    """qwen3-30b-a3b on 8 H200s with a 128k-token step: the plan fits without offload, and the
+    """qwen3-30b-a3b on 8 H200s with a 256k-token step: the plan fits without offload, and the
     host link (the whole state in and out every step) would make it slower, so auto keeps it off."""
-    off, on, auto = (solve(offload_request(mode, batch=1 << 17)) for mode in ("off", "on", "auto"))
+    off, on, auto = (solve(offload_request(mode, batch=1 << 18)) for mode in ("off", "on", "auto"))
     assert off.feasible and on.feasible and on.step_time_s > off.step_time_s
     assert not auto.offload_optimizer and auto.step_time_s == off.step_time_s
     note = next(n for n in auto.notes if n.startswith("offload auto chose off: "))

@@ -40,12 +40,13 @@ def planned(gpus: int, expert_gpus: int | None = None, **request) -> Plan:
     return price(cfg, candidates.take(best_index(evaluate(problem_of(cfg), candidates), candidates))).plan
 
 
-def colocated_plan(gpus: int, micro_batches: int) -> Plan:
-    """The planner's colocated layout on all `gpus` (p = 1, one EP block, `micro_batches`) priced as a plan."""
+def colocated_plan(gpus: int, micro_batches: int, p: int = 1) -> Plan:
+    """The planner's colocated layout on all `gpus` (`p` pipeline groups, each one EP block,
+    `micro_batches`) priced as a plan."""
     request = build_request("tiny", "h200-sxm", gpus, 64, 512)
     candidates = colocated_candidates(request, gpus)
     index = next(i for i in range(len(candidates))
-                 if candidates.p[i] == 1 and candidates.m[i] == micro_batches and candidates.seqs[i] == 1
+                 if candidates.p[i] == p and candidates.m[i] == micro_batches and candidates.seqs[i] == 1
                  and candidates.expert[i] == gpus and candidates.sets[i] == 1)
     return price(request, candidates.take(index)).plan
 
@@ -90,6 +91,24 @@ def test_a_colocated_plan_sets_the_colocated_ranks():
     topology = Topology.from_config(cfg, MODEL)
     for rank in (0, 1):
         assert topology.experts_of(rank) == {layer: holds(plan, layer - 1, rank) for layer in (1, 2)}
+
+
+def test_a_colocated_plan_with_pipeline_groups_places_each_expert_once_on_its_groups_ranks():
+    """A colocated plan with p = 2 on 4 GPUs (each group one EP block of 2) sets pipeline_groups,
+    and its expert map (global ranks, group g's g*2 .. g*2 + 1) is the topology's owners: each
+    expert of a layer once, on the layer's group."""
+    plan = colocated_plan(4, micro_batches=2, p=2)
+    cfg = apply_plan(config(plan), MODEL)
+    assert (cfg.mode, cfg.colocated_ranks, cfg.pipeline_groups, cfg.micro_batches) == ("colocated", 4, 2, 2)
+    topology = Topology.from_config(cfg, MODEL)
+    assert topology.world_size == 4 and topology.pipeline_groups == 2
+    for j, owners in enumerate(plan.expert_map):
+        group = (MODEL.num_dense_layers + j) % 2
+        assert all(len(ranks) == 1 and ranks[0] // 2 == group for ranks in owners)
+        assert [list(topology.owner_ranks(MODEL.num_dense_layers + j, e)) for e in range(8)] == owners
+    for rank in range(4):
+        assert topology.experts_of(rank) == {layer: holds(plan, layer - 1, rank) for layer in (1, 2)
+                                             if layer % 2 == rank // 2}
 
 
 def test_a_single_gpu_plan_runs_in_single_mode():
@@ -148,8 +167,9 @@ REFUSED = {
     "no-rank": (lambda: _edit_map(planned(3), 1, 3, []), "expert 3 of MoE layer 1 on no rank"),
     "idle-rank": (lambda: planned(3).model_copy(update={"expert_map": [[[0]] * 8, planned(3).expert_map[1]]}),
                   "gives expert ranks [1] no expert of MoE layer 0"),
-    "colocated-pipeline": (lambda: colocated_plan(2, 2).model_copy(update={"pipeline_groups": 2}),
-                           "colocated runtime runs one pipeline group"),
+    "colocated-replicas": (lambda: _edit_map(colocated_plan(4, 2, p=2), 0, 0, [2, 3]),
+                           "expert 0 of MoE layer 0 on 2 ranks of pipeline group 1 ([2, 3]); the colocated runtime "
+                           "with pipeline groups holds each expert once per group"),
     "single-on-two": (lambda: planned(1).model_copy(update={"expert_gpus": 2}),
                       "a single plan runs everything on one GPU"),
     "uneven-groups": (lambda: planned(3).model_copy(update={"pipeline_groups": 3}),
