@@ -26,7 +26,14 @@ from disagmoe.cli.plan_cmd import build_request
 from disagmoe.config import OptimConfig, Plan, TrainConfig
 from disagmoe.model_ref import load_model
 from disagmoe.placement.cost import evaluate
-from disagmoe.placement.solver import best_index, colocated_candidates, disaggregated_candidates, price, problem_of
+from disagmoe.placement.solver import (
+    best_index,
+    colocated_candidates,
+    disaggregated_candidates,
+    price,
+    problem_of,
+    runnable_colocated_candidates,
+)
 from disagmoe.model import MoETransformer
 from disagmoe.runtime.state.checkpoint import checkpoint_dir, load_checkpoint, read_manifest, read_shards
 from disagmoe.runtime.cluster.cluster import WorkerGroup
@@ -273,12 +280,13 @@ def planned(gpus: int, **request) -> Plan:
     return price(cfg, candidates.take(best_index(evaluate(problem_of(cfg), candidates), candidates))).plan
 
 
-def colocated_plan(gpus: int, micro_batches: int) -> Plan:
-    """The planner's colocated layout on `gpus` (p = 1, `micro_batches`), priced as a plan."""
+def colocated_plan(gpus: int, micro_batches: int, p: int = 1) -> Plan:
+    """The planner's colocated layout on `gpus` (`p` pipeline groups, `micro_batches`), priced as a
+    plan; with p > 1 one it proposes (each group one EP block, `runnable_colocated_candidates`)."""
     request = build_request("tiny", "h200-sxm", gpus, 64, 512)
-    candidates = colocated_candidates(request, gpus)
+    candidates = (colocated_candidates if p == 1 else runnable_colocated_candidates)(request, gpus)
     index = next(i for i in range(len(candidates))
-                 if candidates.p[i] == 1 and candidates.m[i] == micro_batches and candidates.expert[i] == gpus)
+                 if candidates.p[i] == p and candidates.m[i] == micro_batches and candidates.expert[i] == gpus)
     return price(request, candidates.take(index)).plan
 
 
@@ -290,6 +298,8 @@ PLANS = {
         "attention_gpus": 2, "expert_gpus": 2, "pipeline_groups": 2, "expert_map": [[[1]] * 8, [[0]] * 8]}),
     "planner-A1-E2": lambda: planned(3),
     "planner-colocated-2": lambda: colocated_plan(2, micro_batches=2),
+    # two pipeline groups of two ranks, each expert once per group: COMBINE and RESIDUAL to the next group
+    "planner-colocated-4-p2": lambda: colocated_plan(4, micro_batches=2, p=2),
     # replicated experts: each sender splits a replicated expert's rows over its owners, and the
     # owners sum its gradients; layer 2 has two whole replica sets, owners in both orders
     "replicas-A2-E2-m2": lambda: planned(3).model_copy(update={
@@ -309,7 +319,8 @@ def test_a_plan_trains_like_the_single_process_oracle(warm, tmp_path, case):
     cfg = run_config(tmp_path / "dist", "disaggregated", plan=plan)
     summary = run_on(warm, cfg)
     planned_cfg = apply_plan(cfg, cfg.model)
-    assert (planned_cfg.mode, planned_cfg.micro_batches) == (plan.layout, plan.micro_batches)
+    assert (planned_cfg.mode, planned_cfg.micro_batches, planned_cfg.pipeline_groups) == (
+        plan.layout, plan.micro_batches, plan.pipeline_groups)
     reference, reference_model = oracle(planned_cfg, tmp_path / "single")
     assert_same_losses(read_metrics(tmp_path / "dist" / METRICS_FILE), reference)
     assert_same_parameters(model_from_checkpoint(cfg, Path(summary.checkpoint_path)), reference_model)
