@@ -220,7 +220,7 @@ def test_a_fixed_layout_claims_nothing_it_did_not_price():
     searched = solve(cfg)  # colocated p = 2, each group one EP block of 4 GPUs: a layout the runtime runs
     assert searched.layout == "colocated" and "faster than the best disaggregated split" in searched.reason
     assert (searched.pipeline_groups, searched.expert_gpus, searched.expert_replica_sets) == (2, 8, 1)
-    small = solve(request("tiny", "h200-sxm", 4))  # the baseline: 4 EP blocks of one GPU, which the runtime does not run
+    small = solve(request("tiny", "h200-sxm", 4))  # the baseline: 4 EP blocks of one GPU, not run yet
     assert small.layout == "disaggregated" and "slower than the colocated baseline" in small.reason
 
 
