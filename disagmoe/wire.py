@@ -85,7 +85,8 @@ class _MessageOp:
     peers: tuple[int, ...]
 
     def key(self, step: int) -> MessageKey:
-        return MessageKey(step, self.micro_batch, self.layer, self.payload.direction)
+        """The transport key of this op's message in `step` (`message_key`: COMBINE's lane bit too)."""
+        return message_key(step, self.payload, self.layer, self.micro_batch)
 
 
 @dataclass(frozen=True)
