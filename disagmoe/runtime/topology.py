@@ -209,8 +209,11 @@ class Topology(LayerRing):
         return f"E{expert[0]}.{expert[1]}"
 
     def group_name(self, rank: int) -> str:
-        """The busy-fraction group of a rank: 'A<g>', 'E<g>' or 'colocated'."""
-        return "colocated" if self.colocated else self.describe(rank).split(".")[0]
+        """The busy-fraction group of a rank: 'A<g>', 'E<g>', 'colocated' (one colocated group) or
+        'C<g>' (colocated pipeline group g)."""
+        if self.colocated and self.pipeline_groups == 1:
+            return "colocated"
+        return self.describe(rank).split(".")[0]
 
 
 def _per_layer(num_layers: int, num_dense_layers: int, num_experts: int, ranks_of_layer: list[int],

@@ -83,6 +83,7 @@ def test_colocated_pipeline_groups_split_the_ranks_and_the_layers():
     assert topo.world_size == 4 and topo.data_parallel == 2 and topo.pipeline_groups == 2
     assert topo.attention_groups == topo.expert_groups == ((0, 1), (2, 3))
     assert [topo.describe(r) for r in range(4)] == ["C0.0", "C0.1", "C1.0", "C1.1"]
+    assert [topo.group_name(r) for r in range(4)] == ["C0", "C0", "C1", "C1"]  # busy fractions per group
     assert [topo.attention_layers(r) for r in range(4)] == [[0, 2], [0, 2], [1], [1]]
     assert topo.experts_of(1) == {0: (4, 5, 6, 7), 2: (4, 5, 6, 7)} and topo.experts_of(2) == {1: (0, 1, 2, 3)}
     model = load_model("tiny")
