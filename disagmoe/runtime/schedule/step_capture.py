@@ -5,6 +5,7 @@ reason keeps a step eager). Torch-free: a run asks it through `rank_graphs.resol
 
     settings = StepSettings.of_run(cfg)
     layout_blockers(data_parallel, replicated)          (why, fix) per reason of the layout
+    one_gpu_blockers(settings)                          (why, fix) per reason of a step without messages
     resolve(settings, mode, data_parallel, replicated)  (captured?, the one line); `on` where it cannot: ValueError
 
 A layout enters as two facts, so the planner asks them of its candidates without a topology:
@@ -53,14 +54,22 @@ def layout_blockers(data_parallel: int, replicated: bool) -> list[Blocker]:
     ) if holds]
 
 
-def _where_blockers(s: StepSettings) -> list[Blocker]:
-    """Where the step runs and how its messages travel."""
-    return [(why, fix) for holds, why, fix in (
-        (s.device != "cuda", f"a {s.device} run has no CUDA graphs", "run on device: cuda"),
-        (s.transport != "nvshmem",
-         f"transport {s.transport} posts every message from the host (the nvshmem transport's puts and flag "
-         "waits are captured)", "set transport: nvshmem"),
-    ) if holds]
+def one_gpu_blockers(s: StepSettings) -> list[Blocker]:
+    """The reasons a step without messages (mode single's, `graphed_step.resolve_cuda_graphs`) is
+    not captured: where it runs and its work."""
+    return _device_blockers(s) + _work_blockers(s)
+
+
+def _device_blockers(s: StepSettings) -> list[Blocker]:
+    return [(f"a {s.device} run has no CUDA graphs", "run on device: cuda")] if s.device != "cuda" else []
+
+
+def _transport_blockers(s: StepSettings) -> list[Blocker]:
+    """How the step's messages travel."""
+    if s.transport == "nvshmem":
+        return []
+    return [(f"transport {s.transport} posts every message from the host (the nvshmem transport's puts and flag "
+             "waits are captured)", "set transport: nvshmem")]
 
 
 def _work_blockers(s: StepSettings) -> list[Blocker]:
@@ -83,7 +92,8 @@ def resolve(s: StepSettings, mode: str, data_parallel: int, replicated: bool) ->
     `CHECKED_ON_GPU`, everywhere else too, as it does for precision fp8 (`runtime.rank_graphs`)."""
     if s.cuda_graphs == "off":
         return False, "cuda_graphs: off"
-    blocked = _where_blockers(s) + layout_blockers(data_parallel, replicated) + _work_blockers(s)
+    blocked = (_device_blockers(s) + _transport_blockers(s) + layout_blockers(data_parallel, replicated)
+               + _work_blockers(s))
     if s.cuda_graphs == "on":
         if blocked:
             raise ValueError(f"cuda_graphs: on cannot capture mode {mode}'s rank steps here: "

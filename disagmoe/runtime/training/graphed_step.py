@@ -43,6 +43,7 @@ import torch
 
 from disagmoe.config import TrainConfig
 from disagmoe.model import MoETransformer
+from disagmoe.runtime.schedule.step_capture import StepSettings, one_gpu_blockers
 from disagmoe.runtime.state.flat_adamw import FlatAdamW
 
 WARMUP_STEPS = 3  # eager steps before capture (torch asks for a few on a side stream)
@@ -66,14 +67,9 @@ def resolve_cuda_graphs(cfg: TrainConfig) -> tuple[bool, str]:
         return resolve_rank_graphs(cfg, Topology.from_config(cfg, load_model(cfg.model)))
     if cfg.cuda_graphs != "auto":
         return cfg.cuda_graphs == "on", f"cuda_graphs: {cfg.cuda_graphs}"
-    eager = next((why for missing, why in (
-        (cfg.device != "cuda", f"a {cfg.device} run has no CUDA graphs"),
-        (cfg.experts_backend == "loop", "experts_backend loop reads each expert's row count on the host"),
-        (cfg.steps_reference_adamw, "precision fp32 steps torch's reference AdamW, which is not captured"),
-        (cfg.offload_optimizer, "the offloaded optimizer's copy streams are not captured yet"),
-        (cfg.expert_precision == "fp8" and bool(cfg.recompute_set & {"expert_input", "expert_swiglu"}),
-         "the FP8 experts' selective recomputation has not been checked captured on a GPU yet"),
-    ) if missing), None)
+    eager = next((why for why, _ in one_gpu_blockers(StepSettings.of_run(cfg))), None)
+    if eager is None and cfg.expert_precision == "fp8" and cfg.recompute_set & {"expert_input", "expert_swiglu"}:
+        eager = "the FP8 experts' selective recomputation has not been checked captured on a GPU yet"
     if eager is not None:
         return False, f"cuda_graphs: auto -> eager: {eager}"
     return True, (f"cuda_graphs: auto -> on: the whole step is captured after {WARMUP_STEPS} eager steps and "
