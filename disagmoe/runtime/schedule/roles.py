@@ -44,8 +44,9 @@ class Role:
 
 
 class LayerRing:
-    """Which pipeline group owns which layer (group g owns layers g, g+p, ...), for any class
-    with `num_layers`, `num_dense_layers` and `pipeline_groups`."""
+    """Which pipeline group owns which layer (group g owns layers g, g+p, ...) and which ranks are
+    a group's attention ranks (g * data_parallel + d), for any class with `num_layers`,
+    `num_dense_layers`, `pipeline_groups` and `data_parallel`; the checks both layouts share."""
 
     num_layers: int
     num_dense_layers: int
@@ -71,6 +72,35 @@ class LayerRing:
     def prev_group(self, group: int) -> int:
         return (group - 1) % self.pipeline_groups
 
+    @property
+    def data_parallel(self) -> int:
+        """Attention ranks per pipeline group (each layout's own count over `pipeline_groups`)."""
+        raise NotImplementedError
+
+    def attention_rank(self, group: int, dp_index: int) -> int:
+        return group * self.data_parallel + dp_index
+
+    def attention_group(self, group: int) -> tuple[int, ...]:
+        return tuple(self.attention_rank(group, d) for d in range(self.data_parallel))
+
+    def _check_counts(self, names: tuple[str, ...]) -> None:
+        """ValueError for a count of `names` below 1 or dense layers outside 0 .. num_layers."""
+        for name in names:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
+        if not 0 <= self.num_dense_layers <= self.num_layers:
+            raise ValueError(
+                f"num_dense_layers={self.num_dense_layers} must be between 0 and "
+                f"num_layers={self.num_layers}"
+            )
+
+    def _check_layers_per_group(self) -> None:
+        if self.num_layers < self.pipeline_groups:
+            raise ValueError(
+                f"num_layers={self.num_layers} is fewer than pipeline_groups={self.pipeline_groups}; "
+                "use at most one pipeline group per layer"
+            )
+
 
 @dataclass(frozen=True)
 class Layout(LayerRing):
@@ -86,14 +116,7 @@ class Layout(LayerRing):
 
     def __post_init__(self) -> None:
         p = self.pipeline_groups
-        for name in ("attention_ranks", "expert_ranks", "pipeline_groups", "num_layers"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
-        if not 0 <= self.num_dense_layers <= self.num_layers:
-            raise ValueError(
-                f"num_dense_layers={self.num_dense_layers} must be between 0 and "
-                f"num_layers={self.num_layers}"
-            )
+        self._check_counts(("attention_ranks", "expert_ranks", "pipeline_groups", "num_layers"))
         if self.attention_ranks % p:
             raise ValueError(
                 f"attention_ranks={self.attention_ranks} must be a multiple of pipeline_groups={p}: "
@@ -105,11 +128,7 @@ class Layout(LayerRing):
                 f"expert_ranks={self.expert_ranks} is fewer than pipeline_groups={p}; "
                 "every pipeline group needs at least one expert rank"
             )
-        if self.num_layers < p:
-            raise ValueError(
-                f"num_layers={self.num_layers} is fewer than pipeline_groups={p}; "
-                "use at most one pipeline group per layer"
-            )
+        self._check_layers_per_group()
 
     @classmethod
     def from_config(cls, train: TrainConfig, model: ModelConfig) -> Layout:
@@ -125,12 +144,6 @@ class Layout(LayerRing):
     def data_parallel(self) -> int:
         """Attention ranks per pipeline group (the data-parallel width)."""
         return self.attention_ranks // self.pipeline_groups
-
-    def attention_rank(self, group: int, dp_index: int) -> int:
-        return group * self.data_parallel + dp_index
-
-    def attention_group(self, group: int) -> tuple[int, ...]:
-        return tuple(self.attention_rank(group, d) for d in range(self.data_parallel))
 
     @cached_property
     def _expert_starts(self) -> tuple[int, ...]:
@@ -172,24 +185,13 @@ class ColocatedLayout(LayerRing):
     num_dense_layers: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("ranks", "pipeline_groups", "num_layers"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
-        if not 0 <= self.num_dense_layers <= self.num_layers:
-            raise ValueError(
-                f"num_dense_layers={self.num_dense_layers} must be between 0 and "
-                f"num_layers={self.num_layers}"
-            )
+        self._check_counts(("ranks", "pipeline_groups", "num_layers"))
         if self.ranks % self.pipeline_groups:
             raise ValueError(
                 f"ranks={self.ranks} must be a multiple of pipeline_groups={self.pipeline_groups}: "
                 "every group needs the same data-parallel width"
             )
-        if self.num_layers < self.pipeline_groups:
-            raise ValueError(
-                f"num_layers={self.num_layers} is fewer than pipeline_groups={self.pipeline_groups}; "
-                "use at most one pipeline group per layer"
-            )
+        self._check_layers_per_group()
 
     @property
     def world_size(self) -> int:
@@ -199,12 +201,6 @@ class ColocatedLayout(LayerRing):
     def data_parallel(self) -> int:
         """Ranks per pipeline group (the data-parallel width and the expert-parallel degree)."""
         return self.ranks // self.pipeline_groups
-
-    def attention_rank(self, group: int, dp_index: int) -> int:
-        return group * self.data_parallel + dp_index
-
-    def attention_group(self, group: int) -> tuple[int, ...]:
-        return tuple(self.attention_rank(group, d) for d in range(self.data_parallel))
 
     def expert_group(self, group: int) -> tuple[int, ...]:
         """The group's expert ranks: its attention ranks (E_g,j is A_g,j)."""
