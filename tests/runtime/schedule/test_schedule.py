@@ -197,3 +197,11 @@ def test_every_channel_of_an_in_order_transport_receives_in_send_order(colocated
         programs = build_schedule(Layout(ranks, ranks - 1 or 1, 1, 4, num_dense_layers=1), m).programs
     sent, asked = _channel_orders(programs)
     assert sent == asked
+
+
+@pytest.mark.parametrize("payload", list(Payload))
+def test_a_schedule_ops_key_is_the_transports_key_with_its_lane(payload):
+    """`Send.key` / `Recv.key` are `message_key`'s: COMBINE[_GRAD]'s lane bit too, so a colocated
+    rank pair's DISPATCH and COMBINE of one layer never share a key."""
+    for op in (Send(payload, 3, 1, (0,)), Recv(payload, 3, 1, (0,))):
+        assert op.key(7) == message_key(7, payload, 3, 1)
