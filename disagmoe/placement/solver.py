@@ -804,16 +804,18 @@ def _memory_bound(cost: Cost, prob: Problem) -> list[str]:
 
 
 def _colocated_map(cfg: PlanConfig, c: Candidates) -> tuple[list[list[list[int]]], float]:
-    """Colocated: within group g, EP blocks of `ep` GPUs; expert e lives on GPU e // (E/ep) of each."""
+    """Colocated: within group g, B = GPUs per group / ep EP blocks, block b its GPUs b, b + B, ...;
+    expert e lives on the block's GPU e // (E/ep), replica b in block b, so the GPU of data-parallel
+    index d dispatches within its own block (replica d mod B: `runtime.plan_layout.fed_replicas`)."""
     model = cfg.model
     p = int(c.p[0])
     per_group = int(c.expert[0]) // p
     ep = int(colocated_ep(model.num_experts, per_group // int(c.sets[0])))
-    per_gpu = model.num_experts // ep
+    per_gpu, blocks = model.num_experts // ep, per_group // ep
     out = []
     for j in range(model.num_moe_layers):
         g = (model.num_dense_layers + j) % p
-        out.append([[g * per_group + b * ep + e // per_gpu for b in range(per_group // ep)]
+        out.append([[g * per_group + b + blocks * (e // per_gpu) for b in range(blocks)]
                     for e in range(model.num_experts)])
     return out, 1.0
 
