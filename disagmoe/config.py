@@ -135,6 +135,14 @@ class RouterConfig(StrictModel):
         "DeepSeek-V3); softmax scores average 1/num_experts, where 1e-3 moves whole groups of tokens at once "
         "(docs/benchmarks.md: max/mean load 8 on the Qwen3-shaped config) and a far smaller step is needed")
 
+    @property
+    def needs_every_source_load(self) -> bool:
+        """The auxiliary loss takes each micro-batch's expert load over all data-parallel ranks, which
+        the distributed runtime returns from each expert rank over the sources it saw: with one, every
+        source dispatches to every expert rank of its group, whatever replica sets or EP blocks hold
+        (`runtime.topology.Topology.full_dispatch`; the planner runs such layouts one block a group)."""
+        return self.aux_loss_coef > 0
+
     @model_validator(mode="after")
     def _groups(self) -> RouterConfig:
         if self.topk_groups > self.num_groups:
@@ -889,9 +897,18 @@ class TrainConfig(StrictModel):
         1, description="disaggregated and colocated: pipeline groups p; group g owns layers g, g + p, g + 2p, ...")
     colocated_ranks: GpuCount = Field(2, description="colocated: ranks in all, each with attention and its share of "
                                       "its group's experts, split evenly over the pipeline groups")
+    expert_replica_sets: GpuCount = Field(
+        1, description="disaggregated and colocated: per pipeline group, sets of its expert ranks (colocated: EP "
+        "blocks of its ranks, the expert-parallel degree colocated_ranks / pipeline_groups / expert_replica_sets) each "
+        "holding every expert once (set c: the group's ranks c, c + sets, ...); the attention rank of data-parallel "
+        "index d sends its tokens to set d mod sets only (colocated: its own block) and the sets sum their experts' "
+        "gradients (a plan's expert_replica_sets and expert map replace it). A router with an auxiliary loss still "
+        "dispatches to every expert rank of the group: its load fraction is the micro-batch's over all data-parallel "
+        "ranks (`RouterConfig.needs_every_source_load`)")
     plan: str | Plan | None = Field(
         None, description="a `disagmoe plan --out` file (or an inline plan): its layout and expert map "
-        "replace mode, attention_ranks, expert_ranks, pipeline_groups, micro_batches, colocated_ranks, and "
+        "replace mode, attention_ranks, expert_ranks, pipeline_groups, expert_replica_sets, micro_batches, "
+        "colocated_ranks, and "
         "the settings it was priced with: recompute, recompute_modules, optim.state_dtype, optim.update_kernel, "
         "and where it priced them offload_optimizer, optim.shard_states, and precision: fp8 with fp8_dense "
         "(`runtime.plan_layout.apply_plan`)"
@@ -1068,10 +1085,25 @@ class TrainConfig(StrictModel):
             raise ValueError(f"colocated_ranks={self.colocated_ranks} does not split evenly over pipeline_groups="
                              f"{self.pipeline_groups} (every group needs the same data-parallel width, at least one "
                              "rank); make colocated_ranks a multiple of pipeline_groups or lower pipeline_groups")
+        self._check_replica_sets()
         if self.fault_injection is not None and self.mode == "single":
             raise ValueError("fault_injection kills a Ray actor: it needs mode disaggregated or colocated "
                              "(or remove fault_injection)")
         return self
+
+    def _check_replica_sets(self) -> None:
+        """ValueError where a pipeline group's expert ranks do not split into `expert_replica_sets`
+        sets of equal size (the ranks of each group: colocated_ranks or expert_ranks over pipeline_groups)."""
+        sets, p = self.expert_replica_sets, self.pipeline_groups
+        if sets == 1 or self.mode == "single":
+            return
+        name, ranks = (("colocated_ranks", self.colocated_ranks) if self.mode == "colocated"
+                       else ("expert_ranks", self.expert_ranks))
+        if ranks % p or (ranks // p) % sets:
+            raise ValueError(f"expert_replica_sets={sets} splits each pipeline group's expert ranks into {sets} sets of "
+                             f"equal size, which {name}={ranks} over pipeline_groups={p} does not; make {name} a "
+                             f"multiple of pipeline_groups x expert_replica_sets ({p * sets}) or lower "
+                             "expert_replica_sets")
 
 
 def priced_as_trained(cfg: TrainConfig) -> dict[str, Any]:

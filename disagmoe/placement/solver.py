@@ -8,9 +8,10 @@ expert count. Both search every layout on at most the job's GPUs (`_data_paralle
 says why pricing a few dp per layout is enough), so a plan never gets slower with more GPUs; one
 that leaves GPUs idle says so (`Plan.idle_gpus`). Candidates are priced at once by
 `cost.evaluate` (numpy arrays), in two passes (`_pruning`), so a 1,152-GPU search takes well
-under a second. The plan is the fastest layout `train --plan` runs (disaggregated, or colocated
-with each pipeline group one EP block: `runnable_colocated_candidates`); the best colocated layout
-of any EP blocking is the baseline reported beside it.
+under a second. The plan is the fastest layout `train --plan` runs as priced (disaggregated, or
+colocated in EP blocks, one a group where the router has an auxiliary loss:
+`runnable_colocated_candidates`); the best colocated layout of any EP blocking is the baseline
+reported beside it.
 With a calibrated hardware profile the chosen disaggregated layout's step time is then priced by
 replaying its schedule (`placement.replay`), once, after the search.
 """
@@ -253,10 +254,11 @@ def colocated_candidates(cfg: PlanConfig, gpus: int, least: Least | None = None,
 
 
 def runnable_colocated_candidates(cfg: PlanConfig, gpus: int, least: Least | None = None) -> Candidates:
-    """The colocated layouts the runtime runs: any pipeline depth, each group one EP block (every
-    expert once per group, on the group's GPUs: `runtime.plan_layout.check_plan`); the runtime
-    has no EP blocks yet (docs/colocated-pipeline-groups.md, slice 4)."""
-    return colocated_candidates(cfg, gpus, least, one_block=True)
+    """The colocated layouts the runtime runs as they are priced: any pipeline depth and EP blocking
+    (each GPU dispatching within its block: `runtime.topology.Topology.served`), but where the router
+    has an auxiliary loss each group one EP block: there every GPU dispatches to its whole group
+    (`RouterConfig.needs_every_source_load`), buffers and expert rows the blocks' pricing leaves out."""
+    return colocated_candidates(cfg, gpus, least, one_block=cfg.model.router.needs_every_source_load)
 
 
 def _divisors(n: int) -> list[int]:
@@ -517,9 +519,9 @@ def _host_limit_note(cfg: PlanConfig, choice: Choice) -> list[str]:
 def _choose(cfg: PlanConfig) -> Choice:
     """`choose` with the offload fixed (on or off). The colocated baseline (what the plan's speedup
     is measured against: Megatron's EP x PP x DP) is the best colocated layout of any pipeline
-    depth and EP blocking; the plan itself is colocated only where the runtime runs it, one EP block
-    a pipeline group (`runnable_colocated_candidates`), and a note says what a layout in EP blocks
-    would have taken."""
+    depth and EP blocking; the plan itself is colocated only where the runtime runs it as priced
+    (`runnable_colocated_candidates`: one EP block a group under an auxiliary loss), and a note says
+    what a layout in EP blocks would have taken."""
     prob = problem_of(cfg)
     dis_time, dis, dis_whole = _best_of_kind(cfg, prob, disaggregated_candidates)
     run_time, run, run_whole = _best_of_kind(cfg, prob, runnable_colocated_candidates)
@@ -555,13 +557,15 @@ def _best_of_kind(cfg: PlanConfig, prob: Problem,
 
 
 def _ep_blocks_note(cfg: PlanConfig, col: Candidates, step_s: float) -> str:
-    """The colocated baseline the runtime cannot run: its groups in EP blocks."""
+    """The colocated baseline the runtime does not run as priced: its groups in EP blocks under an
+    auxiliary loss (`runnable_colocated_candidates`)."""
     p, per_group = int(col.p[0]), int(col.expert[0]) // int(col.p[0])
     ep = int(colocated_ep(cfg.model.num_experts, per_group // int(col.sets[0])))
     return (f"colocated on {int(col.expert[0])} GPUs with {p} pipeline group(s) of {per_group // ep} EP blocks of "
-            f"{ep} (m={int(col.m[0])}) would take {report.seconds(step_s)} per step, faster than this plan, but the "
-            "colocated runtime holds each expert once per pipeline group, on all its GPUs (no EP blocks yet): it is "
-            "the baseline here, not the plan")
+            f"{ep} (m={int(col.m[0])}) would take {report.seconds(step_s)} per step, faster than this plan, but "
+            f"{cfg.model.name}'s router has an auxiliary loss, whose load fraction is the micro-batch's over all "
+            "data-parallel GPUs: the runtime then dispatches every GPU's tokens to its whole pipeline group, not "
+            "its EP block, so it runs one block a group: it is the baseline here, not the plan")
 
 
 def _untaken_recompute(cfg: PlanConfig, plan: Plan) -> list[str]:
@@ -804,16 +808,18 @@ def _memory_bound(cost: Cost, prob: Problem) -> list[str]:
 
 
 def _colocated_map(cfg: PlanConfig, c: Candidates) -> tuple[list[list[list[int]]], float]:
-    """Colocated: within group g, EP blocks of `ep` GPUs; expert e lives on GPU e // (E/ep) of each."""
+    """Colocated: within group g, B = GPUs per group / ep EP blocks, block b its GPUs b, b + B, ...;
+    expert e lives on the block's GPU e // (E/ep), replica b in block b, so the GPU of data-parallel
+    index d dispatches within its own block (replica d mod B: `runtime.plan_layout.fed_replicas`)."""
     model = cfg.model
     p = int(c.p[0])
     per_group = int(c.expert[0]) // p
     ep = int(colocated_ep(model.num_experts, per_group // int(c.sets[0])))
-    per_gpu = model.num_experts // ep
+    per_gpu, blocks = model.num_experts // ep, per_group // ep
     out = []
     for j in range(model.num_moe_layers):
         g = (model.num_dense_layers + j) % p
-        out.append([[g * per_group + b * ep + e // per_gpu for b in range(per_group // ep)]
+        out.append([[g * per_group + b + blocks * (e // per_gpu) for b in range(blocks)]
                     for e in range(model.num_experts)])
     return out, 1.0
 

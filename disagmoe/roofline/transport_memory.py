@@ -36,14 +36,20 @@ pins them against every rank's program): attention rank of group g receives DISP
 each of its set's Q expert ranks per MoE layer of g, COMBINE from each of Q per MoE layer of group
 g - 1 (mod p), and with p > 1 RESIDUAL of every layer of g - 1 and RESIDUAL_GRAD of every layer
 of g from one peer each; an expert rank of group g receives DISPATCH and COMBINE_GRAD from each of
-its S sources per MoE layer of g; a colocated rank of group g is both, its own group's R ranks
-the set and the sources, less its messages to itself (delivered locally): DISPATCH and
-DISPATCH_GRAD from R - 1 peers, COMBINE and COMBINE_GRAD from the R ranks of the neighbouring
-group (R - 1 with p = 1: the group itself), RESIDUAL and RESIDUAL_GRAD as an attention rank's. Pair-row messages (`hop: pair_rows`) are
-not modelled here (the planner prices partial sums; the runtime counts them from its layouts).
+its S sources per MoE layer of g (with R replica sets of a group's dp attention ranks: Q the set's
+ranks, S = dp / R, as `runtime.topology.Topology.served` pairs them); a colocated rank of group g
+is both, the ep ranks of its EP block the set and the sources (its own block: `Topology.served`),
+less its messages to itself (delivered locally): DISPATCH and DISPATCH_GRAD from ep - 1 peers,
+COMBINE and COMBINE_GRAD from the ep ranks of the same block of the neighbouring group (ep - 1 with
+p = 1: its own block), RESIDUAL and RESIDUAL_GRAD as an attention rank's. A router with an
+auxiliary loss makes every source dispatch to its whole group (`Topology.full_dispatch`): there
+the set is the group (Q all its expert ranks, S = dp; colocated ep = its ranks). Pair-row
+messages (`hop: pair_rows`) are not modelled here (the planner prices partial sums; the runtime
+counts them from its layouts).
 
 Legend: T tokens per data-parallel piece of a micro-batch, H hidden, K top-k, E experts,
-Q expert ranks of a set, S sources (attention ranks) of an expert rank, R colocated ranks a group.
+Q expert ranks of a set, S sources (attention ranks) of an expert rank, ep colocated ranks of an
+EP block.
 """
 
 from __future__ import annotations
@@ -262,13 +268,13 @@ def expert_receives(num_layers: int, num_dense: int, p: Num, g: int, sources: Nu
             ("combine_grad", True): _shared(n, present, reuse, micro_batches)}
 
 
-def colocated_receives(num_layers: int, num_dense: int, p: int, g: int, ranks: Num, micro_batches: Num,
+def colocated_receives(num_layers: int, num_dense: int, p: int, g: int, ep: Num, micro_batches: Num,
                        reuse: bool | str = False) -> Counts:
-    """Receive slots of a colocated rank of group g of p with `ranks` R a group: an attention rank
-    whose set is its group and an expert rank serving it (`attention_receives`, `expert_receives`),
-    less its messages to itself (module docstring)."""
-    own = np.asarray(ranks) - 1  # the group's other ranks
-    across = own if p == 1 else np.asarray(ranks)  # the neighbouring group's ranks
+    """Receive slots of a colocated rank of group g of p in an EP block of `ep` ranks (one block a
+    group: its ranks): an attention rank whose set is its block and an expert rank serving it
+    (`attention_receives`, `expert_receives`), less its messages to itself (module docstring)."""
+    own = np.asarray(ep) - 1  # the block's other ranks
+    across = own if p == 1 else np.asarray(ep)  # the same block of the neighbouring group
 
     def attention(q: Num) -> Counts:
         return attention_receives(num_layers, num_dense, p, g, q, micro_batches, reuse=reuse)
@@ -315,8 +321,8 @@ def arena_bytes(ranks: list[Counts], s: HopShape) -> Num:
 
 def layout_receives(num_layers: int, num_dense: int, p: Num, dp: Num, expert_ranks: Num, sets: Num,
                     micro_batches: Num, colocated: bool, reuse: bool | str = False) -> tuple[list[Counts], list[Counts]]:
-    """(attention ranks', expert ranks') slot counts of a layout (colocated: its ranks', each group one
-    EP block of `expert_ranks` R ranks as `colocated_receives` counts them, and no expert ranks). With
+    """(attention ranks', expert ranks') slot counts of a layout (colocated: its ranks', each in an EP
+    block of `expert_ranks` ep ranks as `colocated_receives` counts them, and no expert ranks). With
     array arguments (one element per candidate) each count is [N, G]: the rank of pipeline group g
     in column g (groups past a candidate's p count nothing), so the busiest group is one max over the
     last axis (`transport_bytes`). Arguments as `layout_transport_bytes`'."""
@@ -339,7 +345,7 @@ def layout_receives(num_layers: int, num_dense: int, p: Num, dp: Num, expert_ran
         return {("dispatch", True): _forward(mb * sources * moe_g, sources * (moe_g > 0), reuse),
                 ("combine_grad", True): _shared(mb * sources * moe_g, sources * (moe_g > 0), reuse, mb)}
 
-    if colocated:  # its own group's other ranks, and the neighbouring group's R (p = 1: itself, R - 1)
+    if colocated:  # its own block's other ranks, and the neighbouring group's same block (p = 1: itself, ep - 1)
         own = col(expert_ranks) - 1
         across = np.where(ring > 0, own + 1, own)
         return [{**attention(own), ("combine", True): attention(across)[("combine", True)],
@@ -371,8 +377,8 @@ def layout_transport_bytes(num_layers: int, num_dense: int, s: HopShape, p: Num,
     """(attention GPU, expert GPU) transport bytes of a layout, the busiest pipeline group's rank
     of each role (colocated: both the same). `dp`: attention ranks per group, `expert_ranks`: Q per
     replica set, `sets` replica sets per group (an expert rank serves dp / sets sources); colocated:
-    `expert_ranks` is the R ranks of each pipeline group, one EP block (a rank's peers: R - 1 of its
-    group, and with p > 1 the next group's R). nvshmem: every GPU
+    `expert_ranks` is the ep ranks of an EP block (a rank's peers: ep - 1 of its block, and with p > 1
+    the neighbouring group's same block's ep). nvshmem: every GPU
     holds the largest arena of any rank (symmetric memory); nccl and local share slots between keys
     whose lifetimes do not overlap (`runtime.schedule.recv_slots`), nvshmem in rings of segments
     (`reuse=RING`, `runtime.schedule.reuse_order.one_sided_slots`; `step_aligned`: rounded up to a

@@ -84,7 +84,7 @@ def rank_activations(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topolog
 
     Per micro-batch an attention rank runs its tokens (batch_size / micro_batches / D x seq_len);
     an expert rank (or a colocated rank's experts) keeps rows for every (token, k) pair of every
-    source it serves, whether or not its experts serve the pair: the permute groups all T K pairs,
+    source it serves (`Topology.sources_of`), whether or not its experts serve the pair: the permute groups all T K pairs,
     those served elsewhere into a spare bucket the experts' buffers still span. With the compact hop
     the expert rank also keeps the combine's rows (`roofline.memory.combine_bytes`); with pair rows
     the combine runs on the attention rank over the receive arena (counted with the buffers), and
@@ -108,25 +108,31 @@ def rank_activations(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topolog
     programs = topology.programs(cfg.micro_batches)
     out = []
     for rank, program in enumerate(programs):
-        expert = topology.expert_role(rank)
-        sources = len(topology.attention_groups[expert[0]]) if expert is not None else 0
-        pairs = sources * tokens * m.top_k
+        attention = topology.attention_role(rank)
+
+        def received(layer: int) -> int:
+            """The tokens this rank's experts receive in `layer`: every one of its sources'."""
+            return len(topology.sources_of(layer, rank)) * tokens
+
+        def served(layer: int) -> tuple[int, ...]:
+            """The expert ranks this rank dispatches `layer` to (`Topology.served`; none without attention)."""
+            return () if attention is None else topology.served(layer, attention[1])
 
         def kept(op: Op) -> int:
             if isinstance(op, ExpertForward):
-                return pairs * row + sources * tokens * token_row
+                return received(op.layer) * (m.top_k * row + token_row)
             prev_moe = op.layer > 0 and topology.is_moe(op.layer - 1)
             combined = vb * m.hidden_size if (pair_rows or sparse) and prev_moe else 0
             if sparse and not pair_rows and prev_moe:  # COMBINE's index per expert rank, for COMBINE_GRAD's order
-                combined += 4 * len(topology.expert_groups[topology.group_of_layer(op.layer - 1)])
+                combined += 4 * len(served(op.layer - 1))
             return tokens * (mem.attention_bytes(m, topology.is_moe(op.layer), vb, dropped) + combined)
 
         def staged(layer: int, row_bytes: int) -> int:
             """A sparse MoE layer's messages to its expert ranks staged by one op (`peer_stores`: its own)."""
             if not (sparse and layer >= 0 and topology.is_moe(layer)):
                 return 0
-            group = topology.expert_groups[topology.group_of_layer(layer)]
-            return (int(rank in group) if peer_stores else len(group)) * tokens * row_bytes
+            ranks = served(layer)
+            return (int(rank in ranks) if peer_stores else len(ranks)) * tokens * row_bytes
 
         def held(op: Op) -> int:
             dy = vb * m.hidden_size  # sparse: COMBINE_GRAD's dy rows
@@ -135,7 +141,7 @@ def rank_activations(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topolog
             if isinstance(op, Loss):
                 return mem.head_bytes(m, tokens, vb) + staged(topology.num_layers - 1, dy)
             if isinstance(op, ExpertBackward):
-                return pairs * row_grad
+                return received(op.layer) * m.top_k * row_grad
             if isinstance(op, AttentionBackward):
                 return (tokens * mem.attention_grad_bytes(m, topology.is_moe(op.layer), vb, dropped)
                         + staged(op.layer - 1, dy))

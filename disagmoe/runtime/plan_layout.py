@@ -2,7 +2,8 @@
 
 `apply_plan(cfg, model_cfg)` returns the run's config with the plan's layout: `mode` = the plan's
 layout, `attention_ranks` / `expert_ranks` (colocated: `colocated_ranks`) = its GPU counts,
-`pipeline_groups` and `micro_batches` (a `single` plan, one GPU: mode single and micro_batches),
+`pipeline_groups`, `expert_replica_sets` (colocated: EP blocks a group) and `micro_batches` (a
+`single` plan, one GPU: mode single and micro_batches),
 `recompute` and `recompute_modules` where the plan recomputes (selective: the modules it priced;
 full: the whole block; a plan of none sets none where experts_backend is triton and leaves another
 backend's setting),
@@ -30,11 +31,11 @@ splits them evenly over owners d, d + D, ... when D < n, so no replica idles (`r
 
 A plan the runtime cannot run is refused with a ValueError before any actor starts: a plan for
 another model, an infeasible plan, a plan recomputing expert modules for a run whose experts_backend
-is not triton, a colocated plan with pipeline groups holding an expert more than once in a
-group (the colocated runtime with pipeline groups has no EP blocks: each expert once per group),
-a single plan on more than one GPU or with pipeline groups, an expert held by no
+is not triton, a single plan on more than one GPU or with pipeline groups, an expert held by no
 rank, twice by one rank or by a rank outside its layer's group, an expert rank with no expert, and
-a planned config the config's checks refuse.
+a planned config the config's checks refuse. A colocated plan may hold its experts in EP blocks
+(replicas) in every pipeline group: each source then dispatches to the block it feeds
+(`Topology.served`).
 """
 
 from __future__ import annotations
@@ -47,8 +48,8 @@ from disagmoe.safe_io import MAX_PLAN_BYTES
 
 ExpertIds = tuple[int, ...]  # one rank's experts of one layer, ascending
 ExpertOwners = tuple[tuple[int, ...], ...]  # one layer: per expert, the group's ranks holding it (replica order)
-LAYOUT_FIELDS = ("mode", "attention_ranks", "expert_ranks", "pipeline_groups", "micro_batches", "colocated_ranks",
-                 "recompute", "recompute_modules", "offload_optimizer", "optim.state_dtype", "optim.update_kernel",
+LAYOUT_FIELDS = ("mode", "attention_ranks", "expert_ranks", "pipeline_groups", "expert_replica_sets", "micro_batches",
+                 "colocated_ranks", "recompute", "recompute_modules", "offload_optimizer", "optim.state_dtype", "optim.update_kernel",
                  "optim.shard_states", "precision", "fp8_dense", "fp8_expert_backward", "fp8_expert_forward",
                  "cuda_graphs")  # dotted: a field of a field
 SELECTIVE_MODULES = ("expert_input", "expert_output", "expert_swiglu")  # what the planner's selective prices
@@ -74,10 +75,11 @@ def apply_plan(cfg: TrainConfig, model_cfg: ModelConfig) -> TrainConfig:
         layout = {"mode": "single", "micro_batches": plan.micro_batches}
     elif plan.layout == "colocated":
         layout = {"mode": "colocated", "colocated_ranks": plan.expert_gpus, "pipeline_groups": plan.pipeline_groups,
-                  "micro_batches": plan.micro_batches}
+                  "expert_replica_sets": plan.expert_replica_sets, "micro_batches": plan.micro_batches}
     else:
         layout = {"mode": "disaggregated", "attention_ranks": plan.attention_gpus, "expert_ranks": plan.expert_gpus,
-                  "pipeline_groups": plan.pipeline_groups, "micro_batches": plan.micro_batches}
+                  "pipeline_groups": plan.pipeline_groups, "expert_replica_sets": plan.expert_replica_sets,
+                  "micro_batches": plan.micro_batches}
     if plan.recompute == "selective":
         layout["recompute"] = "selective"
         layout["recompute_modules"] = planned_modules(plan)
@@ -163,11 +165,6 @@ def check_plan(plan: Plan, model_cfg: ModelConfig, source: str, experts_backend:
                     f"{source}'s expert_map puts expert {e} of MoE layer {j} on {ranks or 'no rank'}, but that "
                     f"layer's experts must each go to one or more distinct expert ranks of its pipeline group "
                     f"{group}: ranks {first}..{first + per_group - 1}")
-            if plan.layout == "colocated" and p > 1 and len(ranks) > 1:
-                raise ValueError(
-                    f"{source}'s expert_map puts expert {e} of MoE layer {j} on {len(ranks)} ranks of pipeline group "
-                    f"{group} ({ranks}); the colocated runtime with pipeline groups holds each expert once per group "
-                    f"(no EP blocks or replicas yet), and `disagmoe plan` proposes no other; {REPLAN}")
         idle = sorted(set(range(first, first + per_group)) - {r for ranks in owners for r in ranks})
         if idle:
             raise ValueError(f"{source}'s expert_map gives expert ranks {idle} no expert of MoE layer {j}; every "
@@ -199,11 +196,18 @@ def replica_shares(rows: int, replicas: int) -> list[int]:
     return [base + (r < extra) for r in range(replicas)]
 
 
+def fed_replicas(replicas: int, dp_index: int, dp: int) -> list[int]:
+    """The replicas (owner order) of an expert with `replicas` owners that the attention rank of
+    data-parallel index `dp_index` (of `dp`) sends its rows of it to: replica d mod n when
+    dp >= n, else d, d + dp, ... (module docstring)."""
+    k = min(replicas, dp)
+    return [r for r in range(replicas) if r % k == dp_index % k]
+
+
 def replica_rows(rows: int, replicas: int, dp_index: int, dp: int) -> list[int]:
     """Per owner of an expert with `replicas` owners (owner order): how many of its `rows` the
     attention rank of data-parallel index `dp_index` (of `dp`) sends there (module docstring)."""
-    k = min(replicas, dp)
-    mine = [r for r in range(replicas) if r % k == dp_index % k]
+    mine = fed_replicas(replicas, dp_index, dp)
     sizes = [0] * replicas
     for r, n in zip(mine, replica_shares(rows, len(mine)), strict=True):
         sizes[r] = n

@@ -11,15 +11,27 @@ One description serves both distributed modes:
 The expert placement is, per MoE layer and per expert, its owners: the expert ranks of the
 layer's group that hold it (`expert_owners`, indices into the group); `expert_ids` says the same
 per rank (the ascending ids it holds). Without a plan each expert has one owner and each rank a
-contiguous range, as even as possible (earlier ranks one more); a `disagmoe plan` result may
-assign any subsets, different per layer, and replicate experts: each attention rank sends its
+contiguous range, as even as possible (earlier ranks one more); with `expert_replica_sets` B the
+group's ranks form B blocks (replica sets), block c the ranks c, c + B, c + 2B, ... of the group,
+each holding every expert once in contiguous ranges (`blocked_owners`). A `disagmoe plan` result
+may assign any subsets, different per layer, and replicate experts: each attention rank sends its
 rows of a replicated expert to one or several of the owners (`plan_layout.replica_rows`), and the
 owners sum their gradients before the optimizer step (`replica_groups`).
+
+Who talks to whom follows from the owners: `served(layer, d)` are the expert ranks the attention
+rank of data-parallel index d dispatches layer `layer` to (those holding an owner it feeds:
+`plan_layout.fed_replicas`), `sources_of(layer, rank)` the indices whose dispatch reaches an
+expert rank; COMBINE, COMBINE_GRAD and DISPATCH_GRAD travel the same pairs. With B blocks source
+d feeds block d mod B only (colocated: its own block). A router with an auxiliary loss needs each
+source's load fraction over the whole micro-batch, which each expert rank returns from every
+source it saw, so there every source dispatches to every expert rank of its group
+(`full_dispatch`, `RouterConfig.needs_every_source_load`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from disagmoe.config import ModelConfig, TrainConfig
 from disagmoe.runtime.schedule.colocated import build_colocated_schedule, rank_pairs
@@ -27,8 +39,8 @@ from disagmoe.runtime.plan_layout import (
     ExpertIds,
     ExpertOwners,
     apply_plan,
+    fed_replicas,
     held_ids,
-    partition_owners,
     plan_placement,
 )
 from disagmoe.runtime.schedule.roles import ColocatedLayout, LayerRing, Layout
@@ -49,6 +61,18 @@ def contiguous_expert_ids(num_experts: int, ranks: int) -> tuple[ExpertIds, ...]
     return tuple(tuple(range(start, stop)) for start, stop in zip(bounds[:-1], bounds[1:]))
 
 
+def blocked_owners(num_experts: int, ranks: int, sets: int) -> ExpertOwners:
+    """The default placement of one layer in `sets` blocks of the group's `ranks` (each block every
+    expert once, in contiguous ranges; block c the ranks c, c + sets, ...): per expert, its owners in
+    replica order, replica c in block c."""
+    if ranks % sets:
+        raise ValueError(f"{ranks} expert ranks in one pipeline group do not split into expert_replica_sets={sets} "
+                         "blocks of equal size; make the group's ranks a multiple of expert_replica_sets")
+    per_block = contiguous_expert_ids(num_experts, ranks // sets)
+    owner = {e: j for j, ids in enumerate(per_block) for e in ids}
+    return tuple(tuple(c + sets * owner[e] for c in range(sets)) for e in range(num_experts))
+
+
 @dataclass(frozen=True)
 class Topology(LayerRing):
     """Ranks and ownership of a distributed run (see the module docstring)."""
@@ -60,6 +84,7 @@ class Topology(LayerRing):
     expert_groups: tuple[tuple[int, ...], ...]  # per pipeline group: its expert ranks
     expert_owners: tuple[ExpertOwners, ...]  # per layer, per expert: owner indices in its group (dense: ())
     layout: Layout | None  # the disaggregated layout; None when colocated
+    full_dispatch: bool = False  # every source dispatches to every expert rank of its group (module docstring)
 
     def __post_init__(self) -> None:
         for layer, owners in enumerate(self.expert_owners):
@@ -70,9 +95,10 @@ class Topology(LayerRing):
                 assert all(held_ids(owners, ranks)), f"layer {layer}: every expert rank holds an expert"
 
     @classmethod
-    def disaggregated(cls, layout: Layout, num_experts: int,
-                      placement: dict[int, ExpertOwners] | None = None) -> Topology:
-        """`placement`: MoE layer -> each expert's owners (default: contiguous ranges, no replicas)."""
+    def disaggregated(cls, layout: Layout, num_experts: int, placement: dict[int, ExpertOwners] | None = None,
+                      sets: int = 1, full_dispatch: bool = False) -> Topology:
+        """`placement`: MoE layer -> each expert's owners (default: contiguous ranges in `sets`
+        blocks of each group's expert ranks, `blocked_owners`); `full_dispatch`: the field's."""
         p = layout.pipeline_groups
         experts = tuple(layout.expert_group(g) for g in range(p))
         return cls(
@@ -83,14 +109,17 @@ class Topology(LayerRing):
             expert_groups=experts,
             expert_owners=_per_layer(layout.num_layers, layout.num_dense_layers, num_experts,
                                      [len(experts[layout.group_of_layer(l)]) for l in range(layout.num_layers)],
-                                     placement),
+                                     placement, sets),
             layout=layout,
+            full_dispatch=full_dispatch,
         )
 
     @classmethod
     def colocated_ranks(cls, ranks: int, num_layers: int, num_dense_layers: int, num_experts: int,
-                        placement: dict[int, ExpertOwners] | None = None, pipeline_groups: int = 1) -> Topology:
-        """`ranks`: the total over the `pipeline_groups` groups; `placement` as `disaggregated`'s."""
+                        placement: dict[int, ExpertOwners] | None = None, pipeline_groups: int = 1,
+                        sets: int = 1, full_dispatch: bool = False) -> Topology:
+        """`ranks`: the total over the `pipeline_groups` groups; the rest as `disaggregated`'s (`sets`:
+        each group's EP blocks)."""
         layout = ColocatedLayout(ranks, pipeline_groups, num_layers, num_dense_layers)
         groups = tuple(layout.attention_group(g) for g in range(pipeline_groups))
         return cls(
@@ -100,8 +129,9 @@ class Topology(LayerRing):
             attention_groups=groups,
             expert_groups=groups,
             expert_owners=_per_layer(num_layers, num_dense_layers, num_experts,
-                                     [layout.data_parallel] * num_layers, placement),
+                                     [layout.data_parallel] * num_layers, placement, sets),
             layout=None,
+            full_dispatch=full_dispatch,
         )
 
     @classmethod
@@ -111,12 +141,15 @@ class Topology(LayerRing):
         if cfg.plan is not None:
             cfg = apply_plan(cfg, model_cfg)
             placement = plan_placement(cfg.plan, model_cfg)
+        full = model_cfg.router.needs_every_source_load
         if cfg.mode == "colocated":
             return cls.colocated_ranks(cfg.colocated_ranks, model_cfg.num_layers, model_cfg.num_dense_layers,
-                                       model_cfg.num_experts, placement, cfg.pipeline_groups)
+                                       model_cfg.num_experts, placement, cfg.pipeline_groups,
+                                       cfg.expert_replica_sets, full)
         if cfg.mode != "disaggregated":
             raise ValueError(f"mode {cfg.mode!r} has no distributed topology; use disaggregated or colocated")
-        return cls.disaggregated(Layout.from_config(cfg, model_cfg), model_cfg.num_experts, placement)
+        return cls.disaggregated(Layout.from_config(cfg, model_cfg), model_cfg.num_experts, placement,
+                                 cfg.expert_replica_sets, full)
 
     # -- sizes and groups ---------------------------------------------------------------------
 
@@ -183,13 +216,43 @@ class Topology(LayerRing):
     def attention_rank(self, group: int, dp_index: int) -> int:
         return self.attention_groups[group][dp_index]
 
+    # -- who talks to whom --------------------------------------------------------------------
+
+    def served(self, layer: int, dp_index: int) -> tuple[int, ...]:
+        """The expert ranks (in group order) the attention rank of data-parallel index `dp_index`
+        dispatches MoE layer `layer` to, and hears back from (module docstring)."""
+        return self._served[layer][dp_index]
+
+    def sources_of(self, layer: int, rank: int) -> tuple[int, ...]:
+        """The data-parallel indices (ascending) whose dispatch of MoE layer `layer` reaches expert
+        rank `rank`: its sources in the layer's group, its destinations in the next."""
+        return tuple(d for d, ranks in enumerate(self._served[layer]) if rank in ranks)
+
+    @property
+    def dispatch_width(self) -> int:
+        """The most expert ranks one attention rank dispatches one MoE layer to (0: no MoE layer)."""
+        return max((len(ranks) for per_source in self._served for ranks in per_source), default=0)
+
+    @cached_property
+    def _served(self) -> tuple[tuple[tuple[int, ...], ...], ...]:
+        """`served` of every layer (dense: ()) and data-parallel index."""
+        return tuple(tuple(self._fed_ranks(layer, d) for d in range(self.data_parallel)) if self.is_moe(layer) else ()
+                     for layer in range(self.num_layers))
+
+    def _fed_ranks(self, layer: int, dp_index: int) -> tuple[int, ...]:
+        group = self.expert_groups[self.group_of_layer(layer)]
+        if self.full_dispatch:
+            return group
+        fed = {who[r] for who in self.expert_owners[layer] for r in fed_replicas(len(who), dp_index, self.data_parallel)}
+        return tuple(rank for i, rank in enumerate(group) if i in fed)
+
     def programs(self, micro_batches: int) -> tuple[tuple[Op, ...], ...]:
         """Every rank's ordered op list for one training step."""
         if self.colocated:
             return build_colocated_schedule(self.world_size, self.num_layers, self.num_dense_layers, micro_batches,
-                                            self.pipeline_groups)
+                                            self.pipeline_groups, self.served)
         assert self.layout is not None
-        return build_schedule(self.layout, micro_batches).programs
+        return build_schedule(self.layout, micro_batches, self.served).programs
 
     def rank_pairs(self, micro_batches: int) -> list[tuple[int, int]]:
         """The (src, dst) pairs of distinct ranks that exchange messages (what a transport connects)."""
@@ -217,11 +280,12 @@ class Topology(LayerRing):
 
 
 def _per_layer(num_layers: int, num_dense_layers: int, num_experts: int, ranks_of_layer: list[int],
-               placement: dict[int, ExpertOwners] | None) -> tuple[ExpertOwners, ...]:
-    """Every layer's owners: `placement`'s where given, else contiguous ranges (dense layers: ())."""
+               placement: dict[int, ExpertOwners] | None, sets: int = 1) -> tuple[ExpertOwners, ...]:
+    """Every layer's owners: `placement`'s where given, else contiguous ranges in `sets` blocks
+    (dense layers: ())."""
     return tuple(
         () if layer < num_dense_layers
         else tuple(tuple(who) for who in placement[layer]) if placement is not None
-        else partition_owners(contiguous_expert_ids(num_experts, ranks_of_layer[layer]), num_experts)
+        else blocked_owners(num_experts, ranks_of_layer[layer], sets)
         for layer in range(num_layers)
     )

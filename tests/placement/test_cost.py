@@ -742,28 +742,40 @@ def test_the_priced_transport_buffers_are_the_runtime_arena(attn, expert, p, m, 
     assert laid[True] > laid[False] or m == 1  # a pool's ring of one message a step is rounded already
 
 
-COLOCATED_ARENA_LAYOUTS = [(2, 1, 2, 2), (4, 2, 2, 1), (6, 3, 1, 2), (8, 2, 3, 1)]  # GPUs, p, m, seqs
+COLOCATED_ARENA_LAYOUTS = [(2, 1, 2, 2, 1), (4, 2, 2, 1, 1), (6, 3, 1, 2, 1), (8, 2, 3, 1, 1),  # GPUs, p, m, seqs,
+                           (4, 1, 2, 2, 2), (8, 2, 2, 1, 2), (8, 1, 3, 1, 4), (12, 3, 2, 1, 2)]  # EP blocks a group
 
 
-@pytest.mark.parametrize(("gpus", "p", "m", "seqs"), COLOCATED_ARENA_LAYOUTS)
-def test_the_priced_colocated_transport_buffers_are_the_runtime_arena(gpus, p, m, seqs):
-    """A colocated layout with p pipeline groups, each one EP block of its GPUs (tiny's 8 experts
-    once per group), is priced with the nvshmem arena the runtime builds for it: DISPATCH from its
-    group's other ranks, COMBINE from the previous group's (`transport_memory.colocated_receives`)."""
+def no_aux_tiny():
+    """The tiny preset without its auxiliary loss (its EP blocks then dispatch within the block)."""
+    m = load_model("tiny")
+    return m.model_copy(update={"router": m.router.model_copy(update={"aux_loss_coef": 0.0})})
+
+
+@pytest.mark.parametrize(("gpus", "p", "m", "seqs", "blocks"), COLOCATED_ARENA_LAYOUTS)
+def test_the_priced_colocated_transport_buffers_are_the_runtime_arena(gpus, p, m, seqs, blocks):
+    """A colocated layout with p pipeline groups, each in `blocks` EP blocks of its GPUs (tiny's 8
+    experts once per block), is priced with the nvshmem arena the runtime builds for it: DISPATCH from
+    its block's other ranks, COMBINE from the previous group's same block
+    (`transport_memory.colocated_receives`); the planner's plan is what the run builds."""
     from disagmoe.config import TrainConfig
+    from disagmoe.runtime.plan_layout import apply_plan
     from disagmoe.runtime.stages.messages import MessageShapes, receive_layouts
     from disagmoe.runtime.topology import Topology
 
-    model, seq = load_model("tiny"), 64
-    cfg = TrainConfig.model_validate(dict(
-        model="tiny", mode="colocated", colocated_ranks=gpus, pipeline_groups=p, transport="nvshmem", device="cuda",
-        experts_backend="triton", hop="partial_sums", precision="bf16", micro_batches=m,
-        batch_size=seqs * m * gpus // p, seq_len=seq, cuda_graphs="off"))
+    model, seq = (load_model("tiny") if blocks == 1 else no_aux_tiny()), 64
+    req = PlanConfig(model=model, cluster=ClusterConfig(hardware=load_hardware("h200-sxm"), num_gpus=16),
+                     seq_len=seq, cuda_graphs="off")
+    chosen = Candidates.one(0, gpus, p, m, seqs, sets=blocks, colocated=True)
+    plan = price(req, chosen).plan
+    cfg = apply_plan(TrainConfig.model_validate(dict(
+        model=model, plan=plan, transport="nvshmem", device="cuda", experts_backend="triton", hop="partial_sums",
+        precision="bf16", batch_size=seqs * m * gpus // p, seq_len=seq, cuda_graphs="off")), model)
+    assert (cfg.colocated_ranks, cfg.pipeline_groups, cfg.expert_replica_sets) == (gpus, p, blocks)
     topology = Topology.from_config(cfg, model)
+    assert topology.dispatch_width == gpus // p // blocks  # the block, not the group
     arena = receive_layouts(cfg, MessageShapes.of_run(cfg, model, topology), topology)[0].nbytes
-    prob = problem_of(PlanConfig(model=model, cluster=ClusterConfig(hardware=load_hardware("h200-sxm"), num_gpus=8),
-                                 seq_len=seq, cuda_graphs="off"))
-    cost = evaluate(prob, Candidates.one(0, gpus, p, m, seqs, colocated=True))
+    cost = evaluate(problem_of(req), chosen)
     assert cost.attn_transport_bytes[0] == cost.expert_transport_bytes[0] == arena > 0
 
 

@@ -225,12 +225,13 @@ def test_a_fixed_layout_claims_nothing_it_did_not_price():
 
 
 def test_a_colocated_plan_is_one_ep_block_a_group_and_one_in_blocks_stays_the_baseline():
-    """The colocated runtime holds each expert once per pipeline group, on the group's ranks
-    (`runtime.plan_layout.check_plan` refuses replicas there): a colocated plan has any pipeline
-    depth and each group one EP block; the best colocated layout of any depth and EP blocking stays
-    the baseline its speedup is measured against, and where only it beats the plan a note says what
-    it would have taken. Qwen3-30B on 8 H200s is planned colocated p = 2 and trains as planned
-    (`apply_plan`, `Topology.from_config`); Mixtral on 8 fits only as colocated p = 8, one GPU a group."""
+    """Under a router's auxiliary loss the colocated runtime dispatches every GPU's tokens to its
+    whole pipeline group (`RouterConfig.needs_every_source_load`), so a colocated plan of such a model
+    has any pipeline depth and each group one EP block; the best colocated layout of any depth and EP
+    blocking stays the baseline its speedup is measured against, and where only it beats the plan a
+    note says what it would have taken. Qwen3-30B on 8 H200s is planned colocated p = 2 and trains as
+    planned (`apply_plan`, `Topology.from_config`); Mixtral on 8 fits only as colocated p = 8, one GPU
+    a group."""
     from disagmoe.config import TrainConfig
     from disagmoe.runtime.plan_layout import apply_plan, check_plan
     from disagmoe.runtime.topology import Topology
@@ -243,7 +244,7 @@ def test_a_colocated_plan_is_one_ep_block_a_group_and_one_in_blocks_stays_the_ba
         if plan.layout == "colocated":
             assert plan.expert_replica_sets == 1 and all(len(r) == 1 for owners in plan.expert_map for r in owners)
             assert plan.colocated_step_time_s <= plan.step_time_s
-        blocked = [n for n in plan.notes if "no EP blocks yet" in n]
+        blocked = [n for n in plan.notes if "not its EP block, so it runs one block a group" in n]
         assert bool(blocked) == (plan.colocated_step_time_s < plan.step_time_s * (1 - 1e-9)), (model, gpus)
     qwen = solve(request("qwen3-30b-a3b", "h200-sxm", 8))
     assert (qwen.layout, qwen.pipeline_groups) == ("colocated", 2)
@@ -255,6 +256,31 @@ def test_a_colocated_plan_is_one_ep_block_a_group_and_one_in_blocks_stays_the_ba
     assert (mixtral.layout, mixtral.pipeline_groups, mixtral.expert_gpus) == ("colocated", 8, 8)
     wide = solve(request("mixtral-8x7b", "h200-sxm", 16))
     assert any(n.startswith("colocated on 16 GPUs with 8 pipeline group(s) of 2 EP blocks of 1") for n in wide.notes)
+
+
+def test_without_an_auxiliary_loss_the_colocated_baseline_in_ep_blocks_is_a_plan_that_trains_as_priced():
+    """Qwen3-30B on 16 H200s: its colocated baseline is in EP blocks and faster than every plan one
+    block a group; without the auxiliary loss the runtime runs the blocks as priced (each GPU
+    dispatching within its block), so that layout is the plan, `train --plan` takes its blocks
+    (expert_replica_sets) and each rank's schedule talks to its block's ep ranks."""
+    from disagmoe.config import TrainConfig
+    from disagmoe.runtime.plan_layout import apply_plan
+    from disagmoe.runtime.topology import Topology
+
+    aux = solve(request("qwen3-30b-a3b", "h200-sxm", 16))
+    m = load_model("qwen3-30b-a3b")
+    m = m.model_copy(update={"router": m.router.model_copy(update={"aux_loss_coef": 0.0})})
+    cfg = PlanConfig(model=m, cluster=ClusterConfig(hardware=load_hardware("h200-sxm"), num_gpus=16),
+                     seq_len=m.seq_len, global_batch_tokens=4 * 1024 * 1024)
+    plan = solve(cfg)
+    assert aux.colocated_step_time_s < aux.step_time_s  # with the aux loss the blocks are only the baseline
+    assert plan.layout == "colocated" and plan.expert_replica_sets > 1
+    assert plan.step_time_s == plan.colocated_step_time_s == aux.colocated_step_time_s
+    assert not [n for n in plan.notes if "EP block" in n]
+    run = apply_plan(TrainConfig(model=m, plan=plan, batch_size=16, seq_len=16, experts_backend="triton"), m)
+    assert (run.colocated_ranks, run.expert_replica_sets) == (16, plan.expert_replica_sets)
+    topology = Topology.from_config(run, m)
+    assert topology.dispatch_width == 16 // plan.pipeline_groups // plan.expert_replica_sets
 
 
 def test_a_baseline_that_does_not_fit_is_null_not_zero():

@@ -28,6 +28,10 @@ LAYOUTS = [
     {"mode": "colocated", "colocated_ranks": 4, "micro_batches": 2},
     {"mode": "colocated", "colocated_ranks": 4, "pipeline_groups": 2, "micro_batches": 2},
     {"mode": "colocated", "colocated_ranks": 3, "pipeline_groups": 3, "micro_batches": 2},
+    # EP blocks and replica sets: a source's peers are its block's (set's), not the group's
+    {"mode": "colocated", "colocated_ranks": 4, "expert_replica_sets": 2, "micro_batches": 2},
+    {"mode": "colocated", "colocated_ranks": 8, "pipeline_groups": 2, "expert_replica_sets": 2, "micro_batches": 2},
+    {"attention_ranks": 2, "expert_ranks": 4, "pipeline_groups": 1, "expert_replica_sets": 2, "micro_batches": 2},
 ]
 EXTRA = [  # more micro-batches in flight; the head group fed by another (p > 1)
     {"attention_ranks": 1, "expert_ranks": 1, "pipeline_groups": 1, "micro_batches": 6},
@@ -36,6 +40,9 @@ EXTRA = [  # more micro-batches in flight; the head group fed by another (p > 1)
     {"mode": "colocated", "colocated_ranks": 2, "micro_batches": 4},
     {"mode": "colocated", "colocated_ranks": 6, "pipeline_groups": 3, "micro_batches": 3},
     {"mode": "colocated", "colocated_ranks": 2, "pipeline_groups": 2, "micro_batches": 4},
+    {"mode": "colocated", "colocated_ranks": 6, "expert_replica_sets": 3, "micro_batches": 3},
+    {"mode": "colocated", "colocated_ranks": 12, "pipeline_groups": 3, "expert_replica_sets": 2, "micro_batches": 2},
+    {"attention_ranks": 4, "expert_ranks": 4, "pipeline_groups": 2, "expert_replica_sets": 2, "micro_batches": 3},
 ]
 
 
@@ -57,25 +64,27 @@ def _model_bytes(cfg: TrainConfig, m, top: Topology, reuse: bool | str = False) 
                     m.num_experts, "bf16", m.shared_ffn_size > 0, False, sparse)
     counts = []
     for rank in range(top.world_size):
-        if top.colocated:
+        if top.colocated:  # its EP block's ep ranks
             g = top.attention_role(rank)[0]
             counts.append(tm.colocated_receives(m.num_layers, m.num_dense_layers, top.pipeline_groups, g,
-                                                top.data_parallel, cfg.micro_batches, reuse))
-        elif top.attention_role(rank) is not None:
+                                                top.dispatch_width, cfg.micro_batches, reuse))
+        elif top.attention_role(rank) is not None:  # its set's Q expert ranks
             g = top.attention_role(rank)[0]
             counts.append(tm.attention_receives(m.num_layers, m.num_dense_layers, top.pipeline_groups, g,
-                                                len(top.expert_groups[g]), cfg.micro_batches, reuse=reuse))
-        else:
+                                                top.dispatch_width, cfg.micro_batches, reuse=reuse))
+        else:  # its S sources
             g = top.expert_role(rank)[0]
+            layer = min(top.experts_of(rank))
             counts.append(tm.expert_receives(m.num_layers, m.num_dense_layers, top.pipeline_groups, g,
-                                             len(top.attention_groups[g]), cfg.micro_batches, reuse))
+                                             len(top.sources_of(layer, rank)), cfg.micro_batches, reuse))
     return counts, s
 
 
 def _captured(layout: dict) -> bool:
     """A layout whose rank steps `cuda_graphs: on` captures (`runtime.rank_graphs`): one attention
-    rank per pipeline group (colocated: one rank is every rank's data-parallel replica)."""
-    return layout.get("mode") != "colocated" and layout["attention_ranks"] == layout["pipeline_groups"]
+    rank per pipeline group (colocated: one rank is every rank's data-parallel replica), no replica sets."""
+    return (layout.get("mode") != "colocated" and layout["attention_ranks"] == layout["pipeline_groups"]
+            and layout.get("expert_replica_sets", 1) == 1)
 
 
 CAPTURED = [layout for layout in LAYOUTS + EXTRA if _captured(layout)]
@@ -109,10 +118,11 @@ def test_nvshmem_arena_matches_symmetric_layouts(layout, graphs, shared):
 
 
 def _planner_layout(top: Topology) -> tuple[np.ndarray, ...]:
-    """(p, dp, expert ranks, sets) of a topology as the planner's arrays hold them (colocated: the
-    group's ranks its one EP block)."""
-    ranks = top.data_parallel if top.colocated else len(top.expert_groups[0])
-    return np.array([top.pipeline_groups]), np.array([top.data_parallel]), np.array([ranks]), np.array([1])
+    """(p, dp, expert ranks, sets) of a topology as the planner's arrays hold them: the ranks a source
+    serves (colocated: its EP block's ep) and the sets of them in a group."""
+    per_set = top.dispatch_width
+    sets = (top.data_parallel if top.colocated else len(top.expert_groups[0])) // per_set
+    return np.array([top.pipeline_groups]), np.array([top.data_parallel]), np.array([per_set]), np.array([sets])
 
 
 def _nccl_reserved(cfg, m, top: Topology, rank: int) -> int:

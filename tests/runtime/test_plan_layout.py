@@ -111,6 +111,30 @@ def test_a_colocated_plan_with_pipeline_groups_places_each_expert_once_on_its_gr
                                              if layer % 2 == rank // 2}
 
 
+def test_a_colocated_plan_in_ep_blocks_runs_them_in_every_pipeline_group():
+    """p = 2 on 8 GPUs, each group two EP blocks of 2 (block b: the group's GPUs b and b + 2): the plan
+    sets expert_replica_sets, every expert is held once per block, the blocks sum its gradients, and
+    (without an auxiliary loss) each rank dispatches within its own block."""
+    request = build_request("tiny", "h200-sxm", 8, 64, 512)
+    candidates = colocated_candidates(request, 8)
+    index = next(i for i in range(len(candidates)) if (candidates.p[i], candidates.m[i], candidates.expert[i],
+                                                         candidates.sets[i]) == (2, 2, 8, 2))
+    plan = price(request, candidates.take(index)).plan
+    cfg = apply_plan(config(plan), MODEL)
+    assert (cfg.mode, cfg.colocated_ranks, cfg.pipeline_groups, cfg.expert_replica_sets) == ("colocated", 8, 2, 2)
+    no_aux = MODEL.model_copy(update={"router": MODEL.router.model_copy(update={"aux_loss_coef": 0.0})})
+    topology = Topology.from_config(cfg, no_aux)
+    for j, owners in enumerate(plan.expert_map):
+        layer = MODEL.num_dense_layers + j
+        first = 4 * (layer % 2)
+        assert [list(topology.owner_ranks(layer, e)) for e in range(8)] == owners
+        assert all(sorted(r % 2 for r in ranks) == [0, 1] and all(first <= r < first + 4 for r in ranks)
+                   for ranks in owners)  # once in each block of the layer's group
+        assert [topology.served(layer, d) for d in range(4)] == [(first + d % 2, first + d % 2 + 2) for d in range(4)]
+    assert (0, 1) in topology.replica_groups() and (6, 7) in topology.replica_groups()
+    assert Topology.from_config(cfg, MODEL).served(1, 0) == (4, 5, 6, 7)  # an aux loss: the whole group
+
+
 def test_a_single_gpu_plan_runs_in_single_mode():
     plan = planned(1)
     assert (plan.layout, plan.attention_gpus, plan.expert_gpus) == ("single", 0, 1)
@@ -167,9 +191,6 @@ REFUSED = {
     "no-rank": (lambda: _edit_map(planned(3), 1, 3, []), "expert 3 of MoE layer 1 on no rank"),
     "idle-rank": (lambda: planned(3).model_copy(update={"expert_map": [[[0]] * 8, planned(3).expert_map[1]]}),
                   "gives expert ranks [1] no expert of MoE layer 0"),
-    "colocated-replicas": (lambda: _edit_map(colocated_plan(4, 2, p=2), 0, 0, [2, 3]),
-                           "expert 0 of MoE layer 0 on 2 ranks of pipeline group 1 ([2, 3]); the colocated runtime "
-                           "with pipeline groups holds each expert once per group"),
     "single-on-two": (lambda: planned(1).model_copy(update={"expert_gpus": 2}),
                       "a single plan runs everything on one GPU"),
     "uneven-groups": (lambda: planned(3).model_copy(update={"pipeline_groups": 3}),

@@ -100,3 +100,70 @@ def test_from_config_picks_the_mode():
     assert not disaggregated.colocated and disaggregated.world_size == 4
     with pytest.raises(ValueError, match="no distributed topology"):
         Topology.from_config(TrainConfig(**base, mode="single"), model)
+
+
+def no_aux_model():
+    """The tiny preset without its auxiliary loss: sources dispatch only to the ranks they feed."""
+    m = load_model("tiny")
+    return m.model_copy(update={"router": m.router.model_copy(update={"aux_loss_coef": 0.0})})
+
+
+def test_ep_blocks_hold_every_expert_once_each_on_the_strided_ranks():
+    """4 colocated ranks in 2 EP blocks of 2: block c is ranks c and c + 2, each expert replicated in
+    both (replica c in block c: experts 0-3 on ranks 0 and 1, 4-7 on 2 and 3), and the blocks sum
+    their experts' gradients pairwise."""
+    topo = Topology.colocated_ranks(4, 3, 1, 8, sets=2)
+    assert topo.expert_owners[1] == tuple((0, 1) if e < 4 else (2, 3) for e in range(8))
+    assert topo.experts_of(0) == topo.experts_of(1) == {1: (0, 1, 2, 3), 2: (0, 1, 2, 3)}
+    assert topo.experts_of(2) == topo.experts_of(3) == {1: (4, 5, 6, 7), 2: (4, 5, 6, 7)}
+    assert topo.replica_groups() == [(0, 1), (2, 3)]
+
+
+@pytest.mark.parametrize("full", [False, True])
+def test_a_source_serves_its_own_block_unless_every_source_must_reach_every_expert_rank(full):
+    topo = Topology.colocated_ranks(4, 3, 1, 8, sets=2, full_dispatch=full)
+    for layer in (1, 2):
+        for d in range(4):
+            assert topo.served(layer, d) == ((0, 1, 2, 3) if full else (d % 2, d % 2 + 2))
+        for rank in range(4):
+            assert topo.sources_of(layer, rank) == ((0, 1, 2, 3) if full else (rank % 2, rank % 2 + 2))
+    assert topo.dispatch_width == (4 if full else 2)
+
+
+def test_disaggregated_replica_sets_serve_data_parallel_index_d_from_set_d_mod_sets():
+    """2 attention and 4 expert ranks in 2 sets (ranks 2, 4 and 3, 5); with one attention rank, it
+    splits a replicated expert's rows over both sets, so it serves all four."""
+    topo = Topology.disaggregated(Layout(2, 4, 1, 2, 0), 8, sets=2)
+    assert [topo.served(1, d) for d in range(2)] == [(2, 4), (3, 5)]
+    assert [topo.sources_of(1, rank) for rank in range(2, 6)] == [(0,), (1,), (0,), (1,)]
+    one = Topology.disaggregated(Layout(1, 4, 1, 2, 0), 8, sets=2)
+    assert one.served(1, 0) == (1, 2, 3, 4) and one.sources_of(1, 3) == (0,)
+
+
+def test_a_plans_replicas_decide_who_is_served_per_layer():
+    """Layer 1 replicates expert 0 on both ranks (each source feeds its own replica, the other experts
+    each on one rank): both serve both sources; layer 2 holds every expert on both: source d feeds rank d."""
+    owners = {1: ((0, 1),) + tuple((e % 2,) for e in range(1, 8)), 2: ((0, 1),) * 8}
+    topo = Topology.disaggregated(Layout(2, 2, 1, 3, 1), 8, owners)
+    assert [topo.served(1, d) for d in range(2)] == [(2, 3), (2, 3)]
+    assert [topo.served(2, d) for d in range(2)] == [(2,), (3,)]
+    assert topo.sources_of(2, 3) == (1,) and topo.sources_of(1, 3) == (0, 1)
+
+
+@pytest.mark.parametrize("aux", [False, True])
+def test_from_config_blocks_the_experts_and_dispatches_to_all_under_an_aux_loss(aux):
+    model = load_model("tiny") if aux else no_aux_model()
+    cfg = TrainConfig(model=model, mode="colocated", colocated_ranks=8, pipeline_groups=2, expert_replica_sets=2)
+    topo = Topology.from_config(cfg, model)
+    assert topo.full_dispatch is aux and topo.pipeline_groups == 2
+    assert topo.expert_owners[1] == tuple((0, 1) if e < 4 else (2, 3) for e in range(8))  # group 1's ranks 4-7
+    assert topo.served(1, 1) == ((4, 5, 6, 7) if aux else (5, 7))
+
+
+@pytest.mark.parametrize(("fields", "fragment"), [
+    (dict(mode="colocated", colocated_ranks=6, pipeline_groups=2, expert_replica_sets=2), "multiple of pipeline_groups"),
+    (dict(mode="disaggregated", expert_ranks=3, expert_replica_sets=2), "expert_ranks=3"),
+])
+def test_replica_sets_that_do_not_split_a_group_evenly_are_refused(fields, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        TrainConfig(model="tiny", **fields)

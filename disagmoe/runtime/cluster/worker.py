@@ -209,9 +209,9 @@ class TrainWorker(Worker):
 
             rows, _, w, *_ = self.shapes.specs(Payload.DISPATCH, True)
             drows, *dw, _ = self.shapes.specs(Payload.DISPATCH_GRAD, True)  # pair rows: no d w
-            warm_up(self.shapes.tokens, self.shapes.hidden, self.shapes.top_k, rows.dtype, w.dtype, drows.dtype,
-                    dw[0].dtype if dw else None, self.device,
-                    sources=len(self.experts.sources) if self.experts is not None else 1)
+            for sources in self._source_counts():  # the return's block count is specialised: each one's variant
+                warm_up(self.shapes.tokens, self.shapes.hidden, self.shapes.top_k, rows.dtype, w.dtype, drows.dtype,
+                        dw[0].dtype if dw else None, self.device, sources=sources)
             peers = {peer for op in self.program if isinstance(op, Send) and self._is_peer_stored(op)
                      for peer in op.peers if peer != self.rank}
             self.transport.map_peers(sorted(peers))  # the peer views the launches store into, taken now
@@ -220,6 +220,12 @@ class TrainWorker(Worker):
         self.watchdog = OpWatchdog(f"rank {self.rank} ({topology.describe(self.rank)})", wait_s)
         captured, _ = resolve_rank_graphs(cfg, topology)  # `on` where it cannot apply: refused, with the fix
         self.graphs = PhasedGraphs(self.transport, self.device) if captured else None
+
+    def _source_counts(self) -> list[int]:
+        """The distinct counts of sources this rank's MoE layers serve ([1] without experts)."""
+        if self.experts is None:
+            return [1]
+        return sorted({len(sources) for sources in self.experts.sources.values()}) or [1]
 
     def _peer_stores(self) -> bool:
         """Whether sparse dispatches go by the transport's peer stores (nvshmem, `dispatch: sparse`)."""
@@ -432,8 +438,12 @@ class TrainWorker(Worker):
         """A Send / Recv of a pair-row message (`hop: pair_rows`)."""
         return self.shapes.is_pair(op.payload, self.topology.is_moe(op.layer))
 
-    def _pair_spec(self, payload: Payload, layer: int):
-        return self.shapes.pair_spec(payload, self.topology.expert_groups[self.topology.group_of_layer(layer)])
+    def _pair_spec(self, payload: Payload, layer: int, receiver: int):
+        """The pair-row message of (payload, layer) that lands on attention rank `receiver`: written by
+        the expert ranks that rank serves (`Topology.served`, its Recv's peers)."""
+        role = self.topology.attention_role(receiver)
+        assert role is not None, f"rank {receiver} runs no attention"
+        return self.shapes.pair_spec(payload, self.topology.served(layer, role[1]))
 
     def _aim_pairs(self, op: ExpertForward | ExpertBackward, step: int, mail: Mailbox) -> None:
         """Before an expert op of pair rows: where each receiver's rows go (`Transport.pair_target`):
@@ -444,9 +454,9 @@ class TrainWorker(Worker):
         if not self.shapes.is_pair(payload, True):  # sparse: d x goes back per source, not as pair rows
             return
         key = message_key(step, payload, op.layer, op.micro_batch)
-        spec = self._pair_spec(payload, op.layer)
         extras = () if forward else (self.experts.load_of(op.layer, op.micro_batch),)
-        for dst in self.experts.destinations if forward else self.experts.sources:
+        for dst in (self.experts.destinations if forward else self.experts.sources)[op.layer]:
+            spec = self._pair_spec(payload, op.layer, dst)
             mail.aim(payload, op.layer, op.micro_batch, dst, self.transport.pair_target(dst, key, spec, extras))
 
     def _run_pairs(self, op: Send | Recv, step: int, mail: Mailbox, handles: list[SendHandle]) -> None:
@@ -465,7 +475,7 @@ class TrainWorker(Worker):
             return
         with self.recorder.span(_op_name(op), "wait"):  # a view; the GPU waits in the combine (`wait_span`)
             mail.land(op.payload, op.layer, op.micro_batch,
-                      self.transport.pair_landing(key, self._pair_spec(op.payload, op.layer)))
+                      self.transport.pair_landing(key, self._pair_spec(op.payload, op.layer, self.rank)))
 
     def _run(self, op: Op, step: int, mail: Mailbox, handles: list[SendHandle]) -> None:
         if isinstance(op, (Send, Recv)) and self._is_pair(op):

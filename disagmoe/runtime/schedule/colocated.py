@@ -3,12 +3,13 @@
 The conventional expert-parallel layout, our baseline, with p pipeline groups of ranks / p ranks
 each: `schedule.build_schedule` of a `roles.ColocatedLayout`, the disaggregated ring in which
 each group's expert ranks are its own attention ranks. For each layer and micro-batch every rank
-of the layer's group runs its attention, sends each rank of the group (itself included) the rows
-routed to that rank's experts (DISPATCH), runs its experts on what it received and sends the
-outputs to the next group's ranks (COMBINE; at p = 1 back to the group itself), with the residual
+of the layer's group runs its attention, sends each rank of its EP block (the whole group with one
+block; itself included) the rows routed to that rank's experts (DISPATCH), runs its experts on
+what it received and sends the outputs to the next group's ranks of the same data-parallel
+indices (COMBINE; at p = 1 back to the block itself), with the residual
 stream to the next group's rank of its data-parallel index (RESIDUAL, p > 1); the backward pass
-mirrors it. A message to oneself is delivered locally by the worker. At p = 1 every rank runs the
-same list.
+mirrors it. A message to oneself is delivered locally by the worker. At p = 1 with one block
+every rank runs the same list.
 
 The data-parallel gradient sum stays in the `OptimizerStep`: every point of the backward has a
 send in flight to a peer that receives it only later, so a collective there could wait on a
@@ -19,16 +20,18 @@ disaggregated schedule overlaps it instead).
 from __future__ import annotations
 
 from disagmoe.runtime.schedule.roles import ColocatedLayout
-from disagmoe.runtime.schedule.schedule import Op, build_schedule
+from disagmoe.runtime.schedule.schedule import Op, Served, build_schedule
 from disagmoe.wire import Send
 
 
 def build_colocated_schedule(
-    ranks: int, num_layers: int, num_dense_layers: int, micro_batches: int, pipeline_groups: int = 1
+    ranks: int, num_layers: int, num_dense_layers: int, micro_batches: int, pipeline_groups: int = 1,
+    served: Served | None = None,
 ) -> tuple[tuple[Op, ...], ...]:
-    """Every rank's ordered op list for one training step (`ranks`: the total over all groups)."""
+    """Every rank's ordered op list for one training step (`ranks`: the total over all groups;
+    `served`: `build_schedule`'s, None for one EP block a group)."""
     layout = ColocatedLayout(ranks, pipeline_groups, num_layers, num_dense_layers)
-    return build_schedule(layout, micro_batches).programs
+    return build_schedule(layout, micro_batches, served).programs
 
 
 def rank_pairs(programs: tuple[tuple[Op, ...], ...]) -> list[tuple[int, int]]:

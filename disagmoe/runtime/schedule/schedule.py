@@ -5,9 +5,12 @@ handles are waited at the end of the step); a `Recv` blocks until every peer's m
 
 Data of layer l (owned by group g = l mod p), micro-batch mb, data-parallel index d:
 
-    forward   A_g,d --DISPATCH--> every E_g,j --COMBINE--> A_(g+1),d  (compact: `runtime.stages.messages`)
+    forward   A_g,d --DISPATCH--> E_g,j served --COMBINE--> A_(g+1),d  (compact: `runtime.stages.messages`)
               A_g,d --RESIDUAL (residual stream, shared experts' output)--> A_(g+1),d    (only p > 1)
     backward  the same edges reversed: COMBINE_GRAD, DISPATCH_GRAD, RESIDUAL_GRAD
+
+The expert ranks A_g,d serves for layer l are `served(l, d)` (`runtime.topology.Topology.served`:
+those holding an expert replica d feeds), by default every expert rank of group g.
 
 A colocated layout (`roles.ColocatedLayout`) is the same ring with E_g,j = A_g,j: DISPATCH stays
 in group g (a rank sends itself its own share, delivered locally), COMBINE goes to group g+1.
@@ -29,6 +32,7 @@ received (`disagmoe.runtime.schedule.schedule_sim` replays the lists and checks 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from disagmoe.runtime.schedule.roles import AnyLayout, RoleKind
@@ -90,6 +94,7 @@ class OptimizerStep:
 
 Compute = AttentionForward | ExpertForward | Loss | ExpertBackward | AttentionBackward
 Op = Compute | Send | Recv | ReduceGradients | OptimizerStep
+Served = Callable[[int, int], tuple[int, ...]]  # (MoE layer, data-parallel index) -> the expert ranks it dispatches to
 
 
 @dataclass(frozen=True)
@@ -106,24 +111,26 @@ class Schedule:
         )
 
 
-def build_schedule(layout: AnyLayout, micro_batches: int) -> Schedule:
-    """Every rank's ordered op list for one training step."""
+def build_schedule(layout: AnyLayout, micro_batches: int, served: Served | None = None) -> Schedule:
+    """Every rank's ordered op list for one training step. `served`: the expert ranks each
+    attention rank dispatches each MoE layer to (None: every expert rank of the layer's group)."""
     if micro_batches < 1:
         raise ValueError(f"micro_batches={micro_batches} must be at least 1")
+    ring = _Ring(layout, served or (lambda layer, d: layout.expert_group(layout.group_of_layer(layer))))
     programs: list[list[Op]] = [[] for _ in range(layout.world_size)]
     for layer in range(layout.num_layers):
         for mb in range(micro_batches):
-            _attention_forward(layout, programs, layer, mb)
+            _attention_forward(ring, programs, layer, mb)
             if layout.is_moe(layer):
-                _expert_forward(layout, programs, layer, mb)
+                _expert_forward(ring, programs, layer, mb)
     for mb in range(micro_batches):
-        _loss(layout, programs, mb)
+        _loss(ring, programs, mb)
     _reduce_gradients(layout, programs, layout.num_layers, layout.head_group)
     for layer in reversed(range(layout.num_layers)):
         for mb in range(micro_batches):
             if layout.is_moe(layer):
-                _expert_backward(layout, programs, layer, mb)
-            _attention_backward(layout, programs, layer, mb)
+                _expert_backward(ring, programs, layer, mb)
+            _attention_backward(ring, programs, layer, mb)
         _reduce_gradients(layout, programs, layer, layout.group_of_layer(layer))
     for rank in range(layout.world_size):
         role = layout.role(rank)
@@ -141,79 +148,94 @@ def _reduce_gradients(layout: AnyLayout, programs: list[list[Op]], layer: int, g
             programs[rank].append(ReduceGradients(layer, ranks))
 
 
-def _receive_layer_output(layout: AnyLayout, programs: list[list[Op]], layer: int, mb: int, group: int) -> None:
+@dataclass(frozen=True)
+class _Ring:
+    """A layout with the expert ranks each attention rank serves: the peers of every hop."""
+
+    layout: AnyLayout
+    served: Served
+
+    def sources(self, layer: int, rank: int, group: int) -> tuple[int, ...]:
+        """The attention ranks of `group` whose data-parallel index dispatches `layer` to expert
+        rank `rank` (`group`: the layer's for DISPATCH, the next one for COMBINE)."""
+        layout = self.layout
+        return tuple(layout.attention_rank(group, d) for d in range(layout.data_parallel)
+                     if rank in self.served(layer, d))
+
+
+def _receive_layer_output(ring: _Ring, programs: list[list[Op]], layer: int, mb: int, group: int) -> None:
     """On A_group, receive what layer `layer` (of the previous group) left for the next step."""
+    layout = ring.layout
     for d, rank in enumerate(layout.attention_group(group)):
         if layout.pipeline_groups > 1:
             prev = layout.attention_rank(layout.group_of_layer(layer), d)
             programs[rank].append(Recv(Payload.RESIDUAL, layer, mb, (prev,)))
         if layout.is_moe(layer):
-            experts = layout.expert_group(layout.group_of_layer(layer))
-            programs[rank].append(Recv(Payload.COMBINE, layer, mb, experts))
+            programs[rank].append(Recv(Payload.COMBINE, layer, mb, ring.served(layer, d)))
 
 
-def _attention_forward(layout: AnyLayout, programs: list[list[Op]], layer: int, mb: int) -> None:
+def _attention_forward(ring: _Ring, programs: list[list[Op]], layer: int, mb: int) -> None:
+    layout = ring.layout
     group = layout.group_of_layer(layer)
     if layer > 0:
-        _receive_layer_output(layout, programs, layer - 1, mb, group)
+        _receive_layer_output(ring, programs, layer - 1, mb, group)
     for d, rank in enumerate(layout.attention_group(group)):
         programs[rank].append(AttentionForward(layer, mb))
         if layout.is_moe(layer):
-            programs[rank].append(Send(Payload.DISPATCH, layer, mb, layout.expert_group(group)))
+            programs[rank].append(Send(Payload.DISPATCH, layer, mb, ring.served(layer, d)))
         if layout.pipeline_groups > 1:
             nxt = layout.attention_rank(layout.next_group(group), d)
             programs[rank].append(Send(Payload.RESIDUAL, layer, mb, (nxt,)))
 
 
-def _expert_forward(layout: AnyLayout, programs: list[list[Op]], layer: int, mb: int) -> None:
+def _expert_forward(ring: _Ring, programs: list[list[Op]], layer: int, mb: int) -> None:
+    layout = ring.layout
     group = layout.group_of_layer(layer)
     for rank in layout.expert_group(group):
-        programs[rank].append(Recv(Payload.DISPATCH, layer, mb, layout.attention_group(group)))
+        programs[rank].append(Recv(Payload.DISPATCH, layer, mb, ring.sources(layer, rank, group)))
         programs[rank].append(ExpertForward(layer, mb))
-        programs[rank].append(
-            Send(Payload.COMBINE, layer, mb, layout.attention_group(layout.next_group(group)))
-        )
+        programs[rank].append(Send(Payload.COMBINE, layer, mb, ring.sources(layer, rank, layout.next_group(group))))
 
 
-def _loss(layout: AnyLayout, programs: list[list[Op]], mb: int) -> None:
+def _loss(ring: _Ring, programs: list[list[Op]], mb: int) -> None:
+    layout = ring.layout
     last = layout.num_layers - 1
-    _receive_layer_output(layout, programs, last, mb, layout.head_group)
-    _send_layer_grads(layout, programs, last, mb, layout.head_group, Loss(mb))
+    _receive_layer_output(ring, programs, last, mb, layout.head_group)
+    _send_layer_grads(ring, programs, last, mb, layout.head_group, Loss(mb))
 
 
-def _send_layer_grads(
-    layout: AnyLayout, programs: list[list[Op]], layer: int, mb: int, group: int, op: Compute
-) -> None:
+def _send_layer_grads(ring: _Ring, programs: list[list[Op]], layer: int, mb: int, group: int, op: Compute) -> None:
     """On A_group run `op`, then send the grads of layer `layer`'s output back where it came from."""
+    layout = ring.layout
     for d, rank in enumerate(layout.attention_group(group)):
         programs[rank].append(op)
         if layout.is_moe(layer):
-            experts = layout.expert_group(layout.group_of_layer(layer))
-            programs[rank].append(Send(Payload.COMBINE_GRAD, layer, mb, experts))
+            programs[rank].append(Send(Payload.COMBINE_GRAD, layer, mb, ring.served(layer, d)))
         if layout.pipeline_groups > 1:
             prev = layout.attention_rank(layout.group_of_layer(layer), d)
             programs[rank].append(Send(Payload.RESIDUAL_GRAD, layer, mb, (prev,)))
 
 
-def _expert_backward(layout: AnyLayout, programs: list[list[Op]], layer: int, mb: int) -> None:
+def _expert_backward(ring: _Ring, programs: list[list[Op]], layer: int, mb: int) -> None:
+    layout = ring.layout
     group = layout.group_of_layer(layer)
     for rank in layout.expert_group(group):
-        sources = layout.attention_group(layout.next_group(group))
-        programs[rank].append(Recv(Payload.COMBINE_GRAD, layer, mb, sources))
+        programs[rank].append(Recv(Payload.COMBINE_GRAD, layer, mb, ring.sources(layer, rank, layout.next_group(group))))
         programs[rank].append(ExpertBackward(layer, mb))
-        programs[rank].append(Send(Payload.DISPATCH_GRAD, layer, mb, layout.attention_group(group)))
+        programs[rank].append(Send(Payload.DISPATCH_GRAD, layer, mb, ring.sources(layer, rank, group)))
 
 
-def _attention_backward(layout: AnyLayout, programs: list[list[Op]], layer: int, mb: int) -> None:
+def _attention_backward(ring: _Ring, programs: list[list[Op]], layer: int, mb: int) -> None:
+    layout = ring.layout
     group = layout.group_of_layer(layer)
     for d, rank in enumerate(layout.attention_group(group)):
         if layout.pipeline_groups > 1:
             nxt = layout.attention_rank(layout.next_group(group), d)
             programs[rank].append(Recv(Payload.RESIDUAL_GRAD, layer, mb, (nxt,)))
         if layout.is_moe(layer):
-            programs[rank].append(Recv(Payload.DISPATCH_GRAD, layer, mb, layout.expert_group(group)))
+            programs[rank].append(Recv(Payload.DISPATCH_GRAD, layer, mb, ring.served(layer, d)))
     if layer == 0:
         for rank in layout.attention_group(group):
             programs[rank].append(AttentionBackward(layer, mb))
     else:
-        _send_layer_grads(layout, programs, layer - 1, mb, group, AttentionBackward(layer, mb))
+        _send_layer_grads(ring, programs, layer - 1, mb, group, AttentionBackward(layer, mb))

@@ -2,7 +2,8 @@
 
 Each compute op of the schedule is one *segment* of autograd graph. `AttentionForward(l)` first
 rebuilds layer l-1's output from what arrived (the residual stream and, after a MoE layer, one
-weighted partial sum per expert rank: h + sum_j partial_j (+ shared experts)), each received
+weighted partial sum per expert rank it serves, `Topology.served`: h + sum_j partial_j (+ shared
+experts)), each received
 tensor a fresh leaf, then runs layer l's attention, router and shared experts and posts the
 compact dispatch (DESIGN 3c: the normed token rows once per expert rank, with their top-k ids and
 routing weights; `runtime.stages.messages`) and the residual stream for the next hop. The segment keeps
@@ -40,8 +41,9 @@ data-parallel ranks; each rank backpropagates its share
 
 where aux_share = coef E sum_e f_e P_e^(d) / D: f_e the micro-batch's load fraction over all D
 ranks, P^(d) this rank's mean routing probabilities. f is not known here in the forward pass;
-every expert rank of the group sees all D ranks' choices and returns the load with the
-gradients (DISPATCH_GRAD), so the aux term enters at `AttentionBackward` as the gradient
+under an aux loss every expert rank of the group sees all D ranks' choices
+(`RouterConfig.needs_every_source_load`) and returns the load with the gradients (DISPATCH_GRAD), so the
+aux term enters at `AttentionBackward` as the gradient
 coef E f / (D M) of P^(d). No collective runs inside a forward op (DESIGN 3c's NCCL ordering).
 
 Legend: B batch rows of this rank's piece, S sequence, H hidden, N tokens (B*S), K top-k, E experts.
@@ -124,10 +126,14 @@ class AttentionStage:
         self.begin_step(0)
 
     def _set_routing(self, layer: int) -> SetRouting:
-        """This source's pairs of `layer` mapped to each expert rank of the layer's set."""
-        ranks = self.topology.expert_groups[self.topology.group_of_layer(layer)]
-        return SetRouting([LocalRouting(self.topology, layer, j, self.dp_index, self.dp, self.model.device)
-                           for j in range(len(ranks))])
+        """This source's pairs of `layer` mapped to each expert rank it serves (`_served_ranks`)."""
+        group = self.topology.expert_groups[self.topology.group_of_layer(layer)]
+        return SetRouting([LocalRouting(self.topology, layer, group.index(rank), self.dp_index, self.dp,
+                                        self.model.device) for rank in self._served_ranks(layer)])
+
+    def _served_ranks(self, layer: int) -> tuple[int, ...]:
+        """The expert ranks this rank dispatches MoE layer `layer` to and hears back from."""
+        return self.topology.served(layer, self.dp_index)
 
     def begin_step(self, step: int, data: TokenDataset | None = None, staged: bool = False) -> None:
         """Start step `step` of `data` (default: the training data); forgets the previous step.
@@ -192,7 +198,7 @@ class AttentionStage:
         inputs = LayerInput(prev, carry=parts, topk_idx_NK=ids_NK)
         if not topo.is_moe(prev):
             return parts[0], inputs
-        experts = topo.expert_groups[topo.group_of_layer(prev)]
+        experts = self._served_ranks(prev)
         if self.pair is not None:  # pair rows, weighted by the weights that came with h
             h_BSH, *shared, w_NK = parts
             with self.wait_span(f"Recv {Payload.COMBINE.value} L{prev} mb{mb}"):  # waits and combines
@@ -218,7 +224,7 @@ class AttentionStage:
     def _post_input_grads(self, inputs: LayerInput, mb: int, mail: Mailbox) -> None:
         topo, prev = self.topology, inputs.prev
         if topo.is_moe(prev):
-            experts = topo.expert_groups[topo.group_of_layer(prev)]
+            experts = self._served_ranks(prev)
             if self.sparse:  # dy of the tokens each expert rank served
                 self._post_routed_grad(prev, mb, mail, _grad(inputs.combined), self._served(inputs))
             else:  # pair rows: every expert rank gets dy and forms its w dy; partial sums: each its own
@@ -246,7 +252,7 @@ class AttentionStage:
         tokens it served, in its dispatch's order (`served`: `_served`), the first count rows live.
         By peer stores the send op's one launch stores them from dy (no gather); a colocated
         rank's own message is posted."""
-        ranks = self.topology.expert_groups[self.topology.group_of_layer(layer)]
+        ranks = self._served_ranks(layer)
         picked_QN, index_QN, count_Q1 = served
         if mail.peer_stores and any(rank != self.rank for rank in ranks):  # the send op's, for its peers
             mail.stash((Payload.COMBINE_GRAD, layer, mb), (dy_NH, picked_QN, count_Q1, tuple(ranks)))
@@ -271,7 +277,7 @@ class AttentionStage:
             self.segments[(layer, mb)] = Segment(inputs, [], [out_BSH])
             return
         h_BSH, routing, shared_NH, probs_E = block.attention_half(x_BSH)  # `recompute: full`: one recomputed segment
-        ranks = topo.expert_groups[self.group]
+        ranks = self._served_ranks(layer)
         posts = {rank: [routing.xn_NH, routing.topk_idx_NK.to(torch.int32), routing.topk_w_NK] for rank in ranks}
         sent = None
         if self.sparse:  # to each rank only the tokens it serves (`runtime.stages.sparse_dispatch`)
@@ -337,7 +343,7 @@ class AttentionStage:
                                            self.pair.combine_programs(self.model.device)))
                 load_E = landing.extras[0]
             else:
-                replies = [mail.take(Payload.DISPATCH_GRAD, layer, mb, rank) for rank in topo.expert_groups[self.group]]
+                replies = [mail.take(Payload.DISPATCH_GRAD, layer, mb, rank) for rank in self._served_ranks(layer)]
                 for i, leaf in enumerate(segment.dispatched):  # d xn, d weights: summed over the expert ranks
                     parts = [reply[i] for reply in replies]
                     outputs.append(leaf)

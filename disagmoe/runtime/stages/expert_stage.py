@@ -1,13 +1,15 @@
 """The expert side of one rank: its routed experts of every MoE layer of its group.
 
-`ExpertForward(l)` takes, from each attention rank d of the group, the compact dispatch (the
+`ExpertForward(l)` takes, from each attention rank d of the group that it serves (its sources:
+`Topology.sources_of`, the whole group but with replica sets or EP blocks), the compact dispatch (the
 layer's normed token rows once, their top-k expert ids and routing weights; `runtime.stages.messages`),
 maps every (token, k) pair to the local expert that serves it here or to "elsewhere"
 (`LocalRouting`), runs all its experts once over every source's tokens and posts to attention rank
 d of the next group one weighted partial sum per token (`model.local_experts`).
 `ExpertBackward(l)` backpropagates the partial sums' gradients that came back and posts each
-source its d xn and d routing weights, with the micro-batch's expert load over all sources (the
-attention ranks need it for the aux loss's gradient); with the triton backend the weight
+source its d xn and d routing weights, with the micro-batch's expert load over its sources (the
+attention ranks need it for the aux loss's gradient: under an aux loss every source is every expert
+rank's, `RouterConfig.needs_every_source_load`); with the triton backend the weight
 gradients are held back (`kernels.deferral.deferred_weight_grads`) and returned to the worker, which
 runs them once it has sent those, so the input gradients leave before the weight gradients are
 computed. Nothing reads the device from the host.
@@ -32,7 +34,8 @@ received_order`), COMBINE_GRAD comes in the dispatch's order, and d xn goes back
 Replicated experts (a plan's hot experts): the attention rank of data-parallel index d (of D)
 sends its pairs of an expert with n owners to owner d mod n when D >= n, and splits them in token
 order over owners d, d + D, ... when D < n (`plan_layout.replica_rows`); every owner receives the
-whole dispatch and keeps exactly its share, computed on the device from the counts.
+whole dispatch of a source that feeds it and keeps exactly its share, computed on the device from
+the counts.
 
 Legend: D data-parallel sources, N tokens per source, K top-k, E experts of the layer, L local.
 """
@@ -50,6 +53,7 @@ from disagmoe.model.local_experts import local_expert_block
 from disagmoe.runtime.stages.messages import Mailbox
 from disagmoe.runtime.stages.pair_return import PairHop, PairRows, expert_pair_rows, expert_pair_rows_backward
 from disagmoe.runtime.stages.sparse_dispatch import received_locals, received_order, valid_rows
+from disagmoe.runtime.plan_layout import fed_replicas
 from disagmoe.runtime.rank_model import RankModel
 from disagmoe.wire import Payload
 from disagmoe.runtime.topology import Topology
@@ -72,8 +76,7 @@ class LocalRouting:
         for i, e in enumerate(held):
             who = owners[e]
             r = who.index(index)
-            k = min(len(who), dp)
-            mine = [q for q in range(len(who)) if q % k == dp_index % k]  # the owners this source feeds
+            mine = fed_replicas(len(who), dp_index, dp)  # the owners this source feeds
             if r in mine:
                 local[e], parts[e], part[e] = i, len(mine), mine.index(r)
         self.split = any(p > 1 for p in parts)
@@ -120,11 +123,13 @@ class ExpertStage:
         assert role is not None, f"rank {rank} holds no experts"
         self.group, index = role
         self.model, self.topology, self.rank = model, topology, rank
-        self.sources = topology.attention_groups[self.group]
-        self.destinations = topology.attention_groups[topology.next_group(self.group)]
-        dp = len(self.sources)
-        self.routing = {layer: [LocalRouting(topology, layer, index, d, dp, model.device) for d in range(dp)]
-                        for layer in topology.experts_of(rank)}
+        here, nxt = topology.attention_groups[self.group], topology.attention_groups[topology.next_group(self.group)]
+        indices = {layer: topology.sources_of(layer, rank) for layer in topology.experts_of(rank)}
+        # per MoE layer: the attention ranks whose dispatch comes here, and where each one's outputs go
+        self.sources = {layer: tuple(here[d] for d in ds) for layer, ds in indices.items()}
+        self.destinations = {layer: tuple(nxt[d] for d in ds) for layer, ds in indices.items()}
+        self.routing = {layer: [LocalRouting(topology, layer, index, d, topology.data_parallel, model.device)
+                                for d in ds] for layer, ds in indices.items()}
         self.segments: dict[tuple[int, int], ExpertSegment] = {}
         self.pair = pair
         self.sparse = sparse
@@ -137,7 +142,7 @@ class ExpertStage:
 
     def forward(self, layer: int, mb: int, mail: Mailbox) -> None:
         """ExpertForward(layer, mb)."""
-        messages = [mail.take(Payload.DISPATCH, layer, mb, src) for src in self.sources]
+        messages = [mail.take(Payload.DISPATCH, layer, mb, src) for src in self.sources[layer]]
         if self.pair is not None:
             return self._forward_pairs(layer, mb, mail, messages)
         if self.sparse:  # the sender mapped the pairs to local experts; padding rows serve none
@@ -159,7 +164,7 @@ class ExpertStage:
         if self.sparse:
             self._post_combine(layer, mb, mail, partial_TH.view(len(messages), N, -1), messages)
         else:
-            for dst, partial_NH in zip(self.destinations, outputs, strict=True):
+            for dst, partial_NH in zip(self.destinations[layer], outputs, strict=True):
                 mail.post(Payload.COMBINE, layer, mb, dst, [partial_NH])
         self.segments[(layer, mb)] = ExpertSegment(xs + ws, outputs, self._load(messages), counts=counts)
 
@@ -172,9 +177,10 @@ class ExpertStage:
         only a colocated rank's own message is posted."""
         index_DN = _stack([message[3] for message in messages])
         count_D1 = _stack([message[4] for message in messages])
-        if mail.peer_stores and any(dst != mail.rank for dst in self.destinations):  # the send op's, for its peers
-            mail.stash((Payload.COMBINE, layer, mb), (partial_DNH, index_DN, count_D1, tuple(self.destinations)))
-        for d, dst in enumerate(self.destinations):
+        destinations = self.destinations[layer]
+        if mail.peer_stores and any(dst != mail.rank for dst in destinations):  # the send op's, for its peers
+            mail.stash((Payload.COMBINE, layer, mb), (partial_DNH, index_DN, count_D1, destinations))
+        for d, dst in enumerate(destinations):
             if dst == mail.rank or not mail.peer_stores:
                 mail.post(Payload.COMBINE, layer, mb, dst, [partial_DNH[d], index_DN[d], count_D1[d]],
                           count=count_D1[d])
@@ -184,14 +190,15 @@ class ExpertStage:
         held back (the triton backend with fp32 main gradients; else none), for the worker to
         run once it has sent these."""
         segment = self.segments.pop((layer, mb))
-        grads = [mail.take(Payload.COMBINE_GRAD, layer, mb, dst)[0] for dst in self.destinations]
+        sources = self.sources[layer]
+        grads = [mail.take(Payload.COMBINE_GRAD, layer, mb, dst)[0] for dst in self.destinations[layer]]
         if segment.pairs is not None:  # d x returns as pair rows with the load (`runtime.stages.pair_return`);
             with deferred_weight_grads() as held:  # sparse: into the leaves, then per source
-                for saved, dy_NH, src in zip(segment.pairs, grads, self.sources, strict=True):
+                for saved, dy_NH, src in zip(segment.pairs, grads, sources, strict=True):
                     target = None if self.sparse else mail.target(Payload.DISPATCH_GRAD, layer, mb, src)
                     expert_pair_rows_backward(saved, dy_NH, target, self.pair_counters_S, self.pair.segment_tokens)
             if self.sparse:
-                x_leaves = segment.inputs[:len(self.sources)]
+                x_leaves = segment.inputs[:len(sources)]
                 self._post_dispatch_grads(layer, mb, mail, segment, _stack([_grad(x) for x in x_leaves]))
             return held
         if self.sparse:  # the rows past a source's count: whatever a peer store left there, never used
@@ -199,13 +206,13 @@ class ExpertStage:
                      for dy_NH, count_1 in zip(grads, segment.counts, strict=True)]
         with deferred_weight_grads() as held:
             torch.autograd.backward(segment.outputs, grads)
-        D = len(self.sources)
+        D = len(sources)
         if self.sparse:  # one leaf of rows, one of weights: each source's gradient a view
             dx_SH, dw_SK = (_grad(leaf) for leaf in segment.inputs)
             self._post_dispatch_grads(layer, mb, mail, segment, dx_SH.view(D, -1, dx_SH.shape[1]),
                                       dw_SK.view(D, -1, dw_SK.shape[1]))
             return held
-        for d, src in enumerate(self.sources):
+        for d, src in enumerate(sources):
             x_leaf, w_leaf = segment.inputs[d], segment.inputs[D + d]
             mail.post(Payload.DISPATCH_GRAD, layer, mb, src, [_grad(x_leaf), _grad(w_leaf), segment.load_E])
         return held
@@ -218,22 +225,23 @@ class ExpertStage:
         peer stores (nvshmem) the send op's one launch returns the first count rows of each
         source's block (`NvshmemTransport.send_counted`), so only a colocated rank's own message
         is posted."""
-        if mail.peer_stores and any(src != mail.rank for src in self.sources):  # the send op's, for its peers
+        sources = self.sources[layer]
+        if mail.peer_stores and any(src != mail.rank for src in sources):  # the send op's, for its peers
             mail.stash((Payload.DISPATCH_GRAD, layer, mb), (dx_DNH, dw_DNK, torch.stack(segment.counts),
-                                                             segment.load_E, tuple(self.sources)))
-        for d, src in enumerate(self.sources):
+                                                             segment.load_E, sources))
+        for d, src in enumerate(sources):
             if src == mail.rank or not mail.peer_stores:
                 dw = [] if dw_DNK is None else [dw_DNK[d]]
                 mail.post(Payload.DISPATCH_GRAD, layer, mb, src, [dx_DNH[d], *dw, segment.load_E],
                           count=segment.counts[d])
     def _load(self, messages) -> torch.Tensor:
-        """The micro-batch's expert load over all sources' dispatches (int64 [E])."""
+        """The micro-batch's expert load over its sources' dispatches (int64 [E])."""
         if self.sparse:  # each source's own load came with its rows
             return sum(message[5] for message in messages)
         return sum(expert_counts(idx_NK.long(), self.model.cfg.num_experts) for _, idx_NK, _ in messages)
 
     def load_of(self, layer: int, mb: int) -> torch.Tensor:
-        """The micro-batch's expert load over all sources (int64 [E]) its forward counted."""
+        """The micro-batch's expert load over its sources (int64 [E]) its forward counted."""
         return self.segments[(layer, mb)].load_E
 
     def _forward_pairs(self, layer: int, mb: int, mail: Mailbox, messages) -> None:
@@ -244,7 +252,7 @@ class ExpertStage:
         ws = [message[2].detach() for message in messages]
         experts = self.model.experts(layer)
         pairs = []
-        for route, dst, x_leaf, message, w_NK in zip(self.routing[layer], self.destinations, xs, messages, ws,
+        for route, dst, x_leaf, message, w_NK in zip(self.routing[layer], self.destinations[layer], xs, messages, ws,
                                                      strict=True):
             local_NK, token_N = self._pair_routing(route, message)
             pairs.append(expert_pair_rows(x_leaf, local_NK, w_NK, experts,

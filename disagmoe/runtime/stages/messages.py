@@ -258,8 +258,9 @@ def hop_mode(cfg, model_cfg, topology) -> tuple[str, str]:
     """(hop, why) of a run: `cfg.hop`, with auto resolved. Per-pair rows move T K H values to an
     attention rank where partial sums move Q T H (Q expert ranks of the set), so they win once
     Q > top-k; they need the one-sided transport (or `local`, on CPU) and, on it, the triton
-    experts, whose down GEMM stores them (in bf16: under precision fp8 auto is partial sums)."""
-    ranks = max((len(group) for group in topology.expert_groups), default=0)
+    experts, whose down GEMM stores them (in bf16: under precision fp8 auto is partial sums). Q is
+    the most expert ranks an attention rank serves (`Topology.dispatch_width`: its set or EP block)."""
+    ranks = topology.dispatch_width
     k = model_cfg.top_k
     if cfg.hop != "auto":
         return cfg.hop, "as configured"
@@ -282,7 +283,7 @@ def dispatch_mode(cfg, model_cfg, topology) -> tuple[str, str]:
     and 1A+3E over nvshmem on 2026-12-03)."""
     if cfg.dispatch != "auto":
         return cfg.dispatch, "as configured"
-    ranks = max((len(group) for group in topology.expert_groups), default=0)
+    ranks = topology.dispatch_width
     per_set = f"{ranks} expert rank{'' if ranks == 1 else 's'} per set"
     if ranks <= 1:
         return "dense", f"{per_set}: every token goes to it either way"

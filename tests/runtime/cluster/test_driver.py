@@ -90,15 +90,19 @@ def run_on(warm, cfg: TrainConfig):
     return DistributedTrainer(cfg, workers=warm(world)).run()
 
 
-def tiny_model(bias_balancing: bool):
-    """The tiny preset: a leading dense layer, a shared expert, aux and z losses; optional bias."""
+def tiny_model(bias_balancing: bool, aux_loss: bool = True):
+    """The tiny preset: a leading dense layer, a shared expert, aux and z losses; optional bias; without
+    `aux_loss` no auxiliary loss (each source then dispatches only to the expert ranks it feeds:
+    `RouterConfig.needs_every_source_load`)."""
     m = load_model("tiny")
+    update = {"bias_balancing": bias_balancing, "bias_update_rate": 1e-2}
     return m.model_copy(update={"router": m.router.model_copy(
-        update={"bias_balancing": bias_balancing, "bias_update_rate": 1e-2})})
+        update=update if aux_loss else {**update, "aux_loss_coef": 0.0})})
 
 
 def run_config(out: Path, mode: str, **fields) -> TrainConfig:
-    base = dict(model=tiny_model(fields.pop("bias_balancing", False)), mode=mode, steps=STEPS, batch_size=8,
+    model = tiny_model(fields.pop("bias_balancing", False), fields.pop("aux_loss", True))
+    base = dict(model=model, mode=mode, steps=STEPS, batch_size=8,
                 seq_len=16, micro_batches=1, eval_every=STEPS, eval_batches=1, cpu_threads=1, recv_timeout_s=60,
                 optim=OptimConfig(lr=3e-3, warmup_steps=2), out_dir=str(out), trace=False)
     return TrainConfig(**{**base, **fields})
@@ -221,6 +225,24 @@ CASES = {
                                      hop="pair_rows", dispatch="sparse"),
     "sparse-pairs-colocated-4-p2": dict(mode="colocated", colocated_ranks=4, pipeline_groups=2, micro_batches=2,
                                         hop="pair_rows", dispatch="sparse"),
+    # EP blocks (expert_replica_sets): each source dispatches only to its own block (ranks d mod 2, d mod 2 + 2:
+    # ep = 2), the blocks sum their experts' gradients; p = 2 with two ranks a group: blocks of one rank, every
+    # rank all of its group's experts, dispatching to itself and combining into the next group's same index
+    "colocated-4-blocks2": dict(mode="colocated", colocated_ranks=4, expert_replica_sets=2, micro_batches=2,
+                                aux_loss=False, bias_balancing=True),
+    "colocated-4-p2-blocks2": dict(mode="colocated", colocated_ranks=4, pipeline_groups=2, expert_replica_sets=2,
+                                   micro_batches=2, aux_loss=False),
+    "sparse-colocated-4-blocks2": dict(mode="colocated", colocated_ranks=4, expert_replica_sets=2, micro_batches=2,
+                                       aux_loss=False, dispatch="sparse"),
+    "pairs-colocated-4-blocks2": dict(mode="colocated", colocated_ranks=4, expert_replica_sets=2, micro_batches=2,
+                                      aux_loss=False, hop="pair_rows"),
+    "sparse-pairs-colocated-4-blocks2": dict(mode="colocated", colocated_ranks=4, expert_replica_sets=2,
+                                             micro_batches=2, aux_loss=False, hop="pair_rows", dispatch="sparse"),
+    # under an aux loss every source still dispatches to every rank of its group (each block keeping its share)
+    "colocated-4-blocks2-aux": dict(mode="colocated", colocated_ranks=4, expert_replica_sets=2, micro_batches=2),
+    # disaggregated replica sets: attention rank d feeds expert rank d only
+    "A2-E2-sets2-m2": dict(attention_ranks=2, expert_ranks=2, expert_replica_sets=2, micro_batches=2,
+                           aux_loss=False),
 }
 
 
@@ -229,7 +251,10 @@ def test_matches_the_single_process_oracle(warm, tmp_path, case):
     fields = dict(CASES[case])
     mode = fields.pop("mode", "disaggregated")
     cfg = run_config(tmp_path / "dist", mode, **fields)
-    assert Topology.from_config(cfg, cfg.model).pipeline_groups == cfg.pipeline_groups  # colocated ones too
+    topology = Topology.from_config(cfg, cfg.model)
+    assert topology.pipeline_groups == cfg.pipeline_groups  # colocated ones too
+    sets = 1 if topology.full_dispatch else cfg.expert_replica_sets
+    assert topology.dispatch_width == len(topology.expert_groups[0]) // sets  # with sets: a source's own only
     summary = run_on(warm, cfg)
     reference, reference_model = oracle(cfg, tmp_path / "single")
     assert summary.steps == STEPS and summary.checkpoint_path is not None

@@ -73,11 +73,14 @@ def _config(layout: str, dispatch: str = "sparse") -> TrainConfig:
 
 
 def _topology(cfg: TrainConfig, layout: str) -> Topology:
+    """The run's topology with the layout's owners: tiny's aux loss has every source dispatch to every
+    expert rank, replicas or not (`Topology.full_dispatch`), as `Topology.from_config` decides."""
     model_cfg = load_model(cfg.model)
     owners = LAYOUTS[layout][1]
     if owners is None:
         return Topology.from_config(cfg, model_cfg)
-    return Topology.disaggregated(Layout.from_config(cfg, model_cfg), model_cfg.num_experts, owners)
+    return Topology.disaggregated(Layout.from_config(cfg, model_cfg), model_cfg.num_experts, owners,
+                                  full_dispatch=model_cfg.router.needs_every_source_load)
 
 
 def _workers(cfg: TrainConfig, topology: Topology, routed: list) -> list[TrainWorker]:

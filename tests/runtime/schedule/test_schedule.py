@@ -12,6 +12,7 @@ from disagmoe.runtime.schedule.schedule import (
 )
 from disagmoe.wire import Payload, Recv, Send, message_key
 from disagmoe.runtime.schedule.schedule_sim import simulate
+from disagmoe.runtime.topology import Topology
 
 GRID = [
     (a_per_group * p, e, p, layers, m, dense)
@@ -205,3 +206,53 @@ def test_a_schedule_ops_key_is_the_transports_key_with_its_lane(payload):
     rank pair's DISPATCH and COMBINE of one layer never share a key."""
     for op in (Send(payload, 3, 1, (0,)), Recv(payload, 3, 1, (0,))):
         assert op.key(7) == message_key(7, payload, 3, 1)
+
+
+BLOCKED = [  # (name, topology): colocated EP blocks and disaggregated replica sets, every source feeding one
+    *((f"colocated{n * p}-p{p}-blocks{sets}-L{layers}", Topology.colocated_ranks(n * p, layers, 1, 8, pipeline_groups=p,
+                                                                                  sets=sets))
+      for n, p, sets in ((4, 1, 2), (4, 2, 2), (6, 1, 3), (6, 2, 2), (4, 3, 4)) for layers in (p + 1, 2 * p + 1)),
+    *((f"A{a}-E{e}-p{p}-sets{sets}", Topology.disaggregated(Layout(a, e, p, 2 * p + 1, 1), 8, sets=sets))
+      for a, e, p, sets in ((2, 2, 1, 2), (4, 4, 2, 2), (3, 6, 1, 3), (1, 4, 1, 2))),
+]
+
+
+def _layout_of(topology):
+    if topology.layout is not None:
+        return topology.layout
+    return ColocatedLayout(topology.world_size, topology.pipeline_groups, topology.num_layers, topology.num_dense_layers)
+
+
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("name,topology", BLOCKED, ids=[name for name, _ in BLOCKED])
+def test_schedules_in_blocks_replay_without_deadlock_and_receive_in_send_order(name, topology, m):
+    schedule = build_schedule(_layout_of(topology), m, topology.served)
+    assert schedule.programs == topology.programs(m)
+    result = simulate(schedule)
+    assert result.messages == sum(len(op.peers) for p in schedule.programs for op in p if isinstance(op, Send))
+    assert result.out_of_order_recvs == 0
+    sent, asked = _channel_orders(schedule.programs)
+    assert sent == asked
+
+
+@pytest.mark.parametrize("per_group, p, sets", [(4, 1, 2), (6, 1, 3), (4, 2, 2), (6, 3, 2)])
+def test_a_colocated_ranks_expert_messages_reach_exactly_its_block(per_group, p, sets):
+    """Every DISPATCH (and its gradient) of a rank goes to, and comes from, exactly the ranks of its
+    own EP block (block c: the group's ranks c, c + sets, ...); every COMBINE (and its gradient) to
+    and from exactly the same block of the neighbouring group (p = 1: its own)."""
+    topology = Topology.colocated_ranks(per_group * p, 2 * p + 1, 1, 8, pipeline_groups=p, sets=sets)
+
+    def block(group: int, rank: int) -> set[int]:
+        index = rank % per_group
+        return {group * per_group + index % sets + sets * j for j in range(per_group // sets)}
+
+    for rank, program in enumerate(topology.programs(2)):
+        group = rank // per_group
+        peers: dict[Payload, set[int]] = {}
+        for op in program:
+            if isinstance(op, (Send, Recv)) and op.payload not in (Payload.RESIDUAL, Payload.RESIDUAL_GRAD):
+                peers.setdefault(op.payload, set()).update(op.peers)
+        neighbours = block((group + 1) % p, rank) | block((group - 1) % p, rank)  # sent to, received from
+        assert peers[Payload.DISPATCH] == peers[Payload.DISPATCH_GRAD] == block(group, rank)
+        for payload in (Payload.COMBINE, Payload.COMBINE_GRAD):
+            assert peers[payload] == neighbours, (rank, payload)

@@ -22,6 +22,11 @@ def _layouts():
         yield f"colocated{n}-m{m}", Topology.colocated_ranks(n, 4, 0, 8), m
     for per_group, p, m in itertools.product((1, 2, 3), (2, 3), (1, 2, 3)):
         yield f"colocated{per_group * p}-p{p}-m{m}", Topology.colocated_ranks(per_group * p, 7, 1, 8, pipeline_groups=p), m
+    for n, p, sets, m in ((4, 1, 2, 2), (4, 2, 2, 2), (6, 1, 3, 3), (6, 2, 2, 1)):  # EP blocks: their gradient sums too
+        yield (f"colocated{n * p}-p{p}-blocks{sets}-m{m}",
+               Topology.colocated_ranks(n * p, 7, 1, 8, pipeline_groups=p, sets=sets), m)
+    for a, e, p, sets in ((2, 2, 1, 2), (4, 4, 2, 2), (3, 6, 1, 3)):  # replica sets
+        yield f"A{a}-E{e}-p{p}-sets{sets}-m2", Topology.disaggregated(Layout(a, e, p, 4, 0), 8, sets=sets), 2
 
 
 @pytest.mark.parametrize("name,topology,m", list(_layouts()), ids=lambda v: v if isinstance(v, str) else "")
