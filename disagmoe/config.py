@@ -493,8 +493,8 @@ class PlanConfig(StrictModel):
         "faster plan that fits kept (a note says which and why); true / false read as on / off")
     cuda_graphs: Literal["auto", "off", "on"] = Field(
         "auto", description="the run's cuda_graphs (train with the same): a distributed layout whose rank steps it "
-        "captures (one attention GPU per pipeline group, no replicated experts, and under auto only once a GPU test "
-        "checked them: runtime/rank_graphs.py) has its nvshmem receive rings priced rounded up to a step's messages, "
+        "captures (one attention GPU per pipeline group, no replicated experts, over nvshmem; under auto not in "
+        "precision fp8 yet: runtime/rank_graphs.py) has its nvshmem receive rings priced rounded up to a step's messages, "
         "as the run allocates them; under on the plan is one of those layouts (train refuses the others); the plan's "
         "rank_steps_captured says which")
 

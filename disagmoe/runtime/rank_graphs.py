@@ -36,11 +36,10 @@ def resolve_rank_graphs(cfg: TrainConfig, topology: Topology) -> tuple[bool, str
     `cuda_graphs` (module docstring), from its settings and its topology's two facts
     (`runtime.schedule.step_capture`, where every reason is written once and the planner asks them
     too). `on` where the step cannot be captured raises ValueError naming the fixes. `auto` runs
-    eagerly there, and, until the captured rank step has been checked against the eager one on a
-    GPU (tests/runtime/cluster/test_driver.py's
-    `test_gpu_captured_rank_steps_on_one_shared_gpu_equal_the_eager_steps`; then
-    `step_capture.CHECKED_ON_GPU`), everywhere else too, saying so: auto captures only what a GPU
-    run checked."""
+    eagerly there, saying why, and captures everywhere else: the captured rank step equals the
+    eager one on a GPU (tests/runtime/cluster/test_driver.py's
+    `test_gpu_captured_rank_steps_on_one_shared_gpu_equal_the_eager_steps`, `step_capture.CHECKED_ON_GPU`);
+    precision fp8's still waits for its own GPU check."""
     if cfg.mode == "single":
         raise ValueError("resolve_rank_graphs is for modes disaggregated and colocated; mode single's step is "
                          "graphed_step.resolve_cuda_graphs'")

@@ -178,7 +178,8 @@ def _sum_rounds(rank: int, transport) -> list[str]:
     return wrong
 
 
-GRAPH_KEY = message_key(0, Payload.DISPATCH, 0, 0)  # the captured message: rank 0 -> rank 1, one slot
+GRAPH_PAYLOAD = Payload.DISPATCH
+GRAPH_KEY = message_key(0, GRAPH_PAYLOAD, 0, 0)  # the captured message: rank 0 -> rank 1, one slot
 GRAPH_WARM, GRAPH_ROUNDS = 2, 9  # eager rounds first (every launch compiled and loaded), then the graphs
 
 
@@ -190,7 +191,7 @@ def _graphed_exchange(rank: int, transport) -> list[str]:
     later rounds, new data in the sender's static inputs each time; the last round eager again
     (the host counts and the device's flags and consumed words still agree). Rank 1 checks
     every round's message."""
-    specs, sender = _specs(GRAPH_KEY.payload, 0), rank == 0
+    specs, sender = _specs(GRAPH_PAYLOAD, 0), rank == 0
     static = [spec.empty(transport.device) for spec in specs]  # the sender's inputs, the receiver's outputs
 
     def body():
@@ -202,7 +203,7 @@ def _graphed_exchange(rank: int, transport) -> list[str]:
 
     wrong, graphs, replays = [], {}, 0
     for round_ in range(GRAPH_ROUNDS):
-        want = _message(0, message_key(round_, GRAPH_KEY.payload, 0, 0), specs)
+        want = _message(0, message_key(round_, GRAPH_PAYLOAD, 0, 0), specs)
         if sender:
             for tensor, value in zip(static, want, strict=True):
                 tensor.copy_(value)

@@ -77,11 +77,17 @@ def test_on_captures_one_attention_rank_per_group_over_nvshmem():
     (dict(attention_ranks=2), "the 2 attention replicas per pipeline group"),
     (dict(experts_backend="loop"), "experts_backend loop reads each expert's row count on the host"),
     (dict(offload_optimizer=True), "the offloaded optimizer's copy streams"),
-    (dict(), "the captured rank step has not been checked against the eager one on a GPU yet"),
 ])
 def test_auto_runs_eagerly_and_says_why_in_one_line(fields, says):
     capture, note = _resolve(_cfg(**fields))
     assert not capture and note.startswith(f"cuda_graphs: auto -> eager: {says}") and "\n" not in note
+
+
+def test_auto_stays_eager_where_the_captured_rank_step_was_not_checked_on_a_gpu(monkeypatch):
+    monkeypatch.setattr(step_capture, "CHECKED_ON_GPU", False)
+    capture, note = _resolve(_cfg())
+    assert not capture and note == ("cuda_graphs: auto -> eager: the captured rank step has not been checked "
+                                    "against the eager one on a GPU yet (cuda_graphs: on captures it)")
 
 
 def test_auto_captures_once_checked_on_a_gpu_but_fp8_still_waits(monkeypatch):

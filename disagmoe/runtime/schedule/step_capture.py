@@ -19,7 +19,9 @@ from dataclasses import dataclass
 
 from disagmoe.config import TrainConfig
 
-CHECKED_ON_GPU = False  # the `gpu` test of a captured rank step has not run yet: auto stays eager
+# tests/runtime/cluster/test_driver.py's `test_gpu_captured_rank_steps_on_one_shared_gpu_equal_the_eager_steps`
+# passed (all three cases) on one H100, 2026-12-05 (docs/benchmarks.md, session 26): auto captures
+CHECKED_ON_GPU = True
 
 Blocker = tuple[str, str]  # (why the rank step is not captured, the fix)
 
@@ -88,8 +90,8 @@ def resolve(s: StepSettings, mode: str, data_parallel: int, replicated: bool) ->
     """(capture every rank's step?, the one line that says so and why) for a `mode` (disaggregated
     or colocated) run of these settings on this layout. `on` where the step cannot be captured
     raises ValueError naming every reason with its fix (the device's and transport's, the layout's,
-    then the step's work). `auto` runs eagerly there, naming the first reason, and, until
-    `CHECKED_ON_GPU`, everywhere else too, as it does for precision fp8 (`runtime.rank_graphs`)."""
+    then the step's work). `auto` runs eagerly there, naming the first reason, and captures
+    elsewhere once `CHECKED_ON_GPU` (precision fp8 waits for its own check; `runtime.rank_graphs`)."""
     if s.cuda_graphs == "off":
         return False, "cuda_graphs: off"
     blocked = (_device_blockers(s) + _transport_blockers(s) + layout_blockers(data_parallel, replicated)
