@@ -95,6 +95,8 @@ def test_auto_captures_once_checked_on_a_gpu_but_fp8_still_waits(monkeypatch):
     assert _resolve(_cfg())[0]
     capture, note = _resolve(_cfg(precision="fp8", hop="partial_sums"))
     assert not capture and "precision fp8's captured rank step" in note
+    monkeypatch.setattr(step_capture, "FP8_CHECKED_ON_GPU", True)
+    assert _resolve(_cfg(precision="fp8", hop="partial_sums"))[0]
     assert _resolve(_cfg(cuda_graphs="off")) == (False, "cuda_graphs: off")
 
 

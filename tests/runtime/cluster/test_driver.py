@@ -1164,7 +1164,7 @@ def test_a_signal_during_evaluation_stops_the_run_with_its_last_checkpoint(warm,
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", ["A1-E1-pairs", "A1-E1-sums", "A1-E2-sparse"])
+@pytest.mark.parametrize("case", ["A1-E1-pairs", "A1-E1-sums", "A1-E2-sparse", "fp8-A1-E1-sums", "fp8-A1-E2-sparse"])
 def test_gpu_captured_rank_steps_on_one_shared_gpu_equal_the_eager_steps(ray_cluster, tmp_path, case):
     """`cuda_graphs: on` (runtime/rank_graphs.py) against the same run eager: every step's loss and
     grad norm within 1e-5 relative (the same kernels in the same order; a replay differs from its
@@ -1172,9 +1172,12 @@ def test_gpu_captured_rank_steps_on_one_shared_gpu_equal_the_eager_steps(ray_clu
     too), the first 3 steps eager (the warm-up), then every step replayed: step 4's phase was met in
     step 2, and the evaluation after step 4, which moves the forward rings' counts, is followed by
     their realignment (`PhasedGraphs`, `NvshmemTransport.realign`), so step 5 runs in step 3's phase
-    (captured there and replayed) and steps 6 to 8 replay the two graphs in turn."""
-    needs_shared_gpu()
-    fields = dict(experts_backend="triton", eval_every=4, eval_batches=1)
+    (captured there and replayed) and steps 6 to 8 replay the two graphs in turn. The fp8 cases
+    (precision fp8, its counters summed on the stream with the gradient norm) are the check behind
+    `step_capture.FP8_CHECKED_ON_GPU`."""
+    fp8 = case in SHARED_FP8_CASES
+    needs_fp8_gpu() if fp8 else needs_shared_gpu()
+    fields = dict(experts_backend="triton", eval_every=4, eval_batches=1, **({"precision": "fp8"} if fp8 else {}))
     runs = {}
     for graphs in ("off", "on"):
         cfg = shared_gpu_config(tmp_path / graphs, case, cuda_graphs=graphs, **fields)
