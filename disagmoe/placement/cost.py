@@ -564,7 +564,9 @@ def evaluate(prob: Problem, c: Candidates, misfits_exact: bool = True) -> Cost:
         local, imbalance = expert_layout(m, per_set, prob.load_peak_ratio, prob.replica_slots)
         local = local.astype(float)
         rows = dp * tokens * k / e_pg * imbalance  # computed by the busiest expert GPU
-        pairs = dp * tokens * k  # held by each: every attention GPU of the group dispatches to all (`activations`)
+        # held by each: every pair of every attention GPU its set serves (`activations`; fewer attention GPUs than
+        # sets: one each, `plan_layout.fed_replicas`), aux loss or not (the sets swap their loads instead)
+        pairs = np.maximum(dp / sets, 1.0) * tokens * k
         f_link = _scaleout_fraction((dp + e_pg) / sets, prob.nvlink_domain)
         f_next = _ring_hop_fraction(p * (dp + e_pg) / sets, p, f_link, prob.nvlink_domain)  # set r of every group
         expert_replicas = sets * np.maximum(per_set / m.num_experts, 1.0)

@@ -338,15 +338,16 @@ def test_no_plan_gets_slower_with_more_gpus(model, hardware, counts):
 
 
 def test_a_plan_that_leaves_gpus_idle_says_so():
-    """DeepSeek-V3 on 600 GB200s: the fastest layout leaves GPUs idle (an expert GPU keeps every
-    pair its group's attention GPUs dispatch, so wider groups cost memory), and the plan says so
+    """DeepSeek-V3 on 610 GB200s: the fastest layout leaves GPUs idle (an expert GPU keeps every
+    pair its set's attention GPUs dispatch, so wider groups cost memory), and the plan says so
     and why; it is no slower than the plan on 512. (576 no longer leaves any idle since sparse
-    dispatch is priced: cheaper hops let wider groups pay.)"""
-    plan = solve(request("deepseek-v3", "gb200-nvl72", 600))
+    dispatch is priced: cheaper hops let wider groups pay; 600 none since an expert GPU keeps only
+    its set's sources' pairs.)"""
+    plan = solve(request("deepseek-v3", "gb200-nvl72", 610))
     used = plan.attention_gpus + plan.expert_gpus
-    assert plan.feasible and plan.idle_gpus == 600 - used > 0
-    assert plan.reason.startswith(f"uses {used} of 600 GPUs ({plan.idle_gpus} idle)")
-    assert any(n.startswith(f"{plan.idle_gpus} of 600 GPUs left idle: this layout on {used} is faster (")
+    assert plan.feasible and plan.idle_gpus == 610 - used > 0
+    assert plan.reason.startswith(f"uses {used} of 610 GPUs ({plan.idle_gpus} idle)")
+    assert any(n.startswith(f"{plan.idle_gpus} of 610 GPUs left idle: this layout on {used} is faster (")
                for n in plan.notes)
     assert plan.step_time_s <= solve(request("deepseek-v3", "gb200-nvl72", 512)).step_time_s
 
