@@ -138,9 +138,9 @@ class RouterConfig(StrictModel):
     @property
     def needs_every_source_load(self) -> bool:
         """The auxiliary loss takes each micro-batch's expert load over all data-parallel ranks, which
-        the distributed runtime returns from each expert rank over the sources it saw: with one, every
-        source dispatches to every expert rank of its group, whatever replica sets or EP blocks hold
-        (`runtime.topology.Topology.full_dispatch`; the planner runs such layouts one block a group)."""
+        the distributed runtime returns from each expert rank: where replica sets or EP blocks serve
+        their own sources, each expert rank adds the other blocks' loads to its own first
+        (`runtime.topology.Topology.load_peers`, EXPERT_LOAD)."""
         return self.aux_loss_coef > 0
 
     @model_validator(mode="after")
@@ -902,9 +902,9 @@ class TrainConfig(StrictModel):
         "blocks of its ranks, the expert-parallel degree colocated_ranks / pipeline_groups / expert_replica_sets) each "
         "holding every expert once (set c: the group's ranks c, c + sets, ...); the attention rank of data-parallel "
         "index d sends its tokens to set d mod sets only (colocated: its own block) and the sets sum their experts' "
-        "gradients (a plan's expert_replica_sets and expert map replace it). A router with an auxiliary loss still "
-        "dispatches to every expert rank of the group: its load fraction is the micro-batch's over all data-parallel "
-        "ranks (`RouterConfig.needs_every_source_load`)")
+        "gradients (a plan's expert_replica_sets and expert map replace it). Under a router's auxiliary loss, whose "
+        "load fraction is the micro-batch's over all data-parallel ranks, the sets also swap their loads "
+        "(`RouterConfig.needs_every_source_load`)")
     plan: str | Plan | None = Field(
         None, description="a `disagmoe plan --out` file (or an inline plan): its layout and expert map "
         "replace mode, attention_ranks, expert_ranks, pipeline_groups, expert_replica_sets, micro_batches, "

@@ -53,11 +53,13 @@ class Payload(Enum):
     DISPATCH_GRAD = "dispatch_grad"  # grads of the rows and weights, + the micro-batch's load E_g -> A_g
     COMBINE_GRAD = "combine_grad"  # grads of the partial sums A_(g+1) -> E_g
     RESIDUAL_GRAD = "residual_grad"  # grads of the residual stream A_(g+1) -> A_g
+    EXPERT_LOAD = "expert_load"  # a block's load over its sources [E], E_g,j -> the other blocks' E_g,j
 
     @property
     def backward(self) -> bool:
-        """True for the gradients' payloads."""
-        return self.value.endswith("_grad")
+        """True for the backward pass's payloads: the gradients', and the load the expert backward
+        returns with them (sent and received there; an evaluation pass moves none)."""
+        return self.value.endswith("_grad") or self is Payload.EXPERT_LOAD
 
     @property
     def direction(self) -> Direction:
@@ -71,7 +73,9 @@ def message_key(step: int, payload: Payload, layer: int, micro_batch: int) -> Me
     in the same direction, so the key's layer field holds 2 * layer + (1 for COMBINE[_GRAD]). That
     low bit is also the message's lane (`lane_of`): an in-order transport keeps one channel per
     (rank pair, lane), and every schedule receives each channel's messages in the order they were
-    sent (tests/runtime/schedule/test_schedule.py checks every layout).
+    sent (tests/runtime/schedule/test_schedule.py checks every layout). EXPERT_LOAD shares
+    DISPATCH_GRAD's key: it travels only between expert ranks of different EP blocks or replica
+    sets, pairs that carry no other payload (`runtime.topology.Topology.load_peers`).
     """
     slot = 1 if payload in (Payload.COMBINE, Payload.COMBINE_GRAD) else 0
     return MessageKey(step, micro_batch, 2 * layer + slot, payload.direction)

@@ -507,7 +507,8 @@ def transport_buffers(prob: Problem, c: Candidates, dp: np.ndarray, ranks: np.nd
     path the planner prices: nvshmem's symmetric arena (a ring of segments per receive pool,
     `roofline.transport_memory` RING, rounded up to a step's messages, RING_STEP, for the candidates
     whose rank steps are `captured`: `rank_steps`; the largest rank's on every GPU), partial sums,
-    dispatch sparse where a set has more than one expert rank.
+    dispatch sparse where a set has more than one expert rank; under a router's auxiliary loss the sets
+    (EP blocks) also swap their loads (`roofline.transport_memory` swaps_load).
     `ranks`: expert ranks per replica set (colocated: the EP block). None on one GPU."""
     dp = np.broadcast_to(np.asarray(dp), (len(c),))
     ranks = np.broadcast_to(np.asarray(ranks, dtype=np.int64), (len(c),))
@@ -523,7 +524,7 @@ def _arena(prob: Problem, c: Candidates, dp: np.ndarray, ranks: np.ndarray, reus
     m = prob.model
     dp_i = np.round(dp).astype(np.int64)
     attn, exp = tm.layout_receives(m.num_layers, m.num_dense_layers, c.p, dp_i, ranks, c.sets, c.m, c.colocated,
-                                   reuse=reuse)
+                                   reuse=reuse, swaps_load=m.router.needs_every_source_load)
     dense, sparse = (tm.transport_bytes(attn, exp, tm.HopShape(c.seqs.astype(np.int64), prob.seq_len, m.hidden_size,
                                                                m.top_k, m.num_experts, "bf16", m.shared_ffn_size > 0,
                                                                False, kind))
@@ -564,7 +565,9 @@ def evaluate(prob: Problem, c: Candidates, misfits_exact: bool = True) -> Cost:
         local, imbalance = expert_layout(m, per_set, prob.load_peak_ratio, prob.replica_slots)
         local = local.astype(float)
         rows = dp * tokens * k / e_pg * imbalance  # computed by the busiest expert GPU
-        pairs = dp * tokens * k  # held by each: every attention GPU of the group dispatches to all (`activations`)
+        # held by each: every pair of every attention GPU its set serves (`activations`; fewer attention GPUs than
+        # sets: one each, `plan_layout.fed_replicas`), aux loss or not (the sets swap their loads instead)
+        pairs = np.maximum(dp / sets, 1.0) * tokens * k
         f_link = _scaleout_fraction((dp + e_pg) / sets, prob.nvlink_domain)
         f_next = _ring_hop_fraction(p * (dp + e_pg) / sets, p, f_link, prob.nvlink_domain)  # set r of every group
         expert_replicas = sets * np.maximum(per_set / m.num_experts, 1.0)

@@ -8,10 +8,8 @@ expert count. Both search every layout on at most the job's GPUs (`_data_paralle
 says why pricing a few dp per layout is enough), so a plan never gets slower with more GPUs; one
 that leaves GPUs idle says so (`Plan.idle_gpus`). Candidates are priced at once by
 `cost.evaluate` (numpy arrays), in two passes (`_pruning`), so a 1,152-GPU search takes well
-under a second. The plan is the fastest layout `train --plan` runs as priced (disaggregated, or
-colocated in EP blocks, one a group where the router has an auxiliary loss:
-`runnable_colocated_candidates`); the best colocated layout of any EP blocking is the baseline
-reported beside it.
+under a second. The plan is the fastest layout, disaggregated or colocated in EP blocks, both run
+by `train --plan` as priced; the best colocated layout is the baseline reported beside it.
 With a calibrated hardware profile the chosen disaggregated layout's step time is then priced by
 replaying its schedule (`placement.replay`), once, after the search.
 """
@@ -238,27 +236,20 @@ def disaggregated_candidates(cfg: PlanConfig, gpus: int, least: Least | None = N
     return _as_candidates(np.stack([dp * p, sets * per_set * p, p, m, seqs, sets], 1), colocated=False)
 
 
-def colocated_candidates(cfg: PlanConfig, gpus: int, least: Least | None = None,
-                         one_block: bool = False) -> Candidates:
+def colocated_candidates(cfg: PlanConfig, gpus: int, least: Least | None = None) -> Candidates:
     """Expert parallel within each pipeline group (Megatron's EP x PP x DP): per group of at
     most gpus // p GPUs, dp GPUs in blocks of ep (ep dividing the expert count, each block
-    holding every expert once), dp all the group's GPUs that whole blocks fill, or fewer;
-    `one_block`: each group one block (dp = ep)."""
+    holding every expert once), dp all the group's GPUs that whole blocks fill, or fewer. The
+    runtime runs each as priced: each GPU dispatches within its block
+    (`runtime.topology.Topology.served`), and under a router's auxiliary loss the blocks swap their
+    loads (`Topology.load_peers`), whose receive slots the arena counts (`cost.transport_buffers`)."""
     pairs = [(p, ep) for p in range(1, min(cfg.max_pipeline_groups, cfg.model.num_layers, gpus) + 1)
              for ep in _divisors(cfg.model.num_experts) if ep <= gpus // p]
     p, ep = (np.array(v, dtype=np.int64) for v in zip(*pairs, strict=True))
-    most = ep if one_block else ep * (gpus // p // ep)
+    most = ep * (gpus // p // ep)
     row, m, seqs, dp = _data_parallel_degrees(cfg, p * CODE * CODE + ep, ep, most, ep, least)
     p, ep = p[row], ep[row]
     return _as_candidates(np.stack([0 * p, dp * p, p, m, seqs, dp // ep], 1), colocated=True)
-
-
-def runnable_colocated_candidates(cfg: PlanConfig, gpus: int, least: Least | None = None) -> Candidates:
-    """The colocated layouts the runtime runs as they are priced: any pipeline depth and EP blocking
-    (each GPU dispatching within its block: `runtime.topology.Topology.served`), but where the router
-    has an auxiliary loss each group one EP block: there every GPU dispatches to its whole group
-    (`RouterConfig.needs_every_source_load`), buffers and expert rows the blocks' pricing leaves out."""
-    return colocated_candidates(cfg, gpus, least, one_block=cfg.model.router.needs_every_source_load)
 
 
 def _divisors(n: int) -> list[int]:
@@ -330,7 +321,7 @@ def fewest_gpus(cfg: PlanConfig) -> int | None:
     GPUs)."""
     def fits(g: int) -> bool:
         prob = problem_of(cfg, g)
-        for cands in (disaggregated_candidates(cfg, g), runnable_colocated_candidates(cfg, g)):
+        for cands in (disaggregated_candidates(cfg, g), colocated_candidates(cfg, g)):
             if len(cands) and evaluate(prob, cands, misfits_exact=False).fits.any():
                 return True
         return False
@@ -519,23 +510,19 @@ def _host_limit_note(cfg: PlanConfig, choice: Choice) -> list[str]:
 def _choose(cfg: PlanConfig) -> Choice:
     """`choose` with the offload fixed (on or off). The colocated baseline (what the plan's speedup
     is measured against: Megatron's EP x PP x DP) is the best colocated layout of any pipeline
-    depth and EP blocking; the plan itself is colocated only where the runtime runs it as priced
-    (`runnable_colocated_candidates`: one EP block a group under an auxiliary loss), and a note says
-    what a layout in EP blocks would have taken."""
+    depth and EP blocking, which the runtime runs as priced (`colocated_candidates`), so the plan
+    is the faster of it and the best disaggregated split."""
     prob = problem_of(cfg)
     dis_time, dis, dis_whole = _best_of_kind(cfg, prob, disaggregated_candidates)
-    run_time, run, run_whole = _best_of_kind(cfg, prob, runnable_colocated_candidates)
-    col_time, col, _ = _best_of_kind(cfg, prob, colocated_candidates)  # the baseline
-    whole = min(dis_whole, run_whole)  # the best plan that leaves no GPU idle (but for gpus mod p)
+    col_time, col, col_whole = _best_of_kind(cfg, prob, colocated_candidates)
+    whole = min(dis_whole, col_whole)  # the best plan that leaves no GPU idle (but for gpus mod p)
     if dis is not None and prob.calibration is not None:  # the pick compares what the plan will report
         dis_time = replayed_step_s(evaluate(prob, dis), prob, dis)
-    if dis is None and run is None:
+    if dis is None and col is None:
         choice = Choice(_infeasible(cfg, prob), None, None, prob)
     else:
-        chosen = dis if dis_time <= run_time else run
+        chosen = dis if dis_time <= col_time else col
         choice = price(cfg, chosen, col_time, dis_time, whole)
-    if col_time < min(dis_time, run_time):  # only a colocated layout in EP blocks is faster
-        choice.plan.notes.append(_ep_blocks_note(cfg, col, col_time))
     choice.plan.notes.extend(_untaken_recompute(cfg, choice.plan))
     return choice
 
@@ -554,18 +541,6 @@ def _best_of_kind(cfg: PlanConfig, prob: Problem,
     whole = float(np.min(np.where(cost.fits & full, cost.step_s, np.inf)))
     i = best_index(cost, cands)
     return (float(cost.step_s[i]), cands.take(i), whole) if i is not None else (math.inf, None, whole)
-
-
-def _ep_blocks_note(cfg: PlanConfig, col: Candidates, step_s: float) -> str:
-    """The colocated baseline the runtime does not run as priced: its groups in EP blocks under an
-    auxiliary loss (`runnable_colocated_candidates`)."""
-    p, per_group = int(col.p[0]), int(col.expert[0]) // int(col.p[0])
-    ep = int(colocated_ep(cfg.model.num_experts, per_group // int(col.sets[0])))
-    return (f"colocated on {int(col.expert[0])} GPUs with {p} pipeline group(s) of {per_group // ep} EP blocks of "
-            f"{ep} (m={int(col.m[0])}) would take {report.seconds(step_s)} per step, faster than this plan, but "
-            f"{cfg.model.name}'s router has an auxiliary loss, whose load fraction is the micro-batch's over all "
-            "data-parallel GPUs: the runtime then dispatches every GPU's tokens to its whole pipeline group, not "
-            "its EP block, so it runs one block a group: it is the baseline here, not the plan")
 
 
 def _untaken_recompute(cfg: PlanConfig, plan: Plan) -> list[str]:
@@ -1018,7 +993,7 @@ def _infeasible(cfg: PlanConfig, prob: Problem) -> Plan:
     counts = count_params(cfg.model)
     gpus = cfg.cluster.num_gpus
     costs = [evaluate(prob, c) for c in (disaggregated_candidates(cfg, gpus),
-                                         runnable_colocated_candidates(cfg, gpus)) if len(c)]
+                                         colocated_candidates(cfg, gpus)) if len(c)]
     notes = [] if costs else [f"the global batch ({cfg.global_batch_tokens} tokens) is smaller than one sequence per GPU"]
     smallest = min((float(np.min(np.where(k.rank_steps.refused, np.inf, np.maximum(k.attn_mem_bytes,
                                                                                      k.expert_mem_bytes))))

@@ -41,11 +41,12 @@ ranks, S = dp / R, as `runtime.topology.Topology.served` pairs them); a colocate
 is both, the ep ranks of its EP block the set and the sources (its own block: `Topology.served`),
 less its messages to itself (delivered locally): DISPATCH and DISPATCH_GRAD from ep - 1 peers,
 COMBINE and COMBINE_GRAD from the ep ranks of the same block of the neighbouring group (ep - 1 with
-p = 1: its own block), RESIDUAL and RESIDUAL_GRAD as an attention rank's. A router with an
-auxiliary loss makes every source dispatch to its whole group (`Topology.full_dispatch`): there
-the set is the group (Q all its expert ranks, S = dp; colocated ep = its ranks). Pair-row
-messages (`hop: pair_rows`) are not modelled here (the planner prices partial sums; the runtime
-counts them from its layouts).
+p = 1: its own block), RESIDUAL and RESIDUAL_GRAD as an attention rank's. Where the router has an
+auxiliary loss (the micro-batch's load over every source) an expert rank of a group in B blocks
+(sets) also receives EXPERT_LOAD from the B - 1 ranks at its position in the other blocks per
+MoE layer of g (`swaps`; slots as COMBINE_GRAD's, read by the backward op right after it
+arrives; nvshmem's rings at least 3 segments: `reuse_order.ring_segments`). Pair-row messages (`hop: pair_rows`) are not modelled here (the planner prices
+partial sums; the runtime counts them from its layouts).
 
 Legend: T tokens per data-parallel piece of a micro-batch, H hidden, K top-k, E experts,
 Q expert ranks of a set, S sources (attention ranks) of an expert rank, ep colocated ranks of an
@@ -65,7 +66,7 @@ ALIGN = 256  # `comm.symmetric.ALIGN`: every tensor of an arena segment starts a
 COPIES = 2  # `comm.symmetric.COPIES`: the copies of an nvshmem slot that no other key shares
 DTYPE_BYTES = {"bf16": 2, "fp32": 4, "int32": 4, "int64": 8}
 FORWARD = ("dispatch", "combine", "residual")
-PAYLOADS = ("dispatch", "combine", "residual", "dispatch_grad", "combine_grad", "residual_grad")
+PAYLOADS = ("dispatch", "combine", "residual", "dispatch_grad", "combine_grad", "residual_grad", "expert_load")
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,8 @@ def hop_tensors(payload: str, moe: bool, s: HopShape) -> list[tuple[tuple, str]]
     lists what each carries)."""
     T, H, K, E, v = s.tokens, s.hidden, s.top_k, s.num_experts, s.value
     rows, index, count = ((T, H), v), ((T,), "int32"), ((1,), "int32")
+    if payload == "expert_load":  # a block's load over its sources, to the other blocks
+        return [((E,), "int64")]
     if payload == "dispatch" and s.sparse:
         return [rows, ((T, K), "int32"), ((T, K), v), index, count, ((E,), "int64")]
     if payload == "dispatch":
@@ -258,21 +261,38 @@ def _attention_counts(num_layers, num_dense, p, g, q, mb, ring, moe_g, dense_g, 
 
 
 def expert_receives(num_layers: int, num_dense: int, p: Num, g: int, sources: Num, micro_batches: Num,
-                    reuse: bool | str = False) -> Counts:
+                    reuse: bool | str = False, swaps: Num = 0) -> Counts:
     """Receive slots of an expert rank of group g serving `sources` attention ranks (`reuse`: one
-    COMBINE_GRAD slot per source, `attention_receives`)."""
+    COMBINE_GRAD slot per source, `attention_receives`), swapping block loads with `swaps` ranks."""
     moe_g, _ = group_layers(num_layers, num_dense, p, g)
     n = micro_batches * sources * moe_g
     present = sources * (moe_g > 0)
     return {("dispatch", True): _forward(n, present, reuse),
-            ("combine_grad", True): _shared(n, present, reuse, micro_batches)}
+            ("combine_grad", True): _shared(n, present, reuse, micro_batches),
+            **_load_swaps(moe_g, micro_batches, swaps, reuse)}
+
+
+def _load_swaps(moe_g: Num, mb: Num, swaps: Num, reuse: bool | str) -> Counts:
+    """EXPERT_LOAD's slots where an expert rank swaps block loads with `swaps` ranks, none without:
+    each read by the backward op right after it arrives (as COMBINE_GRAD: one per peer with reuse);
+    with RING a ring per peer of m + 1 segments, at least 3 up to its keys (`reuse_order.ring_segments`:
+    its sender runs a layer further ahead), RING_STEP that ring rounded up by `step_ring`."""
+    if not np.any(swaps):
+        return {}
+    per_key, present = mb * swaps * moe_g, swaps * (moe_g > 0)
+    if reuse not in RINGS:
+        return {("expert_load", True): np.minimum(per_key, present) if reuse else per_key}
+    keys = per_key // np.maximum(present, 1)
+    ring = np.maximum(mb + 1, np.minimum(3, keys))
+    return {("expert_load", True): present * (step_ring(ring, keys) if reuse == RING_STEP else ring)}
 
 
 def colocated_receives(num_layers: int, num_dense: int, p: int, g: int, ep: Num, micro_batches: Num,
-                       reuse: bool | str = False) -> Counts:
+                       reuse: bool | str = False, swaps: Num = 0) -> Counts:
     """Receive slots of a colocated rank of group g of p in an EP block of `ep` ranks (one block a
     group: its ranks): an attention rank whose set is its block and an expert rank serving it
-    (`attention_receives`, `expert_receives`), less its messages to itself (module docstring)."""
+    (`attention_receives`, `expert_receives`, swapping block loads with `swaps` ranks), less its
+    messages to itself (module docstring)."""
     own = np.asarray(ep) - 1  # the block's other ranks
     across = own if p == 1 else np.asarray(ep)  # the same block of the neighbouring group
 
@@ -280,10 +300,9 @@ def colocated_receives(num_layers: int, num_dense: int, p: int, g: int, ep: Num,
         return attention_receives(num_layers, num_dense, p, g, q, micro_batches, reuse=reuse)
 
     def expert(sources: Num) -> Counts:
-        return expert_receives(num_layers, num_dense, p, g, sources, micro_batches, reuse)
+        return expert_receives(num_layers, num_dense, p, g, sources, micro_batches, reuse, swaps)
 
-    return {**attention(own), ("combine", True): attention(across)[("combine", True)],
-            ("dispatch", True): expert(own)[("dispatch", True)],
+    return {**attention(own), **expert(own), ("combine", True): attention(across)[("combine", True)],
             ("combine_grad", True): expert(across)[("combine_grad", True)]}
 
 
@@ -320,7 +339,8 @@ def arena_bytes(ranks: list[Counts], s: HopShape) -> Num:
 
 
 def layout_receives(num_layers: int, num_dense: int, p: Num, dp: Num, expert_ranks: Num, sets: Num,
-                    micro_batches: Num, colocated: bool, reuse: bool | str = False) -> tuple[list[Counts], list[Counts]]:
+                    micro_batches: Num, colocated: bool, reuse: bool | str = False,
+                    swaps_load: bool = False) -> tuple[list[Counts], list[Counts]]:
     """(attention ranks', expert ranks') slot counts of a layout (colocated: its ranks', each in an EP
     block of `expert_ranks` ep ranks as `colocated_receives` counts them, and no expert ranks). With
     array arguments (one element per candidate) each count is [N, G]: the rank of pipeline group g
@@ -341,15 +361,19 @@ def layout_receives(num_layers: int, num_dense: int, p: Num, dp: Num, expert_ran
         return _attention_counts(num_layers, num_dense, col(p), groups, q, mb, ring, moe_g, dense_g, moe_prev,
                                  dense_prev, reuse)
 
+    # the other blocks an expert rank swaps block loads with: its sets' (fewer attention ranks feed sets
+    # d, d + dp, ... each, one block: `plan_layout.fed_replicas`)
+    swaps = (np.minimum(col(sets), col(dp)) - 1) * swaps_load
+
     def expert(sources: Num) -> Counts:
         return {("dispatch", True): _forward(mb * sources * moe_g, sources * (moe_g > 0), reuse),
-                ("combine_grad", True): _shared(mb * sources * moe_g, sources * (moe_g > 0), reuse, mb)}
+                ("combine_grad", True): _shared(mb * sources * moe_g, sources * (moe_g > 0), reuse, mb),
+                **_load_swaps(moe_g, mb, swaps, reuse)}
 
     if colocated:  # its own block's other ranks, and the neighbouring group's same block (p = 1: itself, ep - 1)
         own = col(expert_ranks) - 1
         across = np.where(ring > 0, own + 1, own)
-        return [{**attention(own), ("combine", True): attention(across)[("combine", True)],
-                 ("dispatch", True): expert(own)[("dispatch", True)],
+        return [{**attention(own), **expert(own), ("combine", True): attention(across)[("combine", True)],
                  ("combine_grad", True): expert(across)[("combine_grad", True)]}], []
     return [attention(col(expert_ranks))], [expert(col(np.asarray(dp) // np.asarray(sets)))]
 
@@ -373,7 +397,8 @@ def _groups_max(x: np.ndarray) -> np.ndarray:
 
 def layout_transport_bytes(num_layers: int, num_dense: int, s: HopShape, p: Num, dp: Num, expert_ranks: Num,
                            sets: Num, micro_batches: Num, colocated: bool,
-                           transport: str = "nvshmem", step_aligned: bool = False) -> tuple[Num, Num]:
+                           transport: str = "nvshmem", step_aligned: bool = False,
+                           swaps_load: bool = False) -> tuple[Num, Num]:
     """(attention GPU, expert GPU) transport bytes of a layout, the busiest pipeline group's rank
     of each role (colocated: both the same). `dp`: attention ranks per group, `expert_ranks`: Q per
     replica set, `sets` replica sets per group (an expert rank serves dp / sets sources); colocated:
@@ -382,8 +407,10 @@ def layout_transport_bytes(num_layers: int, num_dense: int, s: HopShape, p: Num,
     holds the largest arena of any rank (symmetric memory); nccl and local share slots between keys
     whose lifetimes do not overlap (`runtime.schedule.recv_slots`), nvshmem in rings of segments
     (`reuse=RING`, `runtime.schedule.reuse_order.one_sided_slots`; `step_aligned`: rounded up to a
-    step's messages, RING_STEP, as a run with captured rank steps allocates them)."""
+    step's messages, RING_STEP, as a run with captured rank steps allocates them). `swaps_load`: the
+    router needs the global load, so each expert rank swaps its block's with the `sets` - 1 others
+    (EXPERT_LOAD, `runtime.topology.Topology.load_peers`)."""
     rings = RING_STEP if step_aligned else RING
     attn, exp = layout_receives(num_layers, num_dense, p, dp, expert_ranks, sets, micro_batches, colocated,
-                                reuse=rings if transport == "nvshmem" else True)
+                                reuse=rings if transport == "nvshmem" else True, swaps_load=swaps_load)
     return transport_bytes(attn, exp, s, transport)

@@ -22,10 +22,17 @@ Who talks to whom follows from the owners: `served(layer, d)` are the expert ran
 rank of data-parallel index d dispatches layer `layer` to (those holding an owner it feeds:
 `plan_layout.fed_replicas`), `sources_of(layer, rank)` the indices whose dispatch reaches an
 expert rank; COMBINE, COMBINE_GRAD and DISPATCH_GRAD travel the same pairs. With B blocks source
-d feeds block d mod B only (colocated: its own block). A router with an auxiliary loss needs each
-source's load fraction over the whole micro-batch, which each expert rank returns from every
-source it saw, so there every source dispatches to every expert rank of its group
-(`full_dispatch`, `RouterConfig.needs_every_source_load`).
+d feeds block d mod B only (colocated: its own block).
+
+A router with an auxiliary loss needs each micro-batch's expert load over every source of the
+group (`global_load`, `RouterConfig.needs_every_source_load`), which each expert rank returns with
+DISPATCH_GRAD. An expert rank counts it over its own sources only, so where a layer's expert
+ranks split into blocks (`blocks`: the ranks with one set of sources, the sets disjoint, blocks of
+equal size, colocated each rank among its own block's sources, so that no other message travels
+between two blocks' ranks of the layer) each rank sends its block's load to the rank at its
+position in every other block (`load_peers`, EXPERT_LOAD) and adds theirs before its backward.
+Where they do not (a plan's uneven replicas), every source dispatches that layer to its whole
+group, as before the exchange.
 """
 
 from __future__ import annotations
@@ -84,7 +91,7 @@ class Topology(LayerRing):
     expert_groups: tuple[tuple[int, ...], ...]  # per pipeline group: its expert ranks
     expert_owners: tuple[ExpertOwners, ...]  # per layer, per expert: owner indices in its group (dense: ())
     layout: Layout | None  # the disaggregated layout; None when colocated
-    full_dispatch: bool = False  # every source dispatches to every expert rank of its group (module docstring)
+    global_load: bool = False  # the router needs each micro-batch's load over every source (module docstring)
 
     def __post_init__(self) -> None:
         for layer, owners in enumerate(self.expert_owners):
@@ -96,9 +103,9 @@ class Topology(LayerRing):
 
     @classmethod
     def disaggregated(cls, layout: Layout, num_experts: int, placement: dict[int, ExpertOwners] | None = None,
-                      sets: int = 1, full_dispatch: bool = False) -> Topology:
+                      sets: int = 1, global_load: bool = False) -> Topology:
         """`placement`: MoE layer -> each expert's owners (default: contiguous ranges in `sets`
-        blocks of each group's expert ranks, `blocked_owners`); `full_dispatch`: the field's."""
+        blocks of each group's expert ranks, `blocked_owners`); `global_load`: the field's."""
         p = layout.pipeline_groups
         experts = tuple(layout.expert_group(g) for g in range(p))
         return cls(
@@ -111,13 +118,13 @@ class Topology(LayerRing):
                                      [len(experts[layout.group_of_layer(l)]) for l in range(layout.num_layers)],
                                      placement, sets),
             layout=layout,
-            full_dispatch=full_dispatch,
+            global_load=global_load,
         )
 
     @classmethod
     def colocated_ranks(cls, ranks: int, num_layers: int, num_dense_layers: int, num_experts: int,
                         placement: dict[int, ExpertOwners] | None = None, pipeline_groups: int = 1,
-                        sets: int = 1, full_dispatch: bool = False) -> Topology:
+                        sets: int = 1, global_load: bool = False) -> Topology:
         """`ranks`: the total over the `pipeline_groups` groups; the rest as `disaggregated`'s (`sets`:
         each group's EP blocks)."""
         layout = ColocatedLayout(ranks, pipeline_groups, num_layers, num_dense_layers)
@@ -131,7 +138,7 @@ class Topology(LayerRing):
             expert_owners=_per_layer(num_layers, num_dense_layers, num_experts,
                                      [layout.data_parallel] * num_layers, placement, sets),
             layout=None,
-            full_dispatch=full_dispatch,
+            global_load=global_load,
         )
 
     @classmethod
@@ -141,15 +148,15 @@ class Topology(LayerRing):
         if cfg.plan is not None:
             cfg = apply_plan(cfg, model_cfg)
             placement = plan_placement(cfg.plan, model_cfg)
-        full = model_cfg.router.needs_every_source_load
+        load = model_cfg.router.needs_every_source_load
         if cfg.mode == "colocated":
             return cls.colocated_ranks(cfg.colocated_ranks, model_cfg.num_layers, model_cfg.num_dense_layers,
                                        model_cfg.num_experts, placement, cfg.pipeline_groups,
-                                       cfg.expert_replica_sets, full)
+                                       cfg.expert_replica_sets, load)
         if cfg.mode != "disaggregated":
             raise ValueError(f"mode {cfg.mode!r} has no distributed topology; use disaggregated or colocated")
         return cls.disaggregated(Layout.from_config(cfg, model_cfg), model_cfg.num_experts, placement,
-                                 cfg.expert_replica_sets, full)
+                                 cfg.expert_replica_sets, load)
 
     # -- sizes and groups ---------------------------------------------------------------------
 
@@ -233,16 +240,58 @@ class Topology(LayerRing):
         """The most expert ranks one attention rank dispatches one MoE layer to (0: no MoE layer)."""
         return max((len(ranks) for per_source in self._served for ranks in per_source), default=0)
 
+    def load_peers(self, layer: int, rank: int) -> tuple[int, ...]:
+        """The expert ranks that expert rank `rank` sends its load of MoE layer `layer` to, and hears
+        theirs from (EXPERT_LOAD): the rank at its position in every other block of the layer (block
+        order), where the run needs the global load and the layer's group serves in blocks (module
+        docstring); else ()."""
+        blocks = self.blocks(layer) if self.global_load and self.is_moe(layer) else None
+        if blocks is None or len(blocks) == 1:
+            return ()
+        position = next(block.index(rank) for block in blocks if rank in block)
+        return tuple(block[position] for block in blocks if rank not in block)
+
+    def blocks(self, layer: int) -> tuple[tuple[int, ...], ...] | None:
+        """MoE layer `layer`'s expert ranks grouped by the sources they serve (module docstring),
+        blocks ordered by their sources, ranks in group order; None where they do not split into
+        blocks."""
+        return self._blocks[layer]
+
+    @cached_property
+    def _blocks(self) -> tuple[tuple[tuple[int, ...], ...] | None, ...]:
+        return tuple(self._layer_blocks(layer) if self.is_moe(layer) else None for layer in range(self.num_layers))
+
+    def _layer_blocks(self, layer: int) -> tuple[tuple[int, ...], ...] | None:
+        """The blocks of MoE layer `layer` as its fed ranks split the group, or None."""
+        group = self.expert_groups[self.group_of_layer(layer)]
+        fed = self._fed[layer]
+        sources = {rank: tuple(d for d, ranks in enumerate(fed) if rank in ranks) for rank in group}
+        by_sources: dict[tuple[int, ...], list[int]] = {}
+        for rank in group:
+            by_sources.setdefault(sources[rank], []).append(rank)
+        blocks = [tuple(by_sources[s]) for s in sorted(by_sources)]
+        disjoint = sum(map(len, by_sources)) == self.data_parallel
+        even = len({len(block) for block in blocks}) == 1
+        own = not self.colocated or all(group.index(rank) in sources[rank] for rank in group)
+        return tuple(blocks) if disjoint and even and own else None
+
     @cached_property
     def _served(self) -> tuple[tuple[tuple[int, ...], ...], ...]:
-        """`served` of every layer (dense: ()) and data-parallel index."""
+        """`served` of every layer (dense: ()) and data-parallel index: the fed ranks, or the whole
+        group where the run needs the global load and the group does not split into blocks."""
+        return tuple(
+            tuple(self.expert_groups[self.group_of_layer(layer)] for _ in fed)
+            if self.global_load and self.blocks(layer) is None else fed
+            for layer, fed in enumerate(self._fed))
+
+    @cached_property
+    def _fed(self) -> tuple[tuple[tuple[int, ...], ...], ...]:
+        """Per layer (dense: ()) and data-parallel index: the expert ranks holding a replica it feeds."""
         return tuple(tuple(self._fed_ranks(layer, d) for d in range(self.data_parallel)) if self.is_moe(layer) else ()
                      for layer in range(self.num_layers))
 
     def _fed_ranks(self, layer: int, dp_index: int) -> tuple[int, ...]:
         group = self.expert_groups[self.group_of_layer(layer)]
-        if self.full_dispatch:
-            return group
         fed = {who[r] for who in self.expert_owners[layer] for r in fed_replicas(len(who), dp_index, self.data_parallel)}
         return tuple(rank for i, rank in enumerate(group) if i in fed)
 
@@ -250,9 +299,9 @@ class Topology(LayerRing):
         """Every rank's ordered op list for one training step."""
         if self.colocated:
             return build_colocated_schedule(self.world_size, self.num_layers, self.num_dense_layers, micro_batches,
-                                            self.pipeline_groups, self.served)
+                                            self.pipeline_groups, self.served, self.load_peers)
         assert self.layout is not None
-        return build_schedule(self.layout, micro_batches, self.served).programs
+        return build_schedule(self.layout, micro_batches, self.served, self.load_peers).programs
 
     def rank_pairs(self, micro_batches: int) -> list[tuple[int, int]]:
         """The (src, dst) pairs of distinct ranks that exchange messages (what a transport connects)."""

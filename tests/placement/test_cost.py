@@ -757,13 +757,19 @@ def test_the_priced_colocated_transport_buffers_are_the_runtime_arena(gpus, p, m
     """A colocated layout with p pipeline groups, each in `blocks` EP blocks of its GPUs (tiny's 8
     experts once per block), is priced with the nvshmem arena the runtime builds for it: DISPATCH from
     its block's other ranks, COMBINE from the previous group's same block
-    (`transport_memory.colocated_receives`); the planner's plan is what the run builds."""
+    (`transport_memory.colocated_receives`), and under tiny's auxiliary loss EXPERT_LOAD from the
+    other blocks' ranks at its position (without it none); the planner's plan is what the run builds."""
+    for model in (load_model("tiny"), no_aux_tiny()):
+        _check_colocated_arena(model, gpus, p, m, seqs, blocks)
+
+
+def _check_colocated_arena(model, gpus: int, p: int, m: int, seqs: int, blocks: int) -> None:
     from disagmoe.config import TrainConfig
     from disagmoe.runtime.plan_layout import apply_plan
     from disagmoe.runtime.stages.messages import MessageShapes, receive_layouts
     from disagmoe.runtime.topology import Topology
 
-    model, seq = (load_model("tiny") if blocks == 1 else no_aux_tiny()), 64
+    seq = 64
     req = PlanConfig(model=model, cluster=ClusterConfig(hardware=load_hardware("h200-sxm"), num_gpus=16),
                      seq_len=seq, cuda_graphs="off")
     chosen = Candidates.one(0, gpus, p, m, seqs, sets=blocks, colocated=True)
@@ -774,6 +780,8 @@ def test_the_priced_colocated_transport_buffers_are_the_runtime_arena(gpus, p, m
     assert (cfg.colocated_ranks, cfg.pipeline_groups, cfg.expert_replica_sets) == (gpus, p, blocks)
     topology = Topology.from_config(cfg, model)
     assert topology.dispatch_width == gpus // p // blocks  # the block, not the group
+    swapped = {len(topology.load_peers(layer, rank)) for rank in range(gpus) for layer in topology.experts_of(rank)}
+    assert swapped == {blocks - 1 if model.router.needs_every_source_load else 0}
     arena = receive_layouts(cfg, MessageShapes.of_run(cfg, model, topology), topology)[0].nbytes
     cost = evaluate(problem_of(req), chosen)
     assert cost.attn_transport_bytes[0] == cost.expert_transport_bytes[0] == arena > 0

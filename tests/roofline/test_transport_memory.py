@@ -32,6 +32,12 @@ LAYOUTS = [
     {"mode": "colocated", "colocated_ranks": 4, "expert_replica_sets": 2, "micro_batches": 2},
     {"mode": "colocated", "colocated_ranks": 8, "pipeline_groups": 2, "expert_replica_sets": 2, "micro_batches": 2},
     {"attention_ranks": 2, "expert_ranks": 4, "pipeline_groups": 1, "expert_replica_sets": 2, "micro_batches": 2},
+    # under an auxiliary loss: the blocks (sets) also swap their loads (EXPERT_LOAD)
+    {"mode": "colocated", "colocated_ranks": 4, "expert_replica_sets": 2, "micro_batches": 2, "aux_loss": True},
+    {"mode": "colocated", "colocated_ranks": 8, "pipeline_groups": 2, "expert_replica_sets": 2, "micro_batches": 3,
+     "aux_loss": True},
+    {"attention_ranks": 2, "expert_ranks": 4, "pipeline_groups": 1, "expert_replica_sets": 2, "micro_batches": 2,
+     "aux_loss": True},
 ]
 EXTRA = [  # more micro-batches in flight; the head group fed by another (p > 1)
     {"attention_ranks": 1, "expert_ranks": 1, "pipeline_groups": 1, "micro_batches": 6},
@@ -43,12 +49,18 @@ EXTRA = [  # more micro-batches in flight; the head group fed by another (p > 1)
     {"mode": "colocated", "colocated_ranks": 6, "expert_replica_sets": 3, "micro_batches": 3},
     {"mode": "colocated", "colocated_ranks": 12, "pipeline_groups": 3, "expert_replica_sets": 2, "micro_batches": 2},
     {"attention_ranks": 4, "expert_ranks": 4, "pipeline_groups": 2, "expert_replica_sets": 2, "micro_batches": 3},
+    {"mode": "colocated", "colocated_ranks": 6, "expert_replica_sets": 3, "micro_batches": 4, "aux_loss": True},
+    {"attention_ranks": 3, "expert_ranks": 6, "pipeline_groups": 1, "expert_replica_sets": 3, "micro_batches": 1,
+     "aux_loss": True},
 ]
 
 
 def _run(layout: dict, transport: str, shared: bool, **fields) -> tuple[TrainConfig, object, Topology]:
     d = load_yaml(open("configs/tiny-cpu.yaml").read())
+    layout = dict(layout)
     model = dict(MODEL, num_shared_experts=1, shared_expert_ffn_size=32) if shared else MODEL
+    if layout.pop("aux_loss", False):  # the router then needs the global load (`Topology.load_peers`)
+        model = dict(model, router={"aux_loss_coef": 0.01})
     d.update(layout, model=model, transport=transport, batch_size=12,
              device="cuda" if transport != "local" else "cpu", **fields)
     cfg = TrainConfig.model_validate(d)
@@ -67,7 +79,7 @@ def _model_bytes(cfg: TrainConfig, m, top: Topology, reuse: bool | str = False) 
         if top.colocated:  # its EP block's ep ranks
             g = top.attention_role(rank)[0]
             counts.append(tm.colocated_receives(m.num_layers, m.num_dense_layers, top.pipeline_groups, g,
-                                                top.dispatch_width, cfg.micro_batches, reuse))
+                                                top.dispatch_width, cfg.micro_batches, reuse, _swaps(top, rank)))
         elif top.attention_role(rank) is not None:  # its set's Q expert ranks
             g = top.attention_role(rank)[0]
             counts.append(tm.attention_receives(m.num_layers, m.num_dense_layers, top.pipeline_groups, g,
@@ -76,8 +88,15 @@ def _model_bytes(cfg: TrainConfig, m, top: Topology, reuse: bool | str = False) 
             g = top.expert_role(rank)[0]
             layer = min(top.experts_of(rank))
             counts.append(tm.expert_receives(m.num_layers, m.num_dense_layers, top.pipeline_groups, g,
-                                             len(top.sources_of(layer, rank)), cfg.micro_batches, reuse))
+                                             len(top.sources_of(layer, rank)), cfg.micro_batches, reuse,
+                                             _swaps(top, rank)))
     return counts, s
+
+
+def _swaps(top: Topology, rank: int) -> int:
+    """The ranks an expert rank swaps its block's load with (`Topology.load_peers` of its first MoE layer)."""
+    layers = top.experts_of(rank)
+    return len(top.load_peers(min(layers), rank)) if layers else 0
 
 
 def _captured(layout: dict) -> bool:
@@ -113,7 +132,8 @@ def test_nvshmem_arena_matches_symmetric_layouts(layout, graphs, shared):
     assert int(tm.arena_bytes(counts, s)) == layouts[0].nbytes
     assert {int(tm.flag_words(c)) for c in counts} <= {layouts[0].flag_words} | set(range(layouts[0].flag_words))
     attn, exp = tm.layout_transport_bytes(m.num_layers, m.num_dense_layers, s, *_planner_layout(top),
-                                          cfg.micro_batches, colocated=top.colocated, step_aligned=step_aligned)
+                                          cfg.micro_batches, colocated=top.colocated, step_aligned=step_aligned,
+                                          swaps_load=top.global_load)
     assert int(attn[0]) == int(exp[0]) == layouts[0].nbytes  # the planner's view: one arena for all
 
 
@@ -150,7 +170,8 @@ def test_nccl_buffers_match_reserve(layout):
         assert int(tm.receive_bytes(counts[rank], s, "nccl")) == reserved[rank]
     assert transport_buffer_bytes(cfg, MessageShapes.of_run(cfg, m, top), top) == reserved
     attn, exp = tm.layout_transport_bytes(m.num_layers, m.num_dense_layers, s, *_planner_layout(top),
-                                          cfg.micro_batches, colocated=top.colocated, transport="nccl")
+                                          cfg.micro_batches, colocated=top.colocated, transport="nccl",
+                                          swaps_load=top.global_load)
     roles = [top.attention_role(r) is not None for r in range(top.world_size)]  # colocated: every rank
     assert int(attn[0]) == max(b for b, a in zip(reserved, roles) if a)
     assert int(exp[0]) == max(b for b, a in zip(reserved, roles) if not a or top.colocated)

@@ -113,7 +113,7 @@ def test_attention_recomputation_lowers_the_attention_ranks_peak_on_any_backend(
 
 @pytest.mark.parametrize("name, seq_len, layout", [
     ("qwen3-30b-a3b", 1024, dict(attn=4, expert=2, p=1, m=4, seqs=2)),
-    ("qwen3-30b-a3b", 1024, dict(attn=4, expert=4, p=1, m=2, seqs=1, sets=2)),  # a token goes to both sets' GPUs
+    ("qwen3-30b-a3b", 1024, dict(attn=4, expert=4, p=1, m=2, seqs=1, sets=2)),  # a token goes to its set's GPUs
     ("qwen3-30b-a3b", 1024, dict(attn=4, expert=4, p=2, m=4, seqs=1)),
     ("deepseek-v3", 1024, dict(attn=2, expert=8, p=1, m=2, seqs=1)),  # leading dense layers
     ("qwen3-235b-a22b", 16384, dict(attn=48, expert=24, p=3, m=8, seqs=1)),  # test_solver's 16K split

@@ -113,8 +113,9 @@ def test_a_colocated_plan_with_pipeline_groups_places_each_expert_once_on_its_gr
 
 def test_a_colocated_plan_in_ep_blocks_runs_them_in_every_pipeline_group():
     """p = 2 on 8 GPUs, each group two EP blocks of 2 (block b: the group's GPUs b and b + 2): the plan
-    sets expert_replica_sets, every expert is held once per block, the blocks sum its gradients, and
-    (without an auxiliary loss) each rank dispatches within its own block."""
+    sets expert_replica_sets, every expert is held once per block, the blocks sum its gradients, and each
+    rank dispatches within its own block; under tiny's auxiliary loss too, where each also swaps its
+    block's load with the other block's rank at its position."""
     request = build_request("tiny", "h200-sxm", 8, 64, 512)
     candidates = colocated_candidates(request, 8)
     index = next(i for i in range(len(candidates)) if (candidates.p[i], candidates.m[i], candidates.expert[i],
@@ -132,7 +133,8 @@ def test_a_colocated_plan_in_ep_blocks_runs_them_in_every_pipeline_group():
                    for ranks in owners)  # once in each block of the layer's group
         assert [topology.served(layer, d) for d in range(4)] == [(first + d % 2, first + d % 2 + 2) for d in range(4)]
     assert (0, 1) in topology.replica_groups() and (6, 7) in topology.replica_groups()
-    assert Topology.from_config(cfg, MODEL).served(1, 0) == (4, 5, 6, 7)  # an aux loss: the whole group
+    aux = Topology.from_config(cfg, MODEL)
+    assert aux.served(1, 0) == (4, 6) and aux.load_peers(1, 4) == (5,) and topology.load_peers(1, 4) == ()
 
 
 def test_a_single_gpu_plan_runs_in_single_mode():

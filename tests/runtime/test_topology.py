@@ -119,15 +119,44 @@ def test_ep_blocks_hold_every_expert_once_each_on_the_strided_ranks():
     assert topo.replica_groups() == [(0, 1), (2, 3)]
 
 
-@pytest.mark.parametrize("full", [False, True])
-def test_a_source_serves_its_own_block_unless_every_source_must_reach_every_expert_rank(full):
-    topo = Topology.colocated_ranks(4, 3, 1, 8, sets=2, full_dispatch=full)
+@pytest.mark.parametrize("global_load", [False, True])
+def test_a_source_serves_its_own_block_with_or_without_the_global_load(global_load):
+    """2 EP blocks of 4 colocated ranks (ranks 0, 2 and 1, 3): each source dispatches to its own
+    block; where the router needs the global load, each rank swaps its block's load with the other
+    block's rank at its position (0 with 1, 2 with 3), and only then."""
+    topo = Topology.colocated_ranks(4, 3, 1, 8, sets=2, global_load=global_load)
     for layer in (1, 2):
+        assert topo.blocks(layer) == ((0, 2), (1, 3))
         for d in range(4):
-            assert topo.served(layer, d) == ((0, 1, 2, 3) if full else (d % 2, d % 2 + 2))
+            assert topo.served(layer, d) == (d % 2, d % 2 + 2)
         for rank in range(4):
-            assert topo.sources_of(layer, rank) == ((0, 1, 2, 3) if full else (rank % 2, rank % 2 + 2))
-    assert topo.dispatch_width == (4 if full else 2)
+            assert topo.sources_of(layer, rank) == (rank % 2, rank % 2 + 2)
+            assert topo.load_peers(layer, rank) == (((1,), (0,), (3,), (2,))[rank] if global_load else ())
+    assert topo.dispatch_width == 2
+
+
+def test_the_load_is_swapped_among_the_blocks_of_replica_sets_at_one_position():
+    """A2-E4 in 2 sets (ranks 2, 4 and 3, 5): expert rank 2 swaps with 3, 4 with 5; with 3 sets of
+    A3-E6 each rank with the two others at its position."""
+    two = Topology.disaggregated(Layout(2, 4, 1, 2, 0), 8, sets=2, global_load=True)
+    assert [two.load_peers(1, rank) for rank in range(2, 6)] == [(3,), (2,), (5,), (4,)]
+    three = Topology.disaggregated(Layout(3, 6, 1, 2, 0), 8, sets=3, global_load=True)
+    assert three.blocks(1) == ((3, 6), (4, 7), (5, 8))
+    assert three.load_peers(1, 7) == (6, 8) and three.served(1, 1) == (4, 7)
+
+
+def test_a_layer_whose_sources_overlap_dispatches_to_the_whole_group_under_the_global_load():
+    """A plan's layer 1 replicates expert 0 over both expert ranks and keeps the rest on one each
+    (both serve both sources: one block, nothing to swap); layer 2's uneven replicas make rank 2
+    serve sources {0, 1} and rank 3 only {1}: no blocks, so every source dispatches it to both.
+    Layer 3 holds every expert on both: two blocks of one rank, which swap their loads."""
+    owners = {1: ((0, 1),) + tuple((e % 2,) for e in range(1, 8)),
+              2: ((0,),) + ((0, 1),) * 7, 3: ((0, 1),) * 8}
+    topo = Topology.disaggregated(Layout(2, 2, 1, 4, 1), 8, owners, global_load=True)
+    assert topo.blocks(1) == ((2, 3),) and topo.load_peers(1, 2) == ()
+    assert topo.blocks(2) is None and topo.served(2, 0) == topo.served(2, 1) == (2, 3)
+    assert topo.load_peers(2, 2) == ()
+    assert topo.blocks(3) == ((2,), (3,)) and topo.load_peers(3, 2) == (3,) and topo.served(3, 1) == (3,)
 
 
 def test_disaggregated_replica_sets_serve_data_parallel_index_d_from_set_d_mod_sets():
@@ -151,13 +180,14 @@ def test_a_plans_replicas_decide_who_is_served_per_layer():
 
 
 @pytest.mark.parametrize("aux", [False, True])
-def test_from_config_blocks_the_experts_and_dispatches_to_all_under_an_aux_loss(aux):
+def test_from_config_blocks_the_experts_and_swaps_their_loads_under_an_aux_loss(aux):
     model = load_model("tiny") if aux else no_aux_model()
     cfg = TrainConfig(model=model, mode="colocated", colocated_ranks=8, pipeline_groups=2, expert_replica_sets=2)
     topo = Topology.from_config(cfg, model)
-    assert topo.full_dispatch is aux and topo.pipeline_groups == 2
+    assert topo.global_load is aux and topo.pipeline_groups == 2
     assert topo.expert_owners[1] == tuple((0, 1) if e < 4 else (2, 3) for e in range(8))  # group 1's ranks 4-7
-    assert topo.served(1, 1) == ((4, 5, 6, 7) if aux else (5, 7))
+    assert topo.served(1, 1) == (5, 7)  # its block only, aux loss or not
+    assert topo.load_peers(1, 5) == ((4,) if aux else ())
 
 
 @pytest.mark.parametrize(("fields", "fragment"), [

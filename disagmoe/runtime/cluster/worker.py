@@ -454,7 +454,7 @@ class TrainWorker(Worker):
         if not self.shapes.is_pair(payload, True):  # sparse: d x goes back per source, not as pair rows
             return
         key = message_key(step, payload, op.layer, op.micro_batch)
-        extras = () if forward else (self.experts.load_of(op.layer, op.micro_batch),)
+        extras = () if forward else (self.experts.load_of(op.layer, op.micro_batch, mail),)
         for dst in (self.experts.destinations if forward else self.experts.sources)[op.layer]:
             spec = self._pair_spec(payload, op.layer, dst)
             mail.aim(payload, op.layer, op.micro_batch, dst, self.transport.pair_target(dst, key, spec, extras))

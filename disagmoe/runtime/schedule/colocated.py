@@ -8,7 +8,8 @@ block; itself included) the rows routed to that rank's experts (DISPATCH), runs 
 what it received and sends the outputs to the next group's ranks of the same data-parallel
 indices (COMBINE; at p = 1 back to the block itself), with the residual
 stream to the next group's rank of its data-parallel index (RESIDUAL, p > 1); the backward pass
-mirrors it. A message to oneself is delivered locally by the worker. At p = 1 with one block
+mirrors it (with EP blocks under an auxiliary loss each rank swaps its block's load with the
+same position of the other blocks, EXPERT_LOAD). A message to oneself is delivered locally by the worker. At p = 1 with one block
 every rank runs the same list.
 
 The data-parallel gradient sum stays in the `OptimizerStep`: every point of the backward has a
@@ -20,18 +21,18 @@ disaggregated schedule overlaps it instead).
 from __future__ import annotations
 
 from disagmoe.runtime.schedule.roles import ColocatedLayout
-from disagmoe.runtime.schedule.schedule import Op, Served, build_schedule
+from disagmoe.runtime.schedule.schedule import LoadPeers, Op, Served, build_schedule
 from disagmoe.wire import Send
 
 
 def build_colocated_schedule(
     ranks: int, num_layers: int, num_dense_layers: int, micro_batches: int, pipeline_groups: int = 1,
-    served: Served | None = None,
+    served: Served | None = None, load_peers: LoadPeers | None = None,
 ) -> tuple[tuple[Op, ...], ...]:
     """Every rank's ordered op list for one training step (`ranks`: the total over all groups;
-    `served`: `build_schedule`'s, None for one EP block a group)."""
+    `served`, `load_peers`: `build_schedule`'s, None for one EP block a group)."""
     layout = ColocatedLayout(ranks, pipeline_groups, num_layers, num_dense_layers)
-    return build_schedule(layout, micro_batches, served).programs
+    return build_schedule(layout, micro_batches, served, load_peers).programs
 
 
 def rank_pairs(programs: tuple[tuple[Op, ...], ...]) -> list[tuple[int, int]]:

@@ -34,7 +34,8 @@ with a message is then precise: past the first op after its lifetime that is not
 the deferred weight gradients, which run after that op's sends). `ring_sizes` finds the fewest
 N for which every write of message n + N happens-after the finish of message n and
 `one_sided_slots` gives a ring the larger of that and what the planner prices (`ring_segments`:
-a forward pool a segment per key and one more, a gradient pool m + 1). Both ends count a pool's
+a forward pool a segment per key and one more, a gradient pool m + 1, EXPERT_LOAD's at least 3).
+Both ends count a pool's
 messages, so the sender must send them in the receiver's order; a pool where it does not
 (`Misordered`) gives each of its keys a ring of its own. Replayed over `CHECKED_PASSES`, in
 which every sequence of three pass kinds occurs.
@@ -323,7 +324,11 @@ def ring_segments(payload: str, keys: int, micro_batches: int) -> int:
     `reuse=RING`), unless the replay asks for more: a forward payload one per key and one more
     (its messages live until the backward; the next pass's first lands before the last is done),
     a gradient payload m + 1 (each is read by the backward op right after it arrives, while the
-    micro-batches' next ones are on their way), at most two per key."""
+    micro-batches' next ones are on their way), at most two per key; EXPERT_LOAD m + 1 and at least
+    three (up to its keys): its sender sends before it waits for its own backward's inputs, so at
+    m = 1 it runs a layer further ahead of the reader than a gradient's sender."""
+    if payload == Payload.EXPERT_LOAD.value:
+        return max(micro_batches + 1, min(3, keys))
     if not Payload(payload).backward:
         return keys + 1
     return min(micro_batches + 1, 2 * keys)

@@ -8,9 +8,17 @@ Data of layer l (owned by group g = l mod p), micro-batch mb, data-parallel inde
     forward   A_g,d --DISPATCH--> E_g,j served --COMBINE--> A_(g+1),d  (compact: `runtime.stages.messages`)
               A_g,d --RESIDUAL (residual stream, shared experts' output)--> A_(g+1),d    (only p > 1)
     backward  the same edges reversed: COMBINE_GRAD, DISPATCH_GRAD, RESIDUAL_GRAD
+              E_g,j --EXPERT_LOAD (its block's load [E])--> E_g,j' of the other blocks   (`load_peers`)
 
 The expert ranks A_g,d serves for layer l are `served(l, d)` (`runtime.topology.Topology.served`:
-those holding an expert replica d feeds), by default every expert rank of group g.
+those holding an expert replica d feeds), by default every expert rank of group g. Where a router's
+auxiliary loss needs the load over every source and the group's expert ranks serve it in blocks,
+each expert rank sends its block's load to its `load_peers` (`Topology.load_peers`) as its
+backward of (l, mb) begins, before it waits for COMBINE_GRAD, and receives theirs just before
+ExpertBackward(l, mb): sent and received in the backward's order, so each rank pair's loads
+arrive in the order they are received (sent after ExpertForward they would come in the forward's
+order, layers ascending, and an in-order transport would hand the backward the wrong layer's), and
+the forward never waits for one.
 
 A colocated layout (`roles.ColocatedLayout`) is the same ring with E_g,j = A_g,j: DISPATCH stays
 in group g (a rank sends itself its own share, delivered locally), COMBINE goes to group g+1.
@@ -95,6 +103,7 @@ class OptimizerStep:
 Compute = AttentionForward | ExpertForward | Loss | ExpertBackward | AttentionBackward
 Op = Compute | Send | Recv | ReduceGradients | OptimizerStep
 Served = Callable[[int, int], tuple[int, ...]]  # (MoE layer, data-parallel index) -> the expert ranks it dispatches to
+LoadPeers = Callable[[int, int], tuple[int, ...]]  # (MoE layer, expert rank) -> the ranks it swaps block loads with
 
 
 @dataclass(frozen=True)
@@ -111,12 +120,15 @@ class Schedule:
         )
 
 
-def build_schedule(layout: AnyLayout, micro_batches: int, served: Served | None = None) -> Schedule:
+def build_schedule(layout: AnyLayout, micro_batches: int, served: Served | None = None,
+                   load_peers: LoadPeers | None = None) -> Schedule:
     """Every rank's ordered op list for one training step. `served`: the expert ranks each
-    attention rank dispatches each MoE layer to (None: every expert rank of the layer's group)."""
+    attention rank dispatches each MoE layer to (None: every expert rank of the layer's group);
+    `load_peers`: the expert ranks each expert rank swaps its block's load with (None: none)."""
     if micro_batches < 1:
         raise ValueError(f"micro_batches={micro_batches} must be at least 1")
-    ring = _Ring(layout, served or (lambda layer, d: layout.expert_group(layout.group_of_layer(layer))))
+    ring = _Ring(layout, served or (lambda layer, d: layout.expert_group(layout.group_of_layer(layer))),
+                 load_peers or (lambda layer, rank: ()))
     programs: list[list[Op]] = [[] for _ in range(layout.world_size)]
     for layer in range(layout.num_layers):
         for mb in range(micro_batches):
@@ -154,6 +166,7 @@ class _Ring:
 
     layout: AnyLayout
     served: Served
+    load_peers: LoadPeers
 
     def sources(self, layer: int, rank: int, group: int) -> tuple[int, ...]:
         """The attention ranks of `group` whose data-parallel index dispatches `layer` to expert
@@ -220,7 +233,12 @@ def _expert_backward(ring: _Ring, programs: list[list[Op]], layer: int, mb: int)
     layout = ring.layout
     group = layout.group_of_layer(layer)
     for rank in layout.expert_group(group):
+        peers = ring.load_peers(layer, rank)
+        if peers:
+            programs[rank].append(Send(Payload.EXPERT_LOAD, layer, mb, peers))
         programs[rank].append(Recv(Payload.COMBINE_GRAD, layer, mb, ring.sources(layer, rank, layout.next_group(group))))
+        if peers:
+            programs[rank].append(Recv(Payload.EXPERT_LOAD, layer, mb, peers))
         programs[rank].append(ExpertBackward(layer, mb))
         programs[rank].append(Send(Payload.DISPATCH_GRAD, layer, mb, ring.sources(layer, rank, group)))
 

@@ -14,9 +14,11 @@ Data dependencies (the model of what each op consumes, written independently of 
 
     AttentionForward(l)   needs RESIDUAL(l-1) [+ COMBINE(l-1) if l-1 is MoE]; makes RESIDUAL(l)
                           [+ DISPATCH(l) if l is MoE]
-    ExpertForward(l)      needs DISPATCH(l); makes COMBINE(l)
+    ExpertForward(l)      needs DISPATCH(l); makes COMBINE(l) and EXPERT_LOAD(l) (its block's load)
     Loss                  needs the last layer's output; makes its grads
-    ExpertBackward(l)     needs ExpertForward(l) here and COMBINE_GRAD(l); makes DISPATCH_GRAD(l)
+    ExpertBackward(l)     needs ExpertForward(l) here and COMBINE_GRAD(l) [+ the other blocks'
+                          EXPERT_LOAD(l) received, where the rank's program receives them];
+                          makes DISPATCH_GRAD(l)
     AttentionBackward(l)  needs AttentionForward(l) here, RESIDUAL_GRAD(l) [+ DISPATCH_GRAD(l)];
                           makes RESIDUAL_GRAD(l-1) [+ COMBINE_GRAD(l-1)]
     OptimizerStep         needs the backward of every forward this rank ran
@@ -105,7 +107,13 @@ class _Rank:
     pc: int = 0
     clock: float = 0.0
     values: set[Value] = field(default_factory=set)
+    received: set[Value] = field(default_factory=set)
     done: Counter = field(default_factory=Counter)
+    swapped: frozenset[tuple[int, int]] = field(init=False)  # (layer, mb) whose other blocks' loads it receives
+
+    def __post_init__(self) -> None:
+        self.swapped = frozenset((op.layer, op.micro_batch) for op in self.program
+                                 if isinstance(op, Recv) and op.payload is Payload.EXPERT_LOAD)
 
     def finished(self) -> bool:
         return self.pc == len(self.program)
@@ -173,6 +181,7 @@ class _Replay:
                     )
                 start = max(start, sent_at)
             rank.values.add((op.payload, op.layer, op.micro_batch))
+            rank.received.add((op.payload, op.layer, op.micro_batch))
         elif isinstance(op, Send):
             self._require(rank_id, rank, op, (op.payload, op.layer, op.micro_batch))
             arrival = self._transmit(rank_id, rank, op)
@@ -245,11 +254,14 @@ class _Replay:
         elif isinstance(op, ExpertForward):
             self._require_role(rank_id, rank, op, RoleKind.EXPERT, group)
             self._require(rank_id, rank, op, (Payload.DISPATCH, layer, mb))
-            rank.values.add((Payload.COMBINE, layer, mb))
+            rank.values.update({(Payload.COMBINE, layer, mb), (Payload.EXPERT_LOAD, layer, mb)})
         elif isinstance(op, ExpertBackward):
             self._require_role(rank_id, rank, op, RoleKind.EXPERT, group)
             self._require_done(rank_id, rank, op, ExpertForward(layer, mb))
             self._require(rank_id, rank, op, (Payload.COMBINE_GRAD, layer, mb))
+            if (layer, mb) in rank.swapped and (Payload.EXPERT_LOAD, layer, mb) not in rank.received:
+                raise ScheduleError(f"rank {rank_id} ({rank.role}) runs {op} before the other blocks' "
+                                    f"{Payload.EXPERT_LOAD.value} (layer {layer}, micro-batch {mb}) is received")
             rank.values.add((Payload.DISPATCH_GRAD, layer, mb))
         elif isinstance(op, AttentionBackward):
             self._require_role(rank_id, rank, op, RoleKind.ATTENTION, group)

@@ -41,9 +41,9 @@ data-parallel ranks; each rank backpropagates its share
 
 where aux_share = coef E sum_e f_e P_e^(d) / D: f_e the micro-batch's load fraction over all D
 ranks, P^(d) this rank's mean routing probabilities. f is not known here in the forward pass;
-under an aux loss every expert rank of the group sees all D ranks' choices
-(`RouterConfig.needs_every_source_load`) and returns the load with the gradients (DISPATCH_GRAD), so the
-aux term enters at `AttentionBackward` as the gradient
+every expert rank returns the micro-batch's load over all D ranks with the gradients (DISPATCH_GRAD:
+its sources', plus, in EP blocks or replica sets, the other blocks' it received, EXPERT_LOAD,
+`Topology.load_peers`), so the aux term enters at `AttentionBackward` as the gradient
 coef E f / (D M) of P^(d). No collective runs inside a forward op (DESIGN 3c's NCCL ordering).
 
 Legend: B batch rows of this rank's piece, S sequence, H hidden, N tokens (B*S), K top-k, E experts.

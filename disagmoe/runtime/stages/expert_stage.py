@@ -7,9 +7,11 @@ maps every (token, k) pair to the local expert that serves it here or to "elsewh
 (`LocalRouting`), runs all its experts once over every source's tokens and posts to attention rank
 d of the next group one weighted partial sum per token (`model.local_experts`).
 `ExpertBackward(l)` backpropagates the partial sums' gradients that came back and posts each
-source its d xn and d routing weights, with the micro-batch's expert load over its sources (the
-attention ranks need it for the aux loss's gradient: under an aux loss every source is every expert
-rank's, `RouterConfig.needs_every_source_load`); with the triton backend the weight
+source its d xn and d routing weights, with the micro-batch's expert load (the attention ranks
+need it for the aux loss's gradient): over its sources, and where the run needs the load over
+every source (`RouterConfig.needs_every_source_load`) and the group serves in blocks, plus the
+other blocks' loads, which their ranks at its position sent (EXPERT_LOAD, `Topology.load_peers`;
+ExpertForward posts its own for them); with the triton backend the weight
 gradients are held back (`kernels.deferral.deferred_weight_grads`) and returned to the worker, which
 runs them once it has sent those, so the input gradients leave before the weight gradients are
 computed. Nothing reads the device from the host.
@@ -107,9 +109,10 @@ class LocalRouting:
 class ExpertSegment:
     inputs: list[torch.Tensor]  # leaves per source: xn rows, then routing weights (sparse: one of each)
     outputs: list[torch.Tensor]  # the partial sums per destination
-    load_E: torch.Tensor  # the micro-batch's expert load over all sources
+    load_E: torch.Tensor  # the micro-batch's expert load over its sources (+ the other blocks', once summed)
     pairs: list[PairRows] | None = None  # pair_rows: per source, what its backward needs
     counts: list[torch.Tensor] | None = None  # sparse: per source, the count of rows it sent (int32 [1])
+    unsummed: tuple[int, ...] = ()  # the load peers whose block loads are not yet in load_E
 
 
 class ExpertStage:
@@ -130,6 +133,7 @@ class ExpertStage:
         self.destinations = {layer: tuple(nxt[d] for d in ds) for layer, ds in indices.items()}
         self.routing = {layer: [LocalRouting(topology, layer, index, d, topology.data_parallel, model.device)
                                 for d in ds] for layer, ds in indices.items()}
+        self.load_peers = {layer: topology.load_peers(layer, rank) for layer in indices}
         self.segments: dict[tuple[int, int], ExpertSegment] = {}
         self.pair = pair
         self.sparse = sparse
@@ -166,7 +170,8 @@ class ExpertStage:
         else:
             for dst, partial_NH in zip(self.destinations[layer], outputs, strict=True):
                 mail.post(Payload.COMBINE, layer, mb, dst, [partial_NH])
-        self.segments[(layer, mb)] = ExpertSegment(xs + ws, outputs, self._load(messages), counts=counts)
+        self.segments[(layer, mb)] = ExpertSegment(xs + ws, outputs, self._block_load(layer, mb, mail, messages),
+                                                   counts=counts, unsummed=self.load_peers[layer])
 
     def _post_combine(self, layer: int, mb: int, mail: Mailbox, partial_DNH: torch.Tensor, messages) -> None:
         """Sparse dispatch's COMBINE with partial sums: each source's partial sums of the rows it
@@ -189,6 +194,7 @@ class ExpertStage:
         """ExpertBackward(layer, mb): the input gradients now; returns the weight-gradient work
         held back (the triton backend with fp32 main gradients; else none), for the worker to
         run once it has sent these."""
+        self.sum_block_loads(layer, mb, mail)
         segment = self.segments.pop((layer, mb))
         sources = self.sources[layer]
         grads = [mail.take(Payload.COMBINE_GRAD, layer, mb, dst)[0] for dst in self.destinations[layer]]
@@ -234,14 +240,30 @@ class ExpertStage:
                 dw = [] if dw_DNK is None else [dw_DNK[d]]
                 mail.post(Payload.DISPATCH_GRAD, layer, mb, src, [dx_DNH[d], *dw, segment.load_E],
                           count=segment.counts[d])
-    def _load(self, messages) -> torch.Tensor:
-        """The micro-batch's expert load over its sources' dispatches (int64 [E])."""
+    def _block_load(self, layer: int, mb: int, mail: Mailbox, messages) -> torch.Tensor:
+        """The micro-batch's expert load over its sources' dispatches (int64 [E]), posted to the
+        other blocks' ranks at this rank's position (`load_peers`; their Send is the backward's)."""
         if self.sparse:  # each source's own load came with its rows
-            return sum(message[5] for message in messages)
-        return sum(expert_counts(idx_NK.long(), self.model.cfg.num_experts) for _, idx_NK, _ in messages)
+            load_E = sum(message[5] for message in messages)
+        else:
+            load_E = sum(expert_counts(idx_NK.long(), self.model.cfg.num_experts) for _, idx_NK, _ in messages)
+        for peer in self.load_peers[layer]:
+            mail.post(Payload.EXPERT_LOAD, layer, mb, peer, [load_E])
+        return load_E
 
-    def load_of(self, layer: int, mb: int) -> torch.Tensor:
-        """The micro-batch's expert load over its sources (int64 [E]) its forward counted."""
+    def sum_block_loads(self, layer: int, mb: int, mail: Mailbox) -> None:
+        """Add the other blocks' loads of (layer, mb), received, to this block's (once: a new
+        tensor, as the block's own may still be in flight to them), so the load returned with
+        DISPATCH_GRAD is the micro-batch's over every source of the group."""
+        segment = self.segments[(layer, mb)]
+        if segment.unsummed:
+            peers_E = [mail.take(Payload.EXPERT_LOAD, layer, mb, peer)[0] for peer in segment.unsummed]
+            segment.load_E = segment.load_E + sum(peers_E)
+            segment.unsummed = ()
+
+    def load_of(self, layer: int, mb: int, mail: Mailbox) -> torch.Tensor:
+        """The micro-batch's expert load (int64 [E]) its backward returns (`sum_block_loads`)."""
+        self.sum_block_loads(layer, mb, mail)
         return self.segments[(layer, mb)].load_E
 
     def _forward_pairs(self, layer: int, mb: int, mail: Mailbox, messages) -> None:
@@ -258,9 +280,9 @@ class ExpertStage:
             pairs.append(expert_pair_rows(x_leaf, local_NK, w_NK, experts,
                                           mail.target(Payload.COMBINE, layer, mb, dst), self.pair_counters_S,
                                           self.pair.segment_tokens, bands=self.pair.bands, token_T=token_N))
-        load_E = self._load(messages)
+        load_E = self._block_load(layer, mb, mail, messages)
         counts = [message[4] for message in messages] if self.sparse else None
-        self.segments[(layer, mb)] = ExpertSegment(xs + ws, [], load_E, pairs, counts)
+        self.segments[(layer, mb)] = ExpertSegment(xs + ws, [], load_E, pairs, counts, self.load_peers[layer])
 
     def _pair_routing(self, route: LocalRouting, message: list[torch.Tensor]) -> tuple[torch.Tensor,
                                                                                         torch.Tensor | None]:

@@ -15,6 +15,7 @@ sequences of S), H hidden, K top-k, E experts, in the compute dtype (idx int32, 
     DISPATCH_GRAD  E_g,j -> A_g,d    d xn [T, H], d weights [T, K], the micro-batch's load over d [E]
     COMBINE_GRAD   A_g+1,d -> E_g,j  d partial [T, H]
     RESIDUAL_GRAD  as RESIDUAL, backwards
+    EXPERT_LOAD    E_g,j -> E_g,j'   its block's load over its sources [E] (blocks under an aux loss)
 
 With `hop: pair_rows` (`hop_mode`) three change. COMBINE becomes one pair-row message per (layer,
 micro-batch) that every expert rank of the set writes its pairs' rows into (`comm.base.PairSpec`:

@@ -32,7 +32,6 @@ from disagmoe.placement.solver import (
     disaggregated_candidates,
     price,
     problem_of,
-    runnable_colocated_candidates,
 )
 from disagmoe.model import MoETransformer
 from disagmoe.runtime.state.checkpoint import checkpoint_dir, load_checkpoint, read_manifest, read_shards
@@ -92,7 +91,7 @@ def run_on(warm, cfg: TrainConfig):
 
 def tiny_model(bias_balancing: bool, aux_loss: bool = True):
     """The tiny preset: a leading dense layer, a shared expert, aux and z losses; optional bias; without
-    `aux_loss` no auxiliary loss (each source then dispatches only to the expert ranks it feeds:
+    `aux_loss` no auxiliary loss (EP blocks and replica sets then swap no loads: `Topology.load_peers`,
     `RouterConfig.needs_every_source_load`)."""
     m = load_model("tiny")
     update = {"bias_balancing": bias_balancing, "bias_update_rate": 1e-2}
@@ -238,8 +237,14 @@ CASES = {
                                       aux_loss=False, hop="pair_rows"),
     "sparse-pairs-colocated-4-blocks2": dict(mode="colocated", colocated_ranks=4, expert_replica_sets=2,
                                              micro_batches=2, aux_loss=False, hop="pair_rows", dispatch="sparse"),
-    # under an aux loss every source still dispatches to every rank of its group (each block keeping its share)
+    # under an aux loss too each source dispatches only to its block; the blocks swap their loads (EXPERT_LOAD)
+    # so each returns the micro-batch's load over all four sources: dense, sparse, pair rows, and replica sets
     "colocated-4-blocks2-aux": dict(mode="colocated", colocated_ranks=4, expert_replica_sets=2, micro_batches=2),
+    "sparse-colocated-4-blocks2-aux": dict(mode="colocated", colocated_ranks=4, expert_replica_sets=2,
+                                           micro_batches=2, dispatch="sparse"),
+    "pairs-colocated-4-blocks2-aux": dict(mode="colocated", colocated_ranks=4, expert_replica_sets=2,
+                                          micro_batches=2, hop="pair_rows"),
+    "A2-E2-sets2-aux-m2": dict(attention_ranks=2, expert_ranks=2, expert_replica_sets=2, micro_batches=2),
     # disaggregated replica sets: attention rank d feeds expert rank d only
     "A2-E2-sets2-m2": dict(attention_ranks=2, expert_ranks=2, expert_replica_sets=2, micro_batches=2,
                            aux_loss=False),
@@ -253,8 +258,7 @@ def test_matches_the_single_process_oracle(warm, tmp_path, case):
     cfg = run_config(tmp_path / "dist", mode, **fields)
     topology = Topology.from_config(cfg, cfg.model)
     assert topology.pipeline_groups == cfg.pipeline_groups  # colocated ones too
-    sets = 1 if topology.full_dispatch else cfg.expert_replica_sets
-    assert topology.dispatch_width == len(topology.expert_groups[0]) // sets  # with sets: a source's own only
+    assert topology.dispatch_width == len(topology.expert_groups[0]) // cfg.expert_replica_sets  # its own set only
     summary = run_on(warm, cfg)
     reference, reference_model = oracle(cfg, tmp_path / "single")
     assert summary.steps == STEPS and summary.checkpoint_path is not None
@@ -307,9 +311,9 @@ def planned(gpus: int, **request) -> Plan:
 
 def colocated_plan(gpus: int, micro_batches: int, p: int = 1) -> Plan:
     """The planner's colocated layout on `gpus` (`p` pipeline groups, `micro_batches`), priced as a
-    plan; with p > 1 one it proposes (each group one EP block, `runnable_colocated_candidates`)."""
+    plan (`colocated_candidates`: the first of that depth, micro-batches and GPUs)."""
     request = build_request("tiny", "h200-sxm", gpus, 64, 512)
-    candidates = (colocated_candidates if p == 1 else runnable_colocated_candidates)(request, gpus)
+    candidates = colocated_candidates(request, gpus)
     index = next(i for i in range(len(candidates))
                  if candidates.p[i] == p and candidates.m[i] == micro_batches and candidates.expert[i] == gpus)
     return price(request, candidates.take(index)).plan

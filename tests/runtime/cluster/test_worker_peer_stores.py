@@ -73,14 +73,15 @@ def _config(layout: str, dispatch: str = "sparse") -> TrainConfig:
 
 
 def _topology(cfg: TrainConfig, layout: str) -> Topology:
-    """The run's topology with the layout's owners: tiny's aux loss has every source dispatch to every
-    expert rank, replicas or not (`Topology.full_dispatch`), as `Topology.from_config` decides."""
+    """The run's topology with the layout's owners, needing tiny's aux loss's global load as
+    `Topology.from_config` decides: where a layer's expert ranks serve in blocks, each source
+    dispatches to its block and the blocks swap their loads (EXPERT_LOAD), else to every expert rank."""
     model_cfg = load_model(cfg.model)
     owners = LAYOUTS[layout][1]
     if owners is None:
         return Topology.from_config(cfg, model_cfg)
     return Topology.disaggregated(Layout.from_config(cfg, model_cfg), model_cfg.num_experts, owners,
-                                  full_dispatch=model_cfg.router.needs_every_source_load)
+                                  global_load=model_cfg.router.needs_every_source_load)
 
 
 def _workers(cfg: TrainConfig, topology: Topology, routed: list) -> list[TrainWorker]:
@@ -189,9 +190,9 @@ def _step(cfg: TrainConfig, topology: Topology, peer_stores: bool, monkeypatch, 
 
 def _launches(topology: Topology, micro_batches: int, pair_rows: bool) -> list[int]:
     """The destinations of every peer-store launch of a step, sorted: per MoE layer, micro-batch and
-    source a DISPATCH to its set's remote expert ranks and from its combining rank a COMBINE_GRAD
-    to them, per expert rank a DISPATCH_GRAD to its remote sources and, with partial sums, a
-    COMBINE to its remote destinations; none where no peer is remote."""
+    source a DISPATCH to the remote expert ranks it serves (`Topology.served`) and from its combining
+    rank a COMBINE_GRAD to them, per expert rank a DISPATCH_GRAD to its remote sources and, with
+    partial sums, a COMBINE to their remote destinations; none where no peer is remote."""
     out = []
     for layer in range(topology.num_layers):
         if not topology.is_moe(layer):
@@ -199,11 +200,13 @@ def _launches(topology: Topology, micro_batches: int, pair_rows: bool) -> list[i
         group = topology.group_of_layer(layer)
         sources, ranks = topology.attention_groups[group], topology.expert_groups[group]
         destinations = topology.attention_groups[topology.next_group(group)]
-        for src, dst in zip(sources, destinations, strict=True):
-            out += [len(set(ranks) - {src}), len(set(ranks) - {dst})] * micro_batches
+        for d, (src, dst) in enumerate(zip(sources, destinations, strict=True)):
+            served = set(topology.served(layer, d))
+            out += [len(served - {src}), len(served - {dst})] * micro_batches
         for rank in ranks:
-            out += [len(set(sources) - {rank})] * micro_batches
-            out += [] if pair_rows else [len(set(destinations) - {rank})] * micro_batches
+            mine = topology.sources_of(layer, rank)
+            out += [len({sources[d] for d in mine} - {rank})] * micro_batches
+            out += [] if pair_rows else [len({destinations[d] for d in mine} - {rank})] * micro_batches
     return sorted(n for n in out if n)
 
 
@@ -245,7 +248,7 @@ def test_peer_stores_stage_no_message_for_a_peer_and_train_like_send_recv(interp
     shapes = by_stores["workers"][0].shapes
     assert shapes.pair_rows == (cfg.hop == "pair_rows")
     T, H = shapes.tokens, shapes.hidden
-    Q = len(topology.expert_groups[0])
+    Q = topology.dispatch_width  # the expert ranks a source serves
     moe_forwards = sum(topology.is_moe(layer) for layer in range(topology.num_layers)) * cfg.micro_batches
     colocated = cfg.mode == "colocated"
 
@@ -278,7 +281,7 @@ def test_peer_stores_stage_no_message_for_a_peer_and_train_like_send_recv(interp
     for rank, layer, idx_NK in by_stores["routed"]:
         rows = _minimum_rows(topology, rank, layer, idx_NK)
         minimum[rank] = None if rows is None or minimum[rank] is None else minimum[rank] + rows
-        dense_rows[rank] += len(set(topology.expert_groups[topology.group_of_layer(layer)]) - {rank}) * T
+        dense_rows[rank] += len(set(topology.served(layer, topology.attention_role(rank)[1])) - {rank}) * T
     assert len(by_stores["routed"]) == moe_forwards * sources
     for rank in {rank for rank, _, _ in by_stores["routed"]}:
         got = by_stores["traffic"][rank]
@@ -300,7 +303,7 @@ def test_peer_stores_stage_no_message_for_a_peer_and_train_like_send_recv(interp
             end = _combining_rank(topology, rank, layer) if ends[payload] else rank
             rows = _minimum_rows(topology, rank, layer, idx_NK, end)
             least = None if rows is None or least is None else least + rows
-            dense_total += len(set(topology.expert_groups[topology.group_of_layer(layer)]) - {end}) * T
+            dense_total += len(set(topology.served(layer, topology.attention_role(rank)[1])) - {end}) * T
         got = {name: sum(t.get(name, 0) for t in by_stores["traffic"]) for name in (payload.value,
                                                                                     f"{payload.value}_dense")}
         if least is not None:

@@ -37,7 +37,7 @@ def _readers(payload: Payload, layer: int, mb: int, last: int) -> set:
         if layer == last:
             return {Loss(mb)}
         return {AttentionForward(layer + 1, mb), AttentionBackward(layer + 1, mb)}
-    if payload is Payload.COMBINE_GRAD:
+    if payload in (Payload.COMBINE_GRAD, Payload.EXPERT_LOAD):
         return {ExpertBackward(layer, mb)}
     return {AttentionBackward(layer, mb)}  # DISPATCH_GRAD, RESIDUAL_GRAD
 

@@ -50,6 +50,14 @@ def _layouts():
     for (a, e, p, sets), m in itertools.product(((2, 2, 1, 2), (4, 4, 2, 2), (3, 6, 1, 3)), (1, 3)):  # replica sets
         topology = Topology.disaggregated(Layout(a, e, p, 2 * p + 1, 1), 8, sets=sets)
         yield f"A{a}-E{e}-p{p}-L{2 * p + 1}-sets{sets}-m{m}", topology.programs(m)
+    for n, p, sets in ((4, 1, 2), (4, 2, 2), (6, 1, 3)):  # EP blocks swapping their loads (EXPERT_LOAD)
+        topology = Topology.colocated_ranks(n * p, 2 * p + 1, 1, 8, pipeline_groups=p, sets=sets, global_load=True)
+        yield f"colocated{n * p}-p{p}-L{2 * p + 1}-blocks{sets}-load-m3", topology.programs(3)
+    for a, e, p, sets in ((2, 2, 1, 2), (4, 4, 2, 2), (3, 6, 1, 3)):  # replica sets swapping theirs
+        topology = Topology.disaggregated(Layout(a, e, p, 2 * p + 1, 1), 8, sets=sets, global_load=True)
+        yield f"A{a}-E{e}-p{p}-L{2 * p + 1}-sets{sets}-load-m3", topology.programs(3)
+    topology = Topology.disaggregated(Layout(2, 2, 1, 5, 1), 8, sets=2, global_load=True)  # m = 1: rings of 3
+    yield "A2-E2-p1-L5-sets2-load-m1", topology.programs(1)
 
 
 LAYOUTS = list(_layouts())
@@ -161,7 +169,8 @@ def _ring_check(name, programs):
 QUICK = [(name, programs) for name, programs in LAYOUTS
          if name in ("A1-E1-p1-L3-d1-m3", "A2-E3-p1-L3-d0-m2", "A2-E2-p2-L5-d0-m2", "A3-E4-p3-L7-d1-m4",
                      "topology-A2-E2-p2-L4-m3", "colocated2-m4", "colocated3-m2", "colocated4-p2-L5-m2",
-                     "colocated6-p3-L3-m3", "colocated8-p2-L5-blocks2-m3", "A4-E4-p2-L5-sets2-m3")]
+                     "colocated6-p3-L3-m3", "colocated8-p2-L5-blocks2-m3", "A4-E4-p2-L5-sets2-m3",
+                     "colocated8-p2-L5-blocks2-load-m3", "A4-E4-p2-L5-sets2-load-m3", "A2-E2-p1-L5-sets2-load-m1")]
 
 
 @pytest.mark.parametrize("name,programs", QUICK, ids=[name for name, _ in QUICK])

@@ -208,12 +208,15 @@ def test_a_schedule_ops_key_is_the_transports_key_with_its_lane(payload):
         assert op.key(7) == message_key(7, payload, 3, 1)
 
 
-BLOCKED = [  # (name, topology): colocated EP blocks and disaggregated replica sets, every source feeding one
-    *((f"colocated{n * p}-p{p}-blocks{sets}-L{layers}", Topology.colocated_ranks(n * p, layers, 1, 8, pipeline_groups=p,
-                                                                                  sets=sets))
-      for n, p, sets in ((4, 1, 2), (4, 2, 2), (6, 1, 3), (6, 2, 2), (4, 3, 4)) for layers in (p + 1, 2 * p + 1)),
-    *((f"A{a}-E{e}-p{p}-sets{sets}", Topology.disaggregated(Layout(a, e, p, 2 * p + 1, 1), 8, sets=sets))
-      for a, e, p, sets in ((2, 2, 1, 2), (4, 4, 2, 2), (3, 6, 1, 3), (1, 4, 1, 2))),
+BLOCKED = [  # (name, topology): colocated EP blocks and disaggregated replica sets, every source feeding one;
+    # "-load": the router needs the global load, so the blocks swap theirs (EXPERT_LOAD)
+    *((f"colocated{n * p}-p{p}-blocks{sets}-L{layers}{'-load' if load else ''}",
+       Topology.colocated_ranks(n * p, layers, 1, 8, pipeline_groups=p, sets=sets, global_load=load))
+      for n, p, sets in ((4, 1, 2), (4, 2, 2), (6, 1, 3), (6, 2, 2), (4, 3, 4)) for layers in (p + 1, 2 * p + 1)
+      for load in (False, True)),
+    *((f"A{a}-E{e}-p{p}-sets{sets}{'-load' if load else ''}",
+       Topology.disaggregated(Layout(a, e, p, 2 * p + 1, 1), 8, sets=sets, global_load=load))
+      for a, e, p, sets in ((2, 2, 1, 2), (4, 4, 2, 2), (3, 6, 1, 3), (1, 4, 1, 2)) for load in (False, True)),
 ]
 
 
@@ -226,7 +229,7 @@ def _layout_of(topology):
 @pytest.mark.parametrize("m", [1, 3])
 @pytest.mark.parametrize("name,topology", BLOCKED, ids=[name for name, _ in BLOCKED])
 def test_schedules_in_blocks_replay_without_deadlock_and_receive_in_send_order(name, topology, m):
-    schedule = build_schedule(_layout_of(topology), m, topology.served)
+    schedule = build_schedule(_layout_of(topology), m, topology.served, topology.load_peers)
     assert schedule.programs == topology.programs(m)
     result = simulate(schedule)
     assert result.messages == sum(len(op.peers) for p in schedule.programs for op in p if isinstance(op, Send))
@@ -235,12 +238,16 @@ def test_schedules_in_blocks_replay_without_deadlock_and_receive_in_send_order(n
     assert sent == asked
 
 
+@pytest.mark.parametrize("global_load", [False, True])
 @pytest.mark.parametrize("per_group, p, sets", [(4, 1, 2), (6, 1, 3), (4, 2, 2), (6, 3, 2)])
-def test_a_colocated_ranks_expert_messages_reach_exactly_its_block(per_group, p, sets):
+def test_a_colocated_ranks_expert_messages_reach_exactly_its_block(per_group, p, sets, global_load):
     """Every DISPATCH (and its gradient) of a rank goes to, and comes from, exactly the ranks of its
     own EP block (block c: the group's ranks c, c + sets, ...); every COMBINE (and its gradient) to
-    and from exactly the same block of the neighbouring group (p = 1: its own)."""
-    topology = Topology.colocated_ranks(per_group * p, 2 * p + 1, 1, 8, pipeline_groups=p, sets=sets)
+    and from exactly the same block of the neighbouring group (p = 1: its own). Under the global load
+    (an aux loss) too, where its load goes to and comes from the rank at its position in each other
+    block of its group, once per MoE layer and micro-batch, and to no one without it."""
+    topology = Topology.colocated_ranks(per_group * p, 2 * p + 1, 1, 8, pipeline_groups=p, sets=sets,
+                                        global_load=global_load)
 
     def block(group: int, rank: int) -> set[int]:
         index = rank % per_group
@@ -256,3 +263,9 @@ def test_a_colocated_ranks_expert_messages_reach_exactly_its_block(per_group, p,
         assert peers[Payload.DISPATCH] == peers[Payload.DISPATCH_GRAD] == block(group, rank)
         for payload in (Payload.COMBINE, Payload.COMBINE_GRAD):
             assert peers[payload] == neighbours, (rank, payload)
+        row = group * per_group + sets * ((rank % per_group) // sets)  # the blocks' ranks at this rank's position
+        counterparts = {row + c for c in range(sets)} - {rank}
+        swaps = [op for op in program if isinstance(op, (Send, Recv)) and op.payload is Payload.EXPERT_LOAD]
+        moe_layers = sum(topology.is_moe(layer) for layer in topology.layers_of_group(group))
+        assert len(swaps) == (2 * moe_layers * 2 if global_load and sets > 1 else 0)
+        assert all(set(op.peers) == counterparts for op in swaps)

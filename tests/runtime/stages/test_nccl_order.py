@@ -27,6 +27,12 @@ def _layouts():
                Topology.colocated_ranks(n * p, 7, 1, 8, pipeline_groups=p, sets=sets), m)
     for a, e, p, sets in ((2, 2, 1, 2), (4, 4, 2, 2), (3, 6, 1, 3)):  # replica sets
         yield f"A{a}-E{e}-p{p}-sets{sets}-m2", Topology.disaggregated(Layout(a, e, p, 4, 0), 8, sets=sets), 2
+    for n, p, sets, m in ((4, 1, 2, 2), (6, 2, 2, 3)):  # EP blocks swapping their loads (EXPERT_LOAD)
+        yield (f"colocated{n * p}-p{p}-blocks{sets}-load-m{m}",
+               Topology.colocated_ranks(n * p, 7, 1, 8, pipeline_groups=p, sets=sets, global_load=True), m)
+    for a, e, p, sets in ((2, 2, 1, 2), (4, 4, 2, 2)):  # replica sets swapping theirs
+        yield (f"A{a}-E{e}-p{p}-sets{sets}-load-m2",
+               Topology.disaggregated(Layout(a, e, p, 4, 0), 8, sets=sets, global_load=True), 2)
 
 
 @pytest.mark.parametrize("name,topology,m", list(_layouts()), ids=lambda v: v if isinstance(v, str) else "")
