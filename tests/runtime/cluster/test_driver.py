@@ -685,6 +685,14 @@ SHARED_CASES = {
     # sparse dispatch with pair rows: the rows of each received token stored at its pair rows, COMBINE_GRAD
     # (dy of the tokens each expert rank served) and DISPATCH_GRAD (d x alone) by one launch each
     "A1-E2-sparse-pairs": dict(attention_ranks=1, expert_ranks=2, hop="pair_rows", dispatch="sparse"),
+    # EP blocks and replica sets under tiny's aux loss: each source feeds its own block, and the blocks
+    # swap their expert loads (EXPERT_LOAD) over the real transport before each expert backward
+    "colocated-4-blocks-sums": dict(mode="colocated", colocated_ranks=4, expert_replica_sets=2, hop="partial_sums",
+                                    dispatch="dense"),
+    "colocated-4-blocks-sparse": dict(mode="colocated", colocated_ranks=4, expert_replica_sets=2,
+                                      hop="partial_sums", dispatch="sparse"),
+    "sets-A2-E2-pairs": dict(attention_ranks=2, expert_ranks=2, expert_replica_sets=2, hop="pair_rows",
+                             dispatch="dense"),
     "A1-E3-sparse-pairs": dict(attention_ranks=1, expert_ranks=3, hop="pair_rows", dispatch="sparse"),
 }
 
