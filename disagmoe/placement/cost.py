@@ -687,7 +687,8 @@ def evaluate(prob: Problem, c: Candidates, misfits_exact: bool = True) -> Cost:
         "routed experts": Stage("expert", "moe", *experts["routed experts"]),
         "expert weight grads": Stage("expert", "moe", *experts["expert weight grads"]),
         "selective recompute": Stage("expert", "moe", Work(), st.selective_recompute(m, rows * selective, fp8,
-                                                                                     prob.fp8_backward)),
+                                                                                     prob.fp8_backward,
+                                                                                     _expert_modules(prob))),
         "combine": Stage("link", "moe", combine, dispatch),
         "main-grad adds": Stage("attention", "moe", Work(), st.main_grad_add(
             attention_norm_params(m) + H + router_params(m))),
@@ -778,7 +779,7 @@ def evaluate(prob: Problem, c: Candidates, misfits_exact: bool = True) -> Cost:
                 lean_expert_mem_bytes=lean_exp_mem * ones, lean_fits=lean_fits, rank_steps=steps,
                 round_floor_s=floor * ones, stages=stages, host_state_bytes=host_state, recompute_attention=attention,
                 recompute_block=prob.recompute == "full",
-                expert_modules=frozenset(prob.recompute_modules) & mem.SELECTIVE or mem.SELECTIVE)
+                expert_modules=_expert_modules(prob))
 
 
 def _recomputation(prob: Problem, c: Candidates, tokens: Num, in_flight: Num, pairs: Num, rows: Num,
@@ -799,7 +800,8 @@ def _recomputation(prob: Problem, c: Candidates, tokens: Num, in_flight: Num, pa
     if c.colocated:  # one GPU holds both sides: the fitting variant whose recompute costs least
         variants = [may] if fixed else list(dict.fromkeys((mem.NOTHING_DROPPED, experts_may, may & ATTENTION, may)))
         moe_l, dense_l = _layer_counts(m, c.p)
-        t_sel = prob.ceilings.time(st.selective_recompute(m, rows, fp8, prob.fp8_backward)) * moe_l
+        t_sel = prob.ceilings.time(st.selective_recompute(m, rows, fp8, prob.fp8_backward,
+                                                            _expert_modules(prob))) * moe_l
         t_att = prob.ceilings.time(st.attention_recompute(m, tokens)) * (moe_l + dense_l)
         act = [full(activations(m, tokens, pairs, in_flight, c.p, True, d, fp8=fp8, fp8_backward=prob.fp8_backward)[0])
                for d in variants]
@@ -1123,6 +1125,12 @@ def calibrated_stages(stages: dict[str, Stage], m: ModelConfig, calib: Calibrati
     for name in ("optimizer (attention)",) if colocated else ("optimizer (attention)", "optimizer (experts)"):
         out[name] = replace(out[name], bwd=out[name].bwd + fixed("OptimizerStep"))
     return out
+
+
+def _expert_modules(prob: Problem) -> frozenset[str]:
+    """The expert modules a selective candidate drops: `Problem.recompute_modules`' expert ones (all
+    of `memory.SELECTIVE` where it names none: such a candidate is never priced selective)."""
+    return frozenset(prob.recompute_modules) & mem.SELECTIVE or mem.SELECTIVE
 
 
 def _either(where: np.ndarray, yes: st.Work, no: st.Work) -> st.Work:

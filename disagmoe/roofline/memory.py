@@ -34,7 +34,7 @@ from __future__ import annotations
 import numpy as np
 
 from disagmoe.config import DEFAULT_FP8_EXPERT_BACKWARD, FP8_EXPERT_BACKWARDS, ModelConfig
-from disagmoe.roofline.stages import FP32, Num, attention_io_per_token
+from disagmoe.roofline.stages import EXPERT_RECOMPUTE_MODULES, FP32, Num, attention_io_per_token
 
 # `model/loss.py`'s chunk rule (roofline imports no torch; a test pins the two together)
 DEFAULT_CHUNK_TOKENS = 4096
@@ -101,7 +101,7 @@ def attention_recomputed_bytes(m: ModelConfig, value_bytes: int) -> int:
 
 
 NOTHING_DROPPED: frozenset[str] = frozenset()
-SELECTIVE: frozenset[str] = frozenset({"expert_input", "expert_output", "expert_swiglu"})  # recompute: selective's default
+SELECTIVE: frozenset[str] = EXPERT_RECOMPUTE_MODULES  # recompute: selective's default
 BLOCK = "block"  # `recompute: full` (`kernels.recompute.BLOCK`): a block keeps its input and its routing
 FULL: frozenset[str] = frozenset({BLOCK})
 # What `recompute: full` keeps of a (token, k) pair's routing (`kernels.recompute.SavedRouting`): its

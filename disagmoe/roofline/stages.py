@@ -252,9 +252,14 @@ def dense_ffn(m: ModelConfig, tokens: Num) -> Work:
 FP8_BACKWARDS_REGATHERING_ROWS = ("bf16-wgrad", "bf16")
 
 
+EXPERT_RECOMPUTE_MODULES = frozenset({"expert_input", "expert_output", "expert_swiglu"})  # recompute: selective's default
+
+
 def selective_recompute(m: ModelConfig, rows: Num, fp8: bool = False,
-                        fp8_backward: str = DEFAULT_FP8_EXPERT_BACKWARD) -> Work:
-    """What `recompute: selective` adds to the expert backward of `rows` rows (`kernels.moe_ffn`,
+                        fp8_backward: str = DEFAULT_FP8_EXPERT_BACKWARD,
+                        modules: frozenset[str] = EXPERT_RECOMPUTE_MODULES) -> Work:
+    """What `recompute: selective` of the expert `modules` dropped adds to the expert backward of
+    `rows` rows (`kernels.moe_ffn`,
     `kernels.fused_moe`): expert_input gathers the input rows again (read and write [rows, H]),
     expert_swiglu writes the SwiGLU output once more (the down dgrad's epilogue computes it from
     h13 while loading it: no extra FLOPs), expert_output costs nothing (the routing weights'
@@ -264,11 +269,15 @@ def selective_recompute(m: ModelConfig, rows: Num, fp8: bool = False,
     recipe `fp8_backward`: "fp8"'s w13-gradient quantiser reads the input rows from their tokens
     instead of the kept rows (the same bytes), bf16-wgrad and bf16 (`FP8_BACKWARDS_REGATHERING_ROWS`)
     gather them again into bf16 rows for their bf16 w13 gradient (the permute's row copy once more:
-    `permute_rows`)."""
+    `permute_rows`). A module not in `modules` is kept, and costs nothing here."""
+    gathers = "expert_input" in modules
     if fp8:
+        if not gathers:
+            return Work()
         regather = permute_rows(m, rows) if fp8_backward in FP8_BACKWARDS_REGATHERING_ROWS else Work()
         return Work(hbm_bytes=8 * rows) + regather
-    return Work(hbm_bytes=BF16 * rows * (2 * m.hidden_size + m.expert_ffn_size))
+    row_bytes = 2 * m.hidden_size * gathers + m.expert_ffn_size * ("expert_swiglu" in modules)
+    return Work(hbm_bytes=BF16 * rows * row_bytes)
 
 
 def attention_recompute(m: ModelConfig, tokens: Num) -> Work:

@@ -525,6 +525,25 @@ def test_selective_recomputation_frees_exactly_the_dropped_terms_and_pays_their_
 
 
 @pytest.mark.parametrize("colocated", [False, True])
+def test_selective_recomputation_pays_only_for_the_expert_modules_it_drops(colocated):
+    """`recompute_modules` names which expert modules selective drops: expert_input's regather
+    (read and write [rows, H] bf16), expert_swiglu's second write of the SwiGLU output ([rows, F]),
+    expert_output nothing; a module kept costs nothing in the backward, where every module had been
+    priced as dropped."""
+    model = load_model("qwen3-30b-a3b")
+    req = PlanConfig(model=model, cluster=ClusterConfig(hardware=load_hardware("h200-sxm"), num_gpus=8),
+                     seq_len=1024, global_batch_tokens=1024 * 64)
+    cand = Candidates.one(0, 8, 1, 4, 2, colocated=True) if colocated else Candidates.one(4, 4, 1, 4, 2)
+    rows = 2 * 1024 * model.top_k if colocated else 4 * 2 * 1024 * model.top_k / 4  # computed per GPU
+    H, F = model.hidden_size, model.expert_ffn_size
+    for modules, row_bytes in (({"expert_input"}, 2 * H), ({"expert_swiglu"}, F), ({"expert_output"}, 0),
+                               ({"expert_input", "expert_swiglu", "expert_output"}, 2 * H + F)):
+        cost = evaluate(replace(problem_of(req), recompute="selective", recompute_modules=frozenset(modules)), cand)
+        assert cost.selective[0]
+        assert cost.stages["selective recompute"].bwd.hbm_bytes[0] == pytest.approx(2 * rows * row_bytes), modules
+
+
+@pytest.mark.parametrize("colocated", [False, True])
 def test_fp8_backwards_that_gather_the_input_rows_again_pay_for_them(colocated):
     """FP8 experts recomputing expert_input: the bf16-wgrad (default) and bf16 backwards gather the
     input rows again in bf16 for their w13 gradient (`RowSource.rows`), so their selective
