@@ -720,7 +720,8 @@ def evaluate(prob: Problem, c: Candidates, misfits_exact: bool = True) -> Cost:
             m, tokens).scale(attention.astype(float)))))
         stages = dict(items)
     if prob.calibration is not None:
-        stages = calibrated_stages(stages, m, prob.calibration, ceil, rows / local, float(S), c.colocated, tokens)
+        stages = calibrated_stages(stages, m, prob.calibration, ceil, rows / local, float(S), c.colocated, tokens,
+                                   crosses_groups=c.colocated & (c.p > 1))
     if fp8:  # the measured FP8 curve where the calibration holds one; else the passes and copies at any rate,
         # the GEMMs at fp8_speedup times theirs (`fp8_stages`)
         stages = fp8_stages(stages, ceil, prob.fp8_speedup, m, rows, exp_params, prob.calibration, rows / local,
@@ -1068,13 +1069,15 @@ def fp8_dense_stages(stages: dict[str, Stage], ceil: Ceilings, speedup: float, m
 
 
 def calibrated_stages(stages: dict[str, Stage], m: ModelConfig, calib: Calibration, ceil: Ceilings,
-                      rows_per_expert: Num, seq_len: float, colocated: bool, tokens: Num = None) -> dict[str, Stage]:
+                      rows_per_expert: Num, seq_len: float, colocated: bool, tokens: Num = None,
+                      crosses_groups: np.ndarray | bool = False) -> dict[str, Stage]:
     """`stages` priced with measured terms (`roofline.calibration`): the routed experts at the GEMM
     rates measured for their rows per expert (forward, data gradients, and the weight gradients
     into the fp32 main gradients at their own rate where the calibration holds it), the attention
     projections at the GEMM rate measured for their `tokens` per micro-batch, the attention core at the rate measured for the
     sequence length (both on MLA's curves for an MLA model `m` where the calibration holds them: `attention_curves`),
-    dispatch and combine at the measured P2P transport (colocated: all-to-all),
+    dispatch and combine at the measured P2P transport (colocated: all-to-all within the EP block; the
+    partial sums to the next pipeline group's block, where `crosses_groups`, at the P2P transport),
     the gradient all-reduces at the measured all-reduce, the optimizer's passes and the permute /
     combine kernels at their measured HBM rates (`Calibration.hbm_fraction`), and each schedule op's fixed cost as its
     own stage (attention, expert ops) or inside the stage that is the op (loss, optimizer).
@@ -1114,7 +1117,10 @@ def calibrated_stages(stages: dict[str, Stage], m: ModelConfig, calib: Calibrati
             for name in names:
                 if name in out:
                     out[name] = replace(out[name], fwd_ceilings=hbm_ceil, bwd_ceilings=hbm_ceil)
-    linked(("dispatch", "combine"), calib.all_to_all if colocated else calib.p2p, collective=colocated)
+    if colocated:
+        _link_colocated_hop(out, ceil, calib, crosses_groups)
+    else:
+        linked(("dispatch", "combine"), calib.p2p, collective=False)
     linked(("grad all-reduce (attention)", "grad all-reduce (experts)", "param all-gather (attention)"),
            calib.all_reduce, collective=True)
     out[ATTENTION_FIXED] = Stage("attention", "layer", fixed("AttentionForward"), fixed("AttentionBackward"))
@@ -1125,6 +1131,28 @@ def calibrated_stages(stages: dict[str, Stage], m: ModelConfig, calib: Calibrati
     for name in ("optimizer (attention)",) if colocated else ("optimizer (attention)", "optimizer (experts)"):
         out[name] = replace(out[name], bwd=out[name].bwd + fixed("OptimizerStep"))
     return out
+
+
+def _link_colocated_hop(out: dict[str, Stage], ceil: Ceilings, calib: Calibration,
+                        crosses_groups: np.ndarray | bool) -> None:
+    """A colocated hop's measured link terms: the dispatch (and its gradient) is an all-to-all
+    within the EP block; the partial sums (and their gradient) too at p = 1, but one-sided messages
+    to the next group's block where `crosses_groups` (p > 1: `st.transfer`), at the P2P transport.
+    Each stage's forward and backward carry one of the two works (`evaluate`'s "dispatch" and
+    "combine" stages), so each gets its own ceilings."""
+    if calib.all_to_all is None and calib.p2p is None:
+        return
+    within = cal.link_ceilings(ceil, calib.all_to_all, collective=True) if calib.all_to_all else ceil
+    partial_sums = within
+    if calib.p2p is not None:
+        ring = cal.link_ceilings(ceil, calib.p2p, collective=False)
+        crosses = np.asarray(crosses_groups)
+        partial_sums = replace(within, nvlink_bytes_per_s=np.where(crosses, ring.nvlink_bytes_per_s, within.nvlink_bytes_per_s),
+                               nvlink_latency_s=np.where(crosses, ring.nvlink_latency_s, within.nvlink_latency_s))
+    if "dispatch" in out:
+        out["dispatch"] = replace(out["dispatch"], fwd_ceilings=within, bwd_ceilings=partial_sums)
+    if "combine" in out:
+        out["combine"] = replace(out["combine"], fwd_ceilings=partial_sums, bwd_ceilings=within)
 
 
 def _expert_modules(prob: Problem) -> frozenset[str]:

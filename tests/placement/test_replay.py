@@ -89,3 +89,25 @@ def test_the_replay_imports_no_torch():
             "print(','.join(m for m in ('torch', 'ray', 'matplotlib') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""
+
+
+@pytest.mark.parametrize("p", [1, 2])
+def test_a_colocated_hop_to_the_next_group_is_priced_at_the_measured_p2p_link(p):
+    """Colocated: the dispatch is an all-to-all within the EP block (the measured all-to-all); the
+    partial sums go back within it at p = 1, but as one-sided messages to the next group's block at
+    p > 1, priced at the measured P2P link, its bandwidth and its per-message latency."""
+    a2a, p2p = LinkCost(latency_us=50, gbps=150), LinkCost(latency_us=30, gbps=300)
+    prob = problem_of(_request(CALIBRATION.model_copy(update={"all_to_all": a2a, "p2p": p2p})))
+    cost = evaluate(prob, Candidates.one(0, 8, p, 4, 2, colocated=True))
+
+    def priced(work, link, collective):
+        latency = link.latency_us * 1e-6 * (work.collectives if collective else work.transfers)
+        return work.nvlink_bytes / (link.gbps * 1e9) + latency
+
+    for name, bwd, is_partial_sums in (("dispatch", False, False), ("dispatch", True, True),
+                                       ("combine", False, True), ("combine", True, False)):
+        stage = cost.stages[name]
+        work = stage.bwd if bwd else stage.fwd
+        crosses = is_partial_sums and p > 1
+        want = priced(work, p2p if crosses else a2a, collective=not crosses)
+        assert float(stage.time(bwd, prob.ceilings)[0]) == pytest.approx(float(want[0]), rel=1e-9), (name, bwd)
