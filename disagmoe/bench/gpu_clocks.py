@@ -292,6 +292,22 @@ class GpuClockSampler:
             return None
         return {**summary, "steps": len(covered), "steps_left_out": len(timed) - len(covered)}
 
+    def timed_note(self, warmup: int) -> str | None:
+        """Why the timed steps have no clock figures (`timed_summary` None), or what limits them:
+        `unavailable` where sampling failed or stopped early; else, where no sample fell in the
+        timed steps, how long they ran against the sampling interval (steps of a few milliseconds:
+        time more of them); None where they were sampled and nothing went wrong."""
+        if self.unavailable or self.timed_summary(warmup) is not None:
+            return self.unavailable
+        timed = [(start, end) for step, (start, end) in self.step_windows().items()
+                 if step > warmup and start is not None]
+        if not timed:
+            return "no timed step has a marked start and end"
+        span_ms = sum(end - start for start, end in timed) * 1e3
+        steps = f"{len(timed)} timed step{'s' if len(timed) > 1 else ''}"
+        return (f"no sample fell in the {steps} ({span_ms:,.1f} ms in all, one sample every {self.interval_ms} ms); "
+                "time more or longer steps")
+
     def per_step_sm_mhz(self) -> list[float | None]:
         """Median SM clock over each step's window (`step_windows`, in step order: one entry per step,
         a step re-run after a restart its last run's), of the working GPUs while they worked (as

@@ -106,7 +106,7 @@ def run(cfg: TrainConfig, steps: int, warmup: int, log: Callable[[str], None],
             "step_split_ms": {part: s * 1e3 for part, s in step_split(windows, intervals).items()},
             "runtime_calls": [{"name": n[:120], "ms_per_step": s * 1e3 / per, "calls": c / per}
                               for n, (c, s) in runtime_calls(host, windows)[:8]],
-            "gpu_clocks": clocks.timed_summary(warmup), "gpu_clocks_note": clocks.unavailable}
+            "gpu_clocks": clocks.timed_summary(warmup), "gpu_clocks_note": clocks.timed_note(warmup)}
 
 
 def warmup_past_capture(cfg: TrainConfig, warmup: int, log: Callable[[str], None]) -> int:

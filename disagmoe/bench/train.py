@@ -74,7 +74,9 @@ def mode_config(cfg: TrainConfig, mode: str, steps: int, out_dir: Path, transpor
     update = dict(mode=mode, steps=steps, out_dir=str(out_dir / f"{mode}-{transport}-{hop}"), trace=False,
                   resume=False, checkpoint_every=0, checkpoint_minutes=0, checkpoint_at_end=False, keep_checkpoints=1,
                   eval_every=0, transport=transport, hop=hop)
-    if mode == "colocated":  # the baseline of one pipeline group, whatever groups the disaggregated layout has
+    # colocated of a disaggregated config is its baseline: the same GPUs as one pipeline group; a config
+    # written for colocated (mode=colocated) keeps its own colocated_ranks and pipeline_groups
+    if mode == "colocated" and cfg.mode != "colocated":
         update.update(colocated_ranks=cfg.attention_ranks + cfg.expert_ranks, pipeline_groups=1)
     return TrainConfig.model_validate({**cfg.model_dump(), **update})  # a combination the config refuses, refused
 
@@ -227,7 +229,7 @@ def clock_fields(clocks: GpuClockSampler | None, warmup: int, sampled: bool = Tr
         return {"gpu_clocks": None, "step_sm_mhz": None,
                 "gpu_clocks_note": None if sampled else "not sampled (bench train --no-gpu-clocks)"}
     return {"gpu_clocks": clocks.timed_summary(warmup), "step_sm_mhz": clocks.per_step_sm_mhz(),
-            "gpu_clocks_note": clocks.unavailable}
+            "gpu_clocks_note": clocks.timed_note(warmup)}
 
 
 def runs_of(modes: list[str], transports: list[str] | None,
@@ -317,7 +319,7 @@ def run(cfg: TrainConfig, modes: list[str], steps: int, warmup: int,
                                                    if rows[-1]["peak_memory_gib"] is not None else "")
                 + (f", FP8 saturated share at most {saturated:.2e} a step" if saturated is not None else ""))
             if clocks is not None:
-                log(f"{name}: {describe(rows[-1]['gpu_clocks'], clocks.unavailable)}")
+                log(f"{name}: {describe(rows[-1]['gpu_clocks'], rows[-1]['gpu_clocks_note'])}")
             if on_row is not None:
                 on_row(rows)
         if baseline == "hf":
@@ -330,7 +332,7 @@ def run(cfg: TrainConfig, modes: list[str], steps: int, warmup: int,
             rows.append({**row, "mfu": None, "mfu_ceiling": None, "load_imbalance": None, "mean_loss": None,
                          **clock_fields(clocks, warmup, gpu_clocks)})
             if clocks is not None:
-                log(f"{row['mode']}: {describe(rows[-1]['gpu_clocks'], clocks.unavailable)}")
+                log(f"{row['mode']}: {describe(rows[-1]['gpu_clocks'], rows[-1]['gpu_clocks_note'])}")
             single = next((r for r in rows if r["mode"] == "single" and not r.get("error")), None)
             if single is not None and single["mfu"] is not None:  # the same model FLOPs on one GPU
                 row_mfu = single["mfu"] * single["median_step_s"] / row["median_step_s"]

@@ -369,7 +369,7 @@ def calibrate(
     console.print(text, highlight=False, markup=False, soft_wrap=True)  # YAML: never wrapped
     console.print(f"calibrated hardware written to {out}", highlight=False, markup=False)
     if clocks is not None:
-        console.print(f"GPU clocks during the probes: {describe(probe_clocks, clocks.unavailable)}", markup=False)
+        console.print(f"GPU clocks during the probes: {describe(probe_clocks, clocks.timed_note(0))}", markup=False)
 
 
 @bench_app.command("train")
@@ -409,7 +409,8 @@ def train(
              "--variant precision=bf16 --variant precision=fp8 --steps 300)")] = None,
 ) -> None:
     """Time whole training steps of one config in several layouts in the same run, on the same
-    devices (colocated gets attention + expert ranks), and report each against colocated and the
+    devices (colocated gets attention + expert ranks as one pipeline group; a config with
+    mode=colocated keeps its own colocated_ranks and pipeline_groups), and report each against colocated and the
     single GPU, with MFU per GPU (bf16 dense peak, and the measured matmul ceiling), each group's
     busy fraction (compute time / step time; on GPUs each op's span on the GPU, from its first
     kernel to its last, waits inside the op included), each group's GPU wait for returned rows

@@ -175,6 +175,23 @@ def test_with_no_warmup_the_timed_steps_start_at_the_start_mark_not_with_the_set
     assert "1 timed step left out (start not marked" in describe(without_start.timed_summary(0))
 
 
+def test_timed_steps_shorter_than_the_interval_say_why_they_have_no_clocks():
+    """Two 5 ms steps between samples 100 ms apart (the tiny config on a GPU): no summary, and the note
+    says how long the timed steps ran against the interval, which the log line carries; sampled
+    steps have no note, and an early exit's note is kept."""
+    short = marked(sampled((0.0, 1.0, 0, 1980, 0)), (0, 0.51, 0), (1, 0.515, 0), (2, 0.52, 0))
+    assert short.timed_summary(0) is None
+    note = short.timed_note(0)
+    assert note == ("no sample fell in the 2 timed steps (10.0 ms in all, one sample every 100 ms); "
+                    "time more or longer steps")
+    assert describe(None, note) == f"GPU clocks not sampled ({note})"
+    assert marked(sampled((0.0, 1.0, 0, 1980, 0)), (1, 0.52, 0)).timed_note(0) == "no timed step has a marked start and end"
+    whole = marked(sampled((0.0, 1.0, 0, 1980, 0)), (0, 0.0, 0), (1, 1.0, 0))
+    assert whole.timed_summary(0) is not None and whole.timed_note(0) is None
+    whole.unavailable = "nvidia-smi stopped sampling early (exit 1)"
+    assert whole.timed_note(0) == "nvidia-smi stopped sampling early (exit 1)"
+
+
 def test_a_working_gpus_idle_samples_stay_out_of_its_clock_power_and_temperature():
     """A GPU that worked half its window (1,980 MHz) and idled the other half (345 MHz, gpu_idle): the
     clock and power figures are of its working samples; gpu_idle keeps its share of the reasons."""

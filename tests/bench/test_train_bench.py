@@ -16,6 +16,9 @@ def test_mode_config_gives_colocated_the_same_devices(tmp_path):
     assert col.colocated_ranks == 5 and col.steps == 5 and not col.trace and col.eval_every == 0
     deep = TrainConfig(model="tiny", attention_ranks=2, expert_ranks=2, pipeline_groups=2)
     assert mode_config(deep, "colocated", 5, tmp_path).pipeline_groups == 1  # the one-group baseline
+    own = TrainConfig(model="tiny", mode="colocated", colocated_ranks=2, pipeline_groups=2)
+    assert (mode_config(own, "colocated", 5, tmp_path).pipeline_groups,
+            mode_config(own, "colocated", 5, tmp_path).colocated_ranks) == (2, 2)  # a colocated config's own layout
     assert mode_config(cfg, "disaggregated", 5, tmp_path).out_dir != col.out_dir
     with pytest.raises(ValueError, match="unknown mode"):
         mode_config(cfg, "diagonal", 5, tmp_path)

@@ -90,8 +90,9 @@ def test_auto_stays_eager_where_the_captured_rank_step_was_not_checked_on_a_gpu(
                                     "against the eager one on a GPU yet (cuda_graphs: on captures it)")
 
 
-def test_auto_captures_once_checked_on_a_gpu_but_fp8_still_waits(monkeypatch):
+def test_auto_captures_once_checked_on_a_gpu_and_fp8_once_its_own_gate_passed(monkeypatch):
     monkeypatch.setattr(step_capture, "CHECKED_ON_GPU", True)
+    monkeypatch.setattr(step_capture, "FP8_CHECKED_ON_GPU", False)
     assert _resolve(_cfg())[0]
     capture, note = _resolve(_cfg(precision="fp8", hop="partial_sums"))
     assert not capture and "precision fp8's captured rank step" in note
