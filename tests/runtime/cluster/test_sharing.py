@@ -157,14 +157,19 @@ def test_shared_runs_sum_the_gradient_norm_in_the_arena_and_others_over_the_grou
 
 
 def test_fp8_counters_widen_the_arena_sum_by_their_words():
-    """precision fp8: the norm's word, the 4 kinds' 4 counts and one amax slot per rank and kind."""
+    """precision fp8: the norm's word, the 4 kinds' 4 counts and one amax slot per rank and kind,
+    for ranks sharing a GPU and for captured rank steps on GPUs of their own (fp8 too, since its
+    gate passed: `step_capture.FP8_CHECKED_ON_GPU`); an eager run on its own GPUs sums over the
+    process group."""
     from disagmoe.kernels.fp8_stats import sum_words
 
     fp8 = shared(precision="fp8", experts_backend="triton", hop="partial_sums", attention_ranks=1, expert_ranks=2,
                  ranks_per_gpu=3)
     own = fp8.model_copy(update={"ranks_per_gpu": 1})
+    eager = own.model_copy(update={"cuda_graphs": "off"})
     assert stream_sum_width(fp8, _run_topology(fp8)) == 1 + sum_words(3) == 1 + 16 + 12
-    assert stream_sum_width(own, _run_topology(own)) == 0  # the process group sums
+    assert stream_sum_width(own, _run_topology(own)) == 1 + sum_words(3)  # auto captures: summed on the stream
+    assert stream_sum_width(eager, _run_topology(eager)) == 0  # the process group sums
 
 
 def test_the_memory_check_sums_the_ranks_sharing_a_gpu():
