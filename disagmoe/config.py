@@ -821,6 +821,16 @@ class TrainConfig(StrictModel):
         "config, with fp8_expert_backward bf16 and fp8_dense false, 200 steps ended at bf16's loss where both and "
         "gate-up ended 5% above it; docs/benchmarks.md, session 20); with any fp8_expert_backward; refused under "
         "another precision")
+    fp8_emulate: bool = Field(
+        False, description="precision fp8, a numerics check: run each FP8 GEMM as its operands' "
+        "quantise-dequantise images (the same e4m3 rounding and scales, from the same quantisers, so the FP8 "
+        "counters still count) fed to a higher-precision GEMM: the routed experts' FP8 forward GEMMs (as "
+        "fp8_expert_forward says) to the bf16 experts' kernels, on operands dequantised to the run's dtype, and "
+        "with fp8_dense the dense projections' forward and data-gradient GEMMs to an fp64 matmul. A loss gap "
+        "that stays with it is the FP8 format's; one that goes away is the FP8 kernels'. bf16's speed or slower "
+        "(the dequantised weights are made per call, the dense GEMMs run in fp64), never faster; the planner and "
+        "the memory check price the run as FP8 all the same. Needs fp8_expert_backward: bf16 (the experts' FP8 "
+        "backward kernels are not emulated); refused under another precision")
     routing: Literal["learned", "balanced"] = Field(
         "learned", description="balanced: every expert gets the same number of tokens whatever the router "
         "scores (a benchmark setting, as other trainers' performance recipes use; labelled in every output); "
@@ -1049,6 +1059,14 @@ class TrainConfig(StrictModel):
         if self.fp8_expert_forward is not None and self.precision != "fp8":
             raise ValueError(f"fp8_expert_forward chooses the FP8 experts' forward GEMMs under precision: fp8; this run "
                              f"is precision: {self.precision}: set precision: fp8 or remove fp8_expert_forward")
+        if self.fp8_emulate and self.precision != "fp8":
+            raise ValueError(f"fp8_emulate: true emulates the FP8 GEMMs of precision: fp8; this run is precision: "
+                             f"{self.precision}: set precision: fp8 or remove fp8_emulate")
+        if self.fp8_emulate and self.expert_backward_precision != "bf16":
+            backward = self.expert_backward_precision
+            raise ValueError(f"fp8_emulate: true emulates the routed experts' forward GEMMs and the dense projections; "
+                             f"the experts' FP8 backward kernels (fp8_expert_backward: {backward}) are not emulated: "
+                             "set fp8_expert_backward: bf16 (or remove fp8_emulate)")
         if self.precision == "fp8":
             needs = [why for bad, why in (
                 (self.device != "cuda", "device: cuda (FP8 tensor cores; the CPU runs the kernels only in their tests)"),

@@ -244,6 +244,27 @@ def test_fp8_expert_forward_follows_precision_fp8_with_any_backward():
         cfg.TrainConfig(precision="fp8", fp8_expert_forward="up", fp8_expert_backward="bf16", **base)
 
 
+def test_fp8_emulate_needs_precision_fp8_and_the_bf16_expert_backward():
+    """`fp8_emulate` (the FP8 GEMMs as quantise-dequantise images in bf16 ones, a numerics check)
+    is taken with precision fp8 and fp8_expert_backward bf16, with any forward and with or without the
+    dense projections; refused, with the fix, under another precision and under an FP8 expert
+    backward (the default bf16-wgrad included: those kernels are not emulated)."""
+    base = dict(model="tiny", device="cuda", experts_backend="triton")
+    assert cfg.TrainConfig(**base).fp8_emulate is False
+    for forward in ("both", "gate-up", "down"):
+        for dense in (False, None):
+            run = cfg.TrainConfig(precision="fp8", fp8_emulate=True, fp8_expert_backward="bf16",
+                                  fp8_expert_forward=forward, fp8_dense=dense, **base)
+            assert run.fp8_emulate and run.expert_forward_precision == forward
+    with pytest.raises(ValueError, match="fp8_emulate: true emulates the FP8 GEMMs of precision: fp8; this run is "
+                                         "precision: bf16: set precision: fp8 or remove fp8_emulate"):
+        cfg.TrainConfig(precision="bf16", fp8_emulate=True, **base)
+    for backward in (None, "bf16-wgrad", "fp8"):
+        with pytest.raises(ValueError, match=f"fp8_expert_backward: {backward or 'bf16-wgrad'}\\) are not emulated: "
+                                             "set fp8_expert_backward: bf16"):
+            cfg.TrainConfig(precision="fp8", fp8_emulate=True, fp8_expert_backward=backward, **base)
+
+
 def test_fp8_dense_takes_any_sequence_length():
     """The FP8 dense GEMMs have the tokens as their free dimension (the weight gradient, which
     contracted them on torch._scaled_mm and needed whole 16s, runs in bf16): any seq_len."""

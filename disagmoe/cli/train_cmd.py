@@ -84,6 +84,8 @@ def train(
         from disagmoe.runtime.training.graphed_step import resolve_cuda_graphs  # torch: only once training
 
         console.print(literal(resolve_cuda_graphs(cfg)[1]), highlight=False)
+    if cfg.fp8_emulate and not as_json:
+        console.print(literal(fp8_emulate_note(cfg)), highlight=False)
     check_host_memory(cfg, load_model(cfg.model))
     if cfg.offload_optimizer and not as_json:
         console.print(literal(offload_note(cfg)), highlight=False)
@@ -177,6 +179,15 @@ class TrainProgress:
 
     def __exit__(self, *exc: object) -> None:
         self.progress.stop()
+
+
+def fp8_emulate_note(cfg: TrainConfig) -> str:
+    """One line at start under fp8_emulate: what runs emulated, and that it is a check, not a speed."""
+    dense = " and the dense projections' (in fp64)" if cfg.dense_precision == "fp8" else ""
+    return (f"precision: FP8 emulated (quantise-dequantise into the bf16 GEMMs): the routed experts' FP8 forward "
+            f"GEMMs (fp8_expert_forward: {cfg.expert_forward_precision}){dense} on their e4m3 operands' "
+            "dequantised images, the same quantisers and counters; a numerics check at bf16's speed or slower "
+            "(the planner and the memory check price it as FP8)")
 
 
 def offload_note(cfg: TrainConfig) -> str:

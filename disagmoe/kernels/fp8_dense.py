@@ -20,8 +20,9 @@ quantisations per call (x^T and dy^T: the quantiser's slowest launches, few long
 The quantiser is one Triton launch on CUDA (`kernels.fp8_rowwise`; transposed operands read in
 place), plain torch on the CPU, the same bits. The bf16 weight stays the parameter; its two e4m3
 copies (`Fp8WeightCopies`) are made once per optimizer step by `DeferrableLinear.prepare_fp8`,
-reused by every micro-batch, never checkpointed. `emulate=True` (tests only): dequantise-then-matmul
-in fp64 on the same quantised operands instead of the library GEMM. torch 2.13 also has a CPU
+reused by every micro-batch, never checkpointed. `emulate=True`: dequantise-then-matmul in fp64 on
+the same quantised operands instead of the library GEMM (the tests' reference, and the numerics check
+`TrainConfig.fp8_emulate`: the FP8 format without the FP8 kernel, slower than bf16). torch 2.13 also has a CPU
 `torch._scaled_mm` (the CPU tests run it). Every quantisation can add into an `Fp8Stats` row (kind
 "dense"; W's once per refresh). A linear's input read by several linears in a row (q, k and v's x;
 a SwiGLU's gate and up) is quantised once for them all (`quantize_input`), and counted once.
@@ -98,7 +99,9 @@ def _count(row: torch.Tensor, x32: torch.Tensor, scaled: torch.Tensor, q: torch.
 def scaled_mm(a_MK: torch.Tensor, scale_a_M1: torch.Tensor, b_KN: torch.Tensor, scale_b_1N: torch.Tensor,
               out_dtype: torch.dtype, emulate: bool = False) -> torch.Tensor:
     """(a * scale_a) @ (b * scale_b), e4m3 operands, `b_KN` column-major (a transposed row-major
-    tensor). `emulate` (tests): dequantise in fp64 and matmul, instead of `torch._scaled_mm`."""
+    tensor). `emulate` (the tests' reference and `TrainConfig.fp8_emulate`): dequantise in fp64 and
+    matmul, rounded once to `out_dtype`, instead of `torch._scaled_mm` (exact products of the same
+    e4m3 values and scales, wider sums than its fp32 ones; no alignment needed)."""
     if emulate:
         return ((a_MK.double() * scale_a_M1.double()) @ (b_KN.double() * scale_b_1N.double())).to(out_dtype)
     return torch._scaled_mm(a_MK, b_KN, scale_a=scale_a_M1, scale_b=scale_b_1N, out_dtype=out_dtype)
@@ -222,5 +225,5 @@ def dgrad(dy_NO: torch.Tensor, w_OI: torch.Tensor, stats_row: torch.Tensor | Non
 
 def fp8_linear(x: torch.Tensor, w_OI: torch.Tensor, stats_row: torch.Tensor | None = None,
                emulate: bool = False) -> torch.Tensor:
-    """y = x W^T with FP8 GEMMs (`Fp8Linear`), x [..., I], W [O, I]. `emulate`: tests only."""
+    """y = x W^T with FP8 GEMMs (`Fp8Linear`), x [..., I], W [O, I]. `emulate`: `scaled_mm`'s."""
     return Fp8Linear.apply(x, w_OI, stats_row, emulate)

@@ -34,6 +34,10 @@ x's e4m3 rows too (`x_fp8`, a gate/up GEMM in FP8), nothing reads the grouped bf
 the caller need not write them (`UnwrittenRows`, `bf16_rows_reader`), and the FFN sums their
 gradient per token. `expert_swiglu` drops nothing more (the SwiGLU output is never kept).
 `expert_output` is not built: there is no fused FP8 combine (`recompute.FP8_NO_EXPERT_OUTPUT`).
+
+`emulate` (`TrainConfig.fp8_emulate`, a numerics check, backward "bf16" only): the forward's FP8
+GEMMs as their operands' quantise-dequantise images in the bf16 experts' GEMMs (`_emulated_forward`:
+the same quantisers, scales and counters, no FP8 kernel).
 """
 
 from __future__ import annotations
@@ -93,6 +97,15 @@ def check_forward(forward: str) -> None:
     """ValueError naming the choices unless `forward` is one of `FORWARD_GEMMS`."""
     if forward not in FORWARD_GEMMS:
         raise ValueError(f"FP8 experts' forward GEMMs {forward!r}: choose one of {', '.join(FORWARD_GEMMS)}")
+
+
+def check_emulate(emulate: bool, backward: str) -> None:
+    """ValueError, with the fix, for an emulated forward (`TrainConfig.fp8_emulate`) under an FP8
+    backward: only the forward's GEMMs are emulated (`_emulated_forward`), so its backward must be
+    the bf16 one, or the check would still run the FP8 backward kernels."""
+    if emulate and backward != "bf16":
+        raise ValueError(f"the emulated FP8 experts (fp8_emulate) emulate the forward's GEMMs only; their FP8 "
+                         f"backward kernels (backward {backward}) are not emulated: set fp8_expert_backward: bf16")
 
 
 def bf16_rows_reader(forward: str, quantized: bool, rows_from_source: bool) -> str | None:
@@ -350,13 +363,16 @@ def fp8_ffn_forward(
     gluon: _GluonChoices | None = None,
     forward: str = DEFAULT_FORWARD,
     bf16_weights: tuple[torch.Tensor, torch.Tensor] | None = None,
+    emulate: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(y_NH in x's dtype, h13_N2F or None): `x_fp8` (rows and scales, e.g. from the FP8 permute)
     instead of quantising x here, x then read by nothing where the gate/up GEMM is FP8 (it may be
     the rows' `RowSource`: they need not be written); h13 (the pre-activations, x's dtype) kept for
     the backward. `gluon`: the Gluon paths taken (`_GluonChoices`; None: as the `set_gluon_*`
     functions say now). `forward` (`FORWARD_GEMMS`): one GEMM alone in FP8 (`_one_gemm_forward`),
-    the other reading `bf16_weights` (w13_EH2F, w2_EFH)."""
+    the other reading `bf16_weights` (w13_EH2F, w2_EFH). `emulate` (`TrainConfig.fp8_emulate`):
+    the FP8 GEMMs as their operands' quantise-dequantise images in the bf16 experts' GEMMs
+    (`_emulated_forward`)."""
     if isinstance(x_NH, RowSource):  # the forward's own readers (the backward's are its caller's)
         reader = bf16_rows_reader(forward, x_fp8 is not None, rows_from_source=True)
         if reader is not None:
@@ -366,9 +382,12 @@ def fp8_ffn_forward(
     ffn = weights.w2[0].shape[1]
     served = offsets_E[-1:]  # rows past the last expert's end are a worst-case buffer's padding
     h13_N2F = torch.empty((rows, 2 * ffn), dtype=dtype, device=device) if save_for_backward else None
+    if forward != DEFAULT_FORWARD and bf16_weights is None:
+        raise ValueError(f"the FP8 experts' forward {forward} runs one GEMM in bf16: pass bf16_weights")
+    if emulate:
+        return _emulated_forward(x_NH, offsets_E, weights, bf16_weights, h13_N2F, forward, x_fp8=x_fp8,
+                                 served=served, num_programs=num_programs, stats=stats), h13_N2F
     if forward != DEFAULT_FORWARD:
-        if bf16_weights is None:
-            raise ValueError(f"the FP8 experts' forward {forward} runs one GEMM in bf16: pass bf16_weights")
         return _one_gemm_forward(x_NH, offsets_E, weights, bf16_weights, tiles, h13_N2F, forward, x_fp8=x_fp8,
                                  served=served, num_programs=num_programs, stats=stats, gluon=gluon), h13_N2F
     qx, sx = x_fp8 if x_fp8 is not None else fp8.quantize_rows(x_NH, _row(stats, ACTIVATIONS), served)
@@ -412,6 +431,67 @@ def _one_gemm_forward(x_NH: torch.Tensor | RowSource, offsets_E, weights: Fp8Exp
     q_act, s_act = fp8.quantize_rows(act_NF, acts, served)
     return _rows_gemm(q_act, s_act, offsets_E, *weights.w2, tiles.rows, out_dtype=dtype,
                       num_programs=num_programs, gluon=gluon.rows)
+
+
+# Elements of one piece of a dequantisation (`_dequantized`): its fp32 temporaries (the e4m3 values
+# widened, the scales expanded, their product) stay near 400 MiB however large the operand.
+DEQUANTIZE_PIECE = 1 << 25
+
+
+def _dequantized(dequantize, q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`dequantize(q, s)` (`fp8.dequantize_rows` or `fp8.dequantize_blocks`: fp32 values) rounded to
+    `dtype`, computed over pieces of q's first dimension (rows, or experts) so that only one piece's
+    fp32 temporaries are alive at a time; a new contiguous tensor. Rows past a worst-case buffer's
+    `served` count dequantise whatever their unwritten values hold: no GEMM reads them."""
+    out = torch.empty(q.shape, dtype=dtype, device=q.device)
+    step = max(1, DEQUANTIZE_PIECE // max(1, q[0].numel())) if q.shape[0] else 1
+    for start in range(0, q.shape[0], step):
+        out[start:start + step] = dequantize(q[start:start + step], s[start:start + step])
+    return out
+
+
+def _emulated_forward(x_NH: torch.Tensor | RowSource, offsets_E, weights: Fp8ExpertWeights, bf16_weights,
+                      h13_N2F: torch.Tensor | None, forward: str, *, x_fp8, served: torch.Tensor,
+                      num_programs: int | None, stats: Fp8Stats | None) -> torch.Tensor:
+    """y_NH of forward `forward` (`FORWARD_GEMMS`) with each FP8 GEMM replaced by the bf16 experts'
+    GEMM (`grouped_gemm.ragged_rows_gemm`, the kernels a bf16 run uses) on its operands'
+    quantise-dequantise images: a numerics check (`TrainConfig.fp8_emulate`) that keeps the FP8
+    format (the same quantisers, scales and e4m3 values; each quantisation counts into `stats`'
+    activations row as in the recipe) and drops the FP8 kernels. Where the gate/up GEMM is FP8, x's
+    rows (`x_fp8`, else quantised 1 x 128 here) and w13's 128 x 128 blocks (`weights.w13`, the
+    optimizer step's copy) dequantised to x's dtype, into the gate/up GEMM with its SwiGLU epilogue
+    (h13 written into `h13_N2F` where given: the bf16 backward reads the emulated pre-activations);
+    else that GEMM on x's rows and `bf16_weights`' w13, as `_one_gemm_forward`'s "down". Where the
+    down GEMM is FP8, the SwiGLU output quantised 1 x 128 (counted) and dequantised with w2's blocks;
+    else the bf16 down GEMM on `bf16_weights`' w2. Against the FP8 kernels the only differences are
+    where the scales are applied and the summation order (in fp32 y agrees to about 1e-6), and in
+    bf16 one rounding of each dequantised operand to bf16 (2^-9 relative, the representation a bf16
+    run has anyway) and of the SwiGLU output before its quantisation (the fused FP8 epilogue
+    quantises it from fp32). The dequantised weights are made per call, transient (one [E, H, 2F]
+    and one [E, F, H] tensor in x's dtype beside the rows' [N, H]), and no faster than bf16: fine
+    for a check, not for training."""
+    rows, dtype, device = _rows_of(x_NH)
+    experts, hidden, ffn = weights.w13[0].shape[0], weights.w13[0].shape[1], weights.w2[0].shape[1]
+    tiles = FFNTiles.for_shape(rows, experts, hidden, ffn, device, dtype)
+    acts = _row(stats, ACTIVATIONS)
+    if forward == "down":  # the gate/up GEMM in bf16, as the FP8 path runs it
+        x_rows, w13_EH2F = x_NH, bf16_weights[0]
+    else:
+        qx, sx = x_fp8 if x_fp8 is not None else fp8.quantize_rows(x_NH, acts, served)
+        # `weights.w13` is a transposed view of the K-major copy (`_both_k_major`): its values are
+        # w13's [E, H, 2F] blocks as `fp8.dequantize_blocks` reads them, whatever the strides
+        x_rows = _dequantized(fp8.dequantize_rows, qx, sx, dtype)
+        w13_EH2F = _dequantized(fp8.dequantize_blocks, *weights.w13, dtype)
+    act_NF = gg.ragged_rows_gemm(x_rows, offsets_E, w13_EH2F, tiles.gate_up, epilogue=gg.EPILOGUE_SWIGLU,
+                                 h13_N2C=h13_N2F, num_programs=num_programs)
+    del x_rows, w13_EH2F
+    if forward == "gate-up":
+        return gg.ragged_rows_gemm(act_NF, offsets_E, bf16_weights[1], tiles.down, num_programs=num_programs)
+    q_act, s_act = fp8.quantize_rows(act_NF, acts, served)
+    del act_NF
+    act_NF = _dequantized(fp8.dequantize_rows, q_act, s_act, dtype)
+    w2_EFH = _dequantized(fp8.dequantize_blocks, *weights.w2, dtype)
+    return gg.ragged_rows_gemm(act_NF, offsets_E, w2_EFH, tiles.down, num_programs=num_programs)
 
 
 def fp8_ffn_backward(
@@ -536,14 +616,14 @@ class Fp8ExpertFFNFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, offsets_E, w13_EH2F, w2_EFH, weights, tiles, num_programs, stats,
                 recompute=frozenset(), source=None, backward=DEFAULT_BACKWARD, forward=DEFAULT_FORWARD, x_fp8=None,
-                dest_TK=None):
+                dest_TK=None, emulate=False):
         if weights is None:  # a copy per call; a trainer makes one per optimizer step and passes it
             weights = Fp8ExpertWeights.quantize(w13_EH2F, w2_EFH, stats)
         ctx.gluon = dataclasses.replace(_gluon)  # the backward keeps the forward's choices
         y_NH, h13_N2F = fp8_ffn_forward(x if dest_TK is None else source, offsets_E, weights, tiles, x_fp8=x_fp8,
                                         save_for_backward=True, num_programs=num_programs, stats=stats,
                                         gluon=ctx.gluon, forward=forward,
-                                        bf16_weights=(w13_EH2F.detach(), w2_EFH.detach()))
+                                        bf16_weights=(w13_EH2F.detach(), w2_EFH.detach()), emulate=emulate)
         # the source's tokens are another node's input, kept as an attribute (autograd's saved-tensor
         # checks apply to this node's own), as `moe_ffn.ExpertFFNFunction` keeps them
         ctx.source = source if EXPERT_INPUT in recompute and source is not None else None
@@ -571,7 +651,7 @@ class Fp8ExpertFFNFunction(torch.autograd.Function):
                                              None, h13_N2F, tiles, num_programs=ctx.num_programs,
                                              main_grads=ctx.main_grads)
             ctx.weights = ctx.stats = ctx.source = ctx.main_grads = ctx.bf16_weights = None
-            return _input_gradient(dx, dest_TK, ctx.x_dtype), None, dw13, dw2, *(None,) * 10
+            return _input_gradient(dx, dest_TK, ctx.x_dtype), None, dw13, dw2, *(None,) * 11
         if x_NH is None:  # the tokens read in place where they hold the rows' dtype, else cast rows
             same = ctx.source.x_TH.dtype == ctx.x_dtype
             x_NH = ctx.source if same else ctx.source.rows(ctx.x_dtype)
@@ -580,7 +660,7 @@ class Fp8ExpertFFNFunction(torch.autograd.Function):
                                          gluon=ctx.gluon, backward=ctx.backward)
         ctx.weights = ctx.stats = ctx.source = ctx.main_grads = None
         dw13, dw2 = (None if g is None else g.to(dtype) for g, dtype in zip((dw13, dw2), ctx.weight_dtypes))
-        return _input_gradient(dx, dest_TK, ctx.x_dtype), None, dw13, dw2, *(None,) * 10
+        return _input_gradient(dx, dest_TK, ctx.x_dtype), None, dw13, dw2, *(None,) * 11
 
 
 def _input_gradient(dx_NH: torch.Tensor, dest_TK: torch.Tensor | None, x_dtype: torch.dtype) -> torch.Tensor:
@@ -607,6 +687,7 @@ def expert_ffn_fp8(
     backward: str = DEFAULT_BACKWARD,
     forward: str = DEFAULT_FORWARD,
     x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
+    emulate: bool = False,
 ) -> torch.Tensor:
     """The experts backend contract `expert_ffn(x_NH, offsets_E, w13_EH2F, w2_EFH) -> y_NH` with
     every GEMM in FP8, differentiable in x, w13 and w2. `weights`: the FP8 copies of exactly these
@@ -620,9 +701,12 @@ def expert_ffn_fp8(
     (`permute.quantize_then_permute`, counted there), for a forward whose gate/up GEMM is FP8; x's bf16
     rows are still what the backward reads, unless they come from `source`: then nothing reads them
     and x may be `UnwrittenRows` (anywhere else refused, naming the reader: `bf16_rows_reader`), the
-    gradient going to its tokens."""
+    gradient going to its tokens. `emulate` (`TrainConfig.fp8_emulate`, with backward "bf16" only:
+    `check_emulate`): the forward's FP8 GEMMs as their operands' quantise-dequantise images in the
+    bf16 experts' GEMMs (`_emulated_forward`), a numerics check of the format against the kernels."""
     check_backward(backward)
     check_forward(forward)
+    check_emulate(emulate, backward)
     recompute = frozenset(recompute)
     if EXPERT_OUTPUT in recompute:
         raise ValueError(f"the FP8 experts cannot recompute expert_output: {FP8_NO_EXPERT_OUTPUT}; "
@@ -658,4 +742,4 @@ def expert_ffn_fp8(
     if tiles is None:  # from the host-known shapes: no sync, the same every step
         tiles = Fp8Tiles.for_shape(rows_shape[0], experts, hidden, two_ffn // 2, x.device)
     return Fp8ExpertFFNFunction.apply(x.contiguous(), offsets_E, w13_EH2F, w2_EFH, weights, tiles, num_programs,
-                                      stats, recompute, source, backward, forward, x_fp8, dest_TK)
+                                      stats, recompute, source, backward, forward, x_fp8, dest_TK, emulate)

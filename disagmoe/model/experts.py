@@ -139,6 +139,7 @@ class RoutedExperts(nn.Module):
         self.precision = "bf16"  # "fp8": every GEMM in e4m3 (`set_precision`), from `fp8_weights`
         self.fp8_backward = DEFAULT_FP8_EXPERT_BACKWARD  # under fp8: which backward GEMMs run in FP8 (`set_precision`)
         self.fp8_forward = DEFAULT_FP8_EXPERT_FORWARD  # under fp8: which forward GEMMs run in FP8 (`set_precision`)
+        self.fp8_emulate = False  # under fp8: those GEMMs quantise-dequantised into bf16 ones (`set_precision`)
         self.fp8_weights = None  # kernels.fp8_ffn.Fp8ExpertWeights, refreshed in place by `prepare_fp8`
         self.fp8_stats = None  # kernels.fp8_stats.Fp8Stats every FP8 quantisation adds into (`set_fp8_stats`)
         self.w13_EH2F = nn.Parameter(torch.empty(num_experts, hidden, 2 * ffn))
@@ -183,13 +184,16 @@ class RoutedExperts(nn.Module):
         itself (`kernels.fp8.quantize_rows`' valid_rows: a spare bucket's rows are not its)."""
         return self.backend == "triton" and x.is_cuda
 
-    def set_precision(self, precision: str, backward: str | None = None, forward: str | None = None) -> None:
+    def set_precision(self, precision: str, backward: str | None = None, forward: str | None = None,
+                      emulate: bool = False) -> None:
         """"fp8": the expert FFN runs its GEMMs in e4m3 (`kernels.fp8_ffn`; the backward's as
         `backward` says: `fp8_ffn.BACKWARD_PRECISIONS`, the forward's as `forward` says:
         `fp8_ffn.FORWARD_GEMMS`, None = their defaults), rows grouped by the Triton permute on a GPU
         (never the fused bf16 layer op: no expert_output); the triton backend only, recomputing at
-        most `kernels.recompute.FP8_RECOMPUTABLE` (`_check_fp8`)."""
-        from disagmoe.kernels.fp8_ffn import check_backward, check_forward
+        most `kernels.recompute.FP8_RECOMPUTABLE` (`_check_fp8`). `emulate` (`TrainConfig.fp8_emulate`,
+        fp8 with backward "bf16" only): the forward's FP8 GEMMs as their operands' quantise-dequantise
+        images in the bf16 experts' GEMMs (`fp8_ffn._emulated_forward`), a numerics check."""
+        from disagmoe.kernels.fp8_ffn import check_backward, check_emulate, check_forward
 
         backward = backward or DEFAULT_FP8_EXPERT_BACKWARD
         forward = forward or DEFAULT_FP8_EXPERT_FORWARD
@@ -197,11 +201,16 @@ class RoutedExperts(nn.Module):
             raise ValueError(f"expert precision {precision!r}: choose bf16, fp32 or fp8")
         check_backward(backward)
         check_forward(forward)
+        if emulate and precision != "fp8":
+            raise ValueError(f"emulate runs the FP8 experts' GEMMs quantise-dequantised; these experts run in "
+                             f"{precision}: set precision fp8 (or emulate off)")
+        check_emulate(emulate, backward)
         if precision == "fp8":
             _check_fp8(self.backend, self.recompute)
         self.precision = precision
         self.fp8_backward = backward
         self.fp8_forward = forward
+        self.fp8_emulate = emulate
         self.fp8_weights = None
 
     @torch.no_grad()
@@ -305,7 +314,8 @@ class RoutedExperts(nn.Module):
             # no prepared copies (a caller outside the trainer's step): quantised for this call
             return expert_ffn_fp8(x_NH, offsets_E, self.w13_EH2F, self.w2_EFH, weights=self.fp8_weights,
                                   stats=self.fp8_stats, recompute=self.kernel_recompute, source=source,
-                                  backward=self.fp8_backward, forward=self.fp8_forward, x_fp8=x_fp8)
+                                  backward=self.fp8_backward, forward=self.fp8_forward, x_fp8=x_fp8,
+                                  emulate=self.fp8_emulate)
         if x_fp8 is not None:
             raise ValueError("x_fp8 is the FP8 experts' input; these experts run in bf16 (set_precision('fp8'))")
         if isinstance(x_NH, UnwrittenRows):
@@ -325,7 +335,7 @@ class RoutedExperts(nn.Module):
 
     def extra_repr(self) -> str:
         return f"experts={list(self.expert_ids)}, backend={self.backend}" + (
-            ", fp8" if self.precision == "fp8" else "")
+            (", fp8 emulated" if self.fp8_emulate else ", fp8") if self.precision == "fp8" else "")
 
 
 def _check_fp8(backend: str, recompute: frozenset[str]) -> None:

@@ -281,8 +281,9 @@ class DeferrableLinear(nn.Linear):
     `set_fp8(True, stats_row)` (precision fp8, `fp8_dense`) runs its forward and data-gradient GEMMs
     in FP8 instead (`kernels.fp8_dense`; its weight gradient stays bf16): the parameter stays bf16;
     its e4m3 copies (`fp8_copies`) are made by `prepare_fp8`, once per optimizer step, never
-    checkpointed. `emulate` is for tests only
-    (dequantise-then-matmul in fp64 instead of torch._scaled_mm)."""
+    checkpointed. `emulate` (`TrainConfig.fp8_emulate`, and the tests' reference): the same
+    quantised operands dequantised and multiplied in fp64 instead of torch._scaled_mm
+    (`fp8_dense.scaled_mm`; no alignment needed, so the shape check is skipped)."""
 
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__(in_features, out_features, bias=False)

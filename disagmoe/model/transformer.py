@@ -112,24 +112,27 @@ class MoETransformer(nn.Module):
             elif isinstance(module, Block):
                 module.set_recompute(modules)
 
-    def set_expert_precision(self, precision: str, backward: str | None = None, forward: str | None = None) -> None:
+    def set_expert_precision(self, precision: str, backward: str | None = None, forward: str | None = None,
+                             emulate: bool = False) -> None:
         """The routed experts' GEMM precision (`TrainConfig.expert_precision`) and under fp8 their
-        backward's and forward's (`TrainConfig.expert_backward_precision`, `expert_forward_precision`;
+        backward's and forward's (`TrainConfig.expert_backward_precision`, `expert_forward_precision`)
+        and whether the forward's FP8 GEMMs are emulated (`TrainConfig.fp8_emulate`;
         `RoutedExperts.set_precision`)."""
         for module in self.modules():
             if isinstance(module, RoutedExperts):
-                module.set_precision(precision, backward, forward)
+                module.set_precision(precision, backward, forward, emulate)
 
-    def set_dense_fp8(self, enabled: bool, stats=None, _emulate: bool = False) -> None:
+    def set_dense_fp8(self, enabled: bool, stats=None, emulate: bool = False) -> None:
         """The dense projections held here (attention, MLA's, shared experts, dense FFN layers: every
         `DeferrableLinear`) in FP8, recipe rowwise (`kernels.fp8_dense`), counting into `stats`' dense
-        row (a `kernels.fp8_stats.Fp8Stats`, or None); `TrainConfig.dense_precision`. `_emulate`:
-        tests only (the fp64 dequantise-then-matmul reference instead of torch._scaled_mm)."""
+        row (a `kernels.fp8_stats.Fp8Stats`, or None); `TrainConfig.dense_precision`. `emulate`
+        (`TrainConfig.fp8_emulate`, and the tests' reference): the same quantised operands
+        dequantised and multiplied in fp64 instead of torch._scaled_mm (`fp8_dense.scaled_mm`)."""
         from disagmoe.kernels.fp8_stats import DENSE
         row = None if stats is None else stats.row(DENSE)
         for module in self.modules():
             if isinstance(module, DeferrableLinear):
-                module.set_fp8(enabled, row, _emulate)
+                module.set_fp8(enabled, row, emulate)
 
     def set_fp8_stats(self, stats) -> None:
         """One `kernels.fp8_stats.Fp8Stats` for every FP8 expert module (`RoutedExperts.set_fp8_stats`)."""

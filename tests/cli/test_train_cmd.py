@@ -363,3 +363,16 @@ def test_the_progress_bar_and_the_summary_report_one_tokens_per_s(tmp_path, monk
     assert row.split()[-2] == shown[-1]  # '│ tokens/s │ 12,345 │'
     expected = sum(r["tokens"] for r in steps) / sum(r["step_time_s"] for r in steps)
     assert shown[-1] == f"{expected:,.0f}"
+
+
+def test_an_emulated_fp8_run_says_so_at_start():
+    """`fp8_emulate`: the start line says the run is FP8 emulated, which GEMMs, and that it is priced as FP8."""
+    from disagmoe.cli.train_cmd import fp8_emulate_note
+    from disagmoe.config import TrainConfig
+
+    fields = dict(model="tiny", mode="single", device="cuda", experts_backend="triton", precision="fp8",
+                  fp8_emulate=True, fp8_expert_backward="bf16", fp8_expert_forward="gate-up")
+    note = fp8_emulate_note(TrainConfig(**fields, fp8_dense=False))
+    assert note.startswith("precision: FP8 emulated (quantise-dequantise into the bf16 GEMMs)")
+    assert "fp8_expert_forward: gate-up" in note and "dense" not in note and "price it as FP8" in note
+    assert "the dense projections' (in fp64)" in fp8_emulate_note(TrainConfig(**fields))

@@ -377,6 +377,89 @@ def test_one_forward_gemm_in_fp8_takes_the_fp8_backwards_from_its_pre_activation
         ffn8.expert_ffn_fp8(x, offsets, w13, w2, forward="up")
 
 
+# The emulated forward (`fp8_ffn._emulated_forward`, `TrainConfig.fp8_emulate`) against the FP8 kernels
+# in fp32: each dequantised operand is its e4m3 value times its scale, one fp32 rounding (2^-24
+# relative) from the exact product the kernels scale their sums by, so y and h13 differ only by
+# those roundings, where the scales are applied and the summation order: measured 3.2e-7 at most
+# relative to the row's largest magnitude. 1e-5 stays two decades under an e4m3 step (2^-4) of one
+# element: a scale or block read wrongly breaks it.
+EMULATED_REL_ERR = 1e-5
+
+
+def _row_max_rel(got, want):
+    """The largest |got - want| of each row over the row's largest |want|, worst row."""
+    got, want = got.double(), want.double()
+    scale = want.abs().amax(dim=1).clamp_min(1e-30)
+    return ((got - want).abs().amax(dim=1) / scale).max().item()
+
+
+@pytest.mark.parametrize("forward", ["both", "gate-up", "down"])
+def test_the_emulated_forward_is_the_fp8_kernels_up_to_summation_order(ffn8, forward):
+    """`fp8_ffn_forward(emulate=True)`: the FP8 GEMMs of each forward as their operands'
+    quantise-dequantise images in the bf16 experts' GEMMs give the FP8 kernels' y and h13 within
+    `EMULATED_REL_ERR` (fp32; an empty expert; H and F past one 128-block, the last ones partial),
+    counting the same activation elements (the same quantisers); on a worst-case buffer (padding
+    rows NaN and inf past offsets_E[-1]) the data rows are the unpadded buffer's, bit for bit, and
+    no counter sees the padding."""
+    from disagmoe.kernels.fp8_stats import ACTIVATIONS, AMAX, NONFINITE, SATURATED, TOTAL, UNDERFLOW, Fp8Stats
+
+    counts, hidden, ffn = [5, 0, 12, 3], 160, 136
+    x, offsets, w13, w2, _ = _inputs(counts, hidden, ffn, seed=31)
+    tiles, weights = ffn8.Fp8Tiles(**SMALL), ffn8.Fp8ExpertWeights.quantize(w13, w2)
+    runs = {}
+    for emulate in (False, True):
+        stats = Fp8Stats("cpu")
+        y, h13 = ffn8.fp8_ffn_forward(x, offsets, weights, tiles, save_for_backward=True, num_programs=3,
+                                      stats=stats, forward=forward, bf16_weights=(w13, w2), emulate=emulate)
+        runs[emulate] = (y, h13, stats.row(ACTIVATIONS).clone())
+    (y, h13, acts), (y_emu, h13_emu, acts_emu) = runs[False], runs[True]
+    assert _row_max_rel(y_emu, y) < EMULATED_REL_ERR and _row_max_rel(h13_emu, h13) < EMULATED_REL_ERR
+    quantised = {"both": hidden + ffn, "gate-up": hidden, "down": ffn}[forward]  # x's and act's row widths
+    assert acts[TOTAL] == acts_emu[TOTAL] == sum(counts) * quantised
+    assert [acts[f] for f in (SATURATED, UNDERFLOW, NONFINITE)] == [acts_emu[f] for f in (SATURATED, UNDERFLOW,
+                                                                                        NONFINITE)]
+    as_float = lambda row: row[AMAX:AMAX + 1].to(torch.int32).view(torch.float32).item()  # noqa: E731
+    assert as_float(acts_emu) == pytest.approx(as_float(acts), rel=1e-6)
+    garbage = torch.full((7, hidden), float("nan"))
+    garbage[::2] = float("inf")
+    stats = Fp8Stats("cpu")
+    y_pad, _ = ffn8.fp8_ffn_forward(torch.cat([x, garbage]), offsets, weights, tiles, save_for_backward=True,
+                                    num_programs=3, stats=stats, forward=forward, bf16_weights=(w13, w2),
+                                    emulate=True)
+    assert torch.equal(y_pad[:len(x)], y_emu) and stats.row(ACTIVATIONS)[NONFINITE] == 0
+    assert torch.equal(stats.row(ACTIVATIONS), acts_emu)
+
+
+def test_the_emulated_experts_train_from_their_own_pre_activations_and_refuse_an_fp8_backward(ffn8):
+    """`expert_ffn_fp8(emulate=True, backward="bf16")`: y is the emulated forward's and every gradient
+    the bf16 experts' backward from the emulated pre-activations, bit for bit (an empty expert), within
+    the FFN's stated bounds of fp64; given x's e4m3 rows (`x_fp8`) it dequantises those, the same bits.
+    An FP8 backward is not emulated: refused with the fix."""
+    from disagmoe.kernels import fp8
+    from disagmoe.kernels.moe_ffn import FFNTiles, moe_ffn_backward
+
+    counts, hidden, ffn = [6, 0, 9, 4], 32, 40
+    x, offsets, w13, w2, dy = _inputs(counts, hidden, ffn, seed=32)
+    tiles, weights = ffn8.Fp8Tiles(**SMALL), ffn8.Fp8ExpertWeights.quantize(w13, w2)
+    leaves = [t.clone().requires_grad_() for t in (x, w13, w2)]
+    y = ffn8.expert_ffn_fp8(leaves[0], offsets, leaves[1], leaves[2], tiles=tiles, num_programs=3, backward="bf16",
+                            forward="gate-up", emulate=True)
+    y.backward(dy)
+    want_y, h13 = ffn8.fp8_ffn_forward(x, offsets, weights, tiles, save_for_backward=True, num_programs=3,
+                                       forward="gate-up", bf16_weights=(w13, w2), emulate=True)
+    assert torch.equal(y, want_y)
+    bf16_tiles = FFNTiles.for_shape(len(x), len(counts), hidden, ffn, x.device, x.dtype)
+    want = moe_ffn_backward(dy, x, offsets, w13, w2, None, h13, bf16_tiles, num_programs=3)
+    for got, expected in zip((t.grad for t in leaves), want, strict=True):
+        assert torch.equal(got, expected)
+    _check(counts, (y, *(t.grad for t in leaves)), _reference_grads(x, offsets, w13, w2, dy))
+    given = ffn8.expert_ffn_fp8(x, offsets, w13, w2, tiles=tiles, num_programs=3, backward="bf16",
+                                forward="gate-up", emulate=True, x_fp8=fp8.quantize_rows(x))
+    assert torch.equal(given, y)
+    with pytest.raises(ValueError, match="not emulated: set fp8_expert_backward: bf16"):
+        ffn8.expert_ffn_fp8(x, offsets, w13, w2, backward="bf16-wgrad", emulate=True)
+
+
 def test_mismatched_weights_are_refused(ffn8):
     x, offsets, w13, w2, _ = _inputs([3, 4], 16, 16, seed=0)
     with pytest.raises(ValueError, match="w2"):

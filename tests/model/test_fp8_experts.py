@@ -259,6 +259,102 @@ def test_prepared_copies_are_refreshed_in_place(fp8_modules):
     assert torch.equal(unprepared(x, offsets), prepared(x, offsets))
 
 
+def _tiny_loss_and_grads(tok, fixed, configure, backend="triton"):
+    """(loss, every parameter's gradient, the FP8 counters, the routing) of one forward and backward
+    of the tiny model (fp32, `backend` experts, seed 5) set up by `configure(model, stats)`, routed
+    as `fixed` says (None: its own routing)."""
+    import torch.nn.functional as F
+
+    from disagmoe.kernels.fp8_stats import Fp8Stats
+    from disagmoe.model.transformer import MoETransformer
+    from disagmoe.model_ref import load_model
+
+    model = MoETransformer(load_model("tiny"), experts_backend=backend)
+    model.init_weights(seed=5)
+    stats = Fp8Stats("cpu")
+    configure(model, stats)
+    model.set_fp8_stats(stats)
+    model.prepare_fp8()
+    out = model(tok[:, :-1], fixed)
+    loss = F.cross_entropy(out.logits_BSV.flatten(0, 1), tok[:, 1:].flatten())
+    loss.backward()
+    return loss.item(), [p.grad for p in model.parameters()], stats.buffer.clone(), out.topk_idx_LNK
+
+
+def _tiny_tokens():
+    from disagmoe.model_ref import load_model
+
+    return torch.randint(0, load_model("tiny").vocab_size, (2, 17), generator=torch.Generator().manual_seed(11))
+
+
+def _rel_grad_errors(grads, other):
+    assert len(grads) == len(other) and all((a is None) == (b is None) for a, b in zip(grads, other, strict=True))
+    return [float((b - a).norm() / a.norm().clamp_min(1e-30)) for a, b in zip(grads, other) if a is not None]
+
+
+@pytest.mark.slow  # two forwards and backwards of the tiny model with the FP8 kernels interpreted: ~6 s
+def test_the_tiny_models_emulated_fp8_experts_give_the_fp8_kernels_loss_gradients_and_counts(interpreted):
+    """`fp8_emulate` at the model: the tiny model (fp32, routing fixed to the first run's) with its
+    routed experts' gate/up GEMM in FP8 and the bf16 backward (the GPU A/B's recipe), emulated
+    (`set_expert_precision(..., emulate=True)`) against the FP8 kernels in the interpreter: the same
+    loss and every gradient within 1e-5 (fp32 roundings and summation order: measured 4e-7), the
+    same elements counted by each kind of quantiser."""
+    interpreted("disagmoe.kernels.grouped_gemm", "disagmoe.kernels.fp8", "disagmoe.kernels.fp8_ffn")
+    from disagmoe.kernels.fp8_stats import ACTIVATIONS, TOTAL
+
+    tok, runs, fixed = _tiny_tokens(), [], None
+    for emulate in (False, True):
+        def configure(model, stats, emulate=emulate):
+            model.set_expert_precision("fp8", "bf16", "gate-up", emulate=emulate)
+            experts = [m for m in model.modules() if isinstance(m, RoutedExperts)]
+            assert experts and all(e.fp8_emulate == emulate for e in experts)
+
+        loss, grads, counts, fixed = _tiny_loss_and_grads(tok, fixed, configure)
+        runs.append((loss, grads, counts))
+    (loss, grads, counts), (loss_emu, grads_emu, counts_emu) = runs
+    assert loss_emu == pytest.approx(loss, rel=1e-6)
+    assert max(_rel_grad_errors(grads, grads_emu)) < 1e-5
+    assert torch.equal(counts[:, TOTAL], counts_emu[:, TOTAL]) and counts[ACTIVATIONS, TOTAL] > 0
+
+
+def test_the_tiny_models_emulated_fp8_projections_give_the_library_kernels_loss_gradients_and_counts():
+    """`fp8_emulate` on the dense projections (`set_dense_fp8(..., emulate=True)`: the same rowwise
+    e4m3 operands dequantised and multiplied in fp64) against torch._scaled_mm's CPU kernel, the
+    routed experts the fp32 loop (the plain torch quantiser, no interpreter): the same loss and
+    gradients, within 1e-3 (the two GEMMs' sums differ in the last fp32 bits, so an operand of a
+    later GEMM near an e4m3 rounding midpoint may round the other way: measured 8e-5), and the same
+    elements counted."""
+    from disagmoe.kernels.fp8_stats import DENSE, TOTAL
+    from disagmoe.model.layers import DeferrableLinear
+
+    tok, runs, fixed = _tiny_tokens(), [], None
+    for emulate in (False, True):
+        def configure(model, stats, emulate=emulate):
+            model.set_dense_fp8(True, stats, emulate=emulate)
+            linears = [m for m in model.modules() if isinstance(m, DeferrableLinear)]
+            assert linears and all(m.fp8 and m.fp8_emulate == emulate for m in linears)
+
+        loss, grads, counts, fixed = _tiny_loss_and_grads(tok, fixed, configure, backend="loop")
+        runs.append((loss, grads, counts))
+    (loss, grads, counts), (loss_emu, grads_emu, counts_emu) = runs
+    assert loss_emu == pytest.approx(loss, rel=1e-5)
+    assert max(_rel_grad_errors(grads, grads_emu)) < 1e-3
+    assert torch.equal(counts[:, TOTAL], counts_emu[:, TOTAL]) and counts[DENSE, TOTAL] > 0
+
+
+def test_emulated_fp8_experts_need_fp8_and_the_bf16_backward():
+    """`set_precision(..., emulate=True)` is refused, with the fix, on experts not in FP8 and under an
+    FP8 backward (only the forward's GEMMs are emulated)."""
+    experts = RoutedExperts(2, 16, 16, backend="triton")
+    with pytest.raises(ValueError, match="set precision fp8"):
+        experts.set_precision("bf16", emulate=True)
+    with pytest.raises(ValueError, match="set fp8_expert_backward: bf16"):
+        experts.set_precision("fp8", "bf16-wgrad", emulate=True)
+    experts.set_precision("fp8", "bf16", "gate-up", emulate=True)
+    assert (experts.fp8_emulate, experts.fp8_backward, experts.fp8_forward) == (True, "bf16", "gate-up")
+    assert "fp8 emulated" in repr(experts)
+
+
 def test_fp8_experts_refuse_other_backends_and_what_they_cannot_recompute():
     """FP8 experts: the triton backend only; expert_input and expert_swiglu recomputed (either
     order of set_recompute and set_precision), expert_output and whole blocks refused with why."""

@@ -383,11 +383,12 @@ class SingleProcessTrainer(TrainingLoop):
         self.fp8_stats = None
         if cfg.expert_precision == "fp8":
             check_fp8_device(self.device)
-            self.model.set_expert_precision("fp8", cfg.expert_backward_precision, cfg.expert_forward_precision)
+            self.model.set_expert_precision("fp8", cfg.expert_backward_precision, cfg.expert_forward_precision,
+                                            cfg.fp8_emulate)
             self.fp8_stats = Fp8Stats(self.device)  # before the capture below: its kernels keep the address
             self.model.set_fp8_stats(self.fp8_stats)
             if cfg.dense_precision == "fp8":  # the dense projections too, rowwise (kernels.fp8_dense)
-                self.model.set_dense_fp8(True, self.fp8_stats)
+                self.model.set_dense_fp8(True, self.fp8_stats, cfg.fp8_emulate)
         # plain torch AdamW on fp32 parameters, the reference; it keeps fp32 moments on the device, so bf16
         # ones (optim.state_dtype) or offloaded ones step the flat optimizer over the same fp32 parameters
         self.oracle = cfg.steps_reference_adamw

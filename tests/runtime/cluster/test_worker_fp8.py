@@ -85,6 +85,24 @@ def test_the_fp8_forward_gemms_reach_every_expert_rank():
         setup_fp8(model, topology, 1, "fp8", CPU, backward="fp8", forward="up")
 
 
+@pytest.mark.parametrize("mode, fields", [("disaggregated", dict(attention_ranks=1, expert_ranks=1)),
+                                          ("colocated", dict(colocated_ranks=1))])
+def test_fp8_emulate_reaches_every_ranks_experts_and_projections(mode, fields):
+    """`setup_fp8(..., emulate=True)` (the worker passes `TrainConfig.fp8_emulate`): every expert module
+    and every dense projection held by a rank runs its FP8 GEMMs emulated; without it none does."""
+    from disagmoe.model.layers import DeferrableLinear
+
+    topology = topology_of(mode, **fields)
+    for emulate in (True, False):
+        for rank in range(topology.world_size):
+            model = rank_model(load_model("tiny"), "triton", topology, rank).materialise(CPU, 0)
+            setup_fp8(model, topology, rank, "fp8", CPU, "fp8", backward="bf16", forward="gate-up", emulate=emulate)
+            experts = experts_of(model)
+            linears = [m for m in model.modules() if isinstance(m, DeferrableLinear)]
+            assert all(e.fp8_emulate == emulate for e in experts) and all(m.fp8_emulate == emulate for m in linears)
+            assert experts or linears
+
+
 def test_fp8_refuses_expert_ranks_of_another_backend():
     topology = topology_of("disaggregated", attention_ranks=1, expert_ranks=1)
     model = rank_model(load_model("tiny"), "loop", topology, 1).materialise(CPU, 0)

@@ -568,6 +568,32 @@ def test_cuda_the_fp8_forward_and_backward_recipes_reach_the_trainers_experts(tm
 
 
 @pytest.mark.gpu
+def test_cuda_fp8_emulate_reaches_the_trainers_experts_and_projections_and_trains(tmp_path):
+    """fp8_emulate on the single trainer: every routed-expert module and dense projection runs its FP8
+    GEMMs emulated (quantise-dequantise into the bf16 GEMMs), and the run trains with the quantisers
+    still counting (the activations' and the dense projections')."""
+    from disagmoe.model.experts import RoutedExperts
+    from disagmoe.model.layers import DeferrableLinear
+    from disagmoe.runtime.training.trainer import SingleProcessTrainer
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("needs FP8 tensor cores")
+    model = load_model("tiny").model_copy(update={"hidden_size": 256, "expert_ffn_size": 256})
+    cfg = tiny_run(tmp_path, model=model, steps=3, device="cuda", experts_backend="triton", precision="fp8",
+                   fp8_expert_forward="gate-up", fp8_expert_backward="bf16", fp8_emulate=True, batch_size=8,
+                   seq_len=128, checkpoint_at_end=False)
+    trainer = SingleProcessTrainer(cfg)
+    experts = [m for m in trainer.model.modules() if isinstance(m, RoutedExperts)]
+    linears = [m for m in trainer.model.modules() if isinstance(m, DeferrableLinear)]
+    assert experts and all(e.fp8_emulate and e.fp8_forward == "gate-up" for e in experts)
+    assert linears and all(m.fp8 and m.fp8_emulate for m in linears)
+    trainer.run()
+    records = read_metrics(tmp_path / "run" / METRICS_FILE)
+    assert len(records) == 3 and all(math.isfinite(r["loss"]) for r in records)
+    assert all(records[-1]["fp8_by_kind"][kind]["elements"] > 0 for kind in ("activations", "dense"))
+
+
+@pytest.mark.gpu
 def test_cuda_a_non_finite_fp8_scale_skips_the_update_on_the_device():
     """An inf planted in one expert's compute weight (bf16; its fp32 master stays finite): the step's
     weight quantiser meets it, the optimizer skips its update on the GPU under the host-sync check,
