@@ -638,3 +638,66 @@ def test_an_expert_ranks_block_in_fp8_with_pairs_served_elsewhere_tracks_the_ref
     assert stats.buffer[:, NONFINITE].sum() == 0
     pairs = int((local_TK < 3).sum())
     assert stats.buffer[ACTIVATIONS, TOTAL] >= pairs * 128 and stats.buffer[GRADIENTS, TOTAL] > 0
+
+
+def _fake_quantised_gate_up_forward(experts: RoutedExperts):
+    """A plain-torch `RoutedExperts.forward` of the recipe's gate/up GEMM in e4m3 with the straight-
+    through backward the FP8 experts' bf16 backward computes: per expert, h13 = fq(x) @ fq(w13) (x's
+    rows 1 x 128, w13 in 128 x 128 blocks, `fp8`'s torch references), its gradient reaching x and w13
+    as if h13 were x @ w13 (dx = d h13 w13^T, d w13 = x^T d h13: the unquantised operands), then
+    silu(gate) * up and the down GEMM as they are."""
+    from disagmoe.kernels import fp8
+
+    def forward(x_NH, offsets_E, source=None, x_fp8=None):
+        out, start = [], 0
+        for e, end in enumerate(offsets_E.tolist()):
+            x, w13 = x_NH[start:end], experts.w13_EH2F[e]
+            qx, sx = fp8.quantize_rows_reference(x.detach())
+            qw, sw = fp8.quantize_blocks_reference(w13.detach()[None])
+            quantised = fp8.dequantize_rows(qx, sx) @ fp8.dequantize_blocks(qw, sw)[0]
+            plain = x @ w13
+            h13 = plain + (quantised - plain).detach()
+            gate, up = h13.chunk(2, dim=-1)
+            out.append((torch.nn.functional.silu(gate) * up) @ experts.w2_EFH[e])
+            start = end
+        return torch.cat(out)
+
+    return forward
+
+
+@pytest.mark.slow  # the FP8 and permute kernels in Triton's interpreter: ~10 s on 2 cores
+@pytest.mark.parametrize("modules", [frozenset(), frozenset({"expert_input"})])
+def test_a_layers_fp8_gate_up_forward_trains_as_the_fake_quantised_recipe(interpreted, make_config, modules):
+    """The GPU A/B's FP8 recipe (the gate/up GEMM's forward in e4m3, the bf16 backward) through the
+    whole layer as `model.block` runs it on one GPU (each token's row quantised once for its top-4
+    pairs, `quantize_then_permute`; with expert_input recomputed, the bf16 rows never written): its
+    output, the layer input's gradient and every parameter's gradient (router, experts, attention)
+    equal a plain-torch layer whose experts fake-quantise the same operands with the straight-through
+    backward (`_fake_quantised_gate_up_forward`), within fp32 summation order. So the plumbing around
+    the FP8 GEMM (rows, scales, the saved h13, the rows the backward reads) computes the recipe's
+    gradient, and a loss gap it shows in training is the recipe's (or its kernels' on a GPU, which
+    `fp8_emulate` separates), not a wrong gradient."""
+    interpreted("disagmoe.kernels.grouped_gemm", "disagmoe.kernels.fp8", "disagmoe.kernels.fp8_ffn",
+                "disagmoe.kernels.permute")
+    h = torch.randn(2, 7, 128, generator=torch.Generator().manual_seed(8))  # 14 tokens, 56 pairs
+    dy = torch.randn(2, 7, 128, generator=torch.Generator().manual_seed(9))
+    runs = []
+    for reference in (False, True):
+        model, block, experts = _fp8_layer(make_config, modules, top_k=4, backward="bf16", forward="gate-up")
+        if reference:
+            experts.set_precision("fp32")
+            experts.set_recompute(frozenset())
+            experts.forward = _fake_quantised_gate_up_forward(experts)
+        else:
+            experts.prepare_fp8()
+        leaf = h.clone().requires_grad_()
+        routing = block.route(leaf)
+        out = block._forward_fused(leaf, routing, None)
+        out.backward(dy)
+        named = {"input": leaf.grad, **{n: p.grad for n, p in block.named_parameters() if p.grad is not None}}
+        runs.append((out.detach(), named))
+    (out, grads), (ref_out, ref_grads) = runs
+    assert grads.keys() == ref_grads.keys() and {"moe.experts.w13_EH2F", "moe.experts.w2_EFH"} <= grads.keys()
+    assert (out - ref_out).abs().max() <= 1e-5 * ref_out.abs().max()
+    for name, grad in grads.items():
+        assert (grad - ref_grads[name]).norm() <= 1e-5 * ref_grads[name].norm(), name
