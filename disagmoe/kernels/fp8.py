@@ -310,12 +310,14 @@ def _block_chunk(w_ptr, e64, kb, r0, ns, n_ok, K, scale, stride_we, stride_wk, s
 def _quantize_blocks_kernel(w_ptr, q_ptr, qt_ptr, s_ptr, stats_ptr, K, N, tiles_k, tiles_n, blocks,
                             stride_we, stride_wk, stride_wn, stride_qe, stride_qk, stride_qn,
                             stride_te, stride_tn, stride_tk, stride_se, stride_sk, stride_sn,
-                            ROWS: tl.constexpr, STATS: tl.constexpr, TRANSPOSED: tl.constexpr):
+                            ROWS: tl.constexpr, STATS: tl.constexpr, TRANSPOSED: tl.constexpr,
+                            NATURAL: tl.constexpr):
     # Persistent: program p quantises blocks p, p + P, ... of the `blocks` 128 x 128 blocks
     # (e, kb, nb) of w [E, K, N], each with its scale s[e, kb, nb]. Two passes over ROWS-row chunks
     # (the amax, then the values): a whole 128 x 128 fp32 block with its pointers and the rounding's
-    # integers spills at any warp count (ptxas, sm_90a). TRANSPOSED: each block's values are also
-    # stored transposed into qt [E, N, K] (the copy a transposing pass would make).
+    # integers spills at any warp count (ptxas, sm_90a). NATURAL: each block's values are stored
+    # into q [E, K, N]; TRANSPOSED: into qt [E, N, K] (the copy a transposing pass would make); one
+    # or both (q_ptr is unread without NATURAL).
     # STATS as `_quantize_rows_kernel` counts them: underflows and non-finite inputs packed per element
     # position of a chunk, the blocks' largest |w / scale| a running max, TOTAL the chunks' sizes, all
     # summed once; a program that met a non-finite input or a saturating scale counts its blocks again
@@ -335,8 +337,9 @@ def _quantize_blocks_kernel(w_ptr, q_ptr, qt_ptr, s_ptr, stats_ptr, K, N, tiles_
                                                 stride_we, stride_wk, stride_wn, ROWS)
             if STATS:
                 packed = _count_positions(packed, w, q)
-            tl.store(q_ptr + e64 * stride_qe + ks[:, None] * stride_qk + ns[None, :] * stride_qn,
-                     q.to(q_ptr.dtype.element_ty), mask=ok)
+            if NATURAL:
+                tl.store(q_ptr + e64 * stride_qe + ks[:, None] * stride_qk + ns[None, :] * stride_qn,
+                         q.to(q_ptr.dtype.element_ty), mask=ok)
             if TRANSPOSED:
                 tl.store(qt_ptr + e64 * stride_te + ns[None, :] * stride_tn + ks[:, None] * stride_tk,
                          q.to(qt_ptr.dtype.element_ty), mask=ok)
@@ -434,31 +437,37 @@ def _quantize_rows(x_MK: torch.Tensor, stats: torch.Tensor | None, valid_rows: t
 
 
 def quantize_blocks(w_EKN: torch.Tensor, stats: torch.Tensor | None = None, *,
-                    transposed_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    transposed_out: torch.Tensor | None = None,
+                    natural: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
     """(q_EKN float8_e4m3fn, s_EGB fp32): one scale per 128 x 128 block of each expert's [K, N]
     (edge blocks may be smaller). The expert weights' layout (`w13_EH2F`, `w2_EFH`: [E, K, N]);
     made once per optimizer step from the masters. `stats` as `quantize_rows`. `transposed_out`
     (float8_e4m3fn [E, N, K]): also written with q's transpose by the same launch, the values
     `transpose_blocks` would copy (its scales are s_EGB's transpose) without reading q again
     (torch's transposing copy of one-byte values ran at about 350 GB/s: 24 ms of a Mixtral-shaped
-    FP8 step)."""
+    FP8 step). `natural` False (with `transposed_out`): the transposed copy alone, q_EKN neither
+    allocated nor written (None returned for it): a recipe that reads only one layout
+    (`fp8_ffn.Fp8ExpertWeights`) holds one byte a value, not two."""
     experts, k, n = w_EKN.shape
     tiles_k, tiles_n = triton.cdiv(k, SCALE_BLOCK), triton.cdiv(n, SCALE_BLOCK)
-    q_EKN = torch.empty((experts, k, n), dtype=FP8, device=w_EKN.device)
-    s_EGB = torch.empty((experts, tiles_k, tiles_n), dtype=torch.float32, device=w_EKN.device)
+    if not natural and transposed_out is None:
+        raise ValueError("quantize_blocks(natural=False) writes only the transposed copy: pass transposed_out "
+                         f"(float8_e4m3fn {(experts, n, k)}), or natural=True")
     if transposed_out is not None and (transposed_out.shape != (experts, n, k) or transposed_out.dtype != FP8
                                        or transposed_out.device != w_EKN.device):
         raise ValueError(f"transposed_out must be float8_e4m3fn {(experts, n, k)} on {w_EKN.device}; got "
                          f"{transposed_out.dtype} {tuple(transposed_out.shape)} on {transposed_out.device}")
-    if q_EKN.numel() == 0:
+    q_EKN = torch.empty((experts, k, n), dtype=FP8, device=w_EKN.device) if natural else None
+    s_EGB = torch.empty((experts, tiles_k, tiles_n), dtype=torch.float32, device=w_EKN.device)
+    if experts * k * n == 0:
         return q_EKN, s_EGB
     qt = transposed_out if transposed_out is not None else q_EKN.transpose(1, 2)  # unread without TRANSPOSED
+    q = q_EKN if natural else qt.transpose(1, 2)  # unread without NATURAL
     blocks = experts * tiles_k * tiles_n
     _quantize_blocks_kernel[(min(blocks, counted_programs(w_EKN.device, blocks, SCALE_BLOCK // BLOCK_ROWS)),)](
-        w_EKN, q_EKN, qt, s_EGB, _stats_ptr(stats, s_EGB), k, n, tiles_k, tiles_n, blocks, *w_EKN.stride(),
-        *q_EKN.stride(),
-        *qt.stride(), *s_EGB.stride(), ROWS=BLOCK_ROWS, STATS=stats is not None, TRANSPOSED=transposed_out is not None,
-        num_warps=4)
+        w_EKN, q, qt, s_EGB, _stats_ptr(stats, s_EGB), k, n, tiles_k, tiles_n, blocks, *w_EKN.stride(),
+        *q.stride(), *qt.stride(), *s_EGB.stride(), ROWS=BLOCK_ROWS, STATS=stats is not None,
+        TRANSPOSED=transposed_out is not None, NATURAL=natural, num_warps=4)
     return q_EKN, s_EGB
 
 

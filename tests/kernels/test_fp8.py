@@ -144,6 +144,34 @@ def test_quantize_blocks_matches_reference(fp8k):
         fp8k.quantize_blocks(w, transposed_out=torch.empty((3, 200, 150), dtype=FP8))
 
 
+# (E, K, N) of the transposed-only store: ragged edge blocks both ways, K or N under one block, one
+# block exactly, and an empty expert count or dimension (nothing launched).
+TRANSPOSED_ONLY_SHAPES = [(2, 200, 150), (1, 72, 140), (2, 128, 40), (0, 130, 70), (2, 0, 90), (2, 90, 0)]
+
+
+@pytest.mark.parametrize("shape", TRANSPOSED_ONLY_SHAPES)
+def test_quantize_blocks_transposed_only_matches_reference(fp8k, shape):
+    """`natural=False`: the transposed copy alone is the reference's transposed bits, the scales the
+    reference's; no [E, K, N] copy is returned; the stats counted as with both copies stored."""
+    from disagmoe.kernels.fp8_stats import WEIGHTS, Fp8Stats
+
+    gen = torch.Generator().manual_seed(sum(shape))
+    w = torch.randn(*shape, generator=gen) * torch.exp2(torch.randn(shape[0], 1, 1, generator=gen) * 6)
+    q_ref, s_ref = fp8k.quantize_blocks_reference(w)
+    q_ENK = torch.full((shape[0], shape[2], shape[1]), float("nan"), dtype=FP8)
+    stats, both_stats = Fp8Stats("cpu"), Fp8Stats("cpu")
+    q, s = fp8k.quantize_blocks(w, stats.row(WEIGHTS), transposed_out=q_ENK, natural=False)
+    assert q is None and torch.equal(s, s_ref)
+    assert torch.equal(q_ENK.view(torch.uint8), q_ref.transpose(1, 2).view(torch.uint8))
+    fp8k.quantize_blocks(w, both_stats.row(WEIGHTS), transposed_out=torch.empty_like(q_ENK))
+    assert torch.equal(stats.buffer, both_stats.buffer)
+
+
+def test_quantize_blocks_transposed_only_needs_the_copy(fp8k):
+    with pytest.raises(ValueError, match=r"pass transposed_out \(float8_e4m3fn \(3, 150, 200\)\)"):
+        fp8k.quantize_blocks(torch.zeros(3, 200, 150), natural=False)
+
+
 @pytest.mark.parametrize("case", range(len(RAGGED_CASES)))
 def test_gemm_matches_reference_sums(fp8k, case):
     """The kernel (fp8 operands in the interpreter, fp32 accumulation) against the reference's
