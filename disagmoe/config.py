@@ -71,6 +71,25 @@ FP8_PROBE_BACKWARD = FP8_CURVE_BACKWARDS[max(FP8_CURVE_BACKWARDS)]  # what the c
 # with any backward (each re-quantises the bf16 rows it holds); the loss split by GEMM: docs/benchmarks.md.
 FP8_EXPERT_FORWARDS = ("both", "gate-up", "down")
 DEFAULT_FP8_EXPERT_FORWARD = "both"
+# The routed FP8 experts' e4m3 weight copies (`kernels.fp8_ffn.Fp8ExpertWeights`), each one byte a
+# value of its weight: w13's and w2's forward B operands, and their transposes the data gradients read.
+FP8_WEIGHT_COPIES = ("w13", "w13_t", "w2", "w2_t")
+
+
+def fp8_weight_copies(forward: str, backward: str) -> tuple[str, ...]:
+    """The `FP8_WEIGHT_COPIES` the FP8 experts' recipe reads (`FP8_EXPERT_FORWARDS` x
+    `FP8_EXPERT_BACKWARDS`), so the only ones made: the forward's FP8 gate/up GEMM reads w13, its
+    FP8 down GEMM w2 (emulated too: `fp8_emulate` dequantises the same copies); an FP8 data gradient
+    ("fp8", "bf16-wgrad", whatever the forward) reads both transposes, w2_t for d act and w13_t for
+    dx; the "bf16" backward (the bf16 experts') none."""
+    if forward not in FP8_EXPERT_FORWARDS:
+        raise ValueError(f"FP8 experts' forward GEMMs {forward!r}: choose one of {', '.join(FP8_EXPERT_FORWARDS)}")
+    if backward not in FP8_EXPERT_BACKWARDS:
+        raise ValueError(f"FP8 experts' backward {backward!r}: choose one of {', '.join(FP8_EXPERT_BACKWARDS)}")
+    read = {"w13": forward in ("both", "gate-up"), "w2": forward in ("both", "down")}
+    read["w13_t"] = read["w2_t"] = backward != "bf16"
+    return tuple(name for name in FP8_WEIGHT_COPIES if read[name])
+
 
 class StrictModel(BaseModel):
     """Base for every config: unknown keys are errors, assignments are validated."""

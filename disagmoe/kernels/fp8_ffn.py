@@ -50,7 +50,7 @@ from collections.abc import Iterator
 import torch
 
 from disagmoe.config import (DEFAULT_FP8_EXPERT_BACKWARD, DEFAULT_FP8_EXPERT_FORWARD, FP8_EXPERT_BACKWARDS,
-                              FP8_EXPERT_FORWARDS)
+                              FP8_EXPERT_FORWARDS, fp8_weight_copies)
 from disagmoe.kernels import fp8
 from disagmoe.kernels import grouped_gemm as gg
 from disagmoe.kernels import permute as pm
@@ -284,32 +284,86 @@ class Fp8ExpertWeights:
     each, as the B operands of the GEMMs that read them: `w13`/`w2` ([E, K, N], the forward's)
     and `w13_t`/`w2_t` ([E, N, K], the data gradients'). Every one is K-major (stride 1 along its
     K): Hopper's FP8 MMA reads B only so, and Triton loads an N-major FP8 B through registers
-    outside the pipeline (0.15x our bf16 kernels, measured). So each weight is held twice, once
-    per layout, and the forward's operand is a transposed view of the data gradient's storage and
-    the other way round. Made from the weights once per optimizer step (`quantize`), never per
-    micro-batch, never checkpointed."""
+    outside the pipeline (0.15x our bf16 kernels, measured). So a weight both GEMMs read is held
+    twice, once per layout, and the forward's operand is a transposed view of the data gradient's
+    storage and the other way round. Only the copies the recipe (`forward`, `backward`) reads are
+    made (`config.fp8_weight_copies`: e.g. forward gate-up with backward bf16 holds w13's forward
+    copy alone, 2/3 byte a routed parameter instead of 2); reading another (the attribute) raises a
+    ValueError naming the recipe. Made from the weights once per optimizer step (`quantize`), never
+    per micro-batch, never checkpointed."""
 
-    w13: tuple[torch.Tensor, torch.Tensor]
-    w13_t: tuple[torch.Tensor, torch.Tensor]
-    w2: tuple[torch.Tensor, torch.Tensor]
-    w2_t: tuple[torch.Tensor, torch.Tensor]
+    copies: dict[str, tuple[torch.Tensor, torch.Tensor]]  # by `FP8_WEIGHT_COPIES` name, the recipe's only
+    shape_EHF: tuple[int, int, int]  # (experts, hidden, ffn) of the weights they were made from
+    forward: str = DEFAULT_FORWARD  # the recipe they were made for (`FORWARD_GEMMS`, `BACKWARD_PRECISIONS`)
+    backward: str = DEFAULT_BACKWARD
 
     @classmethod
-    def quantize(cls, w13_EH2F: torch.Tensor, w2_EFH: torch.Tensor, stats: Fp8Stats | None = None,
-                 ) -> Fp8ExpertWeights:
-        w13, w13_t = _both_k_major(w13_EH2F, _row(stats, WEIGHTS))
-        w2, w2_t = _both_k_major(w2_EFH, _row(stats, WEIGHTS))
-        return cls(w13, w13_t, w2, w2_t)
+    def quantize(cls, w13_EH2F: torch.Tensor, w2_EFH: torch.Tensor, stats: Fp8Stats | None = None, *,
+                 forward: str = DEFAULT_FORWARD, backward: str = DEFAULT_BACKWARD) -> Fp8ExpertWeights:
+        """The copies recipe (`forward`, `backward`) reads, each weight quantised by one launch
+        (none for a weight it reads no copy of: nothing counted into `stats` for it either). The
+        defaults (forward both, backward bf16-wgrad) make all four: any recipe can read those."""
+        check_forward(forward)
+        check_backward(backward)
+        read = fp8_weight_copies(forward, backward)
+        copies: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for name, w_EKN in (("w13", w13_EH2F), ("w2", w2_EFH)):
+            made = _k_major_copies(w_EKN, _row(stats, WEIGHTS), forward=name in read,
+                                   transposed=f"{name}_t" in read)
+            copies.update({key: pair for key, pair in zip((name, f"{name}_t"), made) if pair is not None})
+        experts, hidden, two_ffn = w13_EH2F.shape
+        return cls(copies, (experts, hidden, two_ffn // 2), forward, backward)
+
+    def _copy(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        pair = self.copies.get(name)
+        if pair is None:
+            raise ValueError(f"these FP8 expert weight copies were made for forward {self.forward}, backward "
+                             f"{self.backward}, which reads no {name} copy (these hold {', '.join(self.copies)}): "
+                             f"make them for the recipe that runs (Fp8ExpertWeights.quantize(..., forward=, "
+                             f"backward=); RoutedExperts.prepare_fp8 does after set_precision)")
+        return pair
+
+    @property
+    def w13(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._copy("w13")
+
+    @property
+    def w13_t(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._copy("w13_t")
+
+    @property
+    def w2(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._copy("w2")
+
+    @property
+    def w2_t(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._copy("w2_t")
+
+    def check_serves(self, forward: str, backward: str) -> None:
+        """ValueError, with the fix, unless these copies hold every one recipe (`forward`, `backward`)
+        reads (a superset serves: the default recipe's four serve any)."""
+        missing = [name for name in fp8_weight_copies(forward, backward) if name not in self.copies]
+        if missing:
+            raise ValueError(f"the FP8 experts' forward {forward}, backward {backward} read the {', '.join(missing)} "
+                             f"weight copies, which these (made for forward {self.forward}, backward "
+                             f"{self.backward}) lack: make them with Fp8ExpertWeights.quantize(..., "
+                             f"forward={forward!r}, backward={backward!r})")
 
 
-def _both_k_major(w_EKN: torch.Tensor, stats: torch.Tensor | None):
-    """((q_EKN, s_EGB), (q_ENK, s_EBG)), both values K-major, from one quantising launch: the
-    quantised [E, K, N] blocks (N-major as made) serve the transpose as a view; their transposed
-    copy, written by the same launch (`quantize_blocks(transposed_out=...)`), serves [E, K, N]."""
+def _k_major_copies(w_EKN: torch.Tensor, stats: torch.Tensor | None, *, forward: bool, transposed: bool):
+    """((q_EKN, s_EGB) where `forward`, else None; (q_ENK, s_EBG) where `transposed`, else None),
+    both values K-major, from one quantising launch (none where neither is asked for): the
+    forward's [E, K, N] is a transposed view of a transposed copy the launch writes
+    (`quantize_blocks(transposed_out=...)`); the data gradient's [E, N, K] a transposed view of the
+    quantised [E, K, N] blocks as made (not allocated where only the forward's is asked for:
+    `quantize_blocks(natural=False)`)."""
+    if not (forward or transposed):
+        return None, None
     experts, k, n = w_EKN.shape
-    q_ENK = torch.empty((experts, n, k), dtype=fp8.FP8, device=w_EKN.device)
-    q_EKN, s_EGB = fp8.quantize_blocks(w_EKN, stats, transposed_out=q_ENK)
-    return (q_ENK.transpose(1, 2), s_EGB), (q_EKN.transpose(1, 2), s_EGB.transpose(1, 2))
+    q_ENK = torch.empty((experts, n, k), dtype=fp8.FP8, device=w_EKN.device) if forward else None
+    q_EKN, s_EGB = fp8.quantize_blocks(w_EKN, stats, transposed_out=q_ENK, natural=transposed)
+    return ((q_ENK.transpose(1, 2), s_EGB) if forward else None,
+            (q_EKN.transpose(1, 2), s_EGB.transpose(1, 2)) if transposed else None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -379,7 +433,7 @@ def fp8_ffn_forward(
             raise ValueError(f"fp8_ffn_forward: x's rows are given as their RowSource but {reader} reads them")
     gluon = gluon or _gluon
     rows, dtype, device = _rows_of(x_NH)
-    ffn = weights.w2[0].shape[1]
+    ffn = weights.shape_EHF[2]
     served = offsets_E[-1:]  # rows past the last expert's end are a worst-case buffer's padding
     h13_N2F = torch.empty((rows, 2 * ffn), dtype=dtype, device=device) if save_for_backward else None
     if forward != DEFAULT_FORWARD and bf16_weights is None:
@@ -471,14 +525,14 @@ def _emulated_forward(x_NH: torch.Tensor | RowSource, offsets_E, weights: Fp8Exp
     and one [E, F, H] tensor in x's dtype beside the rows' [N, H]), and no faster than bf16: fine
     for a check, not for training."""
     rows, dtype, device = _rows_of(x_NH)
-    experts, hidden, ffn = weights.w13[0].shape[0], weights.w13[0].shape[1], weights.w2[0].shape[1]
+    experts, hidden, ffn = weights.shape_EHF
     tiles = FFNTiles.for_shape(rows, experts, hidden, ffn, device, dtype)
     acts = _row(stats, ACTIVATIONS)
     if forward == "down":  # the gate/up GEMM in bf16, as the FP8 path runs it
         x_rows, w13_EH2F = x_NH, bf16_weights[0]
     else:
         qx, sx = x_fp8 if x_fp8 is not None else fp8.quantize_rows(x_NH, acts, served)
-        # `weights.w13` is a transposed view of the K-major copy (`_both_k_major`): its values are
+        # `weights.w13` is a transposed view of the K-major copy (`_k_major_copies`): its values are
         # w13's [E, H, 2F] blocks as `fp8.dequantize_blocks` reads them, whatever the strides
         x_rows = _dequantized(fp8.dequantize_rows, qx, sx, dtype)
         w13_EH2F = _dequantized(fp8.dequantize_blocks, *weights.w13, dtype)
@@ -539,8 +593,7 @@ def fp8_ffn_backward(
     if backward == "bf16-wgrad":
         return _backward_bf16_weight_grads(dy_NH, x_NH, offsets_E, weights, h13_N2F, tiles, main_grads=main_grads,
                                            num_programs=num_programs, stats=stats, gluon=gluon or _gluon)
-    rows, ffn = h13_N2F.shape[0], weights.w2[0].shape[1]
-    experts = weights.w13[0].shape[0]
+    (experts, _, ffn), rows = weights.shape_EHF, h13_N2F.shape[0]
     gluon = gluon or _gluon
     acts, grads_row = _row(stats, ACTIVATIONS), _row(stats, GRADIENTS)
     served = offsets_E[-1:]  # rows past it are padding: dh13's are never written (garbage, maybe NaN)
@@ -582,8 +635,7 @@ def _backward_bf16_weight_grads(dy_NH, x_NH, offsets_E, weights: Fp8ExpertWeight
     w2's gradient, dx, w13's gradient; alive beside the bf16 rows: one e4m3 row copy at a time.
     x given as a `RowSource` (`expert_input`): its rows gathered again [N, H] (`RowSource.rows`)
     after dx, alive beside d h13 through the w13 gradient."""
-    rows, ffn = h13_N2F.shape[0], weights.w2[0].shape[1]
-    experts, hidden = weights.w13[0].shape[0], dy_NH.shape[1]
+    (experts, _, ffn), rows, hidden = weights.shape_EHF, h13_N2F.shape[0], dy_NH.shape[1]
     grads_row = _row(stats, GRADIENTS)
     served = offsets_E[-1:]
     bf16_tiles = FFNTiles.for_shape(rows, experts, hidden, ffn, dy_NH.device, dy_NH.dtype)
@@ -617,8 +669,8 @@ class Fp8ExpertFFNFunction(torch.autograd.Function):
     def forward(ctx, x, offsets_E, w13_EH2F, w2_EFH, weights, tiles, num_programs, stats,
                 recompute=frozenset(), source=None, backward=DEFAULT_BACKWARD, forward=DEFAULT_FORWARD, x_fp8=None,
                 dest_TK=None, emulate=False):
-        if weights is None:  # a copy per call; a trainer makes one per optimizer step and passes it
-            weights = Fp8ExpertWeights.quantize(w13_EH2F, w2_EFH, stats)
+        if weights is None:  # the recipe's copies per call; a trainer makes them once per optimizer step
+            weights = Fp8ExpertWeights.quantize(w13_EH2F, w2_EFH, stats, forward=forward, backward=backward)
         ctx.gluon = dataclasses.replace(_gluon)  # the backward keeps the forward's choices
         y_NH, h13_N2F = fp8_ffn_forward(x if dest_TK is None else source, offsets_E, weights, tiles, x_fp8=x_fp8,
                                         save_for_backward=True, num_programs=num_programs, stats=stats,
@@ -691,7 +743,8 @@ def expert_ffn_fp8(
 ) -> torch.Tensor:
     """The experts backend contract `expert_ffn(x_NH, offsets_E, w13_EH2F, w2_EFH) -> y_NH` with
     every GEMM in FP8, differentiable in x, w13 and w2. `weights`: the FP8 copies of exactly these
-    w13 and w2 (`Fp8ExpertWeights.quantize`, once per optimizer step); made here when None.
+    w13 and w2 (`Fp8ExpertWeights.quantize`, once per optimizer step), holding those this recipe
+    reads (else ValueError); made here when None, those alone.
     `stats`: every quantisation's counters, forward and backward (module docstring). `tiles`: the
     launches' tiles, by default the tuned ones of this shape class (`Fp8Tiles.for_shape`).
     `recompute` (a subset of `recompute.FP8_RECOMPUTABLE`) and `source` (where x's rows came from,
@@ -739,6 +792,8 @@ def expert_ffn_fp8(
                          f"makes them), for a forward whose gate/up GEMM is FP8 (forward {forward}); got "
                          + " and ".join(f"{t.dtype} {tuple(t.shape)} on {t.device}"
                                         f"{'' if t.is_contiguous() else ', strided'}" for t in x_fp8))
+    if weights is not None:
+        weights.check_serves(forward, backward)
     if tiles is None:  # from the host-known shapes: no sync, the same every step
         tiles = Fp8Tiles.for_shape(rows_shape[0], experts, hidden, two_ffn // 2, x.device)
     return Fp8ExpertFFNFunction.apply(x.contiguous(), offsets_E, w13_EH2F, w2_EFH, weights, tiles, num_programs,

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from disagmoe.config import DEFAULT_FP8_EXPERT_BACKWARD, DEFAULT_FP8_EXPERT_FORWARD
+from disagmoe.config import DEFAULT_FP8_EXPERT_BACKWARD, DEFAULT_FP8_EXPERT_FORWARD, FP8_WEIGHT_COPIES
 from disagmoe.kernels.autocast import autocast_operands
 from disagmoe.kernels.recompute import (BLOCK, EXPERT_INPUT, FP8_NO_EXPERT_OUTPUT, FP8_RECOMPUTABLE, RECOMPUTABLE,
                                         UnwrittenRows)
@@ -215,19 +215,24 @@ class RoutedExperts(nn.Module):
 
     @torch.no_grad()
     def prepare_fp8(self) -> None:
-        """Quantise the weights into their FP8 copies, in place (the same tensors every time, so a
-        CUDA graph that captured a step reads the copies its own replay wrote): once per optimizer
-        step, before the step's first forward (the trainer), and before an evaluation."""
+        """Quantise the weights into the FP8 copies their recipe reads (`fp8_forward`, `fp8_backward`:
+        `kernels.fp8_ffn.Fp8ExpertWeights.quantize`), in place (the same tensors every time, so a
+        CUDA graph that captured a step reads the copies its own replay wrote; a new recipe, from
+        `set_precision`, gets new ones): once per optimizer step, before the step's first forward
+        (the trainer), and before an evaluation."""
         if self.precision != "fp8":
             return
         from disagmoe.kernels.fp8_ffn import Fp8ExpertWeights
 
-        fresh = Fp8ExpertWeights.quantize(self.w13_EH2F.detach(), self.w2_EFH.detach(), self.fp8_stats)
-        if self.fp8_weights is None:
-            self.fp8_weights = fresh
+        fresh = Fp8ExpertWeights.quantize(self.w13_EH2F.detach(), self.w2_EFH.detach(), self.fp8_stats,
+                                          forward=self.fp8_forward, backward=self.fp8_backward)
+        kept = self.fp8_weights
+        if kept is None or (kept.forward, kept.backward, kept.shape_EHF) != (fresh.forward, fresh.backward,
+                                                                             fresh.shape_EHF):
+            self.fp8_weights = fresh  # first made, or for another recipe: new tensors, none copied into
             return
-        for kept, new in zip(_fp8_tensors(self.fp8_weights), _fp8_tensors(fresh), strict=True):
-            kept.copy_(new)
+        for old, new in zip(_fp8_tensors(kept), _fp8_tensors(fresh), strict=True):
+            old.copy_(new)
 
     def set_fp8_stats(self, stats) -> None:
         """The `kernels.fp8_stats.Fp8Stats` whose buffer the FP8 quantisations (weights in
@@ -362,5 +367,6 @@ def first_touch_params(model: nn.Module) -> list[nn.Parameter]:
 
 
 def _fp8_tensors(weights) -> list[torch.Tensor]:
-    """Every tensor of a `kernels.fp8_ffn.Fp8ExpertWeights`, in a fixed order."""
-    return [t for pair in (weights.w13, weights.w13_t, weights.w2, weights.w2_t) for t in pair]
+    """Every tensor a `kernels.fp8_ffn.Fp8ExpertWeights` holds (the copies its recipe reads), in a
+    fixed order."""
+    return [t for name in FP8_WEIGHT_COPIES if name in weights.copies for t in weights.copies[name]]

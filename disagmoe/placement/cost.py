@@ -616,7 +616,7 @@ def evaluate(prob: Problem, c: Candidates, misfits_exact: bool = True) -> Cost:
     # selective recomputation; `selective` says which one each candidate is priced with.
     attn_bytes, exp_bytes = attention_state_bytes(dp, prob).total, expert_state_bytes(prob).total
     fp8 = prob.expert_precision == "fp8"  # the setting, not the speedup: FP8's memory is held at any rate
-    fp8_copies = mem.fp8_weight_copy_bytes(exp_params) if fp8 else 0.0
+    fp8_copies = mem.fp8_weight_copy_bytes(exp_params, prob.fp8_forward, prob.fp8_backward) if fp8 else 0.0
     dense_fp8 = prob.fp8_dense and fp8  # the dense linears' two e4m3 copies (1 byte each)
     attn_fp8_copies = 2.0 * st.dense_fp8_weights(m, moe_l, dense_l) if dense_fp8 else 0.0
     if c.colocated:
@@ -908,8 +908,9 @@ def fp8_stages(stages: dict[str, Stage], ceil: Ceilings, speedup: float, m: Mode
                exp_params: Num, calib: Calibration | None = None, rows_per_expert: Num | None = None,
                backward: str = "bf16-wgrad", forward: str = "both", tokens_once: Num = 0.0,
                input_rows_recomputed: Num = False) -> dict[str, Stage]:
-    """`stages` with the routed experts in FP8 (`precision: fp8`), their weights' two e4m3 copies
-    made once per step (in the experts' optimizer stage, the pass after which they are made) either way.
+    """`stages` with the routed experts in FP8 (`precision: fp8`), their weights' e4m3 copies (those
+    the recipe reads, `roofline.memory.fp8_weight_copy_shares`: two a parameter by default) made once
+    per step (in the experts' optimizer stage, the pass after which they are made) either way.
 
     Measured (`calib` holds `expert_gemm_fp8`, `bench calibrate` on an FP8 GPU): the expert stages
     at the FP8 curve's rates for their `rows_per_expert`, the forward at its forward rate, the
@@ -999,7 +1000,8 @@ def fp8_stages(stages: dict[str, Stage], ceil: Ceilings, speedup: float, m: Mode
         unwritten = np.where(quantised_once & np.asarray(input_rows_recomputed), np.asarray(tokens_once) * k, 0.0)
         permute = out["permute / combine sum"]
         out["permute / combine sum"] = replace(permute, fwd=permute.fwd + st.permute_rows(m, unwritten).scale(-1.0))
-    copies = Work(hbm_bytes=exp_params * (BF16 + 2 * (1 + scales)))  # read the bf16 weights, write both copies
+    quantised, held = mem.fp8_weight_copy_shares(forward, backward)
+    copies = Work(hbm_bytes=exp_params * (BF16 * quantised + held * (1 + scales)))  # read bf16, write the copies
     if "optimizer (experts)" in out:
         optimizer = out["optimizer (experts)"]
         out["optimizer (experts)"] = replace(optimizer, bwd=optimizer.bwd + copies)

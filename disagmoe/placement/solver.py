@@ -122,6 +122,17 @@ def _fp8_forward_note(forward: str) -> str:
     return f"; the forward's {other} GEMM at the bf16 rate (fp8_expert_forward: {forward})"
 
 
+def _fp8_copies_note(forward: str, backward: str) -> str:
+    """The routed experts' e4m3 weight copies a plan priced (`roofline.memory.fp8_weight_copy_shares`
+    of its recipe), for `fp8_note`: 'two e4m3 weight copies per expert parameter each step' where
+    it reads all four (backward fp8 or bf16-wgrad under forward both), else the bytes."""
+    held = mem.fp8_weight_copy_shares(forward, backward)[1]
+    if held == 2:
+        return "two e4m3 weight copies per expert parameter each step"
+    return (f"the e4m3 weight copies the recipe reads, {held:.2g} {'byte' if held <= 1 else 'bytes'} per expert "
+            "parameter, made each step")
+
+
 RECOMPUTE_ORDER = ("expert_input", "expert_output", "expert_swiglu", "attention")  # TrainConfig.recompute_modules'
 
 
@@ -132,6 +143,7 @@ def fp8_note(prob: Problem, cost: Cost) -> str:
     datasheet ratio, unmeasured; the dense projections, where FP8 too, at
     the datasheet ratio either way (`bench calibrate` measures the FP8 experts only)."""
     calib = prob.calibration
+    copies = _fp8_copies_note(prob.fp8_forward, prob.fp8_backward)
     if fp8_pricing(calib) == "measured":
         experts, peak = cost.stages["routed experts"], prob.ceilings.peak_flops_per_s
         rate = lambda bwd: experts.ceilings(bwd, prob.ceilings).first().flops_per_s / peak  # noqa: E731
@@ -140,16 +152,14 @@ def fp8_note(prob: Problem, cost: Cost) -> str:
                 f"{calib.probe_version}): at this layout's rows per expert {rate(False):.2f} of the bf16 peak forward, "
                 f"{rate(True):.2f} backward (data and weight gradients with their quantisers, measured whole)"
                 f"{_fp8_measured_backward_note(prob.fp8_backward, calib.fp8_curve_backward)}"
-                f"{_fp8_forward_note(prob.fp8_forward)}, plus two e4m3 weight "
-                "copies per expert parameter each step")
+                f"{_fp8_forward_note(prob.fp8_forward)}, plus {copies}")
     else:
         head = (f"routed experts priced in FP8 (train with precision: fp8) at the datasheet ratio, unmeasured: their "
                 f"GEMMs at {prob.fp8_speedup:.2f}x the bf16 rate (fp8_tflops / bf16_tflops; the hardware's calibration "
                 "holds no FP8 expert curve, which `disagmoe bench calibrate --experts-backend triton` measures on an "
                 "sm_89+ GPU: on an H200 our FP8 experts measured about the bf16 rate, not this), plus the quantisation "
                 f"passes' HBM traffic{_fp8_backward_note(prob.fp8_backward)}{_fp8_forward_note(prob.fp8_forward)} and "
-                "two e4m3 weight copies per expert "
-                "parameter each step")
+                f"{copies}")
     dense = ("; the dense projections (attention, shared experts, dense FFN layers) in FP8 too, rowwise "
              f"(torch._scaled_mm), with their quantisation passes, at the datasheet ratio {prob.fp8_speedup:.2f}x "
              "whatever the calibration (unmeasured: `bench calibrate` measures the FP8 experts only) in the forward "

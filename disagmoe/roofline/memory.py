@@ -33,7 +33,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from disagmoe.config import DEFAULT_FP8_EXPERT_BACKWARD, FP8_EXPERT_BACKWARDS, ModelConfig
+from disagmoe.config import (DEFAULT_FP8_EXPERT_BACKWARD, DEFAULT_FP8_EXPERT_FORWARD, FP8_EXPERT_BACKWARDS, ModelConfig,
+                              fp8_weight_copies)
 from disagmoe.roofline.stages import EXPERT_RECOMPUTE_MODULES, FP32, Num, attention_io_per_token
 
 # `model/loss.py`'s chunk rule (roofline imports no torch; a test pins the two together)
@@ -44,11 +45,35 @@ LOGIT_BYTES_PER_CHUNK = 1 << 28
 FP8_VALUE_BYTES = 1 + FP32 / 128  # an e4m3 value with its share of its 1 x 128 (or 128 x 1) group's fp32 scale
 
 
-def fp8_weight_copy_bytes(routed_expert_params: Num) -> Num:
-    """`precision: fp8`: the routed experts' e4m3 weight copies, forward blocks and the transposes
-    the data gradients read (1 byte each), with one fp32 scale per 128 x 128 block of each: held
-    beside the bf16 weights for the whole run (`kernels.fp8_ffn.Fp8ExpertWeights`)."""
-    return 2 * routed_expert_params * (1 + 4 / (128 * 128))
+# The routed experts' SwiGLU weights by thirds of their parameters: w13 [E, H, 2F] two, w2 [E, F, H] one.
+ROUTED_WEIGHT_THIRDS = {"w13": 2, "w2": 1}
+FP8_BLOCK_SCALE_BYTES = FP32 / (128 * 128)  # a weight copy's fp32 scale per 128 x 128 block, per value
+
+
+def fp8_weight_copy_shares(forward: str = DEFAULT_FP8_EXPERT_FORWARD,
+                           backward: str = DEFAULT_FP8_EXPERT_BACKWARD) -> tuple[float, float]:
+    """(quantised, held) per routed expert parameter under the FP8 experts' recipe (`forward`,
+    `backward`; `config.fp8_weight_copies` says which e4m3 copies it reads, so makes): the fraction
+    of the parameters quantised each optimizer step (their weight has a copy: its bf16 values read
+    once) and the e4m3 values held per parameter (each copy one a value of its weight):
+      both, fp8 or bf16-wgrad      (1, 2)       both, bf16      (1, 1)
+      gate-up, fp8 or bf16-wgrad   (1, 5/3)     gate-up, bf16   (2/3, 2/3)
+      down, fp8 or bf16-wgrad      (1, 4/3)     down, bf16      (1/3, 1/3)"""
+    copies = fp8_weight_copies(forward, backward)
+    quantised = sum(thirds for weight, thirds in ROUTED_WEIGHT_THIRDS.items()
+                    if weight in copies or f"{weight}_t" in copies)
+    held = sum(ROUTED_WEIGHT_THIRDS[name.removesuffix("_t")] for name in copies)
+    return quantised / 3, held / 3
+
+
+def fp8_weight_copy_bytes(routed_expert_params: Num, forward: str = DEFAULT_FP8_EXPERT_FORWARD,
+                          backward: str = DEFAULT_FP8_EXPERT_BACKWARD) -> Num:
+    """`precision: fp8`: the routed experts' e4m3 weight copies their recipe (`forward`, `backward`)
+    reads, the forward's blocks and the transposes the data gradients read (1 byte a value each,
+    `fp8_weight_copy_shares`: 2 bytes a parameter under the default recipe, 2/3 under forward gate-up
+    with backward bf16), with one fp32 scale per 128 x 128 block of each: held beside the bf16
+    weights for the whole run (`kernels.fp8_ffn.Fp8ExpertWeights`)."""
+    return fp8_weight_copy_shares(forward, backward)[1] * routed_expert_params * (1 + FP8_BLOCK_SCALE_BYTES)
 
 
 def loss_chunk_tokens(tokens: Num, vocab: int) -> Num:

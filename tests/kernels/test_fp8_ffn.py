@@ -405,7 +405,8 @@ def test_the_emulated_forward_is_the_fp8_kernels_up_to_summation_order(ffn8, for
 
     counts, hidden, ffn = [5, 0, 12, 3], 160, 136
     x, offsets, w13, w2, _ = _inputs(counts, hidden, ffn, seed=31)
-    tiles, weights = ffn8.Fp8Tiles(**SMALL), ffn8.Fp8ExpertWeights.quantize(w13, w2)
+    tiles = ffn8.Fp8Tiles(**SMALL)
+    weights = ffn8.Fp8ExpertWeights.quantize(w13, w2, forward=forward, backward="bf16")  # the forward's copies alone
     runs = {}
     for emulate in (False, True):
         stats = Fp8Stats("cpu")
@@ -458,6 +459,56 @@ def test_the_emulated_experts_train_from_their_own_pre_activations_and_refuse_an
     assert torch.equal(given, y)
     with pytest.raises(ValueError, match="not emulated: set fp8_expert_backward: bf16"):
         ffn8.expert_ffn_fp8(x, offsets, w13, w2, backward="bf16-wgrad", emulate=True)
+
+
+# The e4m3 weight copies each recipe (forward, backward) reads: the FP8 gate/up GEMM w13, the FP8
+# down GEMM w2, an FP8 data gradient (backward fp8 or bf16-wgrad, whatever the forward) both transposes.
+COPIES_READ = {
+    ("both", "fp8"): {"w13", "w2", "w13_t", "w2_t"}, ("both", "bf16-wgrad"): {"w13", "w2", "w13_t", "w2_t"},
+    ("both", "bf16"): {"w13", "w2"},
+    ("gate-up", "fp8"): {"w13", "w13_t", "w2_t"}, ("gate-up", "bf16-wgrad"): {"w13", "w13_t", "w2_t"},
+    ("gate-up", "bf16"): {"w13"},
+    ("down", "fp8"): {"w2", "w13_t", "w2_t"}, ("down", "bf16-wgrad"): {"w2", "w13_t", "w2_t"},
+    ("down", "bf16"): {"w2"},
+}
+
+
+def test_each_recipes_weight_copies_are_those_it_reads_and_no_other(ffn8):
+    """`Fp8ExpertWeights.quantize(forward=, backward=)` makes the copies the recipe reads
+    (`COPIES_READ`, `config.fp8_weight_copies`) and allocates no other: one byte a value each, no
+    [E, K, N] storage behind a forward copy alone. Each is the default recipe's copy bit for bit, as
+    K-major; reading another is a ValueError naming the recipe, and `check_serves` (what
+    `expert_ffn_fp8` runs on given copies) refuses a recipe they do not serve, with the fix. Edge
+    blocks in both dimensions (H 136, F 24)."""
+    from disagmoe.config import FP8_EXPERT_BACKWARDS, FP8_EXPERT_FORWARDS, fp8_weight_copies
+
+    x, offsets, w13, w2, _ = _inputs([3], 136, 24, seed=41)
+    full = ffn8.Fp8ExpertWeights.quantize(w13, w2)
+    assert set(full.copies) == {"w13", "w13_t", "w2", "w2_t"} and full.shape_EHF == (1, 136, 24)
+    numel = {"w13": w13.numel(), "w13_t": w13.numel(), "w2": w2.numel(), "w2_t": w2.numel()}
+    assert COPIES_READ.keys() == {(f, b) for f in FP8_EXPERT_FORWARDS for b in FP8_EXPERT_BACKWARDS}
+    for (forward, backward), names in COPIES_READ.items():
+        assert set(fp8_weight_copies(forward, backward)) == names
+        weights = ffn8.Fp8ExpertWeights.quantize(w13, w2, forward=forward, backward=backward)
+        assert set(weights.copies) == names and weights.shape_EHF == full.shape_EHF
+        storages = {q.untyped_storage().data_ptr(): q.untyped_storage().nbytes() for q, _ in weights.copies.values()}
+        assert sum(storages.values()) == sum(numel[name] for name in names), (forward, backward)
+        for name in names:
+            (q, s), (q_full, s_full) = getattr(weights, name), getattr(full, name)
+            assert q.stride() == q_full.stride() and q.stride()[1] == 1  # K-major, as the GEMMs read B
+            assert torch.equal(q.view(torch.uint8), q_full.view(torch.uint8)) and torch.equal(s, s_full)
+        for name in {"w13", "w13_t", "w2", "w2_t"} - names:
+            with pytest.raises(ValueError, match=f"made for forward {forward}, backward {backward}, which reads no "
+                                                 f"{name} copy"):
+                getattr(weights, name)
+        weights.check_serves(forward, backward)
+        full.check_serves(forward, backward)  # the default recipe's four serve any
+    gate_up = ffn8.Fp8ExpertWeights.quantize(w13, w2, forward="gate-up", backward="bf16")
+    with pytest.raises(ValueError, match=r"forward both, backward bf16 read the w2 weight copies, which these \(made "
+                                         r"for forward gate-up, backward bf16\) lack: .*forward='both'"):
+        ffn8.expert_ffn_fp8(x, offsets, w13, w2, weights=gate_up, forward="both", backward="bf16")
+    with pytest.raises(ValueError, match="backward 'bf17'"):
+        ffn8.Fp8ExpertWeights.quantize(w13, w2, backward="bf17")
 
 
 def test_mismatched_weights_are_refused(ffn8):

@@ -257,6 +257,18 @@ def test_prepared_copies_are_refreshed_in_place(fp8_modules):
     prepared.set_precision("fp8")
     prepared.prepare_fp8()
     assert torch.equal(unprepared(x, offsets), prepared(x, offsets))
+    # another recipe gets new copies, those it reads alone, refreshed in place from then on; a recipe
+    # changed behind set_precision's back is rebuilt too, never copied into the old tensors
+    experts.set_precision("fp8", backward="bf16", forward="gate-up")
+    experts.prepare_fp8()
+    assert set(experts.fp8_weights.copies) == {"w13"} and len(_fp8_tensors(experts.fp8_weights)) == 2
+    kept = [t.data_ptr() for t in _fp8_tensors(experts.fp8_weights)]
+    experts.prepare_fp8()
+    assert [t.data_ptr() for t in _fp8_tensors(experts.fp8_weights)] == kept
+    assert torch.equal(experts.fp8_weights.w13[0].float(), fresh.w13[0].float())
+    experts.fp8_forward = "down"
+    experts.prepare_fp8()
+    assert set(experts.fp8_weights.copies) == {"w2"}
 
 
 def _tiny_loss_and_grads(tok, fixed, configure, backend="triton"):
@@ -315,6 +327,43 @@ def test_the_tiny_models_emulated_fp8_experts_give_the_fp8_kernels_loss_gradient
     assert loss_emu == pytest.approx(loss, rel=1e-6)
     assert max(_rel_grad_errors(grads, grads_emu)) < 1e-5
     assert torch.equal(counts[:, TOTAL], counts_emu[:, TOTAL]) and counts[ACTIVATIONS, TOTAL] > 0
+
+
+@pytest.mark.slow  # two forwards and backwards of the tiny model a case, the FP8 kernels interpreted: 8-20 s
+@pytest.mark.parametrize("forward, backward", [("gate-up", "bf16"), ("down", "bf16"), ("both", "bf16-wgrad")])
+def test_the_tiny_models_fp8_experts_hold_the_copies_their_recipe_reads_and_train_as_with_all_four(
+        interpreted, monkeypatch, forward, backward):
+    """One forward and backward of the tiny model (fp32, routing fixed to the first run's) with each
+    recipe's copies alone (`prepare_fp8`: `Fp8ExpertWeights.quantize(forward=, backward=)`) against
+    the same recipe reading all four copies as before (every copy made, whatever the recipe): the
+    same loss and gradients bit for bit, the same rows counted; the weights' counters count the
+    weights quantised (a weight the recipe reads no copy of is not)."""
+    *_, ffn8 = interpreted("disagmoe.kernels.grouped_gemm", "disagmoe.kernels.fp8", "disagmoe.kernels.fp8_ffn")
+    from disagmoe.config import fp8_weight_copies
+    from disagmoe.kernels.fp8_stats import ACTIVATIONS, GRADIENTS, TOTAL, WEIGHTS
+
+    every_copy = ffn8.Fp8ExpertWeights.quantize
+    tok, runs, fixed, held = _tiny_tokens(), [], None, []
+    for all_four in (True, False):
+        def configure(model, stats):
+            model.set_expert_precision("fp8", backward, forward)
+            held.append([m for m in model.modules() if isinstance(m, RoutedExperts)])
+
+        with monkeypatch.context() as patch:
+            if all_four:  # the copies as made before each recipe made its own: the default recipe's four
+                patch.setattr(ffn8.Fp8ExpertWeights, "quantize",
+                              lambda w13, w2, stats=None, **_: every_copy(w13, w2, stats))
+            loss, grads, counts, fixed = _tiny_loss_and_grads(tok, fixed, configure)
+        runs.append((loss, grads, counts))
+    assert all(set(e.fp8_weights.copies) == {"w13", "w13_t", "w2", "w2_t"} for e in held[0])
+    assert held[1] and all(set(e.fp8_weights.copies) == set(fp8_weight_copies(forward, backward)) for e in held[1])
+    (loss_all, grads_all, counts_all), (loss, grads, counts) = runs
+    assert loss == loss_all and all((a is None and b is None) or torch.equal(a, b)
+                                    for a, b in zip(grads, grads_all, strict=True))
+    assert torch.equal(counts[[ACTIVATIONS, GRADIENTS]], counts_all[[ACTIVATIONS, GRADIENTS]])
+    routed = sum(e.w13_EH2F.numel() + e.w2_EFH.numel() for e in held[1])
+    share = {"both": 1, "gate-up": 2 / 3, "down": 1 / 3}[forward] if backward == "bf16" else 1
+    assert counts_all[WEIGHTS, TOTAL] == routed and counts[WEIGHTS, TOTAL] == round(share * routed)
 
 
 def test_the_tiny_models_emulated_fp8_projections_give_the_library_kernels_loss_gradients_and_counts():
@@ -578,21 +627,34 @@ def test_cuda_fp8_selective_recomputation_trains_like_the_plain_fp8_run(tmp_path
     assert max(r["peak_memory_gib"] for r in lean) <= max(r["peak_memory_gib"] for r in plain) + transient_gib
 
 
-def test_the_memory_check_counts_the_fp8_weight_copies():
-    """Two bytes per routed-expert parameter (the forward blocks and their transposes) more than
-    bf16, with their block scales: what `micro_batches: auto` and the single check plan for."""
+# Bytes per routed-expert parameter of the e4m3 weight copies each recipe (forward, backward) reads:
+# w13 holds 2/3 of the parameters, w2 1/3; the forward's FP8 gate/up GEMM reads w13's copy, its FP8
+# down GEMM w2's, an FP8 data gradient (fp8, bf16-wgrad) both transposes.
+COPY_BYTES_PER_PARAM = {("both", "fp8"): 2, ("both", "bf16-wgrad"): 2, ("both", "bf16"): 1,
+                        ("gate-up", "fp8"): 5 / 3, ("gate-up", "bf16-wgrad"): 5 / 3, ("gate-up", "bf16"): 2 / 3,
+                        ("down", "fp8"): 4 / 3, ("down", "bf16-wgrad"): 4 / 3, ("down", "bf16"): 1 / 3}
+
+
+@pytest.mark.parametrize("forward, backward", list(COPY_BYTES_PER_PARAM))
+def test_the_memory_check_counts_the_fp8_weight_copies(forward, backward):
+    """The e4m3 weight copies the recipe reads more than bf16 (`COPY_BYTES_PER_PARAM` a routed-expert
+    parameter: two by default, the forward blocks and their transposes), with their block scales:
+    what `micro_batches: auto` and the single check plan for (`roofline.memory.fp8_weight_copy_bytes`)."""
     from disagmoe.model.layers import DeferrableLinear
     from disagmoe.model.transformer import MoETransformer
     from disagmoe.model_ref import load_model
+    from disagmoe.roofline.memory import fp8_weight_copy_bytes
     from disagmoe.roofline.params import count_params
     from disagmoe.runtime.training.trainer import single_peak_bytes
 
     fields = dict(model="tiny", mode="single", device="cuda", experts_backend="triton")
+    recipe = dict(fp8_expert_forward=forward, fp8_expert_backward=backward)
     model = load_model("tiny")
     bf16, fp8, fp8_dense = (single_peak_bytes(TrainConfig(**fields, precision=p, **kw), model)[0]
-                            for p, kw in (("bf16", {}), ("fp8", {"fp8_dense": False}), ("fp8", {})))
-    routed = count_params(model).routed_experts
-    assert 2 * routed < fp8 - bf16 < 2.01 * routed
+                            for p, kw in (("bf16", {}), ("fp8", {"fp8_dense": False, **recipe}), ("fp8", recipe)))
+    routed, per_param = count_params(model).routed_experts, COPY_BYTES_PER_PARAM[forward, backward]
+    assert fp8 - bf16 == int(fp8_weight_copy_bytes(routed, forward, backward))
+    assert per_param * routed < fp8 - bf16 < 1.001 * per_param * routed
     # with the dense projections in FP8 (the default) their two e4m3 copies too, 1 byte each
     dense = sum(m.weight.numel() for m in MoETransformer(model).modules() if isinstance(m, DeferrableLinear))
     assert fp8_dense - fp8 == 2 * dense

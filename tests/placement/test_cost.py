@@ -404,7 +404,8 @@ def test_fp8_experts_hold_their_memory_whatever_the_hardwares_fp8_rate(fp8_tflop
         return problem_of(req), evaluate(problem_of(req), layout)
 
     (prob, bf16), (_, fp8), (_, fast) = cost(slow, "bf16"), cost(slow, "fp8"), cost(h200, "fp8")
-    copies = 2 * fp8.expert_params[0] * (1 + 4 / 128**2)  # two e4m3 copies, a fp32 scale per 128 x 128
+    # the copies forward both reads (w13's and w2's) and, unless the backward is bf16, their transposes
+    copies = (2 if backward != "bf16" else 1) * fp8.expert_params[0] * (1 + 4 / 128**2)  # a fp32 scale a block
     acts = fp8.expert_act_bytes[0] - bf16.expert_act_bytes[0]
     assert acts < 0 and fp8.expert_mem_bytes[0] - bf16.expert_mem_bytes[0] == pytest.approx(copies + acts)
     assert fp8.expert_mem_bytes[0] == fast.expert_mem_bytes[0] and fp8.attn_mem_bytes[0] == fast.attn_mem_bytes[0]
@@ -420,6 +421,42 @@ def test_fp8_experts_hold_their_memory_whatever_the_hardwares_fp8_rate(fp8_tflop
     quantise = fp8.stages["fp8 quantise"]
     per_row = {"fp8": 2 * H + 4 * F + F + H, "bf16-wgrad": H + 2 * F, "bf16": 0}[backward]
     assert quantise.bwd.hbm_bytes[0] == pytest.approx(quantise.fwd.hbm_bytes[0] * per_row / H)
+
+
+# e4m3 bytes per routed-expert parameter of the weight copies each recipe reads (w13 2/3 of the
+# parameters, w2 1/3; tests/model/test_fp8_experts.py's COPY_BYTES_PER_PARAM), and the share of the
+# parameters quantised (read in bf16) to make them.
+RECIPE_COPIES = {("both", "bf16-wgrad"): (2, 1), ("both", "bf16"): (1, 1), ("gate-up", "fp8"): (5 / 3, 1),
+                 ("gate-up", "bf16"): (2 / 3, 2 / 3), ("down", "bf16-wgrad"): (4 / 3, 1), ("down", "bf16"): (1 / 3, 1 / 3)}
+
+
+@pytest.mark.parametrize("forward, backward", list(RECIPE_COPIES))
+def test_the_planner_holds_and_makes_the_fp8_weight_copies_the_recipe_reads(forward, backward):
+    """`Problem.fp8_forward` / `fp8_backward`: the expert GPU holds the e4m3 copies the recipe reads
+    (`roofline.memory.fp8_weight_copy_bytes`) beside bf16's state, and its optimizer pass reads the
+    weights quantised in bf16 and writes those copies, on one fixed disaggregated layout; the plan's
+    note says so."""
+    from disagmoe.placement.solver import fp8_note
+
+    layout = Candidates.one(4, 4, 1, 4, 2)
+
+    def cost(precision, **recipe):
+        req = PlanConfig(model=load_model("qwen3-30b-a3b"),
+                         cluster=ClusterConfig(hardware=load_hardware("h200-sxm"), num_gpus=8), seq_len=4096,
+                         global_batch_tokens=1 << 20, recompute="none", expert_precision=precision, **recipe)
+        return problem_of(req), evaluate(problem_of(req), layout)
+
+    (_, bf16), (prob, fp8) = cost("bf16"), cost("fp8", fp8_expert_forward=forward, fp8_expert_backward=backward)
+    held, quantised = RECIPE_COPIES[forward, backward]
+    params = fp8.expert_params[0]
+    state = (fp8.expert_mem_bytes[0] - fp8.expert_act_bytes[0]) - (bf16.expert_mem_bytes[0] - bf16.expert_act_bytes[0])
+    assert state == pytest.approx(held * params * (1 + 4 / 128**2))
+    optimizer = fp8.stages["optimizer (experts)"].bwd.hbm_bytes[0] - bf16.stages["optimizer (experts)"].bwd.hbm_bytes[0]
+    assert optimizer == pytest.approx(params * (2 * quantised + held * (1 + 4 / 128)))  # bf16 read, e4m3 + scales
+    said = {2: "two e4m3 weight copies per expert parameter each step", 1: "reads, 1 byte per expert parameter",
+            2 / 3: "reads, 0.67 byte per expert", 1 / 3: "reads, 0.33 byte per expert",
+            5 / 3: "reads, 1.7 bytes per expert", 4 / 3: "reads, 1.3 bytes per expert"}[held]
+    assert said in fp8_note(prob, fp8)
 
 
 @pytest.mark.parametrize("calibrated", [False, True])

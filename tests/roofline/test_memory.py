@@ -304,3 +304,29 @@ def test_the_runs_fp8_recomputation_reaches_the_memory_check():
     for rank, (a, b) in enumerate(zip(rank_activations(lean_d, m, topology), rank_activations(plain_d, m, topology),
                                       strict=True)):
         assert (a.peak_bytes < b.peak_bytes) == (topology.expert_role(rank) is not None), rank
+
+
+# (quantised, held) per routed-expert parameter of each FP8 recipe's weight copies (w13 2/3 of the
+# parameters, w2 1/3): the forward's FP8 gate/up GEMM reads w13's copy, its FP8 down GEMM w2's, an
+# FP8 data gradient (backward fp8, bf16-wgrad) both transposes; the bf16 backward none.
+COPY_SHARES = {("both", "fp8"): (1, 2), ("both", "bf16-wgrad"): (1, 2), ("both", "bf16"): (1, 1),
+               ("gate-up", "fp8"): (1, 5 / 3), ("gate-up", "bf16-wgrad"): (1, 5 / 3), ("gate-up", "bf16"): (2 / 3, 2 / 3),
+               ("down", "fp8"): (1, 4 / 3), ("down", "bf16-wgrad"): (1, 4 / 3), ("down", "bf16"): (1 / 3, 1 / 3)}
+
+
+@pytest.mark.parametrize("forward, backward", list(COPY_SHARES))
+def test_each_fp8_recipe_holds_the_weight_copies_it_reads(forward, backward):
+    """`fp8_weight_copy_bytes` by recipe: one e4m3 byte a value of each copy the recipe reads
+    (`config.fp8_weight_copies`) with a fp32 scale per 128 x 128 block; the default recipe's two
+    bytes a parameter as before; an unknown recipe refused with the choices."""
+    from disagmoe.config import fp8_weight_copies
+
+    quantised, held = COPY_SHARES[forward, backward]
+    assert mem.fp8_weight_copy_shares(forward, backward) == pytest.approx((quantised, held))
+    params = 6 * 10**9
+    assert mem.fp8_weight_copy_bytes(params, forward, backward) == pytest.approx(held * params * (1 + 4 / 128**2))
+    thirds = {"w13": 2, "w13_t": 2, "w2": 1, "w2_t": 1}
+    assert held == pytest.approx(sum(thirds[name] for name in fp8_weight_copies(forward, backward)) / 3)
+    assert mem.fp8_weight_copy_bytes(params) == 2 * params * (1 + 4 / 128**2)  # the default: all four
+    with pytest.raises(ValueError, match="backward 'bf32': choose one of fp8, bf16-wgrad, bf16"):
+        mem.fp8_weight_copy_bytes(params, forward, "bf32")

@@ -104,8 +104,9 @@ def training_state_bytes(cfg: TrainConfig, model_cfg: ModelConfig, topology: Top
     `optim.shard_states`, an attention rank's replicated parameters count their ZeRO-1 share over its
     data-parallel group. With `offload_optimizer` the masters and moments are host bytes (`host`: return
     those instead) and the device holds two staging slots (`staging_bytes`). With precision fp8 the
-    rank's routed experts' FP8 weight copies are device bytes too (`roofline.memory.fp8_weight_copy_bytes`,
-    as mode single counts them), and with `dense_precision` fp8 its dense projections' two e4m3 copies."""
+    rank's routed experts' FP8 weight copies are device bytes too, those their recipe reads
+    (`roofline.memory.fp8_weight_copy_bytes`, as mode single counts them), and with `dense_precision`
+    fp8 its dense projections' two e4m3 copies."""
     model = rank_model(model_cfg, cfg.experts_backend, topology, rank)
     named = list(model.named_parameters())
     params = sum(p.numel() for _, p in named)
@@ -121,7 +122,8 @@ def training_state_bytes(cfg: TrainConfig, model_cfg: ModelConfig, topology: Top
     if cfg.offload_optimizer:
         device += staging_bytes(cfg.offload_bucket_bytes, cfg.optim.state_dtype, cfg.compute_dtype_name, params)
     if cfg.expert_precision == "fp8":
-        device += int(fp8_weight_copy_bytes(params - replicated))
+        device += int(fp8_weight_copy_bytes(params - replicated, cfg.expert_forward_precision,
+                                            cfg.expert_backward_precision))
     if cfg.dense_precision == "fp8":  # two e4m3 copies of every dense projection (`fp8_dense.Fp8WeightCopies`)
         device += 2 * sum(m.weight.numel() for m in model.modules() if isinstance(m, DeferrableLinear))
     return params, device

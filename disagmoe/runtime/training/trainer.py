@@ -272,7 +272,8 @@ def single_peak_bytes(cfg: TrainConfig, model_cfg: ModelConfig) -> tuple[int, in
     """(training state, activations) one process holds at its peak on its device: every parameter's
     state (`roofline.optimizer_state.state_bytes`; offloaded, the masters and moments are host bytes,
     `single_host_bytes`, and two staging slots are on the device; with `precision: fp8` the experts'
-    FP8 weight copies too, `roofline.memory.fp8_weight_copy_bytes`, and the dense projections' two e4m3
+    FP8 weight copies too, those their recipe reads (`roofline.memory.fp8_weight_copy_bytes` of
+    `fp8_expert_forward` and `fp8_expert_backward`), and the dense projections' two e4m3
     copies under `dense_precision` fp8) and one micro-batch's activations
     (`runtime.activation_memory`)."""
     params = count_params(model_cfg)
@@ -281,7 +282,8 @@ def single_peak_bytes(cfg: TrainConfig, model_cfg: ModelConfig) -> tuple[int, in
     if cfg.offload_optimizer:
         state += staging_bytes(cfg.offload_bucket_bytes, cfg.optim.state_dtype, cfg.compute_dtype_name, params.total)
     if cfg.expert_precision == "fp8":
-        state += int(fp8_weight_copy_bytes(params.routed_experts))
+        state += int(fp8_weight_copy_bytes(params.routed_experts, cfg.expert_forward_precision,
+                                           cfg.expert_backward_precision))
     if cfg.dense_precision == "fp8":  # the dense projections' two e4m3 copies, priced as the planner does
         state += int(2 * dense_fp8_weights(model_cfg, model_cfg.num_moe_layers, model_cfg.num_dense_layers))
     return state, single_activation_bytes(cfg, model_cfg)

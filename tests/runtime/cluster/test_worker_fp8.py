@@ -206,7 +206,8 @@ def test_the_step_sum_gives_every_rank_the_norm_and_all_ranks_counters_and_one_s
 
 def test_the_memory_check_counts_each_expert_ranks_fp8_weight_copies():
     """Per rank, precision fp8 adds its routed experts' FP8 copies (`fp8_weight_copy_bytes`, as mode
-    single counts them) to the device state; an attention rank holds none."""
+    single counts them: those the recipe reads, 2/3 byte a parameter under forward gate-up with
+    backward bf16) to the device state; an attention rank holds none."""
     from disagmoe.model.layers import DeferrableLinear
     from disagmoe.roofline.memory import fp8_weight_copy_bytes
     from disagmoe.runtime.cluster.driver import training_state_bytes
@@ -215,15 +216,19 @@ def test_the_memory_check_counts_each_expert_ranks_fp8_weight_copies():
                   transport="nvshmem", experts_backend="triton", hop="partial_sums", batch_size=8, seq_len=16)
     bf16, fp8 = TrainConfig(**fields, precision="bf16"), TrainConfig(**fields, precision="fp8", fp8_dense=False)
     fp8_dense = TrainConfig(**fields, precision="fp8")  # and the dense projections' two e4m3 copies
+    gate_up = TrainConfig(**fields, precision="fp8", fp8_dense=False, fp8_expert_forward="gate-up",
+                          fp8_expert_backward="bf16")  # w13's forward copy alone
     model_cfg = load_model("tiny")
     topology = Topology.from_config(fp8, model_cfg)
     for rank in range(topology.world_size):
         model = rank_model(model_cfg, "triton", topology, rank)
         experts = sum(p.numel() for n, p in model.named_parameters() if ".moe.experts." in n)
         dense = sum(m.weight.numel() for m in model.modules() if isinstance(m, DeferrableLinear))
-        (params, with_fp8), (_, without), (_, with_dense) = (training_state_bytes(c, model_cfg, topology, rank)
-                                                             for c in (fp8, bf16, fp8_dense))
+        (params, with_fp8), (_, without), (_, with_dense), (_, with_gate_up) = (
+            training_state_bytes(c, model_cfg, topology, rank) for c in (fp8, bf16, fp8_dense, gate_up))
         assert with_fp8 - without == int(fp8_weight_copy_bytes(experts))
+        assert with_gate_up - without == int(fp8_weight_copy_bytes(experts, "gate-up", "bf16"))
+        assert 3 * (with_gate_up - without) <= with_fp8 - without
         assert with_dense - with_fp8 == 2 * dense
         assert (experts > 0) == (topology.expert_role(rank) is not None)
         assert (dense > 0) == (topology.attention_role(rank) is not None)

@@ -61,6 +61,19 @@ def test_recomputation_and_bf16_moments_let_auto_take_fewer_larger_micro_batches
     assert lean < plain
 
 
+def test_an_fp8_recipe_holding_fewer_weight_copies_takes_fewer_micro_batches():
+    """The H100 A/B of docs/benchmarks.md (Qwen3 config, bf16 moments, 79.2 GiB reported): FP8 with
+    every weight copy took 8 micro-batches against bf16's 4; the gate/up forward alone with the bf16
+    backward holds w13's forward copy only (2/3 byte a routed parameter, not 2) and takes bf16's 4."""
+    h100 = 79.2 * GiB
+    ab = ("optim.state_dtype=bf16", "hardware=h100-sxm")
+    fp8 = ("precision=fp8", "fp8_dense=false")
+    split = {name: choose(cfg, load_model(cfg.model), single_need, h100).micro_batches for name, cfg in (
+        ("bf16", qwen3(*ab)), ("every copy", qwen3(*ab, *fp8)),
+        ("gate-up, bf16", qwen3(*ab, *fp8, "fp8_expert_forward=gate-up", "fp8_expert_backward=bf16")))}
+    assert split == {"bf16": 4, "every copy": 8, "gate-up, bf16": 4}
+
+
 def test_without_hardware_to_price_on_the_fewest_that_fit_win():
     cfg = TrainConfig(model="tiny", mode="single", batch_size=8, micro_batches="auto")
     need = {1: 90, 2: 50, 4: 30, 8: 20}
