@@ -36,7 +36,7 @@ from disagmoe.kernels.fp8_ffn import (DEFAULT_BACKWARD, DEFAULT_FORWARD, Fp8Expe
 from disagmoe.kernels.moe_ffn import FFNTiles, expert_ffn_reference, expert_ffn_triton
 from disagmoe.kernels.permute import (combine_reference, combine_rows, permute_reference,
                                       permute_tokens)
-from disagmoe.kernels.tile_configs import TileConfig
+from disagmoe.kernels.tile_configs import TileConfig, device_architecture, tile_source
 
 ZIPF_EXPONENT = 1.2
 BACKENDS = ("triton", "grouped_mm", "loop")  # the default set
@@ -394,6 +394,8 @@ def run(shape_names: list[str], backends: list[str], warmup: int, iters: int,
               "warmup": warmup, "iters": iters, "loop_iters": loop_iters}
     record["ceiling_tflops"] = matmul_ceiling_tflops(device)
     log(f"bf16 matmul 8192^3: {record['ceiling_tflops']:.0f} TFLOP/s")
+    record["tile_source"] = tile_source(torch.cuda.get_device_name(device), device_architecture(device))
+    log(f"tiles: {record['tile_source']}")
     record["shapes"] = []
     for name in shape_names:
         shape = SHAPES[name]

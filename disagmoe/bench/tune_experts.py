@@ -22,7 +22,8 @@ from disagmoe.bench.experts import ExpertShape
 from disagmoe.bench.timing import environment, median_ms
 from disagmoe.kernels import grouped_gemm as gg
 from disagmoe.kernels.moe_ffn import FFNTiles
-from disagmoe.kernels.tile_configs import FP8_ROLES, ROLES, TUNED_DIR, TileConfig, gpu_slug, heuristic, shape_class
+from disagmoe.kernels.tile_configs import (FP8_ROLES, ROLES, TUNED_DIR, TileConfig, clear_cache, device_architecture,
+                                          gpu_slug, heuristic, shape_class)
 
 # (block_m, block_n, block_k, num_warps, num_stages, programs_per_sm[, flatten]); block_m tiles
 # the rows (for the weight gradients: the reduction over rows), block_n the output columns, block_k
@@ -312,17 +313,21 @@ def tune(shapes: list[ExpertShape], warmup: int, iters: int, log: Callable[[str]
         results.update(tune_roles(launches, dims, flops, shape.pairs, experts, name, time_ms, log))
         del launches
         torch.cuda.empty_cache()
-    return {"environment": environment(device), "results": results}
+    return {"environment": environment(device), "architecture": device_architecture(device), "results": results}
 
 
 def write_tuned(record: dict, out: Path | None) -> Path:
-    """Merge the winners into the GPU's tuned table (the data the launcher reads)."""
+    """Merge the winners into the GPU's tuned table (the data the launcher reads), with the GPU's
+    architecture (`tile_configs.architecture`: GPUs of the same one without a table read it)."""
     path = out or TUNED_DIR / f"{gpu_slug(record['environment']['gpu'])}.json"
     table = json.loads(path.read_text()) if path.exists() else {"entries": {}, "measured": {}}
     table["environment"] = record["environment"]
+    if record.get("architecture"):
+        table["architecture"] = record["architecture"]
     for key, result in sorted(record["results"].items()):
         table["entries"][key] = result["config"]
         table["measured"][key] = {k: v for k, v in result.items() if k != "config"}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    clear_cache()  # this process's later launches read the table just written
     return path

@@ -59,7 +59,7 @@ from disagmoe.kernels.fp8_stats import ACTIVATIONS, GRADIENTS, WEIGHTS, Fp8Stats
 from disagmoe.kernels.moe_ffn import FFNTiles, main_grad_of, moe_ffn_backward
 from disagmoe.kernels.recompute import (EXPERT_INPUT, EXPERT_OUTPUT, FP8_NO_EXPERT_OUTPUT, FP8_RECOMPUTABLE, RowSource,
                                         UnwrittenRows)
-from disagmoe.kernels.tile_configs import TileConfig, tuned
+from disagmoe.kernels.tile_configs import TileConfig, device_architecture, tuned
 
 
 # The routed experts' backward GEMMs: "fp8" (all four in e4m3: the data gradients 1 x 128, the weight
@@ -382,10 +382,11 @@ class Fp8Tiles:
     @classmethod
     def for_shape(cls, rows: int, experts: int, hidden: int, ffn: int, device: torch.device) -> Fp8Tiles:
         """The tiles `disagmoe bench tune-experts --precision fp8` saved for this shape class on this
-        GPU (`tile_configs.FP8_ROLES`), the defaults for a field none was saved for."""
+        GPU (`tile_configs.FP8_ROLES`; untuned here, on a GPU of its architecture), the defaults for a
+        field none was saved for."""
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-        defaults = cls()
-        return cls(**{field.name: tuned(f"fp8_{field.name}", hidden, ffn, rows, experts, name)
+        defaults, arch = cls(), device_architecture(device)
+        return cls(**{field.name: tuned(f"fp8_{field.name}", hidden, ffn, rows, experts, name, arch)
                       or getattr(defaults, field.name) for field in dataclasses.fields(cls)})
 
     def with_promote(self, promote: str) -> Fp8Tiles:

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from disagmoe.kernels import grouped_gemm as gg
-from disagmoe.kernels.tile_configs import TileConfig, lookup
+from disagmoe.kernels.tile_configs import TileConfig, device_architecture, lookup
 from disagmoe.kernels.autocast import autocast_operands
 from disagmoe.kernels.deferral import hold_back
 from disagmoe.kernels.first_touch import adds_into
@@ -63,13 +63,15 @@ class FFNTiles:
     @classmethod
     def for_shape(cls, rows: int, experts: int, hidden: int, ffn: int,
                   device: torch.device, dtype: torch.dtype = torch.bfloat16) -> FFNTiles:
-        """Tuned tiles for this shape class on this GPU (heuristic defaults when untuned),
-        adjusted to the operands' element size and the GPU's shared memory per block."""
+        """Tuned tiles for this shape class on this GPU (or, untuned here, on a GPU of its
+        architecture: `tile_configs`; heuristic defaults when untuned), adjusted to the operands'
+        element size and the GPU's shared memory per block."""
         cuda = device.type == "cuda"
         name = torch.cuda.get_device_name(device) if cuda else "cpu"
         smem = torch.cuda.get_device_properties(device).shared_memory_per_block_optin if cuda else None
         itemsize = torch.empty((), dtype=dtype).element_size()
-        return cls(**{role: lookup(role, k, c, rows, experts, name, itemsize, smem)
+        arch = device_architecture(device)
+        return cls(**{role: lookup(role, k, c, rows, experts, name, itemsize, smem, arch)
                       for role, (k, c) in cls.gemm_dims(hidden, ffn).items()})
 
 

@@ -4,6 +4,12 @@ A *shape class* is (kernel role, reduction size K, output columns N, average row
 up to a power of two). `disagmoe bench tune-experts` measures candidate tiles per class on a GPU and
 writes them to `disagmoe/kernels/tuned/<gpu-slug>.json`; launches look them up by the running GPU.
 The FP8 expert FFN's roles (`FP8_ROLES`, `kernels.fp8_ffn.Fp8Tiles.for_shape`) share the file.
+
+A GPU without a table of its own reads the table of a GPU of the same architecture (`architecture`:
+compute capability and SM count, which the tiles depend on; recorded in each table) before falling
+back to the heuristic: an H100 (sm_90, 132 SMs) launches the tiles tuned on an H200 (sm_90, 132
+SMs), which differ in HBM bandwidth and capacity, not in what a tile fits or how many run at once.
+`tile_source` says which table a GPU reads; tuning on it writes its own, which wins from then on.
 """
 
 from __future__ import annotations
@@ -121,18 +127,70 @@ def shape_class(role: str, k: int, n: int, rows: int, experts: int) -> str:
     return f"{role}/k{k}/n{n}/m{bucket}"
 
 
+def architecture(capability: tuple[int, int], sms: int) -> str:
+    """A GPU's tile-relevant architecture, as tables record it: (9, 0), 132 -> 'sm_90x132'."""
+    return f"sm_{capability[0]}{capability[1]}x{sms}"
+
+
+def device_architecture(device) -> str | None:
+    """`architecture` of a torch CUDA device (None off CUDA)."""
+    import torch
+
+    if device.type != "cuda":
+        return None
+    props = torch.cuda.get_device_properties(device)
+    return architecture((props.major, props.minor), props.multi_processor_count)
+
+
 @functools.cache
-def _tuned_table(slug: str) -> dict[str, TileConfig]:
-    path = TUNED_DIR / f"{slug}.json"
-    if not path.exists():
+def _tables() -> dict[str, dict]:
+    """Every tuned table in `TUNED_DIR`, by slug (its file's name)."""
+    return {path.stem: json.loads(path.read_text()) for path in sorted(TUNED_DIR.glob("*.json"))}
+
+
+@functools.cache
+def table_slug(device_name: str, arch: str | None = None) -> str | None:
+    """The slug of the table this GPU reads: its own where tuned on it, else the first (by name) of a
+    GPU of the same `architecture` (module docstring), else None (the heuristics)."""
+    tables, own = _tables(), gpu_slug(device_name)
+    if own in tables:
+        return own
+    if arch is not None:
+        return next((slug for slug, table in tables.items() if table.get("architecture") == arch), None)
+    return None
+
+
+def tile_source(device_name: str, arch: str | None = None) -> str:
+    """Where this GPU's tiles come from, for a benchmark's log: its own table, a same-architecture
+    GPU's (named), or the heuristics."""
+    slug = table_slug(device_name, arch)
+    if slug is None:
+        return f"untuned defaults (no table tuned on {device_name} or on a GPU of its architecture"\
+               + (f" {arch})" if arch else ")")
+    if slug == gpu_slug(device_name):
+        return f"tuned on this GPU ({slug}.json)"
+    tuned_on = _tables()[slug].get("environment", {}).get("gpu", slug)
+    return f"tuned on {tuned_on}, the same architecture ({arch}: {slug}.json); tune-experts here writes its own"
+
+
+@functools.cache
+def _tuned_table(slug: str | None) -> dict[str, TileConfig]:
+    if slug is None:
         return {}
-    entries = json.loads(path.read_text())["entries"]
-    return {key: TileConfig(**value) for key, value in entries.items()}
+    return {key: TileConfig(**value) for key, value in _tables()[slug]["entries"].items()}
 
 
-def tuned(role: str, k: int, n: int, rows: int, experts: int, device_name: str) -> TileConfig | None:
-    """The tuned config of this shape class on this GPU, None when none was tuned."""
-    return _tuned_table(gpu_slug(device_name)).get(shape_class(role, k, n, rows, experts))
+def clear_cache() -> None:
+    """Forget the tables read (after `TUNED_DIR` changed or a table was written)."""
+    for cached in (_tables, table_slug, _tuned_table):
+        cached.cache_clear()
+
+
+def tuned(role: str, k: int, n: int, rows: int, experts: int, device_name: str,
+          arch: str | None = None) -> TileConfig | None:
+    """The tuned config of this shape class on this GPU (or, untuned here, on a GPU of its
+    `architecture` `arch`: `table_slug`), None when none was tuned."""
+    return _tuned_table(table_slug(device_name, arch)).get(shape_class(role, k, n, rows, experts))
 
 
 def heuristic(role: str) -> TileConfig:
@@ -148,7 +206,7 @@ def heuristic(role: str) -> TileConfig:
 
 
 def lookup(role: str, k: int, n: int, rows: int, experts: int, device_name: str,
-           itemsize: int = 2, shared_memory_bytes: int | None = None) -> TileConfig:
+           itemsize: int = 2, shared_memory_bytes: int | None = None, arch: str | None = None) -> TileConfig:
     """The tuned config of this shape class on this GPU (tuned for bf16 operands), or the
     heuristic when none was tuned, adjusted to `itemsize`-byte operands and, for operands wider
     than bf16 given the GPU's per-block `shared_memory_bytes`, shrunk until its operand ring fits.
@@ -158,7 +216,7 @@ def lookup(role: str, k: int, n: int, rows: int, experts: int, device_name: str,
     ring, 240 KiB, failed on an H200's 227 KiB), while a bf16 launch can feed A from registers and
     allocate less than `shared_memory_bytes` estimates: bf16 tiles launch as tuned (each tuned
     entry and the heuristics ran on the GPU)."""
-    config = (tuned(role, k, n, rows, experts, device_name) or heuristic(role)).for_element_size(itemsize)
+    config = (tuned(role, k, n, rows, experts, device_name, arch) or heuristic(role)).for_element_size(itemsize)
     if shared_memory_bytes is None or itemsize <= 2:
         return config
     return config.fit_shared_memory(itemsize, shared_memory_bytes, b_tiles=2 if role == "gate_up" else 1)

@@ -106,6 +106,7 @@ def test_roles_limit_the_tuning_to_those_gemms(monkeypatch):
 
     monkeypatch.setattr(tuner.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(tuner, "environment", lambda device: {"gpu": "test"})
+    monkeypatch.setattr(tuner, "device_architecture", lambda device: "sm_90x132")
     monkeypatch.setattr(tuner, "role_launches", lambda shape, device: {role: None for role in tuner.ROLES})
     searched = []
     monkeypatch.setattr(tuner, "tune_roles", lambda launches, *a, **k: searched.append(sorted(launches)) or {})
@@ -208,7 +209,7 @@ def test_the_fp8_search_saves_the_fastest_checked_tiles_and_the_fp8_ffn_runs_the
         assert measured["shape"] == "tiny" and measured["ms"] < measured["heuristic_ms"]
 
     monkeypatch.setattr(tc, "TUNED_DIR", tmp_path)
-    tc._tuned_table.cache_clear()
+    tc.clear_cache()
     try:
         tiles = fp8_ffn.Fp8Tiles.for_shape(rows, experts, hidden, ffn, torch.device("cpu"))
         assert tiles == fp8_ffn.Fp8Tiles(rows=WINNERS["fp8_rows"], swiglu=WINNERS["fp8_swiglu"],
@@ -224,4 +225,4 @@ def test_the_fp8_search_saves_the_fastest_checked_tiles_and_the_fp8_ffn_runs_the
         y = fp8_ffn.expert_ffn_fp8(x, offsets, w13, w2, num_programs=2)
         assert ran == [tiles] and torch.isfinite(y).all()
     finally:
-        tc._tuned_table.cache_clear()
+        tc.clear_cache()
