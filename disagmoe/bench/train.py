@@ -59,8 +59,18 @@ def variant_config(cfg: TrainConfig, variant: str | None, mode: str | None = Non
     overrides = shlex.split(variant)
     if not overrides:
         raise ValueError("--variant '': give key=value overrides, e.g. --variant recompute=selective")
-    base = cfg.model_dump() if mode is None else {**cfg.model_dump(), "mode": mode}
+    base = cfg.model_dump() if mode is None else {**cfg.model_dump(), "mode": mode, **row_layout(cfg, mode)}
     return validate(TrainConfig, apply_overrides(base, overrides), f"--variant {variant!r}")
+
+
+def row_layout(cfg: TrainConfig, mode: str) -> dict:
+    """The layout fields a row of `mode` takes from `cfg`: colocated of a config written for another
+    mode is its baseline, the same GPUs (attention + expert ranks) as one pipeline group; a config
+    written for colocated (mode=colocated) keeps its own colocated_ranks and pipeline_groups, as
+    every other mode keeps its own layout (no fields)."""
+    if mode == "colocated" and cfg.mode != "colocated":
+        return dict(colocated_ranks=cfg.attention_ranks + cfg.expert_ranks, pipeline_groups=1)
+    return {}
 
 
 def mode_config(cfg: TrainConfig, mode: str, steps: int, out_dir: Path, transport: str | None = None,
@@ -74,10 +84,7 @@ def mode_config(cfg: TrainConfig, mode: str, steps: int, out_dir: Path, transpor
     update = dict(mode=mode, steps=steps, out_dir=str(out_dir / f"{mode}-{transport}-{hop}"), trace=False,
                   resume=False, checkpoint_every=0, checkpoint_minutes=0, checkpoint_at_end=False, keep_checkpoints=1,
                   eval_every=0, transport=transport, hop=hop)
-    # colocated of a disaggregated config is its baseline: the same GPUs as one pipeline group; a config
-    # written for colocated (mode=colocated) keeps its own colocated_ranks and pipeline_groups
-    if mode == "colocated" and cfg.mode != "colocated":
-        update.update(colocated_ranks=cfg.attention_ranks + cfg.expert_ranks, pipeline_groups=1)
+    update.update(row_layout(cfg, mode))  # a variant's row has it already (`variant_config`): no fields then
     return TrainConfig.model_validate({**cfg.model_dump(), **update})  # a combination the config refuses, refused
 
 

@@ -24,6 +24,22 @@ def test_mode_config_gives_colocated_the_same_devices(tmp_path):
         mode_config(cfg, "diagonal", 5, tmp_path)
 
 
+def test_a_variants_colocated_row_is_the_same_baseline_as_the_plain_one(tmp_path):
+    """`--variant` with `--mode colocated` of a disaggregated config: the row is the baseline of the
+    same GPUs as one pipeline group, as without a variant (validated in that layout: pipeline_groups 4
+    over the default colocated_ranks 2 would not split), and the variant's overrides still win."""
+    from disagmoe.bench.train import variant_config
+
+    cfg = TrainConfig(model="tiny", attention_ranks=2, expert_ranks=2, pipeline_groups=2)
+    plain = mode_config(cfg, "colocated", 5, tmp_path)
+    varied = mode_config(variant_config(cfg, "seed=3", "colocated"), "colocated", 5, tmp_path)
+    assert (plain.colocated_ranks, plain.pipeline_groups) == (varied.colocated_ranks, varied.pipeline_groups) == (4, 1)
+    assert varied.seed == 3
+    deep = TrainConfig(model="tiny", attention_ranks=4, expert_ranks=4, pipeline_groups=4)
+    assert variant_config(deep, "seed=3", "colocated").colocated_ranks == 8
+    assert variant_config(cfg, "pipeline_groups=2", "colocated").pipeline_groups == 2  # the variant wins
+
+
 def test_each_distributed_mode_runs_once_per_transport_asked_for(tmp_path):
     assert runs_of(["single", "disaggregated"], ["nccl", "nvshmem"]) == [
         ("single", None, None), ("disaggregated", "nccl", None), ("disaggregated", "nvshmem", None)]
