@@ -9,7 +9,8 @@ A GPU without a table of its own reads the table of a GPU of the same architectu
 compute capability and SM count, which the tiles depend on; recorded in each table) before falling
 back to the heuristic: an H100 (sm_90, 132 SMs) launches the tiles tuned on an H200 (sm_90, 132
 SMs), which differ in HBM bandwidth and capacity, not in what a tile fits or how many run at once.
-`tile_source` says which table a GPU reads; tuning on it writes its own, which wins from then on.
+Tuning on a GPU writes its own table, read first; a class it lacks is still read from the same
+architecture's. `tile_source` says which tables a GPU reads.
 """
 
 from __future__ import annotations
@@ -149,48 +150,49 @@ def _tables() -> dict[str, dict]:
 
 
 @functools.cache
-def table_slug(device_name: str, arch: str | None = None) -> str | None:
-    """The slug of the table this GPU reads: its own where tuned on it, else the first (by name) of a
-    GPU of the same `architecture` (module docstring), else None (the heuristics)."""
+def table_slugs(device_name: str, arch: str | None = None) -> tuple[str, ...]:
+    """The slugs of the tables this GPU reads, in the order a shape class is looked up: its own
+    where tuned on it, then those (by name) of GPUs of the same `architecture` (module docstring);
+    empty: the heuristics."""
     tables, own = _tables(), gpu_slug(device_name)
-    if own in tables:
-        return own
-    if arch is not None:
-        return next((slug for slug, table in tables.items() if table.get("architecture") == arch), None)
-    return None
+    siblings = tuple(slug for slug, table in tables.items()
+                     if arch is not None and slug != own and table.get("architecture") == arch)
+    return ((own,) if own in tables else ()) + siblings
 
 
 def tile_source(device_name: str, arch: str | None = None) -> str:
     """Where this GPU's tiles come from, for a benchmark's log: its own table, a same-architecture
-    GPU's (named), or the heuristics."""
-    slug = table_slug(device_name, arch)
-    if slug is None:
+    GPU's (named) for the classes its own lacks, or the heuristics."""
+    slugs, own = table_slugs(device_name, arch), gpu_slug(device_name)
+    if not slugs:
         return f"untuned defaults (no table tuned on {device_name} or on a GPU of its architecture"\
                + (f" {arch})" if arch else ")")
-    if slug == gpu_slug(device_name):
-        return f"tuned on this GPU ({slug}.json)"
-    tuned_on = _tables()[slug].get("environment", {}).get("gpu", slug)
-    return f"tuned on {tuned_on}, the same architecture ({arch}: {slug}.json); tune-experts here writes its own"
+    siblings = [f"{_tables()[slug].get('environment', {}).get('gpu', slug)} ({slug}.json)"
+                for slug in slugs if slug != own]
+    borrowed = f"tuned on {', '.join(siblings)}, the same architecture ({arch})" if siblings else ""
+    if own not in slugs:
+        return f"{borrowed}; tune-experts here writes this GPU's own"
+    return f"tuned on this GPU ({own}.json)" + (f", else {borrowed}" if borrowed else "")
 
 
 @functools.cache
-def _tuned_table(slug: str | None) -> dict[str, TileConfig]:
-    if slug is None:
-        return {}
+def _tuned_table(slug: str) -> dict[str, TileConfig]:
     return {key: TileConfig(**value) for key, value in _tables()[slug]["entries"].items()}
 
 
 def clear_cache() -> None:
     """Forget the tables read (after `TUNED_DIR` changed or a table was written)."""
-    for cached in (_tables, table_slug, _tuned_table):
+    for cached in (_tables, table_slugs, _tuned_table):
         cached.cache_clear()
 
 
 def tuned(role: str, k: int, n: int, rows: int, experts: int, device_name: str,
           arch: str | None = None) -> TileConfig | None:
-    """The tuned config of this shape class on this GPU (or, untuned here, on a GPU of its
-    `architecture` `arch`: `table_slug`), None when none was tuned."""
-    return _tuned_table(table_slug(device_name, arch)).get(shape_class(role, k, n, rows, experts))
+    """The tuned config of this shape class on this GPU (or, where this class was not tuned here,
+    on a GPU of its `architecture` `arch`: `table_slugs`), None when none was tuned."""
+    key = shape_class(role, k, n, rows, experts)
+    return next((config for slug in table_slugs(device_name, arch)
+                 if (config := _tuned_table(slug).get(key)) is not None), None)
 
 
 def heuristic(role: str) -> TileConfig:

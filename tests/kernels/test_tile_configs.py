@@ -33,40 +33,46 @@ def test_lookup_reads_the_gpus_table_and_falls_back_to_the_heuristic(tmp_path, m
 
 def test_a_gpu_without_its_own_table_reads_one_of_its_architecture_and_says_so(tmp_path, monkeypatch):
     """A GPU untuned here reads the table of a GPU with the same compute capability and SM count
-    (an H100 the H200's), not one of another architecture; its own table wins once written; and
-    `tile_source` names where the tiles came from."""
+    (an H100 the H200's), not one of another architecture; once it has a table of its own, that
+    table's classes win and the others still come from the same architecture's; `tile_source` names
+    where the tiles came from."""
     config = tc.TileConfig(block_m=64, block_n=32, block_k=16, num_warps=4, num_stages=2)
     key = tc.shape_class("gate_up", 64, 32, rows=100, experts=4)
+    other = tc.shape_class("down", 32, 64, rows=100, experts=4)
     arch = tc.architecture((9, 0), 132)
     assert arch == "sm_90x132"
-    table = {"entries": {key: config.to_json()}, "environment": {"gpu": "NVIDIA H200"}, "architecture": arch}
+    table = {"entries": {key: config.to_json(), other: config.to_json()}, "environment": {"gpu": "NVIDIA H200"},
+             "architecture": arch}
     (tmp_path / "nvidia-h200.json").write_text(json.dumps(table))
     monkeypatch.setattr(tc, "TUNED_DIR", tmp_path)
     tc.clear_cache()
+    h100 = "NVIDIA H100 80GB HBM3"
     try:
-        assert tc.lookup("gate_up", 64, 32, 100, 4, "NVIDIA H100 80GB HBM3", arch=arch) == config
-        assert tc.table_slug("NVIDIA H100 80GB HBM3", arch) == "nvidia-h200"
-        assert tc.tile_source("NVIDIA H100 80GB HBM3", arch).startswith(
-            "tuned on NVIDIA H200, the same architecture (sm_90x132: nvidia-h200.json)")
+        assert tc.lookup("gate_up", 64, 32, 100, 4, h100, arch=arch) == config
+        assert tc.table_slugs(h100, arch) == ("nvidia-h200",)
+        assert tc.tile_source(h100, arch) == ("tuned on NVIDIA H200 (nvidia-h200.json), the same architecture "
+                                              "(sm_90x132); tune-experts here writes this GPU's own")
         pcie = tc.architecture((9, 0), 114)  # another SM count: the heuristic, and the source says so
         assert tc.lookup("gate_up", 64, 32, 100, 4, "NVIDIA H100 PCIe", arch=pcie) == tc.heuristic("gate_up")
         assert tc.tile_source("NVIDIA H100 PCIe", pcie) == ("untuned defaults (no table tuned on NVIDIA H100 PCIe "
                                                            "or on a GPU of its architecture sm_90x114)")
-        assert tc.lookup("gate_up", 64, 32, 100, 4, "NVIDIA H100 80GB HBM3") == tc.heuristic("gate_up")  # no arch
+        assert tc.lookup("gate_up", 64, 32, 100, 4, h100) == tc.heuristic("gate_up")  # no architecture known
         own = tc.TileConfig(block_m=128, block_n=64, block_k=32, num_warps=8, num_stages=3)
         (tmp_path / "nvidia-h100-80gb-hbm3.json").write_text(json.dumps({"entries": {key: own.to_json()},
                                                                         "architecture": arch}))
         tc.clear_cache()
-        assert tc.lookup("gate_up", 64, 32, 100, 4, "NVIDIA H100 80GB HBM3", arch=arch) == own
-        assert tc.tile_source("NVIDIA H100 80GB HBM3", arch) == "tuned on this GPU (nvidia-h100-80gb-hbm3.json)"
-        assert tc.lookup("gate_up", 64, 32, 100, 4, "NVIDIA H200", arch=arch) == config
+        assert tc.lookup("gate_up", 64, 32, 100, 4, h100, arch=arch) == own  # its own class
+        assert tc.lookup("down", 32, 64, 100, 4, h100, arch=arch) == config  # a class only the H200 tuned
+        assert tc.tile_source(h100, arch) == ("tuned on this GPU (nvidia-h100-80gb-hbm3.json), else tuned on "
+                                              "NVIDIA H200 (nvidia-h200.json), the same architecture (sm_90x132)")
+        assert tc.lookup("gate_up", 64, 32, 100, 4, "NVIDIA H200", arch=arch) == config  # the H200 keeps its own
     finally:
         tc.clear_cache()
 
 
 def test_the_committed_h200_table_records_its_architecture():
     """The H200's table names its architecture (sm_90, 132 SMs), so an H100 SXM reads it."""
-    assert tc.table_slug("NVIDIA H100 80GB HBM3", tc.architecture((9, 0), 132)) == "nvidia-h200"
+    assert "nvidia-h200" in tc.table_slugs("NVIDIA H100 80GB HBM3", tc.architecture((9, 0), 132))
 
 
 def test_committed_tables_parse():
