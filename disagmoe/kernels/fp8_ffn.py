@@ -488,21 +488,36 @@ def _one_gemm_forward(x_NH: torch.Tensor | RowSource, offsets_E, weights: Fp8Exp
                       num_programs=num_programs, gluon=gluon.rows)
 
 
-# Elements of one piece of a dequantisation (`_dequantized`): its fp32 temporaries (the e4m3 values
-# widened, the scales expanded, their product) stay near 400 MiB however large the operand.
+# Elements of one piece of a dequantisation (`_dequantized_rows`, `_dequantized_blocks`): its fp32
+# temporaries (the e4m3 values widened, the scales expanded, their product) stay near 400 MiB
+# however large the operand (a Mixtral expert's w13 is 117M values: pieces of its K rows).
 DEQUANTIZE_PIECE = 1 << 25
 
 
-def _dequantized(dequantize, q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`dequantize(q, s)` (`fp8.dequantize_rows` or `fp8.dequantize_blocks`: fp32 values) rounded to
-    `dtype`, computed over pieces of q's first dimension (rows, or experts) so that only one piece's
-    fp32 temporaries are alive at a time; a new contiguous tensor. Rows past a worst-case buffer's
-    `served` count dequantise whatever their unwritten values hold: no GEMM reads them."""
-    out = torch.empty(q.shape, dtype=dtype, device=q.device)
-    step = max(1, DEQUANTIZE_PIECE // max(1, q[0].numel())) if q.shape[0] else 1
-    for start in range(0, q.shape[0], step):
-        out[start:start + step] = dequantize(q[start:start + step], s[start:start + step])
-    return out
+def _dequantized_rows(q_NK: torch.Tensor, s_NG: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`fp8.dequantize_rows(q, s)` (fp32 values) rounded to `dtype`, over pieces of the rows so that
+    one piece's fp32 temporaries are alive at a time; a new contiguous tensor. Rows past a
+    worst-case buffer's `served` count dequantise whatever their unwritten values hold: no GEMM
+    reads them."""
+    out_NK = torch.empty(q_NK.shape, dtype=dtype, device=q_NK.device)
+    step = max(1, DEQUANTIZE_PIECE // max(1, q_NK.shape[1]))
+    for start in range(0, q_NK.shape[0], step):
+        out_NK[start:start + step] = fp8.dequantize_rows(q_NK[start:start + step], s_NG[start:start + step])
+    return out_NK
+
+
+def _dequantized_blocks(q_EKN: torch.Tensor, s_EGB: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`fp8.dequantize_blocks(q, s)` rounded to `dtype`, an expert at a time in pieces of whole
+    128-row block rows of K (each with its scales), so that one piece's fp32 temporaries are alive
+    at a time, whatever an expert's size; a new contiguous tensor."""
+    experts, k, n = q_EKN.shape
+    out_EKN = torch.empty((experts, k, n), dtype=dtype, device=q_EKN.device)
+    blocks_per_piece = max(1, DEQUANTIZE_PIECE // max(1, fp8.SCALE_BLOCK * n))
+    for e in range(experts):
+        for g in range(0, s_EGB.shape[1], blocks_per_piece):
+            rows = slice(g * fp8.SCALE_BLOCK, (g + blocks_per_piece) * fp8.SCALE_BLOCK)
+            out_EKN[e:e + 1, rows] = fp8.dequantize_blocks(q_EKN[e:e + 1, rows], s_EGB[e:e + 1, g:g + blocks_per_piece])
+    return out_EKN
 
 
 def _emulated_forward(x_NH: torch.Tensor | RowSource, offsets_E, weights: Fp8ExpertWeights, bf16_weights,
@@ -535,8 +550,8 @@ def _emulated_forward(x_NH: torch.Tensor | RowSource, offsets_E, weights: Fp8Exp
         qx, sx = x_fp8 if x_fp8 is not None else fp8.quantize_rows(x_NH, acts, served)
         # `weights.w13` is a transposed view of the K-major copy (`_k_major_copies`): its values are
         # w13's [E, H, 2F] blocks as `fp8.dequantize_blocks` reads them, whatever the strides
-        x_rows = _dequantized(fp8.dequantize_rows, qx, sx, dtype)
-        w13_EH2F = _dequantized(fp8.dequantize_blocks, *weights.w13, dtype)
+        x_rows = _dequantized_rows(qx, sx, dtype)
+        w13_EH2F = _dequantized_blocks(*weights.w13, dtype)
     act_NF = gg.ragged_rows_gemm(x_rows, offsets_E, w13_EH2F, tiles.gate_up, epilogue=gg.EPILOGUE_SWIGLU,
                                  h13_N2C=h13_N2F, num_programs=num_programs)
     del x_rows, w13_EH2F
@@ -544,8 +559,8 @@ def _emulated_forward(x_NH: torch.Tensor | RowSource, offsets_E, weights: Fp8Exp
         return gg.ragged_rows_gemm(act_NF, offsets_E, bf16_weights[1], tiles.down, num_programs=num_programs)
     q_act, s_act = fp8.quantize_rows(act_NF, acts, served)
     del act_NF
-    act_NF = _dequantized(fp8.dequantize_rows, q_act, s_act, dtype)
-    w2_EFH = _dequantized(fp8.dequantize_blocks, *weights.w2, dtype)
+    act_NF = _dequantized_rows(q_act, s_act, dtype)
+    w2_EFH = _dequantized_blocks(*weights.w2, dtype)
     return gg.ragged_rows_gemm(act_NF, offsets_E, w2_EFH, tiles.down, num_programs=num_programs)
 
 
