@@ -324,6 +324,11 @@ class Fp8ExpertWeights:
         return pair
 
     @property
+    def device(self) -> torch.device | None:
+        """The device the copies are on (None without a copy: no recipe makes none)."""
+        return next((q.device for q, _ in self.copies.values()), None)
+
+    @property
     def w13(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self._copy("w13")
 

@@ -227,9 +227,9 @@ class RoutedExperts(nn.Module):
         fresh = Fp8ExpertWeights.quantize(self.w13_EH2F.detach(), self.w2_EFH.detach(), self.fp8_stats,
                                           forward=self.fp8_forward, backward=self.fp8_backward)
         kept = self.fp8_weights
-        if kept is None or (kept.forward, kept.backward, kept.shape_EHF) != (fresh.forward, fresh.backward,
-                                                                             fresh.shape_EHF):
-            self.fp8_weights = fresh  # first made, or for another recipe: new tensors, none copied into
+        recipe = lambda w: (w.forward, w.backward, w.shape_EHF, w.device)  # noqa: E731
+        if kept is None or recipe(kept) != recipe(fresh):
+            self.fp8_weights = fresh  # first made, or for another recipe or device: new tensors, none copied into
             return
         for old, new in zip(_fp8_tensors(kept), _fp8_tensors(fresh), strict=True):
             old.copy_(new)

@@ -22,7 +22,8 @@ from disagmoe.config import TrainConfig
 # tests/runtime/cluster/test_driver.py's `test_gpu_captured_rank_steps_on_one_shared_gpu_equal_the_eager_steps`
 # passed (all three cases) on one H100, 2026-12-05 (docs/benchmarks.md, session 26): auto captures
 CHECKED_ON_GPU = True
-# the same test's fp8 cases (fp8-A1-E1-sums, fp8-A1-E2-sparse) passed on one H100, 2026-12-05 (session 27)
+# the same test's fp8 cases (fp8-A1-E1-sums, fp8-A1-E2-sparse) passed on one H100, 2026-12-05 (session 27);
+# like the bf16 gate, checked with ranks sharing a GPU: rank steps on GPUs of their own have not run captured
 FP8_CHECKED_ON_GPU = True
 
 Blocker = tuple[str, str]  # (why the rank step is not captured, the fix)
