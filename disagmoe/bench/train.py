@@ -350,6 +350,10 @@ def run(cfg: TrainConfig, modes: list[str], steps: int, warmup: int,
         from disagmoe.bench.timing import environment as gpu_environment
 
         environment = gpu_environment(torch.device("cuda", 0))
+        if cfg.experts_backend == "triton":  # which tuned tiles the expert kernels read (`tile_configs`)
+            from disagmoe.kernels.tile_configs import device_architecture, tile_source
+
+            environment["tiles"] = tile_source(environment["gpu"], device_architecture(torch.device("cuda", 0)))
     device = (torch.cuda.get_device_name(0) if cfg.device == "cuda" and torch.cuda.is_available()
               else platform.processor() or platform.machine())
     return {"environment": {"device": device, "torch": torch.__version__, "python": platform.python_version(),
