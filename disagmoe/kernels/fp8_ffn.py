@@ -512,16 +512,21 @@ def _dequantized_rows(q_NK: torch.Tensor, s_NG: torch.Tensor, dtype: torch.dtype
 
 
 def _dequantized_blocks(q_EKN: torch.Tensor, s_EGB: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`fp8.dequantize_blocks(q, s)` rounded to `dtype`, an expert at a time in pieces of whole
-    128-row block rows of K (each with its scales), so that one piece's fp32 temporaries are alive
-    at a time, whatever an expert's size; a new contiguous tensor."""
+    """`fp8.dequantize_blocks(q, s)` rounded to `dtype`, in pieces so that one piece's fp32
+    temporaries are alive at a time: as many whole experts as fit a piece (Qwen3's: ten), or, for an
+    expert larger than a piece (Mixtral's w13), whole 128-row block rows of its K with their scales;
+    a new contiguous tensor."""
     experts, k, n = q_EKN.shape
     out_EKN = torch.empty((experts, k, n), dtype=dtype, device=q_EKN.device)
-    blocks_per_piece = max(1, DEQUANTIZE_PIECE // max(1, fp8.SCALE_BLOCK * n))
-    for e in range(experts):
+    per_expert = max(1, k * n)
+    experts_per_piece = max(1, DEQUANTIZE_PIECE // per_expert)
+    blocks_per_piece = s_EGB.shape[1] if per_expert <= DEQUANTIZE_PIECE else max(
+        1, DEQUANTIZE_PIECE // max(1, fp8.SCALE_BLOCK * n))
+    for e in range(0, experts, experts_per_piece):
+        es = slice(e, e + experts_per_piece)
         for g in range(0, s_EGB.shape[1], blocks_per_piece):
             rows = slice(g * fp8.SCALE_BLOCK, (g + blocks_per_piece) * fp8.SCALE_BLOCK)
-            out_EKN[e:e + 1, rows] = fp8.dequantize_blocks(q_EKN[e:e + 1, rows], s_EGB[e:e + 1, g:g + blocks_per_piece])
+            out_EKN[es, rows] = fp8.dequantize_blocks(q_EKN[es, rows], s_EGB[es, g:g + blocks_per_piece])
     return out_EKN
 
 

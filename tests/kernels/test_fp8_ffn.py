@@ -3,6 +3,8 @@ interpreter (CPU, e4m3 values exact, fp32 accumulation) and GPU (tensor cores, b
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -38,6 +40,21 @@ def _reference_grads(x, offsets, w13, w2, dy):
     y = expert_ffn_reference(leaves[0], offsets, leaves[1], leaves[2])
     y.backward(dy.double())
     return y.detach(), *(t.grad for t in leaves)
+
+
+def _assert_the_bf16_backward_from(h13, y, leaves, counts, x, offsets, w13, w2, dy):
+    """The gradients the FFN's `leaves` (x, w13, w2) took are the bf16 experts' backward
+    (`moe_ffn_backward`) from the forward's saved `h13`, bit for bit, and y with them tracks the
+    fp32 reference (`_check`); returns that backward's (dx, dw13, dw2)."""
+    from disagmoe.kernels.moe_ffn import FFNTiles, moe_ffn_backward
+
+    hidden, ffn = w13.shape[1], w2.shape[1]
+    bf16_tiles = FFNTiles.for_shape(len(x), len(counts), hidden, ffn, x.device, x.dtype)
+    want = moe_ffn_backward(dy, x, offsets, w13, w2, None, h13, bf16_tiles, num_programs=3)
+    for got, expected in zip((t.grad for t in leaves), want, strict=True):
+        assert torch.equal(got, expected)
+    _check(counts, (y, *(t.grad for t in leaves)), _reference_grads(x, offsets, w13, w2, dy))
+    return want
 
 
 @pytest.fixture
@@ -293,7 +310,6 @@ def test_a_bf16_backward_is_the_bf16_experts_backward_from_the_fp8_forwards_pre_
     """backward="bf16": y is the FP8 run's; dx, dw13 and dw2 are `moe_ffn.moe_ffn_backward`'s from
     the saved rows and the FP8 gate/up output h13 against the bf16 weights (no FP8 in the backward),
     bit for bit; into main gradients where the weights carry them, through a RowSource the same."""
-    from disagmoe.kernels.moe_ffn import FFNTiles, moe_ffn_backward
 
     counts, hidden, ffn = [5, 0, 12, 3], 32, 40
     x, offsets, w13, w2, dy = _inputs(counts, hidden, ffn, seed=12)
@@ -304,11 +320,7 @@ def test_a_bf16_backward_is_the_bf16_experts_backward_from_the_fp8_forwards_pre_
     y_fp8, h13 = ffn8.fp8_ffn_forward(x, offsets, ffn8.Fp8ExpertWeights.quantize(w13, w2), tiles,
                                       save_for_backward=True, num_programs=3)
     assert torch.equal(y, y_fp8)
-    bf16_tiles = FFNTiles.for_shape(len(x), len(counts), hidden, ffn, x.device, x.dtype)
-    want = moe_ffn_backward(dy, x, offsets, w13, w2, None, h13, bf16_tiles, num_programs=3)
-    for got, expected in zip((t.grad for t in leaves), want, strict=True):
-        assert torch.equal(got, expected)
-    _check(counts, (y, *(t.grad for t in leaves)), _reference_grads(x, offsets, w13, w2, dy))
+    want = _assert_the_bf16_backward_from(h13, y, leaves, counts, x, offsets, w13, w2, dy)
     x_leaf, params = _through_row_source_into_main_grads(ffn8, x, offsets, w13, w2, dy, tiles, "bf16")
     assert params[0].grad is None and params[1].grad is None and torch.equal(x_leaf.grad, want[0])
     assert torch.equal(params[0].main_grad, want[1]) and torch.equal(params[1].main_grad, want[2])
@@ -433,7 +445,7 @@ def test_the_emulated_forward_is_the_fp8_kernels_up_to_summation_order(ffn8, for
 
 def test_the_emulated_operands_are_dequantised_in_pieces_as_they_are_whole(monkeypatch):
     """`_dequantized_rows` and `_dequantized_blocks` with pieces far smaller than an expert (a piece of
-    one 128-row block row, K and N ending in partial blocks, a transposed view as the FP8 copies hand
+    one 128-row block row) and of two whole experts, K and N ending in partial blocks, a transposed view as the FP8 copies hand
     it over, an expert of zero rows) equal one whole `fp8.dequantize_*` rounded to the dtype."""
     from disagmoe.kernels import fp8, fp8_ffn
 
@@ -442,8 +454,8 @@ def test_the_emulated_operands_are_dequantised_in_pieces_as_they_are_whole(monke
     q_EKN, s_EGB = fp8.quantize_blocks_reference(w_EKN)
     x_NK = torch.randn(9, 300, generator=gen)
     q_NK, s_NG = fp8.quantize_rows_reference(x_NK)
-    monkeypatch.setattr(fp8_ffn, "DEQUANTIZE_PIECE", 128 * 200)  # one block row of K a piece
-    for dtype in (torch.float32, torch.bfloat16):
+    for piece, dtype in itertools.product((128 * 200, 2 * 300 * 200), (torch.float32, torch.bfloat16)):
+        monkeypatch.setattr(fp8_ffn, "DEQUANTIZE_PIECE", piece)  # one block row of K a piece; two experts a piece
         assert torch.equal(fp8_ffn._dequantized_blocks(q_EKN, s_EGB, dtype), fp8.dequantize_blocks(q_EKN, s_EGB).to(dtype))
         view_ENK = q_EKN.transpose(1, 2).contiguous().transpose(1, 2)  # the same values through a transposed view
         assert torch.equal(fp8_ffn._dequantized_blocks(view_ENK, s_EGB, dtype), fp8.dequantize_blocks(q_EKN, s_EGB).to(dtype))
@@ -486,7 +498,6 @@ def test_the_emulated_experts_train_from_their_own_pre_activations_and_refuse_an
     the FFN's stated bounds of fp64; given x's e4m3 rows (`x_fp8`) it dequantises those, the same bits.
     An FP8 backward is not emulated: refused with the fix."""
     from disagmoe.kernels import fp8
-    from disagmoe.kernels.moe_ffn import FFNTiles, moe_ffn_backward
 
     counts, hidden, ffn = [6, 0, 9, 4], 32, 40
     x, offsets, w13, w2, dy = _inputs(counts, hidden, ffn, seed=32)
@@ -498,11 +509,7 @@ def test_the_emulated_experts_train_from_their_own_pre_activations_and_refuse_an
     want_y, h13 = ffn8.fp8_ffn_forward(x, offsets, weights, tiles, save_for_backward=True, num_programs=3,
                                        forward="gate-up", bf16_weights=(w13, w2), emulate=True)
     assert torch.equal(y, want_y)
-    bf16_tiles = FFNTiles.for_shape(len(x), len(counts), hidden, ffn, x.device, x.dtype)
-    want = moe_ffn_backward(dy, x, offsets, w13, w2, None, h13, bf16_tiles, num_programs=3)
-    for got, expected in zip((t.grad for t in leaves), want, strict=True):
-        assert torch.equal(got, expected)
-    _check(counts, (y, *(t.grad for t in leaves)), _reference_grads(x, offsets, w13, w2, dy))
+    _assert_the_bf16_backward_from(h13, y, leaves, counts, x, offsets, w13, w2, dy)
     given = ffn8.expert_ffn_fp8(x, offsets, w13, w2, tiles=tiles, num_programs=3, backward="bf16",
                                 forward="gate-up", emulate=True, x_fp8=fp8.quantize_rows(x))
     assert torch.equal(given, y)
