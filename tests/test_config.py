@@ -265,6 +265,17 @@ def test_fp8_emulate_needs_precision_fp8_and_the_bf16_expert_backward():
             cfg.TrainConfig(precision="fp8", fp8_emulate=True, fp8_expert_backward=backward, **base)
 
 
+def test_fp8_gluon_is_off_by_default_and_needs_precision_fp8():
+    """`fp8_gluon` (the FP8 experts' row and SwiGLU GEMMs in the Gluon kernels) is off by default
+    (its training loss gap, session 28), taken with precision fp8, refused with the fix under another."""
+    base = dict(model="tiny", device="cuda", experts_backend="triton")
+    assert cfg.TrainConfig(**base).fp8_gluon is False
+    assert cfg.TrainConfig(precision="fp8", fp8_gluon=True, **base).fp8_gluon
+    with pytest.raises(ValueError, match="fp8_gluon: true runs the FP8 experts' GEMMs in the Gluon kernels; this run "
+                                         "is precision: bf16: set precision: fp8 or remove fp8_gluon"):
+        cfg.TrainConfig(precision="bf16", fp8_gluon=True, **base)
+
+
 def test_fp8_dense_takes_any_sequence_length():
     """The FP8 dense GEMMs have the tokens as their free dimension (the weight gradient, which
     contracted them on torch._scaled_mm and needed whole 16s, runs in bf16): any seq_len."""

@@ -48,7 +48,9 @@ FP8_BACKEND = "triton-fp8"  # asked for by name: needs FP8 tensor cores (sm_89+)
 FP8_VARIANTS = {
     "fp8-wgrad": {"backward": "fp8"},  # the weight gradients in FP8 too (DeepSeek-V3's all-FP8 recipe)
     "gluon-wgrad": {"wgrad": True, "backward": "fp8"},  # those in the Gluon kernel
-    "fused-swiglu": {"swiglu": False},  # the SwiGLU GEMMs as the Triton kernels with the epilogue fused
+    # the row GEMMs and the split SwiGLU GEMMs in the Gluon kernels (`TrainConfig.fp8_gluon`: off by
+    # default, `fp8_ffn._GluonChoices` says why)
+    "gluon": {"rows": True, "swiglu": True},
     "bf16-backward": {"backward": "bf16"},  # the whole backward in bf16 (the forward alone in FP8)
     "down-forward": {"forward": "down"},  # the forward's gate/up GEMM in bf16 (the loss FP8 costs is its)
 }
@@ -454,7 +456,8 @@ def fp8_kernel_paths(backend: str, hidden: int, ffn: int, device: torch.device) 
     """Which kernels an FP8 backend runs per GEMM role on `device` (`fp8_ffn.kernel_paths` with the
     backend's Gluon settings)."""
     gluon, backward, forward = variant_of(backend)
-    return kernel_paths(hidden, ffn, device, wgrad=gluon.get("wgrad"), swiglu=gluon.get("swiglu"),
+    return kernel_paths(hidden, ffn, device, rows=gluon.get("rows"), wgrad=gluon.get("wgrad"),
+                        swiglu=gluon.get("swiglu"),
                         backward=backward, forward=forward)
 
 

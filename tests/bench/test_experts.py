@@ -165,7 +165,7 @@ def test_precision_fp8_times_our_fp8_experts_beside_our_bf16_ones():
 
 
 def test_the_variant_backends_run_the_fp8_block_with_their_one_choice_changed(monkeypatch):
-    """`--backend triton-fp8:fp8-wgrad | gluon-wgrad | fused-swiglu | bf16-backward | down-forward`: FP8
+    """`--backend triton-fp8:fp8-wgrad | gluon-wgrad | gluon | bf16-backward | down-forward`: FP8
     backends at the tuned tiles whose forwards run with one choice changed from the FFN's defaults (a
     Gluon path through `fp8_ffn.gluon_paths`, which their backward keeps; which backward GEMMs run in
     FP8; or which forward ones), the defaults restored after each call; plain `triton-fp8` runs the
@@ -179,20 +179,20 @@ def test_the_variant_backends_run_the_fp8_block_with_their_one_choice_changed(mo
         assert bench.fp8_tiles_for(backend, tiles) is tiles
     seen = []
     monkeypatch.setattr(bench, "expert_ffn_fp8", lambda rows, *a, backward, forward, **k: seen.append(
-        (fp8_ffn._gluon.wgrad, fp8_ffn._gluon.swiglu, backward, forward)) or rows)
+        (fp8_ffn._gluon.rows, fp8_ffn._gluon.wgrad, fp8_ffn._gluon.swiglu, backward, forward)) or rows)
     monkeypatch.setattr(bench.Fp8ExpertWeights, "quantize", classmethod(lambda cls, a, b: None))
     monkeypatch.setattr(bench, "permute_tokens", lambda x, idx, experts: (x, None, None))
     monkeypatch.setattr(bench, "combine_rows", lambda rows, dest, weights: rows)
     x, idx, weights = torch.randn(6, 8), torch.randint(0, 2, (6, 2)), torch.rand(6, 2)
     w13, w2 = torch.randn(2, 8, 16), torch.randn(2, 8, 8)
-    defaults = (fp8_ffn._gluon.wgrad, fp8_ffn._gluon.swiglu)
-    assert defaults == (False, True)
+    defaults = (fp8_ffn._gluon.rows, fp8_ffn._gluon.wgrad, fp8_ffn._gluon.swiglu)
+    assert defaults == (False, False, False)  # the Gluon kernels off in training (`fp8_ffn._GluonChoices`)
     for backend in (*bench.VARIANT_BACKENDS, bench.FP8_BACKEND):
         bench.make_block(backend, fp8_tiles=tiles)(x, idx, weights, w13, w2)
-        assert (fp8_ffn._gluon.wgrad, fp8_ffn._gluon.swiglu) == defaults
-    assert seen == [(False, True, "fp8", "both"), (True, True, "fp8", "both"), (False, False, "bf16-wgrad", "both"),
-                    (False, True, "bf16", "both"), (False, True, "bf16-wgrad", "down"),
-                    (False, True, "bf16-wgrad", "both")]
+        assert (fp8_ffn._gluon.rows, fp8_ffn._gluon.wgrad, fp8_ffn._gluon.swiglu) == defaults
+    assert seen == [(False, False, False, "fp8", "both"), (False, True, False, "fp8", "both"),
+                    (True, False, True, "bf16-wgrad", "both"), (False, False, False, "bf16", "both"),
+                    (False, False, False, "bf16-wgrad", "down"), (False, False, False, "bf16-wgrad", "both")]
     with pytest.raises(ValueError, match="choose from rows, wgrad, swiglu"):
         with fp8_ffn.gluon_paths(epilogue=True):
             pass
@@ -242,13 +242,15 @@ def test_fp8_promote_times_one_fp8_backend_per_k_loop_and_says_which_tiles_ran()
 
 def test_the_kernel_paths_say_which_roles_run_gluon_where():
     """`fp8_ffn.kernel_paths`: on the CPU every role is Triton's; a Hopper GPU with K and N multiples
-    of 128 runs the rows in Gluon (on by default) and the weight gradients and SwiGLU GEMMs as set."""
+    of 128 runs each role in Gluon as set (all off by default: `fp8_ffn._GluonChoices`)."""
     from disagmoe.kernels import fp8_ffn
 
     cpu = torch.device("cpu")
     triton_only = "rows triton | swiglu triton | wgrad triton"
     assert fp8_ffn.kernel_paths(4096, 14336, cpu, wgrad=True, swiglu=True, backward="fp8") == triton_only
     assert bench.fp8_kernel_paths(f"{bench.FP8_BACKEND}:gluon-wgrad", 4096, 14336, cpu) == triton_only
+    assert bench.fp8_kernel_paths(f"{bench.FP8_BACKEND}:gluon", 4096, 14336, cpu).startswith(
+        "rows triton | swiglu triton")
     assert bench.fp8_kernel_paths(bench.FP8_BACKEND, 4096, 14336, cpu).endswith("wgrad bf16 triton")
     assert bench.fp8_kernel_paths(f"{bench.FP8_BACKEND}:down-forward", 4096, 14336, cpu).endswith(
         "wgrad bf16 triton | forward gate/up bf16 triton")
@@ -264,9 +266,11 @@ def test_cuda_hopper_kernel_paths_follow_the_settings_and_the_shape():
 
     cuda = torch.device("cuda")
     paths = lambda ffn, on: fp8_ffn.kernel_paths(4096, ffn, cuda, wgrad=on, swiglu=on, backward="fp8")  # noqa: E731
-    assert fp8_ffn.kernel_paths(4096, 14336, cuda) == "rows gluon | swiglu gluon | wgrad bf16 triton"
-    assert paths(14336, False) == "rows gluon | swiglu triton | wgrad triton"
-    assert paths(14336, True) == "rows gluon | swiglu gluon | wgrad gluon"
+    assert fp8_ffn.kernel_paths(4096, 14336, cuda) == "rows triton | swiglu triton | wgrad bf16 triton"
+    assert bench.fp8_kernel_paths(f"{bench.FP8_BACKEND}:gluon", 4096, 14336, cuda) == (
+        "rows gluon | swiglu gluon | wgrad bf16 triton")
+    assert paths(14336, False) == "rows triton | swiglu triton | wgrad triton"
+    assert paths(14336, True) == "rows triton | swiglu gluon | wgrad gluon"
     assert paths(1408, True) == "rows triton | swiglu triton | wgrad gluon"
 
 

@@ -387,6 +387,9 @@ class SingleProcessTrainer(TrainingLoop):
             check_fp8_device(self.device)
             self.model.set_expert_precision("fp8", cfg.expert_backward_precision, cfg.expert_forward_precision,
                                             cfg.fp8_emulate)
+            from disagmoe.kernels.fp8_ffn import set_gluon
+
+            set_gluon(cfg.fp8_gluon)  # process-wide, as set_fusion: every FP8 run sets it
             self.fp8_stats = Fp8Stats(self.device)  # before the capture below: its kernels keep the address
             self.model.set_fp8_stats(self.fp8_stats)
             if cfg.dense_precision == "fp8":  # the dense projections too, rowwise (kernels.fp8_dense)

@@ -594,6 +594,25 @@ def test_cuda_fp8_emulate_reaches_the_trainers_experts_and_projections_and_train
 
 
 @pytest.mark.gpu
+def test_cuda_fp8_gluon_reaches_the_ffns_kernel_choice(tmp_path):
+    """fp8_gluon on the single trainer sets the FFN's Gluon row and SwiGLU paths (process-wide,
+    `fp8_ffn.set_gluon`) as the run asks, each FP8 run setting it whatever the last one left."""
+    from disagmoe.kernels import fp8_ffn
+    from disagmoe.runtime.training.trainer import SingleProcessTrainer
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("needs FP8 tensor cores")
+    model = load_model("tiny").model_copy(update={"hidden_size": 256, "expert_ffn_size": 256})
+    try:
+        for gluon in (True, False):
+            SingleProcessTrainer(tiny_run(tmp_path, model=model, device="cuda", experts_backend="triton",
+                                          precision="fp8", fp8_gluon=gluon, checkpoint_at_end=False))
+            assert (fp8_ffn._gluon.rows, fp8_ffn._gluon.swiglu) == (gluon, gluon)
+    finally:
+        fp8_ffn.set_gluon(False)
+
+
+@pytest.mark.gpu
 def test_cuda_a_non_finite_fp8_scale_skips_the_update_on_the_device():
     """An inf planted in one expert's compute weight (bf16; its fp32 master stays finite): the step's
     weight quantiser meets it, the optimizer skips its update on the GPU under the host-sync check,
