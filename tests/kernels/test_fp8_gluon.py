@@ -324,18 +324,31 @@ def _qwen3_forward_backward(forward: str, gluon: bool, tokens_BS: torch.Tensor, 
     return loss.item(), grads, out.topk_idx_LNK
 
 
+def _skewed_routing(layers: int, tokens: int, experts: int, top_k: int, empty: int, seed: int) -> list[torch.Tensor]:
+    """Per layer, each token's top_k distinct experts drawn from Zipf-like weights (1 / rank) with
+    `empty` experts never drawn: the skewed, partly idle loads of a router early in training."""
+    gen = torch.Generator().manual_seed(seed)
+    weights_E = 1.0 / torch.arange(1, experts + 1, dtype=torch.float64)
+    weights_E[torch.randperm(experts, generator=gen)[:empty]] = 0.0
+    return [torch.multinomial(weights_E.expand(tokens, experts), top_k, generator=gen).cuda()
+            for _ in range(layers)]
+
+
 @pytest.mark.gpu
 @needs_hopper
+@pytest.mark.parametrize("routing", ["learned", "skewed"])
 @pytest.mark.parametrize("forward", ["gate-up", "both"])
-def test_gpu_training_a_qwen3_shaped_models_fp8_step_is_the_same_with_the_gluon_and_triton_gemms(forward):
+def test_gpu_training_a_qwen3_shaped_models_fp8_step_is_the_same_with_the_gluon_and_triton_gemms(forward, routing):
     """One forward and backward of a 2-layer Qwen3-30B-A3B-shaped model at one 4,096-token sequence
     (the 32,768 rows of one layer's experts that training feeds the kernel, x's e4m3 rows from the
     FP8 permute, h13 written into the buffer the backward reads) with the Gluon row GEMMs and with
-    the Triton ones, routed alike: the same loss within 1e-4 and the experts' weight gradients within
-    1e-2 (the bf16 backward's atomic sums). The kernels agree at this shape outside the model
-    (session 28's probe); a failure here is the training gap reproduced at one step."""
+    the Triton ones, routed alike (the router's own choice, or Zipf-skewed loads with 40 of the 128
+    experts idle): the same loss within 1e-4 and the experts' weight gradients within 1e-2 (the bf16
+    backward's atomic sums). The kernels agree at this shape outside the model (session 28's probe);
+    a failure here is the training gap reproduced at one step."""
     tokens_BS = torch.randint(0, 4096, (1, 4097), generator=torch.Generator().manual_seed(3)).cuda()
-    loss_t, grads_t, fixed = _qwen3_forward_backward(forward, False, tokens_BS)
+    fixed = _skewed_routing(2, 4096, 128, 8, empty=40, seed=4) if routing == "skewed" else None
+    loss_t, grads_t, fixed = _qwen3_forward_backward(forward, False, tokens_BS, fixed)
     loss_g, grads_g, _ = _qwen3_forward_backward(forward, True, tokens_BS, fixed)
     assert loss_g == pytest.approx(loss_t, rel=1e-4)
     errors = [float((g - t).norm() / t.norm()) for g, t in zip(grads_g, grads_t, strict=True)]
@@ -369,3 +382,55 @@ def test_gpu_training_the_fp8_gate_up_recipe_trains_alike_with_the_gluon_and_tri
     assert len(triton_run) == len(gluon_run) == 30
     assert gluon_run[0] == pytest.approx(triton_run[0], rel=1e-5)
     assert sum(gluon_run[-10:]) == pytest.approx(sum(triton_run[-10:]), rel=1e-2)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("graphed", [False, True])
+def test_gpu_training_the_gate_up_gemm_on_the_permutes_rows_is_the_triton_kernels_launch_after_launch(graphed):
+    """The gate/up GEMM as training launches it, at Qwen3's expert shape (H 2,048, 2F 1,536, 128
+    experts, 4,096 tokens top-8, Zipf-skewed loads with idle experts): x's e4m3 rows made by the FP8
+    permute (`permute.quantize_then_permute`, each token's row copied to its pairs) right before, h13
+    written into a buffer that held the last launch's; five launches on fresh tokens and routing,
+    eager or replayed from one CUDA graph: every launch's Gluon output equal to the Triton kernel's on
+    the same operands within 1e-6 (the same sums in the same order) and every row written."""
+    from disagmoe.kernels import fp8_ffn
+    from disagmoe.kernels.permute import permute_tokens, quantize_then_permute
+
+    experts, hidden, two_ffn, tokens, top_k = 128, 2048, 1536, 4096, 8
+    gen = torch.Generator().manual_seed(9)
+    w13 = (torch.randn(experts, hidden, two_ffn, generator=gen) * 0.02).cuda().bfloat16()
+    w2_unread = torch.zeros(experts, two_ffn // 2, hidden, device="cuda", dtype=torch.bfloat16)  # no copy of it made
+    q_w, s_w = fp8_ffn.Fp8ExpertWeights.quantize(w13, w2_unread, forward="gate-up", backward="bf16").w13
+    tiles = fp8_ffn.Fp8Tiles.for_shape(tokens * top_k, experts, hidden, two_ffn // 2, w13.device)
+    x_TH = torch.empty(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    topk_TK = torch.empty(tokens, top_k, device="cuda", dtype=torch.int64)
+    h13_gluon = torch.full((tokens * top_k, two_ffn), float("nan"), device="cuda", dtype=torch.bfloat16)
+
+    def launch():
+        _, offsets_E, dest_TK = permute_tokens(x_TH, topk_TK, experts)
+        q_NH, s_NG = quantize_then_permute(x_TH, dest_TK)
+        fp8_ffn._rows_gemm(q_NH, s_NG, offsets_E, q_w, s_w, tiles.rows, out_dtype=torch.bfloat16, num_programs=None,
+                           gluon=True, out=h13_gluon)
+        return q_NH, s_NG, offsets_E
+
+    graph = None
+    for step in range(5):
+        x_TH.copy_((torch.randn(tokens, hidden, generator=gen) * torch.exp2(torch.randn(tokens, 1, generator=gen)))
+                   .cuda().bfloat16())
+        topk_TK.copy_(_skewed_routing(1, tokens, experts, top_k, empty=20 + step, seed=step)[0])
+        if graphed and graph is None:
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                operands = launch()
+        if graphed:
+            graph.replay()
+        else:
+            operands = launch()
+        torch.cuda.synchronize()
+        q_NH, s_NG, offsets_E = operands
+        want = fp8_ffn._rows_gemm(q_NH, s_NG, offsets_E, q_w, s_w, tiles.rows, out_dtype=torch.bfloat16,
+                                  num_programs=None, gluon=False)
+        assert torch.isfinite(h13_gluon).all(), step
+        assert _rel_err(h13_gluon, want) < 1e-6, step
