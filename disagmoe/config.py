@@ -838,8 +838,9 @@ class TrainConfig(StrictModel):
         None, description="precision fp8: which of the routed experts' two forward GEMMs run in e4m3: both (the "
         "default), gate-up (the down projection in bf16) or down (the gate/up projection in bf16: on the Qwen3 "
         "config, with fp8_expert_backward bf16 and fp8_dense false, 200 steps ended at bf16's loss where both and "
-        "gate-up ended 5% above it; docs/benchmarks.md, session 20); with any fp8_expert_backward; refused under "
-        "another precision")
+        "gate-up ended 5% above it with the Gluon row GEMM, session 20; with the Triton one, fp8_gluon false, "
+        "gate-up ends at bf16's loss too, session 28: docs/benchmarks.md); with any fp8_expert_backward; refused "
+        "under another precision")
     fp8_emulate: bool = Field(
         False, description="precision fp8, a numerics check: run each FP8 GEMM as its operands' "
         "quantise-dequantise images (the same e4m3 rounding and scales, from the same quantisers, so the FP8 "

@@ -82,7 +82,8 @@ DEFAULT_BACKWARD = DEFAULT_FP8_EXPERT_BACKWARD
 # reads the forward's h13 however it was made. They split the loss FP8 costs by GEMM: 200 steps of the
 # Qwen3 config (backward bf16, dense projections bf16) ended at bf16's loss with "down" and 5% above it
 # with "both" and "gate-up"; "down" with the default backward and FP8 dense projections ended 5.8%
-# above it (session 20, docs/benchmarks.md).
+# above it (session 20, docs/benchmarks.md). Every one of those runs had the Gluon row GEMM on: with the
+# Triton one (`_GluonChoices`, off by default since), "gate-up" ends at bf16's loss (session 28).
 FORWARD_GEMMS = FP8_EXPERT_FORWARDS
 DEFAULT_FORWARD = DEFAULT_FP8_EXPERT_FORWARD
 
