@@ -88,6 +88,21 @@ def mode_config(cfg: TrainConfig, mode: str, steps: int, out_dir: Path, transpor
     return TrainConfig.model_validate({**cfg.model_dump(), **update})  # a combination the config refuses, refused
 
 
+def fp8_kernels(cfg: TrainConfig) -> str | None:
+    """Which kernels a run's FP8 experts ran per GEMM role (`kernels.fp8_ffn.kernel_paths` with its
+    recipe and `fp8_gluon`, on its device), e.g. 'rows triton | swiglu triton | wgrad bf16 triton';
+    None for experts not in FP8. A row's record carries it: the Gluon row GEMM's training loss gap
+    (session 28) showed that a run's figures mean little without it."""
+    if cfg.expert_precision != "fp8":
+        return None
+    from disagmoe.kernels.fp8_ffn import kernel_paths
+
+    model = load_model(cfg.model)
+    return kernel_paths(model.hidden_size, model.expert_ffn_size, torch.device(cfg.device), rows=cfg.fp8_gluon,
+                        swiglu=cfg.fp8_gluon, backward=cfg.expert_backward_precision,
+                        forward=cfg.expert_forward_precision)
+
+
 def median_step(records: list[dict], warmup: int) -> float:
     """Median `step_time_s` after the first `warmup` steps."""
     times = [r["step_time_s"] for r in records if r["step"] > warmup]
@@ -304,7 +319,7 @@ def run(cfg: TrainConfig, modes: list[str], steps: int, warmup: int,
             rows.append({"mode": mode, "transport": None if mode == "single" else mcfg.transport, "hop": used_hop,
                          "variant": variant, "ranks": ranks, "time_sliced": time_sliced,
                          "micro_batches": summary.micro_batches, "cuda_graph_replays": summary.cuda_graph_replays,
-                         "cuda_graphs_note": summary.cuda_graphs_note,
+                         "cuda_graphs_note": summary.cuda_graphs_note, "fp8_kernels": fp8_kernels(mcfg),
                          "predicted_peak_gib": summary.predicted_peak_gib,
                          "median_step_s": step_s, "step_times_s": [r["step_time_s"] for r in records],
                          "gpu_wait": mean_waits(records, warmup),
@@ -325,6 +340,8 @@ def run(cfg: TrainConfig, modes: list[str], steps: int, warmup: int,
                 f"{rows[-1]['final_loss']:.4f}" + (f", peak {rows[-1]['peak_memory_gib']:.1f} GiB"
                                                    if rows[-1]["peak_memory_gib"] is not None else "")
                 + (f", FP8 saturated share at most {saturated:.2e} a step" if saturated is not None else ""))
+            if rows[-1]["fp8_kernels"]:
+                log(f"{name}: FP8 experts' kernels: {rows[-1]['fp8_kernels']}")
             if clocks is not None:
                 log(f"{name}: {describe(rows[-1]['gpu_clocks'], rows[-1]['gpu_clocks_note'])}")
             if on_row is not None:

@@ -5,7 +5,8 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from disagmoe.bench.train import mean_busy, mean_waits, median_step, mode_config, row_label, runs_of, summarise
+from disagmoe.bench.train import (fp8_kernels, mean_busy, mean_waits, median_step, mode_config, row_label, runs_of,
+                                  summarise)
 from disagmoe.cli.app import app
 from disagmoe.config import TrainConfig
 
@@ -59,6 +60,18 @@ def test_each_distributed_mode_runs_once_per_transport_asked_for(tmp_path):
     assert pairs.hop == "pair_rows" and pairs.out_dir != nv.out_dir
     with pytest.raises(ValueError, match="needs transport: nvshmem"):  # the config's own refusal
         mode_config(cfg, "disaggregated", 5, tmp_path, "nccl", "pair_rows")
+
+
+def test_an_fp8_rows_record_names_the_kernels_its_experts_ran():
+    """Each FP8 row says which kernels its experts ran per GEMM role (`fp8_kernels`: the recipe and
+    `fp8_gluon`, on the row's device; on a CPU every role is Triton's), a bf16 row None."""
+    assert fp8_kernels(TrainConfig(model="tiny")) is None
+    gate_up = TrainConfig(model="tiny", device="cuda", experts_backend="triton", precision="fp8",
+                          fp8_expert_forward="gate-up", fp8_expert_backward="bf16", fp8_gluon=True)
+    assert fp8_kernels(gate_up.model_copy(update={"device": "cpu"})) == (
+        "rows triton | swiglu triton | wgrad bf16 triton | backward bf16 triton | forward down bf16 triton")
+    default = TrainConfig(model="tiny", device="cuda", experts_backend="triton", precision="fp8")
+    assert fp8_kernels(default.model_copy(update={"device": "cpu"})) == "rows triton | swiglu triton | wgrad bf16 triton"
 
 
 def test_gpu_waits_are_averaged_per_group_and_payload_after_the_warmup():
