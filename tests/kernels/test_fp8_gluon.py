@@ -434,3 +434,49 @@ def test_gpu_training_the_gate_up_gemm_on_the_permutes_rows_is_the_triton_kernel
                                   num_programs=None, gluon=False)
         assert torch.isfinite(h13_gluon).all(), step
         assert _rel_err(h13_gluon, want) < 1e-6, step
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_gpu_training_every_gluon_gate_up_launch_of_a_captured_run_is_the_triton_kernels(tmp_path, monkeypatch):
+    """Eight steps of a 2-layer Qwen3-30B-A3B-shaped model with the recipe of session 28's gap (forward
+    gate-up, backward bf16, `fp8_gluon: true`), three eager and five replayed from the captured step:
+    every Gluon gate/up launch shadowed, on the device and inside the graph, by the Triton kernel on
+    the same operands, its largest difference and its rows off by more than 1% of their largest
+    value recorded per launch (launch slots in call order: the eager steps' first, then the capture's,
+    which each replay rewrites). Every slot must hold no difference beyond bf16 rounding: a failure
+    says whether the eager launches or only the replayed ones differ (the next bisection)."""
+    from disagmoe.config import TrainConfig
+    from disagmoe.kernels import fp8_ffn
+    from disagmoe.model_ref import load_model
+    from disagmoe.runtime.training.trainer import train_single
+
+    diffs = torch.zeros(256, 2, device="cuda")
+    launches = [0]
+    plain = fp8_ffn._rows_gemm
+
+    def shadowed(a, sa, offsets, b, sb, tile, *, out_dtype, num_programs, gluon, out=None):
+        got = plain(a, sa, offsets, b, sb, tile, out_dtype=out_dtype, num_programs=num_programs, gluon=gluon, out=out)
+        if gluon and out is not None:  # the gate/up GEMM of forward "gate-up" (h13 into the backward's buffer)
+            want = fp8.fp8_rows_gemm(a, sa, offsets, b, sb, tile, out_dtype=out_dtype).float()
+            gap = (got.float() - want).abs().amax(dim=1)[: a.shape[0]]
+            slot = launches[0] % diffs.shape[0]
+            launches[0] += 1
+            diffs[slot, 0] = torch.maximum(diffs[slot, 0], gap.max())
+            diffs[slot, 1] += (gap > 1e-2 * want.abs().amax(dim=1)).sum()
+        return got
+
+    monkeypatch.setattr(fp8_ffn, "_rows_gemm", shadowed)
+    model = load_model("qwen3-30b-a3b").model_copy(update={"num_layers": 2, "vocab_size": 4096})
+    try:
+        train_single(TrainConfig(model=model, mode="single", device="cuda", steps=8, batch_size=2, seq_len=4096,
+                                 micro_batches=2, eval_every=0, checkpoint_at_end=False, precision="fp8",
+                                 experts_backend="triton", fp8_expert_forward="gate-up", fp8_expert_backward="bf16",
+                                 fp8_gluon=True, cuda_graphs="on", out_dir=str(tmp_path / "run")))
+    finally:
+        fp8_ffn.set_gluon(False)
+    torch.cuda.synchronize()
+    per_step = 2 * 2  # two layers, two micro-batches
+    assert 4 * per_step <= launches[0] <= diffs.shape[0]  # the eager steps, then the capture's launches last
+    eager, captured = diffs[: launches[0] - per_step].tolist(), diffs[launches[0] - per_step: launches[0]].tolist()
+    assert all(rows == 0 for _, rows in eager) and all(rows == 0 for _, rows in captured), (eager, captured)
