@@ -468,11 +468,15 @@ def test_the_emulated_operands_are_dequantised_in_pieces_as_they_are_whole(monke
 def test_gpu_the_emulated_forward_in_bf16_is_the_fp8_kernels(forward):
     """On the GPU, in bf16 as the A/B runs it: the emulated forward (`emulate=True`) against the FP8
     kernels at Qwen3-30B's expert shape (128 experts, H 2,048, F 768, ragged loads with an empty
-    expert), y and h13 within 2e-2 of each row's norm: the dequantised operands' bf16 rounding
-    (2^-9 each) and bf16 outputs, an order under one e4m3 step (2^-4), so a wrong scale or block
-    breaks it; and both within 0.15 of the bf16 experts' own y on every row (the format's error: on
-    random operands about 6e-2 of the whole output for both GEMMs, session 19; 0.15 the worst of
-    ~38,000 rows with room)."""
+    expert), h13 within 2e-2 of each row's norm, and y too where one GEMM is FP8: the dequantised
+    operands' bf16 rounding (2^-9 each) and bf16 outputs, an order under one e4m3 step (2^-4), so a
+    wrong scale or block breaks it. With both GEMMs FP8 y within 6e-2: the emulated path rounds act
+    to bf16 before quantising it, the kernels quantise it from fp32 sums (or from bf16 h13), and that
+    2^-9 moves some elements' e4m3 rounding by a step; the reference quantisers in plain torch at this
+    shape (12 experts, 2,699 rows, CPU) put the two 1.5e-2 apart on a mean row and 3.3e-2 on the
+    worst, and the H100 measured 3.7e-2 over ~38,000 rows (session 28). And both within 0.15 of the
+    bf16 experts' own y on every row (the format's error: on random operands about 6e-2 of the whole
+    output for both GEMMs, session 19; 0.15 the worst of ~38,000 rows with room)."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("needs a CUDA GPU with FP8 tensor cores")
     from disagmoe.kernels import fp8_ffn
@@ -487,7 +491,7 @@ def test_gpu_the_emulated_forward_in_bf16_is_the_fp8_kernels(forward):
     runs = [fp8_ffn.fp8_ffn_forward(x, offsets, weights, tiles, save_for_backward=True, forward=forward,
                                     bf16_weights=(w13, w2), emulate=emulate) for emulate in (False, True)]
     (y, h13), (y_emu, h13_emu) = runs
-    assert _row_rel_err(y_emu, y) < 2e-2 and _row_rel_err(h13_emu, h13) < 2e-2
+    assert _row_rel_err(y_emu, y) < (6e-2 if forward == "both" else 2e-2) and _row_rel_err(h13_emu, h13) < 2e-2
     plain = expert_ffn_triton(x, offsets, w13, w2)
     assert _row_rel_err(y_emu, plain) < 0.15 and _row_rel_err(y, plain) < 0.15
 
