@@ -607,9 +607,12 @@ def test_cuda_fp8_selective_recomputation_trains_like_the_plain_fp8_run(tmp_path
     model = load_model("tiny").model_copy(update={"hidden_size": 256, "expert_ffn_size": 256})
     fields = dict(model=model, mode="single", device="cuda", steps=8, batch_size=8, seq_len=128, micro_batches=2,
                   eval_every=0, checkpoint_at_end=False, precision="fp8", experts_backend="triton")
-    train_single(TrainConfig(**fields, out_dir=str(tmp_path / "plain")))
-    train_single(TrainConfig(**fields, recompute="selective", recompute_modules=["expert_input", "expert_swiglu"],
-                             forbid_host_syncs=True, out_dir=str(tmp_path / "lean")))
+    held_gib = {}  # what the process held as each run began: its peak counts from there (`reset_peak_memory`)
+    for name, extra in (("plain", {}), ("lean", dict(recompute="selective", forbid_host_syncs=True,
+                                                     recompute_modules=["expert_input", "expert_swiglu"]))):
+        _release_cuda_memory()
+        held_gib[name] = torch.cuda.memory_allocated() / 2**30
+        train_single(TrainConfig(**fields, **extra, out_dir=str(tmp_path / name)))
     plain, lean = (read_metrics(tmp_path / name / METRICS_FILE) for name in ("plain", "lean"))
     assert len(plain) == len(lean) == 8 and lean[0]["loss"] == plain[0]["loss"]
     for step, (a, b) in enumerate(zip(lean, plain, strict=True), 1):
@@ -621,10 +624,28 @@ def test_cuda_fp8_selective_recomputation_trains_like_the_plain_fp8_run(tmp_path
     # buffers), on an H100 (2026-12-05) 1 MiB + 6.3 KiB above: one micro-batch's [pairs, 2F] bf16
     # rows more, alive once (its tiles differ from the H200's). So the bound is one such transient
     # and 64 KiB: no higher than the plain run but for one layer's recompute, never one per layer or
-    # per micro-batch (3 layers, 2 micro-batches here); the real saving is issue 22's table
+    # per micro-batch (3 layers, 2 micro-batches here); the real saving is issue 22's table. Each
+    # peak is counted above what the process held as its run began, and what the plain run left
+    # (cuBLAS's per-stream workspaces, cached blocks) is released first: a later H100 run (session
+    # 28) measured the recomputing run 63 MiB above the plain one with them still held
     pairs_per_micro_batch = 8 * 128 // 2 * model.top_k
     transient_gib = (pairs_per_micro_batch * 2 * model.expert_ffn_size * 2 + 64 * 1024) / 2**30
-    assert max(r["peak_memory_gib"] for r in lean) <= max(r["peak_memory_gib"] for r in plain) + transient_gib
+    own = {name: max(r["peak_memory_gib"] for r in runs) - held_gib[name] for name, runs in
+           (("plain", plain), ("lean", lean))}
+    assert own["lean"] <= own["plain"] + transient_gib, (own, held_gib)
+
+
+def _release_cuda_memory() -> None:
+    """What an earlier run in this process left on the GPU given back: its tensors, torch's cached
+    blocks and cuBLAS's per-stream workspaces (kept for the process's life otherwise)."""
+    import gc
+
+    gc.collect()
+    torch.cuda.synchronize()
+    clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)  # CUDA builds of torch have it
+    if clear_workspaces is not None:
+        clear_workspaces()
+    torch.cuda.empty_cache()
 
 
 # Bytes per routed-expert parameter of the e4m3 weight copies each recipe (forward, backward) reads:
