@@ -1086,8 +1086,8 @@ class TrainConfig(StrictModel):
             raise ValueError(f"fp8_expert_forward chooses the FP8 experts' forward GEMMs under precision: fp8; this run "
                              f"is precision: {self.precision}: set precision: fp8 or remove fp8_expert_forward")
         if self.fp8_gluon and self.precision != "fp8":
-            raise ValueError(f"fp8_gluon: true runs the FP8 experts' GEMMs in the Gluon kernels; this run is precision: "
-                             f"{self.precision}: set precision: fp8 or remove fp8_gluon")
+            raise ValueError(f"fp8_gluon: true runs the FP8 experts' GEMMs in the Gluon kernels; this run is "
+                             f"precision: {self.precision}: set precision: fp8 or remove fp8_gluon")
         if self.fp8_emulate and self.precision != "fp8":
             raise ValueError(f"fp8_emulate: true emulates the FP8 GEMMs of precision: fp8; this run is precision: "
                              f"{self.precision}: set precision: fp8 or remove fp8_emulate")
