@@ -6,6 +6,7 @@
     attention_grad_bytes, expert_row_grad_bytes   the gradients one layer's backward holds
     head_bytes(m, tokens, value_bytes, chunked)   final norm, LM head and loss at their peak
     activation_bytes(m, tokens, value_bytes, chunked)   one process's peak over one micro-batch
+    fp8_emulate_transient_bytes(m, rows, value_bytes, forward)   `fp8_emulate`'s dequantised operands
 
 `value_bytes` is the activations' dtype (2: bf16, 4: fp32); reductions keep fp32 where the model
 does (router scores, the attention's log-sum-exp). `dropped` is what recomputation does not keep
@@ -74,6 +75,29 @@ def fp8_weight_copy_bytes(routed_expert_params: Num, forward: str = DEFAULT_FP8_
     with backward bf16), with one fp32 scale per 128 x 128 block of each: held beside the bf16
     weights for the whole run (`kernels.fp8_ffn.Fp8ExpertWeights`)."""
     return fp8_weight_copy_shares(forward, backward)[1] * routed_expert_params * (1 + FP8_BLOCK_SCALE_BYTES)
+
+
+# `kernels.fp8_ffn.DEQUANTIZE_PIECE`: the values one piece of an emulated dequantisation widens to fp32 at
+# a time, with their three fp32 temporaries (the e4m3 values widened, the scales expanded, their product)
+# (roofline imports no torch; a test pins the two together)
+EMULATE_PIECE_VALUES = 1 << 25
+EMULATE_PIECE_FP32_TENSORS = 3
+
+
+def fp8_emulate_transient_bytes(m: ModelConfig, rows: int, value_bytes: int, forward: str,
+                                experts: int | None = None) -> int:
+    """`fp8_emulate`: the most one layer's emulated FP8 expert forward (`kernels.fp8_ffn._emulated_forward`)
+    holds beside what the layer keeps, over `rows` rows of `experts` experts (default the model's): for
+    each GEMM it emulates (`forward`: both, gate-up or down) its A rows and weights dequantised to the
+    run's dtype ([rows, K] and [E, K, N], made per call and dropped after it), beside one piece's fp32
+    temporaries; the gate/up GEMM's are dropped before the down GEMM's are made, so the larger counts.
+    Not counted: the dense projections' emulated GEMMs (fp64 operands of one projection at a time)."""
+    experts = m.num_experts if experts is None else experts
+    hidden, ffn = m.hidden_size, m.expert_ffn_size
+    gemms = {"gate-up": (hidden, 2 * ffn), "down": (ffn, hidden)}  # (K, N) of each FP8 GEMM
+    return max((value_bytes * (rows * k + experts * k * n)
+                + EMULATE_PIECE_FP32_TENSORS * FP32 * min(EMULATE_PIECE_VALUES, max(rows * k, experts * k * n)))
+               for name, (k, n) in gemms.items() if forward in (name, "both"))
 
 
 def loss_chunk_tokens(tokens: Num, vocab: int) -> Num:
@@ -320,17 +344,19 @@ def layer_grad_bytes(m: ModelConfig, moe: bool, value_bytes: int, dropped: froze
 
 def activation_bytes(m: ModelConfig, tokens: int, value_bytes: int, chunked: bool = True,
                      dropped: frozenset[str] = NOTHING_DROPPED, fp8: bool = False,
-                     fp8_backward: str = DEFAULT_FP8_EXPERT_BACKWARD) -> int:
+                     fp8_backward: str = DEFAULT_FP8_EXPERT_BACKWARD, forward_transient: int = 0) -> int:
     """Peak bytes of one process's forward and backward of `tokens` tokens (one micro-batch:
     gradient accumulation runs each micro-batch's backward before the next forward): every
-    layer's activations, plus the larger of the head's peak and one layer's backward (under
+    layer's activations, plus the largest of the head's peak, one layer's backward (under
     `recompute: full`: every layer's input and routing, plus the larger of the head's peak and
-    one layer recomputed whole with its backward's gradients). `fp8`: the experts in FP8, their
-    backward recipe `fp8_backward`."""
+    one layer recomputed whole with its backward's gradients) and `forward_transient`, what one
+    layer's forward holds for its span only (e.g. `fp8_emulate_transient_bytes`), counted as if every
+    layer's activations were kept by then. `fp8`: the experts in FP8, their backward recipe
+    `fp8_backward`."""
     moe_layers = m.num_moe_layers
     dense_layers = m.num_layers - moe_layers
     kept = tokens * (moe_layers * layer_bytes(m, True, value_bytes, dropped, fp8)
                      + dense_layers * layer_bytes(m, False, value_bytes, dropped, fp8))
     grads = tokens * max(layer_grad_bytes(m, moe, value_bytes, dropped, fp8, fp8_backward) for moe in
                          ([True] if moe_layers else []) + ([False] if dense_layers else []))
-    return kept + max(head_bytes(m, tokens, value_bytes, chunked), grads)
+    return kept + max(head_bytes(m, tokens, value_bytes, chunked), grads, forward_transient)

@@ -99,7 +99,8 @@ def rank_activations(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topolog
     full` a forward keeps its segment's input and routing (and the outputs it sends, its backward's
     roots) and the backward holds its layer's half again (`roofline.memory`'s FULL terms). FP8
     experts (precision fp8) keep and hold their own rows' terms (`roofline.memory`'s `fp8`, their
-    backward's by its recipe, `fp8_expert_backward`)."""
+    backward's by its recipe, `fp8_expert_backward`); emulated (`fp8_emulate`), an expert forward
+    holds its dequantised operands for its span (`emulate_transient`)."""
     m, vb, dropped, fp8 = model_cfg, value_bytes(cfg), cfg.recompute_set, cfg.expert_precision == "fp8"
     tokens = cfg.batch_size // cfg.micro_batches // topology.data_parallel * cfg.seq_len
     row = mem.expert_row_bytes(m, vb, dropped, fp8) + (0 if pair_rows else mem.combine_bytes(m, vb, dropped) // m.top_k)
@@ -109,6 +110,7 @@ def rank_activations(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topolog
     out = []
     for rank, program in enumerate(programs):
         attention = topology.attention_role(rank)
+        local = topology.experts_of(rank)
 
         def received(layer: int) -> int:
             """The tokens this rank's experts receive in `layer`: every one of its sources'."""
@@ -138,6 +140,8 @@ def rank_activations(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topolog
             dy = vb * m.hidden_size  # sparse: COMBINE_GRAD's dy rows
             if isinstance(op, AttentionForward):
                 return staged(op.layer, vb * m.hidden_size + m.top_k * (4 + vb) + 4)
+            if isinstance(op, ExpertForward):  # `fp8_emulate`: the layer's dequantised operands, for its span
+                return emulate_transient(cfg, m, received(op.layer) * m.top_k, len(local[op.layer]))
             if isinstance(op, Loss):
                 return mem.head_bytes(m, tokens, vb) + staged(topology.num_layers - 1, dy)
             if isinstance(op, ExpertBackward):
@@ -158,7 +162,16 @@ def single_activation_bytes(cfg: TrainConfig, model_cfg: ModelConfig) -> int:
     logits' cross-entropy, every other path the chunked loss; FP8 experts their own rows' terms (their
     backward's by its recipe)."""
     tokens = cfg.batch_size // cfg.micro_batches * cfg.seq_len
+    transient = emulate_transient(cfg, model_cfg, tokens * model_cfg.top_k) if model_cfg.num_moe_layers else 0
     return mem.activation_bytes(model_cfg, tokens, value_bytes(cfg), chunked=cfg.compute_dtype_name != "fp32",
                                 dropped=cfg.recompute_set, fp8=cfg.expert_precision == "fp8",
-                                fp8_backward=fp8_backward_of(cfg))
+                                fp8_backward=fp8_backward_of(cfg), forward_transient=transient)
+
+
+def emulate_transient(cfg: TrainConfig, model_cfg: ModelConfig, rows: int, experts: int | None = None) -> int:
+    """What one layer's emulated FP8 expert forward holds for its span (`fp8_emulate`:
+    `roofline.memory.fp8_emulate_transient_bytes` of `rows` rows of `experts` experts); 0 otherwise."""
+    if not (cfg.fp8_emulate and cfg.expert_precision == "fp8"):
+        return 0
+    return mem.fp8_emulate_transient_bytes(model_cfg, rows, value_bytes(cfg), cfg.expert_forward_precision, experts)
 

@@ -269,6 +269,58 @@ def test_the_fp8_experts_backward_allocates_what_the_memory_model_counts(interpr
         assert recomputed.peak_bytes == kept.peak_bytes + rows_bytes
 
 
+@pytest.mark.parametrize("forward", ["gate-up", "down", "both"])
+def test_the_emulated_fp8_forward_allocates_what_the_memory_model_counts(interpreted, forward):
+    """Measured (interpreter, fp32): the emulated FP8 forward (`fp8_emulate`, its weight copies made
+    before), the peak of what it allocates taken after every op, is the transient the memory model
+    counts (`fp8_emulate_transient_bytes`: the dequantised rows and weights of the larger emulated GEMM
+    and one piece's three fp32 temporaries) and at most the forward's kept outputs more (h13 and y,
+    counted by the kept terms; K and N multiples of 128, as the scale blocks pad a piece's temporaries
+    to them). The piece is the kernel's (`kernels.fp8_ffn.DEQUANTIZE_PIECE`; roofline imports no torch)."""
+    *_, ffn8 = interpreted("disagmoe.kernels.grouped_gemm", "disagmoe.kernels.fp8", "disagmoe.kernels.fp8_ffn")
+    assert mem.EMULATE_PIECE_VALUES == ffn8.DEQUANTIZE_PIECE
+    counts, hidden, ffn = [9, 7], 128, 128
+    rows = sum(counts)
+    gen = torch.Generator().manual_seed(3)
+    x_NH = torch.randn(rows, hidden, generator=gen)
+    w13, w2 = torch.randn(2, hidden, 2 * ffn, generator=gen) / 8, torch.randn(2, ffn, hidden, generator=gen) / 8
+    offsets_E = torch.tensor(counts).cumsum(0).to(torch.int32)
+    weights = ffn8.Fp8ExpertWeights.quantize(w13, w2, forward=forward, backward="bf16")
+    with _Allocations() as allocations:
+        ffn8.expert_ffn_fp8(x_NH, offsets_E, w13, w2, weights=weights, tiles=ffn8.Fp8Tiles(**SMALL), num_programs=3,
+                            backward="bf16", forward=forward, emulate=True)
+    m = load_model("tiny").model_copy(update={"hidden_size": hidden, "expert_ffn_size": ffn})
+    transient = mem.fp8_emulate_transient_bytes(m, rows, 4, forward, experts=len(counts))
+    assert transient <= allocations.peak_bytes <= transient + rows * (2 * ffn + hidden) * 4
+
+
+def test_the_emulated_fp8_forwards_transient_reaches_the_memory_checks():
+    """`fp8_emulate` raises one process's predicted activations by what its largest layer forward holds
+    beyond the backward's peak (`activation_bytes`' forward_transient), and an expert rank's by its
+    rows' and local experts' transient at its expert forwards; without it nothing changes."""
+    from disagmoe.config import TrainConfig
+    from disagmoe.runtime.activation_memory import rank_activations, single_activation_bytes
+    from disagmoe.runtime.topology import Topology
+
+    m = load_model("qwen3-30b-a3b").model_copy(update={"num_layers": 2, "vocab_size": 4096})
+    base = dict(model=m, device="cuda", experts_backend="triton", batch_size=4, seq_len=4096, micro_batches=2,
+                precision="fp8", fp8_expert_backward="bf16", fp8_expert_forward="gate-up")
+    plain, emulated = (TrainConfig(**base, mode="single", fp8_emulate=e) for e in (False, True))
+    tokens = 2 * 4096
+    transient = mem.fp8_emulate_transient_bytes(m, tokens * m.top_k, 2, "gate-up")
+    assert transient > 0
+    assert single_activation_bytes(emulated, m) == mem.activation_bytes(
+        m, tokens, 2, fp8=True, fp8_backward="bf16", forward_transient=transient)
+    assert single_activation_bytes(emulated, m) > single_activation_bytes(plain, m)
+    layout = dict(base, mode="disaggregated", attention_ranks=1, expert_ranks=1)
+    peaks = {}
+    for emulate in (False, True):
+        cfg = TrainConfig(**layout, fp8_emulate=emulate)
+        peaks[emulate] = [r.peak_bytes for r in rank_activations(cfg, m, Topology.from_config(cfg, m))]
+    assert peaks[True][0] == peaks[False][0]  # the attention rank runs no expert
+    assert peaks[True][1] > peaks[False][1]
+
+
 def test_the_runs_fp8_recomputation_reaches_the_memory_check():
     """`precision: fp8` with recompute selective of expert_input and expert_swiglu: one process's
     predicted activations fall by the grouped input rows of every MoE layer (2 bytes x K x H per
