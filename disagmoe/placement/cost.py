@@ -960,7 +960,7 @@ def fp8_stages(stages: dict[str, Stage], ceil: Ceilings, speedup: float, m: Mode
     share = FP8_FORWARD_SHARES[forward]
     out = dict(stages)
     H, F, k = m.hidden_size, m.expert_ffn_size, m.top_k
-    scales = FP32 / 128  # one fp32 scale per 128 values
+    scales = FP32 / 128  # one fp32 scale per 128 values of a quantised row (1 x 128 or 128 x 1)
     per_pair = st.fp8_expert_input_bytes(H, rows / k, k, False)
     once = st.fp8_expert_input_bytes(H, tokens_once, k, True)
     quantised_once = (np.asarray(tokens_once) > 0) & (once < per_pair)  # the runtime takes the fewer bytes
@@ -1001,7 +1001,8 @@ def fp8_stages(stages: dict[str, Stage], ceil: Ceilings, speedup: float, m: Mode
         permute = out["permute / combine sum"]
         out["permute / combine sum"] = replace(permute, fwd=permute.fwd + st.permute_rows(m, unwritten).scale(-1.0))
     quantised, held = mem.fp8_weight_copy_shares(forward, backward)
-    copies = Work(hbm_bytes=exp_params * (BF16 * quantised + held * (1 + scales)))  # read bf16, write the copies
+    # read in bf16, written in e4m3 with one fp32 scale per 128 x 128 block
+    copies = Work(hbm_bytes=exp_params * (BF16 * quantised + held * (1 + mem.FP8_BLOCK_SCALE_BYTES)))
     if "optimizer (experts)" in out:
         optimizer = out["optimizer (experts)"]
         out["optimizer (experts)"] = replace(optimizer, bwd=optimizer.bwd + copies)

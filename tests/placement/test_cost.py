@@ -452,7 +452,7 @@ def test_the_planner_holds_and_makes_the_fp8_weight_copies_the_recipe_reads(forw
     state = (fp8.expert_mem_bytes[0] - fp8.expert_act_bytes[0]) - (bf16.expert_mem_bytes[0] - bf16.expert_act_bytes[0])
     assert state == pytest.approx(held * params * (1 + 4 / 128**2))
     optimizer = fp8.stages["optimizer (experts)"].bwd.hbm_bytes[0] - bf16.stages["optimizer (experts)"].bwd.hbm_bytes[0]
-    assert optimizer == pytest.approx(params * (2 * quantised + held * (1 + 4 / 128)))  # bf16 read, e4m3 + scales
+    assert optimizer == pytest.approx(params * (2 * quantised + held * (1 + 4 / 128**2)))  # bf16 read, e4m3 + scales
     said = {2: "two e4m3 weight copies per expert parameter each step", 1: "reads, 1 byte per expert parameter",
             2 / 3: "reads, 0.67 byte per expert", 1 / 3: "reads, 0.33 byte per expert",
             5 / 3: "reads, 1.7 bytes per expert", 4 / 3: "reads, 1.3 bytes per expert"}[held]
