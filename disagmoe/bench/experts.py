@@ -277,8 +277,9 @@ def make_block(backend: str, tiles: FFNTiles | None = None,
 
         def fp8_block(x_TH, topk_idx_TK, weights_TK, w13_EH2F, w2_EFH):
             key = (w13_EH2F.data_ptr(), w2_EFH.data_ptr())
-            if key not in copies:
-                copies[key] = Fp8ExpertWeights.quantize(w13_EH2F.detach(), w2_EFH.detach())
+            if key not in copies:  # the copies this backend's recipe reads, as a trainer makes them
+                copies[key] = Fp8ExpertWeights.quantize(w13_EH2F.detach(), w2_EFH.detach(), forward=forward,
+                                                        backward=backward)
             rows_NH, offsets_E, dest_TK = permute_tokens(x_TH, topk_idx_TK, w13_EH2F.shape[0])
             # the forward's Gluon paths are the ones its backward runs (`fp8_ffn._GluonChoices`)
             with gluon_paths(**gluon):

@@ -137,13 +137,18 @@ def test_the_fp8_block_matches_the_reference_and_quantises_each_weight_once(inte
     quantize = fp8_ffn.Fp8ExpertWeights.quantize
     block = experts.make_block(experts.FP8_BACKEND, fp8_tiles=tiles)
     leaves = [x.clone().requires_grad_(), w13.clone().requires_grad_(), w2.clone().requires_grad_()]
+
+    def counted(cls, a, b, **recipe):
+        calls.append(recipe)
+        return quantize(a, b, **recipe)
+
     try:
-        fp8_ffn.Fp8ExpertWeights.quantize = classmethod(lambda cls, a, b: calls.append(1) or quantize(a, b))
+        fp8_ffn.Fp8ExpertWeights.quantize = classmethod(counted)
         y = block(leaves[0], idx, weights, leaves[1], leaves[2])
         block(x, idx, weights, leaves[1], leaves[2])
     finally:
         fp8_ffn.Fp8ExpertWeights.quantize = quantize
-    assert len(calls) == 1
+    assert calls == [{"forward": "both", "backward": "bf16-wgrad"}]  # once, for the default recipe
     dy = torch.randn(y.shape, generator=gen)
     y.backward(dy)
     ref = [t.double().clone().requires_grad_() for t in (x, w13, w2)]
@@ -168,8 +173,8 @@ def test_the_variant_backends_run_the_fp8_block_with_their_one_choice_changed(mo
     """`--backend triton-fp8:fp8-wgrad | gluon-wgrad | gluon | bf16-backward | down-forward`: FP8
     backends at the tuned tiles whose forwards run with one choice changed from the FFN's defaults (a
     Gluon path through `fp8_ffn.gluon_paths`, which their backward keeps; which backward GEMMs run in
-    FP8; or which forward ones), the defaults restored after each call; plain `triton-fp8` runs the
-    defaults."""
+    FP8; or which forward ones), the defaults restored after each call, each making the weight copies
+    its recipe reads; plain `triton-fp8` runs the defaults."""
     from disagmoe.kernels import fp8_ffn
     from disagmoe.kernels.fp8_ffn import Fp8Tiles
 
@@ -180,7 +185,9 @@ def test_the_variant_backends_run_the_fp8_block_with_their_one_choice_changed(mo
     seen = []
     monkeypatch.setattr(bench, "expert_ffn_fp8", lambda rows, *a, backward, forward, **k: seen.append(
         (fp8_ffn._gluon.rows, fp8_ffn._gluon.wgrad, fp8_ffn._gluon.swiglu, backward, forward)) or rows)
-    monkeypatch.setattr(bench.Fp8ExpertWeights, "quantize", classmethod(lambda cls, a, b: None))
+    made = []
+    monkeypatch.setattr(bench.Fp8ExpertWeights, "quantize", classmethod(
+        lambda cls, a, b, *, forward, backward: made.append((forward, backward))))
     monkeypatch.setattr(bench, "permute_tokens", lambda x, idx, experts: (x, None, None))
     monkeypatch.setattr(bench, "combine_rows", lambda rows, dest, weights: rows)
     x, idx, weights = torch.randn(6, 8), torch.randint(0, 2, (6, 2)), torch.rand(6, 2)
@@ -193,6 +200,7 @@ def test_the_variant_backends_run_the_fp8_block_with_their_one_choice_changed(mo
     assert seen == [(False, False, False, "fp8", "both"), (False, True, False, "fp8", "both"),
                     (True, False, True, "bf16-wgrad", "both"), (False, False, False, "bf16", "both"),
                     (False, False, False, "bf16-wgrad", "down"), (False, False, False, "bf16-wgrad", "both")]
+    assert made == [(forward, backward) for *_, backward, forward in seen]  # each the copies its recipe reads
     with pytest.raises(ValueError, match="choose from rows, wgrad, swiglu"):
         with fp8_ffn.gluon_paths(epilogue=True):
             pass
