@@ -77,7 +77,13 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from disagmoe.kernels import grouped_gemm as gg
@@ -93,6 +99,14 @@ GROUP_M = 8  # row tiles sharing column tiles in the item order, as TileConfig's
 # for the producer (Gluon's tutorials), ptxas spilled 8 bytes at 128 x 128.
 PRODUCER_REGS, CONSUMER_REGS, MAXNREG = 40, 232, 168
 SHARED_MEMORY_BYTES = 227 * 1024  # sm_90's per-block limit (the barriers take a few bytes more)
+# Whether the ring's mbarrier initialisations are fenced (`fence_async_shared`, fence.proxy.async) before
+# any TMA completes on them: the PTX rule for the async proxy's view of shared memory written by threads,
+# as DeepGEMM fences there. Until session 28 the kernels did not; the FFN's Gluon gate/up GEMM then
+# cost loss in training that outside it no test could reproduce (`fp8_ffn._GluonChoices`), and a
+# barrier the TMA unit saw uninitialised is one cause that would only show under training's timing.
+# A launch-time choice so that a GPU test can run the kernel both ways
+# (tests/kernels/test_fp8_gluon.py's shadowed training run).
+FENCE_BARRIER_INIT = True
 _SLICE = gl.constexpr(SCALE_BLOCK)
 _ROWS = gl.constexpr(CONSUMER_ROWS)
 _ITEM_ROWS = gl.constexpr(2 * CONSUMER_ROWS)  # the weight gradient's KA rows an item: both consumers' halves
@@ -208,10 +222,11 @@ def _consumer(a_bufs, b_bufs, ready_bars, empty_bars, sa_ptr, sb_ptr, out_ptr, o
 
 
 @gluon.jit
-def _ring(a_desc, b_desc, STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
+def _ring(a_desc, b_desc, STAGES: gl.constexpr, CONSUMERS: gl.constexpr, FENCE_INIT: gl.constexpr):
     """The shared-memory ring both kernels share: STAGES stages of an A and a B TMA box, each with a
     `ready` mbarrier (the producer's one arrival with the bytes) and an `empty` one (an arrival per
-    consumer warpgroup releasing it)."""
+    consumer warpgroup releasing it); with FENCE_INIT the initialisations fenced for the async proxy
+    (`FENCE_BARRIER_INIT`)."""
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
     ready_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -219,6 +234,8 @@ def _ring(a_desc, b_desc, STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
     for s in gl.static_range(STAGES):
         mbarrier.init(ready_bars.index(s), count=1)
         mbarrier.init(empty_bars.index(s), count=CONSUMERS)
+    if FENCE_INIT:
+        fence_async_shared()
     return a_bufs, b_bufs, ready_bars, empty_bars
 
 
@@ -227,11 +244,11 @@ def _gluon_fp8_rows_gemm_kernel(a_desc, b_desc, sa_ptr, sb_ptr, out_ptr, offsets
                                 stride_sam, stride_sag, stride_sbe, stride_sbg, stride_sbb, stride_om, stride_on,
                                 E_POW2: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                                 GROUP_M: gl.constexpr, STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                                CONSUMER_REGS: gl.constexpr):
+                                CONSUMER_REGS: gl.constexpr, FENCE_INIT: gl.constexpr):
     # Contract: `gluon_fp8_rows_gemm`'s, checked there. The partitions' arguments are written
     # inline in the warp_specialize call: a tuple assigned to a name first turns its constexprs
     # into tensors (Triton 3.6's front end), which the layouts and shapes cannot take.
-    a_bufs, b_bufs, ready_bars, empty_bars = _ring(a_desc, b_desc, STAGES, BLOCK_M // _ROWS)
+    a_bufs, b_bufs, ready_bars, empty_bars = _ring(a_desc, b_desc, STAGES, BLOCK_M // _ROWS, FENCE_INIT)
     if BLOCK_M == 2 * _ROWS:
         gl.warp_specialize([
             (_consumer, (a_bufs, b_bufs, ready_bars, empty_bars, sa_ptr, sb_ptr, out_ptr, offsets_ptr, E, E_W, N, K,
@@ -365,10 +382,10 @@ def _gluon_fp8_weight_grad_kernel(a_desc, b_desc, sa_ptr, sb_ptr, out_ptr, padde
                                   stride_sak, stride_sac, stride_sbc, stride_sbp, stride_oe, stride_ok, stride_oc,
                                   BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                                   ACCUMULATE: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                                  CONSUMER_REGS: gl.constexpr):
+                                  CONSUMER_REGS: gl.constexpr, FENCE_INIT: gl.constexpr):
     # Contract: `gluon_fp8_weight_grad`'s, checked there; two consumer warpgroups of 64 KA rows each
     # (the item's 128) and the producer warp, as `_gluon_fp8_rows_gemm_kernel`.
-    a_bufs, b_bufs, ready_bars, empty_bars = _ring(a_desc, b_desc, STAGES, 2)
+    a_bufs, b_bufs, ready_bars, empty_bars = _ring(a_desc, b_desc, STAGES, 2, FENCE_INIT)
     gl.warp_specialize([
         (_wgrad_consumer, (a_bufs, b_bufs, ready_bars, empty_bars, sa_ptr, sb_ptr, out_ptr, padded_ptr, E, E_W, KA, C,
                            num_programs, stride_sak, stride_sac, stride_sbc, stride_sbp, stride_oe, stride_ok,
@@ -480,7 +497,7 @@ def gluon_fp8_rows_gemm(
         a_desc, b_desc, sa_MG, sb_EGB, out, offsets_E, groups, experts, cols, k, programs,
         sa_MG.stride(0), sa_MG.stride(1), *sb_EGB.stride(), out.stride(0), out.stride(1),
         E_POW2=triton.next_power_of_2(groups), BLOCK_M=block_m, BLOCK_N=block_n, GROUP_M=GROUP_M, STAGES=stages,
-        PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS, num_warps=4,
+        PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS, FENCE_INIT=FENCE_BARRIER_INIT, num_warps=4,
         maxnreg=MAXNREG if block_m == 2 * CONSUMER_ROWS else None)
     return out
 
@@ -551,5 +568,6 @@ def gluon_fp8_weight_grad(
         a_desc, b_desc, sa_KC, sb_CC, out, padded_E, groups, experts, ka, cols, programs,
         sa_KC.stride(0), sa_KC.stride(1), sb_CC.stride(0), sb_CC.stride(1), *out.stride(),
         BLOCK_N=block_n, GROUP_M=GROUP_M, STAGES=stages, ACCUMULATE=accumulate,
-        PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS, num_warps=4, maxnreg=MAXNREG)
+        PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS, FENCE_INIT=FENCE_BARRIER_INIT, num_warps=4,
+        maxnreg=MAXNREG)
     return out

@@ -102,6 +102,21 @@ def test_the_kernel_compiles_warp_specialised_without_spills(hopper_builds, bloc
         assert registers <= fg.MAXNREG
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("fenced", [True, False])
+def test_the_ring_fences_its_barrier_initialisations_for_the_async_proxy_as_asked(hopper_builds, monkeypatch, fenced):
+    """`FENCE_BARRIER_INIT` (on by default since session 28): the ring's mbarrier initialisations are
+    followed by fence.proxy.async in the PTX before any TMA completes on them; off, none is (the
+    kernel as it ran until then, for the GPU's A/B)."""
+    monkeypatch.setattr(fg, "FENCE_BARRIER_INIT", fenced)
+    fg.gluon_fp8_rows_gemm(*_cpu_operands([300, 0, 5, 700], 512, 256), num_programs=132)
+    (kernel,) = hopper_builds
+    ptx = kernel.asm["ptx"]
+    assert ("fence.proxy.async" in ptx) == fenced
+    if fenced:
+        assert ptx.index("mbarrier.init") < ptx.index("fence.proxy.async") < ptx.index("cp.async.bulk.tensor")
+
+
 def _cpu_wgrad_operands(padded_counts, ka, c):
     """Zero-valued token-group operands of the weight gradient on the CPU ([KA, P] and [C, P], P the
     padded capacity), as `fp8.quantize_token_groups` lays them out."""
@@ -438,14 +453,17 @@ def test_gpu_training_the_gate_up_gemm_on_the_permutes_rows_is_the_triton_kernel
 
 @pytest.mark.gpu
 @needs_hopper
-def test_gpu_training_every_gluon_gate_up_launch_of_a_captured_run_is_the_triton_kernels(tmp_path, monkeypatch):
+@pytest.mark.parametrize("fenced", [False, True], ids=["unfenced", "fenced"])
+def test_gpu_training_every_gluon_gate_up_launch_of_a_captured_run_is_the_triton_kernels(tmp_path, monkeypatch,
+                                                                                          fenced):
     """Eight steps of a 2-layer Qwen3-30B-A3B-shaped model with the recipe of session 28's gap (forward
     gate-up, backward bf16, `fp8_gluon: true`), three eager and five replayed from the captured step:
     every Gluon gate/up launch shadowed, on the device and inside the graph, by the Triton kernel on
     the same operands, its largest difference and its rows off by more than 1% of their largest
     value recorded per launch (launch slots in call order: the eager steps' first, then the capture's,
     which each replay rewrites). Every slot must hold no difference beyond bf16 rounding: a failure
-    says whether the eager launches or only the replayed ones differ (the next bisection)."""
+    says whether the eager launches or only the replayed ones differ (the next bisection), with the
+    ring's barrier initialisations unfenced (the kernel of the gap) and fenced (`FENCE_BARRIER_INIT`)."""
     from disagmoe.config import TrainConfig
     from disagmoe.kernels import fp8_ffn
     from disagmoe.model_ref import load_model
@@ -467,6 +485,7 @@ def test_gpu_training_every_gluon_gate_up_launch_of_a_captured_run_is_the_triton
         return got
 
     monkeypatch.setattr(fp8_ffn, "_rows_gemm", shadowed)
+    monkeypatch.setattr(fg, "FENCE_BARRIER_INIT", fenced)
     model = load_model("qwen3-30b-a3b").model_copy(update={"num_layers": 2, "vocab_size": 4096})
     try:
         train_single(TrainConfig(model=model, mode="single", device="cuda", steps=8, batch_size=2, seq_len=4096,
