@@ -848,8 +848,8 @@ class TrainConfig(StrictModel):
         "fp8_expert_forward says) to the bf16 experts' kernels, on operands dequantised to the run's dtype, and "
         "with fp8_dense the dense projections' forward and data-gradient GEMMs to an fp64 matmul. A loss gap "
         "that stays with it is the FP8 format's; one that goes away is the FP8 kernels'. bf16's speed or slower "
-        "(the dequantised weights are made per call, the dense GEMMs run in fp64), never faster; the planner prices the run as "
-        "FP8 all the same, the memory check as FP8 plus the experts' dequantised operands of one layer's forward "
+        "(the dequantised weights are made per call, the dense GEMMs run in fp64), never faster; the planner prices "
+        "the run as FP8 all the same, the memory check as FP8 plus the experts' dequantised operands of one layer's forward "
         "(the dense projections' fp64 ones are not counted). Needs fp8_expert_backward: bf16 (the experts' FP8 "
         "backward kernels are not emulated); refused under another precision")
     fp8_gluon: bool = Field(

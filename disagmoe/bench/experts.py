@@ -458,8 +458,7 @@ def fp8_kernel_paths(backend: str, hidden: int, ffn: int, device: torch.device) 
     backend's Gluon settings)."""
     gluon, backward, forward = variant_of(backend)
     return kernel_paths(hidden, ffn, device, rows=gluon.get("rows"), wgrad=gluon.get("wgrad"),
-                        swiglu=gluon.get("swiglu"),
-                        backward=backward, forward=forward)
+                        swiglu=gluon.get("swiglu"), backward=backward, forward=forward)
 
 
 def fp8_tiles_notes(record: dict) -> list[str]:

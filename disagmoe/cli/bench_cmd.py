@@ -41,8 +41,7 @@ def experts(
              "gradients e4m3, weight gradients bf16), needs sm_89+; its variants change one choice: the weight "
              "gradients in FP8 too, they in the warp-specialised Gluon kernel (sm_90), the row GEMMs and the SwiGLU "
              "GEMMs in the Gluon kernels (sm_90: training's fp8_gluon, off by default), the whole backward in bf16, "
-             "or the "
-             "forward's gate/up GEMM in bf16 (only the down GEMM's forward in FP8); "
+             "or the forward's gate/up GEMM in bf16 (only the down GEMM's forward in FP8); "
              "scaled-grouped-mm: the library's row-wise FP8 forward, torch._scaled_grouped_mm, sm_90, no fwd+bwd "
              "row)")] = None,
     precision: Annotated[str, typer.Option(

@@ -304,6 +304,13 @@ def test_gpu_weight_gradient_matches_the_reference_and_the_triton_kernel(counts,
 # Gluon gate/up GEMM the Qwen3 config trained 6.6% above bf16's loss over 200 steps, with the Triton
 # one at it, while every test above passed; these put the kernel where training runs it)
 
+def _qwen3_two_layers():
+    """Two layers of Qwen3-30B-A3B's shape (128 experts top-8, H 2,048, F 768) and a 4,096-token vocabulary."""
+    from disagmoe.model_ref import load_model
+
+    return load_model("qwen3-30b-a3b").model_copy(update={"num_layers": 2, "vocab_size": 4096})
+
+
 def _qwen3_forward_backward(forward: str, gluon: bool, tokens_BS: torch.Tensor, fixed=None):
     """(loss, the routed experts' w13 and w2 gradients in fp32, the routing) of one forward and
     backward of a 2-layer Qwen3-30B-A3B-shaped model (bf16 weights, seed 0, 4,096-token vocabulary)
@@ -316,10 +323,9 @@ def _qwen3_forward_backward(forward: str, gluon: bool, tokens_BS: torch.Tensor, 
     from disagmoe.model.experts import RoutedExperts
     from disagmoe.model.init import materialise
     from disagmoe.model.transformer import MoETransformer
-    from disagmoe.model_ref import load_model
 
     cuda = torch.device("cuda")
-    cfg = load_model("qwen3-30b-a3b").model_copy(update={"num_layers": 2, "vocab_size": 4096})
+    cfg = _qwen3_two_layers()
     with torch.device("meta"):
         model = MoETransformer(cfg, experts_backend="triton")
     materialise(model, cuda, 0).to(torch.bfloat16)
@@ -466,7 +472,6 @@ def test_gpu_training_every_gluon_gate_up_launch_of_a_captured_run_is_the_triton
     ring's barrier initialisations unfenced (the kernel of the gap) and fenced (`FENCE_BARRIER_INIT`)."""
     from disagmoe.config import TrainConfig
     from disagmoe.kernels import fp8_ffn
-    from disagmoe.model_ref import load_model
     from disagmoe.runtime.training.trainer import train_single
 
     diffs = torch.zeros(256, 2, device="cuda")
@@ -486,7 +491,7 @@ def test_gpu_training_every_gluon_gate_up_launch_of_a_captured_run_is_the_triton
 
     monkeypatch.setattr(fp8_ffn, "_rows_gemm", shadowed)
     monkeypatch.setattr(fg, "FENCE_BARRIER_INIT", fenced)
-    model = load_model("qwen3-30b-a3b").model_copy(update={"num_layers": 2, "vocab_size": 4096})
+    model = _qwen3_two_layers()
     try:
         train_single(TrainConfig(model=model, mode="single", device="cuda", steps=8, batch_size=2, seq_len=4096,
                                  micro_batches=2, eval_every=0, checkpoint_at_end=False, precision="fp8",
