@@ -714,6 +714,9 @@ class DataConfig(StrictModel):
     synthetic_alphabet: Annotated[int, Field(ge=3)] = Field(
         16, description="distinct tokens of the synthetic corpus: 16 gives the letters a-p (bytes), more "
         "the ids 0..N-1 (at most vocab_size); a MoE needs many, or its routing collapses")
+    seed: Annotated[int, Field(ge=0, lt=1 << 64)] | None = Field(
+        None, description="seed of the data order alone (None: the run's seed, which seeds the initialisation "
+        "too); pin it to vary a run's initialisation on the same batches, as `bench train --seeds` does")
 
     @model_validator(mode="after")
     def _path(self) -> DataConfig:
@@ -917,7 +920,8 @@ class TrainConfig(StrictModel):
         None, description="torch intra-op threads for CPU training; None keeps torch's default"
     )
     seed: Annotated[int, Field(ge=0, lt=1 << 64)] = Field(  # torch's range; numpy's SeedSequence takes no negative
-        0, description="seed of the parameters' initialisation and of the data order (the same in every layout)")
+        0, description="seed of the parameters' initialisation and, unless data.seed is set, of the data order (the "
+        "same in every layout)")
     steps: PositiveInt = Field(100, description="optimizer steps of the run")
     batch_size: Dim = Field(8, description="sequences per step (global)")
     seq_len: Dim = Field(128, description="tokens per sequence")
@@ -990,6 +994,11 @@ class TrainConfig(StrictModel):
         if self.precision == "auto":
             return "bf16" if self.device == "cuda" else "fp32"
         return "bf16" if self.precision == "fp8" else self.precision
+
+    @property
+    def data_seed(self) -> int:
+        """The data order's seed: `data.seed`, or the run's `seed` where it is not set."""
+        return self.seed if self.data.seed is None else self.data.seed
 
     @property
     def expert_precision(self) -> str:

@@ -134,7 +134,7 @@ def run(cfg: TrainConfig, steps: int, warmup: int, log: Callable[[str], None],
 
     log(f"{NAME} {transformers.__version__} {type(model).__name__} (experts: {experts_impl}): {steps} steps")
     splits = load_splits(cfg.data, m.vocab_size, cfg.seq_len)
-    data = TokenDataset(splits.train, cfg.seq_len, cfg.batch_size, cfg.seed, "train")
+    data = TokenDataset(splits.train, cfg.seq_len, cfg.batch_size, cfg.data_seed, "train")
     losses, times = train_steps(model, model_type, m, cfg, data, steps, device, on_step)
     step_s = statistics.median(times[warmup:])
     peak = torch.cuda.max_memory_allocated(device) / 2**30

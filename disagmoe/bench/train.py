@@ -16,7 +16,10 @@ Variants (`variants`, e.g. ["recompute=none", "recompute=selective"]): every mod
 variant (each a set of config overrides), in the same run; each row then also gives its
 tokens/s and peak memory against the same mode's row of the first variant. Every row keeps its
 per-step losses and, where it ran FP8 GEMMs, each step's share of saturated e4m3 elements
-(`bench.loss_plot` draws them: `--plot`).
+(`bench.loss_plot` draws them: `--plot`). `seeds` > 1 trains every row once per seed (seed ..
+seed + seeds - 1, the data order pinned to the config's: the same batches), and the record's
+`loss_parity` reads each variant's loss against the first variant's spread over those seeds
+(`bench.loss_parity`: one pair of runs cannot tell a gap of a few percent from chaos).
 
 Each row is logged as it ends, so a run stopped part-way keeps what it measured. A row that
 cannot run (a `ValueError` naming the fix: its memory check, an out-of-memory error, a refusal of
@@ -37,6 +40,7 @@ from pathlib import Path
 import torch
 
 from disagmoe.bench.gpu_clocks import GpuClockSampler, describe
+from disagmoe.bench.loss_parity import DEFAULT_WINDOW, loss_parity
 from disagmoe.config import TrainConfig, apply_overrides, validate
 from disagmoe.runtime.observe.metrics import read_metrics
 from disagmoe.runtime.training.loop import METRICS_FILE
@@ -61,6 +65,17 @@ def variant_config(cfg: TrainConfig, variant: str | None, mode: str | None = Non
         raise ValueError("--variant '': give key=value overrides, e.g. --variant recompute=selective")
     base = cfg.model_dump() if mode is None else {**cfg.model_dump(), "mode": mode, **row_layout(cfg, mode)}
     return validate(TrainConfig, apply_overrides(base, overrides), f"--variant {variant!r}")
+
+
+def seeded_config(cfg: TrainConfig, vcfg: TrainConfig, index: int, variant: str | None) -> TrainConfig:
+    """The `index`-th seed's run of a variant's config `vcfg` under `--seeds`: seed `cfg.seed +
+    index`, the data order pinned to `cfg`'s (`DataConfig.seed`), so that only the initialisation
+    moves; ValueError where the variant sets either seed itself."""
+    if (vcfg.seed, vcfg.data_seed) != (cfg.seed, cfg.data_seed):
+        raise ValueError(f"--seeds gives each row its seed ({cfg.seed} and on) and pins the data order: take seed and "
+                         f"data.seed out of --variant {variant!r}, or set them in the config")
+    return vcfg.model_copy(update={"seed": cfg.seed + index,
+                                   "data": vcfg.data.model_copy(update={"seed": cfg.data_seed})})
 
 
 def row_layout(cfg: TrainConfig, mode: str) -> dict:
@@ -153,7 +168,7 @@ def summarise(rows: list[dict]) -> list[dict]:
     def same_run_of_first_variant(r: dict) -> dict | None:
         if r.get("variant") is None:
             return None
-        return next((o for o in ran if o.get("variant") == first_variant and
+        return next((o for o in ran if o.get("variant") == first_variant and o.get("seed") == r.get("seed") and
                      (o["mode"], o.get("transport"), o.get("hop")) == (r["mode"], r.get("transport"), r.get("hop"))),
                     None)
 
@@ -174,10 +189,11 @@ def summarise(rows: list[dict]) -> list[dict]:
 
 
 def row_label(r: dict) -> str:
-    """A row's name: its mode, with its transport and hop where it has them, its variant, and
-    'time-sliced' where its ranks shared GPUs."""
+    """A row's name: its mode, with its transport and hop where it has them, its variant, its seed
+    (under `--seeds`), and 'time-sliced' where its ranks shared GPUs."""
     parts = [p for p in (r.get("transport"), r.get("hop") and r["hop"].replace("_", " "), r.get("variant"),
-                         r.get("time_sliced") and "time-sliced") if p]
+                         r.get("seed") is not None and f"seed {r['seed']}", r.get("time_sliced") and "time-sliced")
+             if p]
     return f"{r['mode']} ({', '.join(parts)})" if parts else r["mode"]
 
 
@@ -277,22 +293,30 @@ def runs_of(modes: list[str], transports: list[str] | None,
 def run(cfg: TrainConfig, modes: list[str], steps: int, warmup: int,
         log: Callable[[str], None], baseline: str | None = None, transports: list[str] | None = None,
         hops: list[str] | None = None, variants: list[str] | None = None,
-        on_row: Callable[[list[dict]], None] | None = None, gpu_clocks: bool = True) -> dict:
+        on_row: Callable[[list[dict]], None] | None = None, gpu_clocks: bool = True, seeds: int = 1,
+        loss_window: int = DEFAULT_WINDOW) -> dict:
     """The record of the run (module docstring); `on_row` gets the rows so far (unsummarised) as
     each row ends, e.g. to keep a partial record on disk. `gpu_clocks=False`: no nvidia-smi beside
-    the steps (each row's `gpu_clocks_note` says so), to see whether its sampling moves a step."""
+    the steps (each row's `gpu_clocks_note` says so), to see whether its sampling moves a step.
+    `seeds`: runs of every row (each seed's rows in turn, so a run stopped part-way keeps whole
+    seeds); `loss_window`: the last steps whose mean loss `loss_parity` compares."""
     if baseline not in (None, "hf"):
         raise ValueError(f"unknown baseline {baseline!r}; the one outside baseline is 'hf' (transformers)")
+    if seeds < 1 or loss_window < 1:
+        raise ValueError(f"--seeds {seeds} --loss-window {loss_window}: give at least 1 of each")
     variants = variants or [None]
     # every variant checked in every mode it runs before any run starts
-    planned = [(v, variant_config(cfg, v, r[0]), r) for v in variants for r in runs_of(modes, transports, hops)]
+    checked = [(v, variant_config(cfg, v, r[0]), r) for v in variants for r in runs_of(modes, transports, hops)]
+    planned = [(v, seeded_config(cfg, vcfg, index, v) if seeds > 1 else vcfg, r)
+               for index in range(seeds) for v, vcfg, r in checked]
     rows = []
     with tempfile.TemporaryDirectory(prefix="disagmoe-bench-train-") as tmp:
         for variant, vcfg, (mode, transport, hop) in planned:
-            out = Path(tmp) / f"variant-{variants.index(variant)}"
+            seed = vcfg.seed if seeds > 1 else None
+            out = Path(tmp) / f"variant-{variants.index(variant)}" / f"seed-{vcfg.seed}"
             mcfg = mode_config(vcfg, mode, steps, out, transport, hop)
             name = (f"{mode}{'' if mode == 'single' else f' ({mcfg.transport}, hop {mcfg.hop})'}"
-                    f"{f' [{variant}]' if variant else ''}")
+                    f"{f' [{variant}]' if variant else ''}{'' if seed is None else f' seed {seed}'}")
             log(f"{name}: {steps} steps")
             clocks = clock_sampler(mcfg, gpu_clocks)
             try:
@@ -301,7 +325,7 @@ def run(cfg: TrainConfig, modes: list[str], steps: int, warmup: int,
             except ValueError as err:  # a user error of this row (memory check, out of memory): the row's, not the run's
                 log(f"{name}: did not run: {err}")
                 rows.append({"mode": mode, "transport": None if mode == "single" else mcfg.transport, "hop": None,
-                             "variant": variant, "error": str(err)})
+                             "variant": variant, "seed": seed, "error": str(err)})
                 if on_row is not None:
                     on_row(rows)
                 continue
@@ -317,7 +341,7 @@ def run(cfg: TrainConfig, modes: list[str], steps: int, warmup: int,
             imbalance = [statistics.fmean(r["load_imbalance"]) for r in records
                          if r["step"] > warmup and r.get("load_imbalance")]
             rows.append({"mode": mode, "transport": None if mode == "single" else mcfg.transport, "hop": used_hop,
-                         "variant": variant, "ranks": ranks, "time_sliced": time_sliced,
+                         "variant": variant, "seed": seed, "ranks": ranks, "time_sliced": time_sliced,
                          "micro_batches": summary.micro_batches, "cuda_graph_replays": summary.cuda_graph_replays,
                          "cuda_graphs_note": summary.cuda_graphs_note, "fp8_kernels": fp8_kernels(mcfg),
                          "predicted_peak_gib": summary.predicted_peak_gib,
@@ -373,11 +397,14 @@ def run(cfg: TrainConfig, modes: list[str], steps: int, warmup: int,
             environment["tiles"] = tile_source(environment["gpu"], device_architecture(torch.device("cuda", 0)))
     device = (torch.cuda.get_device_name(0) if cfg.device == "cuda" and torch.cuda.is_available()
               else platform.processor() or platform.machine())
+    parity = (loss_parity([r for r in rows if r["mode"] in MODES], loss_window)
+              if seeds > 1 or len(variants) > 1 else None)
     return {"environment": {"device": device, "torch": torch.__version__, "python": platform.python_version(),
                             "transport": ", ".join(dict.fromkeys(transports)) if transports else cfg.transport,
                             "experts_backend": cfg.experts_backend,
                             "precision": cfg.expert_precision, **environment},
-            "steps": steps, "warmup": warmup, "modes": summarise(rows)}
+            "steps": steps, "warmup": warmup, "seeds": seeds, "modes": summarise(rows),
+            "loss_parity": None if parity is None else {"window": min(loss_window, steps), "groups": parity}}
 
 
 def _rate(flops: float, step_s: float, record: dict, key: str) -> float | None:

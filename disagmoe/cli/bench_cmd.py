@@ -405,8 +405,18 @@ def train(
                                                                "row ends, marked partial until the run's end)")] = None,
     plot: Annotated[Path | None, typer.Option(
         help="also write the rows' loss curves as a PNG: loss per step, each row's loss relative to the first "
-             "row's (%), and where a row ran FP8 the share of saturated e4m3 elements per step (a parity run: "
-             "--variant precision=bf16 --variant precision=fp8 --steps 300)")] = None,
+             "row's (%; under --seeds, to the mean of the first variant's seeds), and where a row ran FP8 the "
+             "share of saturated e4m3 elements per step (a parity run: --variant precision=bf16 --variant "
+             "precision=fp8 --steps 300 --seeds 2)")] = None,
+    seeds: Annotated[int, typer.Option(
+        help="train every row this many times, seeds seed..seed+N-1 with the data order pinned (the same "
+             "batches; only the initialisation moves), and print each variant's mean loss over the last "
+             "--loss-window steps against the first variant's range over those seeds: one pair of runs cannot "
+             "tell a gap of a few percent from the run-to-run spread (two identical bf16 runs of the Qwen3 "
+             "config once ended 7.9% apart)", min=1)] = 1,
+    loss_window: Annotated[int, typer.Option(
+        help="the last steps whose mean loss the parity table compares (with several variants or --seeds)",
+        min=1)] = 50,
 ) -> None:
     """Time whole training steps of one config in several layouts in the same run, on the same
     devices (colocated gets attention + expert ranks as one pipeline group; a config with
@@ -441,15 +451,16 @@ def train(
         out.write_text(json.dumps({"partial": True, "steps": steps, "warmup": warmup, "modes": rows}, indent=1) + "\n")
 
     record = bench.run(cfg, mode or ["disaggregated", "colocated"], steps, warmup, log, baseline, transport, hop,
-                       variant, on_row=keep_partial if out is not None else None, gpu_clocks=gpu_clocks)
+                       variant, on_row=keep_partial if out is not None else None, gpu_clocks=gpu_clocks, seeds=seeds,
+                       loss_window=loss_window)
     if out is not None:
         out.write_text(json.dumps(record, indent=1) + "\n")
     if plot is not None:
         from disagmoe.bench.loss_plot import plot_losses
 
         ran = [r for r in record["modes"] if not r.get("error")]
-        plot_losses(ran, plot, f"{config} ({ran[0].get('routing', 'learned')} routing), {steps} steps",
-                    [bench.row_label(r) for r in ran])
+        plot_losses(ran, plot, f"{config} ({ran[0].get('routing', 'learned')} routing), {steps} steps"
+                    + (f", {seeds} seeds" if seeds > 1 else ""), [bench.row_label({**r, "seed": None}) for r in ran])
         log(f"wrote {plot}")
     if as_json:
         print_json(record)
@@ -502,6 +513,31 @@ def train(
     if any(r.get("time_sliced") for r in record["modes"]):
         console.print("time-sliced rows: their ranks shared GPUs (ranks_per_gpu), so their step times test the "
                       "layout, not its speed; no speedup or MFU is quoted for them", highlight=False)
+    if record.get("loss_parity"):
+        console.print(_parity_table(record["loss_parity"], record["seeds"]))
+
+
+def _parity_table(parity: dict, seeds: int) -> Table:
+    """`bench train`'s loss parity (`bench.loss_parity`) as a table: one line per variant and layout."""
+    from disagmoe.bench.train import row_label
+
+    window = parity["window"]
+    seed_note = (f"over {seeds} seeds (the data order pinned: the initialisation alone moves)" if seeds > 1 else
+                 "one seed (--seeds 2 or more reads a gap against the reference's own spread)")
+    table = Table(title=f"loss parity: mean loss of the last {window} steps, {seed_note}; each variant against the "
+                        "first of its layout")
+    for col in ("row", "each seed", "mean", "seeds' range", "vs first", "paired (same seed)", "inside first's range"):
+        table.add_column(col, justify="left" if col == "row" else "right")
+    for g in parity["groups"]:
+        def signed(x: float | None) -> str:
+            return "-" if x is None else f"{x:+.2%}"
+
+        inside = g["inside_reference_range"]
+        table.add_row(row_label({**g, "seed": None}), " ".join(f"{x:.4f}" for x in g["seed_losses"]),
+                      f"{g['loss']:.4f}", "-" if g["spread"] is None else f"{g['spread']:.2%}", signed(g["vs_first"]),
+                      "-" if not g["paired_gaps"] else " ".join(signed(x) for x in g["paired_gaps"]),
+                      "-" if inside is None else ("yes" if inside else "no"))
+    return table
 
 
 @bench_app.command("profile")

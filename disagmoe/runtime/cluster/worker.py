@@ -196,9 +196,9 @@ class TrainWorker(Worker):
         self.attention, self.val_data = None, None
         if attention is not None:
             splits = load_splits(cfg.data, self.model_cfg.vocab_size, cfg.seq_len)
-            data = TokenDataset(splits.train, cfg.seq_len, cfg.batch_size, cfg.seed, "train")
+            data = TokenDataset(splits.train, cfg.seq_len, cfg.batch_size, cfg.data_seed, "train")
             if splits.val is not None:
-                self.val_data = TokenDataset(splits.val, cfg.seq_len, cfg.batch_size, cfg.seed, "val")
+                self.val_data = TokenDataset(splits.val, cfg.seq_len, cfg.batch_size, cfg.data_seed, "val")
             self.attention = AttentionStage(self.model, topology, self.rank, data, cfg.micro_batches,
                                             pair=pair, sparse=self.shapes.sparse)
             self.attention.wait_span = self._gpu_wait_span

@@ -366,10 +366,10 @@ class SingleProcessTrainer(TrainingLoop):
             check_host_memory(self.host_state_bytes, f"{count_params(self.model_cfg).total:,} parameters, mode single")
         self.predicted_peak_gib = sum(single_peak_bytes(cfg, self.model_cfg)) / 2**30
         splits = load_splits(cfg.data, self.model_cfg.vocab_size, cfg.seq_len)
-        self.train_data = TokenDataset(splits.train, cfg.seq_len, cfg.batch_size, cfg.seed, "train")
+        self.train_data = TokenDataset(splits.train, cfg.seq_len, cfg.batch_size, cfg.data_seed, "train")
         self.val_data = (
             None if splits.val is None
-            else TokenDataset(splits.val, cfg.seq_len, cfg.batch_size, cfg.seed, "val")
+            else TokenDataset(splits.val, cfg.seq_len, cfg.batch_size, cfg.data_seed, "val")
         )
         self.evaluates = self.val_data is not None and cfg.eval_every > 0
         torch.manual_seed(cfg.seed)

@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from disagmoe.config import ModelConfig, OptimConfig, TrainConfig, load_hardware, load_train_config
+from disagmoe.config import DataConfig, ModelConfig, OptimConfig, TrainConfig, load_hardware, load_train_config
 from disagmoe.model_ref import load_model
 from disagmoe.data import TokenDataset, synthetic_corpus
 from disagmoe.model import MoETransformer
@@ -753,3 +753,21 @@ def test_cuda_first_touch_steps_equal_zeroing_steps_bit_for_bit(tmp_path, monkey
         for a, b in zip(step_a, step_b, strict=True):
             assert torch.equal(a.view(torch.int32), b.view(torch.int32))
     assert all(torch.equal(a, b) for a, b in zip(zeroing[2], first_touch[2], strict=True))
+
+
+def test_a_pinned_data_seed_varies_the_initialisation_alone(tmp_path):
+    """data.seed pins the batches: runs of seed 0 and 1 with data.seed 0 see the same batches and start
+    from different weights; without it the seed moves both (`TrainConfig.data_seed`)."""
+    from disagmoe.runtime.training.trainer import SingleProcessTrainer
+
+    def trainer(seed: int, data_seed: int | None) -> SingleProcessTrainer:
+        return SingleProcessTrainer(tiny_run(tmp_path / f"{seed}-{data_seed}", seed=seed,
+                                             data=DataConfig(seed=data_seed)))
+
+    base, other_init, other_both = trainer(0, None), trainer(1, 0), trainer(1, None)
+    assert (base.cfg.data_seed, other_init.cfg.data_seed, other_both.cfg.data_seed) == (0, 0, 1)
+    for step in range(3):
+        assert torch.equal(base.train_data.batch(step), other_init.train_data.batch(step))
+        assert not torch.equal(base.train_data.batch(step), other_both.train_data.batch(step))
+    weights = [next(t.model.parameters()).detach() for t in (base, other_init)]
+    assert not torch.equal(*weights)

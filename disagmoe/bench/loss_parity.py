@@ -1,0 +1,72 @@
+"""`disagmoe bench train --seeds N`: whether a variant trains to the first variant's loss, read
+against the first variant's own spread over initialisations.
+
+One pair of runs cannot say it. Two bf16 runs of the same 200-step command on an H100 (the Qwen3
+config, text corpus), one before and one after a change of the expert kernels' tile shapes, ended
+7.9% apart over their last 50 steps (docs/benchmarks.md, session 29): the early steps' loss spikes
+amplify any difference of rounding, so a precision's gap of a few percent is only a gap where it
+lies outside the spread of the reference's own runs. `--seeds N` trains every row N times, seeds
+seed..seed+N-1 with the data order pinned (`DataConfig.seed`: the same batches in every run), and
+this module groups those rows by what they vary (mode, transport, hop, variant) and gives, per
+group, each seed's mean loss over the last `window` steps, their mean and range, the gap of the
+mean to the first variant's group of the same mode, the per-seed (paired: the same initialisation
+and batches) gaps, and whether the mean lies inside the first variant's range of seeds.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+DEFAULT_WINDOW = 50  # steps at the end of each run whose losses are averaged (one step's loss is one batch's)
+
+
+def group_key(row: dict[str, Any]) -> tuple:
+    """What a row varies apart from its seed: its mode, transport, hop and variant."""
+    return row.get("mode"), row.get("transport"), row.get("hop"), row.get("variant")
+
+
+def window_mean(losses: list[float], window: int) -> float:
+    """The mean of the last `window` losses (all of them where the run is shorter)."""
+    if window < 1:
+        raise ValueError(f"--loss-window {window}: give at least 1 step")
+    return statistics.fmean(losses[-window:])
+
+
+def loss_parity(rows: list[dict[str, Any]], window: int = DEFAULT_WINDOW) -> list[dict[str, Any]]:
+    """One entry per group of `rows` (bench train's rows that trained and kept `losses`), in the
+    order the groups first appear: `seeds`, `seed_losses` (each seed's window mean), `loss` (their
+    mean), `low` / `high`, `spread` ((high - low) / loss; None for one seed), and against the first
+    group of the same mode, transport and hop (the reference; its own entry has None): `vs_first`
+    (loss / reference loss - 1), `paired_gaps` (each seed's window mean against the reference's of
+    the same seed) and `inside_reference_range` (None where the reference has one seed)."""
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for row in rows:
+        if row.get("error") or not row.get("losses"):
+            continue
+        groups.setdefault(group_key(row), []).append(row)
+    entries: list[dict[str, Any]] = []
+    references: dict[tuple, dict[str, Any]] = {}
+    for key, members in groups.items():
+        by_seed = {r.get("seed"): window_mean(r["losses"], window) for r in members}
+        losses = list(by_seed.values())
+        loss, low, high = statistics.fmean(losses), min(losses), max(losses)
+        entry: dict[str, Any] = {"mode": key[0], "transport": key[1], "hop": key[2], "variant": key[3],
+                                 "seeds": list(by_seed), "seed_losses": losses, "loss": loss, "low": low,
+                                 "high": high, "spread": (high - low) / loss if len(losses) > 1 else None,
+                                 "vs_first": None, "paired_gaps": None, "inside_reference_range": None}
+        reference = references.setdefault(key[:3], {**entry, "by_seed": by_seed})
+        if reference["variant"] != key[3]:
+            entry["vs_first"] = loss / reference["loss"] - 1.0
+            entry["paired_gaps"] = [by_seed[s] / reference["by_seed"][s] - 1.0 for s in by_seed
+                                    if s in reference["by_seed"]]
+            if len(reference["seed_losses"]) > 1:
+                entry["inside_reference_range"] = reference["low"] <= loss <= reference["high"]
+        entries.append(entry)
+    return entries
+
+
+def mean_curve(rows: list[dict[str, Any]]) -> list[float]:
+    """The per-step mean loss of `rows` (a group's seeds), over the steps all of them have."""
+    steps = min(len(r["losses"]) for r in rows)
+    return [statistics.fmean(r["losses"][i] for r in rows) for i in range(steps)]

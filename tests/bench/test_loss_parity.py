@@ -1,0 +1,91 @@
+"""`bench.loss_parity` and `bench train --seeds`: a variant's loss read against the first variant's
+spread over initialisations, on the same batches."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from disagmoe.bench.loss_parity import loss_parity, mean_curve, window_mean
+from disagmoe.bench.train import row_label
+from disagmoe.cli.app import app
+from disagmoe.config import TrainConfig
+
+
+def _row(variant, seed, losses, mode="single"):
+    return {"mode": mode, "transport": None, "hop": None, "variant": variant, "seed": seed, "losses": losses}
+
+
+def test_each_variant_is_read_against_the_first_variants_seeds():
+    """Window means per seed, their mean and range; the second variant's gap to the first's mean,
+    its per-seed (paired) gaps, and whether its mean lies inside the first's range of seeds."""
+    rows = [_row("bf16", 0, [9.0, 2.0, 2.2]), _row("fp8", 0, [9.0, 2.1, 2.1]),
+            _row("bf16", 1, [9.0, 2.4, 2.6]), _row("fp8", 1, [9.0, 2.6, 2.8]),
+            {**_row("fp8", 2, []), "error": "out of memory"}]
+    bf16, fp8 = loss_parity(rows, window=2)
+    assert bf16["seeds"] == [0, 1] and bf16["seed_losses"] == pytest.approx([2.1, 2.5])
+    assert (bf16["loss"], bf16["low"], bf16["high"]) == pytest.approx((2.3, 2.1, 2.5))
+    assert bf16["spread"] == pytest.approx(0.4 / 2.3) and bf16["vs_first"] is None and bf16["paired_gaps"] is None
+    assert fp8["loss"] == pytest.approx(2.4) and fp8["vs_first"] == pytest.approx(2.4 / 2.3 - 1)
+    assert fp8["paired_gaps"] == pytest.approx([0.0, 2.7 / 2.5 - 1])
+    assert fp8["inside_reference_range"] is True
+    far = loss_parity(rows[:4] + [_row("fp8-far", 0, [9.0, 3.0, 3.0])], window=2)[2]
+    assert far["inside_reference_range"] is False and far["spread"] is None  # one seed: no range of its own
+
+
+def test_one_seed_gives_the_gap_without_a_range_and_layouts_have_their_own_reference():
+    rows = [_row("bf16", None, [3.0, 2.0]), _row("fp8", None, [3.0, 2.2]),
+            _row("bf16", None, [3.0, 4.0], mode="colocated"), _row("fp8", None, [3.0, 4.4], mode="colocated")]
+    entries = loss_parity(rows, window=1)
+    assert [e["vs_first"] for e in entries] == pytest.approx([None, 0.1, None, 0.1])
+    assert all(e["inside_reference_range"] is None for e in entries)
+
+
+def test_the_window_is_the_runs_last_steps():
+    assert window_mean([5.0, 1.0, 3.0], 2) == 2.0 and window_mean([5.0, 1.0], 50) == 3.0
+    assert mean_curve([{"losses": [1.0, 2.0, 3.0]}, {"losses": [3.0, 4.0]}]) == [2.0, 3.0]
+    with pytest.raises(ValueError, match="at least 1"):
+        window_mean([1.0], 0)
+
+
+def test_seeds_vary_the_initialisation_on_the_same_batches_and_a_variants_own_seed_is_refused():
+    from disagmoe.bench.train import seeded_config
+
+    cfg = TrainConfig(model="tiny", seed=5)
+    runs = [seeded_config(cfg, cfg, i, None) for i in range(3)]
+    assert [r.seed for r in runs] == [5, 6, 7] and {r.data_seed for r in runs} == {5}
+    with pytest.raises(ValueError, match="take seed and data.seed out of --variant 'seed=3'"):
+        seeded_config(cfg, cfg.model_copy(update={"seed": 3}), 1, "seed=3")
+
+
+def test_cli_seeds_train_every_variant_per_seed_and_print_the_parity(tmp_path):
+    """Two variants x two seeds of the tiny CPU config: four rows, seeds outermost, each compared with
+    the first variant's row of its own seed; the record's parity has a range for the reference; the
+    table and the plot come out."""
+    png, out = tmp_path / "loss.png", tmp_path / "bench.json"
+    r = CliRunner().invoke(app, ["bench", "train", "--config", "configs/tiny-cpu.yaml", "--mode", "single",
+                                 "--steps", "3", "--warmup", "1", "--seeds", "2", "--loss-window", "2",
+                                 "--variant", "micro_batches=1", "--variant", "micro_batches=2",
+                                 "--plot", str(png), "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    record = json.loads(out.read_text())
+    rows = record["modes"]
+    assert [(row["variant"], row["seed"]) for row in rows] == [
+        ("micro_batches=1", 0), ("micro_batches=2", 0), ("micro_batches=1", 1), ("micro_batches=2", 1)]
+    assert rows[0]["losses"] != rows[2]["losses"]  # another initialisation
+    assert rows[3]["vs_variant"] == pytest.approx(rows[3]["tokens_per_s"] / rows[2]["tokens_per_s"])
+    parity = record["loss_parity"]
+    assert record["seeds"] == 2 and parity["window"] == 2
+    reference, other = parity["groups"]
+    assert reference["seeds"] == [0, 1] and reference["spread"] is not None
+    assert other["inside_reference_range"] is not None and len(other["paired_gaps"]) == 2
+    assert "loss parity: mean loss of the last 2 steps, over 2 seeds" in r.output
+    assert row_label(rows[2]) == "single (micro_batches=1, seed 1)"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_refuses_a_variant_that_sets_its_own_seed_under_seeds():
+    r = CliRunner().invoke(app, ["bench", "train", "--config", "configs/tiny-cpu.yaml", "--mode", "single",
+                                 "--steps", "2", "--seeds", "2", "--variant", "seed=4"])
+    assert r.exit_code != 0 and "take seed and data.seed out of --variant 'seed=4'" in r.output
+    assert "Traceback" not in r.output
