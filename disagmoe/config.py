@@ -280,14 +280,17 @@ class RatePoint(StrictModel):
 
 
 class Fp8RatePoint(StrictModel):
-    """One point of the FP8 expert curve (`Calibration.expert_gemm_fp8`): at `at` rows per expert the
-    FP8 expert FFN (`kernels.fp8_ffn`, quantisers included) ran at `fwd` / `bwd` of the bf16 dense
-    peak (`bf16_tflops`), against the same stage FLOPs the bf16 curve counts: a rate above the bf16
-    curve's (or above 1) is FP8 beating bf16, one below it FP8 losing to it. Its backward is measured
-    whole (data and weight gradients together: the FP8 backward cannot hold its weight gradients
-    back), so it has no `wgrad`; `HardwareConfig` bounds both by fp8_tflops / bf16_tflops."""
+    """One point of an FP8 curve: of the experts (`Calibration.expert_gemm_fp8`: at `at` rows per
+    expert the FP8 expert FFN, `kernels.fp8_ffn`, quantisers included) or of the attention
+    projections (`Calibration.projections_fp8`: at `at` tokens per micro-batch, as `fp8_dense` runs
+    them, quantisers included); it ran at `fwd` / `bwd` of the bf16 dense peak (`bf16_tflops`),
+    against the same stage FLOPs the bf16 curve counts: a rate above the bf16 curve's (or above 1)
+    is FP8 beating bf16, one below it FP8 losing to it. Its backward is measured whole (data and
+    weight gradients together: the FP8 experts' backward cannot hold its weight gradients back), so
+    it has no `wgrad`; `HardwareConfig` bounds both by fp8_tflops / bf16_tflops."""
 
-    at: PositiveFloat = Field(description="rows per expert")
+    at: PositiveFloat = Field(description="rows per expert (the experts' curve) or tokens per micro-batch (the "
+                              "projections' curve)")
     fwd: PositiveFloat = Field(description="the FP8 forward's rate (x's quantiser included) as a fraction of the "
                                "bf16 peak, against the bf16 forward's FLOPs")
     bwd: PositiveFloat = Field(description="the FP8 backward's rate (data and weight gradients into the fp32 main "
@@ -317,7 +320,10 @@ class Calibration(StrictModel):
       (`roofline.calibration.fitted_fraction`).
     - `expert_gemm_fp8`: the FP8 expert FFN's forward and whole-backward rates against rows per expert,
       fitted against the same bf16 stage work (`Fp8RatePoint`); absent, FP8 experts are priced at the
-      datasheet ratio fp8_tflops / bf16_tflops of the bf16 rate.
+      datasheet ratio fp8_tflops / bf16_tflops of the bf16 rate. `projections_fp8` (probe version 7
+      on): the same for the attention projections as `fp8_dense` runs them, against tokens per
+      micro-batch, quantisers inside; absent, the FP8 dense projections are priced at the datasheet
+      ratio and their quantisers at HBM speed.
     - `hbm_fraction`: memory-bound stages' measured HBM rate, as a fraction of the hardware's.
     - `op_fixed_us`: the fixed cost of one schedule op of that kind (its kernel launches and the
       small kernels whose time does not scale with the work), added once per op.
@@ -362,6 +368,14 @@ class Calibration(StrictModel):
         "version 5, bf16-wgrad from version 6, `fp8_curve_backward`), as fractions of the bf16 peak against the "
         "bf16 curve's stage work (`placement.cost.fp8_stages` prices `precision: fp8` experts from it; absent: at "
         "the datasheet ratio fp8_tflops / bf16_tflops, unmeasured)"))
+    projections_fp8: list[Fp8RatePoint] = Field(default_factory=list, description=(
+        "probe version 7 on, GPUs with FP8 tensor cores: the attention projections of `projections` as `fp8_dense` "
+        "runs them (`model.layers.DeferrableLinear.set_fp8`: the forward and data gradient in rowwise e4m3 through "
+        "torch._scaled_mm, the weight gradient bf16, q/k/v sharing one quantised input, the weights' e4m3 copies "
+        "made once outside the timed calls, every quantiser and counter included) at the same tokens, as fractions "
+        "of the bf16 peak against the same stage work (`placement.cost.fp8_dense_stages` prices `fp8_dense` at "
+        "this curve over `projections`, the quantisers inside; absent: at the datasheet ratio, the quantisers "
+        "at HBM speed)"))
     p2p: LinkCost | None = None
     all_reduce: LinkCost | None = None
     all_to_all: LinkCost | None = None
@@ -374,7 +388,8 @@ class Calibration(StrictModel):
         version = max(self.probe_version or 0, min(FP8_CURVE_BACKWARDS))
         return FP8_CURVE_BACKWARDS[max(v for v in FP8_CURVE_BACKWARDS if v <= version)]
 
-    @field_validator("expert_gemm", "attention", "attention_mla", "projections", "projections_mla", "expert_gemm_fp8")
+    @field_validator("expert_gemm", "attention", "attention_mla", "projections", "projections_mla", "expert_gemm_fp8",
+                     "projections_fp8")
     @classmethod
     def _distinct_points(cls, points: list[RatePoint]) -> list[RatePoint]:
         ats = [p.at for p in points]
@@ -417,11 +432,12 @@ class HardwareConfig(StrictModel):
         """An FP8 curve point faster than the FP8 datasheet peak is a misread measurement (the probe
         clips its fits there), not a rate to plan with."""
         most = self.fp8_tflops / self.bf16_tflops
-        fast = [p.at for p in (self.calibration.expert_gemm_fp8 if self.calibration else [])
-                if max(p.fwd, p.bwd) > most * (1 + 1e-9)]
-        if fast:
-            raise ValueError(f"calibration.expert_gemm_fp8 at rows per expert {fast}: a rate above fp8_tflops / "
-                             f"bf16_tflops = {most:.3g} of the bf16 peak, faster than the FP8 datasheet peak")
+        for curve, unit in (("expert_gemm_fp8", "rows per expert"), ("projections_fp8", "tokens")):
+            fast = [p.at for p in (getattr(self.calibration, curve) if self.calibration else [])
+                    if max(p.fwd, p.bwd) > most * (1 + 1e-9)]
+            if fast:
+                raise ValueError(f"calibration.{curve} at {unit} {fast}: a rate above fp8_tflops / "
+                                 f"bf16_tflops = {most:.3g} of the bf16 peak, faster than the FP8 datasheet peak")
         return self
 
 

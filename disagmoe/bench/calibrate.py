@@ -24,6 +24,13 @@ measures them, this module reuses it) it measures what `HardwareConfig.calibrati
 - `projections`: the attention block's projection GEMMs (every nn.Linear of the model's own
   attention module, forward; data and weight gradients) at PROJECTION_TOKENS tokens, against
   `roofline.stages.attention_projection_passes` (v2 left them at `bench hardware`'s 8192^3 matmul rate);
+- `projections_fp8` (a GPU with FP8 tensor cores, and projections `fp8_dense` takes): the same
+  projections as `fp8_dense` runs them (`fp8_projection_passes`: rowwise e4m3 forward and data
+  gradient, the bf16 weight gradient, q/k/v reading one quantised input, the weights' e4m3 copies made
+  once outside the timed calls, every quantiser counting), fitted against the same bf16 stage work
+  (`fp8_projection_point`): the planner prices `fp8_dense` at this curve over `projections`, the
+  quantisers inside (a profile of the Qwen3 step on an H100 measured their GEMMs 1.40x faster than
+  bf16's and their rowwise quantiser costing more than that saved: docs/benchmarks.md, session 29);
 - `attention_mla`, `projections_mla`: the same two curves at an MLA shape, which price MLA models'
   attention block: the model's own when it is MLA (then the timings above themselves), else
   MLA_MODEL's (DeepSeek-V3: 128 heads of q/k 192 and v 128, against GQA's head dim 128; its
@@ -176,6 +183,7 @@ class Timings:
     attention_mla: dict[int, PassTimes] | None = None
     attention_mla_fixed: PassTimes | None = None
     projections_mla: dict[int, PassTimes] | None = None  # tokens -> mla_probe_model(model)'s attention projections
+    projections_fp8: dict[int, PassTimes] | None = None  # tokens -> the projections in FP8 (None: not measured)
 
 
 def curve_experts(model: ModelConfig, rows_per_expert: int) -> int:
@@ -248,6 +256,16 @@ def fp8_expert_point(model: ModelConfig, rows_per_expert: int, times: PassTimes,
                                                    ceil, most))
 
 
+def fp8_projection_point(model: ModelConfig, tokens: int, times: PassTimes, ceil: Ceilings, most: float) -> Fp8RatePoint:
+    """The FP8 projection curve's point at `tokens`: the projections' times under `fp8_dense`
+    (quantisers included) fitted as `projection_point` fits the bf16 ones, against the same bf16
+    stage work (`stages.attention_projection_passes`: so the rate says how fast FP8 gets through the
+    same GEMMs), capped at `most` = fp8_tflops / bf16_tflops."""
+    fwd, bwd = stages.attention_projection_passes(model, tokens)
+    return Fp8RatePoint(at=tokens, fwd=fitted_fraction(fwd, times.fwd_s, ceil, most),
+                        bwd=fitted_fraction(bwd, times.bwd_s, ceil, most))
+
+
 def attention_point(model: ModelConfig, seq_len: int, times: PassTimes, fixed: PassTimes, ceil: Ceilings) -> RatePoint:
     """The attention curve's point at `seq_len`: the same fit against `stages.attention_core_passes`
     of the probe's attention_batch(seq_len) sequences."""
@@ -291,6 +309,8 @@ def calibration_from(t: Timings, model: ModelConfig, ceil: Ceilings, source: str
                 for rows, times in sorted((t.expert_gemm_fp8 or {}).items())]
     attention = [attention_point(model, seq, times, t.attention_fixed, ceil) for seq, times in sorted(t.attention.items())]
     projections = [projection_point(model, tokens, times, ceil) for tokens, times in sorted((t.projections or {}).items())]
+    projections_fp8 = [fp8_projection_point(model, tokens, times, ceil, fp8_peak_ratio)
+                       for tokens, times in sorted((t.projections_fp8 or {}).items())]
     mla = mla_probe_model(model) if t.attention_mla or t.projections_mla else None
     attention_mla = [attention_point(mla, seq, times, t.attention_mla_fixed, ceil)
                      for seq, times in sorted((t.attention_mla or {}).items())]
@@ -307,7 +327,7 @@ def calibration_from(t: Timings, model: ModelConfig, ceil: Ceilings, source: str
         hbm["permute"] = fitted_hbm_fraction(pairs + pairs, t.permute.fwd_bwd_s, ceil)
     return Calibration(source=source, expert_gemm=gemm, attention=attention, attention_mla=attention_mla,
                        op_fixed_us=op_fixed_us(t), projections=projections, projections_mla=projections_mla,
-                       hbm_fraction=hbm, expert_gemm_fp8=gemm_fp8, **(links or {}))
+                       hbm_fraction=hbm, expert_gemm_fp8=gemm_fp8, projections_fp8=projections_fp8, **(links or {}))
 
 
 def merge_calibration(old: Calibration | None, new: Calibration) -> Calibration:
@@ -399,6 +419,8 @@ def measure_timings(dev, model: ModelConfig, experts_backend: str, warmup: int, 
         norms=None if model.attention == "mla" else _norms_times(dev, model, PERMUTE_TOKENS, warmup, iters),
         expert_gemm_fp8={r: _fp8_ffn_times(dev, model, r, curve_experts(model, r), warmup, iters)
                          for r in ROWS_PER_EXPERT} if fp8_measured(dev, experts_backend) else None,
+        projections_fp8={n: _fp8_projection_times(dev, model, n, warmup, iters) for n in PROJECTION_TOKENS}
+        if fp8_projections_measured(torch.cuda.get_device_capability(dev), model) else None,
         attention_mla=attention_mla, attention_mla_fixed=attention_mla_fixed, projections_mla=projections_mla)
 
 
@@ -407,6 +429,22 @@ def fp8_measured(dev, experts_backend: str) -> bool:
     trains) under the triton experts, the backend whose kernels `precision: fp8` replaces (a
     grouped_mm run calibrates a step that has no FP8 experts)."""
     return experts_backend == "triton" and torch.cuda.get_device_capability(dev) >= (8, 9)
+
+
+def fp8_projections_measured(capability: tuple[int, int], model: ModelConfig) -> bool:
+    """Whether the FP8 projection curve is measured on a GPU of this compute `capability`: FP8
+    tensor cores (sm_89 on) and the model's attention projections of shapes `fp8_dense` takes
+    (`fp8_dense.check_shape`, as `precision: fp8` with `fp8_dense` refuses the others)."""
+    from disagmoe.kernels import fp8_dense
+
+    if tuple(capability) < (8, 9):
+        return False
+    try:
+        for layer in attention_linears(model, "meta"):
+            fp8_dense.check_shape(layer.in_features, layer.out_features)
+    except ValueError:
+        return False
+    return True
 
 
 def _ffn(experts_backend: str) -> Callable:
@@ -611,6 +649,56 @@ def projection_passes(layers: Sequence[torch.nn.Linear], tokens: int, dev, dtype
         return [torch.autograd.grad(layer(x), [x, layer.weight], dy) for layer, x, dy in zip(layers, xs, dys, strict=True)]
 
     return forward, forward_backward
+
+
+def fp8_projection_passes(model: ModelConfig, tokens: int, dev, dtype=torch.bfloat16, emulate: bool = False,
+                          ) -> tuple[Callable[[], object], Callable[[], object], object]:
+    """(forward, forward and backward, their `Fp8Stats`) of the model's attention projections as `fp8_dense` runs them
+    (`DeferrableLinear.set_fp8`, counting into an `Fp8Stats` dense row) over `tokens` rows: their
+    e4m3 weight copies made once here (`prepare_fp8`: once per optimizer step in training), the
+    block-input readers (every projection but the output one `wo` whose in_features is the hidden
+    size: GQA's q, k, v; MLA's first q and kv projections) fed one x, quantised once as the model's
+    are (`fp8_dense.quantize_input`), each call starting as a step's micro-batch does, with no
+    quantised input held (`forget_shared_inputs`); the others each their own input. The backward:
+    the data gradients in FP8 and the weight gradients in bf16 (`kernels.fp8_dense.RECIPE`), from
+    one output gradient per projection. `emulate`: `fp8_dense`'s fp64 reference instead of
+    torch._scaled_mm (the CPU tests run it)."""
+    from disagmoe.kernels.fp8_dense import forget_shared_inputs
+    from disagmoe.kernels.fp8_stats import DENSE, Fp8Stats
+    from disagmoe.model.attention import build_attention
+
+    with torch.device(dev):
+        attention = build_attention(model).to(dtype)
+    named = [(name, m) for name, m in attention.named_modules() if isinstance(m, torch.nn.Linear)]
+    stats = Fp8Stats(dev)
+    row = stats.row(DENSE)  # one row object for all, as `set_dense_fp8` gives (a shared input's key holds it)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    shared = torch.randn(tokens, model.hidden_size, device=dev, dtype=dtype, generator=gen).requires_grad_()
+    inputs = []
+    for name, layer in named:
+        layer.set_fp8(True, row, emulate)
+        layer.prepare_fp8()
+        reads_block_input = layer.in_features == model.hidden_size and name.rsplit(".", 1)[-1] != "wo"
+        inputs.append(shared if reads_block_input else torch.randn(
+            tokens, layer.in_features, device=dev, dtype=dtype, generator=gen).requires_grad_())
+    layers = [layer for _, layer in named]
+    dys = [torch.randn(tokens, layer.out_features, device=dev, dtype=dtype, generator=gen) for layer in layers]
+    leaves = list(dict.fromkeys(inputs)) + [layer.weight for layer in layers]
+
+    def forward() -> list[torch.Tensor]:
+        forget_shared_inputs()
+        return [layer(x) for layer, x in zip(layers, inputs, strict=True)]
+
+    def forward_backward() -> object:
+        return torch.autograd.grad(forward(), leaves, dys)
+
+    return forward, forward_backward, stats
+
+
+def _fp8_projection_times(dev, model: ModelConfig, tokens: int, warmup: int, iters: int) -> PassTimes:
+    """`fp8_projection_passes` of the model's attention projections over `tokens` tokens."""
+    forward, forward_backward, _ = fp8_projection_passes(model, tokens, dev)
+    return _passes(forward, forward_backward, warmup, iters)
 
 
 def attention_linears(model: ModelConfig, dev, dtype=torch.bfloat16) -> list[torch.nn.Linear]:

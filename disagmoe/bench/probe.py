@@ -18,7 +18,7 @@ from pathlib import Path
 
 from disagmoe.config import PRESETS_DIR, HardwareConfig, preset_names
 
-PROBE_VERSION = 6
+PROBE_VERSION = 7
 # 1: before 47ee5dd: CUDA events around each call (`timing.median_ms`: for a tiny op, the host's
 #    time to launch it), the expert curve on 8 experts, fixed costs the event time of the smallest probes.
 # 2: 47ee5dd: GPU kernel time (`timing.kernel_ms`), fixed cost at next to no work, curve points net
@@ -57,7 +57,15 @@ PROBE_VERSION = 6
 #    GQA curves: DeepSeek's cuDNN attention 141 ms a step against 111 priced). Every attention probe's q, k, v and
 #    output gradient are tokens-first in memory viewed heads-first, MLA's v the value columns of the kv projection's
 #    heads, as the model passes them (version 5: heads-first contiguous GQA tensors; the same times on an H200).
-PROBE_FINGERPRINT = "3717b184677b1304"  # `code_fingerprint()` of the code that measures version PROBE_VERSION
+# 7: the FP8 projection curve (`Calibration.projections_fp8`) on GPUs with FP8 tensor cores: the calibration model's
+#    attention projections as `fp8_dense` runs them (`calibrate.fp8_projection_passes`: rowwise e4m3 forward and data
+#    gradient through torch._scaled_mm, the bf16 weight gradient, q/k/v reading one quantised input, the e4m3 weight
+#    copies made once outside the timed calls, every quantiser counting) at the projection curve's tokens, fitted
+#    against the bf16 projections' stage work (`calibrate.fp8_projection_point`); the planner prices `fp8_dense` at
+#    it over the bf16 curve, the quantisers inside (version 6: the datasheet ratio, the quantisers at HBM speed,
+#    where an H100's profile measured the rowwise quantiser cost more than the FP8 GEMMs saved). The terms of
+#    version 6 are measured as before.
+PROBE_FINGERPRINT = "a698f0165636f45e"  # `code_fingerprint()` of the code that measures version PROBE_VERSION
 
 # The code that decides what a calibration's numbers mean: file (under disagmoe/) -> top-level name
 # -> why it belongs. Left out on purpose: the experts backends and `model.Block` (the probe measures
@@ -102,6 +110,10 @@ PROBE_PARTS: dict[str, dict[str, str]] = {
         "fp8_ffn_passes": "how each FP8 expert pass runs (weight copies made once, main gradients)",
         "_fp8_ffn_times": "how the FP8 expert probe's passes are timed",
         "attention_point": "the attention rates (the model's and MLA's), the same way",
+        "fp8_projection_point": "the FP8 projection rates: the bf16 projections' stage work, the cap",
+        "fp8_projections_measured": "which GPUs and models measure the FP8 projection curve",
+        "fp8_projection_passes": "how the FP8 projections run (fp8_dense's path, one quantised input, copies once)",
+        "_fp8_projection_times": "how the FP8 projection probe's passes are timed",
         "op_fixed_us": "which probe is each op's fixed cost",
         "calibration_from": "which timings make which terms",
         "measure_all": "the peak the fractions refer to; which parts run",

@@ -729,7 +729,8 @@ def evaluate(prob: Problem, c: Candidates, misfits_exact: bool = True) -> Cost:
                             tokens_once=np.where(c.colocated & (c.expert == 1), tokens, 0.0),
                             input_rows_recomputed=selective & ("expert_input" in prob.recompute_modules))
         if prob.fp8_dense:
-            stages = fp8_dense_stages(stages, ceil, prob.fp8_speedup, m, tokens, moe_l, dense_l)
+            stages = fp8_dense_stages(stages, ceil, prob.fp8_speedup, m, tokens, moe_l, dense_l,
+                                      prob.calibration)
     if prob.recompute == "full":
         stages = full_recompute_stages(stages)
 
@@ -1043,27 +1044,49 @@ def fp8_pricing(calib: Calibration | None) -> str:
 FP8_DENSE_STAGES = {"attention projections": "layer", "shared experts": "moe", "dense ffn": "dense"}
 
 
+def fp8_dense_speedups(calib: Calibration | None, m: ModelConfig, tokens: Num, speedup: float,
+                       ) -> tuple[Num, Num, bool]:
+    """(forward, backward) factors by which FP8 dense projections run faster than their bf16 rate
+    at `tokens` per micro-batch, and whether their quantisers are inside those factors. Measured
+    where the calibration holds the FP8 projection curve (`Calibration.projections_fp8`, probe
+    version 7) and the bf16 one it is read against (`roofline.calibration.attention_curves`'
+    projections for `m`): the two curves' ratio at `tokens`, measured at the calibration model's
+    attention projections with every quantiser running (so below 1 where the quantisers cost more
+    than the FP8 GEMMs save), applied to every FP8 dense stage. Else the datasheet's `speedup` =
+    fp8_tflops / bf16_tflops for the forward and 2 speedup / (1 + speedup) for the backward (the FP8
+    data gradient and the bf16 weight gradient, equal FLOPs: `kernels.fp8_dense.RECIPE`), the
+    quantisers priced as stages of their own."""
+    if calib is not None and calib.projections_fp8:
+        bf16 = cal.attention_curves(calib, m)[1]
+        if bf16:
+            return tuple(cal.curve_fraction(calib.projections_fp8, tokens, bwd)
+                         / cal.curve_fraction(bf16, tokens, bwd) for bwd in (False, True)) + (True,)
+    return speedup, 2.0 * speedup / (1.0 + speedup), False
+
+
 def fp8_dense_stages(stages: dict[str, Stage], ceil: Ceilings, speedup: float, m: ModelConfig,
-                     tokens: Num, moe_layers: Num, dense_layers: Num) -> dict[str, Stage]:
+                     tokens: Num, moe_layers: Num, dense_layers: Num,
+                     calib: Calibration | None = None) -> dict[str, Stage]:
     """`stages` with the dense projections in FP8 (`precision: fp8`, `fp8_dense`): the attention
-    projections', shared experts' and dense FFN layers' forward at their compute rate (bf16 or
-    calibrated) times `speedup` = fp8_tflops / bf16_tflops, their backward (the FP8 data gradient
-    and the bf16 weight gradient, equal FLOPs: `kernels.fp8_dense.RECIPE`) at 2 speedup / (1 +
-    speedup) of it, and their quantisation passes (`roofline.stages.dense_fp8_quantise_passes`: the
-    rowwise quantisers of the activations and the output gradients) as one stage beside each, run
-    as often as it; the weights' two e4m3 copies once per step, in the attention optimizer's stage
-    (`dense_fp8_weight_copies`, of the busiest group's `moe_layers` / `dense_layers`)."""
+    projections', shared experts' and dense FFN layers' forward and backward at their compute rate
+    (bf16 or calibrated) times `fp8_dense_speedups` (measured, the quantisers inside, where the
+    calibration holds the FP8 projection curve; else the datasheet's, with their quantisation
+    passes, `roofline.stages.dense_fp8_quantise_passes`: the rowwise quantisers of the activations
+    and the output gradients, as one stage beside each, run as often as it); the weights' two e4m3
+    copies once per step, in the attention optimizer's stage (`dense_fp8_weight_copies`, of the
+    busiest group's `moe_layers` / `dense_layers`)."""
     out = dict(stages)
+    *rates, measured = fp8_dense_speedups(calib, m, tokens, speedup)
     for name, runs in FP8_DENSE_STAGES.items():
         if name not in out or (name == "shared experts" and not m.shared_ffn_size):
             continue
         s = out[name]
-        rates = (speedup, 2.0 * speedup / (1.0 + speedup))  # forward; backward half FP8, half bf16
         faster = [replace(s.ceilings(bwd, ceil), flops_per_s=s.ceilings(bwd, ceil).flops_per_s * rates[bwd])
                   for bwd in (False, True)]
         out[name] = replace(s, fwd_ceilings=faster[0], bwd_ceilings=faster[1])
-        part = "attention" if name == "attention projections" else name
-        out[f"fp8 quantise ({part})"] = Stage("attention", runs, *st.dense_fp8_quantise_passes(m, tokens, part))
+        if not measured:
+            part = "attention" if name == "attention projections" else name
+            out[f"fp8 quantise ({part})"] = Stage("attention", runs, *st.dense_fp8_quantise_passes(m, tokens, part))
     if "optimizer (attention)" in out:
         optimizer = out["optimizer (attention)"]
         copies = st.dense_fp8_weight_copies(st.dense_fp8_weights(m, moe_layers, dense_layers))

@@ -140,8 +140,9 @@ def fp8_note(prob: Problem, cost: Cost) -> str:
     """What a plan with FP8 experts was priced with (`cost.fp8_stages`): the FP8 expert curve the
     hardware's calibration measured (its source, and the rates it gave this layout's expert
     stages, and the backward recipe it was measured under against the run's), or plainly the
-    datasheet ratio, unmeasured; the dense projections, where FP8 too, at
-    the datasheet ratio either way (`bench calibrate` measures the FP8 experts only)."""
+    datasheet ratio, unmeasured; the dense projections, where FP8 too, from the measured FP8
+    projection curve where the calibration holds one (`cost.fp8_dense_speedups`), else at the
+    datasheet ratio."""
     calib = prob.calibration
     copies = _fp8_copies_note(prob.fp8_forward, prob.fp8_backward)
     if fp8_pricing(calib) == "measured":
@@ -160,11 +161,18 @@ def fp8_note(prob: Problem, cost: Cost) -> str:
                 "sm_89+ GPU: on an H200 our FP8 experts measured about the bf16 rate, not this), plus the quantisation "
                 f"passes' HBM traffic{_fp8_backward_note(prob.fp8_backward)}{_fp8_forward_note(prob.fp8_forward)} and "
                 f"{copies}")
-    dense = ("; the dense projections (attention, shared experts, dense FFN layers) in FP8 too, rowwise "
-             f"(torch._scaled_mm), with their quantisation passes, at the datasheet ratio {prob.fp8_speedup:.2f}x "
-             "whatever the calibration (unmeasured: `bench calibrate` measures the FP8 experts only) in the forward "
-             "and data gradient, their weight gradients bf16"
-             if prob.fp8_dense else "")
+    dense = ""
+    if prob.fp8_dense and calib is not None and calib.projections_fp8:
+        dense = ("; the dense projections (attention, shared experts, dense FFN layers) in FP8 too, rowwise "
+                 "(torch._scaled_mm), from the measured FP8 projection curve over the bf16 one (calibration."
+                 f"projections_fp8, probe version {calib.probe_version}): their rate at this layout's tokens per "
+                 "micro-batch, quantisers inside (below the bf16 rate where the quantisers cost more than the FP8 "
+                 "GEMMs save), their weight gradients bf16")
+    elif prob.fp8_dense:
+        dense = ("; the dense projections (attention, shared experts, dense FFN layers) in FP8 too, rowwise "
+                 f"(torch._scaled_mm), with their quantisation passes, at the datasheet ratio {prob.fp8_speedup:.2f}x "
+                 "(unmeasured: `bench calibrate` measures them from probe version 7 on an sm_89+ GPU) in the forward "
+                 "and data gradient, their weight gradients bf16")
     return (head + "; their selective recomputation drops expert_input and expert_swiglu only (no fused FP8 "
             "combine for expert_output)" + dense)
 

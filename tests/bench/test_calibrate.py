@@ -354,6 +354,10 @@ def test_measure_on_a_gpu(backend):
                                                                         for p in fp8)
     else:
         assert fp8 == []
+    if torch.cuda.get_device_capability() >= (8, 9):  # the projections as fp8_dense runs them
+        ratio = hw.fp8_tflops / hw.bf16_tflops
+        assert [p.at for p in m.calibration.projections_fp8] == list(cal.PROJECTION_TOKENS)
+        assert all(0 < p.fwd <= ratio and 0 < p.bwd <= ratio for p in m.calibration.projections_fp8)
     assert set(m.calibration.hbm_fraction) == {"optimizer", "permute", "norms"}
     assert all(0 < f <= 1 for f in m.calibration.hbm_fraction.values())
     assert [p.at for p in m.calibration.projections] == list(cal.PROJECTION_TOKENS)
@@ -708,7 +712,8 @@ def _fake_probes(monkeypatch, capability: tuple[int, int]) -> list[tuple[int, in
 
     for name, fake in (("_ffn_times", ffn), ("_sdpa_times", passes), ("_block_times", passes),
                        ("_permute_times", passes), ("_projection_times", passes), ("_norms_times", passes),
-                       ("_optimizer_times", lambda *a: 0.1), ("_fp8_ffn_times", fp8)):
+                       ("_optimizer_times", lambda *a: 0.1), ("_fp8_ffn_times", fp8),
+                       ("_fp8_projection_times", lambda *a: cal.PassTimes(0.8e-3, 2.5e-3))):
         monkeypatch.setattr(cal, name, fake)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     return fp8_calls
@@ -727,6 +732,8 @@ def test_the_probe_times_the_fp8_experts_on_an_fp8_gpu_under_the_triton_experts(
     calib = cal.calibration_from(t, model, _ceil(hw), "fake", fp8_peak_ratio=hw.fp8_tflops / hw.bf16_tflops)
     assert [p.at for p in calib.expert_gemm_fp8] == list(cal.ROWS_PER_EXPERT)
     assert all(0 < p.fwd and 0 < p.bwd for p in calib.expert_gemm_fp8)
+    assert sorted(t.projections_fp8) == list(cal.PROJECTION_TOKENS)  # the projections in FP8 too
+    assert [p.at for p in calib.projections_fp8] == list(cal.PROJECTION_TOKENS)
 
 
 @pytest.mark.parametrize(("capability", "backend"), [((8, 0), "triton"), ((9, 0), "grouped_mm")])
@@ -734,6 +741,7 @@ def test_no_fp8_curve_without_fp8_tensor_cores_or_the_triton_experts(monkeypatch
     calls = _fake_probes(monkeypatch, capability)
     t = cal.measure_timings(torch.device("cpu"), load_model("qwen3-30b-a3b"), backend, 0, 1)
     assert t.expert_gemm_fp8 is None and calls == []
+    assert (t.projections_fp8 is None) == (capability < (8, 9))  # the projections' FP8 needs no triton experts
     assert cal.calibration_from(t, load_model("qwen3-30b-a3b"), _ceil(), "fake").expert_gemm_fp8 == []
 
 
@@ -823,3 +831,82 @@ def test_the_fp8_probe_point_on_a_gpu():
     ratio = hw.fp8_tflops / hw.bf16_tflops
     point = cal.fp8_expert_point(model, rows, times, fixed, _ceil(hw), ratio)
     assert 0 < point.fwd <= ratio and 0 < point.bwd <= ratio, point
+
+
+# --- the FP8 projection curve (probe version 7) -----------------------------------------------------------------
+
+# tokens -> (forward, backward) fractions of the bf16 peak of made-up FP8 projections (quantisers included)
+FP8_PROJECTIONS = {4096: (0.3, 0.25), 8192: (0.45, 0.35), 32768: (1.2, 0.8)}
+
+
+def test_the_fp8_projection_curve_comes_back_from_the_fp8_projections_times():
+    """Each point's rates are the fractions the made-up FP8 projections ran at, against the bf16
+    projections' stage work (no fixed part, as the bf16 curve), capped at fp8_tflops / bf16_tflops;
+    no FP8 projection timings, no curve; the hardware file takes it within the FP8 peak only."""
+    from disagmoe.roofline import stages
+
+    model, hw = load_model("qwen3-30b-a3b"), load_hardware("h200-sxm")
+    ceil, ratio = _ceil(hw), hw.fp8_tflops / hw.bf16_tflops
+    times = {}
+    for n, (f, b) in FP8_PROJECTIONS.items():
+        fwd, bwd = stages.attention_projection_passes(model, n)
+        fwd_s = float(compute_ceilings(ceil, f).time(fwd))
+        times[n] = cal.PassTimes(fwd_s, fwd_s + float(compute_ceilings(ceil, b).time(bwd)))
+    timings = dataclasses.replace(_timings(model, ceil), projections_fp8=times)
+    calib = cal.calibration_from(timings, model, ceil, "made up", fp8_peak_ratio=ratio)
+    assert [(p.at, p.fwd, p.bwd) for p in calib.projections_fp8] == [
+        (n, pytest.approx(f, rel=1e-6), pytest.approx(b, rel=1e-6)) for n, (f, b) in FP8_PROJECTIONS.items()]
+    assert cal.calibration_from(timings, model, ceil, "made up", fp8_peak_ratio=1.1).projections_fp8[-1].fwd == 1.1
+    assert cal.calibration_from(_timings(model, ceil), model, ceil, "made up").projections_fp8 == []
+    HardwareConfig.model_validate(hw.model_copy(update={"calibration": calib}).model_dump())
+    too_fast = hw.model_copy(update={"calibration": calib}).model_dump()
+    too_fast["calibration"]["projections_fp8"][0]["fwd"] = ratio * 1.01
+    with pytest.raises(ValueError, match="calibration.projections_fp8 at tokens"):
+        HardwareConfig.model_validate(too_fast)
+
+
+def test_the_fp8_projections_are_measured_where_fp8_dense_runs_them():
+    qwen3 = load_model("qwen3-30b-a3b")
+    assert cal.fp8_projections_measured((9, 0), qwen3) and cal.fp8_projections_measured((8, 9), qwen3)
+    assert not cal.fp8_projections_measured((8, 0), qwen3)  # no FP8 tensor cores
+    odd = qwen3.model_copy(update={"num_heads": 3, "num_kv_heads": 1, "head_dim": 40})  # 2048 -> 120: unaligned
+    assert not cal.fp8_projections_measured((9, 0), odd)
+
+
+@pytest.mark.parametrize("model_name", ["tiny", "deepseek-v3"])
+def test_the_fp8_projection_probe_quantises_what_the_model_quantises_once_a_call(model_name):
+    """The probe's projections run as `fp8_dense` runs them (on the CPU: the reference quantiser,
+    torch._scaled_mm's CPU kernel), in the model's order: the block input quantised once for the
+    readers that take it back to back (GQA's q, k, v), each other input and each output gradient
+    once, and each
+    call quantises again (no input held from the last: a step's micro-batch gets new tensors); the
+    weights' copies are made once, before the calls."""
+    from disagmoe.kernels.fp8_stats import DENSE, TOTAL
+
+    model = load_model(model_name)
+    if model_name == "deepseek-v3":  # its MLA widths, a CPU's size: the chains' shapes, not its 7,168
+        model = model.model_copy(update={"hidden_size": 256, "num_heads": 2})
+    tokens = 32
+    forward, forward_backward, stats = cal.fp8_projection_passes(model, tokens, "cpu")
+    from disagmoe.model.attention import build_attention
+
+    with torch.device("meta"):
+        named = {name: m for name, m in build_attention(model).named_modules() if isinstance(m, torch.nn.Linear)}
+    linears = list(named.values())
+    readers = [m for name, m in named.items() if name != "wo" and m.in_features == model.hidden_size]
+    others = [m for m in linears if m not in readers]
+    assert len(readers) == (3 if model.attention != "mla" else 1 + (model.mla.q_lora_rank is not None))
+
+    def counted(call) -> int:
+        before = int(stats.row(DENSE)[TOTAL])
+        call()
+        return int(stats.row(DENSE)[TOTAL]) - before
+
+    # the model's order (`model.attention`): q, k, v back to back read x once; MLA's q chain runs wq_b
+    # between wq_a and wkv_a, so there x is quantised again, as in the step
+    twice = model.attention == "mla" and model.mla.q_lora_rank is not None
+    inputs = tokens * ((1 + twice) * model.hidden_size + sum(m.in_features for m in others))
+    assert counted(forward) == counted(forward) == inputs  # again each call
+    assert counted(forward_backward) == inputs + tokens * sum(m.out_features for m in linears)
+    grads = forward_backward()
+    assert all(g is not None and torch.isfinite(g.float()).all() for g in grads)
