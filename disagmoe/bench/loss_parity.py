@@ -11,6 +11,11 @@ this module groups those rows by what they vary (mode, transport, hop, variant) 
 group, each seed's mean loss over the last `window` steps, their mean and range, the gap of the
 mean to the first variant's group of the same mode, the per-seed (paired: the same initialisation
 and batches) gaps, and whether the mean lies inside the first variant's range of seeds.
+
+A 300-step run of the Qwen3 config takes about three minutes a row on one GPU, so its seeds may
+come from several calls: `disagmoe bench parity A.json B.json` reads the rows of several
+`bench train --out` records (`merged_rows`: each row's own seed, every row on the same batches)
+into the same table.
 """
 
 from __future__ import annotations
@@ -19,6 +24,11 @@ import statistics
 from typing import Any
 
 DEFAULT_WINDOW = 50  # steps at the end of each run whose losses are averaged (one step's loss is one batch's)
+
+
+def seed_of(row: dict[str, Any]) -> int | None:
+    """The seed a row was initialised from: its `--seeds` seed, or the run's (`init_seed`)."""
+    return row["seed"] if row.get("seed") is not None else row.get("init_seed")
 
 
 def group_key(row: dict[str, Any]) -> tuple:
@@ -48,7 +58,7 @@ def loss_parity(rows: list[dict[str, Any]], window: int = DEFAULT_WINDOW) -> lis
     entries: list[dict[str, Any]] = []
     references: dict[tuple, dict[str, Any]] = {}
     for key, members in groups.items():
-        by_seed = {r.get("seed"): window_mean(r["losses"], window) for r in members}
+        by_seed = {seed_of(r): window_mean(r["losses"], window) for r in members}
         losses = list(by_seed.values())
         loss, low, high = statistics.fmean(losses), min(losses), max(losses)
         entry: dict[str, Any] = {"mode": key[0], "transport": key[1], "hop": key[2], "variant": key[3],
@@ -70,3 +80,38 @@ def mean_curve(rows: list[dict[str, Any]]) -> list[float]:
     """The per-step mean loss of `rows` (a group's seeds), over the steps all of them have."""
     steps = min(len(r["losses"]) for r in rows)
     return [statistics.fmean(r["losses"][i] for r in rows) for i in range(steps)]
+
+
+def merged_rows(records: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """The trained rows of several `bench train` records (name -> record), for `loss_parity`:
+    ValueError, with the fix, where they cannot be read together: a record of another length
+    (`steps`), rows on other batches (`data_seed`), or one variant and seed twice."""
+    if not records:
+        raise ValueError("give at least one `disagmoe bench train --out` record")
+    steps = {name: record.get("steps") for name, record in records.items()}
+    if len(set(steps.values())) > 1:
+        raise ValueError(f"the records ran different --steps ({steps}): compare runs of one length")
+    rows, seen = [], {}
+    for name, record in records.items():
+        for row in record.get("modes", []):
+            if row.get("error") or not row.get("losses") or row.get("mode") not in ("single", "disaggregated",
+                                                                                     "colocated"):
+                continue
+            if "init_seed" not in row and row.get("seed") is None:
+                raise ValueError(f"{name}: its rows do not say their seed (a record from before `--seeds`): run it "
+                                 "again")
+            key = (*group_key(row), seed_of(row))
+            if key in seen:
+                raise ValueError(f"{name} and {seen[key]} both hold {group_key(row)[0]} [{row.get('variant')}] at seed "
+                                 f"{seed_of(row)}: give each seed once (another seed: `seed=N data.seed=M` on the "
+                                 "command line)")
+            seen[key] = name
+            rows.append(row)
+    data_seeds = {row.get("data_seed") for row in rows}
+    if len(data_seeds) > 1:
+        raise ValueError(f"the rows trained on different batches (data seeds {sorted(data_seeds, key=str)}): pin "
+                         "the data order with data.seed (`bench train --seeds` does) so that only the "
+                         "initialisation differs")
+    if not rows:
+        raise ValueError("no row of these records trained")
+    return rows

@@ -341,7 +341,8 @@ def run(cfg: TrainConfig, modes: list[str], steps: int, warmup: int,
             imbalance = [statistics.fmean(r["load_imbalance"]) for r in records
                          if r["step"] > warmup and r.get("load_imbalance")]
             rows.append({"mode": mode, "transport": None if mode == "single" else mcfg.transport, "hop": used_hop,
-                         "variant": variant, "seed": seed, "ranks": ranks, "time_sliced": time_sliced,
+                         "variant": variant, "seed": seed, "init_seed": mcfg.seed, "data_seed": mcfg.data_seed,
+                         "ranks": ranks, "time_sliced": time_sliced,
                          "micro_batches": summary.micro_batches, "cuda_graph_replays": summary.cuda_graph_replays,
                          "cuda_graphs_note": summary.cuda_graphs_note, "fp8_kernels": fp8_kernels(mcfg),
                          "predicted_peak_gib": summary.predicted_peak_gib,

@@ -540,6 +540,45 @@ def _parity_table(parity: dict, seeds: int) -> Table:
     return table
 
 
+@bench_app.command("parity")
+@user_errors
+def parity(
+    records: Annotated[list[Path], typer.Argument(help="`disagmoe bench train --out` records (JSON) of one command "
+                                                       "run with different seeds")],
+    loss_window: Annotated[int, typer.Option(help="the last steps whose mean loss is compared", min=1)] = 50,
+    as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
+) -> None:
+    """Read a loss-parity table across several `bench train` records: each variant's mean loss over
+    the last --loss-window steps, per seed and on average, against the first variant's range over
+    the seeds (`bench train --seeds` prints the same table for the seeds of one call). For runs too
+    long to fit one call: the same command once per seed, the data order pinned to one seed.
+
+    \b
+    Example (300 steps of bf16 against FP8, two seeds, two calls):
+      disagmoe bench train -c CONFIG --mode single --steps 300 --variant precision=bf16 --variant precision=fp8 -o seed0.json
+      disagmoe bench train (the same) seed=1 data.seed=0 -o seed1.json
+      disagmoe bench parity seed0.json seed1.json
+    """
+    from disagmoe.bench.loss_parity import loss_parity, merged_rows, window_mean
+
+    loaded = {}
+    for path in records:
+        try:
+            loaded[str(path)] = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise typer.BadParameter(f"{path}: not a readable `bench train --out` record ({err})") from err
+    rows = merged_rows(loaded)
+    window_mean([1.0], loss_window)
+    steps = next(iter(loaded.values())).get("steps")
+    groups = loss_parity(rows, loss_window)
+    result = {"records": list(loaded), "steps": steps, "window": min(loss_window, steps or loss_window),
+              "groups": groups}
+    if as_json:
+        print_json(result)
+        return
+    console.print(_parity_table(result, max(len(g["seeds"]) for g in groups)))
+
+
 @bench_app.command("profile")
 @user_errors
 def profile(

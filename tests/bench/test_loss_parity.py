@@ -89,3 +89,63 @@ def test_cli_refuses_a_variant_that_sets_its_own_seed_under_seeds():
                                  "--steps", "2", "--seeds", "2", "--variant", "seed=4"])
     assert r.exit_code != 0 and "take seed and data.seed out of --variant 'seed=4'" in r.output
     assert "Traceback" not in r.output
+
+
+def _record(steps, *rows):
+    return {"steps": steps, "modes": list(rows)}
+
+
+def _seeded(variant, init_seed, losses, data_seed=0):
+    return {"mode": "single", "variant": variant, "seed": None, "init_seed": init_seed, "data_seed": data_seed,
+            "losses": losses}
+
+
+def test_records_of_one_command_at_several_seeds_read_as_one_table():
+    from disagmoe.bench.loss_parity import merged_rows
+
+    a = _record(3, _seeded("bf16", 0, [9.0, 2.0, 2.2]), _seeded("fp8", 0, [9.0, 2.1, 2.1]))
+    b = _record(3, _seeded("bf16", 1, [9.0, 2.4, 2.6]), _seeded("fp8", 1, [9.0, 2.6, 2.8]),
+                {"mode": "single", "variant": "fp8", "error": "out of memory"})
+    bf16, fp8 = loss_parity(merged_rows({"a": a, "b": b}), window=2)
+    assert bf16["seeds"] == [0, 1] and bf16["loss"] == pytest.approx(2.3)
+    assert fp8["paired_gaps"] == pytest.approx([0.0, 2.7 / 2.5 - 1]) and fp8["inside_reference_range"] is True
+
+
+@pytest.mark.parametrize("records, message", [
+    ({"a": _record(3, _seeded("bf16", 0, [1.0])), "b": _record(4, _seeded("bf16", 1, [1.0]))}, "different --steps"),
+    ({"a": _record(3, _seeded("bf16", 0, [1.0])), "b": _record(3, _seeded("bf16", 1, [1.0], data_seed=1))},
+     "different batches"),
+    ({"a": _record(3, _seeded("bf16", 0, [1.0])), "b": _record(3, _seeded("bf16", 0, [1.0]))}, "b and a both hold"),
+    ({"a": _record(3, {"mode": "single", "variant": None, "losses": [1.0]})}, "do not say their seed"),
+    ({}, "at least one"),
+])
+def test_records_that_cannot_be_read_together_are_refused_with_the_fix(records, message):
+    from disagmoe.bench.loss_parity import merged_rows
+
+    with pytest.raises(ValueError, match=message):
+        merged_rows(records)
+
+
+def test_cli_parity_reads_records_written_by_bench_train(tmp_path):
+    """Two `bench train --out` records of the tiny CPU config, seed 0 and seed 1 on the data of
+    seed 0 (the second call's overrides), read into one table; a bad file is a clear error."""
+    paths = []
+    for seed in (0, 1):
+        path = tmp_path / f"seed{seed}.json"
+        r = CliRunner().invoke(app, ["bench", "train", "--config", "configs/tiny-cpu.yaml", "--mode", "single",
+                                     "--steps", "3", "--warmup", "1", "--variant", "micro_batches=1", "--variant",
+                                     "micro_batches=2", f"seed={seed}", "data.seed=0", "-o", str(path)])
+        assert r.exit_code == 0, r.output
+        paths.append(str(path))
+    r = CliRunner().invoke(app, ["bench", "parity", *paths, "--loss-window", "2", "--json"])
+    assert r.exit_code == 0, r.output
+    result = json.loads(r.stdout)
+    reference, other = result["groups"]
+    assert result["window"] == 2 and reference["seeds"] == [0, 1] and reference["spread"] is not None
+    assert other["variant"] == "micro_batches=2" and len(other["paired_gaps"]) == 2
+    table = CliRunner().invoke(app, ["bench", "parity", *paths])
+    assert table.exit_code == 0 and "loss parity: mean loss of the last 3 steps, over 2 seeds" in table.output
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    r = CliRunner().invoke(app, ["bench", "parity", str(bad)])
+    assert r.exit_code != 0 and "not a readable `bench train --out` record" in r.output and "Traceback" not in r.output
