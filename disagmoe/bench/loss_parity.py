@@ -5,7 +5,10 @@ One pair of runs cannot say it. Two bf16 runs of the same 200-step command on an
 config, text corpus), one before and one after a change of the expert kernels' tile shapes, ended
 7.9% apart over their last 50 steps (docs/benchmarks.md, session 29): the early steps' loss spikes
 amplify any difference of rounding, so a precision's gap of a few percent is only a gap where it
-lies outside the spread of the reference's own runs. `--seeds N` trains every row N times, seeds
+lies outside the spread of the reference's own runs. The loss compared is the language model's
+cross-entropy (`parity_losses`: a row's `ces`), not the training loss, which adds the routers'
+load-balancing term (0.02 a layer at uniform loads on the Qwen3 config, more as loads skew: a
+tenth of the loss late in a run, moving with the routing, not with what the model predicts). `--seeds N` trains every row N times, seeds
 seed..seed+N-1 with the data order pinned (`DataConfig.seed`: the same batches in every run), and
 this module groups those rows by what they vary (mode, transport, hop, variant) and gives, per
 group, each seed's mean loss over the last `window` steps, their mean and range, the gap of the
@@ -24,6 +27,13 @@ import statistics
 from typing import Any
 
 DEFAULT_WINDOW = 50  # steps at the end of each run whose losses are averaged (one step's loss is one batch's)
+
+
+def parity_losses(row: dict[str, Any]) -> list[float]:
+    """The per-step losses a row's parity is read from: its cross-entropy (`ces`) where it recorded
+    every step's, else its training loss (`losses`: an older record, or an outside baseline's)."""
+    ces = row.get("ces")
+    return ces if ces and all(c is not None for c in ces) else row["losses"]
 
 
 def seed_of(row: dict[str, Any]) -> int | None:
@@ -45,7 +55,8 @@ def window_mean(losses: list[float], window: int) -> float:
 
 def loss_parity(rows: list[dict[str, Any]], window: int = DEFAULT_WINDOW) -> list[dict[str, Any]]:
     """One entry per group of `rows` (bench train's rows that trained and kept `losses`), in the
-    order the groups first appear: `seeds`, `seed_losses` (each seed's window mean), `loss` (their
+    order the groups first appear: `metric` ("ce", the cross-entropy, or "loss" where a row lacks
+    it: `parity_losses`), `seeds`, `seed_losses` (each seed's window mean), `loss` (their
     mean), `low` / `high`, `spread` ((high - low) / loss; None for one seed), and against the first
     group of the same mode, transport and hop (the reference; its own entry has None): `vs_first`
     (loss / reference loss - 1), `paired_gaps` (each seed's window mean against the reference's of
@@ -56,12 +67,15 @@ def loss_parity(rows: list[dict[str, Any]], window: int = DEFAULT_WINDOW) -> lis
             continue
         groups.setdefault(group_key(row), []).append(row)
     entries: list[dict[str, Any]] = []
+    metric = {key: "ce" if all(parity_losses(r) is r.get("ces") for r in members) else "loss"
+              for key, members in groups.items()}
     references: dict[tuple, dict[str, Any]] = {}
     for key, members in groups.items():
-        by_seed = {seed_of(r): window_mean(r["losses"], window) for r in members}
+        by_seed = {seed_of(r): window_mean(parity_losses(r), window) for r in members}
         losses = list(by_seed.values())
         loss, low, high = statistics.fmean(losses), min(losses), max(losses)
         entry: dict[str, Any] = {"mode": key[0], "transport": key[1], "hop": key[2], "variant": key[3],
+                                 "metric": metric[key],
                                  "seeds": list(by_seed), "seed_losses": losses, "loss": loss, "low": low,
                                  "high": high, "spread": (high - low) / loss if len(losses) > 1 else None,
                                  "vs_first": None, "paired_gaps": None, "inside_reference_range": None}
@@ -77,9 +91,10 @@ def loss_parity(rows: list[dict[str, Any]], window: int = DEFAULT_WINDOW) -> lis
 
 
 def mean_curve(rows: list[dict[str, Any]]) -> list[float]:
-    """The per-step mean loss of `rows` (a group's seeds), over the steps all of them have."""
-    steps = min(len(r["losses"]) for r in rows)
-    return [statistics.fmean(r["losses"][i] for r in rows) for i in range(steps)]
+    """The per-step mean of `rows`' `parity_losses` (a group's seeds), over the steps all of them have."""
+    losses = [parity_losses(r) for r in rows]
+    steps = min(len(x) for x in losses)
+    return [statistics.fmean(x[i] for x in losses) for i in range(steps)]
 
 
 def merged_rows(records: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:

@@ -350,6 +350,7 @@ def run(cfg: TrainConfig, modes: list[str], steps: int, warmup: int,
                          "gpu_wait": mean_waits(records, warmup),
                          "tokens_per_s": records[-1]["tokens"] / step_s, "final_loss": records[-1]["loss"],
                          "mean_loss": mean_of(records, "loss", 0), "losses": [r["loss"] for r in records],
+                         "ces": [r.get("ce") for r in records],
                          "fp8_saturated_shares": [r.get("fp8_saturated_share") for r in records],
                          "max_fp8_saturated_share": max((r["fp8_saturated_share"] for r in records
                                                          if r.get("fp8_saturated_share") is not None), default=None),

@@ -524,8 +524,9 @@ def _parity_table(parity: dict, seeds: int) -> Table:
     window = parity["window"]
     seed_note = (f"over {seeds} seeds (the data order pinned: the initialisation alone moves)" if seeds > 1 else
                  "one seed (--seeds 2 or more reads a gap against the reference's own spread)")
-    table = Table(title=f"loss parity: mean loss of the last {window} steps, {seed_note}; each variant against the "
-                        "first of its layout")
+    metric = "cross-entropy" if all(g.get("metric") == "ce" for g in parity["groups"]) else "loss"
+    table = Table(title=f"loss parity: mean {metric} of the last {window} steps, {seed_note}; each variant against "
+                        "the first of its layout")
     for col in ("row", "each seed", "mean", "seeds' range", "vs first", "paired (same seed)", "inside first's range"):
         table.add_column(col, justify="left" if col == "row" else "right")
     for g in parity["groups"]:

@@ -79,7 +79,7 @@ def test_cli_seeds_train_every_variant_per_seed_and_print_the_parity(tmp_path):
     reference, other = parity["groups"]
     assert reference["seeds"] == [0, 1] and reference["spread"] is not None
     assert other["inside_reference_range"] is not None and len(other["paired_gaps"]) == 2
-    assert "loss parity: mean loss of the last 2 steps, over 2 seeds" in r.output
+    assert "loss parity: mean cross-entropy of the last 2 steps, over 2 seeds" in r.output
     assert row_label(rows[2]) == "single (micro_batches=1, seed 1)"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -144,8 +144,23 @@ def test_cli_parity_reads_records_written_by_bench_train(tmp_path):
     assert result["window"] == 2 and reference["seeds"] == [0, 1] and reference["spread"] is not None
     assert other["variant"] == "micro_batches=2" and len(other["paired_gaps"]) == 2
     table = CliRunner().invoke(app, ["bench", "parity", *paths])
-    assert table.exit_code == 0 and "loss parity: mean loss of the last 3 steps, over 2 seeds" in table.output
+    assert table.exit_code == 0 and "loss parity: mean cross-entropy of the last 3 steps, over 2 seeds" in table.output
     bad = tmp_path / "bad.json"
     bad.write_text("{")
     r = CliRunner().invoke(app, ["bench", "parity", str(bad)])
     assert r.exit_code != 0 and "not a readable `bench train --out` record" in r.output and "Traceback" not in r.output
+
+
+def test_parity_reads_the_cross_entropy_not_the_balancing_term():
+    """Rows that recorded each step's cross-entropy are compared on it: the training loss adds the
+    routers' load-balancing term, which here differs between the variants while the cross-entropy
+    does not; a row without it (an older record) falls back to the training loss, and says so."""
+    from disagmoe.bench.loss_parity import parity_losses
+
+    bf16 = {**_row("bf16", None, [3.0, 2.2, 2.2]), "ces": [2.9, 2.0, 2.0]}
+    fp8 = {**_row("fp8", None, [3.0, 2.5, 2.5]), "ces": [2.9, 2.0, 2.0]}
+    reference, other = loss_parity([bf16, fp8], window=2)
+    assert other["vs_first"] == pytest.approx(0.0) and reference["metric"] == other["metric"] == "ce"
+    old = loss_parity([_row("bf16", None, [3.0, 2.2]), {**_row("fp8", None, [3.0, 2.5]), "ces": [None, None]}], 1)
+    assert old[1]["vs_first"] == pytest.approx(2.5 / 2.2 - 1) and {e["metric"] for e in old} == {"loss"}
+    assert parity_losses({"losses": [1.0], "ces": [0.9]}) == [0.9]
