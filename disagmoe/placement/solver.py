@@ -133,6 +133,22 @@ def _fp8_copies_note(forward: str, backward: str) -> str:
             "parameter, made each step")
 
 
+def _fp8_dense_loses_note(prob: Problem, chosen, cost: Cost) -> list[str]:
+    """Where the dense projections' FP8 was priced from a measured curve (`cost.fp8_dense_speedups`)
+    and makes this layout's step slower than the same layout with them in bf16: one note with the
+    difference and the fix (fp8_dense: false); else none."""
+    calib = prob.calibration
+    if not (prob.fp8_dense and calib is not None and calib.projections_fp8):
+        return []
+    bf16 = evaluate(replace(_fixed_recompute(prob, cost.dropped(0)), fp8_dense=False), chosen)
+    step, without = float(cost.step_s[0]), float(bf16.step_s[0])
+    if not without < step:
+        return []
+    return [f"the dense projections in FP8 make this step {(step - without) * 1e3:.1f} ms slower than in bf16 "
+            f"({step * 1e3:.1f} against {without * 1e3:.1f} ms: the measured FP8 projection curve, its quantisers "
+            "inside, under the bf16 one at these tokens per micro-batch): train with fp8_dense: false"]
+
+
 RECOMPUTE_ORDER = ("expert_input", "expert_output", "expert_swiglu", "attention")  # TrainConfig.recompute_modules'
 
 
@@ -647,6 +663,7 @@ def price(cfg: PlanConfig, chosen: Candidates, colocated_step_s: float | None = 
         notes.append(_offload_note(cfg, cost, dp, use_dis))
     if prob.expert_precision == "fp8":
         notes.append(fp8_note(prob, cost))
+        notes.extend(_fp8_dense_loses_note(prob, chosen, cost))
     if dropped & mem.SELECTIVE:
         notes.append(_recompute_note(cfg, prob, chosen, cost))
     if "attention" in dropped:

@@ -785,7 +785,8 @@ def test_measured_fp8_projections_price_the_dense_projections_with_their_quantis
     Qwen3 config's FP8 attention projections run at that curve over the bf16 one at their tokens per
     micro-batch (here 0.9x: the quantisers cost more than the FP8 GEMMs save, as an H100 measured),
     with no quantise stage of their own (inside the curve), so the FP8 step with fp8_dense is slower
-    than without it, where the datasheet ratio priced it faster; the note says which."""
+    than without it, where the datasheet ratio priced it faster; the notes say which, and that
+    fp8_dense: false is the faster plan (not where the curve pays)."""
     from disagmoe.placement.cost import fp8_dense_speedups
 
     hw = load_hardware("h200-sxm-calibrated")
@@ -807,6 +808,12 @@ def test_measured_fp8_projections_price_the_dense_projections_with_their_quantis
     assert "fp8 quantise (attention)" not in dense.stages and "fp8 quantise (attention)" in datasheet.stages
     assert dense.step_s[0] > no_dense.step_s[0] and datasheet.step_s[0] < datasheet_no_dense.step_s[0]
     assert "from the measured FP8 projection curve over the bf16 one (calibration.projections_fp8" in _fp8_note(plan)
+    loses = next(n for n in plan.notes if n.startswith("the dense projections in FP8 make this step"))
+    assert loses.endswith("train with fp8_dense: false")
+    assert not any(n.startswith("the dense projections in FP8 make") for n in _qwen3_single(hw, "fp8", True)[2].notes)
+    fast = [Fp8RatePoint(at=p.at, fwd=1.5 * p.fwd, bwd=1.3 * p.bwd) for p in hw.calibration.projections]
+    paying = hw.model_copy(update={"calibration": hw.calibration.model_copy(update={"projections_fp8": fast})})
+    assert not any(n.startswith("the dense projections in FP8 make") for n in _qwen3_single(paying, "fp8", True)[2].notes)
 
 
 def test_fp8_dense_weight_copies_are_made_once_per_step_and_held():
