@@ -128,6 +128,8 @@ OPTIMIZER_OPTIM = OptimConfig(update_kernel="triton", state_dtype="fp32")
 PERMUTE_TOKENS = 32 * 1024  # tokens of the permute probe (one micro-batch of 8 x 4,096)
 PROJECTION_TOKENS = (4096, 8192, 32768)  # tokens per micro-batch of the projection curve
 MLA_MODEL = "deepseek-v3"  # the model preset whose MLA attention block the MLA curves time (`mla_probe_model`)
+# the attention projections that read the block's input (`model.attention`: GQA's, MLA's with or without q-LoRA)
+BLOCK_INPUT_READERS = frozenset({"wq", "wk", "wv", "wq_a", "wkv_a"})
 
 
 @dataclass(frozen=True)
@@ -256,7 +258,8 @@ def fp8_expert_point(model: ModelConfig, rows_per_expert: int, times: PassTimes,
                                                    ceil, most))
 
 
-def fp8_projection_point(model: ModelConfig, tokens: int, times: PassTimes, ceil: Ceilings, most: float) -> Fp8RatePoint:
+def fp8_projection_point(model: ModelConfig, tokens: int, times: PassTimes, ceil: Ceilings,
+                         most: float) -> Fp8RatePoint:
     """The FP8 projection curve's point at `tokens`: the projections' times under `fp8_dense`
     (quantisers included) fitted as `projection_point` fits the bf16 ones, against the same bf16
     stage work (`stages.attention_projection_passes`: so the rate says how fast FP8 gets through the
@@ -654,12 +657,15 @@ def projection_passes(layers: Sequence[torch.nn.Linear], tokens: int, dev, dtype
 def fp8_projection_passes(model: ModelConfig, tokens: int, dev, dtype=torch.bfloat16, emulate: bool = False,
                           ) -> tuple[Callable[[], object], Callable[[], object], object]:
     """(forward, forward and backward, their `Fp8Stats`) of the model's attention projections as `fp8_dense` runs them
-    (`DeferrableLinear.set_fp8`, counting into an `Fp8Stats` dense row) over `tokens` rows: their
-    e4m3 weight copies made once here (`prepare_fp8`: once per optimizer step in training), the
-    block-input readers (every projection but the output one `wo` whose in_features is the hidden
-    size: GQA's q, k, v; MLA's first q and kv projections) fed one x, quantised once as the model's
-    are (`fp8_dense.quantize_input`), each call starting as a step's micro-batch does, with no
-    quantised input held (`forget_shared_inputs`); the others each their own input. The backward:
+    (`DeferrableLinear.set_fp8`, counting into an `Fp8Stats` dense row) over `tokens` rows, in the
+    model's order: their e4m3 weight copies made once here (`prepare_fp8`: once per optimizer step
+    in training), the block-input readers (BLOCK_INPUT_READERS: GQA's q, k, v; MLA's first q and kv
+    projections) fed one x, quantised once for readers that take it back to back as the model's are
+    (`fp8_dense.quantize_input`; MLA's q chain runs between its two, so twice there, as in the
+    step), each call starting as a step's micro-batch does, with no quantised input held
+    (`forget_shared_inputs`); the others each their own input. Each reader's x is its own leaf on
+    the same storage (the quantised copy is shared, no gradient is summed across readers: the bf16
+    probe's projections each have their own input too). The backward:
     the data gradients in FP8 and the weight gradients in bf16 (`kernels.fp8_dense.RECIPE`), from
     one output gradient per projection. `emulate`: `fp8_dense`'s fp64 reference instead of
     torch._scaled_mm (the CPU tests run it)."""
@@ -673,17 +679,16 @@ def fp8_projection_passes(model: ModelConfig, tokens: int, dev, dtype=torch.bflo
     stats = Fp8Stats(dev)
     row = stats.row(DENSE)  # one row object for all, as `set_dense_fp8` gives (a shared input's key holds it)
     gen = torch.Generator(device=dev).manual_seed(0)
-    shared = torch.randn(tokens, model.hidden_size, device=dev, dtype=dtype, generator=gen).requires_grad_()
+    shared = torch.randn(tokens, model.hidden_size, device=dev, dtype=dtype, generator=gen)
     inputs = []
     for name, layer in named:
         layer.set_fp8(True, row, emulate)
         layer.prepare_fp8()
-        reads_block_input = layer.in_features == model.hidden_size and name.rsplit(".", 1)[-1] != "wo"
-        inputs.append(shared if reads_block_input else torch.randn(
-            tokens, layer.in_features, device=dev, dtype=dtype, generator=gen).requires_grad_())
+        inputs.append((shared.detach() if name in BLOCK_INPUT_READERS else torch.randn(
+            tokens, layer.in_features, device=dev, dtype=dtype, generator=gen)).requires_grad_())
     layers = [layer for _, layer in named]
     dys = [torch.randn(tokens, layer.out_features, device=dev, dtype=dtype, generator=gen) for layer in layers]
-    leaves = list(dict.fromkeys(inputs)) + [layer.weight for layer in layers]
+    leaves = inputs + [layer.weight for layer in layers]
 
     def forward() -> list[torch.Tensor]:
         forget_shared_inputs()
@@ -696,9 +701,15 @@ def fp8_projection_passes(model: ModelConfig, tokens: int, dev, dtype=torch.bflo
 
 
 def _fp8_projection_times(dev, model: ModelConfig, tokens: int, warmup: int, iters: int) -> PassTimes:
-    """`fp8_projection_passes` of the model's attention projections over `tokens` tokens."""
+    """`fp8_projection_passes` of the model's attention projections over `tokens` tokens (the last
+    quantised input dropped after: none held through the probes that follow)."""
+    from disagmoe.kernels.fp8_dense import forget_shared_inputs
+
     forward, forward_backward, _ = fp8_projection_passes(model, tokens, dev)
-    return _passes(forward, forward_backward, warmup, iters)
+    try:
+        return _passes(forward, forward_backward, warmup, iters)
+    finally:
+        forget_shared_inputs()
 
 
 def attention_linears(model: ModelConfig, dev, dtype=torch.bfloat16) -> list[torch.nn.Linear]:

@@ -5,15 +5,20 @@ One pair of runs cannot say it. Two bf16 runs of the same 200-step command on an
 config, text corpus), one before and one after a change of the expert kernels' tile shapes, ended
 7.9% apart over their last 50 steps (docs/benchmarks.md, session 29): the early steps' loss spikes
 amplify any difference of rounding, so a precision's gap of a few percent is only a gap where it
-lies outside the spread of the reference's own runs. The loss compared is the language model's
-cross-entropy (`parity_losses`: a row's `ces`), not the training loss, which adds the routers'
-load-balancing term (0.02 a layer at uniform loads on the Qwen3 config, more as loads skew: a
-tenth of the loss late in a run, moving with the routing, not with what the model predicts). `--seeds N` trains every row N times, seeds
-seed..seed+N-1 with the data order pinned (`DataConfig.seed`: the same batches in every run), and
-this module groups those rows by what they vary (mode, transport, hop, variant) and gives, per
-group, each seed's mean loss over the last `window` steps, their mean and range, the gap of the
-mean to the first variant's group of the same mode, the per-seed (paired: the same initialisation
-and batches) gaps, and whether the mean lies inside the first variant's range of seeds.
+lies outside the spread of the reference's own runs.
+
+The loss compared is the language model's cross-entropy (a row's `ces`) where every row compared
+recorded it, else every row's training loss (`parity_metric`: one measure for the whole set),
+which adds the routers' load-balancing term (0.02 a layer at uniform loads on the Qwen3 config,
+more as loads skew: a tenth of the loss late in a run, moving with the routing, not with what the
+model predicts).
+
+`--seeds N` trains every row N times, seeds seed..seed+N-1 with the data order pinned
+(`DataConfig.seed`: the same batches in every run), and this module groups those rows by what
+they vary (mode, transport, hop, variant) and gives, per group, each seed's mean loss over the
+last `window` steps, their mean and range, and against the first variant's group of the same
+mode, over the seeds both ran: the gap of the means, the per-seed (paired: the same
+initialisation and batches) gaps, and whether the mean lies inside the first variant's range.
 
 A 300-step run of the Qwen3 config takes about three minutes a row on one GPU, so its seeds may
 come from several calls: `disagmoe bench parity A.json B.json` reads the rows of several
@@ -27,13 +32,23 @@ import statistics
 from typing import Any
 
 DEFAULT_WINDOW = 50  # steps at the end of each run whose losses are averaged (one step's loss is one batch's)
+MODES = ("single", "disaggregated", "colocated")  # bench train's layouts (an outside baseline's row is none)
 
 
-def parity_losses(row: dict[str, Any]) -> list[float]:
-    """The per-step losses a row's parity is read from: its cross-entropy (`ces`) where it recorded
-    every step's, else its training loss (`losses`: an older record, or an outside baseline's)."""
+def has_cross_entropy(row: dict[str, Any]) -> bool:
+    """Whether `row` recorded every step's cross-entropy (`ces`: rows of `bench train` since it did)."""
     ces = row.get("ces")
-    return ces if ces and all(c is not None for c in ces) else row["losses"]
+    return bool(ces) and all(c is not None for c in ces)
+
+
+def parity_metric(rows: list[dict[str, Any]]) -> str:
+    """"ce" where every row recorded its cross-entropy, else "loss" (the training loss) for all."""
+    return "ce" if rows and all(has_cross_entropy(r) for r in rows) else "loss"
+
+
+def parity_losses(row: dict[str, Any], metric: str) -> list[float]:
+    """A row's per-step losses in `metric` ("ce": its `ces`; "loss": its training `losses`)."""
+    return row["ces"] if metric == "ce" else row["losses"]
 
 
 def seed_of(row: dict[str, Any]) -> int | None:
@@ -53,71 +68,84 @@ def window_mean(losses: list[float], window: int) -> float:
     return statistics.fmean(losses[-window:])
 
 
+def compared_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows a parity reads: bench train's own rows that trained and kept their losses."""
+    return [r for r in rows if r.get("mode") in MODES and not r.get("error") and r.get("losses")]
+
+
 def loss_parity(rows: list[dict[str, Any]], window: int = DEFAULT_WINDOW) -> list[dict[str, Any]]:
-    """One entry per group of `rows` (bench train's rows that trained and kept `losses`), in the
-    order the groups first appear: `metric` ("ce", the cross-entropy, or "loss" where a row lacks
-    it: `parity_losses`), `seeds`, `seed_losses` (each seed's window mean), `loss` (their
-    mean), `low` / `high`, `spread` ((high - low) / loss; None for one seed), and against the first
-    group of the same mode, transport and hop (the reference; its own entry has None): `vs_first`
-    (loss / reference loss - 1), `paired_gaps` (each seed's window mean against the reference's of
-    the same seed) and `inside_reference_range` (None where the reference has one seed)."""
+    """One entry per group of `compared_rows(rows)`, in the order the groups first appear:
+    `metric` (`parity_metric` of them all), `seeds`, `seed_losses` (each seed's window mean), `loss`
+    (their mean), `low` / `high`, `spread` ((high - low) / loss; None for one seed), and against the
+    first group of the same mode, transport and hop (the reference; its own entry has None), over
+    the seeds both ran (`common_seeds`; a seed one of them lacks, e.g. a row that ran out of memory,
+    would set one seed's loss against another's): `vs_first` (the mean / the reference's mean - 1),
+    `paired_gaps` (each common seed's window mean against the reference's) and
+    `inside_reference_range` (within the reference's low..high over those seeds; None under two)."""
+    compared = compared_rows(rows)
+    metric = parity_metric(compared)
     groups: dict[tuple, list[dict[str, Any]]] = {}
-    for row in rows:
-        if row.get("error") or not row.get("losses"):
-            continue
+    for row in compared:
         groups.setdefault(group_key(row), []).append(row)
     entries: list[dict[str, Any]] = []
-    metric = {key: "ce" if all(parity_losses(r) is r.get("ces") for r in members) else "loss"
-              for key, members in groups.items()}
-    references: dict[tuple, dict[str, Any]] = {}
+    references: dict[tuple, dict] = {}
     for key, members in groups.items():
-        by_seed = {seed_of(r): window_mean(parity_losses(r), window) for r in members}
+        by_seed = {seed_of(r): window_mean(parity_losses(r, metric), window) for r in members}
         losses = list(by_seed.values())
         loss, low, high = statistics.fmean(losses), min(losses), max(losses)
         entry: dict[str, Any] = {"mode": key[0], "transport": key[1], "hop": key[2], "variant": key[3],
-                                 "metric": metric[key],
-                                 "seeds": list(by_seed), "seed_losses": losses, "loss": loss, "low": low,
-                                 "high": high, "spread": (high - low) / loss if len(losses) > 1 else None,
-                                 "vs_first": None, "paired_gaps": None, "inside_reference_range": None}
-        reference = references.setdefault(key[:3], {**entry, "by_seed": by_seed})
-        if reference["variant"] != key[3]:
-            entry["vs_first"] = loss / reference["loss"] - 1.0
-            entry["paired_gaps"] = [by_seed[s] / reference["by_seed"][s] - 1.0 for s in by_seed
-                                    if s in reference["by_seed"]]
-            if len(reference["seed_losses"]) > 1:
-                entry["inside_reference_range"] = reference["low"] <= loss <= reference["high"]
+                                 "metric": metric, "seeds": list(by_seed), "seed_losses": losses, "loss": loss,
+                                 "low": low, "high": high, "spread": (high - low) / loss if len(losses) > 1 else None,
+                                 "common_seeds": None, "vs_first": None, "paired_gaps": None,
+                                 "inside_reference_range": None}
+        reference = references.setdefault(key[:3], by_seed)
+        if reference is not by_seed:
+            entry.update(_against(by_seed, reference))
         entries.append(entry)
     return entries
 
 
-def mean_curve(rows: list[dict[str, Any]]) -> list[float]:
-    """The per-step mean of `rows`' `parity_losses` (a group's seeds), over the steps all of them have."""
-    losses = [parity_losses(r) for r in rows]
+def _against(by_seed: dict, reference: dict) -> dict[str, Any]:
+    """`loss_parity`'s comparison of one group's window means (seed -> mean) with its reference's,
+    over the seeds both have."""
+    common = [s for s in by_seed if s in reference]
+    if not common:
+        return {"common_seeds": []}
+    mine, theirs = [by_seed[s] for s in common], [reference[s] for s in common]
+    mean = statistics.fmean(mine)
+    return {"common_seeds": common, "vs_first": mean / statistics.fmean(theirs) - 1.0,
+            "paired_gaps": [a / b - 1.0 for a, b in zip(mine, theirs, strict=True)],
+            "inside_reference_range": min(theirs) <= mean <= max(theirs) if len(common) > 1 else None}
+
+
+def mean_curve(rows: list[dict[str, Any]], metric: str) -> list[float]:
+    """The per-step mean of `rows`' losses in `metric` (a group's seeds), over the steps all have."""
+    losses = [parity_losses(r, metric) for r in rows]
     steps = min(len(x) for x in losses)
     return [statistics.fmean(x[i] for x in losses) for i in range(steps)]
 
 
 def merged_rows(records: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """The trained rows of several `bench train` records (name -> record), for `loss_parity`:
-    ValueError, with the fix, where they cannot be read together: a record of another length
-    (`steps`), rows on other batches (`data_seed`), or one variant and seed twice."""
+    """The compared rows of several `bench train` records (name -> record), for `loss_parity`:
+    ValueError, with the fix, where they cannot be read together: not a record, a record of another
+    length (`steps`), rows on other batches (`data_seed`), or one variant and seed twice."""
     if not records:
         raise ValueError("give at least one `disagmoe bench train --out` record")
+    for name, record in records.items():
+        if not isinstance(record, dict) or not isinstance(record.get("modes"), list):
+            raise ValueError(f"{name}: not a `disagmoe bench train --out` record (no list of `modes`)")
     steps = {name: record.get("steps") for name, record in records.items()}
     if len(set(steps.values())) > 1:
         raise ValueError(f"the records ran different --steps ({steps}): compare runs of one length")
     rows, seen = [], {}
     for name, record in records.items():
-        for row in record.get("modes", []):
-            if row.get("error") or not row.get("losses") or row.get("mode") not in ("single", "disaggregated",
-                                                                                     "colocated"):
-                continue
+        for row in compared_rows(record["modes"]):
             if "init_seed" not in row and row.get("seed") is None:
                 raise ValueError(f"{name}: its rows do not say their seed (a record from before `--seeds`): run it "
                                  "again")
             key = (*group_key(row), seed_of(row))
             if key in seen:
-                raise ValueError(f"{name} and {seen[key]} both hold {group_key(row)[0]} [{row.get('variant')}] at seed "
+                raise ValueError(f"{seen[key]} and {name} both hold {group_key(row)[0]} [{row.get('variant')}] at seed "
                                  f"{seed_of(row)}: give each seed once (another seed: `seed=N data.seed=M` on the "
                                  "command line)")
             seen[key] = name

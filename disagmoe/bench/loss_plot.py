@@ -1,10 +1,10 @@
 """`disagmoe bench train --plot PATH`: the rows' loss curves in one PNG, for parity runs (e.g.
 `--variant precision=bf16 --variant precision=fp8`, 300 steps).
 
-Top panel: each row's loss per step: its cross-entropy where every row recorded it
-(`loss_parity.parity_losses`: the training loss adds the routers' balancing term, which moves with
-the routing), else the training loss. Middle panel: each row's loss relative to the first row's at
-the same step, in percent (the parity a bar like "within 1% at step 300" reads). Under `--seeds`
+Top panel: each row's loss per step: the cross-entropy where every row recorded it, else every
+row's training loss (`loss_parity.parity_metric`: one measure for the figure; the training loss
+adds the routers' balancing term, which moves with the routing). Middle panel: each row's loss
+relative to the first row's at the same step, in percent (the parity a bar like "within 1% at step 300" reads). Under `--seeds`
 the rows of one variant share a colour and a legend line, and the middle panel reads every row,
 the first variant's own seeds among them (its spread: the noise a gap is read against), against
 the mean of the first variant's seeds (`loss_parity.mean_curve`). Bottom panel, where
@@ -19,7 +19,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from disagmoe.bench.loss_parity import group_key, mean_curve, parity_losses
+from disagmoe.bench.loss_parity import group_key, mean_curve, parity_losses, parity_metric
 
 SATURATION_BAR = 1e-4  # issue 21's per-step bar for the share of saturated FP8 elements
 LABEL_WIDTH = 80  # characters a legend line or panel title holds before it wraps (a variant's overrides run long)
@@ -45,8 +45,8 @@ def plot_losses(rows: list[dict[str, Any]], path: str | Path, title: str, labels
     rows_labels = [(r, name) for r, name in zip(rows, labels, strict=True) if r.get("losses")]
     if not rows_labels:
         raise ValueError("--plot: no row has losses to plot (every row failed)")
-    curves = {id(r): parity_losses(r) for r, _ in rows_labels}
-    cross_entropy = all(curves[id(r)] is r.get("ces") for r, _ in rows_labels)
+    metric = parity_metric([r for r, _ in rows_labels])
+    curves = {id(r): parity_losses(r, metric) for r, _ in rows_labels}
     fp8 = [(r, name) for r, name in rows_labels if any(s is not None for s in r.get("fp8_saturated_shares") or [])]
     panels = 3 if fp8 else 2
     fig, axes = plt.subplots(panels, 1, figsize=(9, 3.2 * panels), sharex=True)
@@ -54,7 +54,7 @@ def plot_losses(rows: list[dict[str, Any]], path: str | Path, title: str, labels
     keys = list(dict.fromkeys(group_key(r) for r, _ in rows_labels))  # a colour per variant (its seeds share it)
     first_group = [r for r, _ in rows_labels if group_key(r) == group_key(first)]
     seeded = len(first_group) > 1
-    reference = mean_curve(first_group) if seeded else curves[id(first)]
+    reference = mean_curve(first_group, metric) if seeded else curves[id(first)]
     named: set[tuple] = set()
     for r, name in rows_labels:
         key = group_key(r)
@@ -65,7 +65,7 @@ def plot_losses(rows: list[dict[str, Any]], path: str | Path, title: str, labels
         if seeded or r is not first:
             rel = relative_percent(curves[id(r)], reference)
             axes[1].plot(range(1, len(rel) + 1), rel, label=label, linewidth=1.0, color=colour)
-    axes[0].set_ylabel("cross-entropy" if cross_entropy else "loss")
+    axes[0].set_ylabel("cross-entropy" if metric == "ce" else "training loss")
     axes[0].set_title(title, fontsize=10)
     axes[0].legend(fontsize=8)
     axes[1].axhline(0.0, color="grey", linewidth=0.8)

@@ -65,7 +65,7 @@ PROBE_VERSION = 7
 #    it over the bf16 curve, the quantisers inside (version 6: the datasheet ratio, the quantisers at HBM speed,
 #    where an H100's profile measured the rowwise quantiser cost more than the FP8 GEMMs saved). The terms of
 #    version 6 are measured as before.
-PROBE_FINGERPRINT = "a698f0165636f45e"  # `code_fingerprint()` of the code that measures version PROBE_VERSION
+PROBE_FINGERPRINT = "7b5533ae28a3dda4"  # `code_fingerprint()` of the code that measures version PROBE_VERSION
 
 # The code that decides what a calibration's numbers mean: file (under disagmoe/) -> top-level name
 # -> why it belongs. Left out on purpose: the experts backends and `model.Block` (the probe measures
@@ -113,6 +113,7 @@ PROBE_PARTS: dict[str, dict[str, str]] = {
         "fp8_projection_point": "the FP8 projection rates: the bf16 projections' stage work, the cap",
         "fp8_projections_measured": "which GPUs and models measure the FP8 projection curve",
         "fp8_projection_passes": "how the FP8 projections run (fp8_dense's path, one quantised input, copies once)",
+        "BLOCK_INPUT_READERS": "which FP8 projections read the one block input",
         "_fp8_projection_times": "how the FP8 projection probe's passes are timed",
         "op_fixed_us": "which probe is each op's fixed cost",
         "calibration_from": "which timings make which terms",

@@ -40,15 +40,12 @@ from pathlib import Path
 import torch
 
 from disagmoe.bench.gpu_clocks import GpuClockSampler, describe
-from disagmoe.bench.loss_parity import DEFAULT_WINDOW, loss_parity
+from disagmoe.bench.loss_parity import DEFAULT_WINDOW, MODES, loss_parity
 from disagmoe.config import TrainConfig, apply_overrides, validate
 from disagmoe.runtime.observe.metrics import read_metrics
 from disagmoe.runtime.training.loop import METRICS_FILE
 from disagmoe.model_ref import load_model
 from disagmoe.runtime.training.trainer import SingleProcessTrainer, resolve_device, resolve_single_micro_batches
-
-MODES = ("single", "disaggregated", "colocated")
-
 
 HOPS = ("partial_sums", "pair_rows")
 
@@ -152,10 +149,11 @@ def summarise(rows: list[dict]) -> list[dict]:
         raise ValueError("no row of the run trained: " + "; ".join(f"{row_label(r)}: {r['error']}" for r in rows))
     base = next((r for r in ran if r["mode"] == "colocated"), ran[0])
     single = next((r for r in ran if r["mode"] == "single"), None)
-    def loss_vs_single(r: dict) -> float | None:
-        if single is None or r.get("mean_loss") is None or not single.get("mean_loss"):
+    def loss_vs_single(r: dict) -> float | None:  # against the single row of the same seed (`--seeds`)
+        same = next((o for o in ran if o["mode"] == "single" and o.get("seed") == r.get("seed")), single)
+        if same is None or r.get("mean_loss") is None or not same.get("mean_loss"):
             return None
-        return r["mean_loss"] / single["mean_loss"] - 1.0
+        return r["mean_loss"] / same["mean_loss"] - 1.0
 
     def label(r: dict) -> str:  # a mode timed with several transports or hops has a row per each
         return row_label(r)
@@ -399,8 +397,7 @@ def run(cfg: TrainConfig, modes: list[str], steps: int, warmup: int,
             environment["tiles"] = tile_source(environment["gpu"], device_architecture(torch.device("cuda", 0)))
     device = (torch.cuda.get_device_name(0) if cfg.device == "cuda" and torch.cuda.is_available()
               else platform.processor() or platform.machine())
-    parity = (loss_parity([r for r in rows if r["mode"] in MODES], loss_window)
-              if seeds > 1 or len(variants) > 1 else None)
+    parity = loss_parity(rows, loss_window) if seeds > 1 or len(variants) > 1 else None
     return {"environment": {"device": device, "torch": torch.__version__, "python": platform.python_version(),
                             "transport": ", ".join(dict.fromkeys(transports)) if transports else cfg.transport,
                             "experts_backend": cfg.experts_backend,

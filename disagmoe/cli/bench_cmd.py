@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
+from disagmoe.bench.loss_parity import DEFAULT_WINDOW
 from disagmoe.cli.common import console, err_console, print_error, print_json, user_errors
 from disagmoe.roofline.report import memory, seconds
 
@@ -395,7 +396,8 @@ def train(
     variant: Annotated[list[str] | None, typer.Option(
         help="config overrides for one more run of every mode, e.g. 'recompute=selective' or "
              "'micro_batches=2 batch_size=8' (repeatable, quoted when several): each row then also gives its "
-             "tokens/s and peak memory against the same mode under the first variant")] = None,
+             "tokens/s and peak memory against the same mode under the first variant, and a loss-parity table "
+             "follows (see --seeds)")] = None,
     gpu_clocks: Annotated[bool, typer.Option(
         "--gpu-clocks/--no-gpu-clocks", help="sample the GPUs' SM clock, power and clock-event reasons with "
         "nvidia-smi beside the steps (every 100 ms); --no-gpu-clocks to time the steps without it (to see "
@@ -416,7 +418,7 @@ def train(
              "config once ended 7.9% apart)", min=1)] = 1,
     loss_window: Annotated[int, typer.Option(
         help="the last steps whose mean loss the parity table compares (with several variants or --seeds)",
-        min=1)] = 50,
+        min=1)] = DEFAULT_WINDOW,
 ) -> None:
     """Time whole training steps of one config in several layouts in the same run, on the same
     devices (colocated gets attention + expert ranks as one pipeline group; a config with
@@ -517,26 +519,28 @@ def train(
         console.print(_parity_table(record["loss_parity"], record["seeds"]))
 
 
+def _signed(x: float | None) -> str:
+    return "-" if x is None else f"{x:+.2%}"
+
+
 def _parity_table(parity: dict, seeds: int) -> Table:
-    """`bench train`'s loss parity (`bench.loss_parity`) as a table: one line per variant and layout."""
+    """`bench train`'s or `bench parity`'s loss parity (`bench.loss_parity`) as a table: one line
+    per variant and layout, each against the first of its layout over the seeds both ran."""
     from disagmoe.bench.train import row_label
 
     window = parity["window"]
     seed_note = (f"over {seeds} seeds (the data order pinned: the initialisation alone moves)" if seeds > 1 else
-                 "one seed (--seeds 2 or more reads a gap against the reference's own spread)")
-    metric = "cross-entropy" if all(g.get("metric") == "ce" for g in parity["groups"]) else "loss"
+                 "one seed (more seeds read a gap against the reference's own spread)")
+    metric = "cross-entropy" if all(g.get("metric") == "ce" for g in parity["groups"]) else "training loss"
     table = Table(title=f"loss parity: mean {metric} of the last {window} steps, {seed_note}; each variant against "
                         "the first of its layout")
     for col in ("row", "each seed", "mean", "seeds' range", "vs first", "paired (same seed)", "inside first's range"):
         table.add_column(col, justify="left" if col == "row" else "right")
     for g in parity["groups"]:
-        def signed(x: float | None) -> str:
-            return "-" if x is None else f"{x:+.2%}"
-
         inside = g["inside_reference_range"]
         table.add_row(row_label({**g, "seed": None}), " ".join(f"{x:.4f}" for x in g["seed_losses"]),
-                      f"{g['loss']:.4f}", "-" if g["spread"] is None else f"{g['spread']:.2%}", signed(g["vs_first"]),
-                      "-" if not g["paired_gaps"] else " ".join(signed(x) for x in g["paired_gaps"]),
+                      f"{g['loss']:.4f}", "-" if g["spread"] is None else f"{g['spread']:.2%}", _signed(g["vs_first"]),
+                      "-" if not g["paired_gaps"] else " ".join(_signed(x) for x in g["paired_gaps"]),
                       "-" if inside is None else ("yes" if inside else "no"))
     return table
 
@@ -546,7 +550,7 @@ def _parity_table(parity: dict, seeds: int) -> Table:
 def parity(
     records: Annotated[list[Path], typer.Argument(help="`disagmoe bench train --out` records (JSON) of one command "
                                                        "run with different seeds")],
-    loss_window: Annotated[int, typer.Option(help="the last steps whose mean loss is compared", min=1)] = 50,
+    loss_window: Annotated[int, typer.Option(help="the last steps whose mean loss is compared", min=1)] = DEFAULT_WINDOW,
     as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
 ) -> None:
     """Read a loss-parity table across several `bench train` records: each variant's mean loss over
@@ -560,16 +564,17 @@ def parity(
       disagmoe bench train (the same) seed=1 data.seed=0 -o seed1.json
       disagmoe bench parity seed0.json seed1.json
     """
-    from disagmoe.bench.loss_parity import loss_parity, merged_rows, window_mean
+    from disagmoe.bench.loss_parity import loss_parity, merged_rows
 
     loaded = {}
     for path in records:
+        if str(path) in loaded:
+            raise typer.BadParameter(f"{path} is given twice: give each record once")
         try:
             loaded[str(path)] = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as err:
             raise typer.BadParameter(f"{path}: not a readable `bench train --out` record ({err})") from err
     rows = merged_rows(loaded)
-    window_mean([1.0], loss_window)
     steps = next(iter(loaded.values())).get("steps")
     groups = loss_parity(rows, loss_window)
     result = {"records": list(loaded), "steps": steps, "window": min(loss_window, steps or loss_window),

@@ -1044,23 +1044,27 @@ def fp8_pricing(calib: Calibration | None) -> str:
 FP8_DENSE_STAGES = {"attention projections": "layer", "shared experts": "moe", "dense ffn": "dense"}
 
 
-def fp8_dense_speedups(calib: Calibration | None, m: ModelConfig, tokens: Num, speedup: float,
-                       ) -> tuple[Num, Num, bool]:
+def fp8_projections_measured(calib: Calibration | None) -> bool:
+    """Whether `calib` prices FP8 dense projections from measurement: it holds the FP8 projection
+    curve (`Calibration.projections_fp8`, probe version 7) and the bf16 one measured at the same
+    shape (`projections`) that it is read against."""
+    return calib is not None and bool(calib.projections_fp8) and bool(calib.projections)
+
+
+def fp8_dense_speedups(calib: Calibration | None, tokens: Num, speedup: float) -> tuple[Num, Num, bool]:
     """(forward, backward) factors by which FP8 dense projections run faster than their bf16 rate
     at `tokens` per micro-batch, and whether their quantisers are inside those factors. Measured
-    where the calibration holds the FP8 projection curve (`Calibration.projections_fp8`, probe
-    version 7) and the bf16 one it is read against (`roofline.calibration.attention_curves`'
-    projections for `m`): the two curves' ratio at `tokens`, measured at the calibration model's
-    attention projections with every quantiser running (so below 1 where the quantisers cost more
-    than the FP8 GEMMs save), applied to every FP8 dense stage. Else the datasheet's `speedup` =
-    fp8_tflops / bf16_tflops for the forward and 2 speedup / (1 + speedup) for the backward (the FP8
-    data gradient and the bf16 weight gradient, equal FLOPs: `kernels.fp8_dense.RECIPE`), the
-    quantisers priced as stages of their own."""
-    if calib is not None and calib.projections_fp8:
-        bf16 = cal.attention_curves(calib, m)[1]
-        if bf16:
-            return tuple(cal.curve_fraction(calib.projections_fp8, tokens, bwd)
-                         / cal.curve_fraction(bf16, tokens, bwd) for bwd in (False, True)) + (True,)
+    (`fp8_projections_measured`): the FP8 projection curve over the bf16 `projections` curve at
+    `tokens`, both at the calibration model's attention projections (so the ratio of one shape,
+    whatever `attention_curves` prices an MLA model's bf16 stage with), every quantiser running
+    (below 1 where they cost more than the FP8 GEMMs save); applied to every FP8 dense stage, the
+    shared experts' and dense FFN layers' wider GEMMs too, where the quantisers weigh less
+    (pessimistic there). Else the datasheet's `speedup` = fp8_tflops / bf16_tflops for the forward
+    and 2 speedup / (1 + speedup) for the backward (the FP8 data gradient and the bf16 weight
+    gradient, equal FLOPs: `kernels.fp8_dense.RECIPE`), the quantisers priced as stages of their own."""
+    if fp8_projections_measured(calib):
+        return tuple(cal.curve_fraction(calib.projections_fp8, tokens, bwd)
+                     / cal.curve_fraction(calib.projections, tokens, bwd) for bwd in (False, True)) + (True,)
     return speedup, 2.0 * speedup / (1.0 + speedup), False
 
 
@@ -1076,7 +1080,7 @@ def fp8_dense_stages(stages: dict[str, Stage], ceil: Ceilings, speedup: float, m
     copies once per step, in the attention optimizer's stage (`dense_fp8_weight_copies`, of the
     busiest group's `moe_layers` / `dense_layers`)."""
     out = dict(stages)
-    *rates, measured = fp8_dense_speedups(calib, m, tokens, speedup)
+    *rates, measured = fp8_dense_speedups(calib, tokens, speedup)
     for name, runs in FP8_DENSE_STAGES.items():
         if name not in out or (name == "shared experts" and not m.shared_ffn_size):
             continue

@@ -35,6 +35,7 @@ from disagmoe.placement.cost import (
     evaluate,
     expert_state_bytes,
     fp8_pricing,
+    fp8_projections_measured,
     offload_staging_bytes,
 )
 from disagmoe.placement.experts import imbalance, map_layer
@@ -137,16 +138,16 @@ def _fp8_dense_loses_note(prob: Problem, chosen, cost: Cost) -> list[str]:
     """Where the dense projections' FP8 was priced from a measured curve (`cost.fp8_dense_speedups`)
     and makes this layout's step slower than the same layout with them in bf16: one note with the
     difference and the fix (fp8_dense: false); else none."""
-    calib = prob.calibration
-    if not (prob.fp8_dense and calib is not None and calib.projections_fp8):
+    if not (prob.fp8_dense and fp8_projections_measured(prob.calibration)):
         return []
     bf16 = evaluate(replace(_fixed_recompute(prob, cost.dropped(0)), fp8_dense=False), chosen)
     step, without = float(cost.step_s[0]), float(bf16.step_s[0])
     if not without < step:
         return []
     return [f"the dense projections in FP8 make this step {(step - without) * 1e3:.1f} ms slower than in bf16 "
-            f"({step * 1e3:.1f} against {without * 1e3:.1f} ms: the measured FP8 projection curve, its quantisers "
-            "inside, under the bf16 one at these tokens per micro-batch): train with fp8_dense: false"]
+            f"(the closed-form step, {step * 1e3:.1f} against {without * 1e3:.1f} ms: the measured FP8 projection "
+            "curve, its quantisers inside, under the bf16 one at these tokens per micro-batch): train with "
+            "fp8_dense: false"]
 
 
 RECOMPUTE_ORDER = ("expert_input", "expert_output", "expert_swiglu", "attention")  # TrainConfig.recompute_modules'
@@ -178,12 +179,13 @@ def fp8_note(prob: Problem, cost: Cost) -> str:
                 f"passes' HBM traffic{_fp8_backward_note(prob.fp8_backward)}{_fp8_forward_note(prob.fp8_forward)} and "
                 f"{copies}")
     dense = ""
-    if prob.fp8_dense and calib is not None and calib.projections_fp8:
+    if prob.fp8_dense and fp8_projections_measured(calib):
         dense = ("; the dense projections (attention, shared experts, dense FFN layers) in FP8 too, rowwise "
                  "(torch._scaled_mm), from the measured FP8 projection curve over the bf16 one (calibration."
                  f"projections_fp8, probe version {calib.probe_version}): their rate at this layout's tokens per "
                  "micro-batch, quantisers inside (below the bf16 rate where the quantisers cost more than the FP8 "
-                 "GEMMs save), their weight gradients bf16")
+                 "GEMMs save; measured at the attention projections, so pessimistic for wider shared-expert and "
+                 "dense FFN GEMMs), their weight gradients bf16")
     elif prob.fp8_dense:
         dense = ("; the dense projections (attention, shared experts, dense FFN layers) in FP8 too, rowwise "
                  f"(torch._scaled_mm), with their quantisation passes, at the datasheet ratio {prob.fp8_speedup:.2f}x "

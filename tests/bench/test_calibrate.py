@@ -894,6 +894,7 @@ def test_the_fp8_projection_probe_quantises_what_the_model_quantises_once_a_call
         named = {name: m for name, m in build_attention(model).named_modules() if isinstance(m, torch.nn.Linear)}
     linears = list(named.values())
     readers = [m for name, m in named.items() if name != "wo" and m.in_features == model.hidden_size]
+    assert {name for name, m in named.items() if m in readers} <= cal.BLOCK_INPUT_READERS
     others = [m for m in linears if m not in readers]
     assert len(readers) == (3 if model.attention != "mla" else 1 + (model.mla.q_lora_rank is not None))
 

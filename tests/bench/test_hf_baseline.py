@@ -59,7 +59,7 @@ def test_the_timed_loop_trains_each_family_on_our_batches(family):
     torch.manual_seed(0)
     model, model_type, _ = hf_baseline.build_model(m, torch.device("cpu"), dtype=torch.float32)
     splits = load_splits(cfg.data, m.vocab_size, cfg.seq_len)
-    data = TokenDataset(splits.train, cfg.seq_len, cfg.batch_size, cfg.seed, "train")
+    data = TokenDataset(splits.train, cfg.seq_len, cfg.batch_size, cfg.data_seed, "train")
     marks = []  # the clock sampler's: 0 before the first step, then each step's number as it ends
     losses, seconds = hf_baseline.train_steps(model, model_type, m, cfg, data, cfg.steps, torch.device("cpu"), marks.append)
     assert len(losses) == len(seconds) == 4 and all(torch.isfinite(torch.tensor(losses))) and marks == [0, 1, 2, 3, 4]

@@ -29,8 +29,22 @@ def test_each_variant_is_read_against_the_first_variants_seeds():
     assert fp8["loss"] == pytest.approx(2.4) and fp8["vs_first"] == pytest.approx(2.4 / 2.3 - 1)
     assert fp8["paired_gaps"] == pytest.approx([0.0, 2.7 / 2.5 - 1])
     assert fp8["inside_reference_range"] is True
-    far = loss_parity(rows[:4] + [_row("fp8-far", 0, [9.0, 3.0, 3.0])], window=2)[2]
-    assert far["inside_reference_range"] is False and far["spread"] is None  # one seed: no range of its own
+    far = loss_parity(rows[:4] + [_row("far", 0, [9.0, 3.0, 3.0]), _row("far", 1, [9.0, 3.1, 3.1])], window=2)[2]
+    assert far["inside_reference_range"] is False and far["common_seeds"] == [0, 1]
+
+
+def test_a_seed_one_side_lacks_is_left_out_of_the_comparison():
+    """A variant whose seed-1 row failed (out of memory) is compared with the reference over seed 0
+    alone: its gap is the paired one, not its seed 0 against the mean of the reference's two seeds;
+    with one common seed there is no range to lie inside."""
+    rows = [_row("bf16", 0, [2.0]), _row("fp8", 0, [2.0]), _row("bf16", 1, [3.0]),
+            {**_row("fp8", 1, []), "error": "out of memory"}]
+    bf16, fp8 = loss_parity(rows, window=1)
+    assert bf16["seeds"] == [0, 1] and fp8["seeds"] == [0] and fp8["common_seeds"] == [0]
+    assert fp8["vs_first"] == pytest.approx(0.0) and fp8["paired_gaps"] == [0.0]
+    assert fp8["inside_reference_range"] is None
+    alone = loss_parity([_row("bf16", 0, [2.0]), _row("fp8", 1, [2.5])], window=1)[1]
+    assert alone["common_seeds"] == [] and alone["vs_first"] is None
 
 
 def test_one_seed_gives_the_gap_without_a_range_and_layouts_have_their_own_reference():
@@ -43,7 +57,7 @@ def test_one_seed_gives_the_gap_without_a_range_and_layouts_have_their_own_refer
 
 def test_the_window_is_the_runs_last_steps():
     assert window_mean([5.0, 1.0, 3.0], 2) == 2.0 and window_mean([5.0, 1.0], 50) == 3.0
-    assert mean_curve([{"losses": [1.0, 2.0, 3.0]}, {"losses": [3.0, 4.0]}]) == [2.0, 3.0]
+    assert mean_curve([{"losses": [1.0, 2.0, 3.0]}, {"losses": [3.0, 4.0]}], "loss") == [2.0, 3.0]
     with pytest.raises(ValueError, match="at least 1"):
         window_mean([1.0], 0)
 
@@ -115,7 +129,8 @@ def test_records_of_one_command_at_several_seeds_read_as_one_table():
     ({"a": _record(3, _seeded("bf16", 0, [1.0])), "b": _record(4, _seeded("bf16", 1, [1.0]))}, "different --steps"),
     ({"a": _record(3, _seeded("bf16", 0, [1.0])), "b": _record(3, _seeded("bf16", 1, [1.0], data_seed=1))},
      "different batches"),
-    ({"a": _record(3, _seeded("bf16", 0, [1.0])), "b": _record(3, _seeded("bf16", 0, [1.0]))}, "b and a both hold"),
+    ({"a": _record(3, _seeded("bf16", 0, [1.0])), "b": _record(3, _seeded("bf16", 0, [1.0]))}, "a and b both hold"),
+    ({"a": [1, 2]}, "not a `disagmoe bench train --out` record"),
     ({"a": _record(3, {"mode": "single", "variant": None, "losses": [1.0]})}, "do not say their seed"),
     ({}, "at least one"),
 ])
@@ -154,13 +169,46 @@ def test_cli_parity_reads_records_written_by_bench_train(tmp_path):
 def test_parity_reads_the_cross_entropy_not_the_balancing_term():
     """Rows that recorded each step's cross-entropy are compared on it: the training loss adds the
     routers' load-balancing term, which here differs between the variants while the cross-entropy
-    does not; a row without it (an older record) falls back to the training loss, and says so."""
-    from disagmoe.bench.loss_parity import parity_losses
+    does not. Where one row lacks it (an older record, an outside baseline) every row is read in
+    the training loss: one measure for the whole set, never the two mixed in one mean."""
+    from disagmoe.bench.loss_parity import parity_losses, parity_metric
 
-    bf16 = {**_row("bf16", None, [3.0, 2.2, 2.2]), "ces": [2.9, 2.0, 2.0]}
-    fp8 = {**_row("fp8", None, [3.0, 2.5, 2.5]), "ces": [2.9, 2.0, 2.0]}
+    bf16 = {**_row("bf16", 0, [3.0, 2.2, 2.2]), "ces": [2.9, 2.0, 2.0]}
+    fp8 = {**_row("fp8", 0, [3.0, 2.5, 2.5]), "ces": [2.9, 2.0, 2.0]}
     reference, other = loss_parity([bf16, fp8], window=2)
     assert other["vs_first"] == pytest.approx(0.0) and reference["metric"] == other["metric"] == "ce"
-    old = loss_parity([_row("bf16", None, [3.0, 2.2]), {**_row("fp8", None, [3.0, 2.5]), "ces": [None, None]}], 1)
-    assert old[1]["vs_first"] == pytest.approx(2.5 / 2.2 - 1) and {e["metric"] for e in old} == {"loss"}
-    assert parity_losses({"losses": [1.0], "ces": [0.9]}) == [0.9]
+    older = {**_row("fp8", 1, [3.0, 2.6, 2.6]), "ces": [None, None, None]}
+    mixed = loss_parity([bf16, fp8, {**_row("bf16", 1, [3.0, 2.4, 2.4]), "ces": [2.9, 2.0, 2.0]}, older], 2)
+    assert {e["metric"] for e in mixed} == {"loss"}
+    assert mixed[1]["seed_losses"] == pytest.approx([2.5, 2.6])  # both seeds in the training loss
+    assert parity_metric([bf16, fp8]) == "ce" and parity_losses(bf16, "ce") == [2.9, 2.0, 2.0]
+    assert parity_metric([bf16, {"losses": [1.0]}]) == "loss"
+
+
+def test_the_plot_gives_a_variant_one_colour_and_one_legend_line_and_one_measure(tmp_path, monkeypatch):
+    """Under --seeds the two seeds of a variant share a colour and a legend entry, and the middle
+    panel reads every row (the reference's seeds too) against the reference's mean; a row without
+    cross-entropy (an outside baseline's) puts every row in the training loss, as the y label says."""
+    import matplotlib.figure
+
+    from disagmoe.bench.loss_plot import plot_losses
+
+    figures = []
+    real = matplotlib.figure.Figure.savefig
+
+    def record(fig, *a, **k):  # per panel: its lines' colours, its legend's entries, its y label
+        figures.append([([line.get_color() for line in ax.get_lines()],
+                         [t.get_text() for t in (ax.get_legend().get_texts() if ax.get_legend() else [])],
+                         ax.get_ylabel()) for ax in fig.axes])
+        return real(fig, *a, **k)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", record)
+    ce = {"ces": [2.9, 2.0]}
+    rows = [{**_row("bf16", 0, [3.0, 2.2]), **ce}, {**_row("fp8", 0, [3.0, 2.3]), **ce},
+            {**_row("bf16", 1, [3.0, 2.4]), **ce}, {**_row("fp8", 1, [3.0, 2.5]), **ce}]
+    plot_losses(rows, tmp_path / "a.png", "seeds", ["bf16", "fp8", "bf16", "fp8"])
+    (top_colours, top_legend, top_label), (mid_colours, mid_legend, _) = figures[0][:2]
+    assert top_colours[:4] == ["C0", "C1", "C0", "C1"] and top_legend == ["bf16", "fp8"] and top_label == "cross-entropy"
+    assert mid_colours.count("C0") == 2 and mid_colours.count("C1") == 2  # the reference's seeds drawn too
+    plot_losses(rows + [{"mode": "hf", "losses": [3.0, 2.6]}], tmp_path / "b.png", "hf", ["bf16", "fp8"] * 2 + ["hf"])
+    assert figures[1][0][2] == "training loss"

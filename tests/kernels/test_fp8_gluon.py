@@ -337,14 +337,11 @@ def _qwen3_forward_backward(forward: str, gluon: bool, tokens_BS: torch.Tensor, 
     model.set_expert_precision("fp8", "bf16", forward)
     model.set_fp8_stats(Fp8Stats(cuda))
     model.prepare_fp8()
-    try:
-        with fp8_ffn.gluon_paths(rows=gluon, swiglu=False):
-            out = model(tokens_BS[:, :-1], fixed)
-            loss = F.cross_entropy(out.logits_BSV.flatten(0, 1).float(), tokens_BS[:, 1:].flatten())
-            loss.backward()
-            torch.cuda.synchronize()
-    finally:
-        fp8_ffn.set_gluon(False)
+    with fp8_ffn.gluon_paths(rows=gluon, swiglu=False):  # every choice restored on the way out
+        out = model(tokens_BS[:, :-1], fixed)
+        loss = F.cross_entropy(out.logits_BSV.flatten(0, 1).float(), tokens_BS[:, 1:].flatten())
+        loss.backward()
+        torch.cuda.synchronize()
     experts = [m for m in model.modules() if isinstance(m, RoutedExperts)]
     grads = [g.float() for e in experts for g in (e.w13_EH2F.grad, e.w2_EFH.grad)]
     return loss.item(), grads, out.topk_idx_LNK

@@ -792,10 +792,15 @@ def test_measured_fp8_projections_price_the_dense_projections_with_their_quantis
     hw = load_hardware("h200-sxm-calibrated")
     slow = [Fp8RatePoint(at=p.at, fwd=0.9 * p.fwd, bwd=0.9 * p.bwd) for p in hw.calibration.projections]
     measured = hw.model_copy(update={"calibration": hw.calibration.model_copy(update={"projections_fp8": slow})})
-    m = load_model("qwen3-30b-a3b")
-    fwd, bwd, inside = fp8_dense_speedups(measured.calibration, m, 8192.0, 2.0)
+    fwd, bwd, inside = fp8_dense_speedups(measured.calibration, 8192.0, 2.0)
     assert (float(fwd), float(bwd), inside) == (pytest.approx(0.9), pytest.approx(0.9), True)
-    assert fp8_dense_speedups(hw.calibration, m, 8192.0, 2.0) == (2.0, pytest.approx(4 / 3), False)
+    assert fp8_dense_speedups(hw.calibration, 8192.0, 2.0) == (2.0, pytest.approx(4 / 3), False)
+    # an MLA model: the FP8 curve read against the bf16 curve of its own (the calibration model's) shape,
+    # not the MLA curve its bf16 stage is priced with: an FP8 curve equal to that curve is no speedup
+    same = hw.calibration.model_copy(update={"projections_fp8": [
+        Fp8RatePoint(at=p.at, fwd=p.fwd, bwd=p.bwd) for p in hw.calibration.projections]})
+    tokens = np.array([4096.0, 8192.0, 32768.0])
+    assert np.allclose(np.stack(fp8_dense_speedups(same, tokens, 2.0)[:2]), 1.0)
     _, bf16, _ = _qwen3_single(measured, "bf16")
     _, dense, plan = _qwen3_single(measured, "fp8", True)
     _, no_dense, _ = _qwen3_single(measured, "fp8", False)

@@ -102,7 +102,7 @@ def _workers(cfg: TrainConfig, topology: Topology, routed: list) -> list[TrainWo
         worker.watchdog = SimpleNamespace(op=lambda name: contextlib.nullcontext())
         worker.attention = worker.experts = None
         if topology.attention_role(rank) is not None:
-            data = TokenDataset(splits.train, cfg.seq_len, cfg.batch_size, cfg.seed, "train")
+            data = TokenDataset(splits.train, cfg.seq_len, cfg.batch_size, cfg.data_seed, "train")
             worker.attention = AttentionStage(worker.model, topology, rank, data, cfg.micro_batches, pair=pair,
                                               sparse=shapes.sparse)
             for layer in worker.attention.layers:
