@@ -490,11 +490,14 @@ class PlanConfig(StrictModel):
         "(the bf16 rate, or a calibrated one, times fp8_tflops / bf16_tflops), plus the quantisation passes' HBM "
         "traffic and the FP8 weight copies' memory (train with precision: fp8; the plan records it and `train --plan` "
         "sets it)")
-    fp8_dense: bool = Field(
-        True, description="with expert_precision fp8: price the dense projections' forward and data-gradient "
-        "GEMMs (attention, shared experts, dense FFN layers) at fp8_tflops too, their weight gradients at the bf16 "
-        "rate, plus their rowwise quantisation passes (train with precision: fp8, fp8_dense: true, its default); "
-        "no effect under bf16")
+    fp8_dense: Literal["auto", "on", "off"] = Field(
+        "auto", description="with expert_precision fp8: on prices the dense projections' forward and data-gradient "
+        "GEMMs (attention, shared experts, dense FFN layers) in FP8 too (train with fp8_dense: true, the trainer's "
+        "default), their weight gradients at the bf16 rate: from the calibration's measured FP8 projection curve, "
+        "quantisers inside, or else at fp8_tflops plus their rowwise quantisation passes; off in bf16 (train with "
+        "fp8_dense: false); auto (the default) plans both ways and keeps the faster plan that fits (ties: on), a "
+        "note says which (without a measured curve the datasheet ratio makes on the faster); the plan records the "
+        "choice and `train --plan` sets it; true / false read as on / off; no effect under bf16")
     fp8_expert_backward: Literal["fp8", "bf16-wgrad", "bf16"] = Field(
         "bf16-wgrad", description="with expert_precision fp8: which of the routed experts' backward GEMMs are priced "
         "in FP8 (train with the same fp8_expert_backward): bf16-wgrad (the default: the data gradients FP8, the "
@@ -534,6 +537,7 @@ class PlanConfig(StrictModel):
         "rank_steps_captured says which")
 
     _offload_bool = field_validator("offload_optimizer", mode="before")(on_off_word)
+    _fp8_dense_on_off = field_validator("fp8_dense", mode="before")(on_off_word)
     _graphs_on_off = field_validator("cuda_graphs", mode="before")(on_off_word)
 
     @model_validator(mode="after")

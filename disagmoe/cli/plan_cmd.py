@@ -50,10 +50,11 @@ PrecisionOpt = Annotated[Literal["bf16", "fp8"], typer.Option(
     "hardware file measured (`bench calibrate` on an sm_89+ GPU with the triton experts), else at the hardware's "
     "fp8_tflops (the datasheet ratio, unmeasured) with the quantisation passes' traffic; the FP8 weight copies' memory "
     "either way (the plan records it and a note says which rate; train --plan sets precision: fp8)")]
-Fp8DenseOpt = Annotated[bool, typer.Option(
+Fp8DenseOpt = Annotated[Optional[bool], typer.Option(
     "--fp8-dense/--no-fp8-dense", help="with --expert-precision fp8: price the dense projections (attention, shared "
-    "experts, dense FFN layers) in FP8 too, rowwise (the default, as precision: fp8 trains them), or in bf16 (train "
-    "with fp8_dense: false); the plan records it and train --plan sets it")]
+    "experts, dense FFN layers) in FP8 too, rowwise (as precision: fp8 trains them by default), or in bf16 (train "
+    "with fp8_dense: false); neither flag: both ways, the faster plan kept (a note says which); the plan records it "
+    "and train --plan sets it", show_default=False)]
 Fp8BackwardOpt = Annotated[Literal["fp8", "bf16-wgrad", "bf16"], typer.Option(
     "--fp8-expert-backward", help="with --expert-precision fp8: which of the experts' backward GEMMs to price in FP8: "
     "bf16-wgrad (the default, as precision: fp8 trains: the data gradients FP8, the weight gradients bf16), fp8 "
@@ -88,7 +89,7 @@ def build_request(model: str, hardware: str, gpus: int, seq_len: int | None, glo
                   max_expert_replicas: int = 0, shard_optimizer_states: bool = False,
                   optimizer_state_dtype: str = "fp32", recompute: str = "auto",
                   expert_precision: str = "bf16", offload_optimizer: str = "off",
-                  optimizer_update_kernel: str = "triton", fp8_dense: bool = True,
+                  optimizer_update_kernel: str = "triton", fp8_dense: bool | None = None,
                   fp8_expert_backward: str = "bf16-wgrad", fp8_expert_forward: str = "both",
                   cuda_graphs: str = "auto") -> PlanConfig:
     mcfg = load_model(model)
@@ -99,7 +100,8 @@ def build_request(model: str, hardware: str, gpus: int, seq_len: int | None, glo
                       max_expert_replicas=max_expert_replicas, shard_optimizer_states=shard_optimizer_states,
                       optimizer_state_dtype=optimizer_state_dtype, recompute=recompute,
                       expert_precision=expert_precision, offload_optimizer=offload_optimizer,
-                      optimizer_update_kernel=optimizer_update_kernel, fp8_dense=fp8_dense,
+                      optimizer_update_kernel=optimizer_update_kernel,
+                      fp8_dense="auto" if fp8_dense is None else fp8_dense,
                       fp8_expert_backward=fp8_expert_backward, fp8_expert_forward=fp8_expert_forward,
                       cuda_graphs=cuda_graphs)
 
@@ -147,7 +149,7 @@ def plan(
     optimizer_update_kernel: UpdateKernelOpt = "triton",
     recompute: RecomputeOpt = "auto",
     expert_precision: PrecisionOpt = "bf16",
-    fp8_dense: Fp8DenseOpt = True,
+    fp8_dense: Fp8DenseOpt = None,
     fp8_expert_backward: Fp8BackwardOpt = "bf16-wgrad",
     fp8_expert_forward: Fp8ForwardOpt = "both",
     offload_optimizer: OffloadOpt = "off",

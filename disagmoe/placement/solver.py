@@ -83,7 +83,8 @@ def problem_of(cfg: PlanConfig, gpus: int | None = None) -> Problem:
         host_capacity_bytes=math.inf if hw.host_memory_gib is None else hw.host_memory_gib * GIB,
         **_recompute_of(cfg), expert_precision=cfg.expert_precision,
         fp8_speedup=hw.fp8_tflops / hw.bf16_tflops if cfg.expert_precision == "fp8" else 1.0,
-        fp8_dense=cfg.expert_precision == "fp8" and cfg.fp8_dense, fp8_backward=cfg.fp8_expert_backward,
+        fp8_dense=cfg.expert_precision == "fp8" and cfg.fp8_dense != "off",  # auto: `choose` / `price` try both
+        fp8_backward=cfg.fp8_expert_backward,
         fp8_forward=cfg.fp8_expert_forward,
         first_touch=cfg.experts_backend == "triton",  # RoutedExperts.first_touch_weights
         experts_backend=cfg.experts_backend, cuda_graphs=cfg.cuda_graphs,
@@ -449,7 +450,11 @@ def choose(cfg: PlanConfig) -> Choice:
 
     `offload_optimizer: auto` searches every layout both ways, without and with the optimizer
     state in host memory, and keeps the faster plan that fits (ties go to no offload), as
-    `recompute: auto` does per candidate in `cost.evaluate`; a note says which it chose and why."""
+    `recompute: auto` does per candidate in `cost.evaluate`; a note says which it chose and why.
+    `fp8_dense: auto` (under expert_precision fp8) does the same with the dense projections in FP8
+    and in bf16 (`_fp8_dense_auto`)."""
+    if _fp8_dense_undecided(cfg):
+        return _fp8_dense_auto(*(choose(_fp8_dense(cfg, mode)) for mode in ("on", "off")))
     if cfg.offload_optimizer != "auto":
         choice = _choose(cfg)
         if choice.problem.offload_optimizer:
@@ -477,6 +482,34 @@ def choose(cfg: PlanConfig) -> Choice:
 
 def _offload(cfg: PlanConfig, mode: str) -> PlanConfig:
     return cfg.model_copy(update={"offload_optimizer": mode})
+
+
+def _fp8_dense_undecided(cfg: PlanConfig) -> bool:
+    """Whether the plan chooses the dense projections' precision (`fp8_dense: auto` under fp8 experts)."""
+    return cfg.fp8_dense == "auto" and cfg.expert_precision == "fp8"
+
+
+def _fp8_dense(cfg: PlanConfig, mode: str) -> PlanConfig:
+    return cfg.model_copy(update={"fp8_dense": mode})
+
+
+def _fp8_dense_auto(on: Choice, off: Choice) -> Choice:
+    """`fp8_dense: auto`'s pick of the plans with the dense projections in FP8 (`on`) and in bf16
+    (`off`): the faster that fits (ties, and neither fitting: on, the trainer's default), with a
+    note of both step times and what priced the FP8 projections."""
+    keep_off = off.plan.feasible and (not on.plan.feasible or off.plan.step_time_s < on.plan.step_time_s)
+    kept, other = (off, on) if keep_off else (on, off)
+    priced = ("the measured FP8 projection curve, quantisers inside" if fp8_projections_measured(
+        on.problem.calibration) else "the datasheet ratio, unmeasured: `bench calibrate` measures the FP8 "
+        "projections on an sm_89+ GPU")
+    times = (f"{kept.plan.step_time_s * 1e3:.1f} ms a step against {other.plan.step_time_s * 1e3:.1f}"
+             if kept.plan.feasible and other.plan.feasible else
+             "the other does not fit" if kept.plan.feasible else "neither fits")
+    kept.plan.notes.append(f"fp8_dense auto chose {'off' if keep_off else 'on'}: the dense projections (attention, "
+                           f"shared experts, dense FFN layers) in {'bf16' if keep_off else 'FP8'}, {times} (the FP8 "
+                           f"projections priced from {priced}; train with fp8_dense: "
+                           f"{'false' if keep_off else 'true'}, which `train --plan` sets)")
+    return kept
 
 
 def _state_freed_gib(choice: Choice) -> tuple[float, float, bool]:
@@ -602,7 +635,11 @@ def price(cfg: PlanConfig, chosen: Candidates, colocated_step_s: float | None = 
     `colocated_step_time_s` and `speedup_vs_colocated` are None unless a colocated layout was
     priced and fits. `whole_step_s`: the best layout on all the GPUs (but for gpus mod p), inf
     when none fits, for the note when `chosen` leaves more GPUs idle. `offload_optimizer: auto`
-    prices `chosen` both ways: with offload only when it fits only so."""
+    prices `chosen` both ways: with offload only when it fits only so. `fp8_dense: auto` prices
+    `chosen` with the dense projections in FP8 and in bf16 and keeps the faster (`_fp8_dense_auto`)."""
+    if _fp8_dense_undecided(cfg):
+        return _fp8_dense_auto(*(price(_fp8_dense(cfg, mode), chosen, colocated_step_s, disaggregated_step_s,
+                                       whole_step_s) for mode in ("on", "off")))
     if cfg.offload_optimizer == "auto":
         off = price(_offload(cfg, "off"), chosen, colocated_step_s, disaggregated_step_s, whole_step_s)
         if off.plan.feasible or cfg.cluster.hardware.host_link_gbps is None:

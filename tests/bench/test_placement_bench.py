@@ -53,12 +53,12 @@ def test_the_request_prices_the_runs_precision_and_recomputation():
                       recompute_modules=["expert_input", "expert_swiglu"])
     request = plan_request(fp8, 3)
     assert (request.expert_precision, request.fp8_dense, request.recompute, request.experts_backend) == (
-        "fp8", True, "selective", "triton")
+        "fp8", "on", "selective", "triton")
     assert request.recompute_modules == ["expert_input", "expert_swiglu"]
-    assert not plan_request(fp8.model_copy(update={"fp8_dense": False}), 3).fp8_dense
+    assert plan_request(fp8.model_copy(update={"fp8_dense": False}), 3).fp8_dense == "off"
     plain = plan_request(TrainConfig(model="tiny", batch_size=8, seq_len=64, hardware="h200-sxm"), 3)
     assert (plain.expert_precision, plain.fp8_dense, plain.recompute, plain.recompute_modules) == (
-        "bf16", False, "none", None)
+        "bf16", "off", "none", None)
 
 
 def test_a_warmup_that_leaves_nothing_to_time_is_refused_before_any_run():

@@ -519,3 +519,16 @@ def test_plan_refuses_beside_a_config_the_flags_it_sets_and_says_where_they_go()
     assert missing.exit_code == 2 and "plan needs --hardware, --gpus (or --config CONFIG" in missing.output
     nameless = run("plan", "-c", TINY)
     assert nameless.exit_code != 0 and "names no hardware; pass --hardware" in nameless.output
+
+
+def test_plan_chooses_the_dense_projections_precision_unless_told():
+    """`plan --expert-precision fp8` with neither --fp8-dense nor --no-fp8-dense plans both ways (a
+    note says which it kept); either flag fixes it, with no such note."""
+    base = ["plan", "--model", "qwen3-30b-a3b", "--hardware", "h200-sxm", "--gpus", "8", "--expert-precision", "fp8",
+            "--json"]
+    plans = {flag: json.loads(CliRunner().invoke(app, base + ([flag] if flag else [])).stdout)
+             for flag in (None, "--fp8-dense", "--no-fp8-dense")}
+    assert any(n.startswith("fp8_dense auto chose") for n in plans[None]["notes"])
+    assert (plans["--fp8-dense"]["fp8_dense"], plans["--no-fp8-dense"]["fp8_dense"]) == (True, False)
+    assert not any(n.startswith("fp8_dense auto") for flag in ("--fp8-dense", "--no-fp8-dense")
+                   for n in plans[flag]["notes"])

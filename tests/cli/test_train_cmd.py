@@ -323,7 +323,7 @@ def test_train_sets_the_optimizer_and_precision_a_plan_was_priced_with_and_says_
     fp8 = tmp_path / "fp8.yaml"
     planned = CliRunner().invoke(app, ["plan", "--model", "tiny", "--hardware", "h200-sxm", "--gpus", "1",
                                        "--seq-len", "64", "--global-batch-tokens", "512", "--out", str(fp8),
-                                       "--expert-precision", "fp8"])
+                                       "--expert-precision", "fp8", "--fp8-dense"])
     assert planned.exit_code == 0, planned.output
     assert (yaml.safe_load(fp8.read_text())["expert_precision"], yaml.safe_load(fp8.read_text())["fp8_dense"]) == (
         "fp8", True)

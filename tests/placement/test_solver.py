@@ -821,6 +821,47 @@ def test_measured_fp8_projections_price_the_dense_projections_with_their_quantis
     assert not any(n.startswith("the dense projections in FP8 make") for n in _qwen3_single(paying, "fp8", True)[2].notes)
 
 
+def _qwen3_fp8_request(hw, fp8_dense: str = "auto") -> PlanConfig:
+    """Qwen3-30B-A3B on 8 GPUs of `hw` (a HardwareConfig), its experts priced in FP8."""
+    m = load_model("qwen3-30b-a3b")
+    return PlanConfig(model=m, cluster=ClusterConfig(hardware=hw, num_gpus=8), seq_len=m.seq_len,
+                      global_batch_tokens=4 * 1024 * 1024, expert_precision="fp8", fp8_dense=fp8_dense)
+
+
+@pytest.mark.parametrize("ratio", [0.8, 1.5])
+def test_fp8_dense_auto_keeps_the_faster_of_the_dense_projections_in_fp8_and_in_bf16(ratio):
+    """`fp8_dense: auto` (the default) plans both ways and keeps the faster: off where the measured
+    FP8 projection curve runs below the bf16 one (quantisers costing more than the FP8 GEMMs save),
+    on where it runs above; the plan records the choice (`train --plan` sets it) and a note gives
+    both step times and what priced the FP8 projections; on / off plan one way, with no such note;
+    a fixed layout (`price`) chooses the same way."""
+    hw = load_hardware("h200-sxm-calibrated")
+    curve = [Fp8RatePoint(at=p.at, fwd=ratio * p.fwd, bwd=ratio * p.bwd) for p in hw.calibration.projections]
+    measured = hw.model_copy(update={"calibration": hw.calibration.model_copy(update={"projections_fp8": curve})})
+    auto, on, off = (choose(_qwen3_fp8_request(measured, mode)) for mode in ("auto", "on", "off"))
+    faster = off if ratio < 1 else on
+    assert auto.plan.fp8_dense == (ratio > 1) and auto.plan.step_time_s == pytest.approx(faster.plan.step_time_s)
+    assert min(on.plan.step_time_s, off.plan.step_time_s) == pytest.approx(auto.plan.step_time_s)
+    note = next(n for n in auto.plan.notes if n.startswith("fp8_dense auto chose"))
+    assert note.startswith(f"fp8_dense auto chose {'on' if ratio > 1 else 'off'}")
+    assert "the measured FP8 projection curve, quantisers inside" in note
+    assert not any(n.startswith("fp8_dense auto") for n in on.plan.notes + off.plan.notes)
+    fixed = price(_qwen3_fp8_request(measured), auto.candidate)
+    assert fixed.plan.fp8_dense == auto.plan.fp8_dense
+    assert any(n.startswith("fp8_dense auto chose") for n in fixed.plan.notes)
+
+
+def test_fp8_dense_auto_without_a_measured_curve_says_the_datasheet_decided_and_reads_true_false():
+    datasheet = choose(_qwen3_fp8_request(load_hardware("h200-sxm")))
+    note = next(n for n in datasheet.plan.notes if n.startswith("fp8_dense auto chose"))
+    assert datasheet.plan.fp8_dense and "the datasheet ratio, unmeasured" in note
+    assert _qwen3_fp8_request(load_hardware("h200-sxm"), True).fp8_dense == "on"  # YAML's bare true / false
+    assert PlanConfig.model_validate({**_qwen3_fp8_request(load_hardware("h200-sxm")).model_dump(),
+                                      "fp8_dense": False}).fp8_dense == "off"
+    bf16 = choose(_qwen3_fp8_request(load_hardware("h200-sxm")).model_copy(update={"expert_precision": "bf16"}))
+    assert not bf16.plan.fp8_dense and not any(n.startswith("fp8_dense auto") for n in bf16.plan.notes)
+
+
 def test_fp8_dense_weight_copies_are_made_once_per_step_and_held():
     """The dense linears' two e4m3 weight copies (`fp8_dense.Fp8WeightCopies`): read and written in
     the attention optimizer's stage once per step, not in the per-call quantise passes, and held

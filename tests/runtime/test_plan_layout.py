@@ -284,10 +284,9 @@ def test_a_plan_priced_in_fp8_sets_precision_fp8_and_its_fp8_dense():
     `train --plan` sets precision: fp8 and the plan's fp8_dense (among the replaced fields; fp8_dense
     only where it differs from the config's, whose None means on under fp8); a bf16 plan, and a plan
     written before it recorded them, leave the config's precision and fp8_dense."""
-    fp8, bf16 = planned(2, 1, expert_precision="fp8"), planned(2, 1)
+    fp8, bf16 = planned(2, 1, expert_precision="fp8", fp8_dense=True), planned(2, 1)
     assert (fp8.expert_precision, fp8.fp8_dense, bf16.expert_precision, bf16.fp8_dense) == ("fp8", True, "bf16", False)
-    lean = solve(build_request("tiny", "h200-sxm", 1, 64, 512, expert_precision="fp8").model_copy(
-        update={"fp8_dense": False}))
+    lean = solve(build_request("tiny", "h200-sxm", 1, 64, 512, expert_precision="fp8", fp8_dense=False))
     assert (lean.expert_precision, lean.fp8_dense) == ("fp8", False)
     gpu = {"device": "cuda", "experts_backend": "triton"}
     cfg = config(fp8, **gpu)
