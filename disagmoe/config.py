@@ -495,9 +495,11 @@ class PlanConfig(StrictModel):
         "GEMMs (attention, shared experts, dense FFN layers) in FP8 too (train with fp8_dense: true, the trainer's "
         "default), their weight gradients at the bf16 rate: from the calibration's measured FP8 projection curve, "
         "quantisers inside, or else at fp8_tflops plus their rowwise quantisation passes; off in bf16 (train with "
-        "fp8_dense: false); auto (the default) plans both ways and keeps the faster plan that fits (ties: on), a "
-        "note says which (without a measured curve the datasheet ratio makes on the faster); the plan records the "
-        "choice and `train --plan` sets it; true / false read as on / off; no effect under bf16")
+        "fp8_dense: false); auto (the default) plans both ways and keeps the faster plan that fits (ties: on; "
+        "neither fitting: off, the leaner), a note says which (at the datasheet ratio usually on for large models, "
+        "while their quantisation passes can make off faster at small shapes); the plan records the choice and "
+        "`train --plan` sets it; true / false read as on / off; no effect under bf16; `plan --config` prices the "
+        "run's own fp8_dense")
     fp8_expert_backward: Literal["fp8", "bf16-wgrad", "bf16"] = Field(
         "bf16-wgrad", description="with expert_precision fp8: which of the routed experts' backward GEMMs are priced "
         "in FP8 (train with the same fp8_expert_backward): bf16-wgrad (the default: the data gradients FP8, the "

@@ -495,20 +495,26 @@ def _fp8_dense(cfg: PlanConfig, mode: str) -> PlanConfig:
 
 def _fp8_dense_auto(on: Choice, off: Choice) -> Choice:
     """`fp8_dense: auto`'s pick of the plans with the dense projections in FP8 (`on`) and in bf16
-    (`off`): the faster that fits (ties, and neither fitting: on, the trainer's default), with a
-    note of both step times and what priced the FP8 projections."""
+    (`off`): the faster that fits (ties: on, the trainer's default); where neither fits, off (the
+    leaner: no e4m3 copies of the dense weights), as offload auto keeps its leaner search's plan;
+    with a note of both step times and what priced the FP8 projections."""
+    if not (on.plan.feasible or off.plan.feasible):
+        off.plan.notes.append("fp8_dense auto: no layout fits with the dense projections in FP8 or in bf16 (the bf16 "
+                              "search's plan, the leaner, is shown)")
+        return off
     keep_off = off.plan.feasible and (not on.plan.feasible or off.plan.step_time_s < on.plan.step_time_s)
     kept, other = (off, on) if keep_off else (on, off)
+    kept_in, other_in = ("bf16", "FP8") if keep_off else ("FP8", "bf16")
     priced = ("the measured FP8 projection curve, quantisers inside" if fp8_projections_measured(
         on.problem.calibration) else "the datasheet ratio, unmeasured: `bench calibrate` measures the FP8 "
         "projections on an sm_89+ GPU")
-    times = (f"{kept.plan.step_time_s * 1e3:.1f} ms a step against {other.plan.step_time_s * 1e3:.1f}"
-             if kept.plan.feasible and other.plan.feasible else
-             "the other does not fit" if kept.plan.feasible else "neither fits")
+    against = (f"{report.seconds(kept.plan.step_time_s)} a step against {report.seconds(other.plan.step_time_s)} "
+               f"with them in {other_in} (each way's best layout)" if other.plan.feasible else
+               f"the only way that fits (in {other_in} no layout fits)")
     kept.plan.notes.append(f"fp8_dense auto chose {'off' if keep_off else 'on'}: the dense projections (attention, "
-                           f"shared experts, dense FFN layers) in {'bf16' if keep_off else 'FP8'}, {times} (the FP8 "
-                           f"projections priced from {priced}; train with fp8_dense: "
-                           f"{'false' if keep_off else 'true'}, which `train --plan` sets)")
+                           f"shared experts, dense FFN layers) in {kept_in}, {against}; the FP8 projections priced "
+                           f"from {priced} (train with fp8_dense: {'false' if keep_off else 'true'}, which `train "
+                           "--plan` sets)")
     return kept
 
 

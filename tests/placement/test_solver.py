@@ -860,6 +860,18 @@ def test_fp8_dense_auto_without_a_measured_curve_says_the_datasheet_decided_and_
                                       "fp8_dense": False}).fp8_dense == "off"
     bf16 = choose(_qwen3_fp8_request(load_hardware("h200-sxm")).model_copy(update={"expert_precision": "bf16"}))
     assert not bf16.plan.fp8_dense and not any(n.startswith("fp8_dense auto") for n in bf16.plan.notes)
+    assert re.search(r"[\d.]+ m?s a step against [\d.]+ m?s with them in bf16", note)  # both times, with units
+
+
+def test_fp8_dense_auto_keeps_the_leaner_plan_when_neither_fits():
+    """Neither way fits (Qwen3-235B on one H200): the bf16-projections search's plan, the leaner, with
+    a note that neither fits and no `train with` advice."""
+    m = load_model("qwen3-235b-a22b")
+    choice = choose(PlanConfig(model=m, cluster=ClusterConfig(hardware=load_hardware("h200-sxm"), num_gpus=1),
+                               seq_len=m.seq_len, global_batch_tokens=4 * 1024 * 1024, expert_precision="fp8"))
+    assert not choice.plan.feasible
+    note = next(n for n in choice.plan.notes if n.startswith("fp8_dense auto"))
+    assert "no layout fits with the dense projections in FP8 or in bf16" in note and "train with" not in note
 
 
 def test_fp8_dense_weight_copies_are_made_once_per_step_and_held():
