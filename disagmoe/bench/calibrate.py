@@ -656,8 +656,8 @@ def projection_passes(layers: Sequence[torch.nn.Linear], tokens: int, dev, dtype
 
 def fp8_projection_passes(model: ModelConfig, tokens: int, dev, dtype=torch.bfloat16, emulate: bool = False,
                           ) -> tuple[Callable[[], object], Callable[[], object], object]:
-    """(forward, forward and backward, their `Fp8Stats`) of the model's attention projections as `fp8_dense` runs them
-    (`DeferrableLinear.set_fp8`, counting into an `Fp8Stats` dense row) over `tokens` rows, in the
+    """(forward, forward and backward, their `Fp8Stats`) of the model's attention projections as
+    `fp8_dense` runs them (`DeferrableLinear.set_fp8`, counting into an `Fp8Stats` dense row) over `tokens` rows, in the
     model's order: their e4m3 weight copies made once here (`prepare_fp8`: once per optimizer step
     in training), the block-input readers (BLOCK_INPUT_READERS: GQA's q, k, v; MLA's first q and kv
     projections) fed one x, quantised once for readers that take it back to back as the model's are

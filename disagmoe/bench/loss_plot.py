@@ -4,13 +4,13 @@
 Top panel: each row's loss per step: the cross-entropy where every row recorded it, else every
 row's training loss (`loss_parity.parity_metric`: one measure for the figure; the training loss
 adds the routers' balancing term, which moves with the routing). Middle panel: each row's loss
-relative to the first row's at the same step, in percent (the parity a bar like "within 1% at step 300" reads). Under `--seeds`
-the rows of one variant share a colour and a legend line, and the middle panel reads every row,
-the first variant's own seeds among them (its spread: the noise a gap is read against), against
-the mean of the first variant's seeds (`loss_parity.mean_curve`). Bottom panel, where
-a row ran FP8 GEMMs: the share of its quantised elements that saturated e4m3 each step (log
-scale), with the bar a parity run is held to (`SATURATION_BAR`). matplotlib is imported only when a
-plot is asked for (Agg backend: no display).
+relative to the first row's at the same step, in percent (the parity a bar like "within 1% at
+step 300" reads). Under `--seeds` the rows of one variant share a colour and a legend line, and
+the middle panel reads every row, the first variant's own seeds among them (its spread: the noise
+a gap is read against), against the mean of the first variant's seeds (`loss_parity.mean_curve`).
+Bottom panel, where a row ran FP8 GEMMs: the share of its quantised elements that saturated e4m3
+each step (log scale), with the bar a parity run is held to (`SATURATION_BAR`). matplotlib is
+imported only when a plot is asked for (Agg backend: no display).
 """
 
 from __future__ import annotations

@@ -516,19 +516,19 @@ def train(
         console.print("time-sliced rows: their ranks shared GPUs (ranks_per_gpu), so their step times test the "
                       "layout, not its speed; no speedup or MFU is quoted for them", highlight=False)
     if record.get("loss_parity"):
-        console.print(_parity_table(record["loss_parity"], record["seeds"]))
+        console.print(_parity_table(record["loss_parity"]))
 
 
 def _signed(x: float | None) -> str:
     return "-" if x is None else f"{x:+.2%}"
 
 
-def _parity_table(parity: dict, seeds: int) -> Table:
+def _parity_table(parity: dict) -> Table:
     """`bench train`'s or `bench parity`'s loss parity (`bench.loss_parity`) as a table: one line
     per variant and layout, each against the first of its layout over the seeds both ran."""
     from disagmoe.bench.train import row_label
 
-    window = parity["window"]
+    window, seeds = parity["window"], max(len(g["seeds"]) for g in parity["groups"])
     seed_note = (f"over {seeds} seeds (the data order pinned: the initialisation alone moves)" if seeds > 1 else
                  "one seed (more seeds read a gap against the reference's own spread)")
     metric = "cross-entropy" if all(g.get("metric") == "ce" for g in parity["groups"]) else "training loss"
@@ -582,7 +582,7 @@ def parity(
     if as_json:
         print_json(result)
         return
-    console.print(_parity_table(result, max(len(g["seeds"]) for g in groups)))
+    console.print(_parity_table(result))
 
 
 @bench_app.command("profile")

@@ -1044,17 +1044,18 @@ def fp8_pricing(calib: Calibration | None) -> str:
 FP8_DENSE_STAGES = {"attention projections": "layer", "shared experts": "moe", "dense ffn": "dense"}
 
 
-def fp8_projections_measured(calib: Calibration | None) -> bool:
-    """Whether `calib` prices FP8 dense projections from measurement: it holds the FP8 projection
-    curve (`Calibration.projections_fp8`, probe version 7) and the bf16 one measured at the same
-    shape (`projections`) that it is read against."""
-    return calib is not None and bool(calib.projections_fp8) and bool(calib.projections)
+def fp8_dense_pricing(calib: Calibration | None) -> str:
+    """How `fp8_dense_stages` prices FP8 dense projections under `calib`, as `fp8_pricing` says for
+    the experts: "measured" where it holds the FP8 projection curve (`Calibration.projections_fp8`,
+    probe version 7) and the bf16 one of the same shape (`projections`) it is read against, else
+    "datasheet"."""
+    return "measured" if calib is not None and calib.projections_fp8 and calib.projections else "datasheet"
 
 
 def fp8_dense_speedups(calib: Calibration | None, tokens: Num, speedup: float) -> tuple[Num, Num, bool]:
     """(forward, backward) factors by which FP8 dense projections run faster than their bf16 rate
     at `tokens` per micro-batch, and whether their quantisers are inside those factors. Measured
-    (`fp8_projections_measured`): the FP8 projection curve over the bf16 `projections` curve at
+    (`fp8_dense_pricing`): the FP8 projection curve over the bf16 `projections` curve at
     `tokens`, both at the calibration model's attention projections (so the ratio of one shape,
     whatever `attention_curves` prices an MLA model's bf16 stage with), every quantiser running
     (below 1 where they cost more than the FP8 GEMMs save); applied to every FP8 dense stage, the
@@ -1062,7 +1063,7 @@ def fp8_dense_speedups(calib: Calibration | None, tokens: Num, speedup: float) -
     (pessimistic there). Else the datasheet's `speedup` = fp8_tflops / bf16_tflops for the forward
     and 2 speedup / (1 + speedup) for the backward (the FP8 data gradient and the bf16 weight
     gradient, equal FLOPs: `kernels.fp8_dense.RECIPE`), the quantisers priced as stages of their own."""
-    if fp8_projections_measured(calib):
+    if fp8_dense_pricing(calib) == "measured":
         return tuple(cal.curve_fraction(calib.projections_fp8, tokens, bwd)
                      / cal.curve_fraction(calib.projections, tokens, bwd) for bwd in (False, True)) + (True,)
     return speedup, 2.0 * speedup / (1.0 + speedup), False

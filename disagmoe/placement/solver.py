@@ -35,7 +35,7 @@ from disagmoe.placement.cost import (
     evaluate,
     expert_state_bytes,
     fp8_pricing,
-    fp8_projections_measured,
+    fp8_dense_pricing,
     offload_staging_bytes,
 )
 from disagmoe.placement.experts import imbalance, map_layer
@@ -139,7 +139,7 @@ def _fp8_dense_loses_note(prob: Problem, chosen, cost: Cost) -> list[str]:
     """Where the dense projections' FP8 was priced from a measured curve (`cost.fp8_dense_speedups`)
     and makes this layout's step slower than the same layout with them in bf16: one note with the
     difference and the fix (fp8_dense: false); else none."""
-    if not (prob.fp8_dense and fp8_projections_measured(prob.calibration)):
+    if not (prob.fp8_dense and fp8_dense_pricing(prob.calibration) == "measured"):
         return []
     bf16 = evaluate(replace(_fixed_recompute(prob, cost.dropped(0)), fp8_dense=False), chosen)
     step, without = float(cost.step_s[0]), float(bf16.step_s[0])
@@ -180,7 +180,7 @@ def fp8_note(prob: Problem, cost: Cost) -> str:
                 f"passes' HBM traffic{_fp8_backward_note(prob.fp8_backward)}{_fp8_forward_note(prob.fp8_forward)} and "
                 f"{copies}")
     dense = ""
-    if prob.fp8_dense and fp8_projections_measured(calib):
+    if prob.fp8_dense and fp8_dense_pricing(calib) == "measured":
         dense = ("; the dense projections (attention, shared experts, dense FFN layers) in FP8 too, rowwise "
                  "(torch._scaled_mm), from the measured FP8 projection curve over the bf16 one (calibration."
                  f"projections_fp8, probe version {calib.probe_version}): their rate at this layout's tokens per "
@@ -505,8 +505,8 @@ def _fp8_dense_auto(on: Choice, off: Choice) -> Choice:
     keep_off = off.plan.feasible and (not on.plan.feasible or off.plan.step_time_s < on.plan.step_time_s)
     kept, other = (off, on) if keep_off else (on, off)
     kept_in, other_in = ("bf16", "FP8") if keep_off else ("FP8", "bf16")
-    priced = ("the measured FP8 projection curve, quantisers inside" if fp8_projections_measured(
-        on.problem.calibration) else "the datasheet ratio, unmeasured: `bench calibrate` measures the FP8 "
+    priced = ("the measured FP8 projection curve, quantisers inside" if fp8_dense_pricing(
+        on.problem.calibration) == "measured" else "the datasheet ratio, unmeasured: `bench calibrate` measures the FP8 "
         "projections on an sm_89+ GPU")
     against = (f"{report.seconds(kept.plan.step_time_s)} a step against {report.seconds(other.plan.step_time_s)} "
                f"with them in {other_in} (each way's best layout)" if other.plan.feasible else
