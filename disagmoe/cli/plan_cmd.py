@@ -215,6 +215,7 @@ def config_request(config: Path, overrides: list[str], given: list[str], hardwar
     (`config.priced_as_trained`), on `gpus` (default: its layout's, `trace_compare.layout_gpus`) of
     `hardware` (default: its own), its recomputation and offload as the config sets them unless
     `recompute` / `offload_optimizer` (the flags, given: e.g. auto, the planner's choice per layout).
+    A precision-fp8 run that leaves fp8_dense unset plans it auto (both ways, the faster kept).
     `given`: the flags the config sets that the command line gave too (refused: say where they go)."""
     from disagmoe.config import load_train_config, priced_as_trained
     from disagmoe.placement.trace_compare import layout_gpus
@@ -228,6 +229,8 @@ def config_request(config: Path, overrides: list[str], given: list[str], hardwar
     mcfg = load_model(cfg.model)
     hist = read_histogram(load_histogram, mcfg.num_moe_layers, mcfg.num_experts) if load_histogram else None
     run = priced_as_trained(cfg)
+    if cfg.precision == "fp8" and cfg.fp8_dense is None:
+        run["fp8_dense"] = "auto"  # the run leaves it unset: planned both ways, and `train --plan` sets the choice
     if recompute is not None:
         run["recompute"] = recompute
     offload = offload_optimizer or ("on" if cfg.offloads_to_host else "off")

@@ -532,3 +532,22 @@ def test_plan_chooses_the_dense_projections_precision_unless_told():
     assert (plans["--fp8-dense"]["fp8_dense"], plans["--no-fp8-dense"]["fp8_dense"]) == (True, False)
     assert not any(n.startswith("fp8_dense auto") for flag in ("--fp8-dense", "--no-fp8-dense")
                    for n in plans[flag]["notes"])
+
+
+def test_plan_of_a_config_that_leaves_fp8_dense_unset_chooses_it_and_train_plan_applies_the_choice(tmp_path):
+    """`plan -c CFG precision=fp8`: a run without fp8_dense plans the dense projections both ways (the
+    note of `fp8_dense: auto`); one that sets it is priced as it says, with no such note; `train --plan`
+    then sets what the plan chose."""
+    from disagmoe.config import load_train_config
+    from disagmoe.model_ref import load_model
+    from disagmoe.runtime.plan_layout import apply_plan
+
+    base = ["plan", "-c", "configs/h200x2-qwen3-30b.yaml", "--json", "precision=fp8"]
+    unset = json.loads(run(*base, "--out", str(tmp_path / "plan.json")).stdout)
+    assert any(n.startswith("fp8_dense auto chose") for n in unset["notes"]), unset["notes"]
+    for fixed in (True, False):
+        plan = json.loads(run(*base, f"fp8_dense={str(fixed).lower()}").stdout)
+        assert plan["fp8_dense"] is fixed and not any(n.startswith("fp8_dense auto") for n in plan["notes"])
+    cfg = load_train_config("configs/h200x2-qwen3-30b.yaml", ["precision=fp8", f"plan={tmp_path / 'plan.json'}"])
+    trained = apply_plan(cfg, load_model(cfg.model))
+    assert trained.dense_precision == ("fp8" if unset["fp8_dense"] else "bf16")
