@@ -106,8 +106,8 @@ def _first_adamw_step(probe: _Probe, params: list[tuple[str, torch.nn.Parameter]
 
     optimizer = build_optimizer(params, probe.cfg.optim.model_copy(update={"state_dtype": "fp32"}))
     set_lr(optimizer, lr)
-    optimizer.step()
     try:
+        optimizer.step()
         return probe.losses(probe.second)
     finally:
         with torch.no_grad():
