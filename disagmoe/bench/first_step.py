@@ -3,10 +3,9 @@
 AdamW's first step moves every weight by about the learning rate, whatever the gradient's size
 (bias-corrected, m / sqrt(v) = g / |g| on step one), so how far it moves the model's output grows
 with each layer's fan-in. At the Qwen3-30B layer shape (hidden 2,048) the warm-up's first step of
-`configs/h200x2-qwen3-30b.yaml` as it was (lr 1e-4 = 1e-3 / 10) raised the loss, where a tenth of
-it lowered it by a nat: the early loss spikes of its runs, and the spread between runs that differ
-only in rounding (docs/benchmarks.md, session 30). This command measures that before a GPU hour is
-spent: it builds the config's model (one process, fp32 weights: an update of 1e-5 is below a bf16
+`configs/h200x2-qwen3-30b.yaml` (lr 1e-4 = 1e-3 / 10) raised the loss by two nats, where a tenth
+of it lowered it by one: the jump at step 2 of its runs (docs/benchmarks.md, session 30). This
+command measures that before a GPU hour is spent: it builds the config's model (one process, fp32 weights: an update of 1e-5 is below a bf16
 weight's rounding step, which is why training keeps fp32 masters), takes the gradient of the first
 batch as the trainer does (the same micro-batches, loss = cross-entropy + router losses, the
 config's gradient clip), and for each learning rate applies that first AdamW step (the config's
@@ -121,6 +120,8 @@ def run(cfg: TrainConfig, lrs: list[float] | None, by_group: bool, group_lr: flo
     from disagmoe.runtime.state.optim import clip_grad_norm, lr_at
 
     sweep = lr_sweep(cfg, lrs)
+    if group_lr is not None and not (group_lr > 0 and math.isfinite(group_lr)):
+        raise ValueError(f"--group-lr {group_lr}: give a positive learning rate (or leave it out: the warm-up's first)")
     first_lr = lr_at(0, cfg.optim, cfg.steps)
     probe = _Probe(cfg, log)
     before, before_ce = probe.losses(probe.second)

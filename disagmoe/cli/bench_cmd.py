@@ -597,14 +597,14 @@ def first_step(
         "--by-group", help="also step each parameter family alone (a projection, the experts' w13, the norms, ...) "
         "at --group-lr: which of them moves the loss")] = False,
     group_lr: Annotated[float | None, typer.Option(
-        help="the learning rate of --by-group (default: the warm-up's first)", min=0.0)] = None,
+        help="the learning rate of --by-group (default: the warm-up's first)")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
     out: Annotated[Path | None, typer.Option("--out", "-o", help="also write the JSON record here")] = None,
 ) -> None:
     """Whether a config's first optimizer step lowers its loss: AdamW's first step moves every weight
     by about the learning rate whatever the gradient (its m / sqrt(v) is g / |g|), so at a wide
-    model's fan-in a warm-up's first step can overshoot, and a run that starts so is chaotic: two runs
-    that differ only in rounding end apart. For each learning rate: the config's model at its
+    model's fan-in a warm-up's first step can overshoot (the Qwen3 config's loss jumps at step 2 at
+    hidden 2,048: docs/benchmarks.md, session 30). For each learning rate: the config's model at its
     initialisation (fp32 weights, on its device), the first batch's gradient, one AdamW step, and the
     loss on the second batch against its loss before the step; a line of advice on the warm-up.
 
@@ -618,7 +618,7 @@ def first_step(
     cfg = load_train_config(config, overrides or [])
     log = (lambda m: err_console.print(m, highlight=False, markup=False)) if as_json else (
         lambda m: console.print(m, highlight=False, markup=False))
-    record = bench.run(cfg, lrs, by_group, group_lr or None, log)
+    record = bench.run(cfg, lrs, by_group, group_lr, log)
     record["command"] = {"config": str(config), "overrides": overrides or []}
     if out:
         out.write_text(json.dumps(record, indent=2) + "\n")

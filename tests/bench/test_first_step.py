@@ -93,3 +93,5 @@ def test_the_command_prints_the_table_and_writes_its_record(tmp_path):
     assert record["command"]["overrides"][0] == "mode=single"
     bad = runner.invoke(app, ["bench", "first-step", "-c", cfg, "mode=single", "--lr", "-1"])
     assert bad.exit_code != 0 and "positive and finite" in bad.output and "Traceback" not in bad.output
+    zero = runner.invoke(app, ["bench", "first-step", "-c", cfg, "mode=single", "--by-group", "--group-lr", "0"])
+    assert zero.exit_code != 0 and "give a positive learning rate" in zero.output and "Traceback" not in zero.output
