@@ -80,7 +80,9 @@ def loss_parity(rows: list[dict[str, Any]], window: int = DEFAULT_WINDOW) -> lis
     first group of the same mode, transport and hop (the reference; its own entry has None), over
     the seeds both ran (`common_seeds`; a seed one of them lacks, e.g. a row that ran out of memory,
     would set one seed's loss against another's): `vs_first` (the mean / the reference's mean - 1),
-    `paired_gaps` (each common seed's window mean against the reference's) and
+    `paired_gaps` (each common seed's window mean against the reference's),
+    `step_gaps` (each common seed's mean over the window's steps of |loss / the reference's - 1|,
+    step by step: how far apart the two trajectories run, which window means average out) and
     `inside_reference_range` (within the reference's low..high over those seeds; None under two)."""
     compared = compared_rows(rows)
     metric = parity_metric(compared)
@@ -88,21 +90,30 @@ def loss_parity(rows: list[dict[str, Any]], window: int = DEFAULT_WINDOW) -> lis
     for row in compared:
         groups.setdefault(group_key(row), []).append(row)
     entries: list[dict[str, Any]] = []
-    references: dict[tuple, dict] = {}
+    references: dict[tuple, tuple[dict, dict]] = {}
     for key, members in groups.items():
         by_seed = {seed_of(r): window_mean(parity_losses(r, metric), window) for r in members}
+        curves = {seed_of(r): parity_losses(r, metric) for r in members}
         losses = list(by_seed.values())
         loss, low, high = statistics.fmean(losses), min(losses), max(losses)
         entry: dict[str, Any] = {"mode": key[0], "transport": key[1], "hop": key[2], "variant": key[3],
                                  "metric": metric, "seeds": list(by_seed), "seed_losses": losses, "loss": loss,
                                  "low": low, "high": high, "spread": (high - low) / loss if len(losses) > 1 else None,
-                                 "common_seeds": None, "vs_first": None, "paired_gaps": None,
+                                 "common_seeds": None, "vs_first": None, "paired_gaps": None, "step_gaps": None,
                                  "inside_reference_range": None}
-        reference = references.setdefault(key[:3], by_seed)
+        reference, reference_curves = references.setdefault(key[:3], (by_seed, curves))
         if reference is not by_seed:
             entry.update(_against(by_seed, reference))
+            entry["step_gaps"] = [step_gap(curves[s], reference_curves[s], window) for s in entry["common_seeds"]]
         entries.append(entry)
     return entries
+
+
+def step_gap(losses: list[float], reference: list[float], window: int) -> float:
+    """The mean over the last `window` steps both ran of |loss / the reference's loss - 1|, step by step."""
+    steps = min(len(losses), len(reference))
+    pairs = list(zip(losses[:steps], reference[:steps], strict=True))[-window:]
+    return statistics.fmean(abs(a / b - 1.0) for a, b in pairs)
 
 
 def _against(by_seed: dict, reference: dict) -> dict[str, Any]:

@@ -525,7 +525,8 @@ def _signed(x: float | None) -> str:
 
 def _parity_table(parity: dict) -> Table:
     """`bench train`'s or `bench parity`'s loss parity (`bench.loss_parity`) as a table: one line
-    per variant and layout, each against the first of its layout over the seeds both ran."""
+    per variant and layout, each against the first of its layout over the seeds both ran (per-step
+    gap: each seed's mean |gap| step by step over the window, how far the trajectories run apart)."""
     from disagmoe.bench.train import row_label
 
     window, seeds = parity["window"], max(len(g["seeds"]) for g in parity["groups"])
@@ -534,13 +535,15 @@ def _parity_table(parity: dict) -> Table:
     metric = "cross-entropy" if all(g.get("metric") == "ce" for g in parity["groups"]) else "training loss"
     table = Table(title=f"loss parity: mean {metric} of the last {window} steps, {seed_note}; each variant against "
                         "the first of its layout")
-    for col in ("row", "each seed", "mean", "seeds' range", "vs first", "paired (same seed)", "inside first's range"):
+    for col in ("row", "each seed", "mean", "seeds' range", "vs first", "paired (same seed)", "per-step gap",
+                "inside first's range"):
         table.add_column(col, justify="left" if col == "row" else "right")
     for g in parity["groups"]:
         inside = g["inside_reference_range"]
         table.add_row(row_label({**g, "seed": None}), " ".join(f"{x:.4f}" for x in g["seed_losses"]),
                       f"{g['loss']:.4f}", "-" if g["spread"] is None else f"{g['spread']:.2%}", _signed(g["vs_first"]),
                       "-" if not g["paired_gaps"] else " ".join(_signed(x) for x in g["paired_gaps"]),
+                      "-" if not g.get("step_gaps") else " ".join(f"{x:.2%}" for x in g["step_gaps"]),
                       "-" if inside is None else ("yes" if inside else "no"))
     return table
 

@@ -28,7 +28,8 @@ def test_each_variant_is_read_against_the_first_variants_seeds():
     assert bf16["spread"] == pytest.approx(0.4 / 2.3) and bf16["vs_first"] is None and bf16["paired_gaps"] is None
     assert fp8["loss"] == pytest.approx(2.4) and fp8["vs_first"] == pytest.approx(2.4 / 2.3 - 1)
     assert fp8["paired_gaps"] == pytest.approx([0.0, 2.7 / 2.5 - 1])
-    assert fp8["inside_reference_range"] is True
+    assert fp8["step_gaps"] == pytest.approx([(0.1 / 2.0 + 0.1 / 2.2) / 2, (0.2 / 2.4 + 0.2 / 2.6) / 2])
+    assert bf16["step_gaps"] is None and fp8["inside_reference_range"] is True
     far = loss_parity(rows[:4] + [_row("far", 0, [9.0, 3.0, 3.0]), _row("far", 1, [9.0, 3.1, 3.1])], window=2)[2]
     assert far["inside_reference_range"] is False and far["common_seeds"] == [0, 1]
 
