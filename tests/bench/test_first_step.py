@@ -95,3 +95,18 @@ def test_the_command_prints_the_table_and_writes_its_record(tmp_path):
     assert bad.exit_code != 0 and "positive and finite" in bad.output and "Traceback" not in bad.output
     zero = runner.invoke(app, ["bench", "first-step", "-c", cfg, "mode=single", "--by-group", "--group-lr", "0"])
     assert zero.exit_code != 0 and "give a positive learning rate" in zero.output and "Traceback" not in zero.output
+
+
+@pytest.mark.gpu
+def test_gpu_first_step_runs_the_triton_experts_in_fp32(tmp_path):
+    """On a GPU with the triton experts (the Qwen3 config's backend): fp32 weights, a vanishing
+    step leaves the loss where it was, and the sweep ends in a line of advice."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    model = load_model("tiny").model_copy(update={"hidden_size": 256, "expert_ffn_size": 256})
+    cfg = tiny_run(tmp_path, model=model, device="cuda", experts_backend="triton", batch_size=4, seq_len=128)
+    record = first_step.run(cfg, [1e-12, 1e-3], by_group=True, group_lr=None, log=lambda _: None)
+    assert record["device"].startswith("cuda") and abs(record["rows"][0]["change"]) < 1e-4
+    assert record["groups"] and record["advice"]
