@@ -126,6 +126,18 @@ def test_records_of_one_command_at_several_seeds_read_as_one_table():
     assert fp8["paired_gaps"] == pytest.approx([0.0, 2.7 / 2.5 - 1]) and fp8["inside_reference_range"] is True
 
 
+def test_a_record_a_killed_call_left_partial_reads_with_the_others():
+    """`bench train -o` rewrites its record as each row ends (`partial`: the call stopped before the
+    last): the rows it kept read against another call's, each seed's per-step gap too."""
+    from disagmoe.bench.loss_parity import merged_rows
+
+    kept = {**_record(3, _seeded("bf16", 0, [9.0, 2.0, 2.2]), _seeded("control", 0, [9.0, 2.2, 2.2])), "partial": True}
+    fp8 = _record(3, _seeded("fp8", 0, [9.0, 2.1, 2.1]))
+    bf16, control, fp8 = loss_parity(merged_rows({"p1": kept, "p2": fp8}), window=2)
+    assert control["step_gaps"] == pytest.approx([(0.2 / 2.0 + 0.0) / 2])
+    assert fp8["vs_first"] == pytest.approx(0.0) and fp8["step_gaps"] == pytest.approx([(0.1 / 2.0 + 0.1 / 2.2) / 2])
+
+
 @pytest.mark.parametrize("records, message", [
     ({"a": _record(3, _seeded("bf16", 0, [1.0])), "b": _record(4, _seeded("bf16", 1, [1.0]))}, "different --steps"),
     ({"a": _record(3, _seeded("bf16", 0, [1.0])), "b": _record(3, _seeded("bf16", 1, [1.0], data_seed=1))},
@@ -161,6 +173,7 @@ def test_cli_parity_reads_records_written_by_bench_train(tmp_path):
     assert other["variant"] == "micro_batches=2" and len(other["paired_gaps"]) == 2
     table = CliRunner().invoke(app, ["bench", "parity", *paths])
     assert table.exit_code == 0 and "loss parity: mean cross-entropy of the last 3 steps, over 2 seeds" in table.output
+    assert "per-step" in table.output and len(other["step_gaps"]) == 2
     bad = tmp_path / "bad.json"
     bad.write_text("{")
     r = CliRunner().invoke(app, ["bench", "parity", str(bad)])
