@@ -499,7 +499,7 @@ class PlanConfig(StrictModel):
         "neither fitting: off, the leaner), a note says which (at the datasheet ratio usually on for large models, "
         "while their quantisation passes can make off faster at small shapes); the plan records the choice and "
         "`train --plan` sets it; true / false read as on / off; no effect under bf16; `plan --config` prices the "
-        "run's own fp8_dense")
+        "run's own fp8_dense, auto where a precision-fp8 run leaves it unset")
     fp8_expert_backward: Literal["fp8", "bf16-wgrad", "bf16"] = Field(
         "bf16-wgrad", description="with expert_precision fp8: which of the routed experts' backward GEMMs are priced "
         "in FP8 (train with the same fp8_expert_backward): bf16-wgrad (the default: the data gradients FP8, the "

@@ -135,9 +135,8 @@ def run(cfg: TrainConfig, lrs: list[float] | None, by_group: bool, group_lr: flo
         loss, ce = _first_adamw_step(probe, params, lr, saved)
         rows.append({"lr": lr, "loss": loss, "ce": ce, "change": loss - before, "warmup_first": lr == first_lr})
         log(f"lr {lr:.3g}: batch 2's loss {loss:.4f} ({loss - before:+.4f})")
-    groups = []
+    groups, at = [], (group_lr or first_lr) if by_group else None
     if by_group:
-        at = group_lr or first_lr
         families: dict[str, list[tuple[str, torch.nn.Parameter]]] = {}
         for name, p in params:
             families.setdefault(parameter_group(name), []).append((name, p))
@@ -154,14 +153,14 @@ def run(cfg: TrainConfig, lrs: list[float] | None, by_group: bool, group_lr: flo
                       "grad_clip": cfg.optim.grad_clip},
             "first_batch": {"loss": first, "ce": first_ce, "grad_norm": grad_norm},
             "before": {"loss": before, "ce": before_ce}, "warmup_first_lr": first_lr, "rows": rows,
-            "best_lr": best["lr"], "group_lr": (group_lr or first_lr) if by_group else None, "groups": groups,
+            "best_lr": best["lr"], "group_lr": at, "groups": groups,
             "advice": advice(cfg, first_lr, rows)}
 
 
 def advice(cfg: TrainConfig, first_lr: float, rows: list[dict]) -> str:
     """One line: whether the warm-up's first step lowers the loss, and if not the warm-up that starts
     at the best learning rate tried (or below the lowest that still lowered it)."""
-    first = next(r for r in rows if r["warmup_first"]) if any(r["warmup_first"] for r in rows) else None
+    first = next((r for r in rows if r["warmup_first"]), None)
     best = min(rows, key=lambda r: r["loss"])
     if first is None:
         return (f"the warm-up's first learning rate ({first_lr:.3g}) was not among those tried; of those, "

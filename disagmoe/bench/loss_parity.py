@@ -111,8 +111,7 @@ def loss_parity(rows: list[dict[str, Any]], window: int = DEFAULT_WINDOW) -> lis
 
 def step_gap(losses: list[float], reference: list[float], window: int) -> float:
     """The mean over the last `window` steps both ran of |loss / the reference's loss - 1|, step by step."""
-    steps = min(len(losses), len(reference))
-    pairs = list(zip(losses[:steps], reference[:steps], strict=True))[-window:]
+    pairs = list(zip(losses, reference))[-window:]  # zip stops at the shorter run
     return statistics.fmean(abs(a / b - 1.0) for a, b in pairs)
 
 
