@@ -24,7 +24,6 @@ import torch
 
 from disagmoe.config import TrainConfig
 from disagmoe.model_ref import load_model
-from disagmoe.runtime.batching import batch_rows, inputs_and_targets
 
 # the default learning rates: the config's peak over these factors (with the warm-up's first one)
 SWEEP = (1000, 300, 100, 30, 10, 3, 1)
@@ -81,16 +80,12 @@ class _Probe:
     def losses(self, tokens_BS1: torch.Tensor, backward: bool = False) -> tuple[float, float]:
         """(loss, cross-entropy) of a batch as the trainer sums its micro-batches; `backward`: their
         gradients into .grad too (divided by the micro-batch count, as the trainer's)."""
-        from disagmoe.model.loss import linear_cross_entropy
+        from disagmoe.runtime.training.trainer import micro_batch_losses
 
         total = torch.zeros(2, dtype=torch.float64, device=self.device)
-        batch, micro = tokens_BS1.shape[0], self.cfg.micro_batches
+        micro = self.cfg.micro_batches
         with torch.enable_grad() if backward else torch.no_grad():
-            for m in range(micro):
-                inputs_BS, targets_BS = inputs_and_targets(tokens_BS1[batch_rows(batch, micro, 1, m, 0)])
-                out = self.model(inputs_BS, logits=False)
-                ce = linear_cross_entropy(out.hidden_BSH.flatten(0, 1), self.model.head_weight(), targets_BS.flatten())
-                loss = ce + out.aux_loss.float() + out.z_loss.float()
+            for loss, ce, _ in micro_batch_losses(self.model, tokens_BS1, micro):
                 if backward:
                     (loss / micro).backward()
                 total += torch.stack([loss.detach(), ce.detach()]).double()

@@ -38,7 +38,7 @@ from disagmoe.config import ModelConfig, TrainConfig, memory_knob_changes
 from disagmoe.model_ref import load_model
 from disagmoe.data import TokenDataset, load_splits
 from disagmoe.kernels.fp8_stats import Fp8Stats
-from disagmoe.model import MoETransformer
+from disagmoe.model import ModelOutput, MoETransformer
 from disagmoe.model.experts import check_backend_device, first_touch_params
 from disagmoe.model.init import materialise
 from disagmoe.model.layers import set_fusion
@@ -200,21 +200,30 @@ def read_step(totals: torch.Tensor, norm: torch.Tensor, load_LE: torch.Tensor, m
                       expert_load_LE=read[5:loads].to(torch.int64).view_as(load_LE), fp8=fp8)
 
 
+def micro_batch_losses(model: MoETransformer, tokens_BS1: torch.Tensor,
+                       micro_batches: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, ModelOutput]]:
+    """Each micro-batch of a batch (on the model's device) through the model, in order: (loss,
+    cross-entropy, the forward's output), the LM head and loss in token chunks
+    (`linear_cross_entropy`), loss = ce + the routers' aux and z terms in fp32. The fast step, the
+    evaluation and `bench first-step` all read a batch through this."""
+    batch_size = tokens_BS1.shape[0]
+    for m in range(micro_batches):
+        inputs_BS, targets_BS = inputs_and_targets(tokens_BS1[batch_rows(batch_size, micro_batches, 1, m, 0)])
+        out = model(inputs_BS, logits=False)
+        ce = linear_cross_entropy(out.hidden_BSH.flatten(0, 1), model.head_weight(), targets_BS.flatten())
+        yield ce + out.aux_loss.float() + out.z_loss.float(), ce, out
+
+
 def _flat_step_on_device(model: MoETransformer, optimizer: FlatAdamW, tokens_BS1: torch.Tensor, micro_batches: int,
                          grad_clip: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The body of `train_step_flat`: (summed loss parts, grad norm, expert loads), on the device,
     at the learning rate already in `optimizer.lr`."""
-    device, batch_size = tokens_BS1.device, tokens_BS1.shape[0]
+    device = tokens_BS1.device
     optimizer.zero_grad()
     model.prepare_fp8()  # FP8 weight copies (experts, dense projections) from this step's weights
     totals = torch.zeros(4, dtype=torch.float32, device=device)  # loss, ce, aux, z summed over micro-batches
     load_LE = torch.zeros((model.cfg.num_moe_layers, model.cfg.num_experts), dtype=torch.int64, device=device)
-    for m in range(micro_batches):
-        rows = batch_rows(batch_size, micro_batches, 1, m, 0)
-        inputs_BS, targets_BS = inputs_and_targets(tokens_BS1[rows])
-        out = model(inputs_BS, logits=False)
-        ce = linear_cross_entropy(out.hidden_BSH.flatten(0, 1), model.head_weight(), targets_BS.flatten())
-        loss = ce + out.aux_loss.float() + out.z_loss.float()
+    for loss, ce, out in micro_batch_losses(model, tokens_BS1, micro_batches):
         (loss / micro_batches).backward()
         totals += torch.stack([loss, ce, out.aux_loss.float(), out.z_loss.float()]).detach()
         load_LE += out.expert_load_LE
@@ -236,13 +245,8 @@ def evaluate(model: MoETransformer, dataset: TokenDataset, batches: int, micro_b
     model.prepare_fp8()
     total = torch.zeros((), device=device)
     for b in range(batches):
-        tokens_BS1 = dataset.batch(b)
-        for m in range(micro_batches):
-            rows = batch_rows(dataset.batch_size, micro_batches, 1, m, 0)
-            inputs_BS, targets_BS = inputs_and_targets(tokens_BS1[rows].to(device))
-            out = model(inputs_BS, logits=False)
-            total = total + linear_cross_entropy(out.hidden_BSH.flatten(0, 1), model.head_weight(),
-                                                 targets_BS.flatten())
+        for _, ce, _ in micro_batch_losses(model, dataset.batch(b).to(device), micro_batches):
+            total = total + ce
     model.train()
     return float(total) / (batches * micro_batches)
 
