@@ -73,7 +73,8 @@ def compared_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in rows if r.get("mode") in MODES and not r.get("error") and r.get("losses")]
 
 
-def loss_parity(rows: list[dict[str, Any]], window: int = DEFAULT_WINDOW) -> list[dict[str, Any]]:
+def loss_parity(rows: list[dict[str, Any]], window: int = DEFAULT_WINDOW,
+                control: str | None = None) -> list[dict[str, Any]]:
     """One entry per group of `compared_rows(rows)`, in the order the groups first appear:
     `metric` (`parity_metric` of them all), `seeds`, `seed_losses` (each seed's window mean), `loss`
     (their mean), `low` / `high`, `spread` ((high - low) / loss; None for one seed), and against the
@@ -83,7 +84,9 @@ def loss_parity(rows: list[dict[str, Any]], window: int = DEFAULT_WINDOW) -> lis
     `paired_gaps` (each common seed's window mean against the reference's),
     `step_gaps` (each common seed's mean over the window's steps of |loss / the reference's - 1|,
     step by step: how far apart the two trajectories run, which window means average out) and
-    `inside_reference_range` (within the reference's low..high over those seeds; None under two)."""
+    `inside_reference_range` (within the reference's low..high over those seeds; None under two).
+    `control`: a variant that differs from the reference in rounding alone (`judge_against_control`);
+    every other entry is then also read against it, else those fields stay None."""
     compared = compared_rows(rows)
     metric = parity_metric(compared)
     groups: dict[tuple, list[dict[str, Any]]] = {}
@@ -100,13 +103,68 @@ def loss_parity(rows: list[dict[str, Any]], window: int = DEFAULT_WINDOW) -> lis
                                  "metric": metric, "seeds": list(by_seed), "seed_losses": losses, "loss": loss,
                                  "low": low, "high": high, "spread": (high - low) / loss if len(losses) > 1 else None,
                                  "common_seeds": None, "vs_first": None, "paired_gaps": None, "step_gaps": None,
-                                 "inside_reference_range": None}
+                                 "inside_reference_range": None, "control_seeds": None, "gap_vs_control": None,
+                                 "step_gap_vs_control": None, "within_control": None}
         reference, reference_curves = references.setdefault(key[:3], (by_seed, curves))
         if reference is not by_seed:
             entry.update(_against(by_seed, reference))
             entry["step_gaps"] = [step_gap(curves[s], reference_curves[s], window) for s in entry["common_seeds"]]
         entries.append(entry)
+    if control is not None:
+        judge_against_control(entries, control)
     return entries
+
+
+def same_variant(a: str | None, b: str | None) -> bool:
+    """Whether two --variant strings set the same overrides (their key=value words, in any order)."""
+    return sorted((a or "").split()) == sorted((b or "").split())
+
+
+def check_control(control: str, variants: list[str | None]) -> None:
+    """ValueError, with the fix, unless `control` is one of `variants` other than the first (the
+    reference: the control is read against it like any variant)."""
+    named = ", ".join(repr(v) for v in dict.fromkeys(variants))
+    if variants and same_variant(control, variants[0]):
+        raise ValueError(f"--control {control!r} is the first variant, the reference every variant is read against: "
+                         "name another variant that differs from it in rounding alone, e.g. "
+                         "'precision=bf16 optim.update_kernel=torch' beside 'precision=bf16'")
+    if not any(same_variant(control, v) for v in variants):
+        raise ValueError(f"--control {control!r} is none of the variants compared ({named}): give one of them as its "
+                         "--variant was written")
+
+
+def judge_against_control(entries: list[dict[str, Any]], control: str) -> None:
+    """Read each variant's gap against a control's, in place (`loss_parity`'s entries).
+
+    A control is a variant that changes only the rounding of the reference (e.g. torch's AdamW
+    update in place of ours: a few ulps a step), so its gap is how far this config's runs move
+    apart on their own. Over the seeds both the variant and the control share with the reference
+    (`control_seeds`): `gap_vs_control`, the variant's mean |paired gap| over the control's;
+    `step_gap_vs_control`, the same of the per-step gaps; `within_control`, both no larger (the
+    variant trains as close to the reference as a change of rounding does). A ratio is None where
+    the control's gap is zero. Nothing is read where no row of the control trained (`check_control`
+    says beforehand whether it is a variant at all)."""
+    controls = {_layout(e): e for e in entries if same_variant(e["variant"], control)}
+    for entry in entries:
+        reference_of_layout = entry["common_seeds"] is None
+        ctrl = controls.get(_layout(entry))
+        if ctrl is None or ctrl is entry or reference_of_layout or not ctrl["common_seeds"]:
+            continue
+        mine = dict(zip(entry["common_seeds"], zip(entry["paired_gaps"] or [], entry["step_gaps"] or [])))
+        theirs = dict(zip(ctrl["common_seeds"], zip(ctrl["paired_gaps"], ctrl["step_gaps"])))
+        seeds = [s for s in mine if s in theirs]
+        entry["control_seeds"] = seeds
+        if not seeds:
+            continue
+        gap, ctrl_gap = (statistics.fmean(abs(side[s][0]) for s in seeds) for side in (mine, theirs))
+        step, ctrl_step = (statistics.fmean(side[s][1] for s in seeds) for side in (mine, theirs))
+        entry.update(gap_vs_control=gap / ctrl_gap if ctrl_gap else None,
+                     step_gap_vs_control=step / ctrl_step if ctrl_step else None,
+                     within_control=gap <= ctrl_gap and step <= ctrl_step)
+
+
+def _layout(entry: dict[str, Any]) -> tuple:
+    return entry["mode"], entry["transport"], entry["hop"]
 
 
 def step_gap(losses: list[float], reference: list[float], window: int) -> float:

@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 from disagmoe.bench.gpu_clocks import GpuClockSampler, describe
-from disagmoe.bench.loss_parity import DEFAULT_WINDOW, MODES, loss_parity
+from disagmoe.bench.loss_parity import DEFAULT_WINDOW, MODES, check_control, loss_parity
 from disagmoe.config import TrainConfig, apply_overrides, validate
 from disagmoe.runtime.observe.metrics import read_metrics
 from disagmoe.runtime.training.loop import METRICS_FILE
@@ -292,16 +292,20 @@ def run(cfg: TrainConfig, modes: list[str], steps: int, warmup: int,
         log: Callable[[str], None], baseline: str | None = None, transports: list[str] | None = None,
         hops: list[str] | None = None, variants: list[str] | None = None,
         on_row: Callable[[list[dict]], None] | None = None, gpu_clocks: bool = True, seeds: int = 1,
-        loss_window: int = DEFAULT_WINDOW) -> dict:
+        loss_window: int = DEFAULT_WINDOW, control: str | None = None) -> dict:
     """The record of the run (module docstring); `on_row` gets the rows so far (unsummarised) as
     each row ends, e.g. to keep a partial record on disk. `gpu_clocks=False`: no nvidia-smi beside
     the steps (each row's `gpu_clocks_note` says so), to see whether its sampling moves a step.
     `seeds`: runs of every row (each seed's rows in turn, so a run stopped part-way keeps whole
-    seeds); `loss_window`: the last steps whose mean loss `loss_parity` compares."""
+    seeds); `loss_window`: the last steps whose mean loss `loss_parity` compares; `control`: one of
+    `variants` that changes the first's rounding alone, every other read against it (checked before
+    any row trains)."""
     if baseline not in (None, "hf"):
         raise ValueError(f"unknown baseline {baseline!r}; the one outside baseline is 'hf' (transformers)")
     if seeds < 1 or loss_window < 1:
         raise ValueError(f"--seeds {seeds} --loss-window {loss_window}: give at least 1 of each")
+    if control is not None:
+        check_control(control, list(variants or [None]))
     variants = variants or [None]
     # every variant checked in every mode it runs before any run starts
     checked = [(v, variant_config(cfg, v, r[0]), r) for v in variants for r in runs_of(modes, transports, hops)]
@@ -397,13 +401,14 @@ def run(cfg: TrainConfig, modes: list[str], steps: int, warmup: int,
             environment["tiles"] = tile_source(environment["gpu"], device_architecture(torch.device("cuda", 0)))
     device = (torch.cuda.get_device_name(0) if cfg.device == "cuda" and torch.cuda.is_available()
               else platform.processor() or platform.machine())
-    parity = loss_parity(rows, loss_window) if seeds > 1 or len(variants) > 1 else None
+    parity = loss_parity(rows, loss_window, control) if seeds > 1 or len(variants) > 1 else None
     return {"environment": {"device": device, "torch": torch.__version__, "python": platform.python_version(),
                             "transport": ", ".join(dict.fromkeys(transports)) if transports else cfg.transport,
                             "experts_backend": cfg.experts_backend,
                             "precision": cfg.expert_precision, **environment},
             "steps": steps, "warmup": warmup, "seeds": seeds, "modes": summarise(rows),
-            "loss_parity": None if parity is None else {"window": min(loss_window, steps), "groups": parity}}
+            "loss_parity": None if parity is None else {"window": min(loss_window, steps), "control": control,
+                                                        "groups": parity}}
 
 
 def _rate(flops: float, step_s: float, record: dict, key: str) -> float | None:

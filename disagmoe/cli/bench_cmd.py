@@ -16,6 +16,11 @@ from disagmoe.roofline.report import memory, seconds
 bench_app = typer.Typer(help="GPU benchmarks (each measures its own baselines in the same run).",
                         no_args_is_help=True)
 
+CONTROL_HELP = ("a variant that changes the first variant's rounding alone, e.g. 'precision=bf16 "
+                "optim.update_kernel=torch' beside 'precision=bf16' (as its --variant was written): every other "
+                "variant's |gap| and per-step gap are then read against the control's, how far this config's runs move "
+                "apart on their own")
+
 ShapeOption = Annotated[list[str] | None, typer.Option(
     "--shape", help="mixtral-8x7b, qwen3-235b-ep8, deepseek-v3-ep8, deepseek-v3-ep8-4k or "
                     "qwen3-30b-a3b (repeatable; default: all)")]
@@ -419,6 +424,7 @@ def train(
     loss_window: Annotated[int, typer.Option(
         help="the last steps whose mean loss the parity table compares (with several variants or --seeds)",
         min=1)] = DEFAULT_WINDOW,
+    control: Annotated[str | None, typer.Option(help=CONTROL_HELP)] = None,
 ) -> None:
     """Time whole training steps of one config in several layouts in the same run, on the same
     devices (colocated gets attention + expert ranks as one pipeline group; a config with
@@ -454,7 +460,7 @@ def train(
 
     record = bench.run(cfg, mode or ["disaggregated", "colocated"], steps, warmup, log, baseline, transport, hop,
                        variant, on_row=keep_partial if out is not None else None, gpu_clocks=gpu_clocks, seeds=seeds,
-                       loss_window=loss_window)
+                       loss_window=loss_window, control=control)
     if out is not None:
         out.write_text(json.dumps(record, indent=1) + "\n")
     if plot is not None:
@@ -535,8 +541,10 @@ def _parity_table(parity: dict) -> Table:
     metric = "cross-entropy" if all(g.get("metric") == "ce" for g in parity["groups"]) else "training loss"
     table = Table(title=f"loss parity: mean {metric} of the last {window} steps, {seed_note}; each variant against "
                         "the first of its layout")
-    for col in ("row", "each seed", "mean", "seeds' range", "vs first", "paired (same seed)", "per-step gap",
-                "inside first's range"):
+    control = parity.get("control")
+    columns = ["row", "each seed", "mean", "seeds' range", "vs first", "paired (same seed)", "per-step gap",
+               "inside first's range"] + (["|gap|, per-step vs control"] if control else [])
+    for col in columns:
         table.add_column(col, justify="left" if col == "row" else "right")
     for g in parity["groups"]:
         inside = g["inside_reference_range"]
@@ -544,8 +552,25 @@ def _parity_table(parity: dict) -> Table:
                       f"{g['loss']:.4f}", "-" if g["spread"] is None else f"{g['spread']:.2%}", _signed(g["vs_first"]),
                       "-" if not g["paired_gaps"] else " ".join(_signed(x) for x in g["paired_gaps"]),
                       "-" if not g.get("step_gaps") else " ".join(f"{x:.2%}" for x in g["step_gaps"]),
-                      "-" if inside is None else ("yes" if inside else "no"))
+                      "-" if inside is None else ("yes" if inside else "no"),
+                      *([_against_control(g, control)] if control else []))
+    if control:
+        table.caption = (f"control: {control} (rounding alone moves it from the first); a variant is within the "
+                         "control where neither its mean |gap| nor its per-step gap is larger")
     return table
+
+
+def _against_control(group: dict, control: str) -> str:
+    """A parity row's cell against the control (`loss_parity.judge_against_control`)."""
+    from disagmoe.bench.loss_parity import same_variant
+
+    if same_variant(group["variant"], control):
+        return "control"
+    if group.get("within_control") is None:
+        return "-"
+    ratios = ", ".join("inf" if group[k] is None else f"{group[k]:.2f}x" for k in ("gap_vs_control",
+                                                                                  "step_gap_vs_control"))
+    return f"{ratios}: {'within' if group['within_control'] else 'outside'}"
 
 
 @bench_app.command("parity")
@@ -554,6 +579,7 @@ def parity(
     records: Annotated[list[Path], typer.Argument(help="`disagmoe bench train --out` records (JSON) of one command "
                                                        "run with different seeds")],
     loss_window: Annotated[int, typer.Option(help="the last steps whose mean loss is compared", min=1)] = DEFAULT_WINDOW,
+    control: Annotated[str | None, typer.Option(help=CONTROL_HELP)] = None,
     as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
 ) -> None:
     """Read a loss-parity table across several `bench train` records: each variant's mean loss over
@@ -566,8 +592,13 @@ def parity(
       disagmoe bench train -c CONFIG --mode single --steps 300 --variant precision=bf16 --variant precision=fp8 -o seed0.json
       disagmoe bench train (the same) seed=1 data.seed=0 -o seed1.json
       disagmoe bench parity seed0.json seed1.json
+    \b
+    Against a control (a variant that changes the reference's rounding alone):
+      disagmoe bench train ... --variant precision=bf16 --variant 'precision=bf16 optim.update_kernel=torch' -o p1.json
+      disagmoe bench train ... --variant precision=fp8 -o p2.json
+      disagmoe bench parity p1.json p2.json --control 'precision=bf16 optim.update_kernel=torch'
     """
-    from disagmoe.bench.loss_parity import loss_parity, merged_rows
+    from disagmoe.bench.loss_parity import check_control, loss_parity, merged_rows
 
     loaded = {}
     for path in records:
@@ -578,10 +609,12 @@ def parity(
         except (OSError, json.JSONDecodeError) as err:
             raise typer.BadParameter(f"{path}: not a readable `bench train --out` record ({err})") from err
     rows = merged_rows(loaded)
+    if control is not None:
+        check_control(control, [r.get("variant") for r in rows])
     steps = next(iter(loaded.values())).get("steps")
-    groups = loss_parity(rows, loss_window)
+    groups = loss_parity(rows, loss_window, control)
     result = {"records": list(loaded), "steps": steps, "window": min(loss_window, steps or loss_window),
-              "groups": groups}
+              "control": control, "groups": groups}
     if as_json:
         print_json(result)
         return

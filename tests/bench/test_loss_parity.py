@@ -226,3 +226,54 @@ def test_the_plot_gives_a_variant_one_colour_and_one_legend_line_and_one_measure
     assert mid_colours.count("C0") == 2 and mid_colours.count("C1") == 2  # the reference's seeds drawn too
     plot_losses(rows + [{"mode": "hf", "losses": [3.0, 2.6]}], tmp_path / "b.png", "hf", ["bf16", "fp8"] * 2 + ["hf"])
     assert figures[1][0][2] == "training loss"
+
+
+def test_a_variant_is_read_against_a_control_that_changes_only_the_rounding():
+    """With a control named, each other variant's mean |paired gap| and per-step gap are read as
+    ratios of the control's over the seeds all three share; within where neither is larger. The
+    control's own row and the reference carry none; the words of a variant match in any order."""
+    rows = [_row("precision=bf16", 0, [9.0, 2.0, 2.0]), _row("optim.update_kernel=torch precision=bf16", 0, [9.0, 2.1, 1.9]),
+            _row("precision=fp8", 0, [9.0, 2.05, 1.95]), _row("precision=fp8 x=1", 0, [9.0, 2.4, 2.4])]
+    bf16, control, fp8, far = loss_parity(rows, window=2, control="precision=bf16 optim.update_kernel=torch")
+    assert bf16["within_control"] is None and control["within_control"] is None and control["gap_vs_control"] is None
+    # control: paired gap (2.0 / 2.0 - 1) = 0, per-step (0.05 + 0.05) / 2 = 0.05; its |gap| of zero gives no ratio
+    assert control["paired_gaps"] == pytest.approx([0.0]) and control["step_gaps"] == pytest.approx([0.05])
+    assert fp8["control_seeds"] == [0] and fp8["gap_vs_control"] is None
+    assert fp8["step_gap_vs_control"] == pytest.approx(0.025 / 0.05) and fp8["within_control"] is True
+    assert far["step_gap_vs_control"] == pytest.approx(0.2 / 0.05) and far["within_control"] is False
+    moved = [_row("precision=bf16", 0, [9.0, 2.0, 2.0]), _row("ctl", 0, [9.0, 2.1, 2.1]), _row("fp8", 0, [9.0, 1.95, 2.0])]
+    _, _, fp8 = loss_parity(moved, window=2, control="ctl")
+    assert fp8["gap_vs_control"] == pytest.approx(abs(1.975 / 2.0 - 1) / (2.1 / 2.0 - 1))  # the window means' gaps
+    assert fp8["within_control"] is True
+
+
+@pytest.mark.parametrize("control, message", [("precision=fp16", "none of the variants compared"),
+                                              ("precision=bf16", "is the first variant")])
+def test_a_control_that_is_no_variant_or_the_reference_is_refused_with_the_fix(control, message):
+    from disagmoe.bench.loss_parity import check_control
+
+    with pytest.raises(ValueError, match=message):
+        check_control(control, ["precision=bf16", "precision=fp8"])
+
+
+def test_cli_parity_reads_each_variant_against_the_control(tmp_path):
+    """`bench parity --control` on records of the tiny CPU config: the table's control column and the
+    JSON's ratios; a control no record ran is a clear error before anything is read."""
+    path = tmp_path / "p.json"
+    r = CliRunner().invoke(app, ["bench", "train", "--config", "configs/tiny-cpu.yaml", "--mode", "single", "--steps", "3",
+                                 "--warmup", "1", "--variant", "micro_batches=1", "--variant", "micro_batches=2",
+                                 "--variant", "micro_batches=4", "--control", "micro_batches=2", "-o", str(path)])
+    assert r.exit_code == 0, r.output
+    assert "control: micro_batches=2 (rounding alone" in " ".join(r.output.split())
+    assert json.loads(path.read_text())["loss_parity"]["control"] == "micro_batches=2"
+    r = CliRunner().invoke(app, ["bench", "parity", str(path), "--control", "micro_batches=2", "--json"])
+    assert r.exit_code == 0, r.output
+    result = json.loads(r.stdout)
+    first, control, other = result["groups"]
+    assert result["control"] == "micro_batches=2" and control["within_control"] is None
+    assert other["control_seeds"] == [0] and isinstance(other["within_control"], bool)
+    bad = CliRunner().invoke(app, ["bench", "parity", str(path), "--control", "micro_batches=8"])
+    assert bad.exit_code != 0 and "none of the variants compared" in bad.output and "Traceback" not in bad.output
+    early = CliRunner().invoke(app, ["bench", "train", "--config", "configs/tiny-cpu.yaml", "--mode", "single",
+                                     "--variant", "micro_batches=1", "--control", "micro_batches=1"])
+    assert early.exit_code != 0 and "is the first variant" in early.output
