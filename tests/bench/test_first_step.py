@@ -98,6 +98,7 @@ def test_the_command_prints_the_table_and_writes_its_record(tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.slow
 def test_gpu_first_step_runs_the_triton_experts_in_fp32(tmp_path):
     """On a GPU with the triton experts (the Qwen3 config's backend): fp32 weights, a vanishing
     step leaves the loss where it was, and the sweep ends in a line of advice."""

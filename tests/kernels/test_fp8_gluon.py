@@ -358,6 +358,7 @@ def _skewed_routing(layers: int, tokens: int, experts: int, top_k: int, empty: i
 
 
 @pytest.mark.gpu
+@pytest.mark.slow
 @needs_hopper
 @pytest.mark.parametrize("routing", ["learned", "skewed"])
 @pytest.mark.parametrize("forward", ["gate-up", "both"])
