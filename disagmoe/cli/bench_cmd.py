@@ -580,6 +580,8 @@ def parity(
                                                        "run with different seeds")],
     loss_window: Annotated[int, typer.Option(help="the last steps whose mean loss is compared", min=1)] = DEFAULT_WINDOW,
     control: Annotated[str | None, typer.Option(help=CONTROL_HELP)] = None,
+    plot: Annotated[Path | None, typer.Option(
+        help="also write the records' loss curves as a PNG, as `bench train --plot` draws one call's")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
 ) -> None:
     """Read a loss-parity table across several `bench train` records: each variant's mean loss over
@@ -598,7 +600,7 @@ def parity(
       disagmoe bench train ... --variant precision=fp8 -o p2.json
       disagmoe bench parity p1.json p2.json --control 'precision=bf16 optim.update_kernel=torch'
     """
-    from disagmoe.bench.loss_parity import check_control, loss_parity, merged_rows
+    from disagmoe.bench.loss_parity import check_control, loss_parity, merged_rows, seed_of
 
     loaded = {}
     for path in records:
@@ -615,6 +617,14 @@ def parity(
     groups = loss_parity(rows, loss_window, control)
     result = {"records": list(loaded), "steps": steps, "window": min(loss_window, steps or loss_window),
               "control": control, "groups": groups}
+    if plot is not None:
+        from disagmoe.bench.loss_plot import plot_losses
+        from disagmoe.bench.train import row_label
+
+        seeds = len({seed_of(r) for r in rows})
+        plot_losses(rows, plot, f"{', '.join(loaded)}: {steps} steps" + (f", {seeds} seeds" if seeds > 1 else ""),
+                    [row_label({**r, "seed": None}) for r in rows])
+        (err_console if as_json else console).print(f"wrote {plot}", highlight=False, markup=False)
     if as_json:
         print_json(result)
         return

@@ -258,7 +258,8 @@ def test_a_control_that_is_no_variant_or_the_reference_is_refused_with_the_fix(c
 
 def test_cli_parity_reads_each_variant_against_the_control(tmp_path):
     """`bench parity --control` on records of the tiny CPU config: the table's control column and the
-    JSON's ratios; a control no record ran is a clear error before anything is read."""
+    JSON's ratios, `--plot` the records' curves; a control no record ran is a clear error before
+    anything is read."""
     path = tmp_path / "p.json"
     r = CliRunner().invoke(app, ["bench", "train", "--config", "configs/tiny-cpu.yaml", "--mode", "single", "--steps", "3",
                                  "--warmup", "1", "--variant", "micro_batches=1", "--variant", "micro_batches=2",
@@ -272,6 +273,9 @@ def test_cli_parity_reads_each_variant_against_the_control(tmp_path):
     first, control, other = result["groups"]
     assert result["control"] == "micro_batches=2" and control["within_control"] is None
     assert other["control_seeds"] == [0] and isinstance(other["within_control"], bool)
+    png = tmp_path / "parity.png"
+    drawn = CliRunner().invoke(app, ["bench", "parity", str(path), "--plot", str(png)])
+    assert drawn.exit_code == 0 and f"wrote {png}" in " ".join(drawn.output.split()) and png.stat().st_size > 10_000
     bad = CliRunner().invoke(app, ["bench", "parity", str(path), "--control", "micro_batches=8"])
     assert bad.exit_code != 0 and "none of the variants compared" in bad.output and "Traceback" not in bad.output
     early = CliRunner().invoke(app, ["bench", "train", "--config", "configs/tiny-cpu.yaml", "--mode", "single",
