@@ -195,6 +195,15 @@ def row_label(r: dict) -> str:
     return f"{r['mode']} ({', '.join(parts)})" if parts else r["mode"]
 
 
+def underflow_by_kind(records: list[dict]) -> dict[str, float]:
+    """Per kind of FP8 operand (`fp8_stats.KINDS`), the mean over a run's steps of the share of its
+    nonzero elements that quantised to zero (the step records' `fp8_by_kind`); {} without FP8.
+    Small gradients lost this way shrink a step where saturation would show none."""
+    steps = [r["fp8_by_kind"] for r in records if r.get("fp8_by_kind")]
+    kinds = [k for k in (steps[0] if steps else {}) if any(s[k]["elements"] for s in steps)]
+    return {k: statistics.fmean(s[k]["underflow_share"] for s in steps if s[k]["elements"]) for k in kinds}
+
+
 def mean_of(records: list[dict], key: str, warmup: int) -> float | None:
     """Mean of a numeric record field over the timed steps (None where absent)."""
     values = [r[key] for r in records if r["step"] > warmup and r.get(key) is not None]
@@ -356,6 +365,8 @@ def run(cfg: TrainConfig, modes: list[str], steps: int, warmup: int,
                          "fp8_saturated_shares": [r.get("fp8_saturated_share") for r in records],
                          "max_fp8_saturated_share": max((r["fp8_saturated_share"] for r in records
                                                          if r.get("fp8_saturated_share") is not None), default=None),
+                         "fp8_underflow_shares": [r.get("fp8_underflow_share") for r in records],
+                         "fp8_underflow_by_kind": underflow_by_kind(records),
                          "busy": mean_busy(records, warmup), "routing": records[-1].get("routing", "learned"),
                          "mfu": None if time_sliced else _rate(flops, step_s, records[-1], "mfu"),
                          "mfu_ceiling": None if time_sliced else _rate(flops, step_s, records[-1], "mfu_ceiling"),
@@ -370,6 +381,9 @@ def run(cfg: TrainConfig, modes: list[str], steps: int, warmup: int,
                 + (f", FP8 saturated share at most {saturated:.2e} a step" if saturated is not None else ""))
             if rows[-1]["fp8_kernels"]:
                 log(f"{name}: FP8 experts' kernels: {rows[-1]['fp8_kernels']}")
+            if rows[-1]["fp8_underflow_by_kind"]:
+                log(f"{name}: FP8 elements quantised to zero, mean share a step: " + ", ".join(
+                    f"{kind} {share:.2e}" for kind, share in rows[-1]["fp8_underflow_by_kind"].items()))
             if clocks is not None:
                 log(f"{name}: {describe(rows[-1]['gpu_clocks'], rows[-1]['gpu_clocks_note'])}")
             if on_row is not None:

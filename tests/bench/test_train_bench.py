@@ -235,7 +235,23 @@ def test_plot_draws_every_rows_losses_and_their_distance_from_the_first(tmp_path
     rows = json.loads(r.stdout)["modes"]
     assert all(len(row["losses"]) == 3 and row["max_fp8_saturated_share"] is None for row in rows)
     assert all(share is None for row in rows for share in row["fp8_saturated_shares"])
+    assert all(row["fp8_underflow_by_kind"] == {} for row in rows)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_rows_fp8_underflow_is_each_kinds_mean_share_over_its_steps():
+    """The step records' per-kind counters (`Fp8Stats.fields`' fp8_by_kind) become a row's mean share
+    of elements quantised to zero per kind; a kind no step quantised is left out."""
+    from disagmoe.bench.train import underflow_by_kind
+
+    def kinds(grad, dense_elements):
+        return {"fp8_by_kind": {"activations": {"underflow_share": 0.0, "elements": 10},
+                                "gradients": {"underflow_share": grad, "elements": 10},
+                                "dense": {"underflow_share": 0.0, "elements": dense_elements}}}
+
+    records = [kinds(1e-3, 0), kinds(3e-3, 0), {"loss": 2.0}]
+    assert underflow_by_kind(records) == pytest.approx({"activations": 0.0, "gradients": 2e-3})
+    assert underflow_by_kind([{"loss": 2.0}]) == {}
 
 
 def test_the_loss_plot_adds_the_fp8_panel_and_reads_parity_in_percent(tmp_path, monkeypatch):
