@@ -28,6 +28,7 @@ into the same table.
 
 from __future__ import annotations
 
+import shlex
 import statistics
 from typing import Any
 
@@ -116,15 +117,21 @@ def loss_parity(rows: list[dict[str, Any]], window: int = DEFAULT_WINDOW,
 
 
 def same_variant(a: str | None, b: str | None) -> bool:
-    """Whether two --variant strings set the same overrides (their key=value words, in any order)."""
-    return sorted((a or "").split()) == sorted((b or "").split())
+    """Whether two --variant strings set the same overrides: their key=value words, split as
+    `bench train` parses a variant (shell quoting), in any order."""
+    return sorted(shlex.split(a or "")) == sorted(shlex.split(b or ""))
 
 
 def check_control(control: str, variants: list[str | None]) -> None:
-    """ValueError, with the fix, unless `control` is one of `variants` other than the first (the
-    reference: the control is read against it like any variant)."""
+    """ValueError, with the fix, unless `control` is one of `variants` (in run order, failed rows
+    included) other than the first (the reference: the control is read against it like any
+    variant)."""
     named = ", ".join(repr(v) for v in dict.fromkeys(variants))
-    if variants and same_variant(control, variants[0]):
+    if len(set(variants)) < 2:
+        raise ValueError(f"--control {control!r} needs at least two variants, the reference first and the control: "
+                         "e.g. --variant precision=bf16 --variant 'precision=bf16 optim.update_kernel=torch'"
+                         + (f" (the runs compared have {named} alone)" if variants else ""))
+    if same_variant(control, variants[0]):
         raise ValueError(f"--control {control!r} is the first variant, the reference every variant is read against: "
                          "name another variant that differs from it in rounding alone, e.g. "
                          "'precision=bf16 optim.update_kernel=torch' beside 'precision=bf16'")
@@ -148,7 +155,10 @@ def judge_against_control(entries: list[dict[str, Any]], control: str) -> None:
     for entry in entries:
         reference_of_layout = entry["common_seeds"] is None
         ctrl = controls.get(_layout(entry))
-        if ctrl is None or ctrl is entry or reference_of_layout or not ctrl["common_seeds"]:
+        if ctrl is None or ctrl is entry or reference_of_layout:
+            continue
+        if not ctrl["common_seeds"]:  # the control shares no seed with the reference: nothing to read
+            entry["control_seeds"] = []
             continue
         mine = dict(zip(entry["common_seeds"], zip(entry["paired_gaps"] or [], entry["step_gaps"] or [])))
         theirs = dict(zip(ctrl["common_seeds"], zip(ctrl["paired_gaps"], ctrl["step_gaps"])))

@@ -196,9 +196,10 @@ def row_label(r: dict) -> str:
 
 
 def underflow_by_kind(records: list[dict]) -> dict[str, float]:
-    """Per kind of FP8 operand (`fp8_stats.KINDS`), the mean over a run's steps of the share of its
-    nonzero elements that quantised to zero (the step records' `fp8_by_kind`); {} without FP8.
-    Small gradients lost this way shrink a step where saturation would show none."""
+    """Per kind of FP8 operand (`fp8_stats.KINDS`), the mean over the steps that quantised it of
+    the share of its quantised elements that were nonzero and became zero (the step records'
+    `fp8_by_kind`: UNDERFLOW / TOTAL); {} without FP8. Small gradients lost this way shrink a step
+    where saturation would show nothing."""
     steps = [r["fp8_by_kind"] for r in records if r.get("fp8_by_kind")]
     kinds = [k for k in (steps[0] if steps else {}) if any(s[k]["elements"] for s in steps)]
     return {k: statistics.fmean(s[k]["underflow_share"] for s in steps if s[k]["elements"]) for k in kinds}

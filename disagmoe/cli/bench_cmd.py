@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from disagmoe.bench.loss_parity import DEFAULT_WINDOW
+from disagmoe.bench.loss_parity import DEFAULT_WINDOW, same_variant
 from disagmoe.cli.common import console, err_console, print_error, print_json, user_errors
 from disagmoe.roofline.report import memory, seconds
 
@@ -464,11 +464,8 @@ def train(
     if out is not None:
         out.write_text(json.dumps(record, indent=1) + "\n")
     if plot is not None:
-        from disagmoe.bench.loss_plot import plot_losses
-
         ran = [r for r in record["modes"] if not r.get("error")]
-        plot_losses(ran, plot, f"{config} ({ran[0].get('routing', 'learned')} routing), {steps} steps"
-                    + (f", {seeds} seeds" if seeds > 1 else ""), [bench.row_label({**r, "seed": None}) for r in ran])
+        _plot_rows(ran, plot, f"{config} ({ran[0].get('routing', 'learned')} routing), {steps} steps")
         log(f"wrote {plot}")
     if as_json:
         print_json(record)
@@ -555,22 +552,36 @@ def _parity_table(parity: dict) -> Table:
                       "-" if inside is None else ("yes" if inside else "no"),
                       *([_against_control(g, control)] if control else []))
     if control:
-        table.caption = (f"control: {control} (rounding alone moves it from the first); a variant is within the "
-                         "control where neither its mean |gap| nor its per-step gap is larger")
+        reference = parity["groups"][0]["variant"]
+        trained = any(same_variant(g["variant"], control) for g in parity["groups"])
+        table.caption = (f"reference: {reference}; control: {control} (rounding alone moves it from the reference); "
+                         "a variant is within the control where neither its mean |gap| nor its per-step gap is larger"
+                         + ("" if trained else "; no row of the control trained, so nothing is read against it"))
     return table
 
 
 def _against_control(group: dict, control: str) -> str:
-    """A parity row's cell against the control (`loss_parity.judge_against_control`)."""
-    from disagmoe.bench.loss_parity import same_variant
-
+    """A parity row's cell against the control (`loss_parity.judge_against_control`): its two ratios
+    ("n/a" where the control's gap is zero) and the verdict."""
     if same_variant(group["variant"], control):
         return "control"
     if group.get("within_control") is None:
         return "-"
-    ratios = ", ".join("inf" if group[k] is None else f"{group[k]:.2f}x" for k in ("gap_vs_control",
-                                                                                  "step_gap_vs_control"))
+    ratios = ", ".join("n/a (control's 0)" if group[k] is None else f"{group[k]:.2f}x"
+                       for k in ("gap_vs_control", "step_gap_vs_control"))
     return f"{ratios}: {'within' if group['within_control'] else 'outside'}"
+
+
+def _plot_rows(rows: list[dict], path: Path, title: str) -> None:
+    """`--plot` of `bench train` and `bench parity`: the rows' curves (`bench.loss_plot`), each named
+    by its row label without the seed (a variant's seeds share a colour), the seed count in the title."""
+    from disagmoe.bench.loss_parity import seed_of
+    from disagmoe.bench.loss_plot import plot_losses
+    from disagmoe.bench.train import row_label
+
+    seeds = len({seed_of(r) for r in rows})
+    plot_losses(rows, path, title + (f", {seeds} seeds" if seeds > 1 else ""),
+                [row_label({**r, "seed": None}) for r in rows])
 
 
 @bench_app.command("parity")
@@ -587,7 +598,8 @@ def parity(
     """Read a loss-parity table across several `bench train` records: each variant's mean loss over
     the last --loss-window steps, per seed and on average, against the first variant's range over
     the seeds (`bench train --seeds` prints the same table for the seeds of one call). For runs too
-    long to fit one call: the same command once per seed, the data order pinned to one seed.
+    long to fit one call: the same command once per seed, the data order pinned to one seed. The
+    reference is the first variant of the first record: give the reference's record first.
 
     \b
     Example (300 steps of bf16 against FP8, two seeds, two calls):
@@ -600,7 +612,7 @@ def parity(
       disagmoe bench train ... --variant precision=fp8 -o p2.json
       disagmoe bench parity p1.json p2.json --control 'precision=bf16 optim.update_kernel=torch'
     """
-    from disagmoe.bench.loss_parity import check_control, loss_parity, merged_rows, seed_of
+    from disagmoe.bench.loss_parity import MODES, check_control, loss_parity, merged_rows
 
     loaded = {}
     for path in records:
@@ -611,19 +623,15 @@ def parity(
         except (OSError, json.JSONDecodeError) as err:
             raise typer.BadParameter(f"{path}: not a readable `bench train --out` record ({err})") from err
     rows = merged_rows(loaded)
-    if control is not None:
-        check_control(control, [r.get("variant") for r in rows])
+    if control is not None:  # against every row the records ran, failed ones too (the control's own rows may have)
+        check_control(control, [r.get("variant") for record in loaded.values() for r in record["modes"]
+                                if r.get("mode") in MODES])
     steps = next(iter(loaded.values())).get("steps")
     groups = loss_parity(rows, loss_window, control)
     result = {"records": list(loaded), "steps": steps, "window": min(loss_window, steps or loss_window),
               "control": control, "groups": groups}
     if plot is not None:
-        from disagmoe.bench.loss_plot import plot_losses
-        from disagmoe.bench.train import row_label
-
-        seeds = len({seed_of(r) for r in rows})
-        plot_losses(rows, plot, f"{', '.join(loaded)}: {steps} steps" + (f", {seeds} seeds" if seeds > 1 else ""),
-                    [row_label({**r, "seed": None}) for r in rows])
+        _plot_rows(rows, plot, f"{', '.join(loaded)}: {steps} steps")
         (err_console if as_json else console).print(f"wrote {plot}", highlight=False, markup=False)
     if as_json:
         print_json(result)

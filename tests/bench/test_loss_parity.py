@@ -272,12 +272,47 @@ def test_cli_parity_reads_each_variant_against_the_control(tmp_path):
     result = json.loads(r.stdout)
     first, control, other = result["groups"]
     assert result["control"] == "micro_batches=2" and control["within_control"] is None
-    assert other["control_seeds"] == [0] and isinstance(other["within_control"], bool)
+    ratio = abs(other["paired_gaps"][0]) / abs(control["paired_gaps"][0])
+    assert other["control_seeds"] == [0] and other["gap_vs_control"] == pytest.approx(ratio)
+    step_ratio = other["step_gaps"][0] / control["step_gaps"][0]
+    assert other["step_gap_vs_control"] == pytest.approx(step_ratio)
+    assert other["within_control"] is (ratio <= 1 and step_ratio <= 1)
+    table = CliRunner().invoke(app, ["bench", "parity", str(path), "--control", "micro_batches=2"], terminal_width=250)
+    cell = f"{ratio:.2f}x, {step_ratio:.2f}x: {'within' if other['within_control'] else 'outside'}"
+    assert cell in table.output and "reference: micro_batches=1; control: micro_batches=2" in " ".join(table.output.split())
     png = tmp_path / "parity.png"
     drawn = CliRunner().invoke(app, ["bench", "parity", str(path), "--plot", str(png)])
     assert drawn.exit_code == 0 and f"wrote {png}" in " ".join(drawn.output.split()) and png.stat().st_size > 10_000
     bad = CliRunner().invoke(app, ["bench", "parity", str(path), "--control", "micro_batches=8"])
     assert bad.exit_code != 0 and "none of the variants compared" in bad.output and "Traceback" not in bad.output
     early = CliRunner().invoke(app, ["bench", "train", "--config", "configs/tiny-cpu.yaml", "--mode", "single",
-                                     "--variant", "micro_batches=1", "--control", "micro_batches=1"])
+                                     "--variant", "micro_batches=1", "--variant", "micro_batches=2",
+                                     "--control", "micro_batches=1"])
     assert early.exit_code != 0 and "is the first variant" in early.output
+
+
+def test_a_control_whose_rows_failed_is_named_not_refused_and_a_zero_control_gap_gives_no_ratio(tmp_path):
+    """`bench parity` checks the control against every row the records ran: a control whose rows
+    failed (out of memory) is a variant, so the table says nothing was read against it instead of
+    refusing it. A control that landed on the reference's loss has no gap to divide by: n/a."""
+    from disagmoe.cli.bench_cmd import _against_control
+
+    record = {"steps": 2, "modes": [_seeded("bf16", 0, [3.0, 2.0]), _seeded("fp8", 0, [3.0, 2.1]),
+                                    {"mode": "single", "variant": "ctl", "error": "out of memory"}]}
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(record))
+    r = CliRunner().invoke(app, ["bench", "parity", str(path), "--control", "ctl"], terminal_width=250)
+    assert r.exit_code == 0, r.output
+    assert "no row of the control trained" in " ".join(r.output.split())
+    rows = [_row("bf16", 0, [3.0, 2.0]), _row("ctl", 0, [3.0, 2.0]), _row("fp8", 0, [3.0, 2.0])]
+    fp8 = loss_parity(rows, window=1, control="ctl")[2]
+    assert fp8["gap_vs_control"] is None and fp8["within_control"] is True
+    assert _against_control(fp8, "ctl") == "n/a (control's 0), n/a (control's 0): within"
+
+
+def test_a_control_needs_a_reference_beside_it_and_matches_quoted_words_in_any_order():
+    from disagmoe.bench.loss_parity import check_control, same_variant
+
+    with pytest.raises(ValueError, match="needs at least two variants"):
+        check_control("precision=bf16", [None])
+    assert same_variant("a=1 'b=x y'", "\"b=x y\" a=1") and not same_variant("a=1", "a=1 b=2")

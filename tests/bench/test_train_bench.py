@@ -251,6 +251,9 @@ def test_a_rows_fp8_underflow_is_each_kinds_mean_share_over_its_steps():
 
     records = [kinds(1e-3, 0), kinds(3e-3, 0), {"loss": 2.0}]
     assert underflow_by_kind(records) == pytest.approx({"activations": 0.0, "gradients": 2e-3})
+    some = [kinds(1e-3, 0), {"fp8_by_kind": {**kinds(1e-3, 0)["fp8_by_kind"],
+                                             "dense": {"underflow_share": 4e-3, "elements": 10}}}]
+    assert underflow_by_kind(some)["dense"] == pytest.approx(4e-3)  # over the one step that quantised it
     assert underflow_by_kind([{"loss": 2.0}]) == {}
 
 

@@ -202,8 +202,8 @@ def read_step(totals: torch.Tensor, norm: torch.Tensor, load_LE: torch.Tensor, m
 
 def micro_batch_losses(model: MoETransformer, tokens_BS1: torch.Tensor,
                        micro_batches: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, ModelOutput]]:
-    """Each micro-batch of a batch (on the model's device) through the model, in order: (loss,
-    cross-entropy, the forward's output), the LM head and loss in token chunks
+    """Each micro-batch of a batch (`tokens_BS1`, already on the model's device) through the model,
+    in order: (loss, cross-entropy, the forward's output), the LM head and loss in token chunks
     (`linear_cross_entropy`), loss = ce + the routers' aux and z terms in fp32. The fast step, the
     evaluation and `bench first-step` all read a batch through this."""
     batch_size = tokens_BS1.shape[0]
