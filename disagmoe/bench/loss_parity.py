@@ -75,7 +75,7 @@ def compared_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def loss_parity(rows: list[dict[str, Any]], window: int = DEFAULT_WINDOW,
-                control: str | None = None) -> list[dict[str, Any]]:
+                control: str | None = None, span: int | None = None) -> list[dict[str, Any]]:
     """One entry per group of `compared_rows(rows)`, in the order the groups first appear:
     `metric` (`parity_metric` of them all), `seeds`, `seed_losses` (each seed's window mean), `loss`
     (their mean), `low` / `high`, `spread` ((high - low) / loss; None for one seed), and against the
@@ -87,7 +87,9 @@ def loss_parity(rows: list[dict[str, Any]], window: int = DEFAULT_WINDOW,
     step by step: how far apart the two trajectories run, which window means average out) and
     `inside_reference_range` (within the reference's low..high over those seeds; None under two).
     `control`: a variant that differs from the reference in rounding alone (`judge_against_control`);
-    every other entry is then also read against it, else those fields stay None."""
+    every other entry is then also read against it, else those fields stay None. `span`: each
+    non-reference entry also gets `span_gaps` (`span_gaps`: the run cut into spans of that many
+    steps, where a gap opens and whether it stays); None without."""
     compared = compared_rows(rows)
     metric = parity_metric(compared)
     groups: dict[tuple, list[dict[str, Any]]] = {}
@@ -105,11 +107,14 @@ def loss_parity(rows: list[dict[str, Any]], window: int = DEFAULT_WINDOW,
                                  "low": low, "high": high, "spread": (high - low) / loss if len(losses) > 1 else None,
                                  "common_seeds": None, "vs_first": None, "paired_gaps": None, "step_gaps": None,
                                  "inside_reference_range": None, "control_seeds": None, "gap_vs_control": None,
-                                 "step_gap_vs_control": None, "within_control": None}
+                                 "step_gap_vs_control": None, "within_control": None, "span_gaps": None}
         reference, reference_curves = references.setdefault(key[:3], (by_seed, curves))
         if reference is not by_seed:
             entry.update(_against(by_seed, reference))
             entry["step_gaps"] = [step_gap(curves[s], reference_curves[s], window) for s in entry["common_seeds"]]
+            if span is not None and entry["common_seeds"]:
+                entry["span_gaps"] = span_gaps([curves[s] for s in entry["common_seeds"]],
+                                               [reference_curves[s] for s in entry["common_seeds"]], span)
         entries.append(entry)
     if control is not None:
         judge_against_control(entries, control)
@@ -175,6 +180,22 @@ def judge_against_control(entries: list[dict[str, Any]], control: str) -> None:
 
 def _layout(entry: dict[str, Any]) -> tuple:
     return entry["mode"], entry["transport"], entry["hop"]
+
+
+def span_gaps(curves: list[list[float]], references: list[list[float]], span: int) -> list[dict[str, Any]]:
+    """A variant's per-step gap to its reference, span by span: the steps both ran (every seed's
+    pair of curves; seeds paired in order) cut into spans of `span` steps from step 1, the last
+    possibly shorter; per span `first` and `last` (1-based steps), `gap` (the mean over its steps of
+    loss / the reference's - 1, averaged over the seeds step by step) and `above` (its steps where
+    that seed-mean gap is positive). A gap that opens early and holds at one sign is a recipe's;
+    one that grows slowly from zero, of either sign, is also what rounding alone does (a control's)."""
+    if span < 1:
+        raise ValueError(f"--spans {span}: give at least 1 step a span")
+    steps = min(min(len(c), len(r)) for c, r in zip(curves, references, strict=True))
+    gaps = [statistics.fmean(c[i] / r[i] - 1.0 for c, r in zip(curves, references, strict=True))
+            for i in range(steps)]
+    return [{"first": start + 1, "last": min(start + span, steps), "gap": statistics.fmean(gaps[start:start + span]),
+             "above": sum(g > 0 for g in gaps[start:start + span])} for start in range(0, steps, span)]
 
 
 def step_gap(losses: list[float], reference: list[float], window: int) -> float:

@@ -593,6 +593,9 @@ def parity(
     control: Annotated[str | None, typer.Option(help=CONTROL_HELP)] = None,
     plot: Annotated[Path | None, typer.Option(
         help="also write the records' loss curves as a PNG, as `bench train --plot` draws one call's")] = None,
+    spans: Annotated[int | None, typer.Option(
+        help="also cut the runs into spans of this many steps and give each variant's mean gap to the first in "
+             "each, with on how many of its steps it lay above: where a gap opens and whether it holds", min=1)] = None,
     as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
 ) -> None:
     """Read a loss-parity table across several `bench train` records: each variant's mean loss over
@@ -627,9 +630,9 @@ def parity(
         check_control(control, [r.get("variant") for record in loaded.values() for r in record["modes"]
                                 if r.get("mode") in MODES])
     steps = next(iter(loaded.values())).get("steps")
-    groups = loss_parity(rows, loss_window, control)
+    groups = loss_parity(rows, loss_window, control, spans)
     result = {"records": list(loaded), "steps": steps, "window": min(loss_window, steps or loss_window),
-              "control": control, "groups": groups}
+              "control": control, "spans": spans, "groups": groups}
     if plot is not None:
         _plot_rows(rows, plot, f"{', '.join(loaded)}: {steps} steps")
         (err_console if as_json else console).print(f"wrote {plot}", highlight=False, markup=False)
@@ -637,6 +640,26 @@ def parity(
         print_json(result)
         return
     console.print(_parity_table(result))
+    if spans is not None:
+        console.print(_span_table(result))
+
+
+def _span_table(parity: dict) -> Table:
+    """`bench parity --spans`: one line per variant but the first of each layout, one column per span
+    (`loss_parity.span_gaps`): the mean gap and on how many of the span's steps it lay above."""
+    from disagmoe.bench.train import row_label
+
+    read = [g for g in parity["groups"] if g.get("span_gaps")]
+    table = Table(title=f"the gap to the first of each layout, span by span of {parity['spans']} steps (mean of "
+                        "loss / the first's - 1 over the span's steps; in brackets, on how many it lay above)")
+    table.add_column("row")
+    spans = max((g["span_gaps"] for g in read), key=len, default=[])
+    for sp in spans:
+        table.add_column(f"{sp['first']}-{sp['last']}", justify="right")
+    for g in read:
+        table.add_row(row_label({**g, "seed": None}), *(f"{sp['gap']:+.2%} ({sp['above']}/{sp['last'] - sp['first'] + 1})"
+                                                         for sp in g["span_gaps"]))
+    return table
 
 
 @bench_app.command("first-step")

@@ -316,3 +316,32 @@ def test_a_control_needs_a_reference_beside_it_and_matches_quoted_words_in_any_o
     with pytest.raises(ValueError, match="needs at least two variants"):
         check_control("precision=bf16", [None])
     assert same_variant("a=1 'b=x y'", "\"b=x y\" a=1") and not same_variant("a=1", "a=1 b=2")
+
+
+def test_span_gaps_say_where_a_gap_opens_and_whether_it_holds():
+    """Spans of the steps both ran, from step 1 (the last shorter): the mean step-by-step gap over
+    the seeds and on how many steps that mean lay above the reference."""
+    from disagmoe.bench.loss_parity import span_gaps
+
+    reference = [[2.0, 2.0, 2.0, 2.0, 2.0], [4.0, 4.0, 4.0, 4.0, 4.0]]
+    variant = [[2.0, 2.2, 2.1, 1.9, 2.0, 9.0], [4.0, 4.0, 4.4, 4.0, 3.6]]
+    first, second, last = span_gaps(variant, reference, 2)
+    assert (first["first"], first["last"], last["first"], last["last"]) == (1, 2, 5, 5)
+    assert first["gap"] == pytest.approx((0.0 + 0.05) / 2) and first["above"] == 1
+    assert second["gap"] == pytest.approx(((0.05 + 0.1) / 2 + (-0.05 + 0.0) / 2) / 2) and second["above"] == 1
+    assert last["gap"] == pytest.approx(-0.05) and last["above"] == 0
+    with pytest.raises(ValueError, match="at least 1 step"):
+        span_gaps(variant, reference, 0)
+
+
+def test_cli_parity_spans_table_and_json(tmp_path):
+    rows = [_seeded("bf16", 0, [3.0, 2.0, 2.0, 2.0]), _seeded("fp8", 0, [3.0, 2.2, 2.1, 1.8])]
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(_record(4, *rows)))
+    r = CliRunner().invoke(app, ["bench", "parity", str(path), "--spans", "2", "--json"])
+    assert r.exit_code == 0, r.output
+    bf16, fp8 = json.loads(r.stdout)["groups"]
+    assert bf16["span_gaps"] is None and [(s["first"], s["last"], s["above"]) for s in fp8["span_gaps"]] == [(1, 2, 1),
+                                                                                                          (3, 4, 1)]
+    table = CliRunner().invoke(app, ["bench", "parity", str(path), "--spans", "2"], terminal_width=200)
+    assert table.exit_code == 0 and "+5.00% (1/2)" in table.output and "-2.50% (1/2)" in table.output
