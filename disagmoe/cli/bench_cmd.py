@@ -587,8 +587,9 @@ def _plot_rows(rows: list[dict], path: Path, title: str) -> None:
 @bench_app.command("parity")
 @user_errors
 def parity(
-    records: Annotated[list[Path], typer.Argument(help="`disagmoe bench train --out` records (JSON) of one command "
-                                                       "run with different seeds")],
+    records: Annotated[list[Path], typer.Argument(help="`disagmoe bench train --out` records (JSON) of one config on "
+                                                       "the same batches, from separate calls: other seeds, or other "
+                                                       "variants; the reference's record first")],
     loss_window: Annotated[int, typer.Option(help="the last steps whose mean loss is compared", min=1)] = DEFAULT_WINDOW,
     control: Annotated[str | None, typer.Option(help=CONTROL_HELP)] = None,
     plot: Annotated[Path | None, typer.Option(
