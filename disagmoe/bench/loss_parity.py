@@ -191,17 +191,21 @@ def span_gaps(curves: list[list[float]], references: list[list[float]], span: in
     one that grows slowly from zero, of either sign, is also what rounding alone does (a control's)."""
     if span < 1:
         raise ValueError(f"--spans {span}: give at least 1 step a span")
-    steps = min(min(len(c), len(r)) for c, r in zip(curves, references, strict=True))
-    gaps = [statistics.fmean(c[i] / r[i] - 1.0 for c, r in zip(curves, references, strict=True))
-            for i in range(steps)]
+    gaps = [statistics.fmean(seeds) for seeds in zip(*(relative_gaps(c, r) for c, r in zip(curves, references,
+                                                                                         strict=True)))]
+    steps = len(gaps)
     return [{"first": start + 1, "last": min(start + span, steps), "gap": statistics.fmean(gaps[start:start + span]),
              "above": sum(g > 0 for g in gaps[start:start + span])} for start in range(0, steps, span)]
 
 
+def relative_gaps(losses: list[float], reference: list[float]) -> list[float]:
+    """loss / the reference's loss - 1, step by step, over the steps both ran."""
+    return [a / b - 1.0 for a, b in zip(losses, reference)]  # zip stops at the shorter run
+
+
 def step_gap(losses: list[float], reference: list[float], window: int) -> float:
     """The mean over the last `window` steps both ran of |loss / the reference's loss - 1|, step by step."""
-    pairs = list(zip(losses, reference))[-window:]  # zip stops at the shorter run
-    return statistics.fmean(abs(a / b - 1.0) for a, b in pairs)
+    return statistics.fmean(abs(g) for g in relative_gaps(losses, reference)[-window:])
 
 
 def _against(by_seed: dict, reference: dict) -> dict[str, Any]:

@@ -19,7 +19,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from disagmoe.bench.loss_parity import group_key, mean_curve, parity_losses, parity_metric
+from disagmoe.bench.loss_parity import group_key, mean_curve, parity_losses, parity_metric, relative_gaps
 
 SATURATION_BAR = 1e-4  # issue 21's per-step bar for the share of saturated FP8 elements
 LABEL_WIDTH = 80  # characters a legend line or panel title holds before it wraps (a variant's overrides run long)
@@ -31,7 +31,7 @@ def _wrapped(text: str) -> str:
 
 def relative_percent(losses: list[float], reference: list[float]) -> list[float]:
     """100 (loss / reference - 1) per step, over the steps both have."""
-    return [100.0 * (a / b - 1.0) for a, b in zip(losses, reference, strict=False)]
+    return [100.0 * g for g in relative_gaps(losses, reference)]
 
 
 def plot_losses(rows: list[dict[str, Any]], path: str | Path, title: str, labels: list[str]) -> None:

@@ -314,9 +314,9 @@ def run(cfg: TrainConfig, modes: list[str], steps: int, warmup: int,
         raise ValueError(f"unknown baseline {baseline!r}; the one outside baseline is 'hf' (transformers)")
     if seeds < 1 or loss_window < 1:
         raise ValueError(f"--seeds {seeds} --loss-window {loss_window}: give at least 1 of each")
-    if control is not None:
-        check_control(control, list(variants or [None]))
     variants = variants or [None]
+    if control is not None:
+        check_control(control, variants)
     # every variant checked in every mode it runs before any run starts
     checked = [(v, variant_config(cfg, v, r[0]), r) for v in variants for r in runs_of(modes, transports, hops)]
     planned = [(v, seeded_config(cfg, vcfg, index, v) if seeds > 1 else vcfg, r)
