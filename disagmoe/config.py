@@ -883,6 +883,13 @@ class TrainConfig(StrictModel):
         "triton-fp8:gluon) instead of the Triton ones. Off by default: with it the Qwen3 config trained 6.6% above "
         "bf16's loss over 200 steps where the Triton kernels ended at bf16's (docs/benchmarks.md, session 28); the "
         "cause is not found. Refused under another precision")
+    fp8_counters_every: PositiveInt = Field(
+        1, description="precision fp8: the FP8 quantisers count their numerics (amax, saturated, underflow and "
+        "non-finite values: a step record's fp8_* fields) on every Nth step, the first step a process runs and "
+        "the last; the other steps run the quantisers' plain kernels (the counting ones took 1.5-3x their time, "
+        "bench quantise) and skip the optimizer's update on a non-finite gradient norm instead (records say "
+        "fp8_counted). A captured run keeps a CUDA graph for each kind of step, in one memory pool. 1 (the "
+        "default): every step counts. mode single; refused under another precision")
     routing: Literal["learned", "balanced"] = Field(
         "learned", description="balanced: every expert gets the same number of tokens whatever the router "
         "scores (a benchmark setting, as other trainers' performance recipes use; labelled in every output); "
@@ -1120,6 +1127,14 @@ class TrainConfig(StrictModel):
         if self.fp8_gluon and self.precision != "fp8":
             raise ValueError(f"fp8_gluon: true runs the FP8 experts' GEMMs in the Gluon kernels; this run is "
                              f"precision: {self.precision}: set precision: fp8 or remove fp8_gluon")
+        if self.fp8_counters_every > 1 and self.precision != "fp8":
+            raise ValueError(f"fp8_counters_every={self.fp8_counters_every} spaces out the FP8 quantisers' counters "
+                             f"under precision: fp8; this run is precision: {self.precision}: set precision: fp8 or "
+                             "remove fp8_counters_every")
+        if self.fp8_counters_every > 1 and self.mode != "single":
+            raise ValueError(f"fp8_counters_every={self.fp8_counters_every} is built for mode: single so far; the "
+                             f"{self.mode} ranks count on every step (their counters are summed over ranks with "
+                             "the gradient norm): set fp8_counters_every: 1, or mode: single")
         if self.fp8_emulate and self.precision != "fp8":
             raise ValueError(f"fp8_emulate: true emulates the FP8 GEMMs of precision: fp8; this run is precision: "
                              f"{self.precision}: set precision: fp8 or remove fp8_emulate")

@@ -41,6 +41,7 @@ class MoETransformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.fp8_stats = None  # kernels.fp8_stats.Fp8Stats of the FP8 experts (`set_fp8_stats`)
+        self.fp8_uncounted = False  # precision fp8 on a step without the counters (`set_fp8_counting`)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
             DenseBlock(cfg) if i < cfg.num_dense_layers else MoEBlock(cfg, experts_backend)
@@ -140,6 +141,21 @@ class MoETransformer(nn.Module):
         for module in self.modules():
             if isinstance(module, RoutedExperts):
                 module.set_fp8_stats(stats)
+
+    def set_fp8_counting(self, stats) -> None:
+        """Whether this step's FP8 quantisers count (`TrainConfig.fp8_counters_every`): into `stats`
+        (the `kernels.fp8_stats.Fp8Stats` of `set_fp8_stats`, and its dense row for the FP8 dense
+        projections) or, with None, not at all: their plain kernels, about a third of the counting ones'
+        time (`bench quantise`); the step's body then skips the update on a non-finite gradient norm
+        instead (`fp8_uncounted`). The FP8 weight copies stay as they are (a captured step reads them)."""
+        from disagmoe.kernels.fp8_stats import DENSE
+
+        self.set_fp8_stats(stats)
+        self.fp8_uncounted = stats is None
+        row = None if stats is None else stats.row(DENSE)
+        for module in self.modules():
+            if isinstance(module, DeferrableLinear) and module.fp8:
+                module.fp8_stats_row = row
 
     def prepare_fp8(self) -> None:
         """Refresh the FP8 weight copies of every FP8 expert module and FP8 dense projection from its

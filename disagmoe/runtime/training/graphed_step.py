@@ -18,7 +18,13 @@ Capture protocol (torch's rules for graphs with autograd and optimizers):
   later one;
 - inputs enter through static buffers: the batch is copied into `tokens_BS1` and the learning rate
   written into the optimizer's device scalar (`FlatAdamW.set_lr`) before each replay; the outputs
-  are the graph's own tensors, overwritten by the next replay (the caller reads them first).
+  are the graph's own tensors, overwritten by the next replay (the caller reads them first);
+- kinds of step (the caller's `variant`: precision fp8 with `fp8_counters_every` > 1 runs steps
+  with the FP8 counters' kernels and steps with the plain ones): each kind is captured the first
+  time it comes after the warm-up, provided an eager step of that kind ran (its kernels compiled,
+  its buffers made), into a graph sharing the first one's memory pool; a kind that did not run in
+  the warm-up runs eagerly once first (the trainer's schedule makes the warm-up run both kinds,
+  so that eager step, whose activations would sit beside the pool, does not come).
 Checkpoint restores and evaluation write or read parameters in place and eagerly, outside the graph,
 so a replay after them sees their values.
 
@@ -35,7 +41,7 @@ call of theirs during the capture would invalidate it; what is captured follows 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -92,8 +98,10 @@ StepBody = Callable[[MoETransformer, FlatAdamW, torch.Tensor, int, float],
 
 class GraphedStep:
     """`body` (the step on the device) run eagerly for `WARMUP_STEPS` steps, then captured once in a
-    CUDA graph and replayed (module docstring). `graph_factory` and `capture` are torch's
-    `CUDAGraph` and `torch.cuda.graph` (tests substitute fakes to check the protocol on a CPU)."""
+    CUDA graph and replayed (module docstring); a run with two kinds of step (precision fp8 with
+    `fp8_counters_every` > 1: steps with the FP8 counters and steps without) captures each kind once,
+    in graphs sharing one memory pool (they never run together). `graph_factory` and `capture` are
+    torch's `CUDAGraph` and `torch.cuda.graph` (tests substitute fakes to check the protocol on a CPU)."""
 
     def __init__(self, model: MoETransformer, optimizer: FlatAdamW, batch_shape: tuple[int, ...], micro_batches: int,
                  grad_clip: float, body: StepBody, device: torch.device,
@@ -105,25 +113,33 @@ class GraphedStep:
         self.graph_factory = graph_factory or torch.cuda.CUDAGraph
         self.capture = capture or torch.cuda.graph
         self.eager_steps = 0
-        self.graph: object | None = None
-        self.outputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.graphs: dict[Hashable, CapturedStep] = {}  # one per kind of step (`__call__`'s variant)
+        self.seen: set[Hashable] = set()  # the kinds an eager step ran
         self.replays = 0
 
-    def __call__(self, tokens_BS1: torch.Tensor, lr: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def __call__(self, tokens_BS1: torch.Tensor, lr: float,
+                 variant: Hashable = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The step on `tokens_BS1` at `lr`: (summed loss parts, grad norm, expert loads), device
+        tensors. `variant`: which kind of step the body runs now (the caller sets the model up for
+        it first: the FP8 counters on or off, `TrainConfig.fp8_counters_every`); each kind has a
+        graph of its own, captured once the warm-up is over and an eager step of that kind ran
+        (module docstring)."""
         if tokens_BS1.shape != self.tokens_BS1.shape:
             raise ValueError(f"a captured step takes batches of {tuple(self.tokens_BS1.shape)}, got "
                              f"{tuple(tokens_BS1.shape)}: every step of a run has the same batch shape")
         self.tokens_BS1.copy_(tokens_BS1, non_blocking=True)
         self.optimizer.set_lr(lr)
-        if self.eager_steps < WARMUP_STEPS:
-            self.eager_steps += 1
-            return self._eager()
-        if self.graph is None:
-            self._capture()
-        self.graph.replay()
+        entry = self.graphs.get(variant)
+        if entry is None:
+            if self.eager_steps < WARMUP_STEPS or variant not in self.seen:
+                self.seen.add(variant)
+                self.eager_steps += 1
+                return self._eager()
+            entry = self.graphs[variant] = self._capture()
+        entry.graph.replay()
         self.optimizer.steps_taken += 1  # a Python counter the captured step does not advance
         self.replays += 1
-        return self.outputs
+        return entry.outputs
 
     def _run(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.body(self.model, self.optimizer, self.tokens_BS1, self.micro_batches, self.grad_clip)
@@ -131,10 +147,19 @@ class GraphedStep:
     def _eager(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return run_on_warmup_stream(self.device, self._run)
 
-    def _capture(self) -> None:
+    def _capture(self) -> CapturedStep:
         taken = self.optimizer.steps_taken
-        self.graph, self.outputs = capture_graph(self._run, self.device, self.graph_factory, self.capture)
+        first = next(iter(self.graphs.values()), None)
+        pool = first.graph.pool() if first is not None and hasattr(first.graph, "pool") else None
+        graph, outputs = capture_graph(self._run, self.device, self.graph_factory, self.capture, pool)
         self.optimizer.steps_taken = taken  # capture ran nothing: the replay that follows is the step
+        return CapturedStep(graph, outputs)
+
+
+@dataclass
+class CapturedStep:
+    graph: object
+    outputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # overwritten by each replay: read before the next
 
 
 T = TypeVar("T")

@@ -25,6 +25,7 @@ Legend: B sequences per step, S sequence length, V vocabulary, L MoE layers, E e
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -229,12 +230,31 @@ def _flat_step_on_device(model: MoETransformer, optimizer: FlatAdamW, tokens_BS1
         load_LE += out.expert_load_LE
     norm = optimizer.grad_squares().sqrt().float()
     coef = torch.clamp(grad_clip / (norm + 1e-6), max=1.0) if grad_clip > 0 else None
-    # precision fp8 on CUDA: an inf or NaN met by a quantiser this step skips the update on the device
-    # (the fused AdamW's found_inf); the run stops when the step is read (`fp8_fields`, the loop)
-    skip = model.fp8_stats.nonfinite_flag() if model.fp8_stats is not None and device.type == "cuda" else None
+    skip = fp8_update_skip(model, norm) if device.type == "cuda" else None
     optimizer.step(clip_coef=coef, skip=skip)
     model.update_router_bias(load_LE)
     return totals, norm, load_LE
+
+
+def fp8_update_skip(model: MoETransformer, norm: torch.Tensor) -> torch.Tensor | None:
+    """The optimizer's `skip` under precision fp8 (None outside it), a device scalar: an inf or NaN
+    met by a quantiser this step (the counters' NONFINITE) or, on a step without the counters
+    (`MoETransformer.set_fp8_counting`), a non-finite gradient norm (an inf or NaN scale makes its
+    rows' products inf or NaN, which reach the gradients). The fused AdamW's found_inf then leaves
+    the weights as they were; the run stops when the step is read (`fp8_fields`, the loop)."""
+    if model.fp8_stats is not None:
+        return model.fp8_stats.nonfinite_flag()
+    if model.fp8_uncounted:
+        return (~torch.isfinite(norm)).float()
+    return None
+
+
+def counts_fp8(step: int, every: int, first: int, last: int) -> bool:
+    """Whether step `step` (1-based) runs the FP8 quantisers with their counters
+    (`TrainConfig.fp8_counters_every`): every `every`-th step, the last (`last`), and the first this
+    process runs (`first`: with `every` > 1 the warm-up of a captured run then runs both kinds of
+    step before either is captured, `graphed_step`)."""
+    return every == 1 or step % every == 0 or step in (first, last)
 
 
 @torch.no_grad()
@@ -259,6 +279,16 @@ def fp8_fields(result: StepResult, device: torch.device) -> dict[str, Any]:
     fp8_nonfinite also fp8_update_skipped: whether the step's optimizer update was skipped on the
     device (CUDA, `_flat_step_on_device`) or applied (the CPU interpreter tests)."""
     return fp8_record_fields(result.fp8, device)
+
+
+def uncounted_fp8_fields(counted: bool, grad_norm: float, device: torch.device) -> dict[str, Any]:
+    """A precision-fp8 step record's fp8_counted (whether its quantisers counted: `counts_fp8`) and,
+    on a step without the counters whose gradient norm is not finite, fp8_update_skipped: whether the
+    optimizer skipped its update on the device (CUDA, `fp8_update_skip`)."""
+    fields: dict[str, Any] = {"fp8_counted": counted}
+    if not counted and not math.isfinite(grad_norm):
+        fields["fp8_update_skipped"] = device.type == "cuda"
+    return fields
 
 
 def fp8_record_fields(values: list[int] | None, device: torch.device) -> dict[str, Any]:
@@ -387,6 +417,7 @@ class SingleProcessTrainer(TrainingLoop):
         self.model.set_routing(cfg.routing)
         self.model.set_recompute(cfg.recompute_set)
         self.fp8_stats = None
+        self.first_step: int | None = None  # the first step this process runs (`counts_fp8`)
         if cfg.expert_precision == "fp8":
             check_fp8_device(self.device)
             self.model.set_expert_precision("fp8", cfg.expert_backward_precision, cfg.expert_forward_precision,
@@ -466,6 +497,12 @@ class SingleProcessTrainer(TrainingLoop):
         lr = lr_at(self.step, cfg.optim, cfg.steps)
         tokens_BS1 = self.train_data.batch(self.step)
         replays_before = 0 if self.graphed is None else self.graphed.replays
+        if self.first_step is None:
+            self.first_step = self.step + 1
+        counted = counts_fp8(self.step + 1, cfg.fp8_counters_every, self.first_step, cfg.steps)
+        stats = self.fp8_stats if counted else None
+        if self.fp8_stats is not None:
+            self.model.set_fp8_counting(stats)
         self._sync()
         start = time.perf_counter()
         with out_of_memory_hint(cfg), torch.profiler.record_function(TIMED_STEP_RANGE):
@@ -474,11 +511,11 @@ class SingleProcessTrainer(TrainingLoop):
             elif self.graphed is not None:
                 tokens_BS1 = tokens_BS1.to(self.device)  # the host copy outside the sync check, as train_step_flat
                 with no_host_syncs(cfg.forbid_host_syncs, self.device):
-                    out = self.graphed(tokens_BS1, lr)
-                result = read_step(*out, cfg.micro_batches, self.fp8_stats)
+                    out = self.graphed(tokens_BS1, lr, variant=counted)
+                result = read_step(*out, cfg.micro_batches, stats)
             else:
                 result = train_step_flat(self.model, self.optimizer, tokens_BS1, cfg.micro_batches, lr,
-                                         cfg.optim.grad_clip, cfg.forbid_host_syncs, self.fp8_stats)
+                                         cfg.optim.grad_clip, cfg.forbid_host_syncs, stats)
             self._sync()
         seconds = time.perf_counter() - start
         self.step += 1
@@ -497,6 +534,7 @@ class SingleProcessTrainer(TrainingLoop):
             "expert_load": result.expert_load_LE.tolist(),
             "load_imbalance": load_imbalance(result.expert_load_LE),
             **fp8_fields(result, self.device),
+            **({} if self.fp8_stats is None else uncounted_fp8_fields(counted, result.grad_norm, self.device)),
         }
 
     def _sync(self) -> None:

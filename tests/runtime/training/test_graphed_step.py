@@ -381,3 +381,57 @@ def test_a_rank_step_is_captured_thread_local_so_its_processs_other_threads_cann
 
     assert [graphs(body)[1] for _ in range(4)] == [False, False, True, True]  # each phase: eager, then captured
     assert modes == ["thread_local", "thread_local"]  # a capture per phase, both thread-local
+
+
+# --- two kinds of step (precision fp8 with fp8_counters_every > 1): a graph for each, one pool ----------
+
+
+def test_each_kind_of_step_is_captured_once_after_the_warm_up_into_one_pool_and_replayed():
+    """Steps of two kinds (the FP8 counters on or off, `GraphedStep`'s variant): the warm-up runs
+    both eagerly; after it each kind is captured the first time it comes (the second capture in the
+    first one's pool) and replayed from then on, each replay the device work of its own kind; a kind
+    the warm-up did not run runs eagerly once first."""
+    work: list = []
+    capture = FakeCapture(work)
+
+    class Opt:
+        steps_taken = 0
+        lr = None
+
+        def set_lr(self, lr):
+            self.lr = lr
+
+    def body(m, opt, tokens_BS1, micro_batches, grad_clip):
+        work.append((kind[0], int(tokens_BS1[0, 0])))
+        opt.steps_taken += 1
+        return (torch.zeros(4), torch.zeros(()), torch.zeros(2, 8, dtype=torch.int64))
+
+    kind = [None]
+    step = GraphedStep(MoETransformer(load_model("tiny")), Opt(), (2, 9), 2, 1.0, body, torch.device("cpu"),
+                       graph_factory=PooledGraph, capture=capture)
+    kinds = [True, False, False, False, True, False, True, "third", "third"]
+    for t, k in enumerate(kinds):
+        kind[0] = k
+        step(torch.full((2, 9), t), lr=0.1, variant=k)
+    # eager: the warm-up (t 0-2) and the third kind's first step (t 7); captured: False at t 3, True at t 4,
+    # "third" at t 8; each replay did its kind's work on the batch its capture read (the static input)
+    assert step.eager_steps == WARMUP_STEPS + 1 and step.replays == len(kinds) - WARMUP_STEPS - 1
+    assert set(step.graphs) == {True, False, "third"}
+    assert [k for k, _ in work] == kinds
+    first = step.graphs[False].graph
+    assert capture.pools == [None, first.pool(), first.pool()]
+    assert step.optimizer.steps_taken == len(kinds)
+
+
+def test_counted_fp8_steps_are_every_nth_the_first_this_process_runs_and_the_last():
+    from disagmoe.runtime.training.trainer import counts_fp8
+
+    def counted(every, first, last):
+        return [s for s in range(first, last + 1) if counts_fp8(s, every, first, last)]
+
+    assert counted(1, 1, 5) == [1, 2, 3, 4, 5]
+    assert counted(10, 1, 25) == [1, 10, 20, 25]
+    assert counted(10, 13, 25) == [13, 20, 25]  # resumed at step 12: its first step counts
+    for every in (2, 3, 4, 50):  # the warm-up (the first three steps) runs both kinds, past every = 1
+        warm_up = [counts_fp8(s, every, 7, 300) for s in range(7, 7 + WARMUP_STEPS)]
+        assert True in warm_up and False in warm_up, every

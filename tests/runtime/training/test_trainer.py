@@ -520,6 +520,102 @@ def test_an_fp8_step_on_the_interpreter_records_its_numerics_and_flags_an_inf(in
     assert fields["fp8_by_kind"]["weights"]["nonfinite"] == 1
 
 
+def test_a_step_without_the_fp8_counters_runs_the_plain_quantisers_and_guards_its_update_by_the_norm():
+    """`MoETransformer.set_fp8_counting`: with None the experts and the FP8 dense projections get no
+    stats (their kernels' STATS off) and the FP8 weight copies stay; the update's skip is then the
+    gradient norm's non-finiteness (`fp8_update_skip`), with the stats their NONFINITE flag; outside
+    FP8 none. The record says which (`uncounted_fp8_fields`)."""
+    from disagmoe.kernels.fp8_stats import DENSE, NONFINITE, Fp8Stats
+    from disagmoe.model.experts import RoutedExperts
+    from disagmoe.model.layers import DeferrableLinear
+    from disagmoe.runtime.training.trainer import fp8_update_skip, uncounted_fp8_fields
+
+    model = MoETransformer(load_model("tiny"), experts_backend="triton")
+    norm = torch.tensor(float("nan"))
+    assert fp8_update_skip(model, norm) is None  # bf16
+    model.set_expert_precision("fp8")
+    stats = Fp8Stats("cpu")
+    model.set_fp8_stats(stats)
+    model.set_dense_fp8(True, stats, emulate=True)
+    dense = [m for m in model.modules() if isinstance(m, DeferrableLinear)]
+    experts = [m for m in model.modules() if isinstance(m, RoutedExperts)]
+    sentinel = object()
+    for m in dense:
+        m.fp8_copies = sentinel  # as `prepare_fp8` left them: a captured step reads these
+    stats.buffer[0, NONFINITE] = 1
+    assert float(fp8_update_skip(model, torch.tensor(1.0))) == 1.0  # counting: the quantisers' flag
+    model.set_fp8_counting(None)
+    assert model.fp8_stats is None and all(m.fp8_stats is None for m in experts)
+    assert all(m.fp8_stats_row is None and m.fp8 and m.fp8_copies is sentinel for m in dense)
+    assert float(fp8_update_skip(model, norm)) == 1.0 and float(fp8_update_skip(model, torch.tensor(2.0))) == 0.0
+    assert float(fp8_update_skip(model, torch.tensor(float("inf")))) == 1.0
+    model.set_fp8_counting(stats)
+    assert model.fp8_stats is stats and not model.fp8_uncounted and all(m.fp8_stats is stats for m in experts)
+    assert all(m.fp8_stats_row.data_ptr() == stats.row(DENSE).data_ptr() for m in dense)
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert uncounted_fp8_fields(True, float("nan"), cuda) == {"fp8_counted": True}  # the counters' fields say it
+    assert uncounted_fp8_fields(False, 1.5, cuda) == {"fp8_counted": False}
+    assert uncounted_fp8_fields(False, float("nan"), cuda) == {"fp8_counted": False, "fp8_update_skipped": True}
+    assert uncounted_fp8_fields(False, float("inf"), cpu)["fp8_update_skipped"] is False
+
+
+def test_fp8_counters_every_is_refused_where_it_does_not_apply():
+    with pytest.raises(ValueError, match="fp8_counters_every=10 .* precision: bf16: set precision: fp8"):
+        TrainConfig(model="tiny", precision="bf16", fp8_counters_every=10)
+    with pytest.raises(ValueError, match="fp8_counters_every=4 is built for mode: single .* set fp8_counters_every: 1"):
+        TrainConfig(model="tiny", mode="disaggregated", device="cuda", experts_backend="triton", precision="fp8",
+                    hop="partial_sums", fp8_counters_every=4)
+    with pytest.raises(ValueError, match="greater than 0"):
+        TrainConfig(model="tiny", fp8_counters_every=0)
+    cfg = TrainConfig(model="tiny", mode="single", device="cuda", experts_backend="triton", precision="fp8",
+                      fp8_counters_every=10)
+    assert cfg.fp8_counters_every == 10 and TrainConfig(model="tiny").fp8_counters_every == 1
+
+
+def test_a_diverged_step_without_the_fp8_counters_says_its_update_was_skipped():
+    from disagmoe.runtime.training.loop import diverged_report
+
+    cfg = TrainConfig(model="tiny")
+    record = {"step": 7, "loss": float("nan"), "grad_norm": float("nan"), "fp8_counted": False,
+              "fp8_update_skipped": True}
+    report = diverged_report(cfg, record, None)
+    assert report.startswith("step 7: loss nan, grad_norm nan (not finite); the optimizer skipped its update "
+                             "on the GPU")
+    assert "skipped" not in diverged_report(cfg, {**record, "fp8_update_skipped": False}, None)
+
+
+@pytest.mark.slow  # the FP8 expert kernels in Triton's interpreter
+def test_an_fp8_step_without_the_counters_computes_what_a_counting_one_does(interpreted):
+    """The same FP8 step (Triton's interpreter, fp32 parameters, the model set up by hand as the
+    trainer does) with the counters and without: the same loss, gradient norm and updated weights
+    to the bit (the counters only count), and only the counting step fills the buffer."""
+    from disagmoe.kernels.fp8_stats import Fp8Stats
+    from disagmoe.runtime.state.flat_adamw import FlatAdamW
+    from disagmoe.runtime.training.trainer import fp8_fields, train_step_flat
+
+    interpreted("disagmoe.kernels.grouped_gemm", "disagmoe.kernels.fp8", "disagmoe.kernels.fp8_ffn",
+                "disagmoe.kernels.permute")
+    data = TokenDataset(synthetic_corpus(1 << 12), 16, 2, 0, "train")
+    optim = OptimConfig(lr=1e-3, warmup_steps=0)
+    results = []
+    for counting in (True, False):
+        model = MoETransformer(load_model("tiny"), experts_backend="triton")
+        model.init_weights(0)
+        model.set_expert_precision("fp8")
+        stats = Fp8Stats("cpu")
+        model.set_fp8_stats(stats)
+        model.set_fp8_counting(stats if counting else None)
+        flat = FlatAdamW(model.named_parameters(), optim, torch.float32)
+        result = train_step_flat(model, flat, data.batch(0), 1, optim.lr, 0.0,
+                                 fp8_stats=stats if counting else None)
+        assert bool(fp8_fields(result, torch.device("cpu"))) == counting
+        assert stats.buffer.eq(0).all()  # counting: reset by the read; not: never written
+        results.append((result.loss, result.grad_norm, [p.detach().clone() for p in model.parameters()]))
+    (loss, norm, params), (loss_2, norm_2, params_2) = results
+    assert (loss, norm) == (loss_2, norm_2)
+    assert all(torch.equal(a, b) for a, b in zip(params, params_2, strict=True))
+
+
 @pytest.mark.gpu
 def test_cuda_fp8_steps_record_their_numerics_without_a_host_sync(tmp_path):
     """precision fp8 under set_sync_debug_mode('error') (forbid_host_syncs), eager and captured:
@@ -542,6 +638,34 @@ def test_cuda_fp8_steps_record_their_numerics_without_a_host_sync(tmp_path):
                     for r in records}
         assert len(elements) == 1  # the same shapes every step: each record counts its own step (reset)
         assert any(r["cuda_graph"] for r in records) == (graphs == "on")
+
+
+@pytest.mark.gpu
+def test_cuda_fp8_steps_counting_every_other_step_train_as_counting_ones_eager_and_captured(tmp_path):
+    """fp8_counters_every: 2 over 8 steps against every step counting, eager and captured (a graph for
+    each kind of step, `GraphedStep`): the same losses and gradient norms (the counters only count;
+    to 1e-6, the weight gradients' atomics may order sums differently between runs), the counters in
+    the records of steps 1, 2, 4, 6 and 8 alone, every step after the warm-up replayed."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("needs FP8 tensor cores")
+    model = load_model("tiny").model_copy(update={"hidden_size": 256, "expert_ffn_size": 256})
+    runs = {}
+    for graphs in ("off", "on"):
+        for every in (1, 2):
+            name = f"{graphs}-{every}"
+            train_single(tiny_run(tmp_path / name, model=model, steps=8, device="cuda", experts_backend="triton",
+                                  precision="fp8", cuda_graphs=graphs, fp8_counters_every=every, batch_size=8,
+                                  seq_len=128, checkpoint_at_end=False))
+            runs[name] = read_metrics(tmp_path / name / "run" / METRICS_FILE)
+    for graphs in ("off", "on"):
+        every_step, every_other = runs[f"{graphs}-1"], runs[f"{graphs}-2"]
+        for a, b in zip(every_step, every_other, strict=True):
+            assert b["loss"] == pytest.approx(a["loss"], rel=1e-6)
+            assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-6)
+        assert [r["fp8_counted"] for r in every_other] == [True, True, False, True, False, True, False, True]
+        assert [("fp8_amax" in r) for r in every_other] == [r["fp8_counted"] for r in every_other]
+        assert all(r["fp8_counted"] for r in every_step)
+        assert [r["cuda_graph"] for r in every_other] == [graphs == "on" and i >= 3 for i in range(8)]
 
 
 @pytest.mark.gpu
