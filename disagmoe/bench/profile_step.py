@@ -12,8 +12,9 @@ also split as `bench train` times it (`step_split`: from the trainer's sync befo
 sync after the read): before its first GPU activity (the launch), the activities' union (kernels,
 and copies such as the batch's),
 the idle between them, and after its last kernel (the read back), with the host's CUDA runtime calls
-in that window by total time (`runtime_calls`: a slow cudaGraphLaunch shows there). A Chrome trace
-of the profiled steps can be written for Perfetto.
+in that window by total time (`runtime_calls`: a slow cudaGraphLaunch shows there). Named kernel
+families are set against their roofline bound (`bench.kernel_bounds`: the expert weight gradients,
+issue 20 item 2). A Chrome trace of the profiled steps can be written for Perfetto.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import Any
 import torch
 
 from disagmoe.bench.gpu_clocks import GpuClockSampler
+from disagmoe.bench.kernel_bounds import kernel_bounds
 from disagmoe.bench.timing import device_intervals, host_events
 from disagmoe.config import TrainConfig
 
@@ -106,6 +108,8 @@ def run(cfg: TrainConfig, steps: int, warmup: int, log: Callable[[str], None],
             "step_split_ms": {part: s * 1e3 for part, s in step_split(windows, intervals).items()},
             "runtime_calls": [{"name": n[:120], "ms_per_step": s * 1e3 / per, "calls": c / per}
                               for n, (c, s) in runtime_calls(host, windows)[:8]],
+            "bounds": kernel_bounds(trainer.cfg, trainer.model_cfg,
+                                    {n: s * 1e3 / steps for n, s in kernels.items()}),
             "gpu_clocks": clocks.timed_summary(warmup), "gpu_clocks_note": clocks.timed_note(warmup)}
 
 

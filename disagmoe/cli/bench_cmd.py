@@ -737,7 +737,9 @@ def profile(
 ) -> None:
     """Profile single-GPU training steps: GPU kernels by total time, grouped into GEMM, attention,
     optimizer, copy/cast, elementwise and NCCL, how busy the GPU was (the union of its kernels'
-    intervals / wall time), and where it sat idle between kernels, by the pair around each gap."""
+    intervals / wall time), where it sat idle between kernels, by the pair around each gap, and named
+    kernels (the expert weight gradients) against their roofline bound under the config's hardware
+    (a calibrated preset, e.g. hardware=h200-sxm-calibrated, bounds them at the measured ceilings)."""
     from disagmoe.bench import profile_step as bench
     from disagmoe.bench.gpu_clocks import describe
     from disagmoe.config import load_train_config
@@ -777,12 +779,29 @@ def profile(
                   + ", ".join(f"{part} {ms:.1f} ms" for part, ms in split.items() if part != "between steps")
                   + f"; and {split['between steps']:.1f} ms between steps (the loop's host work, untimed)",
                   markup=False)
+    console.print(bounds_table(record["bounds"]))
     calls = Table(title="the host's CUDA calls inside the steps, by total time")
     for col in ("call", "calls/step", "ms/step"):
         calls.add_column(col, justify="left" if col == "call" else "right")
     for c in record["runtime_calls"]:
         calls.add_row(c["name"][:60], f"{c['calls']:.1f}", f"{c['ms_per_step']:.2f}")
     console.print(calls)
+
+
+def bounds_table(rows: list[dict]) -> Table:
+    """`bench profile`'s kernel families against their roofline bound (`bench.kernel_bounds`)."""
+    hardware = next((r["hardware"] for r in rows if "hardware" in r), None)
+    table = Table(title="kernels against their roofline bound, max(FLOPs / matmul ceiling, bytes / HBM)"
+                  + (f" under {hardware}" if hardware else ""))
+    for col in ("kernels", "ms/step", "bound ms", "binds", "TFLOP", "GB", "measured / bound"):
+        table.add_column(col, justify="left" if col in ("kernels", "binds") else "right")
+    for r in rows:
+        if "note" in r:
+            table.add_row(r["family"], f"{r['ms_per_step']:.2f}", "-", r["note"], "-", "-", "-")
+        else:
+            table.add_row(r["family"], f"{r['ms_per_step']:.2f}", f"{r['bound_ms_per_step']:.2f}", r["bound"],
+                          f"{r['tflop']:.1f}", f"{r['gb']:.1f}", f"{r['ratio']:.2f}x")
+    return table
 
 
 @bench_app.command("quantise")

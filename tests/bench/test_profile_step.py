@@ -225,14 +225,16 @@ def test_a_captured_config_is_profiled_after_its_capture_step() -> None:
 
 @pytest.mark.gpu
 def test_cuda_a_profile_reports_its_steps_and_their_clocks():
-    """`bench profile` on the tiny config on a GPU: its step split and the profiled steps' GPU clocks
-    (or why none were sampled)."""
+    """`bench profile` on the tiny config on a GPU: its step split, the profiled steps' GPU clocks
+    (or why none were sampled), and the expert weight gradients against their roofline bound."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     from disagmoe.bench import profile_step
     from disagmoe.config import load_train_config
 
-    cfg = load_train_config("configs/tiny-cpu.yaml", ["device=cuda", "experts_backend=triton"])
+    cfg = load_train_config("configs/tiny-cpu.yaml", ["device=cuda", "experts_backend=triton", "hardware=h200-sxm"])
     record = profile_step.run(cfg, steps=2, warmup=1, log=lambda _: None)
     assert record["kernel_ms_per_step"] > 0 and record["step_split_ms"]
+    (wgrad,) = record["bounds"]  # the expert weight gradients against their bound
+    assert wgrad["ms_per_step"] > 0 and wgrad["ratio"] > 0, wgrad
     assert record["gpu_clocks"] is not None or record["gpu_clocks_note"], record
