@@ -70,7 +70,16 @@ FP8_PROBE_BACKWARD = FP8_CURVE_BACKWARDS[max(FP8_CURVE_BACKWARDS)]  # what the c
 # both (the default), gate-up (the down projection in bf16) or down (the gate/up projection in bf16),
 # with any backward (each re-quantises the bf16 rows it holds); the loss split by GEMM: docs/benchmarks.md.
 FP8_EXPERT_FORWARDS = ("both", "gate-up", "down")
-DEFAULT_FP8_EXPERT_FORWARD = "both"
+DEFAULT_FP8_EXPERT_FORWARD = "both"  # the kernels' (and `bench calibrate`'s FP8 probe's): the all-FP8 forward
+# A run's (`TrainConfig.fp8_expert_forward` unset; `plan`'s): the down GEMM alone in FP8. 300 learned steps of the
+# Qwen3 config on one H100 (docs/benchmarks.md, session 32; fp8_dense false, seed 0): "both" ended 1.66% above
+# bf16's loss, outside a bf16 control's 1.57% (torch's AdamW update: rounding alone), "down" 0.66% below it,
+# inside; and "down" stepped faster there (the gate/up GEMM's FP8 ran slower than its bf16 on that shape).
+RUN_FP8_EXPERT_FORWARD = "down"
+# Every how many steps a precision-fp8 run in mode single counts its FP8 numerics (`TrainConfig.fp8_counters_every`
+# unset): the counting quantisers took 1.5-3x the plain ones' time; every 10th step made the Qwen3 config's FP8 step
+# 2-6% faster on an H100 (docs/benchmarks.md, session 32).
+FP8_COUNTERS_EVERY = 10
 # The routed FP8 experts' e4m3 weight copies (`kernels.fp8_ffn.Fp8ExpertWeights`), each one byte a
 # value of its weight: w13's and w2's forward B operands, and their transposes the data gradients read.
 FP8_WEIGHT_COPIES = ("w13", "w13_t", "w2", "w2_t")
@@ -491,23 +500,23 @@ class PlanConfig(StrictModel):
         "traffic and the FP8 weight copies' memory (train with precision: fp8; the plan records it and `train --plan` "
         "sets it)")
     fp8_dense: Literal["auto", "on", "off"] = Field(
-        "auto", description="with expert_precision fp8: on prices the dense projections' forward and data-gradient "
-        "GEMMs (attention, shared experts, dense FFN layers) in FP8 too (train with fp8_dense: true, the trainer's "
-        "default), their weight gradients at the bf16 rate: from the calibration's measured FP8 projection curve, "
-        "quantisers inside, or else at fp8_tflops plus their rowwise quantisation passes; off in bf16 (train with "
-        "fp8_dense: false); auto (the default) plans both ways and keeps the faster plan that fits (ties: on; "
+        "off", description="with expert_precision fp8: on prices the dense projections' forward and data-gradient "
+        "GEMMs (attention, shared experts, dense FFN layers) in FP8 too (train with fp8_dense: true), their weight "
+        "gradients at the bf16 rate: from the calibration's measured FP8 projection curve, quantisers inside, or "
+        "else at fp8_tflops plus their rowwise quantisation passes; off (the default, as the trainer's: the rowwise "
+        "recipe costs loss, TrainConfig.fp8_dense) in bf16; auto plans both ways and keeps the faster plan that fits (ties: on; "
         "neither fitting: off, the leaner), a note says which (at the datasheet ratio usually on for large models, "
         "while their quantisation passes can make off faster at small shapes); the plan records the choice and "
         "`train --plan` sets it; true / false read as on / off; no effect under bf16; `plan --config` prices the "
-        "run's own fp8_dense, auto where a precision-fp8 run leaves it unset")
+        "run's own fp8_dense")
     fp8_expert_backward: Literal["fp8", "bf16-wgrad", "bf16"] = Field(
         "bf16-wgrad", description="with expert_precision fp8: which of the routed experts' backward GEMMs are priced "
         "in FP8 (train with the same fp8_expert_backward): bf16-wgrad (the default: the data gradients FP8, the "
         "weight gradients at the bf16 rate), fp8 (both) or bf16 (neither: the forward alone); no effect under bf16")
     fp8_expert_forward: Literal["both", "gate-up", "down"] = Field(
-        "both", description="with expert_precision fp8: which of the routed experts' two forward GEMMs are priced in "
-        "FP8 (train with the same fp8_expert_forward): both (the default), gate-up or down (the other at the bf16 "
-        "rate); no effect under bf16")
+        RUN_FP8_EXPERT_FORWARD, description="with expert_precision fp8: which of the routed experts' two forward GEMMs "
+        "are priced in FP8 (train with the same fp8_expert_forward): down (the default, as the trainer's), gate-up "
+        "or both (the other at the bf16 rate); no effect under bf16")
     recompute: Literal["none", "selective", "full", "auto"] = Field(
         "auto", description="activation recomputation to price: none, selective (the expert FFN's input, "
         "output and SwiGLU rows dropped and recomputed in the backward: leaner expert GPUs, a few more HBM "
@@ -850,8 +859,9 @@ class TrainConfig(StrictModel):
         None, description="precision fp8: also run the dense projections' forward and data-gradient GEMMs "
         "(attention q/k/v/o and MLA's, shared experts, dense FFN layers) in e4m3 through torch._scaled_mm with "
         "rowwise scales (one per token / feature, a coarser recipe than the experts' 1x128 / 128x128), their "
-        "weight gradients in bf16 (kernels/fp8_dense.py says why); None = true under precision fp8; true is refused "
-        "under another precision")
+        "weight gradients in bf16 (kernels/fp8_dense.py says why); None = false: over 300 steps of the Qwen3 config "
+        "the rowwise recipe ran 1.5% above bf16's loss from the first 50 steps, and saved about 6 ms a step of 580 "
+        "(docs/benchmarks.md, session 32); true is refused under another precision")
     fp8_expert_backward: Literal["fp8", "bf16-wgrad", "bf16"] | None = Field(
         None, description="precision fp8: the routed experts' backward GEMMs: fp8 (all four in e4m3, the weight "
         "gradients over 128 x 1 token groups: DeepSeek-V3's recipe), bf16-wgrad (the weight gradients by the bf16 "
@@ -860,12 +870,11 @@ class TrainConfig(StrictModel):
         "pre-activations); kernels/fp8_ffn.py; None = bf16-wgrad (measured faster than fp8 at the same loss: docs/benchmarks.md, session 19); refused "
         "under another precision")
     fp8_expert_forward: Literal["both", "gate-up", "down"] | None = Field(
-        None, description="precision fp8: which of the routed experts' two forward GEMMs run in e4m3: both (the "
-        "default), gate-up (the down projection in bf16) or down (the gate/up projection in bf16: on the Qwen3 "
-        "config, with fp8_expert_backward bf16 and fp8_dense false, 200 steps ended at bf16's loss where both and "
-        "gate-up ended 5% above it with the Gluon row GEMM, session 20; with the Triton one, fp8_gluon false, "
-        "gate-up ends at bf16's loss too, session 28: docs/benchmarks.md); with any fp8_expert_backward; refused "
-        "under another precision")
+        None, description="precision fp8: which of the routed experts' two forward GEMMs run in e4m3: both, gate-up "
+        "(the down projection in bf16) or down (the gate/up projection in bf16; None = down: over 300 learned steps of "
+        "the Qwen3 config, fp8_dense false, down ended 0.66% below bf16's loss, inside a bf16 control's spread, and "
+        "both 1.66% above, outside it; down also stepped faster, session 32; session 20's 200 steps found the same "
+        "with the Gluon row GEMM: docs/benchmarks.md); with any fp8_expert_backward; refused under another precision")
     fp8_emulate: bool = Field(
         False, description="precision fp8, a numerics check: run each FP8 GEMM as its operands' "
         "quantise-dequantise images (the same e4m3 rounding and scales, from the same quantisers, so the FP8 "
@@ -883,13 +892,15 @@ class TrainConfig(StrictModel):
         "triton-fp8:gluon) instead of the Triton ones. Off by default: with it the Qwen3 config trained 6.6% above "
         "bf16's loss over 200 steps where the Triton kernels ended at bf16's (docs/benchmarks.md, session 28); the "
         "cause is not found. Refused under another precision")
-    fp8_counters_every: PositiveInt = Field(
-        1, description="precision fp8: the FP8 quantisers count their numerics (amax, saturated, underflow and "
+    fp8_counters_every: PositiveInt | None = Field(
+        None, description="precision fp8: the FP8 quantisers count their numerics (amax, saturated, underflow and "
         "non-finite values: a step record's fp8_* fields) on every Nth step, the first step a process runs and "
         "the last; the other steps run the quantisers' plain kernels (the counting ones took 1.5-3x their time, "
-        "bench quantise) and skip the optimizer's update on a non-finite gradient norm instead (records say "
-        "fp8_counted). A captured run keeps a CUDA graph for each kind of step, in one memory pool. 1 (the "
-        "default): every step counts. mode single; refused under another precision")
+        "bench quantise; every 10th step made the Qwen3 config's FP8 step 2-6% faster on an H100, session 32) "
+        "and skip the optimizer's update on a non-finite gradient norm instead (records say fp8_counted). A "
+        "captured run keeps a CUDA graph for each kind of step, in one memory pool. 1: every step counts (a "
+        "parity run's per-step saturation share). None = 10 in mode single; the distributed modes count every step "
+        "(set there, anything but 1 is refused); set under another precision: refused")
     routing: Literal["learned", "balanced"] = Field(
         "learned", description="balanced: every expert gets the same number of tokens whatever the router "
         "scores (a benchmark setting, as other trainers' performance recipes use; labelled in every output); "
@@ -1045,16 +1056,24 @@ class TrainConfig(StrictModel):
     @property
     def expert_forward_precision(self) -> str | None:
         """Under FP8 experts, which of their two forward GEMMs run in FP8 (`fp8_expert_forward`, None =
-        `DEFAULT_FP8_EXPERT_FORWARD`); None where the experts are not FP8."""
+        `RUN_FP8_EXPERT_FORWARD`); None where the experts are not FP8."""
         if self.expert_precision != "fp8":
             return None
-        return self.fp8_expert_forward or DEFAULT_FP8_EXPERT_FORWARD
+        return self.fp8_expert_forward or RUN_FP8_EXPERT_FORWARD
+
+    @property
+    def counters_every(self) -> int:
+        """Every how many steps the FP8 quantisers count (`fp8_counters_every`, None = `FP8_COUNTERS_EVERY`
+        in mode single; the distributed modes count every step)."""
+        if self.mode != "single":
+            return 1
+        return self.fp8_counters_every or FP8_COUNTERS_EVERY
 
     @property
     def dense_precision(self) -> str:
         """'fp8' where the dense projections' GEMMs run in FP8 (`fp8_dense`, rowwise), else the
         parameters' dtype name."""
-        return "fp8" if self.precision == "fp8" and self.fp8_dense is not False else self.compute_dtype_name
+        return "fp8" if self.precision == "fp8" and self.fp8_dense else self.compute_dtype_name
 
     @property
     def steps_reference_adamw(self) -> bool:
@@ -1127,11 +1146,11 @@ class TrainConfig(StrictModel):
         if self.fp8_gluon and self.precision != "fp8":
             raise ValueError(f"fp8_gluon: true runs the FP8 experts' GEMMs in the Gluon kernels; this run is "
                              f"precision: {self.precision}: set precision: fp8 or remove fp8_gluon")
-        if self.fp8_counters_every > 1 and self.precision != "fp8":
+        if self.fp8_counters_every is not None and self.precision != "fp8":
             raise ValueError(f"fp8_counters_every={self.fp8_counters_every} spaces out the FP8 quantisers' counters "
                              f"under precision: fp8; this run is precision: {self.precision}: set precision: fp8 or "
                              "remove fp8_counters_every")
-        if self.fp8_counters_every > 1 and self.mode != "single":
+        if (self.fp8_counters_every or 1) > 1 and self.mode != "single":
             raise ValueError(f"fp8_counters_every={self.fp8_counters_every} is built for mode: single so far; the "
                              f"{self.mode} ranks count on every step (their counters are summed over ranks with "
                              "the gradient norm): set fp8_counters_every: 1, or mode: single")
@@ -1212,7 +1231,7 @@ def priced_as_trained(cfg: TrainConfig) -> dict[str, Any]:
             "expert_precision": "fp8" if cfg.expert_precision == "fp8" else "bf16",
             "fp8_dense": cfg.dense_precision == "fp8", "recompute": cfg.recompute,
             "fp8_expert_backward": cfg.fp8_expert_backward or DEFAULT_FP8_EXPERT_BACKWARD,
-            "fp8_expert_forward": cfg.fp8_expert_forward or DEFAULT_FP8_EXPERT_FORWARD,
+            "fp8_expert_forward": cfg.fp8_expert_forward or RUN_FP8_EXPERT_FORWARD,
             "recompute_modules": list(cfg.recompute_modules) if cfg.recompute == "selective" else None,
             "experts_backend": cfg.experts_backend, "cuda_graphs": cfg.cuda_graphs}
 

@@ -206,9 +206,12 @@ def test_the_update_kernel_is_triton_by_default_and_takes_torch(tmp_path):
         cfg.load_train_config(path, ["update_kernel=triton"])
 
 
-def test_fp8_dense_follows_precision_fp8_and_is_refused_without_it():
+def test_fp8_dense_is_off_unless_set_and_is_refused_without_precision_fp8():
+    """Unset, the dense projections stay bf16 under precision fp8 (the rowwise recipe cost loss:
+    `TrainConfig.fp8_dense`); true runs them in FP8."""
     base = dict(model="tiny", device="cuda", experts_backend="triton")
-    assert cfg.TrainConfig(precision="fp8", **base).dense_precision == "fp8"
+    assert cfg.TrainConfig(precision="fp8", **base).dense_precision == "bf16"
+    assert cfg.TrainConfig(precision="fp8", fp8_dense=True, **base).dense_precision == "fp8"
     assert cfg.TrainConfig(precision="fp8", fp8_dense=False, **base).dense_precision == "bf16"
     assert cfg.TrainConfig(precision="bf16", **base).dense_precision == "bf16"
     assert cfg.TrainConfig(precision="bf16", fp8_dense=False, **base).dense_precision == "bf16"
@@ -230,8 +233,8 @@ def test_fp8_expert_backward_follow_precision_fp8_and_are_refused_without_it():
 
 def test_fp8_expert_forward_follows_precision_fp8_with_any_backward():
     base = dict(model="tiny", device="cuda", experts_backend="triton")
-    assert cfg.TrainConfig(precision="fp8", **base).expert_forward_precision == "both"
-    for forward in ("gate-up", "down"):
+    assert cfg.TrainConfig(precision="fp8", **base).expert_forward_precision == "down"  # RUN_FP8_EXPERT_FORWARD
+    for forward in ("gate-up", "both"):
         for backward in ("fp8", "bf16-wgrad", "bf16"):
             run = cfg.TrainConfig(precision="fp8", fp8_expert_forward=forward, fp8_expert_backward=backward, **base)
             assert run.expert_forward_precision == forward and run.expert_backward_precision == backward
@@ -280,7 +283,7 @@ def test_fp8_dense_takes_any_sequence_length():
     """The FP8 dense GEMMs have the tokens as their free dimension (the weight gradient, which
     contracted them on torch._scaled_mm and needed whole 16s, runs in bf16): any seq_len."""
     base = dict(model="tiny", device="cuda", experts_backend="triton", precision="fp8")
-    assert cfg.TrainConfig(seq_len=120, **base).dense_precision == "fp8"
+    assert cfg.TrainConfig(seq_len=120, fp8_dense=True, **base).dense_precision == "fp8"
     assert cfg.TrainConfig(seq_len=120, fp8_dense=False, **base).dense_precision == "bf16"
 
 

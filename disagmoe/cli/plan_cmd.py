@@ -15,7 +15,8 @@ from rich.table import Table
 from disagmoe import compact
 from disagmoe.bench.probe import stale_note
 from disagmoe.cli.common import auto_split, console, literal, print_json, user_errors
-from disagmoe.config import ClusterConfig, HardwareConfig, Plan, PlanConfig, load_hardware, write_text_file
+from disagmoe.config import (RUN_FP8_EXPERT_FORWARD, ClusterConfig, HardwareConfig, Plan, PlanConfig, load_hardware,
+                             write_text_file)
 from disagmoe.model_ref import load_model
 from disagmoe.placement.cost import Candidates
 from disagmoe.placement.experts import read_histogram
@@ -52,16 +53,16 @@ PrecisionOpt = Annotated[Literal["bf16", "fp8"], typer.Option(
     "either way (the plan records it and a note says which rate; train --plan sets precision: fp8)")]
 Fp8DenseOpt = Annotated[Optional[bool], typer.Option(
     "--fp8-dense/--no-fp8-dense", help="with --expert-precision fp8: price the dense projections (attention, shared "
-    "experts, dense FFN layers) in FP8 too, rowwise (as precision: fp8 trains them by default), or in bf16 (train "
-    "with fp8_dense: false); neither flag: both ways, the faster plan kept (a note says which); the plan records it "
-    "and train --plan sets it", show_default=False)]
+    "experts, dense FFN layers) in FP8 too, rowwise (train with fp8_dense: true), or in bf16 (as precision: fp8 "
+    "trains them by default: the rowwise recipe costs loss); neither flag: bf16 (a plan request's fp8_dense: auto "
+    "prices both ways and keeps the faster); the plan records it and train --plan sets it", show_default=False)]
 Fp8BackwardOpt = Annotated[Literal["fp8", "bf16-wgrad", "bf16"], typer.Option(
     "--fp8-expert-backward", help="with --expert-precision fp8: which of the experts' backward GEMMs to price in FP8: "
     "bf16-wgrad (the default, as precision: fp8 trains: the data gradients FP8, the weight gradients bf16), fp8 "
     "(both) or bf16 (the forward alone); train with the same fp8_expert_backward")]
 Fp8ForwardOpt = Annotated[Literal["both", "gate-up", "down"], typer.Option(
     "--fp8-expert-forward", help="with --expert-precision fp8: which of the experts' two forward GEMMs to price in "
-    "FP8: both (the default, as precision: fp8 trains), gate-up or down (the other at the bf16 rate); train with the "
+    "FP8: down (the default, as precision: fp8 trains), gate-up or both (the other at the bf16 rate); train with the "
     "same fp8_expert_forward")]
 OffloadOpt = Annotated[Literal["auto", "on", "off"], typer.Option(
     "--offload-optimizer", help="the fp32 masters and AdamW moments in host memory: on (two staging buckets on "
@@ -90,7 +91,7 @@ def build_request(model: str, hardware: str, gpus: int, seq_len: int | None, glo
                   optimizer_state_dtype: str = "fp32", recompute: str = "auto",
                   expert_precision: str = "bf16", offload_optimizer: str = "off",
                   optimizer_update_kernel: str = "triton", fp8_dense: bool | None = None,
-                  fp8_expert_backward: str = "bf16-wgrad", fp8_expert_forward: str = "both",
+                  fp8_expert_backward: str = "bf16-wgrad", fp8_expert_forward: str = RUN_FP8_EXPERT_FORWARD,
                   cuda_graphs: str = "auto") -> PlanConfig:
     mcfg = load_model(model)
     hist = read_histogram(load_histogram, mcfg.num_moe_layers, mcfg.num_experts) if load_histogram else None
@@ -101,7 +102,7 @@ def build_request(model: str, hardware: str, gpus: int, seq_len: int | None, glo
                       optimizer_state_dtype=optimizer_state_dtype, recompute=recompute,
                       expert_precision=expert_precision, offload_optimizer=offload_optimizer,
                       optimizer_update_kernel=optimizer_update_kernel,
-                      fp8_dense="auto" if fp8_dense is None else fp8_dense,
+                      fp8_dense="off" if fp8_dense is None else fp8_dense,
                       fp8_expert_backward=fp8_expert_backward, fp8_expert_forward=fp8_expert_forward,
                       cuda_graphs=cuda_graphs)
 
@@ -151,7 +152,7 @@ def plan(
     expert_precision: PrecisionOpt = "bf16",
     fp8_dense: Fp8DenseOpt = None,
     fp8_expert_backward: Fp8BackwardOpt = "bf16-wgrad",
-    fp8_expert_forward: Fp8ForwardOpt = "both",
+    fp8_expert_forward: Fp8ForwardOpt = RUN_FP8_EXPERT_FORWARD,
     offload_optimizer: OffloadOpt = "off",
     cuda_graphs: CudaGraphsOpt = "auto",
     as_json: JsonOpt = False,
@@ -215,7 +216,6 @@ def config_request(config: Path, overrides: list[str], given: list[str], hardwar
     (`config.priced_as_trained`), on `gpus` (default: its layout's, `trace_compare.layout_gpus`) of
     `hardware` (default: its own), its recomputation and offload as the config sets them unless
     `recompute` / `offload_optimizer` (the flags, given: e.g. auto, the planner's choice per layout).
-    A precision-fp8 run that leaves fp8_dense unset plans it auto (both ways, the faster kept).
     `given`: the flags the config sets that the command line gave too (refused: say where they go)."""
     from disagmoe.config import load_train_config, priced_as_trained
     from disagmoe.placement.trace_compare import layout_gpus
@@ -229,8 +229,6 @@ def config_request(config: Path, overrides: list[str], given: list[str], hardwar
     mcfg = load_model(cfg.model)
     hist = read_histogram(load_histogram, mcfg.num_moe_layers, mcfg.num_experts) if load_histogram else None
     run = priced_as_trained(cfg)
-    if cfg.precision == "fp8" and cfg.fp8_dense is None:
-        run["fp8_dense"] = "auto"  # the run leaves it unset: planned both ways, and `train --plan` sets the choice
     if recompute is not None:
         run["recompute"] = recompute
     offload = offload_optimizer or ("on" if cfg.offloads_to_host else "off")

@@ -97,7 +97,7 @@ def apply_plan(cfg: TrainConfig, model_cfg: ModelConfig) -> TrainConfig:
         layout["optim"] = cfg.optim.model_copy(update=optim)
     if plan.expert_precision == "fp8":  # the plan's memory and step time are FP8's (a bf16 plan leaves the config's)
         layout["precision"] = "fp8"
-        if plan.fp8_dense is not None and plan.fp8_dense != (cfg.fp8_dense is not False):  # None: on under fp8
+        if plan.fp8_dense is not None and plan.fp8_dense != bool(cfg.fp8_dense):  # None: off
             layout["fp8_dense"] = plan.fp8_dense
         layout.update({name: value for name, value in (("fp8_expert_backward", plan.fp8_expert_backward),
                                                         ("fp8_expert_forward", plan.fp8_expert_forward))

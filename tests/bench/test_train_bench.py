@@ -72,7 +72,7 @@ def test_an_fp8_rows_record_names_the_kernels_its_experts_ran():
         "rows triton | swiglu triton | wgrad bf16 triton | backward bf16 triton | forward down bf16 triton")
     default = TrainConfig(model="tiny", device="cuda", experts_backend="triton", precision="fp8")
     assert fp8_kernels(default.model_copy(update={"device": "cpu"})) == (
-        "rows triton | swiglu triton | wgrad bf16 triton")
+        "rows triton | swiglu triton | wgrad bf16 triton | forward gate/up bf16 triton")  # forward down: the default
 
 
 def test_gpu_waits_are_averaged_per_group_and_payload_after_the_warmup():

@@ -430,26 +430,30 @@ def test_notes_print_their_brackets_as_written():
 
 
 def test_no_fp8_dense_prices_the_dense_projections_in_bf16_and_the_plan_records_it():
-    """`--expert-precision fp8 --no-fp8-dense`: the experts in FP8, the attention projections and
-    other dense GEMMs in bf16 (a slower plan than with them in FP8 too), recorded as fp8_dense false
-    for `train --plan`; under bf16 the flag changes nothing."""
+    """`--expert-precision fp8 --fp8-dense`: the experts and the attention projections and other
+    dense GEMMs in FP8; `--no-fp8-dense`, or neither flag (as precision: fp8 trains by default), the
+    dense GEMMs in bf16 (at the datasheet ratio a slower plan), recorded as fp8_dense false for
+    `train --plan`; under bf16 the flag changes nothing."""
     args = ("plan", "--model", "qwen3-30b-a3b", "--hardware", "h200-sxm", "--gpus", "8", "--json")
-    dense, lean = (Plan.model_validate(json.loads(run(*args, "--expert-precision", "fp8", *extra).stdout))
-                   for extra in ((), ("--no-fp8-dense",)))
+    dense, lean, unset = (Plan.model_validate(json.loads(run(*args, "--expert-precision", "fp8", *extra).stdout))
+                          for extra in (("--fp8-dense",), ("--no-fp8-dense",), ()))
     assert (dense.expert_precision, dense.fp8_dense, lean.expert_precision, lean.fp8_dense) == ("fp8", True, "fp8", False)
     assert lean.step_time_s > dense.step_time_s
+    assert (unset.fp8_dense, unset.step_time_s) == (False, lean.step_time_s)
     plain, plain_lean = (json.loads(run(*args, *extra).stdout)["step_time_s"] for extra in ((), ("--no-fp8-dense",)))
     assert plain == plain_lean
     assert "--no-fp8-dense" in run("plan", "--help").output
 
 
 def test_plan_prices_the_fp8_forward_gemms_it_is_told():
-    """`plan --fp8-expert-forward down`: the experts' gate/up forward GEMM at the bf16 rate, which the
-    plan's note names; both (the default) says nothing of it; an unknown choice is refused."""
+    """`plan --fp8-expert-forward`: down (the default, as precision: fp8 trains) prices the experts'
+    gate/up forward GEMM at the bf16 rate, which the plan's note names; both prices it in FP8 and says
+    nothing of it; an unknown choice is refused."""
     base = ("plan", "-m", "qwen3-30b-a3b", "-hw", "h200-sxm", "-n", "8", "--expert-precision", "fp8", "--json")
-    both = json.loads(run(*base).stdout)
-    down = json.loads(run(*base, "--fp8-expert-forward", "down").stdout)
+    down = json.loads(run(*base).stdout)
+    both = json.loads(run(*base, "--fp8-expert-forward", "both").stdout)
     assert down["step_time_s"] != both["step_time_s"] or down["layout"] != both["layout"]
+    assert down["fp8_expert_forward"] == "down" and both["fp8_expert_forward"] == "both"
     assert any("gate/up GEMM at the bf16 rate (fp8_expert_forward: down)" in n for n in down["notes"])
     assert not any("fp8_expert_forward" in n for n in both["notes"])
     assert run(*base, "--fp8-expert-forward", "up").exit_code == 2
@@ -521,33 +525,31 @@ def test_plan_refuses_beside_a_config_the_flags_it_sets_and_says_where_they_go()
     assert nameless.exit_code != 0 and "names no hardware; pass --hardware" in nameless.output
 
 
-def test_plan_chooses_the_dense_projections_precision_unless_told():
-    """`plan --expert-precision fp8` with neither --fp8-dense nor --no-fp8-dense plans both ways (a
-    note says which it kept); either flag fixes it, with no such note."""
+def test_plan_prices_the_dense_projections_in_bf16_unless_told():
+    """`plan --expert-precision fp8` with neither --fp8-dense nor --no-fp8-dense prices the dense
+    projections in bf16, as precision: fp8 trains them by default (no `fp8_dense auto` note: auto is a
+    request's choice, `PlanConfig.fp8_dense`); either flag fixes it."""
     base = ["plan", "--model", "qwen3-30b-a3b", "--hardware", "h200-sxm", "--gpus", "8", "--expert-precision", "fp8",
             "--json"]
     plans = {flag: json.loads(CliRunner().invoke(app, base + ([flag] if flag else [])).stdout)
              for flag in (None, "--fp8-dense", "--no-fp8-dense")}
-    assert any(n.startswith("fp8_dense auto chose") for n in plans[None]["notes"])
-    assert (plans["--fp8-dense"]["fp8_dense"], plans["--no-fp8-dense"]["fp8_dense"]) == (True, False)
-    assert not any(n.startswith("fp8_dense auto") for flag in ("--fp8-dense", "--no-fp8-dense")
-                   for n in plans[flag]["notes"])
+    assert (plans[None]["fp8_dense"], plans["--fp8-dense"]["fp8_dense"], plans["--no-fp8-dense"]["fp8_dense"]) == (
+        False, True, False)
+    assert not any(n.startswith("fp8_dense auto") for plan in plans.values() for n in plan["notes"])
 
 
-def test_plan_of_a_config_that_leaves_fp8_dense_unset_chooses_it_and_train_plan_applies_the_choice(tmp_path):
-    """`plan -c CFG precision=fp8`: a run without fp8_dense plans the dense projections both ways (the
-    note of `fp8_dense: auto`); one that sets it is priced as it says, with no such note; `train --plan`
-    then sets what the plan chose."""
+def test_plan_of_a_config_prices_its_fp8_dense_as_it_trains_and_train_plan_keeps_it(tmp_path):
+    """`plan -c CFG precision=fp8`: a run without fp8_dense is priced with the dense projections in
+    bf16 (as it trains), one that sets it as it says; `train --plan` then trains what was priced."""
     from disagmoe.config import load_train_config
     from disagmoe.model_ref import load_model
     from disagmoe.runtime.plan_layout import apply_plan
 
     base = ["plan", "-c", "configs/h200x2-qwen3-30b.yaml", "--json", "precision=fp8"]
     unset = json.loads(run(*base, "--out", str(tmp_path / "plan.json")).stdout)
-    assert any(n.startswith("fp8_dense auto chose") for n in unset["notes"]), unset["notes"]
+    assert unset["fp8_dense"] is False and not any(n.startswith("fp8_dense auto") for n in unset["notes"])
     for fixed in (True, False):
         plan = json.loads(run(*base, f"fp8_dense={str(fixed).lower()}").stdout)
         assert plan["fp8_dense"] is fixed and not any(n.startswith("fp8_dense auto") for n in plan["notes"])
     cfg = load_train_config("configs/h200x2-qwen3-30b.yaml", ["precision=fp8", f"plan={tmp_path / 'plan.json'}"])
-    trained = apply_plan(cfg, load_model(cfg.model))
-    assert trained.dense_precision == ("fp8" if unset["fp8_dense"] else "bf16")
+    assert apply_plan(cfg, load_model(cfg.model)).dense_precision == "bf16"

@@ -340,7 +340,7 @@ def test_train_sets_the_optimizer_and_precision_a_plan_was_priced_with_and_says_
     gpu = load_train_config(REPO / "configs/tiny-cpu.yaml", ["device=cuda", "experts_backend=triton", "seq_len=32",
                                                              f"plan={fp8}"])
     note = " ".join(_plan_note(gpu, apply_plan(gpu, load_model("tiny"))).split())
-    assert "as it was priced: precision=fp8 (config: auto)" in note and "fp8_dense" not in note
+    assert "as it was priced: precision=fp8 (config: auto)" in note and "fp8_dense=True (config: None)" in note
 
 
 def test_the_progress_bar_and_the_summary_report_one_tokens_per_s(tmp_path, monkeypatch):
@@ -375,4 +375,5 @@ def test_an_emulated_fp8_run_says_so_at_start():
     note = fp8_emulate_note(TrainConfig(**fields, fp8_dense=False))
     assert note.startswith("precision: FP8 emulated (quantise-dequantise into the bf16 GEMMs)")
     assert "fp8_expert_forward: gate-up" in note and "dense" not in note and "price it as FP8" in note
-    assert "the dense projections' (in fp64)" in fp8_emulate_note(TrainConfig(**fields))
+    assert "the dense projections' (in fp64)" in fp8_emulate_note(TrainConfig(**fields, fp8_dense=True))
+    assert "dense" not in fp8_emulate_note(TrainConfig(**fields))  # fp8_dense unset: off

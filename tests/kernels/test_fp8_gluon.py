@@ -501,7 +501,8 @@ def test_gpu_training_every_gluon_gate_up_launch_of_a_captured_run_is_the_triton
         train_single(TrainConfig(model=model, mode="single", device="cuda", steps=8, batch_size=2, seq_len=4096,
                                  micro_batches=2, eval_every=0, checkpoint_at_end=False, precision="fp8",
                                  experts_backend="triton", fp8_expert_forward="gate-up", fp8_expert_backward="bf16",
-                                 fp8_gluon=True, cuda_graphs="on", out_dir=str(tmp_path / "run")))
+                                 fp8_gluon=True, cuda_graphs="on", fp8_counters_every=1,  # one captured graph
+                                 out_dir=str(tmp_path / "run")))
     finally:
         fp8_ffn.set_gluon(False)
     torch.cuda.synchronize()

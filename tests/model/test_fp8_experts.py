@@ -606,7 +606,8 @@ def test_cuda_fp8_selective_recomputation_trains_like_the_plain_fp8_run(tmp_path
         pytest.skip("needs FP8 tensor cores")
     model = load_model("tiny").model_copy(update={"hidden_size": 256, "expert_ffn_size": 256})
     fields = dict(model=model, mode="single", device="cuda", steps=8, batch_size=8, seq_len=128, micro_batches=2,
-                  eval_every=0, checkpoint_at_end=False, precision="fp8", experts_backend="triton")
+                  eval_every=0, checkpoint_at_end=False, precision="fp8", experts_backend="triton",
+                  fp8_counters_every=1)  # every record's counters compared
     held_gib = {}  # what the process held as each run began: its peak counts from there (`reset_peak_memory`)
     for name, extra in (("plain", {}), ("lean", dict(recompute="selective", forbid_host_syncs=True,
                                                      recompute_modules=["expert_input", "expert_swiglu"]))):
@@ -672,11 +673,12 @@ def test_the_memory_check_counts_the_fp8_weight_copies(forward, backward):
     recipe = dict(fp8_expert_forward=forward, fp8_expert_backward=backward)
     model = load_model("tiny")
     bf16, fp8, fp8_dense = (single_peak_bytes(TrainConfig(**fields, precision=p, **kw), model)[0]
-                            for p, kw in (("bf16", {}), ("fp8", {"fp8_dense": False, **recipe}), ("fp8", recipe)))
+                            for p, kw in (("bf16", {}), ("fp8", {"fp8_dense": False, **recipe}),
+                                          ("fp8", {"fp8_dense": True, **recipe})))
     routed, per_param = count_params(model).routed_experts, COPY_BYTES_PER_PARAM[forward, backward]
     assert fp8 - bf16 == int(fp8_weight_copy_bytes(routed, forward, backward))
     assert per_param * routed < fp8 - bf16 < 1.001 * per_param * routed
-    # with the dense projections in FP8 (the default) their two e4m3 copies too, 1 byte each
+    # with the dense projections in FP8 (fp8_dense: true) their two e4m3 copies too, 1 byte each
     dense = sum(m.weight.numel() for m in MoETransformer(model).modules() if isinstance(m, DeferrableLinear))
     assert fp8_dense - fp8 == 2 * dense
 

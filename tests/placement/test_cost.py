@@ -400,7 +400,7 @@ def test_fp8_experts_hold_their_memory_whatever_the_hardwares_fp8_rate(fp8_tflop
     def cost(hw, precision):
         req = PlanConfig(model=load_model("qwen3-30b-a3b"), cluster=ClusterConfig(hardware=hw, num_gpus=8),
                          seq_len=4096, global_batch_tokens=1 << 20, recompute="none", expert_precision=precision,
-                         fp8_expert_backward=backward)
+                         fp8_expert_backward=backward, fp8_expert_forward="both")
         return problem_of(req), evaluate(problem_of(req), layout)
 
     (prob, bf16), (_, fp8), (_, fast) = cost(slow, "bf16"), cost(slow, "fp8"), cost(h200, "fp8")

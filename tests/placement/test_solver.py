@@ -536,8 +536,8 @@ def test_fp8_experts_are_priced_at_the_fp8_rate_with_their_passes_and_copies():
     expert parameter in the expert GPU's memory and the optimizer's pass, the FP8 rows' activations
     (no SwiGLU output kept: fewer than bf16's), never expert_output recomputed, a note."""
     layout = Candidates.one(4, 4, 1, 4, 2)
-    bf16, fp8 = (evaluate(problem_of(request("qwen3-30b-a3b", "h200-sxm", 8, recompute="none",
-                                             expert_precision=p, fp8_expert_backward="fp8")), layout)
+    bf16, fp8 = (evaluate(problem_of(request("qwen3-30b-a3b", "h200-sxm", 8, recompute="none", expert_precision=p,
+                                             fp8_expert_backward="fp8", fp8_expert_forward="both")), layout)
                  for p in ("bf16", "fp8"))
     hw = load_hardware("h200-sxm")
     speedup = hw.fp8_tflops / hw.bf16_tflops
@@ -562,13 +562,15 @@ QWEN3_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "h200x2-qwen3-3
 
 def _qwen3_single(hw, precision: str, fp8_dense: bool = True, *more: str):
     """configs/h200x2-qwen3-30b.yaml in mode single at 2 micro-batches, priced on `hw` as it trains
-    in `precision` (and `more` key=value overrides): (its problem, its cost, its plan)."""
+    in `precision` (fp8: both forward GEMMs in FP8 unless `more` says otherwise; and `more` key=value
+    overrides): (its problem, its cost, its plan)."""
     from disagmoe.config import load_train_config
     from disagmoe.placement.trace_compare import run_request
 
     overrides = ["mode=single", "micro_batches=2", f"precision={precision}", *more]
-    cfg = load_train_config(QWEN3_CONFIG, overrides + ([f"fp8_dense={str(fp8_dense).lower()}"]
-                                                       if precision == "fp8" else []))
+    fp8 = [f"fp8_dense={str(fp8_dense).lower()}"] + ([] if any(m.startswith("fp8_expert_forward=") for m in more)
+                                                      else ["fp8_expert_forward=both"])  # the all-FP8 forward
+    cfg = load_train_config(QWEN3_CONFIG, overrides + (fp8 if precision == "fp8" else []))
     req, cand = run_request(cfg, load_model(cfg.model), hw)
     return problem_of(req), evaluate(problem_of(req), cand), price(req, cand).plan
 
@@ -641,7 +643,7 @@ def test_one_gpus_fp8_input_rows_are_priced_as_the_layer_quantises_them(model, o
     split = Candidates.one(4, 4, 1, 4, 2)
     for layout, tokens_once in ((single, True), (split, False)):
         prob = problem_of(request(model, "h200-sxm", 8 if layout is split else 1, recompute="none",
-                                  expert_precision="fp8"))  # uncalibrated: the datasheet pricing
+                                  expert_precision="fp8", fp8_expert_forward="both"))  # uncalibrated: the datasheet
         cost = evaluate(prob, layout)
         fwd = cost.stages["fp8 quantise"].fwd.hbm_bytes[0]
         tokens = layout.seqs[0] * prob.seq_len
@@ -751,7 +753,7 @@ def test_a_plan_records_the_expert_modules_it_priced_not_all_three():
 
 
 def test_fp8_dense_projections_are_priced_at_the_fp8_rate_with_their_quantise_passes():
-    """`expert_precision: fp8` with `fp8_dense` (the default): the attention projections, shared
+    """`expert_precision: fp8` with `fp8_dense` on: the attention projections, shared
     experts and dense FFN layers forward at fp8_tflops / bf16_tflops the rate, backward at 2 s /
     (1 + s) of it (the FP8 data gradient beside the bf16 weight gradient), each with its rowwise
     quantisation passes as an attention stage run as often; fp8_dense: false leaves them bf16."""
@@ -776,7 +778,7 @@ def test_fp8_dense_projections_are_priced_at_the_fp8_rate_with_their_quantise_pa
             assert f"fp8 quantise ({part})" not in experts_only.stages
         assert "fp8 quantise (shared experts)" not in dense.stages or model == "deepseek-v3"
         assert dense.fwd_round_s[0] < experts_only.fwd_round_s[0]
-    plan = solve(request("qwen3-30b-a3b", "h200-sxm", 8, expert_precision="fp8"))
+    plan = solve(request("qwen3-30b-a3b", "h200-sxm", 8, expert_precision="fp8", fp8_dense="on"))
     assert any("dense projections (attention, shared experts, dense FFN layers) in FP8 too" in n for n in plan.notes)
 
 
@@ -868,7 +870,8 @@ def test_fp8_dense_auto_keeps_the_leaner_plan_when_neither_fits():
     a note that neither fits and no `train with` advice."""
     m = load_model("qwen3-235b-a22b")
     choice = choose(PlanConfig(model=m, cluster=ClusterConfig(hardware=load_hardware("h200-sxm"), num_gpus=1),
-                               seq_len=m.seq_len, global_batch_tokens=4 * 1024 * 1024, expert_precision="fp8"))
+                               seq_len=m.seq_len, global_batch_tokens=4 * 1024 * 1024, expert_precision="fp8",
+                               fp8_dense="auto"))
     assert not choice.plan.feasible
     note = next(n for n in choice.plan.notes if n.startswith("fp8_dense auto"))
     assert "no layout fits with the dense projections in FP8 or in bf16" in note and "train with" not in note

@@ -178,7 +178,7 @@ def test_fp8_experts_run_at_the_measured_fp8_rate_for_their_rows_per_expert():
     weights' e4m3 copies stay in the optimizer's pass. With the default bf16-wgrad the weight
     gradients keep the bf16 curve's rate."""
     c = Candidates.one(4, 4, 1, 4, 1)
-    fp8 = {"expert_precision": "fp8", "fp8_expert_backward": "fp8"}
+    fp8 = {"expert_precision": "fp8", "fp8_expert_backward": "fp8", "fp8_expert_forward": "both"}
     measured = problem_of(_request(Calibration(expert_gemm=CURVE, expert_gemm_fp8=FP8_CURVE)).model_copy(update=fp8))
     datasheet = problem_of(_request(Calibration(expert_gemm=CURVE)).model_copy(update=fp8))
     default = problem_of(_request(Calibration(expert_gemm=CURVE, expert_gemm_fp8=FP8_CURVE)).model_copy(

@@ -499,7 +499,7 @@ class SingleProcessTrainer(TrainingLoop):
         replays_before = 0 if self.graphed is None else self.graphed.replays
         if self.first_step is None:
             self.first_step = self.step + 1
-        counted = counts_fp8(self.step + 1, cfg.fp8_counters_every, self.first_step, cfg.steps)
+        counted = counts_fp8(self.step + 1, cfg.counters_every, self.first_step, cfg.steps)
         stats = self.fp8_stats if counted else None
         if self.fp8_stats is not None:
             self.model.set_fp8_counting(stats)

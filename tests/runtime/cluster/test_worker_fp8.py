@@ -236,8 +236,9 @@ def test_the_memory_check_counts_each_expert_ranks_fp8_weight_copies():
 
     fields = dict(model="tiny", mode="disaggregated", attention_ranks=1, expert_ranks=2, device="cuda",
                   transport="nvshmem", experts_backend="triton", hop="partial_sums", batch_size=8, seq_len=16)
-    bf16, fp8 = TrainConfig(**fields, precision="bf16"), TrainConfig(**fields, precision="fp8", fp8_dense=False)
-    fp8_dense = TrainConfig(**fields, precision="fp8")  # and the dense projections' two e4m3 copies
+    both = dict(precision="fp8", fp8_expert_forward="both")  # the all-FP8 forward: both copies
+    bf16, fp8 = TrainConfig(**fields, precision="bf16"), TrainConfig(**fields, **both, fp8_dense=False)
+    fp8_dense = TrainConfig(**fields, **both, fp8_dense=True)  # and the dense projections' two e4m3 copies
     gate_up = TrainConfig(**fields, precision="fp8", fp8_dense=False, fp8_expert_forward="gate-up",
                           fp8_expert_backward="bf16")  # w13's forward copy alone
     model_cfg = load_model("tiny")

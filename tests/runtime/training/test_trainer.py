@@ -569,7 +569,11 @@ def test_fp8_counters_every_is_refused_where_it_does_not_apply():
         TrainConfig(model="tiny", fp8_counters_every=0)
     cfg = TrainConfig(model="tiny", mode="single", device="cuda", experts_backend="triton", precision="fp8",
                       fp8_counters_every=10)
-    assert cfg.fp8_counters_every == 10 and TrainConfig(model="tiny").fp8_counters_every == 1
+    assert cfg.counters_every == 10 and TrainConfig(model="tiny").fp8_counters_every is None
+    unset = dict(model="tiny", device="cuda", experts_backend="triton", precision="fp8", hop="partial_sums")
+    assert TrainConfig(**unset, mode="single").counters_every == 10  # FP8_COUNTERS_EVERY
+    assert TrainConfig(**unset, mode="disaggregated").counters_every == 1  # the ranks count every step
+    assert TrainConfig(**unset, mode="single", fp8_counters_every=1).counters_every == 1
 
 
 def test_a_diverged_step_without_the_fp8_counters_says_its_update_was_skipped():
@@ -626,7 +630,7 @@ def test_cuda_fp8_steps_record_their_numerics_without_a_host_sync(tmp_path):
     for graphs in ("off", "on"):
         cfg = tiny_run(tmp_path / graphs, model=model, steps=6, device="cuda", experts_backend="triton",
                        precision="fp8", forbid_host_syncs=True, cuda_graphs=graphs, batch_size=8, seq_len=128,
-                       checkpoint_at_end=False)
+                       checkpoint_at_end=False, fp8_counters_every=1)
         train_single(cfg)
         records = read_metrics(tmp_path / graphs / "run" / METRICS_FILE)
         assert len(records) == 6
@@ -641,6 +645,7 @@ def test_cuda_fp8_steps_record_their_numerics_without_a_host_sync(tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.slow  # 25 s on an H100 (2026-12-06)
 def test_cuda_fp8_steps_counting_every_other_step_train_as_counting_ones_eager_and_captured(tmp_path):
     """fp8_counters_every: 2 over 8 steps against every step counting, eager and captured (a graph for
     each kind of step, `GraphedStep`): the same losses and gradient norms (the counters only count;
@@ -704,8 +709,8 @@ def test_cuda_fp8_emulate_reaches_the_trainers_experts_and_projections_and_train
         pytest.skip("needs FP8 tensor cores")
     model = load_model("tiny").model_copy(update={"hidden_size": 256, "expert_ffn_size": 256})
     cfg = tiny_run(tmp_path, model=model, steps=3, device="cuda", experts_backend="triton", precision="fp8",
-                   fp8_expert_forward="gate-up", fp8_expert_backward="bf16", fp8_emulate=True, batch_size=8,
-                   seq_len=128, checkpoint_at_end=False)
+                   fp8_expert_forward="gate-up", fp8_expert_backward="bf16", fp8_emulate=True, fp8_dense=True,
+                   batch_size=8, seq_len=128, checkpoint_at_end=False)
     trainer = SingleProcessTrainer(cfg)
     experts = [m for m in trainer.model.modules() if isinstance(m, RoutedExperts)]
     linears = [m for m in trainer.model.modules() if isinstance(m, DeferrableLinear)]
