@@ -66,7 +66,7 @@ def plot_losses(rows: list[dict[str, Any]], path: str | Path, title: str, labels
             rel = relative_percent(curves[id(r)], reference)
             axes[1].plot(range(1, len(rel) + 1), rel, label=label, linewidth=1.0, color=colour)
     axes[0].set_ylabel("cross-entropy" if metric == "ce" else "training loss")
-    axes[0].set_title(title, fontsize=10)
+    axes[0].set_title(_wrapped(title), fontsize=10)
     axes[0].legend(fontsize=8)
     axes[1].axhline(0.0, color="grey", linewidth=0.8)
     for bar in (-1.0, 1.0):

@@ -635,7 +635,7 @@ def parity(
     result = {"records": list(loaded), "steps": steps, "window": min(loss_window, steps or loss_window),
               "control": control, "spans": spans, "groups": groups}
     if plot is not None:
-        _plot_rows(rows, plot, f"{', '.join(loaded)}: {steps} steps")
+        _plot_rows(rows, plot, f"{', '.join(Path(p).name for p in loaded)}: {steps} steps")
         (err_console if as_json else console).print(f"wrote {plot}", highlight=False, markup=False)
     if as_json:
         print_json(result)
