@@ -205,6 +205,13 @@ def underflow_by_kind(records: list[dict]) -> dict[str, float]:
     return {k: statistics.fmean(s[k]["underflow_share"] for s in steps if s[k]["elements"]) for k in kinds}
 
 
+def counted_note(shares: list[float | None]) -> str:
+    """' (over the N of M steps that counted)' where a precision-fp8 row's quantisers counted on some steps
+    only (`TrainConfig.fp8_counters_every`); '' where every step counted, or none (bf16)."""
+    counted = sum(s is not None for s in shares)
+    return f" (over the {counted} of {len(shares)} steps that counted)" if 0 < counted < len(shares) else ""
+
+
 def mean_of(records: list[dict], key: str, warmup: int) -> float | None:
     """Mean of a numeric record field over the timed steps (None where absent)."""
     values = [r[key] for r in records if r["step"] > warmup and r.get(key) is not None]
@@ -379,7 +386,8 @@ def run(cfg: TrainConfig, modes: list[str], steps: int, warmup: int,
             log(f"{name}: {step_s * 1e3:,.1f} ms/step, {rows[-1]['tokens_per_s']:,.0f} tokens/s, final loss "
                 f"{rows[-1]['final_loss']:.4f}" + (f", peak {rows[-1]['peak_memory_gib']:.1f} GiB"
                                                    if rows[-1]["peak_memory_gib"] is not None else "")
-                + (f", FP8 saturated share at most {saturated:.2e} a step" if saturated is not None else ""))
+                + (f", FP8 saturated share at most {saturated:.2e} a step" if saturated is not None else "")
+                + counted_note(rows[-1]["fp8_saturated_shares"]))
             if rows[-1]["fp8_kernels"]:
                 log(f"{name}: FP8 experts' kernels: {rows[-1]['fp8_kernels']}")
             if rows[-1]["fp8_underflow_by_kind"]:

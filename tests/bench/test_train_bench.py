@@ -302,3 +302,10 @@ def test_the_loss_plots_long_variant_names_wrap_in_its_legends_and_titles(tmp_pa
     plot_losses(rows, tmp_path / "a.png", "parity", ["single (precision=bf16)", long])
     assert any("fp8_expert_forward=down" in t for t in texts)
     assert all(len(line) <= LABEL_WIDTH for t in texts for line in t.splitlines())
+
+
+def test_a_row_whose_fp8_counters_skipped_steps_says_over_how_many_it_read_them():
+    from disagmoe.bench.train import counted_note
+
+    assert counted_note([0.0, None, None, 0.0, None]) == " (over the 2 of 5 steps that counted)"
+    assert counted_note([0.0, 0.0]) == "" and counted_note([None, None]) == "" and counted_note([]) == ""
