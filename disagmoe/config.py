@@ -67,7 +67,8 @@ DEFAULT_FP8_EXPERT_BACKWARD = "bf16-wgrad"
 FP8_CURVE_BACKWARDS = {5: "fp8", 6: "bf16-wgrad"}
 FP8_PROBE_BACKWARD = FP8_CURVE_BACKWARDS[max(FP8_CURVE_BACKWARDS)]  # what the current probe measures
 # Which of the routed FP8 experts' two forward GEMMs run in FP8 (`TrainConfig.fp8_expert_forward`):
-# both (the default), gate-up (the down projection in bf16) or down (the gate/up projection in bf16),
+# both (the kernels' default), gate-up (the down projection in bf16) or down (the gate/up projection in bf16:
+# a run's default, `RUN_FP8_EXPERT_FORWARD`),
 # with any backward (each re-quantises the bf16 rows it holds); the loss split by GEMM: docs/benchmarks.md.
 FP8_EXPERT_FORWARDS = ("both", "gate-up", "down")
 DEFAULT_FP8_EXPERT_FORWARD = "both"  # the kernels' (and `bench calibrate`'s FP8 probe's): the all-FP8 forward
@@ -1064,8 +1065,9 @@ class TrainConfig(StrictModel):
     @property
     def counters_every(self) -> int:
         """Every how many steps the FP8 quantisers count (`fp8_counters_every`, None = `FP8_COUNTERS_EVERY`
-        in mode single; the distributed modes count every step)."""
-        if self.mode != "single":
+        in mode single under precision fp8; the distributed modes count every step; 1 without FP8, where
+        every step is of one kind: one captured graph)."""
+        if self.mode != "single" or self.precision != "fp8":
             return 1
         return self.fp8_counters_every or FP8_COUNTERS_EVERY
 
@@ -1153,7 +1155,8 @@ class TrainConfig(StrictModel):
         if (self.fp8_counters_every or 1) > 1 and self.mode != "single":
             raise ValueError(f"fp8_counters_every={self.fp8_counters_every} is built for mode: single so far; the "
                              f"{self.mode} ranks count on every step (their counters are summed over ranks with "
-                             "the gradient norm): set fp8_counters_every: 1, or mode: single")
+                             "the gradient norm; a plan or bench train's --mode may have chosen the mode): set "
+                             "fp8_counters_every: 1 (or leave it unset), or mode: single")
         if self.fp8_emulate and self.precision != "fp8":
             raise ValueError(f"fp8_emulate: true emulates the FP8 GEMMs of precision: fp8; this run is precision: "
                              f"{self.precision}: set precision: fp8 or remove fp8_emulate")

@@ -68,7 +68,7 @@ def run(cfg: TrainConfig, steps: int, warmup: int, log: Callable[[str], None],
         for _ in range(warmup):
             trainer._train_one_step()
             clocks.mark()
-        log(f"profiling {steps} steps after {warmup} warm-up steps")
+        log(f"profiling {steps} steps after {warmup} warm-up steps" + counted_steps_note(trainer.cfg, warmup, steps))
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=shapes) as prof:
             began = time.perf_counter()
@@ -113,20 +113,52 @@ def run(cfg: TrainConfig, steps: int, warmup: int, log: Callable[[str], None],
             "gpu_clocks": clocks.timed_summary(warmup), "gpu_clocks_note": clocks.timed_note(warmup)}
 
 
+def counted_steps_note(cfg: TrainConfig, warmup: int, steps: int) -> str:
+    """', of which K count their FP8 numerics (...)' where a precision-fp8 run counts on some steps only
+    (`TrainConfig.fp8_counters_every`: the profiled steps' kernels then mix both kinds); '' elsewhere."""
+    from disagmoe.runtime.training.trainer import counts_fp8
+
+    every = cfg.counters_every
+    if every == 1:
+        return ""
+    counted = sum(counts_fp8(s, every, 1, warmup + steps) for s in range(warmup + 1, warmup + steps + 1))
+    return (f", of which {counted} count their FP8 numerics (every {every}th step and the last: the kernels "
+            "below mix both kinds; fp8_counters_every=1 profiles the counting step alone)")
+
+
+def capture_steps(cfg: TrainConfig) -> list[int]:
+    """The steps (1-based) on which a captured single-GPU run captures its graphs: the first step of
+    each kind after `graphed_step.WARMUP_STEPS` eager ones (one kind; two under precision fp8 counting
+    its numerics every Nth step, `trainer.counts_fp8`: the first uncounted and the first counted)."""
+    from disagmoe.runtime.training.graphed_step import WARMUP_STEPS
+    from disagmoe.runtime.training.trainer import counts_fp8
+
+    every = cfg.model_copy(update={"mode": "single"}).counters_every
+    first: dict[bool, int] = {}
+    step = WARMUP_STEPS + 1
+    while len(first) < (1 if every == 1 else 2):
+        first.setdefault(counts_fp8(step, every, 1, 0), step)
+        step += 1
+    return sorted(first.values())
+
+
 def warmup_past_capture(cfg: TrainConfig, warmup: int, log: Callable[[str], None]) -> int:
     """The warm-up steps to run before profiling: `warmup`, or where the step is captured
-    (`graphed_step.resolve_cuda_graphs`) at least through the capture step (the first after
-    `graphed_step.WARMUP_STEPS` eager ones), so that every profiled step is a replay: the capture's
-    host work (allocations, instantiation) leaves the GPU idle for a step's worth of time, which
-    no replay has (session 21's Qwen3 profile read 120 ms of idle a step from it)."""
-    from disagmoe.runtime.training.graphed_step import WARMUP_STEPS, resolve_cuda_graphs
+    (`graphed_step.resolve_cuda_graphs`) at least through its capture steps (`capture_steps`), so
+    that every profiled step is a replay: a capture's host work (allocations, instantiation) leaves
+    the GPU idle for a step's worth of time, which no replay has (session 21's Qwen3 profile read
+    120 ms of idle a step from it)."""
+    from disagmoe.runtime.training.graphed_step import resolve_cuda_graphs
 
     captured, _ = resolve_cuda_graphs(cfg.model_copy(update={"mode": "single"}))
-    if not captured or warmup > WARMUP_STEPS:
+    steps = capture_steps(cfg)
+    if not captured or warmup >= steps[-1]:
         return warmup
-    log(f"warming up {WARMUP_STEPS + 1} steps, not {warmup}: the step is captured on step {WARMUP_STEPS + 1}, "
-        "and the profiled steps are replays")
-    return WARMUP_STEPS + 1
+    on = f"step {steps[0]}" if len(steps) == 1 else (f"steps {steps[0]} and {steps[1]} (one graph for the steps "
+                                                      "without FP8 counters, one for those with)")
+    log(f"warming up {steps[-1]} steps, not {warmup}: the step is captured on {on}, and the profiled steps are "
+        "replays")
+    return steps[-1]
 
 
 def step_split(windows: list[tuple[float, float]], intervals: list[tuple[float, float, str]]) -> dict[str, float]:

@@ -77,7 +77,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from disagmoe.config import DEFAULT_FP8_EXPERT_BACKWARD, Calibration, ModelConfig
+from disagmoe.config import DEFAULT_FP8_EXPERT_BACKWARD, RUN_FP8_EXPERT_FORWARD, Calibration, ModelConfig
 from disagmoe.roofline import calibration as cal, memory as mem, stages as st, transport_memory as tm
 from disagmoe.roofline.ceilings import Ceilings
 from disagmoe.roofline.optimizer_state import StateBytes, host_link_bytes, slot_elements, staging_bytes, state_bytes
@@ -270,7 +270,7 @@ class Problem:
     fp8_dense: bool = False  # with expert_precision fp8: the dense projections' GEMMs in FP8 too (rowwise)
     fp8_backward: str = DEFAULT_FP8_EXPERT_BACKWARD  # with expert_precision fp8: which expert backward GEMMs
     # (`fp8_stages`), and what the backward holds and regathers (`roofline.memory`, `stages.selective_recompute`)
-    fp8_forward: str = "both"  # with expert_precision fp8: which expert forward GEMMs (`fp8_stages`)
+    fp8_forward: str = RUN_FP8_EXPERT_FORWARD  # with expert_precision fp8: which expert forward GEMMs (`fp8_stages`)
     first_touch: bool = False  # the bf16 Triton experts store their main gradient at a step's first launch (unzeroed)
     host_capacity_bytes: float = float("inf")  # offloaded: host memory per GPU for masters and moments
     experts_backend: str = "triton"  # the run's expert FFN: loop, grouped_mm or triton (`rank_steps`)
@@ -907,7 +907,7 @@ def group_time(stages: dict[str, Stage], group: str, runs: tuple[str, ...], bwd:
 
 def fp8_stages(stages: dict[str, Stage], ceil: Ceilings, speedup: float, m: ModelConfig, rows: Num,
                exp_params: Num, calib: Calibration | None = None, rows_per_expert: Num | None = None,
-               backward: str = "bf16-wgrad", forward: str = "both", tokens_once: Num = 0.0,
+               backward: str = "bf16-wgrad", forward: str = RUN_FP8_EXPERT_FORWARD, tokens_once: Num = 0.0,
                input_rows_recomputed: Num = False) -> dict[str, Stage]:
     """`stages` with the routed experts in FP8 (`precision: fp8`), their weights' e4m3 copies (those
     the recipe reads, `roofline.memory.fp8_weight_copy_shares`: two a parameter by default) made once

@@ -71,8 +71,9 @@ def fp8_weight_copy_bytes(routed_expert_params: Num, forward: str = DEFAULT_FP8_
                           backward: str = DEFAULT_FP8_EXPERT_BACKWARD) -> Num:
     """`precision: fp8`: the routed experts' e4m3 weight copies their recipe (`forward`, `backward`)
     reads, the forward's blocks and the transposes the data gradients read (1 byte a value each,
-    `fp8_weight_copy_shares`: 2 bytes a parameter under the default recipe, 2/3 under forward gate-up
-    with backward bf16), with one fp32 scale per 128 x 128 block of each: held beside the bf16
+    `fp8_weight_copy_shares`: 2 bytes a parameter under the kernels' default recipe (both forward GEMMs),
+    4/3 under a run's default (forward down, backward bf16-wgrad), 2/3 under forward gate-up with
+    backward bf16), with one fp32 scale per 128 x 128 block of each: held beside the bf16
     weights for the whole run (`kernels.fp8_ffn.Fp8ExpertWeights`)."""
     return fp8_weight_copy_shares(forward, backward)[1] * routed_expert_params * (1 + FP8_BLOCK_SCALE_BYTES)
 

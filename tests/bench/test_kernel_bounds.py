@@ -52,6 +52,30 @@ def test_a_family_this_run_does_not_price_says_why(fields, says):
     assert bounds_table([row]).row_count == 1
 
 
+def test_the_qwen3_configs_bound_worked_by_hand():
+    """configs/h200x2-qwen3-30b.yaml at 2 micro-batches (16 x 4,096 tokens a step, top-8, 6 MoE layers of
+    128 experts, H 2,048, F 768): d w13 and d w2 are 2 x rows x 3HF FLOPs = 29.7 TFLOP a step, at the
+    preset's matmul ceiling (its bf16 peak times its measured fraction); the fp32 main gradients' read
+    and write (a store alone at each step's first launch) make it compute-bound at 2 micro-batches and
+    HBM-bound at 8 on an H200."""
+    from disagmoe.config import load_train_config
+
+    def bound(mb: int) -> dict:
+        cfg = load_train_config("configs/h200x2-qwen3-30b.yaml", ["mode=single", f"micro_batches={mb}",
+                                                                  "hardware=h200-sxm-calibrated"])
+        (row,) = kernel_bounds(cfg, load_model(cfg.model), {"_ragged_weight_grad_kernel": 50.0})
+        return row
+
+    flops = 2 * (16 * 4096 * 8) * 3 * 2048 * 768 * 6
+    hw = load_hardware("h200-sxm-calibrated")
+    two, eight = bound(2), bound(8)
+    assert two["tflop"] == pytest.approx(flops / 1e12) == pytest.approx(29.69, abs=0.01)
+    assert two["bound"] == "compute" and eight["bound"] == "hbm"
+    assert two["bound_ms_per_step"] == pytest.approx(flops / (hw.bf16_tflops * 1e12 * hw.efficiency.matmul) * 1e3)
+    weights = 6 * 128 * 3 * 2048 * 768  # the main gradients: read and written by 7 of 8 launches, written by 1
+    assert eight["gb"] - two["gb"] == pytest.approx(4 * weights * (2 * 8 - 1 - (2 * 2 - 1)) / 1e9)
+
+
 def test_a_family_whose_kernels_did_not_run_says_so():
     (row,) = kernel_bounds(_cfg(), load_model("qwen3-30b-a3b"), {"_ragged_rows_gemm_kernel": 3.0})
     assert row["ms_per_step"] == 0.0 and "none of its kernels ran" in row["note"]

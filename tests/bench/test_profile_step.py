@@ -221,6 +221,22 @@ def test_a_captured_config_is_profiled_after_its_capture_step() -> None:
     assert warmup_past_capture(cfg, WARMUP_STEPS + 2, said.append) == WARMUP_STEPS + 2 and not said
     eager = cfg.model_copy(update={"cuda_graphs": "off"})
     assert warmup_past_capture(eager, 1, said.append) == 1 and not said
+    # precision fp8 counting every 10th step: a graph for each kind, the counting one first captured on step 10
+    fp8 = cfg.model_copy(update={"precision": "fp8"})
+    assert warmup_past_capture(fp8, 4, said.append) == 10 and "steps 4 and 10" in said[-1]
+    assert warmup_past_capture(fp8.model_copy(update={"fp8_counters_every": 1}), 0, said.append) == WARMUP_STEPS + 1
+    assert warmup_past_capture(fp8.model_copy(update={"fp8_counters_every": 2}), 0, said.append) == 5  # 4 counts
+
+
+def test_a_profile_of_steps_of_both_kinds_says_how_many_counted():
+    from disagmoe.bench.profile_step import counted_steps_note
+    from disagmoe.config import load_train_config
+
+    cfg = load_train_config("configs/tiny-cpu.yaml", ["device=cuda", "mode=single", "experts_backend=triton"])
+    assert counted_steps_note(cfg, 10, 3) == ""  # bf16
+    fp8 = cfg.model_copy(update={"precision": "fp8"})
+    assert counted_steps_note(fp8, 10, 3).startswith(", of which 1 count their FP8 numerics")  # the last, 13
+    assert counted_steps_note(fp8, 8, 4).startswith(", of which 2 count")  # 10 and 12 (the last)
 
 
 @pytest.mark.gpu

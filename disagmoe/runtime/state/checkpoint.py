@@ -450,12 +450,16 @@ def check_compatible(manifest: dict[str, Any], model_cfg: ModelConfig, directory
 # ulps of the operands apart: they are left out).
 TRAINING_FIELDS = ("seed", "batch_size", "seq_len")
 NOT_THE_STEP = ("shard_states", "update_kernel")
+# The GEMMs' precision recipe, as resolved (an unset field's default may change between versions: session 32
+# moved precision fp8's to the down GEMM alone with bf16 dense projections); recorded since then
+PRECISION_FIELDS = ("precision", "expert_forward_precision", "expert_backward_precision", "dense_precision")
 
 
 def training_settings(cfg: TrainConfig) -> dict[str, Any]:
-    """What a checkpoint's manifest records of the run that wrote it (`training`)."""
+    """What a checkpoint's manifest records of the run that wrote it (`training`): the seed and
+    batch, the optimizer's settings and the precision recipe as resolved (`PRECISION_FIELDS`)."""
     optim = {f"optim.{k}": v for k, v in cfg.optim.model_dump(mode="json").items() if k not in NOT_THE_STEP}
-    return {**{k: getattr(cfg, k) for k in TRAINING_FIELDS}, **optim}
+    return {**{k: getattr(cfg, k) for k in TRAINING_FIELDS + PRECISION_FIELDS}, **optim}
 
 
 def warn_changed_training(manifest: dict[str, Any], cfg: TrainConfig, directory: Path) -> list[str]:

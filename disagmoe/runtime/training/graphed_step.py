@@ -22,7 +22,12 @@ Capture protocol (torch's rules for graphs with autograd and optimizers):
 - kinds of step (the caller's `variant`: precision fp8 with `fp8_counters_every` > 1 runs steps
   with the FP8 counters' kernels and steps with the plain ones): each kind is captured the first
   time it comes after the warm-up, provided an eager step of that kind ran (its kernels compiled,
-  its buffers made), into a graph sharing the first one's memory pool; a kind that did not run in
+  its buffers made), into a graph sharing the first one's memory pool. torch's documented condition
+  for sharing is replaying in capture order; these replay interleaved, which is safe because no graph
+  reads what another wrote: each step's outputs are read right after its replay, and everything that
+  outlives a step (parameters, optimizer state, FP8 counters and weight copies) was allocated in the
+  eager warm-up, outside the pool (a step body must not keep anything it allocates under capture);
+  a kind that did not run in
   the warm-up runs eagerly once first (the trainer's schedule makes the warm-up run both kinds,
   so that eager step, whose activations would sit beside the pool, does not come).
 Checkpoint restores and evaluation write or read parameters in place and eagerly, outside the graph,
@@ -159,7 +164,9 @@ class GraphedStep:
 @dataclass
 class CapturedStep:
     graph: object
-    outputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # overwritten by each replay: read before the next
+    # overwritten by the next replay of any graph of the pool (a later capture may have placed its
+    # tensors in an earlier graph's scratch): read after each replay, before the next
+    outputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 T = TypeVar("T")

@@ -318,8 +318,8 @@ def diverged_report(cfg: TrainConfig, record: dict[str, Any], checkpoint: Path |
     if record.get("fp8_nonfinite"):
         return f"{fp8_report(cfg, record)}; {keep}"
     bad = ", ".join(f"{name} {record[name]}" for name in not_finite(record))
-    skipped = ("; the optimizer skipped its update on the GPU (precision fp8 on a step without the FP8 counters, "
-               "fp8_counters_every: the weights are the previous step's)" if record.get("fp8_update_skipped") else "")
+    skipped = ("; the optimizer skipped its update on the GPU (precision fp8 skips a step whose gradient norm is "
+               "not finite: the weights are the previous step's)" if record.get("fp8_update_skipped") else "")
     return f"step {record['step']}: {bad} (not finite){skipped}; {likely_setting(cfg)}; {keep}"
 
 

@@ -242,8 +242,8 @@ def fp8_update_skip(model: MoETransformer, norm: torch.Tensor) -> torch.Tensor |
     (`MoETransformer.set_fp8_counting`), a non-finite gradient norm (an inf or NaN scale makes its
     rows' products inf or NaN, which reach the gradients). The fused AdamW's found_inf then leaves
     the weights as they were; the run stops when the step is read (`fp8_fields`, the loop)."""
-    if model.fp8_stats is not None:
-        return model.fp8_stats.nonfinite_flag()
+    if model.fp8_stats is not None:  # and a non-finite norm from anything else, as on a step without counters
+        return torch.maximum(model.fp8_stats.nonfinite_flag(), (~torch.isfinite(norm)).float())
     if model.fp8_uncounted:
         return (~torch.isfinite(norm)).float()
     return None
@@ -281,12 +281,12 @@ def fp8_fields(result: StepResult, device: torch.device) -> dict[str, Any]:
     return fp8_record_fields(result.fp8, device)
 
 
-def uncounted_fp8_fields(counted: bool, grad_norm: float, device: torch.device) -> dict[str, Any]:
+def fp8_guard_fields(counted: bool, grad_norm: float, device: torch.device) -> dict[str, Any]:
     """A precision-fp8 step record's fp8_counted (whether its quantisers counted: `counts_fp8`) and,
-    on a step without the counters whose gradient norm is not finite, fp8_update_skipped: whether the
-    optimizer skipped its update on the device (CUDA, `fp8_update_skip`)."""
+    where its gradient norm is not finite, fp8_update_skipped: whether the optimizer skipped its
+    update on the device (CUDA, `fp8_update_skip`: on any FP8 step)."""
     fields: dict[str, Any] = {"fp8_counted": counted}
-    if not counted and not math.isfinite(grad_norm):
+    if not math.isfinite(grad_norm):
         fields["fp8_update_skipped"] = device.type == "cuda"
     return fields
 
@@ -511,7 +511,7 @@ class SingleProcessTrainer(TrainingLoop):
             elif self.graphed is not None:
                 tokens_BS1 = tokens_BS1.to(self.device)  # the host copy outside the sync check, as train_step_flat
                 with no_host_syncs(cfg.forbid_host_syncs, self.device):
-                    out = self.graphed(tokens_BS1, lr, variant=counted)
+                    out = self.graphed(tokens_BS1, lr, variant=counted if self.fp8_stats is not None else None)
                 result = read_step(*out, cfg.micro_batches, stats)
             else:
                 result = train_step_flat(self.model, self.optimizer, tokens_BS1, cfg.micro_batches, lr,
@@ -534,7 +534,7 @@ class SingleProcessTrainer(TrainingLoop):
             "expert_load": result.expert_load_LE.tolist(),
             "load_imbalance": load_imbalance(result.expert_load_LE),
             **fp8_fields(result, self.device),
-            **({} if self.fp8_stats is None else uncounted_fp8_fields(counted, result.grad_norm, self.device)),
+            **({} if self.fp8_stats is None else fp8_guard_fields(counted, result.grad_norm, self.device)),
         }
 
     def _sync(self) -> None:

@@ -251,3 +251,22 @@ def test_changed_training_settings_resume_with_a_warning_naming_them(tmp_path):
     old = save_checkpoint(tmp_path / "old", model, optimizer, cfg, TrainerState.capture(step=2))  # no record
     assert "training" not in read_manifest(old)
     assert warn_changed_training(read_manifest(old), changed, old) == []
+
+
+def test_a_resume_under_another_precision_recipe_warns_naming_it(tmp_path):
+    """The manifest records the GEMMs' precision recipe as resolved (`PRECISION_FIELDS`), so a resume
+    whose unset fields now resolve otherwise (session 32 moved precision fp8's defaults), or that sets
+    another recipe, says so; a manifest from before the record says nothing of it."""
+    cfg, model, optimizer = trained_model()
+    fp8 = dict(model=cfg, mode="single", device="cuda", experts_backend="triton", precision="fp8")
+    both = TrainConfig(**fp8, fp8_expert_forward="both", fp8_dense=True)
+    directory = save_checkpoint(tmp_path, model, optimizer, cfg, TrainerState.capture(step=2), training_settings(both))
+    manifest = read_manifest(directory)
+    assert {k: manifest["training"][k] for k in ("precision", "expert_forward_precision", "dense_precision")} == {
+        "precision": "fp8", "expert_forward_precision": "both", "dense_precision": "fp8"}
+    with pytest.warns(RunWarning, match=r"expert_forward_precision: 'both' -> 'down', .*dense_precision: 'fp8' -> "
+                                        r"'bf16'"):
+        assert warn_changed_training(manifest, TrainConfig(**fp8), directory) == [
+            "expert_forward_precision", "dense_precision"]
+    del manifest["training"]["expert_forward_precision"], manifest["training"]["dense_precision"]
+    assert warn_changed_training(manifest, TrainConfig(**fp8), directory) == []

@@ -524,11 +524,11 @@ def test_a_step_without_the_fp8_counters_runs_the_plain_quantisers_and_guards_it
     """`MoETransformer.set_fp8_counting`: with None the experts and the FP8 dense projections get no
     stats (their kernels' STATS off) and the FP8 weight copies stay; the update's skip is then the
     gradient norm's non-finiteness (`fp8_update_skip`), with the stats their NONFINITE flag; outside
-    FP8 none. The record says which (`uncounted_fp8_fields`)."""
+    FP8 none. The record says which (`fp8_guard_fields`)."""
     from disagmoe.kernels.fp8_stats import DENSE, NONFINITE, Fp8Stats
     from disagmoe.model.experts import RoutedExperts
     from disagmoe.model.layers import DeferrableLinear
-    from disagmoe.runtime.training.trainer import fp8_update_skip, uncounted_fp8_fields
+    from disagmoe.runtime.training.trainer import fp8_guard_fields, fp8_update_skip
 
     model = MoETransformer(load_model("tiny"), experts_backend="triton")
     norm = torch.tensor(float("nan"))
@@ -544,6 +544,9 @@ def test_a_step_without_the_fp8_counters_runs_the_plain_quantisers_and_guards_it
         m.fp8_copies = sentinel  # as `prepare_fp8` left them: a captured step reads these
     stats.buffer[0, NONFINITE] = 1
     assert float(fp8_update_skip(model, torch.tensor(1.0))) == 1.0  # counting: the quantisers' flag
+    stats.buffer.zero_()
+    assert float(fp8_update_skip(model, torch.tensor(1.0))) == 0.0
+    assert float(fp8_update_skip(model, norm)) == 1.0  # and the norm's, as on a step without counters
     model.set_fp8_counting(None)
     assert model.fp8_stats is None and all(m.fp8_stats is None for m in experts)
     assert all(m.fp8_stats_row is None and m.fp8 and m.fp8_copies is sentinel for m in dense)
@@ -553,10 +556,10 @@ def test_a_step_without_the_fp8_counters_runs_the_plain_quantisers_and_guards_it
     assert model.fp8_stats is stats and not model.fp8_uncounted and all(m.fp8_stats is stats for m in experts)
     assert all(m.fp8_stats_row.data_ptr() == stats.row(DENSE).data_ptr() for m in dense)
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert uncounted_fp8_fields(True, float("nan"), cuda) == {"fp8_counted": True}  # the counters' fields say it
-    assert uncounted_fp8_fields(False, 1.5, cuda) == {"fp8_counted": False}
-    assert uncounted_fp8_fields(False, float("nan"), cuda) == {"fp8_counted": False, "fp8_update_skipped": True}
-    assert uncounted_fp8_fields(False, float("inf"), cpu)["fp8_update_skipped"] is False
+    assert fp8_guard_fields(True, float("nan"), cuda) == {"fp8_counted": True, "fp8_update_skipped": True}
+    assert fp8_guard_fields(False, 1.5, cuda) == {"fp8_counted": False}
+    assert fp8_guard_fields(False, float("nan"), cuda) == {"fp8_counted": False, "fp8_update_skipped": True}
+    assert fp8_guard_fields(False, float("inf"), cpu)["fp8_update_skipped"] is False
 
 
 def test_fp8_counters_every_is_refused_where_it_does_not_apply():
