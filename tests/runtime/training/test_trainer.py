@@ -577,6 +577,8 @@ def test_fp8_counters_every_is_refused_where_it_does_not_apply():
     assert TrainConfig(**unset, mode="single").counters_every == 10  # FP8_COUNTERS_EVERY
     assert TrainConfig(**unset, mode="disaggregated").counters_every == 1  # the ranks count every step
     assert TrainConfig(**unset, mode="single", fp8_counters_every=1).counters_every == 1
+    # without FP8 every step is of one kind: one captured graph (61c6b38's bf16 runs captured a second)
+    assert TrainConfig(model="tiny", mode="single", device="cuda", precision="bf16").counters_every == 1
 
 
 def test_a_diverged_step_without_the_fp8_counters_says_its_update_was_skipped():
