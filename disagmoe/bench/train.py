@@ -205,6 +205,20 @@ def underflow_by_kind(records: list[dict]) -> dict[str, float]:
     return {k: statistics.fmean(s[k]["underflow_share"] for s in steps if s[k]["elements"]) for k in kinds}
 
 
+def counting_note(runs: list[TrainConfig]) -> str | None:
+    """A line where the rows' FP8 quantisers count on different shares of their steps (mode single every
+    `counters_every`-th step, the distributed modes every step: `TrainConfig.fp8_counters_every`), which
+    moves their step times apart by the counters' cost (2-6% on the Qwen3 config, session 32); None where
+    they count alike."""
+    every = {r.counters_every for r in runs if r.precision == "fp8"}
+    if len(every) < 2:
+        return None
+    each = " in some, ".join("every step" if n == 1 else f"every {n}th step" for n in sorted(every))
+    return (f"note: these rows' FP8 quantisers count their numerics on {each} in others (fp8_counters_every; the "
+            "distributed modes count every step), which moves their step times apart by the counters' cost; "
+            "fp8_counters_every=1 makes them alike")
+
+
 def counted_note(shares: list[float | None]) -> str:
     """' (over the N of M steps that counted)' where a precision-fp8 row's quantisers counted on some steps
     only (`TrainConfig.fp8_counters_every`); '' where every step counted, or none (bf16)."""
@@ -328,6 +342,9 @@ def run(cfg: TrainConfig, modes: list[str], steps: int, warmup: int,
     checked = [(v, variant_config(cfg, v, r[0]), r) for v in variants for r in runs_of(modes, transports, hops)]
     planned = [(v, seeded_config(cfg, vcfg, index, v) if seeds > 1 else vcfg, r)
                for index in range(seeds) for v, vcfg, r in checked]
+    uneven = counting_note([vcfg.model_copy(update={"mode": r[0]}) for _, vcfg, r in checked])
+    if uneven:
+        log(uneven)
     rows = []
     with tempfile.TemporaryDirectory(prefix="disagmoe-bench-train-") as tmp:
         for variant, vcfg, (mode, transport, hop) in planned:

@@ -309,3 +309,13 @@ def test_a_row_whose_fp8_counters_skipped_steps_says_over_how_many_it_read_them(
 
     assert counted_note([0.0, None, None, 0.0, None]) == " (over the 2 of 5 steps that counted)"
     assert counted_note([0.0, 0.0]) == "" and counted_note([None, None]) == "" and counted_note([]) == ""
+
+
+def test_rows_whose_fp8_counters_count_unalike_get_a_line_saying_so():
+    from disagmoe.bench.train import counting_note
+
+    fp8 = TrainConfig(model="tiny", device="cuda", experts_backend="triton", precision="fp8", hop="partial_sums")
+    single, split = fp8.model_copy(update={"mode": "single"}), fp8.model_copy(update={"mode": "disaggregated"})
+    assert "count their numerics on every step in some, every 10th step in others" in counting_note([single, split])
+    assert counting_note([single, single]) is None and counting_note([split, TrainConfig(model="tiny")]) is None
+    assert counting_note([single.model_copy(update={"fp8_counters_every": 1}), split]) is None
