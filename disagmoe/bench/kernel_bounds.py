@@ -24,7 +24,7 @@ from disagmoe.roofline.stages import Work, expert_weight_grads
 class KernelFamily:
     name: str
     keys: tuple[str, ...]  # kernel names holding any of these (lower case) belong to it
-    # the work one step asks of it (None where this run's family runs on other kernels: the reason)
+    # the work one step asks of it, or (a str) why this run prices none: its kernels are others
     work: Callable[[TrainConfig, ModelConfig], Work | str]
 
 

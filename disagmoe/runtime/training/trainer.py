@@ -501,7 +501,7 @@ class SingleProcessTrainer(TrainingLoop):
             self.first_step = self.step + 1
         counted = counts_fp8(self.step + 1, cfg.counters_every, self.first_step, cfg.steps)
         stats = self.fp8_stats if counted else None
-        if self.fp8_stats is not None:
+        if self.fp8_stats is not None and self.model.fp8_stats is not stats:  # the kind of step changes
             self.model.set_fp8_counting(stats)
         self._sync()
         start = time.perf_counter()
@@ -511,7 +511,7 @@ class SingleProcessTrainer(TrainingLoop):
             elif self.graphed is not None:
                 tokens_BS1 = tokens_BS1.to(self.device)  # the host copy outside the sync check, as train_step_flat
                 with no_host_syncs(cfg.forbid_host_syncs, self.device):
-                    out = self.graphed(tokens_BS1, lr, variant=counted if self.fp8_stats is not None else None)
+                    out = self.graphed(tokens_BS1, lr, variant=counted)  # one kind without FP8 (counters_every 1)
                 result = read_step(*out, cfg.micro_batches, stats)
             else:
                 result = train_step_flat(self.model, self.optimizer, tokens_BS1, cfg.micro_batches, lr,
