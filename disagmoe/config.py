@@ -81,6 +81,10 @@ RUN_FP8_EXPERT_FORWARD = "down"
 # unset): the counting quantisers took 1.5-3x the plain ones' time; every 10th step made the Qwen3 config's FP8 step
 # 2-6% faster on an H100 (docs/benchmarks.md, session 32).
 FP8_COUNTERS_EVERY = 10
+# How a precision-fp8 run's dense projections scale their e4m3 operands (`TrainConfig.fp8_dense_scaling`
+# unset; `kernels.fp8_dense.SCALINGS`): rowwise, the recipe every dense FP8 run so far trained with, until a
+# GPU has run the blockwise one (torch._scaled_mm's 1 x 128 / 128 x 128 scaling) against it.
+FP8_DENSE_SCALING = "rowwise"
 # The routed FP8 experts' e4m3 weight copies (`kernels.fp8_ffn.Fp8ExpertWeights`), each one byte a
 # value of its weight: w13's and w2's forward B operands, and their transposes the data gradients read.
 FP8_WEIGHT_COPIES = ("w13", "w13_t", "w2", "w2_t")
@@ -863,6 +867,13 @@ class TrainConfig(StrictModel):
         "weight gradients in bf16 (kernels/fp8_dense.py says why); None = false: over 300 steps of the Qwen3 config "
         "the rowwise recipe ran 1.5% above bf16's loss from the first 50 steps, and saved about 6 ms a step of 580 "
         "(docs/benchmarks.md, session 32); true is refused under another precision")
+    fp8_dense_scaling: Literal["rowwise", "blockwise"] | None = Field(
+        None, description="with fp8_dense: how the dense projections' e4m3 operands are scaled: rowwise (one scale "
+        "per token or feature over the whole contraction) or blockwise (the routed experts' recipe, DeepSeek-V3's: "
+        "1 x 128 activation groups and 128 x 128 weight blocks, through torch._scaled_mm's block scaling, a Hopper "
+        "GPU; a linear whose dimensions are not multiples of 512, such as MLA's kv_a, keeps its GEMMs in bf16 and "
+        "the run says so); kernels/fp8_dense.py; None = rowwise (config.FP8_DENSE_SCALING); refused without "
+        "fp8_dense: true")
     fp8_expert_backward: Literal["fp8", "bf16-wgrad", "bf16"] | None = Field(
         None, description="precision fp8: the routed experts' backward GEMMs: fp8 (all four in e4m3, the weight "
         "gradients over 128 x 1 token groups: DeepSeek-V3's recipe), bf16-wgrad (the weight gradients by the bf16 "
@@ -1078,6 +1089,14 @@ class TrainConfig(StrictModel):
         return "fp8" if self.precision == "fp8" and self.fp8_dense else self.compute_dtype_name
 
     @property
+    def dense_fp8_scaling(self) -> str | None:
+        """How the dense projections' FP8 GEMMs scale their operands (`fp8_dense_scaling`, unset:
+        `FP8_DENSE_SCALING`); None where they run in bf16."""
+        if self.dense_precision != "fp8":
+            return None
+        return self.fp8_dense_scaling or FP8_DENSE_SCALING
+
+    @property
     def steps_reference_adamw(self) -> bool:
         """fp32 parameters with fp32 moments on the device: mode single steps torch's own AdamW (the
         oracle's optimizer), not the flat fused one."""
@@ -1138,6 +1157,10 @@ class TrainConfig(StrictModel):
         if self.fp8_dense and self.precision != "fp8":
             raise ValueError(f"fp8_dense: true runs the dense projections in FP8 under precision: fp8; this run is "
                              f"precision: {self.precision}: set precision: fp8 or remove fp8_dense")
+        if self.fp8_dense_scaling is not None and self.dense_precision != "fp8":
+            raise ValueError(f"fp8_dense_scaling: {self.fp8_dense_scaling} scales the dense projections' FP8 GEMMs, "
+                             "which this run keeps in bf16: set precision: fp8 and fp8_dense: true, or remove "
+                             "fp8_dense_scaling")
         if self.fp8_expert_backward is not None and self.precision != "fp8":
             raise ValueError(f"fp8_expert_backward chooses the FP8 experts' backward precision under "
                              f"precision: fp8; this run is precision: {self.precision}: set precision: fp8 or remove "

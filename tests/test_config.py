@@ -219,6 +219,19 @@ def test_fp8_dense_is_off_unless_set_and_is_refused_without_precision_fp8():
         cfg.TrainConfig(precision="bf16", fp8_dense=True, **base)
 
 
+def test_fp8_dense_scaling_follows_fp8_dense_and_is_refused_without_it():
+    """Unset, FP8 dense projections scale rowwise (`FP8_DENSE_SCALING`); blockwise is a choice; with
+    the dense projections in bf16 there is nothing to scale (None), and setting it is refused."""
+    base = dict(model="tiny", device="cuda", experts_backend="triton", precision="fp8")
+    assert cfg.TrainConfig(fp8_dense=True, **base).dense_fp8_scaling == cfg.FP8_DENSE_SCALING == "rowwise"
+    assert cfg.TrainConfig(fp8_dense=True, fp8_dense_scaling="blockwise", **base).dense_fp8_scaling == "blockwise"
+    assert cfg.TrainConfig(**base).dense_fp8_scaling is None
+    with pytest.raises(ValueError, match="fp8_dense_scaling: blockwise scales .* set precision: fp8 and fp8_dense: true"):
+        cfg.TrainConfig(fp8_dense_scaling="blockwise", **base)
+    with pytest.raises(ValueError, match="fp8_dense_scaling"):
+        cfg.TrainConfig(fp8_dense=True, fp8_dense_scaling="tensorwise", **base)
+
+
 def test_fp8_expert_backward_follow_precision_fp8_and_are_refused_without_it():
     base = dict(model="tiny", device="cuda", experts_backend="triton")
     assert cfg.TrainConfig(precision="fp8", **base).expert_backward_precision == "bf16-wgrad"

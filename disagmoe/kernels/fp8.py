@@ -394,14 +394,16 @@ def _stats_ptr(stats: torch.Tensor | None, placeholder: torch.Tensor) -> torch.T
 
 
 def quantize_rows(x_MK: torch.Tensor, stats: torch.Tensor | None = None,
-                  valid_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  valid_rows: torch.Tensor | None = None, *, m_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(q_MK float8_e4m3fn, s_MG fp32): one scale per row and 128 columns of K (the last group may
     be shorter). x any float dtype and strides; the A operand of `fp8_rows_gemm`. `stats`: an
     int64 row of an `fp8_stats.Fp8Stats` buffer the kernel adds its counters into (None: none).
     `valid_rows`: an int32 device tensor whose first element counts the rows that hold data (a
     worst-case buffer's, e.g. `offsets_E[-1:]`; never read on the host): the rows past it are
-    neither read nor counted, and their q and s are left unwritten."""
-    return _quantize_rows(x_MK, stats, valid_rows, swiglu=False)
+    neither read nor counted, and their q and s are left unwritten. `m_major`: s_MG stored with
+    the rows contiguous (strides (1, M)), the layout cuBLAS's 1 x 128 scaling reads
+    (`fp8_dense`'s blockwise recipe); the same values."""
+    return _quantize_rows(x_MK, stats, valid_rows, swiglu=False, m_major=m_major)
 
 
 def quantize_swiglu_rows(h13_M2F: torch.Tensor, stats: torch.Tensor | None = None,
@@ -415,7 +417,7 @@ def quantize_swiglu_rows(h13_M2F: torch.Tensor, stats: torch.Tensor | None = Non
 
 
 def _quantize_rows(x_MK: torch.Tensor, stats: torch.Tensor | None, valid_rows: torch.Tensor | None, *,
-                   swiglu: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                   swiglu: bool, m_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     rows, k = x_MK.shape
     k = k // 2 if swiglu else k
     if valid_rows is not None and (valid_rows.dtype != torch.int32 or valid_rows.numel() < 1
@@ -424,7 +426,10 @@ def _quantize_rows(x_MK: torch.Tensor, stats: torch.Tensor | None, valid_rows: t
                          f"{valid_rows.dtype} {tuple(valid_rows.shape)} on {valid_rows.device}")
     groups = triton.cdiv(k, SCALE_BLOCK)
     q_MK = torch.empty((rows, k), dtype=FP8, device=x_MK.device)
-    s_MG = torch.empty((rows, groups), dtype=torch.float32, device=x_MK.device)
+    if m_major:
+        s_MG = torch.empty((groups, rows), dtype=torch.float32, device=x_MK.device).t()
+    else:
+        s_MG = torch.empty((rows, groups), dtype=torch.float32, device=x_MK.device)
     if rows == 0 or k == 0:
         return q_MK, s_MG
     block_m = 16 if x_MK.device.type == "cpu" else 32
@@ -438,7 +443,8 @@ def _quantize_rows(x_MK: torch.Tensor, stats: torch.Tensor | None, valid_rows: t
 
 def quantize_blocks(w_EKN: torch.Tensor, stats: torch.Tensor | None = None, *,
                     transposed_out: torch.Tensor | None = None,
-                    natural: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
+                    natural: bool = True,
+                    out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
     """(q_EKN float8_e4m3fn, s_EGB fp32): one scale per 128 x 128 block of each expert's [K, N]
     (edge blocks may be smaller). The expert weights' layout (`w13_EH2F`, `w2_EFH`: [E, K, N]);
     made once per optimizer step from the masters. `stats` as `quantize_rows`. `transposed_out`
@@ -447,7 +453,9 @@ def quantize_blocks(w_EKN: torch.Tensor, stats: torch.Tensor | None = None, *,
     (torch's transposing copy of one-byte values ran at about 350 GB/s: 24 ms of a Mixtral-shaped
     FP8 step). `natural` False (with `transposed_out`): the transposed copy alone, q_EKN neither
     allocated nor written (None returned for it): a recipe that reads only one layout
-    (`fp8_ffn.Fp8ExpertWeights`) holds one byte a value, not two."""
+    (`fp8_ffn.Fp8ExpertWeights`) holds one byte a value, not two. `out` (natural only): the
+    (q_EKN, s_EGB) buffers to write into, any strides (a captured step's copies keep their
+    addresses); returned as given."""
     experts, k, n = w_EKN.shape
     tiles_k, tiles_n = triton.cdiv(k, SCALE_BLOCK), triton.cdiv(n, SCALE_BLOCK)
     if not natural and transposed_out is None:
@@ -457,8 +465,17 @@ def quantize_blocks(w_EKN: torch.Tensor, stats: torch.Tensor | None = None, *,
                                        or transposed_out.device != w_EKN.device):
         raise ValueError(f"transposed_out must be float8_e4m3fn {(experts, n, k)} on {w_EKN.device}; got "
                          f"{transposed_out.dtype} {tuple(transposed_out.shape)} on {transposed_out.device}")
-    q_EKN = torch.empty((experts, k, n), dtype=FP8, device=w_EKN.device) if natural else None
-    s_EGB = torch.empty((experts, tiles_k, tiles_n), dtype=torch.float32, device=w_EKN.device)
+    if out is not None:
+        if not natural:
+            raise ValueError("quantize_blocks(out=...) writes the natural copy: pass natural=True with it")
+        q_EKN, s_EGB = out
+        if (q_EKN.shape != (experts, k, n) or q_EKN.dtype != FP8 or s_EGB.shape != (experts, tiles_k, tiles_n)
+                or s_EGB.dtype != torch.float32):
+            raise ValueError(f"out must be (float8_e4m3fn {(experts, k, n)}, float32 {(experts, tiles_k, tiles_n)}); "
+                             f"got ({q_EKN.dtype} {tuple(q_EKN.shape)}, {s_EGB.dtype} {tuple(s_EGB.shape)})")
+    else:
+        q_EKN = torch.empty((experts, k, n), dtype=FP8, device=w_EKN.device) if natural else None
+        s_EGB = torch.empty((experts, tiles_k, tiles_n), dtype=torch.float32, device=w_EKN.device)
     if experts * k * n == 0:
         return q_EKN, s_EGB
     qt = transposed_out if transposed_out is not None else q_EKN.transpose(1, 2)  # unread without TRANSPOSED

@@ -17,7 +17,23 @@ above the rest). Session 18's 300-step parity run with all three GEMMs in e4m3 l
 than bf16 from step 127 on (+82% loss at step 300, no overflow). It also drops the two transposed
 quantisations per call (x^T and dy^T: the quantiser's slowest launches, few long rows).
 
-The quantiser is one Triton launch on CUDA (`kernels.fp8_rowwise`; transposed operands read in
+Recipe "blockwise, bf16 weight gradient" (`SCALINGS`, `TrainConfig.fp8_dense_scaling`): the routed
+experts' fine-grained scaling, DeepSeek-V3's, through the same library call: torch._scaled_mm takes
+1 x 128 activation and 128 x 128 weight scales on Hopper (cuBLASLt from CUDA 12.9; torch >= 2.10):
+
+  forward  y_NO  = x_NI W_OI^T   e4m3: x per token and 128 of I, W per 128 x 128 block
+  dgrad    dx_NI = dy_NO W_OI    e4m3: dy per token and 128 of O, W^T's blocks (W's scales, transposed)
+  wgrad    dW_OI = dy_NO^T x_NI  bf16, as above
+
+cuBLAS reads the activations' scales token-major (`fp8.quantize_rows(m_major=True)` writes them so)
+and wants a weight block grid whose K side is a multiple of 4 blocks (torch pull 166752: scales
+padded to 4 blocks, silent wrong results otherwise), so both dimensions of a blockwise linear are
+multiples of `BLOCKWISE_MULTIPLE` (512); a linear that is not (MLA's kv_a, 7168 -> 576) keeps its
+GEMMs in bf16 under this recipe (`fits_blockwise`, `MoETransformer.set_dense_fp8` names them).
+Its quantisers are the experts' (`kernels.fp8`: `quantize_rows`, `quantize_blocks` writing W's
+e4m3 copy and its transpose in one launch), so its bits are theirs.
+
+The rowwise quantiser is one Triton launch on CUDA (`kernels.fp8_rowwise`; transposed operands read in
 place), plain torch on the CPU, the same bits. The bf16 weight stays the parameter; its two e4m3
 copies (`Fp8WeightCopies`) are made once per optimizer step by `DeferrableLinear.prepare_fp8`,
 reused by every micro-batch, never checkpointed. `emulate=True`: dequantise-then-matmul in fp64 on
@@ -41,8 +57,100 @@ import torch
 from disagmoe.kernels.fp8_stats import AMAX, E4M3_MAX, NONFINITE, SATURATED, SATURATION_BOUND, TOTAL, UNDERFLOW
 
 RECIPE = "rowwise, bf16 weight gradient"
+# How the dense FP8 GEMMs' operands are scaled (`TrainConfig.fp8_dense_scaling`): one scale per token /
+# feature over the whole contraction, or the experts' 1 x 128 / 128 x 128 grid (module docstring).
+SCALINGS = ("rowwise", "blockwise")
 E4M3 = torch.float8_e4m3fn
 ALIGN = 16  # torch._scaled_mm: every GEMM dimension but M (the tokens, here) a multiple of 16
+BLOCK = 128  # the blockwise recipe's scale group: 1 x 128 activations, 128 x 128 weight blocks
+BLOCKWISE_MULTIPLE = 4 * BLOCK  # cuBLAS pads a 128 x 128 scale grid's K side to 4 blocks: keep it whole
+
+
+def check_scaling(scaling: str) -> None:
+    if scaling not in SCALINGS:
+        raise ValueError(f"unknown FP8 dense scaling {scaling!r}; choose one of {', '.join(SCALINGS)}")
+
+
+def fits_blockwise(in_features: int, out_features: int) -> bool:
+    """Whether a linear in -> out runs the blockwise recipe: both dimensions (each the contraction of
+    one of its FP8 GEMMs) multiples of `BLOCKWISE_MULTIPLE`."""
+    return in_features % BLOCKWISE_MULTIPLE == 0 and out_features % BLOCKWISE_MULTIPLE == 0
+
+
+def check_blockwise_device(device: torch.device) -> None:
+    """ValueError unless `device` runs torch._scaled_mm's 1 x 128 / 128 x 128 scaling (a Hopper GPU:
+    cuBLASLt implements that pair on sm_90 only), naming the fixes."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
+        where = device.type if device.type != "cuda" else f"a GPU of compute capability {torch.cuda.get_device_capability(device)}"
+        raise ValueError(f"fp8_dense_scaling: blockwise runs torch._scaled_mm's 1 x 128 / 128 x 128 scaling, which "
+                         f"cuBLAS implements on Hopper GPUs (sm_90) only; this run is on {where}: set "
+                         "fp8_dense_scaling: rowwise, or fp8_dense: false (or fp8_emulate: true for a numerics check)")
+
+
+def _interpreted_or_cuda(x: torch.Tensor) -> bool:
+    """Whether the Triton quantisers run on x: a CUDA tensor, or Triton's interpreter (the tests)."""
+    return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def quantize_token_blocks(x_MK: torch.Tensor, stats_row: torch.Tensor | None = None,
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q_MK e4m3, s_MG fp32 token-major, strides (1, M)): the blockwise recipe's activation operand,
+    one scale per token and 128 of K (`fp8.quantize_rows`; `stats_row` counts as there). On CUDA and
+    under the interpreter the experts' Triton quantiser; else its torch reference, the same bits."""
+    from disagmoe.kernels import fp8
+
+    if _interpreted_or_cuda(x_MK):
+        return fp8.quantize_rows(x_MK, stats_row, m_major=True)
+    q_MK, s_MG = fp8.quantize_rows_reference(x_MK)
+    if stats_row is not None:
+        x32 = x_MK.float()
+        _count(stats_row, x32, x32 / _expanded(s_MG, x32.shape), q_MK)
+    return q_MK, s_MG.t().contiguous().t()
+
+
+def quantize_weight_blocks(w_OI: torch.Tensor, stats_row: torch.Tensor | None = None, *,
+                           out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                           transposed_out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q_OI e4m3 row-major, s_OB fp32 [O/128, I/128]): W per 128 x 128 block (`fp8.quantize_blocks`
+    of W as one expert; any strides: W^T is read in place), into `out` where given.
+    `transposed_out` (q_IO, s_IB): also W^T's copy, the data gradient's operand, written by the same
+    launch (its blocks' scales are W's, transposed: nothing quantised twice). On CUDA and under the
+    interpreter the experts' Triton quantiser; else its torch reference, the same bits."""
+    from disagmoe.kernels import fp8
+
+    o, i = w_OI.shape
+    if _interpreted_or_cuda(w_OI):
+        q_OI, s_OB = fp8.quantize_blocks(
+            w_OI[None], stats_row, out=None if out is None else (out[0][None], out[1][None]),
+            transposed_out=None if transposed_out is None else transposed_out[0][None])
+        q_OI, s_OB = q_OI[0], s_OB[0]
+    else:
+        q_OI, s_OB = (t[0] for t in fp8.quantize_blocks_reference(w_OI[None]))
+        if stats_row is not None:
+            w32 = w_OI.float()
+            _count(stats_row, w32, w32 / _expanded(s_OB, w32.shape), q_OI)
+        if out is not None:
+            out[0].copy_(q_OI), out[1].copy_(s_OB)
+            q_OI, s_OB = out
+        if transposed_out is not None:
+            transposed_out[0].copy_(q_OI.t())
+    if transposed_out is not None:
+        transposed_out[1].copy_(s_OB.t())
+    return q_OI, s_OB
+
+
+def quantize_activation(x_MK: torch.Tensor, stats_row: torch.Tensor | None, scaling: str,
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """An FP8 GEMM's A operand under `scaling`: `quantize_rowwise` or `quantize_token_blocks`."""
+    return quantize_rowwise(x_MK, stats_row) if scaling == "rowwise" else quantize_token_blocks(x_MK, stats_row)
+
+
+def quantize_weight(w_OI: torch.Tensor, stats_row: torch.Tensor | None, scaling: str,
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """W's e4m3 copy under `scaling` (W^T read in place where a transpose is passed): per row over its
+    columns (rowwise) or per 128 x 128 block (blockwise); the B operand is its transpose."""
+    return quantize_rowwise(w_OI, stats_row) if scaling == "rowwise" else quantize_weight_blocks(w_OI, stats_row)
 
 
 def quantize_rowwise(x_MK: torch.Tensor, stats_row: torch.Tensor | None = None,
@@ -54,7 +162,7 @@ def quantize_rowwise(x_MK: torch.Tensor, stats_row: torch.Tensor | None = None,
     interpreter) one Triton launch (`kernels.fp8_rowwise`), else `quantize_rowwise_reference`:
     the same bits."""
     # the interpreter's CPU path wants fp8_rowwise built under it (the tests' `interpreted` fixture)
-    if x_MK.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+    if _interpreted_or_cuda(x_MK):
         from disagmoe.kernels import fp8_rowwise
 
         return fp8_rowwise.quantize_rowwise(x_MK, stats_row, out)
@@ -96,44 +204,76 @@ def _count(row: torch.Tensor, x32: torch.Tensor, scaled: torch.Tensor, q: torch.
     row[NONFINITE] += (~finite).sum()
 
 
-def scaled_mm(a_MK: torch.Tensor, scale_a_M1: torch.Tensor, b_KN: torch.Tensor, scale_b_1N: torch.Tensor,
+def _expanded(scale: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """`scale` spread over a tensor of `shape`: a dimension of size 1 broadcasts, one of the tensor's
+    size is per element, any other holds one scale per `BLOCK` (the last block may be short)."""
+    for dim, size in enumerate(shape):
+        if scale.shape[dim] not in (1, size):
+            scale = scale.repeat_interleave(BLOCK, dim=dim).narrow(dim, 0, size)
+    return scale
+
+
+def scaled_mm(a_MK: torch.Tensor, scale_a: torch.Tensor, b_KN: torch.Tensor, scale_b: torch.Tensor,
               out_dtype: torch.dtype, emulate: bool = False) -> torch.Tensor:
     """(a * scale_a) @ (b * scale_b), e4m3 operands, `b_KN` column-major (a transposed row-major
-    tensor). `emulate` (the tests' reference and `TrainConfig.fp8_emulate`): dequantise in fp64 and
-    matmul, rounded once to `out_dtype`, instead of `torch._scaled_mm` (exact products of the same
-    e4m3 values and scales, wider sums than its fp32 ones; no alignment needed)."""
+    tensor). Rowwise: scale_a [M, 1], scale_b [1, N]; blockwise: scale_a [M, K/128] token-major,
+    scale_b [K/128, N/128] (the transpose of a row-major block grid). `emulate` (the tests' reference
+    and `TrainConfig.fp8_emulate`): dequantise in fp64 and matmul, rounded once to `out_dtype`,
+    instead of `torch._scaled_mm` (exact products of the same e4m3 values and scales, wider sums than
+    its fp32 ones; no alignment needed)."""
     if emulate:
-        return ((a_MK.double() * scale_a_M1.double()) @ (b_KN.double() * scale_b_1N.double())).to(out_dtype)
-    return torch._scaled_mm(a_MK, b_KN, scale_a=scale_a_M1, scale_b=scale_b_1N, out_dtype=out_dtype)
+        a = a_MK.double() * _expanded(scale_a, a_MK.shape).double()
+        b = b_KN.double() * _expanded(scale_b, b_KN.shape).double()
+        return (a @ b).to(out_dtype)
+    return torch._scaled_mm(a_MK, b_KN, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
 
 
-def check_shape(in_features: int, out_features: int) -> None:
-    """torch._scaled_mm wants the contraction and the output columns in multiples of 16."""
+def check_shape(in_features: int, out_features: int, scaling: str = "rowwise") -> None:
+    """torch._scaled_mm wants the contraction and the output columns in multiples of 16; the
+    blockwise recipe both in multiples of `BLOCKWISE_MULTIPLE` (`fits_blockwise`)."""
+    check_scaling(scaling)
     if in_features % ALIGN or out_features % ALIGN:
         raise ValueError(f"an FP8 dense linear {in_features} -> {out_features}: torch._scaled_mm needs both "
                          f"dimensions multiples of {ALIGN}; set fp8_dense: false")
+    if scaling == "blockwise" and not fits_blockwise(in_features, out_features):
+        raise ValueError(f"an FP8 dense linear {in_features} -> {out_features}: the blockwise recipe needs both "
+                         f"dimensions multiples of {BLOCKWISE_MULTIPLE} (whole 128 x 128 blocks, 4 along each "
+                         "contraction); keep this linear in bf16 or set fp8_dense_scaling: rowwise")
 
 
 class Fp8WeightCopies:
     """The e4m3 copies of one weight W_OI that its GEMMs read, made once per optimizer step
-    (`refresh`) and reused by every micro-batch of it: `rows` = (q_OI, s_O1), W per output feature
-    over I (the forward's B operand), and `cols` = (q_IO, s_I1), W per input feature over O (the
-    data gradient's). The buffers are allocated here, once; `refresh` writes into them in place
-    (a captured CUDA graph replays into the same addresses) and counts W's two quantisations into
-    its stats row: once per refresh, not once per micro-batch as without copies."""
+    (`refresh`) and reused by every micro-batch of it: `rows` = W's copy for the forward's B operand
+    and `cols` = W^T's for the data gradient's. Rowwise: (q_OI, s_O1), W per output feature over I,
+    and (q_IO, s_I1), W per input feature over O. Blockwise: (q_OI, s_OB [O/128, I/128]) per 128 x
+    128 block and (q_IO, s_IB), the same blocks transposed (one launch writes both). The buffers are
+    allocated here, once; `refresh` writes into them in place (a captured CUDA graph replays into the
+    same addresses) and counts W's quantisations into its stats row: once per refresh, not once per
+    micro-batch as without copies."""
 
-    def __init__(self, w_OI: torch.Tensor) -> None:
+    def __init__(self, w_OI: torch.Tensor, scaling: str = "rowwise") -> None:
+        check_scaling(scaling)
         o, i = w_OI.shape
         empty = functools.partial(torch.empty, device=w_OI.device)
-        self.rows = (empty((o, i), dtype=E4M3), empty((o, 1), dtype=torch.float32))
-        self.cols = (empty((i, o), dtype=E4M3), empty((i, 1), dtype=torch.float32))
+        self.scaling = scaling
+        if scaling == "rowwise":
+            self.rows = (empty((o, i), dtype=E4M3), empty((o, 1), dtype=torch.float32))
+            self.cols = (empty((i, o), dtype=E4M3), empty((i, 1), dtype=torch.float32))
+        else:
+            blocks_o, blocks_i = -(-o // BLOCK), -(-i // BLOCK)
+            self.rows = (empty((o, i), dtype=E4M3), empty((blocks_o, blocks_i), dtype=torch.float32))
+            self.cols = (empty((i, o), dtype=E4M3), empty((blocks_i, blocks_o), dtype=torch.float32))
         self._seen: tuple | None = None  # `_identity(W)` at the last refresh
 
     @torch.no_grad()
     def refresh(self, w_OI: torch.Tensor, stats_row: torch.Tensor | None = None) -> None:
-        """Quantise W into the copies (two launches on CUDA; W^T read in place)."""
-        quantize_rowwise(w_OI, stats_row, out=self.rows)
-        quantize_rowwise(w_OI.t(), stats_row, out=self.cols)
+        """Quantise W into the copies (rowwise: two launches on CUDA, W^T read in place; blockwise:
+        one, W counted once)."""
+        if self.scaling == "rowwise":
+            quantize_rowwise(w_OI, stats_row, out=self.rows)
+            quantize_rowwise(w_OI.t(), stats_row, out=self.cols)
+        else:
+            quantize_weight_blocks(w_OI, stats_row, out=self.rows, transposed_out=self.cols)
         self._seen = _identity(w_OI)
 
     def fits(self, w_OI: torch.Tensor) -> bool:
@@ -156,18 +296,19 @@ class Fp8Linear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, w_OI: torch.Tensor, stats_row: torch.Tensor | None,
-                emulate: bool) -> torch.Tensor:
+                emulate: bool, scaling: str = "rowwise") -> torch.Tensor:
         ctx.save_for_backward(x, w_OI)
-        ctx.stats_row, ctx.emulate = stats_row, emulate
-        return fprop(x, w_OI, stats_row, emulate)
+        ctx.stats_row, ctx.emulate, ctx.scaling = stats_row, emulate, scaling
+        return fprop(x, w_OI, stats_row, emulate, scaling=scaling)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         x, w_OI = ctx.saved_tensors
         dy_NO = dy.reshape(-1, dy.shape[-1])
-        dx = dgrad(dy_NO, w_OI, ctx.stats_row, ctx.emulate).view(x.shape) if ctx.needs_input_grad[0] else None
+        dx = (dgrad(dy_NO, w_OI, ctx.stats_row, ctx.emulate, scaling=ctx.scaling).view(x.shape)
+              if ctx.needs_input_grad[0] else None)
         dw = dy_NO.t().mm(x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
-        return dx, dw, None, None
+        return dx, dw, None, None, None
 
 
 class _SharedInputs(threading.local):
@@ -184,15 +325,17 @@ class _SharedInputs(threading.local):
 _shared_inputs = _SharedInputs()
 
 
-def quantize_input(x_MK: torch.Tensor, stats_row: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`quantize_rowwise(x_MK, stats_row)` of a linear's input, reused when the previous input was
-    the same tensor (`_SharedInputs`): one quantisation per input, not per reader."""
+def quantize_input(x_MK: torch.Tensor, stats_row: torch.Tensor | None,
+                   scaling: str = "rowwise") -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_activation(x_MK, stats_row, scaling)` of a linear's input, reused when the previous
+    input was the same tensor under the same scaling (`_SharedInputs`): one quantisation per input,
+    not per reader."""
     key = (x_MK.data_ptr(), tuple(x_MK.shape), x_MK.stride(), x_MK.dtype, x_MK.device, x_MK._version,
-           None if stats_row is None else id(stats_row))
+           None if stats_row is None else id(stats_row), scaling)
     last = _shared_inputs.last
     if last is not None and last[0] == key:
         return last[2]
-    result = quantize_rowwise(x_MK, stats_row)
+    result = quantize_activation(x_MK, stats_row, scaling)
     _shared_inputs.last = (key, x_MK, result)
     return result
 
@@ -202,28 +345,39 @@ def forget_shared_inputs() -> None:
     _shared_inputs.last = None
 
 
+def _copies_for(copies: Fp8WeightCopies | None, scaling: str) -> Fp8WeightCopies | None:
+    if copies is not None and copies.scaling != scaling:
+        raise ValueError(f"W's e4m3 copies were made {copies.scaling}, the GEMM runs {scaling}: refresh them "
+                         f"with Fp8WeightCopies(w, {scaling!r})")
+    return copies
+
+
 def fprop(x: torch.Tensor, w_OI: torch.Tensor, stats_row: torch.Tensor | None = None,
-          emulate: bool = False, copies: Fp8WeightCopies | None = None) -> torch.Tensor:
-    """y = x W^T, x [..., I]: x scaled per token (its copy shared with the next linear reading the
-    same x, `quantize_input`), W per output feature (both over I; `copies.rows` where given, else
-    quantised here)."""
+          emulate: bool = False, copies: Fp8WeightCopies | None = None, scaling: str = "rowwise") -> torch.Tensor:
+    """y = x W^T, x [..., I]: x scaled per token (rowwise) or per token and 128 of I (blockwise), its
+    copy shared with the next linear reading the same x (`quantize_input`); W per output feature over
+    I or per 128 x 128 block (`copies.rows` where given, else quantised here)."""
     x_NI = x.reshape(-1, x.shape[-1])
-    qx_NI, sx_N1 = quantize_input(x_NI, stats_row)
-    qw_OI, sw_O1 = copies.rows if copies is not None else quantize_rowwise(w_OI, stats_row)
-    y_NO = scaled_mm(qx_NI, sx_N1, qw_OI.t(), sw_O1.t(), x.dtype, emulate)
+    qx_NI, sx = quantize_input(x_NI, stats_row, scaling)
+    copies = _copies_for(copies, scaling)
+    qw_OI, sw = copies.rows if copies is not None else quantize_weight(w_OI, stats_row, scaling)
+    y_NO = scaled_mm(qx_NI, sx, qw_OI.t(), sw.t(), x.dtype, emulate)
     return y_NO.view(*x.shape[:-1], w_OI.shape[0])
 
 
 def dgrad(dy_NO: torch.Tensor, w_OI: torch.Tensor, stats_row: torch.Tensor | None = None,
-          emulate: bool = False, copies: Fp8WeightCopies | None = None) -> torch.Tensor:
-    """dx_NI = dy_NO W_OI: dy scaled per token, W per input feature (both over O; `copies.cols`
-    where given, else quantised here from W^T, read in place)."""
-    qdy_NO, sdy_N1 = quantize_rowwise(dy_NO, stats_row)
-    qw_IO, sw_I1 = copies.cols if copies is not None else quantize_rowwise(w_OI.t(), stats_row)
-    return scaled_mm(qdy_NO, sdy_N1, qw_IO.t(), sw_I1.t(), dy_NO.dtype, emulate)
+          emulate: bool = False, copies: Fp8WeightCopies | None = None, scaling: str = "rowwise") -> torch.Tensor:
+    """dx_NI = dy_NO W_OI: dy scaled per token (rowwise) or per token and 128 of O (blockwise); W per
+    input feature over O or W^T per 128 x 128 block (`copies.cols` where given, else quantised here
+    from W^T, read in place)."""
+    qdy_NO, sdy = quantize_activation(dy_NO, stats_row, scaling)
+    copies = _copies_for(copies, scaling)
+    qw_IO, sw = copies.cols if copies is not None else quantize_weight(w_OI.t(), stats_row, scaling)
+    return scaled_mm(qdy_NO, sdy, qw_IO.t(), sw.t(), dy_NO.dtype, emulate)
 
 
 def fp8_linear(x: torch.Tensor, w_OI: torch.Tensor, stats_row: torch.Tensor | None = None,
-               emulate: bool = False) -> torch.Tensor:
+               emulate: bool = False, scaling: str = "rowwise") -> torch.Tensor:
     """y = x W^T with FP8 GEMMs (`Fp8Linear`), x [..., I], W [O, I]. `emulate`: `scaled_mm`'s."""
-    return Fp8Linear.apply(x, w_OI, stats_row, emulate)
+    check_scaling(scaling)
+    return Fp8Linear.apply(x, w_OI, stats_row, emulate, scaling)

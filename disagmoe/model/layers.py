@@ -255,21 +255,21 @@ class _Fp8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, w_OI: torch.Tensor, stats_row: torch.Tensor | None,
-                emulate: bool, copies: fp8_dense.Fp8WeightCopies | None) -> torch.Tensor:
+                emulate: bool, copies: fp8_dense.Fp8WeightCopies | None, scaling: str) -> torch.Tensor:
         ctx.save_for_backward(x, w_OI)
         ctx.weight = _deferrable_weight(w_OI)
-        ctx.stats_row, ctx.emulate, ctx.copies = stats_row, emulate, copies
-        return fp8_dense.fprop(x, w_OI, stats_row, emulate, copies)
+        ctx.stats_row, ctx.emulate, ctx.copies, ctx.scaling = stats_row, emulate, copies, scaling
+        return fp8_dense.fprop(x, w_OI, stats_row, emulate, copies, scaling)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         x, w_OI = ctx.saved_tensors
         dy_NO = dy.reshape(-1, dy.shape[-1])
-        dx = (fp8_dense.dgrad(dy_NO, w_OI, ctx.stats_row, ctx.emulate, ctx.copies).view(x.shape)
+        dx = (fp8_dense.dgrad(dy_NO, w_OI, ctx.stats_row, ctx.emulate, ctx.copies, ctx.scaling).view(x.shape)
               if ctx.needs_input_grad[0] else None)
         if not ctx.needs_input_grad[1]:
-            return dx, None, None, None, None
-        return dx, _linear_backward_weight(ctx.weight, dy_NO, x.reshape(-1, x.shape[-1])), None, None, None
+            return dx, None, None, None, None, None
+        return dx, _linear_backward_weight(ctx.weight, dy_NO, x.reshape(-1, x.shape[-1])), None, None, None, None
 
 
 class DeferrableLinear(nn.Linear):
@@ -278,8 +278,9 @@ class DeferrableLinear(nn.Linear):
     weight with an fp32 main gradient (FlatAdamW) gets its gradient added there by the GEMM, unrounded
     (`add_weight_grad_into_main`).
 
-    `set_fp8(True, stats_row)` (precision fp8, `fp8_dense`) runs its forward and data-gradient GEMMs
-    in FP8 instead (`kernels.fp8_dense`; its weight gradient stays bf16): the parameter stays bf16;
+    `set_fp8(True, stats_row, scaling=...)` (precision fp8, `fp8_dense`, `fp8_dense_scaling`) runs its
+    forward and data-gradient GEMMs in FP8 instead (`kernels.fp8_dense`, rowwise or blockwise scales;
+    its weight gradient stays bf16): the parameter stays bf16;
     its e4m3 copies (`fp8_copies`) are made by `prepare_fp8`, once per optimizer step, never
     checkpointed. `emulate` (`TrainConfig.fp8_emulate`, and the tests' reference): the same
     quantised operands dequantised and multiplied in fp64 instead of torch._scaled_mm
@@ -291,11 +292,16 @@ class DeferrableLinear(nn.Linear):
         self.fp8_stats_row: torch.Tensor | None = None
         self.fp8_emulate = False
         self.fp8_copies: fp8_dense.Fp8WeightCopies | None = None
+        self.fp8_scaling = "rowwise"
 
-    def set_fp8(self, enabled: bool, stats_row: torch.Tensor | None = None, emulate: bool = False) -> None:
+    def set_fp8(self, enabled: bool, stats_row: torch.Tensor | None = None, emulate: bool = False,
+                scaling: str = "rowwise") -> None:
+        """ValueError where the library GEMM cannot take this linear's shape under `scaling`
+        (`fp8_dense.check_shape`; emulated GEMMs take any)."""
+        fp8_dense.check_scaling(scaling)
         if enabled and not emulate:
-            fp8_dense.check_shape(self.in_features, self.out_features)
-        self.fp8, self.fp8_stats_row, self.fp8_emulate = enabled, stats_row, emulate
+            fp8_dense.check_shape(self.in_features, self.out_features, scaling)
+        self.fp8, self.fp8_stats_row, self.fp8_emulate, self.fp8_scaling = enabled, stats_row, emulate, scaling
         self.fp8_copies = None
 
     @torch.no_grad()
@@ -306,15 +312,17 @@ class DeferrableLinear(nn.Linear):
         here, once per refresh."""
         if not self.fp8:
             return
-        if self.fp8_copies is None or self.fp8_copies.rows[0].device != self.weight.device:
-            self.fp8_copies = fp8_dense.Fp8WeightCopies(self.weight)
+        if (self.fp8_copies is None or self.fp8_copies.rows[0].device != self.weight.device
+                or self.fp8_copies.scaling != self.fp8_scaling):
+            self.fp8_copies = fp8_dense.Fp8WeightCopies(self.weight, self.fp8_scaling)
         self.fp8_copies.refresh(self.weight, self.fp8_stats_row)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp8:
             # no copies, or W written since (`Fp8WeightCopies.fits`, host metadata): W quantised per call
             copies = self.fp8_copies if self.fp8_copies is not None and self.fp8_copies.fits(self.weight) else None
-            return _Fp8LinearFunction.apply(x, self.weight, self.fp8_stats_row, self.fp8_emulate, copies)
+            return _Fp8LinearFunction.apply(x, self.weight, self.fp8_stats_row, self.fp8_emulate, copies,
+                                            self.fp8_scaling)
         return _LinearFunction.apply(x, self.weight)
 
 

@@ -123,17 +123,28 @@ class MoETransformer(nn.Module):
             if isinstance(module, RoutedExperts):
                 module.set_precision(precision, backward, forward, emulate)
 
-    def set_dense_fp8(self, enabled: bool, stats=None, emulate: bool = False) -> None:
+    def set_dense_fp8(self, enabled: bool, stats=None, emulate: bool = False, scaling: str = "rowwise") -> list[str]:
         """The dense projections held here (attention, MLA's, shared experts, dense FFN layers: every
-        `DeferrableLinear`) in FP8, recipe rowwise (`kernels.fp8_dense`), counting into `stats`' dense
-        row (a `kernels.fp8_stats.Fp8Stats`, or None); `TrainConfig.dense_precision`. `emulate`
+        `DeferrableLinear`) in FP8, scaled `scaling` (`kernels.fp8_dense.SCALINGS`;
+        `TrainConfig.dense_fp8_scaling`), counting into `stats`' dense row (a
+        `kernels.fp8_stats.Fp8Stats`, or None); `TrainConfig.dense_precision`. `emulate`
         (`TrainConfig.fp8_emulate`, and the tests' reference): the same quantised operands
-        dequantised and multiplied in fp64 instead of torch._scaled_mm (`fp8_dense.scaled_mm`)."""
+        dequantised and multiplied in fp64 instead of torch._scaled_mm (`fp8_dense.scaled_mm`).
+        Blockwise, a linear whose shape is off the recipe's grid (`fp8_dense.fits_blockwise`: MLA's
+        kv_a, 576 wide) keeps its GEMMs in bf16; returns those linears' names (empty otherwise)."""
+        from disagmoe.kernels import fp8_dense
         from disagmoe.kernels.fp8_stats import DENSE
+
+        fp8_dense.check_scaling(scaling)
         row = None if stats is None else stats.row(DENSE)
-        for module in self.modules():
+        kept_bf16 = []
+        for name, module in self.named_modules():
             if isinstance(module, DeferrableLinear):
-                module.set_fp8(enabled, row, emulate)
+                fits = scaling != "blockwise" or fp8_dense.fits_blockwise(module.in_features, module.out_features)
+                if enabled and not fits:
+                    kept_bf16.append(name)
+                module.set_fp8(enabled and fits, row, emulate, scaling)
+        return kept_bf16
 
     def set_fp8_stats(self, stats) -> None:
         """One `kernels.fp8_stats.Fp8Stats` for every FP8 expert module (`RoutedExperts.set_fp8_stats`)."""

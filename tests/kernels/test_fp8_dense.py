@@ -208,3 +208,139 @@ def test_linears_reading_one_input_quantise_it_once(monkeypatch):
     row = torch.zeros(FIELDS, dtype=torch.int64)
     assert fp8_dense.quantize_input(x, row) is not fp8_dense.quantize_input(x, None)
     fp8_dense.forget_shared_inputs()
+
+
+# --- the blockwise recipe: 1 x 128 activations, 128 x 128 weight blocks (torch._scaled_mm's block
+# scaling on Hopper; the CPU runs it emulated). Shapes on the recipe's 512 grid, tokens ragged.
+NB, IB, OB = 200, 1024, 512
+
+
+def _block_inputs(seed: int, dtype=torch.bfloat16, loud: float = 1.0):
+    """x, W, dy; with `loud`, every token's first 128 inputs and first 128 output gradients `loud` times
+    the rest, and W's first 128 rows and columns zero, so the outputs and data gradients come from the
+    quiet groups alone (a scale that spans a loud group pushes the quiet values into e4m3's subnormals)."""
+    gen = torch.Generator().manual_seed(seed)
+    x_NI = torch.randn(NB, IB, generator=gen)
+    w_OI = torch.randn(OB, IB, generator=gen) / IB**0.5
+    w_OI[:128, 128:256] *= 30.0  # one loud weight block (the blocks scale apart)
+    dy_NO = torch.randn(NB, OB, generator=gen)
+    if loud != 1.0:
+        x_NI[:, :128] *= loud
+        dy_NO[:, :128] *= loud
+        w_OI[:128], w_OI[:, :128] = 0.0, 0.0
+    return x_NI.to(dtype), w_OI.to(dtype), dy_NO.to(dtype)
+
+
+def test_blockwise_operands_are_the_experts_quantisations_in_cublas_layouts():
+    """The activation copy is `fp8.quantize_rows`' (1 x 128) with its scales token-major (strides
+    (1, N): cuBLAS's 1 x 128 layout); W's copy is `fp8.quantize_blocks`' (128 x 128), and W^T's the
+    same e4m3 values transposed with the block scales transposed."""
+    from disagmoe.kernels import fp8
+
+    x_NI, w_OI, _ = _block_inputs(0)
+    q, s = fp8_dense.quantize_token_blocks(x_NI)
+    want_q, want_s = fp8.quantize_rows_reference(x_NI)
+    assert s.shape == (NB, IB // 128) and s.stride() == (1, NB)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s, want_s)
+    copies = fp8_dense.Fp8WeightCopies(w_OI, "blockwise")
+    copies.refresh(w_OI)
+    want_q, want_s = fp8.quantize_blocks_reference(w_OI[None])
+    assert torch.equal(copies.rows[0].view(torch.uint8), want_q[0].view(torch.uint8))
+    assert torch.equal(copies.rows[1], want_s[0]) and copies.rows[1].shape == (OB // 128, IB // 128)
+    assert torch.equal(copies.cols[0].view(torch.uint8), want_q[0].t().contiguous().view(torch.uint8))
+    assert torch.equal(copies.cols[1], want_s[0].t())
+    q_t, s_t = fp8_dense.quantize_weight(w_OI.t(), None, "blockwise")  # per call: W^T read in place
+    assert torch.equal(q_t.view(torch.uint8), copies.cols[0].view(torch.uint8)) and torch.equal(s_t, copies.cols[1])
+
+
+def test_blockwise_gemms_track_fp64_where_rowwise_scales_do_not():
+    """Against fp64, a loud 128-group in every token (1e5 times the rest) that the outputs do not
+    read: the blockwise forward and data gradient stay within the FP8 bound; the rowwise recipe,
+    whose one scale per token spans the loud group, loses the quiet values to underflow."""
+    x_NI, w_OI, dy_NO = _block_inputs(1, loud=1e5)
+    x64, w64, dy64 = x_NI.double(), w_OI.double(), dy_NO.double()
+    errors = {}
+    for scaling in fp8_dense.SCALINGS:
+        errors[scaling] = (_rel(fp8_dense.fprop(x_NI, w_OI, emulate=True, scaling=scaling), x64 @ w64.T),
+                           _rel(fp8_dense.dgrad(dy_NO, w_OI, emulate=True, scaling=scaling), dy64 @ w64))
+    assert max(errors["blockwise"]) < REL_BOUND, errors
+    assert min(errors["rowwise"]) > 3 * max(errors["blockwise"]), errors
+
+
+def test_blockwise_copies_give_the_per_call_bits_count_w_once_and_refresh_in_place():
+    x_NI, w_OI, dy_NO = _block_inputs(2)
+    copies = fp8_dense.Fp8WeightCopies(w_OI, "blockwise")
+    row, per_call = torch.zeros(FIELDS, dtype=torch.int64), torch.zeros(FIELDS, dtype=torch.int64)
+    copies.refresh(w_OI, row)
+    fp8_dense.quantize_weight(w_OI, per_call, "blockwise")
+    assert torch.equal(row, per_call)  # one launch writes both copies: W counted once
+    for fn, a in ((fp8_dense.fprop, x_NI), (fp8_dense.dgrad, dy_NO)):
+        got = fn(a, w_OI, emulate=True, copies=copies, scaling="blockwise")
+        assert torch.equal(got, fn(a, w_OI, emulate=True, scaling="blockwise")), fn.__name__
+    buffers = [t.data_ptr() for t in (*copies.rows, *copies.cols)]
+    w_OI.mul_(2.0)
+    copies.refresh(w_OI)
+    assert [t.data_ptr() for t in (*copies.rows, *copies.cols)] == buffers
+    with pytest.raises(ValueError, match="made blockwise, the GEMM runs rowwise"):
+        fp8_dense.fprop(x_NI, w_OI, emulate=True, copies=copies)
+
+
+def test_blockwise_refuses_shapes_off_its_grid_and_devices_without_block_scaling():
+    assert fp8_dense.fits_blockwise(2048, 512) and not fp8_dense.fits_blockwise(7168, 576)
+    with pytest.raises(ValueError, match="multiples of 512.*fp8_dense_scaling: rowwise"):
+        fp8_dense.check_shape(7168, 576, "blockwise")
+    fp8_dense.check_shape(7168, 576, "rowwise")
+    with pytest.raises(ValueError, match="Hopper GPUs.*fp8_dense_scaling: rowwise"):
+        fp8_dense.check_blockwise_device(torch.device("cpu"))
+    with pytest.raises(ValueError, match="unknown FP8 dense scaling 'tensorwise'"):
+        fp8_dense.Fp8WeightCopies(torch.zeros(512, 512), "tensorwise")
+
+
+def test_blockwise_quantisers_on_the_interpreter_are_the_cpu_references_bits(interpreted):
+    """Under Triton's interpreter the blockwise operands come from the experts' Triton quantisers
+    (the CUDA path): the same bits and counters as the torch references the CPU runs."""
+    _, _, fp8_dense_i = interpreted("disagmoe.kernels.grouped_gemm", "disagmoe.kernels.fp8", "disagmoe.kernels.fp8_dense")
+    x_NI, w_OI, _ = _block_inputs(3)
+    x_NI = x_NI[:40]
+    row_i, row_ref = torch.zeros(FIELDS, dtype=torch.int64), torch.zeros(FIELDS, dtype=torch.int64)
+    q_i, s_i = fp8_dense_i.quantize_token_blocks(x_NI, row_i)
+    assert s_i.stride() == (1, 40)
+    import os
+    del os.environ["TRITON_INTERPRET"]  # the torch references, in the same test
+    try:
+        q_r, s_r = fp8_dense_i.quantize_token_blocks(x_NI, row_ref)
+        (qw_r, sw_r) = fp8_dense_i.quantize_weight_blocks(w_OI)
+    finally:
+        os.environ["TRITON_INTERPRET"] = "1"
+    assert torch.equal(q_i.view(torch.uint8), q_r.view(torch.uint8)) and torch.equal(s_i, s_r)
+    assert torch.equal(row_i[[SATURATED, UNDERFLOW, TOTAL, NONFINITE]], row_ref[[SATURATED, UNDERFLOW, TOTAL, NONFINITE]])
+    assert row_i[AMAX] == row_ref[AMAX]
+    copies_q, copies_s = torch.empty_like(qw_r), torch.empty_like(sw_r)
+    cols = (torch.empty(IB, OB, dtype=torch.float8_e4m3fn), torch.empty(IB // 128, OB // 128))
+    fp8_dense_i.quantize_weight_blocks(w_OI, out=(copies_q, copies_s), transposed_out=cols)
+    assert torch.equal(copies_q.view(torch.uint8), qw_r.view(torch.uint8)) and torch.equal(copies_s, sw_r)
+    assert torch.equal(cols[0].view(torch.uint8), qw_r.t().contiguous().view(torch.uint8))
+    assert torch.equal(cols[1], sw_r.t())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
+                    reason="needs a Hopper GPU (torch._scaled_mm's 1 x 128 / 128 x 128 scaling)")
+@pytest.mark.parametrize("shape", [(4096, 2048, 4096), (1000, 4096, 512), (8 * 31, 512, 1536), (2048, 1536, 2048)])
+def test_cuda_blockwise_scaled_mm_equals_its_emulation_and_tracks_fp64(shape):
+    """The library's block-scaled GEMMs (forward and data gradient) against the fp64 emulation of the
+    same quantised operands (only fp32 sums and bf16 rounding apart) and against fp64 (the FP8 bound);
+    d W the bf16 product. K of 12 blocks (1536) checks the scale grid's padding to 4 blocks."""
+    n, i, o = shape
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(n, i, device="cuda", generator=gen).bfloat16().requires_grad_()
+    w = (torch.randn(o, i, device="cuda", generator=gen) / i**0.5).bfloat16().requires_grad_()
+    dy = torch.randn(n, o, device="cuda", generator=gen).bfloat16()
+    y = fp8_dense.fp8_linear(x, w, scaling="blockwise")
+    y.backward(dy)
+    x64, w64, dy64 = x.detach().double(), w.detach().double(), dy.double()
+    assert _rel(y, x64 @ w64.T) < REL_BOUND
+    assert _rel(x.grad, dy64 @ w64) < REL_BOUND
+    assert torch.equal(w.grad, dy.t().mm(x.detach()))
+    assert _rel(y, fp8_dense.fprop(x.detach(), w.detach(), emulate=True, scaling="blockwise")) < LIB_BOUND
+    assert _rel(x.grad, fp8_dense.dgrad(dy, w.detach(), emulate=True, scaling="blockwise")) < LIB_BOUND

@@ -292,3 +292,45 @@ def test_dense_fp8_trains_like_bf16_on_the_gpu():
     (bf16, fp8) = curves
     assert bf16[-1] < 0.5 * bf16[0] and fp8[-1] < 0.5 * fp8[0]
     assert fp8[-1] == pytest.approx(bf16[-1], rel=0.05)
+
+
+def _blockwise_sized():
+    """tiny with every attention projection and the dense FFN on the blockwise recipe's 512 grid; the
+    shared experts (512 -> 64) off it."""
+    from disagmoe.model_ref import load_model
+
+    return load_model("tiny").model_copy(update={"hidden_size": 512, "num_heads": 4, "num_kv_heads": 4,
+                                                 "head_dim": 128, "dense_ffn_size": 1024, "num_layers": 2})
+
+
+def test_dense_fp8_blockwise_keeps_off_grid_linears_in_bf16_and_tracks_the_fp32_loss():
+    """`set_dense_fp8(scaling="blockwise")` (emulated GEMMs, the CPU): the attention projections and the
+    dense FFN in FP8 with 1 x 128 / 128 x 128 scales, the shared experts (64 wide, off the 512 grid) kept
+    in bf16 and named; the loss within 2% of the fp32 model's on its routing, every quantisation
+    counted in the dense row; `prepare_fp8`'s blockwise copies give the per-call loss bit for bit."""
+    from disagmoe.kernels.fp8_stats import DENSE, SATURATED, TOTAL, Fp8Stats
+    from disagmoe.model.layers import DeferrableLinear
+
+    cfg = _blockwise_sized()
+    ref, fp8 = MoETransformer(cfg), MoETransformer(cfg)
+    fp8.load_state_dict(ref.state_dict())
+    stats = Fp8Stats("cpu")
+    kept = fp8.set_dense_fp8(True, stats, emulate=True, scaling="blockwise")
+    assert kept and all(".shared_experts." in name for name in kept)
+    linears = dict(fp8.named_modules())
+    assert all(not linears[name].fp8 for name in kept)
+    on = [m for name, m in fp8.named_modules() if isinstance(m, DeferrableLinear) and name not in kept]
+    assert on and all(m.fp8 and m.fp8_scaling == "blockwise" for m in on)
+    tok = tokens(cfg, B=2, S=16)
+    losses, fixed = [], None
+    for model in (ref, fp8):
+        out = model(tok, fixed)
+        fixed = out.topk_idx_LNK
+        losses.append(F.cross_entropy(out.logits_BSV.flatten(0, 1), tok.flatten()))
+    assert losses[1].item() == pytest.approx(losses[0].item(), rel=0.02)
+    assert stats.row(DENSE)[TOTAL] > 0 and stats.row(DENSE)[SATURATED] == 0
+    fp8.prepare_fp8()
+    assert all(m.fp8_copies.scaling == "blockwise" and m.fp8_copies.fits(m.weight) for m in on)
+    out = fp8(tok, fixed)
+    assert torch.equal(F.cross_entropy(out.logits_BSV.flatten(0, 1), tok.flatten()), losses[1])
+    assert fp8.set_dense_fp8(True, stats, emulate=True, scaling="rowwise") == []

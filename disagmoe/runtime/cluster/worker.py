@@ -79,7 +79,7 @@ from disagmoe.runtime.state.sharded_checkpoint import Listing, load_rank_state, 
 from disagmoe.runtime.topology import Topology
 from disagmoe.runtime.observe.trace import SpanRecorder
 from disagmoe.runtime.cluster.watchdog import OpWatchdog
-from disagmoe.runtime.training.trainer import check_fp8_device
+from disagmoe.runtime.training.trainer import check_fp8_device, set_dense_fp8
 from disagmoe.runtime.rank_graphs import resolve_rank_graphs
 from disagmoe.runtime.training.graphed_step import PhasedGraphs, is_capturing
 
@@ -102,11 +102,12 @@ def reduce_bucket(name: str, num_layers: int) -> str:
 
 def setup_fp8(model: Any, topology: Topology, rank: int, precision: str, device: torch.device,
               dense_precision: str = "bf16", backward: str | None = None, forward: str | None = None,
-              emulate: bool = False, gluon: bool = False) -> Fp8Stats | None:
+              emulate: bool = False, gluon: bool = False, dense_scaling: str | None = None) -> Fp8Stats | None:
     """precision fp8: the routed experts held here run in FP8 (`set_expert_precision`, refused on a
     GPU without FP8 tensor cores; their backward's and forward's GEMMs as `backward` and `forward`
     say, None: the defaults), and with `dense_precision` fp8 (`TrainConfig.fp8_dense`) an
-    attention rank's dense projections too (`set_dense_fp8`, rowwise); both count into one new
+    attention rank's dense projections too (`trainer.set_dense_fp8`, scaled `dense_scaling`,
+    `TrainConfig.dense_fp8_scaling`; None: rowwise); both count into one new
     `Fp8Stats`, returned. `emulate` (`TrainConfig.fp8_emulate`): both emulated (quantise-dequantise
     into higher-precision GEMMs). `gluon` (`TrainConfig.fp8_gluon`): the experts' row GEMMs in the
     Gluon kernels (`fp8_ffn.set_gluon`). None where nothing here runs in FP8 (nothing of its model
@@ -124,7 +125,7 @@ def setup_fp8(model: Any, topology: Topology, rank: int, precision: str, device:
         model.set_expert_precision("fp8", backward, forward, emulate)
         set_gluon(gluon)  # process-wide (`fp8_ffn._gluon`): every FP8 expert rank sets it
     if dense:
-        model.set_dense_fp8(True, stats, emulate)
+        set_dense_fp8(model, stats, dense_scaling or "rowwise", emulate, device)
     model.set_fp8_stats(stats)
     return stats
 
@@ -181,7 +182,8 @@ class TrainWorker(Worker):
         self.fp8 = cfg.expert_precision == "fp8"  # every rank then sums the step's FP8 counters
         self.fp8_stats = setup_fp8(self.model, topology, self.rank, cfg.expert_precision, self.device,
                                    cfg.dense_precision, cfg.expert_backward_precision,
-                                   cfg.expert_forward_precision, cfg.fp8_emulate, cfg.fp8_gluon)
+                                   cfg.expert_forward_precision, cfg.fp8_emulate, cfg.fp8_gluon,
+                                   cfg.dense_fp8_scaling)
         bucket_of = functools.partial(reduce_bucket, num_layers=topology.num_layers)
         shards = {}
         if cfg.optim.shard_states and attention is not None and topology.data_parallel > 1:

@@ -452,7 +452,8 @@ TRAINING_FIELDS = ("seed", "batch_size", "seq_len")
 NOT_THE_STEP = ("shard_states", "update_kernel")
 # The GEMMs' precision recipe, as resolved (an unset field's default may change between versions: session 32
 # moved precision fp8's to the down GEMM alone with bf16 dense projections); recorded since then
-PRECISION_FIELDS = ("precision", "expert_forward_precision", "expert_backward_precision", "dense_precision")
+PRECISION_FIELDS = ("precision", "expert_forward_precision", "expert_backward_precision", "dense_precision",
+                    "dense_fp8_scaling")
 
 
 def training_settings(cfg: TrainConfig) -> dict[str, Any]:

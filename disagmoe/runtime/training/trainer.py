@@ -350,6 +350,29 @@ def check_fp8_device(device: torch.device) -> None:
                          f"Blackwell); {torch.cuda.get_device_name(device)} is {major}.{minor}: set precision: bf16")
 
 
+def set_dense_fp8(model: Any, stats: Fp8Stats | None, scaling: str, emulate: bool, device: torch.device) -> list[str]:
+    """The dense projections of `model` held here in FP8 (`MoETransformer.set_dense_fp8`), scaled
+    `scaling` (`TrainConfig.dense_fp8_scaling`): blockwise is refused off Hopper unless emulated
+    (`fp8_dense.check_blockwise_device`), and the linears it keeps in bf16 (off its 512 grid) are
+    named in one `RunWarning`, counted by their name within the layer. Returns their names."""
+    if scaling == "blockwise" and not emulate:
+        from disagmoe.kernels.fp8_dense import check_blockwise_device
+
+        check_blockwise_device(device)
+    kept = model.set_dense_fp8(True, stats, emulate, scaling)
+    if kept:
+        import collections
+        import warnings
+
+        from disagmoe.runtime.failures import RunWarning
+
+        by_role = collections.Counter(name.split(".", 2)[-1] for name in kept)
+        listed = ", ".join(f"{role} x{count}" for role, count in sorted(by_role.items()))
+        warnings.warn(f"fp8_dense_scaling: blockwise keeps {len(kept)} dense linear(s) in bf16, their dimensions off "
+                      f"the recipe's 512 grid ({listed}); the rest run in FP8", RunWarning, stacklevel=2)
+    return kept
+
+
 def memory_knobs(cfg: TrainConfig, model_cfg: ModelConfig) -> list[tuple[str, float]]:
     """(setting, predicted peak bytes with it) for each memory knob this one-GPU run does not use yet
     and its config accepts (`config.memory_knob_changes`), and the most micro-batches the batch
@@ -427,8 +450,8 @@ class SingleProcessTrainer(TrainingLoop):
             set_gluon(cfg.fp8_gluon)  # process-wide, as set_fusion: every FP8 run sets it
             self.fp8_stats = Fp8Stats(self.device)  # before the capture below: its kernels keep the address
             self.model.set_fp8_stats(self.fp8_stats)
-            if cfg.dense_precision == "fp8":  # the dense projections too, rowwise (kernels.fp8_dense)
-                self.model.set_dense_fp8(True, self.fp8_stats, cfg.fp8_emulate)
+            if cfg.dense_precision == "fp8":  # the dense projections too (kernels.fp8_dense)
+                set_dense_fp8(self.model, self.fp8_stats, cfg.dense_fp8_scaling, cfg.fp8_emulate, self.device)
         # plain torch AdamW on fp32 parameters, the reference; it keeps fp32 moments on the device, so bf16
         # ones (optim.state_dtype) or offloaded ones step the flat optimizer over the same fp32 parameters
         self.oracle = cfg.steps_reference_adamw

@@ -267,6 +267,10 @@ def test_a_resume_under_another_precision_recipe_warns_naming_it(tmp_path):
     with pytest.warns(RunWarning, match=r"expert_forward_precision: 'both' -> 'down', .*dense_precision: 'fp8' -> "
                                         r"'bf16'"):
         assert warn_changed_training(manifest, TrainConfig(**fp8), directory) == [
-            "expert_forward_precision", "dense_precision"]
-    del manifest["training"]["expert_forward_precision"], manifest["training"]["dense_precision"]
+            "expert_forward_precision", "dense_precision", "dense_fp8_scaling"]
+    blockwise = TrainConfig(**fp8, fp8_expert_forward="both", fp8_dense=True, fp8_dense_scaling="blockwise")
+    with pytest.warns(RunWarning, match=r"dense_fp8_scaling: 'rowwise' -> 'blockwise'"):
+        assert warn_changed_training(manifest, blockwise, directory) == ["dense_fp8_scaling"]
+    for key in ("expert_forward_precision", "dense_precision", "dense_fp8_scaling"):
+        del manifest["training"][key]
     assert warn_changed_training(manifest, TrainConfig(**fp8), directory) == []

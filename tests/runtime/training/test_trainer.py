@@ -905,3 +905,28 @@ def test_a_pinned_data_seed_varies_the_initialisation_alone(tmp_path):
         assert not torch.equal(base.train_data.batch(step), other_both.train_data.batch(step))
     weights = [next(t.model.parameters()).detach() for t in (base, other_init)]
     assert not torch.equal(*weights)
+
+
+def test_set_dense_fp8_names_the_linears_blockwise_keeps_in_bf16_and_refuses_the_cpu_unless_emulated():
+    """The trainer's and the workers' `set_dense_fp8`: blockwise off Hopper is refused with the fixes
+    unless emulated; emulated, the linears off the 512 grid (tiny's are all off it) stay bf16 and one
+    RunWarning counts them by role; rowwise warns nothing."""
+    import warnings
+
+    from disagmoe.kernels.fp8_stats import Fp8Stats
+    from disagmoe.model.layers import DeferrableLinear
+    from disagmoe.runtime.failures import RunWarning
+    from disagmoe.runtime.training.trainer import set_dense_fp8
+
+    model = MoETransformer(load_model("tiny"))
+    cpu = torch.device("cpu")
+    with pytest.raises(ValueError, match="Hopper GPUs.*fp8_dense_scaling: rowwise"):
+        set_dense_fp8(model, Fp8Stats("cpu"), "blockwise", False, cpu)
+    with pytest.warns(RunWarning, match=r"keeps 21 dense linear\(s\) in bf16.*attention\.wq x3.*moe\.shared_experts\.w1 x2"):
+        kept = set_dense_fp8(model, Fp8Stats("cpu"), "blockwise", True, cpu)
+    linears = [m for m in model.modules() if isinstance(m, DeferrableLinear)]
+    assert len(kept) == len(linears) and not any(m.fp8 for m in linears)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RunWarning)
+        assert set_dense_fp8(model, Fp8Stats("cpu"), "rowwise", True, cpu) == []
+    assert all(m.fp8 and m.fp8_scaling == "rowwise" for m in linears)
