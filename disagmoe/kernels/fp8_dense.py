@@ -77,14 +77,31 @@ def fits_blockwise(in_features: int, out_features: int) -> bool:
     return in_features % BLOCKWISE_MULTIPLE == 0 and out_features % BLOCKWISE_MULTIPLE == 0
 
 
+BLOCKWISE_TORCH = (2, 9)  # torch._scaled_mm's block scaling (pytorch pull 158037)
+BLOCKWISE_CUDA = (12, 9)  # cuBLASLt's 1 x 128 / 128 x 128 scaling
+
+
+def _version(text: str | None) -> tuple[int, ...]:
+    """(major, minor) of a version string such as '2.11.0+cu130' or '13.0'; () for None."""
+    if not text:
+        return ()
+    return tuple(int(part) for part in text.split("+")[0].split(".")[:2] if part.isdigit())
+
+
 def check_blockwise_device(device: torch.device) -> None:
     """ValueError unless `device` runs torch._scaled_mm's 1 x 128 / 128 x 128 scaling (a Hopper GPU:
-    cuBLASLt implements that pair on sm_90 only), naming the fixes."""
+    cuBLASLt implements that pair on sm_90 only, from CUDA 12.9, reached from torch 2.9), naming the
+    fixes."""
+    fixes = "set fp8_dense_scaling: rowwise, or fp8_dense: false (or fp8_emulate: true for a numerics check)"
     if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
         where = device.type if device.type != "cuda" else f"a GPU of compute capability {torch.cuda.get_device_capability(device)}"
         raise ValueError(f"fp8_dense_scaling: blockwise runs torch._scaled_mm's 1 x 128 / 128 x 128 scaling, which "
-                         f"cuBLAS implements on Hopper GPUs (sm_90) only; this run is on {where}: set "
-                         "fp8_dense_scaling: rowwise, or fp8_dense: false (or fp8_emulate: true for a numerics check)")
+                         f"cuBLAS implements on Hopper GPUs (sm_90) only; this run is on {where}: {fixes}")
+    torch_version, cuda_version = _version(torch.__version__), _version(torch.version.cuda)
+    if torch_version < BLOCKWISE_TORCH or cuda_version < BLOCKWISE_CUDA:
+        raise ValueError(f"fp8_dense_scaling: blockwise needs torch >= 2.9 built with CUDA >= 12.9 (torch._scaled_mm's "
+                         f"block scaling); this is torch {torch.__version__} with CUDA {torch.version.cuda}: upgrade "
+                         f"torch, or {fixes}")
 
 
 def _interpreted_or_cuda(x: torch.Tensor) -> bool:
@@ -221,6 +238,8 @@ def scaled_mm(a_MK: torch.Tensor, scale_a: torch.Tensor, b_KN: torch.Tensor, sca
     and `TrainConfig.fp8_emulate`): dequantise in fp64 and matmul, rounded once to `out_dtype`,
     instead of `torch._scaled_mm` (exact products of the same e4m3 values and scales, wider sums than
     its fp32 ones; no alignment needed)."""
+    if a_MK.shape[0] == 0:  # no tokens: torch's layout check of token-major scales refuses [0, G]
+        return a_MK.new_zeros((0, b_KN.shape[1]), dtype=out_dtype)
     if emulate:
         a = a_MK.double() * _expanded(scale_a, a_MK.shape).double()
         b = b_KN.double() * _expanded(scale_b, b_KN.shape).double()

@@ -285,6 +285,28 @@ def test_blockwise_copies_give_the_per_call_bits_count_w_once_and_refresh_in_pla
         fp8_dense.fprop(x_NI, w_OI, emulate=True, copies=copies)
 
 
+def test_blockwise_gemms_take_zero_tokens():
+    _, w_OI, _ = _block_inputs(4)
+    empty = torch.zeros(0, IB, dtype=torch.bfloat16)
+    assert fp8_dense.fprop(empty, w_OI, scaling="blockwise").shape == (0, OB)
+    assert fp8_dense.dgrad(torch.zeros(0, OB, dtype=torch.bfloat16), w_OI, scaling="blockwise").shape == (0, IB)
+
+
+def test_blockwise_refuses_torch_or_cuda_builds_without_block_scaling(monkeypatch):
+    """On a Hopper GPU, a torch older than 2.9 or built against CUDA before 12.9 has no block-scaled
+    torch._scaled_mm: refused with the fixes before the first GEMM (not torch's layout error)."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    cuda = torch.device("cuda")
+    for version, cuda_version in (("2.8.0+cu128", "12.8"), ("2.11.0+cu126", "12.6"), ("2.11.0", None)):
+        monkeypatch.setattr(torch, "__version__", version)
+        monkeypatch.setattr(torch.version, "cuda", cuda_version)
+        with pytest.raises(ValueError, match="needs torch >= 2.9 built with CUDA >= 12.9.*fp8_dense_scaling: rowwise"):
+            fp8_dense.check_blockwise_device(cuda)
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    fp8_dense.check_blockwise_device(cuda)
+
+
 def test_blockwise_refuses_shapes_off_its_grid_and_devices_without_block_scaling():
     assert fp8_dense.fits_blockwise(2048, 512) and not fp8_dense.fits_blockwise(7168, 576)
     with pytest.raises(ValueError, match="multiples of 512.*fp8_dense_scaling: rowwise"):
@@ -326,11 +348,12 @@ def test_blockwise_quantisers_on_the_interpreter_are_the_cpu_references_bits(int
 @pytest.mark.gpu
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
                     reason="needs a Hopper GPU (torch._scaled_mm's 1 x 128 / 128 x 128 scaling)")
-@pytest.mark.parametrize("shape", [(4096, 2048, 4096), (1000, 4096, 512), (8 * 31, 512, 1536), (2048, 1536, 2048)])
+@pytest.mark.parametrize("shape", [(4096, 2048, 4096), (1001, 4096, 512), (8 * 31, 512, 1536), (2048, 1536, 2048)])
 def test_cuda_blockwise_scaled_mm_equals_its_emulation_and_tracks_fp64(shape):
     """The library's block-scaled GEMMs (forward and data gradient) against the fp64 emulation of the
     same quantised operands (only fp32 sums and bf16 rounding apart) and against fp64 (the FP8 bound);
-    d W the bf16 product. K of 12 blocks (1536) checks the scale grid's padding to 4 blocks."""
+    d W the bf16 product. Token counts that are not multiples of 4 (1001, 248) give token-major scale
+    columns that are not 16-byte aligned."""
     n, i, o = shape
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(n, i, device="cuda", generator=gen).bfloat16().requires_grad_()

@@ -470,6 +470,8 @@ def warn_changed_training(manifest: dict[str, Any], cfg: TrainConfig, directory:
     if not isinstance(saved, dict):
         return []
     now = training_settings(cfg)
+    if saved.get("dense_precision") == "fp8" and "dense_fp8_scaling" not in saved:
+        saved = {**saved, "dense_fp8_scaling": "rowwise"}  # recorded from session 33 on; rowwise was the only one
     changed = [k for k in now if k in saved and saved[k] != now[k]]
     if changed:
         listed = ", ".join(f"{k}: {saved[k]!r} -> {now[k]!r}" for k in changed)

@@ -271,6 +271,9 @@ def test_a_resume_under_another_precision_recipe_warns_naming_it(tmp_path):
     blockwise = TrainConfig(**fp8, fp8_expert_forward="both", fp8_dense=True, fp8_dense_scaling="blockwise")
     with pytest.warns(RunWarning, match=r"dense_fp8_scaling: 'rowwise' -> 'blockwise'"):
         assert warn_changed_training(manifest, blockwise, directory) == ["dense_fp8_scaling"]
-    for key in ("expert_forward_precision", "dense_precision", "dense_fp8_scaling"):
+    del manifest["training"]["dense_fp8_scaling"]  # a manifest from before the field: its dense FP8 was rowwise
+    with pytest.warns(RunWarning, match=r"dense_fp8_scaling: 'rowwise' -> 'blockwise'"):
+        assert warn_changed_training(manifest, blockwise, directory) == ["dense_fp8_scaling"]
+    for key in ("expert_forward_precision", "dense_precision"):
         del manifest["training"][key]
     assert warn_changed_training(manifest, TrainConfig(**fp8), directory) == []
