@@ -18,21 +18,21 @@ block_m x block_n found on the device from offsets_E, as `_fp8_rows_gemm_kernel`
   stage's `ready` mbarrier with the bytes.
 - consumer partitions, one warpgroup (4 warps) per 64 rows of the tile: block_m = 128 gives two,
   the default partition taking rows 0-63 and a worker rows 64-127 of the same item, sharing each
-  stage's B (`empty` counts one arrival per consumer). Per slice j a consumer loads its scales
-  (plain loads, before waiting for the stage: their latency under the wait), waits for the stage,
-  issues slice j's wgmma into a fresh accumulator (use_acc=False) asynchronously, and only then
-  adds slice j-1's waited-for product times its scales into the fp32 sum: the promotion runs on
-  the CUDA cores while slice j's wgmma runs on the tensor cores. It then waits for slice j's wgmma
-  and releases the stage. The gap a consumer leaves between that wait and its next wgmma (the
-  release, the next stage's wait) is covered by the other consumer's wgmma: the two warpgroups
-  are not synchronised with each other, only through the ring (DeepGEMM's two math warpgroups per
-  128-row tile). block_m = 64 has the one consumer, whose own wgmma/promotion overlap is all.
-  Registers per consumer thread: the sum, the carried product and the in-flight one, 64 fp32
-  each at 64 x 128, plus addresses; 232 each (setmaxnreg), so 12 warps fit the register file
-  with maxnreg 168. In the SASS (Triton 3.6's ptxas, sm_90a) a slice's wgmma is four
-  QGMMA.64xNx32; ptxas issues the first, then most of the promotion's FFMAs, then the other
-  three, then waits (WARPGROUP.DEPBAR): the adds overlap the first quarter of the slice's MMAs,
-  and the other consumer's MMAs the rest.
+  stage's B (`empty` counts one arrival per consumer). Per slice j a consumer multiplies slice j's
+  scales (loaded during slice j-1), loads slice j+1's (plain loads, a slice ahead of their use:
+  the weight-block scale's line is new every slice, an L2 round trip), waits for the stage,
+  issues slice j's wgmma into a fresh accumulator (use_acc=False), waits for it, releases the
+  stage and adds the product times its scales into the fp32 sum (DeepGEMM's order). The promotion
+  and the next stage's wait run on the CUDA cores while the other consumer's wgmma runs on the
+  tensor cores: the two warpgroups are not synchronised with each other, only through the ring
+  (DeepGEMM's two math warpgroups per 128-row tile). block_m = 64 has the one consumer, whose
+  promotion is then not overlapped. Registers per consumer thread: the sum and the product, 64
+  fp32 each at 64 x 128, plus addresses; 232 each (setmaxnreg), so 12 warps fit the register file
+  with maxnreg 168. Until session 33 a consumer carried slice j-1's product to add it under slice
+  j's wgmma: in the SASS (Triton 3.6's ptxas, sm_90a) that overlapped only the first of the
+  slice's four QGMMA.64xNx32 (the other three waited for the adds, whose weight-block scale was
+  loaded in the same iteration), and the carry cost 64 register copies a slice: 222 instructions
+  a slice a warp against 156 now (a helper's study, compiled on a CPU; unmeasured on a GPU).
 - epilogue: each consumer stores its rows of the group (masked to the group's end) in out's dtype
   straight from the wgmma layout, then goes on to the next item, whose stages the producer has
   been loading meanwhile.
@@ -197,25 +197,24 @@ def _consumer(a_bufs, b_bufs, ready_bars, empty_bars, sa_ptr, sb_ptr, out_ptr, o
         sa_ptrs = sa_ptr + rows.to(gl.int64) * stride_sam
         sb_tile = sb_ptr + (group % E_W).to(gl.int64) * stride_sbe + (pid_n * BLOCK_N // _SLICE) * stride_sbb
         acc_MN = zero_MN
-        # the previous slice's product and scales, carried to be added under the next wgmma;
-        # zeros before the first slice, whose add is exact
-        prev_MN = zero_MN
-        scale_prev_M = gl.zeros([_ROWS], gl.float32, row_layout)
+        # slice 0's scales; each slice then loads the next one's, a slice ahead of their use (the
+        # last slice loads its own again: an in-bounds, unused load)
+        sa_M = gl.load(sa_ptrs, mask=row_ok, other=0.0)
+        sb = gl.load(sb_tile)
         for j in range(slices):
             stage = count % STAGES
-            sa_M = gl.load(sa_ptrs + j * stride_sag, mask=row_ok, other=0.0)
-            sb = gl.load(sb_tile + j * stride_sbg)
+            scale_M = sa_M * sb
+            ahead = gl.minimum(j + 1, slices - 1)
+            sa_M = gl.load(sa_ptrs + ahead * stride_sag, mask=row_ok, other=0.0)
+            sb = gl.load(sb_tile + ahead * stride_sbg)
             mbarrier.wait(ready_bars.index(stage), (count // STAGES) & 1)
             a_view = a_bufs.index(stage).slice(CONSUMER * _ROWS, _ROWS)
             b_view = b_bufs.index(stage).permute((1, 0))  # [128, BLOCK_N], K-major as wgmma reads it
             part = warpgroup_mma(a_view, b_view, zero_MN, use_acc=False, is_async=True)
-            acc_MN = acc_MN + prev_MN * scale_prev_M[:, None]  # under this slice's wgmma
             part_MN = warpgroup_mma_wait(0, deps=(part, ))
-            mbarrier.arrive(empty_bars.index(stage))
-            prev_MN = part_MN
-            scale_prev_M = sa_M * sb
+            mbarrier.arrive(empty_bars.index(stage))  # the stage is free once the wgmma has read it
+            acc_MN = acc_MN + part_MN * scale_M[:, None]  # under the other consumer's wgmma
             count += 1
-        acc_MN = acc_MN + prev_MN * scale_prev_M[:, None]
         cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
         out_ptrs = out_ptr + rows.to(gl.int64)[:, None] * stride_om + cols[None, :] * stride_on
         gl.store(out_ptrs, acc_MN.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
