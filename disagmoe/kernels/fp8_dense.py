@@ -64,6 +64,10 @@ E4M3 = torch.float8_e4m3fn
 ALIGN = 16  # torch._scaled_mm: every GEMM dimension but M (the tokens, here) a multiple of 16
 BLOCK = 128  # the blockwise recipe's scale group: 1 x 128 activations, 128 x 128 weight blocks
 BLOCKWISE_MULTIPLE = 4 * BLOCK  # cuBLAS pads a 128 x 128 scale grid's K side to 4 blocks: keep it whole
+# cuBLAS reads the 1 x 128 scales' token-major columns 16 bytes aligned: a token count off a multiple of 4
+# was refused (CUBLAS_STATUS_NOT_SUPPORTED from its heuristic, an H100, session 33), so `scaled_mm` pads
+# such a GEMM's rows to one with zero rows and unit scales and returns the real rows.
+TOKEN_ALIGN = 4
 
 
 def check_scaling(scaling: str) -> None:
@@ -238,12 +242,20 @@ def scaled_mm(a_MK: torch.Tensor, scale_a: torch.Tensor, b_KN: torch.Tensor, sca
     and `TrainConfig.fp8_emulate`): dequantise in fp64 and matmul, rounded once to `out_dtype`,
     instead of `torch._scaled_mm` (exact products of the same e4m3 values and scales, wider sums than
     its fp32 ones; no alignment needed)."""
-    if a_MK.shape[0] == 0:  # no tokens: torch's layout check of token-major scales refuses [0, G]
+    rows = a_MK.shape[0]
+    if rows == 0:  # no tokens: torch's layout check of token-major scales refuses [0, G]
         return a_MK.new_zeros((0, b_KN.shape[1]), dtype=out_dtype)
     if emulate:
         a = a_MK.double() * _expanded(scale_a, a_MK.shape).double()
         b = b_KN.double() * _expanded(scale_b, b_KN.shape).double()
         return (a @ b).to(out_dtype)
+    if scale_a.shape[1] > 1 and rows % TOKEN_ALIGN:  # blockwise: cuBLAS wants 16-byte scale columns
+        padded = rows + -rows % TOKEN_ALIGN
+        a_pad = a_MK.new_zeros((padded, a_MK.shape[1]))
+        a_pad[:rows] = a_MK
+        s_pad = scale_a.new_ones((scale_a.shape[1], padded)).t()
+        s_pad[:rows] = scale_a
+        return torch._scaled_mm(a_pad, b_KN, scale_a=s_pad, scale_b=scale_b, out_dtype=out_dtype)[:rows]
     return torch._scaled_mm(a_MK, b_KN, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
 
 

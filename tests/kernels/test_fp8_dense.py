@@ -285,6 +285,28 @@ def test_blockwise_copies_give_the_per_call_bits_count_w_once_and_refresh_in_pla
         fp8_dense.fprop(x_NI, w_OI, emulate=True, copies=copies)
 
 
+def test_blockwise_library_call_gets_token_counts_padded_to_four(monkeypatch):
+    """cuBLAS refused a 1 x 128 scaled GEMM of 1001 tokens (its token-major scale columns not 16-byte
+    aligned; an H100, session 33): `scaled_mm` hands the library a multiple of 4 rows (zero rows,
+    unit scales) and returns the real ones, equal to the emulation of the unpadded operands."""
+    calls = []
+
+    def library(a, b, scale_a, scale_b, out_dtype):
+        calls.append(a.shape[0])
+        assert a.shape[0] % 4 == 0 and scale_a.shape == (a.shape[0], a.shape[1] // 128)
+        assert scale_a.stride() == (1, a.shape[0])
+        return fp8_dense.scaled_mm(a, scale_a, b, scale_b, out_dtype, emulate=True)
+
+    monkeypatch.setattr(torch, "_scaled_mm", library)
+    x_NI, w_OI, dy_NO = _block_inputs(5)
+    for rows in (NB - 3, NB):  # 197 padded to 200, 200 as it is
+        got = fp8_dense.fprop(x_NI[:rows], w_OI, scaling="blockwise")
+        assert torch.equal(got, fp8_dense.fprop(x_NI[:rows], w_OI, emulate=True, scaling="blockwise"))
+        got = fp8_dense.dgrad(dy_NO[:rows], w_OI, scaling="blockwise")
+        assert torch.equal(got, fp8_dense.dgrad(dy_NO[:rows], w_OI, emulate=True, scaling="blockwise"))
+    assert calls == [NB] * 4
+
+
 def test_blockwise_gemms_take_zero_tokens():
     _, w_OI, _ = _block_inputs(4)
     empty = torch.zeros(0, IB, dtype=torch.bfloat16)
