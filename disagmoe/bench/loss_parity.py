@@ -228,6 +228,33 @@ def mean_curve(rows: list[dict[str, Any]], metric: str) -> list[float]:
     return [statistics.fmean(x[i] for x in losses) for i in range(steps)]
 
 
+def read_as_one(records: dict[str, dict[str, Any]], same: list[str]) -> dict[str, dict[str, Any]]:
+    """`records` with each `same` entry's variants ("A | B | ...": one recipe written several ways, e.g.
+    spelled out before a default changed and left to the default after) read as its first: every
+    row of one of them renamed to the first (copies; the records given stay as they are). ValueError,
+    with the fix, for an entry of one variant or a variant no record ran."""
+    ran = {r.get("variant") for record in records.values() for r in record.get("modes", [])}
+    renames: list[tuple[str, str]] = []
+    for entry in same:
+        names = [name.strip() for name in entry.split("|")]
+        if len(names) < 2 or not all(names):
+            raise ValueError(f"--same {entry!r}: give two or more variants separated by ' | ', e.g. "
+                             "'precision=fp8 fp8_expert_forward=down | precision=fp8'")
+        for name in names:
+            if not any(same_variant(name, v) for v in ran):
+                listed = ", ".join(repr(v) for v in sorted(ran, key=str))
+                raise ValueError(f"--same: no record ran the variant {name!r}; they ran {listed}")
+        renames += [(name, names[0]) for name in names]  # the first too: one spelling for the group
+
+    def renamed(row: dict[str, Any]) -> dict[str, Any]:
+        for name, first in renames:
+            if same_variant(row.get("variant"), name):
+                return {**row, "variant": first}
+        return row
+
+    return {name: {**record, "modes": [renamed(r) for r in record["modes"]]} for name, record in records.items()}
+
+
 def merged_rows(records: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     """The compared rows of several `bench train` records (name -> record), for `loss_parity`:
     ValueError, with the fix, where they cannot be read together: not a record, a record of another

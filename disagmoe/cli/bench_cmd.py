@@ -597,6 +597,9 @@ def parity(
     spans: Annotated[int | None, typer.Option(
         help="also cut the runs into spans of this many steps and give each variant's mean gap to the first in "
              "each, with on how many of its steps it lay above: where a gap opens and whether it holds", min=1)] = None,
+    same: Annotated[list[str] | None, typer.Option(
+        help="read these variants as one, the first's name kept: 'A | B' (repeatable), e.g. a recipe spelled out "
+             "in one record and left to the defaults in another, after the defaults became it")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
 ) -> None:
     """Read a loss-parity table across several `bench train` records: each variant's mean loss over
@@ -616,7 +619,7 @@ def parity(
       disagmoe bench train ... --variant precision=fp8 -o p2.json
       disagmoe bench parity p1.json p2.json --control 'precision=bf16 optim.update_kernel=torch'
     """
-    from disagmoe.bench.loss_parity import MODES, check_control, loss_parity, merged_rows
+    from disagmoe.bench.loss_parity import MODES, check_control, loss_parity, merged_rows, read_as_one
 
     loaded = {}
     for path in records:
@@ -626,6 +629,11 @@ def parity(
             loaded[str(path)] = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as err:
             raise typer.BadParameter(f"{path}: not a readable `bench train --out` record ({err})") from err
+    if same:
+        try:
+            loaded = read_as_one(loaded, same)
+        except ValueError as err:
+            raise typer.BadParameter(str(err)) from err
     rows = merged_rows(loaded)
     if control is not None:  # against every row the records ran, failed ones too (the control's own rows may have)
         check_control(control, [r.get("variant") for record in loaded.values() for r in record["modes"]

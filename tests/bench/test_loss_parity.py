@@ -345,3 +345,34 @@ def test_cli_parity_spans_table_and_json(tmp_path):
                                                                                                           (3, 4, 1)]
     table = CliRunner().invoke(app, ["bench", "parity", str(path), "--spans", "2"], terminal_width=200)
     assert table.exit_code == 0 and "+5.00% (1/2)" in table.output and "-2.50% (1/2)" in table.output
+
+
+def test_parity_reads_one_recipe_written_two_ways_as_one_variant(tmp_path):
+    """`--same 'A | B'`: seed 0's record spelled the recipe out, seed 1's left it to the defaults (after
+    the defaults became it); read as one variant over both seeds, the first's name kept. A name no
+    record ran, or an entry of one name, is refused with the fix."""
+    from disagmoe.bench.loss_parity import read_as_one
+
+    def record(seed, variants):
+        return {"steps": 4, "modes": [{"mode": "single", "variant": v, "init_seed": seed, "data_seed": 0,
+                                       "losses": [3.0, 2.0, 1.5, 1.0 + 0.1 * i + 0.01 * seed]}
+                                      for i, v in enumerate(variants)]}
+
+    paths = []
+    for seed, variants in ((0, ["precision=bf16", "precision=fp8 fp8_expert_forward=down"]),
+                           (1, ["precision=bf16", "precision=fp8"])):
+        path = tmp_path / f"seed{seed}.json"
+        path.write_text(json.dumps(record(seed, variants)))
+        paths.append(str(path))
+    r = CliRunner().invoke(app, ["bench", "parity", *paths, "--loss-window", "1", "--json",
+                                 "--same", "fp8_expert_forward=down precision=fp8 | precision=fp8"])
+    assert r.exit_code == 0, r.output
+    reference, fp8 = json.loads(r.stdout)["groups"]
+    assert fp8["variant"] == "fp8_expert_forward=down precision=fp8" and fp8["seeds"] == [0, 1]
+    assert len(fp8["paired_gaps"]) == 2
+    for bad, match in (("precision=fp8 | precision=fp4", "no record ran the variant 'precision=fp4'"),
+                       ("precision=fp8", "give two or more variants separated by ' | '")):
+        r = CliRunner().invoke(app, ["bench", "parity", *paths, "--same", bad])
+        assert r.exit_code != 0 and match in r.output and "Traceback" not in r.output
+    original = record(1, ["precision=fp8"])
+    assert read_as_one({"a": original}, ["precision=fp8 | precision=fp8"])["a"] is not original
