@@ -900,10 +900,12 @@ class TrainConfig(StrictModel):
         "backward kernels are not emulated); refused under another precision")
     fp8_gluon: bool = Field(
         False, description="precision fp8 on a Hopper GPU: the routed experts' FP8 row GEMMs and split SwiGLU GEMMs "
-        "in the warp-specialised Gluon kernels (1.17-1.40x the Triton FP8 GEMMs, bench experts --backend "
-        "triton-fp8:gluon) instead of the Triton ones. Off by default: with it the Qwen3 config trained 6.6% above "
-        "bf16's loss over 200 steps where the Triton kernels ended at bf16's (docs/benchmarks.md, session 28); the "
-        "cause is not found. Refused under another precision")
+        "in the warp-specialised Gluon kernels (bench experts --backend triton-fp8:gluon) instead of the Triton ones "
+        "(elsewhere, or off the 128 grid, the Triton ones run). With it the Qwen3 config's default FP8 step took "
+        "554.5 ms against 580.0 without (one H100, session 33, after the consumer reorder). Off by default until a "
+        "seeded 300-step run has trained with the reordered kernel: session 28's +6.6% with it was the spread between "
+        "runs (session 29: its launches equal the Triton kernel's in training); docs/benchmarks.md. Refused under "
+        "another precision")
     fp8_counters_every: PositiveInt | None = Field(
         None, description="precision fp8: the FP8 quantisers count their numerics (amax, saturated, underflow and "
         "non-finite values: a step record's fp8_* fields) on every Nth step, the first step a process runs and "

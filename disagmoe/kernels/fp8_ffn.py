@@ -136,14 +136,13 @@ class _GluonChoices:
     GEMMs split as a plain Gluon row GEMM and a pass of their own (`_gate_up_forward`,
     `_down_data_gradient`): the expert block 1.04-1.09x fwd+bwd over the fused Triton SwiGLU GEMMs on
     three shapes (`bench experts`, 2026-12-04, session 19). Both off by default
-    (`TrainConfig.fp8_gluon`, `set_gluon`): in training the Gluon gate/up GEMM costs loss that the
-    Triton one does not. 200 steps of the Qwen3 config on an H100 (text corpus, forward gate-up,
-    backward bf16, session 28), mean loss over steps 151-200: bf16 2.1205, the Gluon kernel 2.2614
-    (+6.6%), the Triton kernel 2.1104 (-0.5%), the emulated GEMMs 2.0785. Yet outside training, at
-    the same shape with one micro-batch's rows, the two kernels' y, dx, dw13 and dw2 are equally far
-    from the fp32 sums of the same e4m3 values (3.5e-3, 3.0e-3, 3.0e-3, 3.5e-3). The cause is not
-    found yet; tests/kernels/test_fp8_gluon.py's `test_gpu_training_*` tests put the kernel under
-    training's conditions. `wgrad` (off): the weight gradients in `fp8_gluon.gluon_fp8_weight_grad`,
+    (`TrainConfig.fp8_gluon`, `set_gluon`). Session 28's 200 steps of the Qwen3 config put the Gluon
+    gate/up GEMM 6.6% above bf16's loss and the Triton one 0.5% below, but session 29 found two bf16
+    runs of one command 7.9% apart, and its `test_gpu_training_*` tests (tests/kernels/test_fp8_gluon.py)
+    found every Gluon launch of a captured training run equal to the Triton kernel's: the spread,
+    not the kernel. After the consumer reorder (session 33) the default recipe's step with them took
+    554.5 ms against 580.0 (one H100); they stay off until a seeded 300-step run has trained with the
+    reordered kernel. `wgrad` (off): the weight gradients in `fp8_gluon.gluon_fp8_weight_grad`,
     measured slower than `fp8.fp8_weight_grad` in the same run (the block 0.91-0.98x)."""
 
     rows: bool = False
