@@ -51,6 +51,7 @@ FP8_VARIANTS = {
     # the row GEMMs and the split SwiGLU GEMMs in the Gluon kernels (`TrainConfig.fp8_gluon`: off by
     # default, `fp8_ffn._GluonChoices` says why)
     "gluon": {"rows": True, "swiglu": True},
+    "gluon-256": {"rows": True, "swiglu": True, "block_m": 256},  # the same at 256-row tiles
     "bf16-backward": {"backward": "bf16"},  # the whole backward in bf16 (the forward alone in FP8)
     "down-forward": {"forward": "down"},  # the forward's gate/up GEMM in bf16 (the loss FP8 costs is its)
 }

@@ -148,6 +148,9 @@ class _GluonChoices:
     rows: bool = False
     wgrad: bool = False
     swiglu: bool = False
+    # the Gluon row GEMM's rows per tile: 128, or 256 (each consumer warpgroup two 64-row waves on one B
+    # tile: half the L2 traffic of B; `bench experts --backend triton-fp8:gluon-256`); the same sums
+    block_m: int = 128
 
 
 _gluon = _GluonChoices()
@@ -187,12 +190,12 @@ def set_gluon_swiglu(enabled: bool) -> bool:
 
 
 @contextlib.contextmanager
-def gluon_paths(**changes: bool) -> Iterator[None]:
+def gluon_paths(**changes: bool | int) -> Iterator[None]:
     """The FFN's forwards inside take these `_GluonChoices` fields (e.g. wgrad=True), the others as
     they are; every field restored on exit (an A/B in `bench experts`)."""
     unknown = set(changes) - {field.name for field in dataclasses.fields(_GluonChoices)}
     if unknown:
-        raise ValueError(f"Gluon paths {sorted(unknown)}: choose from rows, wgrad, swiglu")
+        raise ValueError(f"Gluon paths {sorted(unknown)}: choose from rows, wgrad, swiglu, block_m")
     saved = dataclasses.replace(_gluon)
     for name, value in changes.items():
         setattr(_gluon, name, value)
@@ -251,7 +254,7 @@ def _gate_up_forward(qx, sx, offsets_E, w13, tile: TileConfig, h13_N2F: torch.Te
 
         h13 = h13_N2F if h13_N2F is not None else torch.empty(
             (qx.shape[0], w13[0].shape[2]), dtype=out_dtype, device=qx.device)
-        fp8_gluon.gluon_fp8_rows_gemm(qx, sx, offsets_E, *w13, out=h13)
+        fp8_gluon.gluon_fp8_rows_gemm(qx, sx, offsets_E, *w13, out=h13, block_m=_gluon.block_m)
         return fp8.quantize_swiglu_rows(h13, stats, served)
     return fp8.fp8_swiglu_gemm(qx, sx, offsets_E, *w13, tile, h13_M2F=h13_N2F, num_programs=num_programs,
                                stats=stats)
@@ -266,7 +269,8 @@ def _down_data_gradient(q_dy, s_dy, offsets_E, w2_t, tile: TileConfig, h13_N2F: 
     if split and _gluon_rows_take(q_dy, w2_t[0], num_programs):
         from disagmoe.kernels import fp8_gluon
 
-        d_act_NF = fp8_gluon.gluon_fp8_rows_gemm(q_dy, s_dy, offsets_E, *w2_t, out_dtype=out_dtype)
+        d_act_NF = fp8_gluon.gluon_fp8_rows_gemm(q_dy, s_dy, offsets_E, *w2_t, out_dtype=out_dtype,
+                                                 block_m=_gluon.block_m)
         return gg.swiglu_grad_rows(d_act_NF, h13_N2F, offsets_E, act_N_C=act_NF)
     return fp8.fp8_swiglu_grad_gemm(q_dy, s_dy, offsets_E, *w2_t, h13_N2F, tile, act_MF=act_NF, out_dtype=out_dtype,
                                     num_programs=num_programs)
@@ -292,7 +296,8 @@ def _rows_gemm(a_MK, sa_MG, offsets_E, b_EKN, sb_EGB, tile: TileConfig, *, out_d
     if gluon and _gluon_rows_take(a_MK, b_EKN, num_programs):
         from disagmoe.kernels import fp8_gluon
 
-        return fp8_gluon.gluon_fp8_rows_gemm(a_MK, sa_MG, offsets_E, b_EKN, sb_EGB, out=out, out_dtype=out_dtype)
+        return fp8_gluon.gluon_fp8_rows_gemm(a_MK, sa_MG, offsets_E, b_EKN, sb_EGB, out=out, out_dtype=out_dtype,
+                                             block_m=_gluon.block_m)
     return fp8.fp8_rows_gemm(a_MK, sa_MG, offsets_E, b_EKN, sb_EGB, tile, out=out, out_dtype=out_dtype,
                              num_programs=num_programs)
 

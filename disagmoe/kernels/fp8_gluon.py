@@ -36,11 +36,16 @@ block_m x block_n found on the device from offsets_E, as `_fp8_rows_gemm_kernel`
 - epilogue: each consumer stores its rows of the group (masked to the group's end) in out's dtype
   straight from the wgmma layout, then goes on to the next item, whose stages the producer has
   been loading meanwhile.
+- block_m = 256 (`_consumer_two_waves`, session 33; unmeasured on a GPU): each consumer takes 128 rows as
+  two 64-row waves on the stage's one B tile, wave by wave (wgmma, wait, add), the stage released after
+  the second: B read once per 256 rows, half the L2 traffic of B per FLOP (about x2 TMA multicast,
+  which Gluon 3.6's copy does not expose); ptxas holds it without spills at 256 x 128 and 256 x 64
+  once the second wave's rows and masks are made where used. Ragged groups waste more rows per tile.
 Ping-pong on different tiles (one warpgroup per block_m x block_n tile) does not fit at 128 x 128:
 the sum and two products would need 384 registers per thread.
 
 Requirements (ValueError naming the fix otherwise): K a multiple of 128, N a multiple of block_n,
-block_m in (64, 128), block_n in (64, 128) (one weight-block scale per column tile), b K-major with
+block_m in (64, 128, 256), block_n in (64, 128) (one weight-block scale per column tile), b K-major with
 its [E, N, K] storage contiguous (`fp8_ffn.Fp8ExpertWeights`' operands are), a with unit column
 stride, 16-byte-aligned rows, the ring within shared memory (stages <= 6 at 128 x 128).
 
@@ -89,7 +94,9 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from disagmoe.kernels import grouped_gemm as gg
 from disagmoe.kernels.fp8 import FP8, SCALE_BLOCK, weight_grad_shapes
 
-BLOCK_MS = (64, 128)  # one or two consumer warpgroups of CONSUMER_ROWS rows
+# one or two consumer warpgroups of CONSUMER_ROWS rows, or (256) two of two 64-row waves each: one B tile
+# read by four wgmma groups, half the L2 traffic of B per FLOP (a helper's sm_90a study, session 33)
+BLOCK_MS = (64, 128, 256)
 BLOCK_NS = (64, 128)  # column tiles inside one 128-column weight block: one sb per tile and slice
 CONSUMER_ROWS = 64  # a warpgroup's wgmma rows (M = 64 per warpgroup on sm_90)
 GROUP_M = 8  # row tiles sharing column tiles in the item order, as TileConfig's default
@@ -221,6 +228,66 @@ def _consumer(a_bufs, b_bufs, ready_bars, empty_bars, sa_ptr, sb_ptr, out_ptr, o
 
 
 @gluon.jit
+def _consumer_two_waves(a_bufs, b_bufs, ready_bars, empty_bars, sa_ptr, sb_ptr, out_ptr, offsets_ptr, E, E_W, N, K,
+                        num_programs, stride_sam, stride_sag, stride_sbe, stride_sbg, stride_sbb, stride_om,
+                        stride_on, CONSUMER: gl.constexpr, E_POW2: gl.constexpr, BLOCK_M: gl.constexpr,
+                        BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+    """`_consumer` at block_m 256: this warpgroup's 128 rows CONSUMER * 128 + [0, 128) as two 64-row
+    waves per slice on the stage's one B tile, each wave's wgmma waited for and its product added
+    into that wave's sum (the two sums and one product in registers: two products at once would
+    spill), the stage released after the second; the same sums in the same order per row."""
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BLOCK_N, 32])
+    row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
+    col_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
+    tiles_n = N // BLOCK_N
+    item_ends = _item_ends(offsets_ptr, E, tiles_n, BLOCK_M, E_POW2, 4)
+    total = gl.max(item_ends, axis=0)
+    slices = K // _SLICE
+    zero_MN = gl.zeros([_ROWS, BLOCK_N], gl.float32, acc_layout)
+    count = 0
+    for item in range(gl.program_id(0), total, num_programs):
+        group, row0, row_end, pid_n = _tile_of(item, item_ends, offsets_ptr, tiles_n, BLOCK_M, GROUP_M)
+        # the high wave's rows, masks and scale pointers are the low wave's plus 64 rows, made where used:
+        # held across the loop they cost ptxas a spill at 256 x 128
+        rows_lo = (row0 + CONSUMER * 2 * _ROWS) + gl.arange(0, _ROWS, layout=row_layout)
+        ok_lo = rows_lo < row_end
+        sa_lo = sa_ptr + rows_lo.to(gl.int64) * stride_sam
+        sb_tile = sb_ptr + (group % E_W).to(gl.int64) * stride_sbe + (pid_n * BLOCK_N // _SLICE) * stride_sbb
+        acc_lo = zero_MN
+        acc_hi = zero_MN
+        s_lo = gl.load(sa_lo, mask=ok_lo, other=0.0)  # slice 0's scales; then each slice loads the next one's
+        s_hi = gl.load(sa_lo + _ROWS * stride_sam, mask=rows_lo + _ROWS < row_end, other=0.0)
+        sb = gl.load(sb_tile)
+        for j in range(slices):
+            stage = count % STAGES
+            scale_lo = s_lo * sb
+            scale_hi = s_hi * sb
+            ahead = gl.minimum(j + 1, slices - 1)
+            s_lo = gl.load(sa_lo + ahead * stride_sag, mask=ok_lo, other=0.0)
+            s_hi = gl.load(sa_lo + (_ROWS * stride_sam + ahead * stride_sag), mask=rows_lo + _ROWS < row_end, other=0.0)
+            sb = gl.load(sb_tile + ahead * stride_sbg)
+            mbarrier.wait(ready_bars.index(stage), (count // STAGES) & 1)
+            b_view = b_bufs.index(stage).permute((1, 0))  # [128, BLOCK_N], K-major as wgmma reads it
+            a_lo = a_bufs.index(stage).slice(CONSUMER * 2 * _ROWS, _ROWS)
+            part = warpgroup_mma(a_lo, b_view, zero_MN, use_acc=False, is_async=True)
+            part_MN = warpgroup_mma_wait(0, deps=(part, ))
+            acc_lo = acc_lo + part_MN * scale_lo[:, None]
+            a_hi = a_bufs.index(stage).slice(CONSUMER * 2 * _ROWS + _ROWS, _ROWS)
+            part = warpgroup_mma(a_hi, b_view, zero_MN, use_acc=False, is_async=True)
+            part_MN = warpgroup_mma_wait(0, deps=(part, ))
+            mbarrier.arrive(empty_bars.index(stage))  # both waves have read the stage
+            acc_hi = acc_hi + part_MN * scale_hi[:, None]
+            count += 1
+        cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
+        out_lo = out_ptr + rows_lo.to(gl.int64)[:, None] * stride_om + cols[None, :] * stride_on
+        gl.store(out_lo, acc_lo.to(out_ptr.dtype.element_ty), mask=ok_lo[:, None])
+        rows_hi = rows_lo + _ROWS
+        out_hi = out_ptr + rows_hi.to(gl.int64)[:, None] * stride_om + cols[None, :] * stride_on
+        gl.store(out_hi, acc_hi.to(out_ptr.dtype.element_ty), mask=(rows_hi < row_end)[:, None])
+
+
+@gluon.jit
 def _ring(a_desc, b_desc, STAGES: gl.constexpr, CONSUMERS: gl.constexpr, FENCE_INIT: gl.constexpr):
     """The shared-memory ring both kernels share: STAGES stages of an A and a B TMA box, each with a
     `ready` mbarrier (the producer's one arrival with the bytes) and an `empty` one (an arrival per
@@ -247,8 +314,21 @@ def _gluon_fp8_rows_gemm_kernel(a_desc, b_desc, sa_ptr, sb_ptr, out_ptr, offsets
     # Contract: `gluon_fp8_rows_gemm`'s, checked there. The partitions' arguments are written
     # inline in the warp_specialize call: a tuple assigned to a name first turns its constexprs
     # into tensors (Triton 3.6's front end), which the layouts and shapes cannot take.
-    a_bufs, b_bufs, ready_bars, empty_bars = _ring(a_desc, b_desc, STAGES, BLOCK_M // _ROWS, FENCE_INIT)
-    if BLOCK_M == 2 * _ROWS:
+    # consumers: 1 at block_m 64, 2 at 128 and at 256 (two waves each), in constexpr arithmetic
+    CONSUMERS: gl.constexpr = BLOCK_M // _ROWS - 2 * (BLOCK_M // (4 * _ROWS))
+    a_bufs, b_bufs, ready_bars, empty_bars = _ring(a_desc, b_desc, STAGES, CONSUMERS, FENCE_INIT)
+    if BLOCK_M == 4 * _ROWS:
+        gl.warp_specialize([
+            (_consumer_two_waves, (a_bufs, b_bufs, ready_bars, empty_bars, sa_ptr, sb_ptr, out_ptr, offsets_ptr, E,
+                                   E_W, N, K, num_programs, stride_sam, stride_sag, stride_sbe, stride_sbg, stride_sbb,
+                                   stride_om, stride_on, gl.constexpr(0), E_POW2, BLOCK_M, BLOCK_N, GROUP_M, STAGES)),
+            (_consumer_two_waves, (a_bufs, b_bufs, ready_bars, empty_bars, sa_ptr, sb_ptr, out_ptr, offsets_ptr, E,
+                                   E_W, N, K, num_programs, stride_sam, stride_sag, stride_sbe, stride_sbg, stride_sbb,
+                                   stride_om, stride_on, gl.constexpr(1), E_POW2, BLOCK_M, BLOCK_N, GROUP_M, STAGES)),
+            (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, offsets_ptr, E, E_W, N, K,
+                         num_programs, E_POW2, BLOCK_M, BLOCK_N, GROUP_M, STAGES)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    elif BLOCK_M == 2 * _ROWS:
         gl.warp_specialize([
             (_consumer, (a_bufs, b_bufs, ready_bars, empty_bars, sa_ptr, sb_ptr, out_ptr, offsets_ptr, E, E_W, N, K,
                          num_programs, stride_sam, stride_sag, stride_sbe, stride_sbg, stride_sbb, stride_om,
@@ -406,7 +486,7 @@ def _check(a_MK, sa_MG, offsets_E, b_EKN, sb_EGB, out, block_m, block_n, stages)
         raise ValueError(f"FP8 operands must be torch.float8_e4m3fn (quantise them with kernels.fp8.quantize_rows / "
                          f"quantize_blocks); got {wrong}")
     if block_m not in BLOCK_MS or block_n not in BLOCK_NS:
-        raise ValueError(f"gluon_fp8_rows_gemm tiles: block_m in {BLOCK_MS} (64 rows per consumer warpgroup), "
+        raise ValueError(f"gluon_fp8_rows_gemm tiles: block_m in {BLOCK_MS} (64 rows per consumer warpgroup wave), "
                          f"block_n in {BLOCK_NS} (one weight-block scale per column tile); got {block_m} x {block_n}")
     ring = stages * (block_m + block_n) * SCALE_BLOCK
     if stages < 2 or ring > SHARED_MEMORY_BYTES:
@@ -497,7 +577,7 @@ def gluon_fp8_rows_gemm(
         sa_MG.stride(0), sa_MG.stride(1), *sb_EGB.stride(), out.stride(0), out.stride(1),
         E_POW2=triton.next_power_of_2(groups), BLOCK_M=block_m, BLOCK_N=block_n, GROUP_M=GROUP_M, STAGES=stages,
         PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS, FENCE_INIT=FENCE_BARRIER_INIT, num_warps=4,
-        maxnreg=MAXNREG if block_m == 2 * CONSUMER_ROWS else None)
+        maxnreg=MAXNREG if block_m >= 2 * CONSUMER_ROWS else None)
     return out
 
 

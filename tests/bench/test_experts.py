@@ -184,7 +184,8 @@ def test_the_variant_backends_run_the_fp8_block_with_their_one_choice_changed(mo
         assert bench.fp8_tiles_for(backend, tiles) is tiles
     seen = []
     monkeypatch.setattr(bench, "expert_ffn_fp8", lambda rows, *a, backward, forward, **k: seen.append(
-        (fp8_ffn._gluon.rows, fp8_ffn._gluon.wgrad, fp8_ffn._gluon.swiglu, backward, forward)) or rows)
+        (fp8_ffn._gluon.rows, fp8_ffn._gluon.wgrad, fp8_ffn._gluon.swiglu, fp8_ffn._gluon.block_m, backward,
+         forward)) or rows)
     made = []
     monkeypatch.setattr(bench.Fp8ExpertWeights, "quantize", classmethod(
         lambda cls, a, b, *, forward, backward: made.append((forward, backward))))
@@ -192,16 +193,17 @@ def test_the_variant_backends_run_the_fp8_block_with_their_one_choice_changed(mo
     monkeypatch.setattr(bench, "combine_rows", lambda rows, dest, weights: rows)
     x, idx, weights = torch.randn(6, 8), torch.randint(0, 2, (6, 2)), torch.rand(6, 2)
     w13, w2 = torch.randn(2, 8, 16), torch.randn(2, 8, 8)
-    defaults = (fp8_ffn._gluon.rows, fp8_ffn._gluon.wgrad, fp8_ffn._gluon.swiglu)
-    assert defaults == (False, False, False)  # the Gluon kernels off in training (`fp8_ffn._GluonChoices`)
+    defaults = (fp8_ffn._gluon.rows, fp8_ffn._gluon.wgrad, fp8_ffn._gluon.swiglu, fp8_ffn._gluon.block_m)
+    assert defaults == (False, False, False, 128)  # the Gluon kernels off in training (`fp8_ffn._GluonChoices`)
     for backend in (*bench.VARIANT_BACKENDS, bench.FP8_BACKEND):
         bench.make_block(backend, fp8_tiles=tiles)(x, idx, weights, w13, w2)
-        assert (fp8_ffn._gluon.rows, fp8_ffn._gluon.wgrad, fp8_ffn._gluon.swiglu) == defaults
-    assert seen == [(False, False, False, "fp8", "both"), (False, True, False, "fp8", "both"),
-                    (True, False, True, "bf16-wgrad", "both"), (False, False, False, "bf16", "both"),
-                    (False, False, False, "bf16-wgrad", "down"), (False, False, False, "bf16-wgrad", "both")]
+        assert (fp8_ffn._gluon.rows, fp8_ffn._gluon.wgrad, fp8_ffn._gluon.swiglu, fp8_ffn._gluon.block_m) == defaults
+    assert seen == [(False, False, False, 128, "fp8", "both"), (False, True, False, 128, "fp8", "both"),
+                    (True, False, True, 128, "bf16-wgrad", "both"), (True, False, True, 256, "bf16-wgrad", "both"),
+                    (False, False, False, 128, "bf16", "both"), (False, False, False, 128, "bf16-wgrad", "down"),
+                    (False, False, False, 128, "bf16-wgrad", "both")]
     assert made == [(forward, backward) for *_, backward, forward in seen]  # each the copies its recipe reads
-    with pytest.raises(ValueError, match="choose from rows, wgrad, swiglu"):
+    with pytest.raises(ValueError, match="choose from rows, wgrad, swiglu, block_m"):
         with fp8_ffn.gluon_paths(epilogue=True):
             pass
 
