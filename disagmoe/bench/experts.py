@@ -58,7 +58,7 @@ FP8_VARIANTS = {
 VARIANT_BACKENDS = tuple(f"{FP8_BACKEND}:{name}" for name in FP8_VARIANTS)
 
 
-def variant_of(backend: str) -> tuple[dict[str, bool], str, str]:
+def variant_of(backend: str) -> tuple[dict[str, bool | int], str, str]:
     """(Gluon path changes, backward precision, forward GEMMs in FP8) of an FP8 backend (`FP8_VARIANTS`)."""
     changes = dict(FP8_VARIANTS.get(backend.split(":", 1)[-1], {}) if ":" in backend else {})
     return changes, changes.pop("backward", DEFAULT_BACKWARD), changes.pop("forward", DEFAULT_FORWARD)
@@ -459,7 +459,7 @@ def fp8_kernel_paths(backend: str, hidden: int, ffn: int, device: torch.device) 
     backend's Gluon settings)."""
     gluon, backward, forward = variant_of(backend)
     return kernel_paths(hidden, ffn, device, rows=gluon.get("rows"), wgrad=gluon.get("wgrad"),
-                        swiglu=gluon.get("swiglu"), backward=backward, forward=forward)
+                        swiglu=gluon.get("swiglu"), backward=backward, forward=forward, block_m=gluon.get("block_m"))
 
 
 def fp8_tiles_notes(record: dict) -> list[str]:

@@ -154,6 +154,7 @@ class _GluonChoices:
 
 
 _gluon = _GluonChoices()
+GLUON_BLOCK_MS = (128, 256)  # the Gluon row GEMM's tiles a run may ask for (`fp8_gluon.BLOCK_MS` has 64 too)
 
 
 def set_gluon(enabled: bool) -> None:
@@ -196,6 +197,10 @@ def gluon_paths(**changes: bool | int) -> Iterator[None]:
     unknown = set(changes) - {field.name for field in dataclasses.fields(_GluonChoices)}
     if unknown:
         raise ValueError(f"Gluon paths {sorted(unknown)}: choose from rows, wgrad, swiglu, block_m")
+    wrong = {name: value for name, value in changes.items()
+             if (name == "block_m" and value not in GLUON_BLOCK_MS) or (name != "block_m" and not isinstance(value, bool))}
+    if wrong:
+        raise ValueError(f"Gluon paths {wrong}: rows, wgrad and swiglu take True or False, block_m one of {GLUON_BLOCK_MS}")
     saved = dataclasses.replace(_gluon)
     for name, value in changes.items():
         setattr(_gluon, name, value)
@@ -207,7 +212,8 @@ def gluon_paths(**changes: bool | int) -> Iterator[None]:
 
 
 def kernel_paths(hidden: int, ffn: int, device: torch.device, *, rows: bool | None = None, wgrad: bool | None = None,
-                 swiglu: bool | None = None, backward: str = DEFAULT_BACKWARD, forward: str = DEFAULT_FORWARD) -> str:
+                 swiglu: bool | None = None, backward: str = DEFAULT_BACKWARD, forward: str = DEFAULT_FORWARD,
+                 block_m: int | None = None) -> str:
     """Which kernels an FFN of this shape runs on `device` per GEMM role, as `_rows_gemm`,
     `_gate_up_forward`, `_down_data_gradient` and `_weight_grad` choose them (the Gluon ones on a
     Hopper GPU where K and N are multiples of 128 and the settings ask for them; `rows` / `wgrad` /
@@ -222,7 +228,9 @@ def kernel_paths(hidden: int, ffn: int, device: torch.device, *, rows: bool | No
     wgrad = _gluon.wgrad if wgrad is None else wgrad
     swiglu = _gluon.swiglu if swiglu is None else swiglu
     paths = {"rows": rows and fits, "swiglu": swiglu and fits, "wgrad": wgrad and hopper}
-    names = {role: "gluon" if gluon else "triton" for role, gluon in paths.items()}
+    block_m = _gluon.block_m if block_m is None else block_m
+    rows_kernel = "gluon" if block_m == 128 else f"gluon-{block_m}"  # the row GEMM's tile (`_GluonChoices`)
+    names = {role: (rows_kernel if role != "wgrad" else "gluon") if gluon else "triton" for role, gluon in paths.items()}
     if backward != "fp8":
         names["wgrad"] = "bf16 triton"
     if backward == "bf16":
@@ -244,7 +252,7 @@ def _gluon_rows_take(a_MK: torch.Tensor, b_EKN: torch.Tensor, num_programs: int 
 
 def _gate_up_forward(qx, sx, offsets_E, w13, tile: TileConfig, h13_N2F: torch.Tensor | None, out_dtype, *,
                      served: torch.Tensor, num_programs: int | None, stats: torch.Tensor | None, split: bool,
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+                     block_m: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
     """(q_act, s_act): the gate/up GEMM and silu(gate) * up quantised 1 x 128 for the down GEMM. Fused
     (`fp8.fp8_swiglu_gemm`: the epilogue from the fp32 sums), or with `split` where the Gluon row GEMM
     takes the operands: h13 written by it in `out_dtype` (into `h13_N2F` when the backward keeps it),
@@ -254,14 +262,14 @@ def _gate_up_forward(qx, sx, offsets_E, w13, tile: TileConfig, h13_N2F: torch.Te
 
         h13 = h13_N2F if h13_N2F is not None else torch.empty(
             (qx.shape[0], w13[0].shape[2]), dtype=out_dtype, device=qx.device)
-        fp8_gluon.gluon_fp8_rows_gemm(qx, sx, offsets_E, *w13, out=h13, block_m=_gluon.block_m)
+        fp8_gluon.gluon_fp8_rows_gemm(qx, sx, offsets_E, *w13, out=h13, block_m=block_m)
         return fp8.quantize_swiglu_rows(h13, stats, served)
     return fp8.fp8_swiglu_gemm(qx, sx, offsets_E, *w13, tile, h13_M2F=h13_N2F, num_programs=num_programs,
                                stats=stats)
 
 
 def _down_data_gradient(q_dy, s_dy, offsets_E, w2_t, tile: TileConfig, h13_N2F: torch.Tensor, act_NF: torch.Tensor,
-                        out_dtype, *, num_programs: int | None, split: bool) -> torch.Tensor:
+                        out_dtype, *, num_programs: int | None, split: bool, block_m: int = 128) -> torch.Tensor:
     """dh13 (d gate | d up) from dy against w2^T with the SwiGLU derivative, writing act recomputed
     from h13 into `act_NF`. Fused (`fp8.fp8_swiglu_grad_gemm`), or with `split` where the Gluon row
     GEMM takes the operands: d act written by it, then `grouped_gemm.swiglu_grad_rows` (the bf16
@@ -270,7 +278,7 @@ def _down_data_gradient(q_dy, s_dy, offsets_E, w2_t, tile: TileConfig, h13_N2F: 
         from disagmoe.kernels import fp8_gluon
 
         d_act_NF = fp8_gluon.gluon_fp8_rows_gemm(q_dy, s_dy, offsets_E, *w2_t, out_dtype=out_dtype,
-                                                 block_m=_gluon.block_m)
+                                                 block_m=block_m)
         return gg.swiglu_grad_rows(d_act_NF, h13_N2F, offsets_E, act_N_C=act_NF)
     return fp8.fp8_swiglu_grad_gemm(q_dy, s_dy, offsets_E, *w2_t, h13_N2F, tile, act_MF=act_NF, out_dtype=out_dtype,
                                     num_programs=num_programs)
@@ -290,14 +298,15 @@ def _weight_grad(a, b, padded_E, tile: TileConfig, *, weights: int, out: torch.T
 
 
 def _rows_gemm(a_MK, sa_MG, offsets_E, b_EKN, sb_EGB, tile: TileConfig, *, out_dtype: torch.dtype,
-               num_programs: int | None, gluon: bool, out: torch.Tensor | None = None) -> torch.Tensor:
+               num_programs: int | None, gluon: bool, out: torch.Tensor | None = None,
+               block_m: int = 128) -> torch.Tensor:
     """`fp8.fp8_rows_gemm` (into `out` where given), or with `gluon` the Gluon kernel of the same
     sums where it takes the operands (`_gluon_rows_take`)."""
     if gluon and _gluon_rows_take(a_MK, b_EKN, num_programs):
         from disagmoe.kernels import fp8_gluon
 
         return fp8_gluon.gluon_fp8_rows_gemm(a_MK, sa_MG, offsets_E, b_EKN, sb_EGB, out=out, out_dtype=out_dtype,
-                                             block_m=_gluon.block_m)
+                                             block_m=block_m)
     return fp8.fp8_rows_gemm(a_MK, sa_MG, offsets_E, b_EKN, sb_EGB, tile, out=out, out_dtype=out_dtype,
                              num_programs=num_programs)
 
@@ -477,9 +486,9 @@ def fp8_ffn_forward(
     qx, sx = x_fp8 if x_fp8 is not None else fp8.quantize_rows(x_NH, _row(stats, ACTIVATIONS), served)
     q_act, s_act = _gate_up_forward(qx, sx, offsets_E, weights.w13, tiles.swiglu, h13_N2F, dtype, served=served,
                                     num_programs=num_programs, stats=_row(stats, ACTIVATIONS),
-                                    split=gluon.swiglu)
+                                    split=gluon.swiglu, block_m=gluon.block_m)
     y_NH = _rows_gemm(q_act, s_act, offsets_E, *weights.w2, tiles.rows, out_dtype=dtype,
-                      num_programs=num_programs, gluon=gluon.rows)
+                      num_programs=num_programs, gluon=gluon.rows, block_m=gluon.block_m)
     return y_NH, h13_N2F
 
 
@@ -506,7 +515,7 @@ def _one_gemm_forward(x_NH: torch.Tensor | RowSource, offsets_E, weights: Fp8Exp
     if forward == "gate-up":
         qx, sx = x_fp8 if x_fp8 is not None else fp8.quantize_rows(x_NH, acts, served)
         h13 = _rows_gemm(qx, sx, offsets_E, *weights.w13, tiles.rows, out_dtype=dtype,
-                         num_programs=num_programs, gluon=gluon.rows, out=h13_N2F)
+                         num_programs=num_programs, gluon=gluon.rows, out=h13_N2F, block_m=gluon.block_m)
         gate, up = h13.float().chunk(2, dim=1)
         act_NF = (torch.nn.functional.silu(gate) * up).to(dtype)
         return gg.ragged_rows_gemm(act_NF, offsets_E, w2_EFH, bf16_tiles.down, num_programs=num_programs)
@@ -514,7 +523,7 @@ def _one_gemm_forward(x_NH: torch.Tensor | RowSource, offsets_E, weights: Fp8Exp
                                  h13_N2C=h13_N2F, num_programs=num_programs)
     q_act, s_act = fp8.quantize_rows(act_NF, acts, served)
     return _rows_gemm(q_act, s_act, offsets_E, *weights.w2, tiles.rows, out_dtype=dtype,
-                      num_programs=num_programs, gluon=gluon.rows)
+                      num_programs=num_programs, gluon=gluon.rows, block_m=gluon.block_m)
 
 
 # Elements of one piece of a dequantisation (`_dequantized_rows`, `_dequantized_blocks`): its fp32
@@ -651,7 +660,7 @@ def fp8_ffn_backward(
     (q_dy, s_dy), (qt_dy, st_dy, padded_E) = fp8.quantize_rows_and_token_groups(dy_NH, offsets_E, grads_row, served)
     act_NF = h13_N2F.new_empty((rows, ffn))
     dh13_N2F = _down_data_gradient(q_dy, s_dy, offsets_E, weights.w2_t, tiles.swiglu, h13_N2F, act_NF, dy_NH.dtype,
-                                   num_programs=num_programs, split=gluon.swiglu)
+                                   num_programs=num_programs, split=gluon.swiglu, block_m=gluon.block_m)
     del q_dy, s_dy
     qt_act, st_act, _ = fp8.quantize_token_groups(act_NF, offsets_E, acts)
     del act_NF
@@ -663,7 +672,7 @@ def fp8_ffn_backward(
     del qt_act, st_act, qt_dy, st_dy  # before d h13's two copies are made
     (q_dh, s_dh), (qt_dh, st_dh, _) = fp8.quantize_rows_and_token_groups(dh13_N2F, offsets_E, grads_row, served)
     dx_NH = _rows_gemm(q_dh, s_dh, offsets_E, *weights.w13_t, tiles.rows, out_dtype=dy_NH.dtype,
-                       num_programs=num_programs, gluon=gluon.rows)
+                       num_programs=num_programs, gluon=gluon.rows, block_m=gluon.block_m)
     del q_dh, s_dh
     if isinstance(x_NH, RowSource):  # the grouped rows read from their tokens, in the quantiser
         qt_x, st_x, _ = fp8.quantize_token_groups(x_NH.x_TH, offsets_E, acts, rows_M=x_NH.token_N)
@@ -692,7 +701,7 @@ def _backward_bf16_weight_grads(dy_NH, x_NH, offsets_E, weights: Fp8ExpertWeight
     q_dy, s_dy = fp8.quantize_rows(dy_NH, grads_row, served)
     act_NF = h13_N2F.new_empty((rows, ffn))
     dh13_N2F = _down_data_gradient(q_dy, s_dy, offsets_E, weights.w2_t, tiles.swiglu, h13_N2F, act_NF, dy_NH.dtype,
-                                   num_programs=num_programs, split=gluon.swiglu)
+                                   num_programs=num_programs, split=gluon.swiglu, block_m=gluon.block_m)
     del q_dy, s_dy
     main13, main2 = main_grads
     dw2 = gg.ragged_weight_grad(act_NF, dy_NH, offsets_E, bf16_tiles.wgrad_w2, out=main2, accumulate=adds_into(main2),
@@ -700,7 +709,7 @@ def _backward_bf16_weight_grads(dy_NH, x_NH, offsets_E, weights: Fp8ExpertWeight
     del act_NF
     q_dh, s_dh = fp8.quantize_rows(dh13_N2F, grads_row, served)
     dx_NH = _rows_gemm(q_dh, s_dh, offsets_E, *weights.w13_t, tiles.rows, out_dtype=dy_NH.dtype,
-                       num_programs=num_programs, gluon=gluon.rows)
+                       num_programs=num_programs, gluon=gluon.rows, block_m=gluon.block_m)
     del q_dh, s_dh
     x_rows = x_NH.rows(dh13_N2F.dtype) if isinstance(x_NH, RowSource) else x_NH.to(dh13_N2F.dtype)
     dw13 = gg.ragged_weight_grad(x_rows, dh13_N2F, offsets_E, bf16_tiles.wgrad_w13, out=main13,

@@ -47,7 +47,7 @@ the sum and two products would need 384 registers per thread.
 Requirements (ValueError naming the fix otherwise): K a multiple of 128, N a multiple of block_n,
 block_m in (64, 128, 256), block_n in (64, 128) (one weight-block scale per column tile), b K-major with
 its [E, N, K] storage contiguous (`fp8_ffn.Fp8ExpertWeights`' operands are), a with unit column
-stride, 16-byte-aligned rows, the ring within shared memory (stages <= 6 at 128 x 128).
+stride, 16-byte-aligned rows, the ring within shared memory (stages <= 6 at 128 x 128, <= 4 at 256 x 128).
 
 Measured (H200, 2026-12-04, 128 x 128, 4 stages, against `fp8_rows_gemm` at its tuned tiles, the
 same bits): Mixtral's down 785 against 634 TFLOP/s, DeepSeek-V3-EP8's gate/up 832 against 594,
@@ -65,7 +65,9 @@ partitions over items (expert, 128 KA rows, block_n C columns), its K loop the e
 each chunk's product times sa[row, chunk] x sb[column, chunk] (a column vector, not the rows
 kernel's one weight-block scalar). At block_n = 128 the carried product, the column scales and
 the sum spill (ptxas, 2,280 bytes), so there a consumer adds each product after its own wait and
-loads the scales then (no spill); at 64 it carries as the rows kernel does. Compiled for sm_90a
+loads the scales then (no spill); at 64 it carries the product to add it under the next chunk's wgmma
+(the rows kernel's schedule until session 33, kept here: not yet timed against the rows kernel's new
+order). Compiled for sm_90a
 on a CPU only: the FFN runs it when `fp8_ffn.set_gluon_wgrad(True)` (`bench experts --backend
 triton-fp8:gluon-wgrad`), off by default until a GPU has timed it.
 
@@ -185,8 +187,9 @@ def _consumer(a_bufs, b_bufs, ready_bars, empty_bars, sa_ptr, sb_ptr, out_ptr, o
               num_programs, stride_sam, stride_sag, stride_sbe, stride_sbg, stride_sbb, stride_om, stride_on,
               CONSUMER: gl.constexpr, E_POW2: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               GROUP_M: gl.constexpr, STAGES: gl.constexpr):
-    """One warpgroup's rows CONSUMER * 64 + [0, 64) of every item: per slice, the wgmma issued
-    before the previous slice's promotion (module docstring), then the masked store."""
+    """One warpgroup's rows CONSUMER * 64 + [0, 64) of every item: per slice, the wgmma waited for,
+    the stage released, the product added with the scales loaded a slice earlier (module
+    docstring), then the masked store."""
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_N, 32])
     row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
@@ -608,8 +611,8 @@ def gluon_fp8_weight_grad(
     """`fp8.fp8_weight_grad`'s sums, warp-specialised: out[e] = sum over groups g = e mod E_W and their
     128-token chunks c of (a[:, c] @ b[:, c]^T) x sa[:, c] x sb[:, c], [E_W, KA, C] fp32 (zeros for an
     expert without tokens; `accumulate`: added into `out`, an fp32 main gradient), each chunk's
-    product scaled and added under the next chunk's wgmma (module docstring: the rows kernel's
-    schedule, 128 KA rows an item). Operands as `fp8.quantize_token_groups` writes them
+    product scaled and added under the next chunk's wgmma at block_n 64 (module docstring: the rows
+    kernel's schedule before session 33, 128 KA rows an item). Operands as `fp8.quantize_token_groups` writes them
     ((q_KP, s_KC) pairs; `padded_E` its third result); `wgrad_takes` says where it runs. block_n:
     the C tile (64 or 128)."""
     (qa_KP, sa_KC), (qb_CP, sb_CC) = a, b

@@ -203,6 +203,10 @@ def test_the_variant_backends_run_the_fp8_block_with_their_one_choice_changed(mo
                     (False, False, False, 128, "bf16", "both"), (False, False, False, 128, "bf16-wgrad", "down"),
                     (False, False, False, 128, "bf16-wgrad", "both")]
     assert made == [(forward, backward) for *_, backward, forward in seen]  # each the copies its recipe reads
+    for bad in (dict(block_m=192), dict(rows=256)):
+        with pytest.raises(ValueError, match="rows, wgrad and swiglu take True or False, block_m one of"):
+            with fp8_ffn.gluon_paths(**bad):
+                pass
     with pytest.raises(ValueError, match="choose from rows, wgrad, swiglu, block_m"):
         with fp8_ffn.gluon_paths(epilogue=True):
             pass
@@ -279,6 +283,8 @@ def test_cuda_hopper_kernel_paths_follow_the_settings_and_the_shape():
     assert fp8_ffn.kernel_paths(4096, 14336, cuda) == "rows triton | swiglu triton | wgrad bf16 triton"
     assert bench.fp8_kernel_paths(f"{bench.FP8_BACKEND}:gluon", 4096, 14336, cuda) == (
         "rows gluon | swiglu gluon | wgrad bf16 triton")
+    assert bench.fp8_kernel_paths(f"{bench.FP8_BACKEND}:gluon-256", 4096, 14336, cuda) == (
+        "rows gluon-256 | swiglu gluon-256 | wgrad bf16 triton")
     assert paths(14336, False) == "rows triton | swiglu triton | wgrad triton"
     assert paths(14336, True) == "rows triton | swiglu gluon | wgrad gluon"
     assert paths(1408, True) == "rows triton | swiglu triton | wgrad gluon"

@@ -767,3 +767,35 @@ def test_the_backward_drops_each_e4m3_copy_after_its_last_reader(ffn8, monkeypat
               "dh13 rows": 2 * ffn, "dh13 tokens": 2 * ffn}
     peak = max(sum(values[name] for name in names) for _, names in seen)
     assert peak == 2 * max(hidden, 2 * ffn)
+
+
+@pytest.mark.slow  # interpreted FFN forward and backward
+def test_a_forwards_gluon_tile_reaches_its_backward(ffn8, monkeypatch):
+    """`gluon_paths(block_m=256)` around the forward alone (as `bench experts` times the backward outside
+    it): every Gluon row GEMM of the forward and of its backward runs at the forward's 256-row tile,
+    the one the forward's saved choices hold (a stand-in records the launches: the CPU runs no Gluon)."""
+    from disagmoe.kernels import fp8_gluon
+
+    fp8 = ffn8.fp8
+    tiles_seen = []
+
+    def stand_in(a_MK, sa_MG, offsets_E, b_EKN, sb_EGB, *, out=None, out_dtype=torch.bfloat16, block_m=128, **_):
+        tiles_seen.append(block_m)
+        result = fp8.fp8_rows_gemm_reference(a_MK, sa_MG, offsets_E, b_EKN, sb_EGB)
+        if out is None:
+            return result.to(out_dtype)
+        out.copy_(result)
+        return out
+
+    monkeypatch.setattr(fp8_gluon, "gluon_fp8_rows_gemm", stand_in)
+    monkeypatch.setattr(ffn8, "_gluon_rows_take", lambda a, b, num_programs: True)
+    counts, hidden, ffn = [5, 0, 9], 128, 128
+    x, offsets, w13, w2, dy = _inputs(counts, hidden, ffn, seed=6)
+    tiles = ffn8.Fp8Tiles(**SMALL)
+    leaves = [t.clone().requires_grad_() for t in (x, w13, w2)]
+    with ffn8.gluon_paths(rows=True, swiglu=True, block_m=256):
+        y = ffn8.expert_ffn_fp8(leaves[0], offsets, leaves[1], leaves[2], tiles=tiles, num_programs=3)
+    forward = len(tiles_seen)
+    y.backward(dy)
+    assert forward == 2 and len(tiles_seen) == 4 and set(tiles_seen) == {256}
+    assert ffn8._gluon.block_m == 128  # restored on the way out

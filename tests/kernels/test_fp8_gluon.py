@@ -77,7 +77,7 @@ def hopper_builds(monkeypatch):
 @pytest.mark.parametrize("block_m,block_n", [(128, 128), (128, 64), (64, 128), (256, 128), (256, 64)])
 def test_the_kernel_compiles_warp_specialised_without_spills(hopper_builds, block_m, block_n):
     """TTGIR: one warp_specialize whose worker partitions are the second consumer warpgroup (4
-    warps, block_m 128 only) and the TMA producer (1 warp) with their setmaxnreg budgets; PTX: the
+    warps, block_m 128 and 256) and the TMA producer (1 warp) with their setmaxnreg budgets; PTX: the
     e4m3 wgmma and the register reallocation; ptxas (sm_90a): no spill stores, at most MAXNREG
     registers per thread when 12 warps share the register file."""
     from tests.kernels.test_compile_for_hopper import ptxas_usage
