@@ -139,6 +139,16 @@ def _item_ends(offsets_ptr, E, tiles_n, BLOCK_M: gl.constexpr, E_POW2: gl.conste
 
 
 @gluon.jit
+def _work(offsets_ptr, E, N, K, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, E_POW2: gl.constexpr,
+          WARPS: gl.constexpr):
+    """(column tiles, `_item_ends`, items in all, K slices): the work every partition of the rows
+    kernel walks alike (WARPS: the calling partition's warps)."""
+    tiles_n = N // BLOCK_N
+    item_ends = _item_ends(offsets_ptr, E, tiles_n, BLOCK_M, E_POW2, WARPS)
+    return tiles_n, item_ends, gl.max(item_ends, axis=0), K // _SLICE
+
+
+@gluon.jit
 def _tile_of(item, item_ends, offsets_ptr, tiles_n, BLOCK_M: gl.constexpr, GROUP_M: gl.constexpr):
     """(group, first row, the group's row end, column tile) of work item `item`: the item order of
     `_fp8_rows_gemm_kernel` (groups in turn, GROUP_M row tiles sharing column tiles:
@@ -164,10 +174,7 @@ def _producer(a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, offsets_pt
     """The TMA warp: fills the ring's stages in item and slice order, the order the consumers
     drain them. A stage is refilled once every consumer has released it (`empty`; a fresh
     mbarrier counts as released, hence the first wait on the opposite phase)."""
-    tiles_n = N // BLOCK_N
-    item_ends = _item_ends(offsets_ptr, E, tiles_n, BLOCK_M, E_POW2, 1)
-    total = gl.max(item_ends, axis=0)
-    slices = K // _SLICE
+    tiles_n, item_ends, total, slices = _work(offsets_ptr, E, N, K, BLOCK_M, BLOCK_N, E_POW2, 1)
     count = 0
     for item in range(gl.program_id(0), total, num_programs):
         group, row0, row_end, pid_n = _tile_of(item, item_ends, offsets_ptr, tiles_n, BLOCK_M, GROUP_M)
@@ -194,10 +201,7 @@ def _consumer(a_bufs, b_bufs, ready_bars, empty_bars, sa_ptr, sb_ptr, out_ptr, o
                                                          instr_shape=[16, BLOCK_N, 32])
     row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
     col_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
-    tiles_n = N // BLOCK_N
-    item_ends = _item_ends(offsets_ptr, E, tiles_n, BLOCK_M, E_POW2, 4)
-    total = gl.max(item_ends, axis=0)
-    slices = K // _SLICE
+    tiles_n, item_ends, total, slices = _work(offsets_ptr, E, N, K, BLOCK_M, BLOCK_N, E_POW2, 4)
     zero_MN = gl.zeros([_ROWS, BLOCK_N], gl.float32, acc_layout)
     count = 0
     for item in range(gl.program_id(0), total, num_programs):
@@ -243,10 +247,7 @@ def _consumer_two_waves(a_bufs, b_bufs, ready_bars, empty_bars, sa_ptr, sb_ptr, 
                                                          instr_shape=[16, BLOCK_N, 32])
     row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
     col_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
-    tiles_n = N // BLOCK_N
-    item_ends = _item_ends(offsets_ptr, E, tiles_n, BLOCK_M, E_POW2, 4)
-    total = gl.max(item_ends, axis=0)
-    slices = K // _SLICE
+    tiles_n, item_ends, total, slices = _work(offsets_ptr, E, N, K, BLOCK_M, BLOCK_N, E_POW2, 4)
     zero_MN = gl.zeros([_ROWS, BLOCK_N], gl.float32, acc_layout)
     count = 0
     for item in range(gl.program_id(0), total, num_programs):
