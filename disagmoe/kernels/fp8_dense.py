@@ -19,7 +19,7 @@ quantisations per call (x^T and dy^T: the quantiser's slowest launches, few long
 
 Recipe "blockwise, bf16 weight gradient" (`SCALINGS`, `TrainConfig.fp8_dense_scaling`): the routed
 experts' fine-grained scaling, DeepSeek-V3's, through the same library call: torch._scaled_mm takes
-1 x 128 activation and 128 x 128 weight scales on Hopper (cuBLASLt from CUDA 12.9; torch >= 2.10):
+1 x 128 activation and 128 x 128 weight scales on Hopper (cuBLASLt from CUDA 12.9; torch >= 2.9):
 
   forward  y_NO  = x_NI W_OI^T   e4m3: x per token and 128 of I, W per 128 x 128 block
   dgrad    dx_NI = dy_NO W_OI    e4m3: dy per token and 128 of O, W^T's blocks (W's scales, transposed)
@@ -140,7 +140,6 @@ def quantize_weight_blocks(w_OI: torch.Tensor, stats_row: torch.Tensor | None = 
     interpreter the experts' Triton quantiser; else its torch reference, the same bits."""
     from disagmoe.kernels import fp8
 
-    o, i = w_OI.shape
     if _interpreted_or_cuda(w_OI):
         q_OI, s_OB = fp8.quantize_blocks(
             w_OI[None], stats_row, out=None if out is None else (out[0][None], out[1][None]),
@@ -152,7 +151,8 @@ def quantize_weight_blocks(w_OI: torch.Tensor, stats_row: torch.Tensor | None = 
             w32 = w_OI.float()
             _count(stats_row, w32, w32 / _expanded(s_OB, w32.shape), q_OI)
         if out is not None:
-            out[0].copy_(q_OI), out[1].copy_(s_OB)
+            out[0].copy_(q_OI)
+            out[1].copy_(s_OB)
             q_OI, s_OB = out
         if transposed_out is not None:
             transposed_out[0].copy_(q_OI.t())

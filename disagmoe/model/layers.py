@@ -312,8 +312,7 @@ class DeferrableLinear(nn.Linear):
         here, once per refresh."""
         if not self.fp8:
             return
-        if (self.fp8_copies is None or self.fp8_copies.rows[0].device != self.weight.device
-                or self.fp8_copies.scaling != self.fp8_scaling):
+        if self.fp8_copies is None or self.fp8_copies.rows[0].device != self.weight.device:  # set_fp8 drops them
             self.fp8_copies = fp8_dense.Fp8WeightCopies(self.weight, self.fp8_scaling)
         self.fp8_copies.refresh(self.weight, self.fp8_stats_row)
 

@@ -24,9 +24,11 @@ Legend: B sequences per step, S sequence length, V vocabulary, L MoE layers, E e
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
 import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -361,9 +363,6 @@ def set_dense_fp8(model: Any, stats: Fp8Stats | None, scaling: str, emulate: boo
         check_blockwise_device(device)
     kept = model.set_dense_fp8(True, stats, emulate, scaling)
     if kept:
-        import collections
-        import warnings
-
         from disagmoe.runtime.failures import RunWarning
 
         by_role = collections.Counter(name.split(".", 2)[-1] for name in kept)
