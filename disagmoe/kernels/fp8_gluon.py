@@ -31,8 +31,8 @@ block_m x block_n found on the device from offsets_E, as `_fp8_rows_gemm_kernel`
   with maxnreg 168. Until session 33 a consumer carried slice j-1's product to add it under slice
   j's wgmma: in the SASS (Triton 3.6's ptxas, sm_90a) that overlapped only the first of the
   slice's four QGMMA.64xNx32 (the other three waited for the adds, whose weight-block scale was
-  loaded in the same iteration), and the carry cost 64 register copies a slice: 222 instructions
-  a slice a warp against 156 now (a helper's study, compiled on a CPU; unmeasured on a GPU).
+  loaded in the same iteration), and the carry cost register copies every slice: 222 instructions
+  a slice a warp against 154 now (compiled on a CPU: docs/measurements/gluon_slice_count.py, docs/benchmarks.md).
 - epilogue: each consumer stores its rows of the group (masked to the group's end) in out's dtype
   straight from the wgmma layout, then goes on to the next item, whose stages the producer has
   been loading meanwhile.
