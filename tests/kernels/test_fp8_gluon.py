@@ -483,8 +483,9 @@ def test_gpu_training_every_gluon_gate_up_launch_of_a_captured_run_is_the_triton
     launches = [0]
     plain = fp8_ffn._rows_gemm
 
-    def shadowed(a, sa, offsets, b, sb, tile, *, out_dtype, num_programs, gluon, out=None):
-        got = plain(a, sa, offsets, b, sb, tile, out_dtype=out_dtype, num_programs=num_programs, gluon=gluon, out=out)
+    def shadowed(a, sa, offsets, b, sb, tile, *, out_dtype, num_programs, gluon, out=None, block_m=128):
+        got = plain(a, sa, offsets, b, sb, tile, out_dtype=out_dtype, num_programs=num_programs, gluon=gluon, out=out,
+                    block_m=block_m)
         if gluon and out is not None:  # the gate/up GEMM of forward "gate-up" (h13 into the backward's buffer)
             want = fp8.fp8_rows_gemm(a, sa, offsets, b, sb, tile, out_dtype=out_dtype).float()
             gap = (got.float() - want).abs().amax(dim=1)[: a.shape[0]]
