@@ -58,6 +58,10 @@ WGRAD_CANDIDATES = [(64, 128, 128, 8, 3, 1), (64, 256, 128, 8, 3, 1), (64, 128, 
 WGRAD_TMA_CANDIDATES = [(64, 256, 128, 8, 4, 1), (64, 256, 128, 8, 4, 1, True), (64, 128, 128, 4, 5, 1, True),
                         (128, 128, 128, 8, 3, 1, True)]
 
+# The largest output tile (block_k x block_n fp32 elements) a prefetching wgrad candidate holds twice
+# (`TileConfig.prefetch_accumulator`: the sum and the main gradient's prior values) at 8 warps.
+PREFETCH_TILE_ELEMENTS = 128 * 128
+
 # FP8: (block_m, block_n, block_k, num_warps, num_stages, programs_per_sm, promote), each compiled
 # for sm_90a on a CPU first (ptxas spill stores and registers, the FP8 loop's wgmma waits: tests
 # kernels/test_compile_for_hopper.py's tools): none spills. Two programs per SM where a program
@@ -105,8 +109,14 @@ def candidates(role: str) -> list[TileConfig]:
     if role.startswith("wgrad"):  # each tile both ways: the main gradient's add loaded and stored, or atomic;
         # the atomic ones (every tuned winner since session 16) also with TMA loads
         atomic = [dataclasses.replace(c, atomic_accumulate=True) for c in configs]
+        # and the load-add-store ones with the main gradient's tile loaded before the row loop where it
+        # fits the registers beside the sum (8 warps, at most 128 x 128: compiled for sm_90a without spills;
+        # at 4 warps, or wider, it spills), both ways of loading the rows
+        prefetch = [dataclasses.replace(c, prefetch_accumulator=True) for c in configs
+                    if c.num_warps == 8 and c.block_k * c.block_n <= PREFETCH_TILE_ELEMENTS]
         configs += (atomic + [dataclasses.replace(c, tma=True) for c in atomic]
-                    + _bf16_tiles(WGRAD_TMA_CANDIDATES, atomic_accumulate=True, tma=True))
+                    + _bf16_tiles(WGRAD_TMA_CANDIDATES, atomic_accumulate=True, tma=True)
+                    + prefetch + [dataclasses.replace(c, tma=True) for c in prefetch])
     else:  # each row GEMM tile also with TMA loads (`grouped_gemm.rows_gemm_descriptors`), but the flattened
         # gate/up ones: two accumulators and the fused loop spill more with TMA (sm_90a ptxas)
         configs += [dataclasses.replace(c, tma=True) for c in configs if not (role == "gate_up" and c.flatten)]

@@ -324,7 +324,7 @@ def _ragged_weight_grad_kernel(
     stride_am, stride_ak, stride_bm, stride_bc, stride_oe, stride_ok, stride_oc,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     FLATTEN: tl.constexpr, ACCUMULATE: tl.constexpr, BANDED: tl.constexpr, ATOMIC: tl.constexpr,
-    TMA: tl.constexpr,
+    TMA: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     # Contract: a [N, KA], b [N, C] rows in E row groups over E_W weights; out [E_W, KA, C],
     # out[e] = sum over groups g = e mod E_W of a[rows_g]^T @ b[rows_g] (ACCUMULATE: out += it,
@@ -334,6 +334,8 @@ def _ragged_weight_grad_kernel(
     # ascending g; otherwise E == E_W and one group is one weight's rows.
     # BLOCK_K tiles KA (the output's rows), BLOCK_N tiles C, BLOCK_M steps the reduction over rows.
     # TMA: a_desc and b_desc (TensorDescriptors of a and b) load the whole row steps (`_rows_dot_tma`).
+    # PREFETCH (ACCUMULATE, not ATOMIC): the tile's prior out values are loaded before its row loop, so
+    # their HBM read runs under the tile's MMAs instead of after them (the same sum, added after the loop).
     pid = tl.program_id(0)
     tiles_k = tl.cdiv(KA, BLOCK_K)
     tiles_n = tl.cdiv(C, BLOCK_N)
@@ -348,6 +350,10 @@ def _ragged_weight_grad_kernel(
         k_ok = ks < KA
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < C
+        out_ptrs = (out_ptr + expert.to(tl.int64) * stride_oe + ks[:, None] * stride_ok
+                    + cols[None, :] * stride_oc)
+        if PREFETCH:
+            prior = tl.load(out_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
         acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
         if BANDED:
             for group in range(expert, E, E_W):  # ascending g: one summation order, run to run
@@ -366,12 +372,12 @@ def _ragged_weight_grad_kernel(
         else:
             acc = _rows_dot(a_ptr, b_ptr, row_start, row_end, ks, k_ok, cols, col_ok, acc,
                             stride_am, stride_ak, stride_bm, stride_bc, BLOCK_M)
-        out_ptrs = (out_ptr + expert.to(tl.int64) * stride_oe + ks[:, None] * stride_ok
-                    + cols[None, :] * stride_oc)
         if ACCUMULATE and ATOMIC:
             tl.atomic_add(out_ptrs, acc, mask=k_ok[:, None] & col_ok[None, :], sem="relaxed")
         else:
-            if ACCUMULATE:
+            if PREFETCH:
+                acc += prior
+            elif ACCUMULATE:
                 acc += tl.load(out_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
             tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=k_ok[:, None] & col_ok[None, :])
 
@@ -623,6 +629,7 @@ def ragged_weight_grad(
     banded = groups != experts
     programs = num_programs or default_num_programs(a_NK.device) * config.programs_per_sm
     tma = config.tma and tma_takes(a_NK) and tma_takes(b_NC)
+    atomic = config.atomic_accumulate and accumulate and out.dtype == torch.float32
     a_desc = TensorDescriptor.from_tensor(a_NK, [config.block_m, config.block_k]) if tma else None
     b_desc = TensorDescriptor.from_tensor(b_NC, [config.block_m, config.block_n]) if tma else None
     _ragged_weight_grad_kernel[(programs,)](
@@ -632,7 +639,7 @@ def ragged_weight_grad(
         out.stride(0), out.stride(1), out.stride(2),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         GROUP_M=config.group_m, FLATTEN=config.flatten and not banded, ACCUMULATE=accumulate,
-        BANDED=banded, ATOMIC=config.atomic_accumulate and accumulate and out.dtype == torch.float32, TMA=tma,
+        BANDED=banded, ATOMIC=atomic, TMA=tma, PREFETCH=accumulate and not atomic and config.prefetch_accumulator,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out

@@ -60,6 +60,12 @@ class TileConfig:
     # kernels and non-accumulating launches ignore it (`bench tune-experts` offers every wgrad tile both
     # ways; every tuned class on an H200 has chosen it since session 16)
     atomic_accumulate: bool = False
+    # weight gradients accumulating with the load-add-store epilogue (not atomic_accumulate): load the tile's
+    # main-gradient values before its row loop instead of after it (`grouped_gemm._ragged_weight_grad_kernel`'s
+    # PREFETCH), so their HBM read overlaps the tile's MMAs; the same sum. It holds the tile in registers
+    # through the loop (BLOCK_K x BLOCK_N fp32 more per program); `bench tune-experts` offers it beside the
+    # atomic tiles; the other kernels and non-accumulating launches ignore it
+    prefetch_accumulator: bool = False
     # down and gate/up data gradient only: run the launch as the library's grouped GEMM
     # (`torch._grouped_mm`: cuBLAS/CUTLASS) instead of our kernel, where `bench tune-experts` measures it
     # faster; it takes launches with a plain result only (no gathered, scattered or signalled rows, one

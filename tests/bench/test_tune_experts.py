@@ -115,7 +115,10 @@ def test_roles_limit_the_tuning_to_those_gemms(monkeypatch):
     tuner.tune([SHAPES["qwen3-30b-a3b"]], 0, 1, log=lambda m: None, roles=["wgrad_w2", "wgrad_w13"])
     assert searched == [["wgrad_w13", "wgrad_w2"]]
     wgrad = tuner.candidates("wgrad_w13")
-    assert {(c.atomic_accumulate, c.tma) for c in wgrad} == {(False, False), (True, False), (True, True)}
+    assert {(c.atomic_accumulate, c.tma, c.prefetch_accumulator) for c in wgrad} == {
+        (False, False, False), (True, False, False), (True, True, False), (False, False, True), (False, True, True)}
+    assert all(c.num_warps == 8 and c.block_k * c.block_n <= tuner.PREFETCH_TILE_ELEMENTS
+               for c in wgrad if c.prefetch_accumulator)  # where the prior values fit beside the sum
     down = tuner.candidates("down")
     assert any(c.tma for c in down) and not any(c.tma and c.library for c in down)
     assert not any(c.tma and c.flatten for c in tuner.candidates("gate_up"))

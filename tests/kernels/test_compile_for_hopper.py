@@ -714,6 +714,43 @@ def test_the_atomic_weight_gradient_adds_with_reductions_and_no_spills(monkeypat
     assert [spills for atomic, _, spills in found if atomic] == [0, 0], found
 
 
+def test_the_prefetching_weight_gradient_reads_the_main_gradient_before_its_mmas_without_spills(monkeypatch):
+    """`TileConfig.prefetch_accumulator` at every prefetching wgrad tile the tuner offers, bf16 rows into
+    an fp32 main gradient, for sm_90a: every global load of the tile (the main gradient's 16 x 16 bytes a
+    thread, and the offsets) comes before its first wgmma in the SASS, none spills, and each stays within
+    the registers (at most 255); the same tile without it loads the main gradient after the MMAs. Found
+    here (2026-12-06): at 4 warps, or a 64 x 256 output tile at 8, the prefetched values spill (688-832
+    bytes), so the tuner offers only 8-warp tiles of at most 128 x 128."""
+    import dataclasses
+    import re
+
+    from disagmoe.bench import tune_experts as tuner
+    from disagmoe.kernels import grouped_gemm as gg
+
+    backend = make_backend(HOPPER)
+    found: list[tuple[bool, bool, int]] = []
+
+    def compile_and_look(self, *args, grid, warmup, **kwargs):
+        kernel = compile_for_hopper(self, backend, args, kwargs)
+        lines = [line for line in sass_of(kernel).splitlines() if re.search(r"/\*[0-9a-f]{4,}\*/", line)]
+        first_mma = next(i for i, line in enumerate(lines) if "HGMMA" in line)
+        loads_after = sum("LDG.E" in line for line in lines[first_mma:])
+        found.append((kwargs["PREFETCH"], loads_after == 0, spill_store_bytes(kernel.asm["ptx"])))
+
+    monkeypatch.setattr(JITFunction, "run", compile_and_look)
+    rows, experts, hidden, cols = 1024, 4, 256, 512
+    offsets = torch.tensor([256, 512, 768, 1024], dtype=torch.int32)
+    x, dh = torch.zeros(rows, hidden, dtype=torch.bfloat16), torch.zeros(rows, cols, dtype=torch.bfloat16)
+    main = torch.zeros(experts, hidden, cols)
+    tiles = [tile for tile in tuner.candidates("wgrad_w13") if tile.prefetch_accumulator]
+    assert len(tiles) >= 2
+    for tile in tiles:
+        for early in (True, False):
+            gg.ragged_weight_grad(x, dh, offsets, dataclasses.replace(tile, prefetch_accumulator=early), out=main,
+                                  accumulate=True, num_programs=8)
+    assert found == [(True, True, 0), (False, False, 0)] * len(tiles), found
+
+
 def test_the_tma_weight_gradient_loads_by_tensor_map_without_spills(monkeypatch):
     """`TileConfig.tma` at the tuner's TMA wgrad tiles, bf16 rows into an fp32 main gradient with the
     atomic epilogue, for sm_90a: the whole row steps load through the tensor maps (PTX
@@ -734,8 +771,8 @@ def test_the_tma_weight_gradient_loads_by_tensor_map_without_spills(monkeypatch)
     offsets = torch.tensor([256, 512, 768, 1024], dtype=torch.int32)
     x, dh = torch.zeros(rows, hidden, dtype=torch.bfloat16), torch.zeros(rows, cols, dtype=torch.bfloat16)
     main = torch.zeros(experts, hidden, cols)
-    tiles = [tile for tile in tuner.candidates("wgrad_w13") if tile.tma]
-    assert tiles and all(tile.atomic_accumulate for tile in tiles)
+    tiles = [tile for tile in tuner.candidates("wgrad_w13") if tile.tma and not tile.prefetch_accumulator]
+    assert tiles and all(tile.atomic_accumulate for tile in tiles)  # (the prefetching ones: the test above)
     for tile in tiles:
         gg.ragged_weight_grad(x, dh, offsets, tile, out=main, accumulate=True, num_programs=8)
     assert found == [(True, True, 0)] * len(tiles), found

@@ -249,6 +249,41 @@ def test_atomic_accumulation_is_the_load_add_store_sum_bit_for_bit(kernels, band
 
 @pytest.mark.parametrize("banded", [False, True], ids=["one-group-per-expert", "banded"])
 @pytest.mark.parametrize("seed", [0, 1])
+def test_a_prefetched_main_gradient_gives_the_load_add_store_sum_bit_for_bit(kernels, banded, seed):
+    """`TileConfig.prefetch_accumulator`: each tile's main-gradient values loaded before its row loop
+    give the very bits of loading them after it, fp32 and bf16 outputs, pointer and TMA row loads, for
+    random ragged counts with empty experts, one group per expert or banded; a launch that does not
+    accumulate (stored) or adds atomically ignores it."""
+    gg, _ = kernels
+    gen = torch.Generator().manual_seed(70 + seed)
+    experts = int(torch.randint(2, 6, (1,), generator=gen))
+    counts = [0 if i % 3 == 1 else int(torch.randint(1, 40, (1,), generator=gen)) for i in range(experts)]
+    k, c = (4 * int(v) for v in torch.randint(2, 12, (2,), generator=gen))
+    offsets = _ragged_offsets(counts, banded, gen)
+    a, b = torch.randn(sum(counts), k, generator=gen), torch.randn(sum(counts), c, generator=gen)
+    start = torch.randn(experts, k, c, generator=gen)
+    prefetch = dataclasses.replace(SMALL_TILES, prefetch_accumulator=True)
+    for dtype in (torch.float32, torch.bfloat16):
+        for tma in (False, True):
+            plain, early = start.to(dtype), start.to(dtype)
+            gg.ragged_weight_grad(a, b, offsets, dataclasses.replace(SMALL_TILES, tma=tma), out=plain,
+                                  accumulate=True, weights=experts, num_programs=3)
+            gg.ragged_weight_grad(a, b, offsets, dataclasses.replace(prefetch, tma=tma), out=early,
+                                  accumulate=True, weights=experts, num_programs=3)
+            assert torch.equal(plain, early), (dtype, tma)
+    want = _weight_grad_reference(a, b, offsets, experts)
+    assert _rel_err(plain.float() - start, want) < 1e-1  # bf16 output: the sum rounded once per element
+    fresh = gg.ragged_weight_grad(a, b, offsets, prefetch, out=torch.full_like(start, float("nan")),
+                                  weights=experts, num_programs=2)  # not accumulating: nothing prefetched
+    assert torch.isfinite(fresh).all() and _rel_err(fresh, want) < 1e-5
+    atomic = start.clone()
+    gg.ragged_weight_grad(a, b, offsets, dataclasses.replace(prefetch, atomic_accumulate=True), out=atomic,
+                          accumulate=True, weights=experts, num_programs=3)
+    assert _rel_err(atomic - start, want) < 1e-5
+
+
+@pytest.mark.parametrize("banded", [False, True], ids=["one-group-per-expert", "banded"])
+@pytest.mark.parametrize("seed", [0, 1])
 def test_tma_loads_give_the_pointer_loads_weight_gradient(kernels, banded, seed):
     """`TileConfig.tma`: the whole row steps loaded through TensorDescriptors and each row group's last
     partial step through masked pointers give the pointer-only kernel's bits (the same products summed
@@ -621,18 +656,23 @@ def test_gpu_atomic_weight_grads_add_the_same_bits_as_load_add_store(banded):
     """`TileConfig.atomic_accumulate` on the GPU (REDG.E.ADD.F32x4: relaxed vector reductions at L2),
     bf16 rows into an fp32 main gradient that already holds a sum, ragged counts with an empty
     expert, twice in a row (a step's two micro-batches): the very bits of the load-add-store epilogue
-    at the heuristic wgrad tile (no denormals among these values, which the reduction would flush)."""
+    at the heuristic wgrad tile (no denormals among these values, which the reduction would flush); so
+    does the tuner's first prefetching TMA tile (`TileConfig.prefetch_accumulator`)."""
+    from disagmoe.bench import tune_experts as tuner
     from disagmoe.kernels import grouped_gemm as gg
     from disagmoe.kernels.tile_configs import heuristic
 
     experts, offsets, a, b, start = _gpu_weight_grad_inputs(banded, seed=3)
     tile = dataclasses.replace(heuristic("wgrad_w13"), atomic_accumulate=False)
-    plain, atomic = start.clone(), start.clone()
+    early_tile = next(c for c in tuner.candidates("wgrad_w13") if c.prefetch_accumulator and c.tma)
+    plain, atomic, early = start.clone(), start.clone(), start.clone()
     for _ in range(2):
         gg.ragged_weight_grad(a, b, offsets, tile, out=plain, accumulate=True, weights=experts)
         gg.ragged_weight_grad(a, b, offsets, dataclasses.replace(tile, atomic_accumulate=True), out=atomic,
                               accumulate=True, weights=experts)
+        gg.ragged_weight_grad(a, b, offsets, early_tile, out=early, accumulate=True, weights=experts)
     torch.cuda.synchronize()
     assert torch.equal(plain, atomic)
+    assert torch.equal(plain, early)  # the main gradient's tile read before the row loop (prefetch_accumulator)
     want = start + 2 * _weight_grad_reference(a.float(), b.float(), offsets.cpu(), experts).cuda()
     assert _rel_err(plain, want) < 1e-5
