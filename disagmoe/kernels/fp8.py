@@ -241,6 +241,52 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, stats_ptr, valid_ptr, M, K,
 
 
 @triton.jit
+def _quantize_group_store(x, ok, row_ok, rows64, ks, group, q_ptr, s_ptr, stride_qm, stride_qk, stride_sm,
+                          stride_sg):
+    """Quantise one 1 x 128 group of some rows, x fp32 [rows, 128] (zeros outside ok), as
+    `_rows_tile` does: q stored at columns ks, each row's scale at group `group`."""
+    scale = _scale_of(tl.max(tl.abs(x), axis=1))
+    q = _round_to_e4m3(tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape)))
+    tl.store(q_ptr + rows64[:, None] * stride_qm + ks[None, :] * stride_qk, q.to(q_ptr.dtype.element_ty), mask=ok)
+    tl.store(s_ptr + rows64 * stride_sm + group * stride_sg, scale, mask=row_ok)
+
+
+@triton.jit
+def _swiglu_grad_rows_quantized_kernel(da_ptr, h13_ptr, out_ptr, act_ptr, q_ptr, s_ptr, limit_ptr, C,
+                                       stride_dm, stride_dc, stride_hm, stride_hc, stride_om, stride_oc,
+                                       stride_xm, stride_xc, stride_qm, stride_qk, stride_sm, stride_sg,
+                                       BLOCK_R: tl.constexpr):
+    # `grouped_gemm._swiglu_grad_rows_kernel` (no row scale, act saved) over BLOCK_R rows, 128 columns
+    # a step (C a multiple of 128), each step's d gate and d up also quantised as `_quantize_rows_kernel`
+    # quantises d h13 [N, 2C] read back: their values rounded to out's dtype first, d gate's columns
+    # [c0, c0 + 128) group c0 / 128 and d up's [C + c0, ...) group (C + c0) / 128. Rows at or past the
+    # limit: nothing read or written.
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < tl.load(limit_ptr)
+    rows64 = rows.to(tl.int64)
+    unused = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    for c0 in range(0, C, _SCALE_BLOCK):
+        cols = c0 + tl.arange(0, _SCALE_BLOCK)
+        ok = row_ok[:, None] & (cols < C)[None, :]
+        h_ptrs = h13_ptr + rows64[:, None] * stride_hm + cols[None, :] * stride_hc
+        d_act = tl.load(da_ptr + rows64[:, None] * stride_dm + cols[None, :] * stride_dc, mask=ok, other=0.0)
+        gate = tl.load(h_ptrs, mask=ok, other=0.0).to(tl.float32)
+        up = tl.load(h_ptrs + C * stride_hc, mask=ok, other=0.0).to(tl.float32)
+        d_gate, d_up, sig, _ = gg._swiglu_grad_values(d_act.to(tl.float32), gate, up, unused, False)
+        d_gate = d_gate.to(out_ptr.dtype.element_ty)
+        d_up = d_up.to(out_ptr.dtype.element_ty)
+        out_ptrs = out_ptr + rows64[:, None] * stride_om + cols[None, :] * stride_oc
+        tl.store(out_ptrs, d_gate, mask=ok)
+        tl.store(out_ptrs + C * stride_oc, d_up, mask=ok)
+        tl.store(act_ptr + rows64[:, None] * stride_xm + cols[None, :] * stride_xc,
+                 (gate * sig * up).to(act_ptr.dtype.element_ty), mask=ok)
+        _quantize_group_store(tl.where(ok, d_gate.to(tl.float32), 0.0), ok, row_ok, rows64, cols, c0 // _SCALE_BLOCK,
+                              q_ptr, s_ptr, stride_qm, stride_qk, stride_sm, stride_sg)
+        _quantize_group_store(tl.where(ok, d_up.to(tl.float32), 0.0), ok, row_ok, rows64, C + cols,
+                              (C + c0) // _SCALE_BLOCK, q_ptr, s_ptr, stride_qm, stride_qk, stride_sm, stride_sg)
+
+
+@triton.jit
 def _count_positions(packed, x, q):
     """`packed` (int32 by element position: underflows | non-finite inputs << 16, a persistent
     quantiser's running counts) with one tile's added; masked elements are zeros: neither."""
@@ -414,6 +460,41 @@ def quantize_swiglu_rows(h13_M2F: torch.Tensor, stats: torch.Tensor | None = Non
     if h13_M2F.shape[1] % 2:
         raise ValueError(f"h13 must hold gate and up columns [M, 2F]; got width {h13_M2F.shape[1]}")
     return _quantize_rows(h13_M2F, stats, valid_rows, swiglu=True)
+
+
+def swiglu_grad_quantizes(d_act_NC: torch.Tensor) -> bool:
+    """Whether `swiglu_grad_rows_quantized` takes d act [N, C]: C a multiple of 128, so that each
+    1 x 128 group of d h13 [N, 2C] lies inside d gate's half or d up's."""
+    return d_act_NC.shape[1] % SCALE_BLOCK == 0
+
+
+def swiglu_grad_rows_quantized(d_act_NC: torch.Tensor, h13_N2C: torch.Tensor, offsets_E: torch.Tensor, *,
+                               act_N_C: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """(d h13 [N, 2C], (q [N, 2C] float8_e4m3fn, s [N, 2C / 128] fp32)) from one pass over d act:
+    `grouped_gemm.swiglu_grad_rows(d_act_NC, h13_N2C, offsets_E, act_N_C=act_N_C)` and
+    `quantize_rows(d h13, valid_rows=offsets_E[-1:])`, the very bytes of the two (d h13's values
+    quantised as rounded to its dtype), without reading d h13 back. No counters: a step that counts
+    its numerics quantises with `quantize_rows`. Rows at or past the last offset are left unwritten
+    in all three outputs. C must be a multiple of 128 (`swiglu_grad_quantizes`)."""
+    n_rows, cols = d_act_NC.shape
+    if not swiglu_grad_quantizes(d_act_NC):
+        raise ValueError(f"swiglu_grad_rows_quantized needs d act's width ({cols}) to be a multiple of "
+                         f"{SCALE_BLOCK}, so each 1 x {SCALE_BLOCK} group of d h13 lies in one half; run "
+                         "grouped_gemm.swiglu_grad_rows and quantize_rows instead")
+    if h13_N2C.shape != (n_rows, 2 * cols) or act_N_C.shape != (n_rows, cols):
+        raise ValueError(f"h13 must be {(n_rows, 2 * cols)} and act {(n_rows, cols)} beside d act {(n_rows, cols)}; "
+                         f"got {tuple(h13_N2C.shape)} and {tuple(act_N_C.shape)}")
+    dh13_N2C = d_act_NC.new_empty((n_rows, 2 * cols))
+    q_N2C = torch.empty((n_rows, 2 * cols), dtype=FP8, device=d_act_NC.device)
+    s_NG = torch.empty((n_rows, 2 * cols // SCALE_BLOCK), dtype=torch.float32, device=d_act_NC.device)
+    if n_rows == 0 or cols == 0:
+        return dh13_N2C, (q_N2C, s_NG)
+    _swiglu_grad_rows_quantized_kernel[(triton.cdiv(n_rows, gg.SPLIT_ROWS),)](
+        d_act_NC, h13_N2C, dh13_N2C, act_N_C, q_N2C, s_NG, offsets_E[-1:], cols,
+        d_act_NC.stride(0), d_act_NC.stride(1), h13_N2C.stride(0), h13_N2C.stride(1),
+        dh13_N2C.stride(0), dh13_N2C.stride(1), act_N_C.stride(0), act_N_C.stride(1),
+        q_N2C.stride(0), q_N2C.stride(1), s_NG.stride(0), s_NG.stride(1), BLOCK_R=gg.SPLIT_ROWS, num_warps=4)
+    return dh13_N2C, (q_N2C, s_NG)
 
 
 def _quantize_rows(x_MK: torch.Tensor, stats: torch.Tensor | None, valid_rows: torch.Tensor | None, *,

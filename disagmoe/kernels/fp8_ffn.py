@@ -269,19 +269,24 @@ def _gate_up_forward(qx, sx, offsets_E, w13, tile: TileConfig, h13_N2F: torch.Te
 
 
 def _down_data_gradient(q_dy, s_dy, offsets_E, w2_t, tile: TileConfig, h13_N2F: torch.Tensor, act_NF: torch.Tensor,
-                        out_dtype, *, num_programs: int | None, split: bool, block_m: int = 128) -> torch.Tensor:
-    """dh13 (d gate | d up) from dy against w2^T with the SwiGLU derivative, writing act recomputed
-    from h13 into `act_NF`. Fused (`fp8.fp8_swiglu_grad_gemm`), or with `split` where the Gluon row
-    GEMM takes the operands: d act written by it, then `grouped_gemm.swiglu_grad_rows` (the bf16
-    experts' split epilogue pass)."""
+                        out_dtype, *, num_programs: int | None, split: bool, block_m: int = 128,
+                        quantize: bool = False) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """(dh13 (d gate | d up), its 1 x 128 e4m3 rows or None) from dy against w2^T with the SwiGLU
+    derivative, writing act recomputed from h13 into `act_NF`. Fused (`fp8.fp8_swiglu_grad_gemm`), or
+    with `split` where the Gluon row GEMM takes the operands: d act written by it, then
+    `grouped_gemm.swiglu_grad_rows` (the bf16 experts' split epilogue pass), which with `quantize`
+    also quantises d h13 as `fp8.quantize_rows` would read it back (`fp8.swiglu_grad_rows_quantized`,
+    where the FFN size is a multiple of 128); elsewhere None for those."""
     if split and _gluon_rows_take(q_dy, w2_t[0], num_programs):
         from disagmoe.kernels import fp8_gluon
 
         d_act_NF = fp8_gluon.gluon_fp8_rows_gemm(q_dy, s_dy, offsets_E, *w2_t, out_dtype=out_dtype,
                                                  block_m=block_m)
-        return gg.swiglu_grad_rows(d_act_NF, h13_N2F, offsets_E, act_N_C=act_NF)
+        if quantize and fp8.swiglu_grad_quantizes(d_act_NF):
+            return fp8.swiglu_grad_rows_quantized(d_act_NF, h13_N2F, offsets_E, act_N_C=act_NF)
+        return gg.swiglu_grad_rows(d_act_NF, h13_N2F, offsets_E, act_N_C=act_NF), None
     return fp8.fp8_swiglu_grad_gemm(q_dy, s_dy, offsets_E, *w2_t, h13_N2F, tile, act_MF=act_NF, out_dtype=out_dtype,
-                                    num_programs=num_programs)
+                                    num_programs=num_programs), None
 
 
 def _weight_grad(a, b, padded_E, tile: TileConfig, *, weights: int, out: torch.Tensor | None, accumulate: bool,
@@ -659,8 +664,9 @@ def fp8_ffn_backward(
     # each e4m3 copy is dropped right after its last reader (`roofline.memory.expert_row_grad_bytes`)
     (q_dy, s_dy), (qt_dy, st_dy, padded_E) = fp8.quantize_rows_and_token_groups(dy_NH, offsets_E, grads_row, served)
     act_NF = h13_N2F.new_empty((rows, ffn))
-    dh13_N2F = _down_data_gradient(q_dy, s_dy, offsets_E, weights.w2_t, tiles.swiglu, h13_N2F, act_NF, dy_NH.dtype,
-                                   num_programs=num_programs, split=gluon.swiglu, block_m=gluon.block_m)
+    dh13_N2F, _ = _down_data_gradient(q_dy, s_dy, offsets_E, weights.w2_t, tiles.swiglu, h13_N2F, act_NF,
+                                      dy_NH.dtype, num_programs=num_programs, split=gluon.swiglu,
+                                      block_m=gluon.block_m)
     del q_dy, s_dy
     qt_act, st_act, _ = fp8.quantize_token_groups(act_NF, offsets_E, acts)
     del act_NF
@@ -691,7 +697,10 @@ def _backward_bf16_weight_grads(dy_NH, x_NH, offsets_E, weights: Fp8ExpertWeight
     """`fp8_ffn_backward` with backward "bf16-wgrad": dy and d h13 quantised 1 x 128 only (their data
     gradients' A operands), each weight gradient the bf16 experts' ragged GEMM over the rows as
     they are, added into its main gradient where one is given. Launch order: d h13 (writing act),
-    w2's gradient, dx, w13's gradient; alive beside the bf16 rows: one e4m3 row copy at a time.
+    w2's gradient, dx, w13's gradient; alive beside the bf16 rows: one e4m3 row copy at a time, but
+    where the split SwiGLU pass quantises d h13 as it writes it (a step that does not count its
+    numerics: `_down_data_gradient`'s quantize), whose copy joins d y's at that pass and lives
+    through w2's gradient (`roofline.memory.fp8_expert_row_grad_bytes` counts both).
     x given as a `RowSource` (`expert_input`): its rows gathered again [N, H] (`RowSource.rows`)
     after dx, alive beside d h13 through the w13 gradient."""
     (experts, _, ffn), rows, hidden = weights.shape_EHF, h13_N2F.shape[0], dy_NH.shape[1]
@@ -700,14 +709,17 @@ def _backward_bf16_weight_grads(dy_NH, x_NH, offsets_E, weights: Fp8ExpertWeight
     bf16_tiles = FFNTiles.for_shape(rows, experts, hidden, ffn, dy_NH.device, dy_NH.dtype)
     q_dy, s_dy = fp8.quantize_rows(dy_NH, grads_row, served)
     act_NF = h13_N2F.new_empty((rows, ffn))
-    dh13_N2F = _down_data_gradient(q_dy, s_dy, offsets_E, weights.w2_t, tiles.swiglu, h13_N2F, act_NF, dy_NH.dtype,
-                                   num_programs=num_programs, split=gluon.swiglu, block_m=gluon.block_m)
+    # a step that counts its numerics quantises d h13 on its own (the split pass has no counters)
+    dh13_N2F, dh13_fp8 = _down_data_gradient(q_dy, s_dy, offsets_E, weights.w2_t, tiles.swiglu, h13_N2F, act_NF,
+                                             dy_NH.dtype, num_programs=num_programs, split=gluon.swiglu,
+                                             block_m=gluon.block_m, quantize=grads_row is None)
     del q_dy, s_dy
     main13, main2 = main_grads
     dw2 = gg.ragged_weight_grad(act_NF, dy_NH, offsets_E, bf16_tiles.wgrad_w2, out=main2, accumulate=adds_into(main2),
                                 weights=experts, num_programs=num_programs)
     del act_NF
-    q_dh, s_dh = fp8.quantize_rows(dh13_N2F, grads_row, served)
+    q_dh, s_dh = dh13_fp8 if dh13_fp8 is not None else fp8.quantize_rows(dh13_N2F, grads_row, served)
+    del dh13_fp8
     dx_NH = _rows_gemm(q_dh, s_dh, offsets_E, *weights.w13_t, tiles.rows, out_dtype=dy_NH.dtype,
                        num_programs=num_programs, gluon=gluon.rows, block_m=gluon.block_m)
     del q_dh, s_dh

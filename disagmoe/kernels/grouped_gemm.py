@@ -227,13 +227,11 @@ def _load_gate_up(h13_ptr, rows64, row_ok, c0, C, stride_hm, stride_hc, WIDTH: t
 
 
 @triton.jit
-def _swiglu_grad_columns(acc, gate, up, scale, rows64, cols, ok, C, out_ptr, act_ptr,
-                         stride_om, stride_oc, stride_xm, stride_xc, SAVE_ACT: tl.constexpr, ROW_SCALE: tl.constexpr):
-    """The SwiGLU gradient of some columns of d act (`acc`, fp32, with the fp32 gate and up of those
-    columns): d gate and d up stored into out's two halves, the SwiGLU output into act with
-    SAVE_ACT; returns with ROW_SCALE each row's dot of d act with the SwiGLU output (unscaled, the
-    products scaled by `scale`), else `scale`. The fused epilogue's chunks and the split pass's
-    steps (`swiglu_grad_rows`) both end here."""
+def _swiglu_grad_values(acc, gate, up, scale, ROW_SCALE: tl.constexpr):
+    """(d gate, d up, sigmoid(gate), the row dots or `scale`) of some columns of d act (`acc`, fp32)
+    from their fp32 gate and up: `_swiglu_grad_columns`' arithmetic, which `fp8`'s quantising pass
+    (`fp8.swiglu_grad_rows_quantized`) shares. With ROW_SCALE the products are scaled per row by
+    `scale` and the row dots are each row's dot of d act with the SwiGLU output (unscaled)."""
     sig = tl.sigmoid(gate)
     if ROW_SCALE:
         # d w of a row before its scale: (dy @ w2^T) . act = dy . (act @ w2) = dy . y, from the
@@ -246,6 +244,18 @@ def _swiglu_grad_columns(acc, gate, up, scale, rows64, cols, ok, C, out_ptr, act
         rowdot = scale  # unused (the caller stores row dots only with ROW_SCALE)
         d_gate = acc * up * sig * (1.0 + gate * (1.0 - sig))
         d_up = acc * gate * sig
+    return d_gate, d_up, sig, rowdot
+
+
+@triton.jit
+def _swiglu_grad_columns(acc, gate, up, scale, rows64, cols, ok, C, out_ptr, act_ptr,
+                         stride_om, stride_oc, stride_xm, stride_xc, SAVE_ACT: tl.constexpr, ROW_SCALE: tl.constexpr):
+    """The SwiGLU gradient of some columns of d act (`acc`, fp32, with the fp32 gate and up of those
+    columns): d gate and d up stored into out's two halves, the SwiGLU output into act with
+    SAVE_ACT; returns with ROW_SCALE each row's dot of d act with the SwiGLU output (unscaled, the
+    products scaled by `scale`), else `scale`. The fused epilogue's chunks and the split pass's
+    steps (`swiglu_grad_rows`) both end here."""
+    d_gate, d_up, sig, rowdot = _swiglu_grad_values(acc, gate, up, scale, ROW_SCALE)
     out_ptrs = out_ptr + rows64[:, None] * stride_om + cols[None, :] * stride_oc
     tl.store(out_ptrs, d_gate.to(out_ptr.dtype.element_ty), mask=ok)
     tl.store(out_ptrs + C * stride_oc, d_up.to(out_ptr.dtype.element_ty), mask=ok)

@@ -274,12 +274,14 @@ def fp8_expert_row_grad_bytes(m: ModelConfig, value_bytes: int, input_dropped: b
                     d h13's two (4F) through the dx GEMM, x's and d h13's token groups (H + 2F) through
                     the w13 gradient. The peak is the larger of the first half (act alive) and the
                     second (act dropped).
-      "bf16-wgrad"  d y's and d h13's 1 x 128 rows alone, each through its data gradient; the w13
-                    gradient (bf16) reads the input rows, gathered again from the tokens into a
-                    [N, H] copy under expert_input (`RowSource.rows`), alive beside d y and d h13
-                    until that GEMM returns (act and the e4m3 copies are dropped by then). The peak is
-                    the larger of the d h13 GEMM (act, d y's rows) and the w13 gradient: the copy
-                    sets it only where H exceeds about 4F (bf16).
+      "bf16-wgrad"  d y's and d h13's 1 x 128 rows, each through its data gradient; where the split
+                    SwiGLU pass quantises d h13 as it writes it (a step not counting its numerics,
+                    `fp8_ffn._down_data_gradient`), d h13's copy joins d y's there and lives through
+                    the w2 gradient. The w13 gradient (bf16) reads the input rows, gathered again from
+                    the tokens into a [N, H] copy under expert_input (`RowSource.rows`), alive beside
+                    d y and d h13 until that GEMM returns (act and the e4m3 copies are dropped by then).
+                    The peak is the larger of the d h13 GEMM and its pass (act, d y's and d h13's rows)
+                    and the w13 gradient: the copy sets it only where H exceeds about 4F (bf16).
       "bf16"        the bf16 experts' backward (`moe_ffn.moe_ffn_backward`) with the SwiGLU output
                     recomputed: under expert_input the rows gathered again before it, alive throughout.
     On Hopper the d h13 GEMM runs split (`fp8_ffn._GluonChoices.swiglu`): the Gluon GEMM writes
@@ -292,7 +294,7 @@ def fp8_expert_row_grad_bytes(m: ModelConfig, value_bytes: int, input_dropped: b
         return expert_row_grad_bytes(m, value_bytes, frozenset(recomputed))
     H, F = m.hidden_size, m.expert_ffn_size
     if backward == "bf16-wgrad":
-        d_h13_gemm = value_bytes * (H + 4 * F) + FP8_VALUE_BYTES * H  # d act alive; d h13's rows later are fewer
+        d_h13_gemm = value_bytes * (H + 4 * F) + FP8_VALUE_BYTES * (H + 2 * F)  # d act alive, both e4m3 copies
         w13_gradient = value_bytes * (H + 2 * F + (H if input_dropped else 0))
         return int(max(d_h13_gemm, w13_gradient))
     with_act = max(value_bytes * (H + 4 * F) + FP8_VALUE_BYTES * 2 * H,  # the d h13 GEMM, d act alive

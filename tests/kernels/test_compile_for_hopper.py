@@ -465,6 +465,29 @@ def test_the_fp8_counters_compile_with_their_atomics_and_no_spills(monkeypatch):
     assert found == [("_quantize_rows_kernel", 0, False)]
 
 
+def test_the_quantising_swiglu_gradient_pass_compiles_without_spills(monkeypatch):
+    """`fp8.swiglu_grad_rows_quantized` (bf16 d act, h13 and act, the FFN sizes of Qwen3 and Mixtral's
+    multiple of 128) for sm_90a: the hardware's e4m3 conversion (`cvt.rn.satfinite.e4m3x2.f32`), the
+    correctly rounded scale and x / scale divisions, no spill stores."""
+    from disagmoe.kernels import fp8
+
+    backend = make_backend(HOPPER)
+    found: list[tuple[str, int, bool, bool]] = []
+
+    def compile_and_look(self, *args, grid, warmup, **kwargs):
+        ptx = compile_for_hopper(self, backend, args, kwargs).asm["ptx"]
+        found.append((self.fn.__name__, spill_store_bytes(ptx), "cvt.rn.satfinite.e4m3x2.f32" in ptx,
+                      "div.rn.f32" in ptx))
+
+    monkeypatch.setattr(JITFunction, "run", compile_and_look)
+    offsets = torch.tensor([100, 256], dtype=torch.int32)
+    for width in (768, 128):
+        fp8.swiglu_grad_rows_quantized(torch.zeros(256, width, dtype=torch.bfloat16),
+                                       torch.zeros(256, 2 * width, dtype=torch.bfloat16), offsets,
+                                       act_N_C=torch.zeros(256, width, dtype=torch.bfloat16))
+    assert found == [("_swiglu_grad_rows_quantized_kernel", 0, True, True)] * 2, found
+
+
 def test_the_rowwise_quantiser_compiles_without_spills_at_its_gpu_tiles(monkeypatch):
     """The dense projections' rowwise quantiser (`kernels.fp8_rowwise`) at `gpu_tiles` for sm_90a:
     row-major rows held whole (bf16 and fp32), long rows in chunks, a transposed view read

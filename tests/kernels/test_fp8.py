@@ -861,3 +861,67 @@ def test_the_swiglu_row_quantiser_is_quantize_rows_of_silu_gate_times_up(fp8k):
     assert torch.equal(got_row, want_row)
     with pytest.raises(ValueError, match="gate and up"):
         fp8k.quantize_swiglu_rows(h13[:, :399])
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_quantising_swiglu_gradient_pass_writes_the_two_passes_bytes(fp8k, seed):
+    """`swiglu_grad_rows_quantized`: d h13 and act as `grouped_gemm.swiglu_grad_rows` writes them, and
+    d h13's e4m3 rows and scales as `quantize_rows(d h13, valid_rows=offsets[-1:])` makes them from
+    what it reads back, byte for byte, bf16 and fp32 operands, random ragged counts with empty
+    experts, rows past the last offset (a worst-case buffer's) left unwritten in all four outputs,
+    d act values spread over 2^-40..2^40 (underflowing and scale-setting groups); a width off the
+    128 grid is refused with the way round it."""
+    from disagmoe.kernels import grouped_gemm as gg
+
+    gen = torch.Generator().manual_seed(80 + seed)
+    counts = [int(c) for c in torch.randint(0, 30, (int(torch.randint(2, 5, (1,), generator=gen)),), generator=gen)]
+    counts[int(torch.randint(0, len(counts), (1,), generator=gen))] = 0
+    width = 128 * int(torch.randint(1, 4, (1,), generator=gen))
+    rows = sum(counts) + 7  # padding rows past the last offset
+    offsets = _offsets(counts)
+    for dtype in (torch.float32, torch.bfloat16):
+        d_act = (torch.randn(rows, width, generator=gen) * torch.exp2(torch.randint(-40, 40, (rows, 1), generator=gen)))
+        h13 = torch.randn(rows, 2 * width, generator=gen) * 3
+        d_act, h13 = d_act.to(dtype), h13.to(dtype)
+        act_want, act_got = torch.full((rows, width), 7.0, dtype=dtype), torch.full((rows, width), 7.0, dtype=dtype)
+        dh13_want = gg.swiglu_grad_rows(d_act, h13, offsets, out=torch.full((rows, 2 * width), 7.0, dtype=dtype),
+                                        act_N_C=act_want)
+        q_want, s_want = fp8k.quantize_rows(dh13_want, valid_rows=offsets[-1:])
+        dh13_got, (q_got, s_got) = fp8k.swiglu_grad_rows_quantized(d_act, h13, offsets, act_N_C=act_got)
+        served = int(offsets[-1])
+        assert torch.equal(dh13_got[:served], dh13_want[:served]) and torch.equal(act_got, act_want)
+        assert (act_got[served:] == 7.0).all()  # unwritten past the last offset
+        assert torch.equal(q_got[:served].view(torch.uint8), q_want[:served].view(torch.uint8))
+        assert torch.equal(s_got[:served], s_want[:served])
+        assert q_got.shape == q_want.shape and s_got.shape == s_want.shape and q_got.dtype == fp8k.FP8
+    with pytest.raises(ValueError, match="multiple of 128.*swiglu_grad_rows and quantize_rows"):
+        fp8k.swiglu_grad_rows_quantized(torch.zeros(4, 72), torch.zeros(4, 144), _offsets([4]),
+                                        act_N_C=torch.zeros(4, 72))
+    assert fp8k.swiglu_grad_quantizes(torch.zeros(4, 256)) and not fp8k.swiglu_grad_quantizes(torch.zeros(4, 72))
+
+
+@pytest.mark.gpu
+@needs_fp8_gpu
+def test_gpu_the_quantising_swiglu_gradient_pass_writes_the_two_passes_bytes():
+    """`swiglu_grad_rows_quantized` on the GPU, bf16 at the Qwen3 FFN size (768) and 128, ragged rows
+    with padding past the last offset: d h13, act, the e4m3 rows and scales the very bytes of
+    `grouped_gemm.swiglu_grad_rows` then `quantize_rows` (the hardware's conversion in both)."""
+    from disagmoe.kernels import fp8
+    from disagmoe.kernels import grouped_gemm as gg
+
+    gen = torch.Generator().manual_seed(5)
+    for width in (768, 128):
+        offsets = _offsets([700, 0, 1301, 33]).cuda()
+        rows = int(offsets[-1]) + 64
+        d_act = (torch.randn(rows, width, generator=gen) * torch.exp2(torch.randint(-30, 30, (rows, 1),
+                                                                                    generator=gen))).cuda().bfloat16()
+        h13 = (torch.randn(rows, 2 * width, generator=gen) * 3).cuda().bfloat16()
+        act_want, act_got = d_act.new_zeros(rows, width), d_act.new_zeros(rows, width)
+        dh13_want = gg.swiglu_grad_rows(d_act, h13, offsets, act_N_C=act_want)
+        q_want, s_want = fp8.quantize_rows(dh13_want, valid_rows=offsets[-1:])
+        dh13_got, (q_got, s_got) = fp8.swiglu_grad_rows_quantized(d_act, h13, offsets, act_N_C=act_got)
+        torch.cuda.synchronize()
+        n = int(offsets[-1])
+        assert torch.equal(dh13_got[:n], dh13_want[:n]) and torch.equal(act_got, act_want)
+        assert torch.equal(q_got[:n].view(torch.uint8), q_want[:n].view(torch.uint8))
+        assert torch.equal(s_got[:n], s_want[:n])

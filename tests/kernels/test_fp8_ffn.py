@@ -799,3 +799,43 @@ def test_a_forwards_gluon_tile_reaches_its_backward(ffn8, monkeypatch):
     y.backward(dy)
     assert forward == 2 and len(tiles_seen) == 4 and set(tiles_seen) == {256}
     assert ffn8._gluon.block_m == 128  # restored on the way out
+
+
+@pytest.mark.slow  # interpreted FFN forward and backward, twice
+def test_the_split_swiglu_pass_quantises_d_h13_unless_the_step_counts(ffn8, monkeypatch):
+    """The bf16-wgrad backward on the split SwiGLU path (a stand-in for the Gluon row GEMM: the CPU runs
+    no Gluon): without counters the SwiGLU-gradient pass quantises d h13 as it writes it
+    (`fp8.swiglu_grad_rows_quantized`, no `quantize_rows` of d h13), with counters d h13 is quantised
+    on its own (counted); the gradients are the same bits either way, and the counted run's
+    gradient row counts d h13 as well as d y."""
+    from disagmoe.kernels import fp8_gluon
+    from disagmoe.kernels.fp8_stats import Fp8Stats
+
+    fp8 = ffn8.fp8
+
+    def stand_in(a_MK, sa_MG, offsets_E, b_EKN, sb_EGB, *, out=None, out_dtype=torch.bfloat16, block_m=128, **_):
+        result = fp8.fp8_rows_gemm_reference(a_MK, sa_MG, offsets_E, b_EKN, sb_EGB)
+        return result.to(out_dtype) if out is None else out.copy_(result)
+
+    fused, quantised = [], []
+    plain_pass, plain_quantise = fp8.swiglu_grad_rows_quantized, fp8.quantize_rows
+    monkeypatch.setattr(fp8, "swiglu_grad_rows_quantized", lambda *a, **k: fused.append(1) or plain_pass(*a, **k))
+    monkeypatch.setattr(fp8, "quantize_rows", lambda x, *a, **k: quantised.append(x.shape[1]) or plain_quantise(x, *a, **k))
+    monkeypatch.setattr(fp8_gluon, "gluon_fp8_rows_gemm", stand_in)
+    monkeypatch.setattr(ffn8, "_gluon_rows_take", lambda a, b, num_programs: True)
+    counts, hidden, ffn = [5, 0, 9], 128, 128
+    x, offsets, w13, w2, dy = _inputs(counts, hidden, ffn, seed=8)
+    tiles = ffn8.Fp8Tiles(**SMALL)
+    grads = []
+    for stats in (None, Fp8Stats("cpu")):
+        fused.clear(), quantised.clear()
+        leaves = [t.clone().requires_grad_() for t in (x, w13, w2)]
+        with ffn8.gluon_paths(rows=True, swiglu=True):
+            y = ffn8.expert_ffn_fp8(leaves[0], offsets, leaves[1], leaves[2], tiles=tiles, num_programs=3,
+                                    stats=stats, backward="bf16-wgrad")
+            quantised.clear()  # the forward's
+            y.backward(dy)
+        grads.append([t.grad for t in leaves])
+        assert (len(fused), 2 * ffn in quantised) == ((1, False) if stats is None else (0, True)), (fused, quantised)
+    for plain, counted in zip(*grads, strict=True):
+        assert torch.equal(plain, counted)

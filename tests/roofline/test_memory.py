@@ -160,8 +160,9 @@ def test_fp8_experts_keep_their_rows_and_h13_and_drop_what_they_recompute(droppe
                                      frozenset({"expert_input", "expert_swiglu"})])
 def test_each_fp8_backward_recipe_holds_what_it_allocates(dropped):
     """Under FP8 the backward's transient follows its recipe (`fp8_backward`), expert_swiglu changing
-    nothing: "fp8" as above, never an input row; "bf16-wgrad" (the default) d y's e4m3 rows beside d y,
-    act, d h13 and d act at the d h13 GEMM, or at the w13 gradient d y, d h13 and, under
+    nothing: "fp8" as above, never an input row; "bf16-wgrad" (the default) d y's and d h13's e4m3 rows
+    (the split SwiGLU pass quantises d h13 as it writes it) beside d y, act, d h13 and d act at the d h13
+    GEMM and its pass, or at the w13 gradient d y, d h13 and, under
     expert_input, the input rows gathered again ([N, H] bf16), whichever is more; "bf16" the bf16
     experts' backward with the SwiGLU output recomputed and, under expert_input, the rows gathered
     again. At Qwen3-30B's shape (H < 4F) the regathered row stays below bf16-wgrad's d h13 GEMM; at
@@ -172,7 +173,7 @@ def test_each_fp8_backward_recipe_holds_what_it_allocates(dropped):
         held = {b: mem.expert_row_grad_bytes(m, 2, dropped, fp8=True, fp8_backward=b)
                 for b in ("fp8", "bf16-wgrad", "bf16")}
         assert held["fp8"] == mem.expert_row_grad_bytes(m, 2, fp8=True, fp8_backward="fp8")
-        d_h13_gemm, w13_gradient = 2 * (H + 4 * F) + e4m3 * H, 2 * (H + 2 * F + (H if regathered else 0))
+        d_h13_gemm, w13_gradient = 2 * (H + 4 * F) + e4m3 * (H + 2 * F), 2 * (H + 2 * F + (H if regathered else 0))
         assert held["bf16-wgrad"] == int(max(d_h13_gemm, w13_gradient))
         assert held["bf16-wgrad"] == mem.expert_row_grad_bytes(m, 2, dropped, fp8=True)
         assert (w13_gradient > d_h13_gemm) == (regathered and H == 8 * F)
