@@ -81,10 +81,21 @@ RUN_FP8_EXPERT_FORWARD = "down"
 # unset): the counting quantisers took 1.5-3x the plain ones' time; every 10th step made the Qwen3 config's FP8 step
 # 2-6% faster on an H100 (docs/benchmarks.md, session 32).
 FP8_COUNTERS_EVERY = 10
-# How a precision-fp8 run's dense projections scale their e4m3 operands (`TrainConfig.fp8_dense_scaling`
-# unset; `kernels.fp8_dense.SCALINGS`): rowwise, the recipe every dense FP8 run so far trained with, until a
-# GPU has run the blockwise one (torch._scaled_mm's 1 x 128 / 128 x 128 scaling) against it.
-FP8_DENSE_SCALING = "rowwise"
+# A precision-fp8 run's dense projections (`TrainConfig.fp8_dense` unset): in FP8, scaled blockwise
+# (`fp8_dense_scaling` unset, `kernels.fp8_dense.SCALINGS`: torch._scaled_mm's 1 x 128 / 128 x 128 scaling, the
+# experts' recipe). 300 learned steps of the Qwen3 config on one H100 (docs/benchmarks.md, session 34; forward
+# down, with the Gluon row GEMMs, seed 0) ended 2.80% below bf16's loss (the last 50 steps' mean cross-entropy;
+# the first 50 steps 1.59% below, where the rowwise dense recipe ran 1.49% above), saturating nothing; its step
+# took 551.6 ms against bf16's 553.5.
+# Where blockwise cannot run (`kernels.fp8_dense.blockwise_unavailable`: off Hopper, an old torch or CUDA) a run
+# that set neither field keeps them in bf16 and says so (`trainer.resolve_dense_fp8`); rowwise only when asked.
+RUN_FP8_DENSE = True
+FP8_DENSE_SCALING = "blockwise"
+# Whether a precision-fp8 run's routed experts run their row GEMMs and split SwiGLU GEMMs in the Gluon kernels
+# (`TrainConfig.fp8_gluon` unset; on Hopper and the 128 grid, else the Triton ones run): the Qwen3 config's FP8
+# step took 554.5 ms with them against 580.0 without (one H100, session 33), and the 300-step run above trained
+# with them (session 28's loss gap with them was the spread between runs: session 29).
+RUN_FP8_GLUON = True
 # The routed FP8 experts' e4m3 weight copies (`kernels.fp8_ffn.Fp8ExpertWeights`), each one byte a
 # value of its weight: w13's and w2's forward B operands, and their transposes the data gradients read.
 FP8_WEIGHT_COPIES = ("w13", "w13_t", "w2", "w2_t")
@@ -505,11 +516,12 @@ class PlanConfig(StrictModel):
         "traffic and the FP8 weight copies' memory (train with precision: fp8; the plan records it and `train --plan` "
         "sets it)")
     fp8_dense: Literal["auto", "on", "off"] = Field(
-        "off", description="with expert_precision fp8: on prices the dense projections' forward and data-gradient "
-        "GEMMs (attention, shared experts, dense FFN layers) in FP8 too (train with fp8_dense: true), their weight "
-        "gradients at the bf16 rate: from the calibration's measured FP8 projection curve, quantisers inside, or "
-        "else at fp8_tflops plus their rowwise quantisation passes; off (the default, as the trainer's: the rowwise "
-        "recipe costs loss, TrainConfig.fp8_dense) in bf16; auto plans both ways and keeps the faster plan that fits (ties: on; "
+        "on", description="with expert_precision fp8: on (the default, as precision fp8 trains: TrainConfig.fp8_dense "
+        "unset) prices the dense projections' forward and data-gradient GEMMs (attention, shared experts, dense FFN "
+        "layers) in FP8 too, their weight gradients at the bf16 rate: from the calibration's measured FP8 projection "
+        "curve, quantisers inside, or else at fp8_tflops plus their quantisation passes (the curve, probe version 7, "
+        "measured the rowwise recipe; the run's default is blockwise, whose passes move the same bytes); off "
+        "(train with fp8_dense: false) in bf16; auto plans both ways and keeps the faster plan that fits (ties: on; "
         "neither fitting: off, the leaner), a note says which (at the datasheet ratio usually on for large models, "
         "while their quantisation passes can make off faster at small shapes); the plan records the choice and "
         "`train --plan` sets it; true / false read as on / off; no effect under bf16; `plan --config` prices the "
@@ -856,24 +868,28 @@ class TrainConfig(StrictModel):
         "auto", description="parameters for compute: bf16 (fp32 master weights, gradients accumulated in fp32, "
         "fused AdamW: the fast path), fp32 (everything fp32; `mode: single` then runs the reference oracle), "
         "fp8 (bf16 as above, and the routed experts' GEMMs in e4m3 with 1x128 / 128x128 scaling, their FP8 "
-        "weight copies made once per optimizer step, and with fp8_dense the dense projections rowwise through "
-        "torch._scaled_mm: docs/architecture.md; every mode, each expert rank running "
+        "weight copies made once per optimizer step, and the dense projections through torch._scaled_mm "
+        "(fp8_dense): docs/architecture.md; every mode, each expert rank running "
         "the same kernels; triton experts, a GPU with FP8 tensor cores, and in the distributed modes hop: "
         "partial_sums, with dense or sparse dispatch); auto = bf16 on cuda, fp32 on cpu")
     fp8_dense: bool | None = Field(
         None, description="precision fp8: also run the dense projections' forward and data-gradient GEMMs "
-        "(attention q/k/v/o and MLA's, shared experts, dense FFN layers) in e4m3 through torch._scaled_mm with "
-        "rowwise scales (one per token / feature, a coarser recipe than the experts' 1x128 / 128x128), their "
-        "weight gradients in bf16 (kernels/fp8_dense.py says why); None = false: over 300 steps of the Qwen3 config "
-        "the rowwise recipe ran 1.5% above bf16's loss from the first 50 steps, and saved about 6 ms a step of 580 "
-        "(docs/benchmarks.md, session 32); true is refused under another precision")
+        "(attention q/k/v/o and MLA's, shared experts, dense FFN layers) in e4m3 through torch._scaled_mm, scaled "
+        "as fp8_dense_scaling says, their weight gradients in bf16 (kernels/fp8_dense.py says why); false keeps "
+        "them in bf16. None = true (config.RUN_FP8_DENSE): over 300 learned steps of the Qwen3 config the blockwise "
+        "recipe, with the Gluon row GEMMs, ended 2.80% below bf16's loss and stepped as fast as bf16 (one H100, "
+        "docs/benchmarks.md, session 34); where blockwise cannot run (off Hopper, torch < 2.9 or CUDA < 12.9) a run "
+        "that sets neither this nor fp8_dense_scaling keeps them in bf16 and says so. true is refused under another "
+        "precision")
     fp8_dense_scaling: Literal["rowwise", "blockwise"] | None = Field(
         None, description="with fp8_dense: how the dense projections' e4m3 operands are scaled: rowwise (one scale "
         "per token or feature over the whole contraction) or blockwise (the routed experts' recipe, DeepSeek-V3's: "
-        "1 x 128 activation groups and 128 x 128 weight blocks, through torch._scaled_mm's block scaling, a Hopper "
-        "GPU; a linear whose dimensions are not multiples of 512, such as MLA's kv_a, keeps its GEMMs in bf16 and "
-        "the run says so); kernels/fp8_dense.py; None = rowwise (config.FP8_DENSE_SCALING); refused without "
-        "fp8_dense: true")
+        "1 x 128 activation groups and 128 x 128 weight blocks through torch._scaled_mm's block scaling, on a Hopper "
+        "GPU: asked for elsewhere, refused unless emulated; a linear whose dimensions are not multiples of 512, such "
+        "as MLA's kv_a, keeps its GEMMs in bf16 and the run says so); kernels/fp8_dense.py; None = blockwise "
+        "(config.FP8_DENSE_SCALING: over the Qwen3 config's first 50 learned steps rowwise ran 1.49% above bf16's "
+        "loss, blockwise 1.59% below, docs/benchmarks.md sessions 32 and 34); refused where the dense projections "
+        "run in bf16")
     fp8_expert_backward: Literal["fp8", "bf16-wgrad", "bf16"] | None = Field(
         None, description="precision fp8: the routed experts' backward GEMMs: fp8 (all four in e4m3, the weight "
         "gradients over 128 x 1 token groups: DeepSeek-V3's recipe), bf16-wgrad (the weight gradients by the bf16 "
@@ -898,14 +914,14 @@ class TrainConfig(StrictModel):
         "the run as FP8 all the same, the memory check as FP8 plus the experts' dequantised operands of one layer's forward "
         "(the dense projections' fp64 ones are not counted). Needs fp8_expert_backward: bf16 (the experts' FP8 "
         "backward kernels are not emulated); refused under another precision")
-    fp8_gluon: bool = Field(
-        False, description="precision fp8 on a Hopper GPU: the routed experts' FP8 row GEMMs and split SwiGLU GEMMs "
+    fp8_gluon: bool | None = Field(
+        None, description="precision fp8 on a Hopper GPU: the routed experts' FP8 row GEMMs and split SwiGLU GEMMs "
         "in the warp-specialised Gluon kernels (bench experts --backend triton-fp8:gluon) instead of the Triton ones "
-        "(elsewhere, or off the 128 grid, the Triton ones run). With it the Qwen3 config's default FP8 step took "
-        "554.5 ms against 580.0 without (one H100, session 33, after the consumer reorder). Off by default until a "
-        "seeded 300-step run has trained with the reordered kernel: session 28's +6.6% with it was the spread between "
-        "runs (session 29: its launches equal the Triton kernel's in training); docs/benchmarks.md. Refused under "
-        "another precision")
+        "(elsewhere, or off the 128 grid, the Triton ones run); false: the Triton ones everywhere. None = true under "
+        "precision fp8 (config.RUN_FP8_GLUON): with them the Qwen3 config's FP8 step took 554.5 ms against 580.0 "
+        "without (one H100, session 33), and its 300-step run with them and blockwise dense projections ended 2.80% "
+        "below bf16's loss (session 34; session 28's gap with them was the spread between runs, session 29); "
+        "docs/benchmarks.md. true is refused under another precision")
     fp8_counters_every: PositiveInt | None = Field(
         None, description="precision fp8: the FP8 quantisers count their numerics (amax, saturated, underflow and "
         "non-finite values: a step record's fp8_* fields) on every Nth step, the first step a process runs and "
@@ -1086,9 +1102,10 @@ class TrainConfig(StrictModel):
 
     @property
     def dense_precision(self) -> str:
-        """'fp8' where the dense projections' GEMMs run in FP8 (`fp8_dense`, rowwise), else the
-        parameters' dtype name."""
-        return "fp8" if self.precision == "fp8" and self.fp8_dense else self.compute_dtype_name
+        """'fp8' where the dense projections' GEMMs run in FP8 (precision fp8 with `fp8_dense`, None =
+        `RUN_FP8_DENSE`), else the parameters' dtype name."""
+        dense = RUN_FP8_DENSE if self.fp8_dense is None else self.fp8_dense
+        return "fp8" if self.precision == "fp8" and dense else self.compute_dtype_name
 
     @property
     def dense_fp8_scaling(self) -> str | None:
@@ -1097,6 +1114,15 @@ class TrainConfig(StrictModel):
         if self.dense_precision != "fp8":
             return None
         return self.fp8_dense_scaling or FP8_DENSE_SCALING
+
+    @property
+    def expert_gluon(self) -> bool:
+        """Whether the FP8 experts ask for their row and split SwiGLU GEMMs in the Gluon kernels
+        (`fp8_gluon`, None = `RUN_FP8_GLUON`; the Triton ones run where Gluon cannot); False where the
+        experts are not FP8."""
+        if self.expert_precision != "fp8":
+            return False
+        return RUN_FP8_GLUON if self.fp8_gluon is None else self.fp8_gluon
 
     @property
     def steps_reference_adamw(self) -> bool:
@@ -1161,8 +1187,8 @@ class TrainConfig(StrictModel):
                              f"precision: {self.precision}: set precision: fp8 or remove fp8_dense")
         if self.fp8_dense_scaling is not None and self.dense_precision != "fp8":
             raise ValueError(f"fp8_dense_scaling: {self.fp8_dense_scaling} scales the dense projections' FP8 GEMMs, "
-                             "which this run keeps in bf16: set precision: fp8 and fp8_dense: true, or remove "
-                             "fp8_dense_scaling")
+                             "which this run keeps in bf16: set precision: fp8 (with fp8_dense unset or true), or "
+                             "remove fp8_dense_scaling")
         if self.fp8_expert_backward is not None and self.precision != "fp8":
             raise ValueError(f"fp8_expert_backward chooses the FP8 experts' backward precision under "
                              f"precision: fp8; this run is precision: {self.precision}: set precision: fp8 or remove "

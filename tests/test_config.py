@@ -206,11 +206,12 @@ def test_the_update_kernel_is_triton_by_default_and_takes_torch(tmp_path):
         cfg.load_train_config(path, ["update_kernel=triton"])
 
 
-def test_fp8_dense_is_off_unless_set_and_is_refused_without_precision_fp8():
-    """Unset, the dense projections stay bf16 under precision fp8 (the rowwise recipe cost loss:
-    `TrainConfig.fp8_dense`); true runs them in FP8."""
+def test_fp8_dense_is_on_unless_set_false_and_is_refused_without_precision_fp8():
+    """Unset, the dense projections run in FP8 under precision fp8 (`RUN_FP8_DENSE`: session 34's
+    blockwise parity run); false keeps them bf16; true under another precision is refused."""
     base = dict(model="tiny", device="cuda", experts_backend="triton")
-    assert cfg.TrainConfig(precision="fp8", **base).dense_precision == "bf16"
+    assert cfg.RUN_FP8_DENSE is True
+    assert cfg.TrainConfig(precision="fp8", **base).dense_precision == "fp8"
     assert cfg.TrainConfig(precision="fp8", fp8_dense=True, **base).dense_precision == "fp8"
     assert cfg.TrainConfig(precision="fp8", fp8_dense=False, **base).dense_precision == "bf16"
     assert cfg.TrainConfig(precision="bf16", **base).dense_precision == "bf16"
@@ -219,15 +220,23 @@ def test_fp8_dense_is_off_unless_set_and_is_refused_without_precision_fp8():
         cfg.TrainConfig(precision="bf16", fp8_dense=True, **base)
 
 
-def test_fp8_dense_scaling_follows_fp8_dense_and_is_refused_without_it():
-    """Unset, FP8 dense projections scale rowwise (`FP8_DENSE_SCALING`); blockwise is a choice; with
-    the dense projections in bf16 there is nothing to scale (None), and setting it is refused."""
+def test_fp8_dense_scaling_is_blockwise_unless_set_and_is_refused_where_the_dense_projections_are_bf16():
+    """Unset, FP8 dense projections scale blockwise (`FP8_DENSE_SCALING`), whether fp8_dense is
+    unset or true; rowwise is a choice, with fp8_dense unset too; with the dense projections in bf16
+    there is nothing to scale (None), and setting it is refused."""
     base = dict(model="tiny", device="cuda", experts_backend="triton", precision="fp8")
-    assert cfg.TrainConfig(fp8_dense=True, **base).dense_fp8_scaling == cfg.FP8_DENSE_SCALING == "rowwise"
-    assert cfg.TrainConfig(fp8_dense=True, fp8_dense_scaling="blockwise", **base).dense_fp8_scaling == "blockwise"
-    assert cfg.TrainConfig(**base).dense_fp8_scaling is None
-    with pytest.raises(ValueError, match="fp8_dense_scaling: blockwise scales .* set precision: fp8 and fp8_dense: true"):
-        cfg.TrainConfig(fp8_dense_scaling="blockwise", **base)
+    assert cfg.FP8_DENSE_SCALING == "blockwise"
+    assert cfg.TrainConfig(**base).dense_fp8_scaling == "blockwise"
+    assert cfg.TrainConfig(fp8_dense=True, **base).dense_fp8_scaling == "blockwise"
+    assert cfg.TrainConfig(fp8_dense_scaling="rowwise", **base).dense_fp8_scaling == "rowwise"
+    assert cfg.TrainConfig(fp8_dense=True, fp8_dense_scaling="rowwise", **base).dense_fp8_scaling == "rowwise"
+    assert cfg.TrainConfig(fp8_dense=False, **base).dense_fp8_scaling is None
+    assert cfg.TrainConfig(**{**base, "precision": "bf16"}).dense_fp8_scaling is None
+    with pytest.raises(ValueError, match=r"fp8_dense_scaling: blockwise scales .* set precision: fp8 \(with fp8_dense "
+                                         r"unset or true\)"):
+        cfg.TrainConfig(fp8_dense=False, fp8_dense_scaling="blockwise", **base)
+    with pytest.raises(ValueError, match="fp8_dense_scaling: rowwise scales"):
+        cfg.TrainConfig(**{**base, "precision": "bf16"}, fp8_dense_scaling="rowwise")
     with pytest.raises(ValueError, match="fp8_dense_scaling"):
         cfg.TrainConfig(fp8_dense=True, fp8_dense_scaling="tensorwise", **base)
 
@@ -281,12 +290,17 @@ def test_fp8_emulate_needs_precision_fp8_and_the_bf16_expert_backward():
             cfg.TrainConfig(precision="fp8", fp8_emulate=True, fp8_expert_backward=backward, **base)
 
 
-def test_fp8_gluon_is_off_by_default_and_needs_precision_fp8():
-    """`fp8_gluon` (the FP8 experts' row and SwiGLU GEMMs in the Gluon kernels) is off by default
-    (its training loss gap, session 28), taken with precision fp8, refused with the fix under another."""
+def test_fp8_gluon_is_on_unless_set_false_and_needs_precision_fp8():
+    """`fp8_gluon` (the FP8 experts' row and SwiGLU GEMMs in the Gluon kernels) unset is on under
+    precision fp8 (`RUN_FP8_GLUON`, `expert_gluon`), false keeps the Triton ones, and nothing runs in
+    Gluon without FP8 experts; true under another precision is refused with the fix."""
     base = dict(model="tiny", device="cuda", experts_backend="triton")
-    assert cfg.TrainConfig(**base).fp8_gluon is False
-    assert cfg.TrainConfig(precision="fp8", fp8_gluon=True, **base).fp8_gluon
+    assert cfg.RUN_FP8_GLUON is True
+    assert cfg.TrainConfig(**base).fp8_gluon is None and not cfg.TrainConfig(**base).expert_gluon
+    assert cfg.TrainConfig(precision="fp8", **base).expert_gluon is True
+    assert cfg.TrainConfig(precision="fp8", fp8_gluon=True, **base).expert_gluon is True
+    assert cfg.TrainConfig(precision="fp8", fp8_gluon=False, **base).expert_gluon is False
+    assert cfg.TrainConfig(precision="bf16", fp8_gluon=False, **base).expert_gluon is False
     with pytest.raises(ValueError, match="fp8_gluon: true runs the FP8 experts' GEMMs in the Gluon kernels; this run "
                                          "is precision: bf16: set precision: fp8 or remove fp8_gluon"):
         cfg.TrainConfig(precision="bf16", fp8_gluon=True, **base)

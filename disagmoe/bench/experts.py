@@ -48,8 +48,8 @@ FP8_BACKEND = "triton-fp8"  # asked for by name: needs FP8 tensor cores (sm_89+)
 FP8_VARIANTS = {
     "fp8-wgrad": {"backward": "fp8"},  # the weight gradients in FP8 too (DeepSeek-V3's all-FP8 recipe)
     "gluon-wgrad": {"wgrad": True, "backward": "fp8"},  # those in the Gluon kernel
-    # the row GEMMs and the split SwiGLU GEMMs in the Gluon kernels (`TrainConfig.fp8_gluon`: off by
-    # default, `fp8_ffn._GluonChoices` says why)
+    # the row GEMMs and the split SwiGLU GEMMs in the Gluon kernels (`TrainConfig.fp8_gluon`: a run's
+    # default, the FFN's own off, `fp8_ffn._GluonChoices`)
     "gluon": {"rows": True, "swiglu": True},
     "gluon-256": {"rows": True, "swiglu": True, "block_m": 256},  # the same at 256-row tiles
     "bf16-backward": {"backward": "bf16"},  # the whole backward in bf16 (the forward alone in FP8)

@@ -102,7 +102,7 @@ def mode_config(cfg: TrainConfig, mode: str, steps: int, out_dir: Path, transpor
 
 def fp8_kernels(cfg: TrainConfig) -> str | None:
     """Which kernels a run's FP8 experts ran per GEMM role (`kernels.fp8_ffn.kernel_paths` with its
-    recipe and `fp8_gluon`, on its device), e.g. 'rows triton | swiglu triton | wgrad bf16 triton';
+    recipe and `expert_gluon`, on its device), e.g. 'rows triton | swiglu triton | wgrad bf16 triton';
     None for experts not in FP8. A row's record carries it: the Gluon row GEMM's training loss gap
     (session 28) showed that a run's figures mean little without it."""
     if cfg.expert_precision != "fp8":
@@ -110,8 +110,8 @@ def fp8_kernels(cfg: TrainConfig) -> str | None:
     from disagmoe.kernels.fp8_ffn import kernel_paths
 
     model = load_model(cfg.model)
-    return kernel_paths(model.hidden_size, model.expert_ffn_size, torch.device(cfg.device), rows=cfg.fp8_gluon,
-                        swiglu=cfg.fp8_gluon, backward=cfg.expert_backward_precision,
+    return kernel_paths(model.hidden_size, model.expert_ffn_size, torch.device(cfg.device), rows=cfg.expert_gluon,
+                        swiglu=cfg.expert_gluon, backward=cfg.expert_backward_precision,
                         forward=cfg.expert_forward_precision)
 
 

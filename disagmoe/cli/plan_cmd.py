@@ -53,9 +53,9 @@ PrecisionOpt = Annotated[Literal["bf16", "fp8"], typer.Option(
     "either way (the plan records it and a note says which rate; train --plan sets precision: fp8)")]
 Fp8DenseOpt = Annotated[Optional[bool], typer.Option(
     "--fp8-dense/--no-fp8-dense", help="with --expert-precision fp8: price the dense projections (attention, shared "
-    "experts, dense FFN layers) in FP8 too, rowwise (train with fp8_dense: true), or in bf16 (as precision: fp8 "
-    "trains them by default: the rowwise recipe costs loss); neither flag: bf16 (a plan request's fp8_dense: auto "
-    "prices both ways and keeps the faster); the plan records it and train --plan sets it", show_default=False)]
+    "experts, dense FFN layers) in FP8 too (as precision: fp8 trains them by default), or in bf16 (train with "
+    "fp8_dense: false); neither flag: FP8 (a plan request's fp8_dense: auto prices both ways and keeps the faster); "
+    "the plan records it and train --plan sets it", show_default=False)]
 Fp8BackwardOpt = Annotated[Literal["fp8", "bf16-wgrad", "bf16"], typer.Option(
     "--fp8-expert-backward", help="with --expert-precision fp8: which of the experts' backward GEMMs to price in FP8: "
     "bf16-wgrad (the default, as precision: fp8 trains: the data gradients FP8, the weight gradients bf16), fp8 "
@@ -102,7 +102,7 @@ def build_request(model: str, hardware: str, gpus: int, seq_len: int | None, glo
                       optimizer_state_dtype=optimizer_state_dtype, recompute=recompute,
                       expert_precision=expert_precision, offload_optimizer=offload_optimizer,
                       optimizer_update_kernel=optimizer_update_kernel,
-                      fp8_dense="off" if fp8_dense is None else fp8_dense,
+                      fp8_dense="on" if fp8_dense is None else fp8_dense,  # unset: as precision fp8 trains
                       fp8_expert_backward=fp8_expert_backward, fp8_expert_forward=fp8_expert_forward,
                       cuda_graphs=cuda_graphs)
 

@@ -17,7 +17,8 @@ above the rest). Session 18's 300-step parity run with all three GEMMs in e4m3 l
 than bf16 from step 127 on (+82% loss at step 300, no overflow). It also drops the two transposed
 quantisations per call (x^T and dy^T: the quantiser's slowest launches, few long rows).
 
-Recipe "blockwise, bf16 weight gradient" (`SCALINGS`, `TrainConfig.fp8_dense_scaling`): the routed
+Recipe "blockwise, bf16 weight gradient" (`SCALINGS`, `TrainConfig.fp8_dense_scaling`; a run's default,
+`config.FP8_DENSE_SCALING`, where the device runs it: `blockwise_unavailable`): the routed
 experts' fine-grained scaling, DeepSeek-V3's, through the same library call: torch._scaled_mm takes
 1 x 128 activation and 128 x 128 weight scales on Hopper (cuBLASLt from CUDA 12.9; torch >= 2.9):
 
@@ -92,20 +93,26 @@ def _version(text: str | None) -> tuple[int, ...]:
     return tuple(int(part) for part in text.split("+")[0].split(".")[:2] if part.isdigit())
 
 
+def blockwise_unavailable(device: torch.device) -> str | None:
+    """Why `device` cannot run torch._scaled_mm's 1 x 128 / 128 x 128 scaling (cuBLASLt implements
+    that pair on Hopper GPUs, sm_90, only, from CUDA 12.9, reached from torch 2.9); None where it can."""
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    if capability is None or capability[0] != 9:
+        where = device.type if capability is None else f"a GPU of compute capability {capability}"
+        return (f"cuBLAS implements torch._scaled_mm's 1 x 128 / 128 x 128 scaling on Hopper GPUs (sm_90) only; "
+                f"this run is on {where}")
+    if _version(torch.__version__) < BLOCKWISE_TORCH or _version(torch.version.cuda) < BLOCKWISE_CUDA:
+        return (f"torch._scaled_mm's block scaling needs torch >= 2.9 built with CUDA >= 12.9; this is torch "
+                f"{torch.__version__} with CUDA {torch.version.cuda}")
+    return None
+
+
 def check_blockwise_device(device: torch.device) -> None:
-    """ValueError unless `device` runs torch._scaled_mm's 1 x 128 / 128 x 128 scaling (a Hopper GPU:
-    cuBLASLt implements that pair on sm_90 only, from CUDA 12.9, reached from torch 2.9), naming the
-    fixes."""
-    fixes = "set fp8_dense_scaling: rowwise, or fp8_dense: false (or fp8_emulate: true for a numerics check)"
-    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
-        where = device.type if device.type != "cuda" else f"a GPU of compute capability {torch.cuda.get_device_capability(device)}"
-        raise ValueError(f"fp8_dense_scaling: blockwise runs torch._scaled_mm's 1 x 128 / 128 x 128 scaling, which "
-                         f"cuBLAS implements on Hopper GPUs (sm_90) only; this run is on {where}: {fixes}")
-    torch_version, cuda_version = _version(torch.__version__), _version(torch.version.cuda)
-    if torch_version < BLOCKWISE_TORCH or cuda_version < BLOCKWISE_CUDA:
-        raise ValueError(f"fp8_dense_scaling: blockwise needs torch >= 2.9 built with CUDA >= 12.9 (torch._scaled_mm's "
-                         f"block scaling); this is torch {torch.__version__} with CUDA {torch.version.cuda}: upgrade "
-                         f"torch, or {fixes}")
+    """ValueError where `device` cannot run the blockwise recipe (`blockwise_unavailable`), naming the fixes."""
+    reason = blockwise_unavailable(device)
+    if reason is not None:
+        raise ValueError(f"fp8_dense_scaling: blockwise: {reason}: set fp8_dense_scaling: rowwise, or fp8_dense: "
+                         "false (or fp8_emulate: true for a numerics check)")
 
 
 def _interpreted_or_cuda(x: torch.Tensor) -> bool:

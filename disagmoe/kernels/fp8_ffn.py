@@ -83,7 +83,8 @@ DEFAULT_BACKWARD = DEFAULT_FP8_EXPERT_BACKWARD
 # Qwen3 config (backward bf16, dense projections bf16) ended at bf16's loss with "down" and 5% above it
 # with "both" and "gate-up"; "down" with the default backward and FP8 dense projections ended 5.8%
 # above it (session 20, docs/benchmarks.md). Every one of those runs had the Gluon row GEMM on: with the
-# Triton one (`_GluonChoices`, off by default since), "gate-up" ends at bf16's loss (session 28).
+# Triton one (a run's default from session 28 to 34: `_GluonChoices`), "gate-up" ends at bf16's loss
+# (session 28; session 29 put the gap inside the spread between runs).
 FORWARD_GEMMS = FP8_EXPERT_FORWARDS
 DEFAULT_FORWARD = DEFAULT_FP8_EXPERT_FORWARD
 
@@ -135,15 +136,17 @@ class _GluonChoices:
     tuned tiles, the same bits on every operand tried outside training). `swiglu`: the two SwiGLU
     GEMMs split as a plain Gluon row GEMM and a pass of their own (`_gate_up_forward`,
     `_down_data_gradient`): the expert block 1.04-1.09x fwd+bwd over the fused Triton SwiGLU GEMMs on
-    three shapes (`bench experts`, 2026-12-04, session 19). Both off by default
-    (`TrainConfig.fp8_gluon`, `set_gluon`). Session 28's 200 steps of the Qwen3 config put the Gluon
+    three shapes (`bench experts`, 2026-12-04, session 19). Both off here, the kernels' default; a
+    run sets them (`TrainConfig.fp8_gluon`, `set_gluon`), on unless it says false since session 34
+    (`config.RUN_FP8_GLUON`). Session 28's 200 steps of the Qwen3 config put the Gluon
     gate/up GEMM 6.6% above bf16's loss and the Triton one 0.5% below, but session 29 found two bf16
     runs of one command 7.9% apart, and its `test_gpu_training_*` tests (tests/kernels/test_fp8_gluon.py)
     found every Gluon launch of a captured training run equal to the Triton kernel's: the spread,
     not the kernel. After the consumer reorder (session 33) the default recipe's step with them took
-    554.5 ms against 580.0 (one H100); they stay off until a seeded 300-step run has trained with the
-    reordered kernel. `wgrad` (off): the weight gradients in `fp8_gluon.gluon_fp8_weight_grad`,
-    measured slower than `fp8.fp8_weight_grad` in the same run (the block 0.91-0.98x)."""
+    554.5 ms against 580.0 (one H100), and session 34's seeded 300-step run with them (and blockwise
+    dense projections) ended 2.80% below bf16's loss. `wgrad` (off): the weight gradients in
+    `fp8_gluon.gluon_fp8_weight_grad`, measured slower than `fp8.fp8_weight_grad` in the same run
+    (the block 0.91-0.98x)."""
 
     rows: bool = False
     wgrad: bool = False
@@ -159,9 +162,9 @@ GLUON_BLOCK_MS = (128, 256)  # the Gluon row GEMM's tiles a run may ask for (`fp
 
 def set_gluon(enabled: bool) -> None:
     """The row GEMMs and the split SwiGLU GEMMs in the Gluon kernels where they take the operands
-    (True), or in the Triton ones (False, the default: `_GluonChoices` says why); the weight
-    gradients' setting (`set_gluon_wgrad`) is left as it is. A run's `TrainConfig.fp8_gluon`, set
-    by its trainer and workers before their first forward."""
+    (True), or in the Triton ones (False, the kernels' default: `_GluonChoices`); the weight
+    gradients' setting (`set_gluon_wgrad`) is left as it is. A run's `TrainConfig.expert_gluon`
+    (on unless it sets fp8_gluon: false), set by its trainer and workers before their first forward."""
     set_gluon_rows(enabled)
     set_gluon_swiglu(enabled)
 

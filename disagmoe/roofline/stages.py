@@ -81,11 +81,11 @@ def attention_projections(m: ModelConfig, tokens: Num) -> Work:
 
 
 def dense_fp8_quantise(tokens: Num, inputs: Num, outputs: Num) -> tuple[Work, Work]:
-    """(forward, backward) HBM passes, per call, of FP8 dense linears (`kernels.fp8_dense`, rowwise:
-    one fp32 scale per row, negligible) with `inputs` / `outputs` features per token summed over
-    the linears: forward, each input row read in bf16 and written in e4m3; backward, the output
-    gradients per token for the data gradient (the weight gradient runs in bf16 on the bf16
-    operands). The weights' two e4m3 copies are made once per optimizer step
+    """(forward, backward) HBM passes, per call, of FP8 dense linears (`kernels.fp8_dense`, either
+    scaling: one fp32 scale per row or per 1 x 128 group, negligible) with `inputs` / `outputs`
+    features per token summed over the linears: forward, each input row read in bf16 and written in
+    e4m3; backward, the output gradients per token for the data gradient (the weight gradient runs
+    in bf16 on the bf16 operands). The weights' two e4m3 copies are made once per optimizer step
     (`dense_fp8_weight_copies`), not per call."""
     per = BF16 + 1
     return Work(hbm_bytes=per * tokens * inputs), Work(hbm_bytes=per * tokens * outputs)

@@ -43,7 +43,7 @@ from __future__ import annotations
 from functools import lru_cache
 from pathlib import Path
 
-from disagmoe.config import ModelConfig, Plan, TrainConfig, read_mapping, validate
+from disagmoe.config import RUN_FP8_DENSE, ModelConfig, Plan, TrainConfig, read_mapping, validate
 from disagmoe.safe_io import MAX_PLAN_BYTES
 
 ExpertIds = tuple[int, ...]  # one rank's experts of one layer, ascending
@@ -97,7 +97,8 @@ def apply_plan(cfg: TrainConfig, model_cfg: ModelConfig) -> TrainConfig:
         layout["optim"] = cfg.optim.model_copy(update=optim)
     if plan.expert_precision == "fp8":  # the plan's memory and step time are FP8's (a bf16 plan leaves the config's)
         layout["precision"] = "fp8"
-        if plan.fp8_dense is not None and plan.fp8_dense != bool(cfg.fp8_dense):  # None: off
+        trained = RUN_FP8_DENSE if cfg.fp8_dense is None else cfg.fp8_dense  # under the precision fp8 set here
+        if plan.fp8_dense is not None and plan.fp8_dense != trained:
             layout["fp8_dense"] = plan.fp8_dense
         layout.update({name: value for name, value in (("fp8_expert_backward", plan.fp8_expert_backward),
                                                         ("fp8_expert_forward", plan.fp8_expert_forward))

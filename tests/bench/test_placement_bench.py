@@ -53,9 +53,9 @@ def test_the_request_prices_the_runs_precision_and_recomputation():
                       recompute_modules=["expert_input", "expert_swiglu"])
     request = plan_request(fp8, 3)
     assert (request.expert_precision, request.fp8_dense, request.recompute, request.experts_backend) == (
-        "fp8", "off", "selective", "triton")  # fp8_dense unset: off, as the run trains
+        "fp8", "on", "selective", "triton")  # fp8_dense unset: on, as the run trains
     assert request.recompute_modules == ["expert_input", "expert_swiglu"]
-    assert plan_request(fp8.model_copy(update={"fp8_dense": True}), 3).fp8_dense == "on"
+    assert plan_request(fp8.model_copy(update={"fp8_dense": False}), 3).fp8_dense == "off"
     plain = plan_request(TrainConfig(model="tiny", batch_size=8, seq_len=64, hardware="h200-sxm"), 3)
     assert (plain.expert_precision, plain.fp8_dense, plain.recompute, plain.recompute_modules) == (
         "bf16", "off", "none", None)

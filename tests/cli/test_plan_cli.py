@@ -430,8 +430,8 @@ def test_notes_print_their_brackets_as_written():
 
 
 def test_no_fp8_dense_prices_the_dense_projections_in_bf16_and_the_plan_records_it():
-    """`--expert-precision fp8 --fp8-dense`: the experts and the attention projections and other
-    dense GEMMs in FP8; `--no-fp8-dense`, or neither flag (as precision: fp8 trains by default), the
+    """`--expert-precision fp8 --fp8-dense`, or neither flag (as precision: fp8 trains by default):
+    the experts and the attention projections and other dense GEMMs in FP8; `--no-fp8-dense` the
     dense GEMMs in bf16 (at the datasheet ratio a slower plan), recorded as fp8_dense false for
     `train --plan`; under bf16 the flag changes nothing."""
     args = ("plan", "--model", "qwen3-30b-a3b", "--hardware", "h200-sxm", "--gpus", "8", "--json")
@@ -439,7 +439,7 @@ def test_no_fp8_dense_prices_the_dense_projections_in_bf16_and_the_plan_records_
                           for extra in (("--fp8-dense",), ("--no-fp8-dense",), ()))
     assert (dense.expert_precision, dense.fp8_dense, lean.expert_precision, lean.fp8_dense) == ("fp8", True, "fp8", False)
     assert lean.step_time_s > dense.step_time_s
-    assert (unset.fp8_dense, unset.step_time_s) == (False, lean.step_time_s)
+    assert (unset.fp8_dense, unset.step_time_s) == (True, dense.step_time_s)
     plain, plain_lean = (json.loads(run(*args, *extra).stdout)["step_time_s"] for extra in ((), ("--no-fp8-dense",)))
     assert plain == plain_lean
     assert "--no-fp8-dense" in run("plan", "--help").output
@@ -525,31 +525,31 @@ def test_plan_refuses_beside_a_config_the_flags_it_sets_and_says_where_they_go()
     assert nameless.exit_code != 0 and "names no hardware; pass --hardware" in nameless.output
 
 
-def test_plan_prices_the_dense_projections_in_bf16_unless_told():
+def test_plan_prices_the_dense_projections_in_fp8_unless_told():
     """`plan --expert-precision fp8` with neither --fp8-dense nor --no-fp8-dense prices the dense
-    projections in bf16, as precision: fp8 trains them by default (no `fp8_dense auto` note: auto is a
+    projections in FP8, as precision: fp8 trains them by default (no `fp8_dense auto` note: auto is a
     request's choice, `PlanConfig.fp8_dense`); either flag fixes it."""
     base = ["plan", "--model", "qwen3-30b-a3b", "--hardware", "h200-sxm", "--gpus", "8", "--expert-precision", "fp8",
             "--json"]
     plans = {flag: json.loads(CliRunner().invoke(app, base + ([flag] if flag else [])).stdout)
              for flag in (None, "--fp8-dense", "--no-fp8-dense")}
     assert (plans[None]["fp8_dense"], plans["--fp8-dense"]["fp8_dense"], plans["--no-fp8-dense"]["fp8_dense"]) == (
-        False, True, False)
+        True, True, False)
     assert not any(n.startswith("fp8_dense auto") for plan in plans.values() for n in plan["notes"])
 
 
 def test_plan_of_a_config_prices_its_fp8_dense_as_it_trains_and_train_plan_keeps_it(tmp_path):
     """`plan -c CFG precision=fp8`: a run without fp8_dense is priced with the dense projections in
-    bf16 (as it trains), one that sets it as it says; `train --plan` then trains what was priced."""
+    FP8 (as it trains), one that sets it as it says; `train --plan` then trains what was priced."""
     from disagmoe.config import load_train_config
     from disagmoe.model_ref import load_model
     from disagmoe.runtime.plan_layout import apply_plan
 
     base = ["plan", "-c", "configs/h200x2-qwen3-30b.yaml", "--json", "precision=fp8"]
     unset = json.loads(run(*base, "--out", str(tmp_path / "plan.json")).stdout)
-    assert unset["fp8_dense"] is False and not any(n.startswith("fp8_dense auto") for n in unset["notes"])
+    assert unset["fp8_dense"] is True and not any(n.startswith("fp8_dense auto") for n in unset["notes"])
     for fixed in (True, False):
         plan = json.loads(run(*base, f"fp8_dense={str(fixed).lower()}").stdout)
         assert plan["fp8_dense"] is fixed and not any(n.startswith("fp8_dense auto") for n in plan["notes"])
     cfg = load_train_config("configs/h200x2-qwen3-30b.yaml", ["precision=fp8", f"plan={tmp_path / 'plan.json'}"])
-    assert apply_plan(cfg, load_model(cfg.model)).dense_precision == "bf16"
+    assert apply_plan(cfg, load_model(cfg.model)).dense_precision == "fp8"

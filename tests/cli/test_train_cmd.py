@@ -323,10 +323,10 @@ def test_train_sets_the_optimizer_and_precision_a_plan_was_priced_with_and_says_
     fp8 = tmp_path / "fp8.yaml"
     planned = CliRunner().invoke(app, ["plan", "--model", "tiny", "--hardware", "h200-sxm", "--gpus", "1",
                                        "--seq-len", "64", "--global-batch-tokens", "512", "--out", str(fp8),
-                                       "--expert-precision", "fp8", "--fp8-dense"])
+                                       "--expert-precision", "fp8", "--no-fp8-dense"])
     assert planned.exit_code == 0, planned.output
     assert (yaml.safe_load(fp8.read_text())["expert_precision"], yaml.safe_load(fp8.read_text())["fp8_dense"]) == (
-        "fp8", True)
+        "fp8", False)
     result = invoke("--config", str(REPO / "configs/tiny-cpu.yaml"), "--plan", str(fp8), "--out-dir",
                     str(tmp_path / "fp8-run"), "steps=1", "batch_size=4", "seq_len=32", "eval_every=0")
     assert result.exit_code == 2 and "Traceback" not in result.output
@@ -340,7 +340,7 @@ def test_train_sets_the_optimizer_and_precision_a_plan_was_priced_with_and_says_
     gpu = load_train_config(REPO / "configs/tiny-cpu.yaml", ["device=cuda", "experts_backend=triton", "seq_len=32",
                                                              f"plan={fp8}"])
     note = " ".join(_plan_note(gpu, apply_plan(gpu, load_model("tiny"))).split())
-    assert "as it was priced: precision=fp8 (config: auto)" in note and "fp8_dense=True (config: None)" in note
+    assert "as it was priced: precision=fp8 (config: auto)" in note and "fp8_dense=False (config: None)" in note
 
 
 def test_the_progress_bar_and_the_summary_report_one_tokens_per_s(tmp_path, monkeypatch):
@@ -376,4 +376,4 @@ def test_an_emulated_fp8_run_says_so_at_start():
     assert note.startswith("precision: FP8 emulated (quantise-dequantise into the bf16 GEMMs)")
     assert "fp8_expert_forward: gate-up" in note and "dense" not in note and "price it as FP8" in note
     assert "the dense projections' (in fp64)" in fp8_emulate_note(TrainConfig(**fields, fp8_dense=True))
-    assert "dense" not in fp8_emulate_note(TrainConfig(**fields))  # fp8_dense unset: off
+    assert "the dense projections' (in fp64)" in fp8_emulate_note(TrainConfig(**fields))  # fp8_dense unset: on

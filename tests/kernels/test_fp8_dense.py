@@ -327,6 +327,10 @@ def test_blockwise_refuses_torch_or_cuda_builds_without_block_scaling(monkeypatc
     monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
     monkeypatch.setattr(torch.version, "cuda", "13.0")
     fp8_dense.check_blockwise_device(cuda)
+    assert fp8_dense.blockwise_unavailable(cuda) is None
+    assert "Hopper GPUs (sm_90) only; this run is on cpu" in fp8_dense.blockwise_unavailable(torch.device("cpu"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))  # Ada: FP8, no blocks
+    assert "compute capability (8, 9)" in fp8_dense.blockwise_unavailable(cuda)
 
 
 def test_blockwise_refuses_shapes_off_its_grid_and_devices_without_block_scaling():

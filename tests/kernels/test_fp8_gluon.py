@@ -300,10 +300,10 @@ def test_gpu_weight_gradient_matches_the_reference_and_the_triton_kernel(counts,
     assert _rel_err(main - before, want) < 5e-3
 
 
-# --- under training's conditions (`TrainConfig.fp8_gluon`, off by default since session 28, when the
-# Qwen3 config trained 6.6% above bf16's loss over 200 steps with the Gluon gate/up GEMM and at it
-# with the Triton one; session 29 found two bf16 runs of that command 7.9% apart, so one pair of runs
-# cannot tell, and these tests, which put the kernel where training runs it, passed)
+# --- under training's conditions (`TrainConfig.fp8_gluon`, a run's default since session 34; off from
+# session 28, when the Qwen3 config trained 6.6% above bf16's loss over 200 steps with the Gluon gate/up
+# GEMM and at it with the Triton one; session 29 found two bf16 runs of that command 7.9% apart, so one
+# pair of runs cannot tell, and these tests, which put the kernel where training runs it, passed)
 
 def _qwen3_two_layers():
     """Two layers of Qwen3-30B-A3B's shape (128 experts top-8, H 2,048, F 768) and a 4,096-token vocabulary."""

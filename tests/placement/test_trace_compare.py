@@ -79,7 +79,7 @@ def test_the_request_prices_the_runs_precision_and_recomputation_as_bench_placem
     req, _ = run_request(fp8, load_model("tiny"), hw)
     assert (req.expert_precision, req.fp8_dense, req.recompute_modules) == (
         "fp8", "off", ["expert_input", "expert_swiglu"])
-    assert run_request(fp8.model_copy(update={"fp8_dense": None}), load_model("tiny"), hw)[0].fp8_dense == "off"
+    assert run_request(fp8.model_copy(update={"fp8_dense": None}), load_model("tiny"), hw)[0].fp8_dense == "on"
     assert run_request(fp8.model_copy(update={"fp8_dense": True}), load_model("tiny"), hw)[0].fp8_dense == "on"
 
 

@@ -282,8 +282,8 @@ def test_a_plan_sets_the_optimizer_settings_it_was_priced_with():
 def test_a_plan_priced_in_fp8_sets_precision_fp8_and_its_fp8_dense():
     """`plan --expert-precision fp8` records the experts' precision and fp8_dense in the plan, and
     `train --plan` sets precision: fp8 and the plan's fp8_dense (among the replaced fields; fp8_dense
-    only where it differs from the config's, whose None means off); a bf16 plan, and a plan
-    written before it recorded them, leave the config's precision and fp8_dense."""
+    only where it differs from what the config trains, whose None means on under fp8); a bf16 plan, and
+    a plan written before it recorded them, leave the config's precision and fp8_dense."""
     fp8, bf16 = planned(2, 1, expert_precision="fp8", fp8_dense=True), planned(2, 1)
     assert (fp8.expert_precision, fp8.fp8_dense, bf16.expert_precision, bf16.fp8_dense) == ("fp8", True, "bf16", False)
     lean = solve(build_request("tiny", "h200-sxm", 1, 64, 512, expert_precision="fp8", fp8_dense=False))
@@ -291,14 +291,14 @@ def test_a_plan_priced_in_fp8_sets_precision_fp8_and_its_fp8_dense():
     gpu = {"device": "cuda", "experts_backend": "triton"}
     cfg = config(fp8, **gpu)
     run = apply_plan(cfg, MODEL)
-    assert (run.precision, run.fp8_dense, run.expert_precision, run.dense_precision) == ("fp8", True, "fp8", "fp8")
-    changed = replaced_fields(cfg, run)
-    assert changed["precision"] == ("auto", "fp8") and changed["fp8_dense"] == (None, True)
+    assert (run.precision, run.fp8_dense, run.expert_precision, run.dense_precision) == ("fp8", None, "fp8", "fp8")
+    changed = replaced_fields(cfg, run)  # None: on already under precision fp8
+    assert changed["precision"] == ("auto", "fp8") and "fp8_dense" not in changed
     assert apply_plan(run, MODEL) == run  # idempotent
     cfg = config(lean, **gpu)
     run = apply_plan(cfg, MODEL)
-    assert (run.precision, run.fp8_dense, run.dense_precision) == ("fp8", None, "bf16")  # None: off already
-    assert "fp8_dense" not in replaced_fields(cfg, run)
+    assert (run.precision, run.fp8_dense, run.dense_precision) == ("fp8", False, "bf16")
+    assert replaced_fields(cfg, run)["fp8_dense"] == (None, False)
     mine = config(fp8, precision="fp8", fp8_dense=False, **gpu)  # a plan with FP8 dense projections turns them on
     assert replaced_fields(mine, apply_plan(mine, MODEL))["fp8_dense"] == (False, True)
     kept = {"precision": "fp8", "fp8_dense": False, **gpu}

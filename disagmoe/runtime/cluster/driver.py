@@ -43,6 +43,7 @@ from disagmoe.runtime.state.checkpoint import (
     check_compatible,
     latest_checkpoint,
     newest_loadable,
+    read_manifest,
     resume_checkpoint,
     training_settings,
     verify_checkpoint,
@@ -378,6 +379,8 @@ class DistributedTrainer(TrainingLoop):
         self.restarts = 0
         self.owns_workers = workers is None
         self._start(workers, resume_from)
+        if resume_from is not None:  # against the recipe the ranks run (`dense_as_run`)
+            warn_changed_training(read_manifest(resume_from), self.cfg, resume_from)
 
     def _start(self, workers: WorkerGroup | None, resume_from: Path | None) -> None:
         """Start the actors (or take `workers`), set every rank up, load `resume_from` if given;
@@ -402,6 +405,7 @@ class DistributedTrainer(TrainingLoop):
                     raise self._start_failed(failure, "joining the process group (init_process_group)") from None
             self._call("setup", cfg.model_dump(mode="json"), self.topology)
             self.processes = [_process_facts(info, self.rank_names[info["rank"]]) for info in self._call("info")]
+            self.cfg = dense_as_run(self.cfg, self.processes)
             if resume_from is not None:
                 self._call("load", str(resume_from))
         except BaseException:
@@ -421,7 +425,6 @@ class DistributedTrainer(TrainingLoop):
         """The checkpoint to resume from, checked against the model and the step count."""
         directory, manifest = resume_checkpoint(self.checkpoint_root, verify_checkpoint)
         check_compatible(manifest, self.model_cfg, directory)
-        warn_changed_training(manifest, self.cfg, directory)
         step = read_trainer_state(directory).step
         if step >= self.cfg.steps:
             raise ValueError(f"checkpoint {directory} is at step {step}, already at steps={self.cfg.steps}; "
@@ -592,7 +595,21 @@ def _process_facts(info: dict[str, Any], name: str) -> dict[str, Any]:
     """A rank's process as the summary records it (`TrainWorker.info`), JSON-ready."""
     return {"rank": info["rank"], "pid": info["pid"], "node": info["node_ip"], "device": info["device"],
             "role": name, "transport": info.get("transport"), "hop": info.get("hop"),
-            "dispatch": info.get("dispatch")}
+            "dispatch": info.get("dispatch"), "dense_precision": info.get("dense_precision")}
+
+
+def dense_as_run(cfg: TrainConfig, processes: list[dict[str, Any]]) -> TrainConfig:
+    """`cfg` with `fp8_dense: false` where its attention ranks kept their dense projections in bf16
+    (`processes`' facts: their GPUs cannot run the default blockwise FP8, `trainer.resolve_dense_fp8`,
+    which warned there), so records and checkpoints name what trained; else `cfg`. ValueError where
+    the ranks disagree (GPUs of several kinds)."""
+    ran = {p["dense_precision"] for p in processes if p.get("dense_precision")}
+    if cfg.dense_precision != "fp8" or ran <= {"fp8"}:
+        return cfg
+    if ran != {"bf16"}:
+        raise ValueError("precision: fp8's default dense recipe (blockwise) runs on some attention ranks' GPUs and "
+                         "not on others; set fp8_dense: false, or fp8_dense: true with fp8_dense_scaling: rowwise")
+    return cfg.model_copy(update={"fp8_dense": False})
 
 
 def probe_ranks(actors: list[Any], timeout_s: float) -> tuple[dict[int, str], list[int]]:

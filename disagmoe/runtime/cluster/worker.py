@@ -47,7 +47,7 @@ import torch.distributed as dist
 from disagmoe.comm import make_transport
 from disagmoe.comm.base import SendHandle, check_specs
 from disagmoe.wire import Direction, message_key, Payload, Recv, Send
-from disagmoe.config import TrainConfig
+from disagmoe.config import FP8_DENSE_SCALING, TrainConfig
 from disagmoe.model_ref import load_model
 from disagmoe.data import TokenDataset, load_splits
 from disagmoe.runtime.stages.attention_stage import AttentionStage
@@ -79,7 +79,7 @@ from disagmoe.runtime.state.sharded_checkpoint import Listing, load_rank_state, 
 from disagmoe.runtime.topology import Topology
 from disagmoe.runtime.observe.trace import SpanRecorder
 from disagmoe.runtime.cluster.watchdog import OpWatchdog
-from disagmoe.runtime.training.trainer import check_fp8_device, set_dense_fp8
+from disagmoe.runtime.training.trainer import check_fp8_device, resolve_dense_fp8, set_dense_fp8
 from disagmoe.runtime.rank_graphs import resolve_rank_graphs
 from disagmoe.runtime.training.graphed_step import PhasedGraphs, is_capturing
 
@@ -107,9 +107,9 @@ def setup_fp8(model: Any, topology: Topology, rank: int, precision: str, device:
     GPU without FP8 tensor cores; their backward's and forward's GEMMs as `backward` and `forward`
     say, None: the defaults), and with `dense_precision` fp8 (`TrainConfig.fp8_dense`) an
     attention rank's dense projections too (`trainer.set_dense_fp8`, scaled `dense_scaling`,
-    `TrainConfig.dense_fp8_scaling`; None: rowwise); both count into one new
+    `TrainConfig.dense_fp8_scaling`; None: `FP8_DENSE_SCALING`); both count into one new
     `Fp8Stats`, returned. `emulate` (`TrainConfig.fp8_emulate`): both emulated (quantise-dequantise
-    into higher-precision GEMMs). `gluon` (`TrainConfig.fp8_gluon`): the experts' row GEMMs in the
+    into higher-precision GEMMs). `gluon` (`TrainConfig.expert_gluon`): the experts' row GEMMs in the
     Gluon kernels (`fp8_ffn.set_gluon`). None where nothing here runs in FP8 (nothing of its model
     changes)."""
     experts = precision == "fp8" and topology.expert_role(rank) is not None
@@ -125,7 +125,7 @@ def setup_fp8(model: Any, topology: Topology, rank: int, precision: str, device:
         model.set_expert_precision("fp8", backward, forward, emulate)
         set_gluon(gluon)  # process-wide (`fp8_ffn._gluon`): every FP8 expert rank sets it
     if dense:
-        set_dense_fp8(model, stats, dense_scaling or "rowwise", emulate, device)
+        set_dense_fp8(model, stats, dense_scaling or FP8_DENSE_SCALING, emulate, device)
     model.set_fp8_stats(stats)
     return stats
 
@@ -159,6 +159,8 @@ class TrainWorker(Worker):
         """Build this rank's part of a run; a second call replaces the first (warm actors, new run)."""
         self._release()
         cfg = TrainConfig.model_validate(cfg_data)
+        if topology.attention_role(self.rank) is not None:  # its dense projections run here: bf16 where the
+            cfg = resolve_dense_fp8(cfg, self.device)  # default FP8 recipe cannot (`info` tells the driver)
         self.cfg, self.topology = cfg, topology
         self.model_cfg = load_model(cfg.model)
         if cfg.cpu_threads is not None and self.device.type == "cpu":
@@ -182,7 +184,7 @@ class TrainWorker(Worker):
         self.fp8 = cfg.expert_precision == "fp8"  # every rank then sums the step's FP8 counters
         self.fp8_stats = setup_fp8(self.model, topology, self.rank, cfg.expert_precision, self.device,
                                    cfg.dense_precision, cfg.expert_backward_precision,
-                                   cfg.expert_forward_precision, cfg.fp8_emulate, cfg.fp8_gluon,
+                                   cfg.expert_forward_precision, cfg.fp8_emulate, cfg.expert_gluon,
                                    cfg.dense_fp8_scaling)
         bucket_of = functools.partial(reduce_bucket, num_layers=topology.num_layers)
         shards = {}
@@ -245,12 +247,15 @@ class TrainWorker(Worker):
         return self.shapes.is_peer_stored(op.payload, self.topology.is_moe(op.layer))
 
     def info(self) -> dict[str, Any]:
-        """The base's facts, with the transport, hop and dispatch this rank really runs once set up."""
+        """The base's facts, with the transport, hop and dispatch this rank really runs once set up,
+        and where it holds attention the dense projections' precision (`trainer.resolve_dense_fp8`)."""
         facts = super().info()
         if getattr(self, "transport", None) is not None:
             facts.update(transport=self.transport.kind,
                          hop="pair_rows" if self.shapes.pair_rows else "partial_sums",
                          dispatch="sparse" if self.shapes.sparse else "dense")
+            if self.topology.attention_role(self.rank) is not None:
+                facts.update(dense_precision=self.cfg.dense_precision)
         return facts
 
     def _collective_groups(self, topology: Topology, timeout_s: float) -> tuple[Any, Any]:

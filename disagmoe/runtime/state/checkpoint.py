@@ -451,9 +451,13 @@ def check_compatible(manifest: dict[str, Any], model_cfg: ModelConfig, directory
 TRAINING_FIELDS = ("seed", "batch_size", "seq_len")
 NOT_THE_STEP = ("shard_states", "update_kernel")
 # The GEMMs' precision recipe, as resolved (an unset field's default may change between versions: session 32
-# moved precision fp8's to the down GEMM alone with bf16 dense projections); recorded since then
+# moved precision fp8's to the down GEMM alone with bf16 dense projections, session 34 the dense projections to
+# blockwise FP8); recorded since session 32
 PRECISION_FIELDS = ("precision", "expert_forward_precision", "expert_backward_precision", "dense_precision",
                     "dense_fp8_scaling")
+# The config setting that gives a recorded precision field back (dense_precision's: `recipe_settings`)
+RECIPE_SETTINGS = {"precision": "precision", "expert_forward_precision": "fp8_expert_forward",
+                   "expert_backward_precision": "fp8_expert_backward", "dense_fp8_scaling": "fp8_dense_scaling"}
 
 
 def training_settings(cfg: TrainConfig) -> dict[str, Any]:
@@ -475,9 +479,28 @@ def warn_changed_training(manifest: dict[str, Any], cfg: TrainConfig, directory:
     changed = [k for k in now if k in saved and saved[k] != now[k]]
     if changed:
         listed = ", ".join(f"{k}: {saved[k]!r} -> {now[k]!r}" for k in changed)
+        settings = recipe_settings(saved, changed)
+        recipe = (f"; to resume with the checkpoint's precision recipe set {', '.join(settings)} (a setting left "
+                  "unset takes this version's default)" if settings else "")
         warnings.warn(f"resuming from {directory} with changed training settings ({listed}); the run continues "
-                      "with the new ones, not as an uninterrupted run would", RunWarning, stacklevel=2)
+                      f"with the new ones, not as an uninterrupted run would{recipe}", RunWarning, stacklevel=2)
     return changed
+
+
+def recipe_settings(saved: dict[str, Any], changed: list[str]) -> list[str]:
+    """The config settings ('fp8_dense: false', ...) that give back the `changed` precision fields'
+    recorded values (`saved`, a manifest's `training`); a field another one implies (a bf16 run's
+    FP8 recipe: its precision) gets none."""
+    settings = []
+    for key in changed:
+        if key not in PRECISION_FIELDS or saved[key] is None:
+            continue
+        if key == "dense_precision":
+            if saved.get("precision") == "fp8":
+                settings.append(f"fp8_dense: {'true' if saved[key] == 'fp8' else 'false'}")
+        else:
+            settings.append(f"{RECIPE_SETTINGS[key]}: {saved[key]}")
+    return settings
 
 
 def read_shards(directory: Path, manifest: dict[str, Any]) -> dict[str, Any]:

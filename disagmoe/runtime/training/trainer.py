@@ -65,6 +65,7 @@ from disagmoe.runtime.state.checkpoint import (
     training_settings,
     warn_changed_training,
 )
+from disagmoe.runtime.failures import RunWarning
 from disagmoe.runtime.training.loop import StepCallback, TrainingLoop, TrainSummary
 from disagmoe.runtime.training.graphed_step import GraphedStep, resolve_cuda_graphs
 from disagmoe.runtime.training.micro_batches import MicroBatchChoice, device_capacity_bytes, resolved
@@ -352,6 +353,24 @@ def check_fp8_device(device: torch.device) -> None:
                          f"Blackwell); {torch.cuda.get_device_name(device)} is {major}.{minor}: set precision: bf16")
 
 
+def resolve_dense_fp8(cfg: TrainConfig, device: torch.device) -> TrainConfig:
+    """`cfg` with its dense projections in bf16 (`fp8_dense: false`) where it left both `fp8_dense`
+    and `fp8_dense_scaling` unset under precision fp8 and `device` cannot run their default, blockwise
+    FP8 (`fp8_dense.blockwise_unavailable`), said in one `RunWarning`; else `cfg`. An explicit
+    request stays, for `set_dense_fp8` to refuse with the fix; emulated GEMMs run anywhere."""
+    if cfg.dense_precision != "fp8" or cfg.fp8_emulate or (cfg.fp8_dense, cfg.fp8_dense_scaling) != (None, None):
+        return cfg
+    from disagmoe.kernels.fp8_dense import blockwise_unavailable
+
+    reason = blockwise_unavailable(device)
+    if reason is None:
+        return cfg
+    warnings.warn(f"precision: fp8 keeps the dense projections in bf16 here: their default FP8 recipe is blockwise, "
+                  f"and {reason}; set fp8_dense: true with fp8_dense_scaling: rowwise to run them in FP8 here, "
+                  "or fp8_dense: false to keep them in bf16 without this warning", RunWarning, stacklevel=2)
+    return cfg.model_copy(update={"fp8_dense": False})
+
+
 def set_dense_fp8(model: Any, stats: Fp8Stats | None, scaling: str, emulate: bool, device: torch.device) -> list[str]:
     """The dense projections of `model` held here in FP8 (`MoETransformer.set_dense_fp8`), scaled
     `scaling` (`TrainConfig.dense_fp8_scaling`): blockwise is refused off Hopper unless emulated
@@ -363,8 +382,6 @@ def set_dense_fp8(model: Any, stats: Fp8Stats | None, scaling: str, emulate: boo
         check_blockwise_device(device)
     kept = model.set_dense_fp8(True, stats, emulate, scaling)
     if kept:
-        from disagmoe.runtime.failures import RunWarning
-
         by_role = collections.Counter(name.split(".", 2)[-1] for name in kept)
         listed = ", ".join(f"{role} x{count}" for role, count in sorted(by_role.items()))
         warnings.warn(f"fp8_dense_scaling: blockwise keeps {len(kept)} dense linear(s) in bf16, their dimensions off "
@@ -412,6 +429,9 @@ class SingleProcessTrainer(TrainingLoop):
         self.model_cfg: ModelConfig = load_model(cfg.model)
         self.device = resolve_device(cfg.device)
         reset_peak_memory(self.device)
+        if cfg.expert_precision == "fp8":
+            check_fp8_device(self.device)
+            cfg = resolve_dense_fp8(cfg, self.device)  # before the memory model prices the dense copies
         self.cfg = cfg = self._auto_split(resolve_single_micro_batches(cfg, self.model_cfg, self.device))
         check_divisible(cfg.batch_size, cfg.micro_batches, 1)
         check_backend_device(cfg.experts_backend, self.device.type)
@@ -441,12 +461,11 @@ class SingleProcessTrainer(TrainingLoop):
         self.fp8_stats = None
         self.first_step: int | None = None  # the first step this process runs (`counts_fp8`)
         if cfg.expert_precision == "fp8":
-            check_fp8_device(self.device)
             self.model.set_expert_precision("fp8", cfg.expert_backward_precision, cfg.expert_forward_precision,
                                             cfg.fp8_emulate)
             from disagmoe.kernels.fp8_ffn import set_gluon
 
-            set_gluon(cfg.fp8_gluon)  # process-wide, as set_fusion: every FP8 run sets it
+            set_gluon(cfg.expert_gluon)  # process-wide, as set_fusion: every FP8 run sets it
             self.fp8_stats = Fp8Stats(self.device)  # before the capture below: its kernels keep the address
             self.model.set_fp8_stats(self.fp8_stats)
             if cfg.dense_precision == "fp8":  # the dense projections too (kernels.fp8_dense)

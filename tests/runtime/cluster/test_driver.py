@@ -896,6 +896,7 @@ def test_the_summary_names_every_ranks_process_transport_and_hop(warm, tmp_path)
     assert [p["role"] for p in summary.processes] == ["A0.0", "E0.0", "E0.1"]
     assert {(p["device"], p["transport"], p["hop"], p["dispatch"]) for p in summary.processes} == {
         ("cpu", "local", "pair_rows", "dense")}
+    assert [p["dense_precision"] for p in summary.processes] == ["fp32", None, None]  # an attention rank's only
     assert summary.dispatch == "dense"
     assert (summary.transport, summary.time_sliced, summary.ranks_per_gpu, summary.gpus) == ("local", False, 1, None)
     assert json.loads(json.dumps(summary.to_dict()))["processes"][1]["role"] == "E0.0"

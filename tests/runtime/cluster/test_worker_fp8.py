@@ -97,7 +97,8 @@ def test_fp8_emulate_reaches_every_ranks_experts_and_projections(mode, fields):
     for emulate in (True, False):
         for rank in range(topology.world_size):
             model = rank_model(load_model("tiny"), "triton", topology, rank).materialise(CPU, 0)
-            setup_fp8(model, topology, rank, "fp8", CPU, "fp8", backward="bf16", forward="gate-up", emulate=emulate)
+            setup_fp8(model, topology, rank, "fp8", CPU, "fp8", backward="bf16", forward="gate-up", emulate=emulate,
+                      dense_scaling="rowwise")  # tiny's linears are off the blockwise grid
             experts = experts_of(model)
             linears = [m for m in model.modules() if isinstance(m, DeferrableLinear)]
             assert all(e.fp8_emulate == emulate for e in experts) and all(m.fp8_emulate == emulate for m in linears)
@@ -274,17 +275,43 @@ def test_the_driver_writes_the_ranks_reduced_counters_as_mode_single_does():
         fp8_step_fields([{"fp8": values}, {"fp8": [0] * len(values)}], CPU)
 
 
+def test_the_driver_records_the_dense_precision_its_attention_ranks_ran():
+    """`dense_as_run`: where the attention ranks kept the default dense FP8 recipe in bf16 (their GPUs
+    cannot scale blockwise: `trainer.resolve_dense_fp8`), the driver's config says fp8_dense: false,
+    so its checkpoints record what trained; ranks that ran it, a bf16 run and pure expert ranks
+    (no fact) change nothing; ranks that disagree are refused with the fix."""
+    from disagmoe.runtime.cluster.driver import dense_as_run
+
+    fields = dict(model="tiny", mode="disaggregated", attention_ranks=2, expert_ranks=1, device="cuda",
+                  transport="nvshmem", experts_backend="triton", hop="partial_sums", batch_size=8, seq_len=16)
+    unset = TrainConfig(**fields, precision="fp8")
+
+    def ranks(*dense):
+        return [{"rank": r, "dense_precision": d} for r, d in enumerate(dense)]
+
+    kept = dense_as_run(unset, ranks("bf16", "bf16", None))
+    assert (kept.fp8_dense, kept.dense_precision) == (False, "bf16")
+    assert dense_as_run(unset, ranks("fp8", "fp8", None)) is unset
+    bf16 = TrainConfig(**fields, precision="bf16")
+    assert dense_as_run(bf16, ranks("bf16", "bf16", None)) is bf16
+    with pytest.raises(ValueError, match="runs on some attention ranks' GPUs and not on others; set fp8_dense: false"):
+        dense_as_run(unset, ranks("fp8", "bf16", None))
+
+
 def test_fp8_dense_sets_the_attention_ranks_projections_with_their_own_counters():
     """dense_precision fp8 (`TrainConfig.fp8_dense`): a rank holding attention runs every dense
     projection in FP8 counting into its own `Fp8Stats` (row "dense"), even with bf16 experts; a
-    pure expert rank gets none."""
+    pure expert rank gets none. Unscaled, the run's default blockwise scaling, refused on the CPU."""
     from disagmoe.kernels.fp8_stats import DENSE
     from disagmoe.model.layers import DeferrableLinear
 
     topology = topology_of("disaggregated", attention_ranks=1, expert_ranks=1)
+    attention = rank_model(load_model("tiny"), "loop", topology, 0).materialise(CPU, 0)
+    with pytest.raises(ValueError, match="fp8_dense_scaling: blockwise: .*Hopper"):
+        setup_fp8(attention, topology, 0, "bf16", CPU, "fp8")
     for rank in range(topology.world_size):
         model = rank_model(load_model("tiny"), "loop", topology, rank).materialise(CPU, 0)
-        stats = setup_fp8(model, topology, rank, "bf16", CPU, "fp8")
+        stats = setup_fp8(model, topology, rank, "bf16", CPU, "fp8", dense_scaling="rowwise")
         linears = [m for m in model.modules() if isinstance(m, DeferrableLinear)]
         if topology.attention_role(rank) is None:
             assert stats is None and all(not m.fp8 for m in linears)

@@ -22,6 +22,7 @@ from disagmoe.runtime.state.checkpoint import (
     load_checkpoint,
     newest_loadable,
     read_manifest,
+    recipe_settings,
     resume_checkpoint,
     save_checkpoint,
     to_keyed,
@@ -256,20 +257,22 @@ def test_changed_training_settings_resume_with_a_warning_naming_them(tmp_path):
 def test_a_resume_under_another_precision_recipe_warns_naming_it(tmp_path):
     """The manifest records the GEMMs' precision recipe as resolved (`PRECISION_FIELDS`), so a resume
     whose unset fields now resolve otherwise (session 32 moved precision fp8's defaults), or that sets
-    another recipe, says so; a manifest from before the record says nothing of it."""
+    another recipe, says so and names the settings that give the checkpoint's back; a manifest from
+    before the record says nothing of it."""
     cfg, model, optimizer = trained_model()
     fp8 = dict(model=cfg, mode="single", device="cuda", experts_backend="triton", precision="fp8")
-    both = TrainConfig(**fp8, fp8_expert_forward="both", fp8_dense=True)
+    both = TrainConfig(**fp8, fp8_expert_forward="both", fp8_dense=True, fp8_dense_scaling="rowwise")
     directory = save_checkpoint(tmp_path, model, optimizer, cfg, TrainerState.capture(step=2), training_settings(both))
     manifest = read_manifest(directory)
     assert {k: manifest["training"][k] for k in ("precision", "expert_forward_precision", "dense_precision")} == {
         "precision": "fp8", "expert_forward_precision": "both", "dense_precision": "fp8"}
     with pytest.warns(RunWarning, match=r"expert_forward_precision: 'both' -> 'down', .*dense_precision: 'fp8' -> "
-                                        r"'bf16'"):
-        assert warn_changed_training(manifest, TrainConfig(**fp8), directory) == [
+                                        r"'bf16'.*set fp8_expert_forward: both, fp8_dense: true, "
+                                        r"fp8_dense_scaling: rowwise \(a setting left unset"):
+        assert warn_changed_training(manifest, TrainConfig(**fp8, fp8_dense=False), directory) == [
             "expert_forward_precision", "dense_precision", "dense_fp8_scaling"]
     blockwise = TrainConfig(**fp8, fp8_expert_forward="both", fp8_dense=True, fp8_dense_scaling="blockwise")
-    with pytest.warns(RunWarning, match=r"dense_fp8_scaling: 'rowwise' -> 'blockwise'"):
+    with pytest.warns(RunWarning, match=r"dense_fp8_scaling: 'rowwise' -> 'blockwise'.*set fp8_dense_scaling: rowwise"):
         assert warn_changed_training(manifest, blockwise, directory) == ["dense_fp8_scaling"]
     del manifest["training"]["dense_fp8_scaling"]  # a manifest from before the field: its dense FP8 was rowwise
     with pytest.warns(RunWarning, match=r"dense_fp8_scaling: 'rowwise' -> 'blockwise'"):
@@ -277,3 +280,32 @@ def test_a_resume_under_another_precision_recipe_warns_naming_it(tmp_path):
     for key in ("expert_forward_precision", "dense_precision"):
         del manifest["training"][key]
     assert warn_changed_training(manifest, TrainConfig(**fp8), directory) == []
+
+
+def test_a_checkpoint_of_the_bf16_dense_default_resumes_naming_the_setting_that_keeps_it(tmp_path):
+    """A checkpoint written before session 34 by a precision-fp8 run that left fp8_dense unset trained
+    its dense projections in bf16 (recorded as resolved); resumed with it still unset they now run
+    blockwise FP8: the warning names both fields and fp8_dense: false, which resumes the recipe it
+    trained with, silently. A run of then that set fp8_dense: true alone trained them rowwise (the
+    default then): fp8_dense_scaling: rowwise gives that back. A bf16 run's recipe follows its
+    precision (no FP8 setting named)."""
+    cfg, model, optimizer = trained_model()
+    fp8 = dict(model=cfg, mode="single", device="cuda", experts_backend="triton", precision="fp8")
+    before = {**training_settings(TrainConfig(**fp8)), "dense_precision": "bf16", "dense_fp8_scaling": None}
+    directory = save_checkpoint(tmp_path, model, optimizer, cfg, TrainerState.capture(step=2), before)
+    manifest = read_manifest(directory)
+    with pytest.warns(RunWarning, match=r"\(dense_precision: 'bf16' -> 'fp8', dense_fp8_scaling: None -> "
+                                        r"'blockwise'\).*set fp8_dense: false \(") as warned:
+        assert warn_changed_training(manifest, TrainConfig(**fp8), directory) == ["dense_precision",
+                                                                                   "dense_fp8_scaling"]
+    assert len(warned) == 1
+    assert warn_changed_training(manifest, TrainConfig(**fp8, fp8_dense=False), directory) == []
+    manifest["training"].update(dense_precision="fp8", dense_fp8_scaling="rowwise")  # fp8_dense: true, then
+    with pytest.warns(RunWarning, match=r"set fp8_dense_scaling: rowwise \("):
+        assert warn_changed_training(manifest, TrainConfig(**fp8, fp8_dense=True), directory) == ["dense_fp8_scaling"]
+    assert warn_changed_training(manifest, TrainConfig(**fp8, fp8_dense_scaling="rowwise"), directory) == []
+    bf16 = {**training_settings(TrainConfig(**{**fp8, "precision": "bf16"}))}
+    assert recipe_settings(bf16, ["precision", "expert_forward_precision", "dense_precision",
+                                  "dense_fp8_scaling"]) == ["precision: bf16"]
+
+

@@ -907,6 +907,37 @@ def test_a_pinned_data_seed_varies_the_initialisation_alone(tmp_path):
     assert not torch.equal(*weights)
 
 
+def test_a_run_that_left_the_dense_recipe_unset_keeps_it_bf16_where_blockwise_cannot_run(monkeypatch):
+    """`resolve_dense_fp8`: precision fp8 with fp8_dense and fp8_dense_scaling unset on a device that
+    cannot scale blockwise (an Ada GPU here) trains its dense projections in bf16 (`fp8_dense: false`,
+    so the memory model, records and checkpoints say so) and says why in one RunWarning; on Hopper,
+    or where the run asked for a recipe (refused later with the fix) or emulates, nothing changes."""
+    import warnings
+
+    from disagmoe.kernels import fp8_dense
+    from disagmoe.runtime.training.trainer import resolve_dense_fp8
+
+    fp8 = dict(model="tiny", device="cuda", experts_backend="triton", precision="fp8")
+    unset = TrainConfig(**fp8)
+    gpu = torch.device("cuda")
+    monkeypatch.setattr(fp8_dense, "blockwise_unavailable", lambda device: "this is compute capability (8, 9)")
+    with pytest.warns(RunWarning, match=r"keeps the dense projections in bf16 here: their default FP8 recipe is "
+                                        r"blockwise, and this is compute capability \(8, 9\); set fp8_dense: true "
+                                        "with fp8_dense_scaling: rowwise") as warned:
+        kept = resolve_dense_fp8(unset, gpu)
+    assert len(warned) == 1
+    assert (kept.fp8_dense, kept.dense_precision, kept.dense_fp8_scaling) == (False, "bf16", None)
+    asked = [TrainConfig(**fp8, fp8_dense=True), TrainConfig(**fp8, fp8_dense_scaling="blockwise"),
+             TrainConfig(**fp8, fp8_dense_scaling="rowwise"), TrainConfig(**fp8, fp8_dense=False),
+             TrainConfig(**fp8, fp8_emulate=True, fp8_expert_backward="bf16"),
+             TrainConfig(**{**fp8, "precision": "bf16"})]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RunWarning)
+        assert all(resolve_dense_fp8(cfg, gpu) is cfg for cfg in asked)
+        monkeypatch.setattr(fp8_dense, "blockwise_unavailable", lambda device: None)  # Hopper
+        assert resolve_dense_fp8(unset, gpu) is unset
+
+
 def test_set_dense_fp8_names_the_linears_blockwise_keeps_in_bf16_and_refuses_the_cpu_unless_emulated():
     """The trainer's and the workers' `set_dense_fp8`: blockwise off Hopper is refused with the fixes
     unless emulated; emulated, the linears off the 512 grid (tiny's are all off it) stay bf16 and one
