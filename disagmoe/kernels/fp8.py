@@ -267,12 +267,9 @@ def _swiglu_grad_rows_quantized_kernel(da_ptr, h13_ptr, out_ptr, act_ptr, q_ptr,
     unused = tl.zeros((BLOCK_R,), dtype=tl.float32)
     for c0 in range(0, C, _SCALE_BLOCK):
         cols = c0 + tl.arange(0, _SCALE_BLOCK)
-        ok = row_ok[:, None] & (cols < C)[None, :]
-        h_ptrs = h13_ptr + rows64[:, None] * stride_hm + cols[None, :] * stride_hc
-        d_act = tl.load(da_ptr + rows64[:, None] * stride_dm + cols[None, :] * stride_dc, mask=ok, other=0.0)
-        gate = tl.load(h_ptrs, mask=ok, other=0.0).to(tl.float32)
-        up = tl.load(h_ptrs + C * stride_hc, mask=ok, other=0.0).to(tl.float32)
-        d_gate, d_up, sig, _ = gg._swiglu_grad_values(d_act.to(tl.float32), gate, up, unused, False)
+        ok, d_act, gate, up = gg._swiglu_grad_inputs(da_ptr, h13_ptr, rows64, row_ok, cols, C,
+                                                     stride_dm, stride_dc, stride_hm, stride_hc)
+        d_gate, d_up, sig, _ = gg._swiglu_grad_values(d_act, gate, up, unused, False)
         d_gate = d_gate.to(out_ptr.dtype.element_ty)
         d_up = d_up.to(out_ptr.dtype.element_ty)
         out_ptrs = out_ptr + rows64[:, None] * stride_om + cols[None, :] * stride_oc

@@ -529,6 +529,19 @@ def rows_gemm_descriptors(a_NK: torch.Tensor, b_EKC: torch.Tensor, config: TileC
 
 
 @triton.jit
+def _swiglu_grad_inputs(da_ptr, h13_ptr, rows64, row_ok, cols, C, stride_dm, stride_dc, stride_hm, stride_hc):
+    """(ok, d act, gate, up) of some rows and columns of the split SwiGLU-gradient pass, fp32, zeros
+    outside ok (rows past the limit, columns past C): d act [N, C] and h13's gate [:C] and up [C:]
+    halves read for `_swiglu_grad_rows_kernel` and `fp8`'s quantising pass alike."""
+    ok = row_ok[:, None] & (cols < C)[None, :]
+    h_ptrs = h13_ptr + rows64[:, None] * stride_hm + cols[None, :] * stride_hc
+    d_act = tl.load(da_ptr + rows64[:, None] * stride_dm + cols[None, :] * stride_dc, mask=ok, other=0.0)
+    gate = tl.load(h_ptrs, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(h_ptrs + C * stride_hc, mask=ok, other=0.0).to(tl.float32)
+    return ok, d_act.to(tl.float32), gate, up
+
+
+@triton.jit
 def _swiglu_grad_rows_kernel(da_ptr, h13_ptr, out_ptr, act_ptr, scale_ptr, rowdot_ptr, limit_ptr, C,
                              stride_dm, stride_dc, stride_hm, stride_hc, stride_om, stride_oc, stride_xm, stride_xc,
                              SAVE_ACT: tl.constexpr, ROW_SCALE: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -546,12 +559,9 @@ def _swiglu_grad_rows_kernel(da_ptr, h13_ptr, out_ptr, act_ptr, scale_ptr, rowdo
     rowdot = tl.zeros((BLOCK_R,), dtype=tl.float32)
     for c0 in range(0, C, BLOCK_C):
         cols = c0 + tl.arange(0, BLOCK_C)
-        ok = row_ok[:, None] & (cols < C)[None, :]
-        h_ptrs = h13_ptr + rows64[:, None] * stride_hm + cols[None, :] * stride_hc
-        acc = tl.load(da_ptr + rows64[:, None] * stride_dm + cols[None, :] * stride_dc, mask=ok, other=0.0)
-        gate = tl.load(h_ptrs, mask=ok, other=0.0).to(tl.float32)
-        up = tl.load(h_ptrs + C * stride_hc, mask=ok, other=0.0).to(tl.float32)
-        rowdot += _swiglu_grad_columns(acc.to(tl.float32), gate, up, scale, rows64, cols, ok, C, out_ptr, act_ptr,
+        ok, acc, gate, up = _swiglu_grad_inputs(da_ptr, h13_ptr, rows64, row_ok, cols, C,
+                                                stride_dm, stride_dc, stride_hm, stride_hc)
+        rowdot += _swiglu_grad_columns(acc, gate, up, scale, rows64, cols, ok, C, out_ptr, act_ptr,
                                        stride_om, stride_oc, stride_xm, stride_xc, SAVE_ACT, ROW_SCALE)
     if ROW_SCALE:
         tl.store(rowdot_ptr + rows64, rowdot, mask=row_ok)
