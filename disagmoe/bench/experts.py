@@ -52,6 +52,8 @@ FP8_VARIANTS = {
     # default, the FFN's own off, `fp8_ffn._GluonChoices`)
     "gluon": {"rows": True, "swiglu": True},
     "gluon-256": {"rows": True, "swiglu": True, "block_m": 256},  # the same at 256-row tiles
+    # the same with the row GEMM's epilogue by TMA (`fp8_gluon.gluon_fp8_rows_gemm(tma_store=True)`, unmeasured)
+    "gluon-tma-store": {"rows": True, "swiglu": True, "tma_store": True},
     "bf16-backward": {"backward": "bf16"},  # the whole backward in bf16 (the forward alone in FP8)
     "down-forward": {"forward": "down"},  # the forward's gate/up GEMM in bf16 (the loss FP8 costs is its)
 }
@@ -459,7 +461,8 @@ def fp8_kernel_paths(backend: str, hidden: int, ffn: int, device: torch.device) 
     backend's Gluon settings)."""
     gluon, backward, forward = variant_of(backend)
     return kernel_paths(hidden, ffn, device, rows=gluon.get("rows"), wgrad=gluon.get("wgrad"),
-                        swiglu=gluon.get("swiglu"), backward=backward, forward=forward, block_m=gluon.get("block_m"))
+                        swiglu=gluon.get("swiglu"), backward=backward, forward=forward, block_m=gluon.get("block_m"),
+                        tma_store=gluon.get("tma_store"))
 
 
 def fp8_tiles_notes(record: dict) -> list[str]:

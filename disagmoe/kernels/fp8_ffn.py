@@ -154,10 +154,16 @@ class _GluonChoices:
     # the Gluon row GEMM's rows per tile: 128, or 256 (each consumer warpgroup two 64-row waves on one B
     # tile: half the L2 traffic of B; `bench experts --backend triton-fp8:gluon-256`); the same sums
     block_m: int = 128
+    # the Gluon row GEMM's epilogue through shared memory and TMA (`fp8_gluon.gluon_fp8_rows_gemm(tma_store=True)`:
+    # each 64-row wave inside its group stored by TMA under the next item's K loop, the rest masked as
+    # without it; 128-row tiles only, `fp8_gluon.TMA_STORE_TILES`); unmeasured on a GPU, so off
+    # (`bench experts --backend triton-fp8:gluon-tma-store`); the same sums, the same bits
+    tma_store: bool = False
 
 
 _gluon = _GluonChoices()
 GLUON_BLOCK_MS = (128, 256)  # the Gluon row GEMM's tiles a run may ask for (`fp8_gluon.BLOCK_MS` has 64 too)
+GLUON_TMA_STORE_BLOCK_M = 128  # the one of them (at the FFN's 128 columns) whose TMA-store epilogue compiles clean
 
 
 def set_gluon(enabled: bool) -> None:
@@ -199,11 +205,17 @@ def gluon_paths(**changes: bool | int) -> Iterator[None]:
     they are; every field restored on exit (an A/B in `bench experts`)."""
     unknown = set(changes) - {field.name for field in dataclasses.fields(_GluonChoices)}
     if unknown:
-        raise ValueError(f"Gluon paths {sorted(unknown)}: choose from rows, wgrad, swiglu, block_m")
+        raise ValueError(f"Gluon paths {sorted(unknown)}: choose from rows, wgrad, swiglu, block_m, tma_store")
     wrong = {name: value for name, value in changes.items()
              if (name == "block_m" and value not in GLUON_BLOCK_MS) or (name != "block_m" and not isinstance(value, bool))}
     if wrong:
-        raise ValueError(f"Gluon paths {wrong}: rows, wgrad and swiglu take True or False, block_m one of {GLUON_BLOCK_MS}")
+        raise ValueError(f"Gluon paths {wrong}: rows, wgrad, swiglu and tma_store take True or False, block_m one of "
+                         f"{GLUON_BLOCK_MS}")
+    chosen = dataclasses.replace(_gluon, **changes)
+    if chosen.tma_store and chosen.block_m != GLUON_TMA_STORE_BLOCK_M:
+        raise ValueError(f"Gluon paths: tma_store=True runs the row GEMM at block_m={GLUON_TMA_STORE_BLOCK_M} "
+                         f"(at {chosen.block_m} x 128 its epilogue spills: fp8_gluon.TMA_STORE_TILES); ask for "
+                         f"block_m={GLUON_TMA_STORE_BLOCK_M} or tma_store=False")
     saved = dataclasses.replace(_gluon)
     for name, value in changes.items():
         setattr(_gluon, name, value)
@@ -216,14 +228,15 @@ def gluon_paths(**changes: bool | int) -> Iterator[None]:
 
 def kernel_paths(hidden: int, ffn: int, device: torch.device, *, rows: bool | None = None, wgrad: bool | None = None,
                  swiglu: bool | None = None, backward: str = DEFAULT_BACKWARD, forward: str = DEFAULT_FORWARD,
-                 block_m: int | None = None) -> str:
+                 block_m: int | None = None, tma_store: bool | None = None) -> str:
     """Which kernels an FFN of this shape runs on `device` per GEMM role, as `_rows_gemm`,
     `_gate_up_forward`, `_down_data_gradient` and `_weight_grad` choose them (the Gluon ones on a
     Hopper GPU where K and N are multiples of 128 and the settings ask for them; `rows` / `wgrad` /
     `swiglu`: the settings, None as `set_gluon_rows` / `set_gluon_wgrad` / `set_gluon_swiglu` say
     now; `backward` (`BACKWARD_PRECISIONS`): bf16 weight gradients (the default), or a bf16
-    backward; `forward` (`FORWARD_GEMMS`): one forward GEMM in bf16), e.g. 'rows triton | swiglu
-    triton | wgrad bf16 triton'."""
+    backward; `forward` (`FORWARD_GEMMS`): one forward GEMM in bf16; `block_m`, `tma_store`: the Gluon
+    row GEMM's tile and epilogue, None as `_GluonChoices` says now, named in its kernel's name:
+    'gluon', 'gluon-256', 'gluon-tma-store'), e.g. 'rows triton | swiglu triton | wgrad bf16 triton'."""
     hopper = (device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
               and os.environ.get("TRITON_INTERPRET") != "1")
     fits = hopper and hidden % fp8.SCALE_BLOCK == 0 and ffn % fp8.SCALE_BLOCK == 0
@@ -232,7 +245,9 @@ def kernel_paths(hidden: int, ffn: int, device: torch.device, *, rows: bool | No
     swiglu = _gluon.swiglu if swiglu is None else swiglu
     paths = {"rows": rows and fits, "swiglu": swiglu and fits, "wgrad": wgrad and hopper}
     block_m = _gluon.block_m if block_m is None else block_m
-    rows_kernel = "gluon" if block_m == 128 else f"gluon-{block_m}"  # the row GEMM's tile (`_GluonChoices`)
+    tma_store = _gluon.tma_store if tma_store is None else tma_store
+    # the row GEMM's tile and epilogue (`_GluonChoices`)
+    rows_kernel = ("gluon" if block_m == 128 else f"gluon-{block_m}") + ("-tma-store" if tma_store else "")
     names = {role: (rows_kernel if role != "wgrad" else "gluon") if gluon else "triton" for role, gluon in paths.items()}
     if backward != "fp8":
         names["wgrad"] = "bf16 triton"
@@ -255,7 +270,7 @@ def _gluon_rows_take(a_MK: torch.Tensor, b_EKN: torch.Tensor, num_programs: int 
 
 def _gate_up_forward(qx, sx, offsets_E, w13, tile: TileConfig, h13_N2F: torch.Tensor | None, out_dtype, *,
                      served: torch.Tensor, num_programs: int | None, stats: torch.Tensor | None, split: bool,
-                     block_m: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+                     block_m: int = 128, tma_store: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(q_act, s_act): the gate/up GEMM and silu(gate) * up quantised 1 x 128 for the down GEMM. Fused
     (`fp8.fp8_swiglu_gemm`: the epilogue from the fp32 sums), or with `split` where the Gluon row GEMM
     takes the operands: h13 written by it in `out_dtype` (into `h13_N2F` when the backward keeps it),
@@ -265,7 +280,7 @@ def _gate_up_forward(qx, sx, offsets_E, w13, tile: TileConfig, h13_N2F: torch.Te
 
         h13 = h13_N2F if h13_N2F is not None else torch.empty(
             (qx.shape[0], w13[0].shape[2]), dtype=out_dtype, device=qx.device)
-        fp8_gluon.gluon_fp8_rows_gemm(qx, sx, offsets_E, *w13, out=h13, block_m=block_m)
+        fp8_gluon.gluon_fp8_rows_gemm(qx, sx, offsets_E, *w13, out=h13, block_m=block_m, tma_store=tma_store)
         return fp8.quantize_swiglu_rows(h13, stats, served)
     return fp8.fp8_swiglu_gemm(qx, sx, offsets_E, *w13, tile, h13_M2F=h13_N2F, num_programs=num_programs,
                                stats=stats)
@@ -273,7 +288,8 @@ def _gate_up_forward(qx, sx, offsets_E, w13, tile: TileConfig, h13_N2F: torch.Te
 
 def _down_data_gradient(q_dy, s_dy, offsets_E, w2_t, tile: TileConfig, h13_N2F: torch.Tensor, act_NF: torch.Tensor,
                         out_dtype, *, num_programs: int | None, split: bool, block_m: int = 128,
-                        quantize: bool = False) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+                        tma_store: bool = False, quantize: bool = False
+                        ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
     """(dh13 (d gate | d up), its 1 x 128 e4m3 rows or None) from dy against w2^T with the SwiGLU
     derivative, writing act recomputed from h13 into `act_NF`. Fused (`fp8.fp8_swiglu_grad_gemm`), or
     with `split` where the Gluon row GEMM takes the operands: d act written by it, then
@@ -284,7 +300,7 @@ def _down_data_gradient(q_dy, s_dy, offsets_E, w2_t, tile: TileConfig, h13_N2F: 
         from disagmoe.kernels import fp8_gluon
 
         d_act_NF = fp8_gluon.gluon_fp8_rows_gemm(q_dy, s_dy, offsets_E, *w2_t, out_dtype=out_dtype,
-                                                 block_m=block_m)
+                                                 block_m=block_m, tma_store=tma_store)
         if quantize and fp8.swiglu_grad_quantizes(d_act_NF):
             return fp8.swiglu_grad_rows_quantized(d_act_NF, h13_N2F, offsets_E, act_N_C=act_NF)
         return gg.swiglu_grad_rows(d_act_NF, h13_N2F, offsets_E, act_N_C=act_NF), None
@@ -307,14 +323,15 @@ def _weight_grad(a, b, padded_E, tile: TileConfig, *, weights: int, out: torch.T
 
 def _rows_gemm(a_MK, sa_MG, offsets_E, b_EKN, sb_EGB, tile: TileConfig, *, out_dtype: torch.dtype,
                num_programs: int | None, gluon: bool, out: torch.Tensor | None = None,
-               block_m: int = 128) -> torch.Tensor:
+               block_m: int = 128, tma_store: bool = False) -> torch.Tensor:
     """`fp8.fp8_rows_gemm` (into `out` where given), or with `gluon` the Gluon kernel of the same
-    sums where it takes the operands (`_gluon_rows_take`)."""
+    sums where it takes the operands (`_gluon_rows_take`), at `block_m` rows a tile, its epilogue
+    by TMA with `tma_store` (`_GluonChoices`)."""
     if gluon and _gluon_rows_take(a_MK, b_EKN, num_programs):
         from disagmoe.kernels import fp8_gluon
 
         return fp8_gluon.gluon_fp8_rows_gemm(a_MK, sa_MG, offsets_E, b_EKN, sb_EGB, out=out, out_dtype=out_dtype,
-                                             block_m=block_m)
+                                             block_m=block_m, tma_store=tma_store)
     return fp8.fp8_rows_gemm(a_MK, sa_MG, offsets_E, b_EKN, sb_EGB, tile, out=out, out_dtype=out_dtype,
                              num_programs=num_programs)
 
@@ -494,9 +511,9 @@ def fp8_ffn_forward(
     qx, sx = x_fp8 if x_fp8 is not None else fp8.quantize_rows(x_NH, _row(stats, ACTIVATIONS), served)
     q_act, s_act = _gate_up_forward(qx, sx, offsets_E, weights.w13, tiles.swiglu, h13_N2F, dtype, served=served,
                                     num_programs=num_programs, stats=_row(stats, ACTIVATIONS),
-                                    split=gluon.swiglu, block_m=gluon.block_m)
+                                    split=gluon.swiglu, block_m=gluon.block_m, tma_store=gluon.tma_store)
     y_NH = _rows_gemm(q_act, s_act, offsets_E, *weights.w2, tiles.rows, out_dtype=dtype,
-                      num_programs=num_programs, gluon=gluon.rows, block_m=gluon.block_m)
+                      num_programs=num_programs, gluon=gluon.rows, block_m=gluon.block_m, tma_store=gluon.tma_store)
     return y_NH, h13_N2F
 
 
@@ -522,8 +539,8 @@ def _one_gemm_forward(x_NH: torch.Tensor | RowSource, offsets_E, weights: Fp8Exp
     acts = _row(stats, ACTIVATIONS)
     if forward == "gate-up":
         qx, sx = x_fp8 if x_fp8 is not None else fp8.quantize_rows(x_NH, acts, served)
-        h13 = _rows_gemm(qx, sx, offsets_E, *weights.w13, tiles.rows, out_dtype=dtype,
-                         num_programs=num_programs, gluon=gluon.rows, out=h13_N2F, block_m=gluon.block_m)
+        h13 = _rows_gemm(qx, sx, offsets_E, *weights.w13, tiles.rows, out_dtype=dtype, num_programs=num_programs,
+                         gluon=gluon.rows, out=h13_N2F, block_m=gluon.block_m, tma_store=gluon.tma_store)
         gate, up = h13.float().chunk(2, dim=1)
         act_NF = (torch.nn.functional.silu(gate) * up).to(dtype)
         return gg.ragged_rows_gemm(act_NF, offsets_E, w2_EFH, bf16_tiles.down, num_programs=num_programs)
@@ -531,7 +548,7 @@ def _one_gemm_forward(x_NH: torch.Tensor | RowSource, offsets_E, weights: Fp8Exp
                                  h13_N2C=h13_N2F, num_programs=num_programs)
     q_act, s_act = fp8.quantize_rows(act_NF, acts, served)
     return _rows_gemm(q_act, s_act, offsets_E, *weights.w2, tiles.rows, out_dtype=dtype,
-                      num_programs=num_programs, gluon=gluon.rows, block_m=gluon.block_m)
+                      num_programs=num_programs, gluon=gluon.rows, block_m=gluon.block_m, tma_store=gluon.tma_store)
 
 
 # Elements of one piece of a dequantisation (`_dequantized_rows`, `_dequantized_blocks`): its fp32
@@ -669,7 +686,7 @@ def fp8_ffn_backward(
     act_NF = h13_N2F.new_empty((rows, ffn))
     dh13_N2F, _ = _down_data_gradient(q_dy, s_dy, offsets_E, weights.w2_t, tiles.swiglu, h13_N2F, act_NF,
                                       dy_NH.dtype, num_programs=num_programs, split=gluon.swiglu,
-                                      block_m=gluon.block_m)
+                                      block_m=gluon.block_m, tma_store=gluon.tma_store)
     del q_dy, s_dy
     qt_act, st_act, _ = fp8.quantize_token_groups(act_NF, offsets_E, acts)
     del act_NF
@@ -681,7 +698,7 @@ def fp8_ffn_backward(
     del qt_act, st_act, qt_dy, st_dy  # before d h13's two copies are made
     (q_dh, s_dh), (qt_dh, st_dh, _) = fp8.quantize_rows_and_token_groups(dh13_N2F, offsets_E, grads_row, served)
     dx_NH = _rows_gemm(q_dh, s_dh, offsets_E, *weights.w13_t, tiles.rows, out_dtype=dy_NH.dtype,
-                       num_programs=num_programs, gluon=gluon.rows, block_m=gluon.block_m)
+                       num_programs=num_programs, gluon=gluon.rows, block_m=gluon.block_m, tma_store=gluon.tma_store)
     del q_dh, s_dh
     if isinstance(x_NH, RowSource):  # the grouped rows read from their tokens, in the quantiser
         qt_x, st_x, _ = fp8.quantize_token_groups(x_NH.x_TH, offsets_E, acts, rows_M=x_NH.token_N)
@@ -715,7 +732,8 @@ def _backward_bf16_weight_grads(dy_NH, x_NH, offsets_E, weights: Fp8ExpertWeight
     # a step that counts its numerics quantises d h13 on its own (the split pass has no counters)
     dh13_N2F, dh13_fp8 = _down_data_gradient(q_dy, s_dy, offsets_E, weights.w2_t, tiles.swiglu, h13_N2F, act_NF,
                                              dy_NH.dtype, num_programs=num_programs, split=gluon.swiglu,
-                                             block_m=gluon.block_m, quantize=grads_row is None)
+                                             block_m=gluon.block_m, tma_store=gluon.tma_store,
+                                             quantize=grads_row is None)
     del q_dy, s_dy
     main13, main2 = main_grads
     dw2 = gg.ragged_weight_grad(act_NF, dy_NH, offsets_E, bf16_tiles.wgrad_w2, out=main2, accumulate=adds_into(main2),
@@ -724,7 +742,7 @@ def _backward_bf16_weight_grads(dy_NH, x_NH, offsets_E, weights: Fp8ExpertWeight
     q_dh, s_dh = dh13_fp8 if dh13_fp8 is not None else fp8.quantize_rows(dh13_N2F, grads_row, served)
     del dh13_fp8
     dx_NH = _rows_gemm(q_dh, s_dh, offsets_E, *weights.w13_t, tiles.rows, out_dtype=dy_NH.dtype,
-                       num_programs=num_programs, gluon=gluon.rows, block_m=gluon.block_m)
+                       num_programs=num_programs, gluon=gluon.rows, block_m=gluon.block_m, tma_store=gluon.tma_store)
     del q_dh, s_dh
     x_rows = x_NH.rows(dh13_N2F.dtype) if isinstance(x_NH, RowSource) else x_NH.to(dh13_N2F.dtype)
     dw13 = gg.ragged_weight_grad(x_rows, dh13_N2F, offsets_E, bf16_tiles.wgrad_w13, out=main13,

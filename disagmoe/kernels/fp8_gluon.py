@@ -35,7 +35,7 @@ block_m x block_n found on the device from offsets_E, as `_fp8_rows_gemm_kernel`
   a slice a warp against 154 now (compiled on a CPU: docs/measurements/gluon_slice_count.py, docs/benchmarks.md).
 - epilogue: each consumer stores its rows of the group (masked to the group's end) in out's dtype
   straight from the wgmma layout, then goes on to the next item, whose stages the producer has
-  been loading meanwhile.
+  been loading meanwhile; or, asked, through shared memory by TMA (`tma_store`, below).
 - block_m = 256 (`_consumer_two_waves`, session 33; unmeasured on a GPU): each consumer takes 128 rows as
   two 64-row waves on the stage's one B tile, wave by wave (wgmma, wait, add), the stage released after
   the second: B read once per 256 rows, half the L2 traffic of B per FLOP (about x2 TMA multicast,
@@ -44,10 +44,40 @@ block_m x block_n found on the device from offsets_E, as `_fp8_rows_gemm_kernel`
 Ping-pong on different tiles (one warpgroup per block_m x block_n tile) does not fit at 128 x 128:
 the sum and two products would need 384 registers per thread.
 
+TMA-store epilogue (`gluon_fp8_rows_gemm(tma_store=True)`; off by default: no GPU has
+run it, so nothing says it is faster). Why: the masked store writes each thread's 2 rows from the
+wgmma layout in 4-byte pieces (bf16: 32 STG a thread per 64 x 128 wave, each warp instruction 16
+bytes in each of 8 rows, uncoalesced), issued by the consumer before its next item can start; on
+Qwen3-30B's expert GEMMs (K 768 or 1,536: 6-12 K slices a tile) that epilogue is a large share of
+each tile, and in the profiled training step (one H100) this kernel ran at about 655 TFLOP/s, the
+step's FP8 row GEMMs 60 ms. How: row tiles start at their group's first row (`_tile_of`: row_start +
+pid_m x block_m, pid_m < cdiv(rows, block_m)), so only a group's last tile can reach past its end.
+A consumer's 64-row wave wholly inside its group is converted to out's dtype, written into the
+consumer's [64, block_n] shared-memory buffer (stmatrix: 8 STSM a thread at 64 x 128 bf16), fenced
+for the async proxy and stored by TMA through out's descriptor ([64, block_n] boxes, which Triton
+issues as 128-byte-wide pieces: two bulk copies at bf16 x 128), not waited for: the consumer waits
+(cp.async.bulk.wait_group.read 0) only before it writes that buffer again, an item later, and once
+at the end, so the store drains under the next item's K loop. A wave reaching past its group's end
+(a box would write the next group's rows) keeps the masked store, as does an `out` that cannot take
+a descriptor (`tma_store_takes`: unit column stride, 16-byte-aligned base and rows). Shared memory:
+one buffer per consumer, 32 KiB at 128 x 128 with a bf16 out (64 KiB fp32) beside the ring, so the 4
+stages fit every tile it takes. Compiled for sm_90a on a CPU (tests/kernels/test_fp8_gluon.py): no
+spill stores at 64 and 128 rows and at 256 x 64, the K loop as without it (152 SASS instructions a
+warp against 154-156 at 128 x 128, no local memory), and off it is the same kernel (the same SASS). At
+256 x 128 the two waves' sums leave ptxas no room for it: 184 bytes of spill stores with a bf16 out,
+two accumulator registers stored and reloaded in every K slice (4 bytes with fp32); the stmatrix
+addresses, which LLVM hoists out of the item loop, and the masked path kept for partial waves
+both cost registers there, and a second buffer per wave or 32-bit scale offsets did not save enough.
+So it takes 256 rows only at block_n 64 (`TMA_STORE_TILES`, both waves through one buffer in turn)
+and the FFN only at 128 (`fp8_ffn._GluonChoices.tma_store`). The next lease's A/B: `bench experts
+--backend triton-fp8:gluon --backend triton-fp8:gluon-tma-store` (the GPU tests of the file first).
+
 Requirements (ValueError naming the fix otherwise): K a multiple of 128, N a multiple of block_n,
 block_m in (64, 128, 256), block_n in (64, 128) (one weight-block scale per column tile), b K-major with
 its [E, N, K] storage contiguous (`fp8_ffn.Fp8ExpertWeights`' operands are), a with unit column
-stride, 16-byte-aligned rows, the ring within shared memory (stages <= 6 at 128 x 128, <= 4 at 256 x 128).
+stride, 16-byte-aligned rows, the ring and the TMA store's buffers within shared memory (stages <= 6 at
+128 x 128, <= 4 at 256 x 128; with tma_store and an fp32 out <= 5 at 128 x 128), tma_store on
+`TMA_STORE_TILES` only.
 
 Measured (H200, 2026-12-04, 128 x 128, 4 stages, against `fp8_rows_gemm` at its tuned tiles, the
 same bits): Mixtral's down 785 against 634 TFLOP/s, DeepSeek-V3-EP8's gate/up 832 against 594,
@@ -72,9 +102,10 @@ order). Compiled for sm_90a
 on a CPU only: the FFN runs it when `fp8_ffn.set_gluon_wgrad(True)` (`bench experts --backend
 triton-fp8:gluon-wgrad`), off by default until a GPU has timed it.
 
-Not yet done: the SwiGLU epilogues of `fp8_swiglu_gemm` / `fp8_swiglu_grad_gemm`, a coalesced
-(shared-memory or TMA) store, skipping a consumer's half-tile that lies wholly past its group's
-end (its MMAs run on rows never stored).
+Not yet done: the SwiGLU epilogues of `fp8_swiglu_gemm` / `fp8_swiglu_grad_gemm`, the TMA store timed
+(and at 256 x 128, and for a group's partial last tile, e.g. through the buffer and a coalesced
+masked store), skipping a consumer's half-tile that lies wholly past its group's end (its MMAs run
+on rows never stored).
 """
 
 from __future__ import annotations
@@ -109,6 +140,12 @@ GROUP_M = 8  # row tiles sharing column tiles in the item order, as TileConfig's
 # for the producer (Gluon's tutorials), ptxas spilled 8 bytes at 128 x 128.
 PRODUCER_REGS, CONSUMER_REGS, MAXNREG = 40, 232, 168
 SHARED_MEMORY_BYTES = 227 * 1024  # sm_90's per-block limit (the barriers take a few bytes more)
+# out's dtypes as the TMA-store epilogue's descriptor names them (`_check` admits these three)
+OUT_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
+# (block_m, block_n) tiles that take the TMA-store epilogue (`gluon_fp8_rows_gemm(tma_store=True)`): those ptxas
+# holds without spills (sm_90a, Triton 3.6). At 256 x 128 the two waves' sums leave it no registers: 184 bytes of
+# spill stores with a bf16 out, two accumulator registers stored and reloaded in every K slice (module docstring)
+TMA_STORE_TILES = ((64, 64), (64, 128), (128, 64), (128, 128), (256, 64))
 # Whether the ring's mbarrier initialisations are fenced (`fence_async_shared`, fence.proxy.async) before
 # any TMA completes on them: the PTX rule for the async proxy's view of shared memory written by threads,
 # as DeepGEMM fences there. Until session 28 the kernels did not; the FFN's Gluon gate/up GEMM then
@@ -191,13 +228,39 @@ def _producer(a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, offsets_pt
 
 
 @gluon.jit
+def _masked_store(values_MN, out_ptr, rows, row_ok, cols, stride_om, stride_on):
+    """The plain epilogue: a warpgroup's 64 rows straight from the wgmma layout, rows past the group's
+    end masked off (each thread's elements on 2 rows, BLOCK_N / 8 column pairs on each: 4-byte stores
+    at bf16, a warp's store instruction writing 16 bytes in each of 8 rows)."""
+    out_ptrs = out_ptr + rows.to(gl.int64)[:, None] * stride_om + cols[None, :] * stride_on
+    gl.store(out_ptrs, values_MN, mask=row_ok[:, None])
+
+
+@gluon.jit
+def _store_wave(values_MN, whole, row, col, out_desc, c_buf, out_ptr, rows, row_ok, cols, stride_om, stride_on):
+    """A warpgroup's 64 rows from `row` (TMA_STORE): where they lie wholly inside the group (`whole`),
+    written into its epilogue buffer c_buf, fenced for the async proxy and stored by TMA (one
+    [64, BLOCK_N] box of out_desc at [row, col]), not waited for: the caller waits (store_wait)
+    before it writes the buffer again, an item later, so the store drains under the next item's
+    main loop. Otherwise (the group's last tile, partial: a box would write the next group's rows)
+    the masked store. The caller has waited for the buffer's last store where `whole`."""
+    if whole:
+        c_buf.store(values_MN)
+        fence_async_shared()
+        tma.async_copy_shared_to_global(out_desc, [row, col], c_buf)
+    else:
+        _masked_store(values_MN, out_ptr, rows, row_ok, cols, stride_om, stride_on)
+
+
+@gluon.jit
 def _consumer(a_bufs, b_bufs, ready_bars, empty_bars, sa_ptr, sb_ptr, out_ptr, offsets_ptr, E, E_W, N, K,
               num_programs, stride_sam, stride_sag, stride_sbe, stride_sbg, stride_sbb, stride_om, stride_on,
-              CONSUMER: gl.constexpr, E_POW2: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+              out_desc, c_bufs, CONSUMER: gl.constexpr, E_POW2: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr):
     """One warpgroup's rows CONSUMER * 64 + [0, 64) of every item: per slice, the wgmma waited for,
     the stage released, the product added with the scales loaded a slice earlier (module
-    docstring), then the masked store."""
+    docstring), then the store: masked from registers, or with TMA_STORE (`_store_wave`) through
+    this warpgroup's epilogue buffer c_bufs[CONSUMER] where its 64 rows lie inside the group."""
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_N, 32])
     row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
@@ -231,19 +294,31 @@ def _consumer(a_bufs, b_bufs, ready_bars, empty_bars, sa_ptr, sb_ptr, out_ptr, o
             acc_MN = acc_MN + part_MN * scale_M[:, None]  # under the other consumer's wgmma
             count += 1
         cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
-        out_ptrs = out_ptr + rows.to(gl.int64)[:, None] * stride_om + cols[None, :] * stride_on
-        gl.store(out_ptrs, acc_MN.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        if TMA_STORE:
+            wave_row = row0 + CONSUMER * _ROWS
+            whole = wave_row + _ROWS <= row_end
+            if whole:
+                tma.store_wait(0)  # the previous item's store has read the buffer (long since: a main loop ago)
+            _store_wave(acc_MN.to(out_ptr.dtype.element_ty), whole, wave_row, pid_n * BLOCK_N, out_desc,
+                        c_bufs.index(CONSUMER), out_ptr, rows, row_ok, cols, stride_om, stride_on)
+        else:
+            _masked_store(acc_MN.to(out_ptr.dtype.element_ty), out_ptr, rows, row_ok, cols, stride_om, stride_on)
+    if TMA_STORE:
+        tma.store_wait(0)  # the last item's store has read its buffer before the block's shared memory goes
 
 
 @gluon.jit
 def _consumer_two_waves(a_bufs, b_bufs, ready_bars, empty_bars, sa_ptr, sb_ptr, out_ptr, offsets_ptr, E, E_W, N, K,
                         num_programs, stride_sam, stride_sag, stride_sbe, stride_sbg, stride_sbb, stride_om,
-                        stride_on, CONSUMER: gl.constexpr, E_POW2: gl.constexpr, BLOCK_M: gl.constexpr,
-                        BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+                        stride_on, out_desc, c_bufs, CONSUMER: gl.constexpr, E_POW2: gl.constexpr,
+                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                        TMA_STORE: gl.constexpr):
     """`_consumer` at block_m 256: this warpgroup's 128 rows CONSUMER * 128 + [0, 128) as two 64-row
     waves per slice on the stage's one B tile, each wave's wgmma waited for and its product added
     into that wave's sum (the two sums and one product in registers: two products at once would
-    spill), the stage released after the second; the same sums in the same order per row."""
+    spill), the stage released after the second; the same sums in the same order per row. With
+    TMA_STORE (block_n 64: `TMA_STORE_TILES`) both waves go through this warpgroup's one buffer
+    c_bufs[CONSUMER], in turn."""
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_N, 32])
     row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
@@ -285,11 +360,29 @@ def _consumer_two_waves(a_bufs, b_bufs, ready_bars, empty_bars, sa_ptr, sb_ptr, 
             acc_hi = acc_hi + part_MN * scale_hi[:, None]
             count += 1
         cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
-        out_lo = out_ptr + rows_lo.to(gl.int64)[:, None] * stride_om + cols[None, :] * stride_on
-        gl.store(out_lo, acc_lo.to(out_ptr.dtype.element_ty), mask=ok_lo[:, None])
-        rows_hi = rows_lo + _ROWS
-        out_hi = out_ptr + rows_hi.to(gl.int64)[:, None] * stride_om + cols[None, :] * stride_on
-        gl.store(out_hi, acc_hi.to(out_ptr.dtype.element_ty), mask=(rows_hi < row_end)[:, None])
+        if TMA_STORE:
+            # one buffer for both waves (block_n 64 only: `TMA_STORE_TILES`), the high wave waiting for the low
+            # wave's store to have read it (8 KiB, bf16); the high wave's store drains under the next item
+            c_buf = c_bufs.index(CONSUMER)
+            lo_row = row0 + CONSUMER * 2 * _ROWS
+            whole_lo = lo_row + _ROWS <= row_end
+            if whole_lo:
+                tma.store_wait(0)  # the previous item's high wave's store has read the buffer
+            _store_wave(acc_lo.to(out_ptr.dtype.element_ty), whole_lo, lo_row, pid_n * BLOCK_N, out_desc, c_buf,
+                        out_ptr, rows_lo, ok_lo, cols, stride_om, stride_on)
+            rows_hi = rows_lo + _ROWS
+            whole_hi = lo_row + 2 * _ROWS <= row_end
+            if whole_hi:
+                tma.store_wait(0)  # the low wave's store (whole_hi implies whole_lo) has read the buffer
+            _store_wave(acc_hi.to(out_ptr.dtype.element_ty), whole_hi, lo_row + _ROWS, pid_n * BLOCK_N, out_desc,
+                        c_buf, out_ptr, rows_hi, rows_hi < row_end, cols, stride_om, stride_on)
+        else:
+            _masked_store(acc_lo.to(out_ptr.dtype.element_ty), out_ptr, rows_lo, ok_lo, cols, stride_om, stride_on)
+            rows_hi = rows_lo + _ROWS
+            _masked_store(acc_hi.to(out_ptr.dtype.element_ty), out_ptr, rows_hi, rows_hi < row_end, cols, stride_om,
+                          stride_on)
+    if TMA_STORE:
+        tma.store_wait(0)
 
 
 @gluon.jit
@@ -311,25 +404,32 @@ def _ring(a_desc, b_desc, STAGES: gl.constexpr, CONSUMERS: gl.constexpr, FENCE_I
 
 
 @gluon.jit
-def _gluon_fp8_rows_gemm_kernel(a_desc, b_desc, sa_ptr, sb_ptr, out_ptr, offsets_ptr, E, E_W, N, K, num_programs,
-                                stride_sam, stride_sag, stride_sbe, stride_sbg, stride_sbb, stride_om, stride_on,
-                                E_POW2: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+def _gluon_fp8_rows_gemm_kernel(a_desc, b_desc, out_desc, sa_ptr, sb_ptr, out_ptr, offsets_ptr, E, E_W, N, K,
+                                num_programs, stride_sam, stride_sag, stride_sbe, stride_sbg, stride_sbb, stride_om,
+                                stride_on, E_POW2: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                                 GROUP_M: gl.constexpr, STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                                CONSUMER_REGS: gl.constexpr, FENCE_INIT: gl.constexpr):
+                                CONSUMER_REGS: gl.constexpr, FENCE_INIT: gl.constexpr, TMA_STORE: gl.constexpr):
     # Contract: `gluon_fp8_rows_gemm`'s, checked there. The partitions' arguments are written
     # inline in the warp_specialize call: a tuple assigned to a name first turns its constexprs
     # into tensors (Triton 3.6's front end), which the layouts and shapes cannot take.
-    # consumers: 1 at block_m 64, 2 at 128 and at 256 (two waves each), in constexpr arithmetic
+    # consumers: 1 at block_m 64, 2 at 128 and at 256 (two waves each), in constexpr arithmetic.
+    # out_desc: out's TMA view ([64, BLOCK_N] boxes) with TMA_STORE, else None (the masked store alone).
     CONSUMERS: gl.constexpr = BLOCK_M // _ROWS - 2 * (BLOCK_M // (4 * _ROWS))
     a_bufs, b_bufs, ready_bars, empty_bars = _ring(a_desc, b_desc, STAGES, CONSUMERS, FENCE_INIT)
+    if TMA_STORE:  # one [64, BLOCK_N] buffer of out's dtype per consumer, in the TMA box's NVMMA layout
+        c_bufs = gl.allocate_shared_memory(out_desc.dtype, [CONSUMERS] + out_desc.block_type.shape, out_desc.layout)
+    else:
+        c_bufs: gl.constexpr = None
     if BLOCK_M == 4 * _ROWS:
         gl.warp_specialize([
             (_consumer_two_waves, (a_bufs, b_bufs, ready_bars, empty_bars, sa_ptr, sb_ptr, out_ptr, offsets_ptr, E,
                                    E_W, N, K, num_programs, stride_sam, stride_sag, stride_sbe, stride_sbg, stride_sbb,
-                                   stride_om, stride_on, gl.constexpr(0), E_POW2, BLOCK_M, BLOCK_N, GROUP_M, STAGES)),
+                                   stride_om, stride_on, out_desc, c_bufs, gl.constexpr(0), E_POW2, BLOCK_M, BLOCK_N,
+                                   GROUP_M, STAGES, TMA_STORE)),
             (_consumer_two_waves, (a_bufs, b_bufs, ready_bars, empty_bars, sa_ptr, sb_ptr, out_ptr, offsets_ptr, E,
                                    E_W, N, K, num_programs, stride_sam, stride_sag, stride_sbe, stride_sbg, stride_sbb,
-                                   stride_om, stride_on, gl.constexpr(1), E_POW2, BLOCK_M, BLOCK_N, GROUP_M, STAGES)),
+                                   stride_om, stride_on, out_desc, c_bufs, gl.constexpr(1), E_POW2, BLOCK_M, BLOCK_N,
+                                   GROUP_M, STAGES, TMA_STORE)),
             (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, offsets_ptr, E, E_W, N, K,
                          num_programs, E_POW2, BLOCK_M, BLOCK_N, GROUP_M, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -337,10 +437,12 @@ def _gluon_fp8_rows_gemm_kernel(a_desc, b_desc, sa_ptr, sb_ptr, out_ptr, offsets
         gl.warp_specialize([
             (_consumer, (a_bufs, b_bufs, ready_bars, empty_bars, sa_ptr, sb_ptr, out_ptr, offsets_ptr, E, E_W, N, K,
                          num_programs, stride_sam, stride_sag, stride_sbe, stride_sbg, stride_sbb, stride_om,
-                         stride_on, gl.constexpr(0), E_POW2, BLOCK_M, BLOCK_N, GROUP_M, STAGES)),
+                         stride_on, out_desc, c_bufs, gl.constexpr(0), E_POW2, BLOCK_M, BLOCK_N, GROUP_M, STAGES,
+                         TMA_STORE)),
             (_consumer, (a_bufs, b_bufs, ready_bars, empty_bars, sa_ptr, sb_ptr, out_ptr, offsets_ptr, E, E_W, N, K,
                          num_programs, stride_sam, stride_sag, stride_sbe, stride_sbg, stride_sbb, stride_om,
-                         stride_on, gl.constexpr(1), E_POW2, BLOCK_M, BLOCK_N, GROUP_M, STAGES)),
+                         stride_on, out_desc, c_bufs, gl.constexpr(1), E_POW2, BLOCK_M, BLOCK_N, GROUP_M, STAGES,
+                         TMA_STORE)),
             (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, offsets_ptr, E, E_W, N, K,
                          num_programs, E_POW2, BLOCK_M, BLOCK_N, GROUP_M, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -348,7 +450,8 @@ def _gluon_fp8_rows_gemm_kernel(a_desc, b_desc, sa_ptr, sb_ptr, out_ptr, offsets
         gl.warp_specialize([
             (_consumer, (a_bufs, b_bufs, ready_bars, empty_bars, sa_ptr, sb_ptr, out_ptr, offsets_ptr, E, E_W, N, K,
                          num_programs, stride_sam, stride_sag, stride_sbe, stride_sbg, stride_sbb, stride_om,
-                         stride_on, gl.constexpr(0), E_POW2, BLOCK_M, BLOCK_N, GROUP_M, STAGES)),
+                         stride_on, out_desc, c_bufs, gl.constexpr(0), E_POW2, BLOCK_M, BLOCK_N, GROUP_M, STAGES,
+                         TMA_STORE)),
             (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, offsets_ptr, E, E_W, N, K,
                          num_programs, E_POW2, BLOCK_M, BLOCK_N, GROUP_M, STAGES)),
         ], [1], [PRODUCER_REGS])
@@ -484,7 +587,7 @@ def _gluon_fp8_weight_grad_kernel(a_desc, b_desc, sa_ptr, sb_ptr, out_ptr, padde
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-def _check(a_MK, sa_MG, offsets_E, b_EKN, sb_EGB, out, block_m, block_n, stages) -> None:
+def _check(a_MK, sa_MG, offsets_E, b_EKN, sb_EGB, out, block_m, block_n) -> None:
     """ValueError naming the fix for arguments the kernel cannot take."""
     wrong = {name: t.dtype for name, t in (("a", a_MK), ("b", b_EKN)) if t.dtype != FP8}
     if wrong:
@@ -493,11 +596,6 @@ def _check(a_MK, sa_MG, offsets_E, b_EKN, sb_EGB, out, block_m, block_n, stages)
     if block_m not in BLOCK_MS or block_n not in BLOCK_NS:
         raise ValueError(f"gluon_fp8_rows_gemm tiles: block_m in {BLOCK_MS} (64 rows per consumer warpgroup wave), "
                          f"block_n in {BLOCK_NS} (one weight-block scale per column tile); got {block_m} x {block_n}")
-    ring = stages * (block_m + block_n) * SCALE_BLOCK
-    if stages < 2 or ring > SHARED_MEMORY_BYTES:
-        raise ValueError(f"stages={stages}: the ring needs at least 2 stages (loads overlapping the MMAs) and must "
-                         f"fit the {SHARED_MEMORY_BYTES} bytes of shared memory a Hopper block may use ("
-                         f"{(block_m + block_n) * SCALE_BLOCK} bytes per stage at {block_m} x {block_n})")
     rows, k = a_MK.shape
     experts, k_b, cols = b_EKN.shape
     if k == 0 or k % SCALE_BLOCK:
@@ -524,6 +622,31 @@ def _check(a_MK, sa_MG, offsets_E, b_EKN, sb_EGB, out, block_m, block_n, stages)
     if out is not None and (out.shape != (rows, cols) or not out.dtype.is_floating_point or out.dtype == FP8):
         raise ValueError(f"out must be a float [M, N] = {(rows, cols)} tensor (bf16, fp16 or fp32); got "
                          f"{out.dtype} {tuple(out.shape)}")
+
+
+def _check_ring(stages: int, block_m: int, block_n: int, epilogue: int) -> None:
+    """ValueError naming the fix where the ring of `stages` and the epilogue buffers (`epilogue` bytes:
+    the TMA store's, 0 without) do not fit a Hopper block's shared memory, or the ring is too shallow."""
+    stage = (block_m + block_n) * SCALE_BLOCK
+    if stages < 2 or stages * stage + epilogue > SHARED_MEMORY_BYTES:
+        room = (SHARED_MEMORY_BYTES - epilogue) // stage
+        raise ValueError(f"stages={stages}: the ring needs at least 2 stages (loads overlapping the MMAs) and, beside "
+                         f"the epilogue buffers ({epilogue} bytes: the TMA store's, 0 without it), must fit the "
+                         f"{SHARED_MEMORY_BYTES} bytes of shared memory a Hopper block may use ({stage} bytes per "
+                         f"stage at {block_m} x {block_n}: pass stages between 2 and {room})")
+
+
+def epilogue_bytes(block_m: int, block_n: int, out_bytes: int) -> int:
+    """Shared memory of the TMA-store epilogue: one [64, block_n] buffer of out's elements (`out_bytes`
+    each) per consumer warpgroup (one at block_m 64, two at 128 and at 256, whose two waves take turns)."""
+    return min(block_m, 2 * CONSUMER_ROWS) * block_n * out_bytes
+
+
+def tma_store_takes(out: torch.Tensor) -> bool:
+    """Whether `out` can take the TMA-store epilogue's descriptor (`gluon_fp8_rows_gemm(tma_store=True)`):
+    unit column stride, a 16-byte-aligned base and row stride (TMA's rules). Where it cannot (a column
+    slice at an odd offset, a transposed view) the kernel keeps the masked store."""
+    return out.stride(1) == 1 and (out.stride(0) * out.element_size()) % 16 == 0 and out.data_ptr() % 16 == 0
 
 
 def takes(a_MK: torch.Tensor, b_EKN: torch.Tensor, block_n: int = 128) -> bool:
@@ -554,19 +677,29 @@ def gluon_fp8_rows_gemm(
     block_n: int = 128,
     stages: int = 4,
     num_programs: int | None = None,
+    tma_store: bool = False,
 ) -> torch.Tensor:
     """`fp8.fp8_rows_gemm`'s plain epilogue: out[rows_g] = dequant(a[rows_g]) @ dequant(b[g mod E])
     for every row group g of `offsets_E` (int32 cumulative row counts, a multiple of E groups,
     empty groups allowed), a from `quantize_rows`, b K-major from `quantize_blocks` (module
     docstring: the requirements). `out` (given: [M, N], bf16, fp16 or fp32) or a new one of
     `out_dtype`. `stages`: the shared-memory ring's depth ((block_m + block_n) x 128 bytes each).
-    `num_programs`: persistent programs (default one per SM; give it on a CPU, where the kernel
-    can only be compiled)."""
-    _check(a_MK, sa_MG, offsets_E, b_EKN, sb_EGB, out, block_m, block_n, stages)
+    `num_programs`: persistent programs (default one per SM; give it on a CPU, where the kernel can
+    only be compiled). `tma_store` (off: unmeasured on a GPU, module docstring): each 64-row wave
+    wholly inside its group written through shared memory and stored by TMA, not waited for until
+    its buffer's next use, on the tiles of `TMA_STORE_TILES`; where `out` cannot take a TMA
+    descriptor (`tma_store_takes`) the masked store, as without it."""
+    _check(a_MK, sa_MG, offsets_E, b_EKN, sb_EGB, out, block_m, block_n)
+    if tma_store and (block_m, block_n) not in TMA_STORE_TILES:
+        raise ValueError(f"tma_store=True runs the tiles {TMA_STORE_TILES}: at {block_m} x {block_n} ptxas spills "
+                         f"registers of the K loop for its epilogue (sm_90a, module docstring); use block_m=128, "
+                         f"block_n=64, or tma_store=False")
     rows, k = a_MK.shape
     experts, _, cols = b_EKN.shape
     if out is None:
         out = torch.empty((rows, cols), dtype=out_dtype, device=a_MK.device)
+    by_tma = tma_store and tma_store_takes(out)
+    _check_ring(stages, block_m, block_n, epilogue_bytes(block_m, block_n, out.element_size()) if by_tma else 0)
     if rows == 0 or cols == 0:
         return out
     a_box, b_box = [block_m, SCALE_BLOCK], [block_n, SCALE_BLOCK]
@@ -575,14 +708,19 @@ def gluon_fp8_rows_gemm(
     b_NK = b_EKN.transpose(1, 2).reshape(experts * cols, k)  # a view: the storage is [E, N, K]
     b_desc = TensorDescriptor(b_NK, [experts * cols, k], [k, 1], b_box,
                               gl.NVMMASharedLayout.get_default_for(b_box, gl.float8e4nv))
+    out_desc = None  # the kernel's masked store alone
+    if by_tma:
+        out_box = [CONSUMER_ROWS, block_n]
+        out_desc = TensorDescriptor(out, [rows, cols], [out.stride(0), 1], out_box,
+                                    gl.NVMMASharedLayout.get_default_for(out_box, OUT_DTYPES[out.dtype]))
     programs = num_programs or gg.default_num_programs(a_MK.device)
     groups = offsets_E.shape[0]
     _gluon_fp8_rows_gemm_kernel[(programs, )](
-        a_desc, b_desc, sa_MG, sb_EGB, out, offsets_E, groups, experts, cols, k, programs,
+        a_desc, b_desc, out_desc, sa_MG, sb_EGB, out, offsets_E, groups, experts, cols, k, programs,
         sa_MG.stride(0), sa_MG.stride(1), *sb_EGB.stride(), out.stride(0), out.stride(1),
         E_POW2=triton.next_power_of_2(groups), BLOCK_M=block_m, BLOCK_N=block_n, GROUP_M=GROUP_M, STAGES=stages,
-        PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS, FENCE_INIT=FENCE_BARRIER_INIT, num_warps=4,
-        maxnreg=MAXNREG if block_m >= 2 * CONSUMER_ROWS else None)
+        PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS, FENCE_INIT=FENCE_BARRIER_INIT, TMA_STORE=by_tma,
+        num_warps=4, maxnreg=MAXNREG if block_m >= 2 * CONSUMER_ROWS else None)
     return out
 
 

@@ -170,22 +170,24 @@ def test_precision_fp8_times_our_fp8_experts_beside_our_bf16_ones():
 
 
 def test_the_variant_backends_run_the_fp8_block_with_their_one_choice_changed(monkeypatch):
-    """`--backend triton-fp8:fp8-wgrad | gluon-wgrad | gluon | bf16-backward | down-forward`: FP8
-    backends at the tuned tiles whose forwards run with one choice changed from the FFN's defaults (a
-    Gluon path through `fp8_ffn.gluon_paths`, which their backward keeps; which backward GEMMs run in
-    FP8; or which forward ones), the defaults restored after each call, each making the weight copies
-    its recipe reads; plain `triton-fp8` runs the defaults."""
+    """`--backend triton-fp8:fp8-wgrad | gluon-wgrad | gluon | gluon-256 | gluon-tma-store | bf16-backward |
+    down-forward`: FP8 backends at the tuned tiles whose forwards run with one choice changed from the
+    FFN's defaults (a Gluon path through `fp8_ffn.gluon_paths`, which their backward keeps; which
+    backward GEMMs run in FP8; or which forward ones), the defaults restored after each call, each
+    making the weight copies its recipe reads; plain `triton-fp8` runs the defaults."""
     from disagmoe.kernels import fp8_ffn
     from disagmoe.kernels.fp8_ffn import Fp8Tiles
 
+    assert bench.variant_of(f"{bench.FP8_BACKEND}:gluon-tma-store") == (
+        {"rows": True, "swiglu": True, "tma_store": True}, fp8_ffn.DEFAULT_BACKWARD, fp8_ffn.DEFAULT_FORWARD)
     tiles = Fp8Tiles()
     for backend in bench.VARIANT_BACKENDS:
         assert bench.is_fp8(backend) and bench.needs_fp8(backend)
         assert bench.fp8_tiles_for(backend, tiles) is tiles
     seen = []
     monkeypatch.setattr(bench, "expert_ffn_fp8", lambda rows, *a, backward, forward, **k: seen.append(
-        (fp8_ffn._gluon.rows, fp8_ffn._gluon.wgrad, fp8_ffn._gluon.swiglu, fp8_ffn._gluon.block_m, backward,
-         forward)) or rows)
+        (fp8_ffn._gluon.rows, fp8_ffn._gluon.wgrad, fp8_ffn._gluon.swiglu, fp8_ffn._gluon.block_m,
+         fp8_ffn._gluon.tma_store, backward, forward)) or rows)
     made = []
     monkeypatch.setattr(bench.Fp8ExpertWeights, "quantize", classmethod(
         lambda cls, a, b, *, forward, backward: made.append((forward, backward))))
@@ -193,23 +195,38 @@ def test_the_variant_backends_run_the_fp8_block_with_their_one_choice_changed(mo
     monkeypatch.setattr(bench, "combine_rows", lambda rows, dest, weights: rows)
     x, idx, weights = torch.randn(6, 8), torch.randint(0, 2, (6, 2)), torch.rand(6, 2)
     w13, w2 = torch.randn(2, 8, 16), torch.randn(2, 8, 8)
-    defaults = (fp8_ffn._gluon.rows, fp8_ffn._gluon.wgrad, fp8_ffn._gluon.swiglu, fp8_ffn._gluon.block_m)
-    assert defaults == (False, False, False, 128)  # the Gluon kernels off in training (`fp8_ffn._GluonChoices`)
+    choices = lambda: (fp8_ffn._gluon.rows, fp8_ffn._gluon.wgrad, fp8_ffn._gluon.swiglu,  # noqa: E731
+                       fp8_ffn._gluon.block_m, fp8_ffn._gluon.tma_store)
+    defaults = choices()
+    assert defaults == (False, False, False, 128, False)  # the FFN's own defaults (`fp8_ffn._GluonChoices`)
     for backend in (*bench.VARIANT_BACKENDS, bench.FP8_BACKEND):
         bench.make_block(backend, fp8_tiles=tiles)(x, idx, weights, w13, w2)
-        assert (fp8_ffn._gluon.rows, fp8_ffn._gluon.wgrad, fp8_ffn._gluon.swiglu, fp8_ffn._gluon.block_m) == defaults
-    assert seen == [(False, False, False, 128, "fp8", "both"), (False, True, False, 128, "fp8", "both"),
-                    (True, False, True, 128, "bf16-wgrad", "both"), (True, False, True, 256, "bf16-wgrad", "both"),
-                    (False, False, False, 128, "bf16", "both"), (False, False, False, 128, "bf16-wgrad", "down"),
-                    (False, False, False, 128, "bf16-wgrad", "both")]
+        assert choices() == defaults
+    assert seen == [(False, False, False, 128, False, "fp8", "both"), (False, True, False, 128, False, "fp8", "both"),
+                    (True, False, True, 128, False, "bf16-wgrad", "both"),
+                    (True, False, True, 256, False, "bf16-wgrad", "both"),
+                    (True, False, True, 128, True, "bf16-wgrad", "both"),
+                    (False, False, False, 128, False, "bf16", "both"),
+                    (False, False, False, 128, False, "bf16-wgrad", "down"),
+                    (False, False, False, 128, False, "bf16-wgrad", "both")]
     assert made == [(forward, backward) for *_, backward, forward in seen]  # each the copies its recipe reads
-    for bad in (dict(block_m=192), dict(rows=256)):
-        with pytest.raises(ValueError, match="rows, wgrad and swiglu take True or False, block_m one of"):
+    for bad in (dict(block_m=192), dict(rows=256), dict(tma_store=1)):
+        with pytest.raises(ValueError, match="rows, wgrad, swiglu and tma_store take True or False, block_m one of"):
             with fp8_ffn.gluon_paths(**bad):
                 pass
-    with pytest.raises(ValueError, match="choose from rows, wgrad, swiglu, block_m"):
+    with pytest.raises(ValueError, match="choose from rows, wgrad, swiglu, block_m, tma_store"):
         with fp8_ffn.gluon_paths(epilogue=True):
             pass
+    # the TMA store at 128-row tiles only (at 256 x 128 its epilogue spills: `fp8_gluon.TMA_STORE_TILES`),
+    # asked for at once or inside a 256-row choice
+    with pytest.raises(ValueError, match="tma_store=True runs the row GEMM at block_m=128"):
+        with fp8_ffn.gluon_paths(block_m=256, tma_store=True):
+            pass
+    with fp8_ffn.gluon_paths(block_m=256):
+        with pytest.raises(ValueError, match="ask for block_m=128 or tma_store=False"):
+            with fp8_ffn.gluon_paths(tma_store=True):
+                pass
+    assert choices() == defaults
 
 
 def test_fp8_promote_times_one_fp8_backend_per_k_loop_and_says_which_tiles_ran():
@@ -263,8 +280,9 @@ def test_the_kernel_paths_say_which_roles_run_gluon_where():
     triton_only = "rows triton | swiglu triton | wgrad triton"
     assert fp8_ffn.kernel_paths(4096, 14336, cpu, wgrad=True, swiglu=True, backward="fp8") == triton_only
     assert bench.fp8_kernel_paths(f"{bench.FP8_BACKEND}:gluon-wgrad", 4096, 14336, cpu) == triton_only
-    assert bench.fp8_kernel_paths(f"{bench.FP8_BACKEND}:gluon", 4096, 14336, cpu).startswith(
-        "rows triton | swiglu triton")
+    for gluon in ("gluon", "gluon-256", "gluon-tma-store"):
+        assert bench.fp8_kernel_paths(f"{bench.FP8_BACKEND}:{gluon}", 4096, 14336, cpu).startswith(
+            "rows triton | swiglu triton")
     assert bench.fp8_kernel_paths(bench.FP8_BACKEND, 4096, 14336, cpu).endswith("wgrad bf16 triton")
     assert bench.fp8_kernel_paths(f"{bench.FP8_BACKEND}:down-forward", 4096, 14336, cpu).endswith(
         "wgrad bf16 triton | forward gate/up bf16 triton")
@@ -285,6 +303,8 @@ def test_cuda_hopper_kernel_paths_follow_the_settings_and_the_shape():
         "rows gluon | swiglu gluon | wgrad bf16 triton")
     assert bench.fp8_kernel_paths(f"{bench.FP8_BACKEND}:gluon-256", 4096, 14336, cuda) == (
         "rows gluon-256 | swiglu gluon-256 | wgrad bf16 triton")
+    assert bench.fp8_kernel_paths(f"{bench.FP8_BACKEND}:gluon-tma-store", 4096, 14336, cuda) == (
+        "rows gluon-tma-store | swiglu gluon-tma-store | wgrad bf16 triton")
     assert paths(14336, False) == "rows triton | swiglu triton | wgrad triton"
     assert paths(14336, True) == "rows triton | swiglu gluon | wgrad gluon"
     assert paths(1408, True) == "rows triton | swiglu triton | wgrad gluon"

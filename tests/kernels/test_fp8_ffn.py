@@ -770,17 +770,21 @@ def test_the_backward_drops_each_e4m3_copy_after_its_last_reader(ffn8, monkeypat
 
 
 @pytest.mark.slow  # interpreted FFN forward and backward
-def test_a_forwards_gluon_tile_reaches_its_backward(ffn8, monkeypatch):
-    """`gluon_paths(block_m=256)` around the forward alone (as `bench experts` times the backward outside
-    it): every Gluon row GEMM of the forward and of its backward runs at the forward's 256-row tile,
-    the one the forward's saved choices hold (a stand-in records the launches: the CPU runs no Gluon)."""
+@pytest.mark.parametrize("choice,ran", [(dict(block_m=256), (256, False)), (dict(tma_store=True), (128, True))],
+                         ids=["256-rows", "tma-store"])
+def test_a_forwards_gluon_row_gemm_choices_reach_its_backward(ffn8, monkeypatch, choice, ran):
+    """`gluon_paths(block_m=256)` or `gluon_paths(tma_store=True)` around the forward alone (as `bench
+    experts` times the backward outside it): every Gluon row GEMM of the forward and of its backward
+    runs at the forward's tile and epilogue, the ones the forward's saved choices hold (a stand-in
+    records the launches: the CPU runs no Gluon); both restored on the way out."""
     from disagmoe.kernels import fp8_gluon
 
     fp8 = ffn8.fp8
-    tiles_seen = []
+    kernels_seen = []
 
-    def stand_in(a_MK, sa_MG, offsets_E, b_EKN, sb_EGB, *, out=None, out_dtype=torch.bfloat16, block_m=128, **_):
-        tiles_seen.append(block_m)
+    def stand_in(a_MK, sa_MG, offsets_E, b_EKN, sb_EGB, *, out=None, out_dtype=torch.bfloat16, block_m=128,
+                 tma_store=False, **_):
+        kernels_seen.append((block_m, tma_store))
         result = fp8.fp8_rows_gemm_reference(a_MK, sa_MG, offsets_E, b_EKN, sb_EGB)
         if out is None:
             return result.to(out_dtype)
@@ -793,12 +797,12 @@ def test_a_forwards_gluon_tile_reaches_its_backward(ffn8, monkeypatch):
     x, offsets, w13, w2, dy = _inputs(counts, hidden, ffn, seed=6)
     tiles = ffn8.Fp8Tiles(**SMALL)
     leaves = [t.clone().requires_grad_() for t in (x, w13, w2)]
-    with ffn8.gluon_paths(rows=True, swiglu=True, block_m=256):
+    with ffn8.gluon_paths(rows=True, swiglu=True, **choice):
         y = ffn8.expert_ffn_fp8(leaves[0], offsets, leaves[1], leaves[2], tiles=tiles, num_programs=3)
-    forward = len(tiles_seen)
+    forward = len(kernels_seen)
     y.backward(dy)
-    assert forward == 2 and len(tiles_seen) == 4 and set(tiles_seen) == {256}
-    assert ffn8._gluon.block_m == 128  # restored on the way out
+    assert forward == 2 and len(kernels_seen) == 4 and set(kernels_seen) == {ran}
+    assert (ffn8._gluon.block_m, ffn8._gluon.tma_store) == (128, False)  # restored on the way out
 
 
 @pytest.mark.slow  # interpreted FFN forward and backward, twice

@@ -4,6 +4,8 @@ CPU (its partitions, registers and spills), its argument checks, and on a Hopper
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -117,6 +119,90 @@ def test_the_ring_fences_its_barrier_initialisations_for_the_async_proxy_as_aske
         assert ptx.index("mbarrier.init") < ptx.index("fence.proxy.async") < ptx.index("cp.async.bulk.tensor")
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("block_m,block_n,out_dtype", [(128, 128, torch.bfloat16), (128, 128, torch.float32),
+                                                       (128, 64, torch.bfloat16), (64, 128, torch.bfloat16),
+                                                       (256, 64, torch.bfloat16)],
+                         ids=["128x128-bf16", "128x128-fp32", "128x64-bf16", "64x128-bf16", "256x64-bf16"])
+def test_the_tma_store_epilogue_compiles_to_deferred_bulk_stores_without_spills(hopper_builds, block_m, block_n,
+                                                                               out_dtype):
+    """`tma_store=True` (`fg.TMA_STORE_TILES`): TTGIR stores through shared memory by TMA and waits for
+    it; PTX: each bulk tensor store (global from shared) after the consumer's wait for its buffer's
+    last store and the async-proxy fence of its writes (bf16: stmatrix), the masked store kept for
+    partial waves; ptxas (sm_90a): no spill stores, at most MAXNREG registers where 12 warps share
+    the file; the block's shared memory the ring's 4 stages and one [64, block_n] buffer of out's
+    dtype per consumer; SASS: UTMASTG, and no local memory at all."""
+    from tests.kernels.test_compile_for_hopper import ptxas_usage, sass_of
+
+    a, sa, offsets, b, sb = _cpu_operands([300, 0, 5, 700], 512, 256)
+    out = torch.empty(a.shape[0], 256, dtype=out_dtype)
+    fg.gluon_fp8_rows_gemm(a, sa, offsets, b, sb, out=out, block_m=block_m, block_n=block_n, num_programs=132,
+                           tma_store=True)
+    (kernel,) = hopper_builds
+    ttgir, ptx = kernel.asm["ttgir"], kernel.asm["ptx"]
+    assert ttgir.count("ttg.warp_specialize(") == 1
+    assert "ttng.async_tma_copy_local_to_global" in ttgir and "ttng.async_tma_store_wait" in ttgir
+    stores = [m.start() for m in re.finditer(r"cp\.async\.bulk\.tensor\.2d\.global\.shared::cta", ptx)]
+    waits = [m.start() for m in re.finditer(r"cp\.async\.bulk\.wait_group\.read\s+0;", ptx)]
+    fences = [m.start() for m in re.finditer(r"fence\.proxy\.async\.shared::cta", ptx)]
+    consumers = min(block_m, 128) // 64
+    assert len(stores) == consumers * (2 if block_m == 256 else 1)  # one a wave, in each consumer's code
+    for at in stores:  # the buffer's last store waited for, then this wave's writes fenced, then its store
+        assert max(w for w in waits if w < at) < max(f for f in fences if f < at)
+    assert len(waits) == len(stores) + consumers  # and each consumer's final wait after its last item
+    assert ptx.count("cp.async.bulk.commit_group") == len(stores)
+    assert "st.global" in ptx  # the masked store of a wave reaching past its group's end
+    assert ("stmatrix" in ptx) == (out_dtype == torch.bfloat16)
+    registers, spilled = ptxas_usage(ptx)
+    assert spilled == 0, f"{block_m} x {block_n} {out_dtype}: {spilled} bytes of spill stores"
+    if block_m >= 128:
+        assert registers <= fg.MAXNREG
+    ring = 4 * (block_m + block_n) * 128
+    assert ring + fg.epilogue_bytes(block_m, block_n, out.element_size()) <= kernel.metadata.shared
+    assert kernel.metadata.shared <= fg.SHARED_MEMORY_BYTES
+    sass = sass_of(kernel)
+    assert "UTMASTG" in sass and "LDL" not in sass and "STL" not in sass
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("view", ["transposed", "unaligned-columns"])
+def test_an_out_the_tma_store_cannot_address_keeps_the_masked_store(hopper_builds, view):
+    """`tma_store=True` into an `out` no TMA descriptor can address (`fg.tma_store_takes`: a transposed
+    view, a column slice off the 16-byte grid): the kernel with the masked store alone, as without
+    tma_store, and no epilogue buffers counted against the ring (6 stages at 128 x 128 with an fp32 out,
+    5 at most beside the TMA store's 64 KiB)."""
+    a, sa, offsets, b, sb = _cpu_operands([300, 0, 5, 700], 512, 256)
+    rows = a.shape[0]
+    out = torch.empty(256, rows).t() if view == "transposed" else torch.empty(rows, 257)[:, 1:]
+    assert not fg.tma_store_takes(out)
+    fg.gluon_fp8_rows_gemm(a, sa, offsets, b, sb, out=out, stages=6, num_programs=132, tma_store=True)
+    (kernel,) = hopper_builds
+    ttgir, ptx = kernel.asm["ttgir"], kernel.asm["ptx"]
+    assert "async_tma_copy_local_to_global" not in ttgir and "async_tma_store_wait" not in ttgir
+    assert "global.shared::cta" not in ptx and "cp.async.bulk.wait_group" not in ptx
+    assert kernel.metadata.shared < 6 * 256 * 128 + 1024  # the ring and its barriers only
+
+
+def test_the_tma_store_takes_outs_a_descriptor_can_address_and_counts_its_buffers():
+    """`fg.tma_store_takes`: unit column stride, 16-byte-aligned base and rows (a column slice on the
+    16-byte grid, rows wider than N, take it); the epilogue's shared memory (one [64, block_n] buffer
+    per consumer) counted against the ring: at 128 x 128 an fp32 out leaves room for 5 stages."""
+    out = torch.empty(40, 256)
+    assert fg.tma_store_takes(out) and fg.tma_store_takes(torch.empty(40, 512)[:, 256:])
+    assert fg.tma_store_takes(torch.empty(40, 264, dtype=torch.bfloat16)[:, 8:])
+    assert not fg.tma_store_takes(out.t().contiguous().t())  # column-major
+    assert not fg.tma_store_takes(torch.empty(40, 257)[:, 1:])  # base and row stride off the grid
+    assert not fg.tma_store_takes(torch.empty(40, 260, dtype=torch.bfloat16)[:, 4:])  # base 8 bytes in
+    assert fg.epilogue_bytes(128, 128, 2) == 32 * 1024 and fg.epilogue_bytes(64, 128, 4) == 32 * 1024
+    assert fg.epilogue_bytes(256, 64, 2) == 16 * 1024  # two consumers, each one buffer for both waves
+    a, sa, offsets, b, sb = _cpu_operands([7, 0, 9], 256, 256)
+    with pytest.raises(ValueError, match="beside the epilogue buffers .65536 bytes.* between 2 and 5"):
+        fg.gluon_fp8_rows_gemm(a, sa, offsets, b, sb, out=torch.empty(16, 256), stages=6, num_programs=4,
+                               tma_store=True)
+    with pytest.raises(ValueError, match="tma_store=True runs the tiles"):
+        fg.gluon_fp8_rows_gemm(a, sa, offsets, b, sb, block_m=256, num_programs=4, tma_store=True)
+
+
 def _cpu_wgrad_operands(padded_counts, ka, c):
     """Zero-valued token-group operands of the weight gradient on the CPU ([KA, P] and [C, P], P the
     padded capacity), as `fp8.quantize_token_groups` lays them out."""
@@ -223,22 +309,34 @@ GPU_COUNTS = [
 ]
 
 
+# (block_m, block_n, tma_store): the plain store at the tiles timed or to time, the TMA store (unmeasured,
+# `fg.TMA_STORE_TILES`) at every tile that takes it
+GPU_KERNELS = [(128, 128, False), (128, 64, False), (64, 128, False), (256, 128, False),
+               *((m, n, True) for m, n in fg.TMA_STORE_TILES)]
+
+
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.parametrize("block_m,block_n", [(128, 128), (128, 64), (64, 128), (256, 128)])
+@pytest.mark.parametrize("block_m,block_n,tma_store", GPU_KERNELS,
+                         ids=[f"{m}x{n}" + ("-tma-store" if t else "") for m, n, t in GPU_KERNELS])
 @pytest.mark.parametrize("n", [256, 768])
 @pytest.mark.parametrize("k", [256, 2048])
 @pytest.mark.parametrize("counts", GPU_COUNTS, ids=["mixed", "short", "one-group"])
-def test_gpu_matches_the_reference_and_the_triton_kernel(counts, k, n, block_m, block_n):
+def test_gpu_matches_the_reference_and_the_triton_kernel(counts, k, n, block_m, block_n, tma_store):
     """bf16 out against the reference's fp32 sums of the same fp8 values (the tolerance of
     test_fp8's GPU GEMM test: bf16 rounding and the tensor cores' accumulator), within
     FP8_ROW_REL_ERR of the fp32 GEMM of the unquantised operands (outlier rows included), and
-    against `fp8.fp8_rows_gemm` at the same inputs."""
+    against `fp8.fp8_rows_gemm` at the same inputs; with the TMA store, the same bits as the masked
+    store's (the same sums, each wave stored once: by TMA where it lies inside its group, masked
+    where it reaches past, as the groups of GPU_COUNTS' short last tiles and empty groups make)."""
     a, b, offsets = _ragged_inputs(counts, k, n, seed=11, outlier_rows=4, device="cuda")
     a, b = a.bfloat16(), b.bfloat16()
     qa, sa = fp8.quantize_rows(a)
     qb, sb = _k_major(b)
-    got = fg.gluon_fp8_rows_gemm(qa, sa, offsets, qb, sb, block_m=block_m, block_n=block_n)
+    got = fg.gluon_fp8_rows_gemm(qa, sa, offsets, qb, sb, block_m=block_m, block_n=block_n, tma_store=tma_store)
+    if tma_store:
+        plain = fg.gluon_fp8_rows_gemm(qa, sa, offsets, qb, sb, block_m=block_m, block_n=block_n)
+        assert torch.equal(got, plain)
     torch.cuda.synchronize()
     want = fp8.fp8_rows_gemm_reference(qa, sa, offsets, qb, sb)
     assert got.dtype == torch.bfloat16 and torch.isfinite(got).all()
@@ -248,21 +346,37 @@ def test_gpu_matches_the_reference_and_the_triton_kernel(counts, k, n, block_m, 
     assert _rel_err(got, triton_out) < 5e-3
 
 
+# `out` views: (columns allocated, first column used, transposed); the TMA store addresses the first two
+OUT_VIEWS = {"contiguous": (384, 0, False), "wider-rows": (400, 16, False), "unaligned": (385, 1, False),
+             "transposed": (384, 0, True)}
+
+
 @pytest.mark.gpu
 @needs_hopper
-def test_gpu_fp32_out_into_a_given_buffer_and_groups_sharing_weights():
+@pytest.mark.parametrize("tma_store", [False, True], ids=["masked", "tma-store"])
+@pytest.mark.parametrize("view", list(OUT_VIEWS))
+@pytest.mark.parametrize("block_m", [128, 64])
+def test_gpu_fp32_out_into_a_given_buffer_and_groups_sharing_weights(block_m, view, tma_store):
     """out given (fp32, NaN-filled: every row belongs to a group, so every element is written),
     offsets holding twice the experts' count (group g uses b[g mod E]), against the reference's
     sums (the tolerance of the bf16 tests: the tensor cores' reduced-precision accumulation within
-    each 128-deep slice)."""
+    each 128-deep slice). `out` a view: rows wider than N at a 16-byte-aligned column (the TMA store
+    by descriptor), off the 16-byte grid or transposed (the TMA store falls back to the masked one:
+    `fg.tma_store_takes`); the columns around it untouched."""
     counts, k, n = [40, 0, 300, 5, 0, 129, 64, 2], 512, 384
     a, b, offsets = _ragged_inputs(counts, k, n, seed=12, device="cuda")
     qa, sa = fp8.quantize_rows(a.bfloat16())
     qb, sb = _k_major(b[:4].bfloat16())
-    out = torch.full((a.shape[0], n), float("nan"), device="cuda")
-    got = fg.gluon_fp8_rows_gemm(qa, sa, offsets, qb, sb, out=out)
+    columns, first, transposed = OUT_VIEWS[view]
+    rows = a.shape[0]
+    storage = torch.full((columns, rows) if transposed else (rows, columns), float("nan"), device="cuda")
+    out = storage.t() if transposed else storage[:, first:first + n]
+    assert fg.tma_store_takes(out) == (view in ("contiguous", "wider-rows"))
+    got = fg.gluon_fp8_rows_gemm(qa, sa, offsets, qb, sb, out=out, block_m=block_m, tma_store=tma_store)
     assert got is out and torch.isfinite(out).all()
     assert _rel_err(out, fp8.fp8_rows_gemm_reference(qa, sa, offsets, qb, sb)) < 5e-3
+    if not transposed:
+        assert storage[:, :first].isnan().all() and storage[:, first + n:].isnan().all()
 
 
 @pytest.mark.gpu
@@ -412,14 +526,17 @@ def test_gpu_training_the_fp8_gate_up_recipe_trains_alike_with_the_gluon_and_tri
 
 @pytest.mark.gpu
 @needs_hopper
+@pytest.mark.parametrize("tma_store", [False, True], ids=["masked", "tma-store"])
 @pytest.mark.parametrize("graphed", [False, True])
-def test_gpu_training_the_gate_up_gemm_on_the_permutes_rows_is_the_triton_kernels_launch_after_launch(graphed):
+def test_gpu_training_the_gate_up_gemm_on_the_permutes_rows_is_the_triton_kernels_launch_after_launch(graphed,
+                                                                                                       tma_store):
     """The gate/up GEMM as training launches it, at Qwen3's expert shape (H 2,048, 2F 1,536, 128
     experts, 4,096 tokens top-8, Zipf-skewed loads with idle experts): x's e4m3 rows made by the FP8
     permute (`permute.quantize_then_permute`, each token's row copied to its pairs) right before, h13
     written into a buffer that held the last launch's; five launches on fresh tokens and routing,
     eager or replayed from one CUDA graph: every launch's Gluon output equal to the Triton kernel's on
-    the same operands within 1e-6 (the same sums in the same order) and every row written."""
+    the same operands within 1e-6 (the same sums in the same order) and every row written, with the
+    masked store or the TMA store (K 2,048: 16 slices a tile; groups' short last tiles every launch)."""
     from disagmoe.kernels import fp8_ffn
     from disagmoe.kernels.permute import permute_tokens, quantize_then_permute
 
@@ -437,7 +554,7 @@ def test_gpu_training_the_gate_up_gemm_on_the_permutes_rows_is_the_triton_kernel
         _, offsets_E, dest_TK = permute_tokens(x_TH, topk_TK, experts)
         q_NH, s_NG = quantize_then_permute(x_TH, dest_TK)
         fp8_ffn._rows_gemm(q_NH, s_NG, offsets_E, q_w, s_w, tiles.rows, out_dtype=torch.bfloat16, num_programs=None,
-                           gluon=True, out=h13_gluon)
+                           gluon=True, out=h13_gluon, tma_store=tma_store)
         return q_NH, s_NG, offsets_E
 
     graph = None
@@ -483,9 +600,10 @@ def test_gpu_training_every_gluon_gate_up_launch_of_a_captured_run_is_the_triton
     launches = [0]
     plain = fp8_ffn._rows_gemm
 
-    def shadowed(a, sa, offsets, b, sb, tile, *, out_dtype, num_programs, gluon, out=None, block_m=128):
+    def shadowed(a, sa, offsets, b, sb, tile, *, out_dtype, num_programs, gluon, out=None, block_m=128,
+                 tma_store=False):
         got = plain(a, sa, offsets, b, sb, tile, out_dtype=out_dtype, num_programs=num_programs, gluon=gluon, out=out,
-                    block_m=block_m)
+                    block_m=block_m, tma_store=tma_store)
         if gluon and out is not None:  # the gate/up GEMM of forward "gate-up" (h13 into the backward's buffer)
             want = fp8.fp8_rows_gemm(a, sa, offsets, b, sb, tile, out_dtype=out_dtype).float()
             gap = (got.float() - want).abs().amax(dim=1)[: a.shape[0]]
