@@ -91,6 +91,10 @@ FP8_COUNTERS_EVERY = 10
 # that set neither field keeps them in bf16 and says so (`trainer.resolve_dense_fp8`); rowwise only when asked.
 RUN_FP8_DENSE = True
 FP8_DENSE_SCALING = "blockwise"
+# The dense projections' FP8 recipes (`kernels.fp8_dense.SCALINGS`, a test holds them equal): the trainer's
+# `fp8_dense_scaling`, the planner's (`PlanConfig.fp8_dense_scaling`) and the measured curve's
+# (`Calibration.projections_fp8_scaling`).
+Fp8DenseScaling = Literal["rowwise", "blockwise"]
 # Whether a precision-fp8 run's routed experts run their row GEMMs and split SwiGLU GEMMs in the Gluon kernels
 # (`TrainConfig.fp8_gluon` unset; on Hopper and the 128 grid, else the Triton ones run): the Qwen3 config's FP8
 # step took 554.5 ms with them against 580.0 without (one H100, session 33), and the 300-step run above trained
@@ -347,8 +351,10 @@ class Calibration(StrictModel):
       fitted against the same bf16 stage work (`Fp8RatePoint`); absent, FP8 experts are priced at the
       datasheet ratio fp8_tflops / bf16_tflops of the bf16 rate. `projections_fp8` (probe version 7
       on): the same for the attention projections as `fp8_dense` runs them, against tokens per
-      micro-batch, quantisers inside; absent, the FP8 dense projections are priced at the datasheet
-      ratio and their quantisers at HBM speed.
+      micro-batch, quantisers inside, under the scaling `projections_fp8_scaling` records (rowwise up
+      to version 7; from version 8 the run's default, blockwise, where the GPU runs it); absent, or
+      measured under another scaling than the planned run's, the FP8 dense projections are priced at
+      the datasheet ratio and their quantisers at HBM speed.
     - `hbm_fraction`: memory-bound stages' measured HBM rate, as a fraction of the hardware's.
     - `op_fixed_us`: the fixed cost of one schedule op of that kind (its kernel launches and the
       small kernels whose time does not scale with the work), added once per op.
@@ -395,12 +401,18 @@ class Calibration(StrictModel):
         "the datasheet ratio fp8_tflops / bf16_tflops, unmeasured)"))
     projections_fp8: list[Fp8RatePoint] = Field(default_factory=list, description=(
         "probe version 7 on, GPUs with FP8 tensor cores: the attention projections of `projections` as `fp8_dense` "
-        "runs them (`model.layers.DeferrableLinear.set_fp8`: the forward and data gradient in rowwise e4m3 through "
-        "torch._scaled_mm, the weight gradient bf16, q/k/v sharing one quantised input, the weights' e4m3 copies "
-        "made once outside the timed calls, every quantiser and counter included) at the same tokens, as fractions "
-        "of the bf16 peak against the same stage work (`placement.cost.fp8_dense_stages` prices `fp8_dense` at "
-        "this curve over `projections`, the quantisers inside; absent: at the datasheet ratio, the quantisers "
+        "runs them (`model.layers.DeferrableLinear.set_fp8`: the forward and data gradient in e4m3 through "
+        "torch._scaled_mm, scaled as `projections_fp8_scaling` says, the weight gradient bf16, q/k/v sharing one "
+        "quantised input, the weights' e4m3 copies made once outside the timed calls, every quantiser and counter "
+        "included) at the same tokens, as fractions of the bf16 peak against the same stage work "
+        "(`placement.cost.fp8_dense_stages` prices `fp8_dense` under that scaling at this curve over `projections`, "
+        "the quantisers inside; absent, or for a run of the other scaling: at the datasheet ratio, the quantisers "
         "at HBM speed)"))
+    projections_fp8_scaling: Fp8DenseScaling = Field(
+        "rowwise", description="the dense FP8 recipe `projections_fp8` was measured under (`kernels.fp8_dense."
+        "SCALINGS`): probe version 8 on, the run's default (blockwise, `config.FP8_DENSE_SCALING`) where the GPU runs "
+        "it (`kernels.fp8_dense.blockwise_unavailable`: Hopper, torch >= 2.9 with CUDA >= 12.9), else rowwise; a file "
+        "without it (probe version 7, the only recipe then) reads as rowwise")
     p2p: LinkCost | None = None
     all_reduce: LinkCost | None = None
     all_to_all: LinkCost | None = None
@@ -518,14 +530,23 @@ class PlanConfig(StrictModel):
     fp8_dense: Literal["auto", "on", "off"] = Field(
         "on", description="with expert_precision fp8: on (the default, as precision fp8 trains: TrainConfig.fp8_dense "
         "unset) prices the dense projections' forward and data-gradient GEMMs (attention, shared experts, dense FFN "
-        "layers) in FP8 too, their weight gradients at the bf16 rate: from the calibration's measured FP8 projection "
-        "curve, quantisers inside, or else at fp8_tflops plus their quantisation passes (the curve, probe version 7, "
-        "measured the rowwise recipe; the run's default is blockwise, whose passes move the same bytes); off "
+        "layers) in FP8 too, as fp8_dense_scaling scales them, their weight gradients at the bf16 rate: from the "
+        "calibration's measured FP8 projection curve where it measured that scaling, quantisers inside, or else at "
+        "fp8_tflops plus their quantisation passes; off "
         "(train with fp8_dense: false) in bf16; auto plans both ways and keeps the faster plan that fits (ties: on; "
         "neither fitting: off, the leaner), a note says which (at the datasheet ratio usually on for large models, "
         "while their quantisation passes can make off faster at small shapes); the plan records the choice and "
         "`train --plan` sets it; true / false read as on / off; no effect under bf16; `plan --config` prices the "
         "run's own fp8_dense")
+    fp8_dense_scaling: Fp8DenseScaling = Field(
+        FP8_DENSE_SCALING, description="with the dense projections in FP8 (expert_precision fp8, fp8_dense on or "
+        "auto): the recipe they are priced as (train with the same fp8_dense_scaling): blockwise (the default, as "
+        "precision fp8 trains on a Hopper GPU: 1 x 128 activation groups, 128 x 128 weight blocks, the weights' two "
+        "e4m3 copies written by one launch; a linear off the 512 grid, MLA's kv_a, in bf16) or rowwise (one scale "
+        "per token or feature: the recipe off Hopper, where a run asks for it). The calibration's measured FP8 "
+        "projection curve prices only the scaling it measured (`Calibration.projections_fp8_scaling`); the other "
+        "is priced at the datasheet ratio, and the plan's note says so. The plan records it and `train --plan` "
+        "sets it; no effect with the dense projections in bf16")
     fp8_expert_backward: Literal["fp8", "bf16-wgrad", "bf16"] = Field(
         "bf16-wgrad", description="with expert_precision fp8: which of the routed experts' backward GEMMs are priced "
         "in FP8 (train with the same fp8_expert_backward): bf16-wgrad (the default: the data gradients FP8, the "
@@ -716,6 +737,10 @@ class Plan(StrictModel):
     fp8_dense: bool | None = Field(
         None, description="whether the plan priced the dense projections in FP8 too (with expert_precision fp8; "
         "`train --plan` then sets fp8_dense to it); None in a plan written before this field (the config's stays)")
+    fp8_dense_scaling: Fp8DenseScaling | None = Field(
+        None, description="with fp8_dense: the recipe the plan priced the dense projections' FP8 as (`train --plan` "
+        "then sets fp8_dense_scaling to it where the config's differs); None otherwise and in a plan written before "
+        "this field (the config's stays)")
     fp8_expert_backward: Literal["fp8", "bf16-wgrad", "bf16"] | None = Field(
         None, description="with expert_precision fp8: the experts' backward GEMMs the plan priced in FP8 (`train "
         "--plan` then sets fp8_expert_backward to it); None otherwise and in a plan written before this field")
@@ -881,7 +906,7 @@ class TrainConfig(StrictModel):
         "docs/benchmarks.md, session 34); where blockwise cannot run (off Hopper, torch < 2.9 or CUDA < 12.9) a run "
         "that sets neither this nor fp8_dense_scaling keeps them in bf16 and says so. true is refused under another "
         "precision")
-    fp8_dense_scaling: Literal["rowwise", "blockwise"] | None = Field(
+    fp8_dense_scaling: Fp8DenseScaling | None = Field(
         None, description="with fp8_dense: how the dense projections' e4m3 operands are scaled: rowwise (one scale "
         "per token or feature over the whole contraction) or blockwise (the routed experts' recipe, DeepSeek-V3's: "
         "1 x 128 activation groups and 128 x 128 weight blocks through torch._scaled_mm's block scaling, on a Hopper "
@@ -1021,8 +1046,8 @@ class TrainConfig(StrictModel):
         "replace mode, attention_ranks, expert_ranks, pipeline_groups, expert_replica_sets, micro_batches, "
         "colocated_ranks, and "
         "the settings it was priced with: recompute, recompute_modules, optim.state_dtype, optim.update_kernel, "
-        "and where it priced them offload_optimizer, optim.shard_states, and precision: fp8 with fp8_dense "
-        "(`runtime.plan_layout.apply_plan`)"
+        "and where it priced them offload_optimizer, optim.shard_states, and precision: fp8 with fp8_dense and "
+        "fp8_dense_scaling (`runtime.plan_layout.apply_plan`)"
     )
     data: DataConfig = Field(default_factory=DataConfig, description="where training tokens come from")
     optim: OptimConfig = Field(default_factory=OptimConfig, description="AdamW and its learning-rate schedule")
@@ -1276,14 +1301,16 @@ class TrainConfig(StrictModel):
 def priced_as_trained(cfg: TrainConfig) -> dict[str, Any]:
     """The `PlanConfig` fields that price `cfg` as it trains: its optimizer (ZeRO-1, the moments'
     dtype, the update kernel, the clip), its routed experts' precision (fp8, else bf16: the planner
-    prices no fp32), `fp8_dense` (its dense projections in FP8: `dense_precision`), its
+    prices no fp32), `fp8_dense` (its dense projections in FP8: `dense_precision`) and their
+    scaling (`dense_fp8_scaling`; the default where they run in bf16, where it prices nothing), its
     recomputation (selective: its modules), its experts backend and `cuda_graphs` (its rank steps'
     rings). Every request made for a run (`bench.placement.plan_request`,
     `placement.trace_compare.run_request`) passes them; each decides the offload itself."""
     return {"shard_optimizer_states": cfg.optim.shard_states, "optimizer_state_dtype": cfg.optim.state_dtype,
             "optimizer_update_kernel": cfg.optim.update_kernel, "clip_gradients": cfg.optim.grad_clip > 0,
             "expert_precision": "fp8" if cfg.expert_precision == "fp8" else "bf16",
-            "fp8_dense": cfg.dense_precision == "fp8", "recompute": cfg.recompute,
+            "fp8_dense": cfg.dense_precision == "fp8", "fp8_dense_scaling": cfg.dense_fp8_scaling or FP8_DENSE_SCALING,
+            "recompute": cfg.recompute,
             "fp8_expert_backward": cfg.fp8_expert_backward or DEFAULT_FP8_EXPERT_BACKWARD,
             "fp8_expert_forward": cfg.fp8_expert_forward or RUN_FP8_EXPERT_FORWARD,
             "recompute_modules": list(cfg.recompute_modules) if cfg.recompute == "selective" else None,

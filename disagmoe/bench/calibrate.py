@@ -25,12 +25,14 @@ measures them, this module reuses it) it measures what `HardwareConfig.calibrati
   attention module, forward; data and weight gradients) at PROJECTION_TOKENS tokens, against
   `roofline.stages.attention_projection_passes` (v2 left them at `bench hardware`'s 8192^3 matmul rate);
 - `projections_fp8` (a GPU with FP8 tensor cores, and projections `fp8_dense` takes): the same
-  projections as `fp8_dense` runs them (`fp8_projection_passes`: rowwise e4m3 forward and data
-  gradient, the bf16 weight gradient, q/k/v reading one quantised input, the weights' e4m3 copies made
-  once outside the timed calls, every quantiser counting), fitted against the same bf16 stage work
-  (`fp8_projection_point`): the planner prices `fp8_dense` at this curve over `projections`, the
-  quantisers inside (a profile of the Qwen3 step on an H100 measured their GEMMs 1.40x faster than
-  bf16's and their rowwise quantiser costing more than that saved: docs/benchmarks.md, session 29);
+  projections as `fp8_dense` runs them (`fp8_projection_passes`: e4m3 forward and data gradient
+  under the run's default recipe where the GPU runs it, blockwise on Hopper, else rowwise,
+  `fp8_projection_scaling`, recorded as `projections_fp8_scaling`; the bf16 weight gradient, q/k/v
+  reading one quantised input, the weights' e4m3 copies made once outside the timed calls, every
+  quantiser counting), fitted against the same bf16 stage work (`fp8_projection_point`): the
+  planner prices `fp8_dense` of that recipe at this curve over `projections`, the quantisers inside
+  (a profile of the Qwen3 step on an H100 measured their GEMMs 1.40x faster than bf16's and their
+  rowwise quantiser costing more than that saved: docs/benchmarks.md, session 29);
 - `attention_mla`, `projections_mla`: the same two curves at an MLA shape, which price MLA models'
   attention block: the model's own when it is MLA (then the timings above themselves), else
   MLA_MODEL's (DeepSeek-V3: 128 heads of q/k 192 and v 128, against GQA's head dim 128; its
@@ -109,8 +111,8 @@ import yaml
 
 from disagmoe.bench import hardware
 from disagmoe.bench.probe import PROBE_FINGERPRINT, PROBE_VERSION
-from disagmoe.config import (Calibration, Fp8RatePoint, HardwareConfig, LinkCost, ModelConfig, OptimConfig, RatePoint,
-                             write_text_file)
+from disagmoe.config import (FP8_DENSE_SCALING, Calibration, Fp8RatePoint, HardwareConfig, LinkCost, ModelConfig,
+                             OptimConfig, RatePoint, write_text_file)
 from disagmoe.roofline import stages
 from disagmoe.roofline.calibration import fitted_fraction, fitted_hbm_fraction, fitted_shared_fraction
 from disagmoe.roofline.ceilings import Ceilings
@@ -186,6 +188,7 @@ class Timings:
     attention_mla_fixed: PassTimes | None = None
     projections_mla: dict[int, PassTimes] | None = None  # tokens -> mla_probe_model(model)'s attention projections
     projections_fp8: dict[int, PassTimes] | None = None  # tokens -> the projections in FP8 (None: not measured)
+    projections_fp8_scaling: str = "rowwise"  # the recipe `projections_fp8` ran (`fp8_projection_scaling`)
 
 
 def curve_experts(model: ModelConfig, rows_per_expert: int) -> int:
@@ -330,14 +333,17 @@ def calibration_from(t: Timings, model: ModelConfig, ceil: Ceilings, source: str
         hbm["permute"] = fitted_hbm_fraction(pairs + pairs, t.permute.fwd_bwd_s, ceil)
     return Calibration(source=source, expert_gemm=gemm, attention=attention, attention_mla=attention_mla,
                        op_fixed_us=op_fixed_us(t), projections=projections, projections_mla=projections_mla,
-                       hbm_fraction=hbm, expert_gemm_fp8=gemm_fp8, projections_fp8=projections_fp8, **(links or {}))
+                       hbm_fraction=hbm, expert_gemm_fp8=gemm_fp8, projections_fp8=projections_fp8,
+                       projections_fp8_scaling=t.projections_fp8_scaling, **(links or {}))
 
 
 def merge_calibration(old: Calibration | None, new: Calibration) -> Calibration:
-    """`new`, with every term it lacks (an empty curve, no link, an op kind not measured) taken from `old`."""
+    """`new`, with every term it lacks (an empty curve, no link, an op kind not measured) taken from `old`
+    (the FP8 projection curve with the recipe it measured)."""
     if old is None:
         return new
     merged = {name: getattr(new, name) or getattr(old, name) for name in Calibration.model_fields}
+    merged["projections_fp8_scaling"] = (new if new.projections_fp8 else old).projections_fp8_scaling
     merged["op_fixed_us"] = {**old.op_fixed_us, **new.op_fixed_us}
     merged["hbm_fraction"] = {**old.hbm_fraction, **new.hbm_fraction}
     return Calibration.model_validate(merged)
@@ -398,7 +404,8 @@ def measure_all(preset: HardwareConfig, model: ModelConfig, experts_backend: str
 
 def measure_timings(dev, model: ModelConfig, experts_backend: str, warmup: int, iters: int) -> Timings:
     """GPU kernel time of every probe `Timings` holds (the MLA curves: an MLA model's own attention
-    and projection timings, measured once)."""
+    and projection timings, measured once; the FP8 projections under `fp8_projection_scaling`)."""
+    fp8_scaling = fp8_projection_scaling(dev)
     attention = {s: _sdpa_times(dev, model, s, attention_batch(s), warmup, iters) for s in SEQ_LENS}
     attention_fixed = _sdpa_times(dev, model, FIXED_TOKENS, 1, warmup, iters)
     projections = {n: _projection_times(dev, model, n, warmup, iters) for n in PROJECTION_TOKENS}
@@ -422,8 +429,9 @@ def measure_timings(dev, model: ModelConfig, experts_backend: str, warmup: int, 
         norms=None if model.attention == "mla" else _norms_times(dev, model, PERMUTE_TOKENS, warmup, iters),
         expert_gemm_fp8={r: _fp8_ffn_times(dev, model, r, curve_experts(model, r), warmup, iters)
                          for r in ROWS_PER_EXPERT} if fp8_measured(dev, experts_backend) else None,
-        projections_fp8={n: _fp8_projection_times(dev, model, n, warmup, iters) for n in PROJECTION_TOKENS}
+        projections_fp8={n: _fp8_projection_times(dev, model, n, fp8_scaling, warmup, iters) for n in PROJECTION_TOKENS}
         if fp8_projections_measured(torch.cuda.get_device_capability(dev), model) else None,
+        projections_fp8_scaling=fp8_scaling,
         attention_mla=attention_mla, attention_mla_fixed=attention_mla_fixed, projections_mla=projections_mla)
 
 
@@ -654,16 +662,29 @@ def projection_passes(layers: Sequence[torch.nn.Linear], tokens: int, dev, dtype
     return forward, forward_backward
 
 
-def fp8_projection_passes(model: ModelConfig, tokens: int, dev, dtype=torch.bfloat16, emulate: bool = False,
-                          ) -> tuple[Callable[[], object], Callable[[], object], object]:
+def fp8_projection_scaling(dev) -> str:
+    """The recipe the FP8 projection curve is measured under on `dev` (`Calibration.projections_fp8_scaling`):
+    the run's default, `config.FP8_DENSE_SCALING` (blockwise), where `dev` runs it
+    (`kernels.fp8_dense.blockwise_unavailable`: a Hopper GPU, torch >= 2.9 with CUDA >= 12.9), else
+    rowwise (a run there keeps its dense projections in bf16 unless it asks for rowwise by name)."""
+    from disagmoe.kernels.fp8_dense import blockwise_unavailable
+
+    if FP8_DENSE_SCALING == "blockwise" and blockwise_unavailable(torch.device(dev)) is not None:
+        return "rowwise"
+    return FP8_DENSE_SCALING
+
+
+def fp8_projection_passes(model: ModelConfig, tokens: int, dev, scaling: str, dtype=torch.bfloat16,
+                          emulate: bool = False) -> tuple[Callable[[], object], Callable[[], object], object]:
     """(forward, forward and backward, their `Fp8Stats`) of the model's attention projections as
-    `fp8_dense` runs them (`DeferrableLinear.set_fp8`, counting into an `Fp8Stats` dense row) over `tokens` rows, in the
-    model's order: their e4m3 weight copies made once here (`prepare_fp8`: once per optimizer step
-    in training), the block-input readers (BLOCK_INPUT_READERS: GQA's q, k, v; MLA's first q and kv
-    projections) fed one x, quantised once for readers that take it back to back as the model's are
-    (`fp8_dense.quantize_input`; MLA's q chain runs between its two, so twice there, as in the
-    step), each call starting as a step's micro-batch does, with no quantised input held
-    (`forget_shared_inputs`); the others each their own input. Each reader's x is its own leaf on
+    `fp8_dense` runs them under `scaling` (`model.layers.set_linears_fp8`, as `set_dense_fp8` sets a
+    run's: blockwise, the linears off its grid in bf16; counting into an `Fp8Stats` dense row) over
+    `tokens` rows, in the model's order: their e4m3 weight copies made once here (`prepare_fp8`: once
+    per optimizer step in training), the block-input readers (BLOCK_INPUT_READERS: GQA's q, k, v;
+    MLA's first q and kv projections) fed one x, quantised once for FP8 readers that take it back to
+    back as the model's are (`fp8_dense.quantize_input`; MLA's q chain runs between its two, so twice
+    there, as in the step), each call starting as a step's micro-batch does, with no quantised input
+    held (`forget_shared_inputs`); the others each their own input. Each reader's x is its own leaf on
     the same storage (the quantised copy is shared, no gradient is summed across readers: the bf16
     probe's projections each have their own input too). The backward:
     the data gradients in FP8 and the weight gradients in bf16 (`kernels.fp8_dense.RECIPE`), from
@@ -672,17 +693,18 @@ def fp8_projection_passes(model: ModelConfig, tokens: int, dev, dtype=torch.bflo
     from disagmoe.kernels.fp8_dense import forget_shared_inputs
     from disagmoe.kernels.fp8_stats import DENSE, Fp8Stats
     from disagmoe.model.attention import build_attention
+    from disagmoe.model.layers import set_linears_fp8
 
     with torch.device(dev):
         attention = build_attention(model).to(dtype)
     named = [(name, m) for name, m in attention.named_modules() if isinstance(m, torch.nn.Linear)]
     stats = Fp8Stats(dev)
     row = stats.row(DENSE)  # one row object for all, as `set_dense_fp8` gives (a shared input's key holds it)
+    set_linears_fp8(attention, True, row, emulate, scaling)
     gen = torch.Generator(device=dev).manual_seed(0)
     shared = torch.randn(tokens, model.hidden_size, device=dev, dtype=dtype, generator=gen)
     inputs = []
     for name, layer in named:
-        layer.set_fp8(True, row, emulate)
         layer.prepare_fp8()
         inputs.append((shared.detach() if name in BLOCK_INPUT_READERS else torch.randn(
             tokens, layer.in_features, device=dev, dtype=dtype, generator=gen)).requires_grad_())
@@ -700,12 +722,12 @@ def fp8_projection_passes(model: ModelConfig, tokens: int, dev, dtype=torch.bflo
     return forward, forward_backward, stats
 
 
-def _fp8_projection_times(dev, model: ModelConfig, tokens: int, warmup: int, iters: int) -> PassTimes:
-    """`fp8_projection_passes` of the model's attention projections over `tokens` tokens (the last
-    quantised input dropped after: none held through the probes that follow)."""
+def _fp8_projection_times(dev, model: ModelConfig, tokens: int, scaling: str, warmup: int, iters: int) -> PassTimes:
+    """`fp8_projection_passes` of the model's attention projections over `tokens` tokens under
+    `scaling` (the last quantised input dropped after: none held through the probes that follow)."""
     from disagmoe.kernels.fp8_dense import forget_shared_inputs
 
-    forward, forward_backward, _ = fp8_projection_passes(model, tokens, dev)
+    forward, forward_backward, _ = fp8_projection_passes(model, tokens, dev, scaling)
     try:
         return _passes(forward, forward_backward, warmup, iters)
     finally:

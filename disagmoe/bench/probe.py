@@ -18,7 +18,7 @@ from pathlib import Path
 
 from disagmoe.config import PRESETS_DIR, HardwareConfig, preset_names
 
-PROBE_VERSION = 7
+PROBE_VERSION = 8
 # 1: before 47ee5dd: CUDA events around each call (`timing.median_ms`: for a tiny op, the host's
 #    time to launch it), the expert curve on 8 experts, fixed costs the event time of the smallest probes.
 # 2: 47ee5dd: GPU kernel time (`timing.kernel_ms`), fixed cost at next to no work, curve points net
@@ -65,7 +65,15 @@ PROBE_VERSION = 7
 #    it over the bf16 curve, the quantisers inside (version 6: the datasheet ratio, the quantisers at HBM speed,
 #    where an H100's profile measured the rowwise quantiser cost more than the FP8 GEMMs saved). The terms of
 #    version 6 are measured as before.
-PROBE_FINGERPRINT = "7b5533ae28a3dda4"  # `code_fingerprint()` of the code that measures version PROBE_VERSION
+# 8: the FP8 projection curve measured under the run's default dense recipe: session 34 made blockwise the default
+#    (`config.FP8_DENSE_SCALING`: 1 x 128 activation groups, 128 x 128 weight blocks, its weights' two e4m3 copies
+#    written by one launch), so version 7's rowwise curve priced a recipe a default run no longer trains. Blockwise
+#    where the GPU runs it (`kernels.fp8_dense.blockwise_unavailable`: Hopper, torch >= 2.9 with CUDA >= 12.9), else
+#    rowwise (`calibrate.fp8_projection_scaling`), the linears off blockwise's 512 grid in bf16 as the run keeps them
+#    (`model.layers.set_linears_fp8`), the recipe recorded (`Calibration.projections_fp8_scaling`; a file without it
+#    reads as rowwise); the planner prices a run's recipe at the curve of that recipe only, the other at the
+#    datasheet ratio (`placement.cost.fp8_dense_pricing`). The terms of version 7 are measured as before.
+PROBE_FINGERPRINT = "7e1be28d53374245"  # `code_fingerprint()` of the code that measures version PROBE_VERSION
 
 # The code that decides what a calibration's numbers mean: file (under disagmoe/) -> top-level name
 # -> why it belongs. Left out on purpose: the experts backends and `model.Block` (the probe measures
@@ -112,6 +120,7 @@ PROBE_PARTS: dict[str, dict[str, str]] = {
         "attention_point": "the attention rates (the model's and MLA's), the same way",
         "fp8_projection_point": "the FP8 projection rates: the bf16 projections' stage work, the cap",
         "fp8_projections_measured": "which GPUs and models measure the FP8 projection curve",
+        "fp8_projection_scaling": "which dense FP8 recipe the FP8 projection curve measures (recorded with it)",
         "fp8_projection_passes": "how the FP8 projections run (fp8_dense's path, one quantised input, copies once)",
         "BLOCK_INPUT_READERS": "which FP8 projections read the one block input",
         "_fp8_projection_times": "how the FP8 projection probe's passes are timed",

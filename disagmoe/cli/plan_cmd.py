@@ -15,8 +15,8 @@ from rich.table import Table
 from disagmoe import compact
 from disagmoe.bench.probe import stale_note
 from disagmoe.cli.common import auto_split, console, literal, print_json, user_errors
-from disagmoe.config import (RUN_FP8_EXPERT_FORWARD, ClusterConfig, HardwareConfig, Plan, PlanConfig, load_hardware,
-                             write_text_file)
+from disagmoe.config import (FP8_DENSE_SCALING, RUN_FP8_EXPERT_FORWARD, ClusterConfig, HardwareConfig, Plan,
+                             PlanConfig, load_hardware, write_text_file)
 from disagmoe.model_ref import load_model
 from disagmoe.placement.cost import Candidates
 from disagmoe.placement.experts import read_histogram
@@ -56,6 +56,13 @@ Fp8DenseOpt = Annotated[Optional[bool], typer.Option(
     "experts, dense FFN layers) in FP8 too (as precision: fp8 trains them by default), or in bf16 (train with "
     "fp8_dense: false); neither flag: FP8 (a plan request's fp8_dense: auto prices both ways and keeps the faster); "
     "the plan records it and train --plan sets it", show_default=False)]
+Fp8DenseScalingOpt = Annotated[Literal["blockwise", "rowwise"], typer.Option(
+    "--fp8-dense-scaling", help="with the dense projections in FP8: the recipe to price them as (train with the same "
+    "fp8_dense_scaling): blockwise (the default, as precision: fp8 trains on a Hopper GPU: 1 x 128 activation "
+    "groups, 128 x 128 weight blocks, a linear off the 512 grid such as MLA's kv_a in bf16) or rowwise (one scale "
+    "per token or feature: what a run off Hopper asks for). A calibrated hardware file's measured FP8 projection "
+    "curve prices only the recipe it measured (probe version 7: rowwise; 8: blockwise on Hopper), the other at "
+    "the datasheet ratio: the plan's note says which; the plan records it and train --plan sets it")]
 Fp8BackwardOpt = Annotated[Literal["fp8", "bf16-wgrad", "bf16"], typer.Option(
     "--fp8-expert-backward", help="with --expert-precision fp8: which of the experts' backward GEMMs to price in FP8: "
     "bf16-wgrad (the default, as precision: fp8 trains: the data gradients FP8, the weight gradients bf16), fp8 "
@@ -92,7 +99,7 @@ def build_request(model: str, hardware: str, gpus: int, seq_len: int | None, glo
                   expert_precision: str = "bf16", offload_optimizer: str = "off",
                   optimizer_update_kernel: str = "triton", fp8_dense: bool | None = None,
                   fp8_expert_backward: str = "bf16-wgrad", fp8_expert_forward: str = RUN_FP8_EXPERT_FORWARD,
-                  cuda_graphs: str = "auto") -> PlanConfig:
+                  cuda_graphs: str = "auto", fp8_dense_scaling: str = FP8_DENSE_SCALING) -> PlanConfig:
     mcfg = load_model(model)
     hist = read_histogram(load_histogram, mcfg.num_moe_layers, mcfg.num_experts) if load_histogram else None
     return PlanConfig(model=mcfg, cluster=ClusterConfig(hardware=checked_hardware(hardware), num_gpus=gpus),
@@ -103,6 +110,7 @@ def build_request(model: str, hardware: str, gpus: int, seq_len: int | None, glo
                       expert_precision=expert_precision, offload_optimizer=offload_optimizer,
                       optimizer_update_kernel=optimizer_update_kernel,
                       fp8_dense="on" if fp8_dense is None else fp8_dense,  # unset: as precision fp8 trains
+                      fp8_dense_scaling=fp8_dense_scaling,
                       fp8_expert_backward=fp8_expert_backward, fp8_expert_forward=fp8_expert_forward,
                       cuda_graphs=cuda_graphs)
 
@@ -121,8 +129,8 @@ RUN_FIELDS = {  # plan's flags that a train config sets under --config: flag -> 
     "model": "model", "seq_len": "seq_len", "global_batch_tokens": "batch_size (tokens = batch_size x seq_len)",
     "shard_optimizer_states": "optim.shard_states", "optimizer_state_dtype": "optim.state_dtype",
     "optimizer_update_kernel": "optim.update_kernel", "expert_precision": "precision", "fp8_dense": "fp8_dense",
-    "fp8_expert_backward": "fp8_expert_backward", "fp8_expert_forward": "fp8_expert_forward",
-    "cuda_graphs": "cuda_graphs"}
+    "fp8_dense_scaling": "fp8_dense_scaling", "fp8_expert_backward": "fp8_expert_backward",
+    "fp8_expert_forward": "fp8_expert_forward", "cuda_graphs": "cuda_graphs"}
 PlanConfigOpt = Annotated[Optional[Path], typer.Option(
     "--config", "-c", help="a train config: plan for its run (its model, seq_len, batch_size x seq_len tokens a step, "
     "optimizer, precision, experts backend and cuda_graphs, priced as it trains), on --gpus GPUs (default: its "
@@ -151,6 +159,7 @@ def plan(
     recompute: RecomputeOpt = "auto",
     expert_precision: PrecisionOpt = "bf16",
     fp8_dense: Fp8DenseOpt = None,
+    fp8_dense_scaling: Fp8DenseScalingOpt = FP8_DENSE_SCALING,
     fp8_expert_backward: Fp8BackwardOpt = "bf16-wgrad",
     fp8_expert_forward: Fp8ForwardOpt = RUN_FP8_EXPERT_FORWARD,
     offload_optimizer: OffloadOpt = "off",
@@ -187,7 +196,7 @@ def plan(
         req = build_request(model, hardware, gpus, seq_len, global_batch_tokens, load_histogram,
                             max_pipeline_groups, max_expert_replicas, shard_optimizer_states, optimizer_state_dtype,
                             recompute, expert_precision, offload_optimizer, optimizer_update_kernel, fp8_dense,
-                            fp8_expert_backward, fp8_expert_forward, cuda_graphs)
+                            fp8_expert_backward, fp8_expert_forward, cuda_graphs, fp8_dense_scaling)
     result = choose(req).plan
     if load_histogram is not None:
         result.notes.insert(0, histogram_note(load_histogram, req.load_histogram, result))

@@ -325,6 +325,24 @@ class DeferrableLinear(nn.Linear):
         return _LinearFunction.apply(x, self.weight)
 
 
+def set_linears_fp8(module: nn.Module, enabled: bool, stats_row: torch.Tensor | None = None, emulate: bool = False,
+                    scaling: str = "rowwise") -> list[str]:
+    """Every `DeferrableLinear` in `module` in FP8 (`set_fp8`), scaled `scaling` (`fp8_dense.SCALINGS`),
+    or back in bf16; blockwise, a linear off the recipe's grid (`fp8_dense.fits_blockwise`: MLA's
+    kv_a, 576 wide) keeps its GEMMs in bf16. Returns those linears' names (empty otherwise): the
+    model's dense projections (`MoETransformer.set_dense_fp8`) and `bench calibrate`'s FP8 projection
+    probe go through here, so the probe runs what the step runs."""
+    fp8_dense.check_scaling(scaling)
+    kept_bf16 = []
+    for name, linear in module.named_modules():
+        if isinstance(linear, DeferrableLinear):
+            fits = scaling != "blockwise" or fp8_dense.fits_blockwise(linear.in_features, linear.out_features)
+            if enabled and not fits:
+                kept_bf16.append(name)
+            linear.set_fp8(enabled and fits, stats_row, emulate, scaling)
+    return kept_bf16
+
+
 @fused
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up: one compiled kernel each way on CUDA (silu's output is neither written nor

@@ -23,7 +23,7 @@ from disagmoe.kernels.recompute import expert_modules
 from disagmoe.model.block import Block, DenseBlock, MoEBlock
 from disagmoe.model.experts import RoutedExperts
 from disagmoe.model.init import seeded_normal_
-from disagmoe.model.layers import DeferrableLinear, RMSNorm
+from disagmoe.model.layers import DeferrableLinear, RMSNorm, set_linears_fp8
 
 
 @dataclass
@@ -131,20 +131,11 @@ class MoETransformer(nn.Module):
         (`TrainConfig.fp8_emulate`, and the tests' reference): the same quantised operands
         dequantised and multiplied in fp64 instead of torch._scaled_mm (`fp8_dense.scaled_mm`).
         Blockwise, a linear whose shape is off the recipe's grid (`fp8_dense.fits_blockwise`: MLA's
-        kv_a, 576 wide) keeps its GEMMs in bf16; returns those linears' names (empty otherwise)."""
-        from disagmoe.kernels import fp8_dense
+        kv_a, 576 wide) keeps its GEMMs in bf16; returns those linears' names (empty otherwise):
+        `model.layers.set_linears_fp8`, which `bench calibrate`'s FP8 projection probe runs too."""
         from disagmoe.kernels.fp8_stats import DENSE
 
-        fp8_dense.check_scaling(scaling)
-        row = None if stats is None else stats.row(DENSE)
-        kept_bf16 = []
-        for name, module in self.named_modules():
-            if isinstance(module, DeferrableLinear):
-                fits = scaling != "blockwise" or fp8_dense.fits_blockwise(module.in_features, module.out_features)
-                if enabled and not fits:
-                    kept_bf16.append(name)
-                module.set_fp8(enabled and fits, row, emulate, scaling)
-        return kept_bf16
+        return set_linears_fp8(self, enabled, None if stats is None else stats.row(DENSE), emulate, scaling)
 
     def set_fp8_stats(self, stats) -> None:
         """One `kernels.fp8_stats.Fp8Stats` for every FP8 expert module (`RoutedExperts.set_fp8_stats`)."""

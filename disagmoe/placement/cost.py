@@ -77,7 +77,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from disagmoe.config import DEFAULT_FP8_EXPERT_BACKWARD, RUN_FP8_EXPERT_FORWARD, Calibration, ModelConfig
+from disagmoe.config import (DEFAULT_FP8_EXPERT_BACKWARD, FP8_DENSE_SCALING, RUN_FP8_EXPERT_FORWARD, Calibration,
+                             ModelConfig)
 from disagmoe.roofline import calibration as cal, memory as mem, stages as st, transport_memory as tm
 from disagmoe.roofline.ceilings import Ceilings
 from disagmoe.roofline.optimizer_state import StateBytes, host_link_bytes, slot_elements, staging_bytes, state_bytes
@@ -267,7 +268,8 @@ class Problem:
     recompute_modules: frozenset[str] = mem.SELECTIVE  # selective: what it drops; auto: what it may drop; full: FULL
     expert_precision: str = "bf16"  # the routed experts' GEMMs: bf16 or fp8 (the FP8 memory and passes follow it)
     fp8_speedup: float = 1.0  # expert_precision fp8: its GEMMs' rate over bf16's (fp8_tflops / bf16_tflops), any value
-    fp8_dense: bool = False  # with expert_precision fp8: the dense projections' GEMMs in FP8 too (rowwise)
+    fp8_dense: bool = False  # with expert_precision fp8: the dense projections' GEMMs in FP8 too
+    fp8_dense_scaling: str = FP8_DENSE_SCALING  # with fp8_dense: rowwise or blockwise (`fp8_dense_stages`)
     fp8_backward: str = DEFAULT_FP8_EXPERT_BACKWARD  # with expert_precision fp8: which expert backward GEMMs
     # (`fp8_stages`), and what the backward holds and regathers (`roofline.memory`, `stages.selective_recompute`)
     fp8_forward: str = RUN_FP8_EXPERT_FORWARD  # with expert_precision fp8: which expert forward GEMMs (`fp8_stages`)
@@ -617,8 +619,8 @@ def evaluate(prob: Problem, c: Candidates, misfits_exact: bool = True) -> Cost:
     attn_bytes, exp_bytes = attention_state_bytes(dp, prob).total, expert_state_bytes(prob).total
     fp8 = prob.expert_precision == "fp8"  # the setting, not the speedup: FP8's memory is held at any rate
     fp8_copies = mem.fp8_weight_copy_bytes(exp_params, prob.fp8_forward, prob.fp8_backward) if fp8 else 0.0
-    dense_fp8 = prob.fp8_dense and fp8  # the dense linears' two e4m3 copies (1 byte each)
-    attn_fp8_copies = 2.0 * st.dense_fp8_weights(m, moe_l, dense_l) if dense_fp8 else 0.0
+    dense_fp8 = prob.fp8_dense and fp8  # the FP8 dense linears' two e4m3 copies (1 byte each)
+    attn_fp8_copies = 2.0 * st.dense_fp8_weights(m, moe_l, dense_l, prob.fp8_dense_scaling) if dense_fp8 else 0.0
     if c.colocated:
         attn_state = (attn_bytes * attn_params + exp_bytes * exp_params + fp8_copies + attn_fp8_copies
                       + offload_staging_bytes(prob, attn_params + exp_params))
@@ -730,7 +732,7 @@ def evaluate(prob: Problem, c: Candidates, misfits_exact: bool = True) -> Cost:
                             input_rows_recomputed=selective & ("expert_input" in prob.recompute_modules))
         if prob.fp8_dense:
             stages = fp8_dense_stages(stages, ceil, prob.fp8_speedup, m, tokens, moe_l, dense_l,
-                                      prob.calibration)
+                                      prob.calibration, prob.fp8_dense_scaling)
     if prob.recompute == "full":
         stages = full_recompute_stages(stages)
 
@@ -1044,26 +1046,40 @@ def fp8_pricing(calib: Calibration | None) -> str:
 FP8_DENSE_STAGES = {"attention projections": "layer", "shared experts": "moe", "dense ffn": "dense"}
 
 
-def fp8_dense_pricing(calib: Calibration | None) -> str:
-    """How `fp8_dense_stages` prices FP8 dense projections under `calib`, as `fp8_pricing` says for
-    the experts: "measured" where it holds the FP8 projection curve (`Calibration.projections_fp8`,
-    probe version 7) and the bf16 one of the same shape (`projections`) it is read against, else
-    "datasheet"."""
-    return "measured" if calib is not None and calib.projections_fp8 and calib.projections else "datasheet"
+def fp8_dense_pricing(calib: Calibration | None, scaling: str) -> str:
+    """How `fp8_dense_stages` prices FP8 dense projections of recipe `scaling` under `calib`, as
+    `fp8_pricing` says for the experts: "measured" where it holds the FP8 projection curve
+    (`Calibration.projections_fp8`, probe version 7 on) measured under that scaling
+    (`projections_fp8_scaling`: rowwise up to version 7, the run's default from version 8) and the
+    bf16 curve of the same shape (`projections`) it is read against, else "datasheet". A curve of
+    the other recipe prices nothing: its GEMMs and quantisers are another recipe's (probe version 7's
+    rowwise quantisers cost more than the FP8 GEMMs saved on an H100, which says nothing of the
+    blockwise ones), so the datasheet path prices it, unmeasured, and the plan's note names the curve
+    it left out (`other_fp8_dense_curve`) rather than pricing one recipe at the other's rate."""
+    return ("measured" if calib is not None and calib.projections_fp8 and calib.projections
+            and calib.projections_fp8_scaling == scaling else "datasheet")
 
 
-def fp8_dense_speedups(calib: Calibration | None, tokens: Num, speedup: float) -> tuple[Num, Num, bool]:
-    """(forward, backward) factors by which FP8 dense projections run faster than their bf16 rate
-    at `tokens` per micro-batch, and whether their quantisers are inside those factors. Measured
-    (`fp8_dense_pricing`): the FP8 projection curve over the bf16 `projections` curve at
-    `tokens`, both at the calibration model's attention projections (so the ratio of one shape,
-    whatever `attention_curves` prices an MLA model's bf16 stage with), every quantiser running
-    (below 1 where they cost more than the FP8 GEMMs save); applied to every FP8 dense stage, the
-    shared experts' and dense FFN layers' wider GEMMs too, where the quantisers weigh less
+def other_fp8_dense_curve(calib: Calibration | None, scaling: str) -> str | None:
+    """The scaling of `calib`'s FP8 projection curve where it is another than `scaling` (so
+    `fp8_dense_pricing` leaves it out); None where there is no curve or it is of `scaling`."""
+    if calib is None or not calib.projections_fp8 or calib.projections_fp8_scaling == scaling:
+        return None
+    return calib.projections_fp8_scaling
+
+
+def fp8_dense_speedups(calib: Calibration | None, tokens: Num, speedup: float, scaling: str) -> tuple[Num, Num, bool]:
+    """(forward, backward) factors by which FP8 dense projections of recipe `scaling` run faster
+    than their bf16 rate at `tokens` per micro-batch, and whether their quantisers are inside those
+    factors. Measured (`fp8_dense_pricing`): the FP8 projection curve over the bf16 `projections`
+    curve at `tokens`, both at the calibration model's attention projections (so the ratio of one
+    shape, whatever `attention_curves` prices an MLA model's bf16 stage with), every quantiser
+    running (below 1 where they cost more than the FP8 GEMMs save); applied to every FP8 dense stage,
+    the shared experts' and dense FFN layers' wider GEMMs too, where the quantisers weigh less
     (pessimistic there). Else the datasheet's `speedup` = fp8_tflops / bf16_tflops for the forward
     and 2 speedup / (1 + speedup) for the backward (the FP8 data gradient and the bf16 weight
     gradient, equal FLOPs: `kernels.fp8_dense.RECIPE`), the quantisers priced as stages of their own."""
-    if fp8_dense_pricing(calib) == "measured":
+    if fp8_dense_pricing(calib, scaling) == "measured":
         return tuple(cal.curve_fraction(calib.projections_fp8, tokens, bwd)
                      / cal.curve_fraction(calib.projections, tokens, bwd) for bwd in (False, True)) + (True,)
     return speedup, 2.0 * speedup / (1.0 + speedup), False
@@ -1071,30 +1087,36 @@ def fp8_dense_speedups(calib: Calibration | None, tokens: Num, speedup: float) -
 
 def fp8_dense_stages(stages: dict[str, Stage], ceil: Ceilings, speedup: float, m: ModelConfig,
                      tokens: Num, moe_layers: Num, dense_layers: Num,
-                     calib: Calibration | None = None) -> dict[str, Stage]:
-    """`stages` with the dense projections in FP8 (`precision: fp8`, `fp8_dense`): the attention
-    projections', shared experts' and dense FFN layers' forward and backward at their compute rate
-    (bf16 or calibrated) times `fp8_dense_speedups` (measured, the quantisers inside, where the
-    calibration holds the FP8 projection curve; else the datasheet's, with their quantisation
-    passes, `roofline.stages.dense_fp8_quantise_passes`: the rowwise quantisers of the activations
-    and the output gradients, as one stage beside each, run as often as it); the weights' two e4m3
-    copies once per step, in the attention optimizer's stage (`dense_fp8_weight_copies`, of the
-    busiest group's `moe_layers` / `dense_layers`)."""
+                     calib: Calibration | None, scaling: str) -> dict[str, Stage]:
+    """`stages` with the dense projections in FP8 (`precision: fp8`, `fp8_dense`) of recipe
+    `scaling` (`kernels.fp8_dense.SCALINGS`): the attention projections', shared experts' and dense
+    FFN layers' forward and backward at their compute rate (bf16 or calibrated) times
+    `fp8_dense_speedups` (measured, the quantisers inside, where the calibration holds the FP8
+    projection curve of that recipe; else the datasheet's, with their quantisation passes,
+    `roofline.stages.dense_fp8_quantise_passes` of the recipe: the quantisers of the activations and
+    the output gradients, as one stage beside each, run as often as it), the FLOPs of the linears the
+    recipe keeps in bf16 (blockwise: off its 512 grid, MLA's kv_a) at the bf16 rate
+    (`stages.dense_fp8_share`, a harmonic blend, as `_blend` prices a partly FP8 expert forward); the
+    weights' two e4m3 copies once per step, in the attention optimizer's stage
+    (`dense_fp8_weight_copies` of the recipe: two launches rowwise, one blockwise; of the busiest
+    group's `moe_layers` / `dense_layers`)."""
     out = dict(stages)
-    *rates, measured = fp8_dense_speedups(calib, tokens, speedup)
+    *rates, measured = fp8_dense_speedups(calib, tokens, speedup, scaling)
     for name, runs in FP8_DENSE_STAGES.items():
         if name not in out or (name == "shared experts" and not m.shared_ffn_size):
             continue
         s = out[name]
-        faster = [replace(s.ceilings(bwd, ceil), flops_per_s=s.ceilings(bwd, ceil).flops_per_s * rates[bwd])
-                  for bwd in (False, True)]
+        part = "attention" if name == "attention projections" else name
+        share = st.dense_fp8_share(m, part, scaling)
+        faster = [_blend(replace(s.ceilings(bwd, ceil), flops_per_s=s.ceilings(bwd, ceil).flops_per_s * rates[bwd]),
+                         s.ceilings(bwd, ceil), share) for bwd in (False, True)]
         out[name] = replace(s, fwd_ceilings=faster[0], bwd_ceilings=faster[1])
         if not measured:
-            part = "attention" if name == "attention projections" else name
-            out[f"fp8 quantise ({part})"] = Stage("attention", runs, *st.dense_fp8_quantise_passes(m, tokens, part))
+            out[f"fp8 quantise ({part})"] = Stage("attention", runs,
+                                                  *st.dense_fp8_quantise_passes(m, tokens, part, scaling))
     if "optimizer (attention)" in out:
         optimizer = out["optimizer (attention)"]
-        copies = st.dense_fp8_weight_copies(st.dense_fp8_weights(m, moe_layers, dense_layers))
+        copies = st.dense_fp8_weight_copies(st.dense_fp8_weights(m, moe_layers, dense_layers, scaling), scaling)
         out["optimizer (attention)"] = replace(optimizer, bwd=optimizer.bwd + copies)
     return out
 

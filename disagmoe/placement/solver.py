@@ -23,7 +23,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from disagmoe.config import DEFAULT_FP8_EXPERT_BACKWARD, MemoryEstimate, Plan, PlanConfig, StageTime
+from disagmoe.config import DEFAULT_FP8_EXPERT_BACKWARD, Calibration, MemoryEstimate, Plan, PlanConfig, StageTime
 from disagmoe.placement.cost import (
     ATTENTION,
     GIB,
@@ -37,6 +37,7 @@ from disagmoe.placement.cost import (
     fp8_pricing,
     fp8_dense_pricing,
     offload_staging_bytes,
+    other_fp8_dense_curve,
 )
 from disagmoe.placement.experts import imbalance, map_layer
 from disagmoe.placement.replay import replayed_step_s
@@ -45,7 +46,7 @@ from disagmoe.roofline import stages as st
 from disagmoe.roofline.ceilings import Ceilings
 from disagmoe.roofline.optimizer_state import host_link_bytes
 from disagmoe.roofline.flops import step_flops
-from disagmoe.roofline.params import count_params, params_text
+from disagmoe.roofline.params import count_params, dense_linears, params_text
 
 MAX_SEQS_PER_GPU = 64
 
@@ -84,6 +85,7 @@ def problem_of(cfg: PlanConfig, gpus: int | None = None) -> Problem:
         **_recompute_of(cfg), expert_precision=cfg.expert_precision,
         fp8_speedup=hw.fp8_tflops / hw.bf16_tflops if cfg.expert_precision == "fp8" else 1.0,
         fp8_dense=cfg.expert_precision == "fp8" and cfg.fp8_dense != "off",  # auto: `choose` / `price` try both
+        fp8_dense_scaling=cfg.fp8_dense_scaling,
         fp8_backward=cfg.fp8_expert_backward,
         fp8_forward=cfg.fp8_expert_forward,
         first_touch=cfg.experts_backend == "triton",  # RoutedExperts.first_touch_weights
@@ -139,7 +141,7 @@ def _fp8_dense_loses_note(prob: Problem, chosen, cost: Cost) -> list[str]:
     """Where the dense projections' FP8 was priced from a measured curve (`cost.fp8_dense_speedups`)
     and makes this layout's step slower than the same layout with them in bf16: one note with the
     difference and the fix (fp8_dense: false); else none."""
-    if not (prob.fp8_dense and fp8_dense_pricing(prob.calibration) == "measured"):
+    if not (prob.fp8_dense and fp8_dense_pricing(prob.calibration, prob.fp8_dense_scaling) == "measured"):
         return []
     bf16 = evaluate(replace(_fixed_recompute(prob, cost.dropped(0)), fp8_dense=False), chosen)
     step, without = float(cost.step_s[0]), float(bf16.step_s[0])
@@ -158,9 +160,10 @@ def fp8_note(prob: Problem, cost: Cost) -> str:
     """What a plan with FP8 experts was priced with (`cost.fp8_stages`): the FP8 expert curve the
     hardware's calibration measured (its source, and the rates it gave this layout's expert
     stages, and the backward recipe it was measured under against the run's), or plainly the
-    datasheet ratio, unmeasured; the dense projections, where FP8 too, from the measured FP8
-    projection curve where the calibration holds one (`cost.fp8_dense_speedups`), else at the
-    datasheet ratio."""
+    datasheet ratio, unmeasured; the dense projections, where FP8 too, in their recipe
+    (`Problem.fp8_dense_scaling`), from the measured FP8 projection curve where the calibration
+    holds one of that recipe (`cost.fp8_dense_speedups`), else at the datasheet ratio, saying why
+    (`_fp8_dense_unmeasured`: no curve, or the other recipe's)."""
     calib = prob.calibration
     copies = _fp8_copies_note(prob.fp8_forward, prob.fp8_backward)
     if fp8_pricing(calib) == "measured":
@@ -180,20 +183,50 @@ def fp8_note(prob: Problem, cost: Cost) -> str:
                 f"passes' HBM traffic{_fp8_backward_note(prob.fp8_backward)}{_fp8_forward_note(prob.fp8_forward)} and "
                 f"{copies}")
     dense = ""
-    if prob.fp8_dense and fp8_dense_pricing(calib) == "measured":
-        dense = ("; the dense projections (attention, shared experts, dense FFN layers) in FP8 too, rowwise "
-                 "(torch._scaled_mm), from the measured FP8 projection curve over the bf16 one (calibration."
-                 f"projections_fp8, probe version {calib.probe_version}): their rate at this layout's tokens per "
+    scaling = prob.fp8_dense_scaling
+    recipe = (f"the dense projections (attention, shared experts, dense FFN layers) in FP8 too, scaled {scaling} "
+              f"(fp8_dense_scaling: {scaling}; torch._scaled_mm){_fp8_dense_kept_bf16(prob)}")
+    if prob.fp8_dense and fp8_dense_pricing(calib, scaling) == "measured":
+        dense = (f"; {recipe}, from the measured FP8 projection curve over the bf16 one (calibration.projections_fp8, "
+                 f"measured {scaling}, probe version {calib.probe_version}): their rate at this layout's tokens per "
                  "micro-batch, quantisers inside (below the bf16 rate where the quantisers cost more than the FP8 "
                  "GEMMs save; measured at the attention projections, so pessimistic for wider shared-expert and "
                  "dense FFN GEMMs), their weight gradients bf16")
     elif prob.fp8_dense:
-        dense = ("; the dense projections (attention, shared experts, dense FFN layers) in FP8 too, rowwise "
-                 f"(torch._scaled_mm), with their quantisation passes, at the datasheet ratio {prob.fp8_speedup:.2f}x "
-                 "(unmeasured: `bench calibrate` measures them from probe version 7 on an sm_89+ GPU) in the forward "
-                 "and data gradient, their weight gradients bf16")
+        dense = (f"; {recipe}, with their quantisation passes, at the datasheet ratio {prob.fp8_speedup:.2f}x "
+                 f"({_fp8_dense_unmeasured(calib, scaling)}) in the forward and data gradient, their weight "
+                 "gradients bf16")
     return (head + "; their selective recomputation drops expert_input and expert_swiglu only (no fused FP8 "
             "combine for expert_output)" + dense)
+
+
+def _fp8_dense_unmeasured(calib: Calibration | None, scaling: str) -> str:
+    """Why a plan priced the dense projections' FP8 of recipe `scaling` at the datasheet ratio
+    (`cost.fp8_dense_pricing`), for `fp8_note`: the calibration's FP8 projection curve is of the
+    other recipe (`cost.other_fp8_dense_curve`: left out, and how to price with it or re-measure), or
+    there is none."""
+    other = other_fp8_dense_curve(calib, scaling)
+    measures = ("`bench calibrate` measures them on an sm_89+ GPU, from probe version 8 under blockwise on a Hopper "
+                "GPU and rowwise elsewhere")
+    if other is None:
+        return f"unmeasured: {measures}"
+    return (f"unmeasured for {scaling}: the calibration's FP8 projection curve, calibration.projections_fp8 of probe "
+            f"version {calib.probe_version}, measured the {other} recipe, another's GEMMs and quantisers, and is left "
+            f"out; fp8_dense_scaling: {other} prices with it; {measures}")
+
+
+def _fp8_dense_kept_bf16(prob: Problem) -> str:
+    """The dense linears the plan's recipe keeps in bf16 (blockwise: off its 512 grid,
+    `stages.dense_fp8_linears`), priced at the bf16 rate, for `fp8_note`; '' where there are none."""
+    m = prob.model
+    parts = ["attention"] + (["shared experts"] if m.shared_ffn_size else []) + (
+        ["dense ffn"] if m.num_dense_layers else [])
+    kept = [f"{part}'s {lin.name}" for part in parts for lin in dense_linears(m, part)
+            if lin not in st.dense_fp8_linears(m, part, prob.fp8_dense_scaling)]
+    if not kept:
+        return ""
+    return (f", but {', '.join(kept)}, off the recipe's {st.BLOCKWISE_MULTIPLE} grid, at the bf16 rate (the run keeps "
+            f"{'them' if len(kept) > 1 else 'it'} in bf16)")
 
 
 def _recompute_of(cfg: PlanConfig) -> dict:
@@ -505,9 +538,10 @@ def _fp8_dense_auto(on: Choice, off: Choice) -> Choice:
     keep_off = off.plan.feasible and (not on.plan.feasible or off.plan.step_time_s < on.plan.step_time_s)
     kept, other = (off, on) if keep_off else (on, off)
     kept_in, other_in = ("bf16", "FP8") if keep_off else ("FP8", "bf16")
-    priced = ("the measured FP8 projection curve, quantisers inside" if fp8_dense_pricing(
-        on.problem.calibration) == "measured" else "the datasheet ratio, unmeasured: `bench calibrate` measures the FP8 "
-        "projections on an sm_89+ GPU")
+    scaling = on.problem.fp8_dense_scaling
+    priced = (f"the measured FP8 projection curve of their {scaling} recipe, quantisers inside" if fp8_dense_pricing(
+        on.problem.calibration, scaling) == "measured" else
+        f"the datasheet ratio, {_fp8_dense_unmeasured(on.problem.calibration, scaling)}")
     against = (f"{report.seconds(kept.plan.step_time_s)} a step against {report.seconds(other.plan.step_time_s)} "
                f"with them in {other_in} (each way's best layout)" if other.plan.feasible else
                f"the only way that fits (in {other_in} no layout fits)")
@@ -746,6 +780,7 @@ def price(cfg: PlanConfig, chosen: Candidates, colocated_step_s: float | None = 
         offload_optimizer=prob.offload_optimizer, optimizer_state_dtype=prob.optimizer_state_dtype,
         optimizer_update_kernel=prob.optimizer_update_kernel, shard_optimizer_states=prob.shard_optimizer,
         expert_precision=prob.expert_precision, fp8_dense=prob.fp8_dense,
+        fp8_dense_scaling=prob.fp8_dense_scaling if prob.fp8_dense else None,
         fp8_expert_backward=prob.fp8_backward if prob.expert_precision == "fp8" else None,
         fp8_expert_forward=prob.fp8_forward if prob.expert_precision == "fp8" else None,
         cuda_graphs=None if single else prob.cuda_graphs,

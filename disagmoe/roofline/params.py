@@ -8,6 +8,7 @@ Mixtral-8x7B 46.7B / 12.9B.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from disagmoe.config import ModelConfig
 
@@ -43,6 +44,45 @@ def attention_norm_params(m: ModelConfig) -> int:
         assert a is not None
         return h + (a.q_lora_rank or 0) + a.kv_lora_rank
     return h + (2 * m.head_dim if m.qk_norm else 0)
+
+
+class DenseLinear(NamedTuple):
+    """One dense linear y = x W^T of a layer (a `model.layers.DeferrableLinear`): its module name,
+    its in and out features, and whether it reads the block's input (the normed hidden row)."""
+
+    name: str
+    in_features: int
+    out_features: int
+    reads_block_input: bool
+
+
+DENSE_PARTS = ("attention", "shared experts", "dense ffn")  # the parts of a layer whose linears are dense
+
+
+def dense_linears(m: ModelConfig, part: str) -> list[DenseLinear]:
+    """The dense linears of one layer's `part` (DENSE_PARTS), in the order its forward calls them:
+    "attention" (`model.attention`: GQA's q, k, v and o; MLA's q, or its low-rank q_a and q_b, then
+    kv_a, kv_b and o), "shared experts" or "dense ffn" (`model.layers.SwiGLU`: gate w1, up w3, down
+    w2; F = 0 without them). Their weights are `attention_params` less `attention_norm_params`, or
+    `swiglu_params`; tests/roofline/test_params.py holds them to the modules `model` builds."""
+    h = m.hidden_size
+    if part == "attention" and m.attention == "mla":
+        a = m.mla
+        assert a is not None
+        qk = m.num_heads * (a.qk_nope_head_dim + a.qk_rope_head_dim)
+        q = ([DenseLinear("wq", h, qk, True)] if a.q_lora_rank is None else
+             [DenseLinear("wq_a", h, a.q_lora_rank, True), DenseLinear("wq_b", a.q_lora_rank, qk, False)])
+        return [*q, DenseLinear("wkv_a", h, a.kv_lora_rank + a.qk_rope_head_dim, True),
+                DenseLinear("wkv_b", a.kv_lora_rank, m.num_heads * (a.qk_nope_head_dim + a.v_head_dim), False),
+                DenseLinear("wo", m.num_heads * a.v_head_dim, h, False)]
+    if part == "attention":
+        q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
+        return [DenseLinear("wq", h, q, True), DenseLinear("wk", h, kv, True), DenseLinear("wv", h, kv, True),
+                DenseLinear("wo", q, h, False)]
+    if part not in DENSE_PARTS:
+        raise ValueError(f"dense linears of part {part!r}: choose one of {', '.join(DENSE_PARTS)}")
+    f = m.shared_ffn_size if part == "shared experts" else m.dense_ffn_size
+    return [DenseLinear("w1", h, f, True), DenseLinear("w3", h, f, True), DenseLinear("w2", f, h, False)]
 
 
 def swiglu_params(hidden: int, ffn: int) -> int:

@@ -21,17 +21,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, get_args
 
 import numpy as np
 
-from disagmoe.config import DEFAULT_FP8_EXPERT_BACKWARD, ModelConfig
-from disagmoe.roofline.params import attention_params, router_params
+from disagmoe.config import DEFAULT_FP8_EXPERT_BACKWARD, Fp8DenseScaling, ModelConfig
+from disagmoe.roofline.params import DenseLinear, attention_params, dense_linears, router_params
 
 BF16 = 2
 FP32 = 4
 GEMM_BWD = 2.0
 ATTN_CORE_BWD = 2.5
+FP8_SCALE_GROUP = 128  # the blockwise FP8 recipes' fp32 scale: per 1 x 128 values of a row, per 128 x 128 weight block
+BLOCKWISE_MULTIPLE = 512  # `kernels.fp8_dense.BLOCKWISE_MULTIPLE`: a blockwise linear's dimensions (a test pins it)
 
 Num = Any  # a float or a numpy array of floats (broadcastable)
 
@@ -80,14 +82,15 @@ def attention_projections(m: ModelConfig, tokens: Num) -> Work:
     return Work(flops=2.0 * tokens * weights, hbm_bytes=BF16 * (weights + tokens * io))
 
 
-def dense_fp8_quantise(tokens: Num, inputs: Num, outputs: Num) -> tuple[Work, Work]:
-    """(forward, backward) HBM passes, per call, of FP8 dense linears (`kernels.fp8_dense`, either
-    scaling: one fp32 scale per row or per 1 x 128 group, negligible) with `inputs` / `outputs`
-    features per token summed over the linears: forward, each input row read in bf16 and written in
-    e4m3; backward, the output gradients per token for the data gradient (the weight gradient runs
-    in bf16 on the bf16 operands). The weights' two e4m3 copies are made once per optimizer step
-    (`dense_fp8_weight_copies`), not per call."""
-    per = BF16 + 1
+def dense_fp8_quantise(tokens: Num, inputs: Num, outputs: Num, scaling: str) -> tuple[Work, Work]:
+    """(forward, backward) HBM passes, per call, of FP8 dense linears (`kernels.fp8_dense`) with
+    `inputs` / `outputs` features per token summed over the linears: forward, each input row read in
+    bf16 and written in e4m3; backward, the output gradients per token for the data gradient (the
+    weight gradient runs in bf16 on the bf16 operands). `scaling` rowwise: one fp32 scale per row
+    (negligible); blockwise: one per 1 x 128 group of the row, written beside it (`fp8.quantize_rows`,
+    token-major: `fp8_dense.quantize_token_blocks`). The weights' two e4m3 copies are made once per
+    optimizer step (`dense_fp8_weight_copies`), not per call."""
+    per = BF16 + 1 + (FP32 / FP8_SCALE_GROUP if _blockwise(scaling) else 0.0)
     return Work(hbm_bytes=per * tokens * inputs), Work(hbm_bytes=per * tokens * outputs)
 
 
@@ -104,39 +107,81 @@ def fp8_expert_input_bytes(hidden: Num, tokens: Num, top_k: Num, once: Num) -> N
     return np.where(once, tokens * (quantise + (1 + top_k) * row), tokens * top_k * quantise)
 
 
-def dense_fp8_weight_copies(weights: Num) -> Work:
+def dense_fp8_weight_copies(weights: Num, scaling: str) -> Work:
     """The dense linears' e4m3 weight copies of one optimizer step (`fp8_dense.Fp8WeightCopies`,
-    refreshed by `prepare_fp8`): the bf16 weights read once per copy, each copy written in e4m3
-    (one scaled per output feature for the forward, one per input feature for the data gradient)."""
+    refreshed by `prepare_fp8`), W's for the forward and W^T's for the data gradient, of `weights`
+    parameters under `scaling`: rowwise, two launches, each reading the bf16 weights and writing one
+    copy (scaled per output feature, then per input feature; the scales negligible); blockwise, one
+    launch reading them once and writing both copies, each with its fp32 scale per 128 x 128 block
+    (`fp8.quantize_blocks(transposed_out=)`: the transpose's blocks are W's, nothing quantised twice)."""
+    if _blockwise(scaling):
+        return Work(hbm_bytes=(BF16 + 2 * (1 + FP32 / FP8_SCALE_GROUP**2)) * weights)
     return Work(hbm_bytes=2 * (BF16 + 1) * weights)
 
 
-def dense_fp8_params(m: ModelConfig, part: str) -> int:
-    """Parameters of one layer's FP8 dense linears of `part` (`dense_fp8_quantise_passes`' parts)."""
-    if part == "attention":
-        return attention_params(m) - m.hidden_size
-    return 3 * m.hidden_size * (m.shared_ffn_size if part == "shared experts" else m.dense_ffn_size)
+def dense_fp8_linears(m: ModelConfig, part: str, scaling: str) -> list[DenseLinear]:
+    """The linears of one layer's `part` (`params.dense_linears`) whose GEMMs run in FP8 under
+    `scaling`: every one rowwise; blockwise those with both dimensions multiples of
+    BLOCKWISE_MULTIPLE (`fp8_dense.fits_blockwise`): the rest, such as MLA's kv_a (576 wide), keep
+    their GEMMs in bf16 (`MoETransformer.set_dense_fp8`)."""
+    linears = dense_linears(m, part)
+    if not _blockwise(scaling):
+        return linears
+    return [lin for lin in linears
+            if lin.in_features % BLOCKWISE_MULTIPLE == 0 and lin.out_features % BLOCKWISE_MULTIPLE == 0]
 
 
-def dense_fp8_weights(m: ModelConfig, moe_layers: Num, dense_layers: Num) -> Num:
+def dense_fp8_params(m: ModelConfig, part: str, scaling: str) -> int:
+    """Parameters of one layer's FP8 dense linears of `part` under `scaling` (`dense_fp8_linears`)."""
+    return sum(lin.in_features * lin.out_features for lin in dense_fp8_linears(m, part, scaling))
+
+
+def dense_fp8_share(m: ModelConfig, part: str, scaling: str) -> float:
+    """The share of one layer's `part`'s dense GEMM FLOPs (2 x parameters per token each) that run in
+    FP8 under `scaling`: 1 rowwise, below it blockwise where a linear is off its grid."""
+    every = sum(lin.in_features * lin.out_features for lin in dense_linears(m, part))
+    return dense_fp8_params(m, part, scaling) / every if every else 1.0
+
+
+def dense_fp8_weights(m: ModelConfig, moe_layers: Num, dense_layers: Num, scaling: str) -> Num:
     """Parameters of the FP8 dense linears of `moe_layers` MoE and `dense_layers` dense layers
-    (attention in both, shared experts in the MoE ones, the FFN in the dense ones)."""
-    shared = dense_fp8_params(m, "shared experts") if m.shared_ffn_size else 0
-    return ((moe_layers + dense_layers) * dense_fp8_params(m, "attention") + moe_layers * shared
-            + dense_layers * dense_fp8_params(m, "dense ffn"))
+    (attention in both, shared experts in the MoE ones, the FFN in the dense ones) under `scaling`."""
+    shared = dense_fp8_params(m, "shared experts", scaling) if m.shared_ffn_size else 0
+    return ((moe_layers + dense_layers) * dense_fp8_params(m, "attention", scaling) + moe_layers * shared
+            + dense_layers * dense_fp8_params(m, "dense ffn", scaling))
 
 
-def dense_fp8_quantise_passes(m: ModelConfig, tokens: Num, part: str) -> tuple[Work, Work]:
-    """`dense_fp8_quantise` of one layer's `part`: "attention" (q/k/v or MLA's chains, and o:
-    inputs counted as q, k, v each reading the hidden row, an estimate for MLA's chains),
-    "shared experts" or "dense ffn" (SwiGLU: gate and up read the hidden row, down the F row)."""
-    H = m.hidden_size
-    if part == "attention":
-        q, k, v = attention_io_per_token(m)
-        o_in = m.num_heads * (m.mla.v_head_dim if m.mla else m.head_dim)
-        return dense_fp8_quantise(tokens, 3 * H + o_in, q + k + v + H)
-    F = m.shared_ffn_size if part == "shared experts" else m.dense_ffn_size
-    return dense_fp8_quantise(tokens, 2 * H + F, 2 * F + H)
+def dense_fp8_quantise_passes(m: ModelConfig, tokens: Num, part: str, scaling: str) -> tuple[Work, Work]:
+    """`dense_fp8_quantise` of one layer's `part` under `scaling`: "attention" (q/k/v or MLA's
+    chains, and o), "shared experts" or "dense ffn" (SwiGLU: gate, up and down).
+
+    Rowwise, the count this recipe has been priced with: the inputs as q, k, v (gate and up) each
+    reading the hidden row, an estimate for MLA's chains, every output gradient. It predates
+    `fp8_dense.quantize_input`, which quantises an input read by linears back to back once for
+    them all: it counts GQA's hidden row three times a call (a SwiGLU's twice) where the run
+    quantises it once, pessimistic. Blockwise, as the run quantises: the FP8 linears' inputs
+    (`dense_fp8_linears`, the ones off the grid in bf16 and quantising nothing) in the model's order,
+    the block input once for readers back to back (GQA's q, k, v; a SwiGLU's gate and up) and again
+    where another FP8 linear ran between (MLA's q_b before kv_a), and their output gradients."""
+    if not _blockwise(scaling):
+        H = m.hidden_size
+        if part == "attention":
+            q, k, v = attention_io_per_token(m)
+            o_in = m.num_heads * (m.mla.v_head_dim if m.mla else m.head_dim)
+            return dense_fp8_quantise(tokens, 3 * H + o_in, q + k + v + H, scaling)
+        F = m.shared_ffn_size if part == "shared experts" else m.dense_ffn_size
+        return dense_fp8_quantise(tokens, 2 * H + F, 2 * F + H, scaling)
+    linears = dense_fp8_linears(m, part, scaling)
+    inputs = sum(lin.in_features for i, lin in enumerate(linears)
+                 if not (lin.reads_block_input and i and linears[i - 1].reads_block_input))
+    return dense_fp8_quantise(tokens, inputs, sum(lin.out_features for lin in linears), scaling)
+
+
+def _blockwise(scaling: str) -> bool:
+    """Whether `scaling` (`kernels.fp8_dense.SCALINGS`) is blockwise; ValueError for another word."""
+    if scaling not in get_args(Fp8DenseScaling):
+        raise ValueError(f"unknown FP8 dense scaling {scaling!r}; choose one of {', '.join(get_args(Fp8DenseScaling))}")
+    return scaling == "blockwise"
 
 
 def attention_core(m: ModelConfig, tokens: Num, seq_len: Num) -> Work:

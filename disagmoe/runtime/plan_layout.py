@@ -10,8 +10,10 @@ backend's setting),
 `offload_optimizer: true` and `optim.shard_states: true` where the plan priced them (a plan without
 them leaves the config's setting), `optim.state_dtype` / `optim.update_kernel` as the plan
 priced them (a plan written before it recorded them leaves the config's), `precision: fp8`
-with the plan's `fp8_dense`, `fp8_expert_backward` and `fp8_expert_forward` where it priced the
-experts in FP8 (a bf16 plan, or one written before it recorded them, leaves the config's), and a
+with the plan's `fp8_dense`, `fp8_dense_scaling` (where the config's, unset = blockwise, differs;
+dropped where the plan keeps the dense projections in bf16), `fp8_expert_backward` and
+`fp8_expert_forward` where it priced the experts in FP8 (a bf16 plan, or one written before it
+recorded them, leaves the config's), and a
 distributed plan's `cuda_graphs` (its rings were priced captured or not under it).
 The plan wins over these fields of the config: the config file is the base a plan is applied to
 (`replaced_fields` says what changed, for the CLI to show), and the result goes through the config's
@@ -43,14 +45,15 @@ from __future__ import annotations
 from functools import lru_cache
 from pathlib import Path
 
-from disagmoe.config import RUN_FP8_DENSE, ModelConfig, Plan, TrainConfig, read_mapping, validate
+from disagmoe.config import FP8_DENSE_SCALING, RUN_FP8_DENSE, ModelConfig, Plan, TrainConfig, read_mapping, validate
 from disagmoe.safe_io import MAX_PLAN_BYTES
 
 ExpertIds = tuple[int, ...]  # one rank's experts of one layer, ascending
 ExpertOwners = tuple[tuple[int, ...], ...]  # one layer: per expert, the group's ranks holding it (replica order)
 LAYOUT_FIELDS = ("mode", "attention_ranks", "expert_ranks", "pipeline_groups", "expert_replica_sets", "micro_batches",
                  "colocated_ranks", "recompute", "recompute_modules", "offload_optimizer", "optim.state_dtype", "optim.update_kernel",
-                 "optim.shard_states", "precision", "fp8_dense", "fp8_expert_backward", "fp8_expert_forward",
+                 "optim.shard_states", "precision", "fp8_dense", "fp8_dense_scaling", "fp8_expert_backward",
+                 "fp8_expert_forward",
                  "cuda_graphs")  # dotted: a field of a field
 SELECTIVE_MODULES = ("expert_input", "expert_output", "expert_swiglu")  # what the planner's selective prices
 REPLAN = "run `disagmoe plan` for this model again and pass its --out file"
@@ -100,6 +103,10 @@ def apply_plan(cfg: TrainConfig, model_cfg: ModelConfig) -> TrainConfig:
         trained = RUN_FP8_DENSE if cfg.fp8_dense is None else cfg.fp8_dense  # under the precision fp8 set here
         if plan.fp8_dense is not None and plan.fp8_dense != trained:
             layout["fp8_dense"] = plan.fp8_dense
+        if plan.fp8_dense is False and cfg.fp8_dense_scaling is not None:  # no FP8 dense GEMMs left to scale
+            layout["fp8_dense_scaling"] = None
+        elif plan.fp8_dense and plan.fp8_dense_scaling not in (None, cfg.fp8_dense_scaling or FP8_DENSE_SCALING):
+            layout["fp8_dense_scaling"] = plan.fp8_dense_scaling
         layout.update({name: value for name, value in (("fp8_expert_backward", plan.fp8_expert_backward),
                                                         ("fp8_expert_forward", plan.fp8_expert_forward))
                        if value is not None})

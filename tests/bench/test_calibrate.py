@@ -358,6 +358,8 @@ def test_measure_on_a_gpu(backend):
         ratio = hw.fp8_tflops / hw.bf16_tflops
         assert [p.at for p in m.calibration.projections_fp8] == list(cal.PROJECTION_TOKENS)
         assert all(0 < p.fwd <= ratio and 0 < p.bwd <= ratio for p in m.calibration.projections_fp8)
+        # the run's default recipe where this GPU runs it (blockwise on Hopper), recorded with the curve
+        assert m.calibration.projections_fp8_scaling == cal.fp8_projection_scaling(torch.device("cuda", 0))
     assert set(m.calibration.hbm_fraction) == {"optimizer", "permute", "norms"}
     assert all(0 < f <= 1 for f in m.calibration.hbm_fraction.values())
     assert [p.at for p in m.calibration.projections] == list(cal.PROJECTION_TOKENS)
@@ -887,7 +889,7 @@ def test_the_fp8_projection_probe_quantises_what_the_model_quantises_once_a_call
     if model_name == "deepseek-v3":  # its MLA widths, a CPU's size: the chains' shapes, not its 7,168
         model = model.model_copy(update={"hidden_size": 256, "num_heads": 2})
     tokens = 32
-    forward, forward_backward, stats = cal.fp8_projection_passes(model, tokens, "cpu")
+    forward, forward_backward, stats = cal.fp8_projection_passes(model, tokens, "cpu", "rowwise")
     from disagmoe.model.attention import build_attention
 
     with torch.device("meta"):
@@ -911,3 +913,68 @@ def test_the_fp8_projection_probe_quantises_what_the_model_quantises_once_a_call
     assert counted(forward_backward) == inputs + tokens * sum(m.out_features for m in linears)
     grads = forward_backward()
     assert all(g is not None and torch.isfinite(g.float()).all() for g in grads)
+
+
+@pytest.mark.parametrize("model_name", ["qwen3-30b-a3b", "deepseek-v3"])
+def test_the_blockwise_fp8_projection_probe_quantises_what_the_planner_prices(model_name):
+    """Under blockwise (emulated on the CPU) the probe runs the linears the run runs in FP8
+    (`model.layers.set_linears_fp8`: those off the 512 grid in bf16) and quantises, per call, the
+    elements the planner's blockwise quantise passes count (`roofline.stages.dense_fp8_quantise_passes`,
+    its bytes over the recipe's bytes per element): the block input once for FP8 readers back to back,
+    each other FP8 input, and each FP8 output gradient."""
+    from disagmoe.kernels.fp8_stats import DENSE, TOTAL
+    from disagmoe.roofline import stages
+
+    model = load_model(model_name)
+    small = ({"hidden_size": 512, "num_heads": 4, "num_kv_heads": 4} if model.attention != "mla"
+             else {"hidden_size": 512, "num_heads": 2})  # a CPU's size on the grid; MLA: q_b, kv_a and o off it
+    model = model.model_copy(update=small)
+    tokens = 8
+    forward, forward_backward, stats = cal.fp8_projection_passes(model, tokens, "cpu", "blockwise", emulate=True)
+    fp8 = {lin.name for lin in stages.dense_fp8_linears(model, "attention", "blockwise")}
+    assert (len(fp8) == 4) == (model.attention != "mla") and fp8 <= {lin.name for lin in stages.dense_linears(
+        model, "attention")}
+
+    def counted(call) -> int:
+        before = int(stats.row(DENSE)[TOTAL])
+        call()
+        return int(stats.row(DENSE)[TOTAL]) - before
+
+    per = stages.BF16 + 1 + stages.FP32 / stages.FP8_SCALE_GROUP
+    fwd, bwd = (w.hbm_bytes / per for w in stages.dense_fp8_quantise_passes(model, tokens, "attention", "blockwise"))
+    assert counted(forward) == pytest.approx(fwd)
+    assert counted(forward_backward) == pytest.approx(fwd + bwd)
+
+
+def test_the_fp8_projection_curve_records_the_recipe_it_measured(monkeypatch):
+    """`measure_timings` times the FP8 projections under the run's default recipe, blockwise, where
+    the GPU runs it (`fp8_dense.blockwise_unavailable` says none is missing), else rowwise; the
+    calibration records it (`projections_fp8_scaling`), a merge keeps it with the curve it came with,
+    and a calibration without it (probe version 7's file) reads as rowwise."""
+    from disagmoe.config import FP8_DENSE_SCALING
+    from disagmoe.kernels import fp8_dense
+
+    model, hw = load_model("qwen3-30b-a3b"), load_hardware("h200-sxm")
+    assert FP8_DENSE_SCALING == "blockwise" and Calibration().projections_fp8_scaling == "rowwise"
+    ran = []
+    for missing, recipe in ((None, "blockwise"), ("no Hopper here", "rowwise")):
+        _fake_probes(monkeypatch, (9, 0))
+        monkeypatch.setattr(fp8_dense, "blockwise_unavailable", lambda device, why=missing: why)
+        monkeypatch.setattr(cal, "_fp8_projection_times", lambda dev, m, n, scaling, *a: ran.append(scaling)
+                            or cal.PassTimes(0.8e-3, 2.5e-3))
+        assert cal.fp8_projection_scaling(torch.device("cpu")) == recipe
+        t = cal.measure_timings(torch.device("cpu"), model, "triton", 0, 1)
+        calib = cal.calibration_from(t, model, _ceil(hw), "fake", fp8_peak_ratio=hw.fp8_tflops / hw.bf16_tflops)
+        assert (t.projections_fp8_scaling, calib.projections_fp8_scaling) == (recipe, recipe)
+        assert ran == [recipe] * len(cal.PROJECTION_TOKENS)
+        ran.clear()
+    blockwise = calib.model_copy(update={"projections_fp8_scaling": "blockwise"})
+    no_curve = calib.model_copy(update={"projections_fp8": []})
+    assert cal.merge_calibration(blockwise, no_curve).projections_fp8_scaling == "blockwise"  # the kept curve's
+    assert cal.merge_calibration(blockwise, calib).projections_fp8_scaling == "rowwise"  # the new curve's
+    written = yaml.safe_load(yaml.safe_dump(blockwise.model_dump(mode="json")))
+    assert Calibration.model_validate(written).projections_fp8_scaling == "blockwise"
+    del written["projections_fp8_scaling"]
+    assert Calibration.model_validate(written).projections_fp8_scaling == "rowwise"
+    with pytest.raises(ValueError, match="projections_fp8_scaling"):
+        Calibration.model_validate({**written, "projections_fp8_scaling": "tensorwise"})

@@ -445,6 +445,29 @@ def test_no_fp8_dense_prices_the_dense_projections_in_bf16_and_the_plan_records_
     assert "--no-fp8-dense" in run("plan", "--help").output
 
 
+def test_fp8_dense_scaling_prices_the_recipe_asked_and_the_plan_records_it():
+    """`plan --fp8-dense-scaling`: blockwise (the default, as precision: fp8 trains on Hopper) or
+    rowwise, recorded in the plan for `train --plan`. On the committed H100 file, whose FP8 projection
+    curve probe version 7 measured rowwise, a rowwise plan prices at that curve and a blockwise one at
+    the datasheet ratio, its note naming the curve it left out; --help teaches the choice; another
+    word is refused; beside --config the run's config sets it."""
+    base = ("plan", "-m", "qwen3-30b-a3b", "-hw", "h100-sxm-calibrated", "-n", "16", "--expert-precision", "fp8",
+            "--json")
+    blockwise, rowwise = (Plan.model_validate_json(run(*base, *extra).stdout)
+                          for extra in ((), ("--fp8-dense-scaling", "rowwise")))
+    assert (blockwise.fp8_dense_scaling, rowwise.fp8_dense_scaling) == ("blockwise", "rowwise")
+    assert blockwise.step_time_s != rowwise.step_time_s
+    note = lambda plan: next(n for n in plan.notes if n.startswith("routed experts priced in FP8"))  # noqa: E731
+    assert "measured the rowwise recipe, another's GEMMs and quantisers, and is left out" in note(blockwise)
+    assert "from the measured FP8 projection curve over the bf16 one (calibration.projections_fp8, measured " \
+        "rowwise, probe version 7)" in note(rowwise)
+    helped = " ".join(run("plan", "--help").output.split())
+    assert "--fp8-dense-scaling" in helped and "prices only the recipe it measured" in helped
+    assert run(*base, "--fp8-dense-scaling", "tensorwise").exit_code == 2
+    beside = run("plan", "-c", TINY, "-hw", "h200-sxm", "--fp8-dense-scaling", "rowwise")
+    assert beside.exit_code == 2 and "--fp8-dense-scaling: fp8_dense_scaling" in beside.output
+
+
 def test_plan_prices_the_fp8_forward_gemms_it_is_told():
     """`plan --fp8-expert-forward`: down (the default, as precision: fp8 trains) prices the experts'
     gate/up forward GEMM at the bf16 rate, which the plan's note names; both prices it in FP8 and says
@@ -540,7 +563,8 @@ def test_plan_prices_the_dense_projections_in_fp8_unless_told():
 
 def test_plan_of_a_config_prices_its_fp8_dense_as_it_trains_and_train_plan_keeps_it(tmp_path):
     """`plan -c CFG precision=fp8`: a run without fp8_dense is priced with the dense projections in
-    FP8 (as it trains), one that sets it as it says; `train --plan` then trains what was priced."""
+    FP8 (as it trains), one that sets it as it says, each in the scaling it trains; `train --plan`
+    then trains what was priced."""
     from disagmoe.config import load_train_config
     from disagmoe.model_ref import load_model
     from disagmoe.runtime.plan_layout import apply_plan
@@ -548,6 +572,8 @@ def test_plan_of_a_config_prices_its_fp8_dense_as_it_trains_and_train_plan_keeps
     base = ["plan", "-c", "configs/h200x2-qwen3-30b.yaml", "--json", "precision=fp8"]
     unset = json.loads(run(*base, "--out", str(tmp_path / "plan.json")).stdout)
     assert unset["fp8_dense"] is True and not any(n.startswith("fp8_dense auto") for n in unset["notes"])
+    assert unset["fp8_dense_scaling"] == "blockwise"  # the run's unset scaling (config.FP8_DENSE_SCALING)
+    assert json.loads(run(*base, "fp8_dense_scaling=rowwise").stdout)["fp8_dense_scaling"] == "rowwise"
     for fixed in (True, False):
         plan = json.loads(run(*base, f"fp8_dense={str(fixed).lower()}").stdout)
         assert plan["fp8_dense"] is fixed and not any(n.startswith("fp8_dense auto") for n in plan["notes"])

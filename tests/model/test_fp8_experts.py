@@ -662,6 +662,7 @@ def test_the_memory_check_counts_the_fp8_weight_copies(forward, backward):
     """The e4m3 weight copies the recipe reads more than bf16 (`COPY_BYTES_PER_PARAM` a routed-expert
     parameter: two by default, the forward blocks and their transposes), with their block scales:
     what `micro_batches: auto` and the single check plan for (`roofline.memory.fp8_weight_copy_bytes`)."""
+    from disagmoe.kernels.fp8_dense import fits_blockwise
     from disagmoe.model.layers import DeferrableLinear
     from disagmoe.model.transformer import MoETransformer
     from disagmoe.model_ref import load_model
@@ -672,15 +673,20 @@ def test_the_memory_check_counts_the_fp8_weight_copies(forward, backward):
     fields = dict(model="tiny", mode="single", device="cuda", experts_backend="triton")
     recipe = dict(fp8_expert_forward=forward, fp8_expert_backward=backward)
     model = load_model("tiny")
-    bf16, fp8, fp8_dense = (single_peak_bytes(TrainConfig(**fields, precision=p, **kw), model)[0]
-                            for p, kw in (("bf16", {}), ("fp8", {"fp8_dense": False, **recipe}),
-                                          ("fp8", {"fp8_dense": True, **recipe})))
+    bf16, fp8, fp8_dense, blockwise = (
+        single_peak_bytes(TrainConfig(**fields, precision=p, **kw), model)[0]
+        for p, kw in (("bf16", {}), ("fp8", {"fp8_dense": False, **recipe}),
+                      ("fp8", {"fp8_dense": True, "fp8_dense_scaling": "rowwise", **recipe}),
+                      ("fp8", {"fp8_dense": True, **recipe})))
     routed, per_param = count_params(model).routed_experts, COPY_BYTES_PER_PARAM[forward, backward]
     assert fp8 - bf16 == int(fp8_weight_copy_bytes(routed, forward, backward))
     assert per_param * routed < fp8 - bf16 < 1.001 * per_param * routed
-    # with the dense projections in FP8 (fp8_dense: true) their two e4m3 copies too, 1 byte each
-    dense = sum(m.weight.numel() for m in MoETransformer(model).modules() if isinstance(m, DeferrableLinear))
-    assert fp8_dense - fp8 == 2 * dense
+    # with the dense projections in FP8 (fp8_dense: true) their two e4m3 copies too, 1 byte each: every
+    # linear's rowwise, blockwise (the default) only those on its 512 grid (none of the tiny model's)
+    linears = [m for m in MoETransformer(model).modules() if isinstance(m, DeferrableLinear)]
+    assert fp8_dense - fp8 == 2 * sum(m.weight.numel() for m in linears)
+    assert blockwise - fp8 == 2 * sum(m.weight.numel() for m in linears if fits_blockwise(m.in_features,
+                                                                                         m.out_features)) == 0
 
 
 @pytest.mark.slow  # the FP8 kernels in Triton's interpreter

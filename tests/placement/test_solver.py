@@ -752,25 +752,31 @@ def test_a_plan_records_the_expert_modules_it_priced_not_all_three():
     assert plan.recompute == "selective" and plan.recompute_modules == ["expert_input"]
 
 
-def test_fp8_dense_projections_are_priced_at_the_fp8_rate_with_their_quantise_passes():
+@pytest.mark.parametrize("scaling", ["blockwise", "rowwise"])
+def test_fp8_dense_projections_are_priced_at_the_fp8_rate_with_their_quantise_passes(scaling):
     """`expert_precision: fp8` with `fp8_dense` on: the attention projections, shared
     experts and dense FFN layers forward at fp8_tflops / bf16_tflops the rate, backward at 2 s /
-    (1 + s) of it (the FP8 data gradient beside the bf16 weight gradient), each with its rowwise
-    quantisation passes as an attention stage run as often; fp8_dense: false leaves them bf16."""
+    (1 + s) of it (the FP8 data gradient beside the bf16 weight gradient), each with its recipe's
+    quantisation passes as an attention stage run as often; blockwise, the FLOPs of a linear off its
+    grid (DeepSeek's kv_a) at the bf16 rate, a harmonic blend; fp8_dense: false leaves them bf16."""
     layout = Candidates.one(4, 4, 1, 4, 2)
     hw = load_hardware("h200-sxm")
     speedup = hw.fp8_tflops / hw.bf16_tflops
     for model, names in (("qwen3-30b-a3b", ("attention projections",)),
                          ("deepseek-v3", ("attention projections", "shared experts", "dense ffn"))):
         bf16, dense, experts_only = (
-            evaluate(problem_of(request(model, "h200-sxm", 8, recompute="none", expert_precision=p, fp8_dense=d)),
-                     layout) for p, d in (("bf16", True), ("fp8", True), ("fp8", False)))
+            evaluate(problem_of(request(model, "h200-sxm", 8, recompute="none", expert_precision=p, fp8_dense=d,
+                                        fp8_dense_scaling=scaling)), layout)
+            for p, d in (("bf16", True), ("fp8", True), ("fp8", False)))
         ceil = problem_of(request(model, "h200-sxm", 8)).ceilings
         for name in names:
             part = "attention" if name == "attention projections" else name
+            share = st.dense_fp8_share(load_model(model), part, scaling)
+            assert (share < 1) == (scaling == "blockwise" and model == "deepseek-v3" and part == "attention")
             for bwd, faster in ((False, speedup), (True, 2 * speedup / (1 + speedup))):
                 rate = bf16.stages[name].ceilings(bwd, ceil).flops_per_s
-                assert dense.stages[name].ceilings(bwd, ceil).flops_per_s == pytest.approx(rate * faster)
+                blended = 1 / (share / (rate * faster) + (1 - share) / rate)
+                assert dense.stages[name].ceilings(bwd, ceil).flops_per_s == pytest.approx(blended)
                 assert experts_only.stages[name].ceilings(bwd, ceil).flops_per_s == pytest.approx(rate)
             quant = dense.stages[f"fp8 quantise ({part})"]
             assert quant.group == "attention" and quant.runs == bf16.stages[name].runs
@@ -782,27 +788,36 @@ def test_fp8_dense_projections_are_priced_at_the_fp8_rate_with_their_quantise_pa
     assert any("dense projections (attention, shared experts, dense FFN layers) in FP8 too" in n for n in plan.notes)
 
 
+def _with_fp8_projections(hw, ratio: float, scaling: str = "blockwise", bwd_ratio: float | None = None):
+    """`hw` (a calibrated HardwareConfig) with an FP8 projection curve at `ratio` (backward: `bwd_ratio`,
+    default the same) times its bf16 projection curve, measured under `scaling` (probe version 8 on a
+    Hopper GPU: blockwise, the run's default)."""
+    curve = [Fp8RatePoint(at=p.at, fwd=ratio * p.fwd, bwd=(bwd_ratio or ratio) * p.bwd)
+             for p in hw.calibration.projections]
+    return hw.model_copy(update={"calibration": hw.calibration.model_copy(update={
+        "projections_fp8": curve, "projections_fp8_scaling": scaling})})
+
+
 def test_measured_fp8_projections_price_the_dense_projections_with_their_quantisers_inside():
-    """A calibration holding the FP8 projection curve (`projections_fp8`, probe version 7): the
-    Qwen3 config's FP8 attention projections run at that curve over the bf16 one at their tokens per
-    micro-batch (here 0.9x: the quantisers cost more than the FP8 GEMMs save, as an H100 measured),
-    with no quantise stage of their own (inside the curve), so the FP8 step with fp8_dense is slower
-    than without it, where the datasheet ratio priced it faster; the notes say which, and that
-    fp8_dense: false is the faster plan (not where the curve pays)."""
+    """A calibration holding the FP8 projection curve of the run's recipe (`projections_fp8`, here
+    measured blockwise, as probe version 8 on a Hopper GPU): the Qwen3 config's FP8 attention
+    projections run at that curve over the bf16 one at their tokens per micro-batch (here 0.9x: the
+    quantisers cost more than the FP8 GEMMs save, as an H100 measured rowwise), with no quantise
+    stage of their own (inside the curve), so the FP8 step with fp8_dense is slower than without it,
+    where the datasheet ratio priced it faster; the notes say which, and that fp8_dense: false is the
+    faster plan (not where the curve pays)."""
     from disagmoe.placement.cost import fp8_dense_speedups
 
     hw = load_hardware("h200-sxm-calibrated")
-    slow = [Fp8RatePoint(at=p.at, fwd=0.9 * p.fwd, bwd=0.9 * p.bwd) for p in hw.calibration.projections]
-    measured = hw.model_copy(update={"calibration": hw.calibration.model_copy(update={"projections_fp8": slow})})
-    fwd, bwd, inside = fp8_dense_speedups(measured.calibration, 8192.0, 2.0)
+    measured = _with_fp8_projections(hw, 0.9)
+    fwd, bwd, inside = fp8_dense_speedups(measured.calibration, 8192.0, 2.0, "blockwise")
     assert (float(fwd), float(bwd), inside) == (pytest.approx(0.9), pytest.approx(0.9), True)
-    assert fp8_dense_speedups(hw.calibration, 8192.0, 2.0) == (2.0, pytest.approx(4 / 3), False)
+    assert fp8_dense_speedups(hw.calibration, 8192.0, 2.0, "blockwise") == (2.0, pytest.approx(4 / 3), False)
     # an MLA model: the FP8 curve read against the bf16 curve of its own (the calibration model's) shape,
     # not the MLA curve its bf16 stage is priced with: an FP8 curve equal to that curve is no speedup
-    same = hw.calibration.model_copy(update={"projections_fp8": [
-        Fp8RatePoint(at=p.at, fwd=p.fwd, bwd=p.bwd) for p in hw.calibration.projections]})
+    same = _with_fp8_projections(hw, 1.0).calibration
     tokens = np.array([4096.0, 8192.0, 32768.0])
-    assert np.allclose(np.stack(fp8_dense_speedups(same, tokens, 2.0)[:2]), 1.0)
+    assert np.allclose(np.stack(fp8_dense_speedups(same, tokens, 2.0, "blockwise")[:2]), 1.0)
     _, bf16, _ = _qwen3_single(measured, "bf16")
     _, dense, plan = _qwen3_single(measured, "fp8", True)
     _, no_dense, _ = _qwen3_single(measured, "fp8", False)
@@ -818,9 +833,40 @@ def test_measured_fp8_projections_price_the_dense_projections_with_their_quantis
     loses = next(n for n in plan.notes if n.startswith("the dense projections in FP8 make this step"))
     assert loses.endswith("train with fp8_dense: false")
     assert not any(n.startswith("the dense projections in FP8 make") for n in _qwen3_single(hw, "fp8", True)[2].notes)
-    fast = [Fp8RatePoint(at=p.at, fwd=1.5 * p.fwd, bwd=1.3 * p.bwd) for p in hw.calibration.projections]
-    paying = hw.model_copy(update={"calibration": hw.calibration.model_copy(update={"projections_fp8": fast})})
+    paying = _with_fp8_projections(hw, 1.5, bwd_ratio=1.3)
     assert not any(n.startswith("the dense projections in FP8 make") for n in _qwen3_single(paying, "fp8", True)[2].notes)
+
+
+def test_a_curve_of_the_other_dense_recipe_prices_nothing_and_the_note_says_so():
+    """The FP8 projection curve measured rowwise (probe version 7's, as the committed H100 file holds;
+    a file written before `projections_fp8_scaling` reads as rowwise) and a run of the default
+    blockwise recipe: the datasheet path prices it (its quantise passes as stages, the ratio
+    fp8_tflops / bf16_tflops), not the rowwise curve, and the note names the curve it left out and
+    the setting that prices with it; a rowwise run (fp8_dense_scaling: rowwise) prices at the curve,
+    and the plan records the scaling it priced."""
+    hw = load_hardware("h200-sxm-calibrated")
+    rowwise_curve = _with_fp8_projections(hw, 0.9, scaling="rowwise")
+    raw = rowwise_curve.calibration.model_dump()
+    del raw["projections_fp8_scaling"]
+    assert type(hw.calibration).model_validate(raw).projections_fp8_scaling == "rowwise"  # an older file
+    _, blockwise, plan = _qwen3_single(rowwise_curve, "fp8", True)
+    _, datasheet, _ = _qwen3_single(hw, "fp8", True)
+    _, rowwise, rowwise_plan = _qwen3_single(rowwise_curve, "fp8", True, "fp8_dense_scaling=rowwise")
+    _, bf16, _ = _qwen3_single(hw, "bf16")
+    ceil = _qwen3_single(hw, "bf16")[0].ceilings
+    assert blockwise.step_s[0] == pytest.approx(datasheet.step_s[0])  # the curve left out
+    assert "fp8 quantise (attention)" in blockwise.stages and "fp8 quantise (attention)" not in rowwise.stages
+    rate = bf16.stages["attention projections"].ceilings(False, ceil).flops_per_s
+    assert rowwise.stages["attention projections"].ceilings(False, ceil).flops_per_s == pytest.approx(0.9 * rate)
+    note = _fp8_note(plan)
+    assert "scaled blockwise (fp8_dense_scaling: blockwise" in note
+    assert ("unmeasured for blockwise: the calibration's FP8 projection curve, calibration.projections_fp8 of probe "
+            f"version {hw.calibration.probe_version}, measured the rowwise recipe") in note
+    assert "fp8_dense_scaling: rowwise prices with it" in note
+    assert "from the measured FP8 projection curve over the bf16 one (calibration.projections_fp8, measured rowwise" \
+        in _fp8_note(rowwise_plan)
+    assert (plan.fp8_dense_scaling, rowwise_plan.fp8_dense_scaling) == ("blockwise", "rowwise")
+    assert _qwen3_single(hw, "fp8", False)[2].fp8_dense_scaling is None  # none priced: none recorded
 
 
 def _qwen3_fp8_request(hw, fp8_dense: str = "auto") -> PlanConfig:
@@ -837,16 +883,14 @@ def test_fp8_dense_auto_keeps_the_faster_of_the_dense_projections_in_fp8_and_in_
     on where it runs above; the plan records the choice (`train --plan` sets it) and a note gives
     both step times and what priced the FP8 projections; on / off plan one way, with no such note;
     a fixed layout (`price`) chooses the same way."""
-    hw = load_hardware("h200-sxm-calibrated")
-    curve = [Fp8RatePoint(at=p.at, fwd=ratio * p.fwd, bwd=ratio * p.bwd) for p in hw.calibration.projections]
-    measured = hw.model_copy(update={"calibration": hw.calibration.model_copy(update={"projections_fp8": curve})})
+    measured = _with_fp8_projections(load_hardware("h200-sxm-calibrated"), ratio)
     auto, on, off = (choose(_qwen3_fp8_request(measured, mode)) for mode in ("auto", "on", "off"))
     faster = off if ratio < 1 else on
     assert auto.plan.fp8_dense == (ratio > 1) and auto.plan.step_time_s == pytest.approx(faster.plan.step_time_s)
     assert min(on.plan.step_time_s, off.plan.step_time_s) == pytest.approx(auto.plan.step_time_s)
     note = next(n for n in auto.plan.notes if n.startswith("fp8_dense auto chose"))
     assert note.startswith(f"fp8_dense auto chose {'on' if ratio > 1 else 'off'}")
-    assert "the measured FP8 projection curve, quantisers inside" in note
+    assert "the measured FP8 projection curve of their blockwise recipe, quantisers inside" in note
     assert not any(n.startswith("fp8_dense auto") for n in on.plan.notes + off.plan.notes)
     fixed = price(_qwen3_fp8_request(measured), auto.candidate)
     assert fixed.plan.fp8_dense == auto.plan.fp8_dense
@@ -877,24 +921,63 @@ def test_fp8_dense_auto_keeps_the_leaner_plan_when_neither_fits():
     assert "no layout fits with the dense projections in FP8 or in bf16" in note and "train with" not in note
 
 
-def test_fp8_dense_weight_copies_are_made_once_per_step_and_held():
+@pytest.mark.parametrize("scaling", ["blockwise", "rowwise"])
+def test_fp8_dense_weight_copies_are_made_once_per_step_and_held(scaling):
     """The dense linears' two e4m3 weight copies (`fp8_dense.Fp8WeightCopies`): read and written in
     the attention optimizer's stage once per step, not in the per-call quantise passes, and held
-    beside the bf16 weights (1 byte per copy and parameter)."""
-    from disagmoe.roofline import stages as st
-
+    beside the bf16 weights (1 byte per copy and parameter), of the linears the recipe runs in FP8
+    (blockwise: not DeepSeek's kv_a, off its grid). Rowwise makes them in two launches, each reading
+    the bf16 weights; blockwise in one, reading them once and writing both copies with their
+    128 x 128 block scales: 2 bytes less per parameter."""
     layout = Candidates.one(4, 4, 1, 4, 2)  # p = 1: every layer on each GPU
     m = load_model("deepseek-v3")
     with_copies, without = (evaluate(problem_of(request("deepseek-v3", "h200-sxm", 8, recompute="none",
-                                                        expert_precision="fp8", fp8_dense=d)), layout)
+                                                        expert_precision="fp8", fp8_dense=d,
+                                                        fp8_dense_scaling=scaling)), layout)
                             for d in (True, False))
-    weights = st.dense_fp8_weights(m, m.num_moe_layers, m.num_dense_layers)
+    weights = st.dense_fp8_weights(m, m.num_moe_layers, m.num_dense_layers, scaling)
+    kv_a = m.hidden_size * (m.mla.kv_lora_rank + m.mla.qk_rope_head_dim) * m.num_layers
+    assert weights == st.dense_fp8_weights(m, m.num_moe_layers, m.num_dense_layers, "rowwise") - (
+        kv_a if scaling == "blockwise" else 0)
     step = (with_copies.stages["optimizer (attention)"].bwd.hbm_bytes[0]
             - without.stages["optimizer (attention)"].bwd.hbm_bytes[0])
-    assert step == pytest.approx(2 * (2 + 1) * weights)
+    per_param = 2 * (st.BF16 + 1) if scaling == "rowwise" else st.BF16 + 2 * (1 + st.FP32 / 128**2)
+    assert step == pytest.approx(per_param * weights)
     assert (with_copies.attn_mem_bytes[0] - without.attn_mem_bytes[0]) == pytest.approx(2 * weights)
-    per_call = st.dense_fp8_quantise_passes(m, 1024.0, "attention")
-    assert per_call[0].hbm_bytes == pytest.approx(3 * 1024 * (3 * m.hidden_size + m.num_heads * m.mla.v_head_dim))
+    per_call = st.dense_fp8_quantise_passes(m, 1024.0, "attention", scaling)
+    H, a, n = m.hidden_size, m.mla, m.num_heads
+    if scaling == "rowwise":  # q, k, v each counted reading the hidden row (its estimate for MLA)
+        assert per_call[0].hbm_bytes == pytest.approx(3 * 1024 * (3 * H + n * a.v_head_dim))
+    else:  # x once (q_a; kv_a in bf16), q_a's normed output, the latent, the heads' outputs; 1 x 128 scales
+        inputs = H + a.q_lora_rank + a.kv_lora_rank + n * a.v_head_dim
+        outputs = a.q_lora_rank + n * (a.qk_nope_head_dim + a.qk_rope_head_dim) + n * (
+            a.qk_nope_head_dim + a.v_head_dim) + H
+        assert per_call[0].hbm_bytes == pytest.approx((st.BF16 + 1 + st.FP32 / 128) * 1024 * inputs)
+        assert per_call[1].hbm_bytes == pytest.approx((st.BF16 + 1 + st.FP32 / 128) * 1024 * outputs)
+
+
+def test_blockwise_dense_quantisers_count_a_shared_input_once_and_the_copies_one_launch():
+    """The Qwen3 model (every linear on blockwise's grid): the blockwise forward quantises the hidden
+    row once for q, k and v (`fp8_dense.quantize_input`) and o's input, with a 1 x 128 scale per 128
+    values; rowwise's count reads it three times; the backward quantises each output gradient either
+    way; the weight copies cost 2 bytes a parameter less blockwise (one launch for both copies)."""
+    m = load_model("qwen3-30b-a3b")
+    q, k, v = st.attention_io_per_token(m)
+    H, tokens = m.hidden_size, 4096.0
+    (row_f, row_b), (blk_f, blk_b) = (st.dense_fp8_quantise_passes(m, tokens, "attention", scaling)
+                                      for scaling in ("rowwise", "blockwise"))
+    assert row_f.hbm_bytes == pytest.approx((st.BF16 + 1) * tokens * (3 * H + q))
+    assert blk_f.hbm_bytes == pytest.approx((st.BF16 + 1 + st.FP32 / 128) * tokens * (H + q))
+    outputs = q + k + v + H  # every output gradient, either way
+    assert row_b.hbm_bytes == pytest.approx((st.BF16 + 1) * tokens * outputs)
+    assert blk_b.hbm_bytes == pytest.approx((st.BF16 + 1 + st.FP32 / 128) * tokens * outputs)
+    weights = st.dense_fp8_weights(m, m.num_moe_layers, 0, "blockwise")
+    assert weights == st.dense_fp8_weights(m, m.num_moe_layers, 0, "rowwise")
+    saved = st.dense_fp8_weight_copies(weights, "rowwise").hbm_bytes - st.dense_fp8_weight_copies(
+        weights, "blockwise").hbm_bytes
+    assert saved == pytest.approx((2 - 2 * st.FP32 / 128**2) * weights)
+    with pytest.raises(ValueError, match="unknown FP8 dense scaling 'tensorwise'; choose one of rowwise, blockwise"):
+        st.dense_fp8_weight_copies(weights, "tensorwise")
 
 
 def offload_request(off="auto", hbm_gib=None, host_memory_gib=None, batch=1 << 20, **kw):

@@ -312,6 +312,30 @@ def test_a_plan_priced_in_fp8_sets_precision_fp8_and_its_fp8_dense():
         assert (run.precision, run.fp8_dense) == (fields["precision"], fields.get("fp8_dense"))
 
 
+def test_a_plan_sets_the_dense_fp8_scaling_it_priced_where_the_config_trains_another():
+    """A plan records the dense projections' FP8 recipe it priced (`plan --fp8-dense-scaling`), None
+    where it priced them in bf16; `train --plan` sets fp8_dense_scaling where the config trains
+    another (its unset one is blockwise), and drops the config's where the plan keeps the dense
+    projections in bf16 (a scaling with nothing to scale is refused)."""
+    gpu = {"device": "cuda", "experts_backend": "triton"}
+    rowwise, blockwise = (planned(2, 1, expert_precision="fp8", fp8_dense_scaling=s) for s in ("rowwise", "blockwise"))
+    lean = planned(2, 1, expert_precision="fp8", fp8_dense=False, fp8_dense_scaling="rowwise")
+    assert (rowwise.fp8_dense_scaling, blockwise.fp8_dense_scaling, lean.fp8_dense_scaling) == (
+        "rowwise", "blockwise", None)
+    cfg = config(rowwise, **gpu)
+    run = apply_plan(cfg, MODEL)
+    assert (run.fp8_dense_scaling, run.dense_fp8_scaling) == ("rowwise", "rowwise")
+    assert replaced_fields(cfg, run)["fp8_dense_scaling"] == (None, "rowwise")
+    assert apply_plan(run, MODEL) == run  # idempotent
+    cfg = config(blockwise, **gpu)
+    unset = apply_plan(cfg, MODEL)  # the config's unset scaling is the plan's
+    assert unset.fp8_dense_scaling is None and "fp8_dense_scaling" not in replaced_fields(cfg, unset)
+    mine = config(blockwise, precision="fp8", fp8_dense_scaling="rowwise", **gpu)
+    assert replaced_fields(mine, apply_plan(mine, MODEL))["fp8_dense_scaling"] == ("rowwise", "blockwise")
+    off = apply_plan(config(lean, precision="fp8", fp8_dense_scaling="rowwise", **gpu), MODEL)
+    assert (off.fp8_dense, off.fp8_dense_scaling, off.dense_precision) == (False, None, "bf16")
+
+
 def test_a_plan_sets_the_fp8_recipe_and_the_cuda_graphs_it_was_priced_under():
     """An FP8 plan records the experts' backward and forward recipes it priced, a distributed plan the
     cuda_graphs its rings were priced under; `train --plan` sets them (among the replaced fields). A

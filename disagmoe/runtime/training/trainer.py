@@ -311,7 +311,8 @@ def single_peak_bytes(cfg: TrainConfig, model_cfg: ModelConfig) -> tuple[int, in
     `single_host_bytes`, and two staging slots are on the device; with `precision: fp8` the experts'
     FP8 weight copies too, those their recipe reads (`roofline.memory.fp8_weight_copy_bytes` of
     `fp8_expert_forward` and `fp8_expert_backward`), and the dense projections' two e4m3
-    copies under `dense_precision` fp8) and one micro-batch's activations
+    copies under `dense_precision` fp8, of those its `dense_fp8_scaling` runs in FP8) and one
+    micro-batch's activations
     (`runtime.activation_memory`)."""
     params = count_params(model_cfg)
     state = params.total * state_bytes(cfg.optim.state_dtype, cfg.compute_dtype_name,
@@ -321,8 +322,9 @@ def single_peak_bytes(cfg: TrainConfig, model_cfg: ModelConfig) -> tuple[int, in
     if cfg.expert_precision == "fp8":
         state += int(fp8_weight_copy_bytes(params.routed_experts, cfg.expert_forward_precision,
                                            cfg.expert_backward_precision))
-    if cfg.dense_precision == "fp8":  # the dense projections' two e4m3 copies, priced as the planner does
-        state += int(2 * dense_fp8_weights(model_cfg, model_cfg.num_moe_layers, model_cfg.num_dense_layers))
+    if cfg.dense_precision == "fp8":  # the FP8 dense projections' two e4m3 copies, priced as the planner does
+        state += int(2 * dense_fp8_weights(model_cfg, model_cfg.num_moe_layers, model_cfg.num_dense_layers,
+                                           cfg.dense_fp8_scaling))
     return state, single_activation_bytes(cfg, model_cfg)
 
 
