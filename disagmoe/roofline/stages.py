@@ -153,24 +153,13 @@ def dense_fp8_weights(m: ModelConfig, moe_layers: Num, dense_layers: Num, scalin
 
 def dense_fp8_quantise_passes(m: ModelConfig, tokens: Num, part: str, scaling: str) -> tuple[Work, Work]:
     """`dense_fp8_quantise` of one layer's `part` under `scaling`: "attention" (q/k/v or MLA's
-    chains, and o), "shared experts" or "dense ffn" (SwiGLU: gate, up and down).
-
-    Rowwise, the count this recipe has been priced with: the inputs as q, k, v (gate and up) each
-    reading the hidden row, an estimate for MLA's chains, every output gradient. It predates
-    `fp8_dense.quantize_input`, which quantises an input read by linears back to back once for
-    them all: it counts GQA's hidden row three times a call (a SwiGLU's twice) where the run
-    quantises it once, pessimistic. Blockwise, as the run quantises: the FP8 linears' inputs
-    (`dense_fp8_linears`, the ones off the grid in bf16 and quantising nothing) in the model's order,
-    the block input once for readers back to back (GQA's q, k, v; a SwiGLU's gate and up) and again
-    where another FP8 linear ran between (MLA's q_b before kv_a), and their output gradients."""
-    if not _blockwise(scaling):
-        H = m.hidden_size
-        if part == "attention":
-            q, k, v = attention_io_per_token(m)
-            o_in = m.num_heads * (m.mla.v_head_dim if m.mla else m.head_dim)
-            return dense_fp8_quantise(tokens, 3 * H + o_in, q + k + v + H, scaling)
-        F = m.shared_ffn_size if part == "shared experts" else m.dense_ffn_size
-        return dense_fp8_quantise(tokens, 2 * H + F, 2 * F + H, scaling)
+    chains, and o), "shared experts" or "dense ffn" (SwiGLU: gate, up and down), as the run
+    quantises under either scaling: the FP8 linears' inputs (`dense_fp8_linears`; blockwise keeps
+    the ones off its grid in bf16, quantising nothing) in the model's order, the block input once for
+    readers back to back (GQA's q, k, v; a SwiGLU's gate and up: `fp8_dense.quantize_input`) and
+    again where another FP8 linear ran between (MLA's q_b before kv_a), and their output gradients.
+    (Until session 34 the rowwise count read the hidden row once per reader, and MLA's chains by an
+    estimate.)"""
     linears = dense_fp8_linears(m, part, scaling)
     inputs = sum(lin.in_features for i, lin in enumerate(linears)
                  if not (lin.reads_block_input and i and linears[i - 1].reads_block_input))

@@ -946,27 +946,26 @@ def test_fp8_dense_weight_copies_are_made_once_per_step_and_held(scaling):
     assert (with_copies.attn_mem_bytes[0] - without.attn_mem_bytes[0]) == pytest.approx(2 * weights)
     per_call = st.dense_fp8_quantise_passes(m, 1024.0, "attention", scaling)
     H, a, n = m.hidden_size, m.mla, m.num_heads
-    if scaling == "rowwise":  # q, k, v each counted reading the hidden row (its estimate for MLA)
-        assert per_call[0].hbm_bytes == pytest.approx(3 * 1024 * (3 * H + n * a.v_head_dim))
-    else:  # x once (q_a; kv_a in bf16), q_a's normed output, the latent, the heads' outputs; 1 x 128 scales
-        inputs = H + a.q_lora_rank + a.kv_lora_rank + n * a.v_head_dim
-        outputs = a.q_lora_rank + n * (a.qk_nope_head_dim + a.qk_rope_head_dim) + n * (
-            a.qk_nope_head_dim + a.v_head_dim) + H
-        assert per_call[0].hbm_bytes == pytest.approx((st.BF16 + 1 + st.FP32 / 128) * 1024 * inputs)
-        assert per_call[1].hbm_bytes == pytest.approx((st.BF16 + 1 + st.FP32 / 128) * 1024 * outputs)
+    # x (q_a), q_a's normed output, the latent, the heads' outputs; rowwise also kv_a's x, read again after q_b
+    inputs = H + a.q_lora_rank + a.kv_lora_rank + n * a.v_head_dim + (H if scaling == "rowwise" else 0)
+    outputs = a.q_lora_rank + n * (a.qk_nope_head_dim + a.qk_rope_head_dim) + n * (
+        a.qk_nope_head_dim + a.v_head_dim) + H + (a.kv_lora_rank + a.qk_rope_head_dim if scaling == "rowwise" else 0)
+    per_value = st.BF16 + 1 + (st.FP32 / 128 if scaling == "blockwise" else 0)  # blockwise: 1 x 128 scales
+    assert per_call[0].hbm_bytes == pytest.approx(per_value * 1024 * inputs)
+    assert per_call[1].hbm_bytes == pytest.approx(per_value * 1024 * outputs)
 
 
 def test_blockwise_dense_quantisers_count_a_shared_input_once_and_the_copies_one_launch():
-    """The Qwen3 model (every linear on blockwise's grid): the blockwise forward quantises the hidden
-    row once for q, k and v (`fp8_dense.quantize_input`) and o's input, with a 1 x 128 scale per 128
-    values; rowwise's count reads it three times; the backward quantises each output gradient either
-    way; the weight copies cost 2 bytes a parameter less blockwise (one launch for both copies)."""
+    """The Qwen3 model (every linear on blockwise's grid): the forward quantises the hidden row once
+    for q, k and v (`fp8_dense.quantize_input`) and o's input under either scaling, blockwise with a
+    1 x 128 scale per 128 values; the backward quantises each output gradient either way; the weight
+    copies cost 2 bytes a parameter less blockwise (one launch for both copies)."""
     m = load_model("qwen3-30b-a3b")
     q, k, v = st.attention_io_per_token(m)
     H, tokens = m.hidden_size, 4096.0
     (row_f, row_b), (blk_f, blk_b) = (st.dense_fp8_quantise_passes(m, tokens, "attention", scaling)
                                       for scaling in ("rowwise", "blockwise"))
-    assert row_f.hbm_bytes == pytest.approx((st.BF16 + 1) * tokens * (3 * H + q))
+    assert row_f.hbm_bytes == pytest.approx((st.BF16 + 1) * tokens * (H + q))
     assert blk_f.hbm_bytes == pytest.approx((st.BF16 + 1 + st.FP32 / 128) * tokens * (H + q))
     outputs = q + k + v + H  # every output gradient, either way
     assert row_b.hbm_bytes == pytest.approx((st.BF16 + 1) * tokens * outputs)
