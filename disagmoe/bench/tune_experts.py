@@ -106,7 +106,7 @@ def candidates(role: str) -> list[TileConfig]:
     table = (GATE_UP_CANDIDATES if role == "gate_up" else DOWN_DGRAD_CANDIDATES if role == "down_dgrad" else
              WGRAD_CANDIDATES if role.startswith("wgrad") else ROW_GEMM_CANDIDATES)
     configs = _bf16_tiles(table)
-    if role.startswith("wgrad"):  # each tile both ways: the main gradient's add loaded and stored, or atomic;
+    if role.startswith("wgrad"):  # each tile with the main gradient's add loaded and stored, or atomic;
         # the atomic ones (every tuned winner since session 16) also with TMA loads
         atomic = [dataclasses.replace(c, atomic_accumulate=True) for c in configs]
         # and the load-add-store ones with the main gradient's tile loaded before the row loop where it

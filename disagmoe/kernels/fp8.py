@@ -252,7 +252,7 @@ def _quantize_group_store(x, ok, row_ok, rows64, ks, group, q_ptr, s_ptr, stride
 
 
 @triton.jit
-def _swiglu_grad_rows_quantized_kernel(da_ptr, h13_ptr, out_ptr, act_ptr, q_ptr, s_ptr, limit_ptr, C,
+def _swiglu_grad_rows_quantized_kernel(da_ptr, h13_ptr, out_ptr, act_ptr, q_ptr, s_ptr, limit_ptr, N, C,
                                        stride_dm, stride_dc, stride_hm, stride_hc, stride_om, stride_oc,
                                        stride_xm, stride_xc, stride_qm, stride_qk, stride_sm, stride_sg,
                                        BLOCK_R: tl.constexpr):
@@ -260,9 +260,9 @@ def _swiglu_grad_rows_quantized_kernel(da_ptr, h13_ptr, out_ptr, act_ptr, q_ptr,
     # a step (C a multiple of 128), each step's d gate and d up also quantised as `_quantize_rows_kernel`
     # quantises d h13 [N, 2C] read back: their values rounded to out's dtype first, d gate's columns
     # [c0, c0 + 128) group c0 / 128 and d up's [C + c0, ...) group (C + c0) / 128. Rows at or past the
-    # limit: nothing read or written.
+    # limit (or N): nothing read or written.
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok = rows < tl.load(limit_ptr)
+    row_ok = rows < tl.minimum(tl.load(limit_ptr), N)
     rows64 = rows.to(tl.int64)
     unused = tl.zeros((BLOCK_R,), dtype=tl.float32)
     for c0 in range(0, C, _SCALE_BLOCK):
@@ -481,13 +481,16 @@ def swiglu_grad_rows_quantized(d_act_NC: torch.Tensor, h13_N2C: torch.Tensor, of
     if h13_N2C.shape != (n_rows, 2 * cols) or act_N_C.shape != (n_rows, cols):
         raise ValueError(f"h13 must be {(n_rows, 2 * cols)} and act {(n_rows, cols)} beside d act {(n_rows, cols)}; "
                          f"got {tuple(h13_N2C.shape)} and {tuple(act_N_C.shape)}")
+    if offsets_E.dtype != torch.int32 or offsets_E.numel() < 1 or offsets_E.device != d_act_NC.device:
+        raise ValueError(f"offsets_E must be an int32 tensor on {d_act_NC.device} of the groups' cumulative row "
+                         f"counts; got {offsets_E.dtype} {tuple(offsets_E.shape)} on {offsets_E.device}")
     dh13_N2C = d_act_NC.new_empty((n_rows, 2 * cols))
     q_N2C = torch.empty((n_rows, 2 * cols), dtype=FP8, device=d_act_NC.device)
     s_NG = torch.empty((n_rows, 2 * cols // SCALE_BLOCK), dtype=torch.float32, device=d_act_NC.device)
     if n_rows == 0 or cols == 0:
         return dh13_N2C, (q_N2C, s_NG)
     _swiglu_grad_rows_quantized_kernel[(triton.cdiv(n_rows, gg.SPLIT_ROWS),)](
-        d_act_NC, h13_N2C, dh13_N2C, act_N_C, q_N2C, s_NG, offsets_E[-1:], cols,
+        d_act_NC, h13_N2C, dh13_N2C, act_N_C, q_N2C, s_NG, offsets_E[-1:], n_rows, cols,
         d_act_NC.stride(0), d_act_NC.stride(1), h13_N2C.stride(0), h13_N2C.stride(1),
         dh13_N2C.stride(0), dh13_N2C.stride(1), act_N_C.stride(0), act_N_C.stride(1),
         q_N2C.stride(0), q_N2C.stride(1), s_NG.stride(0), s_NG.stride(1), BLOCK_R=gg.SPLIT_ROWS, num_warps=4)

@@ -36,7 +36,8 @@ block_m x block_n found on the device from offsets_E, as `_fp8_rows_gemm_kernel`
 - epilogue: each consumer stores its rows of the group (masked to the group's end) in out's dtype
   straight from the wgmma layout, then goes on to the next item, whose stages the producer has
   been loading meanwhile; or, asked, through shared memory by TMA (`tma_store`, below).
-- block_m = 256 (`_consumer_two_waves`, session 33; unmeasured on a GPU): each consumer takes 128 rows as
+- block_m = 256 (`_consumer_two_waves`, session 33; measured in session 34, `bench experts --backend
+  triton-fp8:gluon-256`: Mixtral's forward 1.20x our bf16 against 1.08x at 128 rows, DeepSeek's slower): each consumer takes 128 rows as
   two 64-row waves on the stage's one B tile, wave by wave (wgmma, wait, add), the stage released after
   the second: B read once per 256 rows, half the L2 traffic of B per FLOP (about x2 TMA multicast,
   which Gluon 3.6's copy does not expose); ptxas holds it without spills at 256 x 128 and 256 x 64
@@ -88,7 +89,7 @@ can and the run asks (`TrainConfig.fp8_gluon`, `fp8_ffn.set_gluon`): a run's def
 34, whose seeded 300-step run with it ended below bf16's loss; off from session 28, when its gate/up
 GEMM trained 6.6% above bf16's loss, to session 34 (session 29 put that gap inside the spread between
 runs; `fp8_ffn._GluonChoices`). GPU tests:
-tests/kernels/test_fp8_gluon.py (37 passed; the `test_gpu_training_*` ones have not run yet).
+tests/kernels/test_fp8_gluon.py (the `test_gpu_training_*` ones included: sessions 29 and 34).
 
 The weight gradient (`gluon_fp8_weight_grad`, `fp8.fp8_weight_grad`'s sums) runs the same
 partitions over items (expert, 128 KA rows, block_n C columns), its K loop the expert's groups'
@@ -692,8 +693,8 @@ def gluon_fp8_rows_gemm(
     _check(a_MK, sa_MG, offsets_E, b_EKN, sb_EGB, out, block_m, block_n)
     if tma_store and (block_m, block_n) not in TMA_STORE_TILES:
         raise ValueError(f"tma_store=True runs the tiles {TMA_STORE_TILES}: at {block_m} x {block_n} ptxas spills "
-                         f"registers of the K loop for its epilogue (sm_90a, module docstring); use block_m=128, "
-                         f"block_n=64, or tma_store=False")
+                         f"registers of the K loop for its epilogue (sm_90a, module docstring); use one of those tiles "
+                         f"(block_m=128, or block_n=64), or tma_store=False")
     rows, k = a_MK.shape
     experts, _, cols = b_EKN.shape
     if out is None:

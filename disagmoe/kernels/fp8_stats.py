@@ -8,8 +8,9 @@ with atomics; without one they run exactly as before. A buffer is int64 [KINDS, 
           `permute.quantize_then_permute` in mode single at top-k 3 or more, once per served
           pair elsewhere),
           weights (the 128 x 128 block copies), gradients (dy, dh13: rows and token copies),
-          dense (every operand of the FP8 dense projections, `kernels.fp8_dense`: rowwise recipe;
-          `kernels.fp8_rowwise`'s atomics on CUDA, torch ops on the CPU)
+          dense (every operand of the FP8 dense projections, `kernels.fp8_dense`: blockwise, the
+          default, through the experts' quantisers `fp8.quantize_rows` / `quantize_blocks`; rowwise
+          through `kernels.fp8_rowwise`'s atomics on CUDA, torch ops on the CPU)
   fields  AMAX       max |x| / scale over finite elements, as the bits of a non-negative fp32
                      (integer order = float order, so an integer atomic max keeps it)
           SATURATED  finite elements with |x| / scale > SATURATION_BOUND: clipped by the clamp

@@ -542,7 +542,7 @@ def _swiglu_grad_inputs(da_ptr, h13_ptr, rows64, row_ok, cols, C, stride_dm, str
 
 
 @triton.jit
-def _swiglu_grad_rows_kernel(da_ptr, h13_ptr, out_ptr, act_ptr, scale_ptr, rowdot_ptr, limit_ptr, C,
+def _swiglu_grad_rows_kernel(da_ptr, h13_ptr, out_ptr, act_ptr, scale_ptr, rowdot_ptr, limit_ptr, N, C,
                              stride_dm, stride_dc, stride_hm, stride_hc, stride_om, stride_oc, stride_xm, stride_xc,
                              SAVE_ACT: tl.constexpr, ROW_SCALE: tl.constexpr, BLOCK_R: tl.constexpr,
                              BLOCK_C: tl.constexpr):
@@ -550,7 +550,7 @@ def _swiglu_grad_rows_kernel(da_ptr, h13_ptr, out_ptr, act_ptr, scale_ptr, rowdo
     (`_swiglu_grad_columns`) on d act read from memory (rows at or past the last offset: no group's,
     left unwritten as the fused launch leaves them)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok = rows < tl.load(limit_ptr)
+    row_ok = rows < tl.minimum(tl.load(limit_ptr), N)
     rows64 = rows.to(tl.int64)
     if ROW_SCALE:
         scale = tl.load(scale_ptr + rows64, mask=row_ok, other=0.0)
@@ -587,7 +587,7 @@ def swiglu_grad_rows(d_act_NC: torch.Tensor, h13_N2C: torch.Tensor, offsets_E: t
     if row_scale is not None:
         rowdot.zero_()
     _swiglu_grad_rows_kernel[(triton.cdiv(n_rows, SPLIT_ROWS),)](
-        d_act_NC, h13_N2C, out, act, scale, rowdot, offsets_E[-1:], cols,
+        d_act_NC, h13_N2C, out, act, scale, rowdot, offsets_E[-1:], n_rows, cols,
         d_act_NC.stride(0), d_act_NC.stride(1), h13_N2C.stride(0), h13_N2C.stride(1), out.stride(0), out.stride(1),
         act.stride(0), act.stride(1), SAVE_ACT=act_N_C is not None, ROW_SCALE=row_scale is not None,
         BLOCK_R=SPLIT_ROWS, BLOCK_C=SPLIT_COLS, num_warps=4)

@@ -57,8 +57,9 @@ class TileConfig:
     # at L2 without the program waiting for the read) instead of a load, add and store that stall the
     # next tile's main loop; one program writes each element per launch, so the sum is the
     # load-add-store one, bit for bit except denormals, which the reduction flushes to zero; the other
-    # kernels and non-accumulating launches ignore it (`bench tune-experts` offers every wgrad tile both
-    # ways; every tuned class on an H200 has chosen it since session 16)
+    # kernels and non-accumulating launches ignore it (`bench tune-experts` offers every wgrad tile with it and
+    # without, and some also prefetching, `prefetch_accumulator`; every tuned class on an H200 has chosen it
+    # since session 16, and on an H100 in session 34)
     atomic_accumulate: bool = False
     # weight gradients accumulating with the load-add-store epilogue (not atomic_accumulate): load the tile's
     # main-gradient values before its row loop instead of after it (`grouped_gemm._ragged_weight_grad_kernel`'s
@@ -84,7 +85,8 @@ class TileConfig:
     # pointer loads: the weight gradients' whole row steps (`grouped_gemm._rows_dot_tma`; each row group's last
     # partial step still masked), the row GEMMs' a rows and weight boxes (`grouped_gemm.rows_gemm_descriptors`);
     # operands TMA cannot take (`grouped_gemm.tma_takes`) and gathered rows load through pointers. The FP8
-    # kernels ignore it. `bench tune-experts` offers the atomic wgrad tiles and the row tiles both ways
+    # kernels ignore it. `bench tune-experts` offers the atomic and the prefetching wgrad tiles and the row tiles
+    # both ways
     tma: bool = False
 
     def to_json(self) -> dict[str, int | bool | str]:

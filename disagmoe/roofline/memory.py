@@ -281,7 +281,8 @@ def fp8_expert_row_grad_bytes(m: ModelConfig, value_bytes: int, input_dropped: b
                     the tokens into a [N, H] copy under expert_input (`RowSource.rows`), alive beside
                     d y and d h13 until that GEMM returns (act and the e4m3 copies are dropped by then).
                     The peak is the larger of the d h13 GEMM and its pass (act, d y's and d h13's rows)
-                    and the w13 gradient: the copy sets it only where H exceeds about 4F (bf16).
+                    and the w13 gradient: the copy sets it only where H exceeds about 6F (bf16: 4H + 4F against
+                    3.03H + 10.06F).
       "bf16"        the bf16 experts' backward (`moe_ffn.moe_ffn_backward`) with the SwiGLU output
                     recomputed: under expert_input the rows gathered again before it, alive throughout.
     On Hopper the d h13 GEMM runs split (`fp8_ffn._GluonChoices.swiglu`): the Gluon GEMM writes

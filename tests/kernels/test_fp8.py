@@ -898,6 +898,14 @@ def test_the_quantising_swiglu_gradient_pass_writes_the_two_passes_bytes(fp8k, s
         fp8k.swiglu_grad_rows_quantized(torch.zeros(4, 72), torch.zeros(4, 144), _offsets([4]),
                                         act_N_C=torch.zeros(4, 72))
     assert fp8k.swiglu_grad_quantizes(torch.zeros(4, 256)) and not fp8k.swiglu_grad_quantizes(torch.zeros(4, 72))
+    with pytest.raises(ValueError, match="offsets_E must be an int32 tensor"):
+        fp8k.swiglu_grad_rows_quantized(torch.zeros(4, 128), torch.zeros(4, 256), _offsets([4]).long(),
+                                        act_N_C=torch.zeros(4, 128))
+    over = _offsets([3, 9])  # a last offset past the buffer's 6 rows: the rows stop at the buffer
+    dh13, (q, s) = fp8k.swiglu_grad_rows_quantized(torch.ones(6, 128), torch.ones(6, 256), over,
+                                                   act_N_C=torch.zeros(6, 128))
+    want_dh13 = gg.swiglu_grad_rows(torch.ones(6, 128), torch.ones(6, 256), _offsets([6]))
+    assert torch.equal(dh13, want_dh13) and torch.equal(s, fp8k.quantize_rows(want_dh13)[1])
 
 
 @pytest.mark.gpu

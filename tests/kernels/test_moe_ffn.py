@@ -265,7 +265,7 @@ def test_a_prefetched_main_gradient_gives_the_load_add_store_sum_bit_for_bit(ker
     prefetch = dataclasses.replace(SMALL_TILES, prefetch_accumulator=True)
     for dtype in (torch.float32, torch.bfloat16):
         for tma in (False, True):
-            plain, early = start.to(dtype), start.to(dtype)
+            plain, early = start.to(dtype).clone(), start.to(dtype).clone()  # (.to of the same dtype: start itself)
             gg.ragged_weight_grad(a, b, offsets, dataclasses.replace(SMALL_TILES, tma=tma), out=plain,
                                   accumulate=True, weights=experts, num_programs=3)
             gg.ragged_weight_grad(a, b, offsets, dataclasses.replace(prefetch, tma=tma), out=early,

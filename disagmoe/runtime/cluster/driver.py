@@ -343,6 +343,8 @@ class DistributedTrainer(TrainingLoop):
         self.topology = Topology.from_config(cfg, self.model_cfg)
         # cuda_graphs: on where a rank's step cannot be captured is refused here, before any actor starts
         self.cuda_graphs, self.cuda_graphs_note = resolve_rank_graphs(cfg, self.topology)
+        # counted with the dense projections' e4m3 copies where precision fp8 asks for them: conservative where
+        # the ranks' GPUs then keep them in bf16 (`dense_as_run`; the predicted peaks are recounted after it)
         check_fits(cfg, self.model_cfg, self.topology)
         needs = rank_needs(cfg, self.model_cfg, self.topology)
         self.predicted_peak_gib = [need.predicted_peak_gib for need in needs]
@@ -379,6 +381,9 @@ class DistributedTrainer(TrainingLoop):
         self.restarts = 0
         self.owns_workers = workers is None
         self._start(workers, resume_from)
+        if self.cfg.dense_precision != cfg.dense_precision:  # the ranks kept the dense projections in bf16
+            self.predicted_peak_gib = [need.predicted_peak_gib
+                                       for need in rank_needs(self.cfg, self.model_cfg, self.topology)]
         if resume_from is not None:  # against the recipe the ranks run (`dense_as_run`)
             warn_changed_training(read_manifest(resume_from), self.cfg, resume_from)
 
