@@ -33,6 +33,7 @@ from disagmoe.model_ref import load_model
 from disagmoe.model.experts import check_backend_device
 from disagmoe.data import load_splits
 from disagmoe.roofline.flops import step_flops
+from disagmoe.kernels.fp8_dense import fits_blockwise
 from disagmoe.model.layers import DeferrableLinear
 from disagmoe.roofline.memory import fp8_weight_copy_bytes
 from disagmoe.roofline.optimizer_state import staging_bytes, state_bytes
@@ -125,8 +126,11 @@ def training_state_bytes(cfg: TrainConfig, model_cfg: ModelConfig, topology: Top
     if cfg.expert_precision == "fp8":
         device += int(fp8_weight_copy_bytes(params - replicated, cfg.expert_forward_precision,
                                             cfg.expert_backward_precision))
-    if cfg.dense_precision == "fp8":  # two e4m3 copies of every dense projection (`fp8_dense.Fp8WeightCopies`)
-        device += 2 * sum(m.weight.numel() for m in model.modules() if isinstance(m, DeferrableLinear))
+    if cfg.dense_precision == "fp8":  # two e4m3 copies of every FP8 dense projection (`fp8_dense.Fp8WeightCopies`;
+        # blockwise keeps the linears off its grid in bf16, copying nothing: `fp8_dense.fits_blockwise`)
+        blockwise = cfg.dense_fp8_scaling == "blockwise"
+        device += 2 * sum(m.weight.numel() for m in model.modules() if isinstance(m, DeferrableLinear)
+                          and (not blockwise or fits_blockwise(m.in_features, m.out_features)))
     return params, device
 
 

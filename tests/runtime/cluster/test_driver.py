@@ -1206,3 +1206,25 @@ def test_gpu_captured_rank_steps_on_one_shared_gpu_equal_the_eager_steps(ray_clu
         for key in ("loss", "grad_norm"):
             assert abs(got[key] - want[key]) <= 1e-5 * abs(want[key]), (got["step"], key, got[key], want[key])
     assert abs(graphed.final_val_loss - eager.final_val_loss) <= 1e-5 * eager.final_val_loss
+
+
+def test_the_dense_fp8_copies_counted_are_those_of_the_linears_the_recipe_runs_in_fp8(tmp_path):
+    """With dense FP8, an attention rank's state counts two e4m3 copies of each dense linear the recipe
+    runs in FP8: every one rowwise, blockwise only those on its grid (`fp8_dense.fits_blockwise`; the
+    rest keep their GEMMs in bf16 and copy nothing). The tiny model's linears are all off the grid."""
+    from disagmoe.kernels.fp8_dense import fits_blockwise
+    from disagmoe.model.layers import DeferrableLinear
+    from disagmoe.runtime.rank_model import rank_model
+
+    cfg = run_config(tmp_path / "run", "disaggregated", attention_ranks=1, expert_ranks=1, micro_batches=2)
+    fp8 = cfg.model_copy(update={"precision": "fp8", "experts_backend": "triton"})
+    recipes = {name: fp8.model_copy(update=update) for name, update in (
+        ("bf16 dense", {"fp8_dense": False}), ("rowwise", {"fp8_dense": True, "fp8_dense_scaling": "rowwise"}),
+        ("blockwise", {}))}
+    topology = Topology.from_config(fp8, fp8.model)
+    rank = next(r for r in range(topology.world_size) if topology.attention_role(r) is not None)
+    state = {name: training_state_bytes(c, c.model, topology, rank)[1] for name, c in recipes.items()}
+    linears = [m for m in rank_model(fp8.model, "triton", topology, rank).modules() if isinstance(m, DeferrableLinear)]
+    assert linears and not any(fits_blockwise(m.in_features, m.out_features) for m in linears)
+    assert state["rowwise"] - state["bf16 dense"] == 2 * sum(m.weight.numel() for m in linears)
+    assert state["blockwise"] == state["bf16 dense"]
