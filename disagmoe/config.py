@@ -1141,6 +1141,14 @@ class TrainConfig(StrictModel):
         return self.fp8_dense_scaling or FP8_DENSE_SCALING
 
     @property
+    def dense_recipe(self) -> str:
+        """The dense projections' GEMMs in a word or two: 'fp8 blockwise' / 'fp8 rowwise'
+        (`dense_fp8_scaling`), else their dtype (`dense_precision`), as a run's summary and bench
+        rows name what ran."""
+        scaling = self.dense_fp8_scaling
+        return f"fp8 {scaling}" if scaling is not None else self.dense_precision
+
+    @property
     def expert_gluon(self) -> bool:
         """Whether the FP8 experts ask for their row and split SwiGLU GEMMs in the Gluon kernels
         (`fp8_gluon`, None = `RUN_FP8_GLUON`; the Triton ones run where Gluon cannot); False where the

@@ -314,6 +314,17 @@ def test_fp8_dense_takes_any_sequence_length():
     assert cfg.TrainConfig(seq_len=120, fp8_dense=False, **base).dense_precision == "bf16"
 
 
+def test_the_dense_recipe_names_the_dense_projections_gemms_as_resolved():
+    """`dense_recipe` (a summary's and a bench row's): precision fp8's default 'fp8 blockwise', an asked-for
+    'fp8 rowwise', and the dtype where the dense projections stay out of FP8."""
+    base = dict(model="tiny", device="cuda", experts_backend="triton")
+    assert cfg.TrainConfig(precision="fp8", **base).dense_recipe == "fp8 blockwise"
+    assert cfg.TrainConfig(precision="fp8", fp8_dense_scaling="rowwise", **base).dense_recipe == "fp8 rowwise"
+    assert cfg.TrainConfig(precision="fp8", fp8_dense=False, **base).dense_recipe == "bf16"
+    assert cfg.TrainConfig(precision="bf16", **base).dense_recipe == "bf16"
+    assert cfg.TrainConfig(model="tiny", device="cpu", precision="fp32").dense_recipe == "fp32"
+
+
 def test_colocated_pipeline_groups_need_the_same_ranks_each():
     cfg.TrainConfig(model="tiny", mode="colocated", colocated_ranks=4, pipeline_groups=2)
     with pytest.raises(ValueError, match="colocated_ranks=3 does not split evenly over pipeline_groups=2.*make "

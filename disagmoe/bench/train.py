@@ -381,6 +381,7 @@ def run(cfg: TrainConfig, modes: list[str], steps: int, warmup: int,
                          "ranks": ranks, "time_sliced": time_sliced,
                          "micro_batches": summary.micro_batches, "cuda_graph_replays": summary.cuda_graph_replays,
                          "cuda_graphs_note": summary.cuda_graphs_note, "fp8_kernels": fp8_kernels(mcfg),
+                         "dense_recipe": summary.dense_recipe,
                          "predicted_peak_gib": summary.predicted_peak_gib,
                          "median_step_s": step_s, "step_times_s": [r["step_time_s"] for r in records],
                          "gpu_wait": mean_waits(records, warmup),
@@ -406,7 +407,8 @@ def run(cfg: TrainConfig, modes: list[str], steps: int, warmup: int,
                 + (f", FP8 saturated share at most {saturated:.2e} a step" if saturated is not None else "")
                 + counted_note(rows[-1]["fp8_saturated_shares"]))
             if rows[-1]["fp8_kernels"]:
-                log(f"{name}: FP8 experts' kernels: {rows[-1]['fp8_kernels']}")
+                log(f"{name}: FP8 experts' kernels: {rows[-1]['fp8_kernels']}; dense projections: "
+                    f"{rows[-1]['dense_recipe']}")
             if rows[-1]["fp8_underflow_by_kind"]:
                 log(f"{name}: FP8 elements quantised to zero, mean share a step: " + ", ".join(
                     f"{kind} {share:.2e}" for kind, share in rows[-1]["fp8_underflow_by_kind"].items()))

@@ -81,6 +81,9 @@ class TrainSummary:
     cuda_graph_replays: int | None = None  # a captured step: steps replayed from the graph (the rest eager)
     cuda_graphs_note: str | None = None  # whether the step was captured, and why (`graphed_step.resolve_cuda_graphs`)
     micro_batches_note: str | None = None  # micro_batches: auto: the choice and why (`runtime.training.micro_batches`)
+    # the dense projections' GEMMs as run (`TrainConfig.dense_recipe` of the resolved config: bf16 where precision
+    # fp8's default blockwise recipe could not run, `trainer.resolve_dense_fp8`)
+    dense_recipe: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -264,6 +267,7 @@ class TrainingLoop:
             checkpoint_path=None if checkpoint is None else str(checkpoint),
             busy={g: total / steps_run for g, total in busy_sums.items()} if busy_sums and steps_run else None,
             restarts=self.restarts,
+            dense_recipe=self.cfg.dense_recipe,
             **self.run_facts(),
         )
 

@@ -453,6 +453,7 @@ def test_every_step_record_and_the_summary_carry_the_predicted_peak(tmp_path):
     summary = train_single(cfg)
     predicted = sum(single_peak_bytes(cfg, cfg.model)) / 2**30
     assert summary.predicted_peak_gib == pytest.approx(predicted)
+    assert summary.dense_recipe == cfg.dense_recipe == "fp32"  # the dense projections' GEMMs as run
     records = read_metrics(tmp_path / "run" / METRICS_FILE)
     assert [(r["predicted_peak_gib"], r["peak_memory_gib"]) for r in records] == [(summary.predicted_peak_gib, None)] * 2
 
