@@ -230,7 +230,9 @@ def test_the_step_sum_gives_every_rank_the_norm_and_all_ranks_counters_and_one_s
 def test_the_memory_check_counts_each_expert_ranks_fp8_weight_copies():
     """Per rank, precision fp8 adds its routed experts' FP8 copies (`fp8_weight_copy_bytes`, as mode
     single counts them: those the recipe reads, 2/3 byte a parameter under forward gate-up with
-    backward bf16) to the device state; an attention rank holds none."""
+    backward bf16) to the device state; an attention rank holds none, but its FP8 dense projections'
+    two copies (rowwise every linear, blockwise those on its grid)."""
+    from disagmoe.kernels.fp8_dense import fits_blockwise
     from disagmoe.model.layers import DeferrableLinear
     from disagmoe.roofline.memory import fp8_weight_copy_bytes
     from disagmoe.runtime.cluster.driver import training_state_bytes
@@ -239,7 +241,10 @@ def test_the_memory_check_counts_each_expert_ranks_fp8_weight_copies():
                   transport="nvshmem", experts_backend="triton", hop="partial_sums", batch_size=8, seq_len=16)
     both = dict(precision="fp8", fp8_expert_forward="both")  # the all-FP8 forward: both copies
     bf16, fp8 = TrainConfig(**fields, precision="bf16"), TrainConfig(**fields, **both, fp8_dense=False)
-    fp8_dense = TrainConfig(**fields, **both, fp8_dense=True)  # and the dense projections' two e4m3 copies
+    # and the dense projections' two e4m3 copies: rowwise of every linear, blockwise (the default) of those on its
+    # grid (`fp8_dense.fits_blockwise`: none of the tiny model's)
+    fp8_dense = TrainConfig(**fields, **both, fp8_dense=True, fp8_dense_scaling="rowwise")
+    blockwise = TrainConfig(**fields, **both)
     gate_up = TrainConfig(**fields, precision="fp8", fp8_dense=False, fp8_expert_forward="gate-up",
                           fp8_expert_backward="bf16")  # w13's forward copy alone
     model_cfg = load_model("tiny")
@@ -248,12 +253,15 @@ def test_the_memory_check_counts_each_expert_ranks_fp8_weight_copies():
         model = rank_model(model_cfg, "triton", topology, rank)
         experts = sum(p.numel() for n, p in model.named_parameters() if ".moe.experts." in n)
         dense = sum(m.weight.numel() for m in model.modules() if isinstance(m, DeferrableLinear))
-        (params, with_fp8), (_, without), (_, with_dense), (_, with_gate_up) = (
-            training_state_bytes(c, model_cfg, topology, rank) for c in (fp8, bf16, fp8_dense, gate_up))
+        (params, with_fp8), (_, without), (_, with_dense), (_, with_gate_up), (_, with_blockwise) = (
+            training_state_bytes(c, model_cfg, topology, rank) for c in (fp8, bf16, fp8_dense, gate_up, blockwise))
         assert with_fp8 - without == int(fp8_weight_copy_bytes(experts))
         assert with_gate_up - without == int(fp8_weight_copy_bytes(experts, "gate-up", "bf16"))
         assert 3 * (with_gate_up - without) <= with_fp8 - without
         assert with_dense - with_fp8 == 2 * dense
+        on_grid = sum(m.weight.numel() for m in model.modules()
+                      if isinstance(m, DeferrableLinear) and fits_blockwise(m.in_features, m.out_features))
+        assert with_blockwise - with_fp8 == 2 * on_grid == 0
         assert (experts > 0) == (topology.expert_role(rank) is not None)
         assert (dense > 0) == (topology.attention_role(rank) is not None)
 
