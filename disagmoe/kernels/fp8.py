@@ -97,6 +97,16 @@ def _scale_of(amax):
 
 
 @triton.jit
+def _quantized_rows(x):
+    """The 1 x 128 recipe on x fp32 [rows, group] (zeros where masked): (each row's amax, its scale,
+    x / scale, its e4m3 values as fp32)."""
+    row_amax = tl.max(tl.abs(x), axis=1)
+    scale = _scale_of(row_amax)
+    scaled = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
+    return row_amax, scale, scaled, _round_to_e4m3(scaled)
+
+
+@triton.jit
 def _record_stats(stats_ptr, x, scaled, q, ok):
     """Add one tile's counters into stats_ptr's row (`kernels.fp8_stats`: AMAX, SATURATED,
     UNDERFLOW, TOTAL, NONFINITE): x the fp32 inputs, scaled = x / scale, q their e4m3 values (fp32),
@@ -182,10 +192,8 @@ def _rows_tile(x_ptr, tile, groups, rows_valid, K, stride_xm, stride_xk, BLOCK_M
     if SWIGLU:
         up = tl.load(x_ptr + rows64[:, None] * stride_xm + (K + ks)[None, :] * stride_xk, mask=ok, other=0.0)
         x = tl.where(ok, x * tl.sigmoid(x) * up.to(tl.float32), 0.0)
-    row_amax = tl.max(tl.abs(x), axis=1)
-    scale = _scale_of(row_amax)
-    scaled = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
-    return x, ok, row_ok, rows64, group, ks, row_amax, scale, scaled, _round_to_e4m3(scaled)
+    row_amax, scale, scaled, q = _quantized_rows(x)
+    return x, ok, row_ok, rows64, group, ks, row_amax, scale, scaled, q
 
 
 @triton.jit
@@ -244,9 +252,8 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, stats_ptr, valid_ptr, M, K,
 def _quantize_group_store(x, ok, row_ok, rows64, ks, group, q_ptr, s_ptr, stride_qm, stride_qk, stride_sm,
                           stride_sg):
     """Quantise one 1 x 128 group of some rows, x fp32 [rows, 128] (zeros outside ok), as
-    `_rows_tile` does: q stored at columns ks, each row's scale at group `group`."""
-    scale = _scale_of(tl.max(tl.abs(x), axis=1))
-    q = _round_to_e4m3(tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape)))
+    `_rows_tile` does (`_quantized_rows`): q stored at columns ks, each row's scale at group `group`."""
+    _, scale, _, q = _quantized_rows(x)
     tl.store(q_ptr + rows64[:, None] * stride_qm + ks[None, :] * stride_qk, q.to(q_ptr.dtype.element_ty), mask=ok)
     tl.store(s_ptr + rows64 * stride_sm + group * stride_sg, scale, mask=row_ok)
 
@@ -822,9 +829,7 @@ def _rows_epilogue(acc, acc_up, rows64, row_ok, cols, c0, ok, pid_n, C, out_ptr,
             tl.store(h_ptrs + C * stride_hc, acc_up.to(h13_ptr.dtype.element_ty), mask=ok)
         # the down GEMM's A operand, quantised here: no bf16 round trip through HBM
         act = tl.where(ok, acc * tl.sigmoid(acc) * acc_up, 0.0)
-        scale = _scale_of(tl.max(tl.abs(act), axis=1))
-        scaled = tl.math.div_rn(act, tl.broadcast_to(scale[:, None], act.shape))
-        q = _round_to_e4m3(scaled)
+        _, scale, scaled, q = _quantized_rows(act)
         if STATS:
             _record_stats(stats_ptr, act, scaled, q, ok)
         tl.store(out_ptrs, q.to(out_ptr.dtype.element_ty), mask=ok)
@@ -1247,9 +1252,7 @@ def _quantize_rows_and_token_groups_kernel(
     # spilled with them, 620 bytes counting by element position, 320 by row position (sums along
     # each row, in its warp), 224-236 with either part alone; by row position at 8 warps 212 bytes,
     # at 32 warps 276: ptxas sm_90a)
-    row_scale = _scale_of(tl.max(tl.abs(x), axis=1))
-    row_scaled = tl.math.div_rn(x, tl.broadcast_to(row_scale[:, None], x.shape))
-    row_q = _round_to_e4m3(row_scaled)
+    _, row_scale, row_scaled, row_q = _quantized_rows(x)
     rows_stored = row_ok[:, None] & k_ok[None, :]
     if STATS:
         amax_bits, low, high = _tile_stats(x, row_scaled, row_q, rows_stored)
