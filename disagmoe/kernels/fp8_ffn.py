@@ -60,6 +60,7 @@ from disagmoe.kernels.moe_ffn import FFNTiles, main_grad_of, moe_ffn_backward
 from disagmoe.kernels.recompute import (EXPERT_INPUT, EXPERT_OUTPUT, FP8_NO_EXPERT_OUTPUT, FP8_RECOMPUTABLE, RowSource,
                                         UnwrittenRows)
 from disagmoe.kernels.tile_configs import TileConfig, device_architecture, tuned
+from disagmoe.kernels.wgrad_pairs import weight_grad_into
 
 
 # The routed experts' backward GEMMs: "fp8" (all four in e4m3: the data gradients 1 x 128, the weight
@@ -736,8 +737,8 @@ def _backward_bf16_weight_grads(dy_NH, x_NH, offsets_E, weights: Fp8ExpertWeight
                                              quantize=grads_row is None)
     del q_dy, s_dy
     main13, main2 = main_grads
-    dw2 = gg.ragged_weight_grad(act_NF, dy_NH, offsets_E, bf16_tiles.wgrad_w2, out=main2, accumulate=adds_into(main2),
-                                weights=experts, num_programs=num_programs)
+    dw2 = weight_grad_into(act_NF, dy_NH, offsets_E, bf16_tiles.wgrad_w2, main=main2, weights=experts,
+                           num_programs=num_programs)  # paired with the next micro-batch's (`kernels.wgrad_pairs`)
     del act_NF
     q_dh, s_dh = dh13_fp8 if dh13_fp8 is not None else fp8.quantize_rows(dh13_N2F, grads_row, served)
     del dh13_fp8
@@ -745,8 +746,8 @@ def _backward_bf16_weight_grads(dy_NH, x_NH, offsets_E, weights: Fp8ExpertWeight
                        num_programs=num_programs, gluon=gluon.rows, block_m=gluon.block_m, tma_store=gluon.tma_store)
     del q_dh, s_dh
     x_rows = x_NH.rows(dh13_N2F.dtype) if isinstance(x_NH, RowSource) else x_NH.to(dh13_N2F.dtype)
-    dw13 = gg.ragged_weight_grad(x_rows, dh13_N2F, offsets_E, bf16_tiles.wgrad_w13, out=main13,
-                                 accumulate=adds_into(main13), weights=experts, num_programs=num_programs)
+    dw13 = weight_grad_into(x_rows, dh13_N2F, offsets_E, bf16_tiles.wgrad_w13, main=main13, weights=experts,
+                            num_programs=num_programs)
     return dx_NH, None if main13 is not None else dw13, None if main2 is not None else dw2
 
 

@@ -329,12 +329,12 @@ def _rows_dot_tma(a_desc, b_desc, a_ptr, b_ptr, row_start, row_end, k0, c0, ks, 
 
 @triton.jit
 def _ragged_weight_grad_kernel(
-    a_ptr, b_ptr, out_ptr, offsets_ptr, a_desc, b_desc,
+    a_ptr, b_ptr, out_ptr, offsets_ptr, a_desc, b_desc, a2_ptr, b2_ptr, offsets2_ptr, a2_desc, b2_desc,
     E, E_W, KA, C, num_programs,
     stride_am, stride_ak, stride_bm, stride_bc, stride_oe, stride_ok, stride_oc,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     FLATTEN: tl.constexpr, ACCUMULATE: tl.constexpr, BANDED: tl.constexpr, ATOMIC: tl.constexpr,
-    TMA: tl.constexpr, PREFETCH: tl.constexpr,
+    TMA: tl.constexpr, PREFETCH: tl.constexpr, PAIRED: tl.constexpr,
 ):
     # Contract: a [N, KA], b [N, C] rows in E row groups over E_W weights; out [E_W, KA, C],
     # out[e] = sum over groups g = e mod E_W of a[rows_g]^T @ b[rows_g] (ACCUMULATE: out += it,
@@ -346,6 +346,9 @@ def _ragged_weight_grad_kernel(
     # TMA: a_desc and b_desc (TensorDescriptors of a and b) load the whole row steps (`_rows_dot_tma`).
     # PREFETCH (ACCUMULATE, not ATOMIC): the tile's prior out values are loaded before its row loop, so
     # their HBM read runs under the tile's MMAs instead of after them (the same sum, added after the loop).
+    # PAIRED (not BANDED): a second row set (a2 [N2, KA], b2 [N2, C], offsets2 over the same E groups, a's
+    # and b's strides; a2_desc, b2_desc under TMA), e.g. the next micro-batch's rows (`kernels.wgrad_pairs`):
+    # out[e] (+)= a[rows_e]^T @ b[rows_e] + a2[rows2_e]^T @ b2[rows2_e], one fp32 sum, one write of out.
     pid = tl.program_id(0)
     tiles_k = tl.cdiv(KA, BLOCK_K)
     tiles_n = tl.cdiv(C, BLOCK_N)
@@ -382,6 +385,16 @@ def _ragged_weight_grad_kernel(
         else:
             acc = _rows_dot(a_ptr, b_ptr, row_start, row_end, ks, k_ok, cols, col_ok, acc,
                             stride_am, stride_ak, stride_bm, stride_bc, BLOCK_M)
+        if PAIRED:
+            row2_start = tl.load(offsets2_ptr + expert - 1, mask=expert > 0, other=0)
+            row2_end = tl.load(offsets2_ptr + expert)
+            if TMA:
+                acc = _rows_dot_tma(a2_desc, b2_desc, a2_ptr, b2_ptr, row2_start, row2_end, pid_k * BLOCK_K,
+                                    pid_n * BLOCK_N, ks, k_ok, cols, col_ok, acc,
+                                    stride_am, stride_ak, stride_bm, stride_bc, BLOCK_M)
+            else:
+                acc = _rows_dot(a2_ptr, b2_ptr, row2_start, row2_end, ks, k_ok, cols, col_ok, acc,
+                                stride_am, stride_ak, stride_bm, stride_bc, BLOCK_M)
         if ACCUMULATE and ATOMIC:
             tl.atomic_add(out_ptrs, acc, mask=k_ok[:, None] & col_ok[None, :], sem="relaxed")
         else:
@@ -624,6 +637,7 @@ def ragged_weight_grad(
     accumulate: bool = False,
     weights: int | None = None,
     num_programs: int | None = None,
+    second: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """out[e] = a[rows_e]^T @ b[rows_e] for every expert e ([E, K, C]; zeros for empty experts);
     with `accumulate`, out[e] += it (`out` given, any float dtype: an fp32 main gradient; into fp32
@@ -634,13 +648,25 @@ def ragged_weight_grad(
     groups, group g belonging to weight g mod E_W (segment-major order, as `ragged_rows_gemm`
     takes them; `fused_return.segment_major_order`), and out is [E_W, K, C]: out[e] sums the
     groups g = e mod E_W, in ascending g, each output tile written by one program. With G > E_W
-    the tile config's `flatten` is not applied (the compiler flattens only a loop nest of two)."""
+    the tile config's `flatten` is not applied (the compiler flattens only a loop nest of two).
+
+    `second` = (a2_NK, b2_NC, offsets2_E): a second row set over the same experts (one group each, not
+    banded; a's and b's dtypes and strides), e.g. the next micro-batch's rows (`kernels.wgrad_pairs`):
+    out[e] = a[rows_e]^T @ b[rows_e] + a2[rows2_e]^T @ b2[rows2_e], summed in one fp32 accumulator,
+    the first set's rows first, and written (or added) once."""
     assert out is not None or not accumulate
     n_rows, k = a_NK.shape
     assert b_NC.shape[0] == n_rows and offsets_E.dim() == 1 and offsets_E.dtype == torch.int32
     groups, cols = offsets_E.shape[0], b_NC.shape[1]
     experts = groups if weights is None else weights
     assert experts >= 1 and groups % experts == 0, (groups, experts)
+    if second is not None:
+        a2_NK, b2_NC, offsets2_E = second
+        assert groups == experts, "a second row set pairs one group per expert (not banded)"
+        assert offsets2_E.shape == offsets_E.shape and offsets2_E.dtype == torch.int32
+        assert a2_NK.shape[1:] == a_NK.shape[1:] and b2_NC.shape[1:] == b_NC.shape[1:], "the second rows' widths"
+        assert a2_NK.shape[0] == b2_NC.shape[0] and a2_NK.dtype == a_NK.dtype and b2_NC.dtype == b_NC.dtype
+        assert a2_NK.stride() == a_NK.stride() and b2_NC.stride() == b_NC.stride(), "the kernel takes a's strides"
     if out is None:
         out = a_NK.new_empty((experts, k, cols))
     assert out.shape == (experts, k, cols), (tuple(out.shape), (experts, k, cols))
@@ -648,19 +674,24 @@ def ragged_weight_grad(
         return out
     banded = groups != experts
     programs = num_programs or default_num_programs(a_NK.device) * config.programs_per_sm
-    tma = config.tma and tma_takes(a_NK) and tma_takes(b_NC)
+    tma = (config.tma and tma_takes(a_NK) and tma_takes(b_NC)
+           and (second is None or (tma_takes(second[0]) and tma_takes(second[1]))))
     atomic = config.atomic_accumulate and accumulate and out.dtype == torch.float32
     a_desc = TensorDescriptor.from_tensor(a_NK, [config.block_m, config.block_k]) if tma else None
     b_desc = TensorDescriptor.from_tensor(b_NC, [config.block_m, config.block_n]) if tma else None
+    a2_NK, b2_NC, offsets2_E = second if second is not None else (a_NK, b_NC, offsets_E)
+    paired_tma = tma and second is not None
+    a2_desc = TensorDescriptor.from_tensor(a2_NK, [config.block_m, config.block_k]) if paired_tma else None
+    b2_desc = TensorDescriptor.from_tensor(b2_NC, [config.block_m, config.block_n]) if paired_tma else None
     _ragged_weight_grad_kernel[(programs,)](
-        a_NK, b_NC, out, offsets_E, a_desc, b_desc,
+        a_NK, b_NC, out, offsets_E, a_desc, b_desc, a2_NK, b2_NC, offsets2_E, a2_desc, b2_desc,
         groups, experts, k, cols, programs,
         a_NK.stride(0), a_NK.stride(1), b_NC.stride(0), b_NC.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         GROUP_M=config.group_m, FLATTEN=config.flatten and not banded, ACCUMULATE=accumulate,
         BANDED=banded, ATOMIC=atomic, TMA=tma, PREFETCH=accumulate and not atomic and config.prefetch_accumulator,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        PAIRED=second is not None, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
 

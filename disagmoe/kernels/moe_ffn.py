@@ -33,8 +33,8 @@ from disagmoe.kernels import grouped_gemm as gg
 from disagmoe.kernels.tile_configs import TileConfig, device_architecture, lookup
 from disagmoe.kernels.autocast import autocast_operands
 from disagmoe.kernels.deferral import hold_back
-from disagmoe.kernels.first_touch import adds_into
 from disagmoe.kernels.recompute import EXPERT_INPUT, EXPERT_SWIGLU, RECOMPUTABLE, RowSource
+from disagmoe.kernels.wgrad_pairs import weight_grad_into
 
 
 
@@ -176,12 +176,11 @@ def moe_ffn_backward(
         # each launch writes every element of its output (zeros for an expert without rows), so the
         # step's first one into a main gradient stores instead of adding (`kernels.first_touch`),
         # decided when it runs (a held-back launch too)
-        dw2_EFH = gg.ragged_weight_grad(act_NF, dy_NH, offsets_E, tiles.wgrad_w2, out=main2,
-                                        accumulate=adds_into(main2),
-                                        weights=experts, num_programs=num_programs)
-        dw13_EH2F = gg.ragged_weight_grad(x_NH, dh13_N2F, offsets_E, tiles.wgrad_w13, out=main13,
-                                          accumulate=adds_into(main13),
-                                          weights=experts, num_programs=num_programs)
+        # (inside `kernels.wgrad_pairs.paired_weight_grads`, with the next micro-batch's launch into the same main)
+        dw2_EFH = weight_grad_into(act_NF, dy_NH, offsets_E, tiles.wgrad_w2, main=main2,
+                                   weights=experts, num_programs=num_programs)
+        dw13_EH2F = weight_grad_into(x_NH, dh13_N2F, offsets_E, tiles.wgrad_w13, main=main13,
+                                     weights=experts, num_programs=num_programs)
         return dw13_EH2F, dw2_EFH
 
     if main13 is not None and main2 is not None and hold_back(weight_grads):

@@ -1,0 +1,114 @@
+"""Expert weight gradients over pairs of micro-batches: one launch, one main-gradient pass, for two.
+
+Why (issue 20 item 2): the Triton experts' weight-gradient launch (`grouped_gemm.ragged_weight_grad`)
+adds into its weight's fp32 main gradient, reading and writing it whole: 8 bytes per expert parameter
+per micro-batch. With many small micro-batches that traffic, not the FLOPs, bounds the launch (the
+Qwen3 config at 8 micro-batches on one H100: 257.7 GB a step, 90 ms of the launches' 125.6 ms).
+
+Inside `paired_weight_grads` (the single-GPU step's micro-batch loop, `TrainConfig.expert_wgrad_pairs`)
+a launch into a main gradient (`weight_grad_into`) does not run: its rows wait until the next
+micro-batch's launch into the same main gradient, and the two run as one launch over both row sets
+(`ragged_weight_grad`'s `second`), which reads and writes the main gradient once. A launch left
+without a partner (an odd number of micro-batches) runs alone when the block exits, before anything
+reads the gradients. The cost is memory: the waiting rows (x, d y, act and d h13 of one micro-batch,
+every MoE layer's) live through the next micro-batch's forward and backward
+(`roofline.memory.paired_wgrad_held_bytes`, in the single trainer's memory check).
+
+The sum: each output element adds the first micro-batch's rows then the second's in one fp32
+accumulator, then adds that into the main gradient; unpaired, each micro-batch's sum is added on its
+own. The two differ by fp32 rounding order only. Which launches pair is host state decided by call
+order, the same every step, so a captured step replays the same pairs; nothing held outlives the
+block (a captured step body keeps nothing it allocated).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from disagmoe.kernels import grouped_gemm as gg
+from disagmoe.kernels.first_touch import adds_into
+from disagmoe.kernels.tile_configs import TileConfig
+
+
+@dataclass(frozen=True)
+class _Waiting:
+    """One launch's operands, waiting for the next micro-batch's launch into the same main gradient."""
+
+    a_NK: torch.Tensor
+    b_NC: torch.Tensor
+    offsets_E: torch.Tensor
+    config: TileConfig
+    main: torch.Tensor
+    weights: int
+    num_programs: int | None
+
+    def pairs_with(self, a_NK: torch.Tensor, b_NC: torch.Tensor, offsets_E: torch.Tensor) -> bool:
+        """Whether one launch can take both row sets (`ragged_weight_grad`'s `second`)."""
+        return (offsets_E.shape == self.offsets_E.shape == (self.weights,)
+                and a_NK.shape[1:] == self.a_NK.shape[1:] and b_NC.shape[1:] == self.b_NC.shape[1:]
+                and a_NK.dtype == self.a_NK.dtype and b_NC.dtype == self.b_NC.dtype
+                and a_NK.stride() == self.a_NK.stride() and b_NC.stride() == self.b_NC.stride())
+
+    def run(self, second: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+        gg.ragged_weight_grad(self.a_NK, self.b_NC, self.offsets_E, self.config, out=self.main,
+                              accumulate=adds_into(self.main), weights=self.weights,
+                              num_programs=self.num_programs, second=second)
+
+
+class _Pairing:
+    """The launches waiting inside `paired_weight_grads`, by their main gradient (None outside it). A
+    global, not a thread-local: on CUDA the autograd engine runs backward functions on its own thread."""
+
+    waiting: dict[int, _Waiting] | None = None
+
+
+@contextlib.contextmanager
+def paired_weight_grads(enabled: bool = True) -> Iterator[None]:
+    """Pair the weight-gradient launches into main gradients made inside the block (module
+    docstring); on a normal exit the launches still waiting run alone. `enabled` False: a no-op."""
+    if not enabled:
+        yield
+        return
+    previous, _Pairing.waiting = _Pairing.waiting, {}
+    try:
+        yield
+        waiting = _Pairing.waiting
+        _Pairing.waiting = None  # the flush below runs its launches
+        for launch in waiting.values():
+            launch.run()
+    finally:
+        _Pairing.waiting = previous
+
+
+def pairing() -> bool:
+    """Whether a launch into a main gradient waits for its partner now (inside `paired_weight_grads`)."""
+    return _Pairing.waiting is not None
+
+
+def weight_grad_into(a_NK: torch.Tensor, b_NC: torch.Tensor, offsets_E: torch.Tensor, config: TileConfig, *,
+                     main: torch.Tensor | None, weights: int, num_programs: int | None = None) -> torch.Tensor | None:
+    """A Triton expert weight gradient (`ragged_weight_grad` of a, b over `offsets_E`'s groups, E_W =
+    `weights`): into `main` (an fp32 main gradient: stored at the step's first write, else added,
+    `kernels.first_touch`), returning None, now or, inside `paired_weight_grads`, paired with the
+    next micro-batch's launch into `main` (module docstring); `main` None: a new [E_W, K, C] tensor,
+    returned."""
+    if main is None:
+        return gg.ragged_weight_grad(a_NK, b_NC, offsets_E, config, weights=weights, num_programs=num_programs)
+    launch = _Waiting(a_NK, b_NC, offsets_E, config, main, weights, num_programs)
+    waiting = _Pairing.waiting
+    if waiting is None or offsets_E.shape != (weights,):  # outside the block, or banded groups: now
+        launch.run()
+        return None
+    first = waiting.pop(id(main), None)
+    if first is None:
+        waiting[id(main)] = launch
+    elif first.pairs_with(a_NK, b_NC, offsets_E):
+        first.run(second=(a_NK, b_NC, offsets_E))
+    else:  # rows of another width or layout (not one model's micro-batches): one launch each
+        first.run()
+        launch.run()
+    return None
