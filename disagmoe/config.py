@@ -585,9 +585,17 @@ class PlanConfig(StrictModel):
         "as the run allocates them; under on the plan is one of those layouts (train refuses the others); the plan's "
         "rank_steps_captured says which")
 
+    expert_wgrad_pairs: Literal["auto", "on", "off"] = Field(
+        "auto", description="the run's expert_wgrad_pairs (train with the same): the single layout with 2+ "
+        "micro-batches and the triton experts prices each expert weight gradient once per two micro-batches (its "
+        "fp32 main gradient read and written half as often) and holds one micro-batch's expert rows per MoE layer "
+        "beside the next; auto is priced as on (the trainer turns it off where the rows do not fit); off: a "
+        "weight-gradient pass per micro-batch")
+
     _offload_bool = field_validator("offload_optimizer", mode="before")(on_off_word)
     _fp8_dense_on_off = field_validator("fp8_dense", mode="before")(on_off_word)
     _graphs_on_off = field_validator("cuda_graphs", mode="before")(on_off_word)
+    _pairs_on_off = field_validator("expert_wgrad_pairs", mode="before")(on_off_word)
 
     @model_validator(mode="after")
     def _offload_link(self) -> PlanConfig:
@@ -1006,6 +1014,15 @@ class TrainConfig(StrictModel):
         "step has been checked on a GPU (mode single, the triton or grouped_mm experts, bf16 or fp8, any "
         "recomputation, fp32 or bf16 moments, no offload), else eager, saying why at start and in the summary")
     _yaml_on_off = field_validator("cuda_graphs", mode="before")(on_off_word)
+    expert_wgrad_pairs: Literal["auto", "on", "off"] = Field(
+        "auto", description="mode single, triton experts: each expert weight gradient runs once per two "
+        "micro-batches, over both micro-batches' rows, so its fp32 main gradient is read and written half as "
+        "often (8 bytes per expert parameter per micro-batch: the launches' bound at many micro-batches); one "
+        "micro-batch's expert rows (x, dy, act, d h13) per MoE layer wait in memory meanwhile, counted by the "
+        "memory check (kernels/wgrad_pairs.py). auto: on where it applies (mode single, experts_backend triton, "
+        "2+ micro-batches, fp32 master weights, weight gradients not in FP8) and the device fits the waiting "
+        "rows, else off, said at start; on: where it applies (refused elsewhere); off: a launch per micro-batch")
+    _yaml_pairs_on_off = field_validator("expert_wgrad_pairs", mode="before")(on_off_word)
 
     forbid_host_syncs: bool = Field(
         False, description="debug: run each step's compute under torch.cuda.set_sync_debug_mode('error'), so "
@@ -1164,6 +1181,30 @@ class TrainConfig(StrictModel):
         return self.compute_dtype_name == "fp32" and self.optim.state_dtype == "fp32" and not self.offload_optimizer
 
     @property
+    def expert_wgrad_pairs_unavailable(self) -> str | None:
+        """Why the expert weight gradients cannot run over pairs of micro-batches here
+        (`expert_wgrad_pairs`, `kernels.wgrad_pairs`), None where they can; the micro-batch count aside
+        (one micro-batch leaves nothing to pair: `pairs_expert_wgrads`)."""
+        if self.mode != "single":
+            return (f"mode {self.mode}: a rank holds its expert weight gradients back for its peer's input "
+                    "gradient (kernels.deferral), one micro-batch at a time")
+        if self.experts_backend != "triton":
+            return f"experts_backend {self.experts_backend}: only the triton experts' GEMMs add into main gradients"
+        if self.steps_reference_adamw:
+            return "precision fp32 with fp32 moments steps torch's AdamW on autograd's gradients (no main gradients)"
+        if self.expert_backward_precision == "fp8":
+            return "fp8_expert_backward fp8: the weight gradients run in FP8 from per-micro-batch token-group copies"
+        return None
+
+    @property
+    def pairs_expert_wgrads(self) -> bool:
+        """Whether this run's expert weight gradients run over pairs of micro-batches: `expert_wgrad_pairs`
+        auto or on, where it applies, with 2+ micro-batches (auto is resolved against the device's memory
+        by the single trainer, `trainer.resolve_wgrad_pairs`, which writes on or off)."""
+        return (self.expert_wgrad_pairs != "off" and self.expert_wgrad_pairs_unavailable is None
+                and self.micro_batches != "auto" and self.micro_batches >= 2)
+
+    @property
     def offloads_to_host(self) -> bool:
         """offload_optimizer on a GPU: the masters and moments live in host memory (the memory model
         counts them there). On cpu the bucketed update runs but nothing leaves the device's memory."""
@@ -1187,6 +1228,9 @@ class TrainConfig(StrictModel):
             raise ValueError(
                 f"batch_size={self.batch_size} must be a multiple of micro_batches={self.micro_batches}"
             )
+        if self.expert_wgrad_pairs == "on" and self.expert_wgrad_pairs_unavailable is not None:
+            raise ValueError(f"expert_wgrad_pairs: on does not apply here: {self.expert_wgrad_pairs_unavailable}; "
+                             "set expert_wgrad_pairs: auto (on where it applies) or off")
         if self.hop == "pair_rows" and self.transport == "nccl":
             raise ValueError("hop: pair_rows needs transport: nvshmem (the expert kernel stores rows straight into "
                              "the attention GPU's memory); over nccl use hop: partial_sums (or auto)")
@@ -1322,7 +1366,9 @@ def priced_as_trained(cfg: TrainConfig) -> dict[str, Any]:
             "fp8_expert_backward": cfg.fp8_expert_backward or DEFAULT_FP8_EXPERT_BACKWARD,
             "fp8_expert_forward": cfg.fp8_expert_forward or RUN_FP8_EXPERT_FORWARD,
             "recompute_modules": list(cfg.recompute_modules) if cfg.recompute == "selective" else None,
-            "experts_backend": cfg.experts_backend, "cuda_graphs": cfg.cuda_graphs}
+            "experts_backend": cfg.experts_backend, "cuda_graphs": cfg.cuda_graphs,
+            "expert_wgrad_pairs": ("off" if cfg.expert_wgrad_pairs == "off" or cfg.expert_wgrad_pairs_unavailable
+                                   else "on")}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1337,7 +1383,8 @@ def memory_knob_changes(cfg: TrainConfig) -> list[tuple[str, TrainConfig]]:
     accept (each change validated: full recomputation is refused with fp8 experts, selective's
     expert modules with experts other than triton): recompute selective (under precision fp8 with
     the modules the FP8 experts drop, `FP8_SELECTIVE`) and full, bf16 moments, the offloaded
-    optimizer. The memory refusals and the out-of-memory hint name these."""
+    optimizer, the expert weight gradients a micro-batch at a time (`expert_wgrad_pairs: off`, where they
+    pair). The memory refusals and the out-of-memory hint name these."""
     changes: list[tuple[str, dict[str, Any]]] = []
     if cfg.recompute == "none" and cfg.precision == "fp8":
         changes.append((f"recompute: selective with recompute_modules: {FP8_SELECTIVE}",
@@ -1350,6 +1397,8 @@ def memory_knob_changes(cfg: TrainConfig) -> list[tuple[str, TrainConfig]]:
         changes.append(("optim.state_dtype: bf16", {"optim": {**cfg.optim.model_dump(), "state_dtype": "bf16"}}))
     if not cfg.offload_optimizer:
         changes.append(("offload_optimizer: true", {"offload_optimizer": True}))
+    if cfg.pairs_expert_wgrads:
+        changes.append(("expert_wgrad_pairs: off", {"expert_wgrad_pairs": "off"}))
     accepted = []
     for label, change in changes:
         try:

@@ -29,15 +29,17 @@ class KernelFamily:
 
 
 def _expert_weight_grads(cfg: TrainConfig, m: ModelConfig) -> Work | str:
-    """The bf16 Triton experts' weight gradients, each micro-batch's launch adding into the fp32
-    main gradient (the first of a step storing it: first touch), as the planner prices them."""
+    """The bf16 Triton experts' weight gradients, each launch adding into the fp32 main gradient (the
+    first of a step storing it: first touch), one launch per micro-batch or, paired
+    (`TrainConfig.pairs_expert_wgrads`, `kernels.wgrad_pairs`), per two, as the planner prices them."""
     if cfg.experts_backend != "triton":
         return f"experts_backend: {cfg.experts_backend} runs no Triton weight-gradient kernel"
     if cfg.expert_precision == "fp8" and cfg.expert_backward_precision == "fp8":
         return "fp8_expert_backward: fp8 runs the FP8 weight-gradient kernels (an FP8 ceiling: not this family)"
     micro_batches = int(cfg.micro_batches)
     rows = cfg.batch_size // micro_batches * cfg.seq_len * m.top_k
-    launch = expert_weight_grads(m, rows, m.num_experts, stored_share=1.0 / micro_batches)
+    passes = (micro_batches + 1) // 2 / micro_batches if cfg.pairs_expert_wgrads else 1.0
+    launch = expert_weight_grads(m, rows, m.num_experts, stored_share=1.0 / micro_batches, main_grad_passes=passes)
     return launch.scale(micro_batches * m.num_moe_layers)
 
 

@@ -73,7 +73,7 @@ PROBE_VERSION = 8
 #    (`model.layers.set_linears_fp8`), the recipe recorded (`Calibration.projections_fp8_scaling`; a file without it
 #    reads as rowwise); the planner prices a run's recipe at the curve of that recipe only, the other at the
 #    datasheet ratio (`placement.cost.fp8_dense_pricing`). The terms of version 7 are measured as before.
-PROBE_FINGERPRINT = "7e1be28d53374245"  # `code_fingerprint()` of the code that measures version PROBE_VERSION
+PROBE_FINGERPRINT = "08d8434ef1c33791"  # `code_fingerprint()` of the code that measures version PROBE_VERSION
 
 # The code that decides what a calibration's numbers mean: file (under disagmoe/) -> top-level name
 # -> why it belongs. Left out on purpose: the experts backends and `model.Block` (the probe measures

@@ -277,6 +277,9 @@ class Problem:
     host_capacity_bytes: float = float("inf")  # offloaded: host memory per GPU for masters and moments
     experts_backend: str = "triton"  # the run's expert FFN: loop, grouped_mm or triton (`rank_steps`)
     cuda_graphs: str = "auto"  # the run's cuda_graphs: auto, on or off (`rank_steps`)
+    # the single layout's expert weight gradients over pairs of micro-batches (`kernels.wgrad_pairs`): half the
+    # main-gradient passes, one micro-batch's expert rows held beside the next (`mem.paired_wgrad_held_bytes`)
+    wgrad_pairs: bool = False
 
 
 def expert_layout(model: ModelConfig, per_set: np.ndarray, peak_ratio: float,
@@ -628,6 +631,10 @@ def evaluate(prob: Problem, c: Candidates, misfits_exact: bool = True) -> Cost:
     else:
         attn_state = attn_bytes * attn_params + attn_fp8_copies + offload_staging_bytes(prob, attn_params)
         exp_state = exp_bytes * exp_params + fp8_copies + offload_staging_bytes(prob, exp_params)
+    # one GPU (mode single) with paired expert weight gradients: one micro-batch's expert rows wait beside the next
+    paired_wgrads = (c.colocated & (c.expert == 1) & (mb >= 2)) & prob.wgrad_pairs
+    if c.colocated:
+        attn_state = attn_state + np.where(paired_wgrads, tokens * mem.paired_wgrad_held_bytes(m, BF16), 0.0)
     in_flight = np.where(c.expert == 1, 1.0, mb) if c.colocated else mb  # one GPU: mode single accumulates
     ranks = per_set if not c.colocated else ep
     steps = rank_steps(prob, c, dp, ranks)
@@ -675,7 +682,9 @@ def evaluate(prob: Problem, c: Candidates, misfits_exact: bool = True) -> Cost:
     # the passes `bench calibrate` fits its expert curve against; first touch: a step's first launch stores
     # (one of the rounds x micro-batches launches a step makes per layer)
     rounds = np.ceil(prob.global_batch_tokens / (mb * dp * tokens))
-    experts = st.expert_passes(m, rows, local, 1.0 / (rounds * mb) if prob.first_touch else 0.0)
+    # paired: ceil(mb / 2) weight-gradient launches a round, each one main-gradient pass for two micro-batches
+    passes = np.where(paired_wgrads, np.ceil(mb / 2) / mb, 1.0)
+    experts = st.expert_passes(m, rows, local, 1.0 / (rounds * mb) if prob.first_touch else 0.0, passes)
     stages = {
         "attention projections": Stage("attention", "layer", *st.attention_projection_passes(m, tokens)),
         "attention core": Stage("attention", "layer", *st.attention_core_passes(m, tokens, S)),

@@ -90,6 +90,8 @@ def problem_of(cfg: PlanConfig, gpus: int | None = None) -> Problem:
         fp8_forward=cfg.fp8_expert_forward,
         first_touch=cfg.experts_backend == "triton",  # RoutedExperts.first_touch_weights
         experts_backend=cfg.experts_backend, cuda_graphs=cfg.cuda_graphs,
+        wgrad_pairs=(cfg.expert_wgrad_pairs != "off" and cfg.experts_backend == "triton"
+                     and not (cfg.expert_precision == "fp8" and cfg.fp8_expert_backward == "fp8")),
     )
 
 

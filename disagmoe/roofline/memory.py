@@ -322,6 +322,14 @@ def head_bytes(m: ModelConfig, tokens: Num, value_bytes: int, chunked: bool = Tr
             + chunk * V * (FP32 + cast) + V * H * (FP32 + cast))
 
 
+def paired_wgrad_held_bytes(m: ModelConfig, value_bytes: int) -> int:
+    """One token's expert rows that wait for the next micro-batch under paired expert weight gradients
+    (`kernels.wgrad_pairs`): in every MoE layer, its K rows' x [H], d y [H], act [F] and d h13 [2F] (the
+    two weight gradients' operands, in the compute dtype), alive from the layer's backward of one
+    micro-batch through the next micro-batch's (whatever recomputation dropped: the backward made them)."""
+    return m.num_moe_layers * m.top_k * (2 * m.hidden_size + 3 * m.expert_ffn_size) * value_bytes
+
+
 def layer_bytes(m: ModelConfig, moe: bool, value_bytes: int, dropped: frozenset[str] = NOTHING_DROPPED,
                 fp8: bool = False) -> int:
     """One token of one whole layer in one process: attention side, combine and its K expert rows

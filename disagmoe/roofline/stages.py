@@ -223,31 +223,35 @@ def expert_data_grads(m: ModelConfig, rows: Num, local_experts: Num) -> Work:
     return routed_experts(m, rows, local_experts)
 
 
-def expert_weight_grads(m: ModelConfig, rows: Num, local_experts: Num, stored_share: Num = 0.0) -> Work:
-    """d w13 and d w2 of the local experts, added into their fp32 main gradients by the GEMMs
-    themselves (the Triton backend under FlatAdamW): the forward's FLOPs; reads the rows' x, d y,
-    activation and d gate/up, and reads and writes the fp32 main gradient of every local expert,
-    or only writes it in the share `stored_share` of the launches that are their weights' first
-    of a step (first touch, `kernels.first_touch`: the bf16 Triton experts store there, what
-    `zero_grad` no longer zeroes; 1 / micro-batches of a step's launches, none for the probe's
-    accumulating ones)."""
+def expert_weight_grads(m: ModelConfig, rows: Num, local_experts: Num, stored_share: Num = 0.0,
+                        main_grad_passes: Num = 1.0) -> Work:
+    """d w13 and d w2 of the local experts for one micro-batch's `rows`, added into their fp32 main
+    gradients by the GEMMs themselves (the Triton backend under FlatAdamW): the forward's FLOPs; reads
+    the rows' x, d y, activation and d gate/up, and reads and writes the fp32 main gradient of every
+    local expert `main_grad_passes` times (1; paired micro-batches, `kernels.wgrad_pairs`: ceil(m / 2) /
+    m, a launch per two), less a read where it is stored: `stored_share` of the micro-batches (first
+    touch, `kernels.first_touch`: the bf16 Triton experts store at their weights' first launch of a
+    step, what `zero_grad` no longer zeroes; 1 / micro-batches of a step's, none for the probe's
+    accumulating launches)."""
     H, F = m.hidden_size, m.expert_ffn_size
     weights = 3.0 * H * F * local_experts
     return Work(flops=2.0 * rows * 3.0 * H * F,
-                hbm_bytes=BF16 * rows * (2 * H + 3 * F) + (2 - stored_share) * FP32 * weights)
+                hbm_bytes=BF16 * rows * (2 * H + 3 * F) + (2 * main_grad_passes - stored_share) * FP32 * weights)
 
 
-def expert_passes(m: ModelConfig, rows: Num, local_experts: Num, stored_share: Num = 0.0) -> dict[str, tuple[Work, Work]]:
+def expert_passes(m: ModelConfig, rows: Num, local_experts: Num, stored_share: Num = 0.0,
+                  main_grad_passes: Num = 1.0) -> dict[str, tuple[Work, Work]]:
     """The routed experts' stages as the step runs them, (forward, backward) work of each: `routed
     experts` (the forward; the data gradients) and `expert weight grads` (nothing; the weight
     gradients with their fp32 main-gradient read and write, `expert_weight_grads`). The one
     definition the planner prices (`placement.cost.evaluate`) and `bench calibrate` fits its
     expert curve against (`bench.calibrate.calibration_from`, through
     `roofline.calibration.fitted_fraction`): a curve point read back at the probe's own shape is
-    the probe's measured time, so the two cannot count the traffic differently. `stored_share`:
-    `expert_weight_grads`'s (the probe's launches accumulate: 0)."""
+    the probe's measured time, so the two cannot count the traffic differently. `stored_share` and
+    `main_grad_passes`: `expert_weight_grads`'s (the probe's launches accumulate: 0; one pass each)."""
     return {"routed experts": (routed_experts(m, rows, local_experts), expert_data_grads(m, rows, local_experts)),
-            "expert weight grads": (Work(), expert_weight_grads(m, rows, local_experts, stored_share))}
+            "expert weight grads": (Work(), expert_weight_grads(m, rows, local_experts, stored_share,
+                                                                 main_grad_passes))}
 
 
 def attention_projection_passes(m: ModelConfig, tokens: Num) -> tuple[Work, Work]:

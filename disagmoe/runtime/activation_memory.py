@@ -160,10 +160,12 @@ def single_activation_bytes(cfg: TrainConfig, model_cfg: ModelConfig) -> int:
     micro-batch's forward and backward before the next, so one micro-batch of batch_size /
     micro_batches sequences is in flight; the fp32 oracle (`precision: fp32`) takes the whole
     logits' cross-entropy, every other path the chunked loss; FP8 experts their own rows' terms (their
-    backward's by its recipe)."""
+    backward's by its recipe); with paired expert weight gradients (`TrainConfig.pairs_expert_wgrads`)
+    one micro-batch's expert rows waiting beside the next one's whole forward and backward."""
     tokens = cfg.batch_size // cfg.micro_batches * cfg.seq_len
     transient = emulate_transient(cfg, model_cfg, tokens * model_cfg.top_k) if model_cfg.num_moe_layers else 0
-    return mem.activation_bytes(model_cfg, tokens, value_bytes(cfg), chunked=cfg.compute_dtype_name != "fp32",
+    waiting = tokens * mem.paired_wgrad_held_bytes(model_cfg, value_bytes(cfg)) if cfg.pairs_expert_wgrads else 0
+    return waiting + mem.activation_bytes(model_cfg, tokens, value_bytes(cfg), chunked=cfg.compute_dtype_name != "fp32",
                                 dropped=cfg.recompute_set, fp8=cfg.expert_precision == "fp8",
                                 fp8_backward=fp8_backward_of(cfg), forward_transient=transient)
 

@@ -16,7 +16,7 @@ from disagmoe.roofline.stages import expert_weight_grads
 
 def _cfg(**fields) -> TrainConfig:
     base = dict(model="qwen3-30b-a3b", mode="single", device="cuda", experts_backend="triton", batch_size=16,
-                seq_len=4096, micro_batches=2, hardware="h200-sxm-calibrated")
+                seq_len=4096, micro_batches=2, hardware="h200-sxm-calibrated", expert_wgrad_pairs="off")
     return TrainConfig(**{**base, **fields})
 
 
@@ -60,9 +60,10 @@ def test_the_qwen3_configs_bound_worked_by_hand():
     HBM-bound at 8 on an H200."""
     from disagmoe.config import load_train_config
 
-    def bound(mb: int) -> dict:
+    def bound(mb: int, pairs: str = "off") -> dict:
         cfg = load_train_config("configs/h200x2-qwen3-30b.yaml", ["mode=single", f"micro_batches={mb}",
-                                                                  "hardware=h200-sxm-calibrated"])
+                                                                  "hardware=h200-sxm-calibrated",
+                                                                  f"expert_wgrad_pairs={pairs}"])
         (row,) = kernel_bounds(cfg, load_model(cfg.model), {"_ragged_weight_grad_kernel": 50.0})
         return row
 
@@ -74,6 +75,10 @@ def test_the_qwen3_configs_bound_worked_by_hand():
     assert two["bound_ms_per_step"] == pytest.approx(flops / (hw.bf16_tflops * 1e12 * hw.efficiency.matmul) * 1e3)
     weights = 6 * 128 * 3 * 2048 * 768  # the main gradients: read and written by 7 of 8 launches, written by 1
     assert eight["gb"] - two["gb"] == pytest.approx(4 * weights * (2 * 8 - 1 - (2 * 2 - 1)) / 1e9)
+    # paired (`expert_wgrad_pairs`): 4 launches of 8 micro-batches' rows, 3 reading and writing, 1 writing
+    paired = bound(8, "on")
+    assert paired["tflop"] == pytest.approx(eight["tflop"])
+    assert eight["gb"] - paired["gb"] == pytest.approx(4 * weights * (2 * 8 - 1 - (2 * 4 - 1)) / 1e9)
 
 
 def test_a_family_whose_kernels_did_not_run_says_so():

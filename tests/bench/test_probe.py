@@ -82,8 +82,8 @@ def test_a_change_to_what_is_measured_or_how_moves_the_fingerprint():
                      "median_ms(lambda _: forward(), warmup, iters)")
     arithmetic = _edited("roofline/stages.py", "ATTN_CORE_BWD = 2.5", "ATTN_CORE_BWD = 2.0")
     # the fp32 main-gradient traffic the weight-gradient rate is fitted against (the planner's stage)
-    main_grads = _edited("roofline/stages.py", "+ (2 - stored_share) * FP32 * weights)",
-                         "+ (0 - stored_share) * FP32 * weights)")
+    main_grads = _edited("roofline/stages.py", "+ (2 * main_grad_passes - stored_share) * FP32 * weights)",
+                         "+ (0 * main_grad_passes - stored_share) * FP32 * weights)")
     fit = _edited("roofline/calibration.py", 'other = max(t["hbm"], t["nvlink"], t["scale-out"])', "other = 0.0")
     assert len({now, *(probe.fingerprint(s) for s in (sizes, timing, arithmetic, main_grads, fit))}) == 6
 

@@ -1,6 +1,7 @@
 """The cost model against independent references: a discrete-event pipeline simulation, the
 real expert mapping, and the memory an expert map implies."""
 
+import itertools
 from dataclasses import replace
 
 import numpy as np
@@ -229,7 +230,11 @@ def test_expert_weight_grads_are_their_own_launch_with_the_fp32_main_gradient_tr
     wgrad = cost.stages["expert weight grads"]
     assert wgrad.group == "expert" and wgrad.runs == "moe" and wgrad.fwd.flops == 0
     assert wgrad.bwd.flops == pytest.approx(cost.stages["routed experts"].fwd.flops)
-    assert _first(wgrad.bwd.hbm_bytes) >= 8 * local_params  # read + write the fp32 main gradient
+    # paired micro-batches (`expert_wgrad_pairs` auto, priced as on): a read and write every other micro-batch
+    assert prob.wgrad_pairs and _first(wgrad.bwd.hbm_bytes) >= 4 * local_params
+    unpaired = evaluate(replace(prob, wgrad_pairs=False), Candidates.one(0, 1, 1, 8, 2, colocated=True))
+    wgrad = unpaired.stages["expert weight grads"]
+    assert _first(wgrad.bwd.hbm_bytes) >= 8 * local_params  # read + write the fp32 main gradient each
     # at 512 rows per expert that traffic binds (the profile's memory-bound weight gradients)
     times = {k: _first(v) for k, v in prob.ceilings.times(wgrad.bwd).items()}
     assert max(times, key=times.__getitem__) == "hbm"
@@ -644,10 +649,10 @@ def test_auto_recomputes_only_where_nothing_else_fits():
 def test_the_qwen3_configs_weight_gradient_stage_reads_and_writes_every_fp32_main_gradient_per_micro_batch(
         micro_batches, tmp_path):
     """`roofline -c configs/h200x2-qwen3-30b.yaml --layout single`, whole step: the expert weight
-    gradients' HBM bytes are their rows' bf16 reads plus (micro_batches x 8 - 4) B x the expert
+    gradients' HBM bytes are their rows' bf16 reads plus (launches x 8 - 4) B x the expert
     parameters (the Triton weight-gradient GEMM reads and writes each expert weight's fp32 main
-    gradient once per micro-batch, but for the step's first launch, which stores it: first
-    touch), whatever hardware file prices them."""
+    gradient once per launch, but for the step's first, which stores it: first touch; a launch per
+    micro-batch under expert_wgrad_pairs: off, per two by default), whatever hardware file prices them."""
     import json
     from pathlib import Path
 
@@ -665,8 +670,9 @@ def test_the_qwen3_configs_weight_gradient_stage_reads_and_writes_every_fp32_mai
     config = tmp_path / "qwen3.yaml"
     config.write_text(yaml.safe_dump(cfg))
     m = load_model(load_train_config(config).model)
-    for hardware in ("h200-sxm", "h200-sxm-calibrated"):
-        r = CliRunner().invoke(app, ["roofline", "-c", str(config), "--layout", "single", "--hardware", hardware, "--json"])
+    for hardware, pairs in itertools.product(("h200-sxm", "h200-sxm-calibrated"), ("off", "auto")):
+        r = CliRunner().invoke(app, ["roofline", "-c", str(config), "--layout", "single", "--hardware", hardware, "--json",
+                                     f"expert_wgrad_pairs={pairs}"])
         assert r.exit_code == 0, r.output
         out = json.loads(r.stdout)
         mb = out["plan"]["micro_batches"]
@@ -674,8 +680,9 @@ def test_the_qwen3_configs_weight_gradient_stage_reads_and_writes_every_fp32_mai
         (row,) = [s for s in out["step"] if s["stage"] == "expert weight grads" and s["pass"] == "bwd"]
         rows_per_step = cfg["batch_size"] * cfg["seq_len"] * m.top_k * m.num_moe_layers  # every pair once
         row_bytes = BF16 * rows_per_step * (2 * m.hidden_size + 3 * m.expert_ffn_size)
-        main_grad_bytes = (mb * 8 - 4) * count_params(m).routed_experts
-        assert row["hbm_bytes"] == pytest.approx(row_bytes + main_grad_bytes, rel=1e-12), hardware
+        launches = mb if pairs == "off" else (mb + 1) // 2
+        main_grad_bytes = (launches * 8 - 4) * count_params(m).routed_experts
+        assert row["hbm_bytes"] == pytest.approx(row_bytes + main_grad_bytes, rel=1e-12), (hardware, pairs)
 
 
 @pytest.mark.parametrize("colocated", [False, True])

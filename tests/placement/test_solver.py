@@ -1080,3 +1080,31 @@ def test_the_pruning_pass_prices_transport_only_where_it_can_matter():
         assert (lean.attn_mem_bytes <= exact.attn_mem_bytes).all()
         assert kind is colocated_candidates or (lean.attn_mem_bytes < exact.attn_mem_bytes).any()  # skipped there
         assert np.array_equal(lean.attn_mem_bytes[exact.fits], exact.attn_mem_bytes[exact.fits])
+
+
+def test_paired_expert_weight_gradients_price_half_the_single_layouts_main_gradient_passes():
+    """`expert_wgrad_pairs` (`kernels.wgrad_pairs`) on the Qwen3 config in mode single at 8 micro-batches:
+    4 weight-gradient launches a step, each one read and write of the experts' fp32 main gradients, so the
+    stage's HBM bytes fall by 4 of the 8 passes (the FLOPs and the rows' bytes the same), the step is
+    predicted faster, and one micro-batch's expert rows per MoE layer are held beside the next."""
+    from disagmoe.roofline import memory as mem
+
+    hw = load_hardware("h200-sxm-calibrated")
+    off = _qwen3_single(hw, "bf16", True, "micro_batches=8", "expert_wgrad_pairs=off")[1]
+    prob, on, _ = _qwen3_single(hw, "bf16", True, "micro_batches=8", "expert_wgrad_pairs=on")
+    assert prob.wgrad_pairs
+    m = load_model("qwen3-30b-a3b").model_copy(update={"num_layers": 6})
+    weights = 128 * 3 * 2048 * 768  # one MoE layer's expert parameters
+    stage_on, stage_off = on.stages["expert weight grads"].bwd, off.stages["expert weight grads"].bwd
+    first = lambda v: float(np.asarray(v).ravel()[0])  # noqa: E731
+    assert first(stage_on.flops) == pytest.approx(first(stage_off.flops))
+    per_micro_batch = 4 * weights * 2 * (1 - 4 / 8)  # fp32, read and write, 4 of 8 passes gone
+    assert first(stage_off.hbm_bytes) - first(stage_on.hbm_bytes) == pytest.approx(per_micro_batch)
+    # a calibrated preset fits its wgrad curve point's whole measured time as compute where the probe's traffic
+    # bound it (`roofline.calibration.fitted_fraction`), so fewer bytes predict no gain there; the datasheet does
+    assert on.step_s[0] <= off.step_s[0]
+    sheet = load_hardware("h100-sxm")
+    assert (_qwen3_single(sheet, "bf16", True, "micro_batches=8", "expert_wgrad_pairs=on")[1].step_s[0]
+            < _qwen3_single(sheet, "bf16", True, "micro_batches=8", "expert_wgrad_pairs=off")[1].step_s[0])
+    tokens = 16 // 8 * 4096
+    assert on.attn_mem_bytes[0] - off.attn_mem_bytes[0] == pytest.approx(tokens * mem.paired_wgrad_held_bytes(m, 2))

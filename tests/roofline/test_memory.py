@@ -305,7 +305,8 @@ def test_the_emulated_fp8_forwards_transient_reaches_the_memory_checks():
 
     m = load_model("qwen3-30b-a3b").model_copy(update={"num_layers": 2, "vocab_size": 4096})
     base = dict(model=m, device="cuda", experts_backend="triton", batch_size=4, seq_len=4096, micro_batches=2,
-                precision="fp8", fp8_expert_backward="bf16", fp8_expert_forward="gate-up")
+                precision="fp8", fp8_expert_backward="bf16", fp8_expert_forward="gate-up",
+                expert_wgrad_pairs="off")  # (their waiting rows: tests/runtime/training/test_expert_wgrad_pairs.py)
     plain, emulated = (TrainConfig(**base, mode="single", fp8_emulate=e) for e in (False, True))
     tokens = 2 * 4096
     transient = mem.fp8_emulate_transient_bytes(m, tokens * m.top_k, 2, "gate-up")
@@ -333,7 +334,7 @@ def test_the_runs_fp8_recomputation_reaches_the_memory_check():
 
     m = load_model("tiny")
     base = dict(model=m, precision="fp8", device="cuda", experts_backend="triton", batch_size=8, seq_len=64,
-                micro_batches=2)
+                micro_batches=2, expert_wgrad_pairs="off")  # (their waiting rows: test_expert_wgrad_pairs.py)
     plain = TrainConfig(**base, mode="single")
     lean = TrainConfig(**base, mode="single", recompute="selective",
                        recompute_modules=["expert_input", "expert_swiglu"])

@@ -116,14 +116,18 @@ def predicted_step_s(cfg: TrainConfig, model_cfg: ModelConfig, hw: HardwareConfi
 
 
 def choose(cfg: TrainConfig, model_cfg: ModelConfig, need_bytes: Callable[[TrainConfig], int],
-           capacity_bytes: float) -> MicroBatchChoice:
+           capacity_bytes: float, settle: Callable[[TrainConfig], TrainConfig] | None = None) -> MicroBatchChoice:
     """The split for `micro_batches: auto` (module docstring); ValueError when even the most
-    micro-batches (one sequence per rank each) do not fit, with the numbers and the fix."""
+    micro-batches (one sequence per rank each) do not fit, with the numbers and the fix. `settle`:
+    each split's settings that depend on its size, decided before it is measured and priced (the
+    single trainer's `resolve_wgrad_pairs`)."""
     budget = capacity_bytes * MEMORY_HEADROOM
     hw = None if cfg.hardware is None else load_hardware(cfg.hardware)  # read once, priced per candidate
     tried = []
     for m in candidates(cfg):
         split = with_micro_batches(cfg, m)
+        if settle is not None:
+            split = settle(split)
         need = need_bytes(split)
         fits = need <= budget
         priced = fits and hw is not None
@@ -143,10 +147,11 @@ def choose(cfg: TrainConfig, model_cfg: ModelConfig, need_bytes: Callable[[Train
 
 
 def resolved(cfg: TrainConfig, model_cfg: ModelConfig, need_bytes: Callable[[TrainConfig], int],
-             capacity_bytes: float) -> tuple[TrainConfig, MicroBatchChoice | None]:
+             capacity_bytes: float, settle: Callable[[TrainConfig], TrainConfig] | None = None,
+             ) -> tuple[TrainConfig, MicroBatchChoice | None]:
     """`cfg` with `micro_batches: auto` replaced by `choose`'s number (and the choice, for the
     start line); a number given stays, with no choice."""
     if cfg.micro_batches != "auto":
         return cfg, None
-    choice = choose(cfg, model_cfg, need_bytes, capacity_bytes)
+    choice = choose(cfg, model_cfg, need_bytes, capacity_bytes, settle)
     return with_micro_batches(cfg, choice.micro_batches), choice

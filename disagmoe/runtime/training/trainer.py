@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import math
 import time
 import warnings
@@ -41,6 +42,7 @@ from disagmoe.config import ModelConfig, TrainConfig, memory_knob_changes
 from disagmoe.model_ref import load_model
 from disagmoe.data import TokenDataset, load_splits
 from disagmoe.kernels.fp8_stats import Fp8Stats
+from disagmoe.kernels.wgrad_pairs import paired_weight_grads
 from disagmoe.model import ModelOutput, MoETransformer
 from disagmoe.model.experts import check_backend_device, first_touch_params
 from disagmoe.model.init import materialise
@@ -68,7 +70,7 @@ from disagmoe.runtime.state.checkpoint import (
 from disagmoe.runtime.failures import RunWarning
 from disagmoe.runtime.training.loop import StepCallback, TrainingLoop, TrainSummary
 from disagmoe.runtime.training.graphed_step import GraphedStep, resolve_cuda_graphs
-from disagmoe.runtime.training.micro_batches import MicroBatchChoice, device_capacity_bytes, resolved
+from disagmoe.runtime.training.micro_batches import MEMORY_HEADROOM, MicroBatchChoice, device_capacity_bytes, resolved
 from disagmoe.runtime.observe.metrics import (
     load_imbalance,
     no_host_syncs,
@@ -169,12 +171,14 @@ def train_step_flat(
     grad_clip: float,
     forbid_host_syncs: bool = False,
     fp8_stats: Fp8Stats | None = None,
+    pair_wgrads: bool = False,
 ) -> StepResult:
     """`train_step` on the fast path: the same loss and update (module docstring) with the
     parameters in the compute dtype, fp32 masters and main gradients in `optimizer`, the LM head
     and loss in token chunks, and nothing read back from the device until the step is done
     (`forbid_host_syncs`: any host wait before that raises). `fp8_stats`: read with the loss, then
-    reset (`read_step`)."""
+    reset (`read_step`). `pair_wgrads`: the expert weight gradients over pairs of micro-batches
+    (`TrainConfig.pairs_expert_wgrads`, `kernels.wgrad_pairs`)."""
     device = next(model.parameters()).device
     batch_size = tokens_BS1.shape[0]
     check_divisible(batch_size, micro_batches, 1)
@@ -182,7 +186,8 @@ def train_step_flat(
     tokens_BS1 = tokens_BS1.to(device)
     optimizer.set_lr(lr)  # the step's one host value of the lr, into a device scalar: the body below takes none
     with no_host_syncs(forbid_host_syncs, device):
-        totals, norm, load_LE = _flat_step_on_device(model, optimizer, tokens_BS1, micro_batches, grad_clip)
+        totals, norm, load_LE = _flat_step_on_device(model, optimizer, tokens_BS1, micro_batches, grad_clip,
+                                                     pair_wgrads)
     return read_step(totals, norm, load_LE, micro_batches, fp8_stats)
 
 
@@ -219,18 +224,19 @@ def micro_batch_losses(model: MoETransformer, tokens_BS1: torch.Tensor,
 
 
 def _flat_step_on_device(model: MoETransformer, optimizer: FlatAdamW, tokens_BS1: torch.Tensor, micro_batches: int,
-                         grad_clip: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                         grad_clip: float, pair_wgrads: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The body of `train_step_flat`: (summed loss parts, grad norm, expert loads), on the device,
-    at the learning rate already in `optimizer.lr`."""
+    at the learning rate already in `optimizer.lr`; `pair_wgrads`: `train_step_flat`'s."""
     device = tokens_BS1.device
     optimizer.zero_grad()
     model.prepare_fp8()  # FP8 weight copies (experts, dense projections) from this step's weights
     totals = torch.zeros(4, dtype=torch.float32, device=device)  # loss, ce, aux, z summed over micro-batches
     load_LE = torch.zeros((model.cfg.num_moe_layers, model.cfg.num_experts), dtype=torch.int64, device=device)
-    for loss, ce, out in micro_batch_losses(model, tokens_BS1, micro_batches):
-        (loss / micro_batches).backward()
-        totals += torch.stack([loss, ce, out.aux_loss.float(), out.z_loss.float()]).detach()
-        load_LE += out.expert_load_LE
+    with paired_weight_grads(pair_wgrads and micro_batches > 1):  # the odd launch runs at its end, before the norm
+        for loss, ce, out in micro_batch_losses(model, tokens_BS1, micro_batches):
+            (loss / micro_batches).backward()
+            totals += torch.stack([loss, ce, out.aux_loss.float(), out.z_loss.float()]).detach()
+            load_LE += out.expert_load_LE
     norm = optimizer.grad_squares().sqrt().float()
     coef = torch.clamp(grad_clip / (norm + 1e-6), max=1.0) if grad_clip > 0 else None
     skip = fp8_update_skip(model, norm) if device.type == "cuda" else None
@@ -340,11 +346,41 @@ def resolve_single_micro_batches(cfg: TrainConfig, model_cfg: ModelConfig, devic
                                  capacity_bytes: float | None = None) -> tuple[TrainConfig, MicroBatchChoice | None]:
     """A `mode: single` config with `micro_batches: auto` chosen (`runtime.training.micro_batches`)
     from `single_peak_bytes` on this device (or on `capacity_bytes`: a device elsewhere, e.g. a
-    hardware preset's); a number given stays."""
+    hardware preset's), each split's paired weight gradients resolved on it first
+    (`resolve_wgrad_pairs`); a number given stays."""
     if cfg.micro_batches != "auto":
         return cfg, None
-    return resolved(cfg, model_cfg, lambda split: sum(single_peak_bytes(split, model_cfg)),
-                    capacity_bytes if capacity_bytes is not None else device_capacity_bytes(device))
+    capacity = capacity_bytes if capacity_bytes is not None else device_capacity_bytes(device)
+    return resolved(cfg, model_cfg, lambda split: sum(single_peak_bytes(split, model_cfg)), capacity,
+                    settle=lambda split: resolve_wgrad_pairs(split, model_cfg, capacity)[0])
+
+
+def resolve_wgrad_pairs(cfg: TrainConfig, model_cfg: ModelConfig, capacity_bytes: float) -> tuple[TrainConfig, str | None]:
+    """(`cfg` with `expert_wgrad_pairs: auto` resolved to on or off, a line saying what runs and why, or
+    None where nothing pairs and nothing was asked). auto is on where it applies
+    (`TrainConfig.pairs_expert_wgrads`) and the peak with one micro-batch's waiting expert rows
+    (`single_peak_bytes`, `roofline.memory.paired_wgrad_held_bytes`) is within `MEMORY_HEADROOM` of
+    `capacity_bytes` (the rows are optional: they take only room `micro_batches: auto` would leave);
+    else off, saying why. on is the user's: the memory check holds it to the whole device."""
+    if cfg.expert_wgrad_pairs == "off":
+        return cfg, None
+    on = cfg.model_copy(update={"expert_wgrad_pairs": "on"})
+    if not on.pairs_expert_wgrads:  # where it does not apply (on is refused there by the config) or m = 1
+        return cfg.model_copy(update={"expert_wgrad_pairs": "off"}), None
+    with_rows = sum(single_peak_bytes(on, model_cfg))
+    waiting = with_rows - sum(single_peak_bytes(cfg.model_copy(update={"expert_wgrad_pairs": "off"}), model_cfg))
+    launches = (cfg.micro_batches + 1) // 2
+    budget = capacity_bytes * MEMORY_HEADROOM
+    if cfg.expert_wgrad_pairs == "auto" and with_rows > budget:
+        return cfg.model_copy(update={"expert_wgrad_pairs": "off"}), (
+            f"expert_wgrad_pairs: auto -> off: one micro-batch's waiting expert rows ({waiting / 2**30:.1f} GiB) "
+            f"would take the predicted peak to {with_rows / 2**30:.1f} GiB, past the {budget / 2**30:.1f} GiB "
+            f"({MEMORY_HEADROOM:.0%} of the device's {capacity_bytes / 2**30:.1f}) a run may plan for; each expert "
+            "weight gradient runs once per micro-batch (expert_wgrad_pairs: on asks for them anyway)")
+    return on, (f"expert_wgrad_pairs: {cfg.expert_wgrad_pairs}{' -> on' if cfg.expert_wgrad_pairs == 'auto' else ''}: "
+                f"each expert weight gradient runs {launches} times a step over {cfg.micro_batches} micro-batches' "
+                f"rows (its fp32 main gradient read and written {launches} times, not {cfg.micro_batches}); "
+                f"{waiting / 2**30:.1f} GiB of waiting rows in the predicted peak")
 
 
 def check_fp8_device(device: torch.device) -> None:
@@ -436,6 +472,8 @@ class SingleProcessTrainer(TrainingLoop):
             cfg = resolve_dense_fp8(cfg, self.device)  # before the memory model prices the dense copies
         self.cfg = cfg = self._auto_split(resolve_single_micro_batches(cfg, self.model_cfg, self.device))
         check_divisible(cfg.batch_size, cfg.micro_batches, 1)
+        cfg, self.wgrad_pairs_note = resolve_wgrad_pairs(cfg, self.model_cfg, device_capacity_bytes(self.device))
+        self.cfg = cfg
         check_backend_device(cfg.experts_backend, self.device.type)
         if self.device.type == "cuda":
             check_single_memory(cfg, self.model_cfg, torch.cuda.get_device_properties(self.device).total_memory)
@@ -485,7 +523,9 @@ class SingleProcessTrainer(TrainingLoop):
         self.model.train()
         capture, self.cuda_graphs_note = resolve_cuda_graphs(cfg)
         self.graphed = (GraphedStep(self.model, self.optimizer, (cfg.batch_size, cfg.seq_len + 1), cfg.micro_batches,
-                                    cfg.optim.grad_clip, _flat_step_on_device, self.device)
+                                    cfg.optim.grad_clip, functools.partial(_flat_step_on_device,
+                                                                           pair_wgrads=cfg.pairs_expert_wgrads),
+                                    self.device)
                         if capture else None)  # never the reference path: on refused above, auto eager there
         self.out_dir = Path(cfg.out_dir)
         self.checkpoint_root = self.out_dir / CHECKPOINTS_DIR
@@ -500,7 +540,8 @@ class SingleProcessTrainer(TrainingLoop):
         return {"predicted_peak_gib": self.predicted_peak_gib, "offloaded_host_gib": self.host_state_bytes / 2**30,
                 **self.split_facts(),
                 "cuda_graph_replays": None if self.graphed is None else self.graphed.replays,
-                "cuda_graphs_note": self.cuda_graphs_note}
+                "cuda_graphs_note": self.cuda_graphs_note, "expert_wgrad_pairs": self.cfg.pairs_expert_wgrads,
+                "expert_wgrad_pairs_note": self.wgrad_pairs_note}
 
     def _resume(self) -> None:
         """Load the newest checkpoint that loads (damaged newer ones skipped with a warning each),
@@ -558,7 +599,7 @@ class SingleProcessTrainer(TrainingLoop):
                 result = read_step(*out, cfg.micro_batches, stats)
             else:
                 result = train_step_flat(self.model, self.optimizer, tokens_BS1, cfg.micro_batches, lr,
-                                         cfg.optim.grad_clip, cfg.forbid_host_syncs, stats)
+                                         cfg.optim.grad_clip, cfg.forbid_host_syncs, stats, cfg.pairs_expert_wgrads)
             self._sync()
         seconds = time.perf_counter() - start
         self.step += 1

@@ -19,8 +19,11 @@ H200 = 139.8 * 2**30
 GiB = 2**30
 
 
-def qwen3(*overrides: str) -> TrainConfig:
-    return load_train_config(REPO / "configs/h200x2-qwen3-30b.yaml", ["mode=single", "micro_batches=auto", *overrides])
+def qwen3(*overrides: str, pairs: str = "off") -> TrainConfig:
+    """The Qwen3 config in mode single, micro_batches auto; the expert weight gradients a micro-batch at a time
+    unless `pairs` (the measurements these tests cite ran before `expert_wgrad_pairs`)."""
+    return load_train_config(REPO / "configs/h200x2-qwen3-30b.yaml",
+                             ["mode=single", "micro_batches=auto", f"expert_wgrad_pairs={pairs}", *overrides])
 
 
 def single_need(cfg: TrainConfig) -> int:
@@ -88,6 +91,26 @@ def test_nothing_fitting_is_refused_with_the_numbers_and_the_fix():
     with pytest.raises(ValueError, match=r"lower seq_len, offload_optimizer: true, or a layout") as err:
         choose(lean, load_model(lean.model), single_need, 40 * GiB)
     assert "recompute" not in str(err.value) and "state_dtype" not in str(err.value)
+
+
+def test_each_split_takes_paired_weight_gradients_where_their_waiting_rows_fit():
+    """`expert_wgrad_pairs: auto` through `resolve_single_micro_batches`: each split is measured and priced with
+    the pairs where its peak with one micro-batch's waiting expert rows fits the budget, else without; on one
+    H200 the Qwen3 config keeps 2 micro-batches with the pairs, and on a device that fits 2 only without them,
+    2 without them."""
+    from disagmoe.runtime.training.trainer import resolve_single_micro_batches
+
+    cfg = qwen3(pairs="auto")
+    model = load_model(cfg.model)
+    chosen, choice = resolve_single_micro_batches(cfg, model, None, H200)
+    assert (chosen.micro_batches, chosen.expert_wgrad_pairs, chosen.pairs_expert_wgrads) == (2, "auto", True)
+    two = {c.micro_batches: c for c in choice.tried}[2]
+    alone = sum(single_peak_bytes(qwen3("micro_batches=2"), model))
+    assert two.need_bytes > alone  # the waiting rows counted
+    tight = (alone + 1 * GiB) / MEMORY_HEADROOM
+    _, choice = resolve_single_micro_batches(cfg, model, None, tight)
+    two = {c.micro_batches: c for c in choice.tried}[2]
+    assert choice.micro_batches == 2 and two.need_bytes == alone
 
 
 def test_a_number_given_stays():
