@@ -1,6 +1,7 @@
 """`disagmoe bench profile`: where a single-GPU training step's GPU time goes, by kernel.
 
-Runs `warmup` steps of `mode: single`, then `steps` steps under `torch.profiler`, and reports the
+Runs `warmup` steps of `mode: single` (where its step is captured, at least through its capture steps:
+`timing.warmup_past_capture`), then `steps` steps under `torch.profiler`, and reports the
 GPU kernels by total time, each also counted into a category (GEMM, attention, optimizer, copy /
 cast, other elementwise, NCCL) by its name, the ops that launched them by their kernels' GPU time
 (`kernel_ops`, from the profile's Chrome trace: in a captured step every kernel is the graph's, so
@@ -31,7 +32,7 @@ import torch
 
 from disagmoe.bench.gpu_clocks import GpuClockSampler
 from disagmoe.bench.kernel_bounds import kernel_bounds
-from disagmoe.bench.timing import device_intervals, host_events
+from disagmoe.bench.timing import device_intervals, host_events, warmup_past_capture
 from disagmoe.config import TrainConfig
 
 CATEGORIES = (  # first match wins; names are lower-cased kernel names
@@ -59,7 +60,10 @@ def run(cfg: TrainConfig, steps: int, warmup: int, log: Callable[[str], None],
 
     from disagmoe.runtime.training.trainer import TIMED_STEP_RANGE, SingleProcessTrainer
 
-    warmup = warmup_past_capture(cfg, warmup, log)
+    asked = warmup
+    warmup, why = warmup_past_capture(cfg.model_copy(update={"mode": "single"}), warmup)
+    if why:
+        log(f"warming up {warmup} steps, not {asked}: {why}, and the profiled steps are replays")
     trainer = SingleProcessTrainer(cfg.model_copy(update={"mode": "single", "steps": warmup + steps,
                                                           "trace": False, "checkpoint_minutes": 0}))
     clocks = GpuClockSampler.for_devices([0])  # the profiled steps' clocks, to set beside bench train's
@@ -124,41 +128,6 @@ def counted_steps_note(cfg: TrainConfig, warmup: int, steps: int) -> str:
     counted = sum(counts_fp8(s, every, 1, warmup + steps) for s in range(warmup + 1, warmup + steps + 1))
     return (f", of which {counted} count their FP8 numerics (every {every}th step and the last: the kernels "
             "below mix both kinds; fp8_counters_every=1 profiles the counting step alone)")
-
-
-def capture_steps(cfg: TrainConfig) -> list[int]:
-    """The steps (1-based) on which a captured single-GPU run captures its graphs: the first step of
-    each kind after `graphed_step.WARMUP_STEPS` eager ones (one kind; two under precision fp8 counting
-    its numerics every Nth step, `trainer.counts_fp8`: the first uncounted and the first counted)."""
-    from disagmoe.runtime.training.graphed_step import WARMUP_STEPS
-    from disagmoe.runtime.training.trainer import counts_fp8
-
-    every = cfg.model_copy(update={"mode": "single"}).counters_every
-    first: dict[bool, int] = {}
-    step = WARMUP_STEPS + 1
-    while len(first) < (1 if every == 1 else 2):
-        first.setdefault(counts_fp8(step, every, 1, 0), step)
-        step += 1
-    return sorted(first.values())
-
-
-def warmup_past_capture(cfg: TrainConfig, warmup: int, log: Callable[[str], None]) -> int:
-    """The warm-up steps to run before profiling: `warmup`, or where the step is captured
-    (`graphed_step.resolve_cuda_graphs`) at least through its capture steps (`capture_steps`), so
-    that every profiled step is a replay: a capture's host work (allocations, instantiation) leaves
-    the GPU idle for a step's worth of time, which no replay has (session 21's Qwen3 profile read
-    120 ms of idle a step from it)."""
-    from disagmoe.runtime.training.graphed_step import resolve_cuda_graphs
-
-    captured, _ = resolve_cuda_graphs(cfg.model_copy(update={"mode": "single"}))
-    steps = capture_steps(cfg)
-    if not captured or warmup >= steps[-1]:
-        return warmup
-    on = f"step {steps[0]}" if len(steps) == 1 else (f"steps {steps[0]} and {steps[1]} (one graph for the steps "
-                                                      "without FP8 counters, one for those with)")
-    log(f"warming up {steps[-1]} steps, not {warmup}: the step is captured on {on}, and the profiled steps are "
-        "replays")
-    return steps[-1]
 
 
 def step_split(windows: list[tuple[float, float]], intervals: list[tuple[float, float, str]]) -> dict[str, float]:

@@ -1,15 +1,21 @@
-"""Shared GPU timing for the benchmarks: event-timed medians, matmul ceiling, environment."""
+"""Shared GPU timing for the benchmarks: event-timed medians, matmul ceiling, environment, and the
+warm-up that keeps a captured training step's capture steps out of what `bench train` and `bench
+profile` time (`warmup_past_capture`)."""
 
 from __future__ import annotations
 
+import itertools
 import platform
 import shutil
 import statistics
 import subprocess
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from disagmoe.config import TrainConfig
 
 
 def median_ms(fn: Callable[[int], object], warmup: int, iters: int) -> float:
@@ -52,6 +58,53 @@ def kernel_ms(fn: Callable[[int], object], warmup: int, iters: int) -> float:
             fn(warmup + i)
         torch.cuda.synchronize()
     return sum(end - start for start, end, _ in device_intervals(prof)) * 1e3 / iters
+
+
+def capture_steps(cfg: TrainConfig, steps: int | None = None) -> list[int]:
+    """The steps (1-based) on which a run of `cfg` of `steps` steps (None: one long enough to capture
+    every graph) captures its CUDA graphs, by the trainer's rule (`graphed_step.first_captures`); []
+    where its step runs eagerly (`graphed_step.resolve_cuda_graphs`, whose ValueError a refused `on`
+    raises). Mode single: the first step of each kind after `graphed_step.WARMUP_STEPS` eager ones: one
+    kind, or two under precision fp8 counting its numerics every Nth step (`trainer.counts_fp8`: the
+    first uncounted step and the first counted one, the last step in a run shorter than N). The
+    distributed modes: a graph per phase of the transport's message counts, which repeat every step or
+    alternate (`graphed_step.PhasedGraphs`); which of the two, the ranks' rings decide
+    (`reuse_order.step_ring`), so this gives the alternating case's steps (`WARMUP_STEPS` + 1 and + 2):
+    the latest the run captures."""
+    from disagmoe.runtime.training.graphed_step import MAX_PHASE_GRAPHS, first_captures, resolve_cuda_graphs
+    from disagmoe.runtime.training.trainer import counts_fp8
+
+    captured, _ = resolve_cuda_graphs(cfg)
+    if not captured:
+        return []
+    numbers = itertools.count(1) if steps is None else range(1, steps + 1)
+    if cfg.mode != "single":
+        return first_captures((step % 2 for step in numbers), MAX_PHASE_GRAPHS)
+    every = cfg.counters_every
+    return first_captures((counts_fp8(step, every, 1, steps or 0) for step in numbers), 1 if every == 1 else 2)
+
+
+def warmup_past_capture(cfg: TrainConfig, warmup: int, steps: int | None = None) -> tuple[int, str | None]:
+    """(the warm-up steps to leave untimed, why more than `warmup` or None): `warmup`, or where a run of
+    `cfg` (`steps` steps; None: as many as it takes) captures its step in CUDA graphs, at least through
+    its capture steps (`capture_steps`), so that every timed step is a replay: a capture's
+    host work (allocations, instantiation) leaves the GPU idle for a step's worth of time, which no
+    replay has (session 21's Qwen3 profile read 120 ms of idle a step from it; an H100's `bench train`
+    of the Mixtral config timed FP8 captures at 642 ms a step where `bench profile` read 488 ms of
+    replays). A refused `cuda_graphs: on` raises `resolve_cuda_graphs`' ValueError."""
+    captures = capture_steps(cfg, steps)
+    if not captures or warmup >= captures[-1]:
+        return warmup, None
+    if cfg.mode != "single":
+        on = (f"the rank steps are captured on step {captures[0]}" if len(captures) == 1 else
+              f"the rank steps are captured on step {captures[0]}, and on step {captures[1]} where the transport's "
+              "message counts alternate between two phases (a graph per phase)")
+    elif len(captures) == 1:
+        on = f"the step is captured on step {captures[0]}"
+    else:
+        on = (f"the step is captured on steps {captures[0]} and {captures[1]} (one graph for the steps without "
+              "FP8 counters, one for those with)")
+    return captures[-1], on
 
 
 def device_intervals(prof: Any) -> list[tuple[float, float, str]]:

@@ -2,7 +2,8 @@
 
 Each mode trains the same model on the same data for the same number of steps on the same
 devices (colocated gets as many ranks as attention + expert ranks together); the figure is the
-median step time after the first `warmup` steps, and every mode is set against the colocated
+median step time after the first `warmup` steps (a row whose step is captured in CUDA graphs: after
+its capture steps too, `timed_warmup`), and every mode is set against the colocated
 layout measured in the same run (or the first mode, if colocated is not among them), and against
 the single GPU where `single` ran. Each row also carries MFU per GPU (model FLOPs / step time /
 (GPUs x bf16 dense peak)) and against the measured matmul ceiling, peak GPU memory, the routing
@@ -29,6 +30,7 @@ row left fails.
 
 from __future__ import annotations
 
+import itertools
 import platform
 import shlex
 import statistics
@@ -41,6 +43,7 @@ import torch
 
 from disagmoe.bench.gpu_clocks import GpuClockSampler, describe
 from disagmoe.bench.loss_parity import DEFAULT_WINDOW, MODES, check_control, loss_parity
+from disagmoe.bench.timing import warmup_past_capture
 from disagmoe.config import TrainConfig, apply_overrides, validate
 from disagmoe.runtime.observe.metrics import read_metrics
 from disagmoe.runtime.training.loop import METRICS_FILE
@@ -115,6 +118,36 @@ def fp8_kernels(cfg: TrainConfig) -> str | None:
                         forward=cfg.expert_forward_precision)
 
 
+def timed_warmup(cfg: TrainConfig, warmup: int, steps: int) -> tuple[int, str | None]:
+    """(the first steps a row of `cfg` leaves untimed, why more than `warmup` or None): `warmup`, or
+    where the row captures its step in CUDA graphs, through its capture steps
+    (`timing.warmup_past_capture`): no capture step is timed. A row refusing its capture
+    (`cuda_graphs: on` where it cannot apply) keeps `warmup`: it fails with that refusal as it starts."""
+    try:
+        return warmup_past_capture(cfg, warmup, steps)
+    except ValueError:
+        return warmup, None
+
+
+def steps_needed(cfg: TrainConfig, warmup: int, steps: int) -> int:
+    """The fewest steps, from `steps` on, that leave a row of `cfg` a step to time (`timed_warmup`)."""
+    return next(n for n in itertools.count(steps) if timed_warmup(cfg, warmup, n)[0] < n)
+
+
+def check_timed_steps(rows: list[tuple[str, TrainConfig]], warmup: int, steps: int) -> None:
+    """ValueError naming the `--steps` needed where `steps` leaves a row (name, its config) no step to
+    time after its warm-up (`timed_warmup`), before any row trains."""
+    if warmup >= steps:
+        raise ValueError(f"--steps {steps} leaves no step to time after --warmup {warmup}: pass --steps "
+                         f"{warmup + 1} or more")
+    short = [(name, why, steps_needed(cfg, warmup, steps)) for name, cfg in rows
+             for row_warmup, why in [timed_warmup(cfg, warmup, steps)] if row_warmup >= steps]
+    if short:
+        raise ValueError(f"--steps {steps} leaves no step to time after the capture steps (never timed) of "
+                         + "; ".join(f"{name}: {why}" for name, why, _ in short)
+                         + f"; pass --steps {max(n for *_, n in short)} or more")
+
+
 def median_step(records: list[dict], warmup: int) -> float:
     """Median `step_time_s` after the first `warmup` steps."""
     times = [r["step_time_s"] for r in records if r["step"] > warmup]
@@ -184,6 +217,13 @@ def summarise(rows: list[dict]) -> list[dict]:
              "vs_single": None if single is None or not (speed(r) and not single.get("time_sliced"))
              else r["tokens_per_s"] / single["tokens_per_s"],
              "mean_loss_vs_single": loss_vs_single(r), **vs_variant(r)} for r in rows]
+
+
+def row_name(mode: str, cfg: TrainConfig, variant: str | None, seed: int | None = None) -> str:
+    """A row's name in the run's lines: its mode, with its transport and hop where distributed, its
+    variant and its seed (under `--seeds`)."""
+    return (f"{mode}{'' if mode == 'single' else f' ({cfg.transport}, hop {cfg.hop})'}"
+            f"{f' [{variant}]' if variant else ''}{'' if seed is None else f' seed {seed}'}")
 
 
 def row_label(r: dict) -> str:
@@ -330,7 +370,9 @@ def run(cfg: TrainConfig, modes: list[str], steps: int, warmup: int,
     `seeds`: runs of every row (each seed's rows in turn, so a run stopped part-way keeps whole
     seeds); `loss_window`: the last steps whose mean loss `loss_parity` compares; `control`: one of
     `variants` that changes the first's rounding alone, every other read against it (checked before
-    any row trains)."""
+    any row trains, as is that `steps` leaves every row a step to time: `check_timed_steps`). The
+    record's `warmup` is the one asked; each row's `warmup` the steps it left untimed, with
+    `warmup_note` saying why where that is more (its capture steps: `timed_warmup`)."""
     if baseline not in (None, "hf"):
         raise ValueError(f"unknown baseline {baseline!r}; the one outside baseline is 'hf' (transformers)")
     if seeds < 1 or loss_window < 1:
@@ -345,15 +387,20 @@ def run(cfg: TrainConfig, modes: list[str], steps: int, warmup: int,
     uneven = counting_note([vcfg.model_copy(update={"mode": r[0]}) for _, vcfg, r in checked])
     if uneven:
         log(uneven)
+    timed = [(v, r, mode_config(vcfg, r[0], steps, Path(), r[1], r[2])) for v, vcfg, r in checked]
+    check_timed_steps([(row_name(r[0], mcfg, v), mcfg) for v, r, mcfg in timed], warmup, steps)
+    warmups = {(v, r): timed_warmup(mcfg, warmup, steps) for v, r, mcfg in timed}  # each row's, and why
     rows = []
     with tempfile.TemporaryDirectory(prefix="disagmoe-bench-train-") as tmp:
         for variant, vcfg, (mode, transport, hop) in planned:
             seed = vcfg.seed if seeds > 1 else None
             out = Path(tmp) / f"variant-{variants.index(variant)}" / f"seed-{vcfg.seed}"
             mcfg = mode_config(vcfg, mode, steps, out, transport, hop)
-            name = (f"{mode}{'' if mode == 'single' else f' ({mcfg.transport}, hop {mcfg.hop})'}"
-                    f"{f' [{variant}]' if variant else ''}{'' if seed is None else f' seed {seed}'}")
+            name = row_name(mode, mcfg, variant, seed)
             log(f"{name}: {steps} steps")
+            row_warmup, why = warmups[variant, (mode, transport, hop)]
+            if why:
+                log(f"{name}: warming up {row_warmup} steps, not {warmup}: {why}, and the timed steps are replays")
             clocks = clock_sampler(mcfg, gpu_clocks)
             try:
                 with clocks or nullcontext():
@@ -361,7 +408,8 @@ def run(cfg: TrainConfig, modes: list[str], steps: int, warmup: int,
             except ValueError as err:  # a user error of this row (memory check, out of memory): the row's, not the run's
                 log(f"{name}: did not run: {err}")
                 rows.append({"mode": mode, "transport": None if mode == "single" else mcfg.transport, "hop": None,
-                             "variant": variant, "seed": seed, "error": str(err)})
+                             "variant": variant, "seed": seed, "warmup": row_warmup, "warmup_note": why,
+                             "error": str(err)})
                 if on_row is not None:
                     on_row(rows)
                 continue
@@ -370,21 +418,21 @@ def run(cfg: TrainConfig, modes: list[str], steps: int, warmup: int,
                 if note:
                     log(note)
             records = read_metrics(Path(mcfg.out_dir) / METRICS_FILE)
-            step_s = median_step(records, warmup)
+            step_s = median_step(records, row_warmup)
             ranks = {"single": 1, "colocated": mcfg.colocated_ranks,
                      "disaggregated": vcfg.attention_ranks + vcfg.expert_ranks}[mode]
             flops = records[-1]["flops"]
             imbalance = [statistics.fmean(r["load_imbalance"]) for r in records
-                         if r["step"] > warmup and r.get("load_imbalance")]
+                         if r["step"] > row_warmup and r.get("load_imbalance")]
             rows.append({"mode": mode, "transport": None if mode == "single" else mcfg.transport, "hop": used_hop,
                          "variant": variant, "seed": seed, "init_seed": mcfg.seed, "data_seed": mcfg.data_seed,
-                         "ranks": ranks, "time_sliced": time_sliced,
+                         "ranks": ranks, "time_sliced": time_sliced, "warmup": row_warmup, "warmup_note": why,
                          "micro_batches": summary.micro_batches, "cuda_graph_replays": summary.cuda_graph_replays,
                          "cuda_graphs_note": summary.cuda_graphs_note, "fp8_kernels": fp8_kernels(mcfg),
                          "dense_recipe": summary.dense_recipe,
                          "predicted_peak_gib": summary.predicted_peak_gib,
                          "median_step_s": step_s, "step_times_s": [r["step_time_s"] for r in records],
-                         "gpu_wait": mean_waits(records, warmup),
+                         "gpu_wait": mean_waits(records, row_warmup),
                          "tokens_per_s": records[-1]["tokens"] / step_s, "final_loss": records[-1]["loss"],
                          "mean_loss": mean_of(records, "loss", 0), "losses": [r["loss"] for r in records],
                          "ces": [r.get("ce") for r in records],
@@ -393,13 +441,13 @@ def run(cfg: TrainConfig, modes: list[str], steps: int, warmup: int,
                                                          if r.get("fp8_saturated_share") is not None), default=None),
                          "fp8_underflow_shares": [r.get("fp8_underflow_share") for r in records],
                          "fp8_underflow_by_kind": underflow_by_kind(records),
-                         "busy": mean_busy(records, warmup), "routing": records[-1].get("routing", "learned"),
+                         "busy": mean_busy(records, row_warmup), "routing": records[-1].get("routing", "learned"),
                          "mfu": None if time_sliced else _rate(flops, step_s, records[-1], "mfu"),
                          "mfu_ceiling": None if time_sliced else _rate(flops, step_s, records[-1], "mfu_ceiling"),
                          "peak_memory_gib": max((r["peak_memory_gib"] for r in records
                                                  if r.get("peak_memory_gib") is not None), default=None),
                          "load_imbalance": statistics.fmean(imbalance) if imbalance else None,
-                         **clock_fields(clocks, warmup, gpu_clocks)})
+                         **clock_fields(clocks, row_warmup, gpu_clocks)})
             saturated = rows[-1]["max_fp8_saturated_share"]
             log(f"{name}: {step_s * 1e3:,.1f} ms/step, {rows[-1]['tokens_per_s']:,.0f} tokens/s, final loss "
                 f"{rows[-1]['final_loss']:.4f}" + (f", peak {rows[-1]['peak_memory_gib']:.1f} GiB"
@@ -423,7 +471,8 @@ def run(cfg: TrainConfig, modes: list[str], steps: int, warmup: int,
             clocks = clock_sampler(hf_cfg.model_copy(update={"mode": "single"}), gpu_clocks)
             with clocks or nullcontext():
                 row = hf_baseline.run(hf_cfg, steps, warmup, log, None if clocks is None else clocks.mark)
-            rows.append({**row, "mfu": None, "mfu_ceiling": None, "load_imbalance": None, "mean_loss": None,
+            rows.append({**row, "warmup": warmup, "warmup_note": None, "mfu": None, "mfu_ceiling": None,
+                         "load_imbalance": None, "mean_loss": None,
                          **clock_fields(clocks, warmup, gpu_clocks)})
             if clocks is not None:
                 log(f"{row['mode']}: {describe(rows[-1]['gpu_clocks'], rows[-1]['gpu_clocks_note'])}")

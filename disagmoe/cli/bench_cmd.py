@@ -390,7 +390,11 @@ def train(
     mode: Annotated[list[str] | None, typer.Option(
         help="single | disaggregated | colocated (repeatable; default: disaggregated and colocated)")] = None,
     steps: Annotated[int, typer.Option(help="steps per mode", min=2)] = 20,
-    warmup: Annotated[int, typer.Option(help="first steps left out of the median", min=0)] = 3,
+    warmup: Annotated[int, typer.Option(
+        help="first steps left out of the median; a row whose step is captured in CUDA graphs warms up through "
+             "its capture steps too, saying so (mode single: step 4, and under precision fp8 the next step "
+             "counting its FP8 numerics, 10 by default or a shorter run's last; the distributed modes: 4 and 5): "
+             "a capture leaves the GPU idle for about a step", min=0)] = 3,
     baseline: Annotated[str | None, typer.Option(
         help="also train an outside baseline on one GPU in the same run: 'hf' = Hugging Face transformers' own "
              "model of the config's family (MixtralForCausalLM, Qwen3MoeForCausalLM or DeepseekV3ForCausalLM: the "
@@ -478,13 +482,17 @@ def train(
     failed = [r for r in record["modes"] if r.get("error")]
     record = {**record, "modes": [r for r in record["modes"] if not r.get("error")]}
     routing = record["modes"][0].get("routing", "learned")
+    warmups = sorted({r.get("warmup", warmup) for r in record["modes"]})
+    timed = (f"median of steps {warmups[0] + 1}-{steps}" if len(warmups) == 1 else
+             "median of each row's steps after its warm-up (timed)")  # a captured row's past its capture steps
     table = Table(title=f"training steps of {config} on {env['device']} ({env['transport']} transport, "
-                        f"{routing} routing), median of steps {warmup + 1}-{steps}")
+                        f"{routing} routing), {timed}")
     base = record["modes"][0]["baseline"]
     with_single = base != "single" and any(r.get("vs_single") is not None for r in record["modes"])
     first_variant = next((r["variant_baseline"] for r in record["modes"] if r.get("variant_baseline")), None)
     variant_columns = (f"vs {first_variant}", f"memory vs {first_variant}") if first_variant else ()
-    columns = ("mode", "ranks", "m", "step", "SM clock", "tokens/s", "MFU/GPU", "of ceiling", "peak memory", "predicted",
+    columns = ("mode", "ranks", "m", "step", *(("timed",) if len(warmups) > 1 else ()), "SM clock", "tokens/s",
+               "MFU/GPU", "of ceiling", "peak memory", "predicted",
                "imbalance",
                "final loss", "busy", "combine wait", "vs " + base, *(("vs single",) if with_single else ()),
                *variant_columns)
@@ -510,7 +518,9 @@ def train(
         clocks = r.get("gpu_clocks")
         sm_clock = "-" if not clocks else f"{clocks['sm_mhz_median']:,.0f} MHz" + (
             " (partial)" if clocks.get("partial") else "")
-        table.add_row(label, str(r["ranks"]), split, seconds(r['median_step_s']), sm_clock, f"{r['tokens_per_s']:,.0f}",
+        table.add_row(label, str(r["ranks"]), split, seconds(r['median_step_s']),
+                      *((f"{r.get('warmup', warmup) + 1}-{steps}",) if len(warmups) > 1 else ()), sm_clock,
+                      f"{r['tokens_per_s']:,.0f}",
                       pct(r.get("mfu")), pct(r.get("mfu_ceiling")), memory(r.get("peak_memory_gib")),
                       memory(r.get("predicted_peak_gib")),
                       num(r.get("load_imbalance"), ".2f"), f"{r['final_loss']:.4f}", busy, waits, times(r.get("speedup")),

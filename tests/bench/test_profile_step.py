@@ -205,29 +205,6 @@ def test_runtime_calls_count_the_hosts_cuda_calls_inside_the_steps() -> None:
                                                  ("cudaStreamSynchronize", (1, pytest.approx(0.01)))]
 
 
-def test_a_captured_config_is_profiled_after_its_capture_step() -> None:
-    """`warmup_past_capture`: where the step is captured (cuda_graphs auto on a single CUDA run), the
-    warm-up runs through the capture step (WARMUP_STEPS + 1) and says so; more warm-up is kept; an
-    eager run keeps what it was given."""
-    from disagmoe.bench.profile_step import warmup_past_capture
-    from disagmoe.config import load_train_config
-    from disagmoe.runtime.training.graphed_step import WARMUP_STEPS
-
-    cfg = load_train_config("configs/tiny-cpu.yaml", ["device=cuda", "mode=single", "experts_backend=triton"])
-    said: list[str] = []
-    assert warmup_past_capture(cfg, 0, said.append) == WARMUP_STEPS + 1
-    assert said and f"captured on step {WARMUP_STEPS + 1}" in said[0]
-    said.clear()
-    assert warmup_past_capture(cfg, WARMUP_STEPS + 2, said.append) == WARMUP_STEPS + 2 and not said
-    eager = cfg.model_copy(update={"cuda_graphs": "off"})
-    assert warmup_past_capture(eager, 1, said.append) == 1 and not said
-    # precision fp8 counting every 10th step: a graph for each kind, the counting one first captured on step 10
-    fp8 = cfg.model_copy(update={"precision": "fp8"})
-    assert warmup_past_capture(fp8, 4, said.append) == 10 and "steps 4 and 10" in said[-1]
-    assert warmup_past_capture(fp8.model_copy(update={"fp8_counters_every": 1}), 0, said.append) == WARMUP_STEPS + 1
-    assert warmup_past_capture(fp8.model_copy(update={"fp8_counters_every": 2}), 0, said.append) == 5  # 4 counts
-
-
 def test_a_profile_of_steps_of_both_kinds_says_how_many_counted():
     from disagmoe.bench.profile_step import counted_steps_note
     from disagmoe.config import load_train_config

@@ -220,7 +220,7 @@ def test_the_out_file_holds_each_finished_row_while_the_run_goes_on(tmp_path, mo
 def test_a_run_whose_every_row_fails_exits_with_their_errors(monkeypatch):
     _out_of_memory_at(2, monkeypatch)
     r = CliRunner().invoke(app, ["bench", "train", "--config", "configs/tiny-cpu.yaml", "--mode", "single",
-                                 "--steps", "3", "--variant", "micro_batches=2"])
+                                 "--steps", "3", "--warmup", "1", "--variant", "micro_batches=2"])
     assert r.exit_code != 0 and "no row of the run trained" in r.output and "Traceback" not in r.output, r.output
 
 
@@ -319,3 +319,78 @@ def test_rows_whose_fp8_counters_count_unalike_get_a_line_saying_so():
     assert "count their numerics on every step in some, every 10th step in others" in counting_note([single, split])
     assert counting_note([single, single]) is None and counting_note([split, TrainConfig(model="tiny")]) is None
     assert counting_note([single.model_copy(update={"fp8_counters_every": 1}), split]) is None
+
+
+def test_a_captured_rows_warm_up_runs_through_its_capture_steps(tmp_path):
+    """`timed_warmup`: a row whose step is captured (single on CUDA, cuda_graphs auto) times no capture
+    step: bf16 warms up through step 4, precision fp8 (counting every 10th step) through 10; more
+    warm-up is kept; an eager row, and one whose `cuda_graphs: on` its layout refuses (it fails as it
+    starts), keep --warmup."""
+    from disagmoe.bench.train import timed_warmup
+
+    cfg = TrainConfig(model="tiny", device="cuda", experts_backend="triton")
+    bf16 = mode_config(cfg, "single", 20, tmp_path)
+    assert timed_warmup(bf16, 3, 20) == (4, "the step is captured on step 4")
+    assert timed_warmup(bf16, 6, 20) == (6, None)
+    fp8 = mode_config(cfg.model_copy(update={"precision": "fp8"}), "single", 20, tmp_path)
+    warmup, why = timed_warmup(fp8, 3, 20)
+    assert warmup == 10 and why.startswith("the step is captured on steps 4 and 10")
+    assert timed_warmup(bf16.model_copy(update={"cuda_graphs": "off"}), 3, 20) == (3, None)
+    refused = mode_config(cfg.model_copy(update={"transport": "nccl"}), "disaggregated", 20, tmp_path)
+    assert timed_warmup(refused.model_copy(update={"cuda_graphs": "on"}), 3, 20) == (3, None)
+
+
+def test_too_few_steps_for_a_captured_row_are_refused_naming_the_steps_needed():
+    """`--steps 6 --warmup 3` of a bf16 and an fp8 row on CUDA: the fp8 row captures on steps 4 and 6 (its
+    last step counts: the counting graph's capture), leaving none to time; refused before any row trains,
+    naming the row and the --steps that leaves it one (11: captures on 4 and 10, step 11 a replay)."""
+    from disagmoe.bench.train import check_timed_steps, steps_needed
+
+    args = ["bench", "train", "--config", "configs/tiny-cpu.yaml", "--mode", "single", "--steps", "6", "--warmup", "3",
+            "--variant", "precision=bf16", "--variant", "precision=fp8", "device=cuda", "experts_backend=triton"]
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code != 0 and "Traceback" not in r.output, r.output
+    assert ("--steps 6 leaves no step to time after the capture steps (never timed) of single [precision=fp8]: the "
+            "step is captured on steps 4 and 6") in r.output and "pass --steps 11 or more" in r.output
+    assert ": 6 steps" not in r.output  # refused before the first row trained
+    cfg = TrainConfig(model="tiny", mode="single", device="cuda", experts_backend="triton")
+    assert steps_needed(cfg, 3, 2) == 5 and steps_needed(cfg, 3, 5) == 5 and steps_needed(cfg, 7, 2) == 8
+    with pytest.raises(ValueError, match="--steps 3 leaves no step to time after --warmup 3: pass --steps 4 or more"):
+        check_timed_steps([("single", cfg.model_copy(update={"cuda_graphs": "off"}))], 3, 3)
+    check_timed_steps([("single", cfg)], 3, 5)  # step 5 a replay
+
+
+def _captured_at(micro_batches: int, step: int, monkeypatch) -> None:
+    """Rows of `micro_batches` read as captured on `step` (a CPU run: the timing's side of a GPU's
+    captured row), the others as eager."""
+    from disagmoe.bench import train as bench
+
+    def past(cfg, warmup, steps=None):
+        if cfg.micro_batches != micro_batches or warmup >= step:
+            return warmup, None
+        return step, f"the step is captured on step {step}"
+
+    monkeypatch.setattr(bench, "warmup_past_capture", past)
+
+
+def test_a_captured_row_times_the_steps_after_its_capture_and_records_its_warm_up(monkeypatch):
+    """A row captured on step 2 (`--warmup 1`) warms up 2 steps and says so in one line; its median is
+    of steps 3-4, and its record keeps the warm-up it used and why; an uncaptured row keeps --warmup,
+    and the table then gives each row's timed steps."""
+    _captured_at(2, 2, monkeypatch)
+    args = ["bench", "train", "--config", "configs/tiny-cpu.yaml", "--mode", "single", "--steps", "4", "--warmup", "1",
+            "--variant", "micro_batches=1", "--variant", "micro_batches=2", "--no-gpu-clocks"]
+    r = CliRunner().invoke(app, [*args, "--json"])
+    assert r.exit_code == 0, r.output
+    record = json.loads(r.stdout)
+    plain, captured = record["modes"]
+    assert record["warmup"] == 1 and (plain["warmup"], plain["warmup_note"]) == (1, None)
+    assert (captured["warmup"], captured["warmup_note"]) == (2, "the step is captured on step 2")
+    assert captured["median_step_s"] == pytest.approx(sum(captured["step_times_s"][2:]) / 2)
+    assert plain["median_step_s"] == sorted(plain["step_times_s"][1:])[1]
+    assert ("single [micro_batches=2]: warming up 2 steps, not 1: the step is captured on step 2, and the timed "
+            "steps are replays") in r.stderr
+    assert "single [micro_batches=1]: warming up" not in r.stderr
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0, r.output
+    assert "median of each row's steps after its warm-up (timed)" in r.output and "3-4" in r.output

@@ -12,7 +12,9 @@ launch gaps between the small kernels (the profiled H200 step was 80.6% busy).
 
 Capture protocol (torch's rules for graphs with autograd and optimizers):
 - the first `WARMUP_STEPS` steps run eagerly on a side stream (real steps of the run: Triton's
-  autotuning, lazily created optimizer state and cuBLAS workspaces happen there, outside capture);
+  autotuning, lazily created optimizer state and cuBLAS workspaces happen there, outside capture;
+  `captures_now`, which `first_captures` follows over a run's steps: the capture steps `bench train`
+  and `bench profile` leave untimed, `bench.timing.capture_steps`);
 - the eager allocator's cached blocks are released, then the next step's body is captured into a
   graph with its own memory pool; capture runs nothing, so that step is then replayed like every
   later one;
@@ -46,7 +48,7 @@ call of theirs during the capture would invalidate it; what is captured follows 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -85,6 +87,34 @@ def resolve_cuda_graphs(cfg: TrainConfig) -> tuple[bool, str]:
         return False, f"cuda_graphs: auto -> eager: {eager}"
     return True, (f"cuda_graphs: auto -> on: the whole step is captured after {WARMUP_STEPS} eager steps and "
                   "replayed (one launch per step)")
+
+
+def captures_now(eager_steps: int, seen: bool, warmup_steps: int = WARMUP_STEPS) -> bool:
+    """Whether a step of a kind (or phase) that has no graph yet is captured now, not run eagerly: once
+    `warmup_steps` eager steps ran and one of them was of its kind (`GraphedStep`, `PhasedGraphs`;
+    `first_captures` follows the rule over a run's steps)."""
+    return eager_steps >= warmup_steps and seen
+
+
+def first_captures(kinds: Iterable[Hashable], graphs: int | None = None,
+                   warmup_steps: int = WARMUP_STEPS) -> list[int]:
+    """The steps (1-based) that capture a graph in a run whose steps are of `kinds` in turn
+    (`captures_now`), until `graphs` are captured (None: to the end of `kinds`)."""
+    made: set[Hashable] = set()
+    seen: set[Hashable] = set()
+    eager, captured = 0, []
+    for step, kind in enumerate(kinds, start=1):
+        if graphs is not None and len(captured) >= graphs:
+            break
+        if kind in made:
+            continue
+        if captures_now(eager, kind in seen, warmup_steps):
+            made.add(kind)
+            captured.append(step)
+        else:
+            seen.add(kind)
+            eager += 1
+    return captured
 
 
 @functools.cache
@@ -136,7 +166,7 @@ class GraphedStep:
         self.optimizer.set_lr(lr)
         entry = self.graphs.get(variant)
         if entry is None:
-            if self.eager_steps < WARMUP_STEPS or variant not in self.seen:
+            if not captures_now(self.eager_steps, variant in self.seen):
                 self.seen.add(variant)
                 self.eager_steps += 1
                 return self._eager()
@@ -266,7 +296,8 @@ class PhasedGraphs:
         entry = self.graphs.get(phase)
         if entry is not None:
             self.transport.advance(entry.step_counts)
-        elif self.eager_steps >= self.warmup_steps and phase in self.seen and len(self.graphs) < self.max_graphs:
+        elif (captures_now(self.eager_steps, phase in self.seen, self.warmup_steps)
+              and len(self.graphs) < self.max_graphs):
             entry = self.graphs[phase] = self._capture(body)
             if on_capture is not None:
                 on_capture()

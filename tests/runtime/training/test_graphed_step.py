@@ -435,3 +435,58 @@ def test_counted_fp8_steps_are_every_nth_the_first_this_process_runs_and_the_las
     for every in (2, 3, 4, 50):  # the warm-up (the first three steps) runs both kinds, past every = 1
         warm_up = [counts_fp8(s, every, 7, 300) for s in range(7, 7 + WARMUP_STEPS)]
         assert set(warm_up) == {True, False}, every
+
+
+# --- which steps capture (`bench.timing.capture_steps`: what `bench train` and `bench profile` leave untimed)
+
+
+def test_first_captures_are_the_steps_graphed_step_captures_on():
+    """`first_captures` follows `GraphedStep`'s own rule (`captures_now`): the step each kind's graph is
+    captured on, over a run's kinds of step (a third kind the warm-up missed: eager once first; an fp8
+    run's counted and uncounted steps, every 10th, of a 25-step and a 6-step run)."""
+    from disagmoe.runtime.training.graphed_step import first_captures
+    from disagmoe.runtime.training.trainer import counts_fp8
+
+    class Opt:
+        steps_taken = 0
+
+        def set_lr(self, lr):
+            pass
+
+    def body(m, opt, tokens_BS1, micro_batches, grad_clip):
+        return (torch.zeros(4), torch.zeros(()), torch.zeros(2, 8, dtype=torch.int64))
+
+    model = MoETransformer(load_model("tiny"))
+    runs = [[True, False, False, False, True, False, True, "third", "third"],
+            [counts_fp8(s, 10, 1, 25) for s in range(1, 26)], [counts_fp8(s, 10, 1, 6) for s in range(1, 7)]]
+    for kinds in runs:
+        capture = FakeCapture([])
+        step = GraphedStep(model, Opt(), (2, 9), 2, 1.0, body, torch.device("cpu"), graph_factory=PooledGraph,
+                           capture=capture)
+        captured_on = []
+        for number, kind in enumerate(kinds, start=1):
+            before = len(capture.pools)
+            step(torch.zeros((2, 9), dtype=torch.int64), lr=0.1, variant=kind)
+            captured_on += [number] * (len(capture.pools) - before)
+        assert first_captures(kinds) == captured_on
+    assert [first_captures(kinds) for kinds in runs] == [[4, 5, 9], [4, 10], [4, 6]]
+    assert first_captures(runs[1], graphs=1) == [4]
+
+
+def test_first_captures_are_the_steps_a_rank_captures_its_phases_on():
+    """A rank whose transport's counts alternate between two phases (`FakeTransport`) captures on steps
+    WARMUP_STEPS + 1 and + 2, as `first_captures` of alternating kinds gives (`bench.timing.capture_steps`'
+    distributed case); one phase throughout: the first alone."""
+    from disagmoe.runtime.training.graphed_step import MAX_PHASE_GRAPHS, first_captures
+
+    transport, work, captured_on = FakeTransport(), [], []
+    graphs, _ = _phased(transport, work)
+
+    def body():
+        transport.step()
+        work.append("step")
+
+    for number in range(1, WARMUP_STEPS + 5):
+        graphs(body, on_capture=lambda n=number: captured_on.append(n))
+    assert captured_on == first_captures((n % 2 for n in range(1, 100)), MAX_PHASE_GRAPHS) == [4, 5]
+    assert first_captures([0] * 10, MAX_PHASE_GRAPHS) == [4]
