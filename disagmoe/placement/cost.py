@@ -732,7 +732,8 @@ def evaluate(prob: Problem, c: Candidates, misfits_exact: bool = True) -> Cost:
         stages = dict(items)
     if prob.calibration is not None:
         stages = calibrated_stages(stages, m, prob.calibration, ceil, rows / local, float(S), c.colocated, tokens,
-                                   crosses_groups=c.colocated & (c.p > 1))
+                                   crosses_groups=c.colocated & (c.p > 1),
+                                   wgrad_rows_per_expert=rows / local * np.where(paired_wgrads, 2.0, 1.0))
     if fp8:  # the measured FP8 curve where the calibration holds one; else the passes and copies at any rate,
         # the GEMMs at fp8_speedup times theirs (`fp8_stages`)
         stages = fp8_stages(stages, ceil, prob.fp8_speedup, m, rows, exp_params, prob.calibration, rows / local,
@@ -1132,7 +1133,7 @@ def fp8_dense_stages(stages: dict[str, Stage], ceil: Ceilings, speedup: float, m
 
 def calibrated_stages(stages: dict[str, Stage], m: ModelConfig, calib: Calibration, ceil: Ceilings,
                       rows_per_expert: Num, seq_len: float, colocated: bool, tokens: Num = None,
-                      crosses_groups: np.ndarray | bool = False) -> dict[str, Stage]:
+                      crosses_groups: np.ndarray | bool = False, wgrad_rows_per_expert: Num | None = None) -> dict[str, Stage]:
     """`stages` priced with measured terms (`roofline.calibration`): the routed experts at the GEMM
     rates measured for their rows per expert (forward, data gradients, and the weight gradients
     into the fp32 main gradients at their own rate where the calibration holds it), the attention
@@ -1143,7 +1144,11 @@ def calibrated_stages(stages: dict[str, Stage], m: ModelConfig, calib: Calibrati
     the gradient all-reduces at the measured all-reduce, the optimizer's passes and the permute /
     combine kernels at their measured HBM rates (`Calibration.hbm_fraction`), and each schedule op's fixed cost as its
     own stage (attention, expert ops) or inside the stage that is the op (loss, optimizer).
-    A term the calibration lacks leaves its stages as they were."""
+    A term the calibration lacks leaves its stages as they were. `wgrad_rows_per_expert` (default
+    `rows_per_expert`): the rows per expert of one weight-gradient launch, twice a micro-batch's where
+    a launch takes two micro-batches' rows (`kernels.wgrad_pairs`): its rate is the curve's at that
+    launch's size, since a probe launch bound by its main gradient's traffic fits that time as compute
+    (`roofline.calibration.fitted_fraction`), which a paired launch pays once per two micro-batches."""
     out = dict(stages)
 
     def rated(name: str, curve: list, at: Num, bwd_field: str = "bwd") -> None:
@@ -1166,7 +1171,8 @@ def calibrated_stages(stages: dict[str, Stage], m: ModelConfig, calib: Calibrati
     # probe version 3 on: the weight gradients' own rate, measured adding into fp32 main gradients;
     # an older file's backward rate (data and weight gradients together, bf16) prices both stages
     wgrad_measured = bool(calib.expert_gemm) and all(p.wgrad is not None for p in calib.expert_gemm)
-    rated("expert weight grads", calib.expert_gemm, rows_per_expert, "wgrad" if wgrad_measured else "bwd")
+    rated("expert weight grads", calib.expert_gemm, rows_per_expert if wgrad_rows_per_expert is None
+          else wgrad_rows_per_expert, "wgrad" if wgrad_measured else "bwd")
     attention, projections = cal.attention_curves(calib, m)
     rated("attention core", attention, seq_len)
     if tokens is not None:  # tokens per attention GPU per micro-batch

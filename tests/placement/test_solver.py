@@ -1100,9 +1100,9 @@ def test_paired_expert_weight_gradients_price_half_the_single_layouts_main_gradi
     assert first(stage_on.flops) == pytest.approx(first(stage_off.flops))
     per_micro_batch = 4 * weights * 2 * (1 - 4 / 8)  # fp32, read and write, 4 of 8 passes gone
     assert first(stage_off.hbm_bytes) - first(stage_on.hbm_bytes) == pytest.approx(per_micro_batch)
-    # a calibrated preset fits its wgrad curve point's whole measured time as compute where the probe's traffic
-    # bound it (`roofline.calibration.fitted_fraction`), so fewer bytes predict no gain there; the datasheet does
-    assert on.step_s[0] <= off.step_s[0]
+    # calibrated: a paired launch at the curve's rate for its own rows per expert (two micro-batches'): a probe
+    # launch bound by its main gradient's traffic fits that time as compute (`calibration.fitted_fraction`)
+    assert on.step_s[0] < off.step_s[0]
     sheet = load_hardware("h100-sxm")
     assert (_qwen3_single(sheet, "bf16", True, "micro_batches=8", "expert_wgrad_pairs=on")[1].step_s[0]
             < _qwen3_single(sheet, "bf16", True, "micro_batches=8", "expert_wgrad_pairs=off")[1].step_s[0])
