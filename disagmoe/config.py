@@ -100,6 +100,11 @@ Fp8DenseScaling = Literal["rowwise", "blockwise"]
 # step took 554.5 ms with them against 580.0 without (one H100, session 33), and the 300-step run above trained
 # with them (session 28's loss gap with them was the spread between runs: session 29).
 RUN_FP8_GLUON = True
+# How those Gluon row GEMMs store their output tiles (`TrainConfig.fp8_gluon_store` unset): "tma", through shared
+# memory by the tensor memory accelerator under the next tile's K loop (the same bits), or "plain", masked stores
+# from registers. The block measured 1.15x / 1.16x our bf16 fwd+bwd on Mixtral / DeepSeek shapes with "tma" against
+# 1.06x / 1.10x with "plain", 0.93x either way on Qwen3's (one H100, session 35); plain until a step measures it.
+RUN_FP8_GLUON_STORE = "plain"
 # The routed FP8 experts' e4m3 weight copies (`kernels.fp8_ffn.Fp8ExpertWeights`), each one byte a
 # value of its weight: w13's and w2's forward B operands, and their transposes the data gradients read.
 FP8_WEIGHT_COPIES = ("w13", "w13_t", "w2", "w2_t")
@@ -955,6 +960,12 @@ class TrainConfig(StrictModel):
         "without (one H100, session 33), and its 300-step run with them and blockwise dense projections ended 2.80% "
         "below bf16's loss (session 34; session 28's gap with them was the spread between runs, session 29); "
         "docs/benchmarks.md. true is refused under another precision")
+    fp8_gluon_store: Literal["plain", "tma"] | None = Field(
+        None, description="with the Gluon row GEMMs (fp8_gluon): how they store their output tiles: tma (through "
+        "shared memory by the tensor memory accelerator, under the next tile's K loop; 128-row tiles) or plain (masked "
+        "stores from registers); the same bits either way. None = config.RUN_FP8_GLUON_STORE (plain until a step "
+        "measures tma: its expert block was 1.15x / 1.16x our bf16 fwd+bwd on Mixtral / DeepSeek shapes against "
+        "1.06x / 1.10x plain, one H100, session 35). Refused without the Gluon row GEMMs")
     fp8_counters_every: PositiveInt | None = Field(
         None, description="precision fp8: the FP8 quantisers count their numerics (amax, saturated, underflow and "
         "non-finite values: a step record's fp8_* fields) on every Nth step, the first step a process runs and "
@@ -1175,6 +1186,12 @@ class TrainConfig(StrictModel):
         return RUN_FP8_GLUON if self.fp8_gluon is None else self.fp8_gluon
 
     @property
+    def expert_gluon_tma_store(self) -> bool:
+        """Whether the FP8 experts' Gluon row GEMMs store their tiles by TMA (`fp8_gluon_store`, None =
+        `RUN_FP8_GLUON_STORE`); False where they do not run (`expert_gluon`)."""
+        return self.expert_gluon and (self.fp8_gluon_store or RUN_FP8_GLUON_STORE) == "tma"
+
+    @property
     def steps_reference_adamw(self) -> bool:
         """fp32 parameters with fp32 moments on the device: mode single steps torch's own AdamW (the
         oracle's optimizer), not the flat fused one."""
@@ -1273,6 +1290,10 @@ class TrainConfig(StrictModel):
         if self.fp8_expert_forward is not None and self.precision != "fp8":
             raise ValueError(f"fp8_expert_forward chooses the FP8 experts' forward GEMMs under precision: fp8; this run "
                              f"is precision: {self.precision}: set precision: fp8 or remove fp8_expert_forward")
+        if self.fp8_gluon_store is not None and not self.expert_gluon:
+            raise ValueError(f"fp8_gluon_store: {self.fp8_gluon_store} chooses how the FP8 experts' Gluon row GEMMs "
+                             "store their tiles; this run has none (precision fp8 with fp8_gluon unset or true runs "
+                             "them): remove fp8_gluon_store")
         if self.fp8_gluon and self.precision != "fp8":
             raise ValueError(f"fp8_gluon: true runs the FP8 experts' GEMMs in the Gluon kernels; this run is "
                              f"precision: {self.precision}: set precision: fp8 or remove fp8_gluon")

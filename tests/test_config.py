@@ -306,6 +306,30 @@ def test_fp8_gluon_is_on_unless_set_false_and_needs_precision_fp8():
         cfg.TrainConfig(precision="bf16", fp8_gluon=True, **base)
 
 
+def test_fp8_gluon_store_picks_the_gluon_row_gemms_epilogue_and_needs_them():
+    """`fp8_gluon_store` (tma or plain) unset is `RUN_FP8_GLUON_STORE`; tma applies where the Gluon row GEMMs run
+    (`expert_gluon_tma_store`), and is refused with the fix where none does; `fp8_ffn.set_gluon` takes it, at the
+    128-row tiles its epilogue compiles for."""
+    from disagmoe.kernels import fp8_ffn
+
+    base = dict(model="tiny", device="cuda", experts_backend="triton", precision="fp8")
+    assert cfg.RUN_FP8_GLUON_STORE == "plain" and not cfg.TrainConfig(**base).expert_gluon_tma_store
+    assert cfg.TrainConfig(fp8_gluon_store="tma", **base).expert_gluon_tma_store
+    assert not cfg.TrainConfig(fp8_gluon_store="plain", **base).expert_gluon_tma_store
+    for refused in (dict(base, fp8_gluon=False), dict(base, precision="bf16")):
+        with pytest.raises(ValueError, match="fp8_gluon_store: tma chooses how the FP8 experts' Gluon row GEMMs store "
+                                             "their tiles; this run has none .* remove fp8_gluon_store"):
+            cfg.TrainConfig(fp8_gluon_store="tma", **refused)
+    try:
+        with fp8_ffn.gluon_paths(block_m=256):
+            fp8_ffn.set_gluon(True, tma_store=True)
+            assert (fp8_ffn._gluon.rows, fp8_ffn._gluon.tma_store, fp8_ffn._gluon.block_m) == (True, True, 128)
+            fp8_ffn.set_gluon(False, tma_store=True)  # no Gluon row GEMMs: nothing stores by TMA
+            assert not fp8_ffn._gluon.rows and not fp8_ffn._gluon.tma_store
+    finally:
+        fp8_ffn.set_gluon(False)
+
+
 def test_fp8_dense_takes_any_sequence_length():
     """The FP8 dense GEMMs have the tokens as their free dimension (the weight gradient, which
     contracted them on torch._scaled_mm and needed whole 16s, runs in bf16): any seq_len."""

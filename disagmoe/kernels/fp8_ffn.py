@@ -157,8 +157,8 @@ class _GluonChoices:
     block_m: int = 128
     # the Gluon row GEMM's epilogue through shared memory and TMA (`fp8_gluon.gluon_fp8_rows_gemm(tma_store=True)`:
     # each 64-row wave inside its group stored by TMA under the next item's K loop, the rest masked as
-    # without it; 128-row tiles only, `fp8_gluon.TMA_STORE_TILES`); unmeasured on a GPU, so off
-    # (`bench experts --backend triton-fp8:gluon-tma-store`); the same sums, the same bits
+    # without it; 128-row tiles only, `fp8_gluon.TMA_STORE_TILES`; `bench experts --backend
+    # triton-fp8:gluon-tma-store`); the same sums, the same bits; a run's `TrainConfig.fp8_gluon_store` (`set_gluon`)
     tma_store: bool = False
 
 
@@ -167,13 +167,18 @@ GLUON_BLOCK_MS = (128, 256)  # the Gluon row GEMM's tiles a run may ask for (`fp
 GLUON_TMA_STORE_BLOCK_M = 128  # the one of them (at the FFN's 128 columns) whose TMA-store epilogue compiles clean
 
 
-def set_gluon(enabled: bool) -> None:
+def set_gluon(enabled: bool, tma_store: bool = False) -> None:
     """The row GEMMs and the split SwiGLU GEMMs in the Gluon kernels where they take the operands
-    (True), or in the Triton ones (False, the kernels' default: `_GluonChoices`); the weight
-    gradients' setting (`set_gluon_wgrad`) is left as it is. A run's `TrainConfig.expert_gluon`
-    (on unless it sets fp8_gluon: false), set by its trainer and workers before their first forward."""
+    (True), or in the Triton ones (False, the kernels' default: `_GluonChoices`); with `tma_store` the
+    Gluon row GEMM's epilogue stores by TMA (128-row tiles: the row tile is set to them). The weight
+    gradients' setting (`set_gluon_wgrad`) is left as it is. A run's `TrainConfig.expert_gluon` (on
+    unless it sets fp8_gluon: false) and `expert_gluon_tma_store`, set by its trainer and workers before
+    their first forward."""
     set_gluon_rows(enabled)
     set_gluon_swiglu(enabled)
+    _gluon.tma_store = enabled and tma_store
+    if _gluon.tma_store:
+        _gluon.block_m = GLUON_TMA_STORE_BLOCK_M
 
 
 def set_gluon_rows(enabled: bool) -> bool:
