@@ -103,8 +103,9 @@ RUN_FP8_GLUON = True
 # How those Gluon row GEMMs store their output tiles (`TrainConfig.fp8_gluon_store` unset): "tma", through shared
 # memory by the tensor memory accelerator under the next tile's K loop (the same bits), or "plain", masked stores
 # from registers. The block measured 1.15x / 1.16x our bf16 fwd+bwd on Mixtral / DeepSeek shapes with "tma" against
-# 1.06x / 1.10x with "plain", 0.93x either way on Qwen3's (one H100, session 35); plain until a step measures it.
-RUN_FP8_GLUON_STORE = "plain"
+# 1.06x / 1.10x with "plain", 0.93x either way on Qwen3's; the FP8 step 495.5 -> 478.4 ms (Qwen3 config, 8
+# micro-batches) and 477.0 -> 467.1 ms (Mixtral config, 4), same call (one H100, session 35).
+RUN_FP8_GLUON_STORE = "tma"
 # The routed FP8 experts' e4m3 weight copies (`kernels.fp8_ffn.Fp8ExpertWeights`), each one byte a
 # value of its weight: w13's and w2's forward B operands, and their transposes the data gradients read.
 FP8_WEIGHT_COPIES = ("w13", "w13_t", "w2", "w2_t")
@@ -963,9 +964,9 @@ class TrainConfig(StrictModel):
     fp8_gluon_store: Literal["plain", "tma"] | None = Field(
         None, description="with the Gluon row GEMMs (fp8_gluon): how they store their output tiles: tma (through "
         "shared memory by the tensor memory accelerator, under the next tile's K loop; 128-row tiles) or plain (masked "
-        "stores from registers); the same bits either way. None = config.RUN_FP8_GLUON_STORE (plain until a step "
-        "measures tma: its expert block was 1.15x / 1.16x our bf16 fwd+bwd on Mixtral / DeepSeek shapes against "
-        "1.06x / 1.10x plain, one H100, session 35). Refused without the Gluon row GEMMs")
+        "stores from registers); the same bits either way. None = tma (config.RUN_FP8_GLUON_STORE): the FP8 step took "
+        "478.4 ms with it against 495.5 plain on the Qwen3 config, 467.1 against 477.0 on the Mixtral one (one H100, "
+        "session 35, docs/benchmarks.md). Refused without the Gluon row GEMMs")
     fp8_counters_every: PositiveInt | None = Field(
         None, description="precision fp8: the FP8 quantisers count their numerics (amax, saturated, underflow and "
         "non-finite values: a step record's fp8_* fields) on every Nth step, the first step a process runs and "

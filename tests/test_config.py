@@ -313,7 +313,7 @@ def test_fp8_gluon_store_picks_the_gluon_row_gemms_epilogue_and_needs_them():
     from disagmoe.kernels import fp8_ffn
 
     base = dict(model="tiny", device="cuda", experts_backend="triton", precision="fp8")
-    assert cfg.RUN_FP8_GLUON_STORE == "plain" and not cfg.TrainConfig(**base).expert_gluon_tma_store
+    assert cfg.RUN_FP8_GLUON_STORE == "tma" and cfg.TrainConfig(**base).expert_gluon_tma_store
     assert cfg.TrainConfig(fp8_gluon_store="tma", **base).expert_gluon_tma_store
     assert not cfg.TrainConfig(fp8_gluon_store="plain", **base).expert_gluon_tma_store
     for refused in (dict(base, fp8_gluon=False), dict(base, precision="bf16")):
