@@ -82,6 +82,11 @@ CudaGraphsOpt = Annotated[Literal["auto", "on", "off"], typer.Option(
     "captures (one attention GPU per pipeline group, no replicated experts; auto only once a GPU test checked them) "
     "has its nvshmem receive rings priced rounded up to a step's messages; on plans only such layouts, which train "
     "then captures; the plan says whether its rank steps are captured (rank_steps_captured)")]
+WgradPairsOpt = Annotated[Literal["auto", "on", "off"], typer.Option(
+    "--expert-wgrad-pairs", help="the run's expert_wgrad_pairs (train with the same): the one-GPU layout with 2+ "
+    "micro-batches and the triton experts priced with each expert weight gradient once per two micro-batches "
+    "(half the fp32 main-gradient passes) and one micro-batch's expert rows per MoE layer held beside the next; "
+    "auto (the default) is priced as on; off: a weight-gradient pass per micro-batch")]
 RecomputeOpt = Annotated[Literal["none", "selective", "full", "auto"], typer.Option(
     "--recompute", help="activation recomputation to price: none, selective (the expert FFN's input, output and "
     "SwiGLU rows recomputed in the backward: leaner expert GPUs, a little more HBM traffic; train with "
@@ -99,7 +104,8 @@ def build_request(model: str, hardware: str, gpus: int, seq_len: int | None, glo
                   expert_precision: str = "bf16", offload_optimizer: str = "off",
                   optimizer_update_kernel: str = "triton", fp8_dense: bool | None = None,
                   fp8_expert_backward: str = "bf16-wgrad", fp8_expert_forward: str = RUN_FP8_EXPERT_FORWARD,
-                  cuda_graphs: str = "auto", fp8_dense_scaling: str = FP8_DENSE_SCALING) -> PlanConfig:
+                  cuda_graphs: str = "auto", fp8_dense_scaling: str = FP8_DENSE_SCALING,
+                  expert_wgrad_pairs: str = "auto") -> PlanConfig:
     mcfg = load_model(model)
     hist = read_histogram(load_histogram, mcfg.num_moe_layers, mcfg.num_experts) if load_histogram else None
     return PlanConfig(model=mcfg, cluster=ClusterConfig(hardware=checked_hardware(hardware), num_gpus=gpus),
@@ -112,7 +118,7 @@ def build_request(model: str, hardware: str, gpus: int, seq_len: int | None, glo
                       fp8_dense="on" if fp8_dense is None else fp8_dense,  # unset: as precision fp8 trains
                       fp8_dense_scaling=fp8_dense_scaling,
                       fp8_expert_backward=fp8_expert_backward, fp8_expert_forward=fp8_expert_forward,
-                      cuda_graphs=cuda_graphs)
+                      cuda_graphs=cuda_graphs, expert_wgrad_pairs=expert_wgrad_pairs)
 
 
 def checked_hardware(ref: str) -> HardwareConfig:
@@ -130,7 +136,7 @@ RUN_FIELDS = {  # plan's flags that a train config sets under --config: flag -> 
     "shard_optimizer_states": "optim.shard_states", "optimizer_state_dtype": "optim.state_dtype",
     "optimizer_update_kernel": "optim.update_kernel", "expert_precision": "precision", "fp8_dense": "fp8_dense",
     "fp8_dense_scaling": "fp8_dense_scaling", "fp8_expert_backward": "fp8_expert_backward",
-    "fp8_expert_forward": "fp8_expert_forward", "cuda_graphs": "cuda_graphs"}
+    "fp8_expert_forward": "fp8_expert_forward", "cuda_graphs": "cuda_graphs", "expert_wgrad_pairs": "expert_wgrad_pairs"}
 PlanConfigOpt = Annotated[Optional[Path], typer.Option(
     "--config", "-c", help="a train config: plan for its run (its model, seq_len, batch_size x seq_len tokens a step, "
     "optimizer, precision, experts backend and cuda_graphs, priced as it trains), on --gpus GPUs (default: its "
@@ -164,6 +170,7 @@ def plan(
     fp8_expert_forward: Fp8ForwardOpt = RUN_FP8_EXPERT_FORWARD,
     offload_optimizer: OffloadOpt = "off",
     cuda_graphs: CudaGraphsOpt = "auto",
+    expert_wgrad_pairs: WgradPairsOpt = "auto",
     as_json: JsonOpt = False,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="write the plan (.yaml or .json)")] = None,
     config: PlanConfigOpt = None,
@@ -196,7 +203,8 @@ def plan(
         req = build_request(model, hardware, gpus, seq_len, global_batch_tokens, load_histogram,
                             max_pipeline_groups, max_expert_replicas, shard_optimizer_states, optimizer_state_dtype,
                             recompute, expert_precision, offload_optimizer, optimizer_update_kernel, fp8_dense,
-                            fp8_expert_backward, fp8_expert_forward, cuda_graphs, fp8_dense_scaling)
+                            fp8_expert_backward, fp8_expert_forward, cuda_graphs, fp8_dense_scaling,
+                            expert_wgrad_pairs)
     result = choose(req).plan
     if load_histogram is not None:
         result.notes.insert(0, histogram_note(load_histogram, req.load_histogram, result))

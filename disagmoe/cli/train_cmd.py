@@ -102,6 +102,8 @@ def train(
         print_json(summary)
         return
     console.print(_summary_table(cfg, summary))
+    if summary.get("expert_wgrad_pairs_note"):  # mode single: whether the expert weight gradients paired, and why
+        console.print(literal(summary["expert_wgrad_pairs_note"]), highlight=False)
     busy = summary.get("busy")
     if busy:
         console.print("busy fraction (compute time / step time, mean over the run): "

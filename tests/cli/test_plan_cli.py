@@ -579,3 +579,17 @@ def test_plan_of_a_config_prices_its_fp8_dense_as_it_trains_and_train_plan_keeps
         assert plan["fp8_dense"] is fixed and not any(n.startswith("fp8_dense auto") for n in plan["notes"])
     cfg = load_train_config("configs/h200x2-qwen3-30b.yaml", ["precision=fp8", f"plan={tmp_path / 'plan.json'}"])
     assert apply_plan(cfg, load_model(cfg.model)).dense_precision == "fp8"
+
+
+def test_the_expert_weight_gradient_pairs_flag_reaches_the_priced_problem():
+    """`plan --expert-wgrad-pairs` (auto, the default, priced as on; off) reaches the planner's problem, and
+    beside --config it is refused with where to set it (the config's expert_wgrad_pairs)."""
+    from disagmoe.cli.plan_cmd import build_request
+    from disagmoe.placement.solver import problem_of
+
+    for pairs, priced in (("auto", True), ("on", True), ("off", False)):
+        req = build_request("qwen3-30b-a3b", "h200-sxm", 1, 4096, 65536, expert_wgrad_pairs=pairs)
+        assert req.expert_wgrad_pairs == pairs and problem_of(req).wgrad_pairs is priced
+    assert "--expert-wgrad-pairs" in run("plan", "--help").output
+    r = run("plan", "-c", "configs/h200x2-qwen3-30b.yaml", "--expert-wgrad-pairs", "off")
+    assert r.exit_code == 2 and "--expert-wgrad-pairs: expert_wgrad_pairs" in r.output
