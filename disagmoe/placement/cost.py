@@ -739,7 +739,8 @@ def evaluate(prob: Problem, c: Candidates, misfits_exact: bool = True) -> Cost:
         stages = fp8_stages(stages, ceil, prob.fp8_speedup, m, rows, exp_params, prob.calibration, rows / local,
                             backward=prob.fp8_backward, forward=prob.fp8_forward,
                             tokens_once=np.where(c.colocated & (c.expert == 1), tokens, 0.0),
-                            input_rows_recomputed=selective & ("expert_input" in prob.recompute_modules))
+                            input_rows_recomputed=selective & ("expert_input" in prob.recompute_modules),
+                            wgrad_rows_per_expert=rows / local * np.where(paired_wgrads, 2.0, 1.0))
         if prob.fp8_dense:
             stages = fp8_dense_stages(stages, ceil, prob.fp8_speedup, m, tokens, moe_l, dense_l,
                                       prob.calibration, prob.fp8_dense_scaling)
@@ -920,7 +921,7 @@ def group_time(stages: dict[str, Stage], group: str, runs: tuple[str, ...], bwd:
 def fp8_stages(stages: dict[str, Stage], ceil: Ceilings, speedup: float, m: ModelConfig, rows: Num,
                exp_params: Num, calib: Calibration | None = None, rows_per_expert: Num | None = None,
                backward: str = "bf16-wgrad", forward: str = RUN_FP8_EXPERT_FORWARD, tokens_once: Num = 0.0,
-               input_rows_recomputed: Num = False) -> dict[str, Stage]:
+               input_rows_recomputed: Num = False, wgrad_rows_per_expert: Num | None = None) -> dict[str, Stage]:
     """`stages` with the routed experts in FP8 (`precision: fp8`), their weights' e4m3 copies (those
     the recipe reads, `roofline.memory.fp8_weight_copy_shares`: two a parameter by default) made once
     per step (in the experts' optimizer stage, the pass after which they are made) either way.
@@ -965,7 +966,11 @@ def fp8_stages(stages: dict[str, Stage], ceil: Ceilings, speedup: float, m: Mode
     Either pricing: where the tokens are quantised once for a gate/up GEMM in FP8 and
     `input_rows_recomputed` (per candidate: expert_input recomputed), nothing reads the bf16 grouped
     rows, and the permute's forward loses its row copy (`stages.permute_rows` of the one GPU's
-    pairs: `model.experts.RoutedExperts.reads_rows`)."""
+    pairs: `model.experts.RoutedExperts.reads_rows`).
+
+    `wgrad_rows_per_expert` (default `rows_per_expert`): a weight-gradient launch's rows per expert, two
+    micro-batches' where they pair (`kernels.wgrad_pairs`, under the bf16 weight-gradient recipes): a measured
+    curve prices the weight gradients at its rate for that launch's size, as `calibrated_stages` does."""
     if backward not in ("fp8", "bf16-wgrad", "bf16"):
         raise ValueError(f"FP8 experts' backward {backward!r}: choose fp8, bf16-wgrad or bf16")
     if forward not in FP8_FORWARD_SHARES:
@@ -985,12 +990,15 @@ def fp8_stages(stages: dict[str, Stage], ceil: Ceilings, speedup: float, m: Mode
         curve, measured = calib.expert_gemm_fp8, calib.fp8_curve_backward
         fwd_ceil = cal.compute_ceilings(ceil, cal.curve_fraction(curve, rows_per_expert, False))
         bwd_ceil = cal.compute_ceilings(ceil, cal.curve_fraction(curve, rows_per_expert, True))
+        wgrad_rows = rows_per_expert if wgrad_rows_per_expert is None else wgrad_rows_per_expert
+        wgrad_ceil = cal.compute_ceilings(ceil, cal.curve_fraction(curve, wgrad_rows, True))
         at_curve = fp8_measured_backward(backward, measured)
         for name in ("routed experts", "expert weight grads"):
             if name in out:
                 s = out[name]
+                rate = wgrad_ceil if name == "expert weight grads" else bwd_ceil
                 out[name] = replace(s, fwd_ceilings=_blend(fwd_ceil, s.ceilings(False, ceil), share),
-                                    bwd_ceilings=bwd_ceil if name in at_curve else s.bwd_ceilings)
+                                    bwd_ceilings=rate if name in at_curve else s.bwd_ceilings)
         unmeasured = quantised[backward] - quantised[measured] if len(at_curve) == 2 else 0
         if unmeasured > 0:  # fp8 from a bf16-wgrad curve: the token-group quantisers it did not run
             bwd = Work(hbm_bytes=rows * unmeasured * (BF16 + 1 + scales))
