@@ -1108,3 +1108,19 @@ def test_paired_expert_weight_gradients_price_half_the_single_layouts_main_gradi
             < _qwen3_single(sheet, "bf16", True, "micro_batches=8", "expert_wgrad_pairs=off")[1].step_s[0])
     tokens = 16 // 8 * 4096
     assert on.attn_mem_bytes[0] - off.attn_mem_bytes[0] == pytest.approx(tokens * mem.paired_wgrad_held_bytes(m, 2))
+
+
+def test_paired_weight_gradients_under_a_measured_fp8_curve_take_its_rate_at_the_paired_launchs_size():
+    """precision fp8 (bf16-wgrad) priced from the H100's measured FP8 curve, the Qwen3 config at 8 micro-batches:
+    with expert_wgrad_pairs the weight gradients take the curve's rate at two micro-batches' rows per expert
+    (`fp8_stages`' `wgrad_rows_per_expert`), so the paired step is predicted faster (measured on that H100:
+    543.9 ms unpaired, 496.8 paired, docs/benchmarks.md session 35); the data gradients' stage is unchanged."""
+    hw = load_hardware("h100-sxm-calibrated")
+    assert hw.calibration.expert_gemm_fp8
+    fp8 = ("micro_batches=8", "optim.state_dtype=bf16", "fp8_expert_forward=down")
+    _, off, _ = _qwen3_single(hw, "fp8", True, *fp8, "expert_wgrad_pairs=off")
+    _, on, _ = _qwen3_single(hw, "fp8", True, *fp8, "expert_wgrad_pairs=on")
+    assert on.step_s[0] < off.step_s[0]
+    rate = lambda cost, name: float(np.asarray(cost.stages[name].bwd_ceilings.flops_per_s).ravel()[0])  # noqa: E731
+    assert rate(on, "routed experts") == rate(off, "routed experts")
+    assert rate(on, "expert weight grads") > rate(off, "expert weight grads")
