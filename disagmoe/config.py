@@ -77,6 +77,12 @@ DEFAULT_FP8_EXPERT_FORWARD = "both"  # the kernels' (and `bench calibrate`'s FP8
 # bf16's loss, outside a bf16 control's 1.57% (torch's AdamW update: rounding alone), "down" 0.66% below it,
 # inside; and "down" stepped faster there (the gate/up GEMM's FP8 ran slower than its bf16 on that shape).
 RUN_FP8_EXPERT_FORWARD = "down"
+# Which forward GEMMs the FP8 expert curve was measured with, by the probe version it first holds for
+# (`Calibration.fp8_curve_forward`): the kernels' default, both, up to version 8; the run's (`RUN_FP8_EXPERT_FORWARD`)
+# from version 9, which also times the Gluon row GEMMs and their epilogue as a run takes them (`RUN_FP8_GLUON`,
+# `RUN_FP8_GLUON_STORE`) where the GPU runs them. `placement.cost.fp8_stages` prices a run's forward from it.
+FP8_CURVE_FORWARDS = {5: "both", 9: RUN_FP8_EXPERT_FORWARD}
+FP8_PROBE_FORWARD = FP8_CURVE_FORWARDS[max(FP8_CURVE_FORWARDS)]  # what the current probe measures
 # Every how many steps a precision-fp8 run in mode single counts its FP8 numerics (`TrainConfig.fp8_counters_every`
 # unset): the counting quantisers took 1.5-3x the plain ones' time; every 10th step made the Qwen3 config's FP8 step
 # 2-6% faster on an H100 (docs/benchmarks.md, session 32).
@@ -402,7 +408,9 @@ class Calibration(StrictModel):
         "probe version 5 on, GPUs with FP8 tensor cores and the triton experts: the FP8 expert FFN "
         "(`kernels.fp8_ffn.expert_ffn_fp8`, its weights' e4m3 copies made once outside the timed calls) at the "
         "bf16 curve's rows per expert, forward and whole backward (the kernel's default backward: all-FP8 under "
-        "version 5, bf16-wgrad from version 6, `fp8_curve_backward`), as fractions of the bf16 peak against the "
+        "version 5, bf16-wgrad from version 6, `fp8_curve_backward`; both forward GEMMs in FP8 up to version 8, the "
+        "run's down GEMM alone from 9 with the run's Gluon row GEMMs where the GPU runs them, `fp8_curve_forward`), "
+        "as fractions of the bf16 peak against the "
         "bf16 curve's stage work (`placement.cost.fp8_stages` prices `precision: fp8` experts from it; absent: at "
         "the datasheet ratio fp8_tflops / bf16_tflops, unmeasured)"))
     projections_fp8: list[Fp8RatePoint] = Field(default_factory=list, description=(
@@ -430,6 +438,14 @@ class Calibration(StrictModel):
         without a probe version (written by hand: `bench calibrate` records one) as version 5's."""
         version = max(self.probe_version or 0, min(FP8_CURVE_BACKWARDS))
         return FP8_CURVE_BACKWARDS[max(v for v in FP8_CURVE_BACKWARDS if v <= version)]
+
+    @property
+    def fp8_curve_forward(self) -> str:
+        """The FP8 experts' forward GEMMs (`FP8_EXPERT_FORWARDS`) `expert_gemm_fp8` was measured with
+        (`FP8_CURVE_FORWARDS` at `probe_version`): "both" up to version 8, the run's "down" from 9; a file
+        without a probe version as version 5's."""
+        version = max(self.probe_version or 0, min(FP8_CURVE_FORWARDS))
+        return FP8_CURVE_FORWARDS[max(v for v in FP8_CURVE_FORWARDS if v <= version)]
 
     @field_validator("expert_gemm", "attention", "attention_mla", "projections", "projections_mla", "expert_gemm_fp8",
                      "projections_fp8")

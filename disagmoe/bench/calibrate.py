@@ -12,9 +12,12 @@ measures them, this module reuses it) it measures what `HardwareConfig.calibrati
 - `expert_gemm_fp8` (a GPU with FP8 tensor cores, sm_89 on, and the triton experts): the FP8 expert
   FFN (`kernels.fp8_ffn.expert_ffn_fp8`) at the same rows per expert, its weights' e4m3 copies made
   once outside the timed calls (as the trainer makes them once per optimizer step) and the weight
-  gradients added into fp32 main gradients: the forward, and the whole backward at the kernel's
-  default backward (bf16-wgrad since probe version 6, all-FP8 before: `config.FP8_CURVE_BACKWARDS`,
-  which the planner reads; the FP8 backward cannot hold its weight gradients back, so data and
+  gradients added into fp32 main gradients: the forward, and the whole backward, under a run's default
+  recipe since probe version 9 (`fp8_probe_recipe`: the down GEMM alone in FP8 forward, bf16 weight
+  gradients, the Gluon row GEMMs storing by TMA on Hopper; version 8 and before timed the kernels' defaults,
+  both forward GEMMs in FP8 on the Triton kernels; bf16-wgrad since version 6, all-FP8 before:
+  `config.FP8_CURVE_FORWARDS`, `FP8_CURVE_BACKWARDS`, which the planner reads; the FP8 backward cannot
+  hold its weight gradients back, so data and
   weight gradients are timed together, every quantiser included), each as a fraction of the same
   bf16 peak against the same stage work as the
   bf16 curve (`fp8_expert_point`), so the planner prices FP8 experts at what they measure instead of
@@ -101,6 +104,7 @@ Legend: N rows, E experts, H hidden, F expert FFN size, B batch, S sequence, n h
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -591,15 +595,31 @@ def fp8_ffn_passes(ffn: Callable, x_NH: torch.Tensor, offsets_E: torch.Tensor, w
     return Fp8FFNPasses(forward, forward_backward, (main13, main2))
 
 
-def _fp8_ffn_times(dev, model: ModelConfig, rows_per_expert: int, experts: int, warmup: int, iters: int) -> PassTimes:
-    """The FP8 expert FFN (`expert_ffn_fp8`, its tuned tiles for the shape, as the trainer calls it)
-    over `experts` equal groups of `rows_per_expert` rows, on the bf16 probe's inputs (`_ffn_inputs`):
-    GPU kernel time of the forward, and of the forward and whole backward (`fp8_ffn_passes`)."""
-    from disagmoe.kernels.fp8_ffn import expert_ffn_fp8
+def fp8_probe_recipe() -> tuple[dict[str, str], dict[str, bool | int]]:
+    """(`expert_ffn_fp8`'s recipe arguments, `fp8_ffn.gluon_paths` settings) the FP8 expert probe runs: a run's
+    defaults, as `config.FP8_CURVE_FORWARDS` / `FP8_CURVE_BACKWARDS` record them for the planner (the forward's
+    down GEMM alone in FP8, bf16 weight gradients), and the Gluon row GEMMs with their epilogue as a run sets them
+    (`RUN_FP8_GLUON`, `RUN_FP8_GLUON_STORE`; where the GPU cannot run them the Triton ones run, as in a run)."""
+    from disagmoe.config import FP8_PROBE_BACKWARD, FP8_PROBE_FORWARD, RUN_FP8_GLUON, RUN_FP8_GLUON_STORE
 
+    tma = RUN_FP8_GLUON and RUN_FP8_GLUON_STORE == "tma"
+    gluon: dict[str, bool | int] = {"rows": RUN_FP8_GLUON, "swiglu": RUN_FP8_GLUON, "tma_store": tma}
+    if tma:
+        gluon["block_m"] = 128  # the tile its epilogue compiles for (`fp8_ffn.set_gluon`)
+    return {"forward": FP8_PROBE_FORWARD, "backward": FP8_PROBE_BACKWARD}, gluon
+
+
+def _fp8_ffn_times(dev, model: ModelConfig, rows_per_expert: int, experts: int, warmup: int, iters: int) -> PassTimes:
+    """The FP8 expert FFN (`expert_ffn_fp8`, its tuned tiles for the shape, under a run's default recipe,
+    `fp8_probe_recipe`) over `experts` equal groups of `rows_per_expert` rows, on the bf16 probe's inputs
+    (`_ffn_inputs`): GPU kernel time of the forward, and of the forward and whole backward (`fp8_ffn_passes`)."""
+    from disagmoe.kernels.fp8_ffn import expert_ffn_fp8, gluon_paths
+
+    recipe, gluon = fp8_probe_recipe()
     x_NH, offsets_E, w13_EH2F, w2_EFH, dy_NH = _ffn_inputs(dev, model, rows_per_expert, experts)
-    passes = fp8_ffn_passes(expert_ffn_fp8, x_NH, offsets_E, w13_EH2F, w2_EFH, dy_NH)
-    return _passes(passes.forward, passes.forward_backward, warmup, iters)
+    passes = fp8_ffn_passes(functools.partial(expert_ffn_fp8, **recipe), x_NH, offsets_E, w13_EH2F, w2_EFH, dy_NH)
+    with gluon_paths(**gluon):
+        return _passes(passes.forward, passes.forward_backward, warmup, iters)
 
 
 def sdpa_shapes(model: ModelConfig, batch: int, seq_len: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from disagmoe.config import PRESETS_DIR, HardwareConfig, preset_names
 
-PROBE_VERSION = 8
+PROBE_VERSION = 9
 # 1: before 47ee5dd: CUDA events around each call (`timing.median_ms`: for a tiny op, the host's
 #    time to launch it), the expert curve on 8 experts, fixed costs the event time of the smallest probes.
 # 2: 47ee5dd: GPU kernel time (`timing.kernel_ms`), fixed cost at next to no work, curve points net
@@ -73,7 +73,12 @@ PROBE_VERSION = 8
 #    (`model.layers.set_linears_fp8`), the recipe recorded (`Calibration.projections_fp8_scaling`; a file without it
 #    reads as rowwise); the planner prices a run's recipe at the curve of that recipe only, the other at the
 #    datasheet ratio (`placement.cost.fp8_dense_pricing`). The terms of version 7 are measured as before.
-PROBE_FINGERPRINT = "08d8434ef1c33791"  # `code_fingerprint()` of the code that measures version PROBE_VERSION
+# 9: the FP8 expert curve measured under a run's default recipe (`calibrate.fp8_probe_recipe`): the forward's down
+#    GEMM alone in FP8 (`config.RUN_FP8_EXPERT_FORWARD`; version 8 and before: both, the kernels' default), and on
+#    Hopper the Gluon row GEMMs storing by TMA (`RUN_FP8_GLUON`, `RUN_FP8_GLUON_STORE`; before: the Triton kernels, the
+#    kernels' default), recorded as `config.FP8_CURVE_FORWARDS`; the planner prices a run's forward from the blend
+#    measured (`placement.cost._unblend` for another forward). The bf16 terms and the backward as in version 8.
+PROBE_FINGERPRINT = "5c729d43db5ec84d"  # `code_fingerprint()` of the code that measures version PROBE_VERSION
 
 # The code that decides what a calibration's numbers mean: file (under disagmoe/) -> top-level name
 # -> why it belongs. Left out on purpose: the experts backends and `model.Block` (the probe measures
@@ -117,6 +122,7 @@ PROBE_PARTS: dict[str, dict[str, str]] = {
         "Fp8FFNPasses": "the FP8 expert FFN's passes",
         "fp8_ffn_passes": "how each FP8 expert pass runs (weight copies made once, main gradients)",
         "_fp8_ffn_times": "how the FP8 expert probe's passes are timed",
+        "fp8_probe_recipe": "the FP8 expert probe's recipe and Gluon paths (a run's defaults)",
         "attention_point": "the attention rates (the model's and MLA's), the same way",
         "fp8_projection_point": "the FP8 projection rates: the bf16 projections' stage work, the cap",
         "fp8_projections_measured": "which GPUs and models measure the FP8 projection curve",

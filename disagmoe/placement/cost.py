@@ -961,7 +961,10 @@ def fp8_stages(stages: dict[str, Stage], ceil: Ceilings, speedup: float, m: Mode
     `forward` (`TrainConfig.fp8_expert_forward`, `kernels.fp8_ffn.FORWARD_GEMMS`): "both", or one
     GEMM alone in FP8 ("gate-up": 2/3 of the forward's FLOPs, "down": 1/3), the forward then
     priced at the harmonic blend of the FP8 and bf16 rates by those shares, its one quantiser
-    reading x (gate-up) or the SwiGLU output (down).
+    reading x (gate-up) or the SwiGLU output (down). A measured curve's forward rate is the FP8 GEMMs'
+    where it was measured all-FP8 (`Calibration.fp8_curve_forward` "both", to probe version 8), else the
+    blend it measured ("down" from version 9: the run's default, then priced as measured), from which the
+    FP8 GEMMs' own rate is recovered for another forward (`_unblend`).
 
     Either pricing: where the tokens are quantised once for a gate/up GEMM in FP8 and
     `input_rows_recomputed` (per candidate: expert_input recomputed), nothing reads the bf16 grouped
@@ -997,7 +1000,9 @@ def fp8_stages(stages: dict[str, Stage], ceil: Ceilings, speedup: float, m: Mode
             if name in out:
                 s = out[name]
                 rate = wgrad_ceil if name == "expert weight grads" else bwd_ceil
-                out[name] = replace(s, fwd_ceilings=_blend(fwd_ceil, s.ceilings(False, ceil), share),
+                bf16_fwd = s.ceilings(False, ceil)
+                fp8_fwd = _unblend(fwd_ceil, bf16_fwd, FP8_FORWARD_SHARES[calib.fp8_curve_forward])
+                out[name] = replace(s, fwd_ceilings=_blend(fp8_fwd, bf16_fwd, share),
                                     bwd_ceilings=rate if name in at_curve else s.bwd_ceilings)
         unmeasured = quantised[backward] - quantised[measured] if len(at_curve) == 2 else 0
         if unmeasured > 0:  # fp8 from a bf16-wgrad curve: the token-group quantisers it did not run
@@ -1052,6 +1057,18 @@ def _blend(fp8: Ceilings, bf16: Ceilings, share: float) -> Ceilings:
     if share == 1.0:
         return fp8
     return replace(fp8, flops_per_s=1.0 / (share / fp8.flops_per_s + (1 - share) / bf16.flops_per_s))
+
+
+def _unblend(curve: Ceilings, bf16: Ceilings, share: float) -> Ceilings:
+    """`curve` (a forward measured with `share` of its FLOPs in FP8 and the rest at `bf16`'s rate: the FP8 curve
+    from probe version 9, `Calibration.fp8_curve_forward`) with the FP8 GEMMs' own rate: the inverse of `_blend`.
+    Where the measured forward is no faster than its bf16 part alone explains (no positive FP8 rate solves it),
+    the measured rate itself, as a curve of the all-FP8 forward is read."""
+    if share == 1.0:
+        return curve
+    rest = 1.0 / np.asarray(curve.flops_per_s) - (1 - share) / np.asarray(bf16.flops_per_s)
+    ok = rest > 0
+    return replace(curve, flops_per_s=np.where(ok, share / np.where(ok, rest, 1.0), curve.flops_per_s))
 
 
 def fp8_pricing(calib: Calibration | None) -> str:

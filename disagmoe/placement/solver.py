@@ -120,12 +120,18 @@ def _fp8_measured_backward_note(backward: str, measured: str) -> str:
             "fp8_expert_backward: fp8)")
 
 
-def _fp8_forward_note(forward: str) -> str:
-    """Which expert forward GEMMs a plan priced in FP8 (`Problem.fp8_forward`), for `fp8_note`."""
+def _fp8_forward_note(forward: str, measured: str = "both") -> str:
+    """Which expert forward GEMMs a plan priced in FP8 (`Problem.fp8_forward`), for `fp8_note`; `measured`:
+    the forward a measured FP8 curve ran (`Calibration.fp8_curve_forward`; "both": the FP8 GEMMs' own rate)."""
+    if forward == measured != "both":
+        other = "down" if forward == "gate-up" else "gate/up"
+        return f"; the forward as the curve measured it (fp8_expert_forward: {forward}, its {other} GEMM bf16)"
+    recovered = "" if measured == "both" else (f", the FP8 GEMMs' rate recovered from the curve's {measured}-only "
+                                               "forward")
     if forward == "both":
-        return ""
+        return recovered and f"; both forward GEMMs in FP8{recovered}"
     other = "down" if forward == "gate-up" else "gate/up"
-    return f"; the forward's {other} GEMM at the bf16 rate (fp8_expert_forward: {forward})"
+    return f"; the forward's {other} GEMM at the bf16 rate (fp8_expert_forward: {forward}){recovered}"
 
 
 def _fp8_copies_note(forward: str, backward: str) -> str:
@@ -176,7 +182,7 @@ def fp8_note(prob: Problem, cost: Cost) -> str:
                 f"{calib.probe_version}): at this layout's rows per expert {rate(False):.2f} of the bf16 peak forward, "
                 f"{rate(True):.2f} backward (data and weight gradients with their quantisers, measured whole)"
                 f"{_fp8_measured_backward_note(prob.fp8_backward, calib.fp8_curve_backward)}"
-                f"{_fp8_forward_note(prob.fp8_forward)}, plus {copies}")
+                f"{_fp8_forward_note(prob.fp8_forward, calib.fp8_curve_forward)}, plus {copies}")
     else:
         head = (f"routed experts priced in FP8 (train with precision: fp8) at the datasheet ratio, unmeasured: their "
                 f"GEMMs at {prob.fp8_speedup:.2f}x the bf16 rate (fp8_tflops / bf16_tflops; the hardware's calibration "

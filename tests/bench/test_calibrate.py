@@ -192,7 +192,8 @@ def test_the_qwen3_configs_expert_stages_are_priced_at_the_probes_times_at_its_r
     from disagmoe.placement.solver import problem_of
     from disagmoe.placement.trace_compare import run_request
 
-    cfg = load_train_config(CONFIGS / "h200x2-qwen3-30b.yaml", ["mode=single", "micro_batches=2"])
+    cfg = load_train_config(CONFIGS / "h200x2-qwen3-30b.yaml", ["mode=single", "micro_batches=2",
+                                                                "expert_wgrad_pairs=off"])  # a launch per micro-batch
     model, hw = load_model(cfg.model), load_hardware("h200-sxm")
     timings = _timings(model, _ceil(hw))
     hw = hw.model_copy(update={"calibration": cal.calibration_from(timings, model, _ceil(hw), "made up")})
@@ -747,26 +748,43 @@ def test_no_fp8_curve_without_fp8_tensor_cores_or_the_triton_experts(monkeypatch
     assert cal.calibration_from(t, load_model("qwen3-30b-a3b"), _ceil(), "fake").expert_gemm_fp8 == []
 
 
-def test_the_fp8_curve_is_measured_under_the_backward_the_planner_reads(monkeypatch):
-    """The probe times `expert_ffn_fp8` itself at its default backward (`fp8_ffn_passes` passes
-    none), and the planner reads which backward a curve was measured under from the probe version
-    (`config.FP8_CURVE_BACKWARDS`, `Calibration.fp8_curve_backward`): the current version's entry is
-    the kernel's default. The experts backends are outside the probe's fingerprint, so a new default
-    fails here until the probe version moves and the map records it."""
+def test_the_fp8_curve_is_measured_under_the_recipe_the_planner_reads(monkeypatch):
+    """The probe times `expert_ffn_fp8` itself under a run's default recipe (`fp8_probe_recipe`: the forward
+    and backward `config.FP8_CURVE_FORWARDS` / `FP8_CURVE_BACKWARDS` record for the current probe version, the
+    run's Gluon paths), and the planner reads which recipe a curve was measured under from the probe version
+    (`Calibration.fp8_curve_forward`, `fp8_curve_backward`): the current entries are a run's defaults. The
+    experts backends are outside the probe's fingerprint, so a new default fails here until the probe version
+    moves and the maps record it."""
+    import functools
     import inspect
 
-    from disagmoe.config import FP8_CURVE_BACKWARDS, FP8_PROBE_BACKWARD
+    from disagmoe.config import (FP8_CURVE_BACKWARDS, FP8_CURVE_FORWARDS, FP8_PROBE_BACKWARD, FP8_PROBE_FORWARD,
+                                 RUN_FP8_EXPERT_FORWARD, RUN_FP8_GLUON, RUN_FP8_GLUON_STORE, TrainConfig)
     from disagmoe.kernels import fp8_ffn
 
     assert inspect.signature(fp8_ffn.expert_ffn_fp8).parameters["backward"].default == FP8_PROBE_BACKWARD
+    run = TrainConfig(model="tiny", device="cuda", experts_backend="triton", precision="fp8")
+    assert (run.expert_forward_precision, run.expert_backward_precision) == (FP8_PROBE_FORWARD, FP8_PROBE_BACKWARD)
+    assert FP8_PROBE_FORWARD == RUN_FP8_EXPERT_FORWARD
     assert Calibration(probe_version=PROBE_VERSION).fp8_curve_backward == FP8_PROBE_BACKWARD
+    assert Calibration(probe_version=PROBE_VERSION).fp8_curve_forward == FP8_PROBE_FORWARD
+    assert Calibration(probe_version=8).fp8_curve_forward == "both" == Calibration().fp8_curve_forward
     assert max(FP8_CURVE_BACKWARDS) <= PROBE_VERSION and FP8_CURVE_BACKWARDS[5] == "fp8"
-    timed = []
+    assert max(FP8_CURVE_FORWARDS) <= PROBE_VERSION and FP8_CURVE_FORWARDS[5] == "both"
+    recipe, gluon = cal.fp8_probe_recipe()
+    assert recipe == {"forward": FP8_PROBE_FORWARD, "backward": FP8_PROBE_BACKWARD}
+    assert gluon["rows"] == gluon["swiglu"] == RUN_FP8_GLUON == run.expert_gluon
+    assert gluon["tma_store"] == (RUN_FP8_GLUON_STORE == "tma") == run.expert_gluon_tma_store
+    timed, during = [], []
     monkeypatch.setattr(cal, "_ffn_inputs", lambda *a: (None,) * 5)
     monkeypatch.setattr(cal, "fp8_ffn_passes", lambda ffn, *a: timed.append(ffn) or cal.Fp8FFNPasses(None, None, ()))
-    monkeypatch.setattr(cal, "_passes", lambda *a: None)
+    monkeypatch.setattr(cal, "_passes", lambda *a: during.append(dataclasses.replace(fp8_ffn._gluon)))
     cal._fp8_ffn_times(None, load_model("qwen3-30b-a3b"), 16, 8, 0, 1)
-    assert timed == [fp8_ffn.expert_ffn_fp8]
+    (ffn,) = timed
+    assert isinstance(ffn, functools.partial) and ffn.func is fp8_ffn.expert_ffn_fp8 and ffn.keywords == recipe
+    assert (during[0].rows, during[0].swiglu, during[0].tma_store) == (gluon["rows"], gluon["swiglu"],
+                                                                       gluon["tma_store"])
+    assert not fp8_ffn._gluon.tma_store  # restored after the probe
     monkeypatch.undo()
     calls = []
     monkeypatch.setattr(fp8_ffn.Fp8ExpertWeights, "quantize", classmethod(lambda cls, *a, **k: "copies"))

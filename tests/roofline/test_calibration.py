@@ -243,6 +243,37 @@ def test_each_fp8_backward_is_priced_against_the_recipe_the_curve_was_measured_u
             assert "fp8 quantise" not in fp8.stages, backward
 
 
+@pytest.mark.parametrize("version", [8, 9])
+def test_each_fp8_forward_is_priced_from_the_forward_the_curve_was_measured_under(version):
+    """The FP8 curve's forward rate is the FP8 GEMMs' own where its probe ran both in FP8 (to version 8,
+    `Calibration.fp8_curve_forward` "both": a run's one-GEMM forward is then the harmonic blend with the bf16
+    rate), and the blend it measured where it ran a run's default, the down GEMM alone (version 9): that forward
+    is priced at the curve's rate as measured, and another recovers the FP8 GEMMs' rate from it
+    (`cost._unblend`), so every forward is priced the same way from either curve when they agree."""
+    measured = {8: "both", 9: "down"}[version]
+    calib = Calibration(probe_version=version, expert_gemm=CURVE, expert_gemm_fp8=FP8_CURVE)
+    assert calib.fp8_curve_forward == measured
+    c = Candidates.one(4, 4, 1, 4, 1)
+
+    def forward_rate(forward):
+        prob = problem_of(_request(calib).model_copy(update={"expert_precision": "fp8",
+                                                             "fp8_expert_forward": forward}))
+        stages = evaluate(prob, c).stages
+        return np.asarray(stages["routed experts"].ceilings(False, prob.ceilings).flops_per_s).item(), prob
+
+    prob = problem_of(_request(calib))
+    bf16 = np.asarray(evaluate(prob, c).stages["routed experts"].ceilings(False, prob.ceilings).flops_per_s).item()
+    m = prob.model
+    rows_per_expert = 4 * 4096 * m.top_k / 4 / (m.num_experts / 4)
+    curve = prob.ceilings.peak_flops_per_s * curve_fraction(FP8_CURVE, rows_per_expert, False).item()
+    rates = {forward: forward_rate(forward)[0] for forward in ("both", "gate-up", "down")}
+    assert rates[measured] == pytest.approx(curve, rel=1e-12)  # the forward the curve measured: as measured
+    share = {"both": 1.0, "gate-up": 2 / 3, "down": 1 / 3}
+    fp8 = curve if measured == "both" else share["down"] / (1 / curve - (1 - share["down"]) / bf16)
+    for forward, s in share.items():  # every forward the blend of the one FP8 rate with the bf16 one
+        assert rates[forward] == pytest.approx(1 / (s / fp8 + (1 - s) / bf16), rel=1e-9), forward
+
+
 # the MLA curves (`Calibration.attention_mla`, `projections_mla`, probe version 6): MLA models' attention block
 MLA_CURVE = [RatePoint(at=512, fwd=0.3, bwd=0.2), RatePoint(at=8192, fwd=0.5, bwd=0.4)]
 PROJECTIONS = [RatePoint(at=4096, fwd=0.7, bwd=0.65), RatePoint(at=32768, fwd=0.8, bwd=0.75)]
