@@ -283,7 +283,8 @@ def test_full_recomputation_keeps_the_least_on_the_qwen3_config_as_counted_by_ha
     from disagmoe.config import load_train_config
     from disagmoe.runtime.activation_memory import single_activation_bytes
 
-    cfg = load_train_config(str(QWEN3_CONFIG), ["mode=single", f"micro_batches={micro_batches}"])
+    cfg = load_train_config(str(QWEN3_CONFIG), ["mode=single", f"micro_batches={micro_batches}",
+                                                "expert_wgrad_pairs=off"])  # (their rows: test_expert_wgrad_pairs.py)
     m = load_model(cfg.model)
     assert (cfg.compute_dtype_name, m.num_dense_layers, m.shared_ffn_size, m.router.z_loss_coef) == ("bf16", 0, 0, 0)
     none, selective, full = (single_activation_bytes(cfg.model_copy(update={"recompute": r}), m)
