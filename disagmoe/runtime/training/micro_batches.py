@@ -124,6 +124,7 @@ def choose(cfg: TrainConfig, model_cfg: ModelConfig, need_bytes: Callable[[Train
     budget = capacity_bytes * MEMORY_HEADROOM
     hw = None if cfg.hardware is None else load_hardware(cfg.hardware)  # read once, priced per candidate
     tried = []
+    split = cfg
     for m in candidates(cfg):
         split = with_micro_batches(cfg, m)
         if settle is not None:
@@ -139,7 +140,8 @@ def choose(cfg: TrainConfig, model_cfg: ModelConfig, need_bytes: Callable[[Train
             f"micro_batches: auto: even {most.micro_batches} micro-batches (one sequence per rank each) need "
             f"{most.need_bytes / 2**30:.1f} GiB, more than the {budget / 2**30:.1f} GiB ({MEMORY_HEADROOM:.0%} of "
             f"{capacity_bytes / 2**30:.1f}) a run may plan for; lower seq_len, "
-            f"{''.join(f'{label}, ' for label, _ in memory_knob_changes(cfg))}or a layout "
+            # the knobs of the most micro-batches' split as measured: a number, its settings settled (`settle`)
+            f"{''.join(f'{label}, ' for label, _ in memory_knob_changes(split))}or a layout "
             "over more GPUs (`disagmoe plan` finds one)")
     priced = [c for c in fitting if c.predicted_step_s is not None]
     best = min(priced, key=lambda c: (c.predicted_step_s, c.micro_batches)) if priced else fitting[0]

@@ -93,6 +93,19 @@ def test_nothing_fitting_is_refused_with_the_numbers_and_the_fix():
     assert "recompute" not in str(err.value) and "state_dtype" not in str(err.value)
 
 
+def test_the_refusal_names_expert_wgrad_pairs_off_where_the_run_asked_for_the_pairs():
+    """`expert_wgrad_pairs: on` (the waiting rows counted in every split, `resolve_wgrad_pairs`): the knobs are
+    those of the splits tried (micro_batches a number, where the pairs apply), so the refusal names turning
+    them off; auto, which drops the pairs where they do not fit, and off do not."""
+    from disagmoe.runtime.training.trainer import resolve_single_micro_batches
+
+    for pairs, named in (("on", True), ("auto", False), ("off", False)):
+        lean = qwen3("recompute=full", "optim.state_dtype=bf16", pairs=pairs)
+        with pytest.raises(ValueError, match=r"lower seq_len, .*or a layout") as err:
+            resolve_single_micro_batches(lean, load_model(lean.model), None, 40 * GiB)
+        assert ("expert_wgrad_pairs: off, " in str(err.value)) == named, (pairs, str(err.value))
+
+
 def test_each_split_takes_paired_weight_gradients_where_their_waiting_rows_fit():
     """`expert_wgrad_pairs: auto` through `resolve_single_micro_batches`: each split is measured and priced with
     the pairs where its peak with one micro-batch's waiting expert rows fits the budget, else without; on one
