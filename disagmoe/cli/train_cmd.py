@@ -36,7 +36,9 @@ def prepare_single(cfg: TrainConfig) -> Run:
     from disagmoe.runtime.training.trainer import SingleProcessTrainer  # torch loads only when training
 
     trainer = SingleProcessTrainer(cfg)
-    return lambda on_step: trainer.run(on_step).to_dict()
+    run = lambda on_step: trainer.run(on_step).to_dict()  # noqa: E731
+    run.notes = [note for note in (trainer.wgrad_pairs_note,) if note]  # decided as the trainer is built: `_run`
+    return run
 
 
 def prepare_distributed(cfg: TrainConfig) -> Run:
@@ -102,8 +104,6 @@ def train(
         print_json(summary)
         return
     console.print(_summary_table(cfg, summary))
-    if summary.get("expert_wgrad_pairs_note"):  # mode single: whether the expert weight gradients paired, and why
-        console.print(literal(summary["expert_wgrad_pairs_note"]), highlight=False)
     busy = summary.get("busy")
     if busy:
         console.print("busy fraction (compute time / step time, mean over the run): "
@@ -118,6 +118,8 @@ def _run(cfg: TrainConfig, as_json: bool) -> dict[str, Any]:
     run = PREPARE[cfg.mode](cfg)
     if cfg.mode != "single" and not as_json:
         console.print(literal(_hop_note(cfg)), highlight=False)
+    for note in [] if as_json else getattr(run, "notes", []):  # the single trainer's start lines
+        console.print(literal(note), highlight=False)
     if as_json:
         # stdout holds the JSON only: Ray prints a dead actor's report (and actors' prints) to the
         # driver's stdout, from a thread of its own, so while the run lasts stdout is stderr

@@ -394,3 +394,26 @@ def test_a_captured_row_times_the_steps_after_its_capture_and_records_its_warm_u
     r = CliRunner().invoke(app, args)
     assert r.exit_code == 0, r.output
     assert "median of each row's steps after its warm-up (timed)" in r.output and "3-4" in r.output
+
+
+def test_a_single_rows_record_says_whether_its_expert_weight_gradients_ran_paired(monkeypatch):
+    """Each row records `expert_wgrad_pairs` as its trainer resolved it (auto decides against the device's memory:
+    the variant's text alone does not say) and logs the trainer's line saying so, as it logs the split's."""
+    import dataclasses
+
+    from disagmoe.bench import train as bench
+
+    real = bench.train_row
+    note = "expert_wgrad_pairs: auto -> on: each expert weight gradient runs 1 times a step"
+
+    def train_row(cfg, clocks=None):
+        summary = real(cfg, clocks)
+        return dataclasses.replace(summary, expert_wgrad_pairs=True, expert_wgrad_pairs_note=note)
+
+    monkeypatch.setattr(bench, "train_row", train_row)
+    args = ["bench", "train", "--config", "configs/tiny-cpu.yaml", "--mode", "single", "--steps", "2", "--warmup", "1"]
+    r = CliRunner().invoke(app, [*args, "--json"])
+    assert r.exit_code == 0, r.output
+    (row,) = json.loads(r.stdout)["modes"]
+    assert row["expert_wgrad_pairs"] is True
+    assert note in r.stderr

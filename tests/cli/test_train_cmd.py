@@ -377,3 +377,31 @@ def test_an_emulated_fp8_run_says_so_at_start():
     assert "fp8_expert_forward: gate-up" in note and "dense" not in note and "price it as FP8" in note
     assert "the dense projections' (in fp64)" in fp8_emulate_note(TrainConfig(**fields, fp8_dense=True))
     assert "the dense projections' (in fp64)" in fp8_emulate_note(TrainConfig(**fields))  # fp8_dense unset: on
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_a_single_run_says_at_start_how_its_expert_weight_gradients_run(tmp_path, monkeypatch, as_json):
+    """The single trainer's `expert_wgrad_pairs` line (`trainer.resolve_wgrad_pairs`, decided against the
+    device's memory as the trainer is built) is printed before the steps; `--json` keeps stdout the summary."""
+    from disagmoe.runtime.training import trainer
+
+    note = "expert_wgrad_pairs: auto -> on: each expert weight gradient runs 1 times a step"
+
+    class Trainer:
+        def __init__(self, cfg):
+            self.wgrad_pairs_note = note
+
+        def run(self, on_step):
+            class Summary:
+                def to_dict(self):
+                    return {"steps": 0, "final_loss": None, "final_val_loss": None, "tokens_per_s": None,
+                            "mfu": None, "metrics_path": "-", "checkpoint_path": None}
+            return Summary()
+
+    monkeypatch.setattr(trainer, "SingleProcessTrainer", Trainer)
+    result = invoke("--config", _config(tmp_path), *FAST, *(["--json"] if as_json else []))
+    assert result.exit_code == 0, result.output
+    if as_json:
+        assert note not in result.stdout and json.loads(result.stdout)["steps"] == 0
+    else:
+        assert note in " ".join(result.stdout.split())
