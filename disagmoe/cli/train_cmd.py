@@ -36,8 +36,11 @@ def prepare_single(cfg: TrainConfig) -> Run:
     from disagmoe.runtime.training.trainer import SingleProcessTrainer  # torch loads only when training
 
     trainer = SingleProcessTrainer(cfg)
-    run = lambda on_step: trainer.run(on_step).to_dict()  # noqa: E731
-    run.notes = [note for note in (trainer.wgrad_pairs_note,) if note]  # decided as the trainer is built: `_run`
+
+    def run(on_step: StepCallback | None) -> dict[str, Any]:
+        return trainer.run(on_step).to_dict()
+
+    run.notes = [note for note in (trainer.wgrad_pairs_note,) if note]  # decided as the trainer is built: `_run` says them
     return run
 
 
