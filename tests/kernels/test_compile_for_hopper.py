@@ -983,3 +983,34 @@ def test_the_split_swiglu_gradient_epilogue_compiles_without_spills(usage):
     labels = [label for label, _, _ in usage.found]
     assert labels == ["split launch", "split launch", "plain pass"], labels  # the GEMM, then the pass
     assert all(spills == 0 for label, _, spills in usage.found[1:]), usage.found
+
+
+def test_the_paired_weight_gradient_compiles_at_the_tuned_tiles_without_spills(monkeypatch):
+    """`ragged_weight_grad(second=...)` (`kernels.wgrad_pairs`: two micro-batches' rows in one launch) at the H100's
+    tuned Qwen3 wgrad tiles, flattened and not (64 x 256 x 128, 8 warps, atomic, TMA), bf16 rows into an fp32 main
+    gradient, for sm_90a: both row sets load through their tensor maps (four descriptors, each passed as a kernel
+    parameter), the MMAs stay wgmma, and nothing spills: the second row loop costs no registers the first needs."""
+    import dataclasses
+
+    from disagmoe.kernels import grouped_gemm as gg
+    from disagmoe.kernels.tile_configs import lookup
+
+    backend = make_backend(HOPPER)
+    found: list[tuple[int, bool, int]] = []
+
+    def compile_and_look(self, *args, grid, warmup, **kwargs):
+        assert kwargs["PAIRED"]
+        ptx = compile_for_hopper(self, backend, args, kwargs).asm["ptx"]
+        found.append((ptx.count(".param .align 64 .b8"), "wgmma.mma_async" in ptx, spill_store_bytes(ptx)))
+
+    monkeypatch.setattr(JITFunction, "run", compile_and_look)
+    rows, experts, hidden, cols = 1024, 4, 256, 512
+    offsets = torch.tensor([256, 512, 768, 1024], dtype=torch.int32)
+    sets = [(torch.zeros(rows, hidden, dtype=torch.bfloat16), torch.zeros(rows, cols, dtype=torch.bfloat16), offsets)
+            for _ in range(2)]
+    main = torch.zeros(experts, hidden, cols)
+    tuned = lookup("wgrad_w2", 768, 2048, 65536, 128, "NVIDIA H100 80GB HBM3")
+    assert tuned.tma and tuned.atomic_accumulate and tuned.flatten
+    for tile in (tuned, dataclasses.replace(tuned, flatten=False)):
+        gg.ragged_weight_grad(*sets[0], tile, out=main, accumulate=True, num_programs=8, second=sets[1])
+    assert found == [(4, True, 0)] * 2, found  # an unpaired launch passes 2 (a and b)
