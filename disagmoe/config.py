@@ -780,6 +780,10 @@ class Plan(StrictModel):
     cuda_graphs: Literal["auto", "on", "off"] | None = Field(
         None, description="a distributed layout: the cuda_graphs its transport's rings were priced under "
         "(`train --plan` then sets cuda_graphs to it); None for one GPU and in a plan written before this field")
+    expert_wgrad_pairs: Literal["auto", "on", "off"] | None = Field(
+        None, description="the one-GPU layout: the expert_wgrad_pairs it was priced under (auto priced as on; `train "
+        "--plan` then sets expert_wgrad_pairs to it); None for the distributed layouts, which do not pair, and in a "
+        "plan written before this field")
     rank_steps_captured: bool | None = Field(
         None, description="a distributed layout: whether its rank steps are captured in CUDA graphs under the "
         "planned cuda_graphs, as train decides it (runtime/rank_graphs.py; their nvshmem rings are priced rounded up "

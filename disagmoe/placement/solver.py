@@ -792,6 +792,7 @@ def price(cfg: PlanConfig, chosen: Candidates, colocated_step_s: float | None = 
         fp8_expert_backward=prob.fp8_backward if prob.expert_precision == "fp8" else None,
         fp8_expert_forward=prob.fp8_forward if prob.expert_precision == "fp8" else None,
         cuda_graphs=None if single else prob.cuda_graphs,
+        expert_wgrad_pairs=cfg.expert_wgrad_pairs if single else None,
         step_time_s=step, colocated_step_time_s=col if math.isfinite(col) else None,
         speedup_vs_colocated=col / step if math.isfinite(col) else None,
         expert_imbalance=real_imb, mfu=mfu, tflops_per_gpu=flops_per_gpu_s / 1e12, feasible=fits,

@@ -54,7 +54,7 @@ LAYOUT_FIELDS = ("mode", "attention_ranks", "expert_ranks", "pipeline_groups", "
                  "colocated_ranks", "recompute", "recompute_modules", "offload_optimizer", "optim.state_dtype", "optim.update_kernel",
                  "optim.shard_states", "precision", "fp8_dense", "fp8_dense_scaling", "fp8_expert_backward",
                  "fp8_expert_forward",
-                 "cuda_graphs")  # dotted: a field of a field
+                 "cuda_graphs", "expert_wgrad_pairs")  # dotted: a field of a field
 SELECTIVE_MODULES = ("expert_input", "expert_output", "expert_swiglu")  # what the planner's selective prices
 REPLAN = "run `disagmoe plan` for this model again and pass its --out file"
 
@@ -112,6 +112,8 @@ def apply_plan(cfg: TrainConfig, model_cfg: ModelConfig) -> TrainConfig:
                        if value is not None})
     if plan.cuda_graphs is not None:  # a distributed plan's rings were priced captured or not under it
         layout["cuda_graphs"] = plan.cuda_graphs
+    if plan.expert_wgrad_pairs is not None:  # a one-GPU plan's weight-gradient passes and held rows were priced so
+        layout["expert_wgrad_pairs"] = plan.expert_wgrad_pairs
     planned = cfg.model_copy(update={**layout, "plan": plan})  # a copy skips the config's checks: run them
     priced = " (priced in FP8, it sets precision: fp8; `plan --expert-precision bf16` prices bf16)" if (
         "precision" in layout) else ""

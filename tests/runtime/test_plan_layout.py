@@ -364,3 +364,16 @@ def test_an_fp8_plan_on_a_cpu_run_gets_the_configs_own_fp8_refusal(precision):
     that the plan set it, before anything runs."""
     with pytest.raises(ValueError, match=r"priced in FP8.*precision: fp8 needs device: cuda"):
         apply_plan(config(planned(2, 1, expert_precision="fp8"), precision=precision), MODEL)
+
+
+def test_a_one_gpu_plan_sets_the_expert_weight_gradient_pairs_it_was_priced_under():
+    """A one-GPU plan records the expert_wgrad_pairs it priced (`plan --expert-wgrad-pairs`; auto priced as
+    on), a distributed one None (its ranks do not pair); `train --plan` sets it (among the replaced fields)."""
+    single, off, split = planned(1), planned(1, expert_wgrad_pairs="off"), planned(2, 1)
+    assert (single.layout, single.expert_wgrad_pairs, off.expert_wgrad_pairs) == ("single", "auto", "off")
+    assert split.expert_wgrad_pairs is None
+    cfg = config(off, device="cuda", experts_backend="triton")
+    run = apply_plan(cfg, MODEL)
+    assert run.expert_wgrad_pairs == "off" and replaced_fields(cfg, run)["expert_wgrad_pairs"] == ("auto", "off")
+    assert apply_plan(run, MODEL) == run  # idempotent
+    assert apply_plan(config(split, device="cuda", experts_backend="triton"), MODEL).expert_wgrad_pairs == "auto"
