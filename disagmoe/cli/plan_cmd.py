@@ -469,7 +469,8 @@ RUN_MODES = ("single", "disaggregated", "colocated")
 
 def _config_choice(config: Path, hardware: str | None, layout: str, overrides: list[str]) -> Choice:
     """`roofline --config CONFIG [key=value ...]`: the run's own layout priced, in `layout`'s mode
-    unless auto."""
+    unless auto; `micro_batches` and, one GPU, `expert_wgrad_pairs` settled as a run on that hardware
+    settles them."""
     from disagmoe.config import load_train_config
     from disagmoe.placement.trace_compare import run_request
 
@@ -479,7 +480,12 @@ def _config_choice(config: Path, hardware: str | None, layout: str, overrides: l
     cfg = load_train_config(config, [*overrides, *([] if layout == "auto" else [f"mode={layout}"])])
     hw = _run_hardware(cfg, config, hardware)
     cfg, _ = auto_split(cfg, hw.hbm_gib * 2**30)  # micro_batches: auto as a run on that hardware picks it
-    req, cand = run_request(cfg, load_model(cfg.model), hw)
+    model = load_model(cfg.model)
+    if cfg.mode == "single":  # expert_wgrad_pairs: auto as the trainer settles it on that hardware's memory
+        from disagmoe.runtime.training.single_memory import resolve_wgrad_pairs
+
+        cfg, _ = resolve_wgrad_pairs(cfg, model, hw.hbm_gib * 2**30)
+    req, cand = run_request(cfg, model, hw)
     return price(req, cand)
 
 

@@ -593,3 +593,20 @@ def test_the_expert_weight_gradient_pairs_flag_reaches_the_priced_problem():
     assert "--expert-wgrad-pairs" in run("plan", "--help").output
     r = run("plan", "-c", "configs/h200x2-qwen3-30b.yaml", "--expert-wgrad-pairs", "off")
     assert r.exit_code == 2 and "--expert-wgrad-pairs: expert_wgrad_pairs" in r.output
+
+
+def test_roofline_of_a_one_gpu_config_settles_its_weight_gradient_pairs_as_the_trainer_would():
+    """`roofline -c` of the Mixtral-shaped config in FP8 (bf16 moments, 4 micro-batches): on an H100's 80 GiB its
+    waiting rows would pass 85% (`single_memory.resolve_wgrad_pairs`: the trainer trains it unpaired there, as it
+    did in session 35), so it is priced as expert_wgrad_pairs: off; on an H200's 141 GiB as on."""
+    args = ("roofline", "-c", "configs/h200-mixtral-8x7b.yaml", "--layout", "single", "--json", "optim.state_dtype=bf16",
+            "precision=fp8")
+
+    def step(hardware: str, *extra: str) -> float:
+        r = run(*args, "--hardware", hardware, *extra)
+        assert r.exit_code == 0, r.output
+        return json.loads(r.stdout)["plan"]["step_time_s"]
+
+    assert step("h100-sxm-calibrated") == step("h100-sxm-calibrated", "expert_wgrad_pairs=off")
+    assert step("h100-sxm-calibrated", "expert_wgrad_pairs=on") < step("h100-sxm-calibrated")
+    assert step("h200-sxm-calibrated") == step("h200-sxm-calibrated", "expert_wgrad_pairs=on")

@@ -31,8 +31,7 @@ from disagmoe.config import HardwareConfig, ModelConfig, TrainConfig, load_hardw
 from disagmoe.placement.cost import evaluate
 from disagmoe.placement.solver import problem_of
 from disagmoe.placement.trace_compare import run_request
-
-MEMORY_HEADROOM = 0.85  # of the device's memory a chosen split may use (module docstring)
+from disagmoe.runtime.training.single_memory import MEMORY_HEADROOM  # the split's budget (module docstring)
 
 
 @dataclass(frozen=True)
