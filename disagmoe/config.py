@@ -1238,7 +1238,7 @@ class TrainConfig(StrictModel):
     def pairs_expert_wgrads(self) -> bool:
         """Whether this run's expert weight gradients run over pairs of micro-batches: `expert_wgrad_pairs`
         auto or on, where it applies, with 2+ micro-batches (auto is resolved against the device's memory
-        by the single trainer, `trainer.resolve_wgrad_pairs`, which writes on or off)."""
+        by the single trainer, `runtime.training.single_memory.resolve_wgrad_pairs`, which writes on or off)."""
         return (self.expert_wgrad_pairs != "off" and self.expert_wgrad_pairs_unavailable is None
                 and self.micro_batches != "auto" and self.micro_batches >= 2)
 

@@ -381,7 +381,7 @@ def test_an_emulated_fp8_run_says_so_at_start():
 
 @pytest.mark.parametrize("as_json", [False, True])
 def test_a_single_run_says_at_start_how_its_expert_weight_gradients_run(tmp_path, monkeypatch, as_json):
-    """The single trainer's `expert_wgrad_pairs` line (`trainer.resolve_wgrad_pairs`, decided against the
+    """The single trainer's `expert_wgrad_pairs` line (`single_memory.resolve_wgrad_pairs`, decided against the
     device's memory as the trainer is built) is printed before the steps; `--json` keeps stdout the summary."""
     from disagmoe.runtime.training import trainer
 

@@ -1,5 +1,5 @@
 """`expert_wgrad_pairs`: the single trainer's expert weight gradients over pairs of micro-batches
-(`kernels.wgrad_pairs`, `trainer.resolve_wgrad_pairs`, the memory model's waiting rows)."""
+(`kernels.wgrad_pairs`, `single_memory.resolve_wgrad_pairs`, the memory model's waiting rows)."""
 
 from __future__ import annotations
 
