@@ -56,6 +56,7 @@ def test_balanced_routing_gives_every_expert_its_mean_and_each_token_distinct_ex
     assert all(len(set(row.tolist())) == top_k for row in idx_TK)
 
 
+@pytest.mark.slow  # 6-9 s on 2 cores (the fresh-clone CI, session 35)
 def test_every_role_launches_and_computes_the_same_function_under_another_tile(interpreted):
     """What the tuner times: each role of the expert FFN, launched with a candidate tile, agrees
     with the heuristic tile's result (the tuner's own acceptance check), in the interpreter."""

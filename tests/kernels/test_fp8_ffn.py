@@ -221,6 +221,7 @@ def test_parameters_with_main_gradients_get_theirs_added_by_the_kernels_through_
         torch.testing.assert_close(p.main_grad - s, leaf.grad, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # 5-7 s a case on 2 cores (the fresh-clone CI, session 35)
 @pytest.mark.parametrize("backward", ["fp8", "bf16-wgrad"])
 def test_first_touch_stores_the_steps_first_weight_gradient_bit_for_bit(ffn8, backward):
     """Main gradients left stale (NaN) and marked untouched by the optimizer (`kernels.first_touch`):
@@ -267,6 +268,7 @@ def _through_row_source_into_main_grads(ffn8, x, offsets, w13, w2, dy, tiles, ba
     return x_leaf, params
 
 
+@pytest.mark.slow  # 7-15 s a case on 2 cores (the fresh-clone CI, session 35)
 @pytest.mark.parametrize("counts,hidden,ffn", [([4, 0, 11, 1], 32, 40), ([0, 130, 3], 64, 128)])
 def test_bf16_weight_grads_are_the_plain_gemm_of_the_rows_beside_the_fp8_data_gradient(ffn8, counts, hidden, ffn):
     """backward="bf16": y and dx are the FP8 run's bits (the same forward and data-gradient
