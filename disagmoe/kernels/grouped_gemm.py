@@ -328,6 +328,22 @@ def _rows_dot_tma(a_desc, b_desc, a_ptr, b_ptr, row_start, row_end, k0, c0, ks, 
 
 
 @triton.jit
+def _group_rows_dot(a_desc, b_desc, a_ptr, b_ptr, offsets_ptr, group, k0, c0, ks, k_ok, cols, col_ok, acc,
+                    stride_am, stride_ak, stride_bm, stride_bc, BLOCK_M: tl.constexpr, TMA: tl.constexpr):
+    """acc + row group `group`'s contribution (its rows offsets[group - 1]:offsets[group] of a and b) to
+    the weight-gradient tile at K index k0 and column c0: through `_rows_dot_tma` under TMA, else `_rows_dot`."""
+    start = tl.load(offsets_ptr + group - 1, mask=group > 0, other=0)
+    end = tl.load(offsets_ptr + group)
+    if TMA:
+        acc = _rows_dot_tma(a_desc, b_desc, a_ptr, b_ptr, start, end, k0, c0, ks, k_ok, cols, col_ok, acc,
+                            stride_am, stride_ak, stride_bm, stride_bc, BLOCK_M)
+    else:
+        acc = _rows_dot(a_ptr, b_ptr, start, end, ks, k_ok, cols, col_ok, acc,
+                        stride_am, stride_ak, stride_bm, stride_bc, BLOCK_M)
+    return acc
+
+
+@triton.jit
 def _ragged_weight_grad_kernel(
     a_ptr, b_ptr, out_ptr, offsets_ptr, a_desc, b_desc, a2_ptr, b2_ptr, offsets2_ptr, a2_desc, b2_desc,
     E, E_W, KA, C, num_programs,
@@ -356,9 +372,6 @@ def _ragged_weight_grad_kernel(
     for item in tl.range(pid, E_W * per_expert, num_programs, flatten=FLATTEN):
         expert = item // per_expert
         pid_k, pid_n = _swizzle(item % per_expert, tiles_k, tiles_n, GROUP_M)
-        if not BANDED:
-            row_start = tl.load(offsets_ptr + expert - 1, mask=expert > 0, other=0)
-            row_end = tl.load(offsets_ptr + expert)
         ks = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
         k_ok = ks < KA
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -370,31 +383,16 @@ def _ragged_weight_grad_kernel(
         acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
         if BANDED:
             for group in range(expert, E, E_W):  # ascending g: one summation order, run to run
-                group_start = tl.load(offsets_ptr + group - 1, mask=group > 0, other=0)
-                group_end = tl.load(offsets_ptr + group)
-                if TMA:
-                    acc = _rows_dot_tma(a_desc, b_desc, a_ptr, b_ptr, group_start, group_end, pid_k * BLOCK_K,
-                                        pid_n * BLOCK_N, ks, k_ok, cols, col_ok, acc,
-                                        stride_am, stride_ak, stride_bm, stride_bc, BLOCK_M)
-                else:
-                    acc = _rows_dot(a_ptr, b_ptr, group_start, group_end, ks, k_ok, cols, col_ok, acc,
-                                    stride_am, stride_ak, stride_bm, stride_bc, BLOCK_M)
-        elif TMA:
-            acc = _rows_dot_tma(a_desc, b_desc, a_ptr, b_ptr, row_start, row_end, pid_k * BLOCK_K, pid_n * BLOCK_N,
-                                ks, k_ok, cols, col_ok, acc, stride_am, stride_ak, stride_bm, stride_bc, BLOCK_M)
+                acc = _group_rows_dot(a_desc, b_desc, a_ptr, b_ptr, offsets_ptr, group, pid_k * BLOCK_K,
+                                      pid_n * BLOCK_N, ks, k_ok, cols, col_ok, acc,
+                                      stride_am, stride_ak, stride_bm, stride_bc, BLOCK_M, TMA)
         else:
-            acc = _rows_dot(a_ptr, b_ptr, row_start, row_end, ks, k_ok, cols, col_ok, acc,
-                            stride_am, stride_ak, stride_bm, stride_bc, BLOCK_M)
-        if PAIRED:
-            row2_start = tl.load(offsets2_ptr + expert - 1, mask=expert > 0, other=0)
-            row2_end = tl.load(offsets2_ptr + expert)
-            if TMA:
-                acc = _rows_dot_tma(a2_desc, b2_desc, a2_ptr, b2_ptr, row2_start, row2_end, pid_k * BLOCK_K,
-                                    pid_n * BLOCK_N, ks, k_ok, cols, col_ok, acc,
-                                    stride_am, stride_ak, stride_bm, stride_bc, BLOCK_M)
-            else:
-                acc = _rows_dot(a2_ptr, b2_ptr, row2_start, row2_end, ks, k_ok, cols, col_ok, acc,
-                                stride_am, stride_ak, stride_bm, stride_bc, BLOCK_M)
+            acc = _group_rows_dot(a_desc, b_desc, a_ptr, b_ptr, offsets_ptr, expert, pid_k * BLOCK_K, pid_n * BLOCK_N,
+                                  ks, k_ok, cols, col_ok, acc, stride_am, stride_ak, stride_bm, stride_bc, BLOCK_M, TMA)
+        if PAIRED:  # the second row set's group of this expert, summed after the first's
+            acc = _group_rows_dot(a2_desc, b2_desc, a2_ptr, b2_ptr, offsets2_ptr, expert, pid_k * BLOCK_K,
+                                  pid_n * BLOCK_N, ks, k_ok, cols, col_ok, acc,
+                                  stride_am, stride_ak, stride_bm, stride_bc, BLOCK_M, TMA)
         if ACCUMULATE and ATOMIC:
             tl.atomic_add(out_ptrs, acc, mask=k_ok[:, None] & col_ok[None, :], sem="relaxed")
         else:
