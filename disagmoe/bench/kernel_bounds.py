@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from disagmoe.config import ModelConfig, TrainConfig, load_hardware
 from disagmoe.roofline.ceilings import Ceilings
-from disagmoe.roofline.stages import Work, expert_weight_grads
+from disagmoe.roofline.stages import Work, expert_weight_grads, main_grad_passes
 
 
 @dataclass(frozen=True)
@@ -38,8 +38,8 @@ def _expert_weight_grads(cfg: TrainConfig, m: ModelConfig) -> Work | str:
         return "fp8_expert_backward: fp8 runs the FP8 weight-gradient kernels (an FP8 ceiling: not this family)"
     micro_batches = int(cfg.micro_batches)
     rows = cfg.batch_size // micro_batches * cfg.seq_len * m.top_k
-    passes = (micro_batches + 1) // 2 / micro_batches if cfg.pairs_expert_wgrads else 1.0
-    launch = expert_weight_grads(m, rows, m.num_experts, stored_share=1.0 / micro_batches, main_grad_passes=passes)
+    launch = expert_weight_grads(m, rows, m.num_experts, stored_share=1.0 / micro_batches,
+                                 main_grad_passes=main_grad_passes(micro_batches, cfg.pairs_expert_wgrads))
     return launch.scale(micro_batches * m.num_moe_layers)
 
 

@@ -682,9 +682,11 @@ def evaluate(prob: Problem, c: Candidates, misfits_exact: bool = True) -> Cost:
     # the passes `bench calibrate` fits its expert curve against; first touch: a step's first launch stores
     # (one of the rounds x micro-batches launches a step makes per layer)
     rounds = np.ceil(prob.global_batch_tokens / (mb * dp * tokens))
-    # paired: ceil(mb / 2) weight-gradient launches a round, each one main-gradient pass for two micro-batches
-    passes = np.where(paired_wgrads, np.ceil(mb / 2) / mb, 1.0)
-    experts = st.expert_passes(m, rows, local, 1.0 / (rounds * mb) if prob.first_touch else 0.0, passes)
+    # paired: ceil(mb / 2) weight-gradient launches a round, each one main-gradient pass for two micro-batches;
+    # a launch's rows per expert (the calibrated curves' rate), two micro-batches' where they pair
+    wgrad_rows_per_expert = rows / local * np.where(paired_wgrads, 2.0, 1.0)
+    experts = st.expert_passes(m, rows, local, 1.0 / (rounds * mb) if prob.first_touch else 0.0,
+                               st.main_grad_passes(mb, paired_wgrads))
     stages = {
         "attention projections": Stage("attention", "layer", *st.attention_projection_passes(m, tokens)),
         "attention core": Stage("attention", "layer", *st.attention_core_passes(m, tokens, S)),
@@ -733,14 +735,14 @@ def evaluate(prob: Problem, c: Candidates, misfits_exact: bool = True) -> Cost:
     if prob.calibration is not None:
         stages = calibrated_stages(stages, m, prob.calibration, ceil, rows / local, float(S), c.colocated, tokens,
                                    crosses_groups=c.colocated & (c.p > 1),
-                                   wgrad_rows_per_expert=rows / local * np.where(paired_wgrads, 2.0, 1.0))
+                                   wgrad_rows_per_expert=wgrad_rows_per_expert)
     if fp8:  # the measured FP8 curve where the calibration holds one; else the passes and copies at any rate,
         # the GEMMs at fp8_speedup times theirs (`fp8_stages`)
         stages = fp8_stages(stages, ceil, prob.fp8_speedup, m, rows, exp_params, prob.calibration, rows / local,
                             backward=prob.fp8_backward, forward=prob.fp8_forward,
                             tokens_once=np.where(c.colocated & (c.expert == 1), tokens, 0.0),
                             input_rows_recomputed=selective & ("expert_input" in prob.recompute_modules),
-                            wgrad_rows_per_expert=rows / local * np.where(paired_wgrads, 2.0, 1.0))
+                            wgrad_rows_per_expert=wgrad_rows_per_expert)
         if prob.fp8_dense:
             stages = fp8_dense_stages(stages, ceil, prob.fp8_speedup, m, tokens, moe_l, dense_l,
                                       prob.calibration, prob.fp8_dense_scaling)

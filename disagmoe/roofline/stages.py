@@ -239,6 +239,12 @@ def expert_weight_grads(m: ModelConfig, rows: Num, local_experts: Num, stored_sh
                 hbm_bytes=BF16 * rows * (2 * H + 3 * F) + (2 * main_grad_passes - stored_share) * FP32 * weights)
 
 
+def main_grad_passes(micro_batches: Num, paired: Num = False) -> Num:
+    """The expert weight gradients' main-gradient passes per micro-batch (`expert_weight_grads`): 1, or
+    paired (`kernels.wgrad_pairs`: a launch per two micro-batches, the odd one alone) ceil(m / 2) / m."""
+    return np.where(paired, np.ceil(np.asarray(micro_batches) / 2) / micro_batches, 1.0)
+
+
 def expert_passes(m: ModelConfig, rows: Num, local_experts: Num, stored_share: Num = 0.0,
                   main_grad_passes: Num = 1.0) -> dict[str, tuple[Work, Work]]:
     """The routed experts' stages as the step runs them, (forward, backward) work of each: `routed
