@@ -601,11 +601,12 @@ def fp8_probe_recipe() -> tuple[dict[str, str], dict[str, bool | int]]:
     down GEMM alone in FP8, bf16 weight gradients), and the Gluon row GEMMs with their epilogue as a run sets them
     (`RUN_FP8_GLUON`, `RUN_FP8_GLUON_STORE`; where the GPU cannot run them the Triton ones run, as in a run)."""
     from disagmoe.config import FP8_PROBE_BACKWARD, FP8_PROBE_FORWARD, RUN_FP8_GLUON, RUN_FP8_GLUON_STORE
+    from disagmoe.kernels.fp8_ffn import GLUON_TMA_STORE_BLOCK_M
 
     tma = RUN_FP8_GLUON and RUN_FP8_GLUON_STORE == "tma"
     gluon: dict[str, bool | int] = {"rows": RUN_FP8_GLUON, "swiglu": RUN_FP8_GLUON, "tma_store": tma}
     if tma:
-        gluon["block_m"] = 128  # the tile its epilogue compiles for (`fp8_ffn.set_gluon`)
+        gluon["block_m"] = GLUON_TMA_STORE_BLOCK_M  # the tile its epilogue compiles for, as `fp8_ffn.set_gluon` sets
     return {"forward": FP8_PROBE_FORWARD, "backward": FP8_PROBE_BACKWARD}, gluon
 
 
