@@ -782,8 +782,8 @@ class Plan(StrictModel):
         "(`train --plan` then sets cuda_graphs to it); None for one GPU and in a plan written before this field")
     expert_wgrad_pairs: Literal["auto", "on", "off"] | None = Field(
         None, description="the one-GPU layout: the expert_wgrad_pairs it was priced under (auto priced as on; `train "
-        "--plan` then sets expert_wgrad_pairs to it); None for the distributed layouts, which do not pair, and in a "
-        "plan written before this field")
+        "--plan` then sets expert_wgrad_pairs to it); None for the distributed layouts (their ranks pair as the run's "
+        "expert_wgrad_pairs says, which the planner does not price yet) and in a plan written before this field")
     rank_steps_captured: bool | None = Field(
         None, description="a distributed layout: whether its rank steps are captured in CUDA graphs under the "
         "planned cuda_graphs, as train decides it (runtime/rank_graphs.py; their nvshmem rings are priced rounded up "
@@ -1047,13 +1047,14 @@ class TrainConfig(StrictModel):
         "recomputation, fp32 or bf16 moments, no offload), else eager, saying why at start and in the summary")
     _yaml_on_off = field_validator("cuda_graphs", mode="before")(on_off_word)
     expert_wgrad_pairs: Literal["auto", "on", "off"] = Field(
-        "auto", description="mode single, triton experts: each expert weight gradient runs once per two "
-        "micro-batches, over both micro-batches' rows, so its fp32 main gradient is read and written half as "
-        "often (8 bytes per expert parameter per micro-batch: the launches' bound at many micro-batches); one "
-        "micro-batch's expert rows (x, dy, act, d h13) per MoE layer wait in memory meanwhile, counted by the "
-        "memory check (kernels/wgrad_pairs.py). auto: on where it applies (mode single, experts_backend triton, "
-        "2+ micro-batches, fp32 master weights, weight gradients not in FP8) and the device fits the waiting "
-        "rows, else off, said at start; on: where it applies (refused elsewhere); off: a launch per micro-batch")
+        "auto", description="triton experts: each expert weight gradient runs once per two micro-batches, over "
+        "both micro-batches' rows, so its fp32 main gradient is read and written half as often (8 bytes per expert "
+        "parameter per micro-batch: the launches' bound at many micro-batches); one micro-batch's expert rows (x, dy, "
+        "act, d h13) per MoE layer wait in memory meanwhile, counted by the memory check (kernels/wgrad_pairs.py). "
+        "Every mode: in the distributed ones each expert rank pairs its own launches, the last ones running before "
+        "its optimizer step. auto: on where it applies (experts_backend triton, 2+ micro-batches, fp32 master "
+        "weights, weight gradients not in FP8) and the devices fit the waiting rows (the fullest one, distributed), "
+        "else off, said at start; on: where it applies (refused elsewhere); off: a launch per micro-batch")
     _yaml_pairs_on_off = field_validator("expert_wgrad_pairs", mode="before")(on_off_word)
 
     forbid_host_syncs: bool = Field(
@@ -1223,12 +1224,9 @@ class TrainConfig(StrictModel):
         """Why the expert weight gradients cannot run over pairs of micro-batches here
         (`expert_wgrad_pairs`, `kernels.wgrad_pairs`), None where they can; the micro-batch count aside
         (one micro-batch leaves nothing to pair: `pairs_expert_wgrads`)."""
-        if self.mode != "single":
-            return (f"mode {self.mode}: a rank holds its expert weight gradients back for its peer's input "
-                    "gradient (kernels.deferral), one micro-batch at a time")
         if self.experts_backend != "triton":
             return f"experts_backend {self.experts_backend}: only the triton experts' GEMMs add into main gradients"
-        if self.steps_reference_adamw:
+        if self.mode == "single" and self.steps_reference_adamw:  # a rank's FlatAdamW always has main gradients
             return "precision fp32 with fp32 moments steps torch's AdamW on autograd's gradients (no main gradients)"
         if self.expert_backward_precision == "fp8":
             return "fp8_expert_backward fp8: the weight gradients run in FP8 from per-micro-batch token-group copies"

@@ -35,21 +35,24 @@ def prepare_single(cfg: TrainConfig) -> Run:
     """The whole model in this process: the correctness oracle."""
     from disagmoe.runtime.training.trainer import SingleProcessTrainer  # torch loads only when training
 
-    trainer = SingleProcessTrainer(cfg)
-
-    def run(on_step: StepCallback | None) -> dict[str, Any]:
-        return trainer.run(on_step).to_dict()
-
-    run.notes = [note for note in (trainer.wgrad_pairs_note,) if note]  # decided as the trainer is built: `_run` says them
-    return run
+    return _runner(SingleProcessTrainer(cfg))
 
 
 def prepare_distributed(cfg: TrainConfig) -> Run:
     """Ray actors (attention and expert ranks, or colocated ranks) talking over the transport."""
     from disagmoe.runtime.cluster.driver import DistributedTrainer
 
-    trainer = DistributedTrainer(cfg)
-    return lambda on_step: trainer.run(on_step).to_dict()
+    return _runner(DistributedTrainer(cfg))
+
+
+def _runner(trainer: Any) -> Run:
+    """A built trainer's `Run`, with the start lines its settings decided as it was built (`_run` says them)."""
+
+    def run(on_step: StepCallback | None) -> dict[str, Any]:
+        return trainer.run(on_step).to_dict()
+
+    run.notes = [note for note in (trainer.wgrad_pairs_note,) if note]
+    return run
 
 
 # Each mode sets everything up (and reports user errors) before the progress bar starts.
@@ -121,7 +124,7 @@ def _run(cfg: TrainConfig, as_json: bool) -> dict[str, Any]:
     run = PREPARE[cfg.mode](cfg)
     if cfg.mode != "single" and not as_json:
         console.print(literal(_hop_note(cfg)), highlight=False)
-    for note in [] if as_json else getattr(run, "notes", []):  # the single trainer's start lines
+    for note in [] if as_json else getattr(run, "notes", []):  # the trainer's start lines
         console.print(literal(note), highlight=False)
     if as_json:
         # stdout holds the JSON only: Ray prints a dead actor's report (and actors' prints) to the

@@ -5,7 +5,8 @@ adds into its weight's fp32 main gradient, reading and writing it whole: 8 bytes
 per micro-batch. With many small micro-batches that traffic, not the FLOPs, bounds the launch (the
 Qwen3 config at 8 micro-batches on one H100: 257.7 GB a step, 90 ms of the launches' 125.6 ms).
 
-Inside `paired_weight_grads` (the single-GPU step's micro-batch loop, `TrainConfig.expert_wgrad_pairs`)
+Inside `paired_weight_grads` (the single-GPU step's micro-batch loop, and a distributed rank's step up to its
+optimizer step, `runtime.cluster.worker`; `TrainConfig.expert_wgrad_pairs`)
 a launch into a main gradient (`weight_grad_into`) does not run: its rows wait until the next
 micro-batch's launch into the same main gradient, and the two run as one launch over both row sets
 (`ragged_weight_grad`'s `second`), which reads and writes the main gradient once. A launch left
@@ -82,6 +83,24 @@ def paired_weight_grads(enabled: bool = True) -> Iterator[None]:
             launch.run()
     finally:
         _Pairing.waiting = previous
+
+
+def run_waiting() -> None:
+    """Run the launches waiting inside `paired_weight_grads` now, each alone (a no-op outside one): before
+    anything reads their main gradients while the block stays open (a rank's optimizer step inside its
+    step's block, `runtime.cluster.worker`)."""
+    waiting = _Pairing.waiting
+    if not waiting:
+        return
+    launches = list(waiting.values())
+    waiting.clear()
+    for launch in launches:
+        launch.run()
+
+
+def launches_waiting() -> int:
+    """How many launches wait for a partner now (0 outside `paired_weight_grads`)."""
+    return len(_Pairing.waiting or ())
 
 
 def pairing() -> bool:

@@ -327,7 +327,14 @@ def paired_wgrad_held_bytes(m: ModelConfig, value_bytes: int) -> int:
     (`kernels.wgrad_pairs`): in every MoE layer, its K rows' x [H], d y [H], act [F] and d h13 [2F] (the
     two weight gradients' operands, in the compute dtype), alive from the layer's backward of one
     micro-batch through the next micro-batch's (whatever recomputation dropped: the backward made them)."""
-    return m.num_moe_layers * m.top_k * (2 * m.hidden_size + 3 * m.expert_ffn_size) * value_bytes
+    return m.num_moe_layers * m.top_k * paired_wgrad_row_bytes(m, value_bytes)
+
+
+def paired_wgrad_row_bytes(m: ModelConfig, value_bytes: int) -> int:
+    """One expert row's operands of the two weight gradients that wait under paired weight gradients
+    (`paired_wgrad_held_bytes`: x [H], d y [H], act [F], d h13 [2F]); a distributed rank's waiting rows
+    are its received rows of a layer (`runtime.activation_memory.rank_activations`)."""
+    return (2 * m.hidden_size + 3 * m.expert_ffn_size) * value_bytes
 
 
 def layer_bytes(m: ModelConfig, moe: bool, value_bytes: int, dropped: frozenset[str] = NOTHING_DROPPED,

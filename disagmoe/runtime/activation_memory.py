@@ -53,11 +53,15 @@ def fp8_backward_of(cfg: TrainConfig) -> str:
     return cfg.expert_backward_precision or DEFAULT_FP8_EXPERT_BACKWARD
 
 
-def replay_peak(program: tuple[Op, ...], kept: Callable[[Op], int], held: Callable[[Op], int]) -> RankActivations:
+def replay_peak(program: tuple[Op, ...], kept: Callable[[Op], int], held: Callable[[Op], int],
+                waits: Callable[[ExpertBackward], int] | None = None) -> RankActivations:
     """Walk `program`: a forward op adds `kept(op)` until its backward; every compute op holds
     `held(op)` on top for its own span (a backward's gradients, the loss's head); the peak of the
-    running sum."""
+    running sum. `waits` (paired expert weight gradients, `kernels.wgrad_pairs`): the rows a layer's
+    expert backward leaves waiting for the layer's next one, which runs both launches and frees them
+    (the first, third, ... backward of a layer leaves them; an odd last one's wait until the optimizer step)."""
     live: dict[tuple[type, int, int], int] = {}
+    waiting: dict[int, int] = {}  # layer -> bytes of the rows waiting for its next expert backward
     total, best = 0, RankActivations(0, 0, "none")
     for op in program:
         if isinstance(op, (AttentionForward, ExpertForward)):
@@ -70,6 +74,12 @@ def replay_peak(program: tuple[Op, ...], kept: Callable[[Op], int], held: Callab
                 best = RankActivations(here, in_flight, type(op).__name__ + _where(op))
         if isinstance(op, (AttentionBackward, ExpertBackward)):
             total -= live.pop((FORWARD_OF[type(op)], op.layer, op.micro_batch), 0)
+        if waits is not None and isinstance(op, ExpertBackward):
+            if op.layer in waiting:  # the pair's launch ran at this op's end: both row sets freed
+                total -= waiting.pop(op.layer)
+            else:
+                waiting[op.layer] = waits(op)
+                total += waiting[op.layer]
     return best
 
 
@@ -100,7 +110,9 @@ def rank_activations(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topolog
     roots) and the backward holds its layer's half again (`roofline.memory`'s FULL terms). FP8
     experts (precision fp8) keep and hold their own rows' terms (`roofline.memory`'s `fp8`, their
     backward's by its recipe, `fp8_expert_backward`); emulated (`fp8_emulate`), an expert forward
-    holds its dequantised operands for its span (`emulate_transient`)."""
+    holds its dequantised operands for its span (`emulate_transient`). Paired expert weight gradients
+    (`pairs_wgrads`): a layer's expert backward leaves its received rows' weight-gradient operands waiting
+    for the layer's next one (`replay_peak`'s `waits`, `roofline.memory.paired_wgrad_row_bytes`)."""
     m, vb, dropped, fp8 = model_cfg, value_bytes(cfg), cfg.recompute_set, cfg.expert_precision == "fp8"
     tokens = cfg.batch_size // cfg.micro_batches // topology.data_parallel * cfg.seq_len
     row = mem.expert_row_bytes(m, vb, dropped, fp8) + (0 if pair_rows else mem.combine_bytes(m, vb, dropped) // m.top_k)
@@ -151,8 +163,19 @@ def rank_activations(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topolog
                         + staged(op.layer - 1, dy))
             return 0
 
-        out.append(replay_peak(program, kept, held))
+        def waits(op: ExpertBackward) -> int:
+            """The rows one expert backward leaves waiting for the layer's next (paired weight gradients)."""
+            return received(op.layer) * m.top_k * mem.paired_wgrad_row_bytes(m, vb)
+
+        out.append(replay_peak(program, kept, held, waits if pairs_wgrads(cfg, pair_rows) else None))
     return out
+
+
+def pairs_wgrads(cfg: TrainConfig, pair_rows: bool = False) -> bool:
+    """Whether a distributed run's expert ranks pair their weight-gradient launches (`kernels.wgrad_pairs`):
+    `TrainConfig.pairs_expert_wgrads`, except under pair rows in bands (`pair_bands` > 1: each band's rows are
+    a group of their own, and launches over banded groups run alone)."""
+    return cfg.pairs_expert_wgrads and not (pair_rows and cfg.pair_bands > 1)
 
 
 def single_activation_bytes(cfg: TrainConfig, model_cfg: ModelConfig) -> int:

@@ -118,6 +118,32 @@ def test_launches_into_one_main_gradient_pair_up_and_the_odd_one_runs_at_the_blo
         assert not wgrad_pairs.pairing()
 
 
+def test_run_waiting_runs_the_waiting_launches_alone_and_the_block_goes_on_pairing(kernels):
+    """`run_waiting` (a rank's optimizer step inside its step's block): each waiting launch runs alone now,
+    nothing waits after it, and the launches after it pair again; outside a block it does nothing."""
+    gg, wgrad_pairs, _ = kernels
+    gen = torch.Generator().manual_seed(13)
+    experts, k, c = 3, 8, 12
+    sets = [_rows(gen, experts, k, c) for _ in range(3)]
+    mains = [torch.zeros(experts, k, c), torch.zeros(experts, k, c)]
+    wgrad_pairs.run_waiting()  # outside a block: nothing to run
+    with wgrad_pairs.paired_weight_grads():
+        for main in mains:
+            wgrad_pairs.weight_grad_into(*sets[0], SMALL_TILES, main=main, weights=experts)
+        assert wgrad_pairs.launches_waiting() == 2 and not any(main.any() for main in mains)
+        wgrad_pairs.run_waiting()
+        assert wgrad_pairs.launches_waiting() == 0
+        for main in mains:
+            assert _rel_err(main, _reference(*sets[0], experts)) < 1e-6
+        wgrad_pairs.weight_grad_into(*sets[1], SMALL_TILES, main=mains[0], weights=experts)
+        assert wgrad_pairs.launches_waiting() == 1  # after the flush, the next launch waits again ...
+        wgrad_pairs.weight_grad_into(*sets[2], SMALL_TILES, main=mains[0], weights=experts)
+        assert wgrad_pairs.launches_waiting() == 0  # ... for its partner
+    want = _reference(*sets[0], experts) + _reference(*sets[1], experts) + _reference(*sets[2], experts)
+    assert _rel_err(mains[0], want) < 1e-6
+    assert wgrad_pairs.launches_waiting() == 0
+
+
 def test_a_failed_block_drops_its_waiting_launches(kernels):
     _, wgrad_pairs, _ = kernels
     gen = torch.Generator().manual_seed(12)

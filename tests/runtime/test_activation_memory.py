@@ -144,7 +144,10 @@ def test_the_planner_prices_the_activations_the_runtimes_memory_check_counts(nam
     if modules is not None:
         assert plan.recompute_modules == modules
     dp = layout["attn"] // layout["p"]
+    # the planner prices the distributed layouts' expert weight gradients a micro-batch at a time (their ranks'
+    # pairs are resolved against the devices' memory at start: `driver.resolve_distributed_wgrad_pairs`)
     cfg = TrainConfig(model=model, plan=plan, experts_backend="triton", precision="bf16", seq_len=seq_len,
+                      expert_wgrad_pairs="off",
                       batch_size=layout["m"] * dp * layout["seqs"], out_dir="unused")
     run = apply_plan(cfg, model)
     assert run.recompute == recompute and run.micro_batches == layout["m"]
@@ -184,6 +187,7 @@ def test_the_planner_prices_the_fp8_experts_activations_the_runtimes_memory_chec
     assert plan.recompute_modules == (["expert_input", "expert_swiglu"] if recompute == "selective" else [])
     dp = layout["attn"] // layout["p"]
     cfg = TrainConfig(model=model, plan=plan, experts_backend="triton", precision="fp8", device="cuda",
+                      expert_wgrad_pairs="off",  # as above: the planner prices the ranks unpaired
                       transport="nvshmem", seq_len=1024, batch_size=layout["m"] * dp * layout["seqs"], out_dir="unused",
                       fp8_expert_backward=backward)
     run = apply_plan(cfg, model)
@@ -211,8 +215,8 @@ def test_sparse_dispatch_holds_a_copy_of_the_rows_per_expert_rank_for_the_forwar
     rank = topology.attention_rank(0, 0)
     forward = next(op for op in topology.programs(1)[rank] if isinstance(op, AttentionForward) and op.layer == 2)
     for stores in (False, True):
-        monkeypatch.setattr(am, "replay_peak", lambda program, kept, hold, _s=stores: (
-            held[_s].append(hold(forward)), real(program, kept, hold))[1])
+        monkeypatch.setattr(am, "replay_peak", lambda program, kept, hold, waits=None, _s=stores: (
+            held[_s].append(hold(forward)), real(program, kept, hold, waits))[1])
         rank_activations(cfg, m, topology, sparse=True, peer_stores=stores)
     tokens, row = 8 * 16, 4 * m.hidden_size + m.top_k * 8 + 4  # fp32 on CPU: row, ids, weights, token index
     assert held[False][rank] == 8 * tokens * row and held[True][rank] == 0

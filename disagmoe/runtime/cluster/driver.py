@@ -37,7 +37,7 @@ from disagmoe.kernels.fp8_dense import fits_blockwise
 from disagmoe.model.layers import DeferrableLinear
 from disagmoe.roofline.memory import fp8_weight_copy_bytes
 from disagmoe.roofline.optimizer_state import staging_bytes, state_bytes
-from disagmoe.runtime.activation_memory import RankActivations, rank_activations
+from disagmoe.runtime.activation_memory import RankActivations, pairs_wgrads, rank_activations
 from disagmoe.runtime.batching import check_divisible
 from disagmoe.runtime.state.checkpoint import (
     TrainerState,
@@ -80,6 +80,7 @@ from disagmoe.runtime.rank_graphs import resolve_rank_graphs
 from disagmoe.runtime.training.loop import StepCallback, TrainingLoop, TrainSummary, signals_held
 from disagmoe.runtime.out_dir import check_out_dir
 from disagmoe.runtime.training.micro_batches import MicroBatchChoice, device_capacity_bytes, resolved
+from disagmoe.runtime.training.single_memory import MEMORY_HEADROOM
 from disagmoe.runtime.training.trainer import CHECKPOINTS_DIR, fp8_record_fields
 from disagmoe.runtime.cluster.worker import TrainWorker
 
@@ -203,17 +204,64 @@ def resolve_distributed_micro_batches(cfg: TrainConfig, model_cfg: ModelConfig, 
     number given stays."""
     if cfg.micro_batches != "auto":
         return cfg, None
-    if capacity_bytes is not None:
-        capacity = capacity_bytes
-    elif cfg.device == "cuda" and not torch.cuda.is_available():
-        if cfg.hardware is None:
-            raise ValueError("micro_batches: auto needs the GPUs' memory: this host has no GPU to ask, so set "
-                             "hardware (a preset with hbm_gib) or a number of micro-batches")
-        capacity = load_hardware(cfg.hardware).hbm_gib * 2**30
-    else:
-        capacity = device_capacity_bytes(torch.device("cuda", 0) if cfg.device == "cuda" else torch.device("cpu"))
+    capacity = _device_capacity(cfg, "micro_batches: auto", "a number of micro-batches", capacity_bytes)
     states = rank_states(cfg, model_cfg, Topology.from_config(cfg, model_cfg))  # built once: rank models are slow
     return resolved(cfg, model_cfg, lambda split: largest_device_need(split, model_cfg, states), capacity)
+
+
+def _device_capacity(cfg: TrainConfig, setting: str, instead: str, capacity_bytes: float | None) -> float:
+    """The memory a setting chosen from the devices' memory (`setting`) plans on: `capacity_bytes`, else this
+    host's GPU 0 (its host memory on CPU), else, on a joined cluster without a local GPU, the hardware preset's
+    (ValueError naming `instead` where there is none)."""
+    if capacity_bytes is not None:
+        return capacity_bytes
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        if cfg.hardware is None:
+            raise ValueError(f"{setting} needs the GPUs' memory: this host has no GPU to ask, so set hardware (a "
+                             f"preset with hbm_gib) or {instead}")
+        return load_hardware(cfg.hardware).hbm_gib * 2**30
+    return device_capacity_bytes(torch.device("cuda", 0) if cfg.device == "cuda" else torch.device("cpu"))
+
+
+def resolve_distributed_wgrad_pairs(cfg: TrainConfig, model_cfg: ModelConfig, capacity_bytes: float | None = None,
+                                    ) -> tuple[TrainConfig, str | None]:
+    """(`cfg` with `expert_wgrad_pairs: auto` resolved to on or off for its expert ranks, a line saying what runs
+    and why, or None where nothing pairs and nothing was asked), as `single_memory.resolve_wgrad_pairs` settles
+    one process: on where it applies (`activation_memory.pairs_wgrads`: not under pair rows in bands) and the
+    fullest device with each expert rank's waiting rows (`largest_device_need`) is within `MEMORY_HEADROOM` of
+    the devices' memory (`capacity_bytes`, else as `micro_batches: auto` reads it), or the rows add nothing to it
+    (where every forward of a step runs before the first backward, a rank's peak is at that backward, before any
+    rows wait: `activation_memory.replay_peak`); else off, saying why. on is the user's (the memory check holds it
+    to the whole device); on under pair rows in bands is refused."""
+    if cfg.expert_wgrad_pairs == "off":
+        return cfg, None
+    on, off = (cfg.model_copy(update={"expert_wgrad_pairs": value}) for value in ("on", "off"))
+    if not on.pairs_expert_wgrads:  # where it does not apply (on is refused there by the config) or m = 1
+        return off, None
+    topology = Topology.from_config(cfg, model_cfg)
+    if not pairs_wgrads(on, hop_mode(cfg, model_cfg, topology)[0] == "pair_rows"):
+        if cfg.expert_wgrad_pairs == "on":
+            raise ValueError(f"expert_wgrad_pairs: on cannot pair under hop pair_rows with pair_bands "
+                             f"{cfg.pair_bands}: each band's rows are their own groups, whose weight gradients run "
+                             "alone; set pair_bands: 1, hop: partial_sums, or expert_wgrad_pairs: auto")
+        return off, (f"expert_wgrad_pairs: auto -> off: pair rows in {cfg.pair_bands} bands group each band's rows "
+                     "apart, and launches over banded groups run alone")
+    capacity = _device_capacity(cfg, "expert_wgrad_pairs: auto", "expert_wgrad_pairs: on or off", capacity_bytes)
+    states = rank_states(cfg, model_cfg, topology)  # the same with or without pairs
+    with_rows = largest_device_need(on, model_cfg, states)
+    waiting = with_rows - largest_device_need(off, model_cfg, states)
+    launches = (cfg.micro_batches + 1) // 2
+    budget = capacity * MEMORY_HEADROOM
+    if cfg.expert_wgrad_pairs == "auto" and waiting > 0 and with_rows > budget:  # the rows, not the run, past it
+        return off, (f"expert_wgrad_pairs: auto -> off: a micro-batch's waiting expert rows would take the fullest "
+                     f"device's predicted peak to {with_rows / 2**30:.1f} GiB, past the {budget / 2**30:.1f} GiB "
+                     f"({MEMORY_HEADROOM:.0%} of {capacity / 2**30:.1f}) a run may plan for; each expert weight "
+                     "gradient runs once per micro-batch (expert_wgrad_pairs: on asks for them anyway)")
+    auto = " -> on" if cfg.expert_wgrad_pairs == "auto" else ""
+    return on, (f"expert_wgrad_pairs: {cfg.expert_wgrad_pairs}{auto}: each expert rank runs each expert weight "
+                f"gradient {launches} times a step over {cfg.micro_batches} micro-batches' rows (its fp32 main "
+                f"gradient read and written {launches} times, not {cfg.micro_batches}); the fullest device's "
+                f"predicted peak {waiting / 2**30:+.2f} GiB for the waiting rows")
 
 
 @dataclass(frozen=True)
@@ -344,6 +392,8 @@ class DistributedTrainer(TrainingLoop):
         self.model_cfg = load_model(cfg.model)
         self.cfg = cfg = apply_plan(cfg, self.model_cfg)  # a plan's layout, checked; inline for the workers
         self.cfg = cfg = self._auto_split(resolve_distributed_micro_batches(cfg, self.model_cfg))
+        cfg, self.wgrad_pairs_note = resolve_distributed_wgrad_pairs(cfg, self.model_cfg)  # after the split (m = 1 pairs nothing)
+        self.cfg = cfg
         self.topology = Topology.from_config(cfg, self.model_cfg)
         # cuda_graphs: on where a rank's step cannot be captured is refused here, before any actor starts
         self.cuda_graphs, self.cuda_graphs_note = resolve_rank_graphs(cfg, self.topology)
@@ -545,6 +595,7 @@ class DistributedTrainer(TrainingLoop):
                     processes=self.processes, predicted_peak_gib=max(self.predicted_peak_gib),
                     predicted_peak_gib_per_rank=list(self.predicted_peak_gib), offloaded_host_gib=self.offloaded_host_gib,
                     transport_gib_per_rank=list(self.transport_gib), cuda_graphs_note=self.cuda_graphs_note,
+                    expert_wgrad_pairs=self.cfg.pairs_expert_wgrads, expert_wgrad_pairs_note=self.wgrad_pairs_note,
                     cuda_graph_replays=self.graph_replays if self.cuda_graphs else None,
                     **self.split_facts())
 

@@ -56,11 +56,13 @@ from disagmoe.runtime.cluster.sharing import stream_sum_width, wait_timeout_s
 from disagmoe.runtime.stages.expert_stage import ExpertStage
 from disagmoe.runtime.observe.gpu_spans import GpuSpans
 from disagmoe.runtime.observe.metrics import no_host_syncs, out_of_memory_hint, peak_memory_gib
+from disagmoe.runtime.activation_memory import pairs_wgrads
 from disagmoe.runtime.stages.messages import Mailbox, MessageShapes, receive_layouts
 from disagmoe.runtime.stages.pair_return import PairHop
 from disagmoe.model.experts import first_touch_params
 from disagmoe.model.layers import set_fusion
 from disagmoe.kernels.fp8_stats import Fp8Stats, pack_for_sum, reduced_nonfinite_flag, unpack_sum
+from disagmoe.kernels.wgrad_pairs import launches_waiting, paired_weight_grads, run_waiting
 from disagmoe.runtime.state.flat_adamw import FlatAdamW, Shard, flat_squares
 from disagmoe.runtime.rank_model import compute_dtype, offload_bucket_bytes, rank_model
 from disagmoe.runtime.stages.replicas import ExpertReplicas
@@ -210,6 +212,8 @@ class TrainWorker(Worker):
             self.attention.wait_span = self._gpu_wait_span
         self.experts = (ExpertStage(self.model, topology, self.rank, pair=pair, tokens=self.shapes.tokens,
                                     sparse=self.shapes.sparse) if topology.expert_role(self.rank) else None)
+        # the expert weight gradients over pairs of micro-batches (`kernels.wgrad_pairs`; the driver resolved auto)
+        self.pairs_wgrads = self.experts is not None and pairs_wgrads(cfg, self.shapes.pair_rows)
         # every receive buffer now, sized by the run's fixed message specs; keys whose lifetimes do
         # not overlap share a slot (`recv_slots`); pair rows land in the transport's own buffers
         slots = slot_plan(self.program, self.rank, topology.is_moe, topology.num_layers, skip=self._is_pair)
@@ -333,20 +337,22 @@ class TrainWorker(Worker):
         self._held_back = ("", [])
         capturing = is_capturing(self.device)
         self.model.prepare_fp8()  # FP8 weight copies (experts, dense projections) from the last update
-        for op in self.program:
-            if not isinstance(op, Send):
-                self._run_held_back(step)
-            with self.watchdog.op(f"step {step + 1}: {_op_name(op)}"):
-                if isinstance(op, OptimizerStep):
-                    with self.recorder.span("wait for sends", "wait"):
-                        for handle in handles:
-                            handle.wait()
-                    with self._compute_span(_op_name(op)):
-                        result = self._optimizer_step()
-                else:
-                    self._run(op, step, mail, handles)
-                    if not capturing:  # an event query is no capturable work; a graph keeps its buffers anyway
-                        handles[:] = [h for h in handles if not h.is_completed()]  # delivered: release buffers
+        with paired_weight_grads(self.pairs_wgrads):  # a launch waits for the next micro-batch's into its main gradient
+            for op in self.program:
+                if not isinstance(op, Send):
+                    self._run_held_back(step)
+                with self.watchdog.op(f"step {step + 1}: {_op_name(op)}"):
+                    if isinstance(op, OptimizerStep):
+                        self._run_waiting_weight_grads(step)
+                        with self.recorder.span("wait for sends", "wait"):
+                            for handle in handles:
+                                handle.wait()
+                        with self._compute_span(_op_name(op)):
+                            result = self._optimizer_step()
+                    else:
+                        self._run(op, step, mail, handles)
+                        if not capturing:  # an event query is no capturable work; a graph keeps its buffers anyway
+                            handles[:] = [h for h in handles if not h.is_completed()]  # delivered: release buffers
         assert mail.empty(), f"rank {self.rank}: messages left over after step {step}"
         if self.attention is not None:
             result["loss_parts"] = dict(self.attention.loss_parts)
@@ -597,6 +603,15 @@ class TrainWorker(Worker):
         with self.watchdog.op(f"step {step + 1}: {span}"), self._compute_span(span):
             for item in work:
                 item()
+
+    def _run_waiting_weight_grads(self, step: int) -> None:
+        """The expert weight-gradient launches still waiting for a partner (an odd micro-batch count's last,
+        `kernels.wgrad_pairs`), each alone, as their own compute span: before the optimizer step reads the
+        main gradients (only it does: the expert buckets are never in a `ReduceGradients`)."""
+        if launches_waiting():
+            with self.watchdog.op(f"step {step + 1}: ExpertWeightGrad (unpaired)"), \
+                    self._compute_span("ExpertWeightGrad (unpaired)"):
+                run_waiting()
 
     def _compute_span(self, name: str) -> AbstractContextManager[None]:
         """A compute op's span: its GPU execution (CUDA events, no waiting) or, on CPU, its wall time.

@@ -81,8 +81,8 @@ class TrainSummary:
     cuda_graph_replays: int | None = None  # a captured step: steps replayed from the graph (the rest eager)
     cuda_graphs_note: str | None = None  # whether the step was captured, and why (`graphed_step.resolve_cuda_graphs`)
     micro_batches_note: str | None = None  # micro_batches: auto: the choice and why (`runtime.training.micro_batches`)
-    # mode single: whether the expert weight gradients ran over pairs of micro-batches, and the start line saying
-    # so (`single_memory.resolve_wgrad_pairs`, `TrainConfig.expert_wgrad_pairs`)
+    # whether the expert weight gradients ran over pairs of micro-batches (each expert rank its own, distributed),
+    # and the start line saying so (`single_memory.resolve_wgrad_pairs`, `driver.resolve_distributed_wgrad_pairs`)
     expert_wgrad_pairs: bool | None = None
     expert_wgrad_pairs_note: str | None = None
     # the dense projections' GEMMs as run (`TrainConfig.dense_recipe` of the resolved config: bf16 where precision

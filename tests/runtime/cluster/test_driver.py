@@ -789,6 +789,31 @@ def test_gpu_shared_steps_make_no_host_waits_where_no_sum_goes_through_gloo(ray_
     assert_ran_as_asked(summary, cfg)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["A1-E1-sums", "A1-E2-pairs", "A2-E2-p2-pairs"])
+def test_gpu_shared_ranks_pairing_their_expert_weight_gradients_train_as_unpaired_ones(ray_cluster, tmp_path, case):
+    """expert_wgrad_pairs on the expert ranks (`runtime.cluster.worker`, `kernels.wgrad_pairs`): every rank on
+    one GPU over nvshmem, the triton experts in bf16, three micro-batches (a pair and one alone, before the
+    optimizer step), 6 steps, the rank steps captured where the layout allows: the losses with pairs on
+    within 1e-2 relative of off's at every step (the two differ in the fp32 main gradients' summation order,
+    then in bf16 weights), and the summary says which ran."""
+    needs_shared_gpu()
+    losses = {}
+    for pairs in ("off", "on"):
+        cfg = shared_gpu_config(tmp_path / pairs, case, steps=6, micro_batches=3, batch_size=12, seq_len=64,
+                                experts_backend="triton", expert_wgrad_pairs=pairs, eval_every=0)
+        with pytest.warns(RunWarning, match="time-sliced, not a speed measurement"):
+            trainer = DistributedTrainer(cfg, log_to_driver=False)
+        assert trainer.cfg.pairs_expert_wgrads == (pairs == "on")
+        summary = trainer.run()
+        assert_ran_as_asked(summary, cfg)
+        assert summary.expert_wgrad_pairs == (pairs == "on")
+        losses[pairs] = [r["loss"] for r in read_metrics(tmp_path / pairs / METRICS_FILE)]
+    assert len(losses["on"]) == len(losses["off"]) == 6
+    for on, off in zip(losses["on"], losses["off"], strict=True):
+        assert abs(on - off) <= 1e-2 * off, (losses["on"], losses["off"])
+
+
 def needs_fp8_gpu() -> None:
     needs_shared_gpu()
     if torch.cuda.get_device_capability() < (8, 9):

@@ -38,8 +38,8 @@ def test_on_is_refused_with_the_fix_where_pairs_cannot_apply():
     with pytest.raises(ValidationError, match="expert_wgrad_pairs: on does not apply here: experts_backend loop"
                                               ".*set expert_wgrad_pairs: auto"):
         _cfg(experts_backend="loop", expert_wgrad_pairs="on")
-    with pytest.raises(ValidationError, match="mode colocated: a rank holds its expert weight gradients back"):
-        _cfg(mode="colocated", colocated_ranks=2, expert_wgrad_pairs="on")
+    # the distributed modes pair too: each expert rank its own launches (`runtime.cluster.worker`)
+    assert _cfg(mode="colocated", colocated_ranks=2, expert_wgrad_pairs="on").pairs_expert_wgrads
 
 
 def test_the_memory_model_holds_one_micro_batchs_expert_rows_beside_the_next():
