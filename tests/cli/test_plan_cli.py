@@ -448,8 +448,8 @@ def test_no_fp8_dense_prices_the_dense_projections_in_bf16_and_the_plan_records_
 def test_fp8_dense_scaling_prices_the_recipe_asked_and_the_plan_records_it():
     """`plan --fp8-dense-scaling`: blockwise (the default, as precision: fp8 trains on Hopper) or
     rowwise, recorded in the plan for `train --plan`. On the committed H100 file, whose FP8 projection
-    curve probe version 7 measured rowwise, a rowwise plan prices at that curve and a blockwise one at
-    the datasheet ratio, its note naming the curve it left out; --help teaches the choice; another
+    curve probe version 9 measured blockwise (Hopper), a blockwise plan prices at that curve and a rowwise
+    one at the datasheet ratio, its note naming the curve it left out; --help teaches the choice; another
     word is refused; beside --config the run's config sets it."""
     base = ("plan", "-m", "qwen3-30b-a3b", "-hw", "h100-sxm-calibrated", "-n", "16", "--expert-precision", "fp8",
             "--json")
@@ -458,9 +458,9 @@ def test_fp8_dense_scaling_prices_the_recipe_asked_and_the_plan_records_it():
     assert (blockwise.fp8_dense_scaling, rowwise.fp8_dense_scaling) == ("blockwise", "rowwise")
     assert blockwise.step_time_s != rowwise.step_time_s
     note = lambda plan: next(n for n in plan.notes if n.startswith("routed experts priced in FP8"))  # noqa: E731
-    assert "measured the rowwise recipe, another's GEMMs and quantisers, and is left out" in note(blockwise)
+    assert "measured the blockwise recipe, another's GEMMs and quantisers, and is left out" in note(rowwise)
     assert "from the measured FP8 projection curve over the bf16 one (calibration.projections_fp8, measured " \
-        "rowwise, probe version 7)" in note(rowwise)
+        "blockwise, probe version 9)" in note(blockwise)
     helped = " ".join(run("plan", "--help").output.split())
     assert "--fp8-dense-scaling" in helped and "prices only the recipe it measured" in helped
     assert run(*base, "--fp8-dense-scaling", "tensorwise").exit_code == 2

@@ -838,7 +838,7 @@ def test_measured_fp8_projections_price_the_dense_projections_with_their_quantis
 
 
 def test_a_curve_of_the_other_dense_recipe_prices_nothing_and_the_note_says_so():
-    """The FP8 projection curve measured rowwise (probe version 7's, as the committed H100 file holds;
+    """The FP8 projection curve measured rowwise (probe version 7's, as the H100 file held until session 36;
     a file written before `projections_fp8_scaling` reads as rowwise) and a run of the default
     blockwise recipe: the datasheet path prices it (its quantise passes as stages, the ratio
     fp8_tflops / bf16_tflops), not the rowwise curve, and the note names the curve it left out and
