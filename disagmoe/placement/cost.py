@@ -220,6 +220,7 @@ class Cost:
     lean_expert_mem_bytes: np.ndarray  # expert_mem_bytes with the leanest recomputation the problem allows
     lean_fits: np.ndarray  # fits with the leanest recomputation the problem allows
     rank_steps: RankSteps  # whether each candidate's rank steps are captured, or refused (then it never fits)
+    wgrad_pairs: np.ndarray  # bool per candidate: its expert weight gradients priced over pairs of micro-batches
     round_floor_s: np.ndarray
     """A lower bound on fwd_round_s + bwd_round_s that depends only on (p, m, seqs), whatever
     the layout: the attention work of one GPU (the solver prunes with it)."""
@@ -280,6 +281,9 @@ class Problem:
     # the single layout's expert weight gradients over pairs of micro-batches (`kernels.wgrad_pairs`): half the
     # main-gradient passes, one micro-batch's expert rows held beside the next (`mem.paired_wgrad_held_bytes`)
     wgrad_pairs: bool = False
+    # expert_wgrad_pairs auto: a candidate pairs only where its peak with the held rows is within these bytes
+    # (`mem.MEMORY_HEADROOM` of the device: the single trainer's rule, `_pairs_fit`); inf: on or off as asked
+    wgrad_pairs_budget: float = float("inf")
 
 
 def expert_layout(model: ModelConfig, per_set: np.ndarray, peak_ratio: float,
@@ -632,10 +636,12 @@ def evaluate(prob: Problem, c: Candidates, misfits_exact: bool = True) -> Cost:
         attn_state = attn_bytes * attn_params + attn_fp8_copies + offload_staging_bytes(prob, attn_params)
         exp_state = exp_bytes * exp_params + fp8_copies + offload_staging_bytes(prob, exp_params)
     # one GPU (mode single) with paired expert weight gradients: one micro-batch's expert rows wait beside the next
-    paired_wgrads = (c.colocated & (c.expert == 1) & (mb >= 2)) & prob.wgrad_pairs
-    if c.colocated:
-        attn_state = attn_state + np.where(paired_wgrads, tokens * mem.paired_wgrad_held_bytes(m, BF16), 0.0)
     in_flight = np.where(c.expert == 1, 1.0, mb) if c.colocated else mb  # one GPU: mode single accumulates
+    paired_wgrads = np.broadcast_to((c.colocated & (c.expert == 1) & (mb >= 2)) & prob.wgrad_pairs, (len(c),))
+    if c.colocated:
+        held = tokens * mem.paired_wgrad_held_bytes(m, BF16)
+        paired_wgrads = _pairs_fit(prob, c, paired_wgrads, tokens, in_flight, pairs, rows, attn_state + held)
+        attn_state = attn_state + np.where(paired_wgrads, held, 0.0)
     ranks = per_set if not c.colocated else ep
     steps = rank_steps(prob, c, dp, ranks)
     if misfits_exact:
@@ -794,6 +800,7 @@ def evaluate(prob: Problem, c: Candidates, misfits_exact: bool = True) -> Cost:
                 attn_act_bytes=act_attn * ones, expert_act_bytes=act_exp * ones, selective=selective,
                 attn_transport_bytes=transport_attn * ones, expert_transport_bytes=transport_exp * ones,
                 lean_expert_mem_bytes=lean_exp_mem * ones, lean_fits=lean_fits, rank_steps=steps,
+                wgrad_pairs=paired_wgrads.copy(),
                 round_floor_s=floor * ones, stages=stages, host_state_bytes=host_state, recompute_attention=attention,
                 recompute_block=prob.recompute == "full",
                 expert_modules=_expert_modules(prob))
@@ -853,6 +860,23 @@ def _recomputation(prob: Problem, c: Candidates, tokens: Num, in_flight: Num, pa
     act_attn, act_exp = np.where(attention, attn_lean, attn_plain), np.where(selective, exp_lean, exp_plain)
     fits = (attn_state + act_attn <= cap) & (exp_state + act_exp <= cap)
     return selective, attention, act_attn, act_exp, fits, exp_state + exp_lean, attn_fit_lean & exp_fit_lean
+
+
+def _pairs_fit(prob: Problem, c: Candidates, paired: np.ndarray, tokens: Num, in_flight: Num, pairs: Num, rows: Num,
+               state_with_rows: Num) -> np.ndarray:
+    """`paired` (per candidate: one GPU whose expert weight gradients may pair) as `expert_wgrad_pairs` settles
+    it: on or off as asked; auto (`Problem.wgrad_pairs_budget` finite) the single trainer's rule
+    (`runtime.training.single_memory.resolve_wgrad_pairs`), on only where the peak with the waiting rows
+    (`state_with_rows` and the activations of the recomputation priced with them) is within the budget."""
+    idx = np.flatnonzero(paired)
+    if np.isinf(prob.wgrad_pairs_budget) or not len(idx):
+        return paired
+    each = lambda v: np.broadcast_to(np.asarray(v, dtype=float), (len(c),))[idx]  # noqa: E731
+    act = _recomputation(prob, c.take(idx), each(tokens), each(in_flight), each(pairs), each(rows),
+                         each(state_with_rows), 0.0)[2]
+    fit = np.zeros(len(c), dtype=bool)
+    fit[idx] = each(state_with_rows) + act <= prob.wgrad_pairs_budget
+    return fit
 
 
 def _full_recomputation(prob: Problem, c: Candidates, tokens: Num, in_flight: Num, pairs: Num,

@@ -230,10 +230,14 @@ def test_expert_weight_grads_are_their_own_launch_with_the_fp32_main_gradient_tr
     wgrad = cost.stages["expert weight grads"]
     assert wgrad.group == "expert" and wgrad.runs == "moe" and wgrad.fwd.flops == 0
     assert wgrad.bwd.flops == pytest.approx(cost.stages["routed experts"].fwd.flops)
-    # paired micro-batches (`expert_wgrad_pairs` auto, priced as on): a read and write every other micro-batch
-    assert prob.wgrad_pairs and _first(wgrad.bwd.hbm_bytes) >= 4 * local_params
-    unpaired = evaluate(replace(prob, wgrad_pairs=False), Candidates.one(0, 1, 1, 8, 2, colocated=True))
-    wgrad = unpaired.stages["expert weight grads"]
+    # paired micro-batches (`expert_wgrad_pairs` on): a read and write every other micro-batch
+    one_gpu = Candidates.one(0, 1, 1, 8, 2, colocated=True)
+    paired = evaluate(replace(prob, wgrad_pairs_budget=float("inf")), one_gpu).stages["expert weight grads"]
+    assert prob.wgrad_pairs and 4 * local_params <= _first(paired.bwd.hbm_bytes) < 8 * local_params
+    # auto (the request's default) settles them off here, as the trainer would: the whole model's state alone
+    # is past 85% of the H200 (`cost._pairs_fit`)
+    assert not cost.wgrad_pairs[0] and np.array_equal(wgrad.bwd.hbm_bytes, evaluate(
+        replace(prob, wgrad_pairs=False), one_gpu).stages["expert weight grads"].bwd.hbm_bytes)
     assert _first(wgrad.bwd.hbm_bytes) >= 8 * local_params  # read + write the fp32 main gradient each
     # at 512 rows per expert that traffic binds (the profile's memory-bound weight gradients)
     times = {k: _first(v) for k, v in prob.ceilings.times(wgrad.bwd).items()}
