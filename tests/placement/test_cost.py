@@ -246,6 +246,38 @@ def test_expert_weight_grads_are_their_own_launch_with_the_fp32_main_gradient_tr
     assert wgrad.time(True, prob.ceilings) + data > 2 * cost.stages["routed experts"].time(False, prob.ceilings)
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_an_odd_micro_batch_count_prices_its_last_weight_gradient_launch_at_one_micro_batchs_rows(precision):
+    """Paired weight gradients (`kernels.wgrad_pairs`) over 3 micro-batches, priced from a measured curve (bf16's
+    weight-gradient rate; fp8 bf16-wgrad: the FP8 curve's backward): one launch over two micro-batches' rows at
+    the curve's rate for twice the rows per expert, and the odd one alone at its rate for one's, each with one
+    main-gradient pass, so the stage's step equals those two launches priced on their own (not three
+    micro-batches at the paired launch's rate)."""
+    from disagmoe.roofline import calibration as cal
+    from disagmoe.roofline import stages as st
+
+    hw = load_hardware("h100-sxm-calibrated")
+    m = load_model("qwen3-30b-a3b")
+    req = PlanConfig(model=m, cluster=ClusterConfig(hardware=hw, num_gpus=1), seq_len=4096,
+                     global_batch_tokens=3 * 2 * 4096, expert_wgrad_pairs="on", expert_precision=precision)
+    prob = replace(problem_of(req), first_touch=False)  # every launch reads its main gradient: the same work each
+    cost = evaluate(prob, Candidates.one(0, 1, 1, 3, 2, colocated=True))
+    assert cost.wgrad_pairs[0]
+    step = 3 * _first(cost.stages["expert weight grads"].time(True, prob.ceilings))  # per MoE layer
+    curve, field = ((hw.calibration.expert_gemm, "wgrad") if precision == "bf16"
+                    else (hw.calibration.expert_gemm_fp8, "bwd"))
+    assert all(getattr(point, field) is not None for point in curve)
+
+    def launch(rows: int, rows_per_expert: float) -> float:
+        rate = cal.compute_ceilings(prob.ceilings, cal.curve_fraction(curve, rows_per_expert, True, field))
+        return _first(rate.time(st.expert_weight_grads(m, rows, m.num_experts)))
+
+    rows = 2 * 4096 * m.top_k  # one micro-batch's (token, expert) rows
+    per_expert = rows / m.num_experts
+    assert step == pytest.approx(launch(2 * rows, 2 * per_expert) + launch(rows, per_expert), rel=1e-12)
+    assert step > 1.01 * 1.5 * launch(2 * rows, 2 * per_expert)  # the lone launch runs at the smaller size's rate
+
+
 def _optimizer_bytes(cost) -> float:
     """HBM bytes of the optimizer's stages (attention and experts) of the first candidate."""
     return _first(cost.stages["optimizer (attention)"].bwd.hbm_bytes + cost.stages["optimizer (experts)"].bwd.hbm_bytes)
