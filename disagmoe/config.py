@@ -611,7 +611,8 @@ class PlanConfig(StrictModel):
         "auto", description="the run's expert_wgrad_pairs (train with the same): the single layout with 2+ "
         "micro-batches and the triton experts prices each expert weight gradient once per two micro-batches (its "
         "fp32 main gradient read and written half as often) and holds one micro-batch's expert rows per MoE layer "
-        "beside the next; auto is priced as on (the trainer turns it off where the rows do not fit); off: a "
+        "beside the next; auto: on for each split whose predicted peak with those rows is within 85% of the "
+        "device (`roofline.memory.MEMORY_HEADROOM`), as the single trainer settles it, else off; off: a "
         "weight-gradient pass per micro-batch")
 
     _offload_bool = field_validator("offload_optimizer", mode="before")(on_off_word)
@@ -781,9 +782,11 @@ class Plan(StrictModel):
         None, description="a distributed layout: the cuda_graphs its transport's rings were priced under "
         "(`train --plan` then sets cuda_graphs to it); None for one GPU and in a plan written before this field")
     expert_wgrad_pairs: Literal["auto", "on", "off"] | None = Field(
-        None, description="the one-GPU layout: the expert_wgrad_pairs it was priced under (auto priced as on; `train "
-        "--plan` then sets expert_wgrad_pairs to it); None for the distributed layouts (their ranks pair as the run's "
-        "expert_wgrad_pairs says, which the planner does not price yet) and in a plan written before this field")
+        None, description="the one-GPU layout: the expert_wgrad_pairs it was priced under, on (its weight gradients "
+        "priced over pairs of micro-batches) or off (a request's auto settled for its split, as the trainer settles "
+        "it; `train --plan` then sets expert_wgrad_pairs to it); None for the distributed layouts (their ranks pair "
+        "as the run's expert_wgrad_pairs says, which the planner does not price yet) and in a plan written before "
+        "this field")
     rank_steps_captured: bool | None = Field(
         None, description="a distributed layout: whether its rank steps are captured in CUDA graphs under the "
         "planned cuda_graphs, as train decides it (runtime/rank_graphs.py; their nvshmem rings are priced rounded up "
@@ -1407,8 +1410,7 @@ def priced_as_trained(cfg: TrainConfig) -> dict[str, Any]:
             "fp8_expert_forward": cfg.fp8_expert_forward or RUN_FP8_EXPERT_FORWARD,
             "recompute_modules": list(cfg.recompute_modules) if cfg.recompute == "selective" else None,
             "experts_backend": cfg.experts_backend, "cuda_graphs": cfg.cuda_graphs,
-            "expert_wgrad_pairs": ("off" if cfg.expert_wgrad_pairs == "off" or cfg.expert_wgrad_pairs_unavailable
-                                   else "on")}
+            "expert_wgrad_pairs": "off" if cfg.expert_wgrad_pairs_unavailable else cfg.expert_wgrad_pairs}
 
 
 # ----------------------------------------------------------------------------------------------

@@ -86,7 +86,8 @@ WgradPairsOpt = Annotated[Literal["auto", "on", "off"], typer.Option(
     "--expert-wgrad-pairs", help="the run's expert_wgrad_pairs (train with the same): the one-GPU layout with 2+ "
     "micro-batches and the triton experts priced with each expert weight gradient once per two micro-batches "
     "(half the fp32 main-gradient passes) and one micro-batch's expert rows per MoE layer held beside the next; "
-    "auto (the default) is priced as on; off: a weight-gradient pass per micro-batch")]
+    "auto (the default): on for each split whose predicted peak with those rows is within 85% of the GPU, as the "
+    "trainer settles it, else off (the plan says which); off: a weight-gradient pass per micro-batch")]
 RecomputeOpt = Annotated[Literal["none", "selective", "full", "auto"], typer.Option(
     "--recompute", help="activation recomputation to price: none, selective (the expert FFN's input, output and "
     "SwiGLU rows recomputed in the backward: leaner expert GPUs, a little more HBM traffic; train with "

@@ -220,6 +220,7 @@ class Cost:
     lean_expert_mem_bytes: np.ndarray  # expert_mem_bytes with the leanest recomputation the problem allows
     lean_fits: np.ndarray  # fits with the leanest recomputation the problem allows
     rank_steps: RankSteps  # whether each candidate's rank steps are captured, or refused (then it never fits)
+    wgrad_pairs: np.ndarray  # bool per candidate: its expert weight gradients priced over pairs of micro-batches
     round_floor_s: np.ndarray
     """A lower bound on fwd_round_s + bwd_round_s that depends only on (p, m, seqs), whatever
     the layout: the attention work of one GPU (the solver prunes with it)."""
@@ -280,6 +281,9 @@ class Problem:
     # the single layout's expert weight gradients over pairs of micro-batches (`kernels.wgrad_pairs`): half the
     # main-gradient passes, one micro-batch's expert rows held beside the next (`mem.paired_wgrad_held_bytes`)
     wgrad_pairs: bool = False
+    # expert_wgrad_pairs auto: a candidate pairs only where its peak with the held rows is within these bytes
+    # (`mem.MEMORY_HEADROOM` of the device: the single trainer's rule, `_pairs_fit`); inf: on or off as asked
+    wgrad_pairs_budget: float = float("inf")
 
 
 def expert_layout(model: ModelConfig, per_set: np.ndarray, peak_ratio: float,
@@ -632,10 +636,12 @@ def evaluate(prob: Problem, c: Candidates, misfits_exact: bool = True) -> Cost:
         attn_state = attn_bytes * attn_params + attn_fp8_copies + offload_staging_bytes(prob, attn_params)
         exp_state = exp_bytes * exp_params + fp8_copies + offload_staging_bytes(prob, exp_params)
     # one GPU (mode single) with paired expert weight gradients: one micro-batch's expert rows wait beside the next
-    paired_wgrads = (c.colocated & (c.expert == 1) & (mb >= 2)) & prob.wgrad_pairs
-    if c.colocated:
-        attn_state = attn_state + np.where(paired_wgrads, tokens * mem.paired_wgrad_held_bytes(m, BF16), 0.0)
     in_flight = np.where(c.expert == 1, 1.0, mb) if c.colocated else mb  # one GPU: mode single accumulates
+    paired_wgrads = np.broadcast_to((c.colocated & (c.expert == 1) & (mb >= 2)) & prob.wgrad_pairs, (len(c),))
+    if c.colocated:
+        held = tokens * mem.paired_wgrad_held_bytes(m, BF16)
+        paired_wgrads = _pairs_fit(prob, c, paired_wgrads, tokens, in_flight, pairs, rows, attn_state + held)
+        attn_state = attn_state + np.where(paired_wgrads, held, 0.0)
     ranks = per_set if not c.colocated else ep
     steps = rank_steps(prob, c, dp, ranks)
     if misfits_exact:
@@ -682,9 +688,9 @@ def evaluate(prob: Problem, c: Candidates, misfits_exact: bool = True) -> Cost:
     # the passes `bench calibrate` fits its expert curve against; first touch: a step's first launch stores
     # (one of the rounds x micro-batches launches a step makes per layer)
     rounds = np.ceil(prob.global_batch_tokens / (mb * dp * tokens))
-    # paired: ceil(mb / 2) weight-gradient launches a round, each one main-gradient pass for two micro-batches;
-    # a launch's rows per expert (the calibrated curves' rate), two micro-batches' where they pair
-    wgrad_rows_per_expert = rows / local * np.where(paired_wgrads, 2.0, 1.0)
+    # paired: ceil(mb / 2) weight-gradient launches a round, each one main-gradient pass for two micro-batches
+    # (the odd one's for one); the share of micro-batches in paired launches (the calibrated curves' rates)
+    wgrad_paired_share = st.paired_share(mb, paired_wgrads)
     experts = st.expert_passes(m, rows, local, 1.0 / (rounds * mb) if prob.first_touch else 0.0,
                                st.main_grad_passes(mb, paired_wgrads))
     stages = {
@@ -735,14 +741,14 @@ def evaluate(prob: Problem, c: Candidates, misfits_exact: bool = True) -> Cost:
     if prob.calibration is not None:
         stages = calibrated_stages(stages, m, prob.calibration, ceil, rows / local, float(S), c.colocated, tokens,
                                    crosses_groups=c.colocated & (c.p > 1),
-                                   wgrad_rows_per_expert=wgrad_rows_per_expert)
+                                   wgrad_paired_share=wgrad_paired_share)
     if fp8:  # the measured FP8 curve where the calibration holds one; else the passes and copies at any rate,
         # the GEMMs at fp8_speedup times theirs (`fp8_stages`)
         stages = fp8_stages(stages, ceil, prob.fp8_speedup, m, rows, exp_params, prob.calibration, rows / local,
                             backward=prob.fp8_backward, forward=prob.fp8_forward,
                             tokens_once=np.where(c.colocated & (c.expert == 1), tokens, 0.0),
                             input_rows_recomputed=selective & ("expert_input" in prob.recompute_modules),
-                            wgrad_rows_per_expert=wgrad_rows_per_expert)
+                            wgrad_paired_share=wgrad_paired_share)
         if prob.fp8_dense:
             stages = fp8_dense_stages(stages, ceil, prob.fp8_speedup, m, tokens, moe_l, dense_l,
                                       prob.calibration, prob.fp8_dense_scaling)
@@ -794,6 +800,7 @@ def evaluate(prob: Problem, c: Candidates, misfits_exact: bool = True) -> Cost:
                 attn_act_bytes=act_attn * ones, expert_act_bytes=act_exp * ones, selective=selective,
                 attn_transport_bytes=transport_attn * ones, expert_transport_bytes=transport_exp * ones,
                 lean_expert_mem_bytes=lean_exp_mem * ones, lean_fits=lean_fits, rank_steps=steps,
+                wgrad_pairs=paired_wgrads.copy(),
                 round_floor_s=floor * ones, stages=stages, host_state_bytes=host_state, recompute_attention=attention,
                 recompute_block=prob.recompute == "full",
                 expert_modules=_expert_modules(prob))
@@ -853,6 +860,23 @@ def _recomputation(prob: Problem, c: Candidates, tokens: Num, in_flight: Num, pa
     act_attn, act_exp = np.where(attention, attn_lean, attn_plain), np.where(selective, exp_lean, exp_plain)
     fits = (attn_state + act_attn <= cap) & (exp_state + act_exp <= cap)
     return selective, attention, act_attn, act_exp, fits, exp_state + exp_lean, attn_fit_lean & exp_fit_lean
+
+
+def _pairs_fit(prob: Problem, c: Candidates, paired: np.ndarray, tokens: Num, in_flight: Num, pairs: Num, rows: Num,
+               state_with_rows: Num) -> np.ndarray:
+    """`paired` (per candidate: one GPU whose expert weight gradients may pair) as `expert_wgrad_pairs` settles
+    it: on or off as asked; auto (`Problem.wgrad_pairs_budget` finite) the single trainer's rule
+    (`runtime.training.single_memory.resolve_wgrad_pairs`), on only where the peak with the waiting rows
+    (`state_with_rows` and the activations of the recomputation priced with them) is within the budget."""
+    idx = np.flatnonzero(paired)
+    if np.isinf(prob.wgrad_pairs_budget) or not len(idx):
+        return paired
+    each = lambda v: np.broadcast_to(np.asarray(v, dtype=float), (len(c),))[idx]  # noqa: E731
+    act = _recomputation(prob, c.take(idx), each(tokens), each(in_flight), each(pairs), each(rows),
+                         each(state_with_rows), 0.0)[2]
+    fit = np.zeros(len(c), dtype=bool)
+    fit[idx] = each(state_with_rows) + act <= prob.wgrad_pairs_budget
+    return fit
 
 
 def _full_recomputation(prob: Problem, c: Candidates, tokens: Num, in_flight: Num, pairs: Num,
@@ -923,7 +947,7 @@ def group_time(stages: dict[str, Stage], group: str, runs: tuple[str, ...], bwd:
 def fp8_stages(stages: dict[str, Stage], ceil: Ceilings, speedup: float, m: ModelConfig, rows: Num,
                exp_params: Num, calib: Calibration | None = None, rows_per_expert: Num | None = None,
                backward: str = "bf16-wgrad", forward: str = RUN_FP8_EXPERT_FORWARD, tokens_once: Num = 0.0,
-               input_rows_recomputed: Num = False, wgrad_rows_per_expert: Num | None = None) -> dict[str, Stage]:
+               input_rows_recomputed: Num = False, wgrad_paired_share: Num = 0.0) -> dict[str, Stage]:
     """`stages` with the routed experts in FP8 (`precision: fp8`), their weights' e4m3 copies (those
     the recipe reads, `roofline.memory.fp8_weight_copy_shares`: two a parameter by default) made once
     per step (in the experts' optimizer stage, the pass after which they are made) either way.
@@ -973,9 +997,9 @@ def fp8_stages(stages: dict[str, Stage], ceil: Ceilings, speedup: float, m: Mode
     rows, and the permute's forward loses its row copy (`stages.permute_rows` of the one GPU's
     pairs: `model.experts.RoutedExperts.reads_rows`).
 
-    `wgrad_rows_per_expert` (default `rows_per_expert`): a weight-gradient launch's rows per expert, two
-    micro-batches' where they pair (`kernels.wgrad_pairs`, under the bf16 weight-gradient recipes): a measured
-    curve prices the weight gradients at its rate for that launch's size, as `calibrated_stages` does."""
+    `wgrad_paired_share` (`stages.paired_share`; 0: none): the micro-batches whose weight gradients launch in
+    pairs (`kernels.wgrad_pairs`, under the bf16 weight-gradient recipes): a measured curve prices the weight
+    gradients at its rate for each launch's size (`_wgrad_ceilings`), as `calibrated_stages` does."""
     if backward not in ("fp8", "bf16-wgrad", "bf16"):
         raise ValueError(f"FP8 experts' backward {backward!r}: choose fp8, bf16-wgrad or bf16")
     if forward not in FP8_FORWARD_SHARES:
@@ -995,8 +1019,7 @@ def fp8_stages(stages: dict[str, Stage], ceil: Ceilings, speedup: float, m: Mode
         curve, measured = calib.expert_gemm_fp8, calib.fp8_curve_backward
         fwd_ceil = cal.compute_ceilings(ceil, cal.curve_fraction(curve, rows_per_expert, False))
         bwd_ceil = cal.compute_ceilings(ceil, cal.curve_fraction(curve, rows_per_expert, True))
-        wgrad_rows = rows_per_expert if wgrad_rows_per_expert is None else wgrad_rows_per_expert
-        wgrad_ceil = cal.compute_ceilings(ceil, cal.curve_fraction(curve, wgrad_rows, True))
+        wgrad_ceil = _wgrad_ceilings(ceil, curve, rows_per_expert, wgrad_paired_share)
         at_curve = fp8_measured_backward(backward, measured)
         for name in ("routed experts", "expert weight grads"):
             if name in out:
@@ -1160,7 +1183,7 @@ def fp8_dense_stages(stages: dict[str, Stage], ceil: Ceilings, speedup: float, m
 
 def calibrated_stages(stages: dict[str, Stage], m: ModelConfig, calib: Calibration, ceil: Ceilings,
                       rows_per_expert: Num, seq_len: float, colocated: bool, tokens: Num = None,
-                      crosses_groups: np.ndarray | bool = False, wgrad_rows_per_expert: Num | None = None) -> dict[str, Stage]:
+                      crosses_groups: np.ndarray | bool = False, wgrad_paired_share: Num = 0.0) -> dict[str, Stage]:
     """`stages` priced with measured terms (`roofline.calibration`): the routed experts at the GEMM
     rates measured for their rows per expert (forward, data gradients, and the weight gradients
     into the fp32 main gradients at their own rate where the calibration holds it), the attention
@@ -1171,11 +1194,9 @@ def calibrated_stages(stages: dict[str, Stage], m: ModelConfig, calib: Calibrati
     the gradient all-reduces at the measured all-reduce, the optimizer's passes and the permute /
     combine kernels at their measured HBM rates (`Calibration.hbm_fraction`), and each schedule op's fixed cost as its
     own stage (attention, expert ops) or inside the stage that is the op (loss, optimizer).
-    A term the calibration lacks leaves its stages as they were. `wgrad_rows_per_expert` (default
-    `rows_per_expert`): the rows per expert of one weight-gradient launch, twice a micro-batch's where
-    a launch takes two micro-batches' rows (`kernels.wgrad_pairs`): its rate is the curve's at that
-    launch's size, since a probe launch bound by its main gradient's traffic fits that time as compute
-    (`roofline.calibration.fitted_fraction`), which a paired launch pays once per two micro-batches."""
+    A term the calibration lacks leaves its stages as they were. `wgrad_paired_share`
+    (`stages.paired_share`; 0: none): the micro-batches whose weight gradients launch in pairs
+    (`kernels.wgrad_pairs`), each launch at the curve's rate for its own rows (`_wgrad_ceilings`)."""
     out = dict(stages)
 
     def rated(name: str, curve: list, at: Num, bwd_field: str = "bwd") -> None:
@@ -1198,8 +1219,11 @@ def calibrated_stages(stages: dict[str, Stage], m: ModelConfig, calib: Calibrati
     # probe version 3 on: the weight gradients' own rate, measured adding into fp32 main gradients;
     # an older file's backward rate (data and weight gradients together, bf16) prices both stages
     wgrad_measured = bool(calib.expert_gemm) and all(p.wgrad is not None for p in calib.expert_gemm)
-    rated("expert weight grads", calib.expert_gemm, rows_per_expert if wgrad_rows_per_expert is None
-          else wgrad_rows_per_expert, "wgrad" if wgrad_measured else "bwd")
+    wgrad_field = "wgrad" if wgrad_measured else "bwd"
+    rated("expert weight grads", calib.expert_gemm, rows_per_expert, wgrad_field)
+    if calib.expert_gemm and "expert weight grads" in out:
+        out["expert weight grads"] = replace(out["expert weight grads"], bwd_ceilings=_wgrad_ceilings(
+            ceil, calib.expert_gemm, rows_per_expert, wgrad_paired_share, wgrad_field))
     attention, projections = cal.attention_curves(calib, m)
     rated("attention core", attention, seq_len)
     if tokens is not None:  # tokens per attention GPU per micro-batch
@@ -1226,6 +1250,25 @@ def calibrated_stages(stages: dict[str, Stage], m: ModelConfig, calib: Calibrati
     for name in ("optimizer (attention)",) if colocated else ("optimizer (attention)", "optimizer (experts)"):
         out[name] = replace(out[name], bwd=out[name].bwd + fixed("OptimizerStep"))
     return out
+
+
+def _wgrad_ceilings(ceil: Ceilings, curve: list, rows_per_expert: Num, paired_share: Num,
+                    field: str = "bwd") -> Ceilings:
+    """`ceil` at `curve`'s weight-gradient rate (its `field`) for a step's launches: `paired_share` of the
+    micro-batches (`stages.paired_share`) in paired launches (`kernels.wgrad_pairs`) at the curve's rate for
+    two micro-batches' rows per expert, the rest (unpaired, or an odd count's last) at its rate for one's,
+    blended by their FLOPs: m = 3 is one paired launch and one alone. A probe launch bound by its main
+    gradient's traffic fits its time as compute (`roofline.calibration.fitted_fraction`), so each launch's
+    rate carries the one main-gradient pass it pays, and the blend prices the launches' sum (exactly where
+    each is priced by its rate, not by the stage's other roofs)."""
+    alone = cal.compute_ceilings(ceil, cal.curve_fraction(curve, rows_per_expert, True, field))
+    share = np.asarray(paired_share, dtype=float)
+    if not share.any():
+        return alone
+    paired = cal.compute_ceilings(ceil, cal.curve_fraction(curve, 2 * np.asarray(rows_per_expert), True, field))
+    blended = 1.0 / (share / paired.flops_per_s + (1 - share) / alone.flops_per_s)
+    return replace(alone, flops_per_s=np.where(share == 1, paired.flops_per_s,
+                                               np.where(share == 0, alone.flops_per_s, blended)))
 
 
 def _link_colocated_hop(out: dict[str, Stage], ceil: Ceilings, calib: Calibration,

@@ -92,6 +92,8 @@ def problem_of(cfg: PlanConfig, gpus: int | None = None) -> Problem:
         experts_backend=cfg.experts_backend, cuda_graphs=cfg.cuda_graphs,
         wgrad_pairs=(cfg.expert_wgrad_pairs != "off" and cfg.experts_backend == "triton"
                      and not (cfg.expert_precision == "fp8" and cfg.fp8_expert_backward == "fp8")),
+        # auto: on per candidate where its peak with the waiting rows fits, as the single trainer settles it
+        wgrad_pairs_budget=hw.hbm_gib * GIB * mem.MEMORY_HEADROOM if cfg.expert_wgrad_pairs == "auto" else math.inf,
     )
 
 
@@ -770,7 +772,9 @@ def price(cfg: PlanConfig, chosen: Candidates, colocated_step_s: float | None = 
     mfu = flops_per_gpu_s / (cfg.cluster.hardware.bf16_tflops * 1e12)
     stage_times = _stage_times(cost, prob, chosen)
     notes.extend(_hop_note(stage_times, step, model.top_k))
-    if not single:
+    if single:
+        notes.extend(_wgrad_pairs_note(prob, chosen, cost))
+    else:
         ranks = (exp // (p * int(chosen.sets[0])) if use_dis else
                  int(colocated_ep(model.num_experts, exp // p // int(chosen.sets[0]))))
         notes.append(_dispatch_note(model, ranks, prob.load_peak_ratio if use_dis else 1.0, use_dis))
@@ -792,7 +796,7 @@ def price(cfg: PlanConfig, chosen: Candidates, colocated_step_s: float | None = 
         fp8_expert_backward=prob.fp8_backward if prob.expert_precision == "fp8" else None,
         fp8_expert_forward=prob.fp8_forward if prob.expert_precision == "fp8" else None,
         cuda_graphs=None if single else prob.cuda_graphs,
-        expert_wgrad_pairs=cfg.expert_wgrad_pairs if single else None,
+        expert_wgrad_pairs=("on" if cost.wgrad_pairs[0] else "off") if single else None,
         step_time_s=step, colocated_step_time_s=col if math.isfinite(col) else None,
         speedup_vs_colocated=col / step if math.isfinite(col) else None,
         expert_imbalance=real_imb, mfu=mfu, tflops_per_gpu=flops_per_gpu_s / 1e12, feasible=fits,
@@ -983,6 +987,26 @@ def roofline_rows(cost: Cost, prob: Problem, c: Candidates) -> tuple[list[dict],
                 layer_rows.append(row)
             step_rows.append(report.stage_row(name, stage.group, label, w, ceil, repeat=repeat))
     return layer_rows, step_rows
+
+
+def _wgrad_pairs_note(prob: Problem, chosen: Candidates, cost: Cost) -> list[str]:
+    """A one-GPU plan's line on `expert_wgrad_pairs: auto` where its split may pair: on or off, as the single
+    trainer settles it (`cost._pairs_fit`: the predicted peak with the waiting rows within the budget), which
+    `train --plan` then sets (`Plan.expert_wgrad_pairs`)."""
+    m = int(chosen.m[0])
+    if math.isinf(prob.wgrad_pairs_budget) or not prob.wgrad_pairs or m < 2:
+        return []
+    on = bool(cost.wgrad_pairs[0])
+    peak = float((cost if on else evaluate(replace(prob, wgrad_pairs_budget=math.inf), chosen)).attn_mem_bytes[0])
+    budget = (f"the {prob.wgrad_pairs_budget / GIB:.1f} GiB ({mem.MEMORY_HEADROOM:.0%} of the device's "
+              f"{prob.wgrad_pairs_budget / mem.MEMORY_HEADROOM / GIB:.1f}) a run may plan for")
+    if on:
+        return [f"expert_wgrad_pairs: auto -> on: each expert weight gradient priced {(m + 1) // 2} times a round "
+                f"over {m} micro-batches' rows; the predicted peak with one micro-batch's waiting rows, "
+                f"{peak / GIB:.1f} GiB, is within {budget} (train --plan sets expert_wgrad_pairs: on)"]
+    return [f"expert_wgrad_pairs: auto -> off: one micro-batch's waiting expert rows would take the predicted peak "
+            f"to {peak / GIB:.1f} GiB, past {budget}; each expert weight gradient priced once per micro-batch "
+            "(train --plan sets expert_wgrad_pairs: off)"]
 
 
 HOP_NOTE_SHARE = 0.2  # dispatch + combine above this share of the summed stage times: say why

@@ -322,6 +322,13 @@ def head_bytes(m: ModelConfig, tokens: Num, value_bytes: int, chunked: bool = Tr
             + chunk * V * (FP32 + cast) + V * H * (FP32 + cast))
 
 
+# The share of a device a setting chosen for speed may plan for (`micro_batches: auto`, `expert_wgrad_pairs:
+# auto`, in the single trainer and the planner alike). It covers what the model does not count: the CUDA
+# context, cuBLAS/Triton workspaces and the allocator's fragmentation (measured peaks on one H200 were 0.3-3%
+# above the predicted ones, docs/benchmarks.md), so a setting chosen is not the one that runs out of memory.
+MEMORY_HEADROOM = 0.85
+
+
 def paired_wgrad_held_bytes(m: ModelConfig, value_bytes: int) -> int:
     """One token's expert rows that wait for the next micro-batch under paired expert weight gradients
     (`kernels.wgrad_pairs`): in every MoE layer, its K rows' x [H], d y [H], act [F] and d h13 [2F] (the

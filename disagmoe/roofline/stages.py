@@ -245,6 +245,14 @@ def main_grad_passes(micro_batches: Num, paired: Num = False) -> Num:
     return np.where(paired, np.ceil(np.asarray(micro_batches) / 2) / micro_batches, 1.0)
 
 
+def paired_share(micro_batches: Num, paired: Num = False) -> Num:
+    """The share of a step's micro-batches whose expert weight gradients run in a paired launch (two
+    micro-batches' rows, `kernels.wgrad_pairs`): all of an even count, all but the odd one of an odd count
+    (its launch alone, one micro-batch's rows), none unpaired."""
+    m = np.asarray(micro_batches)
+    return np.where(paired, 2 * (m // 2) / m, 0.0)
+
+
 def expert_passes(m: ModelConfig, rows: Num, local_experts: Num, stored_share: Num = 0.0,
                   main_grad_passes: Num = 1.0) -> dict[str, tuple[Work, Work]]:
     """The routed experts' stages as the step runs them, (forward, backward) work of each: `routed

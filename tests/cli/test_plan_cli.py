@@ -582,17 +582,65 @@ def test_plan_of_a_config_prices_its_fp8_dense_as_it_trains_and_train_plan_keeps
 
 
 def test_the_expert_weight_gradient_pairs_flag_reaches_the_priced_problem():
-    """`plan --expert-wgrad-pairs` (auto, the default, priced as on; off) reaches the planner's problem, and
-    beside --config it is refused with where to set it (the config's expert_wgrad_pairs)."""
+    """`plan --expert-wgrad-pairs` (auto, the default: on for each split within 85% of the GPU's memory; on; off)
+    reaches the planner's problem, and beside --config it is refused with where to set it (the config's
+    expert_wgrad_pairs)."""
+    import math
+
     from disagmoe.cli.plan_cmd import build_request
     from disagmoe.placement.solver import problem_of
+    from disagmoe.roofline.memory import MEMORY_HEADROOM
 
     for pairs, priced in (("auto", True), ("on", True), ("off", False)):
         req = build_request("qwen3-30b-a3b", "h200-sxm", 1, 4096, 65536, expert_wgrad_pairs=pairs)
-        assert req.expert_wgrad_pairs == pairs and problem_of(req).wgrad_pairs is priced
+        prob = problem_of(req)
+        assert req.expert_wgrad_pairs == pairs and prob.wgrad_pairs is priced
+        budget = req.cluster.hardware.hbm_gib * 2**30 * MEMORY_HEADROOM if pairs == "auto" else math.inf
+        assert prob.wgrad_pairs_budget == budget
     assert "--expert-wgrad-pairs" in run("plan", "--help").output
     r = run("plan", "-c", "configs/h200x2-qwen3-30b.yaml", "--expert-wgrad-pairs", "off")
     assert r.exit_code == 2 and "--expert-wgrad-pairs: expert_wgrad_pairs" in r.output
+
+
+MIXTRAL = "configs/h200-mixtral-8x7b.yaml"
+
+
+@pytest.mark.parametrize(("hardware", "overrides", "settled"), [
+    ("h100-sxm", ["optim.state_dtype=bf16", "precision=fp8"], ["off", "off", "off"]),  # 74.5 GiB at 4 > 67.7
+    ("h100-sxm", ["optim.state_dtype=bf16"], ["off", "off", "on"]),
+    ("h200-sxm", ["precision=fp8"], ["on", "on", "on"]),
+])
+def test_plan_of_a_one_gpu_config_settles_auto_weight_gradient_pairs_per_split_as_the_trainer_does(
+        hardware, overrides, settled):
+    """`plan -c` of the Mixtral-shaped config (`expert_wgrad_pairs: auto`) prices each micro-batch split of the
+    one-GPU layout (2, 4, 8) with the paired weight gradients the trainer settles for that split
+    (`single_memory.resolve_wgrad_pairs` on the hardware's memory: on where the predicted peak with the waiting
+    rows is within 85% of it), where the planner once priced every split paired; its plan says which it priced
+    (`Plan.expert_wgrad_pairs`, which `train --plan` sets), and prices it as that setting asked outright."""
+    from pathlib import Path
+
+    from disagmoe.cli.plan_cmd import config_request
+    from disagmoe.config import load_hardware, load_train_config
+    from disagmoe.model_ref import load_model
+    from disagmoe.placement.cost import Candidates
+    from disagmoe.placement.solver import price
+    from disagmoe.runtime.training.single_memory import resolve_wgrad_pairs
+
+    req = config_request(Path(MIXTRAL), overrides, [], hardware, None, None, 8, 0, None, None)
+    assert req.expert_wgrad_pairs == "auto"
+    capacity = load_hardware(hardware).hbm_gib * 2**30
+    decided = []
+    for m in (2, 4, 8):
+        cfg = load_train_config(MIXTRAL, [*overrides, f"micro_batches={m}"])
+        trainer = resolve_wgrad_pairs(cfg, load_model(cfg.model), capacity)[0].expert_wgrad_pairs
+        split = Candidates.one(0, 1, 1, m, cfg.batch_size // m, colocated=True)
+        plan = price(req, split).plan
+        assert plan.expert_wgrad_pairs == trainer, (m, plan.notes)
+        asked = price(req.model_copy(update={"expert_wgrad_pairs": trainer}), split).plan
+        assert (plan.step_time_s, plan.memory_per_gpu) == (asked.step_time_s, asked.memory_per_gpu)
+        assert any(n.startswith(f"expert_wgrad_pairs: auto -> {trainer}: ") for n in plan.notes), plan.notes
+        decided.append(trainer)
+    assert decided == settled
 
 
 def test_roofline_of_a_one_gpu_config_settles_its_weight_gradient_pairs_as_the_trainer_would():

@@ -1113,7 +1113,7 @@ def test_paired_expert_weight_gradients_price_half_the_single_layouts_main_gradi
 def test_paired_weight_gradients_under_a_measured_fp8_curve_take_its_rate_at_the_paired_launchs_size():
     """precision fp8 (bf16-wgrad) priced from the H100's measured FP8 curve, the Qwen3 config at 8 micro-batches:
     with expert_wgrad_pairs the weight gradients take the curve's rate at two micro-batches' rows per expert
-    (`fp8_stages`' `wgrad_rows_per_expert`), so the paired step is predicted faster (measured on that H100:
+    (`fp8_stages`' `wgrad_paired_share`), so the paired step is predicted faster (measured on that H100:
     543.9 ms unpaired, 496.8 paired, docs/benchmarks.md session 35); the data gradients' stage is unchanged."""
     hw = load_hardware("h100-sxm-calibrated")
     assert hw.calibration.expert_gemm_fp8

@@ -237,3 +237,16 @@ def test_the_offloaded_step_is_torchs_update_plus_the_staging_traffic(state_dtyp
     assert offloaded.hbm_bytes == pytest.approx(params * (sum(r + w for r, w in torch_passes.values()) + 2 * link))
     assert offloaded.host_bytes == params * link
     assert (offloaded.flops, offloaded.nvlink_bytes, offloaded.scaleout_bytes) == (0, 0, 0)
+
+
+def test_paired_weight_gradient_launches_count_the_odd_micro_batch_alone():
+    """`kernels.wgrad_pairs` pairs micro-batches in call order, the last of an odd count launching alone: over m
+    micro-batches ceil(m / 2) launches (`main_grad_passes`), 2 floor(m / 2) of the micro-batches in a paired one
+    (`paired_share`); unpaired, one launch each and none in a pair."""
+    for m in range(1, 10):
+        launches = [2] * (m // 2) + [1] * (m % 2)  # micro-batches per launch, as the kernel pairs them
+        assert float(st.main_grad_passes(m, True)) == pytest.approx(len(launches) / m)
+        assert float(st.paired_share(m, True)) == pytest.approx(sum(n for n in launches if n == 2) / m)
+        assert (float(st.main_grad_passes(m, False)), float(st.paired_share(m, False))) == (1.0, 0.0)
+    both = st.paired_share(np.array([3.0, 4.0, 3.0]), np.array([True, True, False]))
+    assert both.tolist() == pytest.approx([2 / 3, 1.0, 0.0])

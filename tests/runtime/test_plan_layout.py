@@ -16,7 +16,7 @@ import ray
 from disagmoe.cli.plan_cmd import build_request, write_plan
 from disagmoe.config import Plan, TrainConfig
 from disagmoe.model_ref import load_model
-from disagmoe.placement.cost import evaluate
+from disagmoe.placement.cost import Candidates, evaluate
 from disagmoe.placement.solver import best_index, colocated_candidates, disaggregated_candidates, price, problem_of, solve
 from disagmoe.runtime.cluster.driver import DistributedTrainer
 from disagmoe.runtime.plan_layout import apply_plan, load_plan, partition_owners, plan_placement, replaced_fields
@@ -367,13 +367,22 @@ def test_an_fp8_plan_on_a_cpu_run_gets_the_configs_own_fp8_refusal(precision):
 
 
 def test_a_one_gpu_plan_sets_the_expert_weight_gradient_pairs_it_was_priced_under():
-    """A one-GPU plan records the expert_wgrad_pairs it priced (`plan --expert-wgrad-pairs`; auto priced as
-    on), a distributed one None (its ranks do not pair); `train --plan` sets it (among the replaced fields)."""
-    single, off, split = planned(1), planned(1, expert_wgrad_pairs="off"), planned(2, 1)
-    assert (single.layout, single.expert_wgrad_pairs, off.expert_wgrad_pairs) == ("single", "auto", "off")
-    assert split.expert_wgrad_pairs is None
-    cfg = config(off, device="cuda", experts_backend="triton")
-    run = apply_plan(cfg, MODEL)
-    assert run.expert_wgrad_pairs == "off" and replaced_fields(cfg, run)["expert_wgrad_pairs"] == ("auto", "off")
-    assert apply_plan(run, MODEL) == run  # idempotent
+    """A one-GPU plan records the expert_wgrad_pairs it priced (`plan --expert-wgrad-pairs`): on where its weight
+    gradients were priced over pairs of micro-batches (auto settled for its split: the tiny model's rows fit),
+    else off (asked so, or one micro-batch: nothing pairs); a distributed one None (its ranks do not pair);
+    `train --plan` sets it (among the replaced fields)."""
+    def single(m: int, **request) -> Plan:
+        return price(build_request("tiny", "h200-sxm", 1, 64, 512, **request),
+                     Candidates.one(0, 1, 1, m, 8 // m, colocated=True)).plan
+
+    paired, off, alone, split, best = single(2), single(2, expert_wgrad_pairs="off"), single(1), planned(2, 1), planned(1)
+    assert (paired.layout, paired.expert_wgrad_pairs, off.expert_wgrad_pairs) == ("single", "on", "off")
+    assert alone.expert_wgrad_pairs == "off" and split.expert_wgrad_pairs is None
+    assert best.expert_wgrad_pairs == ("on" if best.micro_batches >= 2 else "off")
+    for plan in (paired, off):
+        cfg = config(plan, device="cuda", experts_backend="triton")
+        run = apply_plan(cfg, MODEL)
+        assert run.expert_wgrad_pairs == plan.expert_wgrad_pairs
+        assert replaced_fields(cfg, run)["expert_wgrad_pairs"] == ("auto", plan.expert_wgrad_pairs)
+        assert apply_plan(run, MODEL) == run  # idempotent
     assert apply_plan(config(split, device="cuda", experts_backend="triton"), MODEL).expert_wgrad_pairs == "auto"

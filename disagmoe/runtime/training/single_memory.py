@@ -1,26 +1,23 @@
 """One process's memory need (`mode: single`) and the setting it decides, torch-free: the single trainer
-checks and resolves a run with them, and the planner's commands (`roofline -c`, `plan -c`) settle a run as its
-trainer will before pricing it.
+checks and resolves a run with them, and `roofline -c` settles a run as its trainer will before pricing it (the
+planner applies `resolve_wgrad_pairs`' rule to each one-GPU candidate with its own memory model, the same bytes:
+`placement.cost.evaluate`).
 
     single_peak_bytes(cfg, model_cfg) -> (training state, activations) bytes at the process's peak
     resolve_wgrad_pairs(cfg, model_cfg, capacity_bytes) -> (cfg with expert_wgrad_pairs on or off, its line)
 
-`MEMORY_HEADROOM`: the share of a device a setting chosen for speed may plan for (`micro_batches: auto`,
-`expert_wgrad_pairs: auto`). It covers what the model does not count: the CUDA context, cuBLAS/Triton
-workspaces and the allocator's fragmentation (measured peaks on one H200 were 0.3-3% above the predicted
-ones, docs/benchmarks.md), so a setting chosen is not the one that runs out of memory in its first step.
+`MEMORY_HEADROOM` (`roofline.memory`'s, which the planner reads too): the share of a device a setting
+chosen for speed may plan for.
 """
 
 from __future__ import annotations
 
 from disagmoe.config import ModelConfig, TrainConfig
-from disagmoe.roofline.memory import fp8_weight_copy_bytes
+from disagmoe.roofline.memory import MEMORY_HEADROOM, fp8_weight_copy_bytes
 from disagmoe.roofline.optimizer_state import staging_bytes, state_bytes
 from disagmoe.roofline.params import count_params
 from disagmoe.roofline.stages import dense_fp8_weights
 from disagmoe.runtime.activation_memory import single_activation_bytes
-
-MEMORY_HEADROOM = 0.85  # of the device's memory a setting chosen for speed may use (module docstring)
 
 
 def single_peak_bytes(cfg: TrainConfig, model_cfg: ModelConfig) -> tuple[int, int]:
