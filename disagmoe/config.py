@@ -718,7 +718,11 @@ class Plan(StrictModel):
     expert_replica_sets: NonNegGpuCount = Field(
         description="per pipeline group: sets of expert GPUs each holding every expert once")
     sequences_per_micro_batch: NonNegInt = Field(description="sequences per micro-batch, all DP ranks")
-    accumulation_rounds: NonNegInt = Field(description="rounds of m micro-batches per step")
+    accumulation_rounds: NonNegInt = Field(
+        description="rounds of m micro-batches per step, priced one after another (the optimizer once a step). A "
+        "single plan trains them as m x rounds micro-batches of one accumulation (`train --plan` sets micro_batches "
+        "to that); the distributed runtime runs one round per optimizer step, so a plan of 2+ rounds there needs "
+        "batch_size = m x sequences_per_micro_batch (`runtime.plan_layout.check_rounds`)")
     expert_map: list[list[list[int]]] = Field(
         description="per MoE layer, per expert: the expert ranks holding it (replica r serves "
         "data-parallel index d with d mod n == r; with fewer data-parallel ranks D than replicas n, "

@@ -302,7 +302,7 @@ def show_plan(p, out: Path | None) -> None:
     lines = [
         layout,
         f"pipeline groups p={p.pipeline_groups}, micro-batches m={p.micro_batches} of "
-        f"{p.sequences_per_micro_batch} sequences, {p.accumulation_rounds} round(s) per step",
+        f"{p.sequences_per_micro_batch} sequences, {p.accumulation_rounds} round(s) per step" + _rounds_text(p),
         f"predicted step {report.seconds(p.step_time_s)}, {p.tflops_per_gpu:.0f} TFLOP/s per GPU (MFU {p.mfu:.1%}); "
         f"colocated baseline {_baseline(p)}",
         f"params {params_text(p.total_params)} total, {params_text(p.active_params)} active; "
@@ -337,6 +337,16 @@ def _rank_steps_line(p: Plan) -> list[str]:
     if p.rank_steps_captured is None:
         return []
     return [f"rank steps {'captured' if p.rank_steps_captured else 'eager'}: {escape(p.rank_steps_note)}"]
+
+
+def _rounds_text(p: Plan) -> str:
+    """How `train --plan` runs a plan's rounds (`runtime.plan_layout`); '' for one round."""
+    m, r = p.micro_batches, p.accumulation_rounds
+    if r <= 1:
+        return ""
+    if p.layout == "single":
+        return f" (train --plan: micro_batches={m * r}, one accumulation)"
+    return f" (train --plan runs one round per step: batch_size={m * p.sequences_per_micro_batch})"
 
 
 def _baseline(p: Plan) -> str:

@@ -260,7 +260,15 @@ def _plan_note(cfg: TrainConfig, planned: TrainConfig) -> str:
     if also:
         note += f"; as it was priced: {', '.join(also)}"
     plan, tokens = planned.plan, planned.batch_size * planned.seq_len
-    if (tokens, planned.seq_len) != (plan.global_batch_tokens, plan.seq_len):
+    if plan.layout == "single" and plan.accumulation_rounds > 1:  # `planned_micro_batches`
+        note += (f"; its micro-batches are the plan's {plan.micro_batches} x {plan.accumulation_rounds} rounds "
+                 f"(one accumulation; priced at {plan.sequences_per_micro_batch} sequences each)")
+    if plan.layout != "single" and plan.accumulation_rounds > 1:  # `check_rounds`: batch_size is one round
+        note += (f"; one of its {plan.accumulation_rounds} rounds per step (the {plan.layout} runtime accumulates "
+                 "no rounds: each round steps the optimizer)")
+        if planned.seq_len != plan.seq_len:
+            note += f"; it was made for seq_len {plan.seq_len}, this run trains {planned.seq_len}: set seq_len to match"
+    elif (tokens, planned.seq_len) != (plan.global_batch_tokens, plan.seq_len):
         note += (f"; it was made for {plan.global_batch_tokens:,} tokens per step at seq_len {plan.seq_len}, this run "
                  f"trains {tokens:,} ({planned.batch_size} x {planned.seq_len}): set batch_size and seq_len to match")
     return note

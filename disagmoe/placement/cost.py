@@ -278,8 +278,9 @@ class Problem:
     host_capacity_bytes: float = float("inf")  # offloaded: host memory per GPU for masters and moments
     experts_backend: str = "triton"  # the run's expert FFN: loop, grouped_mm or triton (`rank_steps`)
     cuda_graphs: str = "auto"  # the run's cuda_graphs: auto, on or off (`rank_steps`)
-    # the single layout's expert weight gradients over pairs of micro-batches (`kernels.wgrad_pairs`): half the
-    # main-gradient passes, one micro-batch's expert rows held beside the next (`mem.paired_wgrad_held_bytes`)
+    # the single layout's expert weight gradients over pairs of a step's micro-batches (m x rounds, as it trains:
+    # `kernels.wgrad_pairs`): half the main-gradient passes, one micro-batch's expert rows held beside the next
+    # (`mem.paired_wgrad_held_bytes`)
     wgrad_pairs: bool = False
     # expert_wgrad_pairs auto: a candidate pairs only where its peak with the held rows is within these bytes
     # (`mem.MEMORY_HEADROOM` of the device: the single trainer's rule, `_pairs_fit`); inf: on or off as asked
@@ -637,7 +638,11 @@ def evaluate(prob: Problem, c: Candidates, misfits_exact: bool = True) -> Cost:
         exp_state = exp_bytes * exp_params + fp8_copies + offload_staging_bytes(prob, exp_params)
     # one GPU (mode single) with paired expert weight gradients: one micro-batch's expert rows wait beside the next
     in_flight = np.where(c.expert == 1, 1.0, mb) if c.colocated else mb  # one GPU: mode single accumulates
-    paired_wgrads = np.broadcast_to((c.colocated & (c.expert == 1) & (mb >= 2)) & prob.wgrad_pairs, (len(c),))
+    rounds = np.ceil(prob.global_batch_tokens / (mb * dp * tokens))
+    # one GPU runs its rounds as more micro-batches of one accumulation (`plan_layout.apply_plan`: m x rounds), and
+    # the single trainer pairs over the whole step's: the pairs count those, not one round's m
+    step_mb = rounds * mb
+    paired_wgrads = np.broadcast_to((c.colocated & (c.expert == 1) & (step_mb >= 2)) & prob.wgrad_pairs, (len(c),))
     if c.colocated:
         held = tokens * mem.paired_wgrad_held_bytes(m, BF16)
         paired_wgrads = _pairs_fit(prob, c, paired_wgrads, tokens, in_flight, pairs, rows, attn_state + held)
@@ -687,12 +692,11 @@ def evaluate(prob: Problem, c: Candidates, misfits_exact: bool = True) -> Cost:
     head = st.lm_head(m, tokens) + st.embedding(m, tokens)
     # the passes `bench calibrate` fits its expert curve against; first touch: a step's first launch stores
     # (one of the rounds x micro-batches launches a step makes per layer)
-    rounds = np.ceil(prob.global_batch_tokens / (mb * dp * tokens))
-    # paired: ceil(mb / 2) weight-gradient launches a round, each one main-gradient pass for two micro-batches
-    # (the odd one's for one); the share of micro-batches in paired launches (the calibrated curves' rates)
-    wgrad_paired_share = st.paired_share(mb, paired_wgrads)
-    experts = st.expert_passes(m, rows, local, 1.0 / (rounds * mb) if prob.first_touch else 0.0,
-                               st.main_grad_passes(mb, paired_wgrads))
+    # paired (one GPU): ceil(step_mb / 2) weight-gradient launches a step, each one main-gradient pass for two
+    # micro-batches (the odd one's for one); the share of micro-batches in paired launches (the curves' rates)
+    wgrad_paired_share = st.paired_share(step_mb, paired_wgrads)
+    experts = st.expert_passes(m, rows, local, 1.0 / step_mb if prob.first_touch else 0.0,
+                               st.main_grad_passes(step_mb, paired_wgrads))
     stages = {
         "attention projections": Stage("attention", "layer", *st.attention_projection_passes(m, tokens)),
         "attention core": Stage("attention", "layer", *st.attention_core_passes(m, tokens, S)),

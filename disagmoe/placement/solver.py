@@ -992,8 +992,8 @@ def roofline_rows(cost: Cost, prob: Problem, c: Candidates) -> tuple[list[dict],
 def _wgrad_pairs_note(prob: Problem, chosen: Candidates, cost: Cost) -> list[str]:
     """A one-GPU plan's line on `expert_wgrad_pairs: auto` where its split may pair: on or off, as the single
     trainer settles it (`cost._pairs_fit`: the predicted peak with the waiting rows within the budget), which
-    `train --plan` then sets (`Plan.expert_wgrad_pairs`)."""
-    m = int(chosen.m[0])
+    `train --plan` then sets (`Plan.expert_wgrad_pairs`). The pairs span the step's micro-batches, m x rounds."""
+    m = int(chosen.m[0]) * int(cost.rounds[0])
     if math.isinf(prob.wgrad_pairs_budget) or not prob.wgrad_pairs or m < 2:
         return []
     on = bool(cost.wgrad_pairs[0])
@@ -1001,8 +1001,8 @@ def _wgrad_pairs_note(prob: Problem, chosen: Candidates, cost: Cost) -> list[str
     budget = (f"the {prob.wgrad_pairs_budget / GIB:.1f} GiB ({mem.MEMORY_HEADROOM:.0%} of the device's "
               f"{prob.wgrad_pairs_budget / mem.MEMORY_HEADROOM / GIB:.1f}) a run may plan for")
     if on:
-        return [f"expert_wgrad_pairs: auto -> on: each expert weight gradient priced {(m + 1) // 2} times a round "
-                f"over {m} micro-batches' rows; the predicted peak with one micro-batch's waiting rows, "
+        return [f"expert_wgrad_pairs: auto -> on: each expert weight gradient priced {(m + 1) // 2} times a step "
+                f"over its {m} micro-batches' rows; the predicted peak with one micro-batch's waiting rows, "
                 f"{peak / GIB:.1f} GiB, is within {budget} (train --plan sets expert_wgrad_pairs: on)"]
     return [f"expert_wgrad_pairs: auto -> off: one micro-batch's waiting expert rows would take the predicted peak "
             f"to {peak / GIB:.1f} GiB, past {budget}; each expert weight gradient priced once per micro-batch "

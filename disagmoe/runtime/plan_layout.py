@@ -21,6 +21,15 @@ own checks as a config file would (FP8 on a CPU device or without triton experts
 on a GPU without FP8 tensor cores by the trainer's `check_fp8_device`).
 Everything else (batch_size, seq_len, data, the rest of optim, transport) stays the config's.
 
+Rounds (`Plan.accumulation_rounds`: a step priced as r rounds of m micro-batches, one after another,
+the optimizer once). The single trainer's micro-batches are its accumulation steps, each forward
+and backward before the next (`runtime.training.trainer`), so a single plan's rounds are more of
+them: micro_batches = m x r, each of the plan's sequences (`planned_micro_batches`). The distributed
+schedule runs one round per optimizer step (`runtime.schedule.schedule`: every micro-batch's
+forward, then every backward, all m in flight; no loop over rounds), so m x r there would hold r
+times the activations priced: a distributed plan of 2+ rounds is refused unless batch_size is one
+round, m x sequences_per_micro_batch (`check_rounds`), and then trains one round per step.
+
 `plan_placement(plan, model_cfg)` turns the plan's `expert_map` (per MoE layer j, per expert: the
 expert-pool ranks holding it, in replica order; MoE layer j is layer num_dense_layers + j, of
 pipeline group layer mod p, whose expert GPUs are pool ranks g*n .. (g+1)*n - 1 with
@@ -34,10 +43,11 @@ splits them evenly over owners d, d + D, ... when D < n, so no replica idles (`r
 A plan the runtime cannot run is refused with a ValueError before any actor starts: a plan for
 another model, an infeasible plan, a plan recomputing expert modules for a run whose experts_backend
 is not triton, a single plan on more than one GPU or with pipeline groups, an expert held by no
-rank, twice by one rank or by a rank outside its layer's group, an expert rank with no expert, and
-a planned config the config's checks refuse. A colocated plan may hold its experts in EP blocks
-(replicas) in every pipeline group: each source then dispatches to the block it feeds
-(`Topology.served`).
+rank, twice by one rank or by a rank outside its layer's group, an expert rank with no expert, a
+distributed plan of 2+ rounds for a batch other than one round, a single plan whose m x r
+micro-batches do not divide batch_size, and a planned config the config's checks refuse. A
+colocated plan may hold its experts in EP blocks (replicas) in every pipeline group: each source
+then dispatches to the block it feeds (`Topology.served`).
 """
 
 from __future__ import annotations
@@ -74,15 +84,16 @@ def apply_plan(cfg: TrainConfig, model_cfg: ModelConfig) -> TrainConfig:
     plan = load_plan(cfg.plan)
     source = cfg.plan if isinstance(cfg.plan, str) else "the plan"
     check_plan(plan, model_cfg, source, cfg.experts_backend)
+    check_rounds(plan, cfg.batch_size, source)
     if plan.layout == "single":
-        layout = {"mode": "single", "micro_batches": plan.micro_batches}
+        layout = {"mode": "single", "micro_batches": planned_micro_batches(plan)}
     elif plan.layout == "colocated":
         layout = {"mode": "colocated", "colocated_ranks": plan.expert_gpus, "pipeline_groups": plan.pipeline_groups,
-                  "expert_replica_sets": plan.expert_replica_sets, "micro_batches": plan.micro_batches}
+                  "expert_replica_sets": plan.expert_replica_sets, "micro_batches": planned_micro_batches(plan)}
     else:
         layout = {"mode": "disaggregated", "attention_ranks": plan.attention_gpus, "expert_ranks": plan.expert_gpus,
                   "pipeline_groups": plan.pipeline_groups, "expert_replica_sets": plan.expert_replica_sets,
-                  "micro_batches": plan.micro_batches}
+                  "micro_batches": planned_micro_batches(plan)}
     if plan.recompute == "selective":
         layout["recompute"] = "selective"
         layout["recompute_modules"] = planned_modules(plan)
@@ -120,6 +131,33 @@ def apply_plan(cfg: TrainConfig, model_cfg: ModelConfig) -> TrainConfig:
     validate(TrainConfig, {**planned.model_dump(exclude_unset=True, exclude={"plan"}), "plan": plan},
              f"the config with {source}{priced}")
     return planned
+
+
+def planned_micro_batches(plan: Plan) -> int:
+    """The micro-batches a step trains under `plan` (module docstring): a single plan's m x rounds,
+    a distributed plan's m (one round)."""
+    rounds = max(plan.accumulation_rounds, 1)  # 0 only in an infeasible plan, which check_plan refuses
+    return plan.micro_batches * rounds if plan.layout == "single" else plan.micro_batches
+
+
+def check_rounds(plan: Plan, batch_size: int, source: str) -> None:
+    """ValueError, with the fix, where a run of `batch_size` sequences cannot train `plan`'s
+    micro-batches as priced (module docstring: rounds)."""
+    m, r, seqs = plan.micro_batches, plan.accumulation_rounds, plan.sequences_per_micro_batch
+    if plan.layout == "single":
+        micro = planned_micro_batches(plan)
+        if batch_size % micro:
+            raise ValueError(f"{source} trains {micro} micro-batches a step ({m} x {r} rounds, priced at {seqs} "
+                             f"sequences each), which do not divide batch_size={batch_size}; set batch_size to a "
+                             f"multiple of {micro} ({micro * seqs} is the plan's step), or plan for this batch")
+        return
+    if r > 1 and batch_size != m * seqs:
+        raise ValueError(
+            f"{source} prices a step as {r} rounds of {m} micro-batches of {seqs} sequences, but the {plan.layout} "
+            f"runtime runs one round per optimizer step (every micro-batch's forward, then every backward: no "
+            f"accumulation over rounds), so batch_size={batch_size} would not run what was priced (micro-batches "
+            f"of {batch_size / m:g} sequences); set batch_size: {m * seqs} (one round per step: the memory priced, the "
+            f"optimizer stepping {r} times as often), or plan on more GPUs, where the batch may take one round")
 
 
 def planned_modules(plan: Plan) -> list[str]:

@@ -260,6 +260,36 @@ def test_train_runs_a_single_gpu_plan_in_single_mode(tmp_path):
     assert json.loads(result.stdout)["final_loss"] > 0
 
 
+def test_train_runs_a_plans_rounds_as_priced_or_refuses_the_batch_it_cannot(tmp_path):
+    """`train --plan`: a one-GPU plan of 1 micro-batch of 2 sequences x 4 rounds trains 4 micro-batches of 2
+    (one accumulation), and its start line says so; a colocated plan of 2 rounds is refused (exit 2, before
+    any rank starts) for its whole step's batch, naming the one-round batch the distributed runtime runs."""
+    from disagmoe.cli.plan_cmd import build_request
+    from disagmoe.cli.plan_cmd import write_plan as write
+    from disagmoe.placement.cost import Candidates
+    from disagmoe.placement.solver import price
+
+    # the config's 8 sequences of 64 tokens; its loop experts pair no weight gradients (`expert_wgrad_pairs`)
+    request = build_request("tiny", "h200-sxm", 2, 64, 512, expert_wgrad_pairs="off")
+    single, colocated = tmp_path / "single.yaml", tmp_path / "colocated.yaml"
+    write(price(request, Candidates.one(0, 1, 1, 1, 2, colocated=True)).plan, single)
+    write(price(request, Candidates.one(0, 2, 1, 2, 1, colocated=True)).plan, colocated)
+    assert (yaml.safe_load(single.read_text())["accumulation_rounds"],
+            yaml.safe_load(colocated.read_text())["accumulation_rounds"]) == (4, 2)
+    run = ["steps=1", "eval_every=0", "checkpoint_at_end=false"]
+    result = invoke("--config", str(REPO / "configs/tiny-cpu.yaml"), "--plan", str(single), "--out-dir",
+                    str(tmp_path / "single"), *run)
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.stdout.split())
+    assert "micro_batches=4 (config: 2)" in text and "the plan's 1 x 4 rounds" in text
+    assert "priced at 2 sequences each" in text
+    refused = invoke("--config", str(REPO / "configs/tiny-cpu.yaml"), "--plan", str(colocated), "--out-dir",
+                     str(tmp_path / "colocated"), *run)
+    assert refused.exit_code == 2 and "Traceback" not in refused.output
+    assert "set batch_size: 4 (one round per step" in " ".join(refused.stderr.split())
+    assert not (tmp_path / "colocated").exists()
+
+
 @pytest.mark.slow  # more than a few seconds on 2 cores (`pytest -m 'not slow'` skips it)
 def test_train_on_a_two_node_cluster_places_both_ranks_on_one_node_and_matches_the_embedded_run(tmp_path):
     """`train` (1 attention + 1 expert rank) through `ray_address` on a simulated two-node

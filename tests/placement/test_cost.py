@@ -282,6 +282,35 @@ def test_an_odd_micro_batch_count_prices_its_last_weight_gradient_launch_at_one_
     assert step > 1.01 * 1.5 * launch(2 * rows, 2 * per_expert)  # the lone launch runs at the smaller size's rate
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+@pytest.mark.parametrize("step_micro_batches", [3, 4])
+def test_a_one_gpu_splits_pairs_count_the_steps_micro_batches_whatever_its_rounds(precision, step_micro_batches):
+    """One GPU trains its rounds as more micro-batches of one accumulation (`plan_layout.planned_micro_batches`)
+    and the single trainer pairs weight gradients over the whole step's: 1 micro-batch x n rounds is priced as
+    n micro-batches x 1 round of the same sequences (paired on, the launches' passes, their calibrated rates,
+    an odd count's lone launch, the step), with one micro-batch's waiting rows in its memory either way; auto
+    settles both alike against the device (`cost._pairs_fit`)."""
+    m = load_model("qwen3-30b-a3b")
+    n = step_micro_batches
+    for pairs in ("on", "auto"):
+        req = PlanConfig(model=m, cluster=ClusterConfig(hardware=load_hardware("h100-sxm-calibrated"), num_gpus=1),
+                         seq_len=4096, global_batch_tokens=n * 2 * 4096, expert_wgrad_pairs=pairs,
+                         expert_precision=precision)
+        prob = problem_of(req)
+        rounds, one_round = (evaluate(prob, Candidates.one(0, 1, 1, mb, 2, colocated=True)) for mb in (1, n))
+        assert (_first(rounds.rounds), _first(one_round.rounds)) == (n, 1)
+        assert rounds.wgrad_pairs[0] == one_round.wgrad_pairs[0] == (pairs == "on")
+        wgrad, wgrad_one = rounds.stages["expert weight grads"], one_round.stages["expert weight grads"]
+        assert _first(wgrad.bwd.hbm_bytes) == pytest.approx(_first(wgrad_one.bwd.hbm_bytes), rel=1e-12)
+        assert _first(wgrad.time(True, prob.ceilings)) == pytest.approx(
+            _first(wgrad_one.time(True, prob.ceilings)), rel=1e-12)
+        assert _first(rounds.step_s) == pytest.approx(_first(one_round.step_s), rel=1e-12)
+        assert _first(rounds.attn_mem_bytes) == pytest.approx(_first(one_round.attn_mem_bytes), rel=1e-12)
+        unpaired = evaluate(replace(prob, wgrad_pairs=False), Candidates.one(0, 1, 1, 1, 2, colocated=True))
+        fewer = _first(wgrad.bwd.hbm_bytes) < _first(unpaired.stages["expert weight grads"].bwd.hbm_bytes)
+        assert fewer == (pairs == "on")  # paired: half the main-gradient passes (auto: off, as unpaired)
+
+
 def _optimizer_bytes(cost) -> float:
     """HBM bytes of the optimizer's stages (attention and experts) of the first candidate."""
     return _first(cost.stages["optimizer (attention)"].bwd.hbm_bytes + cost.stages["optimizer (experts)"].bwd.hbm_bytes)
@@ -925,7 +954,7 @@ def test_the_replicated_experts_priced_are_the_plans_replica_groups(attn, expert
     plan = price(req, cand).plan
     assert plan.feasible and plan.layout == ("colocated" if colocated else "disaggregated")
     cfg = TrainConfig(model="tiny", device="cuda", transport="nvshmem", experts_backend="triton", seq_len=64,
-                      batch_size=2 * max(attn, expert), plan=plan)
+                      batch_size=plan.micro_batches * plan.sequences_per_micro_batch, plan=plan)  # one round a step
     ranks = colocated_ep(model.num_experts, expert) if colocated else np.array([expert // sets])
     replicated = bool(replicates_experts(problem_of(req), cand, ranks)[0])
     assert replicated == bool(Topology.from_config(cfg, model).replica_groups())

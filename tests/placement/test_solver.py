@@ -67,8 +67,9 @@ def _planned_run(model: str, gpus: int, graphs: str, replicas: int = 0):
     plan = solve(request(model, "h200-sxm", gpus, seq_len=4096, batch=4096 * 64, max_pipeline_groups=1,
                          max_expert_replicas=replicas, cuda_graphs=graphs))
     assert plan.feasible and plan.layout == "disaggregated", plan.reason
+    one_round = plan.micro_batches * plan.sequences_per_micro_batch  # a distributed run's step (`check_rounds`)
     cfg = apply_plan(TrainConfig(model=model, device="cuda", transport="nvshmem", experts_backend="triton",
-                                 hop="partial_sums", cuda_graphs="on", seq_len=4096, batch_size=64, plan=plan),
+                                 hop="partial_sums", cuda_graphs="on", seq_len=4096, batch_size=one_round, plan=plan),
                      load_model(model))
     return plan, cfg, Topology.from_config(cfg, load_model(model))
 
@@ -451,17 +452,19 @@ def test_an_attention_recomputing_plan_round_trips_into_the_runs_config(tmp_path
     write_plan(plan, tmp_path / "plan.yaml")
     back = load_plan(str(tmp_path / "plan.yaml"))
     assert back == plan and back.recompute_modules == EXPERT_MODULES + ["attention"]
+    one_round = lambda plan: plan.micro_batches * plan.sequences_per_micro_batch  # noqa: E731 (`check_rounds`)
     run = apply_plan(TrainConfig(model=cfg.model, plan=str(tmp_path / "plan.yaml"), experts_backend="triton",
-                                 batch_size=2, seq_len=32768), cfg.model)
+                                 batch_size=one_round(plan), seq_len=32768), cfg.model)
     assert (run.mode, run.colocated_ranks, run.micro_batches) == ("colocated", 2, plan.micro_batches)
     assert run.recompute == "selective" and run.recompute_set == frozenset(EXPERT_MODULES + ["attention"])
     grouped = solve(attention_bound_request(141, experts_backend="grouped_mm", recompute_modules=["attention"],
                                             recompute="selective"))
     assert grouped.recompute_modules == ["attention"]
-    loop = apply_plan(TrainConfig(model=cfg.model, plan=grouped, batch_size=2, seq_len=32768), cfg.model)
+    loop = apply_plan(TrainConfig(model=cfg.model, plan=grouped, batch_size=one_round(grouped), seq_len=32768),
+                      cfg.model)
     assert loop.recompute == "selective" and loop.recompute_set == {"attention"}
     with pytest.raises(ValueError, match="expert_input, expert_output, expert_swiglu, which needs experts_backend"):
-        apply_plan(TrainConfig(model=cfg.model, plan=plan, experts_backend="grouped_mm", batch_size=2,
+        apply_plan(TrainConfig(model=cfg.model, plan=plan, experts_backend="grouped_mm", batch_size=one_round(plan),
                                seq_len=32768), cfg.model)
 
 

@@ -19,6 +19,7 @@ from disagmoe.model_ref import load_model
 from disagmoe.placement.cost import Candidates, evaluate
 from disagmoe.placement.solver import best_index, colocated_candidates, disaggregated_candidates, price, problem_of, solve
 from disagmoe.runtime.cluster.driver import DistributedTrainer
+from disagmoe.runtime.batching import batch_rows
 from disagmoe.runtime.plan_layout import apply_plan, load_plan, partition_owners, plan_placement, replaced_fields
 from disagmoe.runtime.topology import Topology, contiguous_expert_ids
 
@@ -40,13 +41,13 @@ def planned(gpus: int, expert_gpus: int | None = None, **request) -> Plan:
     return price(cfg, candidates.take(best_index(evaluate(problem_of(cfg), candidates), candidates))).plan
 
 
-def colocated_plan(gpus: int, micro_batches: int, p: int = 1) -> Plan:
+def colocated_plan(gpus: int, micro_batches: int, p: int = 1, seqs: int = 1) -> Plan:
     """The planner's colocated layout on all `gpus` (`p` pipeline groups, each one EP block,
-    `micro_batches`) priced as a plan."""
+    `micro_batches` of `seqs` sequences per GPU) priced as a plan."""
     request = build_request("tiny", "h200-sxm", gpus, 64, 512)
     candidates = colocated_candidates(request, gpus)
     index = next(i for i in range(len(candidates))
-                 if candidates.p[i] == p and candidates.m[i] == micro_batches and candidates.seqs[i] == 1
+                 if candidates.p[i] == p and candidates.m[i] == micro_batches and candidates.seqs[i] == seqs
                  and candidates.expert[i] == gpus and candidates.sets[i] == 1)
     return price(request, candidates.take(index)).plan
 
@@ -57,7 +58,14 @@ def holds(plan: Plan, moe_layer: int, pool_rank: int) -> tuple[int, ...]:
 
 
 def config(plan: Plan | str, **fields) -> TrainConfig:
-    return TrainConfig(model=MODEL, plan=plan, batch_size=8, seq_len=16, **fields)
+    return TrainConfig(**{"model": MODEL, "plan": plan, "batch_size": 8, "seq_len": 16, **fields})
+
+
+def one_gpu_plan(m: int, seqs: int, **request) -> Plan:
+    """The one-GPU split of `m` micro-batches of `seqs` sequences priced as a plan (8 sequences a step:
+    8 / (m * seqs) rounds, rounded up)."""
+    return price(build_request("tiny", "h200-sxm", 1, 64, 512, **request),
+                 Candidates.one(0, 1, 1, m, seqs, colocated=True)).plan
 
 
 def test_a_disaggregated_plan_sets_the_layout_and_its_expert_map_the_placement():
@@ -85,7 +93,7 @@ def test_the_plan_wins_over_the_configs_layout_fields_and_says_what_it_replaced(
 
 
 def test_a_colocated_plan_sets_the_colocated_ranks():
-    plan = colocated_plan(2, micro_batches=2)
+    plan = colocated_plan(2, micro_batches=2, seqs=2)  # one round: the config's 8 sequences
     cfg = apply_plan(config(plan, attention_ranks=2, pipeline_groups=2), MODEL)
     assert (cfg.mode, cfg.colocated_ranks, cfg.micro_batches, cfg.pipeline_groups) == ("colocated", 2, 2, 1)
     topology = Topology.from_config(cfg, MODEL)
@@ -97,7 +105,7 @@ def test_a_colocated_plan_with_pipeline_groups_places_each_expert_once_on_its_gr
     """A colocated plan with p = 2 on 4 GPUs (each group one EP block of 2) sets pipeline_groups,
     and its expert map (global ranks, group g's g*2 .. g*2 + 1) is the topology's owners: each
     expert of a layer once, on the layer's group."""
-    plan = colocated_plan(4, micro_batches=2, p=2)
+    plan = colocated_plan(4, micro_batches=2, p=2, seqs=2)  # one round: the config's 8 sequences
     cfg = apply_plan(config(plan), MODEL)
     assert (cfg.mode, cfg.colocated_ranks, cfg.pipeline_groups, cfg.micro_batches) == ("colocated", 4, 2, 2)
     topology = Topology.from_config(cfg, MODEL)
@@ -142,8 +150,51 @@ def test_a_single_gpu_plan_runs_in_single_mode():
     assert (plan.layout, plan.attention_gpus, plan.expert_gpus) == ("single", 0, 1)
     before = config(plan, mode="disaggregated", micro_batches=2)
     cfg = apply_plan(before, MODEL)
-    assert (cfg.mode, cfg.micro_batches) == ("single", plan.micro_batches)
+    assert (cfg.mode, cfg.micro_batches) == ("single", plan.micro_batches * plan.accumulation_rounds)
     assert replaced_fields(before, cfg)["mode"] == ("disaggregated", "single")
+
+
+@pytest.mark.parametrize("m, seqs", [(1, 2), (2, 1), (1, 8)])
+def test_a_single_plans_rounds_are_more_micro_batches_of_the_priced_size(m, seqs):
+    """A one-GPU plan of r rounds of m micro-batches: the single trainer accumulates m x r micro-batches
+    a step, each the plan's sequences (`batch_rows` cuts the config's batch), and its weight-gradient
+    pairs were priced over those m x r (on for 2+, the tiny model's rows fitting)."""
+    plan = one_gpu_plan(m, seqs)
+    rounds = 8 // (m * seqs)
+    assert (plan.layout, plan.micro_batches, plan.sequences_per_micro_batch, plan.accumulation_rounds) == (
+        "single", m, seqs, rounds)
+    assert plan.expert_wgrad_pairs == ("on" if m * rounds >= 2 else "off")
+    cfg = apply_plan(config(plan, micro_batches=2, device="cuda", experts_backend="triton"), MODEL)
+    assert (cfg.mode, cfg.micro_batches, cfg.expert_wgrad_pairs) == ("single", m * rounds, plan.expert_wgrad_pairs)
+    rows = [batch_rows(cfg.batch_size, cfg.micro_batches, 1, i, 0) for i in range(cfg.micro_batches)]
+    assert [r.stop - r.start for r in rows] == [seqs] * (m * rounds)
+    assert cfg.pairs_expert_wgrads == (plan.expert_wgrad_pairs == "on")
+    assert apply_plan(cfg, MODEL) == cfg  # idempotent
+
+
+@pytest.mark.parametrize("layout", ["colocated", "disaggregated"])
+def test_a_distributed_plan_of_several_rounds_runs_one_round_per_step(layout):
+    """The distributed schedule runs one round of m micro-batches per optimizer step (every forward, then
+    every backward; no loop over rounds): a plan of 2+ rounds applies to a batch of one round, its
+    micro-batches the priced ones, and is refused for its whole step's batch (micro-batches r times the
+    priced), naming the batch that runs."""
+    request = build_request("tiny", "h200-sxm", 3, 64, 512)
+
+    def two_data_parallel(seqs: int) -> Plan:  # 2 micro-batches of `seqs` sequences on each of 2 attention GPUs
+        gpus = (0, 2) if layout == "colocated" else (2, 1)
+        return price(request, Candidates.one(*gpus, 1, 2, seqs, colocated=layout == "colocated")).plan
+
+    plan = two_data_parallel(1)
+    assert (plan.layout, plan.micro_batches, plan.sequences_per_micro_batch, plan.accumulation_rounds) == (
+        layout, 2, 2, 2)
+    with pytest.raises(ValueError, match=re.escape("runs one round per optimizer step") + ".*"
+                       + re.escape("set batch_size: 4 (one round per step")):
+        apply_plan(config(plan), MODEL)
+    cfg = apply_plan(config(plan, batch_size=4), MODEL)
+    assert (cfg.mode, cfg.micro_batches, cfg.batch_size // cfg.micro_batches) == (layout, 2, 2)
+    one_round = two_data_parallel(2)
+    assert one_round.accumulation_rounds == 1  # a plan of one round: the config's batch, whatever it is
+    assert apply_plan(config(one_round, batch_size=16), MODEL).micro_batches == 2
 
 
 def test_a_plan_file_written_by_the_planner_loads(tmp_path):
@@ -197,6 +248,11 @@ REFUSED = {
                       "a single plan runs everything on one GPU"),
     "uneven-groups": (lambda: planned(3).model_copy(update={"pipeline_groups": 3}),
                       "expert_gpus=2, not a multiple of pipeline_groups=3"),
+    "distributed-rounds": (lambda: colocated_plan(2, micro_batches=2),  # 2 rounds of 4 sequences
+                           "prices a step as 2 rounds of 2 micro-batches of 2 sequences"),
+    "single-rounds-uneven": (lambda: one_gpu_plan(1, 3),  # 3 micro-batches of 3 for the config's 8
+                             "trains 3 micro-batches a step (1 x 3 rounds, priced at 3 sequences each), which "
+                             "do not divide batch_size=8"),
 }
 
 
@@ -372,13 +428,12 @@ def test_a_one_gpu_plan_sets_the_expert_weight_gradient_pairs_it_was_priced_unde
     else off (asked so, or one micro-batch: nothing pairs); a distributed one None (its ranks do not pair);
     `train --plan` sets it (among the replaced fields)."""
     def single(m: int, **request) -> Plan:
-        return price(build_request("tiny", "h200-sxm", 1, 64, 512, **request),
-                     Candidates.one(0, 1, 1, m, 8 // m, colocated=True)).plan
+        return one_gpu_plan(m, 8 // m, **request)
 
     paired, off, alone, split, best = single(2), single(2, expert_wgrad_pairs="off"), single(1), planned(2, 1), planned(1)
     assert (paired.layout, paired.expert_wgrad_pairs, off.expert_wgrad_pairs) == ("single", "on", "off")
     assert alone.expert_wgrad_pairs == "off" and split.expert_wgrad_pairs is None
-    assert best.expert_wgrad_pairs == ("on" if best.micro_batches >= 2 else "off")
+    assert best.expert_wgrad_pairs == ("on" if best.micro_batches * best.accumulation_rounds >= 2 else "off")
     for plan in (paired, off):
         cfg = config(plan, device="cuda", experts_backend="triton")
         run = apply_plan(cfg, MODEL)

@@ -311,11 +311,14 @@ def planned(gpus: int, **request) -> Plan:
 
 def colocated_plan(gpus: int, micro_batches: int, p: int = 1) -> Plan:
     """The planner's colocated layout on `gpus` (`p` pipeline groups, `micro_batches`), priced as a
-    plan (`colocated_candidates`: the first of that depth, micro-batches and GPUs)."""
+    plan (`colocated_candidates`: the first of that depth, micro-batches and GPUs whose one round is
+    the run's 8 sequences: the distributed runtime runs one round a step, `plan_layout.check_rounds`)."""
     request = build_request("tiny", "h200-sxm", gpus, 64, 512)
     candidates = colocated_candidates(request, gpus)
+    seqs = 8 // (micro_batches * (gpus // p))  # per GPU and micro-batch
     index = next(i for i in range(len(candidates))
-                 if candidates.p[i] == p and candidates.m[i] == micro_batches and candidates.expert[i] == gpus)
+                 if candidates.p[i] == p and candidates.m[i] == micro_batches and candidates.expert[i] == gpus
+                 and candidates.seqs[i] == seqs)
     return price(request, candidates.take(index)).plan
 
 
