@@ -137,6 +137,11 @@ class ExpertShape:
             return balanced_topk(tokens, top_k, experts, torch.device("cpu"))
         return zipf_routing(tokens, top_k, experts, seed)
 
+    def offsets(self, device: torch.device, seed: int = 0) -> torch.Tensor:
+        """offsets_E (int32 cumulative rows per expert, on `device`) of `routing(seed)`'s pairs."""
+        counts_E = torch.bincount(self.routing(seed).reshape(-1), minlength=self.dims[0])
+        return counts_E.cumsum(0).to(device, torch.int32)
+
     def flops(self, pass_name: str) -> float:
         """GEMM FLOPs of the expert FFN: 3 GEMMs of 2NHF forward (gate, up, down), 3x fwd+bwd."""
         _, hidden, ffn, _ = self.dims

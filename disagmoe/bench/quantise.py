@@ -2,14 +2,17 @@
 the HBM copy rate measured in the same run.
 
 A step under `precision: fp8` quantises every expert GEMM operand it reads (`kernels.fp8`: the rows
-x and dy, the SwiGLU output from h13, d h13; the weights' 128 x 128 block copies once a step) and the
-dense projections' operands (`kernels.fp8_rowwise`), each with its `Fp8Stats` counters. These are
+x and dy, the SwiGLU output from h13, d h13; the weights' 128 x 128 block copies once a step; with
+`fp8_expert_backward: fp8` the weight gradients' token-contiguous copies, 128 x 1 token groups padded
+per expert, of x and act, and of dy and d h13 beside their 1 x 128 rows from one pass) and the dense
+projections' operands (`kernels.fp8_rowwise`), each with its `Fp8Stats` counters. These are
 HBM-bound passes: their bytes (read + written) over their kernel time against the copy rate say how
 far from the bound each runs, and the two columns say what the counters cost (session 20 found them
 2.4-4.8x the quantising; docs/benchmarks.md). Shapes are `bench experts`' (`--shape`): one
-micro-batch's rows of that model's experts on one rank.
+micro-batch's rows of that model's experts on one rank, grouped by its seeded Zipf routing.
 
-Legend: N rows (token-expert pairs), T tokens (N / top-k), E local experts, H hidden, F expert FFN.
+Legend: N rows (token-expert pairs), T tokens (N / top-k), E local experts, H hidden, F expert FFN,
+P padded rows (each expert's rows rounded up to 128, `fp8.padded_capacity`).
 """
 
 from __future__ import annotations
@@ -27,25 +30,33 @@ from disagmoe.bench.timing import environment, hbm_copy_gbps, kernel_ms
 class Case:
     """One quantiser launch: its name, the input's shape, and the bytes it moves (read + written:
     bf16 in, e4m3 out, a 4-byte scale per 128 values (per row for the rowwise one); the block copy
-    writes its values twice, the transposed copy beside them)."""
+    writes its values twice, the transposed copy beside them; a token-group copy writes all P
+    padded rows of each column, the padding too)."""
 
     name: str
-    kind: str  # rows | swiglu | blocks | rowwise: which quantiser (`launch`)
+    kind: str  # rows | swiglu | blocks | rowwise | token_groups | rows_and_token_groups: which quantiser (`launch`)
     shape: tuple[int, ...]
     bytes: int
 
 
 def cases(shape: str) -> list[Case]:
     """The quantisers one micro-batch of `shape` runs (`bench experts`' SHAPES), in step order."""
+    from disagmoe.kernels.fp8 import padded_capacity
+
     experts, hidden, ffn, top_k = SHAPES[shape].dims
     rows = SHAPES[shape].pairs
     tokens = rows // top_k
+    padded = padded_capacity(rows, experts)
 
     def group_bytes(*dims: int, read: int = 2, copies: int = 1) -> int:
         values = 1
         for d in dims:
             values *= d
         return values * read + copies * (values + 4 * values // 128)
+
+    def token_group_bytes(k: int, rows_too: bool = False) -> int:
+        """bf16 [N, k] read; the [k, P] copy and its scales written (and the 1 x 128 rows copy: `rows_too`)."""
+        return rows * k * 2 + group_bytes(k, padded, read=0) + (group_bytes(rows, k, read=0) if rows_too else 0)
 
     return [
         Case("x (and dy), 1 x 128", "rows", (rows, hidden), group_bytes(rows, hidden)),
@@ -54,11 +65,17 @@ def cases(shape: str) -> list[Case]:
         Case("w13 and its transpose, 128 x 128", "blocks", (experts, hidden, 2 * ffn),
              group_bytes(experts, hidden, 2 * ffn, copies=2)),
         Case("a dense projection's input, rowwise", "rowwise", (tokens, hidden), tokens * hidden * 3 + 4 * tokens),
+        Case("dy, 1 x 128 and 128 x 1", "rows_and_token_groups", (rows, hidden), token_group_bytes(hidden, True)),
+        Case("act, 128 x 1 token groups", "token_groups", (rows, ffn), token_group_bytes(ffn)),
+        Case("d h13, 1 x 128 and 128 x 1", "rows_and_token_groups", (rows, 2 * ffn), token_group_bytes(2 * ffn, True)),
+        Case("x, 128 x 1 token groups", "token_groups", (rows, hidden), token_group_bytes(hidden)),
     ]
 
 
-def launch(case: Case, x: torch.Tensor, stats_row: torch.Tensor | None) -> Callable[[int], object]:
-    """fn(i) running `case`'s quantiser on `x` (counting into `stats_row` where given)."""
+def launch(case: Case, x: torch.Tensor, stats_row: torch.Tensor | None,
+           offsets_E: torch.Tensor) -> Callable[[int], object]:
+    """fn(i) running `case`'s quantiser on `x` (counting into `stats_row` where given); the token-group
+    quantisers group x's rows by `offsets_E`."""
     from disagmoe.kernels import fp8, fp8_rowwise
 
     if case.kind == "swiglu":
@@ -68,6 +85,10 @@ def launch(case: Case, x: torch.Tensor, stats_row: torch.Tensor | None) -> Calla
     if case.kind == "blocks":
         transposed = torch.empty((x.shape[0], x.shape[2], x.shape[1]), dtype=fp8.FP8, device=x.device)
         return lambda _: fp8.quantize_blocks(x, stats_row, transposed_out=transposed)
+    if case.kind == "token_groups":
+        return lambda _: fp8.quantize_token_groups(x, offsets_E, stats_row)
+    if case.kind == "rows_and_token_groups":
+        return lambda _: fp8.quantize_rows_and_token_groups(x, offsets_E, stats_row, offsets_E[-1:])
     return lambda _: fp8_rowwise.quantize_rowwise(x, stats_row)
 
 
@@ -84,11 +105,12 @@ def run(shapes: list[str], warmup: int = 3, iters: int = 10, log: Callable[[str]
     gen = torch.Generator(device=device).manual_seed(0)
     rows = []
     for shape in shapes:
+        offsets_E = SHAPES[shape].offsets(device)
         for case in cases(shape):
             log(f"{shape}: {case.name} {case.shape}")
             x = torch.randn(case.shape, generator=gen, device=device, dtype=torch.bfloat16)
-            plain = kernel_ms(launch(case, x, None), warmup, iters)
-            counted = kernel_ms(launch(case, x, stats.row(ACTIVATIONS)), warmup, iters)
+            plain = kernel_ms(launch(case, x, None, offsets_E), warmup, iters)
+            counted = kernel_ms(launch(case, x, stats.row(ACTIVATIONS), offsets_E), warmup, iters)
             stats.reset()
             rows.append({"shape": shape, "quantiser": case.name, "input": list(case.shape), "bytes": case.bytes,
                          "ms": plain, "ms_with_counters": counted, "counters_cost": counted / plain,

@@ -137,12 +137,6 @@ def default_config(role: str) -> TileConfig:
     return heuristic(role)
 
 
-def _routing_offsets(shape: ExpertShape, device: torch.device) -> torch.Tensor:
-    experts = shape.dims[0]
-    idx = shape.routing(seed=0).reshape(-1)
-    return torch.bincount(idx, minlength=experts).cumsum(0).to(device, torch.int32)
-
-
 @dataclasses.dataclass(frozen=True)
 class AccumulatingLaunch:
     """A launch adding into `out` (the weight gradients into their fp32 main gradients, as a step
@@ -164,7 +158,7 @@ def role_launches(shape: ExpertShape,
     experts, hidden, ffn, top_k = shape.dims
     gen = torch.Generator(device=device).manual_seed(0)
     bf16 = dict(device=device, dtype=torch.bfloat16, generator=gen)
-    offsets = _routing_offsets(shape, device)
+    offsets = shape.offsets(device)
     rows = shape.pairs
     x, dy = torch.randn(rows, hidden, **bf16), torch.randn(rows, hidden, **bf16)
     act, h13 = torch.randn(rows, ffn, **bf16), torch.randn(rows, 2 * ffn, **bf16)
@@ -310,7 +304,7 @@ def tune(shapes: list[ExpertShape], warmup: int, iters: int, log: Callable[[str]
         experts, hidden, ffn, _ = shape.dims
         gemm_flops = 2.0 * shape.pairs * hidden * ffn
         if precision == "fp8":
-            launches = fp8_role_launches(_routing_offsets(shape, device), hidden, ffn)
+            launches = fp8_role_launches(shape.offsets(device), hidden, ffn)
             dims = {role: (hidden, ffn) for role in launches}
             flops = {role: 3 * gemm_flops for role in launches}  # two launches: 2F + F columns
         else:

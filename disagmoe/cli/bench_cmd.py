@@ -835,7 +835,9 @@ def quantise(
     as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
 ) -> None:
     """Time the FP8 quantisers a precision: fp8 step runs (the expert rows, the SwiGLU output, d h13,
-    the weights' block copies, a dense projection's rowwise input) at one micro-batch of each shape,
+    the weights' block copies, a dense projection's rowwise input; with fp8_expert_backward: fp8 the
+    weight gradients' 128 x 1 token-group copies of x and act, and dy's and d h13's beside their 1 x 128
+    rows from one pass) at one micro-batch of each shape, its rows grouped by the shape's routing,
     without and with their Fp8Stats counters, as GB/s against the HBM copy rate measured in the same
     run (they are HBM-bound passes: how far from it each runs, and what the counters cost).
 

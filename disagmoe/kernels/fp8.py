@@ -21,7 +21,9 @@ arithmetic on the fp32 bits) and cast values that are exactly representable. Com
 function is the hardware's saturating round-to-nearest-even conversion (one `cvt` per two values):
 without the emulation's 20-odd integer operations per element the quantisers ran 1.12-1.42x
 faster on an H200 (docs/benchmarks.md, session 17; they stay below HBM bandwidth for other
-reasons). Both give the same bits for every fp32 bit pattern (a GPU test compares them).
+reasons). Both give the same bits for every fp32 bit pattern (a GPU test compares them). The
+token-group quantisers also divide by the scale differently compiled (`_quotient`: a reciprocal and an
+FMA correction, the same bits; the interpreter's fma rounds twice, so there it divides).
 """
 
 from __future__ import annotations
@@ -59,14 +61,22 @@ def _round_to_e4m3(v):
     Compiled: the hardware's conversion (`cvt.rn.satfinite`), and back. Interpreted: integer
     arithmetic on the fp32 bits (`_round_to_e4m3_emulated`)."""
     if _HARDWARE_ROUNDING:
+        return _e4m3(v).to(tl.float32)
+    else:
+        return _round_to_e4m3_emulated(v)
+
+
+@triton.jit
+def _e4m3(v):
+    """`_round_to_e4m3(v)` as float8e4nv values (one conversion where only the e4m3 values are stored)."""
+    if _HARDWARE_ROUNDING:
         # clamped first as the emulation clamps (its min drops a NaN: +-448 by the sign bit), so the
         # two agree on every fp32 bit pattern, not only on finite values
         a = tl.minimum(tl.abs(v), _E4M3_MAX)
         sign = (v.to(tl.int32, bitcast=True) >> 31) << 31
-        clamped = (a.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
-        return clamped.to(tl.float8e4nv).to(tl.float32)
+        return (a.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True).to(tl.float8e4nv)
     else:
-        return _round_to_e4m3_emulated(v)
+        return _round_to_e4m3_emulated(v).to(tl.float8e4nv)
 
 
 @triton.jit
@@ -94,6 +104,77 @@ def _round_to_e4m3_emulated(v):
 def _scale_of(amax):
     """Group scale: max(amax, AMAX_FLOOR) / 448, correctly rounded (as torch divides)."""
     return tl.math.div_rn(tl.maximum(amax, _AMAX_FLOOR), _E4M3_MAX)
+
+
+# `_reciprocal_of`: scales below _TINY_SCALE are multiplied by _TINY_SCALE_UP (and x with them) first, so that
+# `_quotient`'s remainder stays a normal fp32, exact (1e-30 / 448 > 2^-109).
+_TINY_SCALE = tl.constexpr(2.0**-64)
+_TINY_SCALE_UP = tl.constexpr(2.0**64)
+_FP32_MAX = tl.constexpr(3.4028234663852886e38)
+_E4M3_MAX_RECIPROCAL = tl.constexpr(0.0022321429569274187)  # RN(1 / 448), an fp32 (0x3B124925)
+
+
+@triton.jit
+def _negated(v):
+    """-v with its sign bit flipped for every v (Triton's unary minus is 0 - v: +0 for +0); folded into the
+    FMA that takes it (an operand's negation), where 0 - v took an add of its own (ptxas sm_90a)."""
+    return v * -1.0
+
+
+@triton.jit
+def _scale_by_fma(amax):
+    """`_scale_of(amax)`'s bits. Compiled: a / 448 as q + (a - q 448) y, q = a y, y = RN(1 / 448) (Markstein's
+    correction; div_rn's bits for every significand, a >= AMAX_FLOOR keeping the remainder normal; an inf amax
+    kept inf), where div_rn took ten instructions and a branch a scale, and a token-group tile's thread holds
+    8 to 16 columns. Interpreted: `_scale_of`."""
+    if _HARDWARE_ROUNDING:
+        a = tl.maximum(amax, _AMAX_FLOOR)
+        q = a * _E4M3_MAX_RECIPROCAL
+        return tl.where(a <= _FP32_MAX, tl.fma(tl.fma(q, _E4M3_MAX, _negated(a)), -_E4M3_MAX_RECIPROCAL, q), a)
+    else:
+        return _scale_of(amax)
+
+
+@triton.jit
+def _reciprocal_of(scale):
+    """(up, s, y) of scales from `_scale_of` (normal, or +inf where x holds an inf) for `_quotient`: compiled, up
+    = 2^64 for a scale under 2^-64 (its quotients' remainders would underflow; a power of two: the same
+    quotients), else 1, s = scale x up (clamped to the largest fp32: x / inf = x y = +-0, inf / inf NaN, as
+    div_rn), y = RN(1 / (scale x up)); interpreted, (1, scale, 1) (`_quotient` divides)."""
+    if _HARDWARE_ROUNDING:
+        up = tl.where(scale < _TINY_SCALE, _TINY_SCALE_UP, 1.0)
+        s = scale * up
+        return up, tl.minimum(s, _FP32_MAX), tl.math.div_rn(1.0, s)
+    else:
+        return tl.full(scale.shape, 1.0, tl.float32), scale, tl.full(scale.shape, 1.0, tl.float32)
+
+
+@triton.jit
+def _quotient(x, up, s, y):
+    """x / scale from the scale's `_reciprocal_of` (broadcast to x's shape), |x| <= 448 scale: div_rn's bits
+    wherever the quotient reaches 2^-11 (below, an underflowing remainder may move its last bits: still
+    under 2^-10, it rounds to e4m3's 0 by x's sign as div_rn's does). Compiled: two multiplies and two FMAs
+    an element (Markstein's correction: q = x y, r = q s - x exact, q - r y rounds to x / s; -0 / s = -0 by
+    r's sign, q s - x not x - q s; `_negated`), where div_rn took ten instructions and a branch around a
+    call to its slow path (ptxas sm_90a); emulated exactly in numpy by tests/kernels/test_fp8.py.
+    Interpreted: div_rn (the interpreter's fma rounds twice)."""
+    if _HARDWARE_ROUNDING:
+        x = x * up
+        q = x * y
+        return tl.fma(tl.fma(q, s, _negated(x)), _negated(y), q)
+    else:
+        return tl.math.div_rn(x, tl.broadcast_to(s, x.shape))
+
+
+@triton.jit
+def _divided_by(x, scale, AXIS: tl.constexpr):
+    """x / scale correctly rounded (`_quotient`), scale fp32 [rows] (AXIS 1: one a row of x) or [columns]
+    (AXIS 0) from `_scale_of`."""
+    up, s, y = _reciprocal_of(scale)
+    if AXIS == 1:
+        return _quotient(x, up[:, None], s[:, None], y[:, None])
+    else:
+        return _quotient(x, up[None, :], s[None, :], y[None, :])
 
 
 @triton.jit
@@ -295,6 +376,13 @@ def _count_positions(packed, x, q):
     """`packed` (int32 by element position: underflows | non-finite inputs << 16, a persistent
     quantiser's running counts) with one tile's added; masked elements are zeros: neither."""
     return packed + tl.where((x != 0.0) & (q == 0.0), 1, 0) + tl.where(tl.abs(x) <= 3.4028234663852886e38, 0, 65536)
+
+
+@triton.jit
+def _scaled_counts(x, scaled):
+    """`_count_positions(0, x, q)` from scaled = x / scale, not from its e4m3 values q (their conversion back to
+    fp32 spared): q is 0 exactly where |scaled| <= 2^-10 (half e4m3's least subnormal, 2^-9: a tie, to even)."""
+    return tl.where((x != 0.0) & (tl.abs(scaled) <= 0.0009765625), 1, 0) + tl.where(tl.abs(x) <= _FP32_MAX, 0, 65536)
 
 
 @triton.jit
@@ -1137,8 +1225,8 @@ def _token_groups_tile(x_ptr, offsets_ptr, padded_ptr, src_ptr, tile, chunks, E,
                        BLOCK_K: tl.constexpr, E_POW2: tl.constexpr, GATHER: tl.constexpr):
     """`_quantize_token_groups_kernel`'s tile `tile` (chunk tile % chunks, K tile tile // chunks): (x
     fp32 [128, BLOCK_K] (zeros outside ok), ok (x's own rows of the chunk's group, columns below K),
-    the chunk, its columns ks, k_ok, how many elements ok holds (int64), each column's amax and scale,
-    x / scale, its e4m3 values)."""
+    the chunk, its columns ks, k_ok, how many elements ok holds (int64), each column's largest |x / scale|
+    (its amax / scale) and scale, x / scale, its e4m3 values (float8e4nv))."""
     chunk = tile % chunks
     rows, in_group, row_end, first_row = _token_chunk(offsets_ptr, padded_ptr, E, chunk, E_POW2)
     row_ok = in_group & (rows < row_end)
@@ -1151,25 +1239,27 @@ def _token_groups_tile(x_ptr, offsets_ptr, padded_ptr, src_ptr, tile, chunks, E,
         x_rows = tl.load(src_ptr + x_rows, mask=row_ok, other=0)
     x = tl.load(x_ptr + x_rows[:, None] * stride_xm + ks[None, :] * stride_xk, mask=ok, other=0.0).to(tl.float32)
     col_amax = tl.max(tl.abs(x), axis=0)
-    scale = _scale_of(col_amax)
-    scaled = tl.math.div_rn(x, tl.broadcast_to(scale[None, :], x.shape))
+    scale = _scale_by_fma(col_amax)
+    up, s, y = _reciprocal_of(scale)
+    scaled = _quotient(x, up[None, :], s[None, :], y[None, :])
     rows_counted = tl.where(in_group, tl.minimum(tl.maximum(row_end - first_row, 0), _SCALE_BLOCK), 0)
     size = (rows_counted * tl.minimum(K - k0, BLOCK_K)).to(tl.int64)
-    return x, ok, chunk, ks, k_ok, size, col_amax, scale, scaled, _round_to_e4m3(scaled)
+    return x, ok, chunk, ks, k_ok, size, _quotient(col_amax, up, s, y), scale, scaled, _e4m3(scaled)
 
 
 @triton.jit
 def _quantize_token_groups_kernel(x_ptr, q_ptr, s_ptr, offsets_ptr, padded_ptr, stats_ptr, src_ptr, E, K, chunks,
                                   tiles, stride_xm, stride_xk, stride_qk, stride_qp, stride_sk, stride_sc,
                                   BLOCK_K: tl.constexpr, E_POW2: tl.constexpr, STATS: tl.constexpr,
-                                  GATHER: tl.constexpr):
+                                  GATHER: tl.constexpr, STAGES: tl.constexpr):
     # Persistent: program p quantises tiles p, p + P, ... of the (chunk, K tile) tiles, chunk-major
     # within a K tile (neighbouring programs read the same columns of neighbouring chunks, the order
     # in which the one-program-a-tile grid it replaced ran). Tile (c, K tile): padded rows
     # [128 c, 128 c + 128), x's rows as `_token_chunk` maps them, zeros past the group's end (and for
     # chunks past the last group). q [K, P] (token-contiguous) = e4m3 of x^T, s[k, c] = scale of
     # column k over the chunk. GATHER: row r is x's row src_ptr[r] (int64), read where it lies
-    # (`kernels.recompute.RowSource`).
+    # (`kernels.recompute.RowSource`). STAGES: the loop's loads (the chunk's offsets, then its rows)
+    # software-pipelined, issued two tiles ahead of the tile being quantised.
     # STATS, counters of x's own rows (not the padding), as `_quantize_rows_kernel` counts them: each
     # element position keeps its underflows and non-finite inputs packed in an int32 (the launch keeps
     # a program under 2^16 tiles), each column position its largest |x / scale| (from the column's
@@ -1180,18 +1270,18 @@ def _quantize_token_groups_kernel(x_ptr, q_ptr, s_ptr, offsets_ptr, padded_ptr, 
     packed = tl.zeros((_SCALE_BLOCK, BLOCK_K), dtype=tl.int32)  # underflow | nonfinite << 16, by position
     peak = tl.zeros((BLOCK_K,), dtype=tl.float32)  # by column position: the largest |x / scale|
     total = tl.zeros((), dtype=tl.int64)
-    for tile in range(tl.program_id(0), tiles, tl.num_programs(0)):
-        x, ok, chunk, ks, k_ok, size, col_amax, scale, scaled, q = _token_groups_tile(
+    for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), num_stages=STAGES):
+        x, ok, chunk, ks, k_ok, size, col_peak, scale, scaled, q = _token_groups_tile(
             x_ptr, offsets_ptr, padded_ptr, src_ptr, tile, chunks, E, K, stride_xm, stride_xk, BLOCK_K, E_POW2,
             GATHER)
         if STATS:
-            packed = _count_positions(packed, x, q)
-            peak = tl.maximum(peak, tl.math.div_rn(col_amax, scale))
+            packed += _scaled_counts(x, scaled)
+            peak = tl.maximum(peak, col_peak)
             total += size
         padded_rows = (chunk * _SCALE_BLOCK + tl.arange(0, _SCALE_BLOCK)).to(tl.int64)
         # 64-bit column offsets: K x P bytes passes 2^31 at large batches (28,672 x 80k rows, say)
-        tl.store(q_ptr + ks.to(tl.int64)[None, :] * stride_qk + padded_rows[:, None] * stride_qp,
-                 q.to(q_ptr.dtype.element_ty), mask=k_ok[None, :])
+        tl.store(q_ptr + ks.to(tl.int64)[None, :] * stride_qk + padded_rows[:, None] * stride_qp, q,
+                 mask=k_ok[None, :])
         tl.store(s_ptr + ks * stride_sk + chunk * stride_sc, scale, mask=k_ok)
     if STATS:
         largest = tl.max(peak, axis=0)
@@ -1200,81 +1290,162 @@ def _quantize_token_groups_kernel(x_ptr, q_ptr, s_ptr, offsets_ptr, padded_ptr, 
         else:
             amax_bits, saturated, underflow, counted, nonfinite = _no_counts()
             for tile in range(tl.program_id(0), tiles, tl.num_programs(0)):
-                x, ok, chunk, ks, k_ok, _, col_amax, scale, scaled, q = _token_groups_tile(
+                x, ok, _, _, _, _, _, _, scaled, q = _token_groups_tile(
                     x_ptr, offsets_ptr, padded_ptr, src_ptr, tile, chunks, E, K, stride_xm, stride_xk, BLOCK_K,
                     E_POW2, GATHER)
                 amax_bits, saturated, underflow, counted, nonfinite = _count_tile(
-                    amax_bits, saturated, underflow, counted, nonfinite, x, scaled, q, ok)
+                    amax_bits, saturated, underflow, counted, nonfinite, x, scaled, q.to(tl.float32), ok)
             _add_counts(stats_ptr, amax_bits, saturated, underflow, counted, nonfinite)
 
 
-# Warps of the fused quantiser's [128, 128] tile (ptxas sm_90a, bf16 in, with counters): 16 take
-# 128 registers a thread with no spill stores; 8 take 255 (the cap), 32 spill 4 bytes at their cap
-# of 64. Either way one program fills an SM's registers; untimed on a GPU yet.
+# Issue 21: the two token-group quantisers ran 5-7x below HBM's rate in a Mixtral FP8 step on an H100 (58.9 and
+# 14.4 ms a step). Changed from their sm_90a builds alone (ptxas, SASS), UNMEASURED ON A GPU until the next
+# lease (`disagmoe bench quantise --shape mixtral-8x7b --shape qwen3-30b-a3b` times both): persistent programs
+# with software-pipelined loads (the fused kernel was one program a tile at one program an SM: its loads never
+# overlapped its arithmetic); x / scale by a reciprocal and one FMA correction (`_quotient`), the scale too
+# (`_scale_by_fma`), one e4m3 conversion (`_e4m3`), where div_rn took ten instructions and a slow-path branch
+# an element. The fused loop issues about 1,360 instructions a thread for a tile (about 1,850 before; 2,288
+# with its divisions' slow-path calls), the token-group one about 790 for [128, 32] (about 1,030). Issued at a
+# full four a cycle an SM they would take about 1.15x the HBM time of the fused kernel's bytes (Mixtral's
+# d h13) and 0.9x the token-group one's (act): expect neither at the copy rate. The transposed copies were
+# already stored 16 bytes a thread (Triton converts the tile's layout through shared memory before the
+# store) and still are.
+# The token-group quantiser on a GPU (`quantize_token_groups`): [128 padded rows, BLOCK_K columns] tiles at
+# WARPS, the loads pipelined STAGES deep without counters (counting, the counters' per-position sums would keep
+# a second copy of the quantisation in the loads' layout: unpipelined), and as many persistent programs an SM
+# as ptxas' registers let stay resident (a program waiting for a slot would start its tiles after the others
+# had finished theirs): 96 registers a thread without counters, 195-208 with (sm_90a).
+_TOKEN_GROUPS_BLOCK_K = 32
+_TOKEN_GROUPS_WARPS = 4
+_TOKEN_GROUPS_STAGES = 3
+_TOKEN_GROUPS_PROGRAMS_PER_SM = 5
+_COUNTING_TOKEN_GROUPS_PROGRAMS_PER_SM = 2
+# The fused quantiser (`quantize_rows_and_token_groups`): 16 warps a [128, 128] tile, one persistent program
+# an SM (104-110 registers a thread without counters, 127-128 with), the loads pipelined STAGES deep where the
+# tile is bf16 (4 x 16 KiB a stage; fp32 tiles take twice that) and uncounted (as the token-group quantiser).
 _ROWS_AND_TOKEN_GROUPS_WARPS = 16
+_ROWS_AND_TOKEN_GROUPS_STAGES = 3
+_HALF = tl.constexpr(64)  # the fused tile is quantised in halves: 64 rows, then 64 columns, at a time
+
+
+@triton.jit
+def _rows_and_token_groups_tile(offsets_ptr, padded_ptr, tile, chunks, rows_valid, E, E_POW2: tl.constexpr):
+    """`_quantize_rows_and_token_groups_kernel`'s tile `tile` (chunk tile % chunks, column group tile // chunks):
+    (the chunk, the group, x's first row, how many of its rows from it are quantised as rows and along tokens:
+    the chunk's rows first_row + t below these counts are x's rows below rows_valid and, in a group, below its
+    end (row_ok), and the group's rows (tok_ok; none past the last group))."""
+    chunk = tile % chunks
+    _, in_group, row_end, first_row = _token_chunk(offsets_ptr, padded_ptr, E, chunk, E_POW2)
+    row_bound = tl.where(in_group, tl.minimum(rows_valid, row_end), rows_valid)
+    rows_counted = tl.minimum(tl.maximum(row_bound - first_row, 0), _SCALE_BLOCK)
+    tok_counted = tl.where(in_group, tl.minimum(tl.maximum(row_end - first_row, 0), _SCALE_BLOCK), 0)
+    return chunk, tile // chunks, first_row, rows_counted, tok_counted
+
+
+@triton.jit
+def _quantized_groups(x_ptr, rows64, row_ok, ks, K, stride_xm, stride_xk, AXIS: tl.constexpr):
+    """x's rows rows64 where row_ok (zeros elsewhere) at columns ks quantised in 1 x 128 groups along each row
+    (AXIS 1) or 128 x 1 groups along the tokens (AXIS 0): (x fp32, the mask, each group's scale, x / scale,
+    its e4m3 values)."""
+    ok = row_ok[:, None] & (ks < K)[None, :]
+    x = tl.load(x_ptr + rows64[:, None] * stride_xm + ks[None, :] * stride_xk, mask=ok, other=0.0).to(tl.float32)
+    scale = _scale_by_fma(tl.max(tl.abs(x), axis=AXIS))
+    scaled = _divided_by(x, scale, AXIS)
+    return x, ok, scale, scaled, _e4m3(scaled)
 
 
 @triton.jit
 def _quantize_rows_and_token_groups_kernel(
-    x_ptr, qr_ptr, sr_ptr, qt_ptr, st_ptr, offsets_ptr, padded_ptr, stats_ptr, valid_ptr, M, E, K,
+    x_ptr, qr_ptr, sr_ptr, qt_ptr, st_ptr, offsets_ptr, padded_ptr, stats_ptr, valid_ptr, M, E, K, chunks, tiles,
     stride_xm, stride_xk, stride_rm, stride_rk, stride_srm, stride_srg, stride_tk, stride_tp, stride_stk, stride_stc,
-    E_POW2: tl.constexpr, STATS: tl.constexpr, VALID: tl.constexpr,
+    E_POW2: tl.constexpr, STATS: tl.constexpr, VALID: tl.constexpr, STAGES: tl.constexpr,
 ):
-    # Program (chunk c, column group g): the token-group program of `_quantize_token_groups_kernel`
-    # at a K tile of exactly one row group (128 columns), which loads its [128 padded rows, 128
-    # columns] tile of x once and stores both quantisations of it:
+    # Persistent: program p takes tiles p, p + P, ... of the (chunk c, column group g) tiles, chunk-major
+    # within a column group. Tile (c, g): the token-group tile of `_quantize_token_groups_kernel` at a K
+    # tile of exactly one row group (128 columns), both quantisations of it stored:
     #   token groups: qt [K, P] = e4m3 of x^T with st[k, c] the column's scale over the chunk (x's
     #     rows of the chunk's group; zeros for its padding and for chunks past the last group);
     #   rows: qr [M, K] and sr[m, g] of each x row of the chunk (a row group is the tile's row),
     #     as `_quantize_rows_kernel` would, for the rows below valid_ptr[0] (VALID; else below M).
     #     The chunks past the last group hold the rows past offsets[E-1] (`_token_chunk`): rows
     #     only. Padding rows map to no x row and write no row output.
-    # STATS: both quantisations' counters (each counts its own elements, as the two kernels
-    # would: x's counted rows twice), added by one set of atomics.
-    chunk = tl.program_id(0)
-    group = tl.program_id(1)
-    rows, in_group, row_end, _ = _token_chunk(offsets_ptr, padded_ptr, E, chunk, E_POW2)
-    tok_ok = in_group & (rows < row_end)
+    # Each quantisation loads what it quantises, in halves (the rows 64 at a time, then the token groups 64
+    # columns at a time: HBM reads x once, the token groups' loads hit L2), so that no more than half the
+    # tile is held in registers at once (the tile held across both quantisations spilled at 16 warps' 128
+    # registers a thread once persistent, ptxas sm_90a), and the loads are pipelined STAGES deep: the next
+    # two tiles' in flight while this one is quantised (the one-program-a-tile grid this replaced, one
+    # program an SM, waited on each tile's loads with nothing else to run).
+    # STATS: both quantisations' counters (each counts its own elements, as the two kernels would: x's
+    # counted rows twice), as `_quantize_rows_kernel` counts them but by row position of a half (rows:
+    # underflows and non-finite inputs packed in an int32, at most 2 x 128 a tile, the launch keeping a
+    # program under 256 tiles; the largest |x / scale|) or summed a half tile (token groups), TOTAL from the
+    # rows' counts; reduced once a program. A program that met a non-finite input or a saturating scale
+    # counts its tiles again element by element (`_count_tile`).
     rows_valid = M
     if VALID:
         rows_valid = tl.minimum(tl.load(valid_ptr), M)
-    row_ok = (rows < rows_valid) & (tok_ok | ~in_group)
-    ks = group * _SCALE_BLOCK + tl.arange(0, _SCALE_BLOCK)
-    k_ok = ks < K
-    rows64 = rows.to(tl.int64)
-    x = tl.load(x_ptr + rows64[:, None] * stride_xm + ks[None, :] * stride_xk,
-                mask=(tok_ok | row_ok)[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-    # rows: a scale per row of the tile (columns past K count as zeros, as they load); each part's
-    # counters reduced as soon as it is quantised (its tiles dead before the next part's: the two
-    # parts' tiles alive together spilled at 8 warps, ptxas sm_90a)
-    # (element by element a tile, not summed once a program as `_quantize_token_groups_kernel`
-    # counts: made persistent, the loop took 125 of 16 warps' 128 registers without counters and
-    # spilled with them, 620 bytes counting by element position, 320 by row position (sums along
-    # each row, in its warp), 224-236 with either part alone; by row position at 8 warps 212 bytes,
-    # at 32 warps 276: ptxas sm_90a)
-    _, row_scale, row_scaled, row_q = _quantized_rows(x)
-    rows_stored = row_ok[:, None] & k_ok[None, :]
+    packed_rows = tl.zeros((_HALF,), dtype=tl.int32)  # underflows | non-finite inputs << 16, by row position
+    peak_rows = tl.zeros((_HALF,), dtype=tl.float32)  # the largest |x / scale| by row position
+    under_cols = tl.zeros((), dtype=tl.int64)  # the token groups': summed a tile
+    flags_cols = tl.zeros((), dtype=tl.int32)
+    peak_cols = tl.zeros((), dtype=tl.float32)
+    total = tl.zeros((), dtype=tl.int64)
+    for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), num_stages=STAGES):
+        chunk, group, first_row, rows_counted, tok_counted = _rows_and_token_groups_tile(
+            offsets_ptr, padded_ptr, tile, chunks, rows_valid, E, E_POW2)
+        ks = group * _SCALE_BLOCK + tl.arange(0, _SCALE_BLOCK)
+        for half in tl.static_range(2):  # the rows 64 at a time
+            t = half * _HALF + tl.arange(0, _HALF)
+            rows64 = (first_row + t).to(tl.int64)
+            row_ok = t < rows_counted
+            x, ok, scale, scaled, q = _quantized_groups(x_ptr, rows64, row_ok, ks, K, stride_xm, stride_xk, 1)
+            if STATS:
+                packed_rows += tl.sum(_scaled_counts(x, scaled), axis=1)
+                peak_rows = tl.maximum(peak_rows, tl.max(tl.abs(scaled), axis=1))  # div_rn(amax, scale)
+            tl.store(qr_ptr + rows64[:, None] * stride_rm + ks[None, :] * stride_rk, q, mask=ok)
+            tl.store(sr_ptr + rows64 * stride_srm + group * stride_srg, scale, mask=row_ok)
+        if STATS:
+            total += ((rows_counted + tok_counted) * tl.minimum(K - group * _SCALE_BLOCK, _SCALE_BLOCK)).to(tl.int64)
+        rows64 = (first_row + tl.arange(0, _SCALE_BLOCK)).to(tl.int64)
+        tok_ok = tl.arange(0, _SCALE_BLOCK) < tok_counted
+        padded_rows = (chunk * _SCALE_BLOCK + tl.arange(0, _SCALE_BLOCK)).to(tl.int64)
+        for half in tl.static_range(2):
+            ks = group * _SCALE_BLOCK + half * _HALF + tl.arange(0, _HALF)
+            x, ok, scale, scaled, q = _quantized_groups(x_ptr, rows64, tok_ok, ks, K, stride_xm, stride_xk, 0)
+            if STATS:  # (16 bits hold a half tile's counts)
+                packed = tl.sum(tl.sum(_scaled_counts(x, scaled), axis=0), axis=0)
+                under_cols += (packed & 0xFFFF).to(tl.int64)
+                flags_cols |= packed >> 16
+                peak_cols = tl.maximum(peak_cols, tl.max(tl.max(tl.abs(scaled), axis=0), axis=0))
+            tl.store(qt_ptr + ks.to(tl.int64)[None, :] * stride_tk + padded_rows[:, None] * stride_tp, q,
+                     mask=(ks < K)[None, :])  # int64: K x P may pass 2^31 bytes
+            tl.store(st_ptr + ks * stride_stk + chunk * stride_stc, scale, mask=ks < K)
     if STATS:
-        amax_bits, low, high = _tile_stats(x, row_scaled, row_q, rows_stored)
-        low = tl.sum(tl.sum(low, axis=1), axis=0)
-        high = tl.sum(tl.sum(high, axis=1), axis=0)
-    tl.store(qr_ptr + rows64[:, None] * stride_rm + ks[None, :] * stride_rk, row_q.to(qr_ptr.dtype.element_ty),
-             mask=rows_stored)
-    tl.store(sr_ptr + rows64 * stride_srm + group * stride_srg, row_scale, mask=row_ok)
-    # token groups: the chunk's own group's rows alone (a chunk past the last group: zeros)
-    x = tl.where(tok_ok[:, None], x, 0.0)
-    tok_scale = _scale_of(tl.max(tl.abs(x), axis=0))
-    tok_scaled = tl.math.div_rn(x, tl.broadcast_to(tok_scale[None, :], x.shape))
-    tok_q = _round_to_e4m3(tok_scaled)
-    if STATS:
-        # each count of the two sums stays under 2 x 128 x 128 = 2^15 (`_tile_stats`' 16 bits)
-        tok_amax_bits, tok_low, tok_high = _tile_stats(x, tok_scaled, tok_q, tok_ok[:, None] & k_ok[None, :])
-        _add_stats(stats_ptr, tl.maximum(amax_bits, tok_amax_bits), low + tl.sum(tl.sum(tok_low, axis=1), axis=0),
-                   high + tl.sum(tl.sum(tok_high, axis=1), axis=0))
-    padded_rows = (chunk * _SCALE_BLOCK + tl.arange(0, _SCALE_BLOCK)).to(tl.int64)
-    tl.store(qt_ptr + ks.to(tl.int64)[None, :] * stride_tk + padded_rows[:, None] * stride_tp,
-             tok_q.to(qt_ptr.dtype.element_ty), mask=k_ok[None, :])  # int64: K x P may pass 2^31 bytes
-    tl.store(st_ptr + ks * stride_stk + chunk * stride_stc, tok_scale, mask=k_ok)
+        largest = tl.maximum(tl.max(peak_rows, axis=0), peak_cols)
+        clean = (tl.max(packed_rows >> 16, axis=0) == 0) & (flags_cols == 0) & (largest <= _SATURATION_BOUND)
+        if clean:
+            zero = tl.zeros((), dtype=tl.int64)
+            underflow = tl.sum(packed_rows.to(tl.int64), axis=0) + under_cols
+            _add_counts(stats_ptr, largest.to(tl.int32, bitcast=True).to(tl.int64), zero, underflow, total, zero)
+        else:
+            amax_bits, saturated, underflow, counted, nonfinite = _no_counts()
+            for tile in range(tl.program_id(0), tiles, tl.num_programs(0)):
+                _, group, first_row, rows_counted, tok_counted = _rows_and_token_groups_tile(
+                    offsets_ptr, padded_ptr, tile, chunks, rows_valid, E, E_POW2)
+                for half in tl.static_range(2):
+                    t = half * _HALF + tl.arange(0, _HALF)
+                    ks = group * _SCALE_BLOCK + tl.arange(0, _SCALE_BLOCK)
+                    x, ok, _, scaled, q = _quantized_groups(x_ptr, (first_row + t).to(tl.int64), t < rows_counted, ks,
+                                                            K, stride_xm, stride_xk, 1)
+                    amax_bits, saturated, underflow, counted, nonfinite = _count_tile(
+                        amax_bits, saturated, underflow, counted, nonfinite, x, scaled, q.to(tl.float32), ok)
+                    t = tl.arange(0, _SCALE_BLOCK)
+                    ks = group * _SCALE_BLOCK + half * _HALF + tl.arange(0, _HALF)
+                    x, ok, _, scaled, q = _quantized_groups(x_ptr, (first_row + t).to(tl.int64), t < tok_counted, ks,
+                                                            K, stride_xm, stride_xk, 0)
+                    amax_bits, saturated, underflow, counted, nonfinite = _count_tile(
+                        amax_bits, saturated, underflow, counted, nonfinite, x, scaled, q.to(tl.float32), ok)
+            _add_counts(stats_ptr, amax_bits, saturated, underflow, counted, nonfinite)
 
 
 def padded_offsets(offsets_E: torch.Tensor) -> torch.Tensor:
@@ -1288,6 +1459,12 @@ def padded_capacity(rows: int, groups: int) -> int:
     """Rows the padded layout needs at most (a multiple of 128): each group adds at most 127
     padding rows. Sized from shapes on the host, so the buffer's size never waits on the GPU."""
     return triton.cdiv(rows + (SCALE_BLOCK - 1) * groups, SCALE_BLOCK) * SCALE_BLOCK
+
+
+def _token_groups_block_k(device: torch.device) -> int:
+    """`quantize_token_groups`' BLOCK_K: the GPU's tile (`_TOKEN_GROUPS_BLOCK_K`); 16 in the interpreter (its
+    tests' narrow K spans several tiles)."""
+    return _TOKEN_GROUPS_BLOCK_K if device.type == "cuda" else 16
 
 
 def quantize_token_groups(x_MK: torch.Tensor, offsets_E: torch.Tensor, stats: torch.Tensor | None = None,
@@ -1310,15 +1487,18 @@ def quantize_token_groups(x_MK: torch.Tensor, offsets_E: torch.Tensor, stats: to
     s_KC = torch.empty((k, capacity // SCALE_BLOCK), dtype=torch.float32, device=x_MK.device)
     if k == 0 or capacity == 0:
         return q_KP, s_KC, padded_E
-    block_k = 16 if x_MK.device.type == "cpu" else 32
+    block_k = _token_groups_block_k(x_MK.device)
     chunks = capacity // SCALE_BLOCK
     tiles = chunks * triton.cdiv(k, block_k)
-    _quantize_token_groups_kernel[(min(tiles, counted_programs(x_MK.device, tiles, 1)),)](
+    per_sm = _TOKEN_GROUPS_PROGRAMS_PER_SM if stats is None else _COUNTING_TOKEN_GROUPS_PROGRAMS_PER_SM
+    # (and enough programs that none counts more than 2^16 - 1 tiles: the per-position counts are 16 bits)
+    programs = max(per_sm * gg.default_num_programs(x_MK.device), triton.cdiv(tiles, 65535))
+    _quantize_token_groups_kernel[(min(tiles, programs),)](
         x_MK, q_KP, s_KC, offsets_E, padded_E, _stats_ptr(stats, s_KC), padded_E if rows_M is None else rows_M,
         groups, k, chunks, tiles, x_MK.stride(0), x_MK.stride(1), q_KP.stride(0), q_KP.stride(1), s_KC.stride(0),
         s_KC.stride(1),
         BLOCK_K=block_k, E_POW2=triton.next_power_of_2(groups), STATS=stats is not None, GATHER=rows_M is not None,
-        num_warps=4)
+        STAGES=_TOKEN_GROUPS_STAGES if stats is None else 1, num_warps=_TOKEN_GROUPS_WARPS)
     return q_KP, s_KC, padded_E
 
 
@@ -1350,12 +1530,17 @@ def quantize_rows_and_token_groups(
     s_KC = torch.empty((k, capacity // SCALE_BLOCK), dtype=torch.float32, device=x_MK.device)
     if k == 0:
         return (q_MK, s_MG), (q_KP, s_KC, padded_E)
-    _quantize_rows_and_token_groups_kernel[(capacity // SCALE_BLOCK, triton.cdiv(k, SCALE_BLOCK))](
+    chunks = capacity // SCALE_BLOCK
+    tiles = chunks * triton.cdiv(k, SCALE_BLOCK)
+    # (and enough programs that none counts more than 255 tiles: STATS' per-row-position counts are 16 bits)
+    programs = max(gg.default_num_programs(x_MK.device), triton.cdiv(tiles, 255))
+    _quantize_rows_and_token_groups_kernel[(min(tiles, programs),)](
         x_MK, q_MK, s_MG, q_KP, s_KC, offsets_E, padded_E, _stats_ptr(stats, s_KC),
-        valid_rows if valid_rows is not None else padded_E, rows, groups, k,
+        valid_rows if valid_rows is not None else padded_E, rows, groups, k, chunks, tiles,
         x_MK.stride(0), x_MK.stride(1), q_MK.stride(0), q_MK.stride(1), s_MG.stride(0), s_MG.stride(1),
         q_KP.stride(0), q_KP.stride(1), s_KC.stride(0), s_KC.stride(1),
         E_POW2=triton.next_power_of_2(groups), STATS=stats is not None, VALID=valid_rows is not None,
+        STAGES=_ROWS_AND_TOKEN_GROUPS_STAGES if x_MK.element_size() <= 2 and stats is None else 1,
         num_warps=_ROWS_AND_TOKEN_GROUPS_WARPS)
     return (q_MK, s_MG), (q_KP, s_KC, padded_E)
 

@@ -13,11 +13,14 @@ from disagmoe.cli.app import app
 
 def test_the_cases_are_one_micro_batchs_quantisers_with_their_bytes():
     """mixtral-8x7b (8 experts, H 4096, F 14336, top-2, 16k rows): x, act from h13, d h13, w13's two
-    copies and a dense input, each with the bytes it reads and writes (bf16 in, e4m3 out, fp32 scales)."""
+    copies, a dense input, and the weight gradients' token-group copies (dy and d h13 with their rows
+    from one pass, act, x), each with the bytes it reads and writes (bf16 in, e4m3 out, fp32 scales; a
+    token-group copy all P = 16,384 + 8 x 127 rounded up to 128 padded rows of each column)."""
     by_kind = {}
     for case in quantise.cases("mixtral-8x7b"):
         by_kind.setdefault(case.kind, []).append(case)
     rows, h, f, e = 16 * 1024, 4096, 14336, 8
+    p = 17408
     x, dh13 = by_kind["rows"]
     assert x.shape == (rows, h) and x.bytes == rows * h * 3 + rows * h // 32
     assert dh13.shape == (rows, 2 * f) and dh13.bytes == rows * 2 * f * 3 + rows * 2 * f // 32
@@ -27,6 +30,13 @@ def test_the_cases_are_one_micro_batchs_quantisers_with_their_bytes():
     assert w13.shape == (e, h, 2 * f) and w13.bytes == e * h * 2 * f * 4 + 2 * (e * h * 2 * f // 32)
     (dense,) = by_kind["rowwise"]
     assert dense.shape == (rows // 2, h) and dense.bytes == rows // 2 * h * 3 + 4 * rows // 2
+    act, x = by_kind["token_groups"]
+    assert act.shape == (rows, f) and act.bytes == rows * f * 2 + f * p + f * p // 32
+    assert x.shape == (rows, h) and x.bytes == rows * h * 2 + h * p + h * p // 32
+    dy, dh13 = by_kind["rows_and_token_groups"]
+    assert dy.shape == (rows, h) and dy.bytes == rows * h * 3 + rows * h // 32 + h * p + h * p // 32
+    assert dh13.shape == (rows, 2 * f)
+    assert dh13.bytes == rows * 2 * f * 3 + rows * 2 * f // 32 + 2 * f * p + 2 * f * p // 32
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without an FP8 GPU")
@@ -42,6 +52,6 @@ def test_without_an_fp8_gpu_the_command_says_so_and_exits_non_zero():
                     reason="needs a GPU with FP8 tensor cores")
 def test_gpu_every_quantiser_is_timed_both_ways_against_the_copy_rate():
     record = quantise.run(["qwen3-30b-a3b"], warmup=1, iters=2, log=lambda _: None)
-    assert record["copy_gbps"] > 100 and len(record["rows"]) == 5
+    assert record["copy_gbps"] > 100 and len(record["rows"]) == 9
     for row in record["rows"]:
         assert row["ms"] > 0 and row["ms_with_counters"] > 0 and 0 < row["of_copy_rate"] < 1.5

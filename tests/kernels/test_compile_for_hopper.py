@@ -520,11 +520,11 @@ def test_the_rowwise_quantiser_compiles_without_spills_at_its_gpu_tiles(monkeypa
 
 
 def test_the_one_pass_row_and_token_group_quantiser_fits_its_registers(usage):
-    """`fp8.quantize_rows_and_token_groups` (one [128 rows, 128 columns] tile a program, held
-    whole: both quantisations need all of it) for sm_90a at its 16 warps: bf16 and fp32 in, with
-    a stats row and without, with valid_rows and without: within 16 warps' cap of 128 registers
-    (measured: 100-104 without counters, 128 with) and no spill stores (the counters of the two
-    quantisations reduced one after the other: alive together they spilled 612-768 bytes)."""
+    """`fp8.quantize_rows_and_token_groups` (persistent over [128 rows, 128 columns] tiles, each
+    quantised in halves: 64 rows, then 64 columns, at a time) for sm_90a at its 16 warps: bf16 and
+    fp32 in, with a stats row and without, with valid_rows and without: within 16 warps' cap of 128
+    registers (measured: 104-110 without counters, 127-128 with) and no spill stores (the tile held
+    whole across both quantisations spilled 8-140 bytes once persistent and pipelined)."""
     from disagmoe.kernels import fp8
     from disagmoe.kernels.fp8_stats import Fp8Stats
 
@@ -537,6 +537,100 @@ def test_the_one_pass_row_and_token_group_quantiser_fits_its_registers(usage):
                 fp8.quantize_rows_and_token_groups(torch.zeros(rows, k, dtype=dtype), offsets, stats, valid)
     assert fp8._ROWS_AND_TOKEN_GROUPS_WARPS == 16 and len(usage.found) == 8, usage.found
     assert all(registers <= 128 and spill == 0 for _, registers, spill in usage.found), usage.found
+
+
+SM_REGISTERS = 65536  # 32-bit registers an SM (sm_90)
+SM_SHARED_BYTES = 227 * 1024  # shared memory a block may take on an H100
+
+
+def _quantiser_builds(monkeypatch, name: str) -> list[tuple[dict, tuple[int, int], int, str, list[str]]]:
+    """Each launch of kernel `name` while active, compiled for sm_90a: (its constexprs and num_warps, ptxas'
+    registers and spill-store bytes, shared memory bytes, PTX, its first loop's SASS); `quantize_token_groups`
+    at its GPU tile (`fp8._TOKEN_GROUPS_BLOCK_K`, not the interpreter's)."""
+    from disagmoe.kernels import fp8
+
+    backend = make_backend(HOPPER)
+    found = []
+
+    def compile_and_look(self, *args, grid, warmup, **kwargs):
+        if self.fn.__name__ == name:
+            kernel = compile_for_hopper(self, backend, args, kwargs)
+            ptx = kernel.asm["ptx"]
+            found.append((kwargs, ptxas_usage(ptx), kernel.metadata.shared, ptx, _first_loop_sass(sass_of(kernel))))
+
+    monkeypatch.setattr(JITFunction, "run", compile_and_look)
+    monkeypatch.setattr(fp8, "_token_groups_block_k", lambda device: fp8._TOKEN_GROUPS_BLOCK_K)
+    return found
+
+
+def _stores_the_transposed_copy_in_16_bytes(ptx: str) -> bool:
+    """The token-contiguous e4m3 copy stored 16 bytes a thread (`st.global.v4.b32`), no byte store
+    (the layout conversion before the store goes through shared memory)."""
+    return "st.global.v4.b32" in ptx and "st.global.b8" not in ptx and "st.global.u8" not in ptx
+
+
+def _division_checks(loop: list[str]) -> int:
+    """The loop's FCHK instructions: one per correctly rounded division (its slow-path test)."""
+    return sum("FCHK" in text for text in loop)
+
+
+def test_the_token_group_quantisers_pipeline_their_loads_into_resident_programs(monkeypatch):
+    """`fp8.quantize_token_groups` at its GPU tile ([128, 32], 4 warps) for sm_90a, bf16 and fp32,
+    rows in place and gathered: without counters its loads are software-pipelined (cp.async into
+    shared memory, none from global into registers), the transposed copy is stored 16 bytes a
+    thread, x / scale takes no division per element (2 FCHK a loop: the columns' reciprocals; one
+    per element before, 32 a thread), and `_TOKEN_GROUPS_PROGRAMS_PER_SM` programs (5) fit an SM's
+    registers and shared memory (96 registers a thread measured; 108 unpipelined with the division
+    per element: 4 programs); counting, `_COUNTING_TOKEN_GROUPS_PROGRAMS_PER_SM` (2) fit, unpipelined.
+    None spills."""
+    from disagmoe.kernels import fp8
+    from disagmoe.kernels.fp8_stats import Fp8Stats
+
+    found = _quantiser_builds(monkeypatch, "_quantize_token_groups_kernel")
+    offsets = torch.tensor([1000, 1000, 3000, 4096], dtype=torch.int32)
+    for dtype in (torch.bfloat16, torch.float32):
+        for stats in (None, Fp8Stats("cpu").row(0)):
+            for rows_M in (None, torch.arange(4096)):
+                fp8.quantize_token_groups(torch.zeros(4096, 2048, dtype=dtype), offsets, stats, rows_M=rows_M)
+    assert len(found) == 8
+    threads = 32 * fp8._TOKEN_GROUPS_WARPS
+    for kwargs, (registers, spill), shared, ptx, loop in found:
+        assert kwargs["BLOCK_K"] == 32 and kwargs["num_warps"] == 4 and spill == 0, (kwargs, spill)
+        assert _stores_the_transposed_copy_in_16_bytes(ptx), kwargs
+        if kwargs["STATS"]:
+            assert kwargs["STAGES"] == 1 and registers * threads * fp8._COUNTING_TOKEN_GROUPS_PROGRAMS_PER_SM \
+                <= SM_REGISTERS, (kwargs, registers)
+            continue
+        assert kwargs["STAGES"] == fp8._TOKEN_GROUPS_STAGES == 3, kwargs
+        assert "cp.async.cg.shared.global" in ptx and "ld.global.v4" not in ptx, kwargs
+        assert registers * threads * fp8._TOKEN_GROUPS_PROGRAMS_PER_SM <= SM_REGISTERS, (kwargs, registers)
+        assert shared * fp8._TOKEN_GROUPS_PROGRAMS_PER_SM <= SM_SHARED_BYTES, (kwargs, shared)
+        assert _division_checks(loop) <= 4, (kwargs, _division_checks(loop))
+
+
+def test_the_one_pass_quantiser_pipelines_its_loads_and_stores_the_transposed_copy_in_16_bytes(monkeypatch):
+    """`fp8.quantize_rows_and_token_groups` for sm_90a, bf16 without counters (the backward's dy and d h13):
+    one persistent program an SM (at most 128 registers a thread at 16 warps; no spill), its loads
+    software-pipelined 3 deep (cp.async into shared memory, within an H100 block's shared memory), the
+    transposed copy stored 16 bytes a thread, x / scale without a division per element (4 FCHK a loop:
+    the rows' and columns' reciprocals; 82 in the one-program-a-tile kernel it replaced), and its loop at
+    most 1,600 instructions a thread for a [128, 128] tile (1,359 measured; the kernel it replaced issued
+    about 1,850 for one, 2,288 with its divisions' slow-path calls). Counting or fp32 in: unpipelined."""
+    from disagmoe.kernels import fp8
+    from disagmoe.kernels.fp8_stats import Fp8Stats
+
+    found = _quantiser_builds(monkeypatch, "_quantize_rows_and_token_groups_kernel")
+    offsets = torch.tensor([1000, 1000, 3000, 4096], dtype=torch.int32)
+    for dtype in (torch.bfloat16, torch.float32):
+        for stats in (None, Fp8Stats("cpu").row(0)):
+            fp8.quantize_rows_and_token_groups(torch.zeros(4096, 2048, dtype=dtype), offsets, stats, offsets[-1:])
+    assert [(kwargs["STATS"], kwargs["STAGES"]) for kwargs, *_ in found] == [(False, 3), (True, 1), (False, 1),
+                                                                            (True, 1)]
+    (kwargs, (registers, spill), shared, ptx, loop) = found[0]
+    assert registers * 32 * kwargs["num_warps"] <= SM_REGISTERS and spill == 0 and shared <= SM_SHARED_BYTES
+    assert "cp.async.cg.shared.global" in ptx and "ld.global.v4" not in ptx
+    assert _stores_the_transposed_copy_in_16_bytes(ptx)
+    assert _division_checks(loop) <= 8 and len(loop) <= 1600, (_division_checks(loop), len(loop))
 
 
 def dot_waits(ttgir: str) -> list[str]:
@@ -927,13 +1021,14 @@ def test_the_rows_quantisers_counters_add_no_barrier_to_its_loop(monkeypatch):
 @pytest.mark.parametrize("dtype,gathered", [(torch.bfloat16, False), (torch.bfloat16, True), (torch.float32, False)])
 def test_the_token_group_quantisers_counters_add_no_barrier_to_its_loop(monkeypatch, dtype, gathered):
     """`quantize_token_groups` with its Fp8Stats counters (rows read in place or gathered from their
-    tokens), for sm_90a: the tile loop holds no more barriers than the loop without counters (7, or 9
-    gathered), at most 40% more instructions (a [128, 32] tile is 32 elements a thread, the row
-    quantiser's 16: bf16 1,017 against 750 measured), and no spill stores (bf16: 128 registers against 80).
+    tokens), for sm_90a: the tile loop holds no more barriers than the loop without counters, at most
+    40% more instructions, and no spill stores. Both unpipelined, as a counting launch runs (the plain
+    one pipelines its loads: `test_the_token_group_quantisers_pipeline_their_loads_into_resident_programs`).
     Before, one program a tile with the clean-tile count: 21 barriers a program with counters
     against 6 without, and five atomics a tile."""
     from disagmoe.kernels import fp8
 
+    monkeypatch.setattr(fp8, "_TOKEN_GROUPS_STAGES", 1)
     x = torch.zeros(4096, 2048, dtype=dtype)
     offsets = torch.tensor([1000, 1000, 3000, 4096], dtype=torch.int32)
     rows_M = torch.arange(4096) if gathered else None

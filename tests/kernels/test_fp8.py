@@ -95,6 +95,109 @@ def test_the_quantiser_rounds_like_torch_to_the_bit(fp8k):
     assert torch.equal(q.view(torch.uint8), v.to(FP8).view(torch.uint8))
 
 
+def _fma32(a, b, c):
+    """fp32 fma(a, b, c) (one rounding) of fp32 numpy arrays, exact: the product in float64 (48 bits,
+    exact), the sum as float64 s + its error e (TwoSum), s moved off an fp32 midpoint toward e before the
+    last rounding (only there can rounding twice differ from once); an exact zero is -0 only from -0 + -0."""
+    import numpy as np
+
+    p, c = a.astype(np.float64) * b.astype(np.float64), c.astype(np.float64)
+    s = p + c
+    bb = s - p
+    e = (p - (s - bb)) + (c - bb)
+    r = s.astype(np.float32)
+    neighbours = [np.nextafter(r, np.float32(v)).astype(np.float64) for v in (-np.inf, np.inf)]
+    mid = ((s == (r + neighbours[0]) / 2) | (s == (r + neighbours[1]) / 2)) & (e != 0)
+    out = np.where(mid, np.nextafter(s, s + e), s).astype(np.float32)
+    return np.where((s == 0) & (e == 0), np.where(np.signbit(p) & np.signbit(c), np.float32(-0.0), np.float32(0.0)),
+                    out)
+
+
+def _quotient_by_fma(x, scale):
+    """The compiled `fp8._reciprocal_of` and `fp8._quotient` (x / scale) in numpy fp32, the FMAs exact (`_fma32`)."""
+    import numpy as np
+
+    from disagmoe.kernels import fp8
+
+    f32 = np.float32
+    up = np.where(scale < f32(fp8._TINY_SCALE.value), f32(fp8._TINY_SCALE_UP.value), f32(1.0))
+    s = (scale * up).astype(f32)
+    with np.errstate(all="ignore"):
+        y = (f32(1.0) / s).astype(f32)
+        x = (x * up).astype(f32)
+        q = (x * y).astype(f32)
+        return _fma32(_fma32(q, np.minimum(s, f32(fp8._FP32_MAX.value)), -x), -y, q)
+
+
+def _e4m3_bytes(v):
+    """torch's e4m3 bytes of fp32 values clamped to +-448 (the quantisers' rounding), NaN as +-448 by its sign."""
+    t = torch.from_numpy(v)
+    clamped = torch.where(t.isnan(), torch.full_like(t, 448.0), t.abs().clamp_max(448.0)).copysign(t)
+    return clamped.to(FP8).view(torch.uint8)
+
+
+def test_the_fma_quotient_is_div_rn_to_the_bit():
+    """The compiled quantisers' x / scale (`fp8._quotient`: a reciprocal a scale, then q = x y corrected by
+    one FMA remainder) emulated exactly in numpy against IEEE division, over scales from amax at every
+    magnitude (0, subnormal to near the fp32 maximum, all-ones significands, scales under 2^-64 that the
+    kernel scales up) and x from the group (its amax, quotients a few ulps from each e4m3 rounding
+    boundary, +-0), and an inf scale with finite, inf and NaN x: the same fp32 bits for every quotient
+    from 2^-11 up (e4m3's rounding reads them) and below it the same e4m3 byte (0 by x's sign)."""
+    import numpy as np
+
+    f32, rng = np.float32, np.random.default_rng(0)
+    n = 1 << 19
+    amax = np.concatenate([np.exp2(rng.uniform(-150, 127.9, n)),
+                           np.ldexp(2.0 - 2.0**-23 * rng.integers(0, 4, n), rng.integers(-126, 127, n)),
+                           np.exp2(rng.uniform(-130, -60, n))]).astype(f32)
+    amax[rng.random(amax.size) < 0.01] = 0.0
+    scale = (np.maximum(amax, f32(1e-30)) / f32(448.0)).astype(f32)
+    kind = rng.random(amax.size)
+    x = (amax * rng.random(amax.size).astype(f32)).astype(f32)
+    x = np.where(kind < 0.05, amax, x)
+    boundary = np.exp2(rng.integers(-10, 9, amax.size)) * (1 + rng.integers(0, 8, amax.size) / 8 + 1 / 16)
+    near = ((scale.astype(np.float64) * boundary).astype(f32).view(np.int32)
+            + rng.integers(-3, 4, amax.size).astype(np.int32)).view(f32)
+    x = np.where((kind > 0.1) & (kind < 0.6) & (np.abs(near) <= amax), near, x)
+    x = np.where(rng.random(amax.size) < 0.5, -x, x).astype(f32)
+    x[rng.random(amax.size) < 0.01] = -0.0
+    with np.errstate(all="ignore"):
+        want = (x / scale).astype(f32)
+    got = _quotient_by_fma(x, scale)
+    wide = np.abs(want) >= 2.0**-11
+    assert np.array_equal(want[wide].view(np.int32), got[wide].view(np.int32))
+    assert torch.equal(_e4m3_bytes(want), _e4m3_bytes(got))
+    x = np.array([1.5, -2.0, 0.0, -0.0, 3e38, np.inf, -np.inf, np.nan], dtype=f32)
+    inf = np.full_like(x, np.inf)
+    with np.errstate(all="ignore"):
+        want = (x / inf).astype(f32)
+    got = _quotient_by_fma(x, inf)
+    assert np.array_equal(np.isnan(want), np.isnan(got))
+    assert np.array_equal(want[~np.isnan(want)].view(np.int32), got[~np.isnan(got)].view(np.int32))
+
+
+@pytest.mark.slow
+def test_the_fma_scale_is_div_rn_to_the_bit_for_every_significand():
+    """The compiled quantisers' scale (`fp8._scale_by_fma`: amax / 448 as q = amax y corrected by one FMA
+    remainder, y = RN(1 / 448)) emulated exactly in numpy against IEEE division for every fp32 significand
+    at the floor's exponent and just above (its remainder the smallest), at 1 and at the largest exponent:
+    the quotient's rounding depends on the significands alone in between."""
+    import numpy as np
+
+    from disagmoe.kernels import fp8
+
+    f32 = np.float32
+    y = f32(fp8._E4M3_MAX_RECIPROCAL.value)
+    assert y == f32(1.0) / f32(448.0)
+    significands = np.arange(1 << 23, dtype=np.uint32)
+    for exponent in (-100, -99, 0, 127):
+        a = ((np.uint32(exponent + 127) << np.uint32(23)) | significands).view(f32)
+        a = a[a >= f32(fp8.AMAX_FLOOR)]
+        q = (a * y).astype(f32)
+        got = _fma32(_fma32(q, np.full_like(a, 448.0), -a), np.full_like(a, -y), q)
+        assert np.array_equal(got.view(np.int32), (a / f32(448.0)).astype(f32).view(np.int32)), exponent
+
+
 @pytest.mark.parametrize("shape,dtype", [((37, 300), torch.float32), ((20, 128), torch.bfloat16),
                                          ((9, 40), torch.float32), ((0, 256), torch.float32)])
 def test_quantize_rows_matches_reference_and_bounds_the_error(fp8k, shape, dtype):
@@ -465,6 +568,99 @@ def test_one_pass_leaves_a_worst_case_buffers_padding_rows_as_quantize_rows_does
     assert stats.buffer[GRADIENTS, TOTAL] == (valid + sum(counts)) * k
 
 
+def _random_ragged(seed, max_rows=150):
+    """(x, offsets_E) of a seeded random shape: 1-5 groups of 0-max_rows rows (empty ones among them),
+    K from 1 to 300 (one to three column groups, the last one's halves partly or wholly past K), spare
+    rows past the last group, bf16 or fp32, magnitudes 2^(4 N(0,1)) per row, an all-zero row."""
+    gen = torch.Generator().manual_seed(seed)
+    groups = int(torch.randint(1, 6, (1,), generator=gen))
+    counts = torch.randint(0, max_rows, (groups,), generator=gen)
+    counts[torch.rand(groups, generator=gen) < 0.3] = 0
+    rows = int(counts.sum()) + int(torch.randint(0, 20, (1,), generator=gen))
+    k = int(torch.randint(1, 301, (1,), generator=gen))
+    x = torch.randn(rows, k, generator=gen) * torch.exp2(4 * torch.randn(rows, 1, generator=gen))
+    if rows:
+        x[int(torch.randint(0, rows, (1,), generator=gen))] = 0.0
+    return x.to((torch.float32, torch.bfloat16)[seed % 2]), counts.cumsum(0).to(torch.int32)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(4))
+def test_token_groups_of_random_ragged_shapes_are_the_reference(fp8k, seed):
+    """`quantize_token_groups` over random shapes (`_random_ragged`), each program striding over several
+    tiles: the reference's bytes and scales, read in place, with a stats row, and gathered from shuffled
+    tokens (rows_M)."""
+    from disagmoe.kernels.fp8_stats import Fp8Stats
+
+    x, offsets = _random_ragged(seed)
+    grouped = x[: int(offsets[-1])]
+    q_ref, s_ref, padded_ref = fp8k.quantize_token_groups_reference(grouped, offsets)
+    order = torch.randperm(grouped.shape[0], generator=torch.Generator().manual_seed(seed))
+    tokens = torch.empty_like(grouped)
+    tokens[order] = grouped  # grouped row r is token order[r]
+    for q, s, padded in (fp8k.quantize_token_groups(grouped, offsets),
+                         fp8k.quantize_token_groups(grouped, offsets, Fp8Stats("cpu").row(0)),
+                         fp8k.quantize_token_groups(tokens, offsets, rows_M=order)):
+        assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
+        assert torch.equal(padded, padded_ref)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_one_pass_over_random_ragged_shapes_is_the_two_quantisers(fp8k, monkeypatch, seed):
+    """`quantize_rows_and_token_groups` over random shapes (`_random_ragged`), with a stats row (odd seeds)
+    and without, with valid_rows at the last group's end, at a random count or none: the bytes, scales,
+    unwritten rows and counters of `quantize_rows` and `quantize_token_groups`."""
+    _unwritten_is_marked(monkeypatch)
+    x, offsets = _random_ragged(seed + 10)
+    gen = torch.Generator().manual_seed(seed)
+    valid = (None, offsets[-1:], torch.randint(0, x.shape[0] + 1, (1,), generator=gen, dtype=torch.int32))[seed % 3]
+    _assert_the_two_quantisers(fp8k, x, offsets, 1 if seed % 2 else None, valid)
+
+
+def _wild_rows(rows, k, seed, device="cpu"):
+    """x [rows, k] fp32 at every magnitude: rows and columns scaled by 2^U(-75, 62) each (subnormals, values
+    near the fp32 maximum), a column and a row of values around 1e-25 (scales under 2^-64), -0 rows, an
+    all-zero column, and an inf and a NaN planted."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=gen)
+    x *= torch.exp2(torch.empty(rows, 1).uniform_(-75, 62, generator=gen))
+    x *= torch.exp2(torch.empty(1, k).uniform_(-75, 62, generator=gen))
+    x[:, min(1, k - 1)] = torch.randn(rows, generator=gen) * 1e-25
+    x[:, k // 2] = 0.0
+    x[:: 7] = -0.0 * x[:: 7].abs()
+    x[1] = torch.randn(k, generator=gen) * 1e-25
+    x[rows // 3, k - 1], x[rows // 2, 0] = float("inf"), float("nan")
+    return x.to(device)
+
+
+def _assert_token_groups_are_the_row_quantisers(fp8, x, offsets):
+    """`quantize_token_groups(x, offsets)` and the one pass's token groups are `quantize_rows` of x's padded
+    transpose (each group's rows at its padded offset, zeros between: its 1 x 128 groups along the tokens
+    are the chunks) byte for byte, the one pass's rows `quantize_rows(x)`'. Compiled, the row quantiser
+    divides by div_rn, the token-group quantisers by `fp8._quotient`."""
+    x_PK = x.new_zeros((fp8.padded_capacity(x.shape[0], offsets.shape[0]), x.shape[1]))
+    ends, padded_ends = offsets.tolist(), fp8.padded_offsets(offsets).tolist()
+    for start, end, padded_start in zip([0, *ends[:-1]], ends, [0, *padded_ends[:-1]]):
+        x_PK[padded_start:padded_start + end - start] = x[start:end]
+    q_want, s_want = fp8.quantize_rows(x_PK.t().contiguous())
+    (q_MK, s_MG), (q_KP, s_KC, _) = fp8.quantize_rows_and_token_groups(x, offsets)
+    for q, s in ((q_KP, s_KC), fp8.quantize_token_groups(x, offsets)[:2]):
+        assert torch.equal(q.view(torch.uint8), q_want.view(torch.uint8)) and torch.equal(_bits(s), _bits(s_want))
+    q_rows, s_rows = fp8.quantize_rows(x)
+    assert torch.equal(q_MK.view(torch.uint8), q_rows.view(torch.uint8)) and torch.equal(_bits(s_MG), _bits(s_rows))
+
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning", "ignore:overflow:RuntimeWarning")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_token_groups_are_the_row_quantisers_bytes_of_the_padded_transpose(fp8k, dtype):
+    """At every magnitude, with an inf and a NaN (`_wild_rows`): `quantize_token_groups` and the one-pass
+    quantiser's token groups are `quantize_rows` of x's padded transpose, byte for byte; the one pass's
+    rows are `quantize_rows`' (`_assert_token_groups_are_the_row_quantisers`; compiled:
+    `test_gpu_the_fma_quotient_gives_div_rns_bytes_at_every_magnitude`)."""
+    x = _wild_rows(300, 200, seed=3).to(dtype)
+    _assert_token_groups_are_the_row_quantisers(fp8k, x, _offsets([130, 0, 41, 129]))
+
+
 def test_one_pass_refusals_name_the_fix(fp8k):
     x = torch.randn(8, 128)
     with pytest.raises(ValueError, match="valid_rows must be an int32"):
@@ -783,6 +979,20 @@ def test_gpu_one_pass_quantises_rows_and_token_groups_as_the_two_quantisers(coun
     assert (q_KP[:, tokens:].view(torch.uint8) == 0).all()
     floor = torch.tensor(fp8.AMAX_FLOOR, device="cuda") / torch.tensor(fp8.E4M3_MAX, device="cuda")
     assert torch.equal(s_KC[:, chunks:], floor.expand_as(s_KC[:, chunks:]))
+
+
+@pytest.mark.gpu
+@needs_fp8_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_the_fma_quotient_gives_div_rns_bytes_at_every_magnitude(dtype):
+    """Compiled: the token-group quantisers' x / scale (`fp8._quotient`: a reciprocal and an FMA correction)
+    against div_rn's (the row quantiser's, of x's padded transpose), and the one pass's rows (the same
+    quotient) against `quantize_rows`', byte for byte at every magnitude with an inf and a NaN (`_wild_rows`),
+    at a realistic size (several tiles a program)."""
+    from disagmoe.kernels import fp8
+
+    x = _wild_rows(20000, 1000, seed=7, device="cuda").to(dtype)
+    _assert_token_groups_are_the_row_quantisers(fp8, x, _offsets([4000, 0, 7000, 129, 8871]).cuda())
 
 
 @pytest.mark.gpu

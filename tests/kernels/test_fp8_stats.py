@@ -504,3 +504,27 @@ def test_a_counting_launch_keeps_each_program_under_its_packed_counts():
     for units, chunks in [(10**6, 1), (81919, 4), (3 * 10**5, 7)]:
         programs = fp8.counted_programs(torch.device("cpu"), units, chunks)
         assert triton.cdiv(units, programs) * chunks <= 65535, (units, chunks, programs)
+
+
+@pytest.mark.parametrize("rows,k", [(512, 256), (300_000, 1024)])
+def test_the_one_pass_launch_keeps_each_program_under_its_packed_counts(monkeypatch, rows, k):
+    """`fp8.quantize_rows_and_token_groups`' launch: one program an SM (the CPU's handful), or enough that none
+    quantises more than 255 tiles (each row position of a half counts up to 2 x 128 underflows a tile in 16
+    bits); its programs stride over all the tiles. (The kernel is not run: its launch is recorded.)"""
+    import triton
+
+    from disagmoe.kernels import fp8
+
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((grid, args))
+
+    monkeypatch.setattr(fp8, "_quantize_rows_and_token_groups_kernel", Recorder())
+    offsets = torch.tensor([rows // 3, rows // 2, rows], dtype=torch.int32)
+    fp8.quantize_rows_and_token_groups(torch.empty(rows, k, dtype=torch.bfloat16), offsets, Fp8Stats("cpu").row(0))
+    ((grid, args),) = launches
+    chunks, tiles = args[12], args[13]
+    assert tiles == chunks * triton.cdiv(k, 128) and chunks == fp8.padded_capacity(rows, 3) // 128
+    assert grid == (max(4, triton.cdiv(tiles, 255)),) and triton.cdiv(tiles, grid[0]) <= 255, (grid, tiles)
