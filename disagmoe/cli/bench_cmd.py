@@ -838,8 +838,9 @@ def quantise(
     the weights' block copies, a dense projection's rowwise input; with fp8_expert_backward: fp8 the
     weight gradients' 128 x 1 token-group copies of x and act, and dy's and d h13's beside their 1 x 128
     rows from one pass) at one micro-batch of each shape, its rows grouped by the shape's routing,
-    without and with their Fp8Stats counters, as GB/s against the HBM copy rate measured in the same
-    run (they are HBM-bound passes: how far from it each runs, and what the counters cost).
+    without and with their Fp8Stats counters (bytes read + written over kernel time, as GB/s and as a
+    share of the HBM copy rate measured in the same run, each way: they are HBM-bound passes, so how far
+    from it each runs, and what the counters cost).
 
     \b
     Example: disagmoe bench quantise --shape mixtral-8x7b --shape qwen3-30b-a3b"""
@@ -853,12 +854,13 @@ def quantise(
         print_json(record)
         return
     table = Table(title=f"FP8 quantisers, kernel time (HBM copy in the same run: {record['copy_gbps']:,.0f} GB/s)")
-    for col in ("shape", "quantiser", "input", "ms", "ms with counters", "counters' cost", "GB/s", "of copy"):
+    for col in ("shape", "quantiser", "input", "ms", "GB/s", "of copy", "ms with counters", "counters' cost",
+                "of copy with counters"):
         table.add_column(col, justify="left" if col in ("shape", "quantiser", "input") else "right")
     for r in record["rows"]:
         table.add_row(r["shape"], r["quantiser"], " x ".join(map(str, r["input"])), f"{r['ms']:.3f}",
-                      f"{r['ms_with_counters']:.3f}", f"{r['counters_cost']:.2f}x", f"{r['gbps_with_counters']:,.0f}",
-                      f"{r['of_copy_rate']:.0%}")
+                      f"{r['gbps']:,.0f}", f"{r['of_copy_rate']:.0%}", f"{r['ms_with_counters']:.3f}",
+                      f"{r['counters_cost']:.2f}x", f"{r['of_copy_rate_with_counters']:.0%}")
     console.print(table)
 
 

@@ -55,3 +55,6 @@ def test_gpu_every_quantiser_is_timed_both_ways_against_the_copy_rate():
     assert record["copy_gbps"] > 100 and len(record["rows"]) == 9
     for row in record["rows"]:
         assert row["ms"] > 0 and row["ms_with_counters"] > 0 and 0 < row["of_copy_rate"] < 1.5
+        # each way over its own time: the plain pass's share of the copy rate, and the counting one's
+        assert row["of_copy_rate"] == pytest.approx(row["gbps"] / record["copy_gbps"])
+        assert row["of_copy_rate_with_counters"] == pytest.approx(row["of_copy_rate"] / row["counters_cost"])
