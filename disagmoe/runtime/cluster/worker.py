@@ -341,9 +341,10 @@ class TrainWorker(Worker):
             for op in self.program:
                 if not isinstance(op, Send):
                     self._run_held_back(step)
+                if isinstance(op, OptimizerStep):
+                    self._run_waiting_weight_grads(step)  # watched as its own op (the watchdog's ops do not nest)
                 with self.watchdog.op(f"step {step + 1}: {_op_name(op)}"):
                     if isinstance(op, OptimizerStep):
-                        self._run_waiting_weight_grads(step)
                         with self.recorder.span("wait for sends", "wait"):
                             for handle in handles:
                                 handle.wait()

@@ -123,9 +123,21 @@ class _StepStub(TrainWorker):
         self.optimizer = SimpleNamespace(zero_grad=lambda: None)
         self.model = SimpleNamespace(prepare_fp8=lambda: None)
         self.recorder = SpanRecorder()
-        self.watchdog = SimpleNamespace(op=lambda name: contextlib.nullcontext())
+        self.watched: list[str] = []  # the watchdog's ops, in turn (they must not nest: it has one current op)
+        self.watching: str | None = None
+        self.watchdog = SimpleNamespace(op=self._watch)
         self.waiting_seen: list[int] = []  # launches waiting after each op
         self.at_optimizer: tuple[int, torch.Tensor] | None = None
+
+    @contextlib.contextmanager
+    def _watch(self, name: str):
+        assert self.watching is None, f"{name} inside {self.watching}"
+        self.watching = name
+        self.watched.append(name.split(": ", 1)[1])
+        try:
+            yield
+        finally:
+            self.watching = None
 
     def _peer_stores(self) -> bool:
         return False
@@ -170,3 +182,7 @@ def test_a_ranks_step_pairs_its_held_launches_and_runs_the_odd_one_before_the_op
     # micro-batch i's held launch is issued before op i + 1 (`_run_held_back`): op i sees one waiting for i odd
     assert stub.waiting_seen == [mb % 2 if pairs else 0 for mb in range(micro_batches)]
     assert not wgrad_pairs.pairing()
+    held = [f"ExpertWeightGrad L0 mb{mb}" for mb in range(micro_batches)]
+    ops = [name for mb in range(micro_batches) for name in ([held[mb - 1]] if mb else []) + [f"ExpertBackward L0 mb{mb}"]]
+    unpaired = ["ExpertWeightGrad (unpaired)"] if pairs and micro_batches % 2 else []
+    assert stub.watched == [*ops, held[-1], *unpaired, "OptimizerStep"]  # each op watched alone, in turn
