@@ -35,7 +35,7 @@ from disagmoe.data import load_splits
 from disagmoe.roofline.flops import step_flops
 from disagmoe.kernels.fp8_dense import fits_blockwise
 from disagmoe.model.layers import DeferrableLinear
-from disagmoe.roofline.memory import fp8_weight_copy_bytes
+from disagmoe.roofline.memory import MEMORY_HEADROOM, fp8_weight_copy_bytes
 from disagmoe.roofline.optimizer_state import staging_bytes, state_bytes
 from disagmoe.runtime.activation_memory import RankActivations, pairs_wgrads, rank_activations
 from disagmoe.runtime.batching import check_divisible
@@ -80,7 +80,6 @@ from disagmoe.runtime.rank_graphs import resolve_rank_graphs
 from disagmoe.runtime.training.loop import StepCallback, TrainingLoop, TrainSummary, signals_held
 from disagmoe.runtime.out_dir import check_out_dir
 from disagmoe.runtime.training.micro_batches import MicroBatchChoice, device_capacity_bytes, resolved
-from disagmoe.runtime.training.single_memory import MEMORY_HEADROOM
 from disagmoe.runtime.training.trainer import CHECKPOINTS_DIR, fp8_record_fields
 from disagmoe.runtime.cluster.worker import TrainWorker
 
