@@ -54,6 +54,9 @@ FP8_VARIANTS = {
     "gluon-256": {"rows": True, "swiglu": True, "block_m": 256},  # the same at 256-row tiles
     # the same with the row GEMM's epilogue by TMA (`fp8_gluon.gluon_fp8_rows_gemm(tma_store=True)`, unmeasured)
     "gluon-tma-store": {"rows": True, "swiglu": True, "tma_store": True},
+    # a run's Gluon defaults (gluon-tma-store) with the weight gradients in FP8 too, in the Gluon kernel
+    # (`fp8_gluon.gluon_fp8_weight_grad`: its scales carried in the ring, its sums added by fp32 reductions)
+    "gluon-tma-store-wgrad": {"rows": True, "swiglu": True, "tma_store": True, "wgrad": True, "backward": "fp8"},
     "bf16-backward": {"backward": "bf16"},  # the whole backward in bf16 (the forward alone in FP8)
     "down-forward": {"forward": "down"},  # the forward's gate/up GEMM in bf16 (the loss FP8 costs is its)
 }

@@ -41,7 +41,8 @@ def experts(
     shape: ShapeOption = None,
     backend: Annotated[list[str] | None, typer.Option(
         help="triton | grouped_mm | loop | triton-fp8 | triton-fp8:fp8-wgrad | triton-fp8:gluon-wgrad | "
-             "triton-fp8:gluon | triton-fp8:gluon-256 | triton-fp8:gluon-tma-store | triton-fp8:bf16-backward | "
+             "triton-fp8:gluon | triton-fp8:gluon-256 | triton-fp8:gluon-tma-store | triton-fp8:gluon-tma-store-wgrad | "
+             "triton-fp8:bf16-backward | "
              "triton-fp8:down-forward | "
              "scaled-grouped-mm (repeatable; "
              "default: the first "
@@ -49,7 +50,8 @@ def experts(
              "gradients e4m3, weight gradients bf16), needs sm_89+; its variants change one choice: the weight "
              "gradients in FP8 too, they in the warp-specialised Gluon kernel (sm_90), the row GEMMs and the SwiGLU "
              "GEMMs in the Gluon kernels (sm_90: training's fp8_gluon, on by default; gluon-256 at 256-row tiles, "
-             "gluon-tma-store with the row GEMM's epilogue by TMA), "
+             "gluon-tma-store with the row GEMM's epilogue by TMA; gluon-tma-store-wgrad that with the weight gradients "
+             "in FP8 by the Gluon kernel), "
              "the whole backward in bf16, "
              "or the forward's gate/up GEMM in bf16 (only the down GEMM's forward in FP8); "
              "scaled-grouped-mm: the library's row-wise FP8 forward, torch._scaled_grouped_mm, sm_90, no fwd+bwd "

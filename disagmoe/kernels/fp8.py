@@ -1467,12 +1467,22 @@ def _token_groups_block_k(device: torch.device) -> int:
     return _TOKEN_GROUPS_BLOCK_K if device.type == "cuda" else 16
 
 
+def token_group_scales(k: int, capacity: int, device: torch.device) -> torch.Tensor:
+    """A token-group quantiser's scales s_KC [K, C] (C = capacity / 128 chunks) over chunk-major
+    storage [C, K] (strides (1, K)): one chunk's K scales are contiguous, so a weight-gradient tile
+    reads its chunk's row and column scales as two short vectors (a TMA box each,
+    `fp8_gluon.gluon_fp8_weight_grad`), and the quantiser's tile stores its BLOCK_K scales in one
+    coalesced piece, not K-strided words."""
+    return torch.empty((capacity // SCALE_BLOCK, k), dtype=torch.float32, device=device).t()
+
+
 def quantize_token_groups(x_MK: torch.Tensor, offsets_E: torch.Tensor, stats: torch.Tensor | None = None,
                           rows_M: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q_KP float8_e4m3fn, s_KC fp32, padded_E int32): x's rows transposed into a token-contiguous
     [K, P] copy (the weight gradient's K-major operand), each group's rows starting at a multiple
     of 128 (`padded_offsets`; zero columns pad it), one scale per column and 128 padded rows
-    (C = P / 128 chunks; no chunk straddles two groups). P = `padded_capacity`: columns past the
+    (C = P / 128 chunks, stored chunk-major: `token_group_scales`; no chunk straddles two groups).
+    P = `padded_capacity`: columns past the
     last group are zeros too. For `fp8_weight_grad`. `stats` as `quantize_rows` (x's rows only).
     `rows_M` (int64 [M]): row r is x_MK[rows_M[r]] (x then any number of rows), read in place: the
     grouped rows gathered from their tokens inside the quantiser (`expert_input` recomputation,
@@ -1484,7 +1494,7 @@ def quantize_token_groups(x_MK: torch.Tensor, offsets_E: torch.Tensor, stats: to
     capacity = padded_capacity(rows, groups)
     padded_E = padded_offsets(offsets_E)
     q_KP = torch.empty((k, capacity), dtype=FP8, device=x_MK.device)
-    s_KC = torch.empty((k, capacity // SCALE_BLOCK), dtype=torch.float32, device=x_MK.device)
+    s_KC = token_group_scales(k, capacity, x_MK.device)
     if k == 0 or capacity == 0:
         return q_KP, s_KC, padded_E
     block_k = _token_groups_block_k(x_MK.device)
@@ -1527,7 +1537,7 @@ def quantize_rows_and_token_groups(
     q_MK = torch.empty((rows, k), dtype=FP8, device=x_MK.device)
     s_MG = torch.empty((rows, triton.cdiv(k, SCALE_BLOCK)), dtype=torch.float32, device=x_MK.device)
     q_KP = torch.empty((k, capacity), dtype=FP8, device=x_MK.device)
-    s_KC = torch.empty((k, capacity // SCALE_BLOCK), dtype=torch.float32, device=x_MK.device)
+    s_KC = token_group_scales(k, capacity, x_MK.device)
     if k == 0:
         return (q_MK, s_MG), (q_KP, s_KC, padded_E)
     chunks = capacity // SCALE_BLOCK
@@ -1625,12 +1635,17 @@ def _wgrad_sums(a_ptr, sa_ptr, b_ptr, sb_ptr, padded_ptr, ks, k_ok, cols, col_ok
 
 @triton.jit
 def _store_wgrad(acc, out_ptr, expert, ks, k_ok, cols, col_ok, stride_oe, stride_ok, stride_oc,
-                 ACCUMULATE: tl.constexpr):
+                 ACCUMULATE: tl.constexpr, ATOMIC: tl.constexpr):
+    # ATOMIC (with ACCUMULATE, out fp32): the tile added by relaxed fp32 reductions (REDG), which wait
+    # for no read of out: one writer per element, so the same sum but for denormals the GPU flushes
     out_ptrs = out_ptr + expert.to(tl.int64) * stride_oe + ks[:, None] * stride_ok + cols[None, :] * stride_oc
     ok = k_ok[:, None] & col_ok[None, :]
-    if ACCUMULATE:
-        acc += tl.load(out_ptrs, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+    if ACCUMULATE and ATOMIC:
+        tl.atomic_add(out_ptrs, acc, mask=ok, sem="relaxed")
+    else:
+        if ACCUMULATE:
+            acc += tl.load(out_ptrs, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -1640,14 +1655,15 @@ def _fp8_weight_grad_kernel(
     stride_ak, stride_ap, stride_sak, stride_sac, stride_bc, stride_bp, stride_sbc, stride_sbp,
     stride_oe, stride_ok, stride_oc,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    ACCUMULATE: tl.constexpr, IMPRECISE_K: tl.constexpr, PROMOTE: tl.constexpr,
+    ACCUMULATE: tl.constexpr, ATOMIC: tl.constexpr, IMPRECISE_K: tl.constexpr, PROMOTE: tl.constexpr,
 ):
     # Contract: a [KA, P], b [C, P] fp8 token-contiguous (`quantize_token_groups`) with scales
     # sa [KA, P/128], sb [C, P/128]; groups g padded to padded[g-1]:padded[g] (multiples of 128);
     # out [E_W, KA, C]: out[e] = sum over groups g = e mod E_W (ascending), over BLOCK_M-token steps
     # (BLOCK_M divides 128; chunk c = step // 128) of (a[:, step] @ b[:, step]^T) * sa[:, c] * sb[:, c]
-    # (ACCUMULATE: out += it, an fp32 main gradient). BLOCK_K tiles KA, BLOCK_N tiles C. PROMOTE:
-    # how each step's dot is added (`PROMOTE_VARIANTS`; pingpong: the column tile's halves).
+    # (ACCUMULATE: out += it, an fp32 main gradient; ATOMIC: by fp32 reductions, `_store_wgrad`).
+    # BLOCK_K tiles KA, BLOCK_N tiles C. PROMOTE: how each step's dot is added (`PROMOTE_VARIANTS`;
+    # pingpong: the column tile's halves).
     pid = tl.program_id(0)
     tiles_k = tl.cdiv(KA, BLOCK_K)
     tiles_n = tl.cdiv(C, BLOCK_N)
@@ -1663,9 +1679,11 @@ def _fp8_weight_grad_kernel(
         acc, acc_hi = _wgrad_sums(a_ptr, sa_ptr, b_ptr, sb_ptr, padded_ptr, ks, k_ok, cols, cols < C, hi, hi < C,
                                   expert, E, E_W, stride_ak, stride_ap, stride_sak, stride_sac, stride_bc, stride_bp,
                                   stride_sbc, stride_sbp, PROMOTE, BLOCK_K, BLOCK_M, COLS, IMPRECISE_K)
-        _store_wgrad(acc, out_ptr, expert, ks, k_ok, cols, cols < C, stride_oe, stride_ok, stride_oc, ACCUMULATE)
+        _store_wgrad(acc, out_ptr, expert, ks, k_ok, cols, cols < C, stride_oe, stride_ok, stride_oc, ACCUMULATE,
+                     ATOMIC)
         if PROMOTE == _PINGPONG:
-            _store_wgrad(acc_hi, out_ptr, expert, ks, k_ok, hi, hi < C, stride_oe, stride_ok, stride_oc, ACCUMULATE)
+            _store_wgrad(acc_hi, out_ptr, expert, ks, k_ok, hi, hi < C, stride_oe, stride_ok, stride_oc, ACCUMULATE,
+                         ATOMIC)
 
 
 def weight_grad_shapes(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor],
@@ -1708,7 +1726,9 @@ def fp8_weight_grad(
     result). With `accumulate`, out[e] += it (`out` given: an fp32 main gradient).
     `weights` (E_W; default the groups' count): `padded_E` may hold a multiple of E_W groups,
     group g belonging to weight g mod E_W, summed in ascending g (as `grouped_gemm.ragged_weight_grad`).
-    config.block_m (the token step) must divide 128; block_k tiles KA, block_n tiles C."""
+    config.block_m (the token step) must divide 128; block_k tiles KA, block_n tiles C;
+    config.atomic_accumulate: an fp32 `out` accumulated by fp32 reductions (the same sum, bit for bit
+    but for denormals, which the GPU's reduction flushes to zero), as the bf16 kernel's tuned tiles do."""
     (qa_KP, sa_KC), (qb_CP, sb_CC) = a, b
     _check_fp8(a=qa_KP, b=qb_CP)
     if SCALE_BLOCK % config.block_m:
@@ -1735,7 +1755,9 @@ def fp8_weight_grad(
         qa_KP.stride(0), qa_KP.stride(1), sa_KC.stride(0), sa_KC.stride(1),
         qb_CP.stride(0), qb_CP.stride(1), sb_CC.stride(0), sb_CC.stride(1), *out.stride(),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        GROUP_M=config.group_m, ACCUMULATE=accumulate, IMPRECISE_K=_imprecise(config, config.block_m, imprecise_k),
+        GROUP_M=config.group_m, ACCUMULATE=accumulate,
+        ATOMIC=accumulate and config.atomic_accumulate and out.dtype == torch.float32,
+        IMPRECISE_K=_imprecise(config, config.block_m, imprecise_k),
         PROMOTE=promote_index(config), num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
@@ -1841,7 +1863,7 @@ def quantize_token_groups_reference(x_MK: torch.Tensor, offsets_E: torch.Tensor,
     x_CSK = x_PK.reshape(capacity // SCALE_BLOCK, SCALE_BLOCK, k)
     s_CK = x_CSK.abs().amax(dim=1).clamp_min(AMAX_FLOOR).div(_e4m3_max_like(x_CSK))
     q_PK = _quantize_reference(x_CSK, s_CK[:, None, :]).reshape(capacity, k)
-    return q_PK.t().contiguous(), s_CK.t().contiguous(), padded_E
+    return q_PK.t().contiguous(), s_CK.contiguous().t(), padded_E  # the scales chunk-major, as the kernels write
 
 
 def fp8_weight_grad_reference(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor],

@@ -321,7 +321,7 @@ def _weight_grad(a, b, padded_E, tile: TileConfig, *, weights: int, out: torch.T
     if gluon and num_programs is None and a[0].is_cuda:
         from disagmoe.kernels import fp8_gluon
 
-        if fp8_gluon.wgrad_takes(a[0], b[0]):
+        if fp8_gluon.wgrad_takes(a, b):
             return fp8_gluon.gluon_fp8_weight_grad(a, b, padded_E, weights=weights, out=out, accumulate=accumulate)
     return fp8.fp8_weight_grad(a, b, padded_E, tile, weights=weights, out=out, accumulate=accumulate,
                                num_programs=num_programs)

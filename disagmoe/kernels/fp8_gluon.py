@@ -158,6 +158,8 @@ FENCE_BARRIER_INIT = True
 _SLICE = gl.constexpr(SCALE_BLOCK)
 _ROWS = gl.constexpr(CONSUMER_ROWS)
 _ITEM_ROWS = gl.constexpr(2 * CONSUMER_ROWS)  # the weight gradient's KA rows an item: both consumers' halves
+# the weight gradient's scale boxes in the ring: 1-D runs of fp32 copied whole (no swizzle)
+SCALE_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
 
 
 @gluon.jit
@@ -473,14 +475,18 @@ def _wgrad_item(item, per_expert, tiles_k, tiles_n, GROUP_M: gl.constexpr):
 
 
 @gluon.jit
-def _wgrad_producer(a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, padded_ptr, E, E_W, KA, C,
-                    num_programs, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
-                    STAGES: gl.constexpr):
-    """The TMA warp of the weight gradient: per item, per group of its expert, per 128-token chunk,
-    the A tile a[KA tile, chunk] and the B tile b[C tile, chunk] into the next free stage."""
+def _wgrad_producer(a_desc, b_desc, sa_desc, sb_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready_bars, empty_bars,
+                    padded_ptr, E, E_W, KA, C, num_programs, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                    GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+    """The TMA warp of the weight gradient: per item, per group of its expert, per 128-token chunk c,
+    into the next free stage the A tile a[KA tile, chunk], the B tile b[C tile, chunk] and their
+    scales, sa[KA tile, c] and sb[C tile, c] (boxes of the chunk-major scale storage seen flat,
+    `fp8.token_group_scales`), all four on the stage's `ready` barrier."""
     tiles_k = gl.cdiv(KA, BLOCK_M)
     tiles_n = gl.cdiv(C, BLOCK_N)
     per_expert = tiles_k * tiles_n
+    stage_bytes: gl.constexpr = (a_desc.block_type.nbytes + b_desc.block_type.nbytes + sa_desc.block_type.nbytes
+                                 + sb_desc.block_type.nbytes)
     count = 0
     for item in range(gl.program_id(0), E_W * per_expert, num_programs):
         expert, pid_k, pid_n = _wgrad_item(item, per_expert, tiles_k, tiles_n, GROUP_M)
@@ -489,25 +495,28 @@ def _wgrad_producer(a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, padd
             end = gl.load(padded_ptr + group)
             for p0 in range(start, end, _SLICE):
                 stage = count % STAGES
+                chunk = p0 // _SLICE
                 mbarrier.wait(empty_bars.index(stage), ((count // STAGES) & 1) ^ 1)
                 ready = ready_bars.index(stage)
-                mbarrier.expect(ready, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+                mbarrier.expect(ready, stage_bytes)
                 tma.async_copy_global_to_shared(a_desc, [pid_k * BLOCK_M, p0], ready, a_bufs.index(stage))
                 tma.async_copy_global_to_shared(b_desc, [pid_n * BLOCK_N, p0], ready, b_bufs.index(stage))
+                tma.async_copy_global_to_shared(sa_desc, [chunk * KA + pid_k * BLOCK_M], ready, sa_bufs.index(stage))
+                tma.async_copy_global_to_shared(sb_desc, [chunk * C + pid_n * BLOCK_N], ready, sb_bufs.index(stage))
                 count += 1
 
 
 @gluon.jit
-def _wgrad_consumer(a_bufs, b_bufs, ready_bars, empty_bars, sa_ptr, sb_ptr, out_ptr, padded_ptr, E, E_W, KA, C,
-                    num_programs, stride_sak, stride_sac, stride_sbc, stride_sbp, stride_oe, stride_ok, stride_oc,
-                    CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
-                    STAGES: gl.constexpr, ACCUMULATE: gl.constexpr, CARRY: gl.constexpr):
-    """One warpgroup's KA rows CONSUMER * 64 + [0, 64) of every item: per chunk the wgmma, and its
-    product times sa[row, chunk] x sb[column, chunk] added into the fp32 sum; CARRY: the previous
-    chunk's product is added under this chunk's wgmma (the rows kernel's overlap; 64-wide C tiles
-    only: at 128 the carried product, the column scales and the sum spill), else after the wait
-    (the other consumer's wgmma covers it). Then the store (or add, ACCUMULATE) of the sums,
-    zeros for an expert without tokens."""
+def _wgrad_consumer(a_bufs, b_bufs, sa_bufs, sb_bufs, ready_bars, empty_bars, out_ptr, padded_ptr, E, E_W, KA, C,
+                    num_programs, stride_oe, stride_ok, stride_oc, CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr,
+                    BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                    ACCUMULATE: gl.constexpr, ATOMIC: gl.constexpr):
+    """One warpgroup's KA rows CONSUMER * 64 + [0, 64) of every item: per chunk the wgmma into a
+    fresh accumulator, the chunk's scales read from the stage (shared memory, under the wgmma), the
+    wait, the stage released, and the product times sa[row, c] x sb[column, c] added into the fp32
+    sum (DeepGEMM's order; the other consumer's wgmma runs meanwhile). Then the sums stored, or added
+    into `out` (ACCUMULATE; ATOMIC: by relaxed fp32 reductions, which wait for no read), zeros for an
+    expert without tokens."""
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_N, 32])
     row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
@@ -519,72 +528,56 @@ def _wgrad_consumer(a_bufs, b_bufs, ready_bars, empty_bars, sa_ptr, sb_ptr, out_
     count = 0
     for item in range(gl.program_id(0), E_W * per_expert, num_programs):
         expert, pid_k, pid_n = _wgrad_item(item, per_expert, tiles_k, tiles_n, GROUP_M)
-        rows = (pid_k * BLOCK_M + CONSUMER * _ROWS) + gl.arange(0, _ROWS, layout=row_layout)
-        row_ok = rows < KA
-        cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
-        col_ok = cols < C
-        sa_ptrs = sa_ptr + rows.to(gl.int64) * stride_sak
-        sb_ptrs = sb_ptr + cols.to(gl.int64) * stride_sbc
         acc_MN = zero_MN
-        prev_MN = zero_MN  # the previous chunk's product, added under the next wgmma (zeros: exact)
-        sa_prev_M = gl.zeros([_ROWS], gl.float32, row_layout)
-        sb_prev_N = gl.zeros([BLOCK_N], gl.float32, col_layout)
         for group in range(expert, E, E_W):
             start = gl.load(padded_ptr + group - 1, mask=group > 0, other=0)
             end = gl.load(padded_ptr + group)
             for p0 in range(start, end, _SLICE):
                 stage = count % STAGES
-                chunk = p0 // _SLICE
-                if CARRY:  # loaded before the wait, their latency under it
-                    sa_M = gl.load(sa_ptrs + chunk * stride_sac, mask=row_ok, other=0.0)
-                    sb_N = gl.load(sb_ptrs + chunk * stride_sbp, mask=col_ok, other=0.0)
                 mbarrier.wait(ready_bars.index(stage), (count // STAGES) & 1)
                 a_view = a_bufs.index(stage).slice(CONSUMER * _ROWS, _ROWS)
                 b_view = b_bufs.index(stage).permute((1, 0))  # [128 tokens, BLOCK_N], token-major
                 part = warpgroup_mma(a_view, b_view, zero_MN, use_acc=False, is_async=True)
-                if CARRY:
-                    acc_MN = acc_MN + prev_MN * (sa_prev_M[:, None] * sb_prev_N[None, :])
+                sa_M = sa_bufs.index(stage).slice(CONSUMER * _ROWS, _ROWS).load(row_layout)
+                sb_N = sb_bufs.index(stage).load(col_layout)
                 part_MN = warpgroup_mma_wait(0, deps=(part, ))
-                mbarrier.arrive(empty_bars.index(stage))
-                if CARRY:
-                    prev_MN = part_MN
-                    sa_prev_M = sa_M
-                    sb_prev_N = sb_N
-                else:  # loaded here: at 128 columns, held across the wgmma they spill
-                    sa_M = gl.load(sa_ptrs + chunk * stride_sac, mask=row_ok, other=0.0)
-                    sb_N = gl.load(sb_ptrs + chunk * stride_sbp, mask=col_ok, other=0.0)
-                    acc_MN = acc_MN + part_MN * (sa_M[:, None] * sb_N[None, :])
+                mbarrier.arrive(empty_bars.index(stage))  # the wgmma and the scale loads have read it
+                acc_MN = acc_MN + part_MN * (sa_M[:, None] * sb_N[None, :])
                 count += 1
-        if CARRY:
-            acc_MN = acc_MN + prev_MN * (sa_prev_M[:, None] * sb_prev_N[None, :])
+        rows = (pid_k * BLOCK_M + CONSUMER * _ROWS) + gl.arange(0, _ROWS, layout=row_layout)
+        cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
         out_ptrs = (out_ptr + expert.to(gl.int64) * stride_oe + rows.to(gl.int64)[:, None] * stride_ok
                     + cols[None, :] * stride_oc)
-        ok = row_ok[:, None] & col_ok[None, :]
-        if ACCUMULATE:
-            acc_MN = acc_MN + gl.load(out_ptrs, mask=ok, other=0.0)
-        gl.store(out_ptrs, acc_MN, mask=ok)
+        ok = (rows < KA)[:, None] & (cols < C)[None, :]
+        if ACCUMULATE and ATOMIC:
+            gl.atomic_add(out_ptrs, acc_MN, mask=ok, sem="relaxed")
+        else:
+            if ACCUMULATE:
+                acc_MN = acc_MN + gl.load(out_ptrs, mask=ok, other=0.0)
+            gl.store(out_ptrs, acc_MN, mask=ok)
 
 
 @gluon.jit
-def _gluon_fp8_weight_grad_kernel(a_desc, b_desc, sa_ptr, sb_ptr, out_ptr, padded_ptr, E, E_W, KA, C, num_programs,
-                                  stride_sak, stride_sac, stride_sbc, stride_sbp, stride_oe, stride_ok, stride_oc,
-                                  BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                                  ACCUMULATE: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                                  CONSUMER_REGS: gl.constexpr, FENCE_INIT: gl.constexpr):
+def _gluon_fp8_weight_grad_kernel(a_desc, b_desc, sa_desc, sb_desc, out_ptr, padded_ptr, E, E_W, KA, C,
+                                  num_programs, stride_oe, stride_ok, stride_oc, BLOCK_N: gl.constexpr,
+                                  GROUP_M: gl.constexpr, STAGES: gl.constexpr, ACCUMULATE: gl.constexpr,
+                                  ATOMIC: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                                  FENCE_INIT: gl.constexpr):
     # Contract: `gluon_fp8_weight_grad`'s, checked there; two consumer warpgroups of 64 KA rows each
-    # (the item's 128) and the producer warp, as `_gluon_fp8_rows_gemm_kernel`.
+    # (the item's 128) and the producer warp, as `_gluon_fp8_rows_gemm_kernel`; the ring's stages
+    # carry the chunk's scales beside its A and B tiles.
     a_bufs, b_bufs, ready_bars, empty_bars = _ring(a_desc, b_desc, STAGES, 2, FENCE_INIT)
+    sa_bufs = gl.allocate_shared_memory(sa_desc.dtype, [STAGES] + sa_desc.block_type.shape, sa_desc.layout)
+    sb_bufs = gl.allocate_shared_memory(sb_desc.dtype, [STAGES] + sb_desc.block_type.shape, sb_desc.layout)
     gl.warp_specialize([
-        (_wgrad_consumer, (a_bufs, b_bufs, ready_bars, empty_bars, sa_ptr, sb_ptr, out_ptr, padded_ptr, E, E_W, KA, C,
-                           num_programs, stride_sak, stride_sac, stride_sbc, stride_sbp, stride_oe, stride_ok,
-                           stride_oc, gl.constexpr(0), _ITEM_ROWS, BLOCK_N, GROUP_M, STAGES,
-                           ACCUMULATE, BLOCK_N <= 64)),
-        (_wgrad_consumer, (a_bufs, b_bufs, ready_bars, empty_bars, sa_ptr, sb_ptr, out_ptr, padded_ptr, E, E_W, KA, C,
-                           num_programs, stride_sak, stride_sac, stride_sbc, stride_sbp, stride_oe, stride_ok,
-                           stride_oc, gl.constexpr(1), _ITEM_ROWS, BLOCK_N, GROUP_M, STAGES,
-                           ACCUMULATE, BLOCK_N <= 64)),
-        (_wgrad_producer, (a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, padded_ptr, E, E_W, KA, C,
-                           num_programs, _ITEM_ROWS, BLOCK_N, GROUP_M, STAGES)),
+        (_wgrad_consumer, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready_bars, empty_bars, out_ptr, padded_ptr, E, E_W, KA,
+                           C, num_programs, stride_oe, stride_ok, stride_oc, gl.constexpr(0), _ITEM_ROWS, BLOCK_N,
+                           GROUP_M, STAGES, ACCUMULATE, ATOMIC)),
+        (_wgrad_consumer, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready_bars, empty_bars, out_ptr, padded_ptr, E, E_W, KA,
+                           C, num_programs, stride_oe, stride_ok, stride_oc, gl.constexpr(1), _ITEM_ROWS, BLOCK_N,
+                           GROUP_M, STAGES, ACCUMULATE, ATOMIC)),
+        (_wgrad_producer, (a_desc, b_desc, sa_desc, sb_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready_bars, empty_bars,
+                           padded_ptr, E, E_W, KA, C, num_programs, _ITEM_ROWS, BLOCK_N, GROUP_M, STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -725,16 +718,33 @@ def gluon_fp8_rows_gemm(
     return out
 
 
-def wgrad_takes(qa_KP: torch.Tensor, qb_CP: torch.Tensor) -> bool:
-    """Whether `gluon_fp8_weight_grad` can run these token-group operands here: a Hopper GPU (not
-    the interpreter), both token-contiguous ([KA, P] and [C, P], P a multiple of 128: what
-    `fp8.quantize_token_groups` writes) with 16-byte-aligned rows (TMA)."""
+def _chunk_major(s_KC: torch.Tensor) -> bool:
+    """Whether token-group scales lie chunk-major ([K, C] over [C, K] storage, `fp8.token_group_scales`),
+    16-byte aligned: the flat view the ring's scale boxes are copied from."""
+    return s_KC.stride() == (1, s_KC.shape[0]) and s_KC.data_ptr() % 16 == 0
+
+
+def wgrad_takes(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor]) -> bool:
+    """Whether `gluon_fp8_weight_grad` can run these token-group operands ((q, s) pairs) here: a
+    Hopper GPU (not the interpreter), both token-contiguous ([KA, P] and [C, P], P a multiple of 128:
+    what `fp8.quantize_token_groups` writes) with 16-byte-aligned rows (TMA), their scales chunk-major
+    (as it writes them too)."""
+    (qa_KP, sa_KC), (qb_CP, sb_CC) = a, b
     if not qa_KP.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
         return False
     if torch.cuda.get_device_capability(qa_KP.device) != (9, 0):
         return False
-    return all(t.stride(1) == 1 and t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0 and t.shape[1] % SCALE_BLOCK == 0
-               for t in (qa_KP, qb_CP))
+    return (all(t.stride(1) == 1 and t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0
+                and t.shape[1] % SCALE_BLOCK == 0 for t in (qa_KP, qb_CP))
+            and _chunk_major(sa_KC) and _chunk_major(sb_CC))
+
+
+def _scale_boxes(s_KC: torch.Tensor, box: int) -> TensorDescriptor:
+    """A TMA descriptor of chunk-major scales seen flat ([C x K]), `box` scales a copy: chunk c's
+    scales of K rows [k0, k0 + box) at c x K + k0 (a KA or C tile past K reads the next chunk's,
+    multiplied by the zeros TMA fills past the operand's rows)."""
+    flat = s_KC.t().reshape(-1)  # a view: the storage is [C, K]
+    return TensorDescriptor(flat, [flat.numel()], [1], [box], SCALE_LAYOUT)
 
 
 def gluon_fp8_weight_grad(
@@ -745,17 +755,18 @@ def gluon_fp8_weight_grad(
     weights: int | None = None,
     out: torch.Tensor | None = None,
     accumulate: bool = False,
+    atomic: bool = True,
     block_n: int = 128,
     stages: int = 4,
     num_programs: int | None = None,
 ) -> torch.Tensor:
     """`fp8.fp8_weight_grad`'s sums, warp-specialised: out[e] = sum over groups g = e mod E_W and their
     128-token chunks c of (a[:, c] @ b[:, c]^T) x sa[:, c] x sb[:, c], [E_W, KA, C] fp32 (zeros for an
-    expert without tokens; `accumulate`: added into `out`, an fp32 main gradient), each chunk's
-    product scaled and added under the next chunk's wgmma at block_n 64 (module docstring: the rows
-    kernel's schedule before session 33, 128 KA rows an item). Operands as `fp8.quantize_token_groups` writes them
-    ((q_KP, s_KC) pairs; `padded_E` its third result); `wgrad_takes` says where it runs. block_n:
-    the C tile (64 or 128)."""
+    expert without tokens; `accumulate`: added into `out`, an fp32 main gradient; `atomic`: by fp32
+    reductions, the same sum bit for bit but for denormals, which the GPU's reductions flush to zero),
+    128 KA rows an item (module docstring). Operands as `fp8.quantize_token_groups` writes them
+    ((q_KP, s_KC) pairs, the scales chunk-major; `padded_E` its third result); `wgrad_takes` says where
+    it runs. block_n: the C tile (64 or 128)."""
     (qa_KP, sa_KC), (qb_CP, sb_CC) = a, b
     wrong = {name: t.dtype for name, t in (("a", qa_KP), ("b", qb_CP)) if t.dtype != FP8}
     if wrong:
@@ -763,7 +774,7 @@ def gluon_fp8_weight_grad(
                          f"kernels.fp8.quantize_token_groups); got {wrong}")
     if block_n not in BLOCK_NS:
         raise ValueError(f"gluon_fp8_weight_grad's C tile: block_n in {BLOCK_NS}; got {block_n}")
-    ring = stages * (2 * CONSUMER_ROWS + block_n) * SCALE_BLOCK
+    ring = stages * ((2 * CONSUMER_ROWS + block_n) * SCALE_BLOCK + (2 * CONSUMER_ROWS + block_n) * 4)
     if stages < 2 or ring > SHARED_MEMORY_BYTES:
         raise ValueError(f"stages={stages}: the ring needs at least 2 stages and must fit the {SHARED_MEMORY_BYTES} "
                          f"bytes of shared memory a Hopper block may use")
@@ -773,6 +784,10 @@ def gluon_fp8_weight_grad(
         if t.stride(1) != 1 or t.stride(0) % 16 or t.data_ptr() % 16:
             raise ValueError(f"{name} must be token-contiguous with 16-byte-aligned rows (TMA), as "
                              f"quantize_token_groups writes it; got strides {t.stride()}")
+    for name, t in (("a", sa_KC), ("b", sb_CC)):
+        if not _chunk_major(t):
+            raise ValueError(f"{name}'s scales must lie chunk-major ([K, C] over [C, K] storage, 16-byte aligned), "
+                             f"as quantize_token_groups writes them (fp8.token_group_scales); got strides {t.stride()}")
     if accumulate and out is None:
         raise ValueError("accumulate=True adds into `out`: give the fp32 main gradient")
     if out is None:
@@ -788,9 +803,9 @@ def gluon_fp8_weight_grad(
                               gl.NVMMASharedLayout.get_default_for(b_box, gl.float8e4nv))
     programs = num_programs or gg.default_num_programs(qa_KP.device)
     _gluon_fp8_weight_grad_kernel[(programs, )](
-        a_desc, b_desc, sa_KC, sb_CC, out, padded_E, groups, experts, ka, cols, programs,
-        sa_KC.stride(0), sa_KC.stride(1), sb_CC.stride(0), sb_CC.stride(1), *out.stride(),
-        BLOCK_N=block_n, GROUP_M=GROUP_M, STAGES=stages, ACCUMULATE=accumulate,
+        a_desc, b_desc, _scale_boxes(sa_KC, 2 * CONSUMER_ROWS), _scale_boxes(sb_CC, block_n), out, padded_E,
+        groups, experts, ka, cols, programs, *out.stride(),
+        BLOCK_N=block_n, GROUP_M=GROUP_M, STAGES=stages, ACCUMULATE=accumulate, ATOMIC=atomic,
         PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS, FENCE_INIT=FENCE_BARRIER_INIT, num_warps=4,
         maxnreg=MAXNREG)
     return out

@@ -170,8 +170,8 @@ def test_precision_fp8_times_our_fp8_experts_beside_our_bf16_ones():
 
 
 def test_the_variant_backends_run_the_fp8_block_with_their_one_choice_changed(monkeypatch):
-    """`--backend triton-fp8:fp8-wgrad | gluon-wgrad | gluon | gluon-256 | gluon-tma-store | bf16-backward |
-    down-forward`: FP8 backends at the tuned tiles whose forwards run with one choice changed from the
+    """`--backend triton-fp8:fp8-wgrad | gluon-wgrad | gluon | gluon-256 | gluon-tma-store |
+    gluon-tma-store-wgrad | bf16-backward | down-forward`: FP8 backends at the tuned tiles whose forwards run with one choice changed from the
     FFN's defaults (a Gluon path through `fp8_ffn.gluon_paths`, which their backward keeps; which
     backward GEMMs run in FP8; or which forward ones), the defaults restored after each call, each
     making the weight copies its recipe reads; plain `triton-fp8` runs the defaults."""
@@ -206,6 +206,7 @@ def test_the_variant_backends_run_the_fp8_block_with_their_one_choice_changed(mo
                     (True, False, True, 128, False, "bf16-wgrad", "both"),
                     (True, False, True, 256, False, "bf16-wgrad", "both"),
                     (True, False, True, 128, True, "bf16-wgrad", "both"),
+                    (True, True, True, 128, True, "fp8", "both"),
                     (False, False, False, 128, False, "bf16", "both"),
                     (False, False, False, 128, False, "bf16-wgrad", "down"),
                     (False, False, False, 128, False, "bf16-wgrad", "both")]

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -698,6 +700,23 @@ def test_weight_gradient_matches_reference_sums(fp8k, counts, k, n):
     half = TileConfig(block_m=64, block_n=32, block_k=32, group_m=1, num_warps=4, num_stages=1)
     fp8k.fp8_weight_grad(qx[:2], qd[:2], qx[2], half, out=main, accumulate=True, num_programs=2)
     assert _rel_err(main - start_main, want) < 1e-5  # rounding of the additions to start_main
+
+
+def test_weight_gradient_added_by_atomics_is_the_load_add_store_sum(fp8k):
+    """`atomic_accumulate` tiles add each finished tile into the fp32 main gradient by relaxed
+    reductions: the same values as loading, adding and storing it (one writer per element), empty
+    experts' rows included (they add zeros)."""
+    counts, k, n = [130, 0, 5, 260], 40, 24
+    x, _, offsets = _ragged_inputs(counts, k, n, seed=5)
+    dy = torch.randn(x.shape[0], n, generator=torch.Generator().manual_seed(4))
+    qx = fp8k.quantize_token_groups(x, offsets)
+    qd = fp8k.quantize_token_groups(dy, offsets)
+    main = torch.randn(len(counts), k, n, generator=torch.Generator().manual_seed(6))
+    stored, added = main.clone(), main.clone()
+    fp8k.fp8_weight_grad(qx[:2], qd[:2], qx[2], WGRAD_TILES, out=stored, accumulate=True, num_programs=3)
+    atomic = dataclasses.replace(WGRAD_TILES, atomic_accumulate=True)
+    fp8k.fp8_weight_grad(qx[:2], qd[:2], qx[2], atomic, out=added, accumulate=True, num_programs=3)
+    assert torch.equal(added, stored)
 
 
 def test_weight_gradient_over_banded_groups(fp8k):

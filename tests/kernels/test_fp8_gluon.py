@@ -207,8 +207,8 @@ def _cpu_wgrad_operands(padded_counts, ka, c):
     """Zero-valued token-group operands of the weight gradient on the CPU ([KA, P] and [C, P], P the
     padded capacity), as `fp8.quantize_token_groups` lays them out."""
     capacity = sum(padded_counts)
-    qa, sa = torch.zeros(ka, capacity, dtype=FP8), torch.ones(ka, capacity // 128)
-    qb, sb = torch.zeros(c, capacity, dtype=FP8), torch.ones(c, capacity // 128)
+    qa, sa = torch.zeros(ka, capacity, dtype=FP8), torch.ones(capacity // 128, ka).t()  # chunk-major
+    qb, sb = torch.zeros(c, capacity, dtype=FP8), torch.ones(capacity // 128, c).t()
     padded = torch.tensor(padded_counts, dtype=torch.int64).cumsum(0).to(torch.int32)
     return (qa, sa), (qb, sb), padded
 
@@ -246,13 +246,15 @@ def test_weight_gradient_arguments_it_cannot_take_are_refused_naming_the_fix():
         fg.gluon_fp8_weight_grad(a, (b[0][:, :128], b[1][:, :1]), padded, num_programs=4)
     with pytest.raises(ValueError, match="token-contiguous"):
         fg.gluon_fp8_weight_grad((a[0].t().contiguous().t(), a[1]), b, padded, num_programs=4)
+    with pytest.raises(ValueError, match="scales must lie chunk-major"):
+        fg.gluon_fp8_weight_grad((a[0], a[1].contiguous()), b, padded, num_programs=4)
     with pytest.raises(ValueError, match="int32"):
         fg.gluon_fp8_weight_grad(a, b, padded.long(), num_programs=4)
     with pytest.raises(ValueError, match="give the fp32 main gradient"):
         fg.gluon_fp8_weight_grad(a, b, padded, accumulate=True, num_programs=4)
     with pytest.raises(ValueError, match="out must be fp32"):
         fg.gluon_fp8_weight_grad(a, b, padded, out=torch.zeros(2, 256, 128, dtype=torch.bfloat16), num_programs=4)
-    assert not fg.wgrad_takes(a[0], b[0])  # the CPU: the FFN takes fp8.fp8_weight_grad
+    assert not fg.wgrad_takes(a, b)  # the CPU: the FFN takes fp8.fp8_weight_grad
 
 
 # --- argument checks (CPU, nothing compiled)
@@ -412,6 +414,9 @@ def test_gpu_weight_gradient_matches_the_reference_and_the_triton_kernel(counts,
     before = main.clone()
     assert fg.gluon_fp8_weight_grad((qx, sx), (qd, sd), padded, out=main, accumulate=True, block_n=block_n) is main
     assert _rel_err(main - before, want) < 5e-3
+    loaded = before.clone()  # the load-add-store epilogue: the atomic one's sum (no denormals here)
+    fg.gluon_fp8_weight_grad((qx, sx), (qd, sd), padded, out=loaded, accumulate=True, atomic=False, block_n=block_n)
+    assert torch.equal(loaded, main)
 
 
 # --- under training's conditions (`TrainConfig.fp8_gluon`, a run's default since session 34; off from
