@@ -126,6 +126,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from triton._C.libtriton import ir as triton_ir
+from triton.experimental.gluon.language._core import builtin
+
 from disagmoe.kernels import grouped_gemm as gg
 from disagmoe.kernels.fp8 import FP8, SCALE_BLOCK, weight_grad_shapes
 
@@ -160,6 +163,17 @@ _ROWS = gl.constexpr(CONSUMER_ROWS)
 _ITEM_ROWS = gl.constexpr(2 * CONSUMER_ROWS)  # the weight gradient's KA rows an item: both consumers' halves
 # the weight gradient's scale boxes in the ring: 1-D runs of fp32 copied whole (no swizzle)
 SCALE_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+
+
+@builtin
+def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """The box of `tensor_desc` at `coord` += the shared-memory buffer `src`, by the TMA unit
+    (cp.reduce.async.bulk.tensor .add, committed as a bulk group: `tma.store_wait` waits for its read
+    of `src` as for a TMA store's). Triton 3.6's Gluon builds the op (ttng.async_tma_reduce, what
+    `tl.tensor_descriptor.atomic_add` lowers to on Hopper) but exposes no function for it."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(triton_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
+                                              src.handle)
 
 
 @gluon.jit
@@ -507,16 +521,19 @@ def _wgrad_producer(a_desc, b_desc, sa_desc, sb_desc, a_bufs, b_bufs, sa_bufs, s
 
 
 @gluon.jit
-def _wgrad_consumer(a_bufs, b_bufs, sa_bufs, sb_bufs, ready_bars, empty_bars, out_ptr, padded_ptr, E, E_W, KA, C,
-                    num_programs, stride_oe, stride_ok, stride_oc, CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr,
-                    BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                    ACCUMULATE: gl.constexpr, ATOMIC: gl.constexpr):
+def _wgrad_consumer(a_bufs, b_bufs, sa_bufs, sb_bufs, ready_bars, empty_bars, out_ptr, out_desc, c_bufs, padded_ptr,
+                    E, E_W, KA, C, num_programs, stride_oe, stride_ok, stride_oc, CONSUMER: gl.constexpr,
+                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                    ACCUMULATE: gl.constexpr, ATOMIC: gl.constexpr, TMA_EPILOGUE: gl.constexpr):
     """One warpgroup's KA rows CONSUMER * 64 + [0, 64) of every item: per chunk the wgmma into a
     fresh accumulator, the chunk's scales read from the stage (shared memory, under the wgmma), the
     wait, the stage released, and the product times sa[row, c] x sb[column, c] added into the fp32
     sum (DeepGEMM's order; the other consumer's wgmma runs meanwhile). Then the sums stored, or added
-    into `out` (ACCUMULATE; ATOMIC: by relaxed fp32 reductions, which wait for no read), zeros for an
-    expert without tokens."""
+    into `out` (ACCUMULATE), zeros for an expert without tokens: with TMA_EPILOGUE written into this
+    warpgroup's buffer c_bufs[CONSUMER] and stored or reduce-added by TMA through out_desc ([64, BLOCK_N]
+    boxes of out seen as [E_W x KA, C]), not waited for until the buffer's next use an item later, so the
+    main gradient's read and write run under the next item's wgmmas; else from registers (ATOMIC: by
+    relaxed fp32 reductions, which wait for no read; or loaded, added and stored)."""
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_N, 32])
     row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
@@ -544,38 +561,58 @@ def _wgrad_consumer(a_bufs, b_bufs, sa_bufs, sb_bufs, ready_bars, empty_bars, ou
                 mbarrier.arrive(empty_bars.index(stage))  # the wgmma and the scale loads have read it
                 acc_MN = acc_MN + part_MN * (sa_M[:, None] * sb_N[None, :])
                 count += 1
-        rows = (pid_k * BLOCK_M + CONSUMER * _ROWS) + gl.arange(0, _ROWS, layout=row_layout)
-        cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
-        out_ptrs = (out_ptr + expert.to(gl.int64) * stride_oe + rows.to(gl.int64)[:, None] * stride_ok
-                    + cols[None, :] * stride_oc)
-        ok = (rows < KA)[:, None] & (cols < C)[None, :]
-        if ACCUMULATE and ATOMIC:
-            gl.atomic_add(out_ptrs, acc_MN, mask=ok, sem="relaxed")
+        row0 = pid_k * BLOCK_M + CONSUMER * _ROWS
+        if TMA_EPILOGUE:
+            if row0 < KA:  # a wave wholly past KA (the last KA tile's) has nothing to write
+                c_buf = c_bufs.index(CONSUMER)
+                tma.store_wait(0)  # the buffer's last TMA operation (an item ago) has read it
+                c_buf.store(acc_MN)
+                fence_async_shared()
+                coord = [expert * KA + row0, pid_n * BLOCK_N]
+                if ACCUMULATE:
+                    _tma_reduce_add(out_desc, coord, c_buf)
+                else:
+                    tma.async_copy_shared_to_global(out_desc, coord, c_buf)
         else:
-            if ACCUMULATE:
-                acc_MN = acc_MN + gl.load(out_ptrs, mask=ok, other=0.0)
-            gl.store(out_ptrs, acc_MN, mask=ok)
+            rows = row0 + gl.arange(0, _ROWS, layout=row_layout)
+            cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
+            out_ptrs = (out_ptr + expert.to(gl.int64) * stride_oe + rows.to(gl.int64)[:, None] * stride_ok
+                        + cols[None, :] * stride_oc)
+            ok = (rows < KA)[:, None] & (cols < C)[None, :]
+            if ACCUMULATE and ATOMIC:
+                gl.atomic_add(out_ptrs, acc_MN, mask=ok, sem="relaxed")
+            else:
+                if ACCUMULATE:
+                    acc_MN = acc_MN + gl.load(out_ptrs, mask=ok, other=0.0)
+                gl.store(out_ptrs, acc_MN, mask=ok)
+    if TMA_EPILOGUE:
+        tma.store_wait(0)  # the last item's TMA operation has read its buffer before shared memory goes
 
 
 @gluon.jit
-def _gluon_fp8_weight_grad_kernel(a_desc, b_desc, sa_desc, sb_desc, out_ptr, padded_ptr, E, E_W, KA, C,
+def _gluon_fp8_weight_grad_kernel(a_desc, b_desc, sa_desc, sb_desc, out_desc, out_ptr, padded_ptr, E, E_W, KA, C,
                                   num_programs, stride_oe, stride_ok, stride_oc, BLOCK_N: gl.constexpr,
                                   GROUP_M: gl.constexpr, STAGES: gl.constexpr, ACCUMULATE: gl.constexpr,
-                                  ATOMIC: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                                  FENCE_INIT: gl.constexpr):
+                                  ATOMIC: gl.constexpr, TMA_EPILOGUE: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                                  CONSUMER_REGS: gl.constexpr, FENCE_INIT: gl.constexpr):
     # Contract: `gluon_fp8_weight_grad`'s, checked there; two consumer warpgroups of 64 KA rows each
     # (the item's 128) and the producer warp, as `_gluon_fp8_rows_gemm_kernel`; the ring's stages
-    # carry the chunk's scales beside its A and B tiles.
+    # carry the chunk's scales beside its A and B tiles. TMA_EPILOGUE: out_desc, out's [E_W x KA, C]
+    # view in [64, BLOCK_N] boxes, and one such fp32 buffer per consumer; else None.
     a_bufs, b_bufs, ready_bars, empty_bars = _ring(a_desc, b_desc, STAGES, 2, FENCE_INIT)
     sa_bufs = gl.allocate_shared_memory(sa_desc.dtype, [STAGES] + sa_desc.block_type.shape, sa_desc.layout)
     sb_bufs = gl.allocate_shared_memory(sb_desc.dtype, [STAGES] + sb_desc.block_type.shape, sb_desc.layout)
+    if TMA_EPILOGUE:
+        c_bufs = gl.allocate_shared_memory(out_desc.dtype, [2] + out_desc.block_type.shape, out_desc.layout)
+    else:
+        c_bufs: gl.constexpr = None
     gl.warp_specialize([
-        (_wgrad_consumer, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready_bars, empty_bars, out_ptr, padded_ptr, E, E_W, KA,
-                           C, num_programs, stride_oe, stride_ok, stride_oc, gl.constexpr(0), _ITEM_ROWS, BLOCK_N,
-                           GROUP_M, STAGES, ACCUMULATE, ATOMIC)),
-        (_wgrad_consumer, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready_bars, empty_bars, out_ptr, padded_ptr, E, E_W, KA,
-                           C, num_programs, stride_oe, stride_ok, stride_oc, gl.constexpr(1), _ITEM_ROWS, BLOCK_N,
-                           GROUP_M, STAGES, ACCUMULATE, ATOMIC)),
+        (_wgrad_consumer, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready_bars, empty_bars, out_ptr, out_desc, c_bufs,
+                           padded_ptr, E, E_W, KA, C, num_programs, stride_oe, stride_ok, stride_oc, gl.constexpr(0),
+                           _ITEM_ROWS, BLOCK_N, GROUP_M, STAGES, ACCUMULATE, ATOMIC, TMA_EPILOGUE)),
+        (_wgrad_consumer, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready_bars, empty_bars, out_ptr, out_desc, c_bufs,
+                           padded_ptr, E, E_W, KA, C, num_programs, stride_oe, stride_ok, stride_oc, gl.constexpr(1),
+                           _ITEM_ROWS, BLOCK_N, GROUP_M, STAGES, ACCUMULATE, ATOMIC, TMA_EPILOGUE)),
         (_wgrad_producer, (a_desc, b_desc, sa_desc, sb_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready_bars, empty_bars,
                            padded_ptr, E, E_W, KA, C, num_programs, _ITEM_ROWS, BLOCK_N, GROUP_M, STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -747,6 +784,23 @@ def _scale_boxes(s_KC: torch.Tensor, box: int) -> TensorDescriptor:
     return TensorDescriptor(flat, [flat.numel()], [1], [box], SCALE_LAYOUT)
 
 
+def wgrad_tma_epilogue_takes(out: torch.Tensor) -> bool:
+    """Whether the weight gradient's TMA epilogue can write `out` ([E_W, KA, C] fp32): contiguous, 16-byte
+    aligned rows, and KA a multiple of 64, so that each consumer's 64-row box of the [E_W x KA, C] view
+    lies inside one expert's rows (a box past KA would write the next expert's)."""
+    experts, ka, cols = out.shape
+    return (out.dtype == torch.float32 and out.is_contiguous() and out.data_ptr() % 16 == 0
+            and (cols * out.element_size()) % 16 == 0 and ka % CONSUMER_ROWS == 0)
+
+
+def _wgrad_shared_bytes(stages: int, block_n: int, tma_epilogue: bool) -> int:
+    """Shared memory of the weight gradient: the ring's stages (A, B and their scales) and, with the TMA
+    epilogue, one [64, block_n] fp32 buffer per consumer."""
+    rows = 2 * CONSUMER_ROWS
+    stage = (rows + block_n) * SCALE_BLOCK + (rows + block_n) * 4
+    return stages * stage + (2 * CONSUMER_ROWS * block_n * 4 if tma_epilogue else 0)
+
+
 def gluon_fp8_weight_grad(
     a: tuple[torch.Tensor, torch.Tensor],
     b: tuple[torch.Tensor, torch.Tensor],
@@ -756,6 +810,7 @@ def gluon_fp8_weight_grad(
     out: torch.Tensor | None = None,
     accumulate: bool = False,
     atomic: bool = True,
+    tma_epilogue: bool | None = None,
     block_n: int = 128,
     stages: int = 4,
     num_programs: int | None = None,
@@ -764,7 +819,10 @@ def gluon_fp8_weight_grad(
     128-token chunks c of (a[:, c] @ b[:, c]^T) x sa[:, c] x sb[:, c], [E_W, KA, C] fp32 (zeros for an
     expert without tokens; `accumulate`: added into `out`, an fp32 main gradient; `atomic`: by fp32
     reductions, the same sum bit for bit but for denormals, which the GPU's reductions flush to zero),
-    128 KA rows an item (module docstring). Operands as `fp8.quantize_token_groups` writes them
+    128 KA rows an item (module docstring). `tma_epilogue` (None: where `wgrad_tma_epilogue_takes` out and
+    the buffers fit shared memory beside the ring): each consumer's sums written through shared memory and
+    stored, or reduce-added (accumulate, TMA's own fp32 add: the same sum) by TMA under the next item's
+    wgmmas, not from registers (`atomic` then unused). Operands as `fp8.quantize_token_groups` writes them
     ((q_KP, s_KC) pairs, the scales chunk-major; `padded_E` its third result); `wgrad_takes` says where
     it runs. block_n: the C tile (64 or 128)."""
     (qa_KP, sa_KC), (qb_CP, sb_CC) = a, b
@@ -774,10 +832,9 @@ def gluon_fp8_weight_grad(
                          f"kernels.fp8.quantize_token_groups); got {wrong}")
     if block_n not in BLOCK_NS:
         raise ValueError(f"gluon_fp8_weight_grad's C tile: block_n in {BLOCK_NS}; got {block_n}")
-    ring = stages * ((2 * CONSUMER_ROWS + block_n) * SCALE_BLOCK + (2 * CONSUMER_ROWS + block_n) * 4)
-    if stages < 2 or ring > SHARED_MEMORY_BYTES:
-        raise ValueError(f"stages={stages}: the ring needs at least 2 stages and must fit the {SHARED_MEMORY_BYTES} "
-                         f"bytes of shared memory a Hopper block may use")
+    if stages < 2 or _wgrad_shared_bytes(stages, block_n, bool(tma_epilogue)) > SHARED_MEMORY_BYTES:
+        raise ValueError(f"stages={stages}: the ring needs at least 2 stages and, with the TMA epilogue's buffers if "
+                         f"asked, must fit the {SHARED_MEMORY_BYTES} bytes of shared memory a Hopper block may use")
     ka, cols, groups, experts = weight_grad_shapes(a, b, padded_E, weights)
     capacity = qa_KP.shape[1]
     for name, t in (("a", qa_KP), ("b", qb_CP)):
@@ -801,11 +858,24 @@ def gluon_fp8_weight_grad(
                               gl.NVMMASharedLayout.get_default_for(a_box, gl.float8e4nv))
     b_desc = TensorDescriptor(qb_CP, [cols, capacity], [qb_CP.stride(0), 1], b_box,
                               gl.NVMMASharedLayout.get_default_for(b_box, gl.float8e4nv))
+    takes = wgrad_tma_epilogue_takes(out)
+    if tma_epilogue and not takes:
+        raise ValueError(f"tma_epilogue=True writes out by TMA: it must be a contiguous fp32 [E_W, KA, C] with KA a "
+                         f"multiple of {CONSUMER_ROWS} and 16-byte rows; got strides {out.stride()}, shape "
+                         f"{tuple(out.shape)} (pass tma_epilogue=None to let the kernel choose)")
+    if tma_epilogue is None:
+        tma_epilogue = takes and _wgrad_shared_bytes(stages, block_n, True) <= SHARED_MEMORY_BYTES
+    out_desc = None
+    if tma_epilogue:
+        out_box = [CONSUMER_ROWS, block_n]
+        out_desc = TensorDescriptor(out.view(experts * ka, cols), [experts * ka, cols], [cols, 1], out_box,
+                                    gl.NVMMASharedLayout.get_default_for(out_box, gl.float32))
     programs = num_programs or gg.default_num_programs(qa_KP.device)
     _gluon_fp8_weight_grad_kernel[(programs, )](
-        a_desc, b_desc, _scale_boxes(sa_KC, 2 * CONSUMER_ROWS), _scale_boxes(sb_CC, block_n), out, padded_E,
-        groups, experts, ka, cols, programs, *out.stride(),
+        a_desc, b_desc, _scale_boxes(sa_KC, 2 * CONSUMER_ROWS), _scale_boxes(sb_CC, block_n), out_desc, out,
+        padded_E, groups, experts, ka, cols, programs, *out.stride(),
         BLOCK_N=block_n, GROUP_M=GROUP_M, STAGES=stages, ACCUMULATE=accumulate, ATOMIC=atomic,
+        TMA_EPILOGUE=tma_epilogue,
         PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS, FENCE_INIT=FENCE_BARRIER_INIT, num_warps=4,
         maxnreg=MAXNREG)
     return out

@@ -216,21 +216,31 @@ def _cpu_wgrad_operands(padded_counts, ka, c):
 @pytest.mark.slow
 @pytest.mark.parametrize("block_n", [128, 64])
 @pytest.mark.parametrize("accumulate", [False, True])
-def test_the_weight_gradient_compiles_warp_specialised_without_spills(hopper_builds, block_n, accumulate):
+@pytest.mark.parametrize("tma_epilogue", [True, False])
+def test_the_weight_gradient_compiles_warp_specialised_without_spills(hopper_builds, block_n, accumulate,
+                                                                       tma_epilogue):
     """`gluon_fp8_weight_grad`: one warp_specialize (the second consumer warpgroup and the TMA
-    producer with their setmaxnreg budgets), the e4m3 wgmma, no spill stores and at most MAXNREG
-    registers a thread (ptxas, sm_90a), storing or adding into an fp32 main gradient."""
+    producer with their setmaxnreg budgets), the e4m3 wgmma, the chunk's scales copied by TMA beside
+    its tiles, no spill stores and at most MAXNREG registers a thread (ptxas, sm_90a), storing or adding
+    into an fp32 main gradient: by TMA (a bulk store, or a bulk reduce-add) or from registers (fp32
+    reductions where it adds)."""
     from tests.kernels.test_compile_for_hopper import ptxas_usage
 
     a, b, padded = _cpu_wgrad_operands([256, 0, 128, 384], 512, 384)
-    out = torch.zeros(4, 512, 384) if accumulate else None
-    fg.gluon_fp8_weight_grad(a, b, padded, out=out, accumulate=accumulate, block_n=block_n, num_programs=132)
+    out = torch.zeros(4, 512, 384)
+    fg.gluon_fp8_weight_grad(a, b, padded, out=out, accumulate=accumulate, block_n=block_n, num_programs=132,
+                             tma_epilogue=tma_epilogue)
     (kernel,) = hopper_builds
     ttgir, ptx = kernel.asm["ttgir"], kernel.asm["ptx"]
     assert ttgir.count("ttg.warp_specialize(") == 1
     assert f"requestedRegisters = array<i32: {fg.CONSUMER_REGS}, {fg.PRODUCER_REGS}>" in ttgir
     assert "ttng.async_tma_copy_global_to_local" in ttgir and "ttng.warp_group_dot" in ttgir
     assert f"wgmma.mma_async.sync.aligned.m64n{block_n}k32.f32.e4m3.e4m3" in ptx
+    assert ptx.count("cp.async.bulk.tensor.1d.shared::cluster.global") == 2  # sa's and sb's boxes
+    bulk_out = {"cp.reduce.async.bulk.tensor.2d.global.shared::cta.add" in ptx,
+                "cp.async.bulk.tensor.2d.global.shared::cta" in ptx}
+    assert bulk_out == ({accumulate, not accumulate} if tma_epilogue else {False})
+    assert ("atom.global.gpu.relaxed.add" in ptx) == (accumulate and not tma_epilogue)
     registers, spilled = ptxas_usage(ptx)
     assert spilled == 0, f"block_n {block_n}: {spilled} bytes of spill stores"
     assert registers <= fg.MAXNREG
@@ -254,6 +264,12 @@ def test_weight_gradient_arguments_it_cannot_take_are_refused_naming_the_fix():
         fg.gluon_fp8_weight_grad(a, b, padded, accumulate=True, num_programs=4)
     with pytest.raises(ValueError, match="out must be fp32"):
         fg.gluon_fp8_weight_grad(a, b, padded, out=torch.zeros(2, 256, 128, dtype=torch.bfloat16), num_programs=4)
+    with pytest.raises(ValueError, match="tma_epilogue=True writes out by TMA"):
+        fg.gluon_fp8_weight_grad(a, b, padded, out=torch.zeros(2, 128, 256).transpose(1, 2), tma_epilogue=True,
+                                 num_programs=4)
+    with pytest.raises(ValueError, match="with the TMA epilogue's buffers"):
+        fg.gluon_fp8_weight_grad(a, b, padded, out=torch.zeros(2, 256, 128), tma_epilogue=True, stages=6,
+                                 num_programs=4)
     assert not fg.wgrad_takes(a, b)  # the CPU: the FFN takes fp8.fp8_weight_grad
 
 
@@ -385,12 +401,13 @@ def test_gpu_fp32_out_into_a_given_buffer_and_groups_sharing_weights(block_m, vi
 @needs_hopper
 @pytest.mark.parametrize("block_n", [128, 64])
 @pytest.mark.parametrize("counts,ka,c", [([300, 0, 1000, 7], 512, 384), ([0, 1, 129, 0, 63, 65, 517, 0], 768, 256),
-                                         ([2048, 0, 0, 0], 200, 136)])
+                                         ([2048, 0, 0, 0], 200, 136), ([130, 0, 260], 256, 200)])
 def test_gpu_weight_gradient_matches_the_reference_and_the_triton_kernel(counts, ka, c, block_n):
     """x^T dy of ragged groups (empty experts, groups shorter than a chunk, KA and C not multiples
     of the tiles): against `fp8.fp8_weight_grad_reference`'s fp32 sums of the same e4m3 values and
     against `fp8.fp8_weight_grad` (the Triton kernel, the same sums in the same order), fresh and
-    added into a NaN-free main gradient; an expert without tokens gets zeros."""
+    added into a NaN-free main gradient, by the TMA epilogue where KA is a multiple of 64 (column tiles
+    past C clipped by TMA) and by the register ones, all alike; an expert without tokens gets zeros."""
     from disagmoe.kernels.tile_configs import TileConfig
 
     gen = torch.Generator().manual_seed(21)
@@ -414,9 +431,17 @@ def test_gpu_weight_gradient_matches_the_reference_and_the_triton_kernel(counts,
     before = main.clone()
     assert fg.gluon_fp8_weight_grad((qx, sx), (qd, sd), padded, out=main, accumulate=True, block_n=block_n) is main
     assert _rel_err(main - before, want) < 5e-3
-    loaded = before.clone()  # the load-add-store epilogue: the atomic one's sum (no denormals here)
-    fg.gluon_fp8_weight_grad((qx, sx), (qd, sd), padded, out=loaded, accumulate=True, atomic=False, block_n=block_n)
-    assert torch.equal(loaded, main)
+    # every epilogue adds the same sums: TMA's reduce-add (chosen above where KA is a multiple of 64), the
+    # registers' fp32 reductions and their load-add-store (no denormals here)
+    assert fg.wgrad_tma_epilogue_takes(main) == (ka % 64 == 0)
+    for atomic in (True, False):
+        added = before.clone()
+        fg.gluon_fp8_weight_grad((qx, sx), (qd, sd), padded, out=added, accumulate=True, atomic=atomic,
+                                 tma_epilogue=False, block_n=block_n)
+        assert torch.equal(added, main), f"atomic={atomic}"
+    stored = torch.full_like(main, float("nan"))
+    fg.gluon_fp8_weight_grad((qx, sx), (qd, sd), padded, out=stored, tma_epilogue=False, block_n=block_n)
+    assert torch.equal(stored, got)
 
 
 # --- under training's conditions (`TrainConfig.fp8_gluon`, a run's default since session 34; off from
