@@ -982,6 +982,8 @@ class TrainConfig(StrictModel):
         "backward kernels are not emulated); refused under another precision")
     fp8_gluon: bool | None = Field(
         None, description="precision fp8 on a Hopper GPU: the routed experts' FP8 row GEMMs and split SwiGLU GEMMs "
+        "(and under fp8_expert_backward: fp8 their weight gradients, bench experts --backend "
+        "triton-fp8:gluon-tma-store-wgrad) "
         "in the warp-specialised Gluon kernels (bench experts --backend triton-fp8:gluon) instead of the Triton ones "
         "(elsewhere, or off the 128 grid, the Triton ones run); false: the Triton ones everywhere. None = true under "
         "precision fp8 (config.RUN_FP8_GLUON): with them the Qwen3 config's FP8 step took 554.5 ms against 580.0 "

@@ -114,7 +114,7 @@ def fp8_kernels(cfg: TrainConfig) -> str | None:
 
     model = load_model(cfg.model)
     return kernel_paths(model.hidden_size, model.expert_ffn_size, torch.device(cfg.device), rows=cfg.expert_gluon,
-                        swiglu=cfg.expert_gluon, backward=cfg.expert_backward_precision,
+                        swiglu=cfg.expert_gluon, wgrad=cfg.expert_gluon, backward=cfg.expert_backward_precision,
                         forward=cfg.expert_forward_precision, tma_store=cfg.expert_gluon_tma_store,
                         block_m=GLUON_TMA_STORE_BLOCK_M if cfg.expert_gluon_tma_store else None)
 

@@ -145,9 +145,12 @@ class _GluonChoices:
     found every Gluon launch of a captured training run equal to the Triton kernel's: the spread,
     not the kernel. After the consumer reorder (session 33) the default recipe's step with them took
     554.5 ms against 580.0 (one H100), and session 34's seeded 300-step run with them (and blockwise
-    dense projections) ended 2.80% below bf16's loss. `wgrad` (off): the weight gradients in
-    `fp8_gluon.gluon_fp8_weight_grad`, measured slower than `fp8.fp8_weight_grad` in the same run
-    (the block 0.91-0.98x)."""
+    dense projections) ended 2.80% below bf16's loss. `wgrad` (off here; a run's with the others,
+    `set_gluon`): the all-FP8 backward's weight gradients in `fp8_gluon.gluon_fp8_weight_grad`, slower
+    than `fp8.fp8_weight_grad` until session 37 (the block 0.91-0.98x, session 19), which carried its
+    scales in the ring and wrote its sums by TMA: the block with it 0.92x / 0.98x / 0.59x our bf16
+    (Mixtral / DeepSeek-V3-EP8 / Qwen3 shapes) against 0.76x / 0.79x / 0.49x with the Triton one (one
+    H100, same run, docs/benchmarks.md)."""
 
     rows: bool = False
     wgrad: bool = False
@@ -168,14 +171,15 @@ GLUON_TMA_STORE_BLOCK_M = 128  # the one of them (at the FFN's 128 columns) whos
 
 
 def set_gluon(enabled: bool, tma_store: bool = False) -> None:
-    """The row GEMMs and the split SwiGLU GEMMs in the Gluon kernels where they take the operands
-    (True), or in the Triton ones (False, the kernels' default: `_GluonChoices`); with `tma_store` the
-    Gluon row GEMM's epilogue stores by TMA (128-row tiles: the row tile is set to them). The weight
-    gradients' setting (`set_gluon_wgrad`) is left as it is. A run's `TrainConfig.expert_gluon` (on
-    unless it sets fp8_gluon: false) and `expert_gluon_tma_store`, set by its trainer and workers before
-    their first forward."""
+    """The row GEMMs, the split SwiGLU GEMMs and (under the all-FP8 backward) the weight gradients in
+    the Gluon kernels where they take the operands (True), or in the Triton ones (False, the kernels'
+    default: `_GluonChoices`); with `tma_store` the Gluon row GEMM's epilogue stores by TMA (128-row
+    tiles: the row tile is set to them). A run's `TrainConfig.expert_gluon` (on unless it sets
+    fp8_gluon: false) and `expert_gluon_tma_store`, set by its trainer and workers before their first
+    forward."""
     set_gluon_rows(enabled)
     set_gluon_swiglu(enabled)
+    set_gluon_wgrad(enabled)
     _gluon.tma_store = enabled and tma_store
     if _gluon.tma_store:
         _gluon.block_m = GLUON_TMA_STORE_BLOCK_M
@@ -190,9 +194,9 @@ def set_gluon_rows(enabled: bool) -> bool:
 
 
 def set_gluon_wgrad(enabled: bool) -> bool:
-    """Run the weight gradients with the Gluon kernel where `fp8_gluon.wgrad_takes` their operands
-    (True), or with `fp8.fp8_weight_grad` (False, the default until it is measured). Returns the
-    previous setting."""
+    """Run the all-FP8 backward's weight gradients with the Gluon kernel where `fp8_gluon.wgrad_takes`
+    their operands (True; a run's with its other Gluon paths, `set_gluon`), or with `fp8.fp8_weight_grad`
+    (False, the FFN's own default). Returns the previous setting."""
     previous, _gluon.wgrad = _gluon.wgrad, enabled
     return previous
 

@@ -107,8 +107,8 @@ def test_fp8_emulate_reaches_every_ranks_experts_and_projections(mode, fields):
 
 def test_fp8_gluon_sets_the_kernels_choice_on_expert_ranks_only():
     """`setup_fp8(..., gluon=)` (the worker passes `TrainConfig.fp8_gluon`): an expert rank sets the
-    FFN's Gluon row and SwiGLU paths as asked (`fp8_ffn.set_gluon`, process-wide), the weight
-    gradients' left as they are; an attention rank without FP8 experts leaves them alone."""
+    FFN's Gluon row, SwiGLU and weight-gradient paths as asked (`fp8_ffn.set_gluon`, process-wide); an
+    attention rank without FP8 experts leaves them alone."""
     from disagmoe.kernels import fp8_ffn
 
     topology = topology_of("disaggregated", attention_ranks=1, expert_ranks=1)
@@ -117,7 +117,7 @@ def test_fp8_gluon_sets_the_kernels_choice_on_expert_ranks_only():
         for gluon in (True, False):
             model = rank_model(load_model("tiny"), "triton", topology, 1).materialise(CPU, 0)
             setup_fp8(model, topology, 1, "fp8", CPU, gluon=gluon)
-            assert (fp8_ffn._gluon.rows, fp8_ffn._gluon.swiglu, fp8_ffn._gluon.wgrad) == (gluon, gluon, saved.wgrad)
+            assert (fp8_ffn._gluon.rows, fp8_ffn._gluon.swiglu, fp8_ffn._gluon.wgrad) == (gluon, gluon, gluon)
         attention = rank_model(load_model("tiny"), "triton", topology, 0).materialise(CPU, 0)
         assert setup_fp8(attention, topology, 0, "fp8", CPU, gluon=True) is None
         assert not fp8_ffn._gluon.rows

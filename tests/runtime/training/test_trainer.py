@@ -733,7 +733,7 @@ def test_cuda_fp8_emulate_reaches_the_trainers_experts_and_projections_and_train
 
 @pytest.mark.gpu
 def test_cuda_fp8_gluon_reaches_the_ffns_kernel_choice(tmp_path):
-    """fp8_gluon on the single trainer sets the FFN's Gluon row and SwiGLU paths (process-wide,
+    """fp8_gluon on the single trainer sets the FFN's Gluon row, SwiGLU and weight-gradient paths (process-wide,
     `fp8_ffn.set_gluon`) as the run asks, each FP8 run setting it whatever the last one left."""
     from disagmoe.kernels import fp8_ffn
     from disagmoe.runtime.training.trainer import SingleProcessTrainer
@@ -745,7 +745,7 @@ def test_cuda_fp8_gluon_reaches_the_ffns_kernel_choice(tmp_path):
         for gluon in (True, False):
             SingleProcessTrainer(tiny_run(tmp_path, model=model, device="cuda", experts_backend="triton",
                                           precision="fp8", fp8_gluon=gluon, checkpoint_at_end=False))
-            assert (fp8_ffn._gluon.rows, fp8_ffn._gluon.swiglu) == (gluon, gluon)
+            assert (fp8_ffn._gluon.rows, fp8_ffn._gluon.swiglu, fp8_ffn._gluon.wgrad) == (gluon, gluon, gluon)
     finally:
         fp8_ffn.set_gluon(False)
 
