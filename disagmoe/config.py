@@ -1237,8 +1237,6 @@ class TrainConfig(StrictModel):
             return f"experts_backend {self.experts_backend}: only the triton experts' GEMMs add into main gradients"
         if self.mode == "single" and self.steps_reference_adamw:  # a rank's FlatAdamW always has main gradients
             return "precision fp32 with fp32 moments steps torch's AdamW on autograd's gradients (no main gradients)"
-        if self.expert_backward_precision == "fp8":
-            return "fp8_expert_backward fp8: the weight gradients run in FP8 from per-micro-batch token-group copies"
         return None
 
     @property

@@ -1719,6 +1719,7 @@ def fp8_weight_grad(
     accumulate: bool = False,
     num_programs: int | None = None,
     imprecise_k: int | None = None,
+    second: tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """out[e] = dequant(a)[:, rows_e] @ dequant(b)[:, rows_e]^T, [E, KA, C] fp32 (zeros for empty
     experts): the weight gradient x^T dy of rows grouped by expert, both operands from
@@ -1728,7 +1729,9 @@ def fp8_weight_grad(
     group g belonging to weight g mod E_W, summed in ascending g (as `grouped_gemm.ragged_weight_grad`).
     config.block_m (the token step) must divide 128; block_k tiles KA, block_n tiles C;
     config.atomic_accumulate: an fp32 `out` accumulated by fp32 reductions (the same sum, bit for bit
-    but for denormals, which the GPU's reduction flushes to zero), as the bf16 kernel's tuned tiles do."""
+    but for denormals, which the GPU's reduction flushes to zero), as the bf16 kernel's tuned tiles do.
+    `second` = (a2, b2, padded2_E): a second row set's sums added too (`kernels.wgrad_pairs`), here by a
+    second launch into out (`fp8_gluon.gluon_fp8_weight_grad` sums both in one launch)."""
     (qa_KP, sa_KC), (qb_CP, sb_CC) = a, b
     _check_fp8(a=qa_KP, b=qb_CP)
     if SCALE_BLOCK % config.block_m:
@@ -1760,6 +1763,10 @@ def fp8_weight_grad(
         IMPRECISE_K=_imprecise(config, config.block_m, imprecise_k),
         PROMOTE=promote_index(config), num_warps=config.num_warps, num_stages=config.num_stages,
     )
+    if second is not None:
+        a2, b2, padded2_E = second
+        fp8_weight_grad(a2, b2, padded2_E, config, weights=weights, out=out, accumulate=True, num_programs=num_programs,
+                        imprecise_k=imprecise_k)
     return out
 
 

@@ -54,13 +54,12 @@ from disagmoe.config import (DEFAULT_FP8_EXPERT_BACKWARD, DEFAULT_FP8_EXPERT_FOR
 from disagmoe.kernels import fp8
 from disagmoe.kernels import grouped_gemm as gg
 from disagmoe.kernels import permute as pm
-from disagmoe.kernels.first_touch import adds_into
 from disagmoe.kernels.fp8_stats import ACTIVATIONS, GRADIENTS, WEIGHTS, Fp8Stats
 from disagmoe.kernels.moe_ffn import FFNTiles, main_grad_of, moe_ffn_backward
 from disagmoe.kernels.recompute import (EXPERT_INPUT, EXPERT_OUTPUT, FP8_NO_EXPERT_OUTPUT, FP8_RECOMPUTABLE, RowSource,
                                         UnwrittenRows)
 from disagmoe.kernels.tile_configs import TileConfig, device_architecture, tuned
-from disagmoe.kernels.wgrad_pairs import weight_grad_into
+from disagmoe.kernels.wgrad_pairs import fp8_weight_grad_into, weight_grad_into
 
 
 # The routed experts' backward GEMMs: "fp8" (all four in e4m3: the data gradients 1 x 128, the weight
@@ -319,16 +318,45 @@ def _down_data_gradient(q_dy, s_dy, offsets_E, w2_t, tile: TileConfig, h13_N2F: 
 
 
 def _weight_grad(a, b, padded_E, tile: TileConfig, *, weights: int, out: torch.Tensor | None, accumulate: bool,
-                 num_programs: int | None, gluon: bool) -> torch.Tensor:
+                 num_programs: int | None, gluon: bool, second=None) -> torch.Tensor:
     """`fp8.fp8_weight_grad`, or with `gluon` the Gluon kernel of the same sums on a Hopper GPU
-    where the operands fit it and no program count is forced."""
+    where the operands fit it and no program count is forced; `second`: a second row set's sums too
+    (`kernels.wgrad_pairs`)."""
     if gluon and num_programs is None and a[0].is_cuda:
         from disagmoe.kernels import fp8_gluon
 
         if fp8_gluon.wgrad_takes(a, b):
-            return fp8_gluon.gluon_fp8_weight_grad(a, b, padded_E, weights=weights, out=out, accumulate=accumulate)
+            return fp8_gluon.gluon_fp8_weight_grad(a, b, padded_E, weights=weights, out=out, accumulate=accumulate,
+                                                   second=second)
     return fp8.fp8_weight_grad(a, b, padded_E, tile, weights=weights, out=out, accumulate=accumulate,
-                               num_programs=num_programs)
+                               num_programs=num_programs, second=second)
+
+
+@dataclasses.dataclass(frozen=True)
+class _WeightGradKernel:
+    """The FFN's FP8 weight-gradient launch as `kernels.wgrad_pairs` runs it (`fp8_weight_grad_into`):
+    equal for two micro-batches' launches of one layer, so they pair."""
+
+    tile: TileConfig
+    weights: int
+    num_programs: int | None
+    gluon: bool
+
+    def __call__(self, a, b, padded_E, *, out: torch.Tensor, accumulate: bool, second=None) -> None:
+        _weight_grad(a, b, padded_E, self.tile, weights=self.weights, out=out, accumulate=accumulate,
+                     num_programs=self.num_programs, gluon=self.gluon, second=second)
+
+
+def _weight_grad_into_main(a, b, padded_E, kernel: _WeightGradKernel, main: torch.Tensor | None
+                           ) -> torch.Tensor | None:
+    """The weight gradient into its fp32 main gradient (stored at the step's first write, else added;
+    paired with the next micro-batch's inside `wgrad_pairs.paired_weight_grads`), None returned; without
+    a main gradient a new [E, KA, C] fp32 tensor, returned."""
+    if main is None:
+        return _weight_grad(a, b, padded_E, kernel.tile, weights=kernel.weights, out=None, accumulate=False,
+                            num_programs=kernel.num_programs, gluon=kernel.gluon)
+    fp8_weight_grad_into(a, b, padded_E, kernel, main=main, weights=kernel.weights)
+    return None
 
 
 def _rows_gemm(a_MK, sa_MG, offsets_E, b_EKN, sb_EGB, tile: TileConfig, *, out_dtype: torch.dtype,
@@ -702,9 +730,8 @@ def fp8_ffn_backward(
     del act_NF
     # each weight-gradient launch writes every element (zeros for an expert without rows): the step's
     # first one into a main gradient stores instead of adding (`kernels.first_touch`)
-    dw2 = _weight_grad((qt_act, st_act), (qt_dy, st_dy), padded_E, tiles.wgrad, weights=experts,
-                       out=main_grads[1], accumulate=adds_into(main_grads[1]), num_programs=num_programs,
-                       gluon=gluon.wgrad)
+    wgrad = _WeightGradKernel(tiles.wgrad, experts, num_programs, gluon.wgrad)
+    dw2 = _weight_grad_into_main((qt_act, st_act), (qt_dy, st_dy), padded_E, wgrad, main_grads[1])
     del qt_act, st_act, qt_dy, st_dy  # before d h13's two copies are made
     (q_dh, s_dh), (qt_dh, st_dh, _) = fp8.quantize_rows_and_token_groups(dh13_N2F, offsets_E, grads_row, served)
     dx_NH = _rows_gemm(q_dh, s_dh, offsets_E, *weights.w13_t, tiles.rows, out_dtype=dy_NH.dtype,
@@ -714,9 +741,7 @@ def fp8_ffn_backward(
         qt_x, st_x, _ = fp8.quantize_token_groups(x_NH.x_TH, offsets_E, acts, rows_M=x_NH.token_N)
     else:
         qt_x, st_x, _ = fp8.quantize_token_groups(x_NH, offsets_E, acts)
-    dw13 = _weight_grad((qt_x, st_x), (qt_dh, st_dh), padded_E, tiles.wgrad, weights=experts,
-                        out=main_grads[0], accumulate=adds_into(main_grads[0]), num_programs=num_programs,
-                        gluon=gluon.wgrad)
+    dw13 = _weight_grad_into_main((qt_x, st_x), (qt_dh, st_dh), padded_E, wgrad, main_grads[0])
     del qt_x, st_x, qt_dh, st_dh
     return dx_NH, None if main_grads[0] is not None else dw13, None if main_grads[1] is not None else dw2
 

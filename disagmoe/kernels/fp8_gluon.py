@@ -489,51 +489,97 @@ def _wgrad_item(item, per_expert, tiles_k, tiles_n, GROUP_M: gl.constexpr):
 
 
 @gluon.jit
-def _wgrad_producer(a_desc, b_desc, sa_desc, sb_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready_bars, empty_bars,
-                    padded_ptr, E, E_W, KA, C, num_programs, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                    GROUP_M: gl.constexpr, STAGES: gl.constexpr):
-    """The TMA warp of the weight gradient: per item, per group of its expert, per 128-token chunk c,
-    into the next free stage the A tile a[KA tile, chunk], the B tile b[C tile, chunk] and their
-    scales, sa[KA tile, c] and sb[C tile, c] (boxes of the chunk-major scale storage seen flat,
-    `fp8.token_group_scales`), all four on the stage's `ready` barrier."""
+def _wgrad_load_chunks(a_desc, b_desc, sa_desc, sb_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready_bars, empty_bars,
+                       padded_ptr, expert, E, E_W, KA, C, pid_k, pid_n, count, BLOCK_M: gl.constexpr,
+                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """The producer's loads of one row set for one item: per group g = expert mod E_W, per 128-token
+    chunk c, into the next free stage the A tile a[KA tile, chunk], the B tile b[C tile, chunk] and their
+    scales sa[KA tile, c] and sb[C tile, c] (boxes of the chunk-major scale storage seen flat,
+    `fp8.token_group_scales`), all four on the stage's `ready` barrier. Returns the stages used so far."""
+    stage_bytes: gl.constexpr = (a_desc.block_type.nbytes + b_desc.block_type.nbytes + sa_desc.block_type.nbytes
+                                 + sb_desc.block_type.nbytes)
+    for group in range(expert, E, E_W):
+        start = gl.load(padded_ptr + group - 1, mask=group > 0, other=0)
+        end = gl.load(padded_ptr + group)
+        for p0 in range(start, end, _SLICE):
+            stage = count % STAGES
+            chunk = p0 // _SLICE
+            mbarrier.wait(empty_bars.index(stage), ((count // STAGES) & 1) ^ 1)
+            ready = ready_bars.index(stage)
+            mbarrier.expect(ready, stage_bytes)
+            tma.async_copy_global_to_shared(a_desc, [pid_k * BLOCK_M, p0], ready, a_bufs.index(stage))
+            tma.async_copy_global_to_shared(b_desc, [pid_n * BLOCK_N, p0], ready, b_bufs.index(stage))
+            tma.async_copy_global_to_shared(sa_desc, [chunk * KA + pid_k * BLOCK_M], ready, sa_bufs.index(stage))
+            tma.async_copy_global_to_shared(sb_desc, [chunk * C + pid_n * BLOCK_N], ready, sb_bufs.index(stage))
+            count += 1
+    return count
+
+
+@gluon.jit
+def _wgrad_producer(a_desc, b_desc, sa_desc, sb_desc, a2_desc, b2_desc, sa2_desc, sb2_desc, a_bufs, b_bufs, sa_bufs,
+                    sb_bufs, ready_bars, empty_bars, padded_ptr, padded2_ptr, E, E_W, KA, C, num_programs,
+                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                    PAIRED: gl.constexpr):
+    """The TMA warp of the weight gradient: per item, the chunks of its expert's groups
+    (`_wgrad_load_chunks`), then with PAIRED those of the second row set (one group an expert)."""
     tiles_k = gl.cdiv(KA, BLOCK_M)
     tiles_n = gl.cdiv(C, BLOCK_N)
     per_expert = tiles_k * tiles_n
-    stage_bytes: gl.constexpr = (a_desc.block_type.nbytes + b_desc.block_type.nbytes + sa_desc.block_type.nbytes
-                                 + sb_desc.block_type.nbytes)
     count = 0
     for item in range(gl.program_id(0), E_W * per_expert, num_programs):
         expert, pid_k, pid_n = _wgrad_item(item, per_expert, tiles_k, tiles_n, GROUP_M)
-        for group in range(expert, E, E_W):
-            start = gl.load(padded_ptr + group - 1, mask=group > 0, other=0)
-            end = gl.load(padded_ptr + group)
-            for p0 in range(start, end, _SLICE):
-                stage = count % STAGES
-                chunk = p0 // _SLICE
-                mbarrier.wait(empty_bars.index(stage), ((count // STAGES) & 1) ^ 1)
-                ready = ready_bars.index(stage)
-                mbarrier.expect(ready, stage_bytes)
-                tma.async_copy_global_to_shared(a_desc, [pid_k * BLOCK_M, p0], ready, a_bufs.index(stage))
-                tma.async_copy_global_to_shared(b_desc, [pid_n * BLOCK_N, p0], ready, b_bufs.index(stage))
-                tma.async_copy_global_to_shared(sa_desc, [chunk * KA + pid_k * BLOCK_M], ready, sa_bufs.index(stage))
-                tma.async_copy_global_to_shared(sb_desc, [chunk * C + pid_n * BLOCK_N], ready, sb_bufs.index(stage))
-                count += 1
+        count = _wgrad_load_chunks(a_desc, b_desc, sa_desc, sb_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready_bars,
+                                   empty_bars, padded_ptr, expert, E, E_W, KA, C, pid_k, pid_n, count, BLOCK_M,
+                                   BLOCK_N, STAGES)
+        if PAIRED:
+            count = _wgrad_load_chunks(a2_desc, b2_desc, sa2_desc, sb2_desc, a_bufs, b_bufs, sa_bufs, sb_bufs,
+                                       ready_bars, empty_bars, padded2_ptr, expert, E_W, E_W, KA, C, pid_k, pid_n,
+                                       count, BLOCK_M, BLOCK_N, STAGES)
+
+
+@gluon.jit
+def _wgrad_sum_chunks(a_bufs, b_bufs, sa_bufs, sb_bufs, ready_bars, empty_bars, padded_ptr, expert, E, E_W, acc_MN,
+                      count, CONSUMER: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """One consumer's sums over one row set's chunks of an item (the producer's `_wgrad_load_chunks`
+    order): per chunk the wgmma into a fresh accumulator, the chunk's scales read from the stage (shared
+    memory, under the wgmma), the wait, the stage released, and the product times sa[row, c] x
+    sb[column, c] added into acc (DeepGEMM's order; the other consumer's wgmma runs meanwhile).
+    Returns (acc, the stages used so far)."""
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BLOCK_N, 32])
+    zero_MN = gl.zeros([_ROWS, BLOCK_N], gl.float32, acc_layout)
+    for group in range(expert, E, E_W):
+        start = gl.load(padded_ptr + group - 1, mask=group > 0, other=0)
+        end = gl.load(padded_ptr + group)
+        for p0 in range(start, end, _SLICE):
+            stage = count % STAGES
+            mbarrier.wait(ready_bars.index(stage), (count // STAGES) & 1)
+            a_view = a_bufs.index(stage).slice(CONSUMER * _ROWS, _ROWS)
+            b_view = b_bufs.index(stage).permute((1, 0))  # [128 tokens, BLOCK_N], token-major
+            part = warpgroup_mma(a_view, b_view, zero_MN, use_acc=False, is_async=True)
+            sa_M = sa_bufs.index(stage).slice(CONSUMER * _ROWS, _ROWS).load(gl.SliceLayout(1, acc_layout))
+            sb_N = sb_bufs.index(stage).load(gl.SliceLayout(0, acc_layout))
+            part_MN = warpgroup_mma_wait(0, deps=(part, ))
+            mbarrier.arrive(empty_bars.index(stage))  # the wgmma and the scale loads have read it
+            acc_MN = acc_MN + part_MN * (sa_M[:, None] * sb_N[None, :])
+            count += 1
+    return acc_MN, count
 
 
 @gluon.jit
 def _wgrad_consumer(a_bufs, b_bufs, sa_bufs, sb_bufs, ready_bars, empty_bars, out_ptr, out_desc, c_bufs, padded_ptr,
-                    E, E_W, KA, C, num_programs, stride_oe, stride_ok, stride_oc, CONSUMER: gl.constexpr,
+                    padded2_ptr, E, E_W, KA, C, num_programs, stride_oe, stride_ok, stride_oc, CONSUMER: gl.constexpr,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                    ACCUMULATE: gl.constexpr, ATOMIC: gl.constexpr, TMA_EPILOGUE: gl.constexpr):
-    """One warpgroup's KA rows CONSUMER * 64 + [0, 64) of every item: per chunk the wgmma into a
-    fresh accumulator, the chunk's scales read from the stage (shared memory, under the wgmma), the
-    wait, the stage released, and the product times sa[row, c] x sb[column, c] added into the fp32
-    sum (DeepGEMM's order; the other consumer's wgmma runs meanwhile). Then the sums stored, or added
-    into `out` (ACCUMULATE), zeros for an expert without tokens: with TMA_EPILOGUE written into this
-    warpgroup's buffer c_bufs[CONSUMER] and stored or reduce-added by TMA through out_desc ([64, BLOCK_N]
-    boxes of out seen as [E_W x KA, C]), not waited for until the buffer's next use an item later, so the
-    main gradient's read and write run under the next item's wgmmas; else from registers (ATOMIC: by
-    relaxed fp32 reductions, which wait for no read; or loaded, added and stored)."""
+                    ACCUMULATE: gl.constexpr, ATOMIC: gl.constexpr, TMA_EPILOGUE: gl.constexpr,
+                    PAIRED: gl.constexpr):
+    """One warpgroup's KA rows CONSUMER * 64 + [0, 64) of every item: the sums over the item's chunks
+    (`_wgrad_sum_chunks`; with PAIRED the second row set's after the first's, into the same sum). Then
+    the sums stored, or added into `out` (ACCUMULATE), zeros for an expert without tokens: with
+    TMA_EPILOGUE written into this warpgroup's buffer c_bufs[CONSUMER] and stored or reduce-added by TMA
+    through out_desc ([64, BLOCK_N] boxes of out seen as [E_W x KA, C]), not waited for until the buffer's
+    next use an item later, so the main gradient's read and write run under the next item's wgmmas; else
+    from registers (ATOMIC: by relaxed fp32 reductions, which wait for no read; or loaded, added and
+    stored)."""
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_N, 32])
     row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
@@ -541,26 +587,15 @@ def _wgrad_consumer(a_bufs, b_bufs, sa_bufs, sb_bufs, ready_bars, empty_bars, ou
     tiles_k = gl.cdiv(KA, BLOCK_M)
     tiles_n = gl.cdiv(C, BLOCK_N)
     per_expert = tiles_k * tiles_n
-    zero_MN = gl.zeros([_ROWS, BLOCK_N], gl.float32, acc_layout)
     count = 0
     for item in range(gl.program_id(0), E_W * per_expert, num_programs):
         expert, pid_k, pid_n = _wgrad_item(item, per_expert, tiles_k, tiles_n, GROUP_M)
-        acc_MN = zero_MN
-        for group in range(expert, E, E_W):
-            start = gl.load(padded_ptr + group - 1, mask=group > 0, other=0)
-            end = gl.load(padded_ptr + group)
-            for p0 in range(start, end, _SLICE):
-                stage = count % STAGES
-                mbarrier.wait(ready_bars.index(stage), (count // STAGES) & 1)
-                a_view = a_bufs.index(stage).slice(CONSUMER * _ROWS, _ROWS)
-                b_view = b_bufs.index(stage).permute((1, 0))  # [128 tokens, BLOCK_N], token-major
-                part = warpgroup_mma(a_view, b_view, zero_MN, use_acc=False, is_async=True)
-                sa_M = sa_bufs.index(stage).slice(CONSUMER * _ROWS, _ROWS).load(row_layout)
-                sb_N = sb_bufs.index(stage).load(col_layout)
-                part_MN = warpgroup_mma_wait(0, deps=(part, ))
-                mbarrier.arrive(empty_bars.index(stage))  # the wgmma and the scale loads have read it
-                acc_MN = acc_MN + part_MN * (sa_M[:, None] * sb_N[None, :])
-                count += 1
+        acc_MN = gl.zeros([_ROWS, BLOCK_N], gl.float32, acc_layout)
+        acc_MN, count = _wgrad_sum_chunks(a_bufs, b_bufs, sa_bufs, sb_bufs, ready_bars, empty_bars, padded_ptr,
+                                          expert, E, E_W, acc_MN, count, CONSUMER, BLOCK_N, STAGES)
+        if PAIRED:
+            acc_MN, count = _wgrad_sum_chunks(a_bufs, b_bufs, sa_bufs, sb_bufs, ready_bars, empty_bars, padded2_ptr,
+                                              expert, E_W, E_W, acc_MN, count, CONSUMER, BLOCK_N, STAGES)
         row0 = pid_k * BLOCK_M + CONSUMER * _ROWS
         if TMA_EPILOGUE:
             if row0 < KA:  # a wave wholly past KA (the last KA tile's) has nothing to write
@@ -590,15 +625,17 @@ def _wgrad_consumer(a_bufs, b_bufs, sa_bufs, sb_bufs, ready_bars, empty_bars, ou
 
 
 @gluon.jit
-def _gluon_fp8_weight_grad_kernel(a_desc, b_desc, sa_desc, sb_desc, out_desc, out_ptr, padded_ptr, E, E_W, KA, C,
-                                  num_programs, stride_oe, stride_ok, stride_oc, BLOCK_N: gl.constexpr,
-                                  GROUP_M: gl.constexpr, STAGES: gl.constexpr, ACCUMULATE: gl.constexpr,
-                                  ATOMIC: gl.constexpr, TMA_EPILOGUE: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                                  CONSUMER_REGS: gl.constexpr, FENCE_INIT: gl.constexpr):
+def _gluon_fp8_weight_grad_kernel(a_desc, b_desc, sa_desc, sb_desc, a2_desc, b2_desc, sa2_desc, sb2_desc, out_desc,
+                                  out_ptr, padded_ptr, padded2_ptr, E, E_W, KA, C, num_programs, stride_oe, stride_ok,
+                                  stride_oc, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                                  ACCUMULATE: gl.constexpr, ATOMIC: gl.constexpr, TMA_EPILOGUE: gl.constexpr,
+                                  PAIRED: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                                  FENCE_INIT: gl.constexpr):
     # Contract: `gluon_fp8_weight_grad`'s, checked there; two consumer warpgroups of 64 KA rows each
     # (the item's 128) and the producer warp, as `_gluon_fp8_rows_gemm_kernel`; the ring's stages
     # carry the chunk's scales beside its A and B tiles. TMA_EPILOGUE: out_desc, out's [E_W x KA, C]
-    # view in [64, BLOCK_N] boxes, and one such fp32 buffer per consumer; else None.
+    # view in [64, BLOCK_N] boxes, and one such fp32 buffer per consumer; else None. PAIRED: a second
+    # row set's descriptors (a2..sb2) and padded offsets (one group an expert), else None.
     a_bufs, b_bufs, ready_bars, empty_bars = _ring(a_desc, b_desc, STAGES, 2, FENCE_INIT)
     sa_bufs = gl.allocate_shared_memory(sa_desc.dtype, [STAGES] + sa_desc.block_type.shape, sa_desc.layout)
     sb_bufs = gl.allocate_shared_memory(sb_desc.dtype, [STAGES] + sb_desc.block_type.shape, sb_desc.layout)
@@ -608,13 +645,16 @@ def _gluon_fp8_weight_grad_kernel(a_desc, b_desc, sa_desc, sb_desc, out_desc, ou
         c_bufs: gl.constexpr = None
     gl.warp_specialize([
         (_wgrad_consumer, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready_bars, empty_bars, out_ptr, out_desc, c_bufs,
-                           padded_ptr, E, E_W, KA, C, num_programs, stride_oe, stride_ok, stride_oc, gl.constexpr(0),
-                           _ITEM_ROWS, BLOCK_N, GROUP_M, STAGES, ACCUMULATE, ATOMIC, TMA_EPILOGUE)),
+                           padded_ptr, padded2_ptr, E, E_W, KA, C, num_programs, stride_oe, stride_ok, stride_oc,
+                           gl.constexpr(0), _ITEM_ROWS, BLOCK_N, GROUP_M, STAGES, ACCUMULATE, ATOMIC, TMA_EPILOGUE,
+                           PAIRED)),
         (_wgrad_consumer, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready_bars, empty_bars, out_ptr, out_desc, c_bufs,
-                           padded_ptr, E, E_W, KA, C, num_programs, stride_oe, stride_ok, stride_oc, gl.constexpr(1),
-                           _ITEM_ROWS, BLOCK_N, GROUP_M, STAGES, ACCUMULATE, ATOMIC, TMA_EPILOGUE)),
-        (_wgrad_producer, (a_desc, b_desc, sa_desc, sb_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready_bars, empty_bars,
-                           padded_ptr, E, E_W, KA, C, num_programs, _ITEM_ROWS, BLOCK_N, GROUP_M, STAGES)),
+                           padded_ptr, padded2_ptr, E, E_W, KA, C, num_programs, stride_oe, stride_ok, stride_oc,
+                           gl.constexpr(1), _ITEM_ROWS, BLOCK_N, GROUP_M, STAGES, ACCUMULATE, ATOMIC, TMA_EPILOGUE,
+                           PAIRED)),
+        (_wgrad_producer, (a_desc, b_desc, sa_desc, sb_desc, a2_desc, b2_desc, sa2_desc, sb2_desc, a_bufs, b_bufs,
+                           sa_bufs, sb_bufs, ready_bars, empty_bars, padded_ptr, padded2_ptr, E, E_W, KA, C,
+                           num_programs, _ITEM_ROWS, BLOCK_N, GROUP_M, STAGES, PAIRED)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -801,6 +841,27 @@ def _wgrad_shared_bytes(stages: int, block_n: int, tma_epilogue: bool) -> int:
     return stages * stage + (2 * CONSUMER_ROWS * block_n * 4 if tma_epilogue else 0)
 
 
+def _token_group_descriptors(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor],
+                             block_n: int) -> tuple[TensorDescriptor, ...]:
+    """The TMA descriptors of one row set's token-group operands: A [KA, P] in [128, 128] boxes, B [C, P]
+    in [block_n, 128] boxes, and their chunk-major scales in runs of 128 and block_n (`_scale_boxes`)."""
+    (qa_KP, sa_KC), (qb_CP, sb_CC) = a, b
+    for name, t in (("a", qa_KP), ("b", qb_CP)):
+        if t.stride(1) != 1 or t.stride(0) % 16 or t.data_ptr() % 16:
+            raise ValueError(f"{name} must be token-contiguous with 16-byte-aligned rows (TMA), as "
+                             f"quantize_token_groups writes it; got strides {t.stride()}")
+    for name, t in (("a", sa_KC), ("b", sb_CC)):
+        if not _chunk_major(t):
+            raise ValueError(f"{name}'s scales must lie chunk-major ([K, C] over [C, K] storage, 16-byte aligned), "
+                             f"as quantize_token_groups writes them (fp8.token_group_scales); got strides {t.stride()}")
+    a_box, b_box = [2 * CONSUMER_ROWS, SCALE_BLOCK], [block_n, SCALE_BLOCK]
+    return (TensorDescriptor(qa_KP, list(qa_KP.shape), [qa_KP.stride(0), 1], a_box,
+                             gl.NVMMASharedLayout.get_default_for(a_box, gl.float8e4nv)),
+            TensorDescriptor(qb_CP, list(qb_CP.shape), [qb_CP.stride(0), 1], b_box,
+                             gl.NVMMASharedLayout.get_default_for(b_box, gl.float8e4nv)),
+            _scale_boxes(sa_KC, 2 * CONSUMER_ROWS), _scale_boxes(sb_CC, block_n))
+
+
 def gluon_fp8_weight_grad(
     a: tuple[torch.Tensor, torch.Tensor],
     b: tuple[torch.Tensor, torch.Tensor],
@@ -814,6 +875,7 @@ def gluon_fp8_weight_grad(
     block_n: int = 128,
     stages: int = 4,
     num_programs: int | None = None,
+    second: tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """`fp8.fp8_weight_grad`'s sums, warp-specialised: out[e] = sum over groups g = e mod E_W and their
     128-token chunks c of (a[:, c] @ b[:, c]^T) x sa[:, c] x sb[:, c], [E_W, KA, C] fp32 (zeros for an
@@ -824,7 +886,9 @@ def gluon_fp8_weight_grad(
     stored, or reduce-added (accumulate, TMA's own fp32 add: the same sum) by TMA under the next item's
     wgmmas, not from registers (`atomic` then unused). Operands as `fp8.quantize_token_groups` writes them
     ((q_KP, s_KC) pairs, the scales chunk-major; `padded_E` its third result); `wgrad_takes` says where
-    it runs. block_n: the C tile (64 or 128)."""
+    it runs. block_n: the C tile (64 or 128). `second` = (a2, b2, padded2_E): a second row set over the
+    same experts (one group each, not banded), e.g. the next micro-batch's rows (`kernels.wgrad_pairs`):
+    its chunks summed after the first's into the same fp32 sum, one write of out for both."""
     (qa_KP, sa_KC), (qb_CP, sb_CC) = a, b
     wrong = {name: t.dtype for name, t in (("a", qa_KP), ("b", qb_CP)) if t.dtype != FP8}
     if wrong:
@@ -836,15 +900,17 @@ def gluon_fp8_weight_grad(
         raise ValueError(f"stages={stages}: the ring needs at least 2 stages and, with the TMA epilogue's buffers if "
                          f"asked, must fit the {SHARED_MEMORY_BYTES} bytes of shared memory a Hopper block may use")
     ka, cols, groups, experts = weight_grad_shapes(a, b, padded_E, weights)
-    capacity = qa_KP.shape[1]
-    for name, t in (("a", qa_KP), ("b", qb_CP)):
-        if t.stride(1) != 1 or t.stride(0) % 16 or t.data_ptr() % 16:
-            raise ValueError(f"{name} must be token-contiguous with 16-byte-aligned rows (TMA), as "
-                             f"quantize_token_groups writes it; got strides {t.stride()}")
-    for name, t in (("a", sa_KC), ("b", sb_CC)):
-        if not _chunk_major(t):
-            raise ValueError(f"{name}'s scales must lie chunk-major ([K, C] over [C, K] storage, 16-byte aligned), "
-                             f"as quantize_token_groups writes them (fp8.token_group_scales); got strides {t.stride()}")
+    descriptors = _token_group_descriptors(a, b, block_n)
+    second_descriptors, padded2_E = (None, None, None, None), None
+    if second is not None:
+        a2, b2, padded2_E = second
+        if a2[0].dtype != FP8 or b2[0].dtype != FP8:
+            raise ValueError("the second row set's operands must be float8_e4m3fn too (quantize_token_groups)")
+        if weight_grad_shapes(a2, b2, padded2_E, None)[:2] != (ka, cols) or padded2_E.shape[0] != experts \
+                or groups != experts:
+            raise ValueError(f"second must hold one row set over the same {experts} experts (one group each) with "
+                             f"KA={ka} and C={cols}, and the first set one group an expert too (not banded)")
+        second_descriptors = _token_group_descriptors(a2, b2, block_n)
     if accumulate and out is None:
         raise ValueError("accumulate=True adds into `out`: give the fp32 main gradient")
     if out is None:
@@ -853,11 +919,6 @@ def gluon_fp8_weight_grad(
         raise ValueError(f"out must be fp32 [E_W, KA, C] = {(experts, ka, cols)}; got {out.dtype} {tuple(out.shape)}")
     if out.numel() == 0:
         return out
-    a_box, b_box = [2 * CONSUMER_ROWS, SCALE_BLOCK], [block_n, SCALE_BLOCK]
-    a_desc = TensorDescriptor(qa_KP, [ka, capacity], [qa_KP.stride(0), 1], a_box,
-                              gl.NVMMASharedLayout.get_default_for(a_box, gl.float8e4nv))
-    b_desc = TensorDescriptor(qb_CP, [cols, capacity], [qb_CP.stride(0), 1], b_box,
-                              gl.NVMMASharedLayout.get_default_for(b_box, gl.float8e4nv))
     takes = wgrad_tma_epilogue_takes(out)
     if tma_epilogue and not takes:
         raise ValueError(f"tma_epilogue=True writes out by TMA: it must be a contiguous fp32 [E_W, KA, C] with KA a "
@@ -872,10 +933,9 @@ def gluon_fp8_weight_grad(
                                     gl.NVMMASharedLayout.get_default_for(out_box, gl.float32))
     programs = num_programs or gg.default_num_programs(qa_KP.device)
     _gluon_fp8_weight_grad_kernel[(programs, )](
-        a_desc, b_desc, _scale_boxes(sa_KC, 2 * CONSUMER_ROWS), _scale_boxes(sb_CC, block_n), out_desc, out,
-        padded_E, groups, experts, ka, cols, programs, *out.stride(),
-        BLOCK_N=block_n, GROUP_M=GROUP_M, STAGES=stages, ACCUMULATE=accumulate, ATOMIC=atomic,
-        TMA_EPILOGUE=tma_epilogue,
+        *descriptors, *second_descriptors, out_desc, out, padded_E, padded2_E, groups, experts, ka, cols, programs,
+        *out.stride(), BLOCK_N=block_n, GROUP_M=GROUP_M, STAGES=stages, ACCUMULATE=accumulate, ATOMIC=atomic,
+        TMA_EPILOGUE=tma_epilogue, PAIRED=second is not None,
         PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS, FENCE_INIT=FENCE_BARRIER_INIT, num_warps=4,
         maxnreg=MAXNREG)
     return out

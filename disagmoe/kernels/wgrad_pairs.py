@@ -25,7 +25,7 @@ block (a captured step body keeps nothing it allocated).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -36,8 +36,9 @@ from disagmoe.kernels.tile_configs import TileConfig
 
 
 @dataclass(frozen=True)
-class _Waiting:
-    """One launch's operands, waiting for the next micro-batch's launch into the same main gradient."""
+class _RowsLaunch:
+    """A bf16 rows launch (`grouped_gemm.ragged_weight_grad`) waiting for the next micro-batch's launch
+    into the same main gradient."""
 
     a_NK: torch.Tensor
     b_NC: torch.Tensor
@@ -47,24 +48,56 @@ class _Waiting:
     weights: int
     num_programs: int | None
 
-    def pairs_with(self, a_NK: torch.Tensor, b_NC: torch.Tensor, offsets_E: torch.Tensor) -> bool:
+    def pairs_with(self, other: _Launch) -> bool:
         """Whether one launch can take both row sets (`ragged_weight_grad`'s `second`)."""
-        return (offsets_E.shape == self.offsets_E.shape == (self.weights,)
-                and a_NK.shape[1:] == self.a_NK.shape[1:] and b_NC.shape[1:] == self.b_NC.shape[1:]
-                and a_NK.dtype == self.a_NK.dtype and b_NC.dtype == self.b_NC.dtype
-                and a_NK.stride() == self.a_NK.stride() and b_NC.stride() == self.b_NC.stride())
+        return (isinstance(other, _RowsLaunch) and other.offsets_E.shape == self.offsets_E.shape == (self.weights,)
+                and other.a_NK.shape[1:] == self.a_NK.shape[1:] and other.b_NC.shape[1:] == self.b_NC.shape[1:]
+                and other.a_NK.dtype == self.a_NK.dtype and other.b_NC.dtype == self.b_NC.dtype
+                and other.a_NK.stride() == self.a_NK.stride() and other.b_NC.stride() == self.b_NC.stride())
 
-    def run(self, second: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+    def run(self, second: _RowsLaunch | None = None) -> None:
         gg.ragged_weight_grad(self.a_NK, self.b_NC, self.offsets_E, self.config, out=self.main,
-                              accumulate=adds_into(self.main), weights=self.weights,
-                              num_programs=self.num_programs, second=second)
+                              accumulate=adds_into(self.main), weights=self.weights, num_programs=self.num_programs,
+                              second=None if second is None else (second.a_NK, second.b_NC, second.offsets_E))
+
+
+# an FP8 weight-gradient launch: (a, b, padded_E, out, accumulate, second) -> None, the FFN's kernel choice
+TokenGroupKernel = Callable[..., object]
+
+
+@dataclass(frozen=True)
+class _TokenGroupLaunch:
+    """An FP8 launch over token-group operands (`fp8.quantize_token_groups`' (q_KP, s_KC) pairs and
+    padded offsets) waiting for the next micro-batch's launch into the same main gradient; `kernel` runs
+    it (`fp8.fp8_weight_grad` or `fp8_gluon.gluon_fp8_weight_grad`, as the FFN chose), taking `second`."""
+
+    a: tuple[torch.Tensor, torch.Tensor]
+    b: tuple[torch.Tensor, torch.Tensor]
+    padded_E: torch.Tensor
+    kernel: TokenGroupKernel
+    main: torch.Tensor
+    weights: int
+
+    def pairs_with(self, other: _Launch) -> bool:
+        """Whether one launch can take both row sets: the same kernel, one group an expert, the same
+        KA and C (the token counts may differ)."""
+        return (isinstance(other, _TokenGroupLaunch) and other.kernel == self.kernel
+                and other.padded_E.shape == self.padded_E.shape == (self.weights,)
+                and other.a[0].shape[0] == self.a[0].shape[0] and other.b[0].shape[0] == self.b[0].shape[0])
+
+    def run(self, second: _TokenGroupLaunch | None = None) -> None:
+        self.kernel(self.a, self.b, self.padded_E, out=self.main, accumulate=adds_into(self.main),
+                    second=None if second is None else (second.a, second.b, second.padded_E))
+
+
+_Launch = _RowsLaunch | _TokenGroupLaunch
 
 
 class _Pairing:
     """The launches waiting inside `paired_weight_grads`, by their main gradient (None outside it). A
     global, not a thread-local: on CUDA the autograd engine runs backward functions on its own thread."""
 
-    waiting: dict[int, _Waiting] | None = None
+    waiting: dict[int, _Launch] | None = None
 
 
 @contextlib.contextmanager
@@ -117,17 +150,32 @@ def weight_grad_into(a_NK: torch.Tensor, b_NC: torch.Tensor, offsets_E: torch.Te
     returned."""
     if main is None:
         return gg.ragged_weight_grad(a_NK, b_NC, offsets_E, config, weights=weights, num_programs=num_programs)
-    launch = _Waiting(a_NK, b_NC, offsets_E, config, main, weights, num_programs)
+    _submit(_RowsLaunch(a_NK, b_NC, offsets_E, config, main, weights, num_programs))
+    return None
+
+
+def fp8_weight_grad_into(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor],
+                         padded_E: torch.Tensor, kernel: TokenGroupKernel, *, main: torch.Tensor, weights: int) -> None:
+    """An FP8 expert weight gradient over token groups (`kernel`, the FFN's choice, taking `out`,
+    `accumulate` and `second`) into the fp32 main gradient `main` (stored at the step's first write, else
+    added), now or, inside `paired_weight_grads`, paired with the next micro-batch's launch into `main`:
+    the token-group copies wait, not the bf16 rows (one byte a value and a scale per 128 tokens)."""
+    _submit(_TokenGroupLaunch(a, b, padded_E, kernel, main, weights))
+
+
+def _submit(launch: _Launch) -> None:
+    """Run `launch` now (outside `paired_weight_grads`, or banded groups), or keep it waiting for the
+    next launch into its main gradient, or run the one waiting there with it as its second row set."""
     waiting = _Pairing.waiting
-    if waiting is None or offsets_E.shape != (weights,):  # outside the block, or banded groups: now
+    groups = launch.offsets_E.shape if isinstance(launch, _RowsLaunch) else launch.padded_E.shape
+    if waiting is None or groups != (launch.weights,):  # outside the block, or banded groups: now
         launch.run()
-        return None
-    first = waiting.pop(id(main), None)
+        return
+    first = waiting.pop(id(launch.main), None)
     if first is None:
-        waiting[id(main)] = launch
-    elif first.pairs_with(a_NK, b_NC, offsets_E):
-        first.run(second=(a_NK, b_NC, offsets_E))
-    else:  # rows of another width or layout (not one model's micro-batches): one launch each
+        waiting[id(launch.main)] = launch
+    elif first.pairs_with(launch):
+        first.run(second=launch)
+    else:  # rows of another width, layout or kernel (not one model's micro-batches): one launch each
         first.run()
         launch.run()
-    return None

@@ -221,6 +221,44 @@ def test_parameters_with_main_gradients_get_theirs_added_by_the_kernels_through_
         torch.testing.assert_close(p.main_grad - s, leaf.grad, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # 5-8 s a case on 2 cores
+@pytest.mark.parametrize("micro_batches", [2, 3])
+def test_the_fp8_backwards_weight_gradients_pair_over_micro_batches_as_unpaired(ffn8, micro_batches, monkeypatch):
+    """The all-FP8 backward inside `wgrad_pairs.paired_weight_grads`: each weight gradient's token-group
+    copies wait for the next micro-batch's launch into the same main gradient and run with it as its
+    second row set (an odd count's last alone at the block's end); the main gradients equal the unpaired
+    run's (the interpreter's Triton kernel adds the second set by a second launch: the same order) and
+    dx is the same bits."""
+    from disagmoe.kernels import wgrad_pairs
+
+    counts, hidden, ffn = [5, 0, 12], 32, 40
+    tiles = ffn8.Fp8Tiles(**SMALL)
+    batches = [_inputs(counts, hidden, ffn, seed=10 + i) for i in range(micro_batches)]
+    w13, w2 = batches[0][2], batches[0][3]
+    weights = ffn8.Fp8ExpertWeights.quantize(w13, w2)
+    seconds = []
+    launch = ffn8._weight_grad
+    monkeypatch.setattr(ffn8, "_weight_grad", lambda *a, second=None, **k: seconds.append(second is not None)
+                        or launch(*a, second=second, **k))
+    results = {}
+    for paired in (False, True):
+        main = (torch.zeros(w13.shape), torch.zeros(w2.shape))
+        seconds.clear()
+        with wgrad_pairs.paired_weight_grads(paired):
+            for i, (x, offsets, _, _, dy) in enumerate(batches):
+                _, h13 = ffn8.fp8_ffn_forward(x, offsets, weights, tiles, save_for_backward=True, num_programs=2)
+                dx, _, _ = ffn8.fp8_ffn_backward(dy, x, offsets, weights, h13, tiles, main_grads=main, num_programs=2)
+                results[paired, i] = dx
+        results[paired] = main
+        # two weight gradients a micro-batch: unpaired each alone; paired, one launch a pair and the odd ones alone
+        want = [False] * 2 * micro_batches if not paired else [True] * 2 * (micro_batches // 2) + [False] * 2 * (
+            micro_batches % 2)
+        assert seconds == want
+    for plain, pair in zip(results[False], results[True], strict=True):
+        assert torch.equal(pair, plain)
+    assert all(torch.equal(results[True, i], results[False, i]) for i in range(micro_batches))
+
+
 @pytest.mark.slow  # 5-7 s a case on 2 cores (the fresh-clone CI, session 35)
 @pytest.mark.parametrize("backward", ["fp8", "bf16-wgrad"])
 def test_first_touch_stores_the_steps_first_weight_gradient_bit_for_bit(ffn8, backward):

@@ -246,6 +246,26 @@ def test_the_weight_gradient_compiles_warp_specialised_without_spills(hopper_bui
     assert registers <= fg.MAXNREG
 
 
+@pytest.mark.slow
+def test_the_paired_weight_gradient_compiles_without_spills(hopper_builds):
+    """`second` (the next micro-batch's row set, `kernels.wgrad_pairs`): both sets' chunks in one launch,
+    the producer copying each set's tiles and scales by its own descriptors, no spills (ptxas, sm_90a)."""
+    from tests.kernels.test_compile_for_hopper import ptxas_usage
+
+    a, b, padded = _cpu_wgrad_operands([256, 0, 128, 384], 512, 384)
+    a2, b2, padded2 = _cpu_wgrad_operands([128, 128, 0, 256], 512, 384)
+    fg.gluon_fp8_weight_grad(a, b, padded, out=torch.zeros(4, 512, 384), accumulate=True, num_programs=132,
+                             second=(a2, b2, padded2))
+    (kernel,) = hopper_builds
+    ptx = kernel.asm["ptx"]
+    assert ptx.count("cp.async.bulk.tensor.1d.shared::cluster.global") == 4  # each set's sa and sb boxes
+    assert ptx.count("cp.async.bulk.tensor.2d.shared::cluster.global") == 4  # each set's A and B boxes
+    registers, spilled = ptxas_usage(ptx)
+    assert spilled == 0 and registers <= fg.MAXNREG
+    with pytest.raises(ValueError, match="one group each"):
+        fg.gluon_fp8_weight_grad(a, b, padded, num_programs=4, second=(a2, b2, padded2[:2]))
+
+
 def test_weight_gradient_arguments_it_cannot_take_are_refused_naming_the_fix():
     a, b, padded = _cpu_wgrad_operands([128, 256], 256, 128)
     with pytest.raises(ValueError, match="float8_e4m3fn"):
@@ -442,6 +462,21 @@ def test_gpu_weight_gradient_matches_the_reference_and_the_triton_kernel(counts,
     stored = torch.full_like(main, float("nan"))
     fg.gluon_fp8_weight_grad((qx, sx), (qd, sd), padded, out=stored, tma_epilogue=False, block_n=block_n)
     assert torch.equal(stored, got)
+    # a second row set (the next micro-batch's rows, `kernels.wgrad_pairs`): both sums in one launch, against
+    # the two one-set launches (fp32 rounding order only) and the two references
+    x2 = (torch.randn(rows, ka, generator=gen) * torch.exp2(torch.randn(rows, 1, generator=gen))).cuda().bfloat16()
+    dy2 = (torch.randn(rows, c, generator=gen) * torch.exp2(torch.randn(rows, 1, generator=gen))).cuda().bfloat16()
+    offsets2 = offsets.flip(0).diff(prepend=offsets.new_zeros(1)).abs().cumsum(0).to(torch.int32)  # other counts
+    offsets2 = torch.minimum(offsets2, offsets2.new_tensor(rows))
+    second = (fp8.quantize_token_groups(x2, offsets2)[:2], fp8.quantize_token_groups(dy2, offsets2)[:2],
+              fp8.quantize_token_groups(x2, offsets2)[2])
+    both = before.clone()
+    fg.gluon_fp8_weight_grad((qx, sx), (qd, sd), padded, out=both, accumulate=True, block_n=block_n, second=second)
+    one_by_one = before.clone()
+    fg.gluon_fp8_weight_grad((qx, sx), (qd, sd), padded, out=one_by_one, accumulate=True, block_n=block_n)
+    fg.gluon_fp8_weight_grad(*second, out=one_by_one, accumulate=True, block_n=block_n)
+    assert _rel_err(both - before, one_by_one - before) < 1e-5
+    assert _rel_err(both - before, want + fp8.fp8_weight_grad_reference(*second)) < 5e-3
 
 
 # --- under training's conditions (`TrainConfig.fp8_gluon`, a run's default since session 34; off from

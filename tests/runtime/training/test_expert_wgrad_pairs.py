@@ -30,7 +30,8 @@ def test_pairs_apply_to_the_single_trainers_triton_experts_with_main_gradients_o
     assert "torch's AdamW" in fp32.expert_wgrad_pairs_unavailable and not fp32.pairs_expert_wgrads
     assert _cfg(precision="fp32", optim=OptimConfig(state_dtype="bf16")).pairs_expert_wgrads  # the flat path
     assert _cfg(precision="fp8", device="cuda").pairs_expert_wgrads  # bf16-wgrad: the bf16 weight-gradient kernel
-    assert "in FP8" in _cfg(precision="fp8", device="cuda", fp8_expert_backward="fp8").expert_wgrad_pairs_unavailable
+    # the all-FP8 backward pairs its token-group copies (`wgrad_pairs.fp8_weight_grad_into`)
+    assert _cfg(precision="fp8", device="cuda", fp8_expert_backward="fp8").pairs_expert_wgrads
     assert _cfg(expert_wgrad_pairs=True).expert_wgrad_pairs == "on"  # YAML's bare on
 
 
