@@ -24,37 +24,29 @@ import torch.nn.functional as F
 from disagmoe.kernels.attention_core import causal_attention
 from disagmoe.model import attention as attention_module
 from disagmoe.model.attention import GroupedQueryAttention, MultiHeadLatentAttention
-from disagmoe.model.layers import SwiGLU, apply_rope, fused, rms_norm, rope_cos_sin, swiglu
+from disagmoe.model.layers import SwiGLU, fused, rope_cos_sin, swiglu
 
 
 # --- the reference: main's attention and SwiGLU, as they were -------------------------------------------------
 
 
-def _rope_heads(q_BSnD, k_BSgD, v_BSgD, cos_SD, sin_SD):
-    q_BSnD, k_BSgD = apply_rope(q_BSnD, cos_SD, sin_SD), apply_rope(k_BSgD, cos_SD, sin_SD)
-    return q_BSnD.transpose(1, 2), k_BSgD.transpose(1, 2), v_BSgD.transpose(1, 2)
+def _inside(tokens_fn, with_v: bool):
+    """main's heads function: `tokens_fn`'s body and the heads-first transposes in one function (so
+    compiled in one graph, as main compiled them); the same math as the model's token-major
+    functions, which main's bodies were but for the transposes."""
+    def heads(*args):
+        if with_v:  # GQA: v passes through, transposed
+            q, k, v, *rest = args
+            return tuple(t.transpose(1, 2) for t in (*tokens_fn.__wrapped__(q, k, *rest), v))
+        return tuple(t.transpose(1, 2) for t in tokens_fn.__wrapped__(*args))
+    return heads
 
 
-def _qk_norm_rope_heads(q_BSnD, k_BSgD, v_BSgD, q_w, k_w, cos_SD, sin_SD, eps):
-    return _rope_heads(rms_norm.__wrapped__(q_BSnD, q_w, eps), rms_norm.__wrapped__(k_BSgD, k_w, eps), v_BSgD,
-                       cos_SD, sin_SD)
-
-
-def _mla_rope_heads(q_BSnQ, kv_BSnX, k_rope_BSR, cos_SR, sin_SR, nope_dim):
-    B, S, n, qk_dim = q_BSnQ.shape
-    rope_dim = qk_dim - nope_dim
-    q_nope_BSnD, q_rope_BSnR = q_BSnQ.split([nope_dim, rope_dim], dim=-1)
-    k_nope_BSnD, v_BSnV = kv_BSnX.split([nope_dim, kv_BSnX.shape[-1] - nope_dim], dim=-1)
-    q_BSnQ = torch.cat([q_nope_BSnD, apply_rope(q_rope_BSnR, cos_SR, sin_SR)], dim=-1)
-    k_rope_BS1R = apply_rope(k_rope_BSR[:, :, None, :], cos_SR, sin_SR)
-    k_BSnQ = torch.cat([k_nope_BSnD, k_rope_BS1R.expand(B, S, n, rope_dim)], dim=-1)
-    return q_BSnQ.transpose(1, 2), k_BSnQ.transpose(1, 2), v_BSnV.transpose(1, 2)
-
-
+_qk_norm_rope_heads = _inside(attention_module.qk_norm_rope_tokens, with_v=True)
 # compiled on CUDA as main compiled them: the transposes inside the compiled graph
-reference_rope_heads = fused(_rope_heads)
+reference_rope_heads = fused(_inside(attention_module.rope_tokens, with_v=True))
 reference_qk_norm_rope_heads = fused(_qk_norm_rope_heads)
-reference_mla_rope_heads = fused(_mla_rope_heads)
+reference_mla_rope_heads = fused(_inside(attention_module.mla_rope_tokens, with_v=False))
 
 
 def reference_gqa(attn: GroupedQueryAttention, x_BSH: torch.Tensor) -> torch.Tensor:
