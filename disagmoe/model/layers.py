@@ -247,6 +247,41 @@ class _LinearFunction(torch.autograd.Function):
         return dx, _linear_backward_weight(ctx.weight, dy_NO, x.reshape(-1, x.shape[-1]))
 
 
+class _SharedInputLinearFunction(torch.autograd.Function):
+    """y_i = x W_i^T for several weights that read one x (attention's q, k and v projections, MLA's
+    two of the block input, a SwiGLU's gate and up): `_LinearFunction` for each, in one autograd
+    node, so that d x = sum_i d y_i W_i is summed by the GEMMs themselves, the first a product and
+    each next one added into it by the GEMM (`addmm_`, beta 1: the sum in the GEMM's fp32 epilogue,
+    rounded once), where autograd summed the readers' d x at x with a separate add kernel per
+    extra reader, each reading two [N, I] gradients and writing their sum (the Qwen3 config's
+    backward spent 6 ms of its 497 ms step on an H100 in four such [B, S, H] adds per layer, two of
+    them q's, k's and v's). The forward's
+    products and the weight gradients are `_LinearFunction`'s, bit for bit; d x is the same sum
+    rounded otherwise (fp32: the summation order; bf16: the partial sums rounded once per GEMM
+    instead of once per product and once per add), within the activations' rounding."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, *ws_OI: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.save_for_backward(x, *ws_OI)
+        ctx.weights = tuple(_deferrable_weight(w_OI) for w_OI in ws_OI)
+        return tuple(F.linear(x, w_OI) for w_OI in ws_OI)
+
+    @staticmethod
+    def backward(ctx, *dys: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, *ws_OI = ctx.saved_tensors
+        dys_NO = [dy.reshape(-1, dy.shape[-1]) for dy in dys]
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx_NI = dys_NO[0].mm(ws_OI[0])
+            for dy_NO, w_OI in zip(dys_NO[1:], ws_OI[1:], strict=True):
+                dx_NI.addmm_(dy_NO, w_OI)
+            dx = dx_NI.view(x.shape)
+        x_NI = x.reshape(-1, x.shape[-1])
+        dws = tuple(_linear_backward_weight(weight, dy_NO, x_NI) if needed else None
+                    for weight, dy_NO, needed in zip(ctx.weights, dys_NO, ctx.needs_input_grad[1:], strict=True))
+        return (dx, *dws)
+
+
 class _Fp8LinearFunction(torch.autograd.Function):
     """`_LinearFunction` with its forward and data-gradient GEMMs in FP8 (`kernels.fp8_dense`,
     `RECIPE`: the weight gradient in bf16, taken as `_LinearFunction` takes it: held back, or into
@@ -325,6 +360,15 @@ class DeferrableLinear(nn.Linear):
         return _LinearFunction.apply(x, self.weight)
 
 
+def shared_input_linears(x: torch.Tensor, *linears: DeferrableLinear) -> tuple[torch.Tensor, ...]:
+    """`linear(x)` for each of `linears`, all of one input: one autograd node whose d x the GEMMs sum
+    (`_SharedInputLinearFunction`); with any of them in FP8, each its own call (`_Fp8LinearFunction`),
+    d x summed by autograd."""
+    if any(linear.fp8 for linear in linears):
+        return tuple(linear(x) for linear in linears)
+    return _SharedInputLinearFunction.apply(x, *(linear.weight for linear in linears))
+
+
 def set_linears_fp8(module: nn.Module, enabled: bool, stats_row: torch.Tensor | None = None, emulate: bool = False,
                     scaling: str = "rowwise") -> list[str]:
     """Every `DeferrableLinear` in `module` in FP8 (`set_fp8`), scaled `scaling` (`fp8_dense.SCALINGS`),
@@ -364,4 +408,4 @@ class SwiGLU(nn.Module):
         self.w2 = DeferrableLinear(ffn, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(swiglu(self.w1(x), self.w3(x)))
+        return self.w2(swiglu(*shared_input_linears(x, self.w1, self.w3)))

@@ -41,12 +41,24 @@ def _fp32_product(a_MK: torch.Tensor, b_KN: torch.Tensor) -> torch.Tensor:
     return a_MK.float() @ b_KN.float()
 
 
+def _input_grad(d_NE: torch.Tensor, w_EH: torch.Tensor) -> torch.Tensor:
+    """d x = d logits @ W in the operands' half precision: on CUDA the GEMM's own bf16 (fp16) output,
+    accumulated in fp32 and rounded once, where the fp32 product (`_fp32_product`) was written and
+    then cast (an fp32 [N, H] write and an [N, H] copy, 1.7 ms of the Qwen3 config's step on an
+    H100): the same rounding of the same fp32 sums, up to the kernels' summation order; elsewhere
+    that product, rounded."""
+    if d_NE.is_cuda:
+        return torch.mm(d_NE, w_EH)
+    return _fp32_product(d_NE, w_EH).to(d_NE.dtype)
+
+
 class _HalfRouterLogits(torch.autograd.Function):
     """logits_NE fp32 = x_NH @ w_EH^T for bf16 (or fp16) x and w, without the fp32 copies the
     upcast path makes (one of x per MoE layer and micro-batch, kept for the backward: H fp32
     values per token) and without its fp32 GEMMs, which run on CUDA cores (15 ms of the Qwen3
     step at 2 micro-batches on an H200, docs/benchmarks.md). The backward rounds d logits to x's
-    dtype, as every other layer's gradient is, and accumulates both GEMMs in fp32."""
+    dtype, as every other layer's gradient is, and accumulates both GEMMs in fp32; on CUDA d x's
+    GEMM writes x's dtype itself (`_input_grad`: no fp32 [N, H] product and cast of it)."""
 
     @staticmethod
     def forward(ctx, x_NH: torch.Tensor, w_EH: torch.Tensor) -> torch.Tensor:
@@ -57,7 +69,7 @@ class _HalfRouterLogits(torch.autograd.Function):
     def backward(ctx, dlogits_NE: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         x_NH, w_EH = ctx.saved_tensors
         d_NE = dlogits_NE.to(x_NH.dtype)
-        dx_NH = _fp32_product(d_NE, w_EH).to(x_NH.dtype) if ctx.needs_input_grad[0] else None
+        dx_NH = _input_grad(d_NE, w_EH) if ctx.needs_input_grad[0] else None
         dw_EH = _fp32_product(d_NE.t(), x_NH).to(w_EH.dtype) if ctx.needs_input_grad[1] else None
         return dx_NH, dw_EH
 
