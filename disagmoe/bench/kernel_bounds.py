@@ -12,12 +12,13 @@ arithmetic: no torch.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from disagmoe.config import ModelConfig, TrainConfig, load_hardware
+from disagmoe.config import HardwareConfig, ModelConfig, TrainConfig, load_hardware
 from disagmoe.roofline.ceilings import Ceilings
-from disagmoe.roofline.stages import Work, expert_weight_grads, main_grad_passes
+from disagmoe.roofline.stages import BF16, FP8_TOKEN_GROUP_BYTES, Work, expert_weight_grads, main_grad_passes
 
 
 @dataclass(frozen=True)
@@ -26,26 +27,58 @@ class KernelFamily:
     keys: tuple[str, ...]  # kernel names holding any of these (lower case) belong to it
     # the work one step asks of it, or (a str) why this run prices none: its kernels are others
     work: Callable[[TrainConfig, ModelConfig], Work | str]
+    fp8: bool = False  # its GEMMs run in e4m3: the compute ceiling is the bf16 one times fp8_tflops / bf16_tflops
 
 
-def _expert_weight_grads(cfg: TrainConfig, m: ModelConfig) -> Work | str:
-    """The bf16 Triton experts' weight gradients, each launch adding into the fp32 main gradient (the
-    first of a step storing it: first touch), one launch per micro-batch or, paired
-    (`TrainConfig.pairs_expert_wgrads`, `kernels.wgrad_pairs`), per two, as the planner prices them."""
-    if cfg.experts_backend != "triton":
-        return f"experts_backend: {cfg.experts_backend} runs no Triton weight-gradient kernel"
-    if cfg.expert_precision == "fp8" and cfg.expert_backward_precision == "fp8":
-        return "fp8_expert_backward: fp8 runs the FP8 weight-gradient kernels (an FP8 ceiling: not this family)"
+def _all_fp8_backward(cfg: TrainConfig) -> bool:
+    return cfg.expert_precision == "fp8" and cfg.expert_backward_precision == "fp8"
+
+
+def _weight_grads_of_step(cfg: TrainConfig, m: ModelConfig, operand_bytes: float) -> Work:
+    """The step's expert weight gradients, each launch adding into the fp32 main gradient (the first of a
+    step storing it: first touch), one launch per micro-batch or, paired (`TrainConfig.pairs_expert_wgrads`,
+    `kernels.wgrad_pairs`), per two, as the planner prices them; the rows read at `operand_bytes` a value."""
     micro_batches = int(cfg.micro_batches)
     rows = cfg.batch_size // micro_batches * cfg.seq_len * m.top_k
     launch = expert_weight_grads(m, rows, m.num_experts, stored_share=1.0 / micro_batches,
-                                 main_grad_passes=main_grad_passes(micro_batches, cfg.pairs_expert_wgrads))
+                                 main_grad_passes=main_grad_passes(micro_batches, cfg.pairs_expert_wgrads),
+                                 operand_bytes=operand_bytes)
     return launch.scale(micro_batches * m.num_moe_layers)
+
+
+def _expert_weight_grads(cfg: TrainConfig, m: ModelConfig) -> Work | str:
+    """The bf16 Triton experts' weight gradients (`_weight_grads_of_step` over the bf16 rows)."""
+    if cfg.experts_backend != "triton":
+        return f"experts_backend: {cfg.experts_backend} runs no Triton weight-gradient kernel"
+    if _all_fp8_backward(cfg):
+        return "fp8_expert_backward: fp8 runs the FP8 weight-gradient kernels (the FP8 family)"
+    return _weight_grads_of_step(cfg, m, BF16)
+
+
+def _fp8_expert_weight_grads(cfg: TrainConfig, m: ModelConfig) -> Work | str:
+    """The all-FP8 backward's weight gradients (`kernels.fp8.fp8_weight_grad`, `kernels.fp8_gluon`'s):
+    `_weight_grads_of_step` over the e4m3 token-group copies (a byte a value and a scale per 128 tokens;
+    each group's padding to 128 rows not counted), at the FP8 compute ceiling."""
+    if cfg.experts_backend != "triton":
+        return f"experts_backend: {cfg.experts_backend} runs no Triton weight-gradient kernel"
+    if not _all_fp8_backward(cfg):
+        return "no all-FP8 backward here (fp8_expert_backward: fp8 under precision fp8): the bf16 family's kernels run"
+    return _weight_grads_of_step(cfg, m, FP8_TOKEN_GROUP_BYTES)
 
 
 FAMILIES = (
     KernelFamily("expert weight gradients (bf16)", ("_ragged_weight_grad",), _expert_weight_grads),
+    KernelFamily("expert weight gradients (FP8)", ("fp8_weight_grad",), _fp8_expert_weight_grads, fp8=True),
 )
+
+
+def _ceilings(hw: HardwareConfig, fp8: bool) -> Ceilings:
+    """The hardware's ceilings, the compute one at the FP8 rate for an FP8 family (the bf16 rate, or the
+    calibrated one, times fp8_tflops / bf16_tflops: as the planner prices FP8 GEMMs)."""
+    ceilings = Ceilings.of(hw)
+    if not fp8:
+        return ceilings
+    return dataclasses.replace(ceilings, flops_per_s=ceilings.flops_per_s * hw.fp8_tflops / hw.bf16_tflops)
 
 
 def kernel_bounds(cfg: TrainConfig, m: ModelConfig, kernel_ms: dict[str, float]) -> list[dict]:
@@ -64,7 +97,7 @@ def kernel_bounds(cfg: TrainConfig, m: ModelConfig, kernel_ms: dict[str, float])
                            "none of its kernels ran in the profiled steps")
             rows.append(row)
             continue
-        times = Ceilings.of(load_hardware(cfg.hardware)).times(work)
+        times = _ceilings(load_hardware(cfg.hardware), family.fp8).times(work)
         bound = max(("compute", "hbm"), key=lambda k: float(times[k]))
         bound_ms = float(times[bound]) * 1e3
         row.update(bound_ms_per_step=bound_ms, bound=bound, tflop=float(work.flops) / 1e12,

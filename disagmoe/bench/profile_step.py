@@ -14,7 +14,7 @@ sync after the read): before its first GPU activity (the launch), the activities
 and copies such as the batch's),
 the idle between them, and after its last kernel (the read back), with the host's CUDA runtime calls
 in that window by total time (`runtime_calls`: a slow cudaGraphLaunch shows there). Named kernel
-families are set against their roofline bound (`bench.kernel_bounds`: the expert weight gradients,
+families are set against their roofline bound (`bench.kernel_bounds`: the expert weight gradients, bf16 and FP8,
 issue 20 item 2). A Chrome trace of the profiled steps can be written for Perfetto.
 """
 

@@ -33,6 +33,8 @@ FP32 = 4
 GEMM_BWD = 2.0
 ATTN_CORE_BWD = 2.5
 FP8_SCALE_GROUP = 128  # the blockwise FP8 recipes' fp32 scale: per 1 x 128 values of a row, per 128 x 128 weight block
+# an e4m3 token-group copy's bytes a value (`kernels.fp8.quantize_token_groups`): one, and an fp32 scale per 128 tokens
+FP8_TOKEN_GROUP_BYTES = 1 + FP32 / FP8_SCALE_GROUP
 BLOCKWISE_MULTIPLE = 512  # `kernels.fp8_dense.BLOCKWISE_MULTIPLE`: a blockwise linear's dimensions (a test pins it)
 
 Num = Any  # a float or a numpy array of floats (broadcastable)
@@ -224,7 +226,7 @@ def expert_data_grads(m: ModelConfig, rows: Num, local_experts: Num) -> Work:
 
 
 def expert_weight_grads(m: ModelConfig, rows: Num, local_experts: Num, stored_share: Num = 0.0,
-                        main_grad_passes: Num = 1.0) -> Work:
+                        main_grad_passes: Num = 1.0, operand_bytes: Num = BF16) -> Work:
     """d w13 and d w2 of the local experts for one micro-batch's `rows`, added into their fp32 main
     gradients by the GEMMs themselves (the Triton backend under FlatAdamW): the forward's FLOPs; reads
     the rows' x, d y, activation and d gate/up, and reads and writes the fp32 main gradient of every
@@ -232,11 +234,13 @@ def expert_weight_grads(m: ModelConfig, rows: Num, local_experts: Num, stored_sh
     m, a launch per two), less a read where it is stored: `stored_share` of the micro-batches (first
     touch, `kernels.first_touch`: the bf16 Triton experts store at their weights' first launch of a
     step, what `zero_grad` no longer zeroes; 1 / micro-batches of a step's, none for the probe's
-    accumulating launches)."""
+    accumulating launches). `operand_bytes`: a row value's bytes as the kernels read them (bf16; the
+    all-FP8 backward's token-group copies `FP8_TOKEN_GROUP_BYTES`)."""
     H, F = m.hidden_size, m.expert_ffn_size
     weights = 3.0 * H * F * local_experts
     return Work(flops=2.0 * rows * 3.0 * H * F,
-                hbm_bytes=BF16 * rows * (2 * H + 3 * F) + (2 * main_grad_passes - stored_share) * FP32 * weights)
+                hbm_bytes=operand_bytes * rows * (2 * H + 3 * F)
+                + (2 * main_grad_passes - stored_share) * FP32 * weights)
 
 
 def main_grad_passes(micro_batches: Num, paired: Num = False) -> Num:

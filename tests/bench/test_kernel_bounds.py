@@ -29,13 +29,14 @@ def test_the_expert_weight_gradients_are_set_against_the_planners_own_stage():
     bound_ms = max(float(times["compute"]), float(times["hbm"])) * 1e3
     kernels = {"_ragged_weight_grad_kernel": 0.75 * bound_ms, "_ragged_weight_grad_kernel_2": 0.5 * bound_ms,
                "_ragged_rows_gemm_kernel": 99.0}
-    (row,) = kernel_bounds(cfg, m, kernels)
+    row, fp8_row = kernel_bounds(cfg, m, kernels)
+    assert "no all-FP8 backward here" in fp8_row["note"]
     assert row["ms_per_step"] == pytest.approx(1.25 * bound_ms)  # both of the family's kernels, not the rows one
     assert row["bound_ms_per_step"] == pytest.approx(bound_ms) and row["ratio"] == pytest.approx(1.25)
     assert row["bound"] == max(("compute", "hbm"), key=lambda k: float(times[k]))
     assert row["tflop"] == pytest.approx(step.flops / 1e12) and row["gb"] == pytest.approx(step.hbm_bytes / 1e9)
     # more micro-batches: the same FLOPs, more main-gradient traffic (read and written once per launch)
-    (more,) = kernel_bounds(_cfg(micro_batches=8), m, kernels)
+    more, _ = kernel_bounds(_cfg(micro_batches=8), m, kernels)
     assert more["tflop"] == pytest.approx(row["tflop"]) and more["gb"] > row["gb"]
     table = bounds_table([row])
     assert table.row_count == 1 and "h200-sxm-calibrated" in table.title
@@ -47,7 +48,7 @@ def test_the_expert_weight_gradients_are_set_against_the_planners_own_stage():
     (dict(hardware=None), "no hardware preset: set hardware="),
 ])
 def test_a_family_this_run_does_not_price_says_why(fields, says):
-    (row,) = kernel_bounds(_cfg(**fields), load_model("qwen3-30b-a3b"), {"_ragged_weight_grad_kernel": 3.0})
+    row, _ = kernel_bounds(_cfg(**fields), load_model("qwen3-30b-a3b"), {"_ragged_weight_grad_kernel": 3.0})
     assert says in row["note"] and "ratio" not in row
     assert bounds_table([row]).row_count == 1
 
@@ -64,7 +65,7 @@ def test_the_qwen3_configs_bound_worked_by_hand():
         cfg = load_train_config("configs/h200x2-qwen3-30b.yaml", ["mode=single", f"micro_batches={mb}",
                                                                   "hardware=h200-sxm-calibrated",
                                                                   f"expert_wgrad_pairs={pairs}"])
-        (row,) = kernel_bounds(cfg, load_model(cfg.model), {"_ragged_weight_grad_kernel": 50.0})
+        row, _ = kernel_bounds(cfg, load_model(cfg.model), {"_ragged_weight_grad_kernel": 50.0})
         return row
 
     flops = 2 * (16 * 4096 * 8) * 3 * 2048 * 768 * 6
@@ -82,5 +83,30 @@ def test_the_qwen3_configs_bound_worked_by_hand():
 
 
 def test_a_family_whose_kernels_did_not_run_says_so():
-    (row,) = kernel_bounds(_cfg(), load_model("qwen3-30b-a3b"), {"_ragged_rows_gemm_kernel": 3.0})
+    row, _ = kernel_bounds(_cfg(), load_model("qwen3-30b-a3b"), {"_ragged_rows_gemm_kernel": 3.0})
     assert row["ms_per_step"] == 0.0 and "none of its kernels ran" in row["note"]
+
+
+def test_the_fp8_weight_gradients_are_set_against_the_fp8_ceiling_over_their_token_group_copies():
+    """The all-FP8 backward: its weight-gradient kernels (Triton's and Gluon's, not the bf16 family's) against
+    the same stage over e4m3 token-group copies (a byte a value and a scale per 128 tokens) at the bf16 compute
+    ceiling times fp8_tflops / bf16_tflops; the bf16 family says why it prices nothing."""
+    from disagmoe.roofline.stages import FP8_TOKEN_GROUP_BYTES
+
+    cfg = _cfg(precision="fp8", fp8_expert_backward="fp8")
+    m = load_model("qwen3-30b-a3b")
+    rows = 16 // 2 * 4096 * m.top_k
+    step = expert_weight_grads(m, rows, m.num_experts, stored_share=0.5,
+                               operand_bytes=FP8_TOKEN_GROUP_BYTES).scale(2 * m.num_moe_layers)
+    hw = load_hardware("h200-sxm-calibrated")
+    ceilings = Ceilings.of(hw)
+    compute_ms = step.flops / (ceilings.flops_per_s * hw.fp8_tflops / hw.bf16_tflops) * 1e3
+    hbm_ms = step.hbm_bytes / ceilings.hbm_bytes_per_s * 1e3
+    kernels = {"_gluon_fp8_weight_grad_kernel": 2.0, "_fp8_weight_grad_kernel": 1.0, "_ragged_weight_grad_kernel": 9.0}
+    bf16_row, row = kernel_bounds(cfg, m, kernels)
+    assert "FP8 weight-gradient kernels" in bf16_row["note"]
+    assert row["ms_per_step"] == pytest.approx(3.0)
+    assert row["compute_ms"] == pytest.approx(compute_ms) and row["hbm_ms"] == pytest.approx(hbm_ms)
+    assert row["gb"] == pytest.approx(step.hbm_bytes / 1e9)
+    bf16_bytes = expert_weight_grads(m, rows, m.num_experts, stored_share=0.5).scale(2 * m.num_moe_layers).hbm_bytes
+    assert row["gb"] < bf16_bytes / 1e9  # the copies' byte a value against bf16's two
