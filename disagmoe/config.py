@@ -608,11 +608,13 @@ class PlanConfig(StrictModel):
         "rank_steps_captured says which")
 
     expert_wgrad_pairs: Literal["auto", "on", "off"] = Field(
-        "auto", description="the run's expert_wgrad_pairs (train with the same): the single layout with 2+ "
-        "micro-batches and the triton experts prices each expert weight gradient once per two micro-batches (its "
-        "fp32 main gradient read and written half as often) and holds one micro-batch's expert rows per MoE layer "
-        "beside the next; auto: on for each split whose predicted peak with those rows is within 85% of the "
-        "device (`roofline.memory.MEMORY_HEADROOM`), as the single trainer settles it, else off; off: a "
+        "auto", description="the run's expert_wgrad_pairs (train with the same): with 2+ micro-batches (one GPU: a "
+        "step's, a distributed rank: a round's) and the triton experts each expert weight gradient is priced once "
+        "per two micro-batches (its fp32 main gradient read and written half as often) and the rows waiting for "
+        "the next held as the run holds them (one GPU: one micro-batch's expert rows per MoE layer beside the next; "
+        "an expert rank: its schedule's replay, placement/waiting_rows.py); auto: on for each split whose predicted "
+        "peak with those rows is within 85% of the device (`roofline.memory.MEMORY_HEADROOM`), or, distributed, "
+        "whose fullest GPU's peak they do not raise, as the trainer and the driver settle it, else off; off: a "
         "weight-gradient pass per micro-batch")
 
     _offload_bool = field_validator("offload_optimizer", mode="before")(on_off_word)
@@ -786,11 +788,12 @@ class Plan(StrictModel):
         None, description="a distributed layout: the cuda_graphs its transport's rings were priced under "
         "(`train --plan` then sets cuda_graphs to it); None for one GPU and in a plan written before this field")
     expert_wgrad_pairs: Literal["auto", "on", "off"] | None = Field(
-        None, description="the one-GPU layout: the expert_wgrad_pairs it was priced under, on (its weight gradients "
-        "priced over pairs of micro-batches) or off (a request's auto settled for its split, as the trainer settles "
-        "it; `train --plan` then sets expert_wgrad_pairs to it); None for the distributed layouts (their ranks pair "
-        "as the run's expert_wgrad_pairs says, which the planner does not price yet) and in a plan written before "
-        "this field")
+        None, description="the expert_wgrad_pairs the layout was priced under, the same on every GPU holding "
+        "experts: on (its expert weight gradients priced over pairs of micro-batches) or off (a request's auto "
+        "settled for its split, as the single trainer or the driver settles it; `train --plan` then sets "
+        "expert_wgrad_pairs to it, a distributed plan's on as auto, which its driver settles alike: "
+        "runtime/plan_layout.py); None in a plan written before this field, and for a distributed layout in one "
+        "written before the planner priced its ranks' pairs")
     rank_steps_captured: bool | None = Field(
         None, description="a distributed layout: whether its rank steps are captured in CUDA graphs under the "
         "planned cuda_graphs, as train decides it (runtime/rank_graphs.py; their nvshmem rings are priced rounded up "

@@ -308,6 +308,7 @@ def show_plan(p, out: Path | None) -> None:
         f"params {params_text(p.total_params)} total, {params_text(p.active_params)} active; "
         f"expert load imbalance {p.expert_imbalance:.2f}",
         *_rank_steps_line(p),
+        *_wgrad_pairs_line(p),
         f"[italic]{p.reason}[/]",
     ]
     console.print(Panel("\n".join(lines), title=head, title_align="left"))
@@ -337,6 +338,16 @@ def _rank_steps_line(p: Plan) -> list[str]:
     if p.rank_steps_captured is None:
         return []
     return [f"rank steps {'captured' if p.rank_steps_captured else 'eager'}: {escape(p.rank_steps_note)}"]
+
+
+def _wgrad_pairs_line(p: Plan) -> list[str]:
+    """How the plan priced each GPU holding experts' weight gradients (`Plan.expert_wgrad_pairs`; none in a plan
+    written before it was recorded)."""
+    if p.expert_wgrad_pairs is None:
+        return []
+    gpus = {"disaggregated": "each expert GPU", "colocated": "each GPU", "single": "the GPU"}[p.layout]
+    how = ("over pairs of micro-batches" if p.expert_wgrad_pairs == "on" else "once per micro-batch")
+    return [f"expert weight gradients priced {how} on {gpus} (expert_wgrad_pairs: {p.expert_wgrad_pairs})"]
 
 
 def _rounds_text(p: Plan) -> str:

@@ -33,6 +33,10 @@ rank's on every GPU, from `roofline.transport_memory`, which the runtime's memor
 its rings rounded up to a step's messages where the candidate's rank steps are captured in CUDA
 graphs (`rank_steps`: the problem's `cuda_graphs` and the layout, as `disagmoe train` decides it).
 Under `cuda_graphs: on` a layout whose rank steps cannot be captured never fits: train refuses it.
+Paired expert weight gradients (`Problem.wgrad_pairs`, `kernels.wgrad_pairs`) leave each expert backward's rows
+waiting for its layer's next: one GPU holds one micro-batch's beside the next, a distributed GPU what its
+schedule's replay holds at its peak (`placement.waiting_rows`, the closed form of the runtime's count); auto
+settles them per candidate as the run will (`_pairs_fit`, `_settled_recomputation`).
 
 Recomputation (`Problem.recompute`, `Problem.recompute_modules`): the expert modules
 (`roofline.memory.SELECTIVE`) leave what the expert side keeps and its expert backward pays
@@ -85,6 +89,7 @@ from disagmoe.roofline.optimizer_state import StateBytes, host_link_bytes, slot_
 from disagmoe.roofline.params import (attention_norm_params, attention_params, count_params, expert_params,
                                       router_params, swiglu_params)
 from disagmoe.roofline.stages import BF16, FP32, Num, Work
+from disagmoe.placement.waiting_rows import colocated_rank_rise, expert_rank_rise
 from disagmoe.runtime.schedule.step_capture import StepSettings, resolve
 
 
@@ -278,12 +283,14 @@ class Problem:
     host_capacity_bytes: float = float("inf")  # offloaded: host memory per GPU for masters and moments
     experts_backend: str = "triton"  # the run's expert FFN: loop, grouped_mm or triton (`rank_steps`)
     cuda_graphs: str = "auto"  # the run's cuda_graphs: auto, on or off (`rank_steps`)
-    # the single layout's expert weight gradients over pairs of a step's micro-batches (m x rounds, as it trains:
-    # `kernels.wgrad_pairs`): half the main-gradient passes, one micro-batch's expert rows held beside the next
-    # (`mem.paired_wgrad_held_bytes`)
+    # expert weight gradients over pairs of micro-batches (`kernels.wgrad_pairs`; `paired_micro_batches`: one GPU's
+    # step, m x rounds, a distributed rank's round): half the main-gradient passes, and the rows waiting for the
+    # next held (one GPU: one micro-batch's beside the next, `mem.paired_wgrad_held_bytes`; a distributed rank: as
+    # its replay holds them, `placement.waiting_rows`)
     wgrad_pairs: bool = False
-    # expert_wgrad_pairs auto: a candidate pairs only where its peak with the held rows is within these bytes
-    # (`mem.MEMORY_HEADROOM` of the device: the single trainer's rule, `_pairs_fit`); inf: on or off as asked
+    # expert_wgrad_pairs auto: a candidate pairs only where its peak with the waiting rows is within these bytes
+    # (`mem.MEMORY_HEADROOM` of the device: the single trainer's rule, `_pairs_fit`), or, distributed, where they
+    # do not raise its fullest GPU's peak (the driver's, `_settled_recomputation`); inf: on or off as asked
     wgrad_pairs_budget: float = float("inf")
 
 
@@ -366,7 +373,8 @@ def _group_layers(model: ModelConfig, p: np.ndarray, g: int) -> tuple[np.ndarray
 
 def activations(m: ModelConfig, tokens: Num, pairs: Num, in_flight: Num, p: np.ndarray, colocated: bool,
                 dropped: frozenset[str] = mem.NOTHING_DROPPED, attention: Num | None = None,
-                fp8: bool = False, fp8_backward: str = DEFAULT_FP8_EXPERT_BACKWARD) -> tuple[Num, Num]:
+                fp8: bool = False, fp8_backward: str = DEFAULT_FP8_EXPERT_BACKWARD,
+                waits: Num = 0.0) -> tuple[Num, Num]:
     """(attention GPU, expert GPU) activation bytes at the peak, in `roofline.memory`'s per-token
     terms, as the runtime's memory check counts them (`runtime.activation_memory.rank_activations`,
     pinned by tests/runtime/test_activation_memory.py; `dropped`: what recomputation does not keep).
@@ -386,19 +394,29 @@ def activations(m: ModelConfig, tokens: Num, pairs: Num, in_flight: Num, p: np.n
     saved rows (input rows, gate/up pre-activations, SwiGLU output, the combine's rows) and the
     backward's gradients are allocated for all of them: any routing may send every pair here.
     `attention`: `attention_activations` of these arguments, if already computed. `fp8`: the
-    experts in FP8 (`roofline.memory`'s `fp8` terms), their backward recipe `fp8_backward`."""
+    experts in FP8 (`roofline.memory`'s `fp8` terms), their backward recipe `fp8_backward`. `waits`: what one
+    expert backward leaves waiting under paired weight gradients (`paired_waits`; 0 unpaired), added as the
+    rank's replay adds it (`placement.waiting_rows`; a colocated GPU's bytes above are the conservative one
+    process's, so the replay's rise with the waits is added to them)."""
     row_grad = mem.expert_row_grad_bytes(m, BF16, dropped, fp8, fp8_backward)
     moe_l, dense_l = _layer_counts(m, np.asarray(p))
     if not colocated:
         attention = attention_activations(m, tokens, in_flight, p, dropped) if attention is None else attention
-        return attention, expert_activations(m, pairs, in_flight, p, dropped, fp8, fp8_backward)
+        return attention, expert_activations(m, pairs, in_flight, p, dropped, fp8, fp8_backward, waits)
     exp_kept = in_flight * moe_l * expert_kept_bytes(m, pairs, dropped, fp8)
     attn_kept = in_flight * tokens * (moe_l * mem.attention_bytes(m, True, BF16, dropped)
                                       + dense_l * mem.attention_bytes(m, False, BF16, dropped))
     kinds = [moe for moe, n in ((True, m.num_moe_layers), (False, m.num_dense_layers)) if n]
     grads = [tokens * mem.attention_grad_bytes(m, moe, BF16, dropped) + (pairs * row_grad if moe else 0)
              for moe in kinds]
-    return attn_kept + exp_kept + np.maximum(mem.head_bytes(m, tokens, BF16), np.maximum.reduce(grads)), 0.0 * exp_kept
+    head = mem.head_bytes(m, tokens, BF16)
+    rise = colocated_rank_rise(
+        attn_kept + exp_kept, tokens * mem.attention_bytes(m, True, BF16, dropped),
+        expert_kept_bytes(m, pairs, dropped, fp8), tokens * mem.attention_grad_bytes(m, True, BF16, dropped),
+        pairs * row_grad, tokens * (in_flight * dense_l * mem.attention_bytes(m, False, BF16, dropped)
+                                    + mem.attention_grad_bytes(m, False, BF16, dropped)),
+        head, moe_l, dense_l, in_flight, waits)
+    return attn_kept + exp_kept + np.maximum(head, np.maximum.reduce(grads)) + rise, 0.0 * exp_kept
 
 
 def expert_row_kept_bytes(m: ModelConfig, dropped: frozenset[str], fp8: bool = False) -> int:
@@ -415,13 +433,22 @@ def expert_kept_bytes(m: ModelConfig, pairs: Num, dropped: frozenset[str], fp8: 
 
 def expert_activations(m: ModelConfig, pairs: Num, in_flight: Num, p: np.ndarray,
                        dropped: frozenset[str] = mem.NOTHING_DROPPED, fp8: bool = False,
-                       fp8_backward: str = DEFAULT_FP8_EXPERT_BACKWARD) -> Num:
+                       fp8_backward: str = DEFAULT_FP8_EXPERT_BACKWARD, waits: Num = 0.0) -> Num:
     """A disaggregated expert GPU's activation peak (`activations`): every pair of every layer of
-    its group in flight, and one expert backward's gradients. Only the expert modules (or full)
-    and the experts' precision (`fp8`, with its backward recipe `fp8_backward`) change it."""
+    its group in flight, and one expert backward's gradients; under paired weight gradients what
+    their `waits` add (`placement.waiting_rows.expert_rank_rise`). Only the expert modules (or full),
+    the experts' precision (`fp8`, with its backward recipe `fp8_backward`) and the pairs change it."""
     moe_l, _ = _layer_counts(m, np.asarray(p))
-    return in_flight * moe_l * expert_kept_bytes(m, pairs, dropped, fp8) + pairs * mem.expert_row_grad_bytes(
-        m, BF16, dropped, fp8, fp8_backward)
+    kept = expert_kept_bytes(m, pairs, dropped, fp8)
+    return (in_flight * moe_l * kept + pairs * mem.expert_row_grad_bytes(m, BF16, dropped, fp8, fp8_backward)
+            + expert_rank_rise(kept, waits, moe_l, in_flight))
+
+
+def paired_waits(m: ModelConfig, pairs: Num, paired: np.ndarray) -> np.ndarray:
+    """What one expert backward of a distributed rank leaves waiting for its layer's next under paired weight
+    gradients (`paired`, per candidate): its `pairs` rows' operands (`memory.paired_wgrad_row_bytes`, as
+    `runtime.activation_memory.rank_activations` counts them); 0 where unpaired."""
+    return np.where(paired, pairs * mem.paired_wgrad_row_bytes(m, BF16), 0.0)
 
 
 def attention_activations(m: ModelConfig, tokens: Num, in_flight: Num, p: np.ndarray,
@@ -636,23 +663,30 @@ def evaluate(prob: Problem, c: Candidates, misfits_exact: bool = True) -> Cost:
     else:
         attn_state = attn_bytes * attn_params + attn_fp8_copies + offload_staging_bytes(prob, attn_params)
         exp_state = exp_bytes * exp_params + fp8_copies + offload_staging_bytes(prob, exp_params)
-    # one GPU (mode single) with paired expert weight gradients: one micro-batch's expert rows wait beside the next
-    in_flight = np.where(c.expert == 1, 1.0, mb) if c.colocated else mb  # one GPU: mode single accumulates
+    single = c.colocated & (c.expert == 1)
+    in_flight = np.where(single, 1.0, mb)  # one GPU: mode single accumulates
     rounds = np.ceil(prob.global_batch_tokens / (mb * dp * tokens))
-    # one GPU runs its rounds as more micro-batches of one accumulation (`plan_layout.apply_plan`: m x rounds), and
-    # the single trainer pairs over the whole step's: the pairs count those, not one round's m
     step_mb = rounds * mb
-    paired_wgrads = np.broadcast_to((c.colocated & (c.expert == 1) & (step_mb >= 2)) & prob.wgrad_pairs, (len(c),))
+    pair_span = paired_micro_batches(single, mb, step_mb)
+    may_pair = np.broadcast_to((pair_span >= 2) & prob.wgrad_pairs, (len(c),))
+    # one GPU (mode single) with paired expert weight gradients: one micro-batch's expert rows wait beside the next
+    single_pairs = may_pair & single
     if c.colocated:
         held = tokens * mem.paired_wgrad_held_bytes(m, BF16)
-        paired_wgrads = _pairs_fit(prob, c, paired_wgrads, tokens, in_flight, pairs, rows, attn_state + held)
-        attn_state = attn_state + np.where(paired_wgrads, held, 0.0)
+        single_pairs = _pairs_fit(prob, c, single_pairs, tokens, in_flight, pairs, rows, attn_state + held)
+        attn_state = attn_state + np.where(single_pairs, held, 0.0)
+    # a distributed rank's: what its replay says its expert backwards leave waiting (`activations`), settled
+    # against the fullest device once its transport buffers are priced (`_settled_recomputation`)
+    rank_pairs = may_pair & ~single
     ranks = per_set if not c.colocated else ep
     steps = rank_steps(prob, c, dp, ranks)
     if misfits_exact:
         transport_attn, transport_exp = transport_buffers(prob, c, dp, ranks, steps.captured)
     else:
-        *_, lean_exp_mem, lean_fits = _recomputation(prob, c, tokens, in_flight, pairs, rows, attn_state, exp_state)
+        # the leanest: unpaired where auto may settle the pairs off (`_settled_recomputation`)
+        lean_waits = paired_waits(m, pairs, rank_pairs & np.isinf(prob.wgrad_pairs_budget))
+        *_, lean_exp_mem, lean_fits = _recomputation(prob, c, tokens, in_flight, pairs, rows, attn_state, exp_state,
+                                                     lean_waits)
         idx = np.flatnonzero(lean_fits if c.colocated else lean_exp_mem <= prob.capacity_bytes)
         transport_attn, transport_exp = np.zeros(len(c)), np.zeros(len(c))
         if len(idx):
@@ -661,8 +695,9 @@ def evaluate(prob: Problem, c: Candidates, misfits_exact: bool = True) -> Cost:
                                                                         steps.captured[idx])
     attn_state = attn_state + transport_attn
     exp_state = exp_state + (0.0 if c.colocated else transport_exp)
-    selective, attention, act_attn, act_exp, fits, lean_exp_mem, lean_fits = _recomputation(
-        prob, c, tokens, in_flight, pairs, rows, attn_state, exp_state)
+    rank_pairs, (selective, attention, act_attn, act_exp, fits, lean_exp_mem, lean_fits) = _settled_recomputation(
+        prob, c, rank_pairs, tokens, in_flight, pairs, rows, attn_state, exp_state)
+    paired_wgrads = single_pairs | rank_pairs
     attn_mem = attn_state + act_attn
     exp_mem = attn_mem if c.colocated else exp_state + act_exp
     host_state = None
@@ -692,11 +727,12 @@ def evaluate(prob: Problem, c: Candidates, misfits_exact: bool = True) -> Cost:
     head = st.lm_head(m, tokens) + st.embedding(m, tokens)
     # the passes `bench calibrate` fits its expert curve against; first touch: a step's first launch stores
     # (one of the rounds x micro-batches launches a step makes per layer)
-    # paired (one GPU): ceil(step_mb / 2) weight-gradient launches a step, each one main-gradient pass for two
-    # micro-batches (the odd one's for one); the share of micro-batches in paired launches (the curves' rates)
-    wgrad_paired_share = st.paired_share(step_mb, paired_wgrads)
+    # paired: ceil(span / 2) weight-gradient launches over the micro-batches a rank's pairs span
+    # (`paired_micro_batches`), each one main-gradient pass for two (the odd one's for one); the share of
+    # micro-batches in paired launches (the curves' rates)
+    wgrad_paired_share = st.paired_share(pair_span, paired_wgrads)
     experts = st.expert_passes(m, rows, local, 1.0 / step_mb if prob.first_touch else 0.0,
-                               st.main_grad_passes(step_mb, paired_wgrads))
+                               st.main_grad_passes(pair_span, paired_wgrads))
     stages = {
         "attention projections": Stage("attention", "layer", *st.attention_projection_passes(m, tokens)),
         "attention core": Stage("attention", "layer", *st.attention_core_passes(m, tokens, S)),
@@ -811,28 +847,29 @@ def evaluate(prob: Problem, c: Candidates, misfits_exact: bool = True) -> Cost:
 
 
 def _recomputation(prob: Problem, c: Candidates, tokens: Num, in_flight: Num, pairs: Num, rows: Num,
-                   attn_state: Num, exp_state: Num) -> tuple[np.ndarray, ...]:
+                   attn_state: Num, exp_state: Num, waits: Num = 0.0) -> tuple[np.ndarray, ...]:
     """Per candidate: (expert modules dropped, attention dropped, attention GPU and expert GPU
     activation bytes, fits, the expert GPU's bytes and fit with the leanest recomputation allowed),
     as the module docstring's recomputation paragraph says. In a split auto prices the attention
     side recomputed only for the candidates whose attention GPU overflows without it and whose
-    expert GPU fits with its leanest modules (no other can fit: the search stays as fast)."""
+    expert GPU fits with its leanest modules (no other can fit: the search stays as fast). `waits`: the
+    distributed ranks' paired weight gradients (`paired_waits`), in every variant's activations."""
     m, cap, n, fp8 = prob.model, prob.capacity_bytes, len(c), prob.expert_precision == "fp8"
     if prob.recompute == "full":
-        return _full_recomputation(prob, c, tokens, in_flight, pairs, attn_state, exp_state)
+        return _full_recomputation(prob, c, tokens, in_flight, pairs, attn_state, exp_state, waits)
     may = mem.NOTHING_DROPPED if prob.recompute == "none" else frozenset(prob.recompute_modules)
     experts_may, attention_may = may & mem.SELECTIVE, "attention" in may
     fixed = prob.recompute != "auto"
     full = lambda v: np.broadcast_to(np.asarray(v, dtype=float), (n,)).copy()  # noqa: E731
-    tokens, in_flight = full(tokens), full(in_flight)
+    tokens, in_flight, waits = full(tokens), full(in_flight), full(waits)
     if c.colocated:  # one GPU holds both sides: the fitting variant whose recompute costs least
         variants = [may] if fixed else list(dict.fromkeys((mem.NOTHING_DROPPED, experts_may, may & ATTENTION, may)))
         moe_l, dense_l = _layer_counts(m, c.p)
         t_sel = prob.ceilings.time(st.selective_recompute(m, rows, fp8, prob.fp8_backward,
                                                             _expert_modules(prob))) * moe_l
         t_att = prob.ceilings.time(st.attention_recompute(m, tokens)) * (moe_l + dense_l)
-        act = [full(activations(m, tokens, pairs, in_flight, c.p, True, d, fp8=fp8, fp8_backward=prob.fp8_backward)[0])
-               for d in variants]
+        act = [full(activations(m, tokens, pairs, in_flight, c.p, True, d, fp8=fp8, fp8_backward=prob.fp8_backward,
+                                waits=waits)[0]) for d in variants]
         fit = [attn_state + a <= cap for a in act]
         price = [np.where(f, t_sel * bool(d & mem.SELECTIVE) + t_att * ("attention" in d), np.inf)
                  for f, d in zip(fit, variants, strict=True)]
@@ -844,8 +881,9 @@ def _recomputation(prob: Problem, c: Candidates, tokens: Num, in_flight: Num, pa
         fits = np.stack(fit)[pick, rows_of]
         return (selective, attention, chosen, 0.0 * chosen, fits, attn_state + act[-1] + 0.0 * chosen,
                 fit[-1] & np.ones(n, dtype=bool))
-    exp_plain = full(expert_activations(m, pairs, in_flight, c.p, fp8=fp8, fp8_backward=prob.fp8_backward))
-    exp_lean = (full(expert_activations(m, pairs, in_flight, c.p, experts_may, fp8, prob.fp8_backward))
+    exp_plain = full(expert_activations(m, pairs, in_flight, c.p, fp8=fp8, fp8_backward=prob.fp8_backward,
+                                        waits=waits))
+    exp_lean = (full(expert_activations(m, pairs, in_flight, c.p, experts_may, fp8, prob.fp8_backward, waits))
                 if experts_may else exp_plain)
     exp_fit_plain, exp_fit_lean = exp_state + exp_plain <= cap, exp_state + exp_lean <= cap
     attn_plain = full(attention_activations(m, tokens, in_flight, c.p))
@@ -875,29 +913,82 @@ def _pairs_fit(prob: Problem, c: Candidates, paired: np.ndarray, tokens: Num, in
     idx = np.flatnonzero(paired)
     if np.isinf(prob.wgrad_pairs_budget) or not len(idx):
         return paired
-    each = lambda v: np.broadcast_to(np.asarray(v, dtype=float), (len(c),))[idx]  # noqa: E731
-    act = _recomputation(prob, c.take(idx), each(tokens), each(in_flight), each(pairs), each(rows),
-                         each(state_with_rows), 0.0)[2]
+    act = _recomputation_at(prob, c, idx, tokens, in_flight, pairs, rows, state_with_rows, 0.0)[2]
     fit = np.zeros(len(c), dtype=bool)
-    fit[idx] = each(state_with_rows) + act <= prob.wgrad_pairs_budget
+    fit[idx] = _taken(state_with_rows, len(c), idx) + act <= prob.wgrad_pairs_budget
     return fit
 
 
+def _recomputation_at(prob: Problem, c: Candidates, idx: np.ndarray, tokens: Num, in_flight: Num, pairs: Num,
+                      rows: Num, attn_state: Num, exp_state: Num, waits: Num = 0.0) -> tuple[np.ndarray, ...]:
+    """`_recomputation` of the candidates `idx` of `c` alone (each per-candidate argument taken at `idx`)."""
+    per_candidate = (tokens, in_flight, pairs, rows, attn_state, exp_state, waits)
+    return _recomputation(prob, c.take(idx), *(_taken(v, len(c), idx) for v in per_candidate))
+
+
+def _taken(value: Num, n: int, idx: np.ndarray) -> np.ndarray:
+    """`value` (a number or one per candidate of `n`) at the candidates `idx`."""
+    return np.broadcast_to(np.asarray(value, dtype=float), (n,))[idx]
+
+
+def paired_micro_batches(single: np.ndarray, micro_batches: Num, step_micro_batches: Num) -> Num:
+    """The micro-batches one GPU's expert weight-gradient pairs span: a step's on one GPU (the single trainer
+    runs its rounds as more micro-batches of one accumulation, `plan_layout.planned_micro_batches`: m x rounds),
+    one round's m on a distributed rank (its schedule runs one round a step, the last launches before its
+    optimizer step: `runtime.cluster.worker`)."""
+    return np.where(single, step_micro_batches, micro_batches)
+
+
+def _settled_recomputation(prob: Problem, c: Candidates, paired: np.ndarray, tokens: Num, in_flight: Num,
+                           pairs: Num, rows: Num, attn_state: Num, exp_state: Num) -> tuple[np.ndarray, tuple]:
+    """(`paired`, per candidate: distributed ranks whose expert weight gradients may pair, as `expert_wgrad_pairs`
+    settles it; `_recomputation`'s answer with them). On or off as asked; auto (`Problem.wgrad_pairs_budget`
+    finite) the driver's rule (`runtime.cluster.driver.resolve_distributed_wgrad_pairs`): off only where the
+    waiting rows raise the fullest GPU's peak (state and transport buffers in `attn_state`, `exp_state`; the
+    activations of the recomputation priced with or without them) and take it past the budget; there the
+    lean figures are the unpaired ones, the leanest the problem allows. (The planner prices partial sums, never
+    pair rows, so the driver's other off, pair rows in bands, never arises in a priced layout.)"""
+    result = _recomputation(prob, c, tokens, in_flight, pairs, rows, attn_state, exp_state,
+                            paired_waits(prob.model, pairs, paired))
+    idx = np.flatnonzero(paired & np.isfinite(prob.wgrad_pairs_budget))
+    if not len(idx):
+        return paired, result
+    unpaired = _recomputation_at(prob, c, idx, tokens, in_flight, pairs, rows, attn_state, exp_state)
+
+    def fullest(act_attn: np.ndarray, act_exp: np.ndarray) -> np.ndarray:
+        return np.maximum(_taken(attn_state, len(c), idx) + act_attn, _taken(exp_state, len(c), idx) + act_exp)
+
+    with_rows = fullest(result[2][idx], result[3][idx])
+    off = (with_rows > fullest(unpaired[2], unpaired[3])) & (with_rows > prob.wgrad_pairs_budget)
+    settled = paired.copy()
+    settled[idx[off]] = False
+    chosen = [_replaced(mine, idx[off], theirs[off]) for mine, theirs in zip(result[:5], unpaired[:5], strict=True)]
+    lean = [_replaced(mine, idx, theirs) for mine, theirs in zip(result[5:], unpaired[5:], strict=True)]
+    return settled, (*chosen, *lean)
+
+
+def _replaced(values: np.ndarray, at: np.ndarray, new: np.ndarray) -> np.ndarray:
+    """A copy of `values` (one per candidate) with `new` at the candidates `at`."""
+    out = np.array(values, copy=True)
+    out[at] = new
+    return out
+
+
 def _full_recomputation(prob: Problem, c: Candidates, tokens: Num, in_flight: Num, pairs: Num,
-                        attn_state: Num, exp_state: Num) -> tuple[np.ndarray, ...]:
+                        attn_state: Num, exp_state: Num, waits: Num = 0.0) -> tuple[np.ndarray, ...]:
     """`_recomputation`'s answer under `recompute: full`: both sides' activations with `memory.FULL`
-    (no module of selective's), the lean figures the same."""
+    (no module of selective's) and the ranks' `waits`, the lean figures the same."""
     m, cap, n = prob.model, prob.capacity_bytes, len(c)
     none = np.zeros(n, dtype=bool)
     if c.colocated:  # a rank recomputes its attention half and its experts' share apart; one GPU, whole blocks
-        ranks = activations(m, tokens, pairs, in_flight, c.p, True, mem.FULL)[0]
+        ranks = activations(m, tokens, pairs, in_flight, c.p, True, mem.FULL, waits=waits)[0]
         act = np.broadcast_to(np.where(c.expert == 1, _one_process_full(m, tokens), ranks).astype(float), (n,)).copy()
         fits = attn_state + act <= cap
         return none, none, act, 0.0 * act, fits, attn_state + act, fits
     act_attn = np.broadcast_to(np.asarray(attention_activations(m, tokens, in_flight, c.p, mem.FULL), dtype=float),
                                (n,)).copy()
-    act_exp = np.broadcast_to(np.asarray(expert_activations(m, pairs, in_flight, c.p, mem.FULL), dtype=float),
-                              (n,)).copy()
+    act_exp = np.broadcast_to(np.asarray(expert_activations(m, pairs, in_flight, c.p, mem.FULL, waits=waits),
+                                         dtype=float), (n,)).copy()
     fits = (attn_state + act_attn <= cap) & (exp_state + act_exp <= cap)
     return none, none, act_attn, act_exp, fits, exp_state + act_exp, fits
 

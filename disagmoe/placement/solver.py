@@ -38,6 +38,7 @@ from disagmoe.placement.cost import (
     fp8_dense_pricing,
     offload_staging_bytes,
     other_fp8_dense_curve,
+    paired_micro_batches,
 )
 from disagmoe.placement.experts import imbalance, map_layer
 from disagmoe.placement.replay import replayed_step_s
@@ -772,9 +773,8 @@ def price(cfg: PlanConfig, chosen: Candidates, colocated_step_s: float | None = 
     mfu = flops_per_gpu_s / (cfg.cluster.hardware.bf16_tflops * 1e12)
     stage_times = _stage_times(cost, prob, chosen)
     notes.extend(_hop_note(stage_times, step, model.top_k))
-    if single:
-        notes.extend(_wgrad_pairs_note(prob, chosen, cost))
-    else:
+    notes.extend(_wgrad_pairs_note(prob, chosen, cost))
+    if not single:
         ranks = (exp // (p * int(chosen.sets[0])) if use_dis else
                  int(colocated_ep(model.num_experts, exp // p // int(chosen.sets[0]))))
         notes.append(_dispatch_note(model, ranks, prob.load_peak_ratio if use_dis else 1.0, use_dis))
@@ -796,7 +796,7 @@ def price(cfg: PlanConfig, chosen: Candidates, colocated_step_s: float | None = 
         fp8_expert_backward=prob.fp8_backward if prob.expert_precision == "fp8" else None,
         fp8_expert_forward=prob.fp8_forward if prob.expert_precision == "fp8" else None,
         cuda_graphs=None if single else prob.cuda_graphs,
-        expert_wgrad_pairs=("on" if cost.wgrad_pairs[0] else "off") if single else None,
+        expert_wgrad_pairs="on" if cost.wgrad_pairs[0] else "off",
         step_time_s=step, colocated_step_time_s=col if math.isfinite(col) else None,
         speedup_vs_colocated=col / step if math.isfinite(col) else None,
         expert_imbalance=real_imb, mfu=mfu, tflops_per_gpu=flops_per_gpu_s / 1e12, feasible=fits,
@@ -990,16 +990,53 @@ def roofline_rows(cost: Cost, prob: Problem, c: Candidates) -> tuple[list[dict],
 
 
 def _wgrad_pairs_note(prob: Problem, chosen: Candidates, cost: Cost) -> list[str]:
-    """A one-GPU plan's line on `expert_wgrad_pairs: auto` where its split may pair: on or off, as the single
-    trainer settles it (`cost._pairs_fit`: the predicted peak with the waiting rows within the budget), which
-    `train --plan` then sets (`Plan.expert_wgrad_pairs`). The pairs span the step's micro-batches, m x rounds."""
-    m = int(chosen.m[0]) * int(cost.rounds[0])
+    """A plan's line on `expert_wgrad_pairs: auto` where its split may pair: on or off, as the run settles it
+    (`Plan.expert_wgrad_pairs`, which `train --plan` then sets): one GPU (`_single_wgrad_pairs_note`), or the
+    expert GPUs of a distributed layout (`_rank_wgrad_pairs_note`). The pairs span the micro-batches
+    `cost.paired_micro_batches` says: one GPU's step, m x rounds; a distributed rank's round, m."""
+    single = bool(chosen.colocated and chosen.expert[0] == 1)
+    m = int(paired_micro_batches(single, int(chosen.m[0]), int(chosen.m[0]) * int(cost.rounds[0])))
     if math.isinf(prob.wgrad_pairs_budget) or not prob.wgrad_pairs or m < 2:
         return []
-    on = bool(cost.wgrad_pairs[0])
-    peak = float((cost if on else evaluate(replace(prob, wgrad_pairs_budget=math.inf), chosen)).attn_mem_bytes[0])
-    budget = (f"the {prob.wgrad_pairs_budget / GIB:.1f} GiB ({mem.MEMORY_HEADROOM:.0%} of the device's "
-              f"{prob.wgrad_pairs_budget / mem.MEMORY_HEADROOM / GIB:.1f}) a run may plan for")
+    on, budget = bool(cost.wgrad_pairs[0]), prob.wgrad_pairs_budget
+    paired = cost if on else evaluate(replace(prob, wgrad_pairs_budget=math.inf), chosen)
+    if single:
+        return _single_wgrad_pairs_note(on, m, float(paired.attn_mem_bytes[0]), budget)
+    unpaired = evaluate(replace(prob, wgrad_pairs=False), chosen)
+    return _rank_wgrad_pairs_note(on, m, _fullest(paired), _fullest(unpaired), budget)
+
+
+def _fullest(cost: Cost) -> float:
+    """The fuller GPU's predicted bytes of the first candidate of `cost` (colocated: its one kind)."""
+    return max(float(cost.attn_mem_bytes[0]), float(cost.expert_mem_bytes[0]))
+
+
+def _budget_text(budget: float) -> str:
+    """`Problem.wgrad_pairs_budget` said: the share of the device a run may plan for."""
+    return (f"the {budget / GIB:.1f} GiB ({mem.MEMORY_HEADROOM:.0%} of the device's "
+            f"{budget / mem.MEMORY_HEADROOM / GIB:.1f}) a run may plan for")
+
+
+def _rank_wgrad_pairs_note(on: bool, m: int, paired: float, unpaired: float, budget: float) -> list[str]:
+    """A distributed plan's `_wgrad_pairs_note`, as the driver settles auto
+    (`runtime.cluster.driver.resolve_distributed_wgrad_pairs`): off only where the waiting rows raise the fullest
+    GPU's predicted peak (`paired` bytes against `unpaired`) and take it past the `budget`."""
+    rise = f"{(paired - unpaired) / GIB:+.2f} GiB for the waiting rows"
+    if not on:
+        return [f"expert_wgrad_pairs: auto -> off: the expert GPUs' waiting rows would take the fullest GPU's "
+                f"predicted peak to {paired / GIB:.1f} GiB ({rise}), past {_budget_text(budget)}; each expert weight "
+                "gradient priced once per micro-batch (train --plan sets expert_wgrad_pairs: off)"]
+    where = (f"within {_budget_text(budget)}" if paired <= budget
+             else f"past {_budget_text(budget)} without them too")
+    return [f"expert_wgrad_pairs: auto -> on: each expert GPU's expert weight gradients priced {(m + 1) // 2} times "
+            f"a step over its {m} micro-batches' rows; the fullest GPU's predicted peak, {paired / GIB:.1f} GiB "
+            f"({rise}), is {where} (train --plan sets expert_wgrad_pairs: auto, which its driver settles alike)"]
+
+
+def _single_wgrad_pairs_note(on: bool, m: int, peak: float, budget: float) -> list[str]:
+    """A one-GPU plan's `_wgrad_pairs_note`, as the single trainer settles auto (`cost._pairs_fit`: the predicted
+    `peak` with the waiting rows within the `budget`)."""
+    budget = _budget_text(budget)
     if on:
         return [f"expert_wgrad_pairs: auto -> on: each expert weight gradient priced {(m + 1) // 2} times a step "
                 f"over its {m} micro-batches' rows; the predicted peak with one micro-batch's waiting rows, "

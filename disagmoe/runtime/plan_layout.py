@@ -14,7 +14,8 @@ with the plan's `fp8_dense`, `fp8_dense_scaling` (where the config's, unset = bl
 dropped where the plan keeps the dense projections in bf16), `fp8_expert_backward` and
 `fp8_expert_forward` where it priced the experts in FP8 (a bf16 plan, or one written before it
 recorded them, leaves the config's), and a
-distributed plan's `cuda_graphs` (its rings were priced captured or not under it).
+distributed plan's `cuda_graphs` (its rings were priced captured or not under it), and the plan's
+`expert_wgrad_pairs` (`planned_wgrad_pairs`: the weight-gradient passes and waiting rows it priced).
 The plan wins over these fields of the config: the config file is the base a plan is applied to
 (`replaced_fields` says what changed, for the CLI to show), and the result goes through the config's
 own checks as a config file would (FP8 on a CPU device or without triton experts is refused there,
@@ -123,14 +124,25 @@ def apply_plan(cfg: TrainConfig, model_cfg: ModelConfig) -> TrainConfig:
                        if value is not None})
     if plan.cuda_graphs is not None:  # a distributed plan's rings were priced captured or not under it
         layout["cuda_graphs"] = plan.cuda_graphs
-    if plan.expert_wgrad_pairs is not None:  # a one-GPU plan's weight-gradient passes and held rows were priced so
-        layout["expert_wgrad_pairs"] = plan.expert_wgrad_pairs
+    if plan.expert_wgrad_pairs is not None:  # the weight-gradient passes and waiting rows were priced so
+        layout["expert_wgrad_pairs"] = planned_wgrad_pairs(plan)
     planned = cfg.model_copy(update={**layout, "plan": plan})  # a copy skips the config's checks: run them
     priced = " (priced in FP8, it sets precision: fp8; `plan --expert-precision bf16` prices bf16)" if (
         "precision" in layout) else ""
     validate(TrainConfig, {**planned.model_dump(exclude_unset=True, exclude={"plan"}), "plan": plan},
              f"the config with {source}{priced}")
     return planned
+
+
+def planned_wgrad_pairs(plan: Plan) -> str:
+    """The expert_wgrad_pairs a run trains under `plan` (which records it): as priced, but auto for a
+    distributed plan priced on. Its driver then settles them as the planner did
+    (`driver.resolve_distributed_wgrad_pairs`: on where they apply and the waiting rows fit), while a run the
+    plan did not price leaves them off instead of being refused under on: other experts than triton, or pair
+    rows in bands (the planner prices partial sums)."""
+    if plan.expert_wgrad_pairs == "on" and plan.layout != "single":
+        return "auto"
+    return plan.expert_wgrad_pairs
 
 
 def planned_micro_batches(plan: Plan) -> int:

@@ -503,6 +503,22 @@ def test_plan_says_whether_a_distributed_layouts_rank_steps_are_captured():
     assert refused.exit_code == 2 and "offload_optimizer on with cuda_graphs: on" in refused.output
 
 
+def test_plan_says_how_each_expert_gpus_weight_gradients_were_priced():
+    """A distributed plan records `expert_wgrad_pairs` as its expert GPUs were priced (auto settled per split, as
+    the driver settles it) and says so in its table and note; asked off, once per micro-batch."""
+    args = ("plan", "-m", "qwen3-30b-a3b", "-hw", "h200-sxm", "-n", "8", "--max-pipeline-groups", "1",
+            "--global-batch-tokens", "262144")
+    auto = Plan.model_validate_json(run(*args, "--json").stdout)
+    assert auto.layout == "disaggregated" and auto.micro_batches >= 2 and auto.expert_wgrad_pairs == "on"
+    assert any(n.startswith("expert_wgrad_pairs: auto -> on: each expert GPU's expert weight gradients priced ")
+               for n in auto.notes), auto.notes
+    text = " ".join(run(*args).stdout.replace("│", " ").split())
+    priced = "expert weight gradients priced over pairs of micro-batches on each expert GPU"
+    assert f"{priced} (expert_wgrad_pairs: on)" in text
+    off = " ".join(run(*args, "--expert-wgrad-pairs", "off").stdout.replace("│", " ").split())
+    assert "expert weight gradients priced once per micro-batch on each expert GPU (expert_wgrad_pairs: off)" in off
+
+
 TINY = "configs/tiny-cpu.yaml"
 
 

@@ -401,12 +401,13 @@ def test_the_planners_activations_are_roofline_memorys(name, recompute):
     with the recomputation's dropped terms when asked; in a split the expert GPU keeps the
     combine's rows beside its own (the compact hop), for every pair its sources dispatch (the
     runtime's buffers span them all, not its experts' share), and under full each received
-    token's row and partial sum."""
+    token's row and partial sum. Unpaired: what paired weight gradients' waiting rows add is
+    tests/placement/test_waiting_rows.py's."""
     from disagmoe.roofline import memory as mem
 
     model = load_model(name)
     req = PlanConfig(model=model, cluster=ClusterConfig(hardware=load_hardware("h200-sxm"), num_gpus=8),
-                     seq_len=512, global_batch_tokens=512 * 64, recompute=recompute)
+                     seq_len=512, global_batch_tokens=512 * 64, recompute=recompute, expert_wgrad_pairs="off")
     prob = problem_of(req)
     dropped = {"none": mem.NOTHING_DROPPED, "selective": mem.SELECTIVE, "full": mem.FULL}[recompute]
     one = evaluate(prob, Candidates.one(0, 1, 1, 4, 2, colocated=True))
@@ -579,7 +580,9 @@ def test_the_committed_fp8_curve_prices_the_default_backward_as_its_probe_versio
     the same file read as version 5 (measured under the all-FP8 backward), the default backward
     with each forward: under 6 the weight gradients at the data gradients' rate (the curve's
     whole-backward rate, both stages as it was fitted); under 5 at the bf16 curve's weight-gradient
-    rate, as before; the forward (its blend by share) and the data gradients the same either way."""
+    rate, as before; the forward (its blend by share) and the data gradients the same either way. The weight
+    gradients unpaired in all three (a paired launch's rate is the curve's at two micro-batches' rows:
+    test_an_odd_micro_batch_count_prices_its_last_weight_gradient_launch_at_one_micro_batchs_rows)."""
     hw = load_hardware("h200-sxm-calibrated")
     assert hw.calibration.probe_version == 6 and hw.calibration.fp8_curve_backward == "bf16-wgrad"
     layout, m = Candidates.one(4, 4, 1, 4, 2), load_model("qwen3-30b-a3b")
@@ -589,7 +592,7 @@ def test_the_committed_fp8_curve_prices_the_default_backward_as_its_probe_versio
         req = PlanConfig(model=m, cluster=ClusterConfig(hardware=hw.model_copy(update={"calibration": calib}),
                                                         num_gpus=8),
                          seq_len=4096, global_batch_tokens=1 << 20, recompute="none", expert_precision=precision,
-                         **({"fp8_expert_forward": forward} if precision == "fp8" else {}))
+                         expert_wgrad_pairs="off", **({"fp8_expert_forward": forward} if precision == "fp8" else {}))
         return problem_of(req), evaluate(problem_of(req), layout)
 
     (prob, v6), (_, v5), (_, bf16) = cost(6), cost(5), cost(6, "bf16")
@@ -1082,7 +1085,8 @@ def test_auto_recomputes_each_side_of_a_split_only_where_it_overflows():
 
 def test_a_colocated_gpu_takes_the_cheapest_recomputation_that_fits():
     """One GPU holds both sides: auto takes none where it fits, the expert modules (a few HBM bytes)
-    before attention (about one more attention forward) where either fits, both where only both do."""
+    before attention (about one more attention forward) where either fits, both where only both do. Unpaired
+    weight gradients (their waiting rows, which auto settles against the device too: test_waiting_rows.py)."""
     from disagmoe.placement.cost import ATTENTION
     from disagmoe.roofline import memory as mem
 
@@ -1093,7 +1097,8 @@ def test_a_colocated_gpu_takes_the_cheapest_recomputation_that_fits():
     def cost(hbm, recompute="auto", modules=None):
         req = PlanConfig(model=model, cluster=ClusterConfig(hardware=hw.model_copy(update={"hbm_gib": hbm}),
                                                             num_gpus=8), seq_len=4096, global_batch_tokens=1 << 22,
-                         recompute=recompute, recompute_modules=modules, memory_headroom=1.0)
+                         recompute=recompute, recompute_modules=modules, memory_headroom=1.0,
+                         expert_wgrad_pairs="off")
         return evaluate(problem_of(req), cand)
 
     need = {d: float(cost(1e6, "selective", sorted(d)).attn_mem_bytes[0]) / 2**30

@@ -358,7 +358,8 @@ def test_a_split_bound_by_memory_says_so_at_every_sequence_length():
     tokens), so a longer sequence holds no more tokens in flight per group: fewer micro-batches,
     sequences or attention GPUs per group. The plan names the bound wherever a GPU is that full
     (at 4K and 8K; at 16K, with the nvshmem rings' smaller arena, the leanest split leaves its
-    expert GPUs at 90%), with and without auto recomputation."""
+    expert GPUs at 90%), with and without auto recomputation (at 8K auto's recomputation and the ranks'
+    paired weight gradients make a split with room the fastest)."""
     plans = [solve(request("qwen3-235b-a22b", "gb200-nvl72", 72, seq_len=s, recompute="none"))
              for s in (4096, 8192, 16384)]
     in_flight = [p.attention_gpus // p.pipeline_groups * p.micro_batches * p.sequences_per_micro_batch * p.seq_len
@@ -370,7 +371,7 @@ def test_a_split_bound_by_memory_says_so_at_every_sequence_length():
         full = max(m.total_gib / m.capacity_gib for m in plan.memory_per_gpu.values()) >= MEMORY_BOUND
         assert full == any(n.startswith("the split is bound by memory (") for n in plan.notes), plan.seq_len
     assert all(max(m.total_gib / m.capacity_gib for m in p.memory_per_gpu.values()) >= MEMORY_BOUND
-               for p in (*plans[:2], *autos[:2]))
+               for p in (*plans[:2], autos[0]))
 
 
 def test_auto_recomputation_is_chosen_recorded_and_said_only_where_it_pays():

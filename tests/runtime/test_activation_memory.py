@@ -121,14 +121,17 @@ def test_attention_recomputation_lowers_the_attention_ranks_peak_on_any_backend(
 @pytest.mark.parametrize("recompute, modules", [("none", None), ("selective", None), ("selective", ["attention"]),
                                                ("selective", ["expert_input", "expert_output", "expert_swiglu",
                                                               "attention"]), ("full", None)])
+@pytest.mark.parametrize("pairs", ["auto", "off"])
 def test_the_planner_prices_the_activations_the_runtimes_memory_check_counts(name, seq_len, layout, recompute,
-                                                                              modules):
+                                                                              modules, pairs):
     """A disaggregated plan applied to a run: the planner's activation bytes per attention GPU and per
     expert GPU equal the largest peak the runtime's check (`rank_activations`, as `check_fits`
-    counts it) finds among that side's ranks, with each recomputation the plan records. The expert
-    GPU holds every (token, k) pair of every attention GPU of its group, not its experts' share
-    (`placement.cost.activations` says why); the 16K split shows the terabytes test_solver's
-    memory-to-spare test steps around are the runtime's own count."""
+    counts it) finds among that side's ranks, with each recomputation the plan records and the expert
+    weight gradients paired or not as planner and driver settle `expert_wgrad_pairs` (auto: on here, the
+    expert ranks' waiting rows replayed, `placement.waiting_rows`). The expert GPU holds every (token, k)
+    pair of every attention GPU of its group, not its experts' share (`placement.cost.activations` says why);
+    the 16K split shows the terabytes test_solver's memory-to-spare test steps around are the runtime's own
+    count."""
     from disagmoe.config import ClusterConfig, PlanConfig, load_hardware
     from disagmoe.placement.cost import Candidates
     from disagmoe.placement.solver import price
@@ -136,21 +139,21 @@ def test_the_planner_prices_the_activations_the_runtimes_memory_check_counts(nam
 
     model = load_model(name)
     roomy = load_hardware("h200-sxm").model_copy(update={"hbm_gib": 1e6})  # the count, not the fit, is tested
-    request = PlanConfig(model=model, cluster=ClusterConfig(hardware=roomy, num_gpus=72),
-                         seq_len=seq_len, global_batch_tokens=1 << 22, recompute=recompute, recompute_modules=modules)
+    request = PlanConfig(model=model, cluster=ClusterConfig(hardware=roomy, num_gpus=72), seq_len=seq_len,
+                         global_batch_tokens=1 << 22, recompute=recompute, recompute_modules=modules,
+                         expert_wgrad_pairs=pairs)
     choice = price(request, Candidates.one(**layout))
     plan, cost = choice.plan, choice.cost
     assert plan.layout == "disaggregated" and plan.recompute == recompute
+    assert plan.expert_wgrad_pairs == ("on" if pairs == "auto" else "off")
     if modules is not None:
         assert plan.recompute_modules == modules
     dp = layout["attn"] // layout["p"]
-    # the planner prices the distributed layouts' expert weight gradients a micro-batch at a time (their ranks'
-    # pairs are resolved against the devices' memory at start: `driver.resolve_distributed_wgrad_pairs`)
     cfg = TrainConfig(model=model, plan=plan, experts_backend="triton", precision="bf16", seq_len=seq_len,
-                      expert_wgrad_pairs="off",
                       batch_size=layout["m"] * dp * layout["seqs"], out_dir="unused")
-    run = apply_plan(cfg, model)
+    run = apply_plan(cfg, model)  # the plan's on as auto, which pairs wherever it applies and the rows fit
     assert run.recompute == recompute and run.micro_batches == layout["m"]
+    assert run.pairs_expert_wgrads == (plan.expert_wgrad_pairs == "on")
     assert run.recompute_set == (mem.FULL if recompute == "full" else frozenset(plan.recompute_modules))
     topology = Topology.from_config(cfg, model)
     peaks = rank_activations(run, model, topology)
@@ -171,7 +174,8 @@ def test_the_planner_prices_the_fp8_experts_activations_the_runtimes_memory_chec
                                                                                       backward):
     """The same agreement with FP8 experts (`expert_precision: fp8`, the run's `precision: fp8`): the
     rows' FP8 terms on both sides, the backward's by the run's recipe (`fp8_expert_backward`, None:
-    the default on both), and selective's modules those the FP8 experts drop."""
+    the default on both), and selective's modules those the FP8 experts drop; the expert ranks' weight
+    gradients paired as planner and driver settle auto (on, but under the all-FP8 backward, which cannot pair)."""
     from disagmoe.config import ClusterConfig, PlanConfig, load_hardware
     from disagmoe.placement.cost import Candidates
     from disagmoe.placement.solver import price
@@ -186,11 +190,12 @@ def test_the_planner_prices_the_fp8_experts_activations_the_runtimes_memory_chec
     plan, cost = choice.plan, choice.cost
     assert plan.recompute_modules == (["expert_input", "expert_swiglu"] if recompute == "selective" else [])
     dp = layout["attn"] // layout["p"]
+    assert plan.expert_wgrad_pairs == ("off" if backward == "fp8" else "on")
     cfg = TrainConfig(model=model, plan=plan, experts_backend="triton", precision="fp8", device="cuda",
-                      expert_wgrad_pairs="off",  # as above: the planner prices the ranks unpaired
                       transport="nvshmem", seq_len=1024, batch_size=layout["m"] * dp * layout["seqs"], out_dir="unused",
                       fp8_expert_backward=backward)
     run = apply_plan(cfg, model)
+    assert run.pairs_expert_wgrads == (plan.expert_wgrad_pairs == "on")
     assert run.expert_precision == "fp8" and run.recompute_set == frozenset(plan.recompute_modules)
     assert run.expert_backward_precision == (backward or DEFAULT_FP8_EXPERT_BACKWARD)
     topology = Topology.from_config(cfg, model)
@@ -199,6 +204,40 @@ def test_the_planner_prices_the_fp8_experts_activations_the_runtimes_memory_chec
                                          if topology.attention_role(r) is not None)
     assert cost.expert_act_bytes[0] == max(p.peak_bytes for r, p in enumerate(peaks)
                                            if topology.expert_role(r) is not None)
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+@pytest.mark.parametrize("micro_batches", [3, 4])
+def test_the_planner_adds_a_colocated_ranks_waiting_rows_as_the_runtimes_memory_check_counts(recompute,
+                                                                                             micro_batches):
+    """A colocated plan of one pipeline group applied to a run: the planner prices a colocated GPU as one
+    process's conservative count (`placement.cost.activations`), and what paired expert weight gradients add
+    to it is what they add to the runtime's check of every rank (`rank_activations`, on against off)."""
+    from disagmoe.config import ClusterConfig, PlanConfig, load_hardware
+    from disagmoe.placement.cost import Candidates
+    from disagmoe.placement.solver import price
+    from disagmoe.runtime.plan_layout import apply_plan
+
+    model = load_model("qwen3-30b-a3b")
+    roomy = load_hardware("h200-sxm").model_copy(update={"hbm_gib": 1e6})
+    layout = Candidates.one(0, 4, 1, micro_batches, 1, colocated=True)
+
+    def planned(pairs: str) -> tuple:
+        request = PlanConfig(model=model, cluster=ClusterConfig(hardware=roomy, num_gpus=4), seq_len=1024,
+                             global_batch_tokens=1 << 22, recompute=recompute, expert_wgrad_pairs=pairs)
+        choice = price(request, layout)
+        cfg = TrainConfig(model=model, plan=choice.plan, experts_backend="triton", precision="bf16", seq_len=1024,
+                          batch_size=micro_batches * 4, out_dir="unused")
+        run = apply_plan(cfg, model)
+        assert run.mode == "colocated" and run.pairs_expert_wgrads == (pairs == "auto")
+        return choice.cost.attn_act_bytes[0], max(p.peak_bytes for p in rank_activations(
+            run, model, Topology.from_config(run, model)))
+
+    (planner_on, runtime_on), (planner_off, runtime_off) = planned("auto"), planned("off")
+    assert planner_on - planner_off == runtime_on - runtime_off
+    # the rows raise the peak where full recomputation keeps little and an odd count's last rows pile up
+    assert (planner_on > planner_off) == (recompute == "full" and micro_batches % 2 == 1)
+    assert planner_on >= runtime_on
 
 
 def test_sparse_dispatch_holds_a_copy_of_the_rows_per_expert_rank_for_the_forwards_span(monkeypatch):

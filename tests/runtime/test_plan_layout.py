@@ -87,8 +87,10 @@ def test_the_plan_wins_over_the_configs_layout_fields_and_says_what_it_replaced(
     plan = planned(3)
     before = config(plan, mode="colocated", colocated_ranks=3, attention_ranks=2, expert_ranks=4, micro_batches=2)
     after = apply_plan(before, MODEL)
+    assert plan.micro_batches == 1  # nothing to pair: the plan's expert_wgrad_pairs off replaces the config's auto
     assert replaced_fields(before, after) == {"mode": ("colocated", "disaggregated"), "attention_ranks": (2, 1),
-                                              "expert_ranks": (4, 2), "micro_batches": (2, plan.micro_batches)}
+                                              "expert_ranks": (4, 2), "micro_batches": (2, plan.micro_batches),
+                                              "expert_wgrad_pairs": ("auto", "off")}
     assert apply_plan(after, MODEL) == after  # idempotent: the driver applies what the CLI applied
 
 
@@ -425,14 +427,15 @@ def test_an_fp8_plan_on_a_cpu_run_gets_the_configs_own_fp8_refusal(precision):
 def test_a_one_gpu_plan_sets_the_expert_weight_gradient_pairs_it_was_priced_under():
     """A one-GPU plan records the expert_wgrad_pairs it priced (`plan --expert-wgrad-pairs`): on where its weight
     gradients were priced over pairs of micro-batches (auto settled for its split: the tiny model's rows fit),
-    else off (asked so, or one micro-batch: nothing pairs); a distributed one None (its ranks do not pair);
-    `train --plan` sets it (among the replaced fields)."""
+    else off (asked so, or one micro-batch: nothing pairs); `train --plan` sets it (among the replaced fields).
+    A distributed plan records its ranks' pairs too; train sets its off as off and its on as auto, which the
+    driver settles as the planner did (`plan_layout.planned_wgrad_pairs`)."""
     def single(m: int, **request) -> Plan:
         return one_gpu_plan(m, 8 // m, **request)
 
-    paired, off, alone, split, best = single(2), single(2, expert_wgrad_pairs="off"), single(1), planned(2, 1), planned(1)
+    paired, off, alone, best = single(2), single(2, expert_wgrad_pairs="off"), single(1), planned(1)
     assert (paired.layout, paired.expert_wgrad_pairs, off.expert_wgrad_pairs) == ("single", "on", "off")
-    assert alone.expert_wgrad_pairs == "off" and split.expert_wgrad_pairs is None
+    assert alone.expert_wgrad_pairs == "off"
     assert best.expert_wgrad_pairs == ("on" if best.micro_batches * best.accumulation_rounds >= 2 else "off")
     for plan in (paired, off):
         cfg = config(plan, device="cuda", experts_backend="triton")
@@ -440,4 +443,22 @@ def test_a_one_gpu_plan_sets_the_expert_weight_gradient_pairs_it_was_priced_unde
         assert run.expert_wgrad_pairs == plan.expert_wgrad_pairs
         assert replaced_fields(cfg, run)["expert_wgrad_pairs"] == ("auto", plan.expert_wgrad_pairs)
         assert apply_plan(run, MODEL) == run  # idempotent
-    assert apply_plan(config(split, device="cuda", experts_backend="triton"), MODEL).expert_wgrad_pairs == "auto"
+    request = build_request("tiny", "h200-sxm", 3, 64, 512)
+    split, unpaired = (price(request.model_copy(update={"expert_wgrad_pairs": pairs}),
+                             Candidates.one(1, 2, 1, 2, 4)).plan for pairs in ("auto", "off"))
+    assert (split.layout, split.expert_wgrad_pairs, unpaired.expert_wgrad_pairs) == ("disaggregated", "on", "off")
+    for plan, trained in ((split, "auto"), (unpaired, "off")):
+        assert apply_plan(config(plan, device="cuda", experts_backend="triton"), MODEL).expert_wgrad_pairs == trained
+
+
+def test_a_distributed_plans_pairs_run_as_its_driver_settles_them_pair_rows_in_bands_off():
+    """A distributed plan priced paired (the planner prices partial sums) trains them on where the run pairs
+    (`driver.resolve_distributed_wgrad_pairs` settles the plan's auto on), and off, not refused, where the run
+    asks pair rows in bands (`pair_bands` > 1), whose launches run alone."""
+    from disagmoe.runtime.cluster.driver import resolve_distributed_wgrad_pairs
+
+    plan = price(build_request("tiny", "h200-sxm", 3, 64, 512), Candidates.one(1, 2, 1, 2, 4)).plan
+    assert plan.expert_wgrad_pairs == "on"
+    for bands, settled in ((1, "on"), (2, "off")):
+        run = apply_plan(config(plan, experts_backend="triton", hop="pair_rows", pair_bands=bands), MODEL)
+        assert resolve_distributed_wgrad_pairs(run, MODEL, 2**34)[0].expert_wgrad_pairs == settled
