@@ -1093,7 +1093,7 @@ def fp8_stages(stages: dict[str, Stage], ceil: Ceilings, speedup: float, m: Mode
     pairs: `model.experts.RoutedExperts.reads_rows`).
 
     `wgrad_paired_share` (`stages.paired_share`; 0: none): the micro-batches whose weight gradients launch in
-    pairs (`kernels.wgrad_pairs`, under the bf16 weight-gradient recipes): a measured curve prices the weight
+    pairs (`kernels.wgrad_pairs`, under every recipe): a measured curve prices the weight
     gradients at its rate for each launch's size (`_wgrad_ceilings`), as `calibrated_stages` does."""
     if backward not in ("fp8", "bf16-wgrad", "bf16"):
         raise ValueError(f"FP8 experts' backward {backward!r}: choose fp8, bf16-wgrad or bf16")

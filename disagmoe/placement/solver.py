@@ -91,8 +91,9 @@ def problem_of(cfg: PlanConfig, gpus: int | None = None) -> Problem:
         fp8_forward=cfg.fp8_expert_forward,
         first_touch=cfg.experts_backend == "triton",  # RoutedExperts.first_touch_weights
         experts_backend=cfg.experts_backend, cuda_graphs=cfg.cuda_graphs,
-        wgrad_pairs=(cfg.expert_wgrad_pairs != "off" and cfg.experts_backend == "triton"
-                     and not (cfg.expert_precision == "fp8" and cfg.fp8_expert_backward == "fp8")),
+        # every recipe pairs, the all-FP8 backward its token-group copies (`kernels.wgrad_pairs`), counted as the
+        # bf16 rows they replace, as the runtime's memory check counts them
+        wgrad_pairs=cfg.expert_wgrad_pairs != "off" and cfg.experts_backend == "triton",
         # auto: on per candidate where its peak with the waiting rows fits, as the single trainer settles it
         wgrad_pairs_budget=hw.hbm_gib * GIB * mem.MEMORY_HEADROOM if cfg.expert_wgrad_pairs == "auto" else math.inf,
     )

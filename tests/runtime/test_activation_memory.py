@@ -175,7 +175,8 @@ def test_the_planner_prices_the_fp8_experts_activations_the_runtimes_memory_chec
     """The same agreement with FP8 experts (`expert_precision: fp8`, the run's `precision: fp8`): the
     rows' FP8 terms on both sides, the backward's by the run's recipe (`fp8_expert_backward`, None:
     the default on both), and selective's modules those the FP8 experts drop; the expert ranks' weight
-    gradients paired as planner and driver settle auto (on, but under the all-FP8 backward, which cannot pair)."""
+    gradients paired as planner and driver settle auto (on: the all-FP8 backward pairs its token-group copies,
+    counted as the bf16 rows they replace on both sides)."""
     from disagmoe.config import ClusterConfig, PlanConfig, load_hardware
     from disagmoe.placement.cost import Candidates
     from disagmoe.placement.solver import price
@@ -190,7 +191,7 @@ def test_the_planner_prices_the_fp8_experts_activations_the_runtimes_memory_chec
     plan, cost = choice.plan, choice.cost
     assert plan.recompute_modules == (["expert_input", "expert_swiglu"] if recompute == "selective" else [])
     dp = layout["attn"] // layout["p"]
-    assert plan.expert_wgrad_pairs == ("off" if backward == "fp8" else "on")
+    assert plan.expert_wgrad_pairs == "on"
     cfg = TrainConfig(model=model, plan=plan, experts_backend="triton", precision="fp8", device="cuda",
                       transport="nvshmem", seq_len=1024, batch_size=layout["m"] * dp * layout["seqs"], out_dir="unused",
                       fp8_expert_backward=backward)
