@@ -95,13 +95,23 @@ The weight gradient (`gluon_fp8_weight_grad`, `fp8.fp8_weight_grad`'s sums) runs
 partitions over items (expert, 128 KA rows, block_n C columns), its K loop the expert's groups'
 128-token chunks (TMA boxes of the token-contiguous operands `fp8.quantize_token_groups` writes),
 each chunk's product times sa[row, chunk] x sb[column, chunk] (a column vector, not the rows
-kernel's one weight-block scalar). At block_n = 128 the carried product, the column scales and
-the sum spill (ptxas, 2,280 bytes), so there a consumer adds each product after its own wait and
-loads the scales then (no spill); at 64 it carries the product to add it under the next chunk's wgmma
-(the rows kernel's schedule until session 33, kept here: not yet timed against the rows kernel's new
-order). Compiled for sm_90a
-on a CPU only: the FFN runs it when `fp8_ffn.set_gluon_wgrad(True)` (`bench experts --backend
-triton-fp8:gluon-wgrad`), off by default until a GPU has timed it.
+kernel's one weight-block scalar). Until session 37 the consumers loaded those scales from global
+memory after each chunk's wgmma (64 row scales and block_n column scales, K-strided words): an L2
+round trip on every chunk's critical path, and the kernel ran at 290-410 TFLOP/s on an H100, below the
+bf16 one. Since then (session 37):
+- the scales are stored chunk-major (`fp8.token_group_scales`), and the producer copies a chunk's
+  runs of sa and sb by TMA into the ring beside its A and B tiles (1-D boxes, `_scale_boxes`, on the
+  stage's `ready` barrier); a consumer reads them from shared memory under its wgmma;
+- the epilogue (`tma_epilogue`, chosen where out takes it) writes each consumer's 64 x block_n fp32
+  sums into its own shared-memory buffer and stores them, or reduce-adds them into the main gradient
+  (`_tma_reduce_add`: cp.reduce.async.bulk.tensor .add), by TMA, waiting only before the buffer's next
+  use an item later, so the main gradient's read-modify-write runs under the next item's wgmmas (the
+  register epilogues stay: relaxed fp32 reductions, or load-add-store; all give the same bits);
+- `second`: the next micro-batch's row set summed in the same launch (`kernels.wgrad_pairs`).
+The expert block with it (`bench experts --backend triton-fp8:gluon-tma-store-wgrad`, one H100): 0.92x /
+0.98x / 0.59x our bf16 on Mixtral / DeepSeek-V3-EP8 / Qwen3 shapes, against 0.76x / 0.79x / 0.49x with
+the Triton FP8 weight gradient (docs/benchmarks.md, session 37). A run's Gluon paths take it under the
+all-FP8 backward (`fp8_ffn.set_gluon`).
 
 Not yet done: the SwiGLU epilogues of `fp8_swiglu_gemm` / `fp8_swiglu_grad_gemm`, the TMA store timed
 (and at 256 x 128, and for a group's partial last tile, e.g. through the buffer and a coalesced
