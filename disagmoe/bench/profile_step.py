@@ -32,7 +32,7 @@ import torch
 
 from disagmoe.bench.gpu_clocks import GpuClockSampler
 from disagmoe.bench.kernel_bounds import kernel_bounds
-from disagmoe.bench.timing import device_intervals, host_events, warmup_past_capture
+from disagmoe.bench.timing import capture_steps, device_intervals, host_events, warmup_past_capture
 from disagmoe.config import TrainConfig
 
 CATEGORIES = (  # first match wins; names are lower-cased kernel names
@@ -61,10 +61,12 @@ def run(cfg: TrainConfig, steps: int, warmup: int, log: Callable[[str], None],
     from disagmoe.runtime.training.trainer import TIMED_STEP_RANGE, SingleProcessTrainer
 
     asked = warmup
-    warmup, why = warmup_past_capture(cfg.model_copy(update={"mode": "single"}), warmup)
+    warmup, why = profiled_warmup(cfg.model_copy(update={"mode": "single"}), warmup, steps)
     if why:
         log(f"warming up {warmup} steps, not {asked}: {why}, and the profiled steps are replays")
-    trainer = SingleProcessTrainer(cfg.model_copy(update={"mode": "single", "steps": warmup + steps,
+    # configured a step past the profiled ones: the run's last step, which counts its FP8 numerics
+    # (`trainer.counts_fp8`), never runs, so no capture of the counting graph waits for it
+    trainer = SingleProcessTrainer(cfg.model_copy(update={"mode": "single", "steps": warmup + steps + 1,
                                                           "trace": False, "checkpoint_minutes": 0}))
     clocks = GpuClockSampler.for_devices([0])  # the profiled steps' clocks, to set beside bench train's
     with clocks:
@@ -117,6 +119,21 @@ def run(cfg: TrainConfig, steps: int, warmup: int, log: Callable[[str], None],
             "gpu_clocks": clocks.timed_summary(warmup), "gpu_clocks_note": clocks.timed_note(warmup)}
 
 
+def profiled_warmup(cfg: TrainConfig, warmup: int, steps: int) -> tuple[int, str | None]:
+    """(the warm-up steps before `steps` profiled ones, why more than `warmup` or None): past the run's
+    first CUDA-graph capture, so the profiled steps are replays, and through every other capture made
+    before the profiled steps end (`timing.warmup_past_capture`), the run configured a step longer than it
+    runs (its last, counted step never reached). So a precision-fp8 run counting its numerics every Nth
+    step (`fp8_counters_every`) warms up through the counting graph's capture only where a multiple of N
+    falls in its steps, not through step N whatever N is."""
+    chosen = max(warmup, *capture_steps(cfg)[:1])  # an unbounded run's first capture: none where it runs eagerly
+    while True:  # a longer warm-up moves the profiled steps later: a capture may fall in them again
+        captures = capture_steps(cfg, chosen + steps, chosen + steps + 1)
+        if not captures or chosen >= captures[-1]:
+            return warmup_past_capture(cfg, warmup, chosen + steps, chosen + steps + 1)
+        chosen = captures[-1]
+
+
 def counted_steps_note(cfg: TrainConfig, warmup: int, steps: int) -> str:
     """', of which K count their FP8 numerics (...)' where a precision-fp8 run counts on some steps only
     (`TrainConfig.fp8_counters_every`: the profiled steps' kernels then mix both kinds); '' elsewhere."""
@@ -125,9 +142,11 @@ def counted_steps_note(cfg: TrainConfig, warmup: int, steps: int) -> str:
     every = cfg.counters_every
     if every == 1:
         return ""
-    counted = sum(counts_fp8(s, every, 1, warmup + steps) for s in range(warmup + 1, warmup + steps + 1))
-    return (f", of which {counted} count their FP8 numerics (every {every}th step and the last: the kernels "
-            "below mix both kinds; fp8_counters_every=1 profiles the counting step alone)")
+    counted = sum(counts_fp8(s, every, 1, warmup + steps + 1) for s in range(warmup + 1, warmup + steps + 1))
+    if counted == 0:
+        return f", none of which counts its FP8 numerics (every {every}th step does)"
+    return (f", of which {counted} count their FP8 numerics (every {every}th step: the kernels below mix both "
+            "kinds; fp8_counters_every=1 profiles the counting step alone)")
 
 
 def step_split(windows: list[tuple[float, float]], intervals: list[tuple[float, float, str]]) -> dict[str, float]:

@@ -60,9 +60,10 @@ def kernel_ms(fn: Callable[[int], object], warmup: int, iters: int) -> float:
     return sum(end - start for start, end, _ in device_intervals(prof)) * 1e3 / iters
 
 
-def capture_steps(cfg: TrainConfig, steps: int | None = None) -> list[int]:
+def capture_steps(cfg: TrainConfig, steps: int | None = None, last: int | None = None) -> list[int]:
     """The steps (1-based) on which a run of `cfg` of `steps` steps (None: one long enough to capture
-    every graph) captures its CUDA graphs, by the trainer's rule (`graphed_step.first_captures`); []
+    every graph) captures its CUDA graphs, by the trainer's rule (`graphed_step.first_captures`), the
+    run configured for `last` steps (None: `steps`; more: the run stops before its last, counted step); []
     where its step runs eagerly (`graphed_step.resolve_cuda_graphs`, whose ValueError a refused `on`
     raises). Mode single: the first step of each kind after `graphed_step.WARMUP_STEPS` eager ones: one
     kind, or two under precision fp8 counting its numerics every Nth step (`trainer.counts_fp8`: the
@@ -81,18 +82,21 @@ def capture_steps(cfg: TrainConfig, steps: int | None = None) -> list[int]:
     if cfg.mode != "single":
         return first_captures((step % 2 for step in numbers), MAX_PHASE_GRAPHS)
     every = cfg.counters_every
-    return first_captures((counts_fp8(step, every, 1, steps or 0) for step in numbers), 1 if every == 1 else 2)
+    last = steps or 0 if last is None else last
+    return first_captures((counts_fp8(step, every, 1, last) for step in numbers), 1 if every == 1 else 2)
 
 
-def warmup_past_capture(cfg: TrainConfig, warmup: int, steps: int | None = None) -> tuple[int, str | None]:
+def warmup_past_capture(cfg: TrainConfig, warmup: int, steps: int | None = None,
+                        last: int | None = None) -> tuple[int, str | None]:
     """(the warm-up steps to leave untimed, why more than `warmup` or None): `warmup`, or where a run of
-    `cfg` (`steps` steps; None: as many as it takes) captures its step in CUDA graphs, at least through
+    `cfg` (`steps` steps, configured for `last`: `capture_steps`; None: as many as it takes) captures
+    its step in CUDA graphs, at least through
     its capture steps (`capture_steps`), so that every timed step is a replay: a capture's
     host work (allocations, instantiation) leaves the GPU idle for a step's worth of time, which no
     replay has (session 21's Qwen3 profile read 120 ms of idle a step from it; an H100's `bench train`
     of the Mixtral config timed FP8 captures at 642 ms a step where `bench profile` read 488 ms of
     replays). A refused `cuda_graphs: on` raises `resolve_cuda_graphs`' ValueError."""
-    captures = capture_steps(cfg, steps)
+    captures = capture_steps(cfg, steps, last)
     if not captures or warmup >= captures[-1]:
         return warmup, None
     if cfg.mode != "single":

@@ -212,8 +212,26 @@ def test_a_profile_of_steps_of_both_kinds_says_how_many_counted():
     cfg = load_train_config("configs/tiny-cpu.yaml", ["device=cuda", "mode=single", "experts_backend=triton"])
     assert counted_steps_note(cfg, 10, 3) == ""  # bf16
     fp8 = cfg.model_copy(update={"precision": "fp8"})
-    assert counted_steps_note(fp8, 10, 3).startswith(", of which 1 count their FP8 numerics")  # the last, 13
-    assert counted_steps_note(fp8, 8, 4).startswith(", of which 2 count")  # 10 and 12 (the last)
+    # the profiled run stops a step before its configured last (counted) one: only every 10th step counts
+    assert counted_steps_note(fp8, 10, 3).startswith(", none of which counts its FP8 numerics")  # 11-13
+    assert counted_steps_note(fp8, 8, 4).startswith(", of which 1 count their FP8 numerics")  # 10 of 9-12
+    assert counted_steps_note(fp8, 8, 13).startswith(", of which 2 count")  # 10 and 20
+
+
+def test_a_profile_warms_up_through_the_captures_its_own_steps_reach_only():
+    """`profiled_warmup`: through the bf16 graph's capture (step 4); under precision fp8 through the counting
+    graph's capture only where a counting step (every Nth) falls before the profiled steps end: a large
+    fp8_counters_every warms up 4 steps, not N (the run's configured last step, which counts, never runs)."""
+    from disagmoe.bench.profile_step import profiled_warmup
+    from disagmoe.config import load_train_config
+
+    cfg = load_train_config("configs/tiny-cpu.yaml", ["device=cuda", "mode=single", "experts_backend=triton"])
+    assert profiled_warmup(cfg, 0, 3)[0] == 4 and profiled_warmup(cfg, 6, 3) == (6, None)
+    fp8 = cfg.model_copy(update={"precision": "fp8"})  # counting every 10th step
+    assert profiled_warmup(fp8, 3, 3)[0] == 4  # steps 5-7: no counting step
+    warmup, why = profiled_warmup(fp8, 3, 8)  # steps 5-12 would reach step 10: warmed up through its capture
+    assert warmup == 10 and "steps 4 and 10" in why
+    assert profiled_warmup(fp8.model_copy(update={"fp8_counters_every": 1000}), 3, 2)[0] == 4
 
 
 @pytest.mark.gpu

@@ -35,6 +35,7 @@ def test_the_capture_steps_of_a_run_by_its_config():
     assert timing.capture_steps(bf16) == timing.capture_steps(bf16, 20) == [4]
     assert timing.capture_steps(fp8) == timing.capture_steps(fp8, 20) == [4, 10]
     assert [timing.capture_steps(fp8, steps) for steps in (6, 4, 3)] == [[4, 6], [4], []]
+    assert timing.capture_steps(fp8, 6, last=7) == [4]  # configured longer: its last, counted step not reached
     assert timing.capture_steps(fp8.model_copy(update={"fp8_counters_every": 1})) == [4]
     assert timing.capture_steps(bf16.model_copy(update={"cuda_graphs": "off"})) == []
     assert timing.capture_steps(bf16.model_copy(update={"device": "cpu"})) == []
