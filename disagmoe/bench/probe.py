@@ -78,7 +78,7 @@ PROBE_VERSION = 9
 #    Hopper the Gluon row GEMMs storing by TMA (`RUN_FP8_GLUON`, `RUN_FP8_GLUON_STORE`; before: the Triton kernels, the
 #    kernels' default), recorded as `config.FP8_CURVE_FORWARDS`; the planner prices a run's forward from the blend
 #    measured (`placement.cost._unblend` for another forward). The bf16 terms and the backward as in version 8.
-PROBE_FINGERPRINT = "b231d623af0f2b3d"  # `code_fingerprint()` of the code that measures version PROBE_VERSION
+PROBE_FINGERPRINT = "99fcc97927d0243a"  # `code_fingerprint()` of the code that measures version PROBE_VERSION
 
 # The code that decides what a calibration's numbers mean: file (under disagmoe/) -> top-level name
 # -> why it belongs. Left out on purpose: the experts backends and `model.Block` (the probe measures
