@@ -1645,7 +1645,10 @@ def _store_wgrad(acc, out_ptr, expert, ks, k_ok, cols, col_ok, stride_oe, stride
     else:
         if ACCUMULATE:
             acc += tl.load(out_ptrs, mask=ok, other=0.0).to(tl.float32)
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+        if out_ptr.dtype.element_ty == tl.float32:
+            tl.store(out_ptrs, acc, mask=ok)
+        else:  # a fresh gradient in its weights' half dtype: rounded to nearest even (as torch casts)
+            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=ok)
 
 
 @triton.jit
@@ -1721,8 +1724,9 @@ def fp8_weight_grad(
     imprecise_k: int | None = None,
     second: tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """out[e] = dequant(a)[:, rows_e] @ dequant(b)[:, rows_e]^T, [E, KA, C] fp32 (zeros for empty
-    experts): the weight gradient x^T dy of rows grouped by expert, both operands from
+    """out[e] = dequant(a)[:, rows_e] @ dequant(b)[:, rows_e]^T, [E, KA, C] fp32, or a given `out`'s dtype
+    (its fp32 sums rounded once) (zeros for empty experts): the weight gradient x^T dy of rows grouped by
+    expert, both operands from
     `quantize_token_groups` of the same offsets ((q_KP, s_KC) pairs; `padded_E` its third
     result). With `accumulate`, out[e] += it (`out` given: an fp32 main gradient).
     `weights` (E_W; default the groups' count): `padded_E` may hold a multiple of E_W groups,

@@ -347,13 +347,15 @@ class _WeightGradKernel:
                      num_programs=self.num_programs, gluon=self.gluon, second=second)
 
 
-def _weight_grad_into_main(a, b, padded_E, kernel: _WeightGradKernel, main: torch.Tensor | None
-                           ) -> torch.Tensor | None:
+def _weight_grad_into_main(a, b, padded_E, kernel: _WeightGradKernel, main: torch.Tensor | None,
+                           dtype: torch.dtype) -> torch.Tensor | None:
     """The weight gradient into its fp32 main gradient (stored at the step's first write, else added;
     paired with the next micro-batch's inside `wgrad_pairs.paired_weight_grads`), None returned; without
-    a main gradient a new [E, KA, C] fp32 tensor, returned."""
+    a main gradient a new [E, KA, C] tensor of `dtype` (its weights': the GEMM rounds its fp32 sums once),
+    returned."""
     if main is None:
-        return _weight_grad(a, b, padded_E, kernel.tile, weights=kernel.weights, out=None, accumulate=False,
+        out = torch.empty((kernel.weights, a[0].shape[0], b[0].shape[0]), dtype=dtype, device=a[0].device)
+        return _weight_grad(a, b, padded_E, kernel.tile, weights=kernel.weights, out=out, accumulate=False,
                             num_programs=kernel.num_programs, gluon=kernel.gluon)
     fp8_weight_grad_into(a, b, padded_E, kernel, main=main, weights=kernel.weights)
     return None
@@ -683,8 +685,11 @@ def fp8_ffn_backward(
     stats: Fp8Stats | None = None,
     gluon: _GluonChoices | None = None,
     backward: str = "fp8",
+    grad_dtypes: tuple[torch.dtype, torch.dtype] = (torch.float32, torch.float32),
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """(dx_NH in dy's dtype, dw13_EH2F fp32, dw2_EFH fp32); a weight gradient whose fp32 main
+    """(dx_NH in dy's dtype, dw13_EH2F, dw2_EFH in `grad_dtypes`: their weights' dtypes, written so by the
+    all-FP8 backward's GEMMs, which round their fp32 sums once, not into an fp32 tensor cast after; the
+    bf16-wgrad recipe's in the rows' dtype); a weight gradient whose fp32 main
     gradient is given (w13's, w2's) is added into it by its GEMM (stored, if the gradient is
     untouched this step: `kernels.first_touch`) and None is returned for it.
     `x_NH` may be a `RowSource` (`expert_input`, module docstring): its rows are read from the
@@ -731,7 +736,7 @@ def fp8_ffn_backward(
     # each weight-gradient launch writes every element (zeros for an expert without rows): the step's
     # first one into a main gradient stores instead of adding (`kernels.first_touch`)
     wgrad = _WeightGradKernel(tiles.wgrad, experts, num_programs, gluon.wgrad)
-    dw2 = _weight_grad_into_main((qt_act, st_act), (qt_dy, st_dy), padded_E, wgrad, main_grads[1])
+    dw2 = _weight_grad_into_main((qt_act, st_act), (qt_dy, st_dy), padded_E, wgrad, main_grads[1], grad_dtypes[1])
     del qt_act, st_act, qt_dy, st_dy  # before d h13's two copies are made
     (q_dh, s_dh), (qt_dh, st_dh, _) = fp8.quantize_rows_and_token_groups(dh13_N2F, offsets_E, grads_row, served)
     dx_NH = _rows_gemm(q_dh, s_dh, offsets_E, *weights.w13_t, tiles.rows, out_dtype=dy_NH.dtype,
@@ -741,7 +746,7 @@ def fp8_ffn_backward(
         qt_x, st_x, _ = fp8.quantize_token_groups(x_NH.x_TH, offsets_E, acts, rows_M=x_NH.token_N)
     else:
         qt_x, st_x, _ = fp8.quantize_token_groups(x_NH, offsets_E, acts)
-    dw13 = _weight_grad_into_main((qt_x, st_x), (qt_dh, st_dh), padded_E, wgrad, main_grads[0])
+    dw13 = _weight_grad_into_main((qt_x, st_x), (qt_dh, st_dh), padded_E, wgrad, main_grads[0], grad_dtypes[0])
     del qt_x, st_x, qt_dh, st_dh
     return dx_NH, None if main_grads[0] is not None else dw13, None if main_grads[1] is not None else dw2
 
@@ -836,7 +841,7 @@ class Fp8ExpertFFNFunction(torch.autograd.Function):
             x_NH = ctx.source if same else ctx.source.rows(ctx.x_dtype)
         dx, dw13, dw2 = fp8_ffn_backward(dy_NH.contiguous(), x_NH, offsets_E, ctx.weights, h13_N2F, ctx.tiles,
                                          main_grads=ctx.main_grads, num_programs=ctx.num_programs, stats=ctx.stats,
-                                         gluon=ctx.gluon, backward=ctx.backward)
+                                         gluon=ctx.gluon, backward=ctx.backward, grad_dtypes=ctx.weight_dtypes)
         ctx.weights = ctx.stats = ctx.source = ctx.main_grads = None
         dw13, dw2 = (None if g is None else g.to(dtype) for g, dtype in zip((dw13, dw2), ctx.weight_dtypes))
         return _input_gradient(dx, dest_TK, ctx.x_dtype), None, dw13, dw2, *(None,) * 11

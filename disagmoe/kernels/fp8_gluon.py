@@ -611,7 +611,7 @@ def _wgrad_consumer(a_bufs, b_bufs, sa_bufs, sb_bufs, ready_bars, empty_bars, ou
             if row0 < KA:  # a wave wholly past KA (the last KA tile's) has nothing to write
                 c_buf = c_bufs.index(CONSUMER)
                 tma.store_wait(0)  # the buffer's last TMA operation (an item ago) has read it
-                c_buf.store(acc_MN)
+                c_buf.store(acc_MN.to(c_buf.dtype))  # fp32, or (a fresh gradient) the weights' bf16
                 fence_async_shared()
                 coord = [expert * KA + row0, pid_n * BLOCK_N]
                 if ACCUMULATE:
@@ -629,7 +629,7 @@ def _wgrad_consumer(a_bufs, b_bufs, sa_bufs, sb_bufs, ready_bars, empty_bars, ou
             else:
                 if ACCUMULATE:
                     acc_MN = acc_MN + gl.load(out_ptrs, mask=ok, other=0.0)
-                gl.store(out_ptrs, acc_MN, mask=ok)
+                gl.store(out_ptrs, acc_MN.to(out_ptr.dtype.element_ty), mask=ok)
     if TMA_EPILOGUE:
         tma.store_wait(0)  # the last item's TMA operation has read its buffer before shared memory goes
 
@@ -835,20 +835,20 @@ def _scale_boxes(s_KC: torch.Tensor, box: int) -> TensorDescriptor:
 
 
 def wgrad_tma_epilogue_takes(out: torch.Tensor) -> bool:
-    """Whether the weight gradient's TMA epilogue can write `out` ([E_W, KA, C] fp32): contiguous, 16-byte
-    aligned rows, and KA a multiple of 64, so that each consumer's 64-row box of the [E_W x KA, C] view
+    """Whether the weight gradient's TMA epilogue can write `out` ([E_W, KA, C] of `OUT_DTYPES`): contiguous,
+    16-byte aligned rows, and KA a multiple of 64, so that each consumer's 64-row box of the [E_W x KA, C] view
     lies inside one expert's rows (a box past KA would write the next expert's)."""
     experts, ka, cols = out.shape
-    return (out.dtype == torch.float32 and out.is_contiguous() and out.data_ptr() % 16 == 0
+    return (out.dtype in OUT_DTYPES and out.is_contiguous() and out.data_ptr() % 16 == 0
             and (cols * out.element_size()) % 16 == 0 and ka % CONSUMER_ROWS == 0)
 
 
-def _wgrad_shared_bytes(stages: int, block_n: int, tma_epilogue: bool) -> int:
+def _wgrad_shared_bytes(stages: int, block_n: int, epilogue_bytes: int) -> int:
     """Shared memory of the weight gradient: the ring's stages (A, B and their scales) and, with the TMA
-    epilogue, one [64, block_n] fp32 buffer per consumer."""
+    epilogue, one [64, block_n] buffer per consumer of `epilogue_bytes`-byte values (0: no TMA epilogue)."""
     rows = 2 * CONSUMER_ROWS
     stage = (rows + block_n) * SCALE_BLOCK + (rows + block_n) * 4
-    return stages * stage + (2 * CONSUMER_ROWS * block_n * 4 if tma_epilogue else 0)
+    return stages * stage + 2 * CONSUMER_ROWS * block_n * epilogue_bytes
 
 
 def _token_group_descriptors(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor],
@@ -888,8 +888,9 @@ def gluon_fp8_weight_grad(
     second: tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """`fp8.fp8_weight_grad`'s sums, warp-specialised: out[e] = sum over groups g = e mod E_W and their
-    128-token chunks c of (a[:, c] @ b[:, c]^T) x sa[:, c] x sb[:, c], [E_W, KA, C] fp32 (zeros for an
-    expert without tokens; `accumulate`: added into `out`, an fp32 main gradient; `atomic`: by fp32
+    128-token chunks c of (a[:, c] @ b[:, c]^T) x sa[:, c] x sb[:, c], [E_W, KA, C] fp32, or the dtype of a
+    given `out` (bf16 or fp16: a fresh gradient written in its weights' dtype, the fp32 sums rounded once)
+    (zeros for an expert without tokens; `accumulate`: added into `out`, an fp32 main gradient; `atomic`: by fp32
     reductions, the same sum bit for bit but for denormals, which the GPU's reductions flush to zero),
     128 KA rows an item (module docstring). `tma_epilogue` (None: where `wgrad_tma_epilogue_takes` out and
     the buffers fit shared memory beside the ring): each consumer's sums written through shared memory and
@@ -906,9 +907,6 @@ def gluon_fp8_weight_grad(
                          f"kernels.fp8.quantize_token_groups); got {wrong}")
     if block_n not in BLOCK_NS:
         raise ValueError(f"gluon_fp8_weight_grad's C tile: block_n in {BLOCK_NS}; got {block_n}")
-    if stages < 2 or _wgrad_shared_bytes(stages, block_n, bool(tma_epilogue)) > SHARED_MEMORY_BYTES:
-        raise ValueError(f"stages={stages}: the ring needs at least 2 stages and, with the TMA epilogue's buffers if "
-                         f"asked, must fit the {SHARED_MEMORY_BYTES} bytes of shared memory a Hopper block may use")
     ka, cols, groups, experts = weight_grad_shapes(a, b, padded_E, weights)
     descriptors = _token_group_descriptors(a, b, block_n)
     second_descriptors, padded2_E = (None, None, None, None), None
@@ -925,22 +923,27 @@ def gluon_fp8_weight_grad(
         raise ValueError("accumulate=True adds into `out`: give the fp32 main gradient")
     if out is None:
         out = torch.empty((experts, ka, cols), dtype=torch.float32, device=qa_KP.device)
-    if out.shape != (experts, ka, cols) or out.dtype != torch.float32:
-        raise ValueError(f"out must be fp32 [E_W, KA, C] = {(experts, ka, cols)}; got {out.dtype} {tuple(out.shape)}")
+    if out.shape != (experts, ka, cols) or out.dtype not in OUT_DTYPES or (accumulate and out.dtype != torch.float32):
+        raise ValueError(f"out must be [E_W, KA, C] = {(experts, ka, cols)}, fp32 (a main gradient, accumulate) or bf16 "
+                         f"or fp16 (a fresh gradient in the weights' dtype); got {out.dtype} {tuple(out.shape)}")
+    epilogue = out.element_size()
+    if stages < 2 or _wgrad_shared_bytes(stages, block_n, epilogue if tma_epilogue else 0) > SHARED_MEMORY_BYTES:
+        raise ValueError(f"stages={stages}: the ring needs at least 2 stages and, with the TMA epilogue's buffers if "
+                         f"asked, must fit the {SHARED_MEMORY_BYTES} bytes of shared memory a Hopper block may use")
     if out.numel() == 0:
         return out
     takes = wgrad_tma_epilogue_takes(out)
     if tma_epilogue and not takes:
-        raise ValueError(f"tma_epilogue=True writes out by TMA: it must be a contiguous fp32 [E_W, KA, C] with KA a "
+        raise ValueError(f"tma_epilogue=True writes out by TMA: it must be a contiguous [E_W, KA, C] with KA a "
                          f"multiple of {CONSUMER_ROWS} and 16-byte rows; got strides {out.stride()}, shape "
                          f"{tuple(out.shape)} (pass tma_epilogue=None to let the kernel choose)")
     if tma_epilogue is None:
-        tma_epilogue = takes and _wgrad_shared_bytes(stages, block_n, True) <= SHARED_MEMORY_BYTES
+        tma_epilogue = takes and _wgrad_shared_bytes(stages, block_n, epilogue) <= SHARED_MEMORY_BYTES
     out_desc = None
     if tma_epilogue:
         out_box = [CONSUMER_ROWS, block_n]
         out_desc = TensorDescriptor(out.view(experts * ka, cols), [experts * ka, cols], [cols, 1], out_box,
-                                    gl.NVMMASharedLayout.get_default_for(out_box, gl.float32))
+                                    gl.NVMMASharedLayout.get_default_for(out_box, OUT_DTYPES[out.dtype]))
     programs = num_programs or gg.default_num_programs(qa_KP.device)
     _gluon_fp8_weight_grad_kernel[(programs, )](
         *descriptors, *second_descriptors, out_desc, out, padded_E, padded2_E, groups, experts, ka, cols, programs,

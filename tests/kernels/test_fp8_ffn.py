@@ -197,6 +197,24 @@ def test_weight_gradients_add_into_main_gradients_and_weights_made_once(ffn8):
         torch.testing.assert_close(m - s0, g, rtol=1e-5, atol=1e-5)
 
 
+def test_weight_gradients_without_main_gradients_are_written_in_their_weights_dtype(ffn8):
+    """The all-FP8 backward's weight gradients returned (no main gradient) in `grad_dtypes`: the GEMMs
+    round their fp32 sums once, with no fp32 tensor between: on a GPU the bits of the fp32 gradients cast
+    (tests/kernels/test_fp8_gluon.py); the interpreter truncates fp32 to bf16 (numpy has no bf16), so here
+    within one bf16 step of them."""
+    counts, hidden, ffn = [7, 0, 10], 32, 40
+    x, offsets, w13, w2, dy = _inputs(counts, hidden, ffn, seed=4)
+    tiles = ffn8.Fp8Tiles(**SMALL)
+    weights = ffn8.Fp8ExpertWeights.quantize(w13, w2)
+    _, h13 = ffn8.fp8_ffn_forward(x, offsets, weights, tiles, save_for_backward=True, num_programs=2)
+    _, dw13, dw2 = ffn8.fp8_ffn_backward(dy, x, offsets, weights, h13, tiles, num_programs=2)
+    _, half13, half2 = ffn8.fp8_ffn_backward(dy, x, offsets, weights, h13, tiles, num_programs=2,
+                                             grad_dtypes=(torch.bfloat16, torch.bfloat16))
+    assert half13.dtype == half2.dtype == torch.bfloat16
+    for half, full in ((half13, dw13), (half2, dw2)):
+        torch.testing.assert_close(half.float(), full, rtol=2**-7, atol=0)
+
+
 @pytest.mark.parametrize("backward", ["fp8", "bf16-wgrad"])
 def test_parameters_with_main_gradients_get_theirs_added_by_the_kernels_through_autograd(ffn8, backward):
     """Expert weights that are parameters carrying FlatAdamW's fp32 `main_grad`: autograd leaves

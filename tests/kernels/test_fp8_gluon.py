@@ -266,6 +266,24 @@ def test_the_paired_weight_gradient_compiles_without_spills(hopper_builds):
         fg.gluon_fp8_weight_grad(a, b, padded, num_programs=4, second=(a2, b2, padded2[:2]))
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("tma_epilogue", [True, False])
+def test_a_fresh_weight_gradient_in_bf16_compiles_without_spills(hopper_builds, tma_epilogue):
+    """A fresh gradient written in its weights' bf16 (no main gradient): the sums rounded in the epilogue,
+    through a bf16 TMA box or from registers, no spills (ptxas, sm_90a)."""
+    from tests.kernels.test_compile_for_hopper import ptxas_usage
+
+    a, b, padded = _cpu_wgrad_operands([256, 0, 128, 384], 512, 384)
+    fg.gluon_fp8_weight_grad(a, b, padded, out=torch.zeros(4, 512, 384, dtype=torch.bfloat16), num_programs=132,
+                             tma_epilogue=tma_epilogue)
+    (kernel,) = hopper_builds
+    ptx = kernel.asm["ptx"]
+    assert ("cp.async.bulk.tensor.2d.global.shared::cta" in ptx) == tma_epilogue
+    assert "cvt.rn.bf16x2.f32" in ptx
+    registers, spilled = ptxas_usage(ptx)
+    assert spilled == 0 and registers <= fg.MAXNREG
+
+
 def test_weight_gradient_arguments_it_cannot_take_are_refused_naming_the_fix():
     a, b, padded = _cpu_wgrad_operands([128, 256], 256, 128)
     with pytest.raises(ValueError, match="float8_e4m3fn"):
@@ -282,8 +300,11 @@ def test_weight_gradient_arguments_it_cannot_take_are_refused_naming_the_fix():
         fg.gluon_fp8_weight_grad(a, b, padded.long(), num_programs=4)
     with pytest.raises(ValueError, match="give the fp32 main gradient"):
         fg.gluon_fp8_weight_grad(a, b, padded, accumulate=True, num_programs=4)
-    with pytest.raises(ValueError, match="out must be fp32"):
-        fg.gluon_fp8_weight_grad(a, b, padded, out=torch.zeros(2, 256, 128, dtype=torch.bfloat16), num_programs=4)
+    with pytest.raises(ValueError, match=r"out must be \[E_W, KA, C\]"):  # bf16 only for a fresh gradient
+        fg.gluon_fp8_weight_grad(a, b, padded, out=torch.zeros(2, 256, 128, dtype=torch.bfloat16), accumulate=True,
+                                 num_programs=4)
+    with pytest.raises(ValueError, match=r"out must be \[E_W, KA, C\]"):
+        fg.gluon_fp8_weight_grad(a, b, padded, out=torch.zeros(2, 256, 128, dtype=torch.int32), num_programs=4)
     with pytest.raises(ValueError, match="tma_epilogue=True writes out by TMA"):
         fg.gluon_fp8_weight_grad(a, b, padded, out=torch.zeros(2, 128, 256).transpose(1, 2), tma_epilogue=True,
                                  num_programs=4)
@@ -462,6 +483,10 @@ def test_gpu_weight_gradient_matches_the_reference_and_the_triton_kernel(counts,
     stored = torch.full_like(main, float("nan"))
     fg.gluon_fp8_weight_grad((qx, sx), (qd, sd), padded, out=stored, tma_epilogue=False, block_n=block_n)
     assert torch.equal(stored, got)
+    for tma_epilogue in (None, False):  # a fresh gradient in bf16: the fp32 sums rounded once, as torch casts them
+        half = torch.empty(got.shape, dtype=torch.bfloat16, device="cuda")
+        fg.gluon_fp8_weight_grad((qx, sx), (qd, sd), padded, out=half, tma_epilogue=tma_epilogue, block_n=block_n)
+        assert torch.equal(half, got.to(torch.bfloat16)), f"tma_epilogue={tma_epilogue}"
     # a second row set (the next micro-batch's rows, `kernels.wgrad_pairs`): both sums in one launch, against
     # the two one-set launches (fp32 rounding order only) and the two references
     x2 = (torch.randn(rows, ka, generator=gen) * torch.exp2(torch.randn(rows, 1, generator=gen))).cuda().bfloat16()
