@@ -149,7 +149,8 @@ class _GluonChoices:
     than `fp8.fp8_weight_grad` until session 37 (the block 0.91-0.98x, session 19), which carried its
     scales in the ring and wrote its sums by TMA: the block with it 0.92x / 0.98x / 0.59x our bf16
     (Mixtral / DeepSeek-V3-EP8 / Qwen3 shapes) against 0.76x / 0.79x / 0.49x with the Triton one (one
-    H100, same run, docs/benchmarks.md)."""
+    H100, same run), and 1.10x / 1.28x / 0.70x once the gradients it returns were written in the
+    weights' bf16 (the default recipe 1.13x / 1.22x / 0.85x in that run; docs/benchmarks.md)."""
 
     rows: bool = False
     wgrad: bool = False

@@ -108,10 +108,12 @@ bf16 one. Since then (session 37):
   use an item later, so the main gradient's read-modify-write runs under the next item's wgmmas (the
   register epilogues stay: relaxed fp32 reductions, or load-add-store; all give the same bits);
 - `second`: the next micro-batch's row set summed in the same launch (`kernels.wgrad_pairs`).
+- a fresh gradient (no main gradient) written in its weights' bf16, the sums rounded once in the epilogue.
 The expert block with it (`bench experts --backend triton-fp8:gluon-tma-store-wgrad`, one H100): 0.92x /
 0.98x / 0.59x our bf16 on Mixtral / DeepSeek-V3-EP8 / Qwen3 shapes, against 0.76x / 0.79x / 0.49x with
-the Triton FP8 weight gradient (docs/benchmarks.md, session 37). A run's Gluon paths take it under the
-all-FP8 backward (`fp8_ffn.set_gluon`).
+the Triton FP8 weight gradient in the same run; 1.10x / 1.28x / 0.70x once it wrote bf16 (the default recipe,
+bf16 weight gradients, 1.13x / 1.22x / 0.85x in that run; docs/benchmarks.md, session 37). A run's Gluon
+paths take it under the all-FP8 backward (`fp8_ffn.set_gluon`).
 
 Not yet done: the SwiGLU epilogues of `fp8_swiglu_gemm` / `fp8_swiglu_grad_gemm`, the TMA store timed
 (and at 256 x 128, and for a group's partial last tile, e.g. through the buffer and a coalesced
