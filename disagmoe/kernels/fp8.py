@@ -1523,7 +1523,9 @@ def quantize_rows_and_token_groups(
     Rows past `valid_rows` (or the buffer) are left unwritten and uncounted, as `quantize_rows`
     leaves them; `stats` gets both quantisations' counts (x's rows counted twice, as by the two
     calls). Both results are alive at once: a caller that drops each copy after its last reader
-    holds the two together (`kernels.fp8_ffn.fp8_ffn_backward`)."""
+    holds the two together. On an H100 it ran slower than the two quantisers one after the other
+    (`bench quantise`, session 37), so the FP8 backward takes those (`kernels.fp8_ffn._quantize_both_ways`);
+    `bench quantise` times it beside them."""
     rows, k = x_MK.shape
     if valid_rows is not None and (valid_rows.dtype != torch.int32 or valid_rows.numel() < 1
                                    or valid_rows.device != x_MK.device):

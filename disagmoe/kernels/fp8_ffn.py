@@ -7,10 +7,9 @@ Legend: N rows (token-expert pairs grouped by expert), E experts, H hidden size,
 
 Forward: x rows quantised 1 x 128 (or given so: `permute.quantize_then_permute`); gate/up GEMM
 whose epilogue applies SwiGLU and quantises its output for the down GEMM; down GEMM, bf16 out.
-Backward: dy quantised 1 x 128 and 128 x 1 along tokens in one pass
-(`fp8.quantize_rows_and_token_groups`); the down GEMM's data gradient against w2^T with the
-SwiGLU derivative in its epilogue (also recomputing silu(gate) * up); dh13 quantised both ways
-in one pass, its rows for the gate/up data gradient against w13^T; act and x quantised 128 x 1
+Backward: dy quantised 1 x 128 and 128 x 1 along tokens (`_quantize_both_ways`); the down GEMM's
+data gradient against w2^T with the SwiGLU derivative in its epilogue (also recomputing silu(gate) *
+up); dh13 quantised both ways, its rows for the gate/up data gradient against w13^T; act and x quantised 128 x 1
 along tokens; the two weight gradients (fp32, or added into fp32 main gradients). Launch order
 and the e4m3 copies alive at each launch: `fp8_ffn_backward`.
 Passes still separate from the kernel that produces their input (each reads a bf16 tensor once
@@ -697,8 +696,8 @@ def fp8_ffn_backward(
     tokens by the w13 gradient's quantiser, as they lie (the tokens' dtype); bf16-wgrad gathers
     them into a bf16 copy for its w13 gradient.
     dy and d h13 are each quantised both ways (1 x 128 rows for a data gradient, 128 x 1 token
-    groups for a weight gradient) by one pass (`fp8.quantize_rows_and_token_groups`: each read
-    once, not twice), so both copies of each are alive from that pass on. Launch order, with the
+    groups for a weight gradient, `_quantize_both_ways`), so both copies of each are alive from
+    then on. Launch order, with the
     e4m3 copies alive at each GEMM (H, F: values a row), each dropped right after its last reader:
       d h13 GEMM   reads dy's rows                alive: dy's rows and token groups   2H
       w2 gradient  reads act's and dy's tokens    alive: those                        H + F
@@ -726,7 +725,7 @@ def fp8_ffn_backward(
     acts, grads_row = _row(stats, ACTIVATIONS), _row(stats, GRADIENTS)
     served = offsets_E[-1:]  # rows past it are padding: dh13's are never written (garbage, maybe NaN)
     # each e4m3 copy is dropped right after its last reader (`roofline.memory.expert_row_grad_bytes`)
-    (q_dy, s_dy), (qt_dy, st_dy, padded_E) = fp8.quantize_rows_and_token_groups(dy_NH, offsets_E, grads_row, served)
+    (q_dy, s_dy), (qt_dy, st_dy, padded_E) = _quantize_both_ways(dy_NH, offsets_E, grads_row, served)
     act_NF = h13_N2F.new_empty((rows, ffn))
     dh13_N2F, _ = _down_data_gradient(q_dy, s_dy, offsets_E, weights.w2_t, tiles.swiglu, h13_N2F, act_NF,
                                       dy_NH.dtype, num_programs=num_programs, split=gluon.swiglu,
@@ -739,7 +738,7 @@ def fp8_ffn_backward(
     wgrad = _WeightGradKernel(tiles.wgrad, experts, num_programs, gluon.wgrad)
     dw2 = _weight_grad_into_main((qt_act, st_act), (qt_dy, st_dy), padded_E, wgrad, main_grads[1], grad_dtypes[1])
     del qt_act, st_act, qt_dy, st_dy  # before d h13's two copies are made
-    (q_dh, s_dh), (qt_dh, st_dh, _) = fp8.quantize_rows_and_token_groups(dh13_N2F, offsets_E, grads_row, served)
+    (q_dh, s_dh), (qt_dh, st_dh, _) = _quantize_both_ways(dh13_N2F, offsets_E, grads_row, served)
     dx_NH = _rows_gemm(q_dh, s_dh, offsets_E, *weights.w13_t, tiles.rows, out_dtype=dy_NH.dtype,
                        num_programs=num_programs, gluon=gluon.rows, block_m=gluon.block_m, tma_store=gluon.tma_store)
     del q_dh, s_dh
@@ -750,6 +749,18 @@ def fp8_ffn_backward(
     dw13 = _weight_grad_into_main((qt_x, st_x), (qt_dh, st_dh), padded_E, wgrad, main_grads[0], grad_dtypes[0])
     del qt_x, st_x, qt_dh, st_dh
     return dx_NH, None if main_grads[0] is not None else dw13, None if main_grads[1] is not None else dw2
+
+
+def _quantize_both_ways(x_NK: torch.Tensor, offsets_E: torch.Tensor, stats: torch.Tensor | None,
+                        served: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor],
+                                                       tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """((q_NK, s_NG), (q_KP, s_KC, padded_E)) of x: its 1 x 128 rows below `served` (a data gradient's A
+    operand) and its 128 x 1 token groups (a weight gradient's), by the two quantisers one after the other.
+    `fp8.quantize_rows_and_token_groups` makes both from one read of x, the same bytes and counts
+    (tests/kernels/test_fp8_stats.py), but on an H100 it ran slower than the two together (`bench quantise`,
+    one call, session 37: Mixtral's dy 0.290 ms against 0.073 + 0.150, Qwen3's 0.407 against 0.073 + 0.254;
+    Mixtral's d h13 1.931 against 0.512 and a token-group pass about twice act's 0.482)."""
+    return fp8.quantize_rows(x_NK, stats, served), fp8.quantize_token_groups(x_NK, offsets_E, stats)
 
 
 def _backward_bf16_weight_grads(dy_NH, x_NH, offsets_E, weights: Fp8ExpertWeights, h13_N2F, tiles: Fp8Tiles, *,

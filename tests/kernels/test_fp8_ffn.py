@@ -129,8 +129,9 @@ def test_a_worst_case_buffers_padding_rows_reach_neither_the_results_nor_the_cou
 
 @pytest.mark.slow  # two FP8 backwards in the interpreter: ~4 s alone, more on 2 busy cores
 def test_the_one_pass_backward_is_the_two_pass_backwards_bits_and_counters(ffn8, monkeypatch):
-    """dy and d h13 quantised both ways by one pass each (`fp8.quantize_rows_and_token_groups`),
-    against the same backward with each quantised by `quantize_rows` and `quantize_token_groups`:
+    """dy and d h13 quantised both ways by one pass each (`fp8.quantize_rows_and_token_groups`, which the
+    backward would take if it measured faster), against the backward as it runs, each quantised by
+    `quantize_rows` and `quantize_token_groups` (`_quantize_both_ways`):
     dx, both weight gradients (one into a main gradient) and every counter bit for bit, on a
     worst-case buffer (padding rows of x and dy NaN and inf, h13's NaN) with an expert over 128
     rows and an empty one."""
@@ -145,14 +146,10 @@ def test_the_one_pass_backward_is_the_two_pass_backwards_bits_and_counters(ffn8,
     tiles, weights = ffn8.Fp8Tiles(**SMALL), ffn8.Fp8ExpertWeights.quantize(w13, w2)
     _, h13 = ffn8.fp8_ffn_forward(x, offsets, weights, tiles, save_for_backward=True, num_programs=3)
     h13[sum(counts):] = float("nan")
-    one_pass = fp8.quantize_rows_and_token_groups
-
-    def two_passes(x_MK, offsets_E, stats=None, valid_rows=None):
-        return fp8.quantize_rows(x_MK, stats, valid_rows), fp8.quantize_token_groups(x_MK, offsets_E, stats)
-
+    two_passes = ffn8._quantize_both_ways
     results = []
-    for quantise in (one_pass, two_passes):
-        monkeypatch.setattr(fp8, "quantize_rows_and_token_groups", quantise)
+    for quantise in (fp8.quantize_rows_and_token_groups, two_passes):
+        monkeypatch.setattr(ffn8, "_quantize_both_ways", quantise)
         stats, main = Fp8Stats("cpu"), torch.ones(w2.shape)
         dx, dw13, none = ffn8.fp8_ffn_backward(dy, x, offsets, weights, h13, tiles, main_grads=(None, main),
                                                num_programs=3, stats=stats)
@@ -769,10 +766,10 @@ def test_gpu_the_gluon_kernels_give_the_triton_kernels_results(monkeypatch):
 def test_the_backward_drops_each_e4m3_copy_after_its_last_reader(ffn8, monkeypatch):
     """The backward's quantised copies die as soon as their last GEMM has read them (what
     `roofline.memory.expert_row_grad_bytes` counts under fp8): d y and d h13 are each quantised
-    both ways by one pass (`fp8.quantize_rows_and_token_groups`), so their two copies are born
-    together; d y's rows die after the d h13 GEMM, d y's token groups with act's after the w2
-    gradient, before d h13 is quantised; d h13's rows after dx, its token groups with x's after
-    the w13 gradient. No other row quantiser runs. At most 2 max(H, 2F) e4m3 values per row are
+    both ways (`_quantize_both_ways`: rows, then token groups), so their two copies are alive together
+    before their first GEMM; d y's rows die after the d h13 GEMM, d y's token groups with act's after the
+    w2 gradient, before d h13 is quantised; d h13's rows after dx, its token groups with x's after
+    the w13 gradient. No other quantiser runs. At most 2 max(H, 2F) e4m3 values per row are
     alive at a launch. Observed by weak references taken as each copy is made."""
     import weakref
 
@@ -801,20 +798,20 @@ def test_the_backward_drops_each_e4m3_copy_after_its_last_reader(ffn8, monkeypat
             return function(*args, **kwargs)
         return wrapper
 
-    monkeypatch.setattr(fp8, "quantize_rows_and_token_groups", recording(
-        fp8.quantize_rows_and_token_groups, ["dy rows", "dy tokens", "dh13 rows", "dh13 tokens"],
-        lambda out: (out[0], out[1][:2])))
+    monkeypatch.setattr(fp8, "quantize_rows", recording(fp8.quantize_rows, ["dy rows", "dh13 rows"], lambda out: (out,)))
     monkeypatch.setattr(fp8, "quantize_token_groups", recording(
-        fp8.quantize_token_groups, ["act tokens", "x tokens"], lambda out: (out[:2],)))
-    for name in ("quantize_rows", "fp8_swiglu_grad_gemm", "fp8_rows_gemm", "fp8_weight_grad"):
+        fp8.quantize_token_groups, ["dy tokens", "act tokens", "dh13 tokens", "x tokens"], lambda out: (out[:2],)))
+    for name in ("quantize_rows_and_token_groups", "fp8_swiglu_grad_gemm", "fp8_rows_gemm", "fp8_weight_grad"):
         monkeypatch.setattr(fp8, name, launching(getattr(fp8, name)))
     dx, dw13, dw2 = ffn8.fp8_ffn_backward(dy, x, offsets, weights, h13, tiles, num_programs=3)
     assert seen == [
-        ("quantize_rows_and_token_groups", []),
+        ("quantize_rows", []),
+        ("quantize_token_groups", ["dy rows"]),
         ("fp8_swiglu_grad_gemm", ["dy rows", "dy tokens"]),
         ("quantize_token_groups", ["dy tokens"]),
         ("fp8_weight_grad", ["dy tokens", "act tokens"]),
-        ("quantize_rows_and_token_groups", []),
+        ("quantize_rows", []),
+        ("quantize_token_groups", ["dh13 rows"]),
         ("fp8_rows_gemm", ["dh13 rows", "dh13 tokens"]),
         ("quantize_token_groups", ["dh13 tokens"]),
         ("fp8_weight_grad", ["dh13 tokens", "x tokens"]),
