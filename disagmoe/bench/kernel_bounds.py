@@ -30,10 +30,6 @@ class KernelFamily:
     fp8: bool = False  # its GEMMs run in e4m3: the compute ceiling is the bf16 one times fp8_tflops / bf16_tflops
 
 
-def _all_fp8_backward(cfg: TrainConfig) -> bool:
-    return cfg.expert_precision == "fp8" and cfg.expert_backward_precision == "fp8"
-
-
 def _weight_grads_of_step(cfg: TrainConfig, m: ModelConfig, operand_bytes: float) -> Work:
     """The step's expert weight gradients, each launch adding into the fp32 main gradient (the first of a
     step storing it: first touch), one launch per micro-batch or, paired (`TrainConfig.pairs_expert_wgrads`,
@@ -50,7 +46,7 @@ def _expert_weight_grads(cfg: TrainConfig, m: ModelConfig) -> Work | str:
     """The bf16 Triton experts' weight gradients (`_weight_grads_of_step` over the bf16 rows)."""
     if cfg.experts_backend != "triton":
         return f"experts_backend: {cfg.experts_backend} runs no Triton weight-gradient kernel"
-    if _all_fp8_backward(cfg):
+    if cfg.expert_backward_precision == "fp8":
         return "fp8_expert_backward: fp8 runs the FP8 weight-gradient kernels (the FP8 family)"
     return _weight_grads_of_step(cfg, m, BF16)
 
@@ -61,7 +57,7 @@ def _fp8_expert_weight_grads(cfg: TrainConfig, m: ModelConfig) -> Work | str:
     each group's padding to 128 rows not counted), at the FP8 compute ceiling."""
     if cfg.experts_backend != "triton":
         return f"experts_backend: {cfg.experts_backend} runs no Triton weight-gradient kernel"
-    if not _all_fp8_backward(cfg):
+    if cfg.expert_backward_precision != "fp8":
         return "no all-FP8 backward here (fp8_expert_backward: fp8 under precision fp8): the bf16 family's kernels run"
     return _weight_grads_of_step(cfg, m, FP8_TOKEN_GROUP_BYTES)
 

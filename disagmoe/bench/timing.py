@@ -82,7 +82,7 @@ def capture_steps(cfg: TrainConfig, steps: int | None = None, last: int | None =
     if cfg.mode != "single":
         return first_captures((step % 2 for step in numbers), MAX_PHASE_GRAPHS)
     every = cfg.counters_every
-    last = steps or 0 if last is None else last
+    last = (steps or 0) if last is None else last
     return first_captures((counts_fp8(step, every, 1, last) for step in numbers), 1 if every == 1 else 2)
 
 

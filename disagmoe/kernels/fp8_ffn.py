@@ -342,9 +342,9 @@ class _WeightGradKernel:
     num_programs: int | None
     gluon: bool
 
-    def __call__(self, a, b, padded_E, *, out: torch.Tensor, accumulate: bool, second=None) -> None:
-        _weight_grad(a, b, padded_E, self.tile, weights=self.weights, out=out, accumulate=accumulate,
-                     num_programs=self.num_programs, gluon=self.gluon, second=second)
+    def __call__(self, a, b, padded_E, *, out: torch.Tensor, accumulate: bool, second=None) -> torch.Tensor:
+        return _weight_grad(a, b, padded_E, self.tile, weights=self.weights, out=out, accumulate=accumulate,
+                            num_programs=self.num_programs, gluon=self.gluon, second=second)
 
 
 def _weight_grad_into_main(a, b, padded_E, kernel: _WeightGradKernel, main: torch.Tensor | None,
@@ -355,8 +355,7 @@ def _weight_grad_into_main(a, b, padded_E, kernel: _WeightGradKernel, main: torc
     returned."""
     if main is None:
         out = torch.empty((kernel.weights, a[0].shape[0], b[0].shape[0]), dtype=dtype, device=a[0].device)
-        return _weight_grad(a, b, padded_E, kernel.tile, weights=kernel.weights, out=out, accumulate=False,
-                            num_programs=kernel.num_programs, gluon=kernel.gluon)
+        return kernel(a, b, padded_E, out=out, accumulate=False)
     fp8_weight_grad_into(a, b, padded_E, kernel, main=main, weights=kernel.weights)
     return None
 
@@ -748,7 +747,7 @@ def fp8_ffn_backward(
         qt_x, st_x, _ = fp8.quantize_token_groups(x_NH, offsets_E, acts)
     dw13 = _weight_grad_into_main((qt_x, st_x), (qt_dh, st_dh), padded_E, wgrad, main_grads[0], grad_dtypes[0])
     del qt_x, st_x, qt_dh, st_dh
-    return dx_NH, None if main_grads[0] is not None else dw13, None if main_grads[1] is not None else dw2
+    return dx_NH, dw13, dw2  # None for each added into its main gradient (`_weight_grad_into_main`)
 
 
 def _quantize_both_ways(x_NK: torch.Tensor, offsets_E: torch.Tensor, stats: torch.Tensor | None,

@@ -670,6 +670,12 @@ def _gluon_fp8_weight_grad_kernel(a_desc, b_desc, sa_desc, sb_desc, a2_desc, b2_
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
+def _tma_rows(t: torch.Tensor) -> bool:
+    """Whether a 2-D operand has unit column stride and 16-byte-aligned rows (a TMA view's rules): a row
+    GEMM's A, a token-group copy as `fp8.quantize_token_groups` writes it."""
+    return t.stride(1) == 1 and t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0
+
+
 def _check(a_MK, sa_MG, offsets_E, b_EKN, sb_EGB, out, block_m, block_n) -> None:
     """ValueError naming the fix for arguments the kernel cannot take."""
     wrong = {name: t.dtype for name, t in (("a", a_MK), ("b", b_EKN)) if t.dtype != FP8}
@@ -696,7 +702,7 @@ def _check(a_MK, sa_MG, offsets_E, b_EKN, sb_EGB, out, block_m, block_n) -> None
         raise ValueError(f"b must be K-major with contiguous [E, N, K] storage (the TMA view [E*N, K]): pass "
                          f"q_ENK.transpose(1, 2) as fp8_ffn.Fp8ExpertWeights holds it (quantize_blocks(..., "
                          f"transposed_out=q_ENK)); got strides {b_EKN.stride()}")
-    if a_MK.stride(1) != 1 or a_MK.stride(0) % 16 or a_MK.data_ptr() % 16:
+    if not _tma_rows(a_MK):
         raise ValueError(f"a must have unit column stride and 16-byte-aligned rows (TMA): pass a.contiguous(); got "
                          f"strides {a_MK.stride()}")
     if offsets_E.dim() != 1 or offsets_E.dtype != torch.int32 or offsets_E.shape[0] % experts:
@@ -744,7 +750,7 @@ def takes(a_MK: torch.Tensor, b_EKN: torch.Tensor, block_n: int = 128) -> bool:
     rows, k = a_MK.shape
     experts, _, cols = b_EKN.shape
     return (k > 0 and k % SCALE_BLOCK == 0 and cols % block_n == 0 and b_EKN.stride() == (cols * k, 1, k)
-            and a_MK.stride(1) == 1 and a_MK.stride(0) % 16 == 0 and a_MK.data_ptr() % 16 == 0)
+            and _tma_rows(a_MK))
 
 
 def gluon_fp8_rows_gemm(
@@ -823,8 +829,7 @@ def wgrad_takes(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, tor
         return False
     if torch.cuda.get_device_capability(qa_KP.device) != (9, 0):
         return False
-    return (all(t.stride(1) == 1 and t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0
-                and t.shape[1] % SCALE_BLOCK == 0 for t in (qa_KP, qb_CP))
+    return (all(_tma_rows(t) and t.shape[1] % SCALE_BLOCK == 0 for t in (qa_KP, qb_CP))
             and _chunk_major(sa_KC) and _chunk_major(sb_CC))
 
 
@@ -859,7 +864,7 @@ def _token_group_descriptors(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torc
     in [block_n, 128] boxes, and their chunk-major scales in runs of 128 and block_n (`_scale_boxes`)."""
     (qa_KP, sa_KC), (qb_CP, sb_CC) = a, b
     for name, t in (("a", qa_KP), ("b", qb_CP)):
-        if t.stride(1) != 1 or t.stride(0) % 16 or t.data_ptr() % 16:
+        if not _tma_rows(t):
             raise ValueError(f"{name} must be token-contiguous with 16-byte-aligned rows (TMA), as "
                              f"quantize_token_groups writes it; got strides {t.stride()}")
     for name, t in (("a", sa_KC), ("b", sb_CC)):

@@ -53,9 +53,14 @@ class _RowsLaunch:
     weights: int
     num_programs: int | None
 
+    @property
+    def banded(self) -> bool:
+        """Whether its rows hold several groups a weight (pair rows in bands): such a launch runs alone."""
+        return self.offsets_E.shape != (self.weights,)
+
     def pairs_with(self, other: _Launch) -> bool:
         """Whether one launch can take both row sets (`ragged_weight_grad`'s `second`)."""
-        return (isinstance(other, _RowsLaunch) and other.offsets_E.shape == self.offsets_E.shape == (self.weights,)
+        return (isinstance(other, _RowsLaunch) and not self.banded and not other.banded
                 and other.a_NK.shape[1:] == self.a_NK.shape[1:] and other.b_NC.shape[1:] == self.b_NC.shape[1:]
                 and other.a_NK.dtype == self.a_NK.dtype and other.b_NC.dtype == self.b_NC.dtype
                 and other.a_NK.stride() == self.a_NK.stride() and other.b_NC.stride() == self.b_NC.stride())
@@ -83,11 +88,16 @@ class _TokenGroupLaunch:
     main: torch.Tensor
     weights: int
 
+    @property
+    def banded(self) -> bool:
+        """Whether its token groups hold several groups a weight: such a launch runs alone."""
+        return self.padded_E.shape != (self.weights,)
+
     def pairs_with(self, other: _Launch) -> bool:
         """Whether one launch can take both row sets: the same kernel, one group an expert, the same
         KA and C (the token counts may differ)."""
         return (isinstance(other, _TokenGroupLaunch) and other.kernel == self.kernel
-                and other.padded_E.shape == self.padded_E.shape == (self.weights,)
+                and not self.banded and not other.banded
                 and other.a[0].shape[0] == self.a[0].shape[0] and other.b[0].shape[0] == self.b[0].shape[0])
 
     def run(self, second: _TokenGroupLaunch | None = None) -> None:
@@ -172,8 +182,7 @@ def _submit(launch: _Launch) -> None:
     """Run `launch` now (outside `paired_weight_grads`, or banded groups), or keep it waiting for the
     next launch into its main gradient, or run the one waiting there with it as its second row set."""
     waiting = _Pairing.waiting
-    groups = launch.offsets_E.shape if isinstance(launch, _RowsLaunch) else launch.padded_E.shape
-    if waiting is None or groups != (launch.weights,):  # outside the block, or banded groups: now
+    if waiting is None or launch.banded:  # outside the block, or banded groups: now
         launch.run()
         return
     first = waiting.pop(id(launch.main), None)
