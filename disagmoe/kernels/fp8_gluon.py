@@ -97,8 +97,8 @@ partitions over items (expert, 128 KA rows, block_n C columns), its K loop the e
 each chunk's product times sa[row, chunk] x sb[column, chunk] (a column vector, not the rows
 kernel's one weight-block scalar). Until session 37 the consumers loaded those scales from global
 memory after each chunk's wgmma (64 row scales and block_n column scales, K-strided words): an L2
-round trip on every chunk's critical path, and the kernel ran at 290-410 TFLOP/s on an H100, below the
-bf16 one. Since then (session 37):
+round trip on every chunk's critical path, and the all-FP8 block with it ran below the one with the Triton
+kernel (0.91-0.98x, session 19). Since then (session 37):
 - the scales are stored chunk-major (`fp8.token_group_scales`), and the producer copies a chunk's
   runs of sa and sb by TMA into the ring beside its A and B tiles (1-D boxes, `_scale_boxes`, on the
   stage's `ready` barrier); a consumer reads them from shared memory under its wgmma;
