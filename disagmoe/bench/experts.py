@@ -15,6 +15,10 @@ groups aligned to 16 rows; no backward, so it has no fwd+bwd row): our permute a
 rows laid into 16-aligned groups on the device, quantised row-wise (`kernels.fp8_rowwise`), the
 gate/up GEMM, SwiGLU, the output quantised row-wise, the down GEMM; its weight copies made once
 per weight tensor outside the timed calls, as ours.
+The weight gradients are fresh tensors in the weights' dtype unless `--main-grads` asks for training's
+accumulation: each fwd+bwd then adds them into fp32 main gradients, as a step's micro-batches after its
+first do (our kernels in their epilogues, the torch backends by an add after autograd), so the fp32
+read-modify-write that bounds the weight gradients in training (`bench profile`'s bounds) is timed too.
 Legend: T tokens, K experts per token, N = T*K pairs, E local experts, H hidden, F expert FFN size.
 """
 
@@ -333,16 +337,38 @@ def make_inputs(shape: ExpertShape, device: torch.device, seed: int = 0):
     return x, shape.routing(seed).to(device), weights, w13, w2
 
 
-def _grad_inputs(inputs):
-    """The differentiable inputs (x, routing weights, w13, w2) as fresh leaves."""
+def _grad_inputs(inputs, main_grads: bool = False):
+    """The differentiable inputs (x, routing weights, w13, w2) as fresh leaves; with `main_grads` the two
+    weights as parameters, each with a zeroed fp32 `main_grad` as FlatAdamW attaches it
+    (`with_main_grad`)."""
     x, idx, weights, w13, w2 = inputs
-    return [x.detach().requires_grad_(), idx, weights.detach().requires_grad_(),
-            w13.detach().requires_grad_(), w2.detach().requires_grad_()]
+    w13, w2 = (with_main_grad(w) if main_grads else w.detach().requires_grad_() for w in (w13, w2))
+    return [x.detach().requires_grad_(), idx, weights.detach().requires_grad_(), w13, w2]
+
+
+def with_main_grad(weight: torch.Tensor) -> torch.nn.Parameter:
+    """`weight` as a parameter (sharing its storage) with a zeroed fp32 `main_grad`, as a mixed-precision
+    optimizer attaches one: our experts' kernels add their weight gradients into it (`moe_ffn.main_grad_of`)
+    and return none; not marked untouched (`kernels.first_touch`), so every write adds, as in a training
+    step's micro-batches after its first."""
+    param = torch.nn.Parameter(weight.detach())
+    param.main_grad = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+    return param
 
 
 def _forward_backward(block, leaves, dy):
+    """(y, grads of x, routing weights, w13, w2). A weight with a `main_grad` (`_grad_inputs(main_grads=True)`)
+    ends with its gradient added into it, as a training step's: by our kernels (its grad then None), or,
+    for a block whose autograd returns the gradient (the torch backends), by an add into it here, as
+    FlatAdamW's post-accumulate hook adds (its grad still returned)."""
     y = block(*leaves)
-    return y, torch.autograd.grad(y, [leaves[0], leaves[2], leaves[3], leaves[4]], dy)
+    weights = leaves[3:5]
+    mains = [getattr(w, "main_grad", None) for w in weights]
+    grads = torch.autograd.grad(y, [leaves[0], leaves[2], *weights], dy, allow_unused=any(m is not None for m in mains))
+    for main, grad in zip(mains, grads[2:]):
+        if main is not None and grad is not None:
+            main.add_(grad)
+    return y, grads
 
 
 def reference_outputs(inputs, dy):
@@ -369,8 +395,9 @@ def forward_error(block, inputs, dy, reference=None) -> dict[str, float]:
     return {"y": ((y.double() - y_ref.double()).norm() / y_ref.double().norm()).item()}
 
 
-def time_block(block, inputs, dy, pass_name: str, warmup: int, iters: int) -> float:
-    """Median milliseconds of one pass over the block, rotating input copies if they fit in L2."""
+def time_block(block, inputs, dy, pass_name: str, warmup: int, iters: int, main_grads: bool = False) -> float:
+    """Median milliseconds of one pass over the block, rotating input copies if they fit in L2;
+    `main_grads`: fwd+bwd adds the weight gradients into fp32 main gradients (`_forward_backward`)."""
     device = inputs[0].device
     set_bytes = sum(t.numel() * t.element_size() for t in inputs)
     copies = [inputs] + [[t.clone() for t in inputs]
@@ -378,14 +405,16 @@ def time_block(block, inputs, dy, pass_name: str, warmup: int, iters: int) -> fl
     if pass_name == "fwd":
         with torch.no_grad():
             return median_ms(lambda i: block(*copies[i % len(copies)]), warmup, iters)
-    leaves = [_grad_inputs(c) for c in copies]
+    leaves = [_grad_inputs(c, main_grads) for c in copies]
     return median_ms(lambda i: _forward_backward(block, leaves[i % len(leaves)], dy), warmup,
                      iters)
 
 
 def run(shape_names: list[str], backends: list[str], warmup: int, iters: int,
-        loop_iters: int, check: bool = True, log: Callable[[str], None] = print) -> dict:
-    """Time every backend on every shape (and the matmul ceiling) in one run; return the record."""
+        loop_iters: int, check: bool = True, log: Callable[[str], None] = print, main_grads: bool = False) -> dict:
+    """Time every backend on every shape (and the matmul ceiling) in one run; return the record.
+    `main_grads`: every fwd+bwd adds its weight gradients into fp32 main gradients, as a training
+    step's micro-batches after its first (`_forward_backward`); the errors are checked without."""
     unknown = [n for n in shape_names if n not in SHAPES]
     if unknown:
         raise ValueError(f"unknown shape(s) {unknown}; choose from {', '.join(SHAPES)}")
@@ -405,7 +434,7 @@ def run(shape_names: list[str], backends: list[str], warmup: int, iters: int,
                          f"sm_{''.join(map(str, capability))}: leave it out of --backend")
     device = torch.device("cuda")
     record = {"environment": environment(device), "zipf_exponent": ZIPF_EXPONENT,
-              "warmup": warmup, "iters": iters, "loop_iters": loop_iters}
+              "warmup": warmup, "iters": iters, "loop_iters": loop_iters, "main_grads": main_grads}
     record["ceiling_tflops"] = matmul_ceiling_tflops(device)
     log(f"bf16 matmul 8192^3: {record['ceiling_tflops']:.0f} TFLOP/s")
     record["tile_source"] = tile_source(torch.cuda.get_device_name(device), device_architecture(device))
@@ -439,7 +468,7 @@ def run(shape_names: list[str], backends: list[str], warmup: int, iters: int,
             block = make_block(backend, tiles, fp8_tiles.get(backend))
             n_iters = loop_iters if backend == "loop" else iters
             for pass_name in passes_of(backend):
-                ms = time_block(block, inputs, dy, pass_name, min(warmup, n_iters), n_iters)
+                ms = time_block(block, inputs, dy, pass_name, min(warmup, n_iters), n_iters, main_grads)
                 entry["ms"].setdefault(backend, {})[pass_name] = ms
                 rate = shape.flops(pass_name) / ms / 1e9
                 entry["tflops"].setdefault(backend, {})[pass_name] = rate

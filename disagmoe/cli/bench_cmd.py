@@ -69,6 +69,11 @@ def experts(
     iters: Annotated[int, typer.Option(help="timed calls (median reported)")] = 20,
     loop_iters: Annotated[int, typer.Option(help="timed calls of the slow per-expert loop")] = 5,
     check: Annotated[bool, typer.Option(help="relative error vs an fp32 torch reference")] = True,
+    main_grads: Annotated[bool, typer.Option(
+        help="fwd+bwd adds each weight gradient into an fp32 main gradient, as a training step's micro-batches "
+             "after its first do (our kernels in their epilogues; the torch backends by an add after autograd's "
+             "gradient, as the optimizer's hook adds it): the main gradients' read and write timed as training "
+             "pays them (default: fresh gradients in the weights' dtype, which no training step writes)")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
     markdown: Annotated[bool, typer.Option(help="also print the table as Markdown")] = False,
     out: Annotated[Path | None, typer.Option(help="also write the JSON record here")] = None,
@@ -81,7 +86,7 @@ def experts(
 
     log = (lambda m: err_console.print(m, highlight=False)) if as_json else console.print
     record = bench.run(_shape_names(shape), bench.backends_for(backend, precision, fp8_promote), warmup, iters,
-                       loop_iters, check=check, log=log)
+                       loop_iters, check=check, log=log, main_grads=main_grads)
     if out is not None:
         out.write_text(json.dumps(record, indent=1) + "\n")
     if as_json:
@@ -97,7 +102,8 @@ def experts(
     if markdown:
         env = record["environment"]
         ceiling = f"bf16 matmul 8192^3 {record['ceiling_tflops']:.0f} TFLOP/s"
-        console.print(", ".join(f"{k} {v}" for k, v in env.items()) + f"; {ceiling}",
+        accumulation = "; weight gradients added into fp32 main gradients" if record.get("main_grads") else ""
+        console.print(", ".join(f"{k} {v}" for k, v in env.items()) + f"; {ceiling}{accumulation}",
                       soft_wrap=True)
         console.print(bench.markdown_table(record), soft_wrap=True, highlight=False)
 
@@ -110,6 +116,8 @@ def _experts_table(record: dict) -> Table:
     precision = "bf16" + (f" ({FP8_BACKEND}: e4m3 GEMMs, bf16 in and out)" if any(map(is_fp8, backends)) else "") + (
         f"; {LIBRARY_FP8_BACKEND}: torch._scaled_grouped_mm, row-wise FP8, forward only"
         if LIBRARY_FP8_BACKEND in backends else "")
+    if record.get("main_grads"):
+        precision += "; weight gradients added into fp32 main gradients"
     table = Table(title=f"routed expert block, {precision}, {env['gpu']} (driver {env['driver']}, torch "
                         f"{env['torch']}, triton {env['triton']}); bf16 matmul ceiling "
                         f"{ceiling:.0f} TFLOP/s")

@@ -322,3 +322,56 @@ def test_the_help_names_every_backend_the_command_accepts():
     help_text = "".join(result.output.replace("│", "").split())  # a name may wrap at its hyphen
     for name in (*bench.BACKENDS, bench.FP8_BACKEND, *bench.VARIANT_BACKENDS, bench.LIBRARY_FP8_BACKEND):
         assert name in help_text, name
+
+
+@pytest.mark.slow
+def test_main_grads_add_the_weight_gradients_into_fp32_main_gradients(interpreted):
+    """`--main-grads`: our FP8 block's kernels (bf16 or FP8 weight gradients) add the weight gradients into the parameters' fp32
+    main gradients and return none (as in a training step after its first micro-batch); the torch
+    loop's autograd gradients are added by the benchmark, so both end with main = what was there +
+    the block's weight gradient (the fresh-gradient run's, within the FP8 block's own rounding)."""
+    *_, fp8_ffn, experts = interpreted("disagmoe.kernels.grouped_gemm", "disagmoe.kernels.fp8",
+                                       "disagmoe.kernels.permute", "disagmoe.kernels.fp8_ffn",
+                                       "disagmoe.bench.experts")
+    from disagmoe.kernels.tile_configs import TileConfig
+
+    small = TileConfig(block_m=16, block_n=32, block_k=128, group_m=2, num_warps=4, num_stages=1)
+    tiles = fp8_ffn.Fp8Tiles(rows=small, swiglu=TileConfig(block_m=16, block_n=128, block_k=128),
+                             wgrad=TileConfig(block_m=128, block_n=32, block_k=32))
+    gen = torch.Generator().manual_seed(3)
+    inputs = (torch.randn(9, 32, generator=gen), torch.randint(0, 3, (9, 2), generator=gen),
+              torch.rand(9, 2, generator=gen), torch.randn(3, 32, 48, generator=gen) / 32**0.5,
+              torch.randn(3, 24, 32, generator=gen) / 24**0.5)
+    dy = torch.randn(9, 32, generator=gen)
+    all_fp8 = f"{experts.FP8_BACKEND}:fp8-wgrad"  # the weight gradients by the FP8 kernel, accumulating
+    for backend, block in (("loop", experts.make_block("loop")),
+                           (experts.FP8_BACKEND, experts.make_block(experts.FP8_BACKEND, fp8_tiles=tiles)),
+                           (all_fp8, experts.make_block(all_fp8, fp8_tiles=tiles))):
+        _, fresh = experts._forward_backward(block, experts._grad_inputs(inputs), dy)
+        leaves = experts._grad_inputs(inputs, main_grads=True)
+        w13, w2 = leaves[3], leaves[4]
+        assert isinstance(w13, torch.nn.Parameter) and w13.data_ptr() == inputs[3].data_ptr()
+        assert w13.main_grad.dtype == torch.float32 and not w13.main_grad.any()
+        w2.main_grad.fill_(0.5)  # what earlier micro-batches left: added to, not overwritten
+        _, grads = experts._forward_backward(block, leaves, dy)
+        if backend == "loop":
+            assert torch.equal(grads[2], fresh[2]) and torch.equal(grads[3], fresh[3])
+        else:
+            assert grads[2] is None and grads[3] is None
+        assert torch.allclose(grads[0], fresh[0], rtol=0, atol=1e-6)
+        assert torch.allclose(w13.main_grad, fresh[2].float(), rtol=1e-5, atol=1e-6)
+        assert torch.allclose(w2.main_grad, fresh[3].float() + 0.5, rtol=1e-5, atol=1e-6)
+
+
+def test_the_experts_command_says_when_it_times_main_gradients():
+    from typer.testing import CliRunner
+
+    from disagmoe.cli.app import app
+    from disagmoe.cli.bench_cmd import _experts_table
+
+    help_text = CliRunner().invoke(app, ["bench", "experts", "--help"], env={"COLUMNS": "200"}).output
+    assert "--main-grads" in help_text
+    record = {"environment": {"gpu": "g", "driver": "d", "torch": "t", "triton": "tr"}, "ceiling_tflops": 1.0,
+              "shapes": [], "main_grads": True}
+    assert "added into fp32 main gradients" in _experts_table(record).title
+    assert "main gradients" not in _experts_table({**record, "main_grads": False}).title
