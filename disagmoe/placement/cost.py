@@ -444,11 +444,12 @@ def expert_activations(m: ModelConfig, pairs: Num, in_flight: Num, p: np.ndarray
             + expert_rank_rise(kept, waits, moe_l, in_flight))
 
 
-def paired_waits(m: ModelConfig, pairs: Num, paired: np.ndarray) -> np.ndarray:
+def paired_waits(m: ModelConfig, pairs: Num, paired: np.ndarray, groups: Num, fp8_token_groups: bool) -> np.ndarray:
     """What one expert backward of a distributed rank leaves waiting for its layer's next under paired weight
-    gradients (`paired`, per candidate): its `pairs` rows' operands (`memory.paired_wgrad_row_bytes`, as
-    `runtime.activation_memory.rank_activations` counts them); 0 where unpaired."""
-    return np.where(paired, pairs * mem.paired_wgrad_row_bytes(m, BF16), 0.0)
+    gradients (`paired`, per candidate): its `pairs` rows' operands in its `groups` local experts
+    (`memory.paired_wgrad_waiting_bytes`: their e4m3 token-group copies under the all-FP8 backward,
+    `fp8_token_groups`), as `runtime.activation_memory.rank_activations` counts them; 0 where unpaired."""
+    return np.where(paired, mem.paired_wgrad_waiting_bytes(m, pairs, groups, BF16, fp8_token_groups), 0.0)
 
 
 def attention_activations(m: ModelConfig, tokens: Num, in_flight: Num, p: np.ndarray,
@@ -671,8 +672,9 @@ def evaluate(prob: Problem, c: Candidates, misfits_exact: bool = True) -> Cost:
     may_pair = np.broadcast_to((pair_span >= 2) & prob.wgrad_pairs, (len(c),))
     # one GPU (mode single) with paired expert weight gradients: one micro-batch's expert rows wait beside the next
     single_pairs = may_pair & single
+    all_fp8 = fp8 and prob.fp8_backward == "fp8"  # what waits is the backward's e4m3 token-group copies
     if c.colocated:
-        held = tokens * mem.paired_wgrad_held_bytes(m, BF16)
+        held = m.num_moe_layers * mem.paired_wgrad_waiting_bytes(m, tokens * k, m.num_experts, BF16, all_fp8)
         single_pairs = _pairs_fit(prob, c, single_pairs, tokens, in_flight, pairs, rows, attn_state + held)
         attn_state = attn_state + np.where(single_pairs, held, 0.0)
     # a distributed rank's: what its replay says its expert backwards leave waiting (`activations`), settled
@@ -684,7 +686,7 @@ def evaluate(prob: Problem, c: Candidates, misfits_exact: bool = True) -> Cost:
         transport_attn, transport_exp = transport_buffers(prob, c, dp, ranks, steps.captured)
     else:
         # the leanest: unpaired where auto may settle the pairs off (`_settled_recomputation`)
-        lean_waits = paired_waits(m, pairs, rank_pairs & np.isinf(prob.wgrad_pairs_budget))
+        lean_waits = paired_waits(m, pairs, rank_pairs & np.isinf(prob.wgrad_pairs_budget), local, all_fp8)
         *_, lean_exp_mem, lean_fits = _recomputation(prob, c, tokens, in_flight, pairs, rows, attn_state, exp_state,
                                                      lean_waits)
         idx = np.flatnonzero(lean_fits if c.colocated else lean_exp_mem <= prob.capacity_bytes)
@@ -696,7 +698,7 @@ def evaluate(prob: Problem, c: Candidates, misfits_exact: bool = True) -> Cost:
     attn_state = attn_state + transport_attn
     exp_state = exp_state + (0.0 if c.colocated else transport_exp)
     rank_pairs, (selective, attention, act_attn, act_exp, fits, lean_exp_mem, lean_fits) = _settled_recomputation(
-        prob, c, rank_pairs, tokens, in_flight, pairs, rows, attn_state, exp_state)
+        prob, c, rank_pairs, tokens, in_flight, pairs, rows, attn_state, exp_state, local, all_fp8)
     paired_wgrads = single_pairs | rank_pairs
     attn_mem = attn_state + act_attn
     exp_mem = attn_mem if c.colocated else exp_state + act_exp
@@ -940,16 +942,18 @@ def paired_micro_batches(single: np.ndarray, micro_batches: Num, step_micro_batc
 
 
 def _settled_recomputation(prob: Problem, c: Candidates, paired: np.ndarray, tokens: Num, in_flight: Num,
-                           pairs: Num, rows: Num, attn_state: Num, exp_state: Num) -> tuple[np.ndarray, tuple]:
+                           pairs: Num, rows: Num, attn_state: Num, exp_state: Num, groups: Num,
+                           fp8_token_groups: bool) -> tuple[np.ndarray, tuple]:
     """(`paired`, per candidate: distributed ranks whose expert weight gradients may pair, as `expert_wgrad_pairs`
     settles it; `_recomputation`'s answer with them). On or off as asked; auto (`Problem.wgrad_pairs_budget`
     finite) the driver's rule (`runtime.cluster.driver.resolve_distributed_wgrad_pairs`): off only where the
     waiting rows raise the fullest GPU's peak (state and transport buffers in `attn_state`, `exp_state`; the
     activations of the recomputation priced with or without them) and take it past the budget; there the
     lean figures are the unpaired ones, the leanest the problem allows. (The planner prices partial sums, never
-    pair rows, so the driver's other off, pair rows in bands, never arises in a priced layout.)"""
+    pair rows, so the driver's other off, pair rows in bands, never arises in a priced layout.) `groups`: the
+    ranks' local experts; `fp8_token_groups`: the all-FP8 backward's e4m3 copies wait (`paired_waits`)."""
     result = _recomputation(prob, c, tokens, in_flight, pairs, rows, attn_state, exp_state,
-                            paired_waits(prob.model, pairs, paired))
+                            paired_waits(prob.model, pairs, paired, groups, fp8_token_groups))
     idx = np.flatnonzero(paired & np.isfinite(prob.wgrad_pairs_budget))
     if not len(idx):
         return paired, result

@@ -329,19 +329,31 @@ def head_bytes(m: ModelConfig, tokens: Num, value_bytes: int, chunked: bool = Tr
 MEMORY_HEADROOM = 0.85
 
 
-def paired_wgrad_held_bytes(m: ModelConfig, value_bytes: int) -> int:
-    """One token's expert rows that wait for the next micro-batch under paired expert weight gradients
-    (`kernels.wgrad_pairs`): in every MoE layer, its K rows' x [H], d y [H], act [F] and d h13 [2F] (the
-    two weight gradients' operands, in the compute dtype), alive from the layer's backward of one
-    micro-batch through the next micro-batch's (whatever recomputation dropped: the backward made them)."""
-    return m.num_moe_layers * m.top_k * paired_wgrad_row_bytes(m, value_bytes)
+FP8_TOKEN_GROUP_ROWS = 128  # a token group's rows (`kernels.fp8.SCALE_BLOCK`): each expert group padded to a multiple
 
 
-def paired_wgrad_row_bytes(m: ModelConfig, value_bytes: int) -> int:
-    """One expert row's operands of the two weight gradients that wait under paired weight gradients
-    (`paired_wgrad_held_bytes`: x [H], d y [H], act [F], d h13 [2F]); a distributed rank's waiting rows
-    are its received rows of a layer (`runtime.activation_memory.rank_activations`)."""
-    return (2 * m.hidden_size + 3 * m.expert_ffn_size) * value_bytes
+def fp8_token_group_rows(rows: Num, groups: Num) -> Num:
+    """Rows of a token-group copy of `rows` expert rows in `groups` groups as the quantiser sizes it from shapes
+    (`kernels.fp8.padded_capacity`: each group adds at most 127 padding rows, the whole a multiple of 128; a
+    test pins the two together)."""
+    return -(-(rows + (FP8_TOKEN_GROUP_ROWS - 1) * groups) // FP8_TOKEN_GROUP_ROWS) * FP8_TOKEN_GROUP_ROWS
+
+
+def paired_wgrad_waiting_bytes(m: ModelConfig, rows: Num, groups: Num, value_bytes: int,
+                               fp8_token_groups: bool = False) -> Num:
+    """What one MoE layer's expert backward leaves waiting for the next micro-batch's under paired expert
+    weight gradients (`kernels.wgrad_pairs`), for its `rows` expert rows in `groups` expert groups: the two
+    weight gradients' operands x [H], d y [H], act [F] and d h13 [2F] a row, in the compute dtype
+    (`value_bytes`), whatever recomputation dropped (the backward made them). With `fp8_token_groups` (the
+    all-FP8 backward, `fp8_expert_backward: fp8`) their 128 x 1 e4m3 copies wait instead
+    (`wgrad_pairs.fp8_weight_grad_into`): each group's rows padded to a multiple of 128
+    (`fp8_token_group_rows`), one fp32 scale per 128 rows of a column. A distributed rank's rows are its
+    received rows of the layer (`runtime.activation_memory.rank_activations`)."""
+    values = 2 * m.hidden_size + 3 * m.expert_ffn_size
+    if not fp8_token_groups:
+        return rows * values * value_bytes
+    padded = fp8_token_group_rows(rows, groups)
+    return padded * values + padded // FP8_TOKEN_GROUP_ROWS * values * FP32
 
 
 def layer_bytes(m: ModelConfig, moe: bool, value_bytes: int, dropped: frozenset[str] = NOTHING_DROPPED,

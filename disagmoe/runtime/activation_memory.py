@@ -112,8 +112,10 @@ def rank_activations(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topolog
     backward's by its recipe, `fp8_expert_backward`); emulated (`fp8_emulate`), an expert forward
     holds its dequantised operands for its span (`emulate_transient`). Paired expert weight gradients
     (`pairs_wgrads`): a layer's expert backward leaves its received rows' weight-gradient operands waiting
-    for the layer's next one (`replay_peak`'s `waits`, `roofline.memory.paired_wgrad_row_bytes`)."""
+    for the layer's next one (`replay_peak`'s `waits`, `roofline.memory.paired_wgrad_waiting_bytes`: under the
+    all-FP8 backward their e4m3 token-group copies)."""
     m, vb, dropped, fp8 = model_cfg, value_bytes(cfg), cfg.recompute_set, cfg.expert_precision == "fp8"
+    all_fp8 = cfg.expert_backward_precision == "fp8"  # the waiting operands are e4m3 token-group copies
     tokens = cfg.batch_size // cfg.micro_batches // topology.data_parallel * cfg.seq_len
     row = mem.expert_row_bytes(m, vb, dropped, fp8) + (0 if pair_rows else mem.combine_bytes(m, vb, dropped) // m.top_k)
     token_row = mem.expert_token_bytes(m, vb, dropped, pair_rows)  # `recompute: full`: received row (and partial sum)
@@ -165,7 +167,8 @@ def rank_activations(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topolog
 
         def waits(op: ExpertBackward) -> int:
             """The rows one expert backward leaves waiting for the layer's next (paired weight gradients)."""
-            return received(op.layer) * m.top_k * mem.paired_wgrad_row_bytes(m, vb)
+            return mem.paired_wgrad_waiting_bytes(m, received(op.layer) * m.top_k, len(local[op.layer]), vb,
+                                                  all_fp8)
 
         out.append(replay_peak(program, kept, held, waits if pairs_wgrads(cfg, pair_rows) else None))
     return out
@@ -187,7 +190,9 @@ def single_activation_bytes(cfg: TrainConfig, model_cfg: ModelConfig) -> int:
     one micro-batch's expert rows waiting beside the next one's whole forward and backward."""
     tokens = cfg.batch_size // cfg.micro_batches * cfg.seq_len
     transient = emulate_transient(cfg, model_cfg, tokens * model_cfg.top_k) if model_cfg.num_moe_layers else 0
-    waiting = tokens * mem.paired_wgrad_held_bytes(model_cfg, value_bytes(cfg)) if cfg.pairs_expert_wgrads else 0
+    waiting = model_cfg.num_moe_layers * mem.paired_wgrad_waiting_bytes(
+        model_cfg, tokens * model_cfg.top_k, model_cfg.num_experts, value_bytes(cfg),
+        cfg.expert_backward_precision == "fp8") if cfg.pairs_expert_wgrads else 0
     return waiting + mem.activation_bytes(model_cfg, tokens, value_bytes(cfg), chunked=cfg.compute_dtype_name != "fp32",
                                 dropped=cfg.recompute_set, fp8=cfg.expert_precision == "fp8",
                                 fp8_backward=fp8_backward_of(cfg), forward_transient=transient)

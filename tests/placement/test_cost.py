@@ -673,7 +673,10 @@ def test_fp8_backwards_that_gather_the_input_rows_again_pay_for_them(colocated):
     for model in (load_model("qwen3-30b-a3b"), load_model("qwen3-30b-a3b").model_copy(update={"expert_ffn_size": 256})):
         req = PlanConfig(model=model, cluster=ClusterConfig(hardware=load_hardware("h200-sxm"), num_gpus=8),
                          seq_len=1024, global_batch_tokens=1024 * 64, recompute="selective", expert_precision="fp8")
-        costs = {b: evaluate(replace(problem_of(req), fp8_backward=b), cand) for b in ("fp8", "bf16-wgrad", "bf16")}
+        # unpaired: the waiting rows of paired weight gradients differ by recipe too (e4m3 token-group copies
+        # under fp8: test_the_all_fp8_backwards_waiting_copies_are_priced_as_its_token_group_copies)
+        costs = {b: evaluate(replace(problem_of(req), fp8_backward=b, wgrad_pairs=False), cand)
+                 for b in ("fp8", "bf16-wgrad", "bf16")}
         assert all(cost.selective[0] for cost in costs.values())
         rows = 2 * 1024 * model.top_k if colocated else 4 * 2 * 1024 * model.top_k / 4  # computed per GPU
         recompute = {b: cost.stages["selective recompute"].bwd.hbm_bytes[0] for b, cost in costs.items()}
@@ -1133,3 +1136,41 @@ def test_the_hook_adds_only_what_no_gemm_added_into_the_main_gradients():
     want = st.main_grad_add(attention_norm_params(m) + m.hidden_size + router_params(m)).hbm_bytes
     assert adds() == pytest.approx(want)
     assert adds(expert_precision="fp8", fp8_dense=True) == adds(expert_precision="fp8", fp8_dense=False) == adds()
+
+
+def test_the_all_fp8_backwards_waiting_copies_are_priced_as_its_token_group_copies():
+    """Paired expert weight gradients under FP8 experts: with the all-FP8 backward what waits for the next
+    micro-batch is its e4m3 token-group copies (`memory.paired_wgrad_waiting_bytes(..., fp8_token_groups=True)`:
+    each local expert's rows padded to 128, one scale per 128 rows of a column), under the default recipe the
+    bf16 rows, as the single trainer and the runtime's replay count them: on one GPU held beside every
+    micro-batch (`attn_mem_bytes`); on a distributed expert GPU its replay's waits (`paired_waits`), which add
+    to no peak here (every forward runs before the first backward)."""
+    import numpy as np
+
+    from disagmoe.placement.cost import paired_waits
+    from disagmoe.roofline import memory as mem
+
+    model = load_model("qwen3-30b-a3b").model_copy(update={"num_layers": 6})  # the one-GPU config's slice
+    req = PlanConfig(model=model, cluster=ClusterConfig(hardware=load_hardware("h200-sxm"), num_gpus=1),
+                     seq_len=1024, global_batch_tokens=1024 * 64, expert_precision="fp8")
+    prob, cand = problem_of(req), Candidates.one(0, 1, 1, 4, 8, colocated=True)  # 4 micro-batches of 8,192 tokens
+
+    def held(backward):
+        on, off = (evaluate(replace(prob, fp8_backward=backward, wgrad_pairs=p, wgrad_pairs_budget=float("inf")), cand)
+                   for p in (True, False))  # on as asked
+        assert on.wgrad_pairs[0] and not off.wgrad_pairs[0]
+        return on.attn_mem_bytes[0] - off.attn_mem_bytes[0]
+
+    rows, groups, layers = 8 * 1024 * model.top_k, model.num_experts, model.num_moe_layers
+    fp8_copies = layers * mem.paired_wgrad_waiting_bytes(model, rows, groups, 2, True)
+    bf16_rows = layers * mem.paired_wgrad_waiting_bytes(model, rows, groups, 2)
+    assert held("fp8") == pytest.approx(fp8_copies) and held("bf16-wgrad") == pytest.approx(bf16_rows)
+    # 512 rows an expert and up to 127 padding rows each (81,792 padded rows), a byte a value and 4 per 128 rows
+    assert fp8_copies == pytest.approx(bf16_rows * 81792 * (1 + 4 / 128) / (2 * rows))  # 0.64x the bf16 rows
+    # an eighth of the tokens, 64 rows an expert and up to 127 padding rows each: past the bf16 rows
+    assert (mem.paired_wgrad_waiting_bytes(model, rows // 8, groups, 2, True)
+            > mem.paired_wgrad_waiting_bytes(model, rows // 8, groups, 2))
+    # a distributed rank's: its rows in its local experts, per candidate
+    pairs, local = np.array([4096.0, 65536.0]), np.array([32.0, 16.0])
+    waits = paired_waits(model, pairs, np.array([True, False]), local, True)
+    assert waits[0] == mem.paired_wgrad_waiting_bytes(model, 4096, 32, 2, True) and waits[1] == 0

@@ -1111,7 +1111,8 @@ def test_paired_expert_weight_gradients_price_half_the_single_layouts_main_gradi
     assert (_qwen3_single(sheet, "bf16", True, "micro_batches=8", "expert_wgrad_pairs=on")[1].step_s[0]
             < _qwen3_single(sheet, "bf16", True, "micro_batches=8", "expert_wgrad_pairs=off")[1].step_s[0])
     tokens = 16 // 8 * 4096
-    assert on.attn_mem_bytes[0] - off.attn_mem_bytes[0] == pytest.approx(tokens * mem.paired_wgrad_held_bytes(m, 2))
+    assert on.attn_mem_bytes[0] - off.attn_mem_bytes[0] == pytest.approx(
+        m.num_moe_layers * mem.paired_wgrad_waiting_bytes(m, tokens * m.top_k, m.num_experts, 2))
 
 
 def test_paired_weight_gradients_under_a_measured_fp8_curve_take_its_rate_at_the_paired_launchs_size():

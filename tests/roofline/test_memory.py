@@ -384,3 +384,36 @@ def test_each_fp8_recipe_holds_the_weight_copies_it_reads(forward, backward):
     assert mem.fp8_weight_copy_bytes(params) == 2 * params * (1 + 4 / 128**2)  # the default: all four
     with pytest.raises(ValueError, match="backward 'bf32': choose one of fp8, bf16-wgrad, bf16"):
         mem.fp8_weight_copy_bytes(params, forward, "bf32")
+
+
+def test_the_token_group_rows_are_the_quantisers_padded_capacity():
+    """`fp8_token_group_rows` (torch-free, for the planner) sizes a token-group copy as the quantiser allocates
+    it (`kernels.fp8.padded_capacity`), for scalars and for the planner's float arrays alike."""
+    import numpy as np
+
+    from disagmoe.kernels.fp8 import padded_capacity
+    from disagmoe.roofline.memory import fp8_token_group_rows
+
+    for rows, groups in [(0, 1), (1, 1), (127, 1), (128, 1), (129, 1), (16384, 8), (65536, 128), (1000, 37), (5, 64)]:
+        assert fp8_token_group_rows(rows, groups) == padded_capacity(rows, groups)
+    rows, groups = np.array([16384.0, 65536.0, 1000.0]), np.array([8.0, 128.0, 37.0])
+    assert list(fp8_token_group_rows(rows, groups)) == [padded_capacity(int(r), int(g)) for r, g in zip(rows, groups)]
+
+
+def test_the_all_fp8_backwards_waiting_copies_are_what_its_quantiser_allocates(interpreted):
+    """`paired_wgrad_waiting_bytes(..., fp8_token_groups=True)`: the bytes of the four token-group copies (x, d y:
+    H; act: F; d h13: 2F) and their scales that `kernels.fp8.quantize_token_groups` returns for those rows."""
+    fp8 = interpreted("disagmoe.kernels.fp8")
+    from disagmoe.config import ModelConfig
+    from disagmoe.roofline.memory import paired_wgrad_waiting_bytes
+
+    m = ModelConfig(name="t", vocab_size=64, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=2, head_dim=16,
+                    num_experts=3, top_k=2, expert_ffn_size=16)
+    offsets_E = torch.tensor([5, 5, 140], dtype=torch.int32)  # an empty group, one past 128 rows
+    rows = int(offsets_E[-1])
+    total = 0
+    for width in (m.hidden_size, m.hidden_size, m.expert_ffn_size, 2 * m.expert_ffn_size):
+        q_KP, s_KC, _ = fp8.quantize_token_groups(torch.randn(rows, width), offsets_E)
+        total += q_KP.numel() * q_KP.element_size() + s_KC.numel() * s_KC.element_size()
+    assert paired_wgrad_waiting_bytes(m, rows, 3, 2, fp8_token_groups=True) == total
+    assert paired_wgrad_waiting_bytes(m, rows, 3, 2) == rows * (2 * 32 + 3 * 16) * 2  # the bf16 rows

@@ -72,7 +72,31 @@ def test_the_waiting_rows_add_nothing_to_a_peak_at_the_first_backward(fields):
     assert rank_activations(on, on.model, topology) == rank_activations(off, off.model, topology)
     # and they are counted: the expert rank's rows on top of an otherwise empty program
     m, rows = on.model, on.batch_size // on.micro_batches * on.seq_len * on.model.top_k
-    assert mem.paired_wgrad_row_bytes(m, 4) * rows > 0
+    assert mem.paired_wgrad_waiting_bytes(m, rows, m.num_experts, 4) > 0
+
+
+@pytest.mark.parametrize("backward", ["fp8", "bf16-wgrad"])
+def test_an_fp8_expert_ranks_waiting_rows_are_its_recipes(monkeypatch, backward):
+    """The replay's waits on an FP8 expert rank: the all-FP8 backward's e4m3 token-group copies of its received
+    rows in its local experts (`memory.paired_wgrad_waiting_bytes(..., fp8_token_groups=True)`), the default
+    recipe's bf16 rows."""
+    from disagmoe.runtime import activation_memory
+
+    cfg = _cfg(expert_ranks=2, precision="fp8", device="cuda", fp8_expert_backward=backward)
+    m, topology = cfg.model, Topology.from_config(cfg, cfg.model)
+    seen = {}
+    real = activation_memory.replay_peak
+
+    def recorded(program, kept, held, waits=None):
+        seen.update({op: waits(op) for op in program if isinstance(op, ExpertBackward)} if waits else {})
+        return real(program, kept, held, waits)
+
+    monkeypatch.setattr(activation_memory, "replay_peak", recorded)
+    rank_activations(cfg, m, topology)
+    rows = cfg.batch_size // cfg.micro_batches * cfg.seq_len * m.top_k  # one attention rank's every row
+    groups = m.num_experts // 2
+    want = mem.paired_wgrad_waiting_bytes(m, rows, groups, 2, fp8_token_groups=backward == "fp8")
+    assert seen and set(seen.values()) == {want}
 
 
 def test_auto_pairs_the_ranks_and_says_so():
