@@ -206,6 +206,9 @@ def _patch_np_dtype_lookup() -> None:
 # rebuilt when the interpreter is switched on after Triton was first imported (e.g. by another
 # test module): the interpreter only calls helpers that were decorated in interpreter mode.
 TRITON_JIT_MODULES = ("triton.language.standard", "triton.language")
+# kernel modules that read TRITON_INTERPRET when they load and that other kernel modules import names from:
+# reloaded before the modules a test asks for (and after it, compiled), so those bind this build's functions
+KERNEL_LEAF_MODULES = ("disagmoe.kernels.fp8_rounding",)
 
 
 def _reload_all(names):
@@ -226,6 +229,7 @@ def interpreted():
     _patch_lang_once()
     _patch_np_dtype_lookup()
     _reload_all(TRITON_JIT_MODULES)
+    _reload_all(KERNEL_LEAF_MODULES)
 
     def load(*names: str):
         modules = _reload_all(names)
@@ -238,6 +242,7 @@ def interpreted():
     else:
         os.environ["TRITON_INTERPRET"] = previous
     _reload_all(TRITON_JIT_MODULES)
+    _reload_all(KERNEL_LEAF_MODULES)
     # kernel modules first imported during the test (by the reloaded ones: fp8, fp8_stats, ...) were
     # built interpreted too; rebuilt compiled, dependencies first (sys.modules lists a module before
     # the modules its import then imports), before the modules that import them. Left interpreted,
