@@ -569,7 +569,9 @@ def _one_gemm_forward(x_NH: torch.Tensor | RowSource, offsets_E, weights: Fp8Exp
     """y_NH with one forward GEMM in FP8 (`FORWARD_GEMMS`), writing h13 into `h13_N2F` where given.
     "gate-up": x's rows 1 x 128 into the FP8 gate/up GEMM (h13 out in x's dtype), silu(gate) * up in
     fp32 rounded to x's dtype, the bf16 down GEMM (`grouped_gemm.ragged_rows_gemm`). "down": the bf16
-    gate/up GEMM with its SwiGLU epilogue, its output quantised 1 x 128 into the FP8 down GEMM.
+    gate/up GEMM with its SwiGLU epilogue, its output quantised 1 x 128 into the FP8 down GEMM: by the
+    epilogue itself (`quantized_out`, the bytes `fp8.quantize_rows` makes of its bf16 act, none written in
+    bf16), or where a step counts its numerics by `fp8.quantize_rows` of the bf16 act.
     Each quantisation counts into `stats`' activations row, as in the recipe."""
     w13_EH2F, w2_EFH = bf16_weights
     experts, hidden, ffn = w13_EH2F.shape[0], w13_EH2F.shape[1], w2_EFH.shape[1]
@@ -583,9 +585,16 @@ def _one_gemm_forward(x_NH: torch.Tensor | RowSource, offsets_E, weights: Fp8Exp
         gate, up = h13.float().chunk(2, dim=1)
         act_NF = (torch.nn.functional.silu(gate) * up).to(dtype)
         return gg.ragged_rows_gemm(act_NF, offsets_E, w2_EFH, bf16_tiles.down, num_programs=num_programs)
-    act_NF = gg.ragged_rows_gemm(x_NH, offsets_E, w13_EH2F, bf16_tiles.gate_up, epilogue=gg.EPILOGUE_SWIGLU,
-                                 h13_N2C=h13_N2F, num_programs=num_programs)
-    q_act, s_act = fp8.quantize_rows(act_NF, acts, served)
+    if acts is None and gg.swiglu_quantizes(bf16_tiles.gate_up):  # the epilogue writes the down GEMM's e4m3 act
+        q_act = torch.empty((rows, ffn), dtype=fp8.FP8, device=device)
+        s_act = torch.empty((rows, -(-ffn // fp8.SCALE_BLOCK)), dtype=torch.float32, device=device)
+        gg.ragged_rows_gemm(x_NH, offsets_E, w13_EH2F, bf16_tiles.gate_up, epilogue=gg.EPILOGUE_SWIGLU,
+                            h13_N2C=h13_N2F, num_programs=num_programs, quantized_out=(q_act, s_act))
+    else:  # a step that counts its numerics (or tiles off the 128-column grid): act in bf16, then its quantiser
+        act_NF = gg.ragged_rows_gemm(x_NH, offsets_E, w13_EH2F, bf16_tiles.gate_up, epilogue=gg.EPILOGUE_SWIGLU,
+                                     h13_N2C=h13_N2F, num_programs=num_programs)
+        q_act, s_act = fp8.quantize_rows(act_NF, acts, served)
+        del act_NF
     return _rows_gemm(q_act, s_act, offsets_E, *weights.w2, tiles.rows, out_dtype=dtype,
                       num_programs=num_programs, gluon=gluon.rows, block_m=gluon.block_m, tma_store=gluon.tma_store)
 

@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from disagmoe.kernels import fp8_rounding as fr
 from disagmoe.kernels.tile_configs import TileConfig
 
 EPILOGUE_PLAIN = 0
@@ -96,7 +97,7 @@ def _ragged_rows_gemm_kernel(
     stride_am, stride_ak, stride_be, stride_bk, stride_bc,
     stride_om, stride_oc, stride_hm, stride_hc, stride_xm, stride_xc,
     EPILOGUE: tl.constexpr, SCATTER: tl.constexpr, SAVE_H13: tl.constexpr, SIGNAL: tl.constexpr,
-    SAVE_ACT: tl.constexpr, GATHER_A: tl.constexpr, ROW_SCALE: tl.constexpr,
+    SAVE_ACT: tl.constexpr, GATHER_A: tl.constexpr, ROW_SCALE: tl.constexpr, QUANT_OUT: tl.constexpr,
     E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, FLATTEN: tl.constexpr, EPI_CHUNK: tl.constexpr,
     TMA: tl.constexpr, B_T: tl.constexpr,
@@ -106,6 +107,10 @@ def _ragged_rows_gemm_kernel(
     # [N, 2C] for EPILOGUE_SWIGLU_GRAD: d gate in [:, :C], d up in [:, C:]); h13 [N, 2C] the saved
     # pre-activations (gate | up), written when SAVE_H13, read by EPILOGUE_SWIGLU_GRAD; act [N, C]
     # receives silu(gate) * up recomputed from them when SAVE_ACT (EPILOGUE_SWIGLU_GRAD only).
+    # QUANT_OUT (EPILOGUE_SWIGLU, BLOCK_N = 128: one 1 x 128 group a tile row): out [N, C] receives silu(gate) * up
+    # as e4m3 values and act [N, C / 128] their scales, the FP8 down GEMM's A operand (`fp8_rounding`'s
+    # `_quantize_group_store` of the values rounded to a's dtype first: `fp8.quantize_rows` of the act this
+    # epilogue would store, bit for bit), no act written in a's dtype.
     # SIGNAL (plain epilogue): row r belongs to segment seg[r] of `out`; `_signal_rows_landed`.
     # GATHER_A: row r of a is a[a_rows[r]] (a [T, K] rows of tokens). ROW_SCALE (EPILOGUE_SWIGLU_GRAD):
     # rowdot[pid_n, r] = sum over this tile's columns of acc * silu(gate) * up (unscaled), and the
@@ -197,19 +202,33 @@ def _ragged_rows_gemm_kernel(
             if SIGNAL:
                 _signal_rows_landed(rows, row_ok, seg_ptr, expected_ptr, counters_ptr, flags_ptr)
         elif EPILOGUE == 1:
-            out_ptrs = out_ptr + rows64[:, None] * stride_om + cols[None, :] * stride_oc
             act = acc * tl.sigmoid(acc) * acc_up
-            tl.store(out_ptrs, act.to(out_ptr.dtype.element_ty), mask=ok)
-            if SAVE_H13:
-                h_ptrs = h13_ptr + rows64[:, None] * stride_hm + cols[None, :] * stride_hc
-                tl.store(h_ptrs, acc.to(h13_ptr.dtype.element_ty), mask=ok)
-                tl.store(h_ptrs + C * stride_hc, acc_up.to(h13_ptr.dtype.element_ty), mask=ok)
+            if QUANT_OUT:  # h13 first: the two accumulators die before the quantisation (at the tuned gate/up
+                # tiles it spilled 48-164 bytes with them alive; the plain order below spills less as it is)
+                if SAVE_H13:
+                    _store_gate_up(acc, acc_up, h13_ptr, rows64, cols, ok, C, stride_hm, stride_hc)
+                rounded = act.to(a_ptr.dtype.element_ty).to(tl.float32)
+                fr._quantize_group_store(tl.where(ok, rounded, 0.0), ok, row_ok, rows64, cols, pid_n, out_ptr,
+                                         act_ptr, stride_om, stride_oc, stride_xm, stride_xc)
+            else:
+                out_ptrs = out_ptr + rows64[:, None] * stride_om + cols[None, :] * stride_oc
+                tl.store(out_ptrs, act.to(out_ptr.dtype.element_ty), mask=ok)
+                if SAVE_H13:
+                    _store_gate_up(acc, acc_up, h13_ptr, rows64, cols, ok, C, stride_hm, stride_hc)
         else:
             rowdot = _swiglu_grad_epilogue(acc, h13, scale, rows64, row_ok, pid_n * BLOCK_N, C, out_ptr, act_ptr,
                                            stride_om, stride_oc, stride_xm, stride_xc, SAVE_ACT, ROW_SCALE,
                                            BLOCK_N, EPI_CHUNK)
             if ROW_SCALE:
                 tl.store(rowdot_ptr + pid_n.to(tl.int64) * n_rows + rows64, rowdot, mask=row_ok)
+
+
+@triton.jit
+def _store_gate_up(gate, up, h13_ptr, rows64, cols, ok, C, stride_hm, stride_hc):
+    """The SwiGLU epilogue's pre-activations saved for the backward: gate at h13's columns `cols`, up at C + cols."""
+    h_ptrs = h13_ptr + rows64[:, None] * stride_hm + cols[None, :] * stride_hc
+    tl.store(h_ptrs, gate.to(h13_ptr.dtype.element_ty), mask=ok)
+    tl.store(h_ptrs + C * stride_hc, up.to(h13_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -440,6 +459,7 @@ def ragged_rows_gemm(
     act_N_C: torch.Tensor | None = None,
     a_rows_N: torch.Tensor | None = None,
     row_scale: tuple[torch.Tensor, torch.Tensor] | None = None,
+    quantized_out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """out[rows_e] = epilogue(a[rows_e] @ b[e]) for every expert e, in one persistent launch.
     `offsets_E` may hold a multiple G of the experts' count: G row groups, group g using b[g mod E]
@@ -459,6 +479,10 @@ def ragged_rows_gemm(
     (with it) raises each segment's flag once its rows are stored (`SegmentSignal`).
     `config.library`: the library's grouped GEMM runs the launch where it can (`library_takes`).
     `config.split_epilogue` (EPILOGUE_SWIGLU_GRAD): a plain launch, then `swiglu_grad_rows`.
+    `quantized_out` = (q_NC float8_e4m3fn, s_NG fp32 [N, cdiv(C, 128)]), EPILOGUE_SWIGLU where
+    `swiglu_quantizes(config)`: silu(gate) * up written as the FP8 down GEMM's A operand, 1 x 128 groups (the
+    bytes `fp8.quantize_rows` makes of the act this epilogue would write in a's dtype; rows past the last
+    offset unwritten), not in a's dtype; q_NC is returned.
     """
     n_rows, k = a_NK.shape if a_rows_N is None else (a_rows_N.shape[0], a_NK.shape[1])
     experts, k_b, width = b_EKC.shape
@@ -470,7 +494,17 @@ def ragged_rows_gemm(
         d_act_NC = ragged_rows_gemm(a_NK, offsets_E, b_EKC, dataclasses.replace(config, split_epilogue=False),
                                     num_programs=num_programs, a_rows_N=a_rows_N)  # plain (the library's where it can)
         return swiglu_grad_rows(d_act_NC, h13_N2C, offsets_E, out=out, act_N_C=act_N_C, row_scale=row_scale)
-    if (config.library and n_rows and cols
+    if quantized_out is not None:
+        q_NC, s_NG = quantized_out
+        if epilogue != EPILOGUE_SWIGLU or not swiglu_quantizes(config) or out is not None:
+            raise ValueError(f"quantized_out is the SwiGLU epilogue's, at 128-column tiles (block_n "
+                             f"{config.block_n}) and without `out`: quantise the act with fp8.quantize_rows instead")
+        if q_NC.shape != (n_rows, cols) or s_NG.shape != (n_rows, triton.cdiv(cols, fr.SCALE_BLOCK)) \
+                or q_NC.dtype != fr.FP8 or s_NG.dtype != torch.float32:
+            raise ValueError(f"quantized_out must be (q [N, C] = {(n_rows, cols)} float8_e4m3fn, s [N, cdiv(C, 128)] "
+                             f"fp32); got {q_NC.dtype} {tuple(q_NC.shape)} and {s_NG.dtype} {tuple(s_NG.shape)}")
+        out, act_N_C = q_NC, s_NG  # the kernel's out and act pointers (`_ragged_rows_gemm_kernel`'s QUANT_OUT)
+    elif (config.library and n_rows and cols
             and library_takes(a_NK, offsets_E, b_EKC, epilogue, out is not None, dst_rows_N, signal, a_rows_N)):
         return torch._grouped_mm(a_NK, b_EKC, offs=offsets_E)  # its own output: none allocated here
     if out is None:
@@ -481,7 +515,8 @@ def ragged_rows_gemm(
     assert dst_rows_N is None or epilogue == EPILOGUE_PLAIN
     assert signal is None or dst_rows_N is not None
     assert epilogue != EPILOGUE_SWIGLU_GRAD or h13_N2C is not None
-    assert act_N_C is None or (epilogue == EPILOGUE_SWIGLU_GRAD and act_N_C.shape == (n_rows, cols))
+    assert act_N_C is None or quantized_out is not None or (epilogue == EPILOGUE_SWIGLU_GRAD
+                                                             and act_N_C.shape == (n_rows, cols))
     assert row_scale is None or (epilogue == EPILOGUE_SWIGLU_GRAD and row_scale[1].shape[1] == n_rows
                                  and row_scale[1].shape[0] == triton.cdiv(cols, config.block_n))
     if signal is None and (n_rows == 0 or cols == 0):
@@ -509,13 +544,20 @@ def ragged_rows_gemm(
         out.stride(0), out.stride(1), h13.stride(0), h13.stride(1), act.stride(0), act.stride(1),
         EPILOGUE=epilogue, SCATTER=dst_rows_N is not None,
         SAVE_H13=epilogue == EPILOGUE_SWIGLU and h13_N2C is not None, SIGNAL=signal is not None,
-        SAVE_ACT=act_N_C is not None, GATHER_A=a_rows_N is not None, ROW_SCALE=row_scale is not None,
+        SAVE_ACT=act_N_C is not None and quantized_out is None, GATHER_A=a_rows_N is not None,
+        ROW_SCALE=row_scale is not None, QUANT_OUT=quantized_out is not None,
         E_POW2=triton.next_power_of_2(groups), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, GROUP_M=config.group_m, EVEN_K=k % config.block_k == 0,
         FLATTEN=config.flatten, EPI_CHUNK=epi_chunk, TMA=descs is not None, B_T=b_t,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
+
+
+def swiglu_quantizes(config: TileConfig) -> bool:
+    """Whether a SwiGLU launch at these tiles can write its act quantised 1 x 128 (`ragged_rows_gemm`'s
+    `quantized_out`): 128-column tiles, one scale group a tile row (the tuned gate/up tiles and the heuristic's)."""
+    return config.block_n == fr.SCALE_BLOCK
 
 
 def rows_gemm_descriptors(a_NK: torch.Tensor, b_EKC: torch.Tensor, config: TileConfig,

@@ -1086,7 +1086,7 @@ def fp8_stages(stages: dict[str, Stage], ceil: Ceilings, speedup: float, m: Mode
     `forward` (`TrainConfig.fp8_expert_forward`, `kernels.fp8_ffn.FORWARD_GEMMS`): "both", or one
     GEMM alone in FP8 ("gate-up": 2/3 of the forward's FLOPs, "down": 1/3), the forward then
     priced at the harmonic blend of the FP8 and bf16 rates by those shares, its one quantiser
-    reading x (gate-up) or the SwiGLU output (down). A measured curve's forward rate is the FP8 GEMMs'
+    reading x (gate-up; "down": the SwiGLU epilogue writes its e4m3 output, no quantiser of its own). A measured curve's forward rate is the FP8 GEMMs'
     where it was measured all-FP8 (`Calibration.fp8_curve_forward` "both", to probe version 8), else the
     blend it measured ("down" from version 9: the run's default, then priced as measured), from which the
     FP8 GEMMs' own rate is recovered for another forward (`_unblend`).
@@ -1140,8 +1140,10 @@ def fp8_stages(stages: dict[str, Stage], ceil: Ceilings, speedup: float, m: Mode
                           for bwd in (False, True)]
                 out[name] = replace(s, fwd_ceilings=_blend(faster[0], s.ceilings(False, ceil), share),
                                     bwd_ceilings=faster[1] if fp8_bwd[name] else s.bwd_ceilings)
-        if forward == "down":
-            fwd = Work(hbm_bytes=rows * F * (BF16 + 1 + scales))
+        if forward == "down":  # the bf16 gate/up GEMM's SwiGLU epilogue writes the e4m3 act itself, in place of
+            # its bf16 one (`grouped_gemm.ragged_rows_gemm(quantized_out=)`): no pass of its own (a step that
+            # counts its numerics quantises in one: one step in `fp8_counters_every`, not priced)
+            fwd = Work()
         else:
             fwd = Work(hbm_bytes=np.where(quantised_once, once, per_pair))
         bwd = Work(hbm_bytes=rows * quantised[backward] * (BF16 + 1 + scales))

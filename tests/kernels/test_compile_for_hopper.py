@@ -1109,3 +1109,40 @@ def test_the_paired_weight_gradient_compiles_at_the_tuned_tiles_without_spills(m
     for tile in (tuned, dataclasses.replace(tuned, flatten=False)):
         gg.ragged_weight_grad(*sets[0], tile, out=main, accumulate=True, num_programs=8, second=sets[1])
     assert found == [(4, True, 0)] * 2, found  # an unpaired launch passes 2 (a and b)
+
+
+def test_the_quantising_swiglu_epilogue_compiles_at_the_gate_up_tiles_without_spills(usage):
+    """The default FP8 recipe's bf16 gate/up GEMM writing the down GEMM's e4m3 act and scales from its SwiGLU
+    epilogue (`ragged_rows_gemm(quantized_out=)`), bf16 for sm_90a at every tuned gate/up tile of both GPUs'
+    tables that takes it and the heuristic's (128 columns: `swiglu_quantizes`), through pointers and TMA:
+    it compiles without spilling (the launch writing bf16 act spills 4 bytes at one of them)."""
+    import json
+    from pathlib import Path
+
+    from disagmoe.kernels import fp8_rounding
+    from disagmoe.kernels import grouped_gemm as gg
+    from disagmoe.kernels.tile_configs import TileConfig, heuristic
+
+    tables = Path(gg.__file__).parent / "tuned"
+    tiles = {heuristic("gate_up"), *(TileConfig(**{k: v for k, v in entry.items() if k in TileConfig.__dataclass_fields__})
+                                     for table in tables.glob("*.json")
+                                     for key, entry in json.loads(table.read_text())["entries"].items()
+                                     if key.startswith("gate_up/"))}
+    tiles = sorted((t for t in tiles if gg.swiglu_quantizes(t)), key=str)
+    assert len(tiles) >= 3
+    rows, experts, hidden, ffn = 1024, 4, 512, 384
+    offsets = torch.tensor([256, 512, 768, 1024], dtype=torch.int32)
+    x = torch.zeros(rows, hidden, dtype=torch.bfloat16)
+    w13 = torch.zeros(experts, hidden, 2 * ffn, dtype=torch.bfloat16)
+    h13 = torch.zeros(rows, 2 * ffn, dtype=torch.bfloat16)
+    q = torch.zeros(rows, ffn, dtype=fp8_rounding.FP8)
+    s = torch.zeros(rows, ffn // 128, dtype=torch.float32)
+    for tile in tiles:
+        usage.label = str(tile)
+        gg.ragged_rows_gemm(x, offsets, w13, tile, epilogue=gg.EPILOGUE_SWIGLU, h13_N2C=h13, num_programs=8)
+        gg.ragged_rows_gemm(x, offsets, w13, tile, epilogue=gg.EPILOGUE_SWIGLU, h13_N2C=h13, num_programs=8,
+                            quantized_out=(q, s))
+    assert len(usage.found) == 2 * len(tiles)
+    # none spills (the plain launch spills 4 bytes at 128 x 128 x 32): the epilogue saves h13 before it quantises
+    spilled = [(plain, fused) for plain, fused in zip(usage.found[::2], usage.found[1::2]) if fused[2]]
+    assert not spilled, spilled

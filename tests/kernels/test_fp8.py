@@ -1137,6 +1137,46 @@ def test_the_quantising_swiglu_gradient_pass_writes_the_two_passes_bytes(fp8k, s
     assert torch.equal(dh13, want_dh13) and torch.equal(s, fp8k.quantize_rows(want_dh13)[1])
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_quantising_swiglu_epilogue_writes_quantize_rows_bytes_of_its_act(fp8k, seed):
+    """`grouped_gemm.ragged_rows_gemm(..., EPILOGUE_SWIGLU, quantized_out=(q, s))` (the default FP8 recipe's
+    bf16 gate/up GEMM writing the FP8 down GEMM's A operand): the e4m3 values and 1 x 128 scales
+    `quantize_rows` makes of the act the plain epilogue writes, byte for byte, h13 as the plain launch
+    saves it, random ragged counts with an empty expert, a short last scale group (C off the 128 grid), rows
+    past the last offset unwritten; tiles whose columns are not one scale group, and a given `out`, refused."""
+    from disagmoe.kernels import grouped_gemm as gg
+    from disagmoe.kernels.tile_configs import TileConfig
+
+    gen = torch.Generator().manual_seed(90 + seed)
+    counts = [int(c) for c in torch.randint(0, 40, (int(torch.randint(2, 5, (1,), generator=gen)),), generator=gen)]
+    counts[int(torch.randint(0, len(counts), (1,), generator=gen))] = 0
+    experts, hidden = len(counts), 64
+    cols = (128, 200, 256)[seed]
+    rows = sum(counts) + 5  # padding rows past the last offset
+    offsets = _offsets(counts)
+    tile = TileConfig(block_m=16, block_n=128, block_k=32, group_m=2, num_warps=4, num_stages=1)
+    x = torch.randn(rows, hidden, generator=gen) * torch.exp2(torch.randint(-20, 20, (rows, 1), generator=gen))
+    w13 = torch.randn(experts, hidden, 2 * cols, generator=gen) / hidden**0.5
+    h13_want, h13_got = torch.full((rows, 2 * cols), 7.0), torch.full((rows, 2 * cols), 7.0)
+    act = gg.ragged_rows_gemm(x, offsets, w13, tile, epilogue=gg.EPILOGUE_SWIGLU, h13_N2C=h13_want, num_programs=3)
+    q_want, s_want = fp8k.quantize_rows(act, valid_rows=offsets[-1:])
+    q = torch.full((rows, cols), 3.0).to(fp8k.FP8)
+    s = torch.full((rows, -(-cols // 128)), 7.0)
+    got = gg.ragged_rows_gemm(x, offsets, w13, tile, epilogue=gg.EPILOGUE_SWIGLU, h13_N2C=h13_got, num_programs=3,
+                              quantized_out=(q, s))
+    served = int(offsets[-1])
+    assert got is q and torch.equal(h13_got, h13_want)
+    assert torch.equal(q[:served].view(torch.uint8), q_want[:served].view(torch.uint8))
+    assert torch.equal(s[:served], s_want[:served])
+    assert (s[served:] == 7.0).all() and (q[served:].float() == 3.0).all()  # unwritten past the last offset
+    assert gg.swiglu_quantizes(tile) and not gg.swiglu_quantizes(TileConfig(block_m=16, block_n=64, block_k=32))
+    with pytest.raises(ValueError, match="128-column tiles"):
+        gg.ragged_rows_gemm(x, offsets, w13, TileConfig(block_m=16, block_n=64, block_k=32), quantized_out=(q, s),
+                            epilogue=gg.EPILOGUE_SWIGLU)
+    with pytest.raises(ValueError, match=r"q \[N, C\]"):
+        gg.ragged_rows_gemm(x, offsets, w13, tile, epilogue=gg.EPILOGUE_SWIGLU, quantized_out=(q[:, :64], s))
+
+
 @pytest.mark.gpu
 @needs_fp8_gpu
 def test_gpu_the_quantising_swiglu_gradient_pass_writes_the_two_passes_bytes():
@@ -1162,3 +1202,39 @@ def test_gpu_the_quantising_swiglu_gradient_pass_writes_the_two_passes_bytes():
         assert torch.equal(dh13_got[:n], dh13_want[:n]) and torch.equal(act_got, act_want)
         assert torch.equal(q_got[:n].view(torch.uint8), q_want[:n].view(torch.uint8))
         assert torch.equal(s_got[:n], s_want[:n])
+
+
+@pytest.mark.gpu
+@needs_fp8_gpu
+def test_gpu_the_quantising_swiglu_epilogue_writes_quantize_rows_bytes_of_its_act():
+    """`ragged_rows_gemm(..., EPILOGUE_SWIGLU, quantized_out=)` on the GPU, bf16, at the tiles the FFN picks
+    for the Qwen3 and Mixtral gate/up shapes (and the heuristic's), ragged rows with an empty expert and
+    padding past the last offset: the e4m3 act and scales the very bytes of the plain launch's bf16 act
+    through `quantize_rows` (the hardware's conversion in both), h13 the same."""
+    from disagmoe.kernels import fp8
+    from disagmoe.kernels import grouped_gemm as gg
+    from disagmoe.kernels.moe_ffn import FFNTiles
+    from disagmoe.kernels.tile_configs import heuristic
+
+    gen = torch.Generator().manual_seed(6)
+    for hidden, ffn in ((2048, 768), (4096, 1536), (1024, 200)):
+        offsets = _offsets([700, 0, 1301, 33]).cuda()
+        rows, experts = int(offsets[-1]) + 64, 4
+        x = (torch.randn(rows, hidden, generator=gen) * torch.exp2(torch.randint(-20, 20, (rows, 1), generator=gen)))
+        x = x.cuda().bfloat16()
+        w13 = (torch.randn(experts, hidden, 2 * ffn, generator=gen) / hidden**0.5).cuda().bfloat16()
+        for tile in (FFNTiles.for_shape(rows, experts, hidden, ffn, x.device, x.dtype).gate_up, heuristic("gate_up")):
+            if not gg.swiglu_quantizes(tile):
+                continue
+            h13_want, h13_got = x.new_zeros(rows, 2 * ffn), x.new_zeros(rows, 2 * ffn)
+            act = gg.ragged_rows_gemm(x, offsets, w13, tile, epilogue=gg.EPILOGUE_SWIGLU, h13_N2C=h13_want)
+            q_want, s_want = fp8.quantize_rows(act, valid_rows=offsets[-1:])
+            q = torch.empty((rows, ffn), dtype=fp8.FP8, device=x.device)
+            s = torch.empty((rows, -(-ffn // 128)), dtype=torch.float32, device=x.device)
+            gg.ragged_rows_gemm(x, offsets, w13, tile, epilogue=gg.EPILOGUE_SWIGLU, h13_N2C=h13_got,
+                                quantized_out=(q, s))
+            torch.cuda.synchronize()
+            n = int(offsets[-1])
+            assert torch.equal(h13_got[:n], h13_want[:n]), tile
+            assert torch.equal(q[:n].view(torch.uint8), q_want[:n].view(torch.uint8)), tile
+            assert torch.equal(s[:n], s_want[:n]), tile
