@@ -117,18 +117,23 @@ def test_cuda_the_librarys_fp8_block_tracks_the_reference():
 
 
 @pytest.mark.slow  # more than a few seconds on 2 cores (`pytest -m 'not slow'` skips it)
-def test_the_fp8_block_matches_the_reference_and_quantises_each_weight_once(interpreted):
-    """The triton-fp8 block (our permute and combine around the all-FP8 expert FFN) forward and
-    backward against the fp32 reference block, within the FP8 FFN's stated bounds (worst rows of
-    y and dx, kernels/fp8_ffn tests); the weights' FP8 copies are made at the first call only."""
+def _interpreted_fp8_block(interpreted):
+    """(kernels.fp8_ffn, bench.experts, small FP8 tiles) for the FP8 block under the CPU interpreter."""
     *_, fp8_ffn, experts = interpreted("disagmoe.kernels.grouped_gemm", "disagmoe.kernels.fp8",
                                        "disagmoe.kernels.permute", "disagmoe.kernels.fp8_ffn",
                                        "disagmoe.bench.experts")
     from disagmoe.kernels.tile_configs import TileConfig
 
     small = TileConfig(block_m=16, block_n=32, block_k=128, group_m=2, num_warps=4, num_stages=1)
-    tiles = fp8_ffn.Fp8Tiles(rows=small, swiglu=TileConfig(block_m=16, block_n=128, block_k=128),
-                             wgrad=TileConfig(block_m=128, block_n=32, block_k=32))
+    return fp8_ffn, experts, fp8_ffn.Fp8Tiles(rows=small, swiglu=TileConfig(block_m=16, block_n=128, block_k=128),
+                                              wgrad=TileConfig(block_m=128, block_n=32, block_k=32))
+
+
+def test_the_fp8_block_matches_the_reference_and_quantises_each_weight_once(interpreted):
+    """The triton-fp8 block (our permute and combine around the all-FP8 expert FFN) forward and
+    backward against the fp32 reference block, within the FP8 FFN's stated bounds (worst rows of
+    y and dx, kernels/fp8_ffn tests); the weights' FP8 copies are made at the first call only."""
+    fp8_ffn, experts, tiles = _interpreted_fp8_block(interpreted)
     gen = torch.Generator().manual_seed(0)
     x, w13, w2 = torch.randn(9, 32, generator=gen), torch.randn(3, 32, 48, generator=gen) / 32**0.5, \
         torch.randn(3, 24, 32, generator=gen) / 24**0.5
@@ -326,18 +331,11 @@ def test_the_help_names_every_backend_the_command_accepts():
 
 @pytest.mark.slow
 def test_main_grads_add_the_weight_gradients_into_fp32_main_gradients(interpreted):
-    """`--main-grads`: our FP8 block's kernels (bf16 or FP8 weight gradients) add the weight gradients into the parameters' fp32
-    main gradients and return none (as in a training step after its first micro-batch); the torch
+    """`--main-grads`: our FP8 block's kernels (bf16 or FP8 weight gradients) add the weight gradients into the
+    parameters' fp32 main gradients and return none (as in a training step after its first micro-batch); the torch
     loop's autograd gradients are added by the benchmark, so both end with main = what was there +
     the block's weight gradient (the fresh-gradient run's, within the FP8 block's own rounding)."""
-    *_, fp8_ffn, experts = interpreted("disagmoe.kernels.grouped_gemm", "disagmoe.kernels.fp8",
-                                       "disagmoe.kernels.permute", "disagmoe.kernels.fp8_ffn",
-                                       "disagmoe.bench.experts")
-    from disagmoe.kernels.tile_configs import TileConfig
-
-    small = TileConfig(block_m=16, block_n=32, block_k=128, group_m=2, num_warps=4, num_stages=1)
-    tiles = fp8_ffn.Fp8Tiles(rows=small, swiglu=TileConfig(block_m=16, block_n=128, block_k=128),
-                             wgrad=TileConfig(block_m=128, block_n=32, block_k=32))
+    fp8_ffn, experts, tiles = _interpreted_fp8_block(interpreted)
     gen = torch.Generator().manual_seed(3)
     inputs = (torch.randn(9, 32, generator=gen), torch.randint(0, 3, (9, 2), generator=gen),
               torch.rand(9, 2, generator=gen), torch.randn(3, 32, 48, generator=gen) / 32**0.5,
