@@ -28,7 +28,6 @@ FMA correction, the same bits; the interpreter's fma rounds twice, so there it d
 
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
@@ -41,6 +40,7 @@ from disagmoe.kernels.fp8_rounding import (AMAX_FLOOR, FP8, SCALE_BLOCK, _AMAX_F
                                             _round_to_e4m3, _round_to_e4m3_emulated, _scale_by_fma, _scale_of)
 from disagmoe.kernels.fp8_stats import E4M3_MAX, FIELDS, SATURATION_BOUND
 from disagmoe.kernels.tile_configs import TileConfig
+
 
 @triton.jit
 def _record_stats(stats_ptr, x, scaled, q, ok):

@@ -165,7 +165,6 @@ def _quantized_rows(x):
     return row_amax, scale, scaled, _round_to_e4m3(scaled)
 
 
-
 @triton.jit
 def _quantize_group_store(x, ok, row_ok, rows64, ks, group, q_ptr, s_ptr, stride_qm, stride_qk, stride_sm,
                           stride_sg):

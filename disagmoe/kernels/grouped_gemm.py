@@ -496,9 +496,10 @@ def ragged_rows_gemm(
         return swiglu_grad_rows(d_act_NC, h13_N2C, offsets_E, out=out, act_N_C=act_N_C, row_scale=row_scale)
     if quantized_out is not None:
         q_NC, s_NG = quantized_out
-        if epilogue != EPILOGUE_SWIGLU or not swiglu_quantizes(config) or out is not None:
+        if epilogue != EPILOGUE_SWIGLU or not swiglu_quantizes(config) or out is not None or act_N_C is not None:
             raise ValueError(f"quantized_out is the SwiGLU epilogue's, at 128-column tiles (block_n "
-                             f"{config.block_n}) and without `out`: quantise the act with fp8.quantize_rows instead")
+                             f"{config.block_n}) and without `out` or `act_N_C`: quantise the act with "
+                             "fp8.quantize_rows instead")
         if q_NC.shape != (n_rows, cols) or s_NG.shape != (n_rows, triton.cdiv(cols, fr.SCALE_BLOCK)) \
                 or q_NC.dtype != fr.FP8 or s_NG.dtype != torch.float32:
             raise ValueError(f"quantized_out must be (q [N, C] = {(n_rows, cols)} float8_e4m3fn, s [N, cdiv(C, 128)] "

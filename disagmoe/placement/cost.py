@@ -285,7 +285,7 @@ class Problem:
     cuda_graphs: str = "auto"  # the run's cuda_graphs: auto, on or off (`rank_steps`)
     # expert weight gradients over pairs of micro-batches (`kernels.wgrad_pairs`; `paired_micro_batches`: one GPU's
     # step, m x rounds, a distributed rank's round): half the main-gradient passes, and the rows waiting for the
-    # next held (one GPU: one micro-batch's beside the next, `mem.paired_wgrad_held_bytes`; a distributed rank: as
+    # next held (one GPU: one micro-batch's beside the next, `mem.paired_wgrad_waiting_bytes`; a distributed rank: as
     # its replay holds them, `placement.waiting_rows`)
     wgrad_pairs: bool = False
     # expert_wgrad_pairs auto: a candidate pairs only where its peak with the waiting rows is within these bytes
@@ -790,7 +790,7 @@ def evaluate(prob: Problem, c: Candidates, misfits_exact: bool = True) -> Cost:
                             backward=prob.fp8_backward, forward=prob.fp8_forward,
                             tokens_once=np.where(c.colocated & (c.expert == 1), tokens, 0.0),
                             input_rows_recomputed=selective & ("expert_input" in prob.recompute_modules),
-                            wgrad_paired_share=wgrad_paired_share)
+                            wgrad_paired_share=wgrad_paired_share, single=single)
         if prob.fp8_dense:
             stages = fp8_dense_stages(stages, ceil, prob.fp8_speedup, m, tokens, moe_l, dense_l,
                                       prob.calibration, prob.fp8_dense_scaling)
@@ -1046,7 +1046,8 @@ def group_time(stages: dict[str, Stage], group: str, runs: tuple[str, ...], bwd:
 def fp8_stages(stages: dict[str, Stage], ceil: Ceilings, speedup: float, m: ModelConfig, rows: Num,
                exp_params: Num, calib: Calibration | None = None, rows_per_expert: Num | None = None,
                backward: str = "bf16-wgrad", forward: str = RUN_FP8_EXPERT_FORWARD, tokens_once: Num = 0.0,
-               input_rows_recomputed: Num = False, wgrad_paired_share: Num = 0.0) -> dict[str, Stage]:
+               input_rows_recomputed: Num = False, wgrad_paired_share: Num = 0.0,
+               single: Num = True) -> dict[str, Stage]:
     """`stages` with the routed experts in FP8 (`precision: fp8`), their weights' e4m3 copies (those
     the recipe reads, `roofline.memory.fp8_weight_copy_shares`: two a parameter by default) made once
     per step (in the experts' optimizer stage, the pass after which they are made) either way.
@@ -1086,10 +1087,12 @@ def fp8_stages(stages: dict[str, Stage], ceil: Ceilings, speedup: float, m: Mode
     `forward` (`TrainConfig.fp8_expert_forward`, `kernels.fp8_ffn.FORWARD_GEMMS`): "both", or one
     GEMM alone in FP8 ("gate-up": 2/3 of the forward's FLOPs, "down": 1/3), the forward then
     priced at the harmonic blend of the FP8 and bf16 rates by those shares, its one quantiser
-    reading x (gate-up; "down": the SwiGLU epilogue writes its e4m3 output, no quantiser of its own). A measured curve's forward rate is the FP8 GEMMs'
-    where it was measured all-FP8 (`Calibration.fp8_curve_forward` "both", to probe version 8), else the
-    blend it measured ("down" from version 9: the run's default, then priced as measured), from which the
-    FP8 GEMMs' own rate is recovered for another forward (`_unblend`).
+    reading x (gate-up) or, on a distributed rank (not `single`, per candidate), the SwiGLU output (down; on
+    one GPU the SwiGLU epilogue writes its e4m3 output, no quantiser of its own). A measured curve's forward
+    rate is the FP8 GEMMs' where it was measured all-FP8 (`Calibration.fp8_curve_forward` "both", to probe
+    version 8), else the blend it measured ("down" from version 9: the run's default, then priced as
+    measured), from which the FP8 GEMMs' own rate is recovered for another forward (`_unblend`). (The
+    probe's FP8 block runs the one-GPU path: from da7d030 its "down" forward quantises in the epilogue.)
 
     Either pricing: where the tokens are quantised once for a gate/up GEMM in FP8 and
     `input_rows_recomputed` (per candidate: expert_input recomputed), nothing reads the bf16 grouped
@@ -1140,10 +1143,11 @@ def fp8_stages(stages: dict[str, Stage], ceil: Ceilings, speedup: float, m: Mode
                           for bwd in (False, True)]
                 out[name] = replace(s, fwd_ceilings=_blend(faster[0], s.ceilings(False, ceil), share),
                                     bwd_ceilings=faster[1] if fp8_bwd[name] else s.bwd_ceilings)
-        if forward == "down":  # the bf16 gate/up GEMM's SwiGLU epilogue writes the e4m3 act itself, in place of
-            # its bf16 one (`grouped_gemm.ragged_rows_gemm(quantized_out=)`): no pass of its own (a step that
-            # counts its numerics quantises in one: one step in `fp8_counters_every`, not priced)
-            fwd = Work()
+        if forward == "down":  # one GPU (`single`): the bf16 gate/up GEMM's SwiGLU epilogue writes the e4m3 act
+            # itself (`grouped_gemm.ragged_rows_gemm(quantized_out=)`), no pass of its own (a step that counts its
+            # numerics quantises in one: one step in `fp8_counters_every`, not priced); a distributed rank counts
+            # every step (`TrainConfig.counters_every`): the bf16 act read back and quantised in a pass
+            fwd = Work(hbm_bytes=np.where(single, 0.0, rows * F * (BF16 + 1 + scales)))
         else:
             fwd = Work(hbm_bytes=np.where(quantised_once, once, per_pair))
         bwd = Work(hbm_bytes=rows * quantised[backward] * (BF16 + 1 + scales))

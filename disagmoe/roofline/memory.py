@@ -329,7 +329,8 @@ def head_bytes(m: ModelConfig, tokens: Num, value_bytes: int, chunked: bool = Tr
 MEMORY_HEADROOM = 0.85
 
 
-FP8_TOKEN_GROUP_ROWS = 128  # a token group's rows (`kernels.fp8.SCALE_BLOCK`): each expert group padded to a multiple
+# a token group's rows (`kernels.fp8_rounding.SCALE_BLOCK`): each expert group is padded to a multiple of it
+FP8_TOKEN_GROUP_ROWS = 128
 
 
 def fp8_token_group_rows(rows: Num, groups: Num) -> Num:

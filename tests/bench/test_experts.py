@@ -116,7 +116,6 @@ def test_cuda_the_librarys_fp8_block_tracks_the_reference():
         assert torch.equal(block(*inputs), block(*inputs))
 
 
-@pytest.mark.slow  # more than a few seconds on 2 cores (`pytest -m 'not slow'` skips it)
 def _interpreted_fp8_block(interpreted):
     """(kernels.fp8_ffn, bench.experts, small FP8 tiles) for the FP8 block under the CPU interpreter."""
     *_, fp8_ffn, experts = interpreted("disagmoe.kernels.grouped_gemm", "disagmoe.kernels.fp8",
@@ -129,6 +128,7 @@ def _interpreted_fp8_block(interpreted):
                                               wgrad=TileConfig(block_m=128, block_n=32, block_k=32))
 
 
+@pytest.mark.slow  # more than a few seconds on 2 cores (`pytest -m 'not slow'` skips it)
 def test_the_fp8_block_matches_the_reference_and_quantises_each_weight_once(interpreted):
     """The triton-fp8 block (our permute and combine around the all-FP8 expert FFN) forward and
     backward against the fp32 reference block, within the FP8 FFN's stated bounds (worst rows of
@@ -361,7 +361,7 @@ def test_main_grads_add_the_weight_gradients_into_fp32_main_gradients(interprete
         assert torch.allclose(w2.main_grad, fresh[3].float() + 0.5, rtol=1e-5, atol=1e-6)
 
 
-def test_the_experts_command_says_when_it_times_main_gradients():
+def test_the_experts_command_says_when_it_times_main_gradients(monkeypatch):
     from typer.testing import CliRunner
 
     from disagmoe.cli.app import app
@@ -369,6 +369,22 @@ def test_the_experts_command_says_when_it_times_main_gradients():
 
     help_text = CliRunner().invoke(app, ["bench", "experts", "--help"], env={"COLUMNS": "200"}).output
     assert "--main-grads" in help_text
+    from disagmoe.bench import experts as bench
+
+    asked = {}
+
+    def run(*args, **kwargs):  # what the command hands the benchmark (no GPU here)
+        asked.update(kwargs)
+        return {"environment": {"gpu": "g", "driver": "d", "torch": "t", "triton": "tr"}, "ceiling_tflops": 1.0,
+                "shapes": [], "main_grads": kwargs["main_grads"]}
+
+    monkeypatch.setattr(bench, "run", run)
+    result = CliRunner().invoke(app, ["bench", "experts", "--shape", "mixtral-8x7b", "--main-grads", "--markdown"],
+                                env={"COLUMNS": "200"})
+    assert result.exit_code == 0 and asked["main_grads"] is True, result.output
+    assert "weight gradients added into fp32 main gradients" in result.output
+    CliRunner().invoke(app, ["bench", "experts", "--shape", "mixtral-8x7b"])
+    assert asked["main_grads"] is False
     record = {"environment": {"gpu": "g", "driver": "d", "torch": "t", "triton": "tr"}, "ceiling_tflops": 1.0,
               "shapes": [], "main_grads": True}
     assert "added into fp32 main gradients" in _experts_table(record).title

@@ -1143,7 +1143,8 @@ def test_the_quantising_swiglu_epilogue_writes_quantize_rows_bytes_of_its_act(fp
     bf16 gate/up GEMM writing the FP8 down GEMM's A operand): the e4m3 values and 1 x 128 scales
     `quantize_rows` makes of the act the plain epilogue writes, byte for byte, h13 as the plain launch
     saves it, random ragged counts with an empty expert, a short last scale group (C off the 128 grid), rows
-    past the last offset unwritten; tiles whose columns are not one scale group, and a given `out`, refused."""
+    past the last offset unwritten, fp32 and bf16 (the act rounded to it first); tiles whose columns are not one
+    scale group, a given `out` or `act_N_C`, refused."""
     from disagmoe.kernels import grouped_gemm as gg
     from disagmoe.kernels.tile_configs import TileConfig
 
@@ -1157,24 +1158,30 @@ def test_the_quantising_swiglu_epilogue_writes_quantize_rows_bytes_of_its_act(fp
     tile = TileConfig(block_m=16, block_n=128, block_k=32, group_m=2, num_warps=4, num_stages=1)
     x = torch.randn(rows, hidden, generator=gen) * torch.exp2(torch.randint(-20, 20, (rows, 1), generator=gen))
     w13 = torch.randn(experts, hidden, 2 * cols, generator=gen) / hidden**0.5
-    h13_want, h13_got = torch.full((rows, 2 * cols), 7.0), torch.full((rows, 2 * cols), 7.0)
-    act = gg.ragged_rows_gemm(x, offsets, w13, tile, epilogue=gg.EPILOGUE_SWIGLU, h13_N2C=h13_want, num_programs=3)
-    q_want, s_want = fp8k.quantize_rows(act, valid_rows=offsets[-1:])
-    q = torch.full((rows, cols), 3.0).to(fp8k.FP8)
-    s = torch.full((rows, -(-cols // 128)), 7.0)
-    got = gg.ragged_rows_gemm(x, offsets, w13, tile, epilogue=gg.EPILOGUE_SWIGLU, h13_N2C=h13_got, num_programs=3,
-                              quantized_out=(q, s))
-    served = int(offsets[-1])
-    assert got is q and torch.equal(h13_got, h13_want)
-    assert torch.equal(q[:served].view(torch.uint8), q_want[:served].view(torch.uint8))
-    assert torch.equal(s[:served], s_want[:served])
-    assert (s[served:] == 7.0).all() and (q[served:].float() == 3.0).all()  # unwritten past the last offset
+    for dtype in (torch.float32, torch.bfloat16):  # bf16: the act rounded to it before its quantisation
+        x, w13 = x.to(dtype), w13.to(dtype)
+        h13_want, h13_got = (torch.full((rows, 2 * cols), 7.0, dtype=dtype) for _ in range(2))
+        act = gg.ragged_rows_gemm(x, offsets, w13, tile, epilogue=gg.EPILOGUE_SWIGLU, h13_N2C=h13_want,
+                                  num_programs=3)
+        q_want, s_want = fp8k.quantize_rows(act, valid_rows=offsets[-1:])
+        q = torch.full((rows, cols), 3.0).to(fp8k.FP8)
+        s = torch.full((rows, -(-cols // 128)), 7.0)
+        got = gg.ragged_rows_gemm(x, offsets, w13, tile, epilogue=gg.EPILOGUE_SWIGLU, h13_N2C=h13_got,
+                                  num_programs=3, quantized_out=(q, s))
+        served = int(offsets[-1])
+        assert act.dtype == dtype and got is q and torch.equal(h13_got, h13_want)
+        assert torch.equal(q[:served].view(torch.uint8), q_want[:served].view(torch.uint8))
+        assert torch.equal(s[:served], s_want[:served])
+        assert (s[served:] == 7.0).all() and (q[served:].float() == 3.0).all()  # unwritten past the last offset
     assert gg.swiglu_quantizes(tile) and not gg.swiglu_quantizes(TileConfig(block_m=16, block_n=64, block_k=32))
     with pytest.raises(ValueError, match="128-column tiles"):
         gg.ragged_rows_gemm(x, offsets, w13, TileConfig(block_m=16, block_n=64, block_k=32), quantized_out=(q, s),
                             epilogue=gg.EPILOGUE_SWIGLU)
     with pytest.raises(ValueError, match=r"q \[N, C\]"):
         gg.ragged_rows_gemm(x, offsets, w13, tile, epilogue=gg.EPILOGUE_SWIGLU, quantized_out=(q[:, :64], s))
+    with pytest.raises(ValueError, match="without `out` or `act_N_C`"):
+        gg.ragged_rows_gemm(x, offsets, w13, tile, epilogue=gg.EPILOGUE_SWIGLU, quantized_out=(q, s),
+                            act_N_C=torch.zeros(rows, cols, dtype=x.dtype))
 
 
 @pytest.mark.gpu

@@ -538,18 +538,19 @@ def test_the_planner_holds_and_makes_the_fp8_weight_copies_the_recipe_reads(forw
 def test_one_fp8_forward_gemm_prices_the_forward_at_the_blend_of_its_share(calibrated):
     """fp8_expert_forward gate-up / down (backward bf16): the routed experts' forward at the harmonic
     blend of the FP8 and bf16 rates by the FP8 GEMM's share of the forward FLOPs (2/3, 1/3), the
-    backward at the bf16 rate as with both; its one quantiser reads x (gate-up), while down's e4m3 input
-    is written by the gate/up GEMM's SwiGLU epilogue (no pass of its own); with the datasheet ratio and with
-    a measured FP8 curve alike."""
+    backward at the bf16 rate as with both; its one quantiser reads x (gate-up) or, on a distributed rank
+    (which counts its numerics every step), the SwiGLU output (down), while on one GPU down's e4m3 input is
+    written by the gate/up GEMM's SwiGLU epilogue (no pass of its own); with the datasheet ratio and with a
+    measured FP8 curve alike."""
     hw = load_hardware("h200-sxm-calibrated" if calibrated else "h200-sxm")
     layout = Candidates.one(4, 4, 1, 4, 2)
     m = load_model("qwen3-30b-a3b")
 
-    def cost(forward, precision="fp8"):
+    def cost(forward, precision="fp8", candidates=layout):
         req = PlanConfig(model=m, cluster=ClusterConfig(hardware=hw, num_gpus=8), seq_len=4096,
                          global_batch_tokens=1 << 20, recompute="none", expert_precision=precision,
                          fp8_expert_backward="bf16", fp8_expert_forward=forward)
-        return problem_of(req), evaluate(problem_of(req), layout)
+        return problem_of(req), evaluate(problem_of(req), candidates)
 
     (prob, both), (_, bf16) = cost("both"), cost("both", "bf16")
     rate = lambda c, bwd: c.stages["routed experts"].ceilings(bwd, prob.ceilings).flops_per_s  # noqa: E731
@@ -559,8 +560,11 @@ def test_one_fp8_forward_gemm_prices_the_forward_at_the_blend_of_its_share(calib
         assert rate(one, False) == pytest.approx(want)
         assert rate(one, True) == pytest.approx(rate(bf16, True))
     if not calibrated:
+        H, F = m.hidden_size, m.expert_ffn_size
         fwd_bytes = lambda c: np.asarray(c.stages["fp8 quantise"].fwd.hbm_bytes).ravel()[0]  # noqa: E731
-        assert fwd_bytes(cost("down")[1]) == 0 < fwd_bytes(both)
+        assert fwd_bytes(cost("down")[1]) == pytest.approx(fwd_bytes(both) * F / H)
+        one_gpu = Candidates.one(0, 1, 1, 4, 2, colocated=True)
+        assert fwd_bytes(cost("down", candidates=one_gpu)[1]) == 0 < fwd_bytes(cost("both", candidates=one_gpu)[1])
         assert fwd_bytes(cost("gate-up")[1]) == pytest.approx(fwd_bytes(both))
 
 
