@@ -268,7 +268,8 @@ def fp8_expert_row_grad_bytes(m: ModelConfig, value_bytes: int, input_dropped: b
       "fp8"         the e4m3 copies of d y, act, d h13 and x (`FP8_VALUE_BYTES`), each dropped after
                     the one GEMM that reads it, and no input row: the w13 gradient's token-group
                     quantiser reads the rows from their tokens in place. d y and d h13 are each
-                    quantised both ways by one pass, so their two copies live together: d y's (1 x 128
+                    quantised both ways (two passes, `fp8_ffn._quantize_both_ways`), so their two copies
+                    live together: d y's (1 x 128
                     rows and token groups: 2H) through the d h13 GEMM, then d y's token groups and
                     act's (H + F) through the w2 gradient, after which act (bf16) is dropped too; then
                     d h13's two (4F) through the dx GEMM, x's and d h13's token groups (H + 2F) through
