@@ -149,6 +149,25 @@ def check_timed_steps(rows: list[tuple[str, TrainConfig]], warmup: int, steps: i
                          + f"; pass --steps {max(n for *_, n in short)} or more")
 
 
+def short_rows_note(rows: list[tuple[str, TrainConfig]], warmup: int, steps: int) -> str | None:
+    """A line where a row (name, its config) times fewer steps than `steps - warmup` asks, its warm-up
+    running through its capture steps (`timed_warmup`): how many each such row times, and the --warmup and
+    --steps that time as many as asked in every row, over the same steps (so that a ratio between rows is
+    not a median of two steps against one of eight); None where every row times them all."""
+    want = steps - warmup
+    short = [(name, steps - row_warmup) for name, cfg in rows
+             for row_warmup, _ in [timed_warmup(cfg, warmup, steps)] if steps - row_warmup < want]
+    if not short:
+        return None
+    for n in itertools.count(steps):
+        latest = max(timed_warmup(cfg, warmup, n)[0] for _, cfg in rows)
+        if n - latest >= want:
+            break
+    return ("; ".join(f"{name} times {count} of its steps" for name, count in short)
+            + f" (warm-ups through the capture steps), not the {want} that --steps {steps} --warmup {warmup} asks: "
+              f"pass --warmup {latest} --steps {latest + want} to time steps {latest + 1}-{latest + want} in every row")
+
+
 def median_step(records: list[dict], warmup: int) -> float:
     """Median `step_time_s` after the first `warmup` steps."""
     times = [r["step_time_s"] for r in records if r["step"] > warmup]
@@ -390,6 +409,9 @@ def run(cfg: TrainConfig, modes: list[str], steps: int, warmup: int,
         log(uneven)
     timed = [(v, r, mode_config(vcfg, r[0], steps, Path(), r[1], r[2])) for v, vcfg, r in checked]
     check_timed_steps([(row_name(r[0], mcfg, v), mcfg) for v, r, mcfg in timed], warmup, steps)
+    short = short_rows_note([(row_name(r[0], mcfg, v), mcfg) for v, r, mcfg in timed], warmup, steps)
+    if short:
+        log(short)
     warmups = {(v, r): timed_warmup(mcfg, warmup, steps) for v, r, mcfg in timed}  # each row's, and why
     rows = []
     with tempfile.TemporaryDirectory(prefix="disagmoe-bench-train-") as tmp:

@@ -396,6 +396,34 @@ def test_a_captured_row_times_the_steps_after_its_capture_and_records_its_warm_u
     assert "median of each row's steps after its warm-up (timed)" in r.output and "3-4" in r.output
 
 
+def test_rows_timing_fewer_steps_than_asked_are_named_with_the_steps_that_time_them_all(monkeypatch, tmp_path):
+    """A captured row warms up through its capture steps, so it times fewer steps than `--steps - --warmup`:
+    one line before the rows train names each such row's count and the --warmup and --steps that time as many
+    as asked in every row over the same steps (an FP8 row on CUDA at --steps 12 --warmup 4 times 2 steps, 11-12;
+    --warmup 10 --steps 18 times steps 11-18 in every row), after which no line."""
+    from disagmoe.bench.train import short_rows_note
+
+    _captured_at(2, 2, monkeypatch)
+    args = ["bench", "train", "--config", "configs/tiny-cpu.yaml", "--mode", "single", "--steps", "4", "--warmup", "1",
+            "--variant", "micro_batches=1", "--variant", "micro_batches=2", "--no-gpu-clocks", "--json"]
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0, r.output
+    said = " ".join(r.stderr.split())  # the console wraps long lines
+    assert ("single [micro_batches=2] times 2 of its steps (warm-ups through the capture steps), not the 3 that "
+            "--steps 4 --warmup 1 asks: pass --warmup 2 --steps 5 to time steps 3-5 in every row") in said
+    assert said.index("times 2 of its steps") < said.index("single [micro_batches=1]: 4 steps")
+    again = CliRunner().invoke(app, [*args[:7], "5", "--warmup", "2", *args[10:]])
+    assert again.exit_code == 0 and "of its steps" not in again.stderr, again.stderr
+    monkeypatch.undo()
+    cfg = TrainConfig(model="tiny", device="cuda", experts_backend="triton")
+    bf16 = mode_config(cfg, "single", 12, tmp_path)
+    fp8 = mode_config(cfg.model_copy(update={"precision": "fp8"}), "single", 12, tmp_path)
+    note = short_rows_note([("bf16", bf16), ("fp8", fp8)], 4, 12)
+    assert note.startswith("fp8 times 2 of its steps") and note.endswith(
+        "pass --warmup 10 --steps 18 to time steps 11-18 in every row")
+    assert short_rows_note([("bf16", bf16), ("fp8", fp8)], 10, 18) is None
+
+
 def test_a_single_rows_record_says_whether_its_expert_weight_gradients_ran_paired(monkeypatch):
     """Each row records `expert_wgrad_pairs` as its trainer resolved it (auto decides against the device's memory:
     the variant's text alone does not say) and logs the trainer's line saying so, as it logs the split's."""
