@@ -415,7 +415,7 @@ def activations(m: ModelConfig, tokens: Num, pairs: Num, in_flight: Num, p: np.n
         expert_kept_bytes(m, pairs, dropped, fp8), tokens * mem.attention_grad_bytes(m, True, BF16, dropped),
         pairs * row_grad, tokens * (in_flight * dense_l * mem.attention_bytes(m, False, BF16, dropped)
                                     + mem.attention_grad_bytes(m, False, BF16, dropped)),
-        head, moe_l, dense_l, in_flight, waits)
+        head, moe_l, dense_l, in_flight, waits, paired_first_held(m, pairs, waits, dropped, fp8, fp8_backward))
     return attn_kept + exp_kept + np.maximum(head, np.maximum.reduce(grads)) + rise, 0.0 * exp_kept
 
 
@@ -441,7 +441,17 @@ def expert_activations(m: ModelConfig, pairs: Num, in_flight: Num, p: np.ndarray
     moe_l, _ = _layer_counts(m, np.asarray(p))
     kept = expert_kept_bytes(m, pairs, dropped, fp8)
     return (in_flight * moe_l * kept + pairs * mem.expert_row_grad_bytes(m, BF16, dropped, fp8, fp8_backward)
-            + expert_rank_rise(kept, waits, moe_l, in_flight))
+            + expert_rank_rise(kept, waits, moe_l, in_flight, paired_first_held(m, pairs, waits, dropped, fp8,
+                                                                                fp8_backward)))
+
+
+def paired_first_held(m: ModelConfig, pairs: Num, waits: Num, dropped: frozenset[str], fp8: bool,
+                      fp8_backward: str) -> Num:
+    """What the first expert backward of a pair holds more over its own span, per candidate: its `pairs` rows'
+    `memory.paired_first_held_bytes` where they pair (`waits` > 0, `paired_waits`), as the runtime's replay
+    adds it (`replay_peak`'s `first_holds`); 0 unpaired."""
+    per_row = mem.paired_first_held_bytes(m, BF16, dropped, fp8, fp8_backward)
+    return np.where(np.asarray(waits) > 0, pairs * per_row, 0.0)
 
 
 def paired_waits(m: ModelConfig, pairs: Num, paired: np.ndarray, groups: Num, fp8_token_groups: bool) -> np.ndarray:

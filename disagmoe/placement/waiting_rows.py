@@ -33,31 +33,34 @@ def _carried(waits: Num, kept_per_micro_batch: Num, layers: Num, micro_batches: 
     return np.maximum(0.0, (np.asarray(layers) - 1) * (odd * waits - micro_batches * kept_per_micro_batch))
 
 
-def expert_rank_rise(kept: Num, waits: Num, layers: Num, micro_batches: Num) -> Num:
+def expert_rank_rise(kept: Num, waits: Num, layers: Num, micro_batches: Num, first: Num = 0.0) -> Num:
     """Bytes the waiting rows add to a disaggregated expert rank's peak, n m K + G unpaired (`kept` K and
     `waits` W per layer and micro-batch, over `layers` n and `micro_batches` m): the second backward of a layer
-    holds the first one's rows where they outweigh what it freed (W > K), and an odd count's rows pile up over
-    the layers where they outweigh what the layers free (W > m K). 0 where `waits` is 0."""
+    holds the first one's rows where they outweigh what it freed (W > K), the first holds `first` E more over
+    its own span (`roofline.memory.paired_first_held_bytes`: an operand it would have dropped part-way waits),
+    and an odd count's rows pile up over the layers where they outweigh what the layers free (W > m K). 0 where
+    `waits` and `first` are 0."""
     second = np.where(np.asarray(micro_batches) >= 2, np.maximum(0.0, waits - kept), 0.0)
-    return second + _carried(waits, kept, layers, micro_batches)
+    return np.maximum(first, second) + _carried(waits, kept, layers, micro_batches)
 
 
 def colocated_rank_rise(kept_total: Num, attention_kept: Num, expert_kept: Num, attention_grad: Num,
                         expert_grad: Num, dense_first_backward: Num, head: Num, layers: Num, dense_layers: Num,
-                        micro_batches: Num, waits: Num) -> Num:
+                        micro_batches: Num, waits: Num, first: Num = 0.0) -> Num:
     """Bytes the waiting rows add to a colocated rank's peak: its replay's peak with `waits` W less without.
     `kept_total` T: every layer's kept bytes after the last forward; per MoE layer and micro-batch
     `attention_kept` A, `expert_kept` K, `attention_grad` Ag and `expert_grad` G; `dense_first_backward`: the
     leading dense layers' kept bytes plus one dense backward's (their first backward, after every MoE layer's);
-    `head`: the loss's peak (before any backward); `layers` n MoE layers and `dense_layers`."""
+    `head`: the loss's peak (before any backward); `layers` n MoE layers and `dense_layers`; `first` E: what
+    the first expert backward of a pair holds more over its own span (`expert_rank_rise`)."""
     m, per_micro_batch = np.asarray(micro_batches), attention_kept + expert_kept
 
-    def peak(w: Num) -> Num:
+    def peak(w: Num, e: Num) -> Num:
         carried = _carried(w, per_micro_batch, layers, m)
         second = np.where(m >= 2, np.maximum(0.0, w - per_micro_batch), 0.0)
-        expert = kept_total + expert_grad + carried + second  # the first or second expert backward of a layer
+        expert = kept_total + expert_grad + carried + np.maximum(e, second)  # a layer's first or second backward
         attention = kept_total - expert_kept + w + attention_grad + carried  # the first attention backward
         dense = np.where(np.asarray(dense_layers) > 0, dense_first_backward + layers * (m % 2) * w, 0.0)
         return np.maximum.reduce([kept_total + head, expert, attention, dense])
 
-    return peak(waits) - peak(0.0 * waits)
+    return peak(waits, first) - peak(0.0 * waits, 0.0 * waits)

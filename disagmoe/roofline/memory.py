@@ -301,8 +301,38 @@ def fp8_expert_row_grad_bytes(m: ModelConfig, value_bytes: int, input_dropped: b
         return int(max(d_h13_gemm, w13_gradient))
     with_act = max(value_bytes * (H + 4 * F) + FP8_VALUE_BYTES * 2 * H,  # the d h13 GEMM, d act alive
                    value_bytes * (H + 3 * F) + FP8_VALUE_BYTES * (H + F))  # the w2 gradient
-    without_act = value_bytes * (H + 2 * F) + FP8_VALUE_BYTES * max(4 * F, H + 2 * F)
-    return int(max(with_act, without_act))
+    return int(max(with_act, _fp8_backward_without_act(m, value_bytes)))
+
+
+def _fp8_backward_without_act(m: ModelConfig, value_bytes: int) -> float:
+    """The all-FP8 backward's second half per row (`fp8_expert_row_grad_bytes`): d y and d h13 (bf16) with d
+    h13's two e4m3 copies through the dx GEMM, then x's and d h13's token groups through the w13 gradient."""
+    H, F = m.hidden_size, m.expert_ffn_size
+    return value_bytes * (H + 2 * F) + FP8_VALUE_BYTES * max(4 * F, H + 2 * F)
+
+
+def paired_first_held_bytes(m: ModelConfig, value_bytes: int, dropped: frozenset[str] = NOTHING_DROPPED,
+                            fp8: bool = False, fp8_backward: str = DEFAULT_FP8_EXPERT_BACKWARD) -> int:
+    """Bytes per row that the first expert backward of a pair (`kernels.wgrad_pairs`: the one that leaves its
+    operands waiting) holds over its own span beyond `expert_row_grad_bytes`, because a weight-gradient operand
+    it would have dropped part-way waits instead (the replay and the planner add it to that op alone;
+    the waiting rows themselves count from the op's end, `paired_wgrad_waiting_bytes`):
+      FP8 "fp8"          the w2 gradient's token-group copies (d y's H, act's F) through d h13's copies, the dx
+                         GEMM and x's copy: the second half's peak plus H + F e4m3 values, above the first half's
+                         (Mixtral's shape: 12.4 kB a row; none at Qwen3's, where the d h13 GEMM's half is higher);
+      FP8 "bf16-wgrad"   act (F values) through the w13 gradient: F more where that GEMM's half is the backward's
+                         peak (the input regathered, H past about 6F: `fp8_expert_row_grad_bytes`), else none;
+      bf16 experts, FP8 "bf16"   0: what waits is kept by the forward or held to the op's end anyway.
+    `recompute: full` recomputes the row beside every phase alike: the same difference."""
+    if not fp8 or fp8_backward == "bf16":
+        return 0
+    H, F = m.hidden_size, m.expert_ffn_size
+    input_dropped = "expert_input" in dropped
+    if fp8_backward == "fp8":
+        paired = _fp8_backward_without_act(m, value_bytes) + FP8_VALUE_BYTES * (H + F)
+    else:
+        paired = value_bytes * (H + 3 * F + (H if input_dropped else 0))
+    return int(max(0, paired - fp8_expert_row_grad_bytes(m, value_bytes, input_dropped, fp8_backward)))
 
 
 def head_bytes(m: ModelConfig, tokens: Num, value_bytes: int, chunked: bool = True) -> Num:

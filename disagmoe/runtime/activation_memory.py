@@ -54,12 +54,15 @@ def fp8_backward_of(cfg: TrainConfig) -> str:
 
 
 def replay_peak(program: tuple[Op, ...], kept: Callable[[Op], int], held: Callable[[Op], int],
-                waits: Callable[[ExpertBackward], int] | None = None) -> RankActivations:
+                waits: Callable[[ExpertBackward], int] | None = None,
+                first_holds: Callable[[ExpertBackward], int] | None = None) -> RankActivations:
     """Walk `program`: a forward op adds `kept(op)` until its backward; every compute op holds
     `held(op)` on top for its own span (a backward's gradients, the loss's head); the peak of the
     running sum. `waits` (paired expert weight gradients, `kernels.wgrad_pairs`): the rows a layer's
     expert backward leaves waiting for the layer's next one, which runs both launches and frees them
-    (the first, third, ... backward of a layer leaves them; an odd last one's wait until the optimizer step)."""
+    (the first, third, ... backward of a layer leaves them; an odd last one's wait until the optimizer step);
+    `first_holds`: what such a backward, one that leaves its rows, holds more over its own span
+    (`roofline.memory.paired_first_held_bytes`)."""
     live: dict[tuple[type, int, int], int] = {}
     waiting: dict[int, int] = {}  # layer -> bytes of the rows waiting for its next expert backward
     total, best = 0, RankActivations(0, 0, "none")
@@ -69,6 +72,8 @@ def replay_peak(program: tuple[Op, ...], kept: Callable[[Op], int], held: Callab
             total += kept(op)
         if isinstance(op, (AttentionForward, ExpertForward, Loss, AttentionBackward, ExpertBackward)):
             here = total + held(op)
+            if first_holds is not None and isinstance(op, ExpertBackward) and op.layer not in waiting:
+                here += first_holds(op)
             if here > best.peak_bytes:
                 in_flight = len({mb for _, _, mb in live})
                 best = RankActivations(here, in_flight, type(op).__name__ + _where(op))
@@ -120,6 +125,7 @@ def rank_activations(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topolog
     row = mem.expert_row_bytes(m, vb, dropped, fp8) + (0 if pair_rows else mem.combine_bytes(m, vb, dropped) // m.top_k)
     token_row = mem.expert_token_bytes(m, vb, dropped, pair_rows)  # `recompute: full`: received row (and partial sum)
     row_grad = mem.expert_row_grad_bytes(m, vb, dropped, fp8, fp8_backward_of(cfg))
+    first_row = mem.paired_first_held_bytes(m, vb, dropped, fp8, fp8_backward_of(cfg))  # paired: the first's more
     programs = topology.programs(cfg.micro_batches)
     out = []
     for rank, program in enumerate(programs):
@@ -170,7 +176,13 @@ def rank_activations(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topolog
             return mem.paired_wgrad_waiting_bytes(m, received(op.layer) * m.top_k, len(local[op.layer]), vb,
                                                   all_fp8)
 
-        out.append(replay_peak(program, kept, held, waits if pairs_wgrads(cfg, pair_rows) else None))
+        def first_holds(op: ExpertBackward) -> int:
+            """What a backward that leaves its rows waiting holds more over its own span."""
+            return received(op.layer) * m.top_k * first_row
+
+        paired = pairs_wgrads(cfg, pair_rows)
+        out.append(replay_peak(program, kept, held, waits if paired else None,
+                               first_holds if paired and first_row else None))
     return out
 
 

@@ -30,11 +30,13 @@ SHAPES = 120  # random (p, layers, dense layers, micro-batches, bytes) draws per
 class Bytes:
     """One draw of a rank's per-op bytes: per layer and micro-batch what an expert forward keeps (K), an expert
     backward holds (G) and leaves waiting (W), an attention forward of a MoE or dense layer keeps (A, Ad), its
-    backward holds (Ag, Agd), and the loss's head; values from 0 to far apart, so every term can be the peak's."""
+    backward holds (Ag, Agd), the loss's head, and what the first expert backward of a pair holds more over its
+    span (E, `memory.paired_first_held_bytes`); values from 0 to far apart, so every term can be the peak's."""
 
     def __init__(self, rng: random.Random) -> None:
         pick = lambda: rng.choice([0, 1, 3, 10, 40, 200, 900]) + rng.random()  # noqa: E731
         self.K, self.G, self.W, self.A, self.Ad, self.Ag, self.Agd, self.head = (pick() for _ in range(8))
+        self.E = rng.choice([0.0, pick()])  # 0 for most recipes (bf16 experts, FP8's bf16 backward)
 
     def kept(self, layout: Layout):
         return lambda op: self.K if isinstance(op, ExpertForward) else (
@@ -62,7 +64,8 @@ def _shapes(seed: int):
 def test_an_expert_ranks_waiting_rows_add_what_its_replay_says():
     """A disaggregated expert rank: the replay's peak (`activation_memory.replay_peak` with `waits`, the
     runtime's memory check) over the busiest group's expert ranks is n m K + G unpaired and that plus
-    `expert_rank_rise` paired, for shapes of every kind (odd counts, rows outweighing what they free)."""
+    `expert_rank_rise` paired, with and without what the first backward of a pair holds more (E), for shapes
+    of every kind (odd counts, rows outweighing what they free)."""
     for p, layers, dense, m, b in _shapes(0):
         layout = Layout(p, p, p, layers, dense)
         programs = build_schedule(layout, m).programs[p:]  # the expert ranks, one per group
@@ -71,11 +74,15 @@ def test_an_expert_ranks_waiting_rows_add_what_its_replay_says():
         paired = max(replay_peak(pr, b.kept(layout), b.held(layout), lambda op: b.W).peak_bytes for pr in programs)
         assert unpaired == pytest.approx(n * m * b.K + b.G, rel=1e-12)
         assert paired == pytest.approx(unpaired + expert_rank_rise(b.K, b.W, n, m), rel=1e-12), (p, layers, m)
+        first = max(replay_peak(pr, b.kept(layout), b.held(layout), lambda op: b.W, lambda op: b.E).peak_bytes
+                    for pr in programs)  # the first backward of each pair holding E more over its span
+        assert first == pytest.approx(unpaired + expert_rank_rise(b.K, b.W, n, m, b.E), rel=1e-12), (p, layers, m)
 
 
 def test_a_colocated_ranks_waiting_rows_add_what_its_replay_says():
     """A colocated rank (attention and experts of its group, the head on the head group): `colocated_rank_rise`
-    is its replay's peak with the waiting rows less without, on every group of every shape."""
+    is its replay's peak with the waiting rows (and E, the first backward's more) less without, on every group of
+    every shape."""
     for p, layers, dense, m, b in _shapes(1):
         layout = Layout(p, p, p, layers, dense)
         programs = build_colocated_schedule(p, layers, dense, m, p, None, None)
@@ -89,6 +96,10 @@ def test_a_colocated_ranks_waiting_rows_add_what_its_replay_says():
             paired = replay_peak(program, b.kept(layout), b.held(layout), lambda op: b.W).peak_bytes
             unpaired = replay_peak(program, b.kept(layout), b.held(layout)).peak_bytes
             assert paired - unpaired == pytest.approx(rise, rel=1e-9, abs=1e-9), (p, layers, dense, m, g)
+            first = replay_peak(program, b.kept(layout), b.held(layout), lambda op: b.W, lambda op: b.E).peak_bytes
+            rise = colocated_rank_rise(m * (n * (b.A + b.K) + d * b.Ad), b.A, b.K, b.Ag, b.G, m * d * b.Ad + b.Agd,
+                                       b.head if layers % p == g else 0.0, n, d, m, b.W, b.E)
+            assert first - unpaired == pytest.approx(rise, rel=1e-9, abs=1e-9), (p, layers, dense, m, g, b.E)
 
 
 def _problem(recompute: str = "selective", **request):

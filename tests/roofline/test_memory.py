@@ -417,3 +417,26 @@ def test_the_all_fp8_backwards_waiting_copies_are_what_its_quantiser_allocates(i
         total += q_KP.numel() * q_KP.element_size() + s_KC.numel() * s_KC.element_size()
     assert paired_wgrad_waiting_bytes(m, rows, 3, 2, fp8_token_groups=True) == total
     assert paired_wgrad_waiting_bytes(m, rows, 3, 2) == rows * (2 * 32 + 3 * 16) * 2  # the bf16 rows
+
+
+def test_the_first_backward_of_a_pair_holds_what_waits_instead_of_being_dropped():
+    """`paired_first_held_bytes`: under the all-FP8 backward the first backward of a pair keeps its w2 gradient's
+    token-group copies (d y's H, act's F values) through the rest of its span, above its own peak where the second
+    half's was near it (Mixtral's shape: H + 2F e4m3 values of d h13 then x, 12,352 bytes a row more); none where
+    the d h13 GEMM's half stays higher (Qwen3's); bf16-wgrad's act (bf16 F) through the w13 gradient, F values more
+    only where that gradient's half is the peak (the input regathered, H = 16F); the bf16 recipes nothing."""
+    qwen3, mixtral = load_model("qwen3-30b-a3b"), load_model("mixtral-8x7b")
+    H, F = mixtral.hidden_size, mixtral.expert_ffn_size
+    held = mem.fp8_expert_row_grad_bytes(mixtral, 2, False, "fp8")
+    second_half = 2 * (H + 2 * F) + mem.FP8_VALUE_BYTES * max(4 * F, H + 2 * F)
+    assert mem.paired_first_held_bytes(mixtral, 2, fp8=True, fp8_backward="fp8") == int(
+        second_half + mem.FP8_VALUE_BYTES * (H + F) - held) == 12352
+    assert mem.paired_first_held_bytes(qwen3, 2, fp8=True, fp8_backward="fp8") == 0
+    wide, regathered = qwen3.model_copy(update={"expert_ffn_size": 128}), frozenset({"expert_input"})  # H = 16F
+    assert mem.paired_first_held_bytes(wide, 2, regathered, fp8=True, fp8_backward="bf16-wgrad") == 2 * 128
+    for m in (qwen3, mixtral, wide):
+        for dropped in (frozenset(), regathered):
+            if m is not wide or not dropped:
+                assert mem.paired_first_held_bytes(m, 2, dropped, fp8=True, fp8_backward="bf16-wgrad") == 0
+        assert mem.paired_first_held_bytes(m, 2) == 0
+        assert mem.paired_first_held_bytes(m, 2, fp8=True, fp8_backward="bf16") == 0

@@ -255,8 +255,8 @@ def test_sparse_dispatch_holds_a_copy_of_the_rows_per_expert_rank_for_the_forwar
     rank = topology.attention_rank(0, 0)
     forward = next(op for op in topology.programs(1)[rank] if isinstance(op, AttentionForward) and op.layer == 2)
     for stores in (False, True):
-        monkeypatch.setattr(am, "replay_peak", lambda program, kept, hold, waits=None, _s=stores: (
-            held[_s].append(hold(forward)), real(program, kept, hold, waits))[1])
+        monkeypatch.setattr(am, "replay_peak", lambda program, kept, hold, waits=None, first_holds=None, _s=stores: (
+            held[_s].append(hold(forward)), real(program, kept, hold, waits, first_holds))[1])
         rank_activations(cfg, m, topology, sparse=True, peer_stores=stores)
     tokens, row = 8 * 16, 4 * m.hidden_size + m.top_k * 8 + 4  # fp32 on CPU: row, ids, weights, token index
     assert held[False][rank] == 8 * tokens * row and held[True][rank] == 0

@@ -87,9 +87,12 @@ def test_an_fp8_expert_ranks_waiting_rows_are_its_recipes(monkeypatch, backward)
     seen = {}
     real = activation_memory.replay_peak
 
-    def recorded(program, kept, held, waits=None):
+    firsts = {}
+
+    def recorded(program, kept, held, waits=None, first_holds=None):
         seen.update({op: waits(op) for op in program if isinstance(op, ExpertBackward)} if waits else {})
-        return real(program, kept, held, waits)
+        firsts.update({op: first_holds(op) for op in program if isinstance(op, ExpertBackward)} if first_holds else {})
+        return real(program, kept, held, waits, first_holds)
 
     monkeypatch.setattr(activation_memory, "replay_peak", recorded)
     rank_activations(cfg, m, topology)
@@ -97,6 +100,9 @@ def test_an_fp8_expert_ranks_waiting_rows_are_its_recipes(monkeypatch, backward)
     groups = m.num_experts // 2
     want = mem.paired_wgrad_waiting_bytes(m, rows, groups, 2, fp8_token_groups=backward == "fp8")
     assert seen and set(seen.values()) == {want}
+    # and what the first backward of a pair holds more over its span, where its recipe holds any
+    first = rows * mem.paired_first_held_bytes(m, 2, cfg.recompute_set, True, backward)
+    assert set(firsts.values()) == ({first} if first else set())
 
 
 def test_auto_pairs_the_ranks_and_says_so():
