@@ -63,6 +63,9 @@ FP8_VARIANTS = {
     "gluon-tma-store-wgrad": {"rows": True, "swiglu": True, "tma_store": True, "wgrad": True, "backward": "fp8"},
     "bf16-backward": {"backward": "bf16"},  # the whole backward in bf16 (the forward alone in FP8)
     "down-forward": {"forward": "down"},  # the forward's gate/up GEMM in bf16 (the loss FP8 costs is its)
+    # the same with its act written in bf16 and quantised in a pass, as before the epilogue wrote it in e4m3
+    # (`fp8_ffn._GluonChoices.act_epilogue`): the epilogue's A/B in one run
+    "down-forward-pass": {"forward": "down", "act_epilogue": False},
 }
 VARIANT_BACKENDS = tuple(f"{FP8_BACKEND}:{name}" for name in FP8_VARIANTS)
 
@@ -499,7 +502,7 @@ def fp8_kernel_paths(backend: str, hidden: int, ffn: int, device: torch.device) 
     gluon, backward, forward = variant_of(backend)
     return kernel_paths(hidden, ffn, device, rows=gluon.get("rows"), wgrad=gluon.get("wgrad"),
                         swiglu=gluon.get("swiglu"), backward=backward, forward=forward, block_m=gluon.get("block_m"),
-                        tma_store=gluon.get("tma_store"))
+                        tma_store=gluon.get("tma_store"), act_epilogue=gluon.get("act_epilogue"))
 
 
 def fp8_tiles_notes(record: dict) -> list[str]:

@@ -162,6 +162,10 @@ class _GluonChoices:
     # without it; 128-row tiles only, `fp8_gluon.TMA_STORE_TILES`; `bench experts --backend
     # triton-fp8:gluon-tma-store`); the same sums, the same bits; a run's `TrainConfig.fp8_gluon_store` (`set_gluon`)
     tma_store: bool = False
+    # not a Gluon path, an A/B of the same kind: the down-only forward's act quantised by the bf16 gate/up GEMM's
+    # SwiGLU epilogue (`grouped_gemm.ragged_rows_gemm(quantized_out=)`, session 38: the same bytes), or written
+    # in bf16 and quantised in a pass as before it (False; `bench experts --backend triton-fp8:down-forward-pass`)
+    act_epilogue: bool = True
 
 
 _gluon = _GluonChoices()
@@ -214,12 +218,13 @@ def gluon_paths(**changes: bool | int) -> Iterator[None]:
     they are; every field restored on exit (an A/B in `bench experts`)."""
     unknown = set(changes) - {field.name for field in dataclasses.fields(_GluonChoices)}
     if unknown:
-        raise ValueError(f"Gluon paths {sorted(unknown)}: choose from rows, wgrad, swiglu, block_m, tma_store")
+        raise ValueError(f"Gluon paths {sorted(unknown)}: choose from rows, wgrad, swiglu, block_m, tma_store, "
+                         "act_epilogue")
     wrong = {name: value for name, value in changes.items()
              if (name == "block_m" and value not in GLUON_BLOCK_MS) or (name != "block_m" and not isinstance(value, bool))}
     if wrong:
-        raise ValueError(f"Gluon paths {wrong}: rows, wgrad, swiglu and tma_store take True or False, block_m one of "
-                         f"{GLUON_BLOCK_MS}")
+        raise ValueError(f"Gluon paths {wrong}: rows, wgrad, swiglu, tma_store and act_epilogue take True or False, "
+                         f"block_m one of {GLUON_BLOCK_MS}")
     chosen = dataclasses.replace(_gluon, **changes)
     if chosen.tma_store and chosen.block_m != GLUON_TMA_STORE_BLOCK_M:
         raise ValueError(f"Gluon paths: tma_store=True runs the row GEMM at block_m={GLUON_TMA_STORE_BLOCK_M} "
@@ -237,7 +242,7 @@ def gluon_paths(**changes: bool | int) -> Iterator[None]:
 
 def kernel_paths(hidden: int, ffn: int, device: torch.device, *, rows: bool | None = None, wgrad: bool | None = None,
                  swiglu: bool | None = None, backward: str = DEFAULT_BACKWARD, forward: str = DEFAULT_FORWARD,
-                 block_m: int | None = None, tma_store: bool | None = None) -> str:
+                 block_m: int | None = None, tma_store: bool | None = None, act_epilogue: bool | None = None) -> str:
     """Which kernels an FFN of this shape runs on `device` per GEMM role, as `_rows_gemm`,
     `_gate_up_forward`, `_down_data_gradient` and `_weight_grad` choose them (the Gluon ones on a
     Hopper GPU where K and N are multiples of 128 and the settings ask for them; `rows` / `wgrad` /
@@ -245,7 +250,8 @@ def kernel_paths(hidden: int, ffn: int, device: torch.device, *, rows: bool | No
     now; `backward` (`BACKWARD_PRECISIONS`): bf16 weight gradients (the default), or a bf16
     backward; `forward` (`FORWARD_GEMMS`): one forward GEMM in bf16; `block_m`, `tma_store`: the Gluon
     row GEMM's tile and epilogue, None as `_GluonChoices` says now, named in its kernel's name:
-    'gluon', 'gluon-256', 'gluon-tma-store'), e.g. 'rows triton | swiglu triton | wgrad bf16 triton'."""
+    'gluon', 'gluon-256', 'gluon-tma-store'; `act_epilogue`: the down-only forward's act quantised in a pass where
+    False, named so), e.g. 'rows triton | swiglu triton | wgrad bf16 triton'."""
     hopper = (device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
               and os.environ.get("TRITON_INTERPRET") != "1")
     fits = hopper and hidden % fp8.SCALE_BLOCK == 0 and ffn % fp8.SCALE_BLOCK == 0
@@ -264,6 +270,8 @@ def kernel_paths(hidden: int, ffn: int, device: torch.device, *, rows: bool | No
         names["backward"] = "bf16 triton"
     if forward != DEFAULT_FORWARD:
         names["forward " + ("down" if forward == "gate-up" else "gate/up")] = "bf16 triton"
+    if forward == "down" and not (_gluon.act_epilogue if act_epilogue is None else act_epilogue):
+        names["forward gate/up"] += ", act quantised in a pass"
     return " | ".join(f"{role} {name}" for role, name in names.items())
 
 
@@ -585,12 +593,13 @@ def _one_gemm_forward(x_NH: torch.Tensor | RowSource, offsets_E, weights: Fp8Exp
         gate, up = h13.float().chunk(2, dim=1)
         act_NF = (torch.nn.functional.silu(gate) * up).to(dtype)
         return gg.ragged_rows_gemm(act_NF, offsets_E, w2_EFH, bf16_tiles.down, num_programs=num_programs)
-    if acts is None and gg.swiglu_quantizes(bf16_tiles.gate_up):  # the epilogue writes the down GEMM's e4m3 act
+    if acts is None and gluon.act_epilogue and gg.swiglu_quantizes(bf16_tiles.gate_up):  # the epilogue writes it
         q_act = torch.empty((rows, ffn), dtype=fp8.FP8, device=device)
         s_act = torch.empty((rows, -(-ffn // fp8.SCALE_BLOCK)), dtype=torch.float32, device=device)
         gg.ragged_rows_gemm(x_NH, offsets_E, w13_EH2F, bf16_tiles.gate_up, epilogue=gg.EPILOGUE_SWIGLU,
                             h13_N2C=h13_N2F, num_programs=num_programs, quantized_out=(q_act, s_act))
-    else:  # a step that counts its numerics (or tiles off the 128-column grid): act in bf16, then its quantiser
+    else:  # a step that counts its numerics (or tiles off the 128-column grid, or the A/B's pass): act in bf16, then
+        # its quantiser
         act_NF = gg.ragged_rows_gemm(x_NH, offsets_E, w13_EH2F, bf16_tiles.gate_up, epilogue=gg.EPILOGUE_SWIGLU,
                                      h13_N2C=h13_N2F, num_programs=num_programs)
         q_act, s_act = fp8.quantize_rows(act_NF, acts, served)

@@ -176,8 +176,9 @@ def test_precision_fp8_times_our_fp8_experts_beside_our_bf16_ones():
 
 def test_the_variant_backends_run_the_fp8_block_with_their_one_choice_changed(monkeypatch):
     """`--backend triton-fp8:fp8-wgrad | gluon-wgrad | gluon | gluon-256 | gluon-tma-store |
-    gluon-tma-store-wgrad | bf16-backward | down-forward`: FP8 backends at the tuned tiles whose forwards run with one choice changed from the
-    FFN's defaults (a Gluon path through `fp8_ffn.gluon_paths`, which their backward keeps; which
+    gluon-tma-store-wgrad | bf16-backward | down-forward | down-forward-pass`: FP8 backends at the tuned tiles whose
+    forwards run with one choice changed from the FFN's defaults (a Gluon path through `fp8_ffn.gluon_paths`, which
+    their backward keeps; which
     backward GEMMs run in FP8; or which forward ones), the defaults restored after each call, each
     making the weight copies its recipe reads; plain `triton-fp8` runs the defaults."""
     from disagmoe.kernels import fp8_ffn
@@ -192,7 +193,7 @@ def test_the_variant_backends_run_the_fp8_block_with_their_one_choice_changed(mo
     seen = []
     monkeypatch.setattr(bench, "expert_ffn_fp8", lambda rows, *a, backward, forward, **k: seen.append(
         (fp8_ffn._gluon.rows, fp8_ffn._gluon.wgrad, fp8_ffn._gluon.swiglu, fp8_ffn._gluon.block_m,
-         fp8_ffn._gluon.tma_store, backward, forward)) or rows)
+         fp8_ffn._gluon.tma_store, fp8_ffn._gluon.act_epilogue, backward, forward)) or rows)
     made = []
     monkeypatch.setattr(bench.Fp8ExpertWeights, "quantize", classmethod(
         lambda cls, a, b, *, forward, backward: made.append((forward, backward))))
@@ -201,26 +202,29 @@ def test_the_variant_backends_run_the_fp8_block_with_their_one_choice_changed(mo
     x, idx, weights = torch.randn(6, 8), torch.randint(0, 2, (6, 2)), torch.rand(6, 2)
     w13, w2 = torch.randn(2, 8, 16), torch.randn(2, 8, 8)
     choices = lambda: (fp8_ffn._gluon.rows, fp8_ffn._gluon.wgrad, fp8_ffn._gluon.swiglu,  # noqa: E731
-                       fp8_ffn._gluon.block_m, fp8_ffn._gluon.tma_store)
+                       fp8_ffn._gluon.block_m, fp8_ffn._gluon.tma_store, fp8_ffn._gluon.act_epilogue)
     defaults = choices()
-    assert defaults == (False, False, False, 128, False)  # the FFN's own defaults (`fp8_ffn._GluonChoices`)
+    assert defaults == (False, False, False, 128, False, True)  # the FFN's own defaults (`fp8_ffn._GluonChoices`)
     for backend in (*bench.VARIANT_BACKENDS, bench.FP8_BACKEND):
         bench.make_block(backend, fp8_tiles=tiles)(x, idx, weights, w13, w2)
         assert choices() == defaults
-    assert seen == [(False, False, False, 128, False, "fp8", "both"), (False, True, False, 128, False, "fp8", "both"),
-                    (True, False, True, 128, False, "bf16-wgrad", "both"),
-                    (True, False, True, 256, False, "bf16-wgrad", "both"),
-                    (True, False, True, 128, True, "bf16-wgrad", "both"),
-                    (True, True, True, 128, True, "fp8", "both"),
-                    (False, False, False, 128, False, "bf16", "both"),
-                    (False, False, False, 128, False, "bf16-wgrad", "down"),
-                    (False, False, False, 128, False, "bf16-wgrad", "both")]
+    assert seen == [(False, False, False, 128, False, True, "fp8", "both"),
+                    (False, True, False, 128, False, True, "fp8", "both"),
+                    (True, False, True, 128, False, True, "bf16-wgrad", "both"),
+                    (True, False, True, 256, False, True, "bf16-wgrad", "both"),
+                    (True, False, True, 128, True, True, "bf16-wgrad", "both"),
+                    (True, True, True, 128, True, True, "fp8", "both"),
+                    (False, False, False, 128, False, True, "bf16", "both"),
+                    (False, False, False, 128, False, True, "bf16-wgrad", "down"),
+                    (False, False, False, 128, False, False, "bf16-wgrad", "down"),
+                    (False, False, False, 128, False, True, "bf16-wgrad", "both")]
     assert made == [(forward, backward) for *_, backward, forward in seen]  # each the copies its recipe reads
     for bad in (dict(block_m=192), dict(rows=256), dict(tma_store=1)):
-        with pytest.raises(ValueError, match="rows, wgrad, swiglu and tma_store take True or False, block_m one of"):
+        with pytest.raises(ValueError, match="rows, wgrad, swiglu, tma_store and act_epilogue take True or False, "
+                                             "block_m one of"):
             with fp8_ffn.gluon_paths(**bad):
                 pass
-    with pytest.raises(ValueError, match="choose from rows, wgrad, swiglu, block_m, tma_store"):
+    with pytest.raises(ValueError, match="choose from rows, wgrad, swiglu, block_m, tma_store, act_epilogue"):
         with fp8_ffn.gluon_paths(epilogue=True):
             pass
     # the TMA store at 128-row tiles only (at 256 x 128 its epilogue spills: `fp8_gluon.TMA_STORE_TILES`),
@@ -292,6 +296,8 @@ def test_the_kernel_paths_say_which_roles_run_gluon_where():
     assert bench.fp8_kernel_paths(bench.FP8_BACKEND, 4096, 14336, cpu).endswith("wgrad bf16 triton")
     assert bench.fp8_kernel_paths(f"{bench.FP8_BACKEND}:down-forward", 4096, 14336, cpu).endswith(
         "wgrad bf16 triton | forward gate/up bf16 triton")
+    assert bench.fp8_kernel_paths(f"{bench.FP8_BACKEND}:down-forward-pass", 4096, 14336, cpu).endswith(
+        "forward gate/up bf16 triton, act quantised in a pass")
     assert bench.fp8_kernel_paths(f"{bench.FP8_BACKEND}:bf16-backward", 4096, 14336, cpu).endswith(
         "wgrad bf16 triton | backward bf16 triton")
 

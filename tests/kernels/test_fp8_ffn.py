@@ -412,6 +412,11 @@ def test_one_forward_gemm_in_fp8_is_that_gemm_beside_the_bf16_experts_other(ffn8
         want_y = fp8.fp8_rows_gemm(*fp8.quantize_rows(act), offsets, *weights.w2, tiles.rows, out_dtype=x.dtype,
                                    num_programs=3)
     assert torch.equal(y, want_y)
+    if forward == "down":  # the act quantised by the gate/up GEMM's epilogue, or (the A/B's) in a pass: the same y
+        with ffn8.gluon_paths(act_epilogue=False):
+            in_a_pass = ffn8.expert_ffn_fp8(x, offsets, w13, w2, tiles=tiles, num_programs=3, backward="bf16",
+                                            forward=forward)
+        assert torch.equal(in_a_pass, y)
     want = moe_ffn_backward(dy, x, offsets, w13, w2, None, h13, bf16_tiles, num_programs=3)
     for got, expected in zip((t.grad for t in leaves), want, strict=True):
         assert torch.equal(got, expected)
