@@ -395,3 +395,27 @@ def test_the_experts_command_says_when_it_times_main_gradients(monkeypatch):
               "shapes": [], "main_grads": True}
     assert "added into fp32 main gradients" in _experts_table(record).title
     assert "main gradients" not in _experts_table({**record, "main_grads": False}).title
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="needs a GPU with FP8 tensor cores (sm_89+)")
+def test_cuda_main_grads_hold_the_blocks_weight_gradients():
+    """`--main-grads` on the GPU, bf16, a Qwen3-layer shape with Zipf routing: each block's fp32 main gradients
+    end holding the weight gradients its fresh run returns (ours added by the kernels' epilogues, in fp32 where
+    the fresh ones are rounded to bf16: within bf16's rounding; the torch baseline's added after autograd)."""
+    shape = bench.ExpertShape("t", "qwen3-30b-a3b", 4, 4096)
+    inputs = bench.make_inputs(shape, torch.device("cuda"))
+    dy = torch.randn(inputs[0].shape, device="cuda", dtype=torch.bfloat16)
+    for backend in ("grouped_mm", "triton", bench.FP8_BACKEND, f"{bench.FP8_BACKEND}:gluon-tma-store-wgrad"):
+        if backend.endswith("wgrad") and torch.cuda.get_device_capability() != (9, 0):
+            continue  # the Gluon kernels: Hopper only
+        block = bench.make_block(backend)
+        _, fresh = bench._forward_backward(block, bench._grad_inputs(inputs), dy)
+        leaves = bench._grad_inputs(inputs, main_grads=True)
+        _, grads = bench._forward_backward(block, leaves, dy)
+        torch.cuda.synchronize()
+        for weight, fresh_grad in zip(leaves[3:5], fresh[2:]):
+            gap = (weight.main_grad - fresh_grad.float()).norm() / fresh_grad.float().norm()
+            assert gap < 1e-2, (backend, gap.item())
+        assert (grads[2] is None) == (backend != "grouped_mm")
