@@ -320,10 +320,13 @@ def paired_first_held_bytes(m: ModelConfig, value_bytes: int, dropped: frozenset
       FP8 "fp8"          the w2 gradient's token-group copies (d y's H, act's F) through d h13's copies, the dx
                          GEMM and x's copy: the second half's peak plus H + F e4m3 values, above the first half's
                          (Mixtral's shape: 12.4 kB a row; none at Qwen3's, where the d h13 GEMM's half is higher);
-      FP8 "bf16-wgrad"   act (F values) through the w13 gradient: F more where that GEMM's half is the backward's
-                         peak (the input regathered, H past about 6F: `fp8_expert_row_grad_bytes`), else none;
+      FP8 "bf16-wgrad"   act (F values) through the w13 gradient: up to F more where that GEMM's half nears or
+                         passes the d h13 GEMM's (the input regathered, H past about 6F: `fp8_expert_row_grad_bytes`),
+                         else none;
       bf16 experts, FP8 "bf16"   0: what waits is kept by the forward or held to the op's end anyway.
-    `recompute: full` recomputes the row beside every phase alike: the same difference."""
+    `recompute: full` recomputes the row beside every phase alike: the same difference. Per row, as
+    `expert_row_grad_bytes` counts the backward's e4m3 copies: each group's padding to 128 rows not counted
+    (the waiting rows themselves count it, `paired_wgrad_waiting_bytes`)."""
     if not fp8 or fp8_backward == "bf16":
         return 0
     H, F = m.hidden_size, m.expert_ffn_size

@@ -63,6 +63,8 @@ def replay_peak(program: tuple[Op, ...], kept: Callable[[Op], int], held: Callab
     (the first, third, ... backward of a layer leaves them; an odd last one's wait until the optimizer step);
     `first_holds`: what such a backward, one that leaves its rows, holds more over its own span
     (`roofline.memory.paired_first_held_bytes`)."""
+    if first_holds is not None and waits is None:
+        raise ValueError("replay_peak: first_holds is what the first backward of a pair holds: give the pairs' waits")
     live: dict[tuple[type, int, int], int] = {}
     waiting: dict[int, int] = {}  # layer -> bytes of the rows waiting for its next expert backward
     total, best = 0, RankActivations(0, 0, "none")

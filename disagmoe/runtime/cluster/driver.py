@@ -230,7 +230,8 @@ def resolve_distributed_wgrad_pairs(cfg: TrainConfig, model_cfg: ModelConfig, ca
     fullest device with each expert rank's waiting rows (`largest_device_need`) is within `MEMORY_HEADROOM` of
     the devices' memory (`capacity_bytes`, else as `micro_batches: auto` reads it), or the rows add nothing to it
     (where every forward of a step runs before the first backward, a rank's peak is at that backward, before any
-    rows wait: `activation_memory.replay_peak`); else off, saying why. on is the user's (the memory check holds it
+    rows wait, though that backward may hold its own more: `activation_memory.replay_peak`'s `first_holds`); else
+    off, saying why. on is the user's (the memory check holds it
     to the whole device); on under pair rows in bands is refused."""
     if cfg.expert_wgrad_pairs == "off":
         return cfg, None
@@ -260,7 +261,8 @@ def resolve_distributed_wgrad_pairs(cfg: TrainConfig, model_cfg: ModelConfig, ca
     return on, (f"expert_wgrad_pairs: {cfg.expert_wgrad_pairs}{auto}: each expert rank runs each expert weight "
                 f"gradient {launches} times a step over {cfg.micro_batches} micro-batches' rows (its fp32 main "
                 f"gradient read and written {launches} times, not {cfg.micro_batches}); the fullest device's "
-                f"predicted peak {waiting / 2**30:+.2f} GiB for the waiting rows")
+                f"predicted peak {waiting / 2**30:+.2f} GiB for the waiting rows (and what a first backward of a "
+                "pair holds more)")
 
 
 @dataclass(frozen=True)
