@@ -425,8 +425,7 @@ def swiglu_grad_rows_quantized(d_act_NC: torch.Tensor, h13_N2C: torch.Tensor, of
         raise ValueError(f"offsets_E must be an int32 tensor on {d_act_NC.device} of the groups' cumulative row "
                          f"counts; got {offsets_E.dtype} {tuple(offsets_E.shape)} on {offsets_E.device}")
     dh13_N2C = d_act_NC.new_empty((n_rows, 2 * cols))
-    q_N2C = torch.empty((n_rows, 2 * cols), dtype=FP8, device=d_act_NC.device)
-    s_NG = torch.empty((n_rows, 2 * cols // SCALE_BLOCK), dtype=torch.float32, device=d_act_NC.device)
+    q_N2C, s_NG = empty_quantized_rows(n_rows, 2 * cols, d_act_NC.device)
     if n_rows == 0 or cols == 0:
         return dh13_N2C, (q_N2C, s_NG)
     _swiglu_grad_rows_quantized_kernel[(triton.cdiv(n_rows, gg.SPLIT_ROWS),)](
@@ -435,6 +434,14 @@ def swiglu_grad_rows_quantized(d_act_NC: torch.Tensor, h13_N2C: torch.Tensor, of
         dh13_N2C.stride(0), dh13_N2C.stride(1), act_N_C.stride(0), act_N_C.stride(1),
         q_N2C.stride(0), q_N2C.stride(1), s_NG.stride(0), s_NG.stride(1), BLOCK_R=gg.SPLIT_ROWS, num_warps=4)
     return dh13_N2C, (q_N2C, s_NG)
+
+
+def empty_quantized_rows(rows: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q_MK float8_e4m3fn [rows, k], s_MG fp32 [rows, cdiv(k, 128)]), uninitialised: the buffers of a 1 x 128
+    quantisation as `quantize_rows` returns it, for a kernel that writes one (`grouped_gemm.ragged_rows_gemm`'s
+    `quantized_out`, `swiglu_grad_rows_quantized`)."""
+    return (torch.empty((rows, k), dtype=FP8, device=device),
+            torch.empty((rows, triton.cdiv(k, SCALE_BLOCK)), dtype=torch.float32, device=device))
 
 
 def _quantize_rows(x_MK: torch.Tensor, stats: torch.Tensor | None, valid_rows: torch.Tensor | None, *,
@@ -446,11 +453,11 @@ def _quantize_rows(x_MK: torch.Tensor, stats: torch.Tensor | None, valid_rows: t
         raise ValueError(f"valid_rows must be an int32 tensor on {x_MK.device} holding the row count; got "
                          f"{valid_rows.dtype} {tuple(valid_rows.shape)} on {valid_rows.device}")
     groups = triton.cdiv(k, SCALE_BLOCK)
-    q_MK = torch.empty((rows, k), dtype=FP8, device=x_MK.device)
     if m_major:
+        q_MK = torch.empty((rows, k), dtype=FP8, device=x_MK.device)
         s_MG = torch.empty((groups, rows), dtype=torch.float32, device=x_MK.device).t()
     else:
-        s_MG = torch.empty((rows, groups), dtype=torch.float32, device=x_MK.device)
+        q_MK, s_MG = empty_quantized_rows(rows, k, x_MK.device)
     if rows == 0 or k == 0:
         return q_MK, s_MG
     block_m = 16 if x_MK.device.type == "cpu" else 32
@@ -1381,8 +1388,7 @@ def quantize_rows_and_token_groups(
         raise ValueError("offsets_E must hold at least one group's cumulative row count")
     capacity = padded_capacity(rows, groups)
     padded_E = padded_offsets(offsets_E)
-    q_MK = torch.empty((rows, k), dtype=FP8, device=x_MK.device)
-    s_MG = torch.empty((rows, triton.cdiv(k, SCALE_BLOCK)), dtype=torch.float32, device=x_MK.device)
+    q_MK, s_MG = empty_quantized_rows(rows, k, x_MK.device)
     q_KP = torch.empty((k, capacity), dtype=FP8, device=x_MK.device)
     s_KC = token_group_scales(k, capacity, x_MK.device)
     if k == 0:

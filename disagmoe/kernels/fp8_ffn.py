@@ -594,8 +594,7 @@ def _one_gemm_forward(x_NH: torch.Tensor | RowSource, offsets_E, weights: Fp8Exp
         act_NF = (torch.nn.functional.silu(gate) * up).to(dtype)
         return gg.ragged_rows_gemm(act_NF, offsets_E, w2_EFH, bf16_tiles.down, num_programs=num_programs)
     if acts is None and gluon.act_epilogue and gg.swiglu_quantizes(bf16_tiles.gate_up):  # the epilogue writes it
-        q_act = torch.empty((rows, ffn), dtype=fp8.FP8, device=device)
-        s_act = torch.empty((rows, -(-ffn // fp8.SCALE_BLOCK)), dtype=torch.float32, device=device)
+        q_act, s_act = fp8.empty_quantized_rows(rows, ffn, device)
         gg.ragged_rows_gemm(x_NH, offsets_E, w13_EH2F, bf16_tiles.gate_up, epilogue=gg.EPILOGUE_SWIGLU,
                             h13_N2C=h13_N2F, num_programs=num_programs, quantized_out=(q_act, s_act))
     else:  # a step that counts its numerics (or tiles off the 128-column grid, or the A/B's pass): act in bf16, then

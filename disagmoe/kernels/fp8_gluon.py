@@ -931,8 +931,8 @@ def gluon_fp8_weight_grad(
     if out is None:
         out = torch.empty((experts, ka, cols), dtype=torch.float32, device=qa_KP.device)
     if out.shape != (experts, ka, cols) or out.dtype not in OUT_DTYPES or (accumulate and out.dtype != torch.float32):
-        raise ValueError(f"out must be [E_W, KA, C] = {(experts, ka, cols)}, fp32 (a main gradient, accumulate) or bf16 "
-                         f"or fp16 (a fresh gradient in the weights' dtype); got {out.dtype} {tuple(out.shape)}")
+        raise ValueError(f"out must be [E_W, KA, C] = {(experts, ka, cols)}, fp32 (a main gradient, accumulate) or "
+                         f"bf16 or fp16 (a fresh gradient in the weights' dtype); got {out.dtype} {tuple(out.shape)}")
     epilogue = out.element_size()
     if stages < 2 or _wgrad_shared_bytes(stages, block_n, epilogue if tma_epilogue else 0) > SHARED_MEMORY_BYTES:
         raise ValueError(f"stages={stages}: the ring needs at least 2 stages and, with the TMA epilogue's buffers if "

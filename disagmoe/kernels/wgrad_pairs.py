@@ -13,12 +13,13 @@ micro-batch's launch into the same main gradient, and the two run as one launch 
 without a partner (an odd number of micro-batches) runs alone when the block exits, before anything
 reads the gradients. The cost is memory: the waiting rows (x, d y, act and d h13 of one micro-batch,
 every MoE layer's) live through the next micro-batch's forward and backward
-(`roofline.memory.paired_wgrad_waiting_bytes`, in the single trainer's memory check).
+(`roofline.memory.paired_wgrad_held_bytes`, in the single trainer's memory check).
 
 The all-FP8 backward (`fp8_expert_backward: fp8`) pairs the same way (`fp8_weight_grad_into`): what
 waits is its token-group copies (one byte a value and a scale per 128 tokens, each expert group padded to a
-multiple of 128 rows: what the memory model counts for them), and `fp8_gluon.gluon_fp8_weight_grad` sums both sets in one launch (the
-Triton `fp8.fp8_weight_grad` by a second launch into the main gradient: the unpaired order).
+multiple of 128 rows: what the memory model counts for them), and `fp8_gluon.gluon_fp8_weight_grad` sums
+both sets in one launch (the Triton `fp8.fp8_weight_grad` by a second launch into the main gradient: the
+unpaired order).
 
 The sum: each output element adds the first micro-batch's rows then the second's in one fp32
 accumulator, then adds that into the main gradient; unpaired, each micro-batch's sum is added on its

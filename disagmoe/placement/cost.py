@@ -285,7 +285,7 @@ class Problem:
     cuda_graphs: str = "auto"  # the run's cuda_graphs: auto, on or off (`rank_steps`)
     # expert weight gradients over pairs of micro-batches (`kernels.wgrad_pairs`; `paired_micro_batches`: one GPU's
     # step, m x rounds, a distributed rank's round): half the main-gradient passes, and the rows waiting for the
-    # next held (one GPU: one micro-batch's beside the next, `mem.paired_wgrad_waiting_bytes`; a distributed rank: as
+    # next held (one GPU: one micro-batch's beside the next, `mem.paired_wgrad_held_bytes`; a distributed rank: as
     # its replay holds them, `placement.waiting_rows`)
     wgrad_pairs: bool = False
     # expert_wgrad_pairs auto: a candidate pairs only where its peak with the waiting rows is within these bytes
@@ -684,7 +684,7 @@ def evaluate(prob: Problem, c: Candidates, misfits_exact: bool = True) -> Cost:
     single_pairs = may_pair & single
     all_fp8 = fp8 and prob.fp8_backward == "fp8"  # what waits is the backward's e4m3 token-group copies
     if c.colocated:
-        held = m.num_moe_layers * mem.paired_wgrad_waiting_bytes(m, tokens * k, m.num_experts, BF16, all_fp8)
+        held = mem.paired_wgrad_held_bytes(m, tokens, BF16, all_fp8)
         single_pairs = _pairs_fit(prob, c, single_pairs, tokens, in_flight, pairs, rows, attn_state + held)
         attn_state = attn_state + np.where(single_pairs, held, 0.0)
     # a distributed rank's: what its replay says its expert backwards leave waiting (`activations`), settled

@@ -269,8 +269,8 @@ def fp8_expert_row_grad_bytes(m: ModelConfig, value_bytes: int, input_dropped: b
                     the one GEMM that reads it, and no input row: the w13 gradient's token-group
                     quantiser reads the rows from their tokens in place. d y and d h13 are each
                     quantised both ways (two passes, `fp8_ffn._quantize_both_ways`), so their two copies
-                    live together: d y's (1 x 128
-                    rows and token groups: 2H) through the d h13 GEMM, then d y's token groups and
+                    live together: d y's (1 x 128 rows and token groups: 2H) through the d h13 GEMM, then
+                    d y's token groups and
                     act's (H + F) through the w2 gradient, after which act (bf16) is dropped too; then
                     d h13's two (4F) through the dx GEMM, x's and d h13's token groups (H + 2F) through
                     the w13 gradient. The peak is the larger of the first half (act alive) and the
@@ -389,6 +389,15 @@ def paired_wgrad_waiting_bytes(m: ModelConfig, rows: Num, groups: Num, value_byt
         return rows * values * value_bytes
     padded = fp8_token_group_rows(rows, groups)
     return padded * values + padded // FP8_TOKEN_GROUP_ROWS * values * FP32
+
+
+def paired_wgrad_held_bytes(m: ModelConfig, tokens: Num, value_bytes: int, fp8_token_groups: bool = False) -> Num:
+    """One GPU's rows waiting under paired expert weight gradients (mode single): one micro-batch of `tokens`
+    tokens, its K rows in every MoE layer over all the experts (`paired_wgrad_waiting_bytes` of each layer),
+    alive beside the next micro-batch's forward and backward; the single trainer's memory check and the
+    planner's one-GPU candidates both count it so."""
+    return m.num_moe_layers * paired_wgrad_waiting_bytes(m, tokens * m.top_k, m.num_experts, value_bytes,
+                                                         fp8_token_groups)
 
 
 def layer_bytes(m: ModelConfig, moe: bool, value_bytes: int, dropped: frozenset[str] = NOTHING_DROPPED,

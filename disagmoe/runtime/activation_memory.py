@@ -204,9 +204,8 @@ def single_activation_bytes(cfg: TrainConfig, model_cfg: ModelConfig) -> int:
     one micro-batch's expert rows waiting beside the next one's whole forward and backward."""
     tokens = cfg.batch_size // cfg.micro_batches * cfg.seq_len
     transient = emulate_transient(cfg, model_cfg, tokens * model_cfg.top_k) if model_cfg.num_moe_layers else 0
-    waiting = model_cfg.num_moe_layers * mem.paired_wgrad_waiting_bytes(
-        model_cfg, tokens * model_cfg.top_k, model_cfg.num_experts, value_bytes(cfg),
-        cfg.expert_backward_precision == "fp8") if cfg.pairs_expert_wgrads else 0
+    waiting = mem.paired_wgrad_held_bytes(model_cfg, tokens, value_bytes(cfg),
+                                          cfg.expert_backward_precision == "fp8") if cfg.pairs_expert_wgrads else 0
     return waiting + mem.activation_bytes(model_cfg, tokens, value_bytes(cfg), chunked=cfg.compute_dtype_name != "fp32",
                                 dropped=cfg.recompute_set, fp8=cfg.expert_precision == "fp8",
                                 fp8_backward=fp8_backward_of(cfg), forward_transient=transient)

@@ -47,7 +47,7 @@ def resolve_wgrad_pairs(cfg: TrainConfig, model_cfg: ModelConfig, capacity_bytes
     """(`cfg` with `expert_wgrad_pairs: auto` resolved to on or off, a line saying what runs and why, or
     None where nothing pairs and nothing was asked). auto is on where it applies
     (`TrainConfig.pairs_expert_wgrads`) and the peak with one micro-batch's waiting expert rows
-    (`single_peak_bytes`, `roofline.memory.paired_wgrad_waiting_bytes`) is within `MEMORY_HEADROOM` of
+    (`single_peak_bytes`, `roofline.memory.paired_wgrad_held_bytes`) is within `MEMORY_HEADROOM` of
     `capacity_bytes` (the rows are optional: they take only room `micro_batches: auto` would leave);
     else off, saying why. on is the user's: the memory check holds it to the whole device."""
     if cfg.expert_wgrad_pairs == "off":
