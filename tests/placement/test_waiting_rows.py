@@ -79,6 +79,15 @@ def test_an_expert_ranks_waiting_rows_add_what_its_replay_says():
         assert first == pytest.approx(unpaired + expert_rank_rise(b.K, b.W, n, m, b.E), rel=1e-12), (p, layers, m)
 
 
+def test_what_a_first_backward_holds_more_needs_the_pairs_waits():
+    """`replay_peak(first_holds=)` without `waits` (no pairs, so no first backward of a pair) is refused."""
+    layout = Layout(1, 1, 1, 2, 0)
+    program = build_schedule(layout, 2).programs[1]
+    b = Bytes(random.Random(5))
+    with pytest.raises(ValueError, match="give the pairs' waits"):
+        replay_peak(program, b.kept(layout), b.held(layout), first_holds=lambda op: 1.0)
+
+
 def test_a_colocated_ranks_waiting_rows_add_what_its_replay_says():
     """A colocated rank (attention and experts of its group, the head on the head group): `colocated_rank_rise`
     is its replay's peak with the waiting rows (and E, the first backward's more) less without, on every group of
