@@ -38,7 +38,7 @@ from disagmoe.kernels.fp8 import PROMOTE_VARIANTS
 from disagmoe.kernels.fp8_ffn import (DEFAULT_BACKWARD, DEFAULT_FORWARD, Fp8ExpertWeights, Fp8Tiles, expert_ffn_fp8,
                                       gluon_paths, kernel_paths)
 from disagmoe.kernels.moe_ffn import FFNTiles, expert_ffn_reference, expert_ffn_triton
-from disagmoe.kernels.permute import (combine_reference, combine_rows, permute_reference,
+from disagmoe.kernels.permute import (Fp8RowGradSlot, combine_reference, combine_rows, permute_reference,
                                       permute_tokens)
 from disagmoe.kernels.tile_configs import TileConfig, device_architecture, tile_source
 
@@ -66,6 +66,9 @@ FP8_VARIANTS = {
     # the same with its act written in bf16 and quantised in a pass, as before the epilogue wrote it in e4m3
     # (`fp8_ffn._GluonChoices.act_epilogue`): the epilogue's A/B in one run
     "down-forward-pass": {"forward": "down", "act_epilogue": False},
+    # the run's forward with dy's rows quantised in the FFN's pass, as before the combine's backward wrote them
+    # (`permute.Fp8RowGradSlot`; every other FP8 backend takes them from the combine, as a run does): its A/B
+    "down-forward-dy-pass": {"forward": "down", "combine_dy": False},
 }
 VARIANT_BACKENDS = tuple(f"{FP8_BACKEND}:{name}" for name in FP8_VARIANTS)
 
@@ -292,6 +295,8 @@ def make_block(backend: str, tiles: FFNTiles | None = None,
     if is_fp8(backend):
         copies: dict[tuple[int, int], Fp8ExpertWeights] = {}  # per weight tensor: made in the warm-up
         gluon, backward, forward = variant_of(backend)
+        # dy's e4m3 rows from the combine's backward, as `model.block` has them made (not for a bf16 backward)
+        combine_dy = gluon.pop("combine_dy", True) and backward != "bf16"
 
         def fp8_block(x_TH, topk_idx_TK, weights_TK, w13_EH2F, w2_EFH):
             key = (w13_EH2F.data_ptr(), w2_EFH.data_ptr())
@@ -300,10 +305,11 @@ def make_block(backend: str, tiles: FFNTiles | None = None,
                                                         backward=backward)
             rows_NH, offsets_E, dest_TK = permute_tokens(x_TH, topk_idx_TK, w13_EH2F.shape[0])
             # the forward's Gluon paths are the ones its backward runs (`fp8_ffn._GluonChoices`)
+            slot = Fp8RowGradSlot() if combine_dy else None
             with gluon_paths(**gluon):
                 out_NH = expert_ffn_fp8(rows_NH, offsets_E, w13_EH2F, w2_EFH, weights=copies[key], tiles=fp8_tiles,
-                                        backward=backward, forward=forward)
-            return combine_rows(out_NH, dest_TK, weights_TK)
+                                        backward=backward, forward=forward, grad_slot=slot)
+            return combine_rows(out_NH, dest_TK, weights_TK, grad_slot=slot)
         return fp8_block
     if backend == "triton":
         def block(x_TH, topk_idx_TK, weights_TK, w13_EH2F, w2_EFH):

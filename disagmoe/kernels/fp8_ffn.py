@@ -702,6 +702,7 @@ def fp8_ffn_backward(
     gluon: _GluonChoices | None = None,
     backward: str = "fp8",
     grad_dtypes: tuple[torch.dtype, torch.dtype] = (torch.float32, torch.float32),
+    dy_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(dx_NH in dy's dtype, dw13_EH2F, dw2_EFH in `grad_dtypes`: their weights' dtypes, written so by the
     all-FP8 backward's GEMMs, which round their fp32 sums once, not into an fp32 tensor cast after; the
@@ -730,18 +731,28 @@ def fp8_ffn_backward(
     the backward holds anyway (x, act, dy, d h13) by the bf16 experts' GEMM
     (`grouped_gemm.ragged_weight_grad`, its tuned tiles), no token-group copy made; the data
     gradients stay FP8 (`_backward_bf16_weight_grads`). ("bf16", the whole backward in bf16, is
-    `Fp8ExpertFFNFunction`'s: it needs the bf16 weights.)"""
+    `Fp8ExpertFFNFunction`'s: it needs the bf16 weights.)
+    `dy_fp8` (q_NH e4m3, s_NG fp32): dy's 1 x 128 rows made where dy was written (`permute.Fp8RowGradSlot`:
+    the combine's backward), uncounted, in place of quantising dy's rows here; a step that counts its
+    numerics passes none."""
     if backward not in ("fp8", "bf16-wgrad"):
         raise ValueError(f"fp8_ffn_backward runs backward fp8 or bf16-wgrad; got {backward!r}")
+    if dy_fp8 is not None and stats is not None:
+        raise ValueError("dy_fp8 is an uncounted copy: a backward that counts its numerics (stats given) quantises "
+                         "dy itself; pass one or the other")
     if backward == "bf16-wgrad":
         return _backward_bf16_weight_grads(dy_NH, x_NH, offsets_E, weights, h13_N2F, tiles, main_grads=main_grads,
-                                           num_programs=num_programs, stats=stats, gluon=gluon or _gluon)
+                                           num_programs=num_programs, stats=stats, gluon=gluon or _gluon,
+                                           dy_fp8=dy_fp8)
     (experts, _, ffn), rows = weights.shape_EHF, h13_N2F.shape[0]
     gluon = gluon or _gluon
     acts, grads_row = _row(stats, ACTIVATIONS), _row(stats, GRADIENTS)
     served = offsets_E[-1:]  # rows past it are padding: dh13's are never written (garbage, maybe NaN)
     # each e4m3 copy is dropped right after its last reader (`roofline.memory.expert_row_grad_bytes`)
-    (q_dy, s_dy), (qt_dy, st_dy, padded_E) = _quantize_both_ways(dy_NH, offsets_E, grads_row, served)
+    if dy_fp8 is None:
+        (q_dy, s_dy), (qt_dy, st_dy, padded_E) = _quantize_both_ways(dy_NH, offsets_E, grads_row, served)
+    else:  # dy's rows made where dy was written: its token groups alone here
+        (q_dy, s_dy), (qt_dy, st_dy, padded_E) = dy_fp8, fp8.quantize_token_groups(dy_NH, offsets_E, grads_row)
     act_NF = h13_N2F.new_empty((rows, ffn))
     dh13_N2F, _ = _down_data_gradient(q_dy, s_dy, offsets_E, weights.w2_t, tiles.swiglu, h13_N2F, act_NF,
                                       dy_NH.dtype, num_programs=num_programs, split=gluon.swiglu,
@@ -781,7 +792,8 @@ def _quantize_both_ways(x_NK: torch.Tensor, offsets_E: torch.Tensor, stats: torc
 
 def _backward_bf16_weight_grads(dy_NH, x_NH, offsets_E, weights: Fp8ExpertWeights, h13_N2F, tiles: Fp8Tiles, *,
                                 main_grads, num_programs: int | None, stats: Fp8Stats | None,
-                                gluon: _GluonChoices) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+                                gluon: _GluonChoices, dy_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
+                                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """`fp8_ffn_backward` with backward "bf16-wgrad": dy and d h13 quantised 1 x 128 only (their data
     gradients' A operands), each weight gradient the bf16 experts' ragged GEMM over the rows as
     they are, added into its main gradient where one is given. Launch order: d h13 (writing act),
@@ -795,7 +807,7 @@ def _backward_bf16_weight_grads(dy_NH, x_NH, offsets_E, weights: Fp8ExpertWeight
     grads_row = _row(stats, GRADIENTS)
     served = offsets_E[-1:]
     bf16_tiles = FFNTiles.for_shape(rows, experts, hidden, ffn, dy_NH.device, dy_NH.dtype)
-    q_dy, s_dy = fp8.quantize_rows(dy_NH, grads_row, served)
+    q_dy, s_dy = dy_fp8 if dy_fp8 is not None else fp8.quantize_rows(dy_NH, grads_row, served)
     act_NF = h13_N2F.new_empty((rows, ffn))
     # a step that counts its numerics quantises d h13 on its own (the split pass has no counters)
     dh13_N2F, dh13_fp8 = _down_data_gradient(q_dy, s_dy, offsets_E, weights.w2_t, tiles.swiglu, h13_N2F, act_NF,
@@ -828,7 +840,7 @@ class Fp8ExpertFFNFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, offsets_E, w13_EH2F, w2_EFH, weights, tiles, num_programs, stats,
                 recompute=frozenset(), source=None, backward=DEFAULT_BACKWARD, forward=DEFAULT_FORWARD, x_fp8=None,
-                dest_TK=None, emulate=False):
+                dest_TK=None, emulate=False, grad_slot=None):
         if weights is None:  # the recipe's copies per call; a trainer makes them once per optimizer step
             weights = Fp8ExpertWeights.quantize(w13_EH2F, w2_EFH, stats, forward=forward, backward=backward)
         ctx.gluon = dataclasses.replace(_gluon)  # the backward keeps the forward's choices
@@ -843,6 +855,7 @@ class Fp8ExpertFFNFunction(torch.autograd.Function):
         ctx.save_for_backward(None if ctx.source is not None else x, offsets_E, h13_N2F, dest_TK)
         ctx.weights, ctx.tiles, ctx.num_programs, ctx.stats = weights, tiles, num_programs, stats
         ctx.backward = backward
+        ctx.grad_slot = grad_slot  # dy's e4m3 rows, left there by the combine's backward (`permute.Fp8RowGradSlot`)
         ctx.bf16_weights = (w13_EH2F, w2_EFH) if backward == "bf16" else None
         ctx.weight_dtypes = (w13_EH2F.dtype, w2_EFH.dtype)
         # FlatAdamW's fp32 main gradients: the weight-gradient GEMMs add into them (no bf16 gradient,
@@ -853,6 +866,8 @@ class Fp8ExpertFFNFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy_NH):
         x_NH, offsets_E, h13_N2F, dest_TK = ctx.saved_tensors
+        dy_fp8 = ctx.grad_slot.take(dy_NH) if ctx.grad_slot is not None else None
+        ctx.grad_slot = None
         if ctx.backward == "bf16":  # the bf16 experts' backward from the FP8 forward's pre-activations
             if x_NH is None:
                 x_NH = ctx.source.rows(ctx.x_dtype)
@@ -863,16 +878,17 @@ class Fp8ExpertFFNFunction(torch.autograd.Function):
                                              None, h13_N2F, tiles, num_programs=ctx.num_programs,
                                              main_grads=ctx.main_grads)
             ctx.weights = ctx.stats = ctx.source = ctx.main_grads = ctx.bf16_weights = None
-            return _input_gradient(dx, dest_TK, ctx.x_dtype), None, dw13, dw2, *(None,) * 11
+            return _input_gradient(dx, dest_TK, ctx.x_dtype), None, dw13, dw2, *(None,) * 12
         if x_NH is None:  # the tokens read in place where they hold the rows' dtype, else cast rows
             same = ctx.source.x_TH.dtype == ctx.x_dtype
             x_NH = ctx.source if same else ctx.source.rows(ctx.x_dtype)
         dx, dw13, dw2 = fp8_ffn_backward(dy_NH.contiguous(), x_NH, offsets_E, ctx.weights, h13_N2F, ctx.tiles,
                                          main_grads=ctx.main_grads, num_programs=ctx.num_programs, stats=ctx.stats,
-                                         gluon=ctx.gluon, backward=ctx.backward, grad_dtypes=ctx.weight_dtypes)
+                                         gluon=ctx.gluon, backward=ctx.backward, grad_dtypes=ctx.weight_dtypes,
+                                         dy_fp8=dy_fp8)
         ctx.weights = ctx.stats = ctx.source = ctx.main_grads = None
         dw13, dw2 = (None if g is None else g.to(dtype) for g, dtype in zip((dw13, dw2), ctx.weight_dtypes))
-        return _input_gradient(dx, dest_TK, ctx.x_dtype), None, dw13, dw2, *(None,) * 11
+        return _input_gradient(dx, dest_TK, ctx.x_dtype), None, dw13, dw2, *(None,) * 12
 
 
 def _input_gradient(dx_NH: torch.Tensor, dest_TK: torch.Tensor | None, x_dtype: torch.dtype) -> torch.Tensor:
@@ -900,6 +916,7 @@ def expert_ffn_fp8(
     forward: str = DEFAULT_FORWARD,
     x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
     emulate: bool = False,
+    grad_slot: pm.Fp8RowGradSlot | None = None,
 ) -> torch.Tensor:
     """The experts backend contract `expert_ffn(x_NH, offsets_E, w13_EH2F, w2_EFH) -> y_NH` with
     every GEMM in FP8, differentiable in x, w13 and w2. `weights`: the FP8 copies of exactly these
@@ -916,7 +933,10 @@ def expert_ffn_fp8(
     and x may be `UnwrittenRows` (anywhere else refused, naming the reader: `bf16_rows_reader`), the
     gradient going to its tokens. `emulate` (`TrainConfig.fp8_emulate`, with backward "bf16" only:
     `check_emulate`): the forward's FP8 GEMMs as their operands' quantise-dequantise images in the
-    bf16 experts' GEMMs (`_emulated_forward`), a numerics check of the format against the kernels."""
+    bf16 experts' GEMMs (`_emulated_forward`), a numerics check of the format against the kernels.
+    `grad_slot`: the slot the consumer of y's rows fills with dy's e4m3 rows in its backward
+    (`permute.combine_rows(grad_slot=)`), which the backward then reads in place of quantising dy; for a
+    step that counts nothing (`stats` None) and a backward with an FP8 data gradient."""
     check_backward(backward)
     check_forward(forward)
     check_emulate(emulate, backward)
@@ -952,9 +972,13 @@ def expert_ffn_fp8(
                          f"makes them), for a forward whose gate/up GEMM is FP8 (forward {forward}); got "
                          + " and ".join(f"{t.dtype} {tuple(t.shape)} on {t.device}"
                                         f"{'' if t.is_contiguous() else ', strided'}" for t in x_fp8))
+    if grad_slot is not None and (stats is not None or backward == "bf16"):
+        raise ValueError(f"grad_slot hands the backward dy's uncounted e4m3 rows: for a step without counters "
+                         f"(stats None) whose backward quantises dy (fp8 or bf16-wgrad); got stats "
+                         f"{'given' if stats is not None else 'None'}, backward {backward!r}")
     if weights is not None:
         weights.check_serves(forward, backward)
     if tiles is None:  # from the host-known shapes: no sync, the same every step
         tiles = Fp8Tiles.for_shape(rows_shape[0], experts, hidden, two_ffn // 2, x.device)
     return Fp8ExpertFFNFunction.apply(x.contiguous(), offsets_E, w13_EH2F, w2_EFH, weights, tiles, num_programs,
-                                      stats, recompute, source, backward, forward, x_fp8, dest_TK, emulate)
+                                      stats, recompute, source, backward, forward, x_fp8, dest_TK, emulate, grad_slot)

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from disagmoe.kernels import fp8
+from disagmoe.kernels import fp8_rounding as fr
 
 PAIRS_PER_BLOCK = 64
 TOKENS_PER_BLOCK = 16
@@ -107,11 +108,15 @@ def _combine_kernel(rows_ptr, dest_ptr, weights_ptr, y_ptr, limit_ptr, n_tokens,
 
 
 @triton.jit
-def _combine_backward_kernel(dy_ptr, rows_ptr, dest_ptr, weights_ptr, d_rows_ptr, partial_ptr, limit_ptr,
-                             n_tokens, H, K, stride_dyt, stride_rn, stride_drn,
-                             HAS_LIMIT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+def _combine_backward_kernel(dy_ptr, rows_ptr, dest_ptr, weights_ptr, d_rows_ptr, partial_ptr, limit_ptr, q_ptr, s_ptr,
+                             n_tokens, H, K, stride_dyt, stride_rn, stride_drn, stride_qn, stride_sn,
+                             HAS_LIMIT: tl.constexpr, QUANTIZE: tl.constexpr, BLOCK_T: tl.constexpr,
+                             BLOCK_H: tl.constexpr):
     # Program (t-block, h-block): d_rows[dest[t, k], hs] = w[t, k] * dy[t, hs] and the partial
     # dot partial[h-block, t, k] = <dy[t, hs], rows[dest[t, k], hs]> (summed over h-blocks after).
+    # QUANTIZE (BLOCK_H 128: one scale group a program): each d row's group also quantised 1 x 128 into
+    # q [N, H] e4m3 and s [N, H / 128], as `fp8.quantize_rows` quantises d_rows read back (its values as
+    # rounded to d_rows' dtype, columns past H zeros).
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     hs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     tok_ok = tokens < n_tokens
@@ -125,8 +130,11 @@ def _combine_backward_kernel(dy_ptr, rows_ptr, dest_ptr, weights_ptr, d_rows_ptr
         w = tl.load(weights_ptr + tokens * K + k, mask=tok_ok, other=0.0).to(tl.float32)
         row_ok = ok & (dest < limit)[:, None] if HAS_LIMIT else ok
         vals = tl.load(rows_ptr + dest[:, None] * stride_rn + hs[None, :], mask=row_ok, other=0.0)
-        tl.store(d_rows_ptr + dest[:, None] * stride_drn + hs[None, :],
-                 (dy * w[:, None]).to(d_rows_ptr.dtype.element_ty), mask=ok)
+        d_rows = (dy * w[:, None]).to(d_rows_ptr.dtype.element_ty)
+        tl.store(d_rows_ptr + dest[:, None] * stride_drn + hs[None, :], d_rows, mask=ok)
+        if QUANTIZE:
+            fr._quantize_group_store(tl.where(ok, d_rows.to(tl.float32), 0.0), ok, tok_ok, dest, hs,
+                                     tl.program_id(1), q_ptr, s_ptr, stride_qn, 1, stride_sn, 1)
         tl.store(partial_row + tokens * K + k, tl.sum(dy * vals.to(tl.float32), axis=1),
                  mask=tok_ok)
 
@@ -237,19 +245,65 @@ def combine_backward(dy_TH: torch.Tensor, rows_NH: torch.Tensor, dest_TK: torch.
                      weights_TK: torch.Tensor, limit: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(d_rows_NH, d_weights_TK) of combine_forward (pairs whose row is past `limit`: weight
     gradient zero)."""
+    d_rows_NH, d_weights_TK, _ = _combine_backward(dy_TH, rows_NH, dest_TK, weights_TK, limit, quantize=False)
+    return d_rows_NH, d_weights_TK
+
+
+def combine_backward_quantized(dy_TH: torch.Tensor, rows_NH: torch.Tensor, dest_TK: torch.Tensor,
+                               weights_TK: torch.Tensor, limit: torch.Tensor | None = None,
+                               ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """`combine_backward` and d_rows_NH's 1 x 128 e4m3 copy (q_NH, s_NG) from the same launch: the bytes
+    `fp8.quantize_rows(d_rows_NH)` makes (every row the tokens' pairs write; no counters), without reading
+    d rows back. The FP8 experts' data gradient takes it as their dy's rows (`Fp8RowGradSlot`)."""
+    return _combine_backward(dy_TH, rows_NH, dest_TK, weights_TK, limit, quantize=True)
+
+
+def _combine_backward(dy_TH, rows_NH, dest_TK, weights_TK, limit, *, quantize: bool):
     tokens, top_k = dest_TK.shape
+    n_rows, hidden = rows_NH.shape
     d_rows_NH = torch.empty_like(rows_NH)
+    q_NH, s_NG = fp8.empty_quantized_rows(n_rows, hidden, rows_NH.device) if quantize else (None, None)
     if tokens == 0:
-        return d_rows_NH, torch.empty_like(weights_TK)
-    hidden = rows_NH.shape[1]
-    block_h = _row_block(hidden)
+        return d_rows_NH, torch.empty_like(weights_TK), (q_NH, s_NG) if quantize else None
+    block_h = fp8.SCALE_BLOCK if quantize else _row_block(hidden)
     h_blocks = triton.cdiv(hidden, block_h)
     partial_BTK = torch.empty((h_blocks, tokens, top_k), dtype=torch.float32, device=dy_TH.device)
     _combine_backward_kernel[(triton.cdiv(tokens, TOKENS_PER_BLOCK), h_blocks)](
         dy_TH, rows_NH, dest_TK, weights_TK, d_rows_NH, partial_BTK, limit if limit is not None else dest_TK,
+        q_NH if quantize else d_rows_NH, s_NG if quantize else partial_BTK,
         tokens, hidden, top_k, dy_TH.stride(0), rows_NH.stride(0), d_rows_NH.stride(0),
-        HAS_LIMIT=limit is not None, BLOCK_T=TOKENS_PER_BLOCK, BLOCK_H=block_h)
-    return d_rows_NH, partial_BTK.sum(0).to(weights_TK.dtype)
+        q_NH.stride(0) if quantize else 0, s_NG.stride(0) if quantize else 0,
+        HAS_LIMIT=limit is not None, QUANTIZE=quantize, BLOCK_T=TOKENS_PER_BLOCK, BLOCK_H=block_h)
+    return d_rows_NH, partial_BTK.sum(0).to(weights_TK.dtype), (q_NH, s_NG) if quantize else None
+
+
+class Fp8RowGradSlot:
+    """Where the combine's backward leaves the e4m3 copy of the row gradient it writes, for the FP8
+    experts' backward that reads that gradient next (`kernels.fp8_ffn.Fp8ExpertFFNFunction`): their dy's
+    1 x 128 rows, made in the combine's launch (`combine_backward_quantized`) instead of a quantiser
+    pass that reads dy back. One slot per layer call, handed to the experts and to `combine_rows`; the
+    experts `take` the copy of exactly the dy autograd hands them (else None: they quantise dy
+    themselves). A step that counts its numerics passes none (the copy has no counters)."""
+
+    __slots__ = ("_d_rows_NH", "_copy")
+
+    def __init__(self) -> None:
+        self._d_rows_NH: torch.Tensor | None = None
+        self._copy: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def put(self, d_rows_NH: torch.Tensor, copy: tuple[torch.Tensor, torch.Tensor]) -> None:
+        self._d_rows_NH, self._copy = d_rows_NH, copy
+
+    def take(self, dy_NH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(q_NH, s_NG) of `dy_NH` if that is the gradient the copy was made of (the same memory, shape
+        and strides), else None; the slot is empty afterwards either way."""
+        rows, copy = self._d_rows_NH, self._copy
+        self._d_rows_NH = self._copy = None
+        if rows is None or copy is None:
+            return None
+        same = (dy_NH.data_ptr() == rows.data_ptr() and dy_NH.shape == rows.shape
+                and dy_NH.stride() == rows.stride() and dy_NH.dtype == rows.dtype)
+        return copy if same else None
 
 
 class PermuteFunction(torch.autograd.Function):
@@ -268,17 +322,27 @@ class PermuteFunction(torch.autograd.Function):
 
 
 class CombineFunction(torch.autograd.Function):
+    """y_TH = the weighted combine of rows_NH; its backward also quantises the row gradient into
+    `grad_slot` where one is given (`Fp8RowGradSlot`)."""
+
     @staticmethod
-    def forward(ctx, rows_NH, weights_TK, dest_TK, limit):
+    def forward(ctx, rows_NH, weights_TK, dest_TK, limit, grad_slot=None):
         ctx.save_for_backward(rows_NH, weights_TK, dest_TK, *(() if limit is None else (limit,)))
+        ctx.grad_slot = grad_slot
         return combine_forward(rows_NH, dest_TK, weights_TK, limit)
 
     @staticmethod
     def backward(ctx, dy_TH):
         rows_NH, weights_TK, dest_TK, *limit = ctx.saved_tensors
-        d_rows, d_weights = combine_backward(dy_TH.contiguous(), rows_NH, dest_TK, weights_TK,
-                                             limit[0] if limit else None)
-        return d_rows, d_weights, None, None
+        limit = limit[0] if limit else None
+        if ctx.grad_slot is None:
+            d_rows, d_weights = combine_backward(dy_TH.contiguous(), rows_NH, dest_TK, weights_TK, limit)
+        else:
+            d_rows, d_weights, copy = combine_backward_quantized(dy_TH.contiguous(), rows_NH, dest_TK, weights_TK,
+                                                                 limit)
+            ctx.grad_slot.put(d_rows, copy)
+            ctx.grad_slot = None
+        return d_rows, d_weights, None, None, None
 
 
 def _check_routing(x_TH: torch.Tensor, topk_idx_TK: torch.Tensor) -> None:
@@ -308,13 +372,16 @@ def permute_tokens(x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, num_experts: i
 
 
 def combine_rows(rows_NH: torch.Tensor, dest_TK: torch.Tensor,
-                 weights_TK: torch.Tensor, limit: torch.Tensor | None = None) -> torch.Tensor:
+                 weights_TK: torch.Tensor, limit: torch.Tensor | None = None,
+                 grad_slot: Fp8RowGradSlot | None = None) -> torch.Tensor:
     """y_TH = sum_k weights_TK[:, k] * rows_NH[dest_TK[:, k]]; differentiable in rows, weights.
-    `limit` (one-element int32 device tensor): rows at or after it count as zero (a spare bucket)."""
+    `limit` (one-element int32 device tensor): rows at or after it count as zero (a spare bucket).
+    `grad_slot`: the backward also leaves the rows' gradient quantised 1 x 128 there, for FP8 experts
+    that produced the rows (`Fp8RowGradSlot`)."""
     if weights_TK.shape != dest_TK.shape:
         raise ValueError(f"weights must match dest [tokens, k] {tuple(dest_TK.shape)}; "
                          f"got {tuple(weights_TK.shape)}")
-    return CombineFunction.apply(rows_NH.contiguous(), weights_TK.contiguous(), dest_TK, limit)
+    return CombineFunction.apply(rows_NH.contiguous(), weights_TK.contiguous(), dest_TK, limit, grad_slot)
 
 
 def permute_reference(x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, num_experts: int,

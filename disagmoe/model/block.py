@@ -200,9 +200,11 @@ class MoEBlock(Block):
             # FP8: each token quantised once for its K pairs where that is the fewer bytes (every pair
             # of the layer is served here: `RoutedExperts.quantized_rows`)
             x_fp8 = experts.quantized_rows(routing.xn_NH, dest_NK)
-            y_PH = experts(self._expert_rows(routing, destinations, x_fp8), offsets_E, source=source, x_fp8=x_fp8)
+            grad_slot = experts.row_grad_slot()  # FP8: the combine's backward quantises the experts' dy
+            y_PH = experts(self._expert_rows(routing, destinations, x_fp8), offsets_E, source=source, x_fp8=x_fp8,
+                           grad_slot=grad_slot)
             del x_fp8  # the e4m3 rows freed once the FFN's forward returned
-            ffn_NH = combine_rows(y_PH, dest_NK, routing.topk_w_NK)
+            ffn_NH = combine_rows(y_PH, dest_NK, routing.topk_w_NK, grad_slot=grad_slot)
         shared_NH = self.shared_ffn(routing)
         if shared_NH is not None:
             ffn_NH = ffn_NH + shared_NH

@@ -294,6 +294,17 @@ class RoutedExperts(nn.Module):
 
         return quantize_then_permute(x_TH, dest_TK, None if self.fp8_stats is None else self.fp8_stats.row(ACTIVATIONS))
 
+    def row_grad_slot(self):
+        """A `kernels.permute.Fp8RowGradSlot` for this call's output rows, through which the combine's
+        backward (`combine_rows(grad_slot=)`) hands these experts their dy already quantised 1 x 128;
+        None where nothing would take it: bf16 experts, an FP8 backward in bf16, and a step that counts
+        its numerics (the copy has no counters; `set_fp8_stats`)."""
+        if self.precision != "fp8" or self.fp8_backward == "bf16" or self.fp8_stats is not None:
+            return None
+        from disagmoe.kernels.permute import Fp8RowGradSlot
+
+        return Fp8RowGradSlot()
+
     def reads_rows(self, x_fp8: tuple[torch.Tensor, torch.Tensor] | None) -> bool:
         """Whether a call given `x_fp8` (`quantized_rows`) and, under expert_input, the rows' source
         reads the bf16 input rows, in its forward or its backward: always, but for FP8 experts given
@@ -306,12 +317,13 @@ class RoutedExperts(nn.Module):
         return bf16_rows_reader(self.fp8_forward, x_fp8 is not None, EXPERT_INPUT in self.kernel_recompute) is not None
 
     def forward(self, x_NH: torch.Tensor | UnwrittenRows, offsets_E: torch.Tensor, source=None,
-                x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None, grad_slot=None) -> torch.Tensor:
         """Rows grouped by (local) expert -> output rows in the same order. `source`
         (`kernels.recompute.RowSource`): where the rows came from, kept instead of them when
         `expert_input` is recomputed. `x_fp8`: the FP8 experts' input rows already quantised
         (`quantized_rows`). `x_NH` may be `UnwrittenRows` where the call reads no row
-        (`reads_rows`); elsewhere they are refused, naming what reads them."""
+        (`reads_rows`); elsewhere they are refused, naming what reads them. `grad_slot`: from
+        `row_grad_slot`, given to the combine of these rows too."""
         assert offsets_E.numel() == self.num_experts, "one cumulative count per local expert"
         if self.precision == "fp8":
             from disagmoe.kernels.fp8_ffn import expert_ffn_fp8
@@ -320,9 +332,9 @@ class RoutedExperts(nn.Module):
             return expert_ffn_fp8(x_NH, offsets_E, self.w13_EH2F, self.w2_EFH, weights=self.fp8_weights,
                                   stats=self.fp8_stats, recompute=self.kernel_recompute, source=source,
                                   backward=self.fp8_backward, forward=self.fp8_forward, x_fp8=x_fp8,
-                                  emulate=self.fp8_emulate)
-        if x_fp8 is not None:
-            raise ValueError("x_fp8 is the FP8 experts' input; these experts run in bf16 (set_precision('fp8'))")
+                                  emulate=self.fp8_emulate, grad_slot=grad_slot)
+        if x_fp8 is not None or grad_slot is not None:
+            raise ValueError("x_fp8 and grad_slot are the FP8 experts'; these experts run in bf16 (set_precision('fp8'))")
         if isinstance(x_NH, UnwrittenRows):
             raise ValueError(f"x's rows were not written (UnwrittenRows) but the {self.precision} experts' GEMMs read "
                              "them; pass the grouped rows (`kernels.permute.permute_tokens`)")

@@ -66,8 +66,9 @@ def _fused(x_TH: torch.Tensor, local_TK: torch.Tensor, w_TK: torch.Tensor, exper
     x_PH, offsets_E1, dest_TK = permute_tokens(x_TH, local_TK, num_local + 1, spare_last=True,
                                                destinations=destinations)
     source = RowSource.of_permute(x_TH, dest_TK) if EXPERT_INPUT in experts.recompute else None
-    y_PH = experts(x_PH, offsets_E1[:num_local], source=source)
-    return combine_rows(y_PH, dest_TK, w_TK, limit=offsets_E1[num_local - 1:num_local])
+    grad_slot = experts.row_grad_slot()  # FP8: the combine's backward quantises the experts' dy
+    y_PH = experts(x_PH, offsets_E1[:num_local], source=source, grad_slot=grad_slot)
+    return combine_rows(y_PH, dest_TK, w_TK, limit=offsets_E1[num_local - 1:num_local], grad_slot=grad_slot)
 
 
 def _grouping(local_TK: torch.Tensor, num_local: int) -> tuple[torch.Tensor, torch.Tensor]:

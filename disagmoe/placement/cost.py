@@ -1077,7 +1077,8 @@ def fp8_stages(stages: dict[str, Stage], ceil: Ceilings, speedup: float, m: Mode
     `tokens_once` (per candidate: one GPU's tokens, 0 elsewhere) and the top-k make it the fewer bytes
     (`kernels.permute.quantises_tokens_once`) each token's row quantised once and copied to its
     pairs (`fp8_expert_input_bytes`); backward, dy
-    quantised twice (1 x 128 and 128 x 1), dh13 twice, the SwiGLU output and x once each along tokens.
+    quantised twice (1 x 128 and 128 x 1), dh13 twice, the SwiGLU output and x once each along tokens (on
+    one GPU dy's 1 x 128 rows written by the combine's backward beside dy, not read back).
 
     `backward` (`TrainConfig.fp8_expert_backward`, `kernels.fp8_ffn.BACKWARD_PRECISIONS`) says which
     backward stages are FP8: "fp8" both; "bf16-wgrad" the data gradients ("routed experts"'
@@ -1160,7 +1161,10 @@ def fp8_stages(stages: dict[str, Stage], ceil: Ceilings, speedup: float, m: Mode
             fwd = Work(hbm_bytes=np.where(single, 0.0, rows * F * (BF16 + 1 + scales)))
         else:
             fwd = Work(hbm_bytes=np.where(quantised_once, once, per_pair))
-        bwd = Work(hbm_bytes=rows * quantised[backward] * (BF16 + 1 + scales))
+        # dy's 1 x 128 rows: on one GPU the combine's backward writes them beside dy (`permute.Fp8RowGradSlot`),
+        # nothing read back; a distributed rank counts every step, quantising dy in a pass
+        dy_unread = np.where(single, rows * H * BF16, 0.0) if backward != "bf16" else 0.0
+        bwd = Work(hbm_bytes=rows * quantised[backward] * (BF16 + 1 + scales) - dy_unread)
         out["fp8 quantise"] = Stage("expert", "moe", fwd, bwd)
     if forward != "down" and "permute / combine sum" in out:
         unwritten = np.where(quantised_once & np.asarray(input_rows_recomputed), np.asarray(tokens_once) * k, 0.0)

@@ -198,7 +198,9 @@ def test_the_variant_backends_run_the_fp8_block_with_their_one_choice_changed(mo
     monkeypatch.setattr(bench.Fp8ExpertWeights, "quantize", classmethod(
         lambda cls, a, b, *, forward, backward: made.append((forward, backward))))
     monkeypatch.setattr(bench, "permute_tokens", lambda x, idx, experts: (x, None, None))
-    monkeypatch.setattr(bench, "combine_rows", lambda rows, dest, weights: rows)
+    slots = []  # whether the combine was handed a slot for dy's e4m3 rows (`permute.Fp8RowGradSlot`)
+    monkeypatch.setattr(bench, "combine_rows", lambda rows, dest, weights, grad_slot=None: slots.append(
+        grad_slot is not None) or rows)
     x, idx, weights = torch.randn(6, 8), torch.randint(0, 2, (6, 2)), torch.rand(6, 2)
     w13, w2 = torch.randn(2, 8, 16), torch.randn(2, 8, 8)
     choices = lambda: (fp8_ffn._gluon.rows, fp8_ffn._gluon.wgrad, fp8_ffn._gluon.swiglu,  # noqa: E731
@@ -217,7 +219,10 @@ def test_the_variant_backends_run_the_fp8_block_with_their_one_choice_changed(mo
                     (False, False, False, 128, False, True, "bf16", "both"),
                     (False, False, False, 128, False, True, "bf16-wgrad", "down"),
                     (False, False, False, 128, False, False, "bf16-wgrad", "down"),
+                    (False, False, False, 128, False, True, "bf16-wgrad", "down"),
                     (False, False, False, 128, False, True, "bf16-wgrad", "both")]
+    # dy from the combine as a run has it, but for the bf16 backward (no FP8 data gradient) and its A/B variant
+    assert slots == [True] * 6 + [False, True, True, False, True]
     assert made == [(forward, backward) for *_, backward, forward in seen]  # each the copies its recipe reads
     for bad in (dict(block_m=192), dict(rows=256), dict(tma_store=1)):
         with pytest.raises(ValueError, match="rows, wgrad, swiglu, tma_store and act_epilogue take True or False, "

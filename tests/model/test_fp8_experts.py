@@ -739,7 +739,7 @@ def _fake_quantised_gate_up_forward(experts: RoutedExperts):
     silu(gate) * up and the down GEMM as they are."""
     from disagmoe.kernels import fp8
 
-    def forward(x_NH, offsets_E, source=None, x_fp8=None):
+    def forward(x_NH, offsets_E, source=None, x_fp8=None, grad_slot=None):  # the slot left empty: dy as it is
         out, start = [], 0
         for e, end in enumerate(offsets_E.tolist()):
             x, w13 = x_NH[start:end], experts.w13_EH2F[e]

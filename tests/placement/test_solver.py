@@ -662,6 +662,25 @@ def test_one_gpus_fp8_input_rows_are_priced_as_the_layer_quantises_them(model, o
                 assert st.fp8_expert_input_bytes(H, tokens, k, True) > fwd
 
 
+@pytest.mark.parametrize("backward", ["bf16-wgrad", "fp8", "bf16"])
+def test_one_gpus_fp8_backward_quantises_no_dy_rows_it_reads_back(backward):
+    """Datasheet FP8 pricing of the backward's quantisers: on one GPU the combine's backward writes dy's
+    1 x 128 rows beside dy (`kernels.permute.Fp8RowGradSlot`), so the quantise stage lacks exactly the
+    read of dy's bf16 rows an expert GPU of a disaggregated layout pays (it counts every step and
+    quantises dy in a pass); a bf16 backward quantises nothing either way."""
+    m = load_model("qwen3-30b-a3b")
+    H, F = m.hidden_size, m.expert_ffn_size
+    quantised = {"fp8": 2 * H + 2 * 2 * F + F + H, "bf16-wgrad": H + 2 * F, "bf16": 0}[backward]
+    for layout, single in ((Candidates.one(1, 1, 1, 2, 4, colocated=True), True), (Candidates.one(4, 4, 1, 4, 2), False)):
+        prob = problem_of(request("qwen3-30b-a3b", "h200-sxm", 1 if single else 8, recompute="none",
+                                  expert_precision="fp8", fp8_expert_backward=backward))  # uncalibrated: the datasheet
+        cost = evaluate(prob, layout)
+        rows = cost.stages["routed experts"].fwd.flops[0] / (6 * H * F)  # 3 GEMMs of 2HF a row
+        bwd = cost.stages["fp8 quantise"].bwd.hbm_bytes[0]
+        unread = rows * H * 2 if single and backward != "bf16" else 0.0
+        assert bwd == pytest.approx(rows * quantised * (2 + 1 + 4 / 128) - unread)
+
+
 @pytest.mark.parametrize(("modules", "forward", "top_k", "unwritten"), [
     (["expert_input", "expert_swiglu"], "both", 8, True), (["expert_input"], "gate-up", 8, True),
     (["expert_swiglu"], "both", 8, False), (["expert_input"], "down", 8, False), (["expert_input"], "both", 2, False)])
