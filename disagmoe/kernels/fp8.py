@@ -481,9 +481,9 @@ def quantize_blocks(w_EKN: torch.Tensor, stats: torch.Tensor | None = None, *,
     (torch's transposing copy of one-byte values ran at about 350 GB/s: 24 ms of a Mixtral-shaped
     FP8 step). `natural` False (with `transposed_out`): the transposed copy alone, q_EKN neither
     allocated nor written (None returned for it): a recipe that reads only one layout
-    (`fp8_ffn.Fp8ExpertWeights`) holds one byte a value, not two. `out` (natural only): the
-    (q_EKN, s_EGB) buffers to write into, any strides (a captured step's copies keep their
-    addresses); returned as given."""
+    (`fp8_ffn.Fp8ExpertWeights`) holds one byte a value, not two. `out`: the (q_EKN, s_EGB) buffers
+    to write into, any strides (a captured step's copies keep their addresses; q_EKN None with
+    `natural` False: the scales' buffer alone); returned as given."""
     experts, k, n = w_EKN.shape
     tiles_k, tiles_n = triton.cdiv(k, SCALE_BLOCK), triton.cdiv(n, SCALE_BLOCK)
     if not natural and transposed_out is None:
@@ -494,13 +494,15 @@ def quantize_blocks(w_EKN: torch.Tensor, stats: torch.Tensor | None = None, *,
         raise ValueError(f"transposed_out must be float8_e4m3fn {(experts, n, k)} on {w_EKN.device}; got "
                          f"{transposed_out.dtype} {tuple(transposed_out.shape)} on {transposed_out.device}")
     if out is not None:
-        if not natural:
-            raise ValueError("quantize_blocks(out=...) writes the natural copy: pass natural=True with it")
         q_EKN, s_EGB = out
-        if (q_EKN.shape != (experts, k, n) or q_EKN.dtype != FP8 or s_EGB.shape != (experts, tiles_k, tiles_n)
-                or s_EGB.dtype != torch.float32):
+        if (q_EKN is None) == natural:
+            raise ValueError("quantize_blocks(out=(q, s)): q is the natural copy's buffer, given with natural=True "
+                             "and None with natural=False (the transposed copy alone, into transposed_out)")
+        if ((q_EKN is not None and (q_EKN.shape != (experts, k, n) or q_EKN.dtype != FP8))
+                or s_EGB.shape != (experts, tiles_k, tiles_n) or s_EGB.dtype != torch.float32):
             raise ValueError(f"out must be (float8_e4m3fn {(experts, k, n)}, float32 {(experts, tiles_k, tiles_n)}); "
-                             f"got ({q_EKN.dtype} {tuple(q_EKN.shape)}, {s_EGB.dtype} {tuple(s_EGB.shape)})")
+                             f"got ({None if q_EKN is None else q_EKN.dtype} "
+                             f"{None if q_EKN is None else tuple(q_EKN.shape)}, {s_EGB.dtype} {tuple(s_EGB.shape)})")
     else:
         q_EKN = torch.empty((experts, k, n), dtype=FP8, device=w_EKN.device) if natural else None
         s_EGB = torch.empty((experts, tiles_k, tiles_n), dtype=torch.float32, device=w_EKN.device)

@@ -49,7 +49,7 @@ from collections.abc import Iterator
 import torch
 
 from disagmoe.config import (DEFAULT_FP8_EXPERT_BACKWARD, DEFAULT_FP8_EXPERT_FORWARD, FP8_EXPERT_BACKWARDS,
-                              FP8_EXPERT_FORWARDS, fp8_weight_copies)
+                              FP8_EXPERT_FORWARDS, FP8_WEIGHT_COPIES, fp8_weight_copies)
 from disagmoe.kernels import fp8
 from disagmoe.kernels import grouped_gemm as gg
 from disagmoe.kernels import permute as pm
@@ -404,20 +404,39 @@ class Fp8ExpertWeights:
 
     @classmethod
     def quantize(cls, w13_EH2F: torch.Tensor, w2_EFH: torch.Tensor, stats: Fp8Stats | None = None, *,
-                 forward: str = DEFAULT_FORWARD, backward: str = DEFAULT_BACKWARD) -> Fp8ExpertWeights:
+                 forward: str = DEFAULT_FORWARD, backward: str = DEFAULT_BACKWARD,
+                 into: Fp8ExpertWeights | None = None) -> Fp8ExpertWeights:
         """The copies recipe (`forward`, `backward`) reads, each weight quantised by one launch
         (none for a weight it reads no copy of: nothing counted into `stats` for it either). The
-        defaults (forward both, backward bf16-wgrad) make all four: any recipe can read those."""
+        defaults (forward both, backward bf16-wgrad) make all four: any recipe can read those.
+        `into`: copies of this very recipe, shape and device (`matches`), written in place by the
+        launches and returned (a captured step reads their addresses), no new tensor made."""
         check_forward(forward)
         check_backward(backward)
+        experts, hidden, two_ffn = w13_EH2F.shape
+        shape = (experts, hidden, two_ffn // 2)
+        if into is not None and not into.matches(forward, backward, shape, w13_EH2F.device):
+            raise ValueError(f"into holds copies for forward {into.forward}, backward {into.backward}, shape "
+                             f"{into.shape_EHF} on {into.device}; these weights need forward {forward}, backward "
+                             f"{backward}, shape {shape} on {w13_EH2F.device}: quantise into new copies (into=None)")
         read = fp8_weight_copies(forward, backward)
         copies: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for name, w_EKN in (("w13", w13_EH2F), ("w2", w2_EFH)):
             made = _k_major_copies(w_EKN, _row(stats, WEIGHTS), forward=name in read,
-                                   transposed=f"{name}_t" in read)
+                                   transposed=f"{name}_t" in read,
+                                   into=None if into is None else (into.copies.get(name), into.copies.get(f"{name}_t")))
             copies.update({key: pair for key, pair in zip((name, f"{name}_t"), made) if pair is not None})
-        experts, hidden, two_ffn = w13_EH2F.shape
-        return cls(copies, (experts, hidden, two_ffn // 2), forward, backward)
+        return into if into is not None else cls(copies, shape, forward, backward)
+
+    def matches(self, forward: str, backward: str, shape_EHF: tuple[int, int, int], device: torch.device) -> bool:
+        """Whether these are the copies recipe (`forward`, `backward`) makes of weights of `shape_EHF` on
+        `device` (`quantize(into=)` can write them in place)."""
+        return (self.forward, self.backward, tuple(self.shape_EHF), self.device) == (forward, backward,
+                                                                                    tuple(shape_EHF), device)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor these copies hold (the values and scales of those the recipe reads), in a fixed order."""
+        return [t for name in FP8_WEIGHT_COPIES if name in self.copies for t in self.copies[name]]
 
     def _copy(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         pair = self.copies.get(name)
@@ -460,18 +479,28 @@ class Fp8ExpertWeights:
                              f"forward={forward!r}, backward={backward!r})")
 
 
-def _k_major_copies(w_EKN: torch.Tensor, stats: torch.Tensor | None, *, forward: bool, transposed: bool):
+def _k_major_copies(w_EKN: torch.Tensor, stats: torch.Tensor | None, *, forward: bool, transposed: bool,
+                    into: tuple[tuple[torch.Tensor, torch.Tensor] | None, tuple[torch.Tensor, torch.Tensor] | None]
+                    | None = None):
     """((q_EKN, s_EGB) where `forward`, else None; (q_ENK, s_EBG) where `transposed`, else None),
     both values K-major, from one quantising launch (none where neither is asked for): the
     forward's [E, K, N] is a transposed view of a transposed copy the launch writes
     (`quantize_blocks(transposed_out=...)`); the data gradient's [E, N, K] a transposed view of the
     quantised [E, K, N] blocks as made (not allocated where only the forward's is asked for:
-    `quantize_blocks(natural=False)`)."""
+    `quantize_blocks(natural=False)`). `into`: the two pairs as an earlier call returned them (None where
+    not asked for), written in place instead."""
     if not (forward or transposed):
         return None, None
     experts, k, n = w_EKN.shape
-    q_ENK = torch.empty((experts, n, k), dtype=fp8.FP8, device=w_EKN.device) if forward else None
-    q_EKN, s_EGB = fp8.quantize_blocks(w_EKN, stats, transposed_out=q_ENK, natural=transposed)
+    if into is not None:
+        forward_pair, transposed_pair = into
+        q_ENK = forward_pair[0].transpose(1, 2) if forward else None
+        s_EGB = forward_pair[1] if forward else transposed_pair[1].transpose(1, 2)
+        out = (transposed_pair[0].transpose(1, 2) if transposed else None, s_EGB)
+    else:
+        q_ENK = torch.empty((experts, n, k), dtype=fp8.FP8, device=w_EKN.device) if forward else None
+        out = None
+    q_EKN, s_EGB = fp8.quantize_blocks(w_EKN, stats, transposed_out=q_ENK, natural=transposed, out=out)
     return ((q_ENK.transpose(1, 2), s_EGB) if forward else None,
             (q_EKN.transpose(1, 2), s_EGB.transpose(1, 2)) if transposed else None)
 

@@ -631,6 +631,30 @@ def test_each_recipes_weight_copies_are_those_it_reads_and_no_other(ffn8):
         ffn8.Fp8ExpertWeights.quantize(w13, w2, backward="bf17")
 
 
+@pytest.mark.slow  # every recipe's quantiser launches in the interpreter: ~5 s
+def test_each_recipes_copies_are_requantised_in_place_to_the_fresh_copies_bits(ffn8):
+    """`Fp8ExpertWeights.quantize(into=)`, what `RoutedExperts.prepare_fp8` runs once a step: every recipe's
+    copies of new weights written into the tensors made before (the same addresses, no new copy), the bits a
+    fresh quantisation makes; copies of another recipe or shape are refused, naming the fix."""
+    _, _, w13, w2, _ = _inputs([3], 136, 24, seed=43)
+    for forward, backward in COPIES_READ:
+        kept = ffn8.Fp8ExpertWeights.quantize(w13, w2, forward=forward, backward=backward)
+        addresses = [t.data_ptr() for t in kept.tensors()]
+        new13, new2 = w13 * 3.0 + 0.01, w2 * 0.5 - 0.02
+        fresh = ffn8.Fp8ExpertWeights.quantize(new13, new2, forward=forward, backward=backward)
+        written = ffn8.Fp8ExpertWeights.quantize(new13, new2, forward=forward, backward=backward, into=kept)
+        assert written is kept and [t.data_ptr() for t in kept.tensors()] == addresses, (forward, backward)
+        for a, b in zip(kept.tensors(), fresh.tensors(), strict=True):
+            same = torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.dtype == torch.float8_e4m3fn else \
+                torch.equal(a, b)  # e4m3 values by their bits, fp32 scales by value
+            assert a.stride() == b.stride() and same, (forward, backward)
+    other = ffn8.Fp8ExpertWeights.quantize(w13, w2, forward="down", backward="bf16")
+    with pytest.raises(ValueError, match="into holds copies for forward down, backward bf16.*into=None"):
+        ffn8.Fp8ExpertWeights.quantize(w13, w2, forward="both", backward="bf16", into=other)
+    with pytest.raises(ValueError, match="into holds copies"):
+        ffn8.Fp8ExpertWeights.quantize(w13[:, :128], w2[:, :, :128], forward="down", backward="bf16", into=other)
+
+
 def test_mismatched_weights_are_refused(ffn8):
     x, offsets, w13, w2, _ = _inputs([3, 4], 16, 16, seed=0)
     with pytest.raises(ValueError, match="w2"):

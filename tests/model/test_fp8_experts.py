@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from disagmoe.config import TrainConfig
-from disagmoe.model.experts import RoutedExperts, _fp8_tensors
+from disagmoe.model.experts import RoutedExperts
 
 FWD_BOUND = 0.15  # per-row relative error of the FP8 FFN's output against fp64 (tests/kernels/test_fp8_ffn.py)
 
@@ -242,13 +242,13 @@ def test_prepared_copies_are_refreshed_in_place(fp8_modules):
     experts = _experts()
     experts.set_precision("fp8")
     experts.prepare_fp8()
-    kept = [t.data_ptr() for t in _fp8_tensors(experts.fp8_weights)]
+    kept = [t.data_ptr() for t in experts.fp8_weights.tensors()]
     with torch.no_grad():
         experts.w13_EH2F.mul_(2.0).add_(0.01)
     experts.prepare_fp8()
-    assert [t.data_ptr() for t in _fp8_tensors(experts.fp8_weights)] == kept
+    assert [t.data_ptr() for t in experts.fp8_weights.tensors()] == kept
     fresh = Fp8ExpertWeights.quantize(experts.w13_EH2F.detach(), experts.w2_EFH.detach())
-    for a, b in zip(_fp8_tensors(experts.fp8_weights), _fp8_tensors(fresh), strict=True):
+    for a, b in zip(experts.fp8_weights.tensors(), fresh.tensors(), strict=True):
         assert torch.equal(a.float(), b.float())
     unprepared = _experts()
     unprepared.set_precision("fp8")
@@ -261,10 +261,10 @@ def test_prepared_copies_are_refreshed_in_place(fp8_modules):
     # changed behind set_precision's back is rebuilt too, never copied into the old tensors
     experts.set_precision("fp8", backward="bf16", forward="gate-up")
     experts.prepare_fp8()
-    assert set(experts.fp8_weights.copies) == {"w13"} and len(_fp8_tensors(experts.fp8_weights)) == 2
-    kept = [t.data_ptr() for t in _fp8_tensors(experts.fp8_weights)]
+    assert set(experts.fp8_weights.copies) == {"w13"} and len(experts.fp8_weights.tensors()) == 2
+    kept = [t.data_ptr() for t in experts.fp8_weights.tensors()]
     experts.prepare_fp8()
-    assert [t.data_ptr() for t in _fp8_tensors(experts.fp8_weights)] == kept
+    assert [t.data_ptr() for t in experts.fp8_weights.tensors()] == kept
     assert torch.equal(experts.fp8_weights.w13[0].float(), fresh.w13[0].float())
     experts.fp8_forward = "down"
     experts.prepare_fp8()
