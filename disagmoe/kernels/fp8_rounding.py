@@ -168,8 +168,13 @@ def _quantized_rows(x):
 @triton.jit
 def _quantize_group_store(x, ok, row_ok, rows64, ks, group, q_ptr, s_ptr, stride_qm, stride_qk, stride_sm,
                           stride_sg):
-    """Quantise one 1 x 128 group of some rows, x fp32 [rows, 128] (zeros outside ok), as
-    `_rows_tile` does (`_quantized_rows`): q stored at columns ks, each row's scale at group `group`."""
-    _, scale, _, q = _quantized_rows(x)
+    """Quantise one 1 x 128 group of some rows, x fp32 [rows, 128] (zeros outside ok), to the bits
+    `_rows_tile` writes (`_quantized_rows`): q stored at columns ks, each row's scale at group `group`.
+    Compiled, the scale and x / scale by their FMA forms (`_scale_by_fma`, `_divided_by`: div_rn's bits,
+    a few instructions an element where div_rn took ten and a branch), as the token-group quantiser
+    divides: the epilogues that call this (the SwiGLU GEMM's, the SwiGLU gradient's, the combine
+    backward's) quantise beside other work, where the instructions count. Interpreted, `_quantized_rows`'."""
+    scale = _scale_by_fma(tl.max(tl.abs(x), axis=1))
+    q = _e4m3(_divided_by(x, scale, 1))
     tl.store(q_ptr + rows64[:, None] * stride_qm + ks[None, :] * stride_qk, q.to(q_ptr.dtype.element_ty), mask=ok)
     tl.store(s_ptr + rows64 * stride_sm + group * stride_sg, scale, mask=row_ok)
