@@ -1,3 +1,4 @@
+import dataclasses
 import importlib
 import importlib.util
 import os
@@ -213,6 +214,20 @@ KERNEL_LEAF_MODULES = ("disagmoe.kernels.fp8_rounding",)
 
 def _reload_all(names):
     return [importlib.reload(importlib.import_module(name)) for name in names]
+
+
+@pytest.fixture(autouse=True)
+def _fp8_gluon_choices_restored():
+    """A trainer sets the FP8 experts' kernel choices for its whole process (`kernels.fp8_ffn.set_gluon`): each
+    test gets them back as it found them, so one that asserts the FFN's defaults does not see an earlier test's
+    run settings (a GPU run of the bench and model tests in one process did, session 39)."""
+    module = sys.modules.get("disagmoe.kernels.fp8_ffn")
+    saved = None if module is None else dataclasses.asdict(module._gluon)
+    yield
+    module = sys.modules.get("disagmoe.kernels.fp8_ffn")
+    if module is not None:
+        for name, value in (saved or dataclasses.asdict(module._GluonChoices())).items():
+            setattr(module._gluon, name, value)
 
 
 @pytest.fixture
