@@ -1146,3 +1146,24 @@ def test_the_quantising_swiglu_epilogue_compiles_at_the_gate_up_tiles_without_sp
     # none spills (the plain launch spills 4 bytes at 128 x 128 x 32): the epilogue saves h13 before it quantises
     spilled = [(plain, fused) for plain, fused in zip(usage.found[::2], usage.found[1::2]) if fused[2]]
     assert not spilled, spilled
+
+
+def test_the_combines_backward_compiles_quantising_dy_without_spills(usage):
+    """The weighted combine's backward that also writes the FP8 experts' dy rows in e4m3 with their 1 x 128
+    scales (`permute.combine_backward_quantized`, one scale group a program), bf16 for sm_90a at top-8 as
+    at top-2: no spills, beside the plain launch."""
+    from disagmoe.kernels import permute
+
+    hidden = 512
+    for top_k in (2, 8):
+        tokens = 64
+        dest = torch.arange(tokens * top_k, dtype=torch.int32).view(tokens, top_k)
+        dy, rows = torch.zeros(tokens, hidden, dtype=torch.bfloat16), torch.zeros(tokens * top_k, hidden,
+                                                                                    dtype=torch.bfloat16)
+        weights = torch.zeros(tokens, top_k, dtype=torch.bfloat16)
+        usage.label = f"top-{top_k} plain"
+        permute.combine_backward(dy, rows, dest, weights)
+        usage.label = f"top-{top_k} quantising"
+        permute.combine_backward_quantized(dy, rows, dest, weights)
+    assert [label for label, *_ in usage.found] == ["top-2 plain", "top-2 quantising", "top-8 plain", "top-8 quantising"]
+    assert not [found for found in usage.found if found[2]], usage.found
