@@ -11,6 +11,11 @@ far from the bound each runs, and the two columns say what the counters cost (se
 2.4-4.8x the quantising; docs/benchmarks.md). Shapes are `bench experts`' (`--shape`): one
 micro-batch's rows of that model's experts on one rank, grouped by its seeded Zipf routing.
 
+`--epilogues` adds the kernels that quantise their own output 1 x 128 beside their work (the default
+recipe's bf16 gate/up GEMM writing the down GEMM's e4m3 act, the weighted combine's backward writing the
+experts' e4m3 dy rows) against the same kernel writing bf16 and the row quantiser's pass after it: the
+same bytes out, so their times alone say which a step should run.
+
 Legend: N rows (token-expert pairs), T tokens (N / top-k), E local experts, H hidden, F expert FFN,
 P padded rows (each expert's rows rounded up to 128, `fp8.padded_capacity`).
 """
@@ -92,8 +97,48 @@ def launch(case: Case, x: torch.Tensor, stats_row: torch.Tensor | None,
     return lambda _: fp8_rowwise.quantize_rowwise(x, stats_row)
 
 
-def run(shapes: list[str], warmup: int = 3, iters: int = 10, log: Callable[[str], None] = print) -> dict:
-    """Time every case of `shapes` without and with counters, and the HBM copy, on cuda:0."""
+def epilogue_launches(shape: str, device: torch.device,
+                      gen: torch.Generator) -> list[tuple[str, Callable[[int], object], Callable[[int], object],
+                                                          Callable[[int], object]]]:
+    """(name, plain, fused, separate) per quantising epilogue of one micro-batch of `shape`: the kernel
+    writing bf16 alone, the kernel quantising its output itself, and the kernel then `fp8.quantize_rows`
+    of its output (what a step ran before the fused one)."""
+    from disagmoe.kernels import fp8, permute
+    from disagmoe.kernels import grouped_gemm as gg
+    from disagmoe.kernels.moe_ffn import FFNTiles
+
+    experts, hidden, ffn, top_k = SHAPES[shape].dims
+    rows = SHAPES[shape].pairs
+    tokens = rows // top_k
+    offsets_E = SHAPES[shape].offsets(device)
+    bf16 = dict(generator=gen, device=device, dtype=torch.bfloat16)
+    x_NH = torch.randn(rows, hidden, **bf16)
+    w13_EH2F = torch.randn(experts, hidden, 2 * ffn, **bf16) / hidden**0.5
+    h13_N2F = torch.empty(rows, 2 * ffn, **{k: v for k, v in bf16.items() if k != "generator"})
+    gate_up = FFNTiles.for_shape(rows, experts, hidden, ffn, device, torch.bfloat16).gate_up
+
+    def swiglu(quantized_out=None):
+        return gg.ragged_rows_gemm(x_NH, offsets_E, w13_EH2F, gate_up, epilogue=gg.EPILOGUE_SWIGLU, h13_N2C=h13_N2F,
+                                   quantized_out=quantized_out)
+
+    dy_TH, rows_NH = torch.randn(tokens, hidden, **bf16), torch.randn(rows, hidden, **bf16)
+    dest_TK = torch.randperm(rows, generator=gen, device=device).view(tokens, top_k).to(torch.int32)
+    w_TK = torch.rand(tokens, top_k, generator=gen, device=device, dtype=torch.bfloat16)
+    out = []
+    if gg.swiglu_quantizes(gate_up):
+        act = fp8.empty_quantized_rows(rows, ffn, device)
+        out.append(("act by the gate/up GEMM's SwiGLU epilogue", lambda _: swiglu(), lambda _: (swiglu(act), act[1]),
+                    lambda _: fp8.quantize_rows(swiglu())))
+    out.append(("dy by the weighted combine's backward", lambda _: permute.combine_backward(dy_TH, rows_NH, dest_TK, w_TK),
+                lambda _: permute.combine_backward_quantized(dy_TH, rows_NH, dest_TK, w_TK),
+                lambda _: fp8.quantize_rows(permute.combine_backward(dy_TH, rows_NH, dest_TK, w_TK)[0])))
+    return out
+
+
+def run(shapes: list[str], warmup: int = 3, iters: int = 10, log: Callable[[str], None] = print,
+        epilogues: bool = False) -> dict:
+    """Time every case of `shapes` without and with counters, and the HBM copy, on cuda:0; with
+    `epilogues` also each quantising epilogue against its kernel and pass (`epilogue_launches`)."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
         raise ValueError("`disagmoe bench quantise` times the FP8 quantisers on a GPU with FP8 tensor cores "
                          "(sm_89 or newer); none is visible here")
@@ -118,4 +163,13 @@ def run(shapes: list[str], warmup: int = 3, iters: int = 10, log: Callable[[str]
                          "gbps_with_counters": case.bytes / counted / 1e6,
                          "of_copy_rate_with_counters": case.bytes / counted / 1e6 / copy_gbps})
             del x
-    return {"environment": environment(device), "copy_gbps": copy_gbps, "rows": rows}
+    fused = []
+    for shape in shapes if epilogues else []:
+        for name, plain, together, apart in epilogue_launches(shape, device, gen):
+            log(f"{shape}: {name}")
+            ms = {key: kernel_ms(fn, warmup, iters) for key, fn in (("plain", plain), ("fused", together),
+                                                                     ("separate", apart))}
+            fused.append({"shape": shape, "epilogue": name, "plain_ms": ms["plain"], "fused_ms": ms["fused"],
+                          "separate_ms": ms["separate"], "fused_over_separate": ms["fused"] / ms["separate"]})
+        torch.cuda.empty_cache()
+    return {"environment": environment(device), "copy_gbps": copy_gbps, "rows": rows, "epilogues": fused}

@@ -844,6 +844,9 @@ def quantise(
     shapes: ShapeOption = None,
     warmup: Annotated[int, typer.Option(help="untimed calls first", min=0)] = 3,
     iters: Annotated[int, typer.Option(help="timed calls (kernel time, their mean)", min=1)] = 10,
+    epilogues: Annotated[bool, typer.Option(
+        help="also time the kernels that quantise their own output (the bf16 gate/up GEMM's SwiGLU epilogue, the "
+             "combine's backward) against the same kernel writing bf16 and the row quantiser's pass after it")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
 ) -> None:
     """Time the FP8 quantisers a precision: fp8 step runs (the expert rows, the SwiGLU output, d h13,
@@ -855,13 +858,13 @@ def quantise(
     from it each runs, and what the counters cost).
 
     \b
-    Example: disagmoe bench quantise --shape mixtral-8x7b --shape qwen3-30b-a3b"""
+    Example: disagmoe bench quantise --shape mixtral-8x7b --shape qwen3-30b-a3b --epilogues"""
     from disagmoe.bench import quantise as bench
 
     names = _shape_names(shapes or ["mixtral-8x7b", "qwen3-30b-a3b"])
     log = (lambda m: err_console.print(m, highlight=False, markup=False)) if as_json else (
         lambda m: console.print(m, highlight=False, markup=False))
-    record = bench.run(names, warmup, iters, log)
+    record = bench.run(names, warmup, iters, log, epilogues=epilogues)
     if as_json:
         print_json(record)
         return
@@ -874,6 +877,15 @@ def quantise(
                       f"{r['gbps']:,.0f}", f"{r['of_copy_rate']:.0%}", f"{r['ms_with_counters']:.3f}",
                       f"{r['counters_cost']:.2f}x", f"{r['of_copy_rate_with_counters']:.0%}")
     console.print(table)
+    if record["epilogues"]:
+        fused = Table(title="Quantising epilogues: the kernel alone, quantising its output itself, and then the row "
+                            "quantiser's pass (kernel ms; fused / separate below 1: the epilogue is the faster)")
+        for col in ("shape", "quantised", "kernel alone", "fused", "kernel + pass", "fused / separate"):
+            fused.add_column(col, justify="left" if col in ("shape", "quantised") else "right")
+        for r in record["epilogues"]:
+            fused.add_row(r["shape"], r["epilogue"], f"{r['plain_ms']:.3f}", f"{r['fused_ms']:.3f}",
+                          f"{r['separate_ms']:.3f}", f"{r['fused_over_separate']:.2f}x")
+        console.print(fused)
 
 
 @bench_app.command("placement")
