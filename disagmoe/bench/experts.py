@@ -67,7 +67,8 @@ FP8_VARIANTS = {
     # (`fp8_ffn._GluonChoices.act_epilogue`): the epilogue's A/B in one run
     "down-forward-pass": {"forward": "down", "act_epilogue": False},
     # the run's forward with dy's rows quantised in the FFN's pass, as before the combine's backward wrote them
-    # (`permute.Fp8RowGradSlot`; every other FP8 backend takes them from the combine, as a run does): its A/B
+    # (`permute.Fp8RowGradSlot`; every other FP8 backend with an FP8 data gradient, all but bf16-backward, takes them
+    # from the combine, as a run does): its A/B
     "down-forward-dy-pass": {"forward": "down", "combine_dy": False},
 }
 VARIANT_BACKENDS = tuple(f"{FP8_BACKEND}:{name}" for name in FP8_VARIANTS)

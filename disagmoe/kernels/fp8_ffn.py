@@ -435,7 +435,8 @@ class Fp8ExpertWeights:
                                                                                     tuple(shape_EHF), device)
 
     def tensors(self) -> list[torch.Tensor]:
-        """Every tensor these copies hold (the values and scales of those the recipe reads), in a fixed order."""
+        """Every tensor these copies hold (the values and scales of those the recipe reads), in a fixed order; a
+        weight's forward and transposed copies share one scale tensor, listed with each (as a view for the latter)."""
         return [t for name in FP8_WEIGHT_COPIES if name in self.copies for t in self.copies[name]]
 
     def _copy(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -731,7 +732,7 @@ def fp8_ffn_backward(
     gluon: _GluonChoices | None = None,
     backward: str = "fp8",
     grad_dtypes: tuple[torch.dtype, torch.dtype] = (torch.float32, torch.float32),
-    dy_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
+    grad_slot: pm.Fp8RowGradSlot | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(dx_NH in dy's dtype, dw13_EH2F, dw2_EFH in `grad_dtypes`: their weights' dtypes, written so by the
     all-FP8 backward's GEMMs, which round their fp32 sums once, not into an fp32 tensor cast after; the
@@ -761,27 +762,30 @@ def fp8_ffn_backward(
     (`grouped_gemm.ragged_weight_grad`, its tuned tiles), no token-group copy made; the data
     gradients stay FP8 (`_backward_bf16_weight_grads`). ("bf16", the whole backward in bf16, is
     `Fp8ExpertFFNFunction`'s: it needs the bf16 weights.)
-    `dy_fp8` (q_NH e4m3, s_NG fp32): dy's 1 x 128 rows made where dy was written (`permute.Fp8RowGradSlot`:
-    the combine's backward), uncounted, in place of quantising dy's rows here; a step that counts its
-    numerics passes none."""
+    `grad_slot` (`permute.Fp8RowGradSlot`): where dy's 1 x 128 rows were left by whatever wrote dy (the combine's
+    backward), uncounted, taken in place of quantising dy's rows here (where it holds a copy of this very dy)
+    at the point of use, so that the copy is dropped after its last reader as a quantised one is; a step that
+    counts its numerics passes none."""
     if backward not in ("fp8", "bf16-wgrad"):
         raise ValueError(f"fp8_ffn_backward runs backward fp8 or bf16-wgrad; got {backward!r}")
-    if dy_fp8 is not None and stats is not None:
-        raise ValueError("dy_fp8 is an uncounted copy: a backward that counts its numerics (stats given) quantises "
-                         "dy itself; pass one or the other")
+    if grad_slot is not None and stats is not None:
+        raise ValueError("grad_slot holds an uncounted copy of dy: a backward that counts its numerics (stats given) "
+                         "quantises dy itself; pass one or the other")
     if backward == "bf16-wgrad":
         return _backward_bf16_weight_grads(dy_NH, x_NH, offsets_E, weights, h13_N2F, tiles, main_grads=main_grads,
                                            num_programs=num_programs, stats=stats, gluon=gluon or _gluon,
-                                           dy_fp8=dy_fp8)
+                                           grad_slot=grad_slot)
     (experts, _, ffn), rows = weights.shape_EHF, h13_N2F.shape[0]
     gluon = gluon or _gluon
     acts, grads_row = _row(stats, ACTIVATIONS), _row(stats, GRADIENTS)
     served = offsets_E[-1:]  # rows past it are padding: dh13's are never written (garbage, maybe NaN)
     # each e4m3 copy is dropped right after its last reader (`roofline.memory.expert_row_grad_bytes`)
-    if dy_fp8 is None:
+    dy_rows = grad_slot.take(dy_NH) if grad_slot is not None else None
+    if dy_rows is None:
         (q_dy, s_dy), (qt_dy, st_dy, padded_E) = _quantize_both_ways(dy_NH, offsets_E, grads_row, served)
     else:  # dy's rows made where dy was written: its token groups alone here
-        (q_dy, s_dy), (qt_dy, st_dy, padded_E) = dy_fp8, fp8.quantize_token_groups(dy_NH, offsets_E, grads_row)
+        (q_dy, s_dy), (qt_dy, st_dy, padded_E) = dy_rows, fp8.quantize_token_groups(dy_NH, offsets_E, grads_row)
+    del dy_rows  # q_dy and s_dy the copy's only holders, dropped after the d h13 GEMM
     act_NF = h13_N2F.new_empty((rows, ffn))
     dh13_N2F, _ = _down_data_gradient(q_dy, s_dy, offsets_E, weights.w2_t, tiles.swiglu, h13_N2F, act_NF,
                                       dy_NH.dtype, num_programs=num_programs, split=gluon.swiglu,
@@ -821,7 +825,7 @@ def _quantize_both_ways(x_NK: torch.Tensor, offsets_E: torch.Tensor, stats: torc
 
 def _backward_bf16_weight_grads(dy_NH, x_NH, offsets_E, weights: Fp8ExpertWeights, h13_N2F, tiles: Fp8Tiles, *,
                                 main_grads, num_programs: int | None, stats: Fp8Stats | None,
-                                gluon: _GluonChoices, dy_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
+                                gluon: _GluonChoices, grad_slot: pm.Fp8RowGradSlot | None = None,
                                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """`fp8_ffn_backward` with backward "bf16-wgrad": dy and d h13 quantised 1 x 128 only (their data
     gradients' A operands), each weight gradient the bf16 experts' ragged GEMM over the rows as
@@ -836,7 +840,9 @@ def _backward_bf16_weight_grads(dy_NH, x_NH, offsets_E, weights: Fp8ExpertWeight
     grads_row = _row(stats, GRADIENTS)
     served = offsets_E[-1:]
     bf16_tiles = FFNTiles.for_shape(rows, experts, hidden, ffn, dy_NH.device, dy_NH.dtype)
-    q_dy, s_dy = dy_fp8 if dy_fp8 is not None else fp8.quantize_rows(dy_NH, grads_row, served)
+    dy_rows = grad_slot.take(dy_NH) if grad_slot is not None else None
+    q_dy, s_dy = dy_rows if dy_rows is not None else fp8.quantize_rows(dy_NH, grads_row, served)
+    del dy_rows  # q_dy and s_dy the copy's only holders
     act_NF = h13_N2F.new_empty((rows, ffn))
     # a step that counts its numerics quantises d h13 on its own (the split pass has no counters)
     dh13_N2F, dh13_fp8 = _down_data_gradient(q_dy, s_dy, offsets_E, weights.w2_t, tiles.swiglu, h13_N2F, act_NF,
@@ -895,8 +901,7 @@ class Fp8ExpertFFNFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy_NH):
         x_NH, offsets_E, h13_N2F, dest_TK = ctx.saved_tensors
-        dy_fp8 = ctx.grad_slot.take(dy_NH) if ctx.grad_slot is not None else None
-        ctx.grad_slot = None
+        grad_slot, ctx.grad_slot = ctx.grad_slot, None  # dy's copy taken where it is read (`fp8_ffn_backward`)
         if ctx.backward == "bf16":  # the bf16 experts' backward from the FP8 forward's pre-activations
             if x_NH is None:
                 x_NH = ctx.source.rows(ctx.x_dtype)
@@ -914,7 +919,7 @@ class Fp8ExpertFFNFunction(torch.autograd.Function):
         dx, dw13, dw2 = fp8_ffn_backward(dy_NH.contiguous(), x_NH, offsets_E, ctx.weights, h13_N2F, ctx.tiles,
                                          main_grads=ctx.main_grads, num_programs=ctx.num_programs, stats=ctx.stats,
                                          gluon=ctx.gluon, backward=ctx.backward, grad_dtypes=ctx.weight_dtypes,
-                                         dy_fp8=dy_fp8)
+                                         grad_slot=grad_slot)
         ctx.weights = ctx.stats = ctx.source = ctx.main_grads = None
         dw13, dw2 = (None if g is None else g.to(dtype) for g, dtype in zip((dw13, dw2), ctx.weight_dtypes))
         return _input_gradient(dx, dest_TK, ctx.x_dtype), None, dw13, dw2, *(None,) * 12

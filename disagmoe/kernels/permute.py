@@ -283,7 +283,8 @@ class Fp8RowGradSlot:
     1 x 128 rows, made in the combine's launch (`combine_backward_quantized`) instead of a quantiser
     pass that reads dy back. One slot per layer call, handed to the experts and to `combine_rows`; the
     experts `take` the copy of exactly the dy autograd hands them (else None: they quantise dy
-    themselves). A step that counts its numerics passes none (the copy has no counters)."""
+    themselves). A step that counts its numerics passes none (the copy has no counters). A copy put and never
+    taken (a backward that stops at the experts' output) lives as long as the slot, i.e. the experts' node."""
 
     __slots__ = ("_d_rows_NH", "_copy")
 

@@ -121,6 +121,34 @@ def test_fp8_experts_take_dy_from_the_combine_with_the_same_gradients(interprete
     assert (dy_passes, fused_passes) == (1, 0)  # the FFN's quantiser no longer reads dy back
 
 
+@pytest.mark.slow  # the FP8 FFN in the interpreter
+@pytest.mark.parametrize("backward", ["bf16-wgrad", "fp8"])
+def test_dys_copy_from_the_combine_is_dropped_after_its_last_reader(interpreted, monkeypatch, backward):
+    """The copy the slot hands over is freed once the d h13 GEMM has read it, as a copy the FFN quantises
+    itself is (`roofline.memory.fp8_expert_row_grad_bytes` counts it so): gone by the dx GEMM, which reads
+    d h13's rows [N, 2F]."""
+    import weakref
+
+    _, _, permute, ffn8 = interpreted("disagmoe.kernels.grouped_gemm", "disagmoe.kernels.fp8",
+                                      "disagmoe.kernels.permute", "disagmoe.kernels.fp8_ffn")
+    copies, alive_at_dx = [], []
+    put, rows_gemm = permute.Fp8RowGradSlot.put, ffn8._rows_gemm
+
+    def kept(self, d_rows, copy):
+        copies.append(weakref.ref(copy[0]))
+        put(self, d_rows, copy)
+
+    def dx_gemm(a_MK, *args, **kwargs):
+        if a_MK.shape[1] == 2 * 128:  # d h13's rows (F 128): the dx GEMM
+            alive_at_dx.append(copies[-1]() is not None)
+        return rows_gemm(a_MK, *args, **kwargs)
+
+    monkeypatch.setattr(permute.Fp8RowGradSlot, "put", kept)
+    monkeypatch.setattr(ffn8, "_rows_gemm", dx_gemm)
+    _layer(permute, ffn8, backward, use_slot=True)
+    assert len(copies) == 1 and alive_at_dx == [False]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("backward", ["bf16-wgrad", "fp8"])
 def test_gpu_fp8_experts_take_dy_from_the_combine_with_the_same_gradients(backward):
