@@ -45,10 +45,21 @@ from disagmoe.kernels.tile_configs import TileConfig, device_architecture, tile_
 ZIPF_EXPONENT = 1.2
 BACKENDS = ("triton", "grouped_mm", "loop")  # the default set
 FP8_BACKEND = "triton-fp8"  # asked for by name: needs FP8 tensor cores (sm_89+)
+
+
+def _run_recipe() -> dict[str, bool | int | str]:
+    """A run's default FP8 recipe and kernel paths (`bench.calibrate.fp8_probe_recipe`: the down GEMM's
+    forward alone in FP8, bf16 weight gradients, the Gluon row GEMMs with their TMA epilogue), as one variant."""
+    from disagmoe.bench.calibrate import fp8_probe_recipe
+
+    recipe, gluon = fp8_probe_recipe()
+    return {**gluon, **recipe}
+
+
 # asked for by name: the FP8 experts with one choice changed from the FFN's defaults, as
 # `triton-fp8:<name>`: the Gluon paths (`fp8_ffn.gluon_paths`, Hopper), which backward GEMMs run
 # in FP8 (`expert_ffn_fp8`'s backward, `fp8_expert_backward`) or which forward ones (its forward,
-# `fp8_expert_forward`)
+# `fp8_expert_forward`); and `run`, every choice as a training run makes it
 FP8_VARIANTS = {
     "fp8-wgrad": {"backward": "fp8"},  # the weight gradients in FP8 too (DeepSeek-V3's all-FP8 recipe)
     "gluon-wgrad": {"wgrad": True, "backward": "fp8"},  # those in the Gluon kernel
@@ -70,6 +81,9 @@ FP8_VARIANTS = {
     # (`permute.Fp8RowGradSlot`; every other FP8 backend with an FP8 data gradient, all but bf16-backward, takes them
     # from the combine, as a run does): its A/B
     "down-forward-dy-pass": {"forward": "down", "combine_dy": False},
+    # the block as a run's default recipe runs it (the variants above each change one choice from the FFN's
+    # defaults, which are not a run's): what `bench calibrate`'s FP8 probe times for the planner
+    "run": _run_recipe(),
 }
 VARIANT_BACKENDS = tuple(f"{FP8_BACKEND}:{name}" for name in FP8_VARIANTS)
 

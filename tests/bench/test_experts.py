@@ -186,6 +186,13 @@ def test_the_variant_backends_run_the_fp8_block_with_their_one_choice_changed(mo
 
     assert bench.variant_of(f"{bench.FP8_BACKEND}:gluon-tma-store") == (
         {"rows": True, "swiglu": True, "tma_store": True}, fp8_ffn.DEFAULT_BACKWARD, fp8_ffn.DEFAULT_FORWARD)
+    from disagmoe.config import DEFAULT_FP8_EXPERT_BACKWARD, RUN_FP8_EXPERT_FORWARD, RUN_FP8_GLUON, RUN_FP8_GLUON_STORE
+
+    # `run`: a training run's defaults, whatever they become
+    tma = RUN_FP8_GLUON and RUN_FP8_GLUON_STORE == "tma"
+    assert bench.variant_of(f"{bench.FP8_BACKEND}:run") == (
+        {"rows": RUN_FP8_GLUON, "swiglu": RUN_FP8_GLUON, "tma_store": tma, **({"block_m": 128} if tma else {})},
+        DEFAULT_FP8_EXPERT_BACKWARD, RUN_FP8_EXPERT_FORWARD)
     tiles = Fp8Tiles()
     for backend in bench.VARIANT_BACKENDS:
         assert bench.is_fp8(backend) and bench.needs_fp8(backend)
@@ -220,9 +227,10 @@ def test_the_variant_backends_run_the_fp8_block_with_their_one_choice_changed(mo
                     (False, False, False, 128, False, True, "bf16-wgrad", "down"),
                     (False, False, False, 128, False, False, "bf16-wgrad", "down"),
                     (False, False, False, 128, False, True, "bf16-wgrad", "down"),
+                    (True, False, True, 128, True, True, "bf16-wgrad", "down"),  # run: a run's defaults
                     (False, False, False, 128, False, True, "bf16-wgrad", "both")]
     # dy from the combine as a run has it, but for the bf16 backward (no FP8 data gradient) and its A/B variant
-    assert slots == [True] * 6 + [False, True, True, False, True]
+    assert slots == [True] * 6 + [False, True, True, False, True, True]
     assert made == [(forward, backward) for *_, backward, forward in seen]  # each the copies its recipe reads
     for bad in (dict(block_m=192), dict(rows=256), dict(tma_store=1)):
         with pytest.raises(ValueError, match="rows, wgrad, swiglu, tma_store and act_epilogue take True or False, "
