@@ -48,12 +48,17 @@ FP8_BACKEND = "triton-fp8"  # asked for by name: needs FP8 tensor cores (sm_89+)
 
 
 def _run_recipe() -> dict[str, bool | int | str]:
-    """A run's default FP8 recipe and kernel paths (`bench.calibrate.fp8_probe_recipe`: the down GEMM's
-    forward alone in FP8, bf16 weight gradients, the Gluon row GEMMs with their TMA epilogue), as one variant."""
-    from disagmoe.bench.calibrate import fp8_probe_recipe
+    """A run's default FP8 recipe and kernel paths as one variant: the down GEMM's forward alone in FP8 and bf16
+    weight gradients (`config.RUN_FP8_EXPERT_FORWARD`, `DEFAULT_FP8_EXPERT_BACKWARD`), the Gluon row GEMMs with
+    their epilogue as `fp8_ffn.set_gluon` sets them for a run (`RUN_FP8_GLUON`, `RUN_FP8_GLUON_STORE`): what
+    `bench calibrate`'s FP8 probe runs (`calibrate.fp8_probe_recipe`, which imports this module: not read here)."""
+    from disagmoe.config import DEFAULT_FP8_EXPERT_BACKWARD, RUN_FP8_EXPERT_FORWARD, RUN_FP8_GLUON, RUN_FP8_GLUON_STORE
+    from disagmoe.kernels.fp8_ffn import GLUON_TMA_STORE_BLOCK_M
 
-    recipe, gluon = fp8_probe_recipe()
-    return {**gluon, **recipe}
+    tma = RUN_FP8_GLUON and RUN_FP8_GLUON_STORE == "tma"
+    return {"rows": RUN_FP8_GLUON, "swiglu": RUN_FP8_GLUON, "tma_store": tma,
+            **({"block_m": GLUON_TMA_STORE_BLOCK_M} if tma else {}),
+            "forward": RUN_FP8_EXPERT_FORWARD, "backward": DEFAULT_FP8_EXPERT_BACKWARD}
 
 
 # asked for by name: the FP8 experts with one choice changed from the FFN's defaults, as

@@ -193,6 +193,10 @@ def test_the_variant_backends_run_the_fp8_block_with_their_one_choice_changed(mo
     assert bench.variant_of(f"{bench.FP8_BACKEND}:run") == (
         {"rows": RUN_FP8_GLUON, "swiglu": RUN_FP8_GLUON, "tma_store": tma, **({"block_m": 128} if tma else {})},
         DEFAULT_FP8_EXPERT_BACKWARD, RUN_FP8_EXPERT_FORWARD)
+    from disagmoe.bench.calibrate import fp8_probe_recipe
+
+    recipe, gluon = fp8_probe_recipe()  # what the planner's FP8 curve measures: the same block
+    assert bench.FP8_VARIANTS["run"] == {**gluon, **recipe}
     tiles = Fp8Tiles()
     for backend in bench.VARIANT_BACKENDS:
         assert bench.is_fp8(backend) and bench.needs_fp8(backend)
