@@ -114,7 +114,7 @@ def epilogue_launches(shape: str, device: torch.device,
     bf16 = dict(generator=gen, device=device, dtype=torch.bfloat16)
     x_NH = torch.randn(rows, hidden, **bf16)
     w13_EH2F = torch.randn(experts, hidden, 2 * ffn, **bf16) / hidden**0.5
-    h13_N2F = torch.empty(rows, 2 * ffn, **{k: v for k, v in bf16.items() if k != "generator"})
+    h13_N2F = torch.empty(rows, 2 * ffn, device=device, dtype=torch.bfloat16)
     gate_up = FFNTiles.for_shape(rows, experts, hidden, ffn, device, torch.bfloat16).gate_up
 
     def swiglu(quantized_out=None):

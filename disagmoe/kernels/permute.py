@@ -300,7 +300,7 @@ class Fp8RowGradSlot:
         and strides), else None; the slot is empty afterwards either way."""
         rows, copy = self._d_rows_NH, self._copy
         self._d_rows_NH = self._copy = None
-        if rows is None or copy is None:
+        if rows is None:  # nothing put (`put` sets both)
             return None
         same = (dy_NH.data_ptr() == rows.data_ptr() and dy_NH.shape == rows.shape
                 and dy_NH.stride() == rows.stride() and dy_NH.dtype == rows.dtype)
