@@ -232,9 +232,11 @@ def test_the_variant_backends_run_the_fp8_block_with_their_one_choice_changed(mo
                     (False, False, False, 128, False, False, "bf16-wgrad", "down"),
                     (False, False, False, 128, False, True, "bf16-wgrad", "down"),
                     (True, False, True, 128, True, True, "bf16-wgrad", "down"),  # run: a run's defaults
+                    (True, False, True, 128, True, False, "bf16-wgrad", "down"),  # run-act-pass
+                    (True, False, True, 128, True, True, "bf16-wgrad", "down"),  # run-dy-pass
                     (False, False, False, 128, False, True, "bf16-wgrad", "both")]
-    # dy from the combine as a run has it, but for the bf16 backward (no FP8 data gradient) and its A/B variant
-    assert slots == [True] * 6 + [False, True, True, False, True, True]
+    # dy from the combine as a run has it, but for the bf16 backward (no FP8 data gradient) and its A/B variants
+    assert slots == [True] * 6 + [False, True, True, False, True, True, False, True]
     assert made == [(forward, backward) for *_, backward, forward in seen]  # each the copies its recipe reads
     for bad in (dict(block_m=192), dict(rows=256), dict(tma_store=1)):
         with pytest.raises(ValueError, match="rows, wgrad, swiglu, tma_store and act_epilogue take True or False, "
