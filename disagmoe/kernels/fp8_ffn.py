@@ -751,9 +751,12 @@ def fp8_ffn_backward(
       dx GEMM      reads d h13's rows             alive: d h13's rows and tokens      4F
       w13 gradient reads x's and d h13's tokens   alive: those                        H + 2F
     so at most 2 max(H, 2F) e4m3 values a row with their scales (H + 2F when each copy had a pass
-    of its own). The w2 gradient runs first, before d h13 is quantised: dy's token-group copy is
-    dropped before d h13's two copies are made, and act (bf16, read by its quantiser alone) is
-    dropped with it (`roofline.memory.expert_row_grad_bytes`). dx is no later for the rank
+    of its own). The w2 gradient runs first, before d h13's token groups are made: dy's token-group
+    copy is dropped before them, and act (bf16, read by its quantiser alone) is dropped with it
+    (`roofline.memory.expert_row_grad_bytes`). Where the split SwiGLU-gradient pass quantises d h13's
+    rows as it writes them (Hopper's Gluon path, a step not counting its numerics: `_down_data_gradient`'s
+    quantize), that copy (2F) is made at the pass and is alive beside the d h13 GEMM's and the w2
+    gradient's copies above: one read of d h13 fewer, the memory model counting it there. dx is no later for the rank
     either: every result leaves this function together (the FP8 experts hold no weight gradient
     back, `kernels.deferral`). `gluon`: the Gluon paths taken where they apply (`_GluonChoices`;
     None: as the `set_gluon_*` functions say now).
@@ -787,9 +790,11 @@ def fp8_ffn_backward(
         (q_dy, s_dy), (qt_dy, st_dy, padded_E) = dy_rows, fp8.quantize_token_groups(dy_NH, offsets_E, grads_row)
     del dy_rows  # q_dy and s_dy the copy's only holders, dropped after the d h13 GEMM
     act_NF = h13_N2F.new_empty((rows, ffn))
-    dh13_N2F, _ = _down_data_gradient(q_dy, s_dy, offsets_E, weights.w2_t, tiles.swiglu, h13_N2F, act_NF,
-                                      dy_NH.dtype, num_programs=num_programs, split=gluon.swiglu,
-                                      block_m=gluon.block_m, tma_store=gluon.tma_store)
+    # a step that counts its numerics quantises d h13's rows on its own (the split pass has no counters)
+    dh13_N2F, dh13_rows = _down_data_gradient(q_dy, s_dy, offsets_E, weights.w2_t, tiles.swiglu, h13_N2F, act_NF,
+                                              dy_NH.dtype, num_programs=num_programs, split=gluon.swiglu,
+                                              block_m=gluon.block_m, tma_store=gluon.tma_store,
+                                              quantize=grads_row is None)
     del q_dy, s_dy
     qt_act, st_act, _ = fp8.quantize_token_groups(act_NF, offsets_E, acts)
     del act_NF
@@ -797,8 +802,12 @@ def fp8_ffn_backward(
     # first one into a main gradient stores instead of adding (`kernels.first_touch`)
     wgrad = _WeightGradKernel(tiles.wgrad, experts, num_programs, gluon.wgrad)
     dw2 = _weight_grad_into_main((qt_act, st_act), (qt_dy, st_dy), padded_E, wgrad, main_grads[1], grad_dtypes[1])
-    del qt_act, st_act, qt_dy, st_dy  # before d h13's two copies are made
-    (q_dh, s_dh), (qt_dh, st_dh, _) = _quantize_both_ways(dh13_N2F, offsets_E, grads_row, served)
+    del qt_act, st_act, qt_dy, st_dy  # before d h13's token groups are made
+    if dh13_rows is None:
+        (q_dh, s_dh), (qt_dh, st_dh, _) = _quantize_both_ways(dh13_N2F, offsets_E, grads_row, served)
+    else:  # d h13's rows written by the split SwiGLU-gradient pass: its token groups alone here
+        (q_dh, s_dh), (qt_dh, st_dh, _) = dh13_rows, fp8.quantize_token_groups(dh13_N2F, offsets_E, grads_row)
+    del dh13_rows  # q_dh and s_dh the copy's only holders, dropped after the dx GEMM
     dx_NH = _rows_gemm(q_dh, s_dh, offsets_E, *weights.w13_t, tiles.rows, out_dtype=dy_NH.dtype,
                        num_programs=num_programs, gluon=gluon.rows, block_m=gluon.block_m, tma_store=gluon.tma_store)
     del q_dh, s_dh

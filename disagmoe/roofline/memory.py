@@ -273,8 +273,10 @@ def fp8_expert_row_grad_bytes(m: ModelConfig, value_bytes: int, input_dropped: b
                     d y's token groups and
                     act's (H + F) through the w2 gradient, after which act (bf16) is dropped too; then
                     d h13's two (4F) through the dx GEMM, x's and d h13's token groups (H + 2F) through
-                    the w13 gradient. The peak is the larger of the first half (act alive) and the
-                    second (act dropped).
+                    the w13 gradient. Where the split SwiGLU-gradient pass writes d h13's 1 x 128 rows
+                    (Hopper, a step not counting its numerics), that copy (2F) is alive from the pass
+                    through the w2 gradient too (counted on every GPU: an upper bound elsewhere). The
+                    peak is the larger of the first half (act alive) and the second (act dropped).
       "bf16-wgrad"  d y's and d h13's 1 x 128 rows, each through its data gradient; where the split
                     SwiGLU pass quantises d h13 as it writes it (a step not counting its numerics,
                     `fp8_ffn._down_data_gradient`), d h13's copy joins d y's there and lives through
@@ -299,8 +301,9 @@ def fp8_expert_row_grad_bytes(m: ModelConfig, value_bytes: int, input_dropped: b
         d_h13_gemm = value_bytes * (H + 4 * F) + FP8_VALUE_BYTES * (H + 2 * F)  # d act alive, both e4m3 copies
         w13_gradient = value_bytes * (H + 2 * F + (H if input_dropped else 0))
         return int(max(d_h13_gemm, w13_gradient))
-    with_act = max(value_bytes * (H + 4 * F) + FP8_VALUE_BYTES * 2 * H,  # the d h13 GEMM, d act alive
-                   value_bytes * (H + 3 * F) + FP8_VALUE_BYTES * (H + F))  # the w2 gradient
+    # d h13's rows (2F) from the split SwiGLU-gradient pass on, through the w2 gradient (counted on every GPU)
+    with_act = max(value_bytes * (H + 4 * F) + FP8_VALUE_BYTES * (2 * H + 2 * F),  # the d h13 GEMM, d act alive
+                   value_bytes * (H + 3 * F) + FP8_VALUE_BYTES * (H + 3 * F))  # the w2 gradient
     return int(max(with_act, _fp8_backward_without_act(m, value_bytes)))
 
 
@@ -318,8 +321,9 @@ def paired_first_held_bytes(m: ModelConfig, value_bytes: int, dropped: frozenset
     it would have dropped part-way waits instead (the replay and the planner add it to that op alone;
     the waiting rows themselves count from the op's end, `paired_wgrad_waiting_bytes`):
       FP8 "fp8"          the w2 gradient's token-group copies (d y's H, act's F) through d h13's copies, the dx
-                         GEMM and x's copy: the second half's peak plus H + F e4m3 values, above the first half's
-                         (Mixtral's shape: 12.4 kB a row; none at Qwen3's, where the d h13 GEMM's half is higher);
+                         GEMM and x's copy: the second half's peak plus H + F e4m3 values, where that passes the
+                         first half's (none at Qwen3's or Mixtral's shape, where the d h13 GEMM's half, with d h13's
+                         rows from the split SwiGLU pass, is higher: by 17.2 kB a row at Mixtral's);
       FP8 "bf16-wgrad"   act (F values) through the w13 gradient: up to F more where that GEMM's half nears or
                          passes the d h13 GEMM's (the input regathered, H past about 6F: `fp8_expert_row_grad_bytes`),
                          else none;

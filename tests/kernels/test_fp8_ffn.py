@@ -890,12 +890,13 @@ def test_a_forwards_gluon_row_gemm_choices_reach_its_backward(ffn8, monkeypatch,
 
 
 @pytest.mark.slow  # interpreted FFN forward and backward, twice
-def test_the_split_swiglu_pass_quantises_d_h13_unless_the_step_counts(ffn8, monkeypatch):
-    """The bf16-wgrad backward on the split SwiGLU path (a stand-in for the Gluon row GEMM: the CPU runs
-    no Gluon): without counters the SwiGLU-gradient pass quantises d h13 as it writes it
-    (`fp8.swiglu_grad_rows_quantized`, no `quantize_rows` of d h13), with counters d h13 is quantised
-    on its own (counted); the gradients are the same bits either way, and the counted run's
-    gradient row counts d h13 as well as d y."""
+@pytest.mark.parametrize("backward", ["bf16-wgrad", "fp8"])
+def test_the_split_swiglu_pass_quantises_d_h13_unless_the_step_counts(ffn8, monkeypatch, backward):
+    """Both backwards with FP8 data gradients on the split SwiGLU path (a stand-in for the Gluon row GEMM:
+    the CPU runs no Gluon): without counters the SwiGLU-gradient pass quantises d h13's rows as it writes
+    them (`fp8.swiglu_grad_rows_quantized`, no `quantize_rows` of d h13; the all-FP8 backward quantises
+    its token groups alone after), with counters d h13 is quantised on its own (counted); the gradients
+    are the same bits either way."""
     from disagmoe.kernels import fp8_gluon
     from disagmoe.kernels.fp8_stats import Fp8Stats
 
@@ -920,7 +921,7 @@ def test_the_split_swiglu_pass_quantises_d_h13_unless_the_step_counts(ffn8, monk
         leaves = [t.clone().requires_grad_() for t in (x, w13, w2)]
         with ffn8.gluon_paths(rows=True, swiglu=True):
             y = ffn8.expert_ffn_fp8(leaves[0], offsets, leaves[1], leaves[2], tiles=tiles, num_programs=3,
-                                    stats=stats, backward="bf16-wgrad")
+                                    stats=stats, backward=backward)
             quantised.clear()  # the forward's
             y.backward(dy)
         grads.append([t.grad for t in leaves])

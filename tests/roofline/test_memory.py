@@ -131,7 +131,8 @@ def test_fp8_experts_keep_their_rows_and_h13_and_drop_what_they_recompute(droppe
     (fp8_expert_backward fp8) holds d y, d h13 and the recomputed SwiGLU output in bf16 and e4m3
     copies with their scales, each dropped after its GEMM, whatever is dropped (the input rows are
     read from the tokens, not regathered). d y and d h13 are quantised both ways in one pass each: with the SwiGLU output
-    alive, d y's two copies (2H) or d y's and act's token groups (H + F); after it is dropped,
+    alive, d y's two copies (2H) or d y's and act's token groups (H + F), each beside d h13's rows (2F) where
+    the split SwiGLU pass writes them (counted everywhere); after it is dropped,
     d h13's two (4F) or the w13 gradient's operands (H + 2F). The split SwiGLU gradient (Hopper's
     default) holds d act [F] beside d h13 and act while d y's two copies live."""
     m = load_model("qwen3-30b-a3b")
@@ -141,10 +142,11 @@ def test_fp8_experts_keep_their_rows_and_h13_and_drop_what_they_recompute(droppe
     assert mem.expert_row_bytes(m, 2, fp8=True) - mem.expert_row_bytes(m, 2, dropped, fp8=True) == (
         2 * H if "expert_input" in dropped else 0)
     e4m3 = 1 + 4 / 128
-    held = max(2 * (H + 4 * F) + e4m3 * 2 * H, 2 * (H + 3 * F) + e4m3 * (H + F),
+    held = max(2 * (H + 4 * F) + e4m3 * (2 * H + 2 * F), 2 * (H + 3 * F) + e4m3 * (H + 3 * F),
                2 * (H + 2 * F) + e4m3 * max(4 * F, H + 2 * F))
     assert mem.expert_row_grad_bytes(m, 2, dropped, fp8=True, fp8_backward="fp8") == int(held)
-    assert H > 2 * F and held == 2 * (H + 4 * F) + e4m3 * 2 * H  # Qwen3's peak: d y's two copies, d act
+    # Qwen3's peak: d y's two copies and d h13's rows, d act
+    assert H > 2 * F and held == 2 * (H + 4 * F) + e4m3 * (2 * H + 2 * F)
     assert mem.layer_bytes(m, True, 2, dropped, fp8=True) == (mem.attention_bytes(m, True, 2) + mem.combine_bytes(m, 2)
                                                              + K * kept)
     assert mem.layer_bytes(m, False, 2, dropped, fp8=True) == mem.layer_bytes(m, False, 2)  # no experts there
@@ -422,15 +424,16 @@ def test_the_all_fp8_backwards_waiting_copies_are_what_its_quantiser_allocates(i
 def test_the_first_backward_of_a_pair_holds_what_waits_instead_of_being_dropped():
     """`paired_first_held_bytes`: under the all-FP8 backward the first backward of a pair keeps its w2 gradient's
     token-group copies (d y's H, act's F values) through the rest of its span, above its own peak where the second
-    half's was near it (Mixtral's shape: H + 2F e4m3 values of d h13 then x, 12,352 bytes a row more); none where
-    the d h13 GEMM's half stays higher (Qwen3's); bf16-wgrad's act (bf16 F) through the w13 gradient, F values more
+    half's was near it; none where the d h13 GEMM's half stays higher, as it does at Qwen3's shape and, with d h13's
+    rows from the split SwiGLU pass counted there, at Mixtral's (17,216 bytes a row below it; 12,352 above it
+    before); bf16-wgrad's act (bf16 F) through the w13 gradient, F values more
     only where that gradient's half is the peak (the input regathered, H = 16F); the bf16 recipes nothing."""
     qwen3, mixtral = load_model("qwen3-30b-a3b"), load_model("mixtral-8x7b")
     H, F = mixtral.hidden_size, mixtral.expert_ffn_size
     held = mem.fp8_expert_row_grad_bytes(mixtral, 2, False, "fp8")
     second_half = 2 * (H + 2 * F) + mem.FP8_VALUE_BYTES * max(4 * F, H + 2 * F)
-    assert mem.paired_first_held_bytes(mixtral, 2, fp8=True, fp8_backward="fp8") == int(
-        second_half + mem.FP8_VALUE_BYTES * (H + F) - held) == 12352
+    assert mem.paired_first_held_bytes(mixtral, 2, fp8=True, fp8_backward="fp8") == 0
+    assert held - int(second_half + mem.FP8_VALUE_BYTES * (H + F)) == 17216  # the d h13 GEMM's half: 160,896 bytes
     assert mem.paired_first_held_bytes(qwen3, 2, fp8=True, fp8_backward="fp8") == 0
     wide, regathered = qwen3.model_copy(update={"expert_ffn_size": 128}), frozenset({"expert_input"})  # H = 16F
     assert mem.paired_first_held_bytes(wide, 2, regathered, fp8=True, fp8_backward="bf16-wgrad") == 2 * 128
