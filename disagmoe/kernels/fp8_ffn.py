@@ -164,7 +164,10 @@ class _GluonChoices:
     tma_store: bool = False
     # not a Gluon path, an A/B of the same kind: the down-only forward's act quantised by the bf16 gate/up GEMM's
     # SwiGLU epilogue (`grouped_gemm.ragged_rows_gemm(quantized_out=)`, session 38: the same bytes), or written
-    # in bf16 and quantised in a pass as before it (False; `bench experts --backend triton-fp8:down-forward-pass`)
+    # in bf16 and quantised in a pass as before it (False; `bench experts --backend triton-fp8:down-forward-pass`,
+    # `triton-fp8:run-act-pass` under a run's kernels). On: session 40 measured it (H100, its FMA division) even with
+    # its pass on Mixtral's shape and 5% faster on Qwen3's alone (`bench quantise --epilogues`), and the run's block
+    # 1.0% / 0.3% faster fwd+bwd with it (docs/benchmarks.md)
     act_epilogue: bool = True
 
 

@@ -173,7 +173,9 @@ def _quantize_group_store(x, ok, row_ok, rows64, ks, group, q_ptr, s_ptr, stride
     Compiled, the scale and x / scale by their FMA forms (`_scale_by_fma`, `_divided_by`: div_rn's bits,
     a few instructions an element where div_rn took ten and a branch), as the token-group quantiser
     divides: the epilogues that call this (the SwiGLU GEMM's, the SwiGLU gradient's, the combine
-    backward's) quantise beside other work, where the instructions count. Interpreted, `_quantized_rows`'."""
+    backward's) quantise beside other work, where the instructions count (session 40, H100: the three kernels' GPU
+    bit tests pass with it; of the two epilogues on two shapes, three of the four beat their passes and the fourth
+    is even: `bench quantise --epilogues`, docs/benchmarks.md). Interpreted, `_quantized_rows`'."""
     scale = _scale_by_fma(tl.max(tl.abs(x), axis=1))
     q = _e4m3(_divided_by(x, scale, 1))
     tl.store(q_ptr + rows64[:, None] * stride_qm + ks[None, :] * stride_qk, q.to(q_ptr.dtype.element_ty), mask=ok)
