@@ -83,8 +83,8 @@ FP8_VARIANTS = {
     # (`fp8_ffn._GluonChoices.act_epilogue`): the epilogue's A/B in one run
     "down-forward-pass": {"forward": "down", "act_epilogue": False},
     # the run's forward with dy's rows quantised in the FFN's pass, as before the combine's backward wrote them
-    # (`permute.Fp8RowGradSlot`; every other FP8 backend with an FP8 data gradient, all but bf16-backward, takes them
-    # from the combine, as a run does): its A/B
+    # (`permute.Fp8RowGradSlot`; the FP8 backends with an FP8 data gradient take them from the combine, as a run
+    # does, but for this one and run-dy-pass): its A/B
     "down-forward-dy-pass": {"forward": "down", "combine_dy": False},
     # the block as a run's default recipe runs it (the variants above each change one choice from the FFN's
     # defaults, which are not a run's): what `bench calibrate`'s FP8 probe times for the planner
@@ -530,9 +530,11 @@ def fp8_kernel_paths(backend: str, hidden: int, ffn: int, device: torch.device) 
     """Which kernels an FP8 backend runs per GEMM role on `device` (`fp8_ffn.kernel_paths` with the
     backend's Gluon settings)."""
     gluon, backward, forward = variant_of(backend)
-    return kernel_paths(hidden, ffn, device, rows=gluon.get("rows"), wgrad=gluon.get("wgrad"),
-                        swiglu=gluon.get("swiglu"), backward=backward, forward=forward, block_m=gluon.get("block_m"),
-                        tma_store=gluon.get("tma_store"), act_epilogue=gluon.get("act_epilogue"))
+    paths = kernel_paths(hidden, ffn, device, rows=gluon.get("rows"), wgrad=gluon.get("wgrad"),
+                         swiglu=gluon.get("swiglu"), backward=backward, forward=forward, block_m=gluon.get("block_m"),
+                         tma_store=gluon.get("tma_store"), act_epilogue=gluon.get("act_epilogue"))
+    # dy's rows are the combine's choice, not a kernel path of the FFN's: said here (`make_block`'s slot)
+    return paths + (", dy quantised in a pass" if gluon.get("combine_dy") is False and backward != "bf16" else "")
 
 
 def fp8_tiles_notes(record: dict) -> list[str]:

@@ -7,13 +7,16 @@ Legend: N rows (token-expert pairs grouped by expert), E experts, H hidden size,
 
 Forward: x rows quantised 1 x 128 (or given so: `permute.quantize_then_permute`); gate/up GEMM
 whose epilogue applies SwiGLU and quantises its output for the down GEMM; down GEMM, bf16 out.
-Backward: dy quantised 1 x 128 and 128 x 1 along tokens (`_quantize_both_ways`); the down GEMM's
-data gradient against w2^T with the SwiGLU derivative in its epilogue (also recomputing silu(gate) *
-up); dh13 quantised both ways, its rows for the gate/up data gradient against w13^T; act and x quantised 128 x 1
+Backward: dy quantised 1 x 128 and 128 x 1 along tokens (`_quantize_both_ways`; its 1 x 128 rows
+written by the combine's backward instead where it hands them over, `permute.Fp8RowGradSlot`); the
+down GEMM's data gradient against w2^T with the SwiGLU derivative in its epilogue (also recomputing
+silu(gate) * up); dh13 quantised both ways (its 1 x 128 rows written by the split SwiGLU-gradient pass
+instead where it runs), its rows for the gate/up data gradient against w13^T; act and x quantised 128 x 1
 along tokens; the two weight gradients (fp32, or added into fp32 main gradients). Launch order
 and the e4m3 copies alive at each launch: `fp8_ffn_backward`.
 Passes still separate from the kernel that produces their input (each reads a bf16 tensor once
-more): dy's and dh13's quantisation (one pass each), act's and x's token-group copies.
+more): the token-group copies of dy, dh13, act and x, and the 1 x 128 rows of dy and dh13 where no
+kernel before them writes those (a step that counts its numerics, a GPU without the split pass).
 `stats` (`fp8_stats.Fp8Stats`, optional everywhere): every quantisation adds its counters, by kind
 (x and act: activations; dy and dh13: gradients; the weight copies: weights).
 
@@ -746,8 +749,8 @@ def fp8_ffn_backward(
     tokens by the w13 gradient's quantiser, as they lie (the tokens' dtype); bf16-wgrad gathers
     them into a bf16 copy for its w13 gradient.
     dy and d h13 are each quantised both ways (1 x 128 rows for a data gradient, 128 x 1 token
-    groups for a weight gradient, `_quantize_both_ways`), so both copies of each are alive from
-    then on. Launch order, with the
+    groups for a weight gradient, `_quantize_both_ways`, or their rows handed over by the kernel that
+    wrote them, below), so both copies of each are alive from then on. Launch order, with the
     e4m3 copies alive at each GEMM (H, F: values a row), each dropped right after its last reader:
       d h13 GEMM   reads dy's rows                alive: dy's rows and token groups   2H
       w2 gradient  reads act's and dy's tokens    alive: those                        H + F
@@ -759,7 +762,8 @@ def fp8_ffn_backward(
     (`roofline.memory.expert_row_grad_bytes`). Where the split SwiGLU-gradient pass quantises d h13's
     rows as it writes them (Hopper's Gluon path, a step not counting its numerics: `_down_data_gradient`'s
     quantize), that copy (2F) is made at the pass and is alive beside the d h13 GEMM's and the w2
-    gradient's copies above: one read of d h13 fewer, the memory model counting it there. dx is no later for the rank
+    gradient's copies above (2H + 2F, then H + 3F: above 2 max(H, 2F) there): one read of d h13 fewer,
+    the memory model counting it there. dx is no later for the rank
     either: every result leaves this function together (the FP8 experts hold no weight gradient
     back, `kernels.deferral`). `gluon`: the Gluon paths taken where they apply (`_GluonChoices`;
     None: as the `set_gluon_*` functions say now).

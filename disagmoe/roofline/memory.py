@@ -275,7 +275,9 @@ def fp8_expert_row_grad_bytes(m: ModelConfig, value_bytes: int, input_dropped: b
                     d h13's two (4F) through the dx GEMM, x's and d h13's token groups (H + 2F) through
                     the w13 gradient. Where the split SwiGLU-gradient pass writes d h13's 1 x 128 rows
                     (Hopper, a step not counting its numerics), that copy (2F) is alive from the pass
-                    through the w2 gradient too (counted on every GPU: an upper bound elsewhere). The
+                    through the w2 gradient too (counted on every rank: an upper bound where the pass
+                    does not run: on GPUs without the Gluon path, and on distributed ranks, which count
+                    their numerics every step; bf16-wgrad's count below has the same bound). The
                     peak is the larger of the first half (act alive) and the second (act dropped).
       "bf16-wgrad"  d y's and d h13's 1 x 128 rows, each through its data gradient; where the split
                     SwiGLU pass quantises d h13 as it writes it (a step not counting its numerics,

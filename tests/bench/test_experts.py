@@ -319,6 +319,9 @@ def test_the_kernel_paths_say_which_roles_run_gluon_where():
         "forward gate/up bf16 triton, act quantised in a pass")
     assert bench.fp8_kernel_paths(f"{bench.FP8_BACKEND}:bf16-backward", 4096, 14336, cpu).endswith(
         "wgrad bf16 triton | backward bf16 triton")
+    for variant in ("down-forward-dy-pass", "run-dy-pass"):  # the rows' record tells them from their base
+        assert bench.fp8_kernel_paths(f"{bench.FP8_BACKEND}:{variant}", 4096, 14336, cpu).endswith(
+            "forward gate/up bf16 triton, dy quantised in a pass")
 
 
 @pytest.mark.gpu
