@@ -374,7 +374,7 @@ def _group_layers(model: ModelConfig, p: np.ndarray, g: int) -> tuple[np.ndarray
 def activations(m: ModelConfig, tokens: Num, pairs: Num, in_flight: Num, p: np.ndarray, colocated: bool,
                 dropped: frozenset[str] = mem.NOTHING_DROPPED, attention: Num | None = None,
                 fp8: bool = False, fp8_backward: str = DEFAULT_FP8_EXPERT_BACKWARD,
-                waits: Num = 0.0) -> tuple[Num, Num]:
+                waits: Num = 0.0, fused: Num = False) -> tuple[Num, Num]:
     """(attention GPU, expert GPU) activation bytes at the peak, in `roofline.memory`'s per-token
     terms, as the runtime's memory check counts them (`runtime.activation_memory.rank_activations`,
     pinned by tests/runtime/test_activation_memory.py; `dropped`: what recomputation does not keep).
@@ -397,12 +397,14 @@ def activations(m: ModelConfig, tokens: Num, pairs: Num, in_flight: Num, p: np.n
     experts in FP8 (`roofline.memory`'s `fp8` terms), their backward recipe `fp8_backward`. `waits`: what one
     expert backward leaves waiting under paired weight gradients (`paired_waits`; 0 unpaired), added as the
     rank's replay adds it (`placement.waiting_rows`; a colocated GPU's bytes above are the conservative one
-    process's, so the replay's rise with the waits is added to them)."""
-    row_grad = mem.expert_row_grad_bytes(m, BF16, dropped, fp8, fp8_backward)
+    process's, so the replay's rise with the waits is added to them). `fused` (per candidate): the FP8
+    backward's kernels write their e4m3 copies beside their work (`memory.fp8_expert_row_grad_bytes`' fused_copies:
+    one GPU, whose steps mostly do not count their numerics; a distributed rank counts every step)."""
+    row_grad = _row_grad_bytes(m, dropped, fp8, fp8_backward, fused)
     moe_l, dense_l = _layer_counts(m, np.asarray(p))
     if not colocated:
         attention = attention_activations(m, tokens, in_flight, p, dropped) if attention is None else attention
-        return attention, expert_activations(m, pairs, in_flight, p, dropped, fp8, fp8_backward, waits)
+        return attention, expert_activations(m, pairs, in_flight, p, dropped, fp8, fp8_backward, waits, fused)
     exp_kept = in_flight * moe_l * expert_kept_bytes(m, pairs, dropped, fp8)
     attn_kept = in_flight * tokens * (moe_l * mem.attention_bytes(m, True, BF16, dropped)
                                       + dense_l * mem.attention_bytes(m, False, BF16, dropped))
@@ -415,7 +417,8 @@ def activations(m: ModelConfig, tokens: Num, pairs: Num, in_flight: Num, p: np.n
         expert_kept_bytes(m, pairs, dropped, fp8), tokens * mem.attention_grad_bytes(m, True, BF16, dropped),
         pairs * row_grad, tokens * (in_flight * dense_l * mem.attention_bytes(m, False, BF16, dropped)
                                     + mem.attention_grad_bytes(m, False, BF16, dropped)),
-        head, moe_l, dense_l, in_flight, waits, paired_first_held(m, pairs, waits, dropped, fp8, fp8_backward))
+        head, moe_l, dense_l, in_flight, waits, paired_first_held(m, pairs, waits, dropped, fp8, fp8_backward,
+                                                                   fused))
     return attn_kept + exp_kept + np.maximum(head, np.maximum.reduce(grads)) + rise, 0.0 * exp_kept
 
 
@@ -433,24 +436,32 @@ def expert_kept_bytes(m: ModelConfig, pairs: Num, dropped: frozenset[str], fp8: 
 
 def expert_activations(m: ModelConfig, pairs: Num, in_flight: Num, p: np.ndarray,
                        dropped: frozenset[str] = mem.NOTHING_DROPPED, fp8: bool = False,
-                       fp8_backward: str = DEFAULT_FP8_EXPERT_BACKWARD, waits: Num = 0.0) -> Num:
+                       fp8_backward: str = DEFAULT_FP8_EXPERT_BACKWARD, waits: Num = 0.0, fused: Num = False) -> Num:
     """A disaggregated expert GPU's activation peak (`activations`): every pair of every layer of
     its group in flight, and one expert backward's gradients; under paired weight gradients what
     their `waits` add (`placement.waiting_rows.expert_rank_rise`). Only the expert modules (or full),
-    the experts' precision (`fp8`, with its backward recipe `fp8_backward`) and the pairs change it."""
+    the experts' precision (`fp8`, with its backward recipe `fp8_backward`; `fused` as `activations`) and the
+    pairs change it."""
     moe_l, _ = _layer_counts(m, np.asarray(p))
     kept = expert_kept_bytes(m, pairs, dropped, fp8)
-    return (in_flight * moe_l * kept + pairs * mem.expert_row_grad_bytes(m, BF16, dropped, fp8, fp8_backward)
+    return (in_flight * moe_l * kept + pairs * _row_grad_bytes(m, dropped, fp8, fp8_backward, fused)
             + expert_rank_rise(kept, waits, moe_l, in_flight, paired_first_held(m, pairs, waits, dropped, fp8,
-                                                                                fp8_backward)))
+                                                                                fp8_backward, fused)))
+
+
+def _row_grad_bytes(m: ModelConfig, dropped: frozenset[str], fp8: bool, fp8_backward: str, fused: Num) -> Num:
+    """`memory.expert_row_grad_bytes` per candidate: with the fused e4m3 copies where `fused`, without elsewhere."""
+    return np.where(fused, mem.expert_row_grad_bytes(m, BF16, dropped, fp8, fp8_backward, True),
+                    mem.expert_row_grad_bytes(m, BF16, dropped, fp8, fp8_backward, False))
 
 
 def paired_first_held(m: ModelConfig, pairs: Num, waits: Num, dropped: frozenset[str], fp8: bool,
-                      fp8_backward: str) -> Num:
+                      fp8_backward: str, fused: Num = False) -> Num:
     """What the first expert backward of a pair holds more over its own span, per candidate: its `pairs` rows'
     `memory.paired_first_held_bytes` where they pair (`waits` > 0, `paired_waits`), as the runtime's replay
-    adds it (`replay_peak`'s `first_holds`); 0 unpaired."""
-    per_row = mem.paired_first_held_bytes(m, BF16, dropped, fp8, fp8_backward)
+    adds it (`replay_peak`'s `first_holds`); 0 unpaired. `fused` as `activations`."""
+    per_row = np.where(fused, mem.paired_first_held_bytes(m, BF16, dropped, fp8, fp8_backward, True),
+                       mem.paired_first_held_bytes(m, BF16, dropped, fp8, fp8_backward, False))
     return np.where(np.asarray(waits) > 0, pairs * per_row, 0.0)
 
 
@@ -880,8 +891,9 @@ def _recomputation(prob: Problem, c: Candidates, tokens: Num, in_flight: Num, pa
         t_sel = prob.ceilings.time(st.selective_recompute(m, rows, fp8, prob.fp8_backward,
                                                             _expert_modules(prob))) * moe_l
         t_att = prob.ceilings.time(st.attention_recompute(m, tokens)) * (moe_l + dense_l)
+        single = c.expert == 1  # one GPU: its steps write the fused e4m3 copies (`activations`' fused)
         act = [full(activations(m, tokens, pairs, in_flight, c.p, True, d, fp8=fp8, fp8_backward=prob.fp8_backward,
-                                waits=waits)[0]) for d in variants]
+                                waits=waits, fused=single)[0]) for d in variants]
         fit = [attn_state + a <= cap for a in act]
         price = [np.where(f, t_sel * bool(d & mem.SELECTIVE) + t_att * ("attention" in d), np.inf)
                  for f, d in zip(fit, variants, strict=True)]

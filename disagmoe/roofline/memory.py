@@ -243,24 +243,27 @@ def attention_grad_bytes(m: ModelConfig, moe: bool, value_bytes: int, dropped: f
 
 
 def expert_row_grad_bytes(m: ModelConfig, value_bytes: int, dropped: frozenset[str] = NOTHING_DROPPED,
-                          fp8: bool = False, fp8_backward: str = DEFAULT_FP8_EXPERT_BACKWARD) -> int:
+                          fp8: bool = False, fp8_backward: str = DEFAULT_FP8_EXPERT_BACKWARD,
+                          fused_copies: bool = True) -> int:
     """Gradient bytes per (token, expert) row an expert backward holds: d y and d h13 (the
     weight-gradient GEMMs' operands, kept until they run), and what it recomputes for them: the
     regathered input row (expert_input), the SwiGLU output (expert_swiglu); under `recompute:
     full` the whole row again with its combine share (the partial sums' hop; pair rows hold no
     combine rows there: counted all the same). Under `fp8` what the backward recipe `fp8_backward`
-    holds (`fp8_expert_row_grad_bytes`)."""
+    holds (`fp8_expert_row_grad_bytes`, `fused_copies` as there)."""
     if BLOCK in dropped:
         recomputed = expert_row_bytes(m, value_bytes, fp8=fp8) + combine_bytes(m, value_bytes) // m.top_k
-        return recomputed + expert_row_grad_bytes(m, value_bytes, fp8=fp8, fp8_backward=fp8_backward)
+        return recomputed + expert_row_grad_bytes(m, value_bytes, fp8=fp8, fp8_backward=fp8_backward,
+                                                  fused_copies=fused_copies)
     if fp8:
-        return fp8_expert_row_grad_bytes(m, value_bytes, "expert_input" in dropped, fp8_backward)
+        return fp8_expert_row_grad_bytes(m, value_bytes, "expert_input" in dropped, fp8_backward, fused_copies)
     H, F = m.hidden_size, m.expert_ffn_size
     recomputed = (H if "expert_input" in dropped else 0) + (F if "expert_swiglu" in dropped else 0)
     return value_bytes * (H + 2 * F + recomputed)
 
 
-def fp8_expert_row_grad_bytes(m: ModelConfig, value_bytes: int, input_dropped: bool, backward: str) -> int:
+def fp8_expert_row_grad_bytes(m: ModelConfig, value_bytes: int, input_dropped: bool, backward: str,
+                              fused_copies: bool = True) -> int:
     """Gradient bytes per row the FP8 experts' backward (`kernels.fp8_ffn`) holds under `backward`
     (`TrainConfig.fp8_expert_backward`, `kernels.fp8_ffn.BACKWARD_PRECISIONS`), `input_dropped` with
     expert_input recomputed (the rows kept as their tokens, `RowSource`). Every recipe recomputes the
@@ -273,15 +276,13 @@ def fp8_expert_row_grad_bytes(m: ModelConfig, value_bytes: int, input_dropped: b
                     d y's token groups and
                     act's (H + F) through the w2 gradient, after which act (bf16) is dropped too; then
                     d h13's two (4F) through the dx GEMM, x's and d h13's token groups (H + 2F) through
-                    the w13 gradient. Where the split SwiGLU-gradient pass writes d h13's 1 x 128 rows
-                    (Hopper, a step not counting its numerics), that copy (2F) is alive from the pass
-                    through the w2 gradient too (counted on every rank: an upper bound where the pass
-                    does not run: on GPUs without the Gluon path, and on distributed ranks, which count
-                    their numerics every step; bf16-wgrad's count below has the same bound). The
-                    peak is the larger of the first half (act alive) and the second (act dropped).
+                    the w13 gradient. With `fused_copies` the split SwiGLU-gradient pass writes d h13's
+                    1 x 128 rows (Hopper, a step not counting its numerics), that copy (2F) alive from
+                    the pass through the w2 gradient too. The peak is the larger of the first half (act
+                    alive) and the second (act dropped).
       "bf16-wgrad"  d y's and d h13's 1 x 128 rows, each through its data gradient; where the split
                     SwiGLU pass quantises d h13 as it writes it (a step not counting its numerics,
-                    `fp8_ffn._down_data_gradient`), d h13's copy joins d y's there and lives through
+                    `fp8_ffn._down_data_gradient`; `fused_copies`), d h13's copy joins d y's there and lives through
                     the w2 gradient. The w13 gradient (bf16) reads the input rows, gathered again from
                     the tokens into a [N, H] copy under expert_input (`RowSource.rows`), alive beside
                     d y and d h13 until that GEMM returns (act and the e4m3 copies are dropped by then).
@@ -292,20 +293,24 @@ def fp8_expert_row_grad_bytes(m: ModelConfig, value_bytes: int, input_dropped: b
                     recomputed: under expert_input the rows gathered again before it, alive throughout.
     On Hopper the d h13 GEMM runs split (`fp8_ffn._GluonChoices.swiglu`): the Gluon GEMM writes
     d act [F], read by the SwiGLU-gradient pass that writes d h13 and act, so d act is alive beside
-    them there (counted on every GPU: an upper bound where the fused kernel runs)."""
+    them there (counted on every GPU: an upper bound where the fused kernel runs).
+    `fused_copies`: whether that pass writes d h13's e4m3 rows beside its work (counted on every GPU where
+    asked: an upper bound where the split pass does not run): a one-GPU step that does not count its FP8
+    numerics (`TrainConfig.counters_every` > 1); never on a distributed rank, which counts every step and
+    quantises d h13 in a pass of its own (after the w2 gradient: its rows alive through the dx GEMM alone)."""
     if backward not in FP8_EXPERT_BACKWARDS:
         raise ValueError(f"FP8 experts' backward {backward!r}: choose one of {', '.join(FP8_EXPERT_BACKWARDS)}")
     if backward == "bf16":
         recomputed = {"expert_swiglu", "expert_input"} if input_dropped else {"expert_swiglu"}
         return expert_row_grad_bytes(m, value_bytes, frozenset(recomputed))
     H, F = m.hidden_size, m.expert_ffn_size
+    fused = 2 * F if fused_copies else 0  # d h13's e4m3 rows from the split SwiGLU-gradient pass on
     if backward == "bf16-wgrad":
-        d_h13_gemm = value_bytes * (H + 4 * F) + FP8_VALUE_BYTES * (H + 2 * F)  # d act alive, both e4m3 copies
+        d_h13_gemm = value_bytes * (H + 4 * F) + FP8_VALUE_BYTES * (H + fused)  # d act alive, d y's e4m3 rows
         w13_gradient = value_bytes * (H + 2 * F + (H if input_dropped else 0))
         return int(max(d_h13_gemm, w13_gradient))
-    # d h13's rows (2F) from the split SwiGLU-gradient pass on, through the w2 gradient (counted on every GPU)
-    with_act = max(value_bytes * (H + 4 * F) + FP8_VALUE_BYTES * (2 * H + 2 * F),  # the d h13 GEMM, d act alive
-                   value_bytes * (H + 3 * F) + FP8_VALUE_BYTES * (H + 3 * F))  # the w2 gradient
+    with_act = max(value_bytes * (H + 4 * F) + FP8_VALUE_BYTES * (2 * H + fused),  # the d h13 GEMM, d act alive
+                   value_bytes * (H + 3 * F) + FP8_VALUE_BYTES * (H + F + fused))  # the w2 gradient
     return int(max(with_act, _fp8_backward_without_act(m, value_bytes)))
 
 
@@ -317,15 +322,17 @@ def _fp8_backward_without_act(m: ModelConfig, value_bytes: int) -> float:
 
 
 def paired_first_held_bytes(m: ModelConfig, value_bytes: int, dropped: frozenset[str] = NOTHING_DROPPED,
-                            fp8: bool = False, fp8_backward: str = DEFAULT_FP8_EXPERT_BACKWARD) -> int:
+                            fp8: bool = False, fp8_backward: str = DEFAULT_FP8_EXPERT_BACKWARD,
+                            fused_copies: bool = True) -> int:
     """Bytes per row that the first expert backward of a pair (`kernels.wgrad_pairs`: the one that leaves its
     operands waiting) holds over its own span beyond `expert_row_grad_bytes`, because a weight-gradient operand
     it would have dropped part-way waits instead (the replay and the planner add it to that op alone;
     the waiting rows themselves count from the op's end, `paired_wgrad_waiting_bytes`):
       FP8 "fp8"          the w2 gradient's token-group copies (d y's H, act's F) through d h13's copies, the dx
                          GEMM and x's copy: the second half's peak plus H + F e4m3 values, where that passes the
-                         first half's (none at Qwen3's or Mixtral's shape, where the d h13 GEMM's half, with d h13's
-                         rows from the split SwiGLU pass, is higher: by 17.2 kB a row at Mixtral's);
+                         first half's (with `fused_copies`, as `fp8_expert_row_grad_bytes`, none at Qwen3's or
+                         Mixtral's shape, where the d h13 GEMM's half, with d h13's rows from the split SwiGLU pass,
+                         is higher: by 17.2 kB a row at Mixtral's; without, 12.4 kB a row at Mixtral's);
       FP8 "bf16-wgrad"   act (F values) through the w13 gradient: up to F more where that GEMM's half nears or
                          passes the d h13 GEMM's (the input regathered, H past about 6F: `fp8_expert_row_grad_bytes`),
                          else none;
@@ -341,7 +348,7 @@ def paired_first_held_bytes(m: ModelConfig, value_bytes: int, dropped: frozenset
         paired = _fp8_backward_without_act(m, value_bytes) + FP8_VALUE_BYTES * (H + F)
     else:
         paired = value_bytes * (H + 3 * F + (H if input_dropped else 0))
-    return int(max(0, paired - fp8_expert_row_grad_bytes(m, value_bytes, input_dropped, fp8_backward)))
+    return int(max(0, paired - fp8_expert_row_grad_bytes(m, value_bytes, input_dropped, fp8_backward, fused_copies)))
 
 
 def head_bytes(m: ModelConfig, tokens: Num, value_bytes: int, chunked: bool = True) -> Num:

@@ -126,8 +126,10 @@ def rank_activations(cfg: TrainConfig, model_cfg: ModelConfig, topology: Topolog
     tokens = cfg.batch_size // cfg.micro_batches // topology.data_parallel * cfg.seq_len
     row = mem.expert_row_bytes(m, vb, dropped, fp8) + (0 if pair_rows else mem.combine_bytes(m, vb, dropped) // m.top_k)
     token_row = mem.expert_token_bytes(m, vb, dropped, pair_rows)  # `recompute: full`: received row (and partial sum)
-    row_grad = mem.expert_row_grad_bytes(m, vb, dropped, fp8, fp8_backward_of(cfg))
-    first_row = mem.paired_first_held_bytes(m, vb, dropped, fp8, fp8_backward_of(cfg))  # paired: the first's more
+    # a distributed rank counts its FP8 numerics every step: no kernel writes an e4m3 copy beside its work
+    fused = cfg.counters_every > 1
+    row_grad = mem.expert_row_grad_bytes(m, vb, dropped, fp8, fp8_backward_of(cfg), fused)
+    first_row = mem.paired_first_held_bytes(m, vb, dropped, fp8, fp8_backward_of(cfg), fused)  # paired: the first's
     programs = topology.programs(cfg.micro_batches)
     out = []
     for rank, program in enumerate(programs):

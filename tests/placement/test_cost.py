@@ -692,7 +692,9 @@ def test_fp8_backwards_that_gather_the_input_rows_again_pay_for_them(colocated):
             continue
         pairs = 4 * 2 * 1024 * model.top_k  # spanned: every source's
         dropped = problem_of(req).recompute_modules
-        held = {b: mem.expert_row_grad_bytes(model, 2, dropped, fp8=True, fp8_backward=b) for b in costs}
+        # a distributed expert GPU counts its FP8 numerics every step: no fused e4m3 copies
+        held = {b: mem.expert_row_grad_bytes(model, 2, dropped, fp8=True, fp8_backward=b, fused_copies=False)
+                for b in costs}
         for b, cost in costs.items():
             assert cost.expert_act_bytes[0] - costs["fp8"].expert_act_bytes[0] == pairs * (held[b] - held["fp8"])
         H, F = model.hidden_size, model.expert_ffn_size
@@ -1178,3 +1180,28 @@ def test_the_all_fp8_backwards_waiting_copies_are_priced_as_its_token_group_copi
     pairs, local = np.array([4096.0, 65536.0]), np.array([32.0, 16.0])
     waits = paired_waits(model, pairs, np.array([True, False]), local, True)
     assert waits[0] == mem.paired_wgrad_waiting_bytes(model, 4096, 32, 2, True) and waits[1] == 0
+
+
+def test_one_gpu_prices_the_fused_e4m3_copies_and_a_distributed_gpu_does_not():
+    """The planner's FP8 expert backward holds d h13's fused e4m3 rows (`memory.fp8_expert_row_grad_bytes`'
+    fused_copies) on one GPU, whose steps mostly do not count their numerics, and not on a colocated GPU of
+    several, which counts every step (as `runtime.activation_memory.rank_activations` replays it: their agreement,
+    tests/runtime/test_activation_memory.py): the two counts differ by exactly those rows' bytes, and the one-GPU
+    candidate's activations are the fused count."""
+    from disagmoe.placement.cost import activations
+    from disagmoe.roofline import memory as mem
+
+    m = load_model("mixtral-8x7b")
+    req = PlanConfig(model=m, cluster=ClusterConfig(hardware=load_hardware("h200-sxm"), num_gpus=1), seq_len=4096,
+                     global_batch_tokens=8 * 4096, expert_precision="fp8", recompute="none")
+    prob = replace(problem_of(req), wgrad_pairs=False)
+    cost = evaluate(prob, Candidates.one(0, 1, 1, 4, 2, colocated=True))
+    tokens = 2 * 4096  # a micro-batch's: 8 sequences in 4
+    pairs = tokens * m.top_k
+    by_fused = {f: _first(activations(m, tokens, pairs, 1, np.array([1]), True, fp8=True,
+                                      fp8_backward=prob.fp8_backward, fused=f)[0]) for f in (True, False)}
+    rows = {f: mem.expert_row_grad_bytes(m, 2, fp8=True, fp8_backward=prob.fp8_backward, fused_copies=f)
+            for f in (True, False)}
+    assert rows[True] > rows[False]
+    assert by_fused[True] - by_fused[False] == pytest.approx(pairs * (rows[True] - rows[False]))
+    assert _first(cost.attn_act_bytes) == pytest.approx(by_fused[True])  # one GPU: the fused copies counted

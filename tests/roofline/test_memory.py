@@ -443,3 +443,29 @@ def test_the_first_backward_of_a_pair_holds_what_waits_instead_of_being_dropped(
                 assert mem.paired_first_held_bytes(m, 2, dropped, fp8=True, fp8_backward="bf16-wgrad") == 0
         assert mem.paired_first_held_bytes(m, 2) == 0
         assert mem.paired_first_held_bytes(m, 2, fp8=True, fp8_backward="bf16") == 0
+
+
+def test_the_fused_e4m3_copies_count_only_where_a_kernel_writes_them():
+    """`fused_copies`: a one-GPU step that does not count its FP8 numerics has the split SwiGLU-gradient pass write
+    d h13's 1 x 128 rows beside its work, alive from that pass (2F e4m3 values a row more at the d h13 GEMM, and
+    under the all-FP8 backward through the w2 gradient); a distributed rank counts every step and quantises d h13 in
+    a pass of its own after the w2 gradient, its rows alive through the dx GEMM alone, below that half's peak. At
+    Mixtral's shape the all-FP8 first half is then d y's two copies beside d act (131,328 bytes a row against
+    160,896), and the first backward of a pair holds 12,352 bytes a row more (none with the fused copies)."""
+    mixtral = load_model("mixtral-8x7b")
+    H, F, e4m3 = mixtral.hidden_size, mixtral.expert_ffn_size, mem.FP8_VALUE_BYTES
+    fused = {f: mem.fp8_expert_row_grad_bytes(mixtral, 2, False, "fp8", f) for f in (True, False)}
+    assert fused == {True: int(2 * (H + 4 * F) + e4m3 * (2 * H + 2 * F)), False: int(2 * (H + 4 * F) + e4m3 * 2 * H)}
+    assert fused == {True: 160896, False: 131328}
+    assert {f: mem.paired_first_held_bytes(mixtral, 2, fp8=True, fp8_backward="fp8", fused_copies=f)
+            for f in (True, False)} == {True: 0, False: 12352}
+    for m in (mixtral, load_model("qwen3-30b-a3b")):
+        H, F = m.hidden_size, m.expert_ffn_size
+        wgrad = {f: mem.fp8_expert_row_grad_bytes(m, 2, False, "bf16-wgrad", f) for f in (True, False)}
+        assert wgrad[True] - wgrad[False] == int(e4m3 * 2 * F)  # the d h13 GEMM's half is the peak at both shapes
+        # expert_row_grad_bytes passes it on, recomputed blocks included; the bf16 experts have no such copies
+        for dropped in (mem.NOTHING_DROPPED, mem.FULL):
+            assert (mem.expert_row_grad_bytes(m, 2, dropped, True, "bf16-wgrad", True)
+                    - mem.expert_row_grad_bytes(m, 2, dropped, True, "bf16-wgrad", False)) == wgrad[True] - wgrad[False]
+            bf16 = mem.expert_row_grad_bytes(m, 2, dropped)
+            assert mem.expert_row_grad_bytes(m, 2, dropped, fused_copies=False) == bf16
