@@ -426,20 +426,23 @@ def layer_bytes(m: ModelConfig, moe: bool, value_bytes: int, dropped: frozenset[
 
 
 def layer_grad_bytes(m: ModelConfig, moe: bool, value_bytes: int, dropped: frozenset[str] = NOTHING_DROPPED,
-                     fp8: bool = False, fp8_backward: str = DEFAULT_FP8_EXPERT_BACKWARD) -> int:
+                     fp8: bool = False, fp8_backward: str = DEFAULT_FP8_EXPERT_BACKWARD,
+                     fused_copies: bool = True) -> int:
     """One token of one whole layer's backward in one process (`attention_grad_bytes` and the K rows');
     under `recompute: full` the layer's whole activations again beside them (one block at a time).
-    `fp8_backward`: the FP8 experts' backward recipe (`expert_row_grad_bytes`)."""
+    `fp8_backward`: the FP8 experts' backward recipe, `fused_copies` as there (`expert_row_grad_bytes`)."""
     if BLOCK in dropped:
         return layer_bytes(m, moe, value_bytes, fp8=fp8) + layer_grad_bytes(m, moe, value_bytes, fp8=fp8,
-                                                                            fp8_backward=fp8_backward)
-    rows = m.top_k * expert_row_grad_bytes(m, value_bytes, dropped, fp8, fp8_backward) if moe else 0
+                                                                            fp8_backward=fp8_backward,
+                                                                            fused_copies=fused_copies)
+    rows = m.top_k * expert_row_grad_bytes(m, value_bytes, dropped, fp8, fp8_backward, fused_copies) if moe else 0
     return attention_grad_bytes(m, moe, value_bytes, dropped) + rows
 
 
 def activation_bytes(m: ModelConfig, tokens: int, value_bytes: int, chunked: bool = True,
                      dropped: frozenset[str] = NOTHING_DROPPED, fp8: bool = False,
-                     fp8_backward: str = DEFAULT_FP8_EXPERT_BACKWARD, forward_transient: int = 0) -> int:
+                     fp8_backward: str = DEFAULT_FP8_EXPERT_BACKWARD, forward_transient: int = 0,
+                     fused_copies: bool = True) -> int:
     """Peak bytes of one process's forward and backward of `tokens` tokens (one micro-batch:
     gradient accumulation runs each micro-batch's backward before the next forward): every
     layer's activations, plus the largest of the head's peak, one layer's backward (under
@@ -447,11 +450,12 @@ def activation_bytes(m: ModelConfig, tokens: int, value_bytes: int, chunked: boo
     one layer recomputed whole with its backward's gradients) and `forward_transient`, what one
     layer's forward holds for its span only (e.g. `fp8_emulate_transient_bytes`), counted as if every
     layer's activations were kept by then. `fp8`: the experts in FP8, their backward recipe
-    `fp8_backward`."""
+    `fp8_backward`, `fused_copies` whether its kernels write e4m3 copies beside their work
+    (`fp8_expert_row_grad_bytes`: a step that does not count its numerics)."""
     moe_layers = m.num_moe_layers
     dense_layers = m.num_layers - moe_layers
     kept = tokens * (moe_layers * layer_bytes(m, True, value_bytes, dropped, fp8)
                      + dense_layers * layer_bytes(m, False, value_bytes, dropped, fp8))
-    grads = tokens * max(layer_grad_bytes(m, moe, value_bytes, dropped, fp8, fp8_backward) for moe in
+    grads = tokens * max(layer_grad_bytes(m, moe, value_bytes, dropped, fp8, fp8_backward, fused_copies) for moe in
                          ([True] if moe_layers else []) + ([False] if dense_layers else []))
     return kept + max(head_bytes(m, tokens, value_bytes, chunked), grads, forward_transient)

@@ -202,7 +202,9 @@ def single_activation_bytes(cfg: TrainConfig, model_cfg: ModelConfig) -> int:
     micro-batch's forward and backward before the next, so one micro-batch of batch_size /
     micro_batches sequences is in flight; the fp32 oracle (`precision: fp32`) takes the whole
     logits' cross-entropy, every other path the chunked loss; FP8 experts their own rows' terms (their
-    backward's by its recipe); with paired expert weight gradients (`TrainConfig.pairs_expert_wgrads`)
+    backward's by its recipe, with the e4m3 copies its kernels write beside their work where its steps do not
+    all count their numerics, `TrainConfig.counters_every`); with paired expert weight gradients
+    (`TrainConfig.pairs_expert_wgrads`)
     one micro-batch's expert rows waiting beside the next one's whole forward and backward."""
     tokens = cfg.batch_size // cfg.micro_batches * cfg.seq_len
     transient = emulate_transient(cfg, model_cfg, tokens * model_cfg.top_k) if model_cfg.num_moe_layers else 0
@@ -210,7 +212,8 @@ def single_activation_bytes(cfg: TrainConfig, model_cfg: ModelConfig) -> int:
                                           cfg.expert_backward_precision == "fp8") if cfg.pairs_expert_wgrads else 0
     return waiting + mem.activation_bytes(model_cfg, tokens, value_bytes(cfg), chunked=cfg.compute_dtype_name != "fp32",
                                 dropped=cfg.recompute_set, fp8=cfg.expert_precision == "fp8",
-                                fp8_backward=fp8_backward_of(cfg), forward_transient=transient)
+                                fp8_backward=fp8_backward_of(cfg), forward_transient=transient,
+                                fused_copies=cfg.counters_every > 1)
 
 
 def emulate_transient(cfg: TrainConfig, model_cfg: ModelConfig, rows: int, experts: int | None = None) -> int:

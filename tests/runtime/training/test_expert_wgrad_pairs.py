@@ -122,3 +122,22 @@ def test_paired_steps_train_as_unpaired_ones_to_fp32_rounding(interpreted, tmp_p
         assert loss_on == pytest.approx(loss_off, rel=1e-6) and norm_on == pytest.approx(norm_off, rel=1e-5)
     for off, on in zip(runs["off"][1], runs["on"][1], strict=True):
         torch.testing.assert_close(on, off, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backward", ["bf16-wgrad", "fp8"])
+def test_a_run_counting_every_step_holds_no_fused_e4m3_copies(backward):
+    """The single trainer's memory check counts d h13's e4m3 rows from the split SwiGLU-gradient pass
+    (`memory.fp8_expert_row_grad_bytes`' fused_copies) only where some steps do not count their FP8 numerics
+    (`fp8_counters_every` unset: every 10th counts); `fp8_counters_every: 1` quantises d h13 in a pass on every
+    step, after the w2 gradient, so its peak is the model's without them (at Mixtral's shape and 8,192 tokens a
+    micro-batch a MoE layer's backward is the peak, past the head's, its d h13 GEMM's half either way: exactly 2F
+    e4m3 values a row less)."""
+    m = load_model("mixtral-8x7b")
+    cfgs = {every: _cfg(model=m, seq_len=4096, precision="fp8", device="cuda", fp8_expert_backward=backward,
+                        fp8_counters_every=every, expert_wgrad_pairs="off") for every in (None, 1)}
+    assert cfgs[None].counters_every > 1 and cfgs[1].counters_every == 1
+    peaks = {every: single_activation_bytes(cfg, m) for every, cfg in cfgs.items()}
+    tokens = cfgs[1].batch_size // cfgs[1].micro_batches * cfgs[1].seq_len
+    rows = {fused: mem.fp8_expert_row_grad_bytes(m, 2, False, backward, fused) for fused in (True, False)}
+    assert rows[True] > rows[False]
+    assert peaks[None] - peaks[1] == tokens * m.top_k * (rows[True] - rows[False])
