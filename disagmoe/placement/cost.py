@@ -374,7 +374,7 @@ def _group_layers(model: ModelConfig, p: np.ndarray, g: int) -> tuple[np.ndarray
 def activations(m: ModelConfig, tokens: Num, pairs: Num, in_flight: Num, p: np.ndarray, colocated: bool,
                 dropped: frozenset[str] = mem.NOTHING_DROPPED, attention: Num | None = None,
                 fp8: bool = False, fp8_backward: str = DEFAULT_FP8_EXPERT_BACKWARD,
-                waits: Num = 0.0, fused: Num = False) -> tuple[Num, Num]:
+                waits: Num = 0.0, *, fused: Num) -> tuple[Num, Num]:
     """(attention GPU, expert GPU) activation bytes at the peak, in `roofline.memory`'s per-token
     terms, as the runtime's memory check counts them (`runtime.activation_memory.rank_activations`,
     pinned by tests/runtime/test_activation_memory.py; `dropped`: what recomputation does not keep).
@@ -404,7 +404,7 @@ def activations(m: ModelConfig, tokens: Num, pairs: Num, in_flight: Num, p: np.n
     moe_l, dense_l = _layer_counts(m, np.asarray(p))
     if not colocated:
         attention = attention_activations(m, tokens, in_flight, p, dropped) if attention is None else attention
-        return attention, expert_activations(m, pairs, in_flight, p, dropped, fp8, fp8_backward, waits, fused)
+        return attention, expert_activations(m, pairs, in_flight, p, dropped, fp8, fp8_backward, waits, fused=fused)
     exp_kept = in_flight * moe_l * expert_kept_bytes(m, pairs, dropped, fp8)
     attn_kept = in_flight * tokens * (moe_l * mem.attention_bytes(m, True, BF16, dropped)
                                       + dense_l * mem.attention_bytes(m, False, BF16, dropped))
@@ -418,7 +418,7 @@ def activations(m: ModelConfig, tokens: Num, pairs: Num, in_flight: Num, p: np.n
         pairs * row_grad, tokens * (in_flight * dense_l * mem.attention_bytes(m, False, BF16, dropped)
                                     + mem.attention_grad_bytes(m, False, BF16, dropped)),
         head, moe_l, dense_l, in_flight, waits, paired_first_held(m, pairs, waits, dropped, fp8, fp8_backward,
-                                                                   fused))
+                                                                   fused=fused))
     return attn_kept + exp_kept + np.maximum(head, np.maximum.reduce(grads)) + rise, 0.0 * exp_kept
 
 
@@ -436,7 +436,7 @@ def expert_kept_bytes(m: ModelConfig, pairs: Num, dropped: frozenset[str], fp8: 
 
 def expert_activations(m: ModelConfig, pairs: Num, in_flight: Num, p: np.ndarray,
                        dropped: frozenset[str] = mem.NOTHING_DROPPED, fp8: bool = False,
-                       fp8_backward: str = DEFAULT_FP8_EXPERT_BACKWARD, waits: Num = 0.0, fused: Num = False) -> Num:
+                       fp8_backward: str = DEFAULT_FP8_EXPERT_BACKWARD, waits: Num = 0.0, *, fused: Num) -> Num:
     """A disaggregated expert GPU's activation peak (`activations`): every pair of every layer of
     its group in flight, and one expert backward's gradients; under paired weight gradients what
     their `waits` add (`placement.waiting_rows.expert_rank_rise`). Only the expert modules (or full),
@@ -446,7 +446,7 @@ def expert_activations(m: ModelConfig, pairs: Num, in_flight: Num, p: np.ndarray
     kept = expert_kept_bytes(m, pairs, dropped, fp8)
     return (in_flight * moe_l * kept + pairs * _row_grad_bytes(m, dropped, fp8, fp8_backward, fused)
             + expert_rank_rise(kept, waits, moe_l, in_flight, paired_first_held(m, pairs, waits, dropped, fp8,
-                                                                                fp8_backward, fused)))
+                                                                                fp8_backward, fused=fused)))
 
 
 def _row_grad_bytes(m: ModelConfig, dropped: frozenset[str], fp8: bool, fp8_backward: str, fused: Num) -> Num:
@@ -456,7 +456,7 @@ def _row_grad_bytes(m: ModelConfig, dropped: frozenset[str], fp8: bool, fp8_back
 
 
 def paired_first_held(m: ModelConfig, pairs: Num, waits: Num, dropped: frozenset[str], fp8: bool,
-                      fp8_backward: str, fused: Num = False) -> Num:
+                      fp8_backward: str, *, fused: Num) -> Num:
     """What the first expert backward of a pair holds more over its own span, per candidate: its `pairs` rows'
     `memory.paired_first_held_bytes` where they pair (`waits` > 0, `paired_waits`), as the runtime's replay
     adds it (`replay_peak`'s `first_holds`); 0 unpaired. `fused` as `activations`."""
@@ -905,9 +905,11 @@ def _recomputation(prob: Problem, c: Candidates, tokens: Num, in_flight: Num, pa
         fits = np.stack(fit)[pick, rows_of]
         return (selective, attention, chosen, 0.0 * chosen, fits, attn_state + act[-1] + 0.0 * chosen,
                 fit[-1] & np.ones(n, dtype=bool))
+    # a disaggregated expert GPU is a distributed rank: its steps count their numerics, no fused e4m3 copies
     exp_plain = full(expert_activations(m, pairs, in_flight, c.p, fp8=fp8, fp8_backward=prob.fp8_backward,
-                                        waits=waits))
-    exp_lean = (full(expert_activations(m, pairs, in_flight, c.p, experts_may, fp8, prob.fp8_backward, waits))
+                                        waits=waits, fused=False))
+    exp_lean = (full(expert_activations(m, pairs, in_flight, c.p, experts_may, fp8, prob.fp8_backward, waits,
+                                        fused=False))
                 if experts_may else exp_plain)
     exp_fit_plain, exp_fit_lean = exp_state + exp_plain <= cap, exp_state + exp_lean <= cap
     attn_plain = full(attention_activations(m, tokens, in_flight, c.p))
@@ -1007,13 +1009,15 @@ def _full_recomputation(prob: Problem, c: Candidates, tokens: Num, in_flight: Nu
     m, cap, n = prob.model, prob.capacity_bytes, len(c)
     none = np.zeros(n, dtype=bool)
     if c.colocated:  # a rank recomputes its attention half and its experts' share apart; one GPU, whole blocks
-        ranks = activations(m, tokens, pairs, in_flight, c.p, True, mem.FULL, waits=waits)[0]
+        # (FP8 experts refuse `recompute: full`: no e4m3 copies here)
+        ranks = activations(m, tokens, pairs, in_flight, c.p, True, mem.FULL, waits=waits, fused=False)[0]
         act = np.broadcast_to(np.where(c.expert == 1, _one_process_full(m, tokens), ranks).astype(float), (n,)).copy()
         fits = attn_state + act <= cap
         return none, none, act, 0.0 * act, fits, attn_state + act, fits
     act_attn = np.broadcast_to(np.asarray(attention_activations(m, tokens, in_flight, c.p, mem.FULL), dtype=float),
                                (n,)).copy()
-    act_exp = np.broadcast_to(np.asarray(expert_activations(m, pairs, in_flight, c.p, mem.FULL, waits=waits),
+    act_exp = np.broadcast_to(np.asarray(expert_activations(m, pairs, in_flight, c.p, mem.FULL, waits=waits,
+                                                            fused=False),
                                          dtype=float), (n,)).copy()
     fits = (attn_state + act_attn <= cap) & (exp_state + act_exp <= cap)
     return none, none, act_attn, act_exp, fits, exp_state + act_exp, fits

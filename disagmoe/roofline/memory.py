@@ -287,8 +287,8 @@ def fp8_expert_row_grad_bytes(m: ModelConfig, value_bytes: int, input_dropped: b
                     the tokens into a [N, H] copy under expert_input (`RowSource.rows`), alive beside
                     d y and d h13 until that GEMM returns (act and the e4m3 copies are dropped by then).
                     The peak is the larger of the d h13 GEMM and its pass (act, d y's and d h13's rows)
-                    and the w13 gradient: the copy sets it only where H exceeds about 6F (bf16: 4H + 4F against
-                    3.03H + 10.06F).
+                    and the w13 gradient: the copy sets it only where H exceeds about 6F with the fused
+                    copies (bf16: 4H + 4F against 3.03H + 10.06F), about 4.1F without them (3.03H + 8F).
       "bf16"        the bf16 experts' backward (`moe_ffn.moe_ffn_backward`) with the SwiGLU output
                     recomputed: under expert_input the rows gathered again before it, alive throughout.
     On Hopper the d h13 GEMM runs split (`fp8_ffn._GluonChoices.swiglu`): the Gluon GEMM writes
@@ -334,7 +334,8 @@ def paired_first_held_bytes(m: ModelConfig, value_bytes: int, dropped: frozenset
                          Mixtral's shape, where the d h13 GEMM's half, with d h13's rows from the split SwiGLU pass,
                          is higher: by 17.2 kB a row at Mixtral's; without, 12.4 kB a row at Mixtral's);
       FP8 "bf16-wgrad"   act (F values) through the w13 gradient: up to F more where that GEMM's half nears or
-                         passes the d h13 GEMM's (the input regathered, H past about 6F: `fp8_expert_row_grad_bytes`),
+                         passes the d h13 GEMM's (the input regathered, H past about 6F with the fused copies, 4.1F
+                         without: `fp8_expert_row_grad_bytes`),
                          else none;
       bf16 experts, FP8 "bf16"   0: what waits is kept by the forward or held to the op's end anyway.
     `recompute: full` recomputes the row beside every phase alike: the same difference. Per row, as

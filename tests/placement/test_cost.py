@@ -1182,7 +1182,7 @@ def test_the_all_fp8_backwards_waiting_copies_are_priced_as_its_token_group_copi
     assert waits[0] == mem.paired_wgrad_waiting_bytes(model, 4096, 32, 2, True) and waits[1] == 0
 
 
-def test_one_gpu_prices_the_fused_e4m3_copies_and_a_distributed_gpu_does_not():
+def test_one_gpu_prices_the_fused_e4m3_copies_and_a_distributed_gpu_does_not(monkeypatch):
     """The planner's FP8 expert backward holds d h13's fused e4m3 rows (`memory.fp8_expert_row_grad_bytes`'
     fused_copies) on one GPU, whose steps mostly do not count their numerics, and not on a colocated GPU of
     several, which counts every step (as `runtime.activation_memory.rank_activations` replays it: their agreement,
@@ -1205,3 +1205,18 @@ def test_one_gpu_prices_the_fused_e4m3_copies_and_a_distributed_gpu_does_not():
     assert rows[True] > rows[False]
     assert by_fused[True] - by_fused[False] == pytest.approx(pairs * (rows[True] - rows[False]))
     assert _first(cost.attn_act_bytes) == pytest.approx(by_fused[True])  # one GPU: the fused copies counted
+    # which count each candidate's backward takes: one GPU the fused, two colocated GPUs and a split not
+    from disagmoe.placement import cost as cost_module
+
+    asked = []
+    plain = cost_module._row_grad_bytes
+    monkeypatch.setattr(cost_module, "_row_grad_bytes", lambda *a, **k: asked.append(np.asarray(a[-1], dtype=bool))
+                        or plain(*a, **k))
+    two = replace(problem_of(req.model_copy(update={"cluster": ClusterConfig(hardware=load_hardware("h200-sxm"),
+                                                                                num_gpus=2)})), wgrad_pairs=False)
+    for gpus, cand, fused in ((1, Candidates.one(0, 1, 1, 4, 2, colocated=True), True),
+                              (2, Candidates.one(0, 2, 1, 4, 2, colocated=True), False),
+                              (2, Candidates.one(1, 1, 1, 4, 2), False)):
+        asked.clear()
+        evaluate(prob if gpus == 1 else two, cand)
+        assert asked and all(np.all(a == fused) for a in asked), (gpus, asked)

@@ -132,7 +132,7 @@ def test_fp8_experts_keep_their_rows_and_h13_and_drop_what_they_recompute(droppe
     copies with their scales, each dropped after its GEMM, whatever is dropped (the input rows are
     read from the tokens, not regathered). d y and d h13 are quantised both ways in one pass each: with the SwiGLU output
     alive, d y's two copies (2H) or d y's and act's token groups (H + F), each beside d h13's rows (2F) where
-    the split SwiGLU pass writes them (counted everywhere); after it is dropped,
+    the split SwiGLU pass writes them (`fused_copies`, the default); after it is dropped,
     d h13's two (4F) or the w13 gradient's operands (H + 2F). The split SwiGLU gradient (Hopper's
     default) holds d act [F] beside d h13 and act while d y's two copies live."""
     m = load_model("qwen3-30b-a3b")
@@ -425,8 +425,9 @@ def test_the_first_backward_of_a_pair_holds_what_waits_instead_of_being_dropped(
     """`paired_first_held_bytes`: under the all-FP8 backward the first backward of a pair keeps its w2 gradient's
     token-group copies (d y's H, act's F values) through the rest of its span, above its own peak where the second
     half's was near it; none where the d h13 GEMM's half stays higher, as it does at Qwen3's shape and, with d h13's
-    rows from the split SwiGLU pass counted there, at Mixtral's (17,216 bytes a row below it; 12,352 above it
-    before); bf16-wgrad's act (bf16 F) through the w13 gradient, F values more
+    rows from the split SwiGLU pass counted there (one GPU's `fused_copies`), at Mixtral's (17,216 bytes a row
+    below it; 12,352 above it on a distributed rank, which writes no such copies); bf16-wgrad's act (bf16 F)
+    through the w13 gradient, F values more
     only where that gradient's half is the peak (the input regathered, H = 16F); the bf16 recipes nothing."""
     qwen3, mixtral = load_model("qwen3-30b-a3b"), load_model("mixtral-8x7b")
     H, F = mixtral.hidden_size, mixtral.expert_ffn_size

@@ -167,7 +167,7 @@ def test_the_planner_prices_the_activations_the_runtimes_memory_check_counts(nam
 @pytest.mark.parametrize("name, layout", [
     ("qwen3-30b-a3b", dict(attn=4, expert=2, p=1, m=4, seqs=2)),
     ("deepseek-v3", dict(attn=2, expert=8, p=1, m=2, seqs=1)),  # leading dense layers
-    ("mixtral-8x7b", dict(attn=4, expert=2, p=1, m=3, seqs=1)),  # large experts (F > H)
+    ("mixtral-8x7b", dict(attn=4, expert=2, p=1, m=3, seqs=1)),  # the all-FP8 first backward of a pair holds more
 ])
 @pytest.mark.parametrize("recompute", ["none", "selective"])
 @pytest.mark.parametrize("backward", [None, "fp8", "bf16"])
@@ -178,8 +178,9 @@ def test_the_planner_prices_the_fp8_experts_activations_the_runtimes_memory_chec
     the default on both), and selective's modules those the FP8 experts drop; the expert ranks' weight
     gradients paired as planner and driver settle auto (on: the all-FP8 backward pairs its token-group copies,
     counted as those copies on both sides, its first backward of a pair holding its w2 copies through its span
-    where that passes its own peak: `memory.paired_first_held_bytes`, none at these shapes since d h13's rows from
-    the split SwiGLU pass are counted at its d h13 GEMM, tests/roofline/test_memory.py)."""
+    where that passes its own peak: `memory.paired_first_held_bytes` without the fused e4m3 copies, which a
+    distributed rank does not write: 12,352 bytes a row at Mixtral's shape under the all-FP8 backward, none at
+    Qwen3's)."""
     from disagmoe.config import ClusterConfig, PlanConfig, load_hardware
     from disagmoe.placement.cost import Candidates
     from disagmoe.placement.solver import price
