@@ -88,11 +88,11 @@ FP8_VARIANTS = {
     "down-forward-dy-pass": {"forward": "down", "combine_dy": False},
     # the block as a run's default recipe runs it (the variants above each change one choice from the FFN's
     # defaults, which are not a run's): what `bench calibrate`'s FP8 probe times for the planner
-    "run": _run_recipe(),
+    "run": (_RUN := _run_recipe()),
     # the run's recipe with one epilogue undone: act quantised in a pass after the bf16 gate/up GEMM, or dy's rows
     # in the FFN's pass instead of the combine's backward (the epilogues' A/B under the kernels a run runs)
-    "run-act-pass": {**_run_recipe(), "act_epilogue": False},
-    "run-dy-pass": {**_run_recipe(), "combine_dy": False},
+    "run-act-pass": {**_RUN, "act_epilogue": False},
+    "run-dy-pass": {**_RUN, "combine_dy": False},
 }
 VARIANT_BACKENDS = tuple(f"{FP8_BACKEND}:{name}" for name in FP8_VARIANTS)
 

@@ -790,11 +790,8 @@ def fp8_ffn_backward(
     acts, grads_row = _row(stats, ACTIVATIONS), _row(stats, GRADIENTS)
     served = offsets_E[-1:]  # rows past it are padding: dh13's are never written (garbage, maybe NaN)
     # each e4m3 copy is dropped right after its last reader (`roofline.memory.expert_row_grad_bytes`)
-    dy_rows = grad_slot.take(dy_NH) if grad_slot is not None else None
-    if dy_rows is None:
-        (q_dy, s_dy), (qt_dy, st_dy, padded_E) = _quantize_both_ways(dy_NH, offsets_E, grads_row, served)
-    else:  # dy's rows made where dy was written: its token groups alone here
-        (q_dy, s_dy), (qt_dy, st_dy, padded_E) = dy_rows, fp8.quantize_token_groups(dy_NH, offsets_E, grads_row)
+    dy_rows = grad_slot.take(dy_NH) if grad_slot is not None else None  # made where dy was written, or None
+    (q_dy, s_dy), (qt_dy, st_dy, padded_E) = _both_ways_unless_given(dy_rows, dy_NH, offsets_E, grads_row, served)
     del dy_rows  # q_dy and s_dy the copy's only holders, dropped after the d h13 GEMM
     act_NF = h13_N2F.new_empty((rows, ffn))
     # a step that counts its numerics quantises d h13's rows on its own (the split pass has no counters)
@@ -810,10 +807,8 @@ def fp8_ffn_backward(
     wgrad = _WeightGradKernel(tiles.wgrad, experts, num_programs, gluon.wgrad)
     dw2 = _weight_grad_into_main((qt_act, st_act), (qt_dy, st_dy), padded_E, wgrad, main_grads[1], grad_dtypes[1])
     del qt_act, st_act, qt_dy, st_dy  # before d h13's token groups are made
-    if dh13_rows is None:
-        (q_dh, s_dh), (qt_dh, st_dh, _) = _quantize_both_ways(dh13_N2F, offsets_E, grads_row, served)
-    else:  # d h13's rows written by the split SwiGLU-gradient pass: its token groups alone here
-        (q_dh, s_dh), (qt_dh, st_dh, _) = dh13_rows, fp8.quantize_token_groups(dh13_N2F, offsets_E, grads_row)
+    # d h13's rows written by the split SwiGLU-gradient pass where it ran
+    (q_dh, s_dh), (qt_dh, st_dh, _) = _both_ways_unless_given(dh13_rows, dh13_N2F, offsets_E, grads_row, served)
     del dh13_rows  # q_dh and s_dh the copy's only holders, dropped after the dx GEMM
     dx_NH = _rows_gemm(q_dh, s_dh, offsets_E, *weights.w13_t, tiles.rows, out_dtype=dy_NH.dtype,
                        num_programs=num_programs, gluon=gluon.rows, block_m=gluon.block_m, tma_store=gluon.tma_store)
@@ -837,6 +832,15 @@ def _quantize_both_ways(x_NK: torch.Tensor, offsets_E: torch.Tensor, stats: torc
     one call, session 37: Mixtral's dy 0.290 ms against 0.073 + 0.150, Qwen3's 0.407 against 0.073 + 0.254;
     Mixtral's d h13 1.931 against 0.512 and a token-group pass about twice act's 0.482)."""
     return fp8.quantize_rows(x_NK, stats, served), fp8.quantize_token_groups(x_NK, offsets_E, stats)
+
+
+def _both_ways_unless_given(rows: tuple[torch.Tensor, torch.Tensor] | None, x_NK: torch.Tensor,
+                            offsets_E: torch.Tensor, stats: torch.Tensor | None, served: torch.Tensor):
+    """`_quantize_both_ways` of x, or where a kernel already wrote its 1 x 128 `rows` (the combine's backward dy's,
+    the split SwiGLU-gradient pass d h13's) those with its token groups alone."""
+    if rows is None:
+        return _quantize_both_ways(x_NK, offsets_E, stats, served)
+    return rows, fp8.quantize_token_groups(x_NK, offsets_E, stats)
 
 
 def _backward_bf16_weight_grads(dy_NH, x_NH, offsets_E, weights: Fp8ExpertWeights, h13_N2F, tiles: Fp8Tiles, *,
