@@ -1112,8 +1112,9 @@ def _quantize_token_groups_kernel(x_ptr, q_ptr, s_ptr, offsets_ptr, padded_ptr, 
     # [128 c, 128 c + 128), x's rows as `_token_chunk` maps them, zeros past the group's end (and for
     # chunks past the last group). q [K, P] (token-contiguous) = e4m3 of x^T, s[k, c] = scale of
     # column k over the chunk. GATHER: row r is x's row src_ptr[r] (int64), read where it lies
-    # (`kernels.recompute.RowSource`). STAGES: the loop's loads (the chunk's offsets, then its rows)
-    # software-pipelined, issued two tiles ahead of the tile being quantised.
+    # (`kernels.recompute.RowSource`). STAGES > 1: the loop's loads (the chunk's offsets, then its rows)
+    # software-pipelined through shared memory, issued STAGES - 1 tiles ahead of the tile being quantised
+    # (the launch passes 1: `_TOKEN_GROUPS_STAGES`).
     # STATS, counters of x's own rows (not the padding), as `_quantize_rows_kernel` counts them: each
     # element position keeps its underflows and non-finite inputs packed in an int32 (the launch keeps
     # a program under 2^16 tiles), each column position its largest |x / scale| (from the column's
@@ -1165,14 +1166,21 @@ def _quantize_token_groups_kernel(x_ptr, q_ptr, s_ptr, offsets_ptr, padded_ptr, 
 # already stored 16 bytes a thread (Triton converts the tile's layout through shared memory before the
 # store) and still are.
 # The token-group quantiser on a GPU (`quantize_token_groups`): [128 padded rows, BLOCK_K columns] tiles at
-# WARPS, the loads pipelined STAGES deep without counters (counting, the counters' per-position sums would keep
-# a second copy of the quantisation in the loads' layout: unpipelined), and as many persistent programs an SM
-# as ptxas' registers let stay resident (a program waiting for a slot would start its tiles after the others
-# had finished theirs): 96 registers a thread without counters, 195-208 with (sm_90a).
-_TOKEN_GROUPS_BLOCK_K = 32
+# WARPS, and as many persistent programs an SM as ptxas' registers let stay resident (a program waiting for a
+# slot would start its tiles after the others had finished theirs). Uncounted: [128, 64] tiles loaded straight
+# into registers (STAGES 1), 221 registers a thread (bf16, sm_90a), 2 programs an SM. Until session 41 it
+# pipelined [128, 32] tiles through shared memory (cp.async, STAGES 3, 5 programs an SM); Triton then read each
+# tile back twice from an unswizzled buffer, once a column a thread (the transposed copy's layout: 8-way bank
+# conflicts, which ncu measured at 6.2-way with L1 the kernel's limit), and the unpipelined [128, 64] tile
+# measured 1.23-1.60x faster on every operand of the all-FP8 backward but Qwen3's act (a tie; one H100,
+# docs/measurements/token-groups-stages-h100-s41.txt). Counting: [128, 32] tiles, unpipelined (the counters'
+# per-position sums would keep a second copy of the quantisation in the loads' layout), 195-205 registers a
+# thread, 2 programs an SM (at [128, 64] it would take 255 registers, unmeasured).
+_TOKEN_GROUPS_BLOCK_K = 64
+_COUNTING_TOKEN_GROUPS_BLOCK_K = 32
 _TOKEN_GROUPS_WARPS = 4
-_TOKEN_GROUPS_STAGES = 3
-_TOKEN_GROUPS_PROGRAMS_PER_SM = 5
+_TOKEN_GROUPS_STAGES = 1
+_TOKEN_GROUPS_PROGRAMS_PER_SM = 2
 _COUNTING_TOKEN_GROUPS_PROGRAMS_PER_SM = 2
 # The fused quantiser (`quantize_rows_and_token_groups`): 16 warps a [128, 128] tile, one persistent program
 # an SM (104-110 registers a thread without counters, 127-128 with), the loads pipelined STAGES deep where the
@@ -1316,9 +1324,15 @@ def padded_capacity(rows: int, groups: int) -> int:
 
 
 def _token_groups_block_k(device: torch.device) -> int:
-    """`quantize_token_groups`' BLOCK_K: the GPU's tile (`_TOKEN_GROUPS_BLOCK_K`); 16 in the interpreter (its
-    tests' narrow K spans several tiles)."""
+    """`quantize_token_groups`' BLOCK_K uncounted: the GPU's tile (`_TOKEN_GROUPS_BLOCK_K`); 16 in the interpreter
+    (its tests' narrow K spans several tiles)."""
     return _TOKEN_GROUPS_BLOCK_K if device.type == "cuda" else 16
+
+
+def _counting_token_groups_block_k(device: torch.device) -> int:
+    """`quantize_token_groups`' BLOCK_K counting: `_COUNTING_TOKEN_GROUPS_BLOCK_K` on the GPU; 16 in the
+    interpreter."""
+    return _COUNTING_TOKEN_GROUPS_BLOCK_K if device.type == "cuda" else 16
 
 
 def token_group_scales(k: int, capacity: int, device: torch.device) -> torch.Tensor:
@@ -1351,7 +1365,7 @@ def quantize_token_groups(x_MK: torch.Tensor, offsets_E: torch.Tensor, stats: to
     s_KC = token_group_scales(k, capacity, x_MK.device)
     if k == 0 or capacity == 0:
         return q_KP, s_KC, padded_E
-    block_k = _token_groups_block_k(x_MK.device)
+    block_k = (_token_groups_block_k if stats is None else _counting_token_groups_block_k)(x_MK.device)
     chunks = capacity // SCALE_BLOCK
     tiles = chunks * triton.cdiv(k, block_k)
     per_sm = _TOKEN_GROUPS_PROGRAMS_PER_SM if stats is None else _COUNTING_TOKEN_GROUPS_PROGRAMS_PER_SM
