@@ -1167,20 +1167,23 @@ def _quantize_token_groups_kernel(x_ptr, q_ptr, s_ptr, offsets_ptr, padded_ptr, 
 # store) and still are.
 # The token-group quantiser on a GPU (`quantize_token_groups`): [128 padded rows, BLOCK_K columns] tiles at
 # WARPS, and as many persistent programs an SM as ptxas' registers let stay resident (a program waiting for a
-# slot would start its tiles after the others had finished theirs). Uncounted: [128, 64] tiles loaded straight
-# into registers (STAGES 1), 221 registers a thread (bf16, sm_90a), 2 programs an SM. Until session 41 it
-# pipelined [128, 32] tiles through shared memory (cp.async, STAGES 3, 5 programs an SM); Triton then read each
-# tile back twice from an unswizzled buffer, once a column a thread (the transposed copy's layout: 8-way bank
-# conflicts, which ncu measured at 6.2-way with L1 the kernel's limit), and the unpipelined [128, 64] tile
-# measured 1.23-1.60x faster on every operand of the all-FP8 backward but Qwen3's act (a tie; one H100,
-# docs/measurements/token-groups-stages-h100-s41.txt). Counting: [128, 32] tiles, unpipelined (the counters'
-# per-position sums would keep a second copy of the quantisation in the loads' layout), 195-205 registers a
-# thread, 2 programs an SM (at [128, 64] it would take 255 registers, unmeasured).
+# slot would start its tiles after the others had finished theirs). Uncounted: [128, 64] tiles at 2 warps
+# loaded straight into registers (STAGES 1), 255 registers a thread without spills (bf16, sm_90a), 4 programs
+# an SM. Until session 41 it pipelined [128, 32] tiles at 4 warps through shared memory (cp.async, STAGES 3,
+# 5 programs an SM); Triton then read each tile back twice from an unswizzled buffer, once a column a thread
+# (the transposed copy's layout: 8-way bank conflicts, which ncu measured at 6.2-way with L1 the kernel's
+# limit). On one H100 the unpipelined [128, 64] tile at 4 warps, 2 programs an SM, measured 1.23-1.60x faster
+# on every operand of the all-FP8 backward but Qwen3's act (a tie), and at 2 warps, 4 programs an SM, 1.04-1.27x
+# faster again (docs/measurements/token-groups-stages-h100-s41.txt, token-groups-unpipelined-h100-s41.txt).
+# Counting: [128, 32] tiles at 4 warps, unpipelined (the counters' per-position sums would keep a second copy
+# of the quantisation in the loads' layout), 195-205 registers a thread, 2 programs an SM (at [128, 64] it
+# would take 255 registers at 4 warps, unmeasured).
 _TOKEN_GROUPS_BLOCK_K = 64
-_COUNTING_TOKEN_GROUPS_BLOCK_K = 32
-_TOKEN_GROUPS_WARPS = 4
+_TOKEN_GROUPS_WARPS = 2
 _TOKEN_GROUPS_STAGES = 1
-_TOKEN_GROUPS_PROGRAMS_PER_SM = 2
+_TOKEN_GROUPS_PROGRAMS_PER_SM = 4
+_COUNTING_TOKEN_GROUPS_BLOCK_K = 32
+_COUNTING_TOKEN_GROUPS_WARPS = 4
 _COUNTING_TOKEN_GROUPS_PROGRAMS_PER_SM = 2
 # The fused quantiser (`quantize_rows_and_token_groups`): 16 warps a [128, 128] tile, one persistent program
 # an SM (104-110 registers a thread without counters, 127-128 with), the loads pipelined STAGES deep where the
@@ -1376,7 +1379,8 @@ def quantize_token_groups(x_MK: torch.Tensor, offsets_E: torch.Tensor, stats: to
         groups, k, chunks, tiles, x_MK.stride(0), x_MK.stride(1), q_KP.stride(0), q_KP.stride(1), s_KC.stride(0),
         s_KC.stride(1),
         BLOCK_K=block_k, E_POW2=triton.next_power_of_2(groups), STATS=stats is not None, GATHER=rows_M is not None,
-        STAGES=_TOKEN_GROUPS_STAGES if stats is None else 1, num_warps=_TOKEN_GROUPS_WARPS)
+        STAGES=_TOKEN_GROUPS_STAGES if stats is None else 1,
+        num_warps=_TOKEN_GROUPS_WARPS if stats is None else _COUNTING_TOKEN_GROUPS_WARPS)
     return q_KP, s_KC, padded_E
 
 
