@@ -349,6 +349,7 @@ QUANTISER_PROGRAMS_PER_SM = 8
 
 # The block quantiser's rows a chunk (`_quantize_blocks_kernel`'s ROWS): a whole 128 x 128 fp32 block spills.
 BLOCK_ROWS = 32
+BLOCKS_WARPS = 4  # and its warps a program
 
 
 def counted_programs(device: torch.device, units: int, chunks_per_unit: int) -> int:
@@ -514,7 +515,7 @@ def quantize_blocks(w_EKN: torch.Tensor, stats: torch.Tensor | None = None, *,
     _quantize_blocks_kernel[(min(blocks, counted_programs(w_EKN.device, blocks, SCALE_BLOCK // BLOCK_ROWS)),)](
         w_EKN, q, qt, s_EGB, _stats_ptr(stats, s_EGB), k, n, tiles_k, tiles_n, blocks, *w_EKN.stride(),
         *q.stride(), *qt.stride(), *s_EGB.stride(), ROWS=BLOCK_ROWS, STATS=stats is not None,
-        TRANSPOSED=transposed_out is not None, NATURAL=natural, num_warps=4)
+        TRANSPOSED=transposed_out is not None, NATURAL=natural, num_warps=BLOCKS_WARPS)
     return q_EKN, s_EGB
 
 
