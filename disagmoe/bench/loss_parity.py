@@ -22,8 +22,10 @@ initialisation and batches) gaps, and whether the mean lies inside the first var
 
 A 300-step run of the Qwen3 config takes about three minutes a row on one GPU, so its seeds may
 come from several calls: `disagmoe bench parity A.json B.json` reads the rows of several
-`bench train --out` records (`merged_rows`: each row's own seed, every row on the same batches)
-into the same table.
+`bench train --out` records (`merged_rows`: each row's own seed, the rows of a seed on the same
+batches) into the same table. Pinning one data order for every seed reads the initialisation's
+spread alone; seeds with their own data orders are still paired seed by seed, and their range
+then holds both.
 """
 
 from __future__ import annotations
@@ -258,7 +260,9 @@ def read_as_one(records: dict[str, dict[str, Any]], same: list[str]) -> dict[str
 def merged_rows(records: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     """The compared rows of several `bench train` records (name -> record), for `loss_parity`:
     ValueError, with the fix, where they cannot be read together: not a record, a record of another
-    length (`steps`), rows on other batches (`data_seed`), or one variant and seed twice."""
+    length (`steps`), rows of one seed on other batches (`data_seed`: their paired gaps would compare
+    different batches), or one variant and seed twice. Seeds may each have their own data order
+    (`data_orders` says how many there are): the seeds' range then counts both moving."""
     if not records:
         raise ValueError("give at least one `disagmoe bench train --out` record")
     for name, record in records.items():
@@ -280,11 +284,20 @@ def merged_rows(records: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
                                  "command line)")
             seen[key] = name
             rows.append(row)
-    data_seeds = {row.get("data_seed") for row in rows}
-    if len(data_seeds) > 1:
-        raise ValueError(f"the rows trained on different batches (data seeds {sorted(data_seeds, key=str)}): pin "
-                         "the data order with data.seed (`bench train --seeds` does) so that only the "
-                         "initialisation differs")
+    data_seeds: dict[Any, set] = {}
+    for row in rows:
+        data_seeds.setdefault(seed_of(row), set()).add(row.get("data_seed"))
+    for seed, orders in data_seeds.items():
+        if len(orders) > 1:
+            raise ValueError(f"the rows of seed {seed} trained on different batches (data seeds "
+                             f"{sorted(orders, key=str)}): a seed's variants are compared step by step, so give them "
+                             "one data order (the same data.seed in every call of that seed)")
     if not rows:
         raise ValueError("no row of these records trained")
     return rows
+
+
+def data_orders(rows: list[dict[str, Any]]) -> int:
+    """How many data orders (`data_seed`s) the rows trained on: 1 where the order is pinned (`--seeds`),
+    more where each seed came with its own (`merged_rows` lets a seed's rows share theirs)."""
+    return len({row.get("data_seed") for row in rows})

@@ -564,7 +564,10 @@ def _parity_table(parity: dict) -> Table:
     from disagmoe.bench.train import row_label
 
     window, seeds = parity["window"], max(len(g["seeds"]) for g in parity["groups"])
-    seed_note = (f"over {seeds} seeds (the data order pinned: the initialisation alone moves)" if seeds > 1 else
+    orders = parity.get("data_orders", 1)
+    moving = ("the data order pinned: the initialisation alone moves" if orders == 1 else
+              f"{orders} data orders: the initialisation and the batches both move")
+    seed_note = (f"over {seeds} seeds ({moving})" if seeds > 1 else
                  "one seed (more seeds read a gap against the reference's own spread)")
     metric = "cross-entropy" if all(g.get("metric") == "ce" for g in parity["groups"]) else "training loss"
     table = Table(title=f"loss parity: mean {metric} of the last {window} steps, {seed_note}; each variant against "
@@ -636,8 +639,10 @@ def parity(
     """Read a loss-parity table across several `bench train` records: each variant's mean loss over
     the last --loss-window steps, per seed and on average, against the first variant's range over
     the seeds (`bench train --seeds` prints the same table for the seeds of one call). For runs too
-    long to fit one call: the same command once per seed, the data order pinned to one seed. The
-    reference is the first variant of the first record: give the reference's record first.
+    long to fit one call: the same command once per seed, the data order pinned to one seed (the
+    seeds' range is then the initialisation's alone; a seed's own data.seed in each call works too, its
+    variants still paired on the same batches, and the range then holds both). The reference is the
+    first variant of the first record: give the reference's record first.
 
     \b
     Example (300 steps of bf16 against FP8, two seeds, two calls):
@@ -650,7 +655,8 @@ def parity(
       disagmoe bench train ... --variant precision=fp8 -o p2.json
       disagmoe bench parity p1.json p2.json --control 'precision=bf16 optim.update_kernel=torch'
     """
-    from disagmoe.bench.loss_parity import MODES, check_control, loss_parity, merged_rows, read_as_one
+    from disagmoe.bench.loss_parity import (MODES, check_control, data_orders, loss_parity, merged_rows,
+                                            read_as_one)
 
     loaded = {}
     for path in records:
@@ -672,7 +678,7 @@ def parity(
     steps = next(iter(loaded.values())).get("steps")
     groups = loss_parity(rows, loss_window, control, spans)
     result = {"records": list(loaded), "steps": steps, "window": min(loss_window, steps or loss_window),
-              "control": control, "spans": spans, "groups": groups}
+              "control": control, "spans": spans, "data_orders": data_orders(rows), "groups": groups}
     if plot is not None:
         _plot_rows(rows, plot, f"{', '.join(Path(p).name for p in loaded)}: {steps} steps")
         (err_console if as_json else console).print(f"wrote {plot}", highlight=False, markup=False)

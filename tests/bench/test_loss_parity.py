@@ -126,6 +126,25 @@ def test_records_of_one_command_at_several_seeds_read_as_one_table():
     assert fp8["paired_gaps"] == pytest.approx([0.0, 2.7 / 2.5 - 1]) and fp8["inside_reference_range"] is True
 
 
+def test_seeds_each_on_their_own_data_order_read_paired_and_say_so():
+    """Two calls, each a seed with its own data.seed (seed=S data.seed=S): each seed's variants share their
+    batches, so the paired and per-step gaps hold seed by seed; the record says two data orders, and the
+    table's caption that the batches move with the initialisation."""
+    from disagmoe.bench.loss_parity import data_orders, merged_rows
+    from disagmoe.cli.bench_cmd import _parity_table
+
+    a = _record(3, _seeded("bf16", 0, [9.0, 2.0, 2.2]), _seeded("fp8", 0, [9.0, 2.1, 2.1]))
+    b = _record(3, _seeded("bf16", 1, [9.0, 2.4, 2.6], data_seed=1), _seeded("fp8", 1, [9.0, 2.6, 2.8], data_seed=1))
+    rows = merged_rows({"a": a, "b": b})
+    bf16, fp8 = loss_parity(rows, window=2)
+    assert data_orders(rows) == 2 and bf16["seeds"] == [0, 1]
+    assert fp8["paired_gaps"] == pytest.approx([0.0, 2.7 / 2.5 - 1])
+    title = _parity_table({"window": 2, "control": None, "data_orders": 2, "groups": [bf16, fp8]}).title
+    assert "2 data orders: the initialisation and the batches both move" in title
+    pinned = merged_rows({"a": a, "b": _record(3, _seeded("bf16", 1, [9.0, 2.4, 2.6]))})
+    assert data_orders(pinned) == 1
+
+
 def test_a_record_a_killed_call_left_partial_reads_with_the_others():
     """`bench train -o` rewrites its record as each row ends (`partial`: the call stopped before the
     last): the rows it kept read against another call's, each seed's per-step gap too."""
@@ -140,8 +159,8 @@ def test_a_record_a_killed_call_left_partial_reads_with_the_others():
 
 @pytest.mark.parametrize("records, message", [
     ({"a": _record(3, _seeded("bf16", 0, [1.0])), "b": _record(4, _seeded("bf16", 1, [1.0]))}, "different --steps"),
-    ({"a": _record(3, _seeded("bf16", 0, [1.0])), "b": _record(3, _seeded("bf16", 1, [1.0], data_seed=1))},
-     "different batches"),
+    ({"a": _record(3, _seeded("bf16", 0, [1.0])), "b": _record(3, _seeded("fp8", 0, [1.0], data_seed=1))},
+     "rows of seed 0 trained on different batches"),
     ({"a": _record(3, _seeded("bf16", 0, [1.0])), "b": _record(3, _seeded("bf16", 0, [1.0]))}, "a and b both hold"),
     ({"a": [1, 2]}, "not a `disagmoe bench train --out` record"),
     ({"a": _record(3, {"mode": "single", "variant": None, "losses": [1.0]})}, "do not say their seed"),
