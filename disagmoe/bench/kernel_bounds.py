@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from disagmoe.config import HardwareConfig, ModelConfig, TrainConfig, load_hardware
 from disagmoe.roofline.ceilings import Ceilings
+from disagmoe.roofline.memory import fp8_token_group_rows
 from disagmoe.roofline.stages import BF16, FP8_TOKEN_GROUP_BYTES, Work, expert_weight_grads, main_grad_passes
 
 
@@ -62,9 +63,28 @@ def _fp8_expert_weight_grads(cfg: TrainConfig, m: ModelConfig) -> Work | str:
     return _weight_grads_of_step(cfg, m, FP8_TOKEN_GROUP_BYTES)
 
 
+def _fp8_token_groups(cfg: TrainConfig, m: ModelConfig) -> Work | str:
+    """The all-FP8 backward's token-group quantiser (`kernels.fp8.quantize_token_groups`): a micro-batch's
+    weight-gradient operands, the rows `expert_weight_grads` reads (x and d y, H values a row; act, F; d h13, 2F),
+    each read once in bf16 (x from its tokens where recomputation dropped the grouped rows: the same bytes) and
+    written as a token-contiguous e4m3 copy, every expert's group padded to 128 rows (`fp8_token_group_rows`),
+    with an fp32 scale per 128 rows of a column; no FLOPs worth a ceiling."""
+    if cfg.experts_backend != "triton":
+        return f"experts_backend: {cfg.experts_backend} runs no FP8 token-group quantiser"
+    if cfg.expert_backward_precision != "fp8":
+        return "no all-FP8 backward here (fp8_expert_backward: fp8 under precision fp8): no token-group copies"
+    micro_batches = int(cfg.micro_batches)
+    rows = cfg.batch_size // micro_batches * cfg.seq_len * m.top_k
+    values = 2 * m.hidden_size + 3 * m.expert_ffn_size
+    launch = Work(hbm_bytes=values * (BF16 * rows + FP8_TOKEN_GROUP_BYTES * fp8_token_group_rows(rows, m.num_experts)))
+    return launch.scale(micro_batches * m.num_moe_layers)
+
+
 FAMILIES = (
     KernelFamily("expert weight gradients (bf16)", ("_ragged_weight_grad",), _expert_weight_grads),
     KernelFamily("expert weight gradients (FP8)", ("fp8_weight_grad",), _fp8_expert_weight_grads, fp8=True),
+    # (not `_quantize_rows_and_token_groups`, the one-pass quantiser no step runs)
+    KernelFamily("FP8 token-group quantiser", ("_quantize_token_groups",), _fp8_token_groups),
 )
 
 

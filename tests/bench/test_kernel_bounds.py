@@ -29,14 +29,14 @@ def test_the_expert_weight_gradients_are_set_against_the_planners_own_stage():
     bound_ms = max(float(times["compute"]), float(times["hbm"])) * 1e3
     kernels = {"_ragged_weight_grad_kernel": 0.75 * bound_ms, "_ragged_weight_grad_kernel_2": 0.5 * bound_ms,
                "_ragged_rows_gemm_kernel": 99.0}
-    row, fp8_row = kernel_bounds(cfg, m, kernels)
-    assert "no all-FP8 backward here" in fp8_row["note"]
+    row, fp8_row, groups_row = kernel_bounds(cfg, m, kernels)
+    assert "no all-FP8 backward here" in fp8_row["note"] and "no token-group copies" in groups_row["note"]
     assert row["ms_per_step"] == pytest.approx(1.25 * bound_ms)  # both of the family's kernels, not the rows one
     assert row["bound_ms_per_step"] == pytest.approx(bound_ms) and row["ratio"] == pytest.approx(1.25)
     assert row["bound"] == max(("compute", "hbm"), key=lambda k: float(times[k]))
     assert row["tflop"] == pytest.approx(step.flops / 1e12) and row["gb"] == pytest.approx(step.hbm_bytes / 1e9)
     # more micro-batches: the same FLOPs, more main-gradient traffic (read and written once per launch)
-    more, _ = kernel_bounds(_cfg(micro_batches=8), m, kernels)
+    more, *_ = kernel_bounds(_cfg(micro_batches=8), m, kernels)
     assert more["tflop"] == pytest.approx(row["tflop"]) and more["gb"] > row["gb"]
     table = bounds_table([row])
     assert table.row_count == 1 and "h200-sxm-calibrated" in table.title
@@ -48,7 +48,7 @@ def test_the_expert_weight_gradients_are_set_against_the_planners_own_stage():
     (dict(hardware=None), "no hardware preset: set hardware="),
 ])
 def test_a_family_this_run_does_not_price_says_why(fields, says):
-    row, _ = kernel_bounds(_cfg(**fields), load_model("qwen3-30b-a3b"), {"_ragged_weight_grad_kernel": 3.0})
+    row, *_ = kernel_bounds(_cfg(**fields), load_model("qwen3-30b-a3b"), {"_ragged_weight_grad_kernel": 3.0})
     assert says in row["note"] and "ratio" not in row
     assert bounds_table([row]).row_count == 1
 
@@ -65,7 +65,7 @@ def test_the_qwen3_configs_bound_worked_by_hand():
         cfg = load_train_config("configs/h200x2-qwen3-30b.yaml", ["mode=single", f"micro_batches={mb}",
                                                                   "hardware=h200-sxm-calibrated",
                                                                   f"expert_wgrad_pairs={pairs}"])
-        row, _ = kernel_bounds(cfg, load_model(cfg.model), {"_ragged_weight_grad_kernel": 50.0})
+        row, *_ = kernel_bounds(cfg, load_model(cfg.model), {"_ragged_weight_grad_kernel": 50.0})
         return row
 
     flops = 2 * (16 * 4096 * 8) * 3 * 2048 * 768 * 6
@@ -83,7 +83,7 @@ def test_the_qwen3_configs_bound_worked_by_hand():
 
 
 def test_a_family_whose_kernels_did_not_run_says_so():
-    row, _ = kernel_bounds(_cfg(), load_model("qwen3-30b-a3b"), {"_ragged_rows_gemm_kernel": 3.0})
+    row, *_ = kernel_bounds(_cfg(), load_model("qwen3-30b-a3b"), {"_ragged_rows_gemm_kernel": 3.0})
     assert row["ms_per_step"] == 0.0 and "none of its kernels ran" in row["note"]
 
 
@@ -103,10 +103,33 @@ def test_the_fp8_weight_gradients_are_set_against_the_fp8_ceiling_over_their_tok
     compute_ms = step.flops / (ceilings.flops_per_s * hw.fp8_tflops / hw.bf16_tflops) * 1e3
     hbm_ms = step.hbm_bytes / ceilings.hbm_bytes_per_s * 1e3
     kernels = {"_gluon_fp8_weight_grad_kernel": 2.0, "_fp8_weight_grad_kernel": 1.0, "_ragged_weight_grad_kernel": 9.0}
-    bf16_row, row = kernel_bounds(cfg, m, kernels)
+    bf16_row, row, _ = kernel_bounds(cfg, m, kernels)
     assert "FP8 weight-gradient kernels" in bf16_row["note"]
     assert row["ms_per_step"] == pytest.approx(3.0)
     assert row["compute_ms"] == pytest.approx(compute_ms) and row["hbm_ms"] == pytest.approx(hbm_ms)
     assert row["gb"] == pytest.approx(step.hbm_bytes / 1e9)
     bf16_bytes = expert_weight_grads(m, rows, m.num_experts, stored_share=0.5).scale(2 * m.num_moe_layers).hbm_bytes
     assert row["gb"] < bf16_bytes / 1e9  # the copies' byte a value against bf16's two
+
+
+def test_the_token_group_quantiser_is_set_against_its_copies_bytes_at_the_hbm_rate():
+    """The all-FP8 backward's token-group quantiser (not the one-pass quantiser, which no step runs): per
+    micro-batch and MoE layer, the weight gradients' operands (x, d y, act, d h13: 2H + 3F values a row) read in
+    bf16 and written as e4m3 copies of each expert group padded to 128 rows, with a scale per 128 rows; bound by
+    HBM. Worked by hand for Qwen3 at 2 micro-batches (32,768 rows over 128 experts each), and a run without the
+    all-FP8 backward says why it prices none."""
+    cfg = _cfg(precision="fp8", fp8_expert_backward="fp8")
+    m = load_model("qwen3-30b-a3b")
+    rows = 16 // 2 * 4096 * m.top_k
+    padded = -(-(rows + 127 * m.num_experts) // 128) * 128
+    values = 2 * 2048 + 3 * 768
+    step_bytes = 2 * m.num_moe_layers * values * (2 * rows + (1 + 4 / 128) * padded)
+    kernels = {"_quantize_token_groups_kernel": 4.0, "_quantize_rows_and_token_groups_kernel": 50.0}
+    *_, row = kernel_bounds(cfg, m, kernels)
+    hbm_ms = step_bytes / Ceilings.of(load_hardware("h200-sxm-calibrated")).hbm_bytes_per_s * 1e3
+    assert row["family"] == "FP8 token-group quantiser" and row["ms_per_step"] == pytest.approx(4.0)
+    assert row["bound"] == "hbm" and row["tflop"] == 0.0 and row["gb"] == pytest.approx(step_bytes / 1e9)
+    assert row["bound_ms_per_step"] == pytest.approx(hbm_ms) and row["ratio"] == pytest.approx(4.0 / hbm_ms)
+    *_, default_row = kernel_bounds(_cfg(precision="fp8"), m, kernels)
+    assert "no token-group copies" in default_row["note"] and "ratio" not in default_row
+    assert bounds_table([row, default_row]).row_count == 2
