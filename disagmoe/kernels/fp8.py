@@ -1154,9 +1154,9 @@ def _quantize_token_groups_kernel(x_ptr, q_ptr, s_ptr, offsets_ptr, padded_ptr, 
             _add_counts(stats_ptr, amax_bits, saturated, underflow, counted, nonfinite)
 
 
-# Issue 21: the two token-group quantisers ran 5-7x below HBM's rate in a Mixtral FP8 step on an H100 (58.9 and
-# 14.4 ms a step). Changed from their sm_90a builds alone (ptxas, SASS), UNMEASURED ON A GPU until the next
-# lease (`disagmoe bench quantise --shape mixtral-8x7b --shape qwen3-30b-a3b` times both): persistent programs
+# Issue 21 (session 36; the token-group launch shape since superseded, below): the two token-group quantisers ran
+# 5-7x below HBM's rate in a Mixtral FP8 step on an H100 (58.9 and 14.4 ms a step). Changed then from their sm_90a
+# builds alone (ptxas, SASS; measured in later sessions, docs/benchmarks.md): persistent programs
 # with software-pipelined loads (the fused kernel was one program a tile at one program an SM: its loads never
 # overlapped its arithmetic); x / scale by a reciprocal and one FMA correction (`_quotient`), the scale too
 # (`_scale_by_fma`), one e4m3 conversion (`_e4m3`), where div_rn took ten instructions and a slow-path branch
@@ -1175,9 +1175,10 @@ def _quantize_token_groups_kernel(x_ptr, q_ptr, s_ptr, offsets_ptr, padded_ptr, 
 # (the transposed copy's layout: 8-way bank conflicts, which ncu measured at 6.2-way with L1 the kernel's
 # limit). On one H100 the unpipelined [128, 64] tile at 4 warps, 2 programs an SM, measured 1.23-1.60x faster
 # on every operand of the all-FP8 backward but Qwen3's act (a tie), and at 2 warps, 4 programs an SM, 1.04-1.27x
-# faster again (docs/measurements/token-groups-stages-h100-s41.txt, token-groups-unpipelined-h100-s41.txt).
+# faster again, Qwen3's act again a tie (docs/measurements/token-groups-stages-h100-s41.txt,
+# token-groups-unpipelined-h100-s41.txt).
 # Counting: [128, 32] tiles at 4 warps, unpipelined (the counters' per-position sums would keep a second copy
-# of the quantisation in the loads' layout), 195-205 registers a thread, 2 programs an SM (at [128, 64] it
+# of the quantisation in the loads' layout), 195-208 registers a thread, 2 programs an SM (at [128, 64] it
 # would take 255 registers at 4 warps, unmeasured).
 _TOKEN_GROUPS_BLOCK_K = 64
 _TOKEN_GROUPS_WARPS = 2
@@ -1188,7 +1189,8 @@ _COUNTING_TOKEN_GROUPS_WARPS = 4
 _COUNTING_TOKEN_GROUPS_PROGRAMS_PER_SM = 2
 # The fused quantiser (`quantize_rows_and_token_groups`): 16 warps a [128, 128] tile, one persistent program
 # an SM (104-110 registers a thread without counters, 127-128 with), the loads pipelined STAGES deep where the
-# tile is bf16 (4 x 16 KiB a stage; fp32 tiles take twice that) and uncounted (as the token-group quantiser).
+# tile is bf16 (4 x 16 KiB a stage; fp32 tiles take twice that) and uncounted (as the token-group quantiser did
+# until session 41; unmeasured here since: no step runs this one).
 _ROWS_AND_TOKEN_GROUPS_WARPS = 16
 _ROWS_AND_TOKEN_GROUPS_STAGES = 3
 _HALF = tl.constexpr(64)  # the fused tile is quantised in halves: 64 rows, then 64 columns, at a time

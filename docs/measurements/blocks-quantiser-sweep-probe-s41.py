@@ -1,6 +1,8 @@
 # session 41 sweep: fp8.quantize_blocks' launch shape (rows a chunk, warps, programs an SM) on the expert weights
 # as a run quantises them each step (bf16 [E, K, N] in, the natural and transposed e4m3 copies out); every
-# shape's bytes and scales checked against the shipped one's; each the median of 10 event-timed launches after one
+# shape's bytes and scales checked against the shipped one's (its outputs filled with a sentinel first, so that a
+# launch that skips part of them cannot pass on an earlier launch's bytes); each the median of 10 event-timed
+# launches after one
 import itertools, os, torch
 from disagmoe.bench.timing import median_ms
 from disagmoe.kernels import fp8
@@ -10,27 +12,43 @@ cases = {"mixtral w13 [8, 4096, 28672]": (8, 4096, 28672), "mixtral w2 [8, 14336
 shipped = (fp8.BLOCK_ROWS, fp8.BLOCKS_WARPS, fp8.QUANTISER_PROGRAMS_PER_SM)
 grid = (eval(os.environ["CANDIDATES"]) if os.environ.get("CANDIDATES")
         else list(itertools.product((16, 32, 64), (4, 8), (2, 4, 8))))
+grid = grid if shipped in grid else [shipped, *grid]
+
+
+def set_shape(shape):
+    fp8.BLOCK_ROWS, fp8.BLOCKS_WARPS, fp8.QUANTISER_PROGRAMS_PER_SM = shape
+
+
+def quantised(w, q, s, qt):
+    q.view(torch.uint8).fill_(0x7F)  # e4m3's NaN: no quantised value
+    qt.view(torch.uint8).fill_(0x7F)
+    s.fill_(float("nan"))
+    return fp8.quantize_blocks(w, transposed_out=qt, out=(q, s))
+
+
 for name, (E, K, N) in cases.items():
     w = torch.randn(E, K, N, device=dev, dtype=torch.bfloat16)
-    qt = torch.empty(E, N, K, device=dev, dtype=fp8.FP8)
-    fp8.BLOCK_ROWS, fp8.BLOCKS_WARPS, fp8.QUANTISER_PROGRAMS_PER_SM = shipped
-    want_q, want_s = fp8.quantize_blocks(w, transposed_out=qt)
-    want_qt = qt.clone()
+    q, qt = (torch.empty(shape, device=dev, dtype=fp8.FP8) for shape in ((E, K, N), (E, N, K)))
+    s = torch.empty(E, K // 128, N // 128, device=dev)
+    set_shape(shipped)
+    want = [t.clone() for t in (*quantised(w, q, s, qt), qt)]
     gb = w.numel() * 4 / 1e9  # bf16 read, two e4m3 copies written (scales aside)
     rows = []
-    for r, warps, per_sm in grid:
-        fp8.BLOCK_ROWS, fp8.BLOCKS_WARPS, fp8.QUANTISER_PROGRAMS_PER_SM = r, warps, per_sm
+    for shape in grid:
+        set_shape(shape)
         try:
-            q, s = fp8.quantize_blocks(w, transposed_out=qt)
-            same = (torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s, want_s)
-                    and torch.equal(qt.view(torch.uint8), want_qt.view(torch.uint8)))
-            rows.append((median_ms(lambda _: fp8.quantize_blocks(w, transposed_out=qt), 1, 10), (r, warps, per_sm), same))
+            got = [*quantised(w, q, s, qt), qt]
+            same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.dtype == fp8.FP8
+                       else torch.equal(a, b) for a, b in zip(got, want))
+            timed = median_ms(lambda _: fp8.quantize_blocks(w, transposed_out=qt, out=(q, s)), 1, 10)
+            rows.append((timed, shape, same))
         except Exception as err:  # a launch that does not fit (registers, shared memory)
-            rows.append((float("inf"), (r, warps, per_sm), repr(err)[:60]))
-    fp8.BLOCK_ROWS, fp8.BLOCKS_WARPS, fp8.QUANTISER_PROGRAMS_PER_SM = shipped
+            rows.append((float("inf"), shape, repr(err)[:60]))
+    set_shape(shipped)
     rows.sort(key=lambda row: row[0])
-    ship = [row for row in rows if row[1] == shipped]
-    print(f"{name}: shipped {shipped} {ship[0][0]:.3f} ms ({gb / ship[0][0] * 1e3:,.0f} GB/s)")
-    for t, cfg, same in rows[:int(os.environ.get("TOP", 6))]:
-        print(f"   rows {cfg[0]:3} warps {cfg[1]} programs/SM {cfg[2]}: {t:.3f} ms ({gb / t * 1e3:,.0f} GB/s) same bytes: {same}")
-    del w, qt
+    ship = next(row for row in rows if row[1] == shipped)
+    print(f"{name}: shipped {shipped} {ship[0]:.3f} ms ({gb / ship[0] * 1e3:,.0f} GB/s)")
+    for t, shape, same in rows[:int(os.environ.get("TOP", 6))]:
+        print(f"   rows {shape[0]:3} warps {shape[1]} programs/SM {shape[2]}: {t:.3f} ms ({gb / t * 1e3:,.0f} GB/s) "
+              f"same bytes: {same}")
+    del w, q, qt, s

@@ -189,10 +189,11 @@ def test_cli_parity_reads_records_written_by_bench_train(tmp_path):
     result = json.loads(r.stdout)
     reference, other = result["groups"]
     assert result["window"] == 2 and reference["seeds"] == [0, 1] and reference["spread"] is not None
+    assert result["data_orders"] == 1  # both calls on seed 0's batches
     assert other["variant"] == "micro_batches=2" and len(other["paired_gaps"]) == 2
     table = CliRunner().invoke(app, ["bench", "parity", *paths])
     assert table.exit_code == 0 and "loss parity: mean cross-entropy of the last 3 steps, over 2 seeds" in table.output
-    assert "per-step" in table.output and len(other["step_gaps"]) == 2
+    assert "per-step" in table.output and len(other["step_gaps"]) == 2 and "the data order pinned" in table.output
     bad = tmp_path / "bad.json"
     bad.write_text("{")
     r = CliRunner().invoke(app, ["bench", "parity", str(bad)])

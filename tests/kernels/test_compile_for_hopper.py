@@ -1027,12 +1027,15 @@ def test_the_rows_quantisers_counters_add_no_barrier_to_its_loop(monkeypatch):
 def test_the_token_group_quantisers_counters_add_no_barrier_to_its_loop(monkeypatch, dtype, gathered):
     """`quantize_token_groups` with its Fp8Stats counters (rows read in place or gathered from their
     tokens), for sm_90a: the tile loop holds no more barriers than the loop without counters, at most
-    40% more instructions, and no spill stores. Both unpipelined at the same tile, as both launch since
-    session 41 (`test_the_token_group_quantisers_load_their_tiles_into_resident_programs`). Before, one program a tile with the clean-tile count: 21 barriers a program with counters
-    against 6 without, and five atomics a tile."""
+    40% more instructions, and no spill stores: both unpipelined (as both launch since session 41) at one
+    tile and warp count (the counting launch's 4 warps; on the GPU the uncounted one runs [128, 64] at 2:
+    `test_the_token_group_quantisers_load_their_tiles_into_resident_programs`). Before, one program a
+    tile with the clean-tile count: 21 barriers a program with counters against 6 without, and five
+    atomics a tile."""
     from disagmoe.kernels import fp8
 
     monkeypatch.setattr(fp8, "_TOKEN_GROUPS_STAGES", 1)
+    monkeypatch.setattr(fp8, "_TOKEN_GROUPS_WARPS", fp8._COUNTING_TOKEN_GROUPS_WARPS)
     x = torch.zeros(4096, 2048, dtype=dtype)
     offsets = torch.tensor([1000, 1000, 3000, 4096], dtype=torch.int32)
     rows_M = torch.arange(4096) if gathered else None
