@@ -18,8 +18,9 @@ from dataclasses import dataclass
 
 from disagmoe.config import HardwareConfig, ModelConfig, TrainConfig, load_hardware
 from disagmoe.roofline.ceilings import Ceilings
-from disagmoe.roofline.memory import fp8_token_group_rows
-from disagmoe.roofline.stages import BF16, FP8_TOKEN_GROUP_BYTES, Work, expert_weight_grads, main_grad_passes
+from disagmoe.roofline.memory import FP8_BLOCK_SCALE_BYTES, fp8_token_group_rows, fp8_weight_copy_shares
+from disagmoe.roofline.stages import (BF16, FP8_TOKEN_GROUP_BYTES, Work, dense_fp8_weight_copies, dense_fp8_weights,
+                                      expert_weight_grads, main_grad_passes)
 
 
 @dataclass(frozen=True)
@@ -80,11 +81,33 @@ def _fp8_token_groups(cfg: TrainConfig, m: ModelConfig) -> Work | str:
     return launch.scale(micro_batches * m.num_moe_layers)
 
 
+def _fp8_weight_copies(cfg: TrainConfig, m: ModelConfig) -> Work | str:
+    """The block quantiser's step (`kernels.fp8.quantize_blocks`, once an optimizer step): the routed experts'
+    bf16 weights its recipe reads a copy of, each read once and written as the e4m3 copies the recipe reads
+    (`roofline.memory.fp8_weight_copy_shares`: a run's default, the down GEMM's forward and the data gradients,
+    4/3 of a byte a parameter), and under blockwise FP8 dense projections their weights' two copies
+    (`roofline.stages.dense_fp8_weight_copies`; rowwise copies are another kernel's), each copy with an fp32
+    scale per 128 x 128 block."""
+    expert_bytes = 0.0
+    if cfg.expert_precision == "fp8":
+        quantised, held = fp8_weight_copy_shares(cfg.expert_forward_precision, cfg.expert_backward_precision)
+        params = 3 * m.hidden_size * m.expert_ffn_size * m.num_experts * m.num_moe_layers
+        expert_bytes = params * (quantised * BF16 + held * (1 + FP8_BLOCK_SCALE_BYTES))
+    dense_bytes = 0.0
+    if cfg.dense_fp8_scaling == "blockwise":
+        weights = dense_fp8_weights(m, m.num_moe_layers, m.num_dense_layers, "blockwise")
+        dense_bytes = float(dense_fp8_weight_copies(weights, "blockwise").hbm_bytes)
+    if expert_bytes == 0.0 and dense_bytes == 0.0:
+        return "no block-quantised FP8 weight copies here (precision fp8: the experts', and blockwise dense ones)"
+    return Work(hbm_bytes=expert_bytes + dense_bytes)
+
+
 FAMILIES = (
     KernelFamily("expert weight gradients (bf16)", ("_ragged_weight_grad",), _expert_weight_grads),
     KernelFamily("expert weight gradients (FP8)", ("fp8_weight_grad",), _fp8_expert_weight_grads, fp8=True),
     # (not `_quantize_rows_and_token_groups`, the one-pass quantiser no step runs)
     KernelFamily("FP8 token-group quantiser", ("_quantize_token_groups",), _fp8_token_groups),
+    KernelFamily("FP8 weight copies", ("_quantize_blocks",), _fp8_weight_copies),
 )
 
 

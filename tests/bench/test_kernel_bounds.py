@@ -29,8 +29,9 @@ def test_the_expert_weight_gradients_are_set_against_the_planners_own_stage():
     bound_ms = max(float(times["compute"]), float(times["hbm"])) * 1e3
     kernels = {"_ragged_weight_grad_kernel": 0.75 * bound_ms, "_ragged_weight_grad_kernel_2": 0.5 * bound_ms,
                "_ragged_rows_gemm_kernel": 99.0}
-    row, fp8_row, groups_row = kernel_bounds(cfg, m, kernels)
+    row, fp8_row, groups_row, copies_row = kernel_bounds(cfg, m, kernels)
     assert "no all-FP8 backward here" in fp8_row["note"] and "no token-group copies" in groups_row["note"]
+    assert "no block-quantised FP8 weight copies" in copies_row["note"]
     assert row["ms_per_step"] == pytest.approx(1.25 * bound_ms)  # both of the family's kernels, not the rows one
     assert row["bound_ms_per_step"] == pytest.approx(bound_ms) and row["ratio"] == pytest.approx(1.25)
     assert row["bound"] == max(("compute", "hbm"), key=lambda k: float(times[k]))
@@ -103,7 +104,7 @@ def test_the_fp8_weight_gradients_are_set_against_the_fp8_ceiling_over_their_tok
     compute_ms = step.flops / (ceilings.flops_per_s * hw.fp8_tflops / hw.bf16_tflops) * 1e3
     hbm_ms = step.hbm_bytes / ceilings.hbm_bytes_per_s * 1e3
     kernels = {"_gluon_fp8_weight_grad_kernel": 2.0, "_fp8_weight_grad_kernel": 1.0, "_ragged_weight_grad_kernel": 9.0}
-    bf16_row, row, _ = kernel_bounds(cfg, m, kernels)
+    bf16_row, row, *_ = kernel_bounds(cfg, m, kernels)
     assert "FP8 weight-gradient kernels" in bf16_row["note"]
     assert row["ms_per_step"] == pytest.approx(3.0)
     assert row["compute_ms"] == pytest.approx(compute_ms) and row["hbm_ms"] == pytest.approx(hbm_ms)
@@ -125,11 +126,38 @@ def test_the_token_group_quantiser_is_set_against_its_copies_bytes_at_the_hbm_ra
     values = 2 * 2048 + 3 * 768
     step_bytes = 2 * m.num_moe_layers * values * (2 * rows + (1 + 4 / 128) * padded)
     kernels = {"_quantize_token_groups_kernel": 4.0, "_quantize_rows_and_token_groups_kernel": 50.0}
-    *_, row = kernel_bounds(cfg, m, kernels)
+    *_, row, _ = kernel_bounds(cfg, m, kernels)
     hbm_ms = step_bytes / Ceilings.of(load_hardware("h200-sxm-calibrated")).hbm_bytes_per_s * 1e3
     assert row["family"] == "FP8 token-group quantiser" and row["ms_per_step"] == pytest.approx(4.0)
     assert row["bound"] == "hbm" and row["tflop"] == 0.0 and row["gb"] == pytest.approx(step_bytes / 1e9)
     assert row["bound_ms_per_step"] == pytest.approx(hbm_ms) and row["ratio"] == pytest.approx(4.0 / hbm_ms)
-    *_, default_row = kernel_bounds(_cfg(precision="fp8"), m, kernels)
+    *_, default_row, _ = kernel_bounds(_cfg(precision="fp8"), m, kernels)
     assert "no token-group copies" in default_row["note"] and "ratio" not in default_row
     assert bounds_table([row, default_row]).row_count == 2
+
+
+@pytest.mark.parametrize("fields, thirds", [
+    (dict(precision="fp8"), 4),  # a run's default: w2's forward copy and both transposes
+    (dict(precision="fp8", fp8_expert_forward="both", fp8_dense=False), 6),  # both forward copies, both transposes
+    (dict(precision="fp8", fp8_expert_backward="bf16", fp8_dense=False), 1),  # w2's forward copy alone
+])
+def test_the_weight_copies_are_set_against_their_bytes_at_the_hbm_rate(fields, thirds):
+    """`_quantize_blocks_kernel` once a step: the routed experts' bf16 weights read once (those with a copy)
+    and the e4m3 copies the recipe reads written, each with an fp32 scale per 128 x 128 block (thirds: the
+    copies' values in thirds of the expert parameters, w13 two thirds, w2 one), and under blockwise FP8
+    dense projections their two copies; bf16 prices none."""
+    from disagmoe.roofline.stages import dense_fp8_weight_copies, dense_fp8_weights
+
+    m = load_model("qwen3-30b-a3b")
+    cfg = _cfg(**fields)
+    params = 3 * 2048 * 768 * 128 * m.num_moe_layers
+    read = params if thirds != 1 else params / 3
+    step_bytes = 2 * read + thirds / 3 * params * (1 + 4 / (128 * 128))
+    if cfg.dense_fp8_scaling == "blockwise":
+        step_bytes += dense_fp8_weight_copies(dense_fp8_weights(m, m.num_moe_layers, 0, "blockwise"),
+                                              "blockwise").hbm_bytes
+    *_, row = kernel_bounds(cfg, m, {"_quantize_blocks_kernel": 2.0})
+    assert row["family"] == "FP8 weight copies" and row["bound"] == "hbm"
+    assert row["gb"] == pytest.approx(step_bytes / 1e9) and row["ratio"] > 0
+    *_, bf16_row = kernel_bounds(_cfg(), m, {"_quantize_blocks_kernel": 2.0})
+    assert "no block-quantised FP8 weight copies" in bf16_row["note"]
