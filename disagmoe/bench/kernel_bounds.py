@@ -1,7 +1,9 @@
 """Named kernels of a profiled step against their roofline bound (`bench profile`'s bounds table).
 
 Issue 20 item 2 holds the expert weight gradients to 1.3x of max(FLOPs / matmul ceiling, bytes /
-HBM) for their own traffic; this makes that ratio a product figure. A family is the kernels whose
+HBM) for their own traffic; this makes that ratio a product figure, and the same for the step's
+memory-bound passes whose bytes the roofline defines (the FP8 token-group quantiser and weight
+copies, the AdamW update): how far each sits from the copy rate. A family is the kernels whose
 names hold one of its keys; the work a step asks of it is the roofline's own stage
 (`roofline.stages`, the definition the planner prices and `bench calibrate` fits), summed over the
 step's MoE layers and micro-batches of `mode: single` on one GPU; its bound is that work's time under
@@ -19,8 +21,9 @@ from dataclasses import dataclass
 from disagmoe.config import HardwareConfig, ModelConfig, TrainConfig, load_hardware
 from disagmoe.roofline.ceilings import Ceilings
 from disagmoe.roofline.memory import FP8_BLOCK_SCALE_BYTES, fp8_token_group_rows, fp8_weight_copy_shares
-from disagmoe.roofline.stages import (BF16, FP8_TOKEN_GROUP_BYTES, Work, dense_fp8_weight_copies, dense_fp8_weights,
-                                      expert_weight_grads, main_grad_passes)
+from disagmoe.roofline.params import count_params
+from disagmoe.roofline.stages import (BF16, FP8_TOKEN_GROUP_BYTES, Work, adamw_update_bytes, dense_fp8_weight_copies,
+                                      dense_fp8_weights, expert_weight_grads, main_grad_passes)
 
 
 @dataclass(frozen=True)
@@ -102,12 +105,24 @@ def _fp8_weight_copies(cfg: TrainConfig, m: ModelConfig) -> Work | str:
     return Work(hbm_bytes=expert_bytes + dense_bytes)
 
 
+def _adamw_update(cfg: TrainConfig, m: ModelConfig) -> Work | str:
+    """FlatAdamW's update pass in the Triton kernel (`kernels.adamw`, `optim.update_kernel: triton`): every
+    parameter's master, main gradient and moments read and master, moments and compute copy written, as
+    `roofline.stages.adamw_update_bytes` prices it (the planner's optimizer stage without its zeroing and norm
+    passes, other kernels)."""
+    if cfg.optim.update_kernel != "triton":
+        return f"optim.update_kernel: {cfg.optim.update_kernel} runs torch's fused AdamW (other kernels)"
+    read, written = adamw_update_bytes(cfg.optim.state_dtype, "triton", cfg.optim.grad_clip > 0)
+    return Work(hbm_bytes=count_params(m).total * (read + written))
+
+
 FAMILIES = (
     KernelFamily("expert weight gradients (bf16)", ("_ragged_weight_grad",), _expert_weight_grads),
     KernelFamily("expert weight gradients (FP8)", ("fp8_weight_grad",), _fp8_expert_weight_grads, fp8=True),
     # (not `_quantize_rows_and_token_groups`, the one-pass quantiser no step runs)
     KernelFamily("FP8 token-group quantiser", ("_quantize_token_groups",), _fp8_token_groups),
     KernelFamily("FP8 weight copies", ("_quantize_blocks",), _fp8_weight_copies),
+    KernelFamily("AdamW update", ("_adamw_kernel",), _adamw_update),
 )
 
 

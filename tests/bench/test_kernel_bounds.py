@@ -29,7 +29,7 @@ def test_the_expert_weight_gradients_are_set_against_the_planners_own_stage():
     bound_ms = max(float(times["compute"]), float(times["hbm"])) * 1e3
     kernels = {"_ragged_weight_grad_kernel": 0.75 * bound_ms, "_ragged_weight_grad_kernel_2": 0.5 * bound_ms,
                "_ragged_rows_gemm_kernel": 99.0}
-    row, fp8_row, groups_row, copies_row = kernel_bounds(cfg, m, kernels)
+    row, fp8_row, groups_row, copies_row, _ = kernel_bounds(cfg, m, kernels)
     assert "no all-FP8 backward here" in fp8_row["note"] and "no token-group copies" in groups_row["note"]
     assert "no block-quantised FP8 weight copies" in copies_row["note"]
     assert row["ms_per_step"] == pytest.approx(1.25 * bound_ms)  # both of the family's kernels, not the rows one
@@ -126,12 +126,12 @@ def test_the_token_group_quantiser_is_set_against_its_copies_bytes_at_the_hbm_ra
     values = 2 * 2048 + 3 * 768
     step_bytes = 2 * m.num_moe_layers * values * (2 * rows + (1 + 4 / 128) * padded)
     kernels = {"_quantize_token_groups_kernel": 4.0, "_quantize_rows_and_token_groups_kernel": 50.0}
-    *_, row, _ = kernel_bounds(cfg, m, kernels)
+    *_, row, _, _ = kernel_bounds(cfg, m, kernels)
     hbm_ms = step_bytes / Ceilings.of(load_hardware("h200-sxm-calibrated")).hbm_bytes_per_s * 1e3
     assert row["family"] == "FP8 token-group quantiser" and row["ms_per_step"] == pytest.approx(4.0)
     assert row["bound"] == "hbm" and row["tflop"] == 0.0 and row["gb"] == pytest.approx(step_bytes / 1e9)
     assert row["bound_ms_per_step"] == pytest.approx(hbm_ms) and row["ratio"] == pytest.approx(4.0 / hbm_ms)
-    *_, default_row, _ = kernel_bounds(_cfg(precision="fp8"), m, kernels)
+    *_, default_row, _, _ = kernel_bounds(_cfg(precision="fp8"), m, kernels)
     assert "no token-group copies" in default_row["note"] and "ratio" not in default_row
     assert bounds_table([row, default_row]).row_count == 2
 
@@ -156,8 +156,24 @@ def test_the_weight_copies_are_set_against_their_bytes_at_the_hbm_rate(fields, t
     if cfg.dense_fp8_scaling == "blockwise":
         step_bytes += dense_fp8_weight_copies(dense_fp8_weights(m, m.num_moe_layers, 0, "blockwise"),
                                               "blockwise").hbm_bytes
-    *_, row = kernel_bounds(cfg, m, {"_quantize_blocks_kernel": 2.0})
+    *_, row, _ = kernel_bounds(cfg, m, {"_quantize_blocks_kernel": 2.0})
     assert row["family"] == "FP8 weight copies" and row["bound"] == "hbm"
     assert row["gb"] == pytest.approx(step_bytes / 1e9) and row["ratio"] > 0
-    *_, bf16_row = kernel_bounds(_cfg(), m, {"_quantize_blocks_kernel": 2.0})
+    *_, bf16_row, _ = kernel_bounds(_cfg(), m, {"_quantize_blocks_kernel": 2.0})
     assert "no block-quantised FP8 weight copies" in bf16_row["note"]
+
+
+def test_the_adamw_update_is_set_against_every_parameters_bytes_at_the_hbm_rate():
+    """The Triton update kernel (`_adamw_kernel`): every parameter's master (4), main gradient (4) and moments
+    (2 x 2 in bf16, 2 x 4 in fp32) read, master, moments and the bf16 compute copy (2) written, whatever the
+    clip; torch's update says why it prices none."""
+    from disagmoe.roofline.params import count_params
+
+    m = load_model("qwen3-30b-a3b")
+    params = count_params(m).total
+    for state, per_param in (("bf16", (4 + 4 + 4) + (4 + 4 + 2)), ("fp32", (4 + 4 + 8) + (4 + 8 + 2))):
+        *_, row = kernel_bounds(_cfg(optim={"state_dtype": state}), m, {"_adamw_kernel": 5.0})
+        assert row["family"] == "AdamW update" and row["bound"] == "hbm"
+        assert row["gb"] == pytest.approx(params * per_param / 1e9)
+    *_, torch_row = kernel_bounds(_cfg(optim={"update_kernel": "torch"}), m, {"_adamw_kernel": 5.0})
+    assert "torch's fused AdamW" in torch_row["note"]
