@@ -783,9 +783,9 @@ def profile(
     """Profile single-GPU training steps: GPU kernels by total time, grouped into GEMM, attention,
     optimizer, copy/cast, elementwise and NCCL, how busy the GPU was (the union of its kernels'
     intervals / wall time), where it sat idle between kernels, by the pair around each gap, and named
-    kernels (the expert weight gradients; the FP8 token-group quantiser and weight copies and the AdamW
-    update, memory-bound) against their roofline bound under the config's hardware (a calibrated preset,
-    e.g. hardware=h200-sxm-calibrated, bounds them at the measured ceilings)."""
+    kernels (the expert row GEMMs and weight gradients; the FP8 token-group quantiser and weight copies
+    and the AdamW update, memory-bound) against their roofline bound under the config's hardware (a
+    calibrated preset, e.g. hardware=h200-sxm-calibrated, bounds them at the measured ceilings)."""
     from disagmoe.bench import profile_step as bench
     from disagmoe.bench.gpu_clocks import describe
     from disagmoe.config import load_train_config

@@ -20,6 +20,15 @@ def _cfg(**fields) -> TrainConfig:
     return TrainConfig(**{**base, **fields})
 
 
+def _families(cfg, m, kernels) -> dict[str, dict]:
+    """`kernel_bounds`' rows by family name."""
+    return {row["family"]: row for row in kernel_bounds(cfg, m, kernels)}
+
+
+BF16_WGRAD, FP8_WGRAD = "expert weight gradients (bf16)", "expert weight gradients (FP8)"
+TOKEN_GROUPS, WEIGHT_COPIES, ADAMW = "FP8 token-group quantiser", "FP8 weight copies", "AdamW update"
+
+
 def test_the_expert_weight_gradients_are_set_against_the_planners_own_stage():
     cfg = _cfg()
     m = load_model("qwen3-30b-a3b")
@@ -29,7 +38,9 @@ def test_the_expert_weight_gradients_are_set_against_the_planners_own_stage():
     bound_ms = max(float(times["compute"]), float(times["hbm"])) * 1e3
     kernels = {"_ragged_weight_grad_kernel": 0.75 * bound_ms, "_ragged_weight_grad_kernel_2": 0.5 * bound_ms,
                "_ragged_rows_gemm_kernel": 99.0}
-    row, fp8_row, groups_row, copies_row, _ = kernel_bounds(cfg, m, kernels)
+    by_family = _families(cfg, m, kernels)
+    row, fp8_row, groups_row, copies_row = (by_family[f] for f in (BF16_WGRAD, FP8_WGRAD, TOKEN_GROUPS,
+                                                                   WEIGHT_COPIES))
     assert "no all-FP8 backward here" in fp8_row["note"] and "no token-group copies" in groups_row["note"]
     assert "no block-quantised FP8 weight copies" in copies_row["note"]
     assert row["ms_per_step"] == pytest.approx(1.25 * bound_ms)  # both of the family's kernels, not the rows one
@@ -37,7 +48,7 @@ def test_the_expert_weight_gradients_are_set_against_the_planners_own_stage():
     assert row["bound"] == max(("compute", "hbm"), key=lambda k: float(times[k]))
     assert row["tflop"] == pytest.approx(step.flops / 1e12) and row["gb"] == pytest.approx(step.hbm_bytes / 1e9)
     # more micro-batches: the same FLOPs, more main-gradient traffic (read and written once per launch)
-    more, *_ = kernel_bounds(_cfg(micro_batches=8), m, kernels)
+    more = _families(_cfg(micro_batches=8), m, kernels)[BF16_WGRAD]
     assert more["tflop"] == pytest.approx(row["tflop"]) and more["gb"] > row["gb"]
     table = bounds_table([row])
     assert table.row_count == 1 and "h200-sxm-calibrated" in table.title
@@ -49,7 +60,7 @@ def test_the_expert_weight_gradients_are_set_against_the_planners_own_stage():
     (dict(hardware=None), "no hardware preset: set hardware="),
 ])
 def test_a_family_this_run_does_not_price_says_why(fields, says):
-    row, *_ = kernel_bounds(_cfg(**fields), load_model("qwen3-30b-a3b"), {"_ragged_weight_grad_kernel": 3.0})
+    row = _families(_cfg(**fields), load_model("qwen3-30b-a3b"), {"_ragged_weight_grad_kernel": 3.0})[BF16_WGRAD]
     assert says in row["note"] and "ratio" not in row
     assert bounds_table([row]).row_count == 1
 
@@ -66,7 +77,7 @@ def test_the_qwen3_configs_bound_worked_by_hand():
         cfg = load_train_config("configs/h200x2-qwen3-30b.yaml", ["mode=single", f"micro_batches={mb}",
                                                                   "hardware=h200-sxm-calibrated",
                                                                   f"expert_wgrad_pairs={pairs}"])
-        row, *_ = kernel_bounds(cfg, load_model(cfg.model), {"_ragged_weight_grad_kernel": 50.0})
+        row = _families(cfg, load_model(cfg.model), {"_ragged_weight_grad_kernel": 50.0})[BF16_WGRAD]
         return row
 
     flops = 2 * (16 * 4096 * 8) * 3 * 2048 * 768 * 6
@@ -84,7 +95,7 @@ def test_the_qwen3_configs_bound_worked_by_hand():
 
 
 def test_a_family_whose_kernels_did_not_run_says_so():
-    row, *_ = kernel_bounds(_cfg(), load_model("qwen3-30b-a3b"), {"_ragged_rows_gemm_kernel": 3.0})
+    row = _families(_cfg(), load_model("qwen3-30b-a3b"), {"_ragged_rows_gemm_kernel": 3.0})[BF16_WGRAD]
     assert row["ms_per_step"] == 0.0 and "none of its kernels ran" in row["note"]
 
 
@@ -104,7 +115,8 @@ def test_the_fp8_weight_gradients_are_set_against_the_fp8_ceiling_over_their_tok
     compute_ms = step.flops / (ceilings.flops_per_s * hw.fp8_tflops / hw.bf16_tflops) * 1e3
     hbm_ms = step.hbm_bytes / ceilings.hbm_bytes_per_s * 1e3
     kernels = {"_gluon_fp8_weight_grad_kernel": 2.0, "_fp8_weight_grad_kernel": 1.0, "_ragged_weight_grad_kernel": 9.0}
-    bf16_row, row, *_ = kernel_bounds(cfg, m, kernels)
+    by_family = _families(cfg, m, kernels)
+    bf16_row, row = by_family[BF16_WGRAD], by_family[FP8_WGRAD]
     assert "FP8 weight-gradient kernels" in bf16_row["note"]
     assert row["ms_per_step"] == pytest.approx(3.0)
     assert row["compute_ms"] == pytest.approx(compute_ms) and row["hbm_ms"] == pytest.approx(hbm_ms)
@@ -126,12 +138,12 @@ def test_the_token_group_quantiser_is_set_against_its_copies_bytes_at_the_hbm_ra
     values = 2 * 2048 + 3 * 768
     step_bytes = 2 * m.num_moe_layers * values * (2 * rows + (1 + 4 / 128) * padded)
     kernels = {"_quantize_token_groups_kernel": 4.0, "_quantize_rows_and_token_groups_kernel": 50.0}
-    *_, row, _, _ = kernel_bounds(cfg, m, kernels)
+    row = _families(cfg, m, kernels)[TOKEN_GROUPS]
     hbm_ms = step_bytes / Ceilings.of(load_hardware("h200-sxm-calibrated")).hbm_bytes_per_s * 1e3
     assert row["family"] == "FP8 token-group quantiser" and row["ms_per_step"] == pytest.approx(4.0)
     assert row["bound"] == "hbm" and row["tflop"] == 0.0 and row["gb"] == pytest.approx(step_bytes / 1e9)
     assert row["bound_ms_per_step"] == pytest.approx(hbm_ms) and row["ratio"] == pytest.approx(4.0 / hbm_ms)
-    *_, default_row, _, _ = kernel_bounds(_cfg(precision="fp8"), m, kernels)
+    default_row = _families(_cfg(precision="fp8"), m, kernels)[TOKEN_GROUPS]
     assert "no token-group copies" in default_row["note"] and "ratio" not in default_row
     assert bounds_table([row, default_row]).row_count == 2
 
@@ -156,10 +168,10 @@ def test_the_weight_copies_are_set_against_their_bytes_at_the_hbm_rate(fields, t
     if cfg.dense_fp8_scaling == "blockwise":
         step_bytes += dense_fp8_weight_copies(dense_fp8_weights(m, m.num_moe_layers, 0, "blockwise"),
                                               "blockwise").hbm_bytes
-    *_, row, _ = kernel_bounds(cfg, m, {"_quantize_blocks_kernel": 2.0})
+    row = _families(cfg, m, {"_quantize_blocks_kernel": 2.0})[WEIGHT_COPIES]
     assert row["family"] == "FP8 weight copies" and row["bound"] == "hbm"
     assert row["gb"] == pytest.approx(step_bytes / 1e9) and row["ratio"] > 0
-    *_, bf16_row, _ = kernel_bounds(_cfg(), m, {"_quantize_blocks_kernel": 2.0})
+    bf16_row = _families(_cfg(), m, {"_quantize_blocks_kernel": 2.0})[WEIGHT_COPIES]
     assert "no block-quantised FP8 weight copies" in bf16_row["note"]
 
 
@@ -172,8 +184,37 @@ def test_the_adamw_update_is_set_against_every_parameters_bytes_at_the_hbm_rate(
     m = load_model("qwen3-30b-a3b")
     params = count_params(m).total
     for state, per_param in (("bf16", (4 + 4 + 4) + (4 + 4 + 2)), ("fp32", (4 + 4 + 8) + (4 + 8 + 2))):
-        *_, row = kernel_bounds(_cfg(optim={"state_dtype": state}), m, {"_adamw_kernel": 5.0})
+        row = _families(_cfg(optim={"state_dtype": state}), m, {"_adamw_kernel": 5.0})[ADAMW]
         assert row["family"] == "AdamW update" and row["bound"] == "hbm"
         assert row["gb"] == pytest.approx(params * per_param / 1e9)
-    *_, torch_row = kernel_bounds(_cfg(optim={"update_kernel": "torch"}), m, {"_adamw_kernel": 5.0})
+    torch_row = _families(_cfg(optim={"update_kernel": "torch"}), m, {"_adamw_kernel": 5.0})[ADAMW]
     assert "torch's fused AdamW" in torch_row["note"]
+
+
+@pytest.mark.parametrize("fields, fp8_thirds, bf16_thirds", [
+    (dict(), 0, 6),  # bf16 experts: the forward (3 thirds) and the data gradients (3)
+    (dict(recompute="full"), 0, 9),  # the forward again in the backward
+    (dict(precision="fp8"), 4, 2),  # a run's default: the down GEMM's forward and the data gradients in FP8
+    (dict(precision="fp8", fp8_expert_forward="both"), 6, 0),
+    (dict(precision="fp8", fp8_expert_forward="gate-up", fp8_expert_backward="bf16"), 2, 4),
+])
+def test_the_expert_row_gemms_are_set_against_the_matmul_ceiling_of_their_precision(fields, fp8_thirds, bf16_thirds):
+    """The routed experts' row GEMMs (forward and data gradients, in thirds of the forward's FLOPs: gate/up two,
+    down one) by the precision each runs in, FLOPs alone at the matmul ceiling (FP8: times fp8 / bf16 tflops);
+    a precision none of them runs in says so."""
+    m = load_model("qwen3-30b-a3b")
+    rows = 16 // 2 * 4096 * m.top_k
+    third = 2 * rows * 3 * 2048 * 768 * m.num_moe_layers * 2 / 3  # both micro-batches
+    kernels = {"_ragged_rows_gemm_kernel": 3.0, "_gluon_fp8_rows_gemm_kernel": 2.0, "_fp8_rows_gemm_kernel": 1.0}
+    rows_of = _families(_cfg(**fields), m, kernels)
+    hw = load_hardware("h200-sxm-calibrated")
+    ceiling = Ceilings.of(hw).flops_per_s
+    for name, thirds, scale, measured in (("expert row GEMMs (bf16)", bf16_thirds, 1.0, 3.0),
+                                          ("expert row GEMMs (FP8)", fp8_thirds, hw.fp8_tflops / hw.bf16_tflops, 3.0)):
+        row = rows_of[name]
+        if thirds == 0:
+            assert "ratio" not in row and row["note"]
+            continue
+        assert row["tflop"] == pytest.approx(thirds * third / 1e12) and row["bound"] == "compute" and row["gb"] == 0
+        assert row["ms_per_step"] == measured
+        assert row["bound_ms_per_step"] == pytest.approx(thirds * third / (ceiling * scale) * 1e3)
