@@ -35,12 +35,17 @@ class KernelFamily:
     fp8: bool = False  # its GEMMs run in e4m3: the compute ceiling is the bf16 one times fp8_tflops / bf16_tflops
 
 
+def _micro_batch_rows(cfg: TrainConfig, m: ModelConfig) -> tuple[int, int]:
+    """(micro-batches a step, routed rows a micro-batch) of `mode: single` on the one GPU."""
+    micro_batches = int(cfg.micro_batches)
+    return micro_batches, cfg.batch_size // micro_batches * cfg.seq_len * m.top_k
+
+
 def _weight_grads_of_step(cfg: TrainConfig, m: ModelConfig, operand_bytes: float) -> Work:
     """The step's expert weight gradients, each launch adding into the fp32 main gradient (the first of a
     step storing it: first touch), one launch per micro-batch or, paired (`TrainConfig.pairs_expert_wgrads`,
     `kernels.wgrad_pairs`), per two, as the planner prices them; the rows read at `operand_bytes` a value."""
-    micro_batches = int(cfg.micro_batches)
-    rows = cfg.batch_size // micro_batches * cfg.seq_len * m.top_k
+    micro_batches, rows = _micro_batch_rows(cfg, m)
     launch = expert_weight_grads(m, rows, m.num_experts, stored_share=1.0 / micro_batches,
                                  main_grad_passes=main_grad_passes(micro_batches, cfg.pairs_expert_wgrads),
                                  operand_bytes=operand_bytes)
@@ -73,8 +78,7 @@ def _row_gemm_flops(cfg: TrainConfig, m: ModelConfig, fp8: bool) -> float:
     experts the forward's gate/up GEMM (two thirds of it) and down GEMM (one third) as `expert_forward_precision`
     says, the data gradients in FP8 unless `expert_backward_precision` is bf16; the forward twice under
     `recompute: full`."""
-    micro_batches = int(cfg.micro_batches)
-    rows = cfg.batch_size // micro_batches * cfg.seq_len * m.top_k
+    micro_batches, rows = _micro_batch_rows(cfg, m)
     forward = float(routed_experts(m, rows, m.num_experts).flops) * micro_batches * m.num_moe_layers
     if cfg.expert_precision != "fp8":
         return 0.0 if fp8 else forward * (2 if cfg.recompute == "full" else 1) + forward
@@ -109,8 +113,7 @@ def _fp8_token_groups(cfg: TrainConfig, m: ModelConfig) -> Work | str:
         return f"experts_backend: {cfg.experts_backend} runs no FP8 token-group quantiser"
     if cfg.expert_backward_precision != "fp8":
         return "no all-FP8 backward here (fp8_expert_backward: fp8 under precision fp8): no token-group copies"
-    micro_batches = int(cfg.micro_batches)
-    rows = cfg.batch_size // micro_batches * cfg.seq_len * m.top_k
+    micro_batches, rows = _micro_batch_rows(cfg, m)
     values = 2 * m.hidden_size + 3 * m.expert_ffn_size
     launch = Work(hbm_bytes=values * (BF16 * rows + FP8_TOKEN_GROUP_BYTES * fp8_token_group_rows(rows, m.num_experts)))
     return launch.scale(micro_batches * m.num_moe_layers)
