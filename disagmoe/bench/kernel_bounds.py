@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 from disagmoe.config import HardwareConfig, ModelConfig, TrainConfig, load_hardware
 from disagmoe.roofline.ceilings import Ceilings
-from disagmoe.roofline.memory import FP8_BLOCK_SCALE_BYTES, fp8_token_group_rows, fp8_weight_copy_shares
+from disagmoe.placement.cost import FP8_FORWARD_SHARES
+from disagmoe.roofline.memory import fp8_token_group_rows, fp8_weight_copy_bytes, fp8_weight_copy_shares
 from disagmoe.roofline.params import count_params
 from disagmoe.roofline.stages import (BF16, FP8_TOKEN_GROUP_BYTES, Work, adamw_update_bytes, dense_fp8_weight_copies,
                                       dense_fp8_weights, expert_weight_grads, main_grad_passes, routed_experts)
@@ -82,7 +83,7 @@ def _row_gemm_flops(cfg: TrainConfig, m: ModelConfig, fp8: bool) -> float:
     forward = float(routed_experts(m, rows, m.num_experts).flops) * micro_batches * m.num_moe_layers
     if cfg.expert_precision != "fp8":
         return 0.0 if fp8 else forward * (2 if cfg.recompute == "full" else 1) + forward
-    fp8_forward = {"both": 1.0, "gate-up": 2 / 3, "down": 1 / 3}[cfg.expert_forward_precision]
+    fp8_forward = FP8_FORWARD_SHARES[cfg.expert_forward_precision]
     fp8_backward = cfg.expert_backward_precision != "bf16"
     if fp8:
         return forward * fp8_forward + forward * fp8_backward
@@ -128,9 +129,9 @@ def _fp8_weight_copies(cfg: TrainConfig, m: ModelConfig) -> Work | str:
     scale per 128 x 128 block."""
     expert_bytes = 0.0
     if cfg.expert_precision == "fp8":
-        quantised, held = fp8_weight_copy_shares(cfg.expert_forward_precision, cfg.expert_backward_precision)
-        params = 3 * m.hidden_size * m.expert_ffn_size * m.num_experts * m.num_moe_layers
-        expert_bytes = params * (quantised * BF16 + held * (1 + FP8_BLOCK_SCALE_BYTES))
+        recipe = cfg.expert_forward_precision, cfg.expert_backward_precision
+        params = count_params(m).routed_experts
+        expert_bytes = fp8_weight_copy_shares(*recipe)[0] * params * BF16 + fp8_weight_copy_bytes(params, *recipe)
     dense_bytes = 0.0
     if cfg.dense_fp8_scaling == "blockwise":
         weights = dense_fp8_weights(m, m.num_moe_layers, m.num_dense_layers, "blockwise")
