@@ -86,6 +86,11 @@ FP8_WGRAD_CANDIDATES = [(128, 128, 64, 8, 3, 1, "hoisted"), (128, 128, 64, 8, 3,
                         (128, 64, 64, 4, 3, 2, "pipelined"), (128, 64, 64, 4, 3, 2, "pingpong")]
 # Roles whose launches the library's grouped GEMM can run (`TileConfig.library`): plain products.
 LIBRARY_ROLES = ("down", "gate_up_dgrad")
+# Our warp-specialised Gluon kernel for those roles on Hopper (`TileConfig.gluon`, `kernels.gluon_rows`): (block_m,
+# block_n, ring stages, TMA-store epilogue), each compiled for sm_90a on a CPU without spills
+# (tests/kernels/test_gluon_rows.py); 128 x 256 takes 3 stages beside the TMA store's two [64, 256] buffers.
+GLUON_ROWS_CANDIDATES = [(128, 128, 4, False), (128, 128, 4, True), (128, 256, 3, False), (128, 256, 3, True),
+                         (64, 256, 4, True)]
 FP8_CANDIDATES = {"fp8_rows": FP8_ROWS_CANDIDATES, "fp8_swiglu": FP8_SWIGLU_CANDIDATES,
                   "fp8_wgrad": FP8_WGRAD_CANDIDATES}
 
@@ -122,10 +127,18 @@ def candidates(role: str) -> list[TileConfig]:
         configs += [dataclasses.replace(c, tma=True) for c in configs if not (role == "gate_up" and c.flatten)]
     if role in LIBRARY_ROLES:  # the library's grouped GEMM competes where it can run the launch
         configs.append(dataclasses.replace(heuristic(role), library=True))
+        if _hopper():  # and our Gluon kernel where it can (elsewhere its tiles would be Triton tiles again)
+            configs += [TileConfig(block_m=m, block_n=n, block_k=64, num_warps=8, num_stages=s, gluon=True,
+                                   gluon_tma_store=t) for m, n, s, t in GLUON_ROWS_CANDIDATES]
     if role == "down_dgrad":  # the epilogue split off a plain GEMM (ours at the plain tiles, or the library's)
         plain = dataclasses.replace(heuristic("down"), split_epilogue=True)
         configs += [plain, dataclasses.replace(plain, library=True)]
     return configs
+
+
+def _hopper() -> bool:
+    """Whether this process's GPU is a Hopper (sm_90), where the Gluon row kernel runs."""
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
 def default_config(role: str) -> TileConfig:
@@ -237,7 +250,8 @@ def search(launch: Callable[[TileConfig], object], default: TileConfig, configs:
            ) -> tuple[float, TileConfig, float]:
     """(best ms, best config, the default's ms): each config checked against the default's result
     (a tiling must compute the same function; an `AccumulatingLaunch` from its zeroed output), then
-    timed by `time_ms`; the default competes too."""
+    timed by `time_ms`; the default competes too. Where the library's grouped GEMM or our Gluon kernel
+    competed, the best of each kernel kind is logged beside the winner (`kernel_kind`)."""
     reset = getattr(launch, "reset", lambda: None)
     reset()
     result = launch(default)
@@ -254,7 +268,20 @@ def search(launch: Callable[[TileConfig], object], default: TileConfig, configs:
         except Exception as err:  # a tile that does not fit (shared memory, registers)
             log(f"  skip {label} {config}: {type(err).__name__}")
     best_ms, best = min(timed, key=lambda t: t[0])
+    kinds: dict[str, tuple[float, TileConfig]] = {}
+    for ms, config in timed:
+        kind = kernel_kind(config)
+        if kind not in kinds or ms < kinds[kind][0]:
+            kinds[kind] = (ms, config)
+    if len(kinds) > 1:
+        log(f"  {label}: best by kernel: " + ", ".join(f"{kind} {ms:.3f} ms" for kind, (ms, _) in sorted(kinds.items())))
     return best_ms, best, timed[0][0]
+
+
+def kernel_kind(config: TileConfig) -> str:
+    """Which kernel a row GEMM tile runs where it can: 'library' (`torch._grouped_mm`), 'gluon' (our
+    warp-specialised Hopper kernel) or 'triton' (ours)."""
+    return "library" if config.library else "gluon" if config.gluon else "triton"
 
 
 def tune_roles(launches: dict[str, Callable[[TileConfig], object]], dims: dict[str, tuple[int, int]],

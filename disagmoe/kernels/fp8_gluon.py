@@ -51,7 +51,7 @@ wgmma layout in 4-byte pieces (bf16: 32 STG a thread per 64 x 128 wave, each war
 bytes in each of 8 rows, uncoalesced), issued by the consumer before its next item can start; on
 Qwen3-30B's expert GEMMs (K 768 or 1,536: 6-12 K slices a tile) that epilogue is a large share of
 each tile, and in the profiled training step (one H100) this kernel ran at about 655 TFLOP/s, the
-step's FP8 row GEMMs 60 ms. How: row tiles start at their group's first row (`_tile_of`: row_start +
+step's FP8 row GEMMs 60 ms. How: row tiles start at their group's first row (`tile_of`: row_start +
 pid_m x block_m, pid_m < cdiv(rows, block_m)), so only a group's last tile can reach past its end.
 A consumer's 64-row wave wholly inside its group is converted to out's dtype, written into the
 consumer's [64, block_n] shared-memory buffer (stmatrix: 8 STSM a thread at 64 x 128 bf16), fenced
@@ -143,21 +143,27 @@ from triton.experimental.gluon.language._core import builtin
 
 from disagmoe.kernels import grouped_gemm as gg
 from disagmoe.kernels.fp8 import FP8, SCALE_BLOCK, weight_grad_shapes
+from disagmoe.kernels.gluon_ragged import (  # noqa: F401 (CONSUMER_REGS, OUT_DTYPES, ...: this module's contract too)
+    CONSUMER_REGS,
+    CONSUMER_ROWS,
+    GROUP_M,
+    MAXNREG,
+    OUT_DTYPES,
+    PRODUCER_REGS,
+    SHARED_MEMORY_BYTES,
+    group_item_ends,
+    masked_store,
+    ring,
+    store_wave,
+    tile_of,
+    tma_rows,
+    tma_store_takes,
+)
 
 # one or two consumer warpgroups of CONSUMER_ROWS rows, or (256) two of two 64-row waves each: one B tile
 # read by four wgmma groups, half the L2 traffic of B per FLOP (a helper's sm_90a study, session 33)
 BLOCK_MS = (64, 128, 256)
 BLOCK_NS = (64, 128)  # column tiles inside one 128-column weight block: one sb per tile and slice
-CONSUMER_ROWS = 64  # a warpgroup's wgmma rows (M = 64 per warpgroup on sm_90)
-GROUP_M = 8  # row tiles sharing column tiles in the item order, as TileConfig's default
-# setmaxnreg budgets (DeepGEMM's): 12 warps (two consumer warpgroups, the producer's warp rounded up
-# to a warpgroup) x 32 threads x MAXNREG fit the 64K-register file; the default partition (the
-# first consumer) receives what the others leave: (12 x 168 - 4 x 232 - 4 x 40) / 4 = 232. With 24
-# for the producer (Gluon's tutorials), ptxas spilled 8 bytes at 128 x 128.
-PRODUCER_REGS, CONSUMER_REGS, MAXNREG = 40, 232, 168
-SHARED_MEMORY_BYTES = 227 * 1024  # sm_90's per-block limit (the barriers take a few bytes more)
-# out's dtypes as the TMA-store epilogue's descriptor names them (`_check` admits these three)
-OUT_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
 # (block_m, block_n) tiles that take the TMA-store epilogue (`gluon_fp8_rows_gemm(tma_store=True)`): those ptxas
 # holds without spills (sm_90a, Triton 3.6). At 256 x 128 the two waves' sums leave it no registers: 184 bytes of
 # spill stores with a bf16 out, two accumulator registers stored and reloaded in every K slice (module docstring)
@@ -189,49 +195,13 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 
 
 @gluon.jit
-def _add(x, y):
-    return x + y
-
-
-@gluon.jit
-def _item_ends(offsets_ptr, E, tiles_n, BLOCK_M: gl.constexpr, E_POW2: gl.constexpr, WARPS: gl.constexpr):
-    """Inclusive prefix sum of work items (row tiles x column tiles) per group, in the calling
-    partition's registers (`grouped_gemm._item_table`'s sums; WARPS: the partition's warps)."""
-    layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
-    idx = gl.arange(0, E_POW2, layout=layout)
-    ends = gl.load(offsets_ptr + idx, mask=idx < E, other=0)
-    starts = gl.load(offsets_ptr + idx - 1, mask=(idx > 0) & (idx < E), other=0)
-    counts = gl.where(idx < E, ends - starts, 0)
-    return gl.associative_scan(gl.cdiv(counts, BLOCK_M) * tiles_n, 0, _add)
-
-
-@gluon.jit
 def _work(offsets_ptr, E, N, K, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, E_POW2: gl.constexpr,
           WARPS: gl.constexpr):
-    """(column tiles, `_item_ends`, items in all, K slices): the work every partition of the rows
+    """(column tiles, `group_item_ends`, items in all, K slices): the work every partition of the rows
     kernel walks alike (WARPS: the calling partition's warps)."""
     tiles_n = N // BLOCK_N
-    item_ends = _item_ends(offsets_ptr, E, tiles_n, BLOCK_M, E_POW2, WARPS)
+    item_ends = group_item_ends(offsets_ptr, E, tiles_n, BLOCK_M, E_POW2, WARPS)
     return tiles_n, item_ends, gl.max(item_ends, axis=0), K // _SLICE
-
-
-@gluon.jit
-def _tile_of(item, item_ends, offsets_ptr, tiles_n, BLOCK_M: gl.constexpr, GROUP_M: gl.constexpr):
-    """(group, first row, the group's row end, column tile) of work item `item`: the item order of
-    `_fp8_rows_gemm_kernel` (groups in turn, GROUP_M row tiles sharing column tiles:
-    `grouped_gemm._swizzle`), computed alike by every partition."""
-    done = item_ends <= item
-    group = gl.sum(done.to(gl.int32), axis=0)
-    item_start = gl.max(gl.where(done, item_ends, 0), axis=0)
-    row_start = gl.load(offsets_ptr + group - 1, mask=group > 0, other=0)
-    row_end = gl.load(offsets_ptr + group)
-    local = item - item_start
-    per_group = GROUP_M * tiles_n
-    first_m = (local // per_group) * GROUP_M
-    group_rows = gl.minimum(gl.cdiv(row_end - row_start, BLOCK_M) - first_m, GROUP_M)
-    pid_m = first_m + (local % per_group) % group_rows
-    pid_n = (local % per_group) // group_rows
-    return group, row_start + pid_m * BLOCK_M, row_end, pid_n
 
 
 @gluon.jit
@@ -244,7 +214,7 @@ def _producer(a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, offsets_pt
     tiles_n, item_ends, total, slices = _work(offsets_ptr, E, N, K, BLOCK_M, BLOCK_N, E_POW2, 1)
     count = 0
     for item in range(gl.program_id(0), total, num_programs):
-        group, row0, row_end, pid_n = _tile_of(item, item_ends, offsets_ptr, tiles_n, BLOCK_M, GROUP_M)
+        group, row0, row_end, pid_n = tile_of(item, item_ends, offsets_ptr, tiles_n, BLOCK_M, GROUP_M)
         b_row = (group % E_W) * N + pid_n * BLOCK_N
         for j in range(slices):
             stage = count % STAGES
@@ -257,38 +227,13 @@ def _producer(a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, offsets_pt
 
 
 @gluon.jit
-def _masked_store(values_MN, out_ptr, rows, row_ok, cols, stride_om, stride_on):
-    """The plain epilogue: a warpgroup's 64 rows straight from the wgmma layout, rows past the group's
-    end masked off (each thread's elements on 2 rows, BLOCK_N / 8 column pairs on each: 4-byte stores
-    at bf16, a warp's store instruction writing 16 bytes in each of 8 rows)."""
-    out_ptrs = out_ptr + rows.to(gl.int64)[:, None] * stride_om + cols[None, :] * stride_on
-    gl.store(out_ptrs, values_MN, mask=row_ok[:, None])
-
-
-@gluon.jit
-def _store_wave(values_MN, whole, row, col, out_desc, c_buf, out_ptr, rows, row_ok, cols, stride_om, stride_on):
-    """A warpgroup's 64 rows from `row` (TMA_STORE): where they lie wholly inside the group (`whole`),
-    written into its epilogue buffer c_buf, fenced for the async proxy and stored by TMA (one
-    [64, BLOCK_N] box of out_desc at [row, col]), not waited for: the caller waits (store_wait)
-    before it writes the buffer again, an item later, so the store drains under the next item's
-    main loop. Otherwise (the group's last tile, partial: a box would write the next group's rows)
-    the masked store. The caller has waited for the buffer's last store where `whole`."""
-    if whole:
-        c_buf.store(values_MN)
-        fence_async_shared()
-        tma.async_copy_shared_to_global(out_desc, [row, col], c_buf)
-    else:
-        _masked_store(values_MN, out_ptr, rows, row_ok, cols, stride_om, stride_on)
-
-
-@gluon.jit
 def _consumer(a_bufs, b_bufs, ready_bars, empty_bars, sa_ptr, sb_ptr, out_ptr, offsets_ptr, E, E_W, N, K,
               num_programs, stride_sam, stride_sag, stride_sbe, stride_sbg, stride_sbb, stride_om, stride_on,
               out_desc, c_bufs, CONSUMER: gl.constexpr, E_POW2: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr):
     """One warpgroup's rows CONSUMER * 64 + [0, 64) of every item: per slice, the wgmma waited for,
     the stage released, the product added with the scales loaded a slice earlier (module
-    docstring), then the store: masked from registers, or with TMA_STORE (`_store_wave`) through
+    docstring), then the store: masked from registers, or with TMA_STORE (`store_wave`) through
     this warpgroup's epilogue buffer c_bufs[CONSUMER] where its 64 rows lie inside the group."""
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_N, 32])
@@ -298,7 +243,7 @@ def _consumer(a_bufs, b_bufs, ready_bars, empty_bars, sa_ptr, sb_ptr, out_ptr, o
     zero_MN = gl.zeros([_ROWS, BLOCK_N], gl.float32, acc_layout)
     count = 0
     for item in range(gl.program_id(0), total, num_programs):
-        group, row0, row_end, pid_n = _tile_of(item, item_ends, offsets_ptr, tiles_n, BLOCK_M, GROUP_M)
+        group, row0, row_end, pid_n = tile_of(item, item_ends, offsets_ptr, tiles_n, BLOCK_M, GROUP_M)
         rows = (row0 + CONSUMER * _ROWS) + gl.arange(0, _ROWS, layout=row_layout)
         row_ok = rows < row_end
         sa_ptrs = sa_ptr + rows.to(gl.int64) * stride_sam
@@ -328,10 +273,10 @@ def _consumer(a_bufs, b_bufs, ready_bars, empty_bars, sa_ptr, sb_ptr, out_ptr, o
             whole = wave_row + _ROWS <= row_end
             if whole:
                 tma.store_wait(0)  # the previous item's store has read the buffer (long since: a main loop ago)
-            _store_wave(acc_MN.to(out_ptr.dtype.element_ty), whole, wave_row, pid_n * BLOCK_N, out_desc,
+            store_wave(acc_MN.to(out_ptr.dtype.element_ty), whole, wave_row, pid_n * BLOCK_N, out_desc,
                         c_bufs.index(CONSUMER), out_ptr, rows, row_ok, cols, stride_om, stride_on)
         else:
-            _masked_store(acc_MN.to(out_ptr.dtype.element_ty), out_ptr, rows, row_ok, cols, stride_om, stride_on)
+            masked_store(acc_MN.to(out_ptr.dtype.element_ty), out_ptr, rows, row_ok, cols, stride_om, stride_on)
     if TMA_STORE:
         tma.store_wait(0)  # the last item's store has read its buffer before the block's shared memory goes
 
@@ -356,7 +301,7 @@ def _consumer_two_waves(a_bufs, b_bufs, ready_bars, empty_bars, sa_ptr, sb_ptr, 
     zero_MN = gl.zeros([_ROWS, BLOCK_N], gl.float32, acc_layout)
     count = 0
     for item in range(gl.program_id(0), total, num_programs):
-        group, row0, row_end, pid_n = _tile_of(item, item_ends, offsets_ptr, tiles_n, BLOCK_M, GROUP_M)
+        group, row0, row_end, pid_n = tile_of(item, item_ends, offsets_ptr, tiles_n, BLOCK_M, GROUP_M)
         # the high wave's rows, masks and scale pointers are the low wave's plus 64 rows, made where used:
         # held across the loop they cost ptxas a spill at 256 x 128
         rows_lo = (row0 + CONSUMER * 2 * _ROWS) + gl.arange(0, _ROWS, layout=row_layout)
@@ -397,39 +342,21 @@ def _consumer_two_waves(a_bufs, b_bufs, ready_bars, empty_bars, sa_ptr, sb_ptr, 
             whole_lo = lo_row + _ROWS <= row_end
             if whole_lo:
                 tma.store_wait(0)  # the previous item's high wave's store has read the buffer
-            _store_wave(acc_lo.to(out_ptr.dtype.element_ty), whole_lo, lo_row, pid_n * BLOCK_N, out_desc, c_buf,
+            store_wave(acc_lo.to(out_ptr.dtype.element_ty), whole_lo, lo_row, pid_n * BLOCK_N, out_desc, c_buf,
                         out_ptr, rows_lo, ok_lo, cols, stride_om, stride_on)
             rows_hi = rows_lo + _ROWS
             whole_hi = lo_row + 2 * _ROWS <= row_end
             if whole_hi:
                 tma.store_wait(0)  # the low wave's store (whole_hi implies whole_lo) has read the buffer
-            _store_wave(acc_hi.to(out_ptr.dtype.element_ty), whole_hi, lo_row + _ROWS, pid_n * BLOCK_N, out_desc,
+            store_wave(acc_hi.to(out_ptr.dtype.element_ty), whole_hi, lo_row + _ROWS, pid_n * BLOCK_N, out_desc,
                         c_buf, out_ptr, rows_hi, rows_hi < row_end, cols, stride_om, stride_on)
         else:
-            _masked_store(acc_lo.to(out_ptr.dtype.element_ty), out_ptr, rows_lo, ok_lo, cols, stride_om, stride_on)
+            masked_store(acc_lo.to(out_ptr.dtype.element_ty), out_ptr, rows_lo, ok_lo, cols, stride_om, stride_on)
             rows_hi = rows_lo + _ROWS
-            _masked_store(acc_hi.to(out_ptr.dtype.element_ty), out_ptr, rows_hi, rows_hi < row_end, cols, stride_om,
+            masked_store(acc_hi.to(out_ptr.dtype.element_ty), out_ptr, rows_hi, rows_hi < row_end, cols, stride_om,
                           stride_on)
     if TMA_STORE:
         tma.store_wait(0)
-
-
-@gluon.jit
-def _ring(a_desc, b_desc, STAGES: gl.constexpr, CONSUMERS: gl.constexpr, FENCE_INIT: gl.constexpr):
-    """The shared-memory ring both kernels share: STAGES stages of an A and a B TMA box, each with a
-    `ready` mbarrier (the producer's one arrival with the bytes) and an `empty` one (an arrival per
-    consumer warpgroup releasing it); with FENCE_INIT the initialisations fenced for the async proxy
-    (`FENCE_BARRIER_INIT`)."""
-    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
-    ready_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready_bars.index(s), count=1)
-        mbarrier.init(empty_bars.index(s), count=CONSUMERS)
-    if FENCE_INIT:
-        fence_async_shared()
-    return a_bufs, b_bufs, ready_bars, empty_bars
 
 
 @gluon.jit
@@ -444,7 +371,7 @@ def _gluon_fp8_rows_gemm_kernel(a_desc, b_desc, out_desc, sa_ptr, sb_ptr, out_pt
     # consumers: 1 at block_m 64, 2 at 128 and at 256 (two waves each), in constexpr arithmetic.
     # out_desc: out's TMA view ([64, BLOCK_N] boxes) with TMA_STORE, else None (the masked store alone).
     CONSUMERS: gl.constexpr = BLOCK_M // _ROWS - 2 * (BLOCK_M // (4 * _ROWS))
-    a_bufs, b_bufs, ready_bars, empty_bars = _ring(a_desc, b_desc, STAGES, CONSUMERS, FENCE_INIT)
+    a_bufs, b_bufs, ready_bars, empty_bars = ring(a_desc, b_desc, STAGES, CONSUMERS, FENCE_INIT)
     if TMA_STORE:  # one [64, BLOCK_N] buffer of out's dtype per consumer, in the TMA box's NVMMA layout
         c_bufs = gl.allocate_shared_memory(out_desc.dtype, [CONSUMERS] + out_desc.block_type.shape, out_desc.layout)
     else:
@@ -648,7 +575,7 @@ def _gluon_fp8_weight_grad_kernel(a_desc, b_desc, sa_desc, sb_desc, a2_desc, b2_
     # carry the chunk's scales beside its A and B tiles. TMA_EPILOGUE: out_desc, out's [E_W x KA, C]
     # view in [64, BLOCK_N] boxes, and one such fp32 buffer per consumer; else None. PAIRED: a second
     # row set's descriptors (a2..sb2) and padded offsets (one group an expert), else None.
-    a_bufs, b_bufs, ready_bars, empty_bars = _ring(a_desc, b_desc, STAGES, 2, FENCE_INIT)
+    a_bufs, b_bufs, ready_bars, empty_bars = ring(a_desc, b_desc, STAGES, 2, FENCE_INIT)
     sa_bufs = gl.allocate_shared_memory(sa_desc.dtype, [STAGES] + sa_desc.block_type.shape, sa_desc.layout)
     sb_bufs = gl.allocate_shared_memory(sb_desc.dtype, [STAGES] + sb_desc.block_type.shape, sb_desc.layout)
     if TMA_EPILOGUE:
@@ -668,12 +595,6 @@ def _gluon_fp8_weight_grad_kernel(a_desc, b_desc, sa_desc, sb_desc, a2_desc, b2_
                            sa_bufs, sb_bufs, ready_bars, empty_bars, padded_ptr, padded2_ptr, E, E_W, KA, C,
                            num_programs, _ITEM_ROWS, BLOCK_N, GROUP_M, STAGES, PAIRED)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
-
-
-def _tma_rows(t: torch.Tensor) -> bool:
-    """Whether a 2-D operand has unit column stride and 16-byte-aligned rows (a TMA view's rules): a row
-    GEMM's A, a token-group copy as `fp8.quantize_token_groups` writes it."""
-    return t.stride(1) == 1 and t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0
 
 
 def _check(a_MK, sa_MG, offsets_E, b_EKN, sb_EGB, out, block_m, block_n) -> None:
@@ -702,7 +623,7 @@ def _check(a_MK, sa_MG, offsets_E, b_EKN, sb_EGB, out, block_m, block_n) -> None
         raise ValueError(f"b must be K-major with contiguous [E, N, K] storage (the TMA view [E*N, K]): pass "
                          f"q_ENK.transpose(1, 2) as fp8_ffn.Fp8ExpertWeights holds it (quantize_blocks(..., "
                          f"transposed_out=q_ENK)); got strides {b_EKN.stride()}")
-    if not _tma_rows(a_MK):
+    if not tma_rows(a_MK):
         raise ValueError(f"a must have unit column stride and 16-byte-aligned rows (TMA): pass a.contiguous(); got "
                          f"strides {a_MK.stride()}")
     if offsets_E.dim() != 1 or offsets_E.dtype != torch.int32 or offsets_E.shape[0] % experts:
@@ -731,13 +652,6 @@ def epilogue_bytes(block_m: int, block_n: int, out_bytes: int) -> int:
     return min(block_m, 2 * CONSUMER_ROWS) * block_n * out_bytes
 
 
-def tma_store_takes(out: torch.Tensor) -> bool:
-    """Whether `out` can take the TMA-store epilogue's descriptor (`gluon_fp8_rows_gemm(tma_store=True)`):
-    unit column stride, a 16-byte-aligned base and row stride (TMA's rules). Where it cannot (a column
-    slice at an odd offset, a transposed view) the kernel keeps the masked store."""
-    return out.stride(1) == 1 and (out.stride(0) * out.element_size()) % 16 == 0 and out.data_ptr() % 16 == 0
-
-
 def takes(a_MK: torch.Tensor, b_EKN: torch.Tensor, block_n: int = 128) -> bool:
     """Whether `gluon_fp8_rows_gemm` can run these operands here: a Hopper GPU (sm_90; not the
     interpreter, which runs no Gluon), K a multiple of 128, N of block_n, b K-major over contiguous
@@ -750,7 +664,7 @@ def takes(a_MK: torch.Tensor, b_EKN: torch.Tensor, block_n: int = 128) -> bool:
     rows, k = a_MK.shape
     experts, _, cols = b_EKN.shape
     return (k > 0 and k % SCALE_BLOCK == 0 and cols % block_n == 0 and b_EKN.stride() == (cols * k, 1, k)
-            and _tma_rows(a_MK))
+            and tma_rows(a_MK))
 
 
 def gluon_fp8_rows_gemm(
@@ -829,7 +743,7 @@ def wgrad_takes(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, tor
         return False
     if torch.cuda.get_device_capability(qa_KP.device) != (9, 0):
         return False
-    return (all(_tma_rows(t) and t.shape[1] % SCALE_BLOCK == 0 for t in (qa_KP, qb_CP))
+    return (all(tma_rows(t) and t.shape[1] % SCALE_BLOCK == 0 for t in (qa_KP, qb_CP))
             and _chunk_major(sa_KC) and _chunk_major(sb_CC))
 
 
@@ -864,7 +778,7 @@ def _token_group_descriptors(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torc
     in [block_n, 128] boxes, and their chunk-major scales in runs of 128 and block_n (`_scale_boxes`)."""
     (qa_KP, sa_KC), (qb_CP, sb_CC) = a, b
     for name, t in (("a", qa_KP), ("b", qb_CP)):
-        if not _tma_rows(t):
+        if not tma_rows(t):
             raise ValueError(f"{name} must be token-contiguous with 16-byte-aligned rows (TMA), as "
                              f"quantize_token_groups writes it; got strides {t.stride()}")
     for name, t in (("a", sa_KC), ("b", sb_CC)):

@@ -508,6 +508,13 @@ def ragged_rows_gemm(
     elif (config.library and n_rows and cols
             and library_takes(a_NK, offsets_E, b_EKC, epilogue, out is not None, dst_rows_N, signal, a_rows_N)):
         return torch._grouped_mm(a_NK, b_EKC, offs=offsets_E)  # its own output: none allocated here
+    elif config.gluon and n_rows and cols and gluon_takes(a_NK, b_EKC, config, epilogue, dst_rows_N, signal,
+                                                          a_rows_N):
+        from disagmoe.kernels import gluon_rows
+
+        return gluon_rows.gluon_rows_gemm(a_NK, offsets_E, b_EKC, out=out, block_m=config.block_m,
+                                          block_n=config.block_n, stages=config.num_stages, group_m=config.group_m,
+                                          num_programs=num_programs, tma_store=config.gluon_tma_store)
     if out is None:
         out_cols = 2 * cols if epilogue == EPILOGUE_SWIGLU_GRAD else cols
         out = a_NK.new_empty((n_rows, out_cols))
@@ -646,6 +653,20 @@ def swiglu_grad_rows(d_act_NC: torch.Tensor, h13_N2C: torch.Tensor, offsets_E: t
         act.stride(0), act.stride(1), SAVE_ACT=act_N_C is not None, ROW_SCALE=row_scale is not None,
         BLOCK_R=SPLIT_ROWS, BLOCK_C=SPLIT_COLS, num_warps=4)
     return out
+
+
+def gluon_takes(a_NK: torch.Tensor, b_EKC: torch.Tensor, config: TileConfig, epilogue: int,
+                dst_rows_N: torch.Tensor | None, signal: SegmentSignal | None, a_rows_N: torch.Tensor | None) -> bool:
+    """Whether our Gluon kernel can run this `ragged_rows_gemm` launch (`TileConfig.gluon`): a plain
+    product (into a given output or a new one), rows neither gathered nor scattered nor signalled, on a
+    Hopper GPU, operands it takes at the config's tile (`gluon_rows.takes`)."""
+    if epilogue != EPILOGUE_PLAIN or dst_rows_N is not None or signal is not None or a_rows_N is not None:
+        return False
+    if not a_NK.is_cuda:
+        return False
+    from disagmoe.kernels import gluon_rows
+
+    return gluon_rows.takes(a_NK, b_EKC, config.block_m, config.block_n)
 
 
 def library_takes(a_NK: torch.Tensor, offsets_E: torch.Tensor, b_EKC: torch.Tensor, epilogue: int, out_given: bool,

@@ -120,8 +120,14 @@ def test_roles_limit_the_tuning_to_those_gemms(monkeypatch):
         (False, False, False), (True, False, False), (True, True, False), (False, False, True), (False, True, True)}
     assert all(c.num_warps == 8 and c.block_k * c.block_n <= tuner.PREFETCH_TILE_ELEMENTS
                for c in wgrad if c.prefetch_accumulator)  # where the prior values fit beside the sum
+    monkeypatch.setattr(tuner, "_hopper", lambda: False)
     down = tuner.candidates("down")
     assert any(c.tma for c in down) and not any(c.tma and c.library for c in down)
+    assert not any(c.gluon for c in down)  # not on a Hopper: the Gluon tiles would be Triton tiles again
+    monkeypatch.setattr(tuner, "_hopper", lambda: True)
+    gluon = [c for role in tuner.LIBRARY_ROLES for c in tuner.candidates(role) if c.gluon]
+    assert len(gluon) == 2 * len(tuner.GLUON_ROWS_CANDIDATES) and {c.gluon_tma_store for c in gluon} == {False, True}
+    assert not any(c.gluon for role in ("gate_up", "down_dgrad", "wgrad_w13") for c in tuner.candidates(role))
     assert not any(c.tma and c.flatten for c in tuner.candidates("gate_up"))
 
 
@@ -230,3 +236,33 @@ def test_the_fp8_search_saves_the_fastest_checked_tiles_and_the_fp8_ffn_runs_the
         assert ran == [tiles] and torch.isfinite(y).all()
     finally:
         tc.clear_cache()
+
+
+def test_the_search_logs_the_best_tile_of_each_kernel_kind_beside_the_winner():
+    """Where the library's grouped GEMM and our Gluon kernel compete with our Triton tiles, the log says
+    how fast each kind's best was (the winner alone would hide how far the others were)."""
+    triton_tile = TileConfig(block_m=128, block_n=128, block_k=64)
+    library = dataclasses.replace(triton_tile, library=True)
+    gluon = dataclasses.replace(triton_tile, block_n=256, gluon=True, gluon_tma_store=True)
+    slower_gluon = dataclasses.replace(gluon, gluon_tma_store=False)
+    wide = dataclasses.replace(triton_tile, block_n=256)
+    ms = {triton_tile: 2.0, library: 3.0, gluon: 1.5, slower_gluon: 1.8, wide: 2.5}
+    launched = []
+
+    def launch(config):
+        launched.append(config)
+        return torch.ones(4)
+
+    def time_ms(fn):
+        fn()
+        return ms[launched[-1]]
+
+    logged = []
+    best_ms, best, default_ms = tuner.search(launch, triton_tile, [library, gluon, slower_gluon], time_ms,
+                                             logged.append, "down")
+    assert (best_ms, best, default_ms) == (1.5, gluon, 2.0)
+    assert logged == ["  down: best by kernel: gluon 1.500 ms, library 3.000 ms, triton 2.000 ms"]
+    assert [tuner.kernel_kind(c) for c in (triton_tile, library, gluon)] == ["triton", "library", "gluon"]
+    logged.clear()
+    tuner.search(launch, triton_tile, [wide], time_ms, logged.append, "up")
+    assert logged == []  # one kind: nothing beside the winner

@@ -1,0 +1,116 @@
+"""The pieces the warp-specialised Gluon row GEMMs for Hopper share (`fp8_gluon`'s FP8 kernels,
+`gluon_rows`' bf16 one): the persistent work list over ragged row groups (items of (group, row tile,
+column tile), found alike by every partition from offsets_E), the TMA ring of A and B boxes with its
+`ready` and `empty` mbarriers, the epilogues (the masked store from the wgmma layout, the TMA store
+through a shared-memory buffer), the register budgets of two consumer warpgroups beside one producer
+warp, and the TMA rules an operand must meet. Schedules and measurements: the two kernels' modules."""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+
+CONSUMER_ROWS = 64  # a warpgroup's wgmma rows (M = 64 per warpgroup on sm_90)
+GROUP_M = 8  # row tiles sharing column tiles in the item order, as TileConfig's default
+# setmaxnreg budgets (DeepGEMM's): 12 warps (two consumer warpgroups, the producer's warp rounded up
+# to a warpgroup) x 32 threads x MAXNREG fit the 64K-register file; the default partition (the
+# first consumer) receives what the others leave: (12 x 168 - 4 x 232 - 4 x 40) / 4 = 232. With 24
+# for the producer (Gluon's tutorials), ptxas spilled 8 bytes at 128 x 128.
+PRODUCER_REGS, CONSUMER_REGS, MAXNREG = 40, 232, 168
+SHARED_MEMORY_BYTES = 227 * 1024  # sm_90's per-block limit (the barriers take a few bytes more)
+# out's dtypes as the TMA-store epilogue's descriptor names them
+OUT_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
+
+
+@gluon.jit
+def _add(x, y):
+    return x + y
+
+
+@gluon.jit
+def group_item_ends(offsets_ptr, E, tiles_n, BLOCK_M: gl.constexpr, E_POW2: gl.constexpr, WARPS: gl.constexpr):
+    """Inclusive prefix sum of work items (row tiles x column tiles) per group, in the calling
+    partition's registers (`grouped_gemm._item_table`'s sums; WARPS: the partition's warps)."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+    idx = gl.arange(0, E_POW2, layout=layout)
+    ends = gl.load(offsets_ptr + idx, mask=idx < E, other=0)
+    starts = gl.load(offsets_ptr + idx - 1, mask=(idx > 0) & (idx < E), other=0)
+    counts = gl.where(idx < E, ends - starts, 0)
+    return gl.associative_scan(gl.cdiv(counts, BLOCK_M) * tiles_n, 0, _add)
+
+
+@gluon.jit
+def tile_of(item, item_ends, offsets_ptr, tiles_n, BLOCK_M: gl.constexpr, GROUP_M: gl.constexpr):
+    """(group, first row, the group's row end, column tile) of work item `item`: the item order of
+    `_fp8_rows_gemm_kernel` (groups in turn, GROUP_M row tiles sharing column tiles:
+    `grouped_gemm._swizzle`), computed alike by every partition."""
+    done = item_ends <= item
+    group = gl.sum(done.to(gl.int32), axis=0)
+    item_start = gl.max(gl.where(done, item_ends, 0), axis=0)
+    row_start = gl.load(offsets_ptr + group - 1, mask=group > 0, other=0)
+    row_end = gl.load(offsets_ptr + group)
+    local = item - item_start
+    per_group = GROUP_M * tiles_n
+    first_m = (local // per_group) * GROUP_M
+    group_rows = gl.minimum(gl.cdiv(row_end - row_start, BLOCK_M) - first_m, GROUP_M)
+    pid_m = first_m + (local % per_group) % group_rows
+    pid_n = (local % per_group) // group_rows
+    return group, row_start + pid_m * BLOCK_M, row_end, pid_n
+
+
+@gluon.jit
+def masked_store(values_MN, out_ptr, rows, row_ok, cols, stride_om, stride_on):
+    """The plain epilogue: a warpgroup's 64 rows straight from the wgmma layout, rows past the group's
+    end masked off (each thread's elements on 2 rows, BLOCK_N / 8 column pairs on each: 4-byte stores
+    at bf16, a warp's store instruction writing 16 bytes in each of 8 rows)."""
+    out_ptrs = out_ptr + rows.to(gl.int64)[:, None] * stride_om + cols[None, :] * stride_on
+    gl.store(out_ptrs, values_MN, mask=row_ok[:, None])
+
+
+@gluon.jit
+def store_wave(values_MN, whole, row, col, out_desc, c_buf, out_ptr, rows, row_ok, cols, stride_om, stride_on):
+    """A warpgroup's 64 rows from `row` (TMA_STORE): where they lie wholly inside the group (`whole`),
+    written into its epilogue buffer c_buf, fenced for the async proxy and stored by TMA (one
+    [64, BLOCK_N] box of out_desc at [row, col]), not waited for: the caller waits (store_wait)
+    before it writes the buffer again, an item later, so the store drains under the next item's
+    main loop. Otherwise (the group's last tile, partial: a box would write the next group's rows)
+    the masked store. The caller has waited for the buffer's last store where `whole`."""
+    if whole:
+        c_buf.store(values_MN)
+        fence_async_shared()
+        tma.async_copy_shared_to_global(out_desc, [row, col], c_buf)
+    else:
+        masked_store(values_MN, out_ptr, rows, row_ok, cols, stride_om, stride_on)
+
+
+@gluon.jit
+def ring(a_desc, b_desc, STAGES: gl.constexpr, CONSUMERS: gl.constexpr, FENCE_INIT: gl.constexpr):
+    """The shared-memory ring both kernels share: STAGES stages of an A and a B TMA box, each with a
+    `ready` mbarrier (the producer's one arrival with the bytes) and an `empty` one (an arrival per
+    consumer warpgroup releasing it); with FENCE_INIT the initialisations fenced for the async proxy
+    (`FENCE_BARRIER_INIT`)."""
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    ready_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready_bars.index(s), count=1)
+        mbarrier.init(empty_bars.index(s), count=CONSUMERS)
+    if FENCE_INIT:
+        fence_async_shared()
+    return a_bufs, b_bufs, ready_bars, empty_bars
+
+
+def tma_rows(t: torch.Tensor) -> bool:
+    """Whether a 2-D operand has unit column stride and 16-byte-aligned rows (a TMA view's rules): a row
+    GEMM's A, a token-group copy as `fp8.quantize_token_groups` writes it."""
+    return t.stride(1) == 1 and t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0
+
+
+def tma_store_takes(out: torch.Tensor) -> bool:
+    """Whether `out` can take the TMA-store epilogue's descriptor (`gluon_fp8_rows_gemm(tma_store=True)`):
+    unit column stride, a 16-byte-aligned base and row stride (TMA's rules). Where it cannot (a column
+    slice at an odd offset, a transposed view) the kernel keeps the masked store."""
+    return out.stride(1) == 1 and (out.stride(0) * out.element_size()) % 16 == 0 and out.data_ptr() % 16 == 0

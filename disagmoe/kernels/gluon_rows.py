@@ -1,0 +1,322 @@
+"""The bf16 expert FFN's plain row GEMMs (`grouped_gemm.ragged_rows_gemm` with the plain epilogue: the
+down projection, the gate/up projection's data gradient) as a warp-specialised Gluon kernel for Hopper
+(sm_90a): out[rows_g] = a[rows_g] @ b[g mod E] for every row group g, fp32 sums over the whole K.
+
+Why: Triton 3.6 runs no warp specialisation on sm_90 (its TTGIR keeps one partition), so our Triton
+kernel's programs issue their loads, MMAs and epilogue from the same warps: each tile's epilogue (the
+masked store of its rows) runs while no MMA of the program is in flight, and on the Qwen3-30B shape's
+short K loops (K 768 and 1,536: 12 and 24 slices of 64) that is a large share of each tile; in the
+profiled Qwen3 step (one H100) our row GEMMs ran at 1.72x their FLOPs at the measured matmul ceiling
+(docs/benchmarks.md, session 41's bounds table). This kernel is `fp8_gluon`'s FP8 row GEMM without the
+promotion (its partitions, ring, item order and epilogues: `gluon_ragged`):
+- producer partition, 1 warp: per item (group, row tile, column tile) and per 64-deep K slice, waits
+  for a free stage of the `stages`-deep ring, then TMA-loads the A box [block_m, 64] (rows past M
+  zero-filled; rows past the group's end are the next group's, read and never stored) and the B box
+  of the group's weight: [64, block_n] of the [E*K, N] view where b is N-major (the weights as stored:
+  the down projection), [block_n, 64] of the [E*N, K] view where b is K-major (a transposed view of
+  [E, N, K] storage: the gate/up weight in its data gradient).
+- consumer partitions, one warpgroup per 64 rows of the tile (block_m 128: two, sharing each stage's B):
+  per slice, wait for the stage, issue its wgmma into the tile's fp32 sum (one wgmma left in flight:
+  `warpgroup_mma_wait(1)`), then release the previous slice's stage, whose wgmma has now completed;
+  after the last slice, wait for it and release its stage. The sum stays in registers (64 x block_n
+  fp32: block_n / 2 registers a thread).
+- epilogue: each consumer's 64 rows, in out's dtype, by the masked store from the wgmma layout, or
+  (`tma_store`) through a [64, block_n] shared-memory buffer by TMA where the rows lie wholly inside
+  their group, not waited for until the buffer's next use an item later, so the store drains under
+  the next item's K loop (`gluon_ragged.store_wave`).
+No promotion, so both consumers' MMAs can be queued back to back: the tensor cores idle only while a
+consumer stores its rows (the other keeps its MMAs going) or waits on the ring.
+
+Requirements (ValueError naming the fix otherwise; `takes` answers without raising, and
+`grouped_gemm.ragged_rows_gemm` then runs our Triton kernel): a and b bf16 or fp16 of one dtype, a
+with unit column stride and 16-byte-aligned rows, b one of the two layouts above over contiguous
+storage, K a positive multiple of 64 and N of block_n (a box must not reach into the next expert's
+weight), block_m in (64, 128), block_n in (64, 128, 256), the ring and the store's buffers within
+shared memory. Compiled for sm_90a on a CPU (tests/kernels/test_gluon_rows.py): no spill stores at
+any tile it takes. Not yet timed on a GPU: `TileConfig.gluon` runs it where `bench tune-experts`
+measures it faster than our Triton tiles and the library's grouped GEMM.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from disagmoe.kernels.gluon_ragged import (
+    CONSUMER_REGS,
+    CONSUMER_ROWS,
+    MAXNREG,
+    OUT_DTYPES,
+    PRODUCER_REGS,
+    SHARED_MEMORY_BYTES,
+    group_item_ends,
+    masked_store,
+    ring,
+    store_wave,
+    tile_of,
+    tma_rows,
+    tma_store_takes,
+)
+
+BLOCK_MS = (64, 128)  # one or two consumer warpgroups of CONSUMER_ROWS rows
+BLOCK_NS = (64, 128, 256)  # a wgmma's N (at most 256): the sum is block_n / 2 fp32 registers a thread
+BLOCK_K = 64  # a slice's K: 128-byte rows of bf16, the widest swizzle a TMA box row may take
+OPERAND_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+_ROWS = gl.constexpr(CONSUMER_ROWS)
+_SLICE = gl.constexpr(BLOCK_K)
+
+
+def ring_stage_bytes(block_m: int, block_n: int, element_bytes: int = 2) -> int:
+    """Shared memory of one ring stage: an A box [block_m, 64] and a B box of block_n x 64 elements."""
+    return (block_m + block_n) * BLOCK_K * element_bytes
+
+
+def store_buffer_bytes(block_m: int, block_n: int, out_bytes: int) -> int:
+    """Shared memory of the TMA-store epilogue: one [64, block_n] buffer of out's elements per consumer."""
+    return block_m * block_n * out_bytes
+
+
+def max_stages(block_m: int, block_n: int, out_bytes: int = 2, tma_store: bool = False) -> int:
+    """The deepest ring that fits a Hopper block's shared memory beside the store's buffers."""
+    epilogue = store_buffer_bytes(block_m, block_n, out_bytes) if tma_store else 0
+    return (SHARED_MEMORY_BYTES - epilogue) // ring_stage_bytes(block_m, block_n)
+
+
+@gluon.jit
+def _work(offsets_ptr, E, N, K, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, E_POW2: gl.constexpr,
+          WARPS: gl.constexpr):
+    """(column tiles, per-group item ends, items in all, K slices): what every partition walks alike."""
+    tiles_n = N // BLOCK_N
+    item_ends = group_item_ends(offsets_ptr, E, tiles_n, BLOCK_M, E_POW2, WARPS)
+    return tiles_n, item_ends, gl.max(item_ends, axis=0), K // _SLICE
+
+
+@gluon.jit
+def _producer(a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, offsets_ptr, E, E_W, N, K, num_programs,
+              E_POW2: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
+              STAGES: gl.constexpr, B_KMAJOR: gl.constexpr):
+    """The TMA warp: fills the ring's stages in item and slice order, the order the consumers drain them
+    (a fresh `empty` mbarrier counts as released, hence the first wait on the opposite phase)."""
+    tiles_n, item_ends, total, slices = _work(offsets_ptr, E, N, K, BLOCK_M, BLOCK_N, E_POW2, 1)
+    count = 0
+    for item in range(gl.program_id(0), total, num_programs):
+        group, row0, row_end, pid_n = tile_of(item, item_ends, offsets_ptr, tiles_n, BLOCK_M, GROUP_M)
+        weight = group % E_W
+        for j in range(slices):
+            stage = count % STAGES
+            mbarrier.wait(empty_bars.index(stage), ((count // STAGES) & 1) ^ 1)
+            ready = ready_bars.index(stage)
+            mbarrier.expect(ready, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(a_desc, [row0, j * _SLICE], ready, a_bufs.index(stage))
+            if B_KMAJOR:  # b_desc views [E*N, K]: the weight's rows are its output columns
+                tma.async_copy_global_to_shared(b_desc, [weight * N + pid_n * BLOCK_N, j * _SLICE], ready,
+                                                b_bufs.index(stage))
+            else:  # b_desc views [E*K, N]
+                tma.async_copy_global_to_shared(b_desc, [weight * K + j * _SLICE, pid_n * BLOCK_N], ready,
+                                                b_bufs.index(stage))
+            count += 1
+
+
+@gluon.jit
+def _consumer(a_bufs, b_bufs, ready_bars, empty_bars, out_ptr, offsets_ptr, E, N, K, num_programs, stride_om,
+              stride_on, out_desc, c_bufs, CONSUMER: gl.constexpr, E_POW2: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, B_KMAJOR: gl.constexpr,
+              TMA_STORE: gl.constexpr):
+    """One warpgroup's rows CONSUMER * 64 + [0, 64) of every item: the slices' wgmmas queued into one
+    fp32 sum, each stage released once the wgmma after it is issued and it has completed, then the
+    store (masked from registers, or with TMA_STORE through this warpgroup's buffer c_bufs[CONSUMER])."""
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BLOCK_N, 16])
+    row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
+    col_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
+    tiles_n, item_ends, total, slices = _work(offsets_ptr, E, N, K, BLOCK_M, BLOCK_N, E_POW2, 4)
+    count = 0
+    for item in range(gl.program_id(0), total, num_programs):
+        group, row0, row_end, pid_n = tile_of(item, item_ends, offsets_ptr, tiles_n, BLOCK_M, GROUP_M)
+        acc_MN = gl.zeros([_ROWS, BLOCK_N], gl.float32, acc_layout)
+        for j in range(slices):
+            stage = count % STAGES
+            mbarrier.wait(ready_bars.index(stage), (count // STAGES) & 1)
+            a_view = a_bufs.index(stage).slice(CONSUMER * _ROWS, _ROWS)
+            if B_KMAJOR:
+                b_view = b_bufs.index(stage).permute((1, 0))  # [64, BLOCK_N], K-major as wgmma reads it
+            else:
+                b_view = b_bufs.index(stage)
+            acc_MN = warpgroup_mma(a_view, b_view, acc_MN, is_async=True)
+            acc_MN = warpgroup_mma_wait(1, deps=(acc_MN, ))  # the previous slice's wgmma has completed
+            if j > 0:
+                mbarrier.arrive(empty_bars.index((count + STAGES - 1) % STAGES))
+            count += 1
+        acc_MN = warpgroup_mma_wait(0, deps=(acc_MN, ))
+        mbarrier.arrive(empty_bars.index((count + STAGES - 1) % STAGES))
+        rows = (row0 + CONSUMER * _ROWS) + gl.arange(0, _ROWS, layout=row_layout)
+        row_ok = rows < row_end
+        cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
+        if TMA_STORE:
+            wave_row = row0 + CONSUMER * _ROWS
+            whole = wave_row + _ROWS <= row_end
+            if whole:
+                tma.store_wait(0)  # the previous item's store has read the buffer (a main loop ago)
+            store_wave(acc_MN.to(out_ptr.dtype.element_ty), whole, wave_row, pid_n * BLOCK_N, out_desc,
+                       c_bufs.index(CONSUMER), out_ptr, rows, row_ok, cols, stride_om, stride_on)
+        else:
+            masked_store(acc_MN.to(out_ptr.dtype.element_ty), out_ptr, rows, row_ok, cols, stride_om, stride_on)
+    if TMA_STORE:
+        tma.store_wait(0)  # the last item's store has read its buffer before the block's shared memory goes
+
+
+@gluon.jit
+def _gluon_rows_gemm_kernel(a_desc, b_desc, out_desc, out_ptr, offsets_ptr, E, E_W, N, K, num_programs, stride_om,
+                            stride_on, E_POW2: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                            GROUP_M: gl.constexpr, STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                            CONSUMER_REGS: gl.constexpr, B_KMAJOR: gl.constexpr, TMA_STORE: gl.constexpr):
+    # Contract: `gluon_rows_gemm`'s, checked there. The partitions' arguments are written inline (a
+    # tuple assigned to a name first turns its constexprs into tensors: Triton 3.6's front end).
+    CONSUMERS: gl.constexpr = BLOCK_M // _ROWS
+    a_bufs, b_bufs, ready_bars, empty_bars = ring(a_desc, b_desc, STAGES, CONSUMERS, True)
+    if TMA_STORE:  # one [64, BLOCK_N] buffer of out's dtype per consumer, in the TMA box's NVMMA layout
+        c_bufs = gl.allocate_shared_memory(out_desc.dtype, [CONSUMERS] + out_desc.block_type.shape, out_desc.layout)
+    else:
+        c_bufs: gl.constexpr = None
+    if BLOCK_M == 2 * _ROWS:
+        gl.warp_specialize([
+            (_consumer, (a_bufs, b_bufs, ready_bars, empty_bars, out_ptr, offsets_ptr, E, N, K, num_programs,
+                         stride_om, stride_on, out_desc, c_bufs, gl.constexpr(0), E_POW2, BLOCK_M, BLOCK_N, GROUP_M,
+                         STAGES, B_KMAJOR, TMA_STORE)),
+            (_consumer, (a_bufs, b_bufs, ready_bars, empty_bars, out_ptr, offsets_ptr, E, N, K, num_programs,
+                         stride_om, stride_on, out_desc, c_bufs, gl.constexpr(1), E_POW2, BLOCK_M, BLOCK_N, GROUP_M,
+                         STAGES, B_KMAJOR, TMA_STORE)),
+            (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, offsets_ptr, E, E_W, N, K,
+                         num_programs, E_POW2, BLOCK_M, BLOCK_N, GROUP_M, STAGES, B_KMAJOR)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_consumer, (a_bufs, b_bufs, ready_bars, empty_bars, out_ptr, offsets_ptr, E, N, K, num_programs,
+                         stride_om, stride_on, out_desc, c_bufs, gl.constexpr(0), E_POW2, BLOCK_M, BLOCK_N, GROUP_M,
+                         STAGES, B_KMAJOR, TMA_STORE)),
+            (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, offsets_ptr, E, E_W, N, K,
+                         num_programs, E_POW2, BLOCK_M, BLOCK_N, GROUP_M, STAGES, B_KMAJOR)),
+        ], [1], [PRODUCER_REGS])
+
+
+def _b_layout(b_EKN: torch.Tensor) -> str | None:
+    """'n-major' (contiguous [E, K, N] storage), 'k-major' (a transposed view of contiguous [E, N, K]
+    storage), or None (a layout whose [E*K, N] or [E*N, K] view a TMA descriptor cannot take)."""
+    experts, k, n = b_EKN.shape
+    if b_EKN.stride() == (k * n, n, 1) and (n * b_EKN.element_size()) % 16 == 0:
+        return "n-major"
+    if b_EKN.stride() == (n * k, 1, k) and (k * b_EKN.element_size()) % 16 == 0:
+        return "k-major"
+    return None
+
+
+def _problems(a_NK: torch.Tensor, b_EKN: torch.Tensor, block_m: int, block_n: int) -> list[str]:
+    """What keeps these operands from this kernel, each with its fix (empty: it takes them)."""
+    problems = []
+    if a_NK.dtype not in OPERAND_DTYPES or b_EKN.dtype != a_NK.dtype:
+        problems.append(f"a and b must share a dtype among {list(OPERAND_DTYPES)} (got {a_NK.dtype} and "
+                        f"{b_EKN.dtype}): cast them, or run grouped_gemm.ragged_rows_gemm's Triton kernel")
+    if block_m not in BLOCK_MS or block_n not in BLOCK_NS:
+        problems.append(f"tiles: block_m in {BLOCK_MS} (64 rows per consumer warpgroup), block_n in {BLOCK_NS} "
+                        f"(a wgmma's N); got {block_m} x {block_n}")
+    k, n = a_NK.shape[1], b_EKN.shape[2]
+    if b_EKN.shape[1] != k:
+        problems.append(f"a [M, K] and b [E, K, N] must share K; got a {tuple(a_NK.shape)}, b {tuple(b_EKN.shape)}")
+    if k == 0 or k % BLOCK_K:
+        problems.append(f"K must be a positive multiple of {BLOCK_K} (a B box must not reach into the next expert's "
+                        f"weight); got K={k}")
+    if block_n in BLOCK_NS and n % block_n:
+        problems.append(f"N must be a multiple of block_n={block_n}; got N={n}: take a block_n that divides it")
+    if _b_layout(b_EKN) is None:
+        problems.append(f"b must be contiguous [E, K, N] storage or a transposed view of contiguous [E, N, K] "
+                        f"storage, rows 16-byte aligned (a TMA view); got strides {b_EKN.stride()}")
+    if not tma_rows(a_NK):
+        problems.append(f"a must have unit column stride and 16-byte-aligned rows (TMA): pass a.contiguous(); got "
+                        f"strides {a_NK.stride()}")
+    return problems
+
+
+def takes(a_NK: torch.Tensor, b_EKN: torch.Tensor, block_m: int = 128, block_n: int = 128) -> bool:
+    """Whether `gluon_rows_gemm` can run these operands here: a Hopper GPU (sm_90; not the interpreter,
+    which runs no Gluon) and `_problems`' rules, answered without raising."""
+    if not a_NK.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    if torch.cuda.get_device_capability(a_NK.device) != (9, 0):
+        return False
+    return not _problems(a_NK, b_EKN, block_m, block_n)
+
+
+def gluon_rows_gemm(
+    a_NK: torch.Tensor,
+    offsets_E: torch.Tensor,
+    b_EKN: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    block_m: int = 128,
+    block_n: int = 128,
+    stages: int = 4,
+    group_m: int = 8,
+    num_programs: int | None = None,
+    tma_store: bool = False,
+) -> torch.Tensor:
+    """out[rows_g] = a[rows_g] @ b[g mod E] for every row group g of `offsets_E` (int32 cumulative row
+    counts, a multiple of E groups, empty groups allowed): `grouped_gemm.ragged_rows_gemm`'s plain
+    epilogue (module docstring: the schedule and the requirements). `out` (given: [M, N], bf16, fp16 or
+    fp32) or a new one in a's dtype. `stages`: the ring's depth (`ring_stage_bytes` each). `num_programs`:
+    persistent programs (default one per SM; give it on a CPU, where the kernel can only be compiled).
+    `tma_store`: each 64-row wave wholly inside its group stored by TMA through shared memory, drained
+    under the next item's K loop; where `out` cannot take a TMA descriptor (`gluon_ragged.tma_store_takes`)
+    the masked store, as without it."""
+    problems = _problems(a_NK, b_EKN, block_m, block_n)
+    if problems:
+        raise ValueError("gluon_rows_gemm cannot take these operands: " + "; ".join(problems))
+    rows, k = a_NK.shape
+    experts, _, cols = b_EKN.shape
+    if offsets_E.dim() != 1 or offsets_E.dtype != torch.int32 or offsets_E.shape[0] % experts:
+        raise ValueError(f"offsets_E must be int32 cumulative rows of a multiple of {experts} groups; got "
+                         f"{offsets_E.dtype} {tuple(offsets_E.shape)}")
+    if out is None:
+        out = torch.empty((rows, cols), dtype=a_NK.dtype, device=a_NK.device)
+    elif out.shape != (rows, cols) or out.dtype not in OUT_DTYPES:
+        raise ValueError(f"out must be a [M, N] = {(rows, cols)} tensor of {list(OUT_DTYPES)}; got {out.dtype} "
+                         f"{tuple(out.shape)}")
+    by_tma = tma_store and tma_store_takes(out)
+    deepest = max_stages(block_m, block_n, out.element_size(), by_tma)
+    if not 2 <= stages <= deepest:
+        raise ValueError(f"stages={stages}: the ring needs at least 2 (loads under the MMAs) and at most {deepest} "
+                         f"at {block_m} x {block_n}{' beside the TMA store buffers' if by_tma else ''} "
+                         f"({ring_stage_bytes(block_m, block_n)} bytes a stage in {SHARED_MEMORY_BYTES})")
+    if rows == 0 or cols == 0:
+        return out
+    dtype = OPERAND_DTYPES[a_NK.dtype]
+    a_box = [block_m, BLOCK_K]
+    a_desc = TensorDescriptor(a_NK, [rows, k], [a_NK.stride(0), 1], a_box,
+                              gl.NVMMASharedLayout.get_default_for(a_box, dtype))
+    b_kmajor = _b_layout(b_EKN) == "k-major"
+    if b_kmajor:
+        b_box = [block_n, BLOCK_K]
+        b_view = b_EKN.transpose(1, 2).reshape(experts * cols, k)  # a view: the storage is [E, N, K]
+    else:
+        b_box = [BLOCK_K, block_n]
+        b_view = b_EKN.reshape(experts * k, cols)
+    b_desc = TensorDescriptor(b_view, list(b_view.shape), [b_view.stride(0), 1], b_box,
+                              gl.NVMMASharedLayout.get_default_for(b_box, dtype))
+    out_desc = None  # the kernel's masked store alone
+    if by_tma:
+        out_box = [CONSUMER_ROWS, block_n]
+        out_desc = TensorDescriptor(out, [rows, cols], [out.stride(0), 1], out_box,
+                                    gl.NVMMASharedLayout.get_default_for(out_box, OUT_DTYPES[out.dtype]))
+    programs = num_programs or torch.cuda.get_device_properties(a_NK.device).multi_processor_count
+    groups = offsets_E.shape[0]
+    _gluon_rows_gemm_kernel[(programs, )](
+        a_desc, b_desc, out_desc, out, offsets_E, groups, experts, cols, k, programs, out.stride(0), out.stride(1),
+        E_POW2=triton.next_power_of_2(groups), BLOCK_M=block_m, BLOCK_N=block_n, GROUP_M=group_m, STAGES=stages,
+        PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS, B_KMAJOR=b_kmajor, TMA_STORE=by_tma,
+        num_warps=4, maxnreg=MAXNREG if block_m == 2 * CONSUMER_ROWS else None)
+    return out

@@ -1,0 +1,234 @@
+"""The warp-specialised Gluon bf16 row GEMM (kernels/gluon_rows.py): compiled for sm_90a on the CPU (its
+partitions, wgmmas, registers and spills, both weight layouts, both epilogues), its argument checks, and
+on a Hopper GPU against an fp64 reference and our Triton kernel (`grouped_gemm.ragged_rows_gemm`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+pytest.importorskip("triton.experimental.gluon")
+
+from disagmoe.kernels import fp8_gluon as fg  # noqa: E402
+from disagmoe.kernels import gluon_rows as gr  # noqa: E402
+from disagmoe.kernels import grouped_gemm as gg  # noqa: E402
+from disagmoe.kernels.tile_configs import TileConfig  # noqa: E402
+from tests.kernels.test_fp8 import _exact, _offsets, _rel_err  # noqa: E402
+from tests.kernels.test_fp8_gluon import hopper_builds  # noqa: E402,F401 (a fixture)
+
+
+def _operands(counts, k, n, layout, dtype=torch.bfloat16, device="cpu", seed=0):
+    """a [M, K], offsets_E and b [E, K, N] in `layout`: 'n-major' (the weights as stored) or 'k-major'
+    (a transposed view of [E, N, K] storage, as the gate/up data gradient reads w13)."""
+    gen = torch.Generator().manual_seed(seed)
+    a = torch.randn(sum(counts), k, generator=gen).to(device=device, dtype=dtype)
+    b = (torch.randn(len(counts), k, n, generator=gen) / k**0.5).to(device=device, dtype=dtype)
+    if layout == "k-major":
+        b = b.transpose(1, 2).contiguous().transpose(1, 2)
+    return a, _offsets(counts).to(device), b
+
+
+# --- compiled for sm_90a on the CPU (nothing launched)
+
+# (block_m, block_n, stages, tma_store): the tiles `tune_experts.GLUON_ROWS_CANDIDATES` offers
+COMPILED = [(128, 128, 4, False), (128, 128, 4, True), (128, 256, 3, False), (128, 256, 3, True),
+            (64, 128, 4, False), (64, 256, 4, True)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["n-major", "k-major"])
+@pytest.mark.parametrize("block_m,block_n,stages,tma_store", COMPILED,
+                         ids=[f"{m}x{n}-s{s}" + ("-tma-store" if t else "") for m, n, s, t in COMPILED])
+def test_the_kernel_compiles_warp_specialised_without_spills(hopper_builds, block_m, block_n, stages, tma_store,
+                                                            layout):
+    """TTGIR: one warp_specialize (the second consumer warpgroup at block_m 128 and the TMA producer),
+    TMA loads and wgmmas; PTX: the bf16 wgmma at the tile's N, one kept in flight (wait_group 1), the
+    register reallocation where 12 warps share the file, bulk tensor stores with tma_store; ptxas
+    (sm_90a): no spill stores and at most MAXNREG registers where 12 warps share the file; the block's
+    shared memory the ring's stages and the store's buffers, within the limit."""
+    from tests.kernels.test_compile_for_hopper import ptxas_usage
+
+    a, offsets, b = _operands([300, 0, 5, 700], 512, 512, layout)
+    out = torch.empty(a.shape[0], 512, dtype=torch.bfloat16)
+    gr.gluon_rows_gemm(a, offsets, b, out=out, block_m=block_m, block_n=block_n, stages=stages, num_programs=132,
+                       tma_store=tma_store)
+    (kernel,) = hopper_builds
+    ttgir, ptx = kernel.asm["ttgir"], kernel.asm["ptx"]
+    assert ttgir.count("ttg.warp_specialize(") == 1
+    assert "ttng.async_tma_copy_global_to_local" in ttgir and "ttng.warp_group_dot" in ttgir
+    assert f"wgmma.mma_async.sync.aligned.m64n{block_n}k16.f32.bf16.bf16" in ptx
+    assert "wgmma.wait_group.sync.aligned 1;" in ptx
+    assert ("cp.async.bulk.tensor.2d.global.shared::cta" in ptx) == tma_store
+    if block_m == 128:
+        assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx
+    registers, spilled = ptxas_usage(ptx)
+    assert spilled == 0, f"{block_m} x {block_n} ({layout}): {spilled} bytes of spill stores"
+    if block_m == 128:
+        assert registers <= fg.MAXNREG
+    shared = stages * gr.ring_stage_bytes(block_m, block_n)
+    shared += gr.store_buffer_bytes(block_m, block_n, 2) if tma_store else 0
+    assert shared <= kernel.metadata.shared <= fg.SHARED_MEMORY_BYTES
+
+
+@pytest.mark.slow
+def test_the_deepest_ring_each_tile_takes_compiles(hopper_builds):
+    """`max_stages` is the ring the launch accepts at its deepest; it compiles within the block's memory."""
+    a, offsets, b = _operands([200, 64], 256, 256, "n-major")
+    deepest = gr.max_stages(128, 256, 2, tma_store=True)
+    assert deepest >= 3
+    gr.gluon_rows_gemm(a, offsets, b, block_m=128, block_n=256, stages=deepest, num_programs=132, tma_store=True)
+    (kernel,) = hopper_builds
+    assert kernel.metadata.shared <= fg.SHARED_MEMORY_BYTES
+    with pytest.raises(ValueError, match=f"at most {deepest}"):
+        gr.gluon_rows_gemm(a, offsets, b, block_m=128, block_n=256, stages=deepest + 1, num_programs=132,
+                           tma_store=True)
+
+
+# (what is changed, the message naming the fix)
+REFUSED = [
+    ("fp32 operands", "share a dtype"),
+    ("mixed dtypes", "share a dtype"),
+    ("block_m 256", "block_m in"),
+    ("block_n 32", "block_n in"),
+    ("K 96", "multiple of 64"),
+    ("N not of block_n", "multiple of block_n"),
+    ("b strided", "contiguous"),
+    ("a column-strided", "unit column stride"),
+    ("offsets int64", "int32"),
+    ("out of the wrong shape", "out must be"),
+    ("one stage", "at least 2"),
+]
+
+
+@pytest.mark.parametrize("change,match", REFUSED, ids=[c for c, _ in REFUSED])
+def test_arguments_it_cannot_take_are_refused_naming_the_fix(change, match):
+    a, offsets, b = _operands([100, 28], 128, 256, "n-major")
+    kwargs: dict = {}
+    if change == "fp32 operands":
+        a, b = a.float(), b.float()
+    elif change == "mixed dtypes":
+        b = b.half()
+    elif change == "block_m 256":
+        kwargs["block_m"] = 256
+    elif change == "block_n 32":
+        kwargs["block_n"] = 32
+    elif change == "K 96":
+        a, offsets, b = _operands([100, 28], 96, 256, "n-major")
+    elif change == "N not of block_n":
+        a, offsets, b = _operands([100, 28], 128, 192, "n-major")
+    elif change == "b strided":
+        b = torch.zeros(2, 128, 512, dtype=torch.bfloat16)[:, :, ::2]
+    elif change == "a column-strided":
+        a = torch.zeros(128, 256, dtype=torch.bfloat16)[:, ::2]
+    elif change == "offsets int64":
+        offsets = offsets.long()
+    elif change == "out of the wrong shape":
+        kwargs["out"] = torch.empty(a.shape[0], 128, dtype=torch.bfloat16)
+    elif change == "one stage":
+        kwargs["stages"] = 1
+    with pytest.raises(ValueError, match=match):
+        gr.gluon_rows_gemm(a, offsets, b, num_programs=4, **kwargs)
+
+
+def test_no_rows_return_the_empty_output_without_a_launch():
+    a, offsets, b = _operands([0, 0], 128, 256, "k-major")
+    out = gr.gluon_rows_gemm(a, offsets, b, num_programs=4)
+    assert out.shape == (0, 256) and out.dtype == torch.bfloat16
+
+
+def test_it_takes_nothing_on_a_cpu_or_in_the_interpreter():
+    a, _, b = _operands([64, 64], 128, 256, "n-major")
+    assert not gr.takes(a, b)
+
+
+def test_a_cpu_launch_with_the_gluon_tile_runs_our_triton_kernel_with_its_products(interpreted):
+    """`TileConfig.gluon` where the Gluon kernel cannot run (here: the CPU, under the interpreter) runs
+    the Triton kernel at the config's tile fields, whose products equal the tile without it."""
+    grouped = interpreted("disagmoe.kernels.grouped_gemm")
+    a, offsets, b = _operands([40, 0, 17], 64, 64, "n-major", dtype=torch.float32)
+    tile = TileConfig(block_m=32, block_n=32, block_k=32, num_warps=4, num_stages=1)
+    want = grouped.ragged_rows_gemm(a, offsets, b, tile, num_programs=2)
+    got = grouped.ragged_rows_gemm(a, offsets, b, dataclasses.replace(tile, gluon=True, gluon_tma_store=True),
+                                   num_programs=2)
+    assert torch.equal(got, want)
+    assert torch.allclose(want, _exact(a, b, offsets).float(), rtol=1e-4, atol=1e-4)
+
+
+# --- on a Hopper GPU
+
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+needs_hopper = pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU (sm_90a: wgmma, TMA, setmaxnreg)")
+
+# rows per group: empty groups, groups shorter than a tile (one or both consumers' halves partly past the
+# group's end), groups of several tiles with short last tiles
+GPU_COUNTS = {"mixed": [300, 0, 1000, 7], "short": [0, 1, 129, 0, 63, 65, 517, 0], "one-group": [2048, 0, 0, 0]}
+GPU_TILES = [(128, 128, 4, False), (128, 128, 4, True), (128, 256, 3, False), (128, 256, 3, True),
+             (64, 128, 4, False), (64, 256, 4, True)]
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("block_m,block_n,stages,tma_store", GPU_TILES,
+                         ids=[f"{m}x{n}-s{s}" + ("-tma-store" if t else "") for m, n, s, t in GPU_TILES])
+@pytest.mark.parametrize("layout", ["n-major", "k-major"])
+@pytest.mark.parametrize("k,n", [(768, 2048), (2048, 768), (192, 512)])
+@pytest.mark.parametrize("counts", list(GPU_COUNTS.values()), ids=list(GPU_COUNTS))
+def test_gpu_matches_the_fp64_reference_and_the_triton_kernel(counts, k, n, layout, block_m, block_n, stages,
+                                                             tma_store):
+    """bf16 out within bf16 rounding of the fp64 product (the same bound as our Triton kernel's against
+    it, which it is checked against too), every row of every group written; with the TMA store the
+    same bits as the masked store's (the same sums, each wave stored once)."""
+    if n % block_n:
+        pytest.skip(f"N={n} is not a multiple of block_n={block_n} (the kernel refuses it; takes() says no)")
+    a, offsets, b = _operands(counts, k, n, layout, device="cuda", seed=sum(counts) + k)
+    out = torch.full((a.shape[0], n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    got = gr.gluon_rows_gemm(a, offsets, b, out=out, block_m=block_m, block_n=block_n, stages=stages,
+                             tma_store=tma_store)
+    if tma_store:
+        plain = gr.gluon_rows_gemm(a, offsets, b, block_m=block_m, block_n=block_n, stages=stages)
+        assert torch.equal(got, plain)
+    want = _exact(a.float(), b.float(), offsets)
+    assert torch.isfinite(got).all()
+    assert _rel_err(got, want) < 8e-3
+    triton_out = gg.ragged_rows_gemm(a, offsets, b, TileConfig(block_m=128, block_n=128, block_k=64))
+    assert _rel_err(got, triton_out) < 8e-3
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("tma_store", [False, True], ids=["masked", "tma-store"])
+def test_gpu_fp32_out_and_groups_sharing_weights(tma_store):
+    """out given in fp32, offsets holding twice the experts' count (group g uses b[g mod E])."""
+    counts = [64, 0, 300, 5, 128, 70]
+    a, offsets, b = _operands(counts, 512, 256, "k-major", device="cuda")
+    b = b[:3]
+    out = torch.full((a.shape[0], 256), float("nan"), dtype=torch.float32, device="cuda")
+    gr.gluon_rows_gemm(a, offsets, b, out=out, tma_store=tma_store)
+    want = torch.cat([a[s:t].double() @ b[g % 3].double()
+                      for g, (s, t) in enumerate(zip([0, *offsets[:-1].tolist()], offsets.tolist()))])
+    assert _rel_err(out, want) < 1e-3
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("role", ["down", "gate_up_dgrad"])
+def test_gpu_the_gluon_tile_runs_the_gluon_kernel_in_the_ffns_launch(role, monkeypatch):
+    """`TileConfig.gluon` on a plain launch the kernel takes runs it (the same bits as calling it), and
+    one it cannot take (a scattered result) runs our Triton kernel."""
+    calls = []
+    real = gr.gluon_rows_gemm
+    monkeypatch.setattr(gr, "gluon_rows_gemm", lambda *args, **kwargs: calls.append(kwargs) or real(*args, **kwargs))
+    layout = "n-major" if role == "down" else "k-major"
+    a, offsets, b = _operands([300, 0, 700, 24], 768, 2048, layout, device="cuda")
+    tile = TileConfig(block_m=128, block_n=256, block_k=64, num_stages=3, gluon=True)
+    got = gg.ragged_rows_gemm(a, offsets, b, tile)
+    assert len(calls) == 1 and calls[0]["block_n"] == 256 and calls[0]["stages"] == 3
+    assert torch.equal(got, real(a, offsets, b, block_m=128, block_n=256, stages=3))
+    dst = torch.randperm(a.shape[0], device="cuda")
+    gg.ragged_rows_gemm(a, offsets, b, tile, dst_rows_N=dst, out=torch.empty_like(got))
+    assert len(calls) == 1
