@@ -128,12 +128,20 @@ def candidates(role: str) -> list[TileConfig]:
     if role in LIBRARY_ROLES:  # the library's grouped GEMM competes where it can run the launch
         configs.append(dataclasses.replace(heuristic(role), library=True))
         if _hopper():  # and our Gluon kernel where it can (elsewhere its tiles would be Triton tiles again)
-            configs += [TileConfig(block_m=m, block_n=n, block_k=64, num_warps=8, num_stages=s, gluon=True,
-                                   gluon_tma_store=t) for m, n, s, t in GLUON_ROWS_CANDIDATES]
-    if role == "down_dgrad":  # the epilogue split off a plain GEMM (ours at the plain tiles, or the library's)
+            configs += _gluon_rows_tiles()
+    if role == "down_dgrad":  # the epilogue split off a plain GEMM (ours at the plain tiles, or the library's,
+        # or on a Hopper our Gluon kernel's)
         plain = dataclasses.replace(heuristic("down"), split_epilogue=True)
         configs += [plain, dataclasses.replace(plain, library=True)]
+        if _hopper():
+            configs += [dataclasses.replace(c, split_epilogue=True) for c in _gluon_rows_tiles()]
     return configs
+
+
+def _gluon_rows_tiles() -> list[TileConfig]:
+    """`GLUON_ROWS_CANDIDATES` as tiles (their Triton fields 8 warps, K tiles of 64, for launches it cannot take)."""
+    return [TileConfig(block_m=m, block_n=n, block_k=64, num_warps=8, num_stages=s, gluon=True, gluon_tma_store=t)
+            for m, n, s, t in GLUON_ROWS_CANDIDATES]
 
 
 def _hopper() -> bool:

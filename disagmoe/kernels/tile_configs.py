@@ -94,7 +94,8 @@ class TileConfig:
     # rows neither gathered nor scattered nor signalled, bf16 or fp16 operands TMA can address, K a multiple
     # of 64 and N of block_n); our Triton kernel runs the others at the same fields. `gluon_tma_store`: its
     # epilogue stores each 64-row wave by TMA through shared memory, drained under the next tile's K loop.
-    # `bench tune-experts` offers it on Hopper (`tune_experts.GLUON_ROWS_CANDIDATES`); the other roles ignore it
+    # `bench tune-experts` offers it on Hopper (`tune_experts.GLUON_ROWS_CANDIDATES`), and for down dgrad under
+    # `split_epilogue` (its plain GEMM); the other roles ignore it
     gluon: bool = False
     gluon_tma_store: bool = False
 

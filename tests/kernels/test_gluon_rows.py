@@ -232,3 +232,22 @@ def test_gpu_the_gluon_tile_runs_the_gluon_kernel_in_the_ffns_launch(role, monke
     dst = torch.randperm(a.shape[0], device="cuda")
     gg.ragged_rows_gemm(a, offsets, b, tile, dst_rows_N=dst, out=torch.empty_like(got))
     assert len(calls) == 1
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_gpu_the_down_data_gradients_split_epilogue_runs_its_plain_gemm_in_gluon(monkeypatch):
+    """down dgrad under `split_epilogue` with the Gluon tile: its plain GEMM (d act = dy @ w2^T) runs the
+    Gluon kernel, then the SwiGLU derivative's pass; d h13 within bf16 rounding of the Triton tile's."""
+    calls = []
+    real = gr.gluon_rows_gemm
+    monkeypatch.setattr(gr, "gluon_rows_gemm", lambda *args, **kwargs: calls.append(kwargs) or real(*args, **kwargs))
+    counts, hidden, ffn = [300, 0, 700, 24], 512, 768
+    dy, offsets, w2_t = _operands(counts, hidden, ffn, "k-major", device="cuda")
+    h13 = torch.randn(dy.shape[0], 2 * ffn, device="cuda", dtype=torch.bfloat16)
+    tile = TileConfig(block_m=128, block_n=128, block_k=64, num_stages=4, split_epilogue=True)
+    want = gg.ragged_rows_gemm(dy, offsets, w2_t, tile, epilogue=gg.EPILOGUE_SWIGLU_GRAD, h13_N2C=h13)
+    got = gg.ragged_rows_gemm(dy, offsets, w2_t, dataclasses.replace(tile, gluon=True),
+                              epilogue=gg.EPILOGUE_SWIGLU_GRAD, h13_N2C=h13)
+    assert len(calls) == 1
+    assert _rel_err(got, want) < 8e-3
