@@ -93,6 +93,12 @@ FP8_VARIANTS = {
     # in the FFN's pass instead of the combine's backward (the epilogues' A/B under the kernels a run runs)
     "run-act-pass": {**_RUN, "act_epilogue": False},
     "run-dy-pass": {**_RUN, "combine_dy": False},
+    # the run's recipe, and the all-FP8 one in the Gluon kernels, at 256-row Gluon tiles (B read once per 256 rows;
+    # their epilogue the masked store: the TMA store takes 128-row tiles at the FFN's 128 columns): on one H200 the
+    # FP8 forward at 128 rows ran below our bf16 one on Mixtral's shape (session 42), the 256-row tiles 1.11x the
+    # 128-row ones there on an H100 (session 34)
+    "run-256": {**_RUN, "block_m": 256, "tma_store": False},
+    "gluon-256-wgrad": {"rows": True, "swiglu": True, "block_m": 256, "wgrad": True, "backward": "fp8"},
 }
 VARIANT_BACKENDS = tuple(f"{FP8_BACKEND}:{name}" for name in FP8_VARIANTS)
 
