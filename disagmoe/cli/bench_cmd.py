@@ -44,7 +44,7 @@ def experts(
              "triton-fp8:gluon | triton-fp8:gluon-256 | triton-fp8:gluon-tma-store | triton-fp8:gluon-tma-store-wgrad | "
              "triton-fp8:bf16-backward | "
              "triton-fp8:down-forward | triton-fp8:down-forward-pass | triton-fp8:down-forward-dy-pass | triton-fp8:run | "
-             "triton-fp8:run-act-pass | triton-fp8:run-dy-pass | "
+             "triton-fp8:run-act-pass | triton-fp8:run-dy-pass | triton-fp8:run-256 | triton-fp8:gluon-256-wgrad | "
              "scaled-grouped-mm (repeatable; "
              "default: the first "
              "three; triton-fp8: the expert GEMMs in FP8 with training's default backward (forward and data "
@@ -60,7 +60,7 @@ def experts(
              "them); run: every "
              "choice as a training run's default recipe makes it (the down GEMM's forward alone in FP8, bf16 weight "
              "gradients, the Gluon row GEMMs with their TMA epilogue; run-act-pass and run-dy-pass: that with act's or dy's "
-             "rows quantised in a pass); "
+             "rows quantised in a pass; run-256 that at 256-row Gluon tiles, gluon-256-wgrad the all-FP8 recipe at them); "
              "scaled-grouped-mm: the library's row-wise FP8 forward, torch._scaled_grouped_mm, sm_90, no fwd+bwd "
              "row)")] = None,
     precision: Annotated[str, typer.Option(

@@ -176,7 +176,7 @@ def test_precision_fp8_times_our_fp8_experts_beside_our_bf16_ones():
 
 def test_the_variant_backends_run_the_fp8_block_with_their_one_choice_changed(monkeypatch):
     """`--backend triton-fp8:fp8-wgrad | gluon-wgrad | gluon | gluon-256 | gluon-tma-store |
-    gluon-tma-store-wgrad | bf16-backward | down-forward | down-forward-pass`: FP8 backends at the tuned tiles whose
+    gluon-tma-store-wgrad | bf16-backward | down-forward | down-forward-pass | run... | run-256 | gluon-256-wgrad`: FP8 backends at the tuned tiles whose
     forwards run with one choice changed from the FFN's defaults (a Gluon path through `fp8_ffn.gluon_paths`, which
     their backward keeps; which
     backward GEMMs run in FP8; or which forward ones), the defaults restored after each call, each
@@ -234,9 +234,11 @@ def test_the_variant_backends_run_the_fp8_block_with_their_one_choice_changed(mo
                     (True, False, True, 128, True, True, "bf16-wgrad", "down"),  # run: a run's defaults
                     (True, False, True, 128, True, False, "bf16-wgrad", "down"),  # run-act-pass
                     (True, False, True, 128, True, True, "bf16-wgrad", "down"),  # run-dy-pass
+                    (True, False, True, 256, False, True, "bf16-wgrad", "down"),  # run-256
+                    (True, True, True, 256, False, True, "fp8", "both"),  # gluon-256-wgrad
                     (False, False, False, 128, False, True, "bf16-wgrad", "both")]
     # dy from the combine as a run has it, but for the bf16 backward (no FP8 data gradient) and its A/B variants
-    assert slots == [True] * 6 + [False, True, True, False, True, True, False, True]
+    assert slots == [True] * 6 + [False, True, True, False, True, True, False, True, True, True]
     assert made == [(forward, backward) for *_, backward, forward in seen]  # each the copies its recipe reads
     for bad in (dict(block_m=192), dict(rows=256), dict(tma_store=1)):
         with pytest.raises(ValueError, match="rows, wgrad, swiglu, tma_store and act_epilogue take True or False, "
