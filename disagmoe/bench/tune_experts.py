@@ -91,6 +91,9 @@ LIBRARY_ROLES = ("down", "gate_up_dgrad")
 # (tests/kernels/test_gluon_rows.py); 128 x 256 takes 3 stages beside the TMA store's two [64, 256] buffers.
 GLUON_ROWS_CANDIDATES = [(128, 128, 4, False), (128, 128, 4, True), (128, 256, 3, False), (128, 256, 3, True),
                          (64, 256, 4, True)]
+# and its SwiGLU form for the gate/up GEMM (`gluon_rows.gluon_swiglu_gemm`: gate and up sums, two B boxes a stage):
+# (block_m, block_n, ring stages), each compiled for sm_90a on a CPU without spills
+GLUON_SWIGLU_CANDIDATES = [(128, 128, 4), (128, 128, 3), (128, 64, 4)]
 FP8_CANDIDATES = {"fp8_rows": FP8_ROWS_CANDIDATES, "fp8_swiglu": FP8_SWIGLU_CANDIDATES,
                   "fp8_wgrad": FP8_WGRAD_CANDIDATES}
 
@@ -129,6 +132,9 @@ def candidates(role: str) -> list[TileConfig]:
         configs.append(dataclasses.replace(heuristic(role), library=True))
         if _hopper():  # and our Gluon kernel where it can (elsewhere its tiles would be Triton tiles again)
             configs += _gluon_rows_tiles()
+    if role == "gate_up" and _hopper():  # our Gluon SwiGLU kernel where it can run the launch
+        configs += [TileConfig(block_m=m, block_n=n, block_k=64, num_warps=8, num_stages=s, gluon=True)
+                    for m, n, s in GLUON_SWIGLU_CANDIDATES]
     if role == "down_dgrad":  # the epilogue split off a plain GEMM (ours at the plain tiles, or the library's,
         # or on a Hopper our Gluon kernel's)
         plain = dataclasses.replace(heuristic("down"), split_epilogue=True)

@@ -1,6 +1,8 @@
-"""The bf16 expert FFN's plain row GEMMs (`grouped_gemm.ragged_rows_gemm` with the plain epilogue: the
-down projection, the gate/up projection's data gradient) as a warp-specialised Gluon kernel for Hopper
-(sm_90a): out[rows_g] = a[rows_g] @ b[g mod E] for every row group g, fp32 sums over the whole K.
+"""The bf16 expert FFN's row GEMMs (`grouped_gemm.ragged_rows_gemm` with the plain epilogue: the down
+projection, the gate/up projection's data gradient; and with the SwiGLU forward epilogue: the gate/up
+projection) as warp-specialised Gluon kernels for Hopper (sm_90a): out[rows_g] = a[rows_g] @ b[g mod E] for
+every row group g, fp32 sums over the whole K (`gluon_rows_gemm`); act = silu(gate) * up from two such sums,
+the gate and up columns of w13, the pre-activations saved where asked (`gluon_swiglu_gemm`).
 
 Why: Triton 3.6 runs no warp specialisation on sm_90 (its TTGIR keeps one partition), so our Triton
 kernel's programs issue their loads, MMAs and epilogue from the same warps: each tile's epilogue (the
@@ -26,6 +28,12 @@ promotion (its partitions, ring, item order and epilogues: `gluon_ragged`):
   the next item's K loop (`gluon_ragged.store_wave`).
 No promotion, so both consumers' MMAs can be queued back to back: the tensor cores idle only while a
 consumer stores its rows (the other keeps its MMAs going) or waits on the ring.
+The SwiGLU form loads two B boxes a stage (the gate columns of the item's column tile and the up columns F
+further, of w13 as stored: [E, H, 2F]), queues a slice's two wgmmas (gate, up) and keeps that pair in flight
+(`warpgroup_mma_wait(2)`), then writes act = gate * sigmoid(gate) * up from the fp32 sums (as `grouped_gemm`'s
+SwiGLU epilogue) and, asked, the two pre-activations, by masked stores: block_n in (64, 128) (two sums of
+block_n / 2 registers a thread), not the FP8 down GEMM's quantised act (`ragged_rows_gemm(quantized_out=)`
+keeps our Triton kernel).
 
 Requirements (ValueError naming the fix otherwise; `takes` answers without raising, and
 `grouped_gemm.ragged_rows_gemm` then runs our Triton kernel): a and b bf16 or fp16 of one dtype, a
@@ -33,7 +41,7 @@ with unit column stride and 16-byte-aligned rows, b one of the two layouts above
 storage, K a positive multiple of 64 and N of block_n (a box must not reach into the next expert's
 weight), block_m in (64, 128), block_n in (64, 128, 256), the ring and the store's buffers within
 shared memory. Compiled for sm_90a on a CPU (tests/kernels/test_gluon_rows.py): no spill stores at
-any tile it takes. Not yet timed on a GPU: `TileConfig.gluon` runs it where `bench tune-experts`
+any tile either kernel takes. Not yet timed on a GPU: `TileConfig.gluon` runs it where `bench tune-experts`
 measures it faster than our Triton tiles and the library's grouped GEMM.
 """
 
@@ -66,6 +74,7 @@ from disagmoe.kernels.gluon_ragged import (
 
 BLOCK_MS = (64, 128)  # one or two consumer warpgroups of CONSUMER_ROWS rows
 BLOCK_NS = (64, 128, 256)  # a wgmma's N (at most 256): the sum is block_n / 2 fp32 registers a thread
+SWIGLU_BLOCK_NS = (64, 128)  # the SwiGLU GEMM's two sums (gate, up): block_n fp32 registers a thread
 BLOCK_K = 64  # a slice's K: 128-byte rows of bf16, the widest swizzle a TMA box row may take
 OPERAND_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 _ROWS = gl.constexpr(CONSUMER_ROWS)
@@ -205,6 +214,99 @@ def _gluon_rows_gemm_kernel(a_desc, b_desc, out_desc, out_ptr, offsets_ptr, E, E
         ], [1], [PRODUCER_REGS])
 
 
+@gluon.jit
+def _swiglu_producer(a_desc, b_desc, a_bufs, g_bufs, u_bufs, ready_bars, empty_bars, offsets_ptr, E, E_W, F, K,
+                     num_programs, E_POW2: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                     GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+    """`_producer` for the SwiGLU GEMM: per slice the A box and two B boxes of the [E*K, 2F] view of w13,
+    the gate columns of the item's column tile and the up columns F further."""
+    tiles_n, item_ends, total, slices = _work(offsets_ptr, E, F, K, BLOCK_M, BLOCK_N, E_POW2, 1)
+    count = 0
+    for item in range(gl.program_id(0), total, num_programs):
+        group, row0, row_end, pid_n = tile_of(item, item_ends, offsets_ptr, tiles_n, BLOCK_M, GROUP_M)
+        weight = group % E_W
+        for j in range(slices):
+            stage = count % STAGES
+            mbarrier.wait(empty_bars.index(stage), ((count // STAGES) & 1) ^ 1)
+            ready = ready_bars.index(stage)
+            mbarrier.expect(ready, a_desc.block_type.nbytes + 2 * b_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(a_desc, [row0, j * _SLICE], ready, a_bufs.index(stage))
+            k_row = weight * K + j * _SLICE
+            tma.async_copy_global_to_shared(b_desc, [k_row, pid_n * BLOCK_N], ready, g_bufs.index(stage))
+            tma.async_copy_global_to_shared(b_desc, [k_row, F + pid_n * BLOCK_N], ready, u_bufs.index(stage))
+            count += 1
+
+
+@gluon.jit
+def _swiglu_consumer(a_bufs, g_bufs, u_bufs, ready_bars, empty_bars, act_ptr, h13_ptr, offsets_ptr, E, F, K,
+                     num_programs, stride_am, stride_ac, stride_hm, stride_hc, CONSUMER: gl.constexpr,
+                     E_POW2: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
+                     STAGES: gl.constexpr, SAVE_H13: gl.constexpr):
+    """`_consumer` with two sums, gate and up: each slice's two wgmmas queued, the previous slice's stage
+    released once they have completed; then act = silu(gate) * up from the fp32 sums (as
+    `grouped_gemm`'s SwiGLU epilogue), and with SAVE_H13 the two pre-activations, by masked stores."""
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BLOCK_N, 16])
+    row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
+    col_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
+    tiles_n, item_ends, total, slices = _work(offsets_ptr, E, F, K, BLOCK_M, BLOCK_N, E_POW2, 4)
+    count = 0
+    for item in range(gl.program_id(0), total, num_programs):
+        group, row0, row_end, pid_n = tile_of(item, item_ends, offsets_ptr, tiles_n, BLOCK_M, GROUP_M)
+        gate_MN = gl.zeros([_ROWS, BLOCK_N], gl.float32, acc_layout)
+        up_MN = gl.zeros([_ROWS, BLOCK_N], gl.float32, acc_layout)
+        for j in range(slices):
+            stage = count % STAGES
+            mbarrier.wait(ready_bars.index(stage), (count // STAGES) & 1)
+            a_view = a_bufs.index(stage).slice(CONSUMER * _ROWS, _ROWS)
+            gate_MN = warpgroup_mma(a_view, g_bufs.index(stage), gate_MN, is_async=True)
+            up_MN = warpgroup_mma(a_view, u_bufs.index(stage), up_MN, is_async=True)
+            gate_MN, up_MN = warpgroup_mma_wait(2, deps=(gate_MN, up_MN))  # the previous slice's two completed
+            if j > 0:
+                mbarrier.arrive(empty_bars.index((count + STAGES - 1) % STAGES))
+            count += 1
+        gate_MN, up_MN = warpgroup_mma_wait(0, deps=(gate_MN, up_MN))
+        mbarrier.arrive(empty_bars.index((count + STAGES - 1) % STAGES))
+        rows = (row0 + CONSUMER * _ROWS) + gl.arange(0, _ROWS, layout=row_layout)
+        row_ok = rows < row_end
+        cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
+        act_MN = gate_MN * (1.0 / (1.0 + gl.exp(-gate_MN))) * up_MN
+        masked_store(act_MN.to(act_ptr.dtype.element_ty), act_ptr, rows, row_ok, cols, stride_am, stride_ac)
+        if SAVE_H13:
+            masked_store(gate_MN.to(h13_ptr.dtype.element_ty), h13_ptr, rows, row_ok, cols, stride_hm, stride_hc)
+            masked_store(up_MN.to(h13_ptr.dtype.element_ty), h13_ptr, rows, row_ok, cols + F, stride_hm, stride_hc)
+
+
+@gluon.jit
+def _gluon_swiglu_gemm_kernel(a_desc, b_desc, act_ptr, h13_ptr, offsets_ptr, E, E_W, F, K, num_programs, stride_am,
+                              stride_ac, stride_hm, stride_hc, E_POW2: gl.constexpr, BLOCK_M: gl.constexpr,
+                              BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                              PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, SAVE_H13: gl.constexpr):
+    # Contract: `gluon_swiglu_gemm`'s, checked there. A ring of an A box and two B boxes (gate, up) a stage.
+    CONSUMERS: gl.constexpr = BLOCK_M // _ROWS
+    a_bufs, g_bufs, ready_bars, empty_bars = ring(a_desc, b_desc, STAGES, CONSUMERS, True)
+    u_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    if BLOCK_M == 2 * _ROWS:
+        gl.warp_specialize([
+            (_swiglu_consumer, (a_bufs, g_bufs, u_bufs, ready_bars, empty_bars, act_ptr, h13_ptr, offsets_ptr, E, F,
+                                K, num_programs, stride_am, stride_ac, stride_hm, stride_hc, gl.constexpr(0), E_POW2,
+                                BLOCK_M, BLOCK_N, GROUP_M, STAGES, SAVE_H13)),
+            (_swiglu_consumer, (a_bufs, g_bufs, u_bufs, ready_bars, empty_bars, act_ptr, h13_ptr, offsets_ptr, E, F,
+                                K, num_programs, stride_am, stride_ac, stride_hm, stride_hc, gl.constexpr(1), E_POW2,
+                                BLOCK_M, BLOCK_N, GROUP_M, STAGES, SAVE_H13)),
+            (_swiglu_producer, (a_desc, b_desc, a_bufs, g_bufs, u_bufs, ready_bars, empty_bars, offsets_ptr, E, E_W,
+                                F, K, num_programs, E_POW2, BLOCK_M, BLOCK_N, GROUP_M, STAGES)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_swiglu_consumer, (a_bufs, g_bufs, u_bufs, ready_bars, empty_bars, act_ptr, h13_ptr, offsets_ptr, E, F,
+                                K, num_programs, stride_am, stride_ac, stride_hm, stride_hc, gl.constexpr(0), E_POW2,
+                                BLOCK_M, BLOCK_N, GROUP_M, STAGES, SAVE_H13)),
+            (_swiglu_producer, (a_desc, b_desc, a_bufs, g_bufs, u_bufs, ready_bars, empty_bars, offsets_ptr, E, E_W,
+                                F, K, num_programs, E_POW2, BLOCK_M, BLOCK_N, GROUP_M, STAGES)),
+        ], [1], [PRODUCER_REGS])
+
+
 def _b_layout(b_EKN: torch.Tensor) -> str | None:
     """'n-major' (contiguous [E, K, N] storage), 'k-major' (a transposed view of contiguous [E, N, K]
     storage), or None (a layout whose [E*K, N] or [E*N, K] view a TMA descriptor cannot take)."""
@@ -319,4 +421,101 @@ def gluon_rows_gemm(
         E_POW2=triton.next_power_of_2(groups), BLOCK_M=block_m, BLOCK_N=block_n, GROUP_M=group_m, STAGES=stages,
         PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS, B_KMAJOR=b_kmajor, TMA_STORE=by_tma,
         num_warps=4, maxnreg=MAXNREG if block_m == 2 * CONSUMER_ROWS else None)
+    return out
+
+
+def swiglu_stage_bytes(block_m: int, block_n: int, element_bytes: int = 2) -> int:
+    """Shared memory of one SwiGLU ring stage: an A box [block_m, 64] and the gate and up boxes [64, block_n]."""
+    return (block_m + 2 * block_n) * BLOCK_K * element_bytes
+
+
+def _swiglu_problems(x_NH: torch.Tensor, w13_EH2F: torch.Tensor, block_m: int, block_n: int) -> list[str]:
+    """What keeps these operands from the SwiGLU kernel, each with its fix (empty: it takes them)."""
+    problems = []
+    if x_NH.dtype not in OPERAND_DTYPES or w13_EH2F.dtype != x_NH.dtype:
+        problems.append(f"x and w13 must share a dtype among {list(OPERAND_DTYPES)} (got {x_NH.dtype} and "
+                        f"{w13_EH2F.dtype})")
+    if block_m not in BLOCK_MS or block_n not in SWIGLU_BLOCK_NS:
+        problems.append(f"tiles: block_m in {BLOCK_MS}, block_n in {SWIGLU_BLOCK_NS} (two fp32 sums a thread: gate "
+                        f"and up); got {block_m} x {block_n}")
+    k, two_f = w13_EH2F.shape[1], w13_EH2F.shape[2]
+    if x_NH.shape[1] != k:
+        problems.append(f"x [M, H] and w13 [E, H, 2F] must share H; got x {tuple(x_NH.shape)}, w13 "
+                        f"{tuple(w13_EH2F.shape)}")
+    if k == 0 or k % BLOCK_K:
+        problems.append(f"H must be a positive multiple of {BLOCK_K}; got {k}")
+    if two_f % 2 or (block_n in SWIGLU_BLOCK_NS and (two_f // 2) % block_n):
+        problems.append(f"w13's 2F columns must split into gate and up halves of whole block_n={block_n} tiles; "
+                        f"got 2F={two_f}")
+    if _b_layout(w13_EH2F) != "n-major":
+        problems.append(f"w13 must be contiguous [E, H, 2F] storage (the weight as stored); got strides "
+                        f"{w13_EH2F.stride()}")
+    if not tma_rows(x_NH):
+        problems.append(f"x must have unit column stride and 16-byte-aligned rows (TMA); got strides {x_NH.stride()}")
+    return problems
+
+
+def swiglu_takes(x_NH: torch.Tensor, w13_EH2F: torch.Tensor, block_m: int = 128, block_n: int = 128) -> bool:
+    """`takes` for `gluon_swiglu_gemm`: a Hopper GPU and `_swiglu_problems`' rules, without raising."""
+    if not x_NH.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    if torch.cuda.get_device_capability(x_NH.device) != (9, 0):
+        return False
+    return not _swiglu_problems(x_NH, w13_EH2F, block_m, block_n)
+
+
+def gluon_swiglu_gemm(
+    x_NH: torch.Tensor,
+    offsets_E: torch.Tensor,
+    w13_EH2F: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    h13_N2F: torch.Tensor | None = None,
+    block_m: int = 128,
+    block_n: int = 128,
+    stages: int = 4,
+    group_m: int = 8,
+    num_programs: int | None = None,
+) -> torch.Tensor:
+    """act[rows_g] = silu(x @ w13[e][:, :F]) * (x @ w13[e][:, F:]) for every row group g (e = g mod E), the
+    gate and up sums in fp32: `grouped_gemm.ragged_rows_gemm`'s SwiGLU epilogue; `h13_N2F` (given) receives the
+    two pre-activations (gate at [:F], up at [F:]). `out` (given: [M, F] of `OUT_DTYPES`) or a new one in x's
+    dtype. `stages`: the ring's depth (`swiglu_stage_bytes` each)."""
+    problems = _swiglu_problems(x_NH, w13_EH2F, block_m, block_n)
+    if problems:
+        raise ValueError("gluon_swiglu_gemm cannot take these operands: " + "; ".join(problems))
+    rows, k = x_NH.shape
+    experts, _, two_f = w13_EH2F.shape
+    ffn = two_f // 2
+    if offsets_E.dim() != 1 or offsets_E.dtype != torch.int32 or offsets_E.shape[0] % experts:
+        raise ValueError(f"offsets_E must be int32 cumulative rows of a multiple of {experts} groups; got "
+                         f"{offsets_E.dtype} {tuple(offsets_E.shape)}")
+    if out is None:
+        out = torch.empty((rows, ffn), dtype=x_NH.dtype, device=x_NH.device)
+    for name, t, width in (("out", out, ffn), ("h13_N2F", h13_N2F, two_f)):
+        if t is not None and (t.shape != (rows, width) or t.dtype not in OUT_DTYPES):
+            raise ValueError(f"{name} must be a [M, {width}] = {(rows, width)} tensor of {list(OUT_DTYPES)}; got "
+                             f"{t.dtype} {tuple(t.shape)}")
+    deepest = SHARED_MEMORY_BYTES // swiglu_stage_bytes(block_m, block_n)
+    if not 2 <= stages <= deepest:
+        raise ValueError(f"stages={stages}: the ring needs at least 2 (loads under the MMAs) and at most {deepest} "
+                         f"at {block_m} x {block_n} ({swiglu_stage_bytes(block_m, block_n)} bytes a stage in "
+                         f"{SHARED_MEMORY_BYTES})")
+    if rows == 0 or ffn == 0:
+        return out
+    dtype = OPERAND_DTYPES[x_NH.dtype]
+    a_box, b_box = [block_m, BLOCK_K], [BLOCK_K, block_n]
+    a_desc = TensorDescriptor(x_NH, [rows, k], [x_NH.stride(0), 1], a_box,
+                              gl.NVMMASharedLayout.get_default_for(a_box, dtype))
+    w_view = w13_EH2F.reshape(experts * k, two_f)
+    b_desc = TensorDescriptor(w_view, [experts * k, two_f], [two_f, 1], b_box,
+                              gl.NVMMASharedLayout.get_default_for(b_box, dtype))
+    h13 = h13_N2F if h13_N2F is not None else out  # the kernel stores into it only with SAVE_H13
+    programs = num_programs or torch.cuda.get_device_properties(x_NH.device).multi_processor_count
+    groups = offsets_E.shape[0]
+    _gluon_swiglu_gemm_kernel[(programs, )](
+        a_desc, b_desc, out, h13, offsets_E, groups, experts, ffn, k, programs, out.stride(0), out.stride(1),
+        h13.stride(0), h13.stride(1), E_POW2=triton.next_power_of_2(groups), BLOCK_M=block_m, BLOCK_N=block_n,
+        GROUP_M=group_m, STAGES=stages, PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS,
+        SAVE_H13=h13_N2F is not None, num_warps=4, maxnreg=MAXNREG if block_m == 2 * CONSUMER_ROWS else None)
     return out

@@ -512,9 +512,11 @@ def ragged_rows_gemm(
                                                           a_rows_N):
         from disagmoe.kernels import gluon_rows
 
-        return gluon_rows.gluon_rows_gemm(a_NK, offsets_E, b_EKC, out=out, block_m=config.block_m,
-                                          block_n=config.block_n, stages=config.num_stages, group_m=config.group_m,
-                                          num_programs=num_programs, tma_store=config.gluon_tma_store)
+        tile = dict(block_m=config.block_m, block_n=config.block_n, stages=config.num_stages, group_m=config.group_m,
+                    num_programs=num_programs)
+        if epilogue == EPILOGUE_SWIGLU:
+            return gluon_rows.gluon_swiglu_gemm(a_NK, offsets_E, b_EKC, out=out, h13_N2F=h13_N2C, **tile)
+        return gluon_rows.gluon_rows_gemm(a_NK, offsets_E, b_EKC, out=out, tma_store=config.gluon_tma_store, **tile)
     if out is None:
         out_cols = 2 * cols if epilogue == EPILOGUE_SWIGLU_GRAD else cols
         out = a_NK.new_empty((n_rows, out_cols))
@@ -657,15 +659,17 @@ def swiglu_grad_rows(d_act_NC: torch.Tensor, h13_N2C: torch.Tensor, offsets_E: t
 
 def gluon_takes(a_NK: torch.Tensor, b_EKC: torch.Tensor, config: TileConfig, epilogue: int,
                 dst_rows_N: torch.Tensor | None, signal: SegmentSignal | None, a_rows_N: torch.Tensor | None) -> bool:
-    """Whether our Gluon kernel can run this `ragged_rows_gemm` launch (`TileConfig.gluon`): a plain
-    product (into a given output or a new one), rows neither gathered nor scattered nor signalled, on a
-    Hopper GPU, operands it takes at the config's tile (`gluon_rows.takes`)."""
-    if epilogue != EPILOGUE_PLAIN or dst_rows_N is not None or signal is not None or a_rows_N is not None:
-        return False
-    if not a_NK.is_cuda:
+    """Whether our Gluon kernels can run this `ragged_rows_gemm` launch (`TileConfig.gluon`): a plain
+    product or the SwiGLU forward (into given outputs or new ones; not quantised), rows neither gathered nor
+    scattered nor signalled, on a Hopper GPU, operands they take at the config's tile (`gluon_rows.takes`,
+    `gluon_rows.swiglu_takes`)."""
+    if epilogue not in (EPILOGUE_PLAIN, EPILOGUE_SWIGLU) or dst_rows_N is not None or signal is not None \
+            or a_rows_N is not None or not a_NK.is_cuda:
         return False
     from disagmoe.kernels import gluon_rows
 
+    if epilogue == EPILOGUE_SWIGLU:
+        return gluon_rows.swiglu_takes(a_NK, b_EKC, config.block_m, config.block_n)
     return gluon_rows.takes(a_NK, b_EKC, config.block_m, config.block_n)
 
 

@@ -88,14 +88,15 @@ class TileConfig:
     # kernels ignore it. `bench tune-experts` offers the atomic and the prefetching wgrad tiles and the row tiles
     # both ways
     tma: bool = False
-    # down and gate/up data gradient only: run the launch as our warp-specialised Gluon kernel
-    # (`kernels.gluon_rows`: a TMA producer warp, two consumer warpgroups, Hopper only) at block_m x block_n
-    # with num_stages ring stages, where it takes the launch (`grouped_gemm.gluon_takes`: a plain result,
-    # rows neither gathered nor scattered nor signalled, bf16 or fp16 operands TMA can address, K a multiple
-    # of 64 and N of block_n); our Triton kernel runs the others at the same fields. `gluon_tma_store`: its
+    # down, gate/up data gradient and gate/up: run the launch as our warp-specialised Gluon kernel
+    # (`kernels.gluon_rows`: a TMA producer warp, two consumer warpgroups, Hopper only; the gate/up GEMM's SwiGLU
+    # epilogue in `gluon_swiglu_gemm`) at block_m x block_n with num_stages ring stages, where it takes the launch
+    # (`grouped_gemm.gluon_takes`: a plain or SwiGLU result, not quantised, rows neither gathered nor scattered nor
+    # signalled, bf16 or fp16 operands TMA can address, K a multiple of 64 and N of block_n); our Triton kernel
+    # runs the others at the same fields. `gluon_tma_store` (plain results): its
     # epilogue stores each 64-row wave by TMA through shared memory, drained under the next tile's K loop.
-    # `bench tune-experts` offers it on Hopper (`tune_experts.GLUON_ROWS_CANDIDATES`), and for down dgrad under
-    # `split_epilogue` (its plain GEMM); the other roles ignore it
+    # `bench tune-experts` offers it on Hopper (`tune_experts.GLUON_ROWS_CANDIDATES`, `GLUON_SWIGLU_CANDIDATES`), and
+    # for down dgrad under `split_epilogue` (its plain GEMM); the weight gradients ignore it
     gluon: bool = False
     gluon_tma_store: bool = False
 

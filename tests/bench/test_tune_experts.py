@@ -127,7 +127,9 @@ def test_roles_limit_the_tuning_to_those_gemms(monkeypatch):
     monkeypatch.setattr(tuner, "_hopper", lambda: True)
     gluon = [c for role in tuner.LIBRARY_ROLES for c in tuner.candidates(role) if c.gluon]
     assert len(gluon) == 2 * len(tuner.GLUON_ROWS_CANDIDATES) and {c.gluon_tma_store for c in gluon} == {False, True}
-    assert not any(c.gluon for role in ("gate_up", "wgrad_w13") for c in tuner.candidates(role))
+    assert not any(c.gluon for c in tuner.candidates("wgrad_w13"))
+    swiglu = [c for c in tuner.candidates("gate_up") if c.gluon]
+    assert len(swiglu) == len(tuner.GLUON_SWIGLU_CANDIDATES) and not any(c.gluon_tma_store for c in swiglu)
     split = [c for c in tuner.candidates("down_dgrad") if c.gluon]  # its SwiGLU gradient split off a Gluon GEMM
     assert len(split) == len(tuner.GLUON_ROWS_CANDIDATES) and all(c.split_epilogue for c in split)
     assert not any(c.tma and c.flatten for c in tuner.candidates("gate_up"))
