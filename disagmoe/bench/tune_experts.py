@@ -89,8 +89,7 @@ LIBRARY_ROLES = ("down", "gate_up_dgrad")
 # Our warp-specialised Gluon kernel for those roles on Hopper (`TileConfig.gluon`, `kernels.gluon_rows`): (block_m,
 # block_n, ring stages, TMA-store epilogue), each compiled for sm_90a on a CPU without spills
 # (tests/kernels/test_gluon_rows.py); 128 x 256 takes 3 stages beside the TMA store's two [64, 256] buffers.
-GLUON_ROWS_CANDIDATES = [(128, 128, 4, False), (128, 128, 4, True), (128, 256, 3, False), (128, 256, 3, True),
-                         (64, 256, 4, True)]
+GLUON_ROWS_CANDIDATES = [(128, 128, 4, False), (128, 128, 4, True), (128, 256, 3, False), (128, 256, 3, True)]
 # and its SwiGLU form for the gate/up GEMM (`gluon_rows.gluon_swiglu_gemm`: gate and up sums, two B boxes a stage):
 # (block_m, block_n, ring stages), each compiled for sm_90a on a CPU without spills
 GLUON_SWIGLU_CANDIDATES = [(128, 128, 4), (128, 128, 3), (128, 64, 4)]
@@ -130,24 +129,25 @@ def candidates(role: str) -> list[TileConfig]:
         configs += [dataclasses.replace(c, tma=True) for c in configs if not (role == "gate_up" and c.flatten)]
     if role in LIBRARY_ROLES:  # the library's grouped GEMM competes where it can run the launch
         configs.append(dataclasses.replace(heuristic(role), library=True))
-        if _hopper():  # and our Gluon kernel where it can (elsewhere its tiles would be Triton tiles again)
-            configs += _gluon_rows_tiles()
+        if _hopper():  # and our Gluon kernel where it can (elsewhere the heuristic's Triton tile runs)
+            configs += _gluon_rows_tiles(heuristic(role))
     if role == "gate_up" and _hopper():  # our Gluon SwiGLU kernel where it can run the launch
-        configs += [TileConfig(block_m=m, block_n=n, block_k=64, num_warps=8, num_stages=s, gluon=True)
+        configs += [dataclasses.replace(heuristic(role), gluon=True, gluon_block_m=m, gluon_block_n=n, gluon_stages=s)
                     for m, n, s in GLUON_SWIGLU_CANDIDATES]
     if role == "down_dgrad":  # the epilogue split off a plain GEMM (ours at the plain tiles, or the library's,
         # or on a Hopper our Gluon kernel's)
         plain = dataclasses.replace(heuristic("down"), split_epilogue=True)
         configs += [plain, dataclasses.replace(plain, library=True)]
         if _hopper():
-            configs += [dataclasses.replace(c, split_epilogue=True) for c in _gluon_rows_tiles()]
+            configs += _gluon_rows_tiles(plain)
     return configs
 
 
-def _gluon_rows_tiles() -> list[TileConfig]:
-    """`GLUON_ROWS_CANDIDATES` as tiles (their Triton fields 8 warps, K tiles of 64, for launches it cannot take)."""
-    return [TileConfig(block_m=m, block_n=n, block_k=64, num_warps=8, num_stages=s, gluon=True, gluon_tma_store=t)
-            for m, n, s, t in GLUON_ROWS_CANDIDATES]
+def _gluon_rows_tiles(triton_tile: TileConfig) -> list[TileConfig]:
+    """`GLUON_ROWS_CANDIDATES` as tiles over `triton_tile`, the Triton tile a launch the Gluon kernel cannot take
+    runs (a scattered or gathered one: the fused return's down GEMM, the weighted path's gathered rows)."""
+    return [dataclasses.replace(triton_tile, gluon=True, gluon_block_m=m, gluon_block_n=n, gluon_stages=s,
+                                gluon_tma_store=t) for m, n, s, t in GLUON_ROWS_CANDIDATES]
 
 
 def _hopper() -> bool:

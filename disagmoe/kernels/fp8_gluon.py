@@ -45,8 +45,9 @@ block_m x block_n found on the device from offsets_E, as `_fp8_rows_gemm_kernel`
 Ping-pong on different tiles (one warpgroup per block_m x block_n tile) does not fit at 128 x 128:
 the sum and two products would need 384 registers per thread.
 
-TMA-store epilogue (`gluon_fp8_rows_gemm(tma_store=True)`; off by default: no GPU has
-run it, so nothing says it is faster). Why: the masked store writes each thread's 2 rows from the
+TMA-store epilogue (`gluon_fp8_rows_gemm(tma_store=True)`; the kernel's default off, a run's on since session 35,
+`config.RUN_FP8_GLUON_STORE`: the block 1.15x / 1.16x our bf16 on Mixtral / DeepSeek shapes against 1.06x / 1.10x
+with the masked store, one H100). Why: the masked store writes each thread's 2 rows from the
 wgmma layout in 4-byte pieces (bf16: 32 STG a thread per 64 x 128 wave, each warp instruction 16
 bytes in each of 8 rows, uncoalesced), issued by the consumer before its next item can start; on
 Qwen3-30B's expert GEMMs (K 768 or 1,536: 6-12 K slices a tile) that epilogue is a large share of
@@ -688,7 +689,7 @@ def gluon_fp8_rows_gemm(
     docstring: the requirements). `out` (given: [M, N], bf16, fp16 or fp32) or a new one of
     `out_dtype`. `stages`: the shared-memory ring's depth ((block_m + block_n) x 128 bytes each).
     `num_programs`: persistent programs (default one per SM; give it on a CPU, where the kernel can
-    only be compiled). `tma_store` (off: unmeasured on a GPU, module docstring): each 64-row wave
+    only be compiled). `tma_store` (off here, a run's default: module docstring): each 64-row wave
     wholly inside its group written through shared memory and stored by TMA, not waited for until
     its buffer's next use, on the tiles of `TMA_STORE_TILES`; where `out` cannot take a TMA
     descriptor (`tma_store_takes`) the masked store, as without it."""

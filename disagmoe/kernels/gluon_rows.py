@@ -311,6 +311,8 @@ def _b_layout(b_EKN: torch.Tensor) -> str | None:
     """'n-major' (contiguous [E, K, N] storage), 'k-major' (a transposed view of contiguous [E, N, K]
     storage), or None (a layout whose [E*K, N] or [E*N, K] view a TMA descriptor cannot take)."""
     experts, k, n = b_EKN.shape
+    if b_EKN.data_ptr() % 16:
+        return None
     if b_EKN.stride() == (k * n, n, 1) and (n * b_EKN.element_size()) % 16 == 0:
         return "n-major"
     if b_EKN.stride() == (n * k, 1, k) and (k * b_EKN.element_size()) % 16 == 0:
@@ -318,8 +320,17 @@ def _b_layout(b_EKN: torch.Tensor) -> str | None:
     return None
 
 
-def _problems(a_NK: torch.Tensor, b_EKN: torch.Tensor, block_m: int, block_n: int) -> list[str]:
-    """What keeps these operands from this kernel, each with its fix (empty: it takes them)."""
+def _check_offsets(offsets_E: torch.Tensor, experts: int) -> None:
+    """ValueError unless offsets_E holds int32 cumulative rows of a multiple of `experts` groups."""
+    if offsets_E.dim() != 1 or offsets_E.dtype != torch.int32 or offsets_E.shape[0] % experts:
+        raise ValueError(f"offsets_E must be int32 cumulative rows of a multiple of {experts} groups; got "
+                         f"{offsets_E.dtype} {tuple(offsets_E.shape)}")
+
+
+def _problems(a_NK: torch.Tensor, b_EKN: torch.Tensor, block_m: int, block_n: int, out: torch.Tensor | None = None,
+              stages: int = 4, tma_store: bool = False) -> list[str]:
+    """What keeps this launch from the kernel, each with its fix (empty: it takes it): the operands, the
+    tile, `out` (given, else a new one in a's dtype) and the ring's depth beside the store's buffers."""
     problems = []
     if a_NK.dtype not in OPERAND_DTYPES or b_EKN.dtype != a_NK.dtype:
         problems.append(f"a and b must share a dtype among {list(OPERAND_DTYPES)} (got {a_NK.dtype} and "
@@ -327,7 +338,8 @@ def _problems(a_NK: torch.Tensor, b_EKN: torch.Tensor, block_m: int, block_n: in
     if block_m not in BLOCK_MS or block_n not in BLOCK_NS:
         problems.append(f"tiles: block_m in {BLOCK_MS} (64 rows per consumer warpgroup), block_n in {BLOCK_NS} "
                         f"(a wgmma's N); got {block_m} x {block_n}")
-    k, n = a_NK.shape[1], b_EKN.shape[2]
+    rows, k = a_NK.shape
+    n = b_EKN.shape[2]
     if b_EKN.shape[1] != k:
         problems.append(f"a [M, K] and b [E, K, N] must share K; got a {tuple(a_NK.shape)}, b {tuple(b_EKN.shape)}")
     if k == 0 or k % BLOCK_K:
@@ -337,21 +349,32 @@ def _problems(a_NK: torch.Tensor, b_EKN: torch.Tensor, block_m: int, block_n: in
         problems.append(f"N must be a multiple of block_n={block_n}; got N={n}: take a block_n that divides it")
     if _b_layout(b_EKN) is None:
         problems.append(f"b must be contiguous [E, K, N] storage or a transposed view of contiguous [E, N, K] "
-                        f"storage, rows 16-byte aligned (a TMA view); got strides {b_EKN.stride()}")
+                        f"storage, its base and rows 16-byte aligned (a TMA view); got strides {b_EKN.stride()}")
     if not tma_rows(a_NK):
         problems.append(f"a must have unit column stride and 16-byte-aligned rows (TMA): pass a.contiguous(); got "
                         f"strides {a_NK.stride()}")
+    if out is not None and (out.shape != (rows, n) or out.dtype not in OUT_DTYPES):
+        problems.append(f"out must be a [M, N] = {(rows, n)} tensor of {list(OUT_DTYPES)}; got {out.dtype} "
+                        f"{tuple(out.shape)}")
+    elif block_m in BLOCK_MS and block_n in BLOCK_NS:
+        by_tma = tma_store and (out is None or tma_store_takes(out))
+        deepest = max_stages(block_m, block_n, a_NK.element_size() if out is None else out.element_size(), by_tma)
+        if not 2 <= stages <= deepest:
+            problems.append(f"stages={stages}: the ring needs at least 2 (loads under the MMAs) and at most "
+                            f"{deepest} at {block_m} x {block_n}{' beside the TMA store buffers' if by_tma else ''} "
+                            f"({ring_stage_bytes(block_m, block_n)} bytes a stage in {SHARED_MEMORY_BYTES})")
     return problems
 
 
-def takes(a_NK: torch.Tensor, b_EKN: torch.Tensor, block_m: int = 128, block_n: int = 128) -> bool:
-    """Whether `gluon_rows_gemm` can run these operands here: a Hopper GPU (sm_90; not the interpreter,
+def takes(a_NK: torch.Tensor, b_EKN: torch.Tensor, block_m: int = 128, block_n: int = 128,
+          out: torch.Tensor | None = None, stages: int = 4, tma_store: bool = False) -> bool:
+    """Whether `gluon_rows_gemm` can run this launch here: a Hopper GPU (sm_90; not the interpreter,
     which runs no Gluon) and `_problems`' rules, answered without raising."""
     if not a_NK.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
         return False
     if torch.cuda.get_device_capability(a_NK.device) != (9, 0):
         return False
-    return not _problems(a_NK, b_EKN, block_m, block_n)
+    return not _problems(a_NK, b_EKN, block_m, block_n, out, stages, tma_store)
 
 
 def gluon_rows_gemm(
@@ -375,25 +398,15 @@ def gluon_rows_gemm(
     `tma_store`: each 64-row wave wholly inside its group stored by TMA through shared memory, drained
     under the next item's K loop; where `out` cannot take a TMA descriptor (`gluon_ragged.tma_store_takes`)
     the masked store, as without it."""
-    problems = _problems(a_NK, b_EKN, block_m, block_n)
+    problems = _problems(a_NK, b_EKN, block_m, block_n, out, stages, tma_store)
     if problems:
-        raise ValueError("gluon_rows_gemm cannot take these operands: " + "; ".join(problems))
+        raise ValueError("gluon_rows_gemm cannot take this launch: " + "; ".join(problems))
     rows, k = a_NK.shape
     experts, _, cols = b_EKN.shape
-    if offsets_E.dim() != 1 or offsets_E.dtype != torch.int32 or offsets_E.shape[0] % experts:
-        raise ValueError(f"offsets_E must be int32 cumulative rows of a multiple of {experts} groups; got "
-                         f"{offsets_E.dtype} {tuple(offsets_E.shape)}")
+    _check_offsets(offsets_E, experts)
     if out is None:
         out = torch.empty((rows, cols), dtype=a_NK.dtype, device=a_NK.device)
-    elif out.shape != (rows, cols) or out.dtype not in OUT_DTYPES:
-        raise ValueError(f"out must be a [M, N] = {(rows, cols)} tensor of {list(OUT_DTYPES)}; got {out.dtype} "
-                         f"{tuple(out.shape)}")
     by_tma = tma_store and tma_store_takes(out)
-    deepest = max_stages(block_m, block_n, out.element_size(), by_tma)
-    if not 2 <= stages <= deepest:
-        raise ValueError(f"stages={stages}: the ring needs at least 2 (loads under the MMAs) and at most {deepest} "
-                         f"at {block_m} x {block_n}{' beside the TMA store buffers' if by_tma else ''} "
-                         f"({ring_stage_bytes(block_m, block_n)} bytes a stage in {SHARED_MEMORY_BYTES})")
     if rows == 0 or cols == 0:
         return out
     dtype = OPERAND_DTYPES[a_NK.dtype]
@@ -429,8 +442,10 @@ def swiglu_stage_bytes(block_m: int, block_n: int, element_bytes: int = 2) -> in
     return (block_m + 2 * block_n) * BLOCK_K * element_bytes
 
 
-def _swiglu_problems(x_NH: torch.Tensor, w13_EH2F: torch.Tensor, block_m: int, block_n: int) -> list[str]:
-    """What keeps these operands from the SwiGLU kernel, each with its fix (empty: it takes them)."""
+def _swiglu_problems(x_NH: torch.Tensor, w13_EH2F: torch.Tensor, block_m: int, block_n: int,
+                     out: torch.Tensor | None = None, h13_N2F: torch.Tensor | None = None,
+                     stages: int = 4) -> list[str]:
+    """What keeps this launch from the SwiGLU kernel, each with its fix (empty: it takes it)."""
     problems = []
     if x_NH.dtype not in OPERAND_DTYPES or w13_EH2F.dtype != x_NH.dtype:
         problems.append(f"x and w13 must share a dtype among {list(OPERAND_DTYPES)} (got {x_NH.dtype} and "
@@ -438,8 +453,9 @@ def _swiglu_problems(x_NH: torch.Tensor, w13_EH2F: torch.Tensor, block_m: int, b
     if block_m not in BLOCK_MS or block_n not in SWIGLU_BLOCK_NS:
         problems.append(f"tiles: block_m in {BLOCK_MS}, block_n in {SWIGLU_BLOCK_NS} (two fp32 sums a thread: gate "
                         f"and up); got {block_m} x {block_n}")
-    k, two_f = w13_EH2F.shape[1], w13_EH2F.shape[2]
-    if x_NH.shape[1] != k:
+    rows, k = x_NH.shape
+    two_f = w13_EH2F.shape[2]
+    if w13_EH2F.shape[1] != k:
         problems.append(f"x [M, H] and w13 [E, H, 2F] must share H; got x {tuple(x_NH.shape)}, w13 "
                         f"{tuple(w13_EH2F.shape)}")
     if k == 0 or k % BLOCK_K:
@@ -448,20 +464,31 @@ def _swiglu_problems(x_NH: torch.Tensor, w13_EH2F: torch.Tensor, block_m: int, b
         problems.append(f"w13's 2F columns must split into gate and up halves of whole block_n={block_n} tiles; "
                         f"got 2F={two_f}")
     if _b_layout(w13_EH2F) != "n-major":
-        problems.append(f"w13 must be contiguous [E, H, 2F] storage (the weight as stored); got strides "
-                        f"{w13_EH2F.stride()}")
+        problems.append(f"w13 must be contiguous [E, H, 2F] storage (the weight as stored), 16-byte aligned; got "
+                        f"strides {w13_EH2F.stride()}")
     if not tma_rows(x_NH):
         problems.append(f"x must have unit column stride and 16-byte-aligned rows (TMA); got strides {x_NH.stride()}")
+    for name, t, width in (("out", out, two_f // 2), ("h13_N2F", h13_N2F, two_f)):
+        if t is not None and (t.shape != (rows, width) or t.dtype not in OUT_DTYPES):
+            problems.append(f"{name} must be a [M, {width}] = {(rows, width)} tensor of {list(OUT_DTYPES)}; got "
+                            f"{t.dtype} {tuple(t.shape)}")
+    if block_m in BLOCK_MS and block_n in SWIGLU_BLOCK_NS:
+        deepest = SHARED_MEMORY_BYTES // swiglu_stage_bytes(block_m, block_n)
+        if not 2 <= stages <= deepest:
+            problems.append(f"stages={stages}: the ring needs at least 2 (loads under the MMAs) and at most "
+                            f"{deepest} at {block_m} x {block_n} ({swiglu_stage_bytes(block_m, block_n)} bytes a "
+                            f"stage in {SHARED_MEMORY_BYTES})")
     return problems
 
 
-def swiglu_takes(x_NH: torch.Tensor, w13_EH2F: torch.Tensor, block_m: int = 128, block_n: int = 128) -> bool:
+def swiglu_takes(x_NH: torch.Tensor, w13_EH2F: torch.Tensor, block_m: int = 128, block_n: int = 128,
+                 out: torch.Tensor | None = None, h13_N2F: torch.Tensor | None = None, stages: int = 4) -> bool:
     """`takes` for `gluon_swiglu_gemm`: a Hopper GPU and `_swiglu_problems`' rules, without raising."""
     if not x_NH.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
         return False
     if torch.cuda.get_device_capability(x_NH.device) != (9, 0):
         return False
-    return not _swiglu_problems(x_NH, w13_EH2F, block_m, block_n)
+    return not _swiglu_problems(x_NH, w13_EH2F, block_m, block_n, out, h13_N2F, stages)
 
 
 def gluon_swiglu_gemm(
@@ -481,26 +508,15 @@ def gluon_swiglu_gemm(
     gate and up sums in fp32: `grouped_gemm.ragged_rows_gemm`'s SwiGLU epilogue; `h13_N2F` (given) receives the
     two pre-activations (gate at [:F], up at [F:]). `out` (given: [M, F] of `OUT_DTYPES`) or a new one in x's
     dtype. `stages`: the ring's depth (`swiglu_stage_bytes` each)."""
-    problems = _swiglu_problems(x_NH, w13_EH2F, block_m, block_n)
+    problems = _swiglu_problems(x_NH, w13_EH2F, block_m, block_n, out, h13_N2F, stages)
     if problems:
-        raise ValueError("gluon_swiglu_gemm cannot take these operands: " + "; ".join(problems))
+        raise ValueError("gluon_swiglu_gemm cannot take this launch: " + "; ".join(problems))
     rows, k = x_NH.shape
     experts, _, two_f = w13_EH2F.shape
     ffn = two_f // 2
-    if offsets_E.dim() != 1 or offsets_E.dtype != torch.int32 or offsets_E.shape[0] % experts:
-        raise ValueError(f"offsets_E must be int32 cumulative rows of a multiple of {experts} groups; got "
-                         f"{offsets_E.dtype} {tuple(offsets_E.shape)}")
+    _check_offsets(offsets_E, experts)
     if out is None:
         out = torch.empty((rows, ffn), dtype=x_NH.dtype, device=x_NH.device)
-    for name, t, width in (("out", out, ffn), ("h13_N2F", h13_N2F, two_f)):
-        if t is not None and (t.shape != (rows, width) or t.dtype not in OUT_DTYPES):
-            raise ValueError(f"{name} must be a [M, {width}] = {(rows, width)} tensor of {list(OUT_DTYPES)}; got "
-                             f"{t.dtype} {tuple(t.shape)}")
-    deepest = SHARED_MEMORY_BYTES // swiglu_stage_bytes(block_m, block_n)
-    if not 2 <= stages <= deepest:
-        raise ValueError(f"stages={stages}: the ring needs at least 2 (loads under the MMAs) and at most {deepest} "
-                         f"at {block_m} x {block_n} ({swiglu_stage_bytes(block_m, block_n)} bytes a stage in "
-                         f"{SHARED_MEMORY_BYTES})")
     if rows == 0 or ffn == 0:
         return out
     dtype = OPERAND_DTYPES[x_NH.dtype]

@@ -508,12 +508,12 @@ def ragged_rows_gemm(
     elif (config.library and n_rows and cols
             and library_takes(a_NK, offsets_E, b_EKC, epilogue, out is not None, dst_rows_N, signal, a_rows_N)):
         return torch._grouped_mm(a_NK, b_EKC, offs=offsets_E)  # its own output: none allocated here
-    elif config.gluon and n_rows and cols and gluon_takes(a_NK, b_EKC, config, epilogue, dst_rows_N, signal,
-                                                          a_rows_N):
+    elif config.gluon and n_rows and cols and gluon_takes(a_NK, b_EKC, config, epilogue, out, h13_N2C, dst_rows_N,
+                                                          signal, a_rows_N):
         from disagmoe.kernels import gluon_rows
 
-        tile = dict(block_m=config.block_m, block_n=config.block_n, stages=config.num_stages, group_m=config.group_m,
-                    num_programs=num_programs)
+        tile = dict(block_m=config.gluon_block_m, block_n=config.gluon_block_n, stages=config.gluon_stages,
+                    group_m=config.group_m, num_programs=num_programs)
         if epilogue == EPILOGUE_SWIGLU:
             return gluon_rows.gluon_swiglu_gemm(a_NK, offsets_E, b_EKC, out=out, h13_N2F=h13_N2C, **tile)
         return gluon_rows.gluon_rows_gemm(a_NK, offsets_E, b_EKC, out=out, tma_store=config.gluon_tma_store, **tile)
@@ -658,19 +658,22 @@ def swiglu_grad_rows(d_act_NC: torch.Tensor, h13_N2C: torch.Tensor, offsets_E: t
 
 
 def gluon_takes(a_NK: torch.Tensor, b_EKC: torch.Tensor, config: TileConfig, epilogue: int,
-                dst_rows_N: torch.Tensor | None, signal: SegmentSignal | None, a_rows_N: torch.Tensor | None) -> bool:
+                out: torch.Tensor | None, h13_N2C: torch.Tensor | None, dst_rows_N: torch.Tensor | None,
+                signal: SegmentSignal | None, a_rows_N: torch.Tensor | None) -> bool:
     """Whether our Gluon kernels can run this `ragged_rows_gemm` launch (`TileConfig.gluon`): a plain
     product or the SwiGLU forward (into given outputs or new ones; not quantised), rows neither gathered nor
-    scattered nor signalled, on a Hopper GPU, operands they take at the config's tile (`gluon_rows.takes`,
-    `gluon_rows.swiglu_takes`)."""
+    scattered nor signalled, on a Hopper GPU, a launch they take at the config's Gluon tile (`gluon_rows.takes`,
+    `gluon_rows.swiglu_takes`: the operands, the outputs, the ring's depth)."""
     if epilogue not in (EPILOGUE_PLAIN, EPILOGUE_SWIGLU) or dst_rows_N is not None or signal is not None \
             or a_rows_N is not None or not a_NK.is_cuda:
         return False
     from disagmoe.kernels import gluon_rows
 
+    tile = (config.gluon_block_m, config.gluon_block_n)
     if epilogue == EPILOGUE_SWIGLU:
-        return gluon_rows.swiglu_takes(a_NK, b_EKC, config.block_m, config.block_n)
-    return gluon_rows.takes(a_NK, b_EKC, config.block_m, config.block_n)
+        return gluon_rows.swiglu_takes(a_NK, b_EKC, *tile, out=out, h13_N2F=h13_N2C, stages=config.gluon_stages)
+    return gluon_rows.takes(a_NK, b_EKC, *tile, out=out, stages=config.gluon_stages,
+                            tma_store=config.gluon_tma_store)
 
 
 def library_takes(a_NK: torch.Tensor, offsets_E: torch.Tensor, b_EKC: torch.Tensor, epilogue: int, out_given: bool,

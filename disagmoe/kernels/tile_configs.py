@@ -90,14 +90,19 @@ class TileConfig:
     tma: bool = False
     # down, gate/up data gradient and gate/up: run the launch as our warp-specialised Gluon kernel
     # (`kernels.gluon_rows`: a TMA producer warp, two consumer warpgroups, Hopper only; the gate/up GEMM's SwiGLU
-    # epilogue in `gluon_swiglu_gemm`) at block_m x block_n with num_stages ring stages, where it takes the launch
-    # (`grouped_gemm.gluon_takes`: a plain or SwiGLU result, not quantised, rows neither gathered nor scattered nor
-    # signalled, bf16 or fp16 operands TMA can address, K a multiple of 64 and N of block_n); our Triton kernel
-    # runs the others at the same fields. `gluon_tma_store` (plain results): its
-    # epilogue stores each 64-row wave by TMA through shared memory, drained under the next tile's K loop.
-    # `bench tune-experts` offers it on Hopper (`tune_experts.GLUON_ROWS_CANDIDATES`, `GLUON_SWIGLU_CANDIDATES`), and
-    # for down dgrad under `split_epilogue` (its plain GEMM); the weight gradients ignore it
+    # epilogue in `gluon_swiglu_gemm`) at its own tile, gluon_block_m x gluon_block_n with gluon_stages ring stages,
+    # where it takes the launch (`grouped_gemm.gluon_takes`: a plain or SwiGLU result, not quantised, rows neither
+    # gathered nor scattered nor signalled, bf16 or fp16 operands TMA can address, K a multiple of 64 and N of its
+    # block_n, its ring and buffers within shared memory); our Triton kernel runs the others at this config's own
+    # fields (the heuristic's, in the tiles `bench tune-experts` offers: as the library's tiles, what runs where the
+    # Gluon kernel cannot is not the tile the tuner timed). `gluon_tma_store` (plain results): its epilogue stores
+    # each 64-row wave by TMA through shared memory, drained under the next tile's K loop. `bench tune-experts`
+    # offers it on Hopper (`tune_experts.GLUON_ROWS_CANDIDATES`, `GLUON_SWIGLU_CANDIDATES`), and for down dgrad
+    # under `split_epilogue` (its plain GEMM); the weight gradients ignore it
     gluon: bool = False
+    gluon_block_m: int = 128
+    gluon_block_n: int = 128
+    gluon_stages: int = 4
     gluon_tma_store: bool = False
 
     def to_json(self) -> dict[str, int | bool | str]:

@@ -127,6 +127,10 @@ def test_roles_limit_the_tuning_to_those_gemms(monkeypatch):
     monkeypatch.setattr(tuner, "_hopper", lambda: True)
     gluon = [c for role in tuner.LIBRARY_ROLES for c in tuner.candidates(role) if c.gluon]
     assert len(gluon) == 2 * len(tuner.GLUON_ROWS_CANDIDATES) and {c.gluon_tma_store for c in gluon} == {False, True}
+    for role in tuner.LIBRARY_ROLES:  # where the Gluon kernel cannot take a launch, the heuristic's Triton tile runs
+        for c in (c for c in tuner.candidates(role) if c.gluon):
+            assert dataclasses.replace(c, gluon=False, gluon_block_m=128, gluon_block_n=128, gluon_stages=4,
+                                       gluon_tma_store=False) == tuner.heuristic(role)
     assert not any(c.gluon for c in tuner.candidates("wgrad_w13"))
     swiglu = [c for c in tuner.candidates("gate_up") if c.gluon]
     assert len(swiglu) == len(tuner.GLUON_SWIGLU_CANDIDATES) and not any(c.gluon_tma_store for c in swiglu)

@@ -150,6 +150,8 @@ REFUSED = [
     ("offsets int64", "int32"),
     ("out of the wrong shape", "out must be"),
     ("one stage", "at least 2"),
+    ("fp32 out beside the TMA store", "at most 2"),
+    ("b misaligned", "16-byte aligned"),
 ]
 
 
@@ -179,6 +181,10 @@ def test_arguments_it_cannot_take_are_refused_naming_the_fix(change, match):
         kwargs["out"] = torch.empty(a.shape[0], 128, dtype=torch.bfloat16)
     elif change == "one stage":
         kwargs["stages"] = 1
+    elif change == "fp32 out beside the TMA store":  # two [64, 256] fp32 buffers leave room for 2 stages, not 3
+        kwargs.update(out=torch.empty(a.shape[0], 256, dtype=torch.float32), block_n=256, stages=3, tma_store=True)
+    elif change == "b misaligned":
+        b = torch.zeros(1 + b.numel(), dtype=torch.bfloat16)[1:].view(b.shape)
     with pytest.raises(ValueError, match=match):
         gr.gluon_rows_gemm(a, offsets, b, num_programs=4, **kwargs)
 
@@ -227,7 +233,7 @@ GPU_TILES = [(128, 128, 4, False), (128, 128, 4, True), (128, 256, 3, False), (1
 @pytest.mark.parametrize("block_m,block_n,stages,tma_store", GPU_TILES,
                          ids=[f"{m}x{n}-s{s}" + ("-tma-store" if t else "") for m, n, s, t in GPU_TILES])
 @pytest.mark.parametrize("layout", ["n-major", "k-major"])
-@pytest.mark.parametrize("k,n", [(768, 2048), (2048, 768), (192, 512)])
+@pytest.mark.parametrize("k,n", [(768, 2048), (2048, 768), (192, 512), (64, 512)])  # (64, ...): one K slice
 @pytest.mark.parametrize("counts", list(GPU_COUNTS.values()), ids=list(GPU_COUNTS))
 def test_gpu_matches_the_fp64_reference_and_the_triton_kernel(counts, k, n, layout, block_m, block_n, stages,
                                                              tma_store):
@@ -276,7 +282,7 @@ def test_gpu_the_gluon_tile_runs_the_gluon_kernel_in_the_ffns_launch(role, monke
     monkeypatch.setattr(gr, "gluon_rows_gemm", lambda *args, **kwargs: calls.append(kwargs) or real(*args, **kwargs))
     layout = "n-major" if role == "down" else "k-major"
     a, offsets, b = _operands([300, 0, 700, 24], 768, 2048, layout, device="cuda")
-    tile = TileConfig(block_m=128, block_n=256, block_k=64, num_stages=3, gluon=True)
+    tile = TileConfig(block_m=128, block_n=128, block_k=64, gluon=True, gluon_block_n=256, gluon_stages=3)
     got = gg.ragged_rows_gemm(a, offsets, b, tile)
     assert len(calls) == 1 and calls[0]["block_n"] == 256 and calls[0]["stages"] == 3
     assert torch.equal(got, real(a, offsets, b, block_m=128, block_n=256, stages=3))
@@ -328,5 +334,7 @@ def test_gpu_the_swiglu_gemm_matches_the_reference_and_the_triton_epilogue(count
     h13_triton = torch.empty_like(h13)
     act_triton = gg.ragged_rows_gemm(x, offsets, w13, tile, epilogue=gg.EPILOGUE_SWIGLU, h13_N2C=h13_triton)
     assert _rel_err(act, act_triton) < 1e-2 and _rel_err(h13, h13_triton) < 8e-3
-    routed = gg.ragged_rows_gemm(x, offsets, w13, dataclasses.replace(tile, gluon=True), epilogue=gg.EPILOGUE_SWIGLU)
+    routed = gg.ragged_rows_gemm(x, offsets, w13, dataclasses.replace(tile, gluon=True, gluon_block_m=block_m,
+                                                                        gluon_block_n=block_n, gluon_stages=stages),
+                                 epilogue=gg.EPILOGUE_SWIGLU)
     assert torch.equal(routed, act)
