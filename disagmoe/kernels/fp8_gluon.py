@@ -155,8 +155,10 @@ from disagmoe.kernels.gluon_ragged import (  # noqa: F401 (CONSUMER_REGS, OUT_DT
     group_item_ends,
     masked_store,
     ring,
+    store_consumer_rows,
     store_wave,
     tile_of,
+    work_list,
     tma_rows,
     tma_store_takes,
 )
@@ -196,23 +198,13 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 
 
 @gluon.jit
-def _work(offsets_ptr, E, N, K, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, E_POW2: gl.constexpr,
-          WARPS: gl.constexpr):
-    """(column tiles, `group_item_ends`, items in all, K slices): the work every partition of the rows
-    kernel walks alike (WARPS: the calling partition's warps)."""
-    tiles_n = N // BLOCK_N
-    item_ends = group_item_ends(offsets_ptr, E, tiles_n, BLOCK_M, E_POW2, WARPS)
-    return tiles_n, item_ends, gl.max(item_ends, axis=0), K // _SLICE
-
-
-@gluon.jit
 def _producer(a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, offsets_ptr, E, E_W, N, K, num_programs,
               E_POW2: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
               STAGES: gl.constexpr):
     """The TMA warp: fills the ring's stages in item and slice order, the order the consumers
     drain them. A stage is refilled once every consumer has released it (`empty`; a fresh
     mbarrier counts as released, hence the first wait on the opposite phase)."""
-    tiles_n, item_ends, total, slices = _work(offsets_ptr, E, N, K, BLOCK_M, BLOCK_N, E_POW2, 1)
+    tiles_n, item_ends, total, slices = work_list(offsets_ptr, E, N, K, BLOCK_M, BLOCK_N, _SLICE, E_POW2, 1)
     count = 0
     for item in range(gl.program_id(0), total, num_programs):
         group, row0, row_end, pid_n = tile_of(item, item_ends, offsets_ptr, tiles_n, BLOCK_M, GROUP_M)
@@ -240,7 +232,7 @@ def _consumer(a_bufs, b_bufs, ready_bars, empty_bars, sa_ptr, sb_ptr, out_ptr, o
                                                          instr_shape=[16, BLOCK_N, 32])
     row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
     col_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
-    tiles_n, item_ends, total, slices = _work(offsets_ptr, E, N, K, BLOCK_M, BLOCK_N, E_POW2, 4)
+    tiles_n, item_ends, total, slices = work_list(offsets_ptr, E, N, K, BLOCK_M, BLOCK_N, _SLICE, E_POW2, 4)
     zero_MN = gl.zeros([_ROWS, BLOCK_N], gl.float32, acc_layout)
     count = 0
     for item in range(gl.program_id(0), total, num_programs):
@@ -269,15 +261,8 @@ def _consumer(a_bufs, b_bufs, ready_bars, empty_bars, sa_ptr, sb_ptr, out_ptr, o
             acc_MN = acc_MN + part_MN * scale_M[:, None]  # under the other consumer's wgmma
             count += 1
         cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
-        if TMA_STORE:
-            wave_row = row0 + CONSUMER * _ROWS
-            whole = wave_row + _ROWS <= row_end
-            if whole:
-                tma.store_wait(0)  # the previous item's store has read the buffer (long since: a main loop ago)
-            store_wave(acc_MN.to(out_ptr.dtype.element_ty), whole, wave_row, pid_n * BLOCK_N, out_desc,
-                        c_bufs.index(CONSUMER), out_ptr, rows, row_ok, cols, stride_om, stride_on)
-        else:
-            masked_store(acc_MN.to(out_ptr.dtype.element_ty), out_ptr, rows, row_ok, cols, stride_om, stride_on)
+        store_consumer_rows(acc_MN, rows, row_ok, cols, row0 + CONSUMER * _ROWS, row_end, pid_n * BLOCK_N, out_desc,
+                            c_bufs, out_ptr, stride_om, stride_on, CONSUMER, _ROWS, TMA_STORE)
     if TMA_STORE:
         tma.store_wait(0)  # the last item's store has read its buffer before the block's shared memory goes
 
@@ -298,7 +283,7 @@ def _consumer_two_waves(a_bufs, b_bufs, ready_bars, empty_bars, sa_ptr, sb_ptr, 
                                                          instr_shape=[16, BLOCK_N, 32])
     row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
     col_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
-    tiles_n, item_ends, total, slices = _work(offsets_ptr, E, N, K, BLOCK_M, BLOCK_N, E_POW2, 4)
+    tiles_n, item_ends, total, slices = work_list(offsets_ptr, E, N, K, BLOCK_M, BLOCK_N, _SLICE, E_POW2, 4)
     zero_MN = gl.zeros([_ROWS, BLOCK_N], gl.float32, acc_layout)
     count = 0
     for item in range(gl.program_id(0), total, num_programs):

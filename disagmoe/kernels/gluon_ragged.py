@@ -114,3 +114,30 @@ def tma_store_takes(out: torch.Tensor) -> bool:
     unit column stride, a 16-byte-aligned base and row stride (TMA's rules). Where it cannot (a column
     slice at an odd offset, a transposed view) the kernel keeps the masked store."""
     return out.stride(1) == 1 and (out.stride(0) * out.element_size()) % 16 == 0 and out.data_ptr() % 16 == 0
+
+
+@gluon.jit
+def store_consumer_rows(values_MN, rows, row_ok, cols, wave_row, row_end, col, out_desc, c_bufs, out_ptr, stride_om,
+                        stride_on, CONSUMER: gl.constexpr, ROWS: gl.constexpr, TMA_STORE: gl.constexpr):
+    """A consumer warpgroup's ROWS rows from `wave_row` of a tile's sums, in out's dtype: with TMA_STORE by
+    `store_wave` through its buffer c_bufs[CONSUMER] (the buffer's last store, an item ago, waited for first
+    where the rows lie wholly inside their group, which ends at `row_end`), else by the masked store."""
+    values_MN = values_MN.to(out_ptr.dtype.element_ty)
+    if TMA_STORE:
+        whole = wave_row + ROWS <= row_end
+        if whole:
+            tma.store_wait(0)  # the previous item's store has read the buffer (long since: a main loop ago)
+        store_wave(values_MN, whole, wave_row, col, out_desc, c_bufs.index(CONSUMER), out_ptr, rows, row_ok, cols,
+                   stride_om, stride_on)
+    else:
+        masked_store(values_MN, out_ptr, rows, row_ok, cols, stride_om, stride_on)
+
+
+@gluon.jit
+def work_list(offsets_ptr, E, N, K, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SLICE: gl.constexpr,
+              E_POW2: gl.constexpr, WARPS: gl.constexpr):
+    """(column tiles, `group_item_ends`, items in all, K slices of SLICE): the work every partition of a row
+    GEMM walks alike (WARPS: the calling partition's warps)."""
+    tiles_n = N // BLOCK_N
+    item_ends = group_item_ends(offsets_ptr, E, tiles_n, BLOCK_M, E_POW2, WARPS)
+    return tiles_n, item_ends, gl.max(item_ends, axis=0), K // SLICE

@@ -25,7 +25,7 @@ promotion (its partitions, ring, item order and epilogues: `gluon_ragged`):
 - epilogue: each consumer's 64 rows, in out's dtype, by the masked store from the wgmma layout, or
   (`tma_store`) through a [64, block_n] shared-memory buffer by TMA where the rows lie wholly inside
   their group, not waited for until the buffer's next use an item later, so the store drains under
-  the next item's K loop (`gluon_ragged.store_wave`).
+  the next item's K loop (`gluon_ragged.store_consumer_rows`).
 No promotion, so both consumers' MMAs can be queued back to back: the tensor cores idle only while a
 consumer stores its rows (the other keeps its MMAs going) or waits on the ring.
 The SwiGLU form loads two B boxes a stage (the gate columns of the item's column tile and the up columns F
@@ -63,11 +63,11 @@ from disagmoe.kernels.gluon_ragged import (
     OUT_DTYPES,
     PRODUCER_REGS,
     SHARED_MEMORY_BYTES,
-    group_item_ends,
     masked_store,
     ring,
-    store_wave,
+    store_consumer_rows,
     tile_of,
+    work_list,
     tma_rows,
     tma_store_takes,
 )
@@ -98,21 +98,12 @@ def max_stages(block_m: int, block_n: int, out_bytes: int = 2, tma_store: bool =
 
 
 @gluon.jit
-def _work(offsets_ptr, E, N, K, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, E_POW2: gl.constexpr,
-          WARPS: gl.constexpr):
-    """(column tiles, per-group item ends, items in all, K slices): what every partition walks alike."""
-    tiles_n = N // BLOCK_N
-    item_ends = group_item_ends(offsets_ptr, E, tiles_n, BLOCK_M, E_POW2, WARPS)
-    return tiles_n, item_ends, gl.max(item_ends, axis=0), K // _SLICE
-
-
-@gluon.jit
 def _producer(a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, offsets_ptr, E, E_W, N, K, num_programs,
               E_POW2: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
               STAGES: gl.constexpr, B_KMAJOR: gl.constexpr):
     """The TMA warp: fills the ring's stages in item and slice order, the order the consumers drain them
     (a fresh `empty` mbarrier counts as released, hence the first wait on the opposite phase)."""
-    tiles_n, item_ends, total, slices = _work(offsets_ptr, E, N, K, BLOCK_M, BLOCK_N, E_POW2, 1)
+    tiles_n, item_ends, total, slices = work_list(offsets_ptr, E, N, K, BLOCK_M, BLOCK_N, _SLICE, E_POW2, 1)
     count = 0
     for item in range(gl.program_id(0), total, num_programs):
         group, row0, row_end, pid_n = tile_of(item, item_ends, offsets_ptr, tiles_n, BLOCK_M, GROUP_M)
@@ -144,7 +135,7 @@ def _consumer(a_bufs, b_bufs, ready_bars, empty_bars, out_ptr, offsets_ptr, E, N
                                                          instr_shape=[16, BLOCK_N, 16])
     row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
     col_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
-    tiles_n, item_ends, total, slices = _work(offsets_ptr, E, N, K, BLOCK_M, BLOCK_N, E_POW2, 4)
+    tiles_n, item_ends, total, slices = work_list(offsets_ptr, E, N, K, BLOCK_M, BLOCK_N, _SLICE, E_POW2, 4)
     count = 0
     for item in range(gl.program_id(0), total, num_programs):
         group, row0, row_end, pid_n = tile_of(item, item_ends, offsets_ptr, tiles_n, BLOCK_M, GROUP_M)
@@ -167,15 +158,8 @@ def _consumer(a_bufs, b_bufs, ready_bars, empty_bars, out_ptr, offsets_ptr, E, N
         rows = (row0 + CONSUMER * _ROWS) + gl.arange(0, _ROWS, layout=row_layout)
         row_ok = rows < row_end
         cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
-        if TMA_STORE:
-            wave_row = row0 + CONSUMER * _ROWS
-            whole = wave_row + _ROWS <= row_end
-            if whole:
-                tma.store_wait(0)  # the previous item's store has read the buffer (a main loop ago)
-            store_wave(acc_MN.to(out_ptr.dtype.element_ty), whole, wave_row, pid_n * BLOCK_N, out_desc,
-                       c_bufs.index(CONSUMER), out_ptr, rows, row_ok, cols, stride_om, stride_on)
-        else:
-            masked_store(acc_MN.to(out_ptr.dtype.element_ty), out_ptr, rows, row_ok, cols, stride_om, stride_on)
+        store_consumer_rows(acc_MN, rows, row_ok, cols, row0 + CONSUMER * _ROWS, row_end, pid_n * BLOCK_N, out_desc,
+                            c_bufs, out_ptr, stride_om, stride_on, CONSUMER, _ROWS, TMA_STORE)
     if TMA_STORE:
         tma.store_wait(0)  # the last item's store has read its buffer before the block's shared memory goes
 
@@ -220,7 +204,7 @@ def _swiglu_producer(a_desc, b_desc, a_bufs, g_bufs, u_bufs, ready_bars, empty_b
                      GROUP_M: gl.constexpr, STAGES: gl.constexpr):
     """`_producer` for the SwiGLU GEMM: per slice the A box and two B boxes of the [E*K, 2F] view of w13,
     the gate columns of the item's column tile and the up columns F further."""
-    tiles_n, item_ends, total, slices = _work(offsets_ptr, E, F, K, BLOCK_M, BLOCK_N, E_POW2, 1)
+    tiles_n, item_ends, total, slices = work_list(offsets_ptr, E, F, K, BLOCK_M, BLOCK_N, _SLICE, E_POW2, 1)
     count = 0
     for item in range(gl.program_id(0), total, num_programs):
         group, row0, row_end, pid_n = tile_of(item, item_ends, offsets_ptr, tiles_n, BLOCK_M, GROUP_M)
@@ -249,7 +233,7 @@ def _swiglu_consumer(a_bufs, g_bufs, u_bufs, ready_bars, empty_bars, act_ptr, h1
                                                          instr_shape=[16, BLOCK_N, 16])
     row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
     col_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
-    tiles_n, item_ends, total, slices = _work(offsets_ptr, E, F, K, BLOCK_M, BLOCK_N, E_POW2, 4)
+    tiles_n, item_ends, total, slices = work_list(offsets_ptr, E, F, K, BLOCK_M, BLOCK_N, _SLICE, E_POW2, 4)
     count = 0
     for item in range(gl.program_id(0), total, num_programs):
         group, row0, row_end, pid_n = tile_of(item, item_ends, offsets_ptr, tiles_n, BLOCK_M, GROUP_M)
@@ -320,6 +304,14 @@ def _b_layout(b_EKN: torch.Tensor) -> str | None:
     return None
 
 
+def _runs_here(a: torch.Tensor) -> bool:
+    """Whether the Gluon kernels can run on `a`'s device: a Hopper GPU (sm_90), not the interpreter (which
+    runs no Gluon)."""
+    if not a.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    return torch.cuda.get_device_capability(a.device) == (9, 0)
+
+
 def _check_offsets(offsets_E: torch.Tensor, experts: int) -> None:
     """ValueError unless offsets_E holds int32 cumulative rows of a multiple of `experts` groups."""
     if offsets_E.dim() != 1 or offsets_E.dtype != torch.int32 or offsets_E.shape[0] % experts:
@@ -370,11 +362,7 @@ def takes(a_NK: torch.Tensor, b_EKN: torch.Tensor, block_m: int = 128, block_n: 
           out: torch.Tensor | None = None, stages: int = 4, tma_store: bool = False) -> bool:
     """Whether `gluon_rows_gemm` can run this launch here: a Hopper GPU (sm_90; not the interpreter,
     which runs no Gluon) and `_problems`' rules, answered without raising."""
-    if not a_NK.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
-        return False
-    if torch.cuda.get_device_capability(a_NK.device) != (9, 0):
-        return False
-    return not _problems(a_NK, b_EKN, block_m, block_n, out, stages, tma_store)
+    return _runs_here(a_NK) and not _problems(a_NK, b_EKN, block_m, block_n, out, stages, tma_store)
 
 
 def gluon_rows_gemm(
@@ -484,11 +472,7 @@ def _swiglu_problems(x_NH: torch.Tensor, w13_EH2F: torch.Tensor, block_m: int, b
 def swiglu_takes(x_NH: torch.Tensor, w13_EH2F: torch.Tensor, block_m: int = 128, block_n: int = 128,
                  out: torch.Tensor | None = None, h13_N2F: torch.Tensor | None = None, stages: int = 4) -> bool:
     """`takes` for `gluon_swiglu_gemm`: a Hopper GPU and `_swiglu_problems`' rules, without raising."""
-    if not x_NH.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
-        return False
-    if torch.cuda.get_device_capability(x_NH.device) != (9, 0):
-        return False
-    return not _swiglu_problems(x_NH, w13_EH2F, block_m, block_n, out, h13_N2F, stages)
+    return _runs_here(x_NH) and not _swiglu_problems(x_NH, w13_EH2F, block_m, block_n, out, h13_N2F, stages)
 
 
 def gluon_swiglu_gemm(
