@@ -152,15 +152,14 @@ from disagmoe.kernels.gluon_ragged import (  # noqa: F401 (CONSUMER_REGS, OUT_DT
     OUT_DTYPES,
     PRODUCER_REGS,
     SHARED_MEMORY_BYTES,
-    group_item_ends,
     masked_store,
     ring,
     store_consumer_rows,
     store_wave,
     tile_of,
-    work_list,
     tma_rows,
     tma_store_takes,
+    work_list,
 )
 
 # one or two consumer warpgroups of CONSUMER_ROWS rows, or (256) two of two 64-row waves each: one B tile
