@@ -153,7 +153,8 @@ def _adamw_update(cfg: TrainConfig, m: ModelConfig) -> Work | str:
 
 
 FAMILIES = (
-    KernelFamily("expert row GEMMs (bf16)", ("_ragged_rows_gemm",), _row_gemms(fp8=False)),
+    KernelFamily("expert row GEMMs (bf16)", ("_ragged_rows_gemm", "_gluon_rows_gemm", "_gluon_swiglu_gemm"),
+                 _row_gemms(fp8=False)),
     KernelFamily("expert row GEMMs (FP8)", ("fp8_rows_gemm",), _row_gemms(fp8=True), fp8=True),
     KernelFamily("expert weight gradients (bf16)", ("_ragged_weight_grad",), _expert_weight_grads),
     KernelFamily("expert weight gradients (FP8)", ("fp8_weight_grad",), _fp8_expert_weight_grads, fp8=True),
