@@ -91,8 +91,9 @@ LIBRARY_ROLES = ("down", "gate_up_dgrad")
 # (tests/kernels/test_gluon_rows.py); 128 x 256 takes 3 stages beside the TMA store's two [64, 256] buffers.
 GLUON_ROWS_CANDIDATES = [(128, 128, 4, False), (128, 128, 4, True), (128, 256, 3, False), (128, 256, 3, True)]
 # and its SwiGLU form for the gate/up GEMM (`gluon_rows.gluon_swiglu_gemm`: gate and up sums, two B boxes a stage):
-# (block_m, block_n, ring stages), each compiled for sm_90a on a CPU without spills
-GLUON_SWIGLU_CANDIDATES = [(128, 128, 4), (128, 128, 3), (128, 64, 4)]
+# (block_m, block_n, ring stages, act stored by TMA), each compiled for sm_90a on a CPU without spills
+GLUON_SWIGLU_CANDIDATES = [(128, 128, 4, False), (128, 128, 3, False), (128, 128, 4, True), (128, 128, 3, True),
+                           (128, 64, 4, False)]
 FP8_CANDIDATES = {"fp8_rows": FP8_ROWS_CANDIDATES, "fp8_swiglu": FP8_SWIGLU_CANDIDATES,
                   "fp8_wgrad": FP8_WGRAD_CANDIDATES}
 
@@ -132,8 +133,8 @@ def candidates(role: str) -> list[TileConfig]:
         if _hopper():  # and our Gluon kernel where it can (elsewhere the heuristic's Triton tile runs)
             configs += _gluon_rows_tiles(heuristic(role))
     if role == "gate_up" and _hopper():  # our Gluon SwiGLU kernel where it can run the launch
-        configs += [dataclasses.replace(heuristic(role), gluon=True, gluon_block_m=m, gluon_block_n=n, gluon_stages=s)
-                    for m, n, s in GLUON_SWIGLU_CANDIDATES]
+        configs += [dataclasses.replace(heuristic(role), gluon=True, gluon_block_m=m, gluon_block_n=n, gluon_stages=s,
+                                        gluon_tma_store=t) for m, n, s, t in GLUON_SWIGLU_CANDIDATES]
     if role == "down_dgrad":  # the epilogue split off a plain GEMM (ours at the plain tiles, or the library's,
         # or on a Hopper our Gluon kernel's)
         plain = dataclasses.replace(heuristic("down"), split_epilogue=True)

@@ -31,9 +31,9 @@ consumer stores its rows (the other keeps its MMAs going) or waits on the ring.
 The SwiGLU form loads two B boxes a stage (the gate columns of the item's column tile and the up columns F
 further, of w13 as stored: [E, H, 2F]), queues a slice's two wgmmas (gate, up) and keeps that pair in flight
 (`warpgroup_mma_wait(2)`), then writes act = gate * sigmoid(gate) * up from the fp32 sums (as `grouped_gemm`'s
-SwiGLU epilogue) and, asked, the two pre-activations, by masked stores: block_n in (64, 128) (two sums of
-block_n / 2 registers a thread), not the FP8 down GEMM's quantised act (`ragged_rows_gemm(quantized_out=)`
-keeps our Triton kernel).
+SwiGLU epilogue) and, asked, the two pre-activations by masked stores, act by the masked store or (`tma_store`)
+by TMA as above: block_n in (64, 128) (two sums of block_n / 2 registers a thread), not the FP8 down GEMM's
+quantised act (`ragged_rows_gemm(quantized_out=)` keeps our Triton kernel).
 
 Requirements (ValueError naming the fix otherwise; `takes` answers without raising, and
 `grouped_gemm.ragged_rows_gemm` then runs our Triton kernel): a and b bf16 or fp16 of one dtype, a
@@ -223,12 +223,13 @@ def _swiglu_producer(a_desc, b_desc, a_bufs, g_bufs, u_bufs, ready_bars, empty_b
 
 @gluon.jit
 def _swiglu_consumer(a_bufs, g_bufs, u_bufs, ready_bars, empty_bars, act_ptr, h13_ptr, offsets_ptr, E, F, K,
-                     num_programs, stride_am, stride_ac, stride_hm, stride_hc, CONSUMER: gl.constexpr,
-                     E_POW2: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
-                     STAGES: gl.constexpr, SAVE_H13: gl.constexpr):
+                     num_programs, stride_am, stride_ac, stride_hm, stride_hc, act_desc, c_bufs,
+                     CONSUMER: gl.constexpr, E_POW2: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                     GROUP_M: gl.constexpr, STAGES: gl.constexpr, SAVE_H13: gl.constexpr, TMA_STORE: gl.constexpr):
     """`_consumer` with two sums, gate and up: each slice's two wgmmas queued, the previous slice's stage
     released once they have completed; then act = silu(gate) * up from the fp32 sums (as
-    `grouped_gemm`'s SwiGLU epilogue), and with SAVE_H13 the two pre-activations, by masked stores."""
+    `grouped_gemm`'s SwiGLU epilogue), with SAVE_H13 the two pre-activations by masked stores, and act by
+    the masked store or (TMA_STORE) through this warpgroup's buffer by TMA (`store_consumer_rows`)."""
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_N, 16])
     row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
@@ -255,37 +256,46 @@ def _swiglu_consumer(a_bufs, g_bufs, u_bufs, ready_bars, empty_bars, act_ptr, h1
         row_ok = rows < row_end
         cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
         act_MN = gate_MN * (1.0 / (1.0 + gl.exp(-gate_MN))) * up_MN
-        masked_store(act_MN.to(act_ptr.dtype.element_ty), act_ptr, rows, row_ok, cols, stride_am, stride_ac)
-        if SAVE_H13:
+        if SAVE_H13:  # first: the two sums die before act's store
             masked_store(gate_MN.to(h13_ptr.dtype.element_ty), h13_ptr, rows, row_ok, cols, stride_hm, stride_hc)
             masked_store(up_MN.to(h13_ptr.dtype.element_ty), h13_ptr, rows, row_ok, cols + F, stride_hm, stride_hc)
+        store_consumer_rows(act_MN, rows, row_ok, cols, row0 + CONSUMER * _ROWS, row_end, pid_n * BLOCK_N, act_desc,
+                            c_bufs, act_ptr, stride_am, stride_ac, CONSUMER, _ROWS, TMA_STORE)
+    if TMA_STORE:
+        tma.store_wait(0)  # the last item's store has read its buffer before the block's shared memory goes
 
 
 @gluon.jit
-def _gluon_swiglu_gemm_kernel(a_desc, b_desc, act_ptr, h13_ptr, offsets_ptr, E, E_W, F, K, num_programs, stride_am,
-                              stride_ac, stride_hm, stride_hc, E_POW2: gl.constexpr, BLOCK_M: gl.constexpr,
+def _gluon_swiglu_gemm_kernel(a_desc, b_desc, act_desc, act_ptr, h13_ptr, offsets_ptr, E, E_W, F, K, num_programs,
+                              stride_am, stride_ac, stride_hm, stride_hc, E_POW2: gl.constexpr, BLOCK_M: gl.constexpr,
                               BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                              PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, SAVE_H13: gl.constexpr):
-    # Contract: `gluon_swiglu_gemm`'s, checked there. A ring of an A box and two B boxes (gate, up) a stage.
+                              PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, SAVE_H13: gl.constexpr,
+                              TMA_STORE: gl.constexpr):
+    # Contract: `gluon_swiglu_gemm`'s, checked there. A ring of an A box and two B boxes (gate, up) a stage;
+    # act_desc: act's TMA view ([64, BLOCK_N] boxes) with TMA_STORE, else None.
     CONSUMERS: gl.constexpr = BLOCK_M // _ROWS
     a_bufs, g_bufs, ready_bars, empty_bars = ring(a_desc, b_desc, STAGES, CONSUMERS, True)
     u_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    if TMA_STORE:  # one [64, BLOCK_N] buffer of act's dtype per consumer
+        c_bufs = gl.allocate_shared_memory(act_desc.dtype, [CONSUMERS] + act_desc.block_type.shape, act_desc.layout)
+    else:
+        c_bufs: gl.constexpr = None
     if BLOCK_M == 2 * _ROWS:
         gl.warp_specialize([
             (_swiglu_consumer, (a_bufs, g_bufs, u_bufs, ready_bars, empty_bars, act_ptr, h13_ptr, offsets_ptr, E, F,
-                                K, num_programs, stride_am, stride_ac, stride_hm, stride_hc, gl.constexpr(0), E_POW2,
-                                BLOCK_M, BLOCK_N, GROUP_M, STAGES, SAVE_H13)),
+                                K, num_programs, stride_am, stride_ac, stride_hm, stride_hc, act_desc, c_bufs,
+                                gl.constexpr(0), E_POW2, BLOCK_M, BLOCK_N, GROUP_M, STAGES, SAVE_H13, TMA_STORE)),
             (_swiglu_consumer, (a_bufs, g_bufs, u_bufs, ready_bars, empty_bars, act_ptr, h13_ptr, offsets_ptr, E, F,
-                                K, num_programs, stride_am, stride_ac, stride_hm, stride_hc, gl.constexpr(1), E_POW2,
-                                BLOCK_M, BLOCK_N, GROUP_M, STAGES, SAVE_H13)),
+                                K, num_programs, stride_am, stride_ac, stride_hm, stride_hc, act_desc, c_bufs,
+                                gl.constexpr(1), E_POW2, BLOCK_M, BLOCK_N, GROUP_M, STAGES, SAVE_H13, TMA_STORE)),
             (_swiglu_producer, (a_desc, b_desc, a_bufs, g_bufs, u_bufs, ready_bars, empty_bars, offsets_ptr, E, E_W,
                                 F, K, num_programs, E_POW2, BLOCK_M, BLOCK_N, GROUP_M, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_swiglu_consumer, (a_bufs, g_bufs, u_bufs, ready_bars, empty_bars, act_ptr, h13_ptr, offsets_ptr, E, F,
-                                K, num_programs, stride_am, stride_ac, stride_hm, stride_hc, gl.constexpr(0), E_POW2,
-                                BLOCK_M, BLOCK_N, GROUP_M, STAGES, SAVE_H13)),
+                                K, num_programs, stride_am, stride_ac, stride_hm, stride_hc, act_desc, c_bufs,
+                                gl.constexpr(0), E_POW2, BLOCK_M, BLOCK_N, GROUP_M, STAGES, SAVE_H13, TMA_STORE)),
             (_swiglu_producer, (a_desc, b_desc, a_bufs, g_bufs, u_bufs, ready_bars, empty_bars, offsets_ptr, E, E_W,
                                 F, K, num_programs, E_POW2, BLOCK_M, BLOCK_N, GROUP_M, STAGES)),
         ], [1], [PRODUCER_REGS])
@@ -310,6 +320,13 @@ def _runs_here(a: torch.Tensor) -> bool:
     if not a.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
         return False
     return torch.cuda.get_device_capability(a.device) == (9, 0)
+
+
+def _out_descriptor(out: torch.Tensor, block_n: int) -> TensorDescriptor:
+    """out's TMA view for the store epilogue: [64, block_n] boxes, a consumer's rows of a tile."""
+    box = [CONSUMER_ROWS, block_n]
+    return TensorDescriptor(out, list(out.shape), [out.stride(0), 1], box,
+                            gl.NVMMASharedLayout.get_default_for(box, OUT_DTYPES[out.dtype]))
 
 
 def _check_offsets(offsets_E: torch.Tensor, experts: int) -> None:
@@ -410,11 +427,7 @@ def gluon_rows_gemm(
         b_view = b_EKN.reshape(experts * k, cols)
     b_desc = TensorDescriptor(b_view, list(b_view.shape), [b_view.stride(0), 1], b_box,
                               gl.NVMMASharedLayout.get_default_for(b_box, dtype))
-    out_desc = None  # the kernel's masked store alone
-    if by_tma:
-        out_box = [CONSUMER_ROWS, block_n]
-        out_desc = TensorDescriptor(out, [rows, cols], [out.stride(0), 1], out_box,
-                                    gl.NVMMASharedLayout.get_default_for(out_box, OUT_DTYPES[out.dtype]))
+    out_desc = _out_descriptor(out, block_n) if by_tma else None  # None: the kernel's masked store alone
     programs = num_programs or torch.cuda.get_device_properties(a_NK.device).multi_processor_count
     groups = offsets_E.shape[0]
     _gluon_rows_gemm_kernel[(programs, )](
@@ -430,9 +443,15 @@ def swiglu_stage_bytes(block_m: int, block_n: int, element_bytes: int = 2) -> in
     return (block_m + 2 * block_n) * BLOCK_K * element_bytes
 
 
+def swiglu_max_stages(block_m: int, block_n: int, out_bytes: int = 2, tma_store: bool = False) -> int:
+    """The deepest SwiGLU ring that fits a Hopper block's shared memory beside act's store buffers."""
+    epilogue = store_buffer_bytes(block_m, block_n, out_bytes) if tma_store else 0
+    return (SHARED_MEMORY_BYTES - epilogue) // swiglu_stage_bytes(block_m, block_n)
+
+
 def _swiglu_problems(x_NH: torch.Tensor, w13_EH2F: torch.Tensor, block_m: int, block_n: int,
                      out: torch.Tensor | None = None, h13_N2F: torch.Tensor | None = None,
-                     stages: int = 4) -> list[str]:
+                     stages: int = 4, tma_store: bool = False) -> list[str]:
     """What keeps this launch from the SwiGLU kernel, each with its fix (empty: it takes it)."""
     problems = []
     if x_NH.dtype not in OPERAND_DTYPES or w13_EH2F.dtype != x_NH.dtype:
@@ -461,18 +480,22 @@ def _swiglu_problems(x_NH: torch.Tensor, w13_EH2F: torch.Tensor, block_m: int, b
             problems.append(f"{name} must be a [M, {width}] = {(rows, width)} tensor of {list(OUT_DTYPES)}; got "
                             f"{t.dtype} {tuple(t.shape)}")
     if block_m in BLOCK_MS and block_n in SWIGLU_BLOCK_NS:
-        deepest = SHARED_MEMORY_BYTES // swiglu_stage_bytes(block_m, block_n)
+        by_tma = tma_store and (out is None or tma_store_takes(out))
+        deepest = swiglu_max_stages(block_m, block_n, x_NH.element_size() if out is None else out.element_size(),
+                                    by_tma)
         if not 2 <= stages <= deepest:
             problems.append(f"stages={stages}: the ring needs at least 2 (loads under the MMAs) and at most "
-                            f"{deepest} at {block_m} x {block_n} ({swiglu_stage_bytes(block_m, block_n)} bytes a "
-                            f"stage in {SHARED_MEMORY_BYTES})")
+                            f"{deepest} at {block_m} x {block_n}{' beside the TMA store buffers' if by_tma else ''} "
+                            f"({swiglu_stage_bytes(block_m, block_n)} bytes a stage in {SHARED_MEMORY_BYTES})")
     return problems
 
 
 def swiglu_takes(x_NH: torch.Tensor, w13_EH2F: torch.Tensor, block_m: int = 128, block_n: int = 128,
-                 out: torch.Tensor | None = None, h13_N2F: torch.Tensor | None = None, stages: int = 4) -> bool:
+                 out: torch.Tensor | None = None, h13_N2F: torch.Tensor | None = None, stages: int = 4,
+                 tma_store: bool = False) -> bool:
     """`takes` for `gluon_swiglu_gemm`: a Hopper GPU and `_swiglu_problems`' rules, without raising."""
-    return _runs_here(x_NH) and not _swiglu_problems(x_NH, w13_EH2F, block_m, block_n, out, h13_N2F, stages)
+    return _runs_here(x_NH) and not _swiglu_problems(x_NH, w13_EH2F, block_m, block_n, out, h13_N2F, stages,
+                                                     tma_store)
 
 
 def gluon_swiglu_gemm(
@@ -487,12 +510,14 @@ def gluon_swiglu_gemm(
     stages: int = 4,
     group_m: int = 8,
     num_programs: int | None = None,
+    tma_store: bool = False,
 ) -> torch.Tensor:
     """act[rows_g] = silu(x @ w13[e][:, :F]) * (x @ w13[e][:, F:]) for every row group g (e = g mod E), the
     gate and up sums in fp32: `grouped_gemm.ragged_rows_gemm`'s SwiGLU epilogue; `h13_N2F` (given) receives the
     two pre-activations (gate at [:F], up at [F:]). `out` (given: [M, F] of `OUT_DTYPES`) or a new one in x's
-    dtype. `stages`: the ring's depth (`swiglu_stage_bytes` each)."""
-    problems = _swiglu_problems(x_NH, w13_EH2F, block_m, block_n, out, h13_N2F, stages)
+    dtype. `stages`: the ring's depth (`swiglu_stage_bytes` each). `tma_store`: act's 64-row waves wholly inside
+    their group stored by TMA through shared memory (as `gluon_rows_gemm`'s), where `out` takes a descriptor."""
+    problems = _swiglu_problems(x_NH, w13_EH2F, block_m, block_n, out, h13_N2F, stages, tma_store)
     if problems:
         raise ValueError("gluon_swiglu_gemm cannot take this launch: " + "; ".join(problems))
     rows, k = x_NH.shape
@@ -511,11 +536,14 @@ def gluon_swiglu_gemm(
     b_desc = TensorDescriptor(w_view, [experts * k, two_f], [two_f, 1], b_box,
                               gl.NVMMASharedLayout.get_default_for(b_box, dtype))
     h13 = h13_N2F if h13_N2F is not None else out  # the kernel stores into it only with SAVE_H13
+    by_tma = tma_store and tma_store_takes(out)
+    act_desc = _out_descriptor(out, block_n) if by_tma else None
     programs = num_programs or torch.cuda.get_device_properties(x_NH.device).multi_processor_count
     groups = offsets_E.shape[0]
     _gluon_swiglu_gemm_kernel[(programs, )](
-        a_desc, b_desc, out, h13, offsets_E, groups, experts, ffn, k, programs, out.stride(0), out.stride(1),
-        h13.stride(0), h13.stride(1), E_POW2=triton.next_power_of_2(groups), BLOCK_M=block_m, BLOCK_N=block_n,
-        GROUP_M=group_m, STAGES=stages, PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS,
-        SAVE_H13=h13_N2F is not None, num_warps=4, maxnreg=MAXNREG if block_m == 2 * CONSUMER_ROWS else None)
+        a_desc, b_desc, act_desc, out, h13, offsets_E, groups, experts, ffn, k, programs, out.stride(0),
+        out.stride(1), h13.stride(0), h13.stride(1), E_POW2=triton.next_power_of_2(groups), BLOCK_M=block_m,
+        BLOCK_N=block_n, GROUP_M=group_m, STAGES=stages, PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS,
+        SAVE_H13=h13_N2F is not None, TMA_STORE=by_tma, num_warps=4,
+        maxnreg=MAXNREG if block_m == 2 * CONSUMER_ROWS else None)
     return out

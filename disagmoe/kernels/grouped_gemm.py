@@ -515,7 +515,8 @@ def ragged_rows_gemm(
         tile = dict(block_m=config.gluon_block_m, block_n=config.gluon_block_n, stages=config.gluon_stages,
                     group_m=config.group_m, num_programs=num_programs)
         if epilogue == EPILOGUE_SWIGLU:
-            return gluon_rows.gluon_swiglu_gemm(a_NK, offsets_E, b_EKC, out=out, h13_N2F=h13_N2C, **tile)
+            return gluon_rows.gluon_swiglu_gemm(a_NK, offsets_E, b_EKC, out=out, h13_N2F=h13_N2C,
+                                                tma_store=config.gluon_tma_store, **tile)
         return gluon_rows.gluon_rows_gemm(a_NK, offsets_E, b_EKC, out=out, tma_store=config.gluon_tma_store, **tile)
     if out is None:
         out_cols = 2 * cols if epilogue == EPILOGUE_SWIGLU_GRAD else cols
@@ -671,7 +672,8 @@ def gluon_takes(a_NK: torch.Tensor, b_EKC: torch.Tensor, config: TileConfig, epi
 
     tile = (config.gluon_block_m, config.gluon_block_n)
     if epilogue == EPILOGUE_SWIGLU:
-        return gluon_rows.swiglu_takes(a_NK, b_EKC, *tile, out=out, h13_N2F=h13_N2C, stages=config.gluon_stages)
+        return gluon_rows.swiglu_takes(a_NK, b_EKC, *tile, out=out, h13_N2F=h13_N2C, stages=config.gluon_stages,
+                                       tma_store=config.gluon_tma_store)
     return gluon_rows.takes(a_NK, b_EKC, *tile, out=out, stages=config.gluon_stages,
                             tma_store=config.gluon_tma_store)
 

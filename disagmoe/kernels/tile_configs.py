@@ -95,8 +95,8 @@ class TileConfig:
     # gathered nor scattered nor signalled, bf16 or fp16 operands TMA can address, K a multiple of 64 and N of its
     # block_n, its ring and buffers within shared memory); our Triton kernel runs the others at this config's own
     # fields (the heuristic's, in the tiles `bench tune-experts` offers: as the library's tiles, what runs where the
-    # Gluon kernel cannot is not the tile the tuner timed). `gluon_tma_store` (plain results): its epilogue stores
-    # each 64-row wave by TMA through shared memory, drained under the next tile's K loop. `bench tune-experts`
+    # Gluon kernel cannot is not the tile the tuner timed). `gluon_tma_store`: its epilogue stores each 64-row
+    # wave of the result (the SwiGLU form: of act) by TMA through shared memory, drained under the next tile's K loop. `bench tune-experts`
     # offers it on Hopper (`tune_experts.GLUON_ROWS_CANDIDATES`, `GLUON_SWIGLU_CANDIDATES`), and for down dgrad
     # under `split_epilogue` (its plain GEMM); the weight gradients ignore it
     gluon: bool = False

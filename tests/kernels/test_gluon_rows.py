@@ -86,37 +86,45 @@ def test_the_deepest_ring_each_tile_takes_compiles(hopper_builds):
                            tma_store=True)
 
 
-# (block_m, block_n, stages, h13 saved): the SwiGLU tiles `tune_experts.GLUON_SWIGLU_CANDIDATES` offers
-SWIGLU_COMPILED = [(128, 128, 4, True), (128, 128, 3, False), (128, 64, 4, True), (64, 128, 4, True)]
+# (block_m, block_n, stages, h13 saved, act by TMA): the SwiGLU tiles `tune_experts.GLUON_SWIGLU_CANDIDATES` offers
+SWIGLU_COMPILED = [(128, 128, 4, True, False), (128, 128, 3, False, False), (128, 128, 4, True, True),
+                   (128, 128, 3, True, True), (128, 64, 4, True, False), (64, 128, 4, True, True)]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("block_m,block_n,stages,save_h13", SWIGLU_COMPILED,
-                         ids=[f"{m}x{n}-s{s}" + ("-h13" if h else "") for m, n, s, h in SWIGLU_COMPILED])
-def test_the_swiglu_kernel_compiles_warp_specialised_without_spills(hopper_builds, block_m, block_n, stages, save_h13):
+@pytest.mark.parametrize("block_m,block_n,stages,save_h13,tma_store", SWIGLU_COMPILED,
+                         ids=[f"{m}x{n}-s{s}" + ("-h13" if h else "") + ("-tma-store" if t else "")
+                              for m, n, s, h, t in SWIGLU_COMPILED])
+def test_the_swiglu_kernel_compiles_warp_specialised_without_spills(hopper_builds, block_m, block_n, stages, save_h13,
+                                                                   tma_store):
     """The SwiGLU GEMM: one warp_specialize, two bf16 wgmmas a slice (gate, up) with the pair kept in flight
-    (wait_group 2), the exponential of the SiLU; ptxas (sm_90a): no spill stores, at most MAXNREG registers
-    where 12 warps share the file; shared memory the ring's stages of an A and two B boxes."""
+    (wait_group 2), the exponential of the SiLU, act's bulk tensor stores with tma_store; ptxas (sm_90a): no
+    spill stores, at most MAXNREG registers where 12 warps share the file; shared memory the ring's stages of
+    an A and two B boxes and act's store buffers."""
     from tests.kernels.test_compile_for_hopper import ptxas_usage
 
     x, offsets, w13 = _operands([300, 0, 5, 700], 512, 1024, "n-major")
     h13 = torch.empty(x.shape[0], 1024, dtype=torch.bfloat16) if save_h13 else None
     gr.gluon_swiglu_gemm(x, offsets, w13, h13_N2F=h13, block_m=block_m, block_n=block_n, stages=stages,
-                         num_programs=132)
+                         num_programs=132, tma_store=tma_store)
     (kernel,) = hopper_builds
     ttgir, ptx = kernel.asm["ttgir"], kernel.asm["ptx"]
     assert ttgir.count("ttg.warp_specialize(") == 1 and ttgir.count("ttng.warp_group_dot") >= 2
     assert f"wgmma.mma_async.sync.aligned.m64n{block_n}k16.f32.bf16.bf16" in ptx
     assert "wgmma.wait_group.sync.aligned 2;" in ptx and "ex2.approx" in ptx
+    assert ("cp.async.bulk.tensor.2d.global.shared::cta" in ptx) == tma_store
     registers, spilled = ptxas_usage(ptx)
     assert spilled == 0, f"{block_m} x {block_n}: {spilled} bytes of spill stores"
     if block_m == 128:
         assert registers <= fg.MAXNREG
-    assert stages * gr.swiglu_stage_bytes(block_m, block_n) <= kernel.metadata.shared <= fg.SHARED_MEMORY_BYTES
+    shared = stages * gr.swiglu_stage_bytes(block_m, block_n)
+    shared += gr.store_buffer_bytes(block_m, block_n, 2) if tma_store else 0
+    assert shared <= kernel.metadata.shared <= fg.SHARED_MEMORY_BYTES
 
 
 SWIGLU_REFUSED = [("block_n 256", "block_n in"), ("odd half", "halves"), ("w13 transposed", "contiguous"),
-                  ("h13 too narrow", "h13_N2F must be"), ("too deep", "at most")]
+                  ("h13 too narrow", "h13_N2F must be"), ("too deep", "at most"),
+                  ("too deep beside the TMA store", "at most 4 at 128 x 128 beside the TMA store buffers")]
 
 
 @pytest.mark.parametrize("change,match", SWIGLU_REFUSED, ids=[c for c, _ in SWIGLU_REFUSED])
@@ -133,6 +141,8 @@ def test_swiglu_arguments_it_cannot_take_are_refused_naming_the_fix(change, matc
         kwargs["h13_N2F"] = torch.empty(x.shape[0], 256, dtype=torch.bfloat16)
     elif change == "too deep":
         kwargs["stages"] = 6
+    elif change == "too deep beside the TMA store":
+        kwargs.update(stages=5, tma_store=True)
     with pytest.raises(ValueError, match=match):
         gr.gluon_swiglu_gemm(x, offsets, w13, num_programs=4, **kwargs)
 
@@ -312,11 +322,12 @@ def test_gpu_the_down_data_gradients_split_epilogue_runs_its_plain_gemm_in_gluon
 
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.parametrize("block_m,block_n,stages", [(128, 128, 4), (128, 64, 4), (64, 128, 4)])
+@pytest.mark.parametrize("block_m,block_n,stages,tma_store", [(128, 128, 4, False), (128, 128, 4, True),
+                                                               (128, 64, 4, False), (64, 128, 4, True)])
 @pytest.mark.parametrize("hidden,ffn", [(2048, 768), (768, 1024)])
 @pytest.mark.parametrize("counts", list(GPU_COUNTS.values()), ids=list(GPU_COUNTS))
 def test_gpu_the_swiglu_gemm_matches_the_reference_and_the_triton_epilogue(counts, hidden, ffn, block_m, block_n,
-                                                                         stages):
+                                                                         stages, tma_store):
     """act and the saved pre-activations within bf16 rounding of the fp64 reference and of our Triton kernel's
     SwiGLU epilogue, every row of every group written; routed from `ragged_rows_gemm` by `TileConfig.gluon`."""
     if ffn % block_n:
@@ -324,7 +335,8 @@ def test_gpu_the_swiglu_gemm_matches_the_reference_and_the_triton_epilogue(count
     x, offsets, w13 = _operands(counts, hidden, 2 * ffn, "n-major", device="cuda", seed=sum(counts) + hidden)
     act = torch.full((x.shape[0], ffn), float("nan"), dtype=torch.bfloat16, device="cuda")
     h13 = torch.full((x.shape[0], 2 * ffn), float("nan"), dtype=torch.bfloat16, device="cuda")
-    gr.gluon_swiglu_gemm(x, offsets, w13, out=act, h13_N2F=h13, block_m=block_m, block_n=block_n, stages=stages)
+    gr.gluon_swiglu_gemm(x, offsets, w13, out=act, h13_N2F=h13, block_m=block_m, block_n=block_n, stages=stages,
+                         tma_store=tma_store)
     h13_want = _exact(x.float(), w13.float(), offsets)
     gate, up = h13_want[:, :ffn], h13_want[:, ffn:]
     assert torch.isfinite(act).all() and torch.isfinite(h13).all()
@@ -335,7 +347,8 @@ def test_gpu_the_swiglu_gemm_matches_the_reference_and_the_triton_epilogue(count
     act_triton = gg.ragged_rows_gemm(x, offsets, w13, tile, epilogue=gg.EPILOGUE_SWIGLU, h13_N2C=h13_triton)
     assert _rel_err(act, act_triton) < 1e-2 and _rel_err(h13, h13_triton) < 8e-3
     routed = gg.ragged_rows_gemm(x, offsets, w13, dataclasses.replace(tile, gluon=True, gluon_block_m=block_m,
-                                                                        gluon_block_n=block_n, gluon_stages=stages),
+                                                                        gluon_block_n=block_n, gluon_stages=stages,
+                                                                        gluon_tma_store=tma_store),
                                  epilogue=gg.EPILOGUE_SWIGLU)
     assert torch.equal(routed, act)
 
