@@ -37,9 +37,9 @@ for name, (E, H, F, pairs) in SHAPES.items():
                 variants[f"gluon {m}x{n} s{s}{' tma' if t else ''}"] = dataclasses.replace(
                     tile, gluon=True, gluon_block_m=m, gluon_block_n=n, gluon_stages=s, gluon_tma_store=t)
         else:
-            for m, n, s in [(128, 128, 4), (128, 128, 3), (128, 64, 4)]:
-                variants[f"gluon swiglu {m}x{n} s{s}"] = dataclasses.replace(
-                    tile, gluon=True, gluon_block_m=m, gluon_block_n=n, gluon_stages=s)
+            for m, n, s, t in [(128, 128, 4, False), (128, 128, 3, False), (128, 128, 4, True), (128, 64, 4, False)]:
+                variants[f"gluon swiglu {m}x{n} s{s}{' tma' if t else ''}"] = dataclasses.replace(
+                    tile, gluon=True, gluon_block_m=m, gluon_block_n=n, gluon_stages=s, gluon_tma_store=t)
         for label, config in variants.items():
             key = f"{name} {role} {label}"
             cases[key] = (lambda a=a, b=b, c=config, e=epilogue: gg.ragged_rows_gemm(a, offsets, b, c, epilogue=e))
