@@ -2,7 +2,7 @@
 # tuned tile and the library's grouped GEMM, on the Qwen3 config's and Mixtral's expert shapes at even loads (one
 # micro-batch's rows: Qwen3 8,192 tokens x top-8 over 128 experts; Mixtral 8,192 x top-2 over 8), each launch as the
 # bf16 FFN runs it. Timed (median of 20 after 3), or under ncu with argv[1] == "ncu" (each case launched 3 times):
-#   ncu --clock-control none -k regex:"_gluon_|_ragged_rows" --launch-skip 1 --launch-count 6 --section SpeedOfLight \
+#   ncu --clock-control none -k regex:"_gluon_|_ragged_rows" --launch-skip 1 --launch-count 100 --section SpeedOfLight \
 #     --section WarpStateStats --section SchedulerStats python3 docs/measurements/gluon-rows-probe-s42.py ncu
 import dataclasses
 import sys
@@ -35,11 +35,13 @@ for name, (E, H, F, pairs) in SHAPES.items():
             variants["library"] = dataclasses.replace(tile, gluon=False, library=True)
             for m, n, s, t in GLUON:
                 variants[f"gluon {m}x{n} s{s}{' tma' if t else ''}"] = dataclasses.replace(
-                    tile, gluon=True, gluon_block_m=m, gluon_block_n=n, gluon_stages=s, gluon_tma_store=t)
+                    tile, gluon=True, library=False, gluon_block_m=m, gluon_block_n=n, gluon_stages=s,
+                    gluon_tma_store=t)
         else:
             for m, n, s, t in [(128, 128, 4, False), (128, 128, 3, False), (128, 128, 4, True), (128, 64, 4, False)]:
                 variants[f"gluon swiglu {m}x{n} s{s}{' tma' if t else ''}"] = dataclasses.replace(
-                    tile, gluon=True, gluon_block_m=m, gluon_block_n=n, gluon_stages=s, gluon_tma_store=t)
+                    tile, gluon=True, library=False, gluon_block_m=m, gluon_block_n=n, gluon_stages=s,
+                    gluon_tma_store=t)
         for label, config in variants.items():
             key = f"{name} {role} {label}"
             cases[key] = (lambda a=a, b=b, c=config, e=epilogue: gg.ragged_rows_gemm(a, offsets, b, c, epilogue=e))

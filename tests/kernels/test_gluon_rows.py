@@ -337,6 +337,9 @@ def test_gpu_the_swiglu_gemm_matches_the_reference_and_the_triton_epilogue(count
     h13 = torch.full((x.shape[0], 2 * ffn), float("nan"), dtype=torch.bfloat16, device="cuda")
     gr.gluon_swiglu_gemm(x, offsets, w13, out=act, h13_N2F=h13, block_m=block_m, block_n=block_n, stages=stages,
                          tma_store=tma_store)
+    if tma_store:  # the same sums, each wave stored once: by TMA inside its group, masked past its end
+        assert torch.equal(act, gr.gluon_swiglu_gemm(x, offsets, w13, block_m=block_m, block_n=block_n,
+                                                     stages=stages))
     h13_want = _exact(x.float(), w13.float(), offsets)
     gate, up = h13_want[:, :ffn], h13_want[:, ffn:]
     assert torch.isfinite(act).all() and torch.isfinite(h13).all()
@@ -357,11 +360,41 @@ def test_gpu_the_swiglu_gemm_matches_the_reference_and_the_triton_epilogue(count
 
 def _gluon_tiles(tiles):
     """The FFN's tiles with every launch the Gluon kernels can run sent there (`TileConfig.gluon` at its
-    default tile): gate/up, down, the gate/up data gradient, and down dgrad's split plain GEMM."""
-    gluon = {role: dataclasses.replace(getattr(tiles, role), gluon=True) for role in ("gate_up", "down",
-                                                                                      "gate_up_dgrad")}
-    gluon["down_dgrad"] = dataclasses.replace(tiles.down_dgrad, gluon=True, split_epilogue=True)
+    default tile, not the library's): gate/up, down, the gate/up data gradient, down dgrad's split plain GEMM."""
+    gluon = {role: dataclasses.replace(getattr(tiles, role), gluon=True, library=False)
+             for role in ("gate_up", "down", "gate_up_dgrad")}
+    gluon["down_dgrad"] = dataclasses.replace(tiles.down_dgrad, gluon=True, library=False, split_epilogue=True)
     return dataclasses.replace(tiles, **gluon)
+
+
+def _triton_tiles(tiles):
+    """The FFN's tiles with every launch on our Triton kernel (a tuned table may name Gluon or library tiles)."""
+    return dataclasses.replace(tiles, **{role: dataclasses.replace(getattr(tiles, role), gluon=False, library=False)
+                                         for role in ("gate_up", "down", "down_dgrad", "gate_up_dgrad")})
+
+
+def _tiles_from(monkeypatch, choose) -> None:
+    """`FFNTiles.for_shape` (every launch's tile lookup) answering `choose(the tuned tiles)` from now on (the
+    tuned lookup's own, not an earlier call's choice)."""
+    from disagmoe.kernels.moe_ffn import FFNTiles
+
+    current = FFNTiles.for_shape.__func__
+    tuned = getattr(current, "tuned", current)
+
+    def for_shape(cls, *args, **kwargs):
+        return choose(tuned(cls, *args, **kwargs))
+
+    for_shape.tuned = tuned
+    monkeypatch.setattr(FFNTiles, "for_shape", classmethod(for_shape))
+
+
+def _count_gluon_calls(monkeypatch) -> list[str]:
+    """The names of the Gluon kernels' host functions as they are called from now on."""
+    calls = []
+    for name in ("gluon_rows_gemm", "gluon_swiglu_gemm"):
+        real = getattr(gr, name)
+        monkeypatch.setattr(gr, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    return calls
 
 
 def _qwen3_bf16_forward_backward(tokens_BS: torch.Tensor, fixed=None):
@@ -391,22 +424,19 @@ def _qwen3_bf16_forward_backward(tokens_BS: torch.Tensor, fixed=None):
 @pytest.mark.parametrize("routing", ["learned", "skewed"])
 def test_gpu_training_a_qwen3_shaped_models_step_is_the_same_with_the_gluon_gemms(routing, monkeypatch):
     """One forward and backward of a 2-layer Qwen3-30B-A3B-shaped model at one 4,096-token sequence
-    (32,768 expert rows a layer, K 768 to 2,048) with the FFN's tiles as tuned and with every launch the
-    Gluon kernels take sent there, routed alike (the router's choice, or Zipf-skewed loads with 40 of the
-    128 experts idle): the Gluon kernels ran (at least four launches a layer), the same loss
-    within 1e-4 and the experts' weight gradients within 1e-2."""
-    from disagmoe.kernels.moe_ffn import FFNTiles
+    (32,768 expert rows a layer, K 768 to 2,048) with every expert launch on our Triton kernel and with every
+    launch the Gluon kernels take sent there, routed alike (the router's choice, or Zipf-skewed loads with 40
+    of the 128 experts idle): the Gluon kernels ran (at least four launches a layer) and the Triton pass none,
+    the same loss within 1e-4 and the experts' weight gradients within 1e-2."""
     from tests.kernels.test_fp8_gluon import _skewed_routing
 
     tokens_BS = torch.randint(0, 4096, (1, 4097), generator=torch.Generator().manual_seed(3)).cuda()
     fixed = _skewed_routing(2, 4096, 128, 8, empty=40, seed=4) if routing == "skewed" else None
+    calls = _count_gluon_calls(monkeypatch)
+    _tiles_from(monkeypatch, _triton_tiles)
     loss_t, grads_t, fixed = _qwen3_bf16_forward_backward(tokens_BS, fixed)
-    calls = []
-    for name in ("gluon_rows_gemm", "gluon_swiglu_gemm"):
-        real = getattr(gr, name)
-        monkeypatch.setattr(gr, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
-    tuned = FFNTiles.for_shape.__func__
-    monkeypatch.setattr(FFNTiles, "for_shape", classmethod(lambda cls, *a, **k: _gluon_tiles(tuned(cls, *a, **k))))
+    assert calls == []
+    _tiles_from(monkeypatch, _gluon_tiles)
     loss_g, grads_g, _ = _qwen3_bf16_forward_backward(tokens_BS, fixed)
     # per layer at least the gate/up forward, the down forward, d act's plain GEMM and the gate/up data gradient
     assert calls.count("gluon_swiglu_gemm") >= 2 and calls.count("gluon_rows_gemm") >= 2 * 3, calls
@@ -420,27 +450,29 @@ def test_gpu_training_a_qwen3_shaped_models_step_is_the_same_with_the_gluon_gemm
 @pytest.mark.parametrize("cuda_graphs", ["off", "on"])
 def test_gpu_training_thirty_steps_train_alike_with_the_gluon_gemms(tmp_path, cuda_graphs, monkeypatch):
     """Thirty steps of the tiny model at hidden 256 and FFN 256 (multiples of 128), learned routing, eager
-    and captured in one CUDA graph, with the FFN's tiles as tuned and with the Gluon kernels: the first
-    step's loss to 1e-5 (one forward, the same weights) and the mean of the last ten within 1%."""
+    and captured in one CUDA graph (the records say the graph replayed), with every expert launch on our Triton
+    kernel and with the Gluon kernels (their host functions called, at the eager steps and at the capture):
+    the first step's loss to 1e-5 (one forward, the same weights) and the mean of the last ten within 1%."""
     from disagmoe.config import TrainConfig
-    from disagmoe.kernels.moe_ffn import FFNTiles
     from disagmoe.model_ref import load_model
     from disagmoe.runtime.observe.metrics import read_metrics
     from disagmoe.runtime.training.loop import METRICS_FILE
     from disagmoe.runtime.training.trainer import train_single
 
     model = load_model("tiny").model_copy(update={"hidden_size": 256, "expert_ffn_size": 256})
-    tuned = FFNTiles.for_shape.__func__
+    calls = _count_gluon_calls(monkeypatch)
     losses = {}
     for gluon in (False, True):
-        if gluon:
-            monkeypatch.setattr(FFNTiles, "for_shape",
-                                classmethod(lambda cls, *a, **k: _gluon_tiles(tuned(cls, *a, **k))))
+        _tiles_from(monkeypatch, _gluon_tiles if gluon else _triton_tiles)
         out = tmp_path / f"gluon-{gluon}"
         train_single(TrainConfig(model=model, mode="single", device="cuda", steps=30, batch_size=8, seq_len=128,
                                  micro_batches=2, eval_every=0, checkpoint_at_end=False, experts_backend="triton",
                                  cuda_graphs=cuda_graphs, out_dir=str(out)))
-        losses[gluon] = [r["loss"] for r in read_metrics(out / METRICS_FILE)]
+        records = read_metrics(out / METRICS_FILE)
+        losses[gluon] = [r["loss"] for r in records]
+        assert any(r["cuda_graph"] for r in records) == (cuda_graphs == "on")
+        assert bool(calls) == gluon and {"gluon_rows_gemm", "gluon_swiglu_gemm"} >= set(calls)
+    assert set(calls) == {"gluon_rows_gemm", "gluon_swiglu_gemm"}
     triton_run, gluon_run = losses[False], losses[True]
     assert len(triton_run) == len(gluon_run) == 30
     assert gluon_run[0] == pytest.approx(triton_run[0], rel=1e-5)
