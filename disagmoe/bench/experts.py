@@ -109,8 +109,10 @@ def variant_of(backend: str) -> tuple[dict[str, bool | int], str, str]:
     return changes, changes.pop("backward", DEFAULT_BACKWARD), changes.pop("forward", DEFAULT_FORWARD)
 LIBRARY_FP8_BACKEND = "scaled-grouped-mm"  # torch._scaled_grouped_mm, forward only: needs sm_90
 FORWARD_ONLY = (LIBRARY_FP8_BACKEND,)
+# our bf16 block with every launch our Gluon kernels can run sent there (`FFNTiles.on_gluon`, Hopper), beside `triton`
+GLUON_BACKEND = "triton:gluon"
 LIBRARY_FP8_ALIGN = 16  # torch._scaled_grouped_mm's rows per group: a multiple of this
-ALL_BACKENDS = (*BACKENDS, FP8_BACKEND, LIBRARY_FP8_BACKEND)
+ALL_BACKENDS = (*BACKENDS, GLUON_BACKEND, FP8_BACKEND, LIBRARY_FP8_BACKEND)
 
 
 def backends_for(backends: list[str] | None, precision: str, promotes: list[str] | None = None) -> list[str]:
@@ -341,10 +343,15 @@ def make_block(backend: str, tiles: FFNTiles | None = None,
                                         backward=backward, forward=forward, grad_slot=slot)
             return combine_rows(out_NH, dest_TK, weights_TK, grad_slot=slot)
         return fp8_block
-    if backend == "triton":
+    if backend in ("triton", GLUON_BACKEND):
         def block(x_TH, topk_idx_TK, weights_TK, w13_EH2F, w2_EFH):
             rows_NH, offsets_E, dest_TK = permute_tokens(x_TH, topk_idx_TK, w13_EH2F.shape[0])
-            out_NH = expert_ffn_triton(rows_NH, offsets_E, w13_EH2F, w2_EFH, tiles=tiles)
+            ffn_tiles = tiles
+            if backend == GLUON_BACKEND:
+                experts, hidden, two_ffn = w13_EH2F.shape
+                ffn_tiles = (tiles or FFNTiles.for_shape(rows_NH.shape[0], experts, hidden, two_ffn // 2,
+                                                         rows_NH.device)).on_gluon()
+            out_NH = expert_ffn_triton(rows_NH, offsets_E, w13_EH2F, w2_EFH, tiles=ffn_tiles)
             return combine_rows(out_NH, dest_TK, weights_TK)
         return block
     ffn = {"grouped_mm": grouped_mm_ffn, "loop": loop_ffn}[backend]
@@ -468,6 +475,9 @@ def run(shape_names: list[str], backends: list[str], warmup: int, iters: int,
     if any(map(needs_fp8, backends)) and capability < (8, 9):
         raise ValueError(f"{FP8_BACKEND} needs FP8 tensor cores (sm_89 or newer); this GPU is "
                          f"sm_{''.join(map(str, capability))}: leave out --precision fp8")
+    if GLUON_BACKEND in backends and capability != (9, 0):
+        raise ValueError(f"{GLUON_BACKEND} (our Gluon kernels) runs on Hopper (sm_90) only; this GPU is "
+                         f"sm_{''.join(map(str, capability))}: leave it out of --backend")
     if LIBRARY_FP8_BACKEND in backends and capability[0] != 9:
         raise ValueError(f"{LIBRARY_FP8_BACKEND} (torch._scaled_grouped_mm) runs on sm_90 only; this GPU is "
                          f"sm_{''.join(map(str, capability))}: leave it out of --backend")
@@ -498,7 +508,7 @@ def run(shape_names: list[str], backends: list[str], warmup: int, iters: int,
         for backend, t in fp8_tiles.items():
             log(f"{name} {backend} tiles: {t.describe()}")
         if check:
-            checked = [b for b in backends if b in ("triton", "grouped_mm") or needs_fp8(b)]
+            checked = [b for b in backends if b in ("triton", "grouped_mm", GLUON_BACKEND) or needs_fp8(b)]
             reference = reference_outputs(inputs, dy)
             entry["rel_err"] = {b: (forward_error if b in FORWARD_ONLY else relative_errors)(
                 make_block(b, tiles, fp8_tiles.get(b)), inputs, dy, reference) for b in checked}
@@ -560,17 +570,18 @@ def _ratio_text(s: dict, over: str, under: str, pass_name: str) -> str:
 
 def table_rows(record: dict, short_fp8_names: bool = False) -> tuple[list[str], list[list[str]]]:
     """(head, rows) of the record's table, what the CLI prints and `markdown_table` quotes: every
-    backend's rate (% of the ceiling; '-' for a pass it has not), ours against grouped_mm, each FP8
-    backend of ours against our bf16 and its error, and where the library's FP8 forward ran, ours
+    backend's rate (% of the ceiling; '-' for a pass it has not), ours against grouped_mm, our Gluon bf16
+    block and each FP8 backend of ours against our bf16 and its error, and where the library's FP8 forward ran, ours
     against it. `short_fp8_names`: 'fp8:pingpong' for 'triton-fp8:pingpong' in the heads."""
     backends = list(record["shapes"][0]["tflops"]) if record["shapes"] else []
     ceiling = record["ceiling_tflops"]
     fp8 = fp8_backends(backends)
+    against_triton = ([GLUON_BACKEND] if GLUON_BACKEND in backends and "triton" in backends else []) + fp8
     library = LIBRARY_FP8_BACKEND in backends
     label = (lambda b: b.replace("triton-", "", 1)) if short_fp8_names else (lambda b: b)
     head = ["shape", "E", "H->F", "pairs", "max/mean load", "pass",
             *[f"{b} TFLOP/s (% of ceiling)" for b in backends], "triton / grouped_mm", "triton rel err",
-            *[h for b in fp8 for h in (f"{label(b)} / triton", f"{label(b)} rel err")],
+            *[h for b in against_triton for h in (f"{label(b)} / triton", f"{label(b)} rel err")],
             *([f"{label(b)} / {LIBRARY_FP8_BACKEND}" for b in fp8] + [f"{LIBRARY_FP8_BACKEND} rel err"]
               if library else [])]
     rows = []
@@ -581,7 +592,7 @@ def table_rows(record: dict, short_fp8_names: bool = False) -> tuple[list[str], 
                      f"{s['load_max_over_mean']:.2f}", pass_name,
                      *["-" if r is None else f"{r:.0f} ({100 * r / ceiling:.0f}%)" for r in rates],
                      _ratio_text(s, "triton", "grouped_mm", pass_name), error_text(s, "triton", pass_name)]
-            for b in fp8:
+            for b in against_triton:
                 cells += [_ratio_text(s, b, "triton", pass_name), error_text(s, b, pass_name)]
             if library:
                 cells += [_ratio_text(s, b, LIBRARY_FP8_BACKEND, pass_name) for b in fp8]

@@ -40,14 +40,15 @@ def _shape_names(shapes: list[str] | None) -> list[str]:
 def experts(
     shape: ShapeOption = None,
     backend: Annotated[list[str] | None, typer.Option(
-        help="triton | grouped_mm | loop | triton-fp8 | triton-fp8:fp8-wgrad | triton-fp8:gluon-wgrad | "
+        help="triton | grouped_mm | loop | triton:gluon | triton-fp8 | triton-fp8:fp8-wgrad | triton-fp8:gluon-wgrad | "
              "triton-fp8:gluon | triton-fp8:gluon-256 | triton-fp8:gluon-tma-store | triton-fp8:gluon-tma-store-wgrad | "
              "triton-fp8:bf16-backward | "
              "triton-fp8:down-forward | triton-fp8:down-forward-pass | triton-fp8:down-forward-dy-pass | triton-fp8:run | "
              "triton-fp8:run-act-pass | triton-fp8:run-dy-pass | triton-fp8:run-256 | triton-fp8:gluon-256-wgrad | "
              "scaled-grouped-mm (repeatable; "
              "default: the first "
-             "three; triton-fp8: the expert GEMMs in FP8 with training's default backward (forward and data "
+             "three; triton:gluon: our bf16 block with every launch our warp-specialised Gluon kernels can run sent "
+             "there (sm_90); triton-fp8: the expert GEMMs in FP8 with training's default backward (forward and data "
              "gradients e4m3, weight gradients bf16), needs sm_89+; its variants change one choice: the weight "
              "gradients in FP8 too, they in the warp-specialised Gluon kernel (sm_90), the row GEMMs and the SwiGLU "
              "GEMMs in the Gluon kernels (sm_90: training's fp8_gluon, on by default; gluon-256 at 256-row tiles, "

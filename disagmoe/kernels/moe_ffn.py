@@ -53,6 +53,17 @@ class FFNTiles:
     def uniform(cls, config: TileConfig) -> FFNTiles:
         return cls(*(config,) * len(dataclasses.fields(cls)))
 
+    def on_gluon(self, tma_store: bool = True) -> FFNTiles:
+        """These tiles with every launch our Gluon kernels can run sent there (`TileConfig.gluon` at its default
+        tile, 128 x 128 with 4 ring stages; `tma_store`: results stored by TMA): gate/up, down, the gate/up data
+        gradient, and down dgrad's plain GEMM under a split epilogue; never the library's. Launches they cannot
+        take (`grouped_gemm.gluon_takes`) keep these tiles' Triton fields; the weight gradients stay ours."""
+        gluon = dict(gluon=True, library=False, gluon_tma_store=tma_store)
+        return dataclasses.replace(
+            self, gate_up=dataclasses.replace(self.gate_up, **gluon), down=dataclasses.replace(self.down, **gluon),
+            gate_up_dgrad=dataclasses.replace(self.gate_up_dgrad, **gluon),
+            down_dgrad=dataclasses.replace(self.down_dgrad, split_epilogue=True, **gluon))
+
     @staticmethod
     def gemm_dims(hidden: int, ffn: int) -> dict[str, tuple[int, int]]:
         """Role -> (K, output columns) of that launch (weight gradients: the weight's dims)."""

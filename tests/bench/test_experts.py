@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -64,6 +65,44 @@ def test_markdown_table_adds_the_fp8_ratio_and_error_when_asked_for():
     lines = bench.markdown_table(record).splitlines()
     assert f"{bench.FP8_BACKEND} / triton" in lines[0] and f"{bench.FP8_BACKEND} rel err" in lines[0]
     assert lines[2].endswith("| 1.50x | 4.0e-02 |") and lines[3].endswith("| 1.50x | 6.0e-02 |")
+
+
+def test_the_gluon_bf16_block_is_set_against_our_triton_one_before_the_fp8_backends():
+    """`triton:gluon` (our bf16 block on the Gluon kernels): its rate, and its ratio to `triton` and its error
+    in columns of their own, ahead of the FP8 backends'."""
+    backends = (*bench.BACKENDS, bench.GLUON_BACKEND, bench.FP8_BACKEND)
+    rates = {bench.GLUON_BACKEND: 500.0, bench.FP8_BACKEND: 600.0}
+    record = {"ceiling_tflops": 800.0, "shapes": [{
+        "name": "s", "experts": 2, "hidden": 8, "ffn": 4, "pairs": 16, "load_max_over_mean": 1.5,
+        "tflops": {b: {p: rates.get(b, 400.0) for p in bench.PASSES} for b in backends},
+        "rel_err": {"triton": {"y": 1e-3, "dx": 2e-3}, bench.GLUON_BACKEND: {"y": 1e-3, "dx": 3e-3},
+                    bench.FP8_BACKEND: {"y": 4e-2, "dx": 6e-2}}}]}
+    head, rows = bench.table_rows(record)
+    at = head.index(f"{bench.GLUON_BACKEND} / triton")
+    assert head[at + 1] == f"{bench.GLUON_BACKEND} rel err" and head[at + 2] == f"{bench.FP8_BACKEND} / triton"
+    fwd, both = (dict(zip(head, r, strict=True)) for r in rows)
+    assert fwd[f"{bench.GLUON_BACKEND} TFLOP/s (% of ceiling)"] == "500 (62%)"
+    assert fwd[f"{bench.GLUON_BACKEND} / triton"] == "1.25x" and both[f"{bench.GLUON_BACKEND} rel err"] == "3.0e-03"
+
+
+def test_the_gluon_tiles_send_every_launch_the_gluon_kernels_take_there():
+    """`FFNTiles.on_gluon`: gate/up, down and the gate/up data gradient on the Gluon kernels (TMA stores, never the
+    library's), down dgrad on its split epilogue's Gluon plain GEMM, the weight gradients and every Triton field
+    as they were."""
+    from disagmoe.kernels.tile_configs import heuristic
+
+    tiles = bench.FFNTiles(**{role: dataclasses.replace(heuristic(role), library=role == "down")
+                              for role in ("gate_up", "down", "down_dgrad", "gate_up_dgrad", "wgrad_w2",
+                                           "wgrad_w13")})
+    gluon = tiles.on_gluon()
+    for role in ("gate_up", "down", "gate_up_dgrad", "down_dgrad"):
+        got = getattr(gluon, role)
+        assert got.gluon and got.gluon_tma_store and not got.library
+        assert (got.block_m, got.block_n, got.num_stages) == (getattr(tiles, role).block_m,
+                                                             getattr(tiles, role).block_n,
+                                                             getattr(tiles, role).num_stages)
+    assert gluon.down_dgrad.split_epilogue and not tiles.on_gluon(tma_store=False).down.gluon_tma_store
+    assert (gluon.wgrad_w2, gluon.wgrad_w13) == (tiles.wgrad_w2, tiles.wgrad_w13)
 
 
 def test_the_librarys_fp8_forward_gets_its_own_columns_and_no_backward_row():
