@@ -359,12 +359,9 @@ def test_gpu_the_swiglu_gemm_matches_the_reference_and_the_triton_epilogue(count
 # --- in training (Hopper): the step with the Gluon tiles against the step with our Triton ones
 
 def _gluon_tiles(tiles):
-    """The FFN's tiles with every launch the Gluon kernels can run sent there (`TileConfig.gluon` at its
-    default tile, not the library's): gate/up, down, the gate/up data gradient, down dgrad's split plain GEMM."""
-    gluon = {role: dataclasses.replace(getattr(tiles, role), gluon=True, library=False)
-             for role in ("gate_up", "down", "gate_up_dgrad")}
-    gluon["down_dgrad"] = dataclasses.replace(tiles.down_dgrad, gluon=True, library=False, split_epilogue=True)
-    return dataclasses.replace(tiles, **gluon)
+    """The FFN's tiles with every launch the Gluon kernels can run sent there, as `bench experts`'
+    `triton:gluon` runs them (`FFNTiles.on_gluon`: TMA stores)."""
+    return tiles.on_gluon()
 
 
 def _triton_tiles(tiles):
