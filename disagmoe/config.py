@@ -1003,7 +1003,13 @@ class TrainConfig(StrictModel):
         "shared memory by the tensor memory accelerator, under the next tile's K loop; 128-row tiles) or plain (masked "
         "stores from registers); the same bits either way. None = tma (config.RUN_FP8_GLUON_STORE): the FP8 step took "
         "478.4 ms with it against 495.5 plain on the Qwen3 config, 467.1 against 477.0 on the Mixtral one (one H100, "
-        "session 35, docs/benchmarks.md). Refused without the Gluon row GEMMs")
+        "session 35, docs/benchmarks.md); plain where fp8_gluon_block_m is 256. Refused without the Gluon row GEMMs")
+    fp8_gluon_block_m: Literal[128, 256] | None = Field(
+        None, description="with the Gluon row GEMMs (fp8_gluon): their rows per tile: 128, or 256 (each consumer "
+        "warpgroup two 64-row waves on one weight tile: the weights read once per 256 rows; bench experts --backend "
+        "triton-fp8:run-256; the epilogue then stores plainly, fp8_gluon_store: tma is refused with it). None = 128. "
+        "The planner prices the run's 128-row kernels either way (bench calibrate times those). Refused without the "
+        "Gluon row GEMMs")
     fp8_counters_every: PositiveInt | None = Field(
         None, description="precision fp8: the FP8 quantisers count their numerics (amax, saturated, underflow and "
         "non-finite values: a step record's fp8_* fields) on every Nth step, the first step a process runs and "
@@ -1227,8 +1233,15 @@ class TrainConfig(StrictModel):
     @property
     def expert_gluon_tma_store(self) -> bool:
         """Whether the FP8 experts' Gluon row GEMMs store their tiles by TMA (`fp8_gluon_store`, None =
-        `RUN_FP8_GLUON_STORE`); False where they do not run (`expert_gluon`)."""
-        return self.expert_gluon and (self.fp8_gluon_store or RUN_FP8_GLUON_STORE) == "tma"
+        `RUN_FP8_GLUON_STORE`, plain at 256-row tiles); False where they do not run (`expert_gluon`)."""
+        default = "plain" if self.fp8_gluon_block_m == 256 else RUN_FP8_GLUON_STORE
+        return self.expert_gluon and (self.fp8_gluon_store or default) == "tma"
+
+    @property
+    def expert_gluon_block_m(self) -> int | None:
+        """The FP8 experts' Gluon row GEMMs' rows per tile (`fp8_gluon_block_m`, None = 128); None where they do
+        not run (`expert_gluon`)."""
+        return (self.fp8_gluon_block_m or 128) if self.expert_gluon else None
 
     @property
     def steps_reference_adamw(self) -> bool:
@@ -1328,6 +1341,13 @@ class TrainConfig(StrictModel):
             raise ValueError(f"fp8_gluon_store: {self.fp8_gluon_store} chooses how the FP8 experts' Gluon row GEMMs "
                              "store their tiles; this run has none (precision fp8 with fp8_gluon unset or true runs "
                              "them): remove fp8_gluon_store")
+        if self.fp8_gluon_block_m is not None and not self.expert_gluon:
+            raise ValueError(f"fp8_gluon_block_m: {self.fp8_gluon_block_m} sets the FP8 experts' Gluon row GEMMs' "
+                             "tiles; this run has none (precision fp8 with fp8_gluon unset or true runs them): remove "
+                             "fp8_gluon_block_m")
+        if self.fp8_gluon_block_m == 256 and self.fp8_gluon_store == "tma":
+            raise ValueError("fp8_gluon_block_m: 256 stores its tiles plainly (the TMA store takes 128-row tiles): "
+                             "set fp8_gluon_store: plain, or fp8_gluon_block_m: 128")
         if self.fp8_gluon and self.precision != "fp8":
             raise ValueError(f"fp8_gluon: true runs the FP8 experts' GEMMs in the Gluon kernels; this run is "
                              f"precision: {self.precision}: set precision: fp8 or remove fp8_gluon")

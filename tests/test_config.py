@@ -330,6 +330,40 @@ def test_fp8_gluon_store_picks_the_gluon_row_gemms_epilogue_and_needs_them():
         fp8_ffn.set_gluon(False)
 
 
+def test_fp8_gluon_block_m_sets_the_gluon_row_gemms_tiles_and_stores_plainly_at_256():
+    """`fp8_gluon_block_m` (128 or 256, unset 128) where the Gluon row GEMMs run (`expert_gluon_block_m`, None
+    where none does), refused with the fix where none does; at 256 the store defaults to plain and an explicit
+    tma is refused (the TMA store takes 128-row tiles); `fp8_ffn.set_gluon` takes the tile, refusing 256 with
+    the TMA store."""
+    from disagmoe.kernels import fp8_ffn
+
+    base = dict(model="tiny", device="cuda", experts_backend="triton", precision="fp8")
+    assert cfg.TrainConfig(**base).expert_gluon_block_m == 128
+    assert cfg.TrainConfig(precision="bf16", **{k: v for k, v in base.items() if k != "precision"}
+                           ).expert_gluon_block_m is None
+    wide = cfg.TrainConfig(fp8_gluon_block_m=256, **base)
+    assert wide.expert_gluon_block_m == 256 and not wide.expert_gluon_tma_store
+    assert not cfg.TrainConfig(fp8_gluon_block_m=256, fp8_gluon_store="plain", **base).expert_gluon_tma_store
+    assert cfg.TrainConfig(fp8_gluon_block_m=128, **base).expert_gluon_tma_store == (cfg.RUN_FP8_GLUON_STORE == "tma")
+    with pytest.raises(ValueError, match="fp8_gluon_block_m: 256 stores its tiles plainly .* set fp8_gluon_store: "
+                                         "plain, or fp8_gluon_block_m: 128"):
+        cfg.TrainConfig(fp8_gluon_block_m=256, fp8_gluon_store="tma", **base)
+    with pytest.raises(ValueError, match="fp8_gluon_block_m: 256 sets the FP8 experts' Gluon row GEMMs' tiles; this "
+                                         "run has none .* remove fp8_gluon_block_m"):
+        cfg.TrainConfig(fp8_gluon_block_m=256, fp8_gluon=False, **base)
+    with pytest.raises(ValueError, match="fp8_gluon_block_m"):  # pydantic's ValidationError is a ValueError
+        cfg.TrainConfig(fp8_gluon_block_m=192, **base)
+    try:
+        fp8_ffn.set_gluon(True, tma_store=False, block_m=256)
+        assert (fp8_ffn._gluon.rows, fp8_ffn._gluon.tma_store, fp8_ffn._gluon.block_m) == (True, False, 256)
+        fp8_ffn.set_gluon(True, tma_store=True, block_m=128)
+        assert (fp8_ffn._gluon.tma_store, fp8_ffn._gluon.block_m) == (True, 128)
+        with pytest.raises(ValueError, match="its TMA store 128: pass tma_store=False for 256"):
+            fp8_ffn.set_gluon(True, tma_store=True, block_m=256)
+    finally:
+        fp8_ffn.set_gluon(False, block_m=128)
+
+
 def test_fp8_dense_takes_any_sequence_length():
     """The FP8 dense GEMMs have the tokens as their free dimension (the weight gradient, which
     contracted them on torch._scaled_mm and needed whole 16s, runs in bf16): any seq_len."""

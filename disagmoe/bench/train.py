@@ -110,13 +110,13 @@ def fp8_kernels(cfg: TrainConfig) -> str | None:
     (session 28) showed that a run's figures mean little without it."""
     if cfg.expert_precision != "fp8":
         return None
-    from disagmoe.kernels.fp8_ffn import GLUON_TMA_STORE_BLOCK_M, kernel_paths
+    from disagmoe.kernels.fp8_ffn import kernel_paths
 
     model = load_model(cfg.model)
     return kernel_paths(model.hidden_size, model.expert_ffn_size, torch.device(cfg.device), rows=cfg.expert_gluon,
                         swiglu=cfg.expert_gluon, wgrad=cfg.expert_gluon, backward=cfg.expert_backward_precision,
                         forward=cfg.expert_forward_precision, tma_store=cfg.expert_gluon_tma_store,
-                        block_m=GLUON_TMA_STORE_BLOCK_M if cfg.expert_gluon_tma_store else None)
+                        block_m=cfg.expert_gluon_block_m)
 
 
 def timed_warmup(cfg: TrainConfig, warmup: int, steps: int) -> tuple[int, str | None]:

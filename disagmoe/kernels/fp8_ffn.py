@@ -179,19 +179,26 @@ GLUON_BLOCK_MS = (128, 256)  # the Gluon row GEMM's tiles a run may ask for (`fp
 GLUON_TMA_STORE_BLOCK_M = 128  # the one of them (at the FFN's 128 columns) whose TMA-store epilogue compiles clean
 
 
-def set_gluon(enabled: bool, tma_store: bool = False) -> None:
+def set_gluon(enabled: bool, tma_store: bool = False, block_m: int | None = None) -> None:
     """The row GEMMs, the split SwiGLU GEMMs and (under the all-FP8 backward) the weight gradients in
     the Gluon kernels where they take the operands (True), or in the Triton ones (False, the kernels'
     default: `_GluonChoices`); with `tma_store` the Gluon row GEMM's epilogue stores by TMA (128-row
-    tiles: the row tile is set to them). A run's `TrainConfig.expert_gluon` (on unless it sets
-    fp8_gluon: false) and `expert_gluon_tma_store`, set by its trainer and workers before their first
-    forward."""
+    tiles: the row tile is set to them); `block_m` (one of `GLUON_BLOCK_MS`; None: as it is, or 128 with
+    `tma_store`) the Gluon row GEMM's rows per tile. A run's `TrainConfig.expert_gluon` (on unless it sets
+    fp8_gluon: false), `expert_gluon_tma_store` and `expert_gluon_block_m`, set by its trainer and workers
+    before their first forward. ValueError for a tile the TMA store or the kernel does not take."""
+    if block_m is not None and (block_m not in GLUON_BLOCK_MS
+                                or (enabled and tma_store and block_m != GLUON_TMA_STORE_BLOCK_M)):
+        raise ValueError(f"block_m={block_m}: the Gluon row GEMM takes {GLUON_BLOCK_MS} rows a tile, and its TMA "
+                         f"store {GLUON_TMA_STORE_BLOCK_M}: pass tma_store=False for 256")
     set_gluon_rows(enabled)
     set_gluon_swiglu(enabled)
     set_gluon_wgrad(enabled)
     _gluon.tma_store = enabled and tma_store
     if _gluon.tma_store:
         _gluon.block_m = GLUON_TMA_STORE_BLOCK_M
+    elif block_m is not None:
+        _gluon.block_m = block_m
 
 
 def set_gluon_rows(enabled: bool) -> bool:

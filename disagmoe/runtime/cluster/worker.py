@@ -105,7 +105,7 @@ def reduce_bucket(name: str, num_layers: int) -> str:
 def setup_fp8(model: Any, topology: Topology, rank: int, precision: str, device: torch.device,
               dense_precision: str = "bf16", backward: str | None = None, forward: str | None = None,
               emulate: bool = False, gluon: bool = False, dense_scaling: str | None = None,
-              gluon_tma_store: bool = False) -> Fp8Stats | None:
+              gluon_tma_store: bool = False, gluon_block_m: int | None = None) -> Fp8Stats | None:
     """precision fp8: the routed experts held here run in FP8 (`set_expert_precision`, refused on a
     GPU without FP8 tensor cores; their backward's and forward's GEMMs as `backward` and `forward`
     say, None: the defaults), and with `dense_precision` fp8 (`TrainConfig.fp8_dense`) an
@@ -114,7 +114,7 @@ def setup_fp8(model: Any, topology: Topology, rank: int, precision: str, device:
     `Fp8Stats`, returned. `emulate` (`TrainConfig.fp8_emulate`): both emulated (quantise-dequantise
     into higher-precision GEMMs). `gluon` (`TrainConfig.expert_gluon`): the experts' row GEMMs in the
     Gluon kernels (`fp8_ffn.set_gluon`), storing by TMA with `gluon_tma_store`
-    (`TrainConfig.expert_gluon_tma_store`). None where nothing here runs in FP8 (nothing of its model
+    (`TrainConfig.expert_gluon_tma_store`), at `gluon_block_m` rows a tile (`TrainConfig.expert_gluon_block_m`). None where nothing here runs in FP8 (nothing of its model
     changes)."""
     experts = precision == "fp8" and topology.expert_role(rank) is not None
     dense = dense_precision == "fp8" and topology.attention_role(rank) is not None
@@ -127,7 +127,7 @@ def setup_fp8(model: Any, topology: Topology, rank: int, precision: str, device:
         from disagmoe.kernels.fp8_ffn import set_gluon
 
         model.set_expert_precision("fp8", backward, forward, emulate)
-        set_gluon(gluon, gluon_tma_store)  # process-wide (`fp8_ffn._gluon`): every FP8 expert rank sets it
+        set_gluon(gluon, gluon_tma_store, gluon_block_m)  # process-wide (`fp8_ffn._gluon`): every FP8 expert rank
     if dense:
         set_dense_fp8(model, stats, dense_scaling or FP8_DENSE_SCALING, emulate, device)
     model.set_fp8_stats(stats)
@@ -189,7 +189,7 @@ class TrainWorker(Worker):
         self.fp8_stats = setup_fp8(self.model, topology, self.rank, cfg.expert_precision, self.device,
                                    cfg.dense_precision, cfg.expert_backward_precision,
                                    cfg.expert_forward_precision, cfg.fp8_emulate, cfg.expert_gluon,
-                                   cfg.dense_fp8_scaling, cfg.expert_gluon_tma_store)
+                                   cfg.dense_fp8_scaling, cfg.expert_gluon_tma_store, cfg.expert_gluon_block_m)
         bucket_of = functools.partial(reduce_bucket, num_layers=topology.num_layers)
         shards = {}
         if cfg.optim.shard_states and attention is not None and topology.data_parallel > 1:

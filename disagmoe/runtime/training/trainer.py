@@ -452,7 +452,8 @@ class SingleProcessTrainer(TrainingLoop):
                                             cfg.fp8_emulate)
             from disagmoe.kernels.fp8_ffn import set_gluon
 
-            set_gluon(cfg.expert_gluon, cfg.expert_gluon_tma_store)  # process-wide, as set_fusion: every FP8 run sets it
+            # process-wide, as set_fusion: every FP8 run sets it
+            set_gluon(cfg.expert_gluon, cfg.expert_gluon_tma_store, cfg.expert_gluon_block_m)
             self.fp8_stats = Fp8Stats(self.device)  # before the capture below: its kernels keep the address
             self.model.set_fp8_stats(self.fp8_stats)
             if cfg.dense_precision == "fp8":  # the dense projections too (kernels.fp8_dense)
