@@ -131,24 +131,24 @@ def candidates(role: str) -> list[TileConfig]:
     if role in LIBRARY_ROLES:  # the library's grouped GEMM competes where it can run the launch
         configs.append(dataclasses.replace(heuristic(role), library=True))
         if _hopper():  # and our Gluon kernel where it can (elsewhere the heuristic's Triton tile runs)
-            configs += _gluon_rows_tiles(heuristic(role))
+            configs += _gluon_tiles(heuristic(role), GLUON_ROWS_CANDIDATES)
     if role == "gate_up" and _hopper():  # our Gluon SwiGLU kernel where it can run the launch
-        configs += [dataclasses.replace(heuristic(role), gluon=True, gluon_block_m=m, gluon_block_n=n, gluon_stages=s,
-                                        gluon_tma_store=t) for m, n, s, t in GLUON_SWIGLU_CANDIDATES]
+        configs += _gluon_tiles(heuristic(role), GLUON_SWIGLU_CANDIDATES)
     if role == "down_dgrad":  # the epilogue split off a plain GEMM (ours at the plain tiles, or the library's,
         # or on a Hopper our Gluon kernel's)
         plain = dataclasses.replace(heuristic("down"), split_epilogue=True)
         configs += [plain, dataclasses.replace(plain, library=True)]
         if _hopper():
-            configs += _gluon_rows_tiles(plain)
+            configs += _gluon_tiles(plain, GLUON_ROWS_CANDIDATES)
     return configs
 
 
-def _gluon_rows_tiles(triton_tile: TileConfig) -> list[TileConfig]:
-    """`GLUON_ROWS_CANDIDATES` as tiles over `triton_tile`, the Triton tile a launch the Gluon kernel cannot take
-    runs (a scattered or gathered one: the fused return's down GEMM, the weighted path's gathered rows)."""
+def _gluon_tiles(triton_tile: TileConfig, table: list[tuple[int, int, int, bool]]) -> list[TileConfig]:
+    """A Gluon candidate table's rows (block_m, block_n, ring stages, TMA store) as tiles over `triton_tile`, the
+    Triton tile a launch the Gluon kernels cannot take runs (a scattered or gathered one: the fused return's down
+    GEMM, the weighted path's gathered rows; the FP8 down-only forward's quantising gate/up launch)."""
     return [dataclasses.replace(triton_tile, gluon=True, gluon_block_m=m, gluon_block_n=n, gluon_stages=s,
-                                gluon_tma_store=t) for m, n, s, t in GLUON_ROWS_CANDIDATES]
+                                gluon_tma_store=t) for m, n, s, t in table]
 
 
 def _hopper() -> bool:

@@ -152,6 +152,7 @@ from disagmoe.kernels.gluon_ragged import (  # noqa: F401 (CONSUMER_REGS, OUT_DT
     OUT_DTYPES,
     PRODUCER_REGS,
     SHARED_MEMORY_BYTES,
+    epilogue_bytes,
     masked_store,
     ring,
     store_consumer_rows,
@@ -629,12 +630,6 @@ def _check_ring(stages: int, block_m: int, block_n: int, epilogue: int) -> None:
                          f"the epilogue buffers ({epilogue} bytes: the TMA store's, 0 without it), must fit the "
                          f"{SHARED_MEMORY_BYTES} bytes of shared memory a Hopper block may use ({stage} bytes per "
                          f"stage at {block_m} x {block_n}: pass stages between 2 and {room})")
-
-
-def epilogue_bytes(block_m: int, block_n: int, out_bytes: int) -> int:
-    """Shared memory of the TMA-store epilogue: one [64, block_n] buffer of out's elements (`out_bytes`
-    each) per consumer warpgroup (one at block_m 64, two at 128 and at 256, whose two waves take turns)."""
-    return min(block_m, 2 * CONSUMER_ROWS) * block_n * out_bytes
 
 
 def takes(a_MK: torch.Tensor, b_EKN: torch.Tensor, block_n: int = 128) -> bool:

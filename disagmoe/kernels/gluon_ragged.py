@@ -24,6 +24,12 @@ SHARED_MEMORY_BYTES = 227 * 1024  # sm_90's per-block limit (the barriers take a
 OUT_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
 
 
+def epilogue_bytes(block_m: int, block_n: int, out_bytes: int) -> int:
+    """Shared memory of the TMA-store epilogue: one [64, block_n] buffer of out's elements (`out_bytes`
+    each) per consumer warpgroup (one at block_m 64, two at 128 and at 256, whose two waves take turns)."""
+    return min(block_m, 2 * CONSUMER_ROWS) * block_n * out_bytes
+
+
 @gluon.jit
 def _add(x, y):
     return x + y

@@ -63,6 +63,7 @@ from disagmoe.kernels.gluon_ragged import (
     OUT_DTYPES,
     PRODUCER_REGS,
     SHARED_MEMORY_BYTES,
+    epilogue_bytes,
     masked_store,
     ring,
     store_consumer_rows,
@@ -81,20 +82,26 @@ _ROWS = gl.constexpr(CONSUMER_ROWS)
 _SLICE = gl.constexpr(BLOCK_K)
 
 
-def ring_stage_bytes(block_m: int, block_n: int, element_bytes: int = 2) -> int:
-    """Shared memory of one ring stage: an A box [block_m, 64] and a B box of block_n x 64 elements."""
-    return (block_m + block_n) * BLOCK_K * element_bytes
+def ring_stage_bytes(block_m: int, block_n: int, b_boxes: int = 1, element_bytes: int = 2) -> int:
+    """Shared memory of one ring stage: an A box [block_m, 64] and `b_boxes` B boxes of block_n x 64 elements
+    (two for the SwiGLU form: gate and up)."""
+    return (block_m + b_boxes * block_n) * BLOCK_K * element_bytes
 
 
-def store_buffer_bytes(block_m: int, block_n: int, out_bytes: int) -> int:
-    """Shared memory of the TMA-store epilogue: one [64, block_n] buffer of out's elements per consumer."""
-    return block_m * block_n * out_bytes
+def max_stages(block_m: int, block_n: int, out_bytes: int = 2, tma_store: bool = False, b_boxes: int = 1) -> int:
+    """The deepest ring that fits a Hopper block's shared memory beside the store's buffers (`epilogue_bytes`)."""
+    epilogue = epilogue_bytes(block_m, block_n, out_bytes) if tma_store else 0
+    return (SHARED_MEMORY_BYTES - epilogue) // ring_stage_bytes(block_m, block_n, b_boxes)
 
 
-def max_stages(block_m: int, block_n: int, out_bytes: int = 2, tma_store: bool = False) -> int:
-    """The deepest ring that fits a Hopper block's shared memory beside the store's buffers."""
-    epilogue = store_buffer_bytes(block_m, block_n, out_bytes) if tma_store else 0
-    return (SHARED_MEMORY_BYTES - epilogue) // ring_stage_bytes(block_m, block_n)
+def _stages_problems(stages: int, block_m: int, block_n: int, out_bytes: int, by_tma: bool, b_boxes: int) -> list[str]:
+    """The ring depth's problem with its fix, if `stages` is shallower than 2 or deeper than `max_stages`."""
+    deepest = max_stages(block_m, block_n, out_bytes, by_tma, b_boxes)
+    if 2 <= stages <= deepest:
+        return []
+    return [f"stages={stages}: the ring needs at least 2 (loads under the MMAs) and at most {deepest} at {block_m} x "
+            f"{block_n}{' beside the TMA store buffers' if by_tma else ''} "
+            f"({ring_stage_bytes(block_m, block_n, b_boxes)} bytes a stage in {SHARED_MEMORY_BYTES})"]
 
 
 @gluon.jit
@@ -366,12 +373,8 @@ def _problems(a_NK: torch.Tensor, b_EKN: torch.Tensor, block_m: int, block_n: in
         problems.append(f"out must be a [M, N] = {(rows, n)} tensor of {list(OUT_DTYPES)}; got {out.dtype} "
                         f"{tuple(out.shape)}")
     elif block_m in BLOCK_MS and block_n in BLOCK_NS:
-        by_tma = tma_store and (out is None or tma_store_takes(out))
-        deepest = max_stages(block_m, block_n, a_NK.element_size() if out is None else out.element_size(), by_tma)
-        if not 2 <= stages <= deepest:
-            problems.append(f"stages={stages}: the ring needs at least 2 (loads under the MMAs) and at most "
-                            f"{deepest} at {block_m} x {block_n}{' beside the TMA store buffers' if by_tma else ''} "
-                            f"({ring_stage_bytes(block_m, block_n)} bytes a stage in {SHARED_MEMORY_BYTES})")
+        problems += _stages_problems(stages, block_m, block_n, (a_NK if out is None else out).element_size(),
+                                     tma_store and (out is None or tma_store_takes(out)), b_boxes=1)
     return problems
 
 
@@ -438,17 +441,6 @@ def gluon_rows_gemm(
     return out
 
 
-def swiglu_stage_bytes(block_m: int, block_n: int, element_bytes: int = 2) -> int:
-    """Shared memory of one SwiGLU ring stage: an A box [block_m, 64] and the gate and up boxes [64, block_n]."""
-    return (block_m + 2 * block_n) * BLOCK_K * element_bytes
-
-
-def swiglu_max_stages(block_m: int, block_n: int, out_bytes: int = 2, tma_store: bool = False) -> int:
-    """The deepest SwiGLU ring that fits a Hopper block's shared memory beside act's store buffers."""
-    epilogue = store_buffer_bytes(block_m, block_n, out_bytes) if tma_store else 0
-    return (SHARED_MEMORY_BYTES - epilogue) // swiglu_stage_bytes(block_m, block_n)
-
-
 def _swiglu_problems(x_NH: torch.Tensor, w13_EH2F: torch.Tensor, block_m: int, block_n: int,
                      out: torch.Tensor | None = None, h13_N2F: torch.Tensor | None = None,
                      stages: int = 4, tma_store: bool = False) -> list[str]:
@@ -480,13 +472,8 @@ def _swiglu_problems(x_NH: torch.Tensor, w13_EH2F: torch.Tensor, block_m: int, b
             problems.append(f"{name} must be a [M, {width}] = {(rows, width)} tensor of {list(OUT_DTYPES)}; got "
                             f"{t.dtype} {tuple(t.shape)}")
     if block_m in BLOCK_MS and block_n in SWIGLU_BLOCK_NS:
-        by_tma = tma_store and (out is None or tma_store_takes(out))
-        deepest = swiglu_max_stages(block_m, block_n, x_NH.element_size() if out is None else out.element_size(),
-                                    by_tma)
-        if not 2 <= stages <= deepest:
-            problems.append(f"stages={stages}: the ring needs at least 2 (loads under the MMAs) and at most "
-                            f"{deepest} at {block_m} x {block_n}{' beside the TMA store buffers' if by_tma else ''} "
-                            f"({swiglu_stage_bytes(block_m, block_n)} bytes a stage in {SHARED_MEMORY_BYTES})")
+        problems += _stages_problems(stages, block_m, block_n, (x_NH if out is None else out).element_size(),
+                                     tma_store and (out is None or tma_store_takes(out)), b_boxes=2)
     return problems
 
 
@@ -515,7 +502,7 @@ def gluon_swiglu_gemm(
     """act[rows_g] = silu(x @ w13[e][:, :F]) * (x @ w13[e][:, F:]) for every row group g (e = g mod E), the
     gate and up sums in fp32: `grouped_gemm.ragged_rows_gemm`'s SwiGLU epilogue; `h13_N2F` (given) receives the
     two pre-activations (gate at [:F], up at [F:]). `out` (given: [M, F] of `OUT_DTYPES`) or a new one in x's
-    dtype. `stages`: the ring's depth (`swiglu_stage_bytes` each). `tma_store`: act's 64-row waves wholly inside
+    dtype. `stages`: the ring's depth (`ring_stage_bytes` with two B boxes each). `tma_store`: act's 64-row waves wholly inside
     their group stored by TMA through shared memory (as `gluon_rows_gemm`'s), where `out` takes a descriptor."""
     problems = _swiglu_problems(x_NH, w13_EH2F, block_m, block_n, out, h13_N2F, stages, tma_store)
     if problems:

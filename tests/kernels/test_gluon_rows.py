@@ -68,7 +68,7 @@ def test_the_kernel_compiles_warp_specialised_without_spills(hopper_builds, bloc
     if block_m == 128:
         assert registers <= fg.MAXNREG
     shared = stages * gr.ring_stage_bytes(block_m, block_n)
-    shared += gr.store_buffer_bytes(block_m, block_n, 2) if tma_store else 0
+    shared += gr.epilogue_bytes(block_m, block_n, 2) if tma_store else 0
     assert shared <= kernel.metadata.shared <= fg.SHARED_MEMORY_BYTES
 
 
@@ -117,8 +117,8 @@ def test_the_swiglu_kernel_compiles_warp_specialised_without_spills(hopper_build
     assert spilled == 0, f"{block_m} x {block_n}: {spilled} bytes of spill stores"
     if block_m == 128:
         assert registers <= fg.MAXNREG
-    shared = stages * gr.swiglu_stage_bytes(block_m, block_n)
-    shared += gr.store_buffer_bytes(block_m, block_n, 2) if tma_store else 0
+    shared = stages * gr.ring_stage_bytes(block_m, block_n, b_boxes=2)
+    shared += gr.epilogue_bytes(block_m, block_n, 2) if tma_store else 0
     assert shared <= kernel.metadata.shared <= fg.SHARED_MEMORY_BYTES
 
 
