@@ -156,7 +156,7 @@ FAMILIES = (
     KernelFamily("expert row GEMMs (bf16)", ("_ragged_rows_gemm", "_gluon_rows_gemm", "_gluon_swiglu_gemm"),
                  _row_gemms(fp8=False)),
     KernelFamily("expert row GEMMs (FP8)", ("fp8_rows_gemm",), _row_gemms(fp8=True), fp8=True),
-    KernelFamily("expert weight gradients (bf16)", ("_ragged_weight_grad",), _expert_weight_grads),
+    KernelFamily("expert weight gradients (bf16)", ("_ragged_weight_grad", "_gluon_weight_grad"), _expert_weight_grads),
     KernelFamily("expert weight gradients (FP8)", ("fp8_weight_grad",), _fp8_expert_weight_grads, fp8=True),
     # (not `_quantize_rows_and_token_groups`, the one-pass quantiser no step runs)
     KernelFamily("FP8 token-group quantiser", ("_quantize_token_groups",), _fp8_token_groups),

@@ -94,6 +94,11 @@ GLUON_ROWS_CANDIDATES = [(128, 128, 4, False), (128, 128, 4, True), (128, 256, 3
 # (block_m, block_n, ring stages, act stored by TMA), each compiled for sm_90a on a CPU without spills
 GLUON_SWIGLU_CANDIDATES = [(128, 128, 4, False), (128, 128, 3, False), (128, 128, 4, True), (128, 128, 3, True),
                            (128, 64, 4, False)]
+# and its weight gradient for the wgrad roles (`kernels.gluon_wgrad`: 128 KA rows an item, two consumer warpgroups):
+# (block_n, ring stages, TMA epilogue, atomic register epilogue), each compiled for sm_90a on a CPU without spills
+# (tests/kernels/test_gluon_wgrad.py); with the TMA epilogue's two fp32 [64, block_n] buffers beside the ring.
+GLUON_WGRAD_CANDIDATES = [(128, 4, False, True), (128, 5, True, True), (256, 4, False, True), (256, 3, False, True),
+                          (64, 6, True, True)]
 FP8_CANDIDATES = {"fp8_rows": FP8_ROWS_CANDIDATES, "fp8_swiglu": FP8_SWIGLU_CANDIDATES,
                   "fp8_wgrad": FP8_WGRAD_CANDIDATES}
 
@@ -128,6 +133,10 @@ def candidates(role: str) -> list[TileConfig]:
     else:  # each row GEMM tile also with TMA loads (`grouped_gemm.rows_gemm_descriptors`), but the flattened
         # gate/up ones: two accumulators and the fused loop spill more with TMA (sm_90a ptxas)
         configs += [dataclasses.replace(c, tma=True) for c in configs if not (role == "gate_up" and c.flatten)]
+    if role.startswith("wgrad") and _hopper():  # our Gluon weight gradient where it can run the launch
+        configs += [dataclasses.replace(heuristic(role), gluon=True, gluon_block_n=n, gluon_stages=s,
+                                        gluon_tma_store=t, atomic_accumulate=atomic)
+                    for n, s, t, atomic in GLUON_WGRAD_CANDIDATES]
     if role in LIBRARY_ROLES:  # the library's grouped GEMM competes where it can run the launch
         configs.append(dataclasses.replace(heuristic(role), library=True))
         if _hopper():  # and our Gluon kernel where it can (elsewhere the heuristic's Triton tile runs)

@@ -131,16 +131,12 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared,
     mbarrier,
     tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-from triton._C.libtriton import ir as triton_ir
-from triton.experimental.gluon.language._core import builtin
 
 from disagmoe.kernels import grouped_gemm as gg
 from disagmoe.kernels.fp8 import FP8, SCALE_BLOCK, weight_grad_shapes
@@ -157,9 +153,12 @@ from disagmoe.kernels.gluon_ragged import (  # noqa: F401 (CONSUMER_REGS, OUT_DT
     ring,
     store_consumer_rows,
     store_wave,
+    store_weight_grad,
     tile_of,
     tma_rows,
     tma_store_takes,
+    wgrad_item,
+    wgrad_tma_epilogue_takes,
     work_list,
 )
 
@@ -184,17 +183,6 @@ _ROWS = gl.constexpr(CONSUMER_ROWS)
 _ITEM_ROWS = gl.constexpr(2 * CONSUMER_ROWS)  # the weight gradient's KA rows an item: both consumers' halves
 # the weight gradient's scale boxes in the ring: 1-D runs of fp32 copied whole (no swizzle)
 SCALE_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
-
-
-@builtin
-def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
-    """The box of `tensor_desc` at `coord` += the shared-memory buffer `src`, by the TMA unit
-    (cp.reduce.async.bulk.tensor .add, committed as a bulk group: `tma.store_wait` waits for its read
-    of `src` as for a TMA store's). Triton 3.6's Gluon builds the op (ttng.async_tma_reduce, what
-    `tl.tensor_descriptor.atomic_add` lowers to on Hopper) but exposes no function for it."""
-    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-    _semantic.builder.create_async_tma_reduce(triton_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
-                                              src.handle)
 
 
 @gluon.jit
@@ -400,20 +388,6 @@ def _gluon_fp8_rows_gemm_kernel(a_desc, b_desc, out_desc, sa_ptr, sb_ptr, out_pt
 
 
 @gluon.jit
-def _wgrad_item(item, per_expert, tiles_k, tiles_n, GROUP_M: gl.constexpr):
-    """(expert, KA tile, C tile) of weight-gradient work item `item`: experts in turn, GROUP_M KA
-    tiles sharing C tiles (`grouped_gemm._swizzle`, as `fp8._fp8_weight_grad_kernel` orders them)."""
-    expert = item // per_expert
-    local = item % per_expert
-    per_group = GROUP_M * tiles_n
-    first_m = (local // per_group) * GROUP_M
-    group_rows = gl.minimum(tiles_k - first_m, GROUP_M)
-    pid_k = first_m + (local % per_group) % group_rows
-    pid_n = (local % per_group) // group_rows
-    return expert, pid_k, pid_n
-
-
-@gluon.jit
 def _wgrad_load_chunks(a_desc, b_desc, sa_desc, sb_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready_bars, empty_bars,
                        padded_ptr, expert, E, E_W, KA, C, pid_k, pid_n, count, BLOCK_M: gl.constexpr,
                        BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
@@ -452,7 +426,7 @@ def _wgrad_producer(a_desc, b_desc, sa_desc, sb_desc, a2_desc, b2_desc, sa2_desc
     per_expert = tiles_k * tiles_n
     count = 0
     for item in range(gl.program_id(0), E_W * per_expert, num_programs):
-        expert, pid_k, pid_n = _wgrad_item(item, per_expert, tiles_k, tiles_n, GROUP_M)
+        expert, pid_k, pid_n = wgrad_item(item, per_expert, tiles_k, tiles_n, GROUP_M)
         count = _wgrad_load_chunks(a_desc, b_desc, sa_desc, sb_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready_bars,
                                    empty_bars, padded_ptr, expert, E, E_W, KA, C, pid_k, pid_n, count, BLOCK_M,
                                    BLOCK_N, STAGES)
@@ -499,52 +473,25 @@ def _wgrad_consumer(a_bufs, b_bufs, sa_bufs, sb_bufs, ready_bars, empty_bars, ou
                     PAIRED: gl.constexpr):
     """One warpgroup's KA rows CONSUMER * 64 + [0, 64) of every item: the sums over the item's chunks
     (`_wgrad_sum_chunks`; with PAIRED the second row set's after the first's, into the same sum). Then
-    the sums stored, or added into `out` (ACCUMULATE), zeros for an expert without tokens: with
-    TMA_EPILOGUE written into this warpgroup's buffer c_bufs[CONSUMER] and stored or reduce-added by TMA
-    through out_desc ([64, BLOCK_N] boxes of out seen as [E_W x KA, C]), not waited for until the buffer's
-    next use an item later, so the main gradient's read and write run under the next item's wgmmas; else
-    from registers (ATOMIC: by relaxed fp32 reductions, which wait for no read; or loaded, added and
-    stored)."""
+    the sums stored, or added into `out` (ACCUMULATE), zeros for an expert without tokens
+    (`gluon_ragged.store_weight_grad`: by TMA through c_bufs[CONSUMER] with TMA_EPILOGUE, else from registers)."""
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_N, 32])
-    row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
-    col_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
     tiles_k = gl.cdiv(KA, BLOCK_M)
     tiles_n = gl.cdiv(C, BLOCK_N)
     per_expert = tiles_k * tiles_n
     count = 0
     for item in range(gl.program_id(0), E_W * per_expert, num_programs):
-        expert, pid_k, pid_n = _wgrad_item(item, per_expert, tiles_k, tiles_n, GROUP_M)
+        expert, pid_k, pid_n = wgrad_item(item, per_expert, tiles_k, tiles_n, GROUP_M)
         acc_MN = gl.zeros([_ROWS, BLOCK_N], gl.float32, acc_layout)
         acc_MN, count = _wgrad_sum_chunks(a_bufs, b_bufs, sa_bufs, sb_bufs, ready_bars, empty_bars, padded_ptr,
                                           expert, E, E_W, acc_MN, count, CONSUMER, BLOCK_N, STAGES)
         if PAIRED:
             acc_MN, count = _wgrad_sum_chunks(a_bufs, b_bufs, sa_bufs, sb_bufs, ready_bars, empty_bars, padded2_ptr,
                                               expert, E_W, E_W, acc_MN, count, CONSUMER, BLOCK_N, STAGES)
-        row0 = pid_k * BLOCK_M + CONSUMER * _ROWS
-        if TMA_EPILOGUE:
-            if row0 < KA:  # a wave wholly past KA (the last KA tile's) has nothing to write
-                c_buf = c_bufs.index(CONSUMER)
-                tma.store_wait(0)  # the buffer's last TMA operation (an item ago) has read it
-                c_buf.store(acc_MN.to(c_buf.dtype))  # fp32, or (a fresh gradient) the weights' bf16
-                fence_async_shared()
-                coord = [expert * KA + row0, pid_n * BLOCK_N]
-                if ACCUMULATE:
-                    _tma_reduce_add(out_desc, coord, c_buf)
-                else:
-                    tma.async_copy_shared_to_global(out_desc, coord, c_buf)
-        else:
-            rows = row0 + gl.arange(0, _ROWS, layout=row_layout)
-            cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
-            out_ptrs = (out_ptr + expert.to(gl.int64) * stride_oe + rows.to(gl.int64)[:, None] * stride_ok
-                        + cols[None, :] * stride_oc)
-            ok = (rows < KA)[:, None] & (cols < C)[None, :]
-            if ACCUMULATE and ATOMIC:
-                gl.atomic_add(out_ptrs, acc_MN, mask=ok, sem="relaxed")
-            else:
-                if ACCUMULATE:
-                    acc_MN = acc_MN + gl.load(out_ptrs, mask=ok, other=0.0)
-                gl.store(out_ptrs, acc_MN.to(out_ptr.dtype.element_ty), mask=ok)
+        store_weight_grad(acc_MN, expert, pid_k * BLOCK_M + CONSUMER * _ROWS, pid_n * BLOCK_N, KA, C, out_ptr,
+                          out_desc, c_bufs, stride_oe, stride_ok, stride_oc, CONSUMER, BLOCK_N, ACCUMULATE, ATOMIC,
+                          TMA_EPILOGUE)
     if TMA_EPILOGUE:
         tma.store_wait(0)  # the last item's TMA operation has read its buffer before shared memory goes
 
@@ -733,15 +680,6 @@ def _scale_boxes(s_KC: torch.Tensor, box: int) -> TensorDescriptor:
     multiplied by the zeros TMA fills past the operand's rows)."""
     flat = s_KC.t().reshape(-1)  # a view: the storage is [C, K]
     return TensorDescriptor(flat, [flat.numel()], [1], [box], SCALE_LAYOUT)
-
-
-def wgrad_tma_epilogue_takes(out: torch.Tensor) -> bool:
-    """Whether the weight gradient's TMA epilogue can write `out` ([E_W, KA, C] of `OUT_DTYPES`): contiguous,
-    16-byte aligned rows, and KA a multiple of 64, so that each consumer's 64-row box of the [E_W x KA, C] view
-    lies inside one expert's rows (a box past KA would write the next expert's)."""
-    experts, ka, cols = out.shape
-    return (out.dtype in OUT_DTYPES and out.is_contiguous() and out.data_ptr() % 16 == 0
-            and (cols * out.element_size()) % 16 == 0 and ka % CONSUMER_ROWS == 0)
 
 
 def _wgrad_shared_bytes(stages: int, block_n: int, epilogue_bytes: int) -> int:

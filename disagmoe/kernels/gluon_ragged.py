@@ -3,13 +3,16 @@
 column tile), found alike by every partition from offsets_E), the TMA ring of A and B boxes with its
 `ready` and `empty` mbarriers, the epilogues (the masked store from the wgmma layout, the TMA store
 through a shared-memory buffer), the register budgets of two consumer warpgroups beside one producer
-warp, and the TMA rules an operand must meet. Schedules and measurements: the two kernels' modules."""
+warp, the TMA rules an operand must meet, and the weight gradients' item order and epilogue (`fp8_gluon`'s FP8
+one over token groups, `gluon_wgrad`'s bf16 one over ragged rows). Schedules and measurements: the two kernels' modules."""
 
 from __future__ import annotations
 
 import torch
+from triton._C.libtriton import ir as triton_ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 CONSUMER_ROWS = 64  # a warpgroup's wgmma rows (M = 64 per warpgroup on sm_90)
@@ -122,6 +125,15 @@ def tma_store_takes(out: torch.Tensor) -> bool:
     return out.stride(1) == 1 and (out.stride(0) * out.element_size()) % 16 == 0 and out.data_ptr() % 16 == 0
 
 
+def wgrad_tma_epilogue_takes(out: torch.Tensor) -> bool:
+    """Whether the weight gradient's TMA epilogue can write `out` ([E_W, KA, C] of `OUT_DTYPES`): contiguous,
+    16-byte aligned rows, and KA a multiple of 64, so that each consumer's 64-row box of the [E_W x KA, C] view
+    lies inside one expert's rows (a box past KA would write the next expert's)."""
+    experts, ka, cols = out.shape
+    return (out.dtype in OUT_DTYPES and out.is_contiguous() and out.data_ptr() % 16 == 0
+            and (cols * out.element_size()) % 16 == 0 and ka % CONSUMER_ROWS == 0)
+
+
 @gluon.jit
 def store_consumer_rows(values_MN, rows, row_ok, cols, wave_row, row_end, col, out_desc, c_bufs, out_ptr, stride_om,
                         stride_on, CONSUMER: gl.constexpr, ROWS: gl.constexpr, TMA_STORE: gl.constexpr):
@@ -147,3 +159,65 @@ def work_list(offsets_ptr, E, N, K, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr
     tiles_n = N // BLOCK_N
     item_ends = group_item_ends(offsets_ptr, E, tiles_n, BLOCK_M, E_POW2, WARPS)
     return tiles_n, item_ends, gl.max(item_ends, axis=0), K // SLICE
+
+
+@builtin
+def tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """The box of `tensor_desc` at `coord` += the shared-memory buffer `src`, by the TMA unit
+    (cp.reduce.async.bulk.tensor .add, committed as a bulk group: `tma.store_wait` waits for its read
+    of `src` as for a TMA store's). Triton 3.6's Gluon builds the op (ttng.async_tma_reduce, what
+    `tl.tensor_descriptor.atomic_add` lowers to on Hopper) but exposes no function for it."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(triton_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
+                                              src.handle)
+
+
+@gluon.jit
+def wgrad_item(item, per_expert, tiles_k, tiles_n, GROUP_M: gl.constexpr):
+    """(expert, KA tile, C tile) of weight-gradient work item `item`: experts in turn, GROUP_M KA
+    tiles sharing C tiles (`grouped_gemm._swizzle`, as the Triton weight gradients order them)."""
+    expert = item // per_expert
+    local = item % per_expert
+    per_group = GROUP_M * tiles_n
+    first_m = (local // per_group) * GROUP_M
+    group_rows = gl.minimum(tiles_k - first_m, GROUP_M)
+    pid_k = first_m + (local % per_group) % group_rows
+    pid_n = (local % per_group) // group_rows
+    return expert, pid_k, pid_n
+
+
+@gluon.jit
+def store_weight_grad(acc_MN, expert, row0, col0, KA, C, out_ptr, out_desc, c_bufs, stride_oe, stride_ok, stride_oc,
+                      CONSUMER: gl.constexpr, BLOCK_N: gl.constexpr, ACCUMULATE: gl.constexpr, ATOMIC: gl.constexpr,
+                      TMA_EPILOGUE: gl.constexpr):
+    """A consumer warpgroup's 64 KA rows from `row0` (columns from col0) of expert `expert`'s weight
+    gradient, its fp32 sums `acc_MN` (in the wgmma layout) stored into out [E_W, KA, C], or added
+    (ACCUMULATE: an fp32 main gradient). With TMA_EPILOGUE written into this warpgroup's buffer
+    c_bufs[CONSUMER] and stored or reduce-added by TMA through out_desc ([64, BLOCK_N] boxes of out seen as
+    [E_W x KA, C]), not waited for until the buffer's next use an item later, so the main gradient's read
+    and write run under the next item's wgmmas; else from registers (ATOMIC: by relaxed fp32 reductions,
+    which wait for no read; or loaded, added and stored). Rows past KA (the last KA tile's) are not written."""
+    if TMA_EPILOGUE:
+        if row0 < KA:  # a wave wholly past KA has nothing to write
+            c_buf = c_bufs.index(CONSUMER)
+            tma.store_wait(0)  # the buffer's last TMA operation (an item ago) has read it
+            c_buf.store(acc_MN.to(c_buf.dtype))  # fp32, or (a fresh gradient) the weights' bf16
+            fence_async_shared()
+            coord = [expert * KA + row0, col0]
+            if ACCUMULATE:
+                tma_reduce_add(out_desc, coord, c_buf)
+            else:
+                tma.async_copy_shared_to_global(out_desc, coord, c_buf)
+    else:
+        acc_layout: gl.constexpr = acc_MN.type.layout
+        rows = row0 + gl.arange(0, acc_MN.shape[0], layout=gl.SliceLayout(1, acc_layout))
+        cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
+        out_ptrs = (out_ptr + expert.to(gl.int64) * stride_oe + rows.to(gl.int64)[:, None] * stride_ok
+                    + cols[None, :] * stride_oc)
+        ok = (rows < KA)[:, None] & (cols < C)[None, :]
+        if ACCUMULATE and ATOMIC:
+            gl.atomic_add(out_ptrs, acc_MN, mask=ok, sem="relaxed")
+        else:
+            if ACCUMULATE:
+                acc_MN = acc_MN + gl.load(out_ptrs, mask=ok, other=0.0)
+            gl.store(out_ptrs, acc_MN.to(out_ptr.dtype.element_ty), mask=ok)

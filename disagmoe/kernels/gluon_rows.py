@@ -321,7 +321,7 @@ def _b_layout(b_EKN: torch.Tensor) -> str | None:
     return None
 
 
-def _runs_here(a: torch.Tensor) -> bool:
+def runs_here(a: torch.Tensor) -> bool:
     """Whether the Gluon kernels can run on `a`'s device: a Hopper GPU (sm_90), not the interpreter (which
     runs no Gluon)."""
     if not a.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
@@ -382,7 +382,7 @@ def takes(a_NK: torch.Tensor, b_EKN: torch.Tensor, block_m: int = 128, block_n: 
           out: torch.Tensor | None = None, stages: int = 4, tma_store: bool = False) -> bool:
     """Whether `gluon_rows_gemm` can run this launch here: a Hopper GPU (sm_90; not the interpreter,
     which runs no Gluon) and `_problems`' rules, answered without raising."""
-    return _runs_here(a_NK) and not _problems(a_NK, b_EKN, block_m, block_n, out, stages, tma_store)
+    return runs_here(a_NK) and not _problems(a_NK, b_EKN, block_m, block_n, out, stages, tma_store)
 
 
 def gluon_rows_gemm(
@@ -481,7 +481,7 @@ def swiglu_takes(x_NH: torch.Tensor, w13_EH2F: torch.Tensor, block_m: int = 128,
                  out: torch.Tensor | None = None, h13_N2F: torch.Tensor | None = None, stages: int = 4,
                  tma_store: bool = False) -> bool:
     """`takes` for `gluon_swiglu_gemm`: a Hopper GPU and `_swiglu_problems`' rules, without raising."""
-    return _runs_here(x_NH) and not _swiglu_problems(x_NH, w13_EH2F, block_m, block_n, out, h13_N2F, stages,
+    return runs_here(x_NH) and not _swiglu_problems(x_NH, w13_EH2F, block_m, block_n, out, h13_N2F, stages,
                                                      tma_store)
 
 

@@ -743,6 +743,13 @@ def ragged_weight_grad(
     assert out.shape == (experts, k, cols), (tuple(out.shape), (experts, k, cols))
     if out.numel() == 0:
         return out
+    if config.gluon and gluon_wgrad_takes(a_NK, b_NC, offsets_E, config, out, accumulate, experts, second):
+        from disagmoe.kernels import gluon_wgrad
+
+        return gluon_wgrad.gluon_weight_grad(
+            a_NK, b_NC, offsets_E, weights=experts, out=out, accumulate=accumulate, atomic=config.atomic_accumulate,
+            tma_epilogue=config.gluon_tma_store, block_n=config.gluon_block_n, stages=config.gluon_stages,
+            group_m=config.group_m, num_programs=num_programs, second=second)
     banded = groups != experts
     programs = num_programs or default_num_programs(a_NK.device) * config.programs_per_sm
     tma = (config.tma and tma_takes(a_NK) and tma_takes(b_NC)
@@ -765,6 +772,20 @@ def ragged_weight_grad(
         PAIRED=second is not None, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
+
+
+def gluon_wgrad_takes(a_NK: torch.Tensor, b_NC: torch.Tensor, offsets_E: torch.Tensor, config: TileConfig,
+                      out: torch.Tensor, accumulate: bool, experts: int,
+                      second: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> bool:
+    """Whether our Gluon weight gradient (`kernels.gluon_wgrad`) can run this `ragged_weight_grad` launch at the
+    config's Gluon tile (`TileConfig.gluon`: gluon_block_n, gluon_stages, gluon_tma_store): a Hopper GPU, bf16
+    or fp16 rows TMA can address (`gluon_wgrad.takes`). Where it cannot, our Triton kernel runs the config's
+    own fields."""
+    from disagmoe.kernels import gluon_wgrad
+
+    return gluon_wgrad.takes(a_NK, b_NC, offsets_E, block_n=config.gluon_block_n, stages=config.gluon_stages,
+                             out=out, accumulate=accumulate, tma_epilogue=config.gluon_tma_store, weights=experts,
+                             second=second)
 
 
 def tma_takes(t_NK: torch.Tensor) -> bool:

@@ -98,7 +98,10 @@ class TileConfig:
     # Gluon kernel cannot is not the tile the tuner timed). `gluon_tma_store`: its epilogue stores each 64-row
     # wave of the result (the SwiGLU form: of act) by TMA through shared memory, drained under the next tile's K loop. `bench tune-experts`
     # offers it on Hopper (`tune_experts.GLUON_ROWS_CANDIDATES`, `GLUON_SWIGLU_CANDIDATES`), and for down dgrad
-    # under `split_epilogue` (its plain GEMM); the weight gradients ignore it
+    # under `split_epilogue` (its plain GEMM). The weight gradients: `kernels.gluon_wgrad` (128 KA rows an item,
+    # a C tile of gluon_block_n, gluon_stages ring stages; gluon_block_m unused; `gluon_tma_store`: the main
+    # gradient reduce-added by TMA, else from registers, atomically where `atomic_accumulate`), where
+    # `grouped_gemm.gluon_wgrad_takes` (`tune_experts.GLUON_WGRAD_CANDIDATES`)
     gluon: bool = False
     gluon_block_m: int = 128
     gluon_block_n: int = 128

@@ -87,8 +87,9 @@ def test_the_gluon_bf16_block_is_set_against_our_triton_one_before_the_fp8_backe
 
 def test_the_gluon_tiles_send_every_launch_the_gluon_kernels_take_there():
     """`FFNTiles.on_gluon`: gate/up, down and the gate/up data gradient on the Gluon kernels (TMA stores, never the
-    library's), down dgrad on its split epilogue's Gluon plain GEMM, the weight gradients and every Triton field
-    as they were."""
+    library's), down dgrad on its split epilogue's Gluon plain GEMM, the weight gradients on the Gluon weight
+    gradient (128-column tiles, 4 stages, the main gradient reduce-added by TMA, atomically from registers where
+    not), every Triton field as it was."""
     from disagmoe.kernels.tile_configs import heuristic
 
     tiles = bench.FFNTiles(**{role: dataclasses.replace(heuristic(role), library=role == "down")
@@ -102,7 +103,12 @@ def test_the_gluon_tiles_send_every_launch_the_gluon_kernels_take_there():
                                                              getattr(tiles, role).block_n,
                                                              getattr(tiles, role).num_stages)
     assert gluon.down_dgrad.split_epilogue and not tiles.on_gluon(tma_store=False).down.gluon_tma_store
-    assert (gluon.wgrad_w2, gluon.wgrad_w13) == (tiles.wgrad_w2, tiles.wgrad_w13)
+    for role in ("wgrad_w2", "wgrad_w13"):
+        got, before = getattr(gluon, role), getattr(tiles, role)
+        assert got.gluon and got.gluon_tma_store and got.atomic_accumulate and not got.library
+        assert (got.gluon_block_n, got.gluon_stages) == (128, 4)
+        assert (got.block_m, got.block_n, got.block_k, got.num_stages) == (before.block_m, before.block_n,
+                                                                            before.block_k, before.num_stages)
 
 
 def test_the_librarys_fp8_forward_gets_its_own_columns_and_no_backward_row():

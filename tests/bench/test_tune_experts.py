@@ -101,8 +101,8 @@ def test_the_command_refuses_overrides_without_a_config_and_needs_a_gpu(tmp_path
 
 def test_roles_limit_the_tuning_to_those_gemms(monkeypatch):
     """`tune(..., roles=[...])` searches only those roles' launches (the other classes' entries stay in
-    the table as they are); the wgrad roles offer every atomic tile with TMA loads too, the row GEMMs
-    every tile but the library's and the flattened gate/up ones."""
+    the table as they are); the wgrad roles offer every atomic tile with TMA loads too (and on a Hopper the Gluon
+    weight gradient's tiles), the row GEMMs every tile but the library's and the flattened gate/up ones."""
     from disagmoe.bench import tune_experts as tuner
 
     monkeypatch.setattr(tuner.torch.cuda, "is_available", lambda: True)
@@ -115,6 +115,7 @@ def test_roles_limit_the_tuning_to_those_gemms(monkeypatch):
 
     tuner.tune([SHAPES["qwen3-30b-a3b"]], 0, 1, log=lambda m: None, roles=["wgrad_w2", "wgrad_w13"])
     assert searched == [["wgrad_w13", "wgrad_w2"]]
+    monkeypatch.setattr(tuner, "_hopper", lambda: False)
     wgrad = tuner.candidates("wgrad_w13")
     assert {(c.atomic_accumulate, c.tma, c.prefetch_accumulator) for c in wgrad} == {
         (False, False, False), (True, False, False), (True, True, False), (False, False, True), (False, True, True)}
@@ -131,7 +132,14 @@ def test_roles_limit_the_tuning_to_those_gemms(monkeypatch):
         for c in (c for c in tuner.candidates(role) if c.gluon):
             assert dataclasses.replace(c, gluon=False, gluon_block_m=128, gluon_block_n=128, gluon_stages=4,
                                        gluon_tma_store=False) == tuner.heuristic(role)
-    assert not any(c.gluon for c in tuner.candidates("wgrad_w13"))
+    for role in ("wgrad_w2", "wgrad_w13"):  # the Gluon weight gradient's tiles over the heuristic's Triton one
+        gluon_wgrad = [c for c in tuner.candidates(role) if c.gluon]
+        assert len(gluon_wgrad) == len(tuner.GLUON_WGRAD_CANDIDATES)
+        assert {(c.gluon_block_n, c.gluon_stages, c.gluon_tma_store, c.atomic_accumulate) for c in gluon_wgrad} == set(
+            tuner.GLUON_WGRAD_CANDIDATES)
+        assert all(dataclasses.replace(c, gluon=False, gluon_block_n=128, gluon_stages=4, gluon_tma_store=False,
+                                       atomic_accumulate=tuner.heuristic(role).atomic_accumulate)
+                   == tuner.heuristic(role) for c in gluon_wgrad)
     swiglu = [c for c in tuner.candidates("gate_up") if c.gluon]
     assert len(swiglu) == len(tuner.GLUON_SWIGLU_CANDIDATES) and {c.gluon_tma_store for c in swiglu} == {False, True}
     split = [c for c in tuner.candidates("down_dgrad") if c.gluon]  # its SwiGLU gradient split off a Gluon GEMM

@@ -13,8 +13,9 @@ pytest.importorskip("triton.experimental.gluon")
 
 from disagmoe.kernels import fp8_gluon as fg  # noqa: E402
 from disagmoe.kernels import gluon_rows as gr  # noqa: E402
+from disagmoe.kernels import gluon_wgrad as gw  # noqa: E402
 from disagmoe.kernels import grouped_gemm as gg  # noqa: E402
-from disagmoe.kernels.tile_configs import TileConfig  # noqa: E402
+from disagmoe.kernels.tile_configs import ROLES, TileConfig  # noqa: E402
 from tests.kernels.test_fp8 import _exact, _offsets, _rel_err  # noqa: E402
 from tests.kernels.test_fp8_gluon import hopper_builds  # noqa: E402,F401 (a fixture)
 
@@ -367,7 +368,7 @@ def _gluon_tiles(tiles):
 def _triton_tiles(tiles):
     """The FFN's tiles with every launch on our Triton kernel (a tuned table may name Gluon or library tiles)."""
     return dataclasses.replace(tiles, **{role: dataclasses.replace(getattr(tiles, role), gluon=False, library=False)
-                                         for role in ("gate_up", "down", "down_dgrad", "gate_up_dgrad")})
+                                         for role in ROLES})
 
 
 def _tiles_from(monkeypatch, choose) -> None:
@@ -388,9 +389,10 @@ def _tiles_from(monkeypatch, choose) -> None:
 def _count_gluon_calls(monkeypatch) -> list[str]:
     """The names of the Gluon kernels' host functions as they are called from now on."""
     calls = []
-    for name in ("gluon_rows_gemm", "gluon_swiglu_gemm"):
-        real = getattr(gr, name)
-        monkeypatch.setattr(gr, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    for module, name in ((gr, "gluon_rows_gemm"), (gr, "gluon_swiglu_gemm"), (gw, "gluon_weight_grad")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name,
+                            lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
     return calls
 
 
@@ -435,8 +437,10 @@ def test_gpu_training_a_qwen3_shaped_models_step_is_the_same_with_the_gluon_gemm
     assert calls == []
     _tiles_from(monkeypatch, _gluon_tiles)
     loss_g, grads_g, _ = _qwen3_bf16_forward_backward(tokens_BS, fixed)
-    # per layer at least the gate/up forward, the down forward, d act's plain GEMM and the gate/up data gradient
+    # per layer at least the gate/up forward, the down forward, d act's plain GEMM, the gate/up data gradient
+    # and the two weight gradients
     assert calls.count("gluon_swiglu_gemm") >= 2 and calls.count("gluon_rows_gemm") >= 2 * 3, calls
+    assert calls.count("gluon_weight_grad") >= 2 * 2, calls
     assert loss_g == pytest.approx(loss_t, rel=1e-4)
     errors = [float((g - t).norm() / t.norm()) for g, t in zip(grads_g, grads_t, strict=True)]
     assert max(errors) < 1e-2, errors
@@ -468,8 +472,8 @@ def test_gpu_training_thirty_steps_train_alike_with_the_gluon_gemms(tmp_path, cu
         records = read_metrics(out / METRICS_FILE)
         losses[gluon] = [r["loss"] for r in records]
         assert any(r["cuda_graph"] for r in records) == (cuda_graphs == "on")
-        assert bool(calls) == gluon and {"gluon_rows_gemm", "gluon_swiglu_gemm"} >= set(calls)
-    assert set(calls) == {"gluon_rows_gemm", "gluon_swiglu_gemm"}
+        assert bool(calls) == gluon
+    assert set(calls) == {"gluon_rows_gemm", "gluon_swiglu_gemm", "gluon_weight_grad"}
     triton_run, gluon_run = losses[False], losses[True]
     assert len(triton_run) == len(gluon_run) == 30
     assert gluon_run[0] == pytest.approx(triton_run[0], rel=1e-5)
