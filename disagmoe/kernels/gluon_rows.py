@@ -41,8 +41,13 @@ with unit column stride and 16-byte-aligned rows, b one of the two layouts above
 storage, K a positive multiple of 64 and N of block_n (a box must not reach into the next expert's
 weight), block_m in (64, 128), block_n in (64, 128, 256), the ring and the store's buffers within
 shared memory. Compiled for sm_90a on a CPU (tests/kernels/test_gluon_rows.py): no spill stores at
-any tile either kernel takes. Not yet timed on a GPU: `TileConfig.gluon` runs it where `bench tune-experts`
-measures it faster than our Triton tiles and the library's grouped GEMM.
+any tile either kernel takes. `TileConfig.gluon` runs it where `bench tune-experts` measures it faster than our
+Triton tiles and the library's grouped GEMM. Measured (one H100, session 43, docs/benchmarks.md): its GPU tests pass
+(eager and inside a captured step); it wins by 1-5% on the Qwen3 shape's down GEMM and down dgrad's plain GEMM
+(one micro-batch's 512 rows an expert; on Mixtral's down dgrad too, where the library's GEMM wins) and loses
+2-16% elsewhere (Mixtral's gate/up, down and gate/up dgrad 7-16%; Qwen3's gate/up and gate/up dgrad 2-5%). Under ncu, on the Mixtral down GEMM at 128 x 256 against our Triton kernel at the same tile: 2.73
+against 2.42 ms, its L2 throughput 80.8% of peak against 54.6% (about 1.7x the L2 traffic, throughput x duration)
+with the same TMA boxes and item order: not yet explained.
 """
 
 from __future__ import annotations

@@ -29,8 +29,11 @@ FP8 weight gradient without the scales, over bf16 rows as they come (not padded 
 Requirements (ValueError naming the fix otherwise; `takes` answers without raising, and
 `grouped_gemm.ragged_weight_grad` then runs our Triton kernel): a and b bf16 or fp16 of one dtype with unit
 column stride and 16-byte-aligned rows, offsets int32, block_n in (64, 128, 256), the ring (and the TMA
-epilogue's buffers) within shared memory. Not yet timed on a GPU: `TileConfig.gluon` runs it where
-`bench tune-experts` measures it faster than our Triton tiles.
+epilogue's buffers) within shared memory. `TileConfig.gluon` runs it where `bench tune-experts` measures it
+faster than our Triton tiles. Measured (one H100, session 43, docs/benchmarks.md): its GPU tests pass (NaN rows past
+the last group included, in a captured training step too); the tuner's best Gluon tile is 5-15% slower than the
+best Triton one on the Qwen3 and Mixtral weight gradients (Mixtral's w2: 3.65 against 3.39 ms), so no tuned table
+names it; under ncu at 128 x 256 on Mixtral's w2 it ran 3.10 ms against Triton's 3.13.
 """
 
 from __future__ import annotations

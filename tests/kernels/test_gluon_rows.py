@@ -447,6 +447,7 @@ def test_gpu_training_a_qwen3_shaped_models_step_is_the_same_with_the_gluon_gemm
 
 
 @pytest.mark.gpu
+@pytest.mark.slow
 @needs_hopper
 @pytest.mark.parametrize("cuda_graphs", ["off", "on"])
 def test_gpu_training_thirty_steps_train_alike_with_the_gluon_gemms(tmp_path, cuda_graphs, monkeypatch):

@@ -43,7 +43,7 @@ def _reference(a, b, offsets, weights=None, second=None):
         ends2 = offsets2.tolist()
         for e, (s, t) in enumerate(zip([0, *ends2[:-1]], ends2)):
             out[e] += a2[s:t].double().cpu().T @ b2[s:t].double().cpu()
-    return out
+    return out.to(a.device)
 
 
 # --- compiled for sm_90a on the CPU (nothing launched)
